@@ -1,0 +1,318 @@
+"""The one typed configuration object of a job (``JobConfig``), loaded from TOML.
+
+Every section is a frozen dataclass; unknown keys and impossible values are refused with the
+section, the key and what is wrong, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class JobSection:
+    name: str = "feta-job"
+    seed: int = 0
+    # "refuse" lists images whose size differs; "resize" resizes them to ``image_size`` (bilinear).
+    resize: Literal["refuse", "resize"] = "refuse"
+    image_size: int | None = None  # None: the data's own size
+    # Coarse method switch, used by presets and the benchmark; stages can also be disabled one by one.
+    method: Literal["feta-pro", "dp-feta", "dpdm", "feta-pro-freq"] = "feta-pro"
+
+
+@dataclass(frozen=True)
+class PrivacySection:
+    epsilon: float = 1.0
+    delta: float = 1e-5
+    accountant: Literal["rdp", "prv"] = "rdp"
+
+
+@dataclass(frozen=True)
+class CentralSection:
+    kind: Literal["mean", "mode"] = "mean"
+    rounds: int = 5  # one central image per class per round; 0 disables the stage
+    batch: int = 6000  # expected Poisson batch over the whole dataset: q = batch / N
+    sigma: float = 5.0  # noise multiplier (std / sensitivity)
+    clip: float | None = None  # L2 bound on the downsampled image; None: sqrt(c*h*w) (pixels are bounded)
+    downsample: float = 0.5  # factor applied before the query (nearest)
+    bins: int | None = None  # mode histogram bins; None: 2 for grey, 16 for colour
+
+
+@dataclass(frozen=True)
+class FrequencySection:
+    features: int = 10000  # d_rff = 2 * number of frequencies
+    sigma: float | None = None  # None disables the stage
+    bandwidth2: float = 105.0  # Gaussian kernel bandwidth^2: omega ~ N(0, 1/bandwidth2)
+    seed: int = 1234  # public seed: every site and the coordinator draw the same omega
+    chunk: int = 512  # images per streamed chunk (memory is chunk x features, never N x features)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    channels: int = 32  # base width (nf)
+    channel_mult: tuple[int, ...] = (2, 2)
+    num_res_blocks: int = 2
+    attn_resolutions: tuple[int, ...] = (14,)
+    dropout: float = 0.0
+    label_dropout: float = 0.1  # classifier-free guidance null-label rate
+
+
+@dataclass(frozen=True)
+class WarmupSection:
+    # Spatial warm-up on central images (ordinary training: they are already private).
+    spatial_iterations: int = 2000
+    spatial_batch: int = 64
+    augment_ops: int = 2
+    augment_magnitude: int = 3
+    # Frequency warm-up: denoiser trained on auxiliary-generator images.
+    frequency_images: int = 60000
+    frequency_epochs: int = 10
+    frequency_batch: int = 256
+    lr: float = 3e-4
+    ema: float = 0.999
+
+
+@dataclass(frozen=True)
+class AuxGenSection:
+    z_dim: int = 60
+    width: int = 64
+    lr: float = 0.01
+    batch: int = 100
+    epochs: int = 5
+    iterations_per_epoch: int | None = None  # None: N // batch with N the public dataset size
+    gamma: float = 0.9
+    # "balanced" labels or labels drawn in the noisy class proportions of the frequency release.
+    labels: Literal["balanced", "noisy-proportions"] = "noisy-proportions"
+
+
+@dataclass(frozen=True)
+class DPSGDSection:
+    batch: int = 4096  # expected (logical) Poisson batch: q = batch / N
+    steps: int | None = None
+    epochs: float | None = None  # steps = ceil(epochs * N / batch); give steps OR epochs
+    clip: float = 1.0
+    noise_multiplicity: int = 32
+    lr: float = 3e-4
+    ema: float = 0.999
+    physical_batch: int = 32  # rows per vectorised per-example-gradient chunk (memory bound)
+    noise_multiplier: float | None = None  # None: calibrated over the whole history for the target (eps, delta)
+
+
+@dataclass(frozen=True)
+class SamplerSection:
+    solver: Literal["euler", "heun"] = "heun"
+    steps: int = 18
+    sigma_min: float = 0.002
+    sigma_max: float = 80.0
+    rho: float = 7.0
+    guidance: float = 0.0
+
+
+@dataclass(frozen=True)
+class FederationSection:
+    sites: tuple[str, ...] = ()
+    min_sites: int = 1  # a round goes on if at least this many sites answered
+    rounds: int = 10  # federated DP-SGD rounds
+    local_steps: int = 5  # DP-SGD steps per site per round
+    round_timeout: float = 600.0
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
+    central: CentralSection = field(default_factory=CentralSection)
+    frequency: FrequencySection = field(default_factory=FrequencySection)
+    model: ModelSection = field(default_factory=ModelSection)
+    warmup: WarmupSection = field(default_factory=WarmupSection)
+    auxgen: AuxGenSection = field(default_factory=AuxGenSection)
+    dpsgd: DPSGDSection = field(default_factory=DPSGDSection)
+    sampler: SamplerSection = field(default_factory=SamplerSection)
+    federation: FederationSection = field(default_factory=FederationSection)
+
+    # -- derived quantities -------------------------------------------------------------------
+    def dpsgd_steps(self, n: int) -> int:
+        """DP-SGD steps for a dataset of public size ``n``."""
+        if self.dpsgd.steps is not None:
+            return self.dpsgd.steps
+        assert self.dpsgd.epochs is not None
+        return max(1, math.ceil(self.dpsgd.epochs * n / self.dpsgd.batch))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    def replace(self, **sections: Any) -> "JobConfig":
+        """Copy with whole sections or ``section={"key": value}`` overrides, re-validated."""
+        data = self.to_dict()
+        for name, value in sections.items():
+            if dataclasses.is_dataclass(value):
+                value = dataclasses.asdict(value)
+            if name not in data:
+                raise ConfigError(f"unknown section [{name}]")
+            merged = {**data[name], **value}
+            if name == "dpsgd" and "steps" in value and "epochs" not in value:
+                merged["epochs"] = None  # steps and epochs are alternatives: the override wins
+            if name == "dpsgd" and "epochs" in value and "steps" not in value:
+                merged["steps"] = None
+            data[name] = merged
+        return JobConfig.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<job>") -> "JobConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: top level must be a table")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown section(s) {', '.join('[' + u + ']' for u in unknown)}; "
+                f"known sections: {', '.join(known)}"
+            )
+        sections = {}
+        hints = typing.get_type_hints(cls)
+        for name in known:
+            sections[name] = _build_section(hints[name], data.get(name, {}), f"{source} [{name}]")
+        cfg = cls(**sections)
+        _validate(cfg, source)
+        return cfg
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Read and validate a job TOML file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: job file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read job file: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: job file is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    return JobConfig.from_dict(data, source=str(p))
+
+
+def load_preset(name: str) -> JobConfig:
+    """A job file shipped in ``feta_release/presets`` (e.g. ``cpu-eps1``)."""
+    from importlib import resources
+
+    ref = resources.files("feta_release.presets").joinpath(f"{name}.toml")
+    if not ref.is_file():
+        available = sorted(
+            p.name.removesuffix(".toml") for p in resources.files("feta_release.presets").iterdir()
+            if p.name.endswith(".toml")
+        )
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(available)}")
+    return JobConfig.from_dict(tomllib.loads(ref.read_text("utf-8")), source=f"preset {name}")
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _build_section(cls: type, values: Any, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: must be a table of key = value")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _coerce(hints[k], v, f"{where} {k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(non_none[0], value, where)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        return tuple(_coerce(args[0], v, where) for v in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: must be finite, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _validate(cfg: JobConfig, source: str) -> None:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"{source}: {msg}")
+
+    p, c, f, d = cfg.privacy, cfg.central, cfg.frequency, cfg.dpsgd
+    need(p.epsilon > 0, f"[privacy] epsilon must be > 0, got {p.epsilon}")
+    need(0 < p.delta < 1, f"[privacy] delta must be in (0, 1), got {p.delta}")
+    need(c.rounds >= 0, f"[central] rounds must be >= 0, got {c.rounds}")
+    if c.rounds > 0:
+        need(c.batch >= 1, f"[central] batch must be >= 1, got {c.batch}")
+        need(c.sigma > 0, f"[central] sigma must be > 0, got {c.sigma}")
+        need(0 < c.downsample <= 1, f"[central] downsample must be in (0, 1], got {c.downsample}")
+        need(c.clip is None or c.clip > 0, f"[central] clip must be > 0, got {c.clip}")
+        need(c.bins is None or c.bins >= 2, f"[central] bins must be >= 2, got {c.bins}")
+    if f.sigma is not None:
+        need(f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
+        need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")
+        need(f.bandwidth2 > 0, f"[frequency] bandwidth2 must be > 0, got {f.bandwidth2}")
+        need(f.chunk >= 1, f"[frequency] chunk must be >= 1, got {f.chunk}")
+    need((d.steps is None) != (d.epochs is None), "[dpsgd] give exactly one of steps or epochs")
+    need(d.steps is None or d.steps >= 0, f"[dpsgd] steps must be >= 0, got {d.steps}")
+    need(d.epochs is None or d.epochs > 0, f"[dpsgd] epochs must be > 0, got {d.epochs}")
+    need(d.batch >= 1, f"[dpsgd] batch must be >= 1, got {d.batch}")
+    need(d.clip > 0, f"[dpsgd] clip must be > 0, got {d.clip}")
+    need(d.noise_multiplicity >= 1, f"[dpsgd] noise_multiplicity must be >= 1, got {d.noise_multiplicity}")
+    need(d.lr > 0, f"[dpsgd] lr must be > 0, got {d.lr}")
+    need(0 <= d.ema < 1, f"[dpsgd] ema must be in [0, 1), got {d.ema}")
+    need(d.physical_batch >= 1, f"[dpsgd] physical_batch must be >= 1, got {d.physical_batch}")
+    need(d.noise_multiplier is None or d.noise_multiplier > 0, "[dpsgd] noise_multiplier must be > 0")
+    need(cfg.model.channels >= 4, f"[model] channels must be >= 4, got {cfg.model.channels}")
+    need(len(cfg.model.channel_mult) >= 1, "[model] channel_mult needs at least one level")
+    need(0 <= cfg.model.label_dropout < 1, "[model] label_dropout must be in [0, 1)")
+    need(cfg.sampler.steps >= 1, f"[sampler] steps must be >= 1, got {cfg.sampler.steps}")
+    need(0 < cfg.sampler.sigma_min < cfg.sampler.sigma_max, "[sampler] need 0 < sigma_min < sigma_max")
+    need(cfg.warmup.spatial_iterations >= 0 and cfg.warmup.frequency_epochs >= 0, "[warmup] counts must be >= 0")
+    need(cfg.federation.min_sites >= 1, "[federation] min_sites must be >= 1")
+    need(cfg.federation.rounds >= 0 and cfg.federation.local_steps >= 1, "[federation] rounds >= 0, local_steps >= 1")
+    need(cfg.job.image_size is None or cfg.job.image_size >= 8, "[job] image_size must be >= 8")

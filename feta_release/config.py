@@ -89,8 +89,6 @@ class AuxGenSection:
     epochs: int = 5
     iterations_per_epoch: int | None = None  # None: N // batch with N the public dataset size
     gamma: float = 0.9
-    # "balanced" labels or labels drawn in the noisy class proportions of the frequency release.
-    labels: Literal["balanced", "noisy-proportions"] = "noisy-proportions"
 
 
 @dataclass(frozen=True)

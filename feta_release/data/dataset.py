@@ -1,0 +1,163 @@
+"""``ImageDataset``: the one canonical in-memory form of a labelled image set.
+
+Every loader, mechanism, trainer and evaluator exchanges this object, so its invariants are checked
+once, here, when it is built: float32 pixels in [0, 1], channels-first, int64 labels in
+``[0, n_classes)``. This module imports only numpy (the torch-free release path may use it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+
+FINGERPRINT_VERSION = "feta-imagedataset-v1"
+
+
+@dataclass
+class ImageDataset:
+    """Labelled images in canonical form.
+
+    images: float32 (N, C, H, W), finite, values in [0, 1]
+    labels: int64 (N,), values in [0, n_classes)
+    class_names: one name per class; ``n_classes = len(class_names)``
+    source: human-readable provenance (a path, ``embedded:mnist_5k``, ``... [heldout]``)
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    class_names: tuple[str, ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.class_names = tuple(str(c) for c in self.class_names)
+        where = self.source or "<dataset>"
+        if not isinstance(self.images, np.ndarray) or self.images.dtype != np.float32 or self.images.ndim != 4:
+            raise DataError(
+                f"{where}: images must be a float32 array (N, C, H, W); got "
+                f"{getattr(self.images, 'dtype', type(self.images).__name__)} {getattr(self.images, 'shape', '')}"
+            )
+        if not isinstance(self.labels, np.ndarray) or self.labels.dtype != np.int64 or self.labels.ndim != 1:
+            raise DataError(
+                f"{where}: labels must be an int64 array (N,); got "
+                f"{getattr(self.labels, 'dtype', type(self.labels).__name__)} {getattr(self.labels, 'shape', '')}"
+            )
+        if len(self.labels) != len(self.images):
+            raise DataError(f"{where}: {len(self.images)} images but {len(self.labels)} labels")
+        if not self.class_names:
+            raise DataError(f"{where}: no class names")
+        if len(set(self.class_names)) != len(self.class_names):
+            raise DataError(f"{where}: duplicate class names {list(self.class_names)}")
+        if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= len(self.class_names)):
+            raise DataError(
+                f"{where}: labels must lie in [0, {len(self.class_names)}); "
+                f"found {int(self.labels.min())}..{int(self.labels.max())}"
+            )
+        if self.images.size:
+            lo, hi = float(self.images.min()), float(self.images.max())
+            # min/max are NaN if any pixel is NaN, so one comparison covers NaN, inf and range.
+            if not (0.0 <= lo and hi <= 1.0):
+                raise DataError(f"{where}: pixel values must be finite and in [0, 1]; found min {lo}, max {hi}")
+
+    # -- shape ----------------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return int(self.images.shape[0])
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(C, H, W)."""
+        c, h, w = self.images.shape[1:]
+        return int(c), int(h), int(w)
+
+    def class_counts(self) -> np.ndarray:
+        """int64 array (n_classes,): number of images of each class (zeros included)."""
+        return np.bincount(self.labels, minlength=self.n_classes).astype(np.int64)
+
+    # -- derived datasets -----------------------------------------------------------------------
+    def subset(self, idx: np.ndarray | list[int], source: str | None = None) -> "ImageDataset":
+        """Rows ``idx`` (integer indices or a boolean mask), same class names; arrays are copies."""
+        idx = np.asarray(idx)
+        return ImageDataset(
+            images=np.ascontiguousarray(self.images[idx]),
+            labels=np.ascontiguousarray(self.labels[idx]),
+            class_names=self.class_names,
+            source=self.source if source is None else source,
+        )
+
+    # -- identity -------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of a canonical serialization; equal data give equal fingerprints on any machine.
+
+        The hashed byte string is, in order:
+        1. ``b"feta-imagedataset-v1\\n"``;
+        2. the UTF-8 of ``json.dumps({"class_names": [...], "shape": [N, C, H, W]}, sort_keys=True,
+           separators=(",", ":"), ensure_ascii=False)`` followed by ``b"\\n"``;
+        3. the images as little-endian float32, C order (exact bytes, no quantization);
+        4. the labels as little-endian int64.
+        ``source`` is NOT hashed: the same pixels loaded from a folder or an ``.npz`` match.
+        """
+        h = hashlib.sha256()
+        h.update(FINGERPRINT_VERSION.encode() + b"\n")
+        header = {"class_names": list(self.class_names), "shape": [int(s) for s in self.images.shape]}
+        h.update(json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+        h.update(b"\n")
+        h.update(np.ascontiguousarray(self.images, dtype="<f4").tobytes())
+        h.update(np.ascontiguousarray(self.labels, dtype="<i8").tobytes())
+        return h.hexdigest()
+
+    def summary(self) -> dict:
+        """JSON-ready description (no pixels)."""
+        counts = self.class_counts()
+        return {
+            "source": self.source,
+            "n": self.n,
+            "n_classes": self.n_classes,
+            "class_names": list(self.class_names),
+            "class_counts": {name: int(c) for name, c in zip(self.class_names, counts)},
+            "image_shape": list(self.image_shape),
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def save_npz(ds: ImageDataset, path: str | os.PathLike, *, dtype: str = "float32") -> Path:
+    """Write ``ds`` as a compressed ``.npz`` that ``load_dataset`` reads back.
+
+    ``dtype="float32"`` (default) round-trips exactly (same fingerprint); ``"uint8"`` quantizes to
+    0..255 and is 4x smaller. The file appears atomically (temporary file + rename), so a reader
+    never sees a half-written dataset.
+    """
+    if dtype not in ("float32", "uint8"):
+        raise DataError(f"save_npz: dtype must be 'float32' or 'uint8', not {dtype!r}")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    images = ds.images if dtype == "float32" else np.rint(ds.images * 255.0).astype(np.uint8)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:  # a file object: np.savez would append ".npz" to a name
+            np.savez_compressed(
+                fh,
+                images=images,
+                labels=ds.labels.astype(np.int64),
+                class_names=np.array(ds.class_names, dtype=str),
+                source=np.array(ds.source, dtype=str),
+            )
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out

@@ -108,8 +108,13 @@ def load_private_key(path: str | Path, passphrase: bytes | None = None) -> Ed255
     try:
         key = serialization.load_pem_private_key(data, password=passphrase)
     except TypeError:
-        raise PolicyError(f"{p}: private key is encrypted; give its passphrase") from None
+        # cryptography raises TypeError both for a missing passphrase and for an unneeded one.
+        if passphrase is None:
+            raise PolicyError(f"{p}: private key is encrypted; give its passphrase") from None
+        raise PolicyError(f"{p}: private key is not encrypted; do not give a passphrase") from None
     except ValueError as exc:
+        if passphrase is not None and b"ENCRYPTED" in data:
+            raise PolicyError(f"{p}: wrong passphrase for this private key") from None
         raise PolicyError(f"{p}: not a readable private key (wrong passphrase or format): {exc}") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise PolicyError(f"{p}: not an Ed25519 private key")

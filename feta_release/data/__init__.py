@@ -1,0 +1,24 @@
+"""Labelled image data: the canonical ``ImageDataset``, loaders, the embedded MNIST subset, splits.
+
+Importing this package needs numpy and Pillow only (no torch).
+"""
+
+from .dataset import ImageDataset, save_npz
+from .embedded import EMBEDDED_SOURCE, embedded_path, load_embedded
+from .loading import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LoadReport, load_dataset, parse_arrays
+from .splits import split_sites, train_heldout_split
+
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "EMBEDDED_SOURCE",
+    "IMAGE_EXTENSIONS",
+    "ImageDataset",
+    "LoadReport",
+    "embedded_path",
+    "load_dataset",
+    "load_embedded",
+    "parse_arrays",
+    "save_npz",
+    "split_sites",
+    "train_heldout_split",
+]

@@ -1,0 +1,38 @@
+"""The coordinator's Flower ServerApp: runs the signed job over the SuperLink's Grid.
+
+Run configuration (set by ``feta-release coordinator run`` with ``flwr run --run-config``):
+  job-file         the SIGNED job (JSON envelope written by ``coordinator run``)
+  out-dir          where state, checkpoints and outputs go (a rerun with the same dir resumes)
+  coordinator-key  the coordinator's private key (signs nothing here; used to verify the job is ours)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+app = ServerApp()
+log = logging.getLogger("feta.coordinator")
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    from feta_release.federation.job import run_job
+    from feta_release.signing import load_private_key
+
+    rc = context.run_config
+    job_file, out_dir = str(rc.get("job-file", "")), str(rc.get("out-dir", ""))
+    if not job_file or not out_dir:
+        raise RuntimeError("run config needs job-file and out-dir (use `feta-release coordinator run`)")
+    key = load_private_key(str(rc["coordinator-key"])) if rc.get("coordinator-key") else None
+    signed = json.loads(Path(job_file).read_text("utf-8"))
+
+    def progress(ev: dict) -> None:
+        # flwr run --stream shows the ServerApp's output: one line per event.
+        print(f"[feta] {ev['phase']}: {ev['message']}", flush=True)
+
+    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress)

@@ -1,0 +1,91 @@
+"""Preparing a federation on one machine: site data, keys, signed policies, a signed job.
+
+Used by ``feta-release demo`` and by the tests; a real deployment does each step at its own site
+(``data``, ``keys generate``, ``policy sign``) and the coordinator only signs the job.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+APP_DIR = Path(__file__).resolve().parent / "flower_app"
+
+
+def app_bundle_hash(app_dir: Path = APP_DIR) -> str:
+    """sha256 of the FAB ``flwr run`` builds from ``app_dir`` (deterministic: fixed zip timestamps)."""
+    import hashlib
+
+    from flwr.cli.build import build_fab_from_disk
+
+    return hashlib.sha256(build_fab_from_disk(app_dir)).hexdigest()
+
+
+@dataclass
+class SiteFiles:
+    site_id: str
+    data: Path
+    policy: Path
+    policy_pub: Path
+    site_key: Path
+    ledger: Path
+    size: int
+    fingerprint: str
+
+    def node_config(self) -> dict[str, str]:
+        from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SITE_KEY, CFG_TRUSTED
+
+        return {CFG_DATA: str(self.data), CFG_POLICY: str(self.policy), CFG_TRUSTED: str(self.policy_pub),
+                CFG_LEDGER: str(self.ledger), CFG_SITE_KEY: str(self.site_key)}
+
+
+@dataclass
+class Federation:
+    root: Path
+    coordinator_key: Path
+    coordinator_pub: Path
+    sites: list[SiteFiles] = field(default_factory=list)
+
+    def site(self, site_id: str) -> SiteFiles:
+        return next(s for s in self.sites if s.site_id == site_id)
+
+
+def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes: list[str] | None = None,
+                       policy_overrides: dict[str, dict[str, Any]] | None = None) -> Federation:
+    """Write each site's data (.npz), keys, and a signed policy allowing the coordinator key and the app."""
+    from feta_release.data.dataset import save_npz
+    from feta_release.data.loading import load_dataset
+    from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
+    from feta_release.signing import generate_keypair, load_private_key, load_public_key
+
+    root = Path(root)
+    coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
+    fed = Federation(root, coord_key, coord_pub)
+    hashes = app_hashes if app_hashes is not None else [app_bundle_hash()]
+    for site_id, ds in datasets.items():
+        d = root / "sites" / site_id
+        data_path = save_npz(ds, d / "data.npz")
+        loaded, _ = load_dataset(data_path)
+        policy_key, policy_pub = generate_keypair(d / "keys", "policy")
+        site_key, _ = generate_keypair(d / "keys", "site")
+        over = dict((policy_overrides or {}).get(site_id, {}))
+        doc = make_policy(site_id, loaded.fingerprint(), loaded.n, [load_public_key(coord_pub)],
+                          app_bundles=hashes, **over)
+        signed = sign_policy(doc, load_private_key(policy_key))
+        pol_path = write_signed_policy(d / "policy.signed.json", signed)
+        fed.sites.append(SiteFiles(site_id, data_path, pol_path, policy_pub, site_key, d / "ledger.db", loaded.n,
+                                   loaded.fingerprint()))
+    return fed
+
+
+def sign_job_file(fed: Federation, cfg: Any, job_id: str, sites: list[str] | None = None,
+                  out: Path | None = None) -> tuple[dict[str, Any], Path]:
+    from feta_release.policy.jobs import sign_job
+    from feta_release.signing import load_private_key
+
+    signed = sign_job(cfg, load_private_key(fed.coordinator_key), job_id, sites or [s.site_id for s in fed.sites])
+    path = out or (fed.root / f"{job_id}.signed.json")
+    path.write_text(json.dumps(signed, indent=2), "utf-8")
+    return signed, path

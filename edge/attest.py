@@ -1,0 +1,19 @@
+"""A site's signed spend statement for one job, from its OWN ledger (for the release manifest).
+
+The events come from the ledger (what this site actually charged), ε is recomputed by
+``feta_release.release.manifest.build_attestation``, and the site's key signs it: a verifier needs
+no trust in the coordinator for this site's privacy figures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def site_attestation(site: Any, job: Any) -> dict[str, Any]:
+    from feta_release.accounting import events_from_list
+    from feta_release.release.manifest import build_attestation
+
+    events = events_from_list(site.ledger.job_events(job.job_id))
+    pol = site.policy
+    return build_attestation(site.site_id, job.job_id, events, pol.job_delta, pol.accountant, pol.digest, site.key)

@@ -1,0 +1,100 @@
+"""``feta-release node``: run a site node (Flower SuperNode) and inspect its privacy ledger."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def node() -> None:
+    """Run and inspect a site node (Flower SuperNode)."""
+
+
+@node.command()
+@click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The site's privacy ledger (SQLite).")
+@click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Signed policy: also show ε left against its caps.")
+@click.option("--trusted-policy-key", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Public key the policy must be signed with (with --policy).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, as_json: bool) -> None:
+    """Print the ledger: per job, per mechanism, ε spent (and left)."""
+    from feta_release.errors import ConfigError
+
+    from .ledger import Budget, Ledger
+
+    if not ledger_path.exists():
+        raise ConfigError(f"{ledger_path}: no ledger here (a node creates it on its first release)")
+    budget = None
+    if policy_path is not None:
+        if trusted is None:
+            raise click.UsageError("--policy needs --trusted-policy-key to verify it")
+        from .site import verify_policy_file
+
+        budget = verify_policy_file(policy_path, trusted)
+    with Ledger(ledger_path) as led:
+        summary = led.summary(budget)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    _print_summary(summary)
+
+
+def _print_summary(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    left = s["lifetime_epsilon_left"]
+    con.print(
+        f"[bold]ledger[/] {s['ledger']}  accountant={s['accountant']}  δ={s['delta']:g}  "
+        f"policy version seen={s['policy_version']}"
+    )
+    con.print(f"lifetime ε spent [bold]{s['lifetime_epsilon_spent']:.4f}[/]" + (f", left {left:.4f}" if left is not None else ""))
+    t = Table("job", "mechanism", "events", "ε spent", "ε left (job)")
+    for job_id, j in s["jobs"].items():
+        for m, info in j["mechanisms"].items():
+            ev = "; ".join(f"σ={e['sigma']:.3g} q={e['q']:.3g} steps={e['steps']}" for e in info["events"])
+            t.add_row(job_id, m, ev, f"{info['epsilon_spent']:.4f}", "")
+        jl = j["epsilon_left"]
+        t.add_row(job_id, "[bold]total[/]", f"{j['requests']} request(s)", f"[bold]{j['epsilon_spent']:.4f}[/]",
+                  "" if jl is None else f"{jl:.4f}")
+    con.print(t)
+
+
+@node.command()
+@click.option("--data", "data_path", required=True, type=click.Path(exists=True, path_type=Path),
+              help="The site's images (folder or .npz).")
+@click.option("--policy", "policy_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's signed policy.")
+@click.option("--trusted-policy-key", "trusted", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The public key the site's policy must be signed with.")
+@click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's Ed25519 private key (signs its spend attestations).")
+@click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="Coordinator SuperLink host:port.")
+@click.option("--port", type=int, default=9101, show_default=True, help="Local port of this node's ClientApp API.")
+@click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="CA certificate of the SuperLink (TLS).")
+@click.option("--auth-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="This node's authentication private key (OpenSSH EC), registered at the SuperLink.")
+@click.option("--insecure", is_flag=True, help="No TLS. Loopback demos only.")
+@click.option("--force-insecure", is_flag=True, help="Allow --insecure to a non-loopback SuperLink (dangerous).")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Node state (default: next to the ledger).")
+def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, site_key: Path, superlink: str,
+          port: int, root_certificates: Path | None, auth_key: Path | None, insecure: bool, force_insecure: bool,
+          work_dir: Path | None) -> None:
+    """Verify this site's signed policy and data, then run its Flower SuperNode (until Ctrl-C)."""
+    from .launch import NodeSettings, run_node
+
+    settings = NodeSettings(
+        data=data_path, policy=policy_path, trusted_policy_key=trusted, ledger=ledger_path, site_key=site_key,
+        superlink=superlink, port=port, root_certificates=root_certificates, auth_key=auth_key,
+        insecure=insecure, force_insecure=force_insecure, work_dir=work_dir,
+    )
+    raise SystemExit(run_node(settings))

@@ -1,0 +1,197 @@
+"""The site's Flower ClientApp: the only code that touches the site's images.
+
+Every releasing handler follows the same order:
+  1. verify the job (signed by a coordinator key this site's policy allows, naming this site);
+  2. derive the request id from the job id and phase (never a free-form id from the coordinator),
+     and answer a replay from the ledger's record (no second charge, no fresh noise);
+  3. check the request against the signed policy (mechanism allowed, σ ≥ minimum, caps);
+  4. compute the spend with the site's own accountant over its own history and refuse if over budget
+     (pre-check, before any work);
+  5. compute the release (all noise is added here, on site);
+  6. charge the ledger and store the released payload in ONE committed transaction;
+  7. only then return the result.
+Refusals are raised as ``PolicyError``/``BudgetExceededError``: the runtime turns them into an error
+reply whose reason names the rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from feta_release.errors import PolicyError
+from feta_release.federation import messages as fm
+
+from .site import Site, site_for
+
+log = logging.getLogger("feta.node")
+
+app = ClientApp()
+
+
+def _job(site: Site, doc: dict[str, Any]) -> Any:
+    from feta_release.policy.jobs import verify_job
+
+    if "job" not in doc:
+        raise PolicyError("request carries no signed job; refused")
+    return verify_job(doc["job"], site.policy, source="job in request")
+
+
+def _replay(site: Site, job: Any, rid: str, mechanism: str, events: list[Any]) -> RecordDict | None:
+    prior = site.ledger.check(job.job_id, rid, mechanism, events, site.policy)
+    if prior is None:
+        return None
+    log.info("replayed request %s: answering from the ledger (not charged again)", rid)
+    return fm.payload_from_bytes(prior.response or b"")
+
+
+def _commit_and_reply(msg: Message, site: Site, job: Any, rid: str, mechanism: str, events: list[Any],
+                      doc: dict[str, Any], arrays: dict[str, np.ndarray]) -> Message:
+    from feta_release.accounting import events_to_list
+
+    doc = {**doc, "site_id": site.site_id, "request_id": rid, "events": events_to_list(events)}
+    payload = fm.make_payload(doc, arrays)
+    charged = site.ledger.charge(job.job_id, rid, mechanism, events, site.policy, response=fm.payload_bytes(payload))
+    if charged.replay:  # raced with an identical request that committed first: answer with ITS record
+        payload = fm.payload_from_bytes(charged.response or b"")
+    return Message(payload, reply_to=msg)
+
+
+def _generator(seed_material: str) -> Any:
+    """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it)."""
+    import secrets
+
+    import torch
+
+    del seed_material
+    g = torch.Generator()
+    g.manual_seed(secrets.randbits(63))
+    return g
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+
+@app.query("hello")
+def hello(msg: Message, context: Context) -> Message:
+    """Identify the site for a job: site id, public size, its signed policy, what it has spent (no release)."""
+    site = site_for(context.node_config)
+    doc, _ = fm.read_payload(msg.content)
+    job = _job(site, doc)
+    from feta_release.signing import public_key_pem
+
+    reply = {
+        "site_id": site.site_id,
+        "dataset_size": int(site.policy.dataset_size),
+        "image_shape": list(site.data.image_shape),
+        "n_classes": int(site.data.n_classes),
+        "class_names": list(site.data.class_names),
+        "policy": _signed_policy_document(context),
+        "site_public_key": public_key_pem(site.key),
+        "lifetime_events": [e for r in site.ledger.requests() for e in r["events"]],
+        "job_events": site.ledger.job_events(job.job_id),
+    }
+    return Message(fm.make_payload(reply), reply_to=msg)
+
+
+def _signed_policy_document(context: Context) -> Any:
+    import json
+    from pathlib import Path
+
+    from .site import CFG_POLICY
+
+    return json.loads(Path(str(context.node_config[CFG_POLICY])).read_text("utf-8"))
+
+
+@app.query("central")
+def central(msg: Message, context: Context) -> Message:
+    from feta_release.policy.enforce import MechanismRequest, check_request
+
+    from .releases import central_event, release_central
+
+    site = site_for(context.node_config)
+    doc, _ = fm.read_payload(msg.content)
+    job = _job(site, doc)
+    rid = fm.request_id(job.job_id, "central")
+    event = central_event(job.config, site.data.n)
+    if (rd := _replay(site, job, rid, "central", [event])) is not None:
+        return Message(rd, reply_to=msg)
+    check_request(site.policy, MechanismRequest("central", event.sigma, event.q, event.steps,
+                                                batch=job.config.central.batch, job=job),
+                  job_events=_job_events(site, job))
+    t0 = time.perf_counter()
+    arrays, events = release_central(site.data, job.config, _generator(rid))
+    return _commit_and_reply(msg, site, job, rid, "central", events, {"seconds": time.perf_counter() - t0}, arrays)
+
+
+@app.query("frequency")
+def frequency(msg: Message, context: Context) -> Message:
+    from feta_release.policy.enforce import MechanismRequest, check_request
+
+    from .releases import frequency_event, release_frequency
+
+    site = site_for(context.node_config)
+    doc, _ = fm.read_payload(msg.content)
+    job = _job(site, doc)
+    rid = fm.request_id(job.job_id, "frequency")
+    event = frequency_event(job.config)
+    if (rd := _replay(site, job, rid, "frequency", [event])) is not None:
+        return Message(rd, reply_to=msg)
+    check_request(site.policy, MechanismRequest("frequency", event.sigma, event.q, event.steps,
+                                                features=job.config.frequency.features, job=job),
+                  job_events=_job_events(site, job))
+    t0 = time.perf_counter()
+    arrays, events = release_frequency(site.data, job.config, _generator(rid))
+    return _commit_and_reply(msg, site, job, rid, "frequency", events, {"seconds": time.perf_counter() - t0}, arrays)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One federated DP-SGD round: global weights in, ``local_steps`` DP-SGD steps on site, weights out."""
+    from feta_release.policy.enforce import MechanismRequest, check_request
+
+    from .releases import dpsgd_round, site_dpsgd_event
+
+    site = site_for(context.node_config)
+    doc, arrays = fm.read_payload(msg.content)
+    job = _job(site, doc)
+    rnd = int(doc.get("round", -1))
+    rounds = job.config.federation.rounds
+    if not 0 <= rnd < rounds:
+        raise PolicyError(f"round {rnd} is outside the job's {rounds} rounds; refused")
+    rid = fm.request_id(job.job_id, "train", rnd)
+    # σ is calibrated HERE, by the site, for its own size and budget over its own history of this job.
+    event = site_dpsgd_event(job.config, site.policy, site.data.n, _job_events(site, job, exclude_stage="dpsgd"))
+    if (rd := _replay(site, job, rid, "dpsgd", [event])) is not None:
+        return Message(rd, reply_to=msg)
+    check_request(site.policy, MechanismRequest("dpsgd", event.sigma, event.q, event.steps,
+                                                batch=job.config.dpsgd.batch, clip=job.config.dpsgd.clip, job=job),
+                  job_events=_job_events(site, job))
+    t0 = time.perf_counter()
+    weights, stats = dpsgd_round(site.data, job.config, arrays, event, _generator(rid))
+    info = {"round": rnd, "num_examples": int(site.policy.dataset_size), "seconds": time.perf_counter() - t0,
+            "loss": stats.get("loss"), "sigma": event.sigma, "q": event.q}
+    return _commit_and_reply(msg, site, job, rid, "dpsgd", [event], info, weights)
+
+
+@app.query("attest")
+def attest(msg: Message, context: Context) -> Message:
+    """The site's signed statement of what this job spent here, from its own ledger (no release)."""
+    from .attest import site_attestation
+
+    site = site_for(context.node_config)
+    doc, _ = fm.read_payload(msg.content)
+    job = _job(site, doc)
+    return Message(fm.make_payload({"attestation": site_attestation(site, job)}), reply_to=msg)
+
+
+def _job_events(site: Site, job: Any, exclude_stage: str | None = None) -> list[Any]:
+    from feta_release.accounting import events_from_list
+
+    evs = events_from_list(site.ledger.job_events(job.job_id))
+    return [e for e in evs if e.stage != exclude_stage]

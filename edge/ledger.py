@@ -1,0 +1,347 @@
+"""The site's persistent privacy ledger (SQLite).
+
+Every release a site makes is recorded here BEFORE its result leaves the site, in its own
+committed transaction (WAL journal, ``synchronous=FULL``: the commit is on disk when ``charge``
+returns). The spend is computed by the site's own accountant over the site's own history; a
+number sent by a coordinator is never used.
+
+Idempotency: a request id is charged at most once. A replayed or retried request gets the
+recorded answer back (the released payload is stored); a request id that was charged but whose
+result was never recorded (the site crashed mid-computation) is refused: re-running it would
+draw fresh noise and spend the budget twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from feta_release.errors import BudgetExceededError, PolicyError, PrivacyError
+
+# (events, delta, accountant) -> epsilon
+Accountant = Callable[[Sequence[Any], float, str], float]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    request_id   TEXT PRIMARY KEY,
+    job_id       TEXT NOT NULL,
+    mechanism    TEXT NOT NULL,
+    events       TEXT NOT NULL,      -- JSON list of PrivacyEvent fields
+    status       TEXT NOT NULL,      -- 'charged' (spent, result not yet recorded) | 'done'
+    response     BLOB,
+    response_sha256 TEXT,
+    job_epsilon  REAL NOT NULL,      -- this job's epsilon after this charge (site's accountant)
+    lifetime_epsilon REAL NOT NULL,
+    created_at   REAL NOT NULL,
+    completed_at REAL
+);
+CREATE INDEX IF NOT EXISTS requests_job ON requests(job_id);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The site's caps, taken from its signed policy (never from a request)."""
+
+    job_epsilon: float
+    lifetime_epsilon: float
+    delta: float  # the per-job delta
+    accountant: str = "rdp"
+    lifetime_delta: float | None = None  # None: same as ``delta``
+
+    @property
+    def life_delta(self) -> float:
+        return self.delta if self.lifetime_delta is None else self.lifetime_delta
+
+    @classmethod
+    def from_policy(cls, policy: dict[str, Any]) -> "Budget":
+        """From a (verified) policy document: its ``budget`` and ``accountant`` fields."""
+        b = policy["budget"]
+        return cls(
+            job_epsilon=float(b["per_job"]["epsilon"]),
+            lifetime_epsilon=float(b["lifetime"]["epsilon"]),
+            delta=float(b["per_job"]["delta"]),
+            accountant=str(policy.get("accountant", "rdp")),
+            lifetime_delta=float(b["lifetime"]["delta"]),
+        )
+
+
+@dataclass(frozen=True)
+class ChargeResult:
+    request_id: str
+    replay: bool  # True: this request id was already charged; nothing new was spent
+    response: bytes | None  # the recorded answer of a replay (None for a fresh charge)
+    job_epsilon: float
+    lifetime_epsilon: float
+
+
+def as_budget(policy: "Budget | Any") -> Budget:
+    """A ``Budget`` from itself, a verified ``SitePolicy`` or a policy document."""
+    if isinstance(policy, Budget):
+        return policy
+    if hasattr(policy, "job_epsilon") and hasattr(policy, "lifetime_delta"):
+        return Budget(policy.job_epsilon, policy.lifetime_epsilon, policy.job_delta, policy.accountant,
+                      policy.lifetime_delta)
+    if isinstance(policy, dict) and "budget" in policy:
+        return Budget.from_policy(policy)
+    raise TypeError(f"not a budget or site policy: {type(policy).__name__}")
+
+
+def _default_accountant(events: Sequence[Any], delta: float, accountant: str) -> float:
+    from feta_release.accounting import epsilon
+
+    return float(epsilon(list(events), delta, accountant))
+
+
+def _event_dicts(events: Sequence[Any]) -> list[dict[str, Any]]:
+    out = []
+    for e in events:
+        d = dataclasses.asdict(e) if dataclasses.is_dataclass(e) else dict(e)
+        out.append({"stage": str(d["stage"]), "sigma": float(d["sigma"]), "q": float(d["q"]), "steps": int(d["steps"])})
+    return out
+
+
+def _events_from_dicts(rows: list[dict[str, Any]]) -> list[Any]:
+    from feta_release.accounting import PrivacyEvent
+
+    return [PrivacyEvent(**r) for r in rows]
+
+
+class Ledger:
+    """One site's ledger file. Safe to open from several processes (SQLite locking)."""
+
+    def __init__(self, path: str | Path, accountant: Accountant | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._accountant = accountant or _default_accountant
+        try:
+            self._db = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise PrivacyError(f"{self.path}: cannot open privacy ledger: {exc}") from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- spend -----------------------------------------------------------------------------------
+    def _history(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        if job_id is None:
+            rows = self._db.execute("SELECT events FROM requests ORDER BY rowid").fetchall()
+        else:
+            rows = self._db.execute("SELECT events FROM requests WHERE job_id=? ORDER BY rowid", (job_id,)).fetchall()
+        return [e for (blob,) in rows for e in json.loads(blob)]
+
+    def _eps(self, event_dicts: list[dict[str, Any]], budget: Budget, lifetime: bool = False) -> float:
+        if not event_dicts:
+            return 0.0
+        delta = budget.life_delta if lifetime else budget.delta
+        return self._accountant(_events_from_dicts(event_dicts), delta, budget.accountant)
+
+    def projected(self, job_id: str, events: Sequence[Any], budget: "Budget | Any") -> tuple[float, float]:
+        """(job ε, lifetime ε) if ``events`` were added now. Spends nothing."""
+        policy, budget = budget, as_budget(budget)
+        new = _event_dicts(events)
+        return self._eps(self._history(job_id) + new, budget), self._eps(self._history() + new, budget, True)
+
+    def _refusal(self, job_id: str, mechanism: str, job_eps: float, life_eps: float, budget: Budget) -> str | None:
+        if job_eps > budget.job_epsilon + 1e-9:
+            return (
+                f"budget exceeded: {mechanism} would bring job {job_id!r} to ε={job_eps:.4f} "
+                f"> per-job cap {budget.job_epsilon:g} (δ={budget.delta:g}, {budget.accountant}); nothing released"
+            )
+        if life_eps > budget.lifetime_epsilon + 1e-9:
+            return (
+                f"budget exceeded: {mechanism} would bring the site's lifetime spend to ε={life_eps:.4f} "
+                f"> lifetime cap {budget.lifetime_epsilon:g} (δ={budget.life_delta:g}, {budget.accountant}); nothing released"
+            )
+        return None
+
+    def check(
+        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: "Budget | Any"
+    ) -> ChargeResult | None:
+        """Cheap pre-check before computing a release: raise if it would be refused.
+
+        Returns the recorded answer for a replay, None when a fresh charge would fit.
+        """
+        prior = self._lookup(job_id, request_id, mechanism, events)
+        if prior is not None:
+            return prior
+        self._assess(job_id, mechanism, _event_dicts(events), budget)
+        return None
+
+    def _assess(self, job_id: str, mechanism: str, new: list[dict[str, Any]], policy: "Budget | Any") -> tuple[float, float]:
+        """(job ε, lifetime ε) after adding ``new``, or raise ``BudgetExceededError``.
+
+        With a verified ``SitePolicy`` the policy module's ``check_budget`` decides (its refusal names
+        the policy rule); with a bare ``Budget`` the same composition is done here.
+        """
+        if not isinstance(policy, Budget) and hasattr(policy, "lifetime_delta"):
+            from feta_release.policy.enforce import check_budget
+
+            job_ev = _events_from_dicts(self._history(job_id))
+            life_ev = _events_from_dicts(self._history())
+            return check_budget(policy, job_ev, life_ev, _events_from_dicts(new))
+        budget = as_budget(policy)
+        job_eps = self._eps(self._history(job_id) + new, budget)
+        life_eps = self._eps(self._history() + new, budget, True)
+        reason = self._refusal(job_id, mechanism, job_eps, life_eps, budget)
+        if reason:
+            raise BudgetExceededError(reason)
+        return job_eps, life_eps
+
+    def charge(
+        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: "Budget | Any",
+        response: bytes | None = None,
+    ) -> ChargeResult:
+        """Record the spend of ``events`` for ``request_id`` (committed on return) or refuse.
+
+        ``budget``: a ``Budget`` or a verified ``SitePolicy`` (its caps and accountant are used).
+        ``response``: the released payload, recorded in the SAME transaction (then the request is
+        complete); without it, call ``record_response`` before the result leaves the site.
+        Call BEFORE the result of the release leaves the site.
+        """
+        policy, budget = budget, as_budget(budget)
+        new = _event_dicts(events)
+        # BEGIN IMMEDIATE takes the write lock first: two concurrent charges cannot both pass the check.
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            prior = self._lookup(job_id, request_id, mechanism, events)
+            if prior is not None:
+                self._db.execute("ROLLBACK")
+                return prior
+            job_eps, life_eps = self._assess(job_id, mechanism, new, policy)
+            now = time.time()
+            self._db.execute(
+                "INSERT INTO requests(request_id, job_id, mechanism, events, status, response, response_sha256,"
+                " job_epsilon, lifetime_epsilon, created_at, completed_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    request_id, job_id, mechanism, json.dumps(new), "charged" if response is None else "done",
+                    response, None if response is None else hashlib.sha256(response).hexdigest(),
+                    job_eps, life_eps, now, None if response is None else now,
+                ),
+            )
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+        return ChargeResult(request_id, False, None, job_eps, life_eps)
+
+    def record_response(self, request_id: str, response: bytes) -> None:
+        """Store the released payload so a replay gets the same answer (never a fresh draw)."""
+        digest = hashlib.sha256(response).hexdigest()
+        with self._db:
+            cur = self._db.execute(
+                "UPDATE requests SET status='done', response=?, response_sha256=?, completed_at=? "
+                "WHERE request_id=? AND status='charged'",
+                (response, digest, time.time(), request_id),
+            )
+        if cur.rowcount != 1:
+            raise PrivacyError(f"{self.path}: request {request_id!r} is not a pending charge; response not recorded")
+
+    def _lookup(self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any]) -> ChargeResult | None:
+        row = self._db.execute(
+            "SELECT job_id, mechanism, events, status, response, job_epsilon, lifetime_epsilon FROM requests WHERE request_id=?",
+            (request_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        r_job, r_mech, r_events, status, response, job_eps, life_eps = row
+        if (r_job, r_mech, json.loads(r_events)) != (job_id, mechanism, _event_dicts(events)):
+            raise PolicyError(
+                f"request id {request_id!r} was already used for {r_mech} in job {r_job!r} with other parameters; "
+                "refused (a request id names one release)"
+            )
+        if status != "done":
+            raise PolicyError(
+                f"request {request_id!r} was charged but its result was never recorded (interrupted); "
+                "refusing to run it again: a fresh noise draw would spend the budget twice"
+            )
+        return ChargeResult(request_id, True, bytes(response), job_eps, life_eps)
+
+    # -- policy versions -------------------------------------------------------------------------
+    def highest_policy_version(self) -> int | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key='policy_version'").fetchone()
+        return None if row is None else int(row[0])
+
+    def observe_policy_version(self, version: int) -> None:
+        """Remember the highest policy version seen; refuse an older one (a replayed policy)."""
+        with self._db:
+            seen = self.highest_policy_version()
+            if seen is not None and version < seen:
+                raise PolicyError(
+                    f"policy version {version} is older than version {seen} already used with ledger {self.path}; "
+                    "a newer policy supersedes it"
+                )
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES ('policy_version', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (str(max(version, seen or version)),),
+            )
+
+    # -- reports ---------------------------------------------------------------------------------
+    def job_events(self, job_id: str) -> list[dict[str, Any]]:
+        """This job's privacy events in the order they were charged."""
+        return self._history(job_id)
+
+    def requests(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        q = "SELECT request_id, job_id, mechanism, events, status, response_sha256, job_epsilon, lifetime_epsilon, created_at FROM requests"
+        args: tuple[Any, ...] = ()
+        if job_id is not None:
+            q, args = q + " WHERE job_id=?", (job_id,)
+        keys = ("request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon", "lifetime_epsilon", "created_at")
+        out = []
+        for row in self._db.execute(q + " ORDER BY rowid", args):
+            d = dict(zip(keys, row))
+            d["events"] = json.loads(d["events"])
+            out.append(d)
+        return out
+
+    def summary(self, budget: "Budget | Any | None" = None, delta: float = 1e-5, accountant: str = "rdp") -> dict[str, Any]:
+        """Per job and per mechanism: ε spent (and left, when the budget is known).
+
+        Per-mechanism figures are that mechanism's events alone; the job total composes all of them.
+        """
+        budget = None if budget is None else as_budget(budget)
+        d = budget.delta if budget else delta
+        acc = budget.accountant if budget else accountant
+        b = budget or Budget(float("inf"), float("inf"), d, acc)
+        jobs: dict[str, Any] = {}
+        for job_id, in self._db.execute("SELECT DISTINCT job_id FROM requests ORDER BY rowid").fetchall():
+            reqs = self.requests(job_id)
+            mechs: dict[str, list[dict[str, Any]]] = {}
+            for r in reqs:
+                mechs.setdefault(r["mechanism"], []).extend(r["events"])
+            spent = self._eps([e for r in reqs for e in r["events"]], b)
+            jobs[job_id] = {
+                "epsilon_spent": spent,
+                "epsilon_left": (max(0.0, budget.job_epsilon - spent) if budget else None),
+                "requests": len(reqs),
+                "mechanisms": {m: {"epsilon_spent": self._eps(ev, b), "events": ev} for m, ev in mechs.items()},
+            }
+        life = self._eps(self._history(), b, True)
+        return {
+            "ledger": str(self.path),
+            "delta": d,
+            "accountant": acc,
+            "lifetime_epsilon_spent": life,
+            "lifetime_epsilon_left": (max(0.0, budget.lifetime_epsilon - life) if budget else None),
+            "policy_version": self.highest_policy_version(),
+            "jobs": jobs,
+        }

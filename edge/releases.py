@@ -1,0 +1,95 @@
+"""The computations a site runs on its own images (all noise added here), wrapped for the handlers.
+
+The privacy event of each release is known BEFORE it runs (``feta_release.federation.plan``), so
+the ledger can refuse first; after it runs, the event the mechanism reports must equal the planned
+one, or nothing leaves the site.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from feta_release.accounting import PrivacyEvent
+from feta_release.config import JobConfig
+from feta_release.errors import PrivacyError
+from feta_release.federation import plan
+
+central_event = plan.central_event
+
+
+def frequency_event(cfg: JobConfig) -> PrivacyEvent:
+    ev = plan.frequency_event(cfg)
+    if ev is None:
+        raise PrivacyError("the job disables the frequency release ([frequency] sigma unset); nothing to release")
+    return ev
+
+
+def site_dpsgd_event(cfg: JobConfig, policy: Any, n: int, _recorded_warmup: list[PrivacyEvent]) -> PrivacyEvent:
+    return plan.round_event(cfg, n, plan.site_sigma(cfg, n, policy))
+
+
+def _same(planned: list[PrivacyEvent], reported: list[PrivacyEvent], what: str) -> None:
+    key = lambda e: (e.stage, round(e.sigma, 9), round(e.q, 12), e.steps)  # noqa: E731
+    if sorted(map(key, planned)) != sorted(map(key, reported)):
+        raise PrivacyError(f"{what}: the mechanism reported events {reported} but {planned} were checked "
+                           "against the policy; nothing released")
+
+
+def _arrays_of(obj: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    """Numpy fields of a release dataclass (or dict) as named arrays; scalars go along as 0-d arrays."""
+    import dataclasses
+
+    items = dataclasses.asdict(obj).items() if dataclasses.is_dataclass(obj) else dict(obj).items()
+    out: dict[str, np.ndarray] = {}
+    for k, v in items:
+        if isinstance(v, np.ndarray):
+            out[prefix + k] = v
+        elif isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
+            out[prefix + k] = np.asarray(v)
+    return out
+
+
+def release_central(ds: Any, cfg: JobConfig, generator: Any) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    from feta_release.mechanisms import central_images
+
+    planned = plan.central_event(cfg, ds.n)
+    if planned is None:
+        raise PrivacyError("the job disables central images ([central] rounds = 0); nothing to release")
+    release, event = central_images(ds, cfg.central, generator=generator)
+    _same([planned], [event], "central images")
+    return _arrays_of(release), [planned]
+
+
+def release_frequency(ds: Any, cfg: JobConfig, generator: Any) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    from feta_release.mechanisms import frequency_statistics
+
+    planned = frequency_event(cfg)
+    stats, event = frequency_statistics(ds, cfg.frequency, generator=generator)
+    _same([planned], [event], "frequency statistics")
+    return _arrays_of(stats), [planned]
+
+
+def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
+                generator: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights."""
+    import torch
+
+    from feta_release.models import build_denoiser
+    from feta_release.training.dpsgd import DPSGDTrainer
+
+    model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
+    own = model.state_dict()
+    if set(weights) != set(own):
+        raise PrivacyError("global weights do not match the job's [model]: "
+                           f"{len(set(weights) ^ set(own))} parameter name(s) differ")
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
+    trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
+                           image_shape=ds.image_shape, n_classes=ds.n_classes)
+    images = torch.from_numpy(np.asarray(ds.images, dtype=np.float32)) * 2.0 - 1.0
+    labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
+    stats = trainer.run(images, labels, event.steps)
+    out = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    losses = [s.loss for s in stats if s.batch_size]
+    return out, {"loss": float(np.mean(losses)) if losses else None, "steps": len(stats)}

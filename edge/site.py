@@ -1,0 +1,92 @@
+"""What a site node holds: its verified policy, its data, its ledger and its signing key.
+
+Everything here comes from the node's own configuration (``--node-config``, set by the site's
+administrator through ``feta-release node start``); nothing comes from the coordinator.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from feta_release.errors import ConfigError, PolicyError
+
+from .ledger import Ledger
+
+log = logging.getLogger("feta.node")
+
+# --node-config keys (kebab-case like Flower's own).
+CFG_DATA = "data-path"
+CFG_POLICY = "policy-file"
+CFG_TRUSTED = "trusted-policy-key"
+CFG_LEDGER = "ledger-path"
+CFG_SITE_KEY = "site-key"
+CFG_WORK = "work-dir"
+REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY)
+
+
+def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, dataset_fingerprint: str | None = None,
+                       last_seen_version: int | None = None) -> Any:
+    """The verified ``SitePolicy`` or a ``PolicyError`` naming the rule it breaks."""
+    from feta_release.policy.document import load_site_policy
+
+    return load_site_policy(policy_path, [Path(trusted_key)], dataset_fingerprint=dataset_fingerprint,
+                            last_seen_version=last_seen_version)
+
+
+def load_site_data(path: str | Path) -> Any:
+    from feta_release.data.loading import load_dataset
+
+    ds, _report = load_dataset(Path(path))
+    return ds
+
+
+@dataclass
+class Site:
+    policy: Any  # feta_release.policy.document.SitePolicy (verified)
+    data: Any  # feta_release.data.ImageDataset
+    ledger: Ledger
+    key: Any  # Ed25519PrivateKey
+    work_dir: Path
+
+    @property
+    def site_id(self) -> str:
+        return str(self.policy.site_id)
+
+    @classmethod
+    def open(cls, node_config: dict[str, Any]) -> "Site":
+        """Verify the signed policy against the site's trusted key and the data against the policy's
+        fingerprint, and refuse a policy older than one this ledger has already seen."""
+        missing = [k for k in REQUIRED if not node_config.get(k)]
+        if missing:
+            raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
+        from feta_release.signing import load_private_key
+
+        ledger = Ledger(node_config[CFG_LEDGER])
+        data = load_site_data(node_config[CFG_DATA])
+        policy = verify_policy_file(
+            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_fingerprint=data.fingerprint(),
+            last_seen_version=ledger.highest_policy_version(),
+        )
+        if policy.dataset_size != data.n:
+            raise PolicyError(f"{node_config[CFG_POLICY]}: policy states dataset size {policy.dataset_size}, "
+                              f"the data has {data.n} images")
+        ledger.observe_policy_version(int(policy.version))
+        key = load_private_key(node_config[CFG_SITE_KEY])
+        work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
+        work.mkdir(parents=True, exist_ok=True)
+        return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached(items: tuple[tuple[str, Any], ...]) -> Site:
+    return Site.open(dict(items))
+
+
+def site_for(node_config: dict[str, Any]) -> Site:
+    """One ``Site`` per node config per process (the in-process harness calls handlers many times;
+    behind a real SuperNode each message is a fresh process anyway)."""
+    return _cached(tuple(sorted((str(k), v) for k, v in node_config.items())))

@@ -1,0 +1,264 @@
+"""``feta-release keys|policy|job``: Ed25519 keys, signed site policies, signed coordinator jobs."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import click
+
+from ..errors import PolicyError
+
+
+# -- passphrases -----------------------------------------------------------------------------------
+
+
+def _passphrase_options(f):  # type: ignore[no-untyped-def]
+    f = click.option("--passphrase-prompt", is_flag=True, help="Ask for the key passphrase on the terminal.")(f)
+    f = click.option("--passphrase-file", type=click.Path(dir_okay=False, path_type=Path),
+                     help="File holding the key passphrase (first line; trailing newline ignored).")(f)
+    return f
+
+
+def _passphrase(file: Path | None, prompt: bool, *, confirm: bool = False) -> bytes | None:
+    if file and prompt:
+        raise click.UsageError("give --passphrase-file or --passphrase-prompt, not both")
+    if file:
+        try:
+            text = file.read_bytes().splitlines()
+        except OSError as exc:
+            raise PolicyError(f"{file}: cannot read passphrase file: {exc.strerror}") from None
+        if not text or not text[0]:
+            raise PolicyError(f"{file}: passphrase file is empty")
+        return text[0]
+    if prompt:
+        return click.prompt("passphrase", hide_input=True, confirmation_prompt=confirm).encode("utf-8")
+    return None
+
+
+def _load_signing_key(path: Path, pp_file: Path | None, pp_prompt: bool):  # type: ignore[no-untyped-def]
+    from .. import signing
+
+    mode = path.stat().st_mode if path.exists() else 0
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        click.secho(f"warning: {path} is readable by other users (mode {stat.S_IMODE(mode):o}); "
+                    f"run: chmod 600 {path}", fg="yellow", err=True)
+    return signing.load_private_key(path, _passphrase(pp_file, pp_prompt))
+
+
+# -- keys ------------------------------------------------------------------------------------------
+
+
+@click.group()
+def keys() -> None:
+    """Generate and show Ed25519 signing keys."""
+
+
+@keys.command("generate")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for NAME.key (private, mode 0600) and NAME.pub.")
+@click.option("--name", default="signing", show_default=True, help="Base name of the key files.")
+@_passphrase_options
+def keys_generate(out_dir: Path, name: str, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
+    """Generate an Ed25519 key pair and print its fingerprint."""
+    from .. import signing
+
+    pp = _passphrase(passphrase_file, passphrase_prompt, confirm=True)
+    priv, pub = signing.generate_keypair(out_dir, name=name, passphrase=pp)
+    fp = signing.fingerprint(signing.load_public_key(pub))
+    click.echo(fp)
+    click.echo(f"private key: {priv} (mode {stat.S_IMODE(os.stat(priv).st_mode):o}"
+               f"{', passphrase-protected' if pp else ''})", err=True)
+    click.echo(f"public key:  {pub}", err=True)
+
+
+@keys.command("show")
+@click.argument("key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--pem", is_flag=True, help="Also print the public key PEM (to paste into a policy's coordinators).")
+@_passphrase_options
+def keys_show(key: Path, pem: bool, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
+    """Print the fingerprint of a public (.pub) or private (.key) key file."""
+    from .. import signing
+
+    if b"PRIVATE KEY" in key.read_bytes()[:64]:
+        k = _load_signing_key(key, passphrase_file, passphrase_prompt).public_key()
+    else:
+        k = signing.load_public_key(key)
+    click.echo(signing.fingerprint(k))
+    if pem:
+        click.echo(signing.public_key_pem(k), nl=False)
+
+
+# -- policy ----------------------------------------------------------------------------------------
+
+
+@click.group()
+def policy() -> None:
+    """Sign, verify and show site privacy policies."""
+
+
+@policy.command("sign")
+@click.argument("policy_file", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's private policy key.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Signed policy file (default: POLICY with suffix .signed.json).")
+@_passphrase_options
+def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file: Path | None,
+                passphrase_prompt: bool) -> None:
+    """Validate POLICY (TOML or JSON) and write it signed: {"policy": ..., "signature": ...}."""
+    from .. import signing
+    from ..policy import read_policy_document, sign_policy, write_signed_policy
+
+    doc = read_policy_document(policy_file)
+    k = _load_signing_key(key, passphrase_file, passphrase_prompt)
+    target = out or policy_file.with_suffix(".signed.json")
+    write_signed_policy(target, sign_policy(doc, k))
+    click.echo(f"signed policy {doc['site_id']} v{doc['version']} by {signing.fingerprint(k)} -> {target}")
+
+
+def _data_fingerprint(path: Path) -> tuple[str, int]:
+    from ..data import load_dataset
+
+    ds, _ = load_dataset(path)
+    return ds.fingerprint(), ds.n
+
+
+@policy.command("verify")
+@click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--trusted", "trusted", multiple=True, required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Public key(s) allowed to sign site policies (repeatable).")
+@click.option("--data", type=click.Path(exists=True, path_type=Path),
+              help="Check the policy's dataset fingerprint against this data.")
+@click.option("--now", help="Check the validity window at this ISO 8601 UTC time instead of now.")
+@click.option("--min-version", type=int, help="Refuse a policy older than this version (replay check).")
+def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, now: str | None,
+                  min_version: int | None) -> None:
+    """Verify a signed policy as a node would at start; exit non-zero naming the rule if refused."""
+    from ..policy import load_site_policy
+    from ..policy.document import format_time
+
+    fp = None
+    if data is not None:
+        fp, n = _data_fingerprint(data)
+    pol = load_site_policy(signed, list(trusted), now=now, dataset_fingerprint=fp, last_seen_version=min_version)
+    click.echo(f"OK: policy {pol.site_id} v{pol.version} signed by {pol.signer}, valid "
+               f"{format_time(pol.not_before)} .. {format_time(pol.expires)}")
+    if data is not None:
+        click.echo(f"dataset fingerprint matches ({n} images; policy's public size {pol.dataset_size})")
+
+
+@policy.command("show")
+@click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--trusted", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Also verify against these public keys (otherwise the signature is only checked "
+                   "against the key it embeds).")
+def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
+    """Pretty-print a signed policy with its signer fingerprint and validity window."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..policy import open_signed_policy
+    from ..policy.document import format_time, read_signed_policy_unverified, utc_now
+    from ..policy.envelope import read_json
+
+    if trusted:
+        pol = open_signed_policy(read_json(signed, "signed policy"), list(trusted), str(signed))
+        trust = "[green]verified against a trusted key[/]"
+    else:
+        pol, _ = read_signed_policy_unverified(signed)
+        trust = "[yellow]intact, signer NOT checked against a trusted key (use --trusted)[/]"
+    now = utc_now()
+    state = ("[green]valid now[/]" if pol.not_before <= now < pol.expires
+             else "[red]expired[/]" if now >= pol.expires else "[red]not yet valid[/]")
+    console = Console()
+    console.print(f"[bold]site {pol.site_id}[/] policy version {pol.version}")
+    console.print(f"signer: {pol.signer}  ({trust})")
+    console.print(f"valid:  {format_time(pol.not_before)} .. {format_time(pol.expires)}  {state}")
+    console.print(f"dataset: fingerprint {pol.dataset_fingerprint}, public size N={pol.dataset_size}")
+    console.print(f"budget: lifetime ε={pol.lifetime_epsilon:g} δ={pol.lifetime_delta:g}; per job "
+                  f"ε={pol.job_epsilon:g} δ={pol.job_delta:g}; accountant {pol.accountant}")
+    table = Table("mechanism", "allowed", "min σ", "caps")
+    for m in pol.mechanisms.values():
+        table.add_row(m.name, "yes" if m.allowed else "no", "" if m.min_sigma is None else f"{m.min_sigma:g}",
+                      ", ".join(f"{k}={v:g}" for k, v in m.caps.items()))
+    console.print(table)
+    console.print("coordinators: " + (", ".join(sorted(pol.coordinator_fingerprints())) or "none"))
+    console.print("app bundles: " + (", ".join(b[:16] + "…" for b in pol.app_bundles) or "none"))
+    if pol.document.get("description"):
+        console.print(f"description: {pol.document['description']}")
+
+
+@policy.command("data-fingerprint")
+@click.argument("data", type=click.Path(exists=True, path_type=Path))
+def policy_data_fingerprint(data: Path) -> None:
+    """Print the dataset fingerprint and size to write into a policy's [dataset] table."""
+    fp, n = _data_fingerprint(data)
+    click.echo(f'fingerprint = "{fp}"\nsize = {n}')
+
+
+# -- job -------------------------------------------------------------------------------------------
+
+
+@click.group()
+def job() -> None:
+    """Sign and verify coordinator job files."""
+
+
+@job.command("sign")
+@click.argument("job_file", metavar="JOB.toml", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The coordinator's private key.")
+@click.option("--job-id", required=True, help="Unique job id (letters, digits, . _ -).")
+@click.option("--sites", help="Comma-separated site ids the job runs on (default: [federation] sites of JOB.toml).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Signed job file (default: JOB with suffix .signed.json).")
+@_passphrase_options
+def job_sign(job_file: Path, key: Path, job_id: str, sites: str | None, out: Path | None,
+             passphrase_file: Path | None, passphrase_prompt: bool) -> None:
+    """Sign a job: {"job": {job_id, coordinator, config, sites, created}, "signature": ...}."""
+    from ..config import load_job
+    from ..policy import sign_job
+    from ..policy.envelope import write_json
+
+    cfg = load_job(job_file)
+    site_list = [s.strip() for s in sites.split(",") if s.strip()] if sites else list(cfg.federation.sites)
+    if not site_list:
+        raise click.UsageError(f"{job_file} has no [federation] sites; give --sites a,b,c")
+    k = _load_signing_key(key, passphrase_file, passphrase_prompt)
+    signed = sign_job(cfg, k, job_id, site_list)
+    target = out or job_file.with_suffix(".signed.json")
+    write_json(target, signed)
+    click.echo(f"signed job {job_id} for sites {', '.join(site_list)} by {signed['job']['coordinator']} -> {target}")
+
+
+@job.command("verify")
+@click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--trusted", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Coordinator public key(s) to accept (repeatable).")
+@click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Instead: check as the node of this signed site policy would.")
+@click.option("--policy-trusted", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Public key(s) that sign site policies (with --policy).")
+def job_verify(signed: Path, trusted: tuple[Path, ...], policy_file: Path | None,
+               policy_trusted: tuple[Path, ...]) -> None:
+    """Verify a signed job against coordinator keys, or against a site's signed policy."""
+    from ..policy import load_site_policy, verify_job, verify_job_with_keys
+    from ..policy.envelope import read_json
+
+    doc = read_json(signed, "signed job")
+    if policy_file is not None:
+        if not policy_trusted:
+            raise click.UsageError("--policy needs --policy-trusted KEY (the key that signs site policies)")
+        pol = load_site_policy(policy_file, list(policy_trusted))
+        j = verify_job(doc, pol, str(signed))
+        click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version}")
+    elif trusted:
+        j = verify_job_with_keys(doc, list(trusted), str(signed))
+        click.echo(f"OK: job {j.job_id}")
+    else:
+        raise click.UsageError("give --trusted COORDINATOR_PUB or --policy SIGNED_POLICY --policy-trusted KEY")
+    click.echo(f"coordinator {j.signer}; sites {', '.join(j.sites)}; created {j.created.isoformat()}; "
+               f"sha256 {j.digest}")

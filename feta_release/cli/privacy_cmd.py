@@ -1,0 +1,115 @@
+"""``feta-release privacy``: plan a job's privacy budget before touching data; account a saved event history."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import ConfigError, PrivacyError
+
+
+@click.group()
+def privacy() -> None:
+    """Plan and account privacy budgets."""
+
+
+@privacy.command("plan")
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dataset-size", "-n", type=click.IntRange(min=1), default=None,
+              help="Public number of training images. Default: 4000 (the embedded data's training split).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def plan(job_file: Path, dataset_size: int | None, as_json: bool) -> None:
+    """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon."""
+    from ..config import load_job
+    from ..planning import DEFAULT_DATASET_SIZE, plan_job
+
+    cfg = load_job(job_file)
+    assumed = dataset_size is None
+    n = DEFAULT_DATASET_SIZE if assumed else dataset_size
+    result = plan_job(cfg, n)
+    if as_json:
+        data = result.to_dict()
+        data["job"] = str(job_file)
+        data["dataset_size_assumed"] = assumed
+        click.echo(json.dumps(data, indent=2))
+        if assumed:
+            click.echo(f"note: no --dataset-size given; assumed N = {n} (embedded training split)", err=True)
+        return
+    _print_plan(result, job_file, assumed)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    title = f"privacy plan for {job_file} (N = {result.dataset_size}{', assumed' if assumed else ''})"
+    table = Table(title=title)
+    for col, just in [("stage", "left"), ("sigma", "right"), ("q", "right"), ("steps", "right"),
+                      ("epsilon alone", "right"), ("share", "right"), ("note", "left")]:
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for s in result.stages:
+        table.add_row(s.stage, _fmt(s.sigma, ".3f"), _fmt(s.q, ".4g"), str(s.steps) if s.enabled else "-",
+                      f"{s.epsilon:.3f}", f"{100 * s.share:.0f}%", s.note)
+    console.print(table)
+    if result.noise_multiplier is not None:
+        how = "calibrated" if result.calibrated else "configured"
+        console.print(f"DP-SGD noise multiplier ({how}): [bold]{result.noise_multiplier:.3f}[/bold]")
+    console.print(
+        f"total epsilon over the whole history: [bold]{result.epsilon:.3f}[/bold] at delta = {result.delta:g} "
+        f"(budget {result.target_epsilon:g}, {result.accountant} accountant)"
+    )
+    console.print("shares are of the sum of per-stage epsilons; composed, the total is smaller than that sum")
+    if assumed:
+        console.print(f"note: no --dataset-size given; assumed N = {result.dataset_size} (embedded training split)")
+
+
+@privacy.command("account")
+@click.argument("history_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--delta", type=float, default=None, help="Target delta (default: the file's \"delta\").")
+@click.option("--accountant", type=click.Choice(["rdp", "prv"]), default=None,
+              help="Accountant (default: the file's \"accountant\", else rdp).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def account(history_file: Path, delta: float | None, accountant: str | None, as_json: bool) -> None:
+    """Total epsilon of a saved event history (a list of events, or an object with "history" or "events")."""
+    from ..accounting import epsilon, epsilon_breakdown, events_from_list
+
+    try:
+        raw = json.loads(history_file.read_text("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{history_file}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{history_file}: not a readable JSON file: {exc}") from None
+    if isinstance(raw, dict):
+        items = raw.get("history", raw.get("events"))
+        if items is None:
+            raise PrivacyError(f"{history_file}: object has no \"history\" or \"events\" list")
+        delta = raw.get("delta") if delta is None else delta
+        accountant = accountant or raw.get("accountant")
+    else:
+        items = raw
+    if not isinstance(items, list):
+        raise PrivacyError(f"{history_file}: the event history must be a list of {{stage, sigma, q, steps}} objects")
+    if delta is None:
+        raise PrivacyError(f"{history_file}: no delta in the file; pass --delta")
+    accountant = accountant or "rdp"
+    try:
+        events = events_from_list(items)
+    except PrivacyError as exc:
+        raise PrivacyError(f"{history_file}: {exc}") from None
+    total = epsilon(events, delta, accountant)  # type: ignore[arg-type]
+    per_stage = {k: v for k, v in epsilon_breakdown(events, delta, accountant).items() if k != "total"}  # type: ignore[arg-type]
+    if as_json:
+        click.echo(json.dumps({"epsilon": total, "delta": delta, "accountant": accountant,
+                               "stages": per_stage, "events": len(events)}, indent=2))
+        return
+    for stage, eps in per_stage.items():
+        click.echo(f"{stage:<10} epsilon alone {eps:.3f}")
+    click.echo(f"total epsilon {total:.3f} at delta {delta:g} ({accountant}, {len(events)} events)")

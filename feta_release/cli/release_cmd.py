@@ -1,0 +1,145 @@
+"""``feta-release export | verify | synthesize``.
+
+``verify`` and ``synthesize`` must run where torch is not installed (a data-protection office, a downstream
+user): this module imports nothing heavy at import time, and only ``export`` reaches torch, lazily.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError, ReleaseError
+
+
+def _trusted_keys(paths: tuple[str, ...]) -> list:
+    from ..signing import load_public_key
+
+    if not paths:
+        raise ConfigError("give at least one --trusted KEY.pub (the coordinator's and each site's public key)")
+    return [load_public_key(p) for p in paths]
+
+
+def _print_verification(res) -> None:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"release {res.release_dir}", show_lines=False)
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    style = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "warn": "[yellow]warn[/]"}
+    for c in res.checks:
+        table.add_row(c.name, style[c.status], c.detail)
+    console.print(table)
+    if res.ok and res.manifest:
+        from ..release.verify import describe_site
+
+        for s in res.manifest["sites"]:
+            console.print(describe_site(s), highlight=False)
+        console.print("[green]release verified[/]")
+
+
+@click.command("export")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="New release directory.")
+@click.option("--coordinator-key", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Private key that signs the manifest.")
+@click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="The site's private key: signs its spend statement (attestation).")
+@click.option("--site-id", default=None, help="Site id (default: the policy's site_id, else 'site').")
+@click.option("--policy", "policy", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="The site's signed policy (JSON); copied into the release so verify can check the caps.")
+@click.option("--job-id", default=None, help="Job id recorded in the manifest (default: job name + run folder).")
+@click.option("--solver", type=click.Choice(["euler", "heun"]), default=None, help="Override the job's [sampler] solver.")
+@click.option("--steps", type=int, default=None, help="Override the job's [sampler] steps.")
+def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_id: str | None,
+           policy: str | None, job_id: str | None, solver: str | None, steps: int | None) -> None:
+    """Export a single-site training run RUN_DIR as a signed ONNX generator release."""
+    from ..policy.envelope import read_json
+    from ..release.export_run import export_run
+    from ..signing import load_private_key, sha256_file
+
+    from ..release.onnx_export import SamplerSettings
+    from ..release.export_run import read_run
+
+    sampler = None
+    if solver or steps:
+        base = read_run(run_dir)["config"].sampler
+        sampler = SamplerSettings.from_config(base)
+        sampler = SamplerSettings(**{**sampler.to_dict(), **({"solver": solver} if solver else {}),
+                                     **({"steps": steps} if steps else {})})
+    signed = read_json(policy, "signed policy") if policy else None
+    if signed is not None and not (isinstance(signed, dict) and "policy" in signed and "signature" in signed):
+        raise ReleaseError(f"{policy}: not a signed policy ({{\"policy\": ..., \"signature\": ...}}); sign it first")
+    path = export_run(
+        run_dir, out,
+        coordinator_key=load_private_key(coordinator_key),
+        site_key=load_private_key(site_key),
+        site_id=site_id, signed_policy=signed, job_id=job_id, sampler=sampler,
+    )
+    click.echo(f"release written to {path} (generator sha256 {sha256_file(path / 'generator.onnx')[:16]}…)")
+
+
+@click.command("verify")
+@click.argument("release_dir", type=click.Path(path_type=Path))
+@click.option("--trusted", "trusted", multiple=True, type=click.Path(dir_okay=False),
+              help="Trusted public key (PEM); repeat for the coordinator and each site.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verification result as JSON.")
+def verify(release_dir: Path, trusted: tuple[str, ...], as_json: bool) -> None:
+    """Verify RELEASE_DIR offline: hashes, signatures, recomputed ε, policy caps."""
+    from ..release.verify import verify_release
+
+    res = verify_release(release_dir, _trusted_keys(trusted))
+    if as_json:
+        import json
+
+        click.echo(json.dumps(res.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        _print_verification(res)
+    if not res.ok:
+        raise ReleaseError(f"release {release_dir} did not verify: {res.reason()}")
+
+
+def _parse_counts(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--per-class must be comma-separated integers, e.g. 100,100,100; got {text!r}") from None
+
+
+@click.command("synthesize")
+@click.option("--release", "release_dir", required=True, type=click.Path(path_type=Path), help="Release directory.")
+@click.option("--num", type=int, default=None, help="Number of images (split evenly over classes).")
+@click.option("--per-class", default=None, help="Images per class, comma-separated, in the manifest's class order.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="New output directory.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--batch", type=int, default=64, show_default=True, help="Images per generator call (memory bound).")
+@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: available cores).")
+@click.option("--trusted", "trusted", multiple=True, type=click.Path(dir_okay=False),
+              help="Trusted public key (PEM); repeat for the coordinator and each site.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
+               threads: int | None, trusted: tuple[str, ...], no_progress: bool) -> None:
+    """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only."""
+    from ..release.synthesize import synthesize as run
+    from ..release.verify import describe_site, verify_release
+
+    keys = _trusted_keys(trusted)
+    res = verify_release(release_dir, keys)
+    if not res.ok:
+        _print_verification(res)
+        raise ReleaseError(f"release {release_dir} refused, nothing written: {res.reason()}")
+    report = run(release_dir, out, keys, num=num, per_class=_parse_counts(per_class), seed=seed, batch=batch,
+                 threads=threads, progress=not no_progress, verification=res)
+    rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
+    click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
+               f"-> {report.out_dir}")
+    assert res.manifest is not None
+    for s in res.manifest["sites"]:
+        click.echo(describe_site(s))
+    click.echo(f"certificate: {report.certificate}")

@@ -1,0 +1,73 @@
+"""``feta-release train``: the whole single-site pipeline (plan, releases, warm-ups, DP-SGD, samples)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError
+
+
+@click.command()
+@click.argument("job", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--preset", default=None, help="Use a shipped job (e.g. cpu-eps1, cpu-eps10, tiny, paper-mnist) "
+              "instead of JOB.")
+@click.option("--data", "data_path", default=None,
+              help="Image folder (one sub-folder per class) or .npz; default: the training split (80%, seed 0) of "
+              "the embedded MNIST subset, whose held-out 20% is left for `feta-release evaluate`.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Run directory: created, or resumed when it holds an unfinished run of the same job and data.")
+@click.option("--synthetic", "n_synthetic", type=click.IntRange(min=0), default=None,
+              help="Images in RUN_DIR/synthetic.npz (balanced labels); default: as many as the training data.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
+              help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
+def train(job: Path | None, preset: str | None, data_path: str | None, out_dir: Path, n_synthetic: int | None,
+          checkpoint_every: int, threads: int | None, quiet: bool, as_json: bool) -> None:
+    """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
+
+    Re-running the same command after an interruption resumes from the last checkpoint without
+    spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run.
+    """
+    import torch
+
+    from ..config import load_job, load_preset
+    from ..data import load_dataset, load_embedded, train_heldout_split
+    from ..training.pipeline import run_pipeline
+    from ..training.progress import Reporter
+
+    if (job is None) == (preset is None):
+        raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME")
+    cfg = load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
+    if threads:
+        torch.set_num_threads(threads)
+    if data_path is None:
+        data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
+    else:
+        data, report = load_dataset(data_path, resize=cfg.job.resize, image_size=cfg.job.image_size)
+        if report.n_skipped and not quiet:
+            click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
+    rep = Reporter(enabled=not quiet)
+    res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep)
+    summary = {
+        "run_dir": str(res.run_dir),
+        "epsilon": res.epsilon,
+        "delta": res.delta,
+        "accountant": cfg.privacy.accountant,
+        "events": [e.to_dict() for e in res.events],
+        "dpsgd_noise_multiplier": res.dpsgd_sigma,
+        "dpsgd_steps_trained": res.dpsgd_steps_trained,
+        "seconds": round(res.seconds, 1),
+        "resumed": res.resumed,
+        "already_complete": res.already_complete,
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(f"{res.run_dir}: epsilon {res.epsilon:.3f} at delta {res.delta:g} "
+                   f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
+                   f"synthetic images in {res.run_dir / 'synthetic.npz'}")

@@ -1,0 +1,304 @@
+"""The coordinator's job, over any Flower ``Grid`` (the real SuperLink's or the in-process harness).
+
+Phases: wait for the job's sites -> plan within every site's policy (refuse before any release) ->
+collect central images + frequency statistics (one request each per site) -> warm-up (the
+synthesizer's own stages, on released statistics only) -> federated DP-SGD rounds (FedAvg weighted
+by public sizes) -> per-site attestations -> model + histories on disk for the release step.
+
+Every phase's result is checkpointed in ``out_dir/state`` before the next starts. A restarted
+coordinator picks up from there; any request it does send again carries the same deterministic
+request id, which the site's ledger answers from its record without charging twice.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import FetaError, PolicyError
+from . import messages as fm
+from . import plan
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+class SiteUnavailable(FetaError):
+    """Too few sites answered a phase (fewer than [federation] min_sites)."""
+
+
+@dataclass
+class SiteInfo:
+    site_id: str
+    node_id: int
+    size: int
+    policy: Any  # SitePolicy (integrity-checked with the key embedded in its signature)
+    signed_policy: dict[str, Any]
+    image_shape: tuple[int, int, int]
+    n_classes: int
+    class_names: list[str]
+    lifetime_events: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class JobResult:
+    out_dir: Path
+    sites: list[str]
+    rounds_done: int
+    skipped: dict[int, list[str]]
+    timings: dict[str, float]
+    attestations: dict[str, Any]
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+class JobDriver:
+    def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
+                 progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
+                 poll_interval: float = 1.0) -> None:
+        from ..policy.jobs import verify_job_with_keys
+
+        self.grid = grid
+        self.signed_job = signed_job
+        embedded = signed_job.get("signature", {}).get("public_key") if isinstance(signed_job, dict) else None
+        keys = [coordinator_key.public_key()] if coordinator_key is not None else ([embedded] if embedded else [])
+        self.job = verify_job_with_keys(signed_job, keys, "job")
+        self.cfg = self.job.config
+        self.key = coordinator_key
+        self.out = Path(out_dir)
+        self.state = self.out / "state"
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.progress = progress or (lambda ev: None)
+        self.wait_timeout = wait_timeout
+        self.query_timeout = query_timeout if query_timeout is not None else self.cfg.federation.round_timeout
+        self.poll = poll_interval
+        self.sites: dict[str, SiteInfo] = {}
+        self.timings: dict[str, float] = {}
+        self.skipped: dict[int, list[str]] = {}
+        self._log_path = self.out / "progress.jsonl"
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def emit(self, phase: str, message: str, **fields: Any) -> None:
+        ev = {"t": time.time(), "phase": phase, "message": message, **fields}
+        with open(self._log_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(ev) + "\n")
+        self.progress(ev)
+
+    def _ask(self, phase: str, message_type: str, targets: dict[str, dict[str, Any]],
+             arrays: dict[str, np.ndarray] | None = None, timeout: float | None = None,
+             group: str = "") -> tuple[dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], dict[str, str]]:
+        """Send one message per site; return ({site: (doc, arrays)}, {site: failure reason})."""
+        msgs, by_node = [], {}
+        for site_id, doc in targets.items():
+            node = self.sites[site_id].node_id if site_id in self.sites else int(doc.pop("_node"))
+            content = fm.make_payload({"job": self.signed_job, **doc}, arrays)
+            msgs.append(self.grid.create_message(content, message_type, node, group or phase))
+            by_node[node] = site_id
+        replies = self.grid.send_and_receive(msgs, timeout=timeout if timeout is not None else self.query_timeout)
+        ok: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
+        failed: dict[str, str] = {}
+        for rep in replies:
+            sid = by_node.get(rep.metadata.src_node_id)
+            if sid is None:
+                continue
+            if rep.has_error():
+                failed[sid] = rep.error.reason
+            else:
+                ok[sid] = fm.read_payload(rep.content)
+        for sid in by_node.values():
+            if sid not in ok and sid not in failed:
+                failed[sid] = "no reply before the timeout (node down or too slow)"
+        return ok, failed
+
+    # -- phases ----------------------------------------------------------------------------------
+    def wait_for_sites(self) -> None:
+        from ..policy.document import open_signed_policy
+
+        t0 = time.monotonic()
+        wanted = set(self.job.sites)
+        asked: set[int] = set()
+        refusals: dict[str, str] = {}
+        self.emit("wait", f"waiting for sites {', '.join(sorted(wanted))}")
+        while True:
+            nodes = [n for n in self.grid.get_node_ids() if n not in asked]
+            if nodes:
+                targets = {f"node-{n}": {"_node": n} for n in nodes}
+                ok, failed = self._ask("wait", fm.HELLO, targets, timeout=min(self.query_timeout, 120.0))
+                for key, (doc, _) in ok.items():
+                    node = int(key.removeprefix("node-"))
+                    asked.add(node)
+                    sid = doc["site_id"]
+                    if sid not in wanted:
+                        continue
+                    signed = doc["policy"]
+                    embedded = signed.get("signature", {}).get("public_key")
+                    pol = open_signed_policy(signed, [embedded], f"policy of site {sid}")
+                    if pol.site_id != sid:
+                        raise PolicyError(f"node {node} says it is site {sid} but its policy is for {pol.site_id}")
+                    self.sites[sid] = SiteInfo(sid, node, int(doc["dataset_size"]), pol, signed,
+                                               tuple(doc["image_shape"]), int(doc["n_classes"]),
+                                               list(doc["class_names"]), list(doc.get("lifetime_events", [])))
+                    self.emit("wait", f"site {sid} joined (node {node}, {doc['dataset_size']} images)", site=sid)
+                for key, reason in failed.items():
+                    node = int(key.removeprefix("node-"))
+                    if "timeout" not in reason:
+                        asked.add(node)
+                        refusals[f"node {node}"] = reason
+                        self.emit("wait", f"node {node} refused the job: {reason}")
+            if wanted <= set(self.sites):
+                break
+            if time.monotonic() - t0 > self.wait_timeout:
+                missing = sorted(wanted - set(self.sites))
+                extra = f"; refusals: {refusals}" if refusals else ""
+                raise SiteUnavailable(f"sites {', '.join(missing)} did not join within {self.wait_timeout:.0f} s{extra}")
+            time.sleep(self.poll)
+        shapes = {(s.image_shape, s.n_classes) for s in self.sites.values()}
+        if len(shapes) != 1:
+            raise FetaError(f"sites disagree on image shape / classes: {shapes}; they cannot train one model")
+        self.timings["wait"] = time.monotonic() - t0
+
+    def plan_job(self) -> dict[str, Any]:
+        from ..accounting import events_from_list
+        from ..policy.enforce import MechanismRequest, check_job_fits
+
+        planned, policies, life = {}, {}, {}
+        for sid, s in self.sites.items():
+            evs = plan.site_plan(self.cfg, s.size, s.policy)
+            reqs = []
+            for e in evs:
+                extra: dict[str, Any] = {}
+                if e.stage == "central":
+                    extra["batch"] = self.cfg.central.batch
+                elif e.stage == "frequency":
+                    extra["features"] = self.cfg.frequency.features
+                elif e.stage == "dpsgd":
+                    extra.update(batch=self.cfg.dpsgd.batch, clip=self.cfg.dpsgd.clip)
+                reqs.append(MechanismRequest(e.stage, e.sigma, e.q, e.steps, **extra))
+            planned[sid], policies[sid] = reqs, s.policy
+            life[sid] = events_from_list(s.lifetime_events)
+        job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life)
+        doc = {
+            sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
+                  "dpsgd_sigma": plan.site_sigma(self.cfg, self.sites[sid].size, self.sites[sid].policy)
+                  if self.cfg.federation.rounds else None,
+                  "events": [r.event().to_dict() for r in planned[sid]]}
+            for sid in planned
+        }
+        (self.out / "plan.json").write_text(json.dumps(doc, indent=2), "utf-8")
+        self.emit("plan", "job fits every site's policy: " + ", ".join(f"{k} ε={v['planned_epsilon']:.3f}"
+                                                                       for k, v in doc.items()))
+        return doc
+
+    def _collect(self, phase: str, message_type: str) -> dict[str, dict[str, np.ndarray]]:
+        """One release per site, cached on disk: a restart does not ask again for what it holds."""
+        t0 = time.monotonic()
+        have: dict[str, dict[str, np.ndarray]] = {}
+        for sid in self.sites:
+            p = self.state / f"{phase}_{sid}.npz"
+            if p.exists():
+                with np.load(p) as z:
+                    have[sid] = {k: z[k] for k in z.files}
+        todo = {sid: {} for sid in self.sites if sid not in have}
+        if todo:
+            self.emit(phase, f"asking {len(todo)} site(s) for {phase} releases")
+            ok, failed = self._ask(phase, message_type, todo)
+            for sid, (doc, arrays) in ok.items():
+                (self.state / f"{phase}_{sid}.json").write_text(json.dumps(doc), "utf-8")
+                from .checkpoint_io import atomic_write
+
+                atomic_write(self.state / f"{phase}_{sid}.npz", _npz_bytes(arrays))
+                have[sid] = arrays
+                self.emit(phase, f"site {sid}: {phase} released ({doc.get('seconds', 0):.1f} s on site)", site=sid)
+            for sid, reason in failed.items():
+                self.emit(phase, f"site {sid}: no {phase} release: {reason}", site=sid, error=reason)
+        if len(have) < self.cfg.federation.min_sites:
+            raise SiteUnavailable(f"{phase}: only {len(have)} site(s) released, [federation] min_sites = "
+                                  f"{self.cfg.federation.min_sites}")
+        self.timings[phase] = time.monotonic() - t0
+        return have
+
+    def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
+        if self.cfg.central.rounds <= 0:
+            return {}
+        return self._collect("central", fm.CENTRAL)
+
+    def collect_frequency(self) -> dict[str, dict[str, np.ndarray]]:
+        if self.cfg.frequency.sigma is None:
+            return {}
+        return self._collect("frequency", fm.FREQUENCY)
+
+    def rounds(self, model: Any, ema: Any, stages: Any) -> int:
+        """Federated DP-SGD; checkpoint after every round. Returns the number of rounds done."""
+        import torch
+
+        from .checkpoint_io import load_round, save_round
+
+        ck = load_round(self.state)
+        start = 0
+        if ck is not None:
+            model.load_state_dict(ck["model"])
+            ema.load_state_dict(ck["ema"])
+            start = int(ck["round"])
+            self.skipped = {int(k): v for k, v in ck.get("skipped", {}).items()}
+            self.emit("dpsgd", f"resuming after round {start}")
+        R = self.cfg.federation.rounds
+        t0 = time.monotonic()
+        decay = self.cfg.dpsgd.ema
+        for r in range(start, R):
+            tr = time.monotonic()
+            weights = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+            ok, failed = self._ask("dpsgd", fm.TRAIN, {sid: {"round": r} for sid in self.sites}, arrays=weights,
+                                   group=f"round-{r}")
+            if len(ok) < self.cfg.federation.min_sites:
+                raise SiteUnavailable(f"round {r + 1}: only {len(ok)} site(s) answered ({failed}); "
+                                      f"[federation] min_sites = {self.cfg.federation.min_sites}")
+            if failed:
+                self.skipped[r] = sorted(failed)
+                for sid, why in failed.items():
+                    self.emit("dpsgd", f"round {r + 1}: site {sid} skipped ({why})", site=sid, error=why)
+            w = plan.fedavg_weights({sid: self.sites[sid].size for sid in ok})
+            new = {k: sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok) for k in weights}
+            model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new.items()})
+            with torch.no_grad():
+                for pe, pm in zip(ema.state_dict().values(), model.state_dict().values()):
+                    if pe.dtype.is_floating_point:
+                        pe.mul_(decay ** self.cfg.federation.local_steps).add_(pm, alpha=1 - decay ** self.cfg.federation.local_steps)
+                    else:
+                        pe.copy_(pm)
+            save_round(self.state, {"model": model.state_dict(), "ema": ema.state_dict(), "round": r + 1,
+                                    "skipped": {str(k): v for k, v in self.skipped.items()}})
+            losses = [d.get("loss") for d, _ in ok.values() if d.get("loss") is not None]
+            self.emit("dpsgd", f"round {r + 1}/{R}: {len(ok)} site(s), loss {np.mean(losses) if losses else float('nan'):.4f}",
+                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok))
+        self.timings["dpsgd"] = time.monotonic() - t0
+        return R
+
+    def attestations(self) -> dict[str, Any]:
+        from ..signing import load_public_key, verify_document
+
+        ok, failed = self._ask("attest", "query.attest", {sid: {} for sid in self.sites})
+        out = {}
+        for sid, (doc, _) in ok.items():
+            att = doc["attestation"]
+            # The site's key is the one it announced at hello; a wrong signature is refused here already.
+            verify_document(att["statement"], att["signature"], [load_public_key(att["signature"]["public_key"].encode())],
+                            f"attestation of site {sid}")
+            out[sid] = att
+        for sid, reason in failed.items():
+            self.emit("attest", f"site {sid}: no attestation: {reason}", site=sid, error=reason)
+        (self.out / "attestations.json").write_text(json.dumps(out, indent=2), "utf-8")
+        pol_dir = self.out / "policies"
+        pol_dir.mkdir(exist_ok=True)
+        for sid, s in self.sites.items():
+            (pol_dir / f"{sid}.signed.json").write_text(json.dumps(s.signed_policy, indent=2), "utf-8")
+        return out

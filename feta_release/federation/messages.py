@@ -1,0 +1,65 @@
+"""Message payloads shared by the site node and the coordinator (Flower Message API).
+
+A payload is a ``RecordDict`` with up to two records:
+  ``"arrays"``: an ``ArrayRecord`` of named numpy arrays (weights, released statistics);
+  ``"cfg"``:    a ``ConfigRecord`` whose single ``"json"`` entry holds a canonical JSON document
+                (request ids, signed job, events, refusals). One JSON string instead of many
+                config entries keeps nested documents (signatures, event lists) intact.
+
+``payload_bytes``/``payload_from_bytes`` use Flower's own wire encoding (protobuf), which is what
+the site ledger stores as the recorded answer of a request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from ..signing import canonical_json
+
+# Message types (ClientApp handlers are registered under these names).
+HELLO = "query.hello"
+CENTRAL = "query.central"
+FREQUENCY = "query.frequency"
+TRAIN = "train"
+
+
+def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> RecordDict:
+    rd = RecordDict({"cfg": ConfigRecord({"json": canonical_json(doc).decode("utf-8")})})
+    if arrays:
+        rd["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    return rd
+
+
+def read_payload(rd: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    doc: dict[str, Any] = {}
+    if "cfg" in rd.config_records:
+        doc = json.loads(str(rd.config_records["cfg"]["json"]))
+    arrays: dict[str, np.ndarray] = {}
+    if "arrays" in rd.array_records:
+        arrays = {k: v.numpy() for k, v in rd.array_records["arrays"].items()}
+    return doc, arrays
+
+
+def payload_bytes(rd: RecordDict) -> bytes:
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(rd).SerializeToString(deterministic=True)
+
+
+def payload_from_bytes(data: bytes) -> RecordDict:
+    from flwr.common.serde import recorddict_from_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
+
+    proto = ProtoRecordDict()
+    proto.ParseFromString(data)
+    return recorddict_from_proto(proto)
+
+
+def request_id(job_id: str, phase: str, round_: int = 0) -> str:
+    """Deterministic per job/phase/round: a coordinator that asks again after a restart asks for the SAME
+    release, which the site's ledger answers from its record instead of charging twice."""
+    return f"{job_id}:{phase}:{round_}"

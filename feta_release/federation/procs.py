@@ -1,0 +1,135 @@
+"""Starting and stopping Flower processes: each in its own process group, always cleaned up.
+
+Flower processes spawn children (a SuperNode starts ``flower-superexec``, which starts one
+``flwr-clientapp`` per message); signalling only the parent would leave those behind. Every
+process here is started in a new session and stopped by signalling its whole group.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ConfigError, FetaError
+
+
+def venv_bin() -> Path:
+    """Directory of this interpreter's console scripts (flower-superlink, flwr, ...)."""
+    return Path(sys.executable).parent
+
+
+def flower_env(flwr_home: Path, extra_path: Sequence[Path] = (), **extra: str) -> dict[str, str]:
+    """Environment for a Flower process: an explicit FLWR_HOME (never the user's ~/.flwr) and PATH."""
+    env = dict(os.environ)
+    env["FLWR_HOME"] = str(flwr_home)
+    env["PATH"] = os.pathsep.join([*map(str, extra_path), str(venv_bin()), env.get("PATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    return env
+
+
+class ManagedProcess:
+    """A child process in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path | None = None):
+        self.name = name
+        self.cmd = list(cmd)
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.cmd, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            self._log.close()
+            raise FetaError(f"cannot start {name}: {cmd[0]} not found (is flwr installed in this environment?)") from None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the whole group, then SIGKILL what is left."""
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            if pgid is None:
+                break
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # The leader is gone; children of the group may still linger: kill them too.
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text("utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: ManagedProcess | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise FetaError(f"{proc.name} exited (code {proc.proc.returncode}) before listening on {host}:{port}; "
+                            f"log {proc.log_path}:\n{proc.tail()}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise FetaError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"address {address!r} must be host:port")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,190 @@
+"""Frequency statistics (FETA-Pro): a noisy per-class mean embedding in random Fourier features.
+
+Features.  phi(x) = [cos(x W), sin(x W)] / sqrt(F/2) on raw pixels x in [0,1] flattened over all channels, with
+W in R^{D x F/2}, W_ij ~ N(0, 1/bandwidth2): random Fourier features of the Gaussian kernel
+k(x, x') = exp(-||x - x'||^2 / (2 bandwidth2)).  Because cos^2 + sin^2 = 1, ||phi(x)|| = 1 for EVERY x.
+W is drawn with numpy's PCG64 generator from a PUBLIC seed, so every site and the coordinator obtain
+bit-identical frequencies on any machine (torch's generators differ across devices and versions).
+
+Statistic.  E = sum_i phi(x_i) (outer) onehot(y_i) / N, a (F x n_classes) matrix, with N the PUBLIC dataset size.
+
+Neighbouring relation: add/remove ONE image.  That changes E by phi(x) (outer) e_y / N, whose Frobenius norm is
+||phi(x)|| / N = 1/N: the L2 sensitivity is 1/N for every image, with no clipping needed.  Released:
+E + N(0, (sigma/N)^2 I), one unsampled Gaussian release: ``PrivacyEvent("frequency", sigma, 1.0, 1)``.
+
+The sum is streamed over chunks of images, so memory is chunk x F (never N x F).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..accounting import PrivacyEvent
+from ..errors import DataError, PrivacyError
+from ._checks import as_generator, check_images, check_positive_int, check_sigma
+
+
+@dataclass(frozen=True)
+class FrequencyRelease:
+    """The released noisy embedding and the public parameters needed to match it (same omega everywhere)."""
+
+    embedding: np.ndarray  # float32 (features, n_classes)
+    n_public: int
+    features: int
+    bandwidth2: float
+    seed: int
+    sigma: float
+    n_classes: int
+    image_shape: tuple[int, int, int] | None = None  # (C, H, W) of the images; None when loaded without it
+
+    def omega(self) -> torch.Tensor:
+        if self.image_shape is None:
+            raise DataError("frequency release: image shape unknown, cannot rebuild omega; pass the image size")
+        c, h, w = self.image_shape
+        return rff_frequencies(c * h * w, self.features, self.bandwidth2, self.seed)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Plain arrays (for ``np.savez``); ``from_arrays`` inverts it."""
+        out = {
+            "embedding": self.embedding, "n_public": np.int64(self.n_public), "features": np.int64(self.features),
+            "bandwidth2": np.float64(self.bandwidth2), "seed": np.int64(self.seed), "sigma": np.float64(self.sigma),
+        }
+        if self.image_shape is not None:
+            out["image_shape"] = np.asarray(self.image_shape, dtype=np.int64)
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, Any]) -> "FrequencyRelease":
+        try:
+            emb = np.asarray(arrays["embedding"], dtype=np.float32)
+            shape = arrays.get("image_shape") if hasattr(arrays, "get") else None
+            return cls(
+                embedding=emb, n_public=int(arrays["n_public"]), features=int(arrays["features"]),
+                bandwidth2=float(arrays["bandwidth2"]), seed=int(arrays["seed"]), sigma=float(arrays["sigma"]),
+                n_classes=int(emb.shape[1]),
+                image_shape=None if shape is None else tuple(int(v) for v in np.asarray(shape)),  # type: ignore[arg-type]
+            )
+        except KeyError as exc:
+            raise DataError(f"frequency release arrays lack {exc}") from None
+
+
+def _check_features(features: int, where: str) -> int:
+    features = check_positive_int(features, "features", where)
+    if features < 2 or features % 2:
+        raise PrivacyError(f"{where}: features must be an even number >= 2 (cos and sin halves), got {features}")
+    return features
+
+
+def rff_frequencies(dim: int, features: int, bandwidth2: float = 105.0, seed: int = 1234) -> torch.Tensor:
+    """omega (dim, features // 2) float32, omega_ij ~ N(0, 1 / bandwidth2), from numpy PCG64(seed)."""
+    where = "random Fourier features"
+    dim = check_positive_int(dim, "dim", where)
+    features = _check_features(features, where)
+    if not (math.isfinite(bandwidth2) and bandwidth2 > 0):
+        raise PrivacyError(f"{where}: bandwidth2 must be > 0, got {bandwidth2}")
+    gen = np.random.Generator(np.random.PCG64(int(seed)))
+    omega = gen.standard_normal((dim, features // 2)) / math.sqrt(bandwidth2)
+    return torch.from_numpy(omega.astype(np.float32))
+
+
+def rff_features(x_flat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """phi(x) = [cos(x omega), sin(x omega)] / sqrt(F/2), shape (B, F) with F = 2 * omega.shape[1].
+
+    Differentiable (the auxiliary generator backpropagates through it); unit norm per row.
+    """
+    x_flat = torch.as_tensor(x_flat)  # numpy input accepted (checks and tests); the result is always a tensor
+    omega = torch.as_tensor(omega)
+    if x_flat.ndim != 2 or x_flat.shape[1] != omega.shape[0]:
+        raise DataError(f"rff_features: x must be (B, {omega.shape[0]}), got {tuple(x_flat.shape)}")
+    proj = x_flat.to(omega.dtype) @ omega
+    scale = 1.0 / math.sqrt(omega.shape[1])
+    return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) * scale
+
+
+def embedding_sum(
+    images: np.ndarray, labels: np.ndarray, n_classes: int, omega: torch.Tensor, chunk: int = 512
+) -> np.ndarray:
+    """Sum_i phi(x_i) (outer) onehot(y_i): (F, n_classes) float64, streamed over ``chunk`` images at a time."""
+    n = images.shape[0]
+    flat = images.reshape(n, -1)
+    features = 2 * omega.shape[1]
+    total = torch.zeros((features, n_classes), dtype=torch.float64)
+    with torch.no_grad():
+        for start in range(0, n, chunk):
+            x = torch.from_numpy(np.ascontiguousarray(flat[start:start + chunk], dtype=np.float32))
+            y = torch.from_numpy(labels[start:start + chunk])
+            phi = rff_features(x, omega)  # (b, F) float32: the only chunk-sized buffer
+            onehot = torch.nn.functional.one_hot(y, n_classes).to(phi.dtype)
+            total += (phi.T @ onehot).double()  # float64 accumulator: N up to millions without drift
+    return total.numpy()
+
+
+def frequency_statistics(
+    images: np.ndarray,
+    labels: np.ndarray,
+    n_classes: int,
+    *,
+    features: int,
+    sigma: float,
+    bandwidth2: float = 105.0,
+    seed: int = 1234,
+    chunk: int = 512,
+    n_public: int,
+    rng: np.random.Generator | int,
+) -> tuple[FrequencyRelease, PrivacyEvent]:
+    """Release the noisy per-class RFF embedding E + N(0, (sigma/N)^2) with N = ``n_public``."""
+    where = "frequency statistics"
+    images, labels = check_images(images, labels, n_classes, where)
+    sigma = check_sigma(sigma, where)
+    features = _check_features(features, where)
+    n_public = check_positive_int(n_public, "n_public (public dataset size)", where)
+    chunk = check_positive_int(chunk, "chunk", where)
+    gen = as_generator(rng, where)
+    c, h, w = (int(s) for s in images.shape[1:])
+    omega = rff_frequencies(c * h * w, features, bandwidth2, seed)
+    total = embedding_sum(images, labels, int(n_classes), omega, chunk)
+    noisy = total / n_public + gen.normal(0.0, sigma / n_public, size=total.shape)
+    release = FrequencyRelease(
+        embedding=noisy.astype(np.float32), n_public=n_public, features=features, bandwidth2=float(bandwidth2),
+        seed=int(seed), sigma=sigma, n_classes=int(n_classes), image_shape=(c, h, w),
+    )
+    return release, PrivacyEvent("frequency", sigma, 1.0, 1)
+
+
+def combine_frequency(
+    releases: Sequence[FrequencyRelease | Mapping[str, Any]], sizes: Sequence[int] | None = None
+) -> FrequencyRelease:
+    """Federated embedding: sum_s N_s E_s / sum_s N_s (weights are the sites' PUBLIC sizes; post-processing).
+
+    ``releases`` may be ``FrequencyRelease`` objects or their ``to_arrays()`` mappings (e.g. a loaded .npz);
+    ``sizes`` overrides each release's ``n_public`` (the coordinator's record of the sites' public sizes).
+    """
+    if not releases:
+        raise DataError("combine_frequency: no releases given")
+    releases = [r if isinstance(r, FrequencyRelease) else FrequencyRelease.from_arrays(r) for r in releases]
+    if sizes is not None:
+        if len(sizes) != len(releases) or any(int(s) < 1 for s in sizes):
+            raise DataError(f"combine_frequency: need one public size >= 1 per release, got {list(sizes)}")
+        releases = [dataclasses.replace(r, n_public=int(s)) for r, s in zip(releases, sizes)]
+    first = releases[0]
+    key = (first.features, first.bandwidth2, first.seed, first.n_classes)
+    for i, r in enumerate(releases[1:], 1):
+        other = (r.features, r.bandwidth2, r.seed, r.n_classes)
+        if other != key:
+            raise DataError(
+                f"combine_frequency: release {i} (features, bandwidth2, seed, classes) = {other} differs "
+                f"from release 0 {key}: sites must use the same public frequencies"
+            )
+    n_total = sum(r.n_public for r in releases)
+    combined = sum(r.n_public * r.embedding.astype(np.float64) for r in releases) / n_total
+    return FrequencyRelease(
+        embedding=np.asarray(combined, dtype=np.float32), n_public=n_total, features=first.features,
+        bandwidth2=first.bandwidth2, seed=first.seed, sigma=first.sigma, n_classes=first.n_classes,
+        image_shape=first.image_shape,
+    )

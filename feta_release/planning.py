@@ -1,0 +1,199 @@
+"""Privacy planning: from a job file and a PUBLIC dataset size to per-stage parameters and the total epsilon.
+
+A plan is made before any data is touched.  The stages of a FETA-Pro job are, in order: central images
+(DP-FETA warm-up), frequency statistics (FETA-Pro warm-up), DP-SGD fine-tuning.  The warm-up stages have fixed
+noise; the DP-SGD noise multiplier is calibrated so that the WHOLE history meets the target (epsilon, delta)
+(or, when the job fixes ``[dpsgd] noise_multiplier``, that value is checked against the budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .accounting import (
+    MAX_NOISE_MULTIPLIER,
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    epsilon,
+)
+from .config import JobConfig
+from .errors import PrivacyError
+
+# The embedded data's training split (5,000 MNIST digits, 20 % held out): the size assumed when none is given.
+DEFAULT_DATASET_SIZE = 4000
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    enabled: bool
+    sigma: float | None
+    q: float | None
+    steps: int
+    epsilon: float  # this stage ALONE at delta
+    share: float  # epsilon / sum of the stages' epsilons (composition is sub-additive: shares of that sum)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage, "enabled": self.enabled, "sigma": self.sigma, "q": self.q, "steps": self.steps,
+            "epsilon": self.epsilon, "share": self.share, "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    dataset_size: int
+    target_epsilon: float
+    delta: float
+    accountant: str
+    epsilon: float  # total over the whole history (all stages composed)
+    noise_multiplier: float | None  # DP-SGD sigma (calibrated or configured); None when DP-SGD has 0 steps
+    calibrated: bool
+    stages: tuple[StagePlan, ...]
+    history: tuple[PrivacyEvent, ...]
+    prior: tuple[PrivacyEvent, ...] = field(default=())
+
+    def stage(self, name: str) -> StagePlan:
+        for s in self.stages:
+            if s.stage == name:
+                return s
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dataset_size": self.dataset_size,
+            "target_epsilon": self.target_epsilon,
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "noise_multiplier": self.noise_multiplier,
+            "calibrated": self.calibrated,
+            "stages": [s.to_dict() for s in self.stages],
+            "history": [e.to_dict() for e in self.history],
+        }
+
+
+def _rate(batch: int, n: int, section: str) -> float:
+    if batch > n:
+        raise PrivacyError(
+            f"[{section}] batch {batch} exceeds the dataset size {n} (sampling rate would be {batch / n:.3g} > 1): "
+            f"shrink [{section}] batch to at most {n}"
+        )
+    return batch / n
+
+
+def plan_job(
+    cfg: JobConfig,
+    n: int,
+    *,
+    dpsgd_steps: int | None = None,
+    target_epsilon: float | None = None,
+    delta: float | None = None,
+    prior_events: Sequence[PrivacyEvent] = (),
+) -> PrivacyPlan:
+    """Plan a job on a dataset of PUBLIC size ``n``.
+
+    ``dpsgd_steps`` overrides the job's steps/epochs (the federated plan passes rounds x local steps);
+    ``target_epsilon``/``delta`` override ``[privacy]`` (a site's own budget); ``prior_events`` are events
+    already spent on the same data (a site ledger), composed into the history before calibration.
+    Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PrivacyError(f"dataset size must be a positive integer, got {n!r}")
+    eps_target = cfg.privacy.epsilon if target_epsilon is None else float(target_epsilon)
+    dlt = cfg.privacy.delta if delta is None else float(delta)
+    acc = cfg.privacy.accountant
+    prior = list(prior_events)
+    warm: list[PrivacyEvent] = []
+    c, f, d = cfg.central, cfg.frequency, cfg.dpsgd
+
+    central_ev = None
+    if c.rounds > 0:
+        central_ev = PrivacyEvent("central", c.sigma, _rate(c.batch, n, "central"), c.rounds)
+        warm.append(central_ev)
+    freq_ev = None
+    if f.sigma is not None:
+        freq_ev = PrivacyEvent("frequency", f.sigma, 1.0, 1)
+        warm.append(freq_ev)
+
+    steps = cfg.dpsgd_steps(n) if dpsgd_steps is None else int(dpsgd_steps)
+    q_sgd = _rate(d.batch, n, "dpsgd")
+    warm_eps = epsilon(prior + warm, dlt, acc)
+    if warm_eps >= eps_target:
+        biggest = max(warm, key=lambda e: epsilon([e], dlt, acc)).stage if warm else "prior"
+        raise PrivacyError(
+            f"the warm-up alone spends epsilon {warm_eps:.3f} >= the budget {eps_target}: shrink [{biggest}] "
+            f"(fewer rounds / larger sigma), drop a warm-up stage, or raise [privacy] epsilon"
+        )
+
+    sgd_ev = None
+    sigma_sgd: float | None = None
+    calibrated = False
+    if steps > 0:
+        if d.noise_multiplier is not None:
+            sigma_sgd = d.noise_multiplier
+        else:
+            try:
+                sigma_sgd = calibrate_noise_multiplier(prior + warm, q_sgd, steps, eps_target, dlt, acc,
+                                                       max_sigma=MAX_NOISE_MULTIPLIER)
+            except PrivacyError as exc:
+                raise PrivacyError(
+                    f"[dpsgd] cannot be calibrated: {exc}. Shrink the warm-up ([central] rounds, [frequency] sigma) "
+                    f"or [dpsgd] steps/epochs ({steps} steps) or [dpsgd] batch ({d.batch})"
+                ) from None
+            calibrated = True
+        sgd_ev = PrivacyEvent("dpsgd", sigma_sgd, q_sgd, steps)
+
+    history = prior + warm + ([sgd_ev] if sgd_ev else [])
+    total = epsilon(history, dlt, acc)
+    if total > eps_target + 1e-9:
+        raise PrivacyError(
+            f"[dpsgd] noise_multiplier {sigma_sgd} gives a total epsilon {total:.3f} above the budget {eps_target}: "
+            f"raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer steps than {steps}"
+        )
+
+    rows: list[tuple[str, PrivacyEvent | None, str]] = [
+        ("central", central_ev, f"{c.kind} images, {c.rounds} round(s)" if central_ev else "disabled (rounds = 0)"),
+        ("frequency", freq_ev, f"{f.features} random Fourier features" if freq_ev else "disabled (no sigma)"),
+        ("dpsgd", sgd_ev, ("calibrated" if calibrated else "configured") if sgd_ev else "disabled (0 steps)"),
+    ]
+    if prior:
+        rows.insert(0, ("prior", None, f"{len(prior)} event(s) already spent"))
+    alone = {name: (epsilon([ev], dlt, acc) if ev else 0.0) for name, ev, _ in rows}
+    if prior:
+        alone["prior"] = epsilon(prior, dlt, acc)
+    summed = sum(alone.values()) or 1.0
+    stages = tuple(
+        StagePlan(
+            stage=name, enabled=ev is not None or name == "prior",
+            sigma=ev.sigma if ev else None, q=ev.q if ev else None,
+            steps=ev.steps if ev else (sum(e.steps for e in prior) if name == "prior" else 0),
+            epsilon=alone[name], share=alone[name] / summed, note=note,
+        )
+        for name, ev, note in rows
+    )
+    return PrivacyPlan(
+        dataset_size=n, target_epsilon=eps_target, delta=dlt, accountant=acc, epsilon=total,
+        noise_multiplier=sigma_sgd, calibrated=calibrated, stages=stages, history=tuple(history),
+        prior=tuple(prior),
+    )
+
+
+def plan_site(
+    cfg: JobConfig,
+    n: int,
+    *,
+    target_epsilon: float | None = None,
+    delta: float | None = None,
+    prior_events: Sequence[PrivacyEvent] = (),
+    dpsgd_steps: int | None = None,
+) -> PrivacyPlan:
+    """Plan for ONE federated site with its own public size ``n`` and budget.
+
+    DP-SGD steps default to ``[federation] rounds x local_steps`` (each site takes that many subsampled-Gaussian
+    steps on its own data); the site's sigma is calibrated for its own size, budget and prior spending.
+    """
+    steps = cfg.federation.rounds * cfg.federation.local_steps if dpsgd_steps is None else dpsgd_steps
+    return plan_job(cfg, n, dpsgd_steps=steps, target_epsilon=target_epsilon, delta=delta, prior_events=prior_events)

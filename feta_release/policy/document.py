@@ -1,0 +1,318 @@
+"""Site policy documents: read (TOML or JSON), validate, sign, and load a signed one for a node.
+
+A policy says what one site allows: its data (fingerprint + public size), its ε/δ budget for its lifetime
+and per job, the mechanisms with their minimum noise and caps, which coordinators may send jobs, which app
+bundles may run, and the validity window. The site's policy key signs it (``{"policy": ..., "signature":
+...}``); a node loads it with :func:`load_site_policy`, which refuses anything it cannot trust.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .. import signing
+from ..errors import PolicyError
+from . import schema
+from .envelope import KeyLike, as_public_keys, open_envelope, read_json, seal, write_json
+from .errors import PolicySchemaError, PolicyViolation
+
+MECHANISMS = ("central", "frequency", "dpsgd")
+
+
+# -- time ------------------------------------------------------------------------------------------
+
+
+def parse_time(value: str | dt.datetime, where: str = "time") -> dt.datetime:
+    """An aware UTC datetime from ISO 8601 text (``Z`` or an explicit offset is required)."""
+    if isinstance(value, dt.datetime):
+        t = value
+    else:
+        try:
+            t = dt.datetime.fromisoformat(str(value))
+        except ValueError:
+            raise PolicyError(f"{where}: {value!r} is not an ISO 8601 date-time") from None
+    if t.tzinfo is None:
+        raise PolicyError(f"{where}: {value!r} has no UTC offset; write e.g. 2026-01-01T00:00:00Z")
+    return t.astimezone(dt.timezone.utc)
+
+
+def format_time(t: dt.datetime) -> str:
+    return parse_time(t).isoformat().replace("+00:00", "Z")
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+# -- the parsed policy -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MechanismRule:
+    name: str
+    allowed: bool
+    min_sigma: float | None
+    caps: Mapping[str, float]  # e.g. {"max_steps": 2000, "max_batch": 4096}
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """A verified policy. ``document`` is the signed body; ``digest`` the sha256 of its canonical JSON."""
+
+    version: int
+    site_id: str
+    dataset_fingerprint: str
+    dataset_size: int
+    lifetime_epsilon: float
+    lifetime_delta: float
+    job_epsilon: float
+    job_delta: float
+    accountant: str
+    mechanisms: Mapping[str, MechanismRule]
+    coordinators: tuple[str, ...]  # as written: PEM or fingerprint
+    app_bundles: tuple[str, ...]
+    not_before: dt.datetime
+    expires: dt.datetime
+    signer: str | None  # fingerprint of the key that signed it (None: read unsigned, e.g. before signing)
+    digest: str
+    document: Mapping[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_document(cls, doc: dict[str, Any], signer: str | None, source: str = "<policy>") -> "SitePolicy":
+        validate_policy(doc, source)
+        mechs = {}
+        for name in MECHANISMS:
+            m = doc["mechanisms"][name]
+            caps = {k: v for k, v in m.items() if k.startswith("max_")}
+            mechs[name] = MechanismRule(name, bool(m["allowed"]), m.get("min_sigma"), caps)
+        return cls(
+            version=doc["version"],
+            site_id=doc["site_id"],
+            dataset_fingerprint=doc["dataset"]["fingerprint"],
+            dataset_size=doc["dataset"]["size"],
+            lifetime_epsilon=float(doc["budget"]["lifetime"]["epsilon"]),
+            lifetime_delta=float(doc["budget"]["lifetime"]["delta"]),
+            job_epsilon=float(doc["budget"]["per_job"]["epsilon"]),
+            job_delta=float(doc["budget"]["per_job"]["delta"]),
+            accountant=doc["accountant"],
+            mechanisms=mechs,
+            coordinators=tuple(doc["coordinators"]),
+            app_bundles=tuple(doc["app_bundles"]),
+            not_before=parse_time(doc["not_before"], f"{source}: not_before"),
+            expires=parse_time(doc["expires"], f"{source}: expires"),
+            signer=signer,
+            digest=signing.sha256_hex(signing.canonical_json(doc)),
+            document=doc,
+        )
+
+    def coordinator_fingerprints(self) -> set[str]:
+        return {_coordinator_fingerprint(c) for c in self.coordinators}
+
+    def coordinator_keys(self) -> list[Ed25519PublicKey]:
+        """The coordinators given as full PEM (fingerprint-only entries have no key to return)."""
+        return [signing.load_public_key(c.encode()) for c in self.coordinators if c.lstrip().startswith("-----BEGIN")]
+
+
+def _coordinator_fingerprint(entry: str) -> str:
+    if entry.lstrip().startswith("-----BEGIN"):
+        return signing.fingerprint(signing.load_public_key(entry.encode()))
+    return entry
+
+
+# -- reading and validating ------------------------------------------------------------------------
+
+
+def _normalize(obj: Any) -> Any:
+    """TOML dates become ISO text; everything else must already be JSON."""
+    if isinstance(obj, dict):
+        return {k: _normalize(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_normalize(v) for v in obj]
+    if isinstance(obj, dt.datetime):
+        if obj.tzinfo is None:
+            raise PolicyError(f"date-time {obj.isoformat()} has no UTC offset; write e.g. 2026-01-01T00:00:00Z")
+        return format_time(obj)
+    if isinstance(obj, (dt.date, dt.time)):
+        raise PolicyError(f"{obj.isoformat()}: give a full date-time with UTC offset, e.g. 2026-01-01T00:00:00Z")
+    return obj
+
+
+def validate_policy(doc: Any, source: str = "<policy>") -> None:
+    """Schema check (errors name the field path) and the rules a schema cannot say."""
+    schema.validate(doc, "policy", source)
+    problems: list[tuple[str, str]] = []
+    for f in ("not_before", "expires"):
+        try:
+            parse_time(doc[f], f)
+        except PolicyError as exc:
+            problems.append((f, str(exc)))
+    if not problems and parse_time(doc["not_before"]) >= parse_time(doc["expires"]):
+        problems.append(("expires", f"must be after not_before ({doc['not_before']})"))
+    b = doc["budget"]
+    for k in ("epsilon", "delta"):
+        if b["per_job"][k] > b["lifetime"][k]:
+            problems.append((f"budget.per_job.{k}", f"{b['per_job'][k]} exceeds budget.lifetime.{k} {b['lifetime'][k]}"))
+    for i, c in enumerate(doc["coordinators"]):
+        if c.lstrip().startswith("-----BEGIN"):
+            try:
+                signing.load_public_key(c.encode())
+            except PolicyError as exc:
+                problems.append((f"coordinators[{i}]", str(exc)))
+    if problems:
+        raise PolicySchemaError(source, problems)
+
+
+def read_policy_document(path: str | Path) -> dict[str, Any]:
+    """Read an UNSIGNED policy (``.toml`` or ``.json``), normalized and validated."""
+    p = Path(path)
+    try:
+        text = p.read_text("utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"{p}: policy file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(f"{p}: cannot read policy: {exc}") from None
+    try:
+        if p.suffix.lower() == ".toml":
+            doc = tomllib.loads(text)
+        else:
+            doc = json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise PolicyError(f"{p}: not valid {'TOML' if p.suffix.lower() == '.toml' else 'JSON'}: {exc}") from None
+    if isinstance(doc, dict) and set(doc) == {"policy", "signature"}:
+        raise PolicyError(f"{p}: already a signed policy; sign the plain policy document instead")
+    try:
+        doc = _normalize(doc)
+    except PolicyError as exc:
+        raise PolicyError(f"{p}: {exc}") from None
+    validate_policy(doc, str(p))
+    return doc
+
+
+def sign_policy(doc: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
+    """The enveloped signed policy ``{"policy": doc, "signature": {...}}`` (doc validated first)."""
+    validate_policy(doc)
+    return seal("policy", doc, key)
+
+
+def write_signed_policy(path: str | Path, signed: dict[str, Any]) -> Path:
+    return write_json(path, signed)
+
+
+# -- loading a signed policy (node side) -----------------------------------------------------------
+
+
+def open_signed_policy(signed: Any, trusted_keys: Iterable[KeyLike], source: str = "<signed policy>") -> SitePolicy:
+    """Signature + schema only (no clock, data or version checks): see :func:`load_site_policy`."""
+    body, signer = open_envelope(signed, "policy", as_public_keys(trusted_keys), source)
+    return SitePolicy.from_document(body, signer, source)
+
+
+def read_signed_policy_unverified(path: str | Path) -> tuple[SitePolicy, dict[str, Any]]:
+    """For display only: parse a signed policy WITHOUT trusting it (the signer is checked against the
+    key embedded in the signature, which proves integrity but not who that key belongs to)."""
+    signed = read_json(path, "signed policy")
+    from .envelope import signer_of
+
+    embedded = (signed.get("signature") or {}).get("public_key") if isinstance(signed, dict) else None
+    if not embedded or not signer_of(signed):
+        raise PolicyViolation("signature.required", f"{path}: unsigned policy (no signature envelope)")
+    pol = open_signed_policy(signed, [embedded], str(path))
+    return pol, signed
+
+
+def check_validity(policy: SitePolicy, now: dt.datetime | str | None = None, source: str = "policy") -> None:
+    t = utc_now() if now is None else parse_time(now, "now")
+    if t < policy.not_before:
+        raise PolicyViolation("not_before", f"{source} (site {policy.site_id}, version {policy.version}) is not valid "
+                              f"before {format_time(policy.not_before)}; it is now {format_time(t)}")
+    if t >= policy.expires:
+        raise PolicyViolation("expires", f"{source} (site {policy.site_id}, version {policy.version}) expired at "
+                              f"{format_time(policy.expires)}; it is now {format_time(t)}; sign a new version")
+
+
+def load_site_policy(
+    path: str | Path,
+    trusted_keys: Iterable[KeyLike],
+    *,
+    now: dt.datetime | str | None = None,
+    dataset_fingerprint: str | None = None,
+    last_seen_version: int | None = None,
+    last_seen_digest: str | None = None,
+) -> SitePolicy:
+    """Load the signed policy a node runs under, or refuse (:class:`PolicyViolation` naming the rule):
+
+    unsigned (``signature.required``), malformed envelope (``signature.envelope``), unknown signer
+    (``signature.signer``), bad signature (``signature.valid``), malformed body (schema error naming the
+    field), not yet valid (``not_before``), expired (``expires``), older than a version already seen
+    (``version``: a replayed policy; with ``last_seen_digest``, also the same version number re-signed
+    with different content), data changed since signing (``dataset.fingerprint``).
+    """
+    p = Path(path)
+    if p.suffix.lower() == ".toml":
+        raise PolicyViolation("signature.required", f"{p}: unsigned policy (TOML); sign it with "
+                              f"`feta-release policy sign {p} --key KEY` and load the signed JSON")
+    pol = open_signed_policy(read_json(p, "signed policy"), trusted_keys, str(p))
+    check_validity(pol, now, str(p))
+    if last_seen_version is not None and pol.version < last_seen_version:
+        raise PolicyViolation("version", f"{p}: policy version {pol.version} is older than version "
+                              f"{last_seen_version} already seen at this site (a replayed old policy); "
+                              f"versions only go up")
+    if (last_seen_digest is not None and last_seen_version is not None and pol.version == last_seen_version
+            and pol.digest != last_seen_digest):
+        raise PolicyViolation("version", f"{p}: policy version {pol.version} differs from the version {pol.version} "
+                              f"already seen at this site (digest {pol.digest[:16]} != {last_seen_digest[:16]}); "
+                              f"a changed policy needs a higher version number")
+    if dataset_fingerprint is not None and dataset_fingerprint != pol.dataset_fingerprint:
+        raise PolicyViolation("dataset.fingerprint", f"{p}: the data changed since the policy was signed: "
+                              f"data fingerprint {dataset_fingerprint} != policy's {pol.dataset_fingerprint}")
+    return pol
+
+
+def make_policy(
+    site_id: str,
+    dataset_fingerprint: str,
+    dataset_size: int,
+    coordinators: Iterable[str | Ed25519PublicKey],
+    *,
+    version: int = 1,
+    app_bundles: Iterable[str] = (),
+    lifetime: tuple[float, float] = (4.0, 1e-5),
+    per_job: tuple[float, float] = (1.0, 1e-5),
+    accountant: str = "rdp",
+    mechanisms: Mapping[str, Mapping[str, Any]] | None = None,
+    not_before: dt.datetime | str | None = None,
+    valid_days: float = 365.0,
+) -> dict[str, Any]:
+    """A validated policy document with the research defaults of ``policies/research.toml`` (for demos
+    and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text."""
+    start = utc_now().replace(microsecond=0) - dt.timedelta(minutes=5) if not_before is None else parse_time(not_before)
+    default_mechs: dict[str, dict[str, Any]] = {
+        "central": {"allowed": True, "min_sigma": 1.0, "max_rounds": 50, "max_batch": 60000},
+        "frequency": {"allowed": True, "min_sigma": 1.0, "max_features": 20000},
+        "dpsgd": {"allowed": True, "min_sigma": 0.5, "max_steps": 100000, "max_batch": 60000},
+    }
+    for name, over in (mechanisms or {}).items():
+        default_mechs[name] = {**default_mechs.get(name, {}), **over}
+    doc = {
+        "version": version,
+        "site_id": site_id,
+        "dataset": {"fingerprint": dataset_fingerprint, "size": int(dataset_size)},
+        "budget": {"lifetime": {"epsilon": lifetime[0], "delta": lifetime[1]},
+                   "per_job": {"epsilon": per_job[0], "delta": per_job[1]}},
+        "accountant": accountant,
+        "mechanisms": default_mechs,
+        "coordinators": [c if isinstance(c, str) else signing.public_key_pem(c) for c in coordinators],
+        "app_bundles": list(app_bundles),
+        "not_before": format_time(start),
+        "expires": format_time(start + dt.timedelta(days=valid_days)),
+    }
+    validate_policy(doc, f"policy for {site_id}")
+    return doc

@@ -1,0 +1,264 @@
+"""Enforcement: what a node checks before each release, and what a coordinator checks before a job.
+
+Rules and the request fields they read (caps on rounds/steps are per job at this site: the request's own
+steps plus those already recorded for the job):
+
+  mechanisms.<m>.allowed      the mechanism must be allowed
+  mechanisms.<m>.min_sigma    sigma (noise multiplier) >= minimum
+  mechanisms.central.max_rounds   job rounds (sum of central ``steps``) <= cap
+  mechanisms.<m>.max_batch    expected batch (``batch``, or q * dataset.size) <= cap   (central, dpsgd)
+  mechanisms.frequency.max_features  features <= cap
+  mechanisms.dpsgd.max_steps  job DP-SGD steps <= cap
+  mechanisms.dpsgd.max_clip   clip <= cap (sensitivity bound)
+  coordinators                the request's job was signed by a coordinator this policy allows
+  job.sites                   the job names this site
+  app_bundles                 the app bundle's sha256 is allowed
+  budget.per_job.epsilon / budget.lifetime.epsilon   composed with the site's accountant
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..accounting import PrivacyEvent
+from ..errors import BudgetExceededError, PolicyError, PrivacyError
+from .document import MECHANISMS, SitePolicy, check_validity
+from .errors import JobDoesNotFit, PolicyBudgetExceeded, PolicyViolation
+from .jobs import Job
+
+
+@dataclass(frozen=True)
+class MechanismRequest:
+    """One mechanism call a coordinator asks of a site."""
+
+    mechanism: str  # "central" | "frequency" | "dpsgd"
+    sigma: float  # noise multiplier
+    q: float = 1.0  # Poisson sampling rate
+    steps: int = 1  # compositions in this call (central: rounds; dpsgd: local steps; frequency: 1)
+    batch: int | None = None  # expected batch; None: q * dataset.size
+    features: int | None = None  # frequency: number of random features
+    clip: float | None = None  # dpsgd: per-example L2 clip
+    job: Job | None = None
+    app_bundle: str | None = None  # sha256 of the app bundle that asks
+
+    def event(self) -> PrivacyEvent:
+        return PrivacyEvent(stage=self.mechanism, sigma=self.sigma, q=self.q, steps=self.steps)
+
+    @classmethod
+    def coerce(cls, request: "MechanismRequest | PrivacyEvent | Mapping[str, Any]") -> "MechanismRequest":
+        if isinstance(request, MechanismRequest):
+            return request
+        if isinstance(request, PrivacyEvent):
+            return cls(mechanism=request.stage, sigma=request.sigma, q=request.q, steps=request.steps)
+        if isinstance(request, Mapping):
+            d = dict(request)
+            if "rounds" in d:  # central requests may say rounds
+                d["steps"] = d.pop("rounds")
+            d.setdefault("mechanism", d.pop("stage", None))
+            try:
+                return cls(**d)
+            except TypeError as exc:
+                raise PolicyError(f"malformed mechanism request {request!r}: {exc}") from None
+        raise PolicyError(f"malformed mechanism request {request!r}")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def check_app_bundle(policy: SitePolicy, sha256: str) -> None:
+    """Refuse an app bundle whose hash the policy does not list (check BEFORE importing any of its code)."""
+    if sha256 not in policy.app_bundles:
+        raise PolicyViolation("app_bundles", f"app bundle sha256 {sha256} is not in the policy's allow-list "
+                              f"({len(policy.app_bundles)} allowed)", site=policy.site_id)
+
+
+def check_job(policy: SitePolicy, job: Job) -> None:
+    if job.signer not in policy.coordinator_fingerprints():
+        raise PolicyViolation("coordinators", f"job {job.job_id} is signed by coordinator {job.signer}, which "
+                              "this policy does not allow", site=policy.site_id)
+    if policy.site_id not in job.sites:
+        raise PolicyViolation("job.sites", f"job {job.job_id} does not name this site", site=policy.site_id)
+
+
+def check_request(
+    policy: SitePolicy,
+    request: MechanismRequest | PrivacyEvent | Mapping[str, Any],
+    *,
+    job_events: Iterable[PrivacyEvent] = (),
+    require_job: bool = True,
+    require_stated: bool = True,
+    now: dt.datetime | str | None = None,
+) -> MechanismRequest:
+    """Refuse (:class:`PolicyViolation` naming the rule) a request the policy does not allow.
+
+    ``job_events``: events already recorded for this job at this site (the step/round caps are per job).
+    ``require_job``: a node always requires a verified job; the coordinator's planner checks without one.
+    ``require_stated``: refuse a request that does not state features (frequency) or clip (dpsgd) when the
+    policy caps them; a planner that does not know them yet passes False (the node checks them later).
+    ``now``: the policy must be valid at this time (default: the clock), so a long-running node stops
+    releasing when its policy expires. Budgets are checked separately by :func:`check_budget`.
+    """
+    req = MechanismRequest.coerce(request)
+    site = policy.site_id
+    check_validity(policy, now, f"policy of site {site}")
+    m = req.mechanism
+    if m not in MECHANISMS:
+        raise PolicyViolation("mechanisms", f"unknown mechanism {m!r}; known: {', '.join(MECHANISMS)}", site=site)
+    rule = policy.mechanisms[m]
+    base = f"mechanisms.{m}"
+    if not rule.allowed:
+        raise PolicyViolation(f"{base}.allowed", f"mechanism {m} is not allowed at this site", site=site)
+    if req.job is not None:
+        check_job(policy, req.job)
+    elif require_job:
+        raise PolicyViolation("coordinators", f"{m} request carries no verified job; every request must belong to "
+                              "a job signed by an allowed coordinator", site=site)
+    if req.app_bundle is not None:
+        check_app_bundle(policy, req.app_bundle)
+    sigma = req.sigma
+    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma)) or sigma < (rule.min_sigma or 0.0) or sigma <= 0:
+        raise PolicyViolation(f"{base}.min_sigma", f"requested σ={sigma} < minimum {_fmt(rule.min_sigma or 0.0)}",
+                              site=site)
+    if not (isinstance(req.q, (int, float)) and 0 < req.q <= 1):
+        raise PolicyViolation(f"{base}", f"sampling rate q={req.q} must be in (0, 1]", site=site)
+    if isinstance(req.steps, bool) or not isinstance(req.steps, int) or req.steps < 0:
+        raise PolicyViolation(f"{base}", f"steps={req.steps!r} must be an integer >= 0", site=site)
+    caps = rule.caps
+    prior = sum(e.steps for e in job_events if e.stage == m)
+    steps_cap = "max_rounds" if m == "central" else "max_steps"
+    if steps_cap in caps and prior + req.steps > caps[steps_cap]:
+        what = "rounds" if m == "central" else "steps"
+        raise PolicyViolation(f"{base}.{steps_cap}", f"{what} for this job would be {prior + req.steps} "
+                              f"({prior} done + {req.steps} requested) > cap {caps[steps_cap]}", site=site)
+    if "max_batch" in caps:
+        batch = req.batch if req.batch is not None else req.q * policy.dataset_size
+        if batch > caps["max_batch"]:
+            raise PolicyViolation(f"{base}.max_batch", f"expected batch {_fmt(batch)} > cap {caps['max_batch']}",
+                                  site=site)
+    if "max_features" in caps:
+        if req.features is None and require_stated:
+            raise PolicyViolation(f"{base}.max_features", "request does not state its number of features", site=site)
+        if req.features is not None and req.features > caps["max_features"]:
+            raise PolicyViolation(f"{base}.max_features", f"requested {req.features} features > cap "
+                                  f"{caps['max_features']}", site=site)
+    if "max_clip" in caps:
+        if req.clip is None and require_stated:
+            raise PolicyViolation(f"{base}.max_clip", "request does not state its clip norm", site=site)
+        if req.clip is not None and req.clip > caps["max_clip"]:
+            raise PolicyViolation(f"{base}.max_clip", f"requested clip {_fmt(req.clip)} > cap "
+                                  f"{_fmt(caps['max_clip'])}", site=site)
+    return req
+
+
+def _epsilon(events: Sequence[PrivacyEvent], delta: float, accountant: str) -> float:
+    from ..accounting import epsilon
+
+    return 0.0 if not events else float(epsilon(list(events), delta, accountant))
+
+
+def check_budget(
+    policy: SitePolicy,
+    job_events: Iterable[PrivacyEvent],
+    lifetime_events: Iterable[PrivacyEvent],
+    new_events: Iterable[PrivacyEvent],
+    *,
+    job_scope: str = "this job",
+) -> tuple[float, float]:
+    """(ε of the job after, ε of the site's lifetime after) with the policy's accountant, or refuse.
+
+    ``job_events``: already recorded for this job at this site; ``lifetime_events``: everything already
+    recorded at this site (all jobs, this one included); ``new_events``: what this release would add.
+    Raises :class:`PolicyBudgetExceeded` (a ``BudgetExceededError``) naming ``budget.per_job.epsilon``
+    or ``budget.lifetime.epsilon`` with spent / after / cap.
+    """
+    job_ev, life_ev, new_ev = list(job_events), list(lifetime_events), list(new_events)
+    acc = policy.accountant
+    job_after = _epsilon(job_ev + new_ev, policy.job_delta, acc)
+    if job_after > policy.job_epsilon:
+        raise PolicyBudgetExceeded("budget.per_job.epsilon", spent=_epsilon(job_ev, policy.job_delta, acc),
+                                   after=job_after, cap=policy.job_epsilon, delta=policy.job_delta,
+                                   accountant=acc, scope=job_scope, site=policy.site_id)
+    life_after = _epsilon(life_ev + new_ev, policy.lifetime_delta, acc)
+    if life_after > policy.lifetime_epsilon:
+        raise PolicyBudgetExceeded("budget.lifetime.epsilon", spent=_epsilon(life_ev, policy.lifetime_delta, acc),
+                                   after=life_after, cap=policy.lifetime_epsilon, delta=policy.lifetime_delta,
+                                   accountant=acc, scope="the site's lifetime", site=policy.site_id)
+    return job_after, life_after
+
+
+def _with_job_defaults(req: MechanismRequest, job: Job | None) -> MechanismRequest:
+    """Fill what a planned event does not say (job, clip, features) from the signed job's config."""
+    if job is None:
+        return req
+    fill: dict[str, Any] = {}
+    if req.job is None:
+        fill["job"] = job
+    if req.mechanism == "dpsgd" and req.clip is None:
+        fill["clip"] = job.config.dpsgd.clip
+    if req.mechanism == "frequency" and req.features is None:
+        fill["features"] = job.config.frequency.features
+    return dataclasses.replace(req, **fill) if fill else req
+
+
+def check_job_fits(
+    policies: Mapping[str, SitePolicy],
+    planned: Mapping[str, Sequence[MechanismRequest | PrivacyEvent | Mapping[str, Any]]],
+    *,
+    job: Job | None = None,
+    lifetime_events: Mapping[str, Sequence[PrivacyEvent]] | None = None,
+    now: dt.datetime | str | None = None,
+) -> dict[str, float]:
+    """Coordinator side, before anything is released: every site's planned requests must pass its policy.
+
+    ``planned[site]``: the whole job's requests at that site, in order (PrivacyEvents are fine: clip and
+    features come from ``job.config`` when a job is given; batch is q * the site's public size).
+    ``lifetime_events[site]`` (optional): what the site reports it has already spent.
+    Returns each site's planned job ε; raises :class:`JobDoesNotFit` listing every (site, rule, reason).
+    """
+    problems: list[tuple[str, str, str]] = []
+    result: dict[str, float] = {}
+    sites = list(planned)
+    if job is not None:
+        sites += [s for s in job.sites if s not in planned]
+    for site in sites:
+        pol = policies.get(site)
+        if pol is None:
+            problems.append((site, "policy", f"site {site}: no verified policy to plan against"))
+            continue
+        if pol.site_id != site:
+            problems.append((site, "site_id", f"site {site}: its policy is for site {pol.site_id}"))
+            continue
+        history: list[PrivacyEvent] = []
+        ok = True
+        for item in planned.get(site, ()):
+            try:
+                req = _with_job_defaults(MechanismRequest.coerce(item), job)
+                check_request(pol, req, job_events=history, require_job=False, require_stated=False, now=now)
+                history.append(req.event())
+            except (PolicyViolation, PolicyBudgetExceeded) as exc:
+                problems.append((site, exc.rule, str(exc)))
+                ok = False
+                break
+            except (PolicyError, PrivacyError) as exc:
+                problems.append((site, "request", f"site {site}: {exc}"))
+                ok = False
+                break
+        if not ok:
+            continue
+        try:
+            prior = list((lifetime_events or {}).get(site, ()))
+            job_eps, _ = check_budget(pol, [], prior, history, job_scope="the planned job")
+            result[site] = job_eps
+        except PolicyBudgetExceeded as exc:
+            problems.append((site, exc.rule, str(exc)))
+        except BudgetExceededError as exc:  # pragma: no cover - accounting raising its own budget error
+            problems.append((site, "budget", f"site {site}: {exc}"))
+    if problems:
+        raise JobDoesNotFit(problems)
+    return result

@@ -1,0 +1,189 @@
+"""Write a release directory: generator.onnx + signed manifest (+ the sites' signed policies).
+
+Two entry points:
+
+* :func:`assemble_release` — from a denoiser (torch module or already-exported ONNX), the job, and site records
+  whose attestations are already signed (a federated coordinator collects them from the nodes' ledgers).
+* :func:`export_run` — a single-site training run directory: reads the model and its privacy history, signs
+  the site's spend statement with the site key, and calls :func:`assemble_release`.
+
+Both write into a hidden temporary directory beside OUT and rename it at the end: a failed export leaves
+nothing that looks like a release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ..accounting import events_from_list
+from ..errors import ReleaseError
+from .manifest import (
+    GENERATOR_FILE,
+    POLICY_DIR,
+    build_attestation,
+    build_manifest,
+    policy_file_name,
+    sign_manifest,
+    site_record,
+    statement_sha256,
+    utc_now,
+    write_manifest,
+)
+from .onnx_export import SamplerSettings, build_generator, export_denoiser
+
+
+def assemble_release(
+    out: str | Path,
+    *,
+    denoiser: Any,
+    classes: Sequence[str],
+    image_shape: Sequence[int],
+    sampler: SamplerSettings,
+    job_id: str,
+    config: dict[str, Any],
+    sites: Sequence[dict[str, Any]],
+    coordinator_key: Ed25519PrivateKey,
+    signed_policies: Mapping[str, dict[str, Any]] | None = None,
+    timestamps: dict[str, str] | None = None,
+) -> Path:
+    """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s."""
+    import onnx
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ReleaseError(f"{out}: already exists and is not empty; choose a new release directory")
+    job = {"job_id": job_id, "config": config}
+    # The statement is fixed first and embedded in the generator; the manifest then hashes the generator.
+    stmt = statement_sha256(job, sites)
+    den = denoiser if isinstance(denoiser, onnx.ModelProto) else export_denoiser(denoiser, image_shape)
+    model = build_generator(den, sampler, classes, image_shape, statement_sha256=stmt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (tmp / GENERATOR_FILE).write_bytes(model.SerializeToString())
+        for sid, signed in (signed_policies or {}).items():
+            (tmp / POLICY_DIR).mkdir(exist_ok=True)
+            (tmp / policy_file_name(sid)).write_text(json.dumps(signed, indent=2, ensure_ascii=False) + "\n", "utf-8")
+        manifest = build_manifest(
+            tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
+            sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
+        )
+        write_manifest(tmp, sign_manifest(manifest, coordinator_key))
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# -- single-site run directories -------------------------------------------------------------------------
+
+
+def _first(d: Mapping[str, Any], keys: Sequence[str], where: str) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    raise ReleaseError(f"{where}: none of {', '.join(keys)} found")
+
+
+def read_run(run_dir: str | Path) -> dict[str, Any]:
+    """What a release needs from a finished ``feta-release train`` run directory (layout: training/pipeline.py):
+    ``model.pt`` {spec, state_dict (EMA weights), class_names}, ``job.json``, ``privacy.json`` {events, delta,
+    accountant}, ``run.json`` (finish time) and the ``COMPLETE`` marker."""
+    from ..config import JobConfig
+    from ..training.checkpoint import load_torch, read_json
+
+    rd = Path(run_dir)
+    if not (rd / "COMPLETE").is_file():
+        raise ReleaseError(f"{rd}: the run is not complete (no COMPLETE marker); finish `feta-release train` first")
+    for name in ("model.pt", "privacy.json", "job.json"):
+        if not (rd / name).is_file():
+            raise ReleaseError(f"{rd / name}: missing; is {rd} a `feta-release train` run directory?")
+    ckpt = load_torch(rd / "model.pt")
+    if not isinstance(ckpt, dict):
+        raise ReleaseError(f"{rd / 'model.pt'}: expected a checkpoint dictionary")
+    privacy = read_json(rd / "privacy.json")
+    cfg = JobConfig.from_dict(read_json(rd / "job.json"), source=str(rd / "job.json"))
+    run_info = read_json(rd / "run.json") if (rd / "run.json").is_file() else {}
+    return {"checkpoint": ckpt, "privacy": privacy, "config": cfg, "run_dir": rd, "run": run_info}
+
+
+def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
+    from ..models.edm import denoiser_from_spec
+
+    spec = _first(ckpt, ("spec",), where)
+    state = _first(ckpt, ("state_dict",), where)  # the pipeline stores the EMA weights here
+    den = denoiser_from_spec(spec)
+    den.load_state_dict(state)
+    return den.eval()
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    coordinator_key: Ed25519PrivateKey,
+    site_key: Ed25519PrivateKey,
+    site_id: str | None = None,
+    signed_policy: dict[str, Any] | None = None,
+    job_id: str | None = None,
+    sampler: SamplerSettings | None = None,
+) -> Path:
+    """Single-site release: the site key signs the run's spend statement, the coordinator key the manifest.
+
+    ``sampler`` overrides the job's ``[sampler]`` section (sampling is post-processing: no privacy cost).
+    """
+    from ..policy.document import SitePolicy
+
+    run = read_run(run_dir)
+    rd: Path = run["run_dir"]
+    cfg = run["config"]
+    ckpt = run["checkpoint"]
+    privacy = run["privacy"]
+    events = events_from_list(_first(privacy, ("events",), str(rd / "privacy.json")))
+    delta = float(privacy.get("delta", cfg.privacy.delta))
+    accountant = str(privacy.get("accountant", cfg.privacy.accountant))
+    den = denoiser_from_checkpoint(ckpt, str(rd / "model.pt"))
+    classes = [str(c) for c in _first(ckpt, ("class_names",), str(rd / "model.pt"))]
+    if len(classes) != den.n_classes:
+        raise ReleaseError(f"{rd / 'model.pt'}: {len(classes)} class names for a {den.n_classes}-class model")
+    policy_sha = None
+    if signed_policy is not None:
+        # Integrity only here; `verify` checks the policy signer against the keys the reader trusts.
+        pol = SitePolicy.from_document(signed_policy["policy"], None, "signed policy")
+        policy_sha = pol.digest
+        site_id = site_id or pol.site_id
+        if pol.site_id != site_id:
+            raise ReleaseError(f"the policy is for site {pol.site_id!r}, the release names site {site_id!r}")
+    site_id = site_id or "site"
+    job_id = job_id or f"{cfg.job.name}-{rd.resolve().name}"
+    att = build_attestation(site_id, job_id, events, delta, accountant, policy_sha, site_key)
+    if signed_policy is not None:
+        from .verify import policy_violations
+
+        over = policy_violations(dict(signed_policy["policy"]), att["statement"], events)
+        if over:
+            raise ReleaseError(f"{rd}: the run is outside site {site_id}'s policy, refusing to release it: "
+                               + "; ".join(over))
+    return assemble_release(
+        out,
+        denoiser=den,
+        classes=classes,
+        image_shape=den.image_shape,
+        sampler=sampler or SamplerSettings.from_config(cfg.sampler),
+        job_id=job_id,
+        config=cfg.to_dict(),
+        sites=[site_record(att)],
+        coordinator_key=coordinator_key,
+        signed_policies={site_id: signed_policy} if signed_policy is not None else None,
+        timestamps={"trained": run["run"]["finished"]} if isinstance(run["run"].get("finished"), str) else None,
+    )

@@ -1,0 +1,208 @@
+"""The release manifest and the per-site spend attestations it carries.
+
+A release directory holds::
+
+    manifest.json                 {"manifest": {...}, "signature": coordinator signature over canonical_json(manifest)}
+    generator.onnx                the one-file generator (noise, labels) -> images
+    policies/SITE.signed.json     optional: the signed policy each site ran under (lets verify check the caps)
+
+Each site's entry carries an *attestation*: a spend statement (site, job, full event history, (eps, delta),
+accountant, policy hash) signed with the SITE's key. The site's ledger produces it in a federated run
+(``edge.ledger`` calls :func:`build_attestation`); ``feta-release export --site-key`` does it for a single-site
+run. The coordinator then signs the whole manifest. So a verifier needs no trust in the coordinator for a
+site's privacy figures: the site itself signed them, and ``verify`` recomputes epsilon from the events.
+
+This module imports neither torch nor onnx: verification and synthesis run where only onnxruntime exists.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from .. import __version__
+from ..accounting import PrivacyEvent, epsilon, events_from_list, events_to_list
+from ..errors import ReleaseError
+from ..signing import canonical_json, sha256_file, sha256_hex, sign_document
+
+FORMAT_VERSION = "feta-release/manifest/1"
+ATTESTATION_KIND = "feta-release/spend-attestation/1"
+MANIFEST_FILE = "manifest.json"
+GENERATOR_FILE = "generator.onnx"
+POLICY_DIR = "policies"
+
+GENERATOR_INPUTS = {
+    "noise": {"dtype": "float32", "shape": ["batch", "C", "H", "W"], "meaning": "standard normal noise"},
+    "labels": {"dtype": "int64", "shape": ["batch"], "meaning": "class index into classes"},
+}
+GENERATOR_OUTPUTS = {"images": {"dtype": "float32", "shape": ["batch", "C", "H", "W"], "range": [0.0, 1.0]}}
+
+# Packages whose versions the manifest records; read from installed metadata, never by importing them.
+SOFTWARE = ("feta-release", "torch", "onnx", "onnxruntime", "flwr", "opacus")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def software_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in SOFTWARE:
+        try:
+            out[name.replace("-", "_")] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name.replace("-", "_")] = None
+    out["feta_release"] = out.get("feta_release") or __version__
+    return out
+
+
+def policy_file_name(site_id: str) -> str:
+    return f"{POLICY_DIR}/{site_id}.signed.json"
+
+
+# -- attestations -----------------------------------------------------------------------------------------
+
+
+def build_attestation(
+    site_id: str,
+    job_id: str,
+    events: Iterable[PrivacyEvent],
+    delta: float,
+    accountant: str,
+    policy_sha256: str | None,
+    key: Ed25519PrivateKey,
+    *,
+    created: str | None = None,
+) -> dict[str, Any]:
+    """A site's signed spend statement for one job: ``{"statement": {...}, "signature": {...}}``.
+
+    epsilon is computed here from the events (never taken from the caller), so a site cannot sign a figure
+    that its own history does not support.
+    """
+    evs = list(events)
+    statement = {
+        "kind": ATTESTATION_KIND,
+        "site_id": str(site_id),
+        "job_id": str(job_id),
+        "events": events_to_list(evs),
+        "epsilon": epsilon(evs, delta, accountant),  # type: ignore[arg-type]
+        "delta": float(delta),
+        "accountant": accountant,
+        "policy_sha256": policy_sha256,
+        "created": created or utc_now(),
+    }
+    return {"statement": statement, "signature": sign_document(statement, key)}
+
+
+def site_record(attestation: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's entry for a site: the attested figures, repeated in the clear, plus the attestation."""
+    st = attestation["statement"]
+    return {
+        "site_id": st["site_id"],
+        "events": st["events"],
+        "epsilon": st["epsilon"],
+        "delta": st["delta"],
+        "accountant": st["accountant"],
+        "policy_sha256": st["policy_sha256"],
+        "attestation": attestation,
+    }
+
+
+# Fields of a site record that must equal its signed statement.
+ATTESTED_FIELDS = ("site_id", "events", "epsilon", "delta", "accountant", "policy_sha256")
+
+
+# -- release statement (what the generator's metadata binds to) ---------------------------------------------
+
+
+def release_statement(job: dict[str, Any], sites: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Job + every site's privacy figures: fixed BEFORE the generator is written (see onnx_export docstring)."""
+    return {
+        "job": {"job_id": job["job_id"], "config": job["config"]},
+        "sites": [{k: s[k] for k in ATTESTED_FIELDS} for s in sites],
+    }
+
+
+def statement_sha256(job: dict[str, Any], sites: Sequence[dict[str, Any]]) -> str:
+    return sha256_hex(canonical_json(release_statement(job, sites)))
+
+
+# -- manifest -------------------------------------------------------------------------------------------
+
+
+def build_manifest(
+    release_dir: str | Path,
+    *,
+    job_id: str,
+    config: dict[str, Any],
+    classes: Sequence[str],
+    image_shape: Sequence[int],
+    sampler: dict[str, Any],
+    sites: Sequence[dict[str, Any]],
+    timestamps: dict[str, str] | None = None,
+    generator_file: str = GENERATOR_FILE,
+) -> dict[str, Any]:
+    """The unsigned manifest body for a release directory whose generator is already written."""
+    gen_path = Path(release_dir) / generator_file
+    if not gen_path.is_file():
+        raise ReleaseError(f"{gen_path}: generator file missing; write it before the manifest")
+    if not sites:
+        raise ReleaseError("a release needs at least one site's attestation")
+    ids = [s["site_id"] for s in sites]
+    if len(set(ids)) != len(ids):
+        raise ReleaseError(f"duplicate site ids in release: {ids}")
+    created = utc_now()
+    return {
+        "format_version": FORMAT_VERSION,
+        "created": created,
+        "generator": {
+            "file": generator_file,
+            "sha256": sha256_file(gen_path),
+            "inputs": GENERATOR_INPUTS,
+            "outputs": GENERATOR_OUTPUTS,
+            "classes": list(classes),
+            "image_shape": [int(v) for v in image_shape],
+            "sampler": dict(sampler),
+        },
+        "job": {"job_id": job_id, "config": config},
+        "software": software_versions(),
+        "sites": list(sites),
+        "timestamps": {"manifest_created": created, **(timestamps or {})},
+    }
+
+
+def sign_manifest(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
+    return {"manifest": manifest, "signature": sign_document(manifest, key)}
+
+
+def write_manifest(release_dir: str | Path, signed: dict[str, Any]) -> Path:
+    path = Path(release_dir) / MANIFEST_FILE
+    # Human-readable on disk; the signature covers canonical_json(manifest), not these bytes.
+    path.write_text(json.dumps(signed, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def read_manifest(release_dir: str | Path) -> dict[str, Any]:
+    path = Path(release_dir) / MANIFEST_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ReleaseError(f"{path}: no manifest.json; is {release_dir} a release directory?") from None
+    except OSError as exc:
+        raise ReleaseError(f"{path}: cannot read manifest: {exc.strerror}") from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReleaseError(f"{path}: manifest is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict) or "signature" not in doc:
+        raise ReleaseError(f"{path}: expected {{\"manifest\": {{...}}, \"signature\": {{...}}}}")
+    return doc
+
+
+def site_events(site: dict[str, Any]) -> list[PrivacyEvent]:
+    return events_from_list(site["events"])

@@ -1,0 +1,292 @@
+"""Torch-free synthesis from a verified release: onnxruntime + numpy + Pillow only.
+
+Order of work, so that a refusal leaves nothing behind and a crash never leaves a half output that looks
+complete: verify the release (refuse with every reason) -> generate into a hidden temporary directory beside
+OUT -> write ``certificate.json`` last -> rename the directory to OUT in one step. Streaming: one batch of
+noise and images exists at a time; per-file hashes go to a scratch file, not to memory, so memory is flat in N.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from ..errors import ConfigError, ReleaseError
+from .manifest import MANIFEST_FILE, utc_now
+from .verify import VerificationResult, describe_site, require_valid, verify_release
+
+CERTIFICATE_FILE = "certificate.json"
+CERTIFICATE_VERSION = "feta-release/certificate/1"
+
+
+def available_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def make_session(model: bytes | str, threads: int | None = None, optimize: bool = True) -> Any:
+    """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    so.intra_op_num_threads = threads or available_cores()
+    so.inter_op_num_threads = 1  # the generator is one sequential Loop: no parallel branches to feed
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
+
+
+def class_counts(num: int | None, n_classes: int, per_class: Sequence[int] | None) -> list[int]:
+    """Images per class: ``per_class`` as given, else ``num`` split evenly (remainder to the first classes)."""
+    if per_class is not None:
+        counts = [int(c) for c in per_class]
+        if len(counts) != n_classes:
+            raise ConfigError(f"--per-class gives {len(counts)} counts but the release has {n_classes} classes")
+        if any(c < 0 for c in counts):
+            raise ConfigError(f"--per-class counts must be >= 0, got {counts}")
+        if num is not None and num != sum(counts):
+            raise ConfigError(f"--num {num} disagrees with --per-class (sum {sum(counts)}); give one of them")
+        if sum(counts) == 0:
+            raise ConfigError("--per-class asks for no images")
+        return counts
+    if num is None or num < 1:
+        raise ConfigError(f"--num must be >= 1 (or give --per-class), got {num}")
+    base, extra = divmod(num, n_classes)
+    return [base + (1 if i < extra else 0) for i in range(n_classes)]
+
+
+def class_dirs(classes: Sequence[str]) -> list[str]:
+    """Safe, unique folder names from the manifest's class names (never a path outside OUT)."""
+    out: list[str] = []
+    for i, name in enumerate(classes):
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("._") or f"class_{i}"
+        if safe in out:
+            safe = f"{safe}_{i}"
+        out.append(safe)
+    return out
+
+
+def _to_png(img: np.ndarray) -> bytes:
+    from PIL import Image
+
+    arr = np.clip(np.rint(img * 255.0), 0, 255).astype(np.uint8)
+    if arr.shape[0] == 1:
+        pil = Image.fromarray(arr[0], mode="L")
+    elif arr.shape[0] == 3:
+        pil = Image.fromarray(np.transpose(arr, (1, 2, 0)), mode="RGB")
+    else:
+        raise ReleaseError(f"cannot write {arr.shape[0]}-channel images as PNG (need 1 or 3 channels)")
+    buf = io.BytesIO()
+    pil.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def label_batches(counts: Sequence[int], batch: int) -> Iterator[np.ndarray]:
+    """Labels in class order, ``batch`` at a time, without materialising all N labels."""
+    pending: list[np.ndarray] = []
+    size = 0
+    for cls, n in enumerate(counts):
+        left = n
+        while left > 0:
+            take = min(left, batch - size)
+            pending.append(np.full(take, cls, dtype=np.int64))
+            size += take
+            left -= take
+            if size == batch:
+                yield np.concatenate(pending)
+                pending, size = [], 0
+    if size:
+        yield np.concatenate(pending)
+
+
+@dataclass
+class SynthesisReport:
+    out_dir: Path
+    n_images: int
+    counts: dict[str, int]
+    certificate: Path
+    seconds: float
+    threads: int
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ReleaseError(f"{out}: already exists and is not empty; choose a new --out directory")
+    if not out.parent.exists():
+        raise ReleaseError(f"{out.parent}: parent directory of --out does not exist")
+
+
+def synthesize(
+    release_dir: str | Path,
+    out: str | Path,
+    trusted: Sequence[Ed25519PublicKey],
+    *,
+    num: int | None = None,
+    per_class: Sequence[int] | None = None,
+    seed: int = 0,
+    batch: int = 64,
+    threads: int | None = None,
+    progress: bool = True,
+    verification: VerificationResult | None = None,
+) -> SynthesisReport:
+    """Verify the release, then write PNGs per class and ``certificate.json`` into ``out`` (all or nothing)."""
+    import time
+
+    out = Path(out)
+    if batch < 1:
+        raise ConfigError(f"--batch must be >= 1, got {batch}")
+    res = verification or verify_release(release_dir, trusted)
+    require_valid(res)
+    assert res.manifest is not None and res.generator_bytes is not None
+    man = res.manifest
+    classes = list(man["generator"]["classes"])
+    c, h, w = (int(v) for v in man["generator"]["image_shape"])
+    counts = class_counts(num, len(classes), per_class)
+    dirs = class_dirs(classes)
+    _prepare_out(out)
+
+    threads = threads or available_cores()
+    sess = make_session(res.generator_bytes, threads=threads)
+    total = sum(counts)
+    rng = np.random.Generator(np.random.PCG64(int(seed)))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    t0 = time.perf_counter()
+    try:
+        for d in dirs:
+            (tmp / d).mkdir()
+        hashes_path = tmp / ".hashes.jsonl"
+        per_class_written = [0] * len(classes)
+        with open(hashes_path, "w", encoding="utf-8") as hashes, _progress(progress, total) as advance:
+            for labels in label_batches(counts, batch):
+                # Drawn sequentially from one stream: image k's noise does not depend on the batch size.
+                noise = rng.standard_normal((len(labels), c, h, w), dtype=np.float32)
+                images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
+                if images.shape != (len(labels), c, h, w) or not np.all(np.isfinite(images)):
+                    raise ReleaseError("the generator returned images of the wrong shape or non-finite values")
+                for img, lab in zip(images, labels):
+                    k = per_class_written[lab]
+                    per_class_written[lab] += 1
+                    rel = f"{dirs[lab]}/{k:06d}.png"
+                    data = _to_png(img)
+                    (tmp / rel).write_bytes(data)
+                    hashes.write(json.dumps([rel, hashlib.sha256(data).hexdigest()]) + "\n")
+                advance(len(labels))
+        seconds = time.perf_counter() - t0
+        import onnxruntime as ort
+
+        generation = {
+            "num_images": total,
+            "per_class": dict(zip(classes, counts)),
+            "folders": dict(zip(classes, dirs)),
+            "seed": int(seed),
+            "noise": "numpy PCG64(seed).standard_normal float32, drawn image after image in class order",
+            "batch": batch,
+            "threads": threads,
+            "sampler": man["generator"]["sampler"],
+            "onnxruntime": ort.__version__,
+            "seconds": round(seconds, 3),
+        }
+        _write_certificate(tmp / CERTIFICATE_FILE, release_dir, res, generation, hashes_path)
+        hashes_path.unlink()
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename needs the name free
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SynthesisReport(out, total, dict(zip(classes, counts)), out / CERTIFICATE_FILE, seconds, threads)
+
+
+class _progress:
+    """A rich progress bar on stderr (or nothing); yields an ``advance(n)`` callable."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+        self.bar: Any = None
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return lambda n: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self.bar.__enter__()
+        task = self.bar.add_task("generate", total=self.total)
+        return lambda n: self.bar.update(task, advance=n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def _write_certificate(
+    path: Path, release_dir: str | Path, res: VerificationResult, generation: dict[str, Any], hashes_path: Path
+) -> None:
+    man = res.manifest
+    assert man is not None
+    signed = json.loads((Path(release_dir) / MANIFEST_FILE).read_text("utf-8"))
+    if signed.get("manifest") != man:
+        raise ReleaseError(f"{release_dir}/{MANIFEST_FILE} changed during synthesis; run again")
+    privacy = [
+        {
+            "site_id": s["site_id"],
+            "epsilon": s["epsilon"],
+            "delta": s["delta"],
+            "accountant": s["accountant"],
+            "policy_sha256": s["policy_sha256"],
+            "statement": describe_site(s),
+        }
+        for s in man["sites"]
+    ]
+    head = {
+        "certificate_version": CERTIFICATE_VERSION,
+        "created": utc_now(),
+        "release": {
+            "dir": str(Path(release_dir).resolve()),
+            "manifest_sha256": res.manifest_sha256,
+            "generator_sha256": res.generator_sha256,
+        },
+        "privacy": privacy,
+        "privacy_note": (
+            "The unit of privacy is one image of one site. Each site's figure is its total over every stage of "
+            "this job; images generated from the release are post-processing and cost nothing further."
+        ),
+        "generation": generation,
+        "verification": res.to_dict(),
+        "manifest": signed,
+    }
+    # Streamed: the head as JSON, then the file list one line per file (no N-sized structure in memory).
+    body = json.dumps(head, indent=1, ensure_ascii=False)
+    assert body.endswith("}")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(body[:-1].rstrip() + ',\n "files": {\n')
+        first = True
+        with open(hashes_path, encoding="utf-8") as hs:
+            for line in hs:
+                rel, digest = json.loads(line)
+                fh.write(("" if first else ",\n") + f"  {json.dumps(rel)}: {json.dumps(digest)}")
+                first = False
+        fh.write("\n }\n}\n")
+
+
+__all__ = ["synthesize", "make_session", "class_counts", "class_dirs", "SynthesisReport"]

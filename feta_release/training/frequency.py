@@ -1,0 +1,233 @@
+"""Frequency warm-up (FETA-Pro stage 2): fit a one-step generator to the noisy RFF statistics, then
+train the denoiser on that generator's images (method-details §3).
+
+Generator fit: minimise ``|| E_noisy - E_hat ||_F^2`` over the (features x n_classes) embedding, where
+``E_noisy = sum_i phi(x_i) onehot(y_i)^T / N + noise`` was released by
+``feta_release.mechanisms.frequency`` and ``E_hat`` is the same statistic of a generator batch.
+
+Labels: BALANCED. Why: E's column c equals p_c * mean_{class c} phi, with p_c the class proportion,
+but the class counts are not released (releasing them would cost budget), so the generator cannot
+know p_c; the shipped data is balanced; and the DP-SGD stage on real data corrects any residual
+class imbalance. Consistently with that choice, every generator batch holds each class equally
+often (up to one image when the batch is not a multiple of n_classes) and ``E_hat``'s column c is
+``(1 / n_classes) * mean_{b: y_b = c} phi(G(z_b, c))``, i.e. the batch statistic a perfectly balanced
+batch would give (for batches that are a multiple of n_classes this is exactly
+``sum_b phi(G(z_b, y_b)) onehot(y_b)^T / B``). On imbalanced data the fit therefore matches each
+class's mean embedding up to the factor n_classes * p_c, which the generator can only partly absorb
+(||phi|| = 1 bounds the per-class mean), and the warm-up images stay balanced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..config import JobConfig
+from ..errors import ConfigError, DataError
+from ..models.auxgen import AuxGenerator
+from ..models.edm import EDMDenoiser
+from .augment import to_model_range
+from .warmup_loop import Progress, WarmupResult, as_image_tensors, train_denoiser
+
+
+def _rff_torch(x_flat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """phi(x) = [cos(x W), sin(x W)] / sqrt(F/2) with W (dim, F/2) — differentiable."""
+    proj = x_flat @ omega
+    return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) / math.sqrt(omega.shape[1])
+
+
+def _omega_tensor(omega, dim: int, device: torch.device) -> torch.Tensor:
+    w = torch.as_tensor(np.asarray(omega) if not isinstance(omega, torch.Tensor) else omega)
+    w = w.to(device=device, dtype=torch.float32)
+    if w.dim() != 2 or dim not in w.shape:
+        raise ConfigError(f"frequency warm-up: omega has shape {tuple(w.shape)}, expected ({dim}, features/2)")
+    return w if w.shape[0] == dim else w.T.contiguous()
+
+
+def check_feature_map(omega, dim: int) -> None:
+    """Refuse to fit against a feature map that differs from the one the statistics were released with.
+
+    The released embedding comes from ``mechanisms.frequency.rff_features`` (numpy, streamed); the fit
+    needs a differentiable twin. A mismatch (cos/sin order, omega layout, scaling) would silently fit
+    the wrong target, so both are compared on a probe.
+    """
+    from ..mechanisms.frequency import rff_features
+
+    g = torch.Generator().manual_seed(0)
+    probe = torch.rand((3, dim), generator=g)
+    w = _omega_tensor(omega, dim, torch.device("cpu"))
+    ref_in = probe.numpy()
+    try:
+        ref = rff_features(ref_in, omega if not isinstance(omega, torch.Tensor) else omega.numpy())
+    except TypeError:
+        ref = rff_features(probe, omega)
+    ref = torch.as_tensor(np.asarray(ref.detach() if isinstance(ref, torch.Tensor) else ref), dtype=torch.float32)
+    mine = _rff_torch(probe, w)
+    if ref.shape != mine.shape or not torch.allclose(ref, mine, atol=1e-4):
+        raise ConfigError(
+            "frequency warm-up: the differentiable RFF map differs from mechanisms.frequency.rff_features; "
+            "the generator would fit the wrong statistic"
+        )
+
+
+def embedding_of_batch(phi: torch.Tensor, labels: torch.Tensor, n_classes: int) -> torch.Tensor:
+    """(features, n_classes): column c = (1/n_classes) * mean of phi over the batch rows of class c."""
+    onehot = torch.nn.functional.one_hot(labels, n_classes).to(phi.dtype)  # (B, K)
+    counts = onehot.sum(0).clamp_min(1.0)
+    return (phi.T @ onehot) / counts / n_classes
+
+
+def balanced_labels(n: int, n_classes: int, generator: torch.Generator) -> torch.Tensor:
+    """n labels, each class floor(n/K) or ceil(n/K) times, in random order."""
+    base = torch.arange(n) % n_classes
+    # Which classes get the remainder rotates at random, so no class is systematically short.
+    shift = int(torch.randint(0, n_classes, (1,), generator=generator).item())
+    return ((base + shift) % n_classes)[torch.randperm(n, generator=generator)]
+
+
+@dataclass
+class AuxFitResult:
+    generator: AuxGenerator
+    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+
+
+def fit_aux_generator(
+    embedding_noisy,
+    omega,
+    image_shape: tuple[int, int, int],
+    n_classes: int,
+    cfg: JobConfig,
+    n_public: int,
+    *,
+    generator: torch.Generator,
+    progress: Progress | None = None,
+    device: torch.device | str = "cpu",
+    return_result: bool = False,
+):
+    """Fit the auxiliary generator to ``embedding_noisy`` (features, n_classes); returns the generator
+    in eval mode (or an :class:`AuxFitResult` with the loss curve when ``return_result``)."""
+    a = cfg.auxgen
+    c, h, w = (int(v) for v in image_shape)
+    if h != w:
+        raise ConfigError(f"frequency warm-up: images must be square, got {h}x{w}")
+    if a.batch < 1 or a.epochs < 0 or a.lr <= 0 or not 0 < a.gamma <= 1:
+        raise ConfigError(f"[auxgen] need batch >= 1, epochs >= 0, lr > 0, 0 < gamma <= 1; got {a}")
+    dev = torch.device(device)
+    dim = c * h * w
+    e = torch.as_tensor(
+        np.asarray(embedding_noisy) if not isinstance(embedding_noisy, torch.Tensor) else embedding_noisy
+    ).to(device=dev, dtype=torch.float32)
+    if e.dim() != 2 or e.shape[1] != n_classes:
+        raise DataError(f"frequency warm-up: released embedding has shape {tuple(e.shape)}, expected (features, {n_classes})")
+    check_feature_map(omega, dim)
+    w_t = _omega_tensor(omega, dim, dev)
+    if e.shape[0] != 2 * w_t.shape[1]:
+        raise DataError(f"frequency warm-up: embedding has {e.shape[0]} features but omega gives {2 * w_t.shape[1]}")
+    iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_public // a.batch)
+
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # initial weights follow the stage's generator
+        gen = AuxGenerator(c, h, n_classes, z_dim=a.z_dim, width=a.width).to(dev)
+    opt = torch.optim.Adam(gen.parameters(), lr=a.lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=a.gamma)
+    result = AuxFitResult(generator=gen)
+    total = a.epochs * iters
+    gen.train()
+    for _epoch in range(a.epochs):
+        for _ in range(iters):
+            y = balanced_labels(a.batch, n_classes, generator).to(dev)
+            z = torch.randn((a.batch, a.z_dim), generator=generator).to(dev)
+            phi = _rff_torch(gen(z, y).reshape(a.batch, -1), w_t)
+            loss = ((e - embedding_of_batch(phi, y, n_classes)) ** 2).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            result.steps += 1
+            result.losses.append(float(loss.detach()))
+            if progress is not None:
+                progress(result.steps, total, result.losses[-1])
+        sched.step()
+    gen.eval()
+    return result if return_result else gen
+
+
+@torch.no_grad()
+def generate_aux_images(
+    gen: AuxGenerator, n: int, generator: torch.Generator, batch: int = 500
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode)."""
+    was_training = gen.training
+    gen.eval()
+    dev = next(gen.parameters()).device
+    labels = balanced_labels(n, gen.n_classes, generator)
+    out = []
+    try:
+        for start in range(0, n, batch):
+            y = labels[start:start + batch]
+            z = torch.randn((y.shape[0], gen.z_dim), generator=generator)
+            out.append(gen(z.to(dev), y.to(dev)).cpu())
+    finally:
+        gen.train(was_training)
+    images = torch.cat(out) if out else torch.zeros((0, gen.img_channels, gen.img_size, gen.img_size))
+    # Quantise like stored images so the warm-up sees what a saved set would hold.
+    return (images * 255.0).round() / 255.0, labels
+
+
+def _epoch_batches(x: torch.Tensor, y: torch.Tensor, batch: int, generator: torch.Generator):
+    n = x.shape[0]
+    while True:
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch):
+            idx = perm[start:start + batch]
+            yield to_model_range(x[idx]), y[idx]
+
+
+def frequency_warmup(
+    denoiser: EDMDenoiser,
+    images,
+    labels,
+    cfg: JobConfig,
+    *,
+    generator: torch.Generator,
+    progress: Progress | None = None,
+) -> WarmupResult:
+    """Train ``denoiser`` in place on generator images (N, C, H, W) in [0, 1] for
+    ``cfg.warmup.frequency_epochs`` epochs of batch ``cfg.warmup.frequency_batch``; EMA weights end up in it."""
+    wcfg = cfg.warmup
+    if wcfg.frequency_batch < 1:
+        raise ConfigError(f"[warmup] frequency_batch must be >= 1, got {wcfg.frequency_batch}")
+    x, y = as_image_tensors(images, labels, denoiser.n_classes, "frequency warm-up (generator images)")
+    if tuple(x.shape[1:]) != tuple(denoiser.image_shape):
+        raise ConfigError(f"frequency warm-up: images are {tuple(x.shape[1:])}, model expects {denoiser.image_shape}")
+    steps = wcfg.frequency_epochs * math.ceil(x.shape[0] / wcfg.frequency_batch)
+    return train_denoiser(
+        denoiser, _epoch_batches(x, y, wcfg.frequency_batch, generator), steps, stage="frequency", lr=wcfg.lr,
+        ema_decay=wcfg.ema, label_dropout=cfg.model.label_dropout, generator=generator, progress=progress,
+    )
+
+
+def run_frequency_stage(
+    denoiser: EDMDenoiser,
+    embedding_noisy,
+    omega,
+    cfg: JobConfig,
+    n_public: int,
+    *,
+    generator: torch.Generator,
+    fit_progress: Progress | None = None,
+    train_progress: Progress | None = None,
+) -> tuple[WarmupResult, AuxGenerator]:
+    """Fit the generator, draw ``cfg.warmup.frequency_images`` images, warm the denoiser up on them."""
+    dev = next(denoiser.parameters()).device
+    gen = fit_aux_generator(
+        embedding_noisy, omega, denoiser.image_shape, denoiser.n_classes, cfg, n_public,
+        generator=generator, progress=fit_progress, device=dev,
+    )
+    images, labels = generate_aux_images(gen, cfg.warmup.frequency_images, generator)
+    result = frequency_warmup(denoiser, images, labels, cfg, generator=generator, progress=train_progress)
+    return result, gen

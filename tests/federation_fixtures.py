@@ -1,0 +1,59 @@
+"""Shared set-up for the federation tests: tiny sites, keys, signed policies, an in-process federation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feta_release.config import JobConfig
+
+TINY_MODEL = {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attn_resolutions": []}
+
+
+def tiny_sites(n_sites: int = 3, per_site: int = 40, seed: int = 0) -> dict[str, Any]:
+    """Disjoint small sites from the embedded digits, every class present at every site."""
+    from feta_release.data.embedded import load_embedded
+    from feta_release.data.splits import split_sites
+
+    ds = load_embedded()
+    rng = np.random.default_rng(seed)
+    idx = np.concatenate([rng.choice(np.flatnonzero(ds.labels == c), per_site * n_sites // 10, replace=False)
+                          for c in range(10)])
+    small = ds.subset(np.sort(idx), source="embedded subset")
+    parts = split_sites(small, n_sites, seed=seed)
+    return {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
+
+
+def tiny_job(**sections: dict[str, Any]) -> JobConfig:
+    base: dict[str, Any] = {
+        "job": {"name": "tiny", "seed": 0},
+        "privacy": {"epsilon": 1.0, "delta": 1e-5},
+        "central": {"rounds": 0},
+        "frequency": {"sigma": None},
+        "model": TINY_MODEL,
+        "warmup": {"spatial_iterations": 0, "frequency_epochs": 0},
+        "dpsgd": {"batch": 8, "steps": 1, "noise_multiplicity": 1, "physical_batch": 16},
+        "federation": {"min_sites": 2, "rounds": 2, "local_steps": 2, "round_timeout": 30.0},
+    }
+    for name, over in sections.items():
+        base[name] = {**base.get(name, {}), **over}
+    return JobConfig.from_dict(base)
+
+
+def harness(fed: Any, down: set[str] = frozenset(), fail_on: dict[str, Any] | None = None):
+    from edge.clientapp import app
+    from feta_release.federation.harness import HarnessNode, InProcessGrid
+
+    nodes = {}
+    for i, s in enumerate(fed.sites):
+        nodes[100 + i] = HarnessNode(app, s.node_config(), down=s.site_id in down,
+                                     fail_on=(fail_on or {}).get(s.site_id))
+    return InProcessGrid(nodes)
+
+
+def make_federation(tmp: Path, **kw: Any):
+    from coordinator.setup import prepare_federation
+
+    return prepare_federation(tmp, tiny_sites(), **kw)

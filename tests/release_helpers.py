@@ -1,0 +1,117 @@
+"""Shared builders for the release tests: a small real UNet denoiser, keys, a signed policy, a release."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from feta_release.accounting import PrivacyEvent
+from feta_release.signing import public_key_pem, sign_document
+
+CLASSES = ["zero", "one", "two"]
+IMAGE_SHAPE = (1, 8, 8)
+EVENTS = [
+    PrivacyEvent("central", 5.0, 0.1, 5),
+    PrivacyEvent("frequency", 26.6, 1.0, 1),
+    PrivacyEvent("dpsgd", 1.5, 0.05, 200),
+]
+
+
+def small_denoiser(seed: int = 0) -> Any:
+    """The project's real EDM UNet at a tiny size, with weights moved off their (partly zero) init."""
+    import torch
+
+    from feta_release.config import ModelSection
+    from feta_release.models.edm import build_denoiser
+
+    torch.manual_seed(seed)
+    den = build_denoiser(
+        ModelSection(channels=8, channel_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,)), IMAGE_SHAPE, len(CLASSES)
+    )
+    with torch.no_grad():
+        for p in den.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return den.eval()
+
+
+@dataclass
+class Keys:
+    coordinator: Ed25519PrivateKey
+    site: Ed25519PrivateKey
+    policy: Ed25519PrivateKey
+
+    def pub_files(self, d: Path) -> list[str]:
+        d.mkdir(parents=True, exist_ok=True)
+        out = []
+        for name in ("coordinator", "site", "policy"):
+            p = d / f"{name}.pub"
+            p.write_text(public_key_pem(getattr(self, name)))
+            out.append(str(p))
+        return out
+
+    def public(self) -> list[Any]:
+        return [k.public_key() for k in (self.coordinator, self.site, self.policy)]
+
+
+def new_keys() -> Keys:
+    return Keys(Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate())
+
+
+def signed_policy(keys: Keys, site_id: str = "a", per_job_eps: float = 5.0, dpsgd_min_sigma: float = 0.5) -> dict:
+    from feta_release.policy import make_policy, sign_policy
+
+    doc = make_policy(
+        site_id, "0" * 64, 5000, [keys.coordinator.public_key()], per_job=(per_job_eps, 1e-5), lifetime=(20.0, 1e-5),
+        mechanisms={"dpsgd": {"min_sigma": dpsgd_min_sigma}},
+    )
+    return sign_policy(doc, keys.policy)
+
+
+def make_release(
+    out: Path,
+    den_onnx: Any,
+    keys: Keys,
+    *,
+    policy: dict | None = None,
+    events: list[PrivacyEvent] | None = None,
+    site_id: str = "a",
+    job_id: str = "job-1",
+    solver: str = "heun",
+    steps: int = 6,
+) -> Path:
+    from feta_release.config import JobConfig
+    from feta_release.policy.document import SitePolicy
+    from feta_release.release.export_run import assemble_release
+    from feta_release.release.manifest import build_attestation, site_record
+    from feta_release.release.onnx_export import SamplerSettings
+
+    pol_sha = SitePolicy.from_document(policy["policy"], None).digest if policy else None
+    att = build_attestation(site_id, job_id, events or EVENTS, 1e-5, "rdp", pol_sha, keys.site)
+    return assemble_release(
+        out,
+        denoiser=den_onnx,
+        classes=CLASSES,
+        image_shape=IMAGE_SHAPE,
+        sampler=SamplerSettings(solver=solver, steps=steps),
+        job_id=job_id,
+        config=JobConfig().to_dict(),
+        sites=[site_record(att)],
+        coordinator_key=keys.coordinator,
+        signed_policies={site_id: policy} if policy else None,
+    )
+
+
+def load_signed(release: Path) -> dict:
+    return json.loads((release / "manifest.json").read_text())
+
+
+def resign(release: Path, signed: dict, key: Ed25519PrivateKey) -> None:
+    """Write a modified manifest signed by ``key`` (a coordinator that is trusted, or an attacker that is not)."""
+    doc = copy.deepcopy(signed)
+    doc["signature"] = sign_document(doc["manifest"], key)
+    (release / "manifest.json").write_text(json.dumps(doc))

@@ -1,0 +1,200 @@
+"""Evaluation: classifier, FD (classifier features), evaluate(), the sample grid and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from feta_release.data import ImageDataset, load_embedded, save_npz, train_heldout_split
+from feta_release.errors import DataError
+from feta_release.evaluation import (
+    FD_NAME,
+    accuracy,
+    downstream_accuracy,
+    evaluate,
+    frechet_distance,
+    frechet_distance_from_features,
+    train_classifier,
+)
+from feta_release.viz import grid_array, save_grid
+
+
+@pytest.fixture(scope="module")
+def split() -> tuple[ImageDataset, ImageDataset]:
+    return train_heldout_split(load_embedded(), 0.2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def feature_net(split):
+    return train_classifier(split[1], epochs=8, seed=0)
+
+
+# -- the Fréchet distance itself ----------------------------------------------------------------
+def test_fd_matches_closed_form_for_gaussians() -> None:
+    rng = np.random.default_rng(0)
+    d, n = 4, 200_000
+    m, s = np.array([1.0, -2.0, 0.0, 0.5]), 2.0
+    f1 = rng.standard_normal((n, d))
+    f2 = m + s * rng.standard_normal((n, d))
+    exact = (m**2).sum() + d * (1 - s) ** 2  # N(0, I) vs N(m, s^2 I)
+    assert frechet_distance_from_features(f1, f2) == pytest.approx(exact, rel=0.02)
+    assert frechet_distance_from_features(f1, f1) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_fd_agrees_with_scipy_sqrtm() -> None:
+    from scipy import linalg
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((500, 6)) @ rng.standard_normal((6, 6))
+    b = rng.standard_normal((400, 6)) @ rng.standard_normal((6, 6)) + 0.3
+    s1, s2 = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    ref = ((a.mean(0) - b.mean(0)) ** 2).sum() + np.trace(s1 + s2 - 2 * linalg.sqrtm(s1 @ s2).real)
+    assert frechet_distance_from_features(a, b) == pytest.approx(ref, rel=1e-6)
+    assert frechet_distance_from_features(a, b) == pytest.approx(frechet_distance_from_features(b, a), rel=1e-9)
+    with pytest.raises(DataError, match="at least 2"):
+        frechet_distance_from_features(a[:1], b)
+
+
+# -- sanity on real data ------------------------------------------------------------------------
+def test_classifier_on_real_data_beats_chance(split) -> None:
+    train, heldout = split
+    net = train_classifier(train.subset(np.arange(0, train.n, 2)), epochs=2, seed=0)
+    acc = accuracy(net, heldout)
+    assert acc > 0.7, acc  # chance is 0.1
+
+
+def test_fd_real_vs_real_small_noise_large(split, feature_net) -> None:
+    train, heldout = split
+    rng = np.random.default_rng(0)
+    other_real = train.images[rng.choice(train.n, heldout.n, replace=False)]
+    noise = rng.random(other_real.shape, dtype=np.float32)
+    noisy = np.clip(other_real + rng.normal(0, 0.3, other_real.shape), 0, 1).astype(np.float32)
+    fd_real = frechet_distance(heldout, other_real, feature_net)
+    fd_noisy = frechet_distance(heldout, noisy, feature_net)
+    fd_noise = frechet_distance(heldout, noise, feature_net)
+    assert fd_real < fd_noisy < fd_noise
+    assert fd_real < 0.05 * fd_noise, (fd_real, fd_noise)
+    assert frechet_distance(heldout, heldout, feature_net) == pytest.approx(0.0, abs=1e-3)
+
+
+def test_training_is_deterministic_and_leaves_global_rng(split) -> None:
+    small = split[1].subset(np.arange(0, 1000, 10))
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = train_classifier(small, epochs=1, seed=5)
+    after = torch.rand(1)
+    b = train_classifier(small, epochs=1, seed=5)
+    c = train_classifier(small, epochs=1, seed=6)
+    assert torch.equal(before, after)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+# -- evaluate() ---------------------------------------------------------------------------------
+def test_evaluate_report_and_grid(split, feature_net, tmp_path: Path) -> None:
+    train, heldout = split
+    synth = train.subset(np.arange(0, train.n, 4))  # "perfect synthesizer": 1,000 real training images
+    report = evaluate(synth, heldout, seed=0, classifier_epochs=2, feature_net=feature_net, grid_path=tmp_path / "g.png")
+    assert report.fd_name == FD_NAME and "FID" not in report.fd_name
+    assert report.accuracy > 0.5 and report.chance_accuracy == pytest.approx(0.1)
+    assert report.n_fd == 1000 and report.n_synthetic == 1000 and report.n_real == 1000
+    assert report.synthetic_class_counts == {str(i): int(c) for i, c in enumerate(synth.class_counts())}
+    assert report.real_fingerprint == heldout.fingerprint()
+    assert set(report.per_class_accuracy) == set(heldout.class_names)
+    assert Path(report.grid_path).is_file()
+    json.dumps(report.to_dict())  # JSON-ready
+    # Uniform noise labelled like the real data: chance-level accuracy and a far larger FD.
+    rng = np.random.default_rng(1)
+    junk = ImageDataset(rng.random(synth.images.shape, dtype=np.float32), synth.labels, synth.class_names, "noise")
+    bad = evaluate(junk, heldout, seed=0, classifier_epochs=2, feature_net=feature_net)
+    assert bad.fd > 10 * report.fd and bad.accuracy < 0.3
+
+
+def test_class_names_and_shapes_must_match(split) -> None:
+    _, heldout = split
+    renamed = ImageDataset(heldout.images, heldout.labels, tuple(f"d{i}" for i in range(10)), "renamed")
+    with pytest.raises(DataError, match=r"class names differ.*'d0'.*'0'"):
+        downstream_accuracy(renamed, heldout, epochs=1)
+    small = ImageDataset(heldout.images[:, :, :14, :14].copy(), heldout.labels, heldout.class_names, "small")
+    with pytest.raises(DataError, match="image shapes differ"):
+        evaluate(small, heldout)
+
+
+# -- sample grid --------------------------------------------------------------------------------
+def test_grid_layout_one_row_per_class() -> None:
+    imgs = np.zeros((5, 1, 2, 2), np.float32)
+    imgs[:, 0] = np.arange(1, 6, dtype=np.float32)[:, None, None] / 10
+    labels = np.array([1, 0, 1, 1, 0])
+    g = grid_array(imgs, labels, per_class=2, n_classes=3, pad=1, scale=1)
+    assert g.shape == (3 * 3 + 1, 2 * 3 + 1, 3) and g.dtype == np.uint8
+    cell = lambda r, c: g[1 + 3 * r, 1 + 3 * c, 0]  # noqa: E731
+    # class 0 -> images 1, 4; class 1 -> images 0, 2 (first per_class, in order); class 2 empty.
+    assert [cell(0, 0), cell(0, 1), cell(1, 0), cell(1, 1)] == [51, 128, 26, 77]
+    assert cell(2, 0) == 128  # blank cell keeps the background
+
+
+def test_save_grid_png(tmp_path: Path) -> None:
+    from PIL import Image
+
+    imgs = np.random.default_rng(0).random((7, 3, 4, 4), dtype=np.float32)
+    p = save_grid(imgs, None, tmp_path / "sub" / "grid.png", columns=3, scale=2, pad=2)
+    with Image.open(p) as im:
+        assert im.size == ((3 * 6 + 2) * 2, (3 * 6 + 2) * 2) and im.mode == "RGB"
+    with pytest.raises(DataError):
+        save_grid(np.zeros((2, 2, 4, 4)), None, tmp_path / "x.png")
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    from feta_release.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_evaluate_run_dir_and_real_npz(split, tmp_path: Path, capsys) -> None:
+    train, heldout = split
+    save_npz(train.subset(np.arange(0, train.n, 20)), tmp_path / "run" / "synthetic.npz")
+    save_npz(heldout.subset(np.arange(0, heldout.n, 5)), tmp_path / "real.npz")
+    code, out, err = run_cli(
+        ["evaluate", str(tmp_path / "run"), "--real", str(tmp_path / "real.npz"), "--epochs", "1",
+         "--feature-epochs", "1", "--json"],
+        capsys,
+    )
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["n_synthetic"] == 200 and info["n_real"] == 200 and info["fd_name"] == FD_NAME
+    assert (tmp_path / "run" / "evaluation" / "samples.png").is_file()
+    assert json.loads((tmp_path / "run" / "evaluation" / "evaluation.json").read_text())["fd"] == info["fd"]
+
+
+def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, capsys) -> None:
+    train, _ = split
+    folder = tmp_path / "synth"
+    from PIL import Image
+
+    for i in range(10):  # folder of class sub-folders, 3 real digits each
+        (folder / str(i)).mkdir(parents=True)
+        for j, img in enumerate(train.images[train.labels == i][:3]):
+            Image.fromarray(np.rint(img[0] * 255).astype(np.uint8), "L").save(folder / str(i) / f"{j}.png")
+    code, out, err = run_cli(["evaluate", str(folder), "--epochs", "1", "--feature-epochs", "1",
+                              "--out", str(tmp_path / "ev")], capsys)
+    assert code == 0, err
+    assert "held-out split of the embedded data" in err and "FD (classifier features)" in out
+    assert (tmp_path / "ev" / "evaluation.json").is_file()
+    (folder / "9").rename(folder / "nine")
+    code, _, err = run_cli(["evaluate", str(folder), "--epochs", "1"], capsys)
+    assert code == 3 and "class names differ" in err
+    code, _, err = run_cli(["evaluate", str(tmp_path / "missing")], capsys)
+    assert code == 3 and "no such file" in err

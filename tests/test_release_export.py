@@ -1,0 +1,120 @@
+"""`feta-release export RUN_DIR` -> verify -> synthesize, through the CLI, on a run directory laid out as
+feta_release/training/pipeline.py writes it (model.pt, job.json, privacy.json, run.json, COMPLETE)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from feta_release.accounting import epsilon, events_to_list  # noqa: E402
+from feta_release.cli import cli  # noqa: E402
+from feta_release.config import JobConfig  # noqa: E402
+from feta_release.errors import ReleaseError  # noqa: E402
+from feta_release.models.edm import denoiser_spec  # noqa: E402
+from feta_release.policy import make_policy, sign_policy  # noqa: E402
+from feta_release.signing import generate_keypair, load_private_key  # noqa: E402
+from feta_release.training.checkpoint import atomic_write_json, save_torch  # noqa: E402
+
+from .release_helpers import CLASSES, EVENTS, IMAGE_SHAPE, small_denoiser  # noqa: E402
+
+
+def _run_dir(root: Path, events=EVENTS, complete: bool = True) -> Path:
+    cfg = JobConfig.from_dict({
+        "model": {"channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attn_resolutions": [4]},
+        "sampler": {"solver": "heun", "steps": 5},
+        "dpsgd": {"steps": 200},
+    })
+    den = small_denoiser()
+    rd = root / "run"
+    rd.mkdir()
+    save_torch(rd / "model.pt", {
+        "spec": denoiser_spec(cfg.model, IMAGE_SHAPE, len(CLASSES)),
+        "state_dict": den.state_dict(),
+        "class_names": CLASSES,
+        "job_hash": "0" * 64,
+        "sampler": cfg.to_dict()["sampler"],
+    })
+    atomic_write_json(rd / "job.json", cfg.to_dict())
+    atomic_write_json(rd / "privacy.json", {
+        "accountant": "rdp", "delta": 1e-5, "events": events_to_list(events),
+        "epsilon": epsilon(events, 1e-5),
+    })
+    atomic_write_json(rd / "run.json", {"status": "complete", "finished": "2026-11-22T01:00:00Z"})
+    if complete:
+        (rd / "COMPLETE").write_text("")
+    return rd
+
+
+@pytest.fixture
+def setup(tmp_path):
+    kd = tmp_path / "keys"
+    coord, coord_pub = generate_keypair(kd, "coordinator")
+    site, site_pub = generate_keypair(kd, "site")
+    pol_key, pol_pub = generate_keypair(kd, "policy")
+    return tmp_path, {"coord": coord, "site": site, "policy_key": pol_key,
+                      "pubs": [str(coord_pub), str(site_pub), str(pol_pub)]}
+
+
+def _policy_file(tmp: Path, k: dict, per_job_eps: float) -> Path:
+    doc = make_policy("hosp-a", "1" * 64, 5000, [load_private_key(k["coord"]).public_key()],
+                      per_job=(per_job_eps, 1e-5), lifetime=(20.0, 1e-5))
+    p = tmp / f"policy-{per_job_eps}.signed.json"
+    p.write_text(json.dumps(sign_policy(doc, load_private_key(k["policy_key"]))))
+    return p
+
+
+def _trusted(k: dict) -> list[str]:
+    return [a for p in k["pubs"] for a in ("--trusted", p)]
+
+
+def test_export_verify_synthesize_cli(setup):
+    tmp, k = setup
+    rd = _run_dir(tmp)
+    pol = _policy_file(tmp, k, 5.0)
+    rel = tmp / "release"
+    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
+                                 "--site-key", str(k["site"]), "--policy", str(pol), "--steps", "4"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    man = json.loads((rel / "manifest.json").read_text())["manifest"]
+    (site,) = man["sites"]
+    assert site["site_id"] == "hosp-a" and site["events"] == events_to_list(EVENTS)
+    assert man["generator"]["classes"] == CLASSES and man["generator"]["sampler"]["steps"] == 4
+    assert man["timestamps"]["trained"] == "2026-11-22T01:00:00Z"
+    assert (rel / "policies" / "hosp-a.signed.json").is_file()
+
+    r = CliRunner().invoke(cli, ["verify", str(rel), "--json", *_trusted(k)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["ok"] is True
+
+    out = tmp / "synthetic"
+    r = CliRunner().invoke(cli, ["synthesize", "--release", str(rel), "--num", "4", "--out", str(out),
+                                 "--no-progress", *_trusted(k)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert len(json.loads((out / "certificate.json").read_text())["files"]) == 4
+
+
+def test_export_refuses_over_policy_run_and_writes_nothing(setup):
+    tmp, k = setup
+    rd = _run_dir(tmp)
+    pol = _policy_file(tmp, k, 0.5)  # the run spends more than this
+    rel = tmp / "release"
+    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
+                                 "--site-key", str(k["site"]), "--policy", str(pol)])
+    assert isinstance(r.exception, ReleaseError) and "outside site hosp-a's policy" in str(r.exception)
+    assert not rel.exists()
+    assert not [p for p in tmp.iterdir() if p.name.startswith(".release")]
+
+
+def test_export_refuses_unfinished_run(setup):
+    tmp, k = setup
+    rd = _run_dir(tmp, complete=False)
+    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / "rel"), "--coordinator-key", str(k["coord"]),
+                                 "--site-key", str(k["site"])])
+    assert isinstance(r.exception, ReleaseError) and "not complete" in str(r.exception)
+    assert not (tmp / "rel").exists()

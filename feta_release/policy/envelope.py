@@ -82,7 +82,7 @@ def open_envelope(envelope: Any, kind: str, trusted: Iterable[Ed25519PublicKey],
         raise PolicyViolation(signer_rule, f"{source}: signed by unknown key {signer!r}; trusted: "
                               f"{', '.join(sorted(by_fp)) or 'none given'}")
     key = by_fp[signer]
-    if False:
+    if sig.get("public_key") != signing.public_key_pem(key):
         raise PolicyViolation("signature.valid", f"{source}: the signature's public_key is not the trusted key {signer}")
     raw = sig.get("signature")
     try:

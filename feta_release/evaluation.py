@@ -113,7 +113,10 @@ def accuracy(net: nn.Module, ds: ImageDataset) -> float:
 
 
 def per_class_accuracy(net: nn.Module, ds: ImageDataset) -> dict[str, float]:
-    pred = predict(net, ds.images)
+    return _per_class(predict(net, ds.images), ds)
+
+
+def _per_class(pred: np.ndarray, ds: ImageDataset) -> dict[str, float]:
     return {
         name: float((pred[ds.labels == c] == c).mean()) if (ds.labels == c).any() else float("nan")
         for c, name in enumerate(ds.class_names)
@@ -230,11 +233,14 @@ def evaluate(
     feature_net: nn.Module | None = None,
     grid_path: str | Path | None = None,
     per_class: int = 10,
+    batch_size: int = DEFAULT_BATCH,
+    lr: float = DEFAULT_LR,
 ) -> EvaluationReport:
     """Downstream accuracy + FD (classifier features) + per-class counts (+ a sample grid PNG).
 
     ``feature_net``: a network already trained on ``real_heldout`` (e.g. from ``train_classifier``)
     to reuse across many evaluations against the same real data; trained here otherwise.
+    ``batch_size``/``lr`` apply to both networks trained here.
     """
     t0 = time.perf_counter()
     check_compatible(synthetic, real_heldout)
@@ -245,9 +251,10 @@ def evaluate(
     missing = [synthetic.class_names[c] for c in np.flatnonzero(counts == 0)]
     if missing:
         warnings.append(f"synthetic data has no images of class(es) {missing}; accuracy on them will be ~0")
-    acc_net = train_classifier(synthetic, classifier_epochs, seed)
+    acc_net = train_classifier(synthetic, classifier_epochs, seed, batch_size=batch_size, lr=lr)
+    pred = predict(acc_net, real_heldout.images)
     if feature_net is None:
-        feature_net = train_classifier(real_heldout, feature_epochs, seed)
+        feature_net = train_classifier(real_heldout, feature_epochs, seed, batch_size=batch_size, lr=lr)
     # Equal n per side: FD grows as samples shrink, so unequal n would bias the comparison.
     n_fd = min(synthetic.n, real_heldout.n)
     rng = np.random.default_rng(seed)
@@ -260,10 +267,10 @@ def evaluate(
 
         grid = str(save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class, n_classes=synthetic.n_classes))
     return EvaluationReport(
-        accuracy=accuracy(acc_net, real_heldout),
+        accuracy=float((pred == real_heldout.labels).mean()),
         fd=fd,
         chance_accuracy=1.0 / real_heldout.n_classes,
-        per_class_accuracy=per_class_accuracy(acc_net, real_heldout),
+        per_class_accuracy=_per_class(pred, real_heldout),
         n_synthetic=synthetic.n,
         n_real=real_heldout.n,
         n_fd=n_fd,

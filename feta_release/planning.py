@@ -138,10 +138,12 @@ def plan_job(
             try:
                 sigma_sgd = calibrate_noise_multiplier(prior + warm, q_sgd, steps, eps_target, dlt, acc,
                                                        max_sigma=MAX_NOISE_MULTIPLIER)
-            except PrivacyError as exc:
+            except PrivacyError:
                 raise PrivacyError(
-                    f"[dpsgd] cannot be calibrated: {exc}. Shrink the warm-up ([central] rounds, [frequency] sigma) "
-                    f"or [dpsgd] steps/epochs ({steps} steps) or [dpsgd] batch ({d.batch})"
+                    f"[dpsgd] cannot meet epsilon {eps_target} at delta {dlt}: even noise multiplier "
+                    f"{MAX_NOISE_MULTIPLIER:g} is not enough for {steps} steps at q = {q_sgd:.4g} after the warm-up's "
+                    f"epsilon {warm_eps:.3f}. Shrink [dpsgd] (fewer steps/epochs, smaller batch), or the warm-up "
+                    f"([central] rounds, [frequency] sigma), or raise [privacy] epsilon"
                 ) from None
             calibrated = True
         sgd_ev = PrivacyEvent("dpsgd", sigma_sgd, q_sgd, steps)

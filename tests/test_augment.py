@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.errors import ConfigError
 from feta_release.training.augment import OPS, rand_augment, to_model_range
 

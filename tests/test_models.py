@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.config import ModelSection
 from feta_release.errors import ConfigError
 from feta_release.models import (

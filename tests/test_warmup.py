@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.config import JobConfig
 from feta_release.errors import ConfigError, DataError
 from feta_release.models import build_denoiser, draw_loss_randomness, edm_loss_from_randomness
@@ -76,7 +77,7 @@ def test_spatial_warmup_reduces_loss_and_carries_ema() -> None:
                          progress=lambda s, t, l: calls.append((s, t, l)))
     after = probe_loss(d, x, y)
     assert after < 0.7 * before, (before, after)
-    assert res.steps == 120 and len(res.losses) == 120 and res.examples == 120 * 4 - 60  # 6 images: batches 4,2
+    assert res.steps == 120 and len(res.losses) == 120 and res.examples == 60 * 4 + 60 * 2  # 6 images: batches of 4 then 2
     assert [c[0] for c in calls] == list(range(1, 121)) and all(c[1] == 120 for c in calls)
     assert res.final_loss < sum(res.losses[:12]) / 12
 

@@ -9,6 +9,7 @@ the σ a site uses in round r does not depend on which earlier requests the coor
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -60,7 +61,13 @@ def site_sigma(cfg: JobConfig, n: int, policy: Any | None = None) -> float:
     if total_steps < 1:
         raise PrivacyError("[federation] rounds x local_steps must be >= 1 to calibrate DP-SGD")
     eps, delta, acc = target(cfg, policy)
-    return calibrate_noise_multiplier(warmup_events(cfg, n), dpsgd_rate(cfg, n), total_steps, eps, delta, acc)
+    return _calibrate(tuple(warmup_events(cfg, n)), dpsgd_rate(cfg, n), total_steps, eps, delta, acc)
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(prior: tuple[PrivacyEvent, ...], q: float, steps: int, eps: float, delta: float, acc: str) -> float:
+    # Deterministic, so caching is exact; the bisection costs ~0.5 s per call and every request recomputes it.
+    return calibrate_noise_multiplier(list(prior), q, steps, eps, delta, acc)
 
 
 def round_event(cfg: JobConfig, n: int, sigma: float) -> PrivacyEvent:

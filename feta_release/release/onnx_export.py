@@ -181,10 +181,11 @@ class _Inliner:
             return mapping.get(name, prefix + name)
 
         nodes = []
-        for node in self.graph.node:
+        for k, node in enumerate(self.graph.node):
             n = onnx.NodeProto()
             n.CopyFrom(node)
-            n.name = prefix + (node.name or node.op_type)
+            # Index keeps names unique even where the source graph repeats or omits them (quantized graphs do).
+            n.name = f"{prefix}{k}/{node.name or node.op_type}"
             del n.input[:]
             n.input.extend(rn(v) for v in node.input)
             del n.output[:]

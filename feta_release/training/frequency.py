@@ -27,50 +27,21 @@ import torch
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
+from ..mechanisms.frequency import rff_features
 from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
 from .augment import to_model_range
 from .warmup_loop import Progress, WarmupResult, as_image_tensors, train_denoiser
 
 
-def _rff_torch(x_flat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
-    """phi(x) = [cos(x W), sin(x W)] / sqrt(F/2) with W (dim, F/2) — differentiable."""
-    proj = x_flat @ omega
-    return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) / math.sqrt(omega.shape[1])
-
-
 def _omega_tensor(omega, dim: int, device: torch.device) -> torch.Tensor:
     w = torch.as_tensor(np.asarray(omega) if not isinstance(omega, torch.Tensor) else omega)
     w = w.to(device=device, dtype=torch.float32)
-    if w.dim() != 2 or dim not in w.shape:
-        raise ConfigError(f"frequency warm-up: omega has shape {tuple(w.shape)}, expected ({dim}, features/2)")
-    return w if w.shape[0] == dim else w.T.contiguous()
-
-
-def check_feature_map(omega, dim: int) -> None:
-    """Refuse to fit against a feature map that differs from the one the statistics were released with.
-
-    The released embedding comes from ``mechanisms.frequency.rff_features`` (numpy, streamed); the fit
-    needs a differentiable twin. A mismatch (cos/sin order, omega layout, scaling) would silently fit
-    the wrong target, so both are compared on a probe.
-    """
-    from ..mechanisms.frequency import rff_features
-
-    g = torch.Generator().manual_seed(0)
-    probe = torch.rand((3, dim), generator=g)
-    w = _omega_tensor(omega, dim, torch.device("cpu"))
-    ref_in = probe.numpy()
-    try:
-        ref = rff_features(ref_in, omega if not isinstance(omega, torch.Tensor) else omega.numpy())
-    except TypeError:
-        ref = rff_features(probe, omega)
-    ref = torch.as_tensor(np.asarray(ref.detach() if isinstance(ref, torch.Tensor) else ref), dtype=torch.float32)
-    mine = _rff_torch(probe, w)
-    if ref.shape != mine.shape or not torch.allclose(ref, mine, atol=1e-4):
-        raise ConfigError(
-            "frequency warm-up: the differentiable RFF map differs from mechanisms.frequency.rff_features; "
-            "the generator would fit the wrong statistic"
+    if w.dim() != 2 or w.shape[0] != dim:
+        raise DataError(
+            f"frequency warm-up: omega has shape {tuple(w.shape)}, expected ({dim}, features/2) for these images"
         )
+    return w
 
 
 def embedding_of_batch(phi: torch.Tensor, labels: torch.Tensor, n_classes: int) -> torch.Tensor:
@@ -123,7 +94,6 @@ def fit_aux_generator(
     ).to(device=dev, dtype=torch.float32)
     if e.dim() != 2 or e.shape[1] != n_classes:
         raise DataError(f"frequency warm-up: released embedding has shape {tuple(e.shape)}, expected (features, {n_classes})")
-    check_feature_map(omega, dim)
     w_t = _omega_tensor(omega, dim, dev)
     if e.shape[0] != 2 * w_t.shape[1]:
         raise DataError(f"frequency warm-up: embedding has {e.shape[0]} features but omega gives {2 * w_t.shape[1]}")
@@ -142,7 +112,7 @@ def fit_aux_generator(
         for _ in range(iters):
             y = balanced_labels(a.batch, n_classes, generator).to(dev)
             z = torch.randn((a.batch, a.z_dim), generator=generator).to(dev)
-            phi = _rff_torch(gen(z, y).reshape(a.batch, -1), w_t)
+            phi = rff_features(gen(z, y).reshape(a.batch, -1), w_t)  # the released statistic's own map
             loss = ((e - embedding_of_batch(phi, y, n_classes)) ** 2).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -231,3 +201,28 @@ def run_frequency_stage(
     images, labels = generate_aux_images(gen, cfg.warmup.frequency_images, generator)
     result = frequency_warmup(denoiser, images, labels, cfg, generator=generator, progress=train_progress)
     return result, gen
+
+
+def frequency_warmup_from_release(
+    denoiser: EDMDenoiser,
+    release,
+    cfg: JobConfig,
+    *,
+    generator: torch.Generator,
+    fit_progress: Progress | None = None,
+    train_progress: Progress | None = None,
+) -> tuple[WarmupResult, AuxGenerator]:
+    """:func:`run_frequency_stage` from a ``mechanisms.frequency.FrequencyRelease`` (one site's or the
+    federation's ``combine_frequency`` result): omega is rebuilt from the release's public seed."""
+    from ..mechanisms.frequency import rff_frequencies
+
+    c, h, w = denoiser.image_shape
+    if release.image_shape is not None and tuple(release.image_shape) != (c, h, w):
+        raise DataError(f"frequency release is for images {tuple(release.image_shape)}, the model for {(c, h, w)}")
+    if release.n_classes != denoiser.n_classes:
+        raise DataError(f"frequency release has {release.n_classes} classes, the model {denoiser.n_classes}")
+    omega = rff_frequencies(c * h * w, release.features, release.bandwidth2, release.seed)
+    return run_frequency_stage(
+        denoiser, release.embedding, omega, cfg, release.n_public, generator=generator,
+        fit_progress=fit_progress, train_progress=train_progress,
+    )

@@ -1,0 +1,305 @@
+"""Synthesis speed: onnxruntime generator vs the PyTorch sampler on the same model, at equal quality.
+
+What it measures, in one run on the same weights and the same noise:
+  * images/s of each configuration (engine x solver x steps x precision x ORT settings) at a given batch and
+    thread count (first call excluded: it pays for allocation and ORT's graph optimisation);
+  * quality: max |pixel diff| to the baseline's images for the same noise (the samplers are deterministic ODE
+    solvers, so this isolates solver/precision error) and FD (classifier features, feta_release.evaluation)
+    against real held-out images, with a bootstrap standard deviation as its noise; a configuration is of
+    "equal quality" when its FD is within 2 combined bootstrap sd of the baseline's;
+  * peak memory of `synthesize` for growing N in fresh processes (flat in N => N = 60,000 needs the same).
+
+Usage (the lead's full run; minutes on 2 free cores):
+  python bench/bench_synthesis.py --run RUN_DIR --n 1000 --batch 100 --threads 2 --memory 500,2000,8000
+Without --run, a UNet of --channels width is trained non-privately on the embedded MNIST for --pretrain-steps
+(benchmark only: speed does not depend on the weights, but quality comparisons need a model that draws digits).
+Quick check that it works: python bench/bench_synthesis.py --channels 8 --pretrain-steps 20 --n 20 --batch 10 \
+    --configs torch-euler50,ort-heun18 --memory 20,60
+Timings on the shared 2-core development machine are approximate (other jobs compete for the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    engine: str  # "torch" | "ort"
+    solver: str
+    steps: int
+    quant: str = "fp32"  # "fp32" | "int8-dynamic"
+    optimize: bool = True
+    threads: int | None = None  # None: --threads
+
+    @property
+    def nfe(self) -> int:
+        return self.steps if self.solver == "euler" else 2 * self.steps - 1
+
+
+CONFIGS = {
+    c.name: c
+    for c in [
+        Config("torch-euler50", "torch", "euler", 50),
+        Config("torch-heun18", "torch", "heun", 18),
+        Config("ort-euler50", "ort", "euler", 50),
+        Config("ort-heun18", "ort", "heun", 18),
+        Config("ort-heun18-noopt", "ort", "heun", 18, optimize=False),
+        Config("ort-heun18-1thread", "ort", "heun", 18, threads=1),
+        Config("ort-heun18-int8", "ort", "heun", 18, quant="int8-dynamic"),
+        Config("ort-heun12", "ort", "heun", 12),
+        Config("ort-heun8", "ort", "heun", 8),
+    ]
+}
+DEFAULT = "torch-euler50,torch-heun18,ort-euler50,ort-heun18,ort-heun18-noopt,ort-heun18-1thread,ort-heun18-int8,ort-heun12"
+
+
+def get_model(args):
+    import torch
+
+    from feta_release.config import ModelSection
+    from feta_release.data import load_embedded
+    from feta_release.models.edm import build_denoiser, edm_loss
+
+    if args.run:
+        from feta_release.release.export_run import denoiser_from_checkpoint, read_run
+
+        run = read_run(args.run)
+        den = denoiser_from_checkpoint(run["checkpoint"], args.run)
+        return den, [str(c) for c in run["checkpoint"]["class_names"]], f"trained run {args.run}"
+    data = load_embedded()
+    den = build_denoiser(ModelSection(channels=args.channels), data.image_shape, data.n_classes)
+    if args.pretrain_steps:
+        # Non-private pre-training, only so that quality comparisons have digits to compare.
+        opt = torch.optim.Adam(den.parameters(), lr=args.lr)
+        rng = np.random.default_rng(0)
+        g = torch.Generator().manual_seed(0)
+        t0 = time.perf_counter()
+        for step in range(args.pretrain_steps):
+            idx = rng.choice(data.n, args.pretrain_batch, replace=False)
+            x = torch.from_numpy(data.images[idx]) * 2 - 1
+            y = torch.from_numpy(data.labels[idx])
+            loss = edm_loss(den, x, y, generator=g).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 100 == 0 or step == args.pretrain_steps - 1:
+                print(f"  pretrain step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    n_params = sum(p.numel() for p in den.parameters())
+    what = f"UNet channels={args.channels} ({n_params / 1e6:.2f}M params), {args.pretrain_steps} non-private steps"
+    return den.eval(), list(data.class_names), what
+
+
+def build_ort(den_onnx, cfg: Config, classes, shape, threads):
+    from feta_release.release.onnx_export import SamplerSettings, build_generator
+    from feta_release.release.synthesize import make_session
+
+    if cfg.quant == "int8-dynamic":
+        import onnx
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        with tempfile.TemporaryDirectory() as d:
+            src, dst = Path(d) / "den.onnx", Path(d) / "den_q.onnx"
+            onnx.save(den_onnx, src)
+            quantize_dynamic(src, dst, weight_type=QuantType.QInt8)
+            den_onnx = onnx.load(dst)
+    gen = build_generator(den_onnx, SamplerSettings(solver=cfg.solver, steps=cfg.steps), classes, shape)
+    sess = make_session(gen.SerializeToString(), threads=cfg.threads or threads, optimize=cfg.optimize)
+    return lambda noise, labels: sess.run(["images"], {"noise": noise, "labels": labels})[0]
+
+
+def build_torch(den, cfg: Config, threads):
+    import torch
+
+    from feta_release.models.sampler import sample
+
+    def run(noise, labels):
+        torch.set_num_threads(cfg.threads or threads)
+        return sample(den, torch.from_numpy(labels), torch.from_numpy(noise), solver=cfg.solver,
+                      steps=cfg.steps).numpy()
+
+    return run
+
+
+def timed(run, noise, labels, batch):
+    run(noise[:batch], labels[:batch])  # warm-up: allocation, ORT graph optimisation
+    out = []
+    t0 = time.perf_counter()
+    for s in range(0, len(noise), batch):
+        out.append(run(noise[s : s + batch], labels[s : s + batch]))
+    dt = time.perf_counter() - t0
+    return np.concatenate(out), len(noise) / dt
+
+
+def fd_with_sd(feat_real, feat_fake, reps=20, seed=0):
+    from feta_release.evaluation import frechet_distance_from_features
+
+    fd = frechet_distance_from_features(feat_real, feat_fake)
+    rng = np.random.default_rng(seed)
+    boots = [
+        frechet_distance_from_features(feat_real[rng.integers(0, len(feat_real), len(feat_real))],
+                                       feat_fake[rng.integers(0, len(feat_fake), len(feat_fake))])
+        for _ in range(reps)
+    ]
+    return fd, float(np.std(boots))
+
+
+MEM_SCRIPT = """
+import resource, sys, json
+from pathlib import Path
+from feta_release.release.synthesize import synthesize
+from feta_release.signing import load_public_key
+rel, out, n, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+keys = [load_public_key(p) for p in sys.argv[5:]]
+rep = synthesize(rel, out, keys, num=n, batch=batch, progress=False)
+print(json.dumps({"n": n, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "images_per_s": n / rep.seconds}))
+"""
+
+
+def memory_run(den_onnx, classes, shape, ns, batch, steps):
+    """Peak RSS of `synthesize` (verify + generate + PNGs + certificate) in a fresh process per N."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from feta_release.accounting import PrivacyEvent
+    from feta_release.release.export_run import assemble_release
+    from feta_release.release.manifest import build_attestation, site_record
+    from feta_release.release.onnx_export import SamplerSettings
+    from feta_release.signing import public_key_pem
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        ck, sk = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+        att = build_attestation("bench", "bench", [PrivacyEvent("dpsgd", 1.0, 0.01, 100)], 1e-5, "rdp", None, sk)
+        rel = assemble_release(d / "rel", denoiser=den_onnx, classes=classes, image_shape=shape,
+                               sampler=SamplerSettings(solver="euler", steps=steps), job_id="bench", config={},
+                               sites=[site_record(att)], coordinator_key=ck)
+        pubs = []
+        for i, k in enumerate((ck, sk)):
+            p = d / f"k{i}.pub"
+            p.write_text(public_key_pem(k))
+            pubs.append(str(p))
+        for n in ns:
+            proc = subprocess.run(
+                [sys.executable, "-c", MEM_SCRIPT, str(rel), str(d / f"out{n}"), str(n), str(batch), *pubs],
+                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
+            if proc.returncode:
+                raise SystemExit(proc.stderr)
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", help="trained run directory (model.pt, job.json, ...)")
+    ap.add_argument("--channels", type=int, default=32, help="UNet width without --run (32: the 1.4M default)")
+    ap.add_argument("--pretrain-steps", type=int, default=0)
+    ap.add_argument("--pretrain-batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--n", type=int, default=256, help="images per configuration")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default=DEFAULT, help=f"comma list of: {', '.join(CONFIGS)}")
+    ap.add_argument("--no-fd", action="store_true", help="skip the FD quality check")
+    ap.add_argument("--memory", default="", help="comma list of N for the peak-memory runs, e.g. 500,2000,8000")
+    ap.add_argument("--memory-steps", type=int, default=2, help="sampler steps for memory runs (memory is per batch)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from feta_release.release.onnx_export import export_denoiser
+
+    den, classes, what = get_model(args)
+    shape = den.image_shape
+    den_onnx = export_denoiser(den, shape)
+    rng = np.random.default_rng(1234)
+    noise = rng.standard_normal((args.n, *shape), dtype=np.float32)
+    labels = (np.arange(args.n) % len(classes)).astype(np.int64)
+    print(f"model: {what}; n={args.n} batch={args.batch} threads={args.threads} "
+          f"(cores available: {len(os.sched_getaffinity(0))}; shared machine: timings approximate)")
+
+    feat_real = feature_net = None
+    if not args.no_fd:
+        from feta_release.data import load_embedded, train_heldout_split
+        from feta_release.evaluation import extract_features, train_classifier
+
+        data = load_embedded()
+        if data.image_shape != shape:
+            print("  FD skipped: the embedded data's image shape differs from the model's")
+        else:
+            _, held = train_heldout_split(data, 0.2, 0)
+            feature_net = train_classifier(held, 20, 0)
+            sub = np.random.default_rng(0).choice(held.n, min(held.n, args.n), replace=False)
+            feat_real = extract_features(feature_net, held.images[sub])
+
+    results, base = [], None
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name.strip()]
+        run = build_torch(den, cfg, args.threads) if cfg.engine == "torch" else build_ort(
+            den_onnx, cfg, classes, shape, args.threads)
+        imgs, ips = timed(run, noise, labels, args.batch)
+        row = {"config": cfg.name, "engine": cfg.engine, "solver": cfg.solver, "steps": cfg.steps, "nfe": cfg.nfe,
+               "quant": cfg.quant, "optimize": cfg.optimize, "threads": cfg.threads or args.threads,
+               "batch": args.batch, "images_per_s": ips}
+        if base is None:
+            base = (imgs, ips)
+        row["speedup"] = ips / base[1]
+        row["max_abs_diff_vs_baseline"] = float(np.abs(imgs - base[0]).max())
+        row["mean_abs_diff_vs_baseline"] = float(np.abs(imgs - base[0]).mean())
+        if feat_real is not None:
+            from feta_release.evaluation import extract_features
+
+            row["fd"], row["fd_sd"] = fd_with_sd(feat_real, extract_features(feature_net, imgs))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    print()
+    hdr = f"{'config':22} {'NFE':>4} {'img/s':>7} {'speedup':>7} {'max|Δ|':>7} {'mean|Δ|':>8} {'FD ± sd':>14} equal?"
+    print(hdr)
+    b = results[0]
+    for r in results:
+        fd = f"{r['fd']:.1f} ± {r['fd_sd']:.1f}" if "fd" in r else "-"
+        eq = "-"
+        if "fd" in r:
+            eq = "yes" if abs(r["fd"] - b["fd"]) <= 2 * np.hypot(r["fd_sd"], b["fd_sd"]) else "NO"
+        print(f"{r['config']:22} {r['nfe']:>4} {r['images_per_s']:7.2f} {r['speedup']:6.2f}x {r['max_abs_diff_vs_baseline']:7.3f} "
+              f"{r['mean_abs_diff_vs_baseline']:8.4f} {fd:>14} {eq}")
+    out = {"model": what, "n": args.n, "results": results}
+
+    if args.memory:
+        ns = [int(v) for v in args.memory.split(",")]
+        mem = memory_run(den_onnx, classes, shape, ns, args.batch, args.memory_steps)
+        print("\npeak RSS of `synthesize` in a fresh process (verify + generate + PNG + certificate):")
+        for m in mem:
+            print(f"  N = {m['n']:>7}: {m['peak_rss_mib']:.0f} MiB ({m['images_per_s']:.0f} images/s at "
+                  f"{args.memory_steps} steps)")
+        growth = (mem[-1]["peak_rss_mib"] - mem[0]["peak_rss_mib"]) / max(1, mem[-1]["n"] - mem[0]["n"]) * 1024
+        print(f"  growth: {growth:.2f} KiB per image -> N = 60,000 projected "
+              f"{mem[-1]['peak_rss_mib'] + growth * (60000 - mem[-1]['n']) / 1024:.0f} MiB")
+        out["memory"] = mem
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
+    print(f"(bench process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")

@@ -1,0 +1,123 @@
+"""Running the coordinator's Flower SuperLink, and submitting a run to it with ``flwr run``.
+
+The SuperLink keeps its state in a database (``--database``) so nodes stay registered across a
+restart, and never installs an app's dependencies at run time
+(``--disable-runtime-dependency-installation``): the sites run only what is installed.
+``flwr`` is always called with an explicit ``FLWR_HOME`` whose ``config.toml`` names this SuperLink;
+without it the CLI silently falls back to a local simulation.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from feta_release.errors import ConfigError, FetaError
+from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback, wait_for_port
+
+FEDERATION = "feta"
+
+
+@dataclass
+class SuperLinkSettings:
+    host: str = "127.0.0.1"
+    port: int = 9092
+    database: Path = Path("state.db")
+    insecure: bool = False
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_ca_certfile: Path | None = None
+    enable_supernode_auth: bool = False
+    home: Path = Path(".feta-coordinator")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def superlink_command(s: SuperLinkSettings) -> list[str]:
+    cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--database", str(s.database),
+           "--disable-runtime-dependency-installation"]
+    if s.insecure:
+        if any([s.ssl_certfile, s.ssl_keyfile, s.ssl_ca_certfile]):
+            raise ConfigError("--insecure cannot be combined with --ssl-* files")
+        if s.enable_supernode_auth:
+            raise ConfigError("node authentication needs TLS: drop --insecure and give --ssl-* files")
+        if not is_loopback(s.address):
+            raise ConfigError(f"refusing --insecure on non-loopback address {s.address}")
+        cmd.append("--insecure")
+    else:
+        if not (s.ssl_certfile and s.ssl_keyfile and s.ssl_ca_certfile):
+            raise ConfigError("give --ssl-certfile, --ssl-keyfile and --ssl-ca-certfile (TLS), or --insecure "
+                              "for a loopback demo")
+        cmd += ["--ssl-certfile", str(s.ssl_certfile), "--ssl-keyfile", str(s.ssl_keyfile),
+                "--ssl-ca-certfile", str(s.ssl_ca_certfile)]
+        if s.enable_supernode_auth:
+            cmd.append("--enable-supernode-auth")
+    return cmd
+
+
+def start_superlink(s: SuperLinkSettings, log_path: Path | None = None, wait: float = 60.0) -> ManagedProcess:
+    s.home.mkdir(parents=True, exist_ok=True)
+    s.database.parent.mkdir(parents=True, exist_ok=True)
+    env = flower_env(s.home / "flwr_home")
+    proc = ManagedProcess("superlink", superlink_command(s), env, log_path or s.home / "superlink.log")
+    try:
+        wait_for_port(s.host, s.port, wait, proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def write_flwr_config(flwr_home: Path, address: str, *, insecure: bool, root_certificates: Path | None = None) -> Path:
+    """``$FLWR_HOME/config.toml`` naming the SuperLink as federation ``feta``."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{FEDERATION}"', "", f"[superlink.{FEDERATION}]", f'address = "{address}"']
+    if insecure:
+        lines.append("insecure = true")
+    elif root_certificates is not None:
+        lines.append(f'root-certificates = "{Path(root_certificates).resolve()}"')
+    path = flwr_home / "config.toml"
+    path.write_text("\n".join(lines) + "\n", "utf-8")
+    return path
+
+
+def flwr_run_command(app_dir: Path, run_config: dict[str, str], stream: bool = True) -> list[str]:
+    rc = " ".join(f'{k}="{v}"' for k, v in run_config.items())
+    cmd = [str(Path(sys.executable).parent / "flwr"), "run", str(app_dir), FEDERATION, "--run-config", rc]
+    if stream:
+        cmd.append("--stream")
+    return cmd
+
+
+def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *, on_line=None,  # noqa: ANN001
+           timeout: float | None = None) -> int:
+    """``flwr run APP feta --stream`` with FLWR_HOME set; streams output lines to ``on_line``."""
+    env = flower_env(flwr_home)
+    cmd = flwr_run_command(app_dir, run_config)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            import os
+            import signal
+
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def check_run_ok(code: int, out_dir: Path) -> None:
+    if code != 0:
+        raise FetaError(f"flwr run exited with code {code}; see the streamed log and {out_dir / 'progress.jsonl'}")

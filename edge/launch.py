@@ -1,0 +1,135 @@
+"""Starting a site's Flower SuperNode after the site's own checks pass.
+
+Before anything starts: the signed policy is verified against the site's trusted key, the data's
+fingerprint must match the policy, the ledger must not have seen a newer policy, the FAB gate must
+be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
+``--node-config`` (read by the ClientApp as ``context.node_config``; the coordinator cannot change
+them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) first on PATH.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from feta_release.errors import ConfigError, PolicyError
+from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
+
+from . import trust
+from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SITE_KEY, CFG_TRUSTED, CFG_WORK, Site
+
+log = logging.getLogger("feta.node")
+
+
+@dataclass
+class NodeSettings:
+    data: Path
+    policy: Path
+    trusted_policy_key: Path
+    ledger: Path
+    site_key: Path
+    superlink: str = "127.0.0.1:9092"
+    port: int = 9101
+    root_certificates: Path | None = None
+    auth_key: Path | None = None
+    insecure: bool = False
+    force_insecure: bool = False
+    work_dir: Path | None = None
+
+    def node_config(self) -> dict[str, str]:
+        work = self.work_dir or self.ledger.parent / "work"
+        return {CFG_DATA: str(self.data.resolve()), CFG_POLICY: str(self.policy.resolve()),
+                CFG_TRUSTED: str(self.trusted_policy_key.resolve()), CFG_LEDGER: str(self.ledger.resolve()),
+                CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve())}
+
+
+def _toml_string(v: str) -> str:
+    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def node_config_arg(cfg: dict[str, str]) -> str:
+    return " ".join(f"{k}={_toml_string(v)}" for k, v in cfg.items())
+
+
+def check_transport(s: NodeSettings) -> None:
+    if s.insecure:
+        if s.root_certificates or s.auth_key:
+            raise ConfigError("--insecure cannot be combined with --root-certificates/--auth-key")
+        if not is_loopback(s.superlink) and not s.force_insecure:
+            raise ConfigError(
+                f"refusing --insecure to non-loopback SuperLink {s.superlink}: traffic (model weights, released "
+                "statistics) would cross the network unencrypted. Use --root-certificates (TLS) or, if you "
+                "really must, add --force-insecure"
+            )
+        print(
+            "WARNING: --insecure: NO TLS and NO node authentication between this site and the coordinator. "
+            "Use only for loopback demos.", file=sys.stderr, flush=True,
+        )
+    elif s.root_certificates is None:
+        raise ConfigError("give --root-certificates CA.crt (TLS) or, for a loopback demo only, --insecure")
+
+
+def preflight(s: NodeSettings) -> Site:
+    """Everything the node refuses to start without. Returns the opened site (policy verified)."""
+    check_transport(s)
+    trust.check_flower_internals()
+    site = Site.open(s.node_config())
+    if not site.policy.app_bundles:
+        raise PolicyError(f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run")
+    return site
+
+
+def supernode_command(s: NodeSettings) -> list[str]:
+    cmd = ["flower-supernode", "--superlink", s.superlink, "--host", "127.0.0.1", "--port", str(s.port),
+           "--node-config", node_config_arg(s.node_config())]
+    if s.insecure:
+        cmd.append("--insecure")
+    else:
+        cmd += ["--root-certificates", str(s.root_certificates)]
+        if s.auth_key:
+            cmd += ["--auth-supernode-private-key", str(s.auth_key)]
+    return cmd
+
+
+def start_node(s: NodeSettings, log_path: Path | None = None) -> ManagedProcess:
+    """Preflight, then start the SuperNode as a managed process group (returns at once)."""
+    site = preflight(s)
+    work = Path(s.node_config()[CFG_WORK])
+    shim_dir = work / "bin"
+    trust.write_wrapper(shim_dir)
+    env = flower_env(work / "flwr_home", [shim_dir], **{
+        trust.ENV_ALLOWED: ",".join(site.policy.app_bundles),
+        trust.ENV_LOG: str(work / "trust.log"),
+    })
+    site.ledger.close()
+    return ManagedProcess(f"node {site.site_id}", supernode_command(s), env, log_path or work / "supernode.log")
+
+
+def run_node(s: NodeSettings) -> int:
+    """``feta-release node start``: run in the foreground until Ctrl-C, then stop the whole group."""
+    proc = start_node(s)
+    print(f"site node started (pid {proc.pid}); log: {proc.log_path}", flush=True)
+    stop = {"flag": False}
+
+    def handler(signum, frame):  # noqa: ANN001
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        while not stop["flag"] and proc.alive():
+            try:
+                proc.proc.wait(1.0)
+            except Exception:  # noqa: BLE001 - TimeoutExpired: keep waiting
+                pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = proc.proc.poll()
+        proc.stop()
+    if code not in (None, 0):
+        print(f"the SuperNode exited with code {code}; last log lines:\n{proc.tail()}", file=sys.stderr)
+        return int(code)
+    return 0

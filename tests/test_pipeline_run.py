@@ -1,0 +1,224 @@
+"""Single-site pipeline: a whole tiny run, resume after a kill, method switches, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from feta_release.accounting import epsilon, events_from_list
+from feta_release.config import JobConfig, load_job, load_preset
+from feta_release.data import ImageDataset, load_embedded
+from feta_release.errors import BudgetExceededError, ConfigError, DataError, PrivacyError
+from feta_release.training.pipeline import (
+    RunLedger,
+    SimulatedKill,
+    apply_method,
+    plan_run,
+    run_pipeline,
+)
+
+
+def _data(n: int = 240, seed: int = 0) -> ImageDataset:
+    full = load_embedded()
+    rng = np.random.default_rng(seed)
+    # stratified so every class is present
+    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    return full.subset(np.sort(idx))
+
+
+def _cfg(**over) -> JobConfig:
+    base = load_preset("tiny")
+    return base.replace(**over) if over else base
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "r"
+    res = run_pipeline(_cfg(), _data(), out, n_synthetic=30, grid_per_class=2, noise_seed=1)
+    return out, res
+
+
+def test_tiny_run_writes_a_complete_run_dir(tiny_run):
+    out, res = tiny_run
+    for name in ["COMPLETE", "run.json", "job.json", "privacy.json", "privacy-budget.png", "synthetic.npz",
+                 "model.pt", "released/central.npz", "released/frequency.npz", "checkpoints/dpsgd.pt"]:
+        assert (out / name).is_file(), name
+    grids = sorted(p.name for p in (out / "grids").glob("*.png"))
+    assert grids[:4] == ["01-central-images.png", "02-after-spatial.png", "03-after-frequency.png",
+                         "04-after-dpsgd.png"]
+    assert json.loads((out / "run.json").read_text())["status"] == "complete"
+    z = np.load(out / "synthetic.npz")
+    assert z["images"].shape == (30, 1, 28, 28) and z["images"].dtype == np.float32
+    assert 0.0 <= z["images"].min() and z["images"].max() <= 1.0
+    assert np.bincount(z["labels"], minlength=10).tolist() == [3] * 10  # balanced
+
+
+def test_privacy_json_holds_the_full_history_and_total(tiny_run):
+    out, res = tiny_run
+    doc = json.loads((out / "privacy.json").read_text())
+    events = events_from_list(doc["events"])
+    assert [e.stage for e in events] == ["central", "frequency", "dpsgd"]
+    assert events == events_from_list(doc["planned"])  # everything planned was charged, nothing more
+    assert doc["complete"] is True
+    total = epsilon(events, doc["delta"], "rdp")
+    assert doc["epsilon"] == pytest.approx(total) and total <= doc["target_epsilon"]
+    assert set(doc["per_stage_epsilon"]) == {"central", "frequency", "dpsgd", "total"}
+    assert res.dpsgd_steps_trained == events[-1].steps == 4
+
+
+def test_model_pt_rebuilds_the_ema_denoiser(tiny_run):
+    import torch
+
+    from feta_release.models.edm import denoiser_from_spec
+
+    out, _ = tiny_run
+    blob = torch.load(out / "model.pt", weights_only=False)
+    model = denoiser_from_spec(blob["spec"])
+    model.load_state_dict(blob["state_dict"])
+    assert blob["class_names"] == [str(i) for i in range(10)]
+
+
+def test_rerun_of_complete_run_does_nothing(tiny_run):
+    out, _ = tiny_run
+    before = (out / "privacy.json").read_bytes()
+    res = run_pipeline(_cfg(), _data(), out, n_synthetic=30)
+    assert res.already_complete and (out / "privacy.json").read_bytes() == before
+
+
+def test_kill_then_resume_never_double_charges(tmp_path):
+    cfg = _cfg(dpsgd={"steps": 6}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
+    data = _data()
+    out = tmp_path / "r"
+    with pytest.raises(SimulatedKill):
+        run_pipeline(cfg, data, out, n_synthetic=10, grid_per_class=1, checkpoint_every=2, kill_after_steps=3,
+                     noise_seed=5)
+    assert not (out / "COMPLETE").exists()
+    assert json.loads((out / "run.json").read_text())["status"] == "running"
+    doc = json.loads((out / "privacy.json").read_text())
+    assert doc["complete"] is False
+    charged = {e.stage: e.steps for e in events_from_list(doc["events"])}
+    assert charged == {"central": 1, "dpsgd": 3}  # charged before each step, including the 3rd
+    central_bytes = (out / "released" / "central.npz").read_bytes()
+
+    res = run_pipeline(cfg, data, out, n_synthetic=10, grid_per_class=1, checkpoint_every=2)
+    assert res.resumed and (out / "COMPLETE").exists()
+    doc = json.loads((out / "privacy.json").read_text())
+    assert events_from_list(doc["events"]) == events_from_list(doc["planned"])  # == plan, no double count
+    assert {e.stage: e.steps for e in res.events} == {"central": 1, "dpsgd": 6}
+    # checkpoint at step 2; step 3 was charged then lost: 2 + the remaining 3 steps are trained
+    assert res.dpsgd_steps_trained == 5
+    assert json.loads((out / "run.json").read_text())["dpsgd_steps_lost"] == 1
+    assert (out / "released" / "central.npz").read_bytes() == central_bytes  # not re-queried
+
+
+def test_release_charged_but_not_saved_refuses_to_requery(tmp_path):
+    cfg = _cfg(dpsgd={"steps": 2}, frequency={"sigma": None}, warmup={"spatial_iterations": 1})
+    data = _data()
+    out = tmp_path / "r"
+    with pytest.raises(SimulatedKill):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, kill_after_steps=1)
+    (out / "released" / "central.npz").unlink()
+    with pytest.raises(PrivacyError, match="already charged"):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1)
+
+
+def test_dpdm_method_runs_dpsgd_only(tmp_path):
+    cfg = _cfg(job={"method": "dpdm"}, dpsgd={"steps": 2})
+    res = run_pipeline(cfg, _data(), tmp_path / "r", n_synthetic=10, grid_per_class=1)
+    assert [e.stage for e in res.events] == ["dpsgd"]
+    assert not (tmp_path / "r" / "released").exists()
+    assert res.epsilon <= cfg.privacy.epsilon
+
+
+def test_apply_method_switches_stages():
+    cfg = _cfg()
+    assert apply_method(cfg.replace(job={"method": "dp-feta"})).frequency.sigma is None
+    assert apply_method(cfg.replace(job={"method": "dp-feta"})).central.rounds == 1
+    assert apply_method(cfg.replace(job={"method": "feta-pro-freq"})).central.rounds == 0
+    assert apply_method(cfg.replace(job={"method": "feta-pro-freq"})).frequency.sigma == 10.0
+    assert apply_method(cfg) == cfg
+
+
+def test_other_job_into_existing_run_dir_is_refused(tiny_run, tmp_path):
+    out, _ = tiny_run
+    with pytest.raises(ConfigError, match="different job config"):
+        run_pipeline(_cfg(dpsgd={"steps": 5}), _data(), out)
+    with pytest.raises(DataError, match="different data"):
+        run_pipeline(_cfg(), _data(seed=1), out)
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match="not a feta-release run"):
+        run_pipeline(_cfg(), _data(), junk)
+
+
+def test_budget_exhausted_by_warmup_leaves_nothing(tmp_path):
+    cfg = _cfg(central={"sigma": 0.3, "rounds": 5})
+    with pytest.raises(PrivacyError, match="warm-up"):
+        run_pipeline(cfg, _data(), tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_fewer_examples_than_the_batch_is_refused(tmp_path):
+    cfg = _cfg(dpsgd={"batch": 500})
+    with pytest.raises(DataError, match="fewer than the DP-SGD batch"):
+        run_pipeline(cfg, _data(), tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_class_without_images_is_refused(tmp_path):
+    d = _data()
+    keep = np.flatnonzero(d.labels != 3)
+    data = d.subset(keep)
+    assert data.n_classes == 10 and data.class_counts()[3] == 0
+    with pytest.raises(DataError, match="'3'"):
+        run_pipeline(_cfg(), data, tmp_path / "r")
+
+
+def test_unknown_and_impossible_config_values(tmp_path):
+    p = tmp_path / "job.toml"
+    p.write_text("[dpsgd]\nsteps = 3\nclipp = 1.0\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_job(p)
+    p.write_text("[dpsgd]\nsteps = 3\nclip = -1.0\n")
+    with pytest.raises(ConfigError, match="clip"):
+        load_job(p)
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        run_pipeline(_cfg(), _data(), tmp_path / "r", checkpoint_every=0)
+
+
+def test_ledger_refuses_beyond_plan_and_keeps_file(tmp_path):
+    cfg = _cfg()
+    plan = plan_run(cfg, 240)
+    ledger = RunLedger(tmp_path / "privacy.json", cfg, plan, 240)
+    ledger.write()
+    ledger.charge("central", 1)
+    for _ in range(plan.dpsgd_steps):
+        ledger.charge("dpsgd")
+    before = (tmp_path / "privacy.json").read_bytes()
+    with pytest.raises(BudgetExceededError, match="exceed"):
+        ledger.charge("dpsgd")
+    with pytest.raises(BudgetExceededError):
+        ledger.charge("central", 1)
+    assert (tmp_path / "privacy.json").read_bytes() == before
+    # a reopened ledger sees the charges on disk
+    again = RunLedger(tmp_path / "privacy.json", cfg, plan, 240)
+    assert again.charged("dpsgd") == plan.dpsgd_steps and again.charged("central") == 1
+
+
+def test_ledger_checks_the_real_epsilon_before_each_step(tmp_path):
+    # A plan whose recorded target is lower than what it would spend: the charge that would cross it is refused.
+    cfg = _cfg()
+    plan = plan_run(cfg, 240)
+    tight = cfg.replace(privacy={"epsilon": plan.epsilon * 0.5})
+    ledger = RunLedger(tmp_path / "privacy.json", tight, plan, 240)
+    ledger.charge("central", 1)
+    charged = 0
+    with pytest.raises(BudgetExceededError, match="stopped before"):
+        for _ in range(plan.dpsgd_steps):
+            ledger.charge("dpsgd")
+            charged += 1
+    assert ledger.charged("dpsgd") == charged < plan.dpsgd_steps
+    assert epsilon(ledger.events, 1e-5) <= plan.epsilon * 0.5

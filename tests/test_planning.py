@@ -1,0 +1,154 @@
+"""Privacy planning (plan_job / plan_site) and the ``privacy plan`` / ``privacy account`` commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from feta_release.accounting import PrivacyEvent, epsilon
+from feta_release.cli import cli, main
+from feta_release.config import JobConfig, load_job
+from feta_release.errors import ConfigError, PrivacyError
+from feta_release.planning import plan_job, plan_site
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def test_plan_valid_job_composes_whole_history() -> None:
+    cfg = load_job(JOBS / "valid_feta_pro.toml")
+    plan = plan_job(cfg, 4000)
+    assert [s.stage for s in plan.stages] == ["central", "frequency", "dpsgd"]
+    central, freq, sgd = plan.stages
+    assert (central.sigma, central.q, central.steps) == (5.0, 0.1, 5)
+    assert (freq.sigma, freq.q, freq.steps) == (26.6, 1.0, 1)
+    assert sgd.q == 256 / 4000 and sgd.steps == cfg.dpsgd_steps(4000) == 157
+    assert plan.calibrated and sgd.sigma == plan.noise_multiplier
+    # The total is recomputed over all events and meets the budget within the calibration tolerance.
+    assert plan.epsilon == pytest.approx(epsilon(list(plan.history), 1e-5))
+    assert 0.95 < plan.epsilon <= 1.0
+    over = epsilon([*plan.history[:2], PrivacyEvent("dpsgd", plan.noise_multiplier - 0.01, sgd.q, sgd.steps)], 1e-5)
+    assert over > 1.0
+    assert sum(s.share for s in plan.stages) == pytest.approx(1.0)
+    assert all(s.epsilon < plan.epsilon for s in plan.stages)
+    d = plan.to_dict()
+    for key in ("noise_multiplier", "epsilon", "delta", "accountant", "stages", "dataset_size", "history"):
+        assert key in d
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_warmup_costs_dpsgd_noise() -> None:
+    cfg = load_job(JOBS / "valid_feta_pro.toml")
+    with_warm = plan_job(cfg, 4000).noise_multiplier
+    no_warm = plan_job(cfg.replace(central={"rounds": 0}, frequency={"sigma": None}), 4000).noise_multiplier
+    assert no_warm < with_warm
+    assert [s.enabled for s in plan_job(cfg.replace(central={"rounds": 0}), 4000).stages] == [False, True, True]
+
+
+def test_fixed_noise_is_checked_not_calibrated() -> None:
+    plan = plan_job(load_job(JOBS / "valid_fixed_noise.toml"), 4000)
+    assert plan.noise_multiplier == 2.0 and not plan.calibrated and plan.epsilon <= 10.0
+    with pytest.raises(PrivacyError, match=r"noise_multiplier 0.5 .* above the budget"):
+        plan_job(load_job(JOBS / "invalid_fixed_noise_over_budget.toml"), 4000)
+
+
+@pytest.mark.parametrize(
+    ("job", "message"),
+    [
+        ("invalid_warmup_exceeds_budget.toml", r"warm-up alone .* shrink \[central\]"),
+        ("invalid_batch_too_large.toml", r"\[dpsgd\] batch 10000 exceeds the dataset size 4000"),
+        ("invalid_sigma_unbounded.toml", r"\[dpsgd\] cannot meet epsilon .* noise multiplier 1000"),
+        ("invalid_fixed_noise_over_budget.toml", r"\[dpsgd\] noise_multiplier"),
+    ],
+)
+def test_infeasible_plans_name_the_stage(job: str, message: str) -> None:
+    with pytest.raises(PrivacyError, match=message):
+        plan_job(load_job(JOBS / job), 4000)
+
+
+def test_invalid_job_file_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="epsilonn"):
+        load_job(JOBS / "invalid_unknown_key.toml")
+
+
+def test_central_batch_larger_than_dataset() -> None:
+    with pytest.raises(PrivacyError, match=r"\[central\] batch"):
+        plan_job(JobConfig().replace(dpsgd={"batch": 10, "steps": 10}), 100)  # default central batch 6000
+
+
+def test_plan_site_and_prior_events() -> None:
+    cfg = load_job(JOBS / "valid_feta_pro.toml").replace(federation={"rounds": 4, "local_steps": 10})
+    small, large = plan_site(cfg, 1000), plan_site(cfg, 4000)
+    assert small.stage("dpsgd").steps == 40 == large.stage("dpsgd").steps
+    assert small.stage("dpsgd").q == 256 / 1000
+    assert small.noise_multiplier > large.noise_multiplier  # a smaller site samples at a higher rate
+    prior = [PrivacyEvent("dpsgd", 2.0, 0.05, 50)]
+    with_prior = plan_site(cfg, 4000, prior_events=prior, target_epsilon=2.0)
+    assert with_prior.history[0] == prior[0] and with_prior.stages[0].stage == "prior"
+    assert with_prior.epsilon <= 2.0
+    assert with_prior.epsilon == pytest.approx(epsilon(list(with_prior.history), 1e-5))
+
+
+def test_dataset_size_must_be_positive() -> None:
+    with pytest.raises(PrivacyError):
+        plan_job(JobConfig(), 0)
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------
+
+
+def test_cli_plan_json() -> None:
+    res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_feta_pro.toml"), "--dataset-size", "4000",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["dataset_size"] == 4000 and data["dataset_size_assumed"] is False
+    assert data["delta"] == 1e-5 and data["accountant"] == "rdp"
+    assert data["noise_multiplier"] == pytest.approx(plan_job(load_job(JOBS / "valid_feta_pro.toml"), 4000).noise_multiplier)
+    assert [s["stage"] for s in data["stages"]] == ["central", "frequency", "dpsgd"]
+    assert data["epsilon"] <= 1.0
+
+
+def test_cli_plan_table_and_default_size() -> None:
+    res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_dpdm_no_warmup.toml")])
+    assert res.exit_code == 0, res.output
+    assert "assumed N = 4000" in res.output
+    assert "total epsilon" in res.output and "dpsgd" in res.output and "disabled" in res.output
+    res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_dpdm_no_warmup.toml"), "-n", "2000", "--json"])
+    data = json.loads(res.stdout)
+    assert data["dataset_size"] == 2000 and data["stages"][2]["q"] == 256 / 2000
+
+
+def test_cli_errors_exit_with_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["privacy", "plan", str(JOBS / "invalid_warmup_exceeds_budget.toml")])
+    assert exc.value.code == PrivacyError.exit_code
+    assert "shrink [central]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["privacy", "plan", str(JOBS / "invalid_unknown_key.toml")])
+    assert exc.value.code == ConfigError.exit_code
+    with pytest.raises(SystemExit) as exc:
+        main(["privacy", "plan", str(JOBS / "no_such_job.toml")])
+    assert exc.value.code == ConfigError.exit_code
+    assert "not found" in capsys.readouterr().err
+
+
+def test_cli_account(tmp_path: Path) -> None:
+    plan = plan_job(load_job(JOBS / "valid_feta_pro.toml"), 4000)
+    path = tmp_path / "privacy.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    res = CliRunner().invoke(cli, ["privacy", "account", str(path), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["epsilon"] == pytest.approx(plan.epsilon) and data["events"] == 3
+    bare = tmp_path / "events.json"
+    bare.write_text(json.dumps([e.to_dict() for e in plan.history]))
+    res = CliRunner().invoke(cli, ["privacy", "account", str(bare), "--delta", "1e-6"])
+    assert res.exit_code == 0 and "total epsilon" in res.output
+    assert CliRunner().invoke(cli, ["privacy", "account", str(bare)]).exit_code != 0  # no delta anywhere
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps([{"stage": "dpsgd", "sigma": -1, "q": 0.1, "steps": 1}]))
+    res = CliRunner().invoke(cli, ["privacy", "account", str(broken), "--delta", "1e-5"])
+    assert isinstance(res.exception, PrivacyError) and "sigma" in str(res.exception)

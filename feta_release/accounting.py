@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import numbers
 import sys
 import types
 import warnings
@@ -58,15 +59,17 @@ class PrivacyEvent:
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str) or not self.stage:
             raise PrivacyError(f"privacy event: stage must be a non-empty string, got {self.stage!r}")
-        if not (isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0):
+        real = isinstance(self.sigma, numbers.Real) and not isinstance(self.sigma, bool)
+        if not (real and math.isfinite(self.sigma) and self.sigma > 0):
             raise PrivacyError(f"privacy event {self.stage!r}: sigma must be a finite number > 0, got {self.sigma!r}")
-        if not (isinstance(self.q, (int, float)) and 0 < self.q <= 1):
+        if not (isinstance(self.q, numbers.Real) and not isinstance(self.q, bool) and 0 < self.q <= 1):
             raise PrivacyError(f"privacy event {self.stage!r}: sampling rate q must be in (0, 1], got {self.q!r}")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 0:
             raise PrivacyError(f"privacy event {self.stage!r}: steps must be an integer >= 0, got {self.steps!r}")
-        # Normalise numeric types so that to_dict/from_dict round-trips exactly (numpy scalars -> float).
+        # Normalise numpy scalars to Python numbers so that to_dict/from_dict and JSON round-trip exactly.
         object.__setattr__(self, "sigma", float(self.sigma))
         object.__setattr__(self, "q", float(self.q))
+        object.__setattr__(self, "steps", int(self.steps))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

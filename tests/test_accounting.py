@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from feta_release.accounting import (
@@ -34,8 +35,10 @@ def test_event_round_trip_and_validation() -> None:
     assert ev.sigma == 2.0 and isinstance(ev.sigma, float)
     assert PrivacyEvent.from_dict(json.loads(json.dumps(ev.to_dict()))) == ev
     assert events_from_list(events_to_list(HISTORIES[0])) == HISTORIES[0]
+    np_ev = PrivacyEvent("dpsgd", np.float32(2.0), np.float64(0.5), np.int64(10))  # numpy scalars normalised
+    assert np_ev == ev and type(np_ev.steps) is int and json.dumps(np_ev.to_dict())
     for bad in [dict(sigma=0.0), dict(sigma=-1.0), dict(sigma=float("nan")), dict(q=0.0), dict(q=1.5),
-                dict(steps=-1), dict(steps=1.5), dict(stage="")]:
+                dict(steps=-1), dict(steps=1.5), dict(stage=""), dict(sigma=True)]:
         kwargs = {"stage": "dpsgd", "sigma": 1.0, "q": 0.1, "steps": 1, **bad}
         with pytest.raises(PrivacyError):
             PrivacyEvent(**kwargs)

@@ -104,7 +104,10 @@ def train_classifier(
 def predict(net: nn.Module, images: np.ndarray, batch_size: int = 500) -> np.ndarray:
     """Predicted labels (int64) for float32 images (N, C, H, W) in [0, 1]."""
     net.eval()
-    out = [net(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size]))).argmax(1) for i in range(0, len(images), batch_size)]
+    out = [
+        net(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size]))).argmax(1)
+        for i in range(0, len(images), batch_size)
+    ]
     return torch.cat(out).numpy().astype(np.int64)
 
 
@@ -265,7 +268,9 @@ def evaluate(
     if grid_path is not None:
         from .viz import save_grid
 
-        grid = str(save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class, n_classes=synthetic.n_classes))
+        grid = str(
+            save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class, n_classes=synthetic.n_classes)
+        )
     return EvaluationReport(
         accuracy=float((pred == real_heldout.labels).mean()),
         fd=fd,

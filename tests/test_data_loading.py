@@ -122,10 +122,11 @@ def test_corrupt_and_truncated_files_listed(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         load_dataset(tmp_path)
     msg = str(err.value)
-    assert "garbage.jpg" in msg and "not a readable image" in msg
-    # The header pass refuses garbage first; fix it and the truncated one is named next.
+    assert "2 unreadable, corrupt or truncated image file(s)" in msg
+    assert "garbage.jpg: not a readable image" in msg and "truncated.png: corrupt or truncated" in msg
+    # A truncated file alone is found while decoding (its header is intact).
     (tmp_path / "cat" / "garbage.jpg").unlink()
-    with pytest.raises(DataError, match=r"1 corrupt or truncated image file\(s\):\n  .*truncated\.png: corrupt or truncated"):
+    with pytest.raises(DataError, match=r"1 unreadable, corrupt .*:\n  .*truncated\.png: corrupt or truncated"):
         load_dataset(tmp_path, resize="resize")
 
 
@@ -133,7 +134,7 @@ def test_every_unreadable_file_is_named(tmp_path: Path) -> None:
     two_class_folder(tmp_path)
     for i in range(3):
         (tmp_path / "cat" / f"bad{i}.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    with pytest.raises(DataError, match=r"3 unreadable image file\(s\)") as err:
+    with pytest.raises(DataError, match=r"3 unreadable, corrupt or truncated image file\(s\)") as err:
         load_dataset(tmp_path)
     assert all(f"bad{i}.png" in str(err.value) for i in range(3))
 

@@ -26,7 +26,13 @@ def labels_for(n: int, k: int = 2) -> np.ndarray:
 # -- layouts and dtypes -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "shape, layout",
-    [((4, 6, 5), "NHW"), ((4, 6, 5, 1), "NHWC"), ((4, 6, 5, 3), "NHWC"), ((4, 1, 6, 5), "NCHW"), ((4, 3, 6, 5), "NCHW")],
+    [
+        ((4, 6, 5), "NHW"),
+        ((4, 6, 5, 1), "NHWC"),
+        ((4, 6, 5, 3), "NHWC"),
+        ((4, 1, 6, 5), "NCHW"),
+        ((4, 3, 6, 5), "NCHW"),
+    ],
 )
 def test_layouts(tmp_path: Path, shape, layout) -> None:
     raw = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
@@ -82,7 +88,10 @@ def test_image_size_policy(tmp_path: Path) -> None:
         ({"images": np.zeros((2, 4)), "labels": [0, 1]}, "must have shape"),
         ({"images": np.zeros((2, 5, 5, 5)), "labels": [0, 1]}, "channel axis"),
         ({"images": np.zeros((2, 3, 4, 3)), "labels": [0, 1]}, "ambiguous"),
-        ({"images": np.full((2, 4, 4), np.nan), "labels": [0, 1]}, r"32 NaN/inf pixel value\(s\) in 2 image\(s\), first at index 0"),
+        (
+            {"images": np.full((2, 4, 4), np.nan), "labels": [0, 1]},
+            r"32 NaN/inf pixel value\(s\) in 2 image\(s\), first at index 0",
+        ),
         ({"images": np.array([np.zeros((4, 4)), np.full((4, 4), np.inf)]), "labels": [0, 1]}, "first at index 1"),
         ({"images": np.full((2, 4, 4), 255.0), "labels": [0, 1]}, r"\[0, 1\].*divide by 255"),
         ({"images": np.full((2, 4, 4), -1.0), "labels": [0, 1]}, r"\(x \+ 1\) / 2"),

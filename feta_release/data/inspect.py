@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
-
 from .dataset import ImageDataset
 from .loading import LoadReport
 

@@ -181,7 +181,13 @@ def _load_folder(
         except DataError as exc:
             errors.append(str(exc))
     if errors:
-        raise DataError(f"{root}: {len(errors)} unreadable image file(s):{_listing(errors)}")
+        # Decode the rest too (only on this failure path) so one message lists every bad file.
+        for h in headers:
+            try:
+                _read_pixels(h.path, LoadReport(source="", kind=""))
+            except DataError as exc:
+                errors.append(str(exc))
+        raise DataError(f"{root}: {len(errors)} unreadable, corrupt or truncated image file(s):{_listing(errors)}")
 
     channels = _choose_channels(headers, report)
     target = _choose_size([h.size for h in headers], [str(h.path) for h in headers], resize, image_size, root)
@@ -199,7 +205,7 @@ def _load_folder(
             report.n_resized += 1
         images[i] = arr.transpose(2, 0, 1)
     if errors:
-        raise DataError(f"{root}: {len(errors)} corrupt or truncated image file(s):{_listing(errors)}")
+        raise DataError(f"{root}: {len(errors)} unreadable, corrupt or truncated image file(s):{_listing(errors)}")
     if report.n_resized:
         report.warnings.append(f"resized {report.n_resized} image(s) to {target[0]}x{target[1]} (bilinear)")
     labels = np.array([h.label for h in headers], dtype=np.int64)
@@ -521,9 +527,12 @@ def _pixels_to_unit(images: np.ndarray, source: str, report: LoadReport) -> np.n
         lo, hi = float(flat.min()), float(flat.max())
         if lo < -_FLOAT_TOLERANCE or hi > 1 + _FLOAT_TOLERANCE:
             rows = np.flatnonzero(((flat < -_FLOAT_TOLERANCE) | (flat > 1 + _FLOAT_TOLERANCE)).any(axis=1))
-            hint = " (looks like 0..255: divide by 255)" if hi > 1.5 and lo >= 0 else (
-                " (looks like [-1, 1]: map with (x + 1) / 2)" if lo >= -1 - _FLOAT_TOLERANCE and hi <= 1 + _FLOAT_TOLERANCE else ""
-            )
+            if hi > 1.5 and lo >= 0:
+                hint = " (looks like 0..255: divide by 255)"
+            elif lo >= -1 - _FLOAT_TOLERANCE and hi <= 1 + _FLOAT_TOLERANCE:
+                hint = " (looks like [-1, 1]: map with (x + 1) / 2)"
+            else:
+                hint = ""
             raise DataError(
                 f"{source}: float pixels must be in [0, 1]; found {lo:g}..{hi:g} in {len(rows)} image(s), first "
                 f"at index {int(rows[0])}{hint}"

@@ -64,6 +64,7 @@ CONFIGS = {
         Config("ort-heun18-int8", "ort", "heun", 18, quant="int8-dynamic"),
         Config("ort-heun12", "ort", "heun", 12),
         Config("ort-heun8", "ort", "heun", 8),
+        Config("ort-heun50", "ort", "heun", 50),  # 99 NFE: an accurate ODE solution to measure solver error
     ]
 }
 DEFAULT = "torch-euler50,torch-heun18,ort-euler50,ort-heun18,ort-heun18-noopt,ort-heun18-1thread,ort-heun18-int8,ort-heun12"
@@ -136,8 +137,9 @@ def build_torch(den, cfg: Config, threads):
     return run
 
 
-def timed(run, noise, labels, batch):
-    run(noise[:batch], labels[:batch])  # warm-up: allocation, ORT graph optimisation
+def timed(run, noise, labels, batch, warm=True):
+    if warm:
+        run(noise[:batch], labels[:batch])  # warm-up: allocation, ORT graph optimisation
     out = []
     t0 = time.perf_counter()
     for s in range(0, len(noise), batch):
@@ -167,8 +169,10 @@ from feta_release.signing import load_public_key
 rel, out, n, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 keys = [load_public_key(p) for p in sys.argv[5:]]
 rep = synthesize(rel, out, keys, num=n, batch=batch, progress=False)
-print(json.dumps({"n": n, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "images_per_s": n / rep.seconds}))
+# VmHWM (peak RSS of this process image): unlike ru_maxrss it is not inherited from the forking parent.
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"n": n, "peak_rss_mib": hwm / 1024, "images_per_s": n / rep.seconds,
+                  "torch_loaded": "torch" in sys.modules}))
 """
 
 
@@ -216,8 +220,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256, help="images per configuration")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (best and median reported)")
     ap.add_argument("--configs", default=DEFAULT, help=f"comma list of: {', '.join(CONFIGS)}")
     ap.add_argument("--no-fd", action="store_true", help="skip the FD quality check")
+    ap.add_argument("--reference", default=None,
+                    help="config whose images are the accurate ODE solution (e.g. ort-heun50); adds each "
+                         "configuration's solver error |x - x_ref| next to its difference from the baseline")
     ap.add_argument("--memory", default="", help="comma list of N for the peak-memory runs, e.g. 500,2000,8000")
     ap.add_argument("--memory-steps", type=int, default=2, help="sampler steps for memory runs (memory is per batch)")
     ap.add_argument("--json", help="also write the results here")
@@ -251,20 +259,41 @@ def main() -> None:
             sub = np.random.default_rng(0).choice(held.n, min(held.n, args.n), replace=False)
             feat_real = extract_features(feature_net, held.images[sub])
 
-    results, base = [], None
-    for name in args.configs.split(","):
-        cfg = CONFIGS[name.strip()]
+    ref_imgs = None
+    if args.reference:
+        cfg = CONFIGS[args.reference]
         run = build_torch(den, cfg, args.threads) if cfg.engine == "torch" else build_ort(
             den_onnx, cfg, classes, shape, args.threads)
-        imgs, ips = timed(run, noise, labels, args.batch)
-        row = {"config": cfg.name, "engine": cfg.engine, "solver": cfg.solver, "steps": cfg.steps, "nfe": cfg.nfe,
-               "quant": cfg.quant, "optimize": cfg.optimize, "threads": cfg.threads or args.threads,
-               "batch": args.batch, "images_per_s": ips}
-        if base is None:
-            base = (imgs, ips)
-        row["speedup"] = ips / base[1]
-        row["max_abs_diff_vs_baseline"] = float(np.abs(imgs - base[0]).max())
-        row["mean_abs_diff_vs_baseline"] = float(np.abs(imgs - base[0]).mean())
+        ref_imgs = np.concatenate([run(noise[s : s + args.batch], labels[s : s + args.batch])
+                                   for s in range(0, args.n, args.batch)])
+    # Build every runner first, then time them in interleaved rounds (A B C A B C ...): on a shared machine
+    # the load changes by the minute, and interleaving exposes every configuration to the same conditions.
+    # Reported: the best round (least disturbed) and the median round.
+    cfgs = [CONFIGS[name.strip()] for name in args.configs.split(",")]
+    runners = {c.name: (build_torch(den, c, args.threads) if c.engine == "torch"
+                        else build_ort(den_onnx, c, classes, shape, args.threads)) for c in cfgs}
+    images, rates = {}, {c.name: [] for c in cfgs}
+    for rnd in range(args.rounds):
+        for c in cfgs:
+            imgs, ips = timed(runners[c.name], noise, labels, args.batch, warm=(rnd == 0))
+            images.setdefault(c.name, imgs)
+            rates[c.name].append(ips)
+        print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
+              flush=True)
+    results = []
+    base_name = cfgs[0].name
+    base_imgs, base_ips = images[base_name], max(rates[base_name])
+    for c in cfgs:
+        imgs = images[c.name]
+        ips = max(rates[c.name])
+        row = {"config": c.name, "engine": c.engine, "solver": c.solver, "steps": c.steps, "nfe": c.nfe,
+               "quant": c.quant, "optimize": c.optimize, "threads": c.threads or args.threads,
+               "batch": args.batch, "images_per_s": ips, "images_per_s_median": float(np.median(rates[c.name])),
+               "rounds": rates[c.name], "speedup": ips / base_ips,
+               "max_abs_diff_vs_baseline": float(np.abs(imgs - base_imgs).max()),
+               "mean_abs_diff_vs_baseline": float(np.abs(imgs - base_imgs).mean())}
+        if ref_imgs is not None:
+            row["mean_abs_err_vs_reference"] = float(np.abs(imgs - ref_imgs).mean())
         if feat_real is not None:
             from feta_release.evaluation import extract_features
 
@@ -273,7 +302,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     print()
-    hdr = f"{'config':22} {'NFE':>4} {'img/s':>7} {'speedup':>7} {'max|Δ|':>7} {'mean|Δ|':>8} {'FD ± sd':>14} equal?"
+    hdr = (f"{'config':22} {'NFE':>4} {'img/s':>7} {'median':>7} {'speedup':>7} {'max|Δ|':>7} {'mean|Δ|':>8} {'err_ref':>8} "
+           f"{'FD ± sd':>14} equal?")
     print(hdr)
     b = results[0]
     for r in results:
@@ -281,8 +311,9 @@ def main() -> None:
         eq = "-"
         if "fd" in r:
             eq = "yes" if abs(r["fd"] - b["fd"]) <= 2 * np.hypot(r["fd_sd"], b["fd_sd"]) else "NO"
-        print(f"{r['config']:22} {r['nfe']:>4} {r['images_per_s']:7.2f} {r['speedup']:6.2f}x {r['max_abs_diff_vs_baseline']:7.3f} "
-              f"{r['mean_abs_diff_vs_baseline']:8.4f} {fd:>14} {eq}")
+        err = f"{r['mean_abs_err_vs_reference']:8.4f}" if "mean_abs_err_vs_reference" in r else f"{'-':>8}"
+        print(f"{r['config']:22} {r['nfe']:>4} {r['images_per_s']:7.2f} {r['images_per_s_median']:7.2f} {r['speedup']:6.2f}x "
+              f"{r['max_abs_diff_vs_baseline']:7.3f} {r['mean_abs_diff_vs_baseline']:8.4f} {err} {fd:>14} {eq}")
     out = {"model": what, "n": args.n, "results": results}
 
     if args.memory:
@@ -290,8 +321,8 @@ def main() -> None:
         mem = memory_run(den_onnx, classes, shape, ns, args.batch, args.memory_steps)
         print("\npeak RSS of `synthesize` in a fresh process (verify + generate + PNG + certificate):")
         for m in mem:
-            print(f"  N = {m['n']:>7}: {m['peak_rss_mib']:.0f} MiB ({m['images_per_s']:.0f} images/s at "
-                  f"{args.memory_steps} steps)")
+            print(f"  N = {m['n']:>7}: {m['peak_rss_mib']:.1f} MiB ({m['images_per_s']:.0f} images/s at "
+                  f"{args.memory_steps} steps; torch imported: {m['torch_loaded']})")
         growth = (mem[-1]["peak_rss_mib"] - mem[0]["peak_rss_mib"]) / max(1, mem[-1]["n"] - mem[0]["n"]) * 1024
         print(f"  growth: {growth:.2f} KiB per image -> N = 60,000 projected "
               f"{mem[-1]['peak_rss_mib'] + growth * (60000 - mem[-1]['n']) / 1024:.0f} MiB")

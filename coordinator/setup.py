@@ -71,8 +71,8 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
         policy_key, policy_pub = generate_keypair(d / "keys", "policy")
         site_key, _ = generate_keypair(d / "keys", "site")
         over = dict((policy_overrides or {}).get(site_id, {}))
-        doc = make_policy(site_id, loaded.fingerprint(), loaded.n, [load_public_key(coord_pub)],
-                          app_bundles=hashes, **over)
+        over.setdefault("app_bundles", hashes)
+        doc = make_policy(site_id, loaded.fingerprint(), loaded.n, [load_public_key(coord_pub)], **over)
         signed = sign_policy(doc, load_private_key(policy_key))
         pol_path = write_signed_policy(d / "policy.signed.json", signed)
         fed.sites.append(SiteFiles(site_id, data_path, pol_path, policy_pub, site_key, d / "ledger.db", loaded.n,

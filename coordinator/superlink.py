@@ -121,3 +121,15 @@ def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *, on_lin
 def check_run_ok(code: int, out_dir: Path) -> None:
     if code != 0:
         raise FetaError(f"flwr run exited with code {code}; see the streamed log and {out_dir / 'progress.jsonl'}")
+
+
+def register_node(public_key: Path, name: str, flwr_home: Path, address: str, *, insecure: bool = False,
+                  root_certificates: Path | None = None) -> None:
+    """``flwr supernode register KEY.pub feta --name NAME``: only registered node keys may connect
+    to a SuperLink started with ``--enable-supernode-auth``."""
+    write_flwr_config(flwr_home, address, insecure=insecure, root_certificates=root_certificates)
+    cmd = [str(Path(sys.executable).parent / "flwr"), "supernode", "register", str(public_key), FEDERATION,
+           "--name", name]
+    r = subprocess.run(cmd, env=flower_env(flwr_home), capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise FetaError(f"registering node key {public_key} as {name!r} failed: {(r.stdout + r.stderr)[-1500:]}")

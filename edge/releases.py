@@ -51,24 +51,38 @@ def _arrays_of(obj: Any, prefix: str = "") -> dict[str, np.ndarray]:
     return out
 
 
-def release_central(ds: Any, cfg: JobConfig, generator: Any) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
-    from feta_release.mechanisms import central_images
+def _np_rng() -> np.random.Generator:
+    """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it)."""
+    import secrets
+
+    return np.random.default_rng(secrets.randbits(128))
+
+
+def release_central(ds: Any, cfg: JobConfig, generator: Any = None) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    from feta_release.mechanisms.central import central_images
 
     planned = plan.central_event(cfg, ds.n)
     if planned is None:
         raise PrivacyError("the job disables central images ([central] rounds = 0); nothing to release")
-    release, event = central_images(ds, cfg.central, generator=generator)
+    c = cfg.central
+    release, event = central_images(ds.images, ds.labels, ds.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch,
+                                    sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=ds.n,
+                                    rng=_np_rng())
     _same([planned], [event], "central images")
-    return _arrays_of(release), [planned]
+    return release.to_arrays(), [planned]
 
 
-def release_frequency(ds: Any, cfg: JobConfig, generator: Any) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
-    from feta_release.mechanisms import frequency_statistics
+def release_frequency(ds: Any, cfg: JobConfig, generator: Any = None) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    from feta_release.mechanisms.frequency import frequency_statistics
 
     planned = frequency_event(cfg)
-    stats, event = frequency_statistics(ds, cfg.frequency, generator=generator)
+    f = cfg.frequency
+    assert f.sigma is not None
+    release, event = frequency_statistics(ds.images, ds.labels, ds.n_classes, features=f.features, sigma=f.sigma,
+                                          bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_public=ds.n,
+                                          rng=_np_rng())
     _same([planned], [event], "frequency statistics")
-    return _arrays_of(stats), [planned]
+    return release.to_arrays(), [planned]
 
 
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
@@ -84,6 +98,11 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     if set(weights) != set(own):
         raise PrivacyError("global weights do not match the job's [model]: "
                            f"{len(set(weights) ^ set(own))} parameter name(s) differ")
+    bad = [k for k, v in own.items() if tuple(v.shape) != tuple(np.shape(weights[k]))]
+    if bad:
+        raise PrivacyError(f"global weights do not fit this site's model for the job's [model] ({len(bad)} tensor(s) "
+                           f"differ in shape, e.g. {bad[0]}): the coordinator and this site run different "
+                           "feta-release versions")
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
                            image_shape=ds.image_shape, n_classes=ds.n_classes)

@@ -42,6 +42,20 @@ def tiny_job(**sections: dict[str, Any]) -> JobConfig:
     return JobConfig.from_dict(base)
 
 
+def full_job(**sections: dict[str, Any]) -> JobConfig:
+    """All three stages, tiny: central images, frequency statistics, DP-SGD rounds."""
+    over: dict[str, Any] = {
+        "central": {"rounds": 1, "batch": 10, "sigma": 5.0},
+        "frequency": {"sigma": 26.6, "features": 200, "chunk": 64},
+        "warmup": {"spatial_iterations": 4, "spatial_batch": 8, "frequency_epochs": 1, "frequency_images": 40,
+                   "frequency_batch": 20},
+        "auxgen": {"epochs": 1, "iterations_per_epoch": 2, "batch": 20, "width": 8},
+    }
+    for name, more in sections.items():
+        over[name] = {**over.get(name, {}), **more}
+    return tiny_job(**over)
+
+
 def harness(fed: Any, down: set[str] = frozenset(), fail_on: dict[str, Any] | None = None):
     from edge.clientapp import app
     from feta_release.federation.harness import HarnessNode, InProcessGrid

@@ -103,6 +103,7 @@ def make_release(
         sites=[site_record(att)],
         coordinator_key=keys.coordinator,
         signed_policies={site_id: policy} if policy else None,
+        enforce_policy=False,  # some tests need an over-policy release to show that verify refuses it
     )
 
 

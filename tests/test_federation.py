@@ -10,13 +10,13 @@ import pytest
 from coordinator.setup import sign_job_file
 from edge.ledger import Ledger
 from feta_release.accounting import epsilon, events_from_list
-from feta_release.errors import BudgetExceededError, PolicyError
+from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation.driver import SiteUnavailable
 from feta_release.federation.job import run_job
 from feta_release.signing import generate_keypair, load_private_key
 
-from .federation_fixtures import harness, make_federation, tiny_job
+from .federation_fixtures import full_job, harness, make_federation, tiny_job
 
 
 @pytest.fixture()
@@ -227,3 +227,23 @@ def test_node_refuses_changed_data(fed, tmp_path):
     cfg = {**s.node_config(), "data-path": str(tmp_path / "changed.npz")}
     with pytest.raises(PolicyError, match="dataset.fingerprint"):
         Site.open(cfg)
+
+
+@pytest.mark.slow  # aux-generator fit + warm-ups: ~30 s alone, minutes on a loaded machine
+def test_full_pipeline_central_frequency_dpsgd_and_resume_replays(fed, tmp_path):
+    cfg = full_job()
+    signed, _ = sign_job_file(fed, cfg, "job-full")
+    out = tmp_path / "out"
+    res = _run(fed, harness(fed), signed, out)
+    for s in fed.sites:
+        reqs = _ledger_requests(fed, s.site_id, "job-full")
+        assert [r["mechanism"] for r in reqs] == ["central", "frequency", "dpsgd", "dpsgd"]
+        assert res.attestations[s.site_id]["statement"]["epsilon"] <= 1.0 + 1e-9
+    # Lose the coordinator's copy of one release: asking again is answered from the ledger, not re-charged.
+    before = _ledger_requests(fed, "site-b", "job-full")
+    (out / "state" / "central_site-b.npz").unlink()
+    (out / "state" / "warmup.pt").unlink()
+    grid = harness(fed)
+    _run(fed, grid, signed, out)
+    assert [m.metadata.message_type for m in grid.sent].count(fm.CENTRAL) == 1
+    assert _ledger_requests(fed, "site-b", "job-full") == before

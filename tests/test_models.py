@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -128,15 +127,15 @@ def test_loss_finite_and_decreases_when_overfitting() -> None:
     with torch.no_grad():
         before = edm_loss_from_randomness(d, x0, y, probe).mean().item()
     g = torch.Generator().manual_seed(1)
-    for _ in range(150):
-        loss = edm_loss(d, x0, y, noise_multiplicity=4, label_dropout=0.1, generator=g)
+    for _ in range(100):
+        loss = edm_loss(d, x0, y, noise_multiplicity=2, label_dropout=0.1, generator=g)
         assert loss.shape == (4,) and torch.isfinite(loss).all()
         opt.zero_grad()
         loss.mean().backward()
         opt.step()
     with torch.no_grad():
         after = edm_loss_from_randomness(d, x0, y, probe).mean().item()
-    assert after < 0.6 * before, (before, after)
+    assert after < 0.8 * before, (before, after)
 
 
 def test_single_loss_matches_batched_loss() -> None:

@@ -32,6 +32,17 @@ from .release_helpers import CLASSES, IMAGE_SHAPE, small_denoiser  # noqa: E402
 BOUND = 1e-4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_one_thread():
+    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower."""
+    import torch as _torch
+
+    n = _torch.get_num_threads()
+    _torch.set_num_threads(1)
+    yield
+    _torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def den():
     return small_denoiser()
@@ -45,6 +56,7 @@ def den_onnx(den):
 def _session(model: onnx.ModelProto):
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    so.intra_op_num_threads = 1  # tiny model: threads only add contention on the shared CI cores
     return ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
 
 

@@ -87,6 +87,7 @@ def test_rerun_of_complete_run_does_nothing(tiny_run):
     assert res.already_complete and (out / "privacy.json").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_kill_then_resume_never_double_charges(tmp_path):
     cfg = _cfg(dpsgd={"steps": 6}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
     data = _data()
@@ -113,6 +114,7 @@ def test_kill_then_resume_never_double_charges(tmp_path):
     assert (out / "released" / "central.npz").read_bytes() == central_bytes  # not re-queried
 
 
+@pytest.mark.slow
 def test_release_charged_but_not_saved_refuses_to_requery(tmp_path):
     cfg = _cfg(dpsgd={"steps": 2}, frequency={"sigma": None}, warmup={"spatial_iterations": 1})
     data = _data()
@@ -124,6 +126,7 @@ def test_release_charged_but_not_saved_refuses_to_requery(tmp_path):
         run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1)
 
 
+@pytest.mark.slow
 def test_dpdm_method_runs_dpsgd_only(tmp_path):
     cfg = _cfg(job={"method": "dpdm"}, dpsgd={"steps": 2})
     res = run_pipeline(cfg, _data(), tmp_path / "r", n_synthetic=10, grid_per_class=1)

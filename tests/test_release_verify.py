@@ -29,6 +29,17 @@ from .release_helpers import (  # noqa: E402
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_one_thread():
+    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower."""
+    import torch as _torch
+
+    n = _torch.get_num_threads()
+    _torch.set_num_threads(1)
+    yield
+    _torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def den_onnx():
     return export_denoiser(small_denoiser(), IMAGE_SHAPE)
@@ -187,6 +198,21 @@ def test_generator_from_another_job_refused(tmp_path, den_onnx, keys, release):
     res = verify_release(release, keys.public())
     assert _failed(res) == {"generator metadata"}
     assert "feta.statement_sha256" in res.reason()
+
+
+def test_assemble_refuses_over_policy(tmp_path, den_onnx, keys):
+    from feta_release.config import JobConfig
+    from feta_release.errors import ReleaseError
+    from feta_release.release.export_run import assemble_release
+    from feta_release.release.onnx_export import SamplerSettings
+
+    att = build_attestation("a", "job-1", EVENTS, 1e-5, "rdp", None, keys.site)
+    with pytest.raises(ReleaseError, match="outside its signed policy"):
+        assemble_release(tmp_path / "r", denoiser=den_onnx, classes=["a", "b", "c"], image_shape=IMAGE_SHAPE,
+                         sampler=SamplerSettings(steps=2), job_id="job-1", config=JobConfig().to_dict(),
+                         sites=[site_record(att)], coordinator_key=keys.coordinator,
+                         signed_policies={"a": signed_policy(keys, per_job_eps=0.5)})
+    assert not (tmp_path / "r").exists()
 
 
 def test_over_policy_release_refused(tmp_path, den_onnx, keys):

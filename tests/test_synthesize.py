@@ -24,6 +24,17 @@ from .release_helpers import CLASSES, IMAGE_SHAPE, make_release, new_keys, signe
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_one_thread():
+    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower."""
+    import torch as _torch
+
+    n = _torch.get_num_threads()
+    _torch.set_num_threads(1)
+    yield
+    _torch.set_num_threads(n)
+
 # "torch is not installed": a meta-path finder that refuses torch and everything under it. (Setting
 # sys.modules['torch'] = None instead would also break scipy, which inspects sys.modules for torch arrays.)
 BLOCK_TORCH = """
@@ -66,7 +77,7 @@ def _only_children(parent: Path) -> set[str]:
 
 def test_writes_per_class_pngs_and_certificate(release, keys, tmp_path):
     out = tmp_path / "synthetic"
-    rep = synthesize(release, out, keys.public(), per_class=[3, 0, 5], seed=7, batch=4, progress=False)
+    rep = synthesize(release, out, keys.public(), per_class=[3, 0, 5], seed=7, batch=4, progress=False, threads=1)
     assert rep.n_images == 8
     assert sorted(p.name for p in out.iterdir()) == ["certificate.json", "one", "two", "zero"]
     assert len(list((out / "zero").glob("*.png"))) == 3
@@ -98,7 +109,7 @@ def test_images_match_the_torch_sampler(release, keys, tmp_path, den):
     from feta_release.models.sampler import sample
 
     out = tmp_path / "s"
-    synthesize(release, out, keys.public(), num=3, seed=11, batch=3, progress=False)
+    synthesize(release, out, keys.public(), num=3, seed=11, batch=3, progress=False, threads=1)
     rng = np.random.Generator(np.random.PCG64(11))
     noise = rng.standard_normal((3, *IMAGE_SHAPE), dtype=np.float32)
     ref = sample(den, torch.tensor([0, 1, 2]), torch.from_numpy(noise), steps=6).numpy()
@@ -109,8 +120,8 @@ def test_images_match_the_torch_sampler(release, keys, tmp_path, den):
 
 def test_batch_size_does_not_change_images(release, keys, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    synthesize(release, a, keys.public(), num=7, seed=3, batch=2, progress=False)
-    synthesize(release, b, keys.public(), num=7, seed=3, batch=7, progress=False)
+    synthesize(release, a, keys.public(), num=7, seed=3, batch=2, progress=False, threads=1)
+    synthesize(release, b, keys.public(), num=7, seed=3, batch=7, progress=False, threads=1)
     for rel in json.loads((a / "certificate.json").read_text())["files"]:
         x = np.asarray(Image.open(a / rel), dtype=np.int16)
         y = np.asarray(Image.open(b / rel), dtype=np.int16)
@@ -133,7 +144,7 @@ def test_refusal_writes_nothing(release, keys, tmp_path, damage):
         (release / "policies" / "a.signed.json").write_text(json.dumps(signed_policy(keys, per_job_eps=0.1)))
     before = _only_children(tmp_path)
     with pytest.raises(ReleaseError, match="refused"):
-        synthesize(release, tmp_path / "out", trusted, num=3, progress=False)
+        synthesize(release, tmp_path / "out", trusted, num=3, progress=False, threads=1)
     assert _only_children(tmp_path) == before
 
 
@@ -142,11 +153,11 @@ def test_out_must_be_new_or_empty(release, keys, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(ReleaseError, match="not empty"):
-        synthesize(release, out, keys.public(), num=3, progress=False)
+        synthesize(release, out, keys.public(), num=3, progress=False, threads=1)
     assert _only_children(out) == {"keep.txt"}
     empty = tmp_path / "empty"
     empty.mkdir()
-    synthesize(release, empty, keys.public(), num=3, progress=False)
+    synthesize(release, empty, keys.public(), num=3, progress=False, threads=1)
     assert (empty / "certificate.json").is_file()
 
 
@@ -164,7 +175,7 @@ def test_failure_midway_leaves_nothing(release, keys, tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod, "_to_png", failing)
     with pytest.raises(OSError, match="disk full"):
-        synthesize(release, tmp_path / "out", keys.public(), num=9, batch=2, progress=False)
+        synthesize(release, tmp_path / "out", keys.public(), num=9, batch=2, progress=False, threads=1)
     assert _only_children(tmp_path) == {"release"}
 
 
@@ -189,7 +200,7 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
     out = tmp_path / "out"
     code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
     args = ["synthesize", "--release", str(release), "--per-class", "2,1,1", "--out", str(out), "--seed", "1",
-            "--batch", "3", "--no-progress"] + [a for p in pubs for a in ("--trusted", p)]
+            "--batch", "3", "--no-progress", "--threads", "1"] + [a for p in pubs for a in ("--trusted", p)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
@@ -204,3 +215,28 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
                          text=True, env=env, timeout=120)
     assert bad.returncode == ReleaseError.exit_code
     assert "unknown key" in bad.stderr + bad.stdout
+
+
+MEM_PROBE = """
+import sys
+from feta_release.release.synthesize import synthesize
+from feta_release.signing import load_public_key
+synthesize(sys.argv[1], sys.argv[2], [load_public_key(p) for p in sys.argv[4:]], num=int(sys.argv[3]), batch=8,
+           threads=1, progress=False)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS")
+def test_memory_does_not_grow_with_n(release, keys, tmp_path):
+    """Peak RSS (VmHWM, KiB) of a fresh synthesis process: 16 vs 400 images differ by less than 8 MiB."""
+    pubs = keys.pub_files(tmp_path / "keys")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    peaks = []
+    for n in (16, 400):
+        proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + MEM_PROBE, str(release), str(tmp_path / f"o{n}"),
+                               str(n), *pubs], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        peaks.append(int(proc.stdout.strip().splitlines()[-1]))
+    assert peaks[1] - peaks[0] < 8 * 1024, peaks

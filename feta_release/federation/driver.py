@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.app import Message
 
 from ..errors import FetaError, PolicyError
 from . import messages as fm
@@ -102,7 +103,7 @@ class JobDriver:
         for site_id, doc in targets.items():
             node = self.sites[site_id].node_id if site_id in self.sites else int(doc.pop("_node"))
             content = fm.make_payload({"job": self.signed_job, **doc}, arrays)
-            msgs.append(self.grid.create_message(content, message_type, node, group or phase))
+            msgs.append(Message(content, dst_node_id=node, message_type=message_type, group_id=group or phase))
             by_node[node] = site_id
         replies = self.grid.send_and_receive(msgs, timeout=timeout if timeout is not None else self.query_timeout)
         ok: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
@@ -279,7 +280,8 @@ class JobDriver:
                                     "skipped": {str(k): v for k, v in self.skipped.items()}})
             losses = [d.get("loss") for d, _ in ok.values() if d.get("loss") is not None]
             self.emit("dpsgd", f"round {r + 1}/{R}: {len(ok)} site(s), loss {np.mean(losses) if losses else float('nan'):.4f}",
-                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok))
+                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok),
+                      site_seconds={sid: d.get("seconds") for sid, (d, _) in ok.items()})
         self.timings["dpsgd"] = time.monotonic() - t0
         return R
 

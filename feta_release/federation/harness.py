@@ -56,6 +56,8 @@ class InProcessGrid(Grid):
         self._ids = itertools.count(1)
         self._replies: dict[str, Message] = {}
         self.sent: list[Message] = []
+        # The ServerApp creates messages with Message(...), which reads the task identity.
+        _set_identity(run_id, SUPERLINK_NODE_ID, 1)
 
     # -- Grid API ------------------------------------------------------------------------------
     def set_run(self, run: Run) -> None:

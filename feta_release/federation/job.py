@@ -12,14 +12,23 @@ from .driver import JobDriver, JobResult, Progress
 
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
             progress: Progress | None = None, wait_timeout: float = 300.0, poll_interval: float = 1.0) -> JobResult:
+    """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event."""
+    d = JobDriver(grid, signed_job, out_dir, coordinator_key=coordinator_key, progress=progress,
+                  wait_timeout=wait_timeout, poll_interval=poll_interval)
+    try:
+        return _run(d, signed_job)
+    except Exception as exc:
+        d.emit("error", f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
     import torch
 
     from ..models import build_denoiser
     from .checkpoint_io import load_warmup, save_warmup
 
     t_all = time.monotonic()
-    d = JobDriver(grid, signed_job, out_dir, coordinator_key=coordinator_key, progress=progress,
-                  wait_timeout=wait_timeout, poll_interval=poll_interval)
     cfg = d.cfg
     d.emit("start", f"job {d.job.job_id}: sites {', '.join(d.job.sites)}")
     d.wait_for_sites()

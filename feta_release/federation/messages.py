@@ -28,9 +28,15 @@ TRAIN = "train"
 
 
 def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> RecordDict:
+    arrays = {k: np.asarray(v) for k, v in (arrays or {}).items()}
+    # Flower's Array does not keep 0-d shapes; name them so read_payload restores scalars exactly.
+    scalars = sorted(k for k, v in arrays.items() if v.ndim == 0)
+    if scalars:
+        doc = {**doc, "_scalars": scalars}
     rd = RecordDict({"cfg": ConfigRecord({"json": canonical_json(doc).decode("utf-8")})})
     if arrays:
-        rd["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+        rd["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(v.reshape(-1) if v.ndim == 0 else v))
+                                    for k, v in arrays.items()})
     return rd
 
 
@@ -41,6 +47,8 @@ def read_payload(rd: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]
     arrays: dict[str, np.ndarray] = {}
     if "arrays" in rd.array_records:
         arrays = {k: v.numpy() for k, v in rd.array_records["arrays"].items()}
+    for k in doc.pop("_scalars", []):
+        arrays[k] = arrays[k].reshape(())
     return doc, arrays
 
 

@@ -22,7 +22,10 @@ def central_event(cfg: JobConfig, n: int) -> PrivacyEvent | None:
     c = cfg.central
     if c.rounds <= 0:
         return None
-    return PrivacyEvent("central", float(c.sigma), min(1.0, c.batch / n), int(c.rounds))
+    if c.batch > n:
+        raise PrivacyError(f"[central] batch {c.batch} is larger than a site's dataset ({n} images): in a federation "
+                           "the batch is each site's expected Poisson batch; lower it")
+    return PrivacyEvent("central", float(c.sigma), c.batch / n, int(c.rounds))
 
 
 def frequency_event(cfg: JobConfig) -> PrivacyEvent | None:

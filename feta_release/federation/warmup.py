@@ -1,6 +1,6 @@
 """Warm-up on released statistics only (post-processing: no privacy cost), reusing the synthesizer's stages.
 
-Central images: every site's released images are pooled (``mechanisms.combine_central``) and the
+Central images: the sites' released images are averaged with public-size weights (``combine_central``), the
 spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are combined into one
 (``mechanisms.combine_frequency``, weighted by public sizes) and the frequency stage fits the auxiliary
 generator and warms the denoiser on its images.
@@ -23,41 +23,29 @@ def warm_up(model: Any, central: dict[str, dict[str, np.ndarray]], freq: dict[st
     if central and cfg.warmup.spatial_iterations > 0:
         from ..training.spatial import spatial_warmup
 
-        images, labels = pooled_central(central, cfg)
-        log(f"spatial warm-up on {len(images)} central images from {len(central)} site(s), "
+        images, labels = pooled_central(central, sizes)
+        log(f"spatial warm-up on {len(images)} central images (combined from {len(central)} site(s)), "
             f"{cfg.warmup.spatial_iterations} iterations")
         every = max(1, cfg.warmup.spatial_iterations // 10)
         res = spatial_warmup(model, images, labels, cfg, generator=g,
                              progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}") if i % every == 0 else None)
         log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
     if freq and cfg.warmup.frequency_epochs > 0:
-        from ..training.frequency import frequency_warmup  # type: ignore[import-not-found]
+        from ..mechanisms.frequency import combine_frequency
+        from ..training.frequency import frequency_warmup_from_release
 
-        stats = combined_frequency(freq, sizes, cfg)
-        log(f"frequency warm-up from {len(freq)} site(s)' statistics")
-        frequency_warmup(model, stats, cfg, generator=g, progress=None)
-
-
-def pooled_central(central: dict[str, dict[str, np.ndarray]], cfg: Any) -> tuple[np.ndarray, np.ndarray]:
-    """All sites' released central images (post-processed), in site order."""
-    from .. import mechanisms
-
-    parts = [central[s] for s in sorted(central)]
-    combine = getattr(mechanisms, "combine_central", None)
-    if combine is not None:
-        out = combine(parts, cfg.central) if _arity(combine) > 1 else combine(parts)
-        return np.asarray(out[0]), np.asarray(out[1])
-    return (np.concatenate([p["images"] for p in parts]), np.concatenate([p["labels"] for p in parts]))
+        sites = sorted(freq)
+        release = combine_frequency([freq[s] for s in sites], [sizes[s] for s in sites])
+        log(f"frequency warm-up: aux generator fit on the combined embedding of {len(sites)} site(s), then "
+            f"{cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs")
+        res, _gen = frequency_warmup_from_release(model, release, cfg, generator=g)
+        log(f"frequency warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
 
 
-def combined_frequency(freq: dict[str, dict[str, np.ndarray]], sizes: dict[str, int], cfg: Any) -> Any:
-    from .. import mechanisms
+def pooled_central(central: dict[str, dict[str, np.ndarray]], sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The sites' central images averaged with public-size weights, then post-processed (no privacy cost)."""
+    from ..mechanisms.central import CentralRelease, combine_central, postprocess_central
 
-    sites = sorted(freq)
-    return mechanisms.combine_frequency([freq[s] for s in sites], [sizes[s] for s in sites])
-
-
-def _arity(f: Callable[..., Any]) -> int:
-    import inspect
-
-    return len([p for p in inspect.signature(f).parameters.values() if p.default is inspect.Parameter.empty])
+    sites = sorted(central)
+    combined = combine_central([CentralRelease.from_arrays(central[s]) for s in sites], [sizes[s] for s in sites])
+    return postprocess_central(combined)

@@ -52,13 +52,29 @@ def assemble_release(
     coordinator_key: Ed25519PrivateKey,
     signed_policies: Mapping[str, dict[str, Any]] | None = None,
     timestamps: dict[str, str] | None = None,
+    enforce_policy: bool = True,
 ) -> Path:
-    """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s."""
+    """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s.
+
+    A site whose signed policy is given and whose attested spend is outside it is refused here already
+    (``enforce_policy=False`` only for tests that need such a release to check that ``verify`` refuses it).
+    """
     import onnx
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ReleaseError(f"{out}: already exists and is not empty; choose a new release directory")
+    if enforce_policy:
+        from .verify import policy_violations
+
+        for s in sites:
+            signed = (signed_policies or {}).get(s["site_id"])
+            if signed is not None:
+                st = s["attestation"]["statement"]
+                over = policy_violations(dict(signed["policy"]), st, events_from_list(st["events"]))
+                if over:
+                    raise ReleaseError(f"site {s['site_id']}'s attested spend is outside its signed policy, "
+                                       f"refusing to release: " + "; ".join(over))
     job = {"job_id": job_id, "config": config}
     # The statement is fixed first and embedded in the generator; the manifest then hashes the generator.
     stmt = statement_sha256(job, sites)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 

@@ -195,9 +195,14 @@ class DPSGDTrainer:
         self.chunk = int(d.physical_batch)
         self.generator = generator
         if loss is None:
+            # an EDMDenoiser knows its own image shape and class count
+            image_shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
+            n_classes = n_classes if n_classes is not None else getattr(model, "n_classes", None)
             if image_shape is None or n_classes is None:
-                raise ConfigError("DPSGDTrainer needs image_shape and n_classes to build the default EDM loss")
-            loss = EDMLoss(image_shape, n_classes, d.noise_multiplicity, cfg.model.label_dropout)
+                raise ConfigError("DPSGDTrainer needs image_shape and n_classes (or a model that has them) to "
+                                  "build the default EDM loss")
+            loss = EDMLoss(image_shape, n_classes, d.noise_multiplicity, cfg.model.label_dropout,
+                           sigma_data=getattr(model, "sigma_data", None))
         self.loss = loss
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)
@@ -211,6 +216,7 @@ class DPSGDTrainer:
         """Poisson-sample from (images, labels) and return the privatised mean gradient (no optimizer step)."""
         t0 = time.perf_counter()
         n = images.shape[0]
+        dev = self.params[0].device
         expected = self.q * n
         idx = poisson_sample(n, self.q, self.generator)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
@@ -223,17 +229,19 @@ class DPSGDTrainer:
         # chunk x parameters whatever the batch size.
         for start in range(0, idx.numel(), self.chunk):
             part = idx[start : start + self.chunk]
-            rand = self.loss.draw(part.numel(), self.generator)
-            grads, loss = per_example_grads(self.model, self.loss, images[part], labels[part], rand, self.chunk)
+            # randomness is drawn on the CPU generator (same stream on any device), then moved to the model
+            rand = {k: v.to(dev) for k, v in self.loss.draw(part.numel(), self.generator).items()}
+            xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
+            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk)
             summed, norms = clip_and_sum(grads, self.clip)
             for name in total:
                 total[name] += summed[name]
-            losses.append(loss.detach())
+            losses.append(loss.detach().cpu())
             n_clipped += int((norms > self.clip).sum())
         self.model.train(was_training)
         std = self.sigma * self.clip
         for name, p in zip(names, self.params):
-            noise = torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * std
+            noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * std).to(dev)
             total[name] = (total[name] + noise) / expected
         b = int(idx.numel())
         stats = StepStats(

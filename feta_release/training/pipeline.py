@@ -372,6 +372,7 @@ def run_pipeline(
         + (" [resuming]" if resumed else "")
     )
     stage_seconds: dict[str, float] = {}
+    stage_cpu: dict[str, float] = {}  # process CPU seconds (all threads): comparable across busy machines
 
     def mark(stage: str, **info: Any) -> None:
         state["stages"][stage] = {"done": True, **info}
@@ -391,18 +392,19 @@ def run_pipeline(
     # 1. central images (DP release; charged once, saved once)
     central = None
     if cfg.central.rounds > 0:
-        t0 = time.perf_counter()
+        t0 = _now()
         central = _central_stage(cfg, data, rd, ledger, np.random.default_rng(_seed_from(secret, "central")), rep)
         from ..viz import save_grid
 
         grid_index += 1
-        save_grid(central[0], central[1], rd.grid(grid_index, "central-images"), per_class=grid_per_class,
+        save_grid(central[0], central[1], rd.grid(grid_index, "central-images"),
+                  per_class=min(grid_per_class, cfg.central.rounds),
                   n_classes=data.n_classes)
-        stage_seconds["central"] = time.perf_counter() - t0
+        _lap(stage_seconds, stage_cpu, "central", t0)
 
     # 2. spatial warm-up (post-processing of the central images)
     if central is not None and cfg.warmup.spatial_iterations > 0:
-        t0 = time.perf_counter()
+        t0 = _now()
         ck = rd.ckpt("after-spatial.pt")
         if ck.exists():
             denoiser.load_state_dict(load_torch(ck)["model"])
@@ -416,32 +418,32 @@ def run_pipeline(
             save_torch(ck, {"model": denoiser.state_dict()})
             mark("spatial", final_loss=res.final_loss, steps=res.steps)
         grid("after-spatial", denoiser)
-        stage_seconds["spatial"] = time.perf_counter() - t0
+        _lap(stage_seconds, stage_cpu, "spatial", t0)
 
     # 3. frequency statistics (DP release) -> aux generator -> frequency warm-up
     if cfg.frequency.sigma is not None:
-        t0 = time.perf_counter()
+        t0 = _now()
         stats = _frequency_stage(cfg, data, rd, ledger, np.random.default_rng(_seed_from(secret, "frequency")), rep)
-        stage_seconds["frequency-release"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        _lap(stage_seconds, stage_cpu, "frequency-release", t0)
+        t0 = _now()
         _frequency_warmup(cfg, data, rd, denoiser, stats, rep, grid, mark)
-        stage_seconds["frequency-warmup"] = time.perf_counter() - t0
+        _lap(stage_seconds, stage_cpu, "frequency-warmup", t0)
 
     # 4. DP-SGD on the real images
     trained = 0
     final_model: torch.nn.Module = denoiser
     if plan.dpsgd_steps > 0:
-        t0 = time.perf_counter()
+        t0 = _now()
         final_model, trained = _dpsgd_stage(
             cfg, data, rd, ledger, plan, denoiser, _gen(secret, "dpsgd"), rep, checkpoint_every,
             kill_after_steps, before_dpsgd_step, state,
         )
         mark("dpsgd", steps_trained=trained, steps_charged=ledger.charged("dpsgd"))
         grid("after-dpsgd", final_model)
-        stage_seconds["dpsgd"] = time.perf_counter() - t0
+        _lap(stage_seconds, stage_cpu, "dpsgd", t0)
 
     # 5. synthetic set, model, privacy report, completion marker (last)
-    t0 = time.perf_counter()
+    t0 = _now()
     n_syn = data.n if n_synthetic is None else int(n_synthetic)
     _write_synthetic(final_model, cfg, data, rd.root / "synthetic.npz", n_syn, rep)
     save_torch(rd.root / "model.pt", {
@@ -451,13 +453,14 @@ def run_pipeline(
         "job_hash": job_hash,
         "sampler": cfg.to_dict()["sampler"],
     })
-    stage_seconds["synthesis"] = time.perf_counter() - t0
+    _lap(stage_seconds, stage_cpu, "synthesis", t0)
     doc = ledger.write(final=True, extra={"dpsgd_steps_trained": trained})
     _budget_chart(doc, rd.root / "privacy-budget.png")
     state["status"] = "complete"
     state["dpsgd_steps_trained"] = trained
     state["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     state["stage_seconds"] = {**state.get("stage_seconds", {}), **stage_seconds}
+    state["stage_cpu_seconds"] = {**state.get("stage_cpu_seconds", {}), **stage_cpu}
     atomic_write_json(rd.run_json, state)
     atomic_write_bytes(rd.complete_marker, b"complete\n")
     eps = float(doc["epsilon"])
@@ -465,6 +468,15 @@ def run_pipeline(
             f"per stage {', '.join(f'{k} {v:.3f}' for k, v in doc['per_stage_epsilon'].items())}")
     return RunResult(rd.root, eps, cfg.privacy.delta, ledger.events, plan.dpsgd_sigma, trained,
                      time.perf_counter() - t_start, stage_seconds, resumed)
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _lap(wall: dict[str, float], cpu: dict[str, float], stage: str, t0: tuple[float, float]) -> None:
+    wall[stage] = time.perf_counter() - t0[0]
+    cpu[stage] = time.process_time() - t0[1]
 
 
 # -- stages ----------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""``feta-release coordinator``: run the SuperLink and submit signed jobs to it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def coordinator() -> None:
+    """Run the coordinator (Flower SuperLink + ServerApp)."""
+
+
+@coordinator.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=9092, show_default=True, help="One port for Fleet, Control and Runtime APIs.")
+@click.option("--database", type=click.Path(dir_okay=False, path_type=Path), default=Path("state.db"), show_default=True,
+              help="SuperLink state: nodes stay registered across a restart.")
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--ssl-ca-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--insecure", is_flag=True, help="No TLS (loopback demos only).")
+@click.option("--enable-supernode-auth", is_flag=True, help="Accept only registered node keys (needs TLS).")
+@click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=Path(".feta-coordinator"),
+              show_default=True, help="Logs and Flower's FLWR_HOME for the SuperLink.")
+def start(host: str, port: int, database: Path, ssl_certfile: Path | None, ssl_keyfile: Path | None,
+          ssl_ca_certfile: Path | None, insecure: bool, enable_supernode_auth: bool, home: Path) -> None:
+    """Run the Flower SuperLink in the foreground until Ctrl-C."""
+    from .superlink import SuperLinkSettings, start_superlink
+
+    s = SuperLinkSettings(host=host, port=port, database=database, insecure=insecure, ssl_certfile=ssl_certfile,
+                          ssl_keyfile=ssl_keyfile, ssl_ca_certfile=ssl_ca_certfile,
+                          enable_supernode_auth=enable_supernode_auth, home=home)
+    if insecure:
+        click.secho("WARNING: --insecure: no TLS, no node authentication. Loopback demos only.", fg="yellow", err=True)
+    proc = start_superlink(s)
+    click.echo(f"SuperLink listening on {s.address} (pid {proc.pid}); state {database}; log {proc.log_path}")
+    try:
+        while proc.alive():
+            time.sleep(1.0)
+        click.echo(f"SuperLink exited (code {proc.proc.returncode}):\n{proc.tail()}", err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        proc.stop()
+
+
+@coordinator.command("fab-hash")
+@click.option("--app", "app_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def fab_hash(app_dir: Path | None) -> None:
+    """Print the sha256 of the app bundle (what each site lists in its policy's app_bundles)."""
+    from .setup import APP_DIR, app_bundle_hash
+
+    click.echo(app_bundle_hash(app_dir or APP_DIR))
+
+
+@coordinator.command()
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--sites", required=True, help="Comma-separated site ids that take part.")
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The coordinator's Ed25519 private key (signs the job).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output + checkpoint directory; running again with the same --out resumes the job.")
+@click.option("--superlink", default="127.0.0.1:9092", show_default=True)
+@click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--insecure", is_flag=True)
+@click.option("--job-id", default=None, help="Default: JOB name + UTC time (kept in --out for resumes).")
+@click.option("--release/--no-release", default=True, show_default=True,
+              help="Also write samples.png, the privacy report and OUT/release (ONNX + signed manifest).")
+def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: str, root_certificates: Path | None,
+        insecure: bool, job_id: str | None, release: bool) -> None:
+    """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress."""
+    from .runner import run_signed_job, sign_or_resume
+
+    signed_path = sign_or_resume(job_file, [s.strip() for s in sites.split(",") if s.strip()], key_path, out_dir,
+                                 job_id)
+    summary = run_signed_job(signed_path, key_path, out_dir, superlink, insecure=insecure,
+                             root_certificates=root_certificates, on_line=click.echo)
+    click.echo(json.dumps({k: summary[k] for k in ("job_id", "site_epsilon", "rounds", "skipped", "timings")}, indent=2))
+    if release:
+        from .finalize import build_release, privacy_report, sample_grid
+
+        privacy_report(out_dir)
+        sample_grid(out_dir)
+        click.echo(f"release written to {build_release(out_dir, key_path)}; report {out_dir / 'privacy_report.txt'}")
+
+
+@coordinator.command()
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--host", "hosts", multiple=True, default=("127.0.0.1", "localhost"), show_default=True,
+              help="SuperLink host names / IPs for the certificate's SANs (repeat).")
+@click.option("--node", "nodes", multiple=True, help="Also make a node-auth key for this site (repeat).")
+def certs(out_dir: Path, hosts: tuple[str, ...], nodes: tuple[str, ...]) -> None:
+    """Make a test CA, a SuperLink certificate and node-auth keys (pilots/tests; use your PKI in production)."""
+    from .tls import make_certificates, make_node_auth_key
+
+    paths = make_certificates(out_dir, hosts)
+    for n in nodes:
+        make_node_auth_key(out_dir / "nodes", n)
+    click.echo("\n".join(f"{k}: {v}" for k, v in paths.items()))
+    if nodes:
+        click.echo(f"node keys in {out_dir / 'nodes'}; register each with `flwr supernode register NODE.pub`")
+
+
+@coordinator.command()
+@click.argument("public_key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--name", required=True, help="Site id of the node.")
+@click.option("--superlink", default="127.0.0.1:9092", show_default=True)
+@click.option("--root-certificates", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=Path(".feta-coordinator"),
+              show_default=True)
+def register(public_key: Path, name: str, superlink: str, root_certificates: Path, home: Path) -> None:
+    """Register a site's node-auth public key with the SuperLink (needs --enable-supernode-auth)."""
+    from .superlink import register_node
+
+    register_node(public_key, name, home / "cli_home", superlink, root_certificates=root_certificates)
+    click.echo(f"registered {public_key} as {name}")

@@ -1,0 +1,220 @@
+"""``feta-release demo``: the whole federated release on the embedded digits, on this machine.
+
+Splits the embedded data into 3 sites, gives each its keys and a signed policy, starts a coordinator
+(SuperLink) and 3 site nodes (SuperNodes) on loopback as real processes, runs FETA-Pro at ε = 1 and
+writes everything into one folder: samples.png, privacy_report.{txt,json}, release/ (ONNX generator +
+signed manifest with each site's signed spend statement), and the federation's files.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+N_SITES = 3
+
+
+def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_steps: int, quick: bool) -> Any:
+    """The preset's job, adapted to a federation of sites of ``site_size`` images each.
+
+    The single-site preset's sampling RATES are kept (q = batch / N), so each site's batch is the preset's
+    rate times the site's size; its DP-SGD steps become rounds x local_steps at every site.
+    """
+    from feta_release.config import load_preset
+
+    cfg = load_preset(preset)
+    n_ref = 4000  # the presets are written for the embedded 4,000-image training split
+    central_q = cfg.central.batch / n_ref
+    dpsgd_q = cfg.dpsgd.batch / n_ref
+    over: dict[str, Any] = {
+        "privacy": {"epsilon": epsilon},
+        "central": {"batch": max(1, int(central_q * site_size))},
+        "dpsgd": {"batch": max(1, int(round(dpsgd_q * site_size))), "steps": rounds * local_steps},
+        "federation": {"sites": [f"site-{chr(ord('a') + i)}" for i in range(N_SITES)], "min_sites": 2,
+                       "rounds": rounds, "local_steps": local_steps, "round_timeout": 900.0},
+        "job": {"name": "demo"},
+    }
+    if quick:  # a smoke run of the real processes: minutes, not quality
+        over.update({
+            "model": {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attn_resolutions": []},
+            "warmup": {"spatial_iterations": 5, "spatial_batch": 16, "frequency_images": 40, "frequency_epochs": 1,
+                       "frequency_batch": 20},
+            "auxgen": {"epochs": 1, "iterations_per_epoch": 2, "width": 8, "batch": 20},
+            "frequency": {"features": 100},
+            "dpsgd": {"batch": 16, "steps": rounds * local_steps, "noise_multiplicity": 1, "physical_batch": 16},
+            "sampler": {"steps": 4},
+        })
+    return cfg.replace(**over)
+
+
+@click.command()
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("feta-demo"),
+              show_default=True, help="One folder for everything the demo writes (must be new or empty).")
+@click.option("--epsilon", type=float, default=1.0, show_default=True, help="Per-site ε of the release.")
+@click.option("--preset", default="cpu-eps1", show_default=True, help="Job preset adapted to 3 sites.")
+@click.option("--rounds", type=int, default=4, show_default=True, help="Federated DP-SGD rounds.")
+@click.option("--local-steps", type=int, default=10, show_default=True, help="DP-SGD steps per site per round.")
+@click.option("--per-site", type=int, default=None, help="Use only this many images per site (faster, worse).")
+@click.option("--quick", is_flag=True, help="Tiny model and stages: checks the machinery in a few minutes.")
+@click.option("--no-release", is_flag=True, help="Skip the ONNX release (samples + privacy report only).")
+def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
+         quick: bool, no_release: bool) -> None:
+    """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise click.UsageError(f"{out_dir} is not empty; give a new --out folder")
+    t_start = time.monotonic()
+    timings: dict[str, float] = {}
+    procs: list[Any] = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with console.status("[bold]preparing 3 sites: data, keys, signed policies") as status:
+            t0 = time.monotonic()
+            fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, per_site, quick)
+            timings["prepare"] = time.monotonic() - t0
+            console.log(f"3 sites ready ({', '.join(f'{s.site_id}: {s.size} images' for s in fed.sites)}); "
+                        f"coordinator key {fed.coordinator_pub}")
+            status.update("[bold]starting the coordinator (SuperLink) and 3 site nodes (SuperNodes) on loopback")
+            t0 = time.monotonic()
+            address = _start_processes(out_dir, fed, procs, console)
+            timings["start_processes"] = time.monotonic() - t0
+            status.update("[bold]running the federated job")
+            t0 = time.monotonic()
+            summary = _run_job(out_dir, fed, cfg, address, console, status)
+            timings["job"] = time.monotonic() - t0
+        _stop_all(procs)
+        with console.status("[bold]writing samples, privacy report and release"):
+            t0 = time.monotonic()
+            from .finalize import build_release, privacy_report, sample_grid
+
+            job_out = out_dir / "job"
+            report = privacy_report(job_out)
+            grid = sample_grid(job_out)
+            _copy(job_out / "privacy_report.txt", out_dir / "privacy_report.txt")
+            _copy(job_out / "privacy_report.json", out_dir / "privacy_report.json")
+            _copy(grid, out_dir / "samples.png")
+            release = None
+            if not no_release:
+                release = build_release(job_out, fed.coordinator_key)
+                (out_dir / "release").symlink_to(release.resolve(), target_is_directory=True)
+            timings["finalize"] = time.monotonic() - t0
+        timings["total"] = time.monotonic() - t_start
+        doc = {"timings_s": timings, "job_phase_timings_s": summary["timings"], "site_epsilon": summary["site_epsilon"],
+               "rounds": summary["rounds"], "skipped": summary["skipped"],
+               "release": str(release) if release else None, "cores": _cores()}
+        (out_dir / "demo_summary.json").write_text(json.dumps(doc, indent=2), "utf-8")
+        console.print((out_dir / "privacy_report.txt").read_text("utf-8"))
+        console.print(f"[bold green]done in {timings['total']:.0f} s[/]: {out_dir / 'samples.png'}, "
+                      f"{out_dir / 'privacy_report.txt'}" + (f", {release}" if release else ""))
+        del report
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the coordinator and site nodes[/]")
+        raise SystemExit(130)
+    finally:
+        _stop_all(procs)
+        signal.signal(signal.SIGTERM, old)
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.write_bytes(src.read_bytes())
+
+
+def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
+             quick: bool) -> tuple[Any, Any]:
+    import numpy as np
+
+    from feta_release.data.embedded import load_embedded
+    from feta_release.data.splits import split_sites, train_heldout_split
+
+    from .setup import prepare_federation
+
+    train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
+    parts = split_sites(train, N_SITES, seed=0)
+    if per_site is not None:
+        parts = [p.subset(np.sort(np.random.default_rng(i).permutation(p.n)[:per_site])) for i, p in enumerate(parts)]
+    datasets = {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
+    fed = prepare_federation(out_dir / "federation", datasets)
+    from feta_release.data.dataset import save_npz
+
+    save_npz(heldout, out_dir / "federation" / "heldout.npz")
+    cfg = demo_config(preset, epsilon, min(p.n for p in parts), rounds, local_steps, quick)
+    return fed, cfg
+
+
+def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) -> str:
+    from edge.launch import NodeSettings, start_node
+    from feta_release.federation.procs import free_port
+
+    from .superlink import SuperLinkSettings, start_superlink
+
+    port = free_port()
+    coord = out_dir / "coordinator"
+    procs.append(start_superlink(SuperLinkSettings(port=port, database=coord / "state.db", insecure=True, home=coord)))
+    console.log(f"coordinator SuperLink on 127.0.0.1:{port} (pid {procs[-1].pid}; --insecure: loopback demo only)")
+    for s in fed.sites:
+        ns = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
+                          site_key=s.site_key, superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True)
+        procs.append(start_node(ns))
+        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, data fingerprint checked")
+    return f"127.0.0.1:{port}"
+
+
+def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, status: Any) -> dict[str, Any]:
+    import tomllib  # noqa: F401  (the job file is written as TOML below)
+
+    from .runner import run_signed_job, sign_or_resume
+
+    job_toml = out_dir / "federation" / "job.toml"
+    job_toml.write_text(_to_toml(cfg.to_dict()), "utf-8")
+    job_out = out_dir / "job"
+    signed = sign_or_resume(job_toml, [s.site_id for s in fed.sites], fed.coordinator_key, job_out, None)
+
+    def on_line(line: str) -> None:
+        if line.startswith("[feta] "):
+            text = line.removeprefix("[feta] ")
+            console.log(text)
+            status.update(f"[bold]{text}")
+        elif "ERROR" in line or "Traceback" in line or line.startswith("feta_release"):
+            console.log(f"[red]{line}")
+
+    return run_signed_job(signed, fed.coordinator_key, job_out, address, insecure=True, on_line=on_line)
+
+
+def _stop_all(procs: list[Any]) -> None:
+    while procs:
+        procs.pop().stop()
+
+
+def _to_toml(d: dict[str, Any]) -> str:
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        return repr(v)
+
+    out = []
+    for section, values in d.items():
+        out.append(f"[{section}]")
+        out += [f"{k} = {val(v)}" for k, v in values.items() if v is not None]
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,95 @@
+"""After a federated job: sample grid, privacy report, and the signed release (ONNX generator + manifest).
+
+Everything here is post-processing of the trained model and of the sites' SIGNED attestations: the
+privacy figures in the report are the ones each site computed from its own ledger, re-derived by the
+release module from the event histories (never a number the coordinator made up).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from feta_release.errors import FetaError
+
+
+def privacy_report(out_dir: Path) -> dict[str, Any]:
+    """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total."""
+    from feta_release.accounting import epsilon_breakdown, events_from_list
+
+    summary = json.loads((out_dir / "job_summary.json").read_text("utf-8"))
+    atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
+    sites = {}
+    for sid, att in sorted(atts.items()):
+        st = att["statement"]
+        events = events_from_list(st["events"])
+        sites[sid] = {
+            "epsilon_total": st["epsilon"], "delta": st["delta"], "accountant": st["accountant"],
+            "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
+            "events": st["events"], "policy_sha256": st["policy_sha256"], "signed_by_site": att["signature"]["signer"],
+        }
+    report = {"job_id": summary["job_id"], "unit_of_privacy": "one image of one site", "sites": sites,
+              "rounds": summary["rounds"], "skipped": summary["skipped"], "timings_s": summary["timings"]}
+    (out_dir / "privacy_report.json").write_text(json.dumps(report, indent=2), "utf-8")
+    lines = [f"Privacy report for job {report['job_id']} (unit of privacy: one image of one site)", ""]
+    for sid, s in sites.items():
+        lines.append(f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
+                     f"accountant), signed by the site's key {s['signed_by_site']}")
+        for stage, e in s["epsilon_by_stage_alone"].items():
+            if stage != "total":
+                lines.append(f"    {stage:<10} alone ε = {e:.3f}")
+    lines += ["", "Stage figures are each stage alone; composition is sub-additive, the total is what counts.",
+              "Each site's data never left it: only the noisy releases above did."]
+    (out_dir / "privacy_report.txt").write_text("\n".join(lines) + "\n", "utf-8")
+    return report
+
+
+def load_model(out_dir: Path) -> Any:
+    import torch
+
+    from feta_release.models import denoiser_from_spec
+
+    ck = torch.load(out_dir / "model.pt", map_location="cpu", weights_only=True)
+    model = denoiser_from_spec(ck["spec"])
+    model.load_state_dict(ck["model"])
+    return model.eval()
+
+
+def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
+    from feta_release.config import JobConfig
+    from feta_release.models import generate
+    from feta_release.viz import save_grid
+
+    signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
+    cfg = JobConfig.from_dict(signed["job"]["config"])
+    model = load_model(out_dir)
+    images, labels = generate(model, per_class, seed, cfg.sampler)
+    return save_grid(images.numpy(), labels.numpy(), out_dir / "samples.png", per_class=per_class,
+                     n_classes=model.n_classes)
+
+
+def build_release(out_dir: Path, coordinator_key_path: Path) -> Path:
+    """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside."""
+    from feta_release.config import JobConfig
+    from feta_release.release.export_run import assemble_release
+    from feta_release.release.manifest import site_record
+    from feta_release.release.onnx_export import SamplerSettings
+    from feta_release.signing import load_private_key
+
+    signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
+    job = signed["job"]
+    cfg = JobConfig.from_dict(job["config"])
+    summary = json.loads((out_dir / "job_summary.json").read_text("utf-8"))
+    atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
+    missing = sorted(set(job["sites"]) - set(atts))
+    if missing:
+        raise FetaError(f"no signed attestation from site(s) {', '.join(missing)}: cannot release")
+    policies = {sid: json.loads((out_dir / "policies" / f"{sid}.signed.json").read_text("utf-8")) for sid in atts}
+    model = load_model(out_dir)
+    return assemble_release(
+        out_dir / "release", denoiser=model, classes=summary["class_names"], image_shape=summary["image_shape"],
+        sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"], config=job["config"],
+        sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=load_private_key(coordinator_key_path),
+        signed_policies=policies,
+    )

@@ -1,0 +1,72 @@
+"""Signing a job (or reusing the one an interrupted run left) and submitting it with ``flwr run``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from feta_release.errors import ConfigError, FetaError
+
+from .setup import APP_DIR
+from .superlink import submit, write_flwr_config
+
+SIGNED_JOB = "signed_job.json"
+
+
+def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Path, job_id: str | None) -> Path:
+    """The signed job for ``out_dir``: the existing one when resuming (same job id: the sites' ledgers then
+    answer already-paid requests from their records), a new one otherwise."""
+    from feta_release.config import load_job
+    from feta_release.policy.jobs import sign_job
+    from feta_release.signing import load_private_key
+
+    cfg = load_job(job_file)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / SIGNED_JOB
+    if path.exists():
+        prev = json.loads(path.read_text("utf-8"))
+        body = prev.get("job", {})
+        if body.get("config") != cfg.to_dict() or body.get("sites") != sites:
+            raise ConfigError(f"{out_dir} holds job {body.get('job_id')!r} with another config or site list; "
+                              "use a new --out for a new job")
+        if job_id and job_id != body.get("job_id"):
+            raise ConfigError(f"{out_dir} holds job {body.get('job_id')!r}, not {job_id!r}")
+        return path
+    if not sites:
+        raise ConfigError("--sites: name at least one site")
+    jid = job_id or f"{cfg.job.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    signed = sign_job(cfg, load_private_key(key_path), jid, sites)
+    path.write_text(json.dumps(signed, indent=2), "utf-8")
+    return path
+
+
+def run_signed_job(signed_path: Path, key_path: Path, out_dir: Path, superlink: str, *, insecure: bool,
+                   root_certificates: Path | None = None, on_line: Callable[[str], None] | None = None,
+                   app_dir: Path = APP_DIR) -> dict[str, Any]:
+    home = out_dir / "flwr_cli_home"
+    write_flwr_config(home, superlink, insecure=insecure, root_certificates=root_certificates)
+    summary_path = out_dir / "job_summary.json"
+    if summary_path.exists():
+        summary_path.unlink()  # a stale summary must not pass for this run's
+    code = submit(app_dir, home, {"job-file": str(signed_path.resolve()), "out-dir": str(out_dir.resolve()),
+                                  "coordinator-key": str(key_path.resolve())}, on_line=on_line)
+    # `flwr run` exits 0 even when the ServerApp raised: the job's own summary is the proof it finished.
+    if code != 0 or not summary_path.exists():
+        last = _last_error(out_dir)
+        raise FetaError(f"the job did not finish (flwr run exit code {code}){': ' + last if last else ''}; "
+                        f"progress log: {out_dir / 'progress.jsonl'}; run the same command again to resume")
+    return json.loads(summary_path.read_text("utf-8"))
+
+
+def _last_error(out_dir: Path) -> str:
+    p = out_dir / "progress.jsonl"
+    if not p.exists():
+        return ""
+    for line in reversed(p.read_text("utf-8").splitlines()):
+        ev = json.loads(line)
+        if ev.get("phase") == "error" or ev.get("error"):
+            return str(ev.get("message"))
+    return ""

@@ -1,0 +1,79 @@
+"""TLS certificates and node-authentication keys for a test or pilot federation (``cryptography``).
+
+A production site uses its organisation's PKI; these are for loopback tests and pilots:
+  ca.crt / ca.key            a self-signed CA
+  server.pem / server.key    the SuperLink's certificate (SANs: the given hosts/IPs), signed by the CA
+  nodes/<site>(.pub)         per-site EC (SECP384R1) node-auth keys in OpenSSH format, as Flower expects
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                             serialization.NoEncryption())
+
+
+def make_certificates(out_dir: str | Path, hosts: Iterable[str] = ("127.0.0.1", "localhost"),
+                      days: int = 30) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "feta-release test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+          .not_valid_after(now + dt.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    srv_key = ec.generate_private_key(ec.SECP384R1())
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    srv = (x509.CertificateBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, next(iter(hosts), "localhost"))]))
+           .issuer_name(ca_name).public_key(srv_key.public_key()).serial_number(x509.random_serial_number())
+           .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+           .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+           .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+           .sign(ca_key, hashes.SHA256()))
+    paths = {"ca_cert": out / "ca.crt", "ca_key": out / "ca.key", "server_cert": out / "server.pem",
+             "server_key": out / "server.key"}
+    paths["ca_cert"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    _write_private(paths["ca_key"], _pem_key(ca_key))
+    paths["server_cert"].write_bytes(srv.public_bytes(serialization.Encoding.PEM))
+    _write_private(paths["server_key"], _pem_key(srv_key))
+    return paths
+
+
+def make_node_auth_key(out_dir: str | Path, name: str) -> tuple[Path, Path]:
+    """EC SECP384R1 key pair in OpenSSH format (``flwr supernode register NAME.pub``; node: ``--auth-key NAME``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    priv, pub = out / name, out / f"{name}.pub"
+    _write_private(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                           serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                  serialization.PublicFormat.OpenSSH) + b"\n")
+    return priv, pub

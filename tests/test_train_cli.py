@@ -1,0 +1,79 @@
+"""``feta-release train``: a tiny run from the command line, and its errors with exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from feta_release.cli import main
+from feta_release.data import load_embedded, save_npz
+
+
+@pytest.fixture(scope="module")
+def small_npz(tmp_path_factory):
+    full = load_embedded()
+    rng = np.random.default_rng(3)
+    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
+    path = tmp_path_factory.mktemp("data") / "small.npz"
+    save_npz(full.subset(np.sort(idx)), path)
+    return path
+
+
+def _run(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.slow
+def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, stdout, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
+                              "--synthetic", "10", "--quiet", "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["epsilon"] <= 10.0 and summary["delta"] == 1e-5
+    assert [e["stage"] for e in summary["events"]] == ["central", "frequency", "dpsgd"]
+    assert (out / "COMPLETE").exists()
+    assert np.load(out / "synthetic.npz")["images"].shape[0] == 10
+    # the same command again: already complete, nothing re-spent
+    code, stdout, _ = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
+                            "--synthetic", "10", "--quiet", "--json"], capsys)
+    assert code == 0 and json.loads(stdout)["already_complete"] is True
+
+
+def test_cli_errors_have_exit_codes(small_npz, tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text("[dpsgd]\nsteps = 2\nbatchsize = 3\n")
+    code, _, err = _run(["train", str(job), "--data", str(small_npz), "--out", str(tmp_path / "a")], capsys)
+    assert code == 2 and "unknown key" in err and "batchsize" in err
+
+    code, _, err = _run(["train", str(job), "--preset", "tiny", "--out", str(tmp_path / "b")], capsys)
+    assert code == 2 and "exactly one" in err
+
+    job.write_text("[dpsgd]\nsteps = 2\nbatch = 1000\n")
+    code, _, err = _run(["train", str(job), "--data", str(small_npz), "--out", str(tmp_path / "c")], capsys)
+    assert code == 3 and "fewer than the DP-SGD batch" in err
+    assert not (tmp_path / "c").exists()
+
+    code, _, err = _run(["train", "--preset", "no-such", "--out", str(tmp_path / "d")], capsys)
+    assert code == 2 and "available" in err
+
+
+def test_presets_load_and_plan():
+    from feta_release.config import load_preset
+    from feta_release.planning import plan_job
+
+    for name, n in [("cpu-eps1", 4000), ("cpu-eps10", 4000), ("tiny", 200), ("paper-mnist", 55000)]:
+        cfg = load_preset(name)
+        plan = plan_job(cfg, n)
+        assert plan.epsilon <= cfg.privacy.epsilon + 1e-9
+        assert plan.noise_multiplier is not None and plan.noise_multiplier > 0
+    assert load_preset("cpu-eps1").dpsgd == load_preset("cpu-eps10").dpsgd  # same DP-SGD compute
+    assert load_preset("cpu-eps1").model == load_preset("cpu-eps10").model

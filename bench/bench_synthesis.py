@@ -101,8 +101,15 @@ def get_model(args):
             opt.step()
             if step % 100 == 0 or step == args.pretrain_steps - 1:
                 print(f"  pretrain step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    else:
+        # A freshly built UNet has zero-initialised output layers, i.e. D(x) = c_skip x: every solver then
+        # solves the same linear ODE and quality columns would be vacuous. Perturb the weights instead.
+        with torch.no_grad():
+            for p in den.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
     n_params = sum(p.numel() for p in den.parameters())
-    what = f"UNet channels={args.channels} ({n_params / 1e6:.2f}M params), {args.pretrain_steps} non-private steps"
+    what = (f"UNet channels={args.channels} ({n_params / 1e6:.2f}M params), "
+            + (f"{args.pretrain_steps} non-private steps" if args.pretrain_steps else "random weights (untrained)"))
     return den.eval(), list(data.class_names), what
 
 

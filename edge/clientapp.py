@@ -166,7 +166,7 @@ def train(msg: Message, context: Context) -> Message:
         raise PolicyError(f"round {rnd} is outside the job's {rounds} rounds; refused")
     rid = fm.request_id(job.job_id, "train", rnd)
     # σ is calibrated HERE, by the site, for its own size and budget over its own history of this job.
-    event = site_dpsgd_event(job.config, site.policy, site.data.n, _job_events(site, job, exclude_stage="dpsgd"))
+    event = site_dpsgd_event(job.config, site.policy, site.data.n, cache_dir=site.work_dir)
     if (rd := _replay(site, job, rid, "dpsgd", [event])) is not None:
         return Message(rd, reply_to=msg)
     check_request(site.policy, MechanismRequest("dpsgd", event.sigma, event.q, event.steps,

@@ -26,8 +26,8 @@ def frequency_event(cfg: JobConfig) -> PrivacyEvent:
     return ev
 
 
-def site_dpsgd_event(cfg: JobConfig, policy: Any, n: int, _recorded_warmup: list[PrivacyEvent]) -> PrivacyEvent:
-    return plan.round_event(cfg, n, plan.site_sigma(cfg, n, policy))
+def site_dpsgd_event(cfg: JobConfig, policy: Any, n: int, cache_dir: Any = None) -> PrivacyEvent:
+    return plan.round_event(cfg, n, plan.site_sigma(cfg, n, policy, cache_dir=cache_dir))
 
 
 def _same(planned: list[PrivacyEvent], reported: list[PrivacyEvent], what: str) -> None:

@@ -20,14 +20,9 @@ CLI = [sys.executable, "-m", "feta_release"]
 
 
 def _pids_of_group_alive(pgids: list[int]) -> list[int]:
-    alive = []
-    for g in pgids:
-        try:
-            os.killpg(g, 0)
-            alive.append(g)
-        except ProcessLookupError:
-            pass
-    return alive
+    from feta_release.federation.procs import group_alive
+
+    return [g for g in pgids if group_alive(g)]
 
 
 def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path):

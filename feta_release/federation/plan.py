@@ -10,7 +10,11 @@ the σ a site uses in round r does not depend on which earlier requests the coor
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from ..accounting import PrivacyEvent, calibrate_noise_multiplier
@@ -57,14 +61,29 @@ def target(cfg: JobConfig, policy: Any | None) -> tuple[float, float, str]:
     return eps, delta, acc
 
 
-def site_sigma(cfg: JobConfig, n: int, policy: Any | None = None) -> float:
+def site_sigma(cfg: JobConfig, n: int, policy: Any | None = None, cache_dir: Path | None = None) -> float:
+    """The DP-SGD noise multiplier of a site. ``cache_dir``: remember calibrations on disk (each message runs
+    in a fresh process at a real node, and a calibration costs seconds; the result is a pure function of
+    its inputs, so the cache is exact)."""
     if cfg.dpsgd.noise_multiplier is not None:
         return float(cfg.dpsgd.noise_multiplier)
     total_steps = cfg.federation.rounds * cfg.federation.local_steps
     if total_steps < 1:
         raise PrivacyError("[federation] rounds x local_steps must be >= 1 to calibrate DP-SGD")
     eps, delta, acc = target(cfg, policy)
-    return _calibrate(tuple(warmup_events(cfg, n)), dpsgd_rate(cfg, n), total_steps, eps, delta, acc)
+    args = (tuple(warmup_events(cfg, n)), dpsgd_rate(cfg, n), total_steps, eps, delta, acc)
+    if cache_dir is None:
+        return _calibrate(*args)
+    key = hashlib.sha256(json.dumps([[e.to_dict() for e in args[0]], *args[1:]]).encode()).hexdigest()
+    path = Path(cache_dir) / "calibrations" / f"{key}.json"
+    if path.exists():
+        return float(json.loads(path.read_text("utf-8"))["sigma"])
+    sigma = _calibrate(*args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"sigma": sigma}), "utf-8")
+    os.replace(tmp, path)
+    return sigma
 
 
 @functools.lru_cache(maxsize=256)

@@ -88,6 +88,10 @@ class ManagedProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+        if pgid is not None:  # give the kernel (and init's reaping of orphans) a moment to clear the group
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and group_alive(pgid):
+                time.sleep(0.1)
         self._log.close()
 
     def tail(self, n: int = 30) -> str:
@@ -96,6 +100,26 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of the group exists that is not a zombie."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for d in Path("/proc").iterdir() if Path("/proc").exists() else []:
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return not Path("/proc").exists()
 
 
 def is_loopback(address: str) -> bool:

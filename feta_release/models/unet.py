@@ -143,8 +143,7 @@ class UNet(nn.Module):
         self.map1 = nn.Linear(emb_ch, emb_ch)
         # As DDPM++: the class embedding is added to the sinusoidal noise features BEFORE the embedding
         # MLP, at the same O(1) scale (N(0, 1) rows), so the MLP mixes noise level and class
-        # non-linearly. (A small-scale embedding added after the MLP was measured to leave samples
-        # class-agnostic after 500 steps.)
+        # non-linearly from the first step.
         self.class_embed = nn.Embedding(n_classes + 1, channels)
         nn.init.normal_(self.class_embed.weight, std=1.0)
 

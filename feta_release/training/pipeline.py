@@ -8,7 +8,8 @@ Stages are functions of (model, released statistics, config); each is switched o
 
 Run directory (``RUN_DIR``) layout::
 
-    run.json                 job hash, data fingerprint, plan, stage status; "status": "running" | "complete"
+    run.json                 job hash, data fingerprint, plan, stage status, wall and CPU seconds per stage;
+                             "status": "running" | "complete"
     job.json                 the effective JobConfig (after the method switch) as plain JSON
     privacy.json             FULL charged event history, planned history, total (eps, delta), accountant,
                              per-stage eps; rewritten (atomically, fsynced) BEFORE every mechanism / DP-SGD step
@@ -18,7 +19,8 @@ Run directory (``RUN_DIR``) layout::
     checkpoints/             SITE-PRIVATE, never to be exported: model state after each warm-up stage,
                              aux generator, DP-SGD trainer state (model, EMA, Adam, generator), the secret
                              noise seed (``noise_seed.txt``)
-    grids/NN-<stage>.png     a grid of samples per class after each stage
+    grids/NN-<stage>.png     a grid of samples per class after each stage (01 = the central images themselves);
+                             grids/auxgen-images.png: the aux generator's images
     synthetic.npz            images float32 (N,C,H,W) in [0,1], labels int64 (N,), class_names; balanced labels
     model.pt                 {"spec": denoiser spec, "state_dict": EMA weights, "class_names", "job_hash"}
     COMPLETE                 written last; a run without it is unfinished, whatever else exists

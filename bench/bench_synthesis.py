@@ -64,6 +64,10 @@ CONFIGS = {
         Config("ort-heun18-int8", "ort", "heun", 18, quant="int8-dynamic"),
         Config("ort-heun12", "ort", "heun", 12),
         Config("ort-heun8", "ort", "heun", 8),
+        Config("ort-heun6", "ort", "heun", 6),
+        Config("torch-euler20", "torch", "euler", 20),  # the CPU presets' release sampler
+        Config("ort-euler20", "ort", "euler", 20),
+        Config("ort-heun10", "ort", "heun", 10),
         Config("ort-heun50", "ort", "heun", 50),  # 99 NFE: an accurate ODE solution to measure solver error
     ]
 }

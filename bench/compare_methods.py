@@ -38,6 +38,42 @@ def _mean_std(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3g} ± {statistics.stdev(xs):.2g}"
 
 
+_TRAIN = None
+
+
+def _training_split(quick: bool):
+    from feta_release.data import load_embedded, train_heldout_split
+
+    train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
+    if quick:
+        rng = np.random.default_rng(0)
+        idx = np.concatenate([rng.choice(np.flatnonzero(train.labels == c), 40, replace=False) for c in range(10)])
+        train = train.subset(np.sort(idx))
+    return train, heldout
+
+
+def _worker_init(data_args: tuple) -> None:
+    global _TRAIN
+    _TRAIN = _training_split(*data_args)[0]
+
+
+def _train_one(spec: tuple) -> tuple[float, float | None, int]:
+    """Train (or reuse, when complete) one run; returns (seconds, DP-SGD sigma, DP-SGD steps trained)."""
+    import torch
+
+    from feta_release.config import JobConfig
+    from feta_release.training.pipeline import run_pipeline
+    from feta_release.training.progress import Reporter
+
+    cfg_dict, run_dir, n_syn, seed, threads, quick = spec
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    res = run_pipeline(JobConfig.from_dict(cfg_dict), _TRAIN, run_dir, n_synthetic=n_syn, grid_per_class=4,
+                       reporter=Reporter(enabled=False),
+                       noise_seed=10_000 + seed)  # benchmark only: reproducible secret noise
+    return time.perf_counter() - t0, res.dpsgd_sigma, res.dpsgd_steps_trained
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 1 seed, 400 training images")
@@ -46,27 +82,24 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(m for m, _ in METHODS))
     ap.add_argument("--out", default="runs/compare", help="where run directories and results go")
     ap.add_argument("--synthetic", type=int, default=None, help="synthetic images per run (default: train size)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads in all (split between workers)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="runs trained at once, each with threads/workers torch threads (2 workers x 1 thread "
+                         "trained ~2x faster than 1 x 2 threads on 2 cores: these small models scale badly)")
     args = ap.parse_args()
 
     import torch
 
     from feta_release.config import load_preset
-    from feta_release.data import load_embedded, train_heldout_split
     from feta_release.evaluation import FD_NAME, evaluate, train_classifier
-    from feta_release.training.pipeline import run_pipeline
-    from feta_release.training.progress import Reporter
 
     torch.set_num_threads(args.threads)
-    train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
+    train, heldout = _training_split(args.quick)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
     epsilons = [float(e) for e in args.eps.split(",")]
     methods = args.methods.split(",")
     clf_epochs, feat_epochs = (1, 3) if args.quick else (5, 20)
-    if args.quick:
-        rng = np.random.default_rng(0)
-        idx = np.concatenate([rng.choice(np.flatnonzero(train.labels == c), 40, replace=False) for c in range(10)])
-        train = train.subset(np.sort(idx))
+    data_args = (args.quick,)
     n_syn = args.synthetic if args.synthetic is not None else (200 if args.quick else train.n)
     out = Path(args.out) / ("quick" if args.quick else "full")
     print(f"train {train.n} images, held-out {heldout.n}; seeds {seeds}; synthetic {n_syn} per run; out {out}")
@@ -75,34 +108,56 @@ def main() -> None:
     feature_net = train_classifier(heldout, feat_epochs, 0)
     rows = []
     t_all = time.perf_counter()
+    jobs = []
     for eps in epsilons:
         base = load_preset("tiny") if args.quick else load_preset(f"cpu-eps{eps:g}")
         base = base.replace(privacy={"epsilon": eps})
         for method in methods:
             for seed in seeds:
-                cfg = base.replace(job={"method": method, "seed": seed})
-                run_dir = out / f"eps{eps:g}" / method / f"seed{seed}"
-                t0 = time.perf_counter()
-                res = run_pipeline(cfg, train, run_dir, n_synthetic=n_syn, grid_per_class=4,
-                                   reporter=Reporter(enabled=not args.quick),
-                                   noise_seed=10_000 + seed)  # benchmark only: reproducible secret noise
-                privacy = json.loads((run_dir / "privacy.json").read_text())
-                z = np.load(run_dir / "synthetic.npz")
-                from feta_release.data import ImageDataset
+                jobs.append((eps, method, seed, base.replace(job={"method": method, "seed": seed}),
+                             out / f"eps{eps:g}" / method / f"seed{seed}"))
+    spec = [(cfg.to_dict(), str(run_dir), n_syn, seed, max(1, args.threads // max(1, args.workers)), args.quick)
+            for _, _, seed, cfg, run_dir in jobs]
+    trained: dict[str, tuple[float, float | None, int]] = {}
+    if args.workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
 
-                syn = ImageDataset(z["images"], z["labels"], tuple(str(c) for c in z["class_names"]),
-                                   source=str(run_dir))
-                ev = evaluate(syn, heldout, seed=seed, classifier_epochs=clf_epochs, feature_epochs=feat_epochs,
-                              feature_net=feature_net)
-                row = {
-                    "epsilon_target": eps, "method": method, "seed": seed, "accuracy": ev.accuracy, "fd": ev.fd,
-                    "epsilon": privacy["epsilon"], "per_stage_epsilon": privacy["per_stage_epsilon"],
-                    "dpsgd_sigma": res.dpsgd_sigma, "dpsgd_steps": res.dpsgd_steps_trained,
-                    "train_seconds": res.seconds, "seconds": time.perf_counter() - t0,
-                }
-                rows.append(row)
-                print(f"  eps {eps:g} {method:<14} seed {seed}: acc {ev.accuracy:.3f}  FD {ev.fd:.1f}  "
-                      f"eps {privacy['epsilon']:.3f}  ({row['seconds']:.0f} s)", flush=True)
+        # Most expensive first (all warm-ups), so the last runs to finish are short ones.
+        cost = {"feta-pro": 0, "feta-pro-freq": 1, "dp-feta": 2, "dpdm": 3}
+        order = sorted(range(len(spec)), key=lambda i: cost.get(jobs[i][1], 9))
+        with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"),
+                                 initializer=_worker_init, initargs=(data_args,)) as pool:
+            futs = {pool.submit(_train_one, spec[i]): i for i in order}
+            for f in as_completed(futs):
+                i = futs[f]
+                trained[spec[i][1]] = f.result()
+                eps, method, seed = jobs[i][:3]
+                print(f"  trained eps {eps:g} {method:<14} seed {seed} in {trained[spec[i][1]][0]:.0f} s "
+                      f"({len(trained)}/{len(jobs)}, {time.perf_counter() - t_all:.0f} s so far)", flush=True)
+    else:
+        _worker_init(data_args)
+        for sp in spec:
+            trained[sp[1]] = _train_one(sp)
+    for (eps, method, seed, cfg, run_dir), sp in zip(jobs, spec):
+        seconds, dpsgd_sigma, dpsgd_steps = trained[sp[1]]
+        privacy = json.loads((run_dir / "privacy.json").read_text())
+        z = np.load(run_dir / "synthetic.npz")
+        from feta_release.data import ImageDataset
+
+        syn = ImageDataset(z["images"], z["labels"], tuple(str(c) for c in z["class_names"]), source=str(run_dir))
+        ev = evaluate(syn, heldout, seed=seed, classifier_epochs=clf_epochs, feature_epochs=feat_epochs,
+                      feature_net=feature_net)
+        run_json = json.loads((run_dir / "run.json").read_text())
+        row = {
+            "epsilon_target": eps, "method": method, "seed": seed, "accuracy": ev.accuracy, "fd": ev.fd,
+            "epsilon": privacy["epsilon"], "per_stage_epsilon": privacy["per_stage_epsilon"],
+            "dpsgd_sigma": dpsgd_sigma, "dpsgd_steps": dpsgd_steps,
+            "stage_seconds": run_json.get("stage_seconds", {}), "train_seconds": seconds,
+        }
+        rows.append(row)
+        print(f"  eps {eps:g} {method:<14} seed {seed}: acc {ev.accuracy:.3f}  FD {ev.fd:.1f}  "
+              f"eps {privacy['epsilon']:.3f}", flush=True)
 
     lines = [
         f"| target ε | method | accuracy (mean ± std) | {FD_NAME} | ε central | ε frequency | ε DP-SGD | ε total | "

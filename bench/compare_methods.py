@@ -65,7 +65,7 @@ def _train_one(spec: tuple) -> tuple[float, float | None, int]:
     from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
-    cfg_dict, run_dir, n_syn, seed, threads, quick = spec
+    cfg_dict, run_dir, n_syn, seed, threads = spec
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     res = run_pipeline(JobConfig.from_dict(cfg_dict), _TRAIN, run_dir, n_synthetic=n_syn, grid_per_class=4,
@@ -91,6 +91,7 @@ def main() -> None:
     import torch
 
     from feta_release.config import load_preset
+    from feta_release.data import ImageDataset
     from feta_release.evaluation import FD_NAME, evaluate, train_classifier
 
     torch.set_num_threads(args.threads)
@@ -99,7 +100,6 @@ def main() -> None:
     epsilons = [float(e) for e in args.eps.split(",")]
     methods = args.methods.split(",")
     clf_epochs, feat_epochs = (1, 3) if args.quick else (5, 20)
-    data_args = (args.quick,)
     n_syn = args.synthetic if args.synthetic is not None else (200 if args.quick else train.n)
     out = Path(args.out) / ("quick" if args.quick else "full")
     print(f"train {train.n} images, held-out {heldout.n}; seeds {seeds}; synthetic {n_syn} per run; out {out}")
@@ -116,35 +116,40 @@ def main() -> None:
             for seed in seeds:
                 jobs.append((eps, method, seed, base.replace(job={"method": method, "seed": seed}),
                              out / f"eps{eps:g}" / method / f"seed{seed}"))
-    spec = [(cfg.to_dict(), str(run_dir), n_syn, seed, max(1, args.threads // max(1, args.workers)), args.quick)
-            for _, _, seed, cfg, run_dir in jobs]
-    trained: dict[str, tuple[float, float | None, int]] = {}
+    threads = max(1, args.threads // max(1, args.workers))
+
+    def spec(i: int) -> tuple:
+        _, _, seed, cfg, run_dir = jobs[i]
+        return cfg.to_dict(), str(run_dir), n_syn, seed, threads
+
+    trained: dict[int, tuple[float, float | None, int]] = {}  # job index -> _train_one's result
+
+    def record(i: int, result: tuple[float, float | None, int]) -> None:
+        trained[i] = result
+        eps, method, seed = jobs[i][:3]
+        print(f"  trained eps {eps:g} {method:<14} seed {seed} in {result[0]:.0f} s "
+              f"({len(trained)}/{len(jobs)}, {time.perf_counter() - t_all:.0f} s so far)", flush=True)
+
     if args.workers > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # Most expensive first (all warm-ups), so the last runs to finish are short ones.
         cost = {"feta-pro": 0, "feta-pro-freq": 1, "dp-feta": 2, "dpdm": 3}
-        order = sorted(range(len(spec)), key=lambda i: cost.get(jobs[i][1], 9))
+        order = sorted(range(len(jobs)), key=lambda i: cost.get(jobs[i][1], 9))
         with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"),
-                                 initializer=_worker_init, initargs=(data_args,)) as pool:
-            futs = {pool.submit(_train_one, spec[i]): i for i in order}
+                                 initializer=_worker_init, initargs=((args.quick,),)) as pool:
+            futs = {pool.submit(_train_one, spec(i)): i for i in order}
             for f in as_completed(futs):
-                i = futs[f]
-                trained[spec[i][1]] = f.result()
-                eps, method, seed = jobs[i][:3]
-                print(f"  trained eps {eps:g} {method:<14} seed {seed} in {trained[spec[i][1]][0]:.0f} s "
-                      f"({len(trained)}/{len(jobs)}, {time.perf_counter() - t_all:.0f} s so far)", flush=True)
+                record(futs[f], f.result())
     else:
-        _worker_init(data_args)
-        for sp in spec:
-            trained[sp[1]] = _train_one(sp)
-    for (eps, method, seed, cfg, run_dir), sp in zip(jobs, spec):
-        seconds, dpsgd_sigma, dpsgd_steps = trained[sp[1]]
+        _worker_init((args.quick,))
+        for i in range(len(jobs)):
+            record(i, _train_one(spec(i)))
+    for i, (eps, method, seed, cfg, run_dir) in enumerate(jobs):
+        seconds, dpsgd_sigma, dpsgd_steps = trained[i]
         privacy = json.loads((run_dir / "privacy.json").read_text())
         z = np.load(run_dir / "synthetic.npz")
-        from feta_release.data import ImageDataset
-
         syn = ImageDataset(z["images"], z["labels"], tuple(str(c) for c in z["class_names"]), source=str(run_dir))
         ev = evaluate(syn, heldout, seed=seed, classifier_epochs=clf_epochs, feature_epochs=feat_epochs,
                       feature_net=feature_net)

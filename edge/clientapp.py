@@ -62,6 +62,15 @@ def _commit_and_reply(msg: Message, site: Site, job: Any, rid: str, mechanism: s
     return Message(payload, reply_to=msg)
 
 
+def _local_timing(site: Site, rid: str, seconds: float) -> None:
+    """On-site compute time, kept in the site's own work directory (for the site's administrator and
+    ``bench/bench_federation.py``): it tracks the realised Poisson batch size, so it is never sent."""
+    import json
+
+    with open(site.work_dir / "compute_seconds.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"request_id": rid, "seconds": round(seconds, 3)}) + "\n")
+
+
 def _generator(seed_material: str) -> Any:
     """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it)."""
     import secrets
@@ -126,7 +135,8 @@ def central(msg: Message, context: Context) -> Message:
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
     arrays, events = release_central(site.data, job.config, _generator(rid))
-    return _commit_and_reply(msg, site, job, rid, "central", events, {"seconds": time.perf_counter() - t0}, arrays)
+    _local_timing(site, rid, time.perf_counter() - t0)
+    return _commit_and_reply(msg, site, job, rid, "central", events, {}, arrays)
 
 
 @app.query("frequency")
@@ -147,7 +157,8 @@ def frequency(msg: Message, context: Context) -> Message:
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
     arrays, events = release_frequency(site.data, job.config, _generator(rid))
-    return _commit_and_reply(msg, site, job, rid, "frequency", events, {"seconds": time.perf_counter() - t0}, arrays)
+    _local_timing(site, rid, time.perf_counter() - t0)
+    return _commit_and_reply(msg, site, job, rid, "frequency", events, {}, arrays)
 
 
 @app.train()
@@ -173,9 +184,11 @@ def train(msg: Message, context: Context) -> Message:
                                                 batch=job.config.dpsgd.batch, clip=job.config.dpsgd.clip, job=job),
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
-    weights, stats = dpsgd_round(site.data, job.config, arrays, event, _generator(rid))
-    info = {"round": rnd, "num_examples": int(site.policy.dataset_size), "seconds": time.perf_counter() - t0,
-            "loss": stats.get("loss"), "sigma": event.sigma, "q": event.q}
+    weights = dpsgd_round(site.data, job.config, arrays, event, _generator(rid))
+    _local_timing(site, rid, time.perf_counter() - t0)
+    # Only public values go with the weights: the per-example loss of the private batch and the on-site
+    # seconds (which track the realised Poisson batch size) are un-noised functions of the data.
+    info = {"round": rnd, "num_examples": int(site.policy.dataset_size), "sigma": event.sigma, "q": event.q}
     return _commit_and_reply(msg, site, job, rid, "dpsgd", [event], info, weights)
 
 

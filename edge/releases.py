@@ -86,8 +86,11 @@ def release_frequency(ds: Any, cfg: JobConfig, generator: Any = None) -> tuple[d
 
 
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
-                generator: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights."""
+                generator: Any) -> dict[str, np.ndarray]:
+    """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
+
+    Only the weights are returned: the trainer's per-step statistics (loss, realised batch size, clipped
+    fraction, seconds) are un-noised functions of the private batch and never leave the site."""
     import torch
 
     from feta_release.models import build_denoiser
@@ -108,7 +111,5 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
                            image_shape=ds.image_shape, n_classes=ds.n_classes)
     images = torch.from_numpy(np.asarray(ds.images, dtype=np.float32)) * 2.0 - 1.0
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
-    stats = trainer.run(images, labels, event.steps)
-    out = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    losses = [s.loss for s in stats if s.batch_size]
-    return out, {"loss": float(np.mean(losses)) if losses else None, "steps": len(stats)}
+    trainer.run(images, labels, event.steps)
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}

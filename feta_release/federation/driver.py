@@ -219,7 +219,7 @@ class JobDriver:
 
                 atomic_write(self.state / f"{phase}_{sid}.npz", _npz_bytes(arrays))
                 have[sid] = arrays
-                self.emit(phase, f"site {sid}: {phase} released ({doc.get('seconds', 0):.1f} s on site)", site=sid)
+                self.emit(phase, f"site {sid}: {phase} released", site=sid)
             for sid, reason in failed.items():
                 self.emit(phase, f"site {sid}: no {phase} release: {reason}", site=sid, error=reason)
         if len(have) < self.cfg.federation.min_sites:
@@ -278,10 +278,9 @@ class JobDriver:
                         pe.copy_(pm)
             save_round(self.state, {"model": model.state_dict(), "ema": ema.state_dict(), "round": r + 1,
                                     "skipped": {str(k): v for k, v in self.skipped.items()}})
-            losses = [d.get("loss") for d, _ in ok.values() if d.get("loss") is not None]
-            self.emit("dpsgd", f"round {r + 1}/{R}: {len(ok)} site(s), loss {np.mean(losses) if losses else float('nan'):.4f}",
-                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok),
-                      site_seconds={sid: d.get("seconds") for sid, (d, _) in ok.items()})
+            # Sites send weights and public values only (no loss, no on-site seconds): see edge/clientapp.py.
+            self.emit("dpsgd", f"round {r + 1}/{R}: {len(ok)} site(s)",
+                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok))
         self.timings["dpsgd"] = time.monotonic() - t0
         return R
 

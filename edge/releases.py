@@ -85,6 +85,22 @@ def release_frequency(ds: Any, cfg: JobConfig, generator: Any = None) -> tuple[d
     return release.to_arrays(), [planned]
 
 
+def _refuse_non_finite(weights: dict[str, np.ndarray]) -> None:
+    """Refuse NaN/inf in the coordinator's weights: a non-finite weight turns the local update into NaN or not
+    depending on which images were sampled, a channel the DP noise does not cover."""
+    bad = {}
+    for k, v in weights.items():
+        a = np.asarray(v)
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+            raise PrivacyError(f"global weights: tensor {k} has dtype {a.dtype}, not numbers; refused")
+        if n := int(a.size - np.count_nonzero(np.isfinite(a))):
+            bad[k] = n
+    if bad:
+        first = sorted(bad)[0]
+        raise PrivacyError(f"global weights from the coordinator hold {sum(bad.values())} NaN/infinite value(s) in "
+                           f"{len(bad)} tensor(s) (e.g. {first}); refused: only finite weights are trained on")
+
+
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
                 generator: Any) -> dict[str, np.ndarray]:
     """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
@@ -106,6 +122,7 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
         raise PrivacyError(f"global weights do not fit this site's model for the job's [model] ({len(bad)} tensor(s) "
                            f"differ in shape, e.g. {bad[0]}): the coordinator and this site run different "
                            "feta-release versions")
+    _refuse_non_finite(weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
                            image_shape=ds.image_shape, n_classes=ds.n_classes)

@@ -150,13 +150,24 @@ def per_example_grads(
 def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tensor], Tensor]:
     """Clip each example's gradient (L2 over ALL parameters together) to ``clip`` and sum over examples.
 
-    Returns the summed clipped gradient and the per-example norms before clipping.
+    Returns the summed clipped gradient and the per-example norms before clipping (``inf`` for an example
+    whose gradient is not finite).
+
+    An example whose gradient has a NaN or an infinite entry (or whose norm overflows) contributes ZERO: with
+    crafted weights a coordinator can make the loss overflow for one chosen image only, and ``0 * inf = nan``
+    would then turn the whole released update into NaN exactly when that image was sampled (a membership
+    channel). Zero has norm <= C, so the sensitivity of the sum stays C under add/remove. How many examples
+    were dropped is a function of the private batch: it is never released.
     """
     flat_sq = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
     norms = torch.stack(flat_sq, 0).sum(0).sqrt()
-    factor = (clip / (norms + 1e-12)).clamp(max=1.0)
-    summed = {n: torch.einsum("b,b...->...", factor, g) for n, g in grads.items()}
-    return summed, norms
+    finite = torch.isfinite(norms)  # NaN/inf in any entry, or an overflowing square, gives a non-finite norm
+    factor = torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
+    summed = {}
+    for n, g in grads.items():
+        keep = finite.reshape(-1, *([1] * (g.dim() - 1)))
+        summed[n] = torch.einsum("b,b...->...", factor, torch.where(keep, g, torch.zeros_like(g)))
+    return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
 class DPSGDTrainer:

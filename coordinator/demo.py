@@ -83,7 +83,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             t0 = time.monotonic()
             fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, per_site, quick)
             timings["prepare"] = time.monotonic() - t0
-            console.log(f"3 sites ready ({', '.join(f'{s.site_id}: {s.size} images' for s in fed.sites)}); "
+            console.log(f"3 sites ready ({', '.join(f'{s.site_id}: public size {s.size}' for s in fed.sites)}); "
                         f"coordinator key {fed.coordinator_pub}")
             status.update("[bold]starting the coordinator (SuperLink) and 3 site nodes (SuperNodes) on loopback")
             t0 = time.monotonic()
@@ -170,9 +170,9 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
     console.log(f"coordinator SuperLink on 127.0.0.1:{port} (pid {procs[-1].pid}; --insecure: loopback demo only)")
     for s in fed.sites:
         ns = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                          site_key=s.site_key, superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True)
+                          site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True)
         procs.append(start_node(ns))
-        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, data fingerprint checked")
+        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, keyed data commitment checked")
     return f"127.0.0.1:{port}"
 
 

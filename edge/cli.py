@@ -76,6 +76,8 @@ def _print_summary(s: dict) -> None:
 @click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's Ed25519 private key (signs its spend attestations).")
+@click.option("--data-secret", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's data secret (mode 0600; made by `feta-release policy data-commitment`).")
 @click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="Coordinator SuperLink host:port.")
 @click.option("--port", type=int, default=9101, show_default=True, help="Local port of this node's ClientApp API.")
 @click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -86,7 +88,8 @@ def _print_summary(s: dict) -> None:
 @click.option("--force-insecure", is_flag=True, help="Allow --insecure to a non-loopback SuperLink (dangerous).")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Node state (default: next to the ledger).")
-def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, site_key: Path, superlink: str,
+def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, site_key: Path, data_secret: Path,
+          superlink: str,
           port: int, root_certificates: Path | None, auth_key: Path | None, insecure: bool, force_insecure: bool,
           work_dir: Path | None) -> None:
     """Verify this site's signed policy and data, then run its Flower SuperNode (until Ctrl-C)."""
@@ -94,7 +97,7 @@ def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, 
 
     settings = NodeSettings(
         data=data_path, policy=policy_path, trusted_policy_key=trusted, ledger=ledger_path, site_key=site_key,
-        superlink=superlink, port=port, root_certificates=root_certificates, auth_key=auth_key,
+        data_secret=data_secret, superlink=superlink, port=port, root_certificates=root_certificates, auth_key=auth_key,
         insecure=insecure, force_insecure=force_insecure, work_dir=work_dir,
     )
     raise SystemExit(run_node(settings))

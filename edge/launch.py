@@ -1,7 +1,7 @@
 """Starting a site's Flower SuperNode after the site's own checks pass.
 
 Before anything starts: the signed policy is verified against the site's trusted key, the data's
-fingerprint must match the policy, the ledger must not have seen a newer policy, the FAB gate must
+keyed commitment (HMAC under the site's secret) must match the policy, the ledger must not have seen a newer policy, the FAB gate must
 be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
 ``--node-config`` (read by the ClientApp as ``context.node_config``; the coordinator cannot change
 them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) first on PATH.
@@ -19,7 +19,7 @@ from feta_release.errors import ConfigError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
 
 from . import trust
-from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SITE_KEY, CFG_TRUSTED, CFG_WORK, Site
+from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, CFG_WORK, Site
 
 log = logging.getLogger("feta.node")
 
@@ -31,6 +31,7 @@ class NodeSettings:
     trusted_policy_key: Path
     ledger: Path
     site_key: Path
+    data_secret: Path
     superlink: str = "127.0.0.1:9092"
     port: int = 9101
     root_certificates: Path | None = None
@@ -43,7 +44,8 @@ class NodeSettings:
         work = self.work_dir or self.ledger.parent / "work"
         return {CFG_DATA: str(self.data.resolve()), CFG_POLICY: str(self.policy.resolve()),
                 CFG_TRUSTED: str(self.trusted_policy_key.resolve()), CFG_LEDGER: str(self.ledger.resolve()),
-                CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve())}
+                CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve()),
+                CFG_SECRET: str(self.data_secret.resolve())}
 
 
 def _toml_string(v: str) -> str:

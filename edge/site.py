@@ -25,15 +25,16 @@ CFG_TRUSTED = "trusted-policy-key"
 CFG_LEDGER = "ledger-path"
 CFG_SITE_KEY = "site-key"
 CFG_WORK = "work-dir"
-REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY)
+CFG_SECRET = "data-secret"  # key of the keyed data commitment (feta_release.data.commitment); never sent
+REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SECRET)
 
 
-def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, dataset_fingerprint: str | None = None,
+def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, dataset_commitment: str | None = None,
                        last_seen_version: int | None = None) -> Any:
     """The verified ``SitePolicy`` or a ``PolicyError`` naming the rule it breaks."""
     from feta_release.policy.document import load_site_policy
 
-    return load_site_policy(policy_path, [Path(trusted_key)], dataset_fingerprint=dataset_fingerprint,
+    return load_site_policy(policy_path, [Path(trusted_key)], dataset_commitment=dataset_commitment,
                             last_seen_version=last_seen_version)
 
 
@@ -58,17 +59,19 @@ class Site:
 
     @classmethod
     def open(cls, node_config: dict[str, Any]) -> "Site":
-        """Verify the signed policy against the site's trusted key and the data against the policy's
-        fingerprint, and refuse a policy older than one this ledger has already seen."""
+        """Verify the signed policy against the site's trusted key and the data against the policy's keyed
+        commitment (recomputed with the site's secret), and refuse a policy older than one this ledger has seen."""
         missing = [k for k in REQUIRED if not node_config.get(k)]
         if missing:
             raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
+        from feta_release.data.commitment import dataset_commitment, load_secret
         from feta_release.signing import load_private_key
 
+        secret = load_secret(node_config[CFG_SECRET])
         ledger = Ledger(node_config[CFG_LEDGER])
         data = load_site_data(node_config[CFG_DATA])
         policy = verify_policy_file(
-            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_fingerprint=data.fingerprint(),
+            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
             last_seen_version=ledger.highest_policy_version(),
         )
         if policy.dataset_size != data.n:

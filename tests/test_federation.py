@@ -225,7 +225,7 @@ def test_node_refuses_changed_data(fed, tmp_path):
     z["images"][0, 0, 0, 0] = 1.0 - z["images"][0, 0, 0, 0]
     np.savez(tmp_path / "changed.npz", **z)
     cfg = {**s.node_config(), "data-path": str(tmp_path / "changed.npz")}
-    with pytest.raises(PolicyError, match="dataset.fingerprint"):
+    with pytest.raises(PolicyError, match="dataset.commitment"):
         Site.open(cfg)
 
 

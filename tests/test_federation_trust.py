@@ -82,7 +82,7 @@ def test_insecure_only_for_loopback(tmp_path):
     from edge.launch import NodeSettings, check_transport
 
     base = dict(data=tmp_path, policy=tmp_path, trusted_policy_key=tmp_path, ledger=tmp_path / "l.db",
-                site_key=tmp_path)
+                site_key=tmp_path, data_secret=tmp_path)
     check_transport(NodeSettings(**base, superlink="127.0.0.1:9092", insecure=True))
     with pytest.raises(ConfigError, match="non-loopback"):
         check_transport(NodeSettings(**base, superlink="10.1.2.3:9092", insecure=True))

@@ -213,3 +213,86 @@ def test_node_refuses_non_finite_weights_before_charging(fed):
     from edge.ledger import Ledger
 
     assert Ledger(fed.sites[0].ledger).job_events("job-nan") == []
+
+
+# -- keyed commitment instead of a plain data hash ----------------------------------------------------------
+
+
+def test_hello_and_policy_carry_no_plain_data_hash(fed):
+    """Attack (membership by hashing): the policy in every `hello` reply and release held sha256 of all pixels
+    and labels; anyone who knows all images but one hashes each candidate for the last one and compares. The
+    site's data fingerprint must appear nowhere in what the site sends."""
+    import json
+
+    from feta_release.data.loading import load_dataset
+
+    cfg = tiny_job()
+    signed, _ = sign_job_file(fed, cfg, "job-hello")
+    doc, _ = _ask(harness(fed), signed, fm.HELLO)
+    site = fed.site(doc["site_id"])
+    ds, _ = load_dataset(site.data)
+    sent = json.dumps(doc)
+    assert ds.fingerprint() not in sent
+    assert doc["policy"]["policy"]["dataset"]["commitment"] == site.commitment != ds.fingerprint()
+    assert "fingerprint" not in doc["policy"]["policy"]["dataset"]
+
+
+def test_commitment_is_keyed_binding_and_needs_the_secret(tmp_path):
+    """Without the secret the commitment cannot be recomputed for a candidate dataset (it differs under any other
+    key), with it any change of one pixel or label is detected."""
+    from feta_release.data.commitment import create_secret, dataset_commitment, load_secret
+    from feta_release.data.dataset import ImageDataset
+
+    rng = np.random.default_rng(0)
+    ds = ImageDataset(rng.random((6, 1, 4, 4)).astype(np.float32), np.arange(6) % 2, ("a", "b"))
+    k1, k2 = load_secret(create_secret(tmp_path / "a")), load_secret(create_secret(tmp_path / "b"))
+    c = dataset_commitment(ds, k1)
+    assert len(c) == 64 and c == dataset_commitment(ds, k1)
+    assert c != dataset_commitment(ds, k2) and c != ds.fingerprint()
+    img = ds.images.copy()
+    img[3, 0, 1, 2] = np.nextafter(img[3, 0, 1, 2], np.float32(2))
+    assert dataset_commitment(ImageDataset(img, ds.labels, ds.class_names), k1) != c
+    lab = ds.labels.copy()
+    lab[5] = 1 - lab[5]
+    assert dataset_commitment(ImageDataset(ds.images, lab, ds.class_names), k1) != c
+
+
+def test_data_secret_file_is_256_bits_owner_only_and_never_overwritten(tmp_path):
+    import os
+    import stat
+
+    from feta_release.data.commitment import SECRET_BYTES, create_secret, load_secret
+    from feta_release.errors import ConfigError
+
+    p = create_secret(tmp_path / "s" / "data.secret")
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    key = load_secret(p)
+    assert len(key) >= SECRET_BYTES == 32
+    assert load_secret(create_secret(tmp_path / "other")) != key  # drawn from the OS, not derived
+    with pytest.raises(ConfigError, match="already exists"):
+        create_secret(p)
+    assert load_secret(p) == key
+    os.chmod(p, 0o644)
+    with pytest.raises(ConfigError, match=r"readable by other users.*chmod 600"):
+        load_secret(p)
+    with pytest.raises(ConfigError, match="not found.*data-commitment"):
+        load_secret(tmp_path / "missing")
+    short = tmp_path / "short"
+    short.write_text("ab" * 16)
+    short.chmod(0o600)
+    with pytest.raises(ConfigError, match="128 bits"):
+        load_secret(short)
+
+
+def test_policy_data_commitment_cli_creates_secret_and_suggests_a_round_public_size(tmp_path):
+    from click.testing import CliRunner
+
+    from feta_release.cli import cli
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", images=rng.random((1234, 1, 4, 4)).astype(np.float32), labels=np.arange(1234) % 3)
+    res = CliRunner().invoke(cli, ["policy", "data-commitment", str(tmp_path / "d.npz"), "--secret",
+                                   str(tmp_path / "data.secret")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "data.secret").stat().st_mode & 0o077 == 0
+    assert "size = 1200" in res.output and 'commitment = "' in res.output

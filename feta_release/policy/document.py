@@ -1,6 +1,6 @@
 """Site policy documents: read (TOML or JSON), validate, sign, and load a signed one for a node.
 
-A policy says what one site allows: its data (fingerprint + public size), its ε/δ budget for its lifetime
+A policy says what one site allows: its data (keyed commitment + public nominal size), its ε/δ budget for its lifetime
 and per job, the mechanisms with their minimum noise and caps, which coordinators may send jobs, which app
 bundles may run, and the validity window. The site's policy key signs it (``{"policy": ..., "signature":
 ...}``); a node loads it with :func:`load_site_policy`, which refuses anything it cannot trust.
@@ -69,8 +69,8 @@ class SitePolicy:
 
     version: int
     site_id: str
-    dataset_fingerprint: str
-    dataset_size: int
+    dataset_commitment: str  # HMAC-SHA256 under the site's secret (feta_release.data.commitment)
+    dataset_size: int  # PUBLIC nominal size: every rate and denominator that leaves the site uses it
     lifetime_epsilon: float
     lifetime_delta: float
     job_epsilon: float
@@ -96,7 +96,7 @@ class SitePolicy:
         return cls(
             version=doc["version"],
             site_id=doc["site_id"],
-            dataset_fingerprint=doc["dataset"]["fingerprint"],
+            dataset_commitment=doc["dataset"]["commitment"],
             dataset_size=doc["dataset"]["size"],
             lifetime_epsilon=float(doc["budget"]["lifetime"]["epsilon"]),
             lifetime_delta=float(doc["budget"]["lifetime"]["delta"]),
@@ -243,7 +243,7 @@ def load_site_policy(
     trusted_keys: Iterable[KeyLike],
     *,
     now: dt.datetime | str | None = None,
-    dataset_fingerprint: str | None = None,
+    dataset_commitment: str | None = None,
     last_seen_version: int | None = None,
     last_seen_digest: str | None = None,
 ) -> SitePolicy:
@@ -253,7 +253,7 @@ def load_site_policy(
     (``signature.signer``), bad signature (``signature.valid``), malformed body (schema error naming the
     field), not yet valid (``not_before``), expired (``expires``), older than a version already seen
     (``version``: a replayed policy; with ``last_seen_digest``, also the same version number re-signed
-    with different content), data changed since signing (``dataset.fingerprint``).
+    with different content), data changed since signing (``dataset.commitment``, recomputed by the node with its secret).
     """
     p = Path(path)
     if p.suffix.lower() == ".toml":
@@ -270,15 +270,20 @@ def load_site_policy(
         raise PolicyViolation("version", f"{p}: policy version {pol.version} differs from the version {pol.version} "
                               f"already seen at this site (digest {pol.digest[:16]} != {last_seen_digest[:16]}); "
                               f"a changed policy needs a higher version number")
-    if dataset_fingerprint is not None and dataset_fingerprint != pol.dataset_fingerprint:
-        raise PolicyViolation("dataset.fingerprint", f"{p}: the data changed since the policy was signed: "
-                              f"data fingerprint {dataset_fingerprint} != policy's {pol.dataset_fingerprint}")
+    if dataset_commitment is not None:
+        from ..data.commitment import same_commitment
+
+        if not same_commitment(dataset_commitment, pol.dataset_commitment):
+            # neither value is printed in full: they are keyed, but there is no reason to spread them
+            raise PolicyViolation("dataset.commitment", f"{p}: the data (or the data secret) changed since the "
+                                  f"policy was signed: the data's keyed commitment {dataset_commitment[:12]}… != "
+                                  f"policy's {pol.dataset_commitment[:12]}…")
     return pol
 
 
 def make_policy(
     site_id: str,
-    dataset_fingerprint: str,
+    dataset_commitment: str,
     dataset_size: int,
     coordinators: Iterable[str | Ed25519PublicKey],
     *,
@@ -304,7 +309,7 @@ def make_policy(
     doc = {
         "version": version,
         "site_id": site_id,
-        "dataset": {"fingerprint": dataset_fingerprint, "size": int(dataset_size)},
+        "dataset": {"commitment": dataset_commitment, "size": int(dataset_size)},
         "budget": {"lifetime": {"epsilon": lifetime[0], "delta": lifetime[1]},
                    "per_job": {"epsilon": per_job[0], "delta": per_job[1]}},
         "accountant": accountant,

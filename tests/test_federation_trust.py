@@ -114,7 +114,8 @@ def test_node_start_refuses_a_policy_signed_by_another_key(tmp_path):
     s = fed.site("site-a")
     _, other_pub = generate_keypair(tmp_path / "other", "other")
     args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
-            "--site-key", str(s.site_key), "--superlink", "127.0.0.1:1", "--insecure"]
+            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--superlink", "127.0.0.1:1",
+            "--insecure"]
     res = CliRunner().invoke(node, [*args, "--trusted-policy-key", str(other_pub)])
     assert isinstance(res.exception, PolicyError) and "signature.signer" in str(res.exception)
     # Non-loopback without TLS is refused before anything starts.

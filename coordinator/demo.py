@@ -154,7 +154,8 @@ def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_step
     from feta_release.data.dataset import save_npz
 
     save_npz(heldout, out_dir / "federation" / "heldout.npz")
-    cfg = demo_config(preset, epsilon, min(p.n for p in parts), rounds, local_steps, quick)
+    # the job is planned from the sites' PUBLIC sizes (their policies), as a real coordinator must
+    cfg = demo_config(preset, epsilon, min(s.size for s in fed.sites), rounds, local_steps, quick)
     return fed, cfg
 
 
@@ -170,7 +171,8 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
     console.log(f"coordinator SuperLink on 127.0.0.1:{port} (pid {procs[-1].pid}; --insecure: loopback demo only)")
     for s in fed.sites:
         ns = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                          site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True)
+                          site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
+                          port=free_port(), insecure=True)
         procs.append(start_node(ns))
         console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, keyed data commitment checked")
     return f"127.0.0.1:{port}"

@@ -72,15 +72,12 @@ def _local_timing(site: Site, rid: str, seconds: float) -> None:
 
 
 def _generator(seed_material: str) -> Any:
-    """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it)."""
-    import secrets
-
-    import torch
+    """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it): the whole
+    generator state from 256 OS bits (a 63-bit ``manual_seed`` could be searched exhaustively)."""
+    from feta_release.randomness import os_torch_generator
 
     del seed_material
-    g = torch.Generator()
-    g.manual_seed(secrets.randbits(63))
-    return g
+    return os_torch_generator()
 
 
 # -- handlers --------------------------------------------------------------------------------------
@@ -96,7 +93,7 @@ def hello(msg: Message, context: Context) -> Message:
 
     reply = {
         "site_id": site.site_id,
-        "dataset_size": int(site.policy.dataset_size),
+        "dataset_size": site.n_public,  # the policy's public nominal size, never the exact count
         "image_shape": list(site.data.image_shape),
         "n_classes": int(site.data.n_classes),
         "class_names": list(site.data.class_names),
@@ -127,14 +124,14 @@ def central(msg: Message, context: Context) -> Message:
     doc, _ = fm.read_payload(msg.content)
     job = _job(site, doc)
     rid = fm.request_id(job.job_id, "central")
-    event = central_event(job.config, site.data.n)
+    event = central_event(job.config, site.n_public)
     if (rd := _replay(site, job, rid, "central", [event])) is not None:
         return Message(rd, reply_to=msg)
     check_request(site.policy, MechanismRequest("central", event.sigma, event.q, event.steps,
                                                 batch=job.config.central.batch, job=job),
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
-    arrays, events = release_central(site.data, job.config, _generator(rid))
+    arrays, events = release_central(site.data, job.config, site.n_public)
     _local_timing(site, rid, time.perf_counter() - t0)
     return _commit_and_reply(msg, site, job, rid, "central", events, {}, arrays)
 
@@ -156,7 +153,7 @@ def frequency(msg: Message, context: Context) -> Message:
                                                 features=job.config.frequency.features, job=job),
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
-    arrays, events = release_frequency(site.data, job.config, _generator(rid))
+    arrays, events = release_frequency(site.data, job.config, site.n_public)
     _local_timing(site, rid, time.perf_counter() - t0)
     return _commit_and_reply(msg, site, job, rid, "frequency", events, {}, arrays)
 
@@ -177,18 +174,18 @@ def train(msg: Message, context: Context) -> Message:
         raise PolicyError(f"round {rnd} is outside the job's {rounds} rounds; refused")
     rid = fm.request_id(job.job_id, "train", rnd)
     # σ is calibrated HERE, by the site, for its own size and budget over its own history of this job.
-    event = site_dpsgd_event(job.config, site.policy, site.data.n, cache_dir=site.work_dir)
+    event = site_dpsgd_event(job.config, site.policy, site.n_public, cache_dir=site.work_dir)
     if (rd := _replay(site, job, rid, "dpsgd", [event])) is not None:
         return Message(rd, reply_to=msg)
     check_request(site.policy, MechanismRequest("dpsgd", event.sigma, event.q, event.steps,
                                                 batch=job.config.dpsgd.batch, clip=job.config.dpsgd.clip, job=job),
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
-    weights = dpsgd_round(site.data, job.config, arrays, event, _generator(rid))
+    weights = dpsgd_round(site.data, job.config, arrays, event, _generator(rid), site.n_public)
     _local_timing(site, rid, time.perf_counter() - t0)
     # Only public values go with the weights: the per-example loss of the private batch and the on-site
     # seconds (which track the realised Poisson batch size) are un-noised functions of the data.
-    info = {"round": rnd, "num_examples": int(site.policy.dataset_size), "sigma": event.sigma, "q": event.q}
+    info = {"round": rnd, "num_examples": site.n_public, "sigma": event.sigma, "q": event.q}
     return _commit_and_reply(msg, site, job, rid, "dpsgd", [event], info, weights)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feta_release.errors import ConfigError, PolicyError
+from feta_release.errors import ConfigError
 
 from .ledger import Ledger
 
@@ -57,6 +57,12 @@ class Site:
     def site_id(self) -> str:
         return str(self.policy.site_id)
 
+    @property
+    def n_public(self) -> int:
+        """The PUBLIC nominal size of the signed policy: the only size any rate or denominator that leaves the
+        site may depend on (the exact count ``data.n`` never does)."""
+        return int(self.policy.dataset_size)
+
     @classmethod
     def open(cls, node_config: dict[str, Any]) -> "Site":
         """Verify the signed policy against the site's trusted key and the data against the policy's keyed
@@ -74,9 +80,11 @@ class Site:
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
             last_seen_version=ledger.highest_policy_version(),
         )
-        if policy.dataset_size != data.n:
-            raise PolicyError(f"{node_config[CFG_POLICY]}: policy states dataset size {policy.dataset_size}, "
-                              f"the data has {data.n} images")
+        if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
+            # Local log only (never sent): the public nominal size drives every rate and denominator, so a far-off
+            # value costs utility (noise is scaled for it), not privacy.
+            log.warning("%s: the policy's public nominal size %d is far from the %d images here; noise and rates "
+                        "are set for the nominal size", node_config[CFG_POLICY], policy.dataset_size, data.n)
         ledger.observe_policy_version(int(policy.version))
         key = load_private_key(node_config[CFG_SITE_KEY])
         work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))

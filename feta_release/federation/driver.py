@@ -149,7 +149,7 @@ class JobDriver:
                     self.sites[sid] = SiteInfo(sid, node, int(doc["dataset_size"]), pol, signed,
                                                tuple(doc["image_shape"]), int(doc["n_classes"]),
                                                list(doc["class_names"]), list(doc.get("lifetime_events", [])))
-                    self.emit("wait", f"site {sid} joined (node {node}, {doc['dataset_size']} images)", site=sid)
+                    self.emit("wait", f"site {sid} joined (node {node}, public size {doc['dataset_size']})", site=sid)
                 for key, reason in failed.items():
                     node = int(key.removeprefix("node-"))
                     if "timeout" not in reason:

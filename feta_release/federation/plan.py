@@ -27,7 +27,7 @@ def central_event(cfg: JobConfig, n: int) -> PrivacyEvent | None:
     if c.rounds <= 0:
         return None
     if c.batch > n:
-        raise PrivacyError(f"[central] batch {c.batch} is larger than a site's dataset ({n} images): in a federation "
+        raise PrivacyError(f"[central] batch {c.batch} is larger than a site's public dataset size {n}: in a federation "
                            "the batch is each site's expected Poisson batch; lower it")
     return PrivacyEvent("central", float(c.sigma), c.batch / n, int(c.rounds))
 
@@ -47,7 +47,7 @@ def dpsgd_rate(cfg: JobConfig, n: int) -> float:
     q = cfg.dpsgd.batch / n
     if not 0 < q <= 1:
         raise PrivacyError(
-            f"[dpsgd] batch {cfg.dpsgd.batch} is larger than a site's dataset ({n} images): in a federation the "
+            f"[dpsgd] batch {cfg.dpsgd.batch} is larger than a site's public dataset size {n}: in a federation the "
             "batch is each site's expected Poisson batch; lower it"
         )
     return q

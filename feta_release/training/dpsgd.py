@@ -12,7 +12,7 @@ The privacy argument the code keeps (unit = one image of one site):
 * each sampled example contributes ONE gradient vector, the mean of its loss over the K noise draws, clipped to
   L2 norm ``C`` over all trainable parameters together (sensitivity of the sum = C under add/remove);
 * the sum gets ``N(0, (sigma*C)^2)`` noise once per logical step — also when the batch is empty — and is divided by
-  the EXPECTED batch size ``q*N`` (a public constant), never by the realised one;
+  the EXPECTED batch size ``q*N`` with N the PUBLIC size (``n_public``), never by the realised one;
 * so one step is one subsampled-Gaussian event ``(sigma, q, 1)``; the caller charges it in ``before_step`` before
   the step runs (``run``), so a step whose result exists has always been accounted.
 
@@ -189,6 +189,7 @@ class DPSGDTrainer:
         loss: PerExampleLoss | None = None,
         image_shape: tuple[int, int, int] | None = None,
         n_classes: int | None = None,
+        n_public: int | None = None,
     ) -> None:
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
@@ -205,6 +206,11 @@ class DPSGDTrainer:
         self.clip = float(d.clip)
         self.chunk = int(d.physical_batch)
         self.generator = generator
+        # The divisor q * n_public must be PUBLIC: dividing by q * (exact count) would scale the released noise
+        # by the private N. None keeps the old behaviour (q times the rows given) for callers that own the data.
+        if n_public is not None and (isinstance(n_public, bool) or int(n_public) < 1):
+            raise ConfigError(f"DP-SGD public dataset size must be an integer >= 1, got {n_public!r}")
+        self.n_public = None if n_public is None else int(n_public)
         if loss is None:
             # an EDMDenoiser knows its own image shape and class count
             image_shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
@@ -228,7 +234,7 @@ class DPSGDTrainer:
         t0 = time.perf_counter()
         n = images.shape[0]
         dev = self.params[0].device
-        expected = self.q * n
+        expected = self.q * (n if self.n_public is None else self.n_public)
         idx = poisson_sample(n, self.q, self.generator)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         total = {name: torch.zeros_like(p) for name, p in zip(names, self.params)}

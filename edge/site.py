@@ -63,7 +63,7 @@ class Site:
         missing = [k for k in REQUIRED if not node_config.get(k)]
         if missing:
             raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
-        from feta_release.signing import load_private_key
+        from feta_release.signing import load_private_key, public_key_pem
 
         ledger = Ledger(node_config[CFG_LEDGER])
         data = load_site_data(node_config[CFG_DATA])
@@ -76,6 +76,9 @@ class Site:
                               f"the data has {data.n} images")
         ledger.observe_policy_version(int(policy.version))
         key = load_private_key(node_config[CFG_SITE_KEY])
+        if policy.site_key is not None and policy.site_key != public_key_pem(key):
+            raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
+                              "names (site_key); a verifier would refuse every attestation it signs")
         work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
         work.mkdir(parents=True, exist_ok=True)
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work)

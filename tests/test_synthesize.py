@@ -77,7 +77,7 @@ def _only_children(parent: Path) -> set[str]:
 
 def test_writes_per_class_pngs_and_certificate(release, keys, tmp_path):
     out = tmp_path / "synthetic"
-    rep = synthesize(release, out, keys.public(), per_class=[3, 0, 5], seed=7, batch=4, progress=False, threads=1)
+    rep = synthesize(release, out, keys.trust(), per_class=[3, 0, 5], seed=7, batch=4, progress=False, threads=1)
     assert rep.n_images == 8
     assert sorted(p.name for p in out.iterdir()) == ["certificate.json", "one", "two", "zero"]
     assert len(list((out / "zero").glob("*.png"))) == 3
@@ -109,7 +109,7 @@ def test_images_match_the_torch_sampler(release, keys, tmp_path, den):
     from feta_release.models.sampler import sample
 
     out = tmp_path / "s"
-    synthesize(release, out, keys.public(), num=3, seed=11, batch=3, progress=False, threads=1)
+    synthesize(release, out, keys.trust(), num=3, seed=11, batch=3, progress=False, threads=1)
     rng = np.random.Generator(np.random.PCG64(11))
     noise = rng.standard_normal((3, *IMAGE_SHAPE), dtype=np.float32)
     ref = sample(den, torch.tensor([0, 1, 2]), torch.from_numpy(noise), steps=6).numpy()
@@ -120,8 +120,8 @@ def test_images_match_the_torch_sampler(release, keys, tmp_path, den):
 
 def test_batch_size_does_not_change_images(release, keys, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    synthesize(release, a, keys.public(), num=7, seed=3, batch=2, progress=False, threads=1)
-    synthesize(release, b, keys.public(), num=7, seed=3, batch=7, progress=False, threads=1)
+    synthesize(release, a, keys.trust(), num=7, seed=3, batch=2, progress=False, threads=1)
+    synthesize(release, b, keys.trust(), num=7, seed=3, batch=7, progress=False, threads=1)
     for rel in json.loads((a / "certificate.json").read_text())["files"]:
         x = np.asarray(Image.open(a / rel), dtype=np.int16)
         y = np.asarray(Image.open(b / rel), dtype=np.int16)
@@ -130,7 +130,7 @@ def test_batch_size_does_not_change_images(release, keys, tmp_path):
 
 @pytest.mark.parametrize("damage", ["generator", "manifest", "signer", "policy"])
 def test_refusal_writes_nothing(release, keys, tmp_path, damage):
-    trusted = keys.public()
+    trusted = keys.trust()
     if damage == "generator":
         g = release / "generator.onnx"
         data = bytearray(g.read_bytes())
@@ -153,11 +153,11 @@ def test_out_must_be_new_or_empty(release, keys, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(ReleaseError, match="not empty"):
-        synthesize(release, out, keys.public(), num=3, progress=False, threads=1)
+        synthesize(release, out, keys.trust(), num=3, progress=False, threads=1)
     assert _only_children(out) == {"keep.txt"}
     empty = tmp_path / "empty"
     empty.mkdir()
-    synthesize(release, empty, keys.public(), num=3, progress=False, threads=1)
+    synthesize(release, empty, keys.trust(), num=3, progress=False, threads=1)
     assert (empty / "certificate.json").is_file()
 
 
@@ -175,7 +175,7 @@ def test_failure_midway_leaves_nothing(release, keys, tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod, "_to_png", failing)
     with pytest.raises(OSError, match="disk full"):
-        synthesize(release, tmp_path / "out", keys.public(), num=9, batch=2, progress=False, threads=1)
+        synthesize(release, tmp_path / "out", keys.trust(), num=9, batch=2, progress=False, threads=1)
     assert _only_children(tmp_path) == {"release"}
 
 

@@ -135,7 +135,7 @@ def _prepare_out(out: Path) -> None:
 def synthesize(
     release_dir: str | Path,
     out: str | Path,
-    trusted: Sequence[Ed25519PublicKey],
+    trusted: Any,  # TrustRoots or {site_id: admin key(s)} (see verify_release)
     *,
     num: int | None = None,
     per_class: Sequence[int] | None = None,

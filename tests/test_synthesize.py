@@ -196,11 +196,10 @@ def test_counts_and_labels():
 
 def test_cli_synthesize_without_torch(release, keys, tmp_path):
     """The whole CLI path runs in a process where `import torch` fails."""
-    pubs = keys.pub_files(tmp_path / "keys")
     out = tmp_path / "out"
     code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
     args = ["synthesize", "--release", str(release), "--per-class", "2,1,1", "--out", str(out), "--seed", "1",
-            "--batch", "3", "--no-progress", "--threads", "1"] + [a for p in pubs for a in ("--trusted", p)]
+            "--batch", "3", "--no-progress", "--threads", "1"] + keys.trusted_args(tmp_path / "keys")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
@@ -211,7 +210,9 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
                            env=env, timeout=60)
     assert probe.returncode != 0 and "blocked by the test" in probe.stderr  # the block is real
     # And refusal through the CLI: exit code of ReleaseError, reason printed, nothing written.
-    bad = subprocess.run([sys.executable, "-c", code, *args[:-6], "--trusted", pubs[1]], capture_output=True,
+    # The site key is not the administrator key: trusting it for site a's policy must fail.
+    site_pub = keys.pub_files(tmp_path / "keys")[1]
+    bad = subprocess.run([sys.executable, "-c", code, *args[:-2], "--trusted", f"a={site_pub}"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == ReleaseError.exit_code
     assert "unknown key" in bad.stderr + bad.stdout
@@ -221,7 +222,7 @@ MEM_PROBE = """
 import sys
 from feta_release.release.synthesize import synthesize
 from feta_release.signing import load_public_key
-synthesize(sys.argv[1], sys.argv[2], [load_public_key(p) for p in sys.argv[4:]], num=int(sys.argv[3]), batch=8,
+synthesize(sys.argv[1], sys.argv[2], {"a": load_public_key(sys.argv[4])}, num=int(sys.argv[3]), batch=8,
            threads=1, progress=False)
 print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))
 """
@@ -231,12 +232,12 @@ print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS")
 def test_memory_does_not_grow_with_n(release, keys, tmp_path):
     """Peak RSS (VmHWM, KiB) of a fresh synthesis process: 16 vs 400 images differ by less than 8 MiB."""
-    pubs = keys.pub_files(tmp_path / "keys")
+    admin_pub = keys.pub_files(tmp_path / "keys")[2]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     peaks = []
     for n in (16, 400):
         proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + MEM_PROBE, str(release), str(tmp_path / f"o{n}"),
-                               str(n), *pubs], capture_output=True, text=True, env=env, timeout=300)
+                               str(n), admin_pub], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr
         peaks.append(int(proc.stdout.strip().splitlines()[-1]))
     assert peaks[1] - peaks[0] < 8 * 1024, peaks

@@ -119,7 +119,7 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     ``model.pt`` {spec, state_dict (EMA weights), class_names}, ``job.json``, ``privacy.json`` {events, delta,
     accountant}, ``run.json`` (finish time) and the ``COMPLETE`` marker."""
     from ..config import JobConfig
-    from ..training.checkpoint import load_torch, read_json
+    from ..training.checkpoint import read_json
 
     rd = Path(run_dir)
     if not (rd / "COMPLETE").is_file():
@@ -127,13 +127,31 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     for name in ("model.pt", "privacy.json", "job.json"):
         if not (rd / name).is_file():
             raise ReleaseError(f"{rd / name}: missing; is {rd} a `feta-release train` run directory?")
-    ckpt = load_torch(rd / "model.pt")
+    ckpt = load_weights(rd / "model.pt")
     if not isinstance(ckpt, dict):
         raise ReleaseError(f"{rd / 'model.pt'}: expected a checkpoint dictionary")
     privacy = read_json(rd / "privacy.json")
     cfg = JobConfig.from_dict(read_json(rd / "job.json"), source=str(rd / "job.json"))
     run_info = read_json(rd / "run.json") if (rd / "run.json").is_file() else {}
     return {"checkpoint": ckpt, "privacy": privacy, "config": cfg, "run_dir": rd, "run": run_info}
+
+
+def load_weights(path: Path) -> Any:
+    """``model.pt`` as tensors and plain values only (``torch.load(weights_only=True)``).
+
+    Why: a full unpickle runs whatever code the file names; a run directory may come from anyone who could
+    write to it, and ``export`` then signs with the site key. Anything beyond weights is refused.
+    """
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ReleaseError(f"{path}: not a weights-only checkpoint ({first[:200]}); refusing to unpickle it, "
+                           "re-create it with `feta-release train`") from None
 
 
 def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:

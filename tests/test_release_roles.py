@@ -167,15 +167,22 @@ def test_coordinator_must_be_allowed_by_every_site(tmp_path, den_onnx, fed):
     assert _failed(res) == {"manifest signature"} and "no coordinator key is allowed by every site" in res.reason()
 
 
-def test_fingerprint_only_coordinator_is_not_enough(tmp_path, den_onnx, fed):
-    """64 bits of a key's hash are not the key: only full-key entries authorise a manifest signer."""
-    from feta_release.signing import fingerprint
+def test_short_fingerprint_coordinator_is_refused(tmp_path, den_onnx, fed):
+    """64 bits of a key's hash are not the key: a policy naming a coordinator by its 16-hex short fingerprint is
+    refused (fails on 473f707, which accepted it); the FULL sha256 of the raw key authorises the manifest signer."""
+    from feta_release.policy.errors import PolicySchemaError
+    from feta_release.signing import fingerprint, full_fingerprint
 
     k = fed["a"]
     coord = k.coordinator
+    with pytest.raises(PolicySchemaError, match="coordinators"):
+        signed_policy(k, "a", coordinators=[fingerprint(coord)])
     job = signed_job(coord, "job-2", ["a"])
-    pol = signed_policy(k, "a", coordinators=[fingerprint(coord)])
+    pol = signed_policy(k, "a", coordinators=[full_fingerprint(coord)])
     rel = assemble(tmp_path / "r", den_onnx, coord, job, [attest(k, "a", job, pol)], {"a": pol})
+    assert verify_release(rel, {"a": k.policy.public_key()}).ok
+    # A manifest re-signed by another key is not authorised by that full hash.
+    resign(rel, load_signed(rel), new_keys().coordinator)
     res = verify_release(rel, {"a": k.policy.public_key()})
     assert _failed(res) == {"manifest signature"}
 

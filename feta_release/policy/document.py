@@ -116,6 +116,7 @@ class SitePolicy:
         )
 
     def coordinator_fingerprints(self) -> set[str]:
+        """FULL key fingerprints (sha256 of the raw public key, 64 hex) of the allowed coordinators."""
         return {_coordinator_fingerprint(c) for c in self.coordinators}
 
     def coordinator_keys(self) -> list[Ed25519PublicKey]:
@@ -125,7 +126,7 @@ class SitePolicy:
 
 def _coordinator_fingerprint(entry: str) -> str:
     if entry.lstrip().startswith("-----BEGIN"):
-        return signing.fingerprint(signing.load_public_key(entry.encode()))
+        return signing.full_fingerprint(signing.load_public_key(entry.encode()))
     return entry
 
 

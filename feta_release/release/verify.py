@@ -175,7 +175,7 @@ def verify_release(release_dir: str | Path, trust: "TrustRoots | Mapping[str, An
     if not isinstance(sites, list) or not sites:
         res.add("sites", False, "manifest lists no sites: a release needs each site's signed spend statement")
         return res
-    allowed: list[dict[str, Ed25519PublicKey]] = []
+    allowed: list[dict[str, Any]] = []
     for sid, site in _sites_against_job(res, sites, job):
         keys = _guard(res, f"site {sid}", lambda site=site, sid=sid: _check_site(res, rd, man, sid, site, roots, job))
         allowed.append(keys or {})
@@ -256,7 +256,7 @@ def _sites_against_job(res: VerificationResult, sites: list[Any], job: _Job | No
 
 
 def _check_coordinator(res: VerificationResult, rd: Path, doc: dict[str, Any], job: _Job | None,
-                       allowed: list[dict[str, Ed25519PublicKey]], roots: TrustRoots) -> None:
+                       allowed: list[dict[str, Any]], roots: TrustRoots) -> None:
     """The manifest and the job must be signed by ONE coordinator key that every site's policy allows."""
     name = "manifest signature"
     if not allowed or any(not a for a in allowed):
@@ -266,7 +266,7 @@ def _check_coordinator(res: VerificationResult, rd: Path, doc: dict[str, Any], j
     common = set(allowed[0]).intersection(*allowed[1:])
     if roots.coordinators:
         common &= {full_fingerprint(k) for k in roots.coordinators}
-    keys = [allowed[0][fp] for fp in sorted(common)]
+    keys = [k for k in (_allowed_key(fp, allowed, doc) for fp in sorted(common)) if k is not None]
     if not keys:
         res.add(name, False, "no coordinator key is allowed by every site's policy" +
                 (" and pinned with --coordinator" if roots.coordinators else ""))
@@ -357,8 +357,8 @@ def _generator_metadata(data: bytes, where: Path) -> dict[str, str]:
 def _check_site(
     res: VerificationResult, rd: Path, man: dict[str, Any], sid: str, site: dict[str, Any], roots: TrustRoots,
     job: _Job | None,
-) -> dict[str, Ed25519PublicKey] | None:
-    """Check one site; return the coordinator keys its signed policy allows (full key → key), or None."""
+) -> dict[str, Any] | None:
+    """Check one site; return the coordinators its signed policy allows (full fingerprint → key or None)."""
     admins = roots.site_admins.get(sid)
     if not admins:
         res.add(f"site {sid} policy", False, f"no administrator key given for site {sid} "
@@ -393,14 +393,32 @@ def _check_site(
     return coordinators
 
 
-def _policy_coordinators(policy: dict[str, Any]) -> dict[str, Ed25519PublicKey]:
-    """Only coordinators named by their FULL key count: a 64-bit fingerprint is not a key."""
-    out = {}
+def _policy_coordinators(policy: dict[str, Any]) -> dict[str, Ed25519PublicKey | None]:
+    """Allowed coordinators by FULL key fingerprint (sha256 of the raw key): a PEM entry gives the key, a
+    64-hex entry only its hash (None). A 64-bit short fingerprint is not a key and allows nothing."""
+    out: dict[str, Ed25519PublicKey | None] = {}
     for c in policy.get("coordinators", []):
         if isinstance(c, str) and c.lstrip().startswith("-----BEGIN"):
             k = load_public_key(c.encode())
             out[full_fingerprint(k)] = k
+        elif isinstance(c, str) and re.fullmatch(r"[0-9a-f]{64}", c):
+            out.setdefault(c, None)
     return out
+
+
+def _allowed_key(fp: str, allowed: list[dict[str, Any]], doc: dict[str, Any]) -> Ed25519PublicKey | None:
+    """The key with full fingerprint ``fp``: from a policy that names it in PEM, else the manifest signature's
+    embedded key when its FULL hash is ``fp`` (a preimage of all 256 bits, not 64)."""
+    for a in allowed:
+        if a.get(fp) is not None:
+            return a[fp]
+    sig = doc.get("signature")
+    pem = sig.get("public_key") if isinstance(sig, dict) else None
+    if isinstance(pem, str):
+        k = load_public_key(pem.encode())
+        if full_fingerprint(k) == fp:
+            return k
+    return None
 
 
 def _check_attestation(res: VerificationResult, man: dict[str, Any], sid: str, site: dict[str, Any],

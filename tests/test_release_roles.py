@@ -226,3 +226,34 @@ def test_lifetime_must_compose(tmp_path, den_onnx, fed):
     assert "site a lifetime" in _failed(res)
     assert sha256_hex(canonical_json(job["job"])) == st["job_sha256"]
     json.dumps(res.to_dict())
+
+
+def test_lifetime_spend_shown_beside_the_job_in_verify_and_certificate(tmp_path, den_onnx, fed):
+    """A site that spent on the same images in an earlier job states both figures; verify recomputes both and
+    the certificate shows both (473f707 stated only this job's ε)."""
+    from feta_release.accounting import PrivacyEvent
+    from feta_release.policy.document import SitePolicy
+    from feta_release.release.manifest import build_attestation
+    from feta_release.release.synthesize import synthesize
+    from feta_release.release.verify import describe_site
+
+    from .release_helpers import EVENTS
+
+    k = fed["a"]
+    job = signed_job(k.coordinator, "job-3", ["a"])
+    pol = signed_policy(k, "a")
+    earlier = [PrivacyEvent("dpsgd", 1.2, 0.05, 300)]
+    att = build_attestation("a", "job-3", EVENTS, 1e-5, "rdp", SitePolicy.from_document(pol["policy"], None).digest,
+                            k.site, job_sha256=sha256_hex(canonical_json(job["job"])),
+                            lifetime_events=earlier + EVENTS, lifetime_delta=1e-5)
+    rel = assemble(tmp_path / "r", den_onnx, k.coordinator, job, [att], {"a": pol})
+    res = verify_release(rel, k.trust())
+    assert res.ok, res.reason()
+    life = att["statement"]["lifetime"]["epsilon"]
+    assert life > att["statement"]["epsilon"]
+    words = describe_site(res.manifest["sites"][0])
+    assert f"ε = {life:.3g}" in words and f"(this job: ε = {att['statement']['epsilon']:.3g})" in words
+    synthesize(rel, tmp_path / "out", k.trust(), num=1, batch=1, progress=False, threads=1)
+    cert = json.loads((tmp_path / "out" / "certificate.json").read_text())
+    (p,) = cert["privacy"]
+    assert p["lifetime"]["epsilon"] == pytest.approx(life) and p["epsilon"] == att["statement"]["epsilon"]

@@ -191,8 +191,8 @@ def read_policy_document(path: str | Path) -> dict[str, Any]:
         if p.suffix.lower() == ".toml":
             doc = tomllib.loads(text)
         else:
-            doc = json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            doc = signing.loads_strict(text)  # a duplicated key would be signed as one reader sees it
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise PolicyError(f"{p}: not valid {'TOML' if p.suffix.lower() == '.toml' else 'JSON'}: {exc}") from None
     if isinstance(doc, dict) and set(doc) == {"policy", "signature"}:
         raise PolicyError(f"{p}: already a signed policy; sign the plain policy document instead")

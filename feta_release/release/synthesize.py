@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..errors import ConfigError, ReleaseError
 from .manifest import MANIFEST_FILE, utc_now
-from .verify import VerificationResult, describe_site, require_valid, verify_release
+from .verify import VerificationResult, describe_site, lifetime_of, require_valid, verify_release
 
 CERTIFICATE_FILE = "certificate.json"
 CERTIFICATE_VERSION = "feta-release/certificate/1"
@@ -254,6 +254,7 @@ def _write_certificate(
             "delta": s["delta"],
             "accountant": s["accountant"],
             "policy_sha256": s["policy_sha256"],
+            "lifetime": lifetime_of(s),  # the site's spend on this data over ALL its jobs (signed)
             "statement": describe_site(s),
         }
         for s in man["sites"]

@@ -112,7 +112,9 @@ def _guard(result: VerificationResult, name: str, fn: Callable[[], Any]) -> Any:
     return None
 
 
-SITE_ID_RE = re.compile(r"[A-Za-z0-9_-]+")
+# The policy schema's site id: a plain file-name-safe word (never "", ".", "..", a path or a control char),
+# because it names files (policies/SITE.signed.json) and keys in the verifier's trust roots.
+SITE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ def _sites_against_job(res: VerificationResult, sites: list[Any], job: _Job | No
     for i, site in enumerate(sites):
         sid = site.get("site_id") if isinstance(site, dict) else None
         if not isinstance(sid, str) or not SITE_ID_RE.fullmatch(sid):
-            res.add(f"site #{i}", False, f"site id {sid!r} is not a plain name ([A-Za-z0-9_-]+)")
+            res.add(f"site #{i}", False, f"site id {sid!r} is not a plain name (a letter or digit, then up to 63 of "
+                    "letters, digits, '.', '_', '-')")
             continue
         if sid in seen:
             res.add(f"site {sid}", False, "listed twice in the manifest")
@@ -570,4 +573,22 @@ def describe_site(site: dict[str, Any]) -> str:
         f"Meaning: whether or not any single image of this site was used, the probability of any outcome of "
         f"this release (the generator and every image generated from it) changes by at most a factor of "
         f"e^{eps:.3g} ≈ {factor:.3g}, except with probability at most {delta:g}."
+        + _lifetime_words(site, eps)
     )
+
+
+def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:
+    """The site's signed lifetime spend on this dataset (all its jobs), or None for a statement without one."""
+    life = ((site.get("attestation") or {}).get("statement") or {}).get("lifetime")
+    if not isinstance(life, dict):
+        return None
+    return {"epsilon": float(life["epsilon"]), "delta": float(life["delta"])}
+
+
+def _lifetime_words(site: dict[str, Any], job_eps: float) -> str:
+    life = lifetime_of(site)
+    if life is None:
+        return " The site states no lifetime spend for its data."
+    return (f" Lifetime: this site has spent ε = {life['epsilon']:.3g} at δ = {life['delta']:g} on the same images "
+            f"over all its jobs (this job: ε = {job_eps:.3g}); a release built on an earlier job's model depends "
+            "on both, so the lifetime figure is the one that bounds it.")

@@ -9,7 +9,6 @@ bundles may run, and the validity window. The site's policy key signs it (``{"po
 from __future__ import annotations
 
 import datetime as dt
-import json
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..errors import ConfigError, ReleaseError
 from .manifest import MANIFEST_FILE, utc_now

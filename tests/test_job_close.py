@@ -101,3 +101,14 @@ def test_bind_job_refuses_another_signer(tmp_path):
         led.bind_job("j", "a" * 64, "2" * 64)
     with pytest.raises(PolicyError, match="already bound"):
         led.bind_job("j", "b" * 64, "1" * 64)
+
+
+def test_node_refuses_a_site_key_its_policy_does_not_name(fed, tmp_path):
+    """Every attestation this node signed with another key would be refused by `verify`; refuse at start."""
+    from edge.site import CFG_SITE_KEY, Site
+    from feta_release.signing import generate_keypair
+
+    other, _ = generate_keypair(tmp_path / "k", "other")
+    cfg = {**fed.site("site-a").node_config(), CFG_SITE_KEY: str(other)}
+    with pytest.raises(PolicyError, match="not the site key that"):
+        Site.open(cfg)

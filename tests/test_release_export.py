@@ -103,7 +103,11 @@ def test_export_verify_synthesize_cli(setup):
 
     r = CliRunner().invoke(cli, ["verify", str(rel), "--json", *_trusted(k)])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["ok"] is True
+    out_json = json.loads(r.output)
+    assert out_json["ok"] is True
+    # The figures come from an unsigned run directory, and verify says so (a warning, not a refusal).
+    (hist,) = [c for c in out_json["checks"] if c["name"] == "site hosp-a history"]
+    assert hist["status"] == "warn" and "run-directory" in hist["detail"]
 
     out = tmp / "synthetic"
     r = CliRunner().invoke(cli, ["synthesize", "--release", str(rel), "--num", "4", "--out", str(out),

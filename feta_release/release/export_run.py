@@ -218,7 +218,7 @@ def export_run(
     # so the release carries a signed list of its sites like a federated one.
     signed_job = sign_job(cfg, coordinator_key, _job_id(job_id), [site_id])
     att = build_attestation(site_id, signed_job["job"]["job_id"], events, delta, accountant, policy_sha, site_key,
-                            job_sha256=sha256_hex(canonical_json(signed_job["job"])))
+                            job_sha256=sha256_hex(canonical_json(signed_job["job"])), history="run-directory")
     if signed_policy is not None:
         from .verify import policy_violations
 

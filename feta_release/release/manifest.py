@@ -81,6 +81,7 @@ def build_attestation(
     job_sha256: str | None = None,
     lifetime_events: Iterable[PrivacyEvent] | None = None,
     lifetime_delta: float | None = None,
+    history: str = "site-ledger",
 ) -> dict[str, Any]:
     """A site's signed, FINAL spend statement for one job: ``{"statement": {...}, "signature": {...}}``.
 
@@ -99,6 +100,8 @@ def build_attestation(
         "job_id": str(job_id),
         "job_sha256": job_sha256,
         "final": True,
+        # Where the events come from: the node's own ledger, or an (unsigned) single-site run directory.
+        "history": history,
         "events": events_to_list(evs),
         "epsilon": epsilon(evs, delta, accountant),  # type: ignore[arg-type]
         "delta": float(delta),

@@ -459,6 +459,10 @@ def _check_attestation(res: VerificationResult, man: dict[str, Any], sid: str, s
                         f"{job.digest[:16]}…")
     res.add(name, not problems, "; ".join(problems) if problems else
             f"final spend statement signed by the site key {signer} that its policy names")
+    if not problems and st.get("history") != "site-ledger":
+        res.add(f"site {sid} history", False, f"the events come from {st.get('history') or 'an unnamed source'}, not "
+                "from the site's ledger: a single-site run directory is not signed, so the figures are only as good "
+                "as whoever could write it", warn=True)
     return not problems
 
 

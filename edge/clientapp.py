@@ -34,12 +34,19 @@ log = logging.getLogger("feta.node")
 app = ClientApp()
 
 
-def _job(site: Site, doc: dict[str, Any]) -> Any:
+def _job(site: Site, doc: dict[str, Any], *, attesting: bool = False) -> Any:
+    """The verified job, bound to its id at this site (one id names one signed job, by body hash and full
+    signer key); refused once the job's final attestation closed it (only a repeated attest is answered)."""
     from feta_release.policy.jobs import verify_job
 
     if "job" not in doc:
         raise PolicyError("request carries no signed job; refused")
-    return verify_job(doc["job"], site.policy, source="job in request")
+    job = verify_job(doc["job"], site.policy, source="job in request")
+    site.ledger.bind_job(job.job_id, job.digest, job.signer_sha256)
+    if not attesting and site.ledger.is_closed(job.job_id):
+        raise PolicyError(f"job {job.job_id} is closed at site {site.site_id}: its final attestation was signed, "
+                          "so nothing more is answered for it; start a new job")
+    return job
 
 
 def _replay(site: Site, job: Any, rid: str, mechanism: str, events: list[Any]) -> RecordDict | None:
@@ -191,12 +198,15 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.query("attest")
 def attest(msg: Message, context: Context) -> Message:
-    """The site's signed statement of what this job spent here, from its own ledger (no release)."""
+    """The site's signed, FINAL statement of what this job spent here, from its own ledger (no release).
+
+    Attesting closes the job at this site first: no charge for it can commit afterwards, so the figures
+    signed are the job's last. A repeated attest (a retry) signs the same, closed history again."""
     from .attest import site_attestation
 
     site = site_for(context.node_config)
     doc, _ = fm.read_payload(msg.content)
-    job = _job(site, doc)
+    job = _job(site, doc, attesting=True)
     return Message(fm.make_payload({"attestation": site_attestation(site, job)}), reply_to=msg)
 
 

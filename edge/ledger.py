@@ -191,6 +191,9 @@ class Ledger:
         With a verified ``SitePolicy`` the policy module's ``check_budget`` decides (its refusal names
         the policy rule); with a bare ``Budget`` the same composition is done here.
         """
+        if self.is_closed(job_id):  # under charge's write lock: nothing commits after the close
+            raise PolicyError(f"job {job_id!r} was closed at this site by its final attestation; nothing more is "
+                              "released for it (start a new job)")
         if not isinstance(policy, Budget) and hasattr(policy, "lifetime_delta"):
             from feta_release.policy.enforce import check_budget
 
@@ -294,6 +297,45 @@ class Ledger:
                 "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                 (str(max(version, seen or version)),),
             )
+
+    # -- jobs: one signed job per id, closed by its final attestation ------------------------------
+    def _job_record(self, job_id: str) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (f"job:{job_id}",)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def bind_job(self, job_id: str, job_sha256: str, signer_sha256: str) -> None:
+        """Tie ``job_id`` to one signed job (body hash + full signer key hash) the first time it is seen.
+
+        Why: request ids derive from the job id, so a second job document under the same id (other config,
+        other coordinator) would otherwise be answered from the first job's records. Refused instead.
+        """
+        want = {"sha256": job_sha256, "signer": signer_sha256}
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            rec = self._job_record(job_id)
+            if rec is None:
+                self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?)",
+                                 (f"job:{job_id}", json.dumps({**want, "closed": False}, sort_keys=True)))
+            elif {k: rec.get(k) for k in want} != want:
+                raise PolicyError(
+                    f"job id {job_id!r} is already bound at this site to another signed job (sha256 "
+                    f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
+                    f"{job_sha256[:16]}… signed by {signer_sha256[:16]}… is refused (one job id names one job)")
+
+    def close_job(self, job_id: str, job_sha256: str) -> None:
+        """Close the job: from now on every charge for it is refused (its attestation is final)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            rec = self._job_record(job_id) or {"sha256": job_sha256, "signer": None}
+            if rec.get("sha256") != job_sha256:
+                raise PolicyError(f"job id {job_id!r} is bound to another signed job; not closed")
+            self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                             "value=excluded.value", (f"job:{job_id}", json.dumps({**rec, "closed": True},
+                                                                                   sort_keys=True)))
+
+    def is_closed(self, job_id: str) -> bool:
+        rec = self._job_record(job_id)
+        return bool(rec and rec.get("closed"))
 
     # -- reports ---------------------------------------------------------------------------------
     def job_events(self, job_id: str) -> list[dict[str, Any]]:

@@ -71,7 +71,7 @@ class Site:
         if missing:
             raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
         from feta_release.data.commitment import dataset_commitment, load_secret
-        from feta_release.signing import load_private_key
+        from feta_release.signing import load_private_key, public_key_pem
 
         secret = load_secret(node_config[CFG_SECRET])
         ledger = Ledger(node_config[CFG_LEDGER])
@@ -87,6 +87,9 @@ class Site:
                         "are set for the nominal size", node_config[CFG_POLICY], policy.dataset_size, data.n)
         ledger.observe_policy_version(int(policy.version))
         key = load_private_key(node_config[CFG_SITE_KEY])
+        if policy.site_key is not None and policy.site_key != public_key_pem(key):
+            raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
+                              "names (site_key); a verifier would refuse every attestation it signs")
         work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
         work.mkdir(parents=True, exist_ok=True)
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work)

@@ -76,8 +76,10 @@ def keys_generate(out_dir: Path, name: str, passphrase_file: Path | None, passph
 @keys.command("show")
 @click.argument("key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--pem", is_flag=True, help="Also print the public key PEM (to paste into a policy's coordinators).")
+@click.option("--full", is_flag=True, help="Print the full 64-hex sha256 of the key (what a policy's coordinators "
+              "may name instead of the PEM).")
 @_passphrase_options
-def keys_show(key: Path, pem: bool, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
+def keys_show(key: Path, pem: bool, full: bool, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
     """Print the fingerprint of a public (.pub) or private (.key) key file."""
     from .. import signing
 
@@ -85,7 +87,7 @@ def keys_show(key: Path, pem: bool, passphrase_file: Path | None, passphrase_pro
         k = _load_signing_key(key, passphrase_file, passphrase_prompt).public_key()
     else:
         k = signing.load_public_key(key)
-    click.echo(signing.fingerprint(k))
+    click.echo(signing.full_fingerprint(k) if full else signing.fingerprint(k))
     if pem:
         click.echo(signing.public_key_pem(k), nl=False)
 

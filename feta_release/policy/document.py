@@ -9,7 +9,6 @@ bundles may run, and the validity window. The site's policy key signs it (``{"po
 from __future__ import annotations
 
 import datetime as dt
-import json
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -79,6 +78,7 @@ class SitePolicy:
     mechanisms: Mapping[str, MechanismRule]
     coordinators: tuple[str, ...]  # as written: PEM or fingerprint
     app_bundles: tuple[str, ...]
+    site_key: str | None  # PEM of the key that signs this site's attestations (None: an old policy names none)
     not_before: dt.datetime
     expires: dt.datetime
     signer: str | None  # fingerprint of the key that signed it (None: read unsigned, e.g. before signing)
@@ -106,6 +106,7 @@ class SitePolicy:
             mechanisms=mechs,
             coordinators=tuple(doc["coordinators"]),
             app_bundles=tuple(doc["app_bundles"]),
+            site_key=doc.get("site_key"),
             not_before=parse_time(doc["not_before"], f"{source}: not_before"),
             expires=parse_time(doc["expires"], f"{source}: expires"),
             signer=signer,
@@ -114,6 +115,7 @@ class SitePolicy:
         )
 
     def coordinator_fingerprints(self) -> set[str]:
+        """FULL key fingerprints (sha256 of the raw public key, 64 hex) of the allowed coordinators."""
         return {_coordinator_fingerprint(c) for c in self.coordinators}
 
     def coordinator_keys(self) -> list[Ed25519PublicKey]:
@@ -123,7 +125,7 @@ class SitePolicy:
 
 def _coordinator_fingerprint(entry: str) -> str:
     if entry.lstrip().startswith("-----BEGIN"):
-        return signing.fingerprint(signing.load_public_key(entry.encode()))
+        return signing.full_fingerprint(signing.load_public_key(entry.encode()))
     return entry
 
 
@@ -160,6 +162,11 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
     for k in ("epsilon", "delta"):
         if b["per_job"][k] > b["lifetime"][k]:
             problems.append((f"budget.per_job.{k}", f"{b['per_job'][k]} exceeds budget.lifetime.{k} {b['lifetime'][k]}"))
+    if "site_key" in doc:
+        try:
+            signing.load_public_key(doc["site_key"].encode())
+        except PolicyError as exc:
+            problems.append(("site_key", str(exc)))
     for i, c in enumerate(doc["coordinators"]):
         if c.lstrip().startswith("-----BEGIN"):
             try:
@@ -183,8 +190,8 @@ def read_policy_document(path: str | Path) -> dict[str, Any]:
         if p.suffix.lower() == ".toml":
             doc = tomllib.loads(text)
         else:
-            doc = json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            doc = signing.loads_strict(text)  # a duplicated key would be signed as one reader sees it
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise PolicyError(f"{p}: not valid {'TOML' if p.suffix.lower() == '.toml' else 'JSON'}: {exc}") from None
     if isinstance(doc, dict) and set(doc) == {"policy", "signature"}:
         raise PolicyError(f"{p}: already a signed policy; sign the plain policy document instead")
@@ -295,6 +302,7 @@ def make_policy(
     mechanisms: Mapping[str, Mapping[str, Any]] | None = None,
     not_before: dt.datetime | str | None = None,
     valid_days: float = 365.0,
+    site_key: str | Ed25519PublicKey | None = None,
 ) -> dict[str, Any]:
     """A validated policy document with the research defaults of ``policies/research.toml`` (for demos
     and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text."""
@@ -316,6 +324,8 @@ def make_policy(
         "mechanisms": default_mechs,
         "coordinators": [c if isinstance(c, str) else signing.public_key_pem(c) for c in coordinators],
         "app_bundles": list(app_bundles),
+        **({} if site_key is None else
+           {"site_key": site_key if isinstance(site_key, str) else signing.public_key_pem(site_key)}),
         "not_before": format_time(start),
         "expires": format_time(start + dt.timedelta(days=valid_days)),
     }

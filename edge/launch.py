@@ -77,6 +77,7 @@ def preflight(s: NodeSettings) -> Site:
     check_transport(s)
     trust.check_flower_internals()
     site = Site.open(s.node_config())
+    site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
     if not site.policy.app_bundles:
         raise PolicyError(f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run")
     return site

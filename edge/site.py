@@ -65,7 +65,9 @@ class Site:
             raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
         from feta_release.signing import load_private_key
 
-        ledger = Ledger(node_config[CFG_LEDGER])
+        key = load_private_key(node_config[CFG_SITE_KEY])
+        # Opening verifies the ledger's hash chain and its head's signature by this site key.
+        ledger = Ledger(node_config[CFG_LEDGER], key=key)
         data = load_site_data(node_config[CFG_DATA])
         policy = verify_policy_file(
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_fingerprint=data.fingerprint(),
@@ -75,7 +77,6 @@ class Site:
             raise PolicyError(f"{node_config[CFG_POLICY]}: policy states dataset size {policy.dataset_size}, "
                               f"the data has {data.n} images")
         ledger.observe_policy_version(int(policy.version))
-        key = load_private_key(node_config[CFG_SITE_KEY])
         work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
         work.mkdir(parents=True, exist_ok=True)
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work)

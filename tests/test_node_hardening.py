@@ -1,0 +1,293 @@
+"""Issue 12, node side: each test is an attack on a site node that the code before this change let through.
+
+Ledger attacks come from a local user on the node (edits the SQLite file); cap attacks from a coordinator
+sending concurrent requests; the rest are named in each docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import stat
+import threading
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge.ledger import Budget, Ledger
+from feta_release.accounting import PrivacyEvent
+from feta_release.errors import PolicyError, PrivacyError
+
+KEY = Ed25519PrivateKey.generate()
+BUDGET = Budget(job_epsilon=50.0, lifetime_epsilon=100.0, delta=1e-5)
+EV = [PrivacyEvent("dpsgd", 2.0, 0.05, 2)]
+
+
+def _ledger_with_rows(path, n: int = 4) -> None:
+    with Ledger(path, key=KEY) as led:
+        led.observe_policy_version(3)
+        for i in range(n):
+            led.charge(f"job{i % 2}", f"r{i}", "dpsgd", EV, BUDGET, response=f"answer {i}".encode())
+
+
+def _tamper(path, sql: str, *args) -> None:
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute(sql, args)
+    db.close()
+
+
+def _tampered(path) -> str:
+    from edge.ledger import LedgerTamperedError
+
+    with pytest.raises(LedgerTamperedError) as exc:
+        Ledger(path, key=KEY).close()
+    return str(exc.value)
+
+
+# -- 1. tamper-evident ledger ------------------------------------------------------------------------------
+
+
+def test_lowering_a_recorded_spend_is_detected(tmp_path):
+    """Attack: a local user rewrites a row's events to a tiny spend, to free budget. Detected at open."""
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    _tamper(p, "UPDATE requests SET events=? WHERE request_id='r1'", '[{"stage":"dpsgd","sigma":90.0,"q":0.05,"steps":2}]')
+    assert "row 2 (request 'r1') was changed" in _tampered(p)
+
+
+def test_deleting_a_middle_row_is_detected(tmp_path):
+    """Attack: a local user deletes one charge (and renumbers) so its ε no longer counts."""
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    _tamper(p, "DELETE FROM requests WHERE request_id='r1'")
+    assert "row 2 is missing" in _tampered(p)
+    _tamper(p, "UPDATE requests SET seq = seq - 1 WHERE seq > 2")
+    assert "chain breaks" in _tampered(p)
+
+
+def test_deleting_the_last_rows_is_detected(tmp_path):
+    """Attack: truncating the ledger (drop the newest charges); every remaining link still holds."""
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    _tamper(p, "DELETE FROM requests WHERE seq >= 3")
+    assert "signed head covers 4 row(s) but the file has 2" in _tampered(p)
+
+
+def test_rehashing_the_chain_without_the_site_key_is_detected(tmp_path):
+    """Attack: delete a row and recompute every hash and the head: only the signature can catch it."""
+    from edge import ledger_chain as chain
+
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    db = sqlite3.connect(p, isolation_level=None)
+    db.execute("DELETE FROM requests WHERE request_id='r3'")
+    chain.seal(db, Ed25519PrivateKey.generate())  # the attacker's own key
+    db.close()
+    assert "signed by another key" in _tampered(p)
+
+
+def test_lowering_the_policy_version_seen_is_detected(tmp_path):
+    """Attack: roll back the highest policy version seen, so an old (laxer) signed policy is accepted again."""
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    _tamper(p, "UPDATE meta SET value='1' WHERE key='policy_version'")
+    assert "meta table" in _tampered(p)
+
+
+def test_replacing_the_file_with_another_sites_ledger_is_detected(tmp_path):
+    """Attack: swap in a ledger made by another node (own key, nearly empty)."""
+    p, other = tmp_path / "l.db", tmp_path / "other.db"
+    _ledger_with_rows(p)
+    with Ledger(other, key=Ed25519PrivateKey.generate()):
+        pass
+    shutil.copy(other, p)
+    assert "another key" in _tampered(p)
+
+
+def test_replacing_the_file_with_an_unchained_one_is_refused_with_the_fix(tmp_path):
+    """Attack/migration: a plain SQLite ledger (as written before this change) is not silently trusted."""
+    from edge.ledger import LedgerNotChainedError
+
+    p = tmp_path / "old.db"
+    db = sqlite3.connect(p)
+    db.executescript("""CREATE TABLE requests (request_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, mechanism TEXT NOT NULL,
+        events TEXT NOT NULL, status TEXT NOT NULL, response BLOB, response_sha256 TEXT, job_epsilon REAL NOT NULL,
+        lifetime_epsilon REAL NOT NULL, created_at REAL NOT NULL, completed_at REAL);
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO requests VALUES ('a', 'j', 'dpsgd', '[{"stage":"dpsgd","sigma":2.0,"q":0.05,"steps":2}]', 'done',
+                                     x'00', '6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d', 0.1, 0.1, 1.0, 1.0);""")
+    db.close()
+    with pytest.raises(LedgerNotChainedError, match="feta-release node migrate-ledger"):
+        Ledger(p, key=KEY)
+    from click.testing import CliRunner
+
+    from edge.cli import node
+    from feta_release.signing import generate_keypair, load_private_key
+
+    kp, _ = generate_keypair(tmp_path, "site")
+    res = CliRunner().invoke(node, ["migrate-ledger", "--ledger", str(p), "--site-key", str(kp)])
+    assert res.exit_code == 0, res.output
+    with Ledger(p, key=load_private_key(kp), deep=True) as led:
+        assert [r["request_id"] for r in led.requests()] == ["a"]
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+def test_edited_stored_answer_is_never_replayed(tmp_path):
+    """Attack: change a stored answer so a replay sends the coordinator bytes that were never released."""
+    from edge.ledger import LedgerTamperedError
+
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    _tamper(p, "UPDATE requests SET response=? WHERE request_id='r2'", b"raw data")
+    with pytest.raises(LedgerTamperedError, match="stored answer"):
+        Ledger(p, key=KEY, deep=True)
+    with Ledger(p, key=KEY) as led, pytest.raises(LedgerTamperedError, match="stored answer"):
+        led.charge("job0", "r2", "dpsgd", EV, BUDGET)
+
+
+def test_ledger_file_is_created_0600_exclusively_and_group_writable_refused(tmp_path):
+    """Attack: another local user reads/writes the ledger, or pre-places a link where it will be created."""
+    p = tmp_path / "l.db"
+    Ledger(p, key=KEY).close()
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    link = tmp_path / "link.db"
+    os.symlink(tmp_path / "elsewhere.db", link)  # dangling: the node must not create a file through it
+    with pytest.raises(PrivacyError, match="already there"):
+        Ledger(link, key=KEY)
+    assert not (tmp_path / "elsewhere.db").exists()
+    os.chmod(p, 0o666)
+    with pytest.raises(PolicyError, match="chmod 600"):
+        Ledger(p, key=KEY)
+
+
+def test_ledger_without_site_key_reads_but_cannot_record(tmp_path):
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p, 1)
+    with Ledger(p, verify_key=KEY.public_key()) as led:
+        assert len(led.requests()) == 1
+        with pytest.raises(PrivacyError, match="without the site key"):
+            led.charge("j", "x", "dpsgd", EV, BUDGET)
+    with pytest.raises(PrivacyError, match="no ledger here"):
+        Ledger(tmp_path / "missing.db")
+
+
+def test_node_status_checks_the_chain_and_signature(tmp_path):
+    """`node status` shows a tampered ledger as one clear line (exit code, no traceback)."""
+    from click.testing import CliRunner
+
+    from edge.cli import node
+    from feta_release.cli import main  # noqa: F401 - the CLI's error handling
+    from feta_release.signing import public_key_pem
+
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    pub = tmp_path / "site.pub"
+    pub.write_text(public_key_pem(KEY))
+    ok = CliRunner().invoke(node, ["status", "--ledger", str(p), "--site-key", str(pub)])
+    assert ok.exit_code == 0 and "chain and signed head verified" in ok.output, ok.output
+    _tamper(p, "UPDATE requests SET job_epsilon=0.0 WHERE seq=1")
+    bad = CliRunner().invoke(node, ["status", "--ledger", str(p), "--site-key", str(pub)])
+    assert bad.exit_code != 0 and "was changed after it was recorded" in str(bad.exception)
+
+
+_COLUMNS = ["request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon",
+            "lifetime_epsilon", "created_at", "completed_at"]
+
+
+@st.composite
+def _attack(draw):
+    kind = draw(st.sampled_from(["edit", "delete", "swap", "truncate"]))
+    n = 5
+    a = draw(st.integers(1, n))
+    b = draw(st.integers(1, n).filter(lambda x: x != a))
+    col = draw(st.sampled_from(_COLUMNS))
+    return kind, a, b, col
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(attack=_attack())
+def test_any_edit_delete_or_reorder_is_detected(tmp_path_factory, attack):
+    """Property: whatever single edit, deletion, reordering or truncation is made, opening the ledger refuses."""
+    kind, a, b, col = attack
+    p = tmp_path_factory.mktemp("led") / "l.db"
+    _ledger_with_rows(p, 5)
+    db = sqlite3.connect(p, isolation_level=None)
+    if kind == "edit":
+        new = {"job_epsilon": 0.0, "lifetime_epsilon": 0.0, "created_at": 1.0, "completed_at": 2.0,
+               "events": '[{"stage":"dpsgd","sigma":9.0,"q":0.05,"steps":2}]'}.get(col, "tampered")
+        db.execute(f"UPDATE requests SET {col}=? WHERE seq=?", (new, a))
+    elif kind == "delete":
+        db.execute("DELETE FROM requests WHERE seq=?", (a,))
+    elif kind == "swap":  # exchange the positions of two rows (hashes move with them)
+        db.execute("UPDATE requests SET seq=-1 WHERE seq=?", (a,))
+        db.execute("UPDATE requests SET seq=? WHERE seq=?", (a, b))
+        db.execute("UPDATE requests SET seq=? WHERE seq=-1", (b,))
+    else:
+        db.execute("DELETE FROM requests WHERE seq>=?", (a,))
+    db.close()
+    _tampered(p)
+
+
+def test_untampered_ledger_survives_reopen_and_writes(tmp_path):
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    with Ledger(p, key=KEY, deep=True) as led:
+        led.charge("job9", "r9", "dpsgd", EV, BUDGET)
+        led.record_response("r9", b"late answer")
+        led.observe_policy_version(4)
+    with Ledger(p, verify_key=KEY.public_key(), deep=True) as led:
+        assert len(led.requests()) == 5 and led.highest_policy_version() == 4
+
+
+# -- 2. caps re-checked at commit ---------------------------------------------------------------------------
+
+
+def _capped_policy(max_steps: int, max_rounds: int):
+    from feta_release.policy.document import SitePolicy, make_policy
+
+    doc = make_policy("site-a", "ab" * 32, 1000, [KEY.public_key()], per_job=(50.0, 1e-5), lifetime=(100.0, 1e-5),
+                      mechanisms={"dpsgd": {"max_steps": max_steps}, "central": {"max_rounds": max_rounds}})
+    return SitePolicy.from_document(doc, signer="test")
+
+
+@pytest.mark.parametrize("mechanism,event,cap", [
+    ("dpsgd", PrivacyEvent("dpsgd", 2.0, 0.05, 2), {"max_steps": 3, "max_rounds": 50}),
+    ("central", PrivacyEvent("central", 5.0, 0.01, 2), {"max_steps": 1000, "max_rounds": 3}),
+])
+def test_concurrent_requests_cannot_pass_the_step_caps(tmp_path, mechanism, event, cap):
+    """Attack: a coordinator sends two requests of one job at once (rounds 0 and 1). Both pass the pre-check
+    against the same empty history; within the ε budget, only the step/round cap stops the second, so it
+    must be re-checked under the ledger's write lock at commit."""
+    from feta_release.policy.enforce import check_request
+    from feta_release.policy.errors import PolicyViolation
+
+    policy = _capped_policy(**cap)
+    p = tmp_path / "l.db"
+    Ledger(p, key=KEY).close()
+    barrier = threading.Barrier(2)
+    results: list[str] = []
+
+    def handler(rid: str) -> None:
+        with Ledger(p, key=KEY) as led:  # one connection per handler, as in separate processes
+            hist = [PrivacyEvent(**e) for e in led.job_events("job")]
+            check_request(policy, event, job_events=hist, require_job=False)  # both pass: nothing recorded yet
+            led.check("job", rid, mechanism, [event], policy)
+            barrier.wait()
+            try:
+                led.charge("job", rid, mechanism, [event], policy, response=b"x")
+                results.append("ok")
+            except PolicyViolation as exc:
+                results.append(exc.rule)
+
+    threads = [threading.Thread(target=handler, args=(f"r{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    rule = f"mechanisms.{mechanism}.{'max_rounds' if mechanism == 'central' else 'max_steps'}"
+    assert sorted(results) == sorted(["ok", rule])
+    with Ledger(p, key=KEY) as led:
+        assert sum(e["steps"] for e in led.job_events("job")) == event.steps

@@ -70,6 +70,12 @@ def check_transport(s: NodeSettings) -> None:
         )
     elif s.root_certificates is None:
         raise ConfigError("give --root-certificates CA.crt (TLS) or, for a loopback demo only, --insecure")
+    elif s.auth_key is None and not is_loopback(s.superlink):
+        # Outside loopback the coordinator binds each site to its registered node key; a node without
+        # one could only join a SuperLink that lets anyone in.
+        raise ConfigError(f"give --auth-key: node authentication is required to reach non-loopback SuperLink "
+                          f"{s.superlink} (make a key with `feta-release coordinator certs --node SITE` and have "
+                          "the coordinator register its .pub)")
 
 
 def preflight(s: NodeSettings) -> Site:

@@ -291,3 +291,133 @@ def test_concurrent_requests_cannot_pass_the_step_caps(tmp_path, mechanism, even
     assert sorted(results) == sorted(["ok", rule])
     with Ledger(p, key=KEY) as led:
         assert sum(e["steps"] for e in led.job_events("job")) == event.steps
+
+
+# -- 3. the coordinator authenticates sites ---------------------------------------------------------------
+
+
+class _InflatingApp:
+    """A malicious site: its hello reply claims a huge dataset so FedAvg gives its weights all the mass."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def __call__(self, msg, ctx):
+        from flwr.app import Message
+
+        from feta_release.federation import messages as fm
+
+        rep = self.app(msg, ctx)
+        if msg.metadata.message_type == fm.HELLO and not rep.has_error():
+            doc, arrays = fm.read_payload(rep.content)
+            return Message(fm.make_payload({**doc, "dataset_size": 10**9}, arrays), reply_to=msg)
+        return rep
+
+
+def _driver(tmp_path, nodes):
+    from coordinator.setup import sign_job_file
+    from feta_release.federation.driver import JobDriver
+    from feta_release.federation.harness import InProcessGrid
+
+    from .federation_fixtures import tiny_job
+
+    fed = nodes(tmp_path)
+    grid = InProcessGrid(fed[1])
+    signed, _ = sign_job_file(fed[0], tiny_job(), "job-auth", sites=["site-a", "site-b"])
+    return fed[0], JobDriver(grid, signed, tmp_path / "out", wait_timeout=5.0, poll_interval=0.05)
+
+
+def _nodes(specs):
+    """specs: [(site whose config the node runs, registered name, app wrapper or None)]."""
+    def build(tmp_path):
+        from edge.clientapp import app
+        from feta_release.federation.harness import HarnessNode
+
+        from .federation_fixtures import make_federation
+
+        fed = make_federation(tmp_path / "fed")
+        nodes = {100 + i: HarnessNode(wrap(app) if wrap else app, fed.site(site).node_config(), name=name)
+                 for i, (site, name, wrap) in enumerate(specs)}
+        return fed, nodes
+    return build
+
+
+def test_fedavg_weights_come_from_the_signed_policy_not_from_a_reply(tmp_path):
+    """Attack: a site's hello says it holds 10^9 images, to dominate FedAvg (and shape the global model)."""
+    from feta_release.federation import plan
+
+    fed, drv = _driver(tmp_path, _nodes([("site-a", "", _InflatingApp), ("site-b", "", None)]))
+    drv.wait_for_sites()
+    sizes = {sid: s.size for sid, s in drv.sites.items()}
+    assert sizes == {sid: plan.public_size(drv.sites[sid].policy) for sid in sizes}
+    assert sizes["site-a"] == fed.site("site-a").size
+    w = plan.fedavg_weights(sizes)
+    assert w["site-a"] < 0.75
+
+
+def test_a_second_node_claiming_a_joined_site_is_refused(tmp_path):
+    """Attack: an impostor node answers hello as site-a (with site-a's public signed policy) next to the real one."""
+    _, drv = _driver(tmp_path, _nodes([("site-a", "", None), ("site-a", "", None), ("site-b", "", None)]))
+    with pytest.raises(PolicyError, match="already holds"):
+        drv.wait_for_sites()
+
+
+def test_a_node_may_speak_only_for_the_site_its_key_was_registered_for(tmp_path):
+    """Attack: the node registered (authenticated) as site-b claims to be site-a."""
+    _, drv = _driver(tmp_path, _nodes([("site-a", "site-b", None), ("site-b", "site-c", None)]))
+    with pytest.raises(PolicyError, match="registered as 'site-b' but claims to be site 'site-a'"):
+        drv.wait_for_sites()
+
+
+def test_registered_nodes_matching_their_sites_join(tmp_path):
+    _, drv = _driver(tmp_path, _nodes([("site-a", "site-a", None), ("site-b", "site-b", None)]))
+    drv.wait_for_sites()
+    assert set(drv.sites) == {"site-a", "site-b"}
+
+
+def test_superlink_turns_node_authentication_on_outside_loopback(tmp_path):
+    """Attack: any machine that reaches a coordinator's public port joins as a node (auth was opt-in)."""
+    from coordinator.superlink import SuperLinkSettings, superlink_command
+    from feta_release.errors import ConfigError
+
+    tls = dict(ssl_certfile=tmp_path / "c", ssl_keyfile=tmp_path / "k", ssl_ca_certfile=tmp_path / "ca",
+               database=tmp_path / "s.db")
+    assert "--enable-supernode-auth" in superlink_command(SuperLinkSettings(host="0.0.0.0", **tls))
+    assert "--enable-supernode-auth" in superlink_command(SuperLinkSettings(host="10.0.0.5", **tls))
+    assert "--enable-supernode-auth" not in superlink_command(SuperLinkSettings(host="127.0.0.1", **tls))
+    with pytest.raises(ConfigError, match="without node authentication"):
+        superlink_command(SuperLinkSettings(host="0.0.0.0", enable_supernode_auth=False, **tls))
+
+
+def test_node_refuses_a_remote_superlink_without_an_auth_key(tmp_path):
+    """Attack surface: a node that joins a remote SuperLink unauthenticated can be impersonated there."""
+    from edge.launch import NodeSettings, check_transport
+    from feta_release.errors import ConfigError
+
+    base = dict(data=tmp_path, policy=tmp_path, trusted_policy_key=tmp_path, ledger=tmp_path / "l.db",
+                site_key=tmp_path, root_certificates=tmp_path / "ca.crt")
+    with pytest.raises(ConfigError, match="--auth-key"):
+        check_transport(NodeSettings(**base, superlink="10.1.2.3:9092"))
+    check_transport(NodeSettings(**base, superlink="10.1.2.3:9092", auth_key=tmp_path / "node"))
+    check_transport(NodeSettings(**base, superlink="127.0.0.1:9092"))
+
+
+def test_tls_and_node_keys_are_0600_and_never_overwritten(tmp_path):
+    """Attack: a planted file/link at a key path, or a re-run that silently replaces the coordinator's CA key."""
+    from coordinator.tls import make_certificates, make_node_auth_key
+    from feta_release.errors import ConfigError
+
+    paths = make_certificates(tmp_path / "certs")
+    priv, _ = make_node_auth_key(tmp_path / "certs" / "nodes", "site-a")
+    for p in (paths["ca_key"], paths["server_key"], priv):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    before = paths["ca_key"].read_bytes()
+    with pytest.raises(ConfigError, match="already exist"):
+        make_certificates(tmp_path / "certs")
+    assert paths["ca_key"].read_bytes() == before
+    with pytest.raises(ConfigError, match="already exists"):
+        make_node_auth_key(tmp_path / "certs" / "nodes", "site-a")
+    os.symlink(tmp_path / "planted", tmp_path / "certs" / "nodes" / "site-b")
+    with pytest.raises(ConfigError, match="already exists"):
+        make_node_auth_key(tmp_path / "certs" / "nodes", "site-b")
+    assert not (tmp_path / "planted").exists()

@@ -421,3 +421,138 @@ def test_tls_and_node_keys_are_0600_and_never_overwritten(tmp_path):
     with pytest.raises(ConfigError, match="already exists"):
         make_node_auth_key(tmp_path / "certs" / "nodes", "site-b")
     assert not (tmp_path / "planted").exists()
+
+
+# -- 4. only allow-listed code runs ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_fab():
+    """The project's own app bundle (what the demo's coordinator submits) and its sha256."""
+    import hashlib
+
+    from flwr.cli.build import build_fab_from_disk
+
+    from coordinator.setup import APP_DIR
+
+    data = build_fab_from_disk(APP_DIR)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _run_fab(fab_id="feta-release/feta-release-app", version="0.1.0", hash_=None, content=b""):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(fab_id=fab_id, fab_version=version), SimpleNamespace(hash_str=hash_, content=content)
+
+
+def _gated(monkeypatch, tmp_path, run, fab, allowed):
+    """Install the node's gate on Flower's real run_clientapp module around a task input the SuperLink sent."""
+    from flwr.supernode.runtime import run_clientapp as rc
+
+    from edge import trust
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr_home"))
+    monkeypatch.setenv(trust.ENV_ALLOWED, ",".join(allowed))
+    monkeypatch.setattr(rc, "pull_task_input", lambda client: ("msg", "ctx", run, fab))
+    monkeypatch.setattr(rc, "install_from_fab", rc.install_from_fab)  # restored after the test
+    trust.install_gate()
+    return rc
+
+
+@pytest.mark.parametrize("version", ["0.1.0/../../../../tmp/evil", "../0.1.0", "0.1.0/x"])
+def test_a_fab_version_with_path_parts_is_refused(monkeypatch, tmp_path, real_fab, version):
+    """Attack: the SuperLink sends the allowed bundle but a fab_version with ``/../``: Flower would import the
+    ClientApp from a directory outside FLWR_HOME (only the bytes were checked before)."""
+    from edge.trust import UntrustedAppError
+
+    data, h = real_fab
+    rc = _gated(monkeypatch, tmp_path, *_run_fab(version=version, hash_=h, content=data), {h})
+    with pytest.raises(UntrustedAppError, match="not plain names"):
+        rc.pull_task_input(None)
+
+
+def test_a_run_pointing_at_another_installed_app_is_refused(monkeypatch, tmp_path, real_fab):
+    """Attack: allowed bytes, but the hash/version sent name an older app still installed under FLWR_HOME
+    (no longer allowed): Flower installs the new bundle and then loads the old directory."""
+    from edge.trust import UntrustedAppError
+
+    data, h = real_fab
+    old = "0" * 64
+    rc = _gated(monkeypatch, tmp_path, *_run_fab(hash_=old, content=data), {h})
+    with pytest.raises(UntrustedAppError, match="names hash"):
+        rc.pull_task_input(None)
+    rc = _gated(monkeypatch, tmp_path, *_run_fab(version="0.0.9", hash_=h, content=data), {h})
+    with pytest.raises(UntrustedAppError, match="but the bundle is"):
+        rc.pull_task_input(None)
+
+
+def test_a_planted_or_changed_app_directory_is_refused(monkeypatch, tmp_path, real_fab):
+    """Attack: Flower skips installing when the app directory exists and imports what is there; a file
+    added (it would shadow any import) or changed in it must not run."""
+    from edge.trust import UntrustedAppError
+
+    data, h = real_fab
+    rc = _gated(monkeypatch, tmp_path, *_run_fab(hash_=h, content=data), {h})
+    rc.pull_task_input(None)
+    app_dir = rc.install_from_fab(data, skip_prompt=True)  # first install: exactly the bundle, accepted
+    assert app_dir.parent == (tmp_path / "flwr_home" / "apps").resolve() or \
+        app_dir.parent == tmp_path / "flwr_home" / "apps"
+    (app_dir / "numpy.py").write_text("import os  # planted\n")
+    rc.pull_task_input(None)
+    with pytest.raises(UntrustedAppError, match="differs from the allowed bundle"):
+        rc.install_from_fab(data, skip_prompt=True)
+    (app_dir / "numpy.py").unlink()
+    (app_dir / "pyproject.toml").write_text("changed")
+    rc.pull_task_input(None)
+    with pytest.raises(UntrustedAppError, match="pyproject.toml"):
+        rc.install_from_fab(data, skip_prompt=True)
+
+
+def test_a_symlinked_app_directory_is_refused(tmp_path, monkeypatch, real_fab):
+    """Attack: the app directory is a link to elsewhere (Flower would follow it)."""
+    from edge.trust import UntrustedAppError, check_app_identity
+
+    data, h = real_fab
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    apps = tmp_path / "home" / "apps"
+    apps.mkdir(parents=True)
+    target = check_app_identity("feta-release/feta-release-app", "0.1.0", h, data, tmp_path / "home", {h})
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", target)
+    with pytest.raises(UntrustedAppError, match="outside"):
+        check_app_identity("feta-release/feta-release-app", "0.1.0", h, data, tmp_path / "home", {h})
+
+
+_TOKENS = list("ab0._-/\\~ \x00:%") + ["..", "feta-release", "feta-release-app", "0.1.0"]
+_PATHISH = st.lists(st.sampled_from(_TOKENS), min_size=1, max_size=6).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(publisher=_PATHISH, name=_PATHISH, version=_PATHISH)
+def test_whatever_names_the_superlink_sends_the_app_dir_stays_a_child_of_apps(tmp_path, monkeypatch, real_fab,
+                                                                            publisher, name, version):
+    """Property: for any fab_id/fab_version either the check refuses, or Flower's own get_project_dir
+    lands directly in FLWR_HOME/apps and the names are the bundle's own."""
+    from flwr.common.config import get_project_dir
+
+    from edge.trust import UntrustedAppError, check_app_identity
+
+    data, h = real_fab
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    fab_id = f"{publisher}/{name}"
+    try:
+        got = check_app_identity(fab_id, version, h, data, tmp_path / "home", {h})
+    except UntrustedAppError:
+        return
+    assert (fab_id, version) == ("feta-release/feta-release-app", "0.1.0")
+    assert got == get_project_dir(fab_id, version, h)
+    assert got.resolve().parent == (tmp_path / "home" / "apps").resolve()
+
+
+def test_the_allowed_bundle_with_its_own_names_passes(tmp_path, monkeypatch, real_fab):
+    from edge.trust import check_app_identity
+
+    data, h = real_fab
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    got = check_app_identity("feta-release/feta-release-app", "0.1.0", h, data, tmp_path / "home", {h})
+    assert got.name == f"feta-release.feta-release-app.0.1.0.{h[:8]}"

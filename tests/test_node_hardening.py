@@ -455,6 +455,7 @@ def _gated(monkeypatch, tmp_path, run, fab, allowed):
     monkeypatch.setenv(trust.ENV_ALLOWED, ",".join(allowed))
     monkeypatch.setattr(rc, "pull_task_input", lambda client: ("msg", "ctx", run, fab))
     monkeypatch.setattr(rc, "install_from_fab", rc.install_from_fab)  # restored after the test
+    monkeypatch.setattr(trust, "_current", {})
     trust.install_gate()
     return rc
 
@@ -556,3 +557,29 @@ def test_the_allowed_bundle_with_its_own_names_passes(tmp_path, monkeypatch, rea
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
     got = check_app_identity("feta-release/feta-release-app", "0.1.0", h, data, tmp_path / "home", {h})
     assert got.name == f"feta-release.feta-release-app.0.1.0.{h[:8]}"
+
+
+def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
+    """Attack: a local user lowers the node's recorded spend between two runs; `node start` must refuse."""
+    from click.testing import CliRunner
+
+    from edge.cli import node
+    from edge.ledger import LedgerTamperedError
+    from edge.site import Site
+
+    from .federation_fixtures import make_federation
+
+    fed = make_federation(tmp_path / "fed")
+    s = fed.site("site-a")
+    site = Site.open(s.node_config())  # first start: the ledger is created, 0600, head signed by the site key
+    site.ledger.charge("job", "r1", "dpsgd", EV, site.policy, response=b"x")
+    site.ledger.close()
+    assert stat.S_IMODE(s.ledger.stat().st_mode) == 0o600
+    _tamper(s.ledger, "UPDATE requests SET lifetime_epsilon=0.0")
+    args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
+            "--site-key", str(s.site_key), "--trusted-policy-key", str(s.policy_pub), "--superlink", "127.0.0.1:1",
+            "--insecure"]
+    res = CliRunner().invoke(node, args)
+    assert isinstance(res.exception, LedgerTamperedError), res.output
+    msg = str(res.exception)
+    assert "\n" not in msg and str(s.ledger) in msg and "Restore the ledger from a backup" in msg

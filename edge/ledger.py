@@ -159,6 +159,11 @@ class Ledger:
                 self._db.execute("BEGIN IMMEDIATE")
                 chain.init(self._db, key)
                 self._db.execute("COMMIT")
+            elif not chain.has_requests_table(self._db):
+                self._db.close()
+                raise LedgerTamperedError(
+                    f"{self.path}: privacy ledger tampered with: the file holds no ledger (emptied or replaced); "
+                    "the node refuses to run on it. Restore the ledger from a backup (never edit it by hand)")
             elif not chain.is_chained(self._db):
                 self._db.close()
                 raise LedgerNotChainedError(
@@ -179,6 +184,8 @@ class Ledger:
         try:
             if chain.is_chained(db):
                 raise PrivacyError(f"{p}: already chained; nothing to migrate")
+            if not chain.has_requests_table(db):
+                raise PrivacyError(f"{p}: not a feta-release ledger (no requests table); nothing to migrate")
             db.execute("BEGIN IMMEDIATE")
             n = chain.migrate(db, key)
             db.execute("COMMIT")

@@ -103,6 +103,10 @@ def _meta(db: sqlite3.Connection) -> dict[str, str]:
     return {k: v for k, v in db.execute("SELECT key, value FROM meta ORDER BY key")}
 
 
+def has_requests_table(db: sqlite3.Connection) -> bool:
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='requests'").fetchone() is not None
+
+
 def is_chained(db: sqlite3.Connection) -> bool:
     cols = {r[1] for r in db.execute("PRAGMA table_info(requests)")}
     tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}

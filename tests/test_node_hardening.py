@@ -135,6 +135,16 @@ def test_replacing_the_file_with_an_unchained_one_is_refused_with_the_fix(tmp_pa
     assert stat.S_IMODE(p.stat().st_mode) == 0o600
 
 
+def test_an_emptied_ledger_file_is_refused(tmp_path):
+    """Attack: truncate the ledger file to 0 bytes (a fresh, empty budget) instead of deleting rows."""
+    p = tmp_path / "l.db"
+    _ledger_with_rows(p)
+    for extra in ("-wal", "-shm"):
+        (tmp_path / f"l.db{extra}").unlink(missing_ok=True)
+    p.write_bytes(b"")
+    assert "holds no ledger" in _tampered(p)
+
+
 def test_edited_stored_answer_is_never_replayed(tmp_path):
     """Attack: change a stored answer so a replay sends the coordinator bytes that were never released."""
     from edge.ledger import LedgerTamperedError

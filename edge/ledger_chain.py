@@ -93,8 +93,9 @@ def check_file_mode(path: Path) -> None:
                           f"fix with `chmod 600 {path}`")
 
 
-def _rows(db: sqlite3.Connection) -> list[dict[str, Any]]:
-    cols = (*ROW_FIELDS, "prev_hash", "row_hash", "response")
+def _rows(db: sqlite3.Connection, with_response: bool = False) -> list[dict[str, Any]]:
+    # The answers can be megabytes each (model weights): read them only for a deep check.
+    cols = (*ROW_FIELDS, "prev_hash", "row_hash", *(("response",) if with_response else ()))
     cur = db.execute(f"SELECT {', '.join(cols)} FROM requests ORDER BY seq")
     return [dict(zip(cols, r)) for r in cur]
 
@@ -128,7 +129,7 @@ def verify(db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | No
     if head.get("format") != FORMAT or head.get("ledger_id") != meta.get("ledger_id"):
         raise LedgerTamperedError(f"{bad}: its head belongs to another ledger or format{fix}")
     prev = genesis(head["ledger_id"])
-    rows = _rows(db)
+    rows = _rows(db, with_response=deep)
     for i, row in enumerate(rows, 1):
         where = f"row {row['seq']} (request {row['request_id']!r})"
         if row["seq"] != i:

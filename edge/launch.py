@@ -72,6 +72,12 @@ def check_transport(s: NodeSettings) -> None:
         )
     elif s.root_certificates is None:
         raise ConfigError("give --root-certificates CA.crt (TLS) or, for a loopback demo only, --insecure")
+    elif s.auth_key is None and not is_loopback(s.superlink):
+        # Outside loopback the coordinator binds each site to its registered node key; a node without
+        # one could only join a SuperLink that lets anyone in.
+        raise ConfigError(f"give --auth-key: node authentication is required to reach non-loopback SuperLink "
+                          f"{s.superlink} (make a key with `feta-release coordinator certs --node SITE` and have "
+                          "the coordinator register its .pub)")
 
 
 def preflight(s: NodeSettings) -> Site:
@@ -79,6 +85,7 @@ def preflight(s: NodeSettings) -> Site:
     check_transport(s)
     trust.check_flower_internals()
     site = Site.open(s.node_config())
+    site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
     if not site.policy.app_bundles:
         raise PolicyError(f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run")
     return site

@@ -74,7 +74,9 @@ class Site:
         from feta_release.signing import load_private_key, public_key_pem
 
         secret = load_secret(node_config[CFG_SECRET])
-        ledger = Ledger(node_config[CFG_LEDGER])
+        key = load_private_key(node_config[CFG_SITE_KEY])
+        # Opening verifies the ledger's hash chain and its head's signature by this site key.
+        ledger = Ledger(node_config[CFG_LEDGER], key=key)
         data = load_site_data(node_config[CFG_DATA])
         policy = verify_policy_file(
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
@@ -86,7 +88,6 @@ class Site:
             log.warning("%s: the policy's public nominal size %d is far from the %d images here; noise and rates "
                         "are set for the nominal size", node_config[CFG_POLICY], policy.dataset_size, data.n)
         ledger.observe_policy_version(int(policy.version))
-        key = load_private_key(node_config[CFG_SITE_KEY])
         if policy.site_key is not None and policy.site_key != public_key_pem(key):
             raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
                               "names (site_key); a verifier would refuse every attestation it signs")

@@ -26,6 +26,8 @@ def gate(monkeypatch, tmp_path):
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr_home"))
     monkeypatch.setenv(trust.ENV_LOG, str(tmp_path / "trust.log"))
     monkeypatch.setattr(rc, "install_from_fab", rc.install_from_fab)  # restored after the test
+    monkeypatch.setattr(rc, "pull_task_input", rc.pull_task_input)
+    monkeypatch.setattr(trust, "_current", {})
     trust.install_gate()
     return rc
 
@@ -58,8 +60,16 @@ def test_untrusted_bundle_is_refused_before_unpacking(gate, monkeypatch, tmp_pat
 def test_allowed_bundle_installs(gate, monkeypatch, tmp_path):
     from coordinator.setup import APP_DIR
 
+    from types import SimpleNamespace
+
     fab = _fab(APP_DIR)
-    monkeypatch.setenv(trust.ENV_ALLOWED, hashlib.sha256(fab).hexdigest())
+    h = hashlib.sha256(fab).hexdigest()
+    monkeypatch.setenv(trust.ENV_ALLOWED, h)
+    # What the SuperNode hands flwr-clientapp: the run's names and the bundle. The gate checks both first.
+    run = SimpleNamespace(fab_id="feta-release/feta-release-app", fab_version="0.1.0")
+    monkeypatch.setattr(gate, "pull_task_input", lambda client: ("m", "c", run, SimpleNamespace(hash_str=h, content=fab)))
+    trust.install_gate()
+    gate.pull_task_input(None)
     path = gate.install_from_fab(fab, skip_prompt=True)
     assert (Path(path) / "pyproject.toml").exists()
 

@@ -106,6 +106,18 @@ def site_plan(cfg: JobConfig, n: int, policy: Any | None = None) -> list[Privacy
     return evs
 
 
+def public_size(policy: Any) -> int:
+    """A site's PUBLIC size, fixed by its signed policy (never a number from a reply).
+
+    The nominal size when the policy declares one, else the policy's dataset size.
+    """
+    for attr in ("public_size", "nominal_size"):
+        value = getattr(policy, attr, None)
+        if value is not None:
+            return int(value)
+    return int(policy.dataset_size)
+
+
 def fedavg_weights(sizes: dict[str, int]) -> dict[str, float]:
     """FedAvg weights from each answering site's PUBLIC dataset size."""
     total = sum(sizes.values())

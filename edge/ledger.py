@@ -425,8 +425,11 @@ class Ledger:
         other coordinator) would otherwise be answered from the first job's records. Refused instead.
         """
         want = {"sha256": job_sha256, "signer": signer_sha256}
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        rec = self._job_record(job_id)
+        if rec is not None and {k: rec.get(k) for k in want} == want:
+            return  # already bound to this job (every message of a job binds): no write, no re-signing
+        # Through the signed write path: the job record lives in `meta`, which the chain head covers.
+        with self._write():
             rec = self._job_record(job_id)
             if rec is None:
                 self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?)",
@@ -439,8 +442,7 @@ class Ledger:
 
     def close_job(self, job_id: str, job_sha256: str) -> None:
         """Close the job: from now on every charge for it is refused (its attestation is final)."""
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._write():
             rec = self._job_record(job_id) or {"sha256": job_sha256, "signer": None}
             if rec.get("sha256") != job_sha256:
                 raise PolicyError(f"job id {job_id!r} is bound to another signed job; not closed")

@@ -8,6 +8,7 @@ would answer it from the first job's records). Each test fails on 473f707 and pa
 from __future__ import annotations
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.setup import sign_job_file
 from edge.ledger import Budget, Ledger
@@ -66,7 +67,7 @@ def test_attesting_closes_the_job_at_the_node(fed, tmp_path):
 def test_charge_racing_the_close_is_refused_by_the_ledger(tmp_path):
     """A charge that reaches the ledger after the close (it passed the handler's checks before) is refused
     under the write lock. Fails on 473f707 (no close at all)."""
-    led = Ledger(tmp_path / "l.sqlite")
+    led = Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate())
     b = Budget(10.0, 20.0, 1e-5)
     ev = [PrivacyEvent("dpsgd", 1.0, 0.01, 10)]
     led.charge("j", "j:train:0", "dpsgd", ev, b, response=b"r0")
@@ -94,7 +95,7 @@ def test_same_job_id_with_another_signed_job_is_refused(fed, tmp_path):
 
 
 def test_bind_job_refuses_another_signer(tmp_path):
-    led = Ledger(tmp_path / "l.sqlite")
+    led = Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate())
     led.bind_job("j", "a" * 64, "1" * 64)
     led.bind_job("j", "a" * 64, "1" * 64)  # the same job again: fine
     with pytest.raises(PolicyError, match="already bound"):

@@ -152,3 +152,58 @@ def test_cli_account(tmp_path: Path) -> None:
     broken.write_text(json.dumps([{"stage": "dpsgd", "sigma": -1, "q": 0.1, "steps": 1}]))
     res = CliRunner().invoke(cli, ["privacy", "account", str(broken), "--delta", "1e-5"])
     assert isinstance(res.exception, PrivacyError) and "sigma" in str(res.exception)
+
+
+# -- sampling rates and noise-to-signal figures -------------------------------------------------------
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 200_000), rate=st.floats(1e-4, 1.0))
+def test_for_size_turns_a_rate_into_a_batch_within_the_data(n: int, rate: float) -> None:
+    cfg = JobConfig().replace(central={"rate": rate}, dpsgd={"rate": rate, "steps": 3})
+    sized = cfg.for_size(n)
+    for sec in (sized.central, sized.dpsgd):
+        assert 1 <= sec.batch <= n or (n == 1 and sec.batch == 1)
+        assert sec.batch == max(1, round(rate * n))
+    assert sized.for_size(n) == sized  # idempotent for the same size
+
+
+def test_rate_presets_plan_on_any_size_and_keep_epsilon() -> None:
+    from feta_release.config import load_preset
+
+    for name in ("cpu-eps1", "cpu-eps10"):
+        cfg = load_preset(name)
+        plans = {n: plan_job(cfg, n) for n in (500, 1400, 4000, 60_000)}
+        for n, p in plans.items():
+            assert p.epsilon <= cfg.privacy.epsilon + 1e-9
+            assert p.stage("central").q == pytest.approx(cfg.central.rate, rel=0.01)
+        # Same rates -> the same warm-up spend whatever the size; only the noise per pixel changes.
+        assert plans[500].stage("central").epsilon == pytest.approx(plans[60_000].stage("central").epsilon, rel=0.02)
+        nts = [plans[n].stage("central").noise_to_signal for n in (500, 1400, 4000, 60_000)]
+        assert nts == sorted(nts, reverse=True)
+
+
+def test_plan_warns_when_a_release_is_mostly_noise() -> None:
+    cfg = JobConfig().replace(central={"rate": 0.5, "sigma": 8.0, "clip": 3.0, "rounds": 2},
+                              frequency={"sigma": 10.0, "features": 200}, dpsgd={"rate": 0.05, "steps": 5})
+    small, big = plan_job(cfg, 500), plan_job(cfg, 4000)
+    # central: 8 * 3 / (250 / 10) = 0.96 per pixel at N = 500; 0.12 at N = 4000
+    assert small.stage("central").noise_to_signal == pytest.approx(0.96)
+    assert big.stage("central").noise_to_signal == pytest.approx(0.12)
+    assert any("[central]" in w and "mostly noise" in w for w in small.warnings)
+    assert not any("[central]" in w for w in big.warnings)
+    # frequency: 10 * sqrt(200) / N * 10 -> 2.83 at N = 500 (warned), 0.35 at N = 4000
+    assert small.stage("frequency").noise_to_signal == pytest.approx(10 * 200 ** 0.5 / 500 * 10)
+    assert any("[frequency]" in w for w in small.warnings)
+    assert json.loads(json.dumps(small.to_dict()))["warnings"] == list(small.warnings)
+
+
+def test_privacy_plan_cli_prints_noise_warning(tmp_path: Path) -> None:
+    job = tmp_path / "j.toml"
+    job.write_text("[central]\nrate = 0.5\nsigma = 8.0\nclip = 3.0\nrounds = 2\n[dpsgd]\nrate = 0.05\nsteps = 5\n")
+    res = CliRunner().invoke(cli, ["privacy", "plan", str(job), "-n", "500"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "mostly noise" in res.output and "noise/signal" in res.output

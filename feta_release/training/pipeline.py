@@ -97,12 +97,14 @@ def check_data(cfg: JobConfig, data: ImageDataset) -> None:
     if cfg.dpsgd.batch > data.n and cfg.dpsgd_steps(data.n) > 0:
         raise DataError(
             f"{data.source}: {data.n} images, fewer than the DP-SGD batch [dpsgd] batch = {cfg.dpsgd.batch} "
-            f"(sampling rate q = {cfg.dpsgd.batch / data.n:.3g} > 1); lower [dpsgd] batch below {data.n}"
+            f"(sampling rate q = {cfg.dpsgd.batch / data.n:.3g} > 1); lower [dpsgd] batch below {data.n}, or give "
+            f"[dpsgd] rate (a sampling rate: the batch then follows the dataset size)"
         )
     if cfg.central.rounds > 0 and cfg.central.batch > data.n:
         raise DataError(
             f"{data.source}: {data.n} images, fewer than [central] batch = {cfg.central.batch} (q > 1); "
-            f"lower [central] batch below {data.n}"
+            f"lower [central] batch below {data.n}, or give [central] rate (a sampling rate: the batch then follows "
+            f"the dataset size)"
         )
 
 
@@ -118,17 +120,21 @@ class PlannedRun:
     epsilon: float  # total planned epsilon with the configured accountant
 
 
-def plan_run(cfg: JobConfig, n: int) -> PlannedRun:
+def plan_run(cfg: JobConfig, n: int, image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10,
+             warnings: list[str] | None = None) -> PlannedRun:
     """Whole-history plan (``feta_release.planning.plan_job``): warm-up events as configured, DP-SGD sigma
-    calibrated for what is left. Raises PrivacyError naming the stage to shrink when it cannot fit."""
+    calibrated for what is left. Raises PrivacyError naming the stage to shrink when it cannot fit.
+    The plan's noise-to-signal warnings are appended to ``warnings`` when given."""
     from ..planning import plan_job
 
-    pl = plan_job(cfg, n)
+    pl = plan_job(cfg, n, image_shape=image_shape, n_classes=n_classes)
+    if warnings is not None:
+        warnings.extend(pl.warnings)
     sgd = next((e for e in pl.history if e.stage == "dpsgd"), None)
     return PlannedRun(
         events=list(pl.history),
         dpsgd_sigma=pl.noise_multiplier if sgd else None,
-        dpsgd_q=cfg.dpsgd.batch / n,
+        dpsgd_q=sgd.q if sgd else cfg.for_size(n).dpsgd.batch / n,
         dpsgd_steps=sgd.steps if sgd else 0,
         epsilon=pl.epsilon,
     )
@@ -322,10 +328,13 @@ def run_pipeline(
     rep = reporter or Reporter(enabled=False)
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    cfg = apply_method(cfg)
+    cfg = apply_method(cfg).for_size(data.n)  # sampling rates -> batches for this public size
     check_data(cfg, data)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
-    plan = plan_run(cfg, data.n)
+    plan_warnings: list[str] = []
+    plan = plan_run(cfg, data.n, data.image_shape, data.n_classes, plan_warnings)
+    for w in plan_warnings:
+        rep.log(f"[yellow]warning[/]: {w}")
     job_hash = config_hash(cfg.to_dict())
     data_fp = data.fingerprint()
     root = Path(out_dir)

@@ -76,6 +76,7 @@ def main() -> None:
         sec, k = key.split(".")
         cfg = cfg.replace(**{sec: {k: tomllib.loads(f"v = {val_s}")["v"]}})
     fit, val = split()
+    cfg = cfg.for_size(fit.n)  # preset sampling rates -> batches for the fit part's public size
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

@@ -86,7 +86,7 @@ MOSTLY_NOISE = 0.5
 
 
 def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int, int] = (1, 28, 28),
-                n_classes: int = 10) -> tuple[float | None, str]:
+                n_classes: int = 10, sgd_sigma: float | None = None) -> tuple[float | None, str]:
     """A noise-to-signal figure a user can judge, per stage, from PUBLIC values only.
 
     central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / n_classes), against
@@ -111,7 +111,24 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
         f = cfg.frequency
         r = f.sigma * math.sqrt(f.features) / n * n_classes
         return r, f"noise norm >= {r:.2f} x a class column's signal"
+    if stage == "dpsgd" and sgd_sigma is not None:
+        params = _param_count(cfg, image_shape, n_classes)
+        if params is None:
+            return None, ""
+        r = sgd_sigma * math.sqrt(params) / cfg.dpsgd.batch
+        return r, (f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters, "
+                   f"batch {cfg.dpsgd.batch}); a larger batch at the same epsilon lowers it")
     return None, ""
+
+
+def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int) -> int | None:
+    from .errors import FetaError
+    from .models.edm import build_denoiser
+
+    try:
+        return sum(p.numel() for p in build_denoiser(cfg.model, image_shape, n_classes).parameters())
+    except FetaError:
+        return None  # a model that cannot be built is reported by training, not by the plan
 
 
 def _rate(batch: int, n: int, section: str) -> float:
@@ -211,7 +228,7 @@ def plan_job(
     if prior:
         alone["prior"] = epsilon(prior, dlt, acc)
     summed = sum(alone.values()) or 1.0
-    noise = {name: stage_noise(cfg, name, n, image_shape, n_classes) for name, _, _ in rows}
+    noise = {name: stage_noise(cfg, name, n, image_shape, n_classes, sigma_sgd) for name, _, _ in rows}
     stages = tuple(
         StagePlan(
             stage=name, enabled=ev is not None or name == "prior",
@@ -226,7 +243,9 @@ def plan_job(
         f"[{s.stage}] at N = {n}: {s.noise_note}: the release would be mostly noise (noise-to-signal "
         f"{s.noise_to_signal:.2f} > {MOSTLY_NOISE}); spend more epsilon on it (lower sigma, fewer rounds), raise "
         f"its rate, or use more data"
-        for s in stages if s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE
+        for s in stages
+        # DP-SGD's per-step figure is averaged down by the steps: reported, not warned about
+        if s.stage != "dpsgd" and s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE
     )
     return PrivacyPlan(
         dataset_size=n, target_epsilon=eps_target, delta=dlt, accountant=acc, epsilon=total,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from feta_release.accounting import PrivacyEvent, epsilon
 from feta_release.cli import cli, main
@@ -156,10 +158,6 @@ def test_cli_account(tmp_path: Path) -> None:
 
 # -- sampling rates and noise-to-signal figures -------------------------------------------------------
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 200_000), rate=st.floats(1e-4, 1.0))
 def test_for_size_turns_a_rate_into_a_batch_within_the_data(n: int, rate: float) -> None:
@@ -204,6 +202,20 @@ def test_plan_warns_when_a_release_is_mostly_noise() -> None:
 def test_privacy_plan_cli_prints_noise_warning(tmp_path: Path) -> None:
     job = tmp_path / "j.toml"
     job.write_text("[central]\nrate = 0.5\nsigma = 8.0\nclip = 3.0\nrounds = 2\n[dpsgd]\nrate = 0.05\nsteps = 5\n")
-    res = CliRunner().invoke(cli, ["privacy", "plan", str(job), "-n", "500"], terminal_width=200)
+    res = CliRunner().invoke(cli, ["privacy", "plan", str(job), "-n", "500"])
     assert res.exit_code == 0, res.output
-    assert "mostly noise" in res.output and "noise/signal" in res.output
+    text = " ".join(res.output.split())  # rich wraps at the terminal width
+    assert "warning: [central] at N = 500" in text and "mostly noise" in text
+    assert "noise/signal [central]: noise std 0.960 per pixel" in text
+
+
+def test_dpsgd_noise_figure_falls_with_the_batch_at_fixed_epsilon() -> None:
+    from feta_release.models.edm import build_denoiser
+
+    cfg = JobConfig().replace(central={"rounds": 0}, dpsgd={"steps": 50, "rate": 0.01})
+    p_small, p_big = plan_job(cfg, 20_000), plan_job(cfg.replace(dpsgd={"rate": 0.1}), 20_000)
+    params = sum(t.numel() for t in build_denoiser(cfg.model, (1, 28, 28), 10).parameters())
+    for p, batch in ((p_small, 200), (p_big, 2000)):
+        assert p.stage("dpsgd").noise_to_signal == pytest.approx(p.noise_multiplier * params ** 0.5 / batch)
+    assert p_big.stage("dpsgd").noise_to_signal < p_small.stage("dpsgd").noise_to_signal
+    assert not any("[dpsgd]" in w for w in p_small.warnings)  # reported, never warned: steps average it down

@@ -78,6 +78,9 @@ class WarmupSection:
     frequency_images: int = 60000
     frequency_epochs: int = 10
     frequency_batch: int = 256
+    # Also train the frequency warm-up on as many augmented copies of the released central images as there are
+    # aux images (post-processing): keeps what the spatial stage learnt (measured in bench/diagnose_stages.py).
+    frequency_mix_central: bool = False
     lr: float = 3e-4
     ema: float = 0.999
 

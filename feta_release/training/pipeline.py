@@ -437,7 +437,7 @@ def run_pipeline(
         stats = _frequency_stage(cfg, data, rd, ledger, np.random.default_rng(_seed_from(secret, "frequency")), rep)
         _lap(stage_seconds, stage_cpu, "frequency-release", t0)
         t0 = _now()
-        _frequency_warmup(cfg, data, rd, denoiser, stats, rep, grid, mark)
+        _frequency_warmup(cfg, data, rd, denoiser, stats, rep, grid, mark, central)
         _lap(stage_seconds, stage_cpu, "frequency-warmup", t0)
 
     # 4. DP-SGD on the real images
@@ -551,8 +551,26 @@ def _frequency_stage(cfg, data, rd, ledger, rng, rep) -> np.ndarray:
     return release.embedding
 
 
-def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark) -> None:
-    """Aux generator fitted to the released embedding, its images, the denoiser trained on them."""
+def mix_central(images: torch.Tensor, labels: torch.Tensor, central: tuple[np.ndarray, np.ndarray] | None,
+                cfg: JobConfig, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frequency warm-up set: aux images, plus (``[warmup] frequency_mix_central``) as many RandAugment-ed
+    copies of the released central images, cycled over them. Only released images are used: post-processing."""
+    if not cfg.warmup.frequency_mix_central or central is None or len(labels) == 0:
+        return images, labels
+    from .augment import rand_augment
+
+    idx = np.resize(np.arange(len(central[1])), len(labels))
+    src = torch.from_numpy(np.asarray(central[0], np.float32)[idx])
+    w = cfg.warmup
+    aug = torch.cat([rand_augment(src[i : i + 256], n_ops=w.augment_ops, magnitude_max=w.augment_magnitude,
+                                  generator=generator)[0] for i in range(0, len(src), 256)])
+    # both sets are in [0, 1]; the warm-up maps them to [-1, 1] itself
+    return torch.cat([images, aug.to(images.dtype)]), torch.cat([labels, torch.from_numpy(central[1][idx]).long()])
+
+
+def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, central=None) -> None:
+    """Aux generator fitted to the released embedding, its images (+ augmented central images, when
+    configured), the denoiser trained on them."""
     from ..mechanisms.frequency import rff_frequencies
     from ..models.auxgen import AuxGenerator
     from ..viz import save_grid
@@ -581,6 +599,7 @@ def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark) -> No
         save_torch(gen_ck, {"model": aux.state_dict()})
     images, labels = generate_aux_images(aux, cfg.warmup.frequency_images, _gen(cfg.job.seed, "auxgen-images"))
     save_grid(images.numpy(), labels.numpy(), rd.root / "grids" / "auxgen-images.png", n_classes=data.n_classes)
+    images, labels = mix_central(images, labels, central, cfg, _gen(cfg.job.seed, "freq-mix"))
     if cfg.warmup.frequency_epochs > 0 and len(labels) > 0:
         total = math.ceil(len(labels) / cfg.warmup.frequency_batch) * cfg.warmup.frequency_epochs
         with rep.task("frequency warm-up", total) as adv:

@@ -219,3 +219,21 @@ def test_dpsgd_noise_figure_falls_with_the_batch_at_fixed_epsilon() -> None:
         assert p.stage("dpsgd").noise_to_signal == pytest.approx(p.noise_multiplier * params ** 0.5 / batch)
     assert p_big.stage("dpsgd").noise_to_signal < p_small.stage("dpsgd").noise_to_signal
     assert not any("[dpsgd]" in w for w in p_small.warnings)  # reported, never warned: steps average it down
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(500, 60_000), n_classes=st.integers(2, 20),
+       preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "paper-mnist"]))
+def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: str) -> None:
+    """issue 15: `train --preset cpu-eps1 --data` on 1,400 images refused ("fewer than [central] batch")."""
+    import numpy as np
+
+    from feta_release.config import load_preset
+    from feta_release.data import ImageDataset
+    from feta_release.training.pipeline import check_data
+
+    cfg = load_preset(preset).for_size(n)
+    ds = ImageDataset(np.zeros((n, 1, 2, 2), np.float32), np.arange(n) % n_classes,
+                      tuple(str(c) for c in range(n_classes)), source="toy")
+    check_data(cfg, ds)  # no batch above the data
+    assert cfg.central.batch <= n and cfg.dpsgd.batch <= n

@@ -317,13 +317,18 @@ def run_pipeline(
     noise_seed: int | None = None,
     kill_after_steps: int | None = None,
     before_dpsgd_step: Callable[[int], None] | None = None,
+    device: str = "cpu",
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
     ``n_synthetic``: images in synthetic.npz (default: as many as the training data, balanced).
     ``noise_seed``: fixed secret seed for tests only (default: drawn from the OS, kept in the run dir).
     ``kill_after_steps``: test hook, raise ``SimulatedKill`` after that many DP-SGD steps of this process.
+    ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the networks train and sample.
     """
+    from .device import resolve_device
+
+    dev = resolve_device(device)
     t_start = time.perf_counter()
     rep = reporter or Reporter(enabled=False)
     if checkpoint_every < 1:
@@ -392,7 +397,7 @@ def run_pipeline(
     from ..models.edm import build_denoiser, denoiser_spec
 
     torch.manual_seed(_seed_from(cfg.job.seed, "init"))
-    denoiser = build_denoiser(cfg.model, data.image_shape, data.n_classes)
+    denoiser = build_denoiser(cfg.model, data.image_shape, data.n_classes).to(dev)
     grid_index = 0
 
     def grid(stage: str, model: torch.nn.Module) -> None:
@@ -459,7 +464,7 @@ def run_pipeline(
     _write_synthetic(final_model, cfg, data, rd.root / "synthetic.npz", n_syn, rep)
     save_torch(rd.root / "model.pt", {
         "spec": denoiser_spec(cfg.model, data.image_shape, data.n_classes),
-        "state_dict": final_model.state_dict(),
+        "state_dict": {k: v.cpu() for k, v in final_model.state_dict().items()},
         "class_names": list(data.class_names),
         "job_hash": job_hash,
         "sampler": cfg.to_dict()["sampler"],
@@ -588,13 +593,13 @@ def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, centr
     if gen_ck.exists():
         aux = AuxGenerator(c, h, data.n_classes, z_dim=a.z_dim, width=a.width)
         aux.load_state_dict(load_torch(gen_ck)["model"])
-        aux.eval()
+        aux.to(next(denoiser.parameters()).device).eval()
     else:
         omega = rff_frequencies(c * h * w, f.features, f.bandwidth2, f.seed)
         iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, data.n // a.batch)
         with rep.task("aux generator", a.epochs * iters) as adv:
             aux = fit_aux_generator(embedding, omega, data.image_shape, data.n_classes, cfg, data.n,
-                                    generator=_gen(cfg.job.seed, "auxgen"),
+                                    generator=_gen(cfg.job.seed, "auxgen"), device=next(denoiser.parameters()).device,
                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
         save_torch(gen_ck, {"model": aux.state_dict()})
     images, labels = generate_aux_images(aux, cfg.warmup.frequency_images, _gen(cfg.job.seed, "auxgen-images"))

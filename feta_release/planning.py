@@ -83,6 +83,10 @@ class PrivacyPlan:
 
 # A release whose noise-to-signal figure is above this is mostly noise (the plan warns).
 MOSTLY_NOISE = 0.5
+_FIXES = {
+    "central": "lower [central] sigma or rounds, raise [central] rate, or use more data",
+    "frequency": "lower [frequency] sigma or features, or use more data",
+}
 
 
 def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int, int] = (1, 28, 28),
@@ -241,8 +245,7 @@ def plan_job(
     )
     warnings = tuple(
         f"[{s.stage}] at N = {n}: {s.noise_note}: the release would be mostly noise (noise-to-signal "
-        f"{s.noise_to_signal:.2f} > {MOSTLY_NOISE}); spend more epsilon on it (lower sigma, fewer rounds), raise "
-        f"its rate, or use more data"
+        f"{s.noise_to_signal:.2f} > {MOSTLY_NOISE}); {_FIXES.get(s.stage, 'spend more epsilon on it')}"
         for s in stages
         # DP-SGD's per-step figure is averaged down by the steps: reported, not warned about
         if s.stage != "dpsgd" and s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE

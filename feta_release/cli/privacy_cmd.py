@@ -47,18 +47,23 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
     title = f"privacy plan for {job_file} (N = {result.dataset_size}{', assumed' if assumed else ''})"
     table = Table(title=title)
     for col, just in [("stage", "left"), ("sigma", "right"), ("q", "right"), ("steps", "right"),
-                      ("epsilon alone", "right"), ("share", "right"), ("note", "left")]:
+                      ("epsilon alone", "right"), ("share", "right"), ("noise/ signal", "right"), ("note", "left")]:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for s in result.stages:
         table.add_row(s.stage, _fmt(s.sigma, ".3f"), _fmt(s.q, ".4g"), str(s.steps) if s.enabled else "-",
-                      f"{s.epsilon:.3f}", f"{100 * s.share:.0f}%", s.note)
+                      f"{s.epsilon:.3f}", f"{100 * s.share:.0f}%", _fmt(s.noise_to_signal, ".3f"),
+                      s.note)
     console.print(table)
+    for s in result.stages:
+        if s.noise_note:
+            console.print(escape(f"noise/signal [{s.stage}]: {s.noise_note}"))
     if result.noise_multiplier is not None:
         how = "calibrated" if result.calibrated else "configured"
         console.print(f"DP-SGD noise multiplier ({how}): [bold]{result.noise_multiplier:.3f}[/bold]")
@@ -67,6 +72,8 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
         f"(budget {result.target_epsilon:g}, {result.accountant} accountant)"
     )
     console.print("shares are of the sum of per-stage epsilons; composed, the total is smaller than that sum")
+    for w in result.warnings:
+        console.print(f"[yellow]warning[/yellow]: {escape(w)}")
     if assumed:
         console.print(f"note: no --dataset-size given; assumed N = {result.dataset_size} (embedded training split)")
 

@@ -27,10 +27,13 @@ from ..errors import ConfigError
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where training, DP-SGD and sampling run (auto: CUDA when visible).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train(job: Path | None, preset: str | None, data_path: str | None, out_dir: Path, n_synthetic: int | None,
-          public_size: int | None, checkpoint_every: int, threads: int | None, quiet: bool, as_json: bool) -> None:
+          public_size: int | None, checkpoint_every: int, threads: int | None, device: str, quiet: bool,
+          as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Re-running the same command after an interruption resumes from the last checkpoint without
@@ -56,7 +59,7 @@ def train(job: Path | None, preset: str | None, data_path: str | None, out_dir: 
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
     rep = Reporter(enabled=not quiet)
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
-                       public_size=public_size)
+                       public_size=public_size, device=device)
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,

@@ -1,8 +1,8 @@
 """Starting a site's Flower SuperNode after the site's own checks pass.
 
 Before anything starts: the signed policy is verified against the site's trusted key, the data's
-keyed commitment (HMAC under the site's secret) must match the policy, the ledger must not have seen a newer policy, the FAB gate must
-be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
+keyed commitment (HMAC under the site's secret) must match the policy, the ledger must not have seen a
+newer policy, the FAB gate must be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
 ``--node-config`` (read by the ClientApp as ``context.node_config``; the coordinator cannot change
 them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) first on PATH.
 """

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import click
 
+from feta_release.cli.data_options import data_load_options
+from feta_release.data.loading import LoadOptions
+
 
 @click.group()
 def node() -> None:
@@ -86,15 +89,16 @@ def _print_summary(s: dict) -> None:
 @click.option("--force-insecure", is_flag=True, help="Allow --insecure to a non-loopback SuperLink (dangerous).")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Node state (default: next to the ledger).")
+@data_load_options
 def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, site_key: Path, superlink: str,
           port: int, root_certificates: Path | None, auth_key: Path | None, insecure: bool, force_insecure: bool,
-          work_dir: Path | None) -> None:
+          work_dir: Path | None, load: LoadOptions | None) -> None:
     """Verify this site's signed policy and data, then run its Flower SuperNode (until Ctrl-C)."""
     from .launch import NodeSettings, run_node
 
     settings = NodeSettings(
         data=data_path, policy=policy_path, trusted_policy_key=trusted, ledger=ledger_path, site_key=site_key,
         superlink=superlink, port=port, root_certificates=root_certificates, auth_key=auth_key,
-        insecure=insecure, force_insecure=force_insecure, work_dir=work_dir,
+        insecure=insecure, force_insecure=force_insecure, work_dir=work_dir, load=load,
     )
     raise SystemExit(run_node(settings))

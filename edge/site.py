@@ -25,6 +25,10 @@ CFG_TRUSTED = "trusted-policy-key"
 CFG_LEDGER = "ledger-path"
 CFG_SITE_KEY = "site-key"
 CFG_WORK = "work-dir"
+# How files become model-sized images (feta_release.data.LoadOptions); optional, site-side only.
+CFG_RESIZE = "data-resize"
+CFG_IMAGE_SIZE = "data-image-size"
+CFG_WINDOW = "data-window"
 REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY)
 
 
@@ -37,10 +41,23 @@ def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, data
                             last_seen_version=last_seen_version)
 
 
-def load_site_data(path: str | Path) -> Any:
-    from feta_release.data.loading import load_dataset
+def load_options(node_config: dict[str, Any]) -> Any:
+    """The site's ``LoadOptions`` from its node config (the same object ``data inspect`` uses)."""
+    from feta_release.data.loading import LoadOptions
 
-    ds, _report = load_dataset(Path(path))
+    size = node_config.get(CFG_IMAGE_SIZE)
+    try:
+        size = int(size) if size not in (None, "", 0, "0") else None
+    except (TypeError, ValueError):
+        raise ConfigError(f"node config {CFG_IMAGE_SIZE} must be an integer, not {size!r}") from None
+    return LoadOptions(resize=str(node_config.get(CFG_RESIZE) or "refuse"), image_size=size,  # type: ignore[arg-type]
+                       window=str(node_config.get(CFG_WINDOW) or "auto"))
+
+
+def load_site_data(path: str | Path, options: Any = None) -> Any:
+    from feta_release.data.loading import LoadOptions, load_dataset
+
+    ds, _report = load_dataset(Path(path), **(options or LoadOptions()).kwargs())
     return ds
 
 
@@ -66,7 +83,7 @@ class Site:
         from feta_release.signing import load_private_key
 
         ledger = Ledger(node_config[CFG_LEDGER])
-        data = load_site_data(node_config[CFG_DATA])
+        data = load_site_data(node_config[CFG_DATA], load_options(node_config))
         policy = verify_policy_file(
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_fingerprint=data.fingerprint(),
             last_seen_version=ledger.highest_policy_version(),

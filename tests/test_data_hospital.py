@@ -275,3 +275,62 @@ def test_no_phi_in_inspect_or_errors(tmp_path: Path, capsys) -> None:
     text = "\n".join(outputs)
     for v in _phi_values():
         assert v not in text, v
+
+
+# -- one set of load options everywhere ---------------------------------------------------------------
+def _mixed_sizes(root: Path) -> Path:
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        Image.fromarray(np.full((8, 8), 200, np.uint8)).save(root / c / "square.png")
+        Image.fromarray(np.full((8, 16), 200, np.uint8)).save(root / c / "wide.png")
+    return root
+
+
+def test_same_options_in_inspect_and_node(tmp_path: Path, capsys) -> None:
+    from edge.launch import NodeSettings
+    from edge.site import load_options, load_site_data
+    from feta_release.cli import main
+
+    root = _mixed_sizes(tmp_path / "d")
+    with pytest.raises(SystemExit):
+        main(["data", "inspect", str(root)])
+    assert "square.png (8x8)" in capsys.readouterr().err  # a tie goes to the larger size
+    main(["data", "inspect", str(root), "--resize", "crop", "--image-size", "8", "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert info["n_resized"] == 2 and info["image_shape"] == [1, 8, 8]
+    from feta_release.data import LoadOptions
+
+    s = NodeSettings(data=root, policy=tmp_path / "p", trusted_policy_key=tmp_path / "k", ledger=tmp_path / "l",
+                     site_key=tmp_path / "s", load=LoadOptions("crop", 8, "bits:12"))
+    cfg = s.node_config()
+    assert load_options(cfg) == LoadOptions("crop", 8, "bits:12")
+    assert load_site_data(root, load_options(cfg)).image_shape == (1, 8, 8)
+    with pytest.raises(DataError, match="differ in size"):
+        load_site_data(root, load_options(NodeSettings(data=root, policy=root, trusted_policy_key=root,
+                                                       ledger=root / "l", site_key=root).node_config()))
+
+
+def test_job_window_and_crop_validated() -> None:
+    from feta_release.config import load_preset
+
+    base = load_preset("tiny")
+    assert base.replace(job={"resize": "crop", "image_size": 64, "window": "40,400"}).job.window == "40,400"
+    with pytest.raises(ConfigError, match=r"\[job\] window"):
+        base.replace(job={"window": "bright"})
+
+
+def test_inspect_names_duplicate_files_and_patients(tmp_path: Path, capsys) -> None:
+    from feta_release.cli import main
+
+    lines = ["path,label,patient_id"]
+    for i in range(6):
+        p = tmp_path / f"{i}.png"
+        Image.fromarray(np.full((8, 8), 40 * (i % 5) + 1, np.uint8)).save(p)  # 0 and 5 are equal
+        lines.append(f"{p.name},{'x' if i < 3 else 'y'},MRN-{i % 2}")
+    (tmp_path / "l.csv").write_text("\n".join(lines) + "\n")
+    main(["data", "inspect", str(tmp_path / "l.csv"), "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert info["n_patients"] == 2 and info["max_images_per_patient"] == 3
+    dup = next(w for w in info["warnings"] if "duplicate" in w)
+    assert "0.png" in dup and "5.png" in dup and "unit of privacy is the patient" in dup
+    assert "MRN" not in json.dumps(info)

@@ -69,6 +69,8 @@ class LoadReport:
     warnings: list[str] = field(default_factory=list)  # human-readable, one per problem kind
     conversions: dict[str, int] = field(default_factory=dict)  # e.g. {"16-bit scaled as 12-bit": 3}
     n_resized: int = 0
+    # Per image: the file it came from (folders and CSVs; empty for .npz), to name files in problems.
+    files: list[str] = field(default_factory=list, repr=False)
     # Per image: an index 0..P-1 of its patient (None: no patient ids known). Pseudonymous by
     # construction (order of first appearance); the identifiers themselves are never kept.
     patients: np.ndarray | None = field(default=None, repr=False)
@@ -87,6 +89,7 @@ class LoadReport:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("patients")
+        d.pop("files")
         d["n_skipped"] = self.n_skipped
         d["n_patients"] = self.n_patients
         d["max_images_per_patient"] = (
@@ -101,6 +104,27 @@ class _Options:
     image_size: int | None
     max_pixels: int
     window: Window
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The site's choices for turning files into model-sized images: one object shared by
+    ``data inspect``, ``train``, ``site init`` and ``node start`` so all four read data alike."""
+
+    resize: ResizePolicy = "refuse"
+    image_size: int | None = None
+    window: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.resize not in RESIZE_POLICIES:
+            raise ConfigError(f"resize must be one of {', '.join(RESIZE_POLICIES)}, not {self.resize!r}")
+        if self.image_size is not None and (isinstance(self.image_size, bool) or not isinstance(self.image_size, int)
+                                            or self.image_size < 1):
+            raise ConfigError(f"image_size must be a positive integer, not {self.image_size!r}")
+        object.__setattr__(self, "window", str(parse_window(self.window)))
+
+    def kwargs(self) -> dict:
+        return {"resize": self.resize, "image_size": self.image_size, "window": self.window}
 
 
 def load_dataset(
@@ -327,6 +351,7 @@ def _load_items(
     _note_sixteen_bit(report)
     _note_patients(report, [h.patient_key for h, _ in decoded])
     labels = np.array([h.label for h, _ in decoded], dtype=np.int64)
+    report.files = [str(h.path) for h, _ in decoded]
     ds = ImageDataset(images, labels, class_names, source=str(where))
     report.n_images = ds.n
     return ds, report

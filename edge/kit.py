@@ -105,6 +105,7 @@ class Kit:
     coordinator_files: tuple[Path, ...]  # the only files that go to the coordinator
     n_images: int
     n_patients: int | None
+    patient_cap: int | None
 
 
 def _toml_str(v: str) -> str:
@@ -131,13 +132,16 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     generate_keypair(keys, "site-signing")
     _, auth_pub = make_node_auth_key(keys, "node-auth")
     draft = root / "policy.toml"
-    draft.write_text(_policy_draft(site_id, ds.fingerprint(), ds.n, coord_pem), "utf-8")
+    unit = (f"one PATIENT (at most {opts.patient_cap} image(s) each, node.toml [data] patient_cap)"
+            if opts.patient_cap else "one image (no --patient-cap; see `feta-release privacy plan --patient-cap`)")
+    draft.write_text(_policy_draft(site_id, ds.fingerprint(), ds.n, coord_pem, unit), "utf-8")
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
-    return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients)
+    return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
+               opts.patient_cap)
 
 
-def _policy_draft(site_id: str, fingerprint: str, n: int, coordinator_pem: str | None) -> str:
+def _policy_draft(site_id: str, fingerprint: str, n: int, coordinator_pem: str | None, unit: str = "one image") -> str:
     from feta_release.policy.document import format_time, utc_now
 
     start = utc_now().replace(microsecond=0, second=0)
@@ -160,7 +164,7 @@ app_bundles = []
 fingerprint = {_toml_str(fingerprint)}  # of the data exactly as node.toml reads it
 size = {n}  # public dataset size N: sampling rates are q = batch / N
 
-# Unit of privacy: one image, or one PATIENT when the data carry patient ids (see `privacy plan`).
+# Unit of privacy: {unit}.
 [budget.lifetime]
 epsilon = 4.0
 delta = 1e-5
@@ -209,6 +213,8 @@ root_certificates = {ca}
 resize = {_toml_str(opts.resize)}
 image_size = {opts.image_size or 0}
 window = {_toml_str(opts.window)}
+# At most this many images per patient (0: no cap; the unit of privacy is then one image).
+patient_cap = {opts.patient_cap or 0}
 """
 
 
@@ -231,7 +237,7 @@ def read_node_toml(path: Path) -> dict[str, Any]:
     extra = sorted(set(doc) - {"node", "data"})
     node, data = doc.get("node", {}), doc.get("data", {})
     extra += sorted(f"node.{k}" for k in set(node) - NODE_KEYS)
-    extra += sorted(f"data.{k}" for k in set(data) - {"resize", "image_size", "window"})
+    extra += sorted(f"data.{k}" for k in set(data) - {"resize", "image_size", "window", "patient_cap"})
     if extra:
         raise ConfigError(f"{path}: unknown setting(s) {', '.join(extra)}")
     base = Path(path).resolve().parent
@@ -245,5 +251,7 @@ def read_node_toml(path: Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"{path}: [node] lacks {', '.join(missing)}")
     size = int(data.get("image_size") or 0) or None
-    out["load"] = LoadOptions(resize=data.get("resize", "refuse"), image_size=size, window=data.get("window", "auto"))
+    cap = int(data.get("patient_cap") or 0) or None
+    out["load"] = LoadOptions(resize=data.get("resize", "refuse"), image_size=size, window=data.get("window", "auto"),
+                              patient_cap=cap)
     return out

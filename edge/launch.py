@@ -21,7 +21,7 @@ from feta_release.federation.procs import ManagedProcess, flower_env, is_loopbac
 
 from . import trust
 from .site import (
-    CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_POLICY, CFG_RESIZE, CFG_SITE_KEY, CFG_TRUSTED, CFG_WINDOW, CFG_WORK, Site,
+    CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SITE_KEY, CFG_TRUSTED, CFG_WINDOW, CFG_WORK, Site,
 )
 
 log = logging.getLogger("feta.node")
@@ -50,7 +50,7 @@ class NodeSettings:
                CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve())}
         if self.load is not None and self.load != LoadOptions():
             cfg.update({CFG_RESIZE: self.load.resize, CFG_IMAGE_SIZE: str(self.load.image_size or 0),
-                        CFG_WINDOW: self.load.window})
+                        CFG_WINDOW: self.load.window, CFG_PATIENT_CAP: str(self.load.patient_cap or 0)})
         return cfg
 
 

@@ -29,6 +29,7 @@ CFG_WORK = "work-dir"
 CFG_RESIZE = "data-resize"
 CFG_IMAGE_SIZE = "data-image-size"
 CFG_WINDOW = "data-window"
+CFG_PATIENT_CAP = "data-patient-cap"
 REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY)
 
 
@@ -45,13 +46,16 @@ def load_options(node_config: dict[str, Any]) -> Any:
     """The site's ``LoadOptions`` from its node config (the same object ``data inspect`` uses)."""
     from feta_release.data.loading import LoadOptions
 
-    size = node_config.get(CFG_IMAGE_SIZE)
-    try:
-        size = int(size) if size not in (None, "", 0, "0") else None
-    except (TypeError, ValueError):
-        raise ConfigError(f"node config {CFG_IMAGE_SIZE} must be an integer, not {size!r}") from None
-    return LoadOptions(resize=str(node_config.get(CFG_RESIZE) or "refuse"), image_size=size,  # type: ignore[arg-type]
-                       window=str(node_config.get(CFG_WINDOW) or "auto"))
+    def integer(key: str) -> int | None:
+        v = node_config.get(key)
+        try:
+            return int(v) if v not in (None, "", 0, "0") else None
+        except (TypeError, ValueError):
+            raise ConfigError(f"node config {key} must be an integer, not {v!r}") from None
+
+    return LoadOptions(resize=str(node_config.get(CFG_RESIZE) or "refuse"),  # type: ignore[arg-type]
+                       image_size=integer(CFG_IMAGE_SIZE), window=str(node_config.get(CFG_WINDOW) or "auto"),
+                       patient_cap=integer(CFG_PATIENT_CAP))
 
 
 def load_site_data(path: str | Path, options: Any = None) -> Any:

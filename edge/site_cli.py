@@ -42,8 +42,13 @@ def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coo
 
     kit = init_site(site_dir, data_path, site_id, load=load, superlink=superlink, coordinator_pub=coordinator_key,
                     root_certificates=root_certificates.resolve() if root_certificates else None)
-    unit = (f"{kit.n_patients} patients (unit of privacy: the patient)" if kit.n_patients
-            else "no patient ids (unit of privacy: one image)")
+    if kit.patient_cap:
+        unit = f"{kit.n_patients} patients (unit of privacy: the patient, at most {kit.patient_cap} image(s) each)"
+    elif kit.n_patients:
+        unit = (f"{kit.n_patients} patients known but no --patient-cap: the unit of privacy is one image "
+                "(re-run with --patient-cap 1 to protect patients)")
+    else:
+        unit = "no patient ids (unit of privacy: one image)"
     click.echo(f"site kit for {site_id} in {kit.root}: {kit.n_images} images, {unit}")
     click.echo("send to the coordinator (public keys only):\n  " + "\n  ".join(str(p) for p in kit.coordinator_files))
     click.echo("next:\n"

@@ -46,9 +46,10 @@ def kit(tmp_path: Path) -> Path:
     code, out = _invoke(["keys", "generate", "--out", str(tmp_path / "coord"), "--name", "coordinator"])
     assert code == 0, out
     code, out = _invoke(["site", "init", str(tmp_path / "kit"), "--data", str(data), "--site-id", "st-mary",
-                         "--resize", "crop", "--image-size", "8", "--superlink", "coord.example:9092"])
+                         "--resize", "crop", "--image-size", "8", "--superlink", "coord.example:9092",
+                         "--patient-cap", "2"])
     assert code == 0, out
-    assert "8 images, 4 patients (unit of privacy: the patient)" in out and "node-auth.pub" in out
+    assert "8 images, 4 patients (unit of privacy: the patient, at most 2 image(s) each)" in out and "node-auth.pub" in out
     return tmp_path
 
 
@@ -72,7 +73,7 @@ def test_node_toml_round_trip(kit: Path) -> None:
 
     s = NodeSettings(**read_node_toml(kit / "kit" / "node.toml"))
     assert s.superlink == "coord.example:9092" and s.port == 9101 and s.root_certificates is None
-    assert s.load == LoadOptions("crop", 8, "auto") and s.site_key == (kit / "kit" / "keys" / "site-signing.key")
+    assert s.load == LoadOptions("crop", 8, "auto", patient_cap=2) and s.site_key == (kit / "kit" / "keys" / "site-signing.key")
     assert load_options(s.node_config()) == s.load
     bad = kit / "bad.toml"
     bad.write_text('[node]\ndata = "x"\nsuperlnk = "typo"\n')

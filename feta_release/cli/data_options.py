@@ -28,11 +28,16 @@ def data_load_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                   help="16-bit PNG/TIFF and DICOM values to [0, 1]: auto (DICOM Window Center/Width, else Bits "
                   "Stored; PNG/TIFF: smallest bit depth that holds them), bits:12 (full 12-bit range), or a "
                   "window CENTER,WIDTH such as 40,400.")
+    @click.option("--patient-cap", type=click.IntRange(min=1), default=None, metavar="K",
+                  help="Use at most K images per patient (the first in file order; needs a CSV patient_id column "
+                  "or DICOM PatientID): the unit of privacy becomes the patient. K = 1 keeps the accountant's ε "
+                  "exact per patient; K > 1 gives (K·ε, K·e^((K-1)ε)·δ) per patient.")
     @functools.wraps(fn)
-    def wrapper(*args: Any, resize: str | None, image_size: int | None, window: str | None, **kw: Any) -> Any:
-        given = resize is not None or image_size is not None or window is not None
+    def wrapper(*args: Any, resize: str | None, image_size: int | None, window: str | None,
+                patient_cap: int | None, **kw: Any) -> Any:
+        given = resize is not None or image_size is not None or window is not None or patient_cap is not None
         load = LoadOptions(resize=resize or "refuse",  # type: ignore[arg-type]
-                           image_size=image_size, window=window or "auto") if given else None
+                           image_size=image_size, window=window or "auto", patient_cap=patient_cap) if given else None
         return fn(*args, load=load, **kw)
 
     return wrapper

@@ -74,6 +74,8 @@ class LoadReport:
     # Per image: an index 0..P-1 of its patient (None: no patient ids known). Pseudonymous by
     # construction (order of first appearance); the identifiers themselves are never kept.
     patients: np.ndarray | None = field(default=None, repr=False)
+    patient_cap: int | None = None  # at most this many images per patient were kept (feta_release.privacy_unit)
+    n_dropped_by_cap: int = 0
 
     @property
     def n_skipped(self) -> int:
@@ -114,6 +116,7 @@ class LoadOptions:
     resize: ResizePolicy = "refuse"
     image_size: int | None = None
     window: str = "auto"
+    patient_cap: int | None = None  # keep the first k images of each patient (unit of privacy: the patient)
 
     def __post_init__(self) -> None:
         if self.resize not in RESIZE_POLICIES:
@@ -122,9 +125,13 @@ class LoadOptions:
                                             or self.image_size < 1):
             raise ConfigError(f"image_size must be a positive integer, not {self.image_size!r}")
         object.__setattr__(self, "window", str(parse_window(self.window)))
+        if self.patient_cap is not None and (isinstance(self.patient_cap, bool) or not isinstance(self.patient_cap, int)
+                                             or self.patient_cap < 1):
+            raise ConfigError(f"patient_cap must be a positive integer, not {self.patient_cap!r}")
 
     def kwargs(self) -> dict:
-        return {"resize": self.resize, "image_size": self.image_size, "window": self.window}
+        return {"resize": self.resize, "image_size": self.image_size, "window": self.window,
+                "patient_cap": self.patient_cap}
 
 
 def load_dataset(
@@ -134,6 +141,7 @@ def load_dataset(
     image_size: int | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     window: str | Window | None = None,
+    patient_cap: int | None = None,
 ) -> tuple[ImageDataset, LoadReport]:
     """Load an image folder, a labels ``.csv``, an ``.npz`` or ``"embedded"`` into canonical form.
 
@@ -144,7 +152,35 @@ def load_dataset(
     max_pixels: per-image pixel limit (decompression-bomb guard).
     window: how 16-bit and DICOM values map to [0, 1]: ``auto``, ``bits:N`` or ``CENTER,WIDTH``
         (see ``feta_release.data.dicom``).
+    patient_cap: keep at most this many images per patient (the first in file order), making the
+        patient the unit of privacy (``feta_release.privacy_unit``); needs patient ids.
     """
+    ds, report = _load_any(path, resize, image_size, max_pixels, window)
+    if patient_cap is not None:
+        ds = _cap_patients(ds, report, patient_cap)
+    return ds, report
+
+
+def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
+    from ..privacy_unit import cap_per_patient
+
+    if report.patients is None:
+        raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
+                          "PatientID); without them the unit of privacy is one image: drop the cap")
+    keep = cap_per_patient(report.patients, k)
+    report.patient_cap, report.n_dropped_by_cap = k, ds.n - len(keep)
+    if report.n_dropped_by_cap:
+        report.warnings.append(f"patient cap {k}: kept the first {k} image(s) of each patient, dropped "
+                               f"{report.n_dropped_by_cap} image(s)")
+    report.patients = report.patients[keep]
+    if len(report.files) == ds.n:
+        report.files = [report.files[i] for i in keep]
+    report.n_images = len(keep)
+    return ImageDataset(ds.images[keep], ds.labels[keep], ds.class_names, ds.source)
+
+
+def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | None, max_pixels: int,
+              window: str | Window | None) -> tuple[ImageDataset, LoadReport]:
     if resize not in RESIZE_POLICIES:
         raise ConfigError(f"resize must be one of {', '.join(RESIZE_POLICIES)}, not {resize!r}")
     if image_size is not None and (not isinstance(image_size, int) or image_size < 1):

@@ -191,7 +191,7 @@ def test_shipped_presets_fit_the_site_init_draft(tmp_path: Path) -> None:
     doc["app_bundles"] = ["cd" * 32]
     validate_policy(doc)
     pol = open_signed_policy(sign_policy(doc, k["site"]), [k["site"].public_key()])
-    for preset in ("cpu-eps1", "tiny"):
+    for preset in ("cpu-eps1", "tiny", "xray64-eps10"):
         cfg = load_preset(preset)
         res = admit(pol, sign_job(cfg, k["coord"], "j", ["site-a"]))
         assert res.accepted, (preset, res.failures)

@@ -145,7 +145,8 @@ def _policy_draft(site_id: str, fingerprint: str, n: int, coordinator_pem: str |
     from feta_release.policy.document import format_time, utc_now
 
     start = utc_now().replace(microsecond=0, second=0)
-    coords = f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`"
+    coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
+              else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
     return f"""# Site policy DRAFT written by `feta-release site init`. Review every value, then sign it OFFLINE:
 #   feta-release policy sign policy.toml --key keys/policy-admin.key --out policy.signed.json
 # Signing refuses while this draft still lacks a coordinator key or holds the example one.

@@ -21,9 +21,11 @@ from .errors import ConfigError
 class JobSection:
     name: str = "feta-job"
     seed: int = 0
-    # "refuse" lists images whose size differs; "resize" resizes them to ``image_size`` (bilinear).
-    resize: Literal["refuse", "resize"] = "refuse"
+    # "refuse" lists images whose size differs; "resize" resizes them to ``image_size`` (bilinear);
+    # "crop" centre-crops to square first. Same meaning as --resize (feta_release.data.LoadOptions).
+    resize: Literal["refuse", "resize", "crop"] = "refuse"
     image_size: int | None = None  # None: the data's own size
+    window: str = "auto"  # 16-bit/DICOM windowing: auto | bits:N | CENTER,WIDTH (feta_release.data.dicom)
     # Coarse method switch, used by presets and the benchmark; stages can also be disabled one by one.
     method: Literal["feta-pro", "dp-feta", "dpdm", "feta-pro-freq"] = "feta-pro"
 
@@ -333,3 +335,9 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(cfg.federation.min_sites >= 1, "[federation] min_sites must be >= 1")
     need(cfg.federation.rounds >= 0 and cfg.federation.local_steps >= 1, "[federation] rounds >= 0, local_steps >= 1")
     need(cfg.job.image_size is None or cfg.job.image_size >= 8, "[job] image_size must be >= 8")
+    from .data.dicom import parse_window
+
+    try:
+        parse_window(cfg.job.window)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: [job] {exc}") from None

@@ -28,13 +28,14 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
     from feta_release.config import load_preset
 
     cfg = load_preset(preset)
-    n_ref = 4000  # the presets are written for the embedded 4,000-image training split
-    central_q = cfg.central.batch / n_ref
-    dpsgd_q = cfg.dpsgd.batch / n_ref
+    sized = cfg.for_size(site_size)  # presets with [central]/[dpsgd] rate: batch = rate x public size
+    n_ref = 4000  # presets without a rate are written for the embedded 4,000-image training split
+    central_b = sized.central.batch if cfg.central.rate is not None else int(cfg.central.batch / n_ref * site_size)
+    dpsgd_b = sized.dpsgd.batch if cfg.dpsgd.rate is not None else round(cfg.dpsgd.batch / n_ref * site_size)
     over: dict[str, Any] = {
         "privacy": {"epsilon": epsilon},
-        "central": {"batch": max(1, int(central_q * site_size))},
-        "dpsgd": {"batch": max(1, int(round(dpsgd_q * site_size))), "steps": rounds * local_steps},
+        "central": {"batch": max(1, min(site_size, central_b))},
+        "dpsgd": {"batch": max(1, min(site_size, dpsgd_b)), "steps": rounds * local_steps},
         "federation": {"sites": [f"site-{chr(ord('a') + i)}" for i in range(N_SITES)], "min_sites": 2,
                        "rounds": rounds, "local_steps": local_steps, "round_timeout": 900.0},
         "job": {"name": "demo"},

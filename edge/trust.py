@@ -185,9 +185,15 @@ def install_gate() -> None:
             message, context, run, fab = original_pull(client, *args, **kwargs)
             from flwr.common.config import get_flwr_home
 
-            _current["dir"] = check_app_identity(run.fab_id, run.fab_version, fab.hash_str, fab.content,
-                                                 get_flwr_home())
-            _current["fab"] = fab.content
+            _current.clear()
+            try:
+                _current["dir"] = check_app_identity(run.fab_id, run.fab_version, fab.hash_str, fab.content,
+                                                     get_flwr_home())
+                _current["fab"] = fab.content
+            except UntrustedAppError as exc:
+                # Raised at the install step instead (the very next one, before anything is unpacked): only
+                # there does Flower hold the message it needs to send the refusal back to the coordinator.
+                _current["refusal"] = exc
             return message, context, run, fab
 
         gated_pull_task_input.__feta_gate__ = True  # type: ignore[attr-defined]
@@ -196,6 +202,8 @@ def install_gate() -> None:
         original_install = rc.install_from_fab
 
         def gated_install_from_fab(fab_file, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if isinstance(_current.get("refusal"), UntrustedAppError):
+                raise _current["refusal"]  # type: ignore[misc]
             data = fab_file if isinstance(fab_file, bytes) else Path(fab_file).read_bytes()
             check_fab(data)  # before a single byte is unpacked
             if _current.get("fab") != data:

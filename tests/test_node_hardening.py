@@ -478,8 +478,9 @@ def test_a_fab_version_with_path_parts_is_refused(monkeypatch, tmp_path, real_fa
 
     data, h = real_fab
     rc = _gated(monkeypatch, tmp_path, *_run_fab(version=version, hash_=h, content=data), {h})
+    rc.pull_task_input(None)  # the refusal is raised at the install step, before unpacking
     with pytest.raises(UntrustedAppError, match="not plain names"):
-        rc.pull_task_input(None)
+        rc.install_from_fab(data, skip_prompt=True)
 
 
 def test_a_run_pointing_at_another_installed_app_is_refused(monkeypatch, tmp_path, real_fab):
@@ -490,11 +491,13 @@ def test_a_run_pointing_at_another_installed_app_is_refused(monkeypatch, tmp_pat
     data, h = real_fab
     old = "0" * 64
     rc = _gated(monkeypatch, tmp_path, *_run_fab(hash_=old, content=data), {h})
+    rc.pull_task_input(None)  # the refusal is raised at the install step, before unpacking
     with pytest.raises(UntrustedAppError, match="names hash"):
-        rc.pull_task_input(None)
+        rc.install_from_fab(data, skip_prompt=True)
     rc = _gated(monkeypatch, tmp_path, *_run_fab(version="0.0.9", hash_=h, content=data), {h})
+    rc.pull_task_input(None)  # the refusal is raised at the install step, before unpacking
     with pytest.raises(UntrustedAppError, match="but the bundle is"):
-        rc.pull_task_input(None)
+        rc.install_from_fab(data, skip_prompt=True)
 
 
 def test_a_planted_or_changed_app_directory_is_refused(monkeypatch, tmp_path, real_fab):

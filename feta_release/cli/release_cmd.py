@@ -123,23 +123,55 @@ def _parse_counts(text: str | None) -> list[int] | None:
 @click.option("--trusted", "trusted", multiple=True, type=click.Path(dir_okay=False),
               help="Trusted public key (PEM); repeat for the coordinator and each site.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--key", "key", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Your private key (Ed25519 PEM): signs certificate.json so anyone can check the folder.")
+@click.option("--signer", "signer", default=None, help="Your name in the certificate (default: the key file's name).")
 def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
-               threads: int | None, trusted: tuple[str, ...], no_progress: bool) -> None:
+               threads: int | None, trusted: tuple[str, ...], no_progress: bool, key: str | None,
+               signer: str | None) -> None:
     """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only."""
     from ..release.synthesize import synthesize as run
     from ..release.verify import describe_site, verify_release
 
+    from ..signing import load_private_key
+
     keys = _trusted_keys(trusted)
+    priv = load_private_key(key) if key else None
     res = verify_release(release_dir, keys)
     if not res.ok:
         _print_verification(res)
         raise ReleaseError(f"release {release_dir} refused, nothing written: {res.reason()}")
     report = run(release_dir, out, keys, num=num, per_class=_parse_counts(per_class), seed=seed, batch=batch,
-                 threads=threads, progress=not no_progress, verification=res)
+                 threads=threads, progress=not no_progress, verification=res, key=priv,
+                 signer_name=signer or (Path(key).stem if key else None))
     rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
     click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
                f"-> {report.out_dir}")
     assert res.manifest is not None
     for s in res.manifest["sites"]:
         click.echo(describe_site(s))
-    click.echo(f"certificate: {report.certificate}")
+    click.echo(f"certificate: {report.certificate}" + ("" if priv else
+               " (UNSIGNED: give --key KEY so that verify-synthetic can check it)"))
+
+
+@click.command("verify-synthetic")
+@click.argument("synthetic_dir", type=click.Path(path_type=Path))
+@click.option("--trusted", "trusted", multiple=True, type=click.Path(dir_okay=False),
+              help="Trusted public key (PEM): the certificate signer's, the coordinator's and each site's.")
+@click.option("--release", "release_dir", default=None, type=click.Path(path_type=Path),
+              help="The release the images came from (default: the path recorded in the certificate).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify_synthetic(synthetic_dir: Path, trusted: tuple[str, ...], release_dir: Path | None, as_json: bool) -> None:
+    """Check SYNTHETIC_DIR against its signed certificate: every image re-hashed, nothing added or missing,
+    and the release it came from re-verified."""
+    from ..release.certificate import verify_synthetic as check
+
+    res = check(synthetic_dir, _trusted_keys(trusted), release_dir)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(res.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        _print_verification(res)
+    if not res.ok:
+        raise ReleaseError(f"synthetic folder {synthetic_dir} did not verify: {res.reason()}")

@@ -104,6 +104,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             _copy(job_out / "privacy_report.txt", out_dir / "privacy_report.txt")
             _copy(job_out / "privacy_report.json", out_dir / "privacy_report.json")
             _copy(grid, out_dir / "samples.png")
+            _copy(job_out / "budget.svg", out_dir / "budget.svg")
             release = None
             if not no_release:
                 release = build_release(job_out, fed.coordinator_key)

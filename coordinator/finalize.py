@@ -74,9 +74,7 @@ def load_model(out_dir: Path) -> Any:
 def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
     from feta_release.config import JobConfig
     from feta_release.models import generate
-    from feta_release.viz import save_grid
-
-    from feta_release.viz import epsilon_title
+    from feta_release.viz import epsilon_title, save_grid
 
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])

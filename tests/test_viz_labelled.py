@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -23,12 +24,18 @@ def test_labelled_grid_adds_title_band_and_label_column():
                               title=epsilon_title("samples", 1.0, 1e-5))
     arr = np.asarray(img)
     assert arr.shape[0] > bare.shape[0] and arr.shape[1] > bare.shape[1]
+    # The images themselves are unchanged, at the bottom, right of the label column (the title may be wider).
+    grid_rows = arr[-bare.shape[0]:]
+    offsets = [x for x in range(arr.shape[1] - bare.shape[1] + 1)
+               if np.array_equal(grid_rows[:, x:x + bare.shape[1]], bare)]
+    assert len(offsets) == 1 and offsets[0] > 0, offsets
+    left = offsets[0]
     top_band = arr[: arr.shape[0] - bare.shape[0]]
-    left_col = arr[arr.shape[0] - bare.shape[0]:, : arr.shape[1] - bare.shape[1]]
+    left_col = grid_rows[:, :left]
     assert (top_band < 128).any(), "title text drawn"
     assert (left_col < 128).any(), "class names drawn"
-    # The images themselves are unchanged, bottom-right of the labels.
-    assert np.array_equal(arr[-bare.shape[0]:, -bare.shape[1]:], bare)
+    untitled = np.asarray(labelled_grid_image(imgs, labs, per_class=4, class_names=["a", "b", "c"]))
+    assert untitled.shape[0] == bare.shape[0], "no title band without a title"
 
 
 def test_save_grid_with_names_writes_png(tmp_path):
@@ -53,3 +60,26 @@ def test_budget_svg_is_valid_xml_with_every_site_stage_and_cap():
         assert word in text
     widths = {r.get("fill"): float(r.get("width")) for r in root.iter("{http://www.w3.org/2000/svg}rect")}
     assert widths["#27306e"] > 0  # the totals are drawn
+
+
+def test_federated_privacy_report_writes_budget_svg_with_the_signed_cap(tmp_path):
+    import json
+
+    from coordinator.finalize import privacy_report
+
+    events = [{"stage": "central", "sigma": 20.0, "q": 1.0, "steps": 1},
+              {"stage": "dpsgd", "sigma": 1.2, "q": 0.01, "steps": 200}]
+    (tmp_path / "job_summary.json").write_text(json.dumps(
+        {"job_id": "j1", "rounds": 2, "skipped": {}, "timings": {}, "class_names": ["0", "1"]}))
+    atts = {sid: {"statement": {"events": events, "epsilon": 0.9, "delta": 1e-5, "accountant": "rdp",
+                                "policy_sha256": "0" * 64},
+                  "signature": {"signer": f"{sid}-key"}} for sid in ("site-a", "site-b")}
+    (tmp_path / "attestations.json").write_text(json.dumps(atts))
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "site-a.signed.json").write_text(json.dumps(
+        {"policy": {"budget": {"per_job": {"epsilon": 1.5, "delta": 1e-5}}}}))
+    privacy_report(tmp_path)
+    root = ET.fromstring((tmp_path / "budget.svg").read_text("utf-8"))
+    text = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    assert "site site-a" in text and "site site-b" in text and "per-job cap 1.5" in text
+    assert len(re.findall(r"per-job cap \d", text)) == 1  # site-b's policy is absent here: no invented cap

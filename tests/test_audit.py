@@ -155,5 +155,9 @@ def test_cli_audit_writes_json_the_report_reads(tmp_path):
     assert "LOWER bound" in doc["note"] and "LOWER bound" in r.output
     for a in doc["audits"]:
         assert a["lower_bound"] <= a["claimed_epsilon"] and a["confidence"] == 0.95
+    from feta_release.release.report import _audit  # the report renders exactly this file
+
+    html = _audit(doc, {"sites": [{"events": [{"stage": "central", "sigma": 5.0, "q": 0.5, "steps": 1}]}]})
+    assert html.count("consistent") == len(doc["audits"]) and "the σ of this release" in html
     r = CliRunner().invoke(cli, ["audit", "--out", str(out)])
     assert "exactly one of --preset" in str(r.exception)

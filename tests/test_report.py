@@ -22,7 +22,7 @@ from .release_helpers import IMAGE_SHAPE, load_signed, make_release, new_keys, s
 
 AUDIT = {"kind": "feta-release/audit/1", "audits": [
     {"mechanism": "central mean", "claimed_epsilon": 1.0, "lower_bound": 0.61, "confidence": 0.95, "trials": 2000,
-     "method": "Clopper-Pearson"},
+     "method": "Clopper-Pearson", "event": {"stage": "central", "sigma": 5.0, "q": 1.0, "steps": 1}},
     {"mechanism": "broken central mean", "claimed_epsilon": 1.0, "lower_bound": 2.5, "confidence": 0.95,
      "trials": 2000, "method": "Clopper-Pearson"}]}
 EVALUATION = {"accuracy": 0.8123, "fd": 12.5, "fd_name": "FD (classifier features)", "chance_accuracy": 0.1,
@@ -102,6 +102,7 @@ def test_page_states_privacy_per_site_caps_mechanisms_utility_and_audit(page, re
         assert word in html
     assert "0.8123" in html and "FD (classifier features)" in html
     assert "CLAIM VIOLATED" in html and "consistent" in html and "LOWER bound" in html
+    assert "σ = 5, q = 1, 1 step(s); the σ of this release" in html  # release_helpers' central σ is 5
     for name in ("manifest.json", "generator.onnx", "policies/a.signed.json"):
         assert f"<code>{name}</code>" in html
     assert str(release.parent) not in html.replace(str(release / "generator.onnx"), "")  # no other local paths

@@ -253,16 +253,37 @@ AUDIT_CAVEAT = ("An empirical audit gives a LOWER bound on ε: it can show that 
                 "(a bug), never that it leaks less. It does not prove privacy; the proof is the accounting above.")
 
 
-def _audit(audit: dict[str, Any] | None) -> str:
+def _audit_config(a: dict[str, Any], released: dict[str, set[float]]) -> str:
+    """What was audited (σ, q, steps) and whether that σ is the one this release's sites ran at."""
+    ev = a.get("event") or {}
+    if not ev:
+        return "?"
+    what = f"σ = {float(ev['sigma']):.4g}, q = {float(ev['q']):.4g}, {ev['steps']} step(s)"
+    sigmas = released.get(str(ev.get("stage")), set())
+    same = any(math.isclose(float(ev["sigma"]), s, rel_tol=1e-6) for s in sigmas)
+    return _h(what + ("; the σ of this release" if same else "; NOT this release's σ" if sigmas else ""))
+
+
+def _audit(audit: dict[str, Any] | None, man: dict[str, Any]) -> str:
     if not audit:
         return f"<p>No audit was supplied (<code>feta-release audit</code> writes one). {_h(AUDIT_CAVEAT)}</p>"
+    released: dict[str, set[float]] = {}
+    for s in man.get("sites", []):
+        for e in s.get("events", []):
+            released.setdefault(str(e["stage"]), set()).add(float(e["sigma"]))
     rows = []
     for a in audit["audits"]:
         ok = float(a["lower_bound"]) <= float(a["claimed_epsilon"]) * (1 + 1e-9)
-        rows.append((_h(a["mechanism"]), f"{float(a['claimed_epsilon']):.4g}", f"{float(a['lower_bound']):.4g}",
-                     _h(f"{a['method']}; {a['trials']} trials, {float(a['confidence']):.0%} confidence"),
+        runs = (f"one run, {a['detail']['canaries']} canaries" if "canaries" in a.get("detail", {})
+                else f"{a['trials']} runs per neighbour")
+        rows.append((_h(a["mechanism"]), _audit_config(a, released), f"{float(a['claimed_epsilon']):.4g}",
+                     f"{float(a['lower_bound']):.4g}",
+                     _h(f"{a['method']}; {runs}; {float(a['confidence']):.0%} confidence"),
                      '<span class="pass">consistent</span>' if ok else '<span class="fail">CLAIM VIOLATED</span>'))
-    return (_table(("mechanism", "claimed ε", "measured ε lower bound", "method", "result"), rows, numeric=(1, 2))
+    src = _h(f"job {audit.get('job', '?')}, public dataset size {audit.get('dataset_size', '?')}")
+    return (f"<p>Audit of {src}, on canary data only (no site's images).</p>"
+            + _table(("mechanism", "audited configuration", "claimed ε", "measured ε lower bound", "method", "result"),
+                     rows, numeric=(2, 3))
             + f"<p>{_h(AUDIT_CAVEAT)}</p>")
 
 
@@ -309,7 +330,7 @@ def render_report(
         "Sample images": lambda: _samples(man, res, per_class, seed),
         "Privacy budget": lambda: _budget(rd, man, res),
         "Utility": lambda: _utility(evaluation),
-        "Empirical privacy audit": lambda: _audit(audit),
+        "Empirical privacy audit": lambda: _audit(audit, man),
         "Files and hashes": lambda: _files(rd),
     }
     sections = "\n".join(_section(t, bodies[t]) for t in SECTIONS)

@@ -109,6 +109,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             if not no_release:
                 release = build_release(job_out, fed.coordinator_key)
                 (out_dir / "release").symlink_to(release.resolve(), target_is_directory=True)
+                _dpo_report(release, out_dir)
             timings["finalize"] = time.monotonic() - t0
         timings["total"] = time.monotonic() - t_start
         doc = {"timings_s": timings, "job_phase_timings_s": summary["timings"], "site_epsilon": summary["site_epsilon"],
@@ -125,6 +126,15 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
     finally:
         _stop_all(procs)
         signal.signal(signal.SIGTERM, old)
+
+
+def _dpo_report(release: Path, out_dir: Path) -> Path:
+    """``report.html``: the release report a data-protection officer reads, against the demo's own public keys."""
+    from feta_release.release.report import write_report
+    from feta_release.signing import load_public_key
+
+    keys = [load_public_key(p) for p in sorted((out_dir / "federation").rglob("*.pub"))]
+    return write_report(release, out_dir / "report.html", keys)[0]
 
 
 def _cores() -> int:

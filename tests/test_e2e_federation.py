@@ -75,8 +75,10 @@ def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
     r = subprocess.run([*CLI, "demo", "--out", str(out), "--quick", "--rounds", "1", "--local-steps", "1",
                         "--per-site", "40"], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
-    for f in ("samples.png", "privacy_report.txt", "privacy_report.json", "demo_summary.json"):
+    for f in ("samples.png", "privacy_report.txt", "privacy_report.json", "demo_summary.json", "budget.svg",
+              "report.html"):
         assert (out / f).exists(), f
+    assert "Release VERIFIED" in (out / "report.html").read_text("utf-8")  # the DPO's page, against the demo's keys
     report = json.loads((out / "privacy_report.json").read_text())
     assert all(s["epsilon_total"] <= 1.0 + 1e-9 for s in report["sites"].values())
     fed = out / "federation"

@@ -191,3 +191,11 @@ def test_request_detector_has_power(tmp_path):
     leaky.write_text('<html><body><h2>x</h2><img src="http://127.0.0.1:9/leak.png"></body></html>')
     _, asked = _chromium(leaky.as_uri(), tmp_path, "--dump-dom")
     assert asked == ["http://127.0.0.1:9/leak.png"]
+
+
+def test_missing_release_still_gets_a_page_that_says_why(keys, tmp_path):
+    path, res = write_report(tmp_path / "nothing-here", tmp_path / "r.html", keys.public())
+    html = path.read_text("utf-8")
+    assert not res.ok and "Release REFUSED" in html and "cannot read" in html
+    assert html.count("No readable manifest") == 4 and "cannot be shown" not in html
+    assert _parse(html).h2 == list(SECTIONS)

@@ -333,6 +333,9 @@ def render_report(
         "Empirical privacy audit": lambda: _audit(audit, man),
         "Files and hashes": lambda: _files(rd),
     }
+    if res.manifest is None:  # nothing to describe but why: every manifest-based section says so
+        for t in ("What was released", "Privacy statement", "Sample images", "Privacy budget"):
+            bodies[t] = lambda: '<p class="fail">No readable manifest: see the verification checklist.</p>'
     sections = "\n".join(_section(t, bodies[t]) for t in SECTIONS)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

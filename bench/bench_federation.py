@@ -5,9 +5,10 @@
    size of the job's model weights.
 2. feta-release: from a finished job directory (``--job-out``, e.g. ``feta-demo/job`` from
    ``feta-release demo``), each round's wall time minus the slowest site's on-site compute time
-   (reported by the site in its reply) = the round's overhead.
+   (logged by each site in its own ``work/compute_seconds.jsonl``; sites never send it, as it tracks the
+   realised batch size) = the round's overhead.
 
-Usage:  python bench/bench_federation.py --nodes 3 --rounds 3 [--job-out feta-demo/job]
+Usage:  python bench/bench_federation.py --nodes 3 --rounds 3 [--job-out feta-demo/job --sites-root feta-demo/federation]
 Timings on a shared, loaded machine are approximate.
 """
 
@@ -52,12 +53,25 @@ def ping_rounds(nodes: int, rounds: int, floats: int, work: Path) -> list[float]
             p.stop()
 
 
-def job_overheads(job_out: Path) -> list[dict[str, float]]:
+def site_compute(sites_root: Path) -> dict[int, float]:
+    """Slowest site's compute seconds per DP-SGD round (0-based), from the sites' local timing logs."""
+    out: dict[int, float] = {}
+    for f in sites_root.rglob("compute_seconds.jsonl"):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            _job, phase, rnd = row["request_id"].rsplit(":", 2)
+            if phase == "train":
+                out[int(rnd)] = max(out.get(int(rnd), 0.0), float(row["seconds"]))
+    return out
+
+
+def job_overheads(job_out: Path, sites_root: Path) -> list[dict[str, float]]:
     rows = []
+    per_round = site_compute(sites_root)
     for line in (job_out / "progress.jsonl").read_text().splitlines():
         ev = json.loads(line)
-        if ev.get("phase") == "dpsgd" and "round" in ev and ev.get("site_seconds"):
-            compute = max(v for v in ev["site_seconds"].values() if v is not None)
+        if ev.get("phase") == "dpsgd" and "round" in ev and (ev["round"] - 1) in per_round:
+            compute = per_round[ev["round"] - 1]
             rows.append({"round": ev["round"], "wall": ev["seconds"], "site_compute_max": compute,
                          "overhead": ev["seconds"] - compute})
     return rows
@@ -70,6 +84,8 @@ def main() -> None:
     ap.add_argument("--payload-floats", type=int, default=None,
                     help="weights-sized payload (default: the demo model's parameter count)")
     ap.add_argument("--job-out", type=Path, default=None)
+    ap.add_argument("--sites-root", type=Path, default=None,
+                    help="folder holding the sites' work dirs (default: the --job-out's parent)")
     a = ap.parse_args()
     floats = a.payload_floats
     if floats is None:
@@ -85,7 +101,7 @@ def main() -> None:
     print(f"  empty payload      : median {statistics.median(empty):.2f} s  (rounds: {', '.join(f'{t:.2f}' for t in empty)})")
     print(f"  {floats:>9,d} floats : median {statistics.median(sized):.2f} s  (rounds: {', '.join(f'{t:.2f}' for t in sized)})")
     if a.job_out is not None:
-        rows = job_overheads(a.job_out)
+        rows = job_overheads(a.job_out, a.sites_root or a.job_out.parent)
         if not rows:
             print(f"no DP-SGD rounds with site timings in {a.job_out}")
             return

@@ -23,11 +23,12 @@ def coordinator() -> None:
 @click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--ssl-ca-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--insecure", is_flag=True, help="No TLS (loopback demos only).")
-@click.option("--enable-supernode-auth", is_flag=True, help="Accept only registered node keys (needs TLS).")
+@click.option("--enable-supernode-auth/--no-supernode-auth", default=None,
+              help="Accept only registered node keys (needs TLS). Default: on unless --host is loopback.")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=Path(".feta-coordinator"),
               show_default=True, help="Logs and Flower's FLWR_HOME for the SuperLink.")
 def start(host: str, port: int, database: Path, ssl_certfile: Path | None, ssl_keyfile: Path | None,
-          ssl_ca_certfile: Path | None, insecure: bool, enable_supernode_auth: bool, home: Path) -> None:
+          ssl_ca_certfile: Path | None, insecure: bool, enable_supernode_auth: bool | None, home: Path) -> None:
     """Run the Flower SuperLink in the foreground until Ctrl-C."""
     from .superlink import SuperLinkSettings, start_superlink
 

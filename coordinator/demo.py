@@ -83,7 +83,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             t0 = time.monotonic()
             fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, per_site, quick)
             timings["prepare"] = time.monotonic() - t0
-            console.log(f"3 sites ready ({', '.join(f'{s.site_id}: {s.size} images' for s in fed.sites)}); "
+            console.log(f"3 sites ready ({', '.join(f'{s.site_id}: public size {s.size}' for s in fed.sites)}); "
                         f"coordinator key {fed.coordinator_pub}")
             status.update("[bold]starting the coordinator (SuperLink) and 3 site nodes (SuperNodes) on loopback")
             t0 = time.monotonic()
@@ -109,7 +109,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             if not no_release:
                 release = build_release(job_out, fed.coordinator_key)
                 (out_dir / "release").symlink_to(release.resolve(), target_is_directory=True)
-                _dpo_report(release, out_dir)
+                _dpo_report(release, out_dir, fed)
             timings["finalize"] = time.monotonic() - t0
         timings["total"] = time.monotonic() - t_start
         doc = {"timings_s": timings, "job_phase_timings_s": summary["timings"], "site_epsilon": summary["site_epsilon"],
@@ -128,13 +128,16 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
         signal.signal(signal.SIGTERM, old)
 
 
-def _dpo_report(release: Path, out_dir: Path) -> Path:
-    """``report.html``: the release report a data-protection officer reads, against the demo's own public keys."""
+def _dpo_report(release: Path, out_dir: Path, fed: Any) -> Path:
+    """``report.html``: the release report a data-protection officer reads. Trust is role-bound as for
+    ``verify``: each demo site's administrator (policy) key for its site id, and the demo's coordinator key pinned."""
     from feta_release.release.report import write_report
+    from feta_release.release.verify import TrustRoots
     from feta_release.signing import load_public_key
 
-    keys = [load_public_key(p) for p in sorted((out_dir / "federation").rglob("*.pub"))]
-    return write_report(release, out_dir / "report.html", keys)[0]
+    roots = TrustRoots({s.site_id: (load_public_key(s.policy_pub),) for s in fed.sites},
+                       (load_public_key(fed.coordinator_pub),))
+    return write_report(release, out_dir / "report.html", roots)[0]
 
 
 def _cores() -> int:
@@ -165,7 +168,8 @@ def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_step
     from feta_release.data.dataset import save_npz
 
     save_npz(heldout, out_dir / "federation" / "heldout.npz")
-    cfg = demo_config(preset, epsilon, min(p.n for p in parts), rounds, local_steps, quick)
+    # the job is planned from the sites' PUBLIC sizes (their policies), as a real coordinator must
+    cfg = demo_config(preset, epsilon, min(s.size for s in fed.sites), rounds, local_steps, quick)
     return fed, cfg
 
 
@@ -181,9 +185,10 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
     console.log(f"coordinator SuperLink on 127.0.0.1:{port} (pid {procs[-1].pid}; --insecure: loopback demo only)")
     for s in fed.sites:
         ns = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                          site_key=s.site_key, superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True)
+                          site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
+                          port=free_port(), insecure=True)
         procs.append(start_node(ns))
-        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, data fingerprint checked")
+        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, keyed data commitment checked")
     return f"127.0.0.1:{port}"
 
 

@@ -114,5 +114,5 @@ def build_release(out_dir: Path, coordinator_key_path: Path) -> Path:
         out_dir / "release", denoiser=model, classes=summary["class_names"], image_shape=summary["image_shape"],
         sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"], config=job["config"],
         sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=load_private_key(coordinator_key_path),
-        signed_policies=policies,
+        signed_policies=policies, signed_job=signed,
     )

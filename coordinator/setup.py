@@ -31,14 +31,15 @@ class SiteFiles:
     policy_pub: Path
     site_key: Path
     ledger: Path
-    size: int
-    fingerprint: str
+    size: int  # the PUBLIC nominal size of the site's policy (not the exact count)
+    commitment: str  # keyed (HMAC) commitment to the data, as in the policy
+    data_secret: Path  # the key of that commitment: stays on the site (mode 0600)
 
     def node_config(self) -> dict[str, str]:
-        from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SITE_KEY, CFG_TRUSTED
+        from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED
 
         return {CFG_DATA: str(self.data), CFG_POLICY: str(self.policy), CFG_TRUSTED: str(self.policy_pub),
-                CFG_LEDGER: str(self.ledger), CFG_SITE_KEY: str(self.site_key)}
+                CFG_LEDGER: str(self.ledger), CFG_SITE_KEY: str(self.site_key), CFG_SECRET: str(self.data_secret)}
 
 
 @dataclass
@@ -53,8 +54,11 @@ class Federation:
 
 
 def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes: list[str] | None = None,
-                       policy_overrides: dict[str, dict[str, Any]] | None = None) -> Federation:
-    """Write each site's data (.npz), keys, and a signed policy allowing the coordinator key and the app."""
+                       policy_overrides: dict[str, dict[str, Any]] | None = None,
+                       public_sizes: dict[str, int] | None = None) -> Federation:
+    """Write each site's data (.npz), keys, data secret, and a signed policy allowing the coordinator key and the
+    app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant digits."""
+    from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
     from feta_release.data.dataset import save_npz
     from feta_release.data.loading import load_dataset
     from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
@@ -69,14 +73,18 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
         data_path = save_npz(ds, d / "data.npz")
         loaded, _ = load_dataset(data_path)
         policy_key, policy_pub = generate_keypair(d / "keys", "policy")
-        site_key, _ = generate_keypair(d / "keys", "site")
+        site_key, site_pub = generate_keypair(d / "keys", "site")
         over = dict((policy_overrides or {}).get(site_id, {}))
         over.setdefault("app_bundles", hashes)
-        doc = make_policy(site_id, loaded.fingerprint(), loaded.n, [load_public_key(coord_pub)], **over)
+        over.setdefault("site_key", load_public_key(site_pub))
+        secret = create_secret(d / "keys" / "data.secret")
+        commitment = dataset_commitment(loaded, load_secret(secret))
+        size = int((public_sizes or {}).get(site_id) or suggest_public_size(loaded.n))
+        doc = make_policy(site_id, commitment, size, [load_public_key(coord_pub)], **over)
         signed = sign_policy(doc, load_private_key(policy_key))
         pol_path = write_signed_policy(d / "policy.signed.json", signed)
-        fed.sites.append(SiteFiles(site_id, data_path, pol_path, policy_pub, site_key, d / "ledger.db", loaded.n,
-                                   loaded.fingerprint()))
+        fed.sites.append(SiteFiles(site_id, data_path, pol_path, policy_pub, site_key, d / "ledger.db", size,
+                                   commitment, secret))
     return fed
 
 

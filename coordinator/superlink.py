@@ -29,12 +29,23 @@ class SuperLinkSettings:
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     ssl_ca_certfile: Path | None = None
-    enable_supernode_auth: bool = False
+    # None: on unless the SuperLink listens on loopback only (then every node is on this machine).
+    enable_supernode_auth: bool | None = None
     home: Path = Path(".feta-coordinator")
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def node_auth(self) -> bool:
+        """Whether nodes must authenticate with a registered key (on by default outside loopback)."""
+        if self.enable_supernode_auth is None:
+            return not is_loopback(self.address)
+        if not self.enable_supernode_auth and not is_loopback(self.address):
+            raise ConfigError(f"refusing to run the SuperLink on {self.address} without node authentication: any "
+                              "machine that reaches the port could join as a site. Drop --no-supernode-auth and "
+                              "register each site's node key (`feta-release coordinator register`)")
+        return self.enable_supernode_auth
 
 
 def superlink_command(s: SuperLinkSettings) -> list[str]:
@@ -54,7 +65,7 @@ def superlink_command(s: SuperLinkSettings) -> list[str]:
                               "for a loopback demo")
         cmd += ["--ssl-certfile", str(s.ssl_certfile), "--ssl-keyfile", str(s.ssl_keyfile),
                 "--ssl-ca-certfile", str(s.ssl_ca_certfile)]
-        if s.enable_supernode_auth:
+        if s.node_auth():
             cmd.append("--enable-supernode-auth")
     return cmd
 

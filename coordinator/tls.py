@@ -19,9 +19,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from feta_release.errors import ConfigError
+
 
 def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Mode 0600 from the first byte; O_EXCL: never overwrite a key, nor write through a planted link."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{path}: already exists; refusing to overwrite a private key (choose another --out)") from None
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
 
@@ -35,6 +41,11 @@ def make_certificates(out_dir: str | Path, hosts: Iterable[str] = ("127.0.0.1", 
                       days: int = 30) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    paths = {"ca_cert": out / "ca.crt", "ca_key": out / "ca.key", "server_cert": out / "server.pem",
+             "server_key": out / "server.key"}
+    if there := [str(p) for p in paths.values() if p.exists() or p.is_symlink()]:
+        raise ConfigError(f"{', '.join(there)}: already exist(s); refusing to overwrite certificates or keys "
+                          "(choose another --out)")
     now = dt.datetime.now(dt.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "feta-release test CA")])
@@ -57,8 +68,6 @@ def make_certificates(out_dir: str | Path, hosts: Iterable[str] = ("127.0.0.1", 
            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
            .sign(ca_key, hashes.SHA256()))
-    paths = {"ca_cert": out / "ca.crt", "ca_key": out / "ca.key", "server_cert": out / "server.pem",
-             "server_key": out / "server.key"}
     paths["ca_cert"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     _write_private(paths["ca_key"], _pem_key(ca_key))
     paths["server_cert"].write_bytes(srv.public_bytes(serialization.Encoding.PEM))

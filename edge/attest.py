@@ -14,6 +14,11 @@ def site_attestation(site: Any, job: Any) -> dict[str, Any]:
     from feta_release.accounting import events_from_list
     from feta_release.release.manifest import build_attestation
 
+    # Close BEFORE reading: a charge racing with this attest either committed already (and is read below)
+    # or is refused by the ledger under its write lock; the statement's ``final: true`` is then true.
+    site.ledger.close_job(job.job_id, job.digest)
     events = events_from_list(site.ledger.job_events(job.job_id))
+    lifetime = events_from_list([e for r in site.ledger.requests() for e in r["events"]])
     pol = site.policy
-    return build_attestation(site.site_id, job.job_id, events, pol.job_delta, pol.accountant, pol.digest, site.key)
+    return build_attestation(site.site_id, job.job_id, events, pol.job_delta, pol.accountant, pol.digest, site.key,
+                             job_sha256=job.digest, lifetime_events=lifetime, lifetime_delta=pol.lifetime_delta)

@@ -20,12 +20,15 @@ def node() -> None:
               help="Signed policy: also show ε left against its caps.")
 @click.option("--trusted-policy-key", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Public key the policy must be signed with (with --policy).")
+@click.option("--site-key", "site_key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's key (public .pub or private .key): also check the ledger head's signature.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, as_json: bool) -> None:
-    """Print the ledger: per job, per mechanism, ε spent (and left)."""
+def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, site_key: Path | None,
+           as_json: bool) -> None:
+    """Verify the ledger's hash chain and print it: per job, per mechanism, ε spent (and left)."""
     from feta_release.errors import ConfigError
 
-    from .ledger import Budget, Ledger
+    from .ledger import Ledger
 
     if not ledger_path.exists():
         raise ConfigError(f"{ledger_path}: no ledger here (a node creates it on its first release)")
@@ -36,12 +39,37 @@ def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, as
         from .site import verify_policy_file
 
         budget = verify_policy_file(policy_path, trusted)
-    with Ledger(ledger_path) as led:
+    pub = _public_key(site_key) if site_key is not None else None
+    with Ledger(ledger_path, verify_key=pub, deep=True) as led:
         summary = led.summary(budget)
+        summary["integrity"] = "chain and signed head verified" if pub is not None else \
+            "chain verified; head signature NOT checked (give --site-key)"
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
         return
     _print_summary(summary)
+
+
+def _public_key(path: Path):  # noqa: ANN202 - Ed25519PublicKey
+    """A public key from a public PEM or (its public half) a private one."""
+    from feta_release.signing import load_private_key, load_public_key
+
+    data = path.read_bytes()
+    return load_public_key(path) if b"PUBLIC KEY" in data else load_private_key(path).public_key()
+
+
+@node.command("migrate-ledger")
+@click.option("--ledger", "ledger_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's Ed25519 private key (signs the ledger head).")
+def migrate_ledger(ledger_path: Path, site_key: Path) -> None:
+    """Chain and sign a ledger written by an older feta-release (trusting its rows as they are now)."""
+    from feta_release.signing import load_private_key
+
+    from .ledger import Ledger
+
+    n = Ledger.migrate(ledger_path, load_private_key(site_key))
+    click.echo(f"{ledger_path}: {n} row(s) chained; head signed by the site key; mode 0600")
 
 
 def _print_summary(s: dict) -> None:
@@ -54,6 +82,7 @@ def _print_summary(s: dict) -> None:
         f"[bold]ledger[/] {s['ledger']}  accountant={s['accountant']}  δ={s['delta']:g}  "
         f"policy version seen={s['policy_version']}"
     )
+    con.print(f"integrity: {s['integrity']}")
     con.print(f"lifetime ε spent [bold]{s['lifetime_epsilon_spent']:.4f}[/]" + (f", left {left:.4f}" if left is not None else ""))
     t = Table("job", "mechanism", "events", "ε spent", "ε left (job)")
     for job_id, j in s["jobs"].items():
@@ -76,6 +105,8 @@ def _print_summary(s: dict) -> None:
 @click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's Ed25519 private key (signs its spend attestations).")
+@click.option("--data-secret", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's data secret (mode 0600; made by `feta-release policy data-commitment`).")
 @click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="Coordinator SuperLink host:port.")
 @click.option("--port", type=int, default=9101, show_default=True, help="Local port of this node's ClientApp API.")
 @click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -86,7 +117,8 @@ def _print_summary(s: dict) -> None:
 @click.option("--force-insecure", is_flag=True, help="Allow --insecure to a non-loopback SuperLink (dangerous).")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Node state (default: next to the ledger).")
-def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, site_key: Path, superlink: str,
+def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, site_key: Path, data_secret: Path,
+          superlink: str,
           port: int, root_certificates: Path | None, auth_key: Path | None, insecure: bool, force_insecure: bool,
           work_dir: Path | None) -> None:
     """Verify this site's signed policy and data, then run its Flower SuperNode (until Ctrl-C)."""
@@ -94,7 +126,7 @@ def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, 
 
     settings = NodeSettings(
         data=data_path, policy=policy_path, trusted_policy_key=trusted, ledger=ledger_path, site_key=site_key,
-        superlink=superlink, port=port, root_certificates=root_certificates, auth_key=auth_key,
+        data_secret=data_secret, superlink=superlink, port=port, root_certificates=root_certificates, auth_key=auth_key,
         insecure=insecure, force_insecure=force_insecure, work_dir=work_dir,
     )
     raise SystemExit(run_node(settings))

@@ -34,12 +34,19 @@ log = logging.getLogger("feta.node")
 app = ClientApp()
 
 
-def _job(site: Site, doc: dict[str, Any]) -> Any:
+def _job(site: Site, doc: dict[str, Any], *, attesting: bool = False) -> Any:
+    """The verified job, bound to its id at this site (one id names one signed job, by body hash and full
+    signer key); refused once the job's final attestation closed it (only a repeated attest is answered)."""
     from feta_release.policy.jobs import verify_job
 
     if "job" not in doc:
         raise PolicyError("request carries no signed job; refused")
-    return verify_job(doc["job"], site.policy, source="job in request")
+    job = verify_job(doc["job"], site.policy, source="job in request")
+    site.ledger.bind_job(job.job_id, job.digest, job.signer_sha256)
+    if not attesting and site.ledger.is_closed(job.job_id):
+        raise PolicyError(f"job {job.job_id} is closed at site {site.site_id}: its final attestation was signed, "
+                          "so nothing more is answered for it; start a new job")
+    return job
 
 
 def _replay(site: Site, job: Any, rid: str, mechanism: str, events: list[Any]) -> RecordDict | None:
@@ -62,16 +69,22 @@ def _commit_and_reply(msg: Message, site: Site, job: Any, rid: str, mechanism: s
     return Message(payload, reply_to=msg)
 
 
-def _generator(seed_material: str) -> Any:
-    """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it)."""
-    import secrets
+def _local_timing(site: Site, rid: str, seconds: float) -> None:
+    """On-site compute time, kept in the site's own work directory (for the site's administrator and
+    ``bench/bench_federation.py``): it tracks the realised Poisson batch size, so it is never sent."""
+    import json
 
-    import torch
+    with open(site.work_dir / "compute_seconds.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"request_id": rid, "seconds": round(seconds, 3)}) + "\n")
+
+
+def _generator(seed_material: str) -> Any:
+    """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it): the whole
+    generator state from 256 OS bits (a 63-bit ``manual_seed`` could be searched exhaustively)."""
+    from feta_release.randomness import os_torch_generator
 
     del seed_material
-    g = torch.Generator()
-    g.manual_seed(secrets.randbits(63))
-    return g
+    return os_torch_generator()
 
 
 # -- handlers --------------------------------------------------------------------------------------
@@ -87,7 +100,7 @@ def hello(msg: Message, context: Context) -> Message:
 
     reply = {
         "site_id": site.site_id,
-        "dataset_size": int(site.policy.dataset_size),
+        "dataset_size": site.n_public,  # the policy's public nominal size, never the exact count
         "image_shape": list(site.data.image_shape),
         "n_classes": int(site.data.n_classes),
         "class_names": list(site.data.class_names),
@@ -118,15 +131,16 @@ def central(msg: Message, context: Context) -> Message:
     doc, _ = fm.read_payload(msg.content)
     job = _job(site, doc)
     rid = fm.request_id(job.job_id, "central")
-    event = central_event(job.config, site.data.n)
+    event = central_event(job.config, site.n_public)
     if (rd := _replay(site, job, rid, "central", [event])) is not None:
         return Message(rd, reply_to=msg)
     check_request(site.policy, MechanismRequest("central", event.sigma, event.q, event.steps,
                                                 batch=job.config.central.batch, job=job),
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
-    arrays, events = release_central(site.data, job.config, _generator(rid))
-    return _commit_and_reply(msg, site, job, rid, "central", events, {"seconds": time.perf_counter() - t0}, arrays)
+    arrays, events = release_central(site.data, job.config, site.n_public)
+    _local_timing(site, rid, time.perf_counter() - t0)
+    return _commit_and_reply(msg, site, job, rid, "central", events, {}, arrays)
 
 
 @app.query("frequency")
@@ -146,8 +160,9 @@ def frequency(msg: Message, context: Context) -> Message:
                                                 features=job.config.frequency.features, job=job),
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
-    arrays, events = release_frequency(site.data, job.config, _generator(rid))
-    return _commit_and_reply(msg, site, job, rid, "frequency", events, {"seconds": time.perf_counter() - t0}, arrays)
+    arrays, events = release_frequency(site.data, job.config, site.n_public)
+    _local_timing(site, rid, time.perf_counter() - t0)
+    return _commit_and_reply(msg, site, job, rid, "frequency", events, {}, arrays)
 
 
 @app.train()
@@ -166,27 +181,32 @@ def train(msg: Message, context: Context) -> Message:
         raise PolicyError(f"round {rnd} is outside the job's {rounds} rounds; refused")
     rid = fm.request_id(job.job_id, "train", rnd)
     # σ is calibrated HERE, by the site, for its own size and budget over its own history of this job.
-    event = site_dpsgd_event(job.config, site.policy, site.data.n, cache_dir=site.work_dir)
+    event = site_dpsgd_event(job.config, site.policy, site.n_public, cache_dir=site.work_dir)
     if (rd := _replay(site, job, rid, "dpsgd", [event])) is not None:
         return Message(rd, reply_to=msg)
     check_request(site.policy, MechanismRequest("dpsgd", event.sigma, event.q, event.steps,
                                                 batch=job.config.dpsgd.batch, clip=job.config.dpsgd.clip, job=job),
                   job_events=_job_events(site, job))
     t0 = time.perf_counter()
-    weights, stats = dpsgd_round(site.data, job.config, arrays, event, _generator(rid))
-    info = {"round": rnd, "num_examples": int(site.policy.dataset_size), "seconds": time.perf_counter() - t0,
-            "loss": stats.get("loss"), "sigma": event.sigma, "q": event.q}
+    weights = dpsgd_round(site.data, job.config, arrays, event, _generator(rid), site.n_public)
+    _local_timing(site, rid, time.perf_counter() - t0)
+    # Only public values go with the weights: the per-example loss of the private batch and the on-site
+    # seconds (which track the realised Poisson batch size) are un-noised functions of the data.
+    info = {"round": rnd, "num_examples": site.n_public, "sigma": event.sigma, "q": event.q}
     return _commit_and_reply(msg, site, job, rid, "dpsgd", [event], info, weights)
 
 
 @app.query("attest")
 def attest(msg: Message, context: Context) -> Message:
-    """The site's signed statement of what this job spent here, from its own ledger (no release)."""
+    """The site's signed, FINAL statement of what this job spent here, from its own ledger (no release).
+
+    Attesting closes the job at this site first: no charge for it can commit afterwards, so the figures
+    signed are the job's last. A repeated attest (a retry) signs the same, closed history again."""
     from .attest import site_attestation
 
     site = site_for(context.node_config)
     doc, _ = fm.read_payload(msg.content)
-    job = _job(site, doc)
+    job = _job(site, doc, attesting=True)
     return Message(fm.make_payload({"attestation": site_attestation(site, job)}), reply_to=msg)
 
 

@@ -1,7 +1,7 @@
 """Starting a site's Flower SuperNode after the site's own checks pass.
 
 Before anything starts: the signed policy is verified against the site's trusted key, the data's
-fingerprint must match the policy, the ledger must not have seen a newer policy, the FAB gate must
+keyed commitment (HMAC under the site's secret) must match the policy, the ledger must not have seen a newer policy, the FAB gate must
 be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
 ``--node-config`` (read by the ClientApp as ``context.node_config``; the coordinator cannot change
 them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) first on PATH.
@@ -19,7 +19,7 @@ from feta_release.errors import ConfigError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
 
 from . import trust
-from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SITE_KEY, CFG_TRUSTED, CFG_WORK, Site
+from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, CFG_WORK, Site
 
 log = logging.getLogger("feta.node")
 
@@ -31,6 +31,7 @@ class NodeSettings:
     trusted_policy_key: Path
     ledger: Path
     site_key: Path
+    data_secret: Path
     superlink: str = "127.0.0.1:9092"
     port: int = 9101
     root_certificates: Path | None = None
@@ -43,7 +44,8 @@ class NodeSettings:
         work = self.work_dir or self.ledger.parent / "work"
         return {CFG_DATA: str(self.data.resolve()), CFG_POLICY: str(self.policy.resolve()),
                 CFG_TRUSTED: str(self.trusted_policy_key.resolve()), CFG_LEDGER: str(self.ledger.resolve()),
-                CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve())}
+                CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve()),
+                CFG_SECRET: str(self.data_secret.resolve())}
 
 
 def _toml_string(v: str) -> str:
@@ -70,6 +72,12 @@ def check_transport(s: NodeSettings) -> None:
         )
     elif s.root_certificates is None:
         raise ConfigError("give --root-certificates CA.crt (TLS) or, for a loopback demo only, --insecure")
+    elif s.auth_key is None and not is_loopback(s.superlink):
+        # Outside loopback the coordinator binds each site to its registered node key; a node without
+        # one could only join a SuperLink that lets anyone in.
+        raise ConfigError(f"give --auth-key: node authentication is required to reach non-loopback SuperLink "
+                          f"{s.superlink} (make a key with `feta-release coordinator certs --node SITE` and have "
+                          "the coordinator register its .pub)")
 
 
 def preflight(s: NodeSettings) -> Site:
@@ -77,6 +85,7 @@ def preflight(s: NodeSettings) -> Site:
     check_transport(s)
     trust.check_flower_internals()
     site = Site.open(s.node_config())
+    site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
     if not site.policy.app_bundles:
         raise PolicyError(f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run")
     return site

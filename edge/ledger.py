@@ -9,21 +9,30 @@ Idempotency: a request id is charged at most once. A replayed or retried request
 recorded answer back (the released payload is stored); a request id that was charged but whose
 result was never recorded (the site crashed mid-computation) is refused: re-running it would
 draw fresh noise and spend the budget twice.
+
+Tamper evidence (``edge.ledger_chain``): the rows form a hash chain whose head is signed by the
+site key after every write; opening the ledger verifies it. Writing needs the site's private key;
+reading (``node status``) verifies the signature with the site's public key when given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from feta_release.errors import BudgetExceededError, PolicyError, PrivacyError
+
+from . import ledger_chain as chain
+from .ledger_chain import LedgerNotChainedError, LedgerTamperedError  # noqa: F401 - re-exported
 
 # (events, delta, accountant) -> epsilon
 Accountant = Callable[[Sequence[Any], float, str], float]
@@ -40,11 +49,15 @@ CREATE TABLE IF NOT EXISTS requests (
     job_epsilon  REAL NOT NULL,      -- this job's epsilon after this charge (site's accountant)
     lifetime_epsilon REAL NOT NULL,
     created_at   REAL NOT NULL,
-    completed_at REAL
+    completed_at REAL,
+    seq          INTEGER,            -- position in the hash chain (1, 2, ...)
+    prev_hash    TEXT,
+    row_hash     TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_job ON requests(job_id);
+CREATE UNIQUE INDEX IF NOT EXISTS requests_seq ON requests(seq);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
+""" + chain.CHAIN_SCHEMA
 
 
 @dataclass(frozen=True)
@@ -118,17 +131,94 @@ def _events_from_dicts(rows: list[dict[str, Any]]) -> list[Any]:
 class Ledger:
     """One site's ledger file. Safe to open from several processes (SQLite locking)."""
 
-    def __init__(self, path: str | Path, accountant: Accountant | None = None) -> None:
+    def __init__(self, path: str | Path, accountant: Accountant | None = None, *, key: Any = None,
+                 verify_key: Any = None, deep: bool = False) -> None:
+        """Open (or, with ``key`` and no file yet, create) a ledger and verify its chain.
+
+        ``key``: the site's Ed25519 private key (needed to record anything; its public half checks the
+        head). ``verify_key``: a public key to check the head with when reading only. ``deep``: also
+        check every stored answer's bytes against its recorded hash.
+        """
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._accountant = accountant or _default_accountant
+        self._key = key
+        self._pub = key.public_key() if key is not None else verify_key
+        new = not self.path.exists()
+        if new:
+            if key is None:
+                raise PrivacyError(f"{self.path}: no ledger here (a node creates it, with its site key, on its first start)")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            chain.create_private_file(self.path)
+        chain.check_file_mode(self.path)
         try:
             self._db = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
+            if new:
+                self._db.executescript(_SCHEMA)
+                self._db.execute("BEGIN IMMEDIATE")
+                chain.init(self._db, key)
+                self._db.execute("COMMIT")
+            elif not chain.has_requests_table(self._db):
+                self._db.close()
+                raise LedgerTamperedError(
+                    f"{self.path}: privacy ledger tampered with: the file holds no ledger (emptied or replaced); "
+                    "the node refuses to run on it. Restore the ledger from a backup (never edit it by hand)")
+            elif not chain.is_chained(self._db):
+                self._db.close()
+                raise LedgerNotChainedError(
+                    f"{self.path}: this ledger has no hash chain (written by an older feta-release); if you trust it "
+                    f"as it is, chain and sign it once with `feta-release node migrate-ledger --ledger {self.path} "
+                    "--site-key SITE.key`")
         except sqlite3.DatabaseError as exc:
             raise PrivacyError(f"{self.path}: cannot open privacy ledger: {exc}") from None
+        self.verify(deep=deep)
+
+    @classmethod
+    def migrate(cls, path: str | Path, key: Any) -> int:
+        """Chain and sign a ledger written before tamper evidence (see ``LedgerNotChainedError``)."""
+        p = Path(path)
+        if not p.exists():
+            raise PrivacyError(f"{p}: no ledger here")
+        db = sqlite3.connect(str(p), timeout=60.0, isolation_level=None)
+        try:
+            if chain.is_chained(db):
+                raise PrivacyError(f"{p}: already chained; nothing to migrate")
+            if not chain.has_requests_table(db):
+                raise PrivacyError(f"{p}: not a feta-release ledger (no requests table); nothing to migrate")
+            db.execute("BEGIN IMMEDIATE")
+            n = chain.migrate(db, key)
+            db.execute("COMMIT")
+        finally:
+            db.close()
+        os.chmod(p, 0o600)
+        return n
+
+    def verify(self, deep: bool = False) -> dict[str, Any]:
+        """Check the chain and the signed head now (``LedgerTamperedError`` if anything was changed)."""
+        return chain.verify(self._db, self.path, self._pub, deep=deep)
+
+    @property
+    def signature_checked(self) -> bool:
+        return self._pub is not None
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        """One write transaction: take the write lock, re-verify the chain under it (a write must never
+        seal someone else's edit in), run the body, then re-link and sign the head and commit."""
+        if self._key is None:
+            raise PrivacyError(f"{self.path}: ledger opened without the site key; nothing can be recorded")
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            chain.verify(self._db, self.path, self._pub)
+            yield
+            if self._db.in_transaction:  # the body may have rolled back (nothing to record)
+                chain.seal(self._db, self._key)
+                self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._db.close()
@@ -142,9 +232,9 @@ class Ledger:
     # -- spend -----------------------------------------------------------------------------------
     def _history(self, job_id: str | None = None) -> list[dict[str, Any]]:
         if job_id is None:
-            rows = self._db.execute("SELECT events FROM requests ORDER BY rowid").fetchall()
+            rows = self._db.execute("SELECT events FROM requests ORDER BY seq").fetchall()
         else:
-            rows = self._db.execute("SELECT events FROM requests WHERE job_id=? ORDER BY rowid", (job_id,)).fetchall()
+            rows = self._db.execute("SELECT events FROM requests WHERE job_id=? ORDER BY seq", (job_id,)).fetchall()
         return [e for (blob,) in rows for e in json.loads(blob)]
 
     def _eps(self, event_dicts: list[dict[str, Any]], budget: Budget, lifetime: bool = False) -> float:
@@ -191,9 +281,13 @@ class Ledger:
         With a verified ``SitePolicy`` the policy module's ``check_budget`` decides (its refusal names
         the policy rule); with a bare ``Budget`` the same composition is done here.
         """
+        if self.is_closed(job_id):  # under charge's write lock: nothing commits after the close
+            raise PolicyError(f"job {job_id!r} was closed at this site by its final attestation; nothing more is "
+                              "released for it (start a new job)")
         if not isinstance(policy, Budget) and hasattr(policy, "lifetime_delta"):
             from feta_release.policy.enforce import check_budget
 
+            self._check_step_caps(job_id, new, policy)
             job_ev = _events_from_dicts(self._history(job_id))
             life_ev = _events_from_dicts(self._history())
             return check_budget(policy, job_ev, life_ev, _events_from_dicts(new))
@@ -204,6 +298,29 @@ class Ledger:
         if reason:
             raise BudgetExceededError(reason)
         return job_eps, life_eps
+
+    def _check_step_caps(self, job_id: str, new: list[dict[str, Any]], policy: Any) -> None:
+        """The policy's per-job caps on central rounds and DP-SGD steps, over what is RECORDED now.
+
+        Why here: ``check_request`` runs before the (slow) release is computed; two concurrent requests
+        of one job both pass it against the same history. Inside ``charge`` this runs under the write
+        lock, so the second one sees the first and is refused.
+        """
+        from feta_release.policy.errors import PolicyViolation
+
+        history = self._history(job_id)
+        for m in sorted({e["stage"] for e in new}):
+            rule = getattr(policy, "mechanisms", {}).get(m)
+            cap = "max_rounds" if m == "central" else "max_steps"
+            if rule is None or cap not in rule.caps:
+                continue
+            done = sum(e["steps"] for e in history if e["stage"] == m)
+            asked = sum(e["steps"] for e in new if e["stage"] == m)
+            if done + asked > rule.caps[cap]:
+                what = "rounds" if m == "central" else "steps"
+                raise PolicyViolation(f"mechanisms.{m}.{cap}", f"{what} for job {job_id} would be {done + asked} "
+                                      f"({done} recorded + {asked} requested) > cap {rule.caps[cap]:g}; nothing "
+                                      "released", site=getattr(policy, "site_id", None))
 
     def charge(
         self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: "Budget | Any",
@@ -219,50 +336,46 @@ class Ledger:
         policy, budget = budget, as_budget(budget)
         new = _event_dicts(events)
         # BEGIN IMMEDIATE takes the write lock first: two concurrent charges cannot both pass the check.
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._write():
             prior = self._lookup(job_id, request_id, mechanism, events)
             if prior is not None:
                 self._db.execute("ROLLBACK")
                 return prior
             job_eps, life_eps = self._assess(job_id, mechanism, new, policy)
             now = time.time()
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM requests").fetchone()[0]
             self._db.execute(
                 "INSERT INTO requests(request_id, job_id, mechanism, events, status, response, response_sha256,"
-                " job_epsilon, lifetime_epsilon, created_at, completed_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                " job_epsilon, lifetime_epsilon, created_at, completed_at, seq) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     request_id, job_id, mechanism, json.dumps(new), "charged" if response is None else "done",
                     response, None if response is None else hashlib.sha256(response).hexdigest(),
-                    job_eps, life_eps, now, None if response is None else now,
+                    job_eps, life_eps, now, None if response is None else now, seq,
                 ),
             )
-            self._db.execute("COMMIT")
-        except BaseException:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            raise
         return ChargeResult(request_id, False, None, job_eps, life_eps)
 
     def record_response(self, request_id: str, response: bytes) -> None:
         """Store the released payload so a replay gets the same answer (never a fresh draw)."""
         digest = hashlib.sha256(response).hexdigest()
-        with self._db:
+        with self._write():
             cur = self._db.execute(
                 "UPDATE requests SET status='done', response=?, response_sha256=?, completed_at=? "
                 "WHERE request_id=? AND status='charged'",
                 (response, digest, time.time(), request_id),
             )
-        if cur.rowcount != 1:
-            raise PrivacyError(f"{self.path}: request {request_id!r} is not a pending charge; response not recorded")
+            if cur.rowcount != 1:
+                raise PrivacyError(f"{self.path}: request {request_id!r} is not a pending charge; response not recorded")
 
     def _lookup(self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any]) -> ChargeResult | None:
         row = self._db.execute(
-            "SELECT job_id, mechanism, events, status, response, job_epsilon, lifetime_epsilon FROM requests WHERE request_id=?",
+            "SELECT job_id, mechanism, events, status, response, job_epsilon, lifetime_epsilon, response_sha256 "
+            "FROM requests WHERE request_id=?",
             (request_id,),
         ).fetchone()
         if row is None:
             return None
-        r_job, r_mech, r_events, status, response, job_eps, life_eps = row
+        r_job, r_mech, r_events, status, response, job_eps, life_eps, r_sha = row
         if (r_job, r_mech, json.loads(r_events)) != (job_id, mechanism, _event_dicts(events)):
             raise PolicyError(
                 f"request id {request_id!r} was already used for {r_mech} in job {r_job!r} with other parameters; "
@@ -273,6 +386,9 @@ class Ledger:
                 f"request {request_id!r} was charged but its result was never recorded (interrupted); "
                 "refusing to run it again: a fresh noise draw would spend the budget twice"
             )
+        if hashlib.sha256(bytes(response)).hexdigest() != r_sha:
+            raise LedgerTamperedError(f"{self.path}: privacy ledger tampered with: the stored answer of request "
+                                      f"{request_id!r} does not match its recorded hash; not replayed")
         return ChargeResult(request_id, True, bytes(response), job_eps, life_eps)
 
     # -- policy versions -------------------------------------------------------------------------
@@ -282,7 +398,9 @@ class Ledger:
 
     def observe_policy_version(self, version: int) -> None:
         """Remember the highest policy version seen; refuse an older one (a replayed policy)."""
-        with self._db:
+        if self.highest_policy_version() == version:
+            return  # nothing new (every message of a node opens the site): no write, no re-signing
+        with self._write():
             seen = self.highest_policy_version()
             if seen is not None and version < seen:
                 raise PolicyError(
@@ -294,6 +412,45 @@ class Ledger:
                 "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                 (str(max(version, seen or version)),),
             )
+
+    # -- jobs: one signed job per id, closed by its final attestation ------------------------------
+    def _job_record(self, job_id: str) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (f"job:{job_id}",)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def bind_job(self, job_id: str, job_sha256: str, signer_sha256: str) -> None:
+        """Tie ``job_id`` to one signed job (body hash + full signer key hash) the first time it is seen.
+
+        Why: request ids derive from the job id, so a second job document under the same id (other config,
+        other coordinator) would otherwise be answered from the first job's records. Refused instead.
+        """
+        want = {"sha256": job_sha256, "signer": signer_sha256}
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            rec = self._job_record(job_id)
+            if rec is None:
+                self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?)",
+                                 (f"job:{job_id}", json.dumps({**want, "closed": False}, sort_keys=True)))
+            elif {k: rec.get(k) for k in want} != want:
+                raise PolicyError(
+                    f"job id {job_id!r} is already bound at this site to another signed job (sha256 "
+                    f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
+                    f"{job_sha256[:16]}… signed by {signer_sha256[:16]}… is refused (one job id names one job)")
+
+    def close_job(self, job_id: str, job_sha256: str) -> None:
+        """Close the job: from now on every charge for it is refused (its attestation is final)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            rec = self._job_record(job_id) or {"sha256": job_sha256, "signer": None}
+            if rec.get("sha256") != job_sha256:
+                raise PolicyError(f"job id {job_id!r} is bound to another signed job; not closed")
+            self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                             "value=excluded.value", (f"job:{job_id}", json.dumps({**rec, "closed": True},
+                                                                                   sort_keys=True)))
+
+    def is_closed(self, job_id: str) -> bool:
+        rec = self._job_record(job_id)
+        return bool(rec and rec.get("closed"))
 
     # -- reports ---------------------------------------------------------------------------------
     def job_events(self, job_id: str) -> list[dict[str, Any]]:
@@ -307,7 +464,7 @@ class Ledger:
             q, args = q + " WHERE job_id=?", (job_id,)
         keys = ("request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon", "lifetime_epsilon", "created_at")
         out = []
-        for row in self._db.execute(q + " ORDER BY rowid", args):
+        for row in self._db.execute(q + " ORDER BY seq", args):
             d = dict(zip(keys, row))
             d["events"] = json.loads(d["events"])
             out.append(d)
@@ -323,7 +480,7 @@ class Ledger:
         acc = budget.accountant if budget else accountant
         b = budget or Budget(float("inf"), float("inf"), d, acc)
         jobs: dict[str, Any] = {}
-        for job_id, in self._db.execute("SELECT DISTINCT job_id FROM requests ORDER BY rowid").fetchall():
+        for job_id, in self._db.execute("SELECT DISTINCT job_id FROM requests ORDER BY seq").fetchall():
             reqs = self.requests(job_id)
             mechs: dict[str, list[dict[str, Any]]] = {}
             for r in reqs:

@@ -53,41 +53,63 @@ def _arrays_of(obj: Any, prefix: str = "") -> dict[str, np.ndarray]:
 
 def _np_rng() -> np.random.Generator:
     """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it)."""
-    import secrets
+    from feta_release.randomness import os_numpy_generator
 
-    return np.random.default_rng(secrets.randbits(128))
+    return os_numpy_generator()
 
 
-def release_central(ds: Any, cfg: JobConfig, generator: Any = None) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+def release_central(ds: Any, cfg: JobConfig, n_public: int) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    """Central images at Poisson rate q = batch / ``n_public`` (the policy's public size, not ``ds.n``)."""
     from feta_release.mechanisms.central import central_images
 
-    planned = plan.central_event(cfg, ds.n)
+    planned = plan.central_event(cfg, n_public)
     if planned is None:
         raise PrivacyError("the job disables central images ([central] rounds = 0); nothing to release")
     c = cfg.central
     release, event = central_images(ds.images, ds.labels, ds.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch,
-                                    sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=ds.n,
+                                    sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=n_public,
                                     rng=_np_rng())
     _same([planned], [event], "central images")
     return release.to_arrays(), [planned]
 
 
-def release_frequency(ds: Any, cfg: JobConfig, generator: Any = None) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+def release_frequency(ds: Any, cfg: JobConfig, n_public: int) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    """The RFF mean embedding over the PUBLIC denominator ``n_public`` (sensitivity 1 / n_public)."""
     from feta_release.mechanisms.frequency import frequency_statistics
 
     planned = frequency_event(cfg)
     f = cfg.frequency
     assert f.sigma is not None
     release, event = frequency_statistics(ds.images, ds.labels, ds.n_classes, features=f.features, sigma=f.sigma,
-                                          bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_public=ds.n,
+                                          bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_public=n_public,
                                           rng=_np_rng())
     _same([planned], [event], "frequency statistics")
     return release.to_arrays(), [planned]
 
 
+def _refuse_non_finite(weights: dict[str, np.ndarray]) -> None:
+    """Refuse NaN/inf in the coordinator's weights: a non-finite weight turns the local update into NaN or not
+    depending on which images were sampled, a channel the DP noise does not cover."""
+    bad = {}
+    for k, v in weights.items():
+        a = np.asarray(v)
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+            raise PrivacyError(f"global weights: tensor {k} has dtype {a.dtype}, not numbers; refused")
+        if n := int(a.size - np.count_nonzero(np.isfinite(a))):
+            bad[k] = n
+    if bad:
+        first = sorted(bad)[0]
+        raise PrivacyError(f"global weights from the coordinator hold {sum(bad.values())} NaN/infinite value(s) in "
+                           f"{len(bad)} tensor(s) (e.g. {first}); refused: only finite weights are trained on")
+
+
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
-                generator: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights."""
+                generator: Any, n_public: int) -> dict[str, np.ndarray]:
+    """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
+    The noisy sum is divided by the public expected batch q * ``n_public``, never by anything of ``ds.n``.
+
+    Only the weights are returned: the trainer's per-step statistics (loss, realised batch size, clipped
+    fraction, seconds) are un-noised functions of the private batch and never leave the site."""
     import torch
 
     from feta_release.models import build_denoiser
@@ -103,12 +125,11 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
         raise PrivacyError(f"global weights do not fit this site's model for the job's [model] ({len(bad)} tensor(s) "
                            f"differ in shape, e.g. {bad[0]}): the coordinator and this site run different "
                            "feta-release versions")
+    _refuse_non_finite(weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
-                           image_shape=ds.image_shape, n_classes=ds.n_classes)
+                           image_shape=ds.image_shape, n_classes=ds.n_classes, n_public=n_public)
     images = torch.from_numpy(np.asarray(ds.images, dtype=np.float32)) * 2.0 - 1.0
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
-    stats = trainer.run(images, labels, event.steps)
-    out = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    losses = [s.loss for s in stats if s.batch_size]
-    return out, {"loss": float(np.mean(losses)) if losses else None, "steps": len(stats)}
+    trainer.run(images, labels, event.steps)
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feta_release.errors import ConfigError, PolicyError
+from feta_release.errors import ConfigError
 
 from .ledger import Ledger
 
@@ -25,15 +25,16 @@ CFG_TRUSTED = "trusted-policy-key"
 CFG_LEDGER = "ledger-path"
 CFG_SITE_KEY = "site-key"
 CFG_WORK = "work-dir"
-REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY)
+CFG_SECRET = "data-secret"  # key of the keyed data commitment (feta_release.data.commitment); never sent
+REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SECRET)
 
 
-def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, dataset_fingerprint: str | None = None,
+def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, dataset_commitment: str | None = None,
                        last_seen_version: int | None = None) -> Any:
     """The verified ``SitePolicy`` or a ``PolicyError`` naming the rule it breaks."""
     from feta_release.policy.document import load_site_policy
 
-    return load_site_policy(policy_path, [Path(trusted_key)], dataset_fingerprint=dataset_fingerprint,
+    return load_site_policy(policy_path, [Path(trusted_key)], dataset_commitment=dataset_commitment,
                             last_seen_version=last_seen_version)
 
 
@@ -56,26 +57,40 @@ class Site:
     def site_id(self) -> str:
         return str(self.policy.site_id)
 
+    @property
+    def n_public(self) -> int:
+        """The PUBLIC nominal size of the signed policy: the only size any rate or denominator that leaves the
+        site may depend on (the exact count ``data.n`` never does)."""
+        return int(self.policy.dataset_size)
+
     @classmethod
     def open(cls, node_config: dict[str, Any]) -> "Site":
-        """Verify the signed policy against the site's trusted key and the data against the policy's
-        fingerprint, and refuse a policy older than one this ledger has already seen."""
+        """Verify the signed policy against the site's trusted key and the data against the policy's keyed
+        commitment (recomputed with the site's secret), and refuse a policy older than one this ledger has seen."""
         missing = [k for k in REQUIRED if not node_config.get(k)]
         if missing:
             raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
-        from feta_release.signing import load_private_key
+        from feta_release.data.commitment import dataset_commitment, load_secret
+        from feta_release.signing import load_private_key, public_key_pem
 
-        ledger = Ledger(node_config[CFG_LEDGER])
+        secret = load_secret(node_config[CFG_SECRET])
+        key = load_private_key(node_config[CFG_SITE_KEY])
+        # Opening verifies the ledger's hash chain and its head's signature by this site key.
+        ledger = Ledger(node_config[CFG_LEDGER], key=key)
         data = load_site_data(node_config[CFG_DATA])
         policy = verify_policy_file(
-            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_fingerprint=data.fingerprint(),
+            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
             last_seen_version=ledger.highest_policy_version(),
         )
-        if policy.dataset_size != data.n:
-            raise PolicyError(f"{node_config[CFG_POLICY]}: policy states dataset size {policy.dataset_size}, "
-                              f"the data has {data.n} images")
+        if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
+            # Local log only (never sent): the public nominal size drives every rate and denominator, so a far-off
+            # value costs utility (noise is scaled for it), not privacy.
+            log.warning("%s: the policy's public nominal size %d is far from the %d images here; noise and rates "
+                        "are set for the nominal size", node_config[CFG_POLICY], policy.dataset_size, data.n)
         ledger.observe_policy_version(int(policy.version))
-        key = load_private_key(node_config[CFG_SITE_KEY])
+        if policy.site_key is not None and policy.site_key != public_key_pem(key):
+            raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
+                              "names (site_key); a verifier would refuse every attestation it signs")
         work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
         work.mkdir(parents=True, exist_ok=True)
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work)

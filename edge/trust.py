@@ -5,6 +5,11 @@ so its code runs at the site with the site's data and ledger in reach. Flower's
 ``--trusted-entities`` needs the Flower Hub (unusable air-gapped), so the site keeps its own
 allow-list: the ``app_bundles`` hashes of its signed policy.
 
+Flower then loads the ClientApp from a directory derived from ``fab_id``/``fab_version``/hash that
+the SuperLink sends beside the bundle; ``check_app_identity`` checks those (plain names, the bundle's
+own id/version/hash, a directory directly under FLWR_HOME/apps) and ``check_installed`` checks that
+the directory holds exactly the bundle's files before anything is imported.
+
 How: the SuperNode (subprocess isolation) starts ``flower-superexec``, which starts the command
 named ``flwr-clientapp`` found on PATH for every message. ``edge.launch`` puts a directory with
 our ``flwr-clientapp`` first on PATH; it runs Flower's own ``run_clientapp`` with one change: the
@@ -21,10 +26,13 @@ change a node's environment.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
+import re
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 from feta_release.errors import PolicyError
@@ -80,26 +88,130 @@ def check_flower_internals() -> None:
             f"the FAB allow-list gate is built on flwr {PINNED_FLWR} internals, but flwr {flwr.__version__} is "
             "installed; refusing to run app bundles unchecked"
         )
-    if not callable(getattr(rc, "install_from_fab", None)):
-        raise PolicyError("flwr internals changed: run_clientapp.install_from_fab not found; refusing to start")
+    for name in ("install_from_fab", "pull_task_input", "get_project_dir"):
+        if not callable(getattr(rc, name, None)):
+            raise PolicyError(f"flwr internals changed: run_clientapp.{name} not found; refusing to start")
+
+
+# Plain names only: Flower builds the app directory as FLWR_HOME/apps/<publisher>.<name>.<version>.<hash8>.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
+
+
+def _refuse(msg: str) -> None:
+    _audit(msg)
+    raise UntrustedAppError(msg)
+
+
+def check_app_identity(fab_id: str, fab_version: str, fab_hash: str, fab_bytes: bytes,
+                       flwr_home: Path, allowed: set[str] | None = None) -> Path:
+    """The directory Flower will load the ClientApp from, if every part of it is what the allow-list means.
+
+    Flower loads from ``get_project_dir(run.fab_id, run.fab_version, fab.hash_str)``: three strings
+    the SuperLink sends BESIDE the bundle. The bytes being allowed is not enough: a ``fab_version``
+    with ``/../`` escapes FLWR_HOME, and a mismatching id/version/hash points at another (older,
+    no longer allowed) installed app. So: the bytes' sha256 is allowed, the hash sent is that sha256,
+    the id and version sent are the bundle's own (its pyproject.toml), all are plain names, and the
+    resulting directory is a direct child of FLWR_HOME/apps.
+    """
+    from flwr.common.config import get_fab_config, get_metadata_from_config, get_project_dir
+    from flwr.common.constant import APP_DIR
+
+    h = check_fab(fab_bytes, allowed)
+    what = f"app bundle sha256={h}"
+    if not isinstance(fab_hash, str) or fab_hash.lower() != h:
+        _refuse(f"refused {what}: the run names hash {fab_hash!r}, not the bundle's own; nothing was loaded")
+    parts = fab_id.split("/") if isinstance(fab_id, str) else []
+    if len(parts) != 2 or not all(_NAME.fullmatch(x) for x in parts) or \
+            not isinstance(fab_version, str) or not _VERSION.fullmatch(fab_version) or ".." in fab_version:
+        _refuse(f"refused {what}: fab_id {fab_id!r} / fab_version {fab_version!r} are not plain names "
+                "(path characters could make Flower load code from elsewhere); nothing was loaded")
+    try:
+        own_id, own_version = get_metadata_from_config(get_fab_config(fab_bytes))
+    except Exception as exc:  # noqa: BLE001 - any unreadable bundle is refused
+        _refuse(f"refused {what}: its pyproject.toml cannot be read ({exc}); nothing was loaded")
+    if (own_id, own_version) != (fab_id, fab_version):
+        _refuse(f"refused {what}: the run names {fab_id} {fab_version} but the bundle is {own_id} {own_version}; "
+                "nothing was loaded")
+    apps = (Path(flwr_home) / APP_DIR).resolve()
+    target = get_project_dir(fab_id, fab_version, fab_hash)
+    if target.resolve().parent != apps or target.parent.resolve() != apps:
+        _refuse(f"refused {what}: Flower would load it from {target}, outside {apps}; nothing was loaded")
+    return target
+
+
+def bundle_files(fab_bytes: bytes) -> dict[str, str]:
+    """{relative path: sha256} of the files a bundle installs (its signed-by-hash CONTENT list)."""
+    with zipfile.ZipFile(io.BytesIO(fab_bytes)) as z:
+        content = z.read(".info/CONTENT").decode("utf-8")
+    out = {}
+    for line in content.strip().splitlines():
+        rel, digest, _size = line.rsplit(",", 2)
+        out[rel] = digest
+    return out
+
+
+def check_installed(app_dir: Path, fab_bytes: bytes) -> None:
+    """The installed directory holds exactly the bundle's files, byte for byte.
+
+    Flower skips installing when the directory already exists and then imports whatever is there;
+    a file changed or added in it (an extra module shadows any import: the directory is first on
+    ``sys.path``) would run unchecked. Bytecode caches (``__pycache__``) are Python's own.
+    """
+    want = bundle_files(fab_bytes)
+    have = {}
+    for f in Path(app_dir).rglob("*"):
+        rel = f.relative_to(app_dir).as_posix()
+        if "__pycache__" in f.relative_to(app_dir).parts or f.is_dir():
+            continue
+        if f.is_symlink():
+            _refuse(f"refused app directory {app_dir}: {rel} is a link; nothing was loaded")
+        have[rel] = hashlib.sha256(f.read_bytes()).hexdigest()
+    if have != want:
+        diff = sorted(set(have) ^ set(want)) + sorted(k for k in set(have) & set(want) if have[k] != want[k])
+        _refuse(f"refused app directory {app_dir}: it differs from the allowed bundle ({', '.join(diff[:5])}); "
+                "nothing was loaded. Delete the directory so the node reinstalls the bundle")
 
 
 def install_gate() -> None:
-    """Wrap Flower's FAB installer in the ClientApp runtime with the allow-list check."""
+    """Wrap the two Flower steps that decide what code runs: the task input and the FAB install."""
     check_flower_internals()
     from flwr.supernode.runtime import run_clientapp as rc
 
-    original = rc.install_from_fab
-    if getattr(original, "__feta_gate__", False):
-        return
+    if not getattr(rc.pull_task_input, "__feta_gate__", False):
+        original_pull = rc.pull_task_input
 
-    def gated_install_from_fab(fab_file, *args, **kwargs):  # type: ignore[no-untyped-def]
-        data = fab_file if isinstance(fab_file, bytes) else Path(fab_file).read_bytes()
-        check_fab(data)
-        return original(fab_file, *args, **kwargs)
+        def gated_pull_task_input(client, *args, **kwargs):  # type: ignore[no-untyped-def]
+            message, context, run, fab = original_pull(client, *args, **kwargs)
+            from flwr.common.config import get_flwr_home
 
-    gated_install_from_fab.__feta_gate__ = True  # type: ignore[attr-defined]
-    rc.install_from_fab = gated_install_from_fab
+            _current["dir"] = check_app_identity(run.fab_id, run.fab_version, fab.hash_str, fab.content,
+                                                 get_flwr_home())
+            _current["fab"] = fab.content
+            return message, context, run, fab
+
+        gated_pull_task_input.__feta_gate__ = True  # type: ignore[attr-defined]
+        rc.pull_task_input = gated_pull_task_input
+    if not getattr(rc.install_from_fab, "__feta_gate__", False):
+        original_install = rc.install_from_fab
+
+        def gated_install_from_fab(fab_file, *args, **kwargs):  # type: ignore[no-untyped-def]
+            data = fab_file if isinstance(fab_file, bytes) else Path(fab_file).read_bytes()
+            check_fab(data)  # before a single byte is unpacked
+            if _current.get("fab") != data:
+                _refuse("refused app bundle: it is not the one whose identity was checked; nothing was loaded")
+            path = original_install(fab_file, *args, **kwargs)
+            if Path(path).resolve() != Path(_current["dir"]).resolve():
+                _refuse(f"refused app bundle: installed at {path}, but Flower will load {_current['dir']}")
+            check_installed(Path(path), data)
+            return path
+
+        gated_install_from_fab.__feta_gate__ = True  # type: ignore[attr-defined]
+        rc.install_from_fab = gated_install_from_fab
+
+
+# What the task input of this process (one message per flwr-clientapp process) was checked to be.
+_current: dict[str, object] = {}
 
 
 def main() -> None:

@@ -35,6 +35,33 @@ def canonical_json(obj: Any) -> bytes:
     )
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object names the same key twice: two parsers could read two different documents."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(f"duplicate key {k!r} in a JSON object")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not JSON")
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """Parse a signed (or to-be-verified) JSON document: duplicate keys and NaN/Infinity are refused.
+
+    Why: with ``{"epsilon": 9, "epsilon": 0.5}`` Python keeps the last value while another reader may keep
+    the first; a signature would then cover a document that readers disagree about. Raises ``ValueError``
+    (``json.JSONDecodeError`` or :class:`DuplicateKeyError`).
+    """
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+
+
 def _reject_non_finite(obj: Any) -> None:
     if isinstance(obj, float) and not math.isfinite(obj):
         raise ValueError(f"non-finite number {obj!r} cannot be signed")
@@ -65,6 +92,13 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 def public_key_bytes(key: Ed25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def full_fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
+    """sha256 over the raw 32-byte public key, all 64 hex digits (the short form is for display only)."""
+    if isinstance(key, Ed25519PrivateKey):
+        key = key.public_key()
+    return hashlib.sha256(public_key_bytes(key)).hexdigest()
 
 
 def fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:

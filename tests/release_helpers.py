@@ -46,6 +46,7 @@ class Keys:
     policy: Ed25519PrivateKey
 
     def pub_files(self, d: Path) -> list[str]:
+        """coordinator.pub, site.pub, policy.pub (the site administrator's key) in ``d``."""
         d.mkdir(parents=True, exist_ok=True)
         out = []
         for name in ("coordinator", "site", "policy"):
@@ -57,19 +58,46 @@ class Keys:
     def public(self) -> list[Any]:
         return [k.public_key() for k in (self.coordinator, self.site, self.policy)]
 
+    def trust(self, site_id: str = "a") -> dict[str, Any]:
+        """The verifier's trust roots: this site's administrator (policy) key, bound to its site id."""
+        return {site_id: self.policy.public_key()}
+
+    def trusted_args(self, d: Path, site_id: str = "a") -> list[str]:
+        return ["--trusted", f"{site_id}={self.pub_files(d)[2]}"]
+
 
 def new_keys() -> Keys:
     return Keys(Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate())
 
 
-def signed_policy(keys: Keys, site_id: str = "a", per_job_eps: float = 5.0, dpsgd_min_sigma: float = 0.5) -> dict:
+def signed_policy(keys: Keys, site_id: str = "a", per_job_eps: float = 5.0, dpsgd_min_sigma: float = 0.5,
+                  coordinators: list[Any] | None = None) -> dict:
     from feta_release.policy import make_policy, sign_policy
 
     doc = make_policy(
-        site_id, "0" * 64, 5000, [keys.coordinator.public_key()], per_job=(per_job_eps, 1e-5), lifetime=(20.0, 1e-5),
-        mechanisms={"dpsgd": {"min_sigma": dpsgd_min_sigma}},
+        site_id, "0" * 64, 5000, coordinators or [keys.coordinator.public_key()], per_job=(per_job_eps, 1e-5),
+        lifetime=(20.0, 1e-5), mechanisms={"dpsgd": {"min_sigma": dpsgd_min_sigma}}, site_key=keys.site.public_key(),
     )
     return sign_policy(doc, keys.policy)
+
+
+def signed_job(coordinator: Ed25519PrivateKey, job_id: str, sites: list[str]) -> dict:
+    from feta_release.config import load_preset
+    from feta_release.policy.jobs import sign_job
+
+    return sign_job(load_preset("tiny"), coordinator, job_id, sites)
+
+
+def attest(keys: Keys, site_id: str, job: dict, policy: dict | None, events: list[PrivacyEvent] | None = None,
+           signer: Ed25519PrivateKey | None = None) -> dict:
+    """A final attestation for ``job`` (signed by ``signer``, default the site's own key)."""
+    from feta_release.policy.document import SitePolicy
+    from feta_release.release.manifest import build_attestation
+    from feta_release.signing import canonical_json, sha256_hex
+
+    pol_sha = SitePolicy.from_document(policy["policy"], None).digest if policy else None
+    return build_attestation(site_id, job["job"]["job_id"], events or EVENTS, 1e-5, "rdp", pol_sha,
+                             signer or keys.site, job_sha256=sha256_hex(canonical_json(job["job"])))
 
 
 def make_release(
@@ -77,32 +105,40 @@ def make_release(
     den_onnx: Any,
     keys: Keys,
     *,
-    policy: dict | None = None,
+    policy: dict | None | bool = True,
     events: list[PrivacyEvent] | None = None,
     site_id: str = "a",
     job_id: str = "job-1",
     solver: str = "heun",
     steps: int = 6,
 ) -> Path:
-    from feta_release.config import JobConfig
-    from feta_release.policy.document import SitePolicy
+    """A one-site release (``policy=True``: the site's default signed policy; ``None``: no policy file)."""
+    if policy is True:
+        policy = signed_policy(keys, site_id)
+    job = signed_job(keys.coordinator, job_id, [site_id])
+    att = attest(keys, site_id, job, policy or None, events)
+    return assemble(out, den_onnx, keys.coordinator, job, [att], {site_id: policy} if policy else {},
+                    solver=solver, steps=steps)
+
+
+def assemble(out: Path, den_onnx: Any, coordinator: Ed25519PrivateKey, job: dict, attestations: list[dict],
+             policies: dict[str, dict], *, solver: str = "heun", steps: int = 6) -> Path:
     from feta_release.release.export_run import assemble_release
-    from feta_release.release.manifest import build_attestation, site_record
+    from feta_release.release.manifest import site_record
     from feta_release.release.onnx_export import SamplerSettings
 
-    pol_sha = SitePolicy.from_document(policy["policy"], None).digest if policy else None
-    att = build_attestation(site_id, job_id, events or EVENTS, 1e-5, "rdp", pol_sha, keys.site)
     return assemble_release(
         out,
         denoiser=den_onnx,
         classes=CLASSES,
         image_shape=IMAGE_SHAPE,
         sampler=SamplerSettings(solver=solver, steps=steps),
-        job_id=job_id,
-        config=JobConfig().to_dict(),
-        sites=[site_record(att)],
-        coordinator_key=keys.coordinator,
-        signed_policies={site_id: policy} if policy else None,
+        job_id=job["job"]["job_id"],
+        config=job["job"]["config"],
+        sites=[site_record(a) for a in attestations],
+        coordinator_key=coordinator,
+        signed_policies=policies or None,
+        signed_job=job,
         enforce_policy=False,  # some tests need an over-policy release to show that verify refuses it
     )
 

@@ -48,7 +48,7 @@ def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path):
                                                        insecure=True, home=tmp_path / "coord")))
         for s in fed.sites:
             procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                                 ledger=s.ledger, site_key=s.site_key, superlink=f"127.0.0.1:{port}",
+                                                 ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
                                                  port=free_port(), insecure=True)))
         time.sleep(3)  # let all three nodes register before the job's first hello
         summary = run_signed_job(signed, fed.coordinator_key, out, f"127.0.0.1:{port}", insecure=True)
@@ -78,14 +78,15 @@ def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
     for f in ("samples.png", "privacy_report.txt", "privacy_report.json", "demo_summary.json", "budget.svg",
               "report.html"):
         assert (out / f).exists(), f
-    assert "Release VERIFIED" in (out / "report.html").read_text("utf-8")  # the DPO's page, against the demo's keys
+    page = (out / "report.html").read_text("utf-8")
+    assert "Release VERIFIED" in page  # the DPO's page, against the demo's role-bound keys
+    assert "ε lifetime (all jobs)" in page and "site site-a administrator" in page
     report = json.loads((out / "privacy_report.json").read_text())
     assert all(s["epsilon_total"] <= 1.0 + 1e-9 for s in report["sites"].values())
     fed = out / "federation"
-    trusted = ["--trusted", str(fed / "coordinator" / "coordinator.pub")]
-    for s in ("site-a", "site-b", "site-c"):
-        trusted += ["--trusted", str(fed / "sites" / s / "keys" / "site.pub"),
-                    "--trusted", str(fed / "sites" / s / "keys" / "policy.pub")]
+    trusted = ["--coordinator", str(fed / "coordinator" / "coordinator.pub")]
+    for s in ("site-a", "site-b", "site-c"):  # role-bound: each site's administrator (policy) key for its id
+        trusted += ["--trusted", f"{s}={fed / 'sites' / s / 'keys' / 'policy.pub'}"]
     v = subprocess.run([*CLI, "verify", str(out / "release"), *trusted], capture_output=True, text=True, timeout=300)
     assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
 
@@ -141,7 +142,7 @@ def test_tls_and_node_authentication_real_processes(tmp_path):
             register_node(keys[sid][1], sid, tmp_path / "coord" / "cli", addr, root_certificates=certs["ca_cert"])
         for s in fed.sites:
             procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                                 ledger=s.ledger, site_key=s.site_key, superlink=addr,
+                                                 ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret, superlink=addr,
                                                  port=free_port(), root_certificates=certs["ca_cert"],
                                                  auth_key=keys[s.site_id][0])))
         time.sleep(3)

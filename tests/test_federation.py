@@ -126,23 +126,24 @@ def test_coordinator_restart_resumes_without_paying_twice(fed, tmp_path, monkeyp
 
 
 def test_replayed_request_returns_recorded_answer_and_is_not_charged_twice(fed, tmp_path):
+    """Before the job is closed by its attestation, a replayed round (even with other weights) gets the recorded
+    bytes back: no fresh noise draw, one charge only. (After the attestation it is refused: test_job_close.py.)"""
     cfg = tiny_job()
     signed, _ = sign_job_file(fed, cfg, "job-replay")
-    _run(fed, harness(fed), signed, tmp_path / "out")
     grid = harness(fed)
     from feta_release.models import build_denoiser
 
     weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, (1, 28, 28), 10).state_dict().items()}
+    other = {k: v + np.float32(0.01) if v.dtype.kind == "f" else v for k, v in weights.items()}
     replies = []
-    for _ in range(2):
-        msg = grid.create_message(fm.make_payload({"job": signed, "round": 0}, weights), fm.TRAIN, 100, "replay")
+    for w in (weights, other):
+        msg = grid.create_message(fm.make_payload({"job": signed, "round": 0}, w), fm.TRAIN, 100, "replay")
         (rep,) = grid.send_and_receive([msg])
         assert not rep.has_error(), rep.error.reason if rep.has_error() else ""
         replies.append(fm.payload_bytes(rep.content))
-    # Same bytes as recorded in the job run (not a fresh noise draw on the new weights), and one charge only.
     assert replies[0] == replies[1]
     reqs = _ledger_requests(fed, "site-a", "job-replay")
-    assert len(reqs) == 2
+    assert len(reqs) == 1
     import hashlib
 
     assert hashlib.sha256(replies[0]).hexdigest() == reqs[0]["response_sha256"]
@@ -225,25 +226,41 @@ def test_node_refuses_changed_data(fed, tmp_path):
     z["images"][0, 0, 0, 0] = 1.0 - z["images"][0, 0, 0, 0]
     np.savez(tmp_path / "changed.npz", **z)
     cfg = {**s.node_config(), "data-path": str(tmp_path / "changed.npz")}
-    with pytest.raises(PolicyError, match="dataset.fingerprint"):
+    with pytest.raises(PolicyError, match="dataset.commitment"):
         Site.open(cfg)
 
 
 @pytest.mark.slow  # aux-generator fit + warm-ups: ~30 s alone, minutes on a loaded machine
-def test_full_pipeline_central_frequency_dpsgd_and_resume_replays(fed, tmp_path):
+def test_full_pipeline_central_frequency_dpsgd_and_resume_replays(fed, tmp_path, monkeypatch):
+    from feta_release.federation.driver import JobDriver
+
     cfg = full_job()
     signed, _ = sign_job_file(fed, cfg, "job-full")
     out = tmp_path / "out"
-    res = _run(fed, harness(fed), signed, out)
+    # The coordinator crashes after the last round, before asking for the (final) attestations.
+    real_attest = JobDriver.attestations
+
+    def crash(self):  # noqa: ANN001, ANN202
+        raise RuntimeError("coordinator crashed before attesting")
+
+    monkeypatch.setattr(JobDriver, "attestations", crash)
+    with pytest.raises(RuntimeError, match="before attesting"):
+        _run(fed, harness(fed), signed, out)
     for s in fed.sites:
         reqs = _ledger_requests(fed, s.site_id, "job-full")
         assert [r["mechanism"] for r in reqs] == ["central", "frequency", "dpsgd", "dpsgd"]
-        assert res.attestations[s.site_id]["statement"]["epsilon"] <= 1.0 + 1e-9
     # Lose the coordinator's copy of one release: asking again is answered from the ledger, not re-charged.
     before = _ledger_requests(fed, "site-b", "job-full")
     (out / "state" / "central_site-b.npz").unlink()
     (out / "state" / "warmup.pt").unlink()
+    monkeypatch.setattr(JobDriver, "attestations", real_attest)
     grid = harness(fed)
-    _run(fed, grid, signed, out)
+    res = _run(fed, grid, signed, out)
     assert [m.metadata.message_type for m in grid.sent].count(fm.CENTRAL) == 1
+    assert _ledger_requests(fed, "site-b", "job-full") == before
+    for s in fed.sites:
+        assert res.attestations[s.site_id]["statement"]["epsilon"] <= 1.0 + 1e-9
+    # Attested: the job is closed at every site, a further run is refused before anything is released.
+    with pytest.raises(Exception, match="closed"):
+        _run(fed, harness(fed), signed, tmp_path / "out2")
     assert _ledger_requests(fed, "site-b", "job-full") == before

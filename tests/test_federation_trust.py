@@ -26,6 +26,8 @@ def gate(monkeypatch, tmp_path):
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr_home"))
     monkeypatch.setenv(trust.ENV_LOG, str(tmp_path / "trust.log"))
     monkeypatch.setattr(rc, "install_from_fab", rc.install_from_fab)  # restored after the test
+    monkeypatch.setattr(rc, "pull_task_input", rc.pull_task_input)
+    monkeypatch.setattr(trust, "_current", {})
     trust.install_gate()
     return rc
 
@@ -58,8 +60,16 @@ def test_untrusted_bundle_is_refused_before_unpacking(gate, monkeypatch, tmp_pat
 def test_allowed_bundle_installs(gate, monkeypatch, tmp_path):
     from coordinator.setup import APP_DIR
 
+    from types import SimpleNamespace
+
     fab = _fab(APP_DIR)
-    monkeypatch.setenv(trust.ENV_ALLOWED, hashlib.sha256(fab).hexdigest())
+    h = hashlib.sha256(fab).hexdigest()
+    monkeypatch.setenv(trust.ENV_ALLOWED, h)
+    # What the SuperNode hands flwr-clientapp: the run's names and the bundle. The gate checks both first.
+    run = SimpleNamespace(fab_id="feta-release/feta-release-app", fab_version="0.1.0")
+    monkeypatch.setattr(gate, "pull_task_input", lambda client: ("m", "c", run, SimpleNamespace(hash_str=h, content=fab)))
+    trust.install_gate()
+    gate.pull_task_input(None)
     path = gate.install_from_fab(fab, skip_prompt=True)
     assert (Path(path) / "pyproject.toml").exists()
 
@@ -82,7 +92,7 @@ def test_insecure_only_for_loopback(tmp_path):
     from edge.launch import NodeSettings, check_transport
 
     base = dict(data=tmp_path, policy=tmp_path, trusted_policy_key=tmp_path, ledger=tmp_path / "l.db",
-                site_key=tmp_path)
+                site_key=tmp_path, data_secret=tmp_path)
     check_transport(NodeSettings(**base, superlink="127.0.0.1:9092", insecure=True))
     with pytest.raises(ConfigError, match="non-loopback"):
         check_transport(NodeSettings(**base, superlink="10.1.2.3:9092", insecure=True))
@@ -114,7 +124,8 @@ def test_node_start_refuses_a_policy_signed_by_another_key(tmp_path):
     s = fed.site("site-a")
     _, other_pub = generate_keypair(tmp_path / "other", "other")
     args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
-            "--site-key", str(s.site_key), "--superlink", "127.0.0.1:1", "--insecure"]
+            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--superlink", "127.0.0.1:1",
+            "--insecure"]
     res = CliRunner().invoke(node, [*args, "--trusted-policy-key", str(other_pub)])
     assert isinstance(res.exception, PolicyError) and "signature.signer" in str(res.exception)
     # Non-loopback without TLS is refused before anything starts.

@@ -46,13 +46,26 @@ def test_unknown_coordinator_refused() -> None:
 
 
 def test_fingerprint_only_coordinator_entry() -> None:
+    """A policy may name a coordinator by the FULL sha256 of its raw key; the job's embedded key must hash to it."""
     doc = policy_doc(K)
-    doc["coordinators"] = [signing.fingerprint(K["coord"])]
+    doc["coordinators"] = [signing.full_fingerprint(K["coord"])]
     pol = open_signed_policy(sign_policy(doc, K["site"]), [K["site"].public_key()])
-    assert verify_job(signed_job(K), pol).signer == signing.fingerprint(K["coord"])
+    job = verify_job(signed_job(K), pol)
+    assert job.signer == signing.fingerprint(K["coord"]) and job.signer_sha256 == signing.full_fingerprint(K["coord"])
     with pytest.raises(PolicyViolation) as exc:
         verify_job(signed_job(K, key="other"), pol)
     assert exc.value.rule == "coordinators"
+
+
+def test_short_fingerprint_coordinator_entry_refused() -> None:
+    """Attack (issue 12 §2): a 16-hex (64-bit) allow-list entry lets anyone who finds a key whose short hash
+    matches (~2^64 work) sign jobs. Such a policy is refused. Fails on 473f707 (it accepted the entry)."""
+    from feta_release.policy.errors import PolicySchemaError
+
+    doc = policy_doc(K)
+    doc["coordinators"] = [signing.fingerprint(K["coord"])]
+    with pytest.raises(PolicySchemaError, match="coordinators"):
+        sign_policy(doc, K["site"])
 
 
 def test_job_must_name_the_site() -> None:

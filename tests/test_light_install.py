@@ -48,16 +48,16 @@ def test_verify_report_synthesize_and_verify_synthetic_without_the_training_stac
     keys = new_keys()
     release = make_release(tmp_path / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys,
                            policy=signed_policy(keys))
-    pubs = keys.pub_files(tmp_path / "keys")
+    coord_pub, _, admin_pub = keys.pub_files(tmp_path / "keys")
     me_priv, me_pub = generate_keypair(tmp_path / "me", "dpo")
-    trusted = [a for p in pubs for a in ("--trusted", p)]
+    trusted = ["--trusted", f"a={admin_pub}", "--coordinator", coord_pub]  # role-bound, as in the README
     synth = tmp_path / "synthetic"
     commands = [
         ["verify", str(release), "--json", *trusted],
         ["report", str(release), "--out", str(tmp_path / "report.html"), "--per-class", "2", *trusted],
         ["synthesize", "--release", str(release), "--num", "6", "--out", str(synth), "--no-progress", "--threads", "1",
          "--key", str(me_priv), *trusted],
-        ["verify-synthetic", str(synth), "--trusted", str(me_pub), *trusted],
+        ["verify-synthetic", str(synth), "--certificate-key", str(me_pub), *trusted],
     ]
     proc = _run(commands)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]

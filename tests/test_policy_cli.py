@@ -27,8 +27,11 @@ def setup(tmp_path):
     np.savez(data, images=images, labels=labels)
     from feta_release.data import load_dataset
 
+    from feta_release.data.commitment import create_secret, dataset_commitment, load_secret
+
     ds, _ = load_dataset(data)
-    doc = make_policy("site-a", ds.fingerprint(), ds.n, [coord_pem], not_before="2026-01-01T00:00:00Z",
+    secret = load_secret(create_secret(tmp_path / "data.secret"))
+    doc = make_policy("site-a", dataset_commitment(ds, secret), 10, [coord_pem], not_before="2026-01-01T00:00:00Z",
                       valid_days=36500)
     (tmp_path / "policy.json").write_text(json.dumps(doc))
     (tmp_path / "job.toml").write_text('[dpsgd]\nsteps = 20\nbatch = 4\n[privacy]\nepsilon = 0.5\n')
@@ -47,9 +50,10 @@ def test_round_trip(setup) -> None:
     assert signed["signature"]["signer"] == site_fp
 
     res = runner.invoke(cli, ["policy", "verify", str(d / "signed.json"), "--trusted", str(k / "site.pub"),
-                              "--data", str(d / "data.npz"), "--now", "2026-03-01T00:00:00Z"])
+                              "--data", str(d / "data.npz"), "--secret", str(d / "data.secret"),
+                              "--now", "2026-03-01T00:00:00Z"])
     assert res.exit_code == 0, res.output
-    assert "OK: policy site-a v1" in res.output and "fingerprint matches" in res.output
+    assert "OK: policy site-a v1" in res.output and "commitment matches" in res.output
 
     res = runner.invoke(cli, ["policy", "show", str(d / "signed.json"), "--trusted", str(k / "site.pub")])
     assert res.exit_code == 0, res.output
@@ -95,8 +99,8 @@ def test_refusals_name_the_rule(setup) -> None:
     # Data changed since signing.
     np.savez(d / "data.npz", images=np.zeros((12, 1, 8, 8), np.float32) + 0.5, labels=np.arange(12) % 3)
     res = runner.invoke(cli, ["policy", "verify", str(d / "signed.json"), "--trusted", str(k / "site.pub"),
-                              "--data", str(d / "data.npz")])
-    assert isinstance(res.exception, PolicyViolation) and res.exception.rule == "dataset.fingerprint"
+                              "--data", str(d / "data.npz"), "--secret", str(d / "data.secret")])
+    assert isinstance(res.exception, PolicyViolation) and res.exception.rule == "dataset.commitment"
     # A job signed by the site key is not from an allowed coordinator.
     runner.invoke(cli, ["job", "sign", str(d / "job.toml"), "--key", str(k / "site.key"), "--job-id", "j-2",
                         "--sites", "site-a", "--out", str(d / "bad-job.json")])

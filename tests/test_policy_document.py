@@ -56,7 +56,7 @@ MALFORMED = [
     (("version",), 1.5, "version"),
     (("version",), _DELETE, "version"),
     (("site_id",), "has space", "site_id"),
-    (("dataset", "fingerprint"), "xyz", "dataset.fingerprint"),
+    (("dataset", "commitment"), "xyz", "dataset.commitment"),
     (("dataset", "size"), 0, "dataset.size"),
     (("dataset", "size"), _DELETE, "dataset.size"),
     (("budget", "per_job", "epsilon"), -1.0, "budget.per_job.epsilon"),

@@ -31,7 +31,7 @@ def test_untampered_policy_verifies() -> None:
 
 def test_tamper_cases_cover_every_field() -> None:
     described = " ".join(d for d, _ in CASES)
-    for field in ("version", "site_id", "dataset.fingerprint", "dataset.size", "budget.per_job.epsilon",
+    for field in ("version", "site_id", "dataset.commitment", "dataset.size", "budget.per_job.epsilon",
                   "budget.lifetime.delta", "accountant", "mechanisms.dpsgd.min_sigma", "mechanisms.central.max_rounds",
                   "mechanisms.frequency.max_features", "mechanisms.dpsgd.max_clip", "coordinators.0", "app_bundles.0",
                   "not_before", "expires", "signature.signature", "signature.public_key", "signature.signer",
@@ -123,13 +123,13 @@ def test_same_version_with_other_content_refused(tmp_path) -> None:
     assert exc.value.rule == "version"
 
 
-def test_dataset_fingerprint_mismatch(tmp_path) -> None:
+def test_dataset_commitment_mismatch(tmp_path) -> None:
     path = _write(tmp_path, SIGNED)
     trusted = [K["site"].public_key()]
-    assert load_site_policy(path, trusted, now=NOW, dataset_fingerprint=FP).dataset_fingerprint == FP
+    assert load_site_policy(path, trusted, now=NOW, dataset_commitment=FP).dataset_commitment == FP
     with pytest.raises(PolicyViolation) as exc:
-        load_site_policy(path, trusted, now=NOW, dataset_fingerprint="cd" * 32)
-    assert exc.value.rule == "dataset.fingerprint" and "data changed" in str(exc.value)
+        load_site_policy(path, trusted, now=NOW, dataset_commitment="cd" * 32)
+    assert exc.value.rule == "dataset.commitment" and "data" in str(exc.value)
 
 
 def test_trusted_keys_accept_paths_and_pem(tmp_path) -> None:

@@ -74,14 +74,16 @@ def setup(tmp_path):
 
 def _policy_file(tmp: Path, k: dict, per_job_eps: float) -> Path:
     doc = make_policy("hosp-a", "1" * 64, 5000, [load_private_key(k["coord"]).public_key()],
-                      per_job=(per_job_eps, 1e-5), lifetime=(20.0, 1e-5))
+                      per_job=(per_job_eps, 1e-5), lifetime=(20.0, 1e-5),
+                      site_key=load_private_key(k["site"]).public_key())
     p = tmp / f"policy-{per_job_eps}.signed.json"
     p.write_text(json.dumps(sign_policy(doc, load_private_key(k["policy_key"]))))
     return p
 
 
 def _trusted(k: dict) -> list[str]:
-    return [a for p in k["pubs"] for a in ("--trusted", p)]
+    """Role-bound trust: site hosp-a's administrator key (the coordinator and site keys follow from its policy)."""
+    return ["--trusted", f"hosp-a={k['pubs'][2]}"]
 
 
 def test_export_verify_synthesize_cli(setup):
@@ -101,7 +103,11 @@ def test_export_verify_synthesize_cli(setup):
 
     r = CliRunner().invoke(cli, ["verify", str(rel), "--json", *_trusted(k)])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["ok"] is True
+    out_json = json.loads(r.output)
+    assert out_json["ok"] is True
+    # The figures come from an unsigned run directory, and verify says so (a warning, not a refusal).
+    (hist,) = [c for c in out_json["checks"] if c["name"] == "site hosp-a history"]
+    assert hist["status"] == "warn" and "run-directory" in hist["detail"]
 
     out = tmp / "synthetic"
     r = CliRunner().invoke(cli, ["synthesize", "--release", str(rel), "--num", "4", "--out", str(out),
@@ -128,4 +134,29 @@ def test_export_refuses_unfinished_run(setup):
     r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / "rel"), "--coordinator-key", str(k["coord"]),
                                  "--site-key", str(k["site"])])
     assert isinstance(r.exception, ReleaseError) and "not complete" in str(r.exception)
+    assert not (tmp / "rel").exists()
+
+
+class _Payload:
+    """Pickles to a call of ``Path.touch(marker)``: code a full unpickle would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: D105
+        return (Path.touch, (self.marker,))
+
+
+def test_export_does_not_unpickle_code_from_model_pt(setup):
+    """Attack (issue 12 §2): whoever can write the run directory plants code in model.pt; `export` (run by the
+    site, with the site key) must load weights only. Fails on 473f707 (torch.load weights_only=False runs it)."""
+    tmp, k = setup
+    rd = _run_dir(tmp)
+    marker = tmp / "pwned"
+    ckpt = torch.load(rd / "model.pt", weights_only=True)
+    save_torch(rd / "model.pt", {**ckpt, "extra": _Payload(marker)})
+    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / "rel"), "--coordinator-key", str(k["coord"]),
+                                 "--site-key", str(k["site"]), "--policy", str(_policy_file(tmp, k, 5.0))])
+    assert not marker.exists(), "export ran code from model.pt"
+    assert isinstance(r.exception, ReleaseError) and "weights-only" in str(r.exception)
     assert not (tmp / "rel").exists()

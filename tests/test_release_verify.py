@@ -68,7 +68,7 @@ def _failed(res) -> set[str]:
 
 
 def test_valid_release_verifies(release, keys):
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert res.ok, res.reason()
     names = {c.name for c in res.checks if c.status == "pass"}
     assert {"manifest signature", "generator hash", "generator metadata", "site a attestation", "site a epsilon",
@@ -113,7 +113,7 @@ def test_tampering_any_manifest_field_fails(release, keys):
     signed = load_signed(release)
     paths = list(_leaves(signed["manifest"]))
     assert len(paths) > 50
-    trusted = keys.public()
+    trusted = keys.trust()
     for path in paths:
         doc = copy.deepcopy(signed)
         node = doc["manifest"]
@@ -131,38 +131,37 @@ def test_generator_byte_flip_refused(release, keys):
     data = bytearray(gen.read_bytes())
     data[len(data) // 2] ^= 0x01
     gen.write_bytes(bytes(data))
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert not res.ok and "generator hash" in _failed(res)
     assert res.generator_bytes is None  # nothing unverified is handed to synthesis
 
 
 def test_missing_generator_or_manifest_refused(release, keys):
     (release / "generator.onnx").unlink()
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert not res.ok and "generator file" in _failed(res)
     (release / "manifest.json").unlink()
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert not res.ok and "manifest" in _failed(res)
 
 
 def test_unknown_signers_refused(release, keys):
-    # The coordinator's key not among the trusted ones.
-    res = verify_release(release, [keys.site.public_key(), keys.policy.public_key()])
-    assert not res.ok and "manifest signature" in _failed(res)
-    assert "unknown key" in res.reason()
-    # The site's key not trusted: its attestation is refused (and its figures not recomputed).
-    res = verify_release(release, [keys.coordinator.public_key(), keys.policy.public_key()])
-    assert _failed(res) == {"site a attestation"}
+    # The administrator key given for site a is not the one that signed its policy.
+    res = verify_release(release, {"a": keys.coordinator.public_key()})
+    assert not res.ok and "site a policy" in _failed(res) and "unknown key" in res.reason()
     # A manifest re-signed by someone else entirely.
     mallory = new_keys()
     resign(release, load_signed(release), mallory.coordinator)
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert not res.ok and "manifest signature" in _failed(res)
 
 
-def test_no_trusted_keys_refused(release):
-    res = verify_release(release, [])
+def test_no_trusted_keys_refused(release, keys):
+    res = verify_release(release, {})
     assert not res.ok and "trusted keys" in _failed(res)
+    # A flat pool of keys, trusted for every role, is refused outright.
+    res = verify_release(release, keys.public())
+    assert not res.ok and "bound to roles" in res.reason()
 
 
 def test_coordinator_cannot_change_site_figures(release, keys):
@@ -170,7 +169,7 @@ def test_coordinator_cannot_change_site_figures(release, keys):
     signed = load_signed(release)
     signed["manifest"]["sites"][0]["epsilon"] = 0.1
     resign(release, signed, keys.coordinator)
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert "site a attestation" in _failed(res)
     assert "differ from the signed statement in: epsilon" in res.reason()
 
@@ -185,7 +184,7 @@ def test_stated_epsilon_must_match_history(release, keys):
     signed["manifest"]["sites"][0] = site_record(att)
     # The generator binds the privacy statement: a changed statement also breaks the generator metadata.
     resign(release, signed, keys.coordinator)
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert {"site a epsilon", "generator metadata"} <= _failed(res)
 
 
@@ -195,7 +194,7 @@ def test_generator_from_another_job_refused(tmp_path, den_onnx, keys, release):
     signed = load_signed(release)
     signed["manifest"]["generator"]["sha256"] = load_signed(other)["manifest"]["generator"]["sha256"]
     resign(release, signed, keys.coordinator)
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert _failed(res) == {"generator metadata"}
     assert "feta.statement_sha256" in res.reason()
 
@@ -218,16 +217,16 @@ def test_assemble_refuses_over_policy(tmp_path, den_onnx, keys):
 def test_over_policy_release_refused(tmp_path, den_onnx, keys):
     # epsilon over the per-job cap
     rel = make_release(tmp_path / "r1", den_onnx, keys, policy=signed_policy(keys, per_job_eps=0.5))
-    res = verify_release(rel, keys.public())
+    res = verify_release(rel, keys.trust())
     assert _failed(res) == {"site a policy"} and "exceeds the per-job cap 0.5" in res.reason()
     # DP-SGD sigma below the policy minimum
     rel = make_release(tmp_path / "r2", den_onnx, keys, policy=signed_policy(keys, dpsgd_min_sigma=2.0))
-    res = verify_release(rel, keys.public())
+    res = verify_release(rel, keys.trust())
     assert _failed(res) == {"site a policy"} and "below the policy minimum 2.0" in res.reason()
     # a stage the policy does not allow
     events = EVENTS + [PrivacyEvent("mystery", 10.0, 0.01, 1)]
     rel = make_release(tmp_path / "r3", den_onnx, keys, policy=signed_policy(keys), events=events)
-    res = verify_release(rel, keys.public())
+    res = verify_release(rel, keys.trust())
     assert "not allowed by the policy" in res.reason()
 
 
@@ -235,18 +234,18 @@ def test_policy_swapped_or_untrusted_refused(release, keys, tmp_path):
     # Another (validly signed) policy put in place of the one the site attested.
     other = signed_policy(keys, per_job_eps=9.0)
     (release / "policies" / "a.signed.json").write_text(json.dumps(other))
-    res = verify_release(release, keys.public())
+    res = verify_release(release, keys.trust())
     assert _failed(res) == {"site a policy"} and "the site attested" in res.reason()
-    # The policy key not trusted.
-    res = verify_release(release, [keys.coordinator.public_key(), keys.site.public_key()])
+    # The site's own (attestation) key given as its administrator key.
+    res = verify_release(release, {"a": keys.site.public_key()})
     assert "site a policy" in _failed(res)
 
 
-def test_release_without_policy_warns_but_verifies(tmp_path, den_onnx, keys):
-    rel = make_release(tmp_path / "r", den_onnx, keys)
-    res = verify_release(rel, keys.public())
-    assert res.ok
-    assert any(c.name == "site a policy" and c.status == "warn" for c in res.checks)
+def test_release_without_policy_refused(tmp_path, den_onnx, keys):
+    """Without the site's signed policy neither its key nor its caps can be checked: refused, not a warning."""
+    rel = make_release(tmp_path / "r", den_onnx, keys, policy=None)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "site a policy" in _failed(res) and "not in the release" in res.reason()
 
 
 def test_attestation_builder_computes_epsilon(keys):
@@ -262,10 +261,15 @@ def test_cli_verify(release, keys, tmp_path):
     from feta_release.cli import cli
 
     pubs = keys.pub_files(tmp_path / "keys")
-    args = ["verify", str(release)] + [a for p in pubs for a in ("--trusted", p)]
-    ok = CliRunner().invoke(cli, args + ["--json"])
+    ok = CliRunner().invoke(cli, ["verify", str(release), *keys.trusted_args(tmp_path / "keys"), "--json"])
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output)["ok"] is True
-    bad = CliRunner().invoke(cli, ["verify", str(release), "--trusted", pubs[1], "--trusted", pubs[2]])
-    assert bad.exit_code != 0
-    assert "unknown key" in str(bad.exception)
+    # A key without a role is refused before anything is read.
+    bad = CliRunner().invoke(cli, ["verify", str(release), "--trusted", pubs[2]])
+    assert bad.exit_code != 0 and "say whose key it is" in str(bad.exception)
+    # The coordinator's key given as site a's administrator key.
+    bad = CliRunner().invoke(cli, ["verify", str(release), "--trusted", f"a={pubs[0]}"])
+    assert bad.exit_code != 0 and "unknown key" in str(bad.exception)
+    # Pinning a coordinator that is not the manifest's signer.
+    bad = CliRunner().invoke(cli, ["verify", str(release), "--trusted", f"a={pubs[2]}", "--coordinator", pubs[1]])
+    assert bad.exit_code != 0 and "manifest signature" in str(bad.exception)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -14,7 +15,7 @@ from click.testing import CliRunner
 pytest.importorskip("torch")  # only to BUILD the test release; the report itself needs no torch
 
 from feta_release.cli import cli  # noqa: E402
-from feta_release.errors import ReleaseError  # noqa: E402
+from feta_release.errors import ConfigError, ReleaseError  # noqa: E402
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.report import SECTIONS, write_report  # noqa: E402
 
@@ -44,7 +45,7 @@ def release(tmp_path_factory, keys):
 @pytest.fixture(scope="module")
 def page(release, keys, tmp_path_factory):
     out = tmp_path_factory.mktemp("page") / "report.html"
-    path, res = write_report(release, out, keys.public(), evaluation=EVALUATION, audit=AUDIT, per_class=4)
+    path, res = write_report(release, out, keys.trust(), evaluation=EVALUATION, audit=AUDIT, per_class=4)
     assert res.ok, res.reason()
     return path
 
@@ -114,7 +115,7 @@ def test_refused_release_says_so_first_and_draws_no_samples(release, keys, tmp_p
     data = bytearray((bad / "generator.onnx").read_bytes())
     data[-1] ^= 1
     (bad / "generator.onnx").write_bytes(bytes(data))
-    path, res = write_report(bad, tmp_path / "r.html", keys.public())
+    path, res = write_report(bad, tmp_path / "r.html", keys.trust())
     html = path.read_text("utf-8")
     assert not res.ok
     assert html.index("Release REFUSED") < html.index("<h2>")
@@ -123,19 +124,72 @@ def test_refused_release_says_so_first_and_draws_no_samples(release, keys, tmp_p
 
 
 def test_cli_report_writes_the_page_and_fails_on_a_refused_release(release, keys, tmp_path):
-    pubs = keys.pub_files(tmp_path / "keys")
+    coord_pub, site_pub, admin_pub = keys.pub_files(tmp_path / "keys")
     (tmp_path / "audit.json").write_text(json.dumps(AUDIT))
     out = tmp_path / "r.html"
     args = ["report", str(release), "--out", str(out), "--audit", str(tmp_path / "audit.json"), "--per-class", "2"]
-    r = CliRunner().invoke(cli, args + [a for p in pubs for a in ("--trusted", p)])
+    r = CliRunner().invoke(cli, args + ["--trusted", f"a={admin_pub}", "--coordinator", coord_pub])
     assert r.exit_code == 0, r.output
     assert "VERIFIED" in r.output and out.is_file()
-    r = CliRunner().invoke(cli, args + ["--trusted", pubs[1]])  # the coordinator's key is not trusted
-    assert isinstance(r.exception, ReleaseError) and "did not verify" in str(r.exception)
-    assert "Release REFUSED" in out.read_text("utf-8")
+    assert "site a administrator" in out.read_text("utf-8") and "coordinator " in out.read_text("utf-8")
+    # Role-bound: the coordinator's (or the site's own) key in the administrator's role does not verify.
+    for wrong in (coord_pub, site_pub):
+        r = CliRunner().invoke(cli, args + ["--trusted", f"a={wrong}"])
+        assert isinstance(r.exception, ReleaseError) and "did not verify" in str(r.exception)
+        assert "Release REFUSED" in out.read_text("utf-8")
+    r = CliRunner().invoke(cli, args + ["--trusted", admin_pub])  # a key with no role: one clear line
+    assert isinstance(r.exception, ConfigError) and "SITE_ID=ADMIN_KEY.pub" in str(r.exception)
     (tmp_path / "audit.json").write_text("[1, 2]")
-    r = CliRunner().invoke(cli, args + ["--trusted", pubs[0]])
+    r = CliRunner().invoke(cli, args + ["--trusted", f"a={admin_pub}"])
     assert "must be a JSON object" in str(r.exception)
+
+
+def test_flat_key_list_is_refused_not_trusted_for_every_role(release, keys, tmp_path):
+    path, res = write_report(release, tmp_path / "r.html", keys.public())
+    assert not res.ok and "Release REFUSED" in path.read_text("utf-8")
+    assert "bound to roles" in res.reason()
+
+
+def test_lifetime_spend_is_shown_beside_the_jobs(keys, tmp_path):
+    """A site that spent on the same images in an earlier job: the page shows both figures (issue 16 left it open)."""
+    from feta_release.accounting import PrivacyEvent
+    from feta_release.policy.document import SitePolicy
+    from feta_release.release.manifest import build_attestation
+    from feta_release.signing import canonical_json, sha256_hex
+
+    from .release_helpers import EVENTS, assemble, signed_job
+
+    job, pol = signed_job(keys.coordinator, "job-life", ["a"]), signed_policy(keys, "a")
+    att = build_attestation("a", "job-life", EVENTS, 1e-5, "rdp", SitePolicy.from_document(pol["policy"], None).digest,
+                            keys.site, job_sha256=sha256_hex(canonical_json(job["job"])),
+                            lifetime_events=[PrivacyEvent("dpsgd", 1.2, 0.05, 300)] + EVENTS, lifetime_delta=1e-5)
+    rel = assemble(tmp_path / "r", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys.coordinator, job, [att],
+                   {"a": pol})
+    path, res = write_report(rel, tmp_path / "r.html", keys.trust(), per_class=1)
+    assert res.ok, res.reason()
+    html = path.read_text("utf-8")
+    job_eps, life = att["statement"]["epsilon"], att["statement"]["lifetime"]["epsilon"]
+    assert life > job_eps
+    section = html[html.index('id="privacy-statement"'):]
+    row = section[section.index("<td>a</td>"):]
+    row = row[:row.index("</tr>")]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    assert cells[1] == f"{job_eps:.4g}" and cells[3] == f"{life:.4g}"  # this job's ε, then the lifetime ε
+    assert "ε lifetime (all jobs)" in html and "the site&#x27;s ledger" in html
+    assert "this release attests this job's spend only" not in html  # the old, now false, sentence
+
+
+def test_page_shows_no_exact_count_and_no_plain_data_hash(page, release):
+    """Only the public nominal size and a keyed commitment ever leave a site; the page shows neither more nor the
+    commitment (a DPO has no use for it), and states the sensitivity in terms of the public size."""
+    html = page.read_text("utf-8")
+    pol = json.loads((release / "policies" / "a.signed.json").read_text())["policy"]
+    ds = pol["dataset"]
+    for v in ds.values():
+        if isinstance(v, str) and len(v) >= 16:
+            assert v not in html, "a dataset commitment/hash appears in the report"
+    assert "fingerprint" not in json.dumps(ds)  # the policy itself carries no plain fingerprint any more
+    assert "public nominal size" in html and "never the exact count" in html
 
 
 # -- a real browser ---------------------------------------------------------------------------------------------
@@ -194,7 +248,7 @@ def test_request_detector_has_power(tmp_path):
 
 
 def test_missing_release_still_gets_a_page_that_says_why(keys, tmp_path):
-    path, res = write_report(tmp_path / "nothing-here", tmp_path / "r.html", keys.public())
+    path, res = write_report(tmp_path / "nothing-here", tmp_path / "r.html", keys.trust())
     html = path.read_text("utf-8")
     assert not res.ok and "Release REFUSED" in html and "cannot read" in html
     assert html.count("No readable manifest") == 4 and "cannot be shown" not in html

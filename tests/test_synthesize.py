@@ -77,7 +77,7 @@ def _only_children(parent: Path) -> set[str]:
 
 def test_writes_per_class_pngs_and_certificate(release, keys, tmp_path):
     out = tmp_path / "synthetic"
-    rep = synthesize(release, out, keys.public(), per_class=[3, 0, 5], seed=7, batch=4, progress=False, threads=1)
+    rep = synthesize(release, out, keys.trust(), per_class=[3, 0, 5], seed=7, batch=4, progress=False, threads=1)
     assert rep.n_images == 8
     assert sorted(p.name for p in out.iterdir()) == ["certificate.json", "one", "two", "zero"]
     assert len(list((out / "zero").glob("*.png"))) == 3
@@ -109,7 +109,7 @@ def test_images_match_the_torch_sampler(release, keys, tmp_path, den):
     from feta_release.models.sampler import sample
 
     out = tmp_path / "s"
-    synthesize(release, out, keys.public(), num=3, seed=11, batch=3, progress=False, threads=1)
+    synthesize(release, out, keys.trust(), num=3, seed=11, batch=3, progress=False, threads=1)
     rng = np.random.Generator(np.random.PCG64(11))
     noise = rng.standard_normal((3, *IMAGE_SHAPE), dtype=np.float32)
     ref = sample(den, torch.tensor([0, 1, 2]), torch.from_numpy(noise), steps=6).numpy()
@@ -120,8 +120,8 @@ def test_images_match_the_torch_sampler(release, keys, tmp_path, den):
 
 def test_batch_size_does_not_change_images(release, keys, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    synthesize(release, a, keys.public(), num=7, seed=3, batch=2, progress=False, threads=1)
-    synthesize(release, b, keys.public(), num=7, seed=3, batch=7, progress=False, threads=1)
+    synthesize(release, a, keys.trust(), num=7, seed=3, batch=2, progress=False, threads=1)
+    synthesize(release, b, keys.trust(), num=7, seed=3, batch=7, progress=False, threads=1)
     for rel in json.loads((a / "certificate.json").read_text())["files"]:
         x = np.asarray(Image.open(a / rel), dtype=np.int16)
         y = np.asarray(Image.open(b / rel), dtype=np.int16)
@@ -130,7 +130,7 @@ def test_batch_size_does_not_change_images(release, keys, tmp_path):
 
 @pytest.mark.parametrize("damage", ["generator", "manifest", "signer", "policy"])
 def test_refusal_writes_nothing(release, keys, tmp_path, damage):
-    trusted = keys.public()
+    trusted = keys.trust()
     if damage == "generator":
         g = release / "generator.onnx"
         data = bytearray(g.read_bytes())
@@ -153,11 +153,11 @@ def test_out_must_be_new_or_empty(release, keys, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(ReleaseError, match="not empty"):
-        synthesize(release, out, keys.public(), num=3, progress=False, threads=1)
+        synthesize(release, out, keys.trust(), num=3, progress=False, threads=1)
     assert _only_children(out) == {"keep.txt"}
     empty = tmp_path / "empty"
     empty.mkdir()
-    synthesize(release, empty, keys.public(), num=3, progress=False, threads=1)
+    synthesize(release, empty, keys.trust(), num=3, progress=False, threads=1)
     assert (empty / "certificate.json").is_file()
 
 
@@ -175,7 +175,7 @@ def test_failure_midway_leaves_nothing(release, keys, tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod, "_to_png", failing)
     with pytest.raises(OSError, match="disk full"):
-        synthesize(release, tmp_path / "out", keys.public(), num=9, batch=2, progress=False, threads=1)
+        synthesize(release, tmp_path / "out", keys.trust(), num=9, batch=2, progress=False, threads=1)
     assert _only_children(tmp_path) == {"release"}
 
 
@@ -196,11 +196,10 @@ def test_counts_and_labels():
 
 def test_cli_synthesize_without_torch(release, keys, tmp_path):
     """The whole CLI path runs in a process where `import torch` fails."""
-    pubs = keys.pub_files(tmp_path / "keys")
     out = tmp_path / "out"
     code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
     args = ["synthesize", "--release", str(release), "--per-class", "2,1,1", "--out", str(out), "--seed", "1",
-            "--batch", "3", "--no-progress", "--threads", "1"] + [a for p in pubs for a in ("--trusted", p)]
+            "--batch", "3", "--no-progress", "--threads", "1"] + keys.trusted_args(tmp_path / "keys")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
@@ -211,7 +210,9 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
                            env=env, timeout=60)
     assert probe.returncode != 0 and "blocked by the test" in probe.stderr  # the block is real
     # And refusal through the CLI: exit code of ReleaseError, reason printed, nothing written.
-    bad = subprocess.run([sys.executable, "-c", code, *args[:-6], "--trusted", pubs[1]], capture_output=True,
+    # The site key is not the administrator key: trusting it for site a's policy must fail.
+    site_pub = keys.pub_files(tmp_path / "keys")[1]
+    bad = subprocess.run([sys.executable, "-c", code, *args[:-2], "--trusted", f"a={site_pub}"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == ReleaseError.exit_code
     assert "unknown key" in bad.stderr + bad.stdout
@@ -221,7 +222,7 @@ MEM_PROBE = """
 import sys
 from feta_release.release.synthesize import synthesize
 from feta_release.signing import load_public_key
-synthesize(sys.argv[1], sys.argv[2], [load_public_key(p) for p in sys.argv[4:]], num=int(sys.argv[3]), batch=8,
+synthesize(sys.argv[1], sys.argv[2], {"a": load_public_key(sys.argv[4])}, num=int(sys.argv[3]), batch=8,
            threads=1, progress=False)
 print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))
 """
@@ -231,12 +232,12 @@ print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS")
 def test_memory_does_not_grow_with_n(release, keys, tmp_path):
     """Peak RSS (VmHWM, KiB) of a fresh synthesis process: 16 vs 400 images differ by less than 8 MiB."""
-    pubs = keys.pub_files(tmp_path / "keys")
+    admin_pub = keys.pub_files(tmp_path / "keys")[2]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     peaks = []
     for n in (16, 400):
         proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + MEM_PROBE, str(release), str(tmp_path / f"o{n}"),
-                               str(n), *pubs], capture_output=True, text=True, env=env, timeout=300)
+                               str(n), admin_pub], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr
         peaks.append(int(proc.stdout.strip().splitlines()[-1]))
     assert peaks[1] - peaks[0] < 8 * 1024, peaks

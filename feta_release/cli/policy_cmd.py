@@ -76,8 +76,10 @@ def keys_generate(out_dir: Path, name: str, passphrase_file: Path | None, passph
 @keys.command("show")
 @click.argument("key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--pem", is_flag=True, help="Also print the public key PEM (to paste into a policy's coordinators).")
+@click.option("--full", is_flag=True, help="Print the full 64-hex sha256 of the key (what a policy's coordinators "
+              "may name instead of the PEM).")
 @_passphrase_options
-def keys_show(key: Path, pem: bool, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
+def keys_show(key: Path, pem: bool, full: bool, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
     """Print the fingerprint of a public (.pub) or private (.key) key file."""
     from .. import signing
 
@@ -85,7 +87,7 @@ def keys_show(key: Path, pem: bool, passphrase_file: Path | None, passphrase_pro
         k = _load_signing_key(key, passphrase_file, passphrase_prompt).public_key()
     else:
         k = signing.load_public_key(key)
-    click.echo(signing.fingerprint(k))
+    click.echo(signing.full_fingerprint(k) if full else signing.fingerprint(k))
     if pem:
         click.echo(signing.public_key_pem(k), nl=False)
 
@@ -118,11 +120,14 @@ def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file:
     click.echo(f"signed policy {doc['site_id']} v{doc['version']} by {signing.fingerprint(k)} -> {target}")
 
 
-def _data_fingerprint(path: Path) -> tuple[str, int]:
+def _data_commitment(path: Path, secret: Path, create: bool = False) -> tuple[str, int, bool]:
+    """(keyed commitment, exact count, secret created). The exact count is for the site's own eyes only."""
     from ..data import load_dataset
+    from ..data.commitment import dataset_commitment, ensure_secret, load_secret
 
     ds, _ = load_dataset(path)
-    return ds.fingerprint(), ds.n
+    key, created = ensure_secret(secret) if create else (load_secret(secret), False)
+    return dataset_commitment(ds, key), ds.n, created
 
 
 @policy.command("verify")
@@ -131,23 +136,29 @@ def _data_fingerprint(path: Path) -> tuple[str, int]:
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Public key(s) allowed to sign site policies (repeatable).")
 @click.option("--data", type=click.Path(exists=True, path_type=Path),
-              help="Check the policy's dataset fingerprint against this data.")
+              help="Check the policy's keyed data commitment against this data (needs --secret).")
+@click.option("--secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's data secret (the key of the commitment; it never leaves the site).")
 @click.option("--now", help="Check the validity window at this ISO 8601 UTC time instead of now.")
 @click.option("--min-version", type=int, help="Refuse a policy older than this version (replay check).")
-def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, now: str | None,
+def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, secret: Path | None, now: str | None,
                   min_version: int | None) -> None:
     """Verify a signed policy as a node would at start; exit non-zero naming the rule if refused."""
     from ..policy import load_site_policy
     from ..policy.document import format_time
 
+    from ..errors import ConfigError
+
     fp = None
     if data is not None:
-        fp, n = _data_fingerprint(data)
-    pol = load_site_policy(signed, list(trusted), now=now, dataset_fingerprint=fp, last_seen_version=min_version)
+        if secret is None:
+            raise ConfigError("--data needs --secret: the policy holds a keyed commitment, not a plain hash")
+        fp, n, _ = _data_commitment(data, secret)
+    pol = load_site_policy(signed, list(trusted), now=now, dataset_commitment=fp, last_seen_version=min_version)
     click.echo(f"OK: policy {pol.site_id} v{pol.version} signed by {pol.signer}, valid "
                f"{format_time(pol.not_before)} .. {format_time(pol.expires)}")
     if data is not None:
-        click.echo(f"dataset fingerprint matches ({n} images; policy's public size {pol.dataset_size})")
+        click.echo(f"dataset commitment matches ({n} images here; policy's public nominal size {pol.dataset_size})")
 
 
 @policy.command("show")
@@ -177,7 +188,7 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
     console.print(f"[bold]site {pol.site_id}[/] policy version {pol.version}")
     console.print(f"signer: {pol.signer}  ({trust})")
     console.print(f"valid:  {format_time(pol.not_before)} .. {format_time(pol.expires)}  {state}")
-    console.print(f"dataset: fingerprint {pol.dataset_fingerprint}, public size N={pol.dataset_size}")
+    console.print(f"dataset: keyed commitment {pol.dataset_commitment}, public nominal size N={pol.dataset_size}")
     console.print(f"budget: lifetime ε={pol.lifetime_epsilon:g} δ={pol.lifetime_delta:g}; per job "
                   f"ε={pol.job_epsilon:g} δ={pol.job_delta:g}; accountant {pol.accountant}")
     table = Table("mechanism", "allowed", "min σ", "caps")
@@ -191,12 +202,21 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
         console.print(f"description: {pol.document['description']}")
 
 
-@policy.command("data-fingerprint")
+@policy.command("data-commitment")
 @click.argument("data", type=click.Path(exists=True, path_type=Path))
-def policy_data_fingerprint(data: Path) -> None:
-    """Print the dataset fingerprint and size to write into a policy's [dataset] table."""
-    fp, n = _data_fingerprint(data)
-    click.echo(f'fingerprint = "{fp}"\nsize = {n}')
+@click.option("--secret", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The site's data secret; created (256 bits from the OS, mode 0600) if it does not exist. "
+                   "Keep it on the site: the node needs it, nobody else may have it.")
+def policy_data_commitment(data: Path, secret: Path) -> None:
+    """Print the [dataset] table of a policy: the keyed commitment to DATA and a suggested public size."""
+    from ..data.commitment import suggest_public_size
+
+    fp, n, created = _data_commitment(data, secret, create=True)
+    if created:
+        click.echo(f"# created data secret {secret} (mode 0600); back it up on this site only", err=True)
+    click.echo(f'commitment = "{fp}"\n# PUBLIC nominal size: every rate and denominator that leaves the site uses it.'
+               f'\n# Suggested: the count rounded to 2 significant digits; the exact count ({n}) must not be published.'
+               f'\nsize = {suggest_public_size(n)}')
 
 
 # -- job -------------------------------------------------------------------------------------------

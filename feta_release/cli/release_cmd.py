@@ -13,12 +13,22 @@ import click
 from ..errors import ConfigError, ReleaseError
 
 
-def _trusted_keys(paths: tuple[str, ...]) -> list:
+def _trust_roots(entries: tuple[str, ...], coordinators: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    """``--trusted SITE_ID=ADMIN_KEY.pub`` (repeatable) and optional ``--coordinator KEY.pub`` pins."""
+    from ..release.verify import SITE_ID_RE, TrustRoots
     from ..signing import load_public_key
 
-    if not paths:
-        raise ConfigError("give at least one --trusted KEY.pub (the coordinator's and each site's public key)")
-    return [load_public_key(p) for p in paths]
+    if not entries:
+        raise ConfigError("give --trusted SITE_ID=ADMIN_KEY.pub for each site (the key that signs its policy)")
+    admins: dict[str, list] = {}
+    for e in entries:
+        sid, sep, path = e.partition("=")
+        if not sep or not SITE_ID_RE.fullmatch(sid) or not path:
+            raise ConfigError(f"--trusted {e!r}: say whose key it is, as SITE_ID=ADMIN_KEY.pub (a key trusted for "
+                              "every role would let a coordinator or another site sign for a site); the coordinator "
+                              "key comes from the sites' signed policies, or pin it with --coordinator KEY.pub")
+        admins.setdefault(sid, []).append(load_public_key(path))
+    return TrustRoots({k: tuple(v) for k, v in admins.items()}, tuple(load_public_key(p) for p in coordinators))
 
 
 def _print_verification(res) -> None:  # type: ignore[no-untyped-def]
@@ -85,14 +95,16 @@ def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_i
 
 @click.command("verify")
 @click.argument("release_dir", type=click.Path(path_type=Path))
-@click.option("--trusted", "trusted", multiple=True, type=click.Path(dir_okay=False),
-              help="Trusted public key (PEM); repeat for the coordinator and each site.")
+@click.option("--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub",
+              help="A site's administrator public key (signs its policy); repeat for each site.")
+@click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
+              help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verification result as JSON.")
-def verify(release_dir: Path, trusted: tuple[str, ...], as_json: bool) -> None:
-    """Verify RELEASE_DIR offline: hashes, signatures, recomputed ε, policy caps."""
+def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool) -> None:
+    """Verify RELEASE_DIR offline: hashes, signatures by role, every site present, recomputed ε, policy caps."""
     from ..release.verify import verify_release
 
-    res = verify_release(release_dir, _trusted_keys(trusted))
+    res = verify_release(release_dir, _trust_roots(trusted, coordinators))
     if as_json:
         import json
 
@@ -120,22 +132,24 @@ def _parse_counts(text: str | None) -> list[int] | None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--batch", type=int, default=64, show_default=True, help="Images per generator call (memory bound).")
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: available cores).")
-@click.option("--trusted", "trusted", multiple=True, type=click.Path(dir_okay=False),
-              help="Trusted public key (PEM); repeat for the coordinator and each site.")
+@click.option("--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub",
+              help="A site's administrator public key (signs its policy); repeat for each site.")
+@click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
+              help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--key", "key", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Your private key (Ed25519 PEM): signs certificate.json so anyone can check the folder.")
 @click.option("--signer", "signer", default=None, help="Your name in the certificate (default: the key file's name).")
 def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
-               threads: int | None, trusted: tuple[str, ...], no_progress: bool, key: str | None,
-               signer: str | None) -> None:
+               threads: int | None, trusted: tuple[str, ...], coordinators: tuple[str, ...], no_progress: bool,
+               key: str | None, signer: str | None) -> None:
     """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only."""
     from ..release.synthesize import synthesize as run
     from ..release.verify import describe_site, verify_release
 
     from ..signing import load_private_key
 
-    keys = _trusted_keys(trusted)
+    keys = _trust_roots(trusted, coordinators)
     priv = load_private_key(key) if key else None
     res = verify_release(release_dir, keys)
     if not res.ok:
@@ -156,17 +170,27 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
 
 @click.command("verify-synthetic")
 @click.argument("synthetic_dir", type=click.Path(path_type=Path))
-@click.option("--trusted", "trusted", multiple=True, type=click.Path(dir_okay=False),
-              help="Trusted public key (PEM): the certificate signer's, the coordinator's and each site's.")
+@click.option("--certificate-key", "cert_keys", multiple=True, type=click.Path(dir_okay=False), metavar="KEY.pub",
+              help="Public key of whoever ran synthesize (signs certificate.json); repeatable.")
+@click.option("--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub",
+              help="A site's administrator public key (signs its policy), to re-verify the release; repeat per site.")
+@click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
+              help="Optional: pin the release's coordinator key.")
 @click.option("--release", "release_dir", default=None, type=click.Path(path_type=Path),
               help="The release the images came from (default: the path recorded in the certificate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify_synthetic(synthetic_dir: Path, trusted: tuple[str, ...], release_dir: Path | None, as_json: bool) -> None:
+def verify_synthetic(synthetic_dir: Path, cert_keys: tuple[str, ...], trusted: tuple[str, ...],
+                     coordinators: tuple[str, ...], release_dir: Path | None, as_json: bool) -> None:
     """Check SYNTHETIC_DIR against its signed certificate: every image re-hashed, nothing added or missing,
     and the release it came from re-verified."""
     from ..release.certificate import verify_synthetic as check
+    from ..signing import load_public_key
 
-    res = check(synthetic_dir, _trusted_keys(trusted), release_dir)
+    if not cert_keys:
+        raise ConfigError("give --certificate-key KEY.pub: the public key of whoever ran synthesize (it signs "
+                          "certificate.json); the release's keys go in --trusted SITE_ID=ADMIN_KEY.pub")
+    res = check(synthetic_dir, _trust_roots(trusted, coordinators), [load_public_key(p) for p in cert_keys],
+                release_dir)
     if as_json:
         import json
 

@@ -20,14 +20,17 @@ from ..errors import ConfigError
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Run directory: created, or resumed when it holds an unfinished run of the same job and data.")
 @click.option("--synthetic", "n_synthetic", type=click.IntRange(min=0), default=None,
-              help="Images in RUN_DIR/synthetic.npz (balanced labels); default: as many as the training data.")
+              help="Images in RUN_DIR/synthetic.npz (balanced labels); default: the public size.")
+@click.option("--public-size", type=click.IntRange(min=1), default=None,
+              help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: the count "
+                   "rounded to 2 significant digits; the exact count is never written into the run).")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train(job: Path | None, preset: str | None, data_path: str | None, out_dir: Path, n_synthetic: int | None,
-          checkpoint_every: int, threads: int | None, quiet: bool, as_json: bool) -> None:
+          public_size: int | None, checkpoint_every: int, threads: int | None, quiet: bool, as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Re-running the same command after an interruption resumes from the last checkpoint without
@@ -52,7 +55,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, out_dir: 
         if report.n_skipped and not quiet:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
     rep = Reporter(enabled=not quiet)
-    res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep)
+    res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
+                       public_size=public_size)
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,

@@ -113,12 +113,17 @@ class ImageDataset:
         """
         h = hashlib.sha256()
         h.update(FINGERPRINT_VERSION.encode() + b"\n")
-        header = {"class_names": list(self.class_names), "shape": [int(s) for s in self.images.shape]}
-        h.update(json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
-        h.update(b"\n")
-        h.update(np.ascontiguousarray(self.images, dtype="<f4").tobytes())
-        h.update(np.ascontiguousarray(self.labels, dtype="<i8").tobytes())
+        for part in self.canonical_parts():
+            h.update(part)
         return h.hexdigest()
+
+    def canonical_parts(self) -> list[bytes]:
+        """Items 2-4 of ``fingerprint``'s byte string (header, pixels, labels): what a site's keyed commitment
+        (``feta_release.data.commitment``) binds. Never published as a plain hash: see that module."""
+        header = {"class_names": list(self.class_names), "shape": [int(s) for s in self.images.shape]}
+        head = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        return [head + b"\n", np.ascontiguousarray(self.images, dtype="<f4").tobytes(),
+                np.ascontiguousarray(self.labels, dtype="<i8").tobytes()]
 
     def summary(self) -> dict:
         """JSON-ready description (no pixels)."""

@@ -63,6 +63,17 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
+def _registered_names(grid: Any) -> dict[int, str]:
+    """{node id: name it was registered under} when the Grid tells (a SuperLink with node auth does)."""
+    get_nodes = getattr(grid, "get_nodes", None)
+    if get_nodes is None:
+        return {}
+    try:
+        return {int(n.node_id): str(n.name) for n in get_nodes() if getattr(n, "name", "")}
+    except Exception:  # noqa: BLE001 - an older Runtime API without node info: names unknown, not fatal
+        return {}
+
+
 class JobDriver:
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
@@ -123,8 +134,6 @@ class JobDriver:
 
     # -- phases ----------------------------------------------------------------------------------
     def wait_for_sites(self) -> None:
-        from ..policy.document import open_signed_policy
-
         t0 = time.monotonic()
         wanted = set(self.job.sites)
         asked: set[int] = set()
@@ -135,21 +144,12 @@ class JobDriver:
             if nodes:
                 targets = {f"node-{n}": {"_node": n} for n in nodes}
                 ok, failed = self._ask("wait", fm.HELLO, targets, timeout=min(self.query_timeout, 120.0))
+                names = _registered_names(self.grid)
                 for key, (doc, _) in ok.items():
                     node = int(key.removeprefix("node-"))
                     asked.add(node)
-                    sid = doc["site_id"]
-                    if sid not in wanted:
-                        continue
-                    signed = doc["policy"]
-                    embedded = signed.get("signature", {}).get("public_key")
-                    pol = open_signed_policy(signed, [embedded], f"policy of site {sid}")
-                    if pol.site_id != sid:
-                        raise PolicyError(f"node {node} says it is site {sid} but its policy is for {pol.site_id}")
-                    self.sites[sid] = SiteInfo(sid, node, int(doc["dataset_size"]), pol, signed,
-                                               tuple(doc["image_shape"]), int(doc["n_classes"]),
-                                               list(doc["class_names"]), list(doc.get("lifetime_events", [])))
-                    self.emit("wait", f"site {sid} joined (node {node}, {doc['dataset_size']} images)", site=sid)
+                    if doc["site_id"] in wanted:
+                        self._admit(node, doc, names.get(node))
                 for key, reason in failed.items():
                     node = int(key.removeprefix("node-"))
                     if "timeout" not in reason:
@@ -167,6 +167,34 @@ class JobDriver:
         if len(shapes) != 1:
             raise FetaError(f"sites disagree on image shape / classes: {shapes}; they cannot train one model")
         self.timings["wait"] = time.monotonic() - t0
+
+    def _admit(self, node: int, doc: dict[str, Any], registered: str | None) -> None:
+        """Admit ``node`` as the site it claims, or refuse before anything is released.
+
+        The identity is bound three ways: the node's registered name at the SuperLink (node
+        authentication binds it to the node's key) must be the site id; one site id is held by one
+        node only (a second node claiming it is an impostor or a replay: stop); the size used for
+        FedAvg and planning is the PUBLIC size from the site's signed policy, never a reply's number.
+        """
+        from ..policy.document import open_signed_policy
+
+        sid = doc["site_id"]
+        if registered and registered != sid:
+            raise PolicyError(f"node {node} is registered as {registered!r} but claims to be site {sid!r}; refused "
+                              "(a node may speak only for the site its key was registered for)")
+        held = self.sites.get(sid)
+        if held is not None and held.node_id != node:
+            raise PolicyError(f"node {node} claims site {sid!r}, which node {held.node_id} already holds; refused "
+                              "before any release (two nodes for one site: one is an impostor)")
+        signed = doc["policy"]
+        embedded = signed.get("signature", {}).get("public_key")
+        pol = open_signed_policy(signed, [embedded], f"policy of site {sid}")
+        if pol.site_id != sid:
+            raise PolicyError(f"node {node} says it is site {sid} but its policy is for {pol.site_id}")
+        size = plan.public_size(pol)
+        self.sites[sid] = SiteInfo(sid, node, size, pol, signed, tuple(doc["image_shape"]), int(doc["n_classes"]),
+                                   list(doc["class_names"]), list(doc.get("lifetime_events", [])))
+        self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_job(self) -> dict[str, Any]:
         from ..accounting import events_from_list
@@ -219,7 +247,7 @@ class JobDriver:
 
                 atomic_write(self.state / f"{phase}_{sid}.npz", _npz_bytes(arrays))
                 have[sid] = arrays
-                self.emit(phase, f"site {sid}: {phase} released ({doc.get('seconds', 0):.1f} s on site)", site=sid)
+                self.emit(phase, f"site {sid}: {phase} released", site=sid)
             for sid, reason in failed.items():
                 self.emit(phase, f"site {sid}: no {phase} release: {reason}", site=sid, error=reason)
         if len(have) < self.cfg.federation.min_sites:
@@ -278,10 +306,9 @@ class JobDriver:
                         pe.copy_(pm)
             save_round(self.state, {"model": model.state_dict(), "ema": ema.state_dict(), "round": r + 1,
                                     "skipped": {str(k): v for k, v in self.skipped.items()}})
-            losses = [d.get("loss") for d, _ in ok.values() if d.get("loss") is not None]
-            self.emit("dpsgd", f"round {r + 1}/{R}: {len(ok)} site(s), loss {np.mean(losses) if losses else float('nan'):.4f}",
-                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok),
-                      site_seconds={sid: d.get("seconds") for sid, (d, _) in ok.items()})
+            # Sites send weights and public values only (no loss, no on-site seconds): see edge/clientapp.py.
+            self.emit("dpsgd", f"round {r + 1}/{R}: {len(ok)} site(s)",
+                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok))
         self.timings["dpsgd"] = time.monotonic() - t0
         return R
 

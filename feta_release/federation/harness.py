@@ -17,6 +17,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -43,6 +44,7 @@ class HarnessNode:
     down: bool = False
     # Returns True when the node should die on this message (it then never replies).
     fail_on: Callable[[Message], bool] | None = None
+    name: str = ""  # the name its key is registered under at the SuperLink ("" : no node authentication)
     state: RecordDict = field(default_factory=RecordDict)
     received: list[str] = field(default_factory=list)  # message types seen, for assertions
 
@@ -75,6 +77,10 @@ class InProcessGrid(Grid):
 
     def get_node_ids(self) -> Iterable[int]:
         return [nid for nid, n in self.nodes.items() if not n.down]
+
+    def get_nodes(self) -> list[NodeInfo]:
+        """Node info as a SuperLink's Runtime API gives it (id and registered name)."""
+        return [NodeInfo(node_id=nid, name=n.name) for nid, n in self.nodes.items() if not n.down]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []

@@ -43,7 +43,13 @@ def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = Non
 def read_payload(rd: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     doc: dict[str, Any] = {}
     if "cfg" in rd.config_records:
-        doc = json.loads(str(rd.config_records["cfg"]["json"]))
+        from ..errors import PolicyError
+        from ..signing import loads_strict
+
+        try:  # carries signed jobs and attestations: a duplicated key would be read two ways
+            doc = loads_strict(str(rd.config_records["cfg"]["json"]))
+        except ValueError as exc:
+            raise PolicyError(f"message refused: its JSON is not canonical ({exc}); send each key once") from None
     arrays: dict[str, np.ndarray] = {}
     if "arrays" in rd.array_records:
         arrays = {k: v.numpy() for k, v in rd.array_records["arrays"].items()}

@@ -27,7 +27,7 @@ def central_event(cfg: JobConfig, n: int) -> PrivacyEvent | None:
     if c.rounds <= 0:
         return None
     if c.batch > n:
-        raise PrivacyError(f"[central] batch {c.batch} is larger than a site's dataset ({n} images): in a federation "
+        raise PrivacyError(f"[central] batch {c.batch} is larger than a site's public dataset size {n}: in a federation "
                            "the batch is each site's expected Poisson batch; lower it")
     return PrivacyEvent("central", float(c.sigma), c.batch / n, int(c.rounds))
 
@@ -47,7 +47,7 @@ def dpsgd_rate(cfg: JobConfig, n: int) -> float:
     q = cfg.dpsgd.batch / n
     if not 0 < q <= 1:
         raise PrivacyError(
-            f"[dpsgd] batch {cfg.dpsgd.batch} is larger than a site's dataset ({n} images): in a federation the "
+            f"[dpsgd] batch {cfg.dpsgd.batch} is larger than a site's public dataset size {n}: in a federation the "
             "batch is each site's expected Poisson batch; lower it"
         )
     return q
@@ -104,6 +104,18 @@ def site_plan(cfg: JobConfig, n: int, policy: Any | None = None) -> list[Privacy
         sigma = site_sigma(cfg, n, policy)
         evs += [round_event(cfg, n, sigma)] * cfg.federation.rounds
     return evs
+
+
+def public_size(policy: Any) -> int:
+    """A site's PUBLIC size, fixed by its signed policy (never a number from a reply).
+
+    The nominal size when the policy declares one, else the policy's dataset size.
+    """
+    for attr in ("public_size", "nominal_size"):
+        value = getattr(policy, attr, None)
+        if value is not None:
+            return int(value)
+    return int(policy.dataset_size)
 
 
 def fedavg_weights(sizes: dict[str, int]) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Site policy documents: read (TOML or JSON), validate, sign, and load a signed one for a node.
 
-A policy says what one site allows: its data (fingerprint + public size), its ε/δ budget for its lifetime
+A policy says what one site allows: its data (keyed commitment + public nominal size), its ε/δ budget for its lifetime
 and per job, the mechanisms with their minimum noise and caps, which coordinators may send jobs, which app
 bundles may run, and the validity window. The site's policy key signs it (``{"policy": ..., "signature":
 ...}``); a node loads it with :func:`load_site_policy`, which refuses anything it cannot trust.
@@ -9,7 +9,6 @@ bundles may run, and the validity window. The site's policy key signs it (``{"po
 from __future__ import annotations
 
 import datetime as dt
-import json
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -69,8 +68,8 @@ class SitePolicy:
 
     version: int
     site_id: str
-    dataset_fingerprint: str
-    dataset_size: int
+    dataset_commitment: str  # HMAC-SHA256 under the site's secret (feta_release.data.commitment)
+    dataset_size: int  # PUBLIC nominal size: every rate and denominator that leaves the site uses it
     lifetime_epsilon: float
     lifetime_delta: float
     job_epsilon: float
@@ -79,6 +78,7 @@ class SitePolicy:
     mechanisms: Mapping[str, MechanismRule]
     coordinators: tuple[str, ...]  # as written: PEM or fingerprint
     app_bundles: tuple[str, ...]
+    site_key: str | None  # PEM of the key that signs this site's attestations (None: an old policy names none)
     not_before: dt.datetime
     expires: dt.datetime
     signer: str | None  # fingerprint of the key that signed it (None: read unsigned, e.g. before signing)
@@ -96,7 +96,7 @@ class SitePolicy:
         return cls(
             version=doc["version"],
             site_id=doc["site_id"],
-            dataset_fingerprint=doc["dataset"]["fingerprint"],
+            dataset_commitment=doc["dataset"]["commitment"],
             dataset_size=doc["dataset"]["size"],
             lifetime_epsilon=float(doc["budget"]["lifetime"]["epsilon"]),
             lifetime_delta=float(doc["budget"]["lifetime"]["delta"]),
@@ -106,6 +106,7 @@ class SitePolicy:
             mechanisms=mechs,
             coordinators=tuple(doc["coordinators"]),
             app_bundles=tuple(doc["app_bundles"]),
+            site_key=doc.get("site_key"),
             not_before=parse_time(doc["not_before"], f"{source}: not_before"),
             expires=parse_time(doc["expires"], f"{source}: expires"),
             signer=signer,
@@ -114,6 +115,7 @@ class SitePolicy:
         )
 
     def coordinator_fingerprints(self) -> set[str]:
+        """FULL key fingerprints (sha256 of the raw public key, 64 hex) of the allowed coordinators."""
         return {_coordinator_fingerprint(c) for c in self.coordinators}
 
     def coordinator_keys(self) -> list[Ed25519PublicKey]:
@@ -123,7 +125,7 @@ class SitePolicy:
 
 def _coordinator_fingerprint(entry: str) -> str:
     if entry.lstrip().startswith("-----BEGIN"):
-        return signing.fingerprint(signing.load_public_key(entry.encode()))
+        return signing.full_fingerprint(signing.load_public_key(entry.encode()))
     return entry
 
 
@@ -160,6 +162,11 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
     for k in ("epsilon", "delta"):
         if b["per_job"][k] > b["lifetime"][k]:
             problems.append((f"budget.per_job.{k}", f"{b['per_job'][k]} exceeds budget.lifetime.{k} {b['lifetime'][k]}"))
+    if "site_key" in doc:
+        try:
+            signing.load_public_key(doc["site_key"].encode())
+        except PolicyError as exc:
+            problems.append(("site_key", str(exc)))
     for i, c in enumerate(doc["coordinators"]):
         if c.lstrip().startswith("-----BEGIN"):
             try:
@@ -183,8 +190,8 @@ def read_policy_document(path: str | Path) -> dict[str, Any]:
         if p.suffix.lower() == ".toml":
             doc = tomllib.loads(text)
         else:
-            doc = json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            doc = signing.loads_strict(text)  # a duplicated key would be signed as one reader sees it
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise PolicyError(f"{p}: not valid {'TOML' if p.suffix.lower() == '.toml' else 'JSON'}: {exc}") from None
     if isinstance(doc, dict) and set(doc) == {"policy", "signature"}:
         raise PolicyError(f"{p}: already a signed policy; sign the plain policy document instead")
@@ -243,7 +250,7 @@ def load_site_policy(
     trusted_keys: Iterable[KeyLike],
     *,
     now: dt.datetime | str | None = None,
-    dataset_fingerprint: str | None = None,
+    dataset_commitment: str | None = None,
     last_seen_version: int | None = None,
     last_seen_digest: str | None = None,
 ) -> SitePolicy:
@@ -253,7 +260,7 @@ def load_site_policy(
     (``signature.signer``), bad signature (``signature.valid``), malformed body (schema error naming the
     field), not yet valid (``not_before``), expired (``expires``), older than a version already seen
     (``version``: a replayed policy; with ``last_seen_digest``, also the same version number re-signed
-    with different content), data changed since signing (``dataset.fingerprint``).
+    with different content), data changed since signing (``dataset.commitment``, recomputed by the node with its secret).
     """
     p = Path(path)
     if p.suffix.lower() == ".toml":
@@ -270,15 +277,20 @@ def load_site_policy(
         raise PolicyViolation("version", f"{p}: policy version {pol.version} differs from the version {pol.version} "
                               f"already seen at this site (digest {pol.digest[:16]} != {last_seen_digest[:16]}); "
                               f"a changed policy needs a higher version number")
-    if dataset_fingerprint is not None and dataset_fingerprint != pol.dataset_fingerprint:
-        raise PolicyViolation("dataset.fingerprint", f"{p}: the data changed since the policy was signed: "
-                              f"data fingerprint {dataset_fingerprint} != policy's {pol.dataset_fingerprint}")
+    if dataset_commitment is not None:
+        from ..data.commitment import same_commitment
+
+        if not same_commitment(dataset_commitment, pol.dataset_commitment):
+            # neither value is printed in full: they are keyed, but there is no reason to spread them
+            raise PolicyViolation("dataset.commitment", f"{p}: the data (or the data secret) changed since the "
+                                  f"policy was signed: the data's keyed commitment {dataset_commitment[:12]}… != "
+                                  f"policy's {pol.dataset_commitment[:12]}…")
     return pol
 
 
 def make_policy(
     site_id: str,
-    dataset_fingerprint: str,
+    dataset_commitment: str,
     dataset_size: int,
     coordinators: Iterable[str | Ed25519PublicKey],
     *,
@@ -290,6 +302,7 @@ def make_policy(
     mechanisms: Mapping[str, Mapping[str, Any]] | None = None,
     not_before: dt.datetime | str | None = None,
     valid_days: float = 365.0,
+    site_key: str | Ed25519PublicKey | None = None,
 ) -> dict[str, Any]:
     """A validated policy document with the research defaults of ``policies/research.toml`` (for demos
     and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text."""
@@ -304,13 +317,15 @@ def make_policy(
     doc = {
         "version": version,
         "site_id": site_id,
-        "dataset": {"fingerprint": dataset_fingerprint, "size": int(dataset_size)},
+        "dataset": {"commitment": dataset_commitment, "size": int(dataset_size)},
         "budget": {"lifetime": {"epsilon": lifetime[0], "delta": lifetime[1]},
                    "per_job": {"epsilon": per_job[0], "delta": per_job[1]}},
         "accountant": accountant,
         "mechanisms": default_mechs,
         "coordinators": [c if isinstance(c, str) else signing.public_key_pem(c) for c in coordinators],
         "app_bundles": list(app_bundles),
+        **({} if site_key is None else
+           {"site_key": site_key if isinstance(site_key, str) else signing.public_key_pem(site_key)}),
         "not_before": format_time(start),
         "expires": format_time(start + dt.timedelta(days=valid_days)),
     }

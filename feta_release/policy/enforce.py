@@ -79,7 +79,7 @@ def check_app_bundle(policy: SitePolicy, sha256: str) -> None:
 
 
 def check_job(policy: SitePolicy, job: Job) -> None:
-    if job.signer not in policy.coordinator_fingerprints():
+    if job.signer_sha256 not in policy.coordinator_fingerprints():
         raise PolicyViolation("coordinators", f"job {job.job_id} is signed by coordinator {job.signer}, which "
                               "this policy does not allow", site=policy.site_id)
     if policy.site_id not in job.sites:

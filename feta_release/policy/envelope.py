@@ -107,8 +107,10 @@ def read_json(path: str | Path, what: str) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise PolicyError(f"{p}: cannot read {what}: {exc}") from None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
+        return signing.loads_strict(text)
+    except signing.DuplicateKeyError as exc:
+        raise PolicyError(f"{p}: {what} refused: {exc}; a signed document names each key once") from None
+    except ValueError as exc:
         raise PolicyError(f"{p}: {what} is not JSON ({exc}); signed documents are JSON") from None
 
 

@@ -6,6 +6,7 @@ A node runs a job only if it verifies against a coordinator key its own policy a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class Job:
     signer: str
     digest: str  # sha256 of the canonical job body: identifies exactly what was signed
     document: Mapping[str, Any] = field(repr=False)
+    signer_sha256: str = ""  # FULL fingerprint of the signing key (the allow-list matches on this, not 64 bits)
 
 
 def sign_job(
@@ -80,8 +82,10 @@ def _parse_body(body: dict[str, Any], signer: str, source: str) -> Job:
 
 def verify_job_with_keys(signed_job: Any, trusted_keys: Iterable[KeyLike], source: str = "<signed job>") -> Job:
     """Verify a signed job against explicit coordinator keys (coordinator side, CLI)."""
-    body, signer = open_envelope(signed_job, "job", as_public_keys(trusted_keys), source, signer_rule="coordinators")
-    return _parse_body(body, signer, source)
+    keys = as_public_keys(trusted_keys)
+    body, signer = open_envelope(signed_job, "job", keys, source, signer_rule="coordinators")
+    full = signing.full_fingerprint({signing.fingerprint(k): k for k in keys}[signer])  # as open_envelope chose
+    return dataclasses.replace(_parse_body(body, signer, source), signer_sha256=full)
 
 
 def verify_job(signed_job: Any, policy: SitePolicy, source: str = "<signed job>") -> Job:
@@ -99,7 +103,7 @@ def verify_job(signed_job: Any, policy: SitePolicy, source: str = "<signed job>"
             k = signing.load_public_key(embedded.encode())
         except Exception:  # a malformed hint is ignored; open_envelope reports the real problem
             k = None
-        if k is not None and signing.fingerprint(k) in allowed_fps:
+        if k is not None and signing.full_fingerprint(k) in allowed_fps:
             keys.append(k)
     if not allowed_fps:
         raise PolicyViolation("coordinators", f"{source}: the policy of site {policy.site_id} allows no coordinator")

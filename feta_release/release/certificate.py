@@ -14,7 +14,8 @@ outside the signed object and be written streaming. Paths in the certificate are
 named by its hashes and a path relative to the synthetic folder (a hint; ``--release`` overrides it).
 
 ``verify_synthetic`` re-hashes every image, refuses extra or missing files, checks the certificate's signature
-against trusted keys and re-verifies the release it names (:func:`feta_release.release.verify.verify_release`).
+against the keys trusted to sign certificates (a role of its own) and re-verifies the release it names with the
+release's role-bound trust roots (:func:`feta_release.release.verify.verify_release`).
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ..errors import FetaError, ReleaseError
 from ..signing import canonical_json, fingerprint, sha256_file, sha256_hex, sign_document, verify_document
 from .manifest import MANIFEST_FILE
-from .verify import VerificationResult, verify_release
+from .verify import TrustRoots, VerificationResult, verify_release
 
 CERTIFICATE_FILE = "certificate.json"
 CERTIFICATE_VERSION = "feta-release/certificate/2"
@@ -127,21 +128,34 @@ def read_certificate(out_dir: str | Path) -> dict[str, Any]:
 
 
 def verify_synthetic(
-    out_dir: str | Path, trusted: Sequence[Ed25519PublicKey], release_dir: str | Path | None = None,
+    out_dir: str | Path, trust: TrustRoots | Mapping[str, Any], certificate_keys: Sequence[Ed25519PublicKey],
+    release_dir: str | Path | None = None,
 ) -> VerificationResult:
-    """Check a synthetic folder against its certificate and re-verify its release; never raises for bad input."""
+    """Check a synthetic folder against its certificate and re-verify its release; never raises for bad input.
+
+    Two roles, two sets of keys: ``certificate_keys`` are the people trusted to SIGN CERTIFICATES (who ran
+    ``synthesize``); ``trust`` are the release's role-bound roots (each site's administrator key, optional
+    coordinator pins; see :class:`TrustRoots`). A certificate signer's key is never a release root, and a
+    release root never vouches for a certificate unless it is also given as a certificate key.
+    """
     od = Path(out_dir)
-    res = VerificationResult(release_dir=str(od), trusted=sorted(fingerprint(k) for k in trusted))
+    res = VerificationResult(release_dir=str(od))
+    if not isinstance(trust, (TrustRoots, Mapping)):
+        res.add("trusted keys", False, "the release's trusted keys must be bound to roles (SITE_ID=ADMIN_KEY.pub); "
+                "the certificate signer's key goes in --certificate-key")
+        return res
+    roots = TrustRoots.of(trust)
+    res.trusted = [f"certificate signer {fingerprint(k)}" for k in certificate_keys] + roots.describe()
     try:
         doc = read_certificate(od)
     except FetaError as exc:
         res.add("certificate", False, str(exc))
         return res
     cert, listed = doc["certificate"], doc["files"]
-    _check_signature(res, cert, doc.get("signature"), list(trusted))
+    _check_signature(res, cert, doc.get("signature"), list(certificate_keys))
     _check_file_list(res, cert, listed)
     _check_files(res, od, listed)
-    _check_release(res, od, cert, doc.get("manifest"), trusted, release_dir)
+    _check_release(res, od, cert, doc.get("manifest"), roots, release_dir)
     return res
 
 
@@ -151,6 +165,10 @@ def _check_signature(res: VerificationResult, cert: dict[str, Any], sig: Any, tr
             f"certificate_version {version!r}" + ("" if version == CERTIFICATE_VERSION else f", expected {CERTIFICATE_VERSION!r}"))
     if sig is None:
         res.add("certificate signature", False, "the certificate is unsigned: run synthesize with --key KEY")
+        return
+    if not trusted:
+        res.add("certificate signature", False, "no certificate signer key given (--certificate-key KEY.pub: the "
+                "public key of whoever ran synthesize)")
         return
     try:
         signer = verify_document(cert, sig, trusted, what="certificate")
@@ -195,7 +213,7 @@ def _check_files(res: VerificationResult, od: Path, listed: dict[str, Any]) -> N
 
 def _check_release(
     res: VerificationResult, od: Path, cert: dict[str, Any], signed_manifest: Any,
-    trusted: Sequence[Ed25519PublicKey], release_dir: str | Path | None,
+    roots: TrustRoots, release_dir: str | Path | None,
 ) -> None:
     rel = cert.get("release") or {}
     want = rel.get("manifest_sha256")
@@ -210,7 +228,7 @@ def _check_release(
     if not (rd / MANIFEST_FILE).is_file():
         res.add("release", False, f"{rd}: no {MANIFEST_FILE}; give the release with --release DIR")
         return
-    rv = verify_release(rd, list(trusted))
+    rv = verify_release(rd, roots)
     res.add("release verifies", rv.ok, f"{rd}: all {len(rv.checks)} release checks pass" if rv.ok
             else f"{rd}: {rv.reason()}")
     same = rv.manifest_sha256 == want and rv.generator_sha256 == rel.get("generator_sha256")

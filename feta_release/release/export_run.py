@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -53,6 +54,7 @@ def assemble_release(
     signed_policies: Mapping[str, dict[str, Any]] | None = None,
     timestamps: dict[str, str] | None = None,
     enforce_policy: bool = True,
+    signed_job: dict[str, Any] | None = None,
 ) -> Path:
     """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s.
 
@@ -90,6 +92,7 @@ def assemble_release(
         manifest = build_manifest(
             tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
             sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
+            signed_job=signed_job,
         )
         write_manifest(tmp, sign_manifest(manifest, coordinator_key))
         if out.exists():
@@ -116,7 +119,7 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     ``model.pt`` {spec, state_dict (EMA weights), class_names}, ``job.json``, ``privacy.json`` {events, delta,
     accountant}, ``run.json`` (finish time) and the ``COMPLETE`` marker."""
     from ..config import JobConfig
-    from ..training.checkpoint import load_torch, read_json
+    from ..training.checkpoint import read_json
 
     rd = Path(run_dir)
     if not (rd / "COMPLETE").is_file():
@@ -124,13 +127,31 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     for name in ("model.pt", "privacy.json", "job.json"):
         if not (rd / name).is_file():
             raise ReleaseError(f"{rd / name}: missing; is {rd} a `feta-release train` run directory?")
-    ckpt = load_torch(rd / "model.pt")
+    ckpt = load_weights(rd / "model.pt")
     if not isinstance(ckpt, dict):
         raise ReleaseError(f"{rd / 'model.pt'}: expected a checkpoint dictionary")
     privacy = read_json(rd / "privacy.json")
     cfg = JobConfig.from_dict(read_json(rd / "job.json"), source=str(rd / "job.json"))
     run_info = read_json(rd / "run.json") if (rd / "run.json").is_file() else {}
     return {"checkpoint": ckpt, "privacy": privacy, "config": cfg, "run_dir": rd, "run": run_info}
+
+
+def load_weights(path: Path) -> Any:
+    """``model.pt`` as tensors and plain values only (``torch.load(weights_only=True)``).
+
+    Why: a full unpickle runs whatever code the file names; a run directory may come from anyone who could
+    write to it, and ``export`` then signs with the site key. Anything beyond weights is refused.
+    """
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ReleaseError(f"{path}: not a weights-only checkpoint ({first[:200]}); refusing to unpickle it, "
+                           "re-create it with `feta-release train`") from None
 
 
 def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
@@ -141,6 +162,12 @@ def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
     den = denoiser_from_spec(spec)
     den.load_state_dict(state)
     return den.eval()
+
+
+def _job_id(text: str) -> str:
+    """A job id the job schema accepts (letters, digits, ``._-``; at most 128 characters)."""
+    out = re.sub(r"[^A-Za-z0-9._-]", "-", text).lstrip("._-")[:128]
+    return out or "job"
 
 
 def export_run(
@@ -159,6 +186,8 @@ def export_run(
     ``sampler`` overrides the job's ``[sampler]`` section (sampling is post-processing: no privacy cost).
     """
     from ..policy.document import SitePolicy
+    from ..policy.jobs import sign_job
+    from ..signing import canonical_json, public_key_pem, sha256_hex
 
     run = read_run(run_dir)
     rd: Path = run["run_dir"]
@@ -180,9 +209,16 @@ def export_run(
         site_id = site_id or pol.site_id
         if pol.site_id != site_id:
             raise ReleaseError(f"the policy is for site {pol.site_id!r}, the release names site {site_id!r}")
+        if pol.site_key is not None and pol.site_key != public_key_pem(site_key):
+            raise ReleaseError(f"the site key given is not the site_key that site {site_id}'s policy names; "
+                               "sign with the key the policy names")
     site_id = site_id or "site"
     job_id = job_id or f"{cfg.job.name}-{rd.resolve().name}"
-    att = build_attestation(site_id, job_id, events, delta, accountant, policy_sha, site_key)
+    # A single-site run has no coordinator-signed job yet: the coordinator key signs one naming this site,
+    # so the release carries a signed list of its sites like a federated one.
+    signed_job = sign_job(cfg, coordinator_key, _job_id(job_id), [site_id])
+    att = build_attestation(site_id, signed_job["job"]["job_id"], events, delta, accountant, policy_sha, site_key,
+                            job_sha256=sha256_hex(canonical_json(signed_job["job"])), history="run-directory")
     if signed_policy is not None:
         from .verify import policy_violations
 
@@ -196,10 +232,11 @@ def export_run(
         classes=classes,
         image_shape=den.image_shape,
         sampler=sampler or SamplerSettings.from_config(cfg.sampler),
-        job_id=job_id,
-        config=cfg.to_dict(),
+        job_id=signed_job["job"]["job_id"],
+        config=signed_job["job"]["config"],
         sites=[site_record(att)],
         coordinator_key=coordinator_key,
+        signed_job=signed_job,
         signed_policies={site_id: signed_policy} if signed_policy is not None else None,
         timestamps={"trained": run["run"]["finished"]} if isinstance(run["run"].get("finished"), str) else None,
     )

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from .. import __version__
 from ..accounting import PrivacyEvent, epsilon, events_from_list, events_to_list
 from ..errors import ReleaseError
-from ..signing import canonical_json, sha256_file, sha256_hex, sign_document
+from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
 FORMAT_VERSION = "feta-release/manifest/1"
 ATTESTATION_KIND = "feta-release/spend-attestation/1"
@@ -78,21 +78,39 @@ def build_attestation(
     key: Ed25519PrivateKey,
     *,
     created: str | None = None,
+    job_sha256: str | None = None,
+    lifetime_events: Iterable[PrivacyEvent] | None = None,
+    lifetime_delta: float | None = None,
+    history: str = "site-ledger",
 ) -> dict[str, Any]:
-    """A site's signed spend statement for one job: ``{"statement": {...}, "signature": {...}}``.
+    """A site's signed, FINAL spend statement for one job: ``{"statement": {...}, "signature": {...}}``.
 
     epsilon is computed here from the events (never taken from the caller), so a site cannot sign a figure
-    that its own history does not support.
+    that its own history does not support. ``job_sha256`` binds the statement to the exact signed job (and so
+    to the job's list of sites); ``lifetime_events`` is everything the site has ever released from this
+    dataset (all jobs, all coordinators): a release built on an earlier job's weights depends on both.
+    ``final: true`` says the job is closed at the site: it spends nothing more after this statement.
     """
     evs = list(events)
+    life = evs if lifetime_events is None else list(lifetime_events)
+    life_delta = float(delta if lifetime_delta is None else lifetime_delta)
     statement = {
         "kind": ATTESTATION_KIND,
         "site_id": str(site_id),
         "job_id": str(job_id),
+        "job_sha256": job_sha256,
+        "final": True,
+        # Where the events come from: the node's own ledger, or an (unsigned) single-site run directory.
+        "history": history,
         "events": events_to_list(evs),
         "epsilon": epsilon(evs, delta, accountant),  # type: ignore[arg-type]
         "delta": float(delta),
         "accountant": accountant,
+        "lifetime": {
+            "events": events_to_list(life),
+            "epsilon": epsilon(life, life_delta, accountant),  # type: ignore[arg-type]
+            "delta": life_delta,
+        },
         "policy_sha256": policy_sha256,
         "created": created or utc_now(),
     }
@@ -109,6 +127,7 @@ def site_record(attestation: dict[str, Any]) -> dict[str, Any]:
         "delta": st["delta"],
         "accountant": st["accountant"],
         "policy_sha256": st["policy_sha256"],
+        "lifetime_epsilon": (st.get("lifetime") or {}).get("epsilon"),
         "attestation": attestation,
     }
 
@@ -146,8 +165,13 @@ def build_manifest(
     sites: Sequence[dict[str, Any]],
     timestamps: dict[str, str] | None = None,
     generator_file: str = GENERATOR_FILE,
+    signed_job: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The unsigned manifest body for a release directory whose generator is already written."""
+    """The unsigned manifest body for a release directory whose generator is already written.
+
+    ``signed_job`` (the coordinator's ``{"job": ..., "signature": ...}``) is carried whole: its list of sites
+    is what ``verify`` holds the release to (every listed site needs a final attestation for this job).
+    """
     gen_path = Path(release_dir) / generator_file
     if not gen_path.is_file():
         raise ReleaseError(f"{gen_path}: generator file missing; write it before the manifest")
@@ -169,7 +193,8 @@ def build_manifest(
             "image_shape": [int(v) for v in image_shape],
             "sampler": dict(sampler),
         },
-        "job": {"job_id": job_id, "config": config},
+        "job": {"job_id": job_id, "config": config,
+                **({} if signed_job is None else {"sites": list(signed_job["job"]["sites"]), "signed": signed_job})},
         "software": software_versions(),
         "sites": list(sites),
         "timestamps": {"manifest_created": created, **(timestamps or {})},
@@ -196,8 +221,8 @@ def read_manifest(release_dir: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ReleaseError(f"{path}: cannot read manifest: {exc.strerror}") from None
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = loads_strict(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         raise ReleaseError(f"{path}: manifest is not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict) or "signature" not in doc:
         raise ReleaseError(f"{path}: expected {{\"manifest\": {{...}}, \"signature\": {{...}}}}")

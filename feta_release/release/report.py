@@ -21,15 +21,15 @@ import json
 import math
 from html import escape
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
 from ..accounting import epsilon_breakdown, events_from_list
 from ..errors import ReleaseError
 from .manifest import MANIFEST_FILE, policy_file_name
-from .verify import STAGE_WORDS, VerificationResult, describe_site, merged_events, verify_release
+from .verify import (
+    STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
+)
 
 # The headings, in order; the browser test checks that each is in the rendered page.
 SECTIONS = (
@@ -110,8 +110,9 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
         "central": (f"noisy per-class {c.get('kind', 'mean')} images; L2 sensitivity "
                     + (f"C = {c.get('clip') or 'sqrt(pixels)'} (clipped image)" if c.get("kind", "mean") == "mean"
                        else "sqrt(number of pixel values) (one histogram bin per pixel)")),
-        "frequency": "noisy per-class mean of random Fourier features; L2 sensitivity 1/N (N public, fixed "
-                     "by the policy; every feature vector has norm 1)",
+        "frequency": "noisy per-class mean of random Fourier features; L2 sensitivity 1/N (N the site's public "
+                     "nominal size fixed by its signed policy, never the exact count; every feature vector has "
+                     "norm 1)",
         "dpsgd": f"DP-SGD model updates; per-example gradients clipped to L2 norm C = {d.get('clip', '?')} "
                  "(the sensitivity), Poisson-sampled batches",
     }
@@ -124,27 +125,39 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
     return rows
 
 
+def _spend_row(rd: Path, s: dict[str, Any], res: VerificationResult) -> tuple[str, ...]:
+    """This job's (ε, δ) beside the site's signed LIFETIME spend on the same images, and both caps."""
+    pol = _signed_policy(rd, s["site_id"], res)
+    cap_life = pol["budget"]["lifetime"] if pol else None
+    cap_job = pol["budget"]["per_job"] if pol else None
+    life = lifetime_of(s)
+    source = str((s.get("attestation") or {}).get("statement", {}).get("history", "?"))
+    unchecked = "not checked (no verified policy)"
+    return (
+        _h(s["site_id"]), f"{float(s['epsilon']):.4g}", f"{float(s['delta']):g}",
+        f"{life['epsilon']:.4g}" if life else "not stated", f"{life['delta']:g}" if life else "not stated",
+        _h(s["accountant"].upper()),
+        _h(f"ε ≤ {cap_job['epsilon']:g}, δ ≤ {cap_job['delta']:g}") if cap_job else unchecked,
+        _h(f"ε ≤ {cap_life['epsilon']:g}, δ ≤ {cap_life['delta']:g}") if cap_life else unchecked,
+        _h("the site's ledger" if source == "site-ledger" else
+           "the run directory (unsigned while training: weaker)" if source == "run-directory" else source),
+    )
+
+
 def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
     cfg = man["job"]["config"]
     out = ["<p><b>Unit of privacy:</b> one image of one site. <b>Neighbouring relation:</b> add or remove one "
            "image of one site's dataset (every mechanism below is calibrated to that change). Each site's "
            "(ε, δ) is that site's own signed statement, re-composed from its event history by verify.</p>"]
-    rows = []
-    for s in man["sites"]:
-        pol = _signed_policy(rd, s["site_id"], res)
-        life = pol["budget"]["lifetime"] if pol else None
-        job_cap = pol["budget"]["per_job"] if pol else None
-        rows.append((
-            _h(s["site_id"]), f"{float(s['epsilon']):.4g}", f"{float(s['delta']):g}", _h(s["accountant"].upper()),
-            _h(f"ε ≤ {job_cap['epsilon']:g}, δ ≤ {job_cap['delta']:g}") if job_cap else "not checked (no verified policy)",
-            _h(f"ε ≤ {life['epsilon']:g}, δ ≤ {life['delta']:g}") if life else "not checked (no verified policy)",
-        ))
-    out.append(_table(("site", "ε this job", "δ this job", "accountant", "per-job cap (signed policy)",
-                       "lifetime cap (signed policy)"), rows, numeric=(1, 2)))
-    out.append('<p class="note">Lifetime: the site\'s node refuses any job that would take its ledger past the '
-               "lifetime cap; the ledger itself stays at the site, so this release attests this job's spend only. "
-               "Stage figures below are each stage alone; composition is sub-additive, the total is what counts."
-               "</p>")
+    rows = [_spend_row(rd, s, res) for s in man["sites"]]
+    out.append(_table(("site", "ε this job", "δ this job", "ε lifetime (all jobs)", "δ lifetime",
+                       "accountant", "per-job cap (signed policy)", "lifetime cap (signed policy)", "spend read from"),
+                      rows, numeric=(1, 2, 3, 4)))
+    out.append('<p class="note">Lifetime: each site signs, beside this job\'s spend, its spend on the same images '
+               "over ALL its jobs (composed from its ledger; verify re-composes it and checks it against the "
+               "lifetime cap). A model trained on an earlier job's release depends on both, so the lifetime figure "
+               "is the one that bounds what these images reveal. Stage figures below are each stage alone; "
+               "composition is sub-additive, the total is what counts.</p>")
     for s in man["sites"]:
         out.append(f"<h3>Site {_h(s['site_id'])}: mechanisms</h3>")
         out.append(_table(("stage", "what is released and its sensitivity", "σ (noise multiplier)", "q (sampling)",
@@ -153,25 +166,33 @@ def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
     return "\n".join(out)
 
 
+# Kept in line with docs/federation.md "Threat model": keys are bound to roles, and only the site
+# administrators' keys are roots of trust for a verifier.
 THREAT_MODEL = (
+    ("the site administrator (policy key)", "the ONLY key you trust, bound to its site id: it signs the site's "
+     "policy, which sets the caps (per-job and lifetime ε/δ, minimum σ, allowed mechanisms), names the site key "
+     "that may sign the site's spend and the coordinator keys (by full key) the site accepts"),
     ("the site (its node and ledger)", "trusted with its own images; it runs every mechanism, adds all noise "
-     "locally with fresh randomness, charges its ledger before anything leaves and signs its own spend statement"),
-    ("the coordinator", "NOT trusted with privacy: it only ever receives noised releases (the site adds its full "
-     "noise before sending; no secure aggregation is used or needed for the guarantee). Trusted only for the "
-     "quality of training; it cannot change a site's ε figures, which the site signed"),
-    ("the policy key holder", "trusted to set each site's caps (per-job and lifetime ε/δ, minimum σ, allowed "
-     "mechanisms); the node refuses jobs outside the signed policy"),
+     "locally with fresh randomness, charges its hash-chained ledger before anything leaves and signs a final "
+     "spend statement (this job and lifetime) with the site key its policy names; it sends only noised values, "
+     "the public nominal size from its policy (never the exact count) and a keyed commitment to its data (never "
+     "a plain hash)"),
+    ("the coordinator", "NOT trusted with privacy: it only ever receives noised releases (no secure aggregation "
+     "is used or needed for the guarantee). It cannot sign or change a site's spend statement, drop a site from "
+     "the release, or sign with a key that any one site's policy does not allow; trusted only for the quality "
+     "of training"),
     ("anyone with the release", "may do anything with the generator and its images: post-processing of a DP "
      "release cannot increase ε"),
-    ("the verifier (you)", "needs no trust in the coordinator: signatures, hashes, ε recomputation and policy "
-     "caps are checked offline with the public keys you chose to trust"),
+    ("the verifier (you)", "needs no trust in the coordinator: signatures, hashes, ε recomputation (job and "
+     "lifetime) and policy caps are checked offline against the site administrator keys you chose to trust"),
 )
 
 
 def _threat_model(res: VerificationResult) -> str:
-    keys = ", ".join(res.trusted) or "none"
+    keys = "; ".join(res.trusted) or "none"
     return (_table(("party", "trusted for"), [(_h(a), _h(b)) for a, b in THREAT_MODEL])
-            + f'<p class="note">Keys trusted for this report (fingerprints): <span class="hash">{_h(keys)}</span></p>')
+            + f'<p class="note">Keys trusted for this report, with their roles (fingerprints): '
+              f'<span class="hash">{_h(keys)}</span></p>')
 
 
 def _checklist(res: VerificationResult) -> str:
@@ -352,15 +373,17 @@ def render_report(
 def write_report(
     release_dir: str | Path,
     out: str | Path,
-    trusted: Sequence[Ed25519PublicKey],
+    trust: TrustRoots | Mapping[str, Any],
     *,
     evaluation: dict[str, Any] | None = None,
     audit: dict[str, Any] | None = None,
     per_class: int = 8,
     seed: int = 0,
 ) -> tuple[Path, VerificationResult]:
-    """Verify ``release_dir`` and write the report to ``out`` (atomically); returns (path, verification)."""
-    res = verify_release(release_dir, trusted)
+    """Verify ``release_dir`` and write the report to ``out`` (atomically); returns (path, verification).
+
+    ``trust``: role-bound roots, as for :func:`verify_release` (a flat key list is refused there)."""
+    res = verify_release(release_dir, trust)
     html = render_report(release_dir, res, evaluation=evaluation, audit=audit, per_class=per_class, seed=seed)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import ConfigError, ReleaseError
 from .certificate import CERTIFICATE_FILE, png_info, png_text, relative_release_path, write_certificate
 from .manifest import MANIFEST_FILE, utc_now
-from .verify import VerificationResult, describe_site, require_valid, verify_release
+from .verify import VerificationResult, describe_site, lifetime_of, require_valid, verify_release
 
 
 
@@ -135,7 +135,7 @@ def _prepare_out(out: Path) -> None:
 def synthesize(
     release_dir: str | Path,
     out: str | Path,
-    trusted: Sequence[Ed25519PublicKey],
+    trusted: Any,  # TrustRoots or {site_id: admin key(s)} (see verify_release)
     *,
     num: int | None = None,
     per_class: Sequence[int] | None = None,
@@ -262,6 +262,7 @@ def _write_certificate(
             "delta": s["delta"],
             "accountant": s["accountant"],
             "policy_sha256": s["policy_sha256"],
+            "lifetime": lifetime_of(s),  # the site's spend on this data over ALL its jobs (signed)
             "statement": describe_site(s),
         }
         for s in man["sites"]

@@ -1,17 +1,19 @@
 """Offline verification of a release directory (no network, no torch).
 
-Checks, each reported as one :class:`Check` (all are run, so a refusal lists every reason at once):
+Keys are bound to roles. The verifier trusts only each site's ADMINISTRATOR key (``--trusted SITE=KEY.pub``);
+everything else follows from the documents those keys signed. Checks, each reported as one :class:`Check`
+(all are run, so a refusal lists every reason at once):
 
-* ``manifest.json`` parses and has the expected format version;
-* the coordinator's signature over ``canonical_json(manifest)`` verifies against a trusted key;
+* ``manifest.json`` parses (duplicate keys refused) and has the expected format version;
 * the generator file exists, its sha256 equals the manifest's, and its metadata (classes, image shape,
   sampler, statement hash) agrees with the manifest: a generator cannot be moved under another job;
-* for every site: its attestation is signed by a trusted key, the figures in the manifest equal the signed
-  statement, the statement names this job, and its epsilon equals what its event history composes to
-  (recomputed with :mod:`feta_release.accounting`, relative tolerance 1e-6);
-* when ``policies/SITE.signed.json`` is in the release: the policy's signature, that its hash is the one
-  the site attested, and that the release is within it (per-job epsilon/delta caps, accountant, allowed
-  mechanisms, minimum sigma, maximum rounds/steps/batch).
+* the manifest carries the coordinator-signed job; every site the job lists has a record, no other site does,
+  and every site id is a plain name;
+* for every site: ``policies/SITE.signed.json`` is present and signed by THAT site's administrator key; the
+  attestation is signed by the ``site_key`` that policy names, is final, names this job and its signed-job
+  hash, its figures equal the manifest's, its epsilon (job and lifetime) equals what its event history
+  composes to (relative tolerance 1e-6), and the spend is within the policy's caps;
+* the manifest and the job are signed by one coordinator key that EVERY site's policy allows (by full key).
 
 The verified generator BYTES are kept on the result, so synthesis runs exactly the bytes that were hashed
 (no window in which the file could be swapped between verification and use).
@@ -21,16 +23,25 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..accounting import epsilon as compose_epsilon
 from ..accounting import events_from_list
 from ..errors import FetaError, ReleaseError
-from ..signing import canonical_json, fingerprint, sha256_hex, verify_document
+from ..signing import (
+    canonical_json,
+    fingerprint,
+    full_fingerprint,
+    load_public_key,
+    loads_strict,
+    sha256_hex,
+    verify_document,
+)
 from .manifest import (
     ATTESTATION_KIND,
     ATTESTED_FIELDS,
@@ -101,28 +112,55 @@ def _guard(result: VerificationResult, name: str, fn: Callable[[], Any]) -> Any:
     return None
 
 
-def verify_release(release_dir: str | Path, trusted: Sequence[Ed25519PublicKey]) -> VerificationResult:
-    """Verify everything offline; never raises for a bad release (see ``result.ok`` / ``result.reason()``)."""
-    rd = Path(release_dir)
-    res = VerificationResult(release_dir=str(rd), trusted=sorted(fingerprint(k) for k in trusted))
-    trusted = list(trusted)
-    if not trusted:
-        res.add("trusted keys", False, "no trusted public keys given (--trusted KEY.pub)")
-        return res
+# The policy schema's site id: a plain file-name-safe word (never "", ".", "..", a path or a control char),
+# because it names files (policies/SITE.signed.json) and keys in the verifier's trust roots.
+SITE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
-    path = rd / MANIFEST_FILE
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        res.add("manifest", False, f"{path}: cannot read ({exc.strerror or exc})")
+
+@dataclass(frozen=True)
+class TrustRoots:
+    """Whom the verifier trusts, and for WHAT: keys are bound to roles.
+
+    ``site_admins``: per site id, the administrator key(s) that sign that site's policy. Everything else
+    follows from the signed policies: a site's attestation must be signed by the ``site_key`` its own
+    policy names, and the manifest (and the job) by a coordinator key that EVERY site's policy allows.
+    ``coordinators``: optional extra pin; the manifest signer must also be one of these.
+    """
+
+    site_admins: Mapping[str, tuple[Ed25519PublicKey, ...]]
+    coordinators: tuple[Ed25519PublicKey, ...] = ()
+
+    @classmethod
+    def of(cls, trust: "TrustRoots | Mapping[str, Any]", coordinators: Sequence[Ed25519PublicKey] = ()) -> "TrustRoots":
+        if isinstance(trust, TrustRoots):
+            return trust
+        admins = {str(k): tuple(v) if isinstance(v, (list, tuple)) else (v,) for k, v in trust.items()}
+        return cls(admins, tuple(coordinators))
+
+    def describe(self) -> list[str]:
+        out = [f"site {sid} administrator {fingerprint(k)}" for sid, ks in sorted(self.site_admins.items()) for k in ks]
+        return out + [f"coordinator {fingerprint(k)}" for k in self.coordinators]
+
+
+def verify_release(release_dir: str | Path, trust: "TrustRoots | Mapping[str, Any]") -> VerificationResult:
+    """Verify everything offline; never raises for a bad release (see ``result.ok`` / ``result.reason()``).
+
+    ``trust``: :class:`TrustRoots` or ``{site_id: admin public key(s)}``. A flat list of keys is refused: a
+    key trusted for everything lets a coordinator sign a site's spend or one site sign for another.
+    """
+    rd = Path(release_dir)
+    res = VerificationResult(release_dir=str(rd))
+    if not isinstance(trust, (TrustRoots, Mapping)):
+        res.add("trusted keys", False, "trusted keys must be bound to roles: give each site's administrator key "
+                "as SITE_ID=KEY.pub (the coordinator key then comes from the sites' signed policies)")
         return res
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        res.add("manifest", False, f"{path}: not valid JSON ({exc})")
+    roots = TrustRoots.of(trust)
+    res.trusted = roots.describe()
+    if not roots.site_admins:
+        res.add("trusted keys", False, "no site administrator keys given (--trusted SITE_ID=ADMIN_KEY.pub)")
         return res
-    if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict):
-        res.add("manifest", False, f"{path}: expected {{\"manifest\": {{...}}, \"signature\": {{...}}}}")
+    doc = _read_manifest_doc(res, rd / MANIFEST_FILE)
+    if doc is None:
         return res
     man = doc["manifest"]
     res.manifest = man
@@ -133,23 +171,122 @@ def verify_release(release_dir: str | Path, trusted: Sequence[Ed25519PublicKey])
         f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == FORMAT_VERSION
                                                           else f", expected {FORMAT_VERSION!r}"),
     )
-
-    signer = _guard(
-        res, "manifest signature",
-        lambda: verify_document(man, doc.get("signature"), trusted, what=f"{path} (coordinator signature)"),
-    )
-    if signer:
-        res.add("manifest signature", True, f"signed by trusted key {signer}")
-
     _guard(res, "generator", lambda: _check_generator(res, rd, man))
+    job = _guard(res, "job", lambda: _job_of(res, man))
     sites = man.get("sites")
     if not isinstance(sites, list) or not sites:
         res.add("sites", False, "manifest lists no sites: a release needs each site's signed spend statement")
-    else:
-        for i, site in enumerate(sites):
-            sid = site.get("site_id", f"#{i}") if isinstance(site, dict) else f"#{i}"
-            _guard(res, f"site {sid}", lambda site=site: _check_site(res, rd, man, site, trusted))
+        return res
+    allowed: list[dict[str, Any]] = []
+    for sid, site in _sites_against_job(res, sites, job):
+        keys = _guard(res, f"site {sid}", lambda site=site, sid=sid: _check_site(res, rd, man, sid, site, roots, job))
+        allowed.append(keys or {})
+    _guard(res, "manifest signature", lambda: _check_coordinator(res, rd, doc, job, allowed, roots))
     return res
+
+
+def _read_manifest_doc(res: VerificationResult, path: Path) -> dict[str, Any] | None:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        res.add("manifest", False, f"{path}: cannot read ({exc.strerror or exc})")
+        return None
+    try:
+        doc = loads_strict(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        res.add("manifest", False, f"{path}: not valid JSON ({exc})")
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict):
+        res.add("manifest", False, f"{path}: expected {{\"manifest\": {{...}}, \"signature\": {{...}}}}")
+        return None
+    return doc
+
+
+@dataclass(frozen=True)
+class _Job:
+    body: dict[str, Any]
+    envelope: dict[str, Any]
+    digest: str
+    sites: tuple[str, ...]
+
+
+def _job_of(res: VerificationResult, man: dict[str, Any]) -> _Job | None:
+    """The coordinator-signed job inside the manifest (its signer is checked with the manifest's)."""
+    mj = man["job"]
+    env = mj.get("signed")
+    if not isinstance(env, dict) or not isinstance(env.get("job"), dict):
+        res.add("job", False, "the manifest carries no signed job (job.signed): the list of sites the release "
+                "must account for is unknown")
+        return None
+    body = env["job"]
+    problems = []
+    if body.get("job_id") != mj.get("job_id"):
+        problems.append(f"signed job is {body.get('job_id')!r}, the manifest says {mj.get('job_id')!r}")
+    if body.get("config") != mj.get("config"):
+        problems.append("the manifest's job config differs from the signed job's")
+    if list(body.get("sites") or []) != list(mj.get("sites") or []):
+        problems.append(f"the manifest lists sites {mj.get('sites')}, the signed job {body.get('sites')}")
+    job = _Job(body, env, sha256_hex(canonical_json(body)), tuple(str(s) for s in body.get("sites") or ()))
+    res.add("job", not problems, "; ".join(problems) if problems else
+            f"job {body.get('job_id')} for site(s) {', '.join(job.sites)} (sha256 {job.digest[:16]}…)")
+    return job if not problems else None
+
+
+def _sites_against_job(res: VerificationResult, sites: list[Any], job: _Job | None) -> list[tuple[str, dict[str, Any]]]:
+    """(site id, record) for each site to check; every site the signed job lists must be present."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    seen: set[str] = set()
+    for i, site in enumerate(sites):
+        sid = site.get("site_id") if isinstance(site, dict) else None
+        if not isinstance(sid, str) or not SITE_ID_RE.fullmatch(sid):
+            res.add(f"site #{i}", False, f"site id {sid!r} is not a plain name (a letter or digit, then up to 63 of "
+                    "letters, digits, '.', '_', '-')")
+            continue
+        if sid in seen:
+            res.add(f"site {sid}", False, "listed twice in the manifest")
+            continue
+        seen.add(sid)
+        out.append((sid, site))
+    if job is not None:
+        for sid in job.sites:
+            if sid not in seen:
+                res.add(f"site {sid}", False, f"the signed job lists site {sid} but the release has no final "
+                        "attestation from it (a release cannot leave a site out)")
+        extra = sorted(seen - set(job.sites))
+        if extra:
+            res.add("sites", False, f"site(s) {', '.join(extra)} are not in the signed job")
+    return out
+
+
+def _check_coordinator(res: VerificationResult, rd: Path, doc: dict[str, Any], job: _Job | None,
+                       allowed: list[dict[str, Any]], roots: TrustRoots) -> None:
+    """The manifest and the job must be signed by ONE coordinator key that every site's policy allows."""
+    name = "manifest signature"
+    if not allowed or any(not a for a in allowed):
+        res.add(name, False, "not every site's signed policy could be read, so no coordinator key is allowed by "
+                "all of them; the manifest signer cannot be trusted")
+        return
+    common = set(allowed[0]).intersection(*allowed[1:])
+    if roots.coordinators:
+        common &= {full_fingerprint(k) for k in roots.coordinators}
+    keys = [k for k in (_allowed_key(fp, allowed, doc) for fp in sorted(common)) if k is not None]
+    if not keys:
+        res.add(name, False, "no coordinator key is allowed by every site's policy" +
+                (" and pinned with --coordinator" if roots.coordinators else ""))
+        return
+    path = rd / MANIFEST_FILE
+    try:
+        signer = verify_document(doc["manifest"], doc.get("signature"), keys, what=f"{path} (coordinator signature)")
+    except FetaError as exc:
+        res.add(name, False, f"{exc} (the manifest must be signed by a coordinator key that every site's policy "
+                "allows)")
+        return
+    res.add(name, True, f"signed by coordinator key {signer}, allowed by every site's policy")
+    if job is not None:
+        from ..policy.envelope import open_envelope
+
+        open_envelope(job.envelope, "job", [k for k in keys if fingerprint(k) == signer], "signed job in manifest")
+        res.add("job signature", True, f"the job is signed by the same coordinator key {signer}")
 
 
 def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
@@ -221,31 +358,115 @@ def _generator_metadata(data: bytes, where: Path) -> dict[str, str]:
 
 
 def _check_site(
-    res: VerificationResult, rd: Path, man: dict[str, Any], site: dict[str, Any], trusted: list[Ed25519PublicKey]
-) -> None:
-    sid = site["site_id"]
+    res: VerificationResult, rd: Path, man: dict[str, Any], sid: str, site: dict[str, Any], roots: TrustRoots,
+    job: _Job | None,
+) -> dict[str, Any] | None:
+    """Check one site; return the coordinators its signed policy allows (full fingerprint → key or None)."""
+    admins = roots.site_admins.get(sid)
+    if not admins:
+        res.add(f"site {sid} policy", False, f"no administrator key given for site {sid} "
+                f"(--trusted {sid}=ADMIN_KEY.pub): its policy, and so its site key, cannot be trusted")
+        return None
+    ppath = rd / policy_file_name(sid)
+    if not ppath.is_file():
+        res.add(f"site {sid} policy", False, f"{policy_file_name(sid)} not in the release: without the site's "
+                "signed policy neither its key nor its caps can be checked")
+        return None
+    try:
+        policy, digest, admin = _load_signed_policy(ppath, list(admins))
+    except FetaError as exc:
+        res.add(f"site {sid} policy", False, f"{exc} (a site's policy must be signed by its administrator key)")
+        return None
+    if policy.get("site_id") != sid:
+        res.add(f"site {sid} policy", False, f"{ppath.name} is the policy of site {policy.get('site_id')!r}")
+        return None
+    coordinators = _policy_coordinators(policy)
+    if not _check_attestation(res, man, sid, site, policy, job):
+        return coordinators  # figures signed by the wrong key are not worth recomputing
+    st = site["attestation"]["statement"]
+    events = events_from_list(st["events"])
+    _check_epsilon(res, sid, st, events)
+    problems = policy_violations(policy, st, events)
+    if digest != st.get("policy_sha256"):
+        problems.insert(0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…")
+    res.add(f"site {sid} policy", not problems, "; ".join(problems) if problems else
+            f"signed by site administrator {admin}; within policy v{policy.get('version')} (per-job ε ≤ "
+            f"{policy['budget']['per_job']['epsilon']}, δ ≤ {policy['budget']['per_job']['delta']}, every σ at "
+            "or above its minimum)")
+    return coordinators
+
+
+def _policy_coordinators(policy: dict[str, Any]) -> dict[str, Ed25519PublicKey | None]:
+    """Allowed coordinators by FULL key fingerprint (sha256 of the raw key): a PEM entry gives the key, a
+    64-hex entry only its hash (None). A 64-bit short fingerprint is not a key and allows nothing."""
+    out: dict[str, Ed25519PublicKey | None] = {}
+    for c in policy.get("coordinators", []):
+        if isinstance(c, str) and c.lstrip().startswith("-----BEGIN"):
+            k = load_public_key(c.encode())
+            out[full_fingerprint(k)] = k
+        elif isinstance(c, str) and re.fullmatch(r"[0-9a-f]{64}", c):
+            out.setdefault(c, None)
+    return out
+
+
+def _allowed_key(fp: str, allowed: list[dict[str, Any]], doc: dict[str, Any]) -> Ed25519PublicKey | None:
+    """The key with full fingerprint ``fp``: from a policy that names it in PEM, else the manifest signature's
+    embedded key when its FULL hash is ``fp`` (a preimage of all 256 bits, not 64)."""
+    for a in allowed:
+        if a.get(fp) is not None:
+            return a[fp]
+    sig = doc.get("signature")
+    pem = sig.get("public_key") if isinstance(sig, dict) else None
+    if isinstance(pem, str):
+        k = load_public_key(pem.encode())
+        if full_fingerprint(k) == fp:
+            return k
+    return None
+
+
+def _check_attestation(res: VerificationResult, man: dict[str, Any], sid: str, site: dict[str, Any],
+                       policy: dict[str, Any], job: _Job | None) -> bool:
+    name = f"site {sid} attestation"
     att = site["attestation"]
     st = att["statement"]
+    pem = policy.get("site_key")
+    if not isinstance(pem, str):
+        res.add(name, False, f"site {sid}'s signed policy names no site_key, so no key may sign its spend")
+        return False
+    site_key = load_public_key(pem.encode())
     try:
-        signer = verify_document(st, att["signature"], trusted, what=f"site {sid} attestation")
+        signer = verify_document(st, att["signature"], [site_key], what=f"site {sid} attestation")
     except FetaError as exc:
-        res.add(f"site {sid} attestation", False, str(exc))
-        return  # figures signed by nobody we trust are not worth recomputing
-    mismatched = [k for k in ATTESTED_FIELDS if site.get(k) != st.get(k)]
+        res.add(name, False, f"{exc}: only the site key that site {sid}'s own signed policy names "
+                f"({fingerprint(site_key)}) may sign its spend statement")
+        return False
     problems = []
     if st.get("kind") != ATTESTATION_KIND:
         problems.append(f"statement kind {st.get('kind')!r} is not {ATTESTATION_KIND!r}")
+    if st.get("site_id") != sid:
+        problems.append(f"statement is for site {st.get('site_id')!r}")
+    mismatched = [k for k in ATTESTED_FIELDS if site.get(k) != st.get(k)]
+    if site.get("lifetime_epsilon") != (st.get("lifetime") or {}).get("epsilon"):
+        mismatched.append("lifetime_epsilon")
     if mismatched:
         problems.append(f"manifest figures differ from the signed statement in: {', '.join(mismatched)}")
     if st.get("job_id") != man["job"]["job_id"]:
         problems.append(f"statement is for job {st.get('job_id')!r}, the release is job {man['job']['job_id']!r}")
-    res.add(
-        f"site {sid} attestation",
-        not problems,
-        "; ".join(problems) if problems else f"spend statement signed by trusted key {signer}",
-    )
+    if st.get("final") is not True:
+        problems.append("the statement is not final: the job could still spend at the site after it was signed")
+    if job is not None and st.get("job_sha256") != job.digest:
+        problems.append(f"statement is for signed job {str(st.get('job_sha256'))[:16]}…, the release's job is "
+                        f"{job.digest[:16]}…")
+    res.add(name, not problems, "; ".join(problems) if problems else
+            f"final spend statement signed by the site key {signer} that its policy names")
+    if not problems and st.get("history") != "site-ledger":
+        res.add(f"site {sid} history", False, f"the events come from {st.get('history') or 'an unnamed source'}, not "
+                "from the site's ledger: a single-site run directory is not signed, so the figures are only as good "
+                "as whoever could write it", warn=True)
+    return not problems
 
-    events = events_from_list(st["events"])
+
+def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]) -> None:
     stated = float(st["epsilon"])
     recomputed = compose_epsilon(events, float(st["delta"]), st["accountant"])
     close = math.isclose(stated, recomputed, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
@@ -255,17 +476,28 @@ def _check_site(
         f"stated ε = {stated:.6g}, recomputed from {len(events)} event(s) ({st['accountant']}) = {recomputed:.6g}"
         + ("" if close else ": the stated figure is not what the history composes to"),
     )
-
-    ppath = rd / policy_file_name(sid)
-    if not ppath.is_file():
-        res.add(
-            f"site {sid} policy",
-            False,
-            f"{policy_file_name(sid)} not in the release: caps not checked (hash {str(st.get('policy_sha256'))[:16]}…)",
-            warn=True,
-        )
+    life = st.get("lifetime")
+    if not isinstance(life, dict):
+        res.add(f"site {sid} lifetime", False, "the statement gives no lifetime spend for this dataset")
         return
-    _check_policy(res, sid, ppath, st, events, trusted)
+    life_events = events_from_list(life["events"])
+    life_eps = compose_epsilon(life_events, float(life["delta"]), st["accountant"])
+    ok = math.isclose(float(life["epsilon"]), life_eps, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+    contains = _contains(life["events"], st["events"])
+    res.add(f"site {sid} lifetime", ok and contains,
+            f"lifetime ε = {float(life['epsilon']):.6g} over {len(life_events)} event(s), recomputed {life_eps:.6g}"
+            + ("" if ok else ": the stated figure is not what the history composes to")
+            + ("" if contains else "; the lifetime history does not contain this job's events"))
+
+
+def _contains(life: list[Any], job: list[Any]) -> bool:
+    pool = [canonical_json(e) for e in life]
+    for e in job:
+        c = canonical_json(e)
+        if c not in pool:
+            return False
+        pool.remove(c)
+    return True
 
 
 def _load_signed_policy(ppath: Path, trusted: list[Ed25519PublicKey]) -> tuple[dict[str, Any], str, str]:
@@ -279,24 +511,6 @@ def _load_signed_policy(ppath: Path, trusted: list[Ed25519PublicKey]) -> tuple[d
 
     pol = open_signed_policy(read_json(ppath, "signed policy"), trusted, str(ppath))
     return dict(pol.document), pol.digest, pol.signer or ""
-
-
-def _check_policy(
-    res: VerificationResult, sid: str, ppath: Path, st: dict[str, Any], events: list[Any],
-    trusted: list[Ed25519PublicKey],
-) -> None:
-    name = f"site {sid} policy"
-    try:
-        policy, digest, _signer = _load_signed_policy(ppath, trusted)
-    except FetaError as exc:
-        res.add(name, False, str(exc))
-        return
-    problems = policy_violations(policy, st, events)
-    if digest != st.get("policy_sha256"):
-        problems.insert(0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…")
-    res.add(name, not problems, "; ".join(problems) if problems else
-            f"within policy v{policy.get('version')} (per-job ε ≤ {policy['budget']['per_job']['epsilon']}, "
-            f"δ ≤ {policy['budget']['per_job']['delta']}, every σ at or above its minimum)")
 
 
 def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any]) -> list[str]:
@@ -376,4 +590,22 @@ def describe_site(site: dict[str, Any]) -> str:
         f"Meaning: whether or not any single image of this site was used, the probability of any outcome of "
         f"this release (the generator and every image generated from it) changes by at most a factor of "
         f"e^{eps:.3g} ≈ {factor:.3g}, except with probability at most {delta:g}."
+        + _lifetime_words(site, eps)
     )
+
+
+def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:
+    """The site's signed lifetime spend on this dataset (all its jobs), or None for a statement without one."""
+    life = ((site.get("attestation") or {}).get("statement") or {}).get("lifetime")
+    if not isinstance(life, dict):
+        return None
+    return {"epsilon": float(life["epsilon"]), "delta": float(life["delta"])}
+
+
+def _lifetime_words(site: dict[str, Any], job_eps: float) -> str:
+    life = lifetime_of(site)
+    if life is None:
+        return " The site states no lifetime spend for its data."
+    return (f" Lifetime: this site has spent ε = {life['epsilon']:.3g} at δ = {life['delta']:g} on the same images "
+            f"over all its jobs (this job: ε = {job_eps:.3g}); a release built on an earlier job's model depends "
+            "on both, so the lifetime figure is the one that bounds it.")

@@ -12,7 +12,7 @@ The privacy argument the code keeps (unit = one image of one site):
 * each sampled example contributes ONE gradient vector, the mean of its loss over the K noise draws, clipped to
   L2 norm ``C`` over all trainable parameters together (sensitivity of the sum = C under add/remove);
 * the sum gets ``N(0, (sigma*C)^2)`` noise once per logical step — also when the batch is empty — and is divided by
-  the EXPECTED batch size ``q*N`` (a public constant), never by the realised one;
+  the EXPECTED batch size ``q*N`` with N the PUBLIC size (``n_public``), never by the realised one;
 * so one step is one subsampled-Gaussian event ``(sigma, q, 1)``; the caller charges it in ``before_step`` before
   the step runs (``run``), so a step whose result exists has always been accounted.
 
@@ -150,13 +150,24 @@ def per_example_grads(
 def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tensor], Tensor]:
     """Clip each example's gradient (L2 over ALL parameters together) to ``clip`` and sum over examples.
 
-    Returns the summed clipped gradient and the per-example norms before clipping.
+    Returns the summed clipped gradient and the per-example norms before clipping (``inf`` for an example
+    whose gradient is not finite).
+
+    An example whose gradient has a NaN or an infinite entry (or whose norm overflows) contributes ZERO: with
+    crafted weights a coordinator can make the loss overflow for one chosen image only, and ``0 * inf = nan``
+    would then turn the whole released update into NaN exactly when that image was sampled (a membership
+    channel). Zero has norm <= C, so the sensitivity of the sum stays C under add/remove. How many examples
+    were dropped is a function of the private batch: it is never released.
     """
     flat_sq = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
     norms = torch.stack(flat_sq, 0).sum(0).sqrt()
-    factor = (clip / (norms + 1e-12)).clamp(max=1.0)
-    summed = {n: torch.einsum("b,b...->...", factor, g) for n, g in grads.items()}
-    return summed, norms
+    finite = torch.isfinite(norms)  # NaN/inf in any entry, or an overflowing square, gives a non-finite norm
+    factor = torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
+    summed = {}
+    for n, g in grads.items():
+        keep = finite.reshape(-1, *([1] * (g.dim() - 1)))
+        summed[n] = torch.einsum("b,b...->...", factor, torch.where(keep, g, torch.zeros_like(g)))
+    return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
 class DPSGDTrainer:
@@ -178,6 +189,7 @@ class DPSGDTrainer:
         loss: PerExampleLoss | None = None,
         image_shape: tuple[int, int, int] | None = None,
         n_classes: int | None = None,
+        n_public: int | None = None,
     ) -> None:
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
@@ -194,6 +206,11 @@ class DPSGDTrainer:
         self.clip = float(d.clip)
         self.chunk = int(d.physical_batch)
         self.generator = generator
+        # The divisor q * n_public must be PUBLIC: dividing by q * (exact count) would scale the released noise
+        # by the private N. None keeps the old behaviour (q times the rows given) for callers that own the data.
+        if n_public is not None and (isinstance(n_public, bool) or int(n_public) < 1):
+            raise ConfigError(f"DP-SGD public dataset size must be an integer >= 1, got {n_public!r}")
+        self.n_public = None if n_public is None else int(n_public)
         if loss is None:
             # an EDMDenoiser knows its own image shape and class count
             image_shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
@@ -217,7 +234,7 @@ class DPSGDTrainer:
         t0 = time.perf_counter()
         n = images.shape[0]
         dev = self.params[0].device
-        expected = self.q * n
+        expected = self.q * (n if self.n_public is None else self.n_public)
         idx = poisson_sample(n, self.q, self.generator)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         total = {name: torch.zeros_like(p) for name, p in zip(names, self.params)}

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import secrets
 import shutil
 import time
@@ -116,6 +117,7 @@ class PlannedRun:
     dpsgd_q: float
     dpsgd_steps: int
     epsilon: float  # total planned epsilon with the configured accountant
+    n_public: int = 0  # the PUBLIC nominal size every rate and denominator uses (never the exact count)
 
 
 def plan_run(cfg: JobConfig, n: int) -> PlannedRun:
@@ -131,6 +133,7 @@ def plan_run(cfg: JobConfig, n: int) -> PlannedRun:
         dpsgd_q=cfg.dpsgd.batch / n,
         dpsgd_steps=sgd.steps if sgd else 0,
         epsilon=pl.epsilon,
+        n_public=int(n),
     )
 
 
@@ -276,7 +279,26 @@ def _seed_from(*parts: Any) -> int:
 
 
 def _gen(*parts: Any) -> torch.Generator:
+    """A generator for PUBLIC randomness (model init, post-processing of released values, sampling)."""
     return torch.Generator().manual_seed(_seed_from(*parts))
+
+
+def _private_key(secret: int, stage: str) -> bytes:
+    """256 bits for a stage that touches private data, from the run's secret (itself 256 OS bits; kept in the run
+    dir so a resumed run continues the same streams)."""
+    return hashlib.sha256(f"{secret}/{stage}".encode()).digest()
+
+
+def _private_rng(secret: int, stage: str) -> np.random.Generator:
+    from ..randomness import numpy_generator_from
+
+    return numpy_generator_from(_private_key(secret, stage))
+
+
+def _private_gen(secret: int, stage: str) -> torch.Generator:
+    from ..randomness import torch_generator_from
+
+    return torch_generator_from(_private_key(secret, stage))
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -311,10 +333,14 @@ def run_pipeline(
     noise_seed: int | None = None,
     kill_after_steps: int | None = None,
     before_dpsgd_step: Callable[[int], None] | None = None,
+    public_size: int | None = None,
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
-    ``n_synthetic``: images in synthetic.npz (default: as many as the training data, balanced).
+    ``n_synthetic``: images in synthetic.npz (default: the public size, balanced).
+    ``public_size``: the PUBLIC nominal dataset size N (default: the count rounded to 2 significant digits). Rates
+    q = batch / N, the central/frequency denominators, the DP-SGD divisor and everything written into the run (and
+    so into a release) use it; the exact count stays in this process.
     ``noise_seed``: fixed secret seed for tests only (default: drawn from the OS, kept in the run dir).
     ``kill_after_steps``: test hook, raise ``SimulatedKill`` after that many DP-SGD steps of this process.
     """
@@ -324,8 +350,11 @@ def run_pipeline(
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     cfg = apply_method(cfg)
     check_data(cfg, data)
+    from ..data.commitment import suggest_public_size
+
+    n_pub = int(public_size) if public_size is not None else suggest_public_size(data.n)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
-    plan = plan_run(cfg, data.n)
+    plan = plan_run(cfg, n_pub)
     job_hash = config_hash(cfg.to_dict())
     data_fp = data.fingerprint()
     root = Path(out_dir)
@@ -343,7 +372,7 @@ def run_pipeline(
             "job_hash": job_hash,
             "data_fingerprint": data_fp,
             "data_source": data.source,
-            "dataset_size": data.n,
+            "dataset_size": n_pub,  # public nominal size
             "class_names": list(data.class_names),
             "image_shape": list(data.image_shape),
             "method": cfg.job.method,
@@ -361,10 +390,11 @@ def run_pipeline(
     if seed_file.exists():
         secret = int(seed_file.read_text().strip())
     else:
-        secret = noise_seed if noise_seed is not None else secrets.randbits(63)
+        secret = noise_seed if noise_seed is not None else secrets.randbits(256)  # >= 128 bits: not searchable
         atomic_write_bytes(seed_file, f"{secret}\n".encode())
+        os.chmod(seed_file, 0o600)  # whoever reads it can subtract the noise
 
-    ledger = RunLedger(rd.root / "privacy.json", cfg, plan, data.n)
+    ledger = RunLedger(rd.root / "privacy.json", cfg, plan, n_pub)
     if not ledger.path.exists():
         ledger.write()
     rep.log(
@@ -395,7 +425,7 @@ def run_pipeline(
     central = None
     if cfg.central.rounds > 0:
         t0 = _now()
-        central = _central_stage(cfg, data, rd, ledger, np.random.default_rng(_seed_from(secret, "central")), rep)
+        central = _central_stage(cfg, data, rd, ledger, _private_rng(secret, "central"), rep)
         from ..viz import save_grid
 
         grid_index += 1
@@ -426,10 +456,10 @@ def run_pipeline(
     # 3. frequency statistics (DP release) -> aux generator -> frequency warm-up
     if cfg.frequency.sigma is not None:
         t0 = _now()
-        stats = _frequency_stage(cfg, data, rd, ledger, np.random.default_rng(_seed_from(secret, "frequency")), rep)
+        stats = _frequency_stage(cfg, data, rd, ledger, _private_rng(secret, "frequency"), rep)
         _lap(stage_seconds, stage_cpu, "frequency-release", t0)
         t0 = _now()
-        _frequency_warmup(cfg, data, rd, denoiser, stats, rep, grid, mark)
+        _frequency_warmup(cfg, data, rd, denoiser, stats, rep, grid, mark, n_pub)
         _lap(stage_seconds, stage_cpu, "frequency-warmup", t0)
 
     # 4. DP-SGD on the real images
@@ -438,7 +468,7 @@ def run_pipeline(
     if plan.dpsgd_steps > 0:
         t0 = _now()
         final_model, trained = _dpsgd_stage(
-            cfg, data, rd, ledger, plan, denoiser, _gen(secret, "dpsgd"), rep, checkpoint_every,
+            cfg, data, rd, ledger, plan, denoiser, _private_gen(secret, "dpsgd"), rep, checkpoint_every,
             kill_after_steps, before_dpsgd_step, state,
         )
         mark("dpsgd", steps_trained=trained, steps_charged=ledger.charged("dpsgd"))
@@ -447,7 +477,7 @@ def run_pipeline(
 
     # 5. synthetic set, model, privacy report, completion marker (last)
     t0 = _now()
-    n_syn = data.n if n_synthetic is None else int(n_synthetic)
+    n_syn = n_pub if n_synthetic is None else int(n_synthetic)
     _write_synthetic(final_model, cfg, data, rd.root / "synthetic.npz", n_syn, rep)
     save_torch(rd.root / "model.pt", {
         "spec": denoiser_spec(cfg.model, data.image_shape, data.n_classes),
@@ -504,7 +534,7 @@ def _central_stage(cfg, data, rd, ledger, rng, rep) -> tuple[np.ndarray, np.ndar
     ledger.charge("central", c.rounds)
     release, event = central_images(
         data.images, data.labels, data.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch, sigma=c.sigma,
-        clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=data.n, rng=rng,
+        clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=ledger.n, rng=rng,
     )
     _check_event(event, ledger.planned("central"))
     images, labels = postprocess_central(release)
@@ -532,7 +562,7 @@ def _frequency_stage(cfg, data, rd, ledger, rng, rep) -> np.ndarray:
     ledger.charge("frequency", 1)
     release, event = frequency_statistics(
         data.images, data.labels, data.n_classes, features=f.features, sigma=f.sigma, bandwidth2=f.bandwidth2,
-        seed=f.seed, chunk=f.chunk, n_public=data.n, rng=rng,
+        seed=f.seed, chunk=f.chunk, n_public=ledger.n, rng=rng,
     )
     _check_event(event, ledger.planned("frequency"))
     atomic_write_bytes(path, _npz_bytes(
@@ -543,7 +573,7 @@ def _frequency_stage(cfg, data, rd, ledger, rng, rep) -> np.ndarray:
     return release.embedding
 
 
-def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark) -> None:
+def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, n_pub) -> None:
     """Aux generator fitted to the released embedding, its images, the denoiser trained on them."""
     from ..mechanisms.frequency import rff_frequencies
     from ..models.auxgen import AuxGenerator
@@ -565,9 +595,9 @@ def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark) -> No
         aux.eval()
     else:
         omega = rff_frequencies(c * h * w, f.features, f.bandwidth2, f.seed)
-        iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, data.n // a.batch)
+        iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_pub // a.batch)
         with rep.task("aux generator", a.epochs * iters) as adv:
-            aux = fit_aux_generator(embedding, omega, data.image_shape, data.n_classes, cfg, data.n,
+            aux = fit_aux_generator(embedding, omega, data.image_shape, data.n_classes, cfg, n_pub,
                                     generator=_gen(cfg.job.seed, "auxgen"),
                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
         save_torch(gen_ck, {"model": aux.state_dict()})
@@ -588,7 +618,7 @@ def _dpsgd_stage(cfg, data, rd, ledger, plan, denoiser, gen, rep, every, kill_af
     from .dpsgd import DPSGDTrainer
 
     trainer = DPSGDTrainer(denoiser, cfg, plan.dpsgd_sigma, plan.dpsgd_q, gen,
-                           image_shape=data.image_shape, n_classes=data.n_classes)
+                           image_shape=data.image_shape, n_classes=data.n_classes, n_public=plan.n_public)
     ck = rd.ckpt("dpsgd.pt")
     if ck.exists():
         trainer.load_state_dict(load_torch(ck))

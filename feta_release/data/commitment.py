@@ -1,0 +1,103 @@
+"""A site's keyed commitment to its data: HMAC-SHA256 under a secret that never leaves the site.
+
+Why not a plain hash: the policy (and with it every release) used to carry ``sha256(all pixels and labels)``.
+Anyone who knows all images but one can hash each candidate for the last one and test membership offline.
+An HMAC under a 256-bit secret drawn from the OS (``secrets.token_bytes``) binds the signed policy to the data
+just as firmly (the node recomputes it at start and refuses other data), but without the secret the value is
+indistinguishable from random (HMAC-SHA256 is a PRF), so it reveals nothing about the images.
+
+The secret lives in one file on the site, created with ``O_CREAT | O_EXCL`` and mode 0600, loaded only by the
+node and by ``feta-release policy data-commitment``; it is never sent, logged or written into a release.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import stat
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["SECRET_BYTES", "COMMITMENT_DOMAIN", "create_secret", "load_secret", "ensure_secret", "dataset_commitment",
+           "same_commitment", "suggest_public_size"]
+
+SECRET_BYTES = 32  # 256 bits
+COMMITMENT_DOMAIN = b"feta-dataset-commitment-v1\n"  # keeps this HMAC apart from any other use of a key
+
+
+def create_secret(path: str | Path) -> Path:
+    """Write a fresh 256-bit secret (hex) to a NEW file readable by its owner only; refuse to overwrite one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{p}: a data secret already exists; keep it (the policy's commitment depends on it) "
+                          "or move it away yourself") from None
+    with os.fdopen(fd, "w", encoding="ascii") as fh:
+        fh.write(secrets.token_bytes(SECRET_BYTES).hex() + "\n")
+    return p
+
+
+def load_secret(path: str | Path) -> bytes:
+    """The secret bytes, or a ``ConfigError`` naming the file and the fix (missing, readable by others, short)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        text = p.read_text("ascii").strip()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: data secret not found; create it with `feta-release policy data-commitment DATA "
+                          f"--secret {p}` and put the printed commitment into the policy") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read the data secret: {exc}") from None
+    if os.name == "posix" and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{p}: the data secret is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                          f"run `chmod 600 {p}`")
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(f"{p}: the data secret is not hex text; recreate it with `feta-release policy "
+                          "data-commitment`") from None
+    if len(key) < SECRET_BYTES:
+        raise ConfigError(f"{p}: the data secret has {len(key) * 8} bits, fewer than {SECRET_BYTES * 8}; "
+                          "recreate it with `feta-release policy data-commitment`")
+    return key
+
+
+def ensure_secret(path: str | Path) -> tuple[bytes, bool]:
+    """(secret, created): load the site's secret, creating it first if there is none."""
+    created = not Path(path).exists()
+    if created:
+        create_secret(path)
+    return load_secret(path), created
+
+
+def dataset_commitment(ds: Any, secret: bytes) -> str:
+    """HMAC-SHA256 (hex) of the dataset's canonical bytes (``ImageDataset.canonical_parts``) under ``secret``."""
+    if len(secret) < SECRET_BYTES:
+        raise ConfigError(f"data secret too short ({len(secret) * 8} bits); at least {SECRET_BYTES * 8} are needed")
+    mac = hmac.new(secret, COMMITMENT_DOMAIN, sha256)
+    for part in ds.canonical_parts():
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def same_commitment(a: str, b: str) -> bool:
+    """Constant-time comparison (the node compares its own value with the policy's)."""
+    return hmac.compare_digest(a.encode("ascii", "replace"), b.encode("ascii", "replace"))
+
+
+def suggest_public_size(n: int) -> int:
+    """A round figure near ``n`` (2 significant digits) for the policy's public nominal size. The site's
+    administrator decides: the value is declared public, and no mechanism's guarantee depends on how close it
+    is to the true count (rates and denominators use it; sensitivities are computed with it)."""
+    if n < 1:
+        raise ConfigError(f"dataset has {n} images; nothing to declare")
+    if n < 100:
+        return max(10, int(round(n, -1)))
+    digits = len(str(int(n))) - 2
+    return int(round(n, -digits))

@@ -425,22 +425,30 @@ class Ledger:
         other coordinator) would otherwise be answered from the first job's records. Refused instead.
         """
         want = {"sha256": job_sha256, "signer": signer_sha256}
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        rec = self._job_record(job_id)
+        if rec is not None:  # already bound (every message of a job): no write, no re-signing
+            self._refuse_other_job(job_id, rec, want)
+            return
+        # Inside the signing write: ``meta`` is covered by the ledger's signed head.
+        with self._write():
             rec = self._job_record(job_id)
             if rec is None:
                 self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?)",
                                  (f"job:{job_id}", json.dumps({**want, "closed": False}, sort_keys=True)))
-            elif {k: rec.get(k) for k in want} != want:
-                raise PolicyError(
-                    f"job id {job_id!r} is already bound at this site to another signed job (sha256 "
-                    f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
-                    f"{job_sha256[:16]}… signed by {signer_sha256[:16]}… is refused (one job id names one job)")
+            else:
+                self._refuse_other_job(job_id, rec, want)
+
+    @staticmethod
+    def _refuse_other_job(job_id: str, rec: dict[str, Any], want: dict[str, str]) -> None:
+        if {k: rec.get(k) for k in want} != want:
+            raise PolicyError(
+                f"job id {job_id!r} is already bound at this site to another signed job (sha256 "
+                f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
+                f"{want['sha256'][:16]}… signed by {want['signer'][:16]}… is refused (one job id names one job)")
 
     def close_job(self, job_id: str, job_sha256: str) -> None:
         """Close the job: from now on every charge for it is refused (its attestation is final)."""
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._write():  # ``meta`` is covered by the signed head
             rec = self._job_record(job_id) or {"sha256": job_sha256, "signer": None}
             if rec.get("sha256") != job_sha256:
                 raise PolicyError(f"job id {job_id!r} is bound to another signed job; not closed")

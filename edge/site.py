@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feta_release.errors import ConfigError
+from feta_release.errors import ConfigError, PolicyError
 
 from .ledger import Ledger
 

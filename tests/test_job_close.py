@@ -37,6 +37,12 @@ def _send(grid, kind, doc, arrays=None, node=100):
     return rep
 
 
+def _site_key():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.generate()
+
+
 def _requests(fed, site_id, job_id):
     with Ledger(fed.site(site_id).ledger) as led:
         return led.requests(job_id)
@@ -66,7 +72,7 @@ def test_attesting_closes_the_job_at_the_node(fed, tmp_path):
 def test_charge_racing_the_close_is_refused_by_the_ledger(tmp_path):
     """A charge that reaches the ledger after the close (it passed the handler's checks before) is refused
     under the write lock. Fails on 473f707 (no close at all)."""
-    led = Ledger(tmp_path / "l.sqlite")
+    led = Ledger(tmp_path / "l.sqlite", key=_site_key())  # a ledger is created with its site key (signed head)
     b = Budget(10.0, 20.0, 1e-5)
     ev = [PrivacyEvent("dpsgd", 1.0, 0.01, 10)]
     led.charge("j", "j:train:0", "dpsgd", ev, b, response=b"r0")
@@ -94,7 +100,7 @@ def test_same_job_id_with_another_signed_job_is_refused(fed, tmp_path):
 
 
 def test_bind_job_refuses_another_signer(tmp_path):
-    led = Ledger(tmp_path / "l.sqlite")
+    led = Ledger(tmp_path / "l.sqlite", key=_site_key())
     led.bind_job("j", "a" * 64, "1" * 64)
     led.bind_job("j", "a" * 64, "1" * 64)  # the same job again: fine
     with pytest.raises(PolicyError, match="already bound"):
@@ -112,3 +118,22 @@ def test_node_refuses_a_site_key_its_policy_does_not_name(fed, tmp_path):
     cfg = {**fed.site("site-a").node_config(), CFG_SITE_KEY: str(other)}
     with pytest.raises(PolicyError, match="not the site key that"):
         Site.open(cfg)
+
+
+def test_binding_and_closing_a_job_keep_the_signed_head_valid(tmp_path):
+    """Merge regression (security's job records x node's signed head): bind_job/close_job wrote the ``meta`` table
+    outside the signing write, so the next open of the ledger (every node message) saw a head that no longer
+    covered ``meta`` and refused the ledger as tampered; the e2e demo then got no release from any site."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    path = tmp_path / "l.db"
+    with Ledger(path, key=key) as led:
+        led.bind_job("job-1", "a" * 64, "b" * 64)
+    with Ledger(path, key=key, deep=True) as led:  # raised LedgerTamperedError before the fix
+        led.bind_job("job-1", "a" * 64, "b" * 64)  # the same job again: nothing new
+        led.close_job("job-1", "a" * 64)
+    with Ledger(path, verify_key=key.public_key(), deep=True) as led:
+        assert led.is_closed("job-1")
+        with pytest.raises(PolicyError):
+            led.bind_job("job-1", "c" * 64, "b" * 64)

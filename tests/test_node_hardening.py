@@ -405,7 +405,7 @@ def test_node_refuses_a_remote_superlink_without_an_auth_key(tmp_path):
     from feta_release.errors import ConfigError
 
     base = dict(data=tmp_path, policy=tmp_path, trusted_policy_key=tmp_path, ledger=tmp_path / "l.db",
-                site_key=tmp_path, root_certificates=tmp_path / "ca.crt")
+                site_key=tmp_path, data_secret=tmp_path, root_certificates=tmp_path / "ca.crt")
     with pytest.raises(ConfigError, match="--auth-key"):
         check_transport(NodeSettings(**base, superlink="10.1.2.3:9092"))
     check_transport(NodeSettings(**base, superlink="10.1.2.3:9092", auth_key=tmp_path / "node"))
@@ -587,8 +587,8 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     assert stat.S_IMODE(s.ledger.stat().st_mode) == 0o600
     _tamper(s.ledger, "UPDATE requests SET lifetime_epsilon=0.0")
     args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
-            "--site-key", str(s.site_key), "--trusted-policy-key", str(s.policy_pub), "--superlink", "127.0.0.1:1",
-            "--insecure"]
+            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--trusted-policy-key",
+            str(s.policy_pub), "--superlink", "127.0.0.1:1", "--insecure"]
     res = CliRunner().invoke(node, args)
     assert isinstance(res.exception, LedgerTamperedError), res.output
     msg = str(res.exception)

@@ -1,4 +1,6 @@
-# feta-release: one image for site nodes, the coordinator and offline synthesis.
+# feta-release: one image for site nodes, the coordinator and offline synthesis. Runs as a non-root user.
+# Build:  docker build -t feta-release .
+# Run lines for a node and a coordinator: README, "Site administrators".
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
@@ -16,8 +18,18 @@ COPY coordinator ./coordinator
 COPY policies ./policies
 RUN pip install .
 
-# Site data, ledgers and keys live in volumes, never in the image.
+# An unprivileged user owns the state; site data is mounted read-only by the operator (docker run -v ...:ro).
+ARG UID=10001
+RUN useradd --system --uid ${UID} --create-home --home-dir /home/feta feta \
+    && mkdir -p /data /state && chown feta:feta /state
+USER feta
+WORKDIR /state
+ENV HOME=/home/feta
+
+# Site data, ledgers, keys and site kits live in volumes, never in the image.
 VOLUME ["/data", "/state"]
-EXPOSE 9093 9101
+# 9092: the coordinator's SuperLink (Fleet, Control and Runtime APIs on one port; `coordinator start --port`).
+# A site node only dials out to it (node.toml superlink = "HOST:9092"); its ClientApp port 9101 stays on loopback.
+EXPOSE 9092
 ENTRYPOINT ["feta-release"]
 CMD ["--help"]

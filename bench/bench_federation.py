@@ -8,7 +8,8 @@
    (logged by each site in its own ``work/compute_seconds.jsonl``; sites never send it, as it tracks the
    realised batch size) = the round's overhead.
 
-Usage:  python bench/bench_federation.py --nodes 3 --rounds 3 [--job-out feta-demo/job --sites-root feta-demo/federation]
+Usage:  python bench/bench_federation.py --nodes 3 --rounds 3 \
+            [--job-out feta-demo/job --sites-root feta-demo/federation]
 Timings on a shared, loaded machine are approximate.
 """
 

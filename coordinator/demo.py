@@ -188,7 +188,8 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
                           site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
                           port=free_port(), insecure=True)
         procs.append(start_node(ns))
-        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, keyed data commitment checked")
+        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, "
+                    "keyed data commitment checked")
     return f"127.0.0.1:{port}"
 
 

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import click
 
+from feta_release.cli.data_options import data_load_options
+from feta_release.data.loading import LoadOptions
+
 
 @click.group()
 def node() -> None:
@@ -96,16 +99,19 @@ def _print_summary(s: dict) -> None:
 
 
 @node.command()
-@click.option("--data", "data_path", required=True, type=click.Path(exists=True, path_type=Path),
-              help="The site's images (folder or .npz).")
-@click.option("--policy", "policy_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="node.toml from `feta-release site init` holding every setting below; options given here override it.")
+@click.option("--data", "data_path", type=click.Path(exists=True, path_type=Path),
+              help="The site's images (folder, labels .csv or .npz).")
+@click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's signed policy.")
-@click.option("--trusted-policy-key", "trusted", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--trusted-policy-key", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The public key the site's policy must be signed with.")
-@click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="The site's privacy ledger (SQLite; created on first use).")
+@click.option("--site-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's Ed25519 private key (signs its spend attestations).")
-@click.option("--data-secret", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--data-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's data secret (mode 0600; made by `feta-release policy data-commitment`).")
 @click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="Coordinator SuperLink host:port.")
 @click.option("--port", type=int, default=9101, show_default=True, help="Local port of this node's ClientApp API.")
@@ -117,16 +123,35 @@ def _print_summary(s: dict) -> None:
 @click.option("--force-insecure", is_flag=True, help="Allow --insecure to a non-loopback SuperLink (dangerous).")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Node state (default: next to the ledger).")
-def start(data_path: Path, policy_path: Path, trusted: Path, ledger_path: Path, site_key: Path, data_secret: Path,
-          superlink: str,
-          port: int, root_certificates: Path | None, auth_key: Path | None, insecure: bool, force_insecure: bool,
-          work_dir: Path | None) -> None:
-    """Verify this site's signed policy and data, then run its Flower SuperNode (until Ctrl-C)."""
+@data_load_options
+@click.pass_context
+def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None, **given: object) -> None:
+    """Verify this site's signed policy and data, then run its Flower SuperNode (until Ctrl-C).
+
+    \b
+    Example:
+      feta-release node start --config st-mary/node.toml
+    """
+    from feta_release.errors import ConfigError
+
     from .launch import NodeSettings, run_node
 
-    settings = NodeSettings(
-        data=data_path, policy=policy_path, trusted_policy_key=trusted, ledger=ledger_path, site_key=site_key,
-        data_secret=data_secret, superlink=superlink, port=port, root_certificates=root_certificates, auth_key=auth_key,
-        insecure=insecure, force_insecure=force_insecure, work_dir=work_dir,
-    )
-    raise SystemExit(run_node(settings))
+    names = {"data_path": "data", "policy_path": "policy", "trusted": "trusted_policy_key",
+             "ledger_path": "ledger"}
+    settings: dict = {}
+    if config_path is not None:
+        from .kit import read_node_toml
+
+        settings = read_node_toml(config_path)
+    for param, value in given.items():
+        explicit = ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE
+        if explicit or (param not in settings and names.get(param, param) not in settings and value is not None):
+            settings[names.get(param, param)] = value
+    if load is not None:
+        settings["load"] = load
+    missing = [f"--{k.replace('_', '-')}" for k in ("data", "policy", "trusted_policy_key", "ledger", "site_key",
+                                                                    "data_secret")
+               if not settings.get(k)]
+    if missing:
+        raise ConfigError(f"node start needs {', '.join(missing)} (or --config node.toml from `feta-release site init`)")
+    raise SystemExit(run_node(NodeSettings(**settings)))

@@ -123,20 +123,19 @@ def _signed_policy_document(context: Context) -> Any:
 
 @app.query("central")
 def central(msg: Message, context: Context) -> Message:
-    from feta_release.policy.enforce import MechanismRequest, check_request
+    from feta_release.policy.enforce import check_request
 
-    from .releases import central_event, release_central
+    from .admission import request_for
+    from .releases import release_central
 
     site = site_for(context.node_config)
     doc, _ = fm.read_payload(msg.content)
     job = _job(site, doc)
     rid = fm.request_id(job.job_id, "central")
-    event = central_event(job.config, site.n_public)
+    event, request = request_for("central", job, site.policy, site.n_public)
     if (rd := _replay(site, job, rid, "central", [event])) is not None:
         return Message(rd, reply_to=msg)
-    check_request(site.policy, MechanismRequest("central", event.sigma, event.q, event.steps,
-                                                batch=job.config.central.batch, job=job),
-                  job_events=_job_events(site, job))
+    check_request(site.policy, request, job_events=_job_events(site, job))
     t0 = time.perf_counter()
     arrays, events = release_central(site.data, job.config, site.n_public)
     _local_timing(site, rid, time.perf_counter() - t0)
@@ -145,20 +144,19 @@ def central(msg: Message, context: Context) -> Message:
 
 @app.query("frequency")
 def frequency(msg: Message, context: Context) -> Message:
-    from feta_release.policy.enforce import MechanismRequest, check_request
+    from feta_release.policy.enforce import check_request
 
-    from .releases import frequency_event, release_frequency
+    from .admission import request_for
+    from .releases import release_frequency
 
     site = site_for(context.node_config)
     doc, _ = fm.read_payload(msg.content)
     job = _job(site, doc)
     rid = fm.request_id(job.job_id, "frequency")
-    event = frequency_event(job.config)
+    event, request = request_for("frequency", job, site.policy, site.n_public)
     if (rd := _replay(site, job, rid, "frequency", [event])) is not None:
         return Message(rd, reply_to=msg)
-    check_request(site.policy, MechanismRequest("frequency", event.sigma, event.q, event.steps,
-                                                features=job.config.frequency.features, job=job),
-                  job_events=_job_events(site, job))
+    check_request(site.policy, request, job_events=_job_events(site, job))
     t0 = time.perf_counter()
     arrays, events = release_frequency(site.data, job.config, site.n_public)
     _local_timing(site, rid, time.perf_counter() - t0)
@@ -168,9 +166,10 @@ def frequency(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One federated DP-SGD round: global weights in, ``local_steps`` DP-SGD steps on site, weights out."""
-    from feta_release.policy.enforce import MechanismRequest, check_request
+    from feta_release.policy.enforce import check_request
 
-    from .releases import dpsgd_round, site_dpsgd_event
+    from .admission import request_for
+    from .releases import dpsgd_round
 
     site = site_for(context.node_config)
     doc, arrays = fm.read_payload(msg.content)
@@ -181,12 +180,10 @@ def train(msg: Message, context: Context) -> Message:
         raise PolicyError(f"round {rnd} is outside the job's {rounds} rounds; refused")
     rid = fm.request_id(job.job_id, "train", rnd)
     # σ is calibrated HERE, by the site, for its own size and budget over its own history of this job.
-    event = site_dpsgd_event(job.config, site.policy, site.n_public, cache_dir=site.work_dir)
+    event, request = request_for("dpsgd", job, site.policy, site.n_public, cache_dir=site.work_dir)
     if (rd := _replay(site, job, rid, "dpsgd", [event])) is not None:
         return Message(rd, reply_to=msg)
-    check_request(site.policy, MechanismRequest("dpsgd", event.sigma, event.q, event.steps,
-                                                batch=job.config.dpsgd.batch, clip=job.config.dpsgd.clip, job=job),
-                  job_events=_job_events(site, job))
+    check_request(site.policy, request, job_events=_job_events(site, job))
     t0 = time.perf_counter()
     weights = dpsgd_round(site.data, job.config, arrays, event, _generator(rid), site.n_public)
     _local_timing(site, rid, time.perf_counter() - t0)

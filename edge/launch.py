@@ -1,8 +1,8 @@
 """Starting a site's Flower SuperNode after the site's own checks pass.
 
 Before anything starts: the signed policy is verified against the site's trusted key, the data's
-keyed commitment (HMAC under the site's secret) must match the policy, the ledger must not have seen a newer policy, the FAB gate must
-be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
+keyed commitment (HMAC under the site's secret) must match the policy, the ledger must not have seen a
+newer policy, the FAB gate must be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
 ``--node-config`` (read by the ClientApp as ``context.node_config``; the coordinator cannot change
 them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) first on PATH.
 """
@@ -15,11 +15,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
 
 from . import trust
-from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, CFG_WORK, Site
+from .site import (
+    CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, CFG_WINDOW,
+    CFG_WORK, Site,
+)
 
 log = logging.getLogger("feta.node")
 
@@ -39,13 +43,18 @@ class NodeSettings:
     insecure: bool = False
     force_insecure: bool = False
     work_dir: Path | None = None
+    load: LoadOptions | None = None  # how files become images (same as `data inspect --resize ...`)
 
     def node_config(self) -> dict[str, str]:
         work = self.work_dir or self.ledger.parent / "work"
-        return {CFG_DATA: str(self.data.resolve()), CFG_POLICY: str(self.policy.resolve()),
-                CFG_TRUSTED: str(self.trusted_policy_key.resolve()), CFG_LEDGER: str(self.ledger.resolve()),
-                CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve()),
-                CFG_SECRET: str(self.data_secret.resolve())}
+        cfg = {CFG_DATA: str(self.data.resolve()), CFG_POLICY: str(self.policy.resolve()),
+               CFG_TRUSTED: str(self.trusted_policy_key.resolve()), CFG_LEDGER: str(self.ledger.resolve()),
+               CFG_SITE_KEY: str(self.site_key.resolve()), CFG_WORK: str(Path(work).resolve()),
+               CFG_SECRET: str(self.data_secret.resolve())}
+        if self.load is not None and self.load != LoadOptions():
+            cfg.update({CFG_RESIZE: self.load.resize, CFG_IMAGE_SIZE: str(self.load.image_size or 0),
+                        CFG_WINDOW: self.load.window, CFG_PATIENT_CAP: str(self.load.patient_cap or 0)})
+        return cfg
 
 
 def _toml_string(v: str) -> str:

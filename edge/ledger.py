@@ -426,29 +426,23 @@ class Ledger:
         """
         want = {"sha256": job_sha256, "signer": signer_sha256}
         rec = self._job_record(job_id)
-        if rec is not None:  # already bound (every message of a job): no write, no re-signing
-            self._refuse_other_job(job_id, rec, want)
-            return
-        # Inside the signing write: ``meta`` is covered by the ledger's signed head.
+        if rec is not None and {k: rec.get(k) for k in want} == want:
+            return  # already bound to this job (every message of a job binds): no write, no re-signing
+        # Through the signed write path: the job record lives in `meta`, which the chain head covers.
         with self._write():
             rec = self._job_record(job_id)
             if rec is None:
                 self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?)",
                                  (f"job:{job_id}", json.dumps({**want, "closed": False}, sort_keys=True)))
-            else:
-                self._refuse_other_job(job_id, rec, want)
-
-    @staticmethod
-    def _refuse_other_job(job_id: str, rec: dict[str, Any], want: dict[str, str]) -> None:
-        if {k: rec.get(k) for k in want} != want:
-            raise PolicyError(
-                f"job id {job_id!r} is already bound at this site to another signed job (sha256 "
-                f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
-                f"{want['sha256'][:16]}… signed by {want['signer'][:16]}… is refused (one job id names one job)")
+            elif {k: rec.get(k) for k in want} != want:
+                raise PolicyError(
+                    f"job id {job_id!r} is already bound at this site to another signed job (sha256 "
+                    f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
+                    f"{job_sha256[:16]}… signed by {signer_sha256[:16]}… is refused (one job id names one job)")
 
     def close_job(self, job_id: str, job_sha256: str) -> None:
         """Close the job: from now on every charge for it is refused (its attestation is final)."""
-        with self._write():  # ``meta`` is covered by the signed head
+        with self._write():
             rec = self._job_record(job_id) or {"sha256": job_sha256, "signer": None}
             if rec.get("sha256") != job_sha256:
                 raise PolicyError(f"job id {job_id!r} is bound to another signed job; not closed")

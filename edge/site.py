@@ -26,6 +26,11 @@ CFG_LEDGER = "ledger-path"
 CFG_SITE_KEY = "site-key"
 CFG_WORK = "work-dir"
 CFG_SECRET = "data-secret"  # key of the keyed data commitment (feta_release.data.commitment); never sent
+# How files become model-sized images (feta_release.data.LoadOptions); optional, site-side only.
+CFG_RESIZE = "data-resize"
+CFG_IMAGE_SIZE = "data-image-size"
+CFG_WINDOW = "data-window"
+CFG_PATIENT_CAP = "data-patient-cap"
 REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SECRET)
 
 
@@ -38,10 +43,26 @@ def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, data
                             last_seen_version=last_seen_version)
 
 
-def load_site_data(path: str | Path) -> Any:
-    from feta_release.data.loading import load_dataset
+def load_options(node_config: dict[str, Any]) -> Any:
+    """The site's ``LoadOptions`` from its node config (the same object ``data inspect`` uses)."""
+    from feta_release.data.loading import LoadOptions
 
-    ds, _report = load_dataset(Path(path))
+    def integer(key: str) -> int | None:
+        v = node_config.get(key)
+        try:
+            return int(v) if v not in (None, "", 0, "0") else None
+        except (TypeError, ValueError):
+            raise ConfigError(f"node config {key} must be an integer, not {v!r}") from None
+
+    return LoadOptions(resize=str(node_config.get(CFG_RESIZE) or "refuse"),  # type: ignore[arg-type]
+                       image_size=integer(CFG_IMAGE_SIZE), window=str(node_config.get(CFG_WINDOW) or "auto"),
+                       patient_cap=integer(CFG_PATIENT_CAP))
+
+
+def load_site_data(path: str | Path, options: Any = None) -> Any:
+    from feta_release.data.loading import LoadOptions, load_dataset
+
+    ds, _report = load_dataset(Path(path), **(options or LoadOptions()).kwargs())
     return ds
 
 
@@ -77,7 +98,7 @@ class Site:
         key = load_private_key(node_config[CFG_SITE_KEY])
         # Opening verifies the ledger's hash chain and its head's signature by this site key.
         ledger = Ledger(node_config[CFG_LEDGER], key=key)
-        data = load_site_data(node_config[CFG_DATA])
+        data = load_site_data(node_config[CFG_DATA], load_options(node_config))
         policy = verify_policy_file(
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
             last_seen_version=ledger.highest_policy_version(),

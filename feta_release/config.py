@@ -21,9 +21,11 @@ from .errors import ConfigError
 class JobSection:
     name: str = "feta-job"
     seed: int = 0
-    # "refuse" lists images whose size differs; "resize" resizes them to ``image_size`` (bilinear).
-    resize: Literal["refuse", "resize"] = "refuse"
+    # "refuse" lists images whose size differs; "resize" resizes them to ``image_size`` (bilinear);
+    # "crop" centre-crops to square first. Same meaning as --resize (feta_release.data.LoadOptions).
+    resize: Literal["refuse", "resize", "crop"] = "refuse"
     image_size: int | None = None  # None: the data's own size
+    window: str = "auto"  # 16-bit/DICOM windowing: auto | bits:N | CENTER,WIDTH (feta_release.data.dicom)
     # Coarse method switch, used by presets and the benchmark; stages can also be disabled one by one.
     method: Literal["feta-pro", "dp-feta", "dpdm", "feta-pro-freq"] = "feta-pro"
 
@@ -40,6 +42,8 @@ class CentralSection:
     kind: Literal["mean", "mode"] = "mean"
     rounds: int = 5  # one central image per class per round; 0 disables the stage
     batch: int = 6000  # expected Poisson batch over the whole dataset: q = batch / N
+    # When set, the batch is derived from the PUBLIC dataset size: batch = round(rate * N) (see for_size)
+    rate: float | None = None
     sigma: float = 5.0  # noise multiplier (std / sensitivity)
     clip: float | None = None  # L2 bound on the downsampled image; None: sqrt(c*h*w) (pixels are bounded)
     downsample: float = 0.5  # factor applied before the query (nearest)
@@ -76,6 +80,9 @@ class WarmupSection:
     frequency_images: int = 60000
     frequency_epochs: int = 10
     frequency_batch: int = 256
+    # Also train the frequency warm-up on as many augmented copies of the released central images as there are
+    # aux images (post-processing): keeps what the spatial stage learnt (measured in bench/diagnose_stages.py).
+    frequency_mix_central: bool = False
     lr: float = 3e-4
     ema: float = 0.999
 
@@ -94,6 +101,7 @@ class AuxGenSection:
 @dataclass(frozen=True)
 class DPSGDSection:
     batch: int = 4096  # expected (logical) Poisson batch: q = batch / N
+    rate: float | None = None  # when set: batch = round(rate * N) for the public size N (see for_size)
     steps: int | None = None
     epochs: float | None = None  # steps = ceil(epochs * N / batch); give steps OR epochs
     clip: float = 1.0
@@ -143,6 +151,17 @@ class JobConfig:
             return self.dpsgd.steps
         assert self.dpsgd.epochs is not None
         return max(1, math.ceil(self.dpsgd.epochs * n / self.dpsgd.batch))
+
+    def for_size(self, n: int) -> "JobConfig":
+        """This job on a dataset of PUBLIC size ``n``: ``[central]``/``[dpsgd]`` ``rate`` turned into a batch
+        (round(rate * n), at least 1), so q = batch / n is exactly what the accountant charges. A job without
+        rates is returned unchanged."""
+        out = self
+        if self.central.rate is not None:
+            out = out.replace(central={"batch": max(1, round(self.central.rate * n))})
+        if self.dpsgd.rate is not None:
+            out = out.replace(dpsgd={"batch": max(1, round(self.dpsgd.rate * n))})
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -284,6 +303,8 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(p.epsilon > 0, f"[privacy] epsilon must be > 0, got {p.epsilon}")
     need(0 < p.delta < 1, f"[privacy] delta must be in (0, 1), got {p.delta}")
     need(c.rounds >= 0, f"[central] rounds must be >= 0, got {c.rounds}")
+    need(c.rate is None or 0 < c.rate <= 1, f"[central] rate must be in (0, 1], got {c.rate}")
+    need(d.rate is None or 0 < d.rate <= 1, f"[dpsgd] rate must be in (0, 1], got {d.rate}")
     if c.rounds > 0:
         need(c.batch >= 1, f"[central] batch must be >= 1, got {c.batch}")
         need(c.sigma > 0, f"[central] sigma must be > 0, got {c.sigma}")
@@ -314,3 +335,9 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(cfg.federation.min_sites >= 1, "[federation] min_sites must be >= 1")
     need(cfg.federation.rounds >= 0 and cfg.federation.local_steps >= 1, "[federation] rounds >= 0, local_steps >= 1")
     need(cfg.job.image_size is None or cfg.job.image_size >= 8, "[job] image_size must be >= 8")
+    from .data.dicom import parse_window
+
+    try:
+        parse_window(cfg.job.window)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: [job] {exc}") from None

@@ -69,8 +69,11 @@ def train_classifier(
     *,
     batch_size: int = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
+    augment: bool = False,
 ) -> SmallCNN:
     """Train a ``SmallCNN`` on ``ds`` (cross-entropy, Adam); deterministic given ``seed``.
+
+    ``augment``: random shifts of up to 2 pixels per batch (see :func:`random_shift`).
 
     Leaves the global torch RNG as it found it. Returns the network in eval mode.
     """
@@ -93,11 +96,20 @@ def train_classifier(
             order = torch.from_numpy(rng.permutation(ds.n))
             for start in range(0, ds.n, batch_size):
                 idx = order[start : start + batch_size]
-                loss = nn.functional.cross_entropy(net(x_all[idx]), y_all[idx])
+                xb = random_shift(x_all[idx], 2, rng) if augment else x_all[idx]
+                loss = nn.functional.cross_entropy(net(xb), y_all[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
     return net.eval()
+
+
+def random_shift(x: torch.Tensor, max_shift: int, rng: np.random.Generator) -> torch.Tensor:
+    """Each image translated by an independent integer offset in [-max_shift, max_shift]^2 (zero fill)."""
+    n, _, h, w = x.shape
+    pad = nn.functional.pad(x, (max_shift,) * 4)
+    off = rng.integers(0, 2 * max_shift + 1, size=(n, 2))
+    return torch.stack([pad[i, :, a : a + h, b : b + w] for i, (a, b) in enumerate(off)])
 
 
 @torch.no_grad()

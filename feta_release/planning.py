@@ -8,6 +8,7 @@ noise; the DP-SGD noise multiplier is calibrated so that the WHOLE history meets
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -34,11 +35,14 @@ class StagePlan:
     epsilon: float  # this stage ALONE at delta
     share: float  # epsilon / sum of the stages' epsilons (composition is sub-additive: shares of that sum)
     note: str = ""
+    noise_to_signal: float | None = None  # see stage_noise(); None where no figure applies
+    noise_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "stage": self.stage, "enabled": self.enabled, "sigma": self.sigma, "q": self.q, "steps": self.steps,
             "epsilon": self.epsilon, "share": self.share, "note": self.note,
+            "noise_to_signal": self.noise_to_signal, "noise_note": self.noise_note,
         }
 
 
@@ -54,6 +58,7 @@ class PrivacyPlan:
     stages: tuple[StagePlan, ...]
     history: tuple[PrivacyEvent, ...]
     prior: tuple[PrivacyEvent, ...] = field(default=())
+    warnings: tuple[str, ...] = field(default=())
 
     def stage(self, name: str) -> StagePlan:
         for s in self.stages:
@@ -72,7 +77,62 @@ class PrivacyPlan:
             "calibrated": self.calibrated,
             "stages": [s.to_dict() for s in self.stages],
             "history": [e.to_dict() for e in self.history],
+            "warnings": list(self.warnings),
         }
+
+
+# A release whose noise-to-signal figure is above this is mostly noise (the plan warns).
+MOSTLY_NOISE = 0.5
+_FIXES = {
+    "central": "lower [central] sigma or rounds, raise [central] rate, or use more data",
+    "frequency": "lower [frequency] sigma or features, or use more data",
+}
+
+
+def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int, int] = (1, 28, 28),
+                n_classes: int = 10, sgd_sigma: float | None = None) -> tuple[float | None, str]:
+    """A noise-to-signal figure a user can judge, per stage, from PUBLIC values only.
+
+    central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / n_classes), against
+    the pixel scale 1 (pixels in [0, 1]).  central (mode): per-bin noise std sigma * sqrt(d) against the expected
+    per-class batch.  frequency: norm of a class column's noise, sigma * sqrt(features) / n, against the column's
+    largest possible norm 1 / n_classes (||phi|| = 1, balanced classes): a lower bound on the true ratio.
+    dpsgd: norm of the noise on the mean clipped gradient of ONE step, sigma * C * sqrt(params) / batch, against
+    its largest possible norm C; steps average it down, so it is reported, not warned about.
+    """
+    c_, h, w = image_shape
+    if stage == "central" and cfg.central.rounds > 0:
+        c = cfg.central
+        d = c_ * max(1, int(h * c.downsample)) * max(1, int(w * c.downsample))
+        per_class = c.batch / n_classes
+        if c.kind == "mode":
+            r = c.sigma * math.sqrt(d) / per_class
+            return r, f"per-bin noise {r:.2f} x the per-class batch {per_class:.0f}"
+        clip = c.clip if c.clip is not None else math.sqrt(d)
+        r = c.sigma * min(clip, math.sqrt(d)) / per_class
+        return r, f"noise std {r:.3f} per pixel (pixels in [0, 1]), per-class batch {per_class:.0f}"
+    if stage == "frequency" and cfg.frequency.sigma is not None:
+        f = cfg.frequency
+        r = f.sigma * math.sqrt(f.features) / n * n_classes
+        return r, f"noise norm >= {r:.2f} x a class column's signal"
+    if stage == "dpsgd" and sgd_sigma is not None:
+        params = _param_count(cfg, image_shape, n_classes)
+        if params is None:
+            return None, ""
+        r = sgd_sigma * math.sqrt(params) / cfg.dpsgd.batch
+        return r, (f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters, "
+                   f"batch {cfg.dpsgd.batch}); a larger batch at the same epsilon lowers it")
+    return None, ""
+
+
+def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int) -> int | None:
+    from .errors import FetaError
+    from .models.edm import build_denoiser
+
+    try:
+        return sum(p.numel() for p in build_denoiser(cfg.model, image_shape, n_classes).parameters())
+    except FetaError:
+        return None  # a model that cannot be built is reported by training, not by the plan
 
 
 def _rate(batch: int, n: int, section: str) -> float:
@@ -92,8 +152,12 @@ def plan_job(
     target_epsilon: float | None = None,
     delta: float | None = None,
     prior_events: Sequence[PrivacyEvent] = (),
+    image_shape: tuple[int, int, int] = (1, 28, 28),
+    n_classes: int = 10,
 ) -> PrivacyPlan:
     """Plan a job on a dataset of PUBLIC size ``n``.
+
+    ``image_shape``/``n_classes`` (public) only feed the noise-to-signal figures (default: the embedded data).
 
     ``dpsgd_steps`` overrides the job's steps/epochs (the federated plan passes rounds x local steps);
     ``target_epsilon``/``delta`` override ``[privacy]`` (a site's own budget); ``prior_events`` are events
@@ -102,6 +166,7 @@ def plan_job(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PrivacyError(f"dataset size must be a positive integer, got {n!r}")
+    cfg = cfg.for_size(n)  # [central]/[dpsgd] rate -> batch for this public size
     eps_target = cfg.privacy.epsilon if target_epsilon is None else float(target_epsilon)
     dlt = cfg.privacy.delta if delta is None else float(delta)
     acc = cfg.privacy.accountant
@@ -167,19 +232,28 @@ def plan_job(
     if prior:
         alone["prior"] = epsilon(prior, dlt, acc)
     summed = sum(alone.values()) or 1.0
+    noise = {name: stage_noise(cfg, name, n, image_shape, n_classes, sigma_sgd) for name, _, _ in rows}
     stages = tuple(
         StagePlan(
             stage=name, enabled=ev is not None or name == "prior",
             sigma=ev.sigma if ev else None, q=ev.q if ev else None,
             steps=ev.steps if ev else (sum(e.steps for e in prior) if name == "prior" else 0),
             epsilon=alone[name], share=alone[name] / summed, note=note,
+            noise_to_signal=noise[name][0], noise_note=noise[name][1],
         )
         for name, ev, note in rows
+    )
+    warnings = tuple(
+        f"[{s.stage}] at N = {n}: {s.noise_note}: the release would be mostly noise (noise-to-signal "
+        f"{s.noise_to_signal:.2f} > {MOSTLY_NOISE}); {_FIXES.get(s.stage, 'spend more epsilon on it')}"
+        for s in stages
+        # DP-SGD's per-step figure is averaged down by the steps: reported, not warned about
+        if s.stage != "dpsgd" and s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE
     )
     return PrivacyPlan(
         dataset_size=n, target_epsilon=eps_target, delta=dlt, accountant=acc, epsilon=total,
         noise_multiplier=sigma_sgd, calibrated=calibrated, stages=stages, history=tuple(history),
-        prior=tuple(prior),
+        prior=tuple(prior), warnings=warnings,
     )
 
 

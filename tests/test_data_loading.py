@@ -86,7 +86,7 @@ def test_empty_class_folder(tmp_path: Path) -> None:
     two_class_folder(tmp_path)
     (tmp_path / "zebra").mkdir()
     (tmp_path / "zebra" / "notes.txt").write_text("no images here")
-    with pytest.raises(DataError, match=r"class folders without any PNG/JPEG/BMP/TIFF image:\n  .*zebra/"):
+    with pytest.raises(DataError, match=r"class folders without any PNG/JPEG/BMP/TIFF/DICOM image:\n  .*zebra/"):
         load_dataset(tmp_path)
 
 
@@ -206,10 +206,10 @@ def test_sixteen_bit_scaled(tmp_path: Path) -> None:
         for i, v in enumerate((0, 32768, 65535)):
             write(tmp_path / c / f"{i}.png", Image.fromarray(np.full((4, 4), v, np.uint16)))
             write(tmp_path / c / f"{i}.tif", Image.fromarray(np.full((4, 4), v, np.uint16)))
-    ds, report = load_dataset(tmp_path)
+    ds, report = load_dataset(tmp_path, window="bits:16")
     means = sorted({round(float(x.mean()), 6) for x in ds.images})
     assert means == [0.0, round(32768 / 65535, 6), 1.0]
-    assert report.conversions["16-bit scaled from 0..65535"] == 12
+    assert report.conversions["16-bit scaled as 16-bit (0..65535)"] == 12
 
 
 def test_palette_images(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ would answer it from the first job's records). Each test fails on 473f707 and pa
 from __future__ import annotations
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.setup import sign_job_file
 from edge.ledger import Budget, Ledger
@@ -35,12 +36,6 @@ def _send(grid, kind, doc, arrays=None, node=100):
     msg = grid.create_message(fm.make_payload(doc, arrays or {}), kind, node, "g")
     (rep,) = grid.send_and_receive([msg])
     return rep
-
-
-def _site_key():
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    return Ed25519PrivateKey.generate()
 
 
 def _requests(fed, site_id, job_id):
@@ -72,7 +67,7 @@ def test_attesting_closes_the_job_at_the_node(fed, tmp_path):
 def test_charge_racing_the_close_is_refused_by_the_ledger(tmp_path):
     """A charge that reaches the ledger after the close (it passed the handler's checks before) is refused
     under the write lock. Fails on 473f707 (no close at all)."""
-    led = Ledger(tmp_path / "l.sqlite", key=_site_key())  # a ledger is created with its site key (signed head)
+    led = Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate())
     b = Budget(10.0, 20.0, 1e-5)
     ev = [PrivacyEvent("dpsgd", 1.0, 0.01, 10)]
     led.charge("j", "j:train:0", "dpsgd", ev, b, response=b"r0")
@@ -100,7 +95,7 @@ def test_same_job_id_with_another_signed_job_is_refused(fed, tmp_path):
 
 
 def test_bind_job_refuses_another_signer(tmp_path):
-    led = Ledger(tmp_path / "l.sqlite", key=_site_key())
+    led = Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate())
     led.bind_job("j", "a" * 64, "1" * 64)
     led.bind_job("j", "a" * 64, "1" * 64)  # the same job again: fine
     with pytest.raises(PolicyError, match="already bound"):
@@ -133,7 +128,8 @@ def test_binding_and_closing_a_job_keep_the_signed_head_valid(tmp_path):
     with Ledger(path, key=key, deep=True) as led:  # raised LedgerTamperedError before the fix
         led.bind_job("job-1", "a" * 64, "b" * 64)  # the same job again: nothing new
         led.close_job("job-1", "a" * 64)
-    with Ledger(path, verify_key=key.public_key(), deep=True) as led:
+    with Ledger(path, verify_key=key.public_key(), deep=True) as led:  # a reader checks the head too
         assert led.is_closed("job-1")
-        with pytest.raises(PolicyError):
+    with Ledger(path, key=key) as led:
+        with pytest.raises(PolicyError, match="already bound"):
             led.bind_job("job-1", "c" * 64, "b" * 64)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from feta_release.accounting import PrivacyEvent, epsilon
 from feta_release.cli import cli, main
@@ -152,3 +154,86 @@ def test_cli_account(tmp_path: Path) -> None:
     broken.write_text(json.dumps([{"stage": "dpsgd", "sigma": -1, "q": 0.1, "steps": 1}]))
     res = CliRunner().invoke(cli, ["privacy", "account", str(broken), "--delta", "1e-5"])
     assert isinstance(res.exception, PrivacyError) and "sigma" in str(res.exception)
+
+
+# -- sampling rates and noise-to-signal figures -------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 200_000), rate=st.floats(1e-4, 1.0))
+def test_for_size_turns_a_rate_into_a_batch_within_the_data(n: int, rate: float) -> None:
+    cfg = JobConfig().replace(central={"rate": rate}, dpsgd={"rate": rate, "steps": 3})
+    sized = cfg.for_size(n)
+    for sec in (sized.central, sized.dpsgd):
+        assert 1 <= sec.batch <= n or (n == 1 and sec.batch == 1)
+        assert sec.batch == max(1, round(rate * n))
+    assert sized.for_size(n) == sized  # idempotent for the same size
+
+
+def test_rate_presets_plan_on_any_size_and_keep_epsilon() -> None:
+    from feta_release.config import load_preset
+
+    for name in ("cpu-eps1", "cpu-eps10"):
+        cfg = load_preset(name)
+        plans = {n: plan_job(cfg, n) for n in (500, 1400, 4000, 60_000)}
+        for n, p in plans.items():
+            assert p.epsilon <= cfg.privacy.epsilon + 1e-9
+            assert p.stage("central").q == pytest.approx(cfg.central.rate, rel=0.01)
+        # Same rates -> the same warm-up spend whatever the size; only the noise per pixel changes.
+        assert plans[500].stage("central").epsilon == pytest.approx(plans[60_000].stage("central").epsilon, rel=0.02)
+        nts = [plans[n].stage("central").noise_to_signal for n in (500, 1400, 4000, 60_000)]
+        assert nts == sorted(nts, reverse=True)
+
+
+def test_plan_warns_when_a_release_is_mostly_noise() -> None:
+    cfg = JobConfig().replace(central={"rate": 0.5, "sigma": 8.0, "clip": 3.0, "rounds": 2},
+                              frequency={"sigma": 10.0, "features": 200}, dpsgd={"rate": 0.05, "steps": 5})
+    small, big = plan_job(cfg, 500), plan_job(cfg, 4000)
+    # central: 8 * 3 / (250 / 10) = 0.96 per pixel at N = 500; 0.12 at N = 4000
+    assert small.stage("central").noise_to_signal == pytest.approx(0.96)
+    assert big.stage("central").noise_to_signal == pytest.approx(0.12)
+    assert any("[central]" in w and "mostly noise" in w for w in small.warnings)
+    assert not any("[central]" in w for w in big.warnings)
+    # frequency: 10 * sqrt(200) / N * 10 -> 2.83 at N = 500 (warned), 0.35 at N = 4000
+    assert small.stage("frequency").noise_to_signal == pytest.approx(10 * 200 ** 0.5 / 500 * 10)
+    assert any("[frequency]" in w for w in small.warnings)
+    assert json.loads(json.dumps(small.to_dict()))["warnings"] == list(small.warnings)
+
+
+def test_privacy_plan_cli_prints_noise_warning(tmp_path: Path) -> None:
+    job = tmp_path / "j.toml"
+    job.write_text("[central]\nrate = 0.5\nsigma = 8.0\nclip = 3.0\nrounds = 2\n[dpsgd]\nrate = 0.05\nsteps = 5\n")
+    res = CliRunner().invoke(cli, ["privacy", "plan", str(job), "-n", "500"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())  # rich wraps at the terminal width
+    assert "warning: [central] at N = 500" in text and "mostly noise" in text
+    assert "noise/signal [central]: noise std 0.960 per pixel" in text
+
+
+def test_dpsgd_noise_figure_falls_with_the_batch_at_fixed_epsilon() -> None:
+    from feta_release.models.edm import build_denoiser
+
+    cfg = JobConfig().replace(central={"rounds": 0}, dpsgd={"steps": 50, "rate": 0.01})
+    p_small, p_big = plan_job(cfg, 20_000), plan_job(cfg.replace(dpsgd={"rate": 0.1}), 20_000)
+    params = sum(t.numel() for t in build_denoiser(cfg.model, (1, 28, 28), 10).parameters())
+    for p, batch in ((p_small, 200), (p_big, 2000)):
+        assert p.stage("dpsgd").noise_to_signal == pytest.approx(p.noise_multiplier * params ** 0.5 / batch)
+    assert p_big.stage("dpsgd").noise_to_signal < p_small.stage("dpsgd").noise_to_signal
+    assert not any("[dpsgd]" in w for w in p_small.warnings)  # reported, never warned: steps average it down
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(500, 60_000), n_classes=st.integers(2, 20),
+       preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "paper-mnist"]))
+def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: str) -> None:
+    """issue 15: `train --preset cpu-eps1 --data` on 1,400 images refused ("fewer than [central] batch")."""
+    import numpy as np
+
+    from feta_release.config import load_preset
+    from feta_release.data import ImageDataset
+    from feta_release.training.pipeline import check_data
+
+    cfg = load_preset(preset).for_size(n)
+    ds = ImageDataset(np.zeros((n, 1, 2, 2), np.float32), np.arange(n) % n_classes,
+                      tuple(str(c) for c in range(n_classes)), source="toy")
+    check_data(cfg, ds)  # no batch above the data
+    assert cfg.central.batch <= n and cfg.dpsgd.batch <= n

@@ -6,8 +6,9 @@ import json
 
 import click
 
-from ..data import load_dataset
+from ..data import LoadOptions, load_dataset
 from ..data.inspect import inspect_summary
+from .data_options import data_load_options
 
 
 @click.group()
@@ -17,19 +18,21 @@ def data() -> None:
 
 @data.command()
 @click.argument("path", required=False, default="embedded")
-@click.option("--resize", type=click.Choice(["refuse", "resize"]), default="refuse", show_default=True,
-              help="What to do with images whose size differs from the target.")
-@click.option("--image-size", type=click.IntRange(min=1), default=None,
-              help="Target side length (square); default: the size most images have.")
+@data_load_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def inspect(path: str, resize: str, image_size: int | None, as_json: bool) -> None:
+def inspect(path: str, load: LoadOptions | None, as_json: bool) -> None:
     """Show size, classes, per-class counts, image shape, fingerprint and problems of PATH.
 
-    PATH is a folder with one sub-folder per class, an .npz (arrays images, labels[, class_names]),
-    or omitted / 'embedded' for the MNIST subset shipped with the package. Unusable data is an error
-    (exit code 3) that names the files and the problem.
+    PATH is a folder with one sub-folder per class (PNG/JPEG/BMP/TIFF/DICOM), a .csv with columns
+    path,label[,patient_id], an .npz (arrays images, labels[, class_names]), or omitted / 'embedded'
+    for the MNIST subset shipped with the package. Unusable data is an error (exit code 3) that lists
+    EVERY problem found, one line per file, with the fix.
+
+    \b
+    Example:
+      feta-release data inspect /data/chest --resize crop --image-size 64 --window bits:12
     """
-    ds, report = load_dataset(path, resize=resize, image_size=image_size)  # type: ignore[arg-type]
+    ds, report = load_dataset(path, **(load or LoadOptions()).kwargs())
     info = inspect_summary(ds, report)
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -55,6 +58,9 @@ def _print_tables(info: dict) -> None:
     overview.add_row("fingerprint (sha256)", info["fingerprint"])
     overview.add_row("skipped files", str(info["n_skipped"]))
     overview.add_row("resized images", str(info["n_resized"]))
+    if info["n_patients"] is not None:
+        overview.add_row("patients (unit of privacy)",
+                         f"{info['n_patients']:,} (at most {info['max_images_per_patient']} images each)")
     for what, k in info["conversions"].items():
         overview.add_row("converted", escape(f"{k} x {what}"))
     console.print(overview)

@@ -113,7 +113,11 @@ def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file:
     from .. import signing
     from ..policy import read_policy_document, sign_policy, write_signed_policy
 
+    from edge.kit import review_or_refuse
+
     doc = read_policy_document(policy_file)
+    for w in review_or_refuse(doc, str(policy_file)):
+        click.secho(f"warning: {w}", fg="yellow", err=True)
     k = _load_signing_key(key, passphrase_file, passphrase_prompt)
     target = out or policy_file.with_suffix(".signed.json")
     write_signed_policy(target, sign_policy(doc, k))
@@ -273,6 +277,7 @@ def job_verify(signed: Path, trusted: tuple[Path, ...], policy_file: Path | None
         if not policy_trusted:
             raise click.UsageError("--policy needs --policy-trusted KEY (the key that signs site policies)")
         pol = load_site_policy(policy_file, list(policy_trusted))
+        _admit_or_refuse(pol, doc, signed)  # the node's own checks, every request of the job
         j = verify_job(doc, pol, str(signed))
         click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version}")
     elif trusted:
@@ -282,3 +287,50 @@ def job_verify(signed: Path, trusted: tuple[Path, ...], policy_file: Path | None
         raise click.UsageError("give --trusted COORDINATOR_PUB or --policy SIGNED_POLICY --policy-trusted KEY")
     click.echo(f"coordinator {j.signer}; sites {', '.join(j.sites)}; created {j.created.isoformat()}; "
                f"sha256 {j.digest}")
+
+
+def _admit_or_refuse(pol, signed_job, source: Path, ledger: Path | None = None):  # type: ignore[no-untyped-def]
+    """Run the node's enforcement (edge.admission.admit) and exit non-zero listing every failing rule."""
+    from edge.admission import admit
+
+    job_ev, life_ev = [], []
+    if ledger is not None:
+        from edge.ledger import Ledger
+        from feta_release.accounting import events_from_list
+
+        with Ledger(ledger) as led:
+            life_ev = events_from_list([e for r in led.requests() for e in r["events"]])
+            jid = signed_job.get("job", {}).get("job_id") if isinstance(signed_job, dict) else None
+            job_ev = events_from_list(led.job_events(jid)) if jid else []
+    res = admit(pol, signed_job, source=str(source), job_events=job_ev, lifetime_events=life_ev)
+    if not res.accepted:
+        from ..policy.errors import PolicyViolation
+
+        lines = "\n".join(f"  {rule}: {msg}" for rule, msg in res.failures)
+        raise PolicyViolation(res.failures[0][0], f"REFUSED: policy v{pol.version} refuses job "
+                              f"{res.job_id or source} ({len(res.failures)} rule(s)):\n{lines}", site=pol.site_id)
+    return res
+
+
+@policy.command("check")
+@click.argument("signed_policy", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("signed_job", metavar="JOB", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--trusted", "trusted", multiple=True, required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Public key(s) allowed to sign this site's policy (repeatable).")
+@click.option("--ledger", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site's ledger: also count what the site has already spent.")
+def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...], ledger: Path | None) -> None:
+    """Would this site's node serve JOB? Runs the node's own checks and lists EVERY rule that fails.
+
+    \b
+    Example:
+      feta-release policy check policy.signed.json job.signed.json --trusted keys/policy-admin.pub
+    """
+    from ..policy import load_site_policy
+    from ..policy.envelope import read_json
+
+    pol = load_site_policy(signed_policy, list(trusted))
+    res = _admit_or_refuse(pol, read_json(signed_job, "signed job"), signed_job, ledger)
+    click.echo(f"ACCEPTED: site {pol.site_id} policy v{pol.version} admits job {res.job_id} "
+               f"(planned ε={res.job_epsilon:.4g} at δ={pol.job_delta:g}, {pol.accountant})")

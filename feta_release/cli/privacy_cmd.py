@@ -20,9 +20,27 @@ def privacy() -> None:
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--dataset-size", "-n", type=click.IntRange(min=1), default=None,
               help="Public number of training images. Default: 4000 (the embedded data's training split).")
+@click.option("--patient-cap", type=click.IntRange(min=1), default=None, metavar="K",
+              help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT. "
+              "Give -n as the number of images left after the cap.")
+@click.option("--max-images-per-person", type=click.IntRange(min=1), default=None, metavar="M",
+              help="Without patient ids: the most images one person may have; states the group-privacy ε for them.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def plan(job_file: Path, dataset_size: int | None, as_json: bool) -> None:
-    """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon."""
+def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, max_images_per_person: int | None,
+         as_json: bool) -> None:
+    """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
+    and what that ε means for the unit of privacy (an image, or a patient).
+
+    \b
+    Example:
+      feta-release privacy plan job.toml -n 9500 --patient-cap 5
+    """
+    from ..privacy_unit import PrivacyUnit
+
+    if patient_cap is not None and max_images_per_person is not None:
+        raise click.UsageError("give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both")
+    unit = (PrivacyUnit("patient", patient_cap) if patient_cap is not None
+            else PrivacyUnit("image", max_images_per_person))
     from ..config import load_job
     from ..planning import DEFAULT_DATASET_SIZE, plan_job
 
@@ -34,11 +52,21 @@ def plan(job_file: Path, dataset_size: int | None, as_json: bool) -> None:
         data = result.to_dict()
         data["job"] = str(job_file)
         data["dataset_size_assumed"] = assumed
+        data["privacy_unit"] = unit.statement(result.epsilon, result.delta)
         click.echo(json.dumps(data, indent=2))
         if assumed:
             click.echo(f"note: no --dataset-size given; assumed N = {n} (embedded training split)", err=True)
         return
     _print_plan(result, job_file, assumed)
+    st = unit.statement(result.epsilon, result.delta)
+    if st["unit"] == "patient":
+        click.echo(f"unit of privacy: the PATIENT (cap {st['images_per_patient_cap']} images): ε per patient "
+                   f"{st['epsilon_per_patient']:.3f} at δ {st['delta_per_patient']:.3g} ({st['how']}); "
+                   f"sensitivity: {st['sensitivity']}")
+    else:
+        extra = (f"; a person with {st['largest_group']} images: ε {st['epsilon_for_largest_group']:.3f} at δ "
+                 f"{st['delta_for_largest_group']:.3g}" if "largest_group" in st else "")
+        click.echo(f"unit of privacy: one IMAGE ({st['how']}){extra}")
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -47,18 +75,23 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
     title = f"privacy plan for {job_file} (N = {result.dataset_size}{', assumed' if assumed else ''})"
     table = Table(title=title)
     for col, just in [("stage", "left"), ("sigma", "right"), ("q", "right"), ("steps", "right"),
-                      ("epsilon alone", "right"), ("share", "right"), ("note", "left")]:
+                      ("epsilon alone", "right"), ("share", "right"), ("noise/ signal", "right"), ("note", "left")]:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for s in result.stages:
         table.add_row(s.stage, _fmt(s.sigma, ".3f"), _fmt(s.q, ".4g"), str(s.steps) if s.enabled else "-",
-                      f"{s.epsilon:.3f}", f"{100 * s.share:.0f}%", s.note)
+                      f"{s.epsilon:.3f}", f"{100 * s.share:.0f}%", _fmt(s.noise_to_signal, ".3f"),
+                      s.note)
     console.print(table)
+    for s in result.stages:
+        if s.noise_note:
+            console.print(escape(f"noise/signal [{s.stage}]: {s.noise_note}"))
     if result.noise_multiplier is not None:
         how = "calibrated" if result.calibrated else "configured"
         console.print(f"DP-SGD noise multiplier ({how}): [bold]{result.noise_multiplier:.3f}[/bold]")
@@ -67,6 +100,8 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
         f"(budget {result.target_epsilon:g}, {result.accountant} accountant)"
     )
     console.print("shares are of the sum of per-stage epsilons; composed, the total is smaller than that sum")
+    for w in result.warnings:
+        console.print(f"[yellow]warning[/yellow]: {escape(w)}")
     if assumed:
         console.print(f"note: no --dataset-size given; assumed N = {result.dataset_size} (embedded training split)")
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
+from ..data.loading import LoadOptions
 from ..errors import ConfigError
+from .data_options import data_load_options
 
 
 @click.command()
@@ -15,8 +17,9 @@ from ..errors import ConfigError
 @click.option("--preset", default=None, help="Use a shipped job (e.g. cpu-eps1, cpu-eps10, tiny, paper-mnist) "
               "instead of JOB.")
 @click.option("--data", "data_path", default=None,
-              help="Image folder (one sub-folder per class) or .npz; default: the training split (80%, seed 0) of "
-              "the embedded MNIST subset, whose held-out 20% is left for `feta-release evaluate`.")
+              help="Image folder (one sub-folder per class), labels .csv or .npz; default: the training split (80%, "
+              "seed 0) of the embedded MNIST subset, whose held-out 20% is left for `feta-release evaluate`.")
+@data_load_options
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Run directory: created, or resumed when it holds an unfinished run of the same job and data.")
 @click.option("--synthetic", "n_synthetic", type=click.IntRange(min=0), default=None,
@@ -27,14 +30,23 @@ from ..errors import ConfigError
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where training, DP-SGD and sampling run (auto: CUDA when visible).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
-def train(job: Path | None, preset: str | None, data_path: str | None, out_dir: Path, n_synthetic: int | None,
-          public_size: int | None, checkpoint_every: int, threads: int | None, quiet: bool, as_json: bool) -> None:
+def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None, out_dir: Path,
+          n_synthetic: int | None, public_size: int | None, checkpoint_every: int, threads: int | None, device: str,
+          quiet: bool, as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Re-running the same command after an interruption resumes from the last checkpoint without
     spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run.
+    --resize/--image-size/--window override the job's [job] resize/image_size/window.
+
+    \b
+    Example:
+      feta-release train --preset cpu-eps1 --out runs/eps1
+      feta-release train --preset xray64-eps10 --data /data/chest --resize crop --image-size 64 --out runs/x
     """
     import torch
 
@@ -51,12 +63,13 @@ def train(job: Path | None, preset: str | None, data_path: str | None, out_dir: 
     if data_path is None:
         data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
     else:
-        data, report = load_dataset(data_path, resize=cfg.job.resize, image_size=cfg.job.image_size)
+        opts = load or LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
+        data, report = load_dataset(data_path, **opts.kwargs())
         if report.n_skipped and not quiet:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
     rep = Reporter(enabled=not quiet)
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
-                       public_size=public_size)
+                       public_size=public_size, device=device)
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,

@@ -5,7 +5,9 @@ Importing this package needs numpy and Pillow only (no torch).
 
 from .dataset import ImageDataset, save_npz
 from .embedded import EMBEDDED_SOURCE, embedded_path, load_embedded
-from .loading import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LoadReport, load_dataset, parse_arrays
+from .loading import (
+    DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, RESIZE_POLICIES, LoadOptions, LoadReport, load_dataset, parse_arrays,
+)
 from .splits import split_sites, train_heldout_split
 
 __all__ = [
@@ -13,7 +15,9 @@ __all__ = [
     "EMBEDDED_SOURCE",
     "IMAGE_EXTENSIONS",
     "ImageDataset",
+    "LoadOptions",
     "LoadReport",
+    "RESIZE_POLICIES",
     "embedded_path",
     "load_dataset",
     "load_embedded",

@@ -1,20 +1,27 @@
-"""Load labelled images from an image folder or an ``.npz`` into an ``ImageDataset``.
+"""Load labelled images from an image folder, a labels CSV or an ``.npz`` into an ``ImageDataset``.
 
 Layouts accepted:
-- a folder with one sub-folder per class (class names = sub-folder names, sorted); PNG, JPEG, BMP
-  and TIFF files inside (nested folders allowed); anything else is skipped and counted;
+- a folder with one sub-folder per class (class names = sub-folder names, sorted); PNG, JPEG, BMP,
+  TIFF and DICOM files inside (``.dcm``/``.dicom``, or extension-less files with the DICM magic;
+  nested folders allowed); anything else is skipped and counted;
+- a ``.csv`` with a header ``path,label[,patient_id]`` (paths relative to the CSV's folder; class
+  names = the sorted labels); a patient id groups the images of one patient (it is never shown);
 - an ``.npz`` with ``images`` ((N,H,W), (N,H,W,C) or (N,C,H,W); uint8 0..255, uint16 0..65535, bool,
   or float in [0, 1]), ``labels`` (N,) (integers, or strings that name the classes) and optionally
   ``class_names``;
 - the word ``embedded`` (when no such file exists): the MNIST subset shipped in the package.
 
 Bad input never yields a bare traceback: it raises ``DataError`` naming the file(s) and the problem.
-Problems that are fixed automatically (non-image files, colour-mode conversion, 16-bit scaling,
-palettes, resizing when asked) are counted in the ``LoadReport``.
+A folder or CSV is checked completely before failing: one error lists EVERY problem (empty class
+folders, unreadable/corrupt/truncated files, decompression bombs, odd sizes), each naming its files,
+so one run of ``data inspect`` shows everything to fix. Problems that are fixed automatically
+(non-image files, colour-mode conversion, 16-bit/DICOM windowing, palettes, resizing when asked) are
+counted in the ``LoadReport``. DICOM and 16-bit windowing: ``feta_release.data.dicom``.
 """
 
 from __future__ import annotations
 
+import csv
 import os
 import struct
 import warnings
@@ -29,9 +36,12 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
+from . import dicom
 from .dataset import ImageDataset
+from .dicom import Window, parse_window
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"})
+PIL_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"})
+IMAGE_EXTENSIONS = PIL_EXTENSIONS | dicom.DICOM_EXTENSIONS
 # Refuse any single image above this many pixels before decoding it: a few-KB PNG can claim
 # 100k x 100k pixels and exhaust memory (decompression bomb). Pillow's own limit (89M) still
 # applies on top; this one is lower because the method works on small images anyway.
@@ -40,8 +50,12 @@ MAX_LISTED = 20  # files named in one error message before "... and N more"
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R 601-2, as Pillow's convert("L")
 _GREY_MODES = {"1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"}
 _FLOAT_TOLERANCE = 1e-6  # float pixels this far outside [0, 1] are rounding noise and get clipped
+_KINDS = "PNG/JPEG/BMP/TIFF/DICOM"
 
-ResizePolicy = Literal["refuse", "resize"]
+# refuse: list images whose size differs; resize: bilinear to the target (aspect not kept);
+# crop: centre-crop to the target's aspect ratio, then resize (no distortion).
+ResizePolicy = Literal["refuse", "resize", "crop"]
+RESIZE_POLICIES = ("refuse", "resize", "crop")
 
 
 @dataclass
@@ -49,24 +63,75 @@ class LoadReport:
     """What the loader found and what it changed."""
 
     source: str
-    kind: str  # "folder" | "npz" | "embedded"
+    kind: str  # "folder" | "csv" | "npz" | "embedded"
     n_images: int = 0
     skipped_files: list[str] = field(default_factory=list)  # non-image files, not loaded
     warnings: list[str] = field(default_factory=list)  # human-readable, one per problem kind
-    conversions: dict[str, int] = field(default_factory=dict)  # e.g. {"16-bit scaled": 3}
+    conversions: dict[str, int] = field(default_factory=dict)  # e.g. {"16-bit scaled as 12-bit": 3}
     n_resized: int = 0
+    # Per image: the file it came from (folders and CSVs; empty for .npz), to name files in problems.
+    files: list[str] = field(default_factory=list, repr=False)
+    # Per image: an index 0..P-1 of its patient (None: no patient ids known). Pseudonymous by
+    # construction (order of first appearance); the identifiers themselves are never kept.
+    patients: np.ndarray | None = field(default=None, repr=False)
+    patient_cap: int | None = None  # at most this many images per patient were kept (feta_release.privacy_unit)
+    n_dropped_by_cap: int = 0
 
     @property
     def n_skipped(self) -> int:
         return len(self.skipped_files)
+
+    @property
+    def n_patients(self) -> int | None:
+        return None if self.patients is None else int(len(np.unique(self.patients)))
 
     def count(self, what: str, k: int = 1) -> None:
         self.conversions[what] = self.conversions.get(what, 0) + k
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("patients")
+        d.pop("files")
         d["n_skipped"] = self.n_skipped
+        d["n_patients"] = self.n_patients
+        d["max_images_per_patient"] = (
+            None if self.patients is None else int(np.bincount(self.patients).max(initial=0))
+        )
         return d
+
+
+@dataclass(frozen=True)
+class _Options:
+    resize: ResizePolicy
+    image_size: int | None
+    max_pixels: int
+    window: Window
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The site's choices for turning files into model-sized images: one object shared by
+    ``data inspect``, ``train``, ``site init`` and ``node start`` so all four read data alike."""
+
+    resize: ResizePolicy = "refuse"
+    image_size: int | None = None
+    window: str = "auto"
+    patient_cap: int | None = None  # keep the first k images of each patient (unit of privacy: the patient)
+
+    def __post_init__(self) -> None:
+        if self.resize not in RESIZE_POLICIES:
+            raise ConfigError(f"resize must be one of {', '.join(RESIZE_POLICIES)}, not {self.resize!r}")
+        if self.image_size is not None and (isinstance(self.image_size, bool) or not isinstance(self.image_size, int)
+                                            or self.image_size < 1):
+            raise ConfigError(f"image_size must be a positive integer, not {self.image_size!r}")
+        object.__setattr__(self, "window", str(parse_window(self.window)))
+        if self.patient_cap is not None and (isinstance(self.patient_cap, bool) or not isinstance(self.patient_cap, int)
+                                             or self.patient_cap < 1):
+            raise ConfigError(f"patient_cap must be a positive integer, not {self.patient_cap!r}")
+
+    def kwargs(self) -> dict:
+        return {"resize": self.resize, "image_size": self.image_size, "window": self.window,
+                "patient_cap": self.patient_cap}
 
 
 def load_dataset(
@@ -75,18 +140,52 @@ def load_dataset(
     resize: ResizePolicy = "refuse",
     image_size: int | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    window: str | Window | None = None,
+    patient_cap: int | None = None,
 ) -> tuple[ImageDataset, LoadReport]:
-    """Load an image folder, an ``.npz`` or ``"embedded"`` into canonical form.
+    """Load an image folder, a labels ``.csv``, an ``.npz`` or ``"embedded"`` into canonical form.
 
     resize: ``"refuse"`` (default) raises ``DataError`` listing every image whose size differs from
-        the target; ``"resize"`` resizes them (bilinear, antialiased) and counts them in the report.
+        the target; ``"resize"`` resizes them (bilinear, antialiased); ``"crop"`` centre-crops them to the
+        target's aspect ratio first. Resized images are counted in the report.
     image_size: target side length (square). ``None``: the size most images have.
     max_pixels: per-image pixel limit (decompression-bomb guard).
+    window: how 16-bit and DICOM values map to [0, 1]: ``auto``, ``bits:N`` or ``CENTER,WIDTH``
+        (see ``feta_release.data.dicom``).
+    patient_cap: keep at most this many images per patient (the first in file order), making the
+        patient the unit of privacy (``feta_release.privacy_unit``); needs patient ids.
     """
-    if resize not in ("refuse", "resize"):
-        raise ConfigError(f"resize must be 'refuse' or 'resize', not {resize!r}")
+    ds, report = _load_any(path, resize, image_size, max_pixels, window)
+    if patient_cap is not None:
+        ds = _cap_patients(ds, report, patient_cap)
+    return ds, report
+
+
+def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
+    from ..privacy_unit import cap_per_patient
+
+    if report.patients is None:
+        raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
+                          "PatientID); without them the unit of privacy is one image: drop the cap")
+    keep = cap_per_patient(report.patients, k)
+    report.patient_cap, report.n_dropped_by_cap = k, ds.n - len(keep)
+    if report.n_dropped_by_cap:
+        report.warnings.append(f"patient cap {k}: kept the first {k} image(s) of each patient, dropped "
+                               f"{report.n_dropped_by_cap} image(s)")
+    report.patients = report.patients[keep]
+    if len(report.files) == ds.n:
+        report.files = [report.files[i] for i in keep]
+    report.n_images = len(keep)
+    return ImageDataset(ds.images[keep], ds.labels[keep], ds.class_names, ds.source)
+
+
+def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | None, max_pixels: int,
+              window: str | Window | None) -> tuple[ImageDataset, LoadReport]:
+    if resize not in RESIZE_POLICIES:
+        raise ConfigError(f"resize must be one of {', '.join(RESIZE_POLICIES)}, not {resize!r}")
     if image_size is not None and (not isinstance(image_size, int) or image_size < 1):
         raise ConfigError(f"image_size must be a positive integer or None, not {image_size!r}")
+    opts = _Options(resize, image_size, max_pixels, parse_window(window))
     p = Path(path)
     if not p.exists():
         if str(path) == "embedded":
@@ -98,17 +197,19 @@ def load_dataset(
             return ds, report
         raise DataError(f"{p}: no such file or directory")
     if p.is_dir():
-        return _load_folder(p, resize, image_size, max_pixels)
+        return _load_folder(p, opts)
     if p.suffix.lower() == ".npz":
         return _load_npz(p, resize, image_size)
+    if p.suffix.lower() == ".csv":
+        return _load_csv(p, opts)
     raise DataError(
-        f"{p}: not a dataset; expected a folder with one sub-folder per class (PNG/JPEG/BMP/TIFF inside) "
-        "or an .npz with arrays 'images' and 'labels'"
+        f"{p}: not a dataset; expected a folder with one sub-folder per class ({_KINDS} inside), a .csv with "
+        "columns path,label[,patient_id], or an .npz with arrays 'images' and 'labels'"
     )
 
 
 # ------------------------------------------------------------------------------------------------
-# image folders
+# image folders and CSV lists
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class _Header:
@@ -116,6 +217,33 @@ class _Header:
     label: int
     size: tuple[int, int]  # (H, W)
     channels: int  # 1 or 3: what the file holds before any unification
+    is_dicom: bool = False
+    patient_key: str | None = None  # opaque; never printed
+
+
+@dataclass
+class _Item:
+    path: Path
+    label: int
+    patient_key: str | None = None
+
+
+class _Problems:
+    """Every problem of one dataset, grouped by kind; raised together at the end."""
+
+    def __init__(self) -> None:
+        self.sections: list[str] = []
+
+    def add(self, title: str, items: list[str] | None = None) -> None:
+        self.sections.append(title + (_listing(items) if items else ""))
+
+    def raise_if_any(self, where: Path) -> None:
+        if not self.sections:
+            return
+        if len(self.sections) == 1:
+            raise DataError(f"{where}: {self.sections[0]}")
+        body = "\n".join(f"[{i}] {s}" for i, s in enumerate(self.sections, 1))
+        raise DataError(f"{where}: {len(self.sections)} kinds of problem; fix them all, then run again:\n{body}")
 
 
 def _listing(items: list[str]) -> str:
@@ -128,9 +256,11 @@ def _is_hidden(p: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in p.relative_to(root).parts)
 
 
-def _load_folder(
-    root: Path, resize: ResizePolicy, image_size: int | None, max_pixels: int
-) -> tuple[ImageDataset, LoadReport]:
+def _is_image(f: Path) -> bool:
+    return f.suffix.lower() in IMAGE_EXTENSIONS or dicom.is_dicom(f)
+
+
+def _load_folder(root: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     report = LoadReport(source=str(root), kind="folder")
     entries = sorted(e for e in root.iterdir() if not e.name.startswith("."))
     if not entries:
@@ -140,78 +270,150 @@ def _load_folder(
     if not class_dirs:
         if (root / "synthetic.npz").exists():
             raise DataError(f"{root}: looks like a run directory; pass {root / 'synthetic.npz'}")
-        n_img = sum(e.suffix.lower() in IMAGE_EXTENSIONS for e in loose)
+        n_img = sum(_is_image(e) for e in loose)
         hint = f" ({n_img} images lie directly in it)" if n_img else ""
         raise DataError(
             f"{root}: no class sub-folders{hint}; expected one sub-folder per class, e.g. {root}/<class>/001.png"
         )
     report.skipped_files.extend(str(e) for e in loose)
-
-    # Listing first: structural problems are reported before any pixel is decoded.
-    files: list[tuple[Path, int]] = []
+    problems = _Problems()
+    items: list[_Item] = []
     empty: list[str] = []
     for label, cdir in enumerate(class_dirs):
-        n_before = len(files)
+        n_before = len(items)
         for f in sorted(cdir.rglob("*")):
             if not f.is_file():
                 continue
-            if f.suffix.lower() in IMAGE_EXTENSIONS and not _is_hidden(f, cdir):
-                files.append((f, label))
+            if not _is_hidden(f, cdir) and _is_image(f):
+                items.append(_Item(f, label))
             else:
                 report.skipped_files.append(str(f))
-        if len(files) == n_before:
+        if len(items) == n_before:
             empty.append(f"{cdir}/")
     if empty:
-        raise DataError(f"{root}: class folders without any PNG/JPEG/BMP/TIFF image:{_listing(empty)}")
+        problems.add(f"class folders without any {_KINDS} image:", empty)
     if len(class_dirs) < 2:
-        raise DataError(
-            f"{root}: only one class ({class_dirs[0].name!r}); class-conditional synthesis needs at least 2 "
-            "class sub-folders"
-        )
+        problems.add(f"only one class ({class_dirs[0].name!r}); class-conditional synthesis needs at least 2 "
+                     "class sub-folders")
     if report.skipped_files:
         report.warnings.append(
-            f"skipped {report.n_skipped} non-image file(s) (only {', '.join(sorted(IMAGE_EXTENSIONS))} are read):"
-            f"{_listing(report.skipped_files)}"
+            f"skipped {report.n_skipped} non-image file(s) (only {', '.join(sorted(IMAGE_EXTENSIONS))} and "
+            f"DICOM files are read):{_listing(report.skipped_files)}"
         )
+    return _load_items(root, items, tuple(d.name for d in class_dirs), opts, report, problems)
 
-    headers, errors = [], []
-    for f, label in files:
-        try:
-            headers.append(_read_header(f, label, max_pixels))
-        except DataError as exc:
-            errors.append(str(exc))
-    if errors:
-        # Decode the rest too (only on this failure path) so one message lists every bad file.
-        for h in headers:
-            try:
-                _read_pixels(h.path, LoadReport(source="", kind=""))
-            except DataError as exc:
-                errors.append(str(exc))
-        raise DataError(f"{root}: {len(errors)} unreadable, corrupt or truncated image file(s):{_listing(errors)}")
 
-    channels = _choose_channels(headers, report)
-    target = _choose_size([h.size for h in headers], [str(h.path) for h in headers], resize, image_size, root)
-    c = channels
-    images = np.empty((len(headers), c, target[0], target[1]), dtype=np.float32)
-    for i, h in enumerate(headers):
-        try:
-            arr = _read_pixels(h.path, report)
-        except DataError as exc:
-            errors.append(str(exc))
+def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
+    """``path,label[,patient_id]``; every bad row is listed (by line number; never quoting a patient id)."""
+    report = LoadReport(source=str(path), kind="csv")
+    problems = _Problems()
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            rows = list(csv.reader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise DataError(f"{path}: cannot be read as a UTF-8 CSV ({type(exc).__name__})") from exc
+    header = [h.strip().lower() for h in rows[0]] if rows else []
+    if header[:2] != ["path", "label"] or not set(header[2:]) <= {"patient_id"}:
+        raise DataError(f"{path}: the first line must be the header path,label or path,label,patient_id")
+    has_pid = "patient_id" in header
+    bad, missing, parsed = [], [], []
+    for lineno, row in enumerate(rows[1:], start=2):
+        if not any(c.strip() for c in row):
             continue
-        arr = _convert_channels(arr, c)
+        if len(row) != len(header) or not row[0].strip() or not row[1].strip():
+            bad.append(f"line {lineno}: expected {len(header)} non-empty fields ({','.join(header)})")
+            continue
+        f = (path.parent / row[0].strip()).resolve()
+        if not f.is_file():
+            missing.append(f"line {lineno}: {f}")
+            continue
+        pid = row[2].strip() if has_pid else None
+        if has_pid and not pid:
+            bad.append(f"line {lineno}: empty patient_id")
+            continue
+        parsed.append((f, row[1].strip(), pid))
+    if bad:
+        problems.add(f"{len(bad)} malformed row(s):", bad)
+    if missing:
+        problems.add(f"{len(missing)} listed file(s) do not exist:", missing)
+    names = tuple(sorted({lab for _, lab, _ in parsed}))
+    if not parsed:
+        problems.add("no usable rows")
+        problems.raise_if_any(path)
+    if len(names) < 2:
+        problems.add(f"only one class ({names[0]!r}); class-conditional synthesis needs at least 2")
+    index = {n: i for i, n in enumerate(names)}
+    items = [_Item(f, index[lab], _patient_key(pid)) for f, lab, pid in parsed]
+    return _load_items(path, items, names, opts, report, problems)
+
+
+def _patient_key(pid: str | None) -> str | None:
+    import hashlib
+
+    return None if pid is None else hashlib.sha256(pid.encode()).hexdigest()
+
+
+def _load_items(
+    where: Path, items: list[_Item], class_names: tuple[str, ...], opts: _Options, report: LoadReport,
+    problems: _Problems,
+) -> tuple[ImageDataset, LoadReport]:
+    """Decode every listed file; collect every problem; raise them together or build the dataset."""
+    bad: list[str] = []
+    decoded: list[tuple[_Header, np.ndarray]] = []
+    for it in items:
+        try:
+            h = _read_header(it, opts.max_pixels)
+            decoded.append((h, _read_pixels(h, report, opts.window)))
+        except DataError as exc:
+            bad.append(str(exc))
+    if bad:
+        problems.add(f"{len(bad)} unreadable, corrupt or truncated image file(s):", bad)
+    if decoded:
+        target, off = _size_target([h.size for h, _ in decoded], opts.image_size)
+        if off and opts.resize == "refuse":
+            problems.add(_size_message(target, off, [(str(h.path), h.size) for h, _ in decoded], opts.image_size))
+    problems.raise_if_any(where)
+    channels = _choose_channels([h for h, _ in decoded], report)
+    images = np.empty((len(decoded), channels, target[0], target[1]), dtype=np.float32)
+    for i, (h, arr) in enumerate(decoded):
+        arr = _convert_channels(arr, channels)
         if arr.shape[:2] != target:
-            arr = _resize(arr, target)
+            arr = _fit(arr, target, opts.resize)
             report.n_resized += 1
         images[i] = arr.transpose(2, 0, 1)
-    if errors:
-        raise DataError(f"{root}: {len(errors)} unreadable, corrupt or truncated image file(s):{_listing(errors)}")
     if report.n_resized:
-        report.warnings.append(f"resized {report.n_resized} image(s) to {target[0]}x{target[1]} (bilinear)")
-    labels = np.array([h.label for h in headers], dtype=np.int64)
-    ds = ImageDataset(images, labels, tuple(d.name for d in class_dirs), source=str(root))
+        how = "centre-cropped and resized" if opts.resize == "crop" else "resized"
+        report.warnings.append(f"{how} {report.n_resized} image(s) to {target[0]}x{target[1]} (bilinear)")
+    _note_sixteen_bit(report)
+    _note_patients(report, [h.patient_key for h, _ in decoded])
+    labels = np.array([h.label for h, _ in decoded], dtype=np.int64)
+    report.files = [str(h.path) for h, _ in decoded]
+    ds = ImageDataset(images, labels, class_names, source=str(where))
     report.n_images = ds.n
     return ds, report
+
+
+def _note_sixteen_bit(report: LoadReport) -> None:
+    depths = [k for k in report.conversions if k.startswith("16-bit scaled as")]
+    if len(depths) > 1:
+        report.warnings.append(
+            "16-bit images of different bit depths were each scaled to their own depth "
+            f"({', '.join(sorted(depths))}); if they share one depth, set the window, e.g. --window bits:12"
+        )
+
+
+def _note_patients(report: LoadReport, keys: list[str | None]) -> None:
+    if not any(k is not None for k in keys):
+        return
+    index: dict[str, int] = {}
+    out = []
+    for k in keys:
+        # An image without a patient id counts as its own patient (the image-level assumption).
+        out.append(index.setdefault(k if k is not None else f"\0{len(out)}", len(index)))
+    report.patients = np.asarray(out, dtype=np.int64)
+    n_missing = sum(k is None for k in keys)
+    if n_missing:
+        report.warnings.append(f"{n_missing} image(s) without a patient id; each counts as its own patient")
 
 
 def _open_guarded(path: Path, max_pixels: int) -> Image.Image:
@@ -238,7 +440,11 @@ def _open_guarded(path: Path, max_pixels: int) -> Image.Image:
     return im
 
 
-def _read_header(path: Path, label: int, max_pixels: int) -> _Header:
+def _read_header(item: _Item, max_pixels: int) -> _Header:
+    path = item.path
+    if dicom.is_dicom(path):
+        dh = dicom.read_header(path, max_pixels)
+        return _Header(path, item.label, dh.size, dh.channels, True, item.patient_key or dh.patient_key)
     im = _open_guarded(path, max_pixels)
     try:
         mode = im.mode
@@ -248,7 +454,7 @@ def _read_header(path: Path, label: int, max_pixels: int) -> _Header:
             channels = 1 if _palette_is_grey(im, path) else 3
         else:
             channels = 3
-        return _Header(path=path, label=label, size=(im.size[1], im.size[0]), channels=channels)
+        return _Header(path, item.label, (im.size[1], im.size[0]), channels, False, item.patient_key)
     finally:
         im.close()
 
@@ -266,8 +472,13 @@ def _palette_is_grey(im: Image.Image, path: Path) -> bool:
     return bool((rgb[:, 0] == rgb[:, 1]).all() and (rgb[:, 1] == rgb[:, 2]).all())
 
 
-def _read_pixels(path: Path, report: LoadReport) -> np.ndarray:
+def _read_pixels(h: _Header, report: LoadReport, window: Window = Window()) -> np.ndarray:
     """Decode one image to float32 (H, W, C) in [0, 1], C = 1 or 3."""
+    path = h.path
+    if h.is_dicom:
+        arr, rule = dicom.read_pixels(path, window)
+        report.count(rule)
+        return arr
     # The header pass already refused oversized images; no limit needed twice.
     try:
         with warnings.catch_warnings():
@@ -277,7 +488,7 @@ def _read_pixels(path: Path, report: LoadReport) -> np.ndarray:
                 if getattr(im, "n_frames", 1) > 1:
                     report.count("multi-frame: first frame used")
                 im.load()
-                return _pixels(im, path, report)
+                return _pixels(im, path, report, window)
     except DataError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -286,7 +497,7 @@ def _read_pixels(path: Path, report: LoadReport) -> np.ndarray:
         raise DataError(f"{path}: corrupt or truncated ({exc})") from exc
 
 
-def _pixels(im: Image.Image, path: Path, report: LoadReport) -> np.ndarray:
+def _pixels(im: Image.Image, path: Path, report: LoadReport, window: Window) -> np.ndarray:
     mode = im.mode
     if mode == "1":
         arr = np.asarray(im, dtype=np.float32)
@@ -295,18 +506,15 @@ def _pixels(im: Image.Image, path: Path, report: LoadReport) -> np.ndarray:
     elif mode in ("LA", "La"):
         report.count("alpha channel dropped")
         arr = np.asarray(im.getchannel(0), dtype=np.float32) / np.float32(255)
-    elif mode.startswith("I;16"):
-        report.count("16-bit scaled from 0..65535")
-        arr = np.asarray(im).astype(np.float32) / np.float32(65535)
-    elif mode == "I":
+    elif mode.startswith("I;16") or mode == "I":
         raw = np.asarray(im)
-        if raw.size and (raw.min() < 0 or raw.max() > 65535):
+        if mode == "I" and raw.size and (raw.min() < 0 or raw.max() > 65535):
             raise DataError(
                 f"{path}: 32-bit integer pixels {int(raw.min())}..{int(raw.max())} outside 0..65535; "
                 "save as 8- or 16-bit"
             )
-        report.count("16-bit scaled from 0..65535")
-        arr = raw.astype(np.float32) / np.float32(65535)
+        arr, rule = dicom.window_sixteen_bit(raw, window)
+        report.count(rule)
     elif mode == "F":
         arr = np.asarray(im, dtype=np.float32)
         if arr.size and not (np.isfinite(arr).all() and arr.min() >= 0.0 and arr.max() <= 1.0):
@@ -332,7 +540,7 @@ def _pixels(im: Image.Image, path: Path, report: LoadReport) -> np.ndarray:
 
 
 def _choose_channels(headers: list[_Header], report: LoadReport) -> int:
-    """Majority colour mode (ties: colour); converts the minority and says so."""
+    """Majority colour mode (ties: colour); converts the minority, says so and names those files."""
     n_grey = sum(h.channels == 1 for h in headers)
     n_colour = len(headers) - n_grey
     if n_grey and n_colour:
@@ -340,9 +548,10 @@ def _choose_channels(headers: list[_Header], report: LoadReport) -> int:
         converted = n_grey if target == 3 else n_colour
         what = "greyscale to RGB (channel copied)" if target == 3 else "RGB to greyscale (ITU-R 601 luma)"
         report.count(f"mixed colour modes: {what}", converted)
+        minority = [str(h.path) for h in headers if h.channels != target]
         report.warnings.append(
             f"mixed colour modes: {n_grey} greyscale and {n_colour} colour image(s); "
-            f"converted {converted} {what} to match the majority"
+            f"converted {converted} {what} to match the majority:{_listing(minority)}"
         )
         return target
     return 3 if n_colour else 1
@@ -356,6 +565,32 @@ def _convert_channels(arr: np.ndarray, channels: int) -> np.ndarray:
     return np.clip(arr @ _LUMA, 0.0, 1.0)[:, :, None].astype(np.float32)
 
 
+def _size_target(sizes: list[tuple[int, int]], image_size: int | None) -> tuple[tuple[int, int], list[int]]:
+    """Target (H, W) (``image_size`` or the most common size) and the indices of images that differ."""
+    counts = Counter(sizes)
+    majority, _ = max(counts.items(), key=lambda kv: (kv[1], kv[0][0] * kv[0][1]))
+    target = (image_size, image_size) if image_size is not None else majority
+    return target, [i for i, s in enumerate(sizes) if s != target]
+
+
+def _size_message(
+    target: tuple[int, int], off: list[int], named: list[tuple[str, tuple[int, int]]], image_size: int | None
+) -> str:
+    sizes = Counter(s for _, s in named)
+    if image_size is not None and len(sizes) == 1:
+        (h, w), = sizes
+        return (f"all images are {h}x{w} but image_size = {image_size}; set resize = \"resize\" (or \"crop\", "
+                "--resize on the command line) to resize them, or drop image_size")
+    n_major = sizes[target]
+    listed = [f"{named[i][0]} ({named[i][1][0]}x{named[i][1][1]})" for i in off]
+    return (
+        f"images differ in size; the target is {target[0]}x{target[1]}"
+        f"{' (' + str(n_major) + ' images)' if image_size is None else ''} and {len(off)} differ "
+        f"(height x width):{_listing(listed)}\nFix the files, or set resize = \"resize\" or \"crop\" (and "
+        "image_size; --resize/--image-size on the command line) to resize them explicitly."
+    )
+
+
 def _choose_size(
     sizes: list[tuple[int, int]],
     names: list[str],
@@ -364,23 +599,28 @@ def _choose_size(
     where: Path,
 ) -> tuple[int, int]:
     """Target (H, W); refuses (listing the files) unless resizing was asked for."""
-    counts = Counter(sizes)
-    majority, n_major = max(counts.items(), key=lambda kv: (kv[1], kv[0][0] * kv[0][1]))
-    target = (image_size, image_size) if image_size is not None else majority
-    off = [f"{n} ({s[0]}x{s[1]})" for n, s in zip(names, sizes) if s != target]
+    target, off = _size_target(sizes, image_size)
     if off and resize == "refuse":
-        if image_size is not None and len(counts) == 1:
-            raise DataError(
-                f"{where}: all images are {majority[0]}x{majority[1]} but image_size = {image_size}; "
-                "set resize = \"resize\" to resize them, or drop image_size"
-            )
-        raise DataError(
-            f"{where}: images differ in size; the target is {target[0]}x{target[1]}"
-            f"{' (' + str(n_major) + ' images)' if image_size is None else ''} and {len(off)} differ "
-            f"(height x width):{_listing(off)}\nFix the files, or set resize = \"resize\" (and image_size) "
-            "to resize them explicitly."
-        )
+        raise DataError(f"{where}: {_size_message(target, off, list(zip(names, sizes)), image_size)}")
     return target
+
+
+def _fit(arr: np.ndarray, size: tuple[int, int], resize: ResizePolicy) -> np.ndarray:
+    """``crop``: centre-crop float (H, W, C) to the aspect ratio of ``size`` first; then resize."""
+    if resize == "crop":
+        h, w = arr.shape[:2]
+        th, tw = size
+        if h * tw > w * th:  # too tall
+            nh = max(1, round(w * th / tw))
+            top = (h - nh) // 2
+            arr = arr[top:top + nh]
+        elif h * tw < w * th:  # too wide
+            nw = max(1, round(h * tw / th))
+            left = (w - nw) // 2
+            arr = arr[:, left:left + nw]
+    if arr.shape[:2] == size:
+        return np.ascontiguousarray(arr)
+    return _resize(np.ascontiguousarray(arr), size)
 
 
 def _resize(arr: np.ndarray, size: tuple[int, int]) -> np.ndarray:
@@ -433,7 +673,8 @@ def _fit_size(
     if (h, w) == (image_size, image_size):
         return ds
     _choose_size([(h, w)], [str(where)], resize, image_size, where)  # raises under "refuse"
-    imgs = np.stack([_resize(im.transpose(1, 2, 0), (image_size, image_size)).transpose(2, 0, 1) for im in ds.images])
+    imgs = np.stack([_fit(im.transpose(1, 2, 0), (image_size, image_size), resize).transpose(2, 0, 1)
+                     for im in ds.images])
     report.n_resized = ds.n
     report.warnings.append(f"resized all {ds.n} image(s) from {h}x{w} to {image_size}x{image_size} (bilinear)")
     return ImageDataset(imgs.astype(np.float32), ds.labels, ds.class_names, ds.source)

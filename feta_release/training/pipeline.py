@@ -98,12 +98,14 @@ def check_data(cfg: JobConfig, data: ImageDataset) -> None:
     if cfg.dpsgd.batch > data.n and cfg.dpsgd_steps(data.n) > 0:
         raise DataError(
             f"{data.source}: {data.n} images, fewer than the DP-SGD batch [dpsgd] batch = {cfg.dpsgd.batch} "
-            f"(sampling rate q = {cfg.dpsgd.batch / data.n:.3g} > 1); lower [dpsgd] batch below {data.n}"
+            f"(sampling rate q = {cfg.dpsgd.batch / data.n:.3g} > 1); lower [dpsgd] batch below {data.n}, or give "
+            f"[dpsgd] rate (a sampling rate: the batch then follows the dataset size)"
         )
     if cfg.central.rounds > 0 and cfg.central.batch > data.n:
         raise DataError(
             f"{data.source}: {data.n} images, fewer than [central] batch = {cfg.central.batch} (q > 1); "
-            f"lower [central] batch below {data.n}"
+            f"lower [central] batch below {data.n}, or give [central] rate (a sampling rate: the batch then follows "
+            f"the dataset size)"
         )
 
 
@@ -120,17 +122,21 @@ class PlannedRun:
     n_public: int = 0  # the PUBLIC nominal size every rate and denominator uses (never the exact count)
 
 
-def plan_run(cfg: JobConfig, n: int) -> PlannedRun:
+def plan_run(cfg: JobConfig, n: int, image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10,
+             warnings: list[str] | None = None) -> PlannedRun:
     """Whole-history plan (``feta_release.planning.plan_job``): warm-up events as configured, DP-SGD sigma
-    calibrated for what is left. Raises PrivacyError naming the stage to shrink when it cannot fit."""
+    calibrated for what is left. Raises PrivacyError naming the stage to shrink when it cannot fit.
+    The plan's noise-to-signal warnings are appended to ``warnings`` when given."""
     from ..planning import plan_job
 
-    pl = plan_job(cfg, n)
+    pl = plan_job(cfg, n, image_shape=image_shape, n_classes=n_classes)
+    if warnings is not None:
+        warnings.extend(pl.warnings)
     sgd = next((e for e in pl.history if e.stage == "dpsgd"), None)
     return PlannedRun(
         events=list(pl.history),
         dpsgd_sigma=pl.noise_multiplier if sgd else None,
-        dpsgd_q=cfg.dpsgd.batch / n,
+        dpsgd_q=sgd.q if sgd else cfg.for_size(n).dpsgd.batch / n,
         dpsgd_steps=sgd.steps if sgd else 0,
         epsilon=pl.epsilon,
         n_public=int(n),
@@ -334,6 +340,7 @@ def run_pipeline(
     kill_after_steps: int | None = None,
     before_dpsgd_step: Callable[[int], None] | None = None,
     public_size: int | None = None,
+    device: str = "cpu",
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
@@ -343,18 +350,25 @@ def run_pipeline(
     so into a release) use it; the exact count stays in this process.
     ``noise_seed``: fixed secret seed for tests only (default: drawn from the OS, kept in the run dir).
     ``kill_after_steps``: test hook, raise ``SimulatedKill`` after that many DP-SGD steps of this process.
+    ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the networks train and sample.
     """
+    from .device import resolve_device
+
+    dev = resolve_device(device)
     t_start = time.perf_counter()
     rep = reporter or Reporter(enabled=False)
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    cfg = apply_method(cfg)
-    check_data(cfg, data)
     from ..data.commitment import suggest_public_size
 
     n_pub = int(public_size) if public_size is not None else suggest_public_size(data.n)
+    cfg = apply_method(cfg).for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
+    check_data(cfg, data)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
-    plan = plan_run(cfg, n_pub)
+    plan_warnings: list[str] = []
+    plan = plan_run(cfg, n_pub, data.image_shape, data.n_classes, plan_warnings)
+    for w in plan_warnings:
+        rep.log(f"[yellow]warning[/]: {w}")
     job_hash = config_hash(cfg.to_dict())
     data_fp = data.fingerprint()
     root = Path(out_dir)
@@ -413,7 +427,7 @@ def run_pipeline(
     from ..models.edm import build_denoiser, denoiser_spec
 
     torch.manual_seed(_seed_from(cfg.job.seed, "init"))
-    denoiser = build_denoiser(cfg.model, data.image_shape, data.n_classes)
+    denoiser = build_denoiser(cfg.model, data.image_shape, data.n_classes).to(dev)
     grid_index = 0
 
     def grid(stage: str, model: torch.nn.Module) -> None:
@@ -459,7 +473,7 @@ def run_pipeline(
         stats = _frequency_stage(cfg, data, rd, ledger, _private_rng(secret, "frequency"), rep)
         _lap(stage_seconds, stage_cpu, "frequency-release", t0)
         t0 = _now()
-        _frequency_warmup(cfg, data, rd, denoiser, stats, rep, grid, mark, n_pub)
+        _frequency_warmup(cfg, data, rd, denoiser, stats, rep, grid, mark, n_pub, central)
         _lap(stage_seconds, stage_cpu, "frequency-warmup", t0)
 
     # 4. DP-SGD on the real images
@@ -481,7 +495,7 @@ def run_pipeline(
     _write_synthetic(final_model, cfg, data, rd.root / "synthetic.npz", n_syn, rep)
     save_torch(rd.root / "model.pt", {
         "spec": denoiser_spec(cfg.model, data.image_shape, data.n_classes),
-        "state_dict": final_model.state_dict(),
+        "state_dict": {k: v.cpu() for k, v in final_model.state_dict().items()},
         "class_names": list(data.class_names),
         "job_hash": job_hash,
         "sampler": cfg.to_dict()["sampler"],
@@ -573,8 +587,26 @@ def _frequency_stage(cfg, data, rd, ledger, rng, rep) -> np.ndarray:
     return release.embedding
 
 
-def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, n_pub) -> None:
-    """Aux generator fitted to the released embedding, its images, the denoiser trained on them."""
+def mix_central(images: torch.Tensor, labels: torch.Tensor, central: tuple[np.ndarray, np.ndarray] | None,
+                cfg: JobConfig, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frequency warm-up set: aux images, plus (``[warmup] frequency_mix_central``) as many RandAugment-ed
+    copies of the released central images, cycled over them. Only released images are used: post-processing."""
+    if not cfg.warmup.frequency_mix_central or central is None or len(labels) == 0:
+        return images, labels
+    from .augment import rand_augment
+
+    idx = np.resize(np.arange(len(central[1])), len(labels))
+    src = torch.from_numpy(np.asarray(central[0], np.float32)[idx])
+    w = cfg.warmup
+    aug = torch.cat([rand_augment(src[i : i + 256], n_ops=w.augment_ops, magnitude_max=w.augment_magnitude,
+                                  generator=generator)[0] for i in range(0, len(src), 256)])
+    # both sets are in [0, 1]; the warm-up maps them to [-1, 1] itself
+    return torch.cat([images, aug.to(images.dtype)]), torch.cat([labels, torch.from_numpy(central[1][idx]).long()])
+
+
+def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, n_pub, central=None) -> None:
+    """Aux generator fitted to the released embedding, its images (+ augmented central images, when
+    configured), the denoiser trained on them."""
     from ..mechanisms.frequency import rff_frequencies
     from ..models.auxgen import AuxGenerator
     from ..viz import save_grid
@@ -592,18 +624,19 @@ def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, n_pub
     if gen_ck.exists():
         aux = AuxGenerator(c, h, data.n_classes, z_dim=a.z_dim, width=a.width)
         aux.load_state_dict(load_torch(gen_ck)["model"])
-        aux.eval()
+        aux.to(next(denoiser.parameters()).device).eval()
     else:
         omega = rff_frequencies(c * h * w, f.features, f.bandwidth2, f.seed)
         iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_pub // a.batch)
         with rep.task("aux generator", a.epochs * iters) as adv:
             aux = fit_aux_generator(embedding, omega, data.image_shape, data.n_classes, cfg, n_pub,
-                                    generator=_gen(cfg.job.seed, "auxgen"),
+                                    generator=_gen(cfg.job.seed, "auxgen"), device=next(denoiser.parameters()).device,
                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
         save_torch(gen_ck, {"model": aux.state_dict()})
     images, labels = generate_aux_images(aux, cfg.warmup.frequency_images, _gen(cfg.job.seed, "auxgen-images"))
     save_grid(images.numpy(), labels.numpy(), rd.root / "grids" / "auxgen-images.png", n_classes=data.n_classes,
               class_names=data.class_names, title="auxiliary generator images (post-processing of released statistics)")
+    images, labels = mix_central(images, labels, central, cfg, _gen(cfg.job.seed, "freq-mix"))
     if cfg.warmup.frequency_epochs > 0 and len(labels) > 0:
         total = math.ceil(len(labels) / cfg.warmup.frequency_batch) * cfg.warmup.frequency_epochs
         with rep.task("frequency warm-up", total) as adv:

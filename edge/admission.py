@@ -1,0 +1,108 @@
+"""Does a site's signed policy admit a signed job? The node's own enforcement, callable offline.
+
+The node's handlers (``edge.clientapp``) build each mechanism request with :func:`request_for` and
+check it with ``feta_release.policy.enforce.check_request``; :func:`admit` runs the same two
+functions over every request of the job in the order the node would meet them, plus the same
+budget check, so ``feta-release policy check`` and ``job verify --policy`` answer exactly what the
+node would (one code path). Unlike the node, which stops at the first refusal, it collects EVERY
+failing rule so an administrator fixes them all in one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from feta_release.accounting import PrivacyEvent
+from feta_release.errors import FetaError, PolicyError, PrivacyError
+from feta_release.federation import plan
+from feta_release.policy.enforce import MechanismRequest, check_budget, check_request
+from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
+
+MECHANISM_ORDER = ("central", "frequency", "dpsgd")
+
+
+def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path | None = None
+                ) -> tuple[PrivacyEvent, MechanismRequest]:
+    """The privacy event a handler will release and the request it checks against the policy."""
+    cfg = job.config
+    if mechanism == "central":
+        ev = plan.central_event(cfg, n)
+        if ev is None:
+            raise PrivacyError("the job disables central images ([central] rounds = 0); nothing to release")
+        return ev, MechanismRequest("central", ev.sigma, ev.q, ev.steps, batch=cfg.central.batch, job=job)
+    if mechanism == "frequency":
+        ev = plan.frequency_event(cfg)
+        if ev is None:
+            raise PrivacyError("the job disables the frequency release ([frequency] sigma unset); nothing to release")
+        return ev, MechanismRequest("frequency", ev.sigma, ev.q, ev.steps, features=cfg.frequency.features,
+                                    job=job)
+    if mechanism == "dpsgd":
+        ev = plan.round_event(cfg, n, plan.site_sigma(cfg, n, policy, cache_dir=cache_dir))
+        return ev, MechanismRequest("dpsgd", ev.sigma, ev.q, ev.steps, batch=cfg.dpsgd.batch,
+                                    clip=cfg.dpsgd.clip, job=job)
+    raise PolicyError(f"unknown mechanism {mechanism!r}")
+
+
+def job_mechanisms(cfg: Any) -> list[str]:
+    """The releases a job asks of each site, in order (DP-SGD once per federated round)."""
+    out = []
+    if cfg.central.rounds > 0:
+        out.append("central")
+    if cfg.frequency.sigma is not None:
+        out.append("frequency")
+    return out + ["dpsgd"] * int(cfg.federation.rounds)
+
+
+@dataclass
+class Admission:
+    site_id: str
+    job_id: str | None
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (rule, message)
+    job_epsilon: float | None = None  # with the site's accountant, when every request passed
+
+    @property
+    def accepted(self) -> bool:
+        return not self.failures
+
+
+def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: list[PrivacyEvent] | None = None,
+          lifetime_events: list[PrivacyEvent] | None = None, now: Any = None) -> Admission:
+    """Every rule of ``policy`` that ``signed_job`` breaks at this site (empty: the node would serve it)."""
+    from feta_release.policy.jobs import verify_job
+
+    res = Admission(policy.site_id, None)
+    try:
+        job = verify_job(signed_job, policy, source)  # the node's first check (edge.clientapp._job)
+    except PolicyViolation as exc:
+        res.failures.append((exc.rule, str(exc)))
+        return res
+    except PolicyError as exc:
+        res.failures.append(("job", str(exc)))
+        return res
+    res.job_id = job.job_id
+    n = int(policy.dataset_size)  # the public size: what the node's accountant and caps use
+    history = list(job_events or [])
+    new: list[PrivacyEvent] = []
+    for mech in job_mechanisms(job.config):
+        try:
+            ev, req = request_for(mech, job, policy, n)
+            check_request(policy, req, job_events=history, now=now)
+        except PolicyViolation as exc:
+            res.failures.append((exc.rule, str(exc)))
+            if mech == "dpsgd":
+                break  # every round is the same request: one line is enough
+            continue
+        except FetaError as exc:
+            res.failures.append((f"mechanisms.{mech}", str(exc)))
+            if mech == "dpsgd":
+                break
+            continue
+        history.append(ev)
+        new.append(ev)
+    try:
+        res.job_epsilon, _ = check_budget(policy, job_events or [], lifetime_events or [], new)
+    except PolicyBudgetExceeded as exc:
+        res.failures.append((exc.rule, str(exc)))
+    return res

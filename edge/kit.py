@@ -1,0 +1,258 @@
+"""A hospital site's onboarding kit: ``feta-release site init`` and the checks before a policy is signed.
+
+``init_site`` writes, into one folder the site administrator owns:
+  keys/policy-admin.key|.pub   Ed25519: signs the site policy (keep the private key offline)
+  keys/site-signing.key|.pub   Ed25519: the node signs its spend attestations
+  keys/node-auth|.pub          EC P-384 (OpenSSH): the node authenticates to the coordinator's SuperLink
+  policy.toml                  a policy DRAFT filled from the data (site id, data fingerprint, size)
+  node.toml                    every ``node start`` setting (``feta-release node start --config node.toml``)
+Private keys are created here and never leave the site: the coordinator receives only the two
+``.pub`` files it needs (``node-auth.pub`` to register the node, ``site-signing.pub`` to check
+attestations).
+
+``signing_review`` is what ``policy sign`` runs first: it REFUSES a draft that still holds example
+values (the shipped example coordinator key, no coordinator at all) and WARNS about values a reviewer
+should look at twice (validity window, budgets above common guidance, δ ≥ 1/N, the demo dataset,
+no app bundle).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from feta_release.errors import ConfigError, PolicyError
+
+# The key in policies/strict-hospital.toml and policies/research.toml: an example, never a real coordinator.
+EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset({"c9dc80267b498549"})
+# Per-job ε above which signing warns. Common guidance: ε ≤ 1 is strong, single-digit ε is what
+# deployed DP systems use (e.g. the US Census 2020 DAS, Apple/Google telemetry); above 10 the formal
+# guarantee says little about one patient. The lifetime ceiling allows a few such jobs.
+EPSILON_CEILING_JOB = 10.0
+EPSILON_CEILING_LIFETIME = 20.0
+SITE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Review:
+    errors: list[str]
+    warnings: list[str]
+
+
+def signing_review(doc: dict[str, Any], now: dt.datetime | None = None) -> Review:
+    """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix."""
+    from feta_release.policy.document import _coordinator_fingerprint, parse_time, utc_now
+
+    now = now or utc_now()
+    errors, warnings = [], []
+    coords = list(doc.get("coordinators", []))
+    if not coords:
+        errors.append("coordinators: empty; paste your coordinator's public key (feta-release keys show "
+                      "coordinator.pub --pem) so the node can verify its jobs")
+    for i, c in enumerate(coords):
+        if _coordinator_fingerprint(c) in EXAMPLE_COORDINATOR_FINGERPRINTS:
+            errors.append(f"coordinators[{i}]: the shipped EXAMPLE coordinator key; replace it with your "
+                          "coordinator's public key")
+    ds = doc.get("dataset", {})
+    size = ds.get("nominal_size", ds.get("size"))
+    if not size:
+        warnings.append("dataset: no public nominal size; sampling rates and sensitivities need it")
+    nb, ex = parse_time(doc["not_before"]), parse_time(doc["expires"])
+    if ex <= now:
+        warnings.append(f"expires: {doc['expires']} is in the past; a node refuses an expired policy")
+    elif nb > now:
+        warnings.append(f"not_before: {doc['not_before']} is in the future; a node refuses it until then")
+    b = doc["budget"]
+    if b["per_job"]["epsilon"] > EPSILON_CEILING_JOB:
+        warnings.append(f"budget.per_job.epsilon = {b['per_job']['epsilon']:g} is above {EPSILON_CEILING_JOB:g}, "
+                        "beyond common guidance (ε ≤ 1 strong, single digits in deployed systems)")
+    if b["lifetime"]["epsilon"] > EPSILON_CEILING_LIFETIME:
+        warnings.append(f"budget.lifetime.epsilon = {b['lifetime']['epsilon']:g} is above "
+                        f"{EPSILON_CEILING_LIFETIME:g}, beyond common guidance")
+    if size and b["per_job"]["delta"] >= 1.0 / float(size):
+        warnings.append(f"budget.per_job.delta = {b['per_job']['delta']:g} is not below 1/N = {1 / float(size):.3g}: "
+                        "a mechanism could then reveal a whole record; use δ well below 1/N")
+    if not doc.get("app_bundles"):
+        warnings.append("app_bundles: empty; the node will refuse to start until you add the sha256 of the "
+                        "reviewed app bundle your coordinator sends")
+    return Review(errors, warnings)
+
+
+def review_or_refuse(doc: dict[str, Any], source: str, now: dt.datetime | None = None) -> list[str]:
+    """Raise ``PolicyError`` listing every error; return the warnings."""
+    r = signing_review(doc, now)
+    if r.errors:
+        raise PolicyError(f"{source}: refusing to sign a policy that still holds example or missing values:\n  "
+                          + "\n  ".join(r.errors))
+    return r.warnings
+
+
+# -- site init ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kit:
+    root: Path
+    node_toml: Path
+    policy_draft: Path
+    coordinator_files: tuple[Path, ...]  # the only files that go to the coordinator
+    n_images: int
+    n_patients: int | None
+    patient_cap: int | None
+
+
+def _toml_str(v: str) -> str:
+    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superlink: str = "127.0.0.1:9092",
+              coordinator_pub: Path | None = None, root_certificates: Path | None = None) -> Kit:
+    """Write the kit (see the module docstring); refuses to overwrite an existing kit."""
+    from coordinator.tls import make_node_auth_key
+    from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
+    from feta_release.data.loading import LoadOptions, load_dataset
+    from feta_release.signing import generate_keypair, load_public_key, public_key_pem
+
+    if not SITE_ID.match(site_id):
+        raise ConfigError(f"site id {site_id!r}: use letters, digits, . _ - (at most 64)")
+    root = Path(root)
+    if (root / "node.toml").exists() or (root / "keys").exists():
+        raise ConfigError(f"{root}: already holds a site kit (node.toml or keys/); choose an empty folder")
+    opts = load or LoadOptions()
+    ds, report = load_dataset(data, **opts.kwargs())  # the same reading the node will do
+    coord_pem = public_key_pem(load_public_key(coordinator_pub)) if coordinator_pub else None
+    keys = root / "keys"
+    generate_keypair(keys, "policy-admin")
+    generate_keypair(keys, "site-signing")
+    _, auth_pub = make_node_auth_key(keys, "node-auth")
+    draft = root / "policy.toml"
+    unit = (f"one PATIENT (at most {opts.patient_cap} image(s) each, node.toml [data] patient_cap)"
+            if opts.patient_cap else "one image (no --patient-cap; see `feta-release privacy plan --patient-cap`)")
+    # Keyed commitment (never a plain hash) and a rounded PUBLIC size: the exact count stays here.
+    commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")))
+    draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, unit), "utf-8")
+    node = root / "node.toml"
+    node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
+    return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
+               opts.patient_cap)
+
+
+def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, unit: str = "one image") -> str:
+    from feta_release.policy.document import format_time, utc_now
+
+    start = utc_now().replace(microsecond=0, second=0)
+    coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
+              else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
+    return f"""# Site policy DRAFT written by `feta-release site init`. Review every value, then sign it OFFLINE:
+#   feta-release policy sign policy.toml --key keys/policy-admin.key --out policy.signed.json
+# Signing refuses while this draft still lacks a coordinator key or holds the example one.
+version = 1
+site_id = {_toml_str(site_id)}
+description = "written by feta-release site init; edit"
+not_before = {format_time(start)}
+expires = {format_time(start + dt.timedelta(days=365))}
+accountant = "rdp"
+# Coordinator public keys allowed to sign jobs for this site.
+coordinators = {coords}
+# sha256 of the reviewed Flower app bundle(s) your coordinator runs (it publishes the hash). Empty: nothing runs.
+app_bundles = []
+
+[dataset]
+commitment = {_toml_str(commitment)}  # HMAC of the data as node.toml reads it (keys/data.secret)
+size = {n}  # PUBLIC nominal size N (rounded, not the exact count): rates are q = batch / N
+
+# Unit of privacy: {unit}.
+[budget.lifetime]
+epsilon = 4.0
+delta = 1e-5
+[budget.per_job]
+epsilon = 1.0
+delta = 1e-5
+
+[mechanisms.central]
+allowed = true
+min_sigma = 5.0
+max_rounds = 10
+max_batch = {n}
+
+[mechanisms.frequency]
+allowed = true
+min_sigma = 5.0
+max_features = 20000
+
+[mechanisms.dpsgd]
+allowed = true
+min_sigma = 0.5
+max_steps = 100000
+max_batch = {n}
+max_clip = 1.0
+"""
+
+
+def _node_toml(site_id: str, data: Path, opts: Any, superlink: str, root_certificates: Path | None) -> str:
+    ca = _toml_str(str(root_certificates)) if root_certificates else '""  # REQUIRED: the ca.crt your coordinator sends'
+    return f"""# Node settings for site {site_id}: feta-release node start --config node.toml
+# Relative paths are relative to this file. Command-line options override values here.
+[node]
+data = {_toml_str(str(data))}
+policy = "policy.signed.json"
+trusted_policy_key = "keys/policy-admin.pub"
+site_key = "keys/site-signing.key"
+data_secret = "keys/data.secret"
+auth_key = "keys/node-auth"
+ledger = "ledger.sqlite"
+work_dir = "work"
+superlink = {_toml_str(superlink)}
+port = 9101
+root_certificates = {ca}
+
+# How files become model-sized images: the same options as `feta-release data inspect`.
+[data]
+resize = {_toml_str(opts.resize)}
+image_size = {opts.image_size or 0}
+window = {_toml_str(opts.window)}
+# At most this many images per patient (0: no cap; the unit of privacy is then one image).
+patient_cap = {opts.patient_cap or 0}
+"""
+
+
+NODE_KEYS = {"data", "policy", "trusted_policy_key", "site_key", "data_secret", "auth_key", "ledger", "work_dir", "superlink",
+             "port", "root_certificates", "insecure", "force_insecure"}
+PATH_KEYS = {"data", "policy", "trusted_policy_key", "site_key", "data_secret", "auth_key", "ledger", "work_dir",
+             "root_certificates"}
+
+
+def read_node_toml(path: Path) -> dict[str, Any]:
+    """``NodeSettings`` keyword arguments from a node.toml (paths resolved against its folder)."""
+    from feta_release.data.loading import LoadOptions
+
+    try:
+        doc = tomllib.loads(Path(path).read_text("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: node config not found; create one with `feta-release site init`") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    extra = sorted(set(doc) - {"node", "data"})
+    node, data = doc.get("node", {}), doc.get("data", {})
+    extra += sorted(f"node.{k}" for k in set(node) - NODE_KEYS)
+    extra += sorted(f"data.{k}" for k in set(data) - {"resize", "image_size", "window", "patient_cap"})
+    if extra:
+        raise ConfigError(f"{path}: unknown setting(s) {', '.join(extra)}")
+    base = Path(path).resolve().parent
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k in PATH_KEYS:
+            out[k] = (base / v).resolve() if v else None
+        else:
+            out[k] = v
+    missing = [k for k in ("data", "policy", "trusted_policy_key", "ledger", "site_key", "data_secret")
+               if not out.get(k)]
+    if missing:
+        raise ConfigError(f"{path}: [node] lacks {', '.join(missing)}")
+    size = int(data.get("image_size") or 0) or None
+    cap = int(data.get("patient_cap") or 0) or None
+    out["load"] = LoadOptions(resize=data.get("resize", "refuse"), image_size=size, window=data.get("window", "auto"),
+                              patient_cap=cap)
+    return out

@@ -1,0 +1,58 @@
+"""``feta-release site``: a hospital site's onboarding kit (keys, node.toml, policy draft)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from feta_release.cli.data_options import data_load_options
+from feta_release.data.loading import LoadOptions
+
+
+@click.group()
+def site() -> None:
+    """Create a site's onboarding kit."""
+
+
+@site.command("init")
+@click.argument("site_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--data", "data_path", required=True, type=click.Path(exists=True, path_type=Path),
+              help="The site's images: a class-per-folder tree (PNG/JPEG/TIFF/DICOM) or a path,label[,patient_id] CSV.")
+@click.option("--site-id", required=True, help="This site's id as the coordinator's jobs name it (letters, digits, . _ -).")
+@click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="The coordinator's SuperLink host:port.")
+@click.option("--coordinator-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The coordinator's public key (.pub) to put into the policy draft.")
+@click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The coordinator's CA certificate (TLS), recorded in node.toml.")
+@data_load_options
+def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coordinator_key: Path | None,
+              root_certificates: Path | None, load: LoadOptions | None) -> None:
+    """Write SITE_DIR: the site's own keys, node.toml (every node setting) and a policy draft from the data.
+
+    Private keys are generated here and never leave the site; send the coordinator only the two
+    public files printed at the end.
+
+    \b
+    Example:
+      feta-release site init st-mary --data /data/chest.csv --site-id st-mary --resize crop --image-size 64 \\
+          --superlink coordinator.example.org:9092 --coordinator-key coordinator.pub --root-certificates ca.crt
+    """
+    from .kit import init_site
+
+    kit = init_site(site_dir, data_path, site_id, load=load, superlink=superlink, coordinator_pub=coordinator_key,
+                    root_certificates=root_certificates.resolve() if root_certificates else None)
+    if kit.patient_cap:
+        unit = f"{kit.n_patients} patients (unit of privacy: the patient, at most {kit.patient_cap} image(s) each)"
+    elif kit.n_patients:
+        unit = (f"{kit.n_patients} patients known but no --patient-cap: the unit of privacy is one image "
+                "(re-run with --patient-cap 1 to protect patients)")
+    else:
+        unit = "no patient ids (unit of privacy: one image)"
+    click.echo(f"site kit for {site_id} in {kit.root}: {kit.n_images} images, {unit}")
+    click.echo("send to the coordinator (public keys only):\n  " + "\n  ".join(str(p) for p in kit.coordinator_files))
+    click.echo("next:\n"
+               f"  1. review {kit.policy_draft} (coordinator key, app_bundles, budgets)\n"
+               f"  2. feta-release policy sign {kit.policy_draft} --key {kit.root / 'keys/policy-admin.key'} "
+               f"--out {kit.root / 'policy.signed.json'}\n"
+               f"  3. feta-release node start --config {kit.node_toml}")

@@ -1,0 +1,135 @@
+"""Patient-level privacy: the per-patient cap, its stability, sensitivities under add/remove of a whole
+patient, the group-privacy statement, and `privacy plan` for 2,000 patients x 1-20 images."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from feta_release.errors import ConfigError, PrivacyError
+from feta_release.privacy_unit import PrivacyUnit, cap_per_patient, group_privacy
+
+patient_lists = st.lists(st.integers(0, 12), min_size=1, max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(patients=patient_lists, k=st.integers(1, 6))
+def test_cap_bounds_each_patient_and_keeps_file_order(patients: list[int], k: int) -> None:
+    keep = cap_per_patient(np.array(patients), k)
+    kept = np.array(patients)[keep]
+    assert (np.diff(keep) > 0).all()
+    for p in set(patients):
+        assert (kept == p).sum() == min(k, patients.count(p))
+        assert keep[kept == p].tolist() == [i for i, q in enumerate(patients) if q == p][:k]
+
+
+@settings(max_examples=200, deadline=None)
+@given(patients=patient_lists, k=st.integers(1, 6), data=st.data())
+def test_removing_a_patient_changes_at_most_k_records(patients: list[int], k: int, data) -> None:  # noqa: ANN001
+    """Stability: D and D minus patient P differ, after the cap, only in P's <= k records."""
+    victim = data.draw(st.sampled_from(sorted(set(patients))))
+    rows = np.arange(len(patients))
+    full = set(rows[cap_per_patient(np.array(patients), k)].tolist())
+    rest = [i for i in rows if patients[i] != victim]
+    without = {rest[j] for j in cap_per_patient(np.array([patients[i] for i in rest]), k).tolist()}
+    diff = full ^ without
+    assert without <= full and len(diff) <= k and all(patients[i] == victim for i in diff)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 20), min_size=2, max_size=12), k=st.integers(1, 5), seed=st.integers(0, 99))
+def test_central_sum_sensitivity_under_whole_patient(sizes: list[int], k: int, seed: int) -> None:
+    """The central mean query's L2 change when a whole patient (worst case: many images) leaves is <= k * clip."""
+    from feta_release.mechanisms.central import central_query
+
+    rng = np.random.default_rng(seed)
+    patients = np.repeat(np.arange(len(sizes)), sizes)
+    images = rng.random((len(patients), 1, 8, 8)).astype(np.float32)
+    labels = rng.integers(0, 2, len(patients))
+    heavy = int(np.argmax(sizes))
+    keep = cap_per_patient(patients, k)
+    clip = 1.5
+    q_all, sens = central_query(images[keep], labels[keep], 2, clip=clip)
+    rest = np.flatnonzero(patients != heavy)
+    keep2 = rest[cap_per_patient(patients[rest], k)]
+    q_rest, _ = central_query(images[keep2], labels[keep2], 2, clip=clip)
+    assert sens == pytest.approx(clip)
+    assert np.linalg.norm(q_all - q_rest) <= k * sens + 1e-6
+    if k == 1:  # with the cap, a patient of 20 images moves the query no more than one image does
+        assert np.linalg.norm(q_all - q_rest) <= sens + 1e-6
+
+
+@settings(max_examples=100, deadline=None)
+@given(eps=st.floats(0.01, 20), delta=st.floats(1e-9, 1e-3), k=st.integers(1, 50))
+def test_group_privacy_statement(eps: float, delta: float, k: int) -> None:
+    ge, gd = group_privacy(eps, delta, k)
+    assert ge == pytest.approx(k * eps) and 0 < gd <= 1
+    if k == 1:
+        assert (ge, gd) == (eps, delta)
+    else:
+        assert gd >= min(1.0, k * delta)
+        assert gd == pytest.approx(min(1.0, k * math.exp(min((k - 1) * eps, 700)) * delta))
+    with pytest.raises(PrivacyError):
+        group_privacy(eps, delta, 0)
+
+
+def test_unit_statements() -> None:
+    p1 = PrivacyUnit("patient", 1).statement(1.0, 1e-5)
+    assert p1["unit"] == "patient" and p1["epsilon_per_patient"] == 1.0 and "exact" in p1["how"]
+    p5 = PrivacyUnit("patient", 5).statement(1.0, 1e-5)
+    assert p5["epsilon_per_patient"] == 5.0 and "5·clip" in p5["sensitivity"]
+    img = PrivacyUnit("image", 20).statement(1.0, 1e-5)
+    assert img["unit"] == "image" and img["epsilon_for_largest_group"] == 20.0 and "group privacy" in img["how"]
+
+
+def test_load_with_patient_cap_and_refusal_without_ids(tmp_path: Path) -> None:
+    from feta_release.data import load_dataset
+
+    lines = ["path,label,patient_id"]
+    for i in range(9):
+        Image.fromarray(np.full((8, 8), 20 * i, np.uint8)).save(tmp_path / f"{i}.png")
+        lines.append(f"{i}.png,{'a' if i % 2 else 'b'},P{0 if i < 6 else i}")  # P0 has 6 images
+    (tmp_path / "l.csv").write_text("\n".join(lines) + "\n")
+    ds, rep = load_dataset(tmp_path / "l.csv", patient_cap=2)
+    assert ds.n == 5 and rep.n_dropped_by_cap == 4 and rep.patients.tolist() == [0, 0, 1, 2, 3]
+    assert rep.files[:2] == [str((tmp_path / "0.png").resolve()), str((tmp_path / "1.png").resolve())]
+    (tmp_path / "c" / "x").mkdir(parents=True)
+    (tmp_path / "c" / "y").mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "c" / "x" / "0.png")
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "c" / "y" / "0.png")
+    with pytest.raises(ConfigError, match="patient cap needs patient ids"):
+        load_dataset(tmp_path / "c", patient_cap=1)
+
+
+def _plan(args: list[str], capsys) -> dict:  # noqa: ANN001
+    from feta_release.cli import main
+
+    main(["privacy", "plan", *args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_privacy_plan_two_thousand_patients(capsys) -> None:
+    """2,000 patients with 1-20 images each: the cap sets N and the statement the unit."""
+    preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
+    rng = np.random.default_rng(7)
+    counts = rng.integers(1, 21, 2000)
+    patients = np.repeat(np.arange(2000), counts)
+    n1 = len(cap_per_patient(patients, 1))
+    n5 = len(cap_per_patient(patients, 5))
+    assert n1 == 2000 and n5 == int(np.minimum(counts, 5).sum())
+    one = _plan([str(preset), "-n", str(n1), "--patient-cap", "1"], capsys)
+    u = one["privacy_unit"]
+    assert u["unit"] == "patient" and u["epsilon_per_patient"] == pytest.approx(one["epsilon"])
+    assert one["epsilon"] <= 1.0 + 1e-9
+    five = _plan([str(preset), "-n", str(n5), "--patient-cap", "5"], capsys)
+    assert five["privacy_unit"]["epsilon_per_patient"] == pytest.approx(5 * five["epsilon"])
+    img = _plan([str(preset), "-n", str(len(patients)), "--max-images-per-person", "20"], capsys)
+    assert img["privacy_unit"]["unit"] == "image"
+    assert img["privacy_unit"]["epsilon_for_largest_group"] == pytest.approx(20 * img["epsilon"])

@@ -28,7 +28,7 @@ from typing import Any
 from feta_release.errors import ConfigError, PolicyError
 
 # The key in policies/strict-hospital.toml and policies/research.toml: an example, never a real coordinator.
-EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset({"c9dc80267b498549"})
+EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset({"c9dc80267b498549c4fb98b541d69a6212511d9436b00142eb66e24fbe6dd0d2"})
 # Per-job ε above which signing warns. Common guidance: ε ≤ 1 is strong, single-digit ε is what
 # deployed DP systems use (e.g. the US Census 2020 DAS, Apple/Google telemetry); above 10 the formal
 # guarantee says little about one patient. The lifetime ceiling allows a few such jobs.
@@ -125,21 +125,23 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     coord_pem = public_key_pem(load_public_key(coordinator_pub)) if coordinator_pub else None
     keys = root / "keys"
     generate_keypair(keys, "policy-admin")
-    generate_keypair(keys, "site-signing")
+    _, site_pub = generate_keypair(keys, "site-signing")
     _, auth_pub = make_node_auth_key(keys, "node-auth")
     draft = root / "policy.toml"
     unit = (f"one PATIENT (at most {opts.patient_cap} image(s) each, node.toml [data] patient_cap)"
             if opts.patient_cap else "one image (no --patient-cap; see `feta-release privacy plan --patient-cap`)")
     # Keyed commitment (never a plain hash) and a rounded PUBLIC size: the exact count stays here.
     commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")))
-    draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, unit), "utf-8")
+    site_pem = public_key_pem(load_public_key(site_pub))
+    draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit), "utf-8")
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
     return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
                opts.patient_cap)
 
 
-def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, unit: str = "one image") -> str:
+def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
+                  unit: str = "one image") -> str:
     from feta_release.policy.document import format_time, utc_now
 
     start = utc_now().replace(microsecond=0, second=0)
@@ -158,6 +160,8 @@ accountant = "rdp"
 coordinators = {coords}
 # sha256 of the reviewed Flower app bundle(s) your coordinator runs (it publishes the hash). Empty: nothing runs.
 app_bundles = []
+# The ONLY key whose spend attestations a verifier accepts for this site (keys/site-signing.pub).
+site_key = '''{site_pem}'''
 
 [dataset]
 commitment = {_toml_str(commitment)}  # HMAC of the data as node.toml reads it (keys/data.secret)

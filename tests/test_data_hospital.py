@@ -301,13 +301,14 @@ def test_same_options_in_inspect_and_node(tmp_path: Path, capsys) -> None:
     from feta_release.data import LoadOptions
 
     s = NodeSettings(data=root, policy=tmp_path / "p", trusted_policy_key=tmp_path / "k", ledger=tmp_path / "l",
-                     site_key=tmp_path / "s", load=LoadOptions("crop", 8, "bits:12"))
+                     site_key=tmp_path / "s", data_secret=tmp_path / "d", load=LoadOptions("crop", 8, "bits:12"))
     cfg = s.node_config()
     assert load_options(cfg) == LoadOptions("crop", 8, "bits:12")
     assert load_site_data(root, load_options(cfg)).image_shape == (1, 8, 8)
     with pytest.raises(DataError, match="differ in size"):
         load_site_data(root, load_options(NodeSettings(data=root, policy=root, trusted_policy_key=root,
-                                                       ledger=root / "l", site_key=root).node_config()))
+                                                       ledger=root / "l", site_key=root,
+                                                       data_secret=root).node_config()))
 
 
 def test_job_window_and_crop_validated() -> None:

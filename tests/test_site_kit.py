@@ -187,11 +187,12 @@ def test_shipped_presets_fit_the_site_init_draft(tmp_path: Path) -> None:
     from feta_release.signing import public_key_pem
 
     k = keys()
-    doc = _normalize(tomllib.loads(_policy_draft("site-a", "ab" * 32, 4000, public_key_pem(k["coord"].public_key()))))
+    doc = _normalize(tomllib.loads(_policy_draft("site-a", "ab" * 32, 4000, public_key_pem(k["coord"].public_key()),
+                                              public_key_pem(k["site"].public_key()))))
     doc["app_bundles"] = ["cd" * 32]
     validate_policy(doc)
     pol = open_signed_policy(sign_policy(doc, k["site"]), [k["site"].public_key()])
     for preset in ("cpu-eps1", "tiny", "xray64-eps10"):
-        cfg = load_preset(preset)
+        cfg = load_preset(preset).for_size(4000)  # rates -> batches for the public size
         res = admit(pol, sign_job(cfg, k["coord"], "j", ["site-a"]))
         assert res.accepted, (preset, res.failures)

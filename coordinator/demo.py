@@ -105,10 +105,12 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             _copy(job_out / "privacy_report.txt", out_dir / "privacy_report.txt")
             _copy(job_out / "privacy_report.json", out_dir / "privacy_report.json")
             _copy(grid, out_dir / "samples.png")
+            _copy(job_out / "budget.svg", out_dir / "budget.svg")
             release = None
             if not no_release:
                 release = build_release(job_out, fed.coordinator_key)
                 (out_dir / "release").symlink_to(release.resolve(), target_is_directory=True)
+                _dpo_report(release, out_dir, fed)
             timings["finalize"] = time.monotonic() - t0
         timings["total"] = time.monotonic() - t_start
         doc = {"timings_s": timings, "job_phase_timings_s": summary["timings"], "site_epsilon": summary["site_epsilon"],
@@ -125,6 +127,18 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
     finally:
         _stop_all(procs)
         signal.signal(signal.SIGTERM, old)
+
+
+def _dpo_report(release: Path, out_dir: Path, fed: Any) -> Path:
+    """``report.html``: the release report a data-protection officer reads. Trust is role-bound as for
+    ``verify``: each demo site's administrator (policy) key for its site id, and the demo's coordinator key pinned."""
+    from feta_release.release.report import write_report
+    from feta_release.release.verify import TrustRoots
+    from feta_release.signing import load_public_key
+
+    roots = TrustRoots({s.site_id: (load_public_key(s.policy_pub),) for s in fed.sites},
+                       (load_public_key(fed.coordinator_pub),))
+    return write_report(release, out_dir / "report.html", roots)[0]
 
 
 def _cores() -> int:

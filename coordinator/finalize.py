@@ -32,6 +32,7 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
     report = {"job_id": summary["job_id"], "unit_of_privacy": "one image of one site", "sites": sites,
               "rounds": summary["rounds"], "skipped": summary["skipped"], "timings_s": summary["timings"]}
     (out_dir / "privacy_report.json").write_text(json.dumps(report, indent=2), "utf-8")
+    _budget_chart(out_dir, sites)
     lines = [f"Privacy report for job {report['job_id']} (unit of privacy: one image of one site)", ""]
     for sid, s in sites.items():
         lines.append(f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
@@ -43,6 +44,20 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
               "Each site's data never left it: only the noisy releases above did."]
     (out_dir / "privacy_report.txt").write_text("\n".join(lines) + "\n", "utf-8")
     return report
+
+
+def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
+    """``budget.svg``: per site, ε of each stage alone and the composed total, against the site's per-job cap."""
+    from feta_release.viz import save_budget_svg
+
+    chart = {}
+    for sid, s in sites.items():
+        cap = None
+        pol = out_dir / "policies" / f"{sid}.signed.json"
+        if pol.is_file():  # the cap is context for the chart only; verify checks it against the signed policy
+            cap = json.loads(pol.read_text("utf-8")).get("policy", {}).get("budget", {}).get("per_job", {}).get("epsilon")
+        chart[sid] = {"by_stage": s["epsilon_by_stage_alone"], "delta": s["delta"], "cap": cap}
+    return save_budget_svg(chart, out_dir / "budget.svg")
 
 
 def load_model(out_dir: Path) -> Any:
@@ -59,14 +74,22 @@ def load_model(out_dir: Path) -> Any:
 def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
     from feta_release.config import JobConfig
     from feta_release.models import generate
-    from feta_release.viz import save_grid
+    from feta_release.viz import epsilon_title, save_grid
 
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
     model = load_model(out_dir)
     images, labels = generate(model, per_class, seed, cfg.sampler)
+    names, eps, delta = None, None, None
+    if (out_dir / "job_summary.json").is_file():
+        names = json.loads((out_dir / "job_summary.json").read_text("utf-8")).get("class_names")
+    if (out_dir / "attestations.json").is_file():  # the sites' own signed totals, not a coordinator figure
+        atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
+        eps = {sid: float(a["statement"]["epsilon"]) for sid, a in atts.items()} or None
+        delta = max((float(a["statement"]["delta"]) for a in atts.values()), default=None)
     return save_grid(images.numpy(), labels.numpy(), out_dir / "samples.png", per_class=per_class,
-                     n_classes=model.n_classes)
+                     n_classes=model.n_classes, class_names=names,
+                     title=epsilon_title("federated model samples", eps, delta))
 
 
 def build_release(out_dir: Path, coordinator_key_path: Path) -> Path:

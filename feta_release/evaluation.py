@@ -281,7 +281,9 @@ def evaluate(
         from .viz import save_grid
 
         grid = str(
-            save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class, n_classes=synthetic.n_classes)
+            save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class, n_classes=synthetic.n_classes,
+                      class_names=synthetic.class_names,
+                      title=f"synthetic images evaluated (n = {synthetic.n}; ε: see the release's certificate)")
         )
     return EvaluationReport(
         accuracy=float((pred == real_heldout.labels).mean()),

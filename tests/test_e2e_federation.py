@@ -75,15 +75,18 @@ def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
     r = subprocess.run([*CLI, "demo", "--out", str(out), "--quick", "--rounds", "1", "--local-steps", "1",
                         "--per-site", "40"], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
-    for f in ("samples.png", "privacy_report.txt", "privacy_report.json", "demo_summary.json"):
+    for f in ("samples.png", "privacy_report.txt", "privacy_report.json", "demo_summary.json", "budget.svg",
+              "report.html"):
         assert (out / f).exists(), f
+    page = (out / "report.html").read_text("utf-8")
+    assert "Release VERIFIED" in page  # the DPO's page, against the demo's role-bound keys
+    assert "ε lifetime (all jobs)" in page and "site site-a administrator" in page
     report = json.loads((out / "privacy_report.json").read_text())
     assert all(s["epsilon_total"] <= 1.0 + 1e-9 for s in report["sites"].values())
     fed = out / "federation"
-    trusted = ["--trusted", str(fed / "coordinator" / "coordinator.pub")]
-    for s in ("site-a", "site-b", "site-c"):
-        trusted += ["--trusted", str(fed / "sites" / s / "keys" / "site.pub"),
-                    "--trusted", str(fed / "sites" / s / "keys" / "policy.pub")]
+    trusted = ["--coordinator", str(fed / "coordinator" / "coordinator.pub")]
+    for s in ("site-a", "site-b", "site-c"):  # role-bound: each site's administrator (policy) key for its id
+        trusted += ["--trusted", f"{s}={fed / 'sites' / s / 'keys' / 'policy.pub'}"]
     v = subprocess.run([*CLI, "verify", str(out / "release"), *trusted], capture_output=True, text=True, timeout=300)
     assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
 

@@ -113,3 +113,23 @@ def test_node_refuses_a_site_key_its_policy_does_not_name(fed, tmp_path):
     cfg = {**fed.site("site-a").node_config(), CFG_SITE_KEY: str(other)}
     with pytest.raises(PolicyError, match="not the site key that"):
         Site.open(cfg)
+
+
+def test_binding_and_closing_a_job_keep_the_signed_head_valid(tmp_path):
+    """Merge regression (security's job records x node's signed head): bind_job/close_job wrote the ``meta`` table
+    outside the signing write, so the next open of the ledger (every node message) saw a head that no longer
+    covered ``meta`` and refused the ledger as tampered; the e2e demo then got no release from any site."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    path = tmp_path / "l.db"
+    with Ledger(path, key=key) as led:
+        led.bind_job("job-1", "a" * 64, "b" * 64)
+    with Ledger(path, key=key, deep=True) as led:  # raised LedgerTamperedError before the fix
+        led.bind_job("job-1", "a" * 64, "b" * 64)  # the same job again: nothing new
+        led.close_job("job-1", "a" * 64)
+    with Ledger(path, verify_key=key.public_key(), deep=True) as led:  # a reader checks the head too
+        assert led.is_closed("job-1")
+    with Ledger(path, key=key) as led:
+        with pytest.raises(PolicyError, match="already bound"):
+            led.bind_job("job-1", "c" * 64, "b" * 64)

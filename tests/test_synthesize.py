@@ -93,9 +93,9 @@ def test_writes_per_class_pngs_and_certificate(release, keys, tmp_path):
         assert img.mode == "L" and img.size == (IMAGE_SHAPE[2], IMAGE_SHAPE[1])
     man = json.loads((release / "manifest.json").read_text())
     assert cert["manifest"] == man
-    assert cert["verification"]["ok"] is True
-    assert cert["generation"]["per_class"] == {"zero": 3, "one": 0, "two": 5}
-    (site,) = cert["privacy"]
+    assert cert["certificate"]["verification"]["ok"] is True
+    assert cert["certificate"]["generation"]["per_class"] == {"zero": 3, "one": 0, "two": 5}
+    (site,) = cert["certificate"]["privacy"]
     assert site["epsilon"] == man["manifest"]["sites"][0]["epsilon"]
     assert site["statement"].startswith(f"Site a: ε = {site['epsilon']:.3g} at δ = 1e-05")
     # No leftovers: the temp dir was renamed into place.
@@ -167,11 +167,11 @@ def test_failure_midway_leaves_nothing(release, keys, tmp_path, monkeypatch):
     calls = {"n": 0}
     real = mod._to_png
 
-    def failing(img):
+    def failing(img, *rest):
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError("disk full")
-        return real(img)
+        return real(img, *rest)
 
     monkeypatch.setattr(mod, "_to_png", failing)
     with pytest.raises(OSError, match="disk full"):

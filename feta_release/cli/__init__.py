@@ -29,6 +29,9 @@ COMMANDS: dict[str, str] = {
     "export": "feta_release.cli.release_cmd:export",
     "verify": "feta_release.cli.release_cmd:verify",
     "synthesize": "feta_release.cli.release_cmd:synthesize",
+    "verify-synthetic": "feta_release.cli.release_cmd:verify_synthetic",
+    "report": "feta_release.cli.report_cmd:report",
+    "audit": "feta_release.cli.audit_cmd:audit",
 }
 
 HELP = {
@@ -46,6 +49,9 @@ HELP = {
     "export": "Export a trained run as an ONNX generator release.",
     "verify": "Verify a release directory offline.",
     "synthesize": "Generate a synthetic dataset from a release with onnxruntime only.",
+    "verify-synthetic": "Check a synthetic folder against its signed certificate and its release.",
+    "report": "Write one self-contained HTML release report for a data-protection officer.",
+    "audit": "Empirical privacy audit: measured ε lower bounds beside the claimed ε.",
 }
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import ConfigError, ReleaseError
+from .certificate import CERTIFICATE_FILE, png_info, png_text, relative_release_path, write_certificate
 from .manifest import MANIFEST_FILE, utc_now
 from .verify import VerificationResult, describe_site, lifetime_of, require_valid, verify_release
 
-CERTIFICATE_FILE = "certificate.json"
-CERTIFICATE_VERSION = "feta-release/certificate/1"
 
 
 def available_cores() -> int:
@@ -81,7 +81,8 @@ def class_dirs(classes: Sequence[str]) -> list[str]:
     return out
 
 
-def _to_png(img: np.ndarray) -> bytes:
+def _to_png(img: np.ndarray, info: Any = None) -> bytes:
+    """8-bit PNG; ``info`` (a ``PngInfo``) carries the synthetic marker and provenance as text chunks."""
     from PIL import Image
 
     arr = np.clip(np.rint(img * 255.0), 0, 255).astype(np.uint8)
@@ -92,7 +93,7 @@ def _to_png(img: np.ndarray) -> bytes:
     else:
         raise ReleaseError(f"cannot write {arr.shape[0]}-channel images as PNG (need 1 or 3 channels)")
     buf = io.BytesIO()
-    pil.save(buf, format="PNG")
+    pil.save(buf, format="PNG", pnginfo=info)
     return buf.getvalue()
 
 
@@ -143,8 +144,14 @@ def synthesize(
     threads: int | None = None,
     progress: bool = True,
     verification: VerificationResult | None = None,
+    key: Ed25519PrivateKey | None = None,
+    signer_name: str | None = None,
 ) -> SynthesisReport:
-    """Verify the release, then write PNGs per class and ``certificate.json`` into ``out`` (all or nothing)."""
+    """Verify the release, then write PNGs per class and ``certificate.json`` into ``out`` (all or nothing).
+
+    ``key`` signs the certificate (named ``signer_name``); without it the certificate is unsigned and
+    ``verify-synthetic`` will say so.
+    """
     import time
 
     out = Path(out)
@@ -164,6 +171,7 @@ def synthesize(
     sess = make_session(res.generator_bytes, threads=threads)
     total = sum(counts)
     rng = np.random.Generator(np.random.PCG64(int(seed)))
+    info = png_info(png_text(str(res.manifest_sha256), man["sites"]))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     t0 = time.perf_counter()
     try:
@@ -182,7 +190,7 @@ def synthesize(
                     k = per_class_written[lab]
                     per_class_written[lab] += 1
                     rel = f"{dirs[lab]}/{k:06d}.png"
-                    data = _to_png(img)
+                    data = _to_png(img, info)
                     (tmp / rel).write_bytes(data)
                     hashes.write(json.dumps([rel, hashlib.sha256(data).hexdigest()]) + "\n")
                 advance(len(labels))
@@ -201,7 +209,7 @@ def synthesize(
             "onnxruntime": ort.__version__,
             "seconds": round(seconds, 3),
         }
-        _write_certificate(tmp / CERTIFICATE_FILE, release_dir, res, generation, hashes_path)
+        _write_certificate(tmp / CERTIFICATE_FILE, release_dir, out, res, generation, hashes_path, key, signer_name)
         hashes_path.unlink()
         if out.exists():
             out.rmdir()  # empty (checked above); rename needs the name free
@@ -239,7 +247,8 @@ class _progress:
 
 
 def _write_certificate(
-    path: Path, release_dir: str | Path, res: VerificationResult, generation: dict[str, Any], hashes_path: Path
+    path: Path, release_dir: str | Path, out: Path, res: VerificationResult, generation: dict[str, Any],
+    hashes_path: Path, key: Ed25519PrivateKey | None, signer_name: str | None,
 ) -> None:
     man = res.manifest
     assert man is not None
@@ -258,11 +267,12 @@ def _write_certificate(
         }
         for s in man["sites"]
     ]
+    verification = res.to_dict()
+    verification["release_dir"] = relative_release_path(release_dir, out)  # no local absolute path in a release
     head = {
-        "certificate_version": CERTIFICATE_VERSION,
         "created": utc_now(),
         "release": {
-            "dir": str(Path(release_dir).resolve()),
+            "path": relative_release_path(release_dir, out),
             "manifest_sha256": res.manifest_sha256,
             "generator_sha256": res.generator_sha256,
         },
@@ -271,22 +281,11 @@ def _write_certificate(
             "The unit of privacy is one image of one site. Each site's figure is its total over every stage of "
             "this job; images generated from the release are post-processing and cost nothing further."
         ),
+        "png_metadata": png_text(str(res.manifest_sha256), man["sites"]),
         "generation": generation,
-        "verification": res.to_dict(),
-        "manifest": signed,
+        "verification": verification,
     }
-    # Streamed: the head as JSON, then the file list one line per file (no N-sized structure in memory).
-    body = json.dumps(head, indent=1, ensure_ascii=False)
-    assert body.endswith("}")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(body[:-1].rstrip() + ',\n "files": {\n')
-        first = True
-        with open(hashes_path, encoding="utf-8") as hs:
-            for line in hs:
-                rel, digest = json.loads(line)
-                fh.write(("" if first else ",\n") + f"  {json.dumps(rel)}: {json.dumps(digest)}")
-                first = False
-        fh.write("\n }\n}\n")
+    write_certificate(path, head, signed, hashes_path, key, signer_name)
 
 
 __all__ = ["synthesize", "make_session", "class_counts", "class_dirs", "SynthesisReport"]

@@ -556,10 +556,23 @@ def require_valid(result: VerificationResult) -> VerificationResult:
 # -- words for people ------------------------------------------------------------------------------------
 
 
+def merged_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Repeated events of one stage at the same σ and q as one entry with their steps summed (a federated
+    ledger records one event per round); in first-seen order. Words only: composition is unchanged."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in events:
+        k = (e["stage"], float(e["sigma"]), float(e["q"]))
+        if k in merged:
+            merged[k]["steps"] += int(e["steps"])
+        else:
+            merged[k] = {**e, "steps": int(e["steps"])}
+    return list(merged.values())
+
+
 def describe_site(site: dict[str, Any]) -> str:
     """One paragraph a data-protection officer can read: the site's total (ε, δ) and what it means."""
     eps, delta = float(site["epsilon"]), float(site["delta"])
-    events = site["events"]
+    events = merged_events(site["events"])
     stages = []
     for e in events:
         if e["steps"] == 0:

@@ -433,7 +433,7 @@ def run_pipeline(
     def grid(stage: str, model: torch.nn.Module) -> None:
         nonlocal grid_index
         grid_index += 1
-        _sample_grid(model, cfg, data, rd.grid(grid_index, stage), grid_per_class)
+        _sample_grid(model, cfg, data, rd.grid(grid_index, stage), grid_per_class, _grid_title(stage, ledger))
 
     # 1. central images (DP release; charged once, saved once)
     central = None
@@ -445,7 +445,8 @@ def run_pipeline(
         grid_index += 1
         save_grid(central[0], central[1], rd.grid(grid_index, "central-images"),
                   per_class=min(grid_per_class, cfg.central.rounds),
-                  n_classes=data.n_classes)
+                  n_classes=data.n_classes, class_names=data.class_names,
+                  title=_grid_title("released central images", ledger))
         _lap(stage_seconds, stage_cpu, "central", t0)
 
     # 2. spatial warm-up (post-processing of the central images)
@@ -633,7 +634,8 @@ def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, n_pub
                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
         save_torch(gen_ck, {"model": aux.state_dict()})
     images, labels = generate_aux_images(aux, cfg.warmup.frequency_images, _gen(cfg.job.seed, "auxgen-images"))
-    save_grid(images.numpy(), labels.numpy(), rd.root / "grids" / "auxgen-images.png", n_classes=data.n_classes)
+    save_grid(images.numpy(), labels.numpy(), rd.root / "grids" / "auxgen-images.png", n_classes=data.n_classes,
+              class_names=data.class_names, title="auxiliary generator images (post-processing of released statistics)")
     images, labels = mix_central(images, labels, central, cfg, _gen(cfg.job.seed, "freq-mix"))
     if cfg.warmup.frequency_epochs > 0 and len(labels) > 0:
         total = math.ceil(len(labels) / cfg.warmup.frequency_batch) * cfg.warmup.frequency_epochs
@@ -707,12 +709,23 @@ def _npz_bytes(**arrays: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _sample_grid(model, cfg, data, path: Path, per_class: int) -> None:
+def _sample_grid(model, cfg, data, path: Path, per_class: int, title: str | None = None) -> None:
     from ..models.sampler import generate
     from ..viz import save_grid
 
     images, labels = generate(model, per_class, _seed_from(cfg.job.seed, "grid"), cfg.sampler)
-    save_grid(images.numpy(), labels.numpy(), path, per_class=per_class, n_classes=data.n_classes)
+    save_grid(images.numpy(), labels.numpy(), path, per_class=per_class, n_classes=data.n_classes,
+              class_names=data.class_names, title=title)
+
+
+def _grid_title(what: str, ledger: "RunLedger") -> str:
+    """The grid's title: what it shows and the ε charged so far (the model has seen nothing more)."""
+    from ..viz import epsilon_title
+
+    p = ledger.cfg.privacy
+    spent = epsilon(ledger.events, p.delta, p.accountant) if ledger.events else None
+    label = what if what.startswith("released") else f"samples {what.replace('-', ' ')}"
+    return epsilon_title(label, spent, p.delta)
 
 
 def _write_synthetic(model, cfg, data, path: Path, n: int, rep: Reporter) -> None:

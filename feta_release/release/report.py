@@ -1,0 +1,393 @@
+"""``feta-release report``: one self-contained HTML page a data-protection officer reads and prints.
+
+Everything is inline (CSS, the SVG budget chart, the sample grid as a PNG data URI); there is no script, no
+font, no stylesheet and no image fetched from anywhere, so the file opens offline and prints to PDF as is.
+
+Every figure in it comes from the release itself, after ``verify_release`` checked it: the per-site (ε, δ) are
+the sites' own signed statements re-composed from their events, the caps come from the signed policies, and
+the sample grid is drawn by the very generator bytes that were hashed. A release that does not verify still
+gets a report (the DPO needs to see why it failed), but no samples are drawn from an unverified generator and
+the page says, in its first line, that the release is REFUSED.
+
+Imports neither torch nor flwr: it runs on a verifier's light install (numpy, Pillow, onnxruntime).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import math
+from html import escape
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from ..accounting import epsilon_breakdown, events_from_list
+from ..errors import ReleaseError
+from .manifest import MANIFEST_FILE, policy_file_name
+from .verify import (
+    STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
+)
+
+# The headings, in order; the browser test checks that each is in the rendered page.
+SECTIONS = (
+    "What was released",
+    "Privacy statement",
+    "Threat model",
+    "Verification checklist",
+    "Sample images",
+    "Privacy budget",
+    "Utility",
+    "Empirical privacy audit",
+    "Files and hashes",
+)
+
+CSS = """
+body{font-family:Helvetica,Arial,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#1d2230;line-height:1.45}
+h1{font-size:1.6rem;margin-bottom:.2rem}h2{border-bottom:2px solid #27306e;padding-bottom:.2rem;margin-top:2rem}
+table{border-collapse:collapse;width:100%;margin:.6rem 0;font-size:.92rem}
+th,td{border:1px solid #c9cfdc;padding:.3rem .5rem;text-align:left;vertical-align:top}th{background:#eef1f7}
+td.num{text-align:right;font-variant-numeric:tabular-nums}code,.hash{font-family:monospace;font-size:.85rem;word-break:break-all}
+.banner{padding:.7rem 1rem;border-radius:4px;font-weight:bold;margin:1rem 0}
+.ok{background:#e3f4e5;border:1px solid #2e7d32;color:#1b5e20}.bad{background:#fde8e8;border:1px solid #c62828;color:#8e0000}
+.pass{color:#1b5e20;font-weight:bold}.fail{color:#8e0000;font-weight:bold}.warn{color:#8a5a00;font-weight:bold}
+.note{color:#4a5163;font-size:.9rem}figure{margin:1rem 0}figcaption{font-size:.9rem;color:#4a5163}
+img.grid{image-rendering:pixelated;max-width:100%;border:1px solid #c9cfdc}
+@media print{body{margin:0;max-width:none}h2{break-after:avoid}figure,table{break-inside:avoid}}
+"""
+
+
+def _h(text: Any) -> str:
+    return escape(str(text), quote=True)
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = ()) -> str:
+    """An HTML table; cells are already-escaped HTML."""
+    th = "".join(f"<th>{_h(c)}</th>" for c in head)
+    body = "".join(
+        "<tr>" + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>" for i, c in enumerate(r))
+        + "</tr>" for r in rows)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _signed_policy(rd: Path, sid: str, res: VerificationResult) -> dict[str, Any] | None:
+    """The site's policy document, only when verify checked its signature and that the site attested it."""
+    if not any(c.name == f"site {sid} policy" and c.status == "pass" for c in res.checks):
+        return None
+    return json.loads((rd / policy_file_name(sid)).read_text("utf-8"))["policy"]
+
+
+# -- sections ------------------------------------------------------------------------------------------------
+
+
+def _released(man: dict[str, Any], res: VerificationResult) -> str:
+    gen, job = man["generator"], man["job"]
+    signer = next((c.detail for c in res.checks if c.name == "manifest signature" and c.status == "pass"),
+                  "NOT signed by a trusted key")
+    rows = [
+        ("job", _h(job["job_id"])),
+        ("method", _h(job["config"].get("job", {}).get("method", "?"))),
+        ("created", _h(man.get("created", "?"))),
+        ("sites", _h(", ".join(s["site_id"] for s in man["sites"]))),
+        ("what is released", f"a generator ({_h(gen['file'])}, ONNX) that maps noise and a class label to a "
+                             f"synthetic image of shape {_h(' x '.join(map(str, gen['image_shape'])))}; "
+                             f"classes: {_h(', '.join(map(str, gen['classes'])))}"),
+        ("released by", _h(f"the coordinator: manifest {signer}")),
+        ("manifest sha256", f'<span class="hash">{_h(res.manifest_sha256)}</span>'),
+        ("generator sha256", f'<span class="hash">{_h(gen["sha256"])}</span>'),
+        ("software", _h(", ".join(f"{k} {v}" for k, v in sorted(man.get("software", {}).items()) if v))),
+    ]
+    return _table(("item", "value"), rows)
+
+
+def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per stage: what was released, its L2 sensitivity, σ, q, steps and ε of that stage alone."""
+    alone = epsilon_breakdown(events_from_list(site["events"]), float(site["delta"]), site["accountant"])
+    c, d = cfg.get("central", {}), cfg.get("dpsgd", {})
+    sens = {
+        "central": (f"noisy per-class {c.get('kind', 'mean')} images; L2 sensitivity "
+                    + (f"C = {c.get('clip') or 'sqrt(pixels)'} (clipped image)" if c.get("kind", "mean") == "mean"
+                       else "sqrt(number of pixel values) (one histogram bin per pixel)")),
+        "frequency": "noisy per-class mean of random Fourier features; L2 sensitivity 1/N (N the site's public "
+                     "nominal size fixed by its signed policy, never the exact count; every feature vector has "
+                     "norm 1)",
+        "dpsgd": f"DP-SGD model updates; per-example gradients clipped to L2 norm C = {d.get('clip', '?')} "
+                 "(the sensitivity), Poisson-sampled batches",
+    }
+    rows = []
+    for e in merged_events(site["events"]):
+        if e["steps"] == 0:
+            continue
+        rows.append((_h(STAGE_WORDS.get(e["stage"], e["stage"])), _h(sens.get(e["stage"], "see the job config")),
+                     f"{e['sigma']:.4g}", f"{e['q']:.4g}", str(e["steps"]), f"{alone.get(e['stage'], math.nan):.4g}"))
+    return rows
+
+
+def _spend_row(rd: Path, s: dict[str, Any], res: VerificationResult) -> tuple[str, ...]:
+    """This job's (ε, δ) beside the site's signed LIFETIME spend on the same images, and both caps."""
+    pol = _signed_policy(rd, s["site_id"], res)
+    cap_life = pol["budget"]["lifetime"] if pol else None
+    cap_job = pol["budget"]["per_job"] if pol else None
+    life = lifetime_of(s)
+    source = str((s.get("attestation") or {}).get("statement", {}).get("history", "?"))
+    unchecked = "not checked (no verified policy)"
+    return (
+        _h(s["site_id"]), f"{float(s['epsilon']):.4g}", f"{float(s['delta']):g}",
+        f"{life['epsilon']:.4g}" if life else "not stated", f"{life['delta']:g}" if life else "not stated",
+        _h(s["accountant"].upper()),
+        _h(f"ε ≤ {cap_job['epsilon']:g}, δ ≤ {cap_job['delta']:g}") if cap_job else unchecked,
+        _h(f"ε ≤ {cap_life['epsilon']:g}, δ ≤ {cap_life['delta']:g}") if cap_life else unchecked,
+        _h("the site's ledger" if source == "site-ledger" else
+           "the run directory (unsigned while training: weaker)" if source == "run-directory" else source),
+    )
+
+
+def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
+    cfg = man["job"]["config"]
+    out = ["<p><b>Unit of privacy:</b> one image of one site. <b>Neighbouring relation:</b> add or remove one "
+           "image of one site's dataset (every mechanism below is calibrated to that change). Each site's "
+           "(ε, δ) is that site's own signed statement, re-composed from its event history by verify.</p>"]
+    rows = [_spend_row(rd, s, res) for s in man["sites"]]
+    out.append(_table(("site", "ε this job", "δ this job", "ε lifetime (all jobs)", "δ lifetime",
+                       "accountant", "per-job cap (signed policy)", "lifetime cap (signed policy)", "spend read from"),
+                      rows, numeric=(1, 2, 3, 4)))
+    out.append('<p class="note">Lifetime: each site signs, beside this job\'s spend, its spend on the same images '
+               "over ALL its jobs (composed from its ledger; verify re-composes it and checks it against the "
+               "lifetime cap). A model trained on an earlier job's release depends on both, so the lifetime figure "
+               "is the one that bounds what these images reveal. Stage figures below are each stage alone; "
+               "composition is sub-additive, the total is what counts.</p>")
+    for s in man["sites"]:
+        out.append(f"<h3>Site {_h(s['site_id'])}: mechanisms</h3>")
+        out.append(_table(("stage", "what is released and its sensitivity", "σ (noise multiplier)", "q (sampling)",
+                           "steps", "ε of this stage alone"), _mechanism_rows(s, cfg), numeric=(2, 3, 4, 5)))
+        out.append(f"<p>{_h(describe_site(s))}</p>")
+    return "\n".join(out)
+
+
+# Kept in line with docs/federation.md "Threat model": keys are bound to roles, and only the site
+# administrators' keys are roots of trust for a verifier.
+THREAT_MODEL = (
+    ("the site administrator (policy key)", "the ONLY key you trust, bound to its site id: it signs the site's "
+     "policy, which sets the caps (per-job and lifetime ε/δ, minimum σ, allowed mechanisms), names the site key "
+     "that may sign the site's spend and the coordinator keys (by full key) the site accepts"),
+    ("the site (its node and ledger)", "trusted with its own images; it runs every mechanism, adds all noise "
+     "locally with fresh randomness, charges its hash-chained ledger before anything leaves and signs a final "
+     "spend statement (this job and lifetime) with the site key its policy names; it sends only noised values, "
+     "the public nominal size from its policy (never the exact count) and a keyed commitment to its data (never "
+     "a plain hash)"),
+    ("the coordinator", "NOT trusted with privacy: it only ever receives noised releases (no secure aggregation "
+     "is used or needed for the guarantee). It cannot sign or change a site's spend statement, drop a site from "
+     "the release, or sign with a key that any one site's policy does not allow; trusted only for the quality "
+     "of training"),
+    ("anyone with the release", "may do anything with the generator and its images: post-processing of a DP "
+     "release cannot increase ε"),
+    ("the verifier (you)", "needs no trust in the coordinator: signatures, hashes, ε recomputation (job and "
+     "lifetime) and policy caps are checked offline against the site administrator keys you chose to trust"),
+)
+
+
+def _threat_model(res: VerificationResult) -> str:
+    keys = "; ".join(res.trusted) or "none"
+    return (_table(("party", "trusted for"), [(_h(a), _h(b)) for a, b in THREAT_MODEL])
+            + f'<p class="note">Keys trusted for this report, with their roles (fingerprints): '
+              f'<span class="hash">{_h(keys)}</span></p>')
+
+
+def _checklist(res: VerificationResult) -> str:
+    rows = [(_h(c.name), f'<span class="{c.status}">{_h(c.status.upper())}</span>', _h(c.detail)) for c in res.checks]
+    return _table(("check", "result", "detail"), rows)
+
+
+def _png_data_uri(img: Any) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def sample_grid_image(man: dict[str, Any], res: VerificationResult, per_class: int = 8, seed: int = 0) -> Any:
+    """A labelled grid of ``per_class`` images per class drawn by the VERIFIED generator bytes (onnxruntime)."""
+    from ..viz import epsilon_title, labelled_grid_image
+    from .synthesize import make_session
+
+    if not res.ok or res.generator_bytes is None:
+        raise ReleaseError("no samples from a release that did not verify")
+    classes = [str(c) for c in man["generator"]["classes"]]
+    c, h, w = (int(v) for v in man["generator"]["image_shape"])
+    labels = np.repeat(np.arange(len(classes), dtype=np.int64), per_class)
+    noise = np.random.Generator(np.random.PCG64(seed)).standard_normal((len(labels), c, h, w), dtype=np.float32)
+    sess = make_session(res.generator_bytes, threads=1)
+    images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
+    eps = {s["site_id"]: float(s["epsilon"]) for s in man["sites"]}
+    delta = max(float(s["delta"]) for s in man["sites"])
+    title = epsilon_title("samples from the released generator", eps, delta)
+    scale = max(1, 64 // max(h, w))  # small images are enlarged so a printed page shows them
+    return labelled_grid_image(images, labels, class_names=classes, title=title, per_class=per_class,
+                               n_classes=len(classes), scale=scale)
+
+
+def _samples(man: dict[str, Any], res: VerificationResult, per_class: int, seed: int) -> str:
+    if not res.ok:
+        return ('<p class="bad banner">No samples: the release did not verify, and nothing is drawn from an '
+                "unverified generator.</p>")
+    img = sample_grid_image(man, res, per_class, seed)
+    return (f'<figure><img class="grid" alt="labelled sample grid: {per_class} synthetic images per class" '
+            f'src="{_png_data_uri(img)}" width="{img.width}" height="{img.height}">'
+            f"<figcaption>One row per class (its name on the left), {per_class} images each, drawn with noise seed "
+            f"{seed} by the generator whose hash verify checked. Every image is synthetic.</figcaption></figure>")
+
+
+def _budget(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
+    from ..viz import budget_svg
+
+    chart = {}
+    for s in man["sites"]:
+        pol = _signed_policy(rd, s["site_id"], res)
+        chart[s["site_id"]] = {
+            "by_stage": epsilon_breakdown(events_from_list(s["events"]), float(s["delta"]), s["accountant"]),
+            "delta": s["delta"], "cap": pol["budget"]["per_job"]["epsilon"] if pol else None}
+    return (f"<figure>{budget_svg(chart)}<figcaption>ε per site and stage (each stage alone) and the composed "
+            "total, at each site's δ; the dashed line is the per-job cap of the site's verified signed policy."
+            "</figcaption></figure>")
+
+
+def _utility(evaluation: dict[str, Any] | None) -> str:
+    if not evaluation:
+        return "<p>No evaluation was supplied (<code>feta-release evaluate</code> writes one; pass it with --evaluation).</p>"
+    e = evaluation
+    rows = [
+        ("downstream accuracy", f"{float(e['accuracy']):.4f}", _h(
+            f"a classifier trained on {e.get('n_synthetic', '?')} synthetic images for {e.get('classifier_epochs', '?')} "
+            f"epochs, tested on {e.get('n_real', '?')} real held-out images (chance {float(e.get('chance_accuracy', 0)):.3f})")),
+        (_h(e.get("fd_name", "FD")), f"{float(e['fd']):.4g}", _h(
+            f"Fréchet distance between {e.get('n_fd', '?')} synthetic and {e.get('n_fd', '?')} real images in the "
+            f"features of a classifier trained {e.get('feature_net_epochs', '?')} epochs (lower is closer)")),
+    ]
+    return (_table(("measure", "value", "protocol"), rows, numeric=(1,))
+            + '<p class="note">Supplied by whoever ran the evaluation on held-out real data; not covered by the '
+            f"release's signatures. Synthetic set fingerprint <span class=\"hash\">{_h(e.get('synthetic_fingerprint', ''))}"
+            "</span>.</p>")
+
+
+AUDIT_CAVEAT = ("An empirical audit gives a LOWER bound on ε: it can show that a mechanism leaks MORE than claimed "
+                "(a bug), never that it leaks less. It does not prove privacy; the proof is the accounting above.")
+
+
+def _audit_config(a: dict[str, Any], released: dict[str, set[float]]) -> str:
+    """What was audited (σ, q, steps) and whether that σ is the one this release's sites ran at."""
+    ev = a.get("event") or {}
+    if not ev:
+        return "?"
+    what = f"σ = {float(ev['sigma']):.4g}, q = {float(ev['q']):.4g}, {ev['steps']} step(s)"
+    sigmas = released.get(str(ev.get("stage")), set())
+    same = any(math.isclose(float(ev["sigma"]), s, rel_tol=1e-6) for s in sigmas)
+    return _h(what + ("; the σ of this release" if same else "; NOT this release's σ" if sigmas else ""))
+
+
+def _audit(audit: dict[str, Any] | None, man: dict[str, Any]) -> str:
+    if not audit:
+        return f"<p>No audit was supplied (<code>feta-release audit</code> writes one). {_h(AUDIT_CAVEAT)}</p>"
+    released: dict[str, set[float]] = {}
+    for s in man.get("sites", []):
+        for e in s.get("events", []):
+            released.setdefault(str(e["stage"]), set()).add(float(e["sigma"]))
+    rows = []
+    for a in audit["audits"]:
+        ok = float(a["lower_bound"]) <= float(a["claimed_epsilon"]) * (1 + 1e-9)
+        runs = (f"one run, {a['detail']['canaries']} canaries" if "canaries" in a.get("detail", {})
+                else f"{a['trials']} runs per neighbour")
+        rows.append((_h(a["mechanism"]), _audit_config(a, released), f"{float(a['claimed_epsilon']):.4g}",
+                     f"{float(a['lower_bound']):.4g}",
+                     _h(f"{a['method']}; {runs}; {float(a['confidence']):.0%} confidence"),
+                     '<span class="pass">consistent</span>' if ok else '<span class="fail">CLAIM VIOLATED</span>'))
+    src = _h(f"job {audit.get('job', '?')}, public dataset size {audit.get('dataset_size', '?')}")
+    return (f"<p>Audit of {src}, on canary data only (no site's images).</p>"
+            + _table(("mechanism", "audited configuration", "claimed ε", "measured ε lower bound", "method", "result"),
+                     rows, numeric=(2, 3))
+            + f"<p>{_h(AUDIT_CAVEAT)}</p>")
+
+
+def _files(rd: Path) -> str:
+    rows = []
+    for p in sorted(q for q in rd.rglob("*") if q.is_file()):
+        digest = hashlib.sha256(p.read_bytes()).hexdigest()
+        rows.append((f"<code>{_h(p.relative_to(rd).as_posix())}</code>", f"{p.stat().st_size:,}",
+                     f'<span class="hash">{digest}</span>'))
+    return _table(("file (relative to the release)", "bytes", "sha256"), rows, numeric=(1,))
+
+
+def _section(title: str, render: Any) -> str:
+    """One section; a malformed (tampered) manifest spoils that section only, and says so."""
+    try:
+        body = render()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OSError, ReleaseError) as exc:
+        body = f'<p class="fail">This section cannot be shown: {_h(type(exc).__name__)}: {_h(exc)}</p>'
+    slug = title.lower().replace(" ", "-")
+    return f'<section id="{slug}"><h2>{_h(title)}</h2>\n{body}\n</section>'
+
+
+def render_report(
+    release_dir: str | Path,
+    res: VerificationResult,
+    *,
+    evaluation: dict[str, Any] | None = None,
+    audit: dict[str, Any] | None = None,
+    per_class: int = 8,
+    seed: int = 0,
+) -> str:
+    """The whole page as one HTML string (see the module docstring)."""
+    rd = Path(release_dir)
+    man = res.manifest or {}
+    job = _h(man.get("job", {}).get("job_id", "?")) if isinstance(man.get("job"), dict) else "?"
+    banner = (f'<div class="banner ok">Release VERIFIED: all {len(res.checks)} checks passed or warned, against '
+              f"{len(res.trusted)} trusted key(s).</div>" if res.ok else
+              f'<div class="banner bad">Release REFUSED: {_h(res.reason())}</div>')
+    bodies = {
+        "What was released": lambda: _released(man, res),
+        "Privacy statement": lambda: _privacy(rd, man, res),
+        "Threat model": lambda: _threat_model(res),
+        "Verification checklist": lambda: _checklist(res),
+        "Sample images": lambda: _samples(man, res, per_class, seed),
+        "Privacy budget": lambda: _budget(rd, man, res),
+        "Utility": lambda: _utility(evaluation),
+        "Empirical privacy audit": lambda: _audit(audit, man),
+        "Files and hashes": lambda: _files(rd),
+    }
+    if res.manifest is None:  # nothing to describe but why: every manifest-based section says so
+        for t in ("What was released", "Privacy statement", "Sample images", "Privacy budget"):
+            bodies[t] = lambda: '<p class="fail">No readable manifest: see the verification checklist.</p>'
+    sections = "\n".join(_section(t, bodies[t]) for t in SECTIONS)
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        # No network: a CSP that forbids every fetch, so even a stray URL in a field could not load.
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
+        "style-src 'unsafe-inline'\">"
+        f"<title>Release report: job {job}</title><style>{CSS}</style></head><body>\n"
+        f"<h1>Differentially private synthetic image release: job {job}</h1>\n"
+        f"<p class=\"note\">Release directory <code>{_h(rd.name)}</code>; report by feta-release from "
+        f"{_h(MANIFEST_FILE)} and the files beside it.</p>\n{banner}\n{sections}\n</body></html>\n"
+    )
+
+
+def write_report(
+    release_dir: str | Path,
+    out: str | Path,
+    trust: TrustRoots | Mapping[str, Any],
+    *,
+    evaluation: dict[str, Any] | None = None,
+    audit: dict[str, Any] | None = None,
+    per_class: int = 8,
+    seed: int = 0,
+) -> tuple[Path, VerificationResult]:
+    """Verify ``release_dir`` and write the report to ``out`` (atomically); returns (path, verification).
+
+    ``trust``: role-bound roots, as for :func:`verify_release` (a flat key list is refused there)."""
+    res = verify_release(release_dir, trust)
+    html = render_report(release_dir, res, evaluation=evaluation, audit=audit, per_class=per_class, seed=seed)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(html, "utf-8")
+    tmp.replace(path)
+    return path, res

@@ -1,0 +1,163 @@
+"""Empirical privacy audit: the bound statistics (against scipy and closed forms), soundness (a correct mechanism
+never measures above its claim) and power (a deliberately broken one does)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feta_release.audit.stats import (
+    binom_cdf_exact,
+    clopper_pearson,
+    cp_lower,
+    cp_upper,
+    epsilon_from_rates,
+    one_run_epsilon,
+    one_run_p_value,
+    threshold_bound,
+)
+
+DELTA = 1e-5
+
+# -- statistics -------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 400), data=st.data(), alpha=st.sampled_from([0.005, 0.025, 0.05, 0.2]))
+def test_clopper_pearson_matches_scipy_beta(n, data, alpha):
+    beta = pytest.importorskip("scipy.stats").beta
+    k = data.draw(st.integers(0, n))
+    want_hi = 1.0 if k == n else beta.ppf(1 - alpha, k + 1, n - k)
+    want_lo = 0.0 if k == 0 else beta.ppf(alpha, k, n - k + 1)
+    for exact in (False, True):  # scipy path and the scipy-free fallback
+        assert cp_upper(k, n, alpha, exact) == pytest.approx(want_hi, abs=1e-9)
+        assert cp_lower(k, n, alpha, exact) == pytest.approx(want_lo, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 300), data=st.data(), alpha=st.floats(0.001, 0.4))
+def test_clopper_pearson_exact_definition(n, data, alpha):
+    """Without scipy: the upper bound is where P[Bin(n, p) <= k] falls to alpha; closed forms at k = 0 and k = n."""
+    k = data.draw(st.integers(0, n - 1))
+    hi = cp_upper(k, n, alpha, exact=True)
+    assert binom_cdf_exact(k, n, hi) == pytest.approx(alpha, abs=1e-9)
+    assert cp_upper(0, n, alpha, exact=True) == pytest.approx(1 - alpha ** (1 / n), abs=1e-9)
+    assert cp_lower(n, n, alpha, exact=True) == pytest.approx(alpha ** (1 / n), abs=1e-9)
+    lo, hi2 = clopper_pearson(k, n, 0.95, exact=True)
+    assert 0.0 <= lo <= k / n <= hi2 <= 1.0
+
+
+def test_clopper_pearson_covers_at_least_its_confidence():
+    rng = np.random.default_rng(0)
+    n, p = 60, 0.07
+    ks = rng.binomial(n, p, size=4000)
+    covered = np.mean([lo <= p <= hi for lo, hi in (clopper_pearson(int(k), n, 0.95) for k in ks)])
+    assert covered >= 0.95  # Clopper-Pearson is conservative: at least the nominal coverage
+
+
+@given(eps0=st.floats(0.0, 6.0))
+def test_epsilon_from_rates_is_exact_for_randomized_response(eps0):
+    p = 1 / (1 + math.exp(eps0))  # both error rates of the best test against eps0-randomized response
+    assert epsilon_from_rates(p, p, 0.0) == pytest.approx(eps0, abs=1e-9)
+    assert epsilon_from_rates(p, p, DELTA) <= eps0 + 1e-12
+
+
+def test_one_run_bound_closed_form_and_monotone():
+    # delta = 0, all r guesses right: P[Bin(r, q) >= r] = q^r < alpha  <=>  eps < logit(alpha^(1/r)).
+    for r in (10, 50, 200):
+        q = 0.05 ** (1 / r)
+        assert one_run_epsilon(r, r, r, 0.0, 0.05) == pytest.approx(math.log(q / (1 - q)), abs=1e-6)
+    ps = [one_run_p_value(1000, 100, 90, e, DELTA) for e in np.linspace(0, 4, 20)]
+    assert all(a <= b + 1e-12 for a, b in zip(ps, ps[1:]))  # the larger the claimed eps, the likelier the data
+    assert one_run_epsilon(1000, 100, 50, DELTA) == 0.0  # chance-level guessing proves nothing
+
+
+def test_one_run_bound_is_sound_on_randomized_response():
+    """Guesses that are right with probability e^eps0/(1+e^eps0) (the worst eps0-DP case): the bound exceeds
+    eps0 in at most ~5 % of repetitions."""
+    rng = np.random.default_rng(1)
+    eps0, r = 1.0, 100
+    acc = math.exp(eps0) / (1 + math.exp(eps0))
+    over = sum(one_run_epsilon(1000, r, int(rng.binomial(r, acc)), 0.0, 0.05) > eps0 for _ in range(300))
+    assert over <= 30  # 5 % of 300 is 15; the bound is conservative
+
+
+def test_threshold_bound_is_sound_on_gaussians():
+    rng = np.random.default_rng(2)
+    sigma = 1.0  # Gaussian mechanism, sensitivity 1: its true eps at delta 1e-5 is about 4.4 (< the RDP claim)
+    from feta_release.accounting import PrivacyEvent, epsilon
+
+    claim = epsilon([PrivacyEvent("central", sigma, 1.0, 1)], DELTA)
+    bound, info = threshold_bound(rng.normal(0, sigma, 50000), rng.normal(1, sigma, 50000), 2.5, DELTA)
+    assert 1.0 < bound <= claim, info
+
+
+# -- audits of the real mechanisms ------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+from feta_release.audit.games import audit_dpsgd_one_run, audit_one_shot  # noqa: E402
+
+
+@pytest.mark.parametrize("mechanism,trials", [("central mean", 20000), ("central mode", 20000), ("frequency", 1000)])
+def test_correct_one_shot_mechanism_never_measures_above_its_claim(mechanism, trials):
+    res = audit_one_shot(mechanism, 2.0, trials=trials, delta=DELTA, seed=3)
+    assert 0.0 <= res.lower_bound <= res.claimed_epsilon, res  # above it would be a privacy bug
+
+
+@pytest.mark.parametrize("mechanism,trials,broken", [
+    ("central mean", 20000, {"record_copies": 4}),  # one record adds 4 images: sensitivity ignored
+    ("frequency", 1000, {"record_copies": 4}),
+])
+def test_broken_one_shot_mechanism_is_caught(mechanism, trials, broken):
+    res = audit_one_shot(mechanism, 2.0, trials=trials, delta=DELTA, seed=4, **broken)
+    assert res.lower_bound > res.claimed_epsilon, res
+
+
+@pytest.mark.slow
+def test_mode_with_sensitivity_taken_as_one_is_caught():
+    """Noise for sensitivity 1 instead of sqrt(16 pixels). The mode releases only an argmax per pixel, so its audit
+    is the weakest: it needs a 4x noise cut and 60,000 runs, and the margin is small (2.5 vs 2.17 here)."""
+    res = audit_one_shot("central mode", 2.0, trials=60000, delta=DELTA, seed=6, noise_factor=0.25)
+    assert res.lower_bound > res.claimed_epsilon, res
+
+
+@pytest.mark.slow
+def test_halved_noise_is_caught_in_the_central_mean():
+    res = audit_one_shot("central mean", 2.0, trials=100000, delta=DELTA, seed=5, noise_factor=0.5)
+    assert res.lower_bound > res.claimed_epsilon, res
+
+
+def test_dpsgd_one_run_audit_sound_and_has_power():
+    ok = audit_dpsgd_one_run(2.0, 1.0, 1, canaries=1000, delta=DELTA, seed=6)
+    assert 0.0 <= ok.lower_bound <= ok.claimed_epsilon, ok
+    sampled = audit_dpsgd_one_run(1.5, 0.25, 20, canaries=500, delta=DELTA, seed=6)  # Poisson sampling, many steps
+    assert sampled.lower_bound <= sampled.claimed_epsilon, sampled
+    for broken in ({"noise_factor": 0.25}, {"record_copies": 4}):
+        bad = audit_dpsgd_one_run(2.0, 1.0, 1, canaries=1000, delta=DELTA, seed=6, **broken)
+        assert bad.lower_bound > bad.claimed_epsilon, (broken, bad)
+
+
+def test_cli_audit_writes_json_the_report_reads(tmp_path):
+    from feta_release.cli import cli
+
+    out = tmp_path / "audit.json"
+    r = CliRunner().invoke(cli, ["audit", "--preset", "tiny", "--trials", "400", "--canaries", "50", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "feta-release/audit/1" and doc["audits"]
+    assert "LOWER bound" in doc["note"] and "LOWER bound" in r.output
+    for a in doc["audits"]:
+        assert a["lower_bound"] <= a["claimed_epsilon"] and a["confidence"] == 0.95
+    from feta_release.release.report import _audit  # the report renders exactly this file
+
+    html = _audit(doc, {"sites": [{"events": [{"stage": "central", "sigma": 5.0, "q": 0.5, "steps": 1}]}]})
+    assert html.count("consistent") == len(doc["audits"]) and "the σ of this release" in html
+    r = CliRunner().invoke(cli, ["audit", "--out", str(out)])
+    assert "exactly one of --preset" in str(r.exception)

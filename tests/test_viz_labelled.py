@@ -1,0 +1,85 @@
+"""Labelled sample grids (class names, a title with ε) and the SVG privacy-budget chart."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from feta_release.viz import budget_svg, epsilon_title, grid_array, labelled_grid_image, save_grid
+
+
+def _imgs(n_classes: int = 3, per: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.random((n_classes * per, 1, 8, 8)), np.repeat(np.arange(n_classes), per)
+
+
+def test_labelled_grid_adds_title_band_and_label_column():
+    imgs, labs = _imgs()
+    bare = grid_array(imgs, labs, per_class=4, scale=2)
+    img = labelled_grid_image(imgs, labs, class_names=["zero", "one", "a-much-longer-name"], per_class=4,
+                              title=epsilon_title("samples", 1.0, 1e-5))
+    arr = np.asarray(img)
+    assert arr.shape[0] > bare.shape[0] and arr.shape[1] > bare.shape[1]
+    # The images themselves are unchanged, at the bottom, right of the label column (the title may be wider).
+    grid_rows = arr[-bare.shape[0]:]
+    offsets = [x for x in range(arr.shape[1] - bare.shape[1] + 1)
+               if np.array_equal(grid_rows[:, x:x + bare.shape[1]], bare)]
+    assert len(offsets) == 1 and offsets[0] > 0, offsets
+    left = offsets[0]
+    top_band = arr[: arr.shape[0] - bare.shape[0]]
+    left_col = grid_rows[:, :left]
+    assert (top_band < 128).any(), "title text drawn"
+    assert (left_col < 128).any(), "class names drawn"
+    untitled = np.asarray(labelled_grid_image(imgs, labs, per_class=4, class_names=["a", "b", "c"]))
+    assert untitled.shape[0] == bare.shape[0], "no title band without a title"
+
+
+def test_save_grid_with_names_writes_png(tmp_path):
+    imgs, labs = _imgs()
+    p = save_grid(imgs, labs, tmp_path / "g.png", per_class=4, class_names=["a", "b", "c"], title="t")
+    with Image.open(p) as im:
+        assert im.mode == "RGB"
+
+
+@pytest.mark.parametrize("eps,expect", [(1.234, "ε = 1.23"), ({"b": 0.5, "a": 2.0}, "a: 2, b: 0.5"),
+                                        (None, "no privacy budget spent")])
+def test_epsilon_title(eps, expect):
+    assert expect in epsilon_title("samples", eps, 1e-5)
+
+
+def test_budget_svg_is_valid_xml_with_every_site_stage_and_cap():
+    svg = budget_svg({"a": {"by_stage": {"central": 0.4, "dpsgd": 0.8, "total": 1.0}, "cap": 2.0},
+                      "b<x>": {"by_stage": {"frequency": 0.1, "total": 0.1}}})
+    root = ET.fromstring(svg)
+    text = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    for word in ("site a", "site b<x>", "central images", "DP-SGD", "frequency statistics", "per-job cap 2", "0.8"):
+        assert word in text
+    widths = {r.get("fill"): float(r.get("width")) for r in root.iter("{http://www.w3.org/2000/svg}rect")}
+    assert widths["#27306e"] > 0  # the totals are drawn
+
+
+def test_federated_privacy_report_writes_budget_svg_with_the_signed_cap(tmp_path):
+    import json
+
+    from coordinator.finalize import privacy_report
+
+    events = [{"stage": "central", "sigma": 20.0, "q": 1.0, "steps": 1},
+              {"stage": "dpsgd", "sigma": 1.2, "q": 0.01, "steps": 200}]
+    (tmp_path / "job_summary.json").write_text(json.dumps(
+        {"job_id": "j1", "rounds": 2, "skipped": {}, "timings": {}, "class_names": ["0", "1"]}))
+    atts = {sid: {"statement": {"events": events, "epsilon": 0.9, "delta": 1e-5, "accountant": "rdp",
+                                "policy_sha256": "0" * 64},
+                  "signature": {"signer": f"{sid}-key"}} for sid in ("site-a", "site-b")}
+    (tmp_path / "attestations.json").write_text(json.dumps(atts))
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "site-a.signed.json").write_text(json.dumps(
+        {"policy": {"budget": {"per_job": {"epsilon": 1.5, "delta": 1e-5}}}}))
+    privacy_report(tmp_path)
+    root = ET.fromstring((tmp_path / "budget.svg").read_text("utf-8"))
+    text = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    assert "site site-a" in text and "site site-b" in text and "per-job cap 1.5" in text
+    assert len(re.findall(r"per-job cap \d", text)) == 1  # site-b's policy is absent here: no invented cap

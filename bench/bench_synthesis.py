@@ -178,8 +178,8 @@ from pathlib import Path
 from feta_release.release.synthesize import synthesize
 from feta_release.signing import load_public_key
 rel, out, n, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-keys = [load_public_key(p) for p in sys.argv[5:]]
-rep = synthesize(rel, out, keys, num=n, batch=batch, progress=False)
+trust = {"a": load_public_key(sys.argv[5])}  # role-bound: the site administrator's key for site "a"
+rep = synthesize(rel, out, trust, num=n, batch=batch, progress=False)
 # VmHWM (peak RSS of this process image): unlike ru_maxrss it is not inherited from the forking parent.
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({"n": n, "peak_rss_mib": hwm / 1024, "images_per_s": n / rep.seconds,
@@ -188,31 +188,31 @@ print(json.dumps({"n": n, "peak_rss_mib": hwm / 1024, "images_per_s": n / rep.se
 
 
 def memory_run(den_onnx, classes, shape, ns, batch, steps):
-    """Peak RSS of `synthesize` (verify + generate + PNGs + certificate) in a fresh process per N."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    """Peak RSS of `synthesize` (verify + generate + PNGs + certificate) in a fresh process per N.
 
-    from feta_release.accounting import PrivacyEvent
+    The release is role-complete (signed policy naming the site key, signed job, final attestation), built by the
+    same helpers the tests use, so the role-bound verify inside `synthesize` accepts it.
+    """
+    sys.path.insert(0, str(REPO))
     from feta_release.release.export_run import assemble_release
-    from feta_release.release.manifest import build_attestation, site_record
+    from feta_release.release.manifest import site_record
     from feta_release.release.onnx_export import SamplerSettings
-    from feta_release.signing import public_key_pem
+    from tests.release_helpers import attest, new_keys, signed_job, signed_policy
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        ck, sk = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
-        att = build_attestation("bench", "bench", [PrivacyEvent("dpsgd", 1.0, 0.01, 100)], 1e-5, "rdp", None, sk)
+        keys = new_keys()
+        policy, job = signed_policy(keys, "a"), signed_job(keys.coordinator, "bench", ["a"])
         rel = assemble_release(d / "rel", denoiser=den_onnx, classes=classes, image_shape=shape,
-                               sampler=SamplerSettings(solver="euler", steps=steps), job_id="bench", config={},
-                               sites=[site_record(att)], coordinator_key=ck)
-        pubs = []
-        for i, k in enumerate((ck, sk)):
-            p = d / f"k{i}.pub"
-            p.write_text(public_key_pem(k))
-            pubs.append(str(p))
+                               sampler=SamplerSettings(solver="euler", steps=steps), job_id="bench",
+                               config=job["job"]["config"], sites=[site_record(attest(keys, "a", job, policy))],
+                               coordinator_key=keys.coordinator, signed_policies={"a": policy}, signed_job=job,
+                               enforce_policy=False)
+        admin_pub = keys.pub_files(d / "keys")[2]
         for n in ns:
             proc = subprocess.run(
-                [sys.executable, "-c", MEM_SCRIPT, str(rel), str(d / f"out{n}"), str(n), str(batch), *pubs],
+                [sys.executable, "-c", MEM_SCRIPT, str(rel), str(d / f"out{n}"), str(n), str(batch), admin_pub],
                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
             )
             if proc.returncode:

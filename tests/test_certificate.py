@@ -131,6 +131,17 @@ def test_edited_file_list_is_caught(root, trusted):
     assert _failed(res) == {"file list"}
 
 
+def test_certificate_with_a_duplicate_key_is_refused(root, trusted):
+    """A second "certificate" object placed before the signed one: a lenient parser keeps the last (signed) one and
+    verifies, while another reader may show the first. Refused: the signed document must parse one way only."""
+    path = root / "synthetic" / "certificate.json"
+    doc = json.loads(path.read_text())
+    fake = {**doc["certificate"], "statement": "forged"}
+    path.write_text('{"certificate": ' + json.dumps(fake) + ", " + json.dumps(doc)[1:])
+    res = verify_synthetic(root / "synthetic", *trusted)
+    assert _failed(res) == {"certificate"} and "duplicate" in res.reason()
+
+
 def test_forged_certificate_is_caught(root, keys, synth_key):
     """A forger re-signs an edited certificate with their own key: not trusted, refused; and an edit without
     re-signing breaks the signature."""

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ..errors import FetaError, ReleaseError
-from ..signing import canonical_json, fingerprint, sha256_file, sha256_hex, sign_document, verify_document
+from ..signing import canonical_json, fingerprint, loads_strict, sha256_file, sha256_hex, sign_document, verify_document
 from .manifest import MANIFEST_FILE
 from .verify import TrustRoots, VerificationResult, verify_release
 
@@ -116,10 +116,10 @@ def write_certificate(
 def read_certificate(out_dir: str | Path) -> dict[str, Any]:
     path = Path(out_dir) / CERTIFICATE_FILE
     try:
-        doc = json.loads(path.read_text("utf-8"))
+        doc = loads_strict(path.read_text("utf-8"))  # signed: duplicate keys would let two readers disagree
     except OSError as exc:
         raise ReleaseError(f"{path}: cannot read ({exc.strerror or exc}); is this a synthetic folder?") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, DuplicateKeyError
         raise ReleaseError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("certificate"), dict) or not isinstance(doc.get("files"), dict):
         raise ReleaseError(f"{path}: not a feta-release certificate (expected 'certificate', 'signature', 'files'); "

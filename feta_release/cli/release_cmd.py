@@ -105,6 +105,11 @@ def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str,
     from ..release.verify import verify_release
 
     res = verify_release(release_dir, _trust_roots(trusted, coordinators))
+    _report_verification(res, as_json, f"release {release_dir}")
+
+
+def _report_verification(res, as_json: bool, what: str) -> None:  # type: ignore[no-untyped-def]
+    """Print a verification (table or JSON) and fail with its reason: `verify` and `verify-synthetic` alike."""
     if as_json:
         import json
 
@@ -112,7 +117,7 @@ def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str,
     else:
         _print_verification(res)
     if not res.ok:
-        raise ReleaseError(f"release {release_dir} did not verify: {res.reason()}")
+        raise ReleaseError(f"{what} did not verify: {res.reason()}")
 
 
 def _parse_counts(text: str | None) -> list[int] | None:
@@ -191,11 +196,4 @@ def verify_synthetic(synthetic_dir: Path, cert_keys: tuple[str, ...], trusted: t
                           "certificate.json); the release's keys go in --trusted SITE_ID=ADMIN_KEY.pub")
     res = check(synthetic_dir, _trust_roots(trusted, coordinators), [load_public_key(p) for p in cert_keys],
                 release_dir)
-    if as_json:
-        import json
-
-        click.echo(json.dumps(res.to_dict(), indent=2, ensure_ascii=False))
-    else:
-        _print_verification(res)
-    if not res.ok:
-        raise ReleaseError(f"synthetic folder {synthetic_dir} did not verify: {res.reason()}")
+    _report_verification(res, as_json, f"synthetic folder {synthetic_dir}")

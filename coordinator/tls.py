@@ -46,7 +46,7 @@ def make_certificates(out_dir: str | Path, hosts: Iterable[str] = ("127.0.0.1", 
     if there := [str(p) for p in paths.values() if p.exists() or p.is_symlink()]:
         raise ConfigError(f"{', '.join(there)}: already exist(s); refusing to overwrite certificates or keys "
                           "(choose another --out)")
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "feta-release test CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())

@@ -75,7 +75,7 @@ class Budget:
         return self.delta if self.lifetime_delta is None else self.lifetime_delta
 
     @classmethod
-    def from_policy(cls, policy: dict[str, Any]) -> "Budget":
+    def from_policy(cls, policy: dict[str, Any]) -> Budget:
         """From a (verified) policy document: its ``budget`` and ``accountant`` fields."""
         b = policy["budget"]
         return cls(
@@ -96,7 +96,7 @@ class ChargeResult:
     lifetime_epsilon: float
 
 
-def as_budget(policy: "Budget | Any") -> Budget:
+def as_budget(policy: Budget | Any) -> Budget:
     """A ``Budget`` from itself, a verified ``SitePolicy`` or a policy document."""
     if isinstance(policy, Budget):
         return policy
@@ -223,7 +223,7 @@ class Ledger:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> Ledger:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -243,7 +243,7 @@ class Ledger:
         delta = budget.life_delta if lifetime else budget.delta
         return self._accountant(_events_from_dicts(event_dicts), delta, budget.accountant)
 
-    def projected(self, job_id: str, events: Sequence[Any], budget: "Budget | Any") -> tuple[float, float]:
+    def projected(self, job_id: str, events: Sequence[Any], budget: Budget | Any) -> tuple[float, float]:
         """(job ε, lifetime ε) if ``events`` were added now. Spends nothing."""
         policy, budget = budget, as_budget(budget)
         new = _event_dicts(events)
@@ -263,7 +263,7 @@ class Ledger:
         return None
 
     def check(
-        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: "Budget | Any"
+        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: Budget | Any
     ) -> ChargeResult | None:
         """Cheap pre-check before computing a release: raise if it would be refused.
 
@@ -275,7 +275,7 @@ class Ledger:
         self._assess(job_id, mechanism, _event_dicts(events), budget)
         return None
 
-    def _assess(self, job_id: str, mechanism: str, new: list[dict[str, Any]], policy: "Budget | Any") -> tuple[float, float]:
+    def _assess(self, job_id: str, mechanism: str, new: list[dict[str, Any]], policy: Budget | Any) -> tuple[float, float]:
         """(job ε, lifetime ε) after adding ``new``, or raise ``BudgetExceededError``.
 
         With a verified ``SitePolicy`` the policy module's ``check_budget`` decides (its refusal names
@@ -323,7 +323,7 @@ class Ledger:
                                       "released", site=getattr(policy, "site_id", None))
 
     def charge(
-        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: "Budget | Any",
+        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: Budget | Any,
         response: bytes | None = None,
     ) -> ChargeResult:
         """Record the spend of ``events`` for ``request_id`` (committed on return) or refuse.
@@ -472,7 +472,7 @@ class Ledger:
             out.append(d)
         return out
 
-    def summary(self, budget: "Budget | Any | None" = None, delta: float = 1e-5, accountant: str = "rdp") -> dict[str, Any]:
+    def summary(self, budget: Budget | Any | None = None, delta: float = 1e-5, accountant: str = "rdp") -> dict[str, Any]:
         """Per job and per mechanism: ε spent (and left, when the budget is known).
 
         Per-mechanism figures are that mechanism's events alone; the job total composes all of them.

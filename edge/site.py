@@ -85,7 +85,7 @@ class Site:
         return int(self.policy.dataset_size)
 
     @classmethod
-    def open(cls, node_config: dict[str, Any]) -> "Site":
+    def open(cls, node_config: dict[str, Any]) -> Site:
         """Verify the signed policy against the site's trusted key and the data against the policy's keyed
         commitment (recomputed with the site's secret), and refuse a policy older than one this ledger has seen."""
         missing = [k for k in REQUIRED if not node_config.get(k)]

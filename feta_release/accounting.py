@@ -27,7 +27,8 @@ import types
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
+from collections.abc import Iterable, Sequence
 
 from .errors import PrivacyError
 
@@ -75,7 +76,7 @@ class PrivacyEvent:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PrivacyEvent":
+    def from_dict(cls, data: dict[str, Any]) -> PrivacyEvent:
         if not isinstance(data, dict):
             raise PrivacyError(f"privacy event must be an object with stage, sigma, q, steps; got {data!r}")
         missing = sorted({"stage", "sigma", "q", "steps"} - set(data))
@@ -163,7 +164,7 @@ def _rdp_per_step_cached(rdp_mod: types.ModuleType, sigma: float, q: float) -> t
     return tuple(rdp_mod.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(RDP_ORDERS)))
 
 
-def _rdp_per_step(rdp_mod: types.ModuleType, sigma: float, q: float) -> "np.ndarray":
+def _rdp_per_step(rdp_mod: types.ModuleType, sigma: float, q: float) -> np.ndarray:
     # Cached because calibration re-evaluates the same prior events at every bisection step.
     import numpy as np
 

@@ -152,7 +152,7 @@ class JobConfig:
         assert self.dpsgd.epochs is not None
         return max(1, math.ceil(self.dpsgd.epochs * n / self.dpsgd.batch))
 
-    def for_size(self, n: int) -> "JobConfig":
+    def for_size(self, n: int) -> JobConfig:
         """This job on a dataset of PUBLIC size ``n``: ``[central]``/``[dpsgd]`` ``rate`` turned into a batch
         (round(rate * n), at least 1), so q = batch / n is exactly what the accountant charges. A job without
         rates is returned unchanged."""
@@ -166,7 +166,7 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
 
-    def replace(self, **sections: Any) -> "JobConfig":
+    def replace(self, **sections: Any) -> JobConfig:
         """Copy with whole sections or ``section={"key": value}`` overrides, re-validated."""
         data = self.to_dict()
         for name, value in sections.items():
@@ -183,7 +183,7 @@ class JobConfig:
         return JobConfig.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "<job>") -> "JobConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "<job>") -> JobConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: top level must be a table")
         known = {f.name: f for f in dataclasses.fields(cls)}

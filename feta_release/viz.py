@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image

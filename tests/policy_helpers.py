@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from feta_release.config import JobConfig
 from feta_release.policy import make_policy, sign_job, sign_policy
 
-NOW = dt.datetime(2026, 6, 1, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 6, 1, tzinfo=dt.UTC)
 FP = "ab" * 32
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from feta_release.errors import ConfigError, PolicyError
+from feta_release.errors import ConfigError
 
 from .dicom_helpers import PHI, write_dicom
 from .policy_helpers import NOW, keys, policy_doc, signed_policy

@@ -10,7 +10,7 @@ bisection) give the same numbers to ~1e-9 and are tested against scipy.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -89,7 +89,7 @@ class ImageDataset:
         return np.bincount(self.labels, minlength=self.n_classes).astype(np.int64)
 
     # -- derived datasets -----------------------------------------------------------------------
-    def subset(self, idx: np.ndarray | list[int], source: str | None = None) -> "ImageDataset":
+    def subset(self, idx: np.ndarray | list[int], source: str | None = None) -> ImageDataset:
         """Rows ``idx`` (integer indices or a boolean mask), same class names; arrays are copies."""
         idx = np.asarray(idx)
         return ImageDataset(

@@ -12,7 +12,6 @@ the site ledger stores as the recorded answer of a request.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np

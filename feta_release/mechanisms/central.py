@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class CentralRelease:
         }
 
     @classmethod
-    def from_arrays(cls, a: Mapping[str, Any]) -> "CentralRelease":
+    def from_arrays(cls, a: Mapping[str, Any]) -> CentralRelease:
         try:
             clip = float(a["clip"])
             bins = int(a["bins"])

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ class FrequencyRelease:
         return out
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, Any]) -> "FrequencyRelease":
+    def from_arrays(cls, arrays: Mapping[str, Any]) -> FrequencyRelease:
         try:
             emb = np.asarray(arrays["embedding"], dtype=np.float32)
             shape = arrays.get("image_shape") if hasattr(arrays, "get") else None

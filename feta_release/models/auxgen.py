@@ -88,7 +88,7 @@ class AuxGenerator(nn.Module):
         }
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> "AuxGenerator":
+    def from_spec(cls, spec: dict[str, Any]) -> AuxGenerator:
         if spec.get("kind") != "auxgen" or spec.get("version") != 1:
             raise ConfigError(f"unsupported aux generator spec {spec.get('kind')!r} v{spec.get('version')!r}")
         return cls(spec["img_channels"], spec["img_size"], spec["n_classes"], spec["z_dim"], spec["width"])

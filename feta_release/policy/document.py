@@ -40,7 +40,7 @@ def parse_time(value: str | dt.datetime, where: str = "time") -> dt.datetime:
             raise PolicyError(f"{where}: {value!r} is not an ISO 8601 date-time") from None
     if t.tzinfo is None:
         raise PolicyError(f"{where}: {value!r} has no UTC offset; write e.g. 2026-01-01T00:00:00Z")
-    return t.astimezone(dt.timezone.utc)
+    return t.astimezone(dt.UTC)
 
 
 def format_time(t: dt.datetime) -> str:
@@ -48,7 +48,7 @@ def format_time(t: dt.datetime) -> str:
 
 
 def utc_now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 # -- the parsed policy -----------------------------------------------------------------------------
@@ -86,7 +86,7 @@ class SitePolicy:
     document: Mapping[str, Any] = field(repr=False)
 
     @classmethod
-    def from_document(cls, doc: dict[str, Any], signer: str | None, source: str = "<policy>") -> "SitePolicy":
+    def from_document(cls, doc: dict[str, Any], signer: str | None, source: str = "<policy>") -> SitePolicy:
         validate_policy(doc, source)
         mechs = {}
         for name in MECHANISMS:

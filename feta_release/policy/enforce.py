@@ -50,7 +50,7 @@ class MechanismRequest:
         return PrivacyEvent(stage=self.mechanism, sigma=self.sigma, q=self.q, steps=self.steps)
 
     @classmethod
-    def coerce(cls, request: "MechanismRequest | PrivacyEvent | Mapping[str, Any]") -> "MechanismRequest":
+    def coerce(cls, request: MechanismRequest | PrivacyEvent | Mapping[str, Any]) -> MechanismRequest:
         if isinstance(request, MechanismRequest):
             return request
         if isinstance(request, PrivacyEvent):

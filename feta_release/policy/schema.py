@@ -6,7 +6,7 @@ copies for people, checked by a test). Errors name the field path, e.g. ``mechan
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -17,12 +17,12 @@ from .errors import PolicySchemaError
 SCHEMAS = {"policy": "policy.schema.json", "job": "job.schema.json"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_schema(name: str) -> dict[str, Any]:
     return json.loads(resources.files("feta_release.policy").joinpath(SCHEMAS[name]).read_text("utf-8"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _validator(name: str) -> Draft202012Validator:
     schema = load_schema(name)
     Draft202012Validator.check_schema(schema)

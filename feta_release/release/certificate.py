@@ -24,7 +24,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -42,7 +43,7 @@ def files_digest(pairs: Iterable[tuple[str, str]]) -> str:
     """sha256 over ``"path\\tsha256\\n"`` lines sorted by path: one value binds the whole file list."""
     h = hashlib.sha256()
     for rel, digest in sorted(pairs):
-        h.update(f"{rel}\t{digest}\n".encode("utf-8"))
+        h.update(f"{rel}\t{digest}\n".encode())
     return h.hexdigest()
 
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -68,7 +69,7 @@ class SamplerSettings:
         return asdict(self)
 
     @classmethod
-    def from_config(cls, sampler_section: Any) -> "SamplerSettings":
+    def from_config(cls, sampler_section: Any) -> SamplerSettings:
         return cls(
             solver=sampler_section.solver,
             steps=int(sampler_section.steps),

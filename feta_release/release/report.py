@@ -21,7 +21,8 @@ import json
 import math
 from html import escape
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from ..accounting import epsilon_breakdown, events_from_list

@@ -26,7 +26,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -131,7 +132,7 @@ class TrustRoots:
     coordinators: tuple[Ed25519PublicKey, ...] = ()
 
     @classmethod
-    def of(cls, trust: "TrustRoots | Mapping[str, Any]", coordinators: Sequence[Ed25519PublicKey] = ()) -> "TrustRoots":
+    def of(cls, trust: TrustRoots | Mapping[str, Any], coordinators: Sequence[Ed25519PublicKey] = ()) -> TrustRoots:
         if isinstance(trust, TrustRoots):
             return trust
         admins = {str(k): tuple(v) if isinstance(v, (list, tuple)) else (v,) for k, v in trust.items()}
@@ -142,7 +143,7 @@ class TrustRoots:
         return out + [f"coordinator {fingerprint(k)}" for k in self.coordinators]
 
 
-def verify_release(release_dir: str | Path, trust: "TrustRoots | Mapping[str, Any]") -> VerificationResult:
+def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any]) -> VerificationResult:
     """Verify everything offline; never raises for a bad release (see ``result.ok`` / ``result.reason()``).
 
     ``trust``: :class:`TrustRoots` or ``{site_id: admin public key(s)}``. A flat list of keys is refused: a

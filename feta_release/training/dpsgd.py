@@ -28,7 +28,8 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

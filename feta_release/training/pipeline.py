@@ -41,15 +41,14 @@ the noise).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import secrets
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -718,7 +717,7 @@ def _sample_grid(model, cfg, data, path: Path, per_class: int, title: str | None
               class_names=data.class_names, title=title)
 
 
-def _grid_title(what: str, ledger: "RunLedger") -> str:
+def _grid_title(what: str, ledger: RunLedger) -> str:
     """The grid's title: what it shows and the ε charged so far (the model has seen nothing more)."""
     from ..viz import epsilon_title
 

@@ -7,14 +7,20 @@ one, or nothing leaves the site.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+import torch
 
 from feta_release.accounting import PrivacyEvent
 from feta_release.config import JobConfig
 from feta_release.errors import PrivacyError
 from feta_release.federation import plan
+from feta_release.mechanisms.central import central_images
+from feta_release.mechanisms.frequency import frequency_statistics
+from feta_release.models import build_denoiser
+from feta_release.training.dpsgd import DPSGDTrainer
 
 central_event = plan.central_event
 
@@ -39,8 +45,6 @@ def _same(planned: list[PrivacyEvent], reported: list[PrivacyEvent], what: str) 
 
 def _arrays_of(obj: Any, prefix: str = "") -> dict[str, np.ndarray]:
     """Numpy fields of a release dataclass (or dict) as named arrays; scalars go along as 0-d arrays."""
-    import dataclasses
-
     items = dataclasses.asdict(obj).items() if dataclasses.is_dataclass(obj) else dict(obj).items()
     out: dict[str, np.ndarray] = {}
     for k, v in items:
@@ -51,38 +55,31 @@ def _arrays_of(obj: Any, prefix: str = "") -> dict[str, np.ndarray]:
     return out
 
 
-def _np_rng() -> np.random.Generator:
-    """Fresh, unpredictable noise for each release (the coordinator must not be able to predict it)."""
-    from feta_release.randomness import os_numpy_generator
-
-    return os_numpy_generator()
-
-
-def release_central(ds: Any, cfg: JobConfig, n_public: int) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
-    """Central images at Poisson rate q = batch / ``n_public`` (the policy's public size, not ``ds.n``)."""
-    from feta_release.mechanisms.central import central_images
-
+def release_central(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Generator
+                    ) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    """Central images at Poisson rate q = batch / ``n_public`` (the policy's public size, not ``ds.n``);
+    ``rng``: the request's fresh OS-seeded generator (``edge.protocol.ReleaseRng``)."""
     planned = plan.central_event(cfg, n_public)
     if planned is None:
         raise PrivacyError("the job disables central images ([central] rounds = 0); nothing to release")
     c = cfg.central
     release, event = central_images(ds.images, ds.labels, ds.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch,
                                     sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=n_public,
-                                    rng=_np_rng())
+                                    rng=rng)
     _same([planned], [event], "central images")
     return release.to_arrays(), [planned]
 
 
-def release_frequency(ds: Any, cfg: JobConfig, n_public: int) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
-    """The RFF mean embedding over the PUBLIC denominator ``n_public`` (sensitivity 1 / n_public)."""
-    from feta_release.mechanisms.frequency import frequency_statistics
-
+def release_frequency(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Generator
+                      ) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    """The RFF mean embedding over the PUBLIC denominator ``n_public`` (sensitivity 1 / n_public). The random
+    features come from the job's public ``[frequency] seed``; the noise only from ``rng``."""
     planned = frequency_event(cfg)
     f = cfg.frequency
     assert f.sigma is not None
     release, event = frequency_statistics(ds.images, ds.labels, ds.n_classes, features=f.features, sigma=f.sigma,
                                           bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_public=n_public,
-                                          rng=_np_rng())
+                                          rng=rng)
     _same([planned], [event], "frequency statistics")
     return release.to_arrays(), [planned]
 
@@ -103,20 +100,14 @@ def _refuse_non_finite(weights: dict[str, np.ndarray]) -> None:
                            f"{len(bad)} tensor(s) (e.g. {first}); refused: only finite weights are trained on")
 
 
-def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
-                generator: Any, n_public: int) -> dict[str, np.ndarray]:
-    """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
-    The noisy sum is divided by the public expected batch q * ``n_public``, never by anything of ``ds.n``.
+def check_weights(cfg: JobConfig, image_shape: Any, n_classes: int, weights: dict[str, np.ndarray]) -> None:
+    """Refuse global weights that do not fit the job's model (names, shapes) or are not finite numbers.
 
-    Only the weights are returned: the trainer's per-step statistics (loss, realised batch size, clipped
-    fraction, seconds) are un-noised functions of the private batch and never leave the site."""
-    import torch
+    Public input only (the coordinator's weights and the job): the node runs it before charging."""
+    _fits(build_denoiser(cfg.model, image_shape, n_classes).state_dict(), weights)
 
-    from feta_release.models import build_denoiser
-    from feta_release.training.dpsgd import DPSGDTrainer
 
-    model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
-    own = model.state_dict()
+def _fits(own: dict[str, Any], weights: dict[str, np.ndarray]) -> None:
     if set(weights) != set(own):
         raise PrivacyError("global weights do not match the job's [model]: "
                            f"{len(set(weights) ^ set(own))} parameter name(s) differ")
@@ -126,6 +117,17 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
                            f"differ in shape, e.g. {bad[0]}): the coordinator and this site run different "
                            "feta-release versions")
     _refuse_non_finite(weights)
+
+
+def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
+                generator: torch.Generator, n_public: int) -> dict[str, np.ndarray]:
+    """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
+    The noisy sum is divided by the public expected batch q * ``n_public``, never by anything of ``ds.n``.
+
+    Only the weights are returned: the trainer's per-step statistics (loss, realised batch size, clipped
+    fraction, seconds) are un-noised functions of the private batch and never leave the site."""
+    model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
+    _fits(model.state_dict(), weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
                            image_shape=ds.image_shape, n_classes=ds.n_classes, n_public=n_public)

@@ -482,16 +482,15 @@ def test_node_noise_generators_draw_at_least_128_bits_from_the_os(monkeypatch):
     can be searched (with the public weights in hand, a seed that reproduces the noise removes it)."""
     import random
 
-    from edge.clientapp import _generator
-    from edge.releases import _np_rng
+    from edge.protocol import ReleaseRng
 
     asked = []
     real = random._urandom
     monkeypatch.setattr(random, "_urandom", lambda n: asked.append(n) or real(n))
-    _generator("job:train:0")
+    ReleaseRng().torch()
     assert sum(asked) >= 16, asked
     asked.clear()
-    _np_rng()
+    ReleaseRng().numpy()
     assert sum(asked) >= 16, asked
 
 

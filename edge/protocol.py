@@ -1,0 +1,173 @@
+"""The node's release protocol, written once: every releasing handler is a compute function wrapped by it.
+
+For each request, in this order:
+  1. verify the job (signed by a coordinator key this site's policy allows, naming this site, not closed);
+  2. derive the request id from the job id, phase and round (never a free-form id from the coordinator)
+     and answer a replay from the ledger's record (no second charge, no fresh noise);
+  3. check the request against the signed policy (mechanism allowed, σ ≥ minimum, caps), and the
+     coordinator's payload against the job (``admit``: public input only, no image is read yet);
+  4. charge the ledger (budget re-checked under its write lock; committed before any image is read), so
+     whatever the computation reveals, its failure included, is already paid for;
+  5. compute the release with fresh OS noise (:class:`ReleaseRng`); all noise is added here, on site;
+  6. record the released payload in the ledger (a replay gets exactly these bytes);
+  7. only then reply.
+A computation that fails after step 4 releases nothing: its cause stays in the site's log (an exception
+text could depend on the images) and the coordinator gets one line saying the request was charged and
+answered with nothing. Refusals before step 4 are ``PolicyError``/``BudgetExceededError`` naming the rule;
+the runtime turns them into an error reply.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Context, Message, RecordDict
+
+from feta_release.accounting import PrivacyEvent, events_from_list, events_to_list
+from feta_release.errors import PolicyError, PrivacyError
+from feta_release.federation import messages as fm
+from feta_release.policy.enforce import check_request
+from feta_release.policy.jobs import Job, verify_job
+from feta_release.randomness import os_numpy_generator, os_torch_generator
+
+from .admission import request_for
+from .site import Site, site_for
+
+log = logging.getLogger("feta.node")
+
+Arrays = dict[str, np.ndarray]
+Handler = Callable[[Message, Context], Message]
+# The message phase of each mechanism (request ids are ``job:phase:round``).
+PHASES = {"central": "central", "frequency": "frequency", "dpsgd": "train"}
+
+
+class ReleaseRng:
+    """The one source of release noise: every generator it hands out is seeded with 256 fresh OS bits.
+
+    It takes no argument on purpose: nothing the coordinator sends (job id, request id, the job's seed) can
+    reach a seed, so nobody but the site can predict, replay or subtract the noise of a release."""
+
+    def numpy(self) -> np.random.Generator:
+        return os_numpy_generator()
+
+    def torch(self) -> torch.Generator:
+        return os_torch_generator()
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a compute function receives beside the site, the job and the noise source."""
+
+    rid: str
+    round: int
+    event: PrivacyEvent  # planned, checked against the policy and charged before the computation runs
+    doc: dict[str, Any]
+    arrays: Arrays
+
+
+Compute = Callable[[Site, Job, Request, ReleaseRng], tuple[Arrays, list[PrivacyEvent]]]
+Admit = Callable[[Site, Job, Request], None]
+Public = Callable[[Site, Request], dict[str, Any]]
+
+
+def verified_job(site: Site, doc: dict[str, Any], *, attesting: bool = False) -> Job:
+    """The verified job, bound to its id at this site (one id names one signed job, by body hash and full
+    signer key); refused once the job's final attestation closed it (only a repeated attest is answered)."""
+    if "job" not in doc:
+        raise PolicyError("request carries no signed job; refused")
+    job = verify_job(doc["job"], site.policy, source="job in request")
+    site.ledger.bind_job(job.job_id, job.digest, job.signer_sha256)
+    if not attesting and site.ledger.is_closed(job.job_id):
+        raise PolicyError(f"job {job.job_id} is closed at site {site.site_id}: its final attestation was signed, "
+                          "so nothing more is answered for it; start a new job")
+    return job
+
+
+def job_events(site: Site, job: Job) -> list[PrivacyEvent]:
+    return events_from_list(site.ledger.job_events(job.job_id))
+
+
+def _round(mechanism: str, job: Job, doc: dict[str, Any]) -> int:
+    if mechanism != "dpsgd":
+        return 0
+    rnd, rounds = int(doc.get("round", -1)), job.config.federation.rounds
+    if not 0 <= rnd < rounds:
+        raise PolicyError(f"round {rnd} is outside the job's {rounds} rounds; refused")
+    return rnd
+
+
+def _local_timing(site: Site, rid: str, seconds: float) -> None:
+    """On-site compute time, kept in the site's own work directory (for the site's administrator and
+    ``bench/bench_federation.py``): it tracks the realised Poisson batch size, so it is never sent."""
+    with open(site.work_dir / "compute_seconds.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"request_id": rid, "seconds": round(seconds, 3)}) + "\n")
+
+
+def _recorded(response: bytes | None) -> RecordDict:
+    return fm.payload_from_bytes(response or b"")
+
+
+def _compute_charged(compute: Compute, site: Site, job: Job, req: Request) -> tuple[Arrays, list[PrivacyEvent]]:
+    """Run ``compute`` for a request that is already charged; any failure releases nothing and names no cause."""
+    t0 = time.perf_counter()
+    try:
+        arrays, events = compute(site, job, req, ReleaseRng())
+        if events_to_list(events) != events_to_list([req.event]):
+            raise PrivacyError(f"the computation reported events {events}, not the charged {req.event}")
+    except Exception:
+        log.exception("request %s failed after it was charged; nothing released", req.rid)
+        raise PrivacyError(f"request {req.rid} failed at site {site.site_id} after its privacy cost was charged; "
+                           "nothing was released (the cause is in the site's log); the request cannot be retried") \
+            from None
+    _local_timing(site, req.rid, time.perf_counter() - t0)
+    return arrays, events
+
+
+def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute, public: Public | None) -> RecordDict:
+    """Steps 4-6: charge, compute, record. Returns the recorded payload (a racing twin's, if it won)."""
+    charged = site.ledger.charge(job.job_id, req.rid, mechanism, [req.event], site.policy)
+    if charged.replay:  # an identical request committed first: answer with ITS record, nothing computed
+        return _recorded(charged.response)
+    arrays, events = _compute_charged(compute, site, job, req)
+    doc = {**(public(site, req) if public else {}), "site_id": site.site_id, "request_id": req.rid,
+           "events": events_to_list(events)}
+    payload = fm.make_payload(doc, arrays)
+    site.ledger.record_response(req.rid, fm.payload_bytes(payload))
+    return payload
+
+
+def release(mechanism: str, *, admit: Admit | None = None, public: Public | None = None) -> Callable[[Compute], Handler]:
+    """Wrap ``compute`` in the protocol of this module as a ClientApp handler for ``mechanism``.
+
+    ``admit`` refuses a payload before the charge (it may read the coordinator's input, never the images);
+    ``public`` adds reply fields, each a public value fixed by the signed job and policy."""
+    def wrap(compute: Compute) -> Handler:
+        def handler(msg: Message, context: Context) -> Message:
+            site = site_for(context.node_config)
+            doc, arrays = fm.read_payload(msg.content)
+            job = verified_job(site, doc)
+            rnd = _round(mechanism, job, doc)
+            rid = fm.request_id(job.job_id, PHASES[mechanism], rnd)
+            # σ of a DP-SGD round is calibrated HERE, by the site, for its own size and budget.
+            event, mreq = request_for(mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir)
+            prior = site.ledger.check(job.job_id, rid, mechanism, [event], site.policy)
+            if prior is not None:
+                log.info("replayed request %s: answering from the ledger (not charged again)", rid)
+                return Message(_recorded(prior.response), reply_to=msg)
+            check_request(site.policy, mreq, job_events=job_events(site, job))
+            req = Request(rid, rnd, event, doc, arrays)
+            if admit is not None:
+                admit(site, job, req)
+            return Message(_answer(site, job, mechanism, req, compute, public), reply_to=msg)
+        # The handler keeps the compute function's name and doc (not its signature: Flower calls (msg, context)).
+        return functools.update_wrapper(handler, compute, assigned=("__module__", "__name__", "__qualname__", "__doc__"),
+                                        updated=())
+    return wrap

@@ -11,13 +11,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from feta_release.accounting import epsilon_breakdown, events_from_list
+from feta_release.config import JobConfig
 from feta_release.errors import FetaError
+from feta_release.models import generate
+from feta_release.release.export_run import assemble_release, denoiser_from_checkpoint
+from feta_release.release.manifest import site_record
+from feta_release.release.onnx_export import SamplerSettings
+from feta_release.signing import load_private_key
+from feta_release.training.checkpoint import MODEL_FILE, read_model_file
+from feta_release.viz import epsilon_title, save_budget_svg, save_grid
 
 
 def privacy_report(out_dir: Path) -> dict[str, Any]:
     """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total."""
-    from feta_release.accounting import epsilon_breakdown, events_from_list
-
     summary = json.loads((out_dir / "job_summary.json").read_text("utf-8"))
     atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
     sites = {}
@@ -48,8 +55,6 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
 
 def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
     """``budget.svg``: per site, ε of each stage alone and the composed total, against the site's per-job cap."""
-    from feta_release.viz import save_budget_svg
-
     chart = {}
     for sid, s in sites.items():
         cap = None
@@ -61,21 +66,11 @@ def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
 
 
 def load_model(out_dir: Path) -> Any:
-    import torch
-
-    from feta_release.models import denoiser_from_spec
-
-    ck = torch.load(out_dir / "model.pt", map_location="cpu", weights_only=True)
-    model = denoiser_from_spec(ck["spec"])
-    model.load_state_dict(ck["model"])
-    return model.eval()
+    """The trained denoiser from ``out_dir/model.pt`` (the one model file format, read weights-only)."""
+    return denoiser_from_checkpoint(read_model_file(out_dir / MODEL_FILE), str(out_dir / MODEL_FILE))
 
 
 def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
-    from feta_release.config import JobConfig
-    from feta_release.models import generate
-    from feta_release.viz import epsilon_title, save_grid
-
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
     model = load_model(out_dir)
@@ -94,12 +89,6 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
 
 def build_release(out_dir: Path, coordinator_key_path: Path) -> Path:
     """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside."""
-    from feta_release.config import JobConfig
-    from feta_release.release.export_run import assemble_release
-    from feta_release.release.manifest import site_record
-    from feta_release.release.onnx_export import SamplerSettings
-    from feta_release.signing import load_private_key
-
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     job = signed["job"]
     cfg = JobConfig.from_dict(job["config"])

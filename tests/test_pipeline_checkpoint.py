@@ -64,3 +64,30 @@ def test_config_hash_depends_on_values_not_key_order():
     reordered = {k: d[k] for k in reversed(list(d))}
     assert config_hash(d) == config_hash(reordered)
     assert config_hash(d) != config_hash(cfg.replace(dpsgd={"steps": 5}).to_dict())
+
+
+def test_one_model_file_format_written_atomically_and_read_weights_only(tmp_path):
+    """`train` and the coordinator write model.pt with one writer (atomic), every reader uses one reader."""
+    from feta_release.errors import ReleaseError
+    from feta_release.training.checkpoint import read_model_file, write_model_file
+
+    state = {"w": torch.arange(4.0), "n": torch.tensor(3)}
+    p = write_model_file(tmp_path / "model.pt", spec={"kind": "x"}, state_dict=state, class_names=["a", 1],
+                         job_hash="ab")
+    doc = read_model_file(p)
+    assert doc["class_names"] == ["a", "1"] and doc["job_hash"] == "ab" and doc["spec"] == {"kind": "x"}
+    assert torch.equal(doc["state_dict"]["w"], state["w"])
+    assert [q.name for q in tmp_path.iterdir()] == ["model.pt"]  # no temporary left behind
+    save_torch(tmp_path / "old.pt", {"model": state, "spec": {"kind": "x"}})  # the coordinator's former format
+    with pytest.raises(ReleaseError, match=r"old\.pt: not a feta-release model file \(no state_dict, class_names\)"):
+        read_model_file(tmp_path / "old.pt")
+
+
+def test_no_model_or_checkpoint_is_read_or_written_beside_the_one_writer_and_reader():
+    """Grep guard: torch.save / torch.load appear only in training/checkpoint.py."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    hits = [f"{p.relative_to(root)}" for d in ("feta_release", "edge", "coordinator", "bench") for p in (root / d).rglob("*.py")
+            if p.name != "checkpoint.py" and ("torch.save(" in p.read_text("utf-8") or "torch.load(" in p.read_text("utf-8"))]
+    assert hits == []

@@ -1,39 +1,25 @@
-"""Crash-safe coordinator checkpoints (the training package's atomic writes, reused)."""
+"""Crash-safe coordinator checkpoints: the training package's atomic torch writer and its reader, reused.
+
+The coordinator's state directory is its own, but a checkpoint is read weights-only anyway: resuming needs
+tensors and plain values, nothing a file could run."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
+
+from ..training.checkpoint import load_torch, save_torch
 
 ROUND_FILE = "rounds.pt"
 WARMUP_FILE = "warmup.pt"
 
 
-def atomic_write(path: Path, data: bytes) -> Path:
-    from ..training.checkpoint import atomic_write_bytes
-
-    return atomic_write_bytes(path, data)
-
-
-def _save(path: Path, obj: Any) -> None:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write(path, buf.getvalue())
-
-
 def _load(path: Path) -> Any:
-    import torch
-
-    if not path.exists():
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_torch(path, weights_only=True) if path.exists() else None
 
 
 def save_round(state_dir: Path, obj: dict[str, Any]) -> None:
-    _save(state_dir / ROUND_FILE, obj)
+    save_torch(state_dir / ROUND_FILE, obj)
 
 
 def load_round(state_dir: Path) -> dict[str, Any] | None:
@@ -41,7 +27,7 @@ def load_round(state_dir: Path) -> dict[str, Any] | None:
 
 
 def save_warmup(state_dir: Path, obj: dict[str, Any]) -> None:
-    _save(state_dir / WARMUP_FILE, obj)
+    save_torch(state_dir / WARMUP_FILE, obj)
 
 
 def load_warmup(state_dir: Path) -> dict[str, Any] | None:

@@ -21,11 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Message
+from torch import nn
 
+from ..accounting import events_from_list
+from ..config import JobConfig
 from ..errors import FetaError, PolicyError
+from ..policy.document import open_signed_policy
+from ..policy.enforce import MechanismRequest, check_job_fits
+from ..policy.jobs import verify_job_with_keys
+from ..signing import load_public_key, verify_document
+from ..training.checkpoint import atomic_write_bytes
+from ..training.ema import EMA
+from . import checkpoint_io, plan
 from . import messages as fm
-from . import plan
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -59,8 +69,15 @@ class JobResult:
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stubs read **arrays as allow_pickle
     return buf.getvalue()
+
+
+def round_ema(model: nn.Module, cfg: JobConfig) -> EMA:
+    """The EMA of the global model, folded once per federated round: a round is ``local_steps`` optimiser steps,
+    so it decays by ``[dpsgd] ema ** local_steps`` (what a per-step EMA over those steps would do), without the
+    per-step warm-up (the warm-up stages already moved the weights away from their random start)."""
+    return EMA(model, cfg.dpsgd.ema ** cfg.federation.local_steps, warmup=False)
 
 
 def _registered_names(grid: Any) -> dict[int, str]:
@@ -78,8 +95,6 @@ class JobDriver:
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
                  poll_interval: float = 1.0) -> None:
-        from ..policy.jobs import verify_job_with_keys
-
         self.grid = grid
         self.signed_job = signed_job
         embedded = signed_job.get("signature", {}).get("public_key") if isinstance(signed_job, dict) else None
@@ -176,8 +191,6 @@ class JobDriver:
         node only (a second node claiming it is an impostor or a replay: stop); the size used for
         FedAvg and planning is the PUBLIC size from the site's signed policy, never a reply's number.
         """
-        from ..policy.document import open_signed_policy
-
         sid = doc["site_id"]
         if registered and registered != sid:
             raise PolicyError(f"node {node} is registered as {registered!r} but claims to be site {sid!r}; refused "
@@ -197,9 +210,6 @@ class JobDriver:
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_job(self) -> dict[str, Any]:
-        from ..accounting import events_from_list
-        from ..policy.enforce import MechanismRequest, check_job_fits
-
         planned, policies, life = {}, {}, {}
         for sid, s in self.sites.items():
             evs = plan.site_plan(self.cfg, s.size, s.policy)
@@ -237,15 +247,13 @@ class JobDriver:
             if p.exists():
                 with np.load(p) as z:
                     have[sid] = {k: z[k] for k in z.files}
-        todo = {sid: {} for sid in self.sites if sid not in have}
+        todo: dict[str, dict[str, Any]] = {sid: {} for sid in self.sites if sid not in have}
         if todo:
             self.emit(phase, f"asking {len(todo)} site(s) for {phase} releases")
             ok, failed = self._ask(phase, message_type, todo)
             for sid, (doc, arrays) in ok.items():
                 (self.state / f"{phase}_{sid}.json").write_text(json.dumps(doc), "utf-8")
-                from .checkpoint_io import atomic_write
-
-                atomic_write(self.state / f"{phase}_{sid}.npz", _npz_bytes(arrays))
+                atomic_write_bytes(self.state / f"{phase}_{sid}.npz", _npz_bytes(arrays))
                 have[sid] = arrays
                 self.emit(phase, f"site {sid}: {phase} released", site=sid)
             for sid, reason in failed.items():
@@ -266,13 +274,11 @@ class JobDriver:
             return {}
         return self._collect("frequency", fm.FREQUENCY)
 
-    def rounds(self, model: Any, ema: Any, stages: Any) -> int:
-        """Federated DP-SGD; checkpoint after every round. Returns the number of rounds done."""
-        import torch
+    def rounds(self, model: nn.Module, ema: EMA) -> int:
+        """Federated DP-SGD; checkpoint after every round. Returns the number of rounds done.
 
-        from .checkpoint_io import load_round, save_round
-
-        ck = load_round(self.state)
+        ``ema``: see :func:`round_ema`; it is folded once per round, after FedAvg."""
+        ck = checkpoint_io.load_round(self.state)
         start = 0
         if ck is not None:
             model.load_state_dict(ck["model"])
@@ -282,39 +288,36 @@ class JobDriver:
             self.emit("dpsgd", f"resuming after round {start}")
         R = self.cfg.federation.rounds
         t0 = time.monotonic()
-        decay = self.cfg.dpsgd.ema
         for r in range(start, R):
             tr = time.monotonic()
-            weights = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-            ok, failed = self._ask("dpsgd", fm.TRAIN, {sid: {"round": r} for sid in self.sites}, arrays=weights,
-                                   group=f"round-{r}")
-            if len(ok) < self.cfg.federation.min_sites:
-                raise SiteUnavailable(f"round {r + 1}: only {len(ok)} site(s) answered ({failed}); "
-                                      f"[federation] min_sites = {self.cfg.federation.min_sites}")
-            if failed:
-                self.skipped[r] = sorted(failed)
-                for sid, why in failed.items():
-                    self.emit("dpsgd", f"round {r + 1}: site {sid} skipped ({why})", site=sid, error=why)
-            w = plan.fedavg_weights({sid: self.sites[sid].size for sid in ok})
-            new = {k: sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok) for k in weights}
-            model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new.items()})
-            with torch.no_grad():
-                for pe, pm in zip(ema.state_dict().values(), model.state_dict().values()):
-                    if pe.dtype.is_floating_point:
-                        pe.mul_(decay ** self.cfg.federation.local_steps).add_(pm, alpha=1 - decay ** self.cfg.federation.local_steps)
-                    else:
-                        pe.copy_(pm)
-            save_round(self.state, {"model": model.state_dict(), "ema": ema.state_dict(), "round": r + 1,
-                                    "skipped": {str(k): v for k, v in self.skipped.items()}})
+            answered = self._round(r, model)
+            ema.update(model)
+            checkpoint_io.save_round(self.state, {"model": model.state_dict(), "ema": ema.state_dict(), "round": r + 1,
+                                                  "skipped": {str(k): v for k, v in self.skipped.items()}})
             # Sites send weights and public values only (no loss, no on-site seconds): see edge/clientapp.py.
-            self.emit("dpsgd", f"round {r + 1}/{R}: {len(ok)} site(s)",
-                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=sorted(ok))
+            self.emit("dpsgd", f"round {r + 1}/{R}: {len(answered)} site(s)",
+                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=answered)
         self.timings["dpsgd"] = time.monotonic() - t0
         return R
 
-    def attestations(self) -> dict[str, Any]:
-        from ..signing import load_public_key, verify_document
+    def _round(self, r: int, model: nn.Module) -> list[str]:
+        """Round ``r``: send the global weights, FedAvg the answers (weighted by public sizes) into ``model``."""
+        weights = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        ok, failed = self._ask("dpsgd", fm.TRAIN, {sid: {"round": r} for sid in self.sites}, arrays=weights,
+                               group=f"round-{r}")
+        if len(ok) < self.cfg.federation.min_sites:
+            raise SiteUnavailable(f"round {r + 1}: only {len(ok)} site(s) answered ({failed}); "
+                                  f"[federation] min_sites = {self.cfg.federation.min_sites}")
+        if failed:
+            self.skipped[r] = sorted(failed)
+            for sid, why in failed.items():
+                self.emit("dpsgd", f"round {r + 1}: site {sid} skipped ({why})", site=sid, error=why)
+        w = plan.fedavg_weights({sid: self.sites[sid].size for sid in ok})
+        new = {k: sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok) for k in weights}
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new.items()})
+        return sorted(ok)
 
+    def attestations(self) -> dict[str, Any]:
         ok, failed = self._ask("attest", "query.attest", {sid: {} for sid in self.sites})
         out = {}
         for sid, (doc, _) in ok.items():

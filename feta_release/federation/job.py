@@ -7,7 +7,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .driver import JobDriver, JobResult, Progress
+import torch
+from torch import nn
+
+from ..models import build_denoiser, denoiser_spec
+from ..training.checkpoint import MODEL_FILE, write_model_file
+from . import checkpoint_io
+from .driver import JobDriver, JobResult, Progress, round_ema
+from .warmup import warm_up
 
 
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
@@ -23,56 +30,31 @@ def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coord
 
 
 def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
-    import torch
-
-    from ..models import build_denoiser
-    from .checkpoint_io import load_warmup, save_warmup
-
     t_all = time.monotonic()
     cfg = d.cfg
     d.emit("start", f"job {d.job.job_id}: sites {', '.join(d.job.sites)}")
     d.wait_for_sites()
     # Refuse BEFORE any release if the job cannot fit every site's policy.
     d.plan_job()
-    central = d.collect_central()
-    freq = d.collect_frequency()
-
-    info = next(iter(d.sites.values()))
-    shape, n_classes, class_names = tuple(info.image_shape), info.n_classes, info.class_names
-    torch.manual_seed(cfg.job.seed)
-    model = build_denoiser(cfg.model, shape, n_classes)
-    ck = load_warmup(d.state)
-    t0 = time.monotonic()
-    if ck is not None:
-        model.load_state_dict(ck["model"])
-        d.emit("warmup", "warm-up restored from checkpoint")
-    else:
-        from .warmup import warm_up
-
-        warm_up(model, central, freq, cfg, {sid: s.size for sid, s in d.sites.items()}, shape, n_classes,
-                lambda msg: d.emit("warmup", msg))
-        save_warmup(d.state, {"model": model.state_dict()})
-    d.timings["warmup"] = time.monotonic() - t0
-
-    import copy
-
-    ema = copy.deepcopy(model)
-    rounds_done = d.rounds(model, ema, None)
+    model = _warm_model(d, d.collect_central(), d.collect_frequency())
+    ema = round_ema(model, cfg)
+    rounds_done = d.rounds(model, ema)
     atts = d.attestations()
-
-    final = ema if rounds_done else model
-    torch.save({"model": final.state_dict(), "spec": _spec(cfg, shape, n_classes)}, d.out / "model.pt")
-    histories = {sid: att["statement"]["events"] for sid, att in atts.items()}
-    summary = {
+    if rounds_done:
+        ema.copy_to(model)  # the released weights are the EMA of the global model
+    info = next(iter(d.sites.values()))
+    write_model_file(d.out / MODEL_FILE, spec=denoiser_spec(cfg.model, info.image_shape, info.n_classes),
+               state_dict=model.state_dict(), class_names=info.class_names)
+    summary: dict[str, Any] = {
         "job_id": d.job.job_id,
         "sites": sorted(d.sites),
-        "class_names": class_names,
-        "image_shape": list(shape),
+        "class_names": info.class_names,
+        "image_shape": list(info.image_shape),
         "rounds": rounds_done,
         "skipped": {str(k): v for k, v in d.skipped.items()},
         "site_epsilon": {sid: att["statement"]["epsilon"] for sid, att in atts.items()},
         "delta": {sid: att["statement"]["delta"] for sid, att in atts.items()},
-        "histories": histories,
+        "histories": {sid: att["statement"]["events"] for sid, att in atts.items()},
         "timings": {**d.timings, "total": time.monotonic() - t_all},
     }
     (d.out / "job_summary.json").write_text(json.dumps(summary, indent=2), "utf-8")
@@ -82,7 +64,21 @@ def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
     return JobResult(d.out, sorted(d.sites), rounds_done, d.skipped, summary["timings"], atts)
 
 
-def _spec(cfg: Any, shape: tuple[int, ...], n_classes: int) -> dict[str, Any]:
-    from ..models import denoiser_spec
-
-    return denoiser_spec(cfg.model, shape, n_classes)
+def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any]) -> nn.Module:
+    """The global model after the warm-up stages (on released statistics only), restored from its checkpoint
+    when a restarted coordinator already has it."""
+    info = next(iter(d.sites.values()))
+    shape, n_classes = info.image_shape, info.n_classes
+    torch.manual_seed(d.cfg.job.seed)
+    model = build_denoiser(d.cfg.model, shape, n_classes)
+    ck = checkpoint_io.load_warmup(d.state)
+    t0 = time.monotonic()
+    if ck is not None:
+        model.load_state_dict(ck["model"])
+        d.emit("warmup", "warm-up restored from checkpoint")
+    else:
+        warm_up(model, central, freq, d.cfg, {sid: s.size for sid, s in d.sites.items()}, shape, n_classes,
+                lambda msg: d.emit("warmup", msg))
+        checkpoint_io.save_warmup(d.state, {"model": model.state_dict()})
+    d.timings["warmup"] = time.monotonic() - t0
+    return model

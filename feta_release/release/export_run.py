@@ -120,46 +120,26 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     ``model.pt`` {spec, state_dict (EMA weights), class_names}, ``job.json``, ``privacy.json`` {events, delta,
     accountant}, ``run.json`` (finish time) and the ``COMPLETE`` marker."""
     from ..config import JobConfig
-    from ..training.checkpoint import read_json
+    from ..training.checkpoint import MODEL_FILE, read_json, read_model_file
 
     rd = Path(run_dir)
     if not (rd / "COMPLETE").is_file():
         raise ReleaseError(f"{rd}: the run is not complete (no COMPLETE marker); finish `feta-release train` first")
-    for name in ("model.pt", "privacy.json", "job.json"):
+    for name in (MODEL_FILE, "privacy.json", "job.json"):
         if not (rd / name).is_file():
             raise ReleaseError(f"{rd / name}: missing; is {rd} a `feta-release train` run directory?")
-    ckpt = load_weights(rd / "model.pt")
-    if not isinstance(ckpt, dict):
-        raise ReleaseError(f"{rd / 'model.pt'}: expected a checkpoint dictionary")
+    ckpt = read_model_file(rd / MODEL_FILE)
     privacy = read_json(rd / "privacy.json")
     cfg = JobConfig.from_dict(read_json(rd / "job.json"), source=str(rd / "job.json"))
     run_info = read_json(rd / "run.json") if (rd / "run.json").is_file() else {}
     return {"checkpoint": ckpt, "privacy": privacy, "config": cfg, "run_dir": rd, "run": run_info}
 
 
-def load_weights(path: Path) -> Any:
-    """``model.pt`` as tensors and plain values only (``torch.load(weights_only=True)``).
-
-    Why: a full unpickle runs whatever code the file names; a run directory may come from anyone who could
-    write to it, and ``export`` then signs with the site key. Anything beyond weights is refused.
-    """
-    import pickle
-
-    import torch
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ReleaseError(f"{path}: not a weights-only checkpoint ({first[:200]}); refusing to unpickle it, "
-                           "re-create it with `feta-release train`") from None
-
-
 def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
     from ..models.edm import denoiser_from_spec
 
     spec = _first(ckpt, ("spec",), where)
-    state = _first(ckpt, ("state_dict",), where)  # the pipeline stores the EMA weights here
+    state = _first(ckpt, ("state_dict",), where)  # the weights to release (EMA), see training.checkpoint.write_model_file
     den = denoiser_from_spec(spec)
     den.load_state_dict(state)
     return den.eval()

@@ -1,4 +1,4 @@
-"""Crash-safe files for a run directory: atomic writes, torch checkpoints, the job hash.
+"""Crash-safe files for a run directory: atomic writes, torch checkpoints, the model file, the job hash.
 
 Every file a resume depends on is written to a temporary file in the same directory, flushed, fsynced, then
 moved over the old one with ``os.replace`` and the directory fsynced, so a kill at any instant leaves either the
@@ -12,10 +12,19 @@ import hashlib
 import io
 import json
 import os
+import pickle
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import FetaError
+import torch
+
+from ..errors import FetaError, ReleaseError
+
+MODEL_FILE = "model.pt"
+# The one model file format, written by `train` and by the coordinator, read by `export`, the coordinator's
+# release step and the benches: the denoiser's spec, its (EMA) weights and the class names, in that order of need.
+MODEL_KEYS = ("spec", "state_dict", "class_names")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -58,18 +67,45 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 def save_torch(path: str | os.PathLike, obj: Any) -> Path:
-    import torch
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return atomic_write_bytes(path, buf.getvalue())
 
 
-def load_torch(path: str | os.PathLike) -> Any:
-    import torch
+def load_torch(path: str | os.PathLike, *, weights_only: bool = False) -> Any:
+    """``weights_only=False`` only for a run's own checkpoints (generator states and plain dicts written by this
+    process's pipeline); anything another party could have written is read with ``weights_only=True``."""
+    return torch.load(Path(path), map_location="cpu", weights_only=weights_only)
 
-    # weights_only=False: checkpoints hold generator states and plain dicts that we wrote ourselves.
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+
+def write_model_file(path: str | os.PathLike, *, spec: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
+               class_names: list[str], **extra: Any) -> Path:
+    """Write THE model file atomically: ``spec`` (``models.denoiser_spec``), ``state_dict`` (the weights to
+    release, on CPU), ``class_names``, plus plain ``extra`` values (job hash, sampler settings)."""
+    doc = {"spec": dict(spec), "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
+           "class_names": [str(c) for c in class_names], **extra}
+    return save_torch(path, doc)
+
+
+def read_model_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read THE model file as tensors and plain values only (``torch.load(weights_only=True)``).
+
+    Why: a full unpickle runs whatever code the file names; a run directory may come from anyone who could
+    write to it, and ``export`` then signs with the site key. Anything beyond weights is refused."""
+    p = Path(path)
+    try:
+        doc = torch.load(p, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ReleaseError(f"{p}: not a weights-only checkpoint ({first[:200]}); refusing to unpickle it, "
+                           "re-create it with `feta-release train`") from None
+    if not isinstance(doc, dict):
+        raise ReleaseError(f"{p}: expected a checkpoint dictionary")
+    missing = [k for k in MODEL_KEYS if doc.get(k) is None]
+    if missing:
+        raise ReleaseError(f"{p}: not a feta-release model file (no {', '.join(missing)}); re-create it with "
+                           "`feta-release train` or the coordinator")
+    return doc
 
 
 def config_hash(cfg_dict: dict[str, Any]) -> str:

@@ -1,4 +1,8 @@
-"""``feta-release coordinator``: run the SuperLink and submit signed jobs to it."""
+"""``feta-release coordinator``: run the SuperLink and submit signed jobs to it.
+
+Import boundary (fast CLI start, enforced by tests/test_import_boundaries.py): ``.setup``, ``.runner`` and
+``.finalize`` pull in Flower or torch and are imported only by the commands that need them.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ import time
 from pathlib import Path
 
 import click
+
+from .superlink import SuperLinkSettings, register_node, start_superlink
+from .tls import make_certificates, make_node_auth_key
 
 
 @click.group()
@@ -30,7 +37,6 @@ def coordinator() -> None:
 def start(host: str, port: int, database: Path, ssl_certfile: Path | None, ssl_keyfile: Path | None,
           ssl_ca_certfile: Path | None, insecure: bool, enable_supernode_auth: bool | None, home: Path) -> None:
     """Run the Flower SuperLink in the foreground until Ctrl-C."""
-    from .superlink import SuperLinkSettings, start_superlink
 
     s = SuperLinkSettings(host=host, port=port, database=database, insecure=insecure, ssl_certfile=ssl_certfile,
                           ssl_keyfile=ssl_keyfile, ssl_ca_certfile=ssl_ca_certfile,
@@ -96,8 +102,6 @@ def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: st
 @click.option("--node", "nodes", multiple=True, help="Also make a node-auth key for this site (repeat).")
 def certs(out_dir: Path, hosts: tuple[str, ...], nodes: tuple[str, ...]) -> None:
     """Make a test CA, a SuperLink certificate and node-auth keys (pilots/tests; use your PKI in production)."""
-    from .tls import make_certificates, make_node_auth_key
-
     paths = make_certificates(out_dir, hosts)
     for n in nodes:
         make_node_auth_key(out_dir / "nodes", n)
@@ -115,7 +119,6 @@ def certs(out_dir: Path, hosts: tuple[str, ...], nodes: tuple[str, ...]) -> None
               show_default=True)
 def register(public_key: Path, name: str, superlink: str, root_certificates: Path, home: Path) -> None:
     """Register a site's node-auth public key with the SuperLink (needs --enable-supernode-auth)."""
-    from .superlink import register_node
 
     register_node(public_key, name, home / "cli_home", superlink, root_certificates=root_certificates)
     click.echo(f"registered {public_key} as {name}")

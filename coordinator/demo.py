@@ -4,17 +4,36 @@ Splits the embedded data into 3 sites, gives each its keys and a signed policy, 
 (SuperLink) and 3 site nodes (SuperNodes) on loopback as real processes, runs FETA-Pro at ε = 1 and
 writes everything into one folder: samples.png, privacy_report.{txt,json}, release/ (ONNX generator +
 signed manifest with each site's signed spend statement), and the federation's files.
+
+Import boundary (fast CLI start, enforced by tests/test_import_boundaries.py): the modules that pull in
+Flower or torch (``.setup``, ``.runner``, ``.finalize``, ``edge.launch``) are imported inside the functions
+that start the federation, so ``feta-release demo --help`` loads neither.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
+from rich.console import Console
+
+from feta_release.config import load_preset
+from feta_release.data.dataset import save_npz
+from feta_release.data.embedded import load_embedded
+from feta_release.data.splits import split_sites, train_heldout_split
+from feta_release.federation.procs import free_port
+from feta_release.release.report import write_report
+from feta_release.release.verify import TrustRoots
+from feta_release.signing import load_public_key
+
+from .superlink import SuperLinkSettings, start_superlink
 
 N_SITES = 3
 
@@ -25,8 +44,6 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
     The single-site preset's sampling RATES are kept (q = batch / N), so each site's batch is the preset's
     rate times the site's size; its DP-SGD steps become rounds x local_steps at every site.
     """
-    from feta_release.config import load_preset
-
     cfg = load_preset(preset)
     sized = cfg.for_size(site_size)  # presets with [central]/[dpsgd] rate: batch = rate x public size
     n_ref = 4000  # presets without a rate are written for the embedded 4,000-image training split
@@ -66,8 +83,6 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
 def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
          quick: bool, no_release: bool) -> None:
     """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1."""
-    from rich.console import Console
-
     console = Console(stderr=True)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise click.UsageError(f"{out_dir} is not empty; give a new --out folder")
@@ -123,7 +138,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
         del report
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the coordinator and site nodes[/]")
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     finally:
         _stop_all(procs)
         signal.signal(signal.SIGTERM, old)
@@ -132,18 +147,12 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
 def _dpo_report(release: Path, out_dir: Path, fed: Any) -> Path:
     """``report.html``: the release report a data-protection officer reads. Trust is role-bound as for
     ``verify``: each demo site's administrator (policy) key for its site id, and the demo's coordinator key pinned."""
-    from feta_release.release.report import write_report
-    from feta_release.release.verify import TrustRoots
-    from feta_release.signing import load_public_key
-
     roots = TrustRoots({s.site_id: (load_public_key(s.policy_pub),) for s in fed.sites},
                        (load_public_key(fed.coordinator_pub),))
     return write_report(release, out_dir / "report.html", roots)[0]
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -153,11 +162,6 @@ def _copy(src: Path, dst: Path) -> None:
 
 def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
              quick: bool) -> tuple[Any, Any]:
-    import numpy as np
-
-    from feta_release.data.embedded import load_embedded
-    from feta_release.data.splits import split_sites, train_heldout_split
-
     from .setup import prepare_federation
 
     train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
@@ -166,8 +170,6 @@ def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_step
         parts = [p.subset(np.sort(np.random.default_rng(i).permutation(p.n)[:per_site])) for i, p in enumerate(parts)]
     datasets = {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
     fed = prepare_federation(out_dir / "federation", datasets)
-    from feta_release.data.dataset import save_npz
-
     save_npz(heldout, out_dir / "federation" / "heldout.npz")
     # the job is planned from the sites' PUBLIC sizes (their policies), as a real coordinator must
     cfg = demo_config(preset, epsilon, min(s.size for s in fed.sites), rounds, local_steps, quick)
@@ -176,9 +178,6 @@ def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_step
 
 def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) -> str:
     from edge.launch import NodeSettings, start_node
-    from feta_release.federation.procs import free_port
-
-    from .superlink import SuperLinkSettings, start_superlink
 
     port = free_port()
     coord = out_dir / "coordinator"
@@ -195,8 +194,6 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
 
 
 def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, status: Any) -> dict[str, Any]:
-    import tomllib  # noqa: F401  (the job file is written as TOML below)
-
     from .runner import run_signed_job, sign_or_resume
 
     job_toml = out_dir / "federation" / "job.toml"
@@ -218,8 +215,6 @@ def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, stat
 def _stop_all(procs: list[Any]) -> None:
     """Stop every process group at once: one by one, a loaded machine can take ~15 s per process (SIGTERM wait,
     then SIGKILL), so a Ctrl-C took over a minute to return."""
-    from concurrent.futures import ThreadPoolExecutor
-
     taken, procs[:] = list(procs), []
     if taken:
         with ThreadPoolExecutor(len(taken)) as pool:

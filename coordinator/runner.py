@@ -8,7 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from feta_release.config import load_job
 from feta_release.errors import ConfigError, FetaError
+from feta_release.policy.jobs import sign_job
+from feta_release.signing import load_private_key
 
 from .setup import APP_DIR
 from .superlink import submit, write_flwr_config
@@ -19,10 +22,6 @@ SIGNED_JOB = "signed_job.json"
 def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Path, job_id: str | None) -> Path:
     """The signed job for ``out_dir``: the existing one when resuming (same job id: the sites' ledgers then
     answer already-paid requests from their records), a new one otherwise."""
-    from feta_release.config import load_job
-    from feta_release.policy.jobs import sign_job
-    from feta_release.signing import load_private_key
-
     cfg = load_job(job_file)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / SIGNED_JOB

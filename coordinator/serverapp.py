@@ -15,15 +15,15 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from feta_release.federation.job import run_job
+from feta_release.signing import load_private_key
+
 app = ServerApp()
 log = logging.getLogger("feta.coordinator")
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from feta_release.federation.job import run_job
-    from feta_release.signing import load_private_key
-
     rc = context.run_config
     job_file, out_dir = str(rc.get("job-file", "")), str(rc.get("out-dir", ""))
     if not job_file or not out_dir:

@@ -6,20 +6,27 @@ Used by ``feta-release demo`` and by the tests; a real deployment does each step
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from flwr.cli.build import build_fab_from_disk
+
+from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED
+from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
+from feta_release.data.dataset import save_npz
+from feta_release.data.loading import load_dataset
+from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
+from feta_release.policy.jobs import sign_job
+from feta_release.signing import generate_keypair, load_private_key, load_public_key
 
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
 
 
 def app_bundle_hash(app_dir: Path = APP_DIR) -> str:
     """sha256 of the FAB ``flwr run`` builds from ``app_dir`` (deterministic: fixed zip timestamps)."""
-    import hashlib
-
-    from flwr.cli.build import build_fab_from_disk
-
     return hashlib.sha256(build_fab_from_disk(app_dir)).hexdigest()
 
 
@@ -36,8 +43,6 @@ class SiteFiles:
     data_secret: Path  # the key of that commitment: stays on the site (mode 0600)
 
     def node_config(self) -> dict[str, str]:
-        from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED
-
         return {CFG_DATA: str(self.data), CFG_POLICY: str(self.policy), CFG_TRUSTED: str(self.policy_pub),
                 CFG_LEDGER: str(self.ledger), CFG_SITE_KEY: str(self.site_key), CFG_SECRET: str(self.data_secret)}
 
@@ -58,12 +63,6 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
                        public_sizes: dict[str, int] | None = None) -> Federation:
     """Write each site's data (.npz), keys, data secret, and a signed policy allowing the coordinator key and the
     app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant digits."""
-    from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
-    from feta_release.data.dataset import save_npz
-    from feta_release.data.loading import load_dataset
-    from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
-    from feta_release.signing import generate_keypair, load_private_key, load_public_key
-
     root = Path(root)
     coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
     fed = Federation(root, coord_key, coord_pub)
@@ -90,8 +89,6 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
 
 def sign_job_file(fed: Federation, cfg: Any, job_id: str, sites: list[str] | None = None,
                   out: Path | None = None) -> tuple[dict[str, Any], Path]:
-    from feta_release.policy.jobs import sign_job
-    from feta_release.signing import load_private_key
 
     signed = sign_job(cfg, load_private_key(fed.coordinator_key), job_id, sites or [s.site_id for s in fed.sites])
     path = out or (fed.root / f"{job_id}.signed.json")

@@ -9,6 +9,8 @@ without it the CLI silently falls back to a local simulation.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -119,9 +121,6 @@ def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *, on_lin
         return proc.wait(timeout)
     finally:
         if proc.poll() is None:
-            import os
-            import signal
-
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(10)

@@ -19,6 +19,7 @@ from feta_release.errors import FetaError, PolicyError, PrivacyError
 from feta_release.federation import plan
 from feta_release.policy.enforce import MechanismRequest, check_budget, check_request
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
+from feta_release.policy.jobs import verify_job
 
 MECHANISM_ORDER = ("central", "frequency", "dpsgd")
 
@@ -70,8 +71,6 @@ class Admission:
 def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: list[PrivacyEvent] | None = None,
           lifetime_events: list[PrivacyEvent] | None = None, now: Any = None) -> Admission:
     """Every rule of ``policy`` that ``signed_job`` breaks at this site (empty: the node would serve it)."""
-    from feta_release.policy.jobs import verify_job
-
     res = Admission(policy.site_id, None)
     try:
         job = verify_job(signed_job, policy, source)  # the node's first check (edge.clientapp._job)

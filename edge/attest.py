@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from feta_release.accounting import events_from_list
+from feta_release.release.manifest import build_attestation
+
 
 def site_attestation(site: Any, job: Any) -> dict[str, Any]:
-    from feta_release.accounting import events_from_list
-    from feta_release.release.manifest import build_attestation
-
     # Close BEFORE reading: a charge racing with this attest either committed already (and is read below)
     # or is refused by the ledger under its write lock; the statement's ``final: true`` is then true.
     site.ledger.close_job(job.job_id, job.digest)

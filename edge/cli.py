@@ -1,4 +1,8 @@
-"""``feta-release node``: run a site node (Flower SuperNode) and inspect its privacy ledger."""
+"""``feta-release node``: run a site node (Flower SuperNode) and inspect its privacy ledger.
+
+Import boundary (fast CLI start, enforced by tests/test_import_boundaries.py): ``.launch`` pulls in Flower
+and is imported only by ``node start``; ``node status`` and ``--help`` run without Flower or torch.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,17 @@ import json
 from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.table import Table
 
 from feta_release.cli.data_options import data_load_options
 from feta_release.data.loading import LoadOptions
+from feta_release.errors import ConfigError
+from feta_release.signing import load_private_key, load_public_key
+
+from .kit import read_node_toml
+from .ledger import Ledger
+from .site import verify_policy_file
 
 
 @click.group()
@@ -29,18 +41,12 @@ def node() -> None:
 def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, site_key: Path | None,
            as_json: bool) -> None:
     """Verify the ledger's hash chain and print it: per job, per mechanism, ε spent (and left)."""
-    from feta_release.errors import ConfigError
-
-    from .ledger import Ledger
-
     if not ledger_path.exists():
         raise ConfigError(f"{ledger_path}: no ledger here (a node creates it on its first release)")
     budget = None
     if policy_path is not None:
         if trusted is None:
             raise click.UsageError("--policy needs --trusted-policy-key to verify it")
-        from .site import verify_policy_file
-
         budget = verify_policy_file(policy_path, trusted)
     pub = _public_key(site_key) if site_key is not None else None
     with Ledger(ledger_path, verify_key=pub, deep=True) as led:
@@ -55,8 +61,6 @@ def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, si
 
 def _public_key(path: Path):  # noqa: ANN202 - Ed25519PublicKey
     """A public key from a public PEM or (its public half) a private one."""
-    from feta_release.signing import load_private_key, load_public_key
-
     data = path.read_bytes()
     return load_public_key(path) if b"PUBLIC KEY" in data else load_private_key(path).public_key()
 
@@ -67,18 +71,12 @@ def _public_key(path: Path):  # noqa: ANN202 - Ed25519PublicKey
               help="The site's Ed25519 private key (signs the ledger head).")
 def migrate_ledger(ledger_path: Path, site_key: Path) -> None:
     """Chain and sign a ledger written by an older feta-release (trusting its rows as they are now)."""
-    from feta_release.signing import load_private_key
-
-    from .ledger import Ledger
 
     n = Ledger.migrate(ledger_path, load_private_key(site_key))
     click.echo(f"{ledger_path}: {n} row(s) chained; head signed by the site key; mode 0600")
 
 
 def _print_summary(s: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     con = Console()
     left = s["lifetime_epsilon_left"]
     con.print(
@@ -132,16 +130,12 @@ def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None
     Example:
       feta-release node start --config st-mary/node.toml
     """
-    from feta_release.errors import ConfigError
-
     from .launch import NodeSettings, run_node
 
     names = {"data_path": "data", "policy_path": "policy", "trusted": "trusted_policy_key",
              "ledger_path": "ledger"}
     settings: dict = {}
     if config_path is not None:
-        from .kit import read_node_toml
-
         settings = read_node_toml(config_path)
     for param, value in given.items():
         explicit = ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.tls import make_node_auth_key
+from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
+from feta_release.data.loading import LoadOptions, load_dataset
 from feta_release.errors import ConfigError, PolicyError
+from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
+from feta_release.signing import generate_keypair, load_public_key, public_key_pem
 
 # The key in policies/strict-hospital.toml and policies/research.toml: an example, never a real coordinator.
 EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset({"c9dc80267b498549c4fb98b541d69a6212511d9436b00142eb66e24fbe6dd0d2"})
@@ -45,8 +50,6 @@ class Review:
 
 def signing_review(doc: dict[str, Any], now: dt.datetime | None = None) -> Review:
     """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix."""
-    from feta_release.policy.document import _coordinator_fingerprint, parse_time, utc_now
-
     now = now or utc_now()
     errors, warnings = [], []
     coords = list(doc.get("coordinators", []))
@@ -110,11 +113,6 @@ def _toml_str(v: str) -> str:
 def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superlink: str = "127.0.0.1:9092",
               coordinator_pub: Path | None = None, root_certificates: Path | None = None) -> Kit:
     """Write the kit (see the module docstring); refuses to overwrite an existing kit."""
-    from coordinator.tls import make_node_auth_key
-    from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
-    from feta_release.data.loading import LoadOptions, load_dataset
-    from feta_release.signing import generate_keypair, load_public_key, public_key_pem
-
     if not SITE_ID.match(site_id):
         raise ConfigError(f"site id {site_id!r}: use letters, digits, . _ - (at most 64)")
     root = Path(root)
@@ -142,8 +140,6 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
 
 def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
                   unit: str = "one image") -> str:
-    from feta_release.policy.document import format_time, utc_now
-
     start = utc_now().replace(microsecond=0, second=0)
     coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
               else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
@@ -230,8 +226,6 @@ PATH_KEYS = {"data", "policy", "trusted_policy_key", "site_key", "data_secret", 
 
 def read_node_toml(path: Path) -> dict[str, Any]:
     """``NodeSettings`` keyword arguments from a node.toml (paths resolved against its folder)."""
-    from feta_release.data.loading import LoadOptions
-
     try:
         doc = tomllib.loads(Path(path).read_text("utf-8"))
     except FileNotFoundError:

@@ -21,8 +21,8 @@ from feta_release.federation.procs import ManagedProcess, flower_env, is_loopbac
 
 from . import trust
 from .site import (
-    CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, CFG_WINDOW,
-    CFG_WORK, Site,
+    CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED,
+    CFG_WINDOW, CFG_WORK, Site,
 )
 
 log = logging.getLogger("feta.node")

@@ -7,7 +7,6 @@ one, or nothing leaves the site.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -41,18 +40,6 @@ def _same(planned: list[PrivacyEvent], reported: list[PrivacyEvent], what: str) 
     if sorted(map(key, planned)) != sorted(map(key, reported)):
         raise PrivacyError(f"{what}: the mechanism reported events {reported} but {planned} were checked "
                            "against the policy; nothing released")
-
-
-def _arrays_of(obj: Any, prefix: str = "") -> dict[str, np.ndarray]:
-    """Numpy fields of a release dataclass (or dict) as named arrays; scalars go along as 0-d arrays."""
-    items = dataclasses.asdict(obj).items() if dataclasses.is_dataclass(obj) else dict(obj).items()
-    out: dict[str, np.ndarray] = {}
-    for k, v in items:
-        if isinstance(v, np.ndarray):
-            out[prefix + k] = v
-        elif isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
-            out[prefix + k] = np.asarray(v)
-    return out
 
 
 def release_central(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Generator

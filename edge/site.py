@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from feta_release.data.commitment import dataset_commitment, load_secret
+from feta_release.data.loading import LoadOptions, load_dataset
 from feta_release.errors import ConfigError, PolicyError
+from feta_release.policy.document import load_site_policy
+from feta_release.signing import load_private_key, public_key_pem
 
 from .ledger import Ledger
 
@@ -37,16 +41,12 @@ REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SEC
 def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, dataset_commitment: str | None = None,
                        last_seen_version: int | None = None) -> Any:
     """The verified ``SitePolicy`` or a ``PolicyError`` naming the rule it breaks."""
-    from feta_release.policy.document import load_site_policy
-
     return load_site_policy(policy_path, [Path(trusted_key)], dataset_commitment=dataset_commitment,
                             last_seen_version=last_seen_version)
 
 
 def load_options(node_config: dict[str, Any]) -> Any:
     """The site's ``LoadOptions`` from its node config (the same object ``data inspect`` uses)."""
-    from feta_release.data.loading import LoadOptions
-
     def integer(key: str) -> int | None:
         v = node_config.get(key)
         try:
@@ -60,8 +60,6 @@ def load_options(node_config: dict[str, Any]) -> Any:
 
 
 def load_site_data(path: str | Path, options: Any = None) -> Any:
-    from feta_release.data.loading import LoadOptions, load_dataset
-
     ds, _report = load_dataset(Path(path), **(options or LoadOptions()).kwargs())
     return ds
 
@@ -91,9 +89,6 @@ class Site:
         missing = [k for k in REQUIRED if not node_config.get(k)]
         if missing:
             raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
-        from feta_release.data.commitment import dataset_commitment, load_secret
-        from feta_release.signing import load_private_key, public_key_pem
-
         secret = load_secret(node_config[CFG_SECRET])
         key = load_private_key(node_config[CFG_SITE_KEY])
         # Opening verifies the ledger's hash chain and its head's signature by this site key.

@@ -9,6 +9,8 @@ import click
 from feta_release.cli.data_options import data_load_options
 from feta_release.data.loading import LoadOptions
 
+from .kit import init_site
+
 
 @click.group()
 def site() -> None:
@@ -38,8 +40,6 @@ def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coo
       feta-release site init st-mary --data /data/chest.csv --site-id st-mary --resize crop --image-size 64 \\
           --superlink coordinator.example.org:9092 --coordinator-key coordinator.pub --root-certificates ca.crt
     """
-    from .kit import init_site
-
     kit = init_site(site_dir, data_path, site_id, load=load, superlink=superlink, coordinator_pub=coordinator_key,
                     root_certificates=root_certificates.resolve() if root_certificates else None)
     if kit.patient_cap:

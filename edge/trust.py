@@ -35,6 +35,12 @@ import time
 import zipfile
 from pathlib import Path
 
+import flwr
+from flwr.common.config import get_fab_config, get_flwr_home, get_metadata_from_config, get_project_dir
+from flwr.common.constant import APP_DIR
+from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
+from flwr.supernode.runtime import run_clientapp as rc
+
 from feta_release.errors import PolicyError
 
 PINNED_FLWR = "1.41.0"
@@ -80,9 +86,6 @@ def _audit(line: str) -> None:
 
 
 def check_flower_internals() -> None:
-    import flwr
-    from flwr.supernode.runtime import run_clientapp as rc
-
     if flwr.__version__ != PINNED_FLWR:
         raise PolicyError(
             f"the FAB allow-list gate is built on flwr {PINNED_FLWR} internals, but flwr {flwr.__version__} is "
@@ -114,9 +117,6 @@ def check_app_identity(fab_id: str, fab_version: str, fab_hash: str, fab_bytes: 
     the id and version sent are the bundle's own (its pyproject.toml), all are plain names, and the
     resulting directory is a direct child of FLWR_HOME/apps.
     """
-    from flwr.common.config import get_fab_config, get_metadata_from_config, get_project_dir
-    from flwr.common.constant import APP_DIR
-
     h = check_fab(fab_bytes, allowed)
     what = f"app bundle sha256={h}"
     if not isinstance(fab_hash, str) or fab_hash.lower() != h:
@@ -176,15 +176,11 @@ def check_installed(app_dir: Path, fab_bytes: bytes) -> None:
 def install_gate() -> None:
     """Wrap the two Flower steps that decide what code runs: the task input and the FAB install."""
     check_flower_internals()
-    from flwr.supernode.runtime import run_clientapp as rc
-
     if not getattr(rc.pull_task_input, "__feta_gate__", False):
         original_pull = rc.pull_task_input
 
         def gated_pull_task_input(client, *args, **kwargs):  # type: ignore[no-untyped-def]
             message, context, run, fab = original_pull(client, *args, **kwargs)
-            from flwr.common.config import get_flwr_home
-
             _current.clear()
             try:
                 _current["dir"] = check_app_identity(run.fab_id, run.fab_version, fab.hash_str, fab.content,
@@ -225,8 +221,6 @@ _current: dict[str, object] = {}
 def main() -> None:
     """Entry point used as ``flwr-clientapp`` on the node (same arguments as Flower's)."""
     install_gate()
-    from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
-
     flwr_clientapp()
 
 

@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid, ServerApp
@@ -121,9 +121,6 @@ class InProcessGrid(Grid):
         try:
             reply = node.app(incoming, ctx)
         except Exception as exc:  # what flwr-clientapp does: an error reply, the node lives on
-            from flwr.app import Error
-            from flwr.common.constant import ErrorCode
-
             reason = f"{type(exc)}:<'{exc}'>"
             reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=incoming)
         finally:

@@ -16,8 +16,11 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 
-from ..signing import canonical_json
+from ..errors import PolicyError
+from ..signing import canonical_json, loads_strict
 
 # Message types (ClientApp handlers are registered under these names).
 HELLO = "query.hello"
@@ -42,9 +45,6 @@ def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = Non
 def read_payload(rd: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     doc: dict[str, Any] = {}
     if "cfg" in rd.config_records:
-        from ..errors import PolicyError
-        from ..signing import loads_strict
-
         try:  # carries signed jobs and attestations: a duplicated key would be read two ways
             doc = loads_strict(str(rd.config_records["cfg"]["json"]))
         except ValueError as exc:
@@ -58,15 +58,10 @@ def read_payload(rd: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]
 
 
 def payload_bytes(rd: RecordDict) -> bytes:
-    from flwr.common.serde import recorddict_to_proto
-
     return recorddict_to_proto(rd).SerializeToString(deterministic=True)
 
 
 def payload_from_bytes(data: bytes) -> RecordDict:
-    from flwr.common.serde import recorddict_from_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
-
     proto = ProtoRecordDict()
     proto.ParseFromString(data)
     return recorddict_from_proto(proto)

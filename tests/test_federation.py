@@ -6,15 +6,17 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from coordinator.setup import sign_job_file
 from edge.ledger import Ledger
 from feta_release.accounting import epsilon, events_from_list
-from feta_release.errors import PolicyError
+from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.federation.driver import SiteUnavailable
 from feta_release.federation.job import run_job
 from feta_release.signing import generate_keypair, load_private_key
+from feta_release.training.checkpoint import load_torch, read_model_file
 
 from .federation_fixtures import full_job, harness, make_federation, tiny_job
 
@@ -50,8 +52,13 @@ def test_job_runs_and_every_site_is_charged_exactly_its_plan(fed, tmp_path):
         # The attestation is signed by the site and states what its ledger holds.
         st = res.attestations[s.site_id]["statement"]
         assert st["epsilon"] == pytest.approx(eps) and st["site_id"] == s.site_id
-    assert (tmp_path / "out" / "model.pt").exists()
     assert (tmp_path / "out" / "policies" / "site-a.signed.json").exists()
+    # THE model file (the format `train` writes), holding the EMA of the global model from the last round.
+    model = read_model_file(tmp_path / "out" / "model.pt")
+    ema = load_torch(tmp_path / "out" / "state" / "rounds.pt", weights_only=True)["ema"]
+    assert model["class_names"] == json.loads((tmp_path / "out" / "job_summary.json").read_text())["class_names"]
+    assert ema["num_updates"] == 2 and set(model["state_dict"]) == set(ema["shadow"])
+    assert all(torch.equal(model["state_dict"][k], v) for k, v in ema["shadow"].items())
 
 
 def test_fedavg_weights_by_public_size():
@@ -59,7 +66,7 @@ def test_fedavg_weights_by_public_size():
 
     w = fedavg_weights({"a": 100, "b": 300})
     assert w == {"a": 0.25, "b": 0.75}
-    with pytest.raises(Exception):
+    with pytest.raises(PrivacyError, match="positive public sizes"):
         fedavg_weights({"a": 0})
 
 

@@ -151,3 +151,15 @@ def test_refusals() -> None:
         acc.poisson_subsampled_rdp(2.0, 0.0, lambda a: 0.1)
     with pytest.raises(PrivacyError, match="noise_shares"):
         acc.skellam_epsilon(p, 1.0, 1, 1e-5, noise_shares=0)
+
+
+def test_calibration_meets_the_target_and_is_tight() -> None:
+    import dataclasses
+
+    p = SkellamParams(dim=100, clip=1.0, scale=1024.0, noise_multiplier=1.0, n_sites=3)
+    sigma = acc.calibrate_noise_multiplier(p, 0.05, 100, 1.0, 1e-5, noise_shares=2)
+    at = dataclasses.replace(p, noise_multiplier=sigma)
+    below = dataclasses.replace(p, noise_multiplier=sigma - 0.01)
+    assert acc.skellam_epsilon(at, 0.05, 100, 1e-5, 2) <= 1.0 < acc.skellam_epsilon(below, 0.05, 100, 1e-5, 2)
+    with pytest.raises(PrivacyError, match="even noise multiplier"):
+        acc.calibrate_noise_multiplier(p, 1.0, 10**6, 0.01, 1e-5, max_sigma=4.0)

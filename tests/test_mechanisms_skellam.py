@@ -180,3 +180,12 @@ def test_bad_parameters_and_inputs_are_refused() -> None:
         sk.quantize_records(np.full((2, 10), np.nan), params(), 0)
     with pytest.raises(PrivacyError, match="variance"):
         sk.skellam_noise(3, 0.0, 0)
+
+
+def test_chunked_quantization_sums_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = params(dim=10, scale=2.0**16)
+    recs = np.random.default_rng(2).normal(size=(37, 10))
+    monkeypatch.setattr(sk, "QUANTIZE_CHUNK_VALUES", 3 * p.padded_dim)  # 3 rows at a time, a partial last chunk
+    decoded = sk.dequantize_sum(sk.to_modular(sk.quantize_records(recs, p, 9), 32), p)
+    clipped = recs / np.maximum(1.0, np.linalg.norm(recs, axis=1, keepdims=True))
+    assert np.linalg.norm(decoded - clipped.sum(axis=0)) <= len(recs) * math.sqrt(p.padded_dim) / p.scale

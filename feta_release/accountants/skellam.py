@@ -27,6 +27,8 @@ al. 2020), over the same orders, so a Skellam curve can be added to the Gaussian
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -59,12 +61,13 @@ def poisson_subsampled_rdp(order: float, q: float, rdp: Callable[[float], float]
     if q == 1:
         return unsampled
     a = max(2, math.ceil(order))
-    log_terms = [(a - 1) * math.log1p(-q) + math.log1p((a - 1) * q),
-                 math.log(special.comb(a, 2)) + 2 * math.log(q) + (a - 2) * math.log1p(-q) + rdp(2)]
-    for m in range(3, a + 1):
-        log_terms.append(math.log(3) + float(special.gammaln(a + 1) - special.gammaln(m + 1) - special.gammaln(a - m + 1))
-                         + (a - m) * math.log1p(-q) + m * math.log(q) + (m - 1) * rdp(m))
-    bound = float(special.logsumexp(log_terms)) / (a - 1)
+    head = [(a - 1) * math.log1p(-q) + math.log1p((a - 1) * q),
+            math.log(special.comb(a, 2)) + 2 * math.log(q) + (a - 2) * math.log1p(-q) + rdp(2)]
+    ms = np.arange(3, a + 1)
+    eps = np.array([rdp(int(m)) for m in ms])
+    tail = (math.log(3) + special.gammaln(a + 1) - special.gammaln(ms + 1) - special.gammaln(a - ms + 1)
+            + (a - ms) * math.log1p(-q) + ms * math.log(q) + (ms - 1) * eps)
+    bound = float(special.logsumexp(np.concatenate([head, tail]))) / (a - 1)
     return min(bound, unsampled)
 
 
@@ -77,7 +80,8 @@ def skellam_rdp_curve(params: SkellamParams, q: float, steps: int, mu: float | N
     var = params.mu if mu is None else mu
     l2, l1 = params.l2_sensitivity, params.l1_sensitivity
 
-    def per_step(a: float) -> float:
+    @functools.cache
+    def per_step(a: float) -> float:  # cached: every order's subsampled bound reuses the integer orders below it
         return skellam_rdp(a, l2, l1, var)
 
     return np.array([steps * poisson_subsampled_rdp(a, q, per_step) for a in orders])
@@ -145,3 +149,30 @@ def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, thr
         worst_case=skellam_epsilon(params, q, steps, delta, 1),
         honest_shares=honest, colluders=colluders, n_sites=n, threshold=threshold,
     )
+
+
+def calibrate_noise_multiplier(params: SkellamParams, q: float, steps: int, target_epsilon: float, delta: float,
+                               noise_shares: int | None = None, tol: float = 0.01, max_sigma: float = 1000.0) -> float:
+    """Smallest noise multiplier (within ``tol``; the upper end of the bracket, so epsilon <= target) for which
+    ``steps`` releases protected by ``noise_shares`` of the n shares stay within ``target_epsilon`` at ``delta``.
+    Calibrate with the shares the site can count on (e.g. ``SiteEpsilons.honest_shares``)."""
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise PrivacyError(f"Skellam calibration: target epsilon must be a finite number > 0, got {target_epsilon!r}")
+
+    def eps(sigma: float) -> float:
+        return skellam_epsilon(dataclasses.replace(params, noise_multiplier=sigma), q, steps, delta, noise_shares)
+
+    hi = 1.0
+    while eps(hi) > target_epsilon:
+        if hi >= max_sigma:
+            raise PrivacyError(f"Skellam calibration: even noise multiplier {max_sigma:g} exceeds epsilon "
+                               f"{target_epsilon} over {steps} releases at q={q:g}; use fewer releases or a larger budget")
+        hi = min(2 * hi, max_sigma)
+    lo = hi / 2 if hi > 1.0 else 0.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if eps(mid) > target_epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return hi

@@ -46,6 +46,7 @@ from ._checks import as_generator, check_positive_int, check_sigma
 MAX_MODULUS_BITS = 64  # vectors travel as uint64: additions wrap mod 2^64, and 2^b divides 2^64
 DEFAULT_BETA = math.exp(-0.5)  # conditional rounding parameter of Kairouz et al. 2021 (their default)
 MAX_ROUNDING_TRIES = 10_000
+QUANTIZE_CHUNK_VALUES = 1 << 22  # float64 values rotated at once (32 MiB)
 
 
 def os_generator() -> np.random.Generator:
@@ -205,9 +206,12 @@ def quantize_records(records: np.ndarray, params: SkellamParams, rng: np.random.
     gen = as_generator(rng, "Skellam quantization")
     if records.shape[0] == 0:
         return np.zeros(params.padded_dim, dtype=np.int64)
-    scaled = rotate(_clip_rows(records, params.clip), params) * params.scale
-    rounded = conditional_round(scaled, params.l2_sensitivity, gen)
-    return rounded.sum(axis=0, dtype=np.int64)
+    total = np.zeros(params.padded_dim, dtype=np.int64)
+    rows = max(1, QUANTIZE_CHUNK_VALUES // params.padded_dim)  # bounded memory for many long records (gradients)
+    for start in range(0, records.shape[0], rows):
+        scaled = rotate(_clip_rows(records[start:start + rows], params.clip), params) * params.scale
+        total += conditional_round(scaled, params.l2_sensitivity, gen).sum(axis=0, dtype=np.int64)
+    return total
 
 
 def skellam_noise(size: int, mu: float, rng: np.random.Generator | int) -> np.ndarray:

@@ -163,3 +163,21 @@ def test_calibration_meets_the_target_and_is_tight() -> None:
     assert acc.skellam_epsilon(at, 0.05, 100, 1e-5, 2) <= 1.0 < acc.skellam_epsilon(below, 0.05, 100, 1e-5, 2)
     with pytest.raises(PrivacyError, match="even noise multiplier"):
         acc.calibrate_noise_multiplier(p, 1.0, 10**6, 0.01, 1e-5, max_sigma=4.0)
+
+
+def test_events_compose_with_the_gaussian_stages_and_round_trip() -> None:
+    import json
+
+    p = SkellamParams(dim=100, clip=1.0, scale=1024.0, noise_multiplier=4.0, n_sites=3)
+    ev = acc.skellam_event(p, "dpsgd", 0.05, 200, noise_shares=2)
+    assert acc.SkellamEvent.from_dict(json.loads(json.dumps(ev.to_dict()))) == ev
+    gauss = [PrivacyEvent("central", 5.0, 0.1, 10), PrivacyEvent("frequency", 20.0, 1.0, 1)]
+    assert acc.composed_epsilon(gauss, [], 1e-5) == pytest.approx(epsilon(gauss, 1e-5), rel=1e-9)
+    assert acc.composed_epsilon([], [ev], 1e-5) == pytest.approx(acc.skellam_epsilon(p, 0.05, 200, 1e-5, 2), rel=1e-9)
+    both = acc.composed_epsilon(gauss, [ev], 1e-5)
+    assert max(epsilon(gauss, 1e-5), acc.composed_epsilon([], [ev], 1e-5)) < both
+    assert both < epsilon(gauss, 1e-5) + acc.composed_epsilon([], [ev], 1e-5)  # RDP composition is sub-additive
+    with pytest.raises(PrivacyError, match="exactly stage"):
+        acc.SkellamEvent.from_dict({**ev.to_dict(), "sigma": 1.0})
+    with pytest.raises(PrivacyError, match="mu must be"):
+        acc.SkellamEvent("x", 0.1, 1, 1.0, 1.0, 0.0)

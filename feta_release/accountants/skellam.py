@@ -31,13 +31,13 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import special
 
-from ..accounting import RDP_ORDERS, _load_opacus_analysis
+from ..accounting import RDP_ORDERS, PrivacyEvent, _load_opacus_analysis, _rdp_per_step
 from ..errors import PrivacyError
 from ..mechanisms.skellam import SkellamParams
 
@@ -78,13 +78,7 @@ def skellam_rdp_curve(params: SkellamParams, q: float, steps: int, mu: float | N
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise PrivacyError(f"Skellam accounting: steps must be an integer >= 0, got {steps!r}")
     var = params.mu if mu is None else mu
-    l2, l1 = params.l2_sensitivity, params.l1_sensitivity
-
-    @functools.cache
-    def per_step(a: float) -> float:  # cached: every order's subsampled bound reuses the integer orders below it
-        return skellam_rdp(a, l2, l1, var)
-
-    return np.array([steps * poisson_subsampled_rdp(a, q, per_step) for a in orders])
+    return SkellamEvent("skellam", q, steps, params.l2_sensitivity, params.l1_sensitivity, var).rdp(orders)
 
 
 def epsilon_from_rdp(rdp: np.ndarray, delta: float, orders: Sequence[float] = RDP_ORDERS) -> float:
@@ -176,3 +170,70 @@ def calibrate_noise_multiplier(params: SkellamParams, q: float, steps: int, targ
         else:
             hi = mid
     return hi
+
+
+# -- events a ledger stores, composed with the Gaussian stages -----------------------------------------------
+
+_EVENT_KEYS = ("stage", "q", "steps", "l2", "l1", "mu")
+
+
+@dataclass(frozen=True)
+class SkellamEvent:
+    """``steps`` Poisson-subsampled (rate ``q``) releases of an integer sum with sensitivities ``l2``/``l1``
+    protected by Sk(mu) noise: mu is the variance of the shares counted (honest shares, or the site's own)."""
+
+    stage: str
+    q: float
+    steps: int
+    l2: float
+    l1: float
+    mu: float
+
+    def __post_init__(self) -> None:
+        for name in ("q", "l2", "l1", "mu"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise PrivacyError(f"Skellam event {self.stage!r}: {name} must be a finite number > 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.q > 1:
+            raise PrivacyError(f"Skellam event {self.stage!r}: q must be in (0, 1], got {self.q}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise PrivacyError(f"Skellam event {self.stage!r}: steps must be an integer >= 0, got {self.steps!r}")
+
+    def rdp(self, orders: Sequence[float] = RDP_ORDERS) -> np.ndarray:
+        @functools.cache
+        def per_step(a: float) -> float:
+            return skellam_rdp(a, self.l2, self.l1, self.mu)
+
+        return np.array([self.steps * poisson_subsampled_rdp(a, self.q, per_step) for a in orders])
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> SkellamEvent:
+        if not isinstance(data, dict) or set(data) != set(_EVENT_KEYS):
+            raise PrivacyError(f"Skellam event must be an object with exactly {', '.join(_EVENT_KEYS)}; got {data!r}")
+        return cls(**data)
+
+
+def skellam_event(params: SkellamParams, stage: str, q: float, steps: int, noise_shares: int) -> SkellamEvent:
+    """The event of ``steps`` releases of ``params`` when ``noise_shares`` of the n shares protect the sum."""
+    if isinstance(noise_shares, bool) or not isinstance(noise_shares, int) or not (1 <= noise_shares <= params.n_sites):
+        raise PrivacyError(f"Skellam accounting: noise_shares must be an integer in [1, {params.n_sites}], "
+                           f"got {noise_shares!r}")
+    return SkellamEvent(stage, q, steps, params.l2_sensitivity, params.l1_sensitivity, params.site_mu * noise_shares)
+
+
+def composed_epsilon(gaussian: Iterable[PrivacyEvent], skellam: Iterable[SkellamEvent], delta: float) -> float:
+    """Epsilon of a whole history mixing subsampled-Gaussian and Skellam events: RDP curves added over the same
+    orders (RDP only: the PRV accountant has no Skellam privacy-loss distribution)."""
+    total = np.zeros(len(RDP_ORDERS))
+    history = [e for e in gaussian if e.steps > 0]
+    if history:
+        rdp_mod = _load_opacus_analysis().rdp
+        for e in history:
+            total = total + e.steps * _rdp_per_step(rdp_mod, e.sigma, e.q)
+    for ev in skellam:
+        total = total + ev.rdp()
+    return epsilon_from_rdp(total, delta)

@@ -159,9 +159,9 @@ def test_contribution_outside_the_modulus_or_malformed_is_refused() -> None:
     bad[3] = np.uint64(1 << 16)
     with pytest.raises(PrivacyError, match="outside the modulus"):
         sk.check_contribution(bad, p, "site-a")
-    with pytest.raises(PrivacyError, match="site-a: expected 16 uint64"):
+    with pytest.raises(PrivacyError, match="site-a: expected 10 uint64"):
         sk.check_contribution(ok.astype(np.int64), p, "site-a")
-    with pytest.raises(PrivacyError, match="expected 16"):
+    with pytest.raises(PrivacyError, match="expected 10"):
         sk.check_contribution(ok[:-1], p, "site-a")
 
 

@@ -4,9 +4,11 @@ Federated Learning", NeurIPS 2021), for sums computed by secure aggregation.
 Pipeline of one release of a sum over sites (each site holds records x_r in R^d, one record = the unit of privacy):
 
 1. clip: each record is scaled to L2 norm <= ``clip`` (c);
-2. rotate (optional): zero-pad to d' = 2^k and apply a randomized Walsh-Hadamard transform H D / sqrt(d') whose
-   signs D come from a PUBLIC seed (an orthogonal map, norms are kept; it spreads a vector over all coordinates so
-   that no coordinate comes near the modulus);
+2. rotate (optional, off by default): zero-pad to d' = 2^k and apply a randomized Walsh-Hadamard transform
+   H D / sqrt(d') whose signs D come from a PUBLIC seed (an orthogonal map, norms are kept; it spreads a vector over
+   all coordinates).  It shrinks the per-coordinate signal (hence the modulus a packed b-bit transport needs) but
+   not :func:`wrap_probability`'s bound, which uses only Delta2, and it costs most of the quantization time and up
+   to 2x in dimension: worth it only with a bit-packed transport (vectors travel as uint64 here);
 3. scale by s (``scale``; the grid step is gamma = 1 / s) and round EACH RECORD to the integer grid with conditional
    randomized rounding (Kairouz, Liu, Steinke 2021, Thm 1): unbiased randomized rounding, redrawn until the
    rounded record has L2 norm <= ``Delta2`` = min(cs + sqrt(d'), sqrt((cs)^2 + d'/4 + sqrt(2 log(1/beta)) (cs +
@@ -86,7 +88,7 @@ class SkellamParams:
     n_sites: int
     modulus_bits: int = 32
     beta: float = DEFAULT_BETA
-    rotate: bool = True
+    rotate: bool = False
     rotation_seed: int = 0  # public: the rotation hides nothing, it only spreads the vector
 
     def __post_init__(self) -> None:
@@ -137,16 +139,20 @@ class SkellamParams:
 
 def _fwht(x: np.ndarray) -> np.ndarray:
     """Orthonormal Walsh-Hadamard transform along the last axis (length a power of two); H/sqrt(d) is symmetric
-    and its own inverse."""
+    and its own inverse.  In-place butterflies on one copy (memory traffic dominates for long vectors)."""
     x = np.array(x, dtype=np.float64, copy=True)
     d = x.shape[-1]
+    rows = x.reshape(-1, d)
     h = 1
     while h < d:
-        y = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
-        a, b = y[..., 0, :].copy(), y[..., 1, :].copy()
-        y[..., 0, :], y[..., 1, :] = a + b, a - b
+        y = rows.reshape(rows.shape[0], d // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        diff = a - b
+        a += b
+        b[...] = diff
         h *= 2
-    return x / math.sqrt(d)
+    x /= math.sqrt(d)
+    return x
 
 
 def _signs(params: SkellamParams) -> np.ndarray:

@@ -217,3 +217,96 @@ def test_round_parameters_are_checked() -> None:
         sa.RoundConfig("x", (1, 1, 2), 2, 4, 16)
     with pytest.raises(sa.SecAggError, match="not a site"):
         sa.SecAggSite(9, sa.RoundConfig("x", (1, 2, 3), 2, 4, 16))
+
+
+# -- several sums on one key setup (FedSGD rounds) -----------------------------------------------------------
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_many_sums_on_one_key_setup_with_dropouts_along_the_way(data: st.DataObject) -> None:
+    n = data.draw(st.integers(3, 5), label="sites")
+    t = data.draw(st.integers(n // 2 + 1, n), label="threshold")
+    rounds = data.draw(st.integers(2, 4), label="sums")
+    cfg = sa.RoundConfig("session", tuple(range(1, n + 1)), t, 5, 32, rounds=rounds)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    g = np.random.default_rng(rounds * 10 + n)
+    gone: set[int] = set()
+    for r in range(rounds):
+        present = [i for i in cfg.node_ids if i not in gone]
+        drop = set(data.draw(st.sets(st.sampled_from(present), max_size=len(present) - 1), label=f"drop {r}"))
+        vectors = {i: g.integers(0, 2**32, 5, dtype=np.uint64) for i in cfg.node_ids}
+        masking = [i for i in present if i not in drop]
+        masked = {i: sites[i].masked_vector(routed[i] if r == 0 else None, vectors[i]) for i in masking}
+        for i in gone:  # a site dropped earlier that comes back is not in the sum
+            masked[i] = vectors[i]
+        if len(masking) < t:
+            with pytest.raises(sa.SecAggError, match="below the threshold"):
+                co.collect_masked(masked)
+            return
+        requests = co.collect_masked(masked)
+        total = co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+        np.testing.assert_array_equal(total, modsum([vectors[i] for i in masking], cfg))
+        assert co.contributors == tuple(sorted(masking))
+        gone |= drop
+    with pytest.raises(sa.SecAggError, match="sum\\(s\\) of this key setup are done"):
+        co.collect_masked({})
+
+
+def session(rounds: int = 3) -> tuple[sa.RoundConfig, dict[int, sa.SecAggSite], sa.SecAggCoordinator,
+                                       dict[int, dict[int, bytes]]]:
+    cfg = sa.RoundConfig("s", (1, 2, 3, 4, 5), 3, 4096, 16, rounds=rounds)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    return cfg, sites, co, routed
+
+
+def test_a_site_dropped_in_one_sum_is_never_called_alive_again() -> None:
+    """Its mask key was revealed, so all its later pairwise masks are known: a coordinator that calls it alive in a
+    later sum (to get its seed share too) is refused by every honest site."""
+    cfg, sites, co, routed = session()
+    zero = np.zeros(cfg.dim, dtype=np.uint64)
+    requests = co.collect_masked({i: sites[i].masked_vector(routed[i], zero) for i in (1, 2, 3, 4)})
+    assert requests[1] == ([1, 2, 3, 4], [5])
+    co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+    for i in (1, 2, 3, 4):
+        sites[i].masked_vector(None, zero)
+    with pytest.raises(sa.SecAggError, match="cannot be alive again"):
+        sites[1].unmask([1, 2, 3, 4, 5], [])
+    with pytest.raises(sa.SecAggError, match="outside this site's peers"):
+        sites[2].unmask([1, 2, 3, 4], [5])  # and its key share, already given, is not asked for again
+
+
+def test_shares_arrive_once_and_masks_differ_from_sum_to_sum() -> None:
+    cfg, sites, co, routed = session()
+    same = np.full(cfg.dim, 7, dtype=np.uint64)
+    first = {i: sites[i].masked_vector(routed[i], same) for i in cfg.node_ids}
+    requests = co.collect_masked(first)
+    co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+    with pytest.raises(sa.SecAggError, match="shares arrive once"):
+        sites[1].masked_vector(routed[1], same)
+    second = sites[2].masked_vector(None, same)
+    assert (second != first[2]).mean() > 0.99  # a fresh seed and a fresh nonce for the pairwise keys
+    assert stats.chisquare(np.bincount((second >> np.uint64(12)).astype(np.int64), minlength=16)).pvalue > 1e-4
+
+
+def test_session_state_survives_a_fresh_process_per_request() -> None:
+    cfg, sites, co, routed = session(rounds=2)
+    vectors = {i: np.full(cfg.dim, i, dtype=np.uint64) for i in cfg.node_ids}
+    records = {i: s.to_record() for i, s in sites.items()}
+    for r in range(2):
+        masked = {}
+        for i in cfg.node_ids:
+            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            masked[i] = site.masked_vector(routed[i] if r == 0 else None, vectors[i])
+            records[i] = site.to_record()
+        requests = co.collect_masked(masked)
+        replies = {}
+        for i in requests:
+            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            replies[i] = site.unmask(*requests[i])
+            records[i] = site.to_record()
+        np.testing.assert_array_equal(co.finish(replies), np.full(cfg.dim, 15, dtype=np.uint64))

@@ -31,6 +31,7 @@ import hashlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.fernet import InvalidToken
@@ -69,6 +70,7 @@ class RoundConfig:
     threshold: int  # minimum number of sites in the sum; a strict majority
     dim: int
     modulus_bits: int
+    rounds: int = 1  # sums that share one key setup (one seed each); see SecAggSite
 
     def __post_init__(self) -> None:
         ids = tuple(sorted(self.node_ids))
@@ -79,9 +81,10 @@ class RoundConfig:
             raise SecAggError(f"secure aggregation: threshold must be a strict majority of the {n} sites "
                               f"({n // 2 + 1}..{n}), got {self.threshold!r}")
         if not (isinstance(self.dim, int) and self.dim >= 1 and isinstance(self.modulus_bits, int)
-                and 2 <= self.modulus_bits <= 64 and self.round_id):
+                and 2 <= self.modulus_bits <= 64 and self.round_id and isinstance(self.rounds, int)
+                and not isinstance(self.rounds, bool) and 1 <= self.rounds <= 100_000):
             raise SecAggError(f"secure aggregation: bad round parameters dim={self.dim!r} "
-                              f"modulus_bits={self.modulus_bits!r} round_id={self.round_id!r}")
+                              f"modulus_bits={self.modulus_bits!r} round_id={self.round_id!r} rounds={self.rounds!r}")
         object.__setattr__(self, "node_ids", ids)
 
     @property
@@ -95,9 +98,10 @@ def key_advert(config: RoundConfig, node_id: int, pk1: bytes, pk2: bytes) -> byt
                      len(pk1).to_bytes(4, "little"), pk1, pk2])
 
 
-def prg_mask(key: bytes, config: RoundConfig) -> np.ndarray:
-    """``dim`` uniform residues mod 2^b from the ChaCha20 keystream under a 32-byte key (nonce bound to the round)."""
-    nonce = hashlib.sha256(b"feta-secagg-mask\n" + config.round_id.encode()).digest()[:16]
+def prg_mask(key: bytes, config: RoundConfig, round_index: int = 0) -> np.ndarray:
+    """``dim`` uniform residues mod 2^b from the ChaCha20 keystream under a 32-byte key (nonce bound to the round
+    and the sum's index in it, so the masks of a long-lived pairwise key differ from sum to sum)."""
+    nonce = hashlib.sha256(b"feta-secagg-mask\n" + config.round_id.encode() + b"\n" + str(round_index).encode()).digest()[:16]
     stream = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(8 * config.dim))
     return np.frombuffer(stream, dtype="<u8").astype(np.uint64) & config.mask
 
@@ -107,10 +111,10 @@ def _pair_key(private_pem: bytes, public_pem: bytes) -> bytes:
     return base64.urlsafe_b64decode(generate_shared_key(bytes_to_private_key(private_pem), bytes_to_public_key(public_pem)))
 
 
-def pairwise_mask(pair_key: bytes, adder: int, partner: int, config: RoundConfig) -> np.ndarray:
+def pairwise_mask(pair_key: bytes, adder: int, partner: int, config: RoundConfig, round_index: int = 0) -> np.ndarray:
     """The pairwise mask site ``adder`` adds for ``partner`` under their shared key: +PRG if adder > partner, else
     -PRG, so the two sites' masks cancel in the sum."""
-    m = prg_mask(pair_key, config)
+    m = prg_mask(pair_key, config, round_index)
     return m if adder > partner else (np.uint64(0) - m) & config.mask
 
 
@@ -128,58 +132,81 @@ def _check_residues(vector: np.ndarray, config: RoundConfig, where: str) -> np.n
 
 @dataclass
 class SecAggSite:
-    """One site's side of a round. Call setup, share_keys, masked_vector, unmask in that order (each once)."""
+    """One site's side. Call setup, share_keys, then masked_vector and unmask for each of the ``config.rounds``
+    sums (the shares arrive with the first masked_vector call).
+
+    Several sums on one key setup (for FedSGD's many short rounds): one fresh mask seed per sum, each Shamir-shared
+    up front; pairwise masks use the sum's index in the PRG nonce.  A site declared dropped in one sum has its mask
+    key rebuilt, so every later pairwise mask of it is known: it stays out for the rest of the setup, and this site
+    refuses any later request that calls it alive.
+    """
 
     node_id: int
     config: RoundConfig
     sign: Signer | None = None
     verify: Verifier | None = None
     stage: str = Stage.UNMASK  # the stage last completed (UNMASK: none started, as in Flower's mod)
+    round_index: int = 0  # the next sum to mask
     sk1: bytes = b""
     pk1: bytes = b""
     sk2: bytes = b""
     pk2: bytes = b""
-    rd_seed: bytes = b""
+    rd_seeds: list[bytes] = field(default_factory=list)  # one per sum; wiped once its shares were revealed
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
-    neighbours: tuple[int, ...] = ()  # the sites whose shares this site holds (and that it masked against)
-    seed_shares: dict[int, bytes] = field(default_factory=dict)
+    neighbours: tuple[int, ...] = ()  # the sites whose shares this site holds (and that it masks against)
+    dropped: tuple[int, ...] = ()  # peers whose mask key was revealed: never alive again in this setup
+    seed_shares: dict[int, list[bytes]] = field(default_factory=dict)  # per peer, one share per sum
     sk1_shares: dict[int, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.node_id not in self.config.node_ids:
             raise SecAggError(f"secure aggregation: node {self.node_id} is not a site of round {self.config.round_id}")
 
+    @property
+    def _where(self) -> str:
+        return f"node {self.node_id}, round {self.config.round_id}"
+
     def to_record(self) -> dict[str, int | str | bytes | list[int] | list[bytes]]:
-        """The site's round state as flat ConfigRecord values (each Flower message runs in a fresh ClientApp
-        process; the node keeps this record in its private state between the four stages). Holds secrets."""
+        """The site's state as flat ConfigRecord values (each Flower message runs in a fresh ClientApp process; the
+        node keeps this record in its private state between requests). Holds secrets: never leaves the site."""
         ids = sorted(self.public_keys)
-        return {"stage": self.stage, "sk1": self.sk1, "pk1": self.pk1, "sk2": self.sk2, "pk2": self.pk2,
-                "rd_seed": self.rd_seed, "peer_ids": ids, "peer_pk1": [self.public_keys[i][0] for i in ids],
-                "peer_pk2": [self.public_keys[i][1] for i in ids], "neighbours": list(self.neighbours),
-                "share_ids": sorted(self.seed_shares), "seed_shares": [self.seed_shares[i] for i in sorted(self.seed_shares)],
-                "sk1_shares": [self.sk1_shares[i] for i in sorted(self.seed_shares)]}
+        share_ids = sorted(self.seed_shares)
+        return {"stage": self.stage, "round_index": self.round_index, "sk1": self.sk1, "pk1": self.pk1,
+                "sk2": self.sk2, "pk2": self.pk2, "rd_seeds": list(self.rd_seeds), "peer_ids": ids,
+                "peer_pk1": [self.public_keys[i][0] for i in ids], "peer_pk2": [self.public_keys[i][1] for i in ids],
+                "neighbours": list(self.neighbours), "dropped": list(self.dropped), "share_ids": share_ids,
+                "seed_shares": [sh for i in share_ids for sh in self.seed_shares[i]],
+                "sk1_shares": [self.sk1_shares[i] for i in share_ids]}
 
     @classmethod
     def from_record(cls, node_id: int, config: RoundConfig, rec: Mapping[str, object], sign: Signer | None = None,
                     verify: Verifier | None = None) -> SecAggSite:
-        def get(key: str) -> object:
+        def get(key: str) -> Any:
             if key not in rec:
                 raise SecAggError(f"node {node_id}: the stored secure-aggregation state lacks {key!r}; restart the round")
             return rec[key]
 
-        peers, share_ids = list(get("peer_ids")), list(get("share_ids"))  # type: ignore[call-overload]
-        return cls(node_id, config, sign, verify, stage=str(get("stage")), sk1=get("sk1"), pk1=get("pk1"),  # type: ignore[arg-type]
-                   sk2=get("sk2"), pk2=get("pk2"), rd_seed=get("rd_seed"),  # type: ignore[arg-type]
-                   public_keys=dict(zip(peers, zip(get("peer_pk1"), get("peer_pk2"), strict=True), strict=True)),  # type: ignore[call-overload]
-                   neighbours=tuple(get("neighbours")),  # type: ignore[arg-type]
-                   seed_shares=dict(zip(share_ids, get("seed_shares"), strict=True)),  # type: ignore[call-overload]
-                   sk1_shares=dict(zip(share_ids, get("sk1_shares"), strict=True)))  # type: ignore[call-overload]
+        peers, share_ids, flat = list(get("peer_ids")), list(get("share_ids")), list(get("seed_shares"))
+        n = config.rounds
+        if len(flat) != n * len(share_ids):
+            raise SecAggError(f"node {node_id}: the stored secure-aggregation state holds {len(flat)} seed shares for "
+                              f"{len(share_ids)} sites and {n} sums; restart the round")
+        return cls(node_id, config, sign, verify, stage=str(get("stage")), round_index=int(get("round_index")),
+                   sk1=get("sk1"), pk1=get("pk1"), sk2=get("sk2"), pk2=get("pk2"), rd_seeds=list(get("rd_seeds")),
+                   public_keys=dict(zip(peers, zip(get("peer_pk1"), get("peer_pk2"), strict=True), strict=True)),
+                   neighbours=tuple(get("neighbours")), dropped=tuple(get("dropped")),
+                   seed_shares={nid: flat[k * n:(k + 1) * n] for k, nid in enumerate(share_ids)},
+                   sk1_shares=dict(zip(share_ids, get("sk1_shares"), strict=True)))
 
     def _enter(self, stage: str) -> None:
         expected = STAGES[(STAGES.index(self.stage) + 1) % len(STAGES)]
-        if stage != expected:
+        in_session = self.stage == Stage.UNMASK and 0 < self.round_index < self.config.rounds
+        if stage != expected and not (stage == Stage.COLLECT_MASKED_VECTORS and in_session):
             raise SecAggError(f"node {self.node_id}: secure aggregation expects stage {expected!r}, got {stage!r}; "
                               f"round {self.config.round_id} refused")
+        if stage == Stage.SETUP:  # a new key setup forgets the old one entirely
+            self.round_index, self.dropped, self.neighbours = 0, (), ()
+            self.seed_shares, self.sk1_shares, self.rd_seeds = {}, {}, []
         self.stage = stage
 
     def setup(self) -> KeyAdvert:
@@ -193,20 +220,23 @@ class SecAggSite:
         return self.pk1, self.pk2, sig
 
     def share_keys(self, keys: Mapping[int, KeyAdvert]) -> dict[int, bytes]:
-        """Check the broadcast keys, Shamir-share the mask seed and sk1, return one ciphertext per other site."""
+        """Check the broadcast keys, Shamir-share the mask seeds and sk1, return one ciphertext per other site."""
         self._enter(Stage.SHARE_KEYS)
         self._check_keys(keys)
         self.public_keys = {nid: (k[0], k[1]) for nid, k in keys.items()}
-        self.rd_seed = os.urandom(32)
+        self.rd_seeds = [os.urandom(32) for _ in range(self.config.rounds)]
         ids = sorted(self.public_keys)
-        seed_shares = create_shares(self.rd_seed, self.config.threshold, len(ids))
+        per_sum = [create_shares(seed, self.config.threshold, len(ids)) for seed in self.rd_seeds]
         sk1_shares = create_shares(self.sk1, self.config.threshold, len(ids))
         out: dict[int, bytes] = {}
         for idx, nid in enumerate(ids):
             if nid == self.node_id:
-                self.seed_shares[nid], self.sk1_shares[nid] = seed_shares[idx], sk1_shares[idx]
+                self.seed_shares[nid] = [shares[idx] for shares in per_sum]
+                self.sk1_shares[nid] = sk1_shares[idx]
                 continue
-            plaintext = share_keys_plaintext_concat(self.node_id, nid, seed_shares[idx], sk1_shares[idx])
+            # Flower's plaintext layout; the seed-share field carries one equal-length share per sum
+            seed_field = b"".join(shares[idx] for shares in per_sum)
+            plaintext = share_keys_plaintext_concat(self.node_id, nid, seed_field, sk1_shares[idx])
             out[nid] = encrypt(generate_shared_key(bytes_to_private_key(self.sk2), bytes_to_public_key(keys[nid][1])),
                                plaintext)
         return out
@@ -227,49 +257,75 @@ class SecAggSite:
                 if sig is None or not self.verify(nid, key_advert(self.config, nid, pk1, pk2), sig):
                     raise SecAggError(f"{where}: the public keys of site {nid} are not signed by its site key; refused")
 
-    def masked_vector(self, ciphertexts: Mapping[int, bytes], contribution: np.ndarray) -> np.ndarray:
-        """Store the shares addressed to this site and return its contribution (residues mod m, e.g. from
-        :func:`feta_release.mechanisms.skellam.site_contribution`) masked by its seed and the pairwise masks."""
-        self._enter(Stage.COLLECT_MASKED_VECTORS)
-        where = f"node {self.node_id}, round {self.config.round_id}"
-        vector = _check_residues(contribution, self.config, f"{where}: contribution")
-        if len(ciphertexts) + 1 < self.config.threshold:
-            raise SecAggError(f"{where}: shares of {len(ciphertexts)} other site(s), below the threshold "
-                              f"{self.config.threshold}; refused")
+    def _receive_shares(self, ciphertexts: Mapping[int, bytes]) -> None:
         for src, ct in ciphertexts.items():
             if src == self.node_id or src not in self.public_keys:
-                raise SecAggError(f"{where}: a share from site {src}, which is not a peer of this round")
+                raise SecAggError(f"{self._where}: a share from site {src}, which is not a peer of this round")
             key = generate_shared_key(bytes_to_private_key(self.sk2), bytes_to_public_key(self.public_keys[src][1]))
             try:
-                actual_src, dst, seed_share, sk1_share = share_keys_plaintext_separate(decrypt(key, ct))
+                actual_src, dst, seed_field, sk1_share = share_keys_plaintext_separate(decrypt(key, ct))
             except InvalidToken:
-                raise SecAggError(f"{where}: the share from site {src} does not decrypt (tampered or misrouted)") from None
+                raise SecAggError(f"{self._where}: the share from site {src} does not decrypt (tampered or misrouted)") from None
             if actual_src != src or dst != self.node_id:
-                raise SecAggError(f"{where}: a share labelled {actual_src}->{dst} arrived as {src}->{self.node_id}")
-            self.seed_shares[src], self.sk1_shares[src] = seed_share, sk1_share
+                raise SecAggError(f"{self._where}: a share labelled {actual_src}->{dst} arrived as {src}->{self.node_id}")
+            n = self.config.rounds
+            if not seed_field or len(seed_field) % n:
+                raise SecAggError(f"{self._where}: the share from site {src} does not hold {n} seed shares")
+            step = len(seed_field) // n
+            self.seed_shares[src] = [seed_field[i * step:(i + 1) * step] for i in range(n)]
+            self.sk1_shares[src] = sk1_share
         self.neighbours = tuple(sorted(ciphertexts))
-        masked = vector + prg_mask(self.rd_seed, self.config)
-        for nid in self.neighbours:
-            masked = masked + pairwise_mask(_pair_key(self.sk1, self.public_keys[nid][0]), self.node_id, nid, self.config)
+
+    def masked_vector(self, ciphertexts: Mapping[int, bytes] | None, contribution: np.ndarray) -> np.ndarray:
+        """Return this site's contribution (residues mod m, e.g. from
+        :func:`feta_release.mechanisms.skellam.site_contribution`) masked by this sum's seed and the pairwise masks.
+        The first sum of a setup brings the shares addressed to this site (``ciphertexts``); later sums bring none."""
+        self._enter(Stage.COLLECT_MASKED_VECTORS)
+        vector = _check_residues(contribution, self.config, f"{self._where}: contribution")
+        if self.round_index == 0:
+            if ciphertexts is None:
+                raise SecAggError(f"{self._where}: the first sum needs the shares of the other sites")
+            self._receive_shares(ciphertexts)
+        elif ciphertexts:
+            raise SecAggError(f"{self._where}: shares arrive once per key setup, not at sum {self.round_index}")
+        peers = [nid for nid in self.neighbours if nid not in self.dropped]
+        if len(peers) + 1 < self.config.threshold:
+            raise SecAggError(f"{self._where}: {len(peers)} other site(s) left, below the threshold "
+                              f"{self.config.threshold}; refused")
+        r = self.round_index
+        masked = vector + prg_mask(self.rd_seeds[r], self.config, r)
+        for nid in peers:
+            key = _pair_key(self.sk1, self.public_keys[nid][0])
+            masked = masked + pairwise_mask(key, self.node_id, nid, self.config, r)
         return masked & self.config.mask
 
     def unmask(self, active: list[int], dead: list[int]) -> dict[int, bytes]:
-        """For each alive site the share of its mask seed, for each dropped one the share of its sk1; never both."""
+        """For each alive site the share of this sum's seed, for each dropped one the share of its sk1; never both,
+        and never a seed share of a site whose key was revealed before."""
         self._enter(Stage.UNMASK)
-        where = f"node {self.node_id}, round {self.config.round_id}"
-        known = set(self.neighbours) | {self.node_id}
+        r = self.round_index
+        self.round_index += 1  # this sum is over whatever happens below: a refused request cannot be retried
+        peers = {nid for nid in self.neighbours if nid not in self.dropped}
         if set(active) & set(dead):
-            raise SecAggError(f"{where}: sites {sorted(set(active) & set(dead))} are called both alive and dropped; "
-                              f"revealing both shares would unmask them; refused")
-        if not (set(active) | set(dead)) <= known or self.node_id not in active:
-            raise SecAggError(f"{where}: the unmask request names sites outside this site's peers or omits this site")
+            raise SecAggError(f"{self._where}: sites {sorted(set(active) & set(dead))} are called both alive and "
+                              f"dropped; revealing both shares would unmask them; refused")
+        if set(active) & set(self.dropped):
+            raise SecAggError(f"{self._where}: sites {sorted(set(active) & set(self.dropped))} dropped out of an "
+                              f"earlier sum (their key is known) and cannot be alive again; refused")
+        if not (set(active) | set(dead)) <= peers | {self.node_id} or self.node_id not in active:
+            raise SecAggError(f"{self._where}: the unmask request names sites outside this site's peers or omits this site")
         if len(set(active)) < self.config.threshold:
-            raise SecAggError(f"{where}: {len(set(active))} alive sites, below the threshold {self.config.threshold}; "
-                              f"refused")
-        out = {nid: self.seed_shares[nid] for nid in sorted(set(active))}
+            raise SecAggError(f"{self._where}: {len(set(active))} alive sites, below the threshold "
+                              f"{self.config.threshold}; refused")
+        out = {nid: self.seed_shares[nid][r] for nid in sorted(set(active))}
         out.update({nid: self.sk1_shares[nid] for nid in sorted(set(dead))})
-        # the secrets of this round are of no further use: keep no copy a later request could draw on
-        self.seed_shares, self.sk1_shares, self.rd_seed = {}, {}, b""
+        self.dropped = tuple(sorted(set(self.dropped) | set(dead)))
+        # the secrets of this sum are of no further use: keep no copy a later request could draw on
+        self.rd_seeds[r] = b""
+        for shares in self.seed_shares.values():
+            shares[r] = b""
+        if self.round_index >= self.config.rounds:
+            self.seed_shares, self.sk1_shares, self.rd_seeds = {}, {}, []
         return out
 
 
@@ -282,6 +338,8 @@ class SecAggCoordinator:
 
     ``refused`` records the sites excluded from the sum and why (e.g. a vector outside the modulus);
     ``contributors`` after :meth:`finish` is the set of sites whose vectors (data and noise share) are in the sum.
+    With ``config.rounds`` > 1, collect_masked and finish repeat once per sum; a site dropped in one sum (its mask
+    key rebuilt) stays out of the later ones.
     """
 
     config: RoundConfig
@@ -291,6 +349,8 @@ class SecAggCoordinator:
     masked: dict[int, np.ndarray] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
     contributors: tuple[int, ...] = ()
+    round_index: int = 0
+    dropped: tuple[int, ...] = ()
 
     def _require(self, alive: set[int] | tuple[int, ...], stage: str) -> None:
         if len(alive) < self.config.threshold:
@@ -318,9 +378,12 @@ class SecAggCoordinator:
     def collect_masked(self, vectors: Mapping[int, np.ndarray]) -> dict[int, tuple[list[int], list[int]]]:
         """Masked vectors -> the unmask request (alive, dropped) for each site in the sum. A vector that is not
         ``dim`` residues mod m is refused and its site treated as dropped."""
+        if self.round_index >= self.config.rounds:
+            raise SecAggError(f"round {self.config.round_id}: all {self.config.rounds} sum(s) of this key setup are done")
+        self.masked = {}
         for nid, vec in vectors.items():
-            if nid not in self.sharers:
-                self.refused[nid] = "sent a masked vector without having shared its keys"
+            if nid not in self.sharers or nid in self.dropped:
+                self.refused[nid] = "sent a masked vector without having shared its keys, or after dropping out"
                 continue
             try:
                 self.masked[nid] = _check_residues(vec, self.config, f"masked vector of site {nid}")
@@ -328,7 +391,7 @@ class SecAggCoordinator:
                 self.refused[nid] = str(exc)
         self._require(set(self.masked), Stage.COLLECT_MASKED_VECTORS)
         alive = sorted(self.masked)
-        dead = sorted(set(self.sharers) - set(alive))
+        dead = sorted(set(self.sharers) - set(self.dropped) - set(alive))
         return {nid: ([a for a in alive if a == nid or a in self.neighbours[nid]],
                       [d for d in dead if d in self.neighbours[nid]]) for nid in alive}
 
@@ -340,15 +403,19 @@ class SecAggCoordinator:
         for vec in self.masked.values():
             total = total + vec
         alive = sorted(self.masked)
-        for nid in sorted(self.sharers):
-            secret = self._reconstruct(nid, [r[nid] for r in answered.values() if nid in r])
-            if nid in self.masked:  # its own seed mask
-                total = total - prg_mask(secret, self.config)
+        r = self.round_index
+        newly_dead = sorted(set(self.sharers) - set(self.dropped) - set(alive))
+        for nid in alive + newly_dead:
+            secret = self._reconstruct(nid, [rep[nid] for rep in answered.values() if nid in rep])
+            if nid in self.masked:  # its own seed mask for this sum
+                total = total - prg_mask(secret, self.config, r)
                 continue
             for other in alive:  # a dropped site: remove the pairwise masks the alive sites added for it
                 if nid in self.neighbours[other]:
-                    total = total - pairwise_mask(_pair_key(secret, self.keys[other][0]), other, nid, self.config)
+                    total = total - pairwise_mask(_pair_key(secret, self.keys[other][0]), other, nid, self.config, r)
         self.contributors = tuple(alive)
+        self.dropped = tuple(sorted(set(self.dropped) | set(newly_dead)))
+        self.round_index += 1
         self.masked = {}
         return total & self.config.mask
 

@@ -310,3 +310,16 @@ def test_session_state_survives_a_fresh_process_per_request() -> None:
             replies[i] = site.unmask(*requests[i])
             records[i] = site.to_record()
         np.testing.assert_array_equal(co.finish(replies), np.full(cfg.dim, 15, dtype=np.uint64))
+
+
+def test_a_refused_sum_is_redone_on_a_new_key_setup() -> None:
+    cfg = sa.RoundConfig("redo", (1, 2, 3), 2, 4, 16)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    vectors = {i: np.full(4, i, dtype=np.uint64) for i in cfg.node_ids}
+    with pytest.raises(sa.SecAggError, match="below the threshold"):
+        co.collect_masked({1: sites[1].masked_vector(routed[1], vectors[1])})
+    assert sites[1].stage == "collect_masked_vectors"
+    total, co2 = run_round(cfg, vectors, sites=sites)  # the same sites start again from setup
+    np.testing.assert_array_equal(total, np.full(4, 6, dtype=np.uint64))

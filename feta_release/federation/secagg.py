@@ -201,7 +201,9 @@ class SecAggSite:
     def _enter(self, stage: str) -> None:
         expected = STAGES[(STAGES.index(self.stage) + 1) % len(STAGES)]
         in_session = self.stage == Stage.UNMASK and 0 < self.round_index < self.config.rounds
-        if stage != expected and not (stage == Stage.COLLECT_MASKED_VECTORS and in_session):
+        # A new setup may start at any point (as in Flower's mod): it is how a refused sum is redone, and it wipes
+        # every secret of the old one (whose masked vector can then never be unmasked).
+        if stage != expected and stage != Stage.SETUP and not (stage == Stage.COLLECT_MASKED_VECTORS and in_session):
             raise SecAggError(f"node {self.node_id}: secure aggregation expects stage {expected!r}, got {stage!r}; "
                               f"round {self.config.round_id} refused")
         if stage == Stage.SETUP:  # a new key setup forgets the old one entirely

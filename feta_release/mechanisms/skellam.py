@@ -16,7 +16,7 @@ Pipeline of one release of a sum over sites (each site holds records x_r in R^d,
 4. the site sums its rounded records and adds integer noise Sk(mu/n): Poisson(mu/2n) - Poisson(mu/2n) per
    coordinate (``n`` sites; Skellam variables add, so the n shares sum to exactly Sk(mu), variance mu);
 5. reduce mod m = 2^b (``modulus_bits``); secure aggregation adds the sites' vectors mod m;
-6. the coordinator maps the modular sum to (-m/2, m/2], divides by s and undoes the rotation (post-processing).
+6. the coordinator maps the modular sum to [-m/2, m/2), divides by s and undoes the rotation (post-processing).
 
 Sensitivity (stated in integer units, add/remove ONE record of one site): the integer sum changes by one rounded
 record Q(x_r), so ||Delta||_2 <= Delta2 (above) and, as an integer vector has |v_j| <= v_j^2,

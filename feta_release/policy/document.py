@@ -84,6 +84,10 @@ class SitePolicy:
     signer: str | None  # fingerprint of the key that signed it (None: read unsigned, e.g. before signing)
     digest: str
     document: Mapping[str, Any] = field(repr=False)
+    # secure aggregation trust assumption: other sites that may collude with the coordinator, and the cap on the
+    # epsilon when all of them do (None: not capped)
+    max_colluders: int = 0
+    max_worst_case_epsilon: float | None = None
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], signer: str | None, source: str = "<policy>") -> SitePolicy:
@@ -112,6 +116,8 @@ class SitePolicy:
             signer=signer,
             digest=signing.sha256_hex(signing.canonical_json(doc)),
             document=doc,
+            max_colluders=int(doc.get("secure_aggregation", {}).get("max_colluders", 0)),
+            max_worst_case_epsilon=doc.get("secure_aggregation", {}).get("max_worst_case_epsilon"),
         )
 
     def coordinator_fingerprints(self) -> set[str]:
@@ -303,6 +309,7 @@ def make_policy(
     not_before: dt.datetime | str | None = None,
     valid_days: float = 365.0,
     site_key: str | Ed25519PublicKey | None = None,
+    secure_aggregation: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A validated policy document with the research defaults of ``policies/research.toml`` (for demos
     and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text."""
@@ -328,6 +335,7 @@ def make_policy(
            {"site_key": site_key if isinstance(site_key, str) else signing.public_key_pem(site_key)}),
         "not_before": format_time(start),
         "expires": format_time(start + dt.timedelta(days=valid_days)),
+        **({} if secure_aggregation is None else {"secure_aggregation": dict(secure_aggregation)}),
     }
     validate_policy(doc, f"policy for {site_id}")
     return doc

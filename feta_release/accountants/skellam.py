@@ -1,0 +1,239 @@
+"""RDP of the (distributed) Skellam mechanism, with Poisson subsampling, and the two epsilons a site states under
+secure aggregation.
+
+Skellam RDP (Agarwal, Kairouz, Liu 2021, Thm 3.5 / Cor 4.1), restated for Z ~ Sk(mu/2, mu/2) (variance mu) in the
+integer domain, for an integer shift of L2 norm <= D2 and L1 norm <= D1, at any order a > 1:
+
+    eps(a) = a D2^2 / (2 mu) + min( ((2a - 1) D2^2 + 6 D1) / (4 mu^2),  3 D1 / (2 mu) )
+
+The first term is the Gaussian's a D2^2 / (2 mu) at the same variance; the second vanishes as mu grows.
+(The paper writes Sk(mu', mu') with variance 2 mu'; mu = 2 mu' gives the form above.)  The tests check it against
+a direct numerical summation of the Renyi divergence between Sk(mu) and Sk(mu) + shift.
+
+Poisson subsampling at rate q (add/remove neighbours): dp-accounting's RdpAccountant amplifies only Gaussian
+events (a PoissonSampledDpEvent must bottom out in a GaussianDpEvent), so the general upper bound of Zhu & Wang
+2019 ("Poisson Subsampled Renyi Differential Privacy", Thm 6) is used, which holds for ANY mechanism with RDP
+curve eps(.) at integer orders a >= 2:
+
+    (a-1) eps_q(a) <= log[ (1-q)^(a-1) (1 + (a-1) q) + C(a,2) q^2 (1-q)^(a-2) e^eps(2)
+                            + 3 sum_{l=3..a} C(a,l) (1-q)^(a-l) q^l e^((l-1) eps(l)) ]
+
+At a fractional order the bound at ceil(a) is used (Renyi divergence does not decrease with the order), and at
+every order the result is capped by the unsampled eps(a) (subsampling never hurts: joint convexity).
+
+Epsilon from RDP uses the same conversion as :mod:`feta_release.accounting` (opacus' get_privacy_spent, Balle et
+al. 2020), over the same orders, so a Skellam curve can be added to the Gaussian stages' curves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import special
+
+from ..accounting import RDP_ORDERS, PrivacyEvent, _load_opacus_analysis, _rdp_per_step
+from ..errors import PrivacyError
+from ..mechanisms.skellam import SkellamParams
+
+
+def skellam_rdp(order: float, l2: float, l1: float, mu: float) -> float:
+    """RDP at ``order`` of adding Sk(mu/2, mu/2) noise to an integer query with sensitivities ``l2``, ``l1``."""
+    if not order > 1:
+        raise PrivacyError(f"Skellam RDP: the order must be > 1, got {order!r}")
+    if not (math.isfinite(mu) and mu > 0):
+        raise PrivacyError(f"Skellam RDP: variance mu must be a finite number > 0, got {mu!r}")
+    a = float(order)
+    correction = min(((2 * a - 1) * l2**2 + 6 * l1) / (4 * mu**2), 3 * l1 / (2 * mu))
+    return a * l2**2 / (2 * mu) + correction
+
+
+def poisson_subsampled_rdp(order: float, q: float, rdp: Callable[[float], float]) -> float:
+    """Zhu & Wang 2019's general upper bound on the RDP of the Poisson-subsampled mechanism (see the module doc)."""
+    if not (0 < q <= 1):
+        raise PrivacyError(f"subsampled RDP: sampling rate q must be in (0, 1], got {q!r}")
+    unsampled = rdp(order)
+    if q == 1:
+        return unsampled
+    a = max(2, math.ceil(order))
+    head = [(a - 1) * math.log1p(-q) + math.log1p((a - 1) * q),
+            math.log(special.comb(a, 2)) + 2 * math.log(q) + (a - 2) * math.log1p(-q) + rdp(2)]
+    ms = np.arange(3, a + 1)
+    eps = np.array([rdp(int(m)) for m in ms])
+    tail = (math.log(3) + special.gammaln(a + 1) - special.gammaln(ms + 1) - special.gammaln(a - ms + 1)
+            + (a - ms) * math.log1p(-q) + ms * math.log(q) + (ms - 1) * eps)
+    bound = float(special.logsumexp(np.concatenate([head, tail]))) / (a - 1)
+    return min(bound, unsampled)
+
+
+def skellam_rdp_curve(params: SkellamParams, q: float, steps: int, mu: float | None = None,
+                      orders: Sequence[float] = RDP_ORDERS) -> np.ndarray:
+    """RDP over ``orders`` of ``steps`` Poisson-subsampled releases with noise variance ``mu`` (default: all the
+    shares, ``params.mu``; pass a smaller one for the shares a site can count on)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise PrivacyError(f"Skellam accounting: steps must be an integer >= 0, got {steps!r}")
+    var = params.mu if mu is None else mu
+    return SkellamEvent("skellam", q, steps, params.l2_sensitivity, params.l1_sensitivity, var).rdp(orders)
+
+
+def epsilon_from_rdp(rdp: np.ndarray, delta: float, orders: Sequence[float] = RDP_ORDERS) -> float:
+    """(epsilon at ``delta``) of an RDP curve, with the conversion :mod:`feta_release.accounting` uses."""
+    if not (0 < delta < 1):
+        raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
+    if not np.any(rdp):
+        return 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "optimal order is the largest alpha": still a valid bound
+        eps, _ = _load_opacus_analysis().rdp.get_privacy_spent(orders=list(orders), rdp=np.asarray(rdp), delta=delta)
+    return float(eps)
+
+
+def skellam_epsilon(params: SkellamParams, q: float, steps: int, delta: float, noise_shares: int | None = None) -> float:
+    """Epsilon of ``steps`` releases when ``noise_shares`` of the n sites' noise shares protect the sum
+    (default: all n)."""
+    shares = params.n_sites if noise_shares is None else noise_shares
+    if isinstance(shares, bool) or not isinstance(shares, int) or not (1 <= shares <= params.n_sites):
+        raise PrivacyError(f"Skellam accounting: noise_shares must be an integer in [1, {params.n_sites}], got {shares!r}")
+    return epsilon_from_rdp(skellam_rdp_curve(params, q, steps, params.site_mu * shares), delta)
+
+
+@dataclass(frozen=True)
+class SiteEpsilons:
+    """The two epsilons one site computes, charges and attests for a secure-aggregation release.
+
+    ``assumed``: under the site's signed trust assumption (at most ``colluders`` other sites collude with the
+    coordinator), the noise that protects its records is the shares of the honest sites in the sum: the
+    coordinator refuses a round below ``threshold`` contributions, so at least ``threshold - colluders`` honest
+    shares (the site's own included; never fewer than its own one).  ``worst_case``: every other site colludes
+    and subtracts its share, so only the site's own share Sk(mu / n) is left.
+    """
+
+    assumed: float
+    worst_case: float
+    honest_shares: int
+    colluders: int
+    n_sites: int
+    threshold: int
+
+    def statement(self, delta: float) -> str:
+        """The plain-words sentence for the certificate."""
+        return (f"epsilon {self.assumed:.3g} (delta {delta:g}) if at most {self.colluders} of the other "
+                f"{self.n_sites - 1} sites collude with the coordinator (at least {self.honest_shares} honest noise "
+                f"share(s) of {self.n_sites} in every sum, with the round refused below {self.threshold} sites); "
+                f"epsilon {self.worst_case:.3g} if all of them collude (this site's own noise share only)")
+
+
+def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, threshold: int,
+                  colluders: int) -> SiteEpsilons:
+    """(a) epsilon under ``colluders`` colluding sites and (b) the worst case (own share only); see SiteEpsilons."""
+    n = params.n_sites
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or not (1 <= threshold <= n):
+        raise PrivacyError(f"secure aggregation: threshold must be an integer in [1, {n}], got {threshold!r}")
+    if isinstance(colluders, bool) or not isinstance(colluders, int) or not (0 <= colluders <= n - 1):
+        raise PrivacyError(f"secure aggregation: colluders must be an integer in [0, {n - 1}] (the other sites), "
+                           f"got {colluders!r}")
+    honest = max(1, threshold - colluders)
+    return SiteEpsilons(
+        assumed=skellam_epsilon(params, q, steps, delta, honest),
+        worst_case=skellam_epsilon(params, q, steps, delta, 1),
+        honest_shares=honest, colluders=colluders, n_sites=n, threshold=threshold,
+    )
+
+
+def calibrate_noise_multiplier(params: SkellamParams, q: float, steps: int, target_epsilon: float, delta: float,
+                               noise_shares: int | None = None, tol: float = 0.01, max_sigma: float = 1000.0) -> float:
+    """Smallest noise multiplier (within ``tol``; the upper end of the bracket, so epsilon <= target) for which
+    ``steps`` releases protected by ``noise_shares`` of the n shares stay within ``target_epsilon`` at ``delta``.
+    Calibrate with the shares the site can count on (e.g. ``SiteEpsilons.honest_shares``)."""
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise PrivacyError(f"Skellam calibration: target epsilon must be a finite number > 0, got {target_epsilon!r}")
+
+    def eps(sigma: float) -> float:
+        return skellam_epsilon(dataclasses.replace(params, noise_multiplier=sigma), q, steps, delta, noise_shares)
+
+    hi = 1.0
+    while eps(hi) > target_epsilon:
+        if hi >= max_sigma:
+            raise PrivacyError(f"Skellam calibration: even noise multiplier {max_sigma:g} exceeds epsilon "
+                               f"{target_epsilon} over {steps} releases at q={q:g}; use fewer releases or a larger budget")
+        hi = min(2 * hi, max_sigma)
+    lo = hi / 2 if hi > 1.0 else 0.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if eps(mid) > target_epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+# -- events a ledger stores, composed with the Gaussian stages -----------------------------------------------
+
+_EVENT_KEYS = ("stage", "q", "steps", "l2", "l1", "mu")
+
+
+@dataclass(frozen=True)
+class SkellamEvent:
+    """``steps`` Poisson-subsampled (rate ``q``) releases of an integer sum with sensitivities ``l2``/``l1``
+    protected by Sk(mu) noise: mu is the variance of the shares counted (honest shares, or the site's own)."""
+
+    stage: str
+    q: float
+    steps: int
+    l2: float
+    l1: float
+    mu: float
+
+    def __post_init__(self) -> None:
+        for name in ("q", "l2", "l1", "mu"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise PrivacyError(f"Skellam event {self.stage!r}: {name} must be a finite number > 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.q > 1:
+            raise PrivacyError(f"Skellam event {self.stage!r}: q must be in (0, 1], got {self.q}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise PrivacyError(f"Skellam event {self.stage!r}: steps must be an integer >= 0, got {self.steps!r}")
+
+    def rdp(self, orders: Sequence[float] = RDP_ORDERS) -> np.ndarray:
+        @functools.cache
+        def per_step(a: float) -> float:
+            return skellam_rdp(a, self.l2, self.l1, self.mu)
+
+        return np.array([self.steps * poisson_subsampled_rdp(a, self.q, per_step) for a in orders])
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> SkellamEvent:
+        if not isinstance(data, dict) or set(data) != set(_EVENT_KEYS):
+            raise PrivacyError(f"Skellam event must be an object with exactly {', '.join(_EVENT_KEYS)}; got {data!r}")
+        return cls(**data)
+
+
+def skellam_event(params: SkellamParams, stage: str, q: float, steps: int, noise_shares: int) -> SkellamEvent:
+    """The event of ``steps`` releases of ``params`` when ``noise_shares`` of the n shares protect the sum."""
+    if isinstance(noise_shares, bool) or not isinstance(noise_shares, int) or not (1 <= noise_shares <= params.n_sites):
+        raise PrivacyError(f"Skellam accounting: noise_shares must be an integer in [1, {params.n_sites}], "
+                           f"got {noise_shares!r}")
+    return SkellamEvent(stage, q, steps, params.l2_sensitivity, params.l1_sensitivity, params.site_mu * noise_shares)
+
+
+def composed_epsilon(gaussian: Iterable[PrivacyEvent], skellam: Iterable[SkellamEvent], delta: float) -> float:
+    """Epsilon of a whole history mixing subsampled-Gaussian and Skellam events: RDP curves added over the same
+    orders (RDP only: the PRV accountant has no Skellam privacy-loss distribution)."""
+    total = np.zeros(len(RDP_ORDERS))
+    history = [e for e in gaussian if e.steps > 0]
+    if history:
+        rdp_mod = _load_opacus_analysis().rdp
+        for e in history:
+            total = total + e.steps * _rdp_per_step(rdp_mod, e.sigma, e.q)
+    for ev in skellam:
+        total = total + ev.rdp()
+    return epsilon_from_rdp(total, delta)

@@ -1,0 +1,34 @@
+"""A site's two epsilons for a job whose sums run through secure aggregation, under ITS signed trust assumption.
+
+The policy's ``secure_aggregation.max_colluders`` says how many of the other sites may collude with the coordinator;
+the site computes (a) the epsilon under that assumption (noise of the honest sites' shares) and (b) the worst case
+(its own share alone), refuses a job whose (b) passes ``secure_aggregation.max_worst_case_epsilon`` or whose (a)
+passes its per-job budget, and states both in the certificate (:meth:`SiteEpsilons.statement`).
+"""
+
+from __future__ import annotations
+
+from ..accountants.skellam import SiteEpsilons, site_epsilons
+from ..mechanisms.skellam import SkellamParams
+from .document import SitePolicy
+from .errors import PolicyViolation
+
+
+def policy_site_epsilons(policy: SitePolicy, params: SkellamParams, q: float, steps: int, threshold: int) -> SiteEpsilons:
+    """The site's (assumed, worst-case) epsilons at its per-job delta. More colluders than there are other sites
+    means all of them: the assumed epsilon is then the worst case."""
+    colluders = min(policy.max_colluders, params.n_sites - 1)
+    return site_epsilons(params, q, steps, policy.job_delta, threshold, colluders)
+
+
+def check_secure_aggregation(policy: SitePolicy, eps: SiteEpsilons) -> None:
+    """Refuse (naming the rule) when the job's epsilons pass the policy's caps; ``eps`` covers the whole job."""
+    if eps.assumed > policy.job_epsilon:
+        raise PolicyViolation("budget.per_job.epsilon", f"epsilon {eps.assumed:.4g} under the assumption of at most "
+                              f"{eps.colluders} colluding site(s) exceeds the per-job cap {policy.job_epsilon:g}",
+                              site=policy.site_id)
+    cap = policy.max_worst_case_epsilon
+    if cap is not None and eps.worst_case > cap:
+        raise PolicyViolation("secure_aggregation.max_worst_case_epsilon", f"epsilon {eps.worst_case:.4g} if every "
+                              f"other site colludes (own noise share only) exceeds the cap {cap:g}; add noise or "
+                              f"require fewer rounds", site=policy.site_id)

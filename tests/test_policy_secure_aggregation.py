@@ -1,0 +1,78 @@
+"""The secure-aggregation trust assumption in the signed policy: the field, its schema errors, and the two epsilons
+(under the assumption / every other site colluding) a site computes and caps."""
+
+from __future__ import annotations
+
+import pytest
+
+from feta_release.accountants.skellam import skellam_epsilon
+from feta_release.mechanisms.skellam import SkellamParams
+from feta_release.policy import open_signed_policy
+from feta_release.policy.document import SitePolicy, validate_policy
+from feta_release.policy.errors import PolicySchemaError, PolicyViolation
+from feta_release.policy.secure_aggregation import check_secure_aggregation, policy_site_epsilons
+from tests.policy_helpers import keys, policy_doc, signed_policy
+
+PARAMS = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=3.0, n_sites=4)
+
+
+def test_default_is_no_colluder_and_no_worst_case_cap() -> None:
+    pol = SitePolicy.from_document(policy_doc(keys()), None)
+    assert pol.max_colluders == 0 and pol.max_worst_case_epsilon is None
+
+
+def test_signed_policy_carries_the_trust_assumption() -> None:
+    k = keys()
+    signed = signed_policy(k, secure_aggregation={"max_colluders": 2, "max_worst_case_epsilon": 4.0})
+    pol = open_signed_policy(signed, [k["site"].public_key()])
+    assert pol.max_colluders == 2 and pol.max_worst_case_epsilon == 4.0
+    signed["policy"]["secure_aggregation"]["max_colluders"] = 0  # a coordinator cannot relax it
+    with pytest.raises(PolicyViolation, match="signature"):
+        open_signed_policy(signed, [k["site"].public_key()])
+
+
+@pytest.mark.parametrize("value,field", [
+    ({"max_colluders": -1}, "secure_aggregation.max_colluders"),
+    ({"max_colluders": 1.5}, "secure_aggregation.max_colluders"),
+    ({"max_worst_case_epsilon": 0}, "secure_aggregation.max_worst_case_epsilon"),
+    ({"max_colluderz": 1}, "secure_aggregation.max_colluderz"),
+])
+def test_schema_errors_name_the_field(value: dict[str, object], field: str) -> None:
+    doc = policy_doc(keys())
+    doc["secure_aggregation"] = value
+    with pytest.raises(PolicySchemaError) as exc:
+        validate_policy(doc, "p.json")
+    assert field in exc.value.fields
+
+
+def test_assumed_epsilon_counts_the_honest_shares_and_worst_case_the_own_share() -> None:
+    k = keys()
+    honest = SitePolicy.from_document(policy_doc(k), None)
+    wary = SitePolicy.from_document(policy_doc(k, secure_aggregation={"max_colluders": 1}), None)
+    paranoid = SitePolicy.from_document(policy_doc(k, secure_aggregation={"max_colluders": 99}), None)
+    e0 = policy_site_epsilons(honest, PARAMS, 1.0, 10, threshold=3)
+    e1 = policy_site_epsilons(wary, PARAMS, 1.0, 10, threshold=3)
+    e_all = policy_site_epsilons(paranoid, PARAMS, 1.0, 10, threshold=3)
+    assert (e0.honest_shares, e1.honest_shares, e_all.honest_shares) == (3, 2, 1)
+    assert e0.assumed == pytest.approx(skellam_epsilon(PARAMS, 1.0, 10, honest.job_delta, noise_shares=3))
+    assert e0.assumed < e1.assumed < e_all.assumed == e_all.worst_case == e0.worst_case
+    assert e0.worst_case == skellam_epsilon(PARAMS, 1.0, 10, honest.job_delta, noise_shares=1)
+
+
+def test_caps_refuse_with_the_rule_named() -> None:
+    k = keys()
+    pol = SitePolicy.from_document(policy_doc(k, per_job=(1.5, 1e-5),
+                                              secure_aggregation={"max_worst_case_epsilon": 2.0}), None)
+    params = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=8.0, n_sites=4)
+    fits = policy_site_epsilons(pol, params, 1.0, 2, threshold=4)
+    assert fits.assumed <= 1.5 and fits.worst_case <= 2.0
+    check_secure_aggregation(pol, fits)
+    too_many = policy_site_epsilons(pol, params, 1.0, 40, threshold=4)
+    with pytest.raises(PolicyViolation) as exc:
+        check_secure_aggregation(pol, too_many)
+    assert exc.value.rule == "budget.per_job.epsilon" and "site site-a" in str(exc.value)
+    worst_only = policy_site_epsilons(pol, params, 1.0, 4, threshold=4)
+    assert worst_only.assumed <= 1.5 < 2.0 < worst_only.worst_case
+    with pytest.raises(PolicyViolation) as exc:
+        check_secure_aggregation(pol, worst_only)
+    assert exc.value.rule == "secure_aggregation.max_worst_case_epsilon"

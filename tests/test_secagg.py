@@ -1,0 +1,325 @@
+"""Secure summation over Flower's secure-aggregation primitives, in process: the coordinator learns the modular sum
+only, dropouts within the threshold are recovered, below it the round is refused, and protocol violations are
+refused by sites and coordinator alike."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from feta_release.federation import secagg as sa
+from feta_release.mechanisms import skellam as sk
+
+
+def new_round(cfg: sa.RoundConfig, **site_kw: object) -> tuple[dict[int, sa.SecAggSite], sa.SecAggCoordinator]:
+    return {i: sa.SecAggSite(i, cfg, **site_kw) for i in cfg.node_ids}, sa.SecAggCoordinator(cfg)  # type: ignore[arg-type]
+
+
+def run_round(cfg: sa.RoundConfig, vectors: dict[int, np.ndarray], drop_before_mask: frozenset[int] = frozenset(),
+              drop_before_unmask: frozenset[int] = frozenset(),
+              sites: dict[int, sa.SecAggSite] | None = None) -> tuple[np.ndarray, sa.SecAggCoordinator]:
+    if sites is None:
+        sites, co = new_round(cfg)
+    else:
+        co = sa.SecAggCoordinator(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    masking = [i for i in routed if i not in drop_before_mask]
+    requests = co.collect_masked({i: sites[i].masked_vector(routed[i], vectors[i]) for i in masking})
+    answering = [i for i in requests if i not in drop_before_unmask]
+    return co.finish({i: sites[i].unmask(*requests[i]) for i in answering}), co
+
+
+def modsum(vectors: list[np.ndarray], cfg: sa.RoundConfig) -> np.ndarray:
+    return sk.modular_sum(vectors, cfg.modulus_bits)
+
+
+def test_coordinator_learns_the_sum_of_skellam_contributions() -> None:
+    p = sk.SkellamParams(dim=12, clip=1.0, scale=256.0, noise_multiplier=1.0, n_sites=3, modulus_bits=40)
+    cfg = sa.RoundConfig("job-1/central/0", (11, 22, 33), threshold=2, dim=p.padded_dim, modulus_bits=p.modulus_bits)
+    g = np.random.default_rng(0)
+    records = {i: g.uniform(0, 0.2, size=(20, 12)) for i in cfg.node_ids}
+    contrib = {i: sk.site_contribution(records[i], p, g) for i in cfg.node_ids}
+    total, co = run_round(cfg, contrib)
+    np.testing.assert_array_equal(total, modsum(list(contrib.values()), cfg))
+    assert co.contributors == (11, 22, 33) and not co.refused
+    decoded = sk.dequantize_sum(total, p)
+    true = sum(r.sum(axis=0) for r in records.values())
+    assert np.abs(decoded - true).max() < 6 * p.noise_multiplier * p.clip  # noise std sigma * c per coordinate
+
+
+def test_the_sum_of_noise_shares_through_the_protocol_has_the_stated_variance() -> None:
+    p = sk.SkellamParams(dim=4096, clip=1.0, scale=8.0, noise_multiplier=2.0, n_sites=3, modulus_bits=24, rotate=False)
+    cfg = sa.RoundConfig("noise", (1, 2, 3), 2, p.padded_dim, p.modulus_bits)
+    g = np.random.default_rng(1)
+    contrib = {i: sk.site_contribution(np.zeros((0, p.dim)), p, g) for i in cfg.node_ids}
+    total, _ = run_round(cfg, contrib)
+    noise = sk.centered(total, p.modulus_bits).astype(np.float64)
+    # mu = (2 * 8)^2 = 256; the sample variance of 4096 draws has sd ~ mu sqrt(2/4096) = 2.2 %
+    assert noise.var() == pytest.approx(p.mu, rel=0.09)
+    assert abs(noise.mean()) < 5 * math.sqrt(p.mu / p.dim)
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_dropouts_within_the_threshold_are_recovered_and_below_it_refused(data: st.DataObject) -> None:
+    n = data.draw(st.integers(3, 5), label="sites")
+    t = data.draw(st.integers(n // 2 + 1, n), label="threshold")
+    ids = tuple(data.draw(st.lists(st.integers(0, 2**40), min_size=n, max_size=n, unique=True), label="ids"))
+    bits = data.draw(st.sampled_from([8, 31, 64]), label="bits")
+    cfg = sa.RoundConfig(f"r{n}{t}", ids, t, 6, bits)
+    before = frozenset(data.draw(st.sets(st.sampled_from(ids), max_size=n - 1), label="drop before masking"))
+    rest = [i for i in ids if i not in before]
+    after = frozenset(data.draw(st.sets(st.sampled_from(rest), max_size=len(rest) - 1), label="drop before unmask"))
+    g = np.random.default_rng(len(before) * 7 + len(after))
+    vectors = {i: g.integers(0, 2**bits, 6, dtype=np.uint64, endpoint=False) if bits < 64
+               else g.integers(0, 2**63, 6, dtype=np.uint64) * np.uint64(2) for i in ids}
+    if len(rest) < t or len(rest) - len(after) < t:
+        with pytest.raises(sa.SecAggError, match="below the threshold"):
+            run_round(cfg, vectors, before, after)
+        return
+    total, co = run_round(cfg, vectors, before, after)
+    # a site that masked and then vanished is IN the sum (its seed is rebuilt from shares); one that never
+    # masked is not (its pairwise masks are rebuilt from its key shares)
+    np.testing.assert_array_equal(total, modsum([vectors[i] for i in rest], cfg))
+    assert co.contributors == tuple(sorted(rest))
+
+
+def test_a_masked_vector_is_uniform_whatever_the_input() -> None:
+    cfg = sa.RoundConfig("uniform", (1, 2, 3), 2, 8192, 16)
+    for value in (0, 12345):
+        sites, co = new_round(cfg)
+        keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+        routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+        masked = sites[1].masked_vector(routed[1], np.full(cfg.dim, value, dtype=np.uint64))
+        counts = np.bincount((masked >> np.uint64(12)).astype(np.int64), minlength=16)  # the top 4 bits
+        assert stats.chisquare(counts).pvalue > 1e-4
+        low = np.bincount((masked & np.uint64(15)).astype(np.int64), minlength=16)  # and the low 4 bits
+        assert stats.chisquare(low).pvalue > 1e-4
+        assert (masked != value).mean() > 0.99
+
+
+def test_a_vector_outside_the_modulus_is_refused() -> None:
+    cfg = sa.RoundConfig("range", (1, 2, 3), 2, 5, 16)
+    sites, co = new_round(cfg)
+    bad = np.array([1, 2, 3, 4, 1 << 16], dtype=np.uint64)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    with pytest.raises(sa.SecAggError, match="outside the modulus"):  # an honest site never masks it
+        sites[3].masked_vector(routed[3], bad)
+    good = {i: np.full(5, i, dtype=np.uint64) for i in (1, 2)}
+    vectors = {i: sites[i].masked_vector(routed[i], good[i]) for i in (1, 2)}
+    vectors[3] = bad  # a site that bypasses the check: the coordinator refuses its vector
+    requests = co.collect_masked(vectors)
+    assert "outside the modulus" in co.refused[3] and set(requests) == {1, 2}
+    total = co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+    np.testing.assert_array_equal(total, modsum(list(good.values()), cfg))
+    assert co.contributors == (1, 2)
+
+
+def test_unmask_never_reveals_both_shares_of_a_site() -> None:
+    cfg = sa.RoundConfig("both", (1, 2, 3), 2, 4, 16)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    for i in (1, 2, 3):
+        sites[i].masked_vector(routed[i], np.zeros(4, dtype=np.uint64))
+    with pytest.raises(sa.SecAggError, match="both alive and dropped"):
+        sites[1].unmask([1, 2, 3], [3])
+    with pytest.raises(sa.SecAggError, match="expects stage"):  # the refused request used up the stage
+        sites[1].unmask([1, 2], [3])
+    with pytest.raises(sa.SecAggError, match="below the threshold"):
+        sites[2].unmask([2], [1, 3])
+    with pytest.raises(sa.SecAggError, match="outside this site's peers"):
+        sites[3].unmask([1, 2, 3, 99], [])
+
+
+def test_stages_run_in_order_only() -> None:
+    cfg = sa.RoundConfig("order", (1, 2, 3), 2, 4, 16)
+    sites, co = new_round(cfg)
+    with pytest.raises(sa.SecAggError, match="expects stage 'setup'"):
+        sites[1].masked_vector({}, np.zeros(4, dtype=np.uint64))
+
+
+def ed25519_pair() -> tuple[dict[int, Ed25519PrivateKey], Callable[[int, bytes, bytes], bool]]:
+    priv = {i: Ed25519PrivateKey.generate() for i in (1, 2, 3)}
+
+    def verify(nid: int, msg: bytes, sig: bytes) -> bool:
+        try:
+            priv[nid].public_key().verify(sig, msg)
+        except InvalidSignature:
+            return False
+        return True
+
+    return priv, verify
+
+
+def test_signed_key_adverts_stop_a_key_substitution() -> None:
+    cfg = sa.RoundConfig("signed", (1, 2, 3), 2, 4, 16)
+    priv, verify = ed25519_pair()
+    sites = {i: sa.SecAggSite(i, cfg, sign=priv[i].sign, verify=verify) for i in cfg.node_ids}
+    co = sa.SecAggCoordinator(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    assert sites[1].share_keys(keys)  # genuine adverts pass
+    mallory = sa.SecAggSite(2, cfg)
+    pk1, pk2, _ = mallory.setup()
+    forged = dict(keys)
+    forged[2] = (pk1, pk2, keys[2][2])  # the coordinator swaps site 2's keys for its own
+    with pytest.raises(sa.SecAggError, match="not signed by its site key"):
+        sites[3].share_keys(forged)
+
+
+def test_a_tampered_share_is_refused() -> None:
+    cfg = sa.RoundConfig("tamper", (1, 2, 3), 2, 4, 16)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    routed[1][2] = routed[1][3]  # site 3's ciphertext relabelled as coming from site 2
+    with pytest.raises(sa.SecAggError, match="does not decrypt"):
+        sites[1].masked_vector(routed[1], np.zeros(4, dtype=np.uint64))
+
+
+def test_state_survives_a_fresh_process_per_stage() -> None:
+    """Each Flower message runs in a new ClientApp process: the site is rebuilt from its record at every stage."""
+    cfg = sa.RoundConfig("state", (5, 6, 7), 2, 3, 20)
+    vectors = {i: np.full(3, i, dtype=np.uint64) for i in cfg.node_ids}
+    records = {i: sa.SecAggSite(i, cfg).to_record() for i in cfg.node_ids}
+
+    def step(i: int, fn: Callable[[sa.SecAggSite], object]) -> object:
+        site = sa.SecAggSite.from_record(i, cfg, records[i])
+        out = fn(site)
+        records[i] = site.to_record()
+        return out
+
+    co = sa.SecAggCoordinator(cfg)
+    keys = co.collect_keys({i: step(i, lambda s: s.setup()) for i in cfg.node_ids})  # type: ignore[misc]
+    routed = co.route_shares({i: step(i, lambda s: s.share_keys(keys)) for i in cfg.node_ids})  # type: ignore[misc]
+    requests = co.collect_masked({i: step(i, lambda s, i=i: s.masked_vector(routed[i], vectors[i]))  # type: ignore[misc]
+                                  for i in (5, 7)})
+    total = co.finish({i: step(i, lambda s, i=i: s.unmask(*requests[i])) for i in (5, 7)})  # type: ignore[misc]
+    np.testing.assert_array_equal(total, np.full(3, 12, dtype=np.uint64))
+    with pytest.raises(sa.SecAggError, match="lacks 'peer_ids'"):
+        sa.SecAggSite.from_record(5, cfg, {"stage": "setup"})
+
+
+def test_round_parameters_are_checked() -> None:
+    with pytest.raises(sa.SecAggError, match="strict majority"):
+        sa.RoundConfig("x", (1, 2, 3, 4), 2, 4, 16)
+    with pytest.raises(sa.SecAggError, match="distinct"):
+        sa.RoundConfig("x", (1, 1, 2), 2, 4, 16)
+    with pytest.raises(sa.SecAggError, match="not a site"):
+        sa.SecAggSite(9, sa.RoundConfig("x", (1, 2, 3), 2, 4, 16))
+
+
+# -- several sums on one key setup (FedSGD rounds) -----------------------------------------------------------
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_many_sums_on_one_key_setup_with_dropouts_along_the_way(data: st.DataObject) -> None:
+    n = data.draw(st.integers(3, 5), label="sites")
+    t = data.draw(st.integers(n // 2 + 1, n), label="threshold")
+    rounds = data.draw(st.integers(2, 4), label="sums")
+    cfg = sa.RoundConfig("session", tuple(range(1, n + 1)), t, 5, 32, rounds=rounds)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    g = np.random.default_rng(rounds * 10 + n)
+    gone: set[int] = set()
+    for r in range(rounds):
+        present = [i for i in cfg.node_ids if i not in gone]
+        drop = set(data.draw(st.sets(st.sampled_from(present), max_size=len(present) - 1), label=f"drop {r}"))
+        vectors = {i: g.integers(0, 2**32, 5, dtype=np.uint64) for i in cfg.node_ids}
+        masking = [i for i in present if i not in drop]
+        masked = {i: sites[i].masked_vector(routed[i] if r == 0 else None, vectors[i]) for i in masking}
+        for i in gone:  # a site dropped earlier that comes back is not in the sum
+            masked[i] = vectors[i]
+        if len(masking) < t:
+            with pytest.raises(sa.SecAggError, match="below the threshold"):
+                co.collect_masked(masked)
+            return
+        requests = co.collect_masked(masked)
+        total = co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+        np.testing.assert_array_equal(total, modsum([vectors[i] for i in masking], cfg))
+        assert co.contributors == tuple(sorted(masking))
+        gone |= drop
+    with pytest.raises(sa.SecAggError, match="sum\\(s\\) of this key setup are done"):
+        co.collect_masked({})
+
+
+def session(rounds: int = 3) -> tuple[sa.RoundConfig, dict[int, sa.SecAggSite], sa.SecAggCoordinator,
+                                       dict[int, dict[int, bytes]]]:
+    cfg = sa.RoundConfig("s", (1, 2, 3, 4, 5), 3, 4096, 16, rounds=rounds)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    return cfg, sites, co, routed
+
+
+def test_a_site_dropped_in_one_sum_is_never_called_alive_again() -> None:
+    """Its mask key was revealed, so all its later pairwise masks are known: a coordinator that calls it alive in a
+    later sum (to get its seed share too) is refused by every honest site."""
+    cfg, sites, co, routed = session()
+    zero = np.zeros(cfg.dim, dtype=np.uint64)
+    requests = co.collect_masked({i: sites[i].masked_vector(routed[i], zero) for i in (1, 2, 3, 4)})
+    assert requests[1] == ([1, 2, 3, 4], [5])
+    co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+    for i in (1, 2, 3, 4):
+        sites[i].masked_vector(None, zero)
+    with pytest.raises(sa.SecAggError, match="cannot be alive again"):
+        sites[1].unmask([1, 2, 3, 4, 5], [])
+    with pytest.raises(sa.SecAggError, match="outside this site's peers"):
+        sites[2].unmask([1, 2, 3, 4], [5])  # and its key share, already given, is not asked for again
+
+
+def test_shares_arrive_once_and_masks_differ_from_sum_to_sum() -> None:
+    cfg, sites, co, routed = session()
+    same = np.full(cfg.dim, 7, dtype=np.uint64)
+    first = {i: sites[i].masked_vector(routed[i], same) for i in cfg.node_ids}
+    requests = co.collect_masked(first)
+    co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+    with pytest.raises(sa.SecAggError, match="shares arrive once"):
+        sites[1].masked_vector(routed[1], same)
+    second = sites[2].masked_vector(None, same)
+    assert (second != first[2]).mean() > 0.99  # a fresh seed and a fresh nonce for the pairwise keys
+    assert stats.chisquare(np.bincount((second >> np.uint64(12)).astype(np.int64), minlength=16)).pvalue > 1e-4
+
+
+def test_session_state_survives_a_fresh_process_per_request() -> None:
+    cfg, sites, co, routed = session(rounds=2)
+    vectors = {i: np.full(cfg.dim, i, dtype=np.uint64) for i in cfg.node_ids}
+    records = {i: s.to_record() for i, s in sites.items()}
+    for r in range(2):
+        masked = {}
+        for i in cfg.node_ids:
+            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            masked[i] = site.masked_vector(routed[i] if r == 0 else None, vectors[i])
+            records[i] = site.to_record()
+        requests = co.collect_masked(masked)
+        replies = {}
+        for i in requests:
+            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            replies[i] = site.unmask(*requests[i])
+            records[i] = site.to_record()
+        np.testing.assert_array_equal(co.finish(replies), np.full(cfg.dim, 15, dtype=np.uint64))
+
+
+def test_a_refused_sum_is_redone_on_a_new_key_setup() -> None:
+    cfg = sa.RoundConfig("redo", (1, 2, 3), 2, 4, 16)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    vectors = {i: np.full(4, i, dtype=np.uint64) for i in cfg.node_ids}
+    with pytest.raises(sa.SecAggError, match="below the threshold"):
+        co.collect_masked({1: sites[1].masked_vector(routed[1], vectors[1])})
+    assert sites[1].stage == "collect_masked_vectors"
+    total, co2 = run_round(cfg, vectors, sites=sites)  # the same sites start again from setup
+    np.testing.assert_array_equal(total, np.full(4, 6, dtype=np.uint64))

@@ -11,11 +11,11 @@ from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import JobConfig, load_job, load_preset
 from feta_release.data import ImageDataset, load_embedded
 from feta_release.errors import BudgetExceededError, ConfigError, DataError, PrivacyError
+from feta_release.planning import plan as plan_run
 from feta_release.training.pipeline import (
     RunLedger,
     SimulatedKill,
     apply_method,
-    plan_run,
     run_pipeline,
 )
 
@@ -198,7 +198,7 @@ def test_ledger_refuses_beyond_plan_and_keeps_file(tmp_path):
     ledger = RunLedger(tmp_path / "privacy.json", cfg, plan, 240)
     ledger.write()
     ledger.charge("central", 1)
-    for _ in range(plan.dpsgd_steps):
+    for _ in range(plan.event("dpsgd").steps):
         ledger.charge("dpsgd")
     before = (tmp_path / "privacy.json").read_bytes()
     with pytest.raises(BudgetExceededError, match="exceed"):
@@ -208,7 +208,7 @@ def test_ledger_refuses_beyond_plan_and_keeps_file(tmp_path):
     assert (tmp_path / "privacy.json").read_bytes() == before
     # a reopened ledger sees the charges on disk
     again = RunLedger(tmp_path / "privacy.json", cfg, plan, 240)
-    assert again.charged("dpsgd") == plan.dpsgd_steps and again.charged("central") == 1
+    assert again.charged("dpsgd") == plan.event("dpsgd").steps and again.charged("central") == 1
 
 
 def test_ledger_checks_the_real_epsilon_before_each_step(tmp_path):
@@ -220,8 +220,8 @@ def test_ledger_checks_the_real_epsilon_before_each_step(tmp_path):
     ledger.charge("central", 1)
     charged = 0
     with pytest.raises(BudgetExceededError, match="stopped before"):
-        for _ in range(plan.dpsgd_steps):
+        for _ in range(plan.event("dpsgd").steps):
             ledger.charge("dpsgd")
             charged += 1
-    assert ledger.charged("dpsgd") == charged < plan.dpsgd_steps
+    assert ledger.charged("dpsgd") == charged < plan.event("dpsgd").steps
     assert epsilon(ledger.events, 1e-5) <= plan.epsilon * 0.5

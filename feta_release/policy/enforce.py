@@ -67,6 +67,18 @@ class MechanismRequest:
         raise PolicyError(f"malformed mechanism request {request!r}")
 
 
+def request_of(event: PrivacyEvent, cfg: Any, job: Job | None = None) -> MechanismRequest:
+    """The request a planned event makes of a site, with the job fields its policy rules read."""
+    extra: dict[str, Any] = {}
+    if event.stage == "central":
+        extra["batch"] = cfg.central.batch
+    elif event.stage == "frequency":
+        extra["features"] = cfg.frequency.features
+    elif event.stage == "dpsgd":
+        extra.update(batch=cfg.dpsgd.batch, clip=cfg.dpsgd.clip)
+    return MechanismRequest(event.stage, event.sigma, event.q, event.steps, job=job, **extra)
+
+
 def _fmt(x: float) -> str:
     return f"{x:g}"
 

@@ -57,6 +57,8 @@ from ..accounting import PrivacyEvent, epsilon, epsilon_breakdown, events_from_l
 from ..config import JobConfig
 from ..data import ImageDataset
 from ..errors import BudgetExceededError, ConfigError, DataError, PrivacyError
+from ..planning import PrivacyPlan
+from ..planning import plan as privacy_plan
 from .checkpoint import atomic_write_bytes, atomic_write_json, config_hash, load_torch, read_json, save_torch
 from .progress import Reporter
 
@@ -111,41 +113,10 @@ def check_data(cfg: JobConfig, data: ImageDataset) -> None:
 # -- privacy ledger of a run -----------------------------------------------------------------------
 
 
-@dataclass
-class PlannedRun:
-    events: list[PrivacyEvent]  # the whole planned history (warm-up events + DP-SGD)
-    dpsgd_sigma: float | None
-    dpsgd_q: float
-    dpsgd_steps: int
-    epsilon: float  # total planned epsilon with the configured accountant
-    n_public: int = 0  # the PUBLIC nominal size every rate and denominator uses (never the exact count)
-
-
-def plan_run(cfg: JobConfig, n: int, image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10,
-             warnings: list[str] | None = None) -> PlannedRun:
-    """Whole-history plan (``feta_release.planning.plan_job``): warm-up events as configured, DP-SGD sigma
-    calibrated for what is left. Raises PrivacyError naming the stage to shrink when it cannot fit.
-    The plan's noise-to-signal warnings are appended to ``warnings`` when given."""
-    from ..planning import plan_job
-
-    pl = plan_job(cfg, n, image_shape=image_shape, n_classes=n_classes)
-    if warnings is not None:
-        warnings.extend(pl.warnings)
-    sgd = next((e for e in pl.history if e.stage == "dpsgd"), None)
-    return PlannedRun(
-        events=list(pl.history),
-        dpsgd_sigma=pl.noise_multiplier if sgd else None,
-        dpsgd_q=sgd.q if sgd else cfg.for_size(n).dpsgd.batch / n,
-        dpsgd_steps=sgd.steps if sgd else 0,
-        epsilon=pl.epsilon,
-        n_public=int(n),
-    )
-
-
 class RunLedger:
     """Charged privacy events of one run, persisted to ``privacy.json`` BEFORE each release/step."""
 
-    def __init__(self, path: Path, cfg: JobConfig, plan: PlannedRun, n: int) -> None:
+    def __init__(self, path: Path, cfg: JobConfig, plan: PrivacyPlan, n: int) -> None:
         self.path = path
         self.cfg = cfg
         self.plan = plan
@@ -364,9 +335,9 @@ def run_pipeline(
     cfg = apply_method(cfg).for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     check_data(cfg, data)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
-    plan_warnings: list[str] = []
-    plan = plan_run(cfg, n_pub, data.image_shape, data.n_classes, plan_warnings)
-    for w in plan_warnings:
+    plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes)
+    sgd = plan.event("dpsgd")
+    for w in plan.warnings:
         rep.log(f"[yellow]warning[/]: {w}")
     job_hash = config_hash(cfg.to_dict())
     data_fp = data.fingerprint()
@@ -376,7 +347,7 @@ def run_pipeline(
     if state is not None and state.get("status") == "complete" and rd.complete_marker.exists():
         rep.log(f"[green]{root} is already complete[/]; nothing to do")
         doc = read_json(root / "privacy.json")
-        return RunResult(root, doc["epsilon"], doc["delta"], events_from_list(doc["events"]), plan.dpsgd_sigma,
+        return RunResult(root, doc["epsilon"], doc["delta"], events_from_list(doc["events"]), plan.noise_multiplier,
                          int(state.get("dpsgd_steps_trained", 0)), 0.0, resumed=True, already_complete=True)
     if state is None:
         state = {
@@ -395,7 +366,8 @@ def run_pipeline(
         }
         atomic_write_json(rd.root / "job.json", cfg.to_dict())
     state["plan"] = {"events": events_to_list(plan.events), "epsilon": plan.epsilon,
-                     "dpsgd_sigma": plan.dpsgd_sigma, "dpsgd_q": plan.dpsgd_q, "dpsgd_steps": plan.dpsgd_steps}
+                     "dpsgd_sigma": plan.noise_multiplier, "dpsgd_q": sgd.q if sgd else cfg.dpsgd.batch / n_pub,
+                     "dpsgd_steps": sgd.steps if sgd else 0}
     state["status"] = "running"
     atomic_write_json(rd.run_json, state)
 
@@ -413,7 +385,7 @@ def run_pipeline(
     rep.log(
         f"[bold]{cfg.job.name}[/] ({cfg.job.method}) on {data.n} images, {data.n_classes} classes: planned "
         f"epsilon {plan.epsilon:.3f} at delta {cfg.privacy.delta:g}"
-        + (f"; DP-SGD sigma {plan.dpsgd_sigma:.3f}, q {plan.dpsgd_q:.4f}, {plan.dpsgd_steps} steps" if plan.dpsgd_steps else "")
+        + (f"; DP-SGD sigma {sgd.sigma:.3f}, q {sgd.q:.4f}, {sgd.steps} steps" if sgd else "")
         + (" [resuming]" if resumed else "")
     )
     stage_seconds: dict[str, float] = {}
@@ -478,10 +450,10 @@ def run_pipeline(
     # 4. DP-SGD on the real images
     trained = 0
     final_model: torch.nn.Module = denoiser
-    if plan.dpsgd_steps > 0:
+    if sgd is not None:
         t0 = _now()
         final_model, trained = _dpsgd_stage(
-            cfg, data, rd, ledger, plan, denoiser, _private_gen(secret, "dpsgd"), rep, checkpoint_every,
+            cfg, data, rd, ledger, sgd, n_pub, denoiser, _private_gen(secret, "dpsgd"), rep, checkpoint_every,
             kill_after_steps, before_dpsgd_step, state,
         )
         mark("dpsgd", steps_trained=trained, steps_charged=ledger.charged("dpsgd"))
@@ -512,7 +484,7 @@ def run_pipeline(
     eps = float(doc["epsilon"])
     rep.log(f"[green]done[/]: epsilon {eps:.3f} at delta {cfg.privacy.delta:g} (accountant {cfg.privacy.accountant}); "
             f"per stage {', '.join(f'{k} {v:.3f}' for k, v in doc['per_stage_epsilon'].items())}")
-    return RunResult(rd.root, eps, cfg.privacy.delta, ledger.events, plan.dpsgd_sigma, trained,
+    return RunResult(rd.root, eps, cfg.privacy.delta, ledger.events, plan.noise_multiplier, trained,
                      time.perf_counter() - t_start, stage_seconds, resumed)
 
 
@@ -646,11 +618,11 @@ def _frequency_warmup(cfg, data, rd, denoiser, embedding, rep, grid, mark, n_pub
     grid("after-frequency", denoiser)
 
 
-def _dpsgd_stage(cfg, data, rd, ledger, plan, denoiser, gen, rep, every, kill_after, before_hook, state):
+def _dpsgd_stage(cfg, data, rd, ledger, sgd, n_pub, denoiser, gen, rep, every, kill_after, before_hook, state):
     from .dpsgd import DPSGDTrainer
 
-    trainer = DPSGDTrainer(denoiser, cfg, plan.dpsgd_sigma, plan.dpsgd_q, gen,
-                           image_shape=data.image_shape, n_classes=data.n_classes, n_public=plan.n_public)
+    trainer = DPSGDTrainer(denoiser, cfg, sgd.sigma, sgd.q, gen,
+                           image_shape=data.image_shape, n_classes=data.n_classes, n_public=n_pub)
     ck = rd.ckpt("dpsgd.pt")
     if ck.exists():
         trainer.load_state_dict(load_torch(ck))
@@ -660,7 +632,7 @@ def _dpsgd_stage(cfg, data, rd, ledger, plan, denoiser, gen, rep, every, kill_af
         rep.log(f"DP-SGD: resuming at step {trainer.steps_done}; {lost} step(s) charged after the last checkpoint "
                 "are lost progress (not re-charged)")
         state["dpsgd_steps_lost"] = int(state.get("dpsgd_steps_lost", 0)) + lost
-    remaining = plan.dpsgd_steps - charged
+    remaining = sgd.steps - charged
     x = torch.from_numpy(np.ascontiguousarray(data.images, dtype=np.float32)) * 2 - 1
     y = torch.from_numpy(np.asarray(data.labels, dtype=np.int64))
     done_here = 0
@@ -670,13 +642,13 @@ def _dpsgd_stage(cfg, data, rd, ledger, plan, denoiser, gen, rep, every, kill_af
             before_hook(i)
         ledger.charge("dpsgd", 1)  # on disk before the step runs
 
-    with rep.task("DP-SGD", plan.dpsgd_steps) as adv:
+    with rep.task("DP-SGD", sgd.steps) as adv:
         adv(charged)
 
         def after(s) -> None:
             nonlocal done_here
             done_here += 1
-            if trainer.steps_done % every == 0 or ledger.charged("dpsgd") == plan.dpsgd_steps:
+            if trainer.steps_done % every == 0 or ledger.charged("dpsgd") == sgd.steps:
                 save_torch(ck, trainer.state_dict())
             adv(1, info=f"batch {s.batch_size} loss {s.loss:.3f} clipped {s.clipped_fraction:.0%}")
             if kill_after is not None and done_here >= kill_after:

@@ -31,7 +31,7 @@ def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, si
     """Verify the ledger's hash chain and print it: per job, per mechanism, ε spent (and left)."""
     from feta_release.errors import ConfigError
 
-    from .ledger import Ledger
+    from feta_release.ledger import Ledger
 
     if not ledger_path.exists():
         raise ConfigError(f"{ledger_path}: no ledger here (a node creates it on its first release)")
@@ -69,7 +69,7 @@ def migrate_ledger(ledger_path: Path, site_key: Path) -> None:
     """Chain and sign a ledger written by an older feta-release (trusting its rows as they are now)."""
     from feta_release.signing import load_private_key
 
-    from .ledger import Ledger
+    from feta_release.ledger import Ledger
 
     n = Ledger.migrate(ledger_path, load_private_key(site_key))
     click.echo(f"{ledger_path}: {n} row(s) chained; head signed by the site key; mode 0600")

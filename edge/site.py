@@ -14,7 +14,7 @@ from typing import Any
 
 from feta_release.errors import ConfigError, PolicyError
 
-from .ledger import Ledger
+from feta_release.ledger import Ledger
 
 log = logging.getLogger("feta.node")
 

@@ -170,11 +170,13 @@ def stage_event(events: Sequence[PrivacyEvent], stage: str) -> PrivacyEvent | No
 
 
 def merged(events: Sequence[PrivacyEvent]) -> list[PrivacyEvent]:
-    """One event per stage with the steps summed (DP-SGD rounds of one sigma and q are one composition)."""
-    out: dict[str, PrivacyEvent] = {}
+    """Events of one stage, sigma and q as one event with the steps summed (DP-SGD rounds or chunks of one
+    sigma and q are one composition, so epsilon is unchanged), in order of first appearance."""
+    out: dict[tuple[str, float, float], PrivacyEvent] = {}
     for e in events:
-        prev = out.get(e.stage)
-        out[e.stage] = e if prev is None else PrivacyEvent(e.stage, e.sigma, e.q, prev.steps + e.steps)
+        key = (e.stage, e.sigma, e.q)
+        prev = out.get(key)
+        out[key] = e if prev is None else PrivacyEvent(e.stage, e.sigma, e.q, prev.steps + e.steps)
     return list(out.values())
 
 

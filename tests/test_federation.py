@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.setup import sign_job_file
-from edge.ledger import Ledger
+from feta_release.ledger import Ledger
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm

@@ -197,7 +197,7 @@ class JobDriver:
                                    list(doc["class_names"]), list(doc.get("lifetime_events", [])))
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
-    def plan_job(self) -> dict[str, Any]:
+    def plan_sites(self) -> dict[str, Any]:
         from ..accounting import events_from_list
         from ..policy.enforce import check_job_fits, request_of
 

@@ -27,8 +27,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from .accounting import Accountant as AccountantName
+from .accounting import PrivacyEvent, epsilon
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
 
 from . import ledger_chain as chain
@@ -67,7 +69,7 @@ class Budget:
     job_epsilon: float
     lifetime_epsilon: float
     delta: float  # the per-job delta
-    accountant: str = "rdp"
+    accountant: AccountantName = "rdp"
     lifetime_delta: float | None = None  # None: same as ``delta``
 
     @property
@@ -82,7 +84,7 @@ class Budget:
             job_epsilon=float(b["per_job"]["epsilon"]),
             lifetime_epsilon=float(b["lifetime"]["epsilon"]),
             delta=float(b["per_job"]["delta"]),
-            accountant=str(policy.get("accountant", "rdp")),
+            accountant=cast(AccountantName, str(policy.get("accountant", "rdp"))),
             lifetime_delta=float(b["lifetime"]["delta"]),
         )
 
@@ -109,9 +111,7 @@ def as_budget(policy: Budget | Any) -> Budget:
 
 
 def _default_accountant(events: Sequence[Any], delta: float, accountant: str) -> float:
-    from feta_release.accounting import epsilon
-
-    return float(epsilon(list(events), delta, accountant))
+    return float(epsilon(list(events), delta, cast(AccountantName, accountant)))
 
 
 def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequence[Any], new_events: Sequence[Any],
@@ -145,14 +145,12 @@ def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequ
 def _event_dicts(events: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for e in events:
-        d = dataclasses.asdict(e) if dataclasses.is_dataclass(e) else dict(e)
+        d = dataclasses.asdict(e) if dataclasses.is_dataclass(e) and not isinstance(e, type) else dict(e)
         out.append({"stage": str(d["stage"]), "sigma": float(d["sigma"]), "q": float(d["q"]), "steps": int(d["steps"])})
     return out
 
 
 def _events_from_dicts(rows: list[dict[str, Any]]) -> list[Any]:
-    from feta_release.accounting import PrivacyEvent
-
     return [PrivacyEvent(**r) for r in rows]
 
 
@@ -484,7 +482,7 @@ class Ledger:
         budget = None if budget is None else as_budget(budget)
         d = budget.delta if budget else delta
         acc = budget.accountant if budget else accountant
-        b = budget or Budget(float("inf"), float("inf"), d, acc)
+        b = budget or Budget(float("inf"), float("inf"), d, cast(AccountantName, acc))
         jobs: dict[str, Any] = {}
         for job_id, in self._db.execute("SELECT DISTINCT job_id FROM requests ORDER BY seq").fetchall():
             reqs = self.requests(job_id)

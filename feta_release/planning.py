@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, calibrate_noise_multiplier, epsilon
+from .accounting import MAX_NOISE_MULTIPLIER, Accountant, PrivacyEvent, calibrate_noise_multiplier, epsilon
 from .config import JobConfig
 from .errors import FetaError, PrivacyError
 
@@ -46,7 +46,7 @@ class Target:
 
     epsilon: float
     delta: float
-    accountant: str
+    accountant: Accountant
 
 
 def target(cfg: JobConfig, policy: Any | None = None) -> Target:
@@ -150,7 +150,8 @@ def check_warmup(prior_and_warm: Sequence[PrivacyEvent], budget: Target) -> floa
 
 
 @functools.lru_cache(maxsize=256)
-def _calibrate(prior: tuple[PrivacyEvent, ...], q: float, steps: int, eps: float, delta: float, acc: str) -> float:
+def _calibrate(prior: tuple[PrivacyEvent, ...], q: float, steps: int, eps: float, delta: float,
+               acc: Accountant) -> float:
     # Deterministic, so caching is exact; the bisection costs ~0.5 s and a node recomputes it for every request.
     spent = check_warmup(prior, Target(eps, delta, acc))
     try:
@@ -202,9 +203,8 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
         clip = c.clip if c.clip is not None else math.sqrt(d)
         r = c.sigma * min(clip, math.sqrt(d)) / per_class
         return r, f"noise std {r:.3f} per pixel (pixels in [0, 1]), per-class batch {per_class:.0f}"
-    if stage == "frequency" and cfg.frequency.sigma is not None:
-        f = cfg.frequency
-        r = f.sigma * math.sqrt(f.features) / n * n_classes
+    if stage == "frequency" and (f_sigma := cfg.frequency.sigma) is not None:
+        r = f_sigma * math.sqrt(cfg.frequency.features) / n * n_classes
         return r, f"noise norm >= {r:.2f} x a class column's signal"
     if stage == "dpsgd" and sgd_sigma is not None:
         params = _param_count(cfg, image_shape, n_classes)
@@ -254,7 +254,7 @@ class PrivacyPlan:
     dataset_size: int
     target_epsilon: float
     delta: float
-    accountant: str
+    accountant: Accountant
     epsilon: float  # total over the whole history (all stages composed)
     noise_multiplier: float | None  # DP-SGD sigma (calibrated or configured); None when DP-SGD has 0 steps
     calibrated: bool

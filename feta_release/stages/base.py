@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import math
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
-import torch
-
 from ..accounting import PrivacyEvent, epsilon
 from ..config import JobConfig
 from ..errors import PrivacyError
+from ..models.edm import EDMDenoiser
 from ..models.sampler import generate
 from ..viz import epsilon_title, save_grid
 from .context import RunContext, seed_from
@@ -33,9 +32,9 @@ def now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def npz_bytes(**arrays: np.ndarray) -> bytes:
+def npz_bytes(**arrays: Any) -> bytes:
     buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
+    np.savez_compressed(buf, allow_pickle=False, **arrays)
     return buf.getvalue()
 
 
@@ -66,7 +65,7 @@ def grid_title(ctx: RunContext, what: str) -> str:
     return epsilon_title(label, spent, b.delta)
 
 
-def sample_grid(ctx: RunContext, stage: str, model: torch.nn.Module) -> None:
+def sample_grid(ctx: RunContext, stage: str, model: EDMDenoiser) -> None:
     images, labels = generate(model, ctx.grid_per_class, seed_from(ctx.cfg.job.seed, "grid"), ctx.cfg.sampler)
     d = ctx.data
     save_grid(images.numpy(), labels.numpy(), ctx.next_grid(stage), per_class=ctx.grid_per_class,

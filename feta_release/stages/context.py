@@ -19,6 +19,7 @@ import torch
 
 from ..config import JobConfig
 from ..data import ImageDataset
+from ..models.edm import EDMDenoiser
 from ..planning import PrivacyPlan
 from ..randomness import numpy_generator_from, torch_generator_from
 from ..training.checkpoint import atomic_write_json
@@ -65,7 +66,7 @@ class RunContext:
     state: dict[str, Any]  # run.json
     secret: int
     rep: Reporter
-    denoiser: torch.nn.Module
+    denoiser: EDMDenoiser
     n_public: int
     checkpoint_every: int = 10
     grid_per_class: int = 8
@@ -74,7 +75,7 @@ class RunContext:
     # products of the stages
     central: tuple[np.ndarray, np.ndarray] | None = None  # released central images (post-processed) and labels
     embedding: np.ndarray | None = None  # released frequency statistics
-    final_model: torch.nn.Module | None = None  # EMA model after DP-SGD (else the warmed-up denoiser)
+    final_model: EDMDenoiser | None = None  # EMA model after DP-SGD (else the warmed-up denoiser)
     dpsgd_trained: int = 0
     grid_index: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)

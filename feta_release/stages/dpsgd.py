@@ -9,12 +9,14 @@ from the checkpoint with the REMAINING planned steps, so the final history equal
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import numpy as np
 import torch
 
 from ..accounting import PrivacyEvent
 from ..config import JobConfig
+from ..models.edm import EDMDenoiser
 from ..training.checkpoint import load_torch, save_torch
 from ..training.dpsgd import DPSGDTrainer, StepStats
 from .base import sample_grid
@@ -47,9 +49,10 @@ class DpsgdTraining:
             ctx.state["dpsgd_steps_lost"] = int(ctx.state.get("dpsgd_steps_lost", 0)) + lost
         _train(ctx, trainer, sgd, charged)
         save_torch(ck, trainer.state_dict())
-        ctx.final_model, ctx.dpsgd_trained = trainer.ema_model(), trainer.steps_done
+        model = cast(EDMDenoiser, trainer.ema_model())
+        ctx.final_model, ctx.dpsgd_trained = model, trainer.steps_done
         ctx.mark("dpsgd", steps_trained=ctx.dpsgd_trained, steps_charged=ctx.account.charged("dpsgd"))
-        sample_grid(ctx, "after-dpsgd", ctx.final_model)
+        sample_grid(ctx, "after-dpsgd", model)
 
 
 def _train(ctx: RunContext, trainer: DPSGDTrainer, sgd: PrivacyEvent, charged: int) -> None:

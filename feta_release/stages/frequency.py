@@ -29,6 +29,7 @@ class FrequencyRelease:
 
 def _release(ctx: RunContext) -> np.ndarray:
     f, d = ctx.cfg.frequency, ctx.data
+    assert f.sigma is not None, "enabled only with [frequency] sigma"
     rid = ctx.account.charge("frequency", 1)
     release, event = frequency_statistics(
         d.images, d.labels, d.n_classes, features=f.features, sigma=f.sigma, bandwidth2=f.bandwidth2, seed=f.seed,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ..config import JobConfig
-from ..models.edm import denoiser_spec
+from ..models.edm import EDMDenoiser, denoiser_spec
 from ..models.sampler import generate
 from ..training.checkpoint import atomic_write_bytes, save_torch
 from .base import npz_bytes
@@ -34,7 +34,7 @@ class Synthesis:
         })
 
 
-def _write_synthetic(ctx: RunContext, model: object, n: int) -> None:
+def _write_synthetic(ctx: RunContext, model: EDMDenoiser, n: int) -> None:
     k, cfg = ctx.data.n_classes, ctx.cfg
     # Balanced: class c gets ceil or floor of n/k; interleave so a prefix is balanced too.
     labels = np.tile(np.arange(k, dtype=np.int64), math.ceil(n / k))[:n]

@@ -56,7 +56,7 @@ from ..data import ImageDataset
 from ..data.commitment import suggest_public_size
 from ..errors import ConfigError, DataError
 from ..ledger import Ledger
-from ..models.edm import build_denoiser
+from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..planning import plan as privacy_plan
 from ..signing import fingerprint, generate_keypair, load_private_key
@@ -191,6 +191,7 @@ def run_pipeline(
     (default: ``RUN_DIR/checkpoints/site.key``, created at the first start).
     """
     t_start = time.perf_counter()
+    dev = resolve_device(device)  # refuse an absent GPU before anything is written
     rep = reporter or Reporter(enabled=False)
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -214,7 +215,7 @@ def run_pipeline(
     if not account.report_path.exists():
         account.write()
     ctx = RunContext(cfg=cfg, data=data, rd=rd, account=account, plan=plan, state=state,
-                     secret=_secret(rd, noise_seed), rep=rep, denoiser=_denoiser(cfg, data, device), n_public=n_pub,
+                     secret=_secret(rd, noise_seed), rep=rep, denoiser=_denoiser(cfg, data, dev), n_public=n_pub,
                      checkpoint_every=checkpoint_every, grid_per_class=grid_per_class, n_synthetic=n_synthetic,
                      kill_after_steps=kill_after_steps)
     _log_start(ctx, resumed)
@@ -294,9 +295,9 @@ def _secret(rd: RunDir, noise_seed: int | None) -> int:
     return secret
 
 
-def _denoiser(cfg: JobConfig, data: ImageDataset, device: str) -> torch.nn.Module:
+def _denoiser(cfg: JobConfig, data: ImageDataset, device: torch.device) -> EDMDenoiser:
     torch.manual_seed(seed_from(cfg.job.seed, "init"))
-    return build_denoiser(cfg.model, data.image_shape, data.n_classes).to(resolve_device(device))
+    return build_denoiser(cfg.model, data.image_shape, data.n_classes).to(device)
 
 
 def _log_start(ctx: RunContext, resumed: bool) -> None:

@@ -63,7 +63,7 @@ def main() -> None:
     from feta_release.mechanisms.frequency import frequency_statistics, rff_frequencies
     from feta_release.models.edm import build_denoiser
     from feta_release.models.sampler import generate
-    from feta_release.planning import plan_job
+    from feta_release.planning import plan as privacy_plan
     from feta_release.training.augment import rand_augment
     from feta_release.training.dpsgd import DPSGDTrainer
     from feta_release.training.frequency import fit_aux_generator, frequency_warmup, generate_aux_images
@@ -100,7 +100,7 @@ def main() -> None:
                       n_classes=fit.n_classes)
             log(stage, guidance=w, val_acc=round(acc, 4), eval_s=round(time.perf_counter() - t0, 1))
 
-    plan = plan_job(cfg, fit.n)
+    plan = privacy_plan(cfg, fit.n)
     log("plan", stages={s.stage: round(s.epsilon, 3) for s in plan.stages}, sigma_sgd=plan.noise_multiplier,
         total=plan.epsilon)
     rng = np.random.default_rng(99)

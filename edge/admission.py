@@ -16,34 +16,36 @@ from typing import Any
 
 from feta_release.accounting import PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
-from feta_release.federation import plan
-from feta_release.policy.enforce import MechanismRequest, check_budget, check_request
+from feta_release.planning import stage_event, stage_events, target, warmup_events
+from feta_release.policy.enforce import MechanismRequest, check_budget, check_request, request_of
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
 from feta_release.policy.jobs import verify_job
 
 MECHANISM_ORDER = ("central", "frequency", "dpsgd")
 
 
+_DISABLED = {
+    "central": "the job disables central images ([central] rounds = 0); nothing to release",
+    "frequency": "the job disables the frequency release ([frequency] sigma unset); nothing to release",
+    "dpsgd": "the job has no DP-SGD ([federation] rounds x local_steps = 0); nothing to train",
+}
+
+
 def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path | None = None
                 ) -> tuple[PrivacyEvent, MechanismRequest]:
-    """The privacy event a handler will release and the request it checks against the policy."""
+    """The privacy event a handler will release (the planner's, ``feta_release.planning``) and the request it
+    checks against the policy."""
     cfg = job.config
-    if mechanism == "central":
-        ev = plan.central_event(cfg, n)
-        if ev is None:
-            raise PrivacyError("the job disables central images ([central] rounds = 0); nothing to release")
-        return ev, MechanismRequest("central", ev.sigma, ev.q, ev.steps, batch=cfg.central.batch, job=job)
-    if mechanism == "frequency":
-        ev = plan.frequency_event(cfg)
-        if ev is None:
-            raise PrivacyError("the job disables the frequency release ([frequency] sigma unset); nothing to release")
-        return ev, MechanismRequest("frequency", ev.sigma, ev.q, ev.steps, features=cfg.frequency.features,
-                                    job=job)
-    if mechanism == "dpsgd":
-        ev = plan.round_event(cfg, n, plan.site_sigma(cfg, n, policy, cache_dir=cache_dir))
-        return ev, MechanismRequest("dpsgd", ev.sigma, ev.q, ev.steps, batch=cfg.dpsgd.batch,
-                                    clip=cfg.dpsgd.clip, job=job)
-    raise PolicyError(f"unknown mechanism {mechanism!r}")
+    if mechanism not in _DISABLED:
+        raise PolicyError(f"unknown mechanism {mechanism!r}")
+    # The warm-up releases need no DP-SGD calibration (seconds, and a job whose DP-SGD cannot fit is the
+    # coordinator's refusal to make); the DP-SGD round is the planner's calibrated one.
+    events = (warmup_events(cfg, n) if mechanism != "dpsgd"
+              else stage_events(cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir))
+    ev = stage_event(events, mechanism)
+    if ev is None:
+        raise PrivacyError(_DISABLED[mechanism])
+    return ev, request_of(ev, cfg, job)
 
 
 def job_mechanisms(cfg: Any) -> list[str]:

@@ -19,7 +19,7 @@ from feta_release.errors import ConfigError
 from feta_release.signing import load_private_key, load_public_key
 
 from .kit import read_node_toml
-from .ledger import Ledger
+from feta_release.ledger import Ledger
 from .site import verify_policy_file
 
 

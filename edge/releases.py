@@ -1,6 +1,6 @@
 """The computations a site runs on its own images (all noise added here), wrapped for the handlers.
 
-The privacy event of each release is known BEFORE it runs (``feta_release.federation.plan``), so
+The privacy event of each release is known BEFORE it runs (``feta_release.planning``), so
 the ledger can refuse first; after it runs, the event the mechanism reports must equal the planned
 one, or nothing leaves the site.
 """
@@ -15,24 +15,19 @@ import torch
 from feta_release.accounting import PrivacyEvent
 from feta_release.config import JobConfig
 from feta_release.errors import PrivacyError
-from feta_release.federation import plan
 from feta_release.mechanisms.central import central_images
 from feta_release.mechanisms.frequency import frequency_statistics
 from feta_release.models import build_denoiser
+from feta_release.planning import stage_event, warmup_events
 from feta_release.training.dpsgd import DPSGDTrainer
 
-central_event = plan.central_event
 
-
-def frequency_event(cfg: JobConfig) -> PrivacyEvent:
-    ev = plan.frequency_event(cfg)
+def _planned(cfg: JobConfig, n_public: int, stage: str, what: str) -> PrivacyEvent:
+    """The planner's event of a warm-up release (``feta_release.planning``), or a refusal when the job has none."""
+    ev = stage_event(warmup_events(cfg, n_public), stage)
     if ev is None:
-        raise PrivacyError("the job disables the frequency release ([frequency] sigma unset); nothing to release")
+        raise PrivacyError(f"the job disables {what}; nothing to release")
     return ev
-
-
-def site_dpsgd_event(cfg: JobConfig, policy: Any, n: int, cache_dir: Any = None) -> PrivacyEvent:
-    return plan.round_event(cfg, n, plan.site_sigma(cfg, n, policy, cache_dir=cache_dir))
 
 
 def _same(planned: list[PrivacyEvent], reported: list[PrivacyEvent], what: str) -> None:
@@ -46,9 +41,7 @@ def release_central(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gener
                     ) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
     """Central images at Poisson rate q = batch / ``n_public`` (the policy's public size, not ``ds.n``);
     ``rng``: the request's fresh OS-seeded generator (``edge.protocol.ReleaseRng``)."""
-    planned = plan.central_event(cfg, n_public)
-    if planned is None:
-        raise PrivacyError("the job disables central images ([central] rounds = 0); nothing to release")
+    planned = _planned(cfg, n_public, "central", "central images ([central] rounds = 0)")
     c = cfg.central
     release, event = central_images(ds.images, ds.labels, ds.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch,
                                     sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=n_public,
@@ -61,7 +54,7 @@ def release_frequency(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gen
                       ) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
     """The RFF mean embedding over the PUBLIC denominator ``n_public`` (sensitivity 1 / n_public). The random
     features come from the job's public ``[frequency] seed``; the noise only from ``rng``."""
-    planned = frequency_event(cfg)
+    planned = _planned(cfg, n_public, "frequency", "the frequency release ([frequency] sigma unset)")
     f = cfg.frequency
     assert f.sigma is not None
     release, event = frequency_statistics(ds.images, ds.labels, ds.n_classes, features=f.features, sigma=f.sigma,

@@ -18,7 +18,7 @@ from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import load_site_policy
 from feta_release.signing import load_private_key, public_key_pem
 
-from .ledger import Ledger
+from feta_release.ledger import Ledger
 
 log = logging.getLogger("feta.node")
 

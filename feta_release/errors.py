@@ -39,6 +39,39 @@ class PolicyError(FetaError):
     exit_code = 6
 
 
+class PolicyViolation(PolicyError):
+    """A policy, signature or request is refused by a named rule (e.g. ``mechanisms.dpsgd.min_sigma``).
+
+    Defined here (re-exported by ``feta_release.policy.errors``) because the ledger enforces the per-job caps
+    under its write lock and sits below the policy package.
+    """
+
+    def __init__(self, rule: str, message: str, *, site: str | None = None) -> None:
+        self.rule = rule
+        self.site = site
+        where = f"site {site}: " if site else ""
+        super().__init__(f"{where}policy rule {rule}: {message}")
+
+
+class PolicyBudgetExceeded(BudgetExceededError):
+    """A release would pass a site's per-job or lifetime budget (``.rule`` names which); nothing was released.
+
+    Defined here, below every other module, because the ledger (``feta_release.ledger``) raises it and the
+    policy package builds on the ledger; ``feta_release.policy.errors`` re-exports it.
+    """
+
+    def __init__(self, rule: str, *, spent: float, after: float, cap: float, delta: float, accountant: str,
+                 scope: str, site: str | None = None) -> None:
+        self.rule = rule
+        self.site = site
+        self.spent, self.requested, self.after, self.cap = spent, after - spent, after, cap
+        where = f"site {site}: " if site else ""
+        super().__init__(
+            f"{where}policy rule {rule}: {scope} has spent ε={spent:.4g}; with this release it would reach "
+            f"ε={after:.4g} > cap ε={cap:.4g} (δ={delta:g}, {accountant} accountant); nothing was released"
+        )
+
+
 class ReleaseError(FetaError):
     """A release directory is incomplete, tampered with, or inconsistent."""
 

@@ -1,29 +1,231 @@
-"""Privacy planning: from a job file and a PUBLIC dataset size to per-stage parameters and the total epsilon.
+"""The ONE privacy planner: from a job and a site's PUBLIC dataset size to its privacy events and total epsilon.
 
-A plan is made before any data is touched.  The stages of a FETA-Pro job are, in order: central images
-(DP-FETA warm-up), frequency statistics (FETA-Pro warm-up), DP-SGD fine-tuning.  The warm-up stages have fixed
-noise; the DP-SGD noise multiplier is calibrated so that the WHOLE history meets the target (epsilon, delta)
-(or, when the job fixes ``[dpsgd] noise_multiplier``, that value is checked against the budget).
+:func:`stage_events` is the only source of a site's events: the single-site ``train`` run, the federation's
+coordinator (which plans with them and refuses a job that cannot fit) and every site's node (which enforces
+them) call it. :func:`plan` reports on the same events (epsilon per stage, noise figures, warnings) for
+``privacy plan`` and the runs. A plan is made before any data is touched.
+
+The stages of a job are, in order: central images (DP-FETA warm-up), frequency statistics (FETA-Pro warm-up),
+DP-SGD fine-tuning. The warm-up stages have fixed noise; the DP-SGD noise multiplier is calibrated so that the
+WHOLE history (prior spending + warm-up + every DP-SGD step) meets the target (epsilon, delta), or, when the
+job fixes ``[dpsgd] noise_multiplier``, that value is used and checked against the budget. In a federation each
+site calibrates for ITS public size and for min(job budget, its per-job budget); the warm-up events are the
+PLANNED ones, so the sigma a site uses in round r does not depend on which requests were actually made.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from .accounting import (
-    MAX_NOISE_MULTIPLIER,
-    PrivacyEvent,
-    calibrate_noise_multiplier,
-    epsilon,
-)
+from .accounting import MAX_NOISE_MULTIPLIER, Accountant, PrivacyEvent, calibrate_noise_multiplier, epsilon
 from .config import JobConfig
-from .errors import PrivacyError
+from .errors import FetaError, PrivacyError
 
 # The embedded data's training split (5,000 MNIST digits, 20 % held out): the size assumed when none is given.
 DEFAULT_DATASET_SIZE = 4000
+# A release whose noise-to-signal figure is above this is mostly noise (the plan warns).
+MOSTLY_NOISE = 0.5
+_FIXES = {
+    "central": "lower [central] sigma or rounds, raise [central] rate, or use more data",
+    "frequency": "lower [frequency] sigma or features, or use more data",
+}
+STAGES = ("central", "frequency", "dpsgd")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The (epsilon, delta, accountant) a site calibrates DP-SGD for."""
+
+    epsilon: float
+    delta: float
+    accountant: Accountant
+
+
+def target(cfg: JobConfig, policy: Any | None = None) -> Target:
+    """The job's ``[privacy]`` budget, capped by a site's signed per-job budget (its accountant wins)."""
+    p = cfg.privacy
+    if policy is None:
+        return Target(float(p.epsilon), float(p.delta), p.accountant)
+    return Target(min(p.epsilon, policy.job_epsilon), min(p.delta, policy.job_delta), policy.accountant)
+
+
+def sampling_rate(batch: int, n: int, section: str) -> float:
+    """The Poisson sampling rate q = batch / n of a stage over the PUBLIC size ``n``: the only place one is computed."""
+    if batch > n:
+        raise PrivacyError(
+            f"[{section}] batch {batch} exceeds the dataset size {n} (sampling rate would be {batch / n:.3g} > 1): "
+            f"shrink [{section}] batch to at most {n} (in a federation: each site's expected Poisson batch, at most "
+            "its public size)"
+        )
+    return batch / n
+
+
+def dpsgd_schedule(cfg: JobConfig, n: int, federated: bool) -> tuple[int, int]:
+    """(rounds, DP-SGD steps per round): a local run is one round of the job's steps/epochs; a federated site
+    runs ``[federation] rounds`` rounds of ``local_steps`` steps each."""
+    if federated:
+        return int(cfg.federation.rounds), int(cfg.federation.local_steps)
+    steps = cfg.dpsgd_steps(n)
+    return (1, steps) if steps > 0 else (0, 0)
+
+
+def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
+    """The warm-up releases' events (central images, frequency statistics) of a job sized for ``n``."""
+    c, f = cfg.central, cfg.frequency
+    out = []
+    if c.rounds > 0:
+        out.append(PrivacyEvent("central", float(c.sigma), sampling_rate(c.batch, n, "central"), int(c.rounds)))
+    if f.sigma is not None:
+        out.append(PrivacyEvent("frequency", float(f.sigma), 1.0, 1))
+    return out
+
+
+def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, budget: Target | None = None,
+                 prior: Sequence[PrivacyEvent] = (), cache_dir: Path | None = None) -> list[PrivacyEvent]:
+    """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
+    after the job. DP-SGD is one event per round (one in a local run) with the calibrated (or configured) sigma.
+
+    ``budget``: what DP-SGD is calibrated for (default the job's ``[privacy]``); ``prior``: events already spent
+    on the same data, composed in before calibrating; ``cache_dir``: remember calibrations on disk (a node
+    answers each message in a fresh process and a calibration costs seconds; it is a pure function of its
+    inputs, so the cache is exact). Raises PrivacyError naming the stage to shrink when the job cannot fit.
+    """
+    n = _size(public_size)
+    if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
+        cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
+    warm = warmup_events(cfg, n)
+    rounds, per_round = dpsgd_schedule(cfg, n, federated)
+    if rounds * per_round < 1:
+        return warm
+    q = sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
+    if cfg.dpsgd.noise_multiplier is not None:
+        sigma = float(cfg.dpsgd.noise_multiplier)
+    else:
+        tgt = budget or target(cfg)
+        args = (tuple(prior) + tuple(warm), q, rounds * per_round, tgt.epsilon, tgt.delta, tgt.accountant)
+        sigma = _cached_calibration(args, cache_dir)
+    return warm + [PrivacyEvent("dpsgd", sigma, q, per_round)] * rounds
+
+
+def _size(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PrivacyError(f"dataset size must be a positive integer, got {n!r}")
+    return n
+
+
+def _cached_calibration(args: tuple[Any, ...], cache_dir: Path | None) -> float:
+    if cache_dir is None:
+        return _calibrate(*args)
+    key = hashlib.sha256(json.dumps([[e.to_dict() for e in args[0]], *args[1:]]).encode()).hexdigest()
+    path = Path(cache_dir) / "calibrations" / f"{key}.json"
+    if path.exists():
+        return float(json.loads(path.read_text("utf-8"))["sigma"])
+    sigma = _calibrate(*args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"sigma": sigma}), "utf-8")
+    os.replace(tmp, path)
+    return sigma
+
+
+def check_warmup(prior_and_warm: Sequence[PrivacyEvent], budget: Target) -> float:
+    """The warm-up's (and prior spending's) epsilon; refuse, naming the biggest stage, when it leaves nothing."""
+    evs = list(prior_and_warm)
+    spent = epsilon(evs, budget.delta, budget.accountant)
+    if spent >= budget.epsilon:
+        biggest = max(evs, key=lambda e: epsilon([e], budget.delta, budget.accountant)).stage if evs else "prior"
+        raise PrivacyError(
+            f"the warm-up alone spends epsilon {spent:.3f} >= the budget {budget.epsilon}: shrink [{biggest}] "
+            f"(fewer rounds / larger sigma), drop a warm-up stage, or raise [privacy] epsilon"
+        )
+    return spent
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(prior: tuple[PrivacyEvent, ...], q: float, steps: int, eps: float, delta: float,
+               acc: Accountant) -> float:
+    # Deterministic, so caching is exact; the bisection costs ~0.5 s and a node recomputes it for every request.
+    spent = check_warmup(prior, Target(eps, delta, acc))
+    try:
+        return calibrate_noise_multiplier(list(prior), q, steps, eps, delta, acc, max_sigma=MAX_NOISE_MULTIPLIER)
+    except PrivacyError:
+        raise PrivacyError(
+            f"[dpsgd] cannot meet epsilon {eps} at delta {delta}: even noise multiplier {MAX_NOISE_MULTIPLIER:g} "
+            f"is not enough for {steps} steps at q = {q:.4g} after the warm-up's epsilon {spent:.3f}. Shrink "
+            f"[dpsgd] (fewer steps/epochs, smaller batch), or the warm-up ([central] rounds, [frequency] sigma), or "
+            f"raise [privacy] epsilon"
+        ) from None
+
+
+def stage_event(events: Sequence[PrivacyEvent], stage: str) -> PrivacyEvent | None:
+    """The event of one release of ``stage`` (one round's for DP-SGD) among a site's events."""
+    return next((e for e in events if e.stage == stage), None)
+
+
+def merged(events: Sequence[PrivacyEvent]) -> list[PrivacyEvent]:
+    """Events of one stage, sigma and q as one event with the steps summed (DP-SGD rounds or chunks of one
+    sigma and q are one composition, so epsilon is unchanged), in order of first appearance."""
+    out: dict[tuple[str, float, float], PrivacyEvent] = {}
+    for e in events:
+        key = (e.stage, e.sigma, e.q)
+        prev = out.get(key)
+        out[key] = e if prev is None else PrivacyEvent(e.stage, e.sigma, e.q, prev.steps + e.steps)
+    return list(out.values())
+
+
+def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int, int] = (1, 28, 28),
+                n_classes: int = 10, sgd_sigma: float | None = None) -> tuple[float | None, str]:
+    """A noise-to-signal figure a user can judge, per stage, from PUBLIC values only.
+
+    central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / n_classes), against
+    the pixel scale 1 (pixels in [0, 1]).  central (mode): per-bin noise std sigma * sqrt(d) against the expected
+    per-class batch.  frequency: norm of a class column's noise, sigma * sqrt(features) / n, against the column's
+    largest possible norm 1 / n_classes (||phi|| = 1, balanced classes): a lower bound on the true ratio.
+    dpsgd: norm of the noise on the mean clipped gradient of ONE step, sigma * C * sqrt(params) / batch, against
+    its largest possible norm C; steps average it down, so it is reported, not warned about.
+    """
+    c_, h, w = image_shape
+    if stage == "central" and cfg.central.rounds > 0:
+        c = cfg.central
+        d = c_ * max(1, int(h * c.downsample)) * max(1, int(w * c.downsample))
+        per_class = c.batch / n_classes
+        if c.kind == "mode":
+            r = c.sigma * math.sqrt(d) / per_class
+            return r, f"per-bin noise {r:.2f} x the per-class batch {per_class:.0f}"
+        clip = c.clip if c.clip is not None else math.sqrt(d)
+        r = c.sigma * min(clip, math.sqrt(d)) / per_class
+        return r, f"noise std {r:.3f} per pixel (pixels in [0, 1]), per-class batch {per_class:.0f}"
+    if stage == "frequency" and (f_sigma := cfg.frequency.sigma) is not None:
+        r = f_sigma * math.sqrt(cfg.frequency.features) / n * n_classes
+        return r, f"noise norm >= {r:.2f} x a class column's signal"
+    if stage == "dpsgd" and sgd_sigma is not None:
+        params = _param_count(cfg, image_shape, n_classes)
+        if params is None:
+            return None, ""
+        r = sgd_sigma * math.sqrt(params) / cfg.dpsgd.batch
+        return r, (f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters, "
+                   f"batch {cfg.dpsgd.batch}); a larger batch at the same epsilon lowers it")
+    return None, ""
+
+
+def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int) -> int | None:
+    from .models.edm import build_denoiser  # torch: only when a figure needs the model
+
+    try:
+        return sum(p.numel() for p in build_denoiser(cfg.model, image_shape, n_classes).parameters())
+    except FetaError:
+        return None  # a model that cannot be built is reported by training, not by the plan
+
+
+# -- the report: epsilon per stage, noise-to-signal figures, warnings ---------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -52,12 +254,12 @@ class PrivacyPlan:
     dataset_size: int
     target_epsilon: float
     delta: float
-    accountant: str
+    accountant: Accountant
     epsilon: float  # total over the whole history (all stages composed)
     noise_multiplier: float | None  # DP-SGD sigma (calibrated or configured); None when DP-SGD has 0 steps
     calibrated: bool
     stages: tuple[StagePlan, ...]
-    history: tuple[PrivacyEvent, ...]
+    history: tuple[PrivacyEvent, ...]  # prior + this job's events (stage_events), in order
     prior: tuple[PrivacyEvent, ...] = field(default=())
     warnings: tuple[str, ...] = field(default=())
 
@@ -66,6 +268,14 @@ class PrivacyPlan:
             if s.stage == name:
                 return s
         raise KeyError(name)
+
+    @property
+    def events(self) -> list[PrivacyEvent]:
+        """This job's events, one per stage (DP-SGD steps summed): what a single run's ledger charges."""
+        return merged(self.history[len(self.prior):])
+
+    def event(self, stage: str) -> PrivacyEvent | None:
+        return stage_event(self.events, stage)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,159 +292,65 @@ class PrivacyPlan:
         }
 
 
-# A release whose noise-to-signal figure is above this is mostly noise (the plan warns).
-MOSTLY_NOISE = 0.5
-_FIXES = {
-    "central": "lower [central] sigma or rounds, raise [central] rate, or use more data",
-    "frequency": "lower [frequency] sigma or features, or use more data",
-}
-
-
-def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int, int] = (1, 28, 28),
-                n_classes: int = 10, sgd_sigma: float | None = None) -> tuple[float | None, str]:
-    """A noise-to-signal figure a user can judge, per stage, from PUBLIC values only.
-
-    central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / n_classes), against
-    the pixel scale 1 (pixels in [0, 1]).  central (mode): per-bin noise std sigma * sqrt(d) against the expected
-    per-class batch.  frequency: norm of a class column's noise, sigma * sqrt(features) / n, against the column's
-    largest possible norm 1 / n_classes (||phi|| = 1, balanced classes): a lower bound on the true ratio.
-    dpsgd: norm of the noise on the mean clipped gradient of ONE step, sigma * C * sqrt(params) / batch, against
-    its largest possible norm C; steps average it down, so it is reported, not warned about.
-    """
-    c_, h, w = image_shape
-    if stage == "central" and cfg.central.rounds > 0:
-        c = cfg.central
-        d = c_ * max(1, int(h * c.downsample)) * max(1, int(w * c.downsample))
-        per_class = c.batch / n_classes
-        if c.kind == "mode":
-            r = c.sigma * math.sqrt(d) / per_class
-            return r, f"per-bin noise {r:.2f} x the per-class batch {per_class:.0f}"
-        clip = c.clip if c.clip is not None else math.sqrt(d)
-        r = c.sigma * min(clip, math.sqrt(d)) / per_class
-        return r, f"noise std {r:.3f} per pixel (pixels in [0, 1]), per-class batch {per_class:.0f}"
-    if stage == "frequency" and cfg.frequency.sigma is not None:
-        f = cfg.frequency
-        r = f.sigma * math.sqrt(f.features) / n * n_classes
-        return r, f"noise norm >= {r:.2f} x a class column's signal"
-    if stage == "dpsgd" and sgd_sigma is not None:
-        params = _param_count(cfg, image_shape, n_classes)
-        if params is None:
-            return None, ""
-        r = sgd_sigma * math.sqrt(params) / cfg.dpsgd.batch
-        return r, (f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters, "
-                   f"batch {cfg.dpsgd.batch}); a larger batch at the same epsilon lowers it")
-    return None, ""
-
-
-def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int) -> int | None:
-    from .errors import FetaError
-    from .models.edm import build_denoiser
-
-    try:
-        return sum(p.numel() for p in build_denoiser(cfg.model, image_shape, n_classes).parameters())
-    except FetaError:
-        return None  # a model that cannot be built is reported by training, not by the plan
-
-
-def _rate(batch: int, n: int, section: str) -> float:
-    if batch > n:
-        raise PrivacyError(
-            f"[{section}] batch {batch} exceeds the dataset size {n} (sampling rate would be {batch / n:.3g} > 1): "
-            f"shrink [{section}] batch to at most {n}"
-        )
-    return batch / n
-
-
-def plan_job(
-    cfg: JobConfig,
-    n: int,
-    *,
-    dpsgd_steps: int | None = None,
-    target_epsilon: float | None = None,
-    delta: float | None = None,
-    prior_events: Sequence[PrivacyEvent] = (),
-    image_shape: tuple[int, int, int] = (1, 28, 28),
-    n_classes: int = 10,
-) -> PrivacyPlan:
-    """Plan a job on a dataset of PUBLIC size ``n``.
+def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, budget: Target | None = None,
+         prior: Sequence[PrivacyEvent] = (), image_shape: tuple[int, int, int] = (1, 28, 28),
+         n_classes: int = 10) -> PrivacyPlan:
+    """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
     ``image_shape``/``n_classes`` (public) only feed the noise-to-signal figures (default: the embedded data).
-
-    ``dpsgd_steps`` overrides the job's steps/epochs (the federated plan passes rounds x local steps);
-    ``target_epsilon``/``delta`` override ``[privacy]`` (a site's own budget); ``prior_events`` are events
-    already spent on the same data (a site ledger), composed into the history before calibration.
     Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise PrivacyError(f"dataset size must be a positive integer, got {n!r}")
-    cfg = cfg.for_size(n)  # [central]/[dpsgd] rate -> batch for this public size
-    eps_target = cfg.privacy.epsilon if target_epsilon is None else float(target_epsilon)
-    dlt = cfg.privacy.delta if delta is None else float(delta)
-    acc = cfg.privacy.accountant
-    prior = list(prior_events)
-    warm: list[PrivacyEvent] = []
-    c, f, d = cfg.central, cfg.frequency, cfg.dpsgd
-
-    central_ev = None
-    if c.rounds > 0:
-        central_ev = PrivacyEvent("central", c.sigma, _rate(c.batch, n, "central"), c.rounds)
-        warm.append(central_ev)
-    freq_ev = None
-    if f.sigma is not None:
-        freq_ev = PrivacyEvent("frequency", f.sigma, 1.0, 1)
-        warm.append(freq_ev)
-
-    steps = cfg.dpsgd_steps(n) if dpsgd_steps is None else int(dpsgd_steps)
-    q_sgd = _rate(d.batch, n, "dpsgd")
-    warm_eps = epsilon(prior + warm, dlt, acc)
-    if warm_eps >= eps_target:
-        biggest = max(warm, key=lambda e: epsilon([e], dlt, acc)).stage if warm else "prior"
+    n = _size(public_size)
+    cfg = cfg if federated else cfg.for_size(n)
+    tgt = budget or target(cfg)
+    prior = list(prior)
+    check_warmup(prior + warmup_events(cfg, n), tgt)
+    events = stage_events(cfg, n, federated=federated, budget=tgt, prior=prior)
+    history = prior + events
+    sgd = stage_event(events, "dpsgd")
+    total = epsilon(history, tgt.delta, tgt.accountant)
+    if total > tgt.epsilon + 1e-9:
+        steps = sum(e.steps for e in events if e.stage == "dpsgd")
         raise PrivacyError(
-            f"the warm-up alone spends epsilon {warm_eps:.3f} >= the budget {eps_target}: shrink [{biggest}] "
-            f"(fewer rounds / larger sigma), drop a warm-up stage, or raise [privacy] epsilon"
+            f"[dpsgd] noise_multiplier {sgd.sigma if sgd else None} gives a total epsilon {total:.3f} above the "
+            f"budget {tgt.epsilon}: raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer steps "
+            f"than {steps}"
         )
+    stages = _stage_rows(cfg, n, prior, merged(events), tgt, image_shape, n_classes)
+    warnings = tuple(
+        f"[{s.stage}] at N = {n}: {s.noise_note}: the release would be mostly noise (noise-to-signal "
+        f"{s.noise_to_signal:.2f} > {MOSTLY_NOISE}); {_FIXES.get(s.stage, 'spend more epsilon on it')}"
+        for s in stages
+        # DP-SGD's per-step figure is averaged down by the steps: reported, not warned about
+        if s.stage != "dpsgd" and s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE
+    )
+    return PrivacyPlan(
+        dataset_size=n, target_epsilon=tgt.epsilon, delta=tgt.delta, accountant=tgt.accountant, epsilon=total,
+        noise_multiplier=sgd.sigma if sgd else None, calibrated=sgd is not None and cfg.dpsgd.noise_multiplier is None,
+        stages=stages, history=tuple(history), prior=tuple(prior), warnings=warnings,
+    )
 
-    sgd_ev = None
-    sigma_sgd: float | None = None
-    calibrated = False
-    if steps > 0:
-        if d.noise_multiplier is not None:
-            sigma_sgd = d.noise_multiplier
-        else:
-            try:
-                sigma_sgd = calibrate_noise_multiplier(prior + warm, q_sgd, steps, eps_target, dlt, acc,
-                                                       max_sigma=MAX_NOISE_MULTIPLIER)
-            except PrivacyError:
-                raise PrivacyError(
-                    f"[dpsgd] cannot meet epsilon {eps_target} at delta {dlt}: even noise multiplier "
-                    f"{MAX_NOISE_MULTIPLIER:g} is not enough for {steps} steps at q = {q_sgd:.4g} after the warm-up's "
-                    f"epsilon {warm_eps:.3f}. Shrink [dpsgd] (fewer steps/epochs, smaller batch), or the warm-up "
-                    f"([central] rounds, [frequency] sigma), or raise [privacy] epsilon"
-                ) from None
-            calibrated = True
-        sgd_ev = PrivacyEvent("dpsgd", sigma_sgd, q_sgd, steps)
 
-    history = prior + warm + ([sgd_ev] if sgd_ev else [])
-    total = epsilon(history, dlt, acc)
-    if total > eps_target + 1e-9:
-        raise PrivacyError(
-            f"[dpsgd] noise_multiplier {sigma_sgd} gives a total epsilon {total:.3f} above the budget {eps_target}: "
-            f"raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer steps than {steps}"
-        )
-
-    rows: list[tuple[str, PrivacyEvent | None, str]] = [
-        ("central", central_ev, f"{c.kind} images, {c.rounds} round(s)" if central_ev else "disabled (rounds = 0)"),
-        ("frequency", freq_ev, f"{f.features} random Fourier features" if freq_ev else "disabled (no sigma)"),
-        ("dpsgd", sgd_ev, ("calibrated" if calibrated else "configured") if sgd_ev else "disabled (0 steps)"),
-    ]
+def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[PrivacyEvent], tgt: Target,
+                image_shape: tuple[int, int, int], n_classes: int) -> tuple[StagePlan, ...]:
+    by_stage = {e.stage: e for e in events}
+    c, f = cfg.central, cfg.frequency
+    sgd = by_stage.get("dpsgd")
+    notes = {
+        "central": f"{c.kind} images, {c.rounds} round(s)" if "central" in by_stage else "disabled (rounds = 0)",
+        "frequency": f"{f.features} random Fourier features" if "frequency" in by_stage else "disabled (no sigma)",
+        "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated") if sgd
+                  else "disabled (0 steps)"),
+    }
+    rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
+    alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}
     if prior:
         rows.insert(0, ("prior", None, f"{len(prior)} event(s) already spent"))
-    alone = {name: (epsilon([ev], dlt, acc) if ev else 0.0) for name, ev, _ in rows}
-    if prior:
-        alone["prior"] = epsilon(prior, dlt, acc)
+        alone["prior"] = epsilon(prior, tgt.delta, tgt.accountant)
     summed = sum(alone.values()) or 1.0
-    noise = {name: stage_noise(cfg, name, n, image_shape, n_classes, sigma_sgd) for name, _, _ in rows}
-    stages = tuple(
+    sgd_sigma = sgd.sigma if sgd else None
+    noise = {name: stage_noise(cfg, name, n, image_shape, n_classes, sgd_sigma) for name, _, _ in rows}
+    return tuple(
         StagePlan(
             stage=name, enabled=ev is not None or name == "prior",
             sigma=ev.sigma if ev else None, q=ev.q if ev else None,
@@ -244,33 +360,3 @@ def plan_job(
         )
         for name, ev, note in rows
     )
-    warnings = tuple(
-        f"[{s.stage}] at N = {n}: {s.noise_note}: the release would be mostly noise (noise-to-signal "
-        f"{s.noise_to_signal:.2f} > {MOSTLY_NOISE}); {_FIXES.get(s.stage, 'spend more epsilon on it')}"
-        for s in stages
-        # DP-SGD's per-step figure is averaged down by the steps: reported, not warned about
-        if s.stage != "dpsgd" and s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE
-    )
-    return PrivacyPlan(
-        dataset_size=n, target_epsilon=eps_target, delta=dlt, accountant=acc, epsilon=total,
-        noise_multiplier=sigma_sgd, calibrated=calibrated, stages=stages, history=tuple(history),
-        prior=tuple(prior), warnings=warnings,
-    )
-
-
-def plan_site(
-    cfg: JobConfig,
-    n: int,
-    *,
-    target_epsilon: float | None = None,
-    delta: float | None = None,
-    prior_events: Sequence[PrivacyEvent] = (),
-    dpsgd_steps: int | None = None,
-) -> PrivacyPlan:
-    """Plan for ONE federated site with its own public size ``n`` and budget.
-
-    DP-SGD steps default to ``[federation] rounds x local_steps`` (each site takes that many subsampled-Gaussian
-    steps on its own data); the site's sigma is calibrated for its own size, budget and prior spending.
-    """
-    steps = cfg.federation.rounds * cfg.federation.local_steps if dpsgd_steps is None else dpsgd_steps
-    return plan_job(cfg, n, dpsgd_steps=steps, target_epsilon=target_epsilon, delta=delta, prior_events=prior_events)

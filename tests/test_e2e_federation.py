@@ -28,7 +28,7 @@ def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path):
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, start_superlink
     from edge.launch import NodeSettings, start_node
-    from edge.ledger import Ledger
+    from feta_release.ledger import Ledger
     from feta_release.federation.procs import free_port
 
     # site-c's policy does not allow this app bundle: its node must refuse before running any of it.

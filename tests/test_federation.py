@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.setup import sign_job_file
-from edge.ledger import Ledger
+from feta_release.ledger import Ledger
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from feta_release.config import load_preset
-from feta_release.training.pipeline import mix_central
+from feta_release.stages import mix_central
 
 
 def _central(n_classes: int = 3, per_class: int = 2) -> tuple[np.ndarray, np.ndarray]:

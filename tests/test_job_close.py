@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.setup import sign_job_file
-from edge.ledger import Budget, Ledger
+from feta_release.ledger import Budget, Ledger
 from feta_release.accounting import PrivacyEvent
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge.ledger import Budget, Ledger
+from feta_release.ledger import Budget, Ledger
 from feta_release.accounting import PrivacyEvent, epsilon
 from feta_release.errors import BudgetExceededError, PolicyError
 
@@ -65,7 +65,7 @@ def test_per_job_and_lifetime_caps(tmp_path):
     led = Ledger(tmp_path / "l.db", key=KEY)
     big = [PrivacyEvent("dpsgd", 1.0, 0.1, 200)]
     assert epsilon(big, 1e-5) > 1.0
-    with pytest.raises(BudgetExceededError, match="per-job cap"):
+    with pytest.raises(BudgetExceededError, match="budget.per_job.epsilon"):
         led.charge("job1", "r1", "dpsgd", big, BUDGET)
     assert led.requests() == []  # nothing recorded for a refusal
     # Lifetime: two jobs each within the per-job cap, together over the lifetime cap.

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge.ledger import Budget, Ledger
+from feta_release.ledger import Budget, Ledger
 from feta_release.accounting import PrivacyEvent
 from feta_release.errors import PolicyError, PrivacyError
 
@@ -40,7 +40,7 @@ def _tamper(path, sql: str, *args) -> None:
 
 
 def _tampered(path) -> str:
-    from edge.ledger import LedgerTamperedError
+    from feta_release.ledger import LedgerTamperedError
 
     with pytest.raises(LedgerTamperedError) as exc:
         Ledger(path, key=KEY).close()
@@ -78,7 +78,7 @@ def test_deleting_the_last_rows_is_detected(tmp_path):
 
 def test_rehashing_the_chain_without_the_site_key_is_detected(tmp_path):
     """Attack: delete a row and recompute every hash and the head: only the signature can catch it."""
-    from edge import ledger_chain as chain
+    from feta_release import ledger_chain as chain
 
     p = tmp_path / "l.db"
     _ledger_with_rows(p)
@@ -109,7 +109,7 @@ def test_replacing_the_file_with_another_sites_ledger_is_detected(tmp_path):
 
 def test_replacing_the_file_with_an_unchained_one_is_refused_with_the_fix(tmp_path):
     """Attack/migration: a plain SQLite ledger (as written before this change) is not silently trusted."""
-    from edge.ledger import LedgerNotChainedError
+    from feta_release.ledger import LedgerNotChainedError
 
     p = tmp_path / "old.db"
     db = sqlite3.connect(p)
@@ -147,7 +147,7 @@ def test_an_emptied_ledger_file_is_refused(tmp_path):
 
 def test_edited_stored_answer_is_never_replayed(tmp_path):
     """Attack: change a stored answer so a replay sends the coordinator bytes that were never released."""
-    from edge.ledger import LedgerTamperedError
+    from feta_release.ledger import LedgerTamperedError
 
     p = tmp_path / "l.db"
     _ledger_with_rows(p)
@@ -577,7 +577,7 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     from click.testing import CliRunner
 
     from edge.cli import node
-    from edge.ledger import LedgerTamperedError
+    from feta_release.ledger import LedgerTamperedError
     from edge.site import Site
 
     from .federation_fixtures import make_federation

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.setup import sign_job_file
-from edge.ledger import Ledger
+from feta_release.ledger import Ledger
 from feta_release.federation import messages as fm
 
 from .federation_fixtures import full_job, harness, make_federation

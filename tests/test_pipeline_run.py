@@ -11,11 +11,13 @@ from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import JobConfig, load_job, load_preset
 from feta_release.data import ImageDataset, load_embedded
 from feta_release.errors import BudgetExceededError, ConfigError, DataError, PrivacyError
+from feta_release.planning import plan as plan_run
+from feta_release.ledger import Budget, Ledger
+from feta_release.signing import generate_keypair, load_private_key
+from feta_release.stages import RunAccount, run_budget
 from feta_release.training.pipeline import (
-    RunLedger,
     SimulatedKill,
     apply_method,
-    plan_run,
     run_pipeline,
 )
 
@@ -100,7 +102,8 @@ def test_kill_then_resume_never_double_charges(tmp_path):
     doc = json.loads((out / "privacy.json").read_text())
     assert doc["complete"] is False
     charged = {e.stage: e.steps for e in events_from_list(doc["events"])}
-    assert charged == {"central": 1, "dpsgd": 3}  # charged before each step, including the 3rd
+    # charged one chunk (checkpoint_every = 2 steps) before it runs: steps 1-2, then 3-4 before step 3
+    assert charged == {"central": 1, "dpsgd": 4}
     central_bytes = (out / "released" / "central.npz").read_bytes()
 
     res = run_pipeline(cfg, data, out, n_synthetic=10, grid_per_class=1, checkpoint_every=2)
@@ -108,9 +111,9 @@ def test_kill_then_resume_never_double_charges(tmp_path):
     doc = json.loads((out / "privacy.json").read_text())
     assert events_from_list(doc["events"]) == events_from_list(doc["planned"])  # == plan, no double count
     assert {e.stage: e.steps for e in res.events} == {"central": 1, "dpsgd": 6}
-    # checkpoint at step 2; step 3 was charged then lost: 2 + the remaining 3 steps are trained
-    assert res.dpsgd_steps_trained == 5
-    assert json.loads((out / "run.json").read_text())["dpsgd_steps_lost"] == 1
+    # checkpoint at step 2; steps 3-4 were charged then lost: 2 + the remaining 2 steps are trained
+    assert res.dpsgd_steps_trained == 4
+    assert json.loads((out / "run.json").read_text())["dpsgd_steps_lost"] == 2
     assert (out / "released" / "central.npz").read_bytes() == central_bytes  # not re-queried
 
 
@@ -192,36 +195,80 @@ def test_unknown_and_impossible_config_values(tmp_path):
         run_pipeline(_cfg(), _data(), tmp_path / "r", checkpoint_every=0)
 
 
+def _account(tmp_path, cfg, budget=None) -> RunAccount:
+    key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0]) if not (tmp_path / "keys").exists() \
+        else load_private_key(tmp_path / "keys" / "site.key")
+    plan = plan_run(cfg, 240)
+    return RunAccount(Ledger(tmp_path / "ledger.sqlite", key=key), "local-test", plan, budget or run_budget(cfg),
+                      tmp_path / "privacy.json")
+
+
 def test_ledger_refuses_beyond_plan_and_keeps_file(tmp_path):
     cfg = _cfg()
-    plan = plan_run(cfg, 240)
-    ledger = RunLedger(tmp_path / "privacy.json", cfg, plan, 240)
-    ledger.write()
-    ledger.charge("central", 1)
-    for _ in range(plan.dpsgd_steps):
-        ledger.charge("dpsgd")
-    before = (tmp_path / "privacy.json").read_bytes()
+    acc = _account(tmp_path, cfg)
+    steps = acc.plan.event("dpsgd").steps
+    acc.charge("central", 1)
+    acc.charge("dpsgd", steps)
+    before = (tmp_path / "ledger.sqlite").read_bytes()
     with pytest.raises(BudgetExceededError, match="exceed"):
-        ledger.charge("dpsgd")
+        acc.charge("dpsgd", 1)
     with pytest.raises(BudgetExceededError):
-        ledger.charge("central", 1)
-    assert (tmp_path / "privacy.json").read_bytes() == before
+        acc.charge("central", 1)
+    assert (tmp_path / "ledger.sqlite").read_bytes() == before
     # a reopened ledger sees the charges on disk
-    again = RunLedger(tmp_path / "privacy.json", cfg, plan, 240)
-    assert again.charged("dpsgd") == plan.dpsgd_steps and again.charged("central") == 1
+    again = _account(tmp_path, cfg)
+    assert again.charged("dpsgd") == steps and again.charged("central") == 1
 
 
-def test_ledger_checks_the_real_epsilon_before_each_step(tmp_path):
-    # A plan whose recorded target is lower than what it would spend: the charge that would cross it is refused.
+def test_ledger_checks_the_real_epsilon_before_each_chunk(tmp_path):
+    # A budget lower than what the plan spends: the charge that would cross it is refused, naming the rule.
     cfg = _cfg()
     plan = plan_run(cfg, 240)
-    tight = cfg.replace(privacy={"epsilon": plan.epsilon * 0.5})
-    ledger = RunLedger(tmp_path / "privacy.json", tight, plan, 240)
-    ledger.charge("central", 1)
+    tight = Budget(job_epsilon=plan.epsilon * 0.5, lifetime_epsilon=100.0, delta=1e-5)
+    acc = _account(tmp_path, cfg, tight)
+    acc.charge("central", 1)
     charged = 0
-    with pytest.raises(BudgetExceededError, match="stopped before"):
-        for _ in range(plan.dpsgd_steps):
-            ledger.charge("dpsgd")
+    with pytest.raises(BudgetExceededError, match=r"budget\.per_job\.epsilon"):
+        for _ in range(plan.event("dpsgd").steps):
+            acc.charge("dpsgd", 1)
             charged += 1
-    assert ledger.charged("dpsgd") == charged < plan.dpsgd_steps
-    assert epsilon(ledger.events, 1e-5) <= plan.epsilon * 0.5
+    assert acc.charged("dpsgd") == charged < plan.event("dpsgd").steps
+    assert epsilon(acc.events, 1e-5) <= plan.epsilon * 0.5
+
+
+def test_run_charges_the_site_ledger_and_privacy_json_is_only_a_copy(tiny_run):
+    out, res = tiny_run
+    run = json.loads((out / "run.json").read_text())
+    key = load_private_key(out / "checkpoints" / "site.key")
+    with Ledger(out / run["ledger"]["path"], verify_key=key.public_key()) as led:
+        rows = led.requests(run["ledger"]["job_id"])
+        assert led.is_closed(run["ledger"]["job_id"])  # complete: nothing more can be charged for it
+    assert all(r["status"] == "done" for r in rows)
+    assert [r["mechanism"] for r in rows][:2] == ["central", "frequency"]
+    doc = json.loads((out / "privacy.json").read_text())
+    assert events_from_list(doc["events"]) == res.events
+
+
+def test_a_trained_run_exports_to_a_release_that_verifies(tiny_run, tmp_path):
+    """The local driver's ledger is the real site ledger: a run trained with no key of its own exports (with the
+    key `train` created) to a release `verify` passes, its statement's events the ledger's, history site-ledger."""
+    from click.testing import CliRunner
+
+    from feta_release.cli import cli
+    from feta_release.policy import make_policy, sign_policy
+    from feta_release.release.export_run import export_run
+
+    out, res = tiny_run
+    site = load_private_key(out / "checkpoints" / "site.key")
+    coord = load_private_key(generate_keypair(tmp_path, "coordinator")[0])
+    admin_key, admin_pub = generate_keypair(tmp_path, "admin")
+    policy = sign_policy(make_policy("site-a", "1" * 64, 240, [coord.public_key()], per_job=(10.0, 1e-5),
+                                     lifetime=(20.0, 1e-5), site_key=site.public_key(),
+                                     mechanisms={"dpsgd": {"min_sigma": 0.1}}), load_private_key(admin_key))
+    rel = export_run(out, tmp_path / "release", coordinator_key=coord, site_key=site, signed_policy=policy)
+    (entry,) = json.loads((rel / "manifest.json").read_text())["manifest"]["sites"]
+    assert events_from_list(entry["events"]) == res.events
+    assert entry["attestation"]["statement"]["history"] == "site-ledger"
+    r = CliRunner().invoke(cli, ["verify", str(rel), "--json", "--trusted", f"site-a={admin_pub}"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["ok"] is True

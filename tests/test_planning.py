@@ -1,4 +1,4 @@
-"""Privacy planning (plan_job / plan_site) and the ``privacy plan`` / ``privacy account`` commands."""
+"""Privacy planning (stage_events / plan) and the ``privacy plan`` / ``privacy account`` commands."""
 
 from __future__ import annotations
 
@@ -14,28 +14,28 @@ from feta_release.accounting import PrivacyEvent, epsilon
 from feta_release.cli import cli, main
 from feta_release.config import JobConfig, load_job
 from feta_release.errors import ConfigError, PrivacyError
-from feta_release.planning import plan_job, plan_site
+from feta_release.planning import Target, plan, stage_events, target
 
 JOBS = Path(__file__).parent / "jobs"
 
 
 def test_plan_valid_job_composes_whole_history() -> None:
     cfg = load_job(JOBS / "valid_feta_pro.toml")
-    plan = plan_job(cfg, 4000)
-    assert [s.stage for s in plan.stages] == ["central", "frequency", "dpsgd"]
-    central, freq, sgd = plan.stages
+    p = plan(cfg, 4000)
+    assert [s.stage for s in p.stages] == ["central", "frequency", "dpsgd"]
+    central, freq, sgd = p.stages
     assert (central.sigma, central.q, central.steps) == (5.0, 0.1, 5)
     assert (freq.sigma, freq.q, freq.steps) == (26.6, 1.0, 1)
     assert sgd.q == 256 / 4000 and sgd.steps == cfg.dpsgd_steps(4000) == 157
-    assert plan.calibrated and sgd.sigma == plan.noise_multiplier
+    assert p.calibrated and sgd.sigma == p.noise_multiplier
     # The total is recomputed over all events and meets the budget within the calibration tolerance.
-    assert plan.epsilon == pytest.approx(epsilon(list(plan.history), 1e-5))
-    assert 0.95 < plan.epsilon <= 1.0
-    over = epsilon([*plan.history[:2], PrivacyEvent("dpsgd", plan.noise_multiplier - 0.01, sgd.q, sgd.steps)], 1e-5)
+    assert p.epsilon == pytest.approx(epsilon(list(p.history), 1e-5))
+    assert 0.95 < p.epsilon <= 1.0
+    over = epsilon([*p.history[:2], PrivacyEvent("dpsgd", p.noise_multiplier - 0.01, sgd.q, sgd.steps)], 1e-5)
     assert over > 1.0
-    assert sum(s.share for s in plan.stages) == pytest.approx(1.0)
-    assert all(s.epsilon < plan.epsilon for s in plan.stages)
-    d = plan.to_dict()
+    assert sum(s.share for s in p.stages) == pytest.approx(1.0)
+    assert all(s.epsilon < p.epsilon for s in p.stages)
+    d = p.to_dict()
     for key in ("noise_multiplier", "epsilon", "delta", "accountant", "stages", "dataset_size", "history"):
         assert key in d
     assert json.loads(json.dumps(d)) == d
@@ -43,17 +43,17 @@ def test_plan_valid_job_composes_whole_history() -> None:
 
 def test_warmup_costs_dpsgd_noise() -> None:
     cfg = load_job(JOBS / "valid_feta_pro.toml")
-    with_warm = plan_job(cfg, 4000).noise_multiplier
-    no_warm = plan_job(cfg.replace(central={"rounds": 0}, frequency={"sigma": None}), 4000).noise_multiplier
+    with_warm = plan(cfg, 4000).noise_multiplier
+    no_warm = plan(cfg.replace(central={"rounds": 0}, frequency={"sigma": None}), 4000).noise_multiplier
     assert no_warm < with_warm
-    assert [s.enabled for s in plan_job(cfg.replace(central={"rounds": 0}), 4000).stages] == [False, True, True]
+    assert [s.enabled for s in plan(cfg.replace(central={"rounds": 0}), 4000).stages] == [False, True, True]
 
 
 def test_fixed_noise_is_checked_not_calibrated() -> None:
-    plan = plan_job(load_job(JOBS / "valid_fixed_noise.toml"), 4000)
-    assert plan.noise_multiplier == 2.0 and not plan.calibrated and plan.epsilon <= 10.0
+    p = plan(load_job(JOBS / "valid_fixed_noise.toml"), 4000)
+    assert p.noise_multiplier == 2.0 and not p.calibrated and p.epsilon <= 10.0
     with pytest.raises(PrivacyError, match=r"noise_multiplier 0.5 .* above the budget"):
-        plan_job(load_job(JOBS / "invalid_fixed_noise_over_budget.toml"), 4000)
+        plan(load_job(JOBS / "invalid_fixed_noise_over_budget.toml"), 4000)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_fixed_noise_is_checked_not_calibrated() -> None:
 )
 def test_infeasible_plans_name_the_stage(job: str, message: str) -> None:
     with pytest.raises(PrivacyError, match=message):
-        plan_job(load_job(JOBS / job), 4000)
+        plan(load_job(JOBS / job), 4000)
 
 
 def test_invalid_job_file_is_a_config_error() -> None:
@@ -77,17 +77,17 @@ def test_invalid_job_file_is_a_config_error() -> None:
 
 def test_central_batch_larger_than_dataset() -> None:
     with pytest.raises(PrivacyError, match=r"\[central\] batch"):
-        plan_job(JobConfig().replace(dpsgd={"batch": 10, "steps": 10}), 100)  # default central batch 6000
+        plan(JobConfig().replace(dpsgd={"batch": 10, "steps": 10}), 100)  # default central batch 6000
 
 
-def test_plan_site_and_prior_events() -> None:
+def test_federated_plan_and_prior_events() -> None:
     cfg = load_job(JOBS / "valid_feta_pro.toml").replace(federation={"rounds": 4, "local_steps": 10})
-    small, large = plan_site(cfg, 1000), plan_site(cfg, 4000)
+    small, large = plan(cfg, 1000, federated=True), plan(cfg, 4000, federated=True)
     assert small.stage("dpsgd").steps == 40 == large.stage("dpsgd").steps
     assert small.stage("dpsgd").q == 256 / 1000
     assert small.noise_multiplier > large.noise_multiplier  # a smaller site samples at a higher rate
     prior = [PrivacyEvent("dpsgd", 2.0, 0.05, 50)]
-    with_prior = plan_site(cfg, 4000, prior_events=prior, target_epsilon=2.0)
+    with_prior = plan(cfg, 4000, federated=True, prior=prior, budget=Target(2.0, 1e-5, "rdp"))
     assert with_prior.history[0] == prior[0] and with_prior.stages[0].stage == "prior"
     assert with_prior.epsilon <= 2.0
     assert with_prior.epsilon == pytest.approx(epsilon(list(with_prior.history), 1e-5))
@@ -95,7 +95,7 @@ def test_plan_site_and_prior_events() -> None:
 
 def test_dataset_size_must_be_positive() -> None:
     with pytest.raises(PrivacyError):
-        plan_job(JobConfig(), 0)
+        plan(JobConfig(), 0)
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def test_cli_plan_json() -> None:
     data = json.loads(res.stdout)
     assert data["dataset_size"] == 4000 and data["dataset_size_assumed"] is False
     assert data["delta"] == 1e-5 and data["accountant"] == "rdp"
-    assert data["noise_multiplier"] == pytest.approx(plan_job(load_job(JOBS / "valid_feta_pro.toml"), 4000).noise_multiplier)
+    assert data["noise_multiplier"] == pytest.approx(plan(load_job(JOBS / "valid_feta_pro.toml"), 4000).noise_multiplier)
     assert [s["stage"] for s in data["stages"]] == ["central", "frequency", "dpsgd"]
     assert data["epsilon"] <= 1.0
 
@@ -138,15 +138,15 @@ def test_cli_errors_exit_with_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_account(tmp_path: Path) -> None:
-    plan = plan_job(load_job(JOBS / "valid_feta_pro.toml"), 4000)
+    p = plan(load_job(JOBS / "valid_feta_pro.toml"), 4000)
     path = tmp_path / "privacy.json"
-    path.write_text(json.dumps(plan.to_dict()))
+    path.write_text(json.dumps(p.to_dict()))
     res = CliRunner().invoke(cli, ["privacy", "account", str(path), "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["epsilon"] == pytest.approx(plan.epsilon) and data["events"] == 3
+    assert data["epsilon"] == pytest.approx(p.epsilon) and data["events"] == 3
     bare = tmp_path / "events.json"
-    bare.write_text(json.dumps([e.to_dict() for e in plan.history]))
+    bare.write_text(json.dumps([e.to_dict() for e in p.history]))
     res = CliRunner().invoke(cli, ["privacy", "account", str(bare), "--delta", "1e-6"])
     assert res.exit_code == 0 and "total epsilon" in res.output
     assert CliRunner().invoke(cli, ["privacy", "account", str(bare)]).exit_code != 0  # no delta anywhere
@@ -174,8 +174,8 @@ def test_rate_presets_plan_on_any_size_and_keep_epsilon() -> None:
 
     for name in ("cpu-eps1", "cpu-eps10"):
         cfg = load_preset(name)
-        plans = {n: plan_job(cfg, n) for n in (500, 1400, 4000, 60_000)}
-        for n, p in plans.items():
+        plans = {n: plan(cfg, n) for n in (500, 1400, 4000, 60_000)}
+        for p in plans.values():
             assert p.epsilon <= cfg.privacy.epsilon + 1e-9
             assert p.stage("central").q == pytest.approx(cfg.central.rate, rel=0.01)
         # Same rates -> the same warm-up spend whatever the size; only the noise per pixel changes.
@@ -187,7 +187,7 @@ def test_rate_presets_plan_on_any_size_and_keep_epsilon() -> None:
 def test_plan_warns_when_a_release_is_mostly_noise() -> None:
     cfg = JobConfig().replace(central={"rate": 0.5, "sigma": 8.0, "clip": 3.0, "rounds": 2},
                               frequency={"sigma": 10.0, "features": 200}, dpsgd={"rate": 0.05, "steps": 5})
-    small, big = plan_job(cfg, 500), plan_job(cfg, 4000)
+    small, big = plan(cfg, 500), plan(cfg, 4000)
     # central: 8 * 3 / (250 / 10) = 0.96 per pixel at N = 500; 0.12 at N = 4000
     assert small.stage("central").noise_to_signal == pytest.approx(0.96)
     assert big.stage("central").noise_to_signal == pytest.approx(0.12)
@@ -213,7 +213,7 @@ def test_dpsgd_noise_figure_falls_with_the_batch_at_fixed_epsilon() -> None:
     from feta_release.models.edm import build_denoiser
 
     cfg = JobConfig().replace(central={"rounds": 0}, dpsgd={"steps": 50, "rate": 0.01})
-    p_small, p_big = plan_job(cfg, 20_000), plan_job(cfg.replace(dpsgd={"rate": 0.1}), 20_000)
+    p_small, p_big = plan(cfg, 20_000), plan(cfg.replace(dpsgd={"rate": 0.1}), 20_000)
     params = sum(t.numel() for t in build_denoiser(cfg.model, (1, 28, 28), 10).parameters())
     for p, batch in ((p_small, 200), (p_big, 2000)):
         assert p.stage("dpsgd").noise_to_signal == pytest.approx(p.noise_multiplier * params ** 0.5 / batch)
@@ -237,3 +237,56 @@ def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: st
                       tuple(str(c) for c in range(n_classes)), source="toy")
     check_data(cfg, ds)  # no batch above the data
     assert cfg.central.batch <= n and cfg.dpsgd.batch <= n
+
+
+# -- one planner for both drivers ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(800, 20_000), rounds=st.integers(1, 5), local=st.integers(1, 30),
+       central=st.booleans(), frequency=st.booleans())
+def test_single_site_and_federated_planning_give_identical_events(n: int, rounds: int, local: int, central: bool,
+                                                                 frequency: bool) -> None:
+    """A local run of rounds x local_steps DP-SGD steps and a federated site of the same public size plan the same
+    events: the same warm-up, the same calibrated sigma and q, the same steps (split into rounds) and epsilon."""
+    from feta_release.planning import merged
+
+    cfg = JobConfig().replace(
+        central={"rounds": 3 if central else 0, "batch": 200, "sigma": 5.0},
+        frequency={"sigma": 30.0 if frequency else None},
+        dpsgd={"batch": 100, "steps": rounds * local}, federation={"rounds": rounds, "local_steps": local},
+    )
+    local_events = stage_events(cfg, n)
+    fed_events = stage_events(cfg, n, federated=True)
+    assert merged(fed_events) == local_events
+    assert [e for e in fed_events if e.stage == "dpsgd"] == [PrivacyEvent("dpsgd", local_events[-1].sigma,
+                                                                        100 / n, local)] * rounds
+    single, site = plan(cfg, n), plan(cfg, n, federated=True)
+    assert single.events == site.events == local_events
+    assert single.epsilon == pytest.approx(site.epsilon, rel=1e-9)
+    assert single.noise_multiplier == site.noise_multiplier
+
+
+def test_federated_sigma_is_calibrated_for_the_sites_capped_budget() -> None:
+    from types import SimpleNamespace
+
+    from feta_release.accounting import calibrate_noise_multiplier
+
+    cfg = load_job(JOBS / "valid_feta_pro.toml").replace(federation={"rounds": 4, "local_steps": 10})
+    policy = SimpleNamespace(job_epsilon=0.8, job_delta=1e-6, accountant="rdp")
+    budget = target(cfg, policy)
+    assert budget == Target(0.8, 1e-6, "rdp")
+    events = stage_events(cfg, 4000, federated=True, budget=budget)
+    warm = events[:2]
+    expected = calibrate_noise_multiplier(warm, 256 / 4000, 40, 0.8, 1e-6, "rdp")
+    assert [e.stage for e in events] == ["central", "frequency"] + ["dpsgd"] * 4
+    assert events[-1].sigma == expected > stage_events(cfg, 4000, federated=True)[-1].sigma
+    assert epsilon(events, 1e-6) <= 0.8 + 1e-9
+
+
+def test_calibrations_are_cached_on_disk_exactly(tmp_path: Path) -> None:
+    cfg = load_job(JOBS / "valid_feta_pro.toml").replace(federation={"rounds": 2, "local_steps": 5})
+    first = stage_events(cfg, 3000, federated=True, cache_dir=tmp_path)
+    assert len(list((tmp_path / "calibrations").glob("*.json"))) == 1
+    assert stage_events(cfg, 3000, federated=True, cache_dir=tmp_path) == first == stage_events(cfg, 3000,
+                                                                                                federated=True)

@@ -210,7 +210,7 @@ def test_node_refuses_non_finite_weights_before_charging(fed):
     msg = grid.create_message(fm.make_payload({"job": signed, "round": 0}, w), fm.TRAIN, 100, "t")
     (rep,) = grid.send_and_receive([msg])
     assert rep.has_error() and "NaN/infinite" in rep.error.reason
-    from edge.ledger import Ledger
+    from feta_release.ledger import Ledger
 
     assert Ledger(fed.sites[0].ledger).job_events("job-nan") == []
 

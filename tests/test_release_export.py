@@ -1,5 +1,6 @@
 """`feta-release export RUN_DIR` -> verify -> synthesize, through the CLI, on a run directory laid out as
-feta_release/training/pipeline.py writes it (model.pt, job.json, privacy.json, run.json, COMPLETE)."""
+feta_release/training/pipeline.py writes it (model.pt, job.json, run.json naming the site ledger, the ledger,
+privacy.json as an unsigned copy, COMPLETE)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from feta_release.accounting import epsilon, events_to_list  # noqa: E402
 from feta_release.cli import cli  # noqa: E402
 from feta_release.config import JobConfig  # noqa: E402
 from feta_release.errors import ReleaseError  # noqa: E402
+from feta_release.ledger import Budget, Ledger  # noqa: E402
 from feta_release.models.edm import denoiser_spec  # noqa: E402
 from feta_release.policy import make_policy, sign_policy  # noqa: E402
 from feta_release.signing import generate_keypair, load_private_key  # noqa: E402
@@ -35,7 +37,8 @@ def _torch_one_thread():
     _torch.set_num_threads(n)
 
 
-def _run_dir(root: Path, events=EVENTS, complete: bool = True) -> Path:
+def _run_dir(root: Path, site_key: Path, events=EVENTS, complete: bool = True) -> Path:
+    """A finished run: its events charged in a site ledger signed by ``site_key`` (as `train` charges them)."""
     cfg = JobConfig.from_dict({
         "model": {"channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attn_resolutions": [4]},
         "sampler": {"solver": "heun", "steps": 5},
@@ -52,11 +55,18 @@ def _run_dir(root: Path, events=EVENTS, complete: bool = True) -> Path:
         "sampler": cfg.to_dict()["sampler"],
     })
     atomic_write_json(rd / "job.json", cfg.to_dict())
+    budget = Budget(job_epsilon=100.0, lifetime_epsilon=100.0, delta=1e-5)
+    with Ledger(rd / "ledger.sqlite", key=load_private_key(site_key)) as led:
+        for i, e in enumerate(events):
+            led.charge("local-run", f"local-run/{e.stage}/{i}", e.stage, [e], budget, response=b"released")
+        if complete:
+            led.close_job("local-run", "0" * 64)
     atomic_write_json(rd / "privacy.json", {
         "accountant": "rdp", "delta": 1e-5, "events": events_to_list(events),
         "epsilon": epsilon(events, 1e-5),
     })
-    atomic_write_json(rd / "run.json", {"status": "complete", "finished": "2026-11-22T01:00:00Z"})
+    atomic_write_json(rd / "run.json", {"status": "complete", "finished": "2026-11-22T01:00:00Z",
+                                         "ledger": {"path": "ledger.sqlite", "job_id": "local-run"}})
     if complete:
         (rd / "COMPLETE").write_text("")
     return rd
@@ -88,7 +98,7 @@ def _trusted(k: dict) -> list[str]:
 
 def test_export_verify_synthesize_cli(setup):
     tmp, k = setup
-    rd = _run_dir(tmp)
+    rd = _run_dir(tmp, k["site"])
     pol = _policy_file(tmp, k, 5.0)
     rel = tmp / "release"
     r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
@@ -105,9 +115,9 @@ def test_export_verify_synthesize_cli(setup):
     assert r.exit_code == 0, r.output
     out_json = json.loads(r.output)
     assert out_json["ok"] is True
-    # The figures come from an unsigned run directory, and verify says so (a warning, not a refusal).
-    (hist,) = [c for c in out_json["checks"] if c["name"] == "site hosp-a history"]
-    assert hist["status"] == "warn" and "run-directory" in hist["detail"]
+    # The figures come from the site's ledger (signed chain), not from the unsigned run directory: no warning.
+    assert not [c for c in out_json["checks"] if c["name"] == "site hosp-a history"]
+    assert man["sites"][0]["attestation"]["statement"]["history"] == "site-ledger"
 
     out = tmp / "synthetic"
     r = CliRunner().invoke(cli, ["synthesize", "--release", str(rel), "--num", "4", "--out", str(out),
@@ -118,7 +128,7 @@ def test_export_verify_synthesize_cli(setup):
 
 def test_export_refuses_over_policy_run_and_writes_nothing(setup):
     tmp, k = setup
-    rd = _run_dir(tmp)
+    rd = _run_dir(tmp, k["site"])
     pol = _policy_file(tmp, k, 0.5)  # the run spends more than this
     rel = tmp / "release"
     r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
@@ -130,7 +140,7 @@ def test_export_refuses_over_policy_run_and_writes_nothing(setup):
 
 def test_export_refuses_unfinished_run(setup):
     tmp, k = setup
-    rd = _run_dir(tmp, complete=False)
+    rd = _run_dir(tmp, k["site"], complete=False)
     r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / "rel"), "--coordinator-key", str(k["coord"]),
                                  "--site-key", str(k["site"])])
     assert isinstance(r.exception, ReleaseError) and "not complete" in str(r.exception)
@@ -151,7 +161,7 @@ def test_export_does_not_unpickle_code_from_model_pt(setup):
     """Attack (issue 12 §2): whoever can write the run directory plants code in model.pt; `export` (run by the
     site, with the site key) must load weights only. Fails on 473f707 (torch.load weights_only=False runs it)."""
     tmp, k = setup
-    rd = _run_dir(tmp)
+    rd = _run_dir(tmp, k["site"])
     marker = tmp / "pwned"
     ckpt = torch.load(rd / "model.pt", weights_only=True)
     save_torch(rd / "model.pt", {**ckpt, "extra": _Payload(marker)})
@@ -160,3 +170,36 @@ def test_export_does_not_unpickle_code_from_model_pt(setup):
     assert not marker.exists(), "export ran code from model.pt"
     assert isinstance(r.exception, ReleaseError) and "weights-only" in str(r.exception)
     assert not (tmp / "rel").exists()
+
+
+def test_editing_privacy_json_does_not_change_what_export_attests(setup):
+    """Attack (issue 12's open gap): whoever can write the run directory lowers the spend in privacy.json; export
+    attested from that unsigned file. Now the statement is the ledger's history (fails on the old export)."""
+    tmp, k = setup
+    rd = _run_dir(tmp, k["site"])
+    doc = json.loads((rd / "privacy.json").read_text())
+    doc["events"] = [{**e, "sigma": e["sigma"] * 100} for e in doc["events"]]  # "spent almost nothing"
+    (rd / "privacy.json").write_text(json.dumps(doc))
+    rel = tmp / "release"
+    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
+                                 "--site-key", str(k["site"]), "--policy", str(_policy_file(tmp, k, 5.0))])
+    assert r.exit_code == 0, (r.output, r.exception)
+    (site,) = json.loads((rel / "manifest.json").read_text())["manifest"]["sites"]
+    assert site["events"] == events_to_list(EVENTS) and site["epsilon"] == pytest.approx(epsilon(EVENTS, 1e-5))
+
+
+def test_export_refuses_a_ledger_signed_by_another_key_or_edited(setup):
+    import sqlite3
+
+    tmp, k = setup
+    rd = _run_dir(tmp, k["site"])
+    args = ["export", str(rd), "--coordinator-key", str(k["coord"])]
+    r = CliRunner().invoke(cli, [*args, "--out", str(tmp / "r1"), "--site-key", str(k["coord"])])
+    assert isinstance(r.exception, ReleaseError) and "another key" in str(r.exception) and "--site-key" in str(r.exception)
+    db = sqlite3.connect(rd / "ledger.sqlite")
+    db.execute("UPDATE requests SET events = replace(events, '1.5', '150.0') WHERE mechanism = 'dpsgd'")
+    db.commit()
+    db.close()
+    r = CliRunner().invoke(cli, [*args, "--out", str(tmp / "r2"), "--site-key", str(k["site"])])
+    assert isinstance(r.exception, ReleaseError) and "tampered" in str(r.exception)
+    assert not (tmp / "r1").exists() and not (tmp / "r2").exists()

@@ -68,12 +68,12 @@ def test_cli_errors_have_exit_codes(small_npz, tmp_path, capsys):
 
 def test_presets_load_and_plan():
     from feta_release.config import load_preset
-    from feta_release.planning import plan_job
+    from feta_release.planning import plan
 
     for name, n in [("cpu-eps1", 4000), ("cpu-eps10", 4000), ("tiny", 200), ("paper-mnist", 55000)]:
         cfg = load_preset(name)
-        plan = plan_job(cfg, n)
-        assert plan.epsilon <= cfg.privacy.epsilon + 1e-9
-        assert plan.noise_multiplier is not None and plan.noise_multiplier > 0
+        p = plan(cfg, n)
+        assert p.epsilon <= cfg.privacy.epsilon + 1e-9
+        assert p.noise_multiplier is not None and p.noise_multiplier > 0
     assert load_preset("cpu-eps1").dpsgd == load_preset("cpu-eps10").dpsgd  # same DP-SGD compute
     assert load_preset("cpu-eps1").model == load_preset("cpu-eps10").model

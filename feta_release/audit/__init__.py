@@ -19,7 +19,7 @@ def run_audit(cfg: Any, n: int, *, trials: int = 20000, canaries: int = 1000, se
 
     Canary data only: nothing here reads a site's images, so the result is not a release.
     """
-    from ..planning import plan_job
+    from ..planning import plan as plan_job_privacy
     from .games import audit_dpsgd_one_run, audit_one_shot
 
     say = progress or (lambda msg: None)
@@ -35,8 +35,8 @@ def run_audit(cfg: Any, n: int, *, trials: int = 20000, canaries: int = 1000, se
         say(f"frequency: {f_trials} runs per neighbour at σ = {cfg.frequency.sigma:g}")
         results.append(audit_one_shot("frequency", cfg.frequency.sigma, trials=f_trials, delta=p.delta,
                                       accountant=p.accountant, seed=seed))
-    plan = plan_job(cfg, n)
-    sgd = next((s for s in plan.stages if s.stage == "dpsgd" and s.enabled and s.steps > 0), None)
+    privacy_plan = plan_job_privacy(cfg, n)
+    sgd = next((s for s in privacy_plan.stages if s.stage == "dpsgd" and s.enabled and s.steps > 0), None)
     if sgd is not None:
         say(f"DP-SGD: one run, {canaries} canaries, σ = {sgd.sigma:.4g}, q = {sgd.q:.4g}, {sgd.steps} steps")
         results.append(audit_dpsgd_one_run(float(sgd.sigma), float(sgd.q), sgd.steps, canaries=canaries,

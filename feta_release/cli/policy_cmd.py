@@ -295,7 +295,7 @@ def _admit_or_refuse(pol, signed_job, source: Path, ledger: Path | None = None):
 
     job_ev, life_ev = [], []
     if ledger is not None:
-        from edge.ledger import Ledger
+        from feta_release.ledger import Ledger
         from feta_release.accounting import events_from_list
 
         with Ledger(ledger) as led:

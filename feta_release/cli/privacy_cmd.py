@@ -42,12 +42,13 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, max_
     unit = (PrivacyUnit("patient", patient_cap) if patient_cap is not None
             else PrivacyUnit("image", max_images_per_person))
     from ..config import load_job
-    from ..planning import DEFAULT_DATASET_SIZE, plan_job
+    from ..planning import DEFAULT_DATASET_SIZE
+    from ..planning import plan as plan_privacy
 
     cfg = load_job(job_file)
     assumed = dataset_size is None
     n = DEFAULT_DATASET_SIZE if assumed else dataset_size
-    result = plan_job(cfg, n)
+    result = plan_privacy(cfg, n)
     if as_json:
         data = result.to_dict()
         data["job"] = str(job_file)

@@ -32,14 +32,21 @@ from .data_options import data_load_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
               help="Where training, DP-SGD and sampling run (auto: CUDA when visible).")
+@click.option("--ledger", "ledger", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Site ledger (SQLite) charged before every release; default RUN_DIR/ledger.sqlite. Give the site's "
+                   "own to compose this run with its earlier ones.")
+@click.option("--site-key", "site_key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The site's private key: signs the ledger (default: RUN_DIR/checkpoints/site.key, created once); "
+                   "`export --site-key` must be the same key.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None, out_dir: Path,
           n_synthetic: int | None, public_size: int | None, checkpoint_every: int, threads: int | None, device: str,
-          quiet: bool, as_json: bool) -> None:
+          ledger: Path | None, site_key: Path | None, quiet: bool, as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
-    Re-running the same command after an interruption resumes from the last checkpoint without
+    Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
+    naming the rule. Re-running the same command after an interruption resumes from the last checkpoint without
     spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run.
     --resize/--image-size/--window override the job's [job] resize/image_size/window.
 
@@ -52,6 +59,7 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
 
     from ..config import load_job, load_preset
     from ..data import load_dataset, load_embedded, train_heldout_split
+    from ..signing import load_private_key
     from ..training.pipeline import run_pipeline
     from ..training.progress import Reporter
 
@@ -69,7 +77,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
     rep = Reporter(enabled=not quiet)
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
-                       public_size=public_size, device=device)
+                       public_size=public_size, device=device, ledger=ledger,
+                       site_key=load_private_key(site_key) if site_key is not None else None)
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,

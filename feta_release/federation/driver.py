@@ -28,8 +28,9 @@ from torch import nn
 from ..accounting import events_from_list
 from ..config import JobConfig
 from ..errors import FetaError, PolicyError
+from ..planning import stage_events, target
 from ..policy.document import open_signed_policy
-from ..policy.enforce import MechanismRequest, check_job_fits
+from ..policy.enforce import check_job_fits, request_of
 from ..policy.jobs import verify_job_with_keys
 from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes
@@ -209,27 +210,16 @@ class JobDriver:
                                    list(doc["class_names"]), list(doc.get("lifetime_events", [])))
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
-    def plan_job(self) -> dict[str, Any]:
+    def plan_sites(self) -> dict[str, Any]:
         planned, policies, life = {}, {}, {}
         for sid, s in self.sites.items():
-            evs = plan.site_plan(self.cfg, s.size, s.policy)
-            reqs = []
-            for e in evs:
-                extra: dict[str, Any] = {}
-                if e.stage == "central":
-                    extra["batch"] = self.cfg.central.batch
-                elif e.stage == "frequency":
-                    extra["features"] = self.cfg.frequency.features
-                elif e.stage == "dpsgd":
-                    extra.update(batch=self.cfg.dpsgd.batch, clip=self.cfg.dpsgd.clip)
-                reqs.append(MechanismRequest(e.stage, e.sigma, e.q, e.steps, **extra))
-            planned[sid], policies[sid] = reqs, s.policy
+            evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy))
+            planned[sid], policies[sid] = [request_of(e, self.cfg) for e in evs], s.policy
             life[sid] = events_from_list(s.lifetime_events)
         job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life)
         doc = {
             sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
-                  "dpsgd_sigma": plan.site_sigma(self.cfg, self.sites[sid].size, self.sites[sid].policy)
-                  if self.cfg.federation.rounds else None,
+                  "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
                   "events": [r.event().to_dict() for r in planned[sid]]}
             for sid in planned
         }

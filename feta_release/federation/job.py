@@ -35,7 +35,7 @@ def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
     d.emit("start", f"job {d.job.job_id}: sites {', '.join(d.job.sites)}")
     d.wait_for_sites()
     # Refuse BEFORE any release if the job cannot fit every site's policy.
-    d.plan_job()
+    d.plan_sites()
     model = _warm_model(d, d.collect_central(), d.collect_frequency())
     ema = round_ema(model, cfg)
     rounds_done = d.rounds(model, ema)

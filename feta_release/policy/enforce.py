@@ -27,6 +27,7 @@ from typing import Any
 
 from ..accounting import PrivacyEvent
 from ..errors import BudgetExceededError, PolicyError, PrivacyError
+from ..ledger import as_budget, check_spend
 from .document import MECHANISMS, SitePolicy, check_validity
 from .errors import JobDoesNotFit, PolicyBudgetExceeded, PolicyViolation
 from .jobs import Job
@@ -65,6 +66,18 @@ class MechanismRequest:
             except TypeError as exc:
                 raise PolicyError(f"malformed mechanism request {request!r}: {exc}") from None
         raise PolicyError(f"malformed mechanism request {request!r}")
+
+
+def request_of(event: PrivacyEvent, cfg: Any, job: Job | None = None) -> MechanismRequest:
+    """The request a planned event makes of a site, with the job fields its policy rules read."""
+    extra: dict[str, Any] = {}
+    if event.stage == "central":
+        extra["batch"] = cfg.central.batch
+    elif event.stage == "frequency":
+        extra["features"] = cfg.frequency.features
+    elif event.stage == "dpsgd":
+        extra.update(batch=cfg.dpsgd.batch, clip=cfg.dpsgd.clip)
+    return MechanismRequest(event.stage, event.sigma, event.q, event.steps, job=job, **extra)
 
 
 def _fmt(x: float) -> str:
@@ -156,12 +169,6 @@ def check_request(
     return req
 
 
-def _epsilon(events: Sequence[PrivacyEvent], delta: float, accountant: str) -> float:
-    from ..accounting import epsilon
-
-    return 0.0 if not events else float(epsilon(list(events), delta, accountant))
-
-
 def check_budget(
     policy: SitePolicy,
     job_events: Iterable[PrivacyEvent],
@@ -175,21 +182,10 @@ def check_budget(
     ``job_events``: already recorded for this job at this site; ``lifetime_events``: everything already
     recorded at this site (all jobs, this one included); ``new_events``: what this release would add.
     Raises :class:`PolicyBudgetExceeded` (a ``BudgetExceededError``) naming ``budget.per_job.epsilon``
-    or ``budget.lifetime.epsilon`` with spent / after / cap.
+    or ``budget.lifetime.epsilon`` with spent / after / cap: the ledger's own check (``check_spend``).
     """
-    job_ev, life_ev, new_ev = list(job_events), list(lifetime_events), list(new_events)
-    acc = policy.accountant
-    job_after = _epsilon(job_ev + new_ev, policy.job_delta, acc)
-    if job_after > policy.job_epsilon:
-        raise PolicyBudgetExceeded("budget.per_job.epsilon", spent=_epsilon(job_ev, policy.job_delta, acc),
-                                   after=job_after, cap=policy.job_epsilon, delta=policy.job_delta,
-                                   accountant=acc, scope=job_scope, site=policy.site_id)
-    life_after = _epsilon(life_ev + new_ev, policy.lifetime_delta, acc)
-    if life_after > policy.lifetime_epsilon:
-        raise PolicyBudgetExceeded("budget.lifetime.epsilon", spent=_epsilon(life_ev, policy.lifetime_delta, acc),
-                                   after=life_after, cap=policy.lifetime_epsilon, delta=policy.lifetime_delta,
-                                   accountant=acc, scope="the site's lifetime", site=policy.site_id)
-    return job_after, life_after
+    return check_spend(as_budget(policy), list(job_events), list(lifetime_events), list(new_events),
+                       job_scope=job_scope, site=policy.site_id)
 
 
 def _with_job_defaults(req: MechanismRequest, job: Job | None) -> MechanismRequest:

@@ -4,8 +4,9 @@ Two entry points:
 
 * :func:`assemble_release` — from a denoiser (torch module or already-exported ONNX), the job, and site records
   whose attestations are already signed (a federated coordinator collects them from the nodes' ledgers).
-* :func:`export_run` — a single-site training run directory: reads the model and its privacy history, signs
-  the site's spend statement with the site key, and calls :func:`assemble_release`.
+* :func:`export_run` — a single-site training run directory: reads the model, takes the privacy history from
+  the run's SITE LEDGER (hash-chained, head signed by the site key: never from the unsigned ``privacy.json``),
+  signs the site's spend statement with the site key, and calls :func:`assemble_release`.
 
 Both write into a hidden temporary directory beside OUT and rename it at the end: a failed export leaves
 nothing that looks like a release.
@@ -24,8 +25,12 @@ from collections.abc import Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..accounting import events_from_list
-from ..errors import ReleaseError
+from ..accounting import PrivacyEvent, events_from_list
+from ..config import JobConfig
+from ..errors import PrivacyError, ReleaseError
+from ..ledger import Ledger, LedgerTamperedError
+from ..planning import merged
+from ..training.checkpoint import MODEL_FILE, read_json, read_model_file
 from .manifest import (
     GENERATOR_FILE,
     POLICY_DIR,
@@ -117,22 +122,49 @@ def _first(d: Mapping[str, Any], keys: Sequence[str], where: str) -> Any:
 
 def read_run(run_dir: str | Path) -> dict[str, Any]:
     """What a release needs from a finished ``feta-release train`` run directory (layout: training/pipeline.py):
-    ``model.pt`` {spec, state_dict (EMA weights), class_names}, ``job.json``, ``privacy.json`` {events, delta,
-    accountant}, ``run.json`` (finish time) and the ``COMPLETE`` marker."""
-    from ..config import JobConfig
-    from ..training.checkpoint import MODEL_FILE, read_json, read_model_file
-
+    ``model.pt`` {spec, state_dict (EMA weights), class_names}, ``job.json``, ``run.json`` (the run's ledger and
+    finish time) and the ``COMPLETE`` marker. The privacy history is read from the ledger (:func:`ledger_history`)."""
     rd = Path(run_dir)
     if not (rd / "COMPLETE").is_file():
         raise ReleaseError(f"{rd}: the run is not complete (no COMPLETE marker); finish `feta-release train` first")
-    for name in (MODEL_FILE, "privacy.json", "job.json"):
+    for name in (MODEL_FILE, "job.json", "run.json"):
         if not (rd / name).is_file():
             raise ReleaseError(f"{rd / name}: missing; is {rd} a `feta-release train` run directory?")
     ckpt = read_model_file(rd / MODEL_FILE)
-    privacy = read_json(rd / "privacy.json")
     cfg = JobConfig.from_dict(read_json(rd / "job.json"), source=str(rd / "job.json"))
-    run_info = read_json(rd / "run.json") if (rd / "run.json").is_file() else {}
-    return {"checkpoint": ckpt, "privacy": privacy, "config": cfg, "run_dir": rd, "run": run_info}
+    return {"checkpoint": ckpt, "config": cfg, "run_dir": rd, "run": read_json(rd / "run.json")}
+
+
+def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519PrivateKey
+                   ) -> tuple[str, list[PrivacyEvent], list[PrivacyEvent]]:
+    """(the run's job id, its charged events, every event of the ledger) from the run's site ledger, whose chain
+    and head signature are checked with ``site_key``: editing ``privacy.json`` (or the ledger) changes nothing
+    that is attested."""
+    rec = run_info.get("ledger")
+    if not isinstance(rec, Mapping) or not rec.get("path") or not rec.get("job_id"):
+        raise ReleaseError(f"{rd / 'run.json'}: names no site ledger (a run made before ledgers were used; its "
+                           "privacy.json is not signed); train it again to export it")
+    path = Path(str(rec["path"]))
+    path = path if path.is_absolute() else rd / path
+    job_id = str(rec["job_id"])
+    try:
+        with Ledger(path, verify_key=site_key.public_key(), deep=True) as led:
+            closed, rows = led.is_closed(job_id), led.requests()
+    except LedgerTamperedError as exc:
+        raise ReleaseError(f"{exc}. If the run was trained with another site key, export with that one "
+                           "(`train --site-key`, default RUN_DIR/checkpoints/site.key)") from None
+    except PrivacyError as exc:
+        raise ReleaseError(f"{path}: {exc}") from None
+    if not closed:
+        raise ReleaseError(f"{path}: job {job_id} is not closed in the ledger (the run did not finish); finish "
+                           "`feta-release train` first")
+    per_job: dict[str, list[PrivacyEvent]] = {}
+    for r in rows:
+        per_job.setdefault(r["job_id"], []).extend(events_from_list(r["events"]))
+    if job_id not in per_job:
+        raise ReleaseError(f"{path}: holds no charge of job {job_id}; is it this run's ledger?")
+    lifetime = [e for evs in per_job.values() for e in merged(evs)]
+    return job_id, merged(per_job[job_id]), lifetime
 
 
 def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
@@ -174,19 +206,17 @@ def export_run(
     rd: Path = run["run_dir"]
     cfg = run["config"]
     ckpt = run["checkpoint"]
-    privacy = run["privacy"]
-    events = events_from_list(_first(privacy, ("events",), str(rd / "privacy.json")))
-    delta = float(privacy.get("delta", cfg.privacy.delta))
-    accountant = str(privacy.get("accountant", cfg.privacy.accountant))
+    ledger_job, events, lifetime = ledger_history(rd, run["run"], site_key)
+    delta, accountant = float(cfg.privacy.delta), str(cfg.privacy.accountant)
     den = denoiser_from_checkpoint(ckpt, str(rd / "model.pt"))
     classes = [str(c) for c in _first(ckpt, ("class_names",), str(rd / "model.pt"))]
     if len(classes) != den.n_classes:
         raise ReleaseError(f"{rd / 'model.pt'}: {len(classes)} class names for a {den.n_classes}-class model")
-    policy_sha = None
+    policy_sha, life_delta = None, delta
     if signed_policy is not None:
         # Integrity only here; `verify` checks the policy signer against the keys the reader trusts.
         pol = SitePolicy.from_document(signed_policy["policy"], None, "signed policy")
-        policy_sha = pol.digest
+        policy_sha, life_delta = pol.digest, float(pol.lifetime_delta)
         site_id = site_id or pol.site_id
         if pol.site_id != site_id:
             raise ReleaseError(f"the policy is for site {pol.site_id!r}, the release names site {site_id!r}")
@@ -194,12 +224,13 @@ def export_run(
             raise ReleaseError(f"the site key given is not the site_key that site {site_id}'s policy names; "
                                "sign with the key the policy names")
     site_id = site_id or "site"
-    job_id = job_id or f"{cfg.job.name}-{rd.resolve().name}"
+    job_id = job_id or ledger_job
     # A single-site run has no coordinator-signed job yet: the coordinator key signs one naming this site,
     # so the release carries a signed list of its sites like a federated one.
     signed_job = sign_job(cfg, coordinator_key, _job_id(job_id), [site_id])
     att = build_attestation(site_id, signed_job["job"]["job_id"], events, delta, accountant, policy_sha, site_key,
-                            job_sha256=sha256_hex(canonical_json(signed_job["job"])), history="run-directory")
+                            job_sha256=sha256_hex(canonical_json(signed_job["job"])), lifetime_events=lifetime,
+                            lifetime_delta=life_delta, history="site-ledger")
     if signed_policy is not None:
         from .verify import policy_violations
 

@@ -8,7 +8,7 @@ A release directory holds::
 
 Each site's entry carries an *attestation*: a spend statement (site, job, full event history, (eps, delta),
 accountant, policy hash) signed with the SITE's key. The site's ledger produces it in a federated run
-(``edge.ledger`` calls :func:`build_attestation`); ``feta-release export --site-key`` does it for a single-site
+(``edge.attest`` calls :func:`build_attestation`); ``feta-release export --site-key`` does it for a single-site
 run. The coordinator then signs the whole manifest. So a verifier needs no trust in the coordinator for a
 site's privacy figures: the site itself signed them, and ``verify`` recomputes epsilon from the events.
 

@@ -10,7 +10,7 @@ recorded answer back (the released payload is stored); a request id that was cha
 result was never recorded (the site crashed mid-computation) is refused: re-running it would
 draw fresh noise and spend the budget twice.
 
-Tamper evidence (``edge.ledger_chain``): the rows form a hash chain whose head is signed by the
+Tamper evidence (``feta_release.ledger_chain``): the rows form a hash chain whose head is signed by the
 site key after every write; opening the ledger verifies it. Writing needs the site's private key;
 reading (``node status``) verifies the signature with the site's public key when given.
 """
@@ -27,9 +27,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from feta_release.errors import BudgetExceededError, PolicyError, PrivacyError
+from .accounting import Accountant as AccountantName
+from .accounting import PrivacyEvent, epsilon
+from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
 
 from . import ledger_chain as chain
 from .ledger_chain import LedgerNotChainedError, LedgerTamperedError  # noqa: F401 - re-exported
@@ -67,7 +69,7 @@ class Budget:
     job_epsilon: float
     lifetime_epsilon: float
     delta: float  # the per-job delta
-    accountant: str = "rdp"
+    accountant: AccountantName = "rdp"
     lifetime_delta: float | None = None  # None: same as ``delta``
 
     @property
@@ -82,7 +84,7 @@ class Budget:
             job_epsilon=float(b["per_job"]["epsilon"]),
             lifetime_epsilon=float(b["lifetime"]["epsilon"]),
             delta=float(b["per_job"]["delta"]),
-            accountant=str(policy.get("accountant", "rdp")),
+            accountant=cast(AccountantName, str(policy.get("accountant", "rdp"))),
             lifetime_delta=float(b["lifetime"]["delta"]),
         )
 
@@ -109,22 +111,46 @@ def as_budget(policy: Budget | Any) -> Budget:
 
 
 def _default_accountant(events: Sequence[Any], delta: float, accountant: str) -> float:
-    from feta_release.accounting import epsilon
+    return float(epsilon(list(events), delta, cast(AccountantName, accountant)))
 
-    return float(epsilon(list(events), delta, accountant))
+
+def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequence[Any], new_events: Sequence[Any],
+                *, job_scope: str = "this job", site: str | None = None,
+                accountant: Accountant | None = None) -> tuple[float, float]:
+    """THE budget check: (ε of the job after, ε of the site's lifetime after) with the budget's accountant, or
+    :class:`PolicyBudgetExceeded` naming ``budget.per_job.epsilon`` or ``budget.lifetime.epsilon``.
+
+    Every refusal on spend goes through here: a ledger's charge, the node's pre-check and the coordinator's
+    plan (``feta_release.policy.enforce.check_budget``), the local driver's run.
+    """
+    acc = accountant or _default_accountant
+    job_ev, life_ev, new_ev = list(job_events), list(lifetime_events), list(new_events)
+
+    def eps(events: list[Any], delta: float) -> float:
+        return float(acc(events, delta, budget.accountant)) if events else 0.0
+
+    job_after = eps(job_ev + new_ev, budget.delta)
+    if job_after > budget.job_epsilon + 1e-9:
+        raise PolicyBudgetExceeded("budget.per_job.epsilon", spent=eps(job_ev, budget.delta), after=job_after,
+                                   cap=budget.job_epsilon, delta=budget.delta, accountant=budget.accountant,
+                                   scope=job_scope, site=site)
+    life_after = eps(life_ev + new_ev, budget.life_delta)
+    if life_after > budget.lifetime_epsilon + 1e-9:
+        raise PolicyBudgetExceeded("budget.lifetime.epsilon", spent=eps(life_ev, budget.life_delta), after=life_after,
+                                   cap=budget.lifetime_epsilon, delta=budget.life_delta, accountant=budget.accountant,
+                                   scope="the site's lifetime", site=site)
+    return job_after, life_after
 
 
 def _event_dicts(events: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for e in events:
-        d = dataclasses.asdict(e) if dataclasses.is_dataclass(e) else dict(e)
+        d = dataclasses.asdict(e) if dataclasses.is_dataclass(e) and not isinstance(e, type) else dict(e)
         out.append({"stage": str(d["stage"]), "sigma": float(d["sigma"]), "q": float(d["q"]), "steps": int(d["steps"])})
     return out
 
 
 def _events_from_dicts(rows: list[dict[str, Any]]) -> list[Any]:
-    from feta_release.accounting import PrivacyEvent
-
     return [PrivacyEvent(**r) for r in rows]
 
 
@@ -245,22 +271,9 @@ class Ledger:
 
     def projected(self, job_id: str, events: Sequence[Any], budget: Budget | Any) -> tuple[float, float]:
         """(job ε, lifetime ε) if ``events`` were added now. Spends nothing."""
-        policy, budget = budget, as_budget(budget)
+        budget = as_budget(budget)
         new = _event_dicts(events)
         return self._eps(self._history(job_id) + new, budget), self._eps(self._history() + new, budget, True)
-
-    def _refusal(self, job_id: str, mechanism: str, job_eps: float, life_eps: float, budget: Budget) -> str | None:
-        if job_eps > budget.job_epsilon + 1e-9:
-            return (
-                f"budget exceeded: {mechanism} would bring job {job_id!r} to ε={job_eps:.4f} "
-                f"> per-job cap {budget.job_epsilon:g} (δ={budget.delta:g}, {budget.accountant}); nothing released"
-            )
-        if life_eps > budget.lifetime_epsilon + 1e-9:
-            return (
-                f"budget exceeded: {mechanism} would bring the site's lifetime spend to ε={life_eps:.4f} "
-                f"> lifetime cap {budget.lifetime_epsilon:g} (δ={budget.life_delta:g}, {budget.accountant}); nothing released"
-            )
-        return None
 
     def check(
         self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: Budget | Any
@@ -276,28 +289,18 @@ class Ledger:
         return None
 
     def _assess(self, job_id: str, mechanism: str, new: list[dict[str, Any]], policy: Budget | Any) -> tuple[float, float]:
-        """(job ε, lifetime ε) after adding ``new``, or raise ``BudgetExceededError``.
+        """(job ε, lifetime ε) after adding ``new``, or raise (``check_spend``: the one budget check).
 
-        With a verified ``SitePolicy`` the policy module's ``check_budget`` decides (its refusal names
-        the policy rule); with a bare ``Budget`` the same composition is done here.
+        A verified ``SitePolicy`` also brings its per-job caps on rounds and steps.
         """
         if self.is_closed(job_id):  # under charge's write lock: nothing commits after the close
             raise PolicyError(f"job {job_id!r} was closed at this site by its final attestation; nothing more is "
                               "released for it (start a new job)")
-        if not isinstance(policy, Budget) and hasattr(policy, "lifetime_delta"):
-            from feta_release.policy.enforce import check_budget
-
+        if not isinstance(policy, Budget):
             self._check_step_caps(job_id, new, policy)
-            job_ev = _events_from_dicts(self._history(job_id))
-            life_ev = _events_from_dicts(self._history())
-            return check_budget(policy, job_ev, life_ev, _events_from_dicts(new))
-        budget = as_budget(policy)
-        job_eps = self._eps(self._history(job_id) + new, budget)
-        life_eps = self._eps(self._history() + new, budget, True)
-        reason = self._refusal(job_id, mechanism, job_eps, life_eps, budget)
-        if reason:
-            raise BudgetExceededError(reason)
-        return job_eps, life_eps
+        return check_spend(as_budget(policy), _events_from_dicts(self._history(job_id)),
+                           _events_from_dicts(self._history()), _events_from_dicts(new),
+                           site=getattr(policy, "site_id", None), accountant=self._accountant)
 
     def _check_step_caps(self, job_id: str, new: list[dict[str, Any]], policy: Any) -> None:
         """The policy's per-job caps on central rounds and DP-SGD steps, over what is RECORDED now.
@@ -306,8 +309,6 @@ class Ledger:
         of one job both pass it against the same history. Inside ``charge`` this runs under the write
         lock, so the second one sees the first and is refused.
         """
-        from feta_release.policy.errors import PolicyViolation
-
         history = self._history(job_id)
         for m in sorted({e["stage"] for e in new}):
             rule = getattr(policy, "mechanisms", {}).get(m)
@@ -460,11 +461,12 @@ class Ledger:
         return self._history(job_id)
 
     def requests(self, job_id: str | None = None) -> list[dict[str, Any]]:
-        q = "SELECT request_id, job_id, mechanism, events, status, response_sha256, job_epsilon, lifetime_epsilon, created_at FROM requests"
+        keys = ("request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon",
+                "lifetime_epsilon", "created_at")
+        q = f"SELECT {', '.join(keys)} FROM requests"
         args: tuple[Any, ...] = ()
         if job_id is not None:
             q, args = q + " WHERE job_id=?", (job_id,)
-        keys = ("request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon", "lifetime_epsilon", "created_at")
         out = []
         for row in self._db.execute(q + " ORDER BY seq", args):
             d = dict(zip(keys, row))
@@ -480,7 +482,7 @@ class Ledger:
         budget = None if budget is None else as_budget(budget)
         d = budget.delta if budget else delta
         acc = budget.accountant if budget else accountant
-        b = budget or Budget(float("inf"), float("inf"), d, acc)
+        b = budget or Budget(float("inf"), float("inf"), d, cast(AccountantName, acc))
         jobs: dict[str, Any] = {}
         for job_id, in self._db.execute("SELECT DISTINCT job_id FROM requests ORDER BY seq").fetchall():
             reqs = self.requests(job_id)

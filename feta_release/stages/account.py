@@ -1,0 +1,108 @@
+"""The local driver's side of the site ledger: a single-site run charges the SQLite ``Ledger`` (the one the
+federation's nodes use) before each release, exactly its planned events, and never more.
+
+Request ids are deterministic (``<job>/<stage>/<first step>``), so a resumed run never charges the same
+release twice; a release charged but never recorded (killed between charge and save) is refused by the
+ledger rather than re-drawn. DP-SGD is charged one chunk (a local "round" of ``checkpoint_every`` steps) at
+a time, before the chunk runs: after a kill, the chunk's steps past the last checkpoint are lost progress,
+never re-charged. ``privacy.json`` in the run directory is an unsigned copy for people; ``export`` attests
+from the ledger.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ..accounting import PrivacyEvent, epsilon, epsilon_breakdown, events_from_list, events_to_list
+from ..errors import BudgetExceededError, PrivacyError
+from ..ledger import Budget, Ledger
+from ..planning import PrivacyPlan, merged
+from ..training.checkpoint import atomic_write_json
+
+PRIVACY_FORMAT = "feta-release/privacy/v1"
+
+
+def run_budget(cfg: Any) -> Budget:
+    """A local run's budget: the job's ``[privacy]`` per job; no lifetime cap without a signed site policy."""
+    p = cfg.privacy
+    return Budget(job_epsilon=float(p.epsilon), lifetime_epsilon=math.inf, delta=float(p.delta),
+                  accountant=p.accountant)
+
+
+class RunAccount:
+    """Charges of one run (job ``job_id``) in a site ledger, bounded by the run's plan."""
+
+    def __init__(self, ledger: Ledger, job_id: str, plan: PrivacyPlan, budget: Budget, report: Path) -> None:
+        self.ledger, self.job_id, self.plan, self.budget, self.report_path = ledger, job_id, plan, budget, report
+
+    @property
+    def events(self) -> list[PrivacyEvent]:
+        """This run's charged events, one per stage (DP-SGD chunks summed), in plan order."""
+        return merged(events_from_list(self.ledger.job_events(self.job_id)))
+
+    def charged(self, stage: str) -> int:
+        return sum(e.steps for e in self.events if e.stage == stage)
+
+    def planned(self, stage: str) -> PrivacyEvent | None:
+        return self.plan.event(stage)
+
+    def charge(self, stage: str, steps: int) -> str:
+        """Record ``steps`` more compositions of ``stage``'s planned event in the ledger (committed on return),
+        or refuse: beyond the plan, or past the budget (the ledger's one check). Returns the request id."""
+        plan = self.planned(stage)
+        if plan is None:
+            raise BudgetExceededError(f"stage {stage!r} is not in this run's privacy plan; nothing was released")
+        done = self.charged(stage)
+        if done + steps > plan.steps:
+            raise BudgetExceededError(
+                f"{stage}: {done} of {plan.steps} planned compositions already charged; {steps} more would exceed "
+                f"the plan (and so the budget); nothing was released"
+            )
+        rid = f"{self.job_id}/{stage}/{done}"
+        self.ledger.charge(self.job_id, rid, stage, [PrivacyEvent(stage, plan.sigma, plan.q, steps)], self.budget)
+        self.write()
+        return rid
+
+    def record(self, request_id: str, payload: bytes) -> None:
+        """The release's bytes as it was saved: the request is complete (a replay gets these, never a fresh draw)."""
+        self.ledger.record_response(request_id, payload)
+
+    def pending(self, stage: str) -> bool:
+        """A release of ``stage`` was charged but never recorded (the run was killed between the two)."""
+        return any(r["status"] != "done" for r in self.ledger.requests(self.job_id) if r["mechanism"] == stage)
+
+    def close(self, job_sha256: str) -> None:
+        """The run is complete: the ledger refuses any further charge for it (its statement is final)."""
+        self.ledger.close_job(self.job_id, job_sha256)
+
+    def summary(self, final: bool = False) -> dict[str, Any]:
+        b, events = self.budget, self.events
+        doc: dict[str, Any] = {
+            "format": PRIVACY_FORMAT, "accountant": b.accountant, "delta": b.delta, "target_epsilon": b.job_epsilon,
+            "dataset_size": self.plan.dataset_size, "unit": "one image of one site (add/remove)",
+            "planned": events_to_list(self.plan.events), "planned_epsilon": self.plan.epsilon,
+            "events": events_to_list(events), "ledger": str(self.ledger.path), "job_id": self.job_id,
+            "note": "an unsigned copy for reading; the record is the ledger (export attests from it)",
+        }
+        if b.accountant == "rdp" or final:
+            doc["epsilon"] = epsilon(events, b.delta, b.accountant)
+        if final:
+            doc["per_stage_epsilon"] = epsilon_breakdown(events, b.delta, b.accountant) if events else {}
+        return doc
+
+    def write(self, *, final: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        doc = {**self.summary(final), "complete": final, **(extra or {})}
+        atomic_write_json(self.report_path, doc)
+        return doc
+
+
+def check_recorded_plan(state: dict[str, Any], plan: PrivacyPlan, where: Path) -> None:
+    """A resumed run must have the plan it started with (same job, data and public size)."""
+    recorded = (state.get("plan") or {}).get("events")
+    if recorded is not None and events_from_list(recorded) != plan.events:
+        raise PrivacyError(
+            f"{where}: the recorded plan {recorded} differs from this job's plan {events_to_list(plan.events)}; "
+            "this run directory belongs to another job, data or public size"
+        )

@@ -1,0 +1,111 @@
+"""What the stages of a run share: the typed context a driver builds and every stage reads and fills.
+
+Randomness (one seeding rule): the public ``[job] seed`` drives model init, warm-up training and
+synthesis (:meth:`RunContext.public_gen`); everything that touches private data (mechanism noise, Poisson
+sampling, DP-SGD noise) draws from the run's secret (256 OS bits kept in ``checkpoints/noise_seed.txt``, so
+a resumed run continues the same streams; a public seed would let anyone subtract the noise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import JobConfig
+from ..data import ImageDataset
+from ..models.edm import EDMDenoiser
+from ..planning import PrivacyPlan
+from ..randomness import numpy_generator_from, torch_generator_from
+from ..training.checkpoint import atomic_write_json
+from ..training.progress import Reporter
+from .account import RunAccount
+
+
+def seed_from(*parts: Any) -> int:
+    h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class RunDir:
+    root: Path
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def complete_marker(self) -> Path:
+        return self.root / "COMPLETE"
+
+    def ckpt(self, name: str) -> Path:
+        return self.root / "checkpoints" / name
+
+    def released(self, name: str) -> Path:
+        return self.root / "released" / name
+
+    def grid(self, index: int, stage: str) -> Path:
+        return self.root / "grids" / f"{index:02d}-{stage}.png"
+
+
+@dataclass
+class RunContext:
+    """One run's inputs (fixed) and the stages' products (filled in stage order)."""
+
+    cfg: JobConfig
+    data: ImageDataset
+    rd: RunDir
+    account: RunAccount
+    plan: PrivacyPlan
+    state: dict[str, Any]  # run.json
+    secret: int
+    rep: Reporter
+    denoiser: EDMDenoiser
+    n_public: int
+    checkpoint_every: int = 10
+    grid_per_class: int = 8
+    n_synthetic: int | None = None
+    kill_after_steps: int | None = None  # test hook: SimulatedKill after that many DP-SGD steps
+    # products of the stages
+    central: tuple[np.ndarray, np.ndarray] | None = None  # released central images (post-processed) and labels
+    embedding: np.ndarray | None = None  # released frequency statistics
+    final_model: EDMDenoiser | None = None  # EMA model after DP-SGD (else the warmed-up denoiser)
+    dpsgd_trained: int = 0
+    grid_index: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    stage_cpu: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.denoiser.parameters()).device
+
+    def public_gen(self, name: str) -> torch.Generator:
+        """PUBLIC randomness (model init, post-processing of released values, sampling)."""
+        return torch.Generator().manual_seed(seed_from(self.cfg.job.seed, name))
+
+    def _private_key(self, stage: str) -> bytes:
+        return hashlib.sha256(f"{self.secret}/{stage}".encode()).digest()
+
+    def private_rng(self, stage: str) -> np.random.Generator:
+        return numpy_generator_from(self._private_key(stage))
+
+    def private_gen(self, stage: str) -> torch.Generator:
+        return torch_generator_from(self._private_key(stage))
+
+    def mark(self, stage: str, **info: Any) -> None:
+        self.state["stages"][stage] = {"done": True, **info}
+        atomic_write_json(self.rd.run_json, self.state)
+
+    def next_grid(self, stage: str) -> Path:
+        self.grid_index += 1
+        return self.rd.grid(self.grid_index, stage)
+
+    def lap(self, stage: str, t0: tuple[float, float]) -> None:
+        self.stage_seconds[stage] = time.perf_counter() - t0[0]
+        self.stage_cpu[stage] = time.process_time() - t0[1]

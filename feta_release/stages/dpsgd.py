@@ -1,0 +1,83 @@
+"""Stage 5: DP-SGD on the site's images, charged one chunk of ``checkpoint_every`` steps at a time BEFORE the
+chunk runs (a local "round", as a federated site charges each round's ``local_steps``).
+
+The trainer state is checkpointed at the end of every chunk and the chunk's ledger request recorded then. After
+a kill, the steps charged since the last checkpoint are lost progress, never re-charged: the run continues
+from the checkpoint with the REMAINING planned steps, so the final history equals the plan.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import cast
+
+import numpy as np
+import torch
+
+from ..accounting import PrivacyEvent
+from ..config import JobConfig
+from ..models.edm import EDMDenoiser
+from ..training.checkpoint import load_torch, save_torch
+from ..training.dpsgd import DPSGDTrainer, StepStats
+from .base import sample_grid
+from .context import RunContext
+
+
+class SimulatedKill(RuntimeError):
+    """Raised by the test hook ``kill_after_steps`` to simulate a crash in the middle of DP-SGD."""
+
+
+class DpsgdTraining:
+    name = "dpsgd"
+
+    def enabled(self, cfg: JobConfig) -> bool:
+        return cfg.dpsgd.steps is None or cfg.dpsgd.steps > 0
+
+    def run(self, ctx: RunContext) -> None:
+        sgd = ctx.account.planned("dpsgd")
+        assert sgd is not None, "DP-SGD is enabled but not planned"
+        trainer = DPSGDTrainer(ctx.denoiser, ctx.cfg, sgd.sigma, sgd.q, ctx.private_gen("dpsgd"),
+                               image_shape=ctx.data.image_shape, n_classes=ctx.data.n_classes, n_public=ctx.n_public)
+        ck = ctx.rd.ckpt("dpsgd.pt")
+        if ck.exists():
+            trainer.load_state_dict(load_torch(ck))
+        charged = ctx.account.charged("dpsgd")
+        lost = charged - trainer.steps_done
+        if lost > 0:
+            ctx.rep.log(f"DP-SGD: resuming at step {trainer.steps_done}; {lost} step(s) charged after the last "
+                        "checkpoint are lost progress (not re-charged)")
+            ctx.state["dpsgd_steps_lost"] = int(ctx.state.get("dpsgd_steps_lost", 0)) + lost
+        _train(ctx, trainer, sgd, charged)
+        save_torch(ck, trainer.state_dict())
+        model = cast(EDMDenoiser, trainer.ema_model())
+        ctx.final_model, ctx.dpsgd_trained = model, trainer.steps_done
+        ctx.mark("dpsgd", steps_trained=ctx.dpsgd_trained, steps_charged=ctx.account.charged("dpsgd"))
+        sample_grid(ctx, "after-dpsgd", model)
+
+
+def _train(ctx: RunContext, trainer: DPSGDTrainer, sgd: PrivacyEvent, charged: int) -> None:
+    x = torch.from_numpy(np.ascontiguousarray(ctx.data.images, dtype=np.float32)) * 2 - 1
+    y = torch.from_numpy(np.asarray(ctx.data.labels, dtype=np.int64))
+    rid, left, done_here = "", 0, 0
+
+    def before(i: int) -> None:
+        nonlocal rid, left
+        if left == 0:  # the next chunk is on disk in the ledger before its first step runs
+            left = min(ctx.checkpoint_every, sgd.steps - ctx.account.charged("dpsgd"))
+            rid = ctx.account.charge("dpsgd", left)
+        left -= 1
+
+    def after(s: StepStats) -> None:
+        nonlocal done_here
+        done_here += 1
+        if left == 0:  # end of the chunk: checkpoint, then the request is complete
+            save_torch(ctx.rd.ckpt("dpsgd.pt"), trainer.state_dict())
+            ctx.account.record(rid, json.dumps({"steps_done": trainer.steps_done}).encode())
+        adv(1, info=f"batch {s.batch_size} loss {s.loss:.3f} clipped {s.clipped_fraction:.0%}")
+        if ctx.kill_after_steps is not None and done_here >= ctx.kill_after_steps:
+            raise SimulatedKill(f"simulated kill after {done_here} DP-SGD steps")
+
+    with ctx.rep.task("DP-SGD", sgd.steps) as adv:
+        adv(charged)
+        if sgd.steps - charged > 0:
+            trainer.run(x, y, sgd.steps - charged, before_step=before, after_step=after)

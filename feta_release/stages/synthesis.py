@@ -9,7 +9,7 @@ import numpy as np
 from ..config import JobConfig
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..models.sampler import generate
-from ..training.checkpoint import atomic_write_bytes, save_torch
+from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, write_model_file
 from .base import npz_bytes
 from .context import RunContext, seed_from
 
@@ -25,13 +25,9 @@ class Synthesis:
         n = ctx.n_public if ctx.n_synthetic is None else int(ctx.n_synthetic)
         _write_synthetic(ctx, model, n)
         d = ctx.data
-        save_torch(ctx.rd.root / "model.pt", {
-            "spec": denoiser_spec(ctx.cfg.model, d.image_shape, d.n_classes),
-            "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
-            "class_names": list(d.class_names),
-            "job_hash": ctx.state["job_hash"],
-            "sampler": ctx.cfg.to_dict()["sampler"],
-        })
+        write_model_file(ctx.rd.root / MODEL_FILE, spec=denoiser_spec(ctx.cfg.model, d.image_shape, d.n_classes),
+                         state_dict=model.state_dict(), class_names=list(d.class_names),
+                         job_hash=ctx.state["job_hash"], sampler=ctx.cfg.to_dict()["sampler"])
 
 
 def _write_synthetic(ctx: RunContext, model: EDMDenoiser, n: int) -> None:

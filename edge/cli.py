@@ -17,7 +17,9 @@ def node() -> None:
 
 
 @node.command()
-@click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="node.toml from `feta-release site init`: ledger, work dir, site key and policy from it.")
+@click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path),
               help="The site's privacy ledger (SQLite).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Signed policy: also show ε left against its caps.")
@@ -25,18 +27,42 @@ def node() -> None:
               help="Public key the policy must be signed with (with --policy).")
 @click.option("--site-key", "site_key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's key (public .pub or private .key): also check the ledger head's signature.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="The node's work directory (default: next to the ledger), where it publishes its state.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, site_key: Path | None,
-           as_json: bool) -> None:
-    """Verify the ledger's hash chain and print it: per job, per mechanism, ε spent (and left)."""
+def status(config_path: Path | None, ledger_path: Path | None, policy_path: Path | None, trusted: Path | None,
+           site_key: Path | None, work_dir: Path | None, as_json: bool) -> None:
+    """Say what the node is doing (connecting / connected / refused, why / serving job X / stopped), then verify
+    the ledger's hash chain and print it: per job, per mechanism, ε spent (and left).
+
+    \b
+    Example:
+      feta-release node status --config st-mary/node.toml
+      feta-release node status --ledger st-mary/state/ledger.db --site-key st-mary/keys/site.pub --json
+    """
     from feta_release.errors import ConfigError
 
     from .ledger import Ledger
+    from .node_state import read_state
 
+    if config_path is not None:
+        from .kit import read_node_toml
+
+        cfg = read_node_toml(config_path)
+        ledger_path = ledger_path or cfg["ledger"]
+        work_dir = work_dir or cfg.get("work_dir")
+        site_key = site_key or cfg["site_key"]
+        if policy_path is None and trusted is None:
+            policy_path, trusted = cfg["policy"], cfg["trusted_policy_key"]
+    if ledger_path is None:
+        raise click.UsageError("give --config node.toml or --ledger LEDGER")
+    state = read_state(work_dir or Path(ledger_path).parent / "work")
+    if not as_json:
+        click.echo(_state_line(state))
     if not ledger_path.exists():
         raise ConfigError(f"{ledger_path}: no ledger here (a node creates it on its first release)")
     budget = None
-    if policy_path is not None:
+    if policy_path is not None and Path(policy_path).exists():
         if trusted is None:
             raise click.UsageError("--policy needs --trusted-policy-key to verify it")
         from .site import verify_policy_file
@@ -47,10 +73,20 @@ def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, si
         summary = led.summary(budget)
         summary["integrity"] = "chain and signed head verified" if pub is not None else \
             "chain verified; head signature NOT checked (give --site-key)"
+    summary["node"] = state
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
         return
     _print_summary(summary)
+
+
+def _state_line(state: dict | None) -> str:
+    if state is None:
+        return "node: no state published here (the node was not started with this work directory)"
+    line = f"node: {state['state']}: {state['detail']} (since {state['since']})"
+    if not state["running"] and state["state"] != "stopped":
+        line += "; its process is no longer running"
+    return line
 
 
 def _public_key(path: Path):  # noqa: ANN202 - Ed25519PublicKey

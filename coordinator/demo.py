@@ -65,7 +65,12 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
 @click.option("--no-release", is_flag=True, help="Skip the ONNX release (samples + privacy report only).")
 def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
          quick: bool, no_release: bool) -> None:
-    """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1."""
+    """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1.
+
+    \b
+    Example:
+      feta-release demo --out demo-out --quick
+    """
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -123,7 +128,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
         del report
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the coordinator and site nodes[/]")
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     finally:
         _stop_all(procs)
         signal.signal(signal.SIGTERM, old)

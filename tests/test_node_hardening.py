@@ -590,7 +590,7 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     assert stat.S_IMODE(s.ledger.stat().st_mode) == 0o600
     _tamper(s.ledger, "UPDATE requests SET lifetime_epsilon=0.0")
     args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
-            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--trusted-policy-key",
+            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--trusted",
             str(s.policy_pub), "--superlink", "127.0.0.1:1",
             "--insecure"]
     res = CliRunner().invoke(node, args)

@@ -101,14 +101,14 @@ def events_from_list(items: Iterable[dict[str, Any]]) -> list[PrivacyEvent]:
 @functools.lru_cache(maxsize=65536)
 def _rdp_at(sigma: float, q: float, alpha: float) -> float:
     # Cached because calibration re-evaluates the same prior events at every bisection step.
-    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant import PoissonSubsampledGaussianMechanism  # type: ignore[import-untyped]
 
     return float(PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=sigma).rdp(alpha))
 
 
 @functools.cache
 def _cached_mechanism_class() -> type:
-    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant import PoissonSubsampledGaussianMechanism  # type: ignore[import-untyped]
 
     class CachedMechanism(PoissonSubsampledGaussianMechanism):  # type: ignore[misc]
         """prv-accountant's subsampled Gaussian whose RDP at an order is computed once per (sigma, q)."""
@@ -120,7 +120,7 @@ def _cached_mechanism_class() -> type:
 
 
 def _rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> float:
-    from prv_accountant.other_accountants import RDP
+    from prv_accountant.other_accountants import RDP  # type: ignore[import-untyped]
 
     mech = _cached_mechanism_class()
     acc = RDP(prvs=[mech(sampling_probability=q, noise_multiplier=sigma) for sigma, q, _ in history], orders=list(RDP_ORDERS))
@@ -163,7 +163,7 @@ def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float
     """Upper bound on epsilon by PRV composition (Gopi et al. 2021, Microsoft's prv-accountant) with Opacus'
     PRVAccountant settings: eps_error 0.01, delta_error delta/1000."""
     import numpy as np
-    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant  # type: ignore[import-untyped]
 
     prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=sigma) for sigma, q, _ in history]
     counts = [steps for _, _, steps in history]

@@ -61,23 +61,33 @@ class NodeState:
         return f"{self.since} node {self.state}: {self.detail}"
 
 
-def open_job(ledger_path: Path | None) -> str | None:
-    """The job this site's ledger has bound most recently and not closed (None if none, or unreadable).
+def ledger_jobs(ledger_path: Path | None) -> dict[str, bool]:
+    """Job id -> closed, in the order this site's ledger bound them ({} if none yet, or unreadable).
 
     Read-only: the ClientApp binds a job at its first admitted message and closes it when it signs the final
-    attestation, so the newest open binding is the job being served."""
+    attestation."""
     if ledger_path is None or not Path(ledger_path).exists():
-        return None
+        return {}
     try:
         con = sqlite3.connect(f"file:{Path(ledger_path).resolve()}?mode=ro", uri=True, timeout=1.0)
         try:
             rows = con.execute("SELECT key, value FROM meta WHERE key LIKE 'job:%' ORDER BY rowid").fetchall()
         finally:
             con.close()
-    except sqlite3.Error:
-        return None
-    open_jobs = [k[4:] for k, v in rows if not json.loads(v).get("closed")]
-    return open_jobs[-1] if open_jobs else None
+        return {k[4:]: bool(json.loads(v).get("closed")) for k, v in rows}
+    except (sqlite3.Error, ValueError, AttributeError):
+        return {}
+
+
+def open_job(ledger_path: Path | None, before: dict[str, bool] | None = None) -> str | None:
+    """The job being served: the newest one bound since ``before`` (a snapshot taken when the Flower run began),
+    else the newest still-open one that was already bound (a resumed job); None when nothing names it yet."""
+    jobs = ledger_jobs(ledger_path)
+    new = [j for j in jobs if before is not None and j not in before]
+    if new:
+        return new[-1]
+    still_open = [j for j, closed in jobs.items() if not closed]
+    return still_open[-1] if still_open else None
 
 
 class NodeMonitor:
@@ -87,11 +97,14 @@ class NodeMonitor:
                  announce: Callable[[str], None] | None = None) -> None:
         self.superlink = superlink
         self.state_path = Path(work_dir) / STATE_FILE
+        if log_path is not None:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log_file = None if log_path is None else open(log_path, "ab")  # noqa: SIM115 - closed by stopped()
         self.ledger = ledger
         self.announce = announce
         self._lock = threading.Lock()
         self._exit: list[str] | None = None  # lines of a Flower exit report being read
+        self._runs: dict[str, dict[str, bool]] = {}  # Flower run id -> the ledger's jobs when it began
         self.state = NodeState("starting", f"checks passed; starting the SuperNode for {superlink}", superlink)
         self._publish()
 
@@ -120,17 +133,31 @@ class NodeMonitor:
             self.state.node_id = m.group(1)
             self._go("connected", f"registered at {self.superlink} as node {m.group(1)}; waiting for a job")
         elif m := _RUN.search(msg):
-            job = open_job(self.ledger) or self.state.job or f"(Flower run {m.group(1)})"
-            self._go("serving", f"job {job}, stage {m.group(2)}", job=job, stage=m.group(2))
+            self._serving(m.group(1), m.group(2))
         elif "Sent successfully" in msg and self.state.state == "serving" and self.state.stage == "attest":
-            self._go("connected", f"served job {self.state.job} (final attestation sent); waiting for the next job")
+            self._go("connected", f"served job {self.state.job or '(id unknown)'} (final attestation sent); waiting for "
+                                  "the next job")
         elif m := _OUR_ERROR.match(msg):
-            what = f"job {self.state.job}" if self.state.job else "a request"
+            what = f"job {self.state.job}" if self.state.job else "a job's request"
             self._go("refused", f"this site refused {what}: {m.group(2)} ({m.group(1)})")
         elif m := _EXIT.search(msg):
             self._exit = [m.group(1)]
         elif "SuperNode terminated" in msg:
             self._go("stopped", "the SuperNode stopped")
+
+    def _serving(self, run: str, stage: str) -> None:
+        # The RUN line comes before the ClientApp binds a new job in the ledger: at a run's first round only a job
+        # bound since then can name it (an older open job may be a stale one); from the next round on, a resumed
+        # job (bound before this run) is named too.
+        first = run not in self._runs
+        if first:
+            self._runs[run] = ledger_jobs(self.ledger)
+        job = open_job(self.ledger, self._runs[run])
+        if job is not None and first and job in self._runs[run]:
+            job = None
+        job = job or (self.state.job if not first and self.state.job else None)
+        name = job or f"(Flower run {run}; its job id once admitted)"
+        self._go("serving", f"job {name}, stage {stage}", job=job, stage=stage)
 
     def _read_exit_report(self, msg: str) -> None:
         assert self._exit is not None

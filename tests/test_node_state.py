@@ -62,20 +62,34 @@ def test_connecting_then_connected_each_said_once_and_the_log_is_plain_with_time
 
 
 def test_serving_names_the_job_from_the_ledger_and_returns_to_connected_after_the_attestation(tmp_path):
+    """The job id comes from the site's own ledger: the job bound after the run began, never a stale open one."""
     from edge.ledger import Ledger
 
-    led = Ledger(tmp_path / "ledger.db", key=Ed25519PrivateKey.generate())
-    led.bind_job("job-old", "a" * 64, "b" * 64)
-    led.close_job("job-old", "a" * 64)
-    led.bind_job("job-7", "c" * 64, "b" * 64)
-    led.close()
-    assert open_job(tmp_path / "ledger.db") == "job-7"
+    key = Ed25519PrivateKey.generate()
+    with Ledger(tmp_path / "ledger.db", key=key) as led:
+        led.bind_job("job-old", "a" * 64, "b" * 64)
+        led.close_job("job-old", "a" * 64)
+        led.bind_job("job-crashed", "d" * 64, "b" * 64)  # never attested: still open
+    assert open_job(tmp_path / "ledger.db") == "job-crashed"
     mon, said = _monitor(tmp_path, ledger=tmp_path / "ledger.db")
-    for line in START + CONNECTED + _round("hello") + _round("central") + _round("attest"):
+    for line in START + CONNECTED + _round("hello"):
+        mon.feed(line)
+    assert "job-crashed" not in said[-1] and "(Flower run 7273002801530066929; its job id once admitted)" in said[-1]
+    with Ledger(tmp_path / "ledger.db", key=key) as led:  # the ClientApp admits the hello: the job is bound
+        led.bind_job("job-7", "c" * 64, "b" * 64)
+    for line in _round("central") + _round("attest"):
         mon.feed(line)
     assert _states(said) == ["connecting", "connected", "serving", "serving", "serving", "connected"]
-    assert said[2].endswith("node serving: job job-7, stage hello") and "stage central" in said[3]
+    assert said[3].endswith("node serving: job job-7, stage central") and "stage attest" in said[4]
     assert "served job job-7 (final attestation sent); waiting for the next job" in said[-1]
+    # A node restarted in the middle of job-7: its first round already names the job (bound before, still open)...
+    mon2, said2 = _monitor(tmp_path / "restart", ledger=tmp_path / "ledger.db")
+    for line in START + CONNECTED + [ln.replace("7273002801530066929", "99") for ln in _round("round-3")]:
+        mon2.feed(line)
+    # ...only from its second round (the first might be a new job whose id is not bound yet).
+    assert "its job id once admitted" in said2[-1]
+    mon2.feed(_round("round-4")[0].replace("7273002801530066929", "99"))
+    assert said2[-1].endswith("node serving: job job-7, stage round-4")
 
 
 def test_a_node_the_coordinator_turns_away_says_refused_and_why(tmp_path):
@@ -95,7 +109,8 @@ def test_a_job_the_site_refuses_says_refused_with_the_site_s_reason(tmp_path):
             "feta_release.policy.enforce.PolicyBudgetExceeded: budget.per_job.epsilon: job would spend 3.2 > cap 1"]:
         mon.feed(line)
     assert _states(said)[-1] == "refused"
-    assert "this site refused job (Flower run 7273002801530066929): budget.per_job.epsilon" in said[-1]
+    assert "this site refused a job's request: budget.per_job.epsilon: job would spend 3.2 > cap 1" in said[-1]
+    assert "(PolicyBudgetExceeded)" in said[-1]
 
 
 def test_read_state_tells_a_dead_process_and_status_shows_the_state(tmp_path):

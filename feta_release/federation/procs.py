@@ -67,7 +67,10 @@ class ManagedProcess:
     def _read(self, on_line: Callable[[str], None]) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
-            on_line(raw.decode("utf-8", errors="replace"))
+            try:
+                on_line(raw.decode("utf-8", errors="replace"))
+            except Exception:  # noqa: BLE001 - keep draining: a full pipe would block the child's next write
+                continue
 
     @property
     def pid(self) -> int:

@@ -1,8 +1,8 @@
 """The README's site-administrator path, run as written, with real processes (issue 17's "done when").
 
 From an empty folder, the commands of the README's "Site administrators" block (at most six) bring up a node that a
-real coordinator (Flower SuperLink with TLS and node authentication, on loopback) admits; before the coordinator
-registers the node's key, the same node says it is refused and why.  Only what the environment dictates is
+real coordinator (Flower SuperLink with TLS and node authentication, on loopback) admits and whose job it serves;
+before the coordinator registers the node's key, the same node says it is refused and why.  Only what the environment dictates is
 substituted: the data path, the coordinator's address, the node's local port.  Slow: real Flower processes.
 """
 
@@ -156,9 +156,15 @@ def test_readme_site_admin_path_brings_up_a_node_the_coordinator_admits(tmp_path
         state = _wait_state(site, "connected", node)
         assert state["node_id"] and "waiting for a job" in state["detail"]
         assert _status(site, env).startswith(f"node: connected: registered at 127.0.0.1:{port} as node")
+        # The coordinator runs its job: the node serves it, says which, and is back to waiting afterwards.
+        _run(f"feta-release coordinator run job.toml --sites st-mary --key coord-keys/coordinator.key --out run1 "
+             f"--superlink 127.0.0.1:{port} --root-certificates certs/ca.crt --job-id job-1 --no-release", here, env)
+        served = _wait_state(site, "connected", node, timeout=60)
+        assert served["detail"].startswith("served job job-1 (final attestation sent)"), served
     finally:
         out = _stop(node) if node is not None else ""
         _stop(coord)
     assert "node connected: registered" in out and "node stopped" in out
+    assert "node serving: job job-1, stage" in out
     log = (site / "work" / "supernode.log").read_text("utf-8")
     assert "\x1b" not in log and re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", log)

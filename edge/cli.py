@@ -40,7 +40,7 @@ def status(config_path: Path | None, ledger_path: Path | None, policy_path: Path
     \b
     Example:
       feta-release node status --config st-mary/node.toml
-      feta-release node status --ledger st-mary/state/ledger.db --site-key st-mary/keys/site.pub --json
+      feta-release node status --ledger st-mary/ledger.sqlite --site-key st-mary/keys/site-signing.pub --json
     """
     from feta_release.errors import ConfigError
 

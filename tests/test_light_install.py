@@ -71,3 +71,19 @@ def test_the_block_is_real():
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert "blocked: light install" in probe.stderr
     assert proc.returncode == 0  # --help of a torch command imports nothing heavy either
+
+
+def test_light_requirements_hold_the_accountant_and_no_training_stack():
+    """requirements-verify.txt is the light install: prv-accountant (the accountant, pinned as in pyproject) is in
+    it; torch, flwr, onnx and opacus are not, and the README's light install no longer installs opacus."""
+    import re
+    import tomllib
+
+    reqs = [ln.split("#")[0].strip() for ln in (REPO / "requirements-verify.txt").read_text().splitlines()]
+    names = {re.split(r"[<>=!~\[ ]", r)[0].lower(): r for r in reqs if r}
+    assert not set(names) & {"torch", "flwr", "onnx", "opacus"}
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert names["prv-accountant"] in deps
+    readme = (REPO / "README.md").read_text("utf-8")
+    light = readme[readme.index("Light install for verifiers"):][:400]
+    assert "opacus==" not in light and "pip install -r requirements-verify.txt" in light

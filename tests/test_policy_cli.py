@@ -34,7 +34,8 @@ def setup(tmp_path):
     doc = make_policy("site-a", dataset_commitment(ds, secret), 10, [coord_pem], not_before="2026-01-01T00:00:00Z",
                       valid_days=36500)
     (tmp_path / "policy.json").write_text(json.dumps(doc))
-    (tmp_path / "job.toml").write_text('[central]\nbatch = 4\nrounds = 1\n[dpsgd]\nsteps = 20\nbatch = 4\n[privacy]\nepsilon = 0.5\n')
+    (tmp_path / "job.toml").write_text('[central]\nbatch = 4\nrounds = 1\n[dpsgd]\nsteps = 20\nbatch = 4\n'
+                                       '[privacy]\nepsilon = 0.5\n')
     return runner, tmp_path
 
 

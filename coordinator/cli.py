@@ -22,13 +22,16 @@ def coordinator() -> None:
 
 
 @coordinator.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=9092, show_default=True, help="One port for Fleet, Control and Runtime APIs.")
 @click.option("--database", type=click.Path(dir_okay=False, path_type=Path), default=Path("state.db"), show_default=True,
               help="SuperLink state: nodes stay registered across a restart.")
-@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--ssl-ca-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The SuperLink's TLS certificate (PEM), e.g. certs/server.pem.")
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The TLS certificate's private key, e.g. certs/server.key.")
+@click.option("--ssl-ca-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The CA certificate the sites trust (ca.crt; send it to every site).")
 @click.option("--insecure", is_flag=True, help="No TLS (loopback demos only).")
 @click.option("--enable-supernode-auth/--no-supernode-auth", default=None,
               help="Accept only registered node keys (needs TLS). Default: on unless --host is loopback.")
@@ -36,8 +39,13 @@ def coordinator() -> None:
               show_default=True, help="Logs and Flower's FLWR_HOME for the SuperLink.")
 def start(host: str, port: int, database: Path, ssl_certfile: Path | None, ssl_keyfile: Path | None,
           ssl_ca_certfile: Path | None, insecure: bool, enable_supernode_auth: bool | None, home: Path) -> None:
-    """Run the Flower SuperLink in the foreground until Ctrl-C."""
+    """Run the Flower SuperLink in the foreground until Ctrl-C.
 
+    \b
+    Example:
+      feta-release coordinator start --host 0.0.0.0 --ssl-certfile certs/server.pem \\
+          --ssl-keyfile certs/server.key --ssl-ca-certfile certs/ca.crt --enable-supernode-auth
+    """
     s = SuperLinkSettings(host=host, port=port, database=database, insecure=insecure, ssl_certfile=ssl_certfile,
                           ssl_keyfile=ssl_keyfile, ssl_ca_certfile=ssl_ca_certfile,
                           enable_supernode_auth=enable_supernode_auth, home=home)
@@ -56,9 +64,15 @@ def start(host: str, port: int, database: Path, ssl_certfile: Path | None, ssl_k
 
 
 @coordinator.command("fab-hash")
-@click.option("--app", "app_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--app", "app_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="App directory to hash (default: the shipped Flower app).")
 def fab_hash(app_dir: Path | None) -> None:
-    """Print the sha256 of the app bundle (what each site lists in its policy's app_bundles)."""
+    """Print the sha256 of the app bundle (what each site lists in its policy's app_bundles).
+
+    \b
+    Example:
+      feta-release coordinator fab-hash   # send this sha256 to every site
+    """
     from .setup import APP_DIR, app_bundle_hash
 
     click.echo(app_bundle_hash(app_dir or APP_DIR))
@@ -71,15 +85,22 @@ def fab_hash(app_dir: Path | None) -> None:
               help="The coordinator's Ed25519 private key (signs the job).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output + checkpoint directory; running again with the same --out resumes the job.")
-@click.option("--superlink", default="127.0.0.1:9092", show_default=True)
-@click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--insecure", is_flag=True)
+@click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="The SuperLink's host:port.")
+@click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The CA certificate of the SuperLink (TLS).")
+@click.option("--insecure", is_flag=True, help="No TLS (loopback demos only).")
 @click.option("--job-id", default=None, help="Default: JOB name + UTC time (kept in --out for resumes).")
 @click.option("--release/--no-release", default=True, show_default=True,
               help="Also write samples.png, the privacy report and OUT/release (ONNX + signed manifest).")
 def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: str, root_certificates: Path | None,
         insecure: bool, job_id: str | None, release: bool) -> None:
-    """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress."""
+    """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress.
+
+    \b
+    Example:
+      feta-release coordinator run job.toml --sites st-mary,st-luke --key coordinator.key \\
+          --out runs/job-1 --superlink coordinator.example.org:9092 --root-certificates certs/ca.crt
+    """
     from .runner import run_signed_job, sign_or_resume
 
     signed_path = sign_or_resume(job_file, [s.strip() for s in sites.split(",") if s.strip()], key_path, out_dir,
@@ -96,29 +117,42 @@ def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: st
 
 
 @coordinator.command()
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for ca.crt, server.pem/.key and nodes/ (private keys mode 0600).")
 @click.option("--host", "hosts", multiple=True, default=("127.0.0.1", "localhost"), show_default=True,
               help="SuperLink host names / IPs for the certificate's SANs (repeat).")
 @click.option("--node", "nodes", multiple=True, help="Also make a node-auth key for this site (repeat).")
 def certs(out_dir: Path, hosts: tuple[str, ...], nodes: tuple[str, ...]) -> None:
-    """Make a test CA, a SuperLink certificate and node-auth keys (pilots/tests; use your PKI in production)."""
+    """Make a test CA, a SuperLink certificate and node-auth keys (pilots/tests; use your PKI in production).
+
+    \b
+    Example:
+      feta-release coordinator certs --out certs --host coordinator.example.org --node st-mary
+    """
     paths = make_certificates(out_dir, hosts)
     for n in nodes:
         make_node_auth_key(out_dir / "nodes", n)
     click.echo("\n".join(f"{k}: {v}" for k, v in paths.items()))
     if nodes:
-        click.echo(f"node keys in {out_dir / 'nodes'}; register each with `flwr supernode register NODE.pub`")
+        click.echo(f"node keys in {out_dir / 'nodes'}; register each with "
+                   "`feta-release coordinator register NODE.pub --name SITE`")
 
 
 @coordinator.command()
 @click.argument("public_key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--name", required=True, help="Site id of the node.")
-@click.option("--superlink", default="127.0.0.1:9092", show_default=True)
-@click.option("--root-certificates", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="The SuperLink's host:port.")
+@click.option("--root-certificates", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The CA certificate of the SuperLink (TLS).")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=Path(".feta-coordinator"),
-              show_default=True)
+              show_default=True, help="The coordinator's home (as given to `coordinator start`).")
 def register(public_key: Path, name: str, superlink: str, root_certificates: Path, home: Path) -> None:
-    """Register a site's node-auth public key with the SuperLink (needs --enable-supernode-auth)."""
+    """Register a site's node-auth public key with the SuperLink (needs --enable-supernode-auth).
 
+    \b
+    Example:
+      feta-release coordinator register st-mary-node-auth.pub --name st-mary \\
+          --superlink 127.0.0.1:9092 --root-certificates certs/ca.crt
+    """
     register_node(public_key, name, home / "cli_home", superlink, root_certificates=root_certificates)
     click.echo(f"registered {public_key} as {name}")

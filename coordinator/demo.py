@@ -82,7 +82,12 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
 @click.option("--no-release", is_flag=True, help="Skip the ONNX release (samples + privacy report only).")
 def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
          quick: bool, no_release: bool) -> None:
-    """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1."""
+    """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1.
+
+    \b
+    Example:
+      feta-release demo --out demo-out --quick
+    """
     console = Console(stderr=True)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise click.UsageError(f"{out_dir} is not empty; give a new --out folder")

@@ -36,6 +36,12 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
             "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
             "events": st["events"], "policy_sha256": st["policy_sha256"], "signed_by_site": att["signature"]["signer"],
         }
+        life = st.get("lifetime")
+        if isinstance(life, dict):  # the site's signed spend on the same images over all its jobs
+            sites[sid]["lifetime"] = {
+                "epsilon": life["epsilon"], "delta": life["delta"],
+                "epsilon_by_stage_alone": epsilon_breakdown(events_from_list(life["events"]), life["delta"],
+                                                            st["accountant"])}
     report = {"job_id": summary["job_id"], "unit_of_privacy": "one image of one site", "sites": sites,
               "rounds": summary["rounds"], "skipped": summary["skipped"], "timings_s": summary["timings"]}
     (out_dir / "privacy_report.json").write_text(json.dumps(report, indent=2), "utf-8")
@@ -44,6 +50,9 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
     for sid, s in sites.items():
         lines.append(f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
                      f"accountant), signed by the site's key {s['signed_by_site']}")
+        if "lifetime" in s:
+            lines.append(f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
+                         f"at δ = {s['lifetime']['delta']:g}")
         for stage, e in s["epsilon_by_stage_alone"].items():
             if stage != "total":
                 lines.append(f"    {stage:<10} alone ε = {e:.3f}")
@@ -54,14 +63,17 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
 
 
 def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
-    """``budget.svg``: per site, ε of each stage alone and the composed total, against the site's per-job cap."""
+    """``budget.svg``: per site, ε of each stage alone and the composed total, this job beside the site's lifetime,
+    against the site's per-job and lifetime caps."""
     chart = {}
     for sid, s in sites.items():
-        cap = None
+        budget: dict[str, Any] = {}
         pol = out_dir / "policies" / f"{sid}.signed.json"
-        if pol.is_file():  # the cap is context for the chart only; verify checks it against the signed policy
-            cap = json.loads(pol.read_text("utf-8")).get("policy", {}).get("budget", {}).get("per_job", {}).get("epsilon")
-        chart[sid] = {"by_stage": s["epsilon_by_stage_alone"], "delta": s["delta"], "cap": cap}
+        if pol.is_file():  # the caps are context for the chart only; verify checks them against the signed policy
+            budget = json.loads(pol.read_text("utf-8")).get("policy", {}).get("budget", {})
+        chart[sid] = {"by_stage": s["epsilon_by_stage_alone"], "delta": s["delta"],
+                      "lifetime_by_stage": (s.get("lifetime") or {}).get("epsilon_by_stage_alone"),
+                      "cap": budget.get("per_job", {}).get("epsilon"), "lifetime_cap": budget.get("lifetime", {}).get("epsilon")}
     return save_budget_svg(chart, out_dir / "budget.svg")
 
 

@@ -14,12 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 from feta_release.cli.data_options import data_load_options
+from feta_release.cli.trust_options import deprecated_alias, merged
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError
+from feta_release.ledger import Ledger
 from feta_release.signing import load_private_key, load_public_key
 
 from .kit import read_node_toml
-from feta_release.ledger import Ledger
+from .node_state import read_state
 from .site import verify_policy_file
 
 
@@ -29,34 +31,69 @@ def node() -> None:
 
 
 @node.command()
-@click.option("--ledger", "ledger_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="node.toml from `feta-release site init`: ledger, work dir, site key and policy from it.")
+@click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path),
               help="The site's privacy ledger (SQLite).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Signed policy: also show ε left against its caps.")
-@click.option("--trusted-policy-key", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Public key the policy must be signed with (with --policy).")
+@click.option("--trusted", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="ADMIN.pub",
+              help="The site administrator's public key, which must have signed the policy (with --policy).")
+@deprecated_alias("--trusted-policy-key", "--trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--site-key", "site_key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's key (public .pub or private .key): also check the ledger head's signature.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="The node's work directory (default: next to the ledger), where it publishes its state.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(ledger_path: Path, policy_path: Path | None, trusted: Path | None, site_key: Path | None,
-           as_json: bool) -> None:
-    """Verify the ledger's hash chain and print it: per job, per mechanism, ε spent (and left)."""
+def status(config_path: Path | None, ledger_path: Path | None, policy_path: Path | None, trusted: Path | None,
+           trusted_deprecated: Path | None, site_key: Path | None, work_dir: Path | None, as_json: bool) -> None:
+    """Say what the node is doing (connecting / connected / refused, why / serving job X / stopped), then verify
+    the ledger's hash chain and print it: per job, per mechanism, ε spent (and left).
+
+    \b
+    Example:
+      feta-release node status --config st-mary/node.toml
+      feta-release node status --ledger st-mary/ledger.sqlite --site-key st-mary/keys/site-signing.pub --json
+    """
+    trusted = merged(trusted, trusted_deprecated)
+    if config_path is not None:
+        cfg = read_node_toml(config_path)
+        ledger_path = ledger_path or cfg["ledger"]
+        work_dir = work_dir or cfg.get("work_dir")
+        site_key = site_key or cfg["site_key"]
+        if policy_path is None and trusted is None:
+            policy_path, trusted = cfg["policy"], cfg["trusted_policy_key"]
+    if ledger_path is None:
+        raise click.UsageError("give --config node.toml or --ledger LEDGER")
+    state = read_state(work_dir or Path(ledger_path).parent / "work")
+    if not as_json:
+        click.echo(_state_line(state))
     if not ledger_path.exists():
         raise ConfigError(f"{ledger_path}: no ledger here (a node creates it on its first release)")
     budget = None
-    if policy_path is not None:
+    if policy_path is not None and Path(policy_path).exists():
         if trusted is None:
-            raise click.UsageError("--policy needs --trusted-policy-key to verify it")
+            raise click.UsageError("--policy needs --trusted ADMIN.pub (the site administrator's key) to verify it")
         budget = verify_policy_file(policy_path, trusted)
     pub = _public_key(site_key) if site_key is not None else None
     with Ledger(ledger_path, verify_key=pub, deep=True) as led:
         summary = led.summary(budget)
         summary["integrity"] = "chain and signed head verified" if pub is not None else \
             "chain verified; head signature NOT checked (give --site-key)"
+    summary["node"] = state
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
         return
     _print_summary(summary)
+
+
+def _state_line(state: dict | None) -> str:
+    if state is None:
+        return "node: no state published here (the node was not started with this work directory)"
+    line = f"node: {state['state']}: {state['detail']} (since {state['since']})"
+    if not state["running"] and state["state"] != "stopped":
+        line += "; its process is no longer running"
+    return line
 
 
 def _public_key(path: Path):  # noqa: ANN202 - Ed25519PublicKey
@@ -66,12 +103,17 @@ def _public_key(path: Path):  # noqa: ANN202 - Ed25519PublicKey
 
 
 @node.command("migrate-ledger")
-@click.option("--ledger", "ledger_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--ledger", "ledger_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The ledger to chain and sign (rewritten in place).")
 @click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's Ed25519 private key (signs the ledger head).")
 def migrate_ledger(ledger_path: Path, site_key: Path) -> None:
-    """Chain and sign a ledger written by an older feta-release (trusting its rows as they are now)."""
+    """Chain and sign a ledger written by an older feta-release (trusting its rows as they are now).
 
+    \b
+    Example:
+      feta-release node migrate-ledger --ledger st-mary/ledger.sqlite --site-key st-mary/keys/site-signing.key
+    """
     n = Ledger.migrate(ledger_path, load_private_key(site_key))
     click.echo(f"{ledger_path}: {n} row(s) chained; head signed by the site key; mode 0600")
 
@@ -103,8 +145,9 @@ def _print_summary(s: dict) -> None:
               help="The site's images (folder, labels .csv or .npz).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's signed policy.")
-@click.option("--trusted-policy-key", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The public key the site's policy must be signed with.")
+@click.option("--trusted", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="ADMIN.pub",
+              help="The site administrator's public key, which must have signed the site's policy.")
+@deprecated_alias("--trusted-policy-key", "--trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path),
               help="The site's privacy ledger (SQLite; created on first use).")
 @click.option("--site-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -133,7 +176,9 @@ def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None
     from .launch import NodeSettings, run_node
 
     names = {"data_path": "data", "policy_path": "policy", "trusted": "trusted_policy_key",
-             "ledger_path": "ledger"}
+             "trusted_deprecated": "trusted_policy_key", "ledger_path": "ledger"}
+    if given.get("trusted") is not None:
+        given.pop("trusted_deprecated", None)
     settings: dict = {}
     if config_path is not None:
         settings = read_node_toml(config_path)
@@ -143,8 +188,9 @@ def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None
             settings[names.get(param, param)] = value
     if load is not None:
         settings["load"] = load
-    missing = [f"--{k.replace('_', '-')}" for k in ("data", "policy", "trusted_policy_key", "ledger", "site_key",
-                                                                    "data_secret")
+    flags = {"trusted_policy_key": "--trusted"}
+    missing = [flags.get(k, f"--{k.replace('_', '-')}") for k in ("data", "policy", "trusted_policy_key", "ledger",
+                                                                  "site_key", "data_secret")
                if not settings.get(k)]
     if missing:
         raise ConfigError(f"node start needs {', '.join(missing)} (or --config node.toml from `feta-release site init`)")

@@ -40,6 +40,7 @@ EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset({"c9dc80267b498549c4fb98b541d69a621
 EPSILON_CEILING_JOB = 10.0
 EPSILON_CEILING_LIFETIME = 20.0
 SITE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,15 @@ def _toml_str(v: str) -> str:
 
 
 def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superlink: str = "127.0.0.1:9092",
-              coordinator_pub: Path | None = None, root_certificates: Path | None = None) -> Kit:
+              coordinator_pub: Path | None = None, root_certificates: Path | None = None,
+              app_bundles: tuple[str, ...] = ()) -> Kit:
     """Write the kit (see the module docstring); refuses to overwrite an existing kit."""
     if not SITE_ID.match(site_id):
         raise ConfigError(f"site id {site_id!r}: use letters, digits, . _ - (at most 64)")
+    bad = [h for h in app_bundles if not SHA256_HEX.match(h)]
+    if bad:
+        raise ConfigError(f"--app-bundle {bad[0]!r}: not a sha256 (64 hex digits); your coordinator prints it with "
+                          "`feta-release coordinator fab-hash`")
     root = Path(root)
     if (root / "node.toml").exists() or (root / "keys").exists():
         raise ConfigError(f"{root}: already holds a site kit (node.toml or keys/); choose an empty folder")
@@ -131,7 +137,8 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     # Keyed commitment (never a plain hash) and a rounded PUBLIC size: the exact count stays here.
     commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")))
     site_pem = public_key_pem(load_public_key(site_pub))
-    draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit), "utf-8")
+    draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit,
+                                   tuple(h.lower() for h in app_bundles)), "utf-8")
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
     return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
@@ -139,7 +146,7 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
 
 
 def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
-                  unit: str = "one image") -> str:
+                  unit: str = "one image", app_bundles: tuple[str, ...] = ()) -> str:
     start = utc_now().replace(microsecond=0, second=0)
     coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
               else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
@@ -155,7 +162,7 @@ accountant = "rdp"
 # Coordinator public keys allowed to sign jobs for this site.
 coordinators = {coords}
 # sha256 of the reviewed Flower app bundle(s) your coordinator runs (it publishes the hash). Empty: nothing runs.
-app_bundles = []
+app_bundles = [{", ".join(_toml_str(h) for h in app_bundles)}]
 # The ONLY key whose spend attestations a verifier accepts for this site (keys/site-signing.pub).
 site_key = '''{site_pem}'''
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from feta_release.errors import ConfigError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
 
 from . import trust
+from .node_state import NodeMonitor, utc_stamp
 from .site import (
     CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED,
     CFG_WINDOW, CFG_WORK, Site,
@@ -112,8 +114,12 @@ def supernode_command(s: NodeSettings) -> list[str]:
     return cmd
 
 
-def start_node(s: NodeSettings, log_path: Path | None = None) -> ManagedProcess:
-    """Preflight, then start the SuperNode as a managed process group (returns at once)."""
+def start_node(s: NodeSettings, log_path: Path | None = None,
+               announce: Callable[[str], None] | None = None) -> ManagedProcess:
+    """Preflight, then start the SuperNode as a managed process group (returns at once).
+
+    Its output becomes a plain-text log with UTC timestamps (``log_path``, default ``WORK/supernode.log``) and
+    the node's state (``WORK/node-state.json``, shown by ``node status``); ``announce`` gets each state change."""
     site = preflight(s)
     work = Path(s.node_config()[CFG_WORK])
     shim_dir = work / "bin"
@@ -123,13 +129,23 @@ def start_node(s: NodeSettings, log_path: Path | None = None) -> ManagedProcess:
         trust.ENV_LOG: str(work / "trust.log"),
     })
     site.ledger.close()
-    return ManagedProcess(f"node {site.site_id}", supernode_command(s), env, log_path or work / "supernode.log")
+    log_path = log_path or work / "supernode.log"
+    monitor = NodeMonitor(s.superlink, work, log_path, ledger=s.ledger, announce=announce)
+    proc = ManagedProcess(f"node {site.site_id}", supernode_command(s), env, log_path, on_line=monitor.feed)
+    monitor.set_pid(proc.pid)
+    proc.monitor = monitor  # type: ignore[attr-defined]
+    return proc
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def run_node(s: NodeSettings) -> int:
     """``feta-release node start``: run in the foreground until Ctrl-C, then stop the whole group."""
-    proc = start_node(s)
-    print(f"site node started (pid {proc.pid}); log: {proc.log_path}", flush=True)
+    proc = start_node(s, announce=_say)
+    _say(f"{utc_stamp()} site node started (pid {proc.pid}); plain-text log: {proc.log_path}; "
+         "`feta-release node status --config node.toml` shows its state")
     stop = {"flag": False}
 
     def handler(signum, frame):  # noqa: ANN001
@@ -147,6 +163,7 @@ def run_node(s: NodeSettings) -> int:
     finally:
         code = proc.proc.poll()
         proc.stop()
+        proc.monitor.stopped(code)  # type: ignore[attr-defined]
     if code not in (None, 0):
         print(f"the SuperNode exited with code {code}; last log lines:\n{proc.tail()}", file=sys.stderr)
         return int(code)

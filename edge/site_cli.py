@@ -27,9 +27,12 @@ def site() -> None:
               help="The coordinator's public key (.pub) to put into the policy draft.")
 @click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The coordinator's CA certificate (TLS), recorded in node.toml.")
+@click.option("--app-bundle", "app_bundles", multiple=True, metavar="SHA256",
+              help="sha256 of the reviewed app bundle your coordinator runs (it prints it with `feta-release "
+                   "coordinator fab-hash`), put into the draft's app_bundles (repeatable).")
 @data_load_options
 def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coordinator_key: Path | None,
-              root_certificates: Path | None, load: LoadOptions | None) -> None:
+              root_certificates: Path | None, app_bundles: tuple[str, ...], load: LoadOptions | None) -> None:
     """Write SITE_DIR: the site's own keys, node.toml (every node setting) and a policy draft from the data.
 
     Private keys are generated here and never leave the site; send the coordinator only the two
@@ -38,10 +41,12 @@ def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coo
     \b
     Example:
       feta-release site init st-mary --data /data/chest.csv --site-id st-mary --resize crop --image-size 64 \\
-          --superlink coordinator.example.org:9092 --coordinator-key coordinator.pub --root-certificates ca.crt
+          --superlink coordinator.example.org:9092 --coordinator-key coordinator.pub --root-certificates ca.crt \\
+          --app-bundle 3978b7062480e3f3e8c9b23fcf1d030c3d98fa90355c50980ed8632abcc673a4
     """
     kit = init_site(site_dir, data_path, site_id, load=load, superlink=superlink, coordinator_pub=coordinator_key,
-                    root_certificates=root_certificates.resolve() if root_certificates else None)
+                    root_certificates=root_certificates.resolve() if root_certificates else None,
+                    app_bundles=app_bundles)
     if kit.patient_cap:
         unit = f"{kit.n_patients} patients (unit of privacy: the patient, at most {kit.patient_cap} image(s) each)"
     elif kit.n_patients:
@@ -52,7 +57,7 @@ def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coo
     click.echo(f"site kit for {site_id} in {kit.root}: {kit.n_images} images, {unit}")
     click.echo("send to the coordinator (public keys only):\n  " + "\n  ".join(str(p) for p in kit.coordinator_files))
     click.echo("next:\n"
-               f"  1. review {kit.policy_draft} (coordinator key, app_bundles, budgets)\n"
+               f"  1. review {kit.policy_draft} (coordinator key, app_bundles, budgets, validity window)\n"
                f"  2. feta-release policy sign {kit.policy_draft} --key {kit.root / 'keys/policy-admin.key'} "
                f"--out {kit.root / 'policy.signed.json'}\n"
                f"  3. feta-release node start --config {kit.node_toml}")

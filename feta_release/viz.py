@@ -231,54 +231,91 @@ def _nice_step(top: float, ticks: int = 5) -> float:
     return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
 
 
-def budget_svg(sites: dict[str, dict[str, Any]], *, width: int = 720) -> str:
-    """SVG bar chart, one group per site: ε of each stage ALONE (light) and the composed total (dark), the
-    site's per-job cap as a red tick where known. ``sites[sid] = {"by_stage": {stage: eps, "total": eps},
-    "delta": d, "cap": eps | None}``. Self-contained: no fonts or scripts fetched."""
+def _budget_rows(s: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """(stage, ε this job, ε lifetime or None) per stage alone, then the composed total; stages the site spent on
+    in earlier jobs only (lifetime, not this job) get a row too, with 0 for this job."""
+    job = {k: float(v) for k, v in s["by_stage"].items()}
+    life = {k: float(v) for k, v in (s.get("lifetime_by_stage") or {}).items()}
+    stages = [k for k in job if k != "total"] + [k for k in life if k != "total" and k not in job]
+    rows: list[tuple[str, float, float | None]] = [(k, job.get(k, 0.0), life.get(k) if life else None) for k in stages]
+    rows.append(("total", job["total"], life.get("total") if life else None))
+    return rows
+
+
+def _budget_top(sites: dict[str, dict[str, Any]]) -> float:
+    values = [0.0]
+    for s in sites.values():
+        for _, job, life in _budget_rows(s):
+            values += [job, life or 0.0]
+        values += [float(s.get("cap") or 0.0), float(s.get("lifetime_cap") or 0.0)]
+    return max(values) * 1.12 or 1.0
+
+
+def _cap_line(x: float, y0: float, y1: float, text: str, colour: str, dash: str) -> list[str]:
+    return [f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0 - 2}" y2="{y1 + 2}" stroke="{colour}" stroke-width="2" '
+            f'stroke-dasharray="{dash}"/>',
+            f'<text x="{x:.1f}" y="{y0 - 4}" text-anchor="middle" fill="{colour}" font-size="11">{text}</text>']
+
+
+def _budget_site(sid: str, s: dict[str, Any], y: float, x: Any, geo: dict[str, int]) -> tuple[list[str], float]:
+    """One site's group: per stage a solid bar for THIS job and, where the site states it, a pale outlined bar for
+    its LIFETIME spend on the same images (all jobs); the per-job and lifetime caps as dashed lines."""
     from html import escape
 
-    rows: list[tuple[str, str, float, str]] = []  # (site, name, value, kind)
-    top = 0.0
-    for sid, s in sites.items():
-        for stage, v in s["by_stage"].items():
-            if stage != "total":
-                rows.append((sid, stage, float(v), "stage"))
-        rows.append((sid, "total", float(s["by_stage"]["total"]), "total"))
-        top = max([top, float(s["by_stage"]["total"]), *[float(v) for v in s["by_stage"].values()],
-                   float(s.get("cap") or 0.0)])
-    top = top * 1.12 or 1.0
-    left, right, bar, gap, head, group_gap = 160, 60, 18, 6, 40, 22
-    span = width - left - right
-    groups = list(sites)
-    height = head + len(rows) * (bar + gap) + len(groups) * group_gap + 48
-    x = lambda v: left + span * v / top  # noqa: E731
+    left, bar, gap = geo["left"], geo["bar"], geo["gap"]
+    out = [f'<text x="8" y="{y + 12}" font-weight="bold">site {escape(sid)}</text>']
+    y += geo["group_gap"]
+    y0 = y
+    for name, job, life in _budget_rows(s):
+        colour = "#27306e" if name == "total" else STAGE_COLOURS.get(name, "#aab4c8")
+        label = "total (composed)" if name == "total" else STAGE_LABELS.get(name, name)
+        out.append(f'<text x="{left - 8}" y="{y + 13}" text-anchor="end">{escape(label)}</text>')
+        bars = [("this job", job, 'fill="{c}"')] + ([("lifetime", life, 'fill="{c}" fill-opacity="0.3" stroke="{c}"')]
+                                                    if life is not None else [])
+        for kind, v, style in bars:
+            out.append(f'<rect x="{left}" y="{y}" width="{max(1.0, x(v) - left):.1f}" height="{bar}" '
+                       f'{style.format(c=colour)}><title>{escape(label)}, {kind}: ε {v:.4g}</title></rect>')
+            out.append(f'<text x="{x(v) + 5:.1f}" y="{y + 13}">{v:.3g} {kind}</text>')
+            y += bar + 2
+        y += gap
+    if s.get("cap"):
+        out += _cap_line(x(float(s["cap"])), y0, y - gap, f'per-job cap {float(s["cap"]):g}', "#c0392b", "4 3")
+    if s.get("lifetime_cap"):
+        out += _cap_line(x(float(s["lifetime_cap"])), y0 - 12, y - gap, f'lifetime cap {float(s["lifetime_cap"]):g}',
+                         "#7b1e12", "1 3")
+    return out, y
+
+
+def budget_svg(sites: dict[str, dict[str, Any]], *, width: int = 720) -> str:
+    """SVG bar chart, one group per site: per stage, ε of that stage ALONE for this job (solid) and for the site's
+    whole LIFETIME on the same images (pale, outlined), then the composed totals (dark); the site's per-job and
+    lifetime caps as dashed lines where known.  ``sites[sid] = {"by_stage": {stage: eps, "total": eps},
+    "lifetime_by_stage": {...} | None, "delta": d, "cap": eps | None, "lifetime_cap": eps | None}``.
+    Self-contained: no fonts or scripts fetched."""
+    top = _budget_top(sites)
+    geo = {"left": 170, "right": 90, "bar": 16, "gap": 8, "head": 52, "group_gap": 26}
+    span = width - geo["left"] - geo["right"]
+    n_bars = sum(len(_budget_rows(s)) * (2 if s.get("lifetime_by_stage") else 1) for s in sites.values())
+    n_rows = sum(len(_budget_rows(s)) for s in sites.values())
+    height = geo["head"] + n_bars * (geo["bar"] + 2) + n_rows * geo["gap"] + len(sites) * geo["group_gap"] + 48
+    x = lambda v: geo["left"] + span * v / top  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
            f'font-family="Helvetica, Arial, sans-serif" font-size="12" role="img" aria-label="privacy budget chart">',
-           '<text x="8" y="18" font-size="13" font-weight="bold">ε per site: each stage alone (light) and composed '
-           'total (dark); dashed red line = per-job cap</text>']
-    y = head
-    for sid in groups:
-        s = sites[sid]
-        out.append(f'<text x="8" y="{y + 12}" font-weight="bold">site {escape(sid)}</text>')
-        y += group_gap
-        y0 = y
-        for rsid, name, v, kind in rows:
-            if rsid != sid:
-                continue
-            colour = "#27306e" if kind == "total" else STAGE_COLOURS.get(name, "#aab4c8")
-            label = "total (composed)" if kind == "total" else STAGE_LABELS.get(name, name)
-            out.append(f'<text x="{left - 8}" y="{y + 13}" text-anchor="end">{escape(label)}</text>')
-            out.append(f'<rect x="{left}" y="{y}" width="{max(1.0, x(v) - left):.1f}" height="{bar}" fill="{colour}"/>')
-            out.append(f'<text x="{x(v) + 5:.1f}" y="{y + 13}">{v:.3g}</text>')
-            y += bar + gap
-        if s.get("cap"):
-            cx = x(float(s["cap"]))
-            out.append(f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y0 - 2}" y2="{y - gap + 2}" stroke="#c0392b" '
-                       f'stroke-width="2" stroke-dasharray="4 3"/>')
-            out.append(f'<text x="{cx:.1f}" y="{y0 - 4}" text-anchor="middle" fill="#c0392b" font-size="11">'
-                       f'per-job cap {float(s["cap"]):g}</text>')
-    axis_y = y + 6
-    out.append(f'<line x1="{left}" x2="{left + span}" y1="{axis_y}" y2="{axis_y}" stroke="#888"/>')
+           '<text x="8" y="18" font-size="13" font-weight="bold">ε per site and stage: this job (solid) and the '
+           "site's lifetime (pale)</text>",
+           '<text x="8" y="34" font-size="11" fill="#555">each stage alone, then composed totals (dark); dashed red: '
+           "per-job cap, dotted: lifetime cap</text>"]
+    y = float(geo["head"])
+    for sid, s in sites.items():
+        part, y = _budget_site(sid, s, y, x, geo)
+        out += part
+    out += _budget_axis(x, geo["left"], span, y + 6, top)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _budget_axis(x: Any, left: int, span: int, axis_y: float, top: float) -> list[str]:
+    out = [f'<line x1="{left}" x2="{left + span}" y1="{axis_y}" y2="{axis_y}" stroke="#888"/>']
     step = _nice_step(top)
     v = 0.0
     while v <= top + 1e-12:
@@ -287,8 +324,7 @@ def budget_svg(sites: dict[str, dict[str, Any]], *, width: int = 720) -> str:
         v = round(v + step, 10)
     out.append(f'<text x="{left + span / 2:.1f}" y="{axis_y + 30}" text-anchor="middle" fill="#555" font-size="11">'
                'ε (privacy loss; smaller is more private)</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
 
 
 def save_budget_svg(sites: dict[str, dict[str, Any]], path: str | os.PathLike) -> Path:

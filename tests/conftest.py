@@ -9,3 +9,67 @@ try:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 except ImportError:  # the torch-free synthesis test runs without it
     pass
+
+
+# -- release fixtures shared by the release tests (keys, the tiny real denoiser, one valid release) ----------
+# Module-scoped like the copies they replace: built once per test module, never shared between modules.
+import shutil  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread() -> Iterator[None]:
+    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower.
+    Use with ``pytestmark = pytest.mark.usefixtures("torch_one_thread")``."""
+    import torch as _torch
+
+    n = _torch.get_num_threads()
+    _torch.set_num_threads(1)
+    yield
+    _torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def keys() -> Any:
+    """Coordinator, site and site-administrator keys of site "a" (tests/release_helpers.Keys)."""
+    from .release_helpers import new_keys
+
+    return new_keys()
+
+
+@pytest.fixture(scope="module")
+def den() -> Any:
+    """The project's real EDM UNet at a tiny size (torch)."""
+    from .release_helpers import small_denoiser
+
+    return small_denoiser()
+
+
+@pytest.fixture(scope="module")
+def den_onnx(den: Any) -> Any:
+    """``den`` exported to ONNX."""
+    from feta_release.release.onnx_export import export_denoiser
+
+    from .release_helpers import IMAGE_SHAPE
+
+    return export_denoiser(den, IMAGE_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory, den_onnx: Any, keys: Any) -> Path:
+    """One valid one-site release with its signed policy; tests copy it (``release``) before changing it."""
+    from .release_helpers import make_release, signed_policy
+
+    return make_release(tmp_path_factory.mktemp("rel") / "release", den_onnx, keys, policy=signed_policy(keys))
+
+
+@pytest.fixture
+def release(pristine: Path, tmp_path: Path) -> Path:
+    """A private copy of ``pristine`` for one test."""
+    dst = tmp_path / "release"
+    shutil.copytree(pristine, dst)
+    return dst

@@ -126,9 +126,9 @@ def test_node_start_refuses_a_policy_signed_by_another_key(tmp_path):
     args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
             "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--superlink", "127.0.0.1:1",
             "--insecure"]
-    res = CliRunner().invoke(node, [*args, "--trusted-policy-key", str(other_pub)])
+    res = CliRunner().invoke(node, [*args, "--trusted", str(other_pub)])
     assert isinstance(res.exception, PolicyError) and "signature.signer" in str(res.exception)
     # Non-loopback without TLS is refused before anything starts.
     res = CliRunner().invoke(node, [*args[:-3], "--superlink", "10.0.0.1:9092", "--insecure",
-                                    "--trusted-policy-key", str(s.policy_pub)])
+                                    "--trusted", str(s.policy_pub)])
     assert isinstance(res.exception, ConfigError)

@@ -1,5 +1,5 @@
 """A data-protection officer's machine has no training stack: verify, report, synthesize and verify-synthetic run in a
-process where torch, flwr and onnx cannot be imported (the README's light install)."""
+process where torch, flwr, onnx and opacus cannot be imported (the README's light install)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from feta_release.signing import generate_keypair  # noqa: E402
 from .release_helpers import IMAGE_SHAPE, make_release, new_keys, signed_policy, small_denoiser  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "flwr", "onnx")
-# opacus' package is present (its accounting FILES are read by path, see feta_release.accounting) but never imported.
+HEAVY = ("torch", "flwr", "onnx", "opacus")  # opacus: accounting is prv-accountant's, no file of opacus is read
 
 SCRIPT = """
 import sys
@@ -34,7 +33,7 @@ sys.meta_path.insert(0, _Block())
 from feta_release.cli import cli
 for args in {commands!r}:
     cli.main(args=args, standalone_mode=False)
-print("loaded:", sorted(m for m in sys.modules if m.split(".")[0] in HEAVY + ("opacus",)))
+print("loaded:", sorted(m for m in sys.modules if m.split(".")[0] in HEAVY or "opacus" in m))
 """
 
 
@@ -72,3 +71,19 @@ def test_the_block_is_real():
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert "blocked: light install" in probe.stderr
     assert proc.returncode == 0  # --help of a torch command imports nothing heavy either
+
+
+def test_light_requirements_hold_the_accountant_and_no_training_stack():
+    """requirements-verify.txt is the light install: prv-accountant (the accountant, pinned as in pyproject) is in
+    it; torch, flwr, onnx and opacus are not, and the README's light install no longer installs opacus."""
+    import re
+    import tomllib
+
+    reqs = [ln.split("#")[0].strip() for ln in (REPO / "requirements-verify.txt").read_text().splitlines()]
+    names = {re.split(r"[<>=!~\[ ]", r)[0].lower(): r for r in reqs if r}
+    assert not set(names) & {"torch", "flwr", "onnx", "opacus"}
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert names["prv-accountant"] in deps
+    readme = (REPO / "README.md").read_text("utf-8")
+    light = readme[readme.index("Light install for verifiers"):][:400]
+    assert "opacus==" not in light and "pip install -r requirements-verify.txt" in light

@@ -118,7 +118,7 @@ def test_replacing_the_file_with_an_unchained_one_is_refused_with_the_fix(tmp_pa
         lifetime_epsilon REAL NOT NULL, created_at REAL NOT NULL, completed_at REAL);
         CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
         INSERT INTO requests VALUES ('a', 'j', 'dpsgd', '[{"stage":"dpsgd","sigma":2.0,"q":0.05,"steps":2}]', 'done',
-                                     x'00', '6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d', 0.1, 0.1, 1.0, 1.0);""")
+            x'00', '6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d', 0.1, 0.1, 1.0, 1.0);""")
     db.close()
     with pytest.raises(LedgerNotChainedError, match="feta-release node migrate-ledger"):
         Ledger(p, key=KEY)
@@ -590,7 +590,7 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     assert stat.S_IMODE(s.ledger.stat().st_mode) == 0o600
     _tamper(s.ledger, "UPDATE requests SET lifetime_epsilon=0.0")
     args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
-            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--trusted-policy-key",
+            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--trusted",
             str(s.policy_pub), "--superlink", "127.0.0.1:1",
             "--insecure"]
     res = CliRunner().invoke(node, args)

@@ -23,34 +23,14 @@ from feta_release.models.sampler import karras_sigmas, sample  # noqa: E402
 from feta_release.release.onnx_export import (  # noqa: E402
     SamplerSettings,
     build_generator,
-    export_denoiser,
     karras_schedule,
 )
 
-from .release_helpers import CLASSES, IMAGE_SHAPE, small_denoiser  # noqa: E402
+from .release_helpers import CLASSES, IMAGE_SHAPE  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 BOUND = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_one_thread():
-    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower."""
-    import torch as _torch
-
-    n = _torch.get_num_threads()
-    _torch.set_num_threads(1)
-    yield
-    _torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def den():
-    return small_denoiser()
-
-
-@pytest.fixture(scope="module")
-def den_onnx(den):
-    return export_denoiser(den, IMAGE_SHAPE)
 
 
 def _session(model: onnx.ModelProto):

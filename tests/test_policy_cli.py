@@ -34,7 +34,8 @@ def setup(tmp_path):
     doc = make_policy("site-a", dataset_commitment(ds, secret), 10, [coord_pem], not_before="2026-01-01T00:00:00Z",
                       valid_days=36500)
     (tmp_path / "policy.json").write_text(json.dumps(doc))
-    (tmp_path / "job.toml").write_text('[central]\nbatch = 4\nrounds = 1\n[dpsgd]\nsteps = 20\nbatch = 4\n[privacy]\nepsilon = 0.5\n')
+    (tmp_path / "job.toml").write_text('[central]\nbatch = 4\nrounds = 1\n[dpsgd]\nsteps = 20\nbatch = 4\n'
+                                       '[privacy]\nepsilon = 0.5\n')
     return runner, tmp_path
 
 
@@ -70,11 +71,11 @@ def test_round_trip(setup) -> None:
     assert res.exit_code == 0, res.output
     assert json.loads((d / "job2.signed.json").read_text())["job"]["sites"] == ["site-a", "site-c"]
 
-    res = runner.invoke(cli, ["job", "verify", str(d / "job.signed.json"), "--trusted", str(k / "coord.pub")])
+    res = runner.invoke(cli, ["job", "verify", str(d / "job.signed.json"), "--coordinator", str(k / "coord.pub")])
     assert res.exit_code == 0 and "OK: job j-1" in res.output
     # The node's view: accepted under the site's signed policy (which lists the coordinator's PEM).
     res = runner.invoke(cli, ["job", "verify", str(d / "job.signed.json"), "--policy", str(d / "signed.json"),
-                              "--policy-trusted", str(k / "site.pub")])
+                              "--trusted", str(k / "site.pub")])
     assert res.exit_code == 0, res.output
     assert "accepted by site site-a" in res.output
 
@@ -105,7 +106,7 @@ def test_refusals_name_the_rule(setup) -> None:
     runner.invoke(cli, ["job", "sign", str(d / "job.toml"), "--key", str(k / "site.key"), "--job-id", "j-2",
                         "--sites", "site-a", "--out", str(d / "bad-job.json")])
     res = runner.invoke(cli, ["job", "verify", str(d / "bad-job.json"), "--policy", str(d / "signed.json"),
-                              "--policy-trusted", str(k / "site.pub")])
+                              "--trusted", str(k / "site.pub")])
     assert isinstance(res.exception, PolicyViolation) and res.exception.rule == "coordinators"
 
 

@@ -25,16 +25,7 @@ from feta_release.training.checkpoint import atomic_write_json, save_torch  # no
 
 from .release_helpers import CLASSES, EVENTS, IMAGE_SHAPE, small_denoiser  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_one_thread():
-    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower."""
-    import torch as _torch
-
-    n = _torch.get_num_threads()
-    _torch.set_num_threads(1)
-    yield
-    _torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 
 def _run_dir(root: Path, site_key: Path, events=EVENTS, complete: bool = True) -> Path:

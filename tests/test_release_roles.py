@@ -18,7 +18,6 @@ from feta_release.release.verify import verify_release  # noqa: E402
 from feta_release.signing import canonical_json, sha256_hex, sign_document  # noqa: E402
 
 from .release_helpers import (  # noqa: E402
-    IMAGE_SHAPE,
     assemble,
     attest,
     load_signed,
@@ -27,25 +26,9 @@ from .release_helpers import (  # noqa: E402
     resign,
     signed_job,
     signed_policy,
-    small_denoiser,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_one_thread():
-    import torch as _torch
-
-    n = _torch.get_num_threads()
-    _torch.set_num_threads(1)
-    yield
-    _torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def den_onnx():
-    from feta_release.release.onnx_export import export_denoiser
-
-    return export_denoiser(small_denoiser(), IMAGE_SHAPE)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

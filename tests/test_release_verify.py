@@ -12,7 +12,6 @@ pytest.importorskip("torch")
 
 from feta_release.accounting import PrivacyEvent, epsilon  # noqa: E402
 from feta_release.release.manifest import build_attestation, site_record  # noqa: E402
-from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.verify import describe_site, verify_release  # noqa: E402
 from feta_release.signing import sign_document  # noqa: E402
 
@@ -24,42 +23,9 @@ from .release_helpers import (  # noqa: E402
     new_keys,
     resign,
     signed_policy,
-    small_denoiser,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_one_thread():
-    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower."""
-    import torch as _torch
-
-    n = _torch.get_num_threads()
-    _torch.set_num_threads(1)
-    yield
-    _torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def den_onnx():
-    return export_denoiser(small_denoiser(), IMAGE_SHAPE)
-
-
-@pytest.fixture(scope="module")
-def keys():
-    return new_keys()
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory, den_onnx, keys):
-    """One valid release with its policy; tests copy it before tampering."""
-    return make_release(tmp_path_factory.mktemp("rel") / "release", den_onnx, keys, policy=signed_policy(keys))
-
-
-@pytest.fixture
-def release(pristine, tmp_path):
-    dst = tmp_path / "release"
-    shutil.copytree(pristine, dst)
-    return dst
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 
 def _failed(res) -> set[str]:

@@ -177,6 +177,15 @@ def test_lifetime_spend_is_shown_beside_the_jobs(keys, tmp_path):
     assert cells[1] == f"{job_eps:.4g}" and cells[3] == f"{life:.4g}"  # this job's ε, then the lifetime ε
     assert "ε lifetime (all jobs)" in html and "the site&#x27;s ledger" in html
     assert "this release attests this job's spend only" not in html  # the old, now false, sentence
+    # The budget chart draws the lifetime beside the job, per stage and in total, with the signed lifetime cap.
+    from feta_release.accounting import epsilon_breakdown
+
+    svg = html[html.index("<svg"):html.index("</svg>") + 6]
+    titles = re.findall(r"<title>(.*?)</title>", svg)
+    life_dpsgd = epsilon_breakdown([PrivacyEvent("dpsgd", 1.2, 0.05, 300)] + EVENTS, 1e-5)["dpsgd"]
+    assert f"DP-SGD, lifetime: ε {life_dpsgd:.4g}" in titles
+    assert f"total (composed), lifetime: ε {life:.4g}" in titles and f"total (composed), this job: ε {job_eps:.4g}" in titles
+    assert "lifetime cap 20" in svg and "per-job cap 5" in svg
 
 
 def test_page_shows_no_exact_count_and_no_plain_data_hash(page, release):

@@ -151,7 +151,7 @@ def test_policy_check_lists_every_failing_rule(tmp_path: Path) -> None:
     assert code != 0 and "REFUSED" in out
     for rule in ("mechanisms.central.min_sigma", "mechanisms.frequency.min_sigma"):
         assert rule in out, out
-    code, out2 = _invoke(["job", "verify", str(job), "--policy", str(pol), "--policy-trusted", str(pub)])
+    code, out2 = _invoke(["job", "verify", str(job), "--policy", str(pol), "--trusted", str(pub)])
     assert code != 0 and "mechanisms.central.min_sigma" in out2 and "accepted" not in out2
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,23 +16,14 @@ from PIL import Image
 pytest.importorskip("torch")
 
 from feta_release.errors import ConfigError, ReleaseError  # noqa: E402
-from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.synthesize import class_counts, class_dirs, label_batches, synthesize  # noqa: E402
 
-from .release_helpers import CLASSES, IMAGE_SHAPE, make_release, new_keys, signed_policy, small_denoiser  # noqa: E402
+from .release_helpers import CLASSES, IMAGE_SHAPE, signed_policy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_one_thread():
-    """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower."""
-    import torch as _torch
-
-    n = _torch.get_num_threads()
-    _torch.set_num_threads(1)
-    yield
-    _torch.set_num_threads(n)
 
 # "torch is not installed": a meta-path finder that refuses torch and everything under it. (Setting
 # sys.modules['torch'] = None instead would also break scipy, which inspects sys.modules for torch arrays.)
@@ -46,29 +36,6 @@ class _NoTorch:
         return None
 sys.meta_path.insert(0, _NoTorch())
 """
-
-
-@pytest.fixture(scope="module")
-def keys():
-    return new_keys()
-
-
-@pytest.fixture(scope="module")
-def den():
-    return small_denoiser()
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory, den, keys):
-    den_onnx = export_denoiser(den, IMAGE_SHAPE)
-    return make_release(tmp_path_factory.mktemp("rel") / "release", den_onnx, keys, policy=signed_policy(keys))
-
-
-@pytest.fixture
-def release(pristine, tmp_path):
-    dst = tmp_path / "release"
-    shutil.copytree(pristine, dst)
-    return dst
 
 
 def _only_children(parent: Path) -> set[str]:

@@ -62,6 +62,33 @@ def test_budget_svg_is_valid_xml_with_every_site_stage_and_cap():
     assert widths["#27306e"] > 0  # the totals are drawn
 
 
+def _bars(svg: str) -> dict[str, float]:
+    """rect title ('<stage label>, <this job|lifetime>: ε v') -> drawn width."""
+    root = ET.fromstring(svg)
+    ns = "{http://www.w3.org/2000/svg}"
+    return {r.find(f"{ns}title").text: float(r.get("width")) for r in root.iter(f"{ns}rect")}
+
+
+def test_budget_svg_draws_the_lifetime_beside_the_job_per_stage():
+    svg = budget_svg({"a": {"by_stage": {"central": 0.4, "dpsgd": 0.8, "total": 1.0}, "cap": 2.0, "lifetime_cap": 6.0,
+                            "lifetime_by_stage": {"central": 0.4, "dpsgd": 2.5, "frequency": 0.3, "total": 3.1}}})
+    bars = _bars(svg)
+    assert bars["DP-SGD, lifetime: ε 2.5"] > bars["DP-SGD, this job: ε 0.8"] > 0
+    assert bars["total (composed), lifetime: ε 3.1"] > bars["total (composed), this job: ε 1"]
+    # A stage spent on only in an earlier job still gets its row: 0 for this job, its lifetime figure beside.
+    assert "frequency statistics, this job: ε 0" in bars and "frequency statistics, lifetime: ε 0.3" in bars
+    assert bars["central images, lifetime: ε 0.4"] == bars["central images, this job: ε 0.4"]
+    text = " ".join(t.text or "" for t in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}text"))
+    assert "lifetime cap 6" in text and "per-job cap 2" in text
+    # Scale: the longest bar (lifetime total 3.1) and the lifetime cap (6) both fit the drawing.
+    assert max(bars.values()) < 720
+
+
+def test_budget_svg_without_a_lifetime_draws_no_lifetime_bar():
+    bars = _bars(budget_svg({"a": {"by_stage": {"dpsgd": 0.8, "total": 0.8}}}))
+    assert set(bars) == {"DP-SGD, this job: ε 0.8", "total (composed), this job: ε 0.8"}
+
+
 def test_federated_privacy_report_writes_budget_svg_with_the_signed_cap(tmp_path):
     import json
 
@@ -83,3 +110,18 @@ def test_federated_privacy_report_writes_budget_svg_with_the_signed_cap(tmp_path
     text = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
     assert "site site-a" in text and "site site-b" in text and "per-job cap 1.5" in text
     assert len(re.findall(r"per-job cap \d", text)) == 1  # site-b's policy is absent here: no invented cap
+
+    # With a lifetime in the attestations, the chart draws it beside the job, with the lifetime cap.
+    life_events = events + [{"stage": "dpsgd", "sigma": 1.0, "q": 0.02, "steps": 400}]
+    for sid in atts:
+        atts[sid]["statement"]["lifetime"] = {"events": life_events, "epsilon": 2.0, "delta": 1e-5}
+    (tmp_path / "attestations.json").write_text(json.dumps(atts))
+    (tmp_path / "policies" / "site-a.signed.json").write_text(json.dumps(
+        {"policy": {"budget": {"per_job": {"epsilon": 1.5, "delta": 1e-5}, "lifetime": {"epsilon": 8.0, "delta": 1e-5}}}}))
+    report = privacy_report(tmp_path)
+    bars = _bars((tmp_path / "budget.svg").read_text("utf-8"))
+    life_total = report["sites"]["site-a"]["lifetime"]["epsilon_by_stage_alone"]["total"]
+    assert bars[f"total (composed), lifetime: ε {life_total:.4g}"] > bars[
+        f"total (composed), this job: ε {report['sites']['site-a']['epsilon_by_stage_alone']['total']:.4g}"]
+    assert "lifetime cap 8" in (tmp_path / "budget.svg").read_text("utf-8")
+    assert "lifetime on the same images (all jobs)" in (tmp_path / "privacy_report.txt").read_text("utf-8")

@@ -18,11 +18,17 @@ from ..errors import ConfigError
 @click.option("--trials", type=int, default=20000, show_default=True,
               help="Runs per neighbour for the one-shot mechanisms (frequency: a tenth of it).")
 @click.option("--canaries", type=int, default=1000, show_default=True, help="Canaries of the DP-SGD one-run audit.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the canary draws and noise.")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="audit.json to write (feta-release report --audit shows it).")
 def audit(preset: str | None, job_file: Path | None, n: int, trials: int, canaries: int, seed: int, out: Path) -> None:
-    """Empirical privacy audit on canary data: claimed ε beside a measured 95 % lower bound, per mechanism."""
+    """Empirical privacy audit on canary data: claimed ε beside a measured 95 % lower bound, per mechanism.
+
+    \b
+    Example:
+      feta-release audit --preset cpu-eps1 --out audit.json
+      feta-release audit --job job.toml --n 4000 --trials 20000 --out audit.json
+    """
     from ..audit import CAVEAT, run_audit
     from ..config import load_job, load_preset
 

@@ -34,7 +34,7 @@ def resolve_synthetic(path: str) -> tuple[Path, bool]:
               help="Epochs of the feature network trained on the real held-out data.")
 @click.option("--image-size", type=click.IntRange(min=8), default=None,
               help="Resize both SYNTH and --real images to this square size (default: sizes must already match).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the classifier and feature-network training.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def evaluate(synth: str, real_path: str | None, out_dir: str | None, epochs: int | None,
              feature_epochs: int | None, image_size: int | None, seed: int, as_json: bool) -> None:
@@ -43,6 +43,10 @@ def evaluate(synth: str, real_path: str | None, out_dir: str | None, epochs: int
     SYNTH is a run directory (containing synthetic.npz), an .npz, or a folder of class sub-folders.
     The classifier and feature network are small CNNs trained on the CPU for a few epochs, so figures
     are comparable only between evaluations with the same real data, seed and epochs.
+
+    \b
+    Example:
+      feta-release evaluate synthetic/ --real embedded:test --out eval/
     """
     from .. import evaluation as ev
     from ..data import load_dataset, load_embedded, train_heldout_split

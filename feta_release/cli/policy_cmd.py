@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..errors import PolicyError
+from .trust_options import deprecated_alias, merged
 
 
 # -- passphrases -----------------------------------------------------------------------------------
@@ -61,7 +62,12 @@ def keys() -> None:
 @click.option("--name", default="signing", show_default=True, help="Base name of the key files.")
 @_passphrase_options
 def keys_generate(out_dir: Path, name: str, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
-    """Generate an Ed25519 key pair and print its fingerprint."""
+    """Generate an Ed25519 key pair and print its fingerprint.
+
+    \b
+    Example:
+      feta-release keys generate --out keys --name coordinator
+    """
     from .. import signing
 
     pp = _passphrase(passphrase_file, passphrase_prompt, confirm=True)
@@ -80,7 +86,12 @@ def keys_generate(out_dir: Path, name: str, passphrase_file: Path | None, passph
               "may name instead of the PEM).")
 @_passphrase_options
 def keys_show(key: Path, pem: bool, full: bool, passphrase_file: Path | None, passphrase_prompt: bool) -> None:
-    """Print the fingerprint of a public (.pub) or private (.key) key file."""
+    """Print the fingerprint of a public (.pub) or private (.key) key file.
+
+    \b
+    Example:
+      feta-release keys show keys/coordinator.pub --pem
+    """
     from .. import signing
 
     if b"PRIVATE KEY" in key.read_bytes()[:64]:
@@ -109,7 +120,12 @@ def policy() -> None:
 @_passphrase_options
 def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file: Path | None,
                 passphrase_prompt: bool) -> None:
-    """Validate POLICY (TOML or JSON) and write it signed: {"policy": ..., "signature": ...}."""
+    """Validate POLICY (TOML or JSON) and write it signed: {"policy": ..., "signature": ...}.
+
+    \b
+    Example:
+      feta-release policy sign policy.toml --key keys/policy-admin.key --out policy.signed.json
+    """
     from .. import signing
     from ..policy import read_policy_document, sign_policy, write_signed_policy
 
@@ -136,9 +152,9 @@ def _data_commitment(path: Path, secret: Path, create: bool = False) -> tuple[st
 
 @policy.command("verify")
 @click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--trusted", "trusted", multiple=True, required=True,
+@click.option("--trusted", "trusted", multiple=True, required=True, metavar="ADMIN.pub",
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Public key(s) allowed to sign site policies (repeatable).")
+              help="The site administrator's public key(s) allowed to sign site policies (repeatable).")
 @click.option("--data", type=click.Path(exists=True, path_type=Path),
               help="Check the policy's keyed data commitment against this data (needs --secret).")
 @click.option("--secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -147,7 +163,13 @@ def _data_commitment(path: Path, secret: Path, create: bool = False) -> tuple[st
 @click.option("--min-version", type=int, help="Refuse a policy older than this version (replay check).")
 def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, secret: Path | None, now: str | None,
                   min_version: int | None) -> None:
-    """Verify a signed policy as a node would at start; exit non-zero naming the rule if refused."""
+    """Verify a signed policy as a node would at start; exit non-zero naming the rule if refused.
+
+    \b
+    Example:
+      feta-release policy verify policy.signed.json --trusted keys/policy-admin.pub \\
+          --data /data/labels.csv --secret keys/data.secret
+    """
     from ..policy import load_site_policy
     from ..policy.document import format_time
 
@@ -167,11 +189,16 @@ def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, se
 
 @policy.command("show")
 @click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--trusted", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Also verify against these public keys (otherwise the signature is only checked "
-                   "against the key it embeds).")
+@click.option("--trusted", multiple=True, metavar="ADMIN.pub", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Also verify against these site administrator public keys (otherwise the signature is only "
+                   "checked against the key it embeds).")
 def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
-    """Pretty-print a signed policy with its signer fingerprint and validity window."""
+    """Pretty-print a signed policy with its signer fingerprint and validity window.
+
+    \b
+    Example:
+      feta-release policy show policy.signed.json --trusted keys/policy-admin.pub
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -212,7 +239,12 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
               help="The site's data secret; created (256 bits from the OS, mode 0600) if it does not exist. "
                    "Keep it on the site: the node needs it, nobody else may have it.")
 def policy_data_commitment(data: Path, secret: Path) -> None:
-    """Print the [dataset] table of a policy: the keyed commitment to DATA and a suggested public size."""
+    """Print the [dataset] table of a policy: the keyed commitment to DATA and a suggested public size.
+
+    \b
+    Example:
+      feta-release policy data-commitment /data/labels.csv --secret keys/data.secret
+    """
     from ..data.commitment import suggest_public_size
 
     fp, n, created = _data_commitment(data, secret, create=True)
@@ -242,7 +274,12 @@ def job() -> None:
 @_passphrase_options
 def job_sign(job_file: Path, key: Path, job_id: str, sites: str | None, out: Path | None,
              passphrase_file: Path | None, passphrase_prompt: bool) -> None:
-    """Sign a job: {"job": {job_id, coordinator, config, sites, created}, "signature": ...}."""
+    """Sign a job: {"job": {job_id, coordinator, config, sites, created}, "signature": ...}.
+
+    \b
+    Example:
+      feta-release job sign job.toml --key coordinator.key --job-id job-1 --sites st-mary,st-luke
+    """
     from ..config import load_job
     from ..policy import sign_job
     from ..policy.envelope import write_json
@@ -260,31 +297,45 @@ def job_sign(job_file: Path, key: Path, job_id: str, sites: str | None, out: Pat
 
 @job.command("verify")
 @click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--trusted", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--coordinator", "coordinators", multiple=True, metavar="COORDINATOR.pub",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Coordinator public key(s) to accept (repeatable).")
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Instead: check as the node of this signed site policy would.")
-@click.option("--policy-trusted", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Public key(s) that sign site policies (with --policy).")
-def job_verify(signed: Path, trusted: tuple[Path, ...], policy_file: Path | None,
-               policy_trusted: tuple[Path, ...]) -> None:
-    """Verify a signed job against coordinator keys, or against a site's signed policy."""
+@click.option("--trusted", multiple=True, metavar="ADMIN.pub", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The site administrator's public key(s) that sign site policies (with --policy; repeatable).")
+@deprecated_alias("--policy-trusted", "--trusted", multiple=True,
+                  type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path | None, trusted: tuple[Path, ...],
+               trusted_deprecated: tuple[Path, ...]) -> None:
+    """Verify a signed job against coordinator keys, or against a site's signed policy.
+
+    \b
+    Example:
+      feta-release job verify job.signed.json --coordinator coordinator.pub
+      feta-release job verify job.signed.json --policy policy.signed.json --trusted keys/policy-admin.pub
+    """
     from ..policy import load_site_policy, verify_job, verify_job_with_keys
     from ..policy.envelope import read_json
 
+    trusted = merged(trusted, trusted_deprecated)
     doc = read_json(signed, "signed job")
     if policy_file is not None:
-        if not policy_trusted:
-            raise click.UsageError("--policy needs --policy-trusted KEY (the key that signs site policies)")
-        pol = load_site_policy(policy_file, list(policy_trusted))
+        if not trusted:
+            raise click.UsageError("--policy needs --trusted ADMIN.pub (the key that signs site policies)")
+        pol = load_site_policy(policy_file, list(trusted))
         _admit_or_refuse(pol, doc, signed)  # the node's own checks, every request of the job
         j = verify_job(doc, pol, str(signed))
         click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version}")
     elif trusted:
-        j = verify_job_with_keys(doc, list(trusted), str(signed))
+        # --trusted once named coordinator keys here; never let a key meant for one role be trusted for another.
+        raise click.UsageError("--trusted names the site administrator's key(s), used with --policy; give a "
+                               "coordinator's key with --coordinator COORDINATOR.pub")
+    elif coordinators:
+        j = verify_job_with_keys(doc, list(coordinators), str(signed))
         click.echo(f"OK: job {j.job_id}")
     else:
-        raise click.UsageError("give --trusted COORDINATOR_PUB or --policy SIGNED_POLICY --policy-trusted KEY")
+        raise click.UsageError("give --coordinator COORDINATOR.pub, or --policy SIGNED_POLICY --trusted ADMIN.pub")
     click.echo(f"coordinator {j.signer}; sites {', '.join(j.sites)}; created {j.created.isoformat()}; "
                f"sha256 {j.digest}")
 

@@ -114,7 +114,12 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
               help="Accountant (default: the file's \"accountant\", else rdp).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account(history_file: Path, delta: float | None, accountant: str | None, as_json: bool) -> None:
-    """Total epsilon of a saved event history (a list of events, or an object with "history" or "events")."""
+    """Total epsilon of a saved event history (a list of events, or an object with "history" or "events").
+
+    \b
+    Example:
+      feta-release privacy account runs/cpu-eps1/privacy.json --accountant prv
+    """
     from ..accounting import epsilon, epsilon_breakdown, events_from_list
 
     try:

@@ -67,7 +67,13 @@ def _print_verification(res) -> None:  # type: ignore[no-untyped-def]
 @click.option("--steps", type=int, default=None, help="Override the job's [sampler] steps.")
 def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_id: str | None,
            policy: str | None, job_id: str | None, solver: str | None, steps: int | None) -> None:
-    """Export a single-site training run RUN_DIR as a signed ONNX generator release."""
+    """Export a single-site training run RUN_DIR as a signed ONNX generator release.
+
+    \b
+    Example:
+      feta-release export runs/cpu-eps1 --out release --coordinator-key coordinator.key \\
+          --site-key keys/site-signing.key --policy policy.signed.json
+    """
     from ..policy.envelope import read_json
     from ..release.export_run import export_run
     from ..signing import load_private_key, sha256_file
@@ -101,7 +107,12 @@ def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_i
               help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verification result as JSON.")
 def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool) -> None:
-    """Verify RELEASE_DIR offline: hashes, signatures by role, every site present, recomputed ε, policy caps."""
+    """Verify RELEASE_DIR offline: hashes, signatures by role, every site present, recomputed ε, policy caps.
+
+    \b
+    Example:
+      feta-release verify release --trusted st-mary=st-mary-admin.pub --trusted st-luke=st-luke-admin.pub
+    """
     from ..release.verify import verify_release
 
     res = verify_release(release_dir, _trust_roots(trusted, coordinators))
@@ -134,7 +145,7 @@ def _parse_counts(text: str | None) -> list[int] | None:
 @click.option("--num", type=int, default=None, help="Number of images (split evenly over classes).")
 @click.option("--per-class", default=None, help="Images per class, comma-separated, in the manifest's class order.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="New output directory.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed of the generator (same seed, same images).")
 @click.option("--batch", type=int, default=64, show_default=True, help="Images per generator call (memory bound).")
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: available cores).")
 @click.option("--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub",
@@ -148,7 +159,13 @@ def _parse_counts(text: str | None) -> list[int] | None:
 def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
                threads: int | None, trusted: tuple[str, ...], coordinators: tuple[str, ...], no_progress: bool,
                key: str | None, signer: str | None) -> None:
-    """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only."""
+    """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only.
+
+    \b
+    Example:
+      feta-release synthesize --release release --num 1000 --out synthetic \\
+          --trusted st-mary=st-mary-admin.pub --key me.key --signer 'DPO St Mary'
+    """
     from ..release.synthesize import synthesize as run
     from ..release.verify import describe_site, verify_release
 
@@ -187,7 +204,12 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
 def verify_synthetic(synthetic_dir: Path, cert_keys: tuple[str, ...], trusted: tuple[str, ...],
                      coordinators: tuple[str, ...], release_dir: Path | None, as_json: bool) -> None:
     """Check SYNTHETIC_DIR against its signed certificate: every image re-hashed, nothing added or missing,
-    and the release it came from re-verified."""
+    and the release it came from re-verified.
+
+    \b
+    Example:
+      feta-release verify-synthetic synthetic --certificate-key dpo.pub --trusted st-mary=st-mary-admin.pub
+    """
     from ..release.certificate import verify_synthetic as check
     from ..signing import load_public_key
 

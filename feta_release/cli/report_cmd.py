@@ -39,9 +39,15 @@ def _read_json(path: Path | None, what: str, kind_hint: str) -> dict[str, Any] |
               help="audit.json from `feta-release audit` (claimed ε vs measured lower bound).")
 @click.option("--per-class", type=int, default=8, show_default=True, help="Sample images per class in the grid.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Noise seed of the sample grid.")
-def report(release_dir: Path, out: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], evaluation: Path | None, audit: Path | None,
-           per_class: int, seed: int) -> None:
-    """Verify RELEASE_DIR and write one self-contained HTML report for a data-protection officer."""
+def report(release_dir: Path, out: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], evaluation: Path | None,
+           audit: Path | None, per_class: int, seed: int) -> None:
+    """Verify RELEASE_DIR and write one self-contained HTML report for a data-protection officer.
+
+    \b
+    Example:
+      feta-release report release --out report.html --trusted st-mary=st-mary-admin.pub \\
+          --coordinator coordinator.pub --audit audit.json
+    """
     from ..release.report import write_report
     from .release_cmd import _trust_roots
 

@@ -13,8 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import ConfigError, FetaError
@@ -38,22 +39,38 @@ def flower_env(flwr_home: Path, extra_path: Sequence[Path] = (), **extra: str) -
 
 
 class ManagedProcess:
-    """A child process in its own process group, with its output in a log file."""
+    """A child process in its own process group, with its output in a log file.
 
-    def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path | None = None):
+    With ``on_line``, the output goes through a pipe instead: a reader thread hands every line to ``on_line``,
+    which keeps the log itself (e.g. plain text with timestamps: edge.node_state.NodeMonitor)."""
+
+    def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path | None = None,
+                 on_line: Callable[[str], None] | None = None):
         self.name = name
         self.cmd = list(cmd)
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
+        self._reader: threading.Thread | None = None
         try:
             self.proc = subprocess.Popen(
-                self.cmd, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                self.cmd, env=env, cwd=cwd, stdout=self._log if on_line is None else subprocess.PIPE,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         except FileNotFoundError:
             self._log.close()
             raise FetaError(f"cannot start {name}: {cmd[0]} not found (is flwr installed in this environment?)") from None
+        if on_line is not None:
+            self._reader = threading.Thread(target=self._read, args=(on_line,), name=f"{name} output", daemon=True)
+            self._reader.start()
+
+    def _read(self, on_line: Callable[[str], None]) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                on_line(raw.decode("utf-8", errors="replace"))
+            except Exception:  # noqa: BLE001 - keep draining: a full pipe would block the child's next write
+                continue
 
     @property
     def pid(self) -> int:
@@ -92,6 +109,8 @@ class ManagedProcess:
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and group_alive(pgid):
                 time.sleep(0.1)
+        if self._reader is not None:  # the group is gone, so the pipe is at its end: let the reader finish its lines
+            self._reader.join(5.0)
         self._log.close()
 
     def tail(self, n: int = 30) -> str:

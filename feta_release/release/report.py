@@ -239,18 +239,30 @@ def _samples(man: dict[str, Any], res: VerificationResult, per_class: int, seed:
             f"{seed} by the generator whose hash verify checked. Every image is synthetic.</figcaption></figure>")
 
 
+def _lifetime_by_stage(statement: dict[str, Any]) -> dict[str, float] | None:
+    """ε per stage alone and composed over the site's signed LIFETIME history (all its jobs on these images)."""
+    life = statement.get("lifetime")
+    if not isinstance(life, dict) or not isinstance(life.get("events"), list):
+        return None
+    return epsilon_breakdown(events_from_list(life["events"]), float(life["delta"]), statement["accountant"])
+
+
 def _budget(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
     from ..viz import budget_svg
 
     chart = {}
     for s in man["sites"]:
         pol = _signed_policy(rd, s["site_id"], res)
+        st = (s.get("attestation") or {}).get("statement") or {}
         chart[s["site_id"]] = {
             "by_stage": epsilon_breakdown(events_from_list(s["events"]), float(s["delta"]), s["accountant"]),
-            "delta": s["delta"], "cap": pol["budget"]["per_job"]["epsilon"] if pol else None}
+            "lifetime_by_stage": _lifetime_by_stage({**st, "accountant": s["accountant"]}),
+            "delta": s["delta"], "cap": pol["budget"]["per_job"]["epsilon"] if pol else None,
+            "lifetime_cap": pol["budget"]["lifetime"]["epsilon"] if pol else None}
     return (f"<figure>{budget_svg(chart)}<figcaption>ε per site and stage (each stage alone) and the composed "
-            "total, at each site's δ; the dashed line is the per-job cap of the site's verified signed policy."
-            "</figcaption></figure>")
+            "total: this job's spend (solid) beside the site's signed lifetime spend on the same images over all its "
+            "jobs (pale); the dashed and dotted lines are the per-job and lifetime caps of the site's verified signed "
+            "policy.</figcaption></figure>")
 
 
 def _utility(evaluation: dict[str, Any] | None) -> str:

@@ -1,0 +1,106 @@
+"""One CLI (issue 17): one name for the trusted key, an example in every --help, help text on every option."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from feta_release.cli import cli
+
+
+def _commands() -> Iterator[tuple[str, click.Command]]:
+    ctx = click.Context(cli)
+
+    def walk(cmd: click.Command, path: list[str]) -> Iterator[tuple[str, click.Command]]:
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(ctx):
+                sub = cmd.get_command(ctx, name)
+                assert sub is not None
+                yield from walk(sub, [*path, name])
+        else:
+            yield " ".join(path), cmd
+
+    yield from walk(cli, [])
+
+
+COMMANDS = dict(_commands())
+
+
+def _visible_options(cmd: click.Command) -> list[click.Option]:
+    return [p for p in cmd.params if isinstance(p, click.Option) and not p.hidden]
+
+
+def test_the_trusted_key_option_has_one_name_everywhere():
+    """Every visible option naming a key to trust for the site-administrator role is spelled --trusted."""
+    spellings = {o for cmd in COMMANDS.values() for p in _visible_options(cmd) for o in p.opts if "trust" in o}
+    assert spellings == {"--trusted"}
+    users = sorted(name for name, cmd in COMMANDS.items() if any("--trusted" in p.opts for p in _visible_options(cmd)))
+    for name in ("node start", "node status", "policy check", "policy verify", "job verify", "verify", "report",
+                 "synthesize", "verify-synthetic"):
+        assert name in users
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_help_has_an_example_whose_options_exist(name: str):
+    cmd = COMMANDS[name]
+    text = cmd.help or ""
+    assert "Example" in text, f"`feta-release {name} --help` has no example"
+    example = text[text.index("Example"):]
+    known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    lines = re.sub(r"\\\n\s*", " ", example).splitlines()
+    runs = [ln.split("#")[0].strip() for ln in lines if ln.strip().startswith("feta-release ")]
+    assert runs, f"{name}: the example shows no feta-release command"
+    for run in runs:
+        words = shlex.split(run)
+        assert " ".join(words[1:1 + len(name.split())]) == name, run
+        unknown = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in known]
+        assert not unknown, f"{name}: the example uses {unknown}, which the command does not have"
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_has_help_text(name: str):
+    missing = [p.opts[0] for p in _visible_options(COMMANDS[name]) if not p.help]
+    assert not missing, f"{name}: {missing} without help text"
+
+
+def _keys(tmp_path: Path) -> tuple[Path, Path]:
+    from feta_release.signing import generate_keypair
+
+    _, admin = generate_keypair(tmp_path, "admin")
+    _, coord = generate_keypair(tmp_path, "coordinator")
+    return admin, coord
+
+
+def test_old_spellings_are_hidden_deprecated_aliases(tmp_path: Path):
+    admin, _ = _keys(tmp_path)
+    from edge.cli import node
+
+    for cmd in ("node start", "node status", "job verify"):
+        assert "--trusted-policy-key" not in COMMANDS[cmd].get_help(click.Context(COMMANDS[cmd]))
+        assert "--policy-trusted" not in COMMANDS[cmd].get_help(click.Context(COMMANDS[cmd]))
+    # The old spelling still reaches the same check (here: node start's list of what is missing), with a warning.
+    res = CliRunner().invoke(node, ["start", "--trusted-policy-key", str(admin)])
+    assert "--trusted-policy-key is deprecated; use --trusted" in res.output
+    assert "needs --data, --policy, --ledger" in str(res.exception) and "--trusted" not in str(res.exception)
+    res = CliRunner().invoke(node, ["start", "--trusted", str(admin)])
+    assert "deprecated" not in res.output and "--trusted" not in str(res.exception)
+    res = CliRunner().invoke(node, ["start", "--data", str(admin)])
+    assert "--trusted," in str(res.exception)  # the missing key is named by its one spelling
+
+
+def test_job_verify_keeps_roles_apart(tmp_path: Path):
+    """--trusted once named COORDINATOR keys in `job verify`: now it is the site administrator's key (with --policy)
+    everywhere, so a coordinator key given the old way is refused with the fix, never trusted for another role."""
+    admin, coord = _keys(tmp_path)
+    job = tmp_path / "job.signed.json"
+    job.write_text("{}")
+    res = CliRunner().invoke(cli, ["job", "verify", str(job), "--trusted", str(coord)])
+    assert res.exit_code == 2 and "--coordinator COORDINATOR.pub" in res.output
+    res = CliRunner().invoke(cli, ["job", "verify", str(job)])
+    assert res.exit_code == 2 and "give --coordinator" in res.output

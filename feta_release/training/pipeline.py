@@ -550,7 +550,7 @@ def _central_stage(cfg, data, rd, ledger, rng, rep) -> tuple[np.ndarray, np.ndar
         clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=ledger.n, rng=rng,
     )
     _check_event(event, ledger.planned("central"))
-    images, labels = postprocess_central(release)
+    images, labels = postprocess_central(release, stretch=c.stretch)
     arrays = {f"raw_{k}": v for k, v in release.to_arrays().items()}
     atomic_write_bytes(path, _npz_bytes(images=images.astype(np.float32), labels=labels.astype(np.int64), **arrays))
     rep.log(f"central images: released {len(labels)} {c.kind} images ({c.rounds} round(s), sigma {c.sigma})")

@@ -23,11 +23,12 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--target-epsilon", type=float, default=None, help="central epsilon (default: the old preset's 0.360)")
+    ap.add_argument("--configs", default="", help="ROUNDS:Q:CLIP:STRETCH,... (STRETCH 0/1); default: the grid below")
     args = ap.parse_args()
     import torch
 
     from feta_release.accounting import PrivacyEvent, epsilon
-    from feta_release.config import load_preset
     from feta_release.data import load_embedded
     from feta_release.eval_protocol import mean_std, protocol_splits, release_only
     from feta_release.evaluation import accuracy, train_classifier
@@ -35,8 +36,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     fit, val = protocol_splits(load_embedded(), "validation")
-    base = load_preset("cpu-eps1").central
-    target = epsilon([PrivacyEvent("central", base.sigma, base.rate, base.rounds)], 1e-5)
+    target = args.target_epsilon or epsilon([PrivacyEvent("central", 8.0, 0.5, 2)], 1e-5)  # the old preset's setting
 
     def sigma_for(rounds: int, q: float) -> float:
         lo, hi = 0.3, 200.0  # epsilon falls as sigma grows: bisection
@@ -46,9 +46,11 @@ def main() -> None:
         return hi
 
     rows = []
-    grid = [(2, 0.5, 0.5, 3.0), (1, 0.5, 0.5, 3.0), (1, 1.0, 0.5, 3.0), (2, 1.0, 0.5, 3.0), (2, 0.5, 0.5, 2.0),
-            (1, 1.0, 0.5, 2.0)]
-    for rounds, q, ds, clip in grid:
+    grid = [(2, 0.5, 0.5, 3.0, False), (1, 0.5, 0.5, 3.0, False), (1, 1.0, 0.5, 3.0, False), (2, 1.0, 0.5, 3.0, False),
+            (2, 0.5, 0.5, 2.0, False), (1, 1.0, 0.5, 2.0, False)]
+    if args.configs:
+        grid = [(int(r), float(q), 0.5, float(c), st == "1") for r, q, c, st in (x.split(":") for x in args.configs.split(","))]
+    for rounds, q, ds, clip, stretch in grid:
         sigma = sigma_for(rounds, q)
         accs = []
         t0 = time.perf_counter()
@@ -56,11 +58,11 @@ def main() -> None:
             rel, _ = central_images(fit.images, fit.labels, fit.n_classes, kind="mean", rounds=rounds,
                                     batch=max(1, round(q * fit.n)), sigma=sigma, clip=clip, downsample=ds, bins=2,
                                     n_public=fit.n, rng=np.random.default_rng(100 + seed))
-            img, lab = postprocess_central(rel)
+            img, lab = postprocess_central(rel, stretch=stretch)
             ro = release_only(img, lab, fit.class_names, args.n, seed)
             accs.append(accuracy(train_classifier(ro, 5, seed), val))
         m, s = mean_std(accs)
-        row = {"rounds": rounds, "q": q, "downsample": ds, "clip": clip, "sigma": round(sigma, 3),
+        row = {"rounds": rounds, "q": q, "downsample": ds, "clip": clip, "stretch": stretch, "sigma": round(sigma, 3),
                "noise_per_pixel": round(sigma * clip / (q * fit.n / fit.n_classes), 4), "acc": accs,
                "mean": round(m, 4), "std": round(s, 4), "s": round(time.perf_counter() - t0, 1)}
         rows.append(row)

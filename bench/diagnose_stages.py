@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="section.key=value override (TOML literal)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-dpsgd", action="store_true")
+    ap.add_argument("--dpsgd-from", default="", help="comma-separated starts (spatial, freq-VARIANT); default: all")
+    ap.add_argument("--dpsgd-variants", default="", help="comma-separated RATE:STEPS DP-SGD settings, each planned "
+                    "anew (sigma re-calibrated to the same total epsilon); default: the preset's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -107,7 +110,7 @@ def main() -> None:
     c = cfg.central
     rel, _ = central_images(fit.images, fit.labels, fit.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch,
                             sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=fit.n, rng=rng)
-    cimg, clab = postprocess_central(rel)
+    cimg, clab = postprocess_central(rel, stretch=c.stretch)
     save_grid(cimg, clab, out / "01-central.png", per_class=c.rounds, n_classes=fit.n_classes)
     reps = max(1, args.n_eval // len(clab))
     aug, _ = rand_augment(torch.from_numpy(np.repeat(cimg, reps, 0)), n_ops=2, magnitude_max=cfg.warmup.augment_magnitude,
@@ -156,14 +159,22 @@ def main() -> None:
     if not args.skip_dpsgd and plan.noise_multiplier:
         xr = torch.from_numpy(fit.images) * 2 - 1
         yr = torch.from_numpy(fit.labels)
-        for name, state in starts.items():
-            den.load_state_dict(state)
-            tr = DPSGDTrainer(den, cfg, plan.noise_multiplier, cfg.dpsgd.batch / fit.n,
-                              torch.Generator().manual_seed(7))
-            t0 = time.perf_counter()
-            tr.run(xr, yr, cfg.dpsgd_steps(fit.n))
-            log(f"dpsgd-train-from-{name}", seconds=round(time.perf_counter() - t0, 1))
-            eval_model(f"04-dpsgd-from-{name}", tr.ema_model(), all_guidance=True)
+        wanted = [w for w in args.dpsgd_from.split(",") if w] or list(starts)
+        variants = [tuple(v.split(":")) for v in args.dpsgd_variants.split(",") if v] or [(None, None)]
+        for rate, steps in variants:
+            dcfg = cfg if rate is None else cfg.replace(dpsgd={"rate": float(rate), "steps": int(steps)}).for_size(fit.n)
+            dplan = plan_job(dcfg, fit.n)
+            tag = "" if rate is None else f"-q{rate}-s{steps}"
+            log(f"plan{tag}", stages={s.stage: round(s.epsilon, 3) for s in dplan.stages},
+                sigma_sgd=dplan.noise_multiplier, total=dplan.epsilon)
+            for name in wanted:
+                den.load_state_dict(starts[name])
+                tr = DPSGDTrainer(den, dcfg, dplan.noise_multiplier, dcfg.dpsgd.batch / fit.n,
+                                  torch.Generator().manual_seed(7))
+                t0 = time.perf_counter()
+                tr.run(xr, yr, dcfg.dpsgd_steps(fit.n))
+                log(f"dpsgd-train-from-{name}{tag}", seconds=round(time.perf_counter() - t0, 1))
+                eval_model(f"04-dpsgd-from-{name}{tag}", tr.ema_model(), all_guidance=True)
     log("done")
 
 

@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/protocol")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 1 seed, 200 images, 1 epoch")
+    ap.add_argument("--lean", action="store_true", help="exploration only (validation mode): no real-data ceiling, "
+                    "no FD; accuracy and the release-only baseline only")
     args = ap.parse_args()
 
     import tomllib
@@ -57,13 +59,15 @@ def main() -> None:
         proto = replace(proto, seeds=tuple(int(s) for s in args.seeds.split(",")))
     if args.n_synthetic:
         proto = replace(proto, n_synthetic=args.n_synthetic)
+    if args.lean and args.mode != "validation":
+        ap.error("--lean is for exploration: validation mode only (final figures use the whole protocol)")
     train, real = protocol_splits(load_embedded(), args.mode, proto)
     if args.quick:
         train = train.subset(np.arange(0, train.n, 10))
     presets = ["tiny"] if args.quick else args.preset.split(",")
     out = Path(args.out) / args.mode
     print(f"mode {args.mode}: train {train.n}, scored on {real.n} real images; {proto}", flush=True)
-    feature_net = train_classifier(real, proto.feature_epochs, 0)  # one FD feature space for every row
+    feature_net = None if args.lean else train_classifier(real, proto.feature_epochs, 0)  # one FD space for every row
     results: dict[str, dict] = {}
 
     def save() -> None:
@@ -76,7 +80,7 @@ def main() -> None:
         (out / "results.md").write_text("\n".join(lines) + "\n")
 
     ceiling = results.setdefault("real training data (ceiling)", {"acc": []})
-    for seed in proto.seeds:
+    for seed in () if args.lean else proto.seeds:
         ceiling["acc"].append(accuracy(train_classifier(train, proto.classifier_epochs, seed), real))
     save()
     for name in presets:
@@ -96,15 +100,21 @@ def main() -> None:
             z = np.load(run_dir / "synthetic.npz")
             syn = ImageDataset(z["images"], z["labels"], train.class_names, source=str(run_dir))
             assert np.array_equal(np.sort(syn.labels), balanced_labels(proto.n_synthetic, train.n_classes))
-            ev = evaluate(syn, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net)
-            row["acc"].append(ev.accuracy), row["fd"].append(ev.fd), row["epsilon"].append(res.epsilon)
+            if args.lean:
+                acc, fd = accuracy(train_classifier(syn, proto.classifier_epochs, seed), real), float("nan")
+            else:
+                ev = evaluate(syn, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net)
+                acc, fd = ev.accuracy, ev.fd
+            row["acc"].append(acc), row["epsilon"].append(res.epsilon)
+            if not args.lean:
+                row["fd"].append(fd)
             row["seconds"].append(round(time.perf_counter() - t0, 1))
             central = run_dir / "released" / "central.npz"
             if central.exists():
                 c = np.load(central)
                 ro = release_only(c["images"], c["labels"], train.class_names, proto.n_synthetic, seed, proto)
                 base["acc"].append(accuracy(train_classifier(ro, proto.classifier_epochs, seed), real))
-            print(json.dumps({"preset": label, "seed": seed, "acc": round(ev.accuracy, 4), "fd": round(ev.fd, 1),
+            print(json.dumps({"preset": label, "seed": seed, "acc": round(acc, 4), "fd": round(fd, 1),
                               "release_only": base["acc"][-1] if base["acc"] else None,
                               "epsilon": round(res.epsilon, 3), "s": row["seconds"][-1]}), flush=True)
             save()

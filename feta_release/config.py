@@ -48,6 +48,9 @@ class CentralSection:
     clip: float | None = None  # L2 bound on the downsampled image; None: sqrt(c*h*w) (pixels are bounded)
     downsample: float = 0.5  # factor applied before the query (nearest)
     bins: int | None = None  # mode histogram bins; None: 2 for grey, 16 for colour
+    # Per-image contrast stretch of the released images (post-processing, mechanisms.central.stretch_contrast):
+    # a mean of clipped images is dim with a noisy background (measured in bench/diagnose_stages.py).
+    stretch: bool = False
 
 
 @dataclass(frozen=True)

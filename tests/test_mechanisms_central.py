@@ -21,6 +21,7 @@ from feta_release.mechanisms.central import (
     combine_central,
     downsample_nearest,
     postprocess_central,
+    stretch_contrast,
 )
 
 K = 4
@@ -231,3 +232,29 @@ def test_combine_central_weighted_average() -> None:
         combine_central([a, b], [1])
     with pytest.raises(DataError):
         combine_central([], [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrays(np.float32, (3, 1, 6, 6), elements=st.floats(0, 1, width=32)))
+def test_stretch_contrast_keeps_range_shape_and_pixel_order(x: np.ndarray) -> None:
+    y = stretch_contrast(x)
+    assert y.shape == x.shape and y.dtype == np.float32 and y.min() >= 0 and y.max() <= 1
+    for a, b in zip(x.reshape(3, -1), y.reshape(3, -1)):  # monotone per image: a brighter pixel stays as bright
+        order = np.argsort(a, kind="stable")
+        assert np.all(np.diff(b[order]) >= -1e-6)
+
+
+def test_stretch_contrast_brightens_a_dim_digit_and_clears_its_background() -> None:
+    g = np.random.default_rng(0)
+    x = np.abs(g.normal(0, 0.03, (1, 1, 14, 14))).astype(np.float32)  # noisy floor
+    x[0, 0, 3:11, 6:8] += 0.4  # a dim stroke
+    y = stretch_contrast(x)
+    assert y[0, 0, 3:11, 6:8].mean() > 0.9 and np.median(y) == 0.0
+    rel = CentralRelease(x, np.zeros(1, np.int64), 1, "mean", 1.0, (1, 14, 14), 1, 1.0, 1.0, 2.0, None)
+    plain, stretched = postprocess_central(rel)[0], postprocess_central(rel, stretch=True)[0]
+    assert np.median(stretched) == 0.0 < np.median(plain)  # the noisy floor is cleared
+
+
+def test_stretch_contrast_refuses_bad_quantiles() -> None:
+    with pytest.raises(DataError, match="low < high"):
+        stretch_contrast(np.zeros((1, 1, 4, 4), np.float32), 0.9, 0.5)

@@ -45,7 +45,7 @@ def _release(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
         downsample=c.downsample, bins=c.bins, n_public=ctx.n_public, rng=ctx.private_rng("central"),
     )
     check_event(event, ctx.account.planned("central"))
-    images, labels = postprocess_central(release)
+    images, labels = postprocess_central(release, stretch=ctx.cfg.central.stretch)
     images, labels = images.astype(np.float32), labels.astype(np.int64)
     arrays = {f"raw_{k}": v for k, v in release.to_arrays().items()}
     blob = npz_bytes(images=images, labels=labels, **arrays)

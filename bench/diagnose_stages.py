@@ -163,7 +163,7 @@ def main() -> None:
         variants = [tuple(v.split(":")) for v in args.dpsgd_variants.split(",") if v] or [(None, None)]
         for rate, steps in variants:
             dcfg = cfg if rate is None else cfg.replace(dpsgd={"rate": float(rate), "steps": int(steps)}).for_size(fit.n)
-            dplan = plan_job(dcfg, fit.n)
+            dplan = privacy_plan(dcfg, fit.n)
             tag = "" if rate is None else f"-q{rate}-s{steps}"
             log(f"plan{tag}", stages={s.stage: round(s.epsilon, 3) for s in dplan.stages},
                 sigma_sgd=dplan.noise_multiplier, total=dplan.epsilon)

@@ -158,7 +158,8 @@ def main() -> None:
             print(f"{r['method']:<12} failed: {r['error']}")
             continue
         ratio = r["sec_per_step"] / base["sec_per_step"] if base else float("nan")
-        flag = "" if r["method"] == "nonprivate" else ("  (goal <= 2.0: met)" if ratio <= GOAL_RATIO else "  (goal <= 2.0: NOT met)")
+        met = "met" if ratio <= GOAL_RATIO else "NOT met"
+        flag = "" if r["method"] == "nonprivate" else f"  (goal <= 2.0: {met})"
         print(f"{r['method']:<12} {r['sec_per_step']:8.3f} {r['ex_per_s']:8.1f} {ratio:23.2f}x {r['peak_rss_mb']:12.0f}{flag}")
     print("timings on a shared CPU are approximate; peak RSS includes the Python/torch baseline (~300 MB)")
 

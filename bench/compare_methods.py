@@ -146,7 +146,7 @@ def main() -> None:
         _worker_init((args.quick,))
         for i in range(len(jobs)):
             record(i, _train_one(spec(i)))
-    for i, (eps, method, seed, cfg, run_dir) in enumerate(jobs):
+    for i, (eps, method, seed, _cfg, run_dir) in enumerate(jobs):
         seconds, dpsgd_sigma, dpsgd_steps = trained[i]
         privacy = json.loads((run_dir / "privacy.json").read_text())
         z = np.load(run_dir / "synthetic.npz")

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from .errors import PrivacyError
 
 Accountant = Literal["rdp", "prv"]
@@ -126,6 +128,22 @@ def _rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> f
     acc = RDP(prvs=[mech(sampling_probability=q, noise_multiplier=sigma) for sigma, q, _ in history], orders=list(RDP_ORDERS))
     _, _, eps = acc.compute_epsilon(delta=delta, num_self_compositions=[steps for _, _, steps in history])
     return float(eps)
+
+
+def gaussian_rdp_curve(sigma: float, q: float) -> np.ndarray:
+    """RDP of ONE Poisson-subsampled Gaussian step at every order of ``RDP_ORDERS`` (prv-accountant's analysis,
+    the same numbers ``epsilon`` composes); other accountants (Skellam) add their curves to it."""
+    return np.array([_rdp_at(float(sigma), float(q), float(a)) for a in RDP_ORDERS])
+
+
+def epsilon_from_rdp(rdp: np.ndarray, delta: float) -> float:
+    """Epsilon at ``delta`` of an RDP curve over ``RDP_ORDERS``, with the conversion ``epsilon`` uses
+    (prv-accountant's RDP accountant, as in TF Privacy and Opacus): min over orders of
+    rdp - log(delta * a) / (a - 1) + log(1 - 1 / a)."""
+    _check_delta(delta)
+    a = np.asarray(RDP_ORDERS)
+    eps = np.asarray(rdp, dtype=float) - np.log(delta * a) / (a - 1) + np.log1p(-1 / a)
+    return float(max(0.0, np.nanmin(eps)))
 
 
 # -- public API ----------------------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path):
                                                        insecure=True, home=tmp_path / "coord")))
         for s in fed.sites:
             procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                                 ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
+                                                 ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret,
+                                                 superlink=f"127.0.0.1:{port}",
                                                  port=free_port(), insecure=True)))
         time.sleep(3)  # let all three nodes register before the job's first hello
         summary = run_signed_job(signed, fed.coordinator_key, out, f"127.0.0.1:{port}", insecure=True)

@@ -158,7 +158,7 @@ def test_torch_func_per_example_grads_match_loop() -> None:
     rnd = draw_loss_randomness(3, (1, 16, 16), noise_multiplicity=2, generator=torch.Generator().manual_seed(3))
 
     def loss_one(p, x, yy, noise, sigma, drop):
-        fn = lambda a, s, l: torch.func.functional_call(d, p, (a, s, l))  # noqa: E731
+        fn = lambda a, s, lab: torch.func.functional_call(d, p, (a, s, lab))  # noqa: E731
         return edm_loss_single(fn, x, yy, noise, sigma, drop, null_label=d.null_label)
 
     grads = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0, 0, 0, 0))(

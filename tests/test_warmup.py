@@ -74,7 +74,7 @@ def test_spatial_warmup_reduces_loss_and_carries_ema() -> None:
     before = probe_loss(d, x, y)
     calls: list[tuple[int, int, float]] = []
     res = spatial_warmup(d, x, y, cfg, generator=torch.Generator().manual_seed(0),
-                         progress=lambda s, t, l: calls.append((s, t, l)))
+                         progress=lambda s, t, loss: calls.append((s, t, loss)))
     after = probe_loss(d, x, y)
     assert after < 0.7 * before, (before, after)
     assert res.steps == 120 and len(res.losses) == 120 and res.examples == 60 * 4 + 60 * 2  # 6 images: batches of 4 then 2

@@ -114,7 +114,7 @@ def test_run_frequency_stage_end_to_end() -> None:
               warmup={"frequency_images": 40, "frequency_epochs": 1, "frequency_batch": 20})
     fit_calls: list[int] = []
     res, gen = run_frequency_stage(d, rel.embedding, rel.omega(), cfg, 6, generator=torch.Generator().manual_seed(0),
-                                   fit_progress=lambda s, t, l: fit_calls.append(t))
+                                   fit_progress=lambda s, t, loss: fit_calls.append(t))
     assert fit_calls == [5] * 5 and res.steps == 2 and isinstance(gen, AuxGenerator)
 
 

@@ -30,14 +30,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import special
 
-from ..accounting import RDP_ORDERS, PrivacyEvent, _load_opacus_analysis, _rdp_per_step
+from ..accounting import RDP_ORDERS, PrivacyEvent, gaussian_rdp_curve
+from ..accounting import epsilon_from_rdp as _epsilon_from_rdp
 from ..errors import PrivacyError
 from ..mechanisms.skellam import SkellamParams
 
@@ -87,10 +87,9 @@ def epsilon_from_rdp(rdp: np.ndarray, delta: float, orders: Sequence[float] = RD
         raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
     if not np.any(rdp):
         return 0.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "optimal order is the largest alpha": still a valid bound
-        eps, _ = _load_opacus_analysis().rdp.get_privacy_spent(orders=list(orders), rdp=np.asarray(rdp), delta=delta)
-    return float(eps)
+    if tuple(orders) != RDP_ORDERS:
+        raise PrivacyError("epsilon_from_rdp: the curve must be over accounting.RDP_ORDERS")
+    return _epsilon_from_rdp(np.asarray(rdp), delta)
 
 
 def skellam_epsilon(params: SkellamParams, q: float, steps: int, delta: float, noise_shares: int | None = None) -> float:
@@ -231,9 +230,8 @@ def composed_epsilon(gaussian: Iterable[PrivacyEvent], skellam: Iterable[Skellam
     total = np.zeros(len(RDP_ORDERS))
     history = [e for e in gaussian if e.steps > 0]
     if history:
-        rdp_mod = _load_opacus_analysis().rdp
         for e in history:
-            total = total + e.steps * _rdp_per_step(rdp_mod, e.sigma, e.q)
+            total = total + e.steps * gaussian_rdp_curve(e.sigma, e.q)
     for ev in skellam:
         total = total + ev.rdp()
     return epsilon_from_rdp(total, delta)

@@ -375,7 +375,7 @@ def _load_items(
     problems.raise_if_any(where)
     channels = _choose_channels([h for h, _ in decoded], report)
     images = np.empty((len(decoded), channels, target[0], target[1]), dtype=np.float32)
-    for i, (h, arr) in enumerate(decoded):
+    for i, (_h, arr) in enumerate(decoded):
         arr = _convert_channels(arr, channels)
         if arr.shape[:2] != target:
             arr = _fit(arr, target, opts.resize)
@@ -472,8 +472,9 @@ def _palette_is_grey(im: Image.Image, path: Path) -> bool:
     return bool((rgb[:, 0] == rgb[:, 1]).all() and (rgb[:, 1] == rgb[:, 2]).all())
 
 
-def _read_pixels(h: _Header, report: LoadReport, window: Window = Window()) -> np.ndarray:
+def _read_pixels(h: _Header, report: LoadReport, window: Window | None = None) -> np.ndarray:
     """Decode one image to float32 (H, W, C) in [0, 1], C = 1 or 3."""
+    window = window if window is not None else Window()
     path = h.path
     if h.is_dicom:
         arr, rule = dicom.read_pixels(path, window)

@@ -139,7 +139,8 @@ def generate(
     """Sample images for ``labels`` (or ``n_per_class`` images of every class when an int).
 
     Returns ``(images float32 (N,C,H,W) in [0,1] on CPU, labels int64 (N,))``. The result depends only
-    on (weights, labels, seed, sampler settings), not on ``batch`` (up to float rounding of batched convs). ``progress(done, total)`` is optional.
+    on (weights, labels, seed, sampler settings), not on ``batch`` (up to float rounding of batched convs).
+    ``progress(done, total)`` is optional.
     """
     if isinstance(labels, int):
         labels_t = balanced_labels(labels, denoiser.n_classes)

@@ -163,7 +163,8 @@ def verify_synthetic(
 def _check_signature(res: VerificationResult, cert: dict[str, Any], sig: Any, trusted: list[Ed25519PublicKey]) -> None:
     version = cert.get("certificate_version")
     res.add("certificate format", version == CERTIFICATE_VERSION,
-            f"certificate_version {version!r}" + ("" if version == CERTIFICATE_VERSION else f", expected {CERTIFICATE_VERSION!r}"))
+            f"certificate_version {version!r}"
+            + ("" if version == CERTIFICATE_VERSION else f", expected {CERTIFICATE_VERSION!r}"))
     if sig is None:
         res.add("certificate signature", False, "the certificate is unsigned: run synthesize with --key KEY")
         return

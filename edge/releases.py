@@ -47,7 +47,7 @@ def release_central(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gener
                                     sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=n_public,
                                     rng=rng)
     _same([planned], [event], "central images")
-    return release.to_arrays(), [planned]
+    return {k: np.asarray(v) for k, v in release.to_arrays().items()}, [planned]
 
 
 def release_frequency(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Generator
@@ -61,7 +61,7 @@ def release_frequency(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gen
                                           bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_public=n_public,
                                           rng=rng)
     _same([planned], [event], "frequency statistics")
-    return release.to_arrays(), [planned]
+    return {k: np.asarray(v) for k, v in release.to_arrays().items()}, [planned]
 
 
 def _refuse_non_finite(weights: dict[str, np.ndarray]) -> None:

@@ -57,7 +57,7 @@ class CentralRelease:
     clip: float | None  # L2 bound used (mean)
     bins: int | None  # histogram bins (mode)
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
+    def to_arrays(self) -> dict[str, np.ndarray | np.generic]:
         """Plain arrays (for ``np.savez`` in a site's release directory); ``from_arrays`` inverts it."""
         return {
             "values": self.values,

@@ -50,9 +50,9 @@ class FrequencyRelease:
         c, h, w = self.image_shape
         return rff_frequencies(c * h * w, self.features, self.bandwidth2, self.seed)
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
+    def to_arrays(self) -> dict[str, np.ndarray | np.generic]:
         """Plain arrays (for ``np.savez``); ``from_arrays`` inverts it."""
-        out = {
+        out: dict[str, np.ndarray | np.generic] = {
             "embedding": self.embedding, "n_public": np.int64(self.n_public), "features": np.int64(self.features),
             "bandwidth2": np.float64(self.bandwidth2), "seed": np.int64(self.seed), "sigma": np.float64(self.sigma),
         }
@@ -189,22 +189,22 @@ def combine_frequency(
     """
     if not releases:
         raise DataError("combine_frequency: no releases given")
-    releases = [r if isinstance(r, FrequencyRelease) else FrequencyRelease.from_arrays(r) for r in releases]
+    rels = [r if isinstance(r, FrequencyRelease) else FrequencyRelease.from_arrays(r) for r in releases]
     if sizes is not None:
-        if len(sizes) != len(releases) or any(int(s) < 1 for s in sizes):
+        if len(sizes) != len(rels) or any(int(s) < 1 for s in sizes):
             raise DataError(f"combine_frequency: need one public size >= 1 per release, got {list(sizes)}")
-        releases = [dataclasses.replace(r, n_public=int(s)) for r, s in zip(releases, sizes)]
-    first = releases[0]
+        rels = [dataclasses.replace(r, n_public=int(s)) for r, s in zip(rels, sizes)]
+    first = rels[0]
     key = (first.features, first.bandwidth2, first.seed, first.n_classes)
-    for i, r in enumerate(releases[1:], 1):
+    for i, r in enumerate(rels[1:], 1):
         other = (r.features, r.bandwidth2, r.seed, r.n_classes)
         if other != key:
             raise DataError(
                 f"combine_frequency: release {i} (features, bandwidth2, seed, classes) = {other} differs "
                 f"from release 0 {key}: sites must use the same public frequencies"
             )
-    n_total = sum(r.n_public for r in releases)
-    combined = sum(r.n_public * r.embedding.astype(np.float64) for r in releases) / n_total
+    n_total = sum(r.n_public for r in rels)
+    combined = sum(r.n_public * r.embedding.astype(np.float64) for r in rels) / n_total
     return FrequencyRelease(
         embedding=np.asarray(combined, dtype=np.float32), n_public=n_total, features=first.features,
         bandwidth2=first.bandwidth2, seed=first.seed, sigma=first.sigma, n_classes=first.n_classes,

@@ -48,14 +48,15 @@ def sign_job(
 ) -> dict[str, Any]:
     """Validate and sign a job; the config is stored as the full ``JobConfig.to_dict()``."""
     cfg = config if isinstance(config, JobConfig) else JobConfig.from_dict(dict(config))
+    coordinator = signing.fingerprint(key)
     body = {
         "job_id": job_id,
-        "coordinator": signing.fingerprint(key),
+        "coordinator": coordinator,
         "config": cfg.to_dict(),
         "sites": list(sites),
         "created": format_time(utc_now().replace(microsecond=0) if created is None else parse_time(created)),
     }
-    _parse_body(body, signer=body["coordinator"], source=f"job {job_id}")
+    _parse_body(body, signer=coordinator, source=f"job {job_id}")
     return seal("job", body, key)
 
 

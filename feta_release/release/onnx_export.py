@@ -264,6 +264,79 @@ class _Builder:
         return x_next
 
 
+def _prologue(settings: SamplerSettings, n_classes: int) -> list[onnx.NodeProto]:
+    """Constants, the classifier-free-guidance labels (when guided) and x_init = noise * sigma_0."""
+    nodes: list[onnx.NodeProto] = [
+        _const("half", 0.5),
+        _const("one", 1.0),
+        _const("zero", 0.0),
+        _const("one_i64", 1, np.int64),
+        _const("cond_true", True, np.bool_),
+        _const("idx0", 0, np.int64),
+    ]
+    if settings.guidance != 0.0:
+        nodes += [
+            _const("two_i64", [2], np.int64),
+            _const("w", settings.guidance),
+            _const("one_plus_w", 1.0 + settings.guidance),
+        ]
+        # labels_cfg = [labels; null label repeated]: built once, read by every loop iteration.
+        nodes += [
+            helper.make_node("Shape", ["labels"], ["label_batch"]),
+            helper.make_node(
+                "ConstantOfShape", ["label_batch"], ["null_labels"],
+                value=numpy_helper.from_array(np.array([n_classes], dtype=np.int64)),
+            ),
+            helper.make_node("Concat", ["labels", "null_labels"], ["labels_cfg"], axis=0),
+        ]
+    return nodes + [
+        helper.make_node("Gather", ["sigmas", "idx0"], ["t0"], axis=0),
+        helper.make_node("Mul", ["noise", "t0"], ["x_init"]),
+    ]
+
+
+def _sampler_loop(b: _Builder, settings: SamplerSettings, img_type: onnx.TypeProto) -> onnx.NodeProto:
+    """The ONNX Loop over sampler steps: body (i, cond, x) -> (cond, x_next); schedule, weights and labels come
+    from the outer scope."""
+    body_nodes: list[onnx.NodeProto] = [
+        helper.make_node("Add", ["i", "one_i64"], ["i_next"]),
+        helper.make_node("Gather", ["sigmas", "i"], ["t_cur"], axis=0),
+        helper.make_node("Gather", ["sigmas", "i_next"], ["t_next"], axis=0),
+        helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+    ]
+    if settings.solver == "euler":
+        x_next, _, _ = b.euler("x_in", "t_cur", "t_next", body_nodes)
+    else:
+        x_next = b.heun("x_in", "t_cur", "t_next", body_nodes)
+    body_nodes.append(helper.make_node("Identity", [x_next], ["x_out"]))
+    body = helper.make_graph(
+        body_nodes,
+        "sampler_step",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_value_info("x_in", img_type),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_value_info("x_out", img_type),
+        ],
+    )
+    return helper.make_node("Loop", ["trip_count", "cond_true", "x_init"], ["x_loop"], body=body)
+
+
+def _last_euler_step(b: _Builder, n: int, nodes: list[onnx.NodeProto], init: list[onnx.TensorProto]) -> str:
+    """Heun's final step to sigma = 0 is a plain Euler step (EDM): appended after the loop."""
+    nodes += [
+        helper.make_node("Gather", ["sigmas", "last_i"], ["t_last"], axis=0),
+        helper.make_node("Gather", ["sigmas", "end_i"], ["t_end"], axis=0),
+    ]
+    init.append(numpy_helper.from_array(np.array(n - 1, dtype=np.int64), "last_i"))
+    init.append(numpy_helper.from_array(np.array(n, dtype=np.int64), "end_i"))
+    x_final, _, _ = b.euler("x_loop", "t_last", "t_end", nodes)
+    return x_final
+
+
 def build_generator(
     denoiser: onnx.ModelProto,
     settings: SamplerSettings,
@@ -288,70 +361,10 @@ def build_generator(
     init = inl.initializers()
     init.append(numpy_helper.from_array(sched.astype(np.float32), "sigmas"))
     init.append(numpy_helper.from_array(np.array(loop_trips, dtype=np.int64), "trip_count"))
-    nodes: list[onnx.NodeProto] = [
-        _const("half", 0.5),
-        _const("one", 1.0),
-        _const("zero", 0.0),
-        _const("one_i64", 1, np.int64),
-        _const("cond_true", True, np.bool_),
-        _const("idx0", 0, np.int64),
-    ]
-    if settings.guidance != 0.0:
-        nodes += [
-            _const("two_i64", [2], np.int64),
-            _const("w", settings.guidance),
-            _const("one_plus_w", 1.0 + settings.guidance),
-        ]
-        # labels_cfg = [labels; null label repeated]: built once, read by every loop iteration.
-        nodes += [
-            helper.make_node("Shape", ["labels"], ["label_batch"]),
-            helper.make_node(
-                "ConstantOfShape", ["label_batch"], ["null_labels"],
-                value=numpy_helper.from_array(np.array([n_classes], dtype=np.int64)),
-            ),
-            helper.make_node("Concat", ["labels", "null_labels"], ["labels_cfg"], axis=0),
-        ]
-    nodes += [
-        helper.make_node("Gather", ["sigmas", "idx0"], ["t0"], axis=0),
-        helper.make_node("Mul", ["noise", "t0"], ["x_init"]),
-    ]
-
-    # Loop body: (i, cond, x) -> (cond, x_next). Schedule, weights and labels come from the outer scope.
-    body_nodes: list[onnx.NodeProto] = [
-        helper.make_node("Add", ["i", "one_i64"], ["i_next"]),
-        helper.make_node("Gather", ["sigmas", "i"], ["t_cur"], axis=0),
-        helper.make_node("Gather", ["sigmas", "i_next"], ["t_next"], axis=0),
-        helper.make_node("Identity", ["cond_in"], ["cond_out"]),
-    ]
-    if settings.solver == "euler":
-        x_next, _, _ = b.euler("x_in", "t_cur", "t_next", body_nodes)
-    else:
-        x_next = b.heun("x_in", "t_cur", "t_next", body_nodes)
-    body_nodes.append(helper.make_node("Identity", [x_next], ["x_out"]))
+    nodes = _prologue(settings, n_classes)
     img_type = helper.make_tensor_type_proto(TensorProto.FLOAT, ["batch", c, h, w])
-    body = helper.make_graph(
-        body_nodes,
-        "sampler_step",
-        [
-            helper.make_tensor_value_info("i", TensorProto.INT64, []),
-            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-            helper.make_value_info("x_in", img_type),
-        ],
-        [
-            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            helper.make_value_info("x_out", img_type),
-        ],
-    )
-    nodes.append(helper.make_node("Loop", ["trip_count", "cond_true", "x_init"], ["x_loop"], body=body))
-    x_final = "x_loop"
-    if settings.solver == "heun":
-        nodes += [
-            helper.make_node("Gather", ["sigmas", "last_i"], ["t_last"], axis=0),
-            helper.make_node("Gather", ["sigmas", "end_i"], ["t_end"], axis=0),
-        ]
-        init.append(numpy_helper.from_array(np.array(n - 1, dtype=np.int64), "last_i"))
-        init.append(numpy_helper.from_array(np.array(n, dtype=np.int64), "end_i"))
-        x_final, _, _ = b.euler("x_loop", "t_last", "t_end", nodes)
+    nodes.append(_sampler_loop(b, settings, img_type))
+    x_final = _last_euler_step(b, n, nodes, init) if settings.solver == "heun" else "x_loop"
     nodes += [
         helper.make_node("Add", [x_final, "one"], ["x_plus_1"]),
         helper.make_node("Mul", ["x_plus_1", "half"], ["x01"]),

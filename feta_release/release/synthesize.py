@@ -133,6 +133,29 @@ def _prepare_out(out: Path) -> None:
         raise ReleaseError(f"{out.parent}: parent directory of --out does not exist")
 
 
+def _write_pngs(sess: Any, rng: np.random.Generator, counts: Sequence[int], batch: int, dirs: Sequence[str],
+                shape: tuple[int, int, int], info: Any, tmp: Path, hashes_path: Path, progress: bool) -> None:
+    """Run the generator batch by batch and write each image as a PNG (with its provenance text) and its hash."""
+    for d in dirs:
+        (tmp / d).mkdir()
+    per_class_written = [0] * len(dirs)
+    with open(hashes_path, "w", encoding="utf-8") as hashes, _progress(progress, sum(counts)) as advance:
+        for labels in label_batches(counts, batch):
+            # Drawn sequentially from one stream: image k's noise does not depend on the batch size.
+            noise = rng.standard_normal((len(labels), *shape), dtype=np.float32)
+            images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
+            if images.shape != (len(labels), *shape) or not np.all(np.isfinite(images)):
+                raise ReleaseError("the generator returned images of the wrong shape or non-finite values")
+            for img, lab in zip(images, labels):
+                k = per_class_written[lab]
+                per_class_written[lab] += 1
+                rel = f"{dirs[lab]}/{k:06d}.png"
+                data = _to_png(img, info)
+                (tmp / rel).write_bytes(data)
+                hashes.write(json.dumps([rel, hashlib.sha256(data).hexdigest()]) + "\n")
+            advance(len(labels))
+
+
 def synthesize(
     release_dir: str | Path,
     out: str | Path,
@@ -176,25 +199,8 @@ def synthesize(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     t0 = time.perf_counter()
     try:
-        for d in dirs:
-            (tmp / d).mkdir()
         hashes_path = tmp / ".hashes.jsonl"
-        per_class_written = [0] * len(classes)
-        with open(hashes_path, "w", encoding="utf-8") as hashes, _progress(progress, total) as advance:
-            for labels in label_batches(counts, batch):
-                # Drawn sequentially from one stream: image k's noise does not depend on the batch size.
-                noise = rng.standard_normal((len(labels), c, h, w), dtype=np.float32)
-                images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
-                if images.shape != (len(labels), c, h, w) or not np.all(np.isfinite(images)):
-                    raise ReleaseError("the generator returned images of the wrong shape or non-finite values")
-                for img, lab in zip(images, labels):
-                    k = per_class_written[lab]
-                    per_class_written[lab] += 1
-                    rel = f"{dirs[lab]}/{k:06d}.png"
-                    data = _to_png(img, info)
-                    (tmp / rel).write_bytes(data)
-                    hashes.write(json.dumps([rel, hashlib.sha256(data).hexdigest()]) + "\n")
-                advance(len(labels))
+        _write_pngs(sess, rng, counts, batch, dirs, (c, h, w), info, tmp, hashes_path, progress)
         seconds = time.perf_counter() - t0
         import onnxruntime as ort
 

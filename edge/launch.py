@@ -131,7 +131,8 @@ def start_node(s: NodeSettings, log_path: Path | None = None,
     site.ledger.close()
     log_path = log_path or work / "supernode.log"
     monitor = NodeMonitor(s.superlink, work, log_path, ledger=s.ledger, announce=announce)
-    proc = ManagedProcess(f"node {site.site_id}", supernode_command(s), env, log_path, on_line=monitor.feed)
+    proc = ManagedProcess(f"node {site.site_id}", supernode_command(s), env, log_path, on_line=monitor.feed,
+                          umask=0o077)
     monitor.set_pid(proc.pid)
     proc.monitor = monitor  # type: ignore[attr-defined]
     return proc

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 STATE_FILE = "node-state.json"
 STATES = ("starting", "connecting", "connected", "refused", "serving", "stopped")
@@ -99,7 +99,7 @@ class NodeMonitor:
         self.state_path = Path(work_dir) / STATE_FILE
         if log_path is not None:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self.log_file = None if log_path is None else open(log_path, "ab")  # noqa: SIM115 - closed by stopped()
+        self.log_file = None if log_path is None else _owner_only_append(Path(log_path))
         self.ledger = ledger
         self.announce = announce
         self._lock = threading.Lock()
@@ -195,7 +195,15 @@ class NodeMonitor:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
         tmp.write_text(json.dumps(asdict(self.state), indent=2, sort_keys=True) + "\n", "utf-8")
+        os.chmod(tmp, 0o600)  # refusal reasons may quote the site's own errors: the site's account only
         os.replace(tmp, self.state_path)
+
+
+def _owner_only_append(path: Path) -> BinaryIO:
+    """Open the node's log for appending, readable by the site's account only (0600, also when it existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def read_state(work_dir: Path) -> dict[str, Any] | None:

@@ -115,20 +115,28 @@ def _recorded(response: bytes | None) -> RecordDict:
     return fm.payload_from_bytes(response or b"")
 
 
-def _compute_charged(compute: Compute, site: Site, job: Job, req: Request) -> tuple[Arrays, list[PrivacyEvent]]:
-    """Run ``compute`` for a request that is already charged; any failure releases nothing and names no cause."""
+def _compute_and_record(compute: Compute, site: Site, job: Job, req: Request, public: Public | None) -> RecordDict:
+    """Run ``compute`` for a request that is already charged, build the reply and record it.
+
+    Everything after the charge is under one catch: any failure (the computation, the public fields, building or
+    recording the payload) releases nothing and sends a fixed message, because an exception's text can depend on
+    the images and Flower forwards it to the coordinator."""
     t0 = time.perf_counter()
     try:
         arrays, events = compute(site, job, req, ReleaseRng())
         if events_to_list(events) != events_to_list([req.event]):
             raise PrivacyError(f"the computation reported events {events}, not the charged {req.event}")
+        doc = {**(public(site, req) if public else {}), "site_id": site.site_id, "request_id": req.rid,
+               "events": events_to_list(events)}
+        payload = fm.make_payload(doc, arrays)
+        site.ledger.record_response(req.rid, fm.payload_bytes(payload))
     except Exception:
         log.exception("request %s failed after it was charged; nothing released", req.rid)
         raise PrivacyError(f"request {req.rid} failed at site {site.site_id} after its privacy cost was charged; "
                            "nothing was released (the cause is in the site's log); the request cannot be retried") \
             from None
     _local_timing(site, req.rid, time.perf_counter() - t0)
-    return arrays, events
+    return payload
 
 
 def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute, public: Public | None) -> RecordDict:
@@ -136,12 +144,7 @@ def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute
     charged = site.ledger.charge(job.job_id, req.rid, mechanism, [req.event], site.policy)
     if charged.replay:  # an identical request committed first: answer with ITS record, nothing computed
         return _recorded(charged.response)
-    arrays, events = _compute_charged(compute, site, job, req)
-    doc = {**(public(site, req) if public else {}), "site_id": site.site_id, "request_id": req.rid,
-           "events": events_to_list(events)}
-    payload = fm.make_payload(doc, arrays)
-    site.ledger.record_response(req.rid, fm.payload_bytes(payload))
-    return payload
+    return _compute_and_record(compute, site, job, req, public)
 
 
 def release(mechanism: str, *, admit: Admit | None = None, public: Public | None = None) -> Callable[[Compute], Handler]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,16 @@ def load_site_data(path: str | Path, options: Any = None) -> Any:
     return ds
 
 
+def owner_only_dir(path: Path) -> Path:
+    """The node's work directory, for the site's account only (0700): its logs may hold tracebacks whose text
+    depends on the images, and compute times there track the realised Poisson batch sizes."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
 @dataclass
+
 class Site:
     policy: Any  # feta_release.policy.document.SitePolicy (verified)
     data: Any  # feta_release.data.ImageDataset
@@ -108,7 +118,7 @@ class Site:
             raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
                               "names (site_key); a verifier would refuse every attestation it signs")
         work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
-        work.mkdir(parents=True, exist_ok=True)
+        owner_only_dir(work)
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work)
 
 

@@ -65,6 +65,22 @@ def test_a_compute_that_fails_after_the_charge_releases_nothing_and_is_not_charg
     assert len(calls) == 1 and len(_charged(fed, "job-fails")[0]) == 1
 
 
+def test_a_failure_while_building_or_recording_the_reply_names_no_cause(fed, monkeypatch):
+    """After the charge, building and recording the reply are under the same catch as the computation: their
+    exception text (which may carry image-dependent values) never reaches the coordinator."""
+
+    def failing_record(*args, **kwargs):
+        raise ValueError(SECRET)
+
+    signed, _ = sign_job_file(fed, full_job(), "job-reply-fails")
+    grid = harness(fed)
+    msg = grid.create_message(fm.make_payload({"job": signed}), fm.CENTRAL, 100, "t")
+    monkeypatch.setattr(Ledger, "record_response", failing_record)
+    (rep,) = grid.send_and_receive([msg])
+    assert rep.has_error() and not rep.has_content()
+    assert "after its privacy cost was charged" in rep.error.reason and SECRET not in rep.error.reason
+
+
 def test_a_replay_is_answered_from_the_record_and_not_charged_twice(fed, monkeypatch):
     import edge.clientapp as ca
 

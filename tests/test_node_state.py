@@ -4,6 +4,7 @@ console and in `node status`, from the SuperNode's real output; its log is plain
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -161,3 +162,26 @@ def test_managed_process_hands_real_output_lines_to_the_monitor(tmp_path):
 
 def test_plain_strips_colour_and_cursor_codes():
     assert plain(f"{E}[92mINFO {E}[0m: x{E}[2K  \n") == "INFO : x"
+
+
+def test_the_nodes_log_state_and_work_dir_are_for_the_site_account_only(tmp_path):
+    """Local users are attackers: the log (tracebacks may quote image-dependent values), the state file (refusal
+    reasons) and the work directory (compute times track the realised batch sizes) are 0600 / 0700."""
+    import stat
+
+    from edge.site import owner_only_dir
+    from feta_release.federation.procs import ManagedProcess
+
+    (tmp_path / "supernode.log").write_text("old line\n")
+    os.chmod(tmp_path / "supernode.log", 0o644)
+    mon, _ = _monitor(tmp_path)
+    mon.feed("INFO :      Starting Flower SuperNode\n")
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(tmp_path / "supernode.log") == 0o600
+    assert mode(mon.state_path) == 0o600
+    work = owner_only_dir(tmp_path / "work2")
+    assert mode(work) == 0o700
+    proc = ManagedProcess("touch", [sys.executable, "-c", f"open({str(work / 'x.txt')!r}, 'w').close()"],
+                          dict(os.environ), tmp_path / "child.log", umask=0o077)
+    proc.proc.wait(30)
+    assert mode(work / "x.txt") == 0o600 and mode(tmp_path / "child.log") == 0o600

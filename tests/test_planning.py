@@ -239,6 +239,25 @@ def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: st
     assert cfg.central.batch <= n and cfg.dpsgd.batch <= n
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(500, 60_000), preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "paper-mnist"]))
+def test_presets_accept_the_suggested_public_size_when_it_rounds_the_count_up(n: int, preset: str) -> None:
+    """Review: cpu-eps1's central rate 1 makes batch = public size; 3,251 images -> public size 3,300 was refused
+    ("fewer than [central] batch") although q = batch / public size = 1."""
+    import numpy as np
+
+    from feta_release.config import load_preset
+    from feta_release.data import ImageDataset
+    from feta_release.data.commitment import suggest_public_size
+    from feta_release.training.pipeline import check_data
+
+    n_pub = suggest_public_size(n)
+    cfg = load_preset(preset).for_size(n_pub)
+    ds = ImageDataset(np.zeros((n, 1, 2, 2), np.float32), np.arange(n) % 10, tuple(map(str, range(10))), source="toy")
+    check_data(cfg, ds, n_pub)
+    assert cfg.central.batch <= n_pub and cfg.dpsgd.batch <= n_pub
+
+
 # -- one planner for both drivers ---------------------------------------------------------------------------------
 
 

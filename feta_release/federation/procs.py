@@ -45,17 +45,22 @@ class ManagedProcess:
     which keeps the log itself (e.g. plain text with timestamps: edge.node_state.NodeMonitor)."""
 
     def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path | None = None,
-                 on_line: Callable[[str], None] | None = None):
+                 on_line: Callable[[str], None] | None = None, umask: int | None = None):
+        """``umask``: the child's file-creation mask (a site node passes 0o077: files its handlers write, e.g. logs
+        and compute times, are readable by the site's account only); its log file gets the same mode."""
         self.name = name
         self.cmd = list(cmd)
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
+        if umask is not None:
+            os.chmod(log_path, 0o666 & ~umask)
         self._reader: threading.Thread | None = None
         try:
             self.proc = subprocess.Popen(
                 self.cmd, env=env, cwd=cwd, stdout=self._log if on_line is None else subprocess.PIPE,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                umask=-1 if umask is None else umask,
             )
         except FileNotFoundError:
             self._log.close()

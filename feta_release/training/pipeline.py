@@ -87,8 +87,11 @@ def apply_method(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
-def check_data(cfg: JobConfig, data: ImageDataset) -> None:
-    """Refuse data the job cannot be run on, with what to change."""
+def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None) -> None:
+    """Refuse data the job cannot be run on, with what to change.
+
+    Sampling rates are batch / ``n_public`` (the PUBLIC nominal size, which may round the count up), so a batch
+    is too large only when it exceeds the public size (q > 1), not the exact count."""
     if data.n == 0:
         raise DataError(f"{data.source}: no images")
     counts = data.class_counts()
@@ -98,16 +101,17 @@ def check_data(cfg: JobConfig, data: ImageDataset) -> None:
             f"{data.source}: class(es) {', '.join(map(repr, empty))} have no images; every class needs training "
             "images (remove the empty class folders or add images)"
         )
-    if cfg.dpsgd.batch > data.n and cfg.dpsgd_steps(data.n) > 0:
+    n = data.n if n_public is None else int(n_public)
+    if cfg.dpsgd.batch > n and cfg.dpsgd_steps(n) > 0:
         raise DataError(
-            f"{data.source}: {data.n} images, fewer than the DP-SGD batch [dpsgd] batch = {cfg.dpsgd.batch} "
-            f"(sampling rate q = {cfg.dpsgd.batch / data.n:.3g} > 1); lower [dpsgd] batch below {data.n}, or give "
+            f"{data.source}: public size {n}, fewer than the DP-SGD batch [dpsgd] batch = {cfg.dpsgd.batch} "
+            f"(sampling rate q = {cfg.dpsgd.batch / n:.3g} > 1); lower [dpsgd] batch below {n}, or give "
             f"[dpsgd] rate (a sampling rate: the batch then follows the dataset size)"
         )
-    if cfg.central.rounds > 0 and cfg.central.batch > data.n:
+    if cfg.central.rounds > 0 and cfg.central.batch > n:
         raise DataError(
-            f"{data.source}: {data.n} images, fewer than [central] batch = {cfg.central.batch} (q > 1); "
-            f"lower [central] batch below {data.n}, or give [central] rate (a sampling rate: the batch then follows "
+            f"{data.source}: public size {n}, fewer than [central] batch = {cfg.central.batch} (q > 1); "
+            f"lower [central] batch below {n}, or give [central] rate (a sampling rate: the batch then follows "
             f"the dataset size)"
         )
 
@@ -197,7 +201,7 @@ def run_pipeline(
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     n_pub = int(public_size) if public_size is not None else suggest_public_size(data.n)
     cfg = apply_method(cfg).for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
-    check_data(cfg, data)
+    check_data(cfg, data, n_pub)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
     plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes)
     for w in plan.warnings:

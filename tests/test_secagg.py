@@ -246,6 +246,10 @@ def test_many_sums_on_one_key_setup_with_dropouts_along_the_way(data: st.DataObj
             with pytest.raises(sa.SecAggError, match="below the threshold"):
                 co.collect_masked(masked)
             return
+        if r > 0 and drop:  # the dropped sites were in the last sum: revealing their keys would unmask it
+            with pytest.raises(sa.SecAggError, match="redo the sum on a new key setup"):
+                co.collect_masked(masked)
+            return
         requests = co.collect_masked(masked)
         total = co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
         np.testing.assert_array_equal(total, modsum([vectors[i] for i in masking], cfg))
@@ -278,6 +282,35 @@ def test_a_site_dropped_in_one_sum_is_never_called_alive_again() -> None:
         sites[1].unmask([1, 2, 3, 4, 5], [])
     with pytest.raises(sa.SecAggError, match="outside this site's peers"):
         sites[2].unmask([1, 2, 3, 4], [5])  # and its key share, already given, is not asked for again
+
+
+def test_a_site_alive_in_one_sum_is_never_called_dropped_later() -> None:
+    """The attack of the review: site 3 is alive in sum 0 (its seed share for sum 0 is revealed), then called dropped
+    in sum 1 (its mask key share would be revealed): key + seed unmask its sum-0 vector alone. Every honest site
+    refuses the second request; the old code answered it and the vector was recovered."""
+    cfg = sa.RoundConfig("job/train", (1, 2, 3), threshold=2, dim=8, modulus_bits=32, rounds=2)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    x = {i: np.random.default_rng(i).integers(0, 1000, 8).astype(np.uint64) for i in cfg.node_ids}
+    masked0 = {i: sites[i].masked_vector(routed[i], x[i]) for i in cfg.node_ids}
+    req0 = co.collect_masked(masked0)
+    rep0 = {i: sites[i].unmask(*req0[i]) for i in req0}
+    co.finish(rep0)
+    masked1 = {i: sites[i].masked_vector(None, x[i]) for i in (1, 2)}
+    with pytest.raises(sa.SecAggError, match="redo the sum on a new key setup"):
+        co.collect_masked(masked1)  # an honest coordinator stops here
+    for i in (1, 2):  # a curious one sends the request anyway
+        with pytest.raises(sa.SecAggError, match="were alive in an earlier sum"):
+            sites[i].unmask([1, 2], [3])
+        assert sites[i].sk1_shares[3]  # nothing was handed out (the shares are still held, unrevealed)
+    # what the old code would have given away: shares of the sum-0 seed and of the key unmask x[3] alone
+    seed0 = sa.combine_shares([rep0[i][3] for i in (1, 2)])
+    sk1 = sa.combine_shares([sites[i].sk1_shares[3] for i in (1, 2)])
+    v = (masked0[3] - sa.prg_mask(seed0, cfg, 0)) & cfg.mask
+    for other in (1, 2):
+        v = (v - sa.pairwise_mask(sa._pair_key(sk1, keys[other][0]), 3, other, cfg, 0)) & cfg.mask
+    np.testing.assert_array_equal(v, x[3])
 
 
 def test_shares_arrive_once_and_masks_differ_from_sum_to_sum() -> None:

@@ -155,6 +155,7 @@ class SecAggSite:
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     neighbours: tuple[int, ...] = ()  # the sites whose shares this site holds (and that it masks against)
     dropped: tuple[int, ...] = ()  # peers whose mask key was revealed: never alive again in this setup
+    revealed: tuple[int, ...] = ()  # peers a seed share was revealed for: never dropped in this setup
     seed_shares: dict[int, list[bytes]] = field(default_factory=dict)  # per peer, one share per sum
     sk1_shares: dict[int, bytes] = field(default_factory=dict)
 
@@ -174,7 +175,8 @@ class SecAggSite:
         return {"stage": self.stage, "round_index": self.round_index, "sk1": self.sk1, "pk1": self.pk1,
                 "sk2": self.sk2, "pk2": self.pk2, "rd_seeds": list(self.rd_seeds), "peer_ids": ids,
                 "peer_pk1": [self.public_keys[i][0] for i in ids], "peer_pk2": [self.public_keys[i][1] for i in ids],
-                "neighbours": list(self.neighbours), "dropped": list(self.dropped), "share_ids": share_ids,
+                "neighbours": list(self.neighbours), "dropped": list(self.dropped), "revealed": list(self.revealed),
+                "share_ids": share_ids,
                 "seed_shares": [sh for i in share_ids for sh in self.seed_shares[i]],
                 "sk1_shares": [self.sk1_shares[i] for i in share_ids]}
 
@@ -194,7 +196,7 @@ class SecAggSite:
         return cls(node_id, config, sign, verify, stage=str(get("stage")), round_index=int(get("round_index")),
                    sk1=get("sk1"), pk1=get("pk1"), sk2=get("sk2"), pk2=get("pk2"), rd_seeds=list(get("rd_seeds")),
                    public_keys=dict(zip(peers, zip(get("peer_pk1"), get("peer_pk2"), strict=True), strict=True)),
-                   neighbours=tuple(get("neighbours")), dropped=tuple(get("dropped")),
+                   neighbours=tuple(get("neighbours")), dropped=tuple(get("dropped")), revealed=tuple(get("revealed")),
                    seed_shares={nid: flat[k * n:(k + 1) * n] for k, nid in enumerate(share_ids)},
                    sk1_shares=dict(zip(share_ids, get("sk1_shares"), strict=True)))
 
@@ -207,7 +209,7 @@ class SecAggSite:
             raise SecAggError(f"node {self.node_id}: secure aggregation expects stage {expected!r}, got {stage!r}; "
                               f"round {self.config.round_id} refused")
         if stage == Stage.SETUP:  # a new key setup forgets the old one entirely
-            self.round_index, self.dropped, self.neighbours = 0, (), ()
+            self.round_index, self.dropped, self.revealed, self.neighbours = 0, (), (), ()
             self.seed_shares, self.sk1_shares, self.rd_seeds = {}, {}, []
         self.stage = stage
 
@@ -303,7 +305,10 @@ class SecAggSite:
 
     def unmask(self, active: list[int], dead: list[int]) -> dict[int, bytes]:
         """For each alive site the share of this sum's seed, for each dropped one the share of its sk1; never both,
-        and never a seed share of a site whose key was revealed before."""
+        and never both across the sums of one key setup: no seed share of a site whose key was revealed before, and
+        no key share of a site whose seed share for an earlier sum was revealed (its key rebuilds its pairwise masks
+        of every sum, the seed the rest: its earlier vector would be unmasked alone).  Such a sum must be redone
+        on a new key setup."""
         self._enter(Stage.UNMASK)
         r = self.round_index
         self.round_index += 1  # this sum is over whatever happens below: a refused request cannot be retried
@@ -314,6 +319,10 @@ class SecAggSite:
         if set(active) & set(self.dropped):
             raise SecAggError(f"{self._where}: sites {sorted(set(active) & set(self.dropped))} dropped out of an "
                               f"earlier sum (their key is known) and cannot be alive again; refused")
+        if set(dead) & set(self.revealed):
+            raise SecAggError(f"{self._where}: sites {sorted(set(dead) & set(self.revealed))} were alive in an earlier "
+                              f"sum (their seed share is out); revealing their key would unmask that sum's vector; "
+                              f"refused: redo the sum on a new key setup")
         if not (set(active) | set(dead)) <= peers | {self.node_id} or self.node_id not in active:
             raise SecAggError(f"{self._where}: the unmask request names sites outside this site's peers or omits this site")
         if len(set(active)) < self.config.threshold:
@@ -322,6 +331,7 @@ class SecAggSite:
         out = {nid: self.seed_shares[nid][r] for nid in sorted(set(active))}
         out.update({nid: self.sk1_shares[nid] for nid in sorted(set(dead))})
         self.dropped = tuple(sorted(set(self.dropped) | set(dead)))
+        self.revealed = tuple(sorted(set(self.revealed) | (set(active) - {self.node_id})))
         # the secrets of this sum are of no further use: keep no copy a later request could draw on
         self.rd_seeds[r] = b""
         for shares in self.seed_shares.values():
@@ -353,6 +363,7 @@ class SecAggCoordinator:
     contributors: tuple[int, ...] = ()
     round_index: int = 0
     dropped: tuple[int, ...] = ()
+    was_alive: tuple[int, ...] = ()  # sites in an earlier sum of this setup: the sites refuse to call them dropped
 
     def _require(self, alive: set[int] | tuple[int, ...], stage: str) -> None:
         if len(alive) < self.config.threshold:
@@ -394,6 +405,10 @@ class SecAggCoordinator:
         self._require(set(self.masked), Stage.COLLECT_MASKED_VECTORS)
         alive = sorted(self.masked)
         dead = sorted(set(self.sharers) - set(self.dropped) - set(alive))
+        if set(dead) & set(self.was_alive):
+            raise SecAggError(f"round {self.config.round_id}: sites {sorted(set(dead) & set(self.was_alive))} were in an "
+                              f"earlier sum of this key setup and are missing now; the sites refuse to reveal their keys "
+                              f"(it would unmask their earlier vectors); redo the sum on a new key setup")
         return {nid: ([a for a in alive if a == nid or a in self.neighbours[nid]],
                       [d for d in dead if d in self.neighbours[nid]]) for nid in alive}
 
@@ -416,6 +431,7 @@ class SecAggCoordinator:
                 if nid in self.neighbours[other]:
                     total = total - pairwise_mask(_pair_key(secret, self.keys[other][0]), other, nid, self.config, r)
         self.contributors = tuple(alive)
+        self.was_alive = tuple(sorted(set(self.was_alive) | set(alive)))
         self.dropped = tuple(sorted(set(self.dropped) | set(newly_dead)))
         self.round_index += 1
         self.masked = {}

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,8 +18,30 @@ from feta_release.federation import secagg as sa
 from feta_release.mechanisms import skellam as sk
 
 
-def new_round(cfg: sa.RoundConfig, **site_kw: object) -> tuple[dict[int, sa.SecAggSite], sa.SecAggCoordinator]:
-    return {i: sa.SecAggSite(i, cfg, **site_kw) for i in cfg.node_ids}, sa.SecAggCoordinator(cfg)  # type: ignore[arg-type]
+SITE_KEYS: dict[int, Ed25519PrivateKey] = {}  # long-term site keys, made on first use (keygen is not free)
+
+
+def site_key(nid: int) -> Ed25519PrivateKey:
+    return SITE_KEYS.setdefault(nid, Ed25519PrivateKey.generate())
+
+
+def trust(cfg: sa.RoundConfig) -> tuple[dict[int, sa.Signer], sa.Verifier]:
+    """Each site's signer and the verifier every site holds (the job's site keys)."""
+    signers = {i: sa.ed25519_signer(site_key(i)) for i in cfg.node_ids}
+    return signers, sa.ed25519_verifier({i: site_key(i).public_key() for i in cfg.node_ids})
+
+
+def make_site(nid: int, cfg: sa.RoundConfig) -> sa.SecAggSite:
+    return sa.SecAggSite(nid, cfg, sa.ed25519_signer(site_key(nid)), trust(cfg)[1])
+
+
+def restore(nid: int, cfg: sa.RoundConfig, rec: dict) -> sa.SecAggSite:  # type: ignore[type-arg]
+    signers, verify = trust(cfg)
+    return sa.SecAggSite.from_record(nid, cfg, rec, signers[nid], verify)
+
+
+def new_round(cfg: sa.RoundConfig) -> tuple[dict[int, sa.SecAggSite], sa.SecAggCoordinator]:
+    return {i: make_site(i, cfg) for i in cfg.node_ids}, sa.SecAggCoordinator(cfg)
 
 
 def run_round(cfg: sa.RoundConfig, vectors: dict[int, np.ndarray], drop_before_mask: frozenset[int] = frozenset(),
@@ -149,32 +170,37 @@ def test_stages_run_in_order_only() -> None:
         sites[1].masked_vector({}, np.zeros(4, dtype=np.uint64))
 
 
-def ed25519_pair() -> tuple[dict[int, Ed25519PrivateKey], Callable[[int, bytes, bytes], bool]]:
-    priv = {i: Ed25519PrivateKey.generate() for i in (1, 2, 3)}
-
-    def verify(nid: int, msg: bytes, sig: bytes) -> bool:
-        try:
-            priv[nid].public_key().verify(sig, msg)
-        except InvalidSignature:
-            return False
-        return True
-
-    return priv, verify
-
-
 def test_signed_key_adverts_stop_a_key_substitution() -> None:
     cfg = sa.RoundConfig("signed", (1, 2, 3), 2, 4, 16)
-    priv, verify = ed25519_pair()
-    sites = {i: sa.SecAggSite(i, cfg, sign=priv[i].sign, verify=verify) for i in cfg.node_ids}
-    co = sa.SecAggCoordinator(cfg)
+    sites, co = new_round(cfg)
     keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
     assert sites[1].share_keys(keys)  # genuine adverts pass
-    mallory = sa.SecAggSite(2, cfg)
-    pk1, pk2, _ = mallory.setup()
-    forged = dict(keys)
-    forged[2] = (pk1, pk2, keys[2][2])  # the coordinator swaps site 2's keys for its own
-    with pytest.raises(sa.SecAggError, match="not signed by its site key"):
-        sites[3].share_keys(forged)
+    mallory_key = Ed25519PrivateKey.generate()  # the coordinator's own key pairs, signed with a key of its own
+    mallory = sa.SecAggSite(2, cfg, sa.ed25519_signer(mallory_key), sa.ed25519_verifier({}))
+    pk1, pk2, own_sig = mallory.setup()
+    for forged_advert in ((pk1, pk2, keys[2][2]), (pk1, pk2, own_sig)):
+        forged = dict(keys)
+        forged[2] = forged_advert  # the coordinator swaps site 2's keys for its own
+        with pytest.raises(sa.SecAggError, match="not signed by its site key"):
+            sites[3].share_keys(forged)
+        sites[3].stage = "setup"  # a refused share_keys leaves the site at share_keys; the next forgery alike
+
+
+@pytest.mark.parametrize("signature", [None, b"", b"\x00" * 64])
+def test_unsigned_key_adverts_are_refused(signature: bytes | None) -> None:
+    """Signing is not optional: a site never uses keys whose advert is unsigned, and the coordinator drops them."""
+    cfg = sa.RoundConfig("unsigned", (1, 2, 3), 2, 4, 16)
+    sites, co = new_round(cfg)
+    adverts = {i: s.setup() for i, s in sites.items()}
+    stripped = dict(adverts)
+    stripped[2] = (adverts[2][0], adverts[2][1], signature)  # type: ignore[assignment]
+    with pytest.raises(sa.SecAggError, match="public keys of site 2 are not signed"):
+        sites[1].share_keys(stripped)
+    if signature is None or signature == b"":
+        keys = co.collect_keys(stripped)
+        assert 2 not in keys and "not signed" in co.refused[2]
+    with pytest.raises(TypeError):
+        sa.SecAggSite(1, cfg)  # type: ignore[call-arg]
 
 
 def test_a_tampered_share_is_refused() -> None:
@@ -191,10 +217,10 @@ def test_state_survives_a_fresh_process_per_stage() -> None:
     """Each Flower message runs in a new ClientApp process: the site is rebuilt from its record at every stage."""
     cfg = sa.RoundConfig("state", (5, 6, 7), 2, 3, 20)
     vectors = {i: np.full(3, i, dtype=np.uint64) for i in cfg.node_ids}
-    records = {i: sa.SecAggSite(i, cfg).to_record() for i in cfg.node_ids}
+    records = {i: make_site(i, cfg).to_record() for i in cfg.node_ids}
 
     def step(i: int, fn: Callable[[sa.SecAggSite], object]) -> object:
-        site = sa.SecAggSite.from_record(i, cfg, records[i])
+        site = restore(i, cfg, records[i])
         out = fn(site)
         records[i] = site.to_record()
         return out
@@ -207,7 +233,7 @@ def test_state_survives_a_fresh_process_per_stage() -> None:
     total = co.finish({i: step(i, lambda s, i=i: s.unmask(*requests[i])) for i in (5, 7)})  # type: ignore[misc]
     np.testing.assert_array_equal(total, np.full(3, 12, dtype=np.uint64))
     with pytest.raises(sa.SecAggError, match="lacks 'peer_ids'"):
-        sa.SecAggSite.from_record(5, cfg, {"stage": "setup"})
+        restore(5, cfg, {"stage": "setup"})
 
 
 def test_round_parameters_are_checked() -> None:
@@ -216,7 +242,7 @@ def test_round_parameters_are_checked() -> None:
     with pytest.raises(sa.SecAggError, match="distinct"):
         sa.RoundConfig("x", (1, 1, 2), 2, 4, 16)
     with pytest.raises(sa.SecAggError, match="not a site"):
-        sa.SecAggSite(9, sa.RoundConfig("x", (1, 2, 3), 2, 4, 16))
+        make_site(9, sa.RoundConfig("x", (1, 2, 3), 2, 4, 16))
 
 
 # -- several sums on one key setup (FedSGD rounds) -----------------------------------------------------------
@@ -333,13 +359,13 @@ def test_session_state_survives_a_fresh_process_per_request() -> None:
     for r in range(2):
         masked = {}
         for i in cfg.node_ids:
-            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            site = restore(i, cfg, records[i])
             masked[i] = site.masked_vector(routed[i] if r == 0 else None, vectors[i])
             records[i] = site.to_record()
         requests = co.collect_masked(masked)
         replies = {}
         for i in requests:
-            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            site = restore(i, cfg, records[i])
             replies[i] = site.unmask(*requests[i])
             records[i] = site.to_record()
         np.testing.assert_array_equal(co.finish(replies), np.full(cfg.dim, 15, dtype=np.uint64))

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
 from cryptography.fernet import InvalidToken
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
@@ -54,7 +56,7 @@ STAGES = Stage.all()  # setup, share_keys, collect_masked_vectors, unmask
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[int, bytes, bytes], bool]  # (node id, message, signature) -> valid
-KeyAdvert = tuple[bytes, bytes, bytes | None]  # (pk1, pk2, signature of key_advert or None)
+KeyAdvert = tuple[bytes, bytes, bytes]  # (pk1, pk2, the site's signature of key_advert)
 
 
 class SecAggError(PrivacyError):
@@ -96,6 +98,29 @@ def key_advert(config: RoundConfig, node_id: int, pk1: bytes, pk2: bytes) -> byt
     """The bytes a site signs to vouch for its two public keys in this round."""
     return b"".join([b"feta-secagg-keys\n", config.round_id.encode(), b"\n", node_id.to_bytes(8, "little"),
                      len(pk1).to_bytes(4, "little"), pk1, pk2])
+
+
+def ed25519_signer(site_key: Ed25519PrivateKey) -> Signer:
+    """The site's long-term Ed25519 key (``feta_release.signing.load_private_key``) as the key-advert signer."""
+    return site_key.sign
+
+
+def ed25519_verifier(site_keys: Mapping[int, Ed25519PublicKey]) -> Verifier:
+    """Checks a key advert against the long-term public key of the site it names (from the signed job, e.g.
+    ``feta_release.signing.load_public_key``); a site with no known key never verifies."""
+    keys = dict(site_keys)
+
+    def verify(node_id: int, message: bytes, signature: bytes) -> bool:
+        key = keys.get(node_id)
+        if key is None:
+            return False
+        try:
+            key.verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+    return verify
 
 
 def prg_mask(key: bytes, config: RoundConfig, round_index: int = 0) -> np.ndarray:
@@ -143,8 +168,8 @@ class SecAggSite:
 
     node_id: int
     config: RoundConfig
-    sign: Signer | None = None
-    verify: Verifier | None = None
+    sign: Signer  # signs this site's key advert with its long-term site key (see ed25519_signer)
+    verify: Verifier  # checks the other sites' adverts against their long-term keys (see ed25519_verifier)
     stage: str = Stage.UNMASK  # the stage last completed (UNMASK: none started, as in Flower's mod)
     round_index: int = 0  # the next sum to mask
     sk1: bytes = b""
@@ -181,8 +206,8 @@ class SecAggSite:
                 "sk1_shares": [self.sk1_shares[i] for i in share_ids]}
 
     @classmethod
-    def from_record(cls, node_id: int, config: RoundConfig, rec: Mapping[str, object], sign: Signer | None = None,
-                    verify: Verifier | None = None) -> SecAggSite:
+    def from_record(cls, node_id: int, config: RoundConfig, rec: Mapping[str, object], sign: Signer,
+                    verify: Verifier) -> SecAggSite:
         def get(key: str) -> Any:
             if key not in rec:
                 raise SecAggError(f"node {node_id}: the stored secure-aggregation state lacks {key!r}; restart the round")
@@ -220,8 +245,7 @@ class SecAggSite:
         sk2, pk2 = generate_key_pairs()
         self.sk1, self.pk1 = private_key_to_bytes(sk1), public_key_to_bytes(pk1)
         self.sk2, self.pk2 = private_key_to_bytes(sk2), public_key_to_bytes(pk2)
-        sig = self.sign(key_advert(self.config, self.node_id, self.pk1, self.pk2)) if self.sign else None
-        return self.pk1, self.pk2, sig
+        return self.pk1, self.pk2, self.sign(key_advert(self.config, self.node_id, self.pk1, self.pk2))
 
     def share_keys(self, keys: Mapping[int, KeyAdvert]) -> dict[int, bytes]:
         """Check the broadcast keys, Shamir-share the mask seeds and sk1, return one ciphertext per other site."""
@@ -256,10 +280,11 @@ class SecAggSite:
         flat = [pk for k in keys.values() for pk in k[:2]]
         if len(set(flat)) != len(flat):
             raise SecAggError(f"{where}: two sites advertise the same public key; refused")
-        if self.verify is not None:
-            for nid, (pk1, pk2, sig) in keys.items():
-                if sig is None or not self.verify(nid, key_advert(self.config, nid, pk1, pk2), sig):
-                    raise SecAggError(f"{where}: the public keys of site {nid} are not signed by its site key; refused")
+        # Unsigned keys would let an active coordinator substitute its own and read every share: always checked.
+        for nid, advert in keys.items():
+            if len(advert) != 3 or not isinstance(advert[2], bytes) or not advert[2] \
+                    or not self.verify(nid, key_advert(self.config, nid, advert[0], advert[1]), advert[2]):
+                raise SecAggError(f"{where}: the public keys of site {nid} are not signed by its site key; refused")
 
     def _receive_shares(self, ciphertexts: Mapping[int, bytes]) -> None:
         for src, ct in ciphertexts.items():
@@ -372,7 +397,14 @@ class SecAggCoordinator:
 
     def collect_keys(self, replies: Mapping[int, KeyAdvert]) -> dict[int, KeyAdvert]:
         """Setup replies -> the key broadcast for the share_keys stage."""
-        self.keys = {nid: tuple(r) for nid, r in replies.items() if nid in self.config.node_ids}  # type: ignore[misc]
+        self.keys = {}
+        for nid, r in replies.items():
+            if nid not in self.config.node_ids:
+                continue
+            if len(r) != 3 or not isinstance(r[2], bytes) or not r[2]:  # the sites would refuse the whole broadcast
+                self.refused[nid] = "its key advert is not signed"
+                continue
+            self.keys[nid] = (r[0], r[1], r[2])
         self._require(set(self.keys), Stage.SETUP)
         return dict(self.keys)
 

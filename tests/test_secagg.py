@@ -382,3 +382,40 @@ def test_a_refused_sum_is_redone_on_a_new_key_setup() -> None:
     assert sites[1].stage == "collect_masked_vectors"
     total, co2 = run_round(cfg, vectors, sites=sites)  # the same sites start again from setup
     np.testing.assert_array_equal(total, np.full(4, 6, dtype=np.uint64))
+
+
+@pytest.mark.parametrize(("n", "t", "c"), [(7, 4, 2), (7, 4, 1), (4, 3, 0), (7, 5, 1), (5, 4, 1), (4, 4, 1)])
+def test_a_split_view_isolates_a_vector_exactly_when_the_epsilon_counts_only_the_own_share(n: int, t: int, c: int) -> None:
+    """The review's split-view attack run through the protocol: the coordinator tells one group of honest sites
+    (with the victim) that the victim is alive and the other that it dropped; the colluders answer both. Each
+    honest request passes every check a site makes. The victim's vector comes out alone exactly when
+    ``site_epsilons`` says so (and then counts the victim's own noise share only)."""
+    from feta_release.accountants.skellam import site_epsilons
+
+    ids = tuple(range(1, n + 1))
+    colluders, victim = ids[n - c:], 1
+    honest = [i for i in ids if i not in colluders]
+    group_a = honest[: max(1, t - c)]  # the victim and the fewest others that reach t with the colluders
+    group_b = [i for i in honest if i not in group_a]
+    cfg = sa.RoundConfig("split", ids, threshold=t, dim=8, modulus_bits=32)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    x = {i: np.random.default_rng(i).integers(0, 1000, 8).astype(np.uint64) for i in ids}
+    masked = {i: sites[i].masked_vector(routed[i], x[i]) for i in ids}
+    view_a, view_b = sorted(set(group_a) | set(colluders)), sorted(set(group_b) | set(colluders))
+    seed_sh = [sites[i].unmask(view_a, [])[victim] for i in group_a]
+    key_sh = [sites[i].unmask(view_b, [victim])[victim] for i in group_b] if len(view_b) >= t else []
+    seed_sh += [sites[i].seed_shares[victim][0] for i in colluders]
+    key_sh += [sites[i].sk1_shares[victim] for i in colluders]
+    isolated = False
+    if len(seed_sh) >= t and len(key_sh) >= t:
+        seed, sk1 = sa.combine_shares(seed_sh[:t]), sa.combine_shares(key_sh[:t])
+        v = (masked[victim] - sa.prg_mask(seed, cfg, 0)) & cfg.mask
+        for o in ids[1:]:
+            v = (v - sa.pairwise_mask(sa._pair_key(sk1, keys[o][0]), victim, o, cfg, 0)) & cfg.mask
+        isolated = bool(np.array_equal(v, x[victim]))
+    p = sk.SkellamParams(dim=8, clip=1.0, scale=64.0, noise_multiplier=1.0, n_sites=n)
+    e = site_epsilons(p, 1.0, 1, 1e-5, threshold=t, colluders=c)
+    assert isolated == e.isolable
+    assert e.honest_shares == (1 if isolated else t - c)

@@ -18,10 +18,20 @@ plaintext layout (``secaggplus_utils``).  Flower's protocol STAGES are re-wired 
     yields m - 1 (masked values are not uniform).  Masks here are the ChaCha20 keystream (``cryptography``) under
     the 256-bit seed / shared key, read as uint64 and reduced mod m = 2^b: exactly uniform, cryptographic.
 
-Trust model: honest-but-curious coordinator; a site's key advertisement may be signed with its long-term key
-(``sign`` / ``verify``) so that an active coordinator cannot substitute keys.  Each site reveals, per other site,
-EITHER the share of its mask seed (the site is alive) OR of its mask key (it dropped out), never both, and the
-threshold is a strict majority, so no two answers can unmask one vector.  Below the threshold the round is refused.
+Trust model.  Every key advertisement is signed with the site's long-term Ed25519 key and checked against the
+job's site keys (``sign`` / ``verify`` are required), so a coordinator cannot substitute keys.  A site reveals, per
+other site, EITHER the share of its mask seed (alive) OR of its mask key (dropped), never both, in one sum and
+across the sums of one key setup; it answers one unmask request per sum; below the threshold it refuses.
+
+What that guarantees: against an honest-but-curious coordinator (it sends every site the same view), no vector
+is unmasked alone.  Against a coordinator that lies, with ``c`` colluding sites, nothing checks that all sites got
+the same alive/dropped view: it can tell one group of honest sites (the victim among them) that the victim is
+alive and another group that it dropped, and the colluders answer both.  The victim's vector comes out alone iff
+2 (t - c) <= n - c (each group must reach t with the colluders; honest sites are disjoint).  A strict majority
+is NOT enough (n = 7, t = 4, c = 1 is unsafe).  The consistency check of Bonawitz et al. (each site signs the
+alive set and reveals only after t signatures on it) does not raise this bound, because each honest site already
+answers a single request per sum.  :func:`feta_release.accountants.skellam.site_epsilons` therefore counts only
+the site's own noise share whenever 2 (t - c) <= n - c, and t - c honest shares otherwise.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ class RoundConfig:
 
     round_id: str  # binds signatures and masks to this round
     node_ids: tuple[int, ...]  # the job's sites
-    threshold: int  # minimum number of sites in the sum; a strict majority
+    threshold: int  # minimum number of sites in the sum; a strict majority (see the module's trust model)
     dim: int
     modulus_bits: int
     rounds: int = 1  # sums that share one key setup (one seed each); see SecAggSite

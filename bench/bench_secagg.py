@@ -16,6 +16,7 @@ import json
 import time
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from feta_release.federation import secagg as sa
 from feta_release.mechanisms import skellam as sk
@@ -43,7 +44,9 @@ def main() -> None:
     t = time.perf_counter()
     contrib = {i: sk.site_contribution(records[i], p, g) for i in ids}
     times["quantize+noise per site"] = (time.perf_counter() - t) / args.sites
-    sites = {i: sa.SecAggSite(i, cfg) for i in ids}
+    site_keys = {i: Ed25519PrivateKey.generate() for i in ids}  # the sites' long-term keys (signed key adverts)
+    verify = sa.ed25519_verifier({i: k.public_key() for i, k in site_keys.items()})
+    sites = {i: sa.SecAggSite(i, cfg, sa.ed25519_signer(site_keys[i]), verify) for i in ids}
     co = sa.SecAggCoordinator(cfg)
     alive = ids[args.drop:]
     t = time.perf_counter()

@@ -128,15 +128,35 @@ def test_site_epsilons_assumed_and_worst_case() -> None:
     one = acc.site_epsilons(p, 1.0, 10, 1e-5, threshold=4, colluders=1)
     low_threshold = acc.site_epsilons(p, 1.0, 10, 1e-5, threshold=2, colluders=0)
     everyone = acc.site_epsilons(p, 1.0, 10, 1e-5, threshold=4, colluders=3)
-    assert none.honest_shares == 4 and one.honest_shares == 3 and low_threshold.honest_shares == 2
+    assert none.honest_shares == 4 and one.honest_shares == 3
+    # 2 of 4: two pairs of honest sites given different views unmask one vector; only the own share counts
+    assert low_threshold.isolable and low_threshold.honest_shares == 1
+    assert low_threshold.assumed == low_threshold.worst_case
+    assert "own noise share only: with a threshold of 2 of 4" in low_threshold.statement(1e-5)
     assert none.assumed == pytest.approx(acc.skellam_epsilon(p, 1.0, 10, 1e-5))
     assert none.assumed < one.assumed < everyone.assumed == everyone.worst_case
     assert none.assumed < low_threshold.assumed  # fewer sites may be summed, so fewer shares are guaranteed
     assert none.worst_case == one.worst_case == acc.skellam_epsilon(p, 1.0, 10, 1e-5, noise_shares=1)
     # own share alone is the noise multiplier sigma / sqrt(n): the Gaussian at that sigma is a lower reference
     assert none.worst_case >= epsilon([PrivacyEvent("x", 3.0 / 2, 1.0, 10)], 1e-5)
+    assert not (none.isolable or one.isolable) and everyone.honest_shares == 1
     text = one.statement(1e-5)
     assert "at most 1 of the other 3 sites" in text and "own noise share only" in text
+
+
+@given(n=st.integers(2, 12), data=st.data())
+def test_honest_shares_count_only_what_a_split_view_cannot_take(n: int, data: st.DataObject) -> None:
+    """The counting behind ``isolable``: the coordinator isolates a victim iff it can find two disjoint groups of
+    honest sites, A (the victim may be in it) and B (not the victim), each reaching the threshold with the
+    colluders. Checked against a direct search over the group sizes."""
+    t = data.draw(st.integers(1, n), label="threshold")
+    c = data.draw(st.integers(0, n - 1), label="colluders")
+    p = SkellamParams(dim=4, clip=1.0, scale=16.0, noise_multiplier=1.0, n_sites=n)
+    e = acc.site_epsilons(p, 1.0, 1, 1e-5, threshold=t, colluders=c)
+    honest = n - c  # the victim included
+    split = any(a + c >= t and b + c >= t for a in range(1, honest + 1) for b in range(0, honest - a + 1))
+    assert e.isolable == split
+    assert e.honest_shares == (1 if split else t - c)
 
 
 def test_refusals() -> None:

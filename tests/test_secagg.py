@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,8 +18,30 @@ from feta_release.federation import secagg as sa
 from feta_release.mechanisms import skellam as sk
 
 
-def new_round(cfg: sa.RoundConfig, **site_kw: object) -> tuple[dict[int, sa.SecAggSite], sa.SecAggCoordinator]:
-    return {i: sa.SecAggSite(i, cfg, **site_kw) for i in cfg.node_ids}, sa.SecAggCoordinator(cfg)  # type: ignore[arg-type]
+SITE_KEYS: dict[int, Ed25519PrivateKey] = {}  # long-term site keys, made on first use (keygen is not free)
+
+
+def site_key(nid: int) -> Ed25519PrivateKey:
+    return SITE_KEYS.setdefault(nid, Ed25519PrivateKey.generate())
+
+
+def trust(cfg: sa.RoundConfig) -> tuple[dict[int, sa.Signer], sa.Verifier]:
+    """Each site's signer and the verifier every site holds (the job's site keys)."""
+    signers = {i: sa.ed25519_signer(site_key(i)) for i in cfg.node_ids}
+    return signers, sa.ed25519_verifier({i: site_key(i).public_key() for i in cfg.node_ids})
+
+
+def make_site(nid: int, cfg: sa.RoundConfig) -> sa.SecAggSite:
+    return sa.SecAggSite(nid, cfg, sa.ed25519_signer(site_key(nid)), trust(cfg)[1])
+
+
+def restore(nid: int, cfg: sa.RoundConfig, rec: dict) -> sa.SecAggSite:  # type: ignore[type-arg]
+    signers, verify = trust(cfg)
+    return sa.SecAggSite.from_record(nid, cfg, rec, signers[nid], verify)
+
+
+def new_round(cfg: sa.RoundConfig) -> tuple[dict[int, sa.SecAggSite], sa.SecAggCoordinator]:
+    return {i: make_site(i, cfg) for i in cfg.node_ids}, sa.SecAggCoordinator(cfg)
 
 
 def run_round(cfg: sa.RoundConfig, vectors: dict[int, np.ndarray], drop_before_mask: frozenset[int] = frozenset(),
@@ -149,32 +170,37 @@ def test_stages_run_in_order_only() -> None:
         sites[1].masked_vector({}, np.zeros(4, dtype=np.uint64))
 
 
-def ed25519_pair() -> tuple[dict[int, Ed25519PrivateKey], Callable[[int, bytes, bytes], bool]]:
-    priv = {i: Ed25519PrivateKey.generate() for i in (1, 2, 3)}
-
-    def verify(nid: int, msg: bytes, sig: bytes) -> bool:
-        try:
-            priv[nid].public_key().verify(sig, msg)
-        except InvalidSignature:
-            return False
-        return True
-
-    return priv, verify
-
-
 def test_signed_key_adverts_stop_a_key_substitution() -> None:
     cfg = sa.RoundConfig("signed", (1, 2, 3), 2, 4, 16)
-    priv, verify = ed25519_pair()
-    sites = {i: sa.SecAggSite(i, cfg, sign=priv[i].sign, verify=verify) for i in cfg.node_ids}
-    co = sa.SecAggCoordinator(cfg)
+    sites, co = new_round(cfg)
     keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
     assert sites[1].share_keys(keys)  # genuine adverts pass
-    mallory = sa.SecAggSite(2, cfg)
-    pk1, pk2, _ = mallory.setup()
-    forged = dict(keys)
-    forged[2] = (pk1, pk2, keys[2][2])  # the coordinator swaps site 2's keys for its own
-    with pytest.raises(sa.SecAggError, match="not signed by its site key"):
-        sites[3].share_keys(forged)
+    mallory_key = Ed25519PrivateKey.generate()  # the coordinator's own key pairs, signed with a key of its own
+    mallory = sa.SecAggSite(2, cfg, sa.ed25519_signer(mallory_key), sa.ed25519_verifier({}))
+    pk1, pk2, own_sig = mallory.setup()
+    for forged_advert in ((pk1, pk2, keys[2][2]), (pk1, pk2, own_sig)):
+        forged = dict(keys)
+        forged[2] = forged_advert  # the coordinator swaps site 2's keys for its own
+        with pytest.raises(sa.SecAggError, match="not signed by its site key"):
+            sites[3].share_keys(forged)
+        sites[3].stage = "setup"  # a refused share_keys leaves the site at share_keys; the next forgery alike
+
+
+@pytest.mark.parametrize("signature", [None, b"", b"\x00" * 64])
+def test_unsigned_key_adverts_are_refused(signature: bytes | None) -> None:
+    """Signing is not optional: a site never uses keys whose advert is unsigned, and the coordinator drops them."""
+    cfg = sa.RoundConfig("unsigned", (1, 2, 3), 2, 4, 16)
+    sites, co = new_round(cfg)
+    adverts = {i: s.setup() for i, s in sites.items()}
+    stripped = dict(adverts)
+    stripped[2] = (adverts[2][0], adverts[2][1], signature)  # type: ignore[assignment]
+    with pytest.raises(sa.SecAggError, match="public keys of site 2 are not signed"):
+        sites[1].share_keys(stripped)
+    if signature is None or signature == b"":
+        keys = co.collect_keys(stripped)
+        assert 2 not in keys and "not signed" in co.refused[2]
+    with pytest.raises(TypeError):
+        sa.SecAggSite(1, cfg)  # type: ignore[call-arg]
 
 
 def test_a_tampered_share_is_refused() -> None:
@@ -191,10 +217,10 @@ def test_state_survives_a_fresh_process_per_stage() -> None:
     """Each Flower message runs in a new ClientApp process: the site is rebuilt from its record at every stage."""
     cfg = sa.RoundConfig("state", (5, 6, 7), 2, 3, 20)
     vectors = {i: np.full(3, i, dtype=np.uint64) for i in cfg.node_ids}
-    records = {i: sa.SecAggSite(i, cfg).to_record() for i in cfg.node_ids}
+    records = {i: make_site(i, cfg).to_record() for i in cfg.node_ids}
 
     def step(i: int, fn: Callable[[sa.SecAggSite], object]) -> object:
-        site = sa.SecAggSite.from_record(i, cfg, records[i])
+        site = restore(i, cfg, records[i])
         out = fn(site)
         records[i] = site.to_record()
         return out
@@ -207,7 +233,7 @@ def test_state_survives_a_fresh_process_per_stage() -> None:
     total = co.finish({i: step(i, lambda s, i=i: s.unmask(*requests[i])) for i in (5, 7)})  # type: ignore[misc]
     np.testing.assert_array_equal(total, np.full(3, 12, dtype=np.uint64))
     with pytest.raises(sa.SecAggError, match="lacks 'peer_ids'"):
-        sa.SecAggSite.from_record(5, cfg, {"stage": "setup"})
+        restore(5, cfg, {"stage": "setup"})
 
 
 def test_round_parameters_are_checked() -> None:
@@ -216,7 +242,7 @@ def test_round_parameters_are_checked() -> None:
     with pytest.raises(sa.SecAggError, match="distinct"):
         sa.RoundConfig("x", (1, 1, 2), 2, 4, 16)
     with pytest.raises(sa.SecAggError, match="not a site"):
-        sa.SecAggSite(9, sa.RoundConfig("x", (1, 2, 3), 2, 4, 16))
+        make_site(9, sa.RoundConfig("x", (1, 2, 3), 2, 4, 16))
 
 
 # -- several sums on one key setup (FedSGD rounds) -----------------------------------------------------------
@@ -244,6 +270,10 @@ def test_many_sums_on_one_key_setup_with_dropouts_along_the_way(data: st.DataObj
             masked[i] = vectors[i]
         if len(masking) < t:
             with pytest.raises(sa.SecAggError, match="below the threshold"):
+                co.collect_masked(masked)
+            return
+        if r > 0 and drop:  # the dropped sites were in the last sum: revealing their keys would unmask it
+            with pytest.raises(sa.SecAggError, match="redo the sum on a new key setup"):
                 co.collect_masked(masked)
             return
         requests = co.collect_masked(masked)
@@ -280,6 +310,35 @@ def test_a_site_dropped_in_one_sum_is_never_called_alive_again() -> None:
         sites[2].unmask([1, 2, 3, 4], [5])  # and its key share, already given, is not asked for again
 
 
+def test_a_site_alive_in_one_sum_is_never_called_dropped_later() -> None:
+    """The attack of the review: site 3 is alive in sum 0 (its seed share for sum 0 is revealed), then called dropped
+    in sum 1 (its mask key share would be revealed): key + seed unmask its sum-0 vector alone. Every honest site
+    refuses the second request; the old code answered it and the vector was recovered."""
+    cfg = sa.RoundConfig("job/train", (1, 2, 3), threshold=2, dim=8, modulus_bits=32, rounds=2)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    x = {i: np.random.default_rng(i).integers(0, 1000, 8).astype(np.uint64) for i in cfg.node_ids}
+    masked0 = {i: sites[i].masked_vector(routed[i], x[i]) for i in cfg.node_ids}
+    req0 = co.collect_masked(masked0)
+    rep0 = {i: sites[i].unmask(*req0[i]) for i in req0}
+    co.finish(rep0)
+    masked1 = {i: sites[i].masked_vector(None, x[i]) for i in (1, 2)}
+    with pytest.raises(sa.SecAggError, match="redo the sum on a new key setup"):
+        co.collect_masked(masked1)  # an honest coordinator stops here
+    for i in (1, 2):  # a curious one sends the request anyway
+        with pytest.raises(sa.SecAggError, match="were alive in an earlier sum"):
+            sites[i].unmask([1, 2], [3])
+        assert sites[i].sk1_shares[3]  # nothing was handed out (the shares are still held, unrevealed)
+    # what the old code would have given away: shares of the sum-0 seed and of the key unmask x[3] alone
+    seed0 = sa.combine_shares([rep0[i][3] for i in (1, 2)])
+    sk1 = sa.combine_shares([sites[i].sk1_shares[3] for i in (1, 2)])
+    v = (masked0[3] - sa.prg_mask(seed0, cfg, 0)) & cfg.mask
+    for other in (1, 2):
+        v = (v - sa.pairwise_mask(sa._pair_key(sk1, keys[other][0]), 3, other, cfg, 0)) & cfg.mask
+    np.testing.assert_array_equal(v, x[3])
+
+
 def test_shares_arrive_once_and_masks_differ_from_sum_to_sum() -> None:
     cfg, sites, co, routed = session()
     same = np.full(cfg.dim, 7, dtype=np.uint64)
@@ -300,13 +359,13 @@ def test_session_state_survives_a_fresh_process_per_request() -> None:
     for r in range(2):
         masked = {}
         for i in cfg.node_ids:
-            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            site = restore(i, cfg, records[i])
             masked[i] = site.masked_vector(routed[i] if r == 0 else None, vectors[i])
             records[i] = site.to_record()
         requests = co.collect_masked(masked)
         replies = {}
         for i in requests:
-            site = sa.SecAggSite.from_record(i, cfg, records[i])
+            site = restore(i, cfg, records[i])
             replies[i] = site.unmask(*requests[i])
             records[i] = site.to_record()
         np.testing.assert_array_equal(co.finish(replies), np.full(cfg.dim, 15, dtype=np.uint64))
@@ -323,3 +382,40 @@ def test_a_refused_sum_is_redone_on_a_new_key_setup() -> None:
     assert sites[1].stage == "collect_masked_vectors"
     total, co2 = run_round(cfg, vectors, sites=sites)  # the same sites start again from setup
     np.testing.assert_array_equal(total, np.full(4, 6, dtype=np.uint64))
+
+
+@pytest.mark.parametrize(("n", "t", "c"), [(7, 4, 2), (7, 4, 1), (4, 3, 0), (7, 5, 1), (5, 4, 1), (4, 4, 1)])
+def test_a_split_view_isolates_a_vector_exactly_when_the_epsilon_counts_only_the_own_share(n: int, t: int, c: int) -> None:
+    """The review's split-view attack run through the protocol: the coordinator tells one group of honest sites
+    (with the victim) that the victim is alive and the other that it dropped; the colluders answer both. Each
+    honest request passes every check a site makes. The victim's vector comes out alone exactly when
+    ``site_epsilons`` says so (and then counts the victim's own noise share only)."""
+    from feta_release.accountants.skellam import site_epsilons
+
+    ids = tuple(range(1, n + 1))
+    colluders, victim = ids[n - c:], 1
+    honest = [i for i in ids if i not in colluders]
+    group_a = honest[: max(1, t - c)]  # the victim and the fewest others that reach t with the colluders
+    group_b = [i for i in honest if i not in group_a]
+    cfg = sa.RoundConfig("split", ids, threshold=t, dim=8, modulus_bits=32)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    x = {i: np.random.default_rng(i).integers(0, 1000, 8).astype(np.uint64) for i in ids}
+    masked = {i: sites[i].masked_vector(routed[i], x[i]) for i in ids}
+    view_a, view_b = sorted(set(group_a) | set(colluders)), sorted(set(group_b) | set(colluders))
+    seed_sh = [sites[i].unmask(view_a, [])[victim] for i in group_a]
+    key_sh = [sites[i].unmask(view_b, [victim])[victim] for i in group_b] if len(view_b) >= t else []
+    seed_sh += [sites[i].seed_shares[victim][0] for i in colluders]
+    key_sh += [sites[i].sk1_shares[victim] for i in colluders]
+    isolated = False
+    if len(seed_sh) >= t and len(key_sh) >= t:
+        seed, sk1 = sa.combine_shares(seed_sh[:t]), sa.combine_shares(key_sh[:t])
+        v = (masked[victim] - sa.prg_mask(seed, cfg, 0)) & cfg.mask
+        for o in ids[1:]:
+            v = (v - sa.pairwise_mask(sa._pair_key(sk1, keys[o][0]), victim, o, cfg, 0)) & cfg.mask
+        isolated = bool(np.array_equal(v, x[victim]))
+    p = sk.SkellamParams(dim=8, clip=1.0, scale=64.0, noise_multiplier=1.0, n_sites=n)
+    e = site_epsilons(p, 1.0, 1, 1e-5, threshold=t, colluders=c)
+    assert isolated == e.isolable
+    assert e.honest_shares == (1 if isolated else t - c)

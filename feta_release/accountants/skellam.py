@@ -105,10 +105,14 @@ def skellam_epsilon(params: SkellamParams, q: float, steps: int, delta: float, n
 class SiteEpsilons:
     """The two epsilons one site computes, charges and attests for a secure-aggregation release.
 
-    ``assumed``: under the site's signed trust assumption (at most ``colluders`` other sites collude with the
-    coordinator), the noise that protects its records is the shares of the honest sites in the sum: the
-    coordinator refuses a round below ``threshold`` contributions, so at least ``threshold - colluders`` honest
-    shares (the site's own included; never fewer than its own one).  ``worst_case``: every other site colludes
+    ``assumed``: under the site's signed trust assumption (at most ``colluders`` other sites collude with a
+    coordinator that may lie), the noise that protects its records is the shares of the honest sites in the sum:
+    the sites refuse a sum below ``threshold`` contributions, so at least ``threshold - colluders`` honest shares,
+    PROVIDED the coordinator cannot isolate one vector by giving two groups of honest sites different views
+    (to one the site is alive: its seed shares; to the other dropped: its mask-key shares).  Each honest site
+    answers one unmask request per sum, the victim's own seed share counts for the first group, and the
+    colluders answer both: the split works iff 2 (threshold - colluders) <= n - colluders.  Then
+    ``isolable`` is True and only the site's own share is counted.  ``worst_case``: every other site colludes
     and subtracts its share, so only the site's own share Sk(mu / n) is left.
     """
 
@@ -118,12 +122,16 @@ class SiteEpsilons:
     colluders: int
     n_sites: int
     threshold: int
+    isolable: bool = False  # a split view can unmask this site's vector alone: honest_shares is then 1
 
     def statement(self, delta: float) -> str:
         """The plain-words sentence for the certificate."""
+        counted = (f"at least {self.honest_shares} honest noise share(s) of {self.n_sites} in every sum, with the "
+                   f"round refused below {self.threshold} sites" if not self.isolable else
+                   f"this site's own noise share only: with a threshold of {self.threshold} of {self.n_sites} "
+                   f"sites a lying coordinator and its colluders can unmask one site's vector alone")
         return (f"epsilon {self.assumed:.3g} (delta {delta:g}) if at most {self.colluders} of the other "
-                f"{self.n_sites - 1} sites collude with the coordinator (at least {self.honest_shares} honest noise "
-                f"share(s) of {self.n_sites} in every sum, with the round refused below {self.threshold} sites); "
+                f"{self.n_sites - 1} sites collude with the coordinator ({counted}); "
                 f"epsilon {self.worst_case:.3g} if all of them collude (this site's own noise share only)")
 
 
@@ -136,11 +144,14 @@ def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, thr
     if isinstance(colluders, bool) or not isinstance(colluders, int) or not (0 <= colluders <= n - 1):
         raise PrivacyError(f"secure aggregation: colluders must be an integer in [0, {n - 1}] (the other sites), "
                            f"got {colluders!r}")
-    honest = max(1, threshold - colluders)
+    # Split view (see SiteEpsilons): two disjoint groups of honest sites, each topped up to the threshold by the
+    # colluders, one revealing the site's seed shares and one its key shares.
+    isolable = 2 * (threshold - colluders) <= n - colluders
+    honest = 1 if isolable else threshold - colluders
     return SiteEpsilons(
         assumed=skellam_epsilon(params, q, steps, delta, honest),
         worst_case=skellam_epsilon(params, q, steps, delta, 1),
-        honest_shares=honest, colluders=colluders, n_sites=n, threshold=threshold,
+        honest_shares=honest, colluders=colluders, n_sites=n, threshold=threshold, isolable=isolable,
     )
 
 

@@ -18,10 +18,20 @@ plaintext layout (``secaggplus_utils``).  Flower's protocol STAGES are re-wired 
     yields m - 1 (masked values are not uniform).  Masks here are the ChaCha20 keystream (``cryptography``) under
     the 256-bit seed / shared key, read as uint64 and reduced mod m = 2^b: exactly uniform, cryptographic.
 
-Trust model: honest-but-curious coordinator; a site's key advertisement may be signed with its long-term key
-(``sign`` / ``verify``) so that an active coordinator cannot substitute keys.  Each site reveals, per other site,
-EITHER the share of its mask seed (the site is alive) OR of its mask key (it dropped out), never both, and the
-threshold is a strict majority, so no two answers can unmask one vector.  Below the threshold the round is refused.
+Trust model.  Every key advertisement is signed with the site's long-term Ed25519 key and checked against the
+job's site keys (``sign`` / ``verify`` are required), so a coordinator cannot substitute keys.  A site reveals, per
+other site, EITHER the share of its mask seed (alive) OR of its mask key (dropped), never both, in one sum and
+across the sums of one key setup; it answers one unmask request per sum; below the threshold it refuses.
+
+What that guarantees: against an honest-but-curious coordinator (it sends every site the same view), no vector
+is unmasked alone.  Against a coordinator that lies, with ``c`` colluding sites, nothing checks that all sites got
+the same alive/dropped view: it can tell one group of honest sites (the victim among them) that the victim is
+alive and another group that it dropped, and the colluders answer both.  The victim's vector comes out alone iff
+2 (t - c) <= n - c (each group must reach t with the colluders; honest sites are disjoint).  A strict majority
+is NOT enough (n = 7, t = 4, c = 1 is unsafe).  The consistency check of Bonawitz et al. (each site signs the
+alive set and reveals only after t signatures on it) does not raise this bound, because each honest site already
+answers a single request per sum.  :func:`feta_release.accountants.skellam.site_epsilons` therefore counts only
+the site's own noise share whenever 2 (t - c) <= n - c, and t - c honest shares otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
 from cryptography.fernet import InvalidToken
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
@@ -54,7 +66,7 @@ STAGES = Stage.all()  # setup, share_keys, collect_masked_vectors, unmask
 
 Signer = Callable[[bytes], bytes]
 Verifier = Callable[[int, bytes, bytes], bool]  # (node id, message, signature) -> valid
-KeyAdvert = tuple[bytes, bytes, bytes | None]  # (pk1, pk2, signature of key_advert or None)
+KeyAdvert = tuple[bytes, bytes, bytes]  # (pk1, pk2, the site's signature of key_advert)
 
 
 class SecAggError(PrivacyError):
@@ -67,7 +79,7 @@ class RoundConfig:
 
     round_id: str  # binds signatures and masks to this round
     node_ids: tuple[int, ...]  # the job's sites
-    threshold: int  # minimum number of sites in the sum; a strict majority
+    threshold: int  # minimum number of sites in the sum; a strict majority (see the module's trust model)
     dim: int
     modulus_bits: int
     rounds: int = 1  # sums that share one key setup (one seed each); see SecAggSite
@@ -96,6 +108,29 @@ def key_advert(config: RoundConfig, node_id: int, pk1: bytes, pk2: bytes) -> byt
     """The bytes a site signs to vouch for its two public keys in this round."""
     return b"".join([b"feta-secagg-keys\n", config.round_id.encode(), b"\n", node_id.to_bytes(8, "little"),
                      len(pk1).to_bytes(4, "little"), pk1, pk2])
+
+
+def ed25519_signer(site_key: Ed25519PrivateKey) -> Signer:
+    """The site's long-term Ed25519 key (``feta_release.signing.load_private_key``) as the key-advert signer."""
+    return site_key.sign
+
+
+def ed25519_verifier(site_keys: Mapping[int, Ed25519PublicKey]) -> Verifier:
+    """Checks a key advert against the long-term public key of the site it names (from the signed job, e.g.
+    ``feta_release.signing.load_public_key``); a site with no known key never verifies."""
+    keys = dict(site_keys)
+
+    def verify(node_id: int, message: bytes, signature: bytes) -> bool:
+        key = keys.get(node_id)
+        if key is None:
+            return False
+        try:
+            key.verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+    return verify
 
 
 def prg_mask(key: bytes, config: RoundConfig, round_index: int = 0) -> np.ndarray:
@@ -143,8 +178,8 @@ class SecAggSite:
 
     node_id: int
     config: RoundConfig
-    sign: Signer | None = None
-    verify: Verifier | None = None
+    sign: Signer  # signs this site's key advert with its long-term site key (see ed25519_signer)
+    verify: Verifier  # checks the other sites' adverts against their long-term keys (see ed25519_verifier)
     stage: str = Stage.UNMASK  # the stage last completed (UNMASK: none started, as in Flower's mod)
     round_index: int = 0  # the next sum to mask
     sk1: bytes = b""
@@ -155,6 +190,7 @@ class SecAggSite:
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     neighbours: tuple[int, ...] = ()  # the sites whose shares this site holds (and that it masks against)
     dropped: tuple[int, ...] = ()  # peers whose mask key was revealed: never alive again in this setup
+    revealed: tuple[int, ...] = ()  # peers a seed share was revealed for: never dropped in this setup
     seed_shares: dict[int, list[bytes]] = field(default_factory=dict)  # per peer, one share per sum
     sk1_shares: dict[int, bytes] = field(default_factory=dict)
 
@@ -174,13 +210,14 @@ class SecAggSite:
         return {"stage": self.stage, "round_index": self.round_index, "sk1": self.sk1, "pk1": self.pk1,
                 "sk2": self.sk2, "pk2": self.pk2, "rd_seeds": list(self.rd_seeds), "peer_ids": ids,
                 "peer_pk1": [self.public_keys[i][0] for i in ids], "peer_pk2": [self.public_keys[i][1] for i in ids],
-                "neighbours": list(self.neighbours), "dropped": list(self.dropped), "share_ids": share_ids,
+                "neighbours": list(self.neighbours), "dropped": list(self.dropped), "revealed": list(self.revealed),
+                "share_ids": share_ids,
                 "seed_shares": [sh for i in share_ids for sh in self.seed_shares[i]],
                 "sk1_shares": [self.sk1_shares[i] for i in share_ids]}
 
     @classmethod
-    def from_record(cls, node_id: int, config: RoundConfig, rec: Mapping[str, object], sign: Signer | None = None,
-                    verify: Verifier | None = None) -> SecAggSite:
+    def from_record(cls, node_id: int, config: RoundConfig, rec: Mapping[str, object], sign: Signer,
+                    verify: Verifier) -> SecAggSite:
         def get(key: str) -> Any:
             if key not in rec:
                 raise SecAggError(f"node {node_id}: the stored secure-aggregation state lacks {key!r}; restart the round")
@@ -194,7 +231,7 @@ class SecAggSite:
         return cls(node_id, config, sign, verify, stage=str(get("stage")), round_index=int(get("round_index")),
                    sk1=get("sk1"), pk1=get("pk1"), sk2=get("sk2"), pk2=get("pk2"), rd_seeds=list(get("rd_seeds")),
                    public_keys=dict(zip(peers, zip(get("peer_pk1"), get("peer_pk2"), strict=True), strict=True)),
-                   neighbours=tuple(get("neighbours")), dropped=tuple(get("dropped")),
+                   neighbours=tuple(get("neighbours")), dropped=tuple(get("dropped")), revealed=tuple(get("revealed")),
                    seed_shares={nid: flat[k * n:(k + 1) * n] for k, nid in enumerate(share_ids)},
                    sk1_shares=dict(zip(share_ids, get("sk1_shares"), strict=True)))
 
@@ -207,7 +244,7 @@ class SecAggSite:
             raise SecAggError(f"node {self.node_id}: secure aggregation expects stage {expected!r}, got {stage!r}; "
                               f"round {self.config.round_id} refused")
         if stage == Stage.SETUP:  # a new key setup forgets the old one entirely
-            self.round_index, self.dropped, self.neighbours = 0, (), ()
+            self.round_index, self.dropped, self.revealed, self.neighbours = 0, (), (), ()
             self.seed_shares, self.sk1_shares, self.rd_seeds = {}, {}, []
         self.stage = stage
 
@@ -218,8 +255,7 @@ class SecAggSite:
         sk2, pk2 = generate_key_pairs()
         self.sk1, self.pk1 = private_key_to_bytes(sk1), public_key_to_bytes(pk1)
         self.sk2, self.pk2 = private_key_to_bytes(sk2), public_key_to_bytes(pk2)
-        sig = self.sign(key_advert(self.config, self.node_id, self.pk1, self.pk2)) if self.sign else None
-        return self.pk1, self.pk2, sig
+        return self.pk1, self.pk2, self.sign(key_advert(self.config, self.node_id, self.pk1, self.pk2))
 
     def share_keys(self, keys: Mapping[int, KeyAdvert]) -> dict[int, bytes]:
         """Check the broadcast keys, Shamir-share the mask seeds and sk1, return one ciphertext per other site."""
@@ -254,10 +290,11 @@ class SecAggSite:
         flat = [pk for k in keys.values() for pk in k[:2]]
         if len(set(flat)) != len(flat):
             raise SecAggError(f"{where}: two sites advertise the same public key; refused")
-        if self.verify is not None:
-            for nid, (pk1, pk2, sig) in keys.items():
-                if sig is None or not self.verify(nid, key_advert(self.config, nid, pk1, pk2), sig):
-                    raise SecAggError(f"{where}: the public keys of site {nid} are not signed by its site key; refused")
+        # Unsigned keys would let an active coordinator substitute its own and read every share: always checked.
+        for nid, advert in keys.items():
+            if len(advert) != 3 or not isinstance(advert[2], bytes) or not advert[2] \
+                    or not self.verify(nid, key_advert(self.config, nid, advert[0], advert[1]), advert[2]):
+                raise SecAggError(f"{where}: the public keys of site {nid} are not signed by its site key; refused")
 
     def _receive_shares(self, ciphertexts: Mapping[int, bytes]) -> None:
         for src, ct in ciphertexts.items():
@@ -303,7 +340,10 @@ class SecAggSite:
 
     def unmask(self, active: list[int], dead: list[int]) -> dict[int, bytes]:
         """For each alive site the share of this sum's seed, for each dropped one the share of its sk1; never both,
-        and never a seed share of a site whose key was revealed before."""
+        and never both across the sums of one key setup: no seed share of a site whose key was revealed before, and
+        no key share of a site whose seed share for an earlier sum was revealed (its key rebuilds its pairwise masks
+        of every sum, the seed the rest: its earlier vector would be unmasked alone).  Such a sum must be redone
+        on a new key setup."""
         self._enter(Stage.UNMASK)
         r = self.round_index
         self.round_index += 1  # this sum is over whatever happens below: a refused request cannot be retried
@@ -314,6 +354,10 @@ class SecAggSite:
         if set(active) & set(self.dropped):
             raise SecAggError(f"{self._where}: sites {sorted(set(active) & set(self.dropped))} dropped out of an "
                               f"earlier sum (their key is known) and cannot be alive again; refused")
+        if set(dead) & set(self.revealed):
+            raise SecAggError(f"{self._where}: sites {sorted(set(dead) & set(self.revealed))} were alive in an earlier "
+                              f"sum (their seed share is out); revealing their key would unmask that sum's vector; "
+                              f"refused: redo the sum on a new key setup")
         if not (set(active) | set(dead)) <= peers | {self.node_id} or self.node_id not in active:
             raise SecAggError(f"{self._where}: the unmask request names sites outside this site's peers or omits this site")
         if len(set(active)) < self.config.threshold:
@@ -322,6 +366,7 @@ class SecAggSite:
         out = {nid: self.seed_shares[nid][r] for nid in sorted(set(active))}
         out.update({nid: self.sk1_shares[nid] for nid in sorted(set(dead))})
         self.dropped = tuple(sorted(set(self.dropped) | set(dead)))
+        self.revealed = tuple(sorted(set(self.revealed) | (set(active) - {self.node_id})))
         # the secrets of this sum are of no further use: keep no copy a later request could draw on
         self.rd_seeds[r] = b""
         for shares in self.seed_shares.values():
@@ -353,6 +398,7 @@ class SecAggCoordinator:
     contributors: tuple[int, ...] = ()
     round_index: int = 0
     dropped: tuple[int, ...] = ()
+    was_alive: tuple[int, ...] = ()  # sites in an earlier sum of this setup: the sites refuse to call them dropped
 
     def _require(self, alive: set[int] | tuple[int, ...], stage: str) -> None:
         if len(alive) < self.config.threshold:
@@ -361,7 +407,14 @@ class SecAggCoordinator:
 
     def collect_keys(self, replies: Mapping[int, KeyAdvert]) -> dict[int, KeyAdvert]:
         """Setup replies -> the key broadcast for the share_keys stage."""
-        self.keys = {nid: tuple(r) for nid, r in replies.items() if nid in self.config.node_ids}  # type: ignore[misc]
+        self.keys = {}
+        for nid, r in replies.items():
+            if nid not in self.config.node_ids:
+                continue
+            if len(r) != 3 or not isinstance(r[2], bytes) or not r[2]:  # the sites would refuse the whole broadcast
+                self.refused[nid] = "its key advert is not signed"
+                continue
+            self.keys[nid] = (r[0], r[1], r[2])
         self._require(set(self.keys), Stage.SETUP)
         return dict(self.keys)
 
@@ -394,6 +447,10 @@ class SecAggCoordinator:
         self._require(set(self.masked), Stage.COLLECT_MASKED_VECTORS)
         alive = sorted(self.masked)
         dead = sorted(set(self.sharers) - set(self.dropped) - set(alive))
+        if set(dead) & set(self.was_alive):
+            raise SecAggError(f"round {self.config.round_id}: sites {sorted(set(dead) & set(self.was_alive))} were in an "
+                              f"earlier sum of this key setup and are missing now; the sites refuse to reveal their keys "
+                              f"(it would unmask their earlier vectors); redo the sum on a new key setup")
         return {nid: ([a for a in alive if a == nid or a in self.neighbours[nid]],
                       [d for d in dead if d in self.neighbours[nid]]) for nid in alive}
 
@@ -416,6 +473,7 @@ class SecAggCoordinator:
                 if nid in self.neighbours[other]:
                     total = total - pairwise_mask(_pair_key(secret, self.keys[other][0]), other, nid, self.config, r)
         self.contributors = tuple(alive)
+        self.was_alive = tuple(sorted(set(self.was_alive) | set(alive)))
         self.dropped = tuple(sorted(set(self.dropped) | set(newly_dead)))
         self.round_index += 1
         self.masked = {}

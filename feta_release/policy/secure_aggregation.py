@@ -1,7 +1,8 @@
 """A site's two epsilons for a job whose sums run through secure aggregation, under ITS signed trust assumption.
 
 The policy's ``secure_aggregation.max_colluders`` says how many of the other sites may collude with the coordinator;
-the site computes (a) the epsilon under that assumption (noise of the honest sites' shares) and (b) the worst case
+the site computes (a) the epsilon under that assumption (noise of the honest sites' shares; its own share only
+when the threshold lets a lying coordinator isolate its vector, see ``SiteEpsilons``) and (b) the worst case
 (its own share alone), refuses a job whose (b) passes ``secure_aggregation.max_worst_case_epsilon`` or whose (a)
 passes its per-job budget, and states both in the certificate (:meth:`SiteEpsilons.statement`).
 """

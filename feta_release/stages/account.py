@@ -73,9 +73,13 @@ class RunAccount:
         """A release of ``stage`` was charged but never recorded (the run was killed between the two)."""
         return any(r["status"] != "done" for r in self.ledger.requests(self.job_id) if r["mechanism"] == stage)
 
-    def close(self, job_sha256: str) -> None:
-        """The run is complete: the ledger refuses any further charge for it (its statement is final)."""
-        self.ledger.close_job(self.job_id, job_sha256)
+    def close(self, job_sha256: str, model_sha256: str) -> None:
+        """The run is complete: the ledger refuses any further charge for it (its statement is final). The signed
+        job record keeps the released model's sha256 and the run's delta and accountant: ``export`` checks
+        model.pt and job.json against it and attests with its delta (run.json, job.json, model.pt are unsigned)."""
+        output = {"model_sha256": model_sha256, "delta": float(self.budget.delta),
+                  "accountant": str(self.budget.accountant)}
+        self.ledger.close_job(self.job_id, job_sha256, output)
 
     def summary(self, final: bool = False) -> dict[str, Any]:
         b, events = self.budget, self.events

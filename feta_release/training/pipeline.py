@@ -59,11 +59,11 @@ from ..ledger import Ledger
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..planning import plan as privacy_plan
-from ..signing import fingerprint, generate_keypair, load_private_key
+from ..signing import fingerprint, generate_keypair, load_private_key, sha256_file
 from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget, seed_from
 from ..stages.account import check_recorded_plan
 from ..stages.base import now
-from .checkpoint import atomic_write_bytes, atomic_write_json, config_hash, read_json
+from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, read_json
 from .device import resolve_device
 from .progress import Reporter
 from ..viz import save_budget_chart
@@ -314,7 +314,7 @@ def _finish(ctx: RunContext, seconds: float, resumed: bool) -> RunResult:
     """privacy.json, chart, the job closed in the ledger, run.json, and the completion marker (last)."""
     doc = ctx.account.write(final=True, extra={"dpsgd_steps_trained": ctx.dpsgd_trained})
     _budget_chart(doc, ctx.rd.root / "privacy-budget.png")
-    ctx.account.close(ctx.state["job_hash"])
+    ctx.account.close(ctx.state["job_hash"], sha256_file(ctx.rd.root / MODEL_FILE))
     st = ctx.state
     st.update(status="complete", dpsgd_steps_trained=ctx.dpsgd_trained,
               finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..accounting import PrivacyEvent, epsilon, epsilon_breakdown, events_from_list, events_to_list
 from ..errors import BudgetExceededError, PrivacyError
-from ..ledger import Budget, Ledger
+from ..ledger import Budget, Ledger, as_budget
 from ..planning import PrivacyPlan, merged
 from ..training.checkpoint import atomic_write_json
 
@@ -34,8 +34,13 @@ def run_budget(cfg: Any) -> Budget:
 class RunAccount:
     """Charges of one run (job ``job_id``) in a site ledger, bounded by the run's plan."""
 
-    def __init__(self, ledger: Ledger, job_id: str, plan: PrivacyPlan, budget: Budget, report: Path) -> None:
-        self.ledger, self.job_id, self.plan, self.budget, self.report_path = ledger, job_id, plan, budget, report
+    def __init__(self, ledger: Ledger, job_id: str, plan: PrivacyPlan, budget: Budget, report: Path,
+                 site_policy: Any = None) -> None:
+        """``site_policy``: a verified ``SitePolicy`` when the run charges a site's own ledger; every charge is then
+        checked against it (lifetime and per-job caps, step caps), as a node charges, and ``budget`` is its."""
+        self.ledger, self.job_id, self.plan, self.report_path = ledger, job_id, plan, report
+        self.site_policy = site_policy
+        self.budget = as_budget(site_policy) if site_policy is not None else budget
 
     @property
     def events(self) -> list[PrivacyEvent]:
@@ -61,7 +66,8 @@ class RunAccount:
                 f"the plan (and so the budget); nothing was released"
             )
         rid = f"{self.job_id}/{stage}/{done}"
-        self.ledger.charge(self.job_id, rid, stage, [PrivacyEvent(stage, plan.sigma, plan.q, steps)], self.budget)
+        limits = self.site_policy if self.site_policy is not None else self.budget
+        self.ledger.charge(self.job_id, rid, stage, [PrivacyEvent(stage, plan.sigma, plan.q, steps)], limits)
         self.write()
         return rid
 

@@ -66,6 +66,11 @@ class RunAccount:
                 f"the plan (and so the budget); nothing was released"
             )
         rid = f"{self.job_id}/{stage}/{done}"
+        if self.site_policy is not None:  # the site's per-mechanism rules (allowed, min σ, max q, caps), as a node
+            from ..policy import check_request
+
+            check_request(self.site_policy, PrivacyEvent(stage, plan.sigma, plan.q, steps), job_events=self.events,
+                          require_job=False, require_stated=False)
         limits = self.site_policy if self.site_policy is not None else self.budget
         self.ledger.charge(self.job_id, rid, stage, [PrivacyEvent(stage, plan.sigma, plan.q, steps)], limits)
         self.write()

@@ -24,7 +24,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -441,15 +441,28 @@ class Ledger:
                     f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
                     f"{job_sha256[:16]}… signed by {signer_sha256[:16]}… is refused (one job id names one job)")
 
-    def close_job(self, job_id: str, job_sha256: str) -> None:
-        """Close the job: from now on every charge for it is refused (its attestation is final)."""
+    def close_job(self, job_id: str, job_sha256: str, output: Mapping[str, Any] | None = None) -> None:
+        """Close the job: from now on every charge for it is refused (its attestation is final).
+
+        ``output``: what the job produced and how it is read (a local run: model sha256, delta, accountant), kept
+        in the signed job record so that an export takes it from here, not from the run's unsigned files. Once
+        recorded it is final: a second close with another output is refused."""
         with self._write():
             rec = self._job_record(job_id) or {"sha256": job_sha256, "signer": None}
             if rec.get("sha256") != job_sha256:
                 raise PolicyError(f"job id {job_id!r} is bound to another signed job; not closed")
+            if output is not None:
+                if rec.get("output") not in (None, dict(output)):
+                    raise PolicyError(f"job {job_id!r} was closed with another output ({rec.get('output')}); "
+                                      "a closed job's record is final")
+                rec = {**rec, "output": dict(output)}
             self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
                              "value=excluded.value", (f"job:{job_id}", json.dumps({**rec, "closed": True},
                                                                                    sort_keys=True)))
+
+    def job_record(self, job_id: str) -> dict[str, Any] | None:
+        """The job's signed record (job sha256, signer, closed, output) or None when the ledger never saw it."""
+        return self._job_record(job_id)
 
     def is_closed(self, job_id: str) -> bool:
         rec = self._job_record(job_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 
 import numpy as np
@@ -272,3 +274,61 @@ def test_a_trained_run_exports_to_a_release_that_verifies(tiny_run, tmp_path):
     r = CliRunner().invoke(cli, ["verify", str(rel), "--json", "--trusted", f"site-a={admin_pub}"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["ok"] is True
+
+
+def _signed_site_policy(tmp_path, lifetime_eps: float, per_job_eps: float, mechanisms=None):
+    """A site policy signed by an administrator key and verified as `train --policy --trusted` verifies it."""
+    from feta_release.policy import load_site_policy, make_policy, sign_policy
+
+    admin, admin_pub = generate_keypair(tmp_path / "admin", "admin")
+    coord = load_private_key(generate_keypair(tmp_path / "coord", "coordinator")[0]).public_key()
+    doc = make_policy("hosp-a", "1" * 64, 240, [coord], per_job=(per_job_eps, 1e-5), lifetime=(lifetime_eps, 1e-5),
+                      mechanisms=mechanisms)
+    path = tmp_path / "site.signed.json"
+    path.write_text(json.dumps(sign_policy(doc, load_private_key(admin))))
+    return load_site_policy(path, [admin_pub]), path, admin_pub
+
+
+def test_local_run_on_a_site_ledger_is_held_to_the_signed_lifetime_cap(tmp_path):
+    """Attack (review B): `train --ledger SITE` charged with the job's own budget (no lifetime cap), so local runs
+    could push a site's shared ledger past its signed lifetime budget. With the site policy: refused, naming the rule."""
+    from feta_release.policy import PolicyBudgetExceeded
+
+    cfg = _cfg()
+    plan = plan_run(cfg, 240)
+    central = plan.event("central")
+    one, two = (epsilon([replace(central, steps=k)], 1e-5) for k in (1, 2))
+    cap = (one + two) / 2  # one central release fits the job and the site; a second one at the site does not
+    pol, _, _ = _signed_site_policy(tmp_path, lifetime_eps=cap, per_job_eps=cap)
+    key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0])
+    led = Ledger(tmp_path / "site-ledger.sqlite", key=key)
+    unbounded = RunAccount(led, "local-a", plan, run_budget(cfg), tmp_path / "a.json")
+    unbounded.charge("central", 1)  # earlier spend at this site
+    acc = RunAccount(led, "local-b", plan, run_budget(cfg), tmp_path / "b.json", site_policy=pol)
+    assert acc.budget.lifetime_epsilon == pytest.approx(cap)
+    with pytest.raises(PolicyBudgetExceeded) as exc:
+        acc.charge("central", 1)
+    assert exc.value.rule == "budget.lifetime.epsilon"
+    assert led.job_events("local-b") == []
+
+
+def test_site_ledger_outside_the_run_dir_needs_the_site_policy(tmp_path):
+    with pytest.raises(ConfigError, match=r"--policy SITE.signed.json --trusted ADMIN.pub"):
+        run_pipeline(_cfg(), _data(), tmp_path / "r", ledger=tmp_path / "site-ledger.sqlite")
+    assert not (tmp_path / "site-ledger.sqlite").exists()
+
+
+def test_local_run_on_a_site_ledger_is_held_to_the_policys_min_sigma(tmp_path):
+    from feta_release.policy import PolicyViolation
+
+    cfg = _cfg()
+    plan = plan_run(cfg, 240)
+    sigma = plan.event("central").sigma
+    mech = {"central": {"allowed": True, "min_sigma": sigma * 2, "max_rounds": 50, "max_batch": 60000}}
+    pol, _, _ = _signed_site_policy(tmp_path, lifetime_eps=100.0, per_job_eps=100.0, mechanisms=mech)
+    key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0])
+    led = Ledger(tmp_path / "site-ledger.sqlite", key=key)
+    acc = RunAccount(led, "local-b", plan, run_budget(cfg), tmp_path / "b.json", site_policy=pol)
+    with pytest.raises(PolicyViolation) as exc:
+        acc.charge("central", 1)
+    assert exc.value.rule == "mechanisms.central.min_sigma" and led.job_events("local-b") == []

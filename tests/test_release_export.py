@@ -21,7 +21,8 @@ from feta_release.ledger import Budget, Ledger  # noqa: E402
 from feta_release.models.edm import denoiser_spec  # noqa: E402
 from feta_release.policy import make_policy, sign_policy  # noqa: E402
 from feta_release.signing import generate_keypair, load_private_key  # noqa: E402
-from feta_release.training.checkpoint import atomic_write_json, save_torch  # noqa: E402
+from feta_release.signing import sha256_file  # noqa: E402
+from feta_release.training.checkpoint import atomic_write_json, config_hash, save_torch  # noqa: E402
 
 from .release_helpers import CLASSES, EVENTS, IMAGE_SHAPE, small_denoiser  # noqa: E402
 
@@ -42,7 +43,7 @@ def _run_dir(root: Path, site_key: Path, events=EVENTS, complete: bool = True) -
         "spec": denoiser_spec(cfg.model, IMAGE_SHAPE, len(CLASSES)),
         "state_dict": den.state_dict(),
         "class_names": CLASSES,
-        "job_hash": "0" * 64,
+        "job_hash": config_hash(cfg.to_dict()),
         "sampler": cfg.to_dict()["sampler"],
     })
     atomic_write_json(rd / "job.json", cfg.to_dict())
@@ -50,8 +51,14 @@ def _run_dir(root: Path, site_key: Path, events=EVENTS, complete: bool = True) -
     with Ledger(rd / "ledger.sqlite", key=load_private_key(site_key)) as led:
         for i, e in enumerate(events):
             led.charge("local-run", f"local-run/{e.stage}/{i}", e.stage, [e], budget, response=b"released")
-        if complete:
-            led.close_job("local-run", "0" * 64)
+        if complete:  # as the run closes its job: the signed record names job.json's hash, model.pt, delta
+            led.close_job("local-run", config_hash(cfg.to_dict()),
+                          {"model_sha256": sha256_file(rd / "model.pt"), "delta": 1e-5, "accountant": "rdp"})
+        # Another site job in the same ledger, closed, spending far less (a cheaper statement to point at).
+        cheap = EVENTS[0]
+        led.charge("cheap-run", "cheap-run/0", cheap.stage, [cheap], budget, response=b"released")
+        led.close_job("cheap-run", config_hash(cfg.to_dict()),
+                      {"model_sha256": "c" * 64, "delta": 1e-5, "accountant": "rdp"})
     atomic_write_json(rd / "privacy.json", {
         "accountant": "rdp", "delta": 1e-5, "events": events_to_list(events),
         "epsilon": epsilon(events, 1e-5),
@@ -194,3 +201,51 @@ def test_export_refuses_a_ledger_signed_by_another_key_or_edited(setup):
     r = CliRunner().invoke(cli, [*args, "--out", str(tmp / "r2"), "--site-key", str(k["site"])])
     assert isinstance(r.exception, ReleaseError) and "tampered" in str(r.exception)
     assert not (tmp / "r1").exists() and not (tmp / "r2").exists()
+
+
+def _export(tmp: Path, k: dict, rd: Path, out: str = "rel"):
+    return CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / out), "--coordinator-key", str(k["coord"]),
+                                    "--site-key", str(k["site"])])
+
+
+def test_export_refuses_run_json_pointing_at_another_closed_job(setup):
+    """Attack (review A): run.json is unsigned; pointing its job id at a cheaper closed job of the same site ledger
+    attested that job's spend for this model. The signed record of that job names another model: refused."""
+    tmp, k = setup
+    rd = _run_dir(tmp, k["site"])
+    run = json.loads((rd / "run.json").read_text())
+    run["ledger"]["job_id"] = "cheap-run"
+    (rd / "run.json").write_text(json.dumps(run))
+    r = _export(tmp, k, rd)
+    assert isinstance(r.exception, ReleaseError) and "does not match its site ledger" in str(r.exception)
+    assert "model.pt" in str(r.exception) and not (tmp / "rel").exists()
+
+
+def test_export_refuses_an_edited_delta_and_attests_the_ledgers(setup):
+    """Attack (review A): delta came from the unsigned job.json; a larger delta gives a smaller epsilon. Editing it
+    is refused (job.json no longer hashes to the signed record); the attested delta is the ledger's."""
+    tmp, k = setup
+    rd = _run_dir(tmp, k["site"])
+    r = _export(tmp, k, rd, "ok")
+    assert r.exit_code == 0, (r.output, r.exception)
+    (site,) = json.loads((tmp / "ok" / "manifest.json").read_text())["manifest"]["sites"]
+    assert site["attestation"]["statement"]["delta"] == 1e-5
+    job = json.loads((rd / "job.json").read_text())
+    job["privacy"]["delta"] = 1e-2
+    (rd / "job.json").write_text(json.dumps(job))
+    r = _export(tmp, k, rd)
+    assert isinstance(r.exception, ReleaseError) and "job.json hashes to" in str(r.exception)
+    assert not (tmp / "rel").exists()
+
+
+def test_export_refuses_a_swapped_model(setup):
+    """Attack (review A): model.pt is unsigned; another model (same job hash, other weights) swapped in after the
+    run closed was released under this run's statement. Its sha256 is not the ledger's: refused."""
+    tmp, k = setup
+    rd = _run_dir(tmp, k["site"])
+    ckpt = torch.load(rd / "model.pt", weights_only=True)
+    ckpt["state_dict"] = {n: t + 0.01 if t.is_floating_point() else t for n, t in ckpt["state_dict"].items()}
+    save_torch(rd / "model.pt", ckpt)
+    r = _export(tmp, k, rd)
+    assert isinstance(r.exception, ReleaseError) and "model.pt hashes to" in str(r.exception)
+    assert not (tmp / "rel").exists()

@@ -81,3 +81,13 @@ def test_presets_load_and_plan():
     assert e1.rate is not None and e10.rate is not None and e1.rate * e1.steps == pytest.approx(e10.rate * e10.steps)
     assert replace(e1, rate=None, steps=None) == replace(e10, rate=None, steps=None)
     assert load_preset("cpu-eps1").model == load_preset("cpu-eps10").model
+
+
+def test_train_with_a_site_ledger_but_no_policy_is_refused_in_one_line(small_npz, tmp_path, capsys):
+    code, _, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "r"),
+                         "--ledger", str(tmp_path / "site.sqlite"), "--quiet"], capsys)
+    assert code != 0 and "--policy SITE.signed.json --trusted ADMIN.pub" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    code, _, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "s"),
+                         "--policy", str(small_npz), "--quiet"], capsys)
+    assert code != 0 and "--trusted ADMIN.pub" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -38,11 +39,17 @@ from .data_options import data_load_options
 @click.option("--site-key", "site_key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The site's private key: signs the ledger (default: RUN_DIR/checkpoints/site.key, created once); "
                    "`export --site-key` must be the same key.")
+@click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The site's signed policy (required with a --ledger outside RUN_DIR): every charge is checked "
+                   "against its caps, as a node checks them.")
+@click.option("--trusted", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The site administrator's public key that signed --policy.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None, out_dir: Path,
           n_synthetic: int | None, public_size: int | None, checkpoint_every: int, threads: int | None, device: str,
-          ledger: Path | None, site_key: Path | None, quiet: bool, as_json: bool) -> None:
+          ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: Path | None, quiet: bool,
+          as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
@@ -66,6 +73,7 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     if (job is None) == (preset is None):
         raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME")
     cfg = load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
+    site_policy = _site_policy(policy_path, trusted)
     if threads:
         torch.set_num_threads(threads)
     if data_path is None:
@@ -78,7 +86,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     rep = Reporter(enabled=not quiet)
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
                        public_size=public_size, device=device, ledger=ledger,
-                       site_key=load_private_key(site_key) if site_key is not None else None)
+                       site_key=load_private_key(site_key) if site_key is not None else None,
+                       site_policy=site_policy)
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,
@@ -97,3 +106,16 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         click.echo(f"{res.run_dir}: epsilon {res.epsilon:.3f} at delta {res.delta:g} "
                    f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
                    f"synthetic images in {res.run_dir / 'synthetic.npz'}")
+
+
+def _site_policy(policy_path: Path | None, trusted: Path | None) -> Any:
+    """The verified ``SitePolicy`` (signature by the trusted administrator key, validity window) or None."""
+    if policy_path is None:
+        if trusted is not None:
+            raise ConfigError("--trusted is the key that signed --policy; give --policy SITE.signed.json too")
+        return None
+    if trusted is None:
+        raise ConfigError(f"{policy_path}: give --trusted ADMIN.pub, the administrator key that signed it")
+    from ..policy import load_site_policy
+
+    return load_site_policy(policy_path, [trusted])

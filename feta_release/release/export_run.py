@@ -136,10 +136,10 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519PrivateKey
-                   ) -> tuple[str, list[PrivacyEvent], list[PrivacyEvent]]:
-    """(the run's job id, its charged events, every event of the ledger) from the run's site ledger, whose chain
-    and head signature are checked with ``site_key``: editing ``privacy.json`` (or the ledger) changes nothing
-    that is attested."""
+                   ) -> tuple[str, list[PrivacyEvent], list[PrivacyEvent], dict[str, Any]]:
+    """(the run's job id, its charged events, every event of the ledger, the job's signed record) from the run's
+    site ledger, whose chain and head signature are checked with ``site_key``: editing ``privacy.json`` (or the
+    ledger) changes nothing that is attested."""
     rec = run_info.get("ledger")
     if not isinstance(rec, Mapping) or not rec.get("path") or not rec.get("job_id"):
         raise ReleaseError(f"{rd / 'run.json'}: names no site ledger (a run made before ledgers were used; its "
@@ -149,13 +149,13 @@ def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519Priva
     job_id = str(rec["job_id"])
     try:
         with Ledger(path, verify_key=site_key.public_key(), deep=True) as led:
-            closed, rows = led.is_closed(job_id), led.requests()
+            record, rows = led.job_record(job_id) or {}, led.requests()
     except LedgerTamperedError as exc:
         raise ReleaseError(f"{exc}. If the run was trained with another site key, export with that one "
                            "(`train --site-key`, default RUN_DIR/checkpoints/site.key)") from None
     except PrivacyError as exc:
         raise ReleaseError(f"{path}: {exc}") from None
-    if not closed:
+    if not record.get("closed"):
         raise ReleaseError(f"{path}: job {job_id} is not closed in the ledger (the run did not finish); finish "
                            "`feta-release train` first")
     per_job: dict[str, list[PrivacyEvent]] = {}
@@ -164,7 +164,32 @@ def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519Priva
     if job_id not in per_job:
         raise ReleaseError(f"{path}: holds no charge of job {job_id}; is it this run's ledger?")
     lifetime = [e for evs in per_job.values() for e in merged(evs)]
-    return job_id, merged(per_job[job_id]), lifetime
+    return job_id, merged(per_job[job_id]), lifetime, record
+
+
+def check_run_against_ledger(rd: Path, record: Mapping[str, Any], ckpt: Mapping[str, Any]) -> tuple[float, str]:
+    """The run's unsigned files must be the ones the signed job record was closed with: job.json's config hash,
+    model.pt's job hash and sha256. Returns (delta, accountant) as the ledger recorded them.
+
+    Why: run.json (which job), job.json (delta) and model.pt are writable by whoever can write the run dir; only
+    the ledger is signed. Pointing run.json at another closed job, editing delta, or swapping the model is refused."""
+    from ..signing import sha256_file
+    from ..training.checkpoint import config_hash
+
+    where = f"{rd}: the run directory does not match its site ledger's signed record of job {record.get('job_id', '')}"
+    out = record.get("output")
+    if not isinstance(out, Mapping) or not out.get("model_sha256"):
+        raise ReleaseError(f"{rd}: the ledger's record of this job names no model (a run closed before the ledger "
+                           "recorded its model); train it again to export it")
+    checks = (("job.json", config_hash(read_json(rd / "job.json")), record.get("sha256")),
+              ("model.pt's job_hash", str(ckpt.get("job_hash")), record.get("sha256")),
+              ("model.pt", sha256_file(rd / MODEL_FILE), out.get("model_sha256")))
+    for name, have, want in checks:
+        if have != want:
+            raise ReleaseError(f"{where}: {name} hashes to {str(have)[:16]}…, the ledger recorded {str(want)[:16]}… "
+                               "(edited or swapped after the run closed, or run.json names another job); export "
+                               "the run directory as `train` left it")
+    return float(out["delta"]), str(out["accountant"])
 
 
 def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
@@ -206,8 +231,8 @@ def export_run(
     rd: Path = run["run_dir"]
     cfg = run["config"]
     ckpt = run["checkpoint"]
-    ledger_job, events, lifetime = ledger_history(rd, run["run"], site_key)
-    delta, accountant = float(cfg.privacy.delta), str(cfg.privacy.accountant)
+    ledger_job, events, lifetime, record = ledger_history(rd, run["run"], site_key)
+    delta, accountant = check_run_against_ledger(rd, {**record, "job_id": ledger_job}, ckpt)
     den = denoiser_from_checkpoint(ckpt, str(rd / "model.pt"))
     classes = [str(c) for c in _first(ckpt, ("class_names",), str(rd / "model.pt"))]
     if len(classes) != den.n_classes:

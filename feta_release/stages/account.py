@@ -17,7 +17,7 @@ from typing import Any
 
 from ..accounting import PrivacyEvent, epsilon, epsilon_breakdown, events_from_list, events_to_list
 from ..errors import BudgetExceededError, PrivacyError
-from ..ledger import Budget, Ledger
+from ..ledger import Budget, Ledger, as_budget
 from ..planning import PrivacyPlan, merged
 from ..training.checkpoint import atomic_write_json
 
@@ -34,8 +34,13 @@ def run_budget(cfg: Any) -> Budget:
 class RunAccount:
     """Charges of one run (job ``job_id``) in a site ledger, bounded by the run's plan."""
 
-    def __init__(self, ledger: Ledger, job_id: str, plan: PrivacyPlan, budget: Budget, report: Path) -> None:
-        self.ledger, self.job_id, self.plan, self.budget, self.report_path = ledger, job_id, plan, budget, report
+    def __init__(self, ledger: Ledger, job_id: str, plan: PrivacyPlan, budget: Budget, report: Path,
+                 site_policy: Any = None) -> None:
+        """``site_policy``: a verified ``SitePolicy`` when the run charges a site's own ledger; every charge is then
+        checked against it (lifetime and per-job caps, step caps), as a node charges, and ``budget`` is its."""
+        self.ledger, self.job_id, self.plan, self.report_path = ledger, job_id, plan, report
+        self.site_policy = site_policy
+        self.budget = as_budget(site_policy) if site_policy is not None else budget
 
     @property
     def events(self) -> list[PrivacyEvent]:
@@ -61,7 +66,13 @@ class RunAccount:
                 f"the plan (and so the budget); nothing was released"
             )
         rid = f"{self.job_id}/{stage}/{done}"
-        self.ledger.charge(self.job_id, rid, stage, [PrivacyEvent(stage, plan.sigma, plan.q, steps)], self.budget)
+        if self.site_policy is not None:  # the site's per-mechanism rules (allowed, min σ, max q, caps), as a node
+            from ..policy import check_request
+
+            check_request(self.site_policy, PrivacyEvent(stage, plan.sigma, plan.q, steps), job_events=self.events,
+                          require_job=False, require_stated=False)
+        limits = self.site_policy if self.site_policy is not None else self.budget
+        self.ledger.charge(self.job_id, rid, stage, [PrivacyEvent(stage, plan.sigma, plan.q, steps)], limits)
         self.write()
         return rid
 
@@ -73,9 +84,13 @@ class RunAccount:
         """A release of ``stage`` was charged but never recorded (the run was killed between the two)."""
         return any(r["status"] != "done" for r in self.ledger.requests(self.job_id) if r["mechanism"] == stage)
 
-    def close(self, job_sha256: str) -> None:
-        """The run is complete: the ledger refuses any further charge for it (its statement is final)."""
-        self.ledger.close_job(self.job_id, job_sha256)
+    def close(self, job_sha256: str, model_sha256: str) -> None:
+        """The run is complete: the ledger refuses any further charge for it (its statement is final). The signed
+        job record keeps the released model's sha256 and the run's delta and accountant: ``export`` checks
+        model.pt and job.json against it and attests with its delta (run.json, job.json, model.pt are unsigned)."""
+        output = {"model_sha256": model_sha256, "delta": float(self.budget.delta),
+                  "accountant": str(self.budget.accountant)}
+        self.ledger.close_job(self.job_id, job_sha256, output)
 
     def summary(self, final: bool = False) -> dict[str, Any]:
         b, events = self.budget, self.events

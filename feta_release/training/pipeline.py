@@ -59,11 +59,11 @@ from ..ledger import Ledger
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..planning import plan as privacy_plan
-from ..signing import fingerprint, generate_keypair, load_private_key
+from ..signing import fingerprint, generate_keypair, load_private_key, sha256_file
 from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget, seed_from
 from ..stages.account import check_recorded_plan
 from ..stages.base import now
-from .checkpoint import atomic_write_bytes, atomic_write_json, config_hash, read_json
+from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, read_json
 from .device import resolve_device
 from .progress import Reporter
 from ..viz import save_budget_chart
@@ -181,6 +181,7 @@ def run_pipeline(
     device: str = "cpu",
     ledger: str | Path | None = None,
     site_key: Ed25519PrivateKey | None = None,
+    site_policy: Any = None,
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
@@ -192,7 +193,9 @@ def run_pipeline(
     ``kill_after_steps``: test hook, raise ``SimulatedKill`` after that many DP-SGD steps of this process.
     ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the networks train and sample.
     ``ledger``: the site ledger to charge (default ``RUN_DIR/ledger.sqlite``); ``site_key``: the key that signs it
-    (default: ``RUN_DIR/checkpoints/site.key``, created at the first start).
+    (default: ``RUN_DIR/checkpoints/site.key``, created at the first start). ``site_policy``: the site's verified
+    ``SitePolicy``, required when the ledger lies outside the run directory (a site's own, shared ledger): every
+    charge is checked against its caps.
     """
     t_start = time.perf_counter()
     dev = resolve_device(device)  # refuse an absent GPU before anything is written
@@ -206,11 +209,13 @@ def run_pipeline(
     plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes)
     for w in plan.warnings:
         rep.log(f"[yellow]warning[/]: {w}")
+    if ledger is not None and site_policy is None and _outside(Path(ledger), Path(out_dir)):
+        raise ConfigError(_NEEDS_POLICY.format(ledger=ledger))  # before the run dir is made
     job_hash = config_hash(cfg.to_dict())
     rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint())
     resumed = state is not None
     state = _start_state(rd, state, cfg, data, plan, n_pub)
-    account = _open_account(rd, state, cfg, plan, ledger, site_key)
+    account = _open_account(rd, state, cfg, plan, ledger, site_key, site_policy)
     if state.get("status") == "complete" and rd.complete_marker.exists():
         rep.log(f"[green]{rd.root} is already complete[/]; nothing to do")
         return _result(account, plan, state, 0.0, resumed=True, already_complete=True)
@@ -252,8 +257,11 @@ def _start_state(rd: RunDir, state: dict[str, Any] | None, cfg: JobConfig, data:
 
 
 def _open_account(rd: RunDir, state: dict[str, Any], cfg: JobConfig, plan: PrivacyPlan, ledger: str | Path | None,
-                  site_key: Ed25519PrivateKey | None) -> RunAccount:
-    """The site ledger this run charges (recorded in run.json at the first start: a resume charges the same)."""
+                  site_key: Ed25519PrivateKey | None, site_policy: Any = None) -> RunAccount:
+    """The site ledger this run charges (recorded in run.json at the first start: a resume charges the same).
+
+    A ledger outside the run directory is a site's own, shared by its runs and jobs: charging it with only the job's
+    own budget would let a local run push the site past its signed lifetime cap, so its signed policy is required."""
     key = site_key or _run_key(rd)
     rec = state.get("ledger")
     if rec is None:
@@ -263,9 +271,20 @@ def _open_account(rd: RunDir, state: dict[str, Any], cfg: JobConfig, plan: Priva
     stored = _ledger_path(rec["path"], rd.root)
     if ledger is not None and Path(ledger).resolve() != stored.resolve():
         raise ConfigError(f"{rd.root}: this run charges the ledger {stored}; resume it with that --ledger (or none)")
+    if site_policy is None and Path(rec["path"]).is_absolute():
+        raise ConfigError(_NEEDS_POLICY.format(ledger=stored))
     state["ledger"] = {**rec, "site_key": fingerprint(key)}
     atomic_write_json(rd.run_json, state)
-    return RunAccount(Ledger(stored, key=key), rec["job_id"], plan, run_budget(cfg), rd.root / "privacy.json")
+    return RunAccount(Ledger(stored, key=key), rec["job_id"], plan, run_budget(cfg), rd.root / "privacy.json",
+                      site_policy)
+
+
+_NEEDS_POLICY = ("{ledger}: a site ledger outside the run directory is charged under the site's signed policy; give "
+                 "--policy SITE.signed.json --trusted ADMIN.pub (or omit --ledger)")
+
+
+def _outside(ledger: Path, root: Path) -> bool:
+    return Path(_stored_path(ledger, root)).is_absolute()
 
 
 def _stored_path(path: Path, root: Path) -> str:
@@ -318,7 +337,7 @@ def _finish(ctx: RunContext, seconds: float, resumed: bool) -> RunResult:
     """privacy.json, chart, the job closed in the ledger, run.json, and the completion marker (last)."""
     doc = ctx.account.write(final=True, extra={"dpsgd_steps_trained": ctx.dpsgd_trained})
     _budget_chart(doc, ctx.rd.root / "privacy-budget.png")
-    ctx.account.close(ctx.state["job_hash"])
+    ctx.account.close(ctx.state["job_hash"], sha256_file(ctx.rd.root / MODEL_FILE))
     st = ctx.state
     st.update(status="complete", dpsgd_steps_trained=ctx.dpsgd_trained,
               finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

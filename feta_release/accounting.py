@@ -27,7 +27,7 @@ import numbers
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -245,21 +245,26 @@ def calibrate_noise_multiplier(
     def total(sigma: float) -> float:
         return epsilon(prior + [PrivacyEvent(stage, sigma, q, steps)], delta, accountant)
 
-    hi = 1.0
-    while total(hi) > target_epsilon:
-        if hi >= max_sigma:
-            raise PrivacyError(
-                f"{stage}: even noise multiplier {max_sigma:g} does not fit the budget epsilon {target_epsilon} "
+    too_much = (f"{stage}: even noise multiplier {max_sigma:g} does not fit the budget epsilon {target_epsilon} "
                 f"after warm-up epsilon {spent:.3f}: shrink the warm-up ({_stage_list(prior)}) or use fewer {stage} "
-                f"steps ({steps}) / a smaller sampling rate ({q:.4g})"
-            )
+                f"steps ({steps}) / a smaller sampling rate ({q:.4g})")
+    return smallest_fitting_sigma(total, target_epsilon, tol=tol, max_sigma=max_sigma, refusal=too_much)
+
+
+def smallest_fitting_sigma(eps_of: Callable[[float], float], target_epsilon: float, *, tol: float, max_sigma: float,
+                           refusal: str) -> float:
+    """Smallest noise multiplier with ``eps_of(sigma) <= target_epsilon`` (eps_of decreasing in sigma): doubling
+    from 1 until it fits (``refusal`` as a PrivacyError past ``max_sigma``), then bisection to a bracket narrower
+    than ``tol``; the upper end is returned, so the epsilon always fits. Shared by every accountant's calibration."""
+    hi = 1.0
+    while eps_of(hi) > target_epsilon:
+        if hi >= max_sigma:
+            raise PrivacyError(refusal)
         hi = min(hi * 2, max_sigma)
-    lo = 0.0
-    if hi > 1.0:
-        lo = hi / 2
+    lo = hi / 2 if hi > 1.0 else 0.0
     while hi - lo > tol:
         mid = (lo + hi) / 2
-        if total(mid) > target_epsilon:
+        if eps_of(mid) > target_epsilon:
             lo = mid
         else:
             hi = mid

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special
 
-from ..accounting import RDP_ORDERS, PrivacyEvent, gaussian_rdp_curve
+from ..accounting import RDP_ORDERS, PrivacyEvent, gaussian_rdp_curve, smallest_fitting_sigma
 from ..accounting import epsilon_from_rdp as _epsilon_from_rdp
 from ..errors import PrivacyError
 from ..mechanisms.skellam import SkellamParams
@@ -166,20 +166,9 @@ def calibrate_noise_multiplier(params: SkellamParams, q: float, steps: int, targ
     def eps(sigma: float) -> float:
         return skellam_epsilon(dataclasses.replace(params, noise_multiplier=sigma), q, steps, delta, noise_shares)
 
-    hi = 1.0
-    while eps(hi) > target_epsilon:
-        if hi >= max_sigma:
-            raise PrivacyError(f"Skellam calibration: even noise multiplier {max_sigma:g} exceeds epsilon "
-                               f"{target_epsilon} over {steps} releases at q={q:g}; use fewer releases or a larger budget")
-        hi = min(2 * hi, max_sigma)
-    lo = hi / 2 if hi > 1.0 else 0.0
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if eps(mid) > target_epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return smallest_fitting_sigma(eps, target_epsilon, tol=tol, max_sigma=max_sigma, refusal=(
+        f"Skellam calibration: even noise multiplier {max_sigma:g} exceeds epsilon {target_epsilon} over {steps} "
+        f"releases at q={q:g}; use fewer releases or a larger budget"))
 
 
 # -- events a ledger stores, composed with the Gaussian stages -----------------------------------------------

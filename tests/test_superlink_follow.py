@@ -58,3 +58,19 @@ def test_the_run_id_is_read_from_flwr_runs_output() -> None:
     lines("Successfully started run 13283085410562176071")
     lines("Successfully started run 1")  # a later line never replaces the first
     assert lines.run_id == 13283085410562176071
+
+
+def test_a_job_that_did_not_finish_says_what_to_do(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    import pytest
+
+    import coordinator.runner as runner
+    from feta_release.errors import FetaError
+
+    monkeypatch.setattr(runner, "submit", lambda *a, **k: 0)  # exit 0, no job summary: the job did not finish
+    signed = tmp_path / "signed_job.json"
+    signed.write_text("{}", "utf-8")
+    with pytest.raises(FetaError, match="run the same command again to resume"):
+        runner.run_signed_job(signed, tmp_path / "k", tmp_path, "127.0.0.1:1", insecure=True)
+    with pytest.raises(FetaError, match="run the demo again with a new --out"):
+        runner.run_signed_job(signed, tmp_path / "k", tmp_path, "127.0.0.1:1", insecure=True,
+                              retry_hint="run the demo again with a new --out")

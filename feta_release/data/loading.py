@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
-from . import dicom
+from . import dicom, embedded  # module references (embedded reads this module's _load_npz at call time)
 from .dataset import ImageDataset
 from .dicom import Window, parse_window
 
@@ -189,10 +189,8 @@ def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | N
     p = Path(path)
     if not p.exists():
         if str(path) == "embedded":
-            from .embedded import EMBEDDED_SOURCE, embedded_path
-
-            ds, report = _load_npz(embedded_path(), resize, image_size)
-            ds.source = report.source = EMBEDDED_SOURCE
+            ds, report = _load_npz(embedded.embedded_path(), resize, image_size)
+            ds.source = report.source = embedded.EMBEDDED_SOURCE
             report.kind = "embedded"
             return ds, report
         raise DataError(f"{p}: no such file or directory")

@@ -22,6 +22,7 @@ counted in the ``LoadReport``. DICOM and 16-bit windowing: ``feta_release.data.d
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 import struct
 import warnings
@@ -36,6 +37,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
+from ..privacy_unit import cap_per_patient
 from . import dicom, embedded  # module references (embedded reads this module's _load_npz at call time)
 from .dataset import ImageDataset
 from .dicom import Window, parse_window
@@ -162,8 +164,6 @@ def load_dataset(
 
 
 def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
-    from ..privacy_unit import cap_per_patient
-
     if report.patients is None:
         raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
                           "PatientID); without them the unit of privacy is one image: drop the cap")
@@ -346,8 +346,6 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
 
 
 def _patient_key(pid: str | None) -> str | None:
-    import hashlib
-
     return None if pid is None else hashlib.sha256(pid.encode()).hexdigest()
 
 

@@ -114,8 +114,8 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
-    warm = warmup_events(cfg, n)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
+    warm = warmup_events(cfg, n)
     if sum(sizes) < 1:
         return warm
     q = sampling_rate(cfg.dpsgd.batch, n, "dpsgd")

@@ -350,8 +350,8 @@ def test_local_and_federated_events_are_identical_for_the_same_round_sizes(n: in
 
 
 def test_round_sizes_must_be_positive_integers() -> None:
-    cfg = JobConfig().replace(dpsgd={"batch": 100, "steps": 10})
+    cfg = JobConfig().replace(central={"rounds": 3, "batch": 200, "sigma": 5.0}, dpsgd={"batch": 100, "steps": 10})
     for bad in ([5, 0, 5], [5, -1], [2.5], [True]):
         with pytest.raises(PrivacyError, match="round sizes"):
-            stage_events(cfg, 4000, rounds=bad)
-    assert [e.stage for e in stage_events(cfg, 4000, rounds=[])] == [e.stage for e in stage_events(cfg, 4000)][:-1]
+            stage_events(cfg, 10_000, rounds=bad)
+    assert [e.stage for e in stage_events(cfg, 10_000, rounds=[])] == [e.stage for e in stage_events(cfg, 10_000)][:-1]

@@ -23,9 +23,18 @@ from feta_release.signing import generate_keypair, load_private_key
 ROOT = Path(__file__).resolve().parent.parent
 # What coordinator/finalize.py (now feta_release.release.jobdir) leaves in a federated job's --out, besides the
 # coordinator's own state (state/, plan.json, progress.jsonl).
-JOB_LAYOUT = {"signed_job.json", "job_summary.json", "attestations.json", "policies/hosp-a.signed.json", "model.pt",
-              "privacy_report.json", "privacy_report.txt", "budget.svg", "samples.png", "release/manifest.json",
-              "release/generator.onnx", "release/policies/hosp-a.signed.json"}
+def job_layout(sites: list[str]) -> set[str]:
+    return {"signed_job.json", "job_summary.json", "attestations.json", "model.pt", "privacy_report.json",
+            "privacy_report.txt", "budget.svg", "samples.png", "release/manifest.json", "release/generator.onnx",
+            *(f"policies/{s}.signed.json" for s in sites), *(f"release/policies/{s}.signed.json" for s in sites)}
+
+
+SUMMARY_KEYS = {"job_id", "sites", "class_names", "image_shape", "rounds", "skipped", "site_epsilon", "delta",
+                "histories", "timings"}
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -68,7 +77,7 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(kit: dic
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["release"] == str(out / "release")
-    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} >= JOB_LAYOUT
+    assert _files(out) >= job_layout(["hosp-a"])
 
     # privacy accounting unchanged: the attested events are the run's, which are the plan's
     cfg = load_job(kit["job"])
@@ -87,7 +96,8 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(kit: dic
     sizes = round_sizes(steps, 3)
     charged = [e for r in rows for e in events_from_list(r["events"])]
     assert charged == stage_events(cfg, n, rounds=sizes) and merged(charged) == planned.events
-    assert json.loads((out / jobdir.SUMMARY).read_text())["rounds"] == len(sizes)
+    summary_doc = json.loads((out / jobdir.SUMMARY).read_text())
+    assert summary_doc["rounds"] == len(sizes) and set(summary_doc) == SUMMARY_KEYS
 
     # the release verifies, synthesizes and reports exactly as a federated one
     trusted = ["--trusted", f"hosp-a={kit['admin_pub']}"]
@@ -105,3 +115,28 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(kit: dic
                             "--trusted", str(kit["admin_pub"]), "--coordinator-key", str(kit["coordinator"])], capsys)
     assert code == 0 and json.loads(stdout)["already_complete"] is True
     assert (out / "release" / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.slow  # a whole federated job and its ONNX release: minutes on a loaded machine
+def test_a_federated_job_directory_has_the_same_layout(tmp_path: Path) -> None:
+    """The coordinator's side of the same code: a job over the in-process Grid, then coordinator/finalize."""
+    from coordinator.finalize import build_release, privacy_report, sample_grid
+    from coordinator.setup import sign_job_file
+    from feta_release.federation.job import run_job
+
+    from .federation_fixtures import harness, make_federation, tiny_job
+
+    fed = make_federation(tmp_path / "fed")
+    signed, _ = sign_job_file(fed, tiny_job(), "job-layout")
+    out = tmp_path / "out"
+    run_job(harness(fed), signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
+            poll_interval=0.05)
+    privacy_report(out)
+    sample_grid(out)
+    build_release(out, fed.coordinator_key)
+    sites = [s.site_id for s in fed.sites]
+    assert _files(out) >= job_layout(sites)
+    # beyond the shared layout only the coordinator's own state and logs
+    assert {f.split("/")[0] for f in _files(out) - job_layout(sites)} <= {"state", "plan.json", "progress.jsonl"}
+    summary = json.loads((out / jobdir.SUMMARY).read_text())
+    assert set(summary) == SUMMARY_KEYS

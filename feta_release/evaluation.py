@@ -29,6 +29,7 @@ from torch import nn
 
 from .data import ImageDataset
 from .errors import DataError
+from .viz import save_grid
 
 FD_NAME = "FD (classifier features)"
 DEFAULT_EPOCHS = 5  # downstream classifier (trained on synthetic data)
@@ -278,8 +279,6 @@ def evaluate(
     fd = frechet_distance(real_heldout.images[ri], synthetic.images[si], feature_net)
     grid = None
     if grid_path is not None:
-        from .viz import save_grid
-
         grid = str(
             save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class, n_classes=synthetic.n_classes,
                       class_names=synthetic.class_names,

@@ -68,13 +68,21 @@ def sampling_rate(batch: int, n: int, section: str) -> float:
     return batch / n
 
 
-def dpsgd_schedule(cfg: JobConfig, n: int, federated: bool) -> tuple[int, int]:
-    """(rounds, DP-SGD steps per round): a local run is one round of the job's steps/epochs; a federated site
-    runs ``[federation] rounds`` rounds of ``local_steps`` steps each."""
+def round_sizes(total: int, per_round: int) -> list[int]:
+    """``total`` DP-SGD steps in rounds of ``per_round`` (the last one shorter when it does not divide)."""
+    if total < 0 or per_round < 1:
+        raise PrivacyError(f"cannot split {total} DP-SGD steps into rounds of {per_round}")
+    return [min(per_round, total - start) for start in range(0, total, per_round)]
+
+
+def dpsgd_rounds(cfg: JobConfig, n: int, federated: bool) -> list[int]:
+    """The DP-SGD round sizes of a schedule: a local run is one round of the job's steps/epochs (its driver may
+    charge it in chunks, see ``rounds=`` of :func:`stage_events`); a federated site runs ``[federation] rounds``
+    rounds of ``local_steps`` steps each."""
     if federated:
-        return int(cfg.federation.rounds), int(cfg.federation.local_steps)
+        return [int(cfg.federation.local_steps)] * int(cfg.federation.rounds) if cfg.federation.local_steps > 0 else []
     steps = cfg.dpsgd_steps(n)
-    return (1, steps) if steps > 0 else (0, 0)
+    return [steps] if steps > 0 else []
 
 
 def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
@@ -88,31 +96,43 @@ def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
     return out
 
 
-def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, budget: Target | None = None,
-                 prior: Sequence[PrivacyEvent] = (), cache_dir: Path | None = None) -> list[PrivacyEvent]:
+def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
+                 budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
+                 cache_dir: Path | None = None) -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
-    after the job. DP-SGD is one event per round (one in a local run) with the calibrated (or configured) sigma.
+    after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
-    ``budget``: what DP-SGD is calibrated for (default the job's ``[privacy]``); ``prior``: events already spent
-    on the same data, composed in before calibrating; ``cache_dir``: remember calibrations on disk (a node
-    answers each message in a fresh process and a calibration costs seconds; it is a pure function of its
-    inputs, so the cache is exact). Raises PrivacyError naming the stage to shrink when the job cannot fit.
+    ``rounds``: the DP-SGD round sizes, in order (default :func:`dpsgd_rounds`: one round in a local run,
+    ``[federation] rounds`` x ``local_steps`` in a federated one); a local run charged in chunks of
+    ``checkpoint_every`` steps passes ``round_sizes(steps, checkpoint_every)``. sigma is calibrated for their sum,
+    so how the steps are split never changes sigma, q or epsilon. ``budget``: what DP-SGD is calibrated for
+    (default the job's ``[privacy]``); ``prior``: events already spent on the same data, composed in before
+    calibrating; ``cache_dir``: remember calibrations on disk (a node answers each message in a fresh process and
+    a calibration costs seconds; it is a pure function of its inputs, so the cache is exact). Raises PrivacyError
+    naming the stage to shrink when the job cannot fit.
     """
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
+    sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
     warm = warmup_events(cfg, n)
-    rounds, per_round = dpsgd_schedule(cfg, n, federated)
-    if rounds * per_round < 1:
+    if sum(sizes) < 1:
         return warm
     q = sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
     if cfg.dpsgd.noise_multiplier is not None:
         sigma = float(cfg.dpsgd.noise_multiplier)
     else:
         tgt = budget or target(cfg)
-        args = (tuple(prior) + tuple(warm), q, rounds * per_round, tgt.epsilon, tgt.delta, tgt.accountant)
+        args = (tuple(prior) + tuple(warm), q, sum(sizes), tgt.epsilon, tgt.delta, tgt.accountant)
         sigma = _cached_calibration(args, cache_dir)
-    return warm + [PrivacyEvent("dpsgd", sigma, q, per_round)] * rounds
+    return warm + [PrivacyEvent("dpsgd", sigma, q, k) for k in sizes]
+
+
+def _round_sizes(rounds: Sequence[int]) -> list[int]:
+    sizes = list(rounds)
+    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in sizes):
+        raise PrivacyError(f"DP-SGD round sizes must be positive integers, got {sizes}")
+    return sizes
 
 
 def _size(n: Any) -> int:
@@ -292,12 +312,13 @@ class PrivacyPlan:
         }
 
 
-def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, budget: Target | None = None,
-         prior: Sequence[PrivacyEvent] = (), image_shape: tuple[int, int, int] = (1, 28, 28),
-         n_classes: int = 10) -> PrivacyPlan:
+def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
+         budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
+         image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
-    ``image_shape``/``n_classes`` (public) only feed the noise-to-signal figures (default: the embedded data).
+    ``rounds``: the DP-SGD round sizes (see :func:`stage_events`); ``image_shape``/``n_classes`` (public) only feed
+    the noise-to-signal figures (default: the embedded data).
     Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
     """
     n = _size(public_size)
@@ -305,7 +326,7 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, budget: T
     tgt = budget or target(cfg)
     prior = list(prior)
     check_warmup(prior + warmup_events(cfg, n), tgt)
-    events = stage_events(cfg, n, federated=federated, budget=tgt, prior=prior)
+    events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior)
     history = prior + events
     sgd = stage_event(events, "dpsgd")
     total = epsilon(history, tgt.delta, tgt.accountant)

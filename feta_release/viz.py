@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
+from html import escape
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from .errors import DataError
 
@@ -108,8 +110,6 @@ def save_budget_chart(
     Composition is sub-additive, so the stage bars need not add up to the total; the total is what counts
     and is drawn last (dark). ``target`` draws a vertical line at the budget. Pillow's default font only.
     """
-    from PIL import ImageDraw
-
     rows = [(k, float(v)) for k, v in per_stage.items() if k != "total"]
     if "total" in per_stage:
         rows.append(("total", float(per_stage["total"])))
@@ -143,8 +143,6 @@ def save_budget_chart(
 
 def _font(size: int) -> tuple[Any, bool]:
     """(font, has Greek): DejaVu Sans where installed (ε, δ), else Pillow's bundled font (ASCII words)."""
-    from PIL import ImageFont
-
     try:
         return ImageFont.truetype("DejaVuSans.ttf", size), True  # found on the font path of most Linux systems
     except OSError:
@@ -188,8 +186,6 @@ def labelled_grid_image(
     pad: int = 2,
 ) -> Image.Image:
     """The grid of ``grid_array`` with a title band above and, with labels, the class name left of each row."""
-    from PIL import ImageDraw
-
     if class_names is not None and labels is not None and n_classes is None:
         n_classes = len(class_names)
     arr = grid_array(images, labels, per_class=per_class, n_classes=n_classes, columns=columns, pad=pad, scale=scale)
@@ -224,8 +220,6 @@ STAGE_LABELS = {"central": "central images", "frequency": "frequency statistics"
 
 
 def _nice_step(top: float, ticks: int = 5) -> float:
-    import math
-
     raw = top / ticks
     mag = 10 ** math.floor(math.log10(raw))
     return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
@@ -260,8 +254,6 @@ def _cap_line(x: float, y0: float, y1: float, text: str, colour: str, dash: str)
 def _budget_site(sid: str, s: dict[str, Any], y: float, x: Any, geo: dict[str, int]) -> tuple[list[str], float]:
     """One site's group: per stage a solid bar for THIS job and, where the site states it, a pale outlined bar for
     its LIFETIME spend on the same images (all jobs); the per-job and lifetime caps as dashed lines."""
-    from html import escape
-
     left, bar, gap = geo["left"], geo["bar"], geo["gap"]
     out = [f'<text x="8" y="{y + 12}" font-weight="bold">site {escape(sid)}</text>']
     y += geo["group_gap"]

@@ -309,3 +309,49 @@ def test_calibrations_are_cached_on_disk_exactly(tmp_path: Path) -> None:
     assert len(list((tmp_path / "calibrations").glob("*.json"))) == 1
     assert stage_events(cfg, 3000, federated=True, cache_dir=tmp_path) == first == stage_events(cfg, 3000,
                                                                                                 federated=True)
+
+
+# -- DP-SGD round sizes: one schedule, one list of events, whichever driver ---------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(total=st.integers(0, 400), chunk=st.integers(1, 60))
+def test_round_sizes_split_every_step_once(total: int, chunk: int) -> None:
+    from feta_release.planning import round_sizes
+
+    sizes = round_sizes(total, chunk)
+    assert sum(sizes) == total and all(1 <= k <= chunk for k in sizes)
+    assert all(k == chunk for k in sizes[:-1])  # only the last round may be short
+    assert len(sizes) == -(-total // chunk)
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(800, 20_000), total=st.integers(1, 120), chunk=st.integers(1, 50), central=st.booleans(),
+       frequency=st.booleans())
+def test_local_and_federated_events_are_identical_for_the_same_round_sizes(n: int, total: int, chunk: int,
+                                                                          central: bool, frequency: bool) -> None:
+    """The same schedule (rounds of ``chunk`` steps, the last shorter) gives the same events in a local run and at
+    a federated site, and splitting never changes sigma, q or epsilon: only the one round of a local run is cut."""
+    from feta_release.planning import merged, round_sizes
+
+    cfg = JobConfig().replace(
+        central={"rounds": 3 if central else 0, "batch": 200, "sigma": 5.0},
+        frequency={"sigma": 30.0 if frequency else None}, dpsgd={"batch": 100, "steps": total},
+    )
+    sizes = round_sizes(total, chunk)
+    local = stage_events(cfg, n, rounds=sizes)
+    fed = stage_events(cfg, n, federated=True, rounds=sizes)
+    assert local == fed
+    assert [e.steps for e in local if e.stage == "dpsgd"] == sizes
+    whole = stage_events(cfg, n)
+    assert merged(local) == whole  # one round of `total` steps: the same sigma and q, steps summed
+    assert epsilon(local, 1e-5) == pytest.approx(epsilon(whole, 1e-5), rel=1e-9)
+    assert plan(cfg, n, rounds=sizes).events == plan(cfg, n).events
+
+
+def test_round_sizes_must_be_positive_integers() -> None:
+    cfg = JobConfig().replace(central={"rounds": 3, "batch": 200, "sigma": 5.0}, dpsgd={"batch": 100, "steps": 10})
+    for bad in ([5, 0, 5], [5, -1], [2.5], [True]):
+        with pytest.raises(PrivacyError, match="round sizes"):
+            stage_events(cfg, 10_000, rounds=bad)
+    assert [e.stage for e in stage_events(cfg, 10_000, rounds=[])] == [e.stage for e in stage_events(cfg, 10_000)][:-1]

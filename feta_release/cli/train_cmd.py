@@ -44,17 +44,25 @@ from .data_options import data_load_options
                    "against its caps, as a node checks them.")
 @click.option("--trusted", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The site administrator's public key that signed --policy.")
+@click.option("--coordinator-key", "coordinator_key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="The key that signs the one-site job and RUN_DIR/release's manifest, as a "
+                                 "federation's coordinator (default: RUN_DIR/checkpoints/coordinator.key, created once).")
+@click.option("--site-id", default=None, help="The site's id in the release (default: the policy's, else 'site').")
+@click.option("--no-release", is_flag=True, help="Stop after training: no RUN_DIR/release (`export` can make one).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None, out_dir: Path,
           n_synthetic: int | None, public_size: int | None, checkpoint_every: int, threads: int | None, device: str,
-          ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: Path | None, quiet: bool,
-          as_json: bool) -> None:
+          ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: Path | None,
+          coordinator_key: Path | None, site_id: str | None, no_release: bool, quiet: bool, as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
     naming the rule. Re-running the same command after an interruption resumes from the last checkpoint without
-    spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run.
+    spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run. A finished run is
+    then written up as a one-site job, the layout a federated coordinator writes (signed_job.json, the site's
+    attestation from its ledger, privacy_report.*, samples.png and the signed RUN_DIR/release for `verify`,
+    `synthesize` and `report`).
     --resize/--image-size/--window override the job's [job] resize/image_size/window.
 
     \b
@@ -84,10 +92,19 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         if report.n_skipped and not quiet:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
     rep = Reporter(enabled=not quiet)
+    skey = load_private_key(site_key) if site_key is not None else None
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
-                       public_size=public_size, device=device, ledger=ledger,
-                       site_key=load_private_key(site_key) if site_key is not None else None,
-                       site_policy=site_policy)
+                       public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy)
+    release = None
+    if not no_release:
+        from ..policy.envelope import read_json
+        from ..training.local_job import release_run, run_coordinator_key
+        from ..training.pipeline import run_site_key
+
+        release = release_run(
+            res.run_dir, site_key=skey or run_site_key(res.run_dir),
+            coordinator_key=load_private_key(coordinator_key) if coordinator_key else run_coordinator_key(res.run_dir),
+            site_id=site_id, signed_policy=read_json(policy_path, "signed policy") if policy_path else None)
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,
@@ -99,13 +116,15 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         "seconds": round(res.seconds, 1),
         "resumed": res.resumed,
         "already_complete": res.already_complete,
+        "release": str(release) if release else None,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         click.echo(f"{res.run_dir}: epsilon {res.epsilon:.3f} at delta {res.delta:g} "
                    f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
-                   f"synthetic images in {res.run_dir / 'synthetic.npz'}")
+                   f"synthetic images in {res.run_dir / 'synthetic.npz'}"
+                   + (f"; release in {release}" if release else ""))
 
 
 def _site_policy(policy_path: Path | None, trusted: Path | None) -> Any:

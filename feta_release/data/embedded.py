@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import DataError
+from . import loading  # a module reference: loading names this module too, each reads the other at call time
 from .dataset import ImageDataset
 
 EMBEDDED_NAME = "mnist_5k.npz"
@@ -27,9 +28,7 @@ def embedded_path() -> Path:
 
 @lru_cache(maxsize=1)
 def _cached() -> ImageDataset:
-    from .loading import _load_npz
-
-    ds, _ = _load_npz(embedded_path(), "refuse", None)
+    ds, _ = loading._load_npz(embedded_path(), "refuse", None)
     ds.source = EMBEDDED_SOURCE
     return ds
 

@@ -22,6 +22,7 @@ counted in the ``LoadReport``. DICOM and 16-bit windowing: ``feta_release.data.d
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 import struct
 import warnings
@@ -36,7 +37,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
-from . import dicom
+from ..privacy_unit import cap_per_patient
+from . import dicom, embedded  # module references (embedded reads this module's _load_npz at call time)
 from .dataset import ImageDataset
 from .dicom import Window, parse_window
 
@@ -162,8 +164,6 @@ def load_dataset(
 
 
 def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
-    from ..privacy_unit import cap_per_patient
-
     if report.patients is None:
         raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
                           "PatientID); without them the unit of privacy is one image: drop the cap")
@@ -189,10 +189,8 @@ def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | N
     p = Path(path)
     if not p.exists():
         if str(path) == "embedded":
-            from .embedded import EMBEDDED_SOURCE, embedded_path
-
-            ds, report = _load_npz(embedded_path(), resize, image_size)
-            ds.source = report.source = EMBEDDED_SOURCE
+            ds, report = _load_npz(embedded.embedded_path(), resize, image_size)
+            ds.source = report.source = embedded.EMBEDDED_SOURCE
             report.kind = "embedded"
             return ds, report
         raise DataError(f"{p}: no such file or directory")
@@ -348,8 +346,6 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
 
 
 def _patient_key(pid: str | None) -> str | None:
-    import hashlib
-
     return None if pid is None else hashlib.sha256(pid.encode()).hexdigest()
 
 

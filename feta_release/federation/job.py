@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..models import build_denoiser, denoiser_spec
+from ..models import denoiser_spec
+from ..stages.context import initial_denoiser
 from ..training.checkpoint import MODEL_FILE, write_model_file
 from . import checkpoint_io
 from .driver import JobDriver, JobResult, Progress, round_ema
@@ -68,16 +68,14 @@ def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any]) -> 
     """The global model after the warm-up stages (on released statistics only), restored from its checkpoint
     when a restarted coordinator already has it."""
     info = next(iter(d.sites.values()))
-    shape, n_classes = info.image_shape, info.n_classes
-    torch.manual_seed(d.cfg.job.seed)
-    model = build_denoiser(d.cfg.model, shape, n_classes)
+    model = initial_denoiser(d.cfg, info.image_shape, info.n_classes)  # the local driver's init, same seed rule
     ck = checkpoint_io.load_warmup(d.state)
     t0 = time.monotonic()
     if ck is not None:
         model.load_state_dict(ck["model"])
         d.emit("warmup", "warm-up restored from checkpoint")
     else:
-        warm_up(model, central, freq, d.cfg, {sid: s.size for sid, s in d.sites.items()}, shape, n_classes,
+        warm_up(model, central, freq, d.cfg, {sid: s.size for sid, s in d.sites.items()},
                 lambda msg: d.emit("warmup", msg))
         checkpoint_io.save_warmup(d.state, {"model": model.state_dict()})
     d.timings["warmup"] = time.monotonic() - t0

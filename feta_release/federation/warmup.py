@@ -1,48 +1,76 @@
-"""Warm-up on released statistics only (post-processing: no privacy cost), reusing the synthesizer's stages.
+"""The coordinator's warm-up on released statistics only (post-processing: no privacy cost): the SAME stage
+computations the local driver runs (``feta_release.stages.spatial`` / ``freq_warmup``), on the sites' releases
+combined with public-size weights, so a fix to a warm-up stage lands in both drivers.
 
-Central images: the sites' released images are averaged with public-size weights (``combine_central``), the
-spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are combined into one
-(``mechanisms.combine_frequency``, weighted by public sizes) and the frequency stage fits the auxiliary
-generator and warms the denoiser on its images.
+Central images: the sites' released images are averaged (``combine_central``), post-processed as a single site's
+are, and the spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are combined into one
+(``combine_frequency``); the frequency stage fits the auxiliary generator to it and warms the denoiser on its
+images (+ the combined central images when ``[warmup] frequency_mix_central``). A federation of one site therefore
+warms up exactly as ``train`` does on the same releases (``tests/test_warmup_shared.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
-import torch
 
+from ..config import JobConfig
+from ..errors import DataError
 from ..mechanisms.central import CentralRelease, combine_central, postprocess_central
-from ..mechanisms.frequency import combine_frequency
-from ..training.frequency import frequency_warmup_from_release
-from ..training.spatial import spatial_warmup
+from ..mechanisms.frequency import FrequencyRelease, combine_frequency
+from ..models.edm import EDMDenoiser
+from ..stages.freq_warmup import aux_images, fit_aux, frequency_enabled, frequency_train, warmup_set
+from ..stages.spatial import spatial_enabled, spatial_stage
+
+Log = Callable[[str], None]
 
 
-def warm_up(model: Any, central: dict[str, dict[str, np.ndarray]], freq: dict[str, dict[str, np.ndarray]],
-            cfg: Any, sizes: dict[str, int], shape: tuple[int, ...], n_classes: int,
-            log: Callable[[str], None]) -> None:
-    g = torch.Generator().manual_seed(cfg.job.seed + 17)
-    if central and cfg.warmup.spatial_iterations > 0:
-        images, labels = pooled_central(central, sizes)
-        log(f"spatial warm-up on {len(images)} central images (combined from {len(central)} site(s)), "
+def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq: dict[str, dict[str, np.ndarray]],
+            cfg: JobConfig, sizes: dict[str, int], log: Log) -> None:
+    """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``)."""
+    pooled = pooled_central(central, sizes, cfg) if central else None
+    if pooled is not None and spatial_enabled(cfg):
+        log(f"spatial warm-up on {len(pooled[1])} central images (combined from {len(central)} site(s)), "
             f"{cfg.warmup.spatial_iterations} iterations")
         every = max(1, cfg.warmup.spatial_iterations // 10)
-        res = spatial_warmup(model, images, labels, cfg, generator=g,
-                             progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}") if i % every == 0 else None)
+        res = spatial_stage(model, pooled, cfg, progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}")
+                            if i % every == 0 else None)
         log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
-    if freq and cfg.warmup.frequency_epochs > 0:
-        sites = sorted(freq)
-        release = combine_frequency([freq[s] for s in sites], [sizes[s] for s in sites])
-        log(f"frequency warm-up: aux generator fit on the combined embedding of {len(sites)} site(s), then "
-            f"{cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs")
-        res, _gen = frequency_warmup_from_release(model, release, cfg, generator=g)
+    if freq and frequency_enabled(cfg):
+        _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
+
+
+def _frequency(model: EDMDenoiser, release: FrequencyRelease, central: tuple[np.ndarray, np.ndarray] | None,
+               cfg: JobConfig, log: Log) -> None:
+    log(f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), then "
+        f"{cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs")
+    device = next(model.parameters()).device
+    aux = fit_aux(release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device)
+    images, labels = warmup_set(*aux_images(aux, cfg), central, cfg)
+    res = frequency_train(model, images, labels, cfg)
+    if res is not None:
         log(f"frequency warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
 
 
-def pooled_central(central: dict[str, dict[str, np.ndarray]], sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The sites' central images averaged with public-size weights, then post-processed (no privacy cost)."""
+def pooled_central(central: dict[str, dict[str, np.ndarray]], sizes: dict[str, int],
+                   cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The sites' central images averaged with public-size weights, then post-processed as a single site's release
+    is (``[central] stretch``): float32 images in [0, 1] and int64 labels."""
     sites = sorted(central)
     combined = combine_central([CentralRelease.from_arrays(central[s]) for s in sites], [sizes[s] for s in sites])
-    return postprocess_central(combined)
+    images, labels = postprocess_central(combined, stretch=cfg.central.stretch)
+    return images.astype(np.float32), labels.astype(np.int64)
+
+
+def pooled_frequency(freq: dict[str, dict[str, np.ndarray]], sizes: dict[str, int], cfg: JobConfig) -> FrequencyRelease:
+    """The sites' embeddings combined with public-size weights; refused unless they used the job's public random
+    features (the aux generator is fitted with those)."""
+    sites = sorted(freq)
+    release = combine_frequency([freq[s] for s in sites], [sizes[s] for s in sites])
+    f = cfg.frequency
+    if (release.features, float(release.bandwidth2), release.seed) != (f.features, float(f.bandwidth2), f.seed):
+        raise DataError(f"the sites' frequency releases use features/bandwidth2/seed {release.features}/"
+                        f"{release.bandwidth2}/{release.seed}, the job {f.features}/{f.bandwidth2}/{f.seed}: "
+                        "they were not made for this job")
+    return release

@@ -126,7 +126,7 @@ class LossRandomness:
 
 def draw_loss_randomness(
     batch: int,
-    image_shape: tuple[int, int, int],
+    image_shape: tuple[int, ...],
     *,
     noise_multiplicity: int = 1,
     label_dropout: float = 0.1,

@@ -20,17 +20,23 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import onnx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..accounting import PrivacyEvent, events_from_list
 from ..config import JobConfig
 from ..errors import PrivacyError, ReleaseError
 from ..ledger import Ledger, LedgerTamperedError
+from ..models.edm import denoiser_from_spec
 from ..planning import merged
-from ..training.checkpoint import MODEL_FILE, read_json, read_model_file
+from ..policy.document import SitePolicy
+from ..policy.jobs import sign_job
+from ..signing import canonical_json, public_key_pem, sha256_file, sha256_hex
+from ..training.checkpoint import MODEL_FILE, config_hash, read_json, read_model_file
 from .manifest import (
     GENERATOR_FILE,
     POLICY_DIR,
@@ -44,6 +50,7 @@ from .manifest import (
     write_manifest,
 )
 from .onnx_export import SamplerSettings, build_generator, export_denoiser
+from .verify import policy_violations
 
 
 def assemble_release(
@@ -67,14 +74,10 @@ def assemble_release(
     A site whose signed policy is given and whose attested spend is outside it is refused here already
     (``enforce_policy=False`` only for tests that need such a release to check that ``verify`` refuses it).
     """
-    import onnx
-
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ReleaseError(f"{out}: already exists and is not empty; choose a new release directory")
     if enforce_policy:
-        from .verify import policy_violations
-
         for s in sites:
             signed = (signed_policies or {}).get(s["site_id"])
             if signed is not None:
@@ -136,8 +139,9 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519PrivateKey
-                   ) -> tuple[str, list[PrivacyEvent], list[PrivacyEvent], dict[str, Any]]:
-    """(the run's job id, its charged events, every event of the ledger, the job's signed record) from the run's
+                   ) -> tuple[str, list[PrivacyEvent], list[PrivacyEvent], dict[str, Any], int]:
+    """(the run's job id, its charged events, every event of the ledger, the job's signed record, its number of
+    DP-SGD requests (rounds)) from the run's
     site ledger, whose chain and head signature are checked with ``site_key``: editing ``privacy.json`` (or the
     ledger) changes nothing that is attested."""
     rec = run_info.get("ledger")
@@ -164,7 +168,8 @@ def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519Priva
     if job_id not in per_job:
         raise ReleaseError(f"{path}: holds no charge of job {job_id}; is it this run's ledger?")
     lifetime = [e for evs in per_job.values() for e in merged(evs)]
-    return job_id, merged(per_job[job_id]), lifetime, record
+    rounds = sum(1 for r in rows if r["job_id"] == job_id and r["mechanism"] == "dpsgd")
+    return job_id, merged(per_job[job_id]), lifetime, record, rounds
 
 
 def check_run_against_ledger(rd: Path, record: Mapping[str, Any], ckpt: Mapping[str, Any]) -> tuple[float, str]:
@@ -173,9 +178,6 @@ def check_run_against_ledger(rd: Path, record: Mapping[str, Any], ckpt: Mapping[
 
     Why: run.json (which job), job.json (delta) and model.pt are writable by whoever can write the run dir; only
     the ledger is signed. Pointing run.json at another closed job, editing delta, or swapping the model is refused."""
-    from ..signing import sha256_file
-    from ..training.checkpoint import config_hash
-
     where = f"{rd}: the run directory does not match its site ledger's signed record of job {record.get('job_id', '')}"
     out = record.get("output")
     if not isinstance(out, Mapping) or not out.get("model_sha256"):
@@ -193,8 +195,6 @@ def check_run_against_ledger(rd: Path, record: Mapping[str, Any], ckpt: Mapping[
 
 
 def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
-    from ..models.edm import denoiser_from_spec
-
     spec = _first(ckpt, ("spec",), where)
     state = _first(ckpt, ("state_dict",), where)  # the weights to release (EMA), see training.checkpoint.write_model_file
     den = denoiser_from_spec(spec)
@@ -208,30 +208,31 @@ def _job_id(text: str) -> str:
     return out or "job"
 
 
-def export_run(
-    run_dir: str | Path,
-    out: str | Path,
-    *,
-    coordinator_key: Ed25519PrivateKey,
-    site_key: Ed25519PrivateKey,
-    site_id: str | None = None,
-    signed_policy: dict[str, Any] | None = None,
-    job_id: str | None = None,
-    sampler: SamplerSettings | None = None,
-) -> Path:
-    """Single-site release: the site key signs the run's spend statement, the coordinator key the manifest.
+@dataclass
+class AttestedRun:
+    """A finished single-site run as the coordinator of a one-site job sees it: the job signed by the coordinator
+    key naming the site, the site's attestation from its ledger (signed by the site key), the released model."""
 
-    ``sampler`` overrides the job's ``[sampler]`` section (sampling is post-processing: no privacy cost).
-    """
-    from ..policy.document import SitePolicy
-    from ..policy.jobs import sign_job
-    from ..signing import canonical_json, public_key_pem, sha256_hex
+    signed_job: dict[str, Any]
+    attestation: dict[str, Any]
+    site_id: str
+    signed_policy: dict[str, Any] | None
+    denoiser: Any
+    classes: list[str]
+    config: JobConfig
+    run: dict[str, Any]
+    rounds: int  # DP-SGD requests charged in the ledger (the run's chunks: its "rounds")
 
+
+def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_key: Ed25519PrivateKey,
+               site_id: str | None = None, signed_policy: dict[str, Any] | None = None,
+               job_id: str | None = None) -> AttestedRun:
+    """Check the run against its site ledger, sign a one-site job with the coordinator key and the site's spend
+    statement (the ledger's events) with the site key; refuse a run outside the site's policy."""
     run = read_run(run_dir)
     rd: Path = run["run_dir"]
-    cfg = run["config"]
-    ckpt = run["checkpoint"]
-    ledger_job, events, lifetime, record = ledger_history(rd, run["run"], site_key)
+    cfg, ckpt = run["config"], run["checkpoint"]
+    ledger_job, events, lifetime, record, rounds = ledger_history(rd, run["run"], site_key)
     delta, accountant = check_run_against_ledger(rd, {**record, "job_id": ledger_job}, ckpt)
     den = denoiser_from_checkpoint(ckpt, str(rd / "model.pt"))
     classes = [str(c) for c in _first(ckpt, ("class_names",), str(rd / "model.pt"))]
@@ -249,31 +250,48 @@ def export_run(
             raise ReleaseError(f"the site key given is not the site_key that site {site_id}'s policy names; "
                                "sign with the key the policy names")
     site_id = site_id or "site"
-    job_id = job_id or ledger_job
     # A single-site run has no coordinator-signed job yet: the coordinator key signs one naming this site,
     # so the release carries a signed list of its sites like a federated one.
-    signed_job = sign_job(cfg, coordinator_key, _job_id(job_id), [site_id])
+    signed_job = sign_job(cfg, coordinator_key, _job_id(job_id or ledger_job), [site_id])
     att = build_attestation(site_id, signed_job["job"]["job_id"], events, delta, accountant, policy_sha, site_key,
                             job_sha256=sha256_hex(canonical_json(signed_job["job"])), lifetime_events=lifetime,
                             lifetime_delta=life_delta, history="site-ledger")
     if signed_policy is not None:
-        from .verify import policy_violations
-
         over = policy_violations(dict(signed_policy["policy"]), att["statement"], events)
         if over:
             raise ReleaseError(f"{rd}: the run is outside site {site_id}'s policy, refusing to release it: "
                                + "; ".join(over))
+    return AttestedRun(signed_job, att, site_id, signed_policy, den, classes, cfg, run["run"], rounds)
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    coordinator_key: Ed25519PrivateKey,
+    site_key: Ed25519PrivateKey,
+    site_id: str | None = None,
+    signed_policy: dict[str, Any] | None = None,
+    job_id: str | None = None,
+    sampler: SamplerSettings | None = None,
+) -> Path:
+    """Single-site release: the site key signs the run's spend statement, the coordinator key the manifest.
+
+    ``sampler`` overrides the job's ``[sampler]`` section (sampling is post-processing: no privacy cost).
+    """
+    a = attest_run(run_dir, coordinator_key=coordinator_key, site_key=site_key, site_id=site_id,
+                   signed_policy=signed_policy, job_id=job_id)
     return assemble_release(
         out,
-        denoiser=den,
-        classes=classes,
-        image_shape=den.image_shape,
-        sampler=sampler or SamplerSettings.from_config(cfg.sampler),
-        job_id=signed_job["job"]["job_id"],
-        config=signed_job["job"]["config"],
-        sites=[site_record(att)],
+        denoiser=a.denoiser,
+        classes=a.classes,
+        image_shape=a.denoiser.image_shape,
+        sampler=sampler or SamplerSettings.from_config(a.config.sampler),
+        job_id=a.signed_job["job"]["job_id"],
+        config=a.signed_job["job"]["config"],
+        sites=[site_record(a.attestation)],
         coordinator_key=coordinator_key,
-        signed_job=signed_job,
-        signed_policies={site_id: signed_policy} if signed_policy is not None else None,
-        timestamps={"trained": run["run"]["finished"]} if isinstance(run["run"].get("finished"), str) else None,
+        signed_job=a.signed_job,
+        signed_policies={a.site_id: signed_policy} if signed_policy is not None else None,
+        timestamps={"trained": a.run["finished"]} if isinstance(a.run.get("finished"), str) else None,
     )

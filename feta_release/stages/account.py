@@ -19,6 +19,7 @@ from ..accounting import PrivacyEvent, epsilon, epsilon_breakdown, events_from_l
 from ..errors import BudgetExceededError, PrivacyError
 from ..ledger import Budget, Ledger, as_budget
 from ..planning import PrivacyPlan, merged
+from ..policy import check_request
 from ..training.checkpoint import atomic_write_json
 
 PRIVACY_FORMAT = "feta-release/privacy/v1"
@@ -67,8 +68,6 @@ class RunAccount:
             )
         rid = f"{self.job_id}/{stage}/{done}"
         if self.site_policy is not None:  # the site's per-mechanism rules (allowed, min σ, max q, caps), as a node
-            from ..policy import check_request
-
             check_request(self.site_policy, PrivacyEvent(stage, plan.sigma, plan.q, steps), job_events=self.events,
                           require_job=False, require_stated=False)
         limits = self.site_policy if self.site_policy is not None else self.budget

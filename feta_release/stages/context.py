@@ -19,7 +19,7 @@ import torch
 
 from ..config import JobConfig
 from ..data import ImageDataset
-from ..models.edm import EDMDenoiser
+from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..randomness import numpy_generator_from, torch_generator_from
 from ..training.checkpoint import atomic_write_json
@@ -30,6 +30,18 @@ from .account import RunAccount
 def seed_from(*parts: Any) -> int:
     h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def public_generator(cfg: JobConfig, name: str) -> torch.Generator:
+    """PUBLIC randomness of one named use (model init, warm-ups, sampling), from ``[job] seed``: the one seeding
+    rule of both drivers, so the coordinator's warm-up draws what a single-site run draws."""
+    return torch.Generator().manual_seed(seed_from(cfg.job.seed, name))
+
+
+def initial_denoiser(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int) -> EDMDenoiser:
+    """The denoiser before any stage (its weights from the public seed), in both drivers."""
+    torch.manual_seed(seed_from(cfg.job.seed, "init"))
+    return build_denoiser(cfg.model, image_shape, n_classes)
 
 
 @dataclass
@@ -87,7 +99,7 @@ class RunContext:
 
     def public_gen(self, name: str) -> torch.Generator:
         """PUBLIC randomness (model init, post-processing of released values, sampling)."""
-        return torch.Generator().manual_seed(seed_from(self.cfg.job.seed, name))
+        return public_generator(self.cfg, name)
 
     def _private_key(self, stage: str) -> bytes:
         return hashlib.sha256(f"{self.secret}/{stage}".encode()).digest()

@@ -17,6 +17,7 @@ import torch
 from ..accounting import PrivacyEvent
 from ..config import JobConfig
 from ..models.edm import EDMDenoiser
+from ..planning import round_sizes
 from ..training.checkpoint import load_torch, save_torch
 from ..training.dpsgd import DPSGDTrainer, StepStats
 from .base import sample_grid
@@ -62,8 +63,8 @@ def _train(ctx: RunContext, trainer: DPSGDTrainer, sgd: PrivacyEvent, charged: i
 
     def before(i: int) -> None:
         nonlocal rid, left
-        if left == 0:  # the next chunk is on disk in the ledger before its first step runs
-            left = min(ctx.checkpoint_every, sgd.steps - ctx.account.charged("dpsgd"))
+        if left == 0:  # the next chunk (the planner's next round) is on disk in the ledger before its first step runs
+            left = round_sizes(sgd.steps - ctx.account.charged("dpsgd"), ctx.checkpoint_every)[0]
             rid = ctx.account.charge("dpsgd", left)
         left -= 1
 

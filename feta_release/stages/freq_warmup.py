@@ -1,9 +1,14 @@
 """Stage 4: the aux generator fitted to the released embedding, and the frequency warm-up on its images
-(+ RandAugment-ed released central images when ``[warmup] frequency_mix_central``): post-processing only."""
+(+ RandAugment-ed released central images when ``[warmup] frequency_mix_central``): post-processing only.
+
+The computation is :func:`fit_aux` -> :func:`aux_images` -> :func:`warmup_set` -> :func:`frequency_train`; both
+drivers run it (the coordinator on the sites' combined embedding, ``feta_release.federation.warmup``).
+"""
 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 import torch
@@ -11,19 +16,64 @@ import torch
 from ..config import JobConfig
 from ..mechanisms.frequency import rff_frequencies
 from ..models.auxgen import AuxGenerator
+from ..models.edm import EDMDenoiser
 from ..training.augment import rand_augment
 from ..training.checkpoint import load_torch, save_torch
 from ..training.frequency import fit_aux_generator, frequency_warmup, generate_aux_images
+from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
 from .base import sample_grid
-from .context import RunContext
+from .context import RunContext, public_generator
+
+
+def frequency_enabled(cfg: JobConfig) -> bool:
+    return cfg.frequency.sigma is not None
+
+
+def fit_aux(embedding: np.ndarray, cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int, n_public: int,
+            device: torch.device, progress: Progress | None = None) -> AuxGenerator:
+    """The aux generator fitted to a released (or federated, combined) embedding; its random features are the job's
+    public ``[frequency]`` ones, which every site's release used."""
+    c, h, w = image_shape
+    f = cfg.frequency
+    omega = rff_frequencies(c * h * w, f.features, f.bandwidth2, f.seed)
+    return cast(AuxGenerator, fit_aux_generator(embedding, omega, image_shape, n_classes, cfg, n_public,
+                                                generator=public_generator(cfg, "auxgen"), device=device,
+                                                progress=progress))
+
+
+def aux_images(aux: AuxGenerator, cfg: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[warmup] frequency_images`` images (and balanced labels) of the fitted aux generator."""
+    return generate_aux_images(aux, cfg.warmup.frequency_images, public_generator(cfg, "auxgen-images"))
+
+
+def warmup_set(images: torch.Tensor, labels: torch.Tensor, central: tuple[np.ndarray, np.ndarray] | None,
+               cfg: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the frequency warm-up trains on: the aux images (+ augmented released central images, see
+    :func:`mix_central`)."""
+    return mix_central(images, labels, central, cfg, public_generator(cfg, "freq-mix"))
+
+
+def frequency_steps(n_images: int, cfg: JobConfig) -> int:
+    """Optimiser steps of the frequency warm-up on ``n_images`` (0: it does not run)."""
+    w = cfg.warmup
+    return math.ceil(n_images / w.frequency_batch) * w.frequency_epochs if w.frequency_epochs > 0 else 0
+
+
+def frequency_train(model: EDMDenoiser, images: torch.Tensor, labels: torch.Tensor, cfg: JobConfig,
+                    progress: Progress | None = None) -> WarmupResult | None:
+    """Train ``model`` in place on the warm-up set; None when it has no steps."""
+    if frequency_steps(len(labels), cfg) == 0:
+        return None
+    return frequency_warmup(model, images, labels, cfg, generator=public_generator(cfg, "freq-warmup"),
+                            progress=progress)
 
 
 class FrequencyWarmup:
     name = "frequency-warmup"
 
     def enabled(self, cfg: JobConfig) -> bool:
-        return cfg.frequency.sigma is not None
+        return frequency_enabled(cfg)
 
     def run(self, ctx: RunContext) -> None:
         ck = ctx.rd.ckpt("after-frequency.pt")
@@ -39,34 +89,33 @@ class FrequencyWarmup:
 def _aux_generator(ctx: RunContext) -> AuxGenerator:
     """Fitted to the released embedding (checkpointed: a resume does not fit it again)."""
     c, h, w = ctx.data.image_shape
-    f, a = ctx.cfg.frequency, ctx.cfg.auxgen
+    a = ctx.cfg.auxgen
     gen_ck = ctx.rd.ckpt("auxgen.pt")
     if gen_ck.exists():
         aux = AuxGenerator(c, h, ctx.data.n_classes, z_dim=a.z_dim, width=a.width)
         aux.load_state_dict(load_torch(gen_ck)["model"])
         return aux.to(ctx.device).eval()
     assert ctx.embedding is not None, "the aux generator is fitted after the frequency release"
-    omega = rff_frequencies(c * h * w, f.features, f.bandwidth2, f.seed)
     iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, ctx.n_public // a.batch)
     with ctx.rep.task("aux generator", a.epochs * iters) as adv:
-        aux = fit_aux_generator(ctx.embedding, omega, ctx.data.image_shape, ctx.data.n_classes, ctx.cfg,
-                                ctx.n_public, generator=ctx.public_gen("auxgen"), device=ctx.device,
-                                progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
+        aux = fit_aux(ctx.embedding, ctx.cfg, ctx.data.image_shape, ctx.data.n_classes, ctx.n_public, ctx.device,
+                      progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
     save_torch(gen_ck, {"model": aux.state_dict()})
     return aux
 
 
 def _warm_up(ctx: RunContext, aux: AuxGenerator) -> None:
-    w, d = ctx.cfg.warmup, ctx.data
-    images, labels = generate_aux_images(aux, w.frequency_images, ctx.public_gen("auxgen-images"))
+    d = ctx.data
+    images, labels = aux_images(aux, ctx.cfg)
     save_grid(images.numpy(), labels.numpy(), ctx.rd.root / "grids" / "auxgen-images.png", n_classes=d.n_classes,
               class_names=d.class_names, title="auxiliary generator images (post-processing of released statistics)")
-    images, labels = mix_central(images, labels, ctx.central, ctx.cfg, ctx.public_gen("freq-mix"))
-    if w.frequency_epochs > 0 and len(labels) > 0:
-        total = math.ceil(len(labels) / w.frequency_batch) * w.frequency_epochs
-        with ctx.rep.task("frequency warm-up", total) as adv:
-            res = frequency_warmup(ctx.denoiser, images, labels, ctx.cfg, generator=ctx.public_gen("freq-warmup"),
-                                   progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
+    images, labels = warmup_set(images, labels, ctx.central, ctx.cfg)
+    steps = frequency_steps(len(labels), ctx.cfg)
+    if steps > 0:
+        with ctx.rep.task("frequency warm-up", steps) as adv:
+            res = frequency_train(ctx.denoiser, images, labels, ctx.cfg,
+                                  progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
+        assert res is not None
         ctx.mark("frequency", final_loss=res.final_loss, steps=res.steps)
 
 

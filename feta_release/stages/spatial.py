@@ -1,19 +1,38 @@
-"""Stage 2: the spatial warm-up (post-processing of the released central images)."""
+"""Stage 2: the spatial warm-up (post-processing of the released central images).
+
+:func:`spatial_stage` is the computation; both drivers run it: the local driver's :class:`SpatialWarmup` on the
+site's own released images, the coordinator (``feta_release.federation.warmup``) on the sites' combined ones.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..config import JobConfig
+from ..models.edm import EDMDenoiser
 from ..training.checkpoint import load_torch, save_torch
 from ..training.spatial import spatial_warmup
+from ..training.warmup_loop import Progress, WarmupResult
 from .base import sample_grid
-from .context import RunContext
+from .context import RunContext, public_generator
+
+
+def spatial_enabled(cfg: JobConfig) -> bool:
+    return cfg.central.rounds > 0 and cfg.warmup.spatial_iterations > 0
+
+
+def spatial_stage(model: EDMDenoiser, central: tuple[np.ndarray, np.ndarray], cfg: JobConfig,
+                  progress: Progress | None = None) -> WarmupResult:
+    """Train ``model`` in place on released, post-processed central images (M, C, H, W) in [0, 1]."""
+    return spatial_warmup(model, central[0], central[1], cfg, generator=public_generator(cfg, "spatial"),
+                          progress=progress)
 
 
 class SpatialWarmup:
     name = "spatial"
 
     def enabled(self, cfg: JobConfig) -> bool:
-        return cfg.central.rounds > 0 and cfg.warmup.spatial_iterations > 0
+        return spatial_enabled(cfg)
 
     def run(self, ctx: RunContext) -> None:
         assert ctx.central is not None, "the spatial warm-up runs after the central release"
@@ -23,9 +42,8 @@ class SpatialWarmup:
             ctx.rep.log("spatial warm-up: loaded from checkpoint")
         else:
             with ctx.rep.task("spatial warm-up", ctx.cfg.warmup.spatial_iterations) as adv:
-                res = spatial_warmup(ctx.denoiser, ctx.central[0], ctx.central[1], ctx.cfg,
-                                     generator=ctx.public_gen("spatial"),
-                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
+                res = spatial_stage(ctx.denoiser, ctx.central, ctx.cfg,
+                                    progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
             save_torch(ck, {"model": ctx.denoiser.state_dict()})
             ctx.mark("spatial", final_loss=res.final_loss, steps=res.steps)
         sample_grid(ctx, "after-spatial", ctx.denoiser)

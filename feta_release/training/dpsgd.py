@@ -37,6 +37,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
+from ..models.edm import SIGMA_DATA, draw_loss_randomness, edm_loss_single
 from .ema import EMA
 
 __all__ = [
@@ -80,8 +81,6 @@ class EDMLoss:
         label_dropout: float = 0.1,
         sigma_data: float | None = None,
     ) -> None:
-        from ..models.edm import SIGMA_DATA
-
         if noise_multiplicity < 1:
             raise ConfigError(f"[dpsgd] noise_multiplicity must be >= 1, got {noise_multiplicity}")
         self.image_shape = tuple(int(v) for v in image_shape)
@@ -91,16 +90,12 @@ class EDMLoss:
         self.sigma_data = SIGMA_DATA if sigma_data is None else float(sigma_data)
 
     def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
-        from ..models.edm import draw_loss_randomness
-
         r = draw_loss_randomness(
             n, self.image_shape, noise_multiplicity=self.k, label_dropout=self.label_dropout, generator=generator
         )
         return {"noise": r.noise, "sigma": r.sigma, "drop": r.drop}
 
     def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        from ..models.edm import edm_loss_single
-
         return edm_loss_single(
             model, x, y, rand["noise"], rand["sigma"], rand["drop"],
             null_label=self.n_classes, sigma_data=self.sigma_data,

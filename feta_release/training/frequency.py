@@ -27,7 +27,7 @@ import torch
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
-from ..mechanisms.frequency import rff_features
+from ..mechanisms.frequency import rff_features, rff_frequencies
 from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
 from .augment import to_model_range
@@ -214,8 +214,6 @@ def frequency_warmup_from_release(
 ) -> tuple[WarmupResult, AuxGenerator]:
     """:func:`run_frequency_stage` from a ``mechanisms.frequency.FrequencyRelease`` (one site's or the
     federation's ``combine_frequency`` result): omega is rebuilt from the release's public seed."""
-    from ..mechanisms.frequency import rff_frequencies
-
     c, h, w = denoiser.image_shape
     if release.image_shape is not None and tuple(release.image_shape) != (c, h, w):
         raise DataError(f"frequency release is for images {tuple(release.image_shape)}, the model for {(c, h, w)}")

@@ -69,7 +69,7 @@ from .progress import Reporter
 from ..viz import save_budget_chart
 
 FORMAT = "feta-release/run/v1"
-__all__ = ["FORMAT", "RunResult", "SimulatedKill", "apply_method", "check_data", "run_pipeline"]
+__all__ = ["FORMAT", "RunResult", "SimulatedKill", "apply_method", "check_data", "run_pipeline", "run_site_key"]
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -306,6 +306,12 @@ def _run_key(rd: RunDir) -> Ed25519PrivateKey:
     if not path.exists():
         generate_keypair(path.parent, "site")
     return load_private_key(path)
+
+
+def run_site_key(run_dir: str | Path) -> Ed25519PrivateKey:
+    """The site key a run made for itself (``RUN_DIR/checkpoints/site.key``): the one its ledger is signed with
+    when ``train`` was given no ``--site-key``."""
+    return _run_key(RunDir(Path(run_dir)))
 
 
 def _secret(rd: RunDir, noise_seed: int | None) -> int:

@@ -1,0 +1,167 @@
+"""The job directory: what a finished job leaves for the release step, WHICHEVER driver ran it, and the one code
+that turns it into a release (sample grid, privacy report, signed ONNX release).
+
+Layout (``OUT``; the coordinator's ``--out``/``demo-out/job``, or a ``feta-release train`` RUN_DIR)::
+
+    signed_job.json             the job signed by the coordinator key (its config and list of sites)
+    job_summary.json            job id, sites, class names, image shape, DP-SGD rounds, skipped sites, each site's
+                                epsilon/delta/history as it attested them, timings
+    attestations.json           {site: the site's spend statement signed with the SITE key, from its own ledger}
+    policies/SITE.signed.json   each site's signed policy (when it has one)
+    model.pt                    the released weights (``training.checkpoint.write_model_file``)
+    privacy_report.json/.txt    per site, epsilon by stage and in total, from the signed attestations
+    budget.svg                  the same as a chart, against the policy caps
+    samples.png                 a sample grid of the released model
+    release/                    generator.onnx + manifest.json signed by the coordinator (+ policies/)
+
+The federated coordinator (``coordinator/finalize.py``) and the local driver (``feta_release.training.local_job``)
+both write it and both call these functions, so ``verify``/``synthesize``/``report`` meet one release layout.
+
+Everything here is post-processing of the trained model and of the sites' SIGNED attestations: the
+privacy figures in the report are the ones each site computed from its own ledger, re-derived by the
+release module from the event histories (never a number the coordinator made up).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ..accounting import epsilon_breakdown, events_from_list
+from ..config import JobConfig
+from ..errors import FetaError
+from ..models import generate
+from ..signing import load_private_key
+from ..training.checkpoint import MODEL_FILE, read_model_file
+from ..viz import epsilon_title, save_budget_svg, save_grid
+from .export_run import assemble_release, denoiser_from_checkpoint
+from .manifest import site_record
+from .onnx_export import SamplerSettings
+
+SIGNED_JOB = "signed_job.json"
+SUMMARY = "job_summary.json"
+ATTESTATIONS = "attestations.json"
+POLICIES = "policies"
+RELEASE = "release"
+
+
+def write_job_files(out_dir: Path, *, signed_job: dict[str, Any], summary: dict[str, Any],
+                    attestations: dict[str, Any], signed_policies: dict[str, dict[str, Any]]) -> None:
+    """The job's own records, as the coordinator writes them after collecting the sites' attestations."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / ATTESTATIONS).write_text(json.dumps(attestations, indent=2), "utf-8")
+    if signed_policies:
+        (out_dir / POLICIES).mkdir(exist_ok=True)
+    for sid, signed in signed_policies.items():
+        (out_dir / POLICIES / f"{sid}.signed.json").write_text(json.dumps(signed, indent=2), "utf-8")
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2), "utf-8")
+    (out_dir / SIGNED_JOB).write_text(json.dumps(signed_job, indent=2), "utf-8")
+
+
+def privacy_report(out_dir: Path) -> dict[str, Any]:
+    """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total."""
+    summary = json.loads((out_dir / "job_summary.json").read_text("utf-8"))
+    atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
+    sites = {}
+    for sid, att in sorted(atts.items()):
+        st = att["statement"]
+        events = events_from_list(st["events"])
+        sites[sid] = {
+            "epsilon_total": st["epsilon"], "delta": st["delta"], "accountant": st["accountant"],
+            "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
+            "events": st["events"], "policy_sha256": st["policy_sha256"], "signed_by_site": att["signature"]["signer"],
+        }
+        life = st.get("lifetime")
+        if isinstance(life, dict):  # the site's signed spend on the same images over all its jobs
+            sites[sid]["lifetime"] = {
+                "epsilon": life["epsilon"], "delta": life["delta"],
+                "epsilon_by_stage_alone": epsilon_breakdown(events_from_list(life["events"]), life["delta"],
+                                                            st["accountant"])}
+    report = {"job_id": summary["job_id"], "unit_of_privacy": "one image of one site", "sites": sites,
+              "rounds": summary["rounds"], "skipped": summary["skipped"], "timings_s": summary["timings"]}
+    (out_dir / "privacy_report.json").write_text(json.dumps(report, indent=2), "utf-8")
+    _budget_chart(out_dir, sites)
+    lines = [f"Privacy report for job {report['job_id']} (unit of privacy: one image of one site)", ""]
+    for sid, s in sites.items():
+        lines.append(f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
+                     f"accountant), signed by the site's key {s['signed_by_site']}")
+        if "lifetime" in s:
+            lines.append(f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
+                         f"at δ = {s['lifetime']['delta']:g}")
+        for stage, e in s["epsilon_by_stage_alone"].items():
+            if stage != "total":
+                lines.append(f"    {stage:<10} alone ε = {e:.3f}")
+    lines += ["", "Stage figures are each stage alone; composition is sub-additive, the total is what counts.",
+              "Each site's data never left it: only the noisy releases above did."]
+    (out_dir / "privacy_report.txt").write_text("\n".join(lines) + "\n", "utf-8")
+    return report
+
+
+def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
+    """``budget.svg``: per site, ε of each stage alone and the composed total, this job beside the site's lifetime,
+    against the site's per-job and lifetime caps."""
+    chart = {}
+    for sid, s in sites.items():
+        budget: dict[str, Any] = {}
+        pol = out_dir / "policies" / f"{sid}.signed.json"
+        if pol.is_file():  # the caps are context for the chart only; verify checks them against the signed policy
+            budget = json.loads(pol.read_text("utf-8")).get("policy", {}).get("budget", {})
+        chart[sid] = {"by_stage": s["epsilon_by_stage_alone"], "delta": s["delta"],
+                      "lifetime_by_stage": (s.get("lifetime") or {}).get("epsilon_by_stage_alone"),
+                      "cap": budget.get("per_job", {}).get("epsilon"), "lifetime_cap": budget.get("lifetime", {}).get("epsilon")}
+    return save_budget_svg(chart, out_dir / "budget.svg")
+
+
+def load_model(out_dir: Path) -> Any:
+    """The trained denoiser from ``out_dir/model.pt`` (the one model file format, read weights-only)."""
+    return denoiser_from_checkpoint(read_model_file(out_dir / MODEL_FILE), str(out_dir / MODEL_FILE))
+
+
+def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
+    signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
+    cfg = JobConfig.from_dict(signed["job"]["config"])
+    model = load_model(out_dir)
+    images, labels = generate(model, per_class, seed, cfg.sampler)
+    names, eps, delta = None, None, None
+    if (out_dir / "job_summary.json").is_file():
+        names = json.loads((out_dir / "job_summary.json").read_text("utf-8")).get("class_names")
+    if (out_dir / "attestations.json").is_file():  # the sites' own signed totals, not a coordinator figure
+        atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
+        eps = {sid: float(a["statement"]["epsilon"]) for sid, a in atts.items()} or None
+        delta = max((float(a["statement"]["delta"]) for a in atts.values()), default=None)
+    return save_grid(images.numpy(), labels.numpy(), out_dir / "samples.png", per_class=per_class,
+                     n_classes=model.n_classes, class_names=names,
+                     title=epsilon_title("federated model samples", eps, delta))
+
+
+def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey, *,
+                  require_policies: bool = True) -> Path:
+    """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside.
+
+    ``require_policies``: every site must have its signed policy in ``policies/`` (a federation's sites always
+    do); a single-site run without a policy is released without one (``verify`` then says so)."""
+    signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
+    job = signed["job"]
+    cfg = JobConfig.from_dict(job["config"])
+    summary = json.loads((out_dir / "job_summary.json").read_text("utf-8"))
+    atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
+    missing = sorted(set(job["sites"]) - set(atts))
+    if missing:
+        raise FetaError(f"no signed attestation from site(s) {', '.join(missing)}: cannot release")
+    policies = {}
+    for sid in atts:
+        path = out_dir / POLICIES / f"{sid}.signed.json"
+        if path.is_file():
+            policies[sid] = json.loads(path.read_text("utf-8"))
+        elif require_policies:
+            raise FetaError(f"{path}: missing; the release needs site {sid}'s signed policy")
+    key = coordinator_key if isinstance(coordinator_key, Ed25519PrivateKey) else load_private_key(coordinator_key)
+    return assemble_release(
+        out_dir / RELEASE, denoiser=load_model(out_dir), classes=summary["class_names"],
+        image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],
+        config=job["config"], sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=key,
+        signed_policies=policies, signed_job=signed,
+    )

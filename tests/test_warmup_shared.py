@@ -1,0 +1,70 @@
+"""The coordinator's warm-up and the local driver's warm-up stages are one code path: on the same released
+statistics and seed, a federation of one site warms the model up to exactly the weights ``train`` reaches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from feta_release.config import JobConfig, load_preset
+from feta_release.data import ImageDataset, load_embedded
+from feta_release.errors import DataError
+from feta_release.federation.warmup import pooled_central, pooled_frequency, warm_up
+from feta_release.stages.context import initial_denoiser
+from feta_release.training.checkpoint import load_torch
+from feta_release.training.pipeline import run_pipeline
+
+
+def _data(n: int = 200) -> ImageDataset:
+    full = load_embedded()
+    rng = np.random.default_rng(3)
+    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    return full.subset(np.sort(idx))
+
+
+def _released(run: Path) -> tuple[JobConfig, dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """What the local run released, as a node would send it (the raw central release, the frequency release)."""
+    cfg = JobConfig.from_dict(json.loads((run / "job.json").read_text("utf-8")))
+    with np.load(run / "released" / "central.npz") as z:
+        central = {k.removeprefix("raw_"): z[k] for k in z.files if k.startswith("raw_")}
+    with np.load(run / "released" / "frequency.npz") as z:
+        freq = {k: z[k] for k in z.files}
+    n_public = int(json.loads((run / "run.json").read_text("utf-8"))["dataset_size"])
+    return cfg, central, freq, n_public
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(tmp_path: Path, mix: bool) -> None:
+    cfg = load_preset("tiny").replace(dpsgd={"steps": 0}, warmup={"frequency_mix_central": mix},
+                                      central={"stretch": True})
+    run = tmp_path / "run"
+    run_pipeline(cfg, _data(), run, n_synthetic=10, grid_per_class=1, noise_seed=5)
+    local = load_torch(run / "checkpoints" / "after-frequency.pt")["model"]
+    eff, central, freq, n_pub = _released(run)
+
+    model = initial_denoiser(eff, (1, 28, 28), 10)
+    warm_up(model, {"site-a": central}, {"site-a": freq}, eff, {"site-a": n_pub}, lambda msg: None)
+    fed = model.state_dict()
+    assert local.keys() == fed.keys()
+    assert all(torch.equal(local[k], fed[k]) for k in local)
+
+    # and the stage really moved the weights: the comparison is not of two untouched inits
+    init = initial_denoiser(eff, (1, 28, 28), 10).state_dict()
+    assert not all(torch.equal(init[k], fed[k]) for k in init)
+    # the combined central images of one site are its own post-processed release
+    images, labels = pooled_central({"site-a": central}, {"site-a": n_pub}, eff)
+    with np.load(run / "released" / "central.npz") as z:
+        assert np.array_equal(images, z["images"]) and np.array_equal(labels, z["labels"])
+
+
+def test_a_frequency_release_for_other_features_is_refused() -> None:
+    cfg = load_preset("tiny")
+    arrays = {"embedding": np.zeros((64, 10), np.float32), "n_public": np.int64(100), "features": np.int64(64),
+              "bandwidth2": np.float64(cfg.frequency.bandwidth2), "seed": np.int64(cfg.frequency.seed + 1),
+              "sigma": np.float64(10.0)}
+    with pytest.raises(DataError, match="not made for this job"):
+        pooled_frequency({"a": arrays}, {"a": 100}, cfg)

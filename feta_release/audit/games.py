@@ -185,7 +185,7 @@ def audit_one_shot(mechanism: str, sigma: float, *, trials: int, delta: float, a
     else:
         null, alt = scorers[mechanism]()
         h = trials // 2
-        threshold = best_threshold(null[:h], alt[:h], delta)
+        threshold = best_threshold(null[:h], alt[:h], delta, confidence=confidence)
         bound, detail = threshold_bound(null[h:], alt[h:], threshold, delta, confidence)
     stage = "frequency" if mechanism == "frequency" else "central"
     event = PrivacyEvent(stage, sigma, 1.0, 1)

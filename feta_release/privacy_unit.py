@@ -70,6 +70,16 @@ class PatientIndex:
                 raise PrivacyError(f"patient-level DP-SGD: {name} must be an integer >= 1, got {v!r}")
 
 
+def unit_phrase(events: Sequence[Any]) -> str:
+    """The unit of privacy of a site's event history (dicts or PrivacyEvents), in words: patient-level DP-SGD
+    events say "patient"; every other event protects one image of the site."""
+    units = {(e.get("unit", "image") if isinstance(e, dict) else getattr(e, "unit", "image")) for e in events}
+    if "patient" in units:
+        return ("one patient of that site for DP-SGD (patients sampled, each patient's summed gradient clipped), "
+                "one image for the other stages")
+    return "one image of that site"
+
+
 def group_privacy(epsilon: float, delta: float, k: int) -> tuple[float, float]:
     """(ε, δ)-DP for one record implies (k·ε, k·e^{(k-1)ε}·δ)-DP for a group of k records."""
     if k < 1:

@@ -183,3 +183,18 @@ def test_patient_statement_does_not_group_convert_dpsgd() -> None:
         assert mixed["epsilon_per_patient"] == pytest.approx(want)
         assert mixed["epsilon_per_patient"] < PrivacyUnit("patient", 5).statement(p.epsilon, p.delta)[
             "epsilon_per_patient"]
+
+
+def test_release_statements_name_the_unit() -> None:
+    """The certificate's PNG text and the report's paragraph say "patient" only for patient-level DP-SGD events."""
+    from feta_release.release.certificate import epsilon_line
+    from feta_release.release.report import _unit_paragraph
+
+    img = [{"stage": "central", "sigma": 8.0, "q": 0.1, "steps": 1}, {"stage": "dpsgd", "sigma": 2.0, "q": 0.01,
+                                                                      "steps": 100}]
+    pat = [img[0], {**img[1], "unit": "patient"}]
+    site = {"site_id": "a", "epsilon": 1.0, "delta": 1e-5, "accountant": "rdp"}
+    line_img, line_pat = epsilon_line([{**site, "events": img}]), epsilon_line([{**site, "events": pat}])
+    assert "unit = one image of that site" in line_img and "patient" not in line_img
+    assert "one patient of that site for DP-SGD" in line_pat and line_pat.isascii()
+    assert "PATIENT" in _unit_paragraph([{"events": pat}]) and "PATIENT" not in _unit_paragraph([{"events": img}])

@@ -5,7 +5,7 @@ per-example-gradient method measured (see ``bench/bench_dpsgd.py`` and the CPU n
 noise multiplicity (average over K noise draws BEFORE clipping is just a mean inside the per-example loss), and
 it accepts any ``nn.Module`` without hooks or module restrictions.
 
-The privacy argument the code keeps (unit = one image of one site):
+The privacy argument the code keeps (unit = one image of one site; the patient-level variant follows):
 
 * each step draws its batch by Poisson sampling with rate ``q`` from the site's ``N`` examples (variable, possibly
   empty batch) with the trainer's own ``torch.Generator``;

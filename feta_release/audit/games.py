@@ -82,15 +82,22 @@ def _pair(record_copies: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.n
     return d0, d1
 
 
-def _central_scores(kind: str, sigma: float, trials: int, seed: int, record_copies: int) -> tuple[np.ndarray, ...]:
+def _central_scores(kind: str, sigma: float, trials: int, seed: int, record_copies: int,
+                    classes: int = 200) -> tuple[np.ndarray, ...]:
+    """Scores of ``trials`` releases per neighbour; one call releases ``classes`` disjoint classes, each holding
+    its own copy of the pair (independent noise per class: independent one-class releases, as in _mode_runs)."""
     from ..mechanisms.central import central_images
 
+    k = min(classes, trials)
+    rounds = -(-trials // k)
     out = []
-    for i, (x, y) in enumerate(_pair(record_copies)):
-        n_public = 1 + record_copies  # public and the same for both neighbours; batch = n_public: q = 1
-        rel, _ = central_images(x, y, 1, kind=kind, rounds=trials, batch=n_public, sigma=sigma,
-                                n_public=n_public, rng=np.random.default_rng([seed, i]), bins=2 if kind == "mode" else None)
-        flat = rel.values.reshape(trials, -1)
+    for i, (x, _y) in enumerate(_pair(record_copies)):
+        n_public = k * (1 + record_copies)  # public and the same for both neighbours; batch = n_public: q = 1
+        xs = np.tile(x, (k, 1, 1, 1))
+        ys = np.repeat(np.arange(k, dtype=np.int64), len(x))
+        rel, _ = central_images(xs, ys, k, kind=kind, rounds=rounds, batch=n_public, sigma=sigma, n_public=n_public,
+                                rng=np.random.default_rng([seed, i]), bins=2 if kind == "mode" else None)
+        flat = rel.values.reshape(rounds * k, -1)[:trials]
         # mean: the canary direction is all-ones; mode: how many pixels came out white.
         out.append(flat.sum(axis=1) if kind == "mean" else (flat > 0.5).sum(axis=1).astype(np.float64))
     return out[0], out[1]
@@ -151,25 +158,32 @@ def _norm_sf(x: float) -> float:
     return 0.5 * math.erfc(x / math.sqrt(2.0))
 
 
-def _frequency_scores(sigma: float, trials: int, seed: int, record_copies: int, features: int = 64
-                      ) -> tuple[np.ndarray, ...]:
+def _frequency_scores(sigma: float, trials: int, seed: int, record_copies: int, features: int = 64,
+                      classes: int = 100) -> tuple[np.ndarray, ...]:
+    """Scores of ``trials`` releases per neighbour. One call releases ``classes`` class columns, each computed from
+    its own copy of the pair with independent noise of std sigma/N (one image touches one column): the columns are
+    independent one-class releases, so a call yields that many runs."""
     import torch
 
     from ..mechanisms.frequency import frequency_statistics, rff_features, rff_frequencies
 
     direction = rff_features(np.ones((1, int(np.prod(SHAPE))), np.float32),
                              rff_frequencies(int(np.prod(SHAPE)), features)).numpy()[0]
+    k = min(classes, trials)
+    calls = -(-trials // k)
     out = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of tiny products: thread start-up would cost 10x the arithmetic
     try:
-        for i, (x, y) in enumerate(_pair(record_copies)):
+        for i, (x, _y) in enumerate(_pair(record_copies)):
             gen = np.random.default_rng([seed, i])
-            s = np.empty(trials)
-            for t in range(trials):
-                rel, _ = frequency_statistics(x, y, 1, features=features, sigma=sigma, n_public=2, rng=gen)
-                s[t] = float(rel.embedding[:, 0] @ direction)
-            out.append(s)
+            xs = np.tile(x, (k, 1, 1, 1))
+            ys = np.repeat(np.arange(k, dtype=np.int64), len(x))
+            s = np.empty((calls, k))
+            for t in range(calls):
+                rel, _ = frequency_statistics(xs, ys, k, features=features, sigma=sigma, n_public=2, rng=gen)
+                s[t] = direction @ rel.embedding
+            out.append(s.reshape(-1)[:trials])
     finally:
         torch.set_num_threads(threads)
     return out[0], out[1]

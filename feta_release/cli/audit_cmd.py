@@ -17,7 +17,7 @@ from .progress_option import progress_option
 @click.option("--n", "n", type=int, default=4000, show_default=True,
               help="The site's PUBLIC dataset size (sets the sampling rates q = batch / n).")
 @click.option("--trials", type=int, default=20000, show_default=True,
-              help="Runs per neighbour for the one-shot mechanisms (frequency: a tenth of it).")
+              help="Runs per neighbour for the one-shot mechanisms (central and frequency alike).")
 @click.option("--canaries", type=int, default=1000, show_default=True, help="Canaries of the DP-SGD one-run audit.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the canary draws and noise.")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),

@@ -234,7 +234,9 @@ def sample_grid_image(man: dict[str, Any], res: VerificationResult, per_class: i
     images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
     eps = {s["site_id"]: float(s["epsilon"]) for s in man["sites"]}
     delta = max(float(s["delta"]) for s in man["sites"])
-    title = epsilon_title("samples from the released generator", eps, delta)
+    patient = any(e.get("unit") == "patient" for s in man["sites"] for e in s.get("events", ()))
+    title = epsilon_title("samples from the released generator", eps, delta,
+                          "a patient (DP-SGD) / an image (warm-up) of one site" if patient else "one image of one site")
     scale = max(1, 64 // max(h, w))  # small images are enlarged so a printed page shows them
     return labelled_grid_image(images, labels, class_names=classes, title=title, per_class=per_class,
                                n_classes=len(classes), scale=scale)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from feta_release.cli.progress_option import progress_option
+
 from .superlink import SuperLinkSettings, register_node, start_superlink
 from .tls import make_certificates, make_node_auth_key
 
@@ -92,8 +94,9 @@ def fab_hash(app_dir: Path | None) -> None:
 @click.option("--job-id", default=None, help="Default: JOB name + UTC time (kept in --out for resumes).")
 @click.option("--release/--no-release", default=True, show_default=True,
               help="Also write samples.png, the privacy report and OUT/release (ONNX + signed manifest).")
+@progress_option("the job's streamed progress lines (rounds, sites)")
 def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: str, root_certificates: Path | None,
-        insecure: bool, job_id: str | None, release: bool) -> None:
+        insecure: bool, job_id: str | None, release: bool, progress: bool) -> None:
     """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress.
 
     \b
@@ -106,7 +109,7 @@ def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: st
     signed_path = sign_or_resume(job_file, [s.strip() for s in sites.split(",") if s.strip()], key_path, out_dir,
                                  job_id)
     summary = run_signed_job(signed_path, key_path, out_dir, superlink, insecure=insecure,
-                             root_certificates=root_certificates, on_line=click.echo)
+                             root_certificates=root_certificates, on_line=click.echo if progress else None)
     click.echo(json.dumps({k: summary[k] for k in ("job_id", "site_epsilon", "rounds", "skipped", "timings")}, indent=2))
     if release:
         from .finalize import build_release, privacy_report, sample_grid

@@ -24,6 +24,7 @@ import click
 import numpy as np
 from rich.console import Console
 
+from feta_release.cli.progress_option import progress_option
 from feta_release.config import load_preset
 from feta_release.data.dataset import save_npz
 from feta_release.data.embedded import load_embedded
@@ -80,8 +81,9 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
 @click.option("--per-site", type=int, default=None, help="Use only this many images per site (faster, worse).")
 @click.option("--quick", is_flag=True, help="Tiny model and stages: checks the machinery in a few minutes.")
 @click.option("--no-release", is_flag=True, help="Skip the ONNX release (samples + privacy report only).")
+@progress_option("a status spinner naming the current step")
 def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
-         quick: bool, no_release: bool) -> None:
+         quick: bool, no_release: bool, progress: bool) -> None:
     """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1.
 
     \b
@@ -100,7 +102,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        with console.status("[bold]preparing 3 sites: data, keys, signed policies") as status:
+        with _status(console, progress, "[bold]preparing 3 sites: data, keys, signed policies") as status:
             t0 = time.monotonic()
             fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, per_site, quick)
             timings["prepare"] = time.monotonic() - t0
@@ -115,7 +117,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             summary = _run_job(out_dir, fed, cfg, address, console, status)
             timings["job"] = time.monotonic() - t0
         _stop_all(procs)
-        with console.status("[bold]writing samples, privacy report and release"):
+        with _status(console, progress, "[bold]writing samples, privacy report and release"):
             t0 = time.monotonic()
             from .finalize import build_release, privacy_report, sample_grid
 
@@ -196,6 +198,23 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
         console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, "
                     "keyed data commitment checked")
     return f"127.0.0.1:{port}"
+
+
+class _NoStatus:
+    """``console.status``'s interface without the spinner (``--no-progress``): the log lines stay."""
+
+    def __enter__(self) -> _NoStatus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        return None
+
+
+def _status(console: Any, progress: bool, text: str) -> Any:
+    return console.status(text) if progress else _NoStatus()
 
 
 def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, status: Any) -> dict[str, Any]:

@@ -39,6 +39,8 @@ Accountant = Literal["rdp", "prv"]
 RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
 
 STAGES = ("central", "frequency", "dpsgd")
+# What one privacy event protects (PrivacyEvent.unit); feta_release.privacy_unit states what that means.
+UNITS = ("image", "patient")
 
 # Calibration refuses noise multipliers above this: with sigma that large DP-SGD learns nothing useful, so the
 # plan is treated as infeasible and the user is told which warm-up stage to shrink.
@@ -50,13 +52,18 @@ class PrivacyEvent:
     """``steps`` compositions of a Poisson-subsampled Gaussian mechanism.
 
     ``sigma`` is the noise multiplier (noise std / L2 sensitivity), ``q`` the Poisson sampling rate in (0, 1]
-    (1.0 = no sampling).  The unit of privacy is one image of one site (add/remove neighbouring relation).
+    (1.0 = no sampling).  ``unit`` is what one add/remove changes: ``"image"`` (one image of one site, the
+    default) or ``"patient"`` (one patient with all of their images: patient-level DP-SGD samples patients and
+    clips each patient's summed gradient, so the accountant's figure holds per patient directly). The unit does
+    not change the analysis, only what the figure protects; an image-level event serialises exactly as before
+    (no ``unit`` key), so earlier ledgers and releases read and verify unchanged.
     """
 
     stage: str
     sigma: float
     q: float
     steps: int
+    unit: str = "image"
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, str) or not self.stage:
@@ -68,13 +75,18 @@ class PrivacyEvent:
             raise PrivacyError(f"privacy event {self.stage!r}: sampling rate q must be in (0, 1], got {self.q!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 0:
             raise PrivacyError(f"privacy event {self.stage!r}: steps must be an integer >= 0, got {self.steps!r}")
+        if self.unit not in UNITS:
+            raise PrivacyError(f"privacy event {self.stage!r}: unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
         # Normalise numpy scalars to Python numbers so that to_dict/from_dict and JSON round-trip exactly.
         object.__setattr__(self, "sigma", float(self.sigma))
         object.__setattr__(self, "q", float(self.q))
         object.__setattr__(self, "steps", int(self.steps))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["unit"] == "image":  # the default stays implicit: image-level events are byte-identical to before
+            del d["unit"]
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrivacyEvent:
@@ -83,10 +95,11 @@ class PrivacyEvent:
         missing = sorted({"stage", "sigma", "q", "steps"} - set(data))
         if missing:
             raise PrivacyError(f"privacy event {data!r} lacks {', '.join(missing)}")
-        extra = sorted(set(data) - {"stage", "sigma", "q", "steps"})
+        extra = sorted(set(data) - {"stage", "sigma", "q", "steps", "unit"})
         if extra:
             raise PrivacyError(f"privacy event {data!r} has unknown key(s) {', '.join(extra)}")
-        return cls(stage=data["stage"], sigma=data["sigma"], q=data["q"], steps=data["steps"])
+        return cls(stage=data["stage"], sigma=data["sigma"], q=data["q"], steps=data["steps"],
+                   unit=data.get("unit", "image"))
 
 
 def events_to_list(events: Iterable[PrivacyEvent]) -> list[dict[str, Any]]:

@@ -146,7 +146,10 @@ def _event_dicts(events: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for e in events:
         d = dataclasses.asdict(e) if dataclasses.is_dataclass(e) and not isinstance(e, type) else dict(e)
-        out.append({"stage": str(d["stage"]), "sigma": float(d["sigma"]), "q": float(d["q"]), "steps": int(d["steps"])})
+        row = {"stage": str(d["stage"]), "sigma": float(d["sigma"]), "q": float(d["q"]), "steps": int(d["steps"])}
+        if d.get("unit", "image") != "image":  # patient-level events say so; image-level rows stay as before
+            row["unit"] = str(d["unit"])
+        out.append(row)
     return out
 
 

@@ -15,6 +15,7 @@ PLANNED ones, so the sigma a site uses in round r does not depend on which reque
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -98,7 +99,7 @@ def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
 
 def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
                  budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
-                 cache_dir: Path | None = None) -> list[PrivacyEvent]:
+                 cache_dir: Path | None = None, dpsgd_unit: str = "image") -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
@@ -110,6 +111,8 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     calibrating; ``cache_dir``: remember calibrations on disk (a node answers each message in a fresh process and
     a calibration costs seconds; it is a pure function of its inputs, so the cache is exact). Raises PrivacyError
     naming the stage to shrink when the job cannot fit.
+    ``dpsgd_unit``: ``"patient"`` for patient-level DP-SGD (patients Poisson-sampled at the same rate q, each
+    patient's summed gradient clipped): the same (sigma, q, steps), the figure then holds per patient directly.
     """
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
@@ -125,7 +128,7 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
         tgt = budget or target(cfg)
         args = (tuple(prior) + tuple(warm), q, sum(sizes), tgt.epsilon, tgt.delta, tgt.accountant)
         sigma = _cached_calibration(args, cache_dir)
-    return warm + [PrivacyEvent("dpsgd", sigma, q, k) for k in sizes]
+    return warm + [PrivacyEvent("dpsgd", sigma, q, k, unit=dpsgd_unit) for k in sizes]
 
 
 def _round_sizes(rounds: Sequence[int]) -> list[int]:
@@ -193,11 +196,11 @@ def stage_event(events: Sequence[PrivacyEvent], stage: str) -> PrivacyEvent | No
 def merged(events: Sequence[PrivacyEvent]) -> list[PrivacyEvent]:
     """Events of one stage, sigma and q as one event with the steps summed (DP-SGD rounds or chunks of one
     sigma and q are one composition, so epsilon is unchanged), in order of first appearance."""
-    out: dict[tuple[str, float, float], PrivacyEvent] = {}
+    out: dict[tuple[str, float, float, str], PrivacyEvent] = {}
     for e in events:
-        key = (e.stage, e.sigma, e.q)
+        key = (e.stage, e.sigma, e.q, e.unit)
         prev = out.get(key)
-        out[key] = e if prev is None else PrivacyEvent(e.stage, e.sigma, e.q, prev.steps + e.steps)
+        out[key] = e if prev is None else dataclasses.replace(e, steps=prev.steps + e.steps)
     return list(out.values())
 
 
@@ -314,7 +317,7 @@ class PrivacyPlan:
 
 def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
          budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
-         image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10) -> PrivacyPlan:
+         image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image") -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
     ``rounds``: the DP-SGD round sizes (see :func:`stage_events`); ``image_shape``/``n_classes`` (public) only feed
@@ -326,7 +329,7 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
     tgt = budget or target(cfg)
     prior = list(prior)
     check_warmup(prior + warmup_events(cfg, n), tgt)
-    events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior)
+    events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit)
     history = prior + events
     sgd = stage_event(events, "dpsgd")
     total = epsilon(history, tgt.delta, tgt.accountant)
@@ -360,8 +363,9 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
     notes = {
         "central": f"{c.kind} images, {c.rounds} round(s)" if "central" in by_stage else "disabled (rounds = 0)",
         "frequency": f"{f.features} random Fourier features" if "frequency" in by_stage else "disabled (no sigma)",
-        "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated") if sgd
-                  else "disabled (0 steps)"),
+        "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")
+                  + ("; unit: the PATIENT (patients sampled, per-patient clip; no group conversion)"
+                     if sgd.unit == "patient" else "") if sgd else "disabled (0 steps)"),
     }
     rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}

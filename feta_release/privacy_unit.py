@@ -15,6 +15,13 @@ shared random draw would not have this property). Sensitivities under add/remove
 With k = 1 the patient-level guarantee IS the image-level (ε, δ): the accountant's numbers hold for a
 patient unchanged. With k > 1 the guarantee follows by group privacy over k records:
 (k·ε, k·e^{(k-1)ε}·δ) (Dwork & Roth, Thm 2.2 generalised to (ε, δ); Vadhan 2017, Lemma 2.2).
+
+Patient-level DP-SGD (``training.dpsgd``, events with ``unit = "patient"``) needs no such conversion: it
+Poisson-samples PATIENTS and clips each sampled patient's summed gradient to C, so add/remove of one patient
+changes the noised sum by at most C, and the accountant's (ε, δ) for those steps holds per patient as it is.
+When the warm-up stages are image-level with k > 1, the statement splits δ in half: the warm-up's (ε_w, δ/2)
+goes through group privacy over k, DP-SGD's (ε_s, δ/2) is per patient already, and the two compose by basic
+composition: (k·ε_w + ε_s, k·e^{(k-1)ε_w}·δ/2 + δ/2).
 Without patient ids the unit stays the image, and a person with m images in the data is protected
 only by that same group bound with k = m.
 """
@@ -22,7 +29,9 @@ only by that same group bound with k = m.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +53,33 @@ def cap_per_patient(patients: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(keep, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class PatientIndex:
+    """What patient-level DP-SGD needs: ``ids`` (per image, 0..P-1; private, stays in the site's process),
+    ``n_public`` (the PUBLIC number of patients, the divisor's N: never the exact count) and ``cap`` (the public
+    number of a sampled patient's images used per step, the loader's patient cap)."""
+
+    ids: np.ndarray
+    n_public: int
+    cap: int
+
+    def __post_init__(self) -> None:
+        for name in ("n_public", "cap"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PrivacyError(f"patient-level DP-SGD: {name} must be an integer >= 1, got {v!r}")
+
+
+def unit_phrase(events: Sequence[Any]) -> str:
+    """The unit of privacy of a site's event history (dicts or PrivacyEvents), in words: patient-level DP-SGD
+    events say "patient"; every other event protects one image of the site."""
+    units = {(e.get("unit", "image") if isinstance(e, dict) else getattr(e, "unit", "image")) for e in events}
+    if "patient" in units:
+        return ("one patient of that site for DP-SGD (patients sampled, each patient's summed gradient clipped), "
+                "one image for the other stages")
+    return "one image of that site"
+
+
 def group_privacy(epsilon: float, delta: float, k: int) -> tuple[float, float]:
     """(ε, δ)-DP for one record implies (k·ε, k·e^{(k-1)ε}·δ)-DP for a group of k records."""
     if k < 1:
@@ -63,7 +99,11 @@ class PrivacyUnit:
     kind: str  # "image" | "patient"
     k: int | None = 1
 
-    def statement(self, epsilon: float, delta: float) -> dict:
+    def statement(self, epsilon: float, delta: float, events: Sequence[Any] = (), accountant: str = "rdp") -> dict:
+        """What (ε, δ) (the accountant's figure over ``events``) means for one patient or one image. ``events``
+        matter only when some are patient-level (patient-level DP-SGD): those are then not group-converted."""
+        if self.kind == "patient" and any(getattr(e, "unit", "image") == "patient" for e in events):
+            return self._mixed_statement(float(epsilon), float(delta), list(events), accountant)
         if self.kind == "patient":
             k = int(self.k or 1)
             pe, pd = group_privacy(epsilon, delta, k)
@@ -80,3 +120,25 @@ class PrivacyUnit:
             pe, pd = group_privacy(epsilon, delta, int(self.k))
             out.update(largest_group=int(self.k), epsilon_for_largest_group=pe, delta_for_largest_group=pd)
         return out
+
+    def _mixed_statement(self, epsilon: float, delta: float, events: list[Any], accountant: str) -> dict:
+        from .accounting import epsilon as compose
+
+        k = int(self.k or 1)
+        image_level = [e for e in events if e.unit == "image"]
+        patient_level = [e for e in events if e.unit == "patient"]
+        base = {"unit": "patient", "images_per_patient_cap": k,
+                "sensitivity": f"DP-SGD: one patient adds one clipped summed gradient, C per step (patients sampled); "
+                               f"central {k}·clip, frequency {k}/N (at most {k} image(s) per patient)"}
+        if k == 1 or not image_level:
+            # each image-level record is a whole patient (k = 1) or there is none: the accountant's figure is exact
+            return {**base, "epsilon_per_patient": epsilon, "delta_per_patient": delta,
+                    "how": "exact: DP-SGD samples and clips whole patients"
+                           + ("" if not image_level else ", and each patient has one image in the warm-up stages")}
+        eps_w = compose(image_level, delta / 2, accountant)  # type: ignore[arg-type]
+        eps_s = compose(patient_level, delta / 2, accountant)  # type: ignore[arg-type]
+        ge, gd = group_privacy(eps_w, delta / 2, k)
+        return {**base, "epsilon_per_patient": ge + eps_s, "delta_per_patient": min(gd + delta / 2, 1.0),
+                "epsilon_dpsgd_per_patient": eps_s, "epsilon_warmup_per_patient": ge,
+                "how": f"DP-SGD per patient directly (no group conversion); the warm-up stages by group privacy over "
+                       f"the cap of {k} images per patient; the two by basic composition, δ split in half"}

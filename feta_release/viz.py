@@ -160,8 +160,10 @@ def _ascii(text: str) -> str:
     return text.replace("ε", "eps").replace("δ", "delta").replace("σ", "sigma").replace("≤", "<=")
 
 
-def epsilon_title(what: str, epsilon: float | dict[str, float] | None, delta: float | None = None) -> str:
-    """``"<what> - ε = 1.00, δ = 1e-05 (unit: one image of one site)"``; per-site figures as ``a: 1.00, b: 0.98``."""
+def epsilon_title(what: str, epsilon: float | dict[str, float] | None, delta: float | None = None,
+                  unit: str = "one image of one site") -> str:
+    """``"<what> - ε = 1.00, δ = 1e-05 (unit: one image of one site)"``; per-site figures as ``a: 1.00, b: 0.98``;
+    ``unit``: what the figure protects (patient-level DP-SGD: a patient for that stage)."""
     if epsilon is None:
         return f"{what} - no privacy budget spent yet (no data touched)"
     if isinstance(epsilon, dict):
@@ -170,7 +172,7 @@ def epsilon_title(what: str, epsilon: float | dict[str, float] | None, delta: fl
     else:
         eps = f"ε = {float(epsilon):.3g}"
     d = f", δ = {delta:g}" if delta is not None else ""
-    return f"{what} - {eps}{d} (unit: one image of one site)"
+    return f"{what} - {eps}{d} (unit: {unit})"
 
 
 def labelled_grid_image(

@@ -104,3 +104,61 @@ def test_job_verify_keeps_roles_apart(tmp_path: Path):
     assert res.exit_code == 2 and "--coordinator COORDINATOR.pub" in res.output
     res = CliRunner().invoke(cli, ["job", "verify", str(job)])
     assert res.exit_code == 2 and "give --coordinator" in res.output
+
+
+PROGRESS_WORDS = ("quiet", "progress", "silent", "verbose", "spinner")
+
+
+def test_the_progress_option_has_one_name_everywhere():
+    """Every visible option about progress output is click's --progress/--no-progress pair (on by default), and
+    every command that draws bars, spinners or streamed progress lines has it."""
+    found: dict[str, click.Option] = {}
+    for name, cmd in COMMANDS.items():
+        for p in _visible_options(cmd):
+            names = (*p.opts, *p.secondary_opts)
+            if any(w in o for o in names for w in PROGRESS_WORDS):
+                assert (p.opts, p.secondary_opts) == (["--progress"], ["--no-progress"]), f"{name}: {names}"
+                assert p.default is True and p.help, name
+                found[name] = p
+    assert {"train", "synthesize", "audit", "coordinator run", "demo"} <= set(found)
+
+
+@pytest.mark.parametrize("name", ["synthesize", "audit", "coordinator run", "demo"])
+def test_progress_flag_reaches_the_command(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """--no-progress arrives as progress=False, --progress and the default as True."""
+    cmd = COMMANDS[name]
+    seen: list[bool] = []
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        seen.append(kw.get("progress"))
+
+    monkeypatch.setattr(cmd, "callback", spy)
+    (tmp_path / "job.toml").write_text("")
+    (tmp_path / "k").write_text("")
+    required = {"synthesize": ["--release", "r", "--out", "o"], "audit": ["--preset", "tiny", "--out", "a.json"],
+                "coordinator run": [str(tmp_path / "job.toml"), "--sites", "a", "--key", str(tmp_path / "k"),
+                                    "--out", "o"], "demo": []}[name]
+    for flag, want in (([], True), (["--no-progress"], False), (["--progress"], True)):
+        res = CliRunner().invoke(cmd, [*required, *flag])
+        assert res.exit_code == 0, res.output
+        assert seen[-1] is want, (name, flag)
+
+
+def test_train_no_progress_and_its_deprecated_quiet_alias(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """train's progress bars follow --progress/--no-progress; the old --quiet still works (hidden, with a warning)."""
+    import feta_release.training.pipeline as pipeline
+
+    enabled: list[bool] = []
+
+    def fake_run(*args, reporter, **kw):  # noqa: ANN002, ANN003, ANN001, ANN202
+        enabled.append(reporter.enabled)
+        raise click.exceptions.Exit(0)
+
+    monkeypatch.setattr(pipeline, "run_pipeline", fake_run)
+    cmd = COMMANDS["train"]
+    for flag, want in (([], True), (["--no-progress"], False), (["--progress"], True), (["--quiet"], False)):
+        res = CliRunner().invoke(cmd, ["--preset", "tiny", "--out", str(tmp_path / "r"), *flag])
+        assert res.exit_code == 0, res.output
+        assert enabled[-1] is want, flag
+        assert ("--quiet is deprecated; use --no-progress" in res.output) == (flag == ["--quiet"])
+    assert "--quiet" not in cmd.get_help(click.Context(cmd))

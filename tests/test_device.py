@@ -31,7 +31,7 @@ def test_train_cli_refuses_cuda_without_a_gpu_before_writing(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--preset", "tiny", "--device", "cuda", "--out", str(out), "--quiet"])
+        main(["train", "--preset", "tiny", "--device", "cuda", "--out", str(out), "--no-progress"])
     assert exc.value.code != 0
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -332,3 +332,30 @@ def test_local_run_on_a_site_ledger_is_held_to_the_policys_min_sigma(tmp_path):
     with pytest.raises(PolicyViolation) as exc:
         acc.charge("central", 1)
     assert exc.value.rule == "mechanisms.central.min_sigma" and led.job_events("local-b") == []
+
+
+def test_patient_level_run_charges_patient_events_and_resumes(tmp_path):
+    """With patient ids the DP-SGD events carry unit = patient in the ledger, privacy.json and run.json; a killed
+    run resumes onto the same patient-level plan, and an image-level plan into the same directory is refused."""
+    from feta_release.privacy_unit import PatientIndex
+
+    cfg = _cfg(dpsgd={"steps": 4}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
+    data = _data()
+    pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=80, cap=3)  # 80 patients x 3 images
+    out = tmp_path / "r"
+    with pytest.raises(SimulatedKill):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, kill_after_steps=1,
+                     noise_seed=3, patients=pats)
+    with pytest.raises(PrivacyError, match="differs from this job's plan"):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2)  # image-level now
+    res = run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, patients=pats)
+    sgd = [e for e in res.events if e.stage == "dpsgd"]
+    assert [e.unit for e in sgd] == ["patient"] and sgd[0].steps == 4
+    assert all(e.unit == "image" for e in res.events if e.stage != "dpsgd")
+    doc = json.loads((out / "privacy.json").read_text())
+    assert "PATIENT" in doc["unit"] and events_from_list(doc["events"]) == res.events
+    ledger_rows = Ledger(out / "ledger.sqlite", verify_key=load_private_key(out / "checkpoints" / "site.key")
+                         .public_key()).job_events(json.loads((out / "run.json").read_text())["ledger"]["job_id"])
+    assert {r.get("unit", "image") for r in ledger_rows if r["stage"] == "dpsgd"} == {"patient"}
+    image_level = plan_run(cfg, 240)  # same sigma, q, steps and epsilon as the image-level plan
+    assert res.epsilon == pytest.approx(image_level.epsilon)

@@ -133,3 +133,17 @@ def test_privacy_plan_two_thousand_patients(capsys) -> None:
     img = _plan([str(preset), "-n", str(len(patients)), "--max-images-per-person", "20"], capsys)
     assert img["privacy_unit"]["unit"] == "image"
     assert img["privacy_unit"]["epsilon_for_largest_group"] == pytest.approx(20 * img["epsilon"])
+
+
+def test_privacy_plan_patient_level_dpsgd(capsys) -> None:  # noqa: ANN001
+    """--patients: DP-SGD's ε is per patient directly, only the warm-up goes through group privacy."""
+    preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
+    grouped = _plan([str(preset), "-n", "9000", "--patient-cap", "5"], capsys)
+    direct = _plan([str(preset), "-n", "9000", "--patient-cap", "5", "--patients", "2000"], capsys)
+    assert direct["epsilon"] == pytest.approx(grouped["epsilon"])  # same events, same accountant figure
+    assert [e.get("unit", "image") for e in direct["history"]][-1] == "patient"
+    u = direct["privacy_unit"]
+    assert u["epsilon_per_patient"] < grouped["privacy_unit"]["epsilon_per_patient"]
+    assert u["epsilon_per_patient"] == pytest.approx(u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
+    sgd = [e for e in direct["history"] if e["stage"] == "dpsgd"][0]
+    assert u["expected_patients_per_step"] == pytest.approx(sgd["q"] * 2000)

@@ -36,7 +36,7 @@ def _run(argv, capsys):
 def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     out = tmp_path / "run"
     code, stdout, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
-                              "--synthetic", "10", "--quiet", "--json"], capsys)
+                              "--synthetic", "10", "--no-progress", "--json"], capsys)
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["epsilon"] <= 10.0 and summary["delta"] == 1e-5
@@ -45,7 +45,7 @@ def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     assert np.load(out / "synthetic.npz")["images"].shape[0] == 10
     # the same command again: already complete, nothing re-spent
     code, stdout, _ = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
-                            "--synthetic", "10", "--quiet", "--json"], capsys)
+                            "--synthetic", "10", "--no-progress", "--json"], capsys)
     assert code == 0 and json.loads(stdout)["already_complete"] is True
 
 
@@ -85,9 +85,9 @@ def test_presets_load_and_plan():
 
 def test_train_with_a_site_ledger_but_no_policy_is_refused_in_one_line(small_npz, tmp_path, capsys):
     code, _, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "r"),
-                         "--ledger", str(tmp_path / "site.sqlite"), "--quiet"], capsys)
+                         "--ledger", str(tmp_path / "site.sqlite"), "--no-progress"], capsys)
     assert code != 0 and "--policy SITE.signed.json --trusted ADMIN.pub" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     code, _, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "s"),
-                         "--policy", str(small_npz), "--quiet"], capsys)
+                         "--policy", str(small_npz), "--no-progress"], capsys)
     assert code != 0 and "--trusted ADMIN.pub" in err

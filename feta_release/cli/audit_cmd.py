@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError
+from .progress_option import progress_option
 
 
 @click.command("audit")
@@ -16,12 +17,14 @@ from ..errors import ConfigError
 @click.option("--n", "n", type=int, default=4000, show_default=True,
               help="The site's PUBLIC dataset size (sets the sampling rates q = batch / n).")
 @click.option("--trials", type=int, default=20000, show_default=True,
-              help="Runs per neighbour for the one-shot mechanisms (frequency: a tenth of it).")
+              help="Runs per neighbour for the one-shot mechanisms (central and frequency alike).")
 @click.option("--canaries", type=int, default=1000, show_default=True, help="Canaries of the DP-SGD one-run audit.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the canary draws and noise.")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="audit.json to write (feta-release report --audit shows it).")
-def audit(preset: str | None, job_file: Path | None, n: int, trials: int, canaries: int, seed: int, out: Path) -> None:
+@progress_option("a line per mechanism as its audit starts")
+def audit(preset: str | None, job_file: Path | None, n: int, trials: int, canaries: int, seed: int, out: Path,
+          progress: bool) -> None:
     """Empirical privacy audit on canary data: claimed ε beside a measured 95 % lower bound, per mechanism.
 
     \b
@@ -37,7 +40,11 @@ def audit(preset: str | None, job_file: Path | None, n: int, trials: int, canari
     if trials < 100 or canaries < 10 or n < 1:
         raise ConfigError(f"--trials must be >= 100, --canaries >= 10 and --n >= 1 (got {trials}, {canaries}, {n})")
     cfg = load_preset(preset) if preset else load_job(job_file)  # type: ignore[arg-type]
-    doc = run_audit(cfg, n, trials=trials, canaries=canaries, seed=seed, progress=lambda m: click.echo(m, err=True))
+    def say(m: str) -> None:
+        if progress:
+            click.echo(m, err=True)
+
+    doc = run_audit(cfg, n, trials=trials, canaries=canaries, seed=seed, progress=say)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", "utf-8")
     for a in doc["audits"]:

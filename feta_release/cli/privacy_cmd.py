@@ -23,22 +23,27 @@ def privacy() -> None:
 @click.option("--patient-cap", type=click.IntRange(min=1), default=None, metavar="K",
               help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT. "
               "Give -n as the number of images left after the cap.")
+@click.option("--patients", "public_patients", type=click.IntRange(min=1), default=None, metavar="P",
+              help="With --patient-cap: the PUBLIC number of patients; plans patient-level DP-SGD (whole patients "
+              "sampled at rate q, each patient's summed gradient clipped), so DP-SGD's ε holds per patient directly.")
 @click.option("--max-images-per-person", type=click.IntRange(min=1), default=None, metavar="M",
               help="Without patient ids: the most images one person may have; states the group-privacy ε for them.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, max_images_per_person: int | None,
-         as_json: bool) -> None:
+def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, public_patients: int | None,
+         max_images_per_person: int | None, as_json: bool) -> None:
     """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
     and what that ε means for the unit of privacy (an image, or a patient).
 
     \b
     Example:
-      feta-release privacy plan job.toml -n 9500 --patient-cap 5
+      feta-release privacy plan job.toml -n 9500 --patient-cap 5 --patients 2000
     """
     from ..privacy_unit import PrivacyUnit
 
     if patient_cap is not None and max_images_per_person is not None:
         raise click.UsageError("give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both")
+    if public_patients is not None and patient_cap is None:
+        raise click.UsageError("--patients plans patient-level DP-SGD, which needs patient ids: give --patient-cap K")
     unit = (PrivacyUnit("patient", patient_cap) if patient_cap is not None
             else PrivacyUnit("image", max_images_per_person))
     from ..config import load_job
@@ -48,18 +53,23 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, max_
     cfg = load_job(job_file)
     assumed = dataset_size is None
     n = DEFAULT_DATASET_SIZE if assumed else dataset_size
-    result = plan_privacy(cfg, n)
+    result = plan_privacy(cfg, n, dpsgd_unit="image" if public_patients is None else "patient")
     if as_json:
         data = result.to_dict()
         data["job"] = str(job_file)
         data["dataset_size_assumed"] = assumed
-        data["privacy_unit"] = unit.statement(result.epsilon, result.delta)
+        data["privacy_unit"] = unit.statement(result.epsilon, result.delta, result.events, result.accountant)
+        if public_patients is not None and (sgd := result.event("dpsgd")) is not None:
+            data["privacy_unit"]["expected_patients_per_step"] = sgd.q * public_patients
         click.echo(json.dumps(data, indent=2))
         if assumed:
             click.echo(f"note: no --dataset-size given; assumed N = {n} (embedded training split)", err=True)
         return
     _print_plan(result, job_file, assumed)
-    st = unit.statement(result.epsilon, result.delta)
+    st = unit.statement(result.epsilon, result.delta, result.events, result.accountant)
+    if public_patients is not None and (sgd := result.event("dpsgd")) is not None:
+        click.echo(f"patient-level DP-SGD: each step samples patients at q = {sgd.q:.4g}, expected "
+                   f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that")
     if st["unit"] == "patient":
         click.echo(f"unit of privacy: the PATIENT (cap {st['images_per_patient_cap']} images): ε per patient "
                    f"{st['epsilon_per_patient']:.3f} at δ {st['delta_per_patient']:.3g} ({st['how']}); "

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError, ReleaseError
+from .progress_option import progress_option
 
 
 def _trust_roots(entries: tuple[str, ...], coordinators: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
@@ -152,12 +153,12 @@ def _parse_counts(text: str | None) -> list[int] | None:
               help="A site's administrator public key (signs its policy); repeat for each site.")
 @click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
               help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@progress_option("a progress bar while generating")
 @click.option("--key", "key", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Your private key (Ed25519 PEM): signs certificate.json so anyone can check the folder.")
 @click.option("--signer", "signer", default=None, help="Your name in the certificate (default: the key file's name).")
 def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
-               threads: int | None, trusted: tuple[str, ...], coordinators: tuple[str, ...], no_progress: bool,
+               threads: int | None, trusted: tuple[str, ...], coordinators: tuple[str, ...], progress: bool,
                key: str | None, signer: str | None) -> None:
     """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only.
 
@@ -178,7 +179,7 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
         _print_verification(res)
         raise ReleaseError(f"release {release_dir} refused, nothing written: {res.reason()}")
     report = run(release_dir, out, keys, num=num, per_class=_parse_counts(per_class), seed=seed, batch=batch,
-                 threads=threads, progress=not no_progress, verification=res, key=priv,
+                 threads=threads, progress=progress, verification=res, key=priv,
                  signer_name=signer or (Path(key).stem if key else None))
     rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
     click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "

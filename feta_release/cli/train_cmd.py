@@ -11,6 +11,7 @@ import click
 from ..data.loading import LoadOptions
 from ..errors import ConfigError
 from .data_options import data_load_options
+from .progress_option import progress_option
 
 
 @click.command()
@@ -28,6 +29,9 @@ from .data_options import data_load_options
 @click.option("--public-size", type=click.IntRange(min=1), default=None,
               help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: the count "
                    "rounded to 2 significant digits; the exact count is never written into the run).")
+@click.option("--public-patients", type=click.IntRange(min=1), default=None,
+              help="With --patient-cap: the PUBLIC number of patients; DP-SGD then samples whole patients (rate q) and "
+                   "divides by q x this number (default: the patient count rounded to 2 significant digits).")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
@@ -49,12 +53,14 @@ from .data_options import data_load_options
                                  "federation's coordinator (default: RUN_DIR/checkpoints/coordinator.key, created once).")
 @click.option("--site-id", default=None, help="The site's id in the release (default: the policy's, else 'site').")
 @click.option("--no-release", is_flag=True, help="Stop after training: no RUN_DIR/release (`export` can make one).")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@progress_option("progress bars per stage", old_quiet=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None, out_dir: Path,
-          n_synthetic: int | None, public_size: int | None, checkpoint_every: int, threads: int | None, device: str,
+          n_synthetic: int | None, public_size: int | None, public_patients: int | None, checkpoint_every: int,
+          threads: int | None, device: str,
           ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: Path | None,
-          coordinator_key: Path | None, site_id: str | None, no_release: bool, quiet: bool, as_json: bool) -> None:
+          coordinator_key: Path | None, site_id: str | None, no_release: bool, progress: bool,
+          as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
@@ -84,17 +90,23 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     site_policy = _site_policy(policy_path, trusted)
     if threads:
         torch.set_num_threads(threads)
+    patients = None
     if data_path is None:
         data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
     else:
         opts = load or LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
         data, report = load_dataset(data_path, **opts.kwargs())
-        if report.n_skipped and not quiet:
+        if report.n_skipped:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
-    rep = Reporter(enabled=not quiet)
+        patients = _patient_index(report, public_patients)
+    if public_patients is not None and patients is None:
+        raise ConfigError("--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "
+                          "patient ids (a CSV patient_id column or DICOM PatientID)")
+    rep = Reporter(enabled=progress)
     skey = load_private_key(site_key) if site_key is not None else None
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
-                       public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy)
+                       public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy,
+                       patients=patients)
     release = None
     if not no_release:
         from ..policy.envelope import read_json
@@ -125,6 +137,17 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
                    f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
                    f"synthetic images in {res.run_dir / 'synthetic.npz'}"
                    + (f"; release in {release}" if release else ""))
+
+
+def _patient_index(report: Any, public_patients: int | None) -> Any:
+    """Patient-level DP-SGD when the data was loaded with a patient cap (patient ids known); else None."""
+    if report.patient_cap is None or report.patients is None:
+        return None
+    from ..data.commitment import suggest_public_size
+    from ..privacy_unit import PatientIndex
+
+    n_pub = public_patients if public_patients is not None else suggest_public_size(int(report.n_patients))
+    return PatientIndex(report.patients, int(n_pub), int(report.patient_cap))
 
 
 def _site_policy(policy_path: Path | None, trusted: Path | None) -> Any:

@@ -17,6 +17,13 @@ Mode images.  Query per class k: the per-pixel histogram H_k[p, b] = #{i in batc
 = b}.  One image adds 1 to exactly one bin of each of the P pixel values, so the L2 sensitivity is sqrt(P).
 Released: argmax_b (H_k[p, b] + N(0, sigma^2 P)), reported as the bin midpoint.
 
+Per PATIENT (patient ids known, ``--patient-cap k``): the loader keeps at most k images of each patient (the first
+k in file order, a choice that depends on that patient's records only), so add/remove of one patient adds or
+removes at most k records, each clipped as above: the unsampled sum moves by at most k·C (mean; by the triangle
+inequality, also when the patient's images lie in different classes) or k·sqrt(P) (mode), and each of those
+records is Poisson-sampled independently. The event is charged per image and stated per patient by group privacy
+over k (``feta_release.privacy_unit``); nothing here depends on how many images a patient has beyond the cap.
+
 Everything after the noisy query (division by B_c, argmax, ``postprocess_central``, ``combine_central``) is
 post-processing and costs no privacy.
 """
@@ -220,14 +227,16 @@ def central_images(
         for r in range(rounds):
             take = gen.random(n) < q  # Poisson sampling: each image independently with probability q
             sums = _class_sums(vec[take], labels[take], k)
-            sums += gen.normal(0.0, sigma * bound, size=sums.shape)  # std = sigma x sensitivity C
+            # std = sigma x sensitivity C per image; a patient (<= k capped images, each clipped to C) moves the sum by
+            # <= k·C: the per-patient statement is group privacy over k (module docstring)
+            sums += gen.normal(0.0, sigma * bound, size=sums.shape)
             out[r] = sums / denom  # fixed public denominator: post-processing
         values = out.reshape(rounds * k, c, h, w).astype(np.float32)
         release = CentralRelease(values, row_labels, rounds, "mean", float(denom), image_shape,  # type: ignore[arg-type]
                                  k, sigma, q, bound, None)
     else:
         nb = int(param)
-        noise_std = sigma * math.sqrt(d)  # sensitivity sqrt(#pixel values)
+        noise_std = sigma * math.sqrt(d)  # sensitivity sqrt(#pixel values) per image; k·sqrt(d) per capped patient
         out_idx = np.empty((rounds, k, d), dtype=np.int64)
         for r in range(rounds):
             take = gen.random(n) < q

@@ -12,6 +12,11 @@ Neighbouring relation: add/remove ONE image.  That changes E by phi(x) (outer) e
 ||phi(x)|| / N = 1/N: the L2 sensitivity is 1/N for every image, with no clipping needed.  Released:
 E + N(0, (sigma/N)^2 I), one unsampled Gaussian release: ``PrivacyEvent("frequency", sigma, 1.0, 1)``.
 
+Per PATIENT (``--patient-cap k``): at most k images per patient are loaded (first k in file order), each with
+||phi(x)|| = 1, so add/remove of one patient changes E by at most k/N (N the PUBLIC image count after the cap;
+triangle inequality across the patient's classes): the release is stated per patient by group privacy over k
+(``feta_release.privacy_unit``); no clipping is needed, the feature map bounds every image already.
+
 The sum is streamed over chunks of images, so memory is chunk x F (never N x F).
 """
 
@@ -171,6 +176,7 @@ def frequency_statistics(
     c, h, w = (int(s) for s in images.shape[1:])
     omega = rff_frequencies(c * h * w, features, bandwidth2, seed)
     total = embedding_sum(images, labels, int(n_classes), omega, chunk)
+    # std sigma x sensitivity 1/N per image; a patient of <= k capped images moves E by <= k/N (module docstring)
     noisy = total / n_public + gen.normal(0.0, sigma / n_public, size=total.shape)
     release = FrequencyRelease(
         embedding=noisy.astype(np.float32), n_public=n_public, features=features, bandwidth2=float(bandwidth2),

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ..errors import FetaError, ReleaseError
+from ..privacy_unit import unit_phrase
 from ..signing import canonical_json, fingerprint, loads_strict, sha256_file, sha256_hex, sign_document, verify_document
 from .manifest import MANIFEST_FILE
 from .verify import TrustRoots, VerificationResult, verify_release
@@ -51,7 +52,7 @@ def epsilon_line(sites: Sequence[dict[str, Any]]) -> str:
     """ASCII (fits a PNG tEXt chunk): each site's (epsilon, delta) and accountant for the job."""
     parts = [
         f"site {s['site_id']}: epsilon={float(s['epsilon']):.4g}, delta={float(s['delta']):g} "
-        f"({str(s['accountant']).upper()}, unit = one image of that site)"
+        f"({str(s['accountant']).upper()}, unit = {unit_phrase(s.get('events', ()))})"
         for s in sites
     ]
     return "; ".join(parts)

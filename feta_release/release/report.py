@@ -145,11 +145,23 @@ def _spend_row(rd: Path, s: dict[str, Any], res: VerificationResult) -> tuple[st
     )
 
 
+def _unit_paragraph(sites: list[dict[str, Any]]) -> str:
+    from ..privacy_unit import unit_phrase
+
+    if not any("patient" in unit_phrase(s.get("events", ())) for s in sites):
+        return ("<p><b>Unit of privacy:</b> one image of one site. <b>Neighbouring relation:</b> add or remove one "
+                "image of one site's dataset (every mechanism below is calibrated to that change). Each site's "
+                "(ε, δ) is that site's own signed statement, re-composed from its event history by verify.</p>")
+    return ("<p><b>Unit of privacy:</b> for DP-SGD, one PATIENT of one site (patients are sampled and each "
+            "patient's summed gradient is clipped, so the figure holds per patient without group privacy); for the "
+            "other stages one image (a patient with k images: group privacy over k). <b>Neighbouring relation:</b> "
+            "add or remove one patient (DP-SGD) or one image (other stages). Each site's (ε, δ) is that site's own "
+            "signed statement, re-composed from its event history by verify.</p>")
+
+
 def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
     cfg = man["job"]["config"]
-    out = ["<p><b>Unit of privacy:</b> one image of one site. <b>Neighbouring relation:</b> add or remove one "
-           "image of one site's dataset (every mechanism below is calibrated to that change). Each site's "
-           "(ε, δ) is that site's own signed statement, re-composed from its event history by verify.</p>"]
+    out = [_unit_paragraph(man["sites"])]
     rows = [_spend_row(rd, s, res) for s in man["sites"]]
     out.append(_table(("site", "ε this job", "δ this job", "ε lifetime (all jobs)", "δ lifetime",
                        "accountant", "per-job cap (signed policy)", "lifetime cap (signed policy)", "spend read from"),
@@ -222,7 +234,9 @@ def sample_grid_image(man: dict[str, Any], res: VerificationResult, per_class: i
     images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
     eps = {s["site_id"]: float(s["epsilon"]) for s in man["sites"]}
     delta = max(float(s["delta"]) for s in man["sites"])
-    title = epsilon_title("samples from the released generator", eps, delta)
+    patient = any(e.get("unit") == "patient" for s in man["sites"] for e in s.get("events", ()))
+    title = epsilon_title("samples from the released generator", eps, delta,
+                          "a patient (DP-SGD) / an image (warm-up) of one site" if patient else "one image of one site")
     scale = max(1, 64 // max(h, w))  # small images are enlarged so a printed page shows them
     return labelled_grid_image(images, labels, class_names=classes, title=title, per_class=per_class,
                                n_classes=len(classes), scale=scale)

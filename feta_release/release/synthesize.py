@@ -285,7 +285,7 @@ def _write_certificate(
         },
         "privacy": privacy,
         "privacy_note": (
-            "The unit of privacy is one image of one site. Each site's figure is its total over every stage of "
+            f"The unit of privacy is {_units(man['sites'])}. Each site's figure is its total over every stage of "
             "this job; images generated from the release are post-processing and cost nothing further."
         ),
         "png_metadata": png_text(str(res.manifest_sha256), man["sites"]),
@@ -293,6 +293,13 @@ def _write_certificate(
         "verification": verification,
     }
     write_certificate(path, head, signed, hashes_path, key, signer_name)
+
+
+def _units(sites: list[dict[str, Any]]) -> str:
+    from ..privacy_unit import unit_phrase
+
+    phrases = sorted({unit_phrase(s.get("events", ())) for s in sites})
+    return "; ".join(p.replace("that site", "one site") for p in phrases)
 
 
 __all__ = ["synthesize", "make_session", "class_counts", "class_dirs", "SynthesisReport"]

@@ -11,6 +11,7 @@ from the ledger.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -68,10 +69,10 @@ class RunAccount:
             )
         rid = f"{self.job_id}/{stage}/{done}"
         if self.site_policy is not None:  # the site's per-mechanism rules (allowed, min σ, max q, caps), as a node
-            check_request(self.site_policy, PrivacyEvent(stage, plan.sigma, plan.q, steps), job_events=self.events,
+            check_request(self.site_policy, dataclasses.replace(plan, steps=steps), job_events=self.events,
                           require_job=False, require_stated=False)
         limits = self.site_policy if self.site_policy is not None else self.budget
-        self.ledger.charge(self.job_id, rid, stage, [PrivacyEvent(stage, plan.sigma, plan.q, steps)], limits)
+        self.ledger.charge(self.job_id, rid, stage, [dataclasses.replace(plan, steps=steps)], limits)
         self.write()
         return rid
 
@@ -95,7 +96,7 @@ class RunAccount:
         b, events = self.budget, self.events
         doc: dict[str, Any] = {
             "format": PRIVACY_FORMAT, "accountant": b.accountant, "delta": b.delta, "target_epsilon": b.job_epsilon,
-            "dataset_size": self.plan.dataset_size, "unit": "one image of one site (add/remove)",
+            "dataset_size": self.plan.dataset_size, "unit": _unit_line(self.plan.events),
             "planned": events_to_list(self.plan.events), "planned_epsilon": self.plan.epsilon,
             "events": events_to_list(events), "ledger": str(self.ledger.path), "job_id": self.job_id,
             "note": "an unsigned copy for reading; the record is the ledger (export attests from it)",
@@ -110,6 +111,14 @@ class RunAccount:
         doc = {**self.summary(final), "complete": final, **(extra or {})}
         atomic_write_json(self.report_path, doc)
         return doc
+
+
+def _unit_line(events: list[PrivacyEvent]) -> str:
+    """The unit of privacy of a run's events, in words (patient-level DP-SGD says so; the rest is per image)."""
+    if any(e.unit == "patient" for e in events):
+        return ("DP-SGD: one PATIENT of one site (patients Poisson-sampled, each patient's summed gradient clipped; "
+                "no group conversion); other stages: one image of one site (add/remove)")
+    return "one image of one site (add/remove)"
 
 
 def check_recorded_plan(state: dict[str, Any], plan: PrivacyPlan, where: Path) -> None:

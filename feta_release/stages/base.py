@@ -62,7 +62,9 @@ def grid_title(ctx: RunContext, what: str) -> str:
     b, events = ctx.account.budget, ctx.account.events
     spent = epsilon(events, b.delta, b.accountant) if events else None
     label = what if what.startswith("released") else f"samples {what.replace('-', ' ')}"
-    return epsilon_title(label, spent, b.delta)
+    unit = ("a patient (DP-SGD) / an image (warm-up) of one site" if any(e.unit == "patient" for e in events)
+            else "one image of one site")
+    return epsilon_title(label, spent, b.delta, unit)
 
 
 def sample_grid(ctx: RunContext, stage: str, model: EDMDenoiser) -> None:

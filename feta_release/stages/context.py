@@ -21,6 +21,7 @@ from ..config import JobConfig
 from ..data import ImageDataset
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
+from ..privacy_unit import PatientIndex
 from ..randomness import numpy_generator_from, torch_generator_from
 from ..training.checkpoint import atomic_write_json
 from ..training.progress import Reporter
@@ -84,6 +85,7 @@ class RunContext:
     grid_per_class: int = 8
     n_synthetic: int | None = None
     kill_after_steps: int | None = None  # test hook: SimulatedKill after that many DP-SGD steps
+    patients: PatientIndex | None = None  # patient-level DP-SGD (private ids, public count and cap); None: images
     # products of the stages
     central: tuple[np.ndarray, np.ndarray] | None = None  # released central images (post-processed) and labels
     embedding: np.ndarray | None = None  # released frequency statistics

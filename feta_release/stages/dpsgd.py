@@ -37,8 +37,12 @@ class DpsgdTraining:
     def run(self, ctx: RunContext) -> None:
         sgd = ctx.account.planned("dpsgd")
         assert sgd is not None, "DP-SGD is enabled but not planned"
+        pat = ctx.patients  # patient-level: Poisson-sample patients, divide by q x the PUBLIC patient count
         trainer = DPSGDTrainer(ctx.denoiser, ctx.cfg, sgd.sigma, sgd.q, ctx.private_gen("dpsgd"),
-                               image_shape=ctx.data.image_shape, n_classes=ctx.data.n_classes, n_public=ctx.n_public)
+                               image_shape=ctx.data.image_shape, n_classes=ctx.data.n_classes,
+                               n_public=ctx.n_public if pat is None else pat.n_public,
+                               patients=None if pat is None else pat.ids,
+                               images_per_patient=None if pat is None else pat.cap)
         ck = ctx.rd.ckpt("dpsgd.pt")
         if ck.exists():
             trainer.load_state_dict(load_torch(ck))

@@ -5,7 +5,7 @@ per-example-gradient method measured (see ``bench/bench_dpsgd.py`` and the CPU n
 noise multiplicity (average over K noise draws BEFORE clipping is just a mean inside the per-example loss), and
 it accepts any ``nn.Module`` without hooks or module restrictions.
 
-The privacy argument the code keeps (unit = one image of one site):
+The privacy argument the code keeps (unit = one image of one site; the patient-level variant follows):
 
 * each step draws its batch by Poisson sampling with rate ``q`` from the site's ``N`` examples (variable, possibly
   empty batch) with the trainer's own ``torch.Generator``;
@@ -15,6 +15,17 @@ The privacy argument the code keeps (unit = one image of one site):
   the EXPECTED batch size ``q*N`` with N the PUBLIC size (``n_public``), never by the realised one;
 * so one step is one subsampled-Gaussian event ``(sigma, q, 1)``; the caller charges it in ``before_step`` before
   the step runs (``run``), so a step whose result exists has always been accounted.
+
+Patient-level DP-SGD (unit = one PATIENT with all of their images; ``patients`` given): each step Poisson-samples
+PATIENTS with rate ``q`` (each independently, from the site's patients), takes at most ``images_per_patient`` of each
+sampled patient's images (a public cap; a uniform draw without replacement when the patient has more), sums the
+per-image gradients of one patient and clips THAT sum to ``C``; the clipped per-patient sums are added, noised with
+``N(0, (sigma*C)^2)`` and divided by ``q * n_public`` with ``n_public`` the PUBLIC number of patients. Adding or
+removing one patient (however many images) adds or removes one clipped vector of norm <= C, so the step is the
+same subsampled-Gaussian event ``(sigma, q, 1)`` with the patient as the unit: no group-privacy conversion. The
+image cap is not what bounds the sensitivity (the per-patient clip does); it bounds a step's compute and memory
+(a patient with 500 slices would otherwise cost 500 per-example gradients in one step) and keeps a many-image
+patient's sum from being clipped far harder than a one-image patient's; being public, it reveals nothing.
 
 All randomness the vectorised loss needs (noise levels, noise images, label-dropout masks) is drawn OUTSIDE
 ``vmap`` from the trainer's generator and passed in, so a step is reproducible from ``state_dict()``.
@@ -47,7 +58,9 @@ __all__ = [
     "DPSGDTrainer",
     "poisson_sample",
     "clip_and_sum",
+    "group_sum",
     "per_example_grads",
+    "patient_batch",
 ]
 
 
@@ -105,16 +118,47 @@ class EDMLoss:
 @dataclass
 class StepStats:
     step: int  # 1-based index of the step just taken (over the trainer's lifetime, resumes included)
-    batch_size: int  # realised Poisson batch (may be 0)
-    expected_batch: float  # q * N: the public divisor
+    batch_size: int  # realised Poisson batch (may be 0): images, or PATIENTS in patient-level mode
+    expected_batch: float  # q * N: the public divisor (N = public images, or public patients)
     loss: float  # mean per-example loss of the realised batch (nan when empty); not private, diagnostics only
-    clipped_fraction: float  # fraction of examples whose gradient norm exceeded C (nan when empty)
+    clipped_fraction: float  # fraction of examples (patients) whose gradient norm exceeded C (nan when empty)
     seconds: float
 
 
 def poisson_sample(n: int, q: float, generator: torch.Generator) -> Tensor:
     """Indices of a Poisson sample: each of ``n`` examples joins independently with probability ``q``."""
     return torch.nonzero(torch.rand(n, generator=generator) < q, as_tuple=False).flatten()
+
+
+def patient_batch(
+    rows_of: list[Tensor], q: float, cap: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """A patient-level Poisson batch: (image indices, owner) where owner[i] in [0, B) numbers the sampled patient
+    of image i. Each patient joins independently with probability ``q``; a sampled patient with more than ``cap``
+    images contributes a uniform draw of ``cap`` of them (without replacement)."""
+    chosen = poisson_sample(len(rows_of), q, generator)
+    rows: list[Tensor] = []
+    owners: list[Tensor] = []
+    for j, p in enumerate(chosen.tolist()):
+        r = rows_of[p]
+        if r.numel() > cap:
+            r = r[torch.randperm(r.numel(), generator=generator)[:cap]]
+        rows.append(r)
+        owners.append(torch.full((r.numel(),), j, dtype=torch.int64))
+    if not rows:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(rows), torch.cat(owners)
+
+
+def group_sum(grads: dict[str, Tensor], owner: Tensor, n_groups: int) -> dict[str, Tensor]:
+    """Per-group sums of per-example gradients: (B, *shape) -> (n_groups, *shape), row g = sum over owner == g.
+    A non-finite image gradient makes its group's sum non-finite, and ``clip_and_sum`` then drops the whole
+    group (the patient contributes zero, never NaN)."""
+    out = {}
+    for n, g in grads.items():
+        acc = torch.zeros((n_groups, *g.shape[1:]), dtype=g.dtype, device=g.device)
+        out[n] = acc.index_add_(0, owner.to(g.device), g)
+    return out
 
 
 def per_example_grads(
@@ -166,6 +210,43 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
+def _patient_rows(patients: Any, n_public: int | None, cap: int | None, default_cap: int) -> tuple[list[Tensor], int]:
+    """Image indices of each patient (in order), and the per-step image cap, checked."""
+    if n_public is None:
+        raise ConfigError("patient-level DP-SGD needs the PUBLIC number of patients (n_public): dividing by the exact "
+                          "count would scale the released noise by a private number")
+    cap = default_cap if cap is None else cap
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ConfigError(f"patient-level DP-SGD: images per patient must be an integer >= 1, got {cap!r}")
+    ids = torch.as_tensor(patients, dtype=torch.int64).flatten()
+    if ids.numel() and int(ids.min()) < 0:
+        raise DataError("patient-level DP-SGD: patient indices must be >= 0")
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids) if ids.numel() else torch.zeros(0, dtype=torch.int64)
+    rows = [r for r in torch.split(order, counts.tolist()) if r.numel()]
+    return rows, cap
+
+
+def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int]]:
+    """Split a patient batch into physical chunks of WHOLE patients (<= ``size`` images each: a patient's images
+    are never split, so its gradients are summed before the clip). Owners are renumbered 0..k-1 per chunk."""
+    out: list[tuple[Tensor, Tensor, int]] = []
+    start = 0
+    n = int(rows.numel())
+    while start < n:
+        end = min(start + size, n)
+        while end < n and owner[end] == owner[end - 1]:  # never cut a patient in two
+            end -= 1
+        if end == start:  # cannot happen with size >= the per-patient cap; kept as a guard
+            end = start + 1
+            while end < n and owner[end] == owner[start]:
+                end += 1
+        own = owner[start:end] - owner[start]
+        out.append((rows[start:end], own, int(own.max()) + 1))
+        start = end
+    return out
+
+
 class DPSGDTrainer:
     """DP-SGD on one site's data. Reused unchanged by the federation for local rounds.
 
@@ -186,7 +267,12 @@ class DPSGDTrainer:
         image_shape: tuple[int, int, int] | None = None,
         n_classes: int | None = None,
         n_public: int | None = None,
+        patients: Any = None,
+        images_per_patient: int | None = None,
     ) -> None:
+        """``patients``: per-image patient index (0..P-1, as ``LoadReport.patients``) for patient-level DP-SGD; then
+        ``n_public`` is the PUBLIC number of patients (required) and ``images_per_patient`` the public cap on a
+        sampled patient's images per step (default: the physical batch)."""
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
@@ -207,6 +293,9 @@ class DPSGDTrainer:
         if n_public is not None and (isinstance(n_public, bool) or int(n_public) < 1):
             raise ConfigError(f"DP-SGD public dataset size must be an integer >= 1, got {n_public!r}")
         self.n_public = None if n_public is None else int(n_public)
+        self.rows_of: list[Tensor] | None = None
+        if patients is not None:
+            self.rows_of, self.patient_cap = _patient_rows(patients, n_public, images_per_patient, int(d.physical_batch))
         if loss is None:
             # an EDMDenoiser knows its own image shape and class count
             image_shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
@@ -227,6 +316,8 @@ class DPSGDTrainer:
     # -- one logical step ---------------------------------------------------------------------
     def noisy_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
         """Poisson-sample from (images, labels) and return the privatised mean gradient (no optimizer step)."""
+        if self.rows_of is not None:
+            return self._noisy_patient_gradient(images, labels)
         t0 = time.perf_counter()
         n = images.shape[0]
         dev = self.params[0].device
@@ -265,6 +356,41 @@ class DPSGDTrainer:
             clipped_fraction=n_clipped / b if b else float("nan"),
             seconds=time.perf_counter() - t0,
         )
+        return total, stats
+
+    def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
+        """Patient-level step (see the module docstring): sampled patients' clipped per-patient sums, noised."""
+        t0 = time.perf_counter()
+        assert self.rows_of is not None and self.n_public is not None
+        if sum(int(r.numel()) for r in self.rows_of) != images.shape[0]:
+            raise DataError(f"patient-level DP-SGD: the patient index covers {sum(int(r.numel()) for r in self.rows_of)} "
+                            f"images but {images.shape[0]} were given")
+        dev = self.params[0].device
+        expected = self.q * self.n_public  # public patients: the exact count never scales the released noise
+        rows, owner = patient_batch(self.rows_of, self.q, self.patient_cap, self.generator)
+        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        total = {name: torch.zeros_like(p) for name, p in zip(names, self.params)}
+        losses: list[Tensor] = []
+        n_clipped = 0
+        was_training = self.model.training
+        self.model.train()
+        for part, own, k in _patient_chunks(rows, owner, max(self.chunk, self.patient_cap)):
+            rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
+            xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
+            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk)
+            summed, norms = clip_and_sum(group_sum(grads, own, k), self.clip)  # clip each PATIENT's sum to C
+            for name in total:
+                total[name] += summed[name]
+            losses.append(loss.detach().cpu())
+            n_clipped += int((norms > self.clip).sum())
+        self.model.train(was_training)
+        for name, p in zip(names, self.params):
+            noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * (self.sigma * self.clip)).to(dev)
+            total[name] = (total[name] + noise) / expected
+        b = int(owner.max()) + 1 if owner.numel() else 0
+        stats = StepStats(step=self.steps_done + 1, batch_size=b, expected_batch=expected,
+                          loss=float(torch.cat(losses).mean()) if b else float("nan"),
+                          clipped_fraction=n_clipped / b if b else float("nan"), seconds=time.perf_counter() - t0)
         return total, stats
 
     def step(self, images: Tensor, labels: Tensor) -> StepStats:

@@ -58,6 +58,7 @@ from ..errors import ConfigError, DataError
 from ..ledger import Ledger
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
+from ..privacy_unit import PatientIndex
 from ..planning import plan as privacy_plan
 from ..signing import fingerprint, generate_keypair, load_private_key, sha256_file
 from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget, seed_from
@@ -182,6 +183,7 @@ def run_pipeline(
     ledger: str | Path | None = None,
     site_key: Ed25519PrivateKey | None = None,
     site_policy: Any = None,
+    patients: PatientIndex | None = None,
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
@@ -196,6 +198,8 @@ def run_pipeline(
     (default: ``RUN_DIR/checkpoints/site.key``, created at the first start). ``site_policy``: the site's verified
     ``SitePolicy``, required when the ledger lies outside the run directory (a site's own, shared ledger): every
     charge is checked against its caps.
+    ``patients``: patient ids, public patient count and cap: DP-SGD then samples and clips whole PATIENTS and its
+    events carry ``unit = "patient"`` (``feta_release.privacy_unit``); None: the unit is the image.
     """
     t_start = time.perf_counter()
     dev = resolve_device(device)  # refuse an absent GPU before anything is written
@@ -206,7 +210,8 @@ def run_pipeline(
     cfg = apply_method(cfg).for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     check_data(cfg, data, n_pub)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
-    plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes)
+    plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
+                        dpsgd_unit="image" if patients is None else "patient")
     for w in plan.warnings:
         rep.log(f"[yellow]warning[/]: {w}")
     if ledger is not None and site_policy is None and _outside(Path(ledger), Path(out_dir)):
@@ -226,7 +231,7 @@ def run_pipeline(
     ctx = RunContext(cfg=cfg, data=data, rd=rd, account=account, plan=plan, state=state,
                      secret=_secret(rd, noise_seed), rep=rep, denoiser=_denoiser(cfg, data, dev), n_public=n_pub,
                      checkpoint_every=checkpoint_every, grid_per_class=grid_per_class, n_synthetic=n_synthetic,
-                     kill_after_steps=kill_after_steps)
+                     kill_after_steps=kill_after_steps, patients=patients)
     _log_start(ctx, resumed)
     for stage in STAGES:
         if stage.enabled(cfg):

@@ -62,6 +62,15 @@ class MechanismRule:
     caps: Mapping[str, float]  # e.g. {"max_steps": 2000, "max_batch": 4096}
 
 
+# Default cap on a secure-aggregation job's worst-case epsilon (own noise share only), as a multiple of the per-job
+# epsilon cap, when the policy sets no secure_aggregation.max_worst_case_epsilon. Why 3: a job calibrated to the
+# per-job cap over h honest shares has its own-share epsilon about sqrt(h) times larger unsampled (Gaussian-like
+# regime) and 2-3x larger for subsampled DP-SGD at h = 2-3 (docs/secure-aggregation.md's table: 5.3 -> 14.8 at
+# 3 shares); 3x admits those jobs of 3 to 9 sites and refuses a job whose noise is spread so thin over many sites
+# that a full coalition of the others would leave this site nearly unprotected. A site wanting less sets the field.
+DEFAULT_WORST_CASE_FACTOR = 3.0
+
+
 @dataclass(frozen=True)
 class SitePolicy:
     """A verified policy. ``document`` is the signed body; ``digest`` the sha256 of its canonical JSON."""
@@ -88,6 +97,14 @@ class SitePolicy:
     # epsilon when all of them do (None: not capped)
     max_colluders: int = 0
     max_worst_case_epsilon: float | None = None
+
+    @property
+    def worst_case_cap(self) -> float:
+        """The per-job cap on the worst-case (every other site colludes) epsilon: the policy's
+        ``secure_aggregation.max_worst_case_epsilon``, or DEFAULT_WORST_CASE_FACTOR x the per-job epsilon."""
+        if self.max_worst_case_epsilon is not None:
+            return float(self.max_worst_case_epsilon)
+        return DEFAULT_WORST_CASE_FACTOR * self.job_epsilon
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], signer: str | None, source: str = "<policy>") -> SitePolicy:

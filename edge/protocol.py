@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from feta_release.accounting import PrivacyEvent, events_from_list, events_to_list
+from feta_release.accounting import Event, PrivacyEvent, events_from_list, events_to_list
 from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.policy.enforce import check_request
@@ -91,7 +91,7 @@ def verified_job(site: Site, doc: dict[str, Any], *, attesting: bool = False) ->
     return job
 
 
-def job_events(site: Site, job: Job) -> list[PrivacyEvent]:
+def job_events(site: Site, job: Job) -> list[Event]:
     return events_from_list(site.ledger.job_events(job.job_id))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .. import signing
+from ..accounting import DEFAULT_WORST_CASE_FACTOR
 from ..errors import PolicyError
 from . import schema
 from .envelope import KeyLike, as_public_keys, open_envelope, read_json, seal, write_json
@@ -60,15 +61,6 @@ class MechanismRule:
     allowed: bool
     min_sigma: float | None
     caps: Mapping[str, float]  # e.g. {"max_steps": 2000, "max_batch": 4096}
-
-
-# Default cap on a secure-aggregation job's worst-case epsilon (own noise share only), as a multiple of the per-job
-# epsilon cap, when the policy sets no secure_aggregation.max_worst_case_epsilon. Why 3: a job calibrated to the
-# per-job cap over h honest shares has its own-share epsilon about sqrt(h) times larger unsampled (Gaussian-like
-# regime) and 2-3x larger for subsampled DP-SGD at h = 2-3 (docs/secure-aggregation.md's table: 5.3 -> 14.8 at
-# 3 shares); 3x admits those jobs of 3 to 9 sites and refuses a job whose noise is spread so thin over many sites
-# that a full coalition of the others would leave this site nearly unprotected. A site wanting less sets the field.
-DEFAULT_WORST_CASE_FACTOR = 3.0
 
 
 @dataclass(frozen=True)

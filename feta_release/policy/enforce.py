@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..accounting import PrivacyEvent
+from ..accounting import Event, PrivacyEvent
 from ..errors import BudgetExceededError, PolicyError, PrivacyError
 from ..ledger import as_budget, check_spend
 from .document import MECHANISMS, SitePolicy, check_validity
@@ -103,7 +103,7 @@ def check_request(
     policy: SitePolicy,
     request: MechanismRequest | PrivacyEvent | Mapping[str, Any],
     *,
-    job_events: Iterable[PrivacyEvent] = (),
+    job_events: Iterable[Event] = (),
     require_job: bool = True,
     require_stated: bool = True,
     now: dt.datetime | str | None = None,

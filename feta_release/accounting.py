@@ -383,7 +383,7 @@ def epsilon_breakdown(events: Sequence[Event], delta: float, accountant: Account
 
 
 def calibrate_noise_multiplier(
-    prior_events: Sequence[PrivacyEvent],
+    prior_events: Sequence[Event],
     q: float,
     steps: int,
     target_epsilon: float,
@@ -445,6 +445,6 @@ def smallest_fitting_sigma(eps_of: Callable[[float], float], target_epsilon: flo
     return hi
 
 
-def _stage_list(events: Sequence[PrivacyEvent]) -> str:
+def _stage_list(events: Sequence[Event]) -> str:
     names = sorted({e.stage for e in events if e.steps > 0})
     return ", ".join(names) if names else "none"

@@ -112,6 +112,14 @@ class SiteEpsilons:
                 f"epsilon {self.worst_case:.3g} if all of them collude (this site's own noise share only)")
 
 
+def honest_shares(n_sites: int, threshold: int, colluders: int) -> int:
+    """The noise shares a site can count on in every sum: threshold - colluders, or its own share only when a
+    split view can isolate its vector (see SiteEpsilons): two disjoint groups of honest sites, each topped up to
+    the threshold by the colluders, one revealing the site's seed shares and one its key shares."""
+    isolable = 2 * (threshold - colluders) <= n_sites - colluders
+    return 1 if isolable else threshold - colluders
+
+
 def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, threshold: int,
                   colluders: int) -> SiteEpsilons:
     """(a) epsilon under ``colluders`` colluding sites and (b) the worst case (own share only); see SiteEpsilons."""
@@ -121,10 +129,8 @@ def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, thr
     if isinstance(colluders, bool) or not isinstance(colluders, int) or not (0 <= colluders <= n - 1):
         raise PrivacyError(f"secure aggregation: colluders must be an integer in [0, {n - 1}] (the other sites), "
                            f"got {colluders!r}")
-    # Split view (see SiteEpsilons): two disjoint groups of honest sites, each topped up to the threshold by the
-    # colluders, one revealing the site's seed shares and one its key shares.
+    honest = honest_shares(n, threshold, colluders)
     isolable = 2 * (threshold - colluders) <= n - colluders
-    honest = 1 if isolable else threshold - colluders
     return SiteEpsilons(
         assumed=skellam_epsilon(params, q, steps, delta, honest),
         worst_case=skellam_epsilon(params, q, steps, delta, 1),

@@ -36,6 +36,7 @@ from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes
 from ..training.ema import EMA
 from . import checkpoint_io, plan
+from .secure_collect import collect_secure
 from . import messages as fm
 
 Progress = Callable[[dict[str, Any]], None]
@@ -254,14 +255,38 @@ class JobDriver:
         self.timings[phase] = time.monotonic() - t0
         return have
 
+    def _collect_secure(self, phase: str) -> dict[str, dict[str, np.ndarray]]:
+        """One secure sum (``secure_collect``), cached on disk like ``_collect``. Every contributing site maps to
+        the SAME decoded release, so the warm-up's public-size-weighted combination of them is that sum itself."""
+        t0 = time.monotonic()
+        p, meta = self.state / f"{phase}_secure.npz", self.state / f"{phase}_secure.json"
+        if p.exists() and meta.exists():
+            with np.load(p) as z:
+                arrays = {k: z[k] for k in z.files}
+            contributors = list(json.loads(meta.read_text("utf-8"))["sites"])
+        else:
+            self.emit(phase, f"secure sum of the {phase} releases of {len(self.sites)} site(s)")
+            arrays, contributors = collect_secure(self, phase)
+            atomic_write_bytes(p, _npz_bytes(arrays))
+            meta.write_text(json.dumps({"sites": contributors}), "utf-8")
+        if len(contributors) < self.cfg.federation.min_sites:
+            raise SiteUnavailable(f"{phase}: only {len(contributors)} site(s) in the secure sum, [federation] "
+                                  f"min_sites = {self.cfg.federation.min_sites}")
+        self.timings[phase] = time.monotonic() - t0
+        return {sid: arrays for sid in contributors}
+
     def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.central.rounds <= 0:
             return {}
+        if self.cfg.federation.secure_aggregation:
+            return self._collect_secure("central")
         return self._collect("central", fm.CENTRAL)
 
     def collect_frequency(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.frequency.sigma is None:
             return {}
+        if self.cfg.federation.secure_aggregation:
+            return self._collect_secure("frequency")
         return self._collect("frequency", fm.FREQUENCY)
 
     def rounds(self, model: nn.Module, ema: EMA) -> int:

@@ -1,0 +1,193 @@
+"""Secure aggregation wired through the node's release protocol and the JobDriver, over the in-process Grid:
+the coordinator sees the sum only, sites charge their SkellamEvents once, dropouts, malformed vectors, split-view
+aware accounting, replays."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from coordinator.setup import sign_job_file
+from feta_release.accountants.skellam import honest_shares
+from feta_release.accounting import SkellamEvent, epsilon, events_from_list, worst_case_epsilon
+from feta_release.federation import messages as fm
+from feta_release.federation.job import run_job
+from feta_release.ledger import Ledger
+from feta_release.signing import load_private_key
+
+from .federation_fixtures import full_job, harness, make_federation
+
+
+def secure_job(**fed: Any) -> Any:
+    return full_job(federation={"secure_aggregation": True, "rounds": 1, **fed})
+
+
+def _run(fed: Any, grid: Any, signed: dict[str, Any], out: Path) -> Any:
+    return run_job(grid, signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
+                   poll_interval=0.05)
+
+
+def _requests(fed: Any, site_id: str, job_id: str) -> list[dict[str, Any]]:
+    with Ledger(fed.site(site_id).ledger) as led:
+        return led.requests(job_id)
+
+
+def _stage(msg: Any) -> str | None:
+    doc, _ = fm.read_payload(msg.content)
+    return doc.get("stage")
+
+
+class Recorder:
+    """Keeps every reply the coordinator receives (its whole view of the job)."""
+
+    def __init__(self, grid: Any) -> None:
+        self.replies: list[tuple[int, dict[str, Any], dict[str, np.ndarray]]] = []
+        deliver = grid._deliver
+
+        def spy(msg: Any) -> Any:
+            rep = deliver(msg)
+            if rep is not None and not rep.has_error():
+                doc, arrays = fm.read_payload(rep.content)
+                self.replies.append((msg.metadata.dst_node_id, doc, arrays))
+            return rep
+
+        grid._deliver = spy
+
+    def masked(self, phase: str) -> list[np.ndarray]:
+        return [a["masked"] for _, d, a in self.replies if d.get("phase") == phase and "masked" in a]
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return make_federation(tmp_path_factory.mktemp("secfed") / "fed")
+
+
+def test_secure_job_charges_skellam_events_and_the_coordinator_sees_only_masked_vectors(fed: Any, tmp_path: Path
+                                                                                        ) -> None:
+    signed, _ = sign_job_file(fed, secure_job(), "job-sec")
+    grid = harness(fed)
+    rec = Recorder(grid)
+    res = _run(fed, grid, signed, tmp_path / "out")
+    assert res.rounds_done == 1
+    types = [m.metadata.message_type for m in grid.sent]
+    assert fm.CENTRAL not in types and fm.FREQUENCY not in types and types.count(fm.SECAGG) == 2 * 4 * 3
+    for s in fed.sites:
+        reqs = _requests(fed, s.site_id, "job-sec")
+        assert [r["mechanism"] for r in reqs] == ["central", "frequency", "dpsgd"]  # each charged once
+        events = events_from_list([e for r in reqs for e in r["events"]])
+        assert [type(e).__name__ for e in events] == ["SkellamEvent", "SkellamEvent", "PrivacyEvent"]
+        sk = [e for e in events if isinstance(e, SkellamEvent)]
+        # default policy (0 colluders), threshold = all 3 sites: 3 honest shares counted, own share for the worst case
+        assert all(e.mu == pytest.approx(3 * e.mu_worst) for e in sk)
+        eps = epsilon(events, 1e-5)
+        assert eps <= 1.0 + 1e-9 < worst_case_epsilon(events, 1e-5)
+        assert res.attestations[s.site_id]["statement"]["epsilon"] == pytest.approx(eps)
+    # The coordinator's view of one site: a masked vector, uniform mod 2^64 whatever the data (KS test on [0, 1)).
+    for phase in ("central", "frequency"):
+        vectors = rec.masked(phase)
+        assert len(vectors) == 3 and all(v.dtype == np.uint64 for v in vectors)
+        for v in vectors:
+            assert stats.kstest(v.astype(np.float64) / 2.0**64, "uniform").pvalue > 1e-4
+    # ... while the decoded sum carries exactly the POOLED noise: std sigma c / denominator (all 3 shares), here
+    # 5 x 14 / (3 sites x batch 10 / 10 classes) = 23.3, the signal (< 1 per pixel) negligible beside it
+    with np.load(tmp_path / "out" / "state" / "central_secure.npz") as z:
+        values, denom = z["values"], float(z["denominator"])
+    assert denom == 3.0 and values.shape == (10, 1, 14, 14)
+    assert float(np.std(values)) == pytest.approx(5.0 * 14.0 / 3.0, rel=0.1)
+    docs = [d for _, d, _ in rec.replies if d.get("phase")]
+    assert not any("n" in d or "count" in d or "dataset_size" in d for d in docs)  # no exact counts leave
+
+
+def test_a_site_dropped_after_masking_is_covered_by_the_threshold(fed: Any, tmp_path: Path) -> None:
+    signed, _ = sign_job_file(fed, secure_job(secagg_threshold=2), "job-drop")
+    # site-c dies when asked to unmask the central sum: its masked vector is in, its shares never come
+    grid = harness(fed, fail_on={"site-c": lambda m: m.metadata.message_type == fm.SECAGG and _stage(m) == "unmask"})
+    _run(fed, grid, signed, tmp_path / "out")
+    meta = json.loads((tmp_path / "out" / "state" / "central_secure.json").read_text())
+    assert meta["sites"] == ["site-a", "site-b", "site-c"]  # its data and noise share are in the sum
+    freq = json.loads((tmp_path / "out" / "state" / "frequency_secure.json").read_text())
+    assert freq["sites"] == ["site-a", "site-b"]
+    assert [r["mechanism"] for r in _requests(fed, "site-c", "job-drop")] == ["central"]
+    # threshold 2 of 3, 0 colluders: 2 honest shares counted (2 * 2 > 3: no split view isolates a vector)
+    ev = events_from_list(_requests(fed, "site-a", "job-drop")[0]["events"])[0]
+    assert isinstance(ev, SkellamEvent) and ev.mu == pytest.approx(2 * ev.mu_worst)
+
+
+def test_an_out_of_modulus_vector_is_refused_and_its_site_left_out(fed: Any, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from feta_release.mechanisms import secure_sums
+
+    monkeypatch.setattr(secure_sums, "DEFAULT_MODULUS_BITS", 32)
+    signed, _ = sign_job_file(fed, secure_job(secagg_threshold=2), "job-bad")
+    grid = harness(fed)
+    deliver = grid._deliver
+    node_b = next(n for n, node in grid.nodes.items() if node.node_config and "site-b" in str(node.node_config))
+
+    def tamper(msg: Any) -> Any:
+        rep = deliver(msg)
+        if msg.metadata.dst_node_id == node_b and _stage(msg) == "collect_masked_vectors":
+            doc, arrays = fm.read_payload(rep.content)
+            arrays["masked"] = arrays["masked"].copy()
+            arrays["masked"][0] = np.uint64(1 << 40)  # outside [0, 2^32)
+            rep.content = fm.make_payload(doc, arrays)
+        return rep
+
+    grid._deliver = tamper
+    _run(fed, grid, signed, tmp_path / "out")
+    log = (tmp_path / "out" / "progress.jsonl").read_text()
+    assert "outside the modulus" in log
+    for phase in ("central", "frequency"):
+        assert json.loads((tmp_path / "out" / "state" / f"{phase}_secure.json").read_text())["sites"] == [
+            "site-a", "site-c"]
+
+
+def test_split_view_aware_charge_counts_only_the_own_share_when_a_vector_can_be_isolated(tmp_path: Path) -> None:
+    """max_colluders 1, threshold 2 of 3: 2 (t - k) = 2 <= n - k = 2, a lying coordinator with one colluder can
+    unmask one vector alone (test_secagg runs that attack): the site charges its own share only."""
+    fed = make_federation(tmp_path / "fed", policy_overrides={
+        s: {"secure_aggregation": {"max_colluders": 1}} for s in ("site-a", "site-b", "site-c")})
+    assert honest_shares(3, 2, 1) == 1
+    signed, _ = sign_job_file(fed, secure_job(secagg_threshold=2), "job-split")
+    _run(fed, harness(fed), signed, tmp_path / "out")
+    for s in fed.sites:
+        sk = [e for e in events_from_list(_requests(fed, s.site_id, "job-split")[0]["events"])]
+        assert isinstance(sk[0], SkellamEvent) and sk[0].mu == sk[0].mu_worst
+
+
+def test_secure_stages_replay_and_refuse_a_second_setup_and_a_per_site_release(fed: Any, tmp_path: Path) -> None:
+    signed, _ = sign_job_file(fed, secure_job(), "job-replay")
+    grid = harness(fed)
+    _run(fed, grid, signed, tmp_path / "out")
+    before = _requests(fed, "site-a", "job-replay")
+    node_a = next(n for n, node in grid.nodes.items() if "site-a" in str(node.node_config))
+    collect = next(m for m in grid.sent if m.metadata.dst_node_id == node_a and m.metadata.message_type == fm.SECAGG
+                   and _stage(m) == "collect_masked_vectors")
+    doc, _ = fm.read_payload(collect.content)
+    from flwr.app import Message
+
+    def ask(d: dict[str, Any], mtype: str = fm.SECAGG) -> Any:
+        msg = Message(fm.make_payload(d), dst_node_id=node_a, message_type=mtype, group_id="x")
+        grid.push_messages([msg])
+        return grid._replies.popitem()[1]
+
+    # the job is closed (attested): nothing more, not even a replay
+    assert "closed" in ask(doc).error.reason
+    assert _requests(fed, "site-a", "job-replay") == before
+
+
+def test_per_site_release_is_refused_for_a_secure_job_before_any_charge(fed: Any, tmp_path: Path) -> None:
+    signed, _ = sign_job_file(fed, secure_job(), "job-mode")
+    grid = harness(fed)
+    node_a = next(n for n, node in grid.nodes.items() if "site-a" in str(node.node_config))
+    from flwr.app import Message
+
+    msg = Message(fm.make_payload({"job": signed}), dst_node_id=node_a, message_type=fm.CENTRAL, group_id="x")
+    grid.push_messages([msg])
+    rep = grid._replies.popitem()[1]
+    assert rep.has_error() and "per-site" in rep.error.reason
+    assert _requests(fed, "site-a", "job-mode") == []

@@ -101,6 +101,34 @@ def test_secure_job_charges_skellam_events_and_the_coordinator_sees_only_masked_
     assert float(np.std(values)) == pytest.approx(5.0 * 14.0 / 3.0, rel=0.1)
     docs = [d for _, d, _ in rec.replies if d.get("phase")]
     assert not any("n" in d or "count" in d or "dataset_size" in d for d in docs)  # no exact counts leave
+    check_attested_words(fed, res.attestations)
+
+
+def check_attested_words(fed: Any, attestations: dict[str, Any]) -> None:
+    """Each site attests both epsilons; verify recomputes the worst case and says both in plain words."""
+    from feta_release.release.manifest import site_record
+    from feta_release.release.verify import VerificationResult, _check_epsilon, describe_site, policy_violations
+
+    for s in fed.sites:
+        st = attestations[s.site_id]["statement"]
+        events = events_from_list(st["events"])
+        worst = worst_case_epsilon(events, st["delta"])
+        assert st["secure_aggregation"]["worst_case_epsilon"] == pytest.approx(worst)
+        assert st["secure_aggregation"]["max_colluders"] == 0
+        words = describe_site(site_record(attestations[s.site_id]))
+        assert f"ε = {st['epsilon']:.3g}" in words and f"ε would be {worst:.3g}" in words
+        assert "no other site colludes" in words and "own noise share only" in words
+        res = VerificationResult("x")
+        _check_epsilon(res, s.site_id, st, events)
+        assert res.ok and any("if every other site colluded" in c.detail for c in res.checks)
+        forged = {**st, "secure_aggregation": {**st["secure_aggregation"], "worst_case_epsilon": worst / 2}}
+        res = VerificationResult("x")
+        _check_epsilon(res, s.site_id, forged, events)
+        assert not res.ok
+        policy = json.loads(fed.site(s.site_id).policy.read_text())["policy"]
+        assert policy_violations(policy, st, events) == []
+        policy["secure_aggregation"] = {"max_worst_case_epsilon": worst * 0.9}
+        assert any("max_worst_case_epsilon" in p for p in policy_violations(policy, st, events))
 
 
 def test_a_site_dropped_after_masking_is_covered_by_the_threshold(fed: Any, tmp_path: Path) -> None:

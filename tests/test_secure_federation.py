@@ -187,25 +187,38 @@ def test_split_view_aware_charge_counts_only_the_own_share_when_a_vector_can_be_
         assert isinstance(sk[0], SkellamEvent) and sk[0].mu == sk[0].mu_worst
 
 
-def test_secure_stages_replay_and_refuse_a_second_setup_and_a_per_site_release(fed: Any, tmp_path: Path) -> None:
-    signed, _ = sign_job_file(fed, secure_job(), "job-replay")
-    grid = harness(fed)
-    _run(fed, grid, signed, tmp_path / "out")
-    before = _requests(fed, "site-a", "job-replay")
-    node_a = next(n for n, node in grid.nodes.items() if "site-a" in str(node.node_config))
-    collect = next(m for m in grid.sent if m.metadata.dst_node_id == node_a and m.metadata.message_type == fm.SECAGG
-                   and _stage(m) == "collect_masked_vectors")
-    doc, _ = fm.read_payload(collect.content)
+def test_a_repeated_masked_request_replays_and_a_new_key_setup_is_refused_without_a_charge(fed: Any,
+                                                                                            tmp_path: Path) -> None:
     from flwr.app import Message
 
-    def ask(d: dict[str, Any], mtype: str = fm.SECAGG) -> Any:
-        msg = Message(fm.make_payload(d), dst_node_id=node_a, message_type=mtype, group_id="x")
-        grid.push_messages([msg])
-        return grid._replies.popitem()[1]
+    from feta_release.federation.driver import JobDriver
+    from feta_release.federation.secure_collect import secure_sum
 
-    # the job is closed (attested): nothing more, not even a replay
-    assert "closed" in ask(doc).error.reason
-    assert _requests(fed, "site-a", "job-replay") == before
+    signed, _ = sign_job_file(fed, secure_job(), "job-replay")
+    grid = harness(fed)
+    rec = Recorder(grid)
+    d = JobDriver(grid, signed, tmp_path / "out", coordinator_key=load_private_key(fed.coordinator_key),
+                  wait_timeout=2, poll_interval=0.05)
+    d.wait_for_sites()
+    d.collect_central()
+    before = _requests(fed, "site-a", "job-replay")
+    assert [r["mechanism"] for r in before] == ["central"]
+    node_a = d.sites["site-a"].node_id
+    collect = next(m for m in grid.sent if m.metadata.dst_node_id == node_a and m.metadata.message_type == fm.SECAGG
+                   and _stage(m) == "collect_masked_vectors")
+    first = next(a["masked"] for n, doc, a in rec.replies if n == node_a and "masked" in a)
+    doc, _ = fm.read_payload(collect.content)
+    grid.push_messages([Message(fm.make_payload(doc), dst_node_id=node_a, message_type=fm.SECAGG, group_id="x")])
+    _, again_doc, again = rec.replies[-1]
+    assert np.array_equal(again["masked"], first)  # the recorded answer, not a fresh draw
+    assert _requests(fed, "site-a", "job-replay") == before  # not charged twice
+    # a redo on a new key setup: the sites refuse to release their central contribution again
+    with pytest.raises(Exception, match="below the threshold"):
+        secure_sum(d, "central", attempt=1)
+    log = (tmp_path / "out" / "progress.jsonl").read_text()
+    assert "already released its central contribution" in log
+    for s in fed.sites:
+        assert len(_requests(fed, s.site_id, "job-replay")) == 1
 
 
 def test_per_site_release_is_refused_for_a_secure_job_before_any_charge(fed: Any, tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ def test_secure_job_charges_skellam_events_and_the_coordinator_sees_only_masked_
     rec = Recorder(grid)
     res = _run(fed, grid, signed, tmp_path / "out")
     assert res.rounds_done == 1
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     types = [m.metadata.message_type for m in grid.sent]
     assert fm.CENTRAL not in types and fm.FREQUENCY not in types and types.count(fm.SECAGG) == 2 * 4 * 3
     for s in fed.sites:
@@ -87,6 +88,7 @@ def test_secure_job_charges_skellam_events_and_the_coordinator_sees_only_masked_
         eps = epsilon(events, 1e-5)
         assert eps <= 1.0 + 1e-9 < worst_case_epsilon(events, 1e-5)
         assert res.attestations[s.site_id]["statement"]["epsilon"] == pytest.approx(eps)
+        assert plan[s.site_id]["planned_epsilon"] == pytest.approx(eps)  # the coordinator planned what is charged
     # The coordinator's view of one site: a masked vector, uniform mod 2^64 whatever the data (KS test on [0, 1)).
     for phase in ("central", "frequency"):
         vectors = rec.masked(phase)
@@ -232,3 +234,17 @@ def test_per_site_release_is_refused_for_a_secure_job_before_any_charge(fed: Any
     rep = grid._replies.popitem()[1]
     assert rep.has_error() and "per-site" in rep.error.reason
     assert _requests(fed, "site-a", "job-mode") == []
+
+
+def test_the_coordinator_refuses_a_secure_job_past_a_worst_case_cap_before_any_release(tmp_path: Path) -> None:
+    from feta_release.policy.errors import JobDoesNotFit
+
+    fed = make_federation(tmp_path / "fed", policy_overrides={
+        "site-b": {"secure_aggregation": {"max_worst_case_epsilon": 0.05}}})
+    signed, _ = sign_job_file(fed, secure_job(), "job-cap")
+    grid = harness(fed)
+    with pytest.raises(JobDoesNotFit, match="secure_aggregation.max_worst_case_epsilon"):
+        _run(fed, grid, signed, tmp_path / "out")
+    assert fm.SECAGG not in [m.metadata.message_type for m in grid.sent]
+    for s in fed.sites:
+        assert _requests(fed, s.site_id, "job-cap") == []

@@ -36,7 +36,7 @@ from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes
 from ..training.ema import EMA
 from . import checkpoint_io, plan
-from .secure_collect import collect_secure
+from .secure_collect import collect_secure, secure_plan
 from . import messages as fm
 
 Progress = Callable[[dict[str, Any]], None]
@@ -212,16 +212,22 @@ class JobDriver:
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:
-        planned, policies, life = {}, {}, {}
+        planned, policies, life, charged = {}, {}, {}, {}
         for sid, s in self.sites.items():
-            evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy))
-            planned[sid], policies[sid] = [request_of(e, self.cfg) for e in evs], s.policy
+            if self.cfg.federation.secure_aggregation:  # the sites charge SkellamEvents for the warm-up sums
+                planned[sid], charged[sid] = secure_plan(self, s)
+            else:
+                evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy))
+                planned[sid] = [request_of(e, self.cfg) for e in evs]
+            policies[sid] = s.policy
             life[sid] = events_from_list(s.lifetime_events)
-        job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life)
+        job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
+                                 charged=charged if self.cfg.federation.secure_aggregation else None)
         doc = {
             sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
                   "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
-                  "events": [r.event().to_dict() for r in planned[sid]]}
+                  "events": [e.to_dict() for e in charged[sid]] if sid in charged else
+                  [r.event().to_dict() for r in planned[sid]]}
             for sid in planned
         }
         (self.out / "plan.json").write_text(json.dumps(doc, indent=2), "utf-8")

@@ -12,7 +12,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
+from ..planning import secure_stage_events, target, warmup_events
+from ..policy.enforce import request_of
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
 from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator
@@ -31,6 +34,18 @@ class Driver(Protocol):
              arrays: dict[str, np.ndarray] | None = None, timeout: float | None = None, group: str = "") -> Asked: ...
 
     def emit(self, phase: str, message: str, **fields: Any) -> None: ...
+
+
+def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
+    """(the requests its policy checks, the events it will charge) of one site of a secure job: the warm-up
+    releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as the node does."""
+    cfg = d.cfg
+    warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, len(d.job.sites),
+                                   int(site.policy.max_colluders))
+    charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
+                                  budget=target(cfg, site.policy))
+    gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
+    return [request_of(e, cfg) for e in gaussian], charged
 
 
 def _b64(data: bytes) -> str:

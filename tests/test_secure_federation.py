@@ -248,3 +248,42 @@ def test_the_coordinator_refuses_a_secure_job_past_a_worst_case_cap_before_any_r
     assert fm.SECAGG not in [m.metadata.message_type for m in grid.sent]
     for s in fed.sites:
         assert _requests(fed, s.site_id, "job-cap") == []
+
+
+def test_a_split_view_through_the_nodes_gets_too_few_key_shares_when_the_epsilon_counts_two_shares(
+        fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threshold 2 of 3, no colluders (2 (t - k) = 4 > 3: the site counts 2 honest shares). A lying coordinator
+    tells site-a and site-c that site-c is alive (their seed shares of c) and site-b that it dropped (b's share of
+    c's mask key): it gets ONE key share of site-c, below the threshold, so c's pairwise masks stay unknown and its
+    vector is never alone; asking site-a again for c's key share is refused (one unmask per sum)."""
+    from feta_release.federation.secagg import SecAggCoordinator
+
+    signed, _ = sign_job_file(fed, secure_job(secagg_threshold=2), "job-split-view")
+    grid = harness(fed)
+    rec = Recorder(grid)
+    nodes = {s.site_id: 100 + i for i, s in enumerate(fed.sites)}
+    a, b, c = nodes["site-a"], nodes["site-b"], nodes["site-c"]
+    honest = SecAggCoordinator.collect_masked
+
+    def split(self: SecAggCoordinator, vectors: Any) -> Any:
+        req = honest(self, vectors)
+        req[b] = ([a, b], [c])  # site-b is told that c dropped
+        return req
+
+    monkeypatch.setattr(SecAggCoordinator, "collect_masked", split)
+    with pytest.raises(Exception):  # noqa: B017 - the lie leaves the coordinator nothing it can decode
+        _run(fed, grid, signed, tmp_path / "out")
+    unmasks = [(n, d) for n, d, _ in rec.replies if d.get("stage") == "unmask" and d.get("phase") == "central"]
+    key_shares_of_c = [n for n, d in unmasks if n == b and str(c) in d["shares"]]
+    seed_shares_of_c = [n for n, d in unmasks if n in (a, c) and str(c) in d["shares"]]
+    assert key_shares_of_c == [b] and sorted(seed_shares_of_c) == sorted([a, c])  # 1 key share < threshold 2
+    collect = next(m for m in grid.sent if m.metadata.dst_node_id == a and _stage(m) == "unmask")
+    doc, _ = fm.read_payload(collect.content)
+    from flwr.app import Message
+
+    again = {**doc, "active": [a, b], "dead": [c]}
+    grid.push_messages([Message(fm.make_payload(again), dst_node_id=a, message_type=fm.SECAGG, group_id="x")])
+    rep = grid._replies.popitem()[1]
+    assert rep.has_error() and "expects stage" in rep.error.reason
+    ev = events_from_list(_requests(fed, "site-c", "job-split-view")[0]["events"])[0]
+    assert isinstance(ev, SkellamEvent) and ev.mu == pytest.approx(2 * ev.mu_worst)  # what site_epsilons counts

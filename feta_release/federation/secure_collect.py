@@ -117,7 +117,7 @@ def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[s
     if phase == "central":
         c = cfg.central
         params = ss.block_params(lay.block_dim, lay.clip, c.sigma, n)
-        small = tuple(int(v) for v in ss.small_shape(info.image_shape, c.downsample))
+        small = ss.small_shape(info.image_shape, c.downsample)
         rel = ss.decode_central(residues, lay, params, rounds=c.rounds, n_classes=info.n_classes,
                                 denominator=len(contributors) * c.batch / info.n_classes,
                                 image_shape=tuple(info.image_shape), small_shape=small, sigma=c.sigma,

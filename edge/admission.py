@@ -10,13 +10,14 @@ failing rule so an administrator fixes them all in one pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feta_release.accounting import PrivacyEvent
+from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
-from feta_release.planning import stage_event, stage_events, target, warmup_events
+from feta_release.planning import secure_stage_events, stage_event, stage_events, target, warmup_events
 from feta_release.policy.enforce import MechanismRequest, check_budget, check_request, request_of
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
 from feta_release.policy.jobs import verify_job
@@ -31,20 +32,28 @@ _DISABLED = {
 }
 
 
-def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path | None = None
-                ) -> tuple[PrivacyEvent, MechanismRequest]:
+def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path | None = None,
+                secure_warmup: Sequence[Event] | None = None) -> tuple[PrivacyEvent, MechanismRequest]:
     """The privacy event a handler will release (the planner's, ``feta_release.planning``) and the request it
-    checks against the policy."""
+    checks against the policy. ``secure_warmup``: the site's ``SkellamEvent``s when the job sums its warm-up
+    releases by secure aggregation (DP-SGD is then calibrated over them; the warm-up requests keep their
+    Gaussian form for the policy's sigma and cap rules, the charged event is the Skellam one)."""
     cfg = job.config
     if mechanism not in _DISABLED:
         raise PolicyError(f"unknown mechanism {mechanism!r}")
     # The warm-up releases need no DP-SGD calibration (seconds, and a job whose DP-SGD cannot fit is the
     # coordinator's refusal to make); the DP-SGD round is the planner's calibrated one.
-    events = (warmup_events(cfg, n) if mechanism != "dpsgd"
-              else stage_events(cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir))
+    if mechanism != "dpsgd":
+        events: list[Event] = list(warmup_events(cfg, n))
+    elif secure_warmup is not None:
+        events = secure_stage_events(cfg, n, secure_warmup, budget=target(cfg, policy), cache_dir=cache_dir)
+    else:
+        events = list(stage_events(cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir))
     ev = stage_event(events, mechanism)
     if ev is None:
         raise PrivacyError(_DISABLED[mechanism])
+    if not isinstance(ev, PrivacyEvent):
+        raise PrivacyError(f"{mechanism}: the planner returned a {type(ev).__name__}, not a Gaussian request")
     return ev, request_of(ev, cfg, job)
 
 

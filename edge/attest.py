@@ -21,4 +21,5 @@ def site_attestation(site: Any, job: Any) -> dict[str, Any]:
     lifetime = events_from_list([e for r in site.ledger.requests() for e in r["events"]])
     pol = site.policy
     return build_attestation(site.site_id, job.job_id, events, pol.job_delta, pol.accountant, pol.digest, site.key,
-                             job_sha256=job.digest, lifetime_events=lifetime, lifetime_delta=pol.lifetime_delta)
+                             job_sha256=job.digest, lifetime_events=lifetime, lifetime_delta=pol.lifetime_delta,
+                             max_colluders=int(pol.max_colluders))

@@ -15,13 +15,15 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from feta_release.accounting import PrivacyEvent
+from feta_release.accounting import Event, PrivacyEvent
+from feta_release.errors import PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.policy.jobs import Job
 from feta_release.signing import public_key_pem
 
 from .attest import site_attestation
 from .protocol import Arrays, ReleaseRng, Request, release, verified_job
+from .secure import admit_masked, handle, masked_contribution
 from .releases import check_weights, dpsgd_round, release_central, release_frequency
 from .site import CFG_POLICY, Site, site_for
 
@@ -50,14 +52,43 @@ def hello(msg: Message, context: Context) -> Message:
 
 @app.query("central")
 @release("central")
-def central(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[PrivacyEvent]]:
-    return release_central(site.data, job.config, site.n_public, rng.numpy())
+def central(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
+    arrays, events = release_central(site.data, job.config, site.n_public, rng.numpy())
+    return arrays, [*events]
 
 
 @app.query("frequency")
 @release("frequency")
-def frequency(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[PrivacyEvent]]:
-    return release_frequency(site.data, job.config, site.n_public, rng.numpy())
+def frequency(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
+    arrays, events = release_frequency(site.data, job.config, site.n_public, rng.numpy())
+    return arrays, [*events]
+
+
+def _secure_info(site: Site, req: Request) -> dict[str, Any]:
+    # public values only: which sum this vector belongs to (the coordinator's own round id echoed)
+    return {"phase": req.doc.get("phase"), "round_id": req.doc.get("round_id"), "stage": "collect_masked_vectors"}
+
+
+def _secure_fits(site: Site, job: Job, req: Request) -> None:
+    admit_masked(site, job, req.doc)
+
+
+@release("central", admit=_secure_fits, public=_secure_info, secure=True)
+def central_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
+    """Mean central images as this site's masked Skellam contribution to the secure sum (edge/secure.py)."""
+    return {"masked": masked_contribution(site, job, req.doc, rng.numpy())}, [req.event]
+
+
+@release("frequency", admit=_secure_fits, public=_secure_info, secure=True)
+def frequency_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
+    """The frequency embedding sum as this site's masked Skellam contribution to the secure sum."""
+    return {"masked": masked_contribution(site, job, req.doc, rng.numpy())}, [req.event]
+
+
+@app.query("secagg")
+def secagg(msg: Message, context: Context) -> Message:
+    """One stage of a secure sum (setup, share_keys, collect_masked_vectors, unmask): see edge/secure.py."""
+    return handle(msg, context, {"central": central_masked, "frequency": frequency_masked})
 
 
 def _fitting_weights(site: Site, job: Job, req: Request) -> None:
@@ -67,13 +98,16 @@ def _fitting_weights(site: Site, job: Job, req: Request) -> None:
 def _round_info(site: Site, req: Request) -> dict[str, Any]:
     # Only public values go with the weights: the per-example loss of the private batch and the on-site
     # seconds (which track the realised Poisson batch size) are un-noised functions of the data.
+    assert isinstance(req.event, PrivacyEvent)  # DP-SGD rounds are per-site Gaussian releases
     return {"round": req.round, "num_examples": site.n_public, "sigma": req.event.sigma, "q": req.event.q}
 
 
 @app.train()
 @release("dpsgd", admit=_fitting_weights, public=_round_info)
-def train(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[PrivacyEvent]]:
+def train(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
     """One federated DP-SGD round: global weights in, ``local_steps`` DP-SGD steps on site, weights out."""
+    if not isinstance(req.event, PrivacyEvent):
+        raise PrivacyError(f"DP-SGD round {req.round}: planned a {type(req.event).__name__}, not a Gaussian step")
     return dpsgd_round(site.data, job.config, req.arrays, req.event, rng.torch(), site.n_public), [req.event]
 
 

@@ -31,10 +31,12 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from feta_release.accounting import PrivacyEvent, events_from_list, events_to_list
+from feta_release.accounting import Event, SkellamEvent, events_from_list, events_to_list
 from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
-from feta_release.policy.enforce import check_request
+from feta_release.mechanisms.secure_sums import secagg_warmup_events
+from feta_release.planning import stage_event
+from feta_release.policy.enforce import MechanismRequest, check_request
 from feta_release.policy.jobs import Job, verify_job
 from feta_release.randomness import os_numpy_generator, os_torch_generator
 
@@ -68,12 +70,12 @@ class Request:
 
     rid: str
     round: int
-    event: PrivacyEvent  # planned, checked against the policy and charged before the computation runs
+    event: Event  # planned, checked against the policy and charged before the computation runs
     doc: dict[str, Any]
     arrays: Arrays
 
 
-Compute = Callable[[Site, Job, Request, ReleaseRng], tuple[Arrays, list[PrivacyEvent]]]
+Compute = Callable[[Site, Job, Request, ReleaseRng], tuple[Arrays, list[Event]]]
 Admit = Callable[[Site, Job, Request], None]
 Public = Callable[[Site, Request], dict[str, Any]]
 
@@ -91,8 +93,43 @@ def verified_job(site: Site, doc: dict[str, Any], *, attesting: bool = False) ->
     return job
 
 
-def job_events(site: Site, job: Job) -> list[PrivacyEvent]:
+def job_events(site: Site, job: Job) -> list[Event]:
     return events_from_list(site.ledger.job_events(job.job_id))
+
+
+def secure_warmup(site: Site, job: Job) -> list[Event] | None:
+    """The site's SkellamEvents of the job's warm-up releases when the job sums them by secure aggregation (its
+    own trust assumption, ``secure_aggregation.max_colluders``, decides the noise shares counted), else None."""
+    cfg = job.config
+    if not cfg.federation.secure_aggregation:
+        return None
+    events = secagg_warmup_events(cfg, site.n_public, tuple(site.data.image_shape), int(site.data.n_classes),
+                                  len(job.sites), int(site.policy.max_colluders))
+    return [e for e in events if isinstance(e, SkellamEvent)]
+
+
+def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismRequest]:
+    """The event this site charges for ``mechanism`` in ``job`` and the request its policy checks."""
+    secure = secure_warmup(site, job)
+    event, mreq = request_for(mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir,
+                              secure_warmup=secure)
+    if secure is not None and mechanism != "dpsgd":
+        charged = stage_event(secure, mechanism)
+        if charged is None:
+            raise PrivacyError(f"the job has no secure {mechanism} release; nothing to release")
+        return charged, mreq
+    return event, mreq
+
+
+def _check_mode(mechanism: str, job: Job, secure: bool) -> None:
+    """A job's warm-up releases go EITHER through secure aggregation OR out with per-site noise, never both."""
+    if mechanism == "dpsgd" or bool(job.config.federation.secure_aggregation) == secure:
+        return
+    if secure:
+        raise PolicyError(f"job {job.job_id} does not set [federation] secure_aggregation: its {mechanism} release "
+                          "is per-site; a secure-aggregation request for it is refused")
+    raise PolicyError(f"job {job.job_id} sums its {mechanism} release by secure aggregation; a per-site "
+                      f"{mechanism} release (full noise, unmasked) is refused")
 
 
 def _round(mechanism: str, job: Job, doc: dict[str, Any]) -> int:
@@ -147,20 +184,23 @@ def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute
     return _compute_and_record(compute, site, job, req, public)
 
 
-def release(mechanism: str, *, admit: Admit | None = None, public: Public | None = None) -> Callable[[Compute], Handler]:
+def release(mechanism: str, *, admit: Admit | None = None, public: Public | None = None,
+            secure: bool = False) -> Callable[[Compute], Handler]:
     """Wrap ``compute`` in the protocol of this module as a ClientApp handler for ``mechanism``.
 
     ``admit`` refuses a payload before the charge (it may read the coordinator's input, never the images);
-    ``public`` adds reply fields, each a public value fixed by the signed job and policy."""
+    ``public`` adds reply fields, each a public value fixed by the signed job and policy; ``secure``: the
+    handler releases the masked secure-aggregation contribution (charged as the site's SkellamEvent)."""
     def wrap(compute: Compute) -> Handler:
         def handler(msg: Message, context: Context) -> Message:
             site = site_for(context.node_config)
             doc, arrays = fm.read_payload(msg.content)
             job = verified_job(site, doc)
+            _check_mode(mechanism, job, secure)
             rnd = _round(mechanism, job, doc)
             rid = fm.request_id(job.job_id, PHASES[mechanism], rnd)
             # σ of a DP-SGD round is calibrated HERE, by the site, for its own size and budget.
-            event, mreq = request_for(mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir)
+            event, mreq = planned(site, job, mechanism)
             prior = site.ledger.check(job.job_id, rid, mechanism, [event], site.policy)
             if prior is not None:
                 log.info("replayed request %s: answering from the ledger (not charged again)", rid)

@@ -34,6 +34,7 @@ import numpy as np
 from .errors import PrivacyError
 
 Accountant = Literal["rdp", "prv"]
+View = Literal["assumed", "worst_case"]
 
 # Opacus' RDPAccountant.DEFAULT_ALPHAS: 1.1 .. 10.9 step 0.1, then 12 .. 63.
 RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
@@ -41,6 +42,15 @@ RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [f
 STAGES = ("central", "frequency", "dpsgd")
 # What one privacy event protects (PrivacyEvent.unit); feta_release.privacy_unit states what that means.
 UNITS = ("image", "patient")
+
+# Default cap (policy.document.SitePolicy.worst_case_cap, ledger.Budget) on a secure-aggregation job's worst-case
+# epsilon (own noise share only) when the policy sets no secure_aggregation.max_worst_case_epsilon, as a multiple
+# of the per-job epsilon cap. Why 3: a job calibrated to the per-job cap over h honest shares has an own-share
+# epsilon about sqrt(h) times larger unsampled (Gaussian-like regime) and 2-3x larger for subsampled DP-SGD at
+# h = 2-3 (docs/secure-aggregation.md's table: 5.3 -> 14.8 at 3 shares); 3x admits those jobs and refuses one whose
+# noise is spread so thin over many sites that a coalition of all the others would leave this site nearly
+# unprotected. A stricter site sets the field.
+DEFAULT_WORST_CASE_FACTOR = 3.0
 
 # Calibration refuses noise multipliers above this: with sigma that large DP-SGD learns nothing useful, so the
 # plan is treated as infeasible and the user is told which warm-up stage to shrink.
@@ -102,12 +112,139 @@ class PrivacyEvent:
                    unit=data.get("unit", "image"))
 
 
-def events_to_list(events: Iterable[PrivacyEvent]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class SkellamEvent:
+    """``steps`` Poisson-subsampled (rate ``q``) releases of an integer sum under distributed Skellam noise
+    (secure aggregation), with integer-domain sensitivities ``l2`` / ``l1`` of one record.
+
+    ``mu``: the variance of the noise shares the site counts on under its signed trust assumption (the honest
+    sites' shares); ``mu_worst``: the variance of its OWN share alone (every other site colludes with the
+    coordinator and subtracts its share). One event carries both, so one ledger row answers both questions:
+    ``epsilon(history)`` (charged, assumed) and ``epsilon(history, view="worst_case")``.
+    """
+
+    stage: str
+    q: float
+    steps: int
+    l2: float
+    l1: float
+    mu: float
+    mu_worst: float | None = None  # None: the same as mu (a site counting only its own share)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stage, str) or not self.stage:
+            raise PrivacyError(f"Skellam event: stage must be a non-empty string, got {self.stage!r}")
+        if self.mu_worst is None:
+            object.__setattr__(self, "mu_worst", self.mu)
+        for name in ("q", "l2", "l1", "mu", "mu_worst"):
+            v = getattr(self, name)
+            if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and float(v) > 0):
+                raise PrivacyError(f"Skellam event {self.stage!r}: {name} must be a finite number > 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.q > 1:
+            raise PrivacyError(f"Skellam event {self.stage!r}: q must be in (0, 1], got {self.q}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) or self.steps < 0:
+            raise PrivacyError(f"Skellam event {self.stage!r}: steps must be an integer >= 0, got {self.steps!r}")
+        object.__setattr__(self, "steps", int(self.steps))
+        if self.worst_mu > self.mu * (1 + 1e-12):
+            raise PrivacyError(f"Skellam event {self.stage!r}: the own share's variance mu_worst {self.mu_worst} "
+                               f"exceeds the counted shares' mu {self.mu}; the own share is one of them")
+
+    @property
+    def worst_mu(self) -> float:
+        return float(self.mu if self.mu_worst is None else self.mu_worst)
+
+    def rdp(self, orders: Sequence[float] = RDP_ORDERS, *, worst_case: bool = False) -> np.ndarray:
+        """RDP curve of the ``steps`` releases (noise variance ``mu``, or ``mu_worst`` with ``worst_case``)."""
+        mu = self.worst_mu if worst_case else self.mu
+
+        @functools.cache
+        def per_step(a: float) -> float:
+            return skellam_rdp(a, self.l2, self.l1, mu)
+
+        return np.array([self.steps * poisson_subsampled_rdp(a, self.q, per_step) for a in orders])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "skellam", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> SkellamEvent:
+        if not isinstance(data, dict) or set(data) != set(_SKELLAM_KEYS) or data.get("kind") != "skellam":
+            raise PrivacyError(f"Skellam event must be an object with exactly {', '.join(_SKELLAM_KEYS)} "
+                               f"(kind \"skellam\"); got {data!r}")
+        return cls(**{k: v for k, v in data.items() if k != "kind"})
+
+
+_SKELLAM_KEYS = ("kind", "stage", "q", "steps", "l2", "l1", "mu", "mu_worst")
+
+# One privacy event of a site's history: a subsampled Gaussian, or a Skellam sum under secure aggregation.
+Event = PrivacyEvent | SkellamEvent
+
+
+def event_to_dict(e: Event | dict[str, Any]) -> dict[str, Any]:
+    """The stored form (ledger rows, attestations, manifests): Gaussian events keep their four keys (old ledgers
+    and releases read unchanged), Skellam events carry ``"kind": "skellam"``."""
+    return event_from_dict(e).to_dict() if isinstance(e, dict) else e.to_dict()
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    if isinstance(data, dict) and data.get("kind") == "skellam":
+        return SkellamEvent.from_dict(data)
+    return PrivacyEvent.from_dict(data)
+
+
+def events_to_list(events: Iterable[Event]) -> list[dict[str, Any]]:
     return [e.to_dict() for e in events]
 
 
-def events_from_list(items: Iterable[dict[str, Any]]) -> list[PrivacyEvent]:
-    return [PrivacyEvent.from_dict(d) for d in items]
+def events_from_list(items: Iterable[dict[str, Any]]) -> list[Event]:
+    return [event_from_dict(d) for d in items]
+
+
+def gaussian_only(events: Iterable[Event], where: str) -> list[PrivacyEvent]:
+    """The history as subsampled-Gaussian events, for code that reads sigma (a local run); a Skellam event there
+    is refused, never dropped silently."""
+    out = list(events)
+    if any(not isinstance(e, PrivacyEvent) for e in out):
+        raise PrivacyError(f"{where}: the history holds secure-aggregation (Skellam) events, which this step cannot "
+                           "read; it applies to per-site-noise histories only")
+    return [e for e in out if isinstance(e, PrivacyEvent)]
+
+
+# -- Skellam RDP (Agarwal, Kairouz, Liu 2021) and Poisson subsampling of any mechanism (Zhu & Wang 2019) --------
+
+
+def skellam_rdp(order: float, l2: float, l1: float, mu: float) -> float:
+    """RDP at ``order`` of adding Sk(mu/2, mu/2) noise to an integer query with sensitivities ``l2``, ``l1``
+    (see :mod:`feta_release.accountants.skellam` for the statement and its cross-checks)."""
+    if not order > 1:
+        raise PrivacyError(f"Skellam RDP: the order must be > 1, got {order!r}")
+    if not (math.isfinite(mu) and mu > 0):
+        raise PrivacyError(f"Skellam RDP: variance mu must be a finite number > 0, got {mu!r}")
+    a = float(order)
+    correction = min(((2 * a - 1) * l2**2 + 6 * l1) / (4 * mu**2), 3 * l1 / (2 * mu))
+    return a * l2**2 / (2 * mu) + correction
+
+
+def poisson_subsampled_rdp(order: float, q: float, rdp: Callable[[float], float]) -> float:
+    """Zhu & Wang 2019's general upper bound on the RDP of a Poisson-subsampled mechanism (any RDP curve):
+    at integer orders a >= 2 (a fractional order takes ceil), capped by the unsampled value."""
+    from scipy import special
+
+    if not (0 < q <= 1):
+        raise PrivacyError(f"subsampled RDP: sampling rate q must be in (0, 1], got {q!r}")
+    unsampled = rdp(order)
+    if q == 1:
+        return unsampled
+    a = max(2, math.ceil(order))
+    head = [(a - 1) * math.log1p(-q) + math.log1p((a - 1) * q),
+            math.log(special.comb(a, 2)) + 2 * math.log(q) + (a - 2) * math.log1p(-q) + rdp(2)]
+    ms = np.arange(3, a + 1)
+    eps = np.array([rdp(int(m)) for m in ms])
+    tail = (math.log(3) + special.gammaln(a + 1) - special.gammaln(ms + 1) - special.gammaln(a - ms + 1)
+            + (a - ms) * math.log1p(-q) + ms * math.log(q) + (ms - 1) * eps)
+    bound = float(special.logsumexp(np.concatenate([head, tail]))) / (a - 1)
+    return min(bound, unsampled)
 
 
 # -- the analysis: prv-accountant (numpy/scipy only, no torch, no opacus) ------------------------------------
@@ -167,19 +304,31 @@ def _check_delta(delta: float) -> None:
         raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
 
 
-def _history(events: Iterable[PrivacyEvent]) -> list[tuple[float, float, int]]:
+def _history(events: Iterable[object]) -> list[tuple[float, float, int]]:
     out = []
     for e in events:
         if not isinstance(e, PrivacyEvent):
-            raise PrivacyError(f"expected PrivacyEvent, got {type(e).__name__}: {e!r}")
+            raise PrivacyError(f"expected PrivacyEvent or SkellamEvent, got {type(e).__name__}: {e!r}")
         if e.steps > 0:
             out.append((e.sigma, e.q, e.steps))
     return out
 
 
-def epsilon(events: Iterable[PrivacyEvent], delta: float, accountant: Accountant = "rdp") -> float:
-    """Total epsilon at ``delta`` of a heterogeneous event history (all stages composed)."""
+def epsilon(events: Iterable[Event], delta: float, accountant: Accountant = "rdp", *,
+            view: View = "assumed") -> float:
+    """Total epsilon at ``delta`` of a heterogeneous event history (all stages composed): THE one function for a
+    job's or a lifetime's epsilon, whatever mixes of Gaussian and Skellam events it holds.
+
+    A history with a Skellam event is composed by adding RDP curves over ``RDP_ORDERS`` (whatever ``accountant``
+    says: the PRV accountant has no Skellam privacy-loss distribution, and RDP is a valid upper bound).
+    ``view``: ``"assumed"`` counts each Skellam release's noise shares under the site's trust assumption (what is
+    charged); ``"worst_case"`` only the site's own share (every other site colludes with the coordinator)."""
     _check_delta(delta)
+    events = list(events)
+    if view not in ("assumed", "worst_case"):
+        raise PrivacyError(f"unknown epsilon view {view!r}; use 'assumed' or 'worst_case'")
+    if any(isinstance(e, SkellamEvent) for e in events):
+        return _mixed_epsilon(events, delta, worst_case=view == "worst_case")
     history = _history(events)
     if not history:
         return 0.0
@@ -188,6 +337,30 @@ def epsilon(events: Iterable[PrivacyEvent], delta: float, accountant: Accountant
     if accountant == "prv":
         return _prv_epsilon(history, delta)
     raise PrivacyError(f"unknown accountant {accountant!r}; use 'rdp' or 'prv'")
+
+
+def _mixed_epsilon(events: Sequence[Event], delta: float, *, worst_case: bool) -> float:
+    """RDP composition of subsampled-Gaussian and Skellam events (curves added over the same orders)."""
+    total = np.zeros(len(RDP_ORDERS))
+    for e in events:
+        if e.steps == 0:
+            continue
+        if isinstance(e, SkellamEvent):
+            total = total + e.rdp(worst_case=worst_case)
+        elif isinstance(e, PrivacyEvent):
+            total = total + e.steps * gaussian_rdp_curve(e.sigma, e.q)
+        else:
+            raise PrivacyError(f"expected PrivacyEvent or SkellamEvent, got {type(e).__name__}: {e!r}")
+    return epsilon_from_rdp(total, delta) if np.any(total) else 0.0
+
+
+def worst_case_epsilon(events: Iterable[Event], delta: float) -> float:
+    """Epsilon of a history if every other site colluded with the coordinator (see :func:`epsilon`)."""
+    return epsilon(events, delta, view="worst_case")
+
+
+def has_secure_aggregation(events: Iterable[Event]) -> bool:
+    return any(isinstance(e, SkellamEvent) for e in events)
 
 
 def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
@@ -211,18 +384,19 @@ def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float
     return float(eps_upper)
 
 
-def epsilon_breakdown(events: Sequence[PrivacyEvent], delta: float, accountant: Accountant = "rdp") -> dict[str, float]:
+def epsilon_breakdown(events: Sequence[Event], delta: float, accountant: Accountant = "rdp", *,
+                      view: View = "assumed") -> dict[str, float]:
     """Epsilon of each stage ALONE (not additive: composition is sub-additive), plus ``"total"`` over all."""
-    stages: dict[str, list[PrivacyEvent]] = {}
+    stages: dict[str, list[Event]] = {}
     for e in events:
         stages.setdefault(e.stage, []).append(e)
-    out = {stage: epsilon(evs, delta, accountant) for stage, evs in stages.items()}
-    out["total"] = epsilon(events, delta, accountant)
+    out = {stage: epsilon(evs, delta, accountant, view=view) for stage, evs in stages.items()}
+    out["total"] = epsilon(events, delta, accountant, view=view)
     return out
 
 
 def calibrate_noise_multiplier(
-    prior_events: Sequence[PrivacyEvent],
+    prior_events: Sequence[Event],
     q: float,
     steps: int,
     target_epsilon: float,
@@ -284,6 +458,6 @@ def smallest_fitting_sigma(eps_of: Callable[[float], float], target_epsilon: flo
     return hi
 
 
-def _stage_list(events: Sequence[PrivacyEvent]) -> str:
+def _stage_list(events: Sequence[Event]) -> str:
     names = sorted({e.stage for e in events if e.steps > 0})
     return ", ".join(names) if names else "none"

@@ -132,6 +132,13 @@ class FederationSection:
     rounds: int = 10  # federated DP-SGD rounds
     local_steps: int = 5  # DP-SGD steps per site per round
     round_timeout: float = 600.0
+    # Central images and the frequency embedding summed by secure aggregation (docs/secure-aggregation.md): each
+    # site adds a 1/n share of the noise (Skellam), the coordinator learns only the sum. False: per-site noise.
+    secure_aggregation: bool = False
+    # Sites a secure sum needs (a strict majority of the job's sites); None: all of them. Lower it to survive
+    # dropouts; a site's epsilon counts threshold - max_colluders honest noise shares (its own only when
+    # 2 (threshold - max_colluders) <= sites - max_colluders: see accountants.skellam.site_epsilons).
+    secagg_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -338,6 +345,11 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(cfg.federation.min_sites >= 1, "[federation] min_sites must be >= 1")
     need(cfg.federation.rounds >= 0 and cfg.federation.local_steps >= 1, "[federation] rounds >= 0, local_steps >= 1")
     need(cfg.job.image_size is None or cfg.job.image_size >= 8, "[job] image_size must be >= 8")
+    need(cfg.federation.secagg_threshold is None or cfg.federation.secagg_threshold >= 2,
+         "[federation] secagg_threshold must be >= 2 (a strict majority of the job's sites)")
+    need(not (cfg.federation.secure_aggregation and c.rounds > 0 and c.kind == "mode"),
+         "[federation] secure_aggregation sums mean central images only: set [central] kind = \"mean\" or "
+         "secure_aggregation = false")
     from .data.dicom import parse_window
 
     try:

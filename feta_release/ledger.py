@@ -18,7 +18,6 @@ reading (``node status``) verifies the signature with the site's public key when
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -30,7 +29,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from .accounting import Accountant as AccountantName
-from .accounting import PrivacyEvent, epsilon
+from .accounting import (
+    DEFAULT_WORST_CASE_FACTOR,
+    epsilon,
+    event_to_dict,
+    events_from_list,
+    has_secure_aggregation,
+    worst_case_epsilon,
+)
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
 
 from . import ledger_chain as chain
@@ -71,6 +77,9 @@ class Budget:
     delta: float  # the per-job delta
     accountant: AccountantName = "rdp"
     lifetime_delta: float | None = None  # None: same as ``delta``
+    # per-job cap on the epsilon of secure-aggregation releases if every other site colludes (own share only);
+    # None: not checked (a Budget built by hand; a SitePolicy always brings its cap, explicit or default)
+    worst_case_epsilon: float | None = None
 
     @property
     def life_delta(self) -> float:
@@ -86,6 +95,7 @@ class Budget:
             delta=float(b["per_job"]["delta"]),
             accountant=cast(AccountantName, str(policy.get("accountant", "rdp"))),
             lifetime_delta=float(b["lifetime"]["delta"]),
+            worst_case_epsilon=_worst_case_cap(policy),
         )
 
 
@@ -98,13 +108,19 @@ class ChargeResult:
     lifetime_epsilon: float
 
 
+def _worst_case_cap(policy: dict[str, Any]) -> float:
+    # the same rule as SitePolicy.worst_case_cap (policy.document, which this module must not import)
+    cap = policy.get("secure_aggregation", {}).get("max_worst_case_epsilon")
+    return float(cap) if cap is not None else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["per_job"]["epsilon"])
+
+
 def as_budget(policy: Budget | Any) -> Budget:
     """A ``Budget`` from itself, a verified ``SitePolicy`` or a policy document."""
     if isinstance(policy, Budget):
         return policy
     if hasattr(policy, "job_epsilon") and hasattr(policy, "lifetime_delta"):
         return Budget(policy.job_epsilon, policy.lifetime_epsilon, policy.job_delta, policy.accountant,
-                      policy.lifetime_delta)
+                      policy.lifetime_delta, getattr(policy, "worst_case_cap", None))
     if isinstance(policy, dict) and "budget" in policy:
         return Budget.from_policy(policy)
     raise TypeError(f"not a budget or site policy: {type(policy).__name__}")
@@ -139,22 +155,30 @@ def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequ
         raise PolicyBudgetExceeded("budget.lifetime.epsilon", spent=eps(life_ev, budget.life_delta), after=life_after,
                                    cap=budget.lifetime_epsilon, delta=budget.life_delta, accountant=budget.accountant,
                                    scope="the site's lifetime", site=site)
+    _check_worst_case(budget, job_ev, new_ev, job_scope, site)
     return job_after, life_after
 
 
+def _check_worst_case(budget: Budget, job_ev: list[Any], new_ev: list[Any], job_scope: str, site: str | None) -> None:
+    """Secure-aggregation releases: the job's epsilon if every other site colluded (own noise share only) against
+    ``secure_aggregation.max_worst_case_epsilon`` (default 3 x the per-job cap)."""
+    if budget.worst_case_epsilon is None or not has_secure_aggregation(new_ev):
+        return
+    after = worst_case_epsilon(job_ev + new_ev, budget.delta)
+    if after > budget.worst_case_epsilon + 1e-9:
+        spent = worst_case_epsilon(job_ev, budget.delta) if job_ev else 0.0
+        raise PolicyBudgetExceeded("secure_aggregation.max_worst_case_epsilon", spent=spent, after=after,
+                                   cap=budget.worst_case_epsilon, delta=budget.delta, accountant="rdp",
+                                   scope=f"{job_scope}, if every other site colluded with the coordinator,", site=site)
+
+
 def _event_dicts(events: Sequence[Any]) -> list[dict[str, Any]]:
-    out = []
-    for e in events:
-        d = dataclasses.asdict(e) if dataclasses.is_dataclass(e) and not isinstance(e, type) else dict(e)
-        row = {"stage": str(d["stage"]), "sigma": float(d["sigma"]), "q": float(d["q"]), "steps": int(d["steps"])}
-        if d.get("unit", "image") != "image":  # patient-level events say so; image-level rows stay as before
-            row["unit"] = str(d["unit"])
-        out.append(row)
-    return out
+    """The stored form of each event (a Gaussian ``PrivacyEvent`` or a ``SkellamEvent``), validated."""
+    return [event_to_dict(e) for e in events]
 
 
 def _events_from_dicts(rows: list[dict[str, Any]]) -> list[Any]:
-    return [PrivacyEvent(**r) for r in rows]
+    return events_from_list(rows)
 
 
 class Ledger:

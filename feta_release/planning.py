@@ -24,9 +24,17 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from .accounting import MAX_NOISE_MULTIPLIER, Accountant, PrivacyEvent, calibrate_noise_multiplier, epsilon
+from .accounting import (
+    MAX_NOISE_MULTIPLIER,
+    Accountant,
+    Event,
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    epsilon,
+    gaussian_only,
+)
 from .config import JobConfig
 from .errors import FetaError, PrivacyError
 
@@ -39,6 +47,7 @@ _FIXES = {
     "frequency": "lower [frequency] sigma or features, or use more data",
 }
 STAGES = ("central", "frequency", "dpsgd")
+E = TypeVar("E", PrivacyEvent, Event)
 
 
 @dataclass(frozen=True)
@@ -118,7 +127,22 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
-    warm = warmup_events(cfg, n)
+    events = _with_dpsgd(cfg, n, warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit)
+    return gaussian_only(events, "stage_events")
+
+
+def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event], *, budget: Target | None = None,
+                        cache_dir: Path | None = None) -> list[Event]:
+    """:func:`stage_events` of a federated site whose warm-up releases go through secure aggregation: ``warmup``
+    are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``), so DP-SGD is calibrated over
+    the history the ledger will hold."""
+    n = _size(public_size)
+    return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir)
+
+
+def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int], budget: Target | None,
+                prior: Sequence[Event], cache_dir: Path | None, dpsgd_unit: str = "image") -> list[Event]:
+    warm = list(warm)
     if sum(sizes) < 1:
         return warm
     q = sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
@@ -188,7 +212,7 @@ def _calibrate(prior: tuple[PrivacyEvent, ...], q: float, steps: int, eps: float
         ) from None
 
 
-def stage_event(events: Sequence[PrivacyEvent], stage: str) -> PrivacyEvent | None:
+def stage_event(events: Sequence[E], stage: str) -> E | None:
     """The event of one release of ``stage`` (one round's for DP-SGD) among a site's events."""
     return next((e for e in events if e.stage == stage), None)
 

@@ -197,7 +197,7 @@ def test_events_compose_with_the_gaussian_stages_and_round_trip() -> None:
     both = acc.composed_epsilon(gauss, [ev], 1e-5)
     assert max(epsilon(gauss, 1e-5), acc.composed_epsilon([], [ev], 1e-5)) < both
     assert both < epsilon(gauss, 1e-5) + acc.composed_epsilon([], [ev], 1e-5)  # RDP composition is sub-additive
-    with pytest.raises(PrivacyError, match="exactly stage"):
+    with pytest.raises(PrivacyError, match="exactly kind, stage"):
         acc.SkellamEvent.from_dict({**ev.to_dict(), "sigma": 1.0})
     with pytest.raises(PrivacyError, match="mu must be"):
         acc.SkellamEvent("x", 0.1, 1, 1.0, 1.0, 0.0)

@@ -45,7 +45,7 @@ def test_quantize_dequantize_round_trip(recs: np.ndarray, scale: float, rotate: 
     """Without noise the decoded sum is the sum of the CLIPPED records up to the rounding error: each rounded
     record is within 1 of its scaled value in every coordinate, so the error is <= R sqrt(d') / s in L2."""
     p = params(scale=scale, rotate=rotate)
-    q = sk.quantize_records(recs, p, seed)
+    q = sk.quantize_records(recs, p, np.random.default_rng(seed))
     decoded = sk.dequantize_sum(sk.to_modular(q, p.modulus_bits), p)
     norms = np.linalg.norm(recs, axis=1, keepdims=True)
     clipped = recs * np.minimum(1.0, p.clip / np.maximum(norms, 1e-300))
@@ -153,7 +153,7 @@ def test_wrap_probability_bounds_the_observed_wraps_and_modulus_choice() -> None
 
 def test_contribution_outside_the_modulus_or_malformed_is_refused() -> None:
     p = params(modulus_bits=16)
-    ok = sk.site_contribution(np.zeros((1, 10)), p, 0)
+    ok = sk.site_contribution(np.zeros((1, 10)), p, np.random.default_rng(0))
     assert sk.check_contribution(ok, p, "site-a") is ok
     bad = ok.copy()
     bad[3] = np.uint64(1 << 16)
@@ -175,17 +175,29 @@ def test_bad_parameters_and_inputs_are_refused() -> None:
     with pytest.raises(PrivacyError, match="beta"):
         params(beta=1.0)
     with pytest.raises(DataError, match=r"shape \(R, 10\)"):
-        sk.quantize_records(np.zeros((2, 9)), params(), 0)
+        sk.quantize_records(np.zeros((2, 9)), params(), np.random.default_rng(0))
     with pytest.raises(DataError, match="NaN"):
-        sk.quantize_records(np.full((2, 10), np.nan), params(), 0)
+        sk.quantize_records(np.full((2, 10), np.nan), params(), np.random.default_rng(0))
     with pytest.raises(PrivacyError, match="variance"):
-        sk.skellam_noise(3, 0.0, 0)
+        sk.skellam_noise(3, 0.0, np.random.default_rng(0))
 
 
 def test_chunked_quantization_sums_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
     p = params(dim=10, scale=2.0**16)
     recs = np.random.default_rng(2).normal(size=(37, 10))
     monkeypatch.setattr(sk, "QUANTIZE_CHUNK_VALUES", 3 * p.padded_dim)  # 3 rows at a time, a partial last chunk
-    decoded = sk.dequantize_sum(sk.to_modular(sk.quantize_records(recs, p, 9), 32), p)
+    decoded = sk.dequantize_sum(sk.to_modular(sk.quantize_records(recs, p, np.random.default_rng(9)), 32), p)
     clipped = recs / np.maximum(1.0, np.linalg.norm(recs, axis=1, keepdims=True))
     assert np.linalg.norm(decoded - clipped.sum(axis=0)) <= len(recs) * math.sqrt(p.padded_dim) / p.scale
+
+
+@pytest.mark.parametrize("seed", [0, 12345, np.int64(7)])
+def test_integer_seeds_are_refused_everywhere(seed: object) -> None:
+    """A seed a coordinator could choose makes the noise share known and subtractable: only Generators pass."""
+    p = params()
+    with pytest.raises(PrivacyError, match="numpy Generator"):
+        sk.quantize_records(np.zeros((1, 10)), p, seed)  # type: ignore[arg-type]
+    with pytest.raises(PrivacyError, match="numpy Generator"):
+        sk.skellam_noise(3, 4.0, seed)  # type: ignore[arg-type]
+    with pytest.raises(PrivacyError, match="numpy Generator"):
+        sk.site_contribution(np.zeros((1, 10)), p, seed)  # type: ignore[arg-type]

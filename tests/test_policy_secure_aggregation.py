@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from feta_release.accountants.skellam import skellam_epsilon
@@ -76,3 +78,23 @@ def test_caps_refuse_with_the_rule_named() -> None:
     with pytest.raises(PolicyViolation) as exc:
         check_secure_aggregation(pol, worst_only)
     assert exc.value.rule == "secure_aggregation.max_worst_case_epsilon"
+
+
+def test_default_worst_case_cap_is_three_times_the_per_job_cap() -> None:
+    """No max_worst_case_epsilon: the node still caps the worst case, at DEFAULT_WORST_CASE_FACTOR x per-job."""
+    from feta_release.policy.document import DEFAULT_WORST_CASE_FACTOR
+
+    k = keys()
+    pol = SitePolicy.from_document(policy_doc(k, per_job=(1.5, 1e-5)), None)
+    assert pol.max_worst_case_epsilon is None and pol.worst_case_cap == DEFAULT_WORST_CASE_FACTOR * 1.5 == 4.5
+    params = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=8.0, n_sites=4)
+    # small-noise setting where the own share alone passes 4.5 while the assumed epsilon fits 1.5
+    for steps in range(1, 60):
+        eps = policy_site_epsilons(pol, dataclasses.replace(params, n_sites=9), 1.0, steps, threshold=9)
+        if eps.assumed <= 1.5 < 4.5 < eps.worst_case:
+            break
+    else:
+        pytest.fail("no job found with the assumed epsilon in budget and the worst case above the default cap")
+    with pytest.raises(PolicyViolation) as exc:
+        check_secure_aggregation(pol, eps)
+    assert exc.value.rule == "secure_aggregation.max_worst_case_epsilon" and "the default" in str(exc.value)

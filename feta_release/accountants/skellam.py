@@ -28,47 +28,24 @@ al. 2020), over the same orders, so a Skellam curve can be added to the Gaussian
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special
 
-from ..accounting import RDP_ORDERS, PrivacyEvent, gaussian_rdp_curve, smallest_fitting_sigma
+from ..accounting import (  # noqa: F401 - skellam_rdp and poisson_subsampled_rdp are re-exported
+    RDP_ORDERS,
+    PrivacyEvent,
+    SkellamEvent,
+    epsilon,
+    poisson_subsampled_rdp,
+    skellam_rdp,
+    smallest_fitting_sigma,
+)
 from ..accounting import epsilon_from_rdp as _epsilon_from_rdp
 from ..errors import PrivacyError
 from ..mechanisms.skellam import SkellamParams
-
-
-def skellam_rdp(order: float, l2: float, l1: float, mu: float) -> float:
-    """RDP at ``order`` of adding Sk(mu/2, mu/2) noise to an integer query with sensitivities ``l2``, ``l1``."""
-    if not order > 1:
-        raise PrivacyError(f"Skellam RDP: the order must be > 1, got {order!r}")
-    if not (math.isfinite(mu) and mu > 0):
-        raise PrivacyError(f"Skellam RDP: variance mu must be a finite number > 0, got {mu!r}")
-    a = float(order)
-    correction = min(((2 * a - 1) * l2**2 + 6 * l1) / (4 * mu**2), 3 * l1 / (2 * mu))
-    return a * l2**2 / (2 * mu) + correction
-
-
-def poisson_subsampled_rdp(order: float, q: float, rdp: Callable[[float], float]) -> float:
-    """Zhu & Wang 2019's general upper bound on the RDP of the Poisson-subsampled mechanism (see the module doc)."""
-    if not (0 < q <= 1):
-        raise PrivacyError(f"subsampled RDP: sampling rate q must be in (0, 1], got {q!r}")
-    unsampled = rdp(order)
-    if q == 1:
-        return unsampled
-    a = max(2, math.ceil(order))
-    head = [(a - 1) * math.log1p(-q) + math.log1p((a - 1) * q),
-            math.log(special.comb(a, 2)) + 2 * math.log(q) + (a - 2) * math.log1p(-q) + rdp(2)]
-    ms = np.arange(3, a + 1)
-    eps = np.array([rdp(int(m)) for m in ms])
-    tail = (math.log(3) + special.gammaln(a + 1) - special.gammaln(ms + 1) - special.gammaln(a - ms + 1)
-            + (a - ms) * math.log1p(-q) + ms * math.log(q) + (ms - 1) * eps)
-    bound = float(special.logsumexp(np.concatenate([head, tail]))) / (a - 1)
-    return min(bound, unsampled)
 
 
 def skellam_rdp_curve(params: SkellamParams, q: float, steps: int, mu: float | None = None,
@@ -135,6 +112,14 @@ class SiteEpsilons:
                 f"epsilon {self.worst_case:.3g} if all of them collude (this site's own noise share only)")
 
 
+def honest_shares(n_sites: int, threshold: int, colluders: int) -> int:
+    """The noise shares a site can count on in every sum: threshold - colluders, or its own share only when a
+    split view can isolate its vector (see SiteEpsilons): two disjoint groups of honest sites, each topped up to
+    the threshold by the colluders, one revealing the site's seed shares and one its key shares."""
+    isolable = 2 * (threshold - colluders) <= n_sites - colluders
+    return 1 if isolable else threshold - colluders
+
+
 def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, threshold: int,
                   colluders: int) -> SiteEpsilons:
     """(a) epsilon under ``colluders`` colluding sites and (b) the worst case (own share only); see SiteEpsilons."""
@@ -144,10 +129,8 @@ def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, thr
     if isinstance(colluders, bool) or not isinstance(colluders, int) or not (0 <= colluders <= n - 1):
         raise PrivacyError(f"secure aggregation: colluders must be an integer in [0, {n - 1}] (the other sites), "
                            f"got {colluders!r}")
-    # Split view (see SiteEpsilons): two disjoint groups of honest sites, each topped up to the threshold by the
-    # colluders, one revealing the site's seed shares and one its key shares.
+    honest = honest_shares(n, threshold, colluders)
     isolable = 2 * (threshold - colluders) <= n - colluders
-    honest = 1 if isolable else threshold - colluders
     return SiteEpsilons(
         assumed=skellam_epsilon(params, q, steps, delta, honest),
         worst_case=skellam_epsilon(params, q, steps, delta, 1),
@@ -171,67 +154,18 @@ def calibrate_noise_multiplier(params: SkellamParams, q: float, steps: int, targ
         f"releases at q={q:g}; use fewer releases or a larger budget"))
 
 
-# -- events a ledger stores, composed with the Gaussian stages -----------------------------------------------
-
-_EVENT_KEYS = ("stage", "q", "steps", "l2", "l1", "mu")
-
-
-@dataclass(frozen=True)
-class SkellamEvent:
-    """``steps`` Poisson-subsampled (rate ``q``) releases of an integer sum with sensitivities ``l2``/``l1``
-    protected by Sk(mu) noise: mu is the variance of the shares counted (honest shares, or the site's own)."""
-
-    stage: str
-    q: float
-    steps: int
-    l2: float
-    l1: float
-    mu: float
-
-    def __post_init__(self) -> None:
-        for name in ("q", "l2", "l1", "mu"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise PrivacyError(f"Skellam event {self.stage!r}: {name} must be a finite number > 0, got {v!r}")
-            object.__setattr__(self, name, float(v))
-        if self.q > 1:
-            raise PrivacyError(f"Skellam event {self.stage!r}: q must be in (0, 1], got {self.q}")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
-            raise PrivacyError(f"Skellam event {self.stage!r}: steps must be an integer >= 0, got {self.steps!r}")
-
-    def rdp(self, orders: Sequence[float] = RDP_ORDERS) -> np.ndarray:
-        @functools.cache
-        def per_step(a: float) -> float:
-            return skellam_rdp(a, self.l2, self.l1, self.mu)
-
-        return np.array([self.steps * poisson_subsampled_rdp(a, self.q, per_step) for a in orders])
-
-    def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: object) -> SkellamEvent:
-        if not isinstance(data, dict) or set(data) != set(_EVENT_KEYS):
-            raise PrivacyError(f"Skellam event must be an object with exactly {', '.join(_EVENT_KEYS)}; got {data!r}")
-        return cls(**data)
-
+# -- events a ledger stores (SkellamEvent lives in feta_release.accounting), composed with the Gaussian stages --
 
 def skellam_event(params: SkellamParams, stage: str, q: float, steps: int, noise_shares: int) -> SkellamEvent:
     """The event of ``steps`` releases of ``params`` when ``noise_shares`` of the n shares protect the sum."""
     if isinstance(noise_shares, bool) or not isinstance(noise_shares, int) or not (1 <= noise_shares <= params.n_sites):
         raise PrivacyError(f"Skellam accounting: noise_shares must be an integer in [1, {params.n_sites}], "
                            f"got {noise_shares!r}")
-    return SkellamEvent(stage, q, steps, params.l2_sensitivity, params.l1_sensitivity, params.site_mu * noise_shares)
+    return SkellamEvent(stage, q, steps, params.l2_sensitivity, params.l1_sensitivity, params.site_mu * noise_shares,
+                        params.site_mu)
 
 
 def composed_epsilon(gaussian: Iterable[PrivacyEvent], skellam: Iterable[SkellamEvent], delta: float) -> float:
-    """Epsilon of a whole history mixing subsampled-Gaussian and Skellam events: RDP curves added over the same
-    orders (RDP only: the PRV accountant has no Skellam privacy-loss distribution)."""
-    total = np.zeros(len(RDP_ORDERS))
-    history = [e for e in gaussian if e.steps > 0]
-    if history:
-        for e in history:
-            total = total + e.steps * gaussian_rdp_curve(e.sigma, e.q)
-    for ev in skellam:
-        total = total + ev.rdp()
-    return epsilon_from_rdp(total, delta)
+    """Epsilon of a whole history mixing subsampled-Gaussian and Skellam events (RDP curves added over the same
+    orders): :func:`feta_release.accounting.epsilon` over the mixed list."""
+    return epsilon([*gaussian, *skellam], delta)

@@ -36,6 +36,7 @@ from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes
 from ..training.ema import EMA
 from . import checkpoint_io, plan
+from .secure_collect import collect_secure, secure_plan
 from . import messages as fm
 
 Progress = Callable[[dict[str, Any]], None]
@@ -211,16 +212,22 @@ class JobDriver:
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:
-        planned, policies, life = {}, {}, {}
+        planned, policies, life, charged = {}, {}, {}, {}
         for sid, s in self.sites.items():
-            evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy))
-            planned[sid], policies[sid] = [request_of(e, self.cfg) for e in evs], s.policy
+            if self.cfg.federation.secure_aggregation:  # the sites charge SkellamEvents for the warm-up sums
+                planned[sid], charged[sid] = secure_plan(self, s)
+            else:
+                evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy))
+                planned[sid] = [request_of(e, self.cfg) for e in evs]
+            policies[sid] = s.policy
             life[sid] = events_from_list(s.lifetime_events)
-        job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life)
+        job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
+                                 charged=charged if self.cfg.federation.secure_aggregation else None)
         doc = {
             sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
                   "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
-                  "events": [r.event().to_dict() for r in planned[sid]]}
+                  "events": [e.to_dict() for e in charged[sid]] if sid in charged else
+                  [r.event().to_dict() for r in planned[sid]]}
             for sid in planned
         }
         (self.out / "plan.json").write_text(json.dumps(doc, indent=2), "utf-8")
@@ -254,14 +261,38 @@ class JobDriver:
         self.timings[phase] = time.monotonic() - t0
         return have
 
+    def _collect_secure(self, phase: str) -> dict[str, dict[str, np.ndarray]]:
+        """One secure sum (``secure_collect``), cached on disk like ``_collect``. Every contributing site maps to
+        the SAME decoded release, so the warm-up's public-size-weighted combination of them is that sum itself."""
+        t0 = time.monotonic()
+        p, meta = self.state / f"{phase}_secure.npz", self.state / f"{phase}_secure.json"
+        if p.exists() and meta.exists():
+            with np.load(p) as z:
+                arrays = {k: z[k] for k in z.files}
+            contributors = list(json.loads(meta.read_text("utf-8"))["sites"])
+        else:
+            self.emit(phase, f"secure sum of the {phase} releases of {len(self.sites)} site(s)")
+            arrays, contributors = collect_secure(self, phase)
+            atomic_write_bytes(p, _npz_bytes(arrays))
+            meta.write_text(json.dumps({"sites": contributors}), "utf-8")
+        if len(contributors) < self.cfg.federation.min_sites:
+            raise SiteUnavailable(f"{phase}: only {len(contributors)} site(s) in the secure sum, [federation] "
+                                  f"min_sites = {self.cfg.federation.min_sites}")
+        self.timings[phase] = time.monotonic() - t0
+        return {sid: arrays for sid in contributors}
+
     def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.central.rounds <= 0:
             return {}
+        if self.cfg.federation.secure_aggregation:
+            return self._collect_secure("central")
         return self._collect("central", fm.CENTRAL)
 
     def collect_frequency(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.frequency.sigma is None:
             return {}
+        if self.cfg.federation.secure_aggregation:
+            return self._collect_secure("frequency")
         return self._collect("frequency", fm.FREQUENCY)
 
     def rounds(self, model: nn.Module, ema: EMA) -> int:

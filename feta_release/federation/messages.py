@@ -27,6 +27,7 @@ HELLO = "query.hello"
 CENTRAL = "query.central"
 FREQUENCY = "query.frequency"
 TRAIN = "train"
+SECAGG = "query.secagg"  # one stage of a secure sum (edge/secure.py)
 
 
 def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> RecordDict:

@@ -17,6 +17,15 @@ def as_generator(rng: np.random.Generator | int, where: str) -> np.random.Genera
     raise PrivacyError(f"{where}: rng must be a numpy Generator or an integer seed, got {type(rng).__name__}")
 
 
+def require_generator(rng: object, where: str) -> np.random.Generator:
+    """The caller's numpy Generator, nothing else: an integer seed is refused, because a seed that a request or a
+    coordinator could choose makes the noise known and subtractable (the node passes a fresh OS-seeded one)."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    raise PrivacyError(f"{where}: rng must be a numpy Generator (seeded from the OS, e.g. "
+                       f"mechanisms.skellam.os_generator()), got {type(rng).__name__}; integer seeds are refused")
+
+
 def check_images(images: np.ndarray, labels: np.ndarray, n_classes: int, where: str) -> tuple[np.ndarray, np.ndarray]:
     """(N,C,H,W) float pixels in [0,1] and int labels in [0, n_classes); returns float32 / int64 views."""
     images = np.asarray(images)

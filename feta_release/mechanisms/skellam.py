@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DataError, PrivacyError
-from ._checks import as_generator, check_positive_int, check_sigma
+from ._checks import check_positive_int, check_sigma, require_generator
 
 MAX_MODULUS_BITS = 64  # vectors travel as uint64: additions wrap mod 2^64, and 2^b divides 2^64
 DEFAULT_BETA = math.exp(-0.5)  # conditional rounding parameter of Kairouz et al. 2021 (their default)
@@ -201,7 +201,7 @@ def _clip_rows(records: np.ndarray, clip: float) -> np.ndarray:
     return records * np.minimum(1.0, clip / np.maximum(norms, 1e-300))
 
 
-def quantize_records(records: np.ndarray, params: SkellamParams, rng: np.random.Generator | int) -> np.ndarray:
+def quantize_records(records: np.ndarray, params: SkellamParams, rng: np.random.Generator) -> np.ndarray:
     """Sum over the rows of ``records`` (R, dim) of their clipped, rotated, scaled and conditionally rounded
     integer vectors: an int64 vector of length d' (no noise)."""
     records = np.asarray(records, dtype=np.float64)
@@ -209,7 +209,7 @@ def quantize_records(records: np.ndarray, params: SkellamParams, rng: np.random.
         raise DataError(f"Skellam quantization: records must have shape (R, {params.dim}), got {records.shape}")
     if not np.isfinite(records).all():
         raise DataError("Skellam quantization: records contain NaN or infinite values")
-    gen = as_generator(rng, "Skellam quantization")
+    gen = require_generator(rng, "Skellam quantization")
     if records.shape[0] == 0:
         return np.zeros(params.padded_dim, dtype=np.int64)
     total = np.zeros(params.padded_dim, dtype=np.int64)
@@ -220,11 +220,11 @@ def quantize_records(records: np.ndarray, params: SkellamParams, rng: np.random.
     return total
 
 
-def skellam_noise(size: int, mu: float, rng: np.random.Generator | int) -> np.ndarray:
+def skellam_noise(size: int, mu: float, rng: np.random.Generator) -> np.ndarray:
     """``size`` draws of Sk(mu/2, mu/2) = Poisson(mu/2) - Poisson(mu/2): integer, mean 0, variance mu."""
     if not (math.isfinite(mu) and mu > 0):
         raise PrivacyError(f"Skellam noise: variance mu must be a finite number > 0, got {mu!r}")
-    gen = as_generator(rng, "Skellam noise")
+    gen = require_generator(rng, "Skellam noise")
     return gen.poisson(mu / 2, size).astype(np.int64) - gen.poisson(mu / 2, size).astype(np.int64)
 
 
@@ -257,9 +257,9 @@ def centered(residues: np.ndarray, bits: int) -> np.ndarray:
     return (np.asarray(residues, dtype=np.uint64) << shift).astype(np.int64) >> np.int64(64 - bits)
 
 
-def site_contribution(records: np.ndarray, params: SkellamParams, rng: np.random.Generator | int) -> np.ndarray:
+def site_contribution(records: np.ndarray, params: SkellamParams, rng: np.random.Generator) -> np.ndarray:
     """What one site hands to secure aggregation: its quantized records plus its noise share Sk(mu/n), mod m."""
-    gen = as_generator(rng, "Skellam site contribution")
+    gen = require_generator(rng, "Skellam site contribution")
     integer = quantize_records(records, params, gen) + skellam_noise(params.padded_dim, params.site_mu, gen)
     return to_modular(integer, params.modulus_bits)
 

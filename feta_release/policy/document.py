@@ -18,6 +18,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .. import signing
+from ..accounting import DEFAULT_WORST_CASE_FACTOR
 from ..errors import PolicyError
 from . import schema
 from .envelope import KeyLike, as_public_keys, open_envelope, read_json, seal, write_json
@@ -88,6 +89,14 @@ class SitePolicy:
     # epsilon when all of them do (None: not capped)
     max_colluders: int = 0
     max_worst_case_epsilon: float | None = None
+
+    @property
+    def worst_case_cap(self) -> float:
+        """The per-job cap on the worst-case (every other site colludes) epsilon: the policy's
+        ``secure_aggregation.max_worst_case_epsilon``, or DEFAULT_WORST_CASE_FACTOR x the per-job epsilon."""
+        if self.max_worst_case_epsilon is not None:
+            return float(self.max_worst_case_epsilon)
+        return DEFAULT_WORST_CASE_FACTOR * self.job_epsilon
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], signer: str | None, source: str = "<policy>") -> SitePolicy:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..accounting import PrivacyEvent
+from ..accounting import Event, PrivacyEvent
 from ..errors import BudgetExceededError, PolicyError, PrivacyError
 from ..ledger import as_budget, check_spend
 from .document import MECHANISMS, SitePolicy, check_validity
@@ -103,7 +103,7 @@ def check_request(
     policy: SitePolicy,
     request: MechanismRequest | PrivacyEvent | Mapping[str, Any],
     *,
-    job_events: Iterable[PrivacyEvent] = (),
+    job_events: Iterable[Event] = (),
     require_job: bool = True,
     require_stated: bool = True,
     now: dt.datetime | str | None = None,
@@ -171,9 +171,9 @@ def check_request(
 
 def check_budget(
     policy: SitePolicy,
-    job_events: Iterable[PrivacyEvent],
-    lifetime_events: Iterable[PrivacyEvent],
-    new_events: Iterable[PrivacyEvent],
+    job_events: Iterable[Event],
+    lifetime_events: Iterable[Event],
+    new_events: Iterable[Event],
     *,
     job_scope: str = "this job",
 ) -> tuple[float, float]:
@@ -207,10 +207,14 @@ def check_job_fits(
     planned: Mapping[str, Sequence[MechanismRequest | PrivacyEvent | Mapping[str, Any]]],
     *,
     job: Job | None = None,
-    lifetime_events: Mapping[str, Sequence[PrivacyEvent]] | None = None,
+    lifetime_events: Mapping[str, Sequence[Event]] | None = None,
     now: dt.datetime | str | None = None,
+    charged: Mapping[str, Sequence[Event]] | None = None,
 ) -> dict[str, float]:
     """Coordinator side, before anything is released: every site's planned requests must pass its policy.
+
+    ``charged[site]`` (optional): the events the site will charge when they are not the requests' Gaussian
+    ones (secure aggregation: SkellamEvents); the budget (and worst-case) check then runs on them.
 
     ``planned[site]``: the whole job's requests at that site, in order (PrivacyEvents are fine: clip and
     features come from ``job.config`` when a job is given; batch is q * the site's public size).
@@ -249,7 +253,8 @@ def check_job_fits(
             continue
         try:
             prior = list((lifetime_events or {}).get(site, ()))
-            job_eps, _ = check_budget(pol, [], prior, history, job_scope="the planned job")
+            spend = list(charged[site]) if charged is not None and site in charged else history
+            job_eps, _ = check_budget(pol, [], prior, spend, job_scope="the planned job")
             result[site] = job_eps
         except PolicyBudgetExceeded as exc:
             problems.append((site, exc.rule, str(exc)))

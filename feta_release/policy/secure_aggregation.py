@@ -3,7 +3,8 @@
 The policy's ``secure_aggregation.max_colluders`` says how many of the other sites may collude with the coordinator;
 the site computes (a) the epsilon under that assumption (noise of the honest sites' shares; its own share only
 when the threshold lets a lying coordinator isolate its vector, see ``SiteEpsilons``) and (b) the worst case
-(its own share alone), refuses a job whose (b) passes ``secure_aggregation.max_worst_case_epsilon`` or whose (a)
+(its own share alone), refuses a job whose (b) passes ``secure_aggregation.max_worst_case_epsilon`` (default:
+``DEFAULT_WORST_CASE_FACTOR`` = 3 x the per-job epsilon) or whose (a)
 passes its per-job budget, and states both in the certificate (:meth:`SiteEpsilons.statement`).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from ..accountants.skellam import SiteEpsilons, site_epsilons
 from ..mechanisms.skellam import SkellamParams
-from .document import SitePolicy
+from .document import DEFAULT_WORST_CASE_FACTOR, SitePolicy
 from .errors import PolicyViolation
 
 
@@ -28,8 +29,10 @@ def check_secure_aggregation(policy: SitePolicy, eps: SiteEpsilons) -> None:
         raise PolicyViolation("budget.per_job.epsilon", f"epsilon {eps.assumed:.4g} under the assumption of at most "
                               f"{eps.colluders} colluding site(s) exceeds the per-job cap {policy.job_epsilon:g}",
                               site=policy.site_id)
-    cap = policy.max_worst_case_epsilon
-    if cap is not None and eps.worst_case > cap:
+    cap = policy.worst_case_cap
+    if eps.worst_case > cap + 1e-9:
+        how = ("" if policy.max_worst_case_epsilon is not None else
+               f" (the default: {DEFAULT_WORST_CASE_FACTOR:g} x budget.per_job.epsilon, as the policy sets none)")
         raise PolicyViolation("secure_aggregation.max_worst_case_epsilon", f"epsilon {eps.worst_case:.4g} if every "
-                              f"other site colludes (own noise share only) exceeds the cap {cap:g}; add noise or "
-                              f"require fewer rounds", site=policy.site_id)
+                              f"other site colludes (own noise share only) exceeds the cap {cap:g}{how}; add noise, "
+                              f"require fewer rounds or raise the site's cap", site=policy.site_id)

@@ -27,7 +27,15 @@ from collections.abc import Iterable, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .. import __version__
-from ..accounting import PrivacyEvent, epsilon, events_from_list, events_to_list
+from ..accounting import (
+    Event,
+    PrivacyEvent,
+    epsilon,
+    events_from_list,
+    events_to_list,
+    has_secure_aggregation,
+    worst_case_epsilon,
+)
 from ..errors import ReleaseError
 from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
@@ -72,7 +80,7 @@ def policy_file_name(site_id: str) -> str:
 def build_attestation(
     site_id: str,
     job_id: str,
-    events: Iterable[PrivacyEvent],
+    events: Iterable[Event],
     delta: float,
     accountant: str,
     policy_sha256: str | None,
@@ -80,9 +88,10 @@ def build_attestation(
     *,
     created: str | None = None,
     job_sha256: str | None = None,
-    lifetime_events: Iterable[PrivacyEvent] | None = None,
+    lifetime_events: Iterable[Event] | None = None,
     lifetime_delta: float | None = None,
     history: str = "site-ledger",
+    max_colluders: int | None = None,
 ) -> dict[str, Any]:
     """A site's signed, FINAL spend statement for one job: ``{"statement": {...}, "signature": {...}}``.
 
@@ -91,6 +100,9 @@ def build_attestation(
     to the job's list of sites); ``lifetime_events`` is everything the site has ever released from this
     dataset (all jobs, all coordinators): a release built on an earlier job's weights depends on both.
     ``final: true`` says the job is closed at the site: it spends nothing more after this statement.
+    A history with secure-aggregation (Skellam) events also carries ``secure_aggregation``: the site's trust
+    assumption (``max_colluders``) under which ``epsilon`` holds, and ``worst_case_epsilon`` (job and
+    lifetime) if every other site colluded with the coordinator (its own noise share only), both recomputed here.
     """
     evs = list(events)
     life = evs if lifetime_events is None else list(lifetime_events)
@@ -115,6 +127,12 @@ def build_attestation(
         "policy_sha256": policy_sha256,
         "created": created or utc_now(),
     }
+    if has_secure_aggregation(life):
+        statement["secure_aggregation"] = {
+            "max_colluders": int(max_colluders or 0),
+            "worst_case_epsilon": worst_case_epsilon(evs, delta) if has_secure_aggregation(evs) else statement["epsilon"],
+            "lifetime_worst_case_epsilon": worst_case_epsilon(life, life_delta),
+        }
     return {"statement": statement, "signature": sign_document(statement, key)}
 
 

@@ -122,7 +122,8 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
         if e["steps"] == 0:
             continue
         rows.append((_h(STAGE_WORDS.get(e["stage"], e["stage"])), _h(sens.get(e["stage"], "see the job config")),
-                     f"{e['sigma']:.4g}", f"{e['q']:.4g}", str(e["steps"]), f"{alone.get(e['stage'], math.nan):.4g}"))
+                     f"{e['sigma']:.4g}" if "sigma" in e else "secure sum (Skellam share)", f"{e['q']:.4g}",
+                     str(e["steps"]), f"{alone.get(e['stage'], math.nan):.4g}"))
     return rows
 
 
@@ -318,7 +319,8 @@ def _audit(audit: dict[str, Any] | None, man: dict[str, Any]) -> str:
     released: dict[str, set[float]] = {}
     for s in man.get("sites", []):
         for e in s.get("events", []):
-            released.setdefault(str(e["stage"]), set()).add(float(e["sigma"]))
+            if "sigma" in e:  # a secure-aggregation (Skellam) release has no per-site sigma to audit
+                released.setdefault(str(e["stage"]), set()).add(float(e["sigma"]))
     rows = []
     for a in audit["audits"]:
         ok = float(a["lower_bound"]) <= float(a["claimed_epsilon"]) * (1 + 1e-9)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..accounting import epsilon as compose_epsilon
-from ..accounting import events_from_list
+from ..accounting import DEFAULT_WORST_CASE_FACTOR, events_from_list, has_secure_aggregation, worst_case_epsilon
 from ..errors import FetaError, ReleaseError
 from ..signing import (
     canonical_json,
@@ -477,6 +477,7 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
         f"stated ε = {stated:.6g}, recomputed from {len(events)} event(s) ({st['accountant']}) = {recomputed:.6g}"
         + ("" if close else ": the stated figure is not what the history composes to"),
     )
+    _check_worst_case(res, sid, st, events)
     life = st.get("lifetime")
     if not isinstance(life, dict):
         res.add(f"site {sid} lifetime", False, "the statement gives no lifetime spend for this dataset")
@@ -489,6 +490,31 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
             f"lifetime ε = {float(life['epsilon']):.6g} over {len(life_events)} event(s), recomputed {life_eps:.6g}"
             + ("" if ok else ": the stated figure is not what the history composes to")
             + ("" if contains else "; the lifetime history does not contain this job's events"))
+
+
+def _check_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]) -> None:
+    """Secure aggregation: the worst case (every other site colludes) recomputed, stated in plain words."""
+    sa = st.get("secure_aggregation")
+    if not has_secure_aggregation(events) and sa is None:
+        return
+    if not isinstance(sa, dict):
+        res.add(f"site {sid} secure aggregation", False, "the history has secure-aggregation releases but the "
+                "statement gives no worst-case epsilon")
+        return
+    worst = worst_case_epsilon(events, float(st["delta"]))
+    ok = math.isclose(float(sa["worst_case_epsilon"]), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+    res.add(f"site {sid} secure aggregation", ok, secure_words(st["epsilon"], worst, float(st["delta"]),
+                                                                int(sa.get("max_colluders", 0)))
+            + ("" if ok else f"; the statement says {float(sa['worst_case_epsilon']):.6g}, not what the history "
+               "composes to"))
+
+
+def secure_words(eps: float, worst: float, delta: float, colluders: int) -> str:
+    """The two epsilons of a site under secure aggregation, in plain words."""
+    who = "no other site colludes" if colluders == 0 else f"at most {colluders} other site(s) collude"
+    return (f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) holds if {who} with the coordinator "
+            f"(the noise shares of the honest sites protect this site's images); if every other site colluded, "
+            f"ε would be {worst:.3g} (this site's own noise share only)")
 
 
 def _contains(life: list[Any], job: list[Any]) -> bool:
@@ -536,10 +562,18 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
             out.append(f"stage {e.stage!r} is not allowed by the policy")
             continue
         steps_by_stage[e.stage] = steps_by_stage.get(e.stage, 0) + e.steps
-        if "min_sigma" in rules and e.sigma < float(rules["min_sigma"]):
+        # a Skellam event has no per-site sigma (the node checked min_sigma against the job's pooled sigma)
+        if "min_sigma" in rules and hasattr(e, "sigma") and e.sigma < float(rules["min_sigma"]):
             out.append(f"{e.stage}: σ = {e.sigma:.4g} is below the policy minimum {rules['min_sigma']}")
         if "max_batch" in rules and size and e.q * size > float(rules["max_batch"]) * (1 + 1e-9):
             out.append(f"{e.stage}: expected batch q·N = {e.q * size:.1f} exceeds max_batch {rules['max_batch']}")
+    if has_secure_aggregation(events):
+        sa = policy.get("secure_aggregation", {})
+        cap_w = sa.get("max_worst_case_epsilon", DEFAULT_WORST_CASE_FACTOR * float(cap["epsilon"]))
+        worst = worst_case_epsilon(events, delta)
+        if worst > float(cap_w) * (1 + EPS_REL_TOL):
+            out.append(f"worst-case ε = {worst:.4g} (every other site colluding) exceeds "
+                       f"secure_aggregation.max_worst_case_epsilon {float(cap_w):g}")
     limits = {"central": "max_rounds", "dpsgd": "max_steps"}
     for stage, total in steps_by_stage.items():
         key = limits.get(stage)
@@ -562,7 +596,8 @@ def merged_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ledger records one event per round); in first-seen order. Words only: composition is unchanged."""
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     for e in events:
-        k = (e["stage"], float(e["sigma"]), float(e["q"]))
+        k = ((e["stage"], float(e["sigma"]), float(e["q"])) if "sigma" in e else
+             (e["stage"], "skellam", float(e["q"]), float(e["mu"]), float(e["l2"])))
         if k in merged:
             merged[k]["steps"] += int(e["steps"])
         else:
@@ -582,7 +617,9 @@ def describe_site(site: dict[str, Any]) -> str:
         unit = "round" if e["stage"] == "central" else "step"
         count = "once" if e["steps"] == 1 else f"{e['steps']} {unit}s"
         sampled = "every image" if e["q"] >= 1 else f"each image with probability {e['q']:.3g}"
-        stages.append(f"{word} (noise σ = {e['sigma']:.3g}, {count}, {sampled})")
+        noise = (f"noise σ = {e['sigma']:.3g}" if "sigma" in e else
+                 "summed with the other sites by secure aggregation, this site adding its share of the noise")
+        stages.append(f"{word} ({noise}, {count}, {sampled})")
     n_stages = len({e["stage"] for e in events if e["steps"]})
     factor = math.exp(eps)
     return (
@@ -591,8 +628,18 @@ def describe_site(site: dict[str, Any]) -> str:
         f"Meaning: whether or not any single image of this site was used, the probability of any outcome of "
         f"this release (the generator and every image generated from it) changes by at most a factor of "
         f"e^{eps:.3g} ≈ {factor:.3g}, except with probability at most {delta:g}."
+        + _secure_site_words(site, eps, delta)
         + _lifetime_words(site, eps)
     )
+
+
+def _secure_site_words(site: dict[str, Any], eps: float, delta: float) -> str:
+    events = events_from_list(site["events"])
+    if not has_secure_aggregation(events):
+        return ""
+    sa = ((site.get("attestation") or {}).get("statement") or {}).get("secure_aggregation") or {}
+    words = secure_words(eps, worst_case_epsilon(events, delta), delta, int(sa.get("max_colluders", 0)))
+    return f" Under {words}."
 
 
 def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:

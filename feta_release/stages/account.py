@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..accounting import PrivacyEvent, epsilon, epsilon_breakdown, events_from_list, events_to_list
+from ..accounting import PrivacyEvent, epsilon, epsilon_breakdown, events_from_list, events_to_list, gaussian_only
 from ..errors import BudgetExceededError, PrivacyError
 from ..ledger import Budget, Ledger, as_budget
 from ..planning import PrivacyPlan, merged
@@ -47,7 +47,7 @@ class RunAccount:
     @property
     def events(self) -> list[PrivacyEvent]:
         """This run's charged events, one per stage (DP-SGD chunks summed), in plan order."""
-        return merged(events_from_list(self.ledger.job_events(self.job_id)))
+        return merged(gaussian_only(events_from_list(self.ledger.job_events(self.job_id)), "local run"))
 
     def charged(self, stage: str) -> int:
         return sum(e.steps for e in self.events if e.stage == stage)

@@ -1,0 +1,132 @@
+"""The coordinator's side of a secure sum (``[federation] secure_aggregation = true``): runs the four SecAgg+ stages
+over the job's sites (``query.secagg``, answered by edge/secure.py), removes the masks (``SecAggCoordinator``),
+decodes the modular sum and divides by a PUBLIC denominator. It sees the sum only; a site that drops after
+masking is covered by the threshold (its seed is rebuilt from the others' shares), a malformed vector is
+refused and its site treated as dropped, fewer than the threshold ends the phase with nothing decoded.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..accounting import PrivacyEvent, SkellamEvent
+from ..errors import PolicyError
+from ..planning import secure_stage_events, target, warmup_events
+from ..policy.enforce import request_of
+from ..mechanisms import secure_sums as ss
+from . import messages as fm
+from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator
+
+Asked = tuple[dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], dict[str, str]]
+
+
+class Driver(Protocol):
+    """What of ``JobDriver`` a secure sum uses."""
+
+    cfg: Any
+    job: Any
+    sites: dict[str, Any]
+
+    def _ask(self, phase: str, message_type: str, targets: dict[str, dict[str, Any]],
+             arrays: dict[str, np.ndarray] | None = None, timeout: float | None = None, group: str = "") -> Asked: ...
+
+    def emit(self, phase: str, message: str, **fields: Any) -> None: ...
+
+
+def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
+    """(the requests its policy checks, the events it will charge) of one site of a secure job: the warm-up
+    releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as the node does."""
+    cfg = d.cfg
+    warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, len(d.job.sites),
+                                   int(site.policy.max_colluders))
+    charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
+                                  budget=target(cfg, site.policy))
+    gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
+    return [request_of(e, cfg) for e in gaussian], charged
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any) -> bytes:
+    return base64.b64decode(str(text), validate=True)
+
+
+def phase_layout(d: Driver, phase: str) -> ss.Layout:
+    info = next(iter(d.sites.values()))
+    c, f = d.cfg.central, d.cfg.frequency
+    if phase == "central":
+        return ss.central_layout(info.image_shape, info.n_classes, c.rounds, c.clip, c.downsample)
+    return ss.frequency_layout(info.n_classes, f.features)
+
+
+def _ask_stage(d: Driver, phase: str, stage: str, per_site: dict[str, dict[str, Any]], base: dict[str, Any]) -> Asked:
+    ok, failed = d._ask(phase, fm.SECAGG, {sid: {**base, "stage": stage, **doc} for sid, doc in per_site.items()},
+                        group=f"secagg-{phase}-{stage}")
+    for sid, why in failed.items():
+        d.emit(phase, f"secure sum: site {sid} failed at {stage}: {why}", site=sid, error=why)
+    return ok, failed
+
+
+def secure_sum(d: Driver, phase: str, attempt: int = 0) -> tuple[np.ndarray, list[str]]:
+    """The modular sum (uint64 residues mod 2^b) of the sites' Skellam contributions, and who is in it."""
+    sites = sorted(d.sites)
+    nodes = {sid: int(d.sites[sid].node_id) for sid in sites}
+    by_node = {n: sid for sid, n in nodes.items()}
+    site_keys = {str(nodes[sid]): d.sites[sid].policy.site_key for sid in sites}
+    if any(not k for k in site_keys.values()):
+        raise PolicyError("secure aggregation needs every site's key in its signed policy (site_key); "
+                          f"missing for {[by_node[int(n)] for n, k in site_keys.items() if not k]}")
+    t = ss.secagg_threshold(d.cfg.federation.secagg_threshold, len(d.job.sites))
+    cfg = RoundConfig(f"{d.job.job_id}:{phase}:{attempt}", tuple(nodes.values()), t,
+                      phase_layout(d, phase).dim, ss.DEFAULT_MODULUS_BITS)
+    co = SecAggCoordinator(cfg)
+    base = {"phase": phase, "round_id": cfg.round_id, "nodes": nodes, "modulus_bits": cfg.modulus_bits}
+    ok, _ = _ask_stage(d, phase, "setup", {sid: {} for sid in sites}, base)
+    adverts: dict[int, KeyAdvert] = {nodes[s]: (_unb64(r["pk1"]), _unb64(r["pk2"]), _unb64(r["sig"]))
+                                     for s, (r, _) in ok.items()}
+    keys = co.collect_keys(adverts)
+    bcast = {str(n): [_b64(k[0]), _b64(k[1]), _b64(k[2])] for n, k in keys.items()}
+    ok, _ = _ask_stage(d, phase, "share_keys", {by_node[n]: {"keys": bcast, "site_keys": site_keys} for n in keys},
+                       base)
+    routed = co.route_shares({nodes[s]: {int(n): _unb64(ct) for n, ct in r["shares"].items()} for s, (r, _) in ok.items()})
+    ok, _ = _ask_stage(d, phase, "collect_masked_vectors",
+                       {by_node[n]: {"shares": {str(src): _b64(ct) for src, ct in cts.items()}} for n, cts in routed.items()},
+                       base)
+    unmask = co.collect_masked({nodes[s]: arrays.get("masked", np.zeros(0, np.uint64)) for s, (_, arrays) in ok.items()})
+    for n, why in co.refused.items():
+        d.emit(phase, f"secure sum: site {by_node.get(n, n)} left out: {why}", site=by_node.get(n), error=why)
+    ok, _ = _ask_stage(d, phase, "unmask", {by_node[n]: {"active": a, "dead": dd} for n, (a, dd) in unmask.items()},
+                       base)
+    total = co.finish({nodes[s]: {int(n): _unb64(sh) for n, sh in r["shares"].items()} for s, (r, _) in ok.items()})
+    contributors = sorted(by_node[n] for n in co.contributors)
+    d.emit(phase, f"secure sum of {len(contributors)} site(s) decoded: {', '.join(contributors)}", sites=contributors)
+    return total, contributors
+
+
+def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The decoded ``phase`` release (arrays of one ``CentralRelease`` / ``FrequencyRelease``) and its sites."""
+    residues, contributors = secure_sum(d, phase)
+    lay, info, cfg = phase_layout(d, phase), next(iter(d.sites.values())), d.cfg
+    sizes = {sid: int(d.sites[sid].size) for sid in contributors}
+    n = len(d.job.sites)
+    if phase == "central":
+        c = cfg.central
+        params = ss.block_params(lay.block_dim, lay.clip, c.sigma, n)
+        small = ss.small_shape(info.image_shape, c.downsample)
+        rel = ss.decode_central(residues, lay, params, rounds=c.rounds, n_classes=info.n_classes,
+                                denominator=len(contributors) * c.batch / info.n_classes,
+                                image_shape=tuple(info.image_shape), small_shape=small, sigma=c.sigma,
+                                q=c.batch / max(sizes.values()))
+        arrays = {k: np.asarray(v) for k, v in rel.to_arrays().items()}
+    else:
+        f = cfg.frequency
+        params = ss.block_params(lay.block_dim, 1.0, f.sigma, n)
+        freq = ss.decode_frequency(residues, lay, params, total_public=sum(sizes.values()), bandwidth2=f.bandwidth2,
+                                   seed=f.seed, sigma=f.sigma, image_shape=tuple(info.image_shape))
+        arrays = {k: np.asarray(v) for k, v in freq.to_arrays().items()}  # type: ignore[attr-defined]
+    return arrays, contributors

@@ -1,0 +1,201 @@
+"""The one-shot releases (mean central images, frequency embedding) as Skellam contributions to a secure sum.
+
+Each site turns its images into ONE integer vector per release: its records (one per image) clipped, scaled by
+s = 2^SCALE_BITS / c and conditionally rounded ONE RECORD AT A TIME (:func:`skellam.quantize_records`), summed in
+place, plus its noise share Sk(mu / n), reduced mod 2^b. The coordinator decodes the modular sum of the sites'
+vectors and divides by a PUBLIC denominator (post-processing), giving a ``CentralRelease`` / ``FrequencyRelease``
+that the warm-up stages read as today.
+
+Sensitivity (add/remove one image of one site), in integer units:
+  * central mean images: vector = rounds x classes blocks of d = C h w (downsampled) values; in one round an image
+    is in one class block only, as ONE rounded record of L2 norm <= Delta2(c s, d): each round is one Poisson-
+    subsampled (q = batch / n_public) Skellam release with the block's Delta2 / Delta1; ``rounds`` compositions;
+  * frequency embedding: vector = classes blocks of F random features; phi(x) has norm 1 exactly (c = 1), one
+    record in one block: one unsampled release (q = 1) with Delta2(s, F).
+The noise multiplier sigma is the job's stage sigma: the n shares sum to Sk(mu), mu = (sigma c s)^2, i.e. noise std
+sigma c in real units, the POOLED mechanism's. Modulus 2^64 by default (vectors travel as uint64 anyway): the
+wrap-around probability, :func:`skellam.wrap_probability`, is stated per release.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DataError, PrivacyError
+from . import skellam as sk
+from ._checks import check_images, check_positive_int, check_sigma, require_generator, sampling_rate
+from .central import CentralRelease, _prepare
+
+SCALE_BITS = 10  # c s = 2^10: Delta2 within 2 % of c s for d <= 2^17 (docs/secure-aggregation.md, Parameters)
+DEFAULT_MODULUS_BITS = 64
+
+
+def block_params(dim: int, clip: float, sigma: float, n_sites: int, modulus_bits: int = DEFAULT_MODULUS_BITS
+                 ) -> sk.SkellamParams:
+    """Skellam parameters of ONE block (the span of one record): its sensitivities are the release's."""
+    return sk.SkellamParams(dim=dim, clip=float(clip), scale=float(2**SCALE_BITS) / float(clip),
+                            noise_multiplier=float(sigma), n_sites=n_sites, modulus_bits=modulus_bits)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Public shape of one secure-sum release: ``blocks`` blocks of ``block_dim`` values."""
+
+    blocks: int
+    block_dim: int
+    clip: float
+
+    @property
+    def dim(self) -> int:
+        return self.blocks * self.block_dim
+
+
+def central_layout(image_shape: tuple[int, ...], n_classes: int, rounds: int, clip: float | None,
+                   downsample: float) -> Layout:
+    probe = np.zeros((1, *image_shape), dtype=np.float32)
+    vec, _, bound = _prepare(probe, "mean", clip, downsample, None, "central images (secure sum)")
+    return Layout(int(rounds) * int(n_classes), int(vec.shape[1]), float(bound))
+
+
+def small_shape(image_shape: tuple[int, ...], downsample: float) -> tuple[int, int, int]:
+    probe = np.zeros((1, *image_shape), dtype=np.float32)
+    _, shape, _ = _prepare(probe, "mean", 1.0, downsample, None, "central images (secure sum)")
+    return shape
+
+
+def frequency_layout(n_classes: int, features: int) -> Layout:
+    return Layout(int(n_classes), int(features), 1.0)
+
+
+def _finish(total: np.ndarray, params: sk.SkellamParams, rng: np.random.Generator) -> np.ndarray:
+    noisy = total + sk.skellam_noise(total.shape[0], params.site_mu, rng)  # this site's share Sk(mu / n)
+    return sk.to_modular(noisy, params.modulus_bits)
+
+
+def central_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int, *, rounds: int, batch: int,
+                         sigma: float, clip: float | None, downsample: float, n_public: int, n_sites: int,
+                         modulus_bits: int, rng: np.random.Generator) -> np.ndarray:
+    """This site's masked-sum input for ``rounds`` rounds of mean central images (Poisson rate batch / n_public)."""
+    where = "central images (secure sum)"
+    images, labels = check_images(images, labels, n_classes, where)
+    sigma, rounds = check_sigma(sigma, where), check_positive_int(rounds, "rounds", where)
+    q = sampling_rate(batch, n_public, where)
+    gen = require_generator(rng, where)
+    vec, _, bound = _prepare(images, "mean", clip, downsample, None, where)
+    k, d = int(n_classes), vec.shape[1]
+    params = block_params(d, bound, sigma, n_sites, modulus_bits)
+    total = np.zeros(rounds * k * d, dtype=np.int64)
+    for r in range(rounds):
+        take = gen.random(vec.shape[0]) < q  # Poisson sampling: each image independently with probability q
+        for c in range(k):
+            recs = vec[take & (labels == c)]
+            if len(recs):
+                at = (r * k + c) * d
+                total[at:at + d] += sk.quantize_records(recs, params, gen)
+    return _finish(total, params, gen)
+
+
+def frequency_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int, *, features: int, sigma: float,
+                           bandwidth2: float, seed: int, chunk: int, n_sites: int, modulus_bits: int,
+                           rng: np.random.Generator) -> np.ndarray:
+    """This site's masked-sum input for the per-class RFF embedding sum (records phi(x_i) in block y_i)."""
+    import torch
+
+    from .frequency import rff_features, rff_frequencies
+
+    where = "frequency statistics (secure sum)"
+    images, labels = check_images(images, labels, n_classes, where)
+    sigma, chunk = check_sigma(sigma, where), check_positive_int(chunk, "chunk", where)
+    gen = require_generator(rng, where)
+    omega = rff_frequencies(int(np.prod(images.shape[1:])), features, bandwidth2, seed)
+    params = block_params(features, 1.0, sigma, n_sites, modulus_bits)
+    k = int(n_classes)
+    total = np.zeros(k * features, dtype=np.int64)
+    flat = images.reshape(images.shape[0], -1)
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], chunk):
+            phi = rff_features(torch.from_numpy(np.ascontiguousarray(flat[start:start + chunk])), omega)
+            phi64, lab = phi.double().numpy(), labels[start:start + chunk]
+            for c in np.unique(lab):
+                total[int(c) * features:(int(c) + 1) * features] += sk.quantize_records(phi64[lab == c], params, gen)
+    return _finish(total, params, gen)
+
+
+def decode(residues: np.ndarray, layout: Layout, params: sk.SkellamParams) -> np.ndarray:
+    """The modular sum -> the noisy sum of the clipped records in real units, (blocks, block_dim) float64."""
+    v = sk.check_contribution(np.asarray(residues), _full(layout, params), "secure sum")
+    return (sk.centered(v, params.modulus_bits).astype(np.float64) / params.scale).reshape(layout.blocks,
+                                                                                          layout.block_dim)
+
+
+def _full(layout: Layout, params: sk.SkellamParams) -> sk.SkellamParams:
+    return sk.SkellamParams(layout.dim, params.clip, params.scale, params.noise_multiplier, params.n_sites,
+                            params.modulus_bits)
+
+
+def decode_central(residues: np.ndarray, layout: Layout, params: sk.SkellamParams, *, rounds: int, n_classes: int,
+                   denominator: float, image_shape: tuple[int, int, int], small_shape: tuple[int, int, int],
+                   sigma: float, q: float) -> CentralRelease:
+    """The decoded per-round per-class sums divided by the PUBLIC total denominator (sum of the contributing
+    sites' batch / n_classes): a ``CentralRelease`` as one site's would be (post-processing)."""
+    if not (math.isfinite(denominator) and denominator > 0):
+        raise DataError(f"secure central sum: the public denominator must be > 0, got {denominator!r}")
+    sums = decode(residues, layout, params) / denominator
+    values = sums.reshape(rounds * n_classes, *small_shape).astype(np.float32)
+    labels = np.tile(np.arange(n_classes, dtype=np.int64), rounds)
+    return CentralRelease(values, labels, rounds, "mean", float(denominator), image_shape, n_classes, sigma, q,
+                          layout.clip, None)
+
+
+def wrap_probability(layout: Layout, params: sk.SkellamParams, max_records: int) -> float:
+    """Bound on the probability that the decoded sum is wrong somewhere (``max_records``: public cap)."""
+    if max_records < 1:
+        raise PrivacyError(f"wrap-around bound: max_records must be >= 1, got {max_records}")
+    return sk.wrap_probability(_full(layout, params), max_records)
+
+
+def decode_frequency(residues: np.ndarray, layout: Layout, params: sk.SkellamParams, *, total_public: int,
+                     bandwidth2: float, seed: int, sigma: float, image_shape: tuple[int, int, int]) -> object:
+    """The decoded embedding sum divided by the PUBLIC total size of the contributing sites: a
+    ``FrequencyRelease`` (features x classes) as ``combine_frequency`` of per-site releases would be."""
+    from .frequency import FrequencyRelease
+
+    check_positive_int(total_public, "total public size", "secure frequency sum")
+    emb = decode(residues, layout, params).T / float(total_public)  # (features, classes)
+    return FrequencyRelease(embedding=emb.astype(np.float32), n_public=int(total_public), features=layout.block_dim,
+                            bandwidth2=float(bandwidth2), seed=int(seed), sigma=float(sigma),
+                            n_classes=layout.blocks, image_shape=image_shape)
+
+
+# -- the events a site charges ---------------------------------------------------------------------------------
+
+
+def secagg_threshold(threshold: int | None, n_sites: int) -> int:
+    """The job's ``[federation] secagg_threshold`` (None: every site), checked to be a strict majority."""
+    t = n_sites if threshold is None else int(threshold)
+    if n_sites < 2 or not (n_sites // 2 < t <= n_sites):
+        raise PrivacyError(f"secure aggregation needs >= 2 sites and a threshold that is a strict majority of them "
+                           f"({n_sites // 2 + 1}..{n_sites}); got threshold {t} for {n_sites} site(s)")
+    return t
+
+
+def secagg_warmup_events(cfg: object, n_public: int, image_shape: tuple[int, ...], n_classes: int, n_sites: int,
+                         colluders: int) -> list[object]:
+    """The ``SkellamEvent`` of each one-shot release of a job under secure aggregation at one site: ``mu`` counts
+    the honest shares under its assumption (``colluders`` other sites), ``mu_worst`` its own share."""
+    from ..accountants.skellam import honest_shares, skellam_event
+
+    c, f, fed = cfg.central, cfg.frequency, cfg.federation  # type: ignore[attr-defined]
+    t = secagg_threshold(fed.secagg_threshold, n_sites)
+    h = honest_shares(n_sites, t, min(int(colluders), n_sites - 1))
+    out: list[object] = []
+    if c.rounds > 0:
+        lay = central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample)
+        p = block_params(lay.block_dim, lay.clip, c.sigma, n_sites)
+        out.append(skellam_event(p, "central", sampling_rate(c.batch, n_public, "central images"), int(c.rounds), h))
+    if f.sigma is not None:
+        out.append(skellam_event(block_params(f.features, 1.0, f.sigma, n_sites), "frequency", 1.0, 1, h))
+    return out

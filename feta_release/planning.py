@@ -217,14 +217,21 @@ def stage_event(events: Sequence[E], stage: str) -> E | None:
     return next((e for e in events if e.stage == stage), None)
 
 
-def merged(events: Sequence[PrivacyEvent]) -> list[PrivacyEvent]:
+_E = TypeVar("_E", PrivacyEvent, Event)
+
+
+def merged(events: Sequence[_E]) -> list[_E]:
     """Events of one stage, sigma and q as one event with the steps summed (DP-SGD rounds or chunks of one
-    sigma and q are one composition, so epsilon is unchanged), in order of first appearance."""
-    out: dict[tuple[str, float, float, str], PrivacyEvent] = {}
-    for e in events:
+    sigma and q are one composition, so epsilon is unchanged), in order of first appearance. Secure-aggregation
+    (Skellam) events are kept as they are."""
+    out: dict[object, _E] = {}
+    for i, e in enumerate(events):
+        if not isinstance(e, PrivacyEvent):
+            out[("as is", i)] = e
+            continue
         key = (e.stage, e.sigma, e.q, e.unit)
         prev = out.get(key)
-        out[key] = e if prev is None else dataclasses.replace(e, steps=prev.steps + e.steps)
+        out[key] = e if prev is None else dataclasses.replace(e, steps=prev.steps + e.steps)  # type: ignore[assignment]
     return list(out.values())
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import onnx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..accounting import PrivacyEvent, events_from_list
+from ..accounting import Event, PrivacyEvent, events_from_list, gaussian_only
 from ..config import JobConfig
 from ..errors import PrivacyError, ReleaseError
 from ..ledger import Ledger, LedgerTamperedError
@@ -139,7 +139,7 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519PrivateKey
-                   ) -> tuple[str, list[PrivacyEvent], list[PrivacyEvent], dict[str, Any], int]:
+                   ) -> tuple[str, list[PrivacyEvent], list[Event], dict[str, Any], int]:
     """(the run's job id, its charged events, every event of the ledger, the job's signed record, its number of
     DP-SGD requests (rounds)) from the run's
     site ledger, whose chain and head signature are checked with ``site_key``: editing ``privacy.json`` (or the
@@ -162,14 +162,14 @@ def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519Priva
     if not record.get("closed"):
         raise ReleaseError(f"{path}: job {job_id} is not closed in the ledger (the run did not finish); finish "
                            "`feta-release train` first")
-    per_job: dict[str, list[PrivacyEvent]] = {}
+    per_job: dict[str, list[Event]] = {}
     for r in rows:
         per_job.setdefault(r["job_id"], []).extend(events_from_list(r["events"]))
     if job_id not in per_job:
         raise ReleaseError(f"{path}: holds no charge of job {job_id}; is it this run's ledger?")
     lifetime = [e for evs in per_job.values() for e in merged(evs)]
     rounds = sum(1 for r in rows if r["job_id"] == job_id and r["mechanism"] == "dpsgd")
-    return job_id, merged(per_job[job_id]), lifetime, record, rounds
+    return job_id, gaussian_only(merged(per_job[job_id]), f"{path}: job {job_id}"), lifetime, record, rounds
 
 
 def check_run_against_ledger(rd: Path, record: Mapping[str, Any], ckpt: Mapping[str, Any]) -> tuple[float, str]:

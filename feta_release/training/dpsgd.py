@@ -47,6 +47,7 @@ __all__ = [
     "poisson_sample",
     "clip_and_sum",
     "per_example_grads",
+    "PublicMix",
 ]
 
 
@@ -171,6 +172,24 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
+@dataclass
+class PublicMix:
+    """Already-released examples added to every DP-SGD step (``[dpsgd] public_batch``), free in epsilon.
+
+    Why no privacy cost: ``draw(n, generator)`` returns ``n`` examples (images in [-1, 1], labels) built ONLY from
+    values the site has already released and paid for (the central images, RandAugment-ed with ``generator``, a
+    PUBLIC generator). Their clipped gradients are computed at the current weights (themselves a function of the
+    earlier noisy steps) and added to the noisy sum, the divisor growing by ``batch`` (public). So a step's output
+    is a function of (noisy private sum, released data, earlier outputs): post-processing of the same
+    subsampled-Gaussian event (sigma, q, 1), whose sensitivity stays C. Clipped like private examples so that one
+    public example weighs what a private one does.
+    """
+
+    draw: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
+    batch: int
+    generator: torch.Generator
+
+
 class DPSGDTrainer:
     """DP-SGD on one site's data. Reused unchanged by the federation for local rounds.
 
@@ -191,6 +210,7 @@ class DPSGDTrainer:
         image_shape: tuple[int, int, int] | None = None,
         n_classes: int | None = None,
         n_public: int | None = None,
+        public: PublicMix | None = None,
     ) -> None:
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
@@ -222,6 +242,7 @@ class DPSGDTrainer:
             loss = EDMLoss(image_shape, n_classes, d.noise_multiplicity, cfg.model.label_dropout,
                            sigma_data=getattr(model, "sigma_data", None))
         self.loss = loss
+        self.public = public if public is not None and public.batch > 0 else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)
         # A fresh EMA: the caller copies the warm-up EMA weights into ``model`` before DP-SGD starts (method §2),
@@ -260,7 +281,12 @@ class DPSGDTrainer:
         std = self.sigma * self.clip
         for name, p in zip(names, self.params):
             noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * std).to(dev)
-            total[name] = (total[name] + noise) / expected
+            total[name] = total[name] + noise
+        self.model.train()
+        divisor = expected + self._add_public(total, dev)  # after the noise: post-processing (PublicMix)
+        self.model.train(was_training)
+        for name in total:
+            total[name] = total[name] / divisor
         b = int(idx.numel())
         stats = StepStats(
             step=self.steps_done + 1,
@@ -271,6 +297,22 @@ class DPSGDTrainer:
             seconds=time.perf_counter() - t0,
         )
         return total, stats
+
+    def _add_public(self, total: dict[str, Tensor], dev: torch.device) -> int:
+        """Add the clipped gradients of ``public.batch`` released examples to ``total``; returns how many (public).
+        All randomness comes from the public generator: the private stream is the same with or without it."""
+        if self.public is None:
+            return 0
+        pub = self.public
+        for start in range(0, pub.batch, self.chunk):
+            m = min(self.chunk, pub.batch - start)
+            xs, ys = pub.draw(m, pub.generator)
+            rand = {k: v.to(dev) for k, v in self.loss.draw(m, pub.generator).items()}
+            grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk)
+            summed, _ = clip_and_sum(grads, self.clip)
+            for name in total:
+                total[name] += summed[name]
+        return pub.batch
 
     def step(self, images: Tensor, labels: Tensor) -> StepStats:
         """One DP-SGD step on the site's whole training set (``images`` in [-1, 1], ``labels`` int64).
@@ -325,6 +367,7 @@ class DPSGDTrainer:
             "steps_done": self.steps_done,
             "sigma": self.sigma,
             "q": self.q,
+            **({"public_generator": self.public.generator.get_state()} if self.public is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -338,3 +381,5 @@ class DPSGDTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         self.steps_done = int(state["steps_done"])
+        if self.public is not None and "public_generator" in state:
+            self.public.generator.set_state(state["public_generator"])

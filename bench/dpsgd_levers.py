@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from feta_release.config import load_job
+    from feta_release.config import JobConfig
     from feta_release.data import ImageDataset, load_embedded
     from feta_release.eval_protocol import PROTOCOL, balanced_labels, protocol_splits
     from feta_release.evaluation import accuracy, train_classifier
@@ -66,7 +66,7 @@ def main() -> None:
     from feta_release.viz import save_grid
 
     run = Path(args.run)
-    base_cfg = load_job(run / "job.json")
+    base_cfg = JobConfig.from_dict(json.loads((run / "job.json").read_text()), source=str(run / "job.json"))
     fit, val = protocol_splits(load_embedded(), "validation")
     z = np.load(run / "released" / "central.npz")
     central = (z["images"], z["labels"])
@@ -83,11 +83,15 @@ def main() -> None:
         if key not in trained:
             den = build_denoiser(cfg.model, fit.image_shape, fit.n_classes)
             den.load_state_dict(copy.deepcopy(start))
-            ctx = SimpleNamespace(cfg=cfg, central=central, public_gen=lambda n: torch.Generator().manual_seed(11))
-            tr = DPSGDTrainer(den, cfg, pl.noise_multiplier, cfg.dpsgd.batch / fit.n, torch.Generator().manual_seed(7),
-                              n_public=fit.n, public=_public_mix(ctx))  # type: ignore[arg-type]
-            tr.run(xr, yr, cfg.dpsgd_steps(fit.n))
-            trained[key] = tr.ema_model()
+            if cfg.dpsgd_steps(fit.n) == 0:  # the model after the frequency warm-up itself
+                trained[key] = den.eval()
+            else:
+                ctx = SimpleNamespace(cfg=cfg, central=central, public_gen=lambda n: torch.Generator().manual_seed(11))
+                tr = DPSGDTrainer(den, cfg, pl.noise_multiplier, cfg.dpsgd.batch / fit.n,
+                                  torch.Generator().manual_seed(7), n_public=fit.n,
+                                  public=_public_mix(ctx))  # type: ignore[arg-type]
+                tr.run(xr, yr, cfg.dpsgd_steps(fit.n))
+                trained[key] = tr.ema_model()
         labels = balanced_labels(args.n, fit.n_classes)
         imgs, _ = generate(trained[key], labels, 1234, cfg.sampler)  # type: ignore[arg-type]
         syn = ImageDataset(imgs.numpy(), np.asarray(labels), fit.class_names, source=name)

@@ -113,6 +113,9 @@ class DPSGDSection:
     ema: float = 0.999
     physical_batch: int = 32  # rows per vectorised per-example-gradient chunk (memory bound)
     noise_multiplier: float | None = None  # None: calibrated over the whole history for the target (eps, delta)
+    # Already-RELEASED examples (RandAugment-ed copies of the released central images) added to every DP-SGD step as
+    # non-private examples: free in epsilon (post-processing of the central release; training.dpsgd.PublicMix).
+    public_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,9 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(0 <= d.ema < 1, f"[dpsgd] ema must be in [0, 1), got {d.ema}")
     need(d.physical_batch >= 1, f"[dpsgd] physical_batch must be >= 1, got {d.physical_batch}")
     need(d.noise_multiplier is None or d.noise_multiplier > 0, "[dpsgd] noise_multiplier must be > 0")
+    need(d.public_batch >= 0, f"[dpsgd] public_batch must be >= 0, got {d.public_batch}")
+    need(d.public_batch == 0 or not cfg.federation.sites,
+         "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
     need(cfg.model.channels >= 4, f"[model] channels must be >= 4, got {cfg.model.channels}")
     need(len(cfg.model.channel_mult) >= 1, "[model] channel_mult needs at least one level")
     need(0 <= cfg.model.label_dropout < 1, "[model] label_dropout must be in [0, 1)")

@@ -19,7 +19,9 @@ from ..config import JobConfig
 from ..models.edm import EDMDenoiser
 from ..planning import round_sizes
 from ..training.checkpoint import load_torch, save_torch
-from ..training.dpsgd import DPSGDTrainer, StepStats
+from ..errors import ConfigError
+from ..training.augment import rand_augment
+from ..training.dpsgd import DPSGDTrainer, PublicMix, StepStats
 from .base import sample_grid
 from .context import RunContext
 
@@ -42,7 +44,8 @@ class DpsgdTraining:
                                image_shape=ctx.data.image_shape, n_classes=ctx.data.n_classes,
                                n_public=ctx.n_public if pat is None else pat.n_public,
                                patients=None if pat is None else pat.ids,
-                               images_per_patient=None if pat is None else pat.cap)
+                               images_per_patient=None if pat is None else pat.cap,
+                               public=_public_mix(ctx))
         ck = ctx.rd.ckpt("dpsgd.pt")
         if ck.exists():
             trainer.load_state_dict(load_torch(ck))
@@ -58,6 +61,26 @@ class DpsgdTraining:
         ctx.final_model, ctx.dpsgd_trained = model, trainer.steps_done
         ctx.mark("dpsgd", steps_trained=ctx.dpsgd_trained, steps_charged=ctx.account.charged("dpsgd"))
         sample_grid(ctx, "after-dpsgd", model)
+
+
+def _public_mix(ctx: RunContext) -> PublicMix | None:
+    """``[dpsgd] public_batch`` RandAugment-ed copies of the RELEASED central images per step (see ``PublicMix``:
+    post-processing of the central release, no privacy cost)."""
+    n, w = ctx.cfg.dpsgd.public_batch, ctx.cfg.warmup
+    if n == 0:
+        return None
+    if ctx.central is None or len(ctx.central[1]) == 0:
+        raise ConfigError("[dpsgd] public_batch > 0 needs released central images ([central] rounds > 0 and a method "
+                          "with a central release); set public_batch = 0")
+    src = torch.from_numpy(np.asarray(ctx.central[0], np.float32))
+    lab = torch.from_numpy(np.asarray(ctx.central[1], np.int64))
+
+    def draw(m: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(lab), (m,), generator=g)
+        aug, _ = rand_augment(src[idx], n_ops=w.augment_ops, magnitude_max=w.augment_magnitude, generator=g)
+        return aug * 2 - 1, lab[idx]  # [0, 1] -> the model's [-1, 1]
+
+    return PublicMix(draw, n, ctx.public_gen("dpsgd-public"))
 
 
 def _train(ctx: RunContext, trainer: DPSGDTrainer, sgd: PrivacyEvent, charged: int) -> None:

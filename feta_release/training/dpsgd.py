@@ -61,6 +61,7 @@ __all__ = [
     "group_sum",
     "per_example_grads",
     "patient_batch",
+    "PublicMix",
 ]
 
 
@@ -245,6 +246,22 @@ def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor
         out.append((rows[start:end], own, int(own.max()) + 1))
         start = end
     return out
+@dataclass
+class PublicMix:
+    """Already-released examples added to every DP-SGD step (``[dpsgd] public_batch``), free in epsilon.
+
+    Why no privacy cost: ``draw(n, generator)`` returns ``n`` examples (images in [-1, 1], labels) built ONLY from
+    values the site has already released and paid for (the central images, RandAugment-ed with ``generator``, a
+    PUBLIC generator). Their clipped gradients are computed at the current weights (themselves a function of the
+    earlier noisy steps) and added to the noisy sum, the divisor growing by ``batch`` (public). So a step's output
+    is a function of (noisy private sum, released data, earlier outputs): post-processing of the same
+    subsampled-Gaussian event (sigma, q, 1), whose sensitivity stays C. Clipped like private examples so that one
+    public example weighs what a private one does.
+    """
+
+    draw: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
+    batch: int
+    generator: torch.Generator
 
 
 class DPSGDTrainer:
@@ -269,6 +286,7 @@ class DPSGDTrainer:
         n_public: int | None = None,
         patients: Any = None,
         images_per_patient: int | None = None,
+        public: PublicMix | None = None,
     ) -> None:
         """``patients``: per-image patient index (0..P-1, as ``LoadReport.patients``) for patient-level DP-SGD; then
         ``n_public`` is the PUBLIC number of patients (required) and ``images_per_patient`` the public cap on a
@@ -306,6 +324,7 @@ class DPSGDTrainer:
             loss = EDMLoss(image_shape, n_classes, d.noise_multiplicity, cfg.model.label_dropout,
                            sigma_data=getattr(model, "sigma_data", None))
         self.loss = loss
+        self.public = public if public is not None and public.batch > 0 else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)
         # A fresh EMA: the caller copies the warm-up EMA weights into ``model`` before DP-SGD starts (method §2),
@@ -346,7 +365,12 @@ class DPSGDTrainer:
         std = self.sigma * self.clip
         for name, p in zip(names, self.params):
             noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * std).to(dev)
-            total[name] = (total[name] + noise) / expected
+            total[name] = total[name] + noise
+        self.model.train()
+        divisor = expected + self._add_public(total, dev)  # after the noise: post-processing (PublicMix)
+        self.model.train(was_training)
+        for name in total:
+            total[name] = total[name] / divisor
         b = int(idx.numel())
         stats = StepStats(
             step=self.steps_done + 1,
@@ -386,12 +410,33 @@ class DPSGDTrainer:
         self.model.train(was_training)
         for name, p in zip(names, self.params):
             noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * (self.sigma * self.clip)).to(dev)
-            total[name] = (total[name] + noise) / expected
+            total[name] = total[name] + noise
+        self.model.train()
+        divisor = expected + self._add_public(total, dev)  # after the noise: post-processing (PublicMix)
+        self.model.train(was_training)
+        for name in total:
+            total[name] = total[name] / divisor
         b = int(owner.max()) + 1 if owner.numel() else 0
         stats = StepStats(step=self.steps_done + 1, batch_size=b, expected_batch=expected,
                           loss=float(torch.cat(losses).mean()) if b else float("nan"),
                           clipped_fraction=n_clipped / b if b else float("nan"), seconds=time.perf_counter() - t0)
         return total, stats
+
+    def _add_public(self, total: dict[str, Tensor], dev: torch.device) -> int:
+        """Add the clipped gradients of ``public.batch`` released examples to ``total``; returns how many (public).
+        All randomness comes from the public generator: the private stream is the same with or without it."""
+        if self.public is None:
+            return 0
+        pub = self.public
+        for start in range(0, pub.batch, self.chunk):
+            m = min(self.chunk, pub.batch - start)
+            xs, ys = pub.draw(m, pub.generator)
+            rand = {k: v.to(dev) for k, v in self.loss.draw(m, pub.generator).items()}
+            grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk)
+            summed, _ = clip_and_sum(grads, self.clip)
+            for name in total:
+                total[name] += summed[name]
+        return pub.batch
 
     def step(self, images: Tensor, labels: Tensor) -> StepStats:
         """One DP-SGD step on the site's whole training set (``images`` in [-1, 1], ``labels`` int64).
@@ -446,6 +491,7 @@ class DPSGDTrainer:
             "steps_done": self.steps_done,
             "sigma": self.sigma,
             "q": self.q,
+            **({"public_generator": self.public.generator.get_state()} if self.public is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -459,3 +505,5 @@ class DPSGDTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         self.steps_done = int(state["steps_done"])
+        if self.public is not None and "public_generator" in state:
+            self.public.generator.set_state(state["public_generator"])

@@ -90,9 +90,11 @@ def round_config(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> Rou
     phase, nodes = doc.get("phase"), doc.get("nodes")
     if phase not in PHASE_NAMES or not isinstance(nodes, dict):
         raise SecAggError(f"secure aggregation: phase must be one of {PHASE_NAMES} with a nodes map; got {phase!r}")
-    if not set(nodes) <= set(job.sites) or nodes.get(site.site_id) != node_id:
-        raise SecAggError(f"secure aggregation: the nodes map must name sites of job {job.job_id} only, this site "
-                          f"({site.site_id}) on node {node_id}; refused")
+    # every site of the job, so that this site masks against all of them (a coordinator picking a site's peers
+    # can unmask its vector: docs/secure-aggregation.md)
+    if set(nodes) != set(job.sites) or nodes.get(site.site_id) != node_id:
+        raise SecAggError(f"secure aggregation: the nodes map must name every site of job {job.job_id} and no "
+                          f"other, this site ({site.site_id}) on node {node_id}; refused")
     bits = doc.get("modulus_bits")
     if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_MODULUS_BITS <= bits <= 64:
         raise SecAggError(f"secure aggregation: modulus_bits must be an integer in [{MIN_MODULUS_BITS}, 64]")
@@ -181,9 +183,9 @@ def admit_masked(site: Site, job: Job, doc: dict[str, Any]) -> None:
         raise SecAggError(f"secure aggregation: masked vector asked at stage {st.stage!r} (expected after "
                           "share_keys); refused")
     peers = {int(n) for n in dict(doc.get("shares", {}))}
-    if not peers <= set(st.public_keys) - {st.node_id} or len(peers) + 1 < st.config.threshold:
-        raise SecAggError(f"secure aggregation: shares from {sorted(peers)} do not fit this site's peers "
-                          f"{sorted(set(st.public_keys) - {st.node_id})} and threshold {st.config.threshold}; refused")
+    if peers != set(st.public_keys) - {st.node_id}:  # masking against fewer peers than all can isolate this site
+        raise SecAggError(f"secure aggregation: shares from {sorted(peers)}, but every other site of the key setup "
+                          f"{sorted(set(st.public_keys) - {st.node_id})} must send one; refused")
 
 
 def masked_contribution(site: Site, job: Job, doc: dict[str, Any], rng: np.random.Generator) -> np.ndarray:

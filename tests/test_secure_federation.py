@@ -15,6 +15,7 @@ from scipy import stats
 from coordinator.setup import sign_job_file
 from feta_release.accountants.skellam import honest_shares
 from feta_release.accounting import SkellamEvent, epsilon, events_from_list, worst_case_epsilon
+from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation.job import run_job
 from feta_release.ledger import Ledger
@@ -137,12 +138,15 @@ def test_a_site_dropped_after_masking_is_covered_by_the_threshold(fed: Any, tmp_
     signed, _ = sign_job_file(fed, secure_job(secagg_threshold=2), "job-drop")
     # site-c dies when asked to unmask the central sum: its masked vector is in, its shares never come
     grid = harness(fed, fail_on={"site-c": lambda m: m.metadata.message_type == fm.SECAGG and _stage(m) == "unmask"})
-    _run(fed, grid, signed, tmp_path / "out")
+    # the frequency sum needs every site in its key setup (a site masks against all of them): site-c is gone, so
+    # the job fails cleanly after the redone setups, with no frequency charge anywhere
+    with pytest.raises(PolicyError, match="did not complete with every site"):
+        _run(fed, grid, signed, tmp_path / "out")
     meta = json.loads((tmp_path / "out" / "state" / "central_secure.json").read_text())
     assert meta["sites"] == ["site-a", "site-b", "site-c"]  # its data and noise share are in the sum
-    freq = json.loads((tmp_path / "out" / "state" / "frequency_secure.json").read_text())
-    assert freq["sites"] == ["site-a", "site-b"]
-    assert [r["mechanism"] for r in _requests(fed, "site-c", "job-drop")] == ["central"]
+    assert not (tmp_path / "out" / "state" / "frequency_secure.json").exists()
+    for sid in ("site-a", "site-b", "site-c"):
+        assert [r["mechanism"] for r in _requests(fed, sid, "job-drop")] == ["central"]
     # threshold 2 of 3, 0 colluders: 2 honest shares counted (2 * 2 > 3: no split view isolates a vector)
     ev = events_from_list(_requests(fed, "site-a", "job-drop")[0]["events"])[0]
     assert isinstance(ev, SkellamEvent) and ev.mu == pytest.approx(2 * ev.mu_worst)

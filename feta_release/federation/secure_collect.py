@@ -18,7 +18,7 @@ from ..planning import secure_stage_events, target, warmup_events
 from ..policy.enforce import request_of
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
-from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator
+from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator, SetupIncomplete
 
 Asked = tuple[dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], dict[str, str]]
 
@@ -108,9 +108,25 @@ def secure_sum(d: Driver, phase: str, attempt: int = 0) -> tuple[np.ndarray, lis
     return total, contributors
 
 
+MAX_SETUP_ATTEMPTS = 3
+
+
+def _sum_with_redo(d: Driver, phase: str) -> tuple[np.ndarray, list[str]]:
+    """A site that left before the masking stage: nothing was masked, so nothing was charged anywhere; the round is
+    redone under a new round id (each site masks against every site of the job, so it cannot go on without it)."""
+    for attempt in range(MAX_SETUP_ATTEMPTS):
+        try:
+            return secure_sum(d, phase, attempt)
+        except SetupIncomplete as exc:
+            d.emit(phase, f"secure sum: key setup {attempt} incomplete ({exc}); redone", error=str(exc))
+    raise PolicyError(f"secure aggregation, {phase}: the key setup did not complete with every site of job "
+                      f"{d.job.job_id} in {MAX_SETUP_ATTEMPTS} attempts; nothing was released; rerun the job when "
+                      f"all sites are up")
+
+
 def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """The decoded ``phase`` release (arrays of one ``CentralRelease`` / ``FrequencyRelease``) and its sites."""
-    residues, contributors = secure_sum(d, phase)
+    residues, contributors = _sum_with_redo(d, phase)
     lay, info, cfg = phase_layout(d, phase), next(iter(d.sites.values())), d.cfg
     sizes = {sid: int(d.sites[sid].size) for sid in contributors}
     n = len(d.job.sites)

@@ -104,7 +104,7 @@ def secure_warmup(site: Site, job: Job) -> list[Event] | None:
     if not cfg.federation.secure_aggregation:
         return None
     events = secagg_warmup_events(cfg, site.n_public, tuple(site.data.image_shape), int(site.data.n_classes),
-                                  len(job.sites), int(site.policy.max_colluders))
+                                  len(job.sites), site.policy.counted_colluders(len(job.sites)))
     return [e for e in events if isinstance(e, SkellamEvent)]
 
 

@@ -17,8 +17,9 @@ State between the stages (it holds the round's secrets) is in the site's work di
 job and phase: every Flower message runs in a fresh ClientApp process.
 
 Why the stages are re-wired instead of Flower's ``secaggplus_mod``: see ``feta_release.federation.secagg``.
-Known limit: the site keys that authenticate the key adverts are relayed by the coordinator (from the sites'
-signed policies); a coordinator that substitutes them is not stopped until the job pins the site keys.
+The site keys that authenticate the key adverts are the ones this site's ADMIN-SIGNED policy pins
+(``secure_aggregation.peers``), never the coordinator's relay; a job naming an unpinned site, or a relayed key that
+differs, is refused. A policy that pins no peers takes the relay, and then counts no other site's noise share.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage
 from feta_release.federation.secagg import RoundConfig, SecAggError, SecAggSite, ed25519_signer, ed25519_verifier
 from feta_release.mechanisms import secure_sums as ss
 from feta_release.policy.jobs import Job
+from feta_release.policy.secure_aggregation import check_pinned_peers
 from feta_release.signing import load_public_key, public_key_pem
 
 from .protocol import Handler, PHASES, planned, verified_job
@@ -144,18 +146,31 @@ def load_state(site: Site, job: Job, doc: dict[str, Any]) -> tuple[SecAggSite, d
 
 
 def _setup(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> dict[str, Any]:
+    check_pinned_peers(site.policy, job.sites)  # a job naming a site whose key is not pinned: refused up front
     st = SecAggSite(node_id, round_config(site, job, doc, node_id), ed25519_signer(site.key), ed25519_verifier({}))
     pk1, pk2, sig = st.setup()
     save_state(site, job, str(doc["phase"]), st, {})
     return {"pk1": _b64(pk1), "pk2": _b64(pk2), "sig": _b64(sig)}
 
 
-def _share_keys(site: Site, job: Job, doc: dict[str, Any]) -> dict[str, Any]:
-    site_keys = {str(k): str(v) for k, v in dict(doc.get("site_keys", {})).items()}
-    st, _ = load_state(site, job, doc)
-    if site_keys.get(str(st.node_id)) != public_key_pem(site.key):
-        raise SecAggError(f"secure aggregation: the site key relayed for this site's node {st.node_id} is not "
+def _advert_keys(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> dict[str, str]:
+    """node id -> the PEM that must sign that node's key advert: this site's own key, and the other sites' keys
+    PINNED by this site's policy (``secure_aggregation.peers``); only without pins the coordinator's relay."""
+    relayed_by_node = {str(k): str(v) for k, v in dict(doc.get("site_keys", {})).items()}
+    if relayed_by_node.get(str(node_id)) != public_key_pem(site.key):
+        raise SecAggError(f"secure aggregation: the site key relayed for this site's node {node_id} is not "
                           f"{site.site_id}'s own; refused")
+    nodes = {str(s): int(n) for s, n in dict(doc.get("nodes", {})).items()}
+    relayed = {s: relayed_by_node[str(n)] for s, n in nodes.items() if str(n) in relayed_by_node}
+    pinned = check_pinned_peers(site.policy, job.sites, relayed)
+    keys = {str(nodes[s]): pem for s, pem in pinned.items() if s in nodes}
+    keys[str(node_id)] = public_key_pem(site.key)
+    return keys
+
+
+def _share_keys(site: Site, job: Job, doc: dict[str, Any]) -> dict[str, Any]:
+    st, _ = load_state(site, job, doc)
+    site_keys = _advert_keys(site, job, doc, st.node_id)
     st.verify = ed25519_verifier({int(n): load_public_key(pem.encode()) for n, pem in site_keys.items()})
     keys = {int(n): (_unb64(a[0], "pk1"), _unb64(a[1], "pk2"), _unb64(a[2], "signature"))
             for n, a in dict(doc.get("keys", {})).items()}

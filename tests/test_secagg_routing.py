@@ -95,3 +95,32 @@ def test_honest_shares_is_between_one_and_threshold_minus_colluders(n: int, t: i
     assert (h == 1) or 2 * (t - c) > n - c
     if t == n:  # every site in every sum: no site can be called dropped, all honest shares count
         assert h == n - c
+
+
+def test_the_node_checks_key_adverts_against_its_pinned_peers_not_the_relay() -> None:
+    """Review finding 2: the coordinator relayed the site keys that authenticate key adverts, so it could relay
+    its own key under another site's id (or a sybil site's) and read the victim's Shamir shares. The node now
+    takes the keys its admin-signed policy pins (``secure_aggregation.peers``)."""
+    from types import SimpleNamespace
+
+    from edge.secure import _advert_keys
+    from feta_release.errors import PolicyError
+    from feta_release.policy.document import SitePolicy
+    from feta_release.signing import public_key_pem
+    from tests.policy_helpers import keys, policy_doc
+
+    own, b, c, evil = (Ed25519PrivateKey.generate() for _ in range(4))
+    pins = {"site-b": public_key_pem(b.public_key()), "site-c": public_key_pem(c.public_key())}
+    pol = SitePolicy.from_document(policy_doc(keys(), secure_aggregation={"peers": pins}), None)
+    site = SimpleNamespace(site_id=pol.site_id, key=own, policy=pol)
+    job = SimpleNamespace(sites=[pol.site_id, "site-b", "site-c"])
+    nodes = {pol.site_id: 1, "site-b": 2, "site-c": 3}
+    relay = {"1": public_key_pem(own), "2": pins["site-b"], "3": public_key_pem(evil.public_key())}
+    with pytest.raises(PolicyError, match=r"secure_aggregation\.peers.*site-c"):
+        _advert_keys(site, job, {"site_keys": relay, "nodes": nodes}, 1)  # type: ignore[arg-type]
+    relay.pop("3")  # no relayed key: the pinned one is used anyway
+    assert _advert_keys(site, job, {"site_keys": relay, "nodes": nodes}, 1) == {  # type: ignore[arg-type]
+        "1": public_key_pem(own), "2": pins["site-b"], "3": pins["site-c"]}
+    sybil = SimpleNamespace(sites=[pol.site_id, "site-b", "site-c", "sybil-1"])
+    with pytest.raises(PolicyError, match=r"secure_aggregation\.peers.*sybil-1"):
+        _advert_keys(site, sybil, {"site_keys": relay, "nodes": {**nodes, "sybil-1": 4}}, 1)  # type: ignore[arg-type]

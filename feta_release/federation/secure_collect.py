@@ -41,7 +41,7 @@ def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
     releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as the node does."""
     cfg = d.cfg
     warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, len(d.job.sites),
-                                   int(site.policy.max_colluders))
+                                   site.policy.counted_colluders(len(d.job.sites)))
     charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
                                   budget=target(cfg, site.policy))
     gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]

@@ -511,6 +511,10 @@ def _check_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], eve
 
 def secure_words(eps: float, worst: float, delta: float, colluders: int) -> str:
     """The two epsilons of a site under secure aggregation, in plain words."""
+    if math.isclose(float(eps), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12):
+        return (f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) counts this site's own noise share only "
+                f"(its policy pins no other site's key under secure_aggregation.peers, or assumes every other site "
+                f"may collude with the coordinator), so it holds whoever colludes")
     who = "no other site colludes" if colluders == 0 else f"at most {colluders} other site(s) collude"
     return (f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) holds if {who} with the coordinator "
             f"(the noise shares of the honest sites protect this site's images); if every other site colluded, "

@@ -116,6 +116,7 @@ def save_state(site: Site, job: Job, phase: str, st: SecAggSite, site_keys: dict
     """Atomically, mode 0600 (it holds the round's secrets; they never leave the site)."""
     path = _state_path(site, job, phase)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)  # mkdir's mode does not fix a directory that already exists
     body = {"node_id": st.node_id, "round_id": st.config.round_id, "node_ids": list(st.config.node_ids),
             "modulus_bits": st.config.modulus_bits, "site_keys": site_keys,
             "record": {k: _enc(v) for k, v in st.to_record().items()}}
@@ -186,7 +187,10 @@ def _unmask(site: Site, job: Job, doc: dict[str, Any]) -> dict[str, Any]:
     try:
         shares = st.unmask(active, dead)
     finally:  # a refused unmask still ends this sum (SecAggSite advances first): keep that on disk
-        save_state(site, job, str(doc["phase"]), st, keys)
+        if st.round_index >= st.config.rounds:  # the last sum of the setup: no secret (sk1, sk2) is kept
+            _state_path(site, job, str(doc["phase"])).unlink(missing_ok=True)
+        else:
+            save_state(site, job, str(doc["phase"]), st, keys)
     return {"shares": {str(n): _b64(s) for n, s in shares.items()}}
 
 

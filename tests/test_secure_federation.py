@@ -71,10 +71,16 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_secure_job_charges_skellam_events_and_the_coordinator_sees_only_masked_vectors(fed: Any, tmp_path: Path
                                                                                         ) -> None:
     signed, _ = sign_job_file(fed, secure_job(), "job-sec")
+    secagg_dirs = [Path(fed.site(s.site_id).ledger).parent / "work" / "secagg" for s in fed.sites]
+    for d in secagg_dirs:  # review finding 6: an existing, too open directory
+        d.mkdir(parents=True, exist_ok=True)
+        d.chmod(0o755)
     grid = harness(fed)
     rec = Recorder(grid)
     res = _run(fed, grid, signed, tmp_path / "out")
     assert res.rounds_done == 1
+    for d in secagg_dirs:  # after the unmask stage no state (ECDH secrets sk1, sk2) is left; the dir is 0700
+        assert (d.stat().st_mode & 0o777) == 0o700 and not list(d.glob("job-sec.*"))
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     types = [m.metadata.message_type for m in grid.sent]
     assert fm.CENTRAL not in types and fm.FREQUENCY not in types and types.count(fm.SECAGG) == 2 * 4 * 3

@@ -138,3 +138,26 @@ def test_pinned_peers_refuse_unpinned_sites_and_substituted_keys() -> None:
     assert unpinned.honest_shares == 1 and unpinned.assumed == unpinned.worst_case
     # without pins: the relay is taken, but no other site's share is counted (assumed epsilon = worst case)
     assert pol.counted_colluders(5) == 4 and pinned.counted_colluders(5) == min(pol.max_colluders, 4)
+
+
+def test_verify_cross_checks_the_attested_colluders_and_shares_with_policy_and_job() -> None:
+    """Review finding 5: verify did not compare the attestation's max_colluders with the policy, nor mu/mu_worst
+    with the shares the threshold and colluders allow."""
+    from feta_release.accounting import SkellamEvent
+    from feta_release.release.verify import secure_assumption_violations
+
+    sites = ["a", "b", "c", "d", "e"]
+    cfg = {"federation": {"secagg_threshold": 3}}
+    pinned = {"site_id": "a", "secure_aggregation": {"max_colluders": 0, "peers": {s: "pem" for s in sites[1:]}}}
+
+    def ev(shares: float) -> SkellamEvent:
+        return SkellamEvent("central", 1.0, 1, 10.0, 100.0, mu=shares * 50.0, mu_worst=50.0)
+
+    ok = {"secure_aggregation": {"max_colluders": 0}}
+    assert secure_assumption_violations(pinned, ok, [ev(2)], sites, cfg) == []  # honest_shares(5, 3, 0) = 2
+    assert "allows 2" in " ".join(secure_assumption_violations(pinned, ok, [ev(3)], sites, cfg))
+    lax = {"secure_aggregation": {"max_colluders": 1}}
+    assert "policy 0" in " ".join(secure_assumption_violations(pinned, lax, [ev(2)], sites, cfg))
+    unpinned = {"site_id": "a", "secure_aggregation": {"max_colluders": 0}}
+    assert "policy 4" in " ".join(secure_assumption_violations(unpinned, ok, [ev(1)], sites, cfg))
+    assert secure_assumption_violations(unpinned, {"secure_aggregation": {"max_colluders": 4}}, [ev(1)], sites, cfg) == []

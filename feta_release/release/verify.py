@@ -32,7 +32,13 @@ from collections.abc import Callable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..accounting import epsilon as compose_epsilon
-from ..accounting import DEFAULT_WORST_CASE_FACTOR, events_from_list, has_secure_aggregation, worst_case_epsilon
+from ..accounting import (
+    DEFAULT_WORST_CASE_FACTOR,
+    SkellamEvent,
+    events_from_list,
+    has_secure_aggregation,
+    worst_case_epsilon,
+)
 from ..errors import FetaError, ReleaseError
 from ..signing import (
     canonical_json,
@@ -388,6 +394,8 @@ def _check_site(
     events = events_from_list(st["events"])
     _check_epsilon(res, sid, st, events)
     problems = policy_violations(policy, st, events)
+    if job is not None:
+        problems += secure_assumption_violations(policy, st, events, job.sites, job.body.get("config") or {})
     if digest != st.get("policy_sha256"):
         problems.insert(0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…")
     res.add(f"site {sid} policy", not problems, "; ".join(problems) if problems else
@@ -583,6 +591,36 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
         key = limits.get(stage)
         if key and key in mech[stage] and total > int(mech[stage][key]):
             out.append(f"{stage}: {total} rounds/steps exceed {key} {mech[stage][key]}")
+    return out
+
+
+def secure_assumption_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any], sites: Sequence[str],
+                                 config: dict[str, Any]) -> list[str]:
+    """The attested trust assumption against the signed policy and job: ``max_colluders`` is the policy's (all
+    other sites when it pins no peer keys), and each Skellam event counts ``honest_shares(n, t, colluders)``
+    shares (mu / mu_worst), with n and the threshold t from the signed job."""
+    if not has_secure_aggregation(events):
+        return []
+    from ..accountants.skellam import honest_shares
+    from ..mechanisms.secure_sums import secagg_threshold
+
+    n = len(sites)
+    pol_sa = policy.get("secure_aggregation") or {}
+    colluders = min(int(pol_sa.get("max_colluders", 0)), n - 1) if pol_sa.get("peers") else n - 1
+    attested = (st.get("secure_aggregation") or {}).get("max_colluders")
+    out: list[str] = []
+    if attested != colluders:
+        out.append(f"the statement assumes {attested!r} colluding site(s), the policy {colluders} (of the {n - 1} "
+                   f"other sites; all of them when it pins no peers)")
+    try:
+        t = secagg_threshold((config.get("federation") or {}).get("secagg_threshold"), n)
+    except FetaError as exc:
+        return out + [f"the signed job's secure-aggregation threshold: {exc}"]
+    h = honest_shares(n, t, colluders)
+    for e in events:
+        if isinstance(e, SkellamEvent) and not math.isclose(e.mu, h * e.mu_worst, rel_tol=1e-9):
+            out.append(f"{e.stage}: the Skellam event counts {e.mu / e.mu_worst:.4g} noise shares; threshold {t} "
+                       f"of {n} sites with {colluders} colluder(s) allows {h}")
     return out
 
 

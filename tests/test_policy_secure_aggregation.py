@@ -161,3 +161,21 @@ def test_verify_cross_checks_the_attested_colluders_and_shares_with_policy_and_j
     unpinned = {"site_id": "a", "secure_aggregation": {"max_colluders": 0}}
     assert "policy 4" in " ".join(secure_assumption_violations(unpinned, ok, [ev(1)], sites, cfg))
     assert secure_assumption_violations(unpinned, {"secure_aggregation": {"max_colluders": 4}}, [ev(1)], sites, cfg) == []
+
+
+def test_min_sigma_bounds_the_own_noise_share_of_a_secure_release() -> None:
+    """Review finding 4: min_sigma was checked against the pooled sigma of the sum; a site whose policy asks
+    sigma >= 3 accepted a 3-site secure release at pooled sigma 4 (own share ~ 4 / sqrt 3 = 2.3)."""
+    from feta_release.accountants.skellam import skellam_event
+    from feta_release.policy.enforce import skellam_own_sigma
+    from feta_release.release.verify import policy_violations
+
+    params = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=4.0, n_sites=3)
+    ev = skellam_event(params, "central", 0.01, 5, noise_shares=3)
+    assert skellam_own_sigma(ev) == pytest.approx(4.0 / 3**0.5, rel=0.05) and skellam_own_sigma(ev) <= 4.0 / 3**0.5
+    doc = policy_doc(keys())
+    doc["mechanisms"]["central"]["min_sigma"] = 3.0
+    st = {"site_id": doc["site_id"], "epsilon": 0.1, "delta": 1e-6, "accountant": doc.get("accountant", "rdp")}
+    assert any("own noise share" in p for p in policy_violations(doc, st, [ev]))
+    doc["mechanisms"]["central"]["min_sigma"] = 2.0
+    assert not any("min" in p for p in policy_violations(doc, st, [ev]))

@@ -15,7 +15,7 @@ import numpy as np
 from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
 from ..planning import secure_stage_events, target, warmup_events
-from ..policy.enforce import request_of
+from ..policy.enforce import own_share_request, request_of, skellam_own_sigma
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
 from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator, SetupIncomplete
@@ -44,8 +44,11 @@ def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
                                    site.policy.counted_colluders(len(d.job.sites)))
     charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
                                   budget=target(cfg, site.policy))
+    skellam = {e.stage: e for e in warm if isinstance(e, SkellamEvent)}
     gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
-    return [request_of(e, cfg) for e in gaussian], charged
+    # min_sigma is the site's rule on its OWN noise share, as the node checks it
+    return [own_share_request(request_of(e, cfg), skellam_own_sigma(skellam[e.stage])) if e.stage in skellam
+            else request_of(e, cfg) for e in gaussian], charged
 
 
 def _b64(data: bytes) -> str:

@@ -40,6 +40,7 @@ from ..accounting import (
     worst_case_epsilon,
 )
 from ..errors import FetaError, ReleaseError
+from ..policy.enforce import skellam_own_sigma
 from ..signing import (
     canonical_json,
     fingerprint,
@@ -574,9 +575,12 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
             out.append(f"stage {e.stage!r} is not allowed by the policy")
             continue
         steps_by_stage[e.stage] = steps_by_stage.get(e.stage, 0) + e.steps
-        # a Skellam event has no per-site sigma (the node checked min_sigma against the job's pooled sigma)
-        if "min_sigma" in rules and hasattr(e, "sigma") and e.sigma < float(rules["min_sigma"]):
-            out.append(f"{e.stage}: σ = {e.sigma:.4g} is below the policy minimum {rules['min_sigma']}")
+        # a Skellam event: min_sigma bounds the site's OWN noise share (sqrt(mu_worst) / l2), not the pooled sum's
+        sigma = skellam_own_sigma(e) if isinstance(e, SkellamEvent) else getattr(e, "sigma", None)
+        if "min_sigma" in rules and sigma is not None and sigma < float(rules["min_sigma"]) * (1 - 1e-12):
+            out.append(f"{e.stage}: σ = {sigma:.4g} (own noise share) is below the policy minimum {rules['min_sigma']}"
+                       if isinstance(e, SkellamEvent) else
+                       f"{e.stage}: σ = {sigma:.4g} is below the policy minimum {rules['min_sigma']}")
         if "max_batch" in rules and size and e.q * size > float(rules["max_batch"]) * (1 + 1e-9):
             out.append(f"{e.stage}: expected batch q·N = {e.q * size:.1f} exceeds max_batch {rules['max_batch']}")
     if has_secure_aggregation(events):

@@ -294,6 +294,7 @@ def test_a_split_view_through_the_nodes_gets_too_few_key_shares_when_the_epsilon
     again = {**doc, "active": [a, b], "dead": [c]}
     grid.push_messages([Message(fm.make_payload(again), dst_node_id=a, message_type=fm.SECAGG, group_id="x")])
     rep = grid._replies.popitem()[1]
-    assert rep.has_error() and "expects stage" in rep.error.reason
+    # refused: the sum's state (and its ECDH secrets) is gone after the unmask stage (review finding 6)
+    assert rep.has_error() and "no key setup" in rep.error.reason
     ev = events_from_list(_requests(fed, "site-c", "job-split-view")[0]["events"])[0]
     assert isinstance(ev, SkellamEvent) and ev.mu == pytest.approx(2 * ev.mu_worst)  # what site_epsilons counts

@@ -214,7 +214,8 @@ def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, stat
         elif "ERROR" in line or "Traceback" in line or line.startswith("feta_release"):
             console.log(f"[red]{line}")
 
-    return run_signed_job(signed, fed.coordinator_key, job_out, address, insecure=True, on_line=on_line)
+    return run_signed_job(signed, fed.coordinator_key, job_out, address, insecure=True, on_line=on_line,
+                          retry_hint=f"run the demo again with a new --out (logs of this run stay in {out_dir})")
 
 
 def _stop_all(procs: list[Any]) -> None:

@@ -44,7 +44,10 @@ def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Pa
 
 def run_signed_job(signed_path: Path, key_path: Path, out_dir: Path, superlink: str, *, insecure: bool,
                    root_certificates: Path | None = None, on_line: Callable[[str], None] | None = None,
-                   app_dir: Path = APP_DIR) -> dict[str, Any]:
+                   app_dir: Path = APP_DIR,
+                   retry_hint: str = "run the same command again to resume") -> dict[str, Any]:
+    """Submit the signed job and return its summary; ``retry_hint`` ends the error of a run that did not finish
+    (the demo cannot resume into its non-empty folder, so it says what to do instead)."""
     home = out_dir / "flwr_cli_home"
     write_flwr_config(home, superlink, insecure=insecure, root_certificates=root_certificates)
     summary_path = out_dir / "job_summary.json"
@@ -56,7 +59,7 @@ def run_signed_job(signed_path: Path, key_path: Path, out_dir: Path, superlink: 
     if code != 0 or not summary_path.exists():
         last = _last_error(out_dir)
         raise FetaError(f"the job did not finish (flwr run exit code {code}){': ' + last if last else ''}; "
-                        f"progress log: {out_dir / 'progress.jsonl'}; run the same command again to resume")
+                        f"progress log: {out_dir / 'progress.jsonl'}; {retry_hint}")
     return json.loads(summary_path.read_text("utf-8"))
 
 

@@ -9,10 +9,14 @@ without it the CLI silently falls back to a local simulation.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,18 +110,42 @@ def flwr_run_command(app_dir: Path, run_config: dict[str, str], stream: bool = T
     return cmd
 
 
-def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *, on_line=None,  # noqa: ANN001
-           timeout: float | None = None) -> int:
-    """``flwr run APP feta --stream`` with FLWR_HOME set; streams output lines to ``on_line``."""
-    env = flower_env(flwr_home)
-    cmd = flwr_run_command(app_dir, run_config)
+RUN_STARTED = re.compile(r"Successfully started run (\d+)")
+
+
+class _Lines:
+    """Hands each streamed line to ``on_line`` once: a re-attached ``flwr log --stream`` replays the run's log
+    from its start, so the first ``seen`` lines of a replay are skipped."""
+
+    def __init__(self, on_line: Callable[[str], None] | None) -> None:
+        self.on_line, self.seen, self.run_id = on_line, 0, None
+
+    def replay(self) -> Callable[[str], None]:
+        skip = [self.seen]
+
+        def take(line: str) -> None:
+            if skip[0] > 0:
+                skip[0] -= 1
+                return
+            self(line)
+        return take
+
+    def __call__(self, line: str) -> None:
+        self.seen += 1
+        m = RUN_STARTED.search(line)
+        if m and self.run_id is None:
+            self.run_id = int(m.group(1))
+        if self.on_line is not None:
+            self.on_line(line)
+
+
+def _stream(cmd: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout: float | None) -> int:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
+            on_line(line.rstrip("\n"))
         return proc.wait(timeout)
     finally:
         if proc.poll() is None:
@@ -126,6 +154,57 @@ def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *, on_lin
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_status(flwr_home: Path, run_id: int) -> str:
+    """The run's status as the SuperLink reports it (``running``, ``finished:completed``, ...), or ``""``
+    when it cannot be read now (the caller asks again)."""
+    cmd = [str(Path(sys.executable).parent / "flwr"), "list", FEDERATION, "--run-id", str(run_id), "--format", "json"]
+    try:
+        r = subprocess.run(cmd, env=flower_env(flwr_home), capture_output=True, text=True, timeout=120)
+        runs = json.loads(r.stdout).get("runs", [])
+    except (subprocess.TimeoutExpired, ValueError, AttributeError):
+        return ""
+    return str(runs[0].get("status", "")) if runs else ""
+
+
+def follow_run(run_id: int, flwr_home: Path, lines: _Lines, *, poll: float = 5.0, give_up_after: float = 600.0,
+               status: Callable[[Path, int], str] = run_status,
+               reattach: Callable[[int, Path, Callable[[str], None]], int] | None = None) -> str:
+    """Wait until the run is finished and return its status.  ``flwr run --stream`` also returns (exit 0) when
+    the SuperLink's log stream breaks while the ServerApp still runs (seen on a loaded 2-core machine: the
+    SuperLink's SQLite state was locked for longer than its busy timeout); then the run is still going and
+    stopping the processes would kill a healthy job.  Re-attaches to the log stream meanwhile.  Returns ``""``
+    when the SuperLink cannot be asked for ``give_up_after`` seconds in a row."""
+    attach = reattach or _reattach
+    unknown_since = time.monotonic()
+    while True:
+        st = status(flwr_home, run_id)
+        if st.startswith("finished"):
+            return st
+        if st:
+            unknown_since = time.monotonic()
+            attach(run_id, flwr_home, lines.replay())
+        elif time.monotonic() - unknown_since > give_up_after:
+            return ""
+        time.sleep(poll)
+
+
+def _reattach(run_id: int, flwr_home: Path, on_line: Callable[[str], None]) -> int:
+    cmd = [str(Path(sys.executable).parent / "flwr"), "log", str(run_id), FEDERATION, "--stream"]
+    return _stream(cmd, flower_env(flwr_home), on_line, None)
+
+
+def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *,
+           on_line: Callable[[str], None] | None = None, timeout: float | None = None,
+           follow: bool = True) -> int:
+    """``flwr run APP feta --stream`` with FLWR_HOME set; streams output lines to ``on_line``.  With ``follow``,
+    returns only once the SuperLink reports the run finished (see :func:`follow_run`)."""
+    lines = _Lines(on_line)
+    code = _stream(flwr_run_command(app_dir, run_config), flower_env(flwr_home), lines, timeout)
+    if code == 0 and follow and lines.run_id is not None:
+        follow_run(lines.run_id, flwr_home, lines)
+    return code
 
 
 def check_run_ok(code: int, out_dir: Path) -> None:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
+
 from ..errors import ConfigError, FetaError
 
 
@@ -85,7 +87,22 @@ class ManagedProcess:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the whole group, then SIGKILL what is left."""
+        """SIGTERM the whole group, then SIGKILL what is left, then every descendant that left the group: the
+        SuperLink's ``flower-superexec`` starts its own session, and the ServerApp it spawned outlived both (seen:
+        an orphaned ``flwr-serverapp`` kept training for 50 minutes after a demo had stopped)."""
+        family = _descendants(self.proc.pid)
+        self._stop_group(timeout)
+        for child in family:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(family, timeout=5.0)
+        if self._reader is not None:  # the group is gone, so the pipe is at its end: let the reader finish its lines
+            self._reader.join(5.0)
+        self._log.close()
+
+    def _stop_group(self, timeout: float) -> None:
         try:
             pgid = os.getpgid(self.proc.pid)
         except ProcessLookupError:
@@ -114,9 +131,6 @@ class ManagedProcess:
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and group_alive(pgid):
                 time.sleep(0.1)
-        if self._reader is not None:  # the group is gone, so the pipe is at its end: let the reader finish its lines
-            self._reader.join(5.0)
-        self._log.close()
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -124,6 +138,13 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def group_alive(pgid: int) -> bool:

@@ -20,7 +20,7 @@ from feta_release.data.dataset import save_npz
 from feta_release.data.loading import load_dataset
 from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.jobs import sign_job
-from feta_release.signing import generate_keypair, load_private_key, load_public_key
+from feta_release.signing import generate_keypair, load_private_key, load_public_key, public_key_pem
 
 APP_DIR = Path(__file__).resolve().parent / "flower_app"
 
@@ -60,22 +60,29 @@ class Federation:
 
 def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes: list[str] | None = None,
                        policy_overrides: dict[str, dict[str, Any]] | None = None,
-                       public_sizes: dict[str, int] | None = None) -> Federation:
+                       public_sizes: dict[str, int] | None = None, pin_peers: bool = True) -> Federation:
     """Write each site's data (.npz), keys, data secret, and a signed policy allowing the coordinator key and the
-    app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant digits."""
+    app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant digits.
+    ``pin_peers``: each policy pins the other sites' keys (``secure_aggregation.peers``), as their admins would."""
     root = Path(root)
     coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
     fed = Federation(root, coord_key, coord_pub)
     hashes = app_hashes if app_hashes is not None else [app_bundle_hash()]
+    site_keys = {sid: generate_keypair(root / "sites" / sid / "keys", "site") for sid in datasets}
+    pems = {sid: public_key_pem(load_public_key(pub)) for sid, (_, pub) in site_keys.items()}
     for site_id, ds in datasets.items():
         d = root / "sites" / site_id
         data_path = save_npz(ds, d / "data.npz")
         loaded, _ = load_dataset(data_path)
         policy_key, policy_pub = generate_keypair(d / "keys", "policy")
-        site_key, site_pub = generate_keypair(d / "keys", "site")
+        site_key, site_pub = site_keys[site_id]
         over = dict((policy_overrides or {}).get(site_id, {}))
         over.setdefault("app_bundles", hashes)
         over.setdefault("site_key", load_public_key(site_pub))
+        if pin_peers:
+            sa = dict(over.get("secure_aggregation") or {})
+            sa.setdefault("peers", {s: pem for s, pem in pems.items() if s != site_id})
+            over["secure_aggregation"] = sa
         secret = create_secret(d / "keys" / "data.secret")
         commitment = dataset_commitment(loaded, load_secret(secret))
         size = int((public_sizes or {}).get(site_id) or suggest_public_size(loaded.n))

@@ -10,6 +10,7 @@ failing rule so an administrator fixes them all in one pass.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
 from feta_release.planning import secure_stage_events, stage_event, stage_events, target, warmup_events
-from feta_release.policy.enforce import MechanismRequest, check_budget, check_request, request_of
+from feta_release.policy.enforce import MechanismRequest, check_budget, check_request, own_share_request, request_of
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
 from feta_release.policy.jobs import verify_job
 
@@ -54,7 +55,11 @@ def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path |
         raise PrivacyError(_DISABLED[mechanism])
     if not isinstance(ev, PrivacyEvent):
         raise PrivacyError(f"{mechanism}: the planner returned a {type(ev).__name__}, not a Gaussian request")
-    return ev, request_of(ev, cfg, job)
+    req = request_of(ev, cfg, job)
+    if mechanism != "dpsgd" and cfg.federation.secure_aggregation and secure_warmup is None:
+        # no data at hand (policy check): the own share's sigma / sqrt(n); the node checks the exact Skellam share
+        req = own_share_request(req, ev.sigma / math.sqrt(max(len(job.sites), 1)))
+    return ev, req
 
 
 def job_mechanisms(cfg: Any) -> list[str]:

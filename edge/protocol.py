@@ -36,7 +36,7 @@ from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
 from feta_release.planning import stage_event
-from feta_release.policy.enforce import MechanismRequest, check_request
+from feta_release.policy.enforce import MechanismRequest, check_request, own_share_request, skellam_own_sigma
 from feta_release.policy.jobs import Job, verify_job
 from feta_release.randomness import os_numpy_generator, os_torch_generator
 
@@ -104,7 +104,7 @@ def secure_warmup(site: Site, job: Job) -> list[Event] | None:
     if not cfg.federation.secure_aggregation:
         return None
     events = secagg_warmup_events(cfg, site.n_public, tuple(site.data.image_shape), int(site.data.n_classes),
-                                  len(job.sites), int(site.policy.max_colluders))
+                                  len(job.sites), site.policy.counted_colluders(len(job.sites)))
     return [e for e in events if isinstance(e, SkellamEvent)]
 
 
@@ -117,7 +117,7 @@ def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismReque
         charged = stage_event(secure, mechanism)
         if charged is None:
             raise PrivacyError(f"the job has no secure {mechanism} release; nothing to release")
-        return charged, mreq
+        return charged, own_share_request(mreq, skellam_own_sigma(charged))
     return event, mreq
 
 

@@ -17,8 +17,9 @@ State between the stages (it holds the round's secrets) is in the site's work di
 job and phase: every Flower message runs in a fresh ClientApp process.
 
 Why the stages are re-wired instead of Flower's ``secaggplus_mod``: see ``feta_release.federation.secagg``.
-Known limit: the site keys that authenticate the key adverts are relayed by the coordinator (from the sites'
-signed policies); a coordinator that substitutes them is not stopped until the job pins the site keys.
+The site keys that authenticate the key adverts are the ones this site's ADMIN-SIGNED policy pins
+(``secure_aggregation.peers``), never the coordinator's relay; a job naming an unpinned site, or a relayed key that
+differs, is refused. A policy that pins no peers takes the relay, and then counts no other site's noise share.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage
 from feta_release.federation.secagg import RoundConfig, SecAggError, SecAggSite, ed25519_signer, ed25519_verifier
 from feta_release.mechanisms import secure_sums as ss
 from feta_release.policy.jobs import Job
+from feta_release.policy.secure_aggregation import check_pinned_peers
 from feta_release.signing import load_public_key, public_key_pem
 
 from .protocol import Handler, PHASES, planned, verified_job
@@ -90,9 +92,11 @@ def round_config(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> Rou
     phase, nodes = doc.get("phase"), doc.get("nodes")
     if phase not in PHASE_NAMES or not isinstance(nodes, dict):
         raise SecAggError(f"secure aggregation: phase must be one of {PHASE_NAMES} with a nodes map; got {phase!r}")
-    if not set(nodes) <= set(job.sites) or nodes.get(site.site_id) != node_id:
-        raise SecAggError(f"secure aggregation: the nodes map must name sites of job {job.job_id} only, this site "
-                          f"({site.site_id}) on node {node_id}; refused")
+    # every site of the job, so that this site masks against all of them (a coordinator picking a site's peers
+    # can unmask its vector: docs/secure-aggregation.md)
+    if set(nodes) != set(job.sites) or nodes.get(site.site_id) != node_id:
+        raise SecAggError(f"secure aggregation: the nodes map must name every site of job {job.job_id} and no "
+                          f"other, this site ({site.site_id}) on node {node_id}; refused")
     bits = doc.get("modulus_bits")
     if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_MODULUS_BITS <= bits <= 64:
         raise SecAggError(f"secure aggregation: modulus_bits must be an integer in [{MIN_MODULUS_BITS}, 64]")
@@ -112,6 +116,7 @@ def save_state(site: Site, job: Job, phase: str, st: SecAggSite, site_keys: dict
     """Atomically, mode 0600 (it holds the round's secrets; they never leave the site)."""
     path = _state_path(site, job, phase)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)  # mkdir's mode does not fix a directory that already exists
     body = {"node_id": st.node_id, "round_id": st.config.round_id, "node_ids": list(st.config.node_ids),
             "modulus_bits": st.config.modulus_bits, "site_keys": site_keys,
             "record": {k: _enc(v) for k, v in st.to_record().items()}}
@@ -142,18 +147,31 @@ def load_state(site: Site, job: Job, doc: dict[str, Any]) -> tuple[SecAggSite, d
 
 
 def _setup(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> dict[str, Any]:
+    check_pinned_peers(site.policy, job.sites)  # a job naming a site whose key is not pinned: refused up front
     st = SecAggSite(node_id, round_config(site, job, doc, node_id), ed25519_signer(site.key), ed25519_verifier({}))
     pk1, pk2, sig = st.setup()
     save_state(site, job, str(doc["phase"]), st, {})
     return {"pk1": _b64(pk1), "pk2": _b64(pk2), "sig": _b64(sig)}
 
 
-def _share_keys(site: Site, job: Job, doc: dict[str, Any]) -> dict[str, Any]:
-    site_keys = {str(k): str(v) for k, v in dict(doc.get("site_keys", {})).items()}
-    st, _ = load_state(site, job, doc)
-    if site_keys.get(str(st.node_id)) != public_key_pem(site.key):
-        raise SecAggError(f"secure aggregation: the site key relayed for this site's node {st.node_id} is not "
+def _advert_keys(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> dict[str, str]:
+    """node id -> the PEM that must sign that node's key advert: this site's own key, and the other sites' keys
+    PINNED by this site's policy (``secure_aggregation.peers``); only without pins the coordinator's relay."""
+    relayed_by_node = {str(k): str(v) for k, v in dict(doc.get("site_keys", {})).items()}
+    if relayed_by_node.get(str(node_id)) != public_key_pem(site.key):
+        raise SecAggError(f"secure aggregation: the site key relayed for this site's node {node_id} is not "
                           f"{site.site_id}'s own; refused")
+    nodes = {str(s): int(n) for s, n in dict(doc.get("nodes", {})).items()}
+    relayed = {s: relayed_by_node[str(n)] for s, n in nodes.items() if str(n) in relayed_by_node}
+    pinned = check_pinned_peers(site.policy, job.sites, relayed)
+    keys = {str(nodes[s]): pem for s, pem in pinned.items() if s in nodes}
+    keys[str(node_id)] = public_key_pem(site.key)
+    return keys
+
+
+def _share_keys(site: Site, job: Job, doc: dict[str, Any]) -> dict[str, Any]:
+    st, _ = load_state(site, job, doc)
+    site_keys = _advert_keys(site, job, doc, st.node_id)
     st.verify = ed25519_verifier({int(n): load_public_key(pem.encode()) for n, pem in site_keys.items()})
     keys = {int(n): (_unb64(a[0], "pk1"), _unb64(a[1], "pk2"), _unb64(a[2], "signature"))
             for n, a in dict(doc.get("keys", {})).items()}
@@ -169,7 +187,10 @@ def _unmask(site: Site, job: Job, doc: dict[str, Any]) -> dict[str, Any]:
     try:
         shares = st.unmask(active, dead)
     finally:  # a refused unmask still ends this sum (SecAggSite advances first): keep that on disk
-        save_state(site, job, str(doc["phase"]), st, keys)
+        if st.round_index >= st.config.rounds:  # the last sum of the setup: no secret (sk1, sk2) is kept
+            _state_path(site, job, str(doc["phase"])).unlink(missing_ok=True)
+        else:
+            save_state(site, job, str(doc["phase"]), st, keys)
     return {"shares": {str(n): _b64(s) for n, s in shares.items()}}
 
 
@@ -181,9 +202,9 @@ def admit_masked(site: Site, job: Job, doc: dict[str, Any]) -> None:
         raise SecAggError(f"secure aggregation: masked vector asked at stage {st.stage!r} (expected after "
                           "share_keys); refused")
     peers = {int(n) for n in dict(doc.get("shares", {}))}
-    if not peers <= set(st.public_keys) - {st.node_id} or len(peers) + 1 < st.config.threshold:
-        raise SecAggError(f"secure aggregation: shares from {sorted(peers)} do not fit this site's peers "
-                          f"{sorted(set(st.public_keys) - {st.node_id})} and threshold {st.config.threshold}; refused")
+    if peers != set(st.public_keys) - {st.node_id}:  # masking against fewer peers than all can isolate this site
+        raise SecAggError(f"secure aggregation: shares from {sorted(peers)}, but every other site of the key setup "
+                          f"{sorted(set(st.public_keys) - {st.node_id})} must send one; refused")
 
 
 def masked_contribution(site: Site, job: Job, doc: dict[str, Any], rng: np.random.Generator) -> np.ndarray:

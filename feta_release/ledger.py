@@ -161,8 +161,9 @@ def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequ
 
 def _check_worst_case(budget: Budget, job_ev: list[Any], new_ev: list[Any], job_scope: str, site: str | None) -> None:
     """Secure-aggregation releases: the job's epsilon if every other site colluded (own noise share only) against
-    ``secure_aggregation.max_worst_case_epsilon`` (default 3 x the per-job cap)."""
-    if budget.worst_case_epsilon is None or not has_secure_aggregation(new_ev):
+    ``secure_aggregation.max_worst_case_epsilon`` (default 3 x the per-job cap).  Checked whenever the job's
+    history (old + new) has a secure-aggregation event: a later Gaussian charge (DP-SGD) adds to the worst case too."""
+    if budget.worst_case_epsilon is None or not has_secure_aggregation(job_ev + new_ev):
         return
     after = worst_case_epsilon(job_ev + new_ev, budget.delta)
     if after > budget.worst_case_epsilon + 1e-9:

@@ -122,3 +122,24 @@ def test_budget_from_a_policy_brings_the_default_worst_case_cap() -> None:
     assert Budget.from_policy(doc).worst_case_epsilon == 4.5
     doc["secure_aggregation"] = {"max_worst_case_epsilon": 2.0}
     assert Budget.from_policy(doc).worst_case_epsilon == 2.0
+
+
+def test_a_later_gaussian_charge_cannot_push_the_worst_case_past_its_cap() -> None:
+    """Review finding 3 (/work/wt/wc_probe.py): the worst-case cap was checked only when the NEW events held a
+    Skellam event, so DP-SGD charged after a secure warm-up took the job's worst case from 5.63 to 6.48 (cap 6)."""
+    from feta_release.accounting import epsilon, worst_case_epsilon
+    from feta_release.ledger import check_spend
+
+    b = Budget(job_epsilon=8.0, lifetime_epsilon=100.0, delta=1e-5, worst_case_epsilon=6.0)
+    best = None
+    for s in (20, 10, 6, 4, 3, 2.5, 2, 1.6, 1.3, 1.0):  # the least noise whose worst case fits the cap
+        sk = SkellamEvent("central", 1.0, 1, 1100.0, 1100.0 * 32, mu=(s * 1024) ** 2, mu_worst=(s * 1024) ** 2 / 3)
+        if worst_case_epsilon([sk], 1e-5) < 6.0:
+            best = sk
+    assert best is not None
+    check_spend(b, [], [], [best])
+    g = PrivacyEvent("dpsgd", 1.0, 0.01, 2000)
+    assert epsilon([best, g], 1e-5) < 8.0  # within the per-job cap: only the worst-case cap can refuse it
+    assert worst_case_epsilon([best, g], 1e-5) > 6.0
+    with pytest.raises(PolicyBudgetExceeded, match="max_worst_case_epsilon"):
+        check_spend(b, [best], [best], [g])

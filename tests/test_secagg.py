@@ -197,8 +197,9 @@ def test_unsigned_key_adverts_are_refused(signature: bytes | None) -> None:
     with pytest.raises(sa.SecAggError, match="public keys of site 2 are not signed"):
         sites[1].share_keys(stripped)
     if signature is None or signature == b"":
-        keys = co.collect_keys(stripped)
-        assert 2 not in keys and "not signed" in co.refused[2]
+        with pytest.raises(sa.SetupIncomplete, match=r"site\(s\) \[2\]"):
+            co.collect_keys(stripped)
+        assert 2 not in co.keys and "not signed" in co.refused[2]
     with pytest.raises(TypeError):
         sa.SecAggSite(1, cfg)  # type: ignore[call-arg]
 
@@ -418,4 +419,4 @@ def test_a_split_view_isolates_a_vector_exactly_when_the_epsilon_counts_only_the
     p = sk.SkellamParams(dim=8, clip=1.0, scale=64.0, noise_multiplier=1.0, n_sites=n)
     e = site_epsilons(p, 1.0, 1, 1e-5, threshold=t, colluders=c)
     assert isolated == e.isolable
-    assert e.honest_shares == (1 if isolated else t - c)
+    assert (e.honest_shares == 1) == isolated and e.honest_shares <= t - c  # fewer when sums of 2+ sites decode

@@ -15,6 +15,7 @@ from scipy import stats
 from coordinator.setup import sign_job_file
 from feta_release.accountants.skellam import honest_shares
 from feta_release.accounting import SkellamEvent, epsilon, events_from_list, worst_case_epsilon
+from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation.job import run_job
 from feta_release.ledger import Ledger
@@ -70,10 +71,16 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_secure_job_charges_skellam_events_and_the_coordinator_sees_only_masked_vectors(fed: Any, tmp_path: Path
                                                                                         ) -> None:
     signed, _ = sign_job_file(fed, secure_job(), "job-sec")
+    secagg_dirs = [Path(fed.site(s.site_id).ledger).parent / "work" / "secagg" for s in fed.sites]
+    for d in secagg_dirs:  # review finding 6: an existing, too open directory
+        d.mkdir(parents=True, exist_ok=True)
+        d.chmod(0o755)
     grid = harness(fed)
     rec = Recorder(grid)
     res = _run(fed, grid, signed, tmp_path / "out")
     assert res.rounds_done == 1
+    for d in secagg_dirs:  # after the unmask stage no state (ECDH secrets sk1, sk2) is left; the dir is 0700
+        assert (d.stat().st_mode & 0o777) == 0o700 and not list(d.glob("job-sec.*"))
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     types = [m.metadata.message_type for m in grid.sent]
     assert fm.CENTRAL not in types and fm.FREQUENCY not in types and types.count(fm.SECAGG) == 2 * 4 * 3
@@ -137,12 +144,15 @@ def test_a_site_dropped_after_masking_is_covered_by_the_threshold(fed: Any, tmp_
     signed, _ = sign_job_file(fed, secure_job(secagg_threshold=2), "job-drop")
     # site-c dies when asked to unmask the central sum: its masked vector is in, its shares never come
     grid = harness(fed, fail_on={"site-c": lambda m: m.metadata.message_type == fm.SECAGG and _stage(m) == "unmask"})
-    _run(fed, grid, signed, tmp_path / "out")
+    # the frequency sum needs every site in its key setup (a site masks against all of them): site-c is gone, so
+    # the job fails cleanly after the redone setups, with no frequency charge anywhere
+    with pytest.raises(PolicyError, match="did not complete with every site"):
+        _run(fed, grid, signed, tmp_path / "out")
     meta = json.loads((tmp_path / "out" / "state" / "central_secure.json").read_text())
     assert meta["sites"] == ["site-a", "site-b", "site-c"]  # its data and noise share are in the sum
-    freq = json.loads((tmp_path / "out" / "state" / "frequency_secure.json").read_text())
-    assert freq["sites"] == ["site-a", "site-b"]
-    assert [r["mechanism"] for r in _requests(fed, "site-c", "job-drop")] == ["central"]
+    assert not (tmp_path / "out" / "state" / "frequency_secure.json").exists()
+    for sid in ("site-a", "site-b", "site-c"):
+        assert [r["mechanism"] for r in _requests(fed, sid, "job-drop")] == ["central"]
     # threshold 2 of 3, 0 colluders: 2 honest shares counted (2 * 2 > 3: no split view isolates a vector)
     ev = events_from_list(_requests(fed, "site-a", "job-drop")[0]["events"])[0]
     assert isinstance(ev, SkellamEvent) and ev.mu == pytest.approx(2 * ev.mu_worst)
@@ -284,6 +294,7 @@ def test_a_split_view_through_the_nodes_gets_too_few_key_shares_when_the_epsilon
     again = {**doc, "active": [a, b], "dead": [c]}
     grid.push_messages([Message(fm.make_payload(again), dst_node_id=a, message_type=fm.SECAGG, group_id="x")])
     rep = grid._replies.popitem()[1]
-    assert rep.has_error() and "expects stage" in rep.error.reason
+    # refused: the sum's state (and its ECDH secrets) is gone after the unmask stage (review finding 6)
+    assert rep.has_error() and "no key setup" in rep.error.reason
     ev = events_from_list(_requests(fed, "site-c", "job-split-view")[0]["events"])[0]
     assert isinstance(ev, SkellamEvent) and ev.mu == pytest.approx(2 * ev.mu_worst)  # what site_epsilons counts

@@ -83,13 +83,12 @@ class SiteEpsilons:
     """The two epsilons one site computes, charges and attests for a secure-aggregation release.
 
     ``assumed``: under the site's signed trust assumption (at most ``colluders`` other sites collude with a
-    coordinator that may lie), the noise that protects its records is the shares of the honest sites in the sum:
-    the sites refuse a sum below ``threshold`` contributions, so at least ``threshold - colluders`` honest shares,
-    PROVIDED the coordinator cannot isolate one vector by giving two groups of honest sites different views
-    (to one the site is alive: its seed shares; to the other dropped: its mask-key shares).  Each honest site
-    answers one unmask request per sum, the victim's own seed share counts for the first group, and the
-    colluders answer both: the split works iff 2 (threshold - colluders) <= n - colluders.  Then
-    ``isolable`` is True and only the site's own share is counted.  ``worst_case``: every other site colludes
+    coordinator that may lie), the noise that protects its records is the shares of the honest sites in the
+    sums the coordinator can decode.  Although the sites refuse a sum below ``threshold``, a coordinator that gives
+    different sites different alive/dropped views can decode sums over fewer sites: :func:`honest_shares` derives
+    the fewest honest shares it can reach (a lower bound, below ``threshold - colluders`` in general).  When one
+    vector can be unmasked alone (2 (threshold - colluders) <= n - colluders) ``isolable`` is True and
+    only the site's own share is counted.  ``worst_case``: every other site colludes
     and subtracts its share, so only the site's own share Sk(mu / n) is left.
     """
 
@@ -112,12 +111,41 @@ class SiteEpsilons:
                 f"epsilon {self.worst_case:.3g} if all of them collude (this site's own noise share only)")
 
 
+def isolable(n_sites: int, threshold: int, colluders: int) -> bool:
+    """Whether a split view can unmask one site's vector alone (see :func:`honest_shares`, case 1)."""
+    return 2 * (threshold - colluders) <= n_sites - colluders
+
+
 def honest_shares(n_sites: int, threshold: int, colluders: int) -> int:
-    """The noise shares a site can count on in every sum: threshold - colluders, or its own share only when a
-    split view can isolate its vector (see SiteEpsilons): two disjoint groups of honest sites, each topped up to
-    the threshold by the colluders, one revealing the site's seed shares and one its key shares."""
-    isolable = 2 * (threshold - colluders) <= n_sites - colluders
-    return 1 if isolable else threshold - colluders
+    """The fewest honest noise shares in any sum containing this site that a lying coordinator with ``colluders``
+    colluding sites can decode: a lower bound, so counting it is conservative.
+
+    Premises (enforced by ``feta_release.federation.secagg``): every site masks against EVERY other site of the
+    job (no key setup or collect without all of them), so the coordinator cannot pick a site's peers; each honest
+    site answers one unmask request per sum, revealing for each other site either the share of its seed (alive)
+    or of its mask key sk1 (dropped), never both, with at least ``threshold`` sites alive, itself among them.
+    With h = n - c honest sites and T = threshold - c: a secret of an honest site is rebuilt iff >= T honest
+    sites (other than itself, for sk1) reveal its share; each honest site calls at most h - T honest sites dropped.
+
+    A decoded sum over a set S of honest sites (this site in it) needs every seed in S and, for every pair
+    s in S, j outside S (honest), the pairwise key: sk1_s or sk1_j (a mask whose key is unknown is uniform).
+      1. If some sk1_s (s in S) is rebuilt, s's seed is too: {s} alone decodes.  Possible iff T honest sites call s
+         dropped and T - 1 others (with s itself) call it alive, disjoint: 2T <= h -> 1 share.
+      2. Otherwise every honest j outside S needs T "dropped" calls from honest sites other than itself: o T of
+         them (o = h - |S|), while a site in S makes at most min(h - T, o) and one outside at most
+         min(h - T, o - 1).  The least |S| for which o T fits is the bound returned (<= T; e.g. n = 5, t = 3,
+         c = 0 gives 2, reached by tests/test_secagg.py's two-site split view, not t - c = 3).
+    """
+    h, big_t = n_sites - colluders, threshold - colluders
+    if big_t <= 0:
+        return 1
+    if isolable(n_sites, threshold, colluders):
+        return 1
+    for s in range(1, big_t + 1):
+        o = h - s
+        if o * big_t <= s * min(h - big_t, o) + o * min(h - big_t, max(o - 1, 0)):
+            return s
+    return big_t
 
 
 def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, threshold: int,
@@ -130,11 +158,11 @@ def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, thr
         raise PrivacyError(f"secure aggregation: colluders must be an integer in [0, {n - 1}] (the other sites), "
                            f"got {colluders!r}")
     honest = honest_shares(n, threshold, colluders)
-    isolable = 2 * (threshold - colluders) <= n - colluders
     return SiteEpsilons(
         assumed=skellam_epsilon(params, q, steps, delta, honest),
         worst_case=skellam_epsilon(params, q, steps, delta, 1),
-        honest_shares=honest, colluders=colluders, n_sites=n, threshold=threshold, isolable=isolable,
+        honest_shares=honest, colluders=colluders, n_sites=n, threshold=threshold,
+        isolable=isolable(n, threshold, colluders),
     )
 
 

@@ -23,15 +23,21 @@ job's site keys (``sign`` / ``verify`` are required), so a coordinator cannot su
 other site, EITHER the share of its mask seed (alive) OR of its mask key (dropped), never both, in one sum and
 across the sums of one key setup; it answers one unmask request per sum; below the threshold it refuses.
 
+Every site masks against EVERY other site of the job: it refuses a key broadcast without all of them and a
+collect whose shares do not come from all of them (a coordinator that chose whose shares a site receives could
+give a victim the shares of t - 1 peers only, call those peers dropped to everyone else and remove every mask on
+the victim's vector, with no colluder).  A site that leaves before masking ends the round (``SetupIncomplete``):
+nothing was masked or charged, and the coordinator redoes it under a new round id.
+
 What that guarantees: against an honest-but-curious coordinator (it sends every site the same view), no vector
 is unmasked alone.  Against a coordinator that lies, with ``c`` colluding sites, nothing checks that all sites got
 the same alive/dropped view: it can tell one group of honest sites (the victim among them) that the victim is
 alive and another group that it dropped, and the colluders answer both.  The victim's vector comes out alone iff
-2 (t - c) <= n - c (each group must reach t with the colluders; honest sites are disjoint).  A strict majority
-is NOT enough (n = 7, t = 4, c = 1 is unsafe).  The consistency check of Bonawitz et al. (each site signs the
-alive set and reveals only after t signatures on it) does not raise this bound, because each honest site already
-answers a single request per sum.  :func:`feta_release.accountants.skellam.site_epsilons` therefore counts only
-the site's own noise share whenever 2 (t - c) <= n - c, and t - c honest shares otherwise.
+2 (t - c) <= n - c; otherwise sums over fewer than t - c honest sites can still decode (n = 5, t = 3, c = 0: two
+sites).  The consistency check of Bonawitz et al. (each site signs the alive set and reveals only after t
+signatures on it) does not raise this bound, because each honest site already answers a single request per sum.
+:func:`feta_release.accountants.skellam.honest_shares` derives the fewest honest shares such views can reach,
+and the sites count only those.
 """
 
 from __future__ import annotations
@@ -71,6 +77,11 @@ KeyAdvert = tuple[bytes, bytes, bytes]  # (pk1, pk2, the site's signature of key
 
 class SecAggError(PrivacyError):
     """A secure-aggregation round is refused (below threshold, protocol violation, malformed message)."""
+
+
+class SetupIncomplete(SecAggError):
+    """A site of the job took no part in the key setup (no advert, or not a share for every other site): nothing
+    was masked, so nothing was charged; the round is redone under a new round id."""
 
 
 @dataclass(frozen=True)
@@ -283,8 +294,11 @@ class SecAggSite:
         where = f"node {self.node_id}, round {self.config.round_id}"
         if not set(keys) <= set(self.config.node_ids):
             raise SecAggError(f"{where}: keys of sites outside the job: {sorted(set(keys) - set(self.config.node_ids))}")
-        if len(keys) < self.config.threshold:
-            raise SecAggError(f"{where}: {len(keys)} sites left, below the threshold {self.config.threshold}; refused")
+        # Every site of the job takes part in the key setup: a site that masks against fewer peers than all can
+        # be isolated by a coordinator that chooses whose shares it receives (see the module's trust model).
+        if set(keys) != set(self.config.node_ids):
+            raise SecAggError(f"{where}: keys of sites {sorted(set(self.config.node_ids) - set(keys))} are missing; "
+                              f"every site of the job must take part in the key setup; refused: redo the round")
         if keys.get(self.node_id, (b"", b""))[:2] != (self.pk1, self.pk2):
             raise SecAggError(f"{where}: the coordinator did not return this site's own public keys unchanged")
         flat = [pk for k in keys.values() for pk in k[:2]]
@@ -297,6 +311,11 @@ class SecAggSite:
                 raise SecAggError(f"{where}: the public keys of site {nid} are not signed by its site key; refused")
 
     def _receive_shares(self, ciphertexts: Mapping[int, bytes]) -> None:
+        expected = set(self.public_keys) - {self.node_id}
+        if set(ciphertexts) != expected:
+            # masking against only the peers whose shares arrived lets the coordinator pick them: refused
+            raise SecAggError(f"{self._where}: shares from {sorted(ciphertexts)}, but every other site of the key "
+                              f"setup ({sorted(expected)}) must send one; refused: redo the round")
         for src, ct in ciphertexts.items():
             if src == self.node_id or src not in self.public_keys:
                 raise SecAggError(f"{self._where}: a share from site {src}, which is not a peer of this round")
@@ -415,7 +434,10 @@ class SecAggCoordinator:
                 self.refused[nid] = "its key advert is not signed"
                 continue
             self.keys[nid] = (r[0], r[1], r[2])
-        self._require(set(self.keys), Stage.SETUP)
+        missing = sorted(set(self.config.node_ids) - set(self.keys))
+        if missing:  # the sites refuse a key setup without every site of the job (see SecAggSite._check_keys)
+            raise SetupIncomplete(f"round {self.config.round_id}: no signed key advert from site(s) {missing}; "
+                                  f"every site of the job must take part; nothing was masked: redo the round")
         return dict(self.keys)
 
     def route_shares(self, replies: Mapping[int, Mapping[int, bytes]]) -> dict[int, dict[int, bytes]]:
@@ -425,7 +447,9 @@ class SecAggCoordinator:
         for src in set(replies) - complete:
             self.refused[src] = "its share_keys reply does not address every other site"
         self.sharers = tuple(sorted(complete))
-        self._require(complete, Stage.SHARE_KEYS)
+        if complete != members:  # each site masks against every other one, so each needs every share
+            raise SetupIncomplete(f"round {self.config.round_id}: site(s) {sorted(members - complete)} did not share "
+                                  f"their keys with every other site; nothing was masked: redo the round")
         routed = {dst: {src: replies[src][dst] for src in self.sharers if src != dst} for dst in self.sharers}
         self.neighbours = {dst: tuple(sorted(cts)) for dst, cts in routed.items()}
         return routed

@@ -15,10 +15,10 @@ import numpy as np
 from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
 from ..planning import secure_stage_events, target, warmup_events
-from ..policy.enforce import request_of
+from ..policy.enforce import own_share_request, request_of, skellam_own_sigma
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
-from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator
+from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator, SetupIncomplete
 
 Asked = tuple[dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], dict[str, str]]
 
@@ -41,11 +41,14 @@ def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
     releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as the node does."""
     cfg = d.cfg
     warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, len(d.job.sites),
-                                   int(site.policy.max_colluders))
+                                   site.policy.counted_colluders(len(d.job.sites)))
     charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
                                   budget=target(cfg, site.policy))
+    skellam = {e.stage: e for e in warm if isinstance(e, SkellamEvent)}
     gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
-    return [request_of(e, cfg) for e in gaussian], charged
+    # min_sigma is the site's rule on its OWN noise share, as the node checks it
+    return [own_share_request(request_of(e, cfg), skellam_own_sigma(skellam[e.stage])) if e.stage in skellam
+            else request_of(e, cfg) for e in gaussian], charged
 
 
 def _b64(data: bytes) -> str:
@@ -108,9 +111,25 @@ def secure_sum(d: Driver, phase: str, attempt: int = 0) -> tuple[np.ndarray, lis
     return total, contributors
 
 
+MAX_SETUP_ATTEMPTS = 3
+
+
+def _sum_with_redo(d: Driver, phase: str) -> tuple[np.ndarray, list[str]]:
+    """A site that left before the masking stage: nothing was masked, so nothing was charged anywhere; the round is
+    redone under a new round id (each site masks against every site of the job, so it cannot go on without it)."""
+    for attempt in range(MAX_SETUP_ATTEMPTS):
+        try:
+            return secure_sum(d, phase, attempt)
+        except SetupIncomplete as exc:
+            d.emit(phase, f"secure sum: key setup {attempt} incomplete ({exc}); redone", error=str(exc))
+    raise PolicyError(f"secure aggregation, {phase}: the key setup did not complete with every site of job "
+                      f"{d.job.job_id} in {MAX_SETUP_ATTEMPTS} attempts; nothing was released; rerun the job when "
+                      f"all sites are up")
+
+
 def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """The decoded ``phase`` release (arrays of one ``CentralRelease`` / ``FrequencyRelease``) and its sites."""
-    residues, contributors = secure_sum(d, phase)
+    residues, contributors = _sum_with_redo(d, phase)
     lay, info, cfg = phase_layout(d, phase), next(iter(d.sites.values())), d.cfg
     sizes = {sid: int(d.sites[sid].size) for sid in contributors}
     n = len(d.job.sites)

@@ -89,6 +89,15 @@ class SitePolicy:
     # epsilon when all of them do (None: not capped)
     max_colluders: int = 0
     max_worst_case_epsilon: float | None = None
+    # the other sites' pinned Ed25519 keys (PEM) by site id: key adverts are checked against these, not against
+    # keys the coordinator relays (empty: none pinned, so no other site's noise share is counted)
+    peers: Mapping[str, str] = field(default_factory=dict)
+
+    def counted_colluders(self, n_sites: int) -> int:
+        """Other sites counted as colluding: ``max_colluders``, or all of them when no peer key is pinned (the
+        coordinator could then put its own keys under other sites' ids, so no other share can be trusted)."""
+        others = max(int(n_sites) - 1, 0)
+        return min(self.max_colluders, others) if self.peers else others
 
     @property
     def worst_case_cap(self) -> float:
@@ -127,6 +136,7 @@ class SitePolicy:
             document=doc,
             max_colluders=int(doc.get("secure_aggregation", {}).get("max_colluders", 0)),
             max_worst_case_epsilon=doc.get("secure_aggregation", {}).get("max_worst_case_epsilon"),
+            peers=dict(doc.get("secure_aggregation", {}).get("peers", {})),
         )
 
     def coordinator_fingerprints(self) -> set[str]:
@@ -182,6 +192,11 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
             signing.load_public_key(doc["site_key"].encode())
         except PolicyError as exc:
             problems.append(("site_key", str(exc)))
+    for sid, pem in doc.get("secure_aggregation", {}).get("peers", {}).items():
+        try:
+            signing.load_public_key(pem.encode())
+        except PolicyError as exc:
+            problems.append((f"secure_aggregation.peers.{sid}", str(exc)))
     for i, c in enumerate(doc["coordinators"]):
         if c.lstrip().startswith("-----BEGIN"):
             try:

@@ -80,6 +80,18 @@ def request_of(event: PrivacyEvent, cfg: Any, job: Job | None = None) -> Mechani
     return MechanismRequest(event.stage, event.sigma, event.q, event.steps, job=job, **extra)
 
 
+def own_share_request(req: MechanismRequest, own_sigma: float) -> MechanismRequest:
+    """A secure-aggregation release: ``min_sigma`` is checked against this site's OWN noise share (what is left
+    if every other site colludes), not the pooled sigma of the sum."""
+    return dataclasses.replace(req, sigma=float(own_sigma))
+
+
+def skellam_own_sigma(event: Any) -> float:
+    """The noise multiplier of a Skellam event's own share: sqrt(mu_worst) / its l2 sensitivity (the scaled clip
+    with the rounding bound, so a little below sigma / sqrt(n))."""
+    return math.sqrt(float(event.mu_worst)) / float(event.l2)
+
+
 def _fmt(x: float) -> str:
     return f"{x:g}"
 

@@ -10,7 +10,11 @@ passes its per-job budget, and states both in the certificate (:meth:`SiteEpsilo
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from ..accountants.skellam import SiteEpsilons, site_epsilons
+from ..errors import PolicyError
+from ..signing import load_public_key, public_key_pem
 from ..mechanisms.skellam import SkellamParams
 from .document import DEFAULT_WORST_CASE_FACTOR, SitePolicy
 from .errors import PolicyViolation
@@ -19,7 +23,7 @@ from .errors import PolicyViolation
 def policy_site_epsilons(policy: SitePolicy, params: SkellamParams, q: float, steps: int, threshold: int) -> SiteEpsilons:
     """The site's (assumed, worst-case) epsilons at its per-job delta. More colluders than there are other sites
     means all of them: the assumed epsilon is then the worst case."""
-    colluders = min(policy.max_colluders, params.n_sites - 1)
+    colluders = policy.counted_colluders(params.n_sites)
     return site_epsilons(params, q, steps, policy.job_delta, threshold, colluders)
 
 
@@ -36,3 +40,32 @@ def check_secure_aggregation(policy: SitePolicy, eps: SiteEpsilons) -> None:
         raise PolicyViolation("secure_aggregation.max_worst_case_epsilon", f"epsilon {eps.worst_case:.4g} if every "
                               f"other site colludes (own noise share only) exceeds the cap {cap:g}{how}; add noise, "
                               f"require fewer rounds or raise the site's cap", site=policy.site_id)
+
+
+def check_pinned_peers(policy: SitePolicy, job_sites: Iterable[str], relayed: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The keys that authenticate the other sites' key adverts: the policy's pinned ``secure_aggregation.peers``
+    (site id -> PEM). Refused, naming the rule, when the policy pins peers and the job names a site it does not
+    pin, or the coordinator relays a key that differs from the pinned one. With no peers pinned, the relayed keys
+    are used and :meth:`SitePolicy.counted_colluders` counts every other site as colluding."""
+    others = [s for s in job_sites if s != policy.site_id]
+    relayed = dict(relayed or {})
+    if not policy.peers:
+        return {s: relayed[s] for s in others if s in relayed}
+    unpinned = sorted(s for s in others if s not in policy.peers)
+    if unpinned:
+        raise PolicyViolation("secure_aggregation.peers", f"the job names site(s) {unpinned} whose keys this site's "
+                              f"policy does not pin; add them (signed by the site's admin) or leave them out of the "
+                              f"job", site=policy.site_id)
+    differ = sorted(s for s in others if s in relayed and
+                    _canon(relayed[s]) != _canon(policy.peers[s]))
+    if differ:
+        raise PolicyViolation("secure_aggregation.peers", f"the coordinator relays key(s) for site(s) {differ} that "
+                              f"differ from the keys this site's policy pins; refused", site=policy.site_id)
+    return {s: policy.peers[s] for s in others}
+
+
+def _canon(pem: str) -> str:
+    try:
+        return public_key_pem(load_public_key(pem.encode()))
+    except PolicyError:
+        return ""

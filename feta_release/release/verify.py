@@ -32,8 +32,15 @@ from collections.abc import Callable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..accounting import epsilon as compose_epsilon
-from ..accounting import DEFAULT_WORST_CASE_FACTOR, events_from_list, has_secure_aggregation, worst_case_epsilon
+from ..accounting import (
+    DEFAULT_WORST_CASE_FACTOR,
+    SkellamEvent,
+    events_from_list,
+    has_secure_aggregation,
+    worst_case_epsilon,
+)
 from ..errors import FetaError, ReleaseError
+from ..policy.enforce import skellam_own_sigma
 from ..signing import (
     canonical_json,
     fingerprint,
@@ -388,6 +395,8 @@ def _check_site(
     events = events_from_list(st["events"])
     _check_epsilon(res, sid, st, events)
     problems = policy_violations(policy, st, events)
+    if job is not None:
+        problems += secure_assumption_violations(policy, st, events, job.sites, job.body.get("config") or {})
     if digest != st.get("policy_sha256"):
         problems.insert(0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…")
     res.add(f"site {sid} policy", not problems, "; ".join(problems) if problems else
@@ -511,6 +520,10 @@ def _check_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], eve
 
 def secure_words(eps: float, worst: float, delta: float, colluders: int) -> str:
     """The two epsilons of a site under secure aggregation, in plain words."""
+    if math.isclose(float(eps), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12):
+        return (f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) counts this site's own noise share only "
+                f"(its policy pins no other site's key under secure_aggregation.peers, or assumes every other site "
+                f"may collude with the coordinator), so it holds whoever colludes")
     who = "no other site colludes" if colluders == 0 else f"at most {colluders} other site(s) collude"
     return (f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) holds if {who} with the coordinator "
             f"(the noise shares of the honest sites protect this site's images); if every other site colluded, "
@@ -562,9 +575,12 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
             out.append(f"stage {e.stage!r} is not allowed by the policy")
             continue
         steps_by_stage[e.stage] = steps_by_stage.get(e.stage, 0) + e.steps
-        # a Skellam event has no per-site sigma (the node checked min_sigma against the job's pooled sigma)
-        if "min_sigma" in rules and hasattr(e, "sigma") and e.sigma < float(rules["min_sigma"]):
-            out.append(f"{e.stage}: σ = {e.sigma:.4g} is below the policy minimum {rules['min_sigma']}")
+        # a Skellam event: min_sigma bounds the site's OWN noise share (sqrt(mu_worst) / l2), not the pooled sum's
+        sigma = skellam_own_sigma(e) if isinstance(e, SkellamEvent) else getattr(e, "sigma", None)
+        if "min_sigma" in rules and sigma is not None and sigma < float(rules["min_sigma"]) * (1 - 1e-12):
+            out.append(f"{e.stage}: σ = {sigma:.4g} (own noise share) is below the policy minimum {rules['min_sigma']}"
+                       if isinstance(e, SkellamEvent) else
+                       f"{e.stage}: σ = {sigma:.4g} is below the policy minimum {rules['min_sigma']}")
         if "max_batch" in rules and size and e.q * size > float(rules["max_batch"]) * (1 + 1e-9):
             out.append(f"{e.stage}: expected batch q·N = {e.q * size:.1f} exceeds max_batch {rules['max_batch']}")
     if has_secure_aggregation(events):
@@ -579,6 +595,36 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
         key = limits.get(stage)
         if key and key in mech[stage] and total > int(mech[stage][key]):
             out.append(f"{stage}: {total} rounds/steps exceed {key} {mech[stage][key]}")
+    return out
+
+
+def secure_assumption_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any], sites: Sequence[str],
+                                 config: dict[str, Any]) -> list[str]:
+    """The attested trust assumption against the signed policy and job: ``max_colluders`` is the policy's (all
+    other sites when it pins no peer keys), and each Skellam event counts ``honest_shares(n, t, colluders)``
+    shares (mu / mu_worst), with n and the threshold t from the signed job."""
+    if not has_secure_aggregation(events):
+        return []
+    from ..accountants.skellam import honest_shares
+    from ..mechanisms.secure_sums import secagg_threshold
+
+    n = len(sites)
+    pol_sa = policy.get("secure_aggregation") or {}
+    colluders = min(int(pol_sa.get("max_colluders", 0)), n - 1) if pol_sa.get("peers") else n - 1
+    attested = (st.get("secure_aggregation") or {}).get("max_colluders")
+    out: list[str] = []
+    if attested != colluders:
+        out.append(f"the statement assumes {attested!r} colluding site(s), the policy {colluders} (of the {n - 1} "
+                   f"other sites; all of them when it pins no peers)")
+    try:
+        t = secagg_threshold((config.get("federation") or {}).get("secagg_threshold"), n)
+    except FetaError as exc:
+        return out + [f"the signed job's secure-aggregation threshold: {exc}"]
+    h = honest_shares(n, t, colluders)
+    for e in events:
+        if isinstance(e, SkellamEvent) and not math.isclose(e.mu, h * e.mu_worst, rel_tol=1e-9):
+            out.append(f"{e.stage}: the Skellam event counts {e.mu / e.mu_worst:.4g} noise shares; threshold {t} "
+                       f"of {n} sites with {colluders} colluder(s) allows {h}")
     return out
 
 

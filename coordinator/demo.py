@@ -188,7 +188,7 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
 
     port = free_port()
     coord = out_dir / "coordinator"
-    procs.append(start_superlink(SuperLinkSettings(port=port, database=coord / "state.db", insecure=True, home=coord)))
+    procs.append(start_superlink(SuperLinkSettings(port=port, database=None, insecure=True, home=coord)))
     console.log(f"coordinator SuperLink on 127.0.0.1:{port} (pid {procs[-1].pid}; --insecure: loopback demo only)")
     for s in fed.sites:
         ns = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,

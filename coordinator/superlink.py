@@ -1,7 +1,9 @@
 """Running the coordinator's Flower SuperLink, and submitting a run to it with ``flwr run``.
 
 The SuperLink keeps its state in a database (``--database``) so nodes stay registered across a
-restart, and never installs an app's dependencies at run time
+restart (``database=None``: Flower's in-memory state, for the demo, which never outlives its SuperLink and which,
+on a loaded machine, lost runs to SQLite's "database is locked" answered as HTTP 500),
+and never installs an app's dependencies at run time
 (``--disable-runtime-dependency-installation``): the sites run only what is installed.
 ``flwr`` is always called with an explicit ``FLWR_HOME`` whose ``config.toml`` names this SuperLink;
 without it the CLI silently falls back to a local simulation.
@@ -30,7 +32,7 @@ FEDERATION = "feta"
 class SuperLinkSettings:
     host: str = "127.0.0.1"
     port: int = 9092
-    database: Path = Path("state.db")
+    database: Path | None = Path("state.db")
     insecure: bool = False
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
@@ -55,8 +57,9 @@ class SuperLinkSettings:
 
 
 def superlink_command(s: SuperLinkSettings) -> list[str]:
-    cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--database", str(s.database),
-           "--disable-runtime-dependency-installation"]
+    cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--disable-runtime-dependency-installation"]
+    if s.database is not None:
+        cmd += ["--database", str(s.database)]
     if s.insecure:
         if any([s.ssl_certfile, s.ssl_keyfile, s.ssl_ca_certfile]):
             raise ConfigError("--insecure cannot be combined with --ssl-* files")
@@ -78,7 +81,8 @@ def superlink_command(s: SuperLinkSettings) -> list[str]:
 
 def start_superlink(s: SuperLinkSettings, log_path: Path | None = None, wait: float = 60.0) -> ManagedProcess:
     s.home.mkdir(parents=True, exist_ok=True)
-    s.database.parent.mkdir(parents=True, exist_ok=True)
+    if s.database is not None:
+        s.database.parent.mkdir(parents=True, exist_ok=True)
     env = flower_env(s.home / "flwr_home")
     proc = ManagedProcess("superlink", superlink_command(s), env, log_path or s.home / "superlink.log")
     try:

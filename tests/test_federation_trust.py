@@ -106,6 +106,8 @@ def test_superlink_refuses_insecure_off_loopback(tmp_path):
 
     cmd = superlink_command(SuperLinkSettings(insecure=True, database=tmp_path / "s.db"))
     assert "--disable-runtime-dependency-installation" in cmd and "--database" in cmd
+    # the demo's SuperLink keeps its state in memory (no SQLite file to lock under load)
+    assert "--database" not in superlink_command(SuperLinkSettings(insecure=True, database=None))
     with pytest.raises(ConfigError):
         superlink_command(SuperLinkSettings(host="0.0.0.0", insecure=True))
     with pytest.raises(ConfigError, match="TLS"):

@@ -93,8 +93,11 @@ def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
 
 def test_demo_cleans_up_its_processes_on_ctrl_c(tmp_path):
     out = tmp_path / "demo"
+    # As from a terminal: SIGINT at its default in the child, also when this suite itself was started in the
+    # background (`cmd &` from a script ignores SIGINT, children inherit that, and the demo then rightly ignores it).
     p = subprocess.Popen([*CLI, "demo", "--out", str(out), "--quick", "--rounds", "3", "--per-site", "40"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     try:
         # Wait until the nodes run and the job has started, then interrupt like a terminal Ctrl-C.

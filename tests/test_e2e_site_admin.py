@@ -99,8 +99,10 @@ def _wait_state(site: Path, want: str, node: subprocess.Popen, timeout: float = 
 
 
 def _start(cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    # SIGINT at its default, as from a terminal, also when the suite runs in the background (`cmd &` ignores it)
     return subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _stop(proc: subprocess.Popen) -> str:

@@ -362,25 +362,7 @@ class DPSGDTrainer:
             losses.append(loss.detach().cpu())
             n_clipped += int((norms > self.clip).sum())
         self.model.train(was_training)
-        std = self.sigma * self.clip
-        for name, p in zip(names, self.params):
-            noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * std).to(dev)
-            total[name] = total[name] + noise
-        self.model.train()
-        divisor = expected + self._add_public(total, dev)  # after the noise: post-processing (PublicMix)
-        self.model.train(was_training)
-        for name in total:
-            total[name] = total[name] / divisor
-        b = int(idx.numel())
-        stats = StepStats(
-            step=self.steps_done + 1,
-            batch_size=b,
-            expected_batch=expected,
-            loss=float(torch.cat(losses).mean()) if b else float("nan"),
-            clipped_fraction=n_clipped / b if b else float("nan"),
-            seconds=time.perf_counter() - t0,
-        )
-        return total, stats
+        return self._noised(total, names, dev, expected), self._stats(int(idx.numel()), expected, losses, n_clipped, t0)
 
     def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
         """Patient-level step (see the module docstring): sampled patients' clipped per-patient sums, noised."""
@@ -408,19 +390,27 @@ class DPSGDTrainer:
             losses.append(loss.detach().cpu())
             n_clipped += int((norms > self.clip).sum())
         self.model.train(was_training)
+        b = int(owner.max()) + 1 if owner.numel() else 0
+        return self._noised(total, names, dev, expected), self._stats(b, expected, losses, n_clipped, t0)
+
+    def _noised(self, total: dict[str, Tensor], names: list[str], dev: torch.device,
+                expected: float) -> dict[str, Tensor]:
+        """Add N(0, (sigma C)^2) to the clipped sum, then the public mix, and divide by the public divisor (one
+        tail for the image- and patient-level steps: the same noise draws in the same order)."""
+        std = self.sigma * self.clip
         for name, p in zip(names, self.params):
-            noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * (self.sigma * self.clip)).to(dev)
+            noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * std).to(dev)
             total[name] = total[name] + noise
+        was_training = self.model.training
         self.model.train()
         divisor = expected + self._add_public(total, dev)  # after the noise: post-processing (PublicMix)
         self.model.train(was_training)
-        for name in total:
-            total[name] = total[name] / divisor
-        b = int(owner.max()) + 1 if owner.numel() else 0
-        stats = StepStats(step=self.steps_done + 1, batch_size=b, expected_batch=expected,
-                          loss=float(torch.cat(losses).mean()) if b else float("nan"),
-                          clipped_fraction=n_clipped / b if b else float("nan"), seconds=time.perf_counter() - t0)
-        return total, stats
+        return {name: g / divisor for name, g in total.items()}
+
+    def _stats(self, b: int, expected: float, losses: list[Tensor], n_clipped: int, t0: float) -> StepStats:
+        return StepStats(step=self.steps_done + 1, batch_size=b, expected_batch=expected,
+                         loss=float(torch.cat(losses).mean()) if b else float("nan"),
+                         clipped_fraction=n_clipped / b if b else float("nan"), seconds=time.perf_counter() - t0)
 
     def _add_public(self, total: dict[str, Tensor], dev: torch.device) -> int:
         """Add the clipped gradients of ``public.batch`` released examples to ``total``; returns how many (public).

@@ -22,6 +22,7 @@ from feta_release.policy.jobs import Job
 from feta_release.signing import public_key_pem
 
 from .attest import site_attestation
+from .fedsgd import check_round_weights, gradient_contribution
 from .protocol import Arrays, ReleaseRng, Request, release, verified_job
 from .secure import admit_masked, handle, masked_contribution
 from .releases import check_weights, dpsgd_round, release_central, release_frequency
@@ -85,10 +86,22 @@ def frequency_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tup
     return {"masked": masked_contribution(site, job, req.doc, rng.numpy())}, [req.event]
 
 
+def _fedsgd_fits(site: Site, job: Job, req: Request) -> None:
+    admit_masked(site, job, req.doc)
+    check_round_weights(site, job, req)
+
+
+@release("dpsgd", admit=_fedsgd_fits, public=_secure_info, secure=True)
+def dpsgd_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
+    """One FedSGD round: this site's clipped-gradient sum plus its noise share, masked (edge/fedsgd.py)."""
+    noisy = gradient_contribution(site, job, req, rng.numpy(), rng.torch())
+    return {"masked": masked_contribution(site, job, req.doc, rng.numpy(), noisy)}, [req.event]
+
+
 @app.query("secagg")
 def secagg(msg: Message, context: Context) -> Message:
     """One stage of a secure sum (setup, share_keys, collect_masked_vectors, unmask): see edge/secure.py."""
-    return handle(msg, context, {"central": central_masked, "frequency": frequency_masked})
+    return handle(msg, context, {"central": central_masked, "frequency": frequency_masked, "dpsgd": dpsgd_masked})
 
 
 def _fitting_weights(site: Site, job: Job, req: Request) -> None:

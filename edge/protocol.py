@@ -35,8 +35,14 @@ from feta_release.accounting import Event, SkellamEvent, events_from_list, event
 from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
-from feta_release.planning import stage_event
-from feta_release.policy.enforce import MechanismRequest, check_request, own_share_request, skellam_own_sigma
+from feta_release.planning import fedsgd_shape, secure_stage_events, stage_event, target
+from feta_release.policy.enforce import (
+    MechanismRequest,
+    check_request,
+    own_share_request,
+    skellam_own_sigma,
+    skellam_request,
+)
 from feta_release.policy.jobs import Job, verify_job
 from feta_release.randomness import os_numpy_generator, os_torch_generator
 
@@ -111,6 +117,8 @@ def secure_warmup(site: Site, job: Job) -> list[Event] | None:
 def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismRequest]:
     """The event this site charges for ``mechanism`` in ``job`` and the request its policy checks."""
     secure = secure_warmup(site, job)
+    if mechanism == "dpsgd" and secure is not None and job.config.federation.fedsgd:
+        return _fedsgd_round(site, job, secure)
     event, mreq = request_for(mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir,
                               secure_warmup=secure)
     if secure is not None and mechanism != "dpsgd":
@@ -121,9 +129,31 @@ def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismReque
     return event, mreq
 
 
+def _fedsgd_round(site: Site, job: Job, secure: list[Event]) -> tuple[Event, MechanismRequest]:
+    """One FedSGD round's SkellamEvent (the planner's, calibrated over the whole secure history with the noise
+    shares this site counts on) and its Gaussian-form request (``min_sigma`` against the site's own share)."""
+    cfg, n_sites = job.config, len(job.sites)
+    shape = fedsgd_shape(cfg, tuple(site.data.image_shape), int(site.data.n_classes), n_sites,
+                         site.policy.counted_colluders(n_sites))
+    events = secure_stage_events(cfg, site.n_public, secure, budget=target(cfg, site.policy), cache_dir=site.work_dir,
+                                 fedsgd=shape)
+    event = stage_event(events, "dpsgd")
+    if event is None:
+        raise PrivacyError("the job has no FedSGD rounds ([federation] rounds = 0); nothing to train")
+    return event, skellam_request(event, cfg, job, n_sites)
+
+
 def _check_mode(mechanism: str, job: Job, secure: bool) -> None:
-    """A job's warm-up releases go EITHER through secure aggregation OR out with per-site noise, never both."""
-    if mechanism == "dpsgd" or bool(job.config.federation.secure_aggregation) == secure:
+    """A job's warm-up releases go EITHER through secure aggregation OR out with per-site noise, never both; its
+    DP-SGD rounds EITHER as FedSGD noise shares (``[federation] fedsgd``) OR as per-site-noise rounds."""
+    fed = job.config.federation
+    if mechanism == "dpsgd":
+        if bool(fed.secure_aggregation and fed.fedsgd) != secure:
+            raise PolicyError(f"job {job.job_id} runs its DP-SGD rounds " + (
+                "as FedSGD over secure aggregation; a per-site round (full noise, unmasked) is refused" if not secure
+                else "with per-site noise ([federation] fedsgd unset); a FedSGD secure-sum round is refused"))
+        return
+    if bool(fed.secure_aggregation) == secure:
         return
     if secure:
         raise PolicyError(f"job {job.job_id} does not set [federation] secure_aggregation: its {mechanism} release "

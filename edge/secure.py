@@ -40,6 +40,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from feta_release.federation.secagg import RoundConfig, SecAggError, SecAggSite, ed25519_signer, ed25519_verifier
 from feta_release.mechanisms import secure_sums as ss
+from feta_release.mechanisms import skellam as sk
 from feta_release.policy.jobs import Job
 from feta_release.policy.secure_aggregation import check_pinned_peers
 from feta_release.signing import load_public_key, public_key_pem
@@ -47,7 +48,7 @@ from feta_release.signing import load_public_key, public_key_pem
 from .protocol import Handler, PHASES, planned, verified_job
 from .site import Site, site_for
 
-PHASE_NAMES = ("central", "frequency")
+PHASE_NAMES = ("central", "frequency", "dpsgd")  # dpsgd: one FedSGD round per sum (edge/fedsgd.py)
 MIN_MODULUS_BITS = 16  # the modulus is the coordinator's choice (utility only: decoding is post-processing)
 
 
@@ -83,6 +84,8 @@ def layout(job: Job, phase: str, image_shape: tuple[int, ...], n_classes: int) -
     c, f = job.config.central, job.config.frequency
     if phase == "central":
         return ss.central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample)
+    if phase == "dpsgd":
+        return ss.fedsgd_layout(ss.model_dim(job.config.model, image_shape, n_classes), job.config.dpsgd.clip)
     return ss.frequency_layout(n_classes, f.features)
 
 
@@ -101,11 +104,21 @@ def round_config(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> Rou
     if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_MODULUS_BITS <= bits <= 64:
         raise SecAggError(f"secure aggregation: modulus_bits must be an integer in [{MIN_MODULUS_BITS}, 64]")
     rid = str(doc.get("round_id", ""))
-    if not rid.startswith(f"{job.job_id}:{phase}:"):
-        raise SecAggError(f"secure aggregation: round id {rid!r} does not belong to job {job.job_id}, {phase}")
+    # a FedSGD sum is bound to its DP-SGD round: the key setup of round r cannot carry round r + 1's gradient
+    prefix = f"{job.job_id}:{phase}:" + (f"{_fedsgd_round(doc)}:" if phase == "dpsgd" else "")
+    if not rid.startswith(prefix):
+        raise SecAggError(f"secure aggregation: round id {rid!r} does not belong to job {job.job_id}, {phase} "
+                          f"(expected {prefix}...)")
     lay = layout(job, str(phase), tuple(site.data.image_shape), int(site.data.n_classes))
     t = ss.secagg_threshold(job.config.federation.secagg_threshold, len(job.sites))
     return RoundConfig(rid, tuple(int(n) for n in nodes.values()), t, lay.dim, bits)
+
+
+def _fedsgd_round(doc: dict[str, Any]) -> int:
+    rnd = doc.get("round")
+    if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
+        raise SecAggError(f"secure aggregation: a FedSGD sum must name its DP-SGD round (an integer >= 0), got {rnd!r}")
+    return rnd
 
 
 def _state_path(site: Site, job: Job, phase: str) -> Path:
@@ -207,22 +220,29 @@ def admit_masked(site: Site, job: Job, doc: dict[str, Any]) -> None:
                           f"{sorted(set(st.public_keys) - {st.node_id})} must send one; refused")
 
 
-def masked_contribution(site: Site, job: Job, doc: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
-    """The site's Skellam contribution for the request's sum, masked (called by the charged release only)."""
+def masked_contribution(site: Site, job: Job, doc: dict[str, Any], rng: np.random.Generator,
+                        noisy_sum: np.ndarray | None = None) -> np.ndarray:
+    """The site's Skellam contribution for the request's sum, masked (called by the charged release only).
+    ``noisy_sum``: the contribution as the caller computed it (integer records' sum + noise share, not reduced;
+    a FedSGD round, edge/fedsgd.py), reduced here mod the key setup's modulus."""
     st, keys = load_state(site, job, doc)
     phase, cfg, d = str(doc["phase"]), job.config, site.data
     n_sites, bits = len(job.sites), st.config.modulus_bits
-    if phase == "central":
+    if noisy_sum is not None:
+        contribution = sk.to_modular(noisy_sum, bits)
+    elif phase == "central":
         c = cfg.central
         contribution = ss.central_contribution(d.images, d.labels, d.n_classes, rounds=c.rounds, batch=c.batch,
                                                sigma=c.sigma, clip=c.clip, downsample=c.downsample,
                                                n_public=site.n_public, n_sites=n_sites, modulus_bits=bits, rng=rng)
-    else:
+    elif phase == "frequency":
         f = cfg.frequency
         assert f.sigma is not None
         contribution = ss.frequency_contribution(d.images, d.labels, d.n_classes, features=f.features, sigma=f.sigma,
                                                  bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk,
                                                  n_sites=n_sites, modulus_bits=bits, rng=rng)
+    else:
+        raise SecAggError(f"secure aggregation: the {phase} contribution is computed by its own release; refused")
     ciphertexts = {int(n): _unb64(ct, "share") for n, ct in dict(doc.get("shares", {})).items()}
     masked = st.masked_vector(ciphertexts, contribution)
     save_state(site, job, phase, st, keys)
@@ -235,7 +255,8 @@ def _refuse_another_setup(site: Site, job: Job, doc: dict[str, Any]) -> None:
     pass through to the ledger's recorded answer."""
     phase = str(doc.get("phase"))
     event, _ = planned(site, job, phase)
-    prior = site.ledger.check(job.job_id, fm.request_id(job.job_id, PHASES[phase], 0), phase, [event], site.policy)
+    rnd = _fedsgd_round(doc) if phase == "dpsgd" else 0
+    prior = site.ledger.check(job.job_id, fm.request_id(job.job_id, PHASES[phase], rnd), phase, [event], site.policy)
     if prior is None:
         return
     recorded, _ = fm.read_payload(fm.payload_from_bytes(prior.response or b""))

@@ -157,12 +157,7 @@ class SkellamEvent:
     def rdp(self, orders: Sequence[float] = RDP_ORDERS, *, worst_case: bool = False) -> np.ndarray:
         """RDP curve of the ``steps`` releases (noise variance ``mu``, or ``mu_worst`` with ``worst_case``)."""
         mu = self.worst_mu if worst_case else self.mu
-
-        @functools.cache
-        def per_step(a: float) -> float:
-            return skellam_rdp(a, self.l2, self.l1, mu)
-
-        return np.array([self.steps * poisson_subsampled_rdp(a, self.q, per_step) for a in orders])
+        return self.steps * _skellam_step_curve(tuple(orders), self.q, self.l2, self.l1, mu)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "skellam", **asdict(self)}
@@ -179,6 +174,20 @@ _SKELLAM_KEYS = ("kind", "stage", "q", "steps", "l2", "l1", "mu", "mu_worst")
 
 # One privacy event of a site's history: a subsampled Gaussian, or a Skellam sum under secure aggregation.
 Event = PrivacyEvent | SkellamEvent
+
+
+@functools.lru_cache(maxsize=4096)
+def _skellam_step_curve(orders: tuple[float, ...], q: float, l2: float, l1: float, mu: float) -> np.ndarray:
+    """RDP curve of ONE subsampled Skellam release. Cached: a FedSGD history holds one identical event per round,
+    and the general subsampling bound costs ~0.3 s per curve (read-only: callers multiply, never write)."""
+
+    @functools.cache
+    def per_step(a: float) -> float:
+        return skellam_rdp(a, l2, l1, mu)
+
+    curve = np.array([poisson_subsampled_rdp(a, q, per_step) for a in orders])
+    curve.flags.writeable = False
+    return curve
 
 
 def event_to_dict(e: Event | dict[str, Any]) -> dict[str, Any]:

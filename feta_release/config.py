@@ -142,6 +142,10 @@ class FederationSection:
     # dropouts; a site's epsilon counts threshold - max_colluders honest noise shares (its own only when
     # 2 (threshold - max_colluders) <= sites - max_colluders: see accountants.skellam.site_epsilons).
     secagg_threshold: int | None = None
+    # DP-SGD as FedSGD (docs/secure-aggregation.md, "FedSGD"): each round is ONE pooled DP-SGD step; each site sends
+    # its clipped-gradient sum plus its Skellam noise share through the secure sum, the coordinator steps.
+    # Needs secure_aggregation; ``local_steps`` is then unused. False: ``local_steps`` per-site-noise steps, FedAvg.
+    fedsgd: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,9 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(not (cfg.federation.secure_aggregation and c.rounds > 0 and c.kind == "mode"),
          "[federation] secure_aggregation sums mean central images only: set [central] kind = \"mean\" or "
          "secure_aggregation = false")
+    need(not cfg.federation.fedsgd or cfg.federation.secure_aggregation,
+         "[federation] fedsgd sends noise SHARES, which only secure aggregation sums: set secure_aggregation = true "
+         "or fedsgd = false")
     from .data.dicom import parse_window
 
     try:

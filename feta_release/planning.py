@@ -21,7 +21,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,7 +34,10 @@ from .accounting import (
     calibrate_noise_multiplier,
     epsilon,
     gaussian_only,
+    smallest_fitting_sigma,
 )
+from .accountants.skellam import honest_shares, skellam_event
+from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
 from .errors import FetaError, PrivacyError
 
@@ -90,7 +93,8 @@ def dpsgd_rounds(cfg: JobConfig, n: int, federated: bool) -> list[int]:
     charge it in chunks, see ``rounds=`` of :func:`stage_events`); a federated site runs ``[federation] rounds``
     rounds of ``local_steps`` steps each."""
     if federated:
-        return [int(cfg.federation.local_steps)] * int(cfg.federation.rounds) if cfg.federation.local_steps > 0 else []
+        per_round = 1 if cfg.federation.fedsgd else int(cfg.federation.local_steps)  # FedSGD: one step a round
+        return [per_round] * int(cfg.federation.rounds) if per_round > 0 else []
     steps = cfg.dpsgd_steps(n)
     return [steps] if steps > 0 else []
 
@@ -131,13 +135,70 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     return gaussian_only(events, "stage_events")
 
 
+@dataclass(frozen=True)
+class FedSGDShape:
+    """What a site's FedSGD events depend on beside the job: the gradient's length (the model's trainable values),
+    the job's sites and the honest noise shares the site counts on (``accountants.skellam.honest_shares``)."""
+
+    dim: int
+    n_sites: int
+    shares: int
+
+
+def fedsgd_shape(cfg: JobConfig, image_shape: tuple[int, ...], n_classes: int, n_sites: int,
+                 colluders: int) -> FedSGDShape:
+    """A site's :class:`FedSGDShape` from public values: the job's model on the sites' image shape, the job's sites
+    and threshold, and the colluders the site's signed policy allows (the node and the coordinator call this)."""
+    t = secagg_threshold(cfg.federation.secagg_threshold, n_sites)
+    return FedSGDShape(model_dim(cfg.model, image_shape, n_classes), n_sites,
+                       honest_shares(n_sites, t, min(int(colluders), n_sites - 1)))
+
+
 def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event], *, budget: Target | None = None,
-                        cache_dir: Path | None = None) -> list[Event]:
+                        cache_dir: Path | None = None, fedsgd: FedSGDShape | None = None) -> list[Event]:
     """:func:`stage_events` of a federated site whose warm-up releases go through secure aggregation: ``warmup``
     are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``), so DP-SGD is calibrated over
-    the history the ledger will hold."""
+    the history the ledger will hold. With ``[federation] fedsgd`` (``fedsgd`` then required) DP-SGD is one
+    ``SkellamEvent`` per round (q, one step, the gradient's integer-domain sensitivities), its sigma calibrated
+    so that the whole history counted over ``fedsgd.shares`` noise shares meets the budget."""
     n = _size(public_size)
-    return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir)
+    if not cfg.federation.fedsgd:
+        return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir)
+    if fedsgd is None:
+        raise PrivacyError("[federation] fedsgd: planning its rounds needs the model's size and the site's noise "
+                           "shares (FedSGDShape); none given")
+    return _with_fedsgd(cfg, n, list(warmup), fedsgd, budget or target(cfg), cache_dir)
+
+
+def fedsgd_event(cfg: JobConfig, n: int, shape: FedSGDShape, sigma: float, steps: int = 1) -> Event:
+    """The SkellamEvent of ``steps`` FedSGD rounds at noise multiplier ``sigma`` for a site of public size ``n``."""
+    q = sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
+    params = fedsgd_params(shape.dim, cfg.dpsgd.clip, sigma, shape.n_sites)
+    return skellam_event(params, "dpsgd", q, steps, shape.shares)
+
+
+def _with_fedsgd(cfg: JobConfig, n: int, warm: list[Event], shape: FedSGDShape, tgt: Target,
+                 cache_dir: Path | None) -> list[Event]:
+    rounds = int(cfg.federation.rounds)
+    if rounds < 1:
+        return warm
+    if cfg.dpsgd.noise_multiplier is not None:
+        sigma = float(cfg.dpsgd.noise_multiplier)
+    else:
+        check_warmup(warm, tgt)
+
+        def calibrate() -> float:
+            return smallest_fitting_sigma(
+                lambda s: epsilon(warm + [fedsgd_event(cfg, n, shape, s, rounds)], tgt.delta), tgt.epsilon, tol=0.01,
+                max_sigma=MAX_NOISE_MULTIPLIER, refusal=(
+                    f"[dpsgd] FedSGD cannot meet epsilon {tgt.epsilon} at delta {tgt.delta}: even noise multiplier "
+                    f"{MAX_NOISE_MULTIPLIER:g} is not enough for {rounds} rounds at q = {cfg.dpsgd.batch / n:.4g} "
+                    f"over {shape.shares} noise share(s); use fewer [federation] rounds or a smaller [dpsgd] batch"))
+
+        key = ["fedsgd", [e.to_dict() for e in warm], cfg.dpsgd.batch, n, cfg.dpsgd.clip, rounds, shape.dim,
+               shape.n_sites, shape.shares, tgt.epsilon, tgt.delta]
+        sigma = _disk_cached(key, cache_dir, calibrate)
+    return warm + [fedsgd_event(cfg, n, shape, sigma) for _ in range(rounds)]
 
 
 def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int], budget: Target | None,
@@ -169,13 +230,17 @@ def _size(n: Any) -> int:
 
 
 def _cached_calibration(args: tuple[Any, ...], cache_dir: Path | None) -> float:
+    return _disk_cached([[e.to_dict() for e in args[0]], *args[1:]], cache_dir, lambda: _calibrate(*args))
+
+
+def _disk_cached(key_doc: Any, cache_dir: Path | None, compute: Callable[[], float]) -> float:
     if cache_dir is None:
-        return _calibrate(*args)
-    key = hashlib.sha256(json.dumps([[e.to_dict() for e in args[0]], *args[1:]]).encode()).hexdigest()
+        return compute()
+    key = hashlib.sha256(json.dumps(key_doc).encode()).hexdigest()
     path = Path(cache_dir) / "calibrations" / f"{key}.json"
     if path.exists():
         return float(json.loads(path.read_text("utf-8"))["sigma"])
-    sigma = _calibrate(*args)
+    sigma = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"sigma": sigma}), "utf-8")

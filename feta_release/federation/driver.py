@@ -35,7 +35,7 @@ from ..policy.jobs import verify_job_with_keys
 from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes
 from ..training.ema import EMA
-from . import checkpoint_io, plan
+from . import checkpoint_io, fedsgd, plan
 from .secure_collect import collect_secure, secure_plan
 from . import messages as fm
 
@@ -79,7 +79,8 @@ def round_ema(model: nn.Module, cfg: JobConfig) -> EMA:
     """The EMA of the global model, folded once per federated round: a round is ``local_steps`` optimiser steps,
     so it decays by ``[dpsgd] ema ** local_steps`` (what a per-step EMA over those steps would do), without the
     per-step warm-up (the warm-up stages already moved the weights away from their random start)."""
-    return EMA(model, cfg.dpsgd.ema ** cfg.federation.local_steps, warmup=False)
+    steps = 1 if cfg.federation.fedsgd else cfg.federation.local_steps  # a FedSGD round is one step
+    return EMA(model, cfg.dpsgd.ema ** steps, warmup=False)
 
 
 def _registered_names(grid: Any) -> dict[int, str]:
@@ -298,7 +299,10 @@ class JobDriver:
     def rounds(self, model: nn.Module, ema: EMA) -> int:
         """Federated DP-SGD; checkpoint after every round. Returns the number of rounds done.
 
-        ``ema``: see :func:`round_ema`; it is folded once per round, after FedAvg."""
+        ``ema``: see :func:`round_ema`; it is folded once per round, after FedAvg. A FedSGD job
+        (``[federation] fedsgd``) runs its rounds as secure sums of gradient shares instead (``fedsgd``)."""
+        if self.cfg.federation.fedsgd:
+            return fedsgd.run_rounds(self, model, ema)
         ck = checkpoint_io.load_round(self.state)
         start = 0
         if ck is not None:

@@ -14,8 +14,8 @@ import numpy as np
 
 from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
-from ..planning import secure_stage_events, target, warmup_events
-from ..policy.enforce import own_share_request, request_of, skellam_own_sigma
+from ..planning import fedsgd_shape, secure_stage_events, target, warmup_events
+from ..policy.enforce import own_share_request, request_of, skellam_own_sigma, skellam_request
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
 from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator, SetupIncomplete
@@ -39,16 +39,19 @@ class Driver(Protocol):
 def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
     """(the requests its policy checks, the events it will charge) of one site of a secure job: the warm-up
     releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as the node does."""
-    cfg = d.cfg
-    warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, len(d.job.sites),
-                                   site.policy.counted_colluders(len(d.job.sites)))
+    cfg, n = d.cfg, len(d.job.sites)
+    colluders = site.policy.counted_colluders(n)
+    warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, n, colluders)
+    shape = fedsgd_shape(cfg, tuple(site.image_shape), site.n_classes, n, colluders) if cfg.federation.fedsgd else None
     charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
-                                  budget=target(cfg, site.policy))
+                                  budget=target(cfg, site.policy), fedsgd=shape)
     skellam = {e.stage: e for e in warm if isinstance(e, SkellamEvent)}
     gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
     # min_sigma is the site's rule on its OWN noise share, as the node checks it
-    return [own_share_request(request_of(e, cfg), skellam_own_sigma(skellam[e.stage])) if e.stage in skellam
-            else request_of(e, cfg) for e in gaussian], charged
+    requests = [own_share_request(request_of(e, cfg), skellam_own_sigma(skellam[e.stage])) if e.stage in skellam
+                else request_of(e, cfg) for e in gaussian]
+    fedsgd = [skellam_request(e, cfg, None, n) for e in charged if isinstance(e, SkellamEvent) and e.stage == "dpsgd"]
+    return requests + fedsgd, charged
 
 
 def _b64(data: bytes) -> str:
@@ -64,19 +67,25 @@ def phase_layout(d: Driver, phase: str) -> ss.Layout:
     c, f = d.cfg.central, d.cfg.frequency
     if phase == "central":
         return ss.central_layout(info.image_shape, info.n_classes, c.rounds, c.clip, c.downsample)
+    if phase == "dpsgd":
+        return ss.fedsgd_layout(ss.model_dim(d.cfg.model, info.image_shape, info.n_classes), d.cfg.dpsgd.clip)
     return ss.frequency_layout(info.n_classes, f.features)
 
 
-def _ask_stage(d: Driver, phase: str, stage: str, per_site: dict[str, dict[str, Any]], base: dict[str, Any]) -> Asked:
+def _ask_stage(d: Driver, phase: str, stage: str, per_site: dict[str, dict[str, Any]], base: dict[str, Any],
+               arrays: dict[str, np.ndarray] | None = None) -> Asked:
     ok, failed = d._ask(phase, fm.SECAGG, {sid: {**base, "stage": stage, **doc} for sid, doc in per_site.items()},
-                        group=f"secagg-{phase}-{stage}")
+                        arrays=arrays, group=f"secagg-{phase}-{stage}")
     for sid, why in failed.items():
         d.emit(phase, f"secure sum: site {sid} failed at {stage}: {why}", site=sid, error=why)
     return ok, failed
 
 
-def secure_sum(d: Driver, phase: str, attempt: int = 0) -> tuple[np.ndarray, list[str]]:
-    """The modular sum (uint64 residues mod 2^b) of the sites' Skellam contributions, and who is in it."""
+def secure_sum(d: Driver, phase: str, attempt: int = 0, *, round_no: int | None = None,
+               weights: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, list[str]]:
+    """The modular sum (uint64 residues mod 2^b) of the sites' Skellam contributions, and who is in it.
+    ``round_no`` / ``weights``: a FedSGD round (its number in the round id and the requests, the global weights
+    sent with the masking stage)."""
     sites = sorted(d.sites)
     nodes = {sid: int(d.sites[sid].node_id) for sid in sites}
     by_node = {n: sid for sid, n in nodes.items()}
@@ -85,10 +94,12 @@ def secure_sum(d: Driver, phase: str, attempt: int = 0) -> tuple[np.ndarray, lis
         raise PolicyError("secure aggregation needs every site's key in its signed policy (site_key); "
                           f"missing for {[by_node[int(n)] for n, k in site_keys.items() if not k]}")
     t = ss.secagg_threshold(d.cfg.federation.secagg_threshold, len(d.job.sites))
-    cfg = RoundConfig(f"{d.job.job_id}:{phase}:{attempt}", tuple(nodes.values()), t,
+    label = phase if round_no is None else f"{phase}:{round_no}"
+    cfg = RoundConfig(f"{d.job.job_id}:{label}:{attempt}", tuple(nodes.values()), t,
                       phase_layout(d, phase).dim, ss.DEFAULT_MODULUS_BITS)
     co = SecAggCoordinator(cfg)
-    base = {"phase": phase, "round_id": cfg.round_id, "nodes": nodes, "modulus_bits": cfg.modulus_bits}
+    base = {"phase": phase, "round_id": cfg.round_id, "nodes": nodes, "modulus_bits": cfg.modulus_bits,
+            **({} if round_no is None else {"round": round_no})}
     ok, _ = _ask_stage(d, phase, "setup", {sid: {} for sid in sites}, base)
     adverts: dict[int, KeyAdvert] = {nodes[s]: (_unb64(r["pk1"]), _unb64(r["pk2"]), _unb64(r["sig"]))
                                      for s, (r, _) in ok.items()}
@@ -99,7 +110,7 @@ def secure_sum(d: Driver, phase: str, attempt: int = 0) -> tuple[np.ndarray, lis
     routed = co.route_shares({nodes[s]: {int(n): _unb64(ct) for n, ct in r["shares"].items()} for s, (r, _) in ok.items()})
     ok, _ = _ask_stage(d, phase, "collect_masked_vectors",
                        {by_node[n]: {"shares": {str(src): _b64(ct) for src, ct in cts.items()}} for n, cts in routed.items()},
-                       base)
+                       base, weights)
     unmask = co.collect_masked({nodes[s]: arrays.get("masked", np.zeros(0, np.uint64)) for s, (_, arrays) in ok.items()})
     for n, why in co.refused.items():
         d.emit(phase, f"secure sum: site {by_node.get(n, n)} left out: {why}", site=by_node.get(n), error=why)
@@ -114,12 +125,12 @@ def secure_sum(d: Driver, phase: str, attempt: int = 0) -> tuple[np.ndarray, lis
 MAX_SETUP_ATTEMPTS = 3
 
 
-def _sum_with_redo(d: Driver, phase: str) -> tuple[np.ndarray, list[str]]:
+def sum_with_redo(d: Driver, phase: str, **round_args: Any) -> tuple[np.ndarray, list[str]]:
     """A site that left before the masking stage: nothing was masked, so nothing was charged anywhere; the round is
     redone under a new round id (each site masks against every site of the job, so it cannot go on without it)."""
     for attempt in range(MAX_SETUP_ATTEMPTS):
         try:
-            return secure_sum(d, phase, attempt)
+            return secure_sum(d, phase, attempt, **round_args)
         except SetupIncomplete as exc:
             d.emit(phase, f"secure sum: key setup {attempt} incomplete ({exc}); redone", error=str(exc))
     raise PolicyError(f"secure aggregation, {phase}: the key setup did not complete with every site of job "
@@ -129,7 +140,7 @@ def _sum_with_redo(d: Driver, phase: str) -> tuple[np.ndarray, list[str]]:
 
 def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """The decoded ``phase`` release (arrays of one ``CentralRelease`` / ``FrequencyRelease``) and its sites."""
-    residues, contributors = _sum_with_redo(d, phase)
+    residues, contributors = sum_with_redo(d, phase)
     lay, info, cfg = phase_layout(d, phase), next(iter(d.sites.values())), d.cfg
     sizes = {sid: int(d.sites[sid].size) for sid in contributors}
     n = len(d.job.sites)

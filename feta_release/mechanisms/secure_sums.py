@@ -40,6 +40,32 @@ def block_params(dim: int, clip: float, sigma: float, n_sites: int, modulus_bits
                             noise_multiplier=float(sigma), n_sites=n_sites, modulus_bits=modulus_bits)
 
 
+def fedsgd_scale_bits(dim: int) -> int:
+    """log2(c s) for a FedSGD gradient of ``dim`` values: at least SCALE_BITS, and c s >= 8 sqrt(dim) so that the
+    rounding term d/4 of Delta2 stays below 0.4 % of (c s)^2 for large models."""
+    return max(SCALE_BITS, math.ceil(math.log2(8.0 * math.sqrt(dim))))
+
+
+def fedsgd_params(dim: int, clip: float, sigma: float, n_sites: int, modulus_bits: int = DEFAULT_MODULUS_BITS
+                  ) -> sk.SkellamParams:
+    """Skellam parameters of one FedSGD round: a record is one example's clipped gradient (all ``dim`` trainable
+    values, L2 <= ``clip``); the n shares sum to Sk((sigma c s)^2), the pooled DP-SGD step's noise sigma c."""
+    return sk.SkellamParams(dim=dim, clip=float(clip), scale=float(2 ** fedsgd_scale_bits(dim)) / float(clip),
+                            noise_multiplier=float(sigma), n_sites=n_sites, modulus_bits=modulus_bits)
+
+
+def model_dim(model_cfg: object, image_shape: tuple[int, ...], n_classes: int) -> int:
+    """The number of trainable values of the job's model: the length of a FedSGD gradient vector (public)."""
+    from ..models import build_denoiser  # torch: only the FedSGD layout needs the model
+
+    model = build_denoiser(model_cfg, tuple(image_shape), int(n_classes))  # type: ignore[arg-type]
+    return int(sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def fedsgd_layout(dim: int, clip: float) -> Layout:
+    return Layout(1, int(dim), float(clip))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Public shape of one secure-sum release: ``blocks`` blocks of ``block_dim`` values."""

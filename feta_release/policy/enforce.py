@@ -92,6 +92,14 @@ def skellam_own_sigma(event: Any) -> float:
     return math.sqrt(float(event.mu_worst)) / float(event.l2)
 
 
+def skellam_request(event: Any, cfg: Any, job: Job | None = None, n_sites: int = 1) -> MechanismRequest:
+    """The request a Skellam event (a secure-aggregation release, e.g. a FedSGD round) makes of a site's policy:
+    the Gaussian form of its stage, one step at its rate, ``min_sigma`` against the site's OWN noise share."""
+    own = skellam_own_sigma(event)
+    pooled = PrivacyEvent(str(event.stage), own * math.sqrt(max(int(n_sites), 1)), float(event.q), int(event.steps))
+    return own_share_request(request_of(pooled, cfg, job), own)
+
+
 def _fmt(x: float) -> str:
     return f"{x:g}"
 

@@ -40,7 +40,7 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -58,6 +58,9 @@ __all__ = [
     "DPSGDTrainer",
     "poisson_sample",
     "clip_and_sum",
+    "clipped_gradient_sum",
+    "clipped_rows",
+    "batch_gradients",
     "group_sum",
     "per_example_grads",
     "patient_batch",
@@ -211,6 +214,56 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
+def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor, chunk: int,
+                    generator: torch.Generator) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
+    """Per-example gradients and losses of the examples ``idx``, one physical chunk at a time (virtual batches: the
+    logical Poisson batch is processed in chunks so memory is bounded by chunk x parameters whatever its size).
+    The loss randomness is drawn from ``generator`` chunk by chunk, in order (on the CPU: the same stream on any
+    device), so a step is reproducible from the generator's state. The model is in train mode while it runs."""
+    dev = next(model.parameters()).device
+    was_training = model.training
+    model.train()
+    try:
+        for start in range(0, idx.numel(), chunk):
+            part = idx[start : start + chunk]
+            rand = {k: v.to(dev) for k, v in loss.draw(part.numel(), generator).items()}
+            xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
+            yield per_example_grads(model, loss, xs, ys, rand, chunk)
+    finally:
+        model.train(was_training)
+
+
+def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor,
+                         clip: float, chunk: int, generator: torch.Generator
+                         ) -> tuple[dict[str, Tensor], list[Tensor], int]:
+    """The sum over the batch ``idx`` of the per-example gradients clipped to ``clip`` (sensitivity ``clip`` under
+    add/remove of one example), no noise: (sum by parameter name, per-chunk losses, how many were clipped).
+    The one computation of a DP-SGD step's signal, for the local trainer and the federated (FedSGD) sites.
+    Losses and the clipped count are functions of the private batch: diagnostics that never leave a site."""
+    total = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
+    losses: list[Tensor] = []
+    n_clipped = 0
+    for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator):
+        summed, norms = clip_and_sum(grads, clip)
+        for name in total:
+            total[name] += summed[name]
+        losses.append(value.detach().cpu())
+        n_clipped += int((norms > clip).sum())
+    return total, losses, n_clipped
+
+
+def clipped_rows(grads: dict[str, Tensor], names: list[str], clip: float) -> Tensor:
+    """Each example's gradient clipped to L2 norm ``clip`` (over all parameters together) as one flat row (B, D),
+    the parameters in ``names`` order; an example with a non-finite gradient is a zero row (as in
+    :func:`clip_and_sum`: its contribution never turns the release into NaN). For mechanisms that need the
+    records one by one (per-record conditional rounding of the Skellam mechanism)."""
+    flat = torch.cat([grads[n].reshape(grads[n].shape[0], -1) for n in names], dim=1)
+    norms = flat.pow(2).sum(1).sqrt()
+    finite = torch.isfinite(norms)
+    factor = torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
+    return torch.where(finite[:, None], flat, torch.zeros_like(flat)) * factor[:, None]
+
+
 def _patient_rows(patients: Any, n_public: int | None, cap: int | None, default_cap: int) -> tuple[list[Tensor], int]:
     """Image indices of each patient (in order), and the per-step image cap, checked."""
     if n_public is None:
@@ -343,25 +396,8 @@ class DPSGDTrainer:
         expected = self.q * (n if self.n_public is None else self.n_public)
         idx = poisson_sample(n, self.q, self.generator)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        total = {name: torch.zeros_like(p) for name, p in zip(names, self.params)}
-        losses: list[Tensor] = []
-        n_clipped = 0
-        was_training = self.model.training
-        self.model.train()
-        # Virtual batches: the logical Poisson batch is processed in physical chunks so memory is bounded by
-        # chunk x parameters whatever the batch size.
-        for start in range(0, idx.numel(), self.chunk):
-            part = idx[start : start + self.chunk]
-            # randomness is drawn on the CPU generator (same stream on any device), then moved to the model
-            rand = {k: v.to(dev) for k, v in self.loss.draw(part.numel(), self.generator).items()}
-            xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk)
-            summed, norms = clip_and_sum(grads, self.clip)
-            for name in total:
-                total[name] += summed[name]
-            losses.append(loss.detach().cpu())
-            n_clipped += int((norms > self.clip).sum())
-        self.model.train(was_training)
+        total, losses, n_clipped = clipped_gradient_sum(self.model, self.loss, images, labels, idx, self.clip,
+                                                        self.chunk, self.generator)
         return self._noised(total, names, dev, expected), self._stats(int(idx.numel()), expected, losses, n_clipped, t0)
 
     def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:

@@ -1,0 +1,80 @@
+"""The node's side of a FedSGD round over secure aggregation (``[federation] fedsgd``; docs/secure-aggregation.md).
+
+One round is ONE pooled DP-SGD step: the coordinator sends the global weights with the masking stage of the round's
+secure sum (``query.secagg``, phase ``dpsgd``, the round named in the request); the site Poisson-samples its images
+at the planned rate q = batch / n_public, takes each sampled image's gradient (the same per-example loss and
+clipping as ``DPSGDTrainer``: ``training.dpsgd.batch_gradients`` / ``clipped_rows``), turns each clipped gradient
+into integers ONE RECORD AT A TIME (scale, conditional randomized rounding: ``mechanisms.skellam.quantize_records``),
+sums them, adds its noise share Sk(mu / n) and hands the vector to the mask (``edge.secure.masked_contribution``).
+
+Sensitivity (add/remove one image of this site): one rounded record, L2 <= Delta2 = the event's ``l2`` and
+L1 <= Delta1 = its ``l1`` (integer units): the round is the Poisson-subsampled Skellam event the protocol charged
+before this code ran. Nothing else leaves: no realised batch size, no loss, no clipped count (the reply carries the
+masked vector and the public round id only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from feta_release.accounting import SkellamEvent
+from feta_release.errors import PrivacyError
+from feta_release.mechanisms import secure_sums as ss
+from feta_release.mechanisms import skellam as sk
+from feta_release.models import build_denoiser
+from feta_release.policy.jobs import Job
+from feta_release.training.dpsgd import EDMLoss, batch_gradients, clipped_rows, poisson_sample
+
+from .protocol import Request
+from .releases import check_weights
+from .site import Site
+
+
+def round_params(site: Site, job: Job, event: SkellamEvent, dim: int) -> sk.SkellamParams:
+    """The Skellam parameters whose event is the charged one (its noise share mu_worst = mu / n, its l2 / l1);
+    refused when they differ (what is released must be what was charged)."""
+    n_sites, clip = len(job.sites), float(job.config.dpsgd.clip)
+    scale = 2.0 ** ss.fedsgd_scale_bits(dim) / clip
+    sigma = math.sqrt(event.worst_mu * n_sites) / (clip * scale)
+    params = ss.fedsgd_params(dim, clip, sigma, n_sites)
+    if not (math.isclose(params.site_mu, event.worst_mu, rel_tol=1e-9)
+            and math.isclose(params.l2_sensitivity, event.l2, rel_tol=1e-12)
+            and math.isclose(params.l1_sensitivity, event.l1, rel_tol=1e-12)):
+        raise PrivacyError(f"FedSGD round: the mechanism's parameters {params} do not give the charged event {event}; "
+                           "nothing released")
+    return params
+
+
+def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.Generator,
+                          generator: torch.Generator) -> np.ndarray:
+    """This site's FedSGD round input: the sum of its sampled images' clipped, scaled, conditionally rounded
+    gradients plus its Skellam noise share (int64, not yet reduced mod m). ``np_rng`` / ``generator``: fresh OS
+    randomness (rounding and noise / Poisson sampling and the loss's noise draws)."""
+    event = req.event
+    if not isinstance(event, SkellamEvent):
+        raise PrivacyError(f"FedSGD round {req.round}: planned a {type(event).__name__}, not a Skellam share")
+    cfg, ds = job.config, site.data
+    model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in req.arrays.items()})
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = round_params(site, job, event, dim)
+    loss = EDMLoss(ds.image_shape, ds.n_classes, cfg.dpsgd.noise_multiplicity, cfg.model.label_dropout,
+                   sigma_data=getattr(model, "sigma_data", None))
+    images = torch.from_numpy(np.asarray(ds.images, dtype=np.float32)) * 2.0 - 1.0
+    labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
+    # q over the site's rows: each image joins with probability q = batch / n_public (the planned, charged rate)
+    idx = poisson_sample(images.shape[0], event.q, generator)
+    total = np.zeros(dim, dtype=np.int64)
+    for grads, _ in batch_gradients(model, loss, images, labels, idx, int(cfg.dpsgd.physical_batch), generator):
+        rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
+        total += sk.quantize_records(rows, params, np_rng)  # per record: the sensitivity is one rounded record
+    return total + sk.skellam_noise(dim, params.site_mu, np_rng)
+
+
+def check_round_weights(site: Site, job: Job, req: Request) -> None:
+    """Before the charge (public input only): the global weights fit the job's model and are finite."""
+    check_weights(job.config, site.data.image_shape, site.data.n_classes, req.arrays)

@@ -34,8 +34,9 @@ from .site import Site
 
 
 def round_params(site: Site, job: Job, event: SkellamEvent, dim: int) -> sk.SkellamParams:
-    """The Skellam parameters whose event is the charged one (its noise share mu_worst = mu / n, its l2 / l1);
-    refused when they differ (what is released must be what was charged)."""
+    """The Skellam parameters of the charged event: its noise share Sk(mu_worst) (sigma derived from it), and the
+    quantization (dim, clip, scale) whose sensitivities must be the event's l2 / l1, else refused (the released
+    records must be the ones the charge's sensitivity covers)."""
     n_sites, clip = len(job.sites), float(job.config.dpsgd.clip)
     scale = 2.0 ** ss.fedsgd_scale_bits(dim) / clip
     sigma = math.sqrt(event.worst_mu * n_sites) / (clip * scale)

@@ -61,3 +61,341 @@ def test_a_fedsgd_job_runs_rounds_as_secure_sums_and_charges_one_skellam_event_p
         assert eps <= 1.0 + 1e-9 < worst_case_epsilon(events, 1e-5)
         assert plan[s.site_id]["planned_epsilon"] == pytest.approx(eps)
         assert res.attestations[s.site_id]["statement"]["epsilon"] == pytest.approx(eps)
+
+
+class Tap:
+    """Wraps the grid's delivery: records the sites' FedSGD contributions (before masking) and lets a test alter
+    what a message gets."""
+
+    def __init__(self, grid: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        import edge.fedsgd as node_fedsgd
+        from feta_release.federation import fedsgd as coord_fedsgd
+
+        self.contributions: list[tuple[str, int, np.ndarray]] = []  # (site, round, int64 noisy sum)
+        self.decoded: list[np.ndarray] = []  # residues the coordinator decoded, per round
+        self.hook: Any = None  # (msg, deliver) -> reply
+        real_contribution, real_decode, deliver = (node_fedsgd.gradient_contribution, coord_fedsgd.decode_gradient,
+                                                   grid._deliver)
+
+        def contribution(site: Any, job: Any, req: Any, *args: Any) -> np.ndarray:
+            out = real_contribution(site, job, req, *args)
+            self.contributions.append((site.site_id, req.round, out.copy()))
+            return out
+
+        def decode(d: Any, residues: np.ndarray) -> np.ndarray:
+            self.decoded.append(np.array(residues, copy=True))
+            return real_decode(d, residues)
+
+        monkeypatch.setattr(node_fedsgd, "gradient_contribution", contribution)
+        monkeypatch.setattr("edge.clientapp.gradient_contribution", contribution)
+        monkeypatch.setattr(coord_fedsgd, "decode_gradient", decode)
+        grid._deliver = lambda msg: self.hook(msg, deliver) if self.hook else deliver(msg)
+
+
+def _is(msg: Any, stage: str, rnd: int | None = None) -> bool:
+    if msg.metadata.message_type != fm.SECAGG:
+        return False
+    doc = _doc(msg)
+    return doc.get("phase") == "dpsgd" and doc.get("stage") == stage and (rnd is None or doc.get("round") == rnd)
+
+
+def test_the_coordinator_decodes_exactly_the_sum_of_the_sites_contributions(fed: Any, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from feta_release.mechanisms.skellam import to_modular
+
+    signed, _ = sign_job_file(fed, fedsgd_job(), "job-sum")
+    grid = harness(fed)
+    tap = Tap(grid, monkeypatch)
+    masked: list[np.ndarray] = []
+
+    def keep(msg: Any, deliver: Any) -> Any:
+        rep = deliver(msg)
+        if rep is not None and _is(msg, "collect_masked_vectors") and not rep.has_error():
+            masked.append(fm.read_payload(rep.content)[1]["masked"])
+        return rep
+
+    tap.hook = keep
+    _run(fed, grid, signed, tmp_path / "out")
+    assert len(tap.decoded) == 2 and len(tap.contributions) == 6 and len(masked) == 6
+    for r in range(2):
+        clear = sum(c for _, rnd, c in tap.contributions if rnd == r)  # the sum computed in the clear
+        np.testing.assert_array_equal(tap.decoded[r], to_modular(clear, 64))
+    # one site's masked vector alone is nothing like its contribution (uniform mod 2^64)
+    from scipy import stats
+
+    for v in masked:
+        assert stats.kstest(v.astype(np.float64) / 2.0**64, "uniform").pvalue > 1e-4
+
+
+def test_a_repeated_round_message_replays_without_a_second_charge(fed: Any, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    signed, _ = sign_job_file(fed, fedsgd_job(rounds=1), "job-replay")
+    grid = harness(fed)
+    tap = Tap(grid, monkeypatch)
+    twice: list[tuple[bytes, bytes]] = []
+
+    def repeat(msg: Any, deliver: Any) -> Any:
+        rep = deliver(msg)
+        if _is(msg, "collect_masked_vectors") and not twice:
+            again = deliver(msg)  # the same request (same round, same key setup) delivered a second time
+            twice.append((fm.read_payload(rep.content)[1]["masked"].tobytes(),
+                          fm.read_payload(again.content)[1]["masked"].tobytes()))
+        return rep
+
+    tap.hook = repeat
+    _run(fed, grid, signed, tmp_path / "out")
+    assert twice and twice[0][0] == twice[0][1]  # the recorded bytes: no fresh noise, no second mask
+    assert len(tap.contributions) == 3  # computed once per site
+    for s in fed.sites:
+        assert [r["mechanism"] for r in _requests(fed, s.site_id, "job-replay")].count("dpsgd") == 1
+
+
+def test_a_site_dropping_before_masking_redoes_the_round_without_charging_twice(fed: Any, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    signed, _ = sign_job_file(fed, fedsgd_job(), "job-redo")
+    grid = harness(fed)
+    tap = Tap(grid, monkeypatch)
+    node_c = next(n for n, node in grid.nodes.items() if "site-c" in str(node.node_config))
+    dropped: list[str] = []
+
+    def drop_once(msg: Any, deliver: Any) -> Any:
+        # site-c is unreachable for round 1's key sharing (the first attempt only): nothing is masked anywhere
+        if msg.metadata.dst_node_id == node_c and _is(msg, "share_keys", 1) and not dropped:
+            dropped.append(_doc(msg)["round_id"])
+            return None
+        return deliver(msg)
+
+    tap.hook = drop_once
+    res = _run(fed, grid, signed, tmp_path / "out")
+    assert res.rounds_done == 2 and dropped == ["job-redo:dpsgd:1:0"]
+    log = (tmp_path / "out" / "progress.jsonl").read_text()
+    assert "key setup 0 incomplete" in log
+    for s in fed.sites:
+        reqs = [r for r in _requests(fed, s.site_id, "job-redo") if r["mechanism"] == "dpsgd"]
+        assert len(reqs) == 2  # rounds 0 and 1, each charged once although round 1 ran twice
+    assert sorted(rnd for _, rnd, _ in tap.contributions) == [0, 0, 0, 1, 1, 1]
+
+
+def test_an_out_of_modulus_vector_is_refused_and_left_out_of_the_step(fed: Any, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from feta_release.federation import fedsgd as coord_fedsgd
+    from feta_release.mechanisms import secure_sums
+
+    monkeypatch.setattr(secure_sums, "DEFAULT_MODULUS_BITS", 40)
+    signed, _ = sign_job_file(fed, fedsgd_job(rounds=1, secagg_threshold=2), "job-badvec")
+    grid = harness(fed)
+    tap = Tap(grid, monkeypatch)
+    node_b = next(n for n, node in grid.nodes.items() if "site-b" in str(node.node_config))
+    divisors: list[float] = []
+    real_batch = coord_fedsgd.expected_batch
+    monkeypatch.setattr(coord_fedsgd, "expected_batch", lambda d, c: divisors.append(real_batch(d, c)) or divisors[-1])
+
+    def tamper(msg: Any, deliver: Any) -> Any:
+        rep = deliver(msg)
+        if msg.metadata.dst_node_id == node_b and _is(msg, "collect_masked_vectors"):
+            doc, arrays = fm.read_payload(rep.content)
+            arrays["masked"] = arrays["masked"].copy()
+            arrays["masked"][0] = np.uint64(1 << 41)  # outside [0, 2^40)
+            rep.content = fm.make_payload(doc, arrays)
+        return rep
+
+    tap.hook = tamper
+    _run(fed, grid, signed, tmp_path / "out")
+    log = [json.loads(line) for line in (tmp_path / "out" / "progress.jsonl").read_text().splitlines()]
+    assert any("outside the modulus" in e["message"] and e.get("site") == "site-b" for e in log)
+    assert [e["sites"] for e in log if e["message"].startswith("FedSGD round")] == [["site-a", "site-c"]]
+    assert divisors == [2 * 8.0]  # the public expected batch of the two sites in the sum, not of three
+
+
+def test_fedsgd_needs_secure_aggregation() -> None:
+    from feta_release.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fedsgd sends noise SHARES"):
+        full_job(federation={"fedsgd": True})
+
+
+# -- the node's checks, one by one -------------------------------------------------------------------------------
+
+
+def _site_and_job(fed: Any, job_id: str, cfg: Any, site_id: str = "site-a") -> tuple[Any, Any, dict[str, Any]]:
+    from edge.site import site_for
+    from feta_release.policy.jobs import verify_job
+
+    signed, _ = sign_job_file(fed, cfg, job_id)
+    site = site_for(fed.site(site_id).node_config())
+    return site, verify_job(signed, site.policy, source="test"), signed
+
+
+def _weights(cfg: Any) -> dict[str, np.ndarray]:
+    from feta_release.models import build_denoiser
+
+    return {k: v.numpy() for k, v in build_denoiser(cfg.model, (1, 28, 28), 10).state_dict().items()}
+
+
+def _ask_node(grid: Any, site_id: str, fed: Any, message_type: str, doc: dict[str, Any],
+              arrays: dict[str, np.ndarray] | None = None) -> Any:
+    from flwr.app import Message
+
+    node = next(n for n, h in grid.nodes.items() if site_id in str(h.node_config))
+    return grid._deliver(Message(fm.make_payload(doc, arrays), dst_node_id=node, message_type=message_type,
+                                 group_id="test"))
+
+
+def test_a_fedsgd_job_refuses_a_per_site_round_and_a_per_site_job_refuses_a_fedsgd_round(fed: Any) -> None:
+    grid = harness(fed)
+    cfg = fedsgd_job()
+    signed, _ = sign_job_file(fed, cfg, "job-mode")
+    rep = _ask_node(grid, "site-a", fed, fm.TRAIN, {"job": signed, "round": 0}, _weights(cfg))
+    assert rep.has_error() and "per-site round (full noise, unmasked) is refused" in rep.error.reason
+    plain = full_job(federation={"secure_aggregation": True, "rounds": 2})
+    signed, _ = sign_job_file(fed, plain, "job-mode2")
+    nodes = {s.site_id: n for n, h in grid.nodes.items() for s in fed.sites if s.site_id in str(h.node_config)}
+    doc = {"job": signed, "phase": "dpsgd", "stage": "collect_masked_vectors", "round": 0, "nodes": nodes,
+           "modulus_bits": 64, "round_id": "job-mode2:dpsgd:0:0", "shares": {}}
+    rep = _ask_node(grid, "site-a", fed, fm.SECAGG, doc, _weights(plain))
+    assert rep.has_error() and "a FedSGD secure-sum round is refused" in rep.error.reason
+    for job_id in ("job-mode", "job-mode2"):
+        assert _requests(fed, "site-a", job_id) == []  # nothing charged
+
+
+def test_a_fedsgd_key_setup_is_bound_to_its_round(fed: Any) -> None:
+    from edge.secure import round_config
+    from feta_release.federation.secagg import SecAggError
+
+    site, job, _ = _site_and_job(fed, "job-bind", fedsgd_job())
+    nodes = {"site-a": 100, "site-b": 101, "site-c": 102}
+    doc = {"phase": "dpsgd", "nodes": nodes, "modulus_bits": 64, "round": 1, "round_id": "job-bind:dpsgd:1:0"}
+    assert round_config(site, job, doc, 100).dim == 10377
+    for bad in ({"round_id": "job-bind:dpsgd:0:0"}, {"round": None}, {"round": "1"}):
+        with pytest.raises(SecAggError, match="round"):
+            round_config(site, job, {**doc, **bad}, 100)
+
+
+def test_the_node_releases_only_what_the_charged_event_states(fed: Any) -> None:
+    import dataclasses
+
+    from edge.fedsgd import round_params
+    from edge.protocol import planned
+    from feta_release.errors import PrivacyError
+
+    site, job, _ = _site_and_job(fed, "job-params", fedsgd_job())
+    event, req = planned(site, job, "dpsgd")
+    assert isinstance(event, SkellamEvent) and event.steps == 1 and event.q == pytest.approx(8 / site.n_public)
+    params = round_params(site, job, event, 10377)
+    assert params.site_mu == pytest.approx(event.mu_worst) and params.mu == pytest.approx(3 * event.mu_worst)
+    assert req.sigma == pytest.approx(np.sqrt(event.mu_worst) / event.l2)  # min_sigma: the own share's
+    for bad in (dataclasses.replace(event, l2=event.l2 / 2), dataclasses.replace(event, l1=event.l1 * 2)):
+        with pytest.raises(PrivacyError, match="do not give the charged event"):
+            round_params(site, job, bad, 10377)
+
+
+def test_non_finite_weights_are_refused_before_any_charge(fed: Any, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from feta_release.errors import FetaError
+
+    signed, _ = sign_job_file(fed, fedsgd_job(rounds=1), "job-nan")
+    grid = harness(fed)
+    tap = Tap(grid, monkeypatch)
+
+    def poison(msg: Any, deliver: Any) -> Any:
+        if _is(msg, "collect_masked_vectors"):
+            doc, arrays = fm.read_payload(msg.content)
+            first = sorted(arrays)[0]
+            arrays[first] = np.full_like(arrays[first], np.nan)
+            msg.content = fm.make_payload(doc, arrays)
+        return deliver(msg)
+
+    tap.hook = poison
+    with pytest.raises(FetaError):
+        _run(fed, grid, signed, tmp_path / "out")
+    assert tap.contributions == []
+    for s in fed.sites:
+        assert "dpsgd" not in [r["mechanism"] for r in _requests(fed, s.site_id, "job-nan")]
+
+
+def test_the_summed_noise_shares_have_the_pooled_variance(fed: Any) -> None:
+    """Three sites' contributions with no image sampled are their noise shares alone: their sum has variance
+    mu = (sigma c s)^2 per coordinate (the pooled DP-SGD noise sigma c in real units), each share mu / 3."""
+    import dataclasses
+
+    from edge.fedsgd import gradient_contribution, round_params
+    from edge.protocol import Request, planned
+    from feta_release.randomness import os_numpy_generator, os_torch_generator
+
+    shares = []
+    for sid in ("site-a", "site-b", "site-c"):
+        site, job, _ = _site_and_job(fed, "job-noise", fedsgd_job(), sid)
+        event, _ = planned(site, job, "dpsgd")
+        silent = dataclasses.replace(event, q=1e-12)  # no image joins: the contribution is the noise share only
+        req = Request("r", 0, silent, {}, _weights(job.config))
+        shares.append(gradient_contribution(site, job, req, os_numpy_generator(), os_torch_generator()))
+    params = round_params(site, job, event, 10377)
+    dim = shares[0].size
+    total = np.sum(shares, axis=0).astype(np.float64)
+    # sample variance of dim draws: relative std sqrt(2 / dim) = 1.4 %; 5 std
+    assert np.var(total) == pytest.approx(params.mu, rel=5 * np.sqrt(2 / dim))
+    assert abs(np.mean(total)) < 5 * np.sqrt(params.mu / dim)
+    for s in shares:
+        assert np.var(s.astype(np.float64)) == pytest.approx(params.site_mu, rel=5 * np.sqrt(2 / dim))
+    # in real units (divided by the scale): std sigma c, the pooled mechanism's
+    sigma = np.sqrt(params.mu) / (params.scale * params.clip)
+    assert np.std(total / params.scale) == pytest.approx(sigma * params.clip, rel=0.04)
+
+
+def test_the_coordinator_step_equals_a_local_dpsgd_step_on_the_same_batch() -> None:
+    """Cross-check: one site, noise off: the FedSGD step (clipped sum -> public divisor -> Adam) is DPSGDTrainer's
+    step on the same Poisson batch, exactly; with the Skellam quantization it differs by the rounding only."""
+    import torch
+
+    from feta_release.data.embedded import load_embedded
+    from feta_release.federation.fedsgd import coordinator_step, optimizer_for
+    from feta_release.mechanisms.secure_sums import fedsgd_params
+    from feta_release.mechanisms.skellam import quantize_records
+    from feta_release.models import build_denoiser
+    from feta_release.training.dpsgd import (
+        DPSGDTrainer,
+        EDMLoss,
+        batch_gradients,
+        clipped_gradient_sum,
+        clipped_rows,
+        poisson_sample,
+    )
+
+    cfg = fedsgd_job()
+    ds = load_embedded()
+    images = torch.from_numpy(np.asarray(ds.images[:64], dtype=np.float32)) * 2 - 1
+    labels = torch.from_numpy(np.asarray(ds.labels[:64], dtype=np.int64))
+    q, n_public = 0.25, 64
+
+    def fresh() -> Any:
+        torch.manual_seed(3)
+        return build_denoiser(cfg.model, (1, 28, 28), 10)
+
+    local = fresh()
+    trainer = DPSGDTrainer(local, cfg, 1e-30, q, torch.Generator().manual_seed(7), n_public=n_public)
+    trainer.step(images, labels)
+
+    def step(quantized: bool) -> tuple[Any, np.ndarray, int]:
+        model, g = fresh(), torch.Generator().manual_seed(7)
+        loss = EDMLoss((1, 28, 28), 10, cfg.dpsgd.noise_multiplicity, cfg.model.label_dropout)
+        idx = poisson_sample(n_public, q, g)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if quantized:
+            params = fedsgd_params(10377, cfg.dpsgd.clip, 1.0, 1)
+            flat = sum(quantize_records(clipped_rows(gr, names, cfg.dpsgd.clip).double().numpy(), params,
+                                        np.random.default_rng(0))
+                       for gr, _ in batch_gradients(model, loss, images, labels, idx, 16, g)) / params.scale
+        else:
+            total, _, _ = clipped_gradient_sum(model, loss, images, labels, idx, cfg.dpsgd.clip, 16, g)
+            flat = torch.cat([total[n].reshape(-1) for n in names]).double().numpy()
+        coordinator_step(model, optimizer_for(model, cfg), flat, q * n_public)
+        return model, flat, int(idx.numel())
+
+    want = local.state_dict()
+    exact, signal, batch = step(False)
+    assert batch > 0 and all(torch.allclose(exact.state_dict()[k], want[k], atol=1e-7) for k in want)
+    _, rounded, _ = step(True)
+    # randomized rounding moves each record by < 1 integer unit per value: the sum by < batch / s per value
+    scale = 2.0**10 / cfg.dpsgd.clip
+    assert np.abs(rounded - signal).max() < batch / scale
+    assert np.linalg.norm(rounded - signal) < 0.1 * np.linalg.norm(signal)

@@ -248,7 +248,7 @@ def _disk_cached(key_doc: Any, cache_dir: Path | None, compute: Callable[[], flo
     return sigma
 
 
-def check_warmup(prior_and_warm: Sequence[PrivacyEvent], budget: Target) -> float:
+def check_warmup(prior_and_warm: Sequence[Event], budget: Target) -> float:
     """The warm-up's (and prior spending's) epsilon; refuse, naming the biggest stage, when it leaves nothing."""
     evs = list(prior_and_warm)
     spent = epsilon(evs, budget.delta, budget.accountant)

@@ -73,3 +73,50 @@ def release(pristine: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "release"
     shutil.copytree(pristine, dst)
     return dst
+
+
+# -- real Flower processes on loopback (the slow end-to-end tests) ---------------------------------------------
+
+
+class LoopbackFederation:
+    """A SuperLink and one SuperNode per site of a test federation, as real processes on loopback (insecure).
+    ``start`` returns the SuperLink's address; ``stop`` (also run at teardown) stops them all and returns their
+    process group ids, so a test can check that nothing survived."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Any] = []
+
+    def start(self, fed: Any, settle: float = 3.0) -> str:
+        import time
+
+        from coordinator.superlink import SuperLinkSettings, start_superlink
+        from edge.launch import NodeSettings, start_node
+        from feta_release.federation.procs import free_port
+
+        port = free_port()
+        self.procs.append(start_superlink(SuperLinkSettings(port=port, database=self.tmp / "coord" / "state.db",
+                                                            insecure=True, home=self.tmp / "coord")))
+        for s in fed.sites:
+            self.procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
+                                                      ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret,
+                                                      superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True)))
+        time.sleep(settle)  # let every node register before the job's first hello
+        return f"127.0.0.1:{port}"
+
+    def stop(self) -> list[int]:
+        pgids = [p.pid for p in self.procs]
+        for p in self.procs:
+            p.stop()
+        self.procs = []
+        return pgids
+
+
+@pytest.fixture
+def loopback(tmp_path: Path) -> Iterator[LoopbackFederation]:
+    """Real SuperLink + SuperNodes for a slow end-to-end test (stopped at teardown)."""
+    lb = LoopbackFederation(tmp_path)
+    try:
+        yield lb
+    finally:
+        lb.stop()

@@ -24,38 +24,22 @@ def _pids_of_group_alive(pgids: list[int]) -> list[int]:
     return [g for g in pgids if group_alive(g)]
 
 
-def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path):
+def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path, loopback):
+    from coordinator.demo import _to_toml
     from coordinator.runner import run_signed_job, sign_or_resume
-    from coordinator.superlink import SuperLinkSettings, start_superlink
-    from edge.launch import NodeSettings, start_node
     from feta_release.ledger import Ledger
-    from feta_release.federation.procs import free_port
 
     # site-c's policy does not allow this app bundle: its node must refuse before running any of it.
     fed = make_federation(tmp_path / "fed", policy_overrides={"site-c": {"app_bundles": ["0" * 64]}})
     cfg = tiny_job(federation={"rounds": 1, "local_steps": 1, "min_sites": 2, "round_timeout": 600.0})
     job_toml = tmp_path / "job.toml"
-    from coordinator.demo import _to_toml
-
     job_toml.write_text(_to_toml(cfg.to_dict()))
     out = tmp_path / "out"
     signed = sign_or_resume(job_toml, ["site-a", "site-b"], fed.coordinator_key, out, "job-e2e")
-    procs = []
-    port = free_port()
     try:
-        procs.append(start_superlink(SuperLinkSettings(port=port, database=tmp_path / "coord" / "state.db",
-                                                       insecure=True, home=tmp_path / "coord")))
-        for s in fed.sites:
-            procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                                 ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret,
-                                                 superlink=f"127.0.0.1:{port}",
-                                                 port=free_port(), insecure=True)))
-        time.sleep(3)  # let all three nodes register before the job's first hello
-        summary = run_signed_job(signed, fed.coordinator_key, out, f"127.0.0.1:{port}", insecure=True)
+        summary = run_signed_job(signed, fed.coordinator_key, out, loopback.start(fed), insecure=True)
     finally:
-        pgids = [p.pid for p in procs]
-        for p in procs:
-            p.stop()
+        pgids = loopback.stop()
     assert _pids_of_group_alive(pgids) == []
     assert summary["rounds"] == 1 and set(summary["site_epsilon"]) == {"site-a", "site-b"}
     for sid in ("site-a", "site-b"):

@@ -399,3 +399,33 @@ def test_the_coordinator_step_equals_a_local_dpsgd_step_on_the_same_batch() -> N
     scale = 2.0**10 / cfg.dpsgd.clip
     assert np.abs(rounded - signal).max() < batch / scale
     assert np.linalg.norm(rounded - signal) < 0.1 * np.linalg.norm(signal)
+
+
+def test_a_restarted_coordinator_resumes_after_the_last_decoded_round(fed: Any, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from feta_release.federation import checkpoint_io
+    from feta_release.federation import fedsgd as coord_fedsgd
+
+    signed, _ = sign_job_file(fed, fedsgd_job(), "job-resume")
+    real_save = checkpoint_io.save_round
+
+    def crash_after_first(state_dir: Path, obj: dict[str, Any]) -> None:
+        real_save(state_dir, obj)
+        if obj["round"] == 1:
+            raise RuntimeError("coordinator killed")
+
+    monkeypatch.setattr(coord_fedsgd.checkpoint_io, "save_round", crash_after_first)
+    with pytest.raises(RuntimeError, match="killed"):
+        _run(fed, harness(fed), signed, tmp_path / "out")
+    first = checkpoint_io.load_round(tmp_path / "out" / "state")
+    assert first is not None and first["round"] == 1 and first["optimizer"]["state"]  # Adam's moments kept
+    monkeypatch.setattr(coord_fedsgd.checkpoint_io, "save_round", real_save)
+    res = _run(fed, harness(fed), signed, tmp_path / "out")
+    assert res.rounds_done == 2
+    last = checkpoint_io.load_round(tmp_path / "out" / "state")
+    assert last["round"] == 2 and not all(torch.equal(last["model"][k], first["model"][k]) for k in first["model"])
+    for s in fed.sites:
+        reqs = [r["request_id"] for r in _requests(fed, s.site_id, "job-resume") if r["mechanism"] == "dpsgd"]
+        assert reqs == ["job-resume:train:0", "job-resume:train:1"]  # round 0 not asked (or charged) again

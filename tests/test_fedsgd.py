@@ -429,3 +429,21 @@ def test_a_restarted_coordinator_resumes_after_the_last_decoded_round(fed: Any, 
     for s in fed.sites:
         reqs = [r["request_id"] for r in _requests(fed, s.site_id, "job-resume") if r["mechanism"] == "dpsgd"]
         assert reqs == ["job-resume:train:0", "job-resume:train:1"]  # round 0 not asked (or charged) again
+
+
+def test_clipped_rows_are_the_records_whose_sum_clip_and_sum_releases() -> None:
+    """The per-record form the Skellam rounding needs is the local trainer's clipping, row by row: the same clip,
+    the same zero for a non-finite gradient (a crafted-weights membership channel otherwise)."""
+    import torch
+
+    from feta_release.training.dpsgd import clip_and_sum, clipped_rows
+
+    g = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(6, 3, 4, generator=g) * 3, "b": torch.randn(6, 5, generator=g)}
+    grads["w"][2, 0, 0] = float("nan")
+    grads["b"][4, 1] = float("inf")
+    rows = clipped_rows(grads, ["w", "b"], 1.5)
+    summed, _ = clip_and_sum(grads, 1.5)
+    assert torch.allclose(rows.sum(0), torch.cat([summed["w"].reshape(-1), summed["b"]]), atol=1e-6)
+    norms = rows.norm(dim=1)
+    assert torch.all(norms <= 1.5 + 1e-5) and norms[2] == 0 and norms[4] == 0

@@ -25,9 +25,11 @@ differs, is refused. A policy that pins no peers takes the relay, and then count
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -276,15 +278,34 @@ def handle(msg: Message, context: Context, masked: dict[str, Handler]) -> Messag
     phase, stage = doc.get("phase"), doc.get("stage")
     if phase not in PHASE_NAMES:
         raise SecAggError(f"secure aggregation: unknown phase {phase!r}; refused")
-    if stage == "collect_masked_vectors":
-        _refuse_another_setup(site, job, doc)
-        return masked[str(phase)](msg, context)
-    steps: dict[str, Callable[[], dict[str, Any]]] = {
-        "setup": lambda: _setup(site, job, doc, int(context.node_id)),
-        "share_keys": lambda: _share_keys(site, job, doc),
-        "unmask": lambda: _unmask(site, job, doc),
-    }
-    if stage not in steps:
-        raise SecAggError(f"secure aggregation: unknown stage {stage!r}; refused")
-    reply = {**steps[str(stage)](), "site_id": site.site_id, "phase": phase, "stage": stage}
+    with sum_lock(site, job, str(phase)):
+        if stage == "collect_masked_vectors":
+            _refuse_another_setup(site, job, doc)
+            return masked[str(phase)](msg, context)
+        steps: dict[str, Callable[[], dict[str, Any]]] = {
+            "setup": lambda: _setup(site, job, doc, int(context.node_id)),
+            "share_keys": lambda: _share_keys(site, job, doc),
+            "unmask": lambda: _unmask(site, job, doc),
+        }
+        if stage not in steps:
+            raise SecAggError(f"secure aggregation: unknown stage {stage!r}; refused")
+        reply = {**steps[str(stage)](), "site_id": site.site_id, "phase": phase, "stage": stage}
     return Message(fm.make_payload(reply), reply_to=msg)
+
+
+@contextmanager
+def sum_lock(site: Site, job: Job, phase: str) -> Iterator[None]:
+    """Hold this site's lock on one sum's state across load, answer and save.
+
+    Flower may run two ClientApp processes for one node at once: without the lock two ``unmask`` requests with
+    conflicting views of who dropped could both read the state before either saved it, and both be answered —
+    revealing both kinds of share for the same peer, which lets the coordinator strip every mask but the site's
+    own (its vector decoded alone). ``flock`` is released by the kernel if the process dies."""
+    lock = _state_path(site, job, phase).with_suffix(".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -34,6 +34,7 @@ from flwr.app import Context, Message, RecordDict
 from feta_release.accounting import Event, SkellamEvent, events_from_list, events_to_list
 from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
+from feta_release.federation.plan import check_requested
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
 from feta_release.planning import stage_event
 from feta_release.policy.enforce import MechanismRequest, check_request, own_share_request, skellam_own_sigma
@@ -201,6 +202,7 @@ def release(mechanism: str, *, admit: Admit | None = None, public: Public | None
             rid = fm.request_id(job.job_id, PHASES[mechanism], rnd)
             # σ of a DP-SGD round is calibrated HERE, by the site, for its own size and budget.
             event, mreq = planned(site, job, mechanism)
+            check_requested(doc.get("event"), event, site.site_id)  # the coordinator's plan must be the site's own
             prior = site.ledger.check(job.job_id, rid, mechanism, [event], site.policy)
             if prior is not None:
                 log.info("replayed request %s: answering from the ledger (not charged again)", rid)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
-from ..planning import secure_stage_events, target, warmup_events
+from ..planning import secure_stage_events, site_dpsgd, target, warmup_events
 from ..policy.enforce import own_share_request, request_of, skellam_own_sigma
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
@@ -43,7 +43,7 @@ def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
     warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, len(d.job.sites),
                                    site.policy.counted_colluders(len(d.job.sites)))
     charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
-                                  budget=target(cfg, site.policy))
+                                  budget=target(cfg, site.policy), **site_dpsgd(site.policy))
     skellam = {e.stage: e for e in warm if isinstance(e, SkellamEvent)}
     gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
     # min_sigma is the site's rule on its OWN noise share, as the node checks it

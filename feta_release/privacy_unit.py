@@ -154,8 +154,8 @@ class PrivacyUnit:
         from .accounting import epsilon as compose
 
         k = int(self.k or 1)
-        image_level = [e for e in events if e.unit == "image"]
-        patient_level = [e for e in events if e.unit == "patient"]
+        image_level = [e for e in events if getattr(e, "unit", "image") == "image"]  # Skellam events: per image
+        patient_level = [e for e in events if getattr(e, "unit", "image") == "patient"]
         base = {"unit": "patient", "images_per_patient_cap": k,
                 "sensitivity": f"DP-SGD: one patient adds one clipped summed gradient, C per step (patients sampled); "
                                f"central {k}·clip, frequency {k}/N (at most {k} image(s) per patient)"}
@@ -171,3 +171,13 @@ class PrivacyUnit:
                 "epsilon_dpsgd_per_patient": eps_s, "epsilon_warmup_per_patient": ge,
                 "how": f"DP-SGD per patient directly (no group conversion); the warm-up stages by group privacy over "
                        f"the cap of {k} images per patient; the two by basic composition, δ split in half"}
+
+
+def site_unit_statement(policy: Any, epsilon: float, delta: float, events: Sequence[Any], accountant: str) -> dict:
+    """What one site's (ε, δ) protects, from its SIGNED policy (a federation may mix units: each site states its
+    own). A patient-level policy: ε per patient (DP-SGD directly, the capped warm-up by group privacy) with the
+    public patient count; an image-level one: per image, and a person with k images only by group privacy."""
+    if getattr(policy, "privacy_unit", "image") == "patient":
+        st = PrivacyUnit("patient", int(policy.patient_cap)).statement(epsilon, delta, events, accountant)
+        return {**st, "public_patients": int(policy.patients)}
+    return PrivacyUnit("image", None).statement(epsilon, delta)

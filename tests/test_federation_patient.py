@@ -256,3 +256,41 @@ def test_request_unit_must_be_the_policy_unit() -> None:
             check_request(pol, ev, require_job=False)
     check_request(pat, PrivacyEvent("dpsgd", 1.0, 0.1, 2, "patient"), require_job=False)
     check_request(pat, PrivacyEvent("central", 5.0, 0.1, 1), require_job=False)  # warm-up stays per image
+
+
+def _plan_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    from feta_release.cli import main
+
+    main(["privacy", "plan", *args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_privacy_plan_for_a_federated_policy_of_two_thousand_patients(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """2,000 patients with 1-20 images each, cap 5: `privacy plan --policy` plans the site as its node will."""
+    from feta_release.cli import main
+    from feta_release.data.commitment import suggest_public_size
+    from feta_release.privacy_unit import cap_per_patient
+
+    preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
+    counts = np.random.default_rng(7).integers(1, 21, 2000)
+    n5 = len(cap_per_patient(np.repeat(np.arange(2000), counts), 5))
+    size = suggest_public_size(n5)
+    pols = {}
+    for name, level in (("patient", (2000, 5)), ("image", None)):
+        doc = make_policy("site-p", "0" * 64, size, ["a" * 64], patient_level=level)
+        (path := tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        pols[name] = _plan_json([str(preset), "--policy", str(path)], capsys)
+    pat, img = pols["patient"], pols["image"]
+    sgd = [e for e in pat["history"] if e["stage"] == "dpsgd"]
+    assert sgd and all(e["unit"] == "patient" and e["q"] == pytest.approx(125 / 2000) for e in sgd)  # rate 0.0625
+    u = pat["privacy_unit"]
+    assert u["unit"] == "patient" and u["public_patients"] == 2000 and u["images_per_patient_cap"] == 5
+    assert pat["epsilon"] <= 1.0 + 1e-9
+    assert u["epsilon_per_patient"] == pytest.approx(u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
+    isgd = [e for e in img["history"] if e["stage"] == "dpsgd"]
+    assert all("unit" not in e and e["q"] == pytest.approx(round(0.0625 * size) / size) for e in isgd)
+    assert img["privacy_unit"]["unit"] == "image" and "group privacy" in img["privacy_unit"]["how"]
+    main(["privacy", "plan", str(preset), "--policy", str(tmp_path / "patient.json")])
+    out = capsys.readouterr().out
+    assert "q = batch / public patients = 125 / 2000" in out and "unit of privacy: the PATIENT" in out

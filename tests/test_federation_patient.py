@@ -294,3 +294,47 @@ def test_privacy_plan_for_a_federated_policy_of_two_thousand_patients(tmp_path: 
     main(["privacy", "plan", str(preset), "--policy", str(tmp_path / "patient.json")])
     out = capsys.readouterr().out
     assert "q = batch / public patients = 125 / 2000" in out and "unit of privacy: the PATIENT" in out
+
+
+def _attested_site(site_id: str, policy: Any, events: list[Any]) -> dict[str, Any]:
+    """A manifest site entry as a node signs it (``build_attestation`` with the site's policy)."""
+    from feta_release.release.manifest import build_attestation, site_record
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    att = build_attestation(site_id, "job-m", events, policy.job_delta, policy.accountant, policy.digest,
+                            Ed25519PrivateKey.generate(), unit_policy=policy)
+    return site_record(att)
+
+
+def test_a_mixed_federation_states_the_unit_per_site() -> None:
+    from feta_release.accounting import PrivacyEvent
+    from feta_release.policy.document import SitePolicy
+    from feta_release.release.certificate import epsilon_line
+    from feta_release.release.report import _unit_paragraph
+    from feta_release.release.synthesize import _units
+    from feta_release.release.verify import describe_site, policy_violations
+
+    pat_doc = make_policy("site-p", "0" * 64, 100, ["a" * 64], patient_level=(40, 3), per_job=(10.0, 1e-5), lifetime=(20.0, 1e-5))
+    img_doc = make_policy("site-i", "0" * 64, 100, ["a" * 64], per_job=(10.0, 1e-5), lifetime=(20.0, 1e-5))
+    pat, img = (SitePolicy.from_document(d, None) for d in (pat_doc, img_doc))
+    warm = PrivacyEvent("central", 5.0, 0.1, 1)
+    p_site = _attested_site("site-p", pat, [warm, PrivacyEvent("dpsgd", 1.0, 0.2, 4, "patient")])
+    i_site = _attested_site("site-i", img, [warm, PrivacyEvent("dpsgd", 1.0, 0.08, 4)])
+    st_p = p_site["attestation"]["statement"]
+    assert st_p["privacy_unit"]["unit"] == "patient" and st_p["privacy_unit"]["public_patients"] == 40
+    assert policy_violations(pat_doc, st_p, events_from_list(st_p["events"])) == []
+    st_i = i_site["attestation"]["statement"]
+    assert policy_violations(img_doc, st_i, events_from_list(st_i["events"])) == []
+    # the wrong unit for the policy is a violation either way
+    assert any("dataset.privacy_unit" in v for v in policy_violations(pat_doc, st_i | {"site_id": "site-p"},
+                                                                      events_from_list(st_i["events"])))
+    assert any("privacy_unit" in v for v in policy_violations(img_doc, st_p | {"site_id": "site-i"},
+                                                              events_from_list(st_p["events"])))
+    assert "Unit of privacy at this site: the PATIENT (at most 3 image(s)" in describe_site(p_site)
+    assert "Unit of privacy at this site: one image" in describe_site(i_site)
+    sites = [p_site, i_site]
+    para = _unit_paragraph(sites)
+    assert "per site" in para and "at site-p one PATIENT" in para and "at site-i one image" in para
+    assert _units(sites).startswith("site site-p: one patient") and "site site-i: one image" in _units(sites)
+    line = epsilon_line(sites)
+    assert "site site-p" in line and "one patient of that site" in line and "site site-i" in line

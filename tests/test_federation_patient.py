@@ -338,3 +338,25 @@ def test_a_mixed_federation_states_the_unit_per_site() -> None:
     assert _units(sites).startswith("site site-p: one patient") and "site site-i: one image" in _units(sites)
     line = epsilon_line(sites)
     assert "site site-p" in line and "one patient of that site" in line and "site site-i" in line
+
+
+def test_policy_commands_commit_to_the_capped_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`policy data-commitment --patient-cap K` prints the patient-level [dataset] fields and commits to the data
+    the node will use; `policy verify --data` loads the data with the signed policy's cap."""
+    from feta_release.cli import main
+    from feta_release.policy.document import sign_policy, write_signed_policy
+    from feta_release.signing import generate_keypair
+
+    ds = tiny_sites()["site-a"]
+    csv = write_patient_csv(ds, tmp_path / "csv", _patient_sizes(ds.n, seed=5))
+    main(["policy", "data-commitment", str(csv), "--secret", str(tmp_path / "data.secret"), "--patient-cap", "2"])
+    out = capsys.readouterr().out
+    fields = dict(line.split(" = ") for line in out.splitlines() if " = " in line and not line.startswith("#"))
+    assert fields["privacy_unit"] == '"patient"' and fields["patient_cap"] == "2"
+    key, pub = generate_keypair(tmp_path / "keys", "policy")
+    doc = make_policy("site-a", fields["commitment"].strip('"'), int(fields["size"]), ["a" * 64],
+                      patient_level=(int(fields["patients"]), 2))
+    signed = write_signed_policy(tmp_path / "p.signed.json", sign_policy(doc, load_private_key(key)))
+    main(["policy", "verify", str(signed), "--trusted", str(pub), "--data", str(csv), "--secret",
+          str(tmp_path / "data.secret")])
+    assert "dataset commitment matches" in capsys.readouterr().out

@@ -226,7 +226,7 @@ class JobDriver:
             life[sid] = events_from_list(s.lifetime_events)
         job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
                                  charged=charged if self.cfg.federation.secure_aggregation else None)
-        doc = {
+        doc: dict[str, dict[str, Any]] = {
             sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
                   "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
                   "events": [e.to_dict() for e in charged[sid]] if sid in charged else

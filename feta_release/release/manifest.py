@@ -110,6 +110,7 @@ def build_attestation(
     evs = list(events)
     life = evs if lifetime_events is None else list(lifetime_events)
     life_delta = float(delta if lifetime_delta is None else lifetime_delta)
+    job_eps = epsilon(evs, delta, accountant)  # type: ignore[arg-type]
     statement = {
         "kind": ATTESTATION_KIND,
         "site_id": str(site_id),
@@ -119,7 +120,7 @@ def build_attestation(
         # Where the events come from: the node's own ledger, or an (unsigned) single-site run directory.
         "history": history,
         "events": events_to_list(evs),
-        "epsilon": epsilon(evs, delta, accountant),  # type: ignore[arg-type]
+        "epsilon": job_eps,
         "delta": float(delta),
         "accountant": accountant,
         "lifetime": {
@@ -133,7 +134,7 @@ def build_attestation(
     if unit_policy is not None:
         from ..privacy_unit import site_unit_statement
 
-        statement["privacy_unit"] = site_unit_statement(unit_policy, statement["epsilon"], float(delta), evs, accountant)
+        statement["privacy_unit"] = site_unit_statement(unit_policy, job_eps, float(delta), evs, accountant)
     if has_secure_aggregation(life):
         statement["secure_aggregation"] = {
             "max_colluders": int(max_colluders or 0),

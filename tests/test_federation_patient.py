@@ -360,3 +360,28 @@ def test_policy_commands_commit_to_the_capped_data(tmp_path: Path, capsys: pytes
     main(["policy", "verify", str(signed), "--trusted", str(pub), "--data", str(csv), "--secret",
           str(tmp_path / "data.secret")])
     assert "dataset commitment matches" in capsys.readouterr().out
+
+
+def test_a_secure_aggregation_job_with_a_patient_level_site(tmp_path: Path) -> None:
+    """Warm-up sums by secure aggregation (Skellam, per image with the cap), DP-SGD per patient: the coordinator's
+    secure plan and the node agree on the patient-level round, and the statement composes both."""
+    from feta_release.accounting import SkellamEvent
+    from feta_release.release.verify import policy_violations
+
+    from .federation_fixtures import full_job
+
+    fed, p = _federation(tmp_path)
+    cfg = full_job(federation={"secure_aggregation": True, "rounds": 1})
+    signed, _ = sign_job_file(fed, cfg, "job-sp")
+    res = _run(fed, harness(fed), signed, tmp_path / "out")
+    assert res.rounds_done == 1 and res.skipped == {}
+    events = events_from_list([e for r in _requests(fed, PATIENT_SITE, "job-sp") for e in r["events"]])
+    assert [type(e).__name__ for e in events] == ["SkellamEvent", "SkellamEvent", "PrivacyEvent"]
+    sgd = [e for e in events if not isinstance(e, SkellamEvent)][0]
+    assert sgd.unit == "patient" and sgd.q == pytest.approx(cfg.dpsgd.batch / p)
+    st_ = res.attestations[PATIENT_SITE]["statement"]
+    u = st_["privacy_unit"]
+    assert u["unit"] == "patient" and u["epsilon_per_patient"] == pytest.approx(
+        u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
+    policy = json.loads(fed.site(PATIENT_SITE).policy.read_text())["policy"]
+    assert policy_violations(policy, st_, events) == []

@@ -72,7 +72,8 @@ def _requests(fed: Any, site: str, job: str) -> list[dict[str, Any]]:
         return led.requests(job)
 
 
-def test_a_patient_level_site_in_a_federation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_patient_level_site_in_a_federation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     import edge.releases as releases
 
     fed, p = _federation(tmp_path, public_patients=None)
@@ -126,6 +127,10 @@ def test_a_patient_level_site_in_a_federation(tmp_path: Path, monkeypatch: pytes
     assert len(pat) == 2 and all(kw["n_public"] == p and kw["images_per_patient"] == CAP for kw in pat)
     assert all(int(np.bincount(kw["patients"]).max()) <= CAP for kw in pat)
     assert len([kw for kw in built if "patients" not in kw]) == 4
+    from feta_release.cli import main
+
+    main(["node", "status", "--ledger", str(fed.site(PATIENT_SITE).ledger)])  # the site admin's view says the unit
+    assert "per patient" in capsys.readouterr().out
 
 
 def test_public_patient_count_not_the_exact_one_leaves(tmp_path: Path) -> None:

@@ -367,6 +367,7 @@ def test_policy_commands_commit_to_the_capped_data(tmp_path: Path, capsys: pytes
     assert "dataset commitment matches" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # aux-generator fit + warm-ups of the full pipeline: ~1 min on a loaded machine
 def test_a_secure_aggregation_job_with_a_patient_level_site(tmp_path: Path) -> None:
     """Warm-up sums by secure aggregation (Skellam, per image with the cap), DP-SGD per patient: the coordinator's
     secure plan and the node agree on the patient-level round, and the statement composes both."""

@@ -155,9 +155,9 @@ def test_node_refuses_a_coordinator_that_plans_a_patient_site_as_image_level(tmp
     fed, _ = _federation(tmp_path)
     monkeypatch.setattr(driver, "site_dpsgd", lambda policy: {"dpsgd_unit": "image", "dpsgd_size": None})
     monkeypatch.setattr(driver, "check_job_fits", lambda policies, planned, **kw: {s: 0.0 for s in planned})
-    signed, _ = sign_job_file(fed, tiny_job(), "job-old")
+    signed, _ = sign_job_file(fed, tiny_job(federation={"rounds": 1}), "job-old")
     res = _run(fed, harness(fed), signed, tmp_path / "out")
-    assert res.skipped == {0: [PATIENT_SITE], 1: [PATIENT_SITE]}
+    assert res.skipped == {0: [PATIENT_SITE]}
     assert _requests(fed, PATIENT_SITE, "job-old") == []  # nothing charged, nothing released
     log = (tmp_path / "out" / "progress.jsonl").read_text()
     assert "refused before any charge" in log and "'unit': 'patient'" in log

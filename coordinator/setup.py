@@ -17,7 +17,7 @@ from flwr.cli.build import build_fab_from_disk
 from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED
 from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
 from feta_release.data.dataset import save_npz
-from feta_release.data.loading import load_dataset
+from feta_release.data.loading import cap_loaded, load_dataset
 from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.jobs import sign_job
 from feta_release.signing import generate_keypair, load_private_key, load_public_key, public_key_pem
@@ -63,7 +63,9 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
                        public_sizes: dict[str, int] | None = None, pin_peers: bool = True) -> Federation:
     """Write each site's data (.npz), keys, data secret, and a signed policy allowing the coordinator key and the
     app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant digits.
-    ``pin_peers``: each policy pins the other sites' keys (``secure_aggregation.peers``), as their admins would."""
+    ``pin_peers``: each policy pins the other sites' keys (``secure_aggregation.peers``), as their admins would.
+    A ``datasets`` value may be a data path (a folder or a ``path,label,patient_id`` CSV) used as it is; a site whose
+    ``policy_overrides`` hold ``patient_level=(P, K)`` commits to its data with the patient cap K, as its node loads it."""
     root = Path(root)
     coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
     fed = Federation(root, coord_key, coord_pub)
@@ -72,11 +74,13 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
     pems = {sid: public_key_pem(load_public_key(pub)) for sid, (_, pub) in site_keys.items()}
     for site_id, ds in datasets.items():
         d = root / "sites" / site_id
-        data_path = save_npz(ds, d / "data.npz")
-        loaded, _ = load_dataset(data_path)
+        data_path = Path(ds) if isinstance(ds, (str, Path)) else save_npz(ds, d / "data.npz")
+        over = dict((policy_overrides or {}).get(site_id, {}))
+        loaded, report = load_dataset(data_path)
+        if over.get("patient_level") and report.patients is not None:  # the images the node will use
+            loaded = cap_loaded(loaded, report, int(over["patient_level"][1]))
         policy_key, policy_pub = generate_keypair(d / "keys", "policy")
         site_key, site_pub = site_keys[site_id]
-        over = dict((policy_overrides or {}).get(site_id, {}))
         over.setdefault("app_bundles", hashes)
         over.setdefault("site_key", load_public_key(site_pub))
         if pin_peers:

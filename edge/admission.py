@@ -18,7 +18,7 @@ from typing import Any
 
 from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
-from feta_release.planning import secure_stage_events, stage_event, stage_events, target, warmup_events
+from feta_release.planning import secure_stage_events, site_dpsgd, stage_event, stage_events, target, warmup_events
 from feta_release.policy.enforce import MechanismRequest, check_budget, check_request, own_share_request, request_of
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
 from feta_release.policy.jobs import verify_job
@@ -47,9 +47,11 @@ def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path |
     if mechanism != "dpsgd":
         events: list[Event] = list(warmup_events(cfg, n))
     elif secure_warmup is not None:
-        events = secure_stage_events(cfg, n, secure_warmup, budget=target(cfg, policy), cache_dir=cache_dir)
-    else:
-        events = list(stage_events(cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir))
+        events = secure_stage_events(cfg, n, secure_warmup, budget=target(cfg, policy), cache_dir=cache_dir,
+                                     **site_dpsgd(policy))
+    else:  # the unit and the DP-SGD population (public patients or images) come from the signed policy only
+        events = list(stage_events(cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir,
+                                   **site_dpsgd(policy)))
     ev = stage_event(events, mechanism)
     if ev is None:
         raise PrivacyError(_DISABLED[mechanism])

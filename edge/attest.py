@@ -22,4 +22,4 @@ def site_attestation(site: Any, job: Any) -> dict[str, Any]:
     pol = site.policy
     return build_attestation(site.site_id, job.job_id, events, pol.job_delta, pol.accountant, pol.digest, site.key,
                              job_sha256=job.digest, lifetime_events=lifetime, lifetime_delta=pol.lifetime_delta,
-                             max_colluders=pol.counted_colluders(len(job.sites)))
+                             max_colluders=pol.counted_colluders(len(job.sites)), unit_policy=pol)

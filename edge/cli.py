@@ -131,7 +131,8 @@ def _print_summary(s: dict) -> None:
     for job_id, j in s["jobs"].items():
         for m, info in j["mechanisms"].items():
             ev = "; ".join((f"σ={e['sigma']:.3g}" if "sigma" in e else f"secure sum μ={e['mu']:.3g}")
-                           + f" q={e['q']:.3g} steps={e['steps']}" for e in info["events"])
+                           + f" q={e['q']:.3g} steps={e['steps']}"
+                           + (" per patient" if e.get("unit") == "patient" else "") for e in info["events"])
             t.add_row(job_id, m, ev, f"{info['epsilon_spent']:.4f}", "")
         jl = j["epsilon_left"]
         t.add_row(job_id, "[bold]total[/]", f"{j['requests']} request(s)", f"[bold]{j['epsilon_spent']:.4f}[/]",

@@ -121,7 +121,8 @@ def train(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, 
     """One federated DP-SGD round: global weights in, ``local_steps`` DP-SGD steps on site, weights out."""
     if not isinstance(req.event, PrivacyEvent):
         raise PrivacyError(f"DP-SGD round {req.round}: planned a {type(req.event).__name__}, not a Gaussian step")
-    return dpsgd_round(site.data, job.config, req.arrays, req.event, rng.torch(), site.n_public), [req.event]
+    return dpsgd_round(site.data, job.config, req.arrays, req.event, rng.torch(), site.n_public,
+                       site.patients), [req.event]
 
 
 @app.query("attest")

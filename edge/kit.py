@@ -138,15 +138,25 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")))
     site_pem = public_key_pem(load_public_key(site_pub))
     draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit,
-                                   tuple(h.lower() for h in app_bundles)), "utf-8")
+                                   tuple(h.lower() for h in app_bundles), _unit_fields(opts, report)), "utf-8")
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
     return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
                opts.patient_cap)
 
 
+def _unit_fields(opts: Any, report: Any) -> str:
+    """The policy draft's unit of privacy: with a patient cap (patient ids known) the PATIENT, with the PUBLIC
+    (rounded) number of patients, so federated DP-SGD samples and clips whole patients."""
+    if not opts.patient_cap or not report.n_patients:
+        return ""
+    return (f'privacy_unit = "patient"  # DP-SGD samples whole patients at q = batch / patients\n'
+            f"patients = {suggest_public_size(int(report.n_patients))}  # PUBLIC nominal number of patients (rounded)\n"
+            f"patient_cap = {int(opts.patient_cap)}  # at most this many images per patient (node.toml [data])\n")
+
+
 def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
-                  unit: str = "one image", app_bundles: tuple[str, ...] = ()) -> str:
+                  unit: str = "one image", app_bundles: tuple[str, ...] = (), unit_fields: str = "") -> str:
     start = utc_now().replace(microsecond=0, second=0)
     coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
               else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
@@ -169,7 +179,7 @@ site_key = '''{site_pem}'''
 [dataset]
 commitment = {_toml_str(commitment)}  # HMAC of the data as node.toml reads it (keys/data.secret)
 size = {n}  # PUBLIC nominal size N (rounded, not the exact count): rates are q = batch / N
-
+{unit_fields}
 # Unit of privacy: {unit}.
 [budget.lifetime]
 epsilon = 4.0

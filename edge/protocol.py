@@ -34,8 +34,9 @@ from flwr.app import Context, Message, RecordDict
 from feta_release.accounting import Event, SkellamEvent, events_from_list, events_to_list
 from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
+from feta_release.federation.plan import check_requested
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
-from feta_release.planning import fedsgd_shape, secure_stage_events, stage_event, target
+from feta_release.planning import fedsgd_shape, secure_stage_events, site_dpsgd, stage_event, target
 from feta_release.policy.enforce import (
     MechanismRequest,
     check_request,
@@ -136,7 +137,7 @@ def _fedsgd_round(site: Site, job: Job, secure: list[Event]) -> tuple[Event, Mec
     shape = fedsgd_shape(cfg, tuple(site.data.image_shape), int(site.data.n_classes), n_sites,
                          site.policy.counted_colluders(n_sites))
     events = secure_stage_events(cfg, site.n_public, secure, budget=target(cfg, site.policy), cache_dir=site.work_dir,
-                                 fedsgd=shape)
+                                 fedsgd=shape, **site_dpsgd(site.policy))
     event = stage_event(events, "dpsgd")
     if event is None:
         raise PrivacyError("the job has no FedSGD rounds ([federation] rounds = 0); nothing to train")
@@ -231,6 +232,7 @@ def release(mechanism: str, *, admit: Admit | None = None, public: Public | None
             rid = fm.request_id(job.job_id, PHASES[mechanism], rnd)
             # σ of a DP-SGD round is calibrated HERE, by the site, for its own size and budget.
             event, mreq = planned(site, job, mechanism)
+            check_requested(doc.get("event"), event, site.site_id)  # the coordinator's plan must be the site's own
             prior = site.ledger.check(job.job_id, rid, mechanism, [event], site.policy)
             if prior is not None:
                 log.info("replayed request %s: answering from the ledger (not charged again)", rid)

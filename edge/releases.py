@@ -19,6 +19,7 @@ from feta_release.mechanisms.central import central_images
 from feta_release.mechanisms.frequency import frequency_statistics
 from feta_release.models import build_denoiser
 from feta_release.planning import stage_event, warmup_events
+from feta_release.privacy_unit import PatientIndex
 from feta_release.training.dpsgd import DPSGDTrainer
 
 
@@ -100,17 +101,23 @@ def _fits(own: dict[str, Any], weights: dict[str, np.ndarray]) -> None:
 
 
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
-                generator: torch.Generator, n_public: int) -> dict[str, np.ndarray]:
+                generator: torch.Generator, n_public: int, patients: PatientIndex | None = None) -> dict[str, np.ndarray]:
     """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
     The noisy sum is divided by the public expected batch q * ``n_public``, never by anything of ``ds.n``.
+    ``patients`` (a patient-level site, events of unit "patient"): whole patients are Poisson-sampled, each
+    patient's summed gradient is clipped, and the divisor is q x the policy's PUBLIC patient count.
 
     Only the weights are returned: the trainer's per-step statistics (loss, realised batch size, clipped
     fraction, seconds) are un-noised functions of the private batch and never leave the site."""
+    if (event.unit == "patient") != (patients is not None):
+        raise PrivacyError(f"DP-SGD round planned with unit {event.unit!r} but this site "
+                           f"{'has' if patients is not None else 'has no'} patient index; nothing released")
     model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
     _fits(model.state_dict(), weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
+    unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
-                           image_shape=ds.image_shape, n_classes=ds.n_classes, n_public=n_public)
+                           image_shape=ds.image_shape, n_classes=ds.n_classes, **unit)
     images = torch.from_numpy(np.asarray(ds.images, dtype=np.float32)) * 2.0 - 1.0
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)

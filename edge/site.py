@@ -17,6 +17,7 @@ from feta_release.data.commitment import dataset_commitment, load_secret
 from feta_release.data.loading import LoadOptions, load_dataset
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import load_site_policy
+from feta_release.privacy_unit import policy_data
 from feta_release.signing import load_private_key, public_key_pem
 
 from feta_release.ledger import Ledger
@@ -65,6 +66,11 @@ def load_site_data(path: str | Path, options: Any = None) -> Any:
     return ds
 
 
+def load_site_data_report(path: str | Path, options: Any = None) -> tuple[Any, Any]:
+    """(dataset, ``LoadReport``): the report carries the per-image patient index (private; stays in this process)."""
+    return load_dataset(Path(path), **(options or LoadOptions()).kwargs())
+
+
 def owner_only_dir(path: Path) -> Path:
     """The node's work directory, for the site's account only (0700): its logs may hold tracebacks whose text
     depends on the images, and compute times there track the realised Poisson batch sizes."""
@@ -81,6 +87,9 @@ class Site:
     ledger: Ledger
     key: Any  # Ed25519PrivateKey
     work_dir: Path
+    # patient-level DP-SGD (policy dataset.privacy_unit = "patient"): private per-image patient index, with the
+    # policy's PUBLIC patient count and cap; None at an image-level site
+    patients: Any = None
 
     @property
     def site_id(self) -> str:
@@ -103,7 +112,10 @@ class Site:
         key = load_private_key(node_config[CFG_SITE_KEY])
         # Opening verifies the ledger's hash chain and its head's signature by this site key.
         ledger = Ledger(node_config[CFG_LEDGER], key=key)
-        data = load_site_data(node_config[CFG_DATA], load_options(node_config))
+        data, report = load_site_data_report(node_config[CFG_DATA], load_options(node_config))
+        # the policy's unit decides which images are used (its patient cap) BEFORE the commitment is checked
+        data, patients = policy_data(verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED]), data, report,
+                                     data_source=str(node_config[CFG_DATA]), policy_source=str(node_config[CFG_POLICY]))
         policy = verify_policy_file(
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
             last_seen_version=ledger.highest_policy_version(),
@@ -119,7 +131,8 @@ class Site:
                               "names (site_key); a verifier would refuse every attestation it signs")
         work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
         owner_only_dir(work)
-        return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work)
+        return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work,
+                   patients=patients)
 
 
 @functools.lru_cache(maxsize=8)

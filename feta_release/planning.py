@@ -39,7 +39,7 @@ from .accounting import (
 from .accountants.skellam import honest_shares, skellam_event
 from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
-from .errors import FetaError, PrivacyError
+from .errors import FetaError, PolicyError, PrivacyError
 
 # The embedded data's training split (5,000 MNIST digits, 20 % held out): the size assumed when none is given.
 DEFAULT_DATASET_SIZE = 4000
@@ -110,9 +110,20 @@ def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
     return out
 
 
+def site_dpsgd(policy: Any | None) -> dict[str, Any]:
+    """How a site's SIGNED policy has DP-SGD sample (keyword arguments of :func:`stage_events`): a patient-level
+    policy (``dataset.privacy_unit = "patient"``) samples its PUBLIC ``dataset.patients`` at q = batch / patients
+    with events of unit "patient"; otherwise images at q = batch / ``dataset.size``. The coordinator and the
+    node both read it from the signed policy only, so they plan the same events."""
+    if policy is not None and getattr(policy, "privacy_unit", "image") == "patient":
+        return {"dpsgd_unit": "patient", "dpsgd_size": int(policy.patients)}
+    return {"dpsgd_unit": "image", "dpsgd_size": None}
+
+
 def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
                  budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
-                 cache_dir: Path | None = None, dpsgd_unit: str = "image") -> list[PrivacyEvent]:
+                 cache_dir: Path | None = None, dpsgd_unit: str = "image",
+                 dpsgd_size: int | None = None) -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
@@ -126,12 +137,15 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     naming the stage to shrink when the job cannot fit.
     ``dpsgd_unit``: ``"patient"`` for patient-level DP-SGD (patients Poisson-sampled at the same rate q, each
     patient's summed gradient clipped): the same (sigma, q, steps), the figure then holds per patient directly.
+    ``dpsgd_size``: the PUBLIC count DP-SGD samples from when it is not ``public_size`` (a federated patient-level
+    site: its public number of patients, so q = batch / patients; :func:`site_dpsgd` gives both from a policy).
     """
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
-    events = _with_dpsgd(cfg, n, warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit)
+    events = _with_dpsgd(cfg, n, warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
+                         _size(dpsgd_size) if dpsgd_size is not None else None)
     return gaussian_only(events, "stage_events")
 
 
@@ -155,7 +169,8 @@ def fedsgd_shape(cfg: JobConfig, image_shape: tuple[int, ...], n_classes: int, n
 
 
 def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event], *, budget: Target | None = None,
-                        cache_dir: Path | None = None, fedsgd: FedSGDShape | None = None) -> list[Event]:
+                        cache_dir: Path | None = None, fedsgd: FedSGDShape | None = None, dpsgd_unit: str = "image",
+                        dpsgd_size: int | None = None) -> list[Event]:
     """:func:`stage_events` of a federated site whose warm-up releases go through secure aggregation: ``warmup``
     are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``), so DP-SGD is calibrated over
     the history the ledger will hold. With ``[federation] fedsgd`` (``fedsgd`` then required) DP-SGD is one
@@ -163,7 +178,13 @@ def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event
     so that the whole history counted over ``fedsgd.shares`` noise shares meets the budget."""
     n = _size(public_size)
     if not cfg.federation.fedsgd:
-        return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir)
+        return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir, dpsgd_unit,
+                           _size(dpsgd_size) if dpsgd_size is not None else None)
+    if dpsgd_unit != "image":
+        # FedSGD samples and clips per image (edge/fedsgd.py): a patient-level site would be charged an image-level
+        # event while it attests a per-patient epsilon (review M1)
+        raise PolicyError(f"[federation] fedsgd runs image-level DP-SGD only; this site's policy makes the "
+                          f"{dpsgd_unit} the unit of privacy: run the job without fedsgd")
     if fedsgd is None:
         raise PrivacyError("[federation] fedsgd: planning its rounds needs the model's size and the site's noise "
                            "shares (FedSGDShape); none given")
@@ -202,11 +223,16 @@ def _with_fedsgd(cfg: JobConfig, n: int, warm: list[Event], shape: FedSGDShape, 
 
 
 def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int], budget: Target | None,
-                prior: Sequence[Event], cache_dir: Path | None, dpsgd_unit: str = "image") -> list[Event]:
+                prior: Sequence[Event], cache_dir: Path | None, dpsgd_unit: str = "image",
+                dpsgd_size: int | None = None) -> list[Event]:
     warm = list(warm)
     if sum(sizes) < 1:
         return warm
-    q = sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
+    if dpsgd_size is not None and cfg.dpsgd.batch > dpsgd_size:
+        raise PrivacyError(f"[dpsgd] batch {cfg.dpsgd.batch} exceeds the site's {dpsgd_size} public patients (its "
+                           "policy's dataset.patients; patient-level DP-SGD samples patients at q = batch / patients): "
+                           f"shrink [dpsgd] batch to at most {dpsgd_size}")
+    q = sampling_rate(cfg.dpsgd.batch, n if dpsgd_size is None else dpsgd_size, "dpsgd")
     if cfg.dpsgd.noise_multiplier is not None:
         sigma = float(cfg.dpsgd.noise_multiplier)
     else:
@@ -413,10 +439,11 @@ class PrivacyPlan:
 
 def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
          budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
-         image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image") -> PrivacyPlan:
+         image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image",
+         dpsgd_size: int | None = None) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
-    ``rounds``: the DP-SGD round sizes (see :func:`stage_events`); ``image_shape``/``n_classes`` (public) only feed
+    ``rounds``, ``dpsgd_unit``, ``dpsgd_size``: see :func:`stage_events`; ``image_shape``/``n_classes`` (public) only feed
     the noise-to-signal figures (default: the embedded data).
     Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
     """
@@ -425,7 +452,8 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
     tgt = budget or target(cfg)
     prior = list(prior)
     check_warmup(prior + warmup_events(cfg, n), tgt)
-    events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit)
+    events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit,
+                          dpsgd_size=dpsgd_size)
     history = prior + events
     sgd = stage_event(events, "dpsgd")
     total = epsilon(history, tgt.delta, tgt.accountant)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PrivacyError
+from .errors import ConfigError, PrivacyError
 
 
 def cap_per_patient(patients: np.ndarray, k: int) -> np.ndarray:
@@ -68,6 +68,35 @@ class PatientIndex:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PrivacyError(f"patient-level DP-SGD: {name} must be an integer >= 1, got {v!r}")
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """``DPSGDTrainer`` keywords of patient-level DP-SGD: sample patients, clip per patient, divide by q x the
+        PUBLIC patient count (the one place a site turns its index into a trainer's arguments)."""
+        return {"n_public": self.n_public, "patients": self.ids, "images_per_patient": self.cap}
+
+
+def policy_data(policy: Any, ds: Any, report: Any, *, data_source: str, policy_source: str) -> tuple[Any, PatientIndex | None]:
+    """The site's data as its signed policy's unit of privacy needs them, and the patient index for DP-SGD.
+
+    An image-level policy: the data as loaded, no index. A patient-level policy (``dataset.privacy_unit =
+    "patient"``): the data must carry patient ids (refused otherwise: DP-SGD cannot sample patients it cannot
+    tell apart), at most ``dataset.patient_cap`` images per patient are kept (the loader's cap, set here when
+    the node's own config sets none; a different one is refused), and the index holds the PUBLIC patient count."""
+    if getattr(policy, "privacy_unit", "image") != "patient":
+        return ds, None
+    if report.patients is None:
+        raise ConfigError(f'{policy_source}: the policy makes the PATIENT the unit of privacy (dataset.privacy_unit = '
+                          f'"patient") but {data_source} has no patient ids; give the data a patient_id column (CSV '
+                          'path,label,patient_id) or DICOM files with PatientID, or sign a policy without privacy_unit')
+    cap = int(policy.patient_cap)
+    if report.patient_cap is not None and report.patient_cap != cap:
+        raise ConfigError(f"{policy_source}: dataset.patient_cap = {cap} but the node loads {data_source} with a patient "
+                          f"cap of {report.patient_cap} (node.toml [data] patient_cap); set it to {cap} or remove it")
+    if report.patient_cap is None:
+        from .data.loading import cap_loaded
+
+        ds = cap_loaded(ds, report, cap)
+    return ds, PatientIndex(np.asarray(report.patients), int(policy.patients), cap)
 
 
 def unit_phrase(events: Sequence[Any]) -> str:
@@ -125,8 +154,8 @@ class PrivacyUnit:
         from .accounting import epsilon as compose
 
         k = int(self.k or 1)
-        image_level = [e for e in events if e.unit == "image"]
-        patient_level = [e for e in events if e.unit == "patient"]
+        image_level = [e for e in events if getattr(e, "unit", "image") == "image"]  # Skellam events: per image
+        patient_level = [e for e in events if getattr(e, "unit", "image") == "patient"]
         base = {"unit": "patient", "images_per_patient_cap": k,
                 "sensitivity": f"DP-SGD: one patient adds one clipped summed gradient, C per step (patients sampled); "
                                f"central {k}·clip, frequency {k}/N (at most {k} image(s) per patient)"}
@@ -142,3 +171,13 @@ class PrivacyUnit:
                 "epsilon_dpsgd_per_patient": eps_s, "epsilon_warmup_per_patient": ge,
                 "how": f"DP-SGD per patient directly (no group conversion); the warm-up stages by group privacy over "
                        f"the cap of {k} images per patient; the two by basic composition, δ split in half"}
+
+
+def site_unit_statement(policy: Any, epsilon: float, delta: float, events: Sequence[Any], accountant: str) -> dict:
+    """What one site's (ε, δ) protects, from its SIGNED policy (a federation may mix units: each site states its
+    own). A patient-level policy: ε per patient (DP-SGD directly, the capped warm-up by group privacy) with the
+    public patient count; an image-level one: per image, and a person with k images only by group privacy."""
+    if getattr(policy, "privacy_unit", "image") == "patient":
+        st = PrivacyUnit("patient", int(policy.patient_cap)).statement(epsilon, delta, events, accountant)
+        return {**st, "public_patients": int(policy.patients)}
+    return PrivacyUnit("image", None).statement(epsilon, delta)

@@ -140,14 +140,25 @@ def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file:
     click.echo(f"signed policy {doc['site_id']} v{doc['version']} by {signing.fingerprint(k)} -> {target}")
 
 
-def _data_commitment(path: Path, secret: Path, create: bool = False) -> tuple[str, int, bool]:
-    """(keyed commitment, exact count, secret created). The exact count is for the site's own eyes only."""
+def _data_commitment(path: Path, secret: Path, create: bool = False,
+                     patient_cap: int | None = None) -> tuple[str, int, bool, int | None]:
+    """(keyed commitment, exact count, secret created, exact patient count). The exact counts are for the site's
+    own eyes only. ``patient_cap``: the images a patient-level policy's node uses (the first K of each patient)."""
     from ..data import load_dataset
     from ..data.commitment import dataset_commitment, ensure_secret, load_secret
 
-    ds, _ = load_dataset(path)
+    ds, report = load_dataset(path, patient_cap=patient_cap)
     key, created = ensure_secret(secret) if create else (load_secret(secret), False)
-    return dataset_commitment(ds, key), ds.n, created
+    return dataset_commitment(ds, key), ds.n, created, report.n_patients
+
+
+def _signed_patient_cap(signed: Path) -> int | None:
+    """The patient cap of a patient-level signed policy (read before it is verified, only to load the data the
+    way its node does; the policy is verified right after)."""
+    from ..policy.envelope import read_json
+
+    ds = ((read_json(signed, "signed policy").get("policy") or {}).get("dataset") or {})
+    return ds.get("patient_cap") if ds.get("privacy_unit") == "patient" else None
 
 
 @policy.command("verify")
@@ -179,7 +190,7 @@ def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, se
     if data is not None:
         if secret is None:
             raise ConfigError("--data needs --secret: the policy holds a keyed commitment, not a plain hash")
-        fp, n, _ = _data_commitment(data, secret)
+        fp, n, _, _ = _data_commitment(data, secret, patient_cap=_signed_patient_cap(signed))
     pol = load_site_policy(signed, list(trusted), now=now, dataset_commitment=fp, last_seen_version=min_version)
     click.echo(f"OK: policy {pol.site_id} v{pol.version} signed by {pol.signer}, valid "
                f"{format_time(pol.not_before)} .. {format_time(pol.expires)}")
@@ -238,21 +249,28 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
 @click.option("--secret", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The site's data secret; created (256 bits from the OS, mode 0600) if it does not exist. "
                    "Keep it on the site: the node needs it, nobody else may have it.")
-def policy_data_commitment(data: Path, secret: Path) -> None:
+@click.option("--patient-cap", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Patient-level privacy: commit to the first K images of each patient (the node's data under a "
+                   "policy with privacy_unit = \"patient\", patient_cap = K) and print those fields too.")
+def policy_data_commitment(data: Path, secret: Path, patient_cap: int | None) -> None:
     """Print the [dataset] table of a policy: the keyed commitment to DATA and a suggested public size.
 
     \b
     Example:
       feta-release policy data-commitment /data/labels.csv --secret keys/data.secret
+      feta-release policy data-commitment /data/labels.csv --secret keys/data.secret --patient-cap 5
     """
     from ..data.commitment import suggest_public_size
 
-    fp, n, created = _data_commitment(data, secret, create=True)
+    fp, n, created, n_patients = _data_commitment(data, secret, create=True, patient_cap=patient_cap)
     if created:
         click.echo(f"# created data secret {secret} (mode 0600); back it up on this site only", err=True)
     click.echo(f'commitment = "{fp}"\n# PUBLIC nominal size: every rate and denominator that leaves the site uses it.'
                f'\n# Suggested: the count rounded to 2 significant digits; the exact count ({n}) must not be published.'
                f'\nsize = {suggest_public_size(n)}')
+    if patient_cap is not None and n_patients:
+        click.echo(f'privacy_unit = "patient"\n# PUBLIC nominal number of patients (the exact count stays here)\n'
+                   f"patients = {suggest_public_size(n_patients)}\npatient_cap = {patient_cap}")
 
 
 # -- job -------------------------------------------------------------------------------------------

@@ -28,18 +28,29 @@ def privacy() -> None:
               "sampled at rate q, each patient's summed gradient clipped), so DP-SGD's ε holds per patient directly.")
 @click.option("--max-images-per-person", type=click.IntRange(min=1), default=None, metavar="M",
               help="Without patient ids: the most images one person may have; states the group-privacy ε for them.")
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Plan JOB_FILE as a federated job at the site of this policy (signed JSON, or a TOML/JSON draft), "
+              "exactly as its node will: its public size, per-job budget and unit of privacy (a patient-level policy: "
+              "DP-SGD samples its public patients at q = batch / patients). Replaces -n and the patient options.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, public_patients: int | None,
-         max_images_per_person: int | None, as_json: bool) -> None:
+         max_images_per_person: int | None, policy_path: Path | None, as_json: bool) -> None:
     """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
     and what that ε means for the unit of privacy (an image, or a patient).
 
     \b
     Example:
       feta-release privacy plan job.toml -n 9500 --patient-cap 5 --patients 2000
+      feta-release privacy plan job.toml --policy site-kit/policy.signed.json
     """
     from ..privacy_unit import PrivacyUnit
 
+    if policy_path is not None:
+        if dataset_size is not None or patient_cap is not None or public_patients is not None or max_images_per_person:
+            raise click.UsageError("--policy fixes the size and the unit of privacy: drop -n, --patient-cap, "
+                                   "--patients and --max-images-per-person")
+        _plan_for_policy(job_file, policy_path, as_json)
+        return
     if patient_cap is not None and max_images_per_person is not None:
         raise click.UsageError("give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both")
     if public_patients is not None and patient_cap is None:
@@ -78,6 +89,54 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, publ
         extra = (f"; a person with {st['largest_group']} images: ε {st['epsilon_for_largest_group']:.3f} at δ "
                  f"{st['delta_for_largest_group']:.3g}" if "largest_group" in st else "")
         click.echo(f"unit of privacy: one IMAGE ({st['how']}){extra}")
+
+
+def _read_policy(path: Path) -> Any:
+    """A site policy for planning: a signed one (its integrity checked, not who signed it: planning trusts
+    nothing) or an unsigned draft (validated)."""
+    from ..policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
+    from ..policy.envelope import read_json
+
+    if path.suffix.lower() == ".json" and isinstance(raw := read_json(path, "policy"), dict) and "signature" in raw:
+        return read_signed_policy_unverified(path)[0]
+    return SitePolicy.from_document(read_policy_document(path), None, str(path))
+
+
+def _plan_for_policy(job_file: Path, policy_path: Path, as_json: bool) -> None:
+    """The federated plan of JOB_FILE at one site, as its node makes it (``edge.admission.request_for``)."""
+    from ..config import load_job
+    from ..planning import plan as plan_privacy
+    from ..planning import site_dpsgd, target
+    from ..privacy_unit import site_unit_statement
+
+    pol = _read_policy(policy_path)
+    cfg = load_job(job_file)
+    # a job written with sampling rates: the coordinator sizes each site's batches (central over the public
+    # images, DP-SGD over the public population DP-SGD samples: the patients of a patient-level site)
+    if cfg.central.rate is not None:
+        cfg = cfg.replace(central={"batch": max(1, round(cfg.central.rate * pol.dataset_size))})
+    if cfg.dpsgd.rate is not None:
+        cfg = cfg.replace(dpsgd={"batch": max(1, round(cfg.dpsgd.rate * pol.dpsgd_population))})
+    result = plan_privacy(cfg, int(pol.dataset_size), federated=True, budget=target(cfg, pol), **site_dpsgd(pol))
+    st = site_unit_statement(pol, result.epsilon, result.delta, result.events, result.accountant)
+    sgd = result.event("dpsgd")
+    if as_json:
+        data = {**result.to_dict(), "job": str(job_file), "policy": str(policy_path), "site_id": pol.site_id,
+                "federated": True, "privacy_unit": st}
+        click.echo(json.dumps(data, indent=2))
+        return
+    _print_plan(result, job_file, False)
+    click.echo(f"site {pol.site_id} (policy {policy_path}): federated plan, {cfg.federation.rounds} round(s) x "
+               f"{cfg.federation.local_steps} local step(s)")
+    if pol.privacy_unit == "patient" and sgd is not None:
+        click.echo(f"patient-level DP-SGD: q = batch / public patients = {cfg.dpsgd.batch} / {pol.patients} = "
+                   f"{sgd.q:.4g}; each step's noisy sum is divided by q x {pol.patients}")
+    if st["unit"] == "patient":
+        click.echo(f"unit of privacy: the PATIENT (at most {st['images_per_patient_cap']} images each, "
+                   f"{st['public_patients']} public patients): ε per patient {st['epsilon_per_patient']:.3f} at δ "
+                   f"{st['delta_per_patient']:.3g} ({st['how']})")
+    else:
+        click.echo(f"unit of privacy: one IMAGE ({st['how']})")
 
 
 def _fmt(x: float | None, spec: str) -> str:

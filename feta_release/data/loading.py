@@ -163,6 +163,11 @@ def load_dataset(
     return ds, report
 
 
+def cap_loaded(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
+    """``load_dataset(..., patient_cap=k)`` applied to data already loaded without a cap (same images, same report)."""
+    return _cap_patients(ds, report, k)
+
+
 def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     if report.patients is None:
         raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "

@@ -28,7 +28,7 @@ from torch import nn
 from ..accounting import events_from_list
 from ..config import JobConfig
 from ..errors import FetaError, PolicyError
-from ..planning import stage_events, target
+from ..planning import site_dpsgd, stage_events, target
 from ..policy.document import open_signed_policy
 from ..policy.enforce import check_job_fits, request_of
 from ..policy.jobs import verify_job_with_keys
@@ -116,6 +116,7 @@ class JobDriver:
         self.timings: dict[str, float] = {}
         self.skipped: dict[int, list[str]] = {}
         self._log_path = self.out / "progress.jsonl"
+        self.planned_dpsgd: dict[str, dict[str, Any]] = {}  # site -> its planned DP-SGD round event (sent each round)
 
     # -- plumbing --------------------------------------------------------------------------------
     def emit(self, phase: str, message: str, **fields: Any) -> None:
@@ -218,19 +219,25 @@ class JobDriver:
             if self.cfg.federation.secure_aggregation:  # the sites charge SkellamEvents for the warm-up sums
                 planned[sid], charged[sid] = secure_plan(self, s)
             else:
-                evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy))
+                # the site's unit and public patient count come from its SIGNED policy (hello), as the node plans
+                evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy),
+                                   **site_dpsgd(s.policy))
                 planned[sid] = [request_of(e, self.cfg) for e in evs]
             policies[sid] = s.policy
             life[sid] = events_from_list(s.lifetime_events)
         job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
                                  charged=charged if self.cfg.federation.secure_aggregation else None)
-        doc = {
+        doc: dict[str, dict[str, Any]] = {
             sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
                   "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
                   "events": [e.to_dict() for e in charged[sid]] if sid in charged else
                   [r.event().to_dict() for r in planned[sid]]}
             for sid in planned
         }
+        for sid, v in doc.items():
+            v["privacy_unit"] = self.sites[sid].policy.privacy_unit  # from the site's signed policy, per site
+            if (sgd := next((e for e in v["events"] if e["stage"] == "dpsgd"), None)) is not None:
+                self.planned_dpsgd[sid] = sgd
         (self.out / "plan.json").write_text(json.dumps(doc, indent=2), "utf-8")
         self.emit("plan", "job fits every site's policy: " + ", ".join(f"{k} ε={v['planned_epsilon']:.3f}"
                                                                        for k, v in doc.items()))
@@ -328,8 +335,10 @@ class JobDriver:
     def _round(self, r: int, model: nn.Module) -> list[str]:
         """Round ``r``: send the global weights, FedAvg the answers (weighted by public sizes) into ``model``."""
         weights = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-        ok, failed = self._ask("dpsgd", fm.TRAIN, {sid: {"round": r} for sid in self.sites}, arrays=weights,
-                               group=f"round-{r}")
+        # each site's planned event goes with its request: the node refuses one that is not its own plan
+        targets = {sid: {"round": r, **({"event": self.planned_dpsgd[sid]} if sid in self.planned_dpsgd else {})}
+                   for sid in self.sites}
+        ok, failed = self._ask("dpsgd", fm.TRAIN, targets, arrays=weights, group=f"round-{r}")
         if len(ok) < self.cfg.federation.min_sites:
             raise SiteUnavailable(f"round {r + 1}: only {len(ok)} site(s) answered ({failed}); "
                                   f"[federation] min_sites = {self.cfg.federation.min_sites}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import PrivacyError
+from ..errors import FetaError, PrivacyError
 
 
 def public_size(policy: Any) -> int:
@@ -30,3 +30,28 @@ def fedavg_weights(sizes: dict[str, int]) -> dict[str, float]:
     if total <= 0 or any(s <= 0 or not math.isfinite(s) for s in sizes.values()):
         raise PrivacyError(f"FedAvg needs positive public sizes, got {sizes}")
     return {k: v / total for k, v in sizes.items()}
+
+
+def _key(e: Any) -> tuple[Any, ...]:
+    d = e.to_dict()
+    return tuple(sorted((k, round(v, 9) if isinstance(v, float) else v) for k, v in d.items()))
+
+
+def check_requested(asked: Any, own: Any, site_id: str) -> None:
+    """The coordinator's planned event for a request (``asked``: its dict, sent with the request; None when it
+    sent none) must be the event this site planned from its OWN signed policy (``own``), unit included: a
+    coordinator that plans a patient-level site as image-level (or with another q or sigma) is refused before
+    anything is charged. The site never uses the coordinator's numbers: it releases with its own plan or not at all."""
+    if asked is None:
+        return
+    from ..accounting import event_from_dict
+    from ..errors import PolicyError
+
+    try:
+        ev = event_from_dict(asked)
+    except FetaError as exc:
+        raise PolicyError(f"the coordinator's planned event for this request is malformed ({exc}); refused") from None
+    if _key(ev) != _key(own):
+        raise PolicyError(f"the coordinator planned {ev.to_dict()} for this request but site {site_id}'s signed policy "
+                          f"gives {own.to_dict()} (unit of privacy, q or sigma differ); refused before any charge: the "
+                          "coordinator must plan each site from its signed policy (dataset.privacy_unit, patients)")

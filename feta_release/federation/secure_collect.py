@@ -14,7 +14,7 @@ import numpy as np
 
 from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
-from ..planning import fedsgd_shape, secure_stage_events, target, warmup_events
+from ..planning import fedsgd_shape, secure_stage_events, site_dpsgd, target, warmup_events
 from ..policy.enforce import own_share_request, request_of, skellam_own_sigma, skellam_request
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
@@ -44,7 +44,7 @@ def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
     warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, n, colluders)
     shape = fedsgd_shape(cfg, tuple(site.image_shape), site.n_classes, n, colluders) if cfg.federation.fedsgd else None
     charged = secure_stage_events(cfg, site.size, [e for e in warm if isinstance(e, SkellamEvent)],
-                                  budget=target(cfg, site.policy), fedsgd=shape)
+                                  budget=target(cfg, site.policy), fedsgd=shape, **site_dpsgd(site.policy))
     skellam = {e.stage: e for e in warm if isinstance(e, SkellamEvent)}
     gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
     # min_sigma is the site's rule on its OWN noise share, as the node checks it

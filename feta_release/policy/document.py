@@ -92,6 +92,16 @@ class SitePolicy:
     # the other sites' pinned Ed25519 keys (PEM) by site id: key adverts are checked against these, not against
     # keys the coordinator relays (empty: none pinned, so no other site's noise share is counted)
     peers: Mapping[str, str] = field(default_factory=dict)
+    # the unit of privacy (dataset.privacy_unit): "patient" declares the PUBLIC patient count and the per-patient
+    # image cap, and DP-SGD samples and clips whole patients (None for an image-level policy)
+    privacy_unit: str = "image"
+    patients: int | None = None
+    patient_cap: int | None = None
+
+    @property
+    def dpsgd_population(self) -> int:
+        """The PUBLIC count DP-SGD samples from: patients for a patient-level policy, else the nominal image count."""
+        return int(self.patients) if self.privacy_unit == "patient" and self.patients else int(self.dataset_size)
 
     def counted_colluders(self, n_sites: int) -> int:
         """Other sites counted as colluding: ``max_colluders``, or all of them when no peer key is pinned (the
@@ -137,6 +147,9 @@ class SitePolicy:
             max_colluders=int(doc.get("secure_aggregation", {}).get("max_colluders", 0)),
             max_worst_case_epsilon=doc.get("secure_aggregation", {}).get("max_worst_case_epsilon"),
             peers=dict(doc.get("secure_aggregation", {}).get("peers", {})),
+            privacy_unit=str(doc["dataset"].get("privacy_unit", "image")),
+            patients=doc["dataset"].get("patients"),
+            patient_cap=doc["dataset"].get("patient_cap"),
         )
 
     def coordinator_fingerprints(self) -> set[str]:
@@ -187,6 +200,7 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
     for k in ("epsilon", "delta"):
         if b["per_job"][k] > b["lifetime"][k]:
             problems.append((f"budget.per_job.{k}", f"{b['per_job'][k]} exceeds budget.lifetime.{k} {b['lifetime'][k]}"))
+    problems += _unit_problems(doc["dataset"])
     if "site_key" in doc:
         try:
             signing.load_public_key(doc["site_key"].encode())
@@ -205,6 +219,21 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
                 problems.append((f"coordinators[{i}]", str(exc)))
     if problems:
         raise PolicySchemaError(source, problems)
+
+
+def _unit_problems(ds: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The unit of privacy's fields, each problem with its fix (a patient-level policy needs both public counts)."""
+    if ds.get("privacy_unit", "image") != "patient":
+        return [(f"dataset.{k}", f'only with dataset.privacy_unit = "patient" (the unit is one image here); add '
+                 f'privacy_unit = "patient" to [dataset] or remove {k}') for k in ("patients", "patient_cap") if k in ds]
+    out = [(f"dataset.{k}", f'required with privacy_unit = "patient": {why}') for k, why in (
+        ("patients", "the PUBLIC nominal number of patients, e.g. the count rounded to 2 significant digits "
+                     "(`feta-release data inspect` prints it)"),
+        ("patient_cap", "at most this many images per patient are used, e.g. patient_cap = 5")) if k not in ds]
+    if not out and ds["patients"] > ds["size"]:
+        out.append(("dataset.patients", f"{ds['patients']} patients > dataset.size {ds['size']} images: every patient "
+                    "has at least one image; give the public patient count, at most the public image count"))
+    return out
 
 
 def read_policy_document(path: str | Path) -> dict[str, Any]:
@@ -334,9 +363,11 @@ def make_policy(
     valid_days: float = 365.0,
     site_key: str | Ed25519PublicKey | None = None,
     secure_aggregation: Mapping[str, Any] | None = None,
+    patient_level: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """A validated policy document with the research defaults of ``policies/research.toml`` (for demos
-    and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text."""
+    and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text.
+    ``patient_level``: (public patients, patient cap) for a policy whose unit of privacy is the patient."""
     start = utc_now().replace(microsecond=0) - dt.timedelta(minutes=5) if not_before is None else parse_time(not_before)
     default_mechs: dict[str, dict[str, Any]] = {
         "central": {"allowed": True, "min_sigma": 1.0, "max_rounds": 50, "max_batch": 60000},
@@ -348,7 +379,9 @@ def make_policy(
     doc = {
         "version": version,
         "site_id": site_id,
-        "dataset": {"commitment": dataset_commitment, "size": int(dataset_size)},
+        "dataset": {"commitment": dataset_commitment, "size": int(dataset_size),
+                    **({} if patient_level is None else {"privacy_unit": "patient", "patients": int(patient_level[0]),
+                                                         "patient_cap": int(patient_level[1])})},
         "budget": {"lifetime": {"epsilon": lifetime[0], "delta": lifetime[1]},
                    "per_job": {"epsilon": per_job[0], "delta": per_job[1]}},
         "accountant": accountant,

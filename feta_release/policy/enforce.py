@@ -6,7 +6,9 @@ steps plus those already recorded for the job):
   mechanisms.<m>.allowed      the mechanism must be allowed
   mechanisms.<m>.min_sigma    sigma (noise multiplier) >= minimum
   mechanisms.central.max_rounds   job rounds (sum of central ``steps``) <= cap
-  mechanisms.<m>.max_batch    expected batch (``batch``, or q * dataset.size) <= cap   (central, dpsgd)
+  mechanisms.<m>.max_batch    expected batch (``batch``, or q * dataset.size) <= cap   (central, dpsgd; dpsgd at a
+                              patient-level site: q * dataset.patients)
+  dataset.privacy_unit        a DP-SGD request's unit is the policy's (patient or image); warm-up requests: image
   mechanisms.frequency.max_features  features <= cap
   mechanisms.dpsgd.max_steps  job DP-SGD steps <= cap
   mechanisms.dpsgd.max_clip   clip <= cap (sensitivity bound)
@@ -46,16 +48,18 @@ class MechanismRequest:
     clip: float | None = None  # dpsgd: per-example L2 clip
     job: Job | None = None
     app_bundle: str | None = None  # sha256 of the app bundle that asks
+    unit: str = "image"  # what one add/remove changes (PrivacyEvent.unit): "patient" for patient-level DP-SGD
 
     def event(self) -> PrivacyEvent:
-        return PrivacyEvent(stage=self.mechanism, sigma=self.sigma, q=self.q, steps=self.steps)
+        return PrivacyEvent(stage=self.mechanism, sigma=self.sigma, q=self.q, steps=self.steps, unit=self.unit)
 
     @classmethod
     def coerce(cls, request: MechanismRequest | PrivacyEvent | Mapping[str, Any]) -> MechanismRequest:
         if isinstance(request, MechanismRequest):
             return request
         if isinstance(request, PrivacyEvent):
-            return cls(mechanism=request.stage, sigma=request.sigma, q=request.q, steps=request.steps)
+            return cls(mechanism=request.stage, sigma=request.sigma, q=request.q, steps=request.steps,
+                       unit=request.unit)
         if isinstance(request, Mapping):
             d = dict(request)
             if "rounds" in d:  # central requests may say rounds
@@ -77,7 +81,7 @@ def request_of(event: PrivacyEvent, cfg: Any, job: Job | None = None) -> Mechani
         extra["features"] = cfg.frequency.features
     elif event.stage == "dpsgd":
         extra.update(batch=cfg.dpsgd.batch, clip=cfg.dpsgd.clip)
-    return MechanismRequest(event.stage, event.sigma, event.q, event.steps, job=job, **extra)
+    return MechanismRequest(event.stage, event.sigma, event.q, event.steps, job=job, unit=event.unit, **extra)
 
 
 def own_share_request(req: MechanismRequest, own_sigma: float) -> MechanismRequest:
@@ -169,8 +173,10 @@ def check_request(
         what = "rounds" if m == "central" else "steps"
         raise PolicyViolation(f"{base}.{steps_cap}", f"{what} for this job would be {prior + req.steps} "
                               f"({prior} done + {req.steps} requested) > cap {caps[steps_cap]}", site=site)
+    check_unit(policy, req)
     if "max_batch" in caps:
-        batch = req.batch if req.batch is not None else req.q * policy.dataset_size
+        population = policy.dpsgd_population if m == "dpsgd" else policy.dataset_size
+        batch = req.batch if req.batch is not None else req.q * population
         if batch > caps["max_batch"]:
             raise PolicyViolation(f"{base}.max_batch", f"expected batch {_fmt(batch)} > cap {caps['max_batch']}",
                                   site=site)
@@ -187,6 +193,19 @@ def check_request(
             raise PolicyViolation(f"{base}.max_clip", f"requested clip {_fmt(req.clip)} > cap "
                                   f"{_fmt(caps['max_clip'])}", site=site)
     return req
+
+
+def check_unit(policy: SitePolicy, req: MechanismRequest) -> None:
+    """The request's unit of privacy must be the policy's: DP-SGD at a patient-level site samples and clips whole
+    patients (an image-level request would protect one image only, a patient with many images much less); a
+    patient-level request at an image-level site has no declared patients to sample. The warm-up releases are
+    image-level at every site (the patient cap bounds them by group privacy)."""
+    want = policy.privacy_unit if req.mechanism == "dpsgd" else "image"
+    if req.unit != want:
+        raise PolicyViolation("dataset.privacy_unit", f"{req.mechanism} request has unit {req.unit!r} but this site's "
+                              f"signed policy makes the {want} the unit of {req.mechanism} (dataset.privacy_unit = "
+                              f"{policy.privacy_unit!r}); the coordinator must plan this site from its signed policy",
+                              site=policy.site_id)
 
 
 def check_budget(

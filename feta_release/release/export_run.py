@@ -238,11 +238,11 @@ def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_
     classes = [str(c) for c in _first(ckpt, ("class_names",), str(rd / "model.pt"))]
     if len(classes) != den.n_classes:
         raise ReleaseError(f"{rd / 'model.pt'}: {len(classes)} class names for a {den.n_classes}-class model")
-    policy_sha, life_delta = None, delta
+    policy_sha, life_delta, unit_pol = None, delta, None
     if signed_policy is not None:
         # Integrity only here; `verify` checks the policy signer against the keys the reader trusts.
         pol = SitePolicy.from_document(signed_policy["policy"], None, "signed policy")
-        policy_sha, life_delta = pol.digest, float(pol.lifetime_delta)
+        policy_sha, life_delta, unit_pol = pol.digest, float(pol.lifetime_delta), pol
         site_id = site_id or pol.site_id
         if pol.site_id != site_id:
             raise ReleaseError(f"the policy is for site {pol.site_id!r}, the release names site {site_id!r}")
@@ -255,7 +255,8 @@ def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_
     signed_job = sign_job(cfg, coordinator_key, _job_id(job_id or ledger_job), [site_id])
     att = build_attestation(site_id, signed_job["job"]["job_id"], events, delta, accountant, policy_sha, site_key,
                             job_sha256=sha256_hex(canonical_json(signed_job["job"])), lifetime_events=lifetime,
-                            lifetime_delta=life_delta, history="site-ledger")
+                            lifetime_delta=life_delta, history="site-ledger",
+                            unit_policy=unit_pol)
     if signed_policy is not None:
         over = policy_violations(dict(signed_policy["policy"]), att["statement"], events)
         if over:

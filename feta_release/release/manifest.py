@@ -92,6 +92,7 @@ def build_attestation(
     lifetime_delta: float | None = None,
     history: str = "site-ledger",
     max_colluders: int | None = None,
+    unit_policy: Any = None,
 ) -> dict[str, Any]:
     """A site's signed, FINAL spend statement for one job: ``{"statement": {...}, "signature": {...}}``.
 
@@ -103,10 +104,13 @@ def build_attestation(
     A history with secure-aggregation (Skellam) events also carries ``secure_aggregation``: the site's trust
     assumption (``max_colluders``) under which ``epsilon`` holds, and ``worst_case_epsilon`` (job and
     lifetime) if every other site colluded with the coordinator (its own noise share only), both recomputed here.
+    ``unit_policy``: the site's verified policy: the statement then carries ``privacy_unit``, what its ε protects
+    (one patient or one image, ``feta_release.privacy_unit.site_unit_statement``), also recomputed here.
     """
     evs = list(events)
     life = evs if lifetime_events is None else list(lifetime_events)
     life_delta = float(delta if lifetime_delta is None else lifetime_delta)
+    job_eps = epsilon(evs, delta, accountant)  # type: ignore[arg-type]
     statement = {
         "kind": ATTESTATION_KIND,
         "site_id": str(site_id),
@@ -116,7 +120,7 @@ def build_attestation(
         # Where the events come from: the node's own ledger, or an (unsigned) single-site run directory.
         "history": history,
         "events": events_to_list(evs),
-        "epsilon": epsilon(evs, delta, accountant),  # type: ignore[arg-type]
+        "epsilon": job_eps,
         "delta": float(delta),
         "accountant": accountant,
         "lifetime": {
@@ -127,6 +131,10 @@ def build_attestation(
         "policy_sha256": policy_sha256,
         "created": created or utc_now(),
     }
+    if unit_policy is not None:
+        from ..privacy_unit import site_unit_statement
+
+        statement["privacy_unit"] = site_unit_statement(unit_policy, job_eps, float(delta), evs, accountant)
     if has_secure_aggregation(life):
         statement["secure_aggregation"] = {
             "max_colluders": int(max_colluders or 0),

@@ -149,7 +149,18 @@ def _spend_row(rd: Path, s: dict[str, Any], res: VerificationResult) -> tuple[st
 def _unit_paragraph(sites: list[dict[str, Any]]) -> str:
     from ..privacy_unit import unit_phrase
 
-    if not any("patient" in unit_phrase(s.get("events", ())) for s in sites):
+    patient_sites = [str(s.get("site_id")) for s in sites if "patient" in unit_phrase(s.get("events", ()))]
+    if patient_sites and len(patient_sites) < len(sites):  # a federation that mixes units: say it per site
+        image_sites = [str(s.get("site_id")) for s in sites if str(s.get("site_id")) not in patient_sites]
+        return ("<p><b>Unit of privacy, per site:</b> at " + _h(", ".join(patient_sites)) + " one PATIENT for DP-SGD "
+                "(patients are sampled and each patient's summed gradient is clipped, so the figure holds per patient "
+                "without group privacy) and one image for the other stages (a patient with k images: group privacy "
+                "over k); at " + _h(", ".join(image_sites)) + " one image for every stage (those sites declare no "
+                "patient ids: a person with k images there is protected only by group privacy, (k·ε, k·e^((k-1)ε)·δ)). "
+                "<b>Neighbouring relation:</b> add or remove one patient (DP-SGD at the patient-level sites) or one "
+                "image. Each site's (ε, δ) is that site's own signed statement, re-composed from its event history by "
+                "verify.</p>")
+    if not patient_sites:
         return ("<p><b>Unit of privacy:</b> one image of one site. <b>Neighbouring relation:</b> add or remove one "
                 "image of one site's dataset (every mechanism below is calibrated to that change). Each site's "
                 "(ε, δ) is that site's own signed statement, re-composed from its event history by verify.</p>")
@@ -235,9 +246,10 @@ def sample_grid_image(man: dict[str, Any], res: VerificationResult, per_class: i
     images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
     eps = {s["site_id"]: float(s["epsilon"]) for s in man["sites"]}
     delta = max(float(s["delta"]) for s in man["sites"])
-    patient = any(e.get("unit") == "patient" for s in man["sites"] for e in s.get("events", ()))
-    title = epsilon_title("samples from the released generator", eps, delta,
-                          "a patient (DP-SGD) / an image (warm-up) of one site" if patient else "one image of one site")
+    pat = [s["site_id"] for s in man["sites"] if any(e.get("unit") == "patient" for e in s.get("events", ()))]
+    unit = ("one image of one site" if not pat else "a patient (DP-SGD) / an image (warm-up) of one site"
+            if len(pat) == len(man["sites"]) else f"a patient (DP-SGD at {', '.join(pat)}) / an image of one site")
+    title = epsilon_title("samples from the released generator", eps, delta, unit)
     scale = max(1, 64 // max(h, w))  # small images are enlarged so a printed page shows them
     return labelled_grid_image(images, labels, class_names=classes, title=title, per_class=per_class,
                                n_classes=len(classes), scale=scale)

@@ -298,8 +298,10 @@ def _write_certificate(
 def _units(sites: list[dict[str, Any]]) -> str:
     from ..privacy_unit import unit_phrase
 
-    phrases = sorted({unit_phrase(s.get("events", ())) for s in sites})
-    return "; ".join(p.replace("that site", "one site") for p in phrases)
+    phrases = {unit_phrase(s.get("events", ())) for s in sites}
+    if len(phrases) > 1:  # a federation that mixes units: each site's own
+        return "; ".join(f"site {s.get('site_id')}: {unit_phrase(s.get('events', ()))}" for s in sites)
+    return "; ".join(p.replace("that site", "one site") for p in sorted(phrases))
 
 
 __all__ = ["synthesize", "make_session", "class_counts", "class_dirs", "SynthesisReport"]

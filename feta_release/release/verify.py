@@ -567,6 +567,8 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
     if policy.get("accountant") and policy["accountant"] != st.get("accountant"):
         out.append(f"accountant {st.get('accountant')!r} differs from the policy's {policy['accountant']!r}")
     size = policy.get("dataset", {}).get("size")
+    out += unit_violations(policy, st, events)
+    patients = policy.get("dataset", {}).get("patients") if _unit_of(policy) == "patient" else None
     mech = policy.get("mechanisms", {})
     steps_by_stage: dict[str, int] = {}
     for e in events:
@@ -581,8 +583,9 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
             out.append(f"{e.stage}: σ = {sigma:.4g} (own noise share) is below the policy minimum {rules['min_sigma']}"
                        if isinstance(e, SkellamEvent) else
                        f"{e.stage}: σ = {sigma:.4g} is below the policy minimum {rules['min_sigma']}")
-        if "max_batch" in rules and size and e.q * size > float(rules["max_batch"]) * (1 + 1e-9):
-            out.append(f"{e.stage}: expected batch q·N = {e.q * size:.1f} exceeds max_batch {rules['max_batch']}")
+        n = patients if e.stage == "dpsgd" and patients else size  # patient-level DP-SGD samples the public patients
+        if "max_batch" in rules and n and e.q * n > float(rules["max_batch"]) * (1 + 1e-9):
+            out.append(f"{e.stage}: expected batch q·N = {e.q * n:.1f} exceeds max_batch {rules['max_batch']}")
     if has_secure_aggregation(events):
         sa = policy.get("secure_aggregation", {})
         cap_w = sa.get("max_worst_case_epsilon", DEFAULT_WORST_CASE_FACTOR * float(cap["epsilon"]))
@@ -595,6 +598,40 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
         key = limits.get(stage)
         if key and key in mech[stage] and total > int(mech[stage][key]):
             out.append(f"{stage}: {total} rounds/steps exceed {key} {mech[stage][key]}")
+    return out
+
+
+def _unit_of(policy: dict[str, Any]) -> str:
+    return str((policy.get("dataset") or {}).get("privacy_unit", "image"))
+
+
+def unit_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any]) -> list[str]:
+    """The attested unit of privacy against the site's signed policy: a patient-level policy's DP-SGD events are
+    patient-level (and an image-level policy's are not), and a stated ``privacy_unit`` is the one recomputed from
+    the policy and the events."""
+    from types import SimpleNamespace
+
+    from ..privacy_unit import site_unit_statement
+
+    unit, out = _unit_of(policy), []
+    wrong = sorted({e.stage for e in events if e.stage == "dpsgd" and getattr(e, "unit", "image") != unit})
+    if wrong:
+        out.append(f"dpsgd: events are not of the policy's unit {unit!r} (dataset.privacy_unit): the site's DP-SGD "
+                   "did not run at the unit its policy declares")
+    stated = st.get("privacy_unit")
+    if stated is None:
+        return out + ([f'the statement does not say its unit of privacy, the policy makes it the {unit}']
+                      if unit == "patient" else [])
+    d = policy.get("dataset") or {}
+    want = site_unit_statement(SimpleNamespace(privacy_unit=unit, patients=d.get("patients"),
+                                               patient_cap=d.get("patient_cap")),
+                               float(st["epsilon"]), float(st["delta"]), events, str(st.get("accountant")))
+    same = set(stated) == set(want) and all(
+        math.isclose(float(stated[k]), float(v), rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+        if isinstance(v, float) else stated[k] == v for k, v in want.items())
+    if not same:
+        out.append(f"the stated unit of privacy {stated.get('unit')!r} (ε per unit) is not what the policy's "
+                   f"dataset.privacy_unit = {unit!r} and the events give")
     return out
 
 
@@ -674,9 +711,26 @@ def describe_site(site: dict[str, Any]) -> str:
         f"Meaning: whether or not any single image of this site was used, the probability of any outcome of "
         f"this release (the generator and every image generated from it) changes by at most a factor of "
         f"e^{eps:.3g} ≈ {factor:.3g}, except with probability at most {delta:g}."
+        + _unit_words(site)
         + _secure_site_words(site, eps, delta)
         + _lifetime_words(site, eps)
     )
+
+
+def _unit_words(site: dict[str, Any]) -> str:
+    """The site's signed unit of privacy, in words (each site of a federation states its own)."""
+    u = ((site.get("attestation") or {}).get("statement") or {}).get("privacy_unit")
+    if not isinstance(u, dict):
+        return ""
+    if u.get("unit") == "patient":
+        pe, pd = float(u["epsilon_per_patient"]), float(u["delta_per_patient"])
+        return (f" Unit of privacy at this site: the PATIENT (at most {u.get('images_per_patient_cap')} image(s) of "
+                f"each of about {u.get('public_patients')} patients used): whether or not any single patient, with all "
+                f"of their images, took part, the probability of any outcome changes by at most e^{pe:.3g} ≈ "
+                f"{math.exp(min(pe, 700.0)):.3g}, except with probability at most {pd:.3g} (ε per patient {pe:.3g}; "
+                f"{u.get('how', '')}).")
+    return (" Unit of privacy at this site: one image (the site declares no patient ids); a person with k images "
+            "here is protected only by group privacy, (k·ε, k·e^((k-1)ε)·δ).")
 
 
 def _secure_site_words(site: dict[str, Any], eps: float, delta: float) -> str:

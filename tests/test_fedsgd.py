@@ -12,9 +12,11 @@ import pytest
 
 from coordinator.setup import sign_job_file
 from feta_release.accounting import SkellamEvent, epsilon, events_from_list, worst_case_epsilon
+from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation.job import run_job
 from feta_release.ledger import Ledger
+from feta_release.planning import fedsgd_shape, secure_stage_events
 from feta_release.signing import load_private_key
 
 from .federation_fixtures import full_job, harness, make_federation
@@ -447,3 +449,14 @@ def test_clipped_rows_are_the_records_whose_sum_clip_and_sum_releases() -> None:
     assert torch.allclose(rows.sum(0), torch.cat([summed["w"].reshape(-1), summed["b"]]), atol=1e-6)
     norms = rows.norm(dim=1)
     assert torch.all(norms <= 1.5 + 1e-5) and norms[2] == 0 and norms[4] == 0
+
+
+def test_fedsgd_refuses_a_patient_level_site_plan() -> None:
+    """Review M1: FedSGD samples and clips per IMAGE; a site whose signed policy makes the patient the unit would be
+    charged an image-level event while it attests a per-patient epsilon. The planner refuses that plan (node and
+    coordinator both plan through it)."""
+    cfg = fedsgd_job()
+    shape = fedsgd_shape(cfg, (1, 28, 28), 10, 3, 0)
+    assert secure_stage_events(cfg, 1000, [], fedsgd=shape)  # image-level: planned
+    with pytest.raises(PolicyError, match="image-level DP-SGD only"):
+        secure_stage_events(cfg, 1000, [], fedsgd=shape, dpsgd_unit="patient", dpsgd_size=400)

@@ -40,7 +40,8 @@ from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
-from feta_release.federation.secagg import RoundConfig, SecAggError, SecAggSite, ed25519_signer, ed25519_verifier
+from feta_release.federation.secagg import (ALREADY_RELEASED, RoundConfig, SecAggError, SecAggSite, ed25519_signer,
+                                            ed25519_verifier)
 from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms import skellam as sk
 from feta_release.policy.jobs import Job
@@ -163,6 +164,7 @@ def load_state(site: Site, job: Job, doc: dict[str, Any]) -> tuple[SecAggSite, d
 
 def _setup(site: Site, job: Job, doc: dict[str, Any], node_id: int) -> dict[str, Any]:
     check_pinned_peers(site.policy, job.sites)  # a job naming a site whose key is not pinned: refused up front
+    _refuse_setup_of_released(site, job, doc)
     st = SecAggSite(node_id, round_config(site, job, doc, node_id), ed25519_signer(site.key), ed25519_verifier({}))
     pk1, pk2, sig = st.setup()
     save_state(site, job, str(doc["phase"]), st, {})
@@ -251,21 +253,37 @@ def masked_contribution(site: Site, job: Job, doc: dict[str, Any], rng: np.rando
     return masked
 
 
-def _refuse_another_setup(site: Site, job: Job, doc: dict[str, Any]) -> None:
-    """A contribution already released under one key setup is not released again under another: re-masking
-    it would need its noise again (kept nowhere) or a fresh draw (a second charge). Replays of the SAME setup
-    pass through to the ledger's recorded answer."""
+def _released_under(site: Site, job: Job, doc: dict[str, Any]) -> str | None:
+    """The key setup (round id) under which this site already released the request's contribution, or None."""
     phase = str(doc.get("phase"))
     event, _ = planned(site, job, phase)
     rnd = _fedsgd_round(doc) if phase == "dpsgd" else 0
     prior = site.ledger.check(job.job_id, fm.request_id(job.job_id, PHASES[phase], rnd), phase, [event], site.policy)
     if prior is None:
-        return
+        return None
     recorded, _ = fm.read_payload(fm.payload_from_bytes(prior.response or b""))
-    if recorded.get("round_id") != doc.get("round_id"):
-        raise PolicyError(f"site {site.site_id} already released its {phase} contribution for job {job.job_id} "
-                          f"under key setup {recorded.get('round_id')}; it is not released again under "
+    return str(recorded.get("round_id"))
+
+
+def _refuse_another_setup(site: Site, job: Job, doc: dict[str, Any]) -> None:
+    """A contribution already released under one key setup is not released again under another: re-masking
+    it would need its noise again (kept nowhere) or a fresh draw (a second charge). Replays of the SAME setup
+    pass through to the ledger's recorded answer."""
+    released = _released_under(site, job, doc)
+    if released is not None and released != doc.get("round_id"):
+        raise PolicyError(f"site {site.site_id} already released its {doc.get('phase')} contribution for job "
+                          f"{job.job_id} under key setup {released}; it is not released again under "
                           f"{doc.get('round_id')} (that would be a second release); nothing was charged")
+
+
+def _refuse_setup_of_released(site: Site, job: Job, doc: dict[str, Any]) -> None:
+    """A new key setup for a contribution already released is refused (a coordinator restarted between the masking
+    and the unmask stage): it would overwrite the secrets that sum's unmask needs, and a replay of the recorded
+    vector could then never be unmasked. The coordinator reads ``ALREADY_RELEASED`` and gives that sum up."""
+    released = _released_under(site, job, doc)
+    if released is not None:
+        raise SecAggError(f"secure aggregation: site {site.site_id} {ALREADY_RELEASED} (job {job.job_id}, "
+                          f"{doc.get('phase')}, key setup {released}); no new key setup for it")
 
 
 def handle(msg: Message, context: Context, masked: dict[str, Handler]) -> Message:
@@ -301,7 +319,8 @@ def sum_lock(site: Site, job: Job, phase: str) -> Iterator[None]:
     conflicting views of who dropped could both read the state before either saved it, and both be answered —
     revealing both kinds of share for the same peer, which lets the coordinator strip every mask but the site's
     own (its vector decoded alone). ``flock`` is released by the kernel if the process dies."""
-    lock = _state_path(site, job, phase).with_suffix(".lock")
+    state = _state_path(site, job, phase)
+    lock = state.parent / "locks" / state.name  # empty; kept apart from the state files, which hold secrets
     lock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -14,6 +14,7 @@ from coordinator.setup import sign_job_file
 from feta_release.accounting import SkellamEvent, epsilon, events_from_list, worst_case_epsilon
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
+from feta_release.federation import secagg
 from feta_release.federation.job import run_job
 from feta_release.ledger import Ledger
 from feta_release.planning import fedsgd_shape, secure_stage_events
@@ -460,3 +461,30 @@ def test_fedsgd_refuses_a_patient_level_site_plan() -> None:
     assert secure_stage_events(cfg, 1000, [], fedsgd=shape)  # image-level: planned
     with pytest.raises(PolicyError, match="image-level DP-SGD only"):
         secure_stage_events(cfg, 1000, [], fedsgd=shape, dpsgd_unit="patient", dpsgd_size=400)
+
+
+def test_a_coordinator_stopped_between_masking_and_unmask_skips_that_round_and_finishes(
+        fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F1: the sites masked (and were charged for) round 1, then the coordinator stopped before unmask. On
+    restart it asked for round 1 again under the same round id: each site's new key setup overwrote the secrets
+    that sum needed while its masked vector was replayed from the ledger, so every unmask was refused and the job
+    was stuck for good. Now the sites refuse a new setup for a released contribution and the coordinator skips the
+    round (no step; charged once) and finishes."""
+    signed, _ = sign_job_file(fed, fedsgd_job(), "job-midcrash")
+    real = secagg.SecAggCoordinator.collect_masked
+
+    def crash_on_round_1(self: Any, vectors: Any) -> Any:
+        if ":dpsgd:1:" in self.config.round_id:
+            raise RuntimeError("coordinator killed after the sites masked round 1")
+        return real(self, vectors)
+
+    monkeypatch.setattr(secagg.SecAggCoordinator, "collect_masked", crash_on_round_1)
+    with pytest.raises(RuntimeError, match="killed"):
+        _run(fed, harness(fed), signed, tmp_path / "out")
+    monkeypatch.setattr(secagg.SecAggCoordinator, "collect_masked", real)
+    res = _run(fed, harness(fed), signed, tmp_path / "out")  # restart: resumes at round 1
+    assert res.rounds_done == 2
+    assert res.skipped == {1: sorted(s.site_id for s in fed.sites)}
+    for s in fed.sites:  # round 1 charged once, never twice
+        reqs = [r["request_id"] for r in _requests(fed, s.site_id, "job-midcrash") if r["mechanism"] == "dpsgd"]
+        assert reqs == ["job-midcrash:train:0", "job-midcrash:train:1"]

@@ -204,6 +204,7 @@ def test_a_repeated_masked_request_replays_and_a_new_key_setup_is_refused_withou
     from flwr.app import Message
 
     from feta_release.federation.driver import JobDriver
+    from feta_release.federation.secagg import ALREADY_RELEASED, AlreadyReleased
     from feta_release.federation.secure_collect import secure_sum
 
     signed, _ = sign_job_file(fed, secure_job(), "job-replay")
@@ -224,11 +225,11 @@ def test_a_repeated_masked_request_replays_and_a_new_key_setup_is_refused_withou
     _, again_doc, again = rec.replies[-1]
     assert np.array_equal(again["masked"], first)  # the recorded answer, not a fresh draw
     assert _requests(fed, "site-a", "job-replay") == before  # not charged twice
-    # a redo on a new key setup: the sites refuse to release their central contribution again
-    with pytest.raises(Exception, match="below the threshold"):
+    # a redo on a new key setup: the sites refuse its key setup (their central contribution is already released)
+    with pytest.raises(AlreadyReleased, match="already released their masked contribution"):
         secure_sum(d, "central", attempt=1)
     log = (tmp_path / "out" / "progress.jsonl").read_text()
-    assert "already released its central contribution" in log
+    assert ALREADY_RELEASED in log
     for s in fed.sites:
         assert len(_requests(fed, s.site_id, "job-replay")) == 1
 

@@ -9,7 +9,9 @@ same step ``DPSGDTrainer.step`` takes on one site, with the pooled noise sigma c
 per-site one. Its output is post-processing of the noisy sum.
 
 A round whose key setup a site left before masking is redone under a new round id (nothing was charged); a round
-decoded is checkpointed with the optimizer's state, and a restarted coordinator resumes after it.
+decoded is checkpointed with the optimizer's state, and a restarted coordinator resumes after it. A round the
+sites masked before the coordinator stopped (and so lost that setup's state) is refused a new setup by the sites
+and skipped: no step, its budget spent, the job goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..mechanisms import secure_sums as ss
 from ..planning import sampling_rate
 from ..training.ema import EMA
 from . import checkpoint_io
+from .secagg import AlreadyReleased
 from .secure_collect import phase_layout, sum_with_redo
 
 PHASE = "dpsgd"
@@ -75,6 +78,7 @@ def run_rounds(d: Any, model: nn.Module, ema: EMA) -> int:
     ck = checkpoint_io.load_round(d.state)
     start = 0
     if ck is not None:
+        d.skipped = {int(k): list(v) for k, v in (ck.get("skipped") or {}).items()}
         model.load_state_dict(ck["model"])
         ema.load_state_dict(ck["ema"])
         optimizer.load_state_dict(ck["optimizer"])
@@ -85,12 +89,18 @@ def run_rounds(d: Any, model: nn.Module, ema: EMA) -> int:
     for r in range(start, rounds):
         tr = time.monotonic()
         weights = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-        residues, contributors = sum_with_redo(d, PHASE, round_no=r, weights=weights)
-        coordinator_step(model, optimizer, decode_gradient(d, residues), expected_batch(d, contributors))
-        ema.update(model)
+        try:
+            residues, contributors = sum_with_redo(d, PHASE, round_no=r, weights=weights)
+        except AlreadyReleased as exc:  # released before a restart, undecodable now: no step, the budget is spent
+            d.skipped[r] = sorted(d.sites)
+            d.emit(PHASE, f"FedSGD round {r + 1}/{rounds} skipped: {exc}", round=r + 1, rounds=rounds, error=str(exc))
+        else:
+            coordinator_step(model, optimizer, decode_gradient(d, residues), expected_batch(d, contributors))
+            ema.update(model)
+            d.emit(PHASE, f"FedSGD round {r + 1}/{rounds}: secure sum of {len(contributors)} site(s)", round=r + 1,
+                   rounds=rounds, seconds=time.monotonic() - tr, sites=contributors)
         checkpoint_io.save_round(d.state, {"model": model.state_dict(), "ema": ema.state_dict(),
-                                           "optimizer": optimizer.state_dict(), "round": r + 1, "skipped": {}})
-        d.emit(PHASE, f"FedSGD round {r + 1}/{rounds}: secure sum of {len(contributors)} site(s)", round=r + 1,
-               rounds=rounds, seconds=time.monotonic() - tr, sites=contributors)
+                                           "optimizer": optimizer.state_dict(), "round": r + 1,
+                                           "skipped": {str(k): v for k, v in d.skipped.items()}})
     d.timings[PHASE] = time.monotonic() - t0
     return rounds

@@ -79,6 +79,15 @@ class SecAggError(PrivacyError):
     """A secure-aggregation round is refused (below threshold, protocol violation, malformed message)."""
 
 
+ALREADY_RELEASED = "already released this contribution"  # a site's refusal of a new key setup (edge/secure.py)
+
+
+class AlreadyReleased(SecAggError):
+    """A site refused the key setup of a sum whose contribution it already released, masked, under an earlier
+    setup (the coordinator stopped between masking and unmask): that sum cannot be decoded any more; its budget
+    is spent. A FedSGD round is then skipped; a one-shot release fails the job."""
+
+
 class SetupIncomplete(SecAggError):
     """A site of the job took no part in the key setup (no advert, or not a share for every other site): nothing
     was masked, so nothing was charged; the round is redone under a new round id."""

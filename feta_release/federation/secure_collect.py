@@ -18,7 +18,7 @@ from ..planning import fedsgd_shape, secure_stage_events, site_dpsgd, target, wa
 from ..policy.enforce import own_share_request, request_of, skellam_own_sigma, skellam_request
 from ..mechanisms import secure_sums as ss
 from . import messages as fm
-from .secagg import KeyAdvert, RoundConfig, SecAggCoordinator, SetupIncomplete
+from .secagg import ALREADY_RELEASED, AlreadyReleased, KeyAdvert, RoundConfig, SecAggCoordinator, SetupIncomplete
 
 Asked = tuple[dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], dict[str, str]]
 
@@ -100,7 +100,12 @@ def secure_sum(d: Driver, phase: str, attempt: int = 0, *, round_no: int | None 
     co = SecAggCoordinator(cfg)
     base = {"phase": phase, "round_id": cfg.round_id, "nodes": nodes, "modulus_bits": cfg.modulus_bits,
             **({} if round_no is None else {"round": round_no})}
-    ok, _ = _ask_stage(d, phase, "setup", {sid: {} for sid in sites}, base)
+    ok, failed = _ask_stage(d, phase, "setup", {sid: {} for sid in sites}, base)
+    released = sorted(sid for sid, why in failed.items() if ALREADY_RELEASED in str(why))
+    if released:
+        raise AlreadyReleased(f"secure aggregation, {label}: site(s) {', '.join(released)} already released their "
+                              "masked contribution under a key setup this coordinator no longer holds (it stopped "
+                              "between masking and unmask); that sum cannot be decoded and its budget is spent")
     adverts: dict[int, KeyAdvert] = {nodes[s]: (_unb64(r["pk1"]), _unb64(r["pk2"]), _unb64(r["sig"]))
                                      for s, (r, _) in ok.items()}
     keys = co.collect_keys(adverts)

@@ -10,7 +10,8 @@ sums them, adds its noise share Sk(mu / n) and hands the vector to the mask (``e
 Sensitivity (add/remove one image of this site): one rounded record, L2 <= Delta2 = the event's ``l2`` and
 L1 <= Delta1 = its ``l1`` (integer units): the round is the Poisson-subsampled Skellam event the protocol charged
 before this code ran. Nothing else leaves: no realised batch size, no loss, no clipped count (the reply carries the
-masked vector and the public round id only).
+masked vector and the public round id only), and the work is padded to a public batch size so that the reply's
+latency does not count the sample either (``padded_sample``).
 """
 
 from __future__ import annotations
@@ -68,12 +69,33 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     images = torch.from_numpy(np.asarray(ds.images, dtype=np.float32)) * 2.0 - 1.0
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     # q over the site's rows: each image joins with probability q = batch / n_public (the planned, charged rate)
-    idx = poisson_sample(images.shape[0], event.q, generator)
-    total = np.zeros(dim, dtype=np.int64)
-    for grads, _ in batch_gradients(model, loss, images, labels, idx, int(cfg.dpsgd.physical_batch), generator):
+    chunk = int(cfg.dpsgd.physical_batch)
+    idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator), site.n_public, event.q, chunk)
+    total, at = np.zeros(dim, dtype=np.int64), 0
+    for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator):
         rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
+        rows[max(0, real - at):] = 0.0  # padding rows: computed like the others, then zeroed (they round to 0)
+        at += rows.shape[0]
         total += sk.quantize_records(rows, params, np_rng)  # per record: the sensitivity is one rounded record
     return total + sk.skellam_noise(dim, params.site_mu, np_rng)
+
+
+PAD_SIGMAS = 5.0  # P(a Poisson batch exceeds its padded size) < 3e-7 per round at the public size
+
+
+def padded_sample(idx: torch.Tensor, n_public: int, q: float, chunk: int) -> tuple[torch.Tensor, int]:
+    """The sampled indices padded to a PUBLIC size, and how many are real.
+
+    The work of a round (and so the reply's latency, which the coordinator sees per site per round) would
+    otherwise track the realised Poisson batch |B|, an un-noised count (review F2). It is padded to whole chunks
+    covering q·n_public + 5 sd of Binomial(n_public, q); only a batch above that (probability < 3e-7 at the public
+    size) takes longer. Padding rows repeat image 0 and are zeroed after clipping: the released sum is unchanged."""
+    mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
+    bound = -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk
+    real = int(idx.numel())
+    if real >= bound:
+        return idx, real
+    return torch.cat([idx, torch.zeros(bound - real, dtype=idx.dtype)]), real
 
 
 def check_round_weights(site: Site, job: Job, req: Request) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from coordinator.setup import sign_job_file
 from feta_release.accounting import SkellamEvent, epsilon, events_from_list, worst_case_epsilon
@@ -488,3 +489,42 @@ def test_a_coordinator_stopped_between_masking_and_unmask_skips_that_round_and_f
     for s in fed.sites:  # round 1 charged once, never twice
         reqs = [r["request_id"] for r in _requests(fed, s.site_id, "job-midcrash") if r["mechanism"] == "dpsgd"]
         assert reqs == ["job-midcrash:train:0", "job-midcrash:train:1"]
+
+
+def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F2: the coordinator times each site's masked-vector reply every round; the per-example work tracked
+    the realised Poisson batch |B| (an un-noised count). The site now pads the sample to a public size: the
+    gradient computation sees the same number of rows for |B| = 0, 3 or the bound, and the padding adds nothing."""
+    import edge.fedsgd as node_fedsgd
+    from edge.protocol import Request, planned
+    from feta_release.randomness import os_numpy_generator, os_torch_generator
+
+    site, job, _ = _site_and_job(fed, "job-pad", fedsgd_job(), "site-a")
+    event, _ = planned(site, job, "dpsgd")
+    seen: list[int] = []
+    real_batches = node_fedsgd.batch_gradients
+
+    def counting(model: Any, loss: Any, images: Any, labels: Any, idx: Any, chunk: int, g: Any) -> Any:
+        seen.append(int(idx.numel()))
+        return real_batches(model, loss, images, labels, idx, chunk, g)
+
+    monkeypatch.setattr(node_fedsgd, "batch_gradients", counting)
+    padded, _ = node_fedsgd.padded_sample(torch.arange(0), site.n_public, event.q, int(job.config.dpsgd.physical_batch))
+    for size in (0, 3, padded.numel()):
+        monkeypatch.setattr(node_fedsgd, "poisson_sample", lambda n, q, g, k=size: torch.arange(k))
+        req = Request("r", 0, event, {}, _weights(job.config))
+        node_fedsgd.gradient_contribution(site, job, req, os_numpy_generator(), os_torch_generator())
+    assert len(set(seen)) == 1, seen
+    bound = event.q * site.n_public + node_fedsgd.PAD_SIGMAS * np.sqrt(site.n_public * event.q * (1 - event.q))
+    assert seen[0] >= bound  # the public bound, in whole physical chunks
+
+
+def test_padding_rows_are_zeroed_and_a_batch_above_the_bound_is_not_truncated() -> None:
+    from edge.fedsgd import padded_sample
+
+    idx, real = padded_sample(torch.tensor([4, 7]), 1000, 0.01, 8)
+    assert real == 2 and idx.numel() % 8 == 0 and idx.numel() >= 10 + 5 * np.sqrt(9.9)
+    assert idx[:2].tolist() == [4, 7]
+    big = torch.arange(500)
+    same, real = padded_sample(big, 1000, 0.01, 8)
+    assert real == 500 and torch.equal(same, big)

@@ -91,7 +91,7 @@ def check_flower_internals() -> None:
             f"the FAB allow-list gate is built on flwr {PINNED_FLWR} internals, but flwr {flwr.__version__} is "
             "installed; refusing to run app bundles unchecked"
         )
-    for name in ("install_from_fab", "pull_task_input", "get_project_dir"):
+    for name in ("install_from_fab", "pull_task_input", "get_project_dir", "get_load_client_app_fn"):
         if not callable(getattr(rc, name, None)):
             raise PolicyError(f"flwr internals changed: run_clientapp.{name} not found; refusing to start")
 
@@ -212,6 +212,45 @@ def install_gate() -> None:
 
         gated_install_from_fab.__feta_gate__ = True  # type: ignore[attr-defined]
         rc.install_from_fab = gated_install_from_fab
+    _install_worker_hand_off()
+
+
+def _names_our_clientapp(app_dir: object) -> bool:
+    """True when the checked, installed bundle's ClientApp component is feta-release's own (edge.clientapp:app)."""
+    from flwr.common.config import get_project_config
+
+    from .forward import CLIENTAPP_REF
+
+    try:
+        ref = get_project_config(Path(str(app_dir)))["tool"]["flwr"]["app"]["components"]["clientapp"]
+    except Exception:  # noqa: BLE001 - Flower's own loader reports an unreadable bundle
+        return False
+    return bool(ref == CLIENTAPP_REF)
+
+
+def _install_worker_hand_off() -> None:
+    """Load the thin forwarding ClientApp (``edge.forward``) instead of ``edge.clientapp:app`` when the node runs a
+    warm worker (``edge.worker``). Runs only after the two gates above passed for this message's bundle: the loader
+    is called after the install step, and ``_current["dir"]`` is the directory whose identity and files were
+    checked. Any other allowed bundle (e.g. the benchmark's ping app) loads as Flower would."""
+    if getattr(rc.get_load_client_app_fn, "__feta_gate__", False):
+        return
+    original = rc.get_load_client_app_fn
+
+    def gated_get_load_client_app_fn(*args, **kwargs):  # type: ignore[no-untyped-def]
+        load = original(*args, **kwargs)
+
+        def _load(fab_id: str, fab_version: str, fab_hash: str):  # type: ignore[no-untyped-def]
+            from . import forward
+
+            if forward.worker_configured() and "dir" in _current and _names_our_clientapp(_current["dir"]):
+                return forward.app
+            return load(fab_id, fab_version, fab_hash)
+
+        return _load
+
+    gated_get_load_client_app_fn.__feta_gate__ = True  # type: ignore[attr-defined]
+    rc.get_load_client_app_fn = gated_get_load_client_app_fn
 
 
 # What the task input of this process (one message per flwr-clientapp process) was checked to be.

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from types import FrameType
@@ -119,7 +120,10 @@ class Worker:
         TaskIdentity.run_id, TaskIdentity.node_id = context.run_id, context.node_id
         TaskIdentity.task_id = int(doc.get("task_id") or 0)
         self.fresh_site()
+        t0 = time.perf_counter()
         reply = self.app(message, context)
+        # the message type and seconds stay in the site's own log (seconds track the realised batch size)
+        log.info("answered %s in %.2f s", message.metadata.message_type, time.perf_counter() - t0)
         if not reply.has_content():
             raise channel.WorkerRequestError(f"the ClientApp answered {message.metadata.message_type} with no content")
         return {"ok": True}, [fm.payload_bytes(reply.content), context_to_proto(context).SerializeToString()]

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from multiprocessing.connection import AuthenticationError, Client
+from multiprocessing.connection import Client
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -96,27 +96,34 @@ def test_a_wrong_key_is_refused_and_the_worker_serves_on(echo):
     assert channel.call(echo.sock, echo.key, {"kind": "echo"}, [b"12"])[1] == [b"21"]
 
 
-def test_the_challenge_is_mutual_a_listener_without_the_key_is_refused(tmp_path):
-    """A process that took the socket's place (without the key) cannot pose as the worker."""
+def test_the_challenge_is_mutual_an_impostor_without_the_key_gets_nothing(tmp_path):
+    """A process that took the socket's place cannot pose as the worker: it waves the client's answer through, but
+    cannot answer the client's own challenge, so the client sends it nothing of the request."""
+    from multiprocessing import connection as mpc
+
     sock = tmp_path / "impostor.sock"
-    impostor = channel.listen(sock, b"i" * channel.KEY_BYTES)
-    refused: list[str] = []
+    impostor = mpc.Listener(str(sock), family="AF_UNIX")  # no key
+    seen: list[bytes] = []
 
-    def accept() -> None:
-        try:
-            impostor.accept()
-        except AuthenticationError as exc:
-            refused.append(str(exc))
+    def pose() -> None:
+        c = impostor.accept()
+        c.send_bytes(mpc.CHALLENGE + os.urandom(mpc.MESSAGE_LENGTH))
+        c.recv_bytes(256)
+        c.send_bytes(mpc.WELCOME)  # "your answer was right"
+        c.recv_bytes(256)  # the client's challenge
+        c.send_bytes(b"\0" * 16)  # no key: no HMAC
+        while c.poll(2):
+            seen.append(c.recv_bytes())
 
-    t = threading.Thread(target=accept, daemon=True)
+    t = threading.Thread(target=pose, daemon=True)
     t.start()
     try:
         with pytest.raises(channel.WorkerRequestError, match="refused this channel's key"):
             channel.call(sock, b"k" * channel.KEY_BYTES, {"kind": "echo"}, [b"secret"])
     finally:
-        t.join(5)
+        t.join(10)
         impostor.close()
-    assert refused  # the impostor could not answer the client's challenge either
+    assert seen == [mpc.FAILURE]  # the client refused it and sent nothing else
 
 
 def test_the_gate_hands_only_our_clientapp_to_the_worker(tmp_path, monkeypatch):

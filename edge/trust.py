@@ -36,12 +36,16 @@ import zipfile
 from pathlib import Path
 
 import flwr
-from flwr.common.config import get_fab_config, get_flwr_home, get_metadata_from_config, get_project_dir
+from flwr.common.config import (
+    get_fab_config, get_flwr_home, get_metadata_from_config, get_project_config, get_project_dir,
+)
 from flwr.common.constant import APP_DIR
 from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 from flwr.supernode.runtime import run_clientapp as rc
 
 from feta_release.errors import PolicyError
+
+from . import forward
 
 PINNED_FLWR = "1.41.0"
 ENV_ALLOWED = "FETA_ALLOWED_FABS"
@@ -217,15 +221,11 @@ def install_gate() -> None:
 
 def _names_our_clientapp(app_dir: object) -> bool:
     """True when the checked, installed bundle's ClientApp component is feta-release's own (edge.clientapp:app)."""
-    from flwr.common.config import get_project_config
-
-    from .forward import CLIENTAPP_REF
-
     try:
         ref = get_project_config(Path(str(app_dir)))["tool"]["flwr"]["app"]["components"]["clientapp"]
     except Exception:  # noqa: BLE001 - Flower's own loader reports an unreadable bundle
         return False
-    return bool(ref == CLIENTAPP_REF)
+    return bool(ref == forward.CLIENTAPP_REF)
 
 
 def _install_worker_hand_off() -> None:
@@ -241,8 +241,6 @@ def _install_worker_hand_off() -> None:
         load = original(*args, **kwargs)
 
         def _load(fab_id: str, fab_version: str, fab_hash: str):  # type: ignore[no-untyped-def]
-            from . import forward
-
             if forward.worker_configured() and "dir" in _current and _names_our_clientapp(_current["dir"]):
                 return forward.app
             return load(fab_id, fab_version, fab_hash)

@@ -41,8 +41,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from google.protobuf.message import DecodeError
 
 from feta_release.federation import messages as fm
+from feta_release.policy.document import check_validity
 
-from . import channel
+from . import channel, clientapp
 from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, forget_sites, site_for
 
 log = logging.getLogger("feta.worker")
@@ -82,15 +83,11 @@ class Worker:
     def __init__(self, node_config: dict[str, Any]) -> None:
         self.node_config = dict(node_config)
         self._stamp: str | None = None
-        from . import clientapp  # torch, the models and every handler: imported once, here
-
-        self.app = clientapp.app
+        self.app = clientapp.app  # torch, the models and every handler: imported once, in this process
 
     def fresh_site(self) -> Any:
         """The cached site if nothing it was opened from changed (policy re-checked against the clock), else a
         newly opened and verified one."""
-        from feta_release.policy.document import check_validity
-
         stamp = site_stamp(self.node_config)
         if stamp != self._stamp:
             if self._stamp is not None:

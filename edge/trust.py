@@ -18,6 +18,10 @@ byte of an untrusted bundle is written or imported. A refusal is logged and answ
 coordinator as an error reply. This touches a Flower internal (``run_clientapp.install_from_fab``):
 flwr is pinned to ``PINNED_FLWR`` and ``check_flower_internals`` fails loudly on any other version.
 
+A node started with a warm worker (``edge.worker``) also wraps the ClientApp loader: once both gates passed, the
+allowed bundle's ``edge.clientapp:app`` is replaced by the thin ``edge.forward.app``, which hands the message to
+the worker (the same ClientApp, loaded once); any other allowed bundle loads as Flower would.
+
 The allow-list comes from the environment variable ``FETA_ALLOWED_FABS`` (comma-separated
 sha256), set by ``feta-release node start`` from the verified policy: the coordinator cannot
 change a node's environment.
@@ -241,7 +245,9 @@ def _install_worker_hand_off() -> None:
         load = original(*args, **kwargs)
 
         def _load(fab_id: str, fab_version: str, fab_hash: str):  # type: ignore[no-untyped-def]
-            if forward.worker_configured() and "dir" in _current and _names_our_clientapp(_current["dir"]):
+            checked = _current.get("dir")
+            if forward.worker_configured() and checked is not None and _names_our_clientapp(checked) and \
+                    get_project_dir(fab_id, fab_version, fab_hash).resolve() == Path(str(checked)).resolve():
                 return forward.app
             return load(fab_id, fab_version, fab_hash)
 

@@ -138,22 +138,27 @@ def test_the_gate_hands_only_our_clientapp_to_the_worker(tmp_path, monkeypatch):
     monkeypatch.setattr(rc, "pull_task_input", rc.pull_task_input)
     monkeypatch.setattr(rc, "get_load_client_app_fn", lambda *a, **k: (lambda *x: flower_loaded))
     trust.install_gate()
-    ours, ping = tmp_path / "ours", tmp_path / "ping"
-    ours.mkdir()
+    from flwr.common.config import get_project_dir
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    ident = ("feta-release/feta-release-app", "0.1.0", "ab" * 32)
+    ours, ping = get_project_dir(*ident), tmp_path / "ping"
+    ours.mkdir(parents=True)
     ping.mkdir()
     (ours / "pyproject.toml").write_text((ROOT / "coordinator" / "flower_app" / "pyproject.toml").read_text())
     (ping / "pyproject.toml").write_text((ROOT / "bench" / "ping_app" / "pyproject.toml").read_text())
     load = rc.get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
     monkeypatch.setattr(trust, "_current", {"dir": ours})
     monkeypatch.delenv(channel.ENV_SOCKET, raising=False)
-    assert load("a/b", "1", "h") is flower_loaded  # no worker: Flower loads edge.clientapp:app itself
+    assert load(*ident) is flower_loaded  # no worker: Flower loads edge.clientapp:app itself
     monkeypatch.setenv(channel.ENV_SOCKET, str(tmp_path / "s"))
     monkeypatch.setenv(channel.ENV_KEY, str(tmp_path / "k"))
-    assert load("a/b", "1", "h") is forward.app
-    monkeypatch.setattr(trust, "_current", {"dir": ping})
-    assert load("a/b", "1", "h") is flower_loaded
+    assert load(*ident) is forward.app
+    assert load(ident[0], "0.2.0", ident[2]) is flower_loaded  # not the directory the gate checked
+    (ours / "pyproject.toml").write_text((ping / "pyproject.toml").read_text())  # same place, another component
+    assert load(*ident) is flower_loaded
     monkeypatch.setattr(trust, "_current", {})  # the gate did not pass this message: never the forwarder
-    assert load("a/b", "1", "h") is flower_loaded
+    assert load(*ident) is flower_loaded
 
 
 def test_no_socket_is_one_clear_line(tmp_path):

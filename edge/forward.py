@@ -18,6 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
+
+import psutil
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -56,10 +59,19 @@ def _task_id() -> int:
         return 0
 
 
+def _process_age() -> float:
+    """Seconds since this per-message process started (for the worker's log: Flower's start-up cost per message)."""
+    try:
+        return round(time.time() - psutil.Process().create_time(), 3)
+    except psutil.Error:
+        return -1.0
+
+
 def forward(message: Message, context: Context, sock: str, key: bytes) -> Message:
     """One message through the worker; the worker's updated ``context.state`` is copied into ``context`` (Flower
     pushes this same object back to the SuperNode)."""
-    doc = {"kind": "message", "message_id": message.metadata.message_id, "task_id": _task_id()}
+    doc = {"kind": "message", "message_id": message.metadata.message_id, "task_id": _task_id(),
+           "process_age": _process_age()}
     frames = [message_to_proto(message).SerializeToString(), context_to_proto(context).SerializeToString()]
     reply, rest = channel.call(sock, key, doc, frames)
     if reply.get("ok") is not True:

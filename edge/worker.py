@@ -120,7 +120,9 @@ class Worker:
         t0 = time.perf_counter()
         reply = self.app(message, context)
         # the message type and seconds stay in the site's own log (seconds track the realised batch size)
-        log.info("answered %s in %.2f s", message.metadata.message_type, time.perf_counter() - t0)
+        age = doc.get("process_age")
+        log.info("answered %s in %.2f s (the per-message process was %s s old when it handed the message over)",
+                 message.metadata.message_type, time.perf_counter() - t0, age if isinstance(age, (int, float)) else "?")
         if not reply.has_content():
             raise channel.WorkerRequestError(f"the ClientApp answered {message.metadata.message_type} with no content")
         return {"ok": True}, [fm.payload_bytes(reply.content), context_to_proto(context).SerializeToString()]

@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 
-DTYPES = st.sampled_from(["bool", "int8", "int32", "int64", "uint8", "float16", "float32", "float64"])
+DTYPES = st.sampled_from(["bool", "int8", "int32", "int64", "uint8", "float16", "float32", "float64", "<U4", "|S3"])
 ARRAYS = DTYPES.flatmap(lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=4, min_side=0,
                                                                              max_side=5)))
 
@@ -50,6 +50,8 @@ def _packed(manifest, blob: bytes) -> RecordDict:
     ([["a", "<f4", [2]]], b"\0" * 4, "runs past the end"),
     ([["a", "<f4", [1]]], b"\0" * 8, "4 bytes left over"),
     ([["a", "|O", [1]]], b"\0" * 8, "allowed dtype"),
+    ([["a", "<U0", [1]]], b"\0" * 8, "allowed dtype"),
+    ([["a", "<U99999", [1]]], b"\0" * 8, "allowed dtype"),
     ([["a", "<f4", [-1]]], b"\0" * 4, "allowed dtype and a shape"),
     ([["a", "<f4", [1]], ["a", "<f4", [1]]], b"\0" * 8, "not a new name"),
     ([["a", "<f4", [True]]], b"\0" * 4, "allowed dtype and a shape"),

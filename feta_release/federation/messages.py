@@ -14,6 +14,7 @@ the site ledger stores as the recorded answer of a request.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,12 @@ PACKED = "packed"
 _DTYPES = frozenset(np.dtype(t).str for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                                               "uint64", "float16", "float32", "float64"))
 _MAX_DIMS = 32
+_TEXT = re.compile(r"(<U|\|S)([1-9][0-9]{0,3})")  # fixed-width text (e.g. a release's "kind" label), <= 9,999 chars
+
+
+def _sendable(dtype: Any) -> bool:
+    """Numbers, booleans and fixed-width text: dtypes whose bytes are plain values (never objects to unpickle)."""
+    return isinstance(dtype, str) and (dtype in _DTYPES or _TEXT.fullmatch(dtype) is not None)
 
 
 def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> RecordDict:
@@ -46,8 +53,8 @@ def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = Non
     if arrays:
         parts = [(k, np.asarray(arrays[k])) for k in sorted(arrays)]  # tobytes() below is C order, 0-d kept
         for k, v in parts:
-            if v.dtype.str not in _DTYPES:
-                raise ValueError(f"array {k!r}: dtype {v.dtype} cannot be sent (numbers and booleans only)")
+            if not _sendable(v.dtype.str):
+                raise ValueError(f"array {k!r}: dtype {v.dtype} cannot be sent (numbers, booleans, fixed-width text)")
         doc = {**doc, "_packed": [[k, v.dtype.str, list(v.shape)] for k, v in parts]}
         blob = np.frombuffer(b"".join(v.tobytes() for _, v in parts), dtype=np.uint8)
         rd[PACKED] = ArrayRecord({"blob": Array(blob)})
@@ -66,7 +73,7 @@ def _unpack(manifest: Any, blob: np.ndarray) -> dict[str, np.ndarray]:
     data, out, offset = blob.tobytes(), {}, 0
     for entry in manifest:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[0] not in out
-                and entry[1] in _DTYPES and isinstance(entry[2], list) and len(entry[2]) <= _MAX_DIMS
+                and _sendable(entry[1]) and isinstance(entry[2], list) and len(entry[2]) <= _MAX_DIMS
                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[2])):
             raise bad(f"entry {str(entry)[:80]} is not a new name, an allowed dtype and a shape")
         name, dtype, shape = entry[0], np.dtype(entry[1]), entry[2]

@@ -354,3 +354,33 @@ def test_node_start_restarts_a_dead_worker(tmp_path, capsys):
     finally:
         node.stop()
     assert not started[0].alive()
+
+
+def test_the_site_stamp_changes_with_every_file_the_site_is_opened_from(tmp_path):
+    """What the worker re-checks before each request: policy/keys/secret by content, data and ledger by identity."""
+    from edge.worker import site_stamp
+
+    files = {k: tmp_path / k for k in ("policy-file", "trusted-policy-key", "site-key", "data-secret", "ledger-path")}
+    for p in files.values():
+        p.write_bytes(b"v1")
+    data = tmp_path / "images"
+    data.mkdir()
+    (data / "a.png").write_bytes(b"img")
+    cfg = {**{k: str(p) for k, p in files.items()}, "data-path": str(data)}
+    base = site_stamp(cfg)
+    assert site_stamp(cfg) == base
+    for key in ("policy-file", "trusted-policy-key", "site-key", "data-secret"):
+        files[key].write_bytes(b"v2")
+        assert site_stamp(cfg) != base, key
+        files[key].write_bytes(b"v1")
+        assert site_stamp(cfg) == base, key  # by content: the same bytes again are the same site
+    (data / "b.png").write_bytes(b"new image")
+    changed = site_stamp(cfg)
+    assert changed != base
+    os.utime(data / "a.png", ns=(1, 1))  # rewritten in place, size unchanged: its times move
+    assert site_stamp(cfg) != changed
+    before = site_stamp(cfg)
+    replaced = tmp_path / "restored.db"
+    replaced.write_bytes(b"v1")
+    os.replace(replaced, files["ledger-path"])  # a ledger restored from a backup: a new file under the same name
+    assert site_stamp(cfg) != before

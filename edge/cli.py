@@ -166,6 +166,9 @@ def _print_summary(s: dict) -> None:
 @click.option("--force-insecure", is_flag=True, help="Allow --insecure to a non-loopback SuperLink (dangerous).")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Node state (default: next to the ledger).")
+@click.option("--worker/--no-worker", default=True, show_default=True,
+              help="Answer messages from a warm worker process that loads torch and the site once (restarted if it "
+                   "dies); --no-worker: a fresh process per message, as Flower runs it (slower).")
 @data_load_options
 @click.pass_context
 def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None, **given: object) -> None:

@@ -9,18 +9,20 @@ them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) 
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from feta_release.data.loading import LoadOptions
-from feta_release.errors import ConfigError, PolicyError
+from feta_release.errors import ConfigError, FetaError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
 
-from . import trust
+from . import channel, trust
 from .node_state import NodeMonitor, utc_stamp
 from .site import (
     CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED,
@@ -46,6 +48,7 @@ class NodeSettings:
     force_insecure: bool = False
     work_dir: Path | None = None
     load: LoadOptions | None = None  # how files become images (same as `data inspect --resize ...`)
+    worker: bool = True  # a warm worker (edge.worker) answers the messages; False: a fresh process per message
 
     def node_config(self) -> dict[str, str]:
         work = self.work_dir or self.ledger.parent / "work"
@@ -114,6 +117,52 @@ def supernode_command(s: NodeSettings) -> list[str]:
     return cmd
 
 
+WORKER_READY_TIMEOUT = 300.0  # importing torch and opening the site on a loaded 2-core machine
+
+
+@dataclass
+class WorkerChannel:
+    """Where the node's per-message ClientApps reach its worker: socket and key file (both 0600, dir 0700)."""
+
+    socket: Path
+    key_file: Path
+
+    def env(self) -> dict[str, str]:
+        return {channel.ENV_SOCKET: str(self.socket), channel.ENV_KEY: str(self.key_file)}
+
+
+def new_worker_channel(work: Path) -> WorkerChannel:
+    """A fresh channel for this node start: a new random key (the old one, if any, stops working)."""
+    state = channel.private_dir(work / "worker")
+    ch = WorkerChannel(channel.socket_path(state), state / "worker.key")
+    channel.write_key(ch.key_file)
+    return ch
+
+
+def start_worker(s: NodeSettings, ch: WorkerChannel, env: dict[str, str], work: Path,
+                 timeout: float = WORKER_READY_TIMEOUT) -> ManagedProcess:
+    """Start the warm worker (``python -m edge.worker``) and wait until it answers on the channel."""
+    cmd = [sys.executable, "-m", "edge.worker", "--node-config", json.dumps(s.node_config()),
+           "--socket", str(ch.socket), "--key-file", str(ch.key_file)]
+    proc = ManagedProcess("worker", cmd, env, work / "worker.log", umask=0o077)
+    key = channel.read_key(ch.key_file)
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc.alive():
+            raise FetaError(f"the node's worker exited (code {proc.proc.returncode}) before it was ready; "
+                            f"log {proc.log_path}:\n{proc.tail()}")
+        try:
+            reply, _ = channel.call(ch.socket, key, {"kind": "ping"}, [])
+            if reply.get("ok") is True:
+                return proc
+            raise FetaError(f"the node's worker cannot serve: {reply.get('error')}")
+        except channel.WorkerUnavailable:
+            if time.monotonic() > deadline:
+                proc.stop()
+                raise FetaError(f"the node's worker was not ready after {timeout:.0f} s; log {proc.log_path}") from None
+            time.sleep(0.2)
+
+
 def start_node(s: NodeSettings, log_path: Path | None = None,
                announce: Callable[[str], None] | None = None) -> ManagedProcess:
     """Preflight, then start the SuperNode as a managed process group (returns at once).
@@ -129,13 +178,45 @@ def start_node(s: NodeSettings, log_path: Path | None = None,
         trust.ENV_LOG: str(work / "trust.log"),
     })
     site.ledger.close()
+    worker = None
+    if s.worker:
+        ch = new_worker_channel(work)
+        worker = start_worker(s, ch, env, work)
+        env.update(ch.env())
     log_path = log_path or work / "supernode.log"
     monitor = NodeMonitor(s.superlink, work, log_path, ledger=s.ledger, announce=announce)
-    proc = ManagedProcess(f"node {site.site_id}", supernode_command(s), env, log_path, on_line=monitor.feed,
-                          umask=0o077)
+    try:
+        proc = ManagedProcess(f"node {site.site_id}", supernode_command(s), env, log_path, on_line=monitor.feed,
+                              umask=0o077)
+    except BaseException:
+        if worker is not None:
+            worker.stop()
+        raise
+    if worker is not None:
+        proc.companions.append(worker)
     monitor.set_pid(proc.pid)
     proc.monitor = monitor  # type: ignore[attr-defined]
+    proc.worker_start = (lambda: start_worker(s, ch, env, work)) if worker is not None else None  # type: ignore[attr-defined]
     return proc
+
+
+def keep_worker(proc: ManagedProcess) -> None:
+    """Restart the node's worker if it died (meanwhile each message is handled in its own process: edge.forward).
+    A worker that cannot be restarted is not retried: messages keep running in their own processes."""
+    restart = getattr(proc, "worker_start", None)
+    for i, w in enumerate(proc.companions):
+        if w.name != "worker" or w.alive() or restart is None:
+            continue
+        code = w.proc.returncode
+        w.stop()
+        _say(f"{utc_stamp()} the node's worker exited (code {code}); restarting it (messages meanwhile run in their "
+             "own process)")
+        try:
+            proc.companions[i] = restart()
+            _say(f"{utc_stamp()} the node's worker is back (pid {proc.companions[i].pid})")
+        except FetaError as exc:
+            proc.worker_start = None  # type: ignore[attr-defined]
+            _say(f"{utc_stamp()} the node's worker could not be restarted; messages run in their own process: {exc}")
 
 
 def _say(line: str) -> None:
@@ -158,7 +239,7 @@ def run_node(s: NodeSettings) -> int:
             try:
                 proc.proc.wait(1.0)
             except Exception:  # noqa: BLE001 - TimeoutExpired: keep waiting
-                pass
+                keep_worker(proc)
     except KeyboardInterrupt:
         pass
     finally:

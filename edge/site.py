@@ -135,12 +135,29 @@ class Site:
                    patients=patients)
 
 
+_cached_sites: list[Site] = []
+
+
 @functools.lru_cache(maxsize=8)
 def _cached(items: tuple[tuple[str, Any], ...]) -> Site:
-    return Site.open(dict(items))
+    site = Site.open(dict(items))
+    _cached_sites.append(site)
+    return site
 
 
 def site_for(node_config: dict[str, Any]) -> Site:
     """One ``Site`` per node config per process (the in-process harness calls handlers many times;
     behind a real SuperNode each message is a fresh process anyway)."""
     return _cached(tuple(sorted((str(k), v) for k, v in node_config.items())))
+
+
+def forget_sites() -> None:
+    """Drop every cached ``Site`` (closing its ledger), so the next ``site_for`` opens and verifies it afresh
+    (the warm worker, ``edge.worker``, does this when the policy, keys, data or ledger file changed)."""
+    for site in _cached_sites:
+        try:
+            site.ledger.close()
+        except Exception:  # noqa: BLE001 - an already broken connection is being dropped anyway
+            pass
+    _cached_sites.clear()
+    _cached.cache_clear()

@@ -18,6 +18,10 @@ byte of an untrusted bundle is written or imported. A refusal is logged and answ
 coordinator as an error reply. This touches a Flower internal (``run_clientapp.install_from_fab``):
 flwr is pinned to ``PINNED_FLWR`` and ``check_flower_internals`` fails loudly on any other version.
 
+A node started with a warm worker (``edge.worker``) also wraps the ClientApp loader: once both gates passed, the
+allowed bundle's ``edge.clientapp:app`` is replaced by the thin ``edge.forward.app``, which hands the message to
+the worker (the same ClientApp, loaded once); any other allowed bundle loads as Flower would.
+
 The allow-list comes from the environment variable ``FETA_ALLOWED_FABS`` (comma-separated
 sha256), set by ``feta-release node start`` from the verified policy: the coordinator cannot
 change a node's environment.
@@ -36,12 +40,16 @@ import zipfile
 from pathlib import Path
 
 import flwr
-from flwr.common.config import get_fab_config, get_flwr_home, get_metadata_from_config, get_project_dir
+from flwr.common.config import (
+    get_fab_config, get_flwr_home, get_metadata_from_config, get_project_config, get_project_dir,
+)
 from flwr.common.constant import APP_DIR
 from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 from flwr.supernode.runtime import run_clientapp as rc
 
 from feta_release.errors import PolicyError
+
+from . import forward
 
 PINNED_FLWR = "1.41.0"
 ENV_ALLOWED = "FETA_ALLOWED_FABS"
@@ -91,7 +99,7 @@ def check_flower_internals() -> None:
             f"the FAB allow-list gate is built on flwr {PINNED_FLWR} internals, but flwr {flwr.__version__} is "
             "installed; refusing to run app bundles unchecked"
         )
-    for name in ("install_from_fab", "pull_task_input", "get_project_dir"):
+    for name in ("install_from_fab", "pull_task_input", "get_project_dir", "get_load_client_app_fn"):
         if not callable(getattr(rc, name, None)):
             raise PolicyError(f"flwr internals changed: run_clientapp.{name} not found; refusing to start")
 
@@ -212,6 +220,41 @@ def install_gate() -> None:
 
         gated_install_from_fab.__feta_gate__ = True  # type: ignore[attr-defined]
         rc.install_from_fab = gated_install_from_fab
+    _install_worker_hand_off()
+
+
+def _names_our_clientapp(app_dir: object) -> bool:
+    """True when the checked, installed bundle's ClientApp component is feta-release's own (edge.clientapp:app)."""
+    try:
+        ref = get_project_config(Path(str(app_dir)))["tool"]["flwr"]["app"]["components"]["clientapp"]
+    except Exception:  # noqa: BLE001 - Flower's own loader reports an unreadable bundle
+        return False
+    return bool(ref == forward.CLIENTAPP_REF)
+
+
+def _install_worker_hand_off() -> None:
+    """Load the thin forwarding ClientApp (``edge.forward``) instead of ``edge.clientapp:app`` when the node runs a
+    warm worker (``edge.worker``). Runs only after the two gates above passed for this message's bundle: the loader
+    is called after the install step, and ``_current["dir"]`` is the directory whose identity and files were
+    checked. Any other allowed bundle (e.g. the benchmark's ping app) loads as Flower would."""
+    if getattr(rc.get_load_client_app_fn, "__feta_gate__", False):
+        return
+    original = rc.get_load_client_app_fn
+
+    def gated_get_load_client_app_fn(*args, **kwargs):  # type: ignore[no-untyped-def]
+        load = original(*args, **kwargs)
+
+        def _load(fab_id: str, fab_version: str, fab_hash: str):  # type: ignore[no-untyped-def]
+            checked = _current.get("dir")
+            if forward.worker_configured() and checked is not None and _names_our_clientapp(checked) and \
+                    get_project_dir(fab_id, fab_version, fab_hash).resolve() == Path(str(checked)).resolve():
+                return forward.app
+            return load(fab_id, fab_version, fab_hash)
+
+        return _load
+
+    gated_get_load_client_app_fn.__feta_gate__ = True  # type: ignore[attr-defined]
+    rc.get_load_client_app_fn = gated_get_load_client_app_fn
 
 
 # What the task input of this process (one message per flwr-clientapp process) was checked to be.

@@ -34,6 +34,7 @@ BOUNDARIES = {
 # Function-level imports allowed in the driver packages: module -> the modules it may import lazily (and why).
 LAZY = {
     "edge/cli.py": {".launch"},  # Flower, for `node start` only
+    "edge/forward.py": {".clientapp"},  # torch: the per-message ClientApp loads it only when no worker answers
     "coordinator/cli.py": {".setup", ".runner", ".finalize"},  # Flower / torch, per command
     "coordinator/demo.py": {".setup", ".runner", ".finalize", "edge.launch"},  # Flower / torch, once the demo runs
 }

@@ -1,7 +1,9 @@
 """Message payloads shared by the site node and the coordinator (Flower Message API).
 
 A payload is a ``RecordDict`` with up to two records:
-  ``"arrays"``: an ``ArrayRecord`` of named numpy arrays (weights, released statistics);
+  ``"packed"``: an ``ArrayRecord`` holding ONE flat byte array: the named numpy arrays (weights, released
+                statistics) one after another, as the JSON's ``"_packed"`` list of [name, dtype, shape] says
+                (payloads recorded before packing hold an ``"arrays"`` record of the arrays themselves);
   ``"cfg"``:    a ``ConfigRecord`` whose single ``"json"`` entry holds a canonical JSON document
                 (request ids, signed job, events, refusals). One JSON string instead of many
                 config entries keeps nested documents (signatures, event lists) intact.
@@ -12,6 +14,7 @@ the site ledger stores as the recorded answer of a request.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -30,17 +33,58 @@ TRAIN = "train"
 SECAGG = "query.secagg"  # one stage of a secure sum (edge/secure.py)
 
 
+# Arrays travel packed into ONE byte array: Flower 1.41 moves every Array of a message as its own objects, one
+# request each at every hop (SuperLink, SuperNode, ClientApp, both ways), so a model's 65 weight tensors cost ~134
+# objects per message; packed, a DP-SGD round moves a handful (bench/bench_round.py).
+PACKED = "packed"
+_DTYPES = frozenset(np.dtype(t).str for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                              "uint64", "float16", "float32", "float64"))
+_MAX_DIMS = 32
+_TEXT = re.compile(r"(<U|\|S)([1-9][0-9]{0,3})")  # fixed-width text (e.g. a release's "kind" label), <= 9,999 chars
+
+
+def _sendable(dtype: Any) -> bool:
+    """Numbers, booleans and fixed-width text: dtypes whose bytes are plain values (never objects to unpickle)."""
+    return isinstance(dtype, str) and (dtype in _DTYPES or _TEXT.fullmatch(dtype) is not None)
+
+
 def make_payload(doc: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> RecordDict:
-    arrays = {k: np.asarray(v) for k, v in (arrays or {}).items()}
-    # Flower's Array does not keep 0-d shapes; name them so read_payload restores scalars exactly.
-    scalars = sorted(k for k, v in arrays.items() if v.ndim == 0)
-    if scalars:
-        doc = {**doc, "_scalars": scalars}
-    rd = RecordDict({"cfg": ConfigRecord({"json": canonical_json(doc).decode("utf-8")})})
+    rd = RecordDict()
     if arrays:
-        rd["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(v.reshape(-1) if v.ndim == 0 else v))
-                                    for k, v in arrays.items()})
+        parts = [(k, np.asarray(arrays[k])) for k in sorted(arrays)]  # tobytes() below is C order, 0-d kept
+        for k, v in parts:
+            if not _sendable(v.dtype.str):
+                raise ValueError(f"array {k!r}: dtype {v.dtype} cannot be sent (numbers, booleans, fixed-width text)")
+        doc = {**doc, "_packed": [[k, v.dtype.str, list(v.shape)] for k, v in parts]}
+        blob = np.frombuffer(b"".join(v.tobytes() for _, v in parts), dtype=np.uint8)
+        rd[PACKED] = ArrayRecord({"blob": Array(blob)})
+    rd["cfg"] = ConfigRecord({"json": canonical_json(doc).decode("utf-8")})
     return rd
+
+
+def _unpack(manifest: Any, blob: np.ndarray) -> dict[str, np.ndarray]:
+    """The named arrays of a packed payload; refuses (one line) a manifest that does not describe the bytes exactly.
+    The manifest is the sender's: every name, dtype and shape is checked before a byte is read."""
+    def bad(why: str) -> PolicyError:
+        return PolicyError(f"message refused: its packed arrays are malformed ({why})")
+
+    if not isinstance(manifest, list) or blob.dtype != np.uint8 or blob.ndim != 1:
+        raise bad("no array list, or the bytes are not one flat uint8 array")
+    data, out, offset = blob.tobytes(), {}, 0
+    for entry in manifest:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[0] not in out
+                and _sendable(entry[1]) and isinstance(entry[2], list) and len(entry[2]) <= _MAX_DIMS
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[2])):
+            raise bad(f"entry {str(entry)[:80]} is not a new name, an allowed dtype and a shape")
+        name, dtype, shape = entry[0], np.dtype(entry[1]), entry[2]
+        size = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if offset + size > len(data):
+            raise bad(f"array {name!r} runs past the end of the bytes")
+        out[name] = np.frombuffer(data, dtype=dtype, count=size // dtype.itemsize, offset=offset).reshape(shape).copy()
+        offset += size
+    if offset != len(data):
+        raise bad(f"{len(data) - offset} bytes left over after the last array")
+    return out
 
 
 def read_payload(rd: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -50,9 +94,15 @@ def read_payload(rd: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]
             doc = loads_strict(str(rd.config_records["cfg"]["json"]))
         except ValueError as exc:
             raise PolicyError(f"message refused: its JSON is not canonical ({exc}); send each key once") from None
+    if not isinstance(doc, dict):
+        raise PolicyError("message refused: its JSON is not an object")
     arrays: dict[str, np.ndarray] = {}
-    if "arrays" in rd.array_records:
-        arrays = {k: v.numpy() for k, v in rd.array_records["arrays"].items()}
+    if PACKED in rd.array_records or "_packed" in doc:
+        if PACKED not in rd.array_records or "blob" not in rd.array_records[PACKED]:
+            raise PolicyError("message refused: its packed arrays are malformed (the list or the bytes are missing)")
+        arrays = _unpack(doc.pop("_packed", None), rd.array_records[PACKED]["blob"].numpy())
+    if "arrays" in rd.array_records:  # the unpacked form (answers recorded in a ledger before packing)
+        arrays.update({k: v.numpy() for k, v in rd.array_records["arrays"].items()})
     for k in doc.pop("_scalars", []):
         arrays[k] = arrays[k].reshape(())
     return doc, arrays

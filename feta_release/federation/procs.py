@@ -58,6 +58,8 @@ class ManagedProcess:
         if umask is not None:
             os.chmod(log_path, 0o666 & ~umask)
         self._reader: threading.Thread | None = None
+        # Processes that belong to this one and stop with it (a site node's warm worker: edge.launch).
+        self.companions: list[ManagedProcess] = []
         try:
             self.proc = subprocess.Popen(
                 self.cmd, env=env, cwd=cwd, stdout=self._log if on_line is None else subprocess.PIPE,
@@ -92,6 +94,8 @@ class ManagedProcess:
         an orphaned ``flwr-serverapp`` kept training for 50 minutes after a demo had stopped)."""
         family = _descendants(self.proc.pid)
         self._stop_group(timeout)
+        for companion in self.companions:
+            companion.stop(timeout)
         for child in family:
             try:
                 child.kill()

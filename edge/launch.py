@@ -141,8 +141,12 @@ def new_worker_channel(work: Path) -> WorkerChannel:
 
 def start_worker(s: NodeSettings, ch: WorkerChannel, env: dict[str, str], work: Path,
                  timeout: float = WORKER_READY_TIMEOUT) -> ManagedProcess:
-    """Start the warm worker (``python -m edge.worker``) and wait until it answers on the channel."""
-    cmd = [sys.executable, "-m", "edge.worker", "--node-config", json.dumps(s.node_config()),
+    """Start the warm worker (``python -P -m edge.worker``) and wait until it answers on the channel.
+
+    ``-P``: ``python -m`` would put the current directory first on ``sys.path``, so an ``edge/`` package another
+    local user planted where the admin started the node (``/tmp``, a shared folder) would run as the site account,
+    with its key, secret, ledger and images (review W1)."""
+    cmd = [sys.executable, "-P", "-m", "edge.worker", "--node-config", json.dumps(s.node_config()),
            "--socket", str(ch.socket), "--key-file", str(ch.key_file)]
     proc = ManagedProcess("worker", cmd, env, work / "worker.log", umask=0o077)
     key = channel.read_key(ch.key_file)

@@ -384,3 +384,25 @@ def test_the_site_stamp_changes_with_every_file_the_site_is_opened_from(tmp_path
     replaced.write_bytes(b"v1")
     os.replace(replaced, files["ledger-path"])  # a ledger restored from a backup: a new file under the same name
     assert site_stamp(cfg) != before
+
+
+def test_an_edge_package_planted_in_the_nodes_cwd_is_not_imported_by_the_worker(tmp_path, monkeypatch):
+    """Review W1: ``python -m edge.worker`` put the current directory first on sys.path; an ``edge/`` package that
+    another local user planted where the admin started the node ran as the site account."""
+    from edge.launch import NodeSettings, WorkerChannel, start_worker
+
+    shared = tmp_path / "shared"
+    (shared / "edge").mkdir(parents=True)
+    marker = tmp_path / "HIJACKED"
+    (shared / "edge" / "__init__.py").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).write_text('x')\n")
+    (shared / "edge" / "worker.py").write_text("raise SystemExit(3)\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    s = NodeSettings(data=work / "d", policy=work / "p", trusted_policy_key=work / "t", ledger=work / "l",
+                     site_key=work / "k", data_secret=work / "s", work_dir=work)
+    ch = WorkerChannel(work / "worker.sock", work / "worker.key")
+    channel.write_key(ch.key_file)
+    monkeypatch.chdir(shared)
+    with pytest.raises(Exception):  # noqa: B017 - the real worker refuses these empty settings; either way no hijack
+        start_worker(s, ch, dict(os.environ), work, timeout=20).stop()
+    assert not marker.exists()

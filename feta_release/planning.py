@@ -392,7 +392,8 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
     c, f = cfg.central, cfg.frequency
     sgd = by_stage.get("dpsgd")
     notes = {
-        "central": f"{c.kind} images, {c.rounds} round(s)" if "central" in by_stage else "disabled (rounds = 0)",
+        "central": (f"{c.kind} images, {c.rounds} round(s)" + (f" x {c.cells} slant cells" if c.cells > 1 else "")
+                    if "central" in by_stage else "disabled (rounds = 0)"),
         "frequency": f"{f.features} random Fourier features" if "frequency" in by_stage else "disabled (no sigma)",
         "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")
                   + ("; unit: the PATIENT (patients sampled, per-patient clip; no group conversion)"

@@ -133,3 +133,16 @@ def test_plan_noise_figure_counts_the_cells() -> None:
     r3, text = stage_noise(cfg.replace(central={"cells": 3}), "central", 4000)
     assert r1 == pytest.approx(5.0 * 2.0 / 400) and r3 == pytest.approx(3 * r1)
     assert "133 images per released sum" in text
+
+
+def test_nodpsgd_preset_plans_the_whole_budget_on_the_releases() -> None:
+    """cpu-eps1-nodpsgd: central + frequency only, within epsilon 1 at any public size (rates, not batches)."""
+    from feta_release.planning import plan
+
+    cfg = load_preset("cpu-eps1-nodpsgd")
+    assert cfg.central.cells == 2 and cfg.central.stretch and cfg.dpsgd_steps(4000) == 0
+    for n in (500, 1400, 4000, 60000):
+        p = plan(cfg, n)
+        assert p.epsilon <= 1.0 and p.noise_multiplier is None
+        assert [e.stage for e in p.events] == ["central", "frequency"]
+        assert "2 slant cells" in p.stage("central").note

@@ -24,7 +24,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--target-epsilon", type=float, default=None, help="central epsilon (default: the old preset's 0.360)")
-    ap.add_argument("--configs", default="", help="ROUNDS:Q:CLIP:STRETCH,... (STRETCH 0/1); default: the grid below")
+    ap.add_argument("--configs", default="", help="ROUNDS:Q:CLIP:STRETCH[:CELLS],... (STRETCH 0/1, CELLS slant cells per class, "
+                    "default 1); default: the grid below")
     args = ap.parse_args()
     import torch
 
@@ -46,24 +47,26 @@ def main() -> None:
         return hi
 
     rows = []
-    grid = [(2, 0.5, 0.5, 3.0, False), (1, 0.5, 0.5, 3.0, False), (1, 1.0, 0.5, 3.0, False), (2, 1.0, 0.5, 3.0, False),
-            (2, 0.5, 0.5, 2.0, False), (1, 1.0, 0.5, 2.0, False)]
+    grid = [(2, 0.5, 0.5, 3.0, False, 1), (1, 0.5, 0.5, 3.0, False, 1), (1, 1.0, 0.5, 3.0, False, 1),
+            (2, 1.0, 0.5, 3.0, False, 1), (2, 0.5, 0.5, 2.0, False, 1), (1, 1.0, 0.5, 2.0, False, 1)]
     if args.configs:
-        grid = [(int(r), float(q), 0.5, float(c), st == "1") for r, q, c, st in (x.split(":") for x in args.configs.split(","))]
-    for rounds, q, ds, clip, stretch in grid:
+        grid = [(int(f[0]), float(f[1]), 0.5, float(f[2]), f[3] == "1", int(f[4]) if len(f) > 4 else 1)
+                for f in (x.split(":") for x in args.configs.split(","))]
+    for rounds, q, ds, clip, stretch, cells in grid:
         sigma = sigma_for(rounds, q)
         accs = []
         t0 = time.perf_counter()
         for seed in (int(s) for s in args.seeds.split(",")):
             rel, _ = central_images(fit.images, fit.labels, fit.n_classes, kind="mean", rounds=rounds,
                                     batch=max(1, round(q * fit.n)), sigma=sigma, clip=clip, downsample=ds, bins=2,
-                                    n_public=fit.n, rng=np.random.default_rng(100 + seed))
+                                    n_public=fit.n, rng=np.random.default_rng(100 + seed), cells=cells)
             img, lab = postprocess_central(rel, stretch=stretch)
             ro = release_only(img, lab, fit.class_names, args.n, seed)
             accs.append(accuracy(train_classifier(ro, 5, seed), val))
         m, s = mean_std(accs)
-        row = {"rounds": rounds, "q": q, "downsample": ds, "clip": clip, "stretch": stretch, "sigma": round(sigma, 3),
-               "noise_per_pixel": round(sigma * clip / (q * fit.n / fit.n_classes), 4), "acc": accs,
+        row = {"rounds": rounds, "q": q, "downsample": ds, "clip": clip, "stretch": stretch, "cells": cells,
+               "sigma": round(sigma, 3), "noise_per_pixel": round(sigma * clip * cells / (q * fit.n / fit.n_classes), 4),
+               "acc": accs,
                "mean": round(m, 4), "std": round(s, 4), "s": round(time.perf_counter() - t0, 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -330,7 +330,7 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
                 n_classes: int = 10, sgd_sigma: float | None = None) -> tuple[float | None, str]:
     """A noise-to-signal figure a user can judge, per stage, from PUBLIC values only.
 
-    central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / n_classes), against
+    central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / (n_classes * cells)), against
     the pixel scale 1 (pixels in [0, 1]).  central (mode): per-bin noise std sigma * sqrt(d) against the expected
     per-class batch.  frequency: norm of a class column's noise, sigma * sqrt(features) / n, against the column's
     largest possible norm 1 / n_classes (||phi|| = 1, balanced classes): a lower bound on the true ratio.
@@ -341,13 +341,13 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
     if stage == "central" and cfg.central.rounds > 0:
         c = cfg.central
         d = c_ * max(1, int(h * c.downsample)) * max(1, int(w * c.downsample))
-        per_class = c.batch / n_classes
+        per_class = c.batch / (n_classes * c.cells)  # expected size of one released sum (class, slant cell)
         if c.kind == "mode":
             r = c.sigma * math.sqrt(d) / per_class
             return r, f"per-bin noise {r:.2f} x the per-class batch {per_class:.0f}"
         clip = c.clip if c.clip is not None else math.sqrt(d)
         r = c.sigma * min(clip, math.sqrt(d)) / per_class
-        return r, f"noise std {r:.3f} per pixel (pixels in [0, 1]), per-class batch {per_class:.0f}"
+        return r, f"noise std {r:.3f} per pixel (pixels in [0, 1]), {per_class:.0f} images per released sum"
     if stage == "frequency" and (f_sigma := cfg.frequency.sigma) is not None:
         r = f_sigma * math.sqrt(cfg.frequency.features) / n * n_classes
         return r, f"noise norm >= {r:.2f} x a class column's signal"
@@ -485,7 +485,8 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
     c, f = cfg.central, cfg.frequency
     sgd = by_stage.get("dpsgd")
     notes = {
-        "central": f"{c.kind} images, {c.rounds} round(s)" if "central" in by_stage else "disabled (rounds = 0)",
+        "central": (f"{c.kind} images, {c.rounds} round(s)" + (f" x {c.cells} slant cells" if c.cells > 1 else "")
+                    if "central" in by_stage else "disabled (rounds = 0)"),
         "frequency": f"{f.features} random Fourier features" if "frequency" in by_stage else "disabled (no sigma)",
         "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")
                   + ("; unit: the PATIENT (patients sampled, per-patient clip; no group conversion)"

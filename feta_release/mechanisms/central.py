@@ -13,6 +13,15 @@ adds at most one clipped vector to one class).  Released: (S_k + N(0, (sigma C)^
 PUBLIC denominator B_c = batch / n_classes.  Dividing by the actual (private) per-class count, as the reference
 code does, would make the released value depend on the count in a way the noise does not cover.
 
+Slant cells (``cells`` > 1, mean only).  Each class is split into ``cells`` disjoint sub-groups by a PUBLIC function
+of the image alone, ``slant_cells``: the shear of the image's own intensity (dx/dy of its second moment) binned
+at fixed edges (``SLANT_RANGE``, a prior on handwriting slant, not fitted to any dataset's images).  The query
+becomes one clipped sum per (class, cell); an image still adds one clipped vector to exactly ONE sum (its cell is a
+function of that image only, so adding or removing it moves no other image's cell): L2 sensitivity C, the same
+event as ``cells = 1``.  Denominator: the fixed public B_c / cells.  Why: one class mean is one blurry digit; cell
+means are several distinct prototypes (upright, right-leaning, ...) for the same epsilon, each noisier by about the
+factor cells (fewer images per sum); a cell few images fall into is mostly noise (post-processing may drop it).
+
 Mode images.  Query per class k: the per-pixel histogram H_k[p, b] = #{i in batch, y_i = k : bin(down(x_i)[p])
 = b}.  One image adds 1 to exactly one bin of each of the P pixel values, so the L2 sensitivity is sqrt(P).
 Released: argmax_b (H_k[p, b] + N(0, sigma^2 P)), reported as the bin midpoint.
@@ -48,8 +57,8 @@ Kind = Literal["mean", "mode"]
 class CentralRelease:
     """Raw released central images, before post-processing.
 
-    ``values``: float32 (rounds * n_classes, C, h, w) at the DOWNSAMPLED size; noisy and unclamped for
-    ``mean``, bin midpoints for ``mode``.  Row r * n_classes + k is class k of round r.
+    ``values``: float32 (rounds * n_classes * cells, C, h, w) at the DOWNSAMPLED size; noisy and unclamped for
+    ``mean``, bin midpoints for ``mode``.  Row (r * n_classes + k) * cells + j is cell j of class k of round r.
     """
 
     values: np.ndarray
@@ -63,6 +72,7 @@ class CentralRelease:
     q: float
     clip: float | None  # L2 bound used (mean)
     bins: int | None  # histogram bins (mode)
+    cells: int = 1  # slant cells per class (mean): rows are (round, class, cell)
 
     def to_arrays(self) -> dict[str, np.ndarray | np.generic]:
         """Plain arrays (for ``np.savez`` in a site's release directory); ``from_arrays`` inverts it."""
@@ -78,6 +88,7 @@ class CentralRelease:
             "q": np.float64(self.q),
             "clip": np.float64(np.nan if self.clip is None else self.clip),
             "bins": np.int64(0 if self.bins is None else self.bins),
+            "cells": np.int64(self.cells),
         }
 
     @classmethod
@@ -95,6 +106,7 @@ class CentralRelease:
                 image_shape=tuple(int(v) for v in np.asarray(a["image_shape"])),  # type: ignore[arg-type]
                 n_classes=int(a["n_classes"]), sigma=float(a["sigma"]), q=float(a["q"]),
                 clip=None if math.isnan(clip) else clip, bins=None if bins == 0 else bins,
+                cells=int(a["cells"]) if "cells" in a else 1,  # releases written before cells existed: 1
             )
         except KeyError as exc:
             raise DataError(f"central release arrays lack {exc}") from None
@@ -116,6 +128,38 @@ def clip_rows(x: np.ndarray, clip: float) -> np.ndarray:
     norms = np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
     scale = np.minimum(1.0, clip / np.maximum(norms, 1e-12))
     return (x * scale).astype(np.float32)
+
+
+# Public prior on handwriting slant (dx per dy of the ink): the cells split [-0.25, 0.55] evenly; values outside
+# fall in the first/last cell. Fixed here, never fitted to a dataset's images (that would make the cells private).
+SLANT_RANGE = (-0.25, 0.55)
+
+
+def image_slant(images: np.ndarray) -> np.ndarray:
+    """(N,) shear of each image's intensity (channel mean): -cov(row, col) / var(row), 0 for a blank image.
+
+    A function of the one image only: assigning cells with it keeps the per-cell sums' sensitivity at C."""
+    x = images.astype(np.float64).mean(axis=1)
+    _, h, w = x.shape
+    r = np.arange(h, dtype=np.float64)[None, :, None]
+    c = np.arange(w, dtype=np.float64)[None, None, :]
+    m = x.sum(axis=(1, 2))
+    safe = np.maximum(m, 1e-12)
+    mr = (x * r).sum(axis=(1, 2)) / safe
+    mc = (x * c).sum(axis=(1, 2)) / safe
+    dr = r - mr[:, None, None]
+    var_r = (x * dr ** 2).sum(axis=(1, 2)) / safe
+    cov = (x * dr * (c - mc[:, None, None])).sum(axis=(1, 2)) / safe
+    out = np.where((m > 1e-9) & (var_r > 1e-9), -cov / np.maximum(var_r, 1e-12), 0.0)
+    return out
+
+
+def slant_cells(images: np.ndarray, cells: int) -> np.ndarray:
+    """(N,) cell index in [0, cells) of each image by its slant, at the fixed public edges of ``SLANT_RANGE``."""
+    if cells == 1:
+        return np.zeros(len(images), dtype=np.int64)
+    edges = np.linspace(SLANT_RANGE[0], SLANT_RANGE[1], cells + 1)[1:-1]
+    return np.searchsorted(edges, image_slant(images)).astype(np.int64)
 
 
 def default_bins(channels: int) -> int:
@@ -169,6 +213,13 @@ def _prepare(images: np.ndarray, kind: str, clip: float | None, downsample: floa
     return pixel_bins(flat, nb), (c, h, w), float(nb)
 
 
+def _check_cells(cells: int, kind: str, where: str) -> int:
+    cells = check_positive_int(cells, "cells", where)
+    if cells > 1 and kind != "mean":
+        raise PrivacyError(f"{where}: cells > 1 needs kind = 'mean' (got {kind!r} with cells = {cells}); set cells = 1")
+    return cells
+
+
 def central_query(
     images: np.ndarray,
     labels: np.ndarray,
@@ -178,18 +229,22 @@ def central_query(
     clip: float | None = None,
     downsample: float = 0.5,
     bins: int | None = None,
+    cells: int = 1,
 ) -> tuple[np.ndarray, float]:
     """The PRE-NOISE query over all given images (no sampling) and its L2 sensitivity.
 
-    mean: per-class sums of clipped downsampled images, (n_classes, d), sensitivity C.
+    mean: per-(class, cell) sums of clipped downsampled images, (n_classes * cells, d), row k * cells + cell,
+    sensitivity C.
     mode: per-class per-pixel histograms, (n_classes, d, bins), sensitivity sqrt(d).
     ``central_images`` adds noise to exactly this query on each round's Poisson sample.
     """
     where = "central images"
     images, labels = check_images(images, labels, n_classes, where)
+    cells = _check_cells(cells, kind, where)
     vec, (c, h, w), param = _prepare(images, kind, clip, downsample, bins, where)
     if kind == "mean":
-        return _class_sums(vec, labels, int(n_classes)), param
+        groups = labels * cells + slant_cells(images, cells)
+        return _class_sums(vec, groups, int(n_classes) * cells), param
     return _class_histograms(vec, labels, int(n_classes), int(param)), math.sqrt(c * h * w)
 
 
@@ -207,33 +262,36 @@ def central_images(
     bins: int | None = None,
     n_public: int,
     rng: np.random.Generator | int,
+    cells: int = 1,
 ) -> tuple[CentralRelease, PrivacyEvent]:
-    """Release ``rounds`` noisy central images per class; return them with the privacy event they cost."""
+    """Release ``rounds`` x ``cells`` noisy central images per class; return them with the privacy event they cost."""
     where = "central images"
     images, labels = check_images(images, labels, n_classes, where)
     sigma = check_sigma(sigma, where)
     rounds = check_positive_int(rounds, "rounds", where)
     q = sampling_rate(batch, n_public, where)
     gen = as_generator(rng, where)
+    cells = _check_cells(cells, kind, where)
     image_shape = tuple(int(s) for s in images.shape[1:])
     vec, (c, h, w), param = _prepare(images, kind, clip, downsample, bins, where)
     n, d = vec.shape
     k = int(n_classes)
-    row_labels = np.tile(np.arange(k, dtype=np.int64), rounds)
+    row_labels = np.tile(np.repeat(np.arange(k, dtype=np.int64), cells), rounds)
 
     if kind == "mean":
-        bound, denom = param, batch / k
-        out = np.empty((rounds, k, d), dtype=np.float64)
+        bound, denom = param, batch / (k * cells)
+        groups = labels * cells + slant_cells(images, cells)  # one (class, cell) per image, from that image alone
+        out = np.empty((rounds, k * cells, d), dtype=np.float64)
         for r in range(rounds):
             take = gen.random(n) < q  # Poisson sampling: each image independently with probability q
-            sums = _class_sums(vec[take], labels[take], k)
+            sums = _class_sums(vec[take], groups[take], k * cells)
             # std = sigma x sensitivity C per image; a patient (<= k capped images, each clipped to C) moves the sum by
             # <= k·C: the per-patient statement is group privacy over k (module docstring)
             sums += gen.normal(0.0, sigma * bound, size=sums.shape)
             out[r] = sums / denom  # fixed public denominator: post-processing
-        values = out.reshape(rounds * k, c, h, w).astype(np.float32)
+        values = out.reshape(rounds * k * cells, c, h, w).astype(np.float32)
         release = CentralRelease(values, row_labels, rounds, "mean", float(denom), image_shape,  # type: ignore[arg-type]
-                                 k, sigma, q, bound, None)
+                                 k, sigma, q, bound, None, cells)
     else:
         nb = int(param)
         noise_std = sigma * math.sqrt(d)  # sensitivity sqrt(#pixel values) per image; k·sqrt(d) per capped patient
@@ -351,5 +409,5 @@ def combine_central(releases: Sequence[CentralRelease], weights: Sequence[float]
     return CentralRelease(
         values=np.asarray(values, dtype=np.float32), labels=first.labels.copy(), rounds=first.rounds,
         kind=first.kind, denominator=first.denominator, image_shape=first.image_shape, n_classes=first.n_classes,
-        sigma=first.sigma, q=first.q, clip=first.clip, bins=first.bins,
+        sigma=first.sigma, q=first.q, clip=first.clip, bins=first.bins, cells=first.cells,
     )

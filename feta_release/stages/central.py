@@ -22,7 +22,7 @@ class CentralRelease:
         ctx.central = _load(ctx) or _release(ctx)
         images, labels = ctx.central
         save_grid(images, labels, ctx.next_grid("central-images"),
-                  per_class=min(ctx.grid_per_class, ctx.cfg.central.rounds), n_classes=ctx.data.n_classes,
+                  per_class=min(ctx.grid_per_class, ctx.cfg.central.rounds * ctx.cfg.central.cells), n_classes=ctx.data.n_classes,
                   class_names=ctx.data.class_names, title=grid_title(ctx, "released central images"))
 
 
@@ -42,7 +42,7 @@ def _release(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
     rid = ctx.account.charge("central", c.rounds)
     release, event = central_images(
         d.images, d.labels, d.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch, sigma=c.sigma, clip=c.clip,
-        downsample=c.downsample, bins=c.bins, n_public=ctx.n_public, rng=ctx.private_rng("central"),
+        downsample=c.downsample, bins=c.bins, n_public=ctx.n_public, rng=ctx.private_rng("central"), cells=c.cells,
     )
     check_event(event, ctx.account.planned("central"))
     images, labels = postprocess_central(release, stretch=ctx.cfg.central.stretch)
@@ -51,5 +51,6 @@ def _release(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
     blob = npz_bytes(images=images, labels=labels, **arrays)
     atomic_write_bytes(ctx.rd.released("central.npz"), blob)
     ctx.account.record(rid, blob)
-    ctx.rep.log(f"central images: released {len(labels)} {c.kind} images ({c.rounds} round(s), sigma {c.sigma})")
+    ctx.rep.log(f"central images: released {len(labels)} {c.kind} images ({c.rounds} round(s), {c.cells} cell(s), "
+                f"sigma {c.sigma})")
     return images, labels

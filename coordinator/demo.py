@@ -39,11 +39,15 @@ from .superlink import SuperLinkSettings, start_superlink
 N_SITES = 3
 
 
-def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_steps: int, quick: bool) -> Any:
+def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_steps: int, quick: bool,
+                secure: bool = True) -> Any:
     """The preset's job, adapted to a federation of sites of ``site_size`` images each.
 
     The single-site preset's sampling RATES are kept (q = batch / N), so each site's batch is the preset's
-    rate times the site's size; its DP-SGD steps become rounds x local_steps at every site.
+    rate times the site's size; its DP-SGD steps become rounds x local_steps at every site. ``secure``: the
+    central images and frequency statistics are summed by secure aggregation (each site adds its share of the
+    noise; the sum carries the pooled mechanism's noise, not sqrt(3) times it); DP-SGD rounds keep per-site noise
+    (FedSGD loses at this epsilon: docs/secure-aggregation.md).
     """
     cfg = load_preset(preset)
     sized = cfg.for_size(site_size)  # presets with [central]/[dpsgd] rate: batch = rate x public size
@@ -55,7 +59,8 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
         "central": {"batch": max(1, min(site_size, central_b))},
         "dpsgd": {"batch": max(1, min(site_size, dpsgd_b)), "steps": rounds * local_steps},
         "federation": {"sites": [f"site-{chr(ord('a') + i)}" for i in range(N_SITES)], "min_sites": 2,
-                       "rounds": rounds, "local_steps": local_steps, "round_timeout": 900.0},
+                       "rounds": rounds, "local_steps": local_steps, "round_timeout": 900.0,
+                       "secure_aggregation": secure},
         "job": {"name": "demo"},
     }
     if quick:  # a smoke run of the real processes: minutes, not quality
@@ -81,9 +86,12 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
 @click.option("--per-site", type=int, default=None, help="Use only this many images per site (faster, worse).")
 @click.option("--quick", is_flag=True, help="Tiny model and stages: checks the machinery in a few minutes.")
 @click.option("--no-release", is_flag=True, help="Skip the ONNX release (samples + privacy report only).")
+@click.option("--secure-aggregation/--per-site-noise", "secure", default=True, show_default=True,
+              help="Sum the central images and frequency statistics by secure aggregation (each site adds a share of "
+                   "the noise), or let each site add the full noise to its own release.")
 @progress_option("a status spinner naming the current step")
 def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
-         quick: bool, no_release: bool, progress: bool) -> None:
+         quick: bool, no_release: bool, secure: bool, progress: bool) -> None:
     """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1.
 
     \b
@@ -104,7 +112,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
     try:
         with _status(console, progress, "[bold]preparing 3 sites: data, keys, signed policies") as status:
             t0 = time.monotonic()
-            fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, per_site, quick)
+            fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, per_site, quick, secure)
             timings["prepare"] = time.monotonic() - t0
             console.log(f"3 sites ready ({', '.join(f'{s.site_id}: public size {s.size}' for s in fed.sites)}); "
                         f"coordinator key {fed.coordinator_pub}")
@@ -168,7 +176,7 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
-             quick: bool) -> tuple[Any, Any]:
+             quick: bool, secure: bool = True) -> tuple[Any, Any]:
     from .setup import prepare_federation
 
     train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
@@ -179,7 +187,7 @@ def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_step
     fed = prepare_federation(out_dir / "federation", datasets)
     save_npz(heldout, out_dir / "federation" / "heldout.npz")
     # the job is planned from the sites' PUBLIC sizes (their policies), as a real coordinator must
-    cfg = demo_config(preset, epsilon, min(s.size for s in fed.sites), rounds, local_steps, quick)
+    cfg = demo_config(preset, epsilon, min(s.size for s in fed.sites), rounds, local_steps, quick, secure)
     return fed, cfg
 
 

@@ -125,3 +125,27 @@ def test_federated_privacy_report_writes_budget_svg_with_the_signed_cap(tmp_path
         f"total (composed), this job: ε {report['sites']['site-a']['epsilon_by_stage_alone']['total']:.4g}"]
     assert "lifetime cap 8" in (tmp_path / "budget.svg").read_text("utf-8")
     assert "lifetime on the same images (all jobs)" in (tmp_path / "privacy_report.txt").read_text("utf-8")
+
+
+def test_the_privacy_report_states_the_worst_case_epsilon_of_a_secure_job(tmp_path):
+    """A secure-aggregation job's ε rests on the site's trust assumption; the report a DPO reads says so and gives
+    the figure the site signed for the case where every other site colludes with the coordinator."""
+    import json
+
+    from coordinator.finalize import privacy_report
+
+    events = [{"stage": "dpsgd", "sigma": 1.2, "q": 0.01, "steps": 200}]
+    (tmp_path / "job_summary.json").write_text(json.dumps({"job_id": "j2", "rounds": 1, "skipped": {}, "timings": {}}))
+    sa = {"max_colluders": 0, "worst_case_epsilon": 1.2806, "lifetime_worst_case_epsilon": 1.2806}
+    atts = {"site-a": {"statement": {"events": events, "epsilon": 0.99, "delta": 1e-5, "accountant": "rdp",
+                                     "policy_sha256": "0" * 64, "secure_aggregation": sa},
+                       "signature": {"signer": "k"}},
+            "site-b": {"statement": {"events": events, "epsilon": 0.99, "delta": 1e-5, "accountant": "rdp",
+                                     "policy_sha256": "0" * 64}, "signature": {"signer": "k"}}}
+    (tmp_path / "attestations.json").write_text(json.dumps(atts))
+    report = privacy_report(tmp_path)
+    assert report["sites"]["site-a"]["secure_aggregation"]["worst_case_epsilon"] == 1.2806
+    assert "secure_aggregation" not in report["sites"]["site-b"]
+    text = (tmp_path / "privacy_report.txt").read_text("utf-8")
+    assert text.count("if every other site colluded") == 1 and "ε = 1.281" in text
+    assert "at most 0 other site(s) collude with the coordinator" in text

@@ -74,6 +74,8 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
             "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
             "events": st["events"], "policy_sha256": st["policy_sha256"], "signed_by_site": att["signature"]["signer"],
         }
+        if isinstance(st.get("secure_aggregation"), dict):  # both figures the site signed (docs/secure-aggregation.md)
+            sites[sid]["secure_aggregation"] = dict(st["secure_aggregation"])
         life = st.get("lifetime")
         if isinstance(life, dict):  # the site's signed spend on the same images over all its jobs
             sites[sid]["lifetime"] = {
@@ -91,6 +93,11 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
         if "lifetime" in s:
             lines.append(f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
                          f"at δ = {s['lifetime']['delta']:g}")
+        sa = s.get("secure_aggregation")
+        if sa:
+            lines.append(f"    secure aggregation: the ε above assumes at most {sa.get('max_colluders', 0)} other site(s) "
+                         "collude with the coordinator (the site's signed policy); if every other site colluded "
+                         f"(only this site's own noise share protecting it): ε = {sa['worst_case_epsilon']:.3f}")
         for stage, e in s["epsilon_by_stage_alone"].items():
             if stage != "total":
                 lines.append(f"    {stage:<10} alone ε = {e:.3f}")

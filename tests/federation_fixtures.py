@@ -71,3 +71,20 @@ def make_federation(tmp: Path, **kw: Any):
     from coordinator.setup import prepare_federation
 
     return prepare_federation(tmp, tiny_sites(), **kw)
+
+
+def run_harness_job(fed: Any, grid: Any, signed: dict[str, Any], out: Path, **kw: Any) -> Any:
+    """Run a signed job over an in-process grid with the federation's coordinator key and short test timeouts."""
+    from feta_release.federation.job import run_job
+    from feta_release.signing import load_private_key
+
+    return run_job(grid, signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
+                   poll_interval=0.05, **kw)
+
+
+def ledger_requests(fed: Any, site_id: str, job_id: str) -> list[dict[str, Any]]:
+    """The requests a site's ledger recorded for a job."""
+    from feta_release.ledger import Ledger
+
+    with Ledger(fed.site(site_id).ledger) as led:
+        return led.requests(job_id)

@@ -19,16 +19,12 @@ from feta_release.signing import generate_keypair, load_private_key
 from feta_release.training.checkpoint import load_torch, read_model_file
 
 from .federation_fixtures import full_job, harness, make_federation, tiny_job
+from .federation_fixtures import run_harness_job as _run
 
 
 @pytest.fixture()
 def fed(tmp_path):
     return make_federation(tmp_path / "fed")
-
-
-def _run(fed, grid, signed, out, **kw):
-    return run_job(grid, signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
-                   poll_interval=0.05, **kw)
 
 
 def _ledger_requests(fed, site_id, job_id=None):

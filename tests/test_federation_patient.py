@@ -21,13 +21,12 @@ from coordinator.setup import prepare_federation, sign_job_file
 from feta_release.accounting import events_from_list
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.federation import messages as fm
-from feta_release.federation.job import run_job
-from feta_release.ledger import Ledger
 from feta_release.policy.document import make_policy, validate_policy
 from feta_release.policy.errors import PolicySchemaError
 from feta_release.signing import load_private_key
 
 from .federation_fixtures import harness, tiny_job, tiny_sites
+from .federation_fixtures import run_harness_job as _run, ledger_requests as _requests
 from .test_dpsgd_patient import DotLoss, Weights
 
 PATIENT_SITE = "site-c"
@@ -60,16 +59,6 @@ def _federation(tmp: Path, public_patients: int | None = None) -> tuple[Any, int
     sites[PATIENT_SITE] = write_patient_csv(sites[PATIENT_SITE], tmp / "csv", sizes)
     p = public_patients or len(sizes)
     return prepare_federation(tmp / "fed", sites, policy_overrides={PATIENT_SITE: {"patient_level": (p, CAP)}}), p
-
-
-def _run(fed: Any, grid: Any, signed: dict[str, Any], out: Path) -> Any:
-    return run_job(grid, signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
-                   poll_interval=0.05)
-
-
-def _requests(fed: Any, site: str, job: str) -> list[dict[str, Any]]:
-    with Ledger(fed.site(site).ledger) as led:
-        return led.requests(job)
 
 
 def test_a_patient_level_site_in_a_federation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -16,26 +16,14 @@ from feta_release.accounting import SkellamEvent, epsilon, events_from_list, wor
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation import secagg
-from feta_release.federation.job import run_job
-from feta_release.ledger import Ledger
 from feta_release.planning import fedsgd_shape, secure_stage_events
-from feta_release.signing import load_private_key
 
 from .federation_fixtures import full_job, harness, make_federation
+from .federation_fixtures import run_harness_job as _run, ledger_requests as _requests
 
 
 def fedsgd_job(**fed: Any) -> Any:
     return full_job(federation={"secure_aggregation": True, "fedsgd": True, "rounds": 2, **fed})
-
-
-def _run(fed: Any, grid: Any, signed: dict[str, Any], out: Path) -> Any:
-    return run_job(grid, signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
-                   poll_interval=0.05)
-
-
-def _requests(fed: Any, site_id: str, job_id: str) -> list[dict[str, Any]]:
-    with Ledger(fed.site(site_id).ledger) as led:
-        return led.requests(job_id)
 
 
 def _doc(msg: Any) -> dict[str, Any]:

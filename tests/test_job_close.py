@@ -19,6 +19,7 @@ from feta_release.federation.job import run_job
 from feta_release.signing import load_private_key
 
 from .federation_fixtures import harness, make_federation, tiny_job
+from .federation_fixtures import ledger_requests as _requests
 
 
 @pytest.fixture()
@@ -36,11 +37,6 @@ def _send(grid, kind, doc, arrays=None, node=100):
     msg = grid.create_message(fm.make_payload(doc, arrays or {}), kind, node, "g")
     (rep,) = grid.send_and_receive([msg])
     return rep
-
-
-def _requests(fed, site_id, job_id):
-    with Ledger(fed.site(site_id).ledger) as led:
-        return led.requests(job_id)
 
 
 def test_attesting_closes_the_job_at_the_node(fed, tmp_path):

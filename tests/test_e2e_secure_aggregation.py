@@ -12,22 +12,29 @@ from .federation_fixtures import full_job, make_federation, tiny_job
 pytestmark = pytest.mark.slow
 
 
-def test_real_processes_run_a_job_with_secure_aggregation(tmp_path, loopback):
+def _run_real_job(tmp_path, loopback, cfg, job_id):
+    """Sign ``cfg`` for the three sites and run it on the real SuperLink + nodes; (federation, out dir, sites, summary)."""
     from coordinator.demo import _to_toml
     from coordinator.runner import run_signed_job, sign_or_resume
-    from feta_release.accounting import SkellamEvent, epsilon, events_from_list
-    from feta_release.ledger import Ledger
 
     fed = make_federation(tmp_path / "fed")
-    cfg = full_job(federation={"secure_aggregation": True, "secagg_threshold": 2, "rounds": 1, "local_steps": 1,
-                               "min_sites": 2, "round_timeout": 600.0})
     job_toml = tmp_path / "job.toml"
     job_toml.write_text(_to_toml(cfg.to_dict()))
     out = tmp_path / "out"
     sites = [s.site_id for s in fed.sites]
-    signed = sign_or_resume(job_toml, sites, fed.coordinator_key, out, "job-e2e-secagg")
+    signed = sign_or_resume(job_toml, sites, fed.coordinator_key, out, job_id)
     summary = run_signed_job(signed, fed.coordinator_key, out, loopback.start(fed), insecure=True)
     loopback.stop()
+    return fed, out, sites, summary
+
+
+def test_real_processes_run_a_job_with_secure_aggregation(tmp_path, loopback):
+    from feta_release.accounting import SkellamEvent, epsilon, events_from_list
+    from feta_release.ledger import Ledger
+
+    cfg = full_job(federation={"secure_aggregation": True, "secagg_threshold": 2, "rounds": 1, "local_steps": 1,
+                               "min_sites": 2, "round_timeout": 600.0})
+    fed, out, sites, summary = _run_real_job(tmp_path, loopback, cfg, "job-e2e-secagg")
     assert summary["rounds"] == 1 and set(summary["site_epsilon"]) == set(sites)
     for sid in sites:
         with Ledger(fed.site(sid).ledger) as led:
@@ -46,21 +53,12 @@ def test_real_processes_run_a_job_with_secure_aggregation(tmp_path, loopback):
 def test_real_processes_run_fedsgd_rounds_over_secure_aggregation(tmp_path, loopback):
     """Two FedSGD rounds (one pooled DP-SGD step each, the sites' gradient sums + noise shares masked) between
     real processes: each round charged once per site as a SkellamEvent, the coordinator's steps in the model."""
-    from coordinator.demo import _to_toml
-    from coordinator.runner import run_signed_job, sign_or_resume
     from feta_release.accounting import SkellamEvent, epsilon, events_from_list
     from feta_release.ledger import Ledger
 
-    fed = make_federation(tmp_path / "fed")
     cfg = tiny_job(federation={"secure_aggregation": True, "fedsgd": True, "rounds": 2, "min_sites": 2,
                                "round_timeout": 600.0})
-    job_toml = tmp_path / "job.toml"
-    job_toml.write_text(_to_toml(cfg.to_dict()))
-    out = tmp_path / "out"
-    sites = [s.site_id for s in fed.sites]
-    signed = sign_or_resume(job_toml, sites, fed.coordinator_key, out, "job-e2e-fedsgd")
-    summary = run_signed_job(signed, fed.coordinator_key, out, loopback.start(fed), insecure=True)
-    loopback.stop()
+    fed, out, sites, summary = _run_real_job(tmp_path, loopback, cfg, "job-e2e-fedsgd")
     assert summary["rounds"] == 2 and set(summary["site_epsilon"]) == set(sites)
     for sid in sites:
         with Ledger(fed.site(sid).ledger) as led:

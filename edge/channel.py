@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import stat
+import struct
 import tempfile
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,12 @@ MAX_HEADER = 64 * 1024
 MAX_FRAME = 1 << 31  # a frame larger than 2 GiB is not a model update this node could have been sent
 # AF_UNIX socket paths are limited to 108 bytes (Linux, with the terminating NUL).
 MAX_SOCKET_PATH = 100
+# Deadlines (review W3: a client that connected and then hung blocked the one-at-a-time worker for good).
+# Worker side: a client has this long per read or write, for the challenge, its request and taking the reply.
+SERVE_TIMEOUT = 60.0
+# Client side: the worker serves one request at a time, so connecting (and the challenge) may wait for the
+# request ahead (a DP-SGD round: minutes), and the reply for this one; past this the worker is taken as stuck.
+CLIENT_TIMEOUT = 3600.0
 
 
 class WorkerUnavailable(FetaError):
@@ -47,6 +55,52 @@ class WorkerUnavailable(FetaError):
 
 class WorkerRequestError(FetaError):
     """A request or reply on the channel is not what the protocol says; refused."""
+
+
+class WorkerTimeout(WorkerRequestError):
+    """The other end took longer than the channel's deadline (a request already handed over is not re-run here)."""
+
+
+def set_deadline(conn: Connection, seconds: float) -> None:
+    """Kernel timeouts on every read and write of ``conn`` (SO_RCVTIMEO / SO_SNDTIMEO; also bounds a blocking
+    AF_UNIX ``connect`` on Linux): a peer that stops answering makes the call fail with ``BlockingIOError``."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # a duplicate: options are the socket's, shared by both fds
+    try:
+        _socket_deadline(sock, seconds)
+    finally:
+        sock.close()
+
+
+def _socket_deadline(sock: socket.socket, seconds: float) -> None:
+    whole = int(seconds)
+    micro = int(round((seconds - whole) * 1e6))
+    tv = struct.pack("ll", whole, micro if whole or micro else 1)  # all zero would mean "wait for ever"
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class TimedListener(Listener):
+    """The worker's listener: the mutual challenge runs under ``SERVE_TIMEOUT`` per read/write, and so does
+    everything after it on the accepted connection (a hung client is dropped, the worker serves the next)."""
+
+    def __init__(self, address: str, key: bytes, timeout: float = SERVE_TIMEOUT) -> None:
+        super().__init__(address, family="AF_UNIX")  # no authkey here: the challenge is run by accept, timed
+        self._key, self.timeout = key, float(timeout)
+
+    def accept(self) -> Connection:
+        conn = super().accept()
+        try:
+            set_deadline(conn, self.timeout)
+            deliver_challenge(conn, self._key)
+            answer_challenge(conn, self._key)
+        except BlockingIOError:
+            conn.close()
+            raise WorkerTimeout(f"a client did not finish the channel's challenge within {self.timeout:g} s; "
+                                "dropped") from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
 
 def private_dir(path: Path) -> Path:
@@ -92,30 +146,61 @@ def read_key(path: str | Path) -> bytes:
     return key
 
 
-def listen(sock: Path, key: bytes) -> Listener:
-    """Bind the socket (0600; a stale one from a killed worker is removed first)."""
+def listen(sock: Path, key: bytes, timeout: float | None = None) -> Listener:
+    """Bind the socket (0600; a stale one from a killed worker is removed first); ``timeout``: each client's
+    deadline per read/write (``TimedListener``)."""
     private_dir(sock.parent)
     sock.unlink(missing_ok=True)
     old = os.umask(0o177)
     try:
-        listener = Listener(str(sock), family="AF_UNIX", authkey=key)
+        listener = TimedListener(str(sock), key, SERVE_TIMEOUT if timeout is None else timeout)
     finally:
         os.umask(old)
     os.chmod(sock, 0o600)
     return listener
 
 
-def connect(sock: str | Path, key: bytes) -> Connection:
-    """A connection to the worker after the mutual challenge-response, or ``WorkerUnavailable`` in one line."""
+def _dial(sock: str | Path, timeout: float) -> Connection:
+    """A connected, not yet authenticated connection whose connect, reads and writes each give up after
+    ``timeout`` s (blocking socket + kernel timeouts: ``Connection`` reads the plain file descriptor)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _socket_deadline(s, timeout)
+        s.connect(str(sock))
+        return Connection(s.detach())
+    finally:
+        s.close()  # a no-op once detached
+
+
+def connect(sock: str | Path, key: bytes, timeout: float | None = None) -> Connection:
+    """A connection to the worker after the mutual challenge-response, or ``WorkerUnavailable`` in one line
+    (also when the worker takes no connection within ``timeout`` s: stuck, or busy for longer than that)."""
+    timeout = CLIENT_TIMEOUT if timeout is None else timeout
     if not Path(sock).exists():
         raise WorkerUnavailable(f"no worker socket at {sock}: the node's worker is not running (start the node with "
                                 "`feta-release node start`)")
     try:
-        return Client(str(sock), family="AF_UNIX", authkey=key)
-    except (ConnectionRefusedError, FileNotFoundError, EOFError, BrokenPipeError, ConnectionResetError) as exc:
+        conn = _dial(sock, timeout)
+    except BlockingIOError:
+        raise WorkerUnavailable(f"the worker at {sock} did not take the connection within {timeout:g} s (stuck, or "
+                                "busy with a longer request)") from None
+    except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError) as exc:
+        raise WorkerUnavailable(f"the worker at {sock} does not answer ({type(exc).__name__}): it stopped or died") \
+            from None
+    try:
+        answer_challenge(conn, key)
+        deliver_challenge(conn, key)
+        return conn
+    except BlockingIOError:
+        conn.close()
+        raise WorkerUnavailable(f"the worker at {sock} did not answer the channel's challenge within {timeout:g} s "
+                                "(stuck, or busy with a longer request)") from None
+    except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+        conn.close()
         raise WorkerUnavailable(f"the worker at {sock} does not answer ({type(exc).__name__}): it stopped or died") \
             from None
     except Exception as exc:  # noqa: BLE001 - AuthenticationError and the stdlib's bare assert on a bad challenge
+        conn.close()
         raise WorkerRequestError(f"the worker at {sock} refused this channel's key ({type(exc).__name__}): the node "
                                  "was restarted with a new key, or this is not the node's worker") from None
 
@@ -138,8 +223,12 @@ def parse_header(raw: bytes, what: str) -> dict[str, Any]:
 
 
 def send(conn: Connection, frames: list[bytes]) -> None:
-    for f in frames:
-        conn.send_bytes(f)
+    try:
+        for f in frames:
+            conn.send_bytes(f)
+    except BlockingIOError:
+        raise WorkerTimeout("the other end of the worker channel took nothing for longer than the channel's "
+                            "deadline; dropped") from None
 
 
 def receive(conn: Connection, what: str, max_frames: int = 3) -> tuple[dict[str, Any], list[bytes]]:
@@ -152,13 +241,18 @@ def receive(conn: Connection, what: str, max_frames: int = 3) -> tuple[dict[str,
         return doc, [conn.recv_bytes(MAX_FRAME) for _ in range(n)]
     except EOFError:
         raise WorkerUnavailable(f"{what}: the other end closed the channel mid-message") from None
+    except BlockingIOError:
+        raise WorkerTimeout(f"{what}: nothing arrived within the channel's deadline; dropped") from None
     except OSError as exc:  # recv_bytes raises OSError("bad message length") past the limit
         raise WorkerRequestError(f"{what}: a frame was refused ({exc})") from None
 
 
-def call(sock: str | Path, key: bytes, doc: dict[str, Any], frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
-    """Send one request (header ``doc`` + ``frames``), return the reply's header and frames. One request per connection."""
-    conn = connect(sock, key)
+def call(sock: str | Path, key: bytes, doc: dict[str, Any], frames: list[bytes],
+         timeout: float | None = None) -> tuple[dict[str, Any], list[bytes]]:
+    """Send one request (header ``doc`` + ``frames``), return the reply's header and frames. One request per
+    connection; ``timeout`` (default ``CLIENT_TIMEOUT``): seconds for the connection (and challenge), and per read or
+    write after it."""
+    conn = connect(sock, key, timeout)
     try:
         try:
             send(conn, [header({**doc, "protocol": PROTOCOL, "frames": len(frames)}), *frames])

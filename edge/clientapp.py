@@ -24,11 +24,12 @@ from feta_release.signing import public_key_pem
 from .attest import site_attestation
 from .fedsgd import check_round_weights, gradient_contribution
 from .protocol import Arrays, ReleaseRng, Request, release, verified_job
+from .public_errors import public_errors_mod
 from .secure import admit_masked, handle, masked_contribution
 from .releases import check_weights, dpsgd_round, release_central, release_frequency
 from .site import CFG_POLICY, Site, site_for
 
-app = ClientApp()
+app = ClientApp(mods=[public_errors_mod])  # error replies: no local path or internal text leaves (public_errors)
 
 
 @app.query("hello")

@@ -31,6 +31,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from feta_release.federation import messages as fm
 
 from . import channel
+from .public_errors import mark_public, public_error
 
 log = logging.getLogger("feta.forward")
 
@@ -49,7 +50,7 @@ def remote_error(type_name: object, text: object) -> Exception:
     name = str(type_name) if isinstance(type_name, str) and _QUALNAME.fullmatch(type_name) else "edge.forward.WorkerRaised"
     module, _, qual = name.rpartition(".")
     cls = type(qual, (WorkerRaised,), {"__module__": module or "edge.forward", "__qualname__": qual})
-    return cls(str(text))
+    return mark_public(cls(str(text)))  # the worker made it public (edge.public_errors) before sending it
 
 
 def _task_id() -> int:
@@ -101,6 +102,12 @@ class ForwardingApp(ClientApp):
         self._sock, self._key_file = sock, key_file
 
     def __call__(self, message: Message, context: Context) -> Message:  # type: ignore[override]
+        try:
+            return self._handle(message, context)
+        except Exception as exc:  # noqa: BLE001 - a channel failure names local files: only its public form leaves
+            raise public_error(exc, context.node_config, where=f"{message.metadata.message_type} request") from None
+
+    def _handle(self, message: Message, context: Context) -> Message:
         sock = self._sock or os.environ.get(channel.ENV_SOCKET)
         key_file = self._key_file or os.environ.get(channel.ENV_KEY)
         if not sock or not key_file:

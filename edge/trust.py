@@ -50,6 +50,7 @@ from flwr.supernode.runtime import run_clientapp as rc
 from feta_release.errors import PolicyError
 
 from . import forward
+from .public_errors import public_error
 
 PINNED_FLWR = "1.41.0"
 ENV_ALLOWED = "FETA_ALLOWED_FABS"
@@ -110,8 +111,8 @@ _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 
 
 def _refuse(msg: str) -> None:
-    _audit(msg)
-    raise UntrustedAppError(msg)
+    _audit(msg)  # the full line (paths included) in the node's own trust log
+    raise public_error(UntrustedAppError(msg), where="app bundle")  # the error reply names no local path
 
 
 def check_app_identity(fab_id: str, fab_version: str, fab_hash: str, fab_bytes: bytes,

@@ -44,6 +44,7 @@ from feta_release.federation import messages as fm
 from feta_release.policy.document import check_validity
 
 from . import channel, clientapp
+from .public_errors import public_error
 from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, forget_sites, site_for
 
 log = logging.getLogger("feta.worker")
@@ -147,9 +148,11 @@ def _parse_message(doc: dict[str, Any], frames: list[bytes]) -> tuple[Message, A
     return message, context
 
 
-def error_reply(exc: BaseException) -> dict[str, Any]:
-    """What Flower's runtime would have put in the error reply: the exception's type and text."""
-    return {"ok": False, "error_type": f"{type(exc).__module__}.{type(exc).__qualname__}", "error": str(exc)}
+def error_reply(exc: BaseException, node_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What Flower's runtime would have put in the error reply (type and text), as ``edge.public_errors`` lets it
+    leave the site: no local path, no internal text; the detail goes to this worker's log under a reference."""
+    pub = public_error(exc, node_config, where="worker request")
+    return {"ok": False, "error_type": f"{type(pub).__module__}.{type(pub).__qualname__}", "error": str(pub)}
 
 
 def serve_one(conn: Connection, worker: Worker) -> None:
@@ -157,19 +160,15 @@ def serve_one(conn: Connection, worker: Worker) -> None:
     try:
         doc, frames = channel.receive(conn, "worker request", max_frames=2)
         out, rest = worker.handle(doc, frames)
-    except channel.WorkerUnavailable as exc:  # the client went away: nobody to answer
+    except (channel.WorkerUnavailable, channel.WorkerTimeout) as exc:  # the client went away or hung: drop it
         log.warning("%s", exc)
         return
-    except channel.WorkerRequestError as exc:
-        log.warning("%s", exc)
-        out, rest = error_reply(exc), []
     except Exception as exc:  # noqa: BLE001 - the handler's refusal or failure, as flwr-clientapp would report it
-        log.exception("request failed")
-        out, rest = error_reply(exc), []
+        out, rest = error_reply(exc, getattr(worker, "node_config", None)), []
     try:
         channel.send(conn, [channel.header({**out, "protocol": channel.PROTOCOL, "frames": len(rest)}), *rest])
-    except OSError as exc:
-        log.warning("could not send the reply (%s): the per-message ClientApp went away", exc)
+    except (OSError, channel.WorkerTimeout) as exc:
+        log.warning("could not send the reply (%s): the per-message ClientApp went away or hung", exc)
 
 
 class _Stop:
@@ -189,10 +188,10 @@ class _Stop:
 def serve(listener: Listener, worker: Worker, stop: _Stop) -> None:
     while not stop.requested:
         try:
-            conn = listener.accept()
+            conn = listener.accept()  # edge.channel.TimedListener: the challenge has a deadline
         except SystemExit:
             raise
-        except Exception as exc:  # noqa: BLE001 - a wrong key or a broken handshake: refuse that client, go on
+        except Exception as exc:  # noqa: BLE001 - a wrong key, a broken or hung handshake: refuse that client, go on
             log.warning("refused a connection on the worker channel: %s (%s)", type(exc).__name__, exc)
             continue
         stop.busy = True

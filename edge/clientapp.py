@@ -24,6 +24,7 @@ from feta_release.signing import public_key_pem
 from .attest import site_attestation
 from .fedsgd import check_round_weights, gradient_contribution
 from .protocol import Arrays, ReleaseRng, Request, release, verified_job
+from .padded_releases import pad_secure, padded
 from .public_errors import public_errors_mod
 from .secure import admit_masked, handle, masked_contribution
 from .releases import check_weights, dpsgd_round, release_central, release_frequency
@@ -55,14 +56,14 @@ def hello(msg: Message, context: Context) -> Message:
 @app.query("central")
 @release("central")
 def central(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
-    arrays, events = release_central(site.data, job.config, site.n_public, rng.numpy())
+    arrays, events = padded(release_central, site.data, job.config, site.n_public, rng.numpy())  # public work
     return arrays, [*events]
 
 
 @app.query("frequency")
 @release("frequency")
 def frequency(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
-    arrays, events = release_frequency(site.data, job.config, site.n_public, rng.numpy())
+    arrays, events = padded(release_frequency, site.data, job.config, site.n_public, rng.numpy())  # public work
     return arrays, [*events]
 
 
@@ -78,13 +79,17 @@ def _secure_fits(site: Site, job: Job, req: Request) -> None:
 @release("central", admit=_secure_fits, public=_secure_info, secure=True)
 def central_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
     """Mean central images as this site's masked Skellam contribution to the secure sum (edge/secure.py)."""
-    return {"masked": masked_contribution(site, job, req.doc, rng.numpy())}, [req.event]
+    out = {"masked": masked_contribution(site, job, req.doc, rng.numpy())}
+    pad_secure(site.data, job.config, site.n_public, "central", len(job.sites))  # public work (padded_releases)
+    return out, [req.event]
 
 
 @release("frequency", admit=_secure_fits, public=_secure_info, secure=True)
 def frequency_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
     """The frequency embedding sum as this site's masked Skellam contribution to the secure sum."""
-    return {"masked": masked_contribution(site, job, req.doc, rng.numpy())}, [req.event]
+    out = {"masked": masked_contribution(site, job, req.doc, rng.numpy())}
+    pad_secure(site.data, job.config, site.n_public, "frequency", len(job.sites))  # public work (padded_releases)
+    return out, [req.event]
 
 
 def _fedsgd_fits(site: Site, job: Job, req: Request) -> None:

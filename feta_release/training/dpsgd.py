@@ -50,6 +50,7 @@ from ..config import JobConfig
 from ..errors import ConfigError, DataError
 from ..models.edm import SIGMA_DATA, draw_loss_randomness, edm_loss_single
 from .ema import EMA
+from .padding import pad_step, padding_chunks
 
 __all__ = [
     "PerExampleLoss",
@@ -340,10 +341,12 @@ class DPSGDTrainer:
         patients: Any = None,
         images_per_patient: int | None = None,
         public: PublicMix | None = None,
+        pad_to: int | None = None,
     ) -> None:
         """``patients``: per-image patient index (0..P-1, as ``LoadReport.patients``) for patient-level DP-SGD; then
         ``n_public`` is the PUBLIC number of patients (required) and ``images_per_patient`` the public cap on a
-        sampled patient's images per step (default: the physical batch)."""
+        sampled patient's images per step (default: the physical batch). ``pad_to``: a PUBLIC row count each
+        image-level step processes whatever its sample (``training.padding``: the step's time does not count it)."""
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
@@ -378,6 +381,7 @@ class DPSGDTrainer:
                            sigma_data=getattr(model, "sigma_data", None))
         self.loss = loss
         self.public = public if public is not None and public.batch > 0 else None
+        self.pad_to = None if pad_to is None else int(pad_to)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)
         # A fresh EMA: the caller copies the warm-up EMA weights into ``model`` before DP-SGD starts (method §2),
@@ -398,6 +402,9 @@ class DPSGDTrainer:
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         total, losses, n_clipped = clipped_gradient_sum(self.model, self.loss, images, labels, idx, self.clip,
                                                         self.chunk, self.generator)
+        if self.pad_to is not None:  # dummy rows up to the public count, dropped: the update is unchanged
+            pad_step(self.model, self.loss, images, labels, padding_chunks(int(idx.numel()), self.pad_to, self.chunk),
+                     self.clip, self.chunk)
         return self._noised(total, names, dev, expected), self._stats(int(idx.numel()), expected, losses, n_clipped, t0)
 
     def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:

@@ -1,0 +1,72 @@
+"""Work padded to a public size: the time a site takes must not count its private sample.
+
+A site's reply latency (seen by the coordinator per request), and the CPU time of its worker (seen by other local
+users in ``/proc``), grow with the rows it processes. For a DP-SGD step that is the realised Poisson batch |B|,
+an un-noised count: over many steps its mean gives the site's exact size N, which only the public nominal size
+may stand for. So the work of each step is padded to a PUBLIC row count, the same bound FedSGD uses
+(``edge.fedsgd.padded_sample``): whole physical chunks covering q·n_public + ``PAD_SIGMAS`` standard deviations
+of Binomial(n_public, q). A sample above the bound (probability < 3e-7 per step at the public size) is processed
+whole and takes longer.
+
+Padding rows are dummy rows (copies of row 0) processed in their own calls after the real ones, through the same
+per-example gradient and clip, with randomness from a fixed PUBLIC generator and the global RNG state restored;
+their clipped gradients are dropped (weight 0). The real rows' computation, the private generator's stream and
+so the released update are bit-identical to an unpadded step. The calls are split so that the number of calls,
+like the number of rows, is public (``padding_chunks``).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor, nn
+
+PAD_SIGMAS = 5.0  # as edge.fedsgd: P(Binomial(n_public, q) > bound) < 3e-7
+PAD_SEED = 0  # the padding rows' loss randomness: public, and never the private stream
+
+
+def public_batch_bound(n_public: int, q: float, chunk: int) -> int:
+    """Rows a step processes whatever its sample: whole ``chunk``s covering q·n + 5 sd of Binomial(n, q), n PUBLIC."""
+    mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
+    return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
+
+
+def padding_chunks(real: int, bound: int, chunk: int) -> list[int]:
+    """Sizes of the padding calls after ``real`` rows went through calls of ``chunk`` rows.
+
+    Rows: real + sum = ``bound``. Calls: ceil(real / chunk) + len = ceil(bound / chunk) + 1, both public, unless
+    fewer padding rows are left than calls (then one row per call) or ``real`` >= ``bound`` (no padding)."""
+    rest = bound - real
+    if rest <= 0:
+        return []
+    calls = max(1, min(rest, -(-bound // chunk) + 1 - (-(-real // chunk))))
+    base, extra = divmod(rest, calls)
+    return [base + 1] * extra + [base] * (calls - extra)
+
+
+def _fork_rng(model: nn.Module) -> AbstractContextManager[None]:
+    dev = next(model.parameters()).device
+    return torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
+
+
+def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, sizes: list[int], clip: float,
+             chunk: int) -> int:
+    """Run per-example gradients and the clip for the padding calls ``sizes`` (dummy rows), dropping the result.
+
+    Returns the rows processed. Nothing here touches the real sum or the private generator: the padding rows
+    contribute exactly zero to the released update."""
+    from .dpsgd import batch_gradients, clip_and_sum  # a cycle otherwise: dpsgd imports this module
+
+    if not sizes or images.shape[0] == 0:
+        return 0
+    gen = torch.Generator().manual_seed(PAD_SEED)
+    done = 0
+    with _fork_rng(model):  # a module with its own randomness (dropout) draws from the global RNG in vmap
+        for m in sizes:
+            idx = torch.zeros(m, dtype=torch.int64)
+            for grads, _ in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):  # type: ignore[arg-type]
+                clip_and_sum(grads, clip)  # computed like a real row's, weight 0: never added
+            done += m
+    return done

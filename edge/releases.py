@@ -21,7 +21,7 @@ from feta_release.models import build_denoiser
 from feta_release.planning import stage_event, warmup_events
 from feta_release.privacy_unit import PatientIndex
 from feta_release.training.dpsgd import DPSGDTrainer
-from feta_release.training.padding import public_batch_bound
+from feta_release.training.padding import step_bound
 
 
 def _planned(cfg: JobConfig, n_public: int, stage: str, what: str) -> PrivacyEvent:
@@ -116,10 +116,10 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
     _fits(model.state_dict(), weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
-    unit = {"n_public": n_public, "pad_to": public_batch_bound(n_public, event.q, cfg.dpsgd.physical_batch)} \
-        if patients is None else patients.trainer_kwargs()  # image-level steps: work padded to a public size
+    unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
-                           image_shape=ds.image_shape, n_classes=ds.n_classes, **unit)
+                           image_shape=ds.image_shape, n_classes=ds.n_classes, **unit,
+                           pad_to=step_bound(n_public, event.q, cfg.dpsgd.physical_batch, patients))  # public work
     images = torch.from_numpy(np.asarray(ds.images, dtype=np.float32)) * 2.0 - 1.0
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)

@@ -139,3 +139,32 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
         rows.add(sum(seen))
     assert rows == {public_batch_bound(20, 4 / 20, 4)}
+
+
+def _train_patients(seed: int, n: int, pad_to: int | None) -> tuple[nn.Module, int]:
+    """Patient-level: patients of 1..3 images (a private layout), 6 public patients, at most 3 images each."""
+    torch.manual_seed(99)
+    g = torch.Generator().manual_seed(seed)
+    sizes = (torch.randint(1, 4, (n,), generator=g)).tolist()
+    ids = torch.repeat_interleave(torch.arange(n), torch.tensor(sizes))
+    x, y = _data(int(ids.numel()), seed=seed)
+    tr = dp.DPSGDTrainer(TinyDenoiser(), _cfg(batch=2, physical_batch=3), 1.3, 2 / 6, torch.Generator().manual_seed(seed),
+                         image_shape=SHAPE, n_classes=3, n_public=6, patients=ids, images_per_patient=3, pad_to=pad_to)
+    tr.run(x, y, 2)
+    return tr.ema_model(), int(ids.numel())
+
+
+def test_a_patient_level_step_is_padded_to_a_public_image_count_and_releases_the_same_update(monkeypatch):
+    from feta_release.training.padding import step_bound
+
+    seen = _counting(monkeypatch)
+    bound = step_bound(12, 2 / 6, 3, SimpleNamespace(cap=3))  # 12: the public nominal image count
+    rows = set()
+    for seed, n in ((0, 4), (1, 6), (2, 8)):
+        seen.clear()
+        padded, _ = _train_patients(seed, n, bound)
+        rows.add(sum(seen))
+        plain, _ = _train_patients(seed, n, None)
+        for (name, a), (_, b) in zip(plain.state_dict().items(), padded.state_dict().items()):
+            assert torch.equal(a, b), name
+    assert rows == {2 * bound}

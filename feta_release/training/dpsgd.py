@@ -345,8 +345,8 @@ class DPSGDTrainer:
     ) -> None:
         """``patients``: per-image patient index (0..P-1, as ``LoadReport.patients``) for patient-level DP-SGD; then
         ``n_public`` is the PUBLIC number of patients (required) and ``images_per_patient`` the public cap on a
-        sampled patient's images per step (default: the physical batch). ``pad_to``: a PUBLIC row count each
-        image-level step processes whatever its sample (``training.padding``: the step's time does not count it)."""
+        sampled patient's images per step (default: the physical batch). ``pad_to``: a PUBLIC row (image) count each
+        step processes whatever its sample (``training.padding``: the step's time does not count it)."""
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
@@ -432,6 +432,10 @@ class DPSGDTrainer:
                 total[name] += summed[name]
             losses.append(loss.detach().cpu())
             n_clipped += int((norms > self.clip).sum())
+        if self.pad_to is not None:  # dummy images up to the public count, dropped: the update is unchanged
+            size = max(self.chunk, self.patient_cap)
+            pad_step(self.model, self.loss, images, labels, padding_chunks(int(rows.numel()), self.pad_to, size),
+                     self.clip, size)
         self.model.train(was_training)
         b = int(owner.max()) + 1 if owner.numel() else 0
         return self._noised(total, names, dev, expected), self._stats(b, expected, losses, n_clipped, t0)

@@ -33,6 +33,26 @@ def public_batch_bound(n_public: int, q: float, chunk: int) -> int:
     return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
 
 
+def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> int:
+    """Images a PATIENT-level step processes whatever its sample, in whole ``chunk``s: q·n + 5·sqrt(q·cap·n).
+
+    Each patient joins with probability q and brings m_p <= ``cap`` images, so the sampled images have mean
+    q·Σm_p and variance q(1-q)·Σm_p² <= q·cap·Σm_p; n (for Σm_p) is the PUBLIC nominal image count."""
+    mean = q * n_images_public
+    sd = math.sqrt(max(q * (1.0 - q) * cap * n_images_public, 0.0))
+    return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
+
+
+def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
+    """The public row count of one step of a site's DP-SGD round: images (``public_batch_bound``) or, for a
+    patient-level site (``patients``: its ``PatientIndex``), images of sampled patients (``patient_rows_bound``
+    over the nominal image count ``n_public``, in the trainer's whole-patient chunks)."""
+    if patients is None:
+        return public_batch_bound(n_public, q, chunk)
+    cap = int(getattr(patients, "cap", None) or chunk)
+    return patient_rows_bound(n_public, q, cap, max(chunk, cap))
+
+
 def padding_chunks(real: int, bound: int, chunk: int) -> list[int]:
     """Sizes of the padding calls after ``real`` rows went through calls of ``chunk`` rows.
 

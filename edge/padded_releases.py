@@ -25,16 +25,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from feta_release.randomness import os_numpy_generator
+from feta_release.training.padding import public_rows
 
 T = TypeVar("T")
-
-
-def public_rows(n: int, n_public: int) -> int:
-    """Rows a one-shot release processes for ``n`` real ones: ``n_public``, doubled until it covers ``n``."""
-    rows = max(1, int(n_public))
-    while rows < n:
-        rows *= 2
-    return rows
 
 
 def dummy_data(ds: Any, rows: int) -> SimpleNamespace:

@@ -127,18 +127,29 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
     from feta_release.models import build_denoiser
 
     seen = _counting(monkeypatch)
+    converted: list[int] = []
+    from_numpy = torch.from_numpy
+
+    def counted(a: np.ndarray) -> torch.Tensor:
+        if a.shape[1:] == (1, 16, 16):  # image arrays (not weights or labels)
+            converted.append(int(a.shape[0]))
+        return from_numpy(a)
+
+    monkeypatch.setattr(torch, "from_numpy", counted)
     cfg = tiny_job(dpsgd={"batch": 4, "physical_batch": 4})
     event = PrivacyEvent("dpsgd", 1.5, 4 / 20, 1)
     rows = set()
-    for n, seed in ((10, 0), (26, 2)):
+    for n, seed in ((10, 0), (17, 2)):
         rng = np.random.default_rng(seed)
         ds = SimpleNamespace(images=rng.random((n, 1, 16, 16), dtype=np.float32), labels=rng.integers(0, 10, n),
                              image_shape=(1, 16, 16), n_classes=10)
         weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
         seen.clear()
+        converted.clear()
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
-        rows.add(sum(seen))
-    assert rows == {public_batch_bound(20, 4 / 20, 4)}
+        rows.add((sum(seen), sum(converted)))
+    # steps: the public step bound; the pass over all images (once per round): the public size
+    assert rows == {(public_batch_bound(20, 4 / 20, 4), 20)}
 
 
 def _train_patients(seed: int, n: int, pad_to: int | None) -> tuple[nn.Module, int]:

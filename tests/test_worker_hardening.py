@@ -277,3 +277,29 @@ def test_a_stuck_worker_falls_back_in_process(fed, stuck_worker, monkeypatch, ca
     assert got is not None and got[0] == "ok", got
     assert fm.read_payload(got[1].content)[0]["site_id"] == fed.site.site_id
     assert "in this process instead" in caplog.text
+
+
+# -- the worker's per-request staleness check ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n_files", [5, 13, 19])
+def test_the_per_request_data_check_stats_a_public_number_of_entries(tmp_path, monkeypatch, n_files):
+    """Before every request the worker stats every file of a folder dataset (~0.1 ms each): unpadded, each reply's
+    latency timed the exact file count. With the public size known, the entries checked are ``public_rows``."""
+    import edge.worker as w
+
+    data = tmp_path / "data" / "class0"
+    data.mkdir(parents=True)
+    for i in range(n_files):
+        (data / f"{i}.png").write_bytes(b"x")
+    stats: list[Path] = []
+    real = w._file_id
+
+    def counted(p: Path) -> list[int]:
+        stats.append(p)
+        return real(p)
+
+    monkeypatch.setattr(w, "_file_id", counted)
+    cfg = {"data-path": str(tmp_path / "data")}
+    base = w.site_stamp(cfg, 20)
+    under = [p for p in stats if str(p).startswith(str(tmp_path / "data"))]
+    assert len(under) == 1 + 20  # the folder itself + 20 entries (n_files + 1 for the class folder, padded)
+    assert base == w.site_stamp(cfg, 20) and base == w.site_stamp(cfg)  # padding never changes the stamp

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from feta_release.mechanisms import secure_sums as ss
 from feta_release.randomness import os_numpy_generator
 from feta_release.training.padding import public_rows
 
@@ -51,8 +52,6 @@ def padded(release: Callable[..., T], ds: Any, cfg: Any, n_public: int, rng: np.
 def pad_secure(ds: Any, cfg: Any, n_public: int, phase: str, n_sites: int) -> int:
     """The padding of a site's secure-sum contribution (``edge.secure.masked_contribution``'s computation) for
     ``phase``: the contribution function on the dummy rows, result dropped. Returns the dummy rows processed."""
-    from feta_release.mechanisms import secure_sums as ss
-
     rows = public_rows(len(ds.images), n_public) - len(ds.images)
     if rows <= 0:
         return 0

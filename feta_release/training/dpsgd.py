@@ -404,7 +404,7 @@ class DPSGDTrainer:
                                                         self.chunk, self.generator)
         if self.pad_to is not None:  # dummy rows up to the public count, dropped: the update is unchanged
             pad_step(self.model, self.loss, images, labels, padding_chunks(int(idx.numel()), self.pad_to, self.chunk),
-                     self.clip, self.chunk)
+                     self.clip, self.chunk, batch_gradients, clip_and_sum)
         return self._noised(total, names, dev, expected), self._stats(int(idx.numel()), expected, losses, n_clipped, t0)
 
     def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
@@ -435,7 +435,7 @@ class DPSGDTrainer:
         if self.pad_to is not None:  # dummy images up to the public count, dropped: the update is unchanged
             size = max(self.chunk, self.patient_cap)
             pad_step(self.model, self.loss, images, labels, padding_chunks(int(rows.numel()), self.pad_to, size),
-                     self.clip, size)
+                     self.clip, size, batch_gradients, clip_and_sum)
         self.model.train(was_training)
         b = int(owner.max()) + 1 if owner.numel() else 0
         return self._noised(total, names, dev, expected), self._stats(b, expected, losses, n_clipped, t0)

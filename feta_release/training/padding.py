@@ -18,7 +18,9 @@ like the number of rows, is public (``padding_chunks``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,13 +75,12 @@ def _fork_rng(model: nn.Module) -> AbstractContextManager[None]:
 
 
 def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, sizes: list[int], clip: float,
-             chunk: int) -> int:
-    """Run per-example gradients and the clip for the padding calls ``sizes`` (dummy rows), dropping the result.
+             chunk: int, batch_gradients: Callable[..., Any], clip_and_sum: Callable[..., Any]) -> int:
+    """Run per-example gradients and the clip (the trainer's own ``batch_gradients`` / ``clip_and_sum``, passed in:
+    ``training.dpsgd`` imports this module) for the padding calls ``sizes`` (dummy rows), dropping the result.
 
     Returns the rows processed. Nothing here touches the real sum or the private generator: the padding rows
     contribute exactly zero to the released update."""
-    from .dpsgd import batch_gradients, clip_and_sum  # a cycle otherwise: dpsgd imports this module
-
     if not sizes or images.shape[0] == 0:
         return 0
     gen = torch.Generator().manual_seed(PAD_SEED)
@@ -87,7 +88,7 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
     with _fork_rng(model):  # a module with its own randomness (dropout) draws from the global RNG in vmap
         for m in sizes:
             idx = torch.zeros(m, dtype=torch.int64)
-            for grads, _ in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):  # type: ignore[arg-type]
+            for grads, _ in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):
                 clip_and_sum(grads, clip)  # computed like a real row's, weight 0: never added
             done += m
     return done

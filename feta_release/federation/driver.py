@@ -355,9 +355,4 @@ class JobDriver:
             out[sid] = att
         for sid, reason in failed.items():
             self.emit("attest", f"site {sid}: no attestation: {reason}", site=sid, error=reason)
-        (self.out / "attestations.json").write_text(json.dumps(out, indent=2), "utf-8")
-        pol_dir = self.out / "policies"
-        pol_dir.mkdir(exist_ok=True)
-        for sid, s in self.sites.items():
-            (pol_dir / f"{sid}.signed.json").write_text(json.dumps(s.signed_policy, indent=2), "utf-8")
-        return out
+        return out  # written with the job's other records by release.jobdir.write_job_files

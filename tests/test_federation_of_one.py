@@ -20,7 +20,7 @@ from feta_release.config import JobConfig, load_preset
 from feta_release.data import ImageDataset, load_embedded
 from feta_release.ledger import Ledger
 from feta_release.planning import merged, plan, stage_events
-from feta_release.training.pipeline import apply_method, run_pipeline
+from feta_release.training.pipeline import run_pipeline
 
 from .federation_fixtures import harness, run_harness_job
 
@@ -34,7 +34,7 @@ def _data(n: int = 200) -> ImageDataset:
 
 def _one_site_job(cfg: JobConfig, n_public: int) -> JobConfig:
     """The local job as a one-site federated job: sized for the site, DP-SGD as one round of all its steps."""
-    sized = apply_method(cfg).for_size(n_public)
+    sized = cfg.for_size(n_public)
     return sized.replace(federation={"min_sites": 1, "rounds": 1, "local_steps": sized.dpsgd_steps(n_public)})
 
 
@@ -46,7 +46,7 @@ def test_train_and_a_federation_of_one_charge_the_planners_events(tmp_path: Path
     n_pub = 200
     cfg = load_preset("tiny")
     # train, DP-SGD charged as one chunk (checkpoint_every covers all steps)
-    steps = plan(apply_method(cfg), n_pub).event("dpsgd").steps  # type: ignore[union-attr]
+    steps = plan(cfg, n_pub).event("dpsgd").steps  # type: ignore[union-attr]
     local = run_pipeline(cfg, data, tmp_path / "run", n_synthetic=0, grid_per_class=1, checkpoint_every=steps,
                          public_size=n_pub)
     run = json.loads((tmp_path / "run" / "run.json").read_text("utf-8"))
@@ -64,9 +64,9 @@ def test_train_and_a_federation_of_one_charge_the_planners_events(tmp_path: Path
     with Ledger(fed.site("site-a").ledger) as led:
         fed_charged = [e for r in led.requests("job-one") for e in events_from_list(r["events"])]
 
-    planned = plan(apply_method(cfg), n_pub)
+    planned = plan(cfg, n_pub)
     # the ledgers hold the same events, request by request, and they are the planner's
-    assert local_charged == fed_charged == stage_events(apply_method(cfg), n_pub, rounds=[steps])
+    assert local_charged == fed_charged == stage_events(cfg, n_pub, rounds=[steps])
     assert fed_charged == stage_events(job, n_pub, federated=True)
     # the merged histories and ε: the run's, the attestation's and the plan's
     assert local.events == merged(events_from_list(att["events"])) == planned.events

@@ -26,7 +26,8 @@ class JobSection:
     resize: Literal["refuse", "resize", "crop"] = "refuse"
     image_size: int | None = None  # None: the data's own size
     window: str = "auto"  # 16-bit/DICOM windowing: auto | bits:N | CENTER,WIDTH (feta_release.data.dicom)
-    # Coarse method switch, used by presets and the benchmark; stages can also be disabled one by one.
+    # Coarse method switch, used by presets and the benchmark; stages can also be disabled one by one. Applied when
+    # the config is built (``METHOD_OFF``), so the planner, ``train``, the coordinator and every node see one job.
     method: Literal["feta-pro", "dp-feta", "dpdm", "feta-pro-freq"] = "feta-pro"
 
 
@@ -218,8 +219,18 @@ class JobConfig:
         for name in known:
             sections[name] = _build_section(hints[name], data.get(name, {}), f"{source} [{name}]")
         cfg = cls(**sections)
+        off = METHOD_OFF.get(cfg.job.method, {})
+        cfg = dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in off.items()})
         _validate(cfg, source)
         return cfg
+
+
+# What ``[job] method`` switches off (dpdm: no warm-up; dp-feta: central images only; feta-pro-freq: frequency only).
+METHOD_OFF: dict[str, dict[str, dict[str, Any]]] = {
+    "dpdm": {"central": {"rounds": 0}, "frequency": {"sigma": None}},
+    "dp-feta": {"frequency": {"sigma": None}},
+    "feta-pro-freq": {"central": {"rounds": 0}},
+}
 
 
 def load_job(path: str | Path) -> JobConfig:

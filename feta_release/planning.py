@@ -37,6 +37,7 @@ from .accounting import (
     smallest_fitting_sigma,
 )
 from .accountants.skellam import honest_shares, skellam_event
+from .mechanisms._checks import sampling_rate as mechanism_rate
 from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
 from .errors import FetaError, PolicyError, PrivacyError
@@ -71,14 +72,15 @@ def target(cfg: JobConfig, policy: Any | None = None) -> Target:
 
 
 def sampling_rate(batch: int, n: int, section: str) -> float:
-    """The Poisson sampling rate q = batch / n of a stage over the PUBLIC size ``n``: the only place one is computed."""
+    """The Poisson sampling rate q = batch / n of a stage over the PUBLIC size ``n``, as the mechanisms compute it
+    (``mechanisms._checks.sampling_rate``: the one computation), refused here with the job's section to change."""
     if batch > n:
         raise PrivacyError(
             f"[{section}] batch {batch} exceeds the dataset size {n} (sampling rate would be {batch / n:.3g} > 1): "
             f"shrink [{section}] batch to at most {n} (in a federation: each site's expected Poisson batch, at most "
             "its public size)"
         )
-    return batch / n
+    return mechanism_rate(batch, n, f"[{section}]")
 
 
 def round_sizes(total: int, per_round: int) -> list[int]:

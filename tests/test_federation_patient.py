@@ -290,6 +290,38 @@ def test_privacy_plan_for_a_federated_policy_of_two_thousand_patients(tmp_path: 
     assert "q = batch / public patients = 125 / 2000" in out and "unit of privacy: the PATIENT" in out
 
 
+def _unit_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("unit of privacy")]
+
+
+def test_privacy_plan_states_the_unit_in_one_form_with_and_without_a_policy(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The local plan (-n, --patient-cap, --patients) and the federated one (--policy) print the SAME line form:
+    the unit, its figure, how, then the facts only one of them knows (public patients, sensitivity)."""
+    import re
+
+    from feta_release.cli import main
+
+    preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
+    lines = {}
+    for name, level in (("patient", (2000, 5)), ("image", None)):
+        doc = make_policy("site-p", "0" * 64, 9500, ["a" * 64], patient_level=level)
+        (path := tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        main(["privacy", "plan", str(preset), "--policy", str(path)])
+        lines[f"policy-{name}"] = _unit_lines(capsys.readouterr().out)
+    main(["privacy", "plan", str(preset), "-n", "9500", "--patient-cap", "5", "--patients", "2000"])
+    lines["local-patient"] = _unit_lines(capsys.readouterr().out)
+    main(["privacy", "plan", str(preset), "-n", "9500"])
+    lines["local-image"] = _unit_lines(capsys.readouterr().out)
+    assert all(len(v) == 1 for v in lines.values()), lines
+    patient = re.compile(r"^unit of privacy: the PATIENT \(at most 5 image\(s\) each(, 2000 public patients)?\): "
+                         r"ε per patient [0-9.]+ at δ [0-9.e-]+ \(.+\)")
+    image = re.compile(r"^unit of privacy: one IMAGE: ε [0-9.]+ at δ [0-9.e-]+ \(no patient ids.+\)$")
+    assert patient.match(lines["policy-patient"][0]) and patient.match(lines["local-patient"][0]), lines
+    assert "2000 public patients" in lines["policy-patient"][0]
+    assert image.match(lines["policy-image"][0]) and image.match(lines["local-image"][0]), lines
+
+
 def _attested_site(site_id: str, policy: Any, events: list[Any]) -> dict[str, Any]:
     """A manifest site entry as a node signs it (``build_attestation`` with the site's policy)."""
     from feta_release.release.manifest import build_attestation, site_record

@@ -19,7 +19,6 @@ from feta_release.signing import generate_keypair, load_private_key
 from feta_release.stages import RunAccount, run_budget
 from feta_release.training.pipeline import (
     SimulatedKill,
-    apply_method,
     run_pipeline,
 )
 
@@ -140,13 +139,23 @@ def test_dpdm_method_runs_dpsgd_only(tmp_path):
     assert res.epsilon <= cfg.privacy.epsilon
 
 
-def test_apply_method_switches_stages():
+def test_the_method_switch_is_part_of_the_config_every_driver_reads():
+    """``[job] method`` is applied when the config is built: the planner, ``train``, the coordinator and the nodes
+    (which read the signed job's config) all see the same stages. Before, only ``train`` applied it: a federated
+    ``dpdm`` job still planned and released central images and frequency statistics."""
+    from feta_release.planning import stage_events
+
     cfg = _cfg()
-    assert apply_method(cfg.replace(job={"method": "dp-feta"})).frequency.sigma is None
-    assert apply_method(cfg.replace(job={"method": "dp-feta"})).central.rounds == 1
-    assert apply_method(cfg.replace(job={"method": "feta-pro-freq"})).central.rounds == 0
-    assert apply_method(cfg.replace(job={"method": "feta-pro-freq"})).frequency.sigma == 10.0
-    assert apply_method(cfg) == cfg
+    assert cfg.replace(job={"method": "dp-feta"}).frequency.sigma is None
+    assert cfg.replace(job={"method": "dp-feta"}).central.rounds == 1
+    assert cfg.replace(job={"method": "feta-pro-freq"}).central.rounds == 0
+    assert cfg.replace(job={"method": "feta-pro-freq"}).frequency.sigma == 10.0
+    dpdm = cfg.replace(job={"method": "dpdm"})
+    assert (dpdm.central.rounds, dpdm.frequency.sigma) == (0, None)
+    assert JobConfig.from_dict(dpdm.to_dict()) == dpdm  # a signed job's config carries the switch
+    for federated in (False, True):
+        assert {e.stage for e in stage_events(dpdm, 200, federated=federated)} == {"dpsgd"}
+    assert cfg.replace(job={"method": "feta-pro"}) == cfg
 
 
 def test_other_job_into_existing_run_dir_is_refused(tiny_run, tmp_path):

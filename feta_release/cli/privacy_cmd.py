@@ -81,14 +81,7 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, publ
     if public_patients is not None and (sgd := result.event("dpsgd")) is not None:
         click.echo(f"patient-level DP-SGD: each step samples patients at q = {sgd.q:.4g}, expected "
                    f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that")
-    if st["unit"] == "patient":
-        click.echo(f"unit of privacy: the PATIENT (cap {st['images_per_patient_cap']} images): ε per patient "
-                   f"{st['epsilon_per_patient']:.3f} at δ {st['delta_per_patient']:.3g} ({st['how']}); "
-                   f"sensitivity: {st['sensitivity']}")
-    else:
-        extra = (f"; a person with {st['largest_group']} images: ε {st['epsilon_for_largest_group']:.3f} at δ "
-                 f"{st['delta_for_largest_group']:.3g}" if "largest_group" in st else "")
-        click.echo(f"unit of privacy: one IMAGE ({st['how']}){extra}")
+    click.echo(unit_line(st))
 
 
 def _read_policy(path: Path) -> Any:
@@ -131,12 +124,24 @@ def _plan_for_policy(job_file: Path, policy_path: Path, as_json: bool) -> None:
     if pol.privacy_unit == "patient" and sgd is not None:
         click.echo(f"patient-level DP-SGD: q = batch / public patients = {cfg.dpsgd.batch} / {pol.patients} = "
                    f"{sgd.q:.4g}; each step's noisy sum is divided by q x {pol.patients}")
+    click.echo(unit_line(st))
+
+
+def unit_line(st: dict[str, Any]) -> str:
+    """The one form of the privacy-unit line of both plans (local and ``--policy``), from a unit statement
+    (``PrivacyUnit.statement`` / ``site_unit_statement``): what is protected, at which (ε, δ), how, and the
+    optional facts the statement carries (public patients, sensitivity, a person's group figure)."""
     if st["unit"] == "patient":
-        click.echo(f"unit of privacy: the PATIENT (at most {st['images_per_patient_cap']} images each, "
-                   f"{st['public_patients']} public patients): ε per patient {st['epsilon_per_patient']:.3f} at δ "
-                   f"{st['delta_per_patient']:.3g} ({st['how']})")
-    else:
-        click.echo(f"unit of privacy: one IMAGE ({st['how']})")
+        who = f"at most {st['images_per_patient_cap']} image(s) each" + (
+            f", {st['public_patients']} public patients" if "public_patients" in st else "")
+        line = (f"unit of privacy: the PATIENT ({who}): ε per patient {st['epsilon_per_patient']:.3f} at δ "
+                f"{st['delta_per_patient']:.3g} ({st['how']})")
+        return line + (f"; sensitivity: {st['sensitivity']}" if "sensitivity" in st else "")
+    line = f"unit of privacy: one IMAGE: ε {st['epsilon_per_image']:.3f} at δ {st['delta_per_image']:.3g} ({st['how']})"
+    if "largest_group" in st:
+        line += (f"; a person with {st['largest_group']} images: ε {st['epsilon_for_largest_group']:.3f} at δ "
+                 f"{st['delta_for_largest_group']:.3g}")
+    return line
 
 
 def _fmt(x: float | None, spec: str) -> str:

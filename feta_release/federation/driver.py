@@ -12,7 +12,6 @@ request id, which the site's ledger answers from its record without charging twi
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from ..policy.document import open_signed_policy
 from ..policy.enforce import check_job_fits, request_of
 from ..policy.jobs import verify_job_with_keys
 from ..signing import load_public_key, verify_document
-from ..training.checkpoint import atomic_write_bytes
+from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from ..training.ema import EMA
 from . import checkpoint_io, fedsgd, plan
 from .secure_collect import collect_secure, secure_plan
@@ -67,12 +66,6 @@ class JobResult:
     skipped: dict[int, list[str]]
     timings: dict[str, float]
     attestations: dict[str, Any]
-
-
-def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stubs read **arrays as allow_pickle
-    return buf.getvalue()
 
 
 def round_ema(model: nn.Module, cfg: JobConfig) -> EMA:
@@ -258,7 +251,7 @@ class JobDriver:
             ok, failed = self._ask(phase, message_type, todo)
             for sid, (doc, arrays) in ok.items():
                 (self.state / f"{phase}_{sid}.json").write_text(json.dumps(doc), "utf-8")
-                atomic_write_bytes(self.state / f"{phase}_{sid}.npz", _npz_bytes(arrays))
+                atomic_write_bytes(self.state / f"{phase}_{sid}.npz", npz_bytes(**arrays))
                 have[sid] = arrays
                 self.emit(phase, f"site {sid}: {phase} released", site=sid)
             for sid, reason in failed.items():
@@ -281,7 +274,7 @@ class JobDriver:
         else:
             self.emit(phase, f"secure sum of the {phase} releases of {len(self.sites)} site(s)")
             arrays, contributors = collect_secure(self, phase)
-            atomic_write_bytes(p, _npz_bytes(arrays))
+            atomic_write_bytes(p, npz_bytes(**arrays))
             meta.write_text(json.dumps({"sites": contributors}), "utf-8")
         if len(contributors) < self.cfg.federation.min_sites:
             raise SiteUnavailable(f"{phase}: only {len(contributors)} site(s) in the secure sum, [federation] "
@@ -362,9 +355,4 @@ class JobDriver:
             out[sid] = att
         for sid, reason in failed.items():
             self.emit("attest", f"site {sid}: no attestation: {reason}", site=sid, error=reason)
-        (self.out / "attestations.json").write_text(json.dumps(out, indent=2), "utf-8")
-        pol_dir = self.out / "policies"
-        pol_dir.mkdir(exist_ok=True)
-        for sid, s in self.sites.items():
-            (pol_dir / f"{sid}.signed.json").write_text(json.dumps(s.signed_policy, indent=2), "utf-8")
-        return out
+        return out  # written with the job's other records by release.jobdir.write_job_files

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..models import denoiser_spec
+from ..release.jobfiles import job_summary, write_job_files
 from ..stages.context import initial_denoiser
 from ..training.checkpoint import MODEL_FILE, write_model_file
 from . import checkpoint_io
@@ -45,20 +45,10 @@ def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
     info = next(iter(d.sites.values()))
     write_model_file(d.out / MODEL_FILE, spec=denoiser_spec(cfg.model, info.image_shape, info.n_classes),
                state_dict=model.state_dict(), class_names=info.class_names)
-    summary: dict[str, Any] = {
-        "job_id": d.job.job_id,
-        "sites": sorted(d.sites),
-        "class_names": info.class_names,
-        "image_shape": list(info.image_shape),
-        "rounds": rounds_done,
-        "skipped": {str(k): v for k, v in d.skipped.items()},
-        "site_epsilon": {sid: att["statement"]["epsilon"] for sid, att in atts.items()},
-        "delta": {sid: att["statement"]["delta"] for sid, att in atts.items()},
-        "histories": {sid: att["statement"]["events"] for sid, att in atts.items()},
-        "timings": {**d.timings, "total": time.monotonic() - t_all},
-    }
-    (d.out / "job_summary.json").write_text(json.dumps(summary, indent=2), "utf-8")
-    (d.out / "signed_job.json").write_text(json.dumps(signed_job, indent=2), "utf-8")
+    summary = job_summary(d.job.job_id, list(d.sites), info.class_names, list(info.image_shape), rounds_done,
+                          {str(k): v for k, v in d.skipped.items()}, atts, {**d.timings, "total": time.monotonic() - t_all})
+    write_job_files(d.out, signed_job=signed_job, summary=summary, attestations=atts,
+                    signed_policies={sid: s.signed_policy for sid, s in d.sites.items()})
     d.emit("done", f"job {d.job.job_id} finished: " + ", ".join(
         f"{sid} ε={e:.3f}" for sid, e in summary["site_epsilon"].items()), timings=summary["timings"])
     return JobResult(d.out, sorted(d.sites), rounds_done, d.skipped, summary["timings"], atts)

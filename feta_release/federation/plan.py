@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import FetaError, PrivacyError
+from ..accounting import event_from_dict
+from ..errors import FetaError, PolicyError, PrivacyError
 
 
 def public_size(policy: Any) -> int:
@@ -44,9 +45,6 @@ def check_requested(asked: Any, own: Any, site_id: str) -> None:
     anything is charged. The site never uses the coordinator's numbers: it releases with its own plan or not at all."""
     if asked is None:
         return
-    from ..accounting import event_from_dict
-    from ..errors import PolicyError
-
     try:
         ev = event_from_dict(asked)
     except FetaError as exc:

@@ -38,28 +38,12 @@ from ..signing import load_private_key
 from ..training.checkpoint import MODEL_FILE, read_model_file
 from ..viz import epsilon_title, save_budget_svg, save_grid
 from .export_run import assemble_release, denoiser_from_checkpoint
+from .jobfiles import ATTESTATIONS, POLICIES, RELEASE, SIGNED_JOB, SUMMARY, job_summary, write_job_files
 from .manifest import site_record
 from .onnx_export import SamplerSettings
 
-SIGNED_JOB = "signed_job.json"
-SUMMARY = "job_summary.json"
-ATTESTATIONS = "attestations.json"
-POLICIES = "policies"
-RELEASE = "release"
-
-
-def write_job_files(out_dir: Path, *, signed_job: dict[str, Any], summary: dict[str, Any],
-                    attestations: dict[str, Any], signed_policies: dict[str, dict[str, Any]]) -> None:
-    """The job's own records, as the coordinator writes them after collecting the sites' attestations."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / ATTESTATIONS).write_text(json.dumps(attestations, indent=2), "utf-8")
-    if signed_policies:
-        (out_dir / POLICIES).mkdir(exist_ok=True)
-    for sid, signed in signed_policies.items():
-        (out_dir / POLICIES / f"{sid}.signed.json").write_text(json.dumps(signed, indent=2), "utf-8")
-    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2), "utf-8")
-    (out_dir / SIGNED_JOB).write_text(json.dumps(signed_job, indent=2), "utf-8")
-
+__all__ = ["ATTESTATIONS", "POLICIES", "RELEASE", "SIGNED_JOB", "SUMMARY", "build_release", "job_summary", "load_model",
+           "privacy_report", "sample_grid", "write_job_files"]
 
 def privacy_report(out_dir: Path) -> dict[str, Any]:
     """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total."""

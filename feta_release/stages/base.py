@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import io
 import math
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
 from ..accounting import PrivacyEvent, epsilon
 from ..config import JobConfig
 from ..errors import PrivacyError
@@ -30,12 +28,6 @@ class Stage(Protocol):
 
 def now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
-
-
-def npz_bytes(**arrays: Any) -> bytes:
-    buf = io.BytesIO()
-    np.savez_compressed(buf, allow_pickle=False, **arrays)
-    return buf.getvalue()
 
 
 def check_event(event: PrivacyEvent | None, planned: PrivacyEvent | None) -> None:

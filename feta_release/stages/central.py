@@ -6,9 +6,9 @@ import numpy as np
 
 from ..config import JobConfig
 from ..mechanisms.central import central_images, postprocess_central
-from ..training.checkpoint import atomic_write_bytes
+from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from ..viz import save_grid
-from .base import check_event, grid_title, npz_bytes, refuse_requery
+from .base import check_event, grid_title, refuse_requery
 from .context import RunContext
 
 

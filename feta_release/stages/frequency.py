@@ -6,8 +6,8 @@ import numpy as np
 
 from ..config import JobConfig
 from ..mechanisms.frequency import frequency_statistics
-from ..training.checkpoint import atomic_write_bytes
-from .base import check_event, npz_bytes, refuse_requery
+from ..training.checkpoint import atomic_write_bytes, npz_bytes
+from .base import check_event, refuse_requery
 from .context import RunContext
 
 

@@ -9,8 +9,7 @@ import numpy as np
 from ..config import JobConfig
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..models.sampler import generate
-from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, write_model_file
-from .base import npz_bytes
+from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
 from .context import RunContext, seed_from
 
 

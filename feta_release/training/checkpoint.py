@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import FetaError, ReleaseError
@@ -38,6 +39,14 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def npz_bytes(**arrays: Any) -> bytes:
+    """The bytes of an ``.npz`` of ``arrays`` (compressed, never pickled): a released file of a run, a coordinator's
+    cached release; the one writer of both drivers."""
+    buf = io.BytesIO()
+    np.savez_compressed(buf, allow_pickle=False, **arrays)
+    return buf.getvalue()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

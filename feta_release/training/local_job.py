@@ -14,7 +14,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..release.export_run import attest_run
-from ..release.jobdir import RELEASE, build_release, privacy_report, sample_grid, write_job_files
+from ..release.jobdir import RELEASE, build_release, job_summary, privacy_report, sample_grid, write_job_files
 from ..release.manifest import MANIFEST_FILE
 from ..signing import generate_keypair, load_private_key
 
@@ -38,13 +38,9 @@ def release_run(run_dir: str | Path, *, site_key: Ed25519PrivateKey, coordinator
         return rd / RELEASE
     a = attest_run(rd, coordinator_key=coordinator_key, site_key=site_key, site_id=site_id,
                    signed_policy=signed_policy)
-    st, sid = a.attestation["statement"], a.site_id
-    summary = {
-        "job_id": a.signed_job["job"]["job_id"], "sites": [sid], "class_names": a.classes,
-        "image_shape": list(a.denoiser.image_shape), "rounds": a.rounds, "skipped": {},
-        "site_epsilon": {sid: st["epsilon"]}, "delta": {sid: st["delta"]}, "histories": {sid: st["events"]},
-        "timings": dict(a.run.get("stage_seconds", {})),
-    }
+    sid = a.site_id
+    summary = job_summary(a.signed_job["job"]["job_id"], [sid], a.classes, list(a.denoiser.image_shape), a.rounds, {},
+                          {sid: a.attestation}, dict(a.run.get("stage_seconds", {})))
     write_job_files(rd, signed_job=a.signed_job, summary=summary, attestations={sid: a.attestation},
                     signed_policies={sid: signed_policy} if signed_policy is not None else {})
     privacy_report(rd)

@@ -4,8 +4,8 @@ Stages (``feta_release.stages``, in order): central release -> spatial warm-up -
 generator + frequency warm-up -> DP-SGD -> synthesis. Each is switched off by the config (``[central]
 rounds = 0``, ``[frequency] sigma`` absent, ``[dpsgd] steps = 0``) or by ``[job] method`` (``dpdm``: no
 warm-up; ``dp-feta``: central images only; ``feta-pro``: spatial then frequency; ``feta-pro-freq``:
-frequency only), see :func:`apply_method`. This module owns the run directory, the secret seed and the
-site ledger; the stages own what they compute.
+frequency only), which the config applies itself (``config.METHOD_OFF``). This module owns the run directory,
+the secret seed and the site ledger; the stages own what they compute.
 
 Run directory (``RUN_DIR``) layout::
 
@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..accounting import PrivacyEvent, epsilon, events_to_list
@@ -56,13 +55,13 @@ from ..data import ImageDataset
 from ..data.commitment import suggest_public_size
 from ..errors import ConfigError, DataError
 from ..ledger import Ledger
-from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
 from ..planning import plan as privacy_plan
 from ..signing import fingerprint, generate_keypair, load_private_key, sha256_file
-from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget, seed_from
+from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget
 from ..stages.account import check_recorded_plan
+from ..stages.context import initial_denoiser
 from ..stages.base import now
 from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, read_json
 from .device import resolve_device
@@ -70,22 +69,10 @@ from .progress import Reporter
 from ..viz import save_budget_chart
 
 FORMAT = "feta-release/run/v1"
-__all__ = ["FORMAT", "RunResult", "SimulatedKill", "apply_method", "check_data", "run_pipeline", "run_site_key"]
+__all__ = ["FORMAT", "RunResult", "SimulatedKill", "check_data", "run_pipeline", "run_site_key"]
 
 
 # -- configuration ---------------------------------------------------------------------------------
-
-
-def apply_method(cfg: JobConfig) -> JobConfig:
-    """The effective config of ``[job] method``: switch the warm-up stages the method does not use off."""
-    m = cfg.job.method
-    if m == "dpdm":
-        return cfg.replace(central={"rounds": 0}, frequency={"sigma": None})
-    if m == "dp-feta":
-        return cfg.replace(frequency={"sigma": None})
-    if m == "feta-pro-freq":
-        return cfg.replace(central={"rounds": 0})
-    return cfg
 
 
 def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None) -> None:
@@ -207,7 +194,7 @@ def run_pipeline(
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     n_pub = int(public_size) if public_size is not None else suggest_public_size(data.n)
-    cfg = apply_method(cfg).for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
+    cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     check_data(cfg, data, n_pub)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
     plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
@@ -228,8 +215,9 @@ def run_pipeline(
     atomic_write_json(rd.run_json, state)
     if not account.report_path.exists():
         account.write()
+    model = initial_denoiser(cfg, data.image_shape, data.n_classes).to(dev)  # the public init of both drivers
     ctx = RunContext(cfg=cfg, data=data, rd=rd, account=account, plan=plan, state=state,
-                     secret=_secret(rd, noise_seed), rep=rep, denoiser=_denoiser(cfg, data, dev), n_public=n_pub,
+                     secret=_secret(rd, noise_seed), rep=rep, denoiser=model, n_public=n_pub,
                      checkpoint_every=checkpoint_every, grid_per_class=grid_per_class, n_synthetic=n_synthetic,
                      kill_after_steps=kill_after_steps, patients=patients)
     _log_start(ctx, resumed)
@@ -327,11 +315,6 @@ def _secret(rd: RunDir, noise_seed: int | None) -> int:
     atomic_write_bytes(seed_file, f"{secret}\n".encode())
     os.chmod(seed_file, 0o600)  # whoever reads it can subtract the noise
     return secret
-
-
-def _denoiser(cfg: JobConfig, data: ImageDataset, device: torch.device) -> EDMDenoiser:
-    torch.manual_seed(seed_from(cfg.job.seed, "init"))
-    return build_denoiser(cfg.model, data.image_shape, data.n_classes).to(device)
 
 
 def _log_start(ctx: RunContext, resumed: bool) -> None:

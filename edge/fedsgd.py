@@ -28,7 +28,7 @@ from feta_release.mechanisms import skellam as sk
 from feta_release.models import build_denoiser
 from feta_release.policy.jobs import Job
 from feta_release.training.dpsgd import EDMLoss, batch_gradients, clipped_rows, poisson_sample
-from feta_release.training.padding import model_range
+from feta_release.training.padding import model_range, public_rows
 
 from .protocol import Request
 from .releases import check_weights
@@ -71,7 +71,8 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     # q over the site's rows: each image joins with probability q = batch / n_public (the planned, charged rate)
     chunk = int(cfg.dpsgd.physical_batch)
-    idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator), site.n_public, event.q, chunk)
+    bound_n = public_rows(images.shape[0], site.n_public)  # the public size, or the bucket the padded passes reveal
+    idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator), bound_n, event.q, chunk)
     total, at = np.zeros(dim, dtype=np.int64), 0
     for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator):
         rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()

@@ -7,7 +7,8 @@ directories, or carry an internal exception's text (which can depend on the imag
 so before anything leaves:
 
   * a ``FetaError`` (the protocol's deliberate refusals: policy rule, budget, closed job, wrong request) keeps
-    its type and its one line, with every local path replaced by ``<site path>``;
+    its type and its one line, with every local path replaced by ``<site path>``; except a ``DataError`` (a
+    check of the site's own images, whose text may state their exact count or shape): its type and a generic line;
   * any other exception (a bug, an ``OSError``, torch) becomes one generic ``SiteFailure`` line;
   * both carry a random reference id, and the full detail (text and traceback) goes to the node's LOCAL log
     under that id, so the site's administrator can find what the coordinator's operator reports.
@@ -27,7 +28,7 @@ from typing import Any
 
 from flwr.app import Context, Message
 
-from feta_release.errors import FetaError
+from feta_release.errors import DataError, FetaError
 
 log = logging.getLogger("feta.node")
 
@@ -96,7 +97,10 @@ def public_error(exc: BaseException, node_config: Mapping[str, Any] | None = Non
     ref = new_reference()
     log.error("%s failed (error reference %s): %s: %s", where, ref, type(exc).__name__, exc,
               exc_info=(type(exc), exc, exc.__traceback__))
-    if isinstance(exc, FetaError):
+    if isinstance(exc, DataError):  # about the site's own images: may state exact counts or shapes (review L2)
+        out = _same_type(exc, f"the site's data failed a check before this {where} (site error reference {ref}: "
+                              "its administrator finds which in the node's local log)")
+    elif isinstance(exc, FetaError):
         line = " ".join(redact(str(exc), node_config).split())  # one line, whatever the original had
         out = _same_type(exc, f"{line} [site error reference {ref}]")
     else:

@@ -21,7 +21,7 @@ from feta_release.models import build_denoiser
 from feta_release.planning import stage_event, warmup_events
 from feta_release.privacy_unit import PatientIndex
 from feta_release.training.dpsgd import DPSGDTrainer
-from feta_release.training.padding import model_range, step_bound
+from feta_release.training.padding import model_range, public_rows, step_bound
 
 
 def _planned(cfg: JobConfig, n_public: int, stage: str, what: str) -> PrivacyEvent:
@@ -119,7 +119,8 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
                            image_shape=ds.image_shape, n_classes=ds.n_classes, **unit,
-                           pad_to=step_bound(n_public, event.q, cfg.dpsgd.physical_batch, patients))  # public work
+                           pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above its
+                                              cfg.dpsgd.physical_batch, patients))  # size: its bucket)
     images = model_range(ds.images, n_public)  # padded to the public size, as every step's work
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)

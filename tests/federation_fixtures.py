@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,19 @@ def ledger_requests(fed: Any, site_id: str, job_id: str) -> list[dict[str, Any]]
 
     with Ledger(fed.site(site_id).ledger) as led:
         return led.requests(job_id)
+
+
+def stop_serving(stop: Any, sock: Any, thread: Any, listener: Any) -> None:
+    """End a test's in-thread ``edge.worker.serve`` loop: ask it to stop, wake its ``accept()`` with a bare
+    connection that never waits for an answer, join, close.
+
+    Not a channel call: when the loop saw the stop between two requests it has already left ``accept()``, the
+    connection lands in the listener's backlog, and a call would wait for a challenge nobody sends (a hang)."""
+    stop.requested = True
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(sock))
+        except OSError:
+            pass
+    thread.join(5)
+    listener.close()

@@ -152,6 +152,29 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
     assert rows == {(public_batch_bound(20, 4 / 20, 4), 20)}
 
 
+def test_a_site_above_its_public_size_pads_to_its_bucket_not_to_the_public_size(monkeypatch):
+    """Review M2: the step bound came from the public size even for a site holding more images; its samples then
+    exceeded the bound about half the time, were processed whole, and their time counted |B| (so N). The bound
+    now comes from ``public_rows`` (the bucket the padded whole-dataset passes already reveal): constant rows."""
+    from edge.releases import dpsgd_round
+    from feta_release.models import build_denoiser
+    from feta_release.training.padding import public_rows
+
+    seen = _counting(monkeypatch)
+    cfg = tiny_job(dpsgd={"batch": 4, "physical_batch": 4})
+    event = PrivacyEvent("dpsgd", 1.5, 4 / 20, 12)
+    totals = set()
+    for n, seed in ((75, 0), (80, 1), (78, 2)):
+        rng = np.random.default_rng(seed)
+        ds = SimpleNamespace(images=rng.random((n, 1, 16, 16), dtype=np.float32), labels=rng.integers(0, 10, n),
+                             image_shape=(1, 16, 16), n_classes=10)
+        weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
+        seen.clear()
+        dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
+        totals.add(sum(seen))
+    assert totals == {12 * public_batch_bound(public_rows(80, 20), 4 / 20, 4)}
+
+
 def _train_patients(seed: int, n: int, pad_to: int | None) -> tuple[nn.Module, int]:
     """Patient-level: patients of 1..3 images (a private layout), 6 public patients, at most 3 images each."""
     torch.manual_seed(99)

@@ -27,7 +27,7 @@ from edge import channel
 from edge.forward import ForwardingApp, remote_error
 from feta_release.federation import messages as fm
 
-from .federation_fixtures import make_federation, tiny_job
+from .federation_fixtures import make_federation, stop_serving, tiny_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,13 +74,7 @@ def echo(tmp_path):
     t = threading.Thread(target=serve, args=(listener, EchoWorker(), stop), daemon=True)
     t.start()
     yield SimpleNamespace(sock=sock, key=key, key_file=key_file, state=state)
-    stop.requested = True
-    try:  # wake the accept() so the loop sees the stop
-        channel.call(sock, key, {"kind": "echo"}, [])
-    except channel.FetaError:
-        pass
-    t.join(5)
-    listener.close()
+    stop_serving(stop, sock, t, listener)
 
 
 def test_channel_round_trip_and_file_modes(echo):

@@ -30,7 +30,7 @@ from edge.site import forget_sites
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 
-from .federation_fixtures import make_federation, tiny_job
+from .federation_fixtures import make_federation, stop_serving, tiny_job
 
 REF = re.compile(r"reference ([0-9a-f]{12})")
 
@@ -155,6 +155,19 @@ def test_redact_keeps_ratios_and_words():
     assert public_errors.redact(line) == line
 
 
+def test_a_data_check_refusal_leaves_without_the_sites_counts(caplog):
+    """Review L2: a ``DataError`` is about the site's own images and its text may state their exact count or
+    shape; it leaves with its type and a generic line, the detail stays in the local log."""
+    from feta_release.errors import DataError
+
+    exc = DataError("images.shape (1333, 1, 28, 28) does not match labels (1331,): 2 NaN images")
+    with caplog.at_level("ERROR", logger="feta.node"):
+        out = public_errors.public_error(exc)
+    assert isinstance(out, DataError)
+    assert not any(c in str(out) for c in ("1333", "1331", "NaN")) and "site error reference" in str(out)
+    assert "1333" in caplog.text
+
+
 # -- channel deadlines ---------------------------------------------------------------------------------------------------
 class _Echo:
     def handle(self, doc: dict[str, Any], frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
@@ -175,13 +188,7 @@ def short_worker(tmp_path, monkeypatch):
     t = threading.Thread(target=serve, args=(listener, _Echo(), stop), daemon=True)
     t.start()
     yield SimpleNamespace(sock=sock, key=key)
-    stop.requested = True
-    try:
-        channel.call(sock, key, {"kind": "echo"}, [])
-    except Exception:  # noqa: BLE001 - only wakes the loop
-        pass
-    t.join(5)
-    listener.close()
+    stop_serving(stop, sock, t, listener)
 
 
 def _in_thread(fn: Any, seconds: float) -> Any:

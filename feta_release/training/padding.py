@@ -5,8 +5,9 @@ users in ``/proc``), grow with the rows it processes. For a DP-SGD step that is 
 an un-noised count: over many steps its mean gives the site's exact size N, which only the public nominal size
 may stand for. So the work of each step is padded to a PUBLIC row count, the same bound FedSGD uses
 (``edge.fedsgd.padded_sample``): whole physical chunks covering q·n_public + ``PAD_SIGMAS`` standard deviations
-of Binomial(n_public, q). A sample above the bound (probability < 3e-7 per step at the public size) is processed
-whole and takes longer.
+of Binomial(n_public, q), where a site holding more images than its public size uses ``public_rows`` (the public
+size doubled until it covers them: the bucket its padded whole-dataset passes already reveal) in place of n_public.
+A sample above the bound (probability < 3e-7 per step, since N <= that n) is processed whole and takes longer.
 
 Padding rows are dummy rows (copies of row 0) processed in their own calls after the real ones, through the same
 per-example gradient and clip, with randomness from a fixed PUBLIC generator and the global RNG state restored;

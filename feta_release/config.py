@@ -51,8 +51,9 @@ class CentralSection:
     # Per-image contrast stretch of the released images (post-processing, mechanisms.central.stretch_contrast):
     # a mean of clipped images is dim with a noisy background (measured in bench/diagnose_stages.py).
     stretch: bool = False
-    # Slant cells per class (mean only, single site): each class's sum is split by a public function of each image
+    # Slant cells per class (mean only): each class's sum is split by a public function of each image
     # (mechanisms.central.slant_cells), releasing cells x rounds images per class for the same event and epsilon.
+    # Federated jobs too: each site splits its sums the same way (per-site releases and secure sums alike).
     cells: int = 1
 
 
@@ -333,8 +334,6 @@ def _validate(cfg: JobConfig, source: str) -> None:
         need(c.bins is None or c.bins >= 2, f"[central] bins must be >= 2, got {c.bins}")
         need(c.cells >= 1, f"[central] cells must be >= 1, got {c.cells}")
         need(c.cells == 1 or c.kind == "mean", f"[central] cells = {c.cells} needs kind = \"mean\" (or set cells = 1)")
-        need(c.cells == 1 or not cfg.federation.sites,
-             "[central] cells > 1 is single-site only (federated central images are one per class per round); set cells = 1")
     if f.sigma is not None:
         need(f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
         need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")

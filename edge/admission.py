@@ -71,7 +71,7 @@ def job_mechanisms(cfg: Any) -> list[str]:
         out.append("central")
     if cfg.frequency.sigma is not None:
         out.append("frequency")
-    return out + ["dpsgd"] * int(cfg.federation.rounds)
+    return out + ["dpsgd"] * cfg.federated_rounds
 
 
 @dataclass

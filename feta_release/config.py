@@ -173,6 +173,12 @@ class JobConfig:
         assert self.dpsgd.epochs is not None
         return max(1, math.ceil(self.dpsgd.epochs * n / self.dpsgd.batch))
 
+    @property
+    def federated_rounds(self) -> int:
+        """The federated DP-SGD rounds the job runs: ``[federation] rounds``, or 0 when ``[dpsgd] steps = 0`` (no
+        DP-SGD: a single-site preset that spends its whole budget on the warm-up releases means the same federated)."""
+        return 0 if self.dpsgd.steps == 0 else int(self.federation.rounds)
+
     def for_size(self, n: int) -> JobConfig:
         """This job on a dataset of PUBLIC size ``n``: ``[central]``/``[dpsgd]`` ``rate`` turned into a batch
         (round(rate * n), at least 1), so q = batch / n is exactly what the accountant charges. A job without

@@ -141,3 +141,25 @@ def test_a_coordinator_cannot_change_the_cells_a_site_verified(fed: Any, tmp_pat
     with pytest.raises(PolicyViolation, match="max_cells"):
         check_request(capped, request_of(ev, cfg), require_job=False)
     check_request(capped, request_of(ev, cells_job(True, cells=1)), require_job=False)
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["secure", "per-site"])
+def test_a_federated_job_without_dpsgd_runs_end_to_end(fed: Any, tmp_path: Path, secure: bool) -> None:
+    """``[dpsgd] steps = 0`` (cpu-eps1-nodpsgd) in a federated job: no DP-SGD round is planned, asked or charged,
+    whatever ``[federation] rounds`` says; the model after the warm-ups is the released one."""
+    from feta_release.federation import messages as fm
+
+    cfg = full_job(central={"cells": CELLS}, dpsgd={"steps": 0},
+                   federation={"secure_aggregation": secure, "rounds": 3})
+    assert cfg.federated_rounds == 0
+    job_id = f"job-nodpsgd-{int(secure)}"
+    signed, _ = sign_job_file(fed, cfg, job_id)
+    grid = harness(fed)
+    res = run_harness_job(fed, grid, signed, tmp_path / "out")
+    assert res.rounds_done == 0 and (tmp_path / "out" / "model.pt").exists()
+    assert fm.TRAIN not in [m.metadata.message_type for m in grid.sent]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    for s in fed.sites:
+        assert [r["mechanism"] for r in ledger_requests(fed, s.site_id, job_id)] == ["central", "frequency"]
+        assert [e["stage"] for e in plan[s.site_id]["events"]] == ["central", "frequency"]
+        assert plan[s.site_id]["dpsgd_sigma"] is None and plan[s.site_id]["planned_epsilon"] <= 1.0

@@ -318,7 +318,7 @@ class JobDriver:
             start = int(ck["round"])
             self.skipped = {int(k): v for k, v in ck.get("skipped", {}).items()}
             self.emit("dpsgd", f"resuming after round {start}")
-        R = self.cfg.federation.rounds
+        R = self.cfg.federated_rounds
         t0 = time.monotonic()
         for r in range(start, R):
             tr = time.monotonic()

@@ -68,3 +68,22 @@ def test_a_job_without_the_setting_runs_over_secure_aggregation(tmp_path: Path) 
         events = events_from_list([e for r in ledger_requests(fed, s.site_id, "job-default") for e in r["events"]])
         assert [type(e).__name__ for e in events] == ["SkellamEvent", "SkellamEvent", "PrivacyEvent"]
         assert all(e.mu > e.mu_worst for e in events if isinstance(e, SkellamEvent))  # the peers' shares counted
+
+
+def test_a_site_trusting_no_peer_share_refuses_the_default_with_the_fix_named(tmp_path: Path) -> None:
+    """Sites whose policies pin no peer keys count their own noise share only: a job sized for the pooled noise
+    (no DP-SGD to calibrate) then breaks their per-job cap. Refused before any release, naming the fix; the explicit
+    opt-out runs the job as before (per-site noise)."""
+    from feta_release.policy.errors import JobDoesNotFit
+
+    fed = make_federation(tmp_path / "fed", pin_peers=False)
+    cfg = full_job(central={"batch": 40}, dpsgd={"steps": 0}, federation={"secure_aggregation": None, "rounds": 0})
+    signed, _ = sign_job_file(fed, cfg, "job-nopin")
+    with pytest.raises(JobDoesNotFit) as exc:
+        run_harness_job(fed, harness(fed), signed, tmp_path / "out")
+    assert "secure_aggregation = false" in str(exc.value) and "pin" in str(exc.value)
+    assert exc.value.problems[-1][1] == "federation.secure_aggregation"
+    for s in fed.sites:
+        assert ledger_requests(fed, s.site_id, "job-nopin") == []
+    signed, _ = sign_job_file(fed, cfg.replace(federation={"secure_aggregation": False}), "job-nopin-off")
+    assert run_harness_job(fed, harness(fed), signed, tmp_path / "off").rounds_done == 0

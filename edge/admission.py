@@ -87,8 +87,8 @@ class Admission:
         return not self.failures
 
 
-def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: list[PrivacyEvent] | None = None,
-          lifetime_events: list[PrivacyEvent] | None = None, now: Any = None,
+def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: list[Event] | None = None,
+          lifetime_events: list[Event] | None = None, now: Any = None,
           data_shape: tuple[tuple[int, int, int], int] | None = None) -> Admission:
     """Every rule of ``policy`` that ``signed_job`` breaks at this site (empty: the node would serve it).
 
@@ -155,9 +155,11 @@ def secure_admit(res: Admission, policy: Any, job: Any, data_shape: tuple[tuple[
     noise share, FedSGD rounds as one Skellam request of R steps) and the budget and worst-case caps over the
     SkellamEvents. The plan is the coordinator's own (``secure_collect.secure_plan``, which calls the planner the
     node calls), so the check, the coordinator and the node agree."""
+    from feta_release.federation.plan import public_size
     from feta_release.federation.secure_collect import secure_plan
 
-    site = _SiteShape(policy, int(policy.dataset_size), tuple(data_shape[0]), int(data_shape[1]))  # type: ignore[arg-type]
+    # the public size as the coordinator reads it from the signed policy (plan.public_size)
+    site = _SiteShape(policy, public_size(policy), tuple(data_shape[0]), int(data_shape[1]))  # type: ignore[arg-type]
     try:
         requests, charged = secure_plan(_JobView(job.config, job), site)  # type: ignore[arg-type]
     except FetaError as exc:

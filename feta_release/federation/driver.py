@@ -105,7 +105,7 @@ def secure_fix_hint(exc: JobDoesNotFit, sites: dict[str, SiteInfo], n_sites: int
     hint = (f"this job sums its releases by secure aggregation (the default for >= 2 sites): {why}fix: raise the "
             "job's noise, have the sites pin each other's keys, or set [federation] secure_aggregation = false "
             "(per-site noise)")
-    return JobDoesNotFit([*exc.problems, (exc.site, "federation.secure_aggregation", hint)])
+    return JobDoesNotFit([*exc.problems, (exc.site or "", "federation.secure_aggregation", hint)])
 
 
 class JobDriver:

@@ -10,6 +10,7 @@ failing rule so an administrator fixes them all in one pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ def job_mechanisms(cfg: Any) -> list[str]:
         out.append("central")
     if cfg.frequency.sigma is not None:
         out.append("frequency")
-    return out + ["dpsgd"] * int(cfg.federation.rounds)
+    return out + ["dpsgd"] * cfg.federated_rounds
 
 
 @dataclass
@@ -86,9 +87,14 @@ class Admission:
         return not self.failures
 
 
-def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: list[PrivacyEvent] | None = None,
-          lifetime_events: list[PrivacyEvent] | None = None, now: Any = None) -> Admission:
-    """Every rule of ``policy`` that ``signed_job`` breaks at this site (empty: the node would serve it)."""
+def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: list[Event] | None = None,
+          lifetime_events: list[Event] | None = None, now: Any = None,
+          data_shape: tuple[tuple[int, int, int], int] | None = None) -> Admission:
+    """Every rule of ``policy`` that ``signed_job`` breaks at this site (empty: the node would serve it).
+
+    ``data_shape``: (image shape, classes) of the site's data. With it, a secure-aggregation job is judged in the
+    form the node charges (its SkellamEvents, FedSGD rounds included: :func:`secure_admit`); without it (the
+    sensitivities depend on the shape) in its Gaussian form."""
     res = Admission(policy.site_id, None)
     try:
         job = verify_job(signed_job, policy, source)  # the node's first check (edge.clientapp._job)
@@ -99,6 +105,8 @@ def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: li
         res.failures.append(("job", str(exc)))
         return res
     res.job_id = job.job_id
+    if data_shape is not None and job.config.federation.secure_aggregation:
+        return secure_admit(res, policy, job, data_shape, job_events or [], lifetime_events or [], now)
     n = int(policy.dataset_size)  # the public size: what the node's accountant and caps use
     history = list(job_events or [])
     new: list[PrivacyEvent] = []
@@ -120,6 +128,53 @@ def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: li
         new.append(ev)
     try:
         res.job_epsilon, _ = check_budget(policy, job_events or [], lifetime_events or [], new)
+    except PolicyBudgetExceeded as exc:
+        res.failures.append((exc.rule, str(exc)))
+    return res
+
+
+@dataclass
+class _SiteShape:
+    """What ``secure_collect.secure_plan`` reads of a site: its signed policy, public size and data shape."""
+
+    policy: Any
+    size: int
+    image_shape: tuple[int, int, int]
+    n_classes: int
+
+
+@dataclass
+class _JobView:
+    cfg: Any
+    job: Any
+
+
+def secure_admit(res: Admission, policy: Any, job: Any, data_shape: tuple[tuple[int, int, int], int],
+                 job_events: list[Any], lifetime_events: list[Any], now: Any) -> Admission:
+    """A secure-aggregation job judged as the node charges it: the requests (``min_sigma`` against the site's OWN
+    noise share, FedSGD rounds as one Skellam request of R steps) and the budget and worst-case caps over the
+    SkellamEvents. The plan is the coordinator's own (``secure_collect.secure_plan``, which calls the planner the
+    node calls), so the check, the coordinator and the node agree."""
+    from feta_release.federation.plan import public_size
+    from feta_release.federation.secure_collect import secure_plan
+
+    # the public size as the coordinator reads it from the signed policy (plan.public_size)
+    site = _SiteShape(policy, public_size(policy), tuple(data_shape[0]), int(data_shape[1]))  # type: ignore[arg-type]
+    try:
+        requests, charged = secure_plan(_JobView(job.config, job), site)  # type: ignore[arg-type]
+    except FetaError as exc:
+        res.failures.append(("plan", str(exc)))
+        return res
+    history = list(job_events)
+    for req in requests:
+        try:
+            check_request(policy, dataclasses.replace(req, job=job), job_events=history, now=now)
+        except PolicyViolation as exc:
+            res.failures.append((exc.rule, str(exc)))
+            continue
+        history.append(req.event())
+    try:
+        res.job_epsilon, _ = check_budget(policy, job_events, lifetime_events, charged)
     except PolicyBudgetExceeded as exc:
         res.failures.append((exc.rule, str(exc)))
     return res

@@ -166,7 +166,7 @@ def _check_mode(mechanism: str, job: Job, secure: bool) -> None:
 def _round(mechanism: str, job: Job, doc: dict[str, Any]) -> int:
     if mechanism != "dpsgd":
         return 0
-    rnd, rounds = int(doc.get("round", -1)), job.config.federation.rounds
+    rnd, rounds = int(doc.get("round", -1)), job.config.federated_rounds
     if not 0 <= rnd < rounds:
         raise PolicyError(f"round {rnd} is outside the job's {rounds} rounds; refused")
     return rnd

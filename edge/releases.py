@@ -47,7 +47,8 @@ def release_central(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gener
     c = cfg.central
     release, event = central_images(ds.images, ds.labels, ds.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch,
                                     sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=n_public,
-                                    rng=rng)
+                                    rng=rng, cells=c.cells)  # cells: from the signed job; event unchanged (one cell
+    # per image, a function of that image alone: sensitivity C, mechanisms.central)
     _same([planned], [event], "central images")
     return {k: np.asarray(v) for k, v in release.to_arrays().items()}, [planned]
 

@@ -86,7 +86,7 @@ def layout(job: Job, phase: str, image_shape: tuple[int, ...], n_classes: int) -
     """The public shape of the job's secure ``phase`` sum (the coordinator computes the same)."""
     c, f = job.config.central, job.config.frequency
     if phase == "central":
-        return ss.central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample)
+        return ss.central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample, c.cells)
     if phase == "dpsgd":
         return ss.fedsgd_layout(ss.model_dim(job.config.model, image_shape, n_classes), job.config.dpsgd.clip)
     return ss.frequency_layout(n_classes, f.features)
@@ -238,7 +238,8 @@ def masked_contribution(site: Site, job: Job, doc: dict[str, Any], rng: np.rando
         c = cfg.central
         contribution = ss.central_contribution(d.images, d.labels, d.n_classes, rounds=c.rounds, batch=c.batch,
                                                sigma=c.sigma, clip=c.clip, downsample=c.downsample,
-                                               n_public=site.n_public, n_sites=n_sites, modulus_bits=bits, rng=rng)
+                                               n_public=site.n_public, n_sites=n_sites, modulus_bits=bits, rng=rng,
+                                               cells=c.cells)  # from the SIGNED job, never the request
     elif phase == "frequency":
         f = cfg.frequency
         assert f.sigma is not None

@@ -52,8 +52,9 @@ class CentralSection:
     # Per-image contrast stretch of the released images (post-processing, mechanisms.central.stretch_contrast):
     # a mean of clipped images is dim with a noisy background (measured in bench/diagnose_stages.py).
     stretch: bool = False
-    # Slant cells per class (mean only, single site): each class's sum is split by a public function of each image
+    # Slant cells per class (mean only): each class's sum is split by a public function of each image
     # (mechanisms.central.slant_cells), releasing cells x rounds images per class for the same event and epsilon.
+    # Federated jobs too: each site splits its sums the same way (per-site releases and secure sums alike).
     cells: int = 1
 
 
@@ -140,8 +141,10 @@ class FederationSection:
     local_steps: int = 5  # DP-SGD steps per site per round
     round_timeout: float = 600.0
     # Central images and the frequency embedding summed by secure aggregation (docs/secure-aggregation.md): each
-    # site adds a 1/n share of the noise (Skellam), the coordinator learns only the sum. False: per-site noise.
-    secure_aggregation: bool = False
+    # site adds a 1/n share of the noise (Skellam), the coordinator learns only the sum. False: per-site noise (the
+    # explicit opt-out). Unset (None): ON for a job with >= 2 sites, off for one site; a signed job always states
+    # the resolved value (``JobConfig.with_secure_default``, applied by ``policy.jobs`` when it signs or reads one).
+    secure_aggregation: bool | None = None
     # Sites a secure sum needs (a strict majority of the job's sites); None: all of them. Lower it to survive
     # dropouts; a site's epsilon counts threshold - max_colluders honest noise shares (its own only when
     # 2 (threshold - max_colluders) <= sites - max_colluders: see accountants.skellam.site_epsilons).
@@ -172,6 +175,20 @@ class JobConfig:
             return self.dpsgd.steps
         assert self.dpsgd.epochs is not None
         return max(1, math.ceil(self.dpsgd.epochs * n / self.dpsgd.batch))
+
+    @property
+    def federated_rounds(self) -> int:
+        """The federated DP-SGD rounds the job runs: ``[federation] rounds``, or 0 when ``[dpsgd] steps = 0`` (no
+        DP-SGD: a single-site preset that spends its whole budget on the warm-up releases means the same federated)."""
+        return 0 if self.dpsgd.steps == 0 else int(self.federation.rounds)
+
+    def with_secure_default(self, n_sites: int) -> JobConfig:
+        """This job for ``n_sites`` sites with ``[federation] secure_aggregation`` resolved: an unset value becomes
+        True for >= 2 sites (the default), False for one; an explicit value is kept. Re-validated, so a job that
+        cannot be summed securely (mode central images, FedSGD on one site) is refused naming the fix."""
+        if self.federation.secure_aggregation is not None:
+            return self
+        return self.replace(federation={"secure_aggregation": int(n_sites) >= 2})
 
     def for_size(self, n: int) -> JobConfig:
         """This job on a dataset of PUBLIC size ``n``: ``[central]``/``[dpsgd]`` ``rate`` turned into a batch
@@ -344,8 +361,6 @@ def _validate(cfg: JobConfig, source: str) -> None:
         need(c.bins is None or c.bins >= 2, f"[central] bins must be >= 2, got {c.bins}")
         need(c.cells >= 1, f"[central] cells must be >= 1, got {c.cells}")
         need(c.cells == 1 or c.kind == "mean", f"[central] cells = {c.cells} needs kind = \"mean\" (or set cells = 1)")
-        need(c.cells == 1 or not cfg.federation.sites,
-             "[central] cells > 1 is single-site only (federated central images are one per class per round); set cells = 1")
     if f.sigma is not None:
         need(f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
         need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")
@@ -376,9 +391,9 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(cfg.federation.secagg_threshold is None or cfg.federation.secagg_threshold >= 2,
          "[federation] secagg_threshold must be >= 2 (a strict majority of the job's sites)")
     need(not (cfg.federation.secure_aggregation and c.rounds > 0 and c.kind == "mode"),
-         "[federation] secure_aggregation sums mean central images only: set [central] kind = \"mean\" or "
-         "secure_aggregation = false")
-    need(not cfg.federation.fedsgd or cfg.federation.secure_aggregation,
+         "[federation] secure_aggregation (the default for a job with >= 2 sites) sums mean central images only: set "
+         "[central] kind = \"mean\" or [federation] secure_aggregation = false")
+    need(not cfg.federation.fedsgd or cfg.federation.secure_aggregation is not False,
          "[federation] fedsgd sends noise SHARES, which only secure aggregation sums: set secure_aggregation = true "
          "or fedsgd = false")
     from .data.dicom import parse_window

@@ -96,7 +96,7 @@ def dpsgd_rounds(cfg: JobConfig, n: int, federated: bool) -> list[int]:
     rounds of ``local_steps`` steps each."""
     if federated:
         per_round = 1 if cfg.federation.fedsgd else int(cfg.federation.local_steps)  # FedSGD: one step a round
-        return [per_round] * int(cfg.federation.rounds) if per_round > 0 else []
+        return [per_round] * cfg.federated_rounds if per_round > 0 else []
     steps = cfg.dpsgd_steps(n)
     return [steps] if steps > 0 else []
 
@@ -202,7 +202,7 @@ def fedsgd_event(cfg: JobConfig, n: int, shape: FedSGDShape, sigma: float, steps
 
 def _with_fedsgd(cfg: JobConfig, n: int, warm: list[Event], shape: FedSGDShape, tgt: Target,
                  cache_dir: Path | None) -> list[Event]:
-    rounds = int(cfg.federation.rounds)
+    rounds = cfg.federated_rounds
     if rounds < 1:
         return warm
     if cfg.dpsgd.noise_multiplier is not None:

@@ -36,7 +36,10 @@ def tiny_job(**sections: dict[str, Any]) -> JobConfig:
         "model": TINY_MODEL,
         "warmup": {"spatial_iterations": 0, "frequency_epochs": 0},
         "dpsgd": {"batch": 8, "steps": 1, "noise_multiplicity": 1, "physical_batch": 16},
-        "federation": {"min_sites": 2, "rounds": 2, "local_steps": 2, "round_timeout": 30.0},
+        # per-site noise, explicitly: these jobs test that mode (secure aggregation, the default for >= 2 sites, is
+        # asked for with secure_aggregation = True; tests/test_secure_default.py checks the default itself)
+        "federation": {"min_sites": 2, "rounds": 2, "local_steps": 2, "round_timeout": 30.0,
+                       "secure_aggregation": False},
     }
     for name, over in sections.items():
         base[name] = {**base.get(name, {}), **over}

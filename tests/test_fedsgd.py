@@ -53,6 +53,32 @@ def test_a_fedsgd_job_runs_rounds_as_secure_sums_and_charges_one_skellam_event_p
         assert eps <= 1.0 + 1e-9 < worst_case_epsilon(events, 1e-5)
         assert plan[s.site_id]["planned_epsilon"] == pytest.approx(eps)
         assert res.attestations[s.site_id]["statement"]["epsilon"] == pytest.approx(eps)
+        check_policy_check_judges_the_skellam_form(fed, s.site_id, signed, eps, worst_case_epsilon(events, 1e-5))
+
+
+def check_policy_check_judges_the_skellam_form(fed: Any, site_id: str, signed: dict[str, Any], eps: float,
+                                               worst: float) -> None:
+    """`policy check --data` (edge.admission.admit with the data's shape) plans the FedSGD job as the node charged
+    it: the same epsilon, and the worst-case cap applied, which the Gaussian form (no shape) cannot see."""
+    from edge.admission import admit
+    from feta_release.data import load_dataset
+    from feta_release.policy import load_site_policy
+    from feta_release.policy.document import SitePolicy
+
+    files = fed.site(site_id)
+    pol = load_site_policy(files.policy, [files.policy_pub])
+    ds, _ = load_dataset(Path(files.data))
+    shape = (tuple(ds.image_shape), ds.n_classes)
+    res = admit(pol, signed, data_shape=shape)
+    assert res.accepted and res.job_epsilon == pytest.approx(eps)
+    gaussian = admit(pol, signed)
+    assert gaussian.job_epsilon != pytest.approx(eps)  # the old judgment: per-site Gaussian rounds
+    doc = json.loads(files.policy.read_text())["policy"]
+    doc["secure_aggregation"] = {**doc.get("secure_aggregation", {}), "max_worst_case_epsilon": worst * 0.95}
+    strict = SitePolicy.from_document(doc, None)
+    refused = admit(strict, signed, data_shape=shape)
+    assert [rule for rule, _ in refused.failures] == ["secure_aggregation.max_worst_case_epsilon"]
+    assert admit(strict, signed).accepted  # the Gaussian form misses it
 
 
 class Tap:

@@ -22,7 +22,8 @@ def test_valid_job_accepted() -> None:
     job = verify_job(copy.deepcopy(SIGNED), POLICY)
     assert job.job_id == "job-1" and job.sites == ("site-a", "site-b")
     assert job.signer == job.coordinator == signing.fingerprint(K["coord"])
-    assert job.config == job_config()
+    assert job.config == job_config().with_secure_default(2)  # the signed job states the mode (secure: 2 sites)
+    assert job.config.federation.secure_aggregation is True
     assert job.created.isoformat() == "2026-05-01T12:00:00+00:00"
 
 

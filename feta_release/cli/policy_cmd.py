@@ -358,7 +358,8 @@ def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path |
                f"sha256 {j.digest}")
 
 
-def _admit_or_refuse(pol, signed_job, source: Path, ledger: Path | None = None):  # type: ignore[no-untyped-def]
+def _admit_or_refuse(pol, signed_job, source: Path, ledger: Path | None = None,  # type: ignore[no-untyped-def]
+                     data_shape: tuple[tuple[int, int, int], int] | None = None):
     """Run the node's enforcement (edge.admission.admit) and exit non-zero listing every failing rule."""
     from edge.admission import admit
 
@@ -371,7 +372,7 @@ def _admit_or_refuse(pol, signed_job, source: Path, ledger: Path | None = None):
             life_ev = events_from_list([e for r in led.requests() for e in r["events"]])
             jid = signed_job.get("job", {}).get("job_id") if isinstance(signed_job, dict) else None
             job_ev = events_from_list(led.job_events(jid)) if jid else []
-    res = admit(pol, signed_job, source=str(source), job_events=job_ev, lifetime_events=life_ev)
+    res = admit(pol, signed_job, source=str(source), job_events=job_ev, lifetime_events=life_ev, data_shape=data_shape)
     if not res.accepted:
         from ..policy.errors import PolicyViolation
 
@@ -389,7 +390,11 @@ def _admit_or_refuse(pol, signed_job, source: Path, ledger: Path | None = None):
               help="Public key(s) allowed to sign this site's policy (repeatable).")
 @click.option("--ledger", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's ledger: also count what the site has already spent.")
-def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...], ledger: Path | None) -> None:
+@click.option("--data", "data_path", type=click.Path(exists=True, path_type=Path),
+              help="The site's data (only its image shape and classes are read): a secure-aggregation job is then "
+                   "judged as the node charges it (Skellam events, FedSGD included), not in its Gaussian form.")
+def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...], ledger: Path | None,
+                 data_path: Path | None) -> None:
     """Would this site's node serve JOB? Runs the node's own checks and lists EVERY rule that fails.
 
     \b
@@ -400,6 +405,16 @@ def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...
     from ..policy.envelope import read_json
 
     pol = load_site_policy(signed_policy, list(trusted))
-    res = _admit_or_refuse(pol, read_json(signed_job, "signed job"), signed_job, ledger)
+    shape = None
+    if data_path is not None:
+        from ..data import load_dataset
+
+        ds, _ = load_dataset(data_path)
+        shape = (tuple(int(v) for v in ds.image_shape), int(ds.n_classes))
+    doc = read_json(signed_job, "signed job")
+    res = _admit_or_refuse(pol, doc, signed_job, ledger, shape)  # type: ignore[arg-type]
+    secure = bool(((doc.get("job") or {}).get("config") or {}).get("federation", {}).get("secure_aggregation"))
+    form = "" if not secure else (" in the Skellam form the node charges" if shape else
+                                  "; secure aggregation judged in its Gaussian form: give --data for the Skellam form")
     click.echo(f"ACCEPTED: site {pol.site_id} policy v{pol.version} admits job {res.job_id} "
-               f"(planned ε={res.job_epsilon:.4g} at δ={pol.job_delta:g}, {pol.accountant})")
+               f"(planned ε={res.job_epsilon:.4g} at δ={pol.job_delta:g}, {pol.accountant}{form})")

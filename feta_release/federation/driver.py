@@ -30,6 +30,7 @@ from ..errors import FetaError, PolicyError
 from ..planning import site_dpsgd, stage_events, target
 from ..policy.document import open_signed_policy
 from ..policy.enforce import check_job_fits, request_of
+from ..policy.errors import JobDoesNotFit
 from ..policy.jobs import verify_job_with_keys
 from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes, npz_bytes
@@ -85,6 +86,19 @@ def _registered_names(grid: Any) -> dict[int, str]:
         return {int(n.node_id): str(n.name) for n in get_nodes() if getattr(n, "name", "")}
     except Exception:  # noqa: BLE001 - an older Runtime API without node info: names unknown, not fatal
         return {}
+
+
+def secure_fix_hint(exc: JobDoesNotFit, sites: dict[str, SiteInfo], n_sites: int) -> JobDoesNotFit:
+    """The refusal of a secure-aggregation job (the default for >= 2 sites), with the fix: a site's epsilon counts
+    only the noise shares its SIGNED policy trusts (``secure_aggregation.peers`` pinned, ``max_colluders``), so a
+    job sized for the pooled noise may not fit a site that trusts fewer; or opt out of secure aggregation."""
+    few = sorted(sid for sid, s in sites.items() if s.policy.counted_colluders(n_sites) > 0)
+    why = (f"site(s) {', '.join(few)} count fewer than all {n_sites} noise shares (their policies pin no peer keys "
+           "in secure_aggregation.peers or allow max_colluders > 0); " if few else "")
+    hint = (f"this job sums its releases by secure aggregation (the default for >= 2 sites): {why}fix: raise the "
+            "job's noise, have the sites pin each other's keys, or set [federation] secure_aggregation = false "
+            "(per-site noise)")
+    return JobDoesNotFit([*exc.problems, (exc.site or "", "federation.secure_aggregation", hint)])
 
 
 class JobDriver:
@@ -218,8 +232,12 @@ class JobDriver:
                 planned[sid] = [request_of(e, self.cfg) for e in evs]
             policies[sid] = s.policy
             life[sid] = events_from_list(s.lifetime_events)
-        job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
-                                 charged=charged if self.cfg.federation.secure_aggregation else None)
+        try:
+            job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
+                                     charged=charged if self.cfg.federation.secure_aggregation else None)
+        except JobDoesNotFit as exc:
+            raise secure_fix_hint(exc, self.sites, len(self.job.sites)) if self.cfg.federation.secure_aggregation \
+                else exc from None
         doc: dict[str, dict[str, Any]] = {
             sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
                   "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
@@ -311,7 +329,7 @@ class JobDriver:
             start = int(ck["round"])
             self.skipped = {int(k): v for k, v in ck.get("skipped", {}).items()}
             self.emit("dpsgd", f"resuming after round {start}")
-        R = self.cfg.federation.rounds
+        R = self.cfg.federated_rounds
         t0 = time.monotonic()
         for r in range(start, R):
             tr = time.monotonic()

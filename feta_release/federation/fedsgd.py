@@ -84,7 +84,7 @@ def run_rounds(d: Any, model: nn.Module, ema: EMA) -> int:
         optimizer.load_state_dict(ck["optimizer"])
         start = int(ck["round"])
         d.emit(PHASE, f"resuming after FedSGD round {start}")
-    rounds = int(d.cfg.federation.rounds)
+    rounds = d.cfg.federated_rounds
     t0 = time.monotonic()
     for r in range(start, rounds):
         tr = time.monotonic()

@@ -66,7 +66,7 @@ def phase_layout(d: Driver, phase: str) -> ss.Layout:
     info = next(iter(d.sites.values()))
     c, f = d.cfg.central, d.cfg.frequency
     if phase == "central":
-        return ss.central_layout(info.image_shape, info.n_classes, c.rounds, c.clip, c.downsample)
+        return ss.central_layout(info.image_shape, info.n_classes, c.rounds, c.clip, c.downsample, c.cells)
     if phase == "dpsgd":
         return ss.fedsgd_layout(ss.model_dim(d.cfg.model, info.image_shape, info.n_classes), d.cfg.dpsgd.clip)
     return ss.frequency_layout(info.n_classes, f.features)
@@ -154,9 +154,9 @@ def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[s
         params = ss.block_params(lay.block_dim, lay.clip, c.sigma, n)
         small = ss.small_shape(info.image_shape, c.downsample)
         rel = ss.decode_central(residues, lay, params, rounds=c.rounds, n_classes=info.n_classes,
-                                denominator=len(contributors) * c.batch / info.n_classes,
+                                denominator=len(contributors) * c.batch / (info.n_classes * c.cells),
                                 image_shape=tuple(info.image_shape), small_shape=small, sigma=c.sigma,
-                                q=c.batch / max(sizes.values()))
+                                q=c.batch / max(sizes.values()), cells=c.cells)
         arrays = {k: np.asarray(v) for k, v in rel.to_arrays().items()}
     else:
         f = cfg.frequency

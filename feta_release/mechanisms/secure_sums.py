@@ -7,9 +7,12 @@ vectors and divides by a PUBLIC denominator (post-processing), giving a ``Centra
 that the warm-up stages read as today.
 
 Sensitivity (add/remove one image of one site), in integer units:
-  * central mean images: vector = rounds x classes blocks of d = C h w (downsampled) values; in one round an image
-    is in one class block only, as ONE rounded record of L2 norm <= Delta2(c s, d): each round is one Poisson-
-    subsampled (q = batch / n_public) Skellam release with the block's Delta2 / Delta1; ``rounds`` compositions;
+  * central mean images: vector = rounds x classes x cells blocks of d = C h w (downsampled) values; in one round
+    an image is in one (class, cell) block only, as ONE rounded record of L2 norm <= Delta2(c s, d): each round is
+    one Poisson-subsampled (q = batch / n_public) Skellam release with the block's Delta2 / Delta1; ``rounds``
+    compositions. Slant cells (``[central] cells``): the cell is ``central.slant_cells`` of the image ALONE (the
+    single-site stage's public function), so adding or removing one image still changes one block by one record:
+    the sensitivity and the event do not depend on ``cells``; only the number of blocks does;
   * frequency embedding: vector = classes blocks of F random features; phi(x) has norm 1 exactly (c = 1), one
     record in one block: one unsampled release (q = 1) with Delta2(s, F).
 The noise multiplier sigma is the job's stage sigma: the n shares sum to Sk(mu), mu = (sigma c s)^2, i.e. noise std
@@ -27,7 +30,7 @@ import numpy as np
 from ..errors import DataError, PrivacyError
 from . import skellam as sk
 from ._checks import check_images, check_positive_int, check_sigma, require_generator, sampling_rate
-from .central import CentralRelease, _prepare
+from .central import CentralRelease, _prepare, slant_cells
 
 SCALE_BITS = 10  # c s = 2^10: Delta2 within 2 % of c s for d <= 2^17 (docs/secure-aggregation.md, Parameters)
 DEFAULT_MODULUS_BITS = 64
@@ -80,10 +83,12 @@ class Layout:
 
 
 def central_layout(image_shape: tuple[int, ...], n_classes: int, rounds: int, clip: float | None,
-                   downsample: float) -> Layout:
+                   downsample: float, cells: int = 1) -> Layout:
+    """One block per (round, class, cell), in the row order of a single site's ``CentralRelease``."""
     probe = np.zeros((1, *image_shape), dtype=np.float32)
     vec, _, bound = _prepare(probe, "mean", clip, downsample, None, "central images (secure sum)")
-    return Layout(int(rounds) * int(n_classes), int(vec.shape[1]), float(bound))
+    cells = check_positive_int(cells, "cells", "central images (secure sum)")
+    return Layout(int(rounds) * int(n_classes) * cells, int(vec.shape[1]), float(bound))
 
 
 def small_shape(image_shape: tuple[int, ...], downsample: float) -> tuple[int, int, int]:
@@ -103,23 +108,27 @@ def _finish(total: np.ndarray, params: sk.SkellamParams, rng: np.random.Generato
 
 def central_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int, *, rounds: int, batch: int,
                          sigma: float, clip: float | None, downsample: float, n_public: int, n_sites: int,
-                         modulus_bits: int, rng: np.random.Generator) -> np.ndarray:
-    """This site's masked-sum input for ``rounds`` rounds of mean central images (Poisson rate batch / n_public)."""
+                         modulus_bits: int, rng: np.random.Generator, cells: int = 1) -> np.ndarray:
+    """This site's masked-sum input for ``rounds`` rounds of mean central images (Poisson rate batch / n_public),
+    one block per (round, class, cell). ``cells``: each image's block is ``slant_cells`` of that image alone, the
+    single-site stage's public function (sensitivity: one record in one block, whatever ``cells`` is)."""
     where = "central images (secure sum)"
     images, labels = check_images(images, labels, n_classes, where)
     sigma, rounds = check_sigma(sigma, where), check_positive_int(rounds, "rounds", where)
+    cells = check_positive_int(cells, "cells", where)
     q = sampling_rate(batch, n_public, where)
     gen = require_generator(rng, where)
     vec, _, bound = _prepare(images, "mean", clip, downsample, None, where)
-    k, d = int(n_classes), vec.shape[1]
+    groups = labels * cells + slant_cells(images, cells)  # (class, cell) of each image, as central_images
+    blocks, d = int(n_classes) * cells, vec.shape[1]
     params = block_params(d, bound, sigma, n_sites, modulus_bits)
-    total = np.zeros(rounds * k * d, dtype=np.int64)
+    total = np.zeros(rounds * blocks * d, dtype=np.int64)
     for r in range(rounds):
         take = gen.random(vec.shape[0]) < q  # Poisson sampling: each image independently with probability q
-        for c in range(k):
-            recs = vec[take & (labels == c)]
+        for g in range(blocks):
+            recs = vec[take & (groups == g)]
             if len(recs):
-                at = (r * k + c) * d
+                at = (r * blocks + g) * d
                 total[at:at + d] += sk.quantize_records(recs, params, gen)
     return _finish(total, params, gen)
 
@@ -164,16 +173,16 @@ def _full(layout: Layout, params: sk.SkellamParams) -> sk.SkellamParams:
 
 def decode_central(residues: np.ndarray, layout: Layout, params: sk.SkellamParams, *, rounds: int, n_classes: int,
                    denominator: float, image_shape: tuple[int, int, int], small_shape: tuple[int, int, int],
-                   sigma: float, q: float) -> CentralRelease:
-    """The decoded per-round per-class sums divided by the PUBLIC total denominator (sum of the contributing
-    sites' batch / n_classes): a ``CentralRelease`` as one site's would be (post-processing)."""
+                   sigma: float, q: float, cells: int = 1) -> CentralRelease:
+    """The decoded per-(round, class, cell) sums divided by the PUBLIC total denominator (sum of the contributing
+    sites' batch / (n_classes x cells)): a ``CentralRelease`` as one site's would be (post-processing)."""
     if not (math.isfinite(denominator) and denominator > 0):
         raise DataError(f"secure central sum: the public denominator must be > 0, got {denominator!r}")
     sums = decode(residues, layout, params) / denominator
-    values = sums.reshape(rounds * n_classes, *small_shape).astype(np.float32)
-    labels = np.tile(np.arange(n_classes, dtype=np.int64), rounds)
+    values = sums.reshape(rounds * n_classes * cells, *small_shape).astype(np.float32)
+    labels = np.tile(np.repeat(np.arange(n_classes, dtype=np.int64), cells), rounds)
     return CentralRelease(values, labels, rounds, "mean", float(denominator), image_shape, n_classes, sigma, q,
-                          layout.clip, None)
+                          layout.clip, None, cells)
 
 
 def wrap_probability(layout: Layout, params: sk.SkellamParams, max_records: int) -> float:
@@ -219,7 +228,7 @@ def secagg_warmup_events(cfg: object, n_public: int, image_shape: tuple[int, ...
     h = honest_shares(n_sites, t, min(int(colluders), n_sites - 1))
     out: list[object] = []
     if c.rounds > 0:
-        lay = central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample)
+        lay = central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample, c.cells)
         p = block_params(lay.block_dim, lay.clip, c.sigma, n_sites)
         out.append(skellam_event(p, "central", sampling_rate(c.batch, n_public, "central images"), int(c.rounds), h))
     if f.sigma is not None:

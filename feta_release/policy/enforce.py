@@ -6,6 +6,8 @@ steps plus those already recorded for the job):
   mechanisms.<m>.allowed      the mechanism must be allowed
   mechanisms.<m>.min_sigma    sigma (noise multiplier) >= minimum
   mechanisms.central.max_rounds   job rounds (sum of central ``steps``) <= cap
+  mechanisms.central.max_cells    slant cells per class (``cells``) <= cap (optional: the event is the same for any
+                              number of cells, only the release's shape grows)
   mechanisms.<m>.max_batch    expected batch (``batch``, or q * dataset.size) <= cap   (central, dpsgd; dpsgd at a
                               patient-level site: q * dataset.patients)
   dataset.privacy_unit        a DP-SGD request's unit is the policy's (patient or image); warm-up requests: image
@@ -45,6 +47,7 @@ class MechanismRequest:
     steps: int = 1  # compositions in this call (central: rounds; dpsgd: local steps; frequency: 1)
     batch: int | None = None  # expected batch; None: q * dataset.size
     features: int | None = None  # frequency: number of random features
+    cells: int | None = None  # central: slant cells per class (the release's shape; not its sensitivity)
     clip: float | None = None  # dpsgd: per-example L2 clip
     job: Job | None = None
     app_bundle: str | None = None  # sha256 of the app bundle that asks
@@ -76,7 +79,7 @@ def request_of(event: PrivacyEvent, cfg: Any, job: Job | None = None) -> Mechani
     """The request a planned event makes of a site, with the job fields its policy rules read."""
     extra: dict[str, Any] = {}
     if event.stage == "central":
-        extra["batch"] = cfg.central.batch
+        extra.update(batch=cfg.central.batch, cells=cfg.central.cells)
     elif event.stage == "frequency":
         extra["features"] = cfg.frequency.features
     elif event.stage == "dpsgd":
@@ -180,6 +183,9 @@ def check_request(
         if batch > caps["max_batch"]:
             raise PolicyViolation(f"{base}.max_batch", f"expected batch {_fmt(batch)} > cap {caps['max_batch']}",
                                   site=site)
+    if "max_cells" in caps and req.cells is not None and req.cells > caps["max_cells"]:
+        raise PolicyViolation(f"{base}.max_cells", f"requested {req.cells} slant cells per class > cap "
+                              f"{caps['max_cells']}", site=site)
     if "max_features" in caps:
         if req.features is None and require_stated:
             raise PolicyViolation(f"{base}.max_features", "request does not state its number of features", site=site)

@@ -48,6 +48,11 @@ def sign_job(
 ) -> dict[str, Any]:
     """Validate and sign a job; the config is stored as the full ``JobConfig.to_dict()``."""
     cfg = config if isinstance(config, JobConfig) else JobConfig.from_dict(dict(config))
+    sites = list(sites)
+    try:  # the signed document states secure aggregation explicitly (the default: on for >= 2 sites)
+        cfg = cfg.with_secure_default(len(sites))
+    except ConfigError as exc:
+        raise PolicySchemaError(f"job {job_id}", [("config", str(exc))]) from None
     coordinator = signing.fingerprint(key)
     body = {
         "job_id": job_id,
@@ -63,7 +68,8 @@ def sign_job(
 def _parse_body(body: dict[str, Any], signer: str, source: str) -> Job:
     schema.validate(body, "job", source)
     try:
-        cfg = JobConfig.from_dict(body["config"], source=f"{source} config")
+        # a job signed without an explicit value (none of ours: sign_job resolves it) reads as the default would
+        cfg = JobConfig.from_dict(body["config"], source=f"{source} config").with_secure_default(len(body["sites"]))
     except ConfigError as exc:
         raise PolicySchemaError(source, [("config", str(exc))]) from None
     if body["coordinator"] != signer:

@@ -1,0 +1,238 @@
+"""Federated release over secure aggregation vs the single-site pooled run (issue 14's last goal), same protocol.
+
+    nohup nice -n 5 .venv/bin/python bench/bench_federated_vs_pooled.py > bench/results/fedpool-run.log 2>&1 &
+    .venv/bin/python bench/bench_federated_vs_pooled.py --quick     # smoke run (tiny preset, 1 seed, minutes)
+
+Same split as the evaluation protocol (feta_release/eval_protocol.py, ``test`` mode): the embedded 4,000
+training images, the 1,000 held-out images scored once. Same job config (``--preset``, default
+``cpu-eps1-nodpsgd``: the whole epsilon on the central + frequency releases, no DP-SGD), same epsilon.
+
+- pooled: the single-site ``train`` pipeline (``run_pipeline``) on all 4,000 images (benchmark noise seed
+  10,000 + seed, as bench/eval_protocol.py);
+- federated: the in-process harness (feta_release/federation/harness.py: every message through Flower's wire
+  encoding, the node's full release protocol, signed policies and ledgers) with 3 sites over the demo's split of
+  the same 4,000 (``split_sites(train, 3, seed=0)``, public sizes by the demo's rule), the preset adapted by
+  ``coordinator.demo.demo_config`` (rates kept, so q is the preset's), secure aggregation (``--per-site-noise``:
+  the old mode). Site noise is fresh OS randomness (a node takes no seed).
+
+Both sample ``n_synthetic`` balanced images from the final model with the same sampler and seed rule, and are
+scored with the protocol's classifier (SmallCNN, 5 epochs, seed = run seed) and FD (classifier features) on the
+held-out images, plus the release-only baseline (augmented copies of the released/combined central images).
+Writes ``bench/results/fedpool-<tag>.json`` after every step (a stopped run keeps its finished seeds) and prints
+mean ± std (ddof 1) over the seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def job_config(preset: str, quick: bool) -> Any:
+    """The job both arms run (the quick run: the tiny preset with the nodpsgd preset's central/DP-SGD choices)."""
+    from feta_release.config import load_preset
+
+    if not quick:
+        return load_preset(preset)
+    return load_preset("tiny").replace(privacy={"epsilon": 1.0}, central={"rate": 1.0, "cells": 2, "stretch": True},
+                                       dpsgd={"steps": 0})
+
+
+def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> tuple[Any, dict[str, Any]]:
+    """The single-site pipeline on all training images: (synthetic set, info)."""
+    from feta_release.data import ImageDataset
+    from feta_release.training.pipeline import run_pipeline
+    from feta_release.training.progress import Reporter
+
+    res = run_pipeline(cfg.replace(job={"seed": seed}), train, out, n_synthetic=n_synthetic,
+                       reporter=Reporter(enabled=False), noise_seed=10_000 + seed)  # benchmark only
+    z = np.load(out / "synthetic.npz")
+    syn = ImageDataset(z["images"], z["labels"], train.class_names, source=str(out))
+    c = np.load(out / "released" / "central.npz")
+    return syn, {"epsilon": res.epsilon, "central": (c["images"], c["labels"])}
+
+
+def federated_config(cfg: Any, site_size: int, seed: int, secure: bool, n_sites: int) -> Any:
+    """``cfg`` adapted to ``n_sites`` sites of public size ``site_size`` by the demo's rule
+    (``coordinator.demo.demo_config``): sampling rates kept (each site's batch = rate x its public size), DP-SGD
+    steps as rounds x local_steps (none for a preset without DP-SGD), the demo's federation section."""
+    steps = cfg.dpsgd_steps(site_size * n_sites)
+    rounds, local = (0, 1) if steps == 0 else (4, max(1, steps // 4))
+    sized, n_ref = cfg.for_size(site_size), 4000  # presets without a rate are written for 4,000 images
+    central_b = sized.central.batch if cfg.central.rate is not None else int(cfg.central.batch / n_ref * site_size)
+    dpsgd_b = sized.dpsgd.batch if cfg.dpsgd.rate is not None else round(cfg.dpsgd.batch / n_ref * site_size)
+    return cfg.replace(
+        job={"seed": seed}, central={"batch": max(1, min(site_size, central_b))},
+        dpsgd={"batch": max(1, min(site_size, dpsgd_b)), "steps": rounds * local},
+        federation={"sites": [f"site-{chr(ord('a') + i)}" for i in range(n_sites)], "min_sites": 2, "rounds": rounds,
+                    "local_steps": local, "round_timeout": 900.0, "secure_aggregation": secure})
+
+
+def federated_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, secure: bool,
+                  n_sites: int = 3) -> tuple[Any, dict[str, Any]]:
+    """The federated job over the in-process harness, then sampling as the single-site synthesis stage does."""
+    from coordinator.setup import prepare_federation, sign_job_file
+    from edge.clientapp import app
+    from feta_release.data.splits import split_sites
+    from feta_release.federation.harness import HarnessNode, InProcessGrid
+    from feta_release.federation.job import run_job
+    from feta_release.federation.warmup import pooled_central
+    from feta_release.signing import load_private_key
+
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)  # fresh keys, policies and ledgers for every run
+    parts = split_sites(train, n_sites, seed=0)  # the demo's split rule
+    fed = prepare_federation(out / "federation", {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)})
+    fcfg = federated_config(cfg, min(s.size for s in fed.sites), seed, secure, n_sites)
+    signed, _ = sign_job_file(fed, fcfg, f"fedpool-{seed}")
+    grid = InProcessGrid({100 + i: HarnessNode(app, s.node_config()) for i, s in enumerate(fed.sites)})
+    res = run_job(grid, signed, out / "job", coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=30,
+                  poll_interval=0.05)
+    syn = sample_model(out / "job", fcfg, train, n_synthetic)
+    central = _combined_central(out / "job", fcfg, {s.site_id: s.size for s in fed.sites}, pooled_central)
+    eps = {sid: att["statement"]["epsilon"] for sid, att in res.attestations.items()}
+    worst = {sid: (att["statement"].get("secure_aggregation") or {}).get("worst_case_epsilon")
+             for sid, att in res.attestations.items()}
+    return syn, {"epsilon": max(eps.values()), "site_epsilon": eps, "worst_case_epsilon": worst,
+                 "public_sizes": [s.size for s in fed.sites], "timings": res.timings, "central": central}
+
+
+def _combined_central(job: Path, cfg: Any, sizes: dict[str, int], pooled_central: Any) -> tuple[Any, Any]:
+    state = job / "state"
+    files = [state / "central_secure.npz"] if (state / "central_secure.npz").exists() else \
+        [state / f"central_{sid}.npz" for sid in sorted(sizes)]
+    arrays = {}
+    for sid, f in zip(sorted(sizes), files * len(sizes) if len(files) == 1 else files):
+        with np.load(f) as z:
+            arrays[sid] = {k: z[k] for k in z.files}
+    return pooled_central(arrays, sizes, cfg)
+
+
+def sample_model(job: Path, cfg: Any, train: Any, n: int) -> Any:
+    """``n`` balanced samples of the job's model with the single-site synthesis stage's labels, seeds and sampler."""
+    import torch
+
+    from feta_release.data import ImageDataset
+    from feta_release.models.sampler import generate
+    from feta_release.stages.context import initial_denoiser, seed_from
+    from feta_release.training.checkpoint import MODEL_FILE, read_model_file
+
+    model = initial_denoiser(cfg, train.image_shape, train.n_classes)
+    model.load_state_dict(read_model_file(job / MODEL_FILE)["state_dict"])
+    model.eval()
+    k = train.n_classes
+    labels = np.tile(np.arange(k, dtype=np.int64), math.ceil(n / k))[:n]
+    out = []
+    with torch.no_grad():
+        for start in range(0, n, 256):
+            imgs, _ = generate(model, labels[start:start + 256], seed_from(cfg.job.seed, "synthetic", start), cfg.sampler)
+            out.append(imgs.numpy().astype(np.float32))
+    return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(job))
+
+
+def score(syn: Any, central: tuple[Any, Any], real: Any, seed: int, proto: Any, feature_net: Any) -> dict[str, float]:
+    """Protocol accuracy + FD of the synthetic set, and the release-only baseline of the central images."""
+    from feta_release.eval_protocol import release_only
+    from feta_release.evaluation import accuracy, evaluate, train_classifier
+
+    ev = evaluate(syn, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net)
+    ro = release_only(central[0], central[1], real.class_names, proto.n_synthetic, seed, proto)
+    return {"acc": float(ev.accuracy), "fd": float(ev.fd),
+            "release_only": float(accuracy(train_classifier(ro, proto.classifier_epochs, seed), real))}
+
+
+def table(rows: dict[str, list[dict[str, Any]]]) -> str:
+    from feta_release.eval_protocol import mean_std
+
+    lines = ["| arm | accuracy (mean ± std) | FD (classifier features) | release-only | ε per site | seeds |",
+             "|---|---|---|---|---|---|"]
+    for arm, runs in rows.items():
+        if not runs:
+            continue
+        cells = []
+        for key in ("acc", "fd", "release_only"):
+            m, s = mean_std([r[key] for r in runs])
+            cells.append(f"{m:.3f} ± {s:.3f}" if key != "fd" else f"{m:.1f} ± {s:.1f}")
+        eps = max(r["epsilon"] for r in runs)
+        lines.append(f"| {arm} | {' | '.join(cells)} | ≤ {eps:.3f} | {','.join(str(r['seed']) for r in runs)} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from feta_release.data import load_embedded
+    from feta_release.eval_protocol import PROTOCOL, protocol_splits
+    from feta_release.evaluation import train_classifier
+
+    torch.set_num_threads(args.threads)
+    proto = PROTOCOL
+    if args.quick:
+        proto = replace(proto, n_synthetic=200, classifier_epochs=1, feature_epochs=1, seeds=(0,))
+    if args.seeds:
+        proto = replace(proto, seeds=tuple(int(s) for s in args.seeds.split(",")))
+    train, real = protocol_splits(load_embedded(), "test", proto)
+    if args.quick:
+        train = train.subset(np.arange(0, train.n, 10))
+    cfg = job_config(args.preset, args.quick)
+    arms = [a for a in args.arms.split(",") if a]
+    fed_arm = "federated (3 sites, " + ("secure aggregation)" if args.secure else "per-site noise)")
+    doc: dict[str, Any] = {"preset": "tiny (quick)" if args.quick else args.preset, "protocol": proto.__dict__,
+                           "train": train.n, "scored_on": real.n, "rows": {"pooled (1 site)": [], fed_arm: []}}
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    feature_net = train_classifier(real, proto.feature_epochs, 0)  # one FD space for both arms (the protocol's)
+    print(f"train {train.n}, held-out {real.n}; feature net {time.perf_counter() - t0:.0f} s", flush=True)
+    for seed in proto.seeds:
+        for arm in arms:
+            name = "pooled (1 site)" if arm == "pooled" else fed_arm
+            t0 = time.perf_counter()
+            run_dir = Path(args.runs) / arm / f"seed{seed}"
+            if arm == "pooled":
+                syn, info = pooled_run(cfg, train, run_dir, proto.n_synthetic, seed)
+            else:
+                syn, info = federated_run(cfg, train, run_dir, proto.n_synthetic, seed, args.secure)
+            row = {"seed": seed, **score(syn, info.pop("central"), real, seed, proto, feature_net), **info,
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            doc["rows"][name].append(row)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1, default=str))
+            print(json.dumps({"arm": name, **{k: v for k, v in row.items() if k != "timings"}}, default=str), flush=True)
+    doc["table"] = table(doc["rows"])
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print(doc["table"], flush=True)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="cpu-eps1-nodpsgd")
+    ap.add_argument("--seeds", default=None, help="comma-separated (default: the protocol's 0,1,2)")
+    ap.add_argument("--arms", default="federated,pooled", help="comma-separated, run in this order per seed")
+    ap.add_argument("--per-site-noise", dest="secure", action="store_false", help="the federation without secure "
+                    "aggregation (each site adds the full noise to its own release)")
+    ap.add_argument("--out", default=None, help="results JSON (default bench/results/fedpool-<preset>.json)")
+    ap.add_argument("--runs", default=None, help="run directories (default runs/fedpool[-quick])")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 400 images, 1 seed, 200 samples")
+    args = ap.parse_args(argv)
+    tag = "quick" if args.quick else args.preset + ("" if args.secure else "-per-site")
+    args.out = args.out or str(ROOT / "bench" / "results" / f"fedpool-{tag}.json")
+    args.runs = args.runs or str(ROOT / "runs" / f"fedpool-{tag}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""bench/bench_federated_vs_pooled.py: the federated arm runs the preset's job (rates, cells, no DP-SGD), and the
+script's --quick mode runs both arms end to end and writes its table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+from feta_release.config import load_preset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_fedpool", ROOT / "bench" / "bench_federated_vs_pooled.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_federated_arm_runs_the_same_job_as_the_pooled_arm() -> None:
+    bench = _bench()
+    preset = load_preset("cpu-eps1-nodpsgd")
+    fed = bench.federated_config(preset, 1300, 2, True, 3)
+    assert fed.federation.secure_aggregation and fed.federated_rounds == 0 and fed.job.seed == 2
+    assert fed.central.batch == 1300 and fed.central.cells == 2  # q = 1 at every site, as the pooled run's
+    same = ("privacy", "frequency", "model", "warmup", "auxgen", "sampler")
+    assert {k: v for k, v in fed.to_dict().items() if k in same} == \
+        {k: v for k, v in preset.to_dict().items() if k in same}
+    assert not bench.federated_config(preset, 1300, 0, False, 3).federation.secure_aggregation
+
+
+def test_quick_mode_runs_both_arms_and_writes_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "fedpool-quick.json"
+    doc = _bench().main(["--quick", "--out", str(out), "--runs", str(tmp_path / "runs"), "--threads", "1"])
+    saved = json.loads(out.read_text())
+    assert saved["table"] == doc["table"] and "pooled (1 site)" in doc["table"]
+    for arm, rows in saved["rows"].items():
+        assert [r["seed"] for r in rows] == [0], arm
+        assert 0 < rows[0]["epsilon"] <= 1.0 and 0 <= rows[0]["acc"] <= 1
+    fed = saved["rows"]["federated (3 sites, secure aggregation)"][0]
+    assert all(w > fed["epsilon"] for w in fed["worst_case_epsilon"].values())  # secure: both figures attested

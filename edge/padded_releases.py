@@ -49,21 +49,14 @@ def padded(release: Callable[..., T], ds: Any, cfg: Any, n_public: int, rng: np.
     return out
 
 
-def pad_secure(ds: Any, cfg: Any, n_public: int, phase: str, n_sites: int) -> int:
-    """The padding of a site's secure-sum contribution (``edge.secure.masked_contribution``'s computation) for
-    ``phase``: the contribution function on the dummy rows, result dropped. Returns the dummy rows processed."""
+def pad_secure(ds: Any, cfg: Any, n_public: int, phase: str, n_sites: int, modulus_bits: int = 64) -> int:
+    """The padding of a site's secure-sum contribution for ``phase``: the SAME contribution function as the
+    charged release (``secure_sums.job_contribution``, cells included) on the dummy rows, result dropped.
+    Returns the dummy rows processed."""
     rows = public_rows(len(ds.images), n_public) - len(ds.images)
     if rows <= 0:
         return 0
-    d, gen = dummy_data(ds, rows), os_numpy_generator()
-    if phase == "central":
-        c = cfg.central
-        ss.central_contribution(d.images, d.labels, d.n_classes, rounds=c.rounds, batch=c.batch, sigma=c.sigma,
-                                clip=c.clip, downsample=c.downsample, n_public=n_public, n_sites=n_sites,
-                                modulus_bits=64, rng=gen)
-    elif phase == "frequency":
-        f = cfg.frequency
-        ss.frequency_contribution(d.images, d.labels, d.n_classes, features=f.features, sigma=f.sigma,
-                                  bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_sites=n_sites,
-                                  modulus_bits=64, rng=gen)
+    d = dummy_data(ds, rows)
+    ss.job_contribution(phase, d.images, d.labels, d.n_classes, cfg, n_public=n_public, n_sites=n_sites,
+                        modulus_bits=modulus_bits, rng=os_numpy_generator())
     return rows

@@ -234,18 +234,9 @@ def masked_contribution(site: Site, job: Job, doc: dict[str, Any], rng: np.rando
     n_sites, bits = len(job.sites), st.config.modulus_bits
     if noisy_sum is not None:
         contribution = sk.to_modular(noisy_sum, bits)
-    elif phase == "central":
-        c = cfg.central
-        contribution = ss.central_contribution(d.images, d.labels, d.n_classes, rounds=c.rounds, batch=c.batch,
-                                               sigma=c.sigma, clip=c.clip, downsample=c.downsample,
-                                               n_public=site.n_public, n_sites=n_sites, modulus_bits=bits, rng=rng,
-                                               cells=c.cells)  # from the SIGNED job, never the request
-    elif phase == "frequency":
-        f = cfg.frequency
-        assert f.sigma is not None
-        contribution = ss.frequency_contribution(d.images, d.labels, d.n_classes, features=f.features, sigma=f.sigma,
-                                                 bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk,
-                                                 n_sites=n_sites, modulus_bits=bits, rng=rng)
+    elif phase in ("central", "frequency"):  # parameters (cells included) from the SIGNED job, never the request
+        contribution = ss.job_contribution(phase, d.images, d.labels, d.n_classes, cfg, n_public=site.n_public,
+                                           n_sites=n_sites, modulus_bits=bits, rng=rng)
     else:
         raise SecAggError(f"secure aggregation: the {phase} contribution is computed by its own release; refused")
     ciphertexts = {int(n): _unb64(ct, "share") for n, ct in dict(doc.get("shares", {})).items()}

@@ -99,21 +99,30 @@ def test_a_secure_contribution_processes_the_public_number_of_rows(monkeypatch, 
     seen = _rows(monkeypatch, ss, fn) if phase == "central" else _rows(monkeypatch, freq_mod, fn)
 
     def contribution(site: Any, job: Any, doc: Any, rng: Any) -> np.ndarray:  # what edge.secure computes
-        d, cfg = site.data, job.config
-        if phase == "central":
-            c = cfg.central
-            return ss.central_contribution(d.images, d.labels, 10, rounds=c.rounds, batch=c.batch, sigma=c.sigma,
-                                           clip=c.clip, downsample=c.downsample, n_public=site.n_public, n_sites=3,
-                                           modulus_bits=64, rng=rng)
-        f = cfg.frequency
-        return ss.frequency_contribution(d.images, d.labels, 10, features=f.features, sigma=f.sigma,
-                                         bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_sites=3,
-                                         modulus_bits=64, rng=rng)
+        d = site.data
+        return ss.job_contribution(phase, d.images, d.labels, 10, job.config, n_public=site.n_public, n_sites=3,
+                                   modulus_bits=64, rng=rng)
 
     monkeypatch.setattr(ca, "masked_contribution", contribution)
     handler = ca.central_masked if phase == "central" else ca.frequency_masked
     req = SimpleNamespace(doc={}, event=None)
     handler.__wrapped__(_site(13), _job(), req, ReleaseRng())
+    assert sum(seen) == N_PUBLIC
+
+
+def test_the_secure_central_padding_prepares_the_slant_cells_of_the_public_number_of_rows(monkeypatch):
+    """Review M1: with ``[central] cells > 1`` the real contribution computes each image's slant cell; the padding
+    ran the contribution WITHOUT cells, so the dummy rows skipped that work and the time still counted N."""
+    seen = _rows(monkeypatch, central_mod, "image_slant")  # only computed for cells > 1
+    job = SimpleNamespace(config=full_job(central={"cells": 4, "kind": "mean"}), sites=["site-a", "site-b", "site-c"])
+
+    def contribution(site: Any, job: Any, doc: Any, rng: Any) -> np.ndarray:  # what edge.secure computes
+        d = site.data
+        return ss.job_contribution("central", d.images, d.labels, 10, job.config, n_public=site.n_public,
+                                   n_sites=3, modulus_bits=64, rng=rng)
+
+    monkeypatch.setattr(ca, "masked_contribution", contribution)
+    ca.central_masked.__wrapped__(_site(13), job, SimpleNamespace(doc={}, event=None), ReleaseRng())
     assert sum(seen) == N_PUBLIC
 
 

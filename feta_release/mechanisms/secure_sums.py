@@ -159,6 +159,26 @@ def frequency_contribution(images: np.ndarray, labels: np.ndarray, n_classes: in
     return _finish(total, params, gen)
 
 
+def job_contribution(phase: str, images: np.ndarray, labels: np.ndarray, n_classes: int, cfg: object, *,
+                     n_public: int, n_sites: int, modulus_bits: int, rng: np.random.Generator) -> np.ndarray:
+    """A site's ``phase`` ("central" / "frequency") contribution with the job config's parameters: the ONE call
+    both the charged release (``edge.secure.masked_contribution``) and its latency padding
+    (``edge.padded_releases.pad_secure``) make, so the dummy rows cost what real rows cost (review M1: cells)."""
+    if phase == "central":
+        c = cfg.central  # type: ignore[attr-defined]
+        return central_contribution(images, labels, n_classes, rounds=c.rounds, batch=c.batch, sigma=c.sigma,
+                                    clip=c.clip, downsample=c.downsample, n_public=n_public, n_sites=n_sites,
+                                    modulus_bits=modulus_bits, rng=rng, cells=c.cells)
+    if phase == "frequency":
+        f = cfg.frequency  # type: ignore[attr-defined]
+        if f.sigma is None:
+            raise PrivacyError("[frequency] sigma is not calibrated; a secure frequency contribution needs it")
+        return frequency_contribution(images, labels, n_classes, features=f.features, sigma=f.sigma,
+                                      bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_sites=n_sites,
+                                      modulus_bits=modulus_bits, rng=rng)
+    raise PrivacyError(f"secure aggregation: no job contribution for phase {phase!r}")
+
+
 def decode(residues: np.ndarray, layout: Layout, params: sk.SkellamParams) -> np.ndarray:
     """The modular sum -> the noisy sum of the clipped records in real units, (blocks, block_dim) float64."""
     v = sk.check_contribution(np.asarray(residues), _full(layout, params), "secure sum")

@@ -141,6 +141,9 @@ def test_a_coordinator_cannot_change_the_cells_a_site_verified(fed: Any, tmp_pat
     with pytest.raises(PolicyViolation, match="max_cells"):
         check_request(capped, request_of(ev, cfg), require_job=False)
     check_request(capped, request_of(ev, cells_job(True, cells=1)), require_job=False)
+    uncapped = SitePolicy.from_document(json.loads(fed.site("site-a").policy.read_text())["policy"], None)
+    with pytest.raises(PolicyViolation, match="max_cells"):  # review L1: a default cap without max_cells
+        check_request(uncapped, request_of(ev, cells_job(True, cells=10**6)), require_job=False)
 
 
 @pytest.mark.parametrize("secure", [True, False], ids=["secure", "per-site"])

@@ -6,8 +6,9 @@ steps plus those already recorded for the job):
   mechanisms.<m>.allowed      the mechanism must be allowed
   mechanisms.<m>.min_sigma    sigma (noise multiplier) >= minimum
   mechanisms.central.max_rounds   job rounds (sum of central ``steps``) <= cap
-  mechanisms.central.max_cells    slant cells per class (``cells``) <= cap (optional: the event is the same for any
-                              number of cells, only the release's shape grows)
+  mechanisms.central.max_cells    slant cells per class (``cells``) <= cap (default DEFAULT_MAX_CELLS: the event is
+                              the same for any number of cells, only the release's shape, and so the site's
+                              memory after the charge, grows)
   mechanisms.<m>.max_batch    expected batch (``batch``, or q * dataset.size) <= cap   (central, dpsgd; dpsgd at a
                               patient-level site: q * dataset.patients)
   dataset.privacy_unit        a DP-SGD request's unit is the policy's (patient or image); warm-up requests: image
@@ -35,6 +36,10 @@ from ..ledger import as_budget, check_spend
 from .document import MECHANISMS, SitePolicy, check_validity
 from .errors import JobDoesNotFit, PolicyBudgetExceeded, PolicyViolation
 from .jobs import Job
+
+# Review L1: without a cap a coordinator could sign cells = 10**6; the event is unchanged, but the release's shape
+# would exhaust the site's memory after the charge (budget spent, nothing released).
+DEFAULT_MAX_CELLS = 64
 
 
 @dataclass(frozen=True)
@@ -183,9 +188,11 @@ def check_request(
         if batch > caps["max_batch"]:
             raise PolicyViolation(f"{base}.max_batch", f"expected batch {_fmt(batch)} > cap {caps['max_batch']}",
                                   site=site)
-    if "max_cells" in caps and req.cells is not None and req.cells > caps["max_cells"]:
+    max_cells = int(caps.get("max_cells", DEFAULT_MAX_CELLS))
+    if req.cells is not None and req.cells > max_cells:
         raise PolicyViolation(f"{base}.max_cells", f"requested {req.cells} slant cells per class > cap "
-                              f"{caps['max_cells']}", site=site)
+                              f"{max_cells}" + ("" if "max_cells" in caps else " (the default; a policy may set "
+                                                "mechanisms.central.max_cells)"), site=site)
     if "max_features" in caps:
         if req.features is None and require_stated:
             raise PolicyViolation(f"{base}.max_features", "request does not state its number of features", site=site)

@@ -91,6 +91,11 @@ class WarmupSection:
     frequency_mix_central: bool = False
     lr: float = 3e-4
     ema: float = 0.999
+    # Central polish: after the last warm-up stage, this many more steps on augmented released central images only,
+    # at ``polish_lr`` (post-processing). At lr 2e-3 the EMA model is under-fitted and draws speckled strokes;
+    # a low-lr pass on the release lifted the model above its release (docs/evaluation.md, fifth session).
+    polish_iterations: int = 0
+    polish_lr: float = 5e-4
 
 
 @dataclass(frozen=True)
@@ -359,6 +364,10 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(cfg.sampler.steps >= 1, f"[sampler] steps must be >= 1, got {cfg.sampler.steps}")
     need(0 < cfg.sampler.sigma_min < cfg.sampler.sigma_max, "[sampler] need 0 < sigma_min < sigma_max")
     need(cfg.warmup.spatial_iterations >= 0 and cfg.warmup.frequency_epochs >= 0, "[warmup] counts must be >= 0")
+    need(cfg.warmup.polish_iterations >= 0 and cfg.warmup.polish_lr > 0,
+         "[warmup] polish_iterations must be >= 0 and polish_lr > 0")
+    need(cfg.warmup.polish_iterations == 0 or not cfg.federation.sites,
+         "[warmup] polish_iterations > 0 is single-site only (the federated warm-up has no polish); set it to 0")
     need(cfg.federation.min_sites >= 1, "[federation] min_sites must be >= 1")
     need(cfg.federation.rounds >= 0 and cfg.federation.local_steps >= 1, "[federation] rounds >= 0, local_steps >= 1")
     need(cfg.job.image_size is None or cfg.job.image_size >= 8, "[job] image_size must be >= 8")

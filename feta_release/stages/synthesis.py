@@ -55,15 +55,16 @@ def _write_synthetic(ctx: RunContext, model: EDMDenoiser, n: int) -> None:
     k, cfg = ctx.data.n_classes, ctx.cfg
     # Balanced: class c gets ceil or floor of n/k; interleave so a prefix is balanced too.
     labels = np.tile(np.arange(k, dtype=np.int64), math.ceil(n / k))[:n]
-    scfg, gen = cfg.sampler, public_generator(cfg, "synthetic-starts")
-    sdedit = scfg.start_sigma is not None and ctx.central is not None
-    if sdedit:
+    scfg, gen, central = cfg.sampler, public_generator(cfg, "synthetic-starts"), ctx.central
+    if scfg.start_sigma is not None and central is not None:  # SDEdit: denoise from the start level only
         scfg = dataclasses.replace(scfg, sigma_max=scfg.start_sigma)
+    else:
+        central = None
     out = []
     with ctx.rep.task("synthesis", n) as adv:
         for start in range(0, n, 256):
             part = labels[start:start + 256]
-            init = release_starts(ctx.central, part, cfg, gen) if sdedit else None  # type: ignore[arg-type]
+            init = None if central is None else release_starts(central, part, cfg, gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
             out.append(imgs.numpy().astype(np.float32))
             adv(len(part))

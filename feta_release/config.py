@@ -93,6 +93,11 @@ class WarmupSection:
     frequency_mix_central: bool = False
     lr: float = 3e-4
     ema: float = 0.999
+    # Central polish: after the last warm-up stage, this many more steps on augmented released central images only,
+    # at ``polish_lr`` (post-processing). At lr 2e-3 the EMA model is under-fitted and draws speckled strokes;
+    # a low-lr pass on the release lifted the model above its release (docs/evaluation.md, fifth session).
+    polish_iterations: int = 0
+    polish_lr: float = 5e-4
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,10 @@ class SamplerSection:
     sigma_max: float = 80.0
     rho: float = 7.0
     guidance: float = 0.0
+    # SDEdit start for the run's synthetic set (post-processing of the release): None draws from pure noise at
+    # sigma_max; a value starts from RandAugment-ed released central images plus N(0, start_sigma^2) noise and
+    # denoises from start_sigma. The model file / ONNX generator still samples from noise.
+    start_sigma: float | None = None
 
 
 @dataclass(frozen=True)
@@ -384,7 +393,11 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(0 <= cfg.model.label_dropout < 1, "[model] label_dropout must be in [0, 1)")
     need(cfg.sampler.steps >= 1, f"[sampler] steps must be >= 1, got {cfg.sampler.steps}")
     need(0 < cfg.sampler.sigma_min < cfg.sampler.sigma_max, "[sampler] need 0 < sigma_min < sigma_max")
+    need(cfg.sampler.start_sigma is None or cfg.sampler.sigma_min < cfg.sampler.start_sigma <= cfg.sampler.sigma_max,
+         "[sampler] start_sigma must be in (sigma_min, sigma_max] (or left out: sample from noise)")
     need(cfg.warmup.spatial_iterations >= 0 and cfg.warmup.frequency_epochs >= 0, "[warmup] counts must be >= 0")
+    need(cfg.warmup.polish_iterations >= 0 and cfg.warmup.polish_lr > 0,
+         "[warmup] polish_iterations must be >= 0 and polish_lr > 0")
     need(cfg.federation.min_sites >= 1, "[federation] min_sites must be >= 1")
     need(cfg.federation.rounds >= 0 and cfg.federation.local_steps >= 1, "[federation] rounds >= 0, local_steps >= 1")
     need(cfg.job.image_size is None or cfg.job.image_size >= 8, "[job] image_size must be >= 8")

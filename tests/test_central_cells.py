@@ -152,6 +152,7 @@ def test_nodpsgd_preset_is_the_measured_configuration() -> None:
     """docs/evaluation.md row B was measured as cpu-eps1 with these overrides: the preset must stay that job."""
     measured = load_preset("cpu-eps1").replace(
         central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 5.0, "cells": 2, "stretch": True},
-        frequency={"sigma": 7.0}, warmup={"frequency_mix_central": True}, dpsgd={"steps": 0}).to_dict()
+        frequency={"sigma": 7.0}, warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
+        dpsgd={"steps": 0}, sampler={"start_sigma": 0.5}).to_dict()
     shipped = load_preset("cpu-eps1-nodpsgd").to_dict()
     assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}

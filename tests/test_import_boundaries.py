@@ -37,6 +37,8 @@ LAZY = {
     "edge/forward.py": {".clientapp"},  # torch: the per-message ClientApp loads it only when no worker answers
     "coordinator/cli.py": {".setup", ".runner", ".finalize"},  # Flower / torch, per command
     "coordinator/demo.py": {".setup", ".runner", ".finalize", "edge.launch"},  # Flower / torch, once the demo runs
+    # Flower's secure-aggregation primitives (via secure_collect), for `policy check --data` of a secure job only
+    "edge/admission.py": {"feta_release.federation.plan", "feta_release.federation.secure_collect"},
 }
 
 

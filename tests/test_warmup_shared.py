@@ -37,10 +37,10 @@ def _released(run: Path) -> tuple[JobConfig, dict[str, np.ndarray], dict[str, np
     return cfg, central, freq, n_public
 
 
-@pytest.mark.parametrize("mix", [False, True])
-def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(tmp_path: Path, mix: bool) -> None:
-    cfg = load_preset("tiny").replace(dpsgd={"steps": 0}, warmup={"frequency_mix_central": mix},
-                                      central={"stretch": True})
+@pytest.mark.parametrize("mix,polish", [(False, 0), (True, 0), (True, 6)], ids=["aux", "mix", "mix+polish"])
+def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(tmp_path: Path, mix: bool, polish: int) -> None:
+    cfg = load_preset("tiny").replace(dpsgd={"steps": 0}, central={"stretch": True},
+                                      warmup={"frequency_mix_central": mix, "polish_iterations": polish})
     run = tmp_path / "run"
     run_pipeline(cfg, _data(), run, n_synthetic=10, grid_per_class=1, noise_seed=5)
     local = load_torch(run / "checkpoints" / "after-frequency.pt")["model"]

@@ -21,7 +21,7 @@ from ..mechanisms.central import CentralRelease, combine_central, postprocess_ce
 from ..mechanisms.frequency import FrequencyRelease, combine_frequency
 from ..models.edm import EDMDenoiser
 from ..stages.freq_warmup import aux_images, fit_aux, frequency_enabled, frequency_train, warmup_set
-from ..stages.spatial import spatial_enabled, spatial_stage
+from ..stages.spatial import central_polish, spatial_enabled, spatial_stage
 
 Log = Callable[[str], None]
 
@@ -39,6 +39,10 @@ def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq:
         log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
     if freq and frequency_enabled(cfg):
         _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
+    if pooled is not None:  # as the local stages: the last warm-up stage ends with the central polish (if on)
+        polished = central_polish(model, pooled, cfg)
+        if polished is not None:
+            log(f"central polish done in {polished.seconds:.1f} s (final loss {polished.final_loss:.4f})")
 
 
 def _frequency(model: EDMDenoiser, release: FrequencyRelease, central: tuple[np.ndarray, np.ndarray] | None,

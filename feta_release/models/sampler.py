@@ -95,13 +95,19 @@ def sample(
     sigma_min: float = 0.002,
     sigma_max: float = 80.0,
     rho: float = 7.0,
+    init: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Images in [0, 1] (B, C, H, W) from standard-normal ``noise``; deterministic given the noise."""
+    """Images in [0, 1] (B, C, H, W) from standard-normal ``noise``; deterministic given the noise.
+
+    ``init`` (images in [0, 1], SDEdit): start from ``2 init - 1 + noise * sigma_max`` instead of pure noise, so the
+    model denoises noised copies of given images (``[sampler] start_sigma``)."""
     if solver not in ("euler", "heun"):
         raise ConfigError(f"[sampler] solver must be 'euler' or 'heun', got {solver!r}")
     t = karras_sigmas(steps, sigma_min, sigma_max, rho).to(device=noise.device, dtype=noise.dtype)
     labels = labels.to(device=noise.device, dtype=torch.long)
     x = noise * t[0]
+    if init is not None:
+        x = x + (init.to(device=noise.device, dtype=noise.dtype) * 2.0 - 1.0)
     for i in range(steps):
         last = i == steps - 1
         x = sampler_step(denoiser, x, t[i], t[i + 1], labels, heun=(solver == "heun" and not last), guidance=guidance)
@@ -135,12 +141,13 @@ def generate(
     batch: int = 256,
     *,
     progress=None,
+    init: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample images for ``labels`` (or ``n_per_class`` images of every class when an int).
 
     Returns ``(images float32 (N,C,H,W) in [0,1] on CPU, labels int64 (N,))``. The result depends only
     on (weights, labels, seed, sampler settings), not on ``batch`` (up to float rounding of batched convs).
-    ``progress(done, total)`` is optional.
+    ``progress(done, total)`` is optional. ``init`` (N, C, H, W) in [0, 1]: SDEdit start images (see :func:`sample`).
     """
     if isinstance(labels, int):
         labels_t = balanced_labels(labels, denoiser.n_classes)
@@ -161,6 +168,7 @@ def generate(
                 denoiser, labels_t[start:stop].to(device), noise[start:stop].to(device),
                 solver=sampler_cfg.solver, steps=sampler_cfg.steps, guidance=sampler_cfg.guidance,
                 sigma_min=sampler_cfg.sigma_min, sigma_max=sampler_cfg.sigma_max, rho=sampler_cfg.rho,
+                init=None if init is None else init[start:stop],
             )
             out.append(imgs.cpu())
             if progress is not None:

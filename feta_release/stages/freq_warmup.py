@@ -24,6 +24,7 @@ from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
 from .base import sample_grid
 from .context import RunContext, public_generator
+from .spatial import polish_stage
 
 
 def frequency_enabled(cfg: JobConfig) -> bool:
@@ -117,6 +118,7 @@ def _warm_up(ctx: RunContext, aux: AuxGenerator) -> None:
                                   progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
         assert res is not None
         ctx.mark("frequency", final_loss=res.final_loss, steps=res.steps)
+    polish_stage(ctx)  # the last warm-up stage ends with the central polish ([warmup] polish_iterations)
 
 
 def mix_central(images: torch.Tensor, labels: torch.Tensor, central: tuple[np.ndarray, np.ndarray] | None,

@@ -28,6 +28,29 @@ def spatial_stage(model: EDMDenoiser, central: tuple[np.ndarray, np.ndarray], cf
                           progress=progress)
 
 
+def central_polish(model: EDMDenoiser, central: tuple[np.ndarray, np.ndarray], cfg: JobConfig,
+                   progress: Progress | None = None) -> WarmupResult | None:
+    """``[warmup] polish_iterations`` low-lr steps on the released central images only, after the last warm-up
+    stage (post-processing of the release); None when off."""
+    w = cfg.warmup
+    if w.polish_iterations == 0:
+        return None
+    pcfg = cfg.replace(warmup={"spatial_iterations": w.polish_iterations, "lr": w.polish_lr})
+    return spatial_warmup(model, central[0], central[1], pcfg, generator=public_generator(cfg, "polish"),
+                          progress=progress)
+
+
+def polish_stage(ctx: RunContext) -> None:
+    """Run :func:`central_polish` in ``ctx`` (the caller checkpoints the result with its own stage)."""
+    n = ctx.cfg.warmup.polish_iterations
+    if n == 0 or ctx.central is None:
+        return
+    with ctx.rep.task("central polish", n) as adv:
+        res = central_polish(ctx.denoiser, ctx.central, ctx.cfg, progress=lambda i, t, loss: adv(1, info=f"loss {loss:.3f}"))
+    assert res is not None
+    ctx.mark("polish", final_loss=res.final_loss, steps=res.steps)
+
+
 class SpatialWarmup:
     name = "spatial"
 
@@ -44,6 +67,8 @@ class SpatialWarmup:
             with ctx.rep.task("spatial warm-up", ctx.cfg.warmup.spatial_iterations) as adv:
                 res = spatial_stage(ctx.denoiser, ctx.central, ctx.cfg,
                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
+            if ctx.cfg.frequency.sigma is None:  # no frequency warm-up follows: the polish ends this stage
+                polish_stage(ctx)
             save_torch(ck, {"model": ctx.denoiser.state_dict()})
             ctx.mark("spatial", final_loss=res.final_loss, steps=res.steps)
         sample_grid(ctx, "after-spatial", ctx.denoiser)

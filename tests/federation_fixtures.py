@@ -87,9 +87,11 @@ def run_harness_job(fed: Any, grid: Any, signed: dict[str, Any], out: Path, **kw
 
 
 def ledger_requests(fed: Any, site_id: str, job_id: str) -> list[dict[str, Any]]:
-    """The requests a site's ledger recorded for a job."""
+    """The requests a site's ledger recorded for a job (none when the site's node never started: no ledger yet)."""
     from feta_release.ledger import Ledger
 
+    if not Path(fed.site(site_id).ledger).exists():
+        return []
     with Ledger(fed.site(site_id).ledger) as led:
         return led.requests(job_id)
 

@@ -12,6 +12,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 from .errors import ConfigError
@@ -351,6 +352,23 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
+    d = cfg.dpsgd
+    need((d.steps is None) != (d.epochs is None), "[dpsgd] give exactly one of steps or epochs")
+    need(d.steps is None or d.steps >= 0, f"[dpsgd] steps must be >= 0, got {d.steps}")
+    need(d.epochs is None or d.epochs > 0, f"[dpsgd] epochs must be > 0, got {d.epochs}")
+    need(d.batch >= 1, f"[dpsgd] batch must be >= 1, got {d.batch}")
+    need(d.clip > 0, f"[dpsgd] clip must be > 0, got {d.clip}")
+    need(d.noise_multiplicity >= 1, f"[dpsgd] noise_multiplicity must be >= 1, got {d.noise_multiplicity}")
+    need(d.lr > 0, f"[dpsgd] lr must be > 0, got {d.lr}")
+    need(0 <= d.ema < 1, f"[dpsgd] ema must be in [0, 1), got {d.ema}")
+    need(d.physical_batch >= 1, f"[dpsgd] physical_batch must be >= 1, got {d.physical_batch}")
+    need(d.noise_multiplier is None or d.noise_multiplier > 0, "[dpsgd] noise_multiplier must be > 0")
+    need(d.public_batch >= 0, f"[dpsgd] public_batch must be >= 0, got {d.public_batch}")
+    need(d.public_batch == 0 or not cfg.federation.sites,
+         "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
+
+
 def _validate(cfg: JobConfig, source: str) -> None:
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -375,19 +393,7 @@ def _validate(cfg: JobConfig, source: str) -> None:
         need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")
         need(f.bandwidth2 > 0, f"[frequency] bandwidth2 must be > 0, got {f.bandwidth2}")
         need(f.chunk >= 1, f"[frequency] chunk must be >= 1, got {f.chunk}")
-    need((d.steps is None) != (d.epochs is None), "[dpsgd] give exactly one of steps or epochs")
-    need(d.steps is None or d.steps >= 0, f"[dpsgd] steps must be >= 0, got {d.steps}")
-    need(d.epochs is None or d.epochs > 0, f"[dpsgd] epochs must be > 0, got {d.epochs}")
-    need(d.batch >= 1, f"[dpsgd] batch must be >= 1, got {d.batch}")
-    need(d.clip > 0, f"[dpsgd] clip must be > 0, got {d.clip}")
-    need(d.noise_multiplicity >= 1, f"[dpsgd] noise_multiplicity must be >= 1, got {d.noise_multiplicity}")
-    need(d.lr > 0, f"[dpsgd] lr must be > 0, got {d.lr}")
-    need(0 <= d.ema < 1, f"[dpsgd] ema must be in [0, 1), got {d.ema}")
-    need(d.physical_batch >= 1, f"[dpsgd] physical_batch must be >= 1, got {d.physical_batch}")
-    need(d.noise_multiplier is None or d.noise_multiplier > 0, "[dpsgd] noise_multiplier must be > 0")
-    need(d.public_batch >= 0, f"[dpsgd] public_batch must be >= 0, got {d.public_batch}")
-    need(d.public_batch == 0 or not cfg.federation.sites,
-         "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
+    _validate_dpsgd(cfg, need)
     need(cfg.model.channels >= 4, f"[model] channels must be >= 4, got {cfg.model.channels}")
     need(len(cfg.model.channel_mult) >= 1, "[model] channel_mult needs at least one level")
     need(0 <= cfg.model.label_dropout < 1, "[model] label_dropout must be in [0, 1)")

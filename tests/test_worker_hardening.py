@@ -13,14 +13,12 @@ import re
 import socket
 import threading
 import time
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from flwr.app import Context, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,19 +29,9 @@ from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 
 from .federation_fixtures import make_federation, stop_serving, tiny_job
+from .test_worker import _ctx, _msg
 
 REF = re.compile(r"reference ([0-9a-f]{12})")
-
-
-def _msg(doc: dict[str, Any], mtype: str = fm.HELLO) -> Message:
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
-    m = Message(fm.make_payload(doc), dst_node_id=100, message_type=mtype, group_id="g")
-    m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-    return m
-
-
-def _ctx(node_config: dict[str, Any]) -> Context:
-    return Context(run_id=7, node_id=100, node_config=dict(node_config), state=RecordDict(), run_config={})
 
 
 def _reason(exc: BaseException) -> str:

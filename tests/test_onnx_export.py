@@ -127,3 +127,57 @@ def test_invalid_sampler_settings_refused():
         SamplerSettings(solver="dpm")
     with pytest.raises(ReleaseError, match="steps"):
         SamplerSettings(steps=0)
+
+
+# -- SDEdit from released central images (format 2: inputs start, from_release) ----------------------------------
+
+
+def _sdedit_feed(batch: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"noise": rng.standard_normal((batch, *IMAGE_SHAPE)).astype(np.float32),
+            "labels": (np.arange(batch) % len(CLASSES)).astype(np.int64),
+            "start": rng.random((batch, *IMAGE_SHAPE)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("solver,steps,guidance,start_sigma", [("heun", 8, 0.0, 0.5), ("euler", 6, 0.0, 1.0),
+                                                               ("heun", 4, 1.0, 2.0)])
+def test_sdedit_generator_matches_torch_sdedit_on_the_same_starts_and_noise(den, den_onnx, solver, steps, guidance,
+                                                                            start_sigma):
+    settings = SamplerSettings(solver=solver, steps=steps, guidance=guidance, start_sigma=start_sigma)
+    sess = _session(build_generator(den_onnx, settings, CLASSES, IMAGE_SHAPE))
+    for batch in (1, 6):
+        feed = _sdedit_feed(batch, batch)
+        got = sess.run(["images"], {**feed, "from_release": np.array(True)})[0]
+        lab, noise = torch.from_numpy(feed["labels"]), torch.from_numpy(feed["noise"])
+        ref = sample(den, lab, noise, solver=solver, steps=steps, guidance=guidance, sigma_max=start_sigma,
+                     init=torch.from_numpy(feed["start"])).numpy()
+        assert np.abs(got - ref).max() < BOUND
+        # ... and with from_release off, the same graph is the noise sampler (start ignored)
+        off = sess.run(["images"], {**feed, "from_release": np.array(False)})[0]
+        ref_noise = sample(den, lab, noise, solver=solver, steps=steps, guidance=guidance).numpy()
+        assert np.abs(off - ref_noise).max() < BOUND
+        assert np.abs(got - off).max() > 100 * BOUND  # the two paths differ: the comparison has power
+
+
+def test_sdedit_start_is_not_ignored_and_a_wrong_start_level_is_detected(den, den_onnx):
+    settings = SamplerSettings(steps=6, start_sigma=0.5)
+    sess = _session(build_generator(den_onnx, settings, CLASSES, IMAGE_SHAPE))
+    feed = _sdedit_feed(4, 0)
+    got = sess.run(["images"], {**feed, "from_release": np.array(True)})[0]
+    other = sess.run(["images"], {**feed, "start": feed["start"][::-1].copy(), "from_release": np.array(True)})[0]
+    assert np.abs(got - other).max() > 100 * BOUND
+    wrong = sample(den, torch.from_numpy(feed["labels"]), torch.from_numpy(feed["noise"]), steps=6, sigma_max=1.0,
+                   init=torch.from_numpy(feed["start"])).numpy()
+    assert np.abs(got - wrong).max() > 10 * BOUND
+
+
+def test_noise_only_generator_keeps_format_1_and_two_inputs(den_onnx):
+    plain = build_generator(den_onnx, SamplerSettings(steps=8), CLASSES, IMAGE_SHAPE)
+    meta = {p.key: p.value for p in plain.metadata_props}
+    assert meta["feta.format"] == "feta-release-generator/1" and "start_sigma" not in meta["feta.sampler"]
+    sd = build_generator(den_onnx, SamplerSettings(steps=8, start_sigma=0.5), CLASSES, IMAGE_SHAPE)
+    meta = {p.key: p.value for p in sd.metadata_props}
+    assert meta["feta.format"] == "feta-release-generator/2" and json.loads(meta["feta.sampler"])["start_sigma"] == 0.5
+    assert [i.name for i in sd.graph.input] == ["noise", "labels", "start", "from_release"]
+    with pytest.raises(Exception, match="start_sigma"):
+        SamplerSettings(steps=8, start_sigma=100.0)

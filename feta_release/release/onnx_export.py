@@ -9,6 +9,13 @@ Shape of the generator graph (assembled with the onnx helper API, not traced):
       [Heun] final Euler step t_{N-1} -> 0   # EDM's Heun takes no 2nd-order correction into t = 0
       images = clip((x + 1) / 2, 0, 1)
 
+SDEdit (``SamplerSettings.start_sigma``, format ``feta-release-generator/2``): two more inputs, ``start`` (B,C,H,W)
+float32 in [0, 1] and ``from_release`` (bool scalar). With ``from_release`` the schedule is the Karras schedule from
+``start_sigma`` (same steps, sigma_min and rho) and ``x = 2 start - 1 + noise * start_sigma``, exactly
+``models.sampler.sample(init=start)`` with ``sigma_max = start_sigma``; without it the graph is the noise sampler
+above (``start`` ignored). Both schedules are constants of the graph, so the signed file fixes both samplers.
+A generator without ``start_sigma`` is the format-1 graph, byte for byte as before.
+
 Why a Loop around the exported denoiser rather than tracing the whole sampler: tracing unrolls every step
 (16,605 nodes, 71 s to open a session at 50 steps), the Loop graph is the denoiser's size (weights are
 initializers of the outer graph, referenced from the loop body), builds in well under a second and opens
@@ -40,6 +47,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import ReleaseError
 
 GENERATOR_FORMAT = "feta-release-generator/1"
+GENERATOR_FORMAT_SDEDIT = "feta-release-generator/2"  # + inputs start, from_release
 OPSET = 17
 META_PREFIX = "feta."
 
@@ -54,6 +62,8 @@ class SamplerSettings:
     sigma_max: float = 80.0
     rho: float = 7.0
     guidance: float = 0.0  # classifier-free guidance weight w: (1+w) D(x,y) - w D(x,null)
+    # SDEdit from released central images (``[sampler] start_sigma``): None = the noise sampler only.
+    start_sigma: float | None = None
 
     def __post_init__(self) -> None:
         if self.solver not in ("euler", "heun"):
@@ -64,9 +74,18 @@ class SamplerSettings:
             raise ReleaseError(f"sampler needs 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
         if self.guidance < 0:
             raise ReleaseError(f"guidance weight must be >= 0, got {self.guidance}")
+        if self.start_sigma is not None and not self.sigma_min < self.start_sigma <= self.sigma_max:
+            raise ReleaseError(f"sampler start_sigma must be in (sigma_min, sigma_max], got {self.start_sigma}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if self.start_sigma is None:  # a noise-only release's metadata and manifest stay as before
+            del d["start_sigma"]
+        return d
+
+    @property
+    def sdedit(self) -> bool:
+        return self.start_sigma is not None
 
     @classmethod
     def from_config(cls, sampler_section: Any) -> SamplerSettings:
@@ -77,17 +96,21 @@ class SamplerSettings:
             sigma_max=float(sampler_section.sigma_max),
             rho=float(sampler_section.rho),
             guidance=float(sampler_section.guidance),
+            start_sigma=None if getattr(sampler_section, "start_sigma", None) is None
+            else float(sampler_section.start_sigma),
         )
 
 
-def karras_schedule(s: SamplerSettings) -> np.ndarray:
-    """t_0 .. t_{N-1} (Karras et al. 2022, eq. 5) with t_N = 0 appended; float64."""
+def karras_schedule(s: SamplerSettings, sigma_max: float | None = None) -> np.ndarray:
+    """t_0 .. t_{N-1} (Karras et al. 2022, eq. 5) with t_N = 0 appended; float64. ``sigma_max``: start there
+    instead (SDEdit's schedule from ``start_sigma``)."""
     n = s.steps
+    top = s.sigma_max if sigma_max is None else float(sigma_max)
     i = np.arange(n, dtype=np.float64)
     if n == 1:
-        t = np.array([s.sigma_max], dtype=np.float64)
+        t = np.array([top], dtype=np.float64)
     else:
-        a, b = s.sigma_max ** (1 / s.rho), s.sigma_min ** (1 / s.rho)
+        a, b = top ** (1 / s.rho), s.sigma_min ** (1 / s.rho)
         t = (a + i / (n - 1) * (b - a)) ** s.rho
     return np.concatenate([t, [0.0]])
 
@@ -289,9 +312,25 @@ def _prologue(settings: SamplerSettings, n_classes: int) -> list[onnx.NodeProto]
             ),
             helper.make_node("Concat", ["labels", "null_labels"], ["labels_cfg"], axis=0),
         ]
+    if settings.start_sigma is not None:
+        return nodes + _sdedit_prologue()
     return nodes + [
         helper.make_node("Gather", ["sigmas", "idx0"], ["t0"], axis=0),
         helper.make_node("Mul", ["noise", "t0"], ["x_init"]),
+    ]
+
+
+def _sdedit_prologue() -> list[onnx.NodeProto]:
+    """``sigmas`` = the start schedule or the noise schedule; ``x_init = noise t_0 (+ 2 start - 1)``."""
+    return [
+        _const("two", 2.0),
+        helper.make_node("Where", ["from_release", "sigmas_start", "sigmas_noise"], ["sigmas"]),
+        helper.make_node("Gather", ["sigmas", "idx0"], ["t0"], axis=0),
+        helper.make_node("Mul", ["noise", "t0"], ["noise_t0"]),
+        helper.make_node("Mul", ["start", "two"], ["start_2"]),
+        helper.make_node("Sub", ["start_2", "one"], ["start_model"]),  # [0, 1] -> the model's [-1, 1]
+        helper.make_node("Where", ["from_release", "start_model", "zero"], ["offset"]),
+        helper.make_node("Add", ["noise_t0", "offset"], ["x_init"]),
     ]
 
 
@@ -359,7 +398,11 @@ def build_generator(
     loop_trips = n if settings.solver == "euler" else n - 1
 
     init = inl.initializers()
-    init.append(numpy_helper.from_array(sched.astype(np.float32), "sigmas"))
+    sdedit = settings.start_sigma is not None
+    init.append(numpy_helper.from_array(sched.astype(np.float32), "sigmas_noise" if sdedit else "sigmas"))
+    if sdedit:
+        start_sched = karras_schedule(settings, settings.start_sigma)
+        init.append(numpy_helper.from_array(start_sched.astype(np.float32), "sigmas_start"))
     init.append(numpy_helper.from_array(np.array(loop_trips, dtype=np.int64), "trip_count"))
     nodes = _prologue(settings, n_classes)
     img_type = helper.make_tensor_type_proto(TensorProto.FLOAT, ["batch", c, h, w])
@@ -371,13 +414,17 @@ def build_generator(
         helper.make_node("Clip", ["x01", "zero", "one"], ["images"]),
     ]
 
+    inputs = [
+        helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["batch", c, h, w]),
+        helper.make_tensor_value_info("labels", TensorProto.INT64, ["batch"]),
+    ]
+    if sdedit:
+        inputs += [helper.make_tensor_value_info("start", TensorProto.FLOAT, ["batch", c, h, w]),
+                   helper.make_tensor_value_info("from_release", TensorProto.BOOL, [])]
     graph = helper.make_graph(
         nodes,
         "feta_generator",
-        [
-            helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["batch", c, h, w]),
-            helper.make_tensor_value_info("labels", TensorProto.INT64, ["batch"]),
-        ],
+        inputs,
         [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", c, h, w])],
         initializer=init,
     )
@@ -402,13 +449,17 @@ def _default_opset(m: onnx.ModelProto) -> int:
 def generator_metadata(
     classes: Sequence[str], image_shape: Sequence[int], settings: SamplerSettings, statement_sha256: str
 ) -> dict[str, str]:
+    inputs = "noise: float32 (batch, C, H, W) standard normal; labels: int64 (batch,) class index"
+    if settings.start_sigma is not None:
+        inputs += ("; start: float32 (batch, C, H, W) in [0, 1], an augmented released central image (ignored "
+                   "unless from_release); from_release: bool scalar, SDEdit from start at sigma start_sigma")
     return {
-        f"{META_PREFIX}format": GENERATOR_FORMAT,
+        f"{META_PREFIX}format": GENERATOR_FORMAT if settings.start_sigma is None else GENERATOR_FORMAT_SDEDIT,
         f"{META_PREFIX}classes": json.dumps(list(classes), ensure_ascii=False),
         f"{META_PREFIX}image_shape": json.dumps([int(v) for v in image_shape]),
         f"{META_PREFIX}sampler": json.dumps(settings.to_dict(), sort_keys=True),
         f"{META_PREFIX}statement_sha256": statement_sha256,
-        f"{META_PREFIX}inputs": "noise: float32 (batch, C, H, W) standard normal; labels: int64 (batch,) class index",
+        f"{META_PREFIX}inputs": inputs,
         f"{META_PREFIX}outputs": "images: float32 (batch, C, H, W) in [0, 1]",
     }
 

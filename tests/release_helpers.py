@@ -111,18 +111,22 @@ def make_release(
     job_id: str = "job-1",
     solver: str = "heun",
     steps: int = 6,
+    start_sigma: float | None = None,
+    starts: Any = None,
 ) -> Path:
-    """A one-site release (``policy=True``: the site's default signed policy; ``None``: no policy file)."""
+    """A one-site release (``policy=True``: the site's default signed policy; ``None``: no policy file).
+    ``start_sigma`` + ``starts`` (images, labels): an SDEdit release carrying those central images."""
     if policy is True:
         policy = signed_policy(keys, site_id)
     job = signed_job(keys.coordinator, job_id, [site_id])
     att = attest(keys, site_id, job, policy or None, events)
     return assemble(out, den_onnx, keys.coordinator, job, [att], {site_id: policy} if policy else {},
-                    solver=solver, steps=steps)
+                    solver=solver, steps=steps, start_sigma=start_sigma, starts=starts)
 
 
 def assemble(out: Path, den_onnx: Any, coordinator: Ed25519PrivateKey, job: dict, attestations: list[dict],
-             policies: dict[str, dict], *, solver: str = "heun", steps: int = 6) -> Path:
+             policies: dict[str, dict], *, solver: str = "heun", steps: int = 6, start_sigma: float | None = None,
+             starts: Any = None) -> Path:
     from feta_release.release.export_run import assemble_release
     from feta_release.release.manifest import site_record
     from feta_release.release.onnx_export import SamplerSettings
@@ -132,7 +136,7 @@ def assemble(out: Path, den_onnx: Any, coordinator: Ed25519PrivateKey, job: dict
         denoiser=den_onnx,
         classes=CLASSES,
         image_shape=IMAGE_SHAPE,
-        sampler=SamplerSettings(solver=solver, steps=steps),
+        sampler=SamplerSettings(solver=solver, steps=steps, start_sigma=start_sigma),
         job_id=job["job"]["job_id"],
         config=job["job"]["config"],
         sites=[site_record(a) for a in attestations],
@@ -140,6 +144,7 @@ def assemble(out: Path, den_onnx: Any, coordinator: Ed25519PrivateKey, job: dict
         signed_policies=policies or None,
         signed_job=job,
         enforce_policy=False,  # some tests need an over-policy release to show that verify refuses it
+        starts=starts,
     )
 
 

@@ -157,9 +157,12 @@ def _parse_counts(text: str | None) -> list[int] | None:
 @click.option("--key", "key", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Your private key (Ed25519 PEM): signs certificate.json so anyone can check the folder.")
 @click.option("--signer", "signer", default=None, help="Your name in the certificate (default: the key file's name).")
+@click.option("--from", "source", type=click.Choice(["noise", "release"]), default=None,
+              help="Start each image from pure noise, or (SDEdit) from an augmented released central image of its "
+                   "class shipped in the release. Default: what the signed release's sampler says.")
 def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
                threads: int | None, trusted: tuple[str, ...], coordinators: tuple[str, ...], progress: bool,
-               key: str | None, signer: str | None) -> None:
+               key: str | None, signer: str | None, source: str | None) -> None:
     """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only.
 
     \b
@@ -180,10 +183,12 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
         raise ReleaseError(f"release {release_dir} refused, nothing written: {res.reason()}")
     report = run(release_dir, out, keys, num=num, per_class=_parse_counts(per_class), seed=seed, batch=batch,
                  threads=threads, progress=progress, verification=res, key=priv,
-                 signer_name=signer or (Path(key).stem if key else None))
+                 signer_name=signer or (Path(key).stem if key else None), source=source)
     rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
     click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
                f"-> {report.out_dir}")
+    click.echo("started from: " + ("the release's noisy central images (SDEdit; already-charged DP outputs, "
+                                   "post-processing)" if report.source == "release" else "pure noise"))
     assert res.manifest is not None
     for s in res.manifest["sites"]:
         click.echo(describe_site(s))

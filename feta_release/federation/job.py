@@ -9,12 +9,12 @@ from typing import Any
 from torch import nn
 
 from ..models import denoiser_spec
-from ..release.jobfiles import job_summary, write_job_files
+from ..release.jobfiles import RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
-from ..training.checkpoint import MODEL_FILE, write_model_file
+from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
 from . import checkpoint_io
 from .driver import JobDriver, JobResult, Progress, round_ema
-from .warmup import warm_up
+from .warmup import pooled_central, warm_up
 
 
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
@@ -36,7 +36,9 @@ def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
     d.wait_for_sites()
     # Refuse BEFORE any release if the job cannot fit every site's policy.
     d.plan_sites()
-    model = _warm_model(d, d.collect_central(), d.collect_frequency())
+    central = d.collect_central()
+    _save_central(d, central)
+    model = _warm_model(d, central, d.collect_frequency())
     ema = round_ema(model, cfg)
     rounds_done = d.rounds(model, ema)
     atts = d.attestations()
@@ -52,6 +54,14 @@ def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
     d.emit("done", f"job {d.job.job_id} finished: " + ", ".join(
         f"{sid} ε={e:.3f}" for sid, e in summary["site_epsilon"].items()), timings=summary["timings"])
     return JobResult(d.out, sorted(d.sites), rounds_done, d.skipped, summary["timings"], atts)
+
+
+def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
+    """The combined central images the warm-up uses, kept in the job directory: the release ships them for SDEdit
+    (``[sampler] start_sigma``; post-processing of the sites' releases)."""
+    if central:
+        images, labels = pooled_central(central, {sid: s.size for sid, s in d.sites.items()}, d.cfg)
+        atomic_write_bytes(d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels))
 
 
 def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any]) -> nn.Module:

@@ -14,6 +14,7 @@ nothing that looks like a release.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -45,11 +47,14 @@ from .manifest import (
     policy_file_name,
     sign_manifest,
     site_record,
+    starts_record,
     statement_sha256,
     utc_now,
     write_manifest,
 )
 from .onnx_export import SamplerSettings, build_generator, export_denoiser
+from .jobfiles import RELEASED_CENTRAL
+from .starts import STARTS_FILE, starts_bytes
 from .verify import policy_violations
 
 
@@ -68,8 +73,13 @@ def assemble_release(
     timestamps: dict[str, str] | None = None,
     enforce_policy: bool = True,
     signed_job: dict[str, Any] | None = None,
+    starts: tuple[np.ndarray, np.ndarray] | None = None,
+    starts_source: str = "one site's release",
 ) -> Path:
     """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s.
+
+    ``starts`` (images in [0, 1], labels): the RELEASED central images, shipped as ``central_images.npz`` when the
+    sampler has ``start_sigma`` (SDEdit); without them such a sampler is released as the noise sampler.
 
     A site whose signed policy is given and whose attested spend is outside it is refused here already
     (``enforce_policy=False`` only for tests that need such a release to check that ``verify`` refuses it).
@@ -86,6 +96,8 @@ def assemble_release(
                 if over:
                     raise ReleaseError(f"site {s['site_id']}'s attested spend is outside its signed policy, "
                                        f"refusing to release: " + "; ".join(over))
+    if sampler.start_sigma is not None and starts is None:
+        sampler = dataclasses.replace(sampler, start_sigma=None)  # nothing to start from: the noise sampler only
     job = {"job_id": job_id, "config": config}
     # The statement is fixed first and embedded in the generator; the manifest then hashes the generator.
     stmt = statement_sha256(job, sites)
@@ -98,10 +110,13 @@ def assemble_release(
         for sid, signed in (signed_policies or {}).items():
             (tmp / POLICY_DIR).mkdir(exist_ok=True)
             (tmp / policy_file_name(sid)).write_text(json.dumps(signed, indent=2, ensure_ascii=False) + "\n", "utf-8")
+        record = None
+        if sampler.start_sigma is not None and starts is not None:
+            record = _write_starts(tmp, starts, len(classes), sites, config, starts_source)
         manifest = build_manifest(
             tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
             sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
-            signed_job=signed_job,
+            signed_job=signed_job, starts=record,
         )
         write_manifest(tmp, sign_manifest(manifest, coordinator_key))
         if out.exists():
@@ -111,6 +126,29 @@ def assemble_release(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_starts(rel: Path, starts: tuple[np.ndarray, np.ndarray], n_classes: int, sites: Sequence[dict[str, Any]],
+                  config: dict[str, Any], source: str) -> dict[str, Any]:
+    images, labels = np.asarray(starts[0], np.float32), np.asarray(starts[1], np.int64)
+    missing = sorted(set(range(n_classes)) - {int(v) for v in labels})
+    if missing:
+        raise ReleaseError(f"the released central images hold no image of class(es) {missing}: SDEdit needs one per "
+                           "class; leave [sampler] start_sigma out")
+    (rel / STARTS_FILE).write_bytes(starts_bytes(images, labels))
+    w = JobConfig.from_dict(config).warmup
+    aug = {"kind": "RandAugment bag of training.augment (numpy port, release/starts.py), magnitude drawn per image",
+           "ops": int(w.augment_ops), "magnitude_max": int(w.augment_magnitude)}
+    return starts_record(rel, STARTS_FILE, labels, n_classes, sites, aug, source)
+
+
+def released_central(job_dir: str | Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """The job directory's released central images (``released/central.npz``: images in [0, 1], labels), if any."""
+    path = Path(job_dir) / RELEASED_CENTRAL
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as z:
+        return np.asarray(z["images"], np.float32), np.asarray(z["labels"], np.int64)
 
 
 # -- single-site run directories -------------------------------------------------------------------------
@@ -222,6 +260,7 @@ class AttestedRun:
     config: JobConfig
     run: dict[str, Any]
     rounds: int  # DP-SGD requests charged in the ledger (the run's chunks: its "rounds")
+    central: tuple[np.ndarray, np.ndarray] | None = None  # the released central images, checked against the ledger
 
 
 def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_key: Ed25519PrivateKey,
@@ -235,6 +274,7 @@ def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_
     ledger_job, events, lifetime, record, rounds = ledger_history(rd, run["run"], site_key)
     delta, accountant = check_run_against_ledger(rd, {**record, "job_id": ledger_job}, ckpt)
     den = denoiser_from_checkpoint(ckpt, str(rd / "model.pt"))
+    central = run_central(rd, run["run"], ledger_job, site_key)
     classes = [str(c) for c in _first(ckpt, ("class_names",), str(rd / "model.pt"))]
     if len(classes) != den.n_classes:
         raise ReleaseError(f"{rd / 'model.pt'}: {len(classes)} class names for a {den.n_classes}-class model")
@@ -262,7 +302,26 @@ def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_
         if over:
             raise ReleaseError(f"{rd}: the run is outside site {site_id}'s policy, refusing to release it: "
                                + "; ".join(over))
-    return AttestedRun(signed_job, att, site_id, signed_policy, den, classes, cfg, run["run"], rounds)
+    return AttestedRun(signed_job, att, site_id, signed_policy, den, classes, cfg, run["run"], rounds, central)
+
+
+def run_central(rd: Path, run_info: Mapping[str, Any], job_id: str, site_key: Ed25519PrivateKey
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The run's released central images, only if ``released/central.npz`` is byte for byte the answer the site
+    ledger recorded for this job's central release (so a release never ships an edited or swapped file, e.g.
+    un-noised images, as "the DP release")."""
+    path = rd / RELEASED_CENTRAL
+    if not path.is_file():
+        return None
+    ledger = Path(str(run_info["ledger"]["path"]))
+    ledger = ledger if ledger.is_absolute() else rd / ledger
+    with Ledger(ledger, verify_key=site_key.public_key()) as led:
+        recorded = [r["response_sha256"] for r in led.requests(job_id) if r["mechanism"] == "central"]
+    have = sha256_file(path)
+    if have not in recorded:
+        raise ReleaseError(f"{path}: hashes to {have[:16]}…, not the central release the site ledger recorded for job "
+                           f"{job_id} (edited or swapped after the run); export the run directory as `train` left it")
+    return released_central(rd)
 
 
 def export_run(
@@ -295,4 +354,5 @@ def export_run(
         signed_job=a.signed_job,
         signed_policies={a.site_id: signed_policy} if signed_policy is not None else None,
         timestamps={"trained": a.run["finished"]} if isinstance(a.run.get("finished"), str) else None,
+        starts=a.central,
     )

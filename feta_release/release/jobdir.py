@@ -37,7 +37,7 @@ from ..models import generate
 from ..signing import load_private_key
 from ..training.checkpoint import MODEL_FILE, read_model_file
 from ..viz import epsilon_title, save_budget_svg, save_grid
-from .export_run import assemble_release, denoiser_from_checkpoint
+from .export_run import assemble_release, denoiser_from_checkpoint, released_central
 from .jobfiles import ATTESTATIONS, POLICIES, RELEASE, SIGNED_JOB, SUMMARY, job_summary, write_job_files
 from .manifest import site_record
 from .onnx_export import SamplerSettings
@@ -150,9 +150,14 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
         elif require_policies:
             raise FetaError(f"{path}: missing; the release needs site {sid}'s signed policy")
     key = coordinator_key if isinstance(coordinator_key, Ed25519PrivateKey) else load_private_key(coordinator_key)
+    # The central images the warm-up used (released/central.npz: a run's own release, checked against its ledger by
+    # training.local_job; a federation's combination of the sites' releases), shipped for SDEdit (start_sigma).
+    source = ("one site's release, post-processed as the warm-up used it" if len(atts) == 1 else
+              f"the {len(atts)} sites' releases combined (public-size weighted mean, post-processed) as the "
+              "coordinator's warm-up used them")
     return assemble_release(
         out_dir / RELEASE, denoiser=load_model(out_dir), classes=summary["class_names"],
         image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],
         config=job["config"], sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=key,
-        signed_policies=policies, signed_job=signed,
+        signed_policies=policies, signed_job=signed, starts=released_central(out_dir), starts_source=source,
     )

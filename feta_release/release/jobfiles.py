@@ -13,6 +13,9 @@ SUMMARY = "job_summary.json"
 ATTESTATIONS = "attestations.json"
 POLICIES = "policies"
 RELEASE = "release"
+# The central images the warm-up used (a run's own release; a federation's combination of the sites'), which the
+# release ships for SDEdit when the job says [sampler] start_sigma.
+RELEASED_CENTRAL = "released/central.npz"
 
 
 def job_summary(job_id: str, sites: list[str], class_names: list[str], image_shape: list[int], rounds: int,

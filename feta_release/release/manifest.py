@@ -4,6 +4,8 @@ A release directory holds::
 
     manifest.json                 {"manifest": {...}, "signature": coordinator signature over canonical_json(manifest)}
     generator.onnx                the one-file generator (noise, labels) -> images
+    central_images.npz            optional ([sampler] start_sigma): the released central images the generator's
+                                  SDEdit path starts from (already-charged DP outputs; hashed in ``starts``)
     policies/SITE.signed.json     optional: the signed policy each site ran under (lets verify check the caps)
 
 Each site's entry carries an *attestation*: a spend statement (site, job, full event history, (eps, delta),
@@ -31,6 +33,7 @@ from ..accounting import (
     Event,
     PrivacyEvent,
     epsilon,
+    epsilon_breakdown,
     events_from_list,
     events_to_list,
     has_secure_aggregation,
@@ -48,6 +51,11 @@ POLICY_DIR = "policies"
 GENERATOR_INPUTS = {
     "noise": {"dtype": "float32", "shape": ["batch", "C", "H", "W"], "meaning": "standard normal noise"},
     "labels": {"dtype": "int64", "shape": ["batch"], "meaning": "class index into classes"},
+}
+SDEDIT_INPUTS = {
+    "start": {"dtype": "float32", "shape": ["batch", "C", "H", "W"],
+              "meaning": "an augmented released central image of the label's class, in [0, 1] (SDEdit start)"},
+    "from_release": {"dtype": "bool", "shape": [], "meaning": "true: SDEdit from start at start_sigma; false: noise"},
 }
 GENERATOR_OUTPUTS = {"images": {"dtype": "float32", "shape": ["batch", "C", "H", "W"], "range": [0.0, 1.0]}}
 
@@ -193,11 +201,13 @@ def build_manifest(
     timestamps: dict[str, str] | None = None,
     generator_file: str = GENERATOR_FILE,
     signed_job: dict[str, Any] | None = None,
+    starts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The unsigned manifest body for a release directory whose generator is already written.
 
     ``signed_job`` (the coordinator's ``{"job": ..., "signature": ...}``) is carried whole: its list of sites
     is what ``verify`` holds the release to (every listed site needs a final attestation for this job).
+    ``starts``: the record of the released central images shipped for SDEdit (:func:`starts_record`).
     """
     gen_path = Path(release_dir) / generator_file
     if not gen_path.is_file():
@@ -214,7 +224,7 @@ def build_manifest(
         "generator": {
             "file": generator_file,
             "sha256": sha256_file(gen_path),
-            "inputs": GENERATOR_INPUTS,
+            "inputs": {**GENERATOR_INPUTS, **(SDEDIT_INPUTS if "start_sigma" in sampler else {})},
             "outputs": GENERATOR_OUTPUTS,
             "classes": list(classes),
             "image_shape": [int(v) for v in image_shape],
@@ -225,6 +235,36 @@ def build_manifest(
         "software": software_versions(),
         "sites": list(sites),
         "timestamps": {"manifest_created": created, **(timestamps or {})},
+        **({} if starts is None else {"starts": starts}),
+    }
+
+
+def starts_record(release_dir: str | Path, file: str, labels: Any, n_classes: int, sites: Sequence[dict[str, Any]],
+                  augmentation: dict[str, Any], source: str) -> dict[str, Any]:
+    """The manifest's ``starts`` entry: the released central images' file, hash and what they are, in words a
+    data-protection officer reads (with each site's epsilon of the central stage alone, from its signed history)."""
+    per_site = {}
+    for s in sites:
+        evs = events_from_list(s["events"])
+        if any(e.stage == "central" for e in evs):
+            per_site[s["site_id"]] = round(epsilon_breakdown(evs, s["delta"], s["accountant"])["central"], 6)
+    counts = [int((labels == c).sum()) for c in range(n_classes)]
+    words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
+    return {
+        "file": file,
+        "sha256": sha256_file(Path(release_dir) / file),
+        "images": int(len(labels)),
+        "per_class": counts,
+        "source": source,
+        "augmentation": dict(augmentation),
+        "central_epsilon_alone": per_site,
+        "privacy": (
+            "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
+            f"({source}; {words} for that stage alone, at each site's delta). They are differentially private "
+            "outputs already charged in every site's signed event history, so shipping them is post-processing "
+            "and costs no further privacy; each site's total epsilon above covers them. synthesize starts its "
+            "SDEdit samples from augmented copies of them (--from release)."
+        ),
     }
 
 

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..errors import ConfigError, ReleaseError
 from .certificate import CERTIFICATE_FILE, png_info, png_text, relative_release_path, write_certificate
 from .manifest import MANIFEST_FILE, utc_now
+from .starts import load_starts, start_images
 from .verify import VerificationResult, describe_site, lifetime_of, require_valid, verify_release
 
 
@@ -117,6 +118,42 @@ def label_batches(counts: Sequence[int], batch: int) -> Iterator[np.ndarray]:
 
 
 @dataclass
+class Starts:
+    """SDEdit from the release's central images: the verified images, the augmentation and its own random stream."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    n_ops: int
+    magnitude_max: int
+    rng: np.random.Generator
+
+
+def start_source(requested: str | None, res: VerificationResult) -> str:
+    """``noise`` or ``release``: as asked, else what the signed release says (``start_sigma`` in its sampler)."""
+    assert res.manifest is not None
+    sdedit = "start_sigma" in res.manifest["generator"]["sampler"]
+    source = requested or ("release" if sdedit else "noise")
+    if source not in ("noise", "release"):
+        raise ConfigError(f"--from must be 'noise' or 'release', got {source!r}")
+    if source == "release" and (not sdedit or res.starts_bytes is None):
+        raise ConfigError(f"release {res.release_dir} carries no released central images (its sampler has no "
+                          "start_sigma), so it can only sample from noise; use --from noise")
+    return source
+
+
+def _starts(res: VerificationResult, seed: int) -> Starts:
+    assert res.manifest is not None and res.starts_bytes is not None
+    man = res.manifest
+    rec = man["starts"]
+    images, labels = load_starts(res.starts_bytes, f"{res.release_dir}/{rec['file']}",
+                                 tuple(man["generator"]["image_shape"]), len(man["generator"]["classes"]))
+    aug = rec["augmentation"]
+    # Its own stream (not the noise's): the noise of image k is the same whichever start it is paired with.
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(1,))))
+    return Starts(images, labels, int(aug["ops"]), int(aug["magnitude_max"]), rng)
+
+
+@dataclass
 class SynthesisReport:
     out_dir: Path
     n_images: int
@@ -124,6 +161,7 @@ class SynthesisReport:
     certificate: Path
     seconds: float
     threads: int
+    source: str = "noise"
 
 
 def _prepare_out(out: Path) -> None:
@@ -133,8 +171,22 @@ def _prepare_out(out: Path) -> None:
         raise ReleaseError(f"{out.parent}: parent directory of --out does not exist")
 
 
+def _feed(sess: Any, noise: np.ndarray, labels: np.ndarray, first: np.ndarray, starts: Starts | None) -> dict[str, Any]:
+    """The generator's inputs: a format-2 (SDEdit) graph also takes ``start`` and ``from_release``."""
+    feed: dict[str, Any] = {"noise": noise, "labels": labels}
+    if "from_release" in {i.name for i in sess.get_inputs()}:
+        if starts is None:
+            feed["start"] = np.zeros_like(noise)
+        else:
+            feed["start"] = start_images(starts.images, starts.labels, labels, first, starts.rng,
+                                         n_ops=starts.n_ops, magnitude_max=starts.magnitude_max)
+        feed["from_release"] = np.array(starts is not None)
+    return feed
+
+
 def _write_pngs(sess: Any, rng: np.random.Generator, counts: Sequence[int], batch: int, dirs: Sequence[str],
-                shape: tuple[int, int, int], info: Any, tmp: Path, hashes_path: Path, progress: bool) -> None:
+                shape: tuple[int, int, int], info: Any, tmp: Path, hashes_path: Path, progress: bool,
+                starts: Starts | None = None) -> None:
     """Run the generator batch by batch and write each image as a PNG (with its provenance text) and its hash."""
     for d in dirs:
         (tmp / d).mkdir()
@@ -143,7 +195,8 @@ def _write_pngs(sess: Any, rng: np.random.Generator, counts: Sequence[int], batc
         for labels in label_batches(counts, batch):
             # Drawn sequentially from one stream: image k's noise does not depend on the batch size.
             noise = rng.standard_normal((len(labels), *shape), dtype=np.float32)
-            images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
+            first = _index_in_class(labels, per_class_written)
+            images = sess.run(["images"], _feed(sess, noise, labels, first, starts))[0]
             if images.shape != (len(labels), *shape) or not np.all(np.isfinite(images)):
                 raise ReleaseError("the generator returned images of the wrong shape or non-finite values")
             for img, lab in zip(images, labels):
@@ -154,6 +207,15 @@ def _write_pngs(sess: Any, rng: np.random.Generator, counts: Sequence[int], batc
                 (tmp / rel).write_bytes(data)
                 hashes.write(json.dumps([rel, hashlib.sha256(data).hexdigest()]) + "\n")
             advance(len(labels))
+
+
+def _index_in_class(labels: np.ndarray, written: Sequence[int]) -> np.ndarray:
+    """Each label's index within its class over the whole output (the start image it cycles to)."""
+    seen = list(written)
+    out = np.empty(len(labels), np.int64)
+    for i, lab in enumerate(labels):
+        out[i], seen[lab] = seen[lab], seen[lab] + 1
+    return out
 
 
 def synthesize(
@@ -170,11 +232,13 @@ def synthesize(
     verification: VerificationResult | None = None,
     key: Ed25519PrivateKey | None = None,
     signer_name: str | None = None,
+    source: str | None = None,
 ) -> SynthesisReport:
     """Verify the release, then write PNGs per class and ``certificate.json`` into ``out`` (all or nothing).
 
     ``key`` signs the certificate (named ``signer_name``); without it the certificate is unsigned and
-    ``verify-synthetic`` will say so.
+    ``verify-synthetic`` will say so. ``source``: ``"release"`` (SDEdit from the release's central images),
+    ``"noise"``, or None for what the signed release says.
     """
     import time
 
@@ -189,6 +253,7 @@ def synthesize(
     c, h, w = (int(v) for v in man["generator"]["image_shape"])
     counts = class_counts(num, len(classes), per_class)
     dirs = class_dirs(classes)
+    source = start_source(source, res)
     _prepare_out(out)
 
     threads = threads or available_cores()
@@ -200,7 +265,8 @@ def synthesize(
     t0 = time.perf_counter()
     try:
         hashes_path = tmp / ".hashes.jsonl"
-        _write_pngs(sess, rng, counts, batch, dirs, (c, h, w), info, tmp, hashes_path, progress)
+        starts = _starts(res, seed) if source == "release" else None
+        _write_pngs(sess, rng, counts, batch, dirs, (c, h, w), info, tmp, hashes_path, progress, starts)
         seconds = time.perf_counter() - t0
         import onnxruntime as ort
 
@@ -213,6 +279,7 @@ def synthesize(
             "batch": batch,
             "threads": threads,
             "sampler": man["generator"]["sampler"],
+            "start": start_statement(source, man),
             "onnxruntime": ort.__version__,
             "seconds": round(seconds, 3),
         }
@@ -224,7 +291,29 @@ def synthesize(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SynthesisReport(out, total, dict(zip(classes, counts)), out / CERTIFICATE_FILE, seconds, threads)
+    return SynthesisReport(out, total, dict(zip(classes, counts)), out / CERTIFICATE_FILE, seconds, threads, source)
+
+
+def start_statement(source: str, man: dict[str, Any]) -> dict[str, Any]:
+    """What the certificate says the images started from (and, for SDEdit, that the central images are a release)."""
+    rec = man.get("starts")
+    if source == "noise":
+        return {"from": "noise", "meaning": "pure noise at sigma_max (the generator's noise sampler)"
+                + ("; the release also carries central images, not used (--from noise)" if rec else "")}
+    assert rec is not None
+    return {
+        "from": "release",
+        "meaning": (f"SDEdit: each image denoised from an augmented released central image of its class plus "
+                    f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"),
+        "start_sigma": man["generator"]["sampler"]["start_sigma"],
+        "central_images": {"file": rec["file"], "sha256": rec["sha256"], "images": rec["images"]},
+        "central_epsilon_alone": rec.get("central_epsilon_alone"),
+        "augmentation": rec["augmentation"],
+        "augmentation_randomness": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
+        "privacy": ("the central images are differentially private outputs already charged in each site's "
+                    "attested history (the privacy figures above include them); starting from them is "
+                    "post-processing and costs nothing further"),
+    }
 
 
 class _progress:

@@ -7,6 +7,8 @@ everything else follows from the documents those keys signed. Checks, each repor
 * ``manifest.json`` parses (duplicate keys refused) and has the expected format version;
 * the generator file exists, its sha256 equals the manifest's, and its metadata (classes, image shape,
   sampler, statement hash) agrees with the manifest: a generator cannot be moved under another job;
+* ``central_images.npz`` (a release whose sampler has ``start_sigma``): present, its sha256 equals the manifest's
+  ``starts`` record, and it parses as images of the generator's shape with labels of its classes;
 * the manifest carries the coordinator-signed job; every site the job lists has a record, no other site does,
   and every site id is a plain name;
 * for every site: ``policies/SITE.signed.json`` is present and signed by THAT site's administrator key; the
@@ -82,6 +84,7 @@ class VerificationResult:
     generator_sha256: str | None = None
     trusted: list[str] = field(default_factory=list)
     generator_bytes: bytes | None = field(default=None, repr=False)
+    starts_bytes: bytes | None = field(default=None, repr=False)  # the verified central images (SDEdit starts)
 
     @property
     def ok(self) -> bool:
@@ -180,6 +183,7 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
                                                           else f", expected {FORMAT_VERSION!r}"),
     )
     _guard(res, "generator", lambda: _check_generator(res, rd, man))
+    _guard(res, "central images", lambda: _check_starts(res, rd, man))
     job = _guard(res, "job", lambda: _job_of(res, man))
     sites = man.get("sites")
     if not isinstance(sites, list) or not sites:
@@ -338,6 +342,38 @@ def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> 
         not bad,
         "; ".join(bad) if bad else "classes, image shape, sampler and job/privacy statement hash agree with the manifest",
     )
+
+
+def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
+    """The released central images the SDEdit sampler starts from: hashed in the signed manifest."""
+    from .starts import load_starts
+
+    rec, sdedit = man.get("starts"), "start_sigma" in man["generator"]["sampler"]
+    if rec is None:
+        if sdedit:
+            res.add("central images", False, "the sampler has start_sigma but the manifest names no central images "
+                    "(starts): the release is incomplete")
+        return
+    name = rec["file"]
+    if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+        res.add("central images", False, f"central images file name {name!r} must be a plain file name in the release")
+        return
+    path = rd / name
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        res.add("central images", False, f"{path}: missing or unreadable ({exc.strerror or exc})")
+        return
+    digest = sha256_hex(data)
+    if digest != rec["sha256"]:
+        res.add("central images", False, f"{path}: sha256 {digest[:16]}… != manifest {str(rec['sha256'])[:16]}… "
+                "(file changed); take the release as it was published")
+        return
+    gen = man["generator"]
+    images, _ = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]))
+    res.starts_bytes = data
+    res.add("central images", sdedit, f"{path}: {len(images)} released central images, sha256 matches the manifest"
+            + ("" if sdedit else "; but the sampler has no start_sigma"))
 
 
 def _generator_metadata(data: bytes, where: Path) -> dict[str, str]:

@@ -224,3 +224,12 @@ def test_cli_synthesize_from_release_without_torch(sd_release, keys, tmp_path) -
     proc = subprocess.run([sys.executable, "-c", code, *args[:-2], "--from", "noise", "--out", str(tmp_path / "n"),
                            *keys.trusted_args(tmp_path / "keys")], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and "started from: pure noise" in proc.stdout, proc.stderr
+
+
+def test_dpo_report_says_the_release_contains_the_central_images_and_draws_as_synthesize(sd_release, keys,
+                                                                                       tmp_path) -> None:
+    from feta_release.release.report import write_report
+
+    path, res = write_report(sd_release, tmp_path / "r.html", keys.trust(), per_class=2)
+    html = path.read_text("utf-8")
+    assert res.ok and "CONTAINS the noisy central images" in html and "SDEdit" in html

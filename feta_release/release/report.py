@@ -95,6 +95,7 @@ def _released(man: dict[str, Any], res: VerificationResult) -> str:
         ("what is released", f"a generator ({_h(gen['file'])}, ONNX) that maps noise and a class label to a "
                              f"synthetic image of shape {_h(' x '.join(map(str, gen['image_shape'])))}; "
                              f"classes: {_h(', '.join(map(str, gen['classes'])))}"),
+        *([("central images (also released)", _h(man["starts"]["privacy"]))] if man.get("starts") else []),
         ("released by", _h(f"the coordinator: manifest {signer}")),
         ("manifest sha256", f'<span class="hash">{_h(res.manifest_sha256)}</span>'),
         ("generator sha256", f'<span class="hash">{_h(gen["sha256"])}</span>'),
@@ -234,7 +235,7 @@ def _png_data_uri(img: Any) -> str:
 def sample_grid_image(man: dict[str, Any], res: VerificationResult, per_class: int = 8, seed: int = 0) -> Any:
     """A labelled grid of ``per_class`` images per class drawn by the VERIFIED generator bytes (onnxruntime)."""
     from ..viz import epsilon_title, labelled_grid_image
-    from .synthesize import make_session
+    from .synthesize import generator_feed, make_session, release_starts, start_source
 
     if not res.ok or res.generator_bytes is None:
         raise ReleaseError("no samples from a release that did not verify")
@@ -243,7 +244,10 @@ def sample_grid_image(man: dict[str, Any], res: VerificationResult, per_class: i
     labels = np.repeat(np.arange(len(classes), dtype=np.int64), per_class)
     noise = np.random.Generator(np.random.PCG64(seed)).standard_normal((len(labels), c, h, w), dtype=np.float32)
     sess = make_session(res.generator_bytes, threads=1)
-    images = sess.run(["images"], {"noise": noise, "labels": labels})[0]
+    # As `synthesize` draws by default: SDEdit from the shipped central images when the signed sampler says so.
+    starts = release_starts(res, seed) if start_source(None, res) == "release" else None
+    first = np.tile(np.arange(per_class, dtype=np.int64), len(classes))
+    images = sess.run(["images"], generator_feed(sess, noise, labels, first, starts))[0]
     eps = {s["site_id"]: float(s["epsilon"]) for s in man["sites"]}
     delta = max(float(s["delta"]) for s in man["sites"])
     pat = [s["site_id"] for s in man["sites"] if any(e.get("unit") == "patient" for e in s.get("events", ()))]
@@ -263,7 +267,9 @@ def _samples(man: dict[str, Any], res: VerificationResult, per_class: int, seed:
     return (f'<figure><img class="grid" alt="labelled sample grid: {per_class} synthetic images per class" '
             f'src="{_png_data_uri(img)}" width="{img.width}" height="{img.height}">'
             f"<figcaption>One row per class (its name on the left), {per_class} images each, drawn with noise seed "
-            f"{seed} by the generator whose hash verify checked. Every image is synthetic.</figcaption></figure>")
+            f"{seed} by the generator whose hash verify checked"
+            + (", each denoised from an augmented released central image of its class (SDEdit, as synthesize does "
+               "by default)" if man.get("starts") else "") + ". Every image is synthetic.</figcaption></figure>")
 
 
 def _lifetime_by_stage(statement: dict[str, Any]) -> dict[str, float] | None:

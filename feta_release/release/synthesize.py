@@ -141,7 +141,7 @@ def start_source(requested: str | None, res: VerificationResult) -> str:
     return source
 
 
-def _starts(res: VerificationResult, seed: int) -> Starts:
+def release_starts(res: VerificationResult, seed: int) -> Starts:
     assert res.manifest is not None and res.starts_bytes is not None
     man = res.manifest
     rec = man["starts"]
@@ -171,7 +171,7 @@ def _prepare_out(out: Path) -> None:
         raise ReleaseError(f"{out.parent}: parent directory of --out does not exist")
 
 
-def _feed(sess: Any, noise: np.ndarray, labels: np.ndarray, first: np.ndarray, starts: Starts | None) -> dict[str, Any]:
+def generator_feed(sess: Any, noise: np.ndarray, labels: np.ndarray, first: np.ndarray, starts: Starts | None) -> dict[str, Any]:
     """The generator's inputs: a format-2 (SDEdit) graph also takes ``start`` and ``from_release``."""
     feed: dict[str, Any] = {"noise": noise, "labels": labels}
     if "from_release" in {i.name for i in sess.get_inputs()}:
@@ -196,7 +196,7 @@ def _write_pngs(sess: Any, rng: np.random.Generator, counts: Sequence[int], batc
             # Drawn sequentially from one stream: image k's noise does not depend on the batch size.
             noise = rng.standard_normal((len(labels), *shape), dtype=np.float32)
             first = _index_in_class(labels, per_class_written)
-            images = sess.run(["images"], _feed(sess, noise, labels, first, starts))[0]
+            images = sess.run(["images"], generator_feed(sess, noise, labels, first, starts))[0]
             if images.shape != (len(labels), *shape) or not np.all(np.isfinite(images)):
                 raise ReleaseError("the generator returned images of the wrong shape or non-finite values")
             for img, lab in zip(images, labels):
@@ -265,7 +265,7 @@ def synthesize(
     t0 = time.perf_counter()
     try:
         hashes_path = tmp / ".hashes.jsonl"
-        starts = _starts(res, seed) if source == "release" else None
+        starts = release_starts(res, seed) if source == "release" else None
         _write_pngs(sess, rng, counts, batch, dirs, (c, h, w), info, tmp, hashes_path, progress, starts)
         seconds = time.perf_counter() - t0
         import onnxruntime as ort
@@ -393,4 +393,5 @@ def _units(sites: list[dict[str, Any]]) -> str:
     return "; ".join(p.replace("that site", "one site") for p in sorted(phrases))
 
 
-__all__ = ["synthesize", "make_session", "class_counts", "class_dirs", "SynthesisReport"]
+__all__ = ["synthesize", "make_session", "class_counts", "class_dirs", "SynthesisReport", "start_source",
+           "release_starts", "generator_feed"]

@@ -139,7 +139,8 @@ class SamplerSection:
     guidance: float = 0.0
     # SDEdit start for the run's synthetic set (post-processing of the release): None draws from pure noise at
     # sigma_max; a value starts from RandAugment-ed released central images plus N(0, start_sigma^2) noise and
-    # denoises from start_sigma. The model file / ONNX generator still samples from noise.
+    # denoises from start_sigma. The signed release then ships the central images and its ONNX generator takes a
+    # start image too (format 2; `synthesize --from release`, the default for such a release: docs/release.md).
     start_sigma: float | None = None
 
 

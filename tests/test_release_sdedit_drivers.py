@@ -104,3 +104,27 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path) 
         export_run(run, tmp_path / "rel2", coordinator_key=load_private_key(keys["coordinator"][0]),
                    site_key=load_private_key(keys["site"][0]),
                    signed_policy=json.loads((tmp_path / "policy.json").read_text()))
+
+
+def test_the_job_directory_sample_grid_draws_as_the_release_does(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """samples.png of a start_sigma job: SDEdit from the released central images (the sampler gets start images at
+    sigma start_sigma), as `synthesize` draws by default; without central images, the noise sampler."""
+    from feta_release.release import jobdir
+
+    fed = make_federation(tmp_path / "fed")
+    signed, _ = sign_job_file(fed, tiny_job(**SDEDIT), "job-grid")
+    out = tmp_path / "out"
+    _run(fed, harness(fed), signed, out)
+    calls: list = []
+    real = jobdir.generate
+
+    def spy(model, labels, seed, scfg, **kw):  # noqa: ANN001, ANN202
+        calls.append((scfg.sigma_max, kw.get("init")))
+        return real(model, labels, seed, scfg, **kw)
+
+    monkeypatch.setattr(jobdir, "generate", spy)
+    jobdir.sample_grid(out, per_class=2)
+    assert calls[-1][0] == 0.5 and calls[-1][1] is not None and tuple(calls[-1][1].shape) == (20, 1, 28, 28)
+    (out / "released" / "central.npz").unlink()
+    jobdir.sample_grid(out, per_class=2)
+    assert calls[-1][1] is None and calls[-1][0] == 80.0

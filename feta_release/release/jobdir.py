@@ -24,9 +24,13 @@ release module from the event histories (never a number the coordinator made up)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -41,6 +45,7 @@ from .export_run import assemble_release, denoiser_from_checkpoint, released_cen
 from .jobfiles import ATTESTATIONS, POLICIES, RELEASE, SIGNED_JOB, SUMMARY, job_summary, write_job_files
 from .manifest import site_record
 from .onnx_export import SamplerSettings
+from .starts import start_images
 
 __all__ = ["ATTESTATIONS", "POLICIES", "RELEASE", "SIGNED_JOB", "SUMMARY", "build_release", "job_summary", "load_model",
            "privacy_report", "sample_grid", "write_job_files"]
@@ -115,7 +120,15 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
     model = load_model(out_dir)
-    images, labels = generate(model, per_class, seed, cfg.sampler)
+    scfg, init, what = cfg.sampler, None, "federated model samples"
+    central = released_central(out_dir)
+    if scfg.start_sigma is not None and central is not None:  # as the release's synthesize draws by default
+        want = np.repeat(np.arange(model.n_classes, dtype=np.int64), per_class)
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(1,))))
+        init = torch.from_numpy(start_images(*central, want, np.tile(np.arange(per_class), model.n_classes), rng,
+                                             n_ops=cfg.warmup.augment_ops, magnitude_max=cfg.warmup.augment_magnitude))
+        scfg, what = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), "model samples (SDEdit from the release)"
+    images, labels = generate(model, per_class, seed, scfg, init=init)
     names, eps, delta = None, None, None
     if (out_dir / "job_summary.json").is_file():
         names = json.loads((out_dir / "job_summary.json").read_text("utf-8")).get("class_names")
@@ -125,7 +138,7 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
         delta = max((float(a["statement"]["delta"]) for a in atts.values()), default=None)
     return save_grid(images.numpy(), labels.numpy(), out_dir / "samples.png", per_class=per_class,
                      n_classes=model.n_classes, class_names=names,
-                     title=epsilon_title("federated model samples", eps, delta))
+                     title=epsilon_title(what, eps, delta))
 
 
 def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey, *,

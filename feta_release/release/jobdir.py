@@ -9,10 +9,13 @@ Layout (``OUT``; the coordinator's ``--out``/``demo-out/job``, or a ``feta-relea
     attestations.json           {site: the site's spend statement signed with the SITE key, from its own ledger}
     policies/SITE.signed.json   each site's signed policy (when it has one)
     model.pt                    the released weights (``training.checkpoint.write_model_file``)
+    released/central.npz        the central images the warm-up used (a run's own release; a federation's combination
+                                of the sites' releases): shipped in release/ for SDEdit when the job says start_sigma
     privacy_report.json/.txt    per site, epsilon by stage and in total, from the signed attestations
     budget.svg                  the same as a chart, against the policy caps
     samples.png                 a sample grid of the released model
-    release/                    generator.onnx + manifest.json signed by the coordinator (+ policies/)
+    release/                    generator.onnx + manifest.json signed by the coordinator (+ policies/,
+                                + central_images.npz for a start_sigma job)
 
 The federated coordinator (``coordinator/finalize.py``) and the local driver (``feta_release.training.local_job``)
 both write it and both call these functions, so ``verify``/``synthesize``/``report`` meet one release layout.

@@ -15,18 +15,33 @@ training images, the 1,000 held-out images scored once. Same job config (``--pre
   ``coordinator.demo.demo_config`` (rates kept, so q is the preset's), secure aggregation (``--per-site-noise``:
   the old mode). Site noise is fresh OS randomness (a node takes no seed).
 
-Both sample ``n_synthetic`` balanced images from the final model with the same sampler and seed rule, and are
-scored with the protocol's classifier (SmallCNN, 5 epochs, seed = run seed) and FD (classifier features) on the
-held-out images, plus the release-only baseline (augmented copies of the released/combined central images).
-Writes ``bench/results/fedpool-<tag>.json`` after every step (a stopped run keeps its finished seeds) and prints
-mean ± std (ddof 1) over the seeds.
+Both arms draw ``n_synthetic`` balanced images from their final model with BOTH samplers, same seed rule
+(``seed_from(job seed, "synthetic", start)``, batches of 256) -- the primary comparison is sampler against sampler:
+
+- ``noise``: pure-noise sampling (the model file's sampler, from ``[sampler] sigma_max``);
+- ``sdedit``: SDEdit (``[sampler] start_sigma``) from the arm's RELEASED central images through the synthesis stage's
+  own ``release_starts`` (public generator ``synthetic-starts``): the pooled run's released central images, the
+  coordinator's combined (securely summed) central images for the federated arm -- post-processing of released
+  values, no privacy cost. For the pooled arm this is train's ``synthetic.npz`` itself (the scored set), and the
+  bench checks that its own SDEdit sampling reproduces the first batch of it (``sdedit_check_max_abs_diff``).
+
+Each is scored with the protocol's classifier (SmallCNN, 5 epochs, seed = run seed) and FD (classifier features)
+on the held-out images, plus the release-only baseline (augmented copies of the released/combined central images).
+Writes the JSON after every step (a stopped run keeps its finished seeds) and prints mean ± std (ddof 1). Two
+streams in parallel (one per arm, separate ``--out``), then one table::
+
+    .venv/bin/python bench/bench_federated_vs_pooled.py --arms pooled --threads 1 --out A.json ...
+    .venv/bin/python bench/bench_federated_vs_pooled.py --arms federated --threads 1 --out B.json ...
+    .venv/bin/python bench/bench_federated_vs_pooled.py --merge A.json B.json --out merged.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -46,7 +61,8 @@ def job_config(preset: str, quick: bool) -> Any:
     if not quick:
         return load_preset(preset)
     return load_preset("tiny").replace(privacy={"epsilon": 1.0}, central={"rate": 1.0, "cells": 2, "stretch": True},
-                                       dpsgd={"steps": 0})
+                                       dpsgd={"steps": 0}, warmup={"polish_iterations": 3},
+                                       sampler={"start_sigma": 0.5})
 
 
 def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> tuple[Any, dict[str, Any]]:
@@ -55,12 +71,24 @@ def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> 
     from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
-    res = run_pipeline(cfg.replace(job={"seed": seed}), train, out, n_synthetic=n_synthetic,
+    from feta_release.training.checkpoint import MODEL_FILE
+
+    rcfg = cfg.replace(job={"seed": seed})
+    res = run_pipeline(rcfg, train, out, n_synthetic=n_synthetic,
                        reporter=Reporter(enabled=False), noise_seed=10_000 + seed)  # benchmark only
-    z = np.load(out / "synthetic.npz")
-    syn = ImageDataset(z["images"], z["labels"], train.class_names, source=str(out))
-    c = np.load(out / "released" / "central.npz")
-    return syn, {"epsilon": res.epsilon, "central": (c["images"], c["labels"])}
+    with np.load(out / "released" / "central.npz") as c:
+        central = (c["images"], c["labels"])
+    with np.load(out / "synthetic.npz") as z:
+        images, labels = z["images"], z["labels"]
+    info: dict[str, Any] = {"epsilon": res.epsilon, "central": central}
+    syn = {"noise": sample_model(out / MODEL_FILE, rcfg, train, n_synthetic)}
+    if rcfg.sampler.start_sigma is not None:
+        # train's synthetic.npz IS the SDEdit set (what bench/eval_protocol.py --mode test scores); check that this
+        # bench's SDEdit sampling (used for the federated arm) reproduces it, on its first batch.
+        first = sample_model(out / MODEL_FILE, rcfg, train, min(256, n_synthetic), central)
+        info["sdedit_check_max_abs_diff"] = float(np.abs(first.images - images[:first.n]).max())
+        syn["sdedit"] = ImageDataset(images, labels, train.class_names, source=str(out))
+    return syn, info
 
 
 def federated_config(cfg: Any, site_size: int, seed: int, secure: bool, n_sites: int) -> Any:
@@ -100,8 +128,12 @@ def federated_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, 
     grid = InProcessGrid({100 + i: HarnessNode(app, s.node_config()) for i, s in enumerate(fed.sites)})
     res = run_job(grid, signed, out / "job", coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=30,
                   poll_interval=0.05)
-    syn = sample_model(out / "job", fcfg, train, n_synthetic)
     central = _combined_central(out / "job", fcfg, {s.site_id: s.size for s in fed.sites}, pooled_central)
+    from feta_release.training.checkpoint import MODEL_FILE
+
+    syn = {"noise": sample_model(out / "job" / MODEL_FILE, fcfg, train, n_synthetic)}
+    if fcfg.sampler.start_sigma is not None:
+        syn["sdedit"] = sample_model(out / "job" / MODEL_FILE, fcfg, train, n_synthetic, central)
     eps = {sid: att["statement"]["epsilon"] for sid, att in res.attestations.items()}
     worst = {sid: (att["statement"].get("secure_aggregation") or {}).get("worst_case_epsilon")
              for sid, att in res.attestations.items()}
@@ -120,54 +152,98 @@ def _combined_central(job: Path, cfg: Any, sizes: dict[str, int], pooled_central
     return pooled_central(arrays, sizes, cfg)
 
 
-def sample_model(job: Path, cfg: Any, train: Any, n: int) -> Any:
-    """``n`` balanced samples of the job's model with the single-site synthesis stage's labels, seeds and sampler."""
+def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
+                 central: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+    """``n`` balanced samples of the model with the single-site synthesis stage's labels, seeds and sampler: from
+    pure noise (``central`` None), or SDEdit from ``central`` (released images) as ``stages.synthesis`` draws them
+    (its ``release_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
     import torch
 
     from feta_release.data import ImageDataset
     from feta_release.models.sampler import generate
-    from feta_release.stages.context import initial_denoiser, seed_from
-    from feta_release.training.checkpoint import MODEL_FILE, read_model_file
+    from feta_release.stages.context import initial_denoiser, public_generator, seed_from
+    from feta_release.stages.synthesis import release_starts
+    from feta_release.training.checkpoint import read_model_file
 
     model = initial_denoiser(cfg, train.image_shape, train.n_classes)
-    model.load_state_dict(read_model_file(job / MODEL_FILE)["state_dict"])
+    model.load_state_dict(read_model_file(model_file)["state_dict"])
     model.eval()
     k = train.n_classes
     labels = np.tile(np.arange(k, dtype=np.int64), math.ceil(n / k))[:n]
+    scfg, gen = cfg.sampler, public_generator(cfg, "synthetic-starts")
+    if central is not None:
+        scfg = dataclasses.replace(scfg, sigma_max=scfg.start_sigma)
     out = []
     with torch.no_grad():
         for start in range(0, n, 256):
-            imgs, _ = generate(model, labels[start:start + 256], seed_from(cfg.job.seed, "synthetic", start), cfg.sampler)
+            part = labels[start:start + 256]
+            init = None if central is None else release_starts(central, part, cfg, gen)
+            imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
             out.append(imgs.numpy().astype(np.float32))
-    return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(job))
+    return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(model_file))
 
 
-def score(syn: Any, central: tuple[Any, Any], real: Any, seed: int, proto: Any, feature_net: Any) -> dict[str, float]:
-    """Protocol accuracy + FD of the synthetic set, and the release-only baseline of the central images."""
+def score(syn: dict[str, Any], central: tuple[Any, Any], real: Any, seed: int, proto: Any,
+          feature_net: Any) -> dict[str, float]:
+    """Protocol accuracy + FD of each sampler's synthetic set, and the release-only baseline of the central images."""
     from feta_release.eval_protocol import release_only
     from feta_release.evaluation import accuracy, evaluate, train_classifier
 
-    ev = evaluate(syn, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net)
+    row: dict[str, float] = {}
+    for sampler, data in syn.items():
+        ev = evaluate(data, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net)
+        row[f"acc_{sampler}"], row[f"fd_{sampler}"] = float(ev.accuracy), float(ev.fd)
     ro = release_only(central[0], central[1], real.class_names, proto.n_synthetic, seed, proto)
-    return {"acc": float(ev.accuracy), "fd": float(ev.fd),
-            "release_only": float(accuracy(train_classifier(ro, proto.classifier_epochs, seed), real))}
+    row["release_only"] = float(accuracy(train_classifier(ro, proto.classifier_epochs, seed), real))
+    return row
+
+
+def _ms(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
+    from feta_release.eval_protocol import mean_std
+
+    vals = [r[key] for r in runs if key in r]
+    if not vals:
+        return "–"
+    m, s = mean_std(vals)
+    return f"{m:{fmt}} ± {s:{fmt}}" if len(vals) > 1 else f"{m:{fmt}}"
 
 
 def table(rows: dict[str, list[dict[str, Any]]]) -> str:
-    from feta_release.eval_protocol import mean_std
-
-    lines = ["| arm | accuracy (mean ± std) | FD (classifier features) | release-only | ε per site | seeds |",
-             "|---|---|---|---|---|---|"]
+    """Per-seed rows, then mean ± std (ddof 1) per arm: both samplers, release-only, ε, wall time, load."""
+    lines = ["| arm | seed | acc, pure noise | FD, pure noise | acc, SDEdit | FD, SDEdit | release-only | "
+             "ε per site (worst case) | wall | load (start-end) |", "|---" * 10 + "|"]
     for arm, runs in rows.items():
-        if not runs:
-            continue
-        cells = []
-        for key in ("acc", "fd", "release_only"):
-            m, s = mean_std([r[key] for r in runs])
-            cells.append(f"{m:.3f} ± {s:.3f}" if key != "fd" else f"{m:.1f} ± {s:.1f}")
-        eps = max(r["epsilon"] for r in runs)
-        lines.append(f"| {arm} | {' | '.join(cells)} | ≤ {eps:.3f} | {','.join(str(r['seed']) for r in runs)} |")
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            worst = [w for w in (r.get("worst_case_epsilon") or {}).values() if w is not None]
+            eps = f"{r['epsilon']:.3f}" + (f" ({max(worst):.3f})" if worst else "")
+            load = r.get("load", {})
+            lines.append(f"| {arm} | {r['seed']} | {_ms([r], 'acc_noise', '.3f')} | {_ms([r], 'fd_noise', '.0f')} | "
+                         f"{_ms([r], 'acc_sdedit', '.3f')} | {_ms([r], 'fd_sdedit', '.0f')} | "
+                         f"{_ms([r], 'release_only', '.3f')} | {eps} | {r['seconds'] / 60:.1f} min | "
+                         f"{load.get('start', float('nan')):.1f}-{load.get('end', float('nan')):.1f} |")
+        if len(runs) > 1:
+            lines.append(f"| **{arm}, mean ± std** | {','.join(str(r['seed']) for r in runs)} | "
+                         f"{_ms(runs, 'acc_noise', '.3f')} | {_ms(runs, 'fd_noise', '.0f')} | "
+                         f"{_ms(runs, 'acc_sdedit', '.3f')} | {_ms(runs, 'fd_sdedit', '.0f')} | "
+                         f"{_ms(runs, 'release_only', '.3f')} | ≤ {max(r['epsilon'] for r in runs):.3f} | | |")
     return "\n".join(lines)
+
+
+def merge(paths: list[str], out: Path) -> dict[str, Any]:
+    """One document (and table) from the JSON files of parallel streams (same protocol and preset)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    doc: dict[str, Any] = {k: v for k, v in docs[0].items() if k not in ("rows", "table")}
+    doc["rows"], doc["merged_from"] = {}, [str(p) for p in paths]
+    for d in docs:
+        if (d["preset"], d["protocol"]) != (doc["preset"], doc["protocol"]):
+            raise SystemExit(f"{paths}: different preset/protocol, not merged")
+        for arm, runs in d["rows"].items():
+            have = doc["rows"].setdefault(arm, [])
+            have += [r for r in runs if r["seed"] not in {h["seed"] for h in have}]
+    doc["table"] = table(doc["rows"])
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print(doc["table"], flush=True)
+    return doc
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -188,9 +264,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         train = train.subset(np.arange(0, train.n, 10))
     cfg = job_config(args.preset, args.quick)
     arms = [a for a in args.arms.split(",") if a]
+    if not arms or set(arms) - {"pooled", "federated"}:
+        raise SystemExit(f"--arms {args.arms!r}: comma-separated 'pooled' and/or 'federated'")
     fed_arm = "federated (3 sites, " + ("secure aggregation)" if args.secure else "per-site noise)")
     doc: dict[str, Any] = {"preset": "tiny (quick)" if args.quick else args.preset, "protocol": proto.__dict__,
-                           "train": train.n, "scored_on": real.n, "rows": {"pooled (1 site)": [], fed_arm: []}}
+                           "train": train.n, "scored_on": real.n,
+                           "rows": {("pooled (1 site)" if a == "pooled" else fed_arm): [] for a in arms}}
     out = Path(args.out)
     t0 = time.perf_counter()
     feature_net = train_classifier(real, proto.feature_epochs, 0)  # one FD space for both arms (the protocol's)
@@ -198,14 +277,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for seed in proto.seeds:
         for arm in arms:
             name = "pooled (1 site)" if arm == "pooled" else fed_arm
-            t0 = time.perf_counter()
+            t0, load0 = time.perf_counter(), os.getloadavg()[0]
             run_dir = Path(args.runs) / arm / f"seed{seed}"
             if arm == "pooled":
                 syn, info = pooled_run(cfg, train, run_dir, proto.n_synthetic, seed)
             else:
                 syn, info = federated_run(cfg, train, run_dir, proto.n_synthetic, seed, args.secure)
             row = {"seed": seed, **score(syn, info.pop("central"), real, seed, proto, feature_net), **info,
-                   "seconds": round(time.perf_counter() - t0, 1)}
+                   "seconds": round(time.perf_counter() - t0, 1), "threads": args.threads,
+                   "load": {"start": load0, "end": os.getloadavg()[0]}}
             doc["rows"][name].append(row)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=1, default=str))
@@ -227,7 +307,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--runs", default=None, help="run directories (default runs/fedpool[-quick])")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 400 images, 1 seed, 200 samples")
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these results JSON files into --out (no run)")
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out")
+        return merge(args.merge, Path(args.out))
     tag = "quick" if args.quick else args.preset + ("" if args.secure else "-per-site")
     args.out = args.out or str(ROOT / "bench" / "results" / f"fedpool-{tag}.json")
     args.runs = args.runs or str(ROOT / "runs" / f"fedpool-{tag}")

@@ -46,6 +46,7 @@ MAX_SOCKET_PATH = 100
 SERVE_TIMEOUT = 60.0
 # Client side: the worker serves one request at a time, so connecting (and the challenge) may wait for the
 # request ahead (a DP-SGD round: minutes), and the reply for this one; past this the worker is taken as stuck.
+# The ceiling: a message of a job waits its round timeout plus a margin when that is shorter (edge.forward).
 CLIENT_TIMEOUT = 3600.0
 
 

@@ -72,7 +72,7 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     # q over the site's rows: each image joins with probability q = batch / n_public (the planned, charged rate)
     chunk = int(cfg.dpsgd.physical_batch)
     bound_n = public_rows(images.shape[0], site.n_public)  # the public size, or the bucket the padded passes reveal
-    idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator), bound_n, event.q, chunk)
+    idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator, bound_n), bound_n, event.q, chunk)
     total, at = np.zeros(dim, dtype=np.int64), 0
     for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator):
         rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()

@@ -15,7 +15,9 @@ reply) is NOT bypassed: the message fails with that one line.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
 import time
@@ -36,6 +38,9 @@ from .public_errors import mark_public, public_error
 log = logging.getLogger("feta.forward")
 
 CLIENTAPP_REF = "edge.clientapp:app"  # the component of feta-release's app bundle that the worker serves
+# Past the job's round timeout the coordinator has stopped waiting for the reply (review L4): this process waits that
+# long plus this slack (queueing, clocks), never more than ``channel.CLIENT_TIMEOUT``.
+ROUND_MARGIN = 60.0
 _QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -68,13 +73,30 @@ def _process_age() -> float:
         return -1.0
 
 
+def reply_timeout(message: Message) -> float:
+    """Seconds this process gives the worker per step of ``message``'s call (connect, challenge, each read and
+    write): the job's ``[federation] round_timeout`` (the coordinator waits no longer for any reply of the job)
+    plus ``ROUND_MARGIN``, at most ``channel.CLIENT_TIMEOUT``, which is also the answer for a message that carries
+    no readable job. Read before the worker checks the job's signature: whatever the value, this process waits
+    at most the ceiling, and a shorter wait only gives up on this message's own reply sooner."""
+    ceiling = float(channel.CLIENT_TIMEOUT)
+    try:
+        doc = json.loads(str(message.content.config_records["cfg"]["json"]))
+        value = doc["job"]["job"]["config"]["federation"]["round_timeout"]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ceiling
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return ceiling
+    return min(ceiling, float(value) + ROUND_MARGIN)
+
+
 def forward(message: Message, context: Context, sock: str, key: bytes) -> Message:
     """One message through the worker; the worker's updated ``context.state`` is copied into ``context`` (Flower
     pushes this same object back to the SuperNode)."""
     doc = {"kind": "message", "message_id": message.metadata.message_id, "task_id": _task_id(),
            "process_age": _process_age()}
     frames = [message_to_proto(message).SerializeToString(), context_to_proto(context).SerializeToString()]
-    reply, rest = channel.call(sock, key, doc, frames)
+    reply, rest = channel.call(sock, key, doc, frames, timeout=reply_timeout(message))
     if reply.get("ok") is not True:
         raise remote_error(reply.get("error_type"), reply.get("error", "the worker failed without a reason"))
     if len(rest) != 2:

@@ -118,10 +118,12 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     _fits(model.state_dict(), weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
+    units = len(ds.images) if patients is None else len(np.unique(patients.ids))  # images, or patients, drawn from
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
                            image_shape=ds.image_shape, n_classes=ds.n_classes, **unit,
                            pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above its
-                                              cfg.dpsgd.physical_batch, patients))  # size: its bucket)
+                                              cfg.dpsgd.physical_batch, patients),  # size: its bucket)
+                           draw_rows=public_rows(units, unit["n_public"]))  # the Poisson draw's size: public too (L3)
     images = model_range(ds.images, n_public)  # padded to the public size, as every step's work
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)

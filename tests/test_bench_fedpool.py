@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from feta_release.config import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,13 +35,33 @@ def test_the_federated_arm_runs_the_same_job_as_the_pooled_arm() -> None:
     assert not bench.federated_config(preset, 1300, 0, False, 3).federation.secure_aggregation
 
 
-def test_quick_mode_runs_both_arms_and_writes_the_table(tmp_path: Path) -> None:
+def test_quick_mode_runs_both_arms_with_both_samplers_and_writes_the_table(tmp_path: Path) -> None:
     out = tmp_path / "fedpool-quick.json"
     doc = _bench().main(["--quick", "--out", str(out), "--runs", str(tmp_path / "runs"), "--threads", "1"])
     saved = json.loads(out.read_text())
     assert saved["table"] == doc["table"] and "pooled (1 site)" in doc["table"]
     for arm, rows in saved["rows"].items():
         assert [r["seed"] for r in rows] == [0], arm
-        assert 0 < rows[0]["epsilon"] <= 1.0 and 0 <= rows[0]["acc"] <= 1
+        assert 0 < rows[0]["epsilon"] <= 1.0
+        assert all(0 <= rows[0][k] <= 1 for k in ("acc_noise", "acc_sdedit", "release_only")), arm
     fed = saved["rows"]["federated (3 sites, secure aggregation)"][0]
     assert all(w > fed["epsilon"] for w in fed["worst_case_epsilon"].values())  # secure: both figures attested
+    # the bench's SDEdit sampler (the federated arm's) reproduces train's own synthetic set exactly
+    assert saved["rows"]["pooled (1 site)"][0]["sdedit_check_max_abs_diff"] == 0.0
+
+
+def test_parallel_streams_merge_into_one_table(tmp_path: Path) -> None:
+    bench = _bench()
+    row = {"seed": 0, "acc_noise": 0.5, "fd_noise": 10.0, "acc_sdedit": 0.6, "fd_sdedit": 9.0, "release_only": 0.4,
+           "epsilon": 0.99, "seconds": 60.0, "load": {"start": 1.0, "end": 2.0}}
+    base = {"preset": "p", "protocol": {"seeds": [0, 1]}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({**base, "rows": {"pooled (1 site)": [row, {**row, "seed": 1, "acc_sdedit": 0.8}]}}))
+    fed = {**row, "worst_case_epsilon": {"site-a": 1.8}}
+    b.write_text(json.dumps({**base, "rows": {"federated": [fed]}}))
+    doc = bench.merge([str(a), str(b)], tmp_path / "m.json")
+    assert [r["seed"] for r in doc["rows"]["pooled (1 site)"]] == [0, 1] and len(doc["rows"]["federated"]) == 1
+    assert "0.700 ± 0.141" in doc["table"] and "0.990 (1.800)" in doc["table"]
+    b.write_text(json.dumps({**base, "preset": "q", "rows": {}}))
+    with pytest.raises(SystemExit):
+        bench.merge([str(a), str(b)], tmp_path / "m.json")

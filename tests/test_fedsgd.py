@@ -525,7 +525,7 @@ def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypa
     monkeypatch.setattr(node_fedsgd, "batch_gradients", counting)
     padded, _ = node_fedsgd.padded_sample(torch.arange(0), site.n_public, event.q, int(job.config.dpsgd.physical_batch))
     for size in (0, 3, padded.numel()):
-        monkeypatch.setattr(node_fedsgd, "poisson_sample", lambda n, q, g, k=size: torch.arange(k))
+        monkeypatch.setattr(node_fedsgd, "poisson_sample", lambda n, q, g, rows=None, k=size: torch.arange(k))
         req = Request("r", 0, event, {}, _weights(job.config))
         node_fedsgd.gradient_contribution(site, job, req, os_numpy_generator(), os_torch_generator())
     assert len(set(seen)) == 1, seen

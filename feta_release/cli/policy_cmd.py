@@ -342,9 +342,15 @@ def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path |
         if not trusted:
             raise click.UsageError("--policy needs --trusted ADMIN.pub (the key that signs site policies)")
         pol = load_site_policy(policy_file, list(trusted))
-        _admit_or_refuse(pol, doc, signed)  # the node's own checks, every request of the job
+        res = _admit_or_refuse(pol, doc, signed)  # the node's own checks, every request of the job
         j = verify_job(doc, pol, str(signed))
-        click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version}")
+        if _secure(doc):  # no data at hand: the Gaussian form only (review L5)
+            click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version} in its GAUSSIAN FORM "
+                       "ONLY: "
+                       f"{_GAUSSIAN_ONLY.format(eps=res.job_epsilon, delta=pol.job_delta, acc=pol.accountant)}"
+                       .replace("Give --data DATA", "Run `feta-release policy check POLICY JOB --data DATA`"))
+        else:
+            click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version}")
     elif trusted:
         # --trusted once named coordinator keys here; never let a key meant for one role be trusted for another.
         raise click.UsageError("--trusted names the site administrator's key(s), used with --policy; give a "
@@ -413,8 +419,26 @@ def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...
         shape = (tuple(int(v) for v in ds.image_shape), int(ds.n_classes))
     doc = read_json(signed_job, "signed job")
     res = _admit_or_refuse(pol, doc, signed_job, ledger, shape)  # type: ignore[arg-type]
-    secure = bool(((doc.get("job") or {}).get("config") or {}).get("federation", {}).get("secure_aggregation"))
-    form = "" if not secure else (" in the Skellam form the node charges" if shape else
-                                  "; secure aggregation judged in its Gaussian form: give --data for the Skellam form")
+    if _secure(doc) and shape is None:
+        click.echo(f"PASSED IN THE GAUSSIAN FORM ONLY: site {pol.site_id} policy v{pol.version}, job {res.job_id}: "
+                   f"{_GAUSSIAN_ONLY.format(eps=res.job_epsilon, delta=pol.job_delta, acc=pol.accountant)}")
+        return
+    form = " in the Skellam form the node charges, worst-case cap included" if shape and _secure(doc) else ""
     click.echo(f"ACCEPTED: site {pol.site_id} policy v{pol.version} admits job {res.job_id} "
                f"(planned ε={res.job_epsilon:.4g} at δ={pol.job_delta:g}, {pol.accountant}{form})")
+
+
+# Review L5: a secure-aggregation job's charged form (SkellamEvents) has sensitivities and a FedSGD gradient length
+# that depend on the data's image shape and classes, which neither the signed policy nor the job states; without
+# them only the Gaussian form can be judged, and the output must not read as the node's own verdict.
+_GAUSSIAN_ONLY = ("every request's noise passed against this site's own share (σ/√sites) and the budget at the "
+                  "Gaussian-form ε={eps:.4g} (δ={delta:g}, {acc}). NOT checked: the ε the node charges (the Skellam "
+                  "form: its sensitivities depend on the data's image shape and classes, which no signed document "
+                  "states) and the worst-case cap (every other site colluding). Give --data DATA (only its shape and "
+                  "classes are read) to judge the job exactly as the node does.")
+
+
+def _secure(signed_job: object) -> bool:
+    body = signed_job.get("job") if isinstance(signed_job, dict) else None
+    fed = ((body or {}).get("config") or {}).get("federation") if isinstance(body, dict) else None
+    return bool(isinstance(fed, dict) and fed.get("secure_aggregation"))

@@ -130,18 +130,24 @@ class StepStats:
     seconds: float
 
 
-def poisson_sample(n: int, q: float, generator: torch.Generator) -> Tensor:
-    """Indices of a Poisson sample: each of ``n`` examples joins independently with probability ``q``."""
-    return torch.nonzero(torch.rand(n, generator=generator) < q, as_tuple=False).flatten()
+def poisson_sample(n: int, q: float, generator: torch.Generator, rows: int | None = None) -> Tensor:
+    """Indices of a Poisson sample: each of ``n`` examples joins independently with probability ``q``.
+
+    ``rows``: a PUBLIC count >= ``n`` (``training.padding.public_rows``) the draw is made over, the indices >= ``n``
+    then dropped: the same law over the real rows (independent uniforms, each below q), but the draw's work no
+    longer times the exact ``n`` (review L3); the drop runs over the Binomial(rows, q) drawn indices, whose law
+    is public too."""
+    drawn = torch.nonzero(torch.rand(max(n, rows or 0), generator=generator) < q, as_tuple=False).flatten()
+    return drawn if rows is None else drawn[drawn < n]
 
 
 def patient_batch(
-    rows_of: list[Tensor], q: float, cap: int, generator: torch.Generator
+    rows_of: list[Tensor], q: float, cap: int, generator: torch.Generator, draw_rows: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """A patient-level Poisson batch: (image indices, owner) where owner[i] in [0, B) numbers the sampled patient
     of image i. Each patient joins independently with probability ``q``; a sampled patient with more than ``cap``
     images contributes a uniform draw of ``cap`` of them (without replacement)."""
-    chosen = poisson_sample(len(rows_of), q, generator)
+    chosen = poisson_sample(len(rows_of), q, generator, draw_rows)  # draw_rows: public (see poisson_sample)
     rows: list[Tensor] = []
     owners: list[Tensor] = []
     for j, p in enumerate(chosen.tolist()):
@@ -342,11 +348,13 @@ class DPSGDTrainer:
         images_per_patient: int | None = None,
         public: PublicMix | None = None,
         pad_to: int | None = None,
+        draw_rows: int | None = None,
     ) -> None:
         """``patients``: per-image patient index (0..P-1, as ``LoadReport.patients``) for patient-level DP-SGD; then
         ``n_public`` is the PUBLIC number of patients (required) and ``images_per_patient`` the public cap on a
         sampled patient's images per step (default: the physical batch). ``pad_to``: a PUBLIC row (image) count each
-        step processes whatever its sample (``training.padding``: the step's time does not count it)."""
+        step processes whatever its sample (``training.padding``: the step's time does not count it). ``draw_rows``:
+        a PUBLIC count of rows (images, or patients) the Poisson draw is made over (``poisson_sample``)."""
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
@@ -382,6 +390,7 @@ class DPSGDTrainer:
         self.loss = loss
         self.public = public if public is not None and public.batch > 0 else None
         self.pad_to = None if pad_to is None else int(pad_to)
+        self.draw_rows = None if draw_rows is None else int(draw_rows)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)
         # A fresh EMA: the caller copies the warm-up EMA weights into ``model`` before DP-SGD starts (method §2),
@@ -398,7 +407,7 @@ class DPSGDTrainer:
         n = images.shape[0]
         dev = self.params[0].device
         expected = self.q * (n if self.n_public is None else self.n_public)
-        idx = poisson_sample(n, self.q, self.generator)
+        idx = poisson_sample(n, self.q, self.generator, self.draw_rows)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         total, losses, n_clipped = clipped_gradient_sum(self.model, self.loss, images, labels, idx, self.clip,
                                                         self.chunk, self.generator)
@@ -416,7 +425,7 @@ class DPSGDTrainer:
                             f"images but {images.shape[0]} were given")
         dev = self.params[0].device
         expected = self.q * self.n_public  # public patients: the exact count never scales the released noise
-        rows, owner = patient_batch(self.rows_of, self.q, self.patient_cap, self.generator)
+        rows, owner = patient_batch(self.rows_of, self.q, self.patient_cap, self.generator, self.draw_rows)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         total = {name: torch.zeros_like(p) for name, p in zip(names, self.params)}
         losses: list[Tensor] = []
@@ -456,7 +465,8 @@ class DPSGDTrainer:
 
     def _stats(self, b: int, expected: float, losses: list[Tensor], n_clipped: int, t0: float) -> StepStats:
         return StepStats(step=self.steps_done + 1, batch_size=b, expected_batch=expected,
-                         loss=float(torch.cat(losses).mean()) if b else float("nan"),
+                         # an empty batch's stand-in keeps the same ops: a zero-row step is not cheaper (L3)
+                         loss=float(torch.cat(losses or [torch.full((1,), math.nan)]).mean()),
                          clipped_fraction=n_clipped / b if b else float("nan"), seconds=time.perf_counter() - t0)
 
     def _add_public(self, total: dict[str, Tensor], dev: torch.device) -> int:

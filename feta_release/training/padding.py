@@ -86,11 +86,20 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
         return 0
     gen = torch.Generator().manual_seed(PAD_SEED)
     done = 0
+    # A real call also adds its clipped sum into the step's total, keeps its loss and counts its clipped rows: a
+    # padding call does the same into dropped values, so that it costs what a real call costs (review L3: else a
+    # step's time would still grow with its realised sample, i.e. with N).
+    sink = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
+    dropped: list[Tensor] = []
     with _fork_rng(model):  # a module with its own randomness (dropout) draws from the global RNG in vmap
         for m in sizes:
             idx = torch.zeros(m, dtype=torch.int64)
-            for grads, _ in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):
-                clip_and_sum(grads, clip)  # computed like a real row's, weight 0: never added
+            for grads, value in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):
+                summed, norms = clip_and_sum(grads, clip)  # computed like a real row's, weight 0: never added
+                for name in sink:
+                    sink[name] += summed[name]
+                dropped.append(value.detach().cpu())
+                int((norms > clip).sum())
             done += m
     return done
 
@@ -110,6 +119,6 @@ def model_range(images: np.ndarray, n_public: int) -> Tensor:
     28x28 image, which over many rounds would time the exact N."""
     out = torch.from_numpy(np.asarray(images, dtype=np.float32)) * 2.0 - 1.0
     extra = public_rows(int(out.shape[0]), n_public) - int(out.shape[0])
-    if extra > 0:
-        torch.from_numpy(np.zeros((extra, *out.shape[1:]), dtype=np.float32)) * 2.0 - 1.0  # noqa: B018 - work only
+    # always, zero rows included: a site at exactly its bucket size must not skip a call the others make (L3)
+    torch.from_numpy(np.zeros((extra, *out.shape[1:]), dtype=np.float32)) * 2.0 - 1.0  # noqa: B018 - work only
     return out

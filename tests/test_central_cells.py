@@ -156,3 +156,26 @@ def test_nodpsgd_preset_is_the_measured_configuration() -> None:
         dpsgd={"steps": 0}, sampler={"start_sigma": 0.5}).to_dict()
     shipped = load_preset("cpu-eps1-nodpsgd").to_dict()
     assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}
+
+
+def test_eps10_nodpsgd_preset_plans_within_ten_on_the_releases_only() -> None:
+    """cpu-eps10-nodpsgd: central + frequency only, within epsilon 10 at any public size (rates, not batches)."""
+    from feta_release.planning import plan
+
+    cfg = load_preset("cpu-eps10-nodpsgd")
+    assert cfg.privacy.epsilon == 10.0 and cfg.central.cells == 4 and cfg.dpsgd_steps(4000) == 0
+    for n in (500, 1400, 3200, 4000, 60000):
+        p = plan(cfg, n)
+        assert 9.0 < p.epsilon <= 10.0 and p.noise_multiplier is None
+        assert [e.stage for e in p.events] == ["central", "frequency"]
+        assert "4 slant cells" in p.stage("central").note
+
+
+def test_eps10_nodpsgd_preset_is_the_measured_configuration() -> None:
+    """docs/evaluation.md (epsilon = 10 with polish + SDEdit) measured cpu-eps10 with these overrides."""
+    measured = load_preset("cpu-eps10").replace(
+        central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 0.65, "cells": 4, "stretch": True},
+        frequency={"sigma": 1.1}, warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
+        dpsgd={"steps": 0}, sampler={"start_sigma": 0.5}).to_dict()
+    shipped = load_preset("cpu-eps10-nodpsgd").to_dict()
+    assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}

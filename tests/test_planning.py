@@ -172,7 +172,7 @@ def test_for_size_turns_a_rate_into_a_batch_within_the_data(n: int, rate: float)
 def test_rate_presets_plan_on_any_size_and_keep_epsilon() -> None:
     from feta_release.config import load_preset
 
-    for name in ("cpu-eps1", "cpu-eps10"):
+    for name in ("cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd"):
         cfg = load_preset(name)
         plans = {n: plan(cfg, n) for n in (500, 1400, 4000, 60_000)}
         for p in plans.values():
@@ -223,7 +223,7 @@ def test_dpsgd_noise_figure_falls_with_the_batch_at_fixed_epsilon() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(500, 60_000), n_classes=st.integers(2, 20),
-       preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "paper-mnist"]))
+       preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd", "paper-mnist"]))
 def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: str) -> None:
     """issue 15: `train --preset cpu-eps1 --data` on 1,400 images refused ("fewer than [central] batch")."""
     import numpy as np
@@ -240,7 +240,7 @@ def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: st
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(500, 60_000), preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "paper-mnist"]))
+@given(n=st.integers(500, 60_000), preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd", "paper-mnist"]))
 def test_presets_accept_the_suggested_public_size_when_it_rounds_the_count_up(n: int, preset: str) -> None:
     """Review: cpu-eps1's central rate 1 makes batch = public size; 3,251 images -> public size 3,300 was refused
     ("fewer than [central] batch") although q = batch / public size = 1."""

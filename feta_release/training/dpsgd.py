@@ -48,8 +48,9 @@ from torch.func import functional_call, grad, vmap
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
-from ..models.edm import SIGMA_DATA, draw_loss_randomness, edm_loss_single
+from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
 from .ema import EMA
+from .ghost_clip import BatchedLoss, hook_grads, unsupported
 from .padding import pad_step, padding_chunks
 
 __all__ = [
@@ -119,6 +120,35 @@ class EDMLoss:
             null_label=self.n_classes, sigma_data=self.sigma_data,
         )
 
+    def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
+        """The B per-example losses from one call of ``model`` over the B*K rows, example-major (``BatchedLoss``)."""
+        rnd = LossRandomness(rand["noise"], rand["sigma"], rand["drop"])
+        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data)
+
+
+ENGINES = ("auto", "hooks", "vmap")
+
+
+def select_engine(model: nn.Module, loss: PerExampleLoss, engine: str = "auto") -> str:
+    """``"hooks"`` (``training.ghost_clip``: one batched backward) or ``"vmap"`` (torch.func) for this model/loss.
+
+    ``auto`` takes the hooks when every trainable parameter sits in a module they handle and the loss has a batched
+    form, else torch.func (which accepts any module); ``hooks`` refuses rather than fall back. Never is a parameter
+    skipped: the hooks return a gradient for every trainable parameter or are not used."""
+    if engine not in ENGINES:
+        raise ConfigError(f"[dpsgd] per_example must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "vmap":
+        return "vmap"
+    problems = unsupported(model)
+    if not isinstance(loss, BatchedLoss):
+        problems.append(f"the loss {type(loss).__name__} has no batched form")
+    if not problems:
+        return "hooks"
+    if engine == "hooks":
+        raise ConfigError(f"[dpsgd] per_example = \"hooks\" cannot handle this model ({'; '.join(problems)}); "
+                          "set per_example = \"auto\" or \"vmap\"")
+    return "vmap"
+
 
 @dataclass
 class StepStats:
@@ -173,8 +203,18 @@ def per_example_grads(
     y: Tensor,
     rand: dict[str, Tensor],
     chunk_size: int | None = None,
+    engine: str = "auto",
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,) via vmap(grad)."""
+    """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,), ``chunk_size`` examples at a
+    time: by layer hooks on one batched backward, or by vmap(grad) (``select_engine``); the same vectors either way."""
+    if x.shape[0] and select_engine(model, loss, engine) == "hooks":
+        assert isinstance(loss, BatchedLoss)
+        step = x.shape[0] if not chunk_size else int(chunk_size)
+        parts = [hook_grads(model, loss, x[s : s + step], y[s : s + step], {k: v[s : s + step] for k, v in rand.items()})
+                 for s in range(0, x.shape[0], max(step, 1))]
+        if len(parts) == 1:
+            return parts[0]
+        return ({n: torch.cat([p[0][n] for p in parts]) for n in parts[0][0]}, torch.cat([p[1] for p in parts]))
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = {n: b for n, b in model.named_buffers()}
 

@@ -39,6 +39,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 from collections.abc import Callable, Iterator
 
@@ -256,7 +257,7 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
 
 
 def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor, chunk: int,
-                    generator: torch.Generator) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
+                    generator: torch.Generator, engine: str = "auto") -> Iterator[tuple[dict[str, Tensor], Tensor]]:
     """Per-example gradients and losses of the examples ``idx``, one physical chunk at a time (virtual batches: the
     logical Poisson batch is processed in chunks so memory is bounded by chunk x parameters whatever its size).
     The loss randomness is drawn from ``generator`` chunk by chunk, in order (on the CPU: the same stream on any
@@ -269,13 +270,13 @@ def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labe
             part = idx[start : start + chunk]
             rand = {k: v.to(dev) for k, v in loss.draw(part.numel(), generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            yield per_example_grads(model, loss, xs, ys, rand, chunk)
+            yield per_example_grads(model, loss, xs, ys, rand, chunk, engine=engine)
     finally:
         model.train(was_training)
 
 
 def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor,
-                         clip: float, chunk: int, generator: torch.Generator
+                         clip: float, chunk: int, generator: torch.Generator, engine: str = "auto"
                          ) -> tuple[dict[str, Tensor], list[Tensor], int]:
     """The sum over the batch ``idx`` of the per-example gradients clipped to ``clip`` (sensitivity ``clip`` under
     add/remove of one example), no noise: (sum by parameter name, per-chunk losses, how many were clipped).
@@ -284,7 +285,7 @@ def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor,
     total = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     losses: list[Tensor] = []
     n_clipped = 0
-    for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator):
+    for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
         summed, norms = clip_and_sum(grads, clip)
         for name in total:
             total[name] += summed[name]
@@ -420,6 +421,9 @@ class DPSGDTrainer:
             loss = EDMLoss(image_shape, n_classes, d.noise_multiplicity, cfg.model.label_dropout,
                            sigma_data=getattr(model, "sigma_data", None))
         self.loss = loss
+        # which per-example-gradient engine (hooks or torch.func) every call of this trainer uses, the padding's
+        # included (a padding row must cost what a real one does); resolved once, refused here if impossible
+        self.engine = select_engine(model, loss, d.per_example)
         self.public = public if public is not None and public.batch > 0 else None
         self.pad_to = None if pad_to is None else int(pad_to)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -441,10 +445,10 @@ class DPSGDTrainer:
         idx = poisson_sample(n, self.q, self.generator)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         total, losses, n_clipped = clipped_gradient_sum(self.model, self.loss, images, labels, idx, self.clip,
-                                                        self.chunk, self.generator)
+                                                        self.chunk, self.generator, self.engine)
         if self.pad_to is not None:  # dummy rows up to the public count, dropped: the update is unchanged
             pad_step(self.model, self.loss, images, labels, padding_chunks(int(idx.numel()), self.pad_to, self.chunk),
-                     self.clip, self.chunk, batch_gradients, clip_and_sum)
+                     self.clip, self.chunk, partial(batch_gradients, engine=self.engine), clip_and_sum)
         return self._noised(total, names, dev, expected), self._stats(int(idx.numel()), expected, losses, n_clipped, t0)
 
     def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
@@ -466,7 +470,7 @@ class DPSGDTrainer:
         for part, own, k in _patient_chunks(rows, owner, max(self.chunk, self.patient_cap)):
             rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk)
+            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine)
             summed, norms = clip_and_sum(group_sum(grads, own, k), self.clip)  # clip each PATIENT's sum to C
             for name in total:
                 total[name] += summed[name]
@@ -475,7 +479,7 @@ class DPSGDTrainer:
         if self.pad_to is not None:  # dummy images up to the public count, dropped: the update is unchanged
             size = max(self.chunk, self.patient_cap)
             pad_step(self.model, self.loss, images, labels, padding_chunks(int(rows.numel()), self.pad_to, size),
-                     self.clip, size, batch_gradients, clip_and_sum)
+                     self.clip, size, partial(batch_gradients, engine=self.engine), clip_and_sum)
         self.model.train(was_training)
         b = int(owner.max()) + 1 if owner.numel() else 0
         return self._noised(total, names, dev, expected), self._stats(b, expected, losses, n_clipped, t0)
@@ -509,7 +513,8 @@ class DPSGDTrainer:
             m = min(self.chunk, pub.batch - start)
             xs, ys = pub.draw(m, pub.generator)
             rand = {k: v.to(dev) for k, v in self.loss.draw(m, pub.generator).items()}
-            grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk)
+            grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk,
+                                         engine=self.engine)
             summed, _ = clip_and_sum(grads, self.clip)
             for name in total:
                 total[name] += summed[name]

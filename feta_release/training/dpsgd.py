@@ -1,9 +1,12 @@
-"""DP-SGD engine: Poisson sampling, per-example gradients (torch.func), clipping, Gaussian noise, Adam, EMA.
+"""DP-SGD engine: Poisson sampling, per-example gradients (layer hooks or torch.func), clipping, Gaussian noise, Adam, EMA.
 
-Why torch.func and not Opacus: on 2 CPU cores ``vmap(grad(...), chunk_size=...)`` was the fastest stock
-per-example-gradient method measured (see ``bench/bench_dpsgd.py`` and the CPU notes), it has no trouble with
-noise multiplicity (average over K noise draws BEFORE clipping is just a mean inside the per-example loss), and
-it accepts any ``nn.Module`` without hooks or module restrictions.
+Per-example gradients come from one of two engines that compute the same vectors (``select_engine``, ``[dpsgd]
+per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then each
+layer's per-example weight gradient from its input and output gradient; ~1.2x a non-private step in
+``bench/bench_dpsgd.py``), used when every trainable parameter sits in a layer it handles, and torch.func's
+``vmap(grad(...), chunk_size=...)`` (1.95x), which accepts any ``nn.Module``. Both have no trouble with noise
+multiplicity: the average over K noise draws BEFORE clipping is a mean inside the per-example loss (torch.func) or
+a sum over the example's K rows inside its gradient (hooks). Opacus is not used (``ghost_clip`` says why).
 
 The privacy argument the code keeps (unit = one image of one site; the patient-level variant follows):
 

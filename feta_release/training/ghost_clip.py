@@ -18,15 +18,18 @@ norm), which is exactly the torch.func semantic: one clipped vector per example,
 
 Why instantiate and not the ghost norm: the ghost norm ``||G_i||^2 = sum_{t,s} (a_t.a_s)(g_t.g_s)`` costs ~2T^2
 per example against T*d_in*d_out for ``G_i`` itself (T positions), so it wins when 2T^2 < d_in*d_out (Bu et al.'s
-per-layer rule). On the EDM UNet no layer qualifies: every conv has T = K*H*W >= 196 positions with d_in*d_out
-<= 288*32, and the embedding MLP's Linear layers (T = K) hold d_in*d_out <= 4,096 entries per example, so
-instantiating costs the same FLOPs as the weight gradient of an ordinary backward and yields the per-example
-gradients that the rest of the engine already consumes (``clip_and_sum``, the patient ``group_sum``, FedSGD's
-per-record ``clipped_rows``, the padding): nothing downstream changes, the per-example norm is computed from the
-very same vectors. Opacus (1.6: ``GradSampleModule`` hooks, or ``grad_sample_mode="ghost"``) was not used: its ghost
-mode clips each ROW, and the norm of a K-row mean is not a function of the K row norms, so it cannot keep the
-K-multiplicity semantic; its per-row hooks materialise K times more gradients (3.08x the non-private step in
-``bench/bench_dpsgd.py`` against this module's figure in docs/evaluation.md).
+per-layer rule). On the cpu-eps1 UNet no conv qualifies: T = K*H*W >= 196 gives 2T^2 >= 76,832 against
+d_in*d_out <= 576*32 = 18,432. The embedding MLP's Linear layers (T = K, d_in*d_out <= 64*64) do qualify, but all of
+them together took ~2 ms of a ~500 ms step (measured, B = 16, K = 4): the ghost norm would save nothing measurable,
+and instantiating yields the per-example gradients that the rest of the engine already consumes (``clip_and_sum``,
+the patient ``group_sum``, FedSGD's per-record ``clipped_rows``, the padding): nothing downstream changes, and the
+norm is computed from the very same vectors. For a conv, instantiating costs the FLOPs of the weight gradient an
+ordinary backward computes (which the backward here skips).
+
+Why not Opacus (1.6 installed): its ghost mode (``grad_sample_mode="ghost"``) clips each ROW, and the norm of a K-row
+mean is not a function of the K row norms, so it cannot keep the K-multiplicity semantic; its ``GradSampleModule``
+hooks materialise one gradient per ROW (K times more) and measured 3.08x the non-private step in
+``bench/bench_dpsgd.py`` (this module's figure: docs/evaluation.md, "DP-SGD step cost").
 
 Privacy argument (unchanged, see ``training.dpsgd``): each sampled example contributes one gradient vector, clipped
 to L2 norm C over all trainable parameters together; the clipped sum gets N(0, (sigma C)^2) noise once per step.

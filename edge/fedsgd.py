@@ -74,7 +74,7 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     bound_n = public_rows(images.shape[0], site.n_public)  # the public size, or the bucket the padded passes reveal
     idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator), bound_n, event.q, chunk)
     total, at = np.zeros(dim, dtype=np.int64), 0
-    for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator, cfg.dpsgd.per_example):
+    for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator):
         rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
         rows[max(0, real - at):] = 0.0  # padding rows: computed like the others, then zeroed (they round to 0)
         at += rows.shape[0]

@@ -123,6 +123,9 @@ class DPSGDSection:
     lr: float = 3e-4
     ema: float = 0.999
     physical_batch: int = 32  # rows per vectorised per-example-gradient chunk (memory bound)
+    # per-example gradients: "hooks" (training.ghost_clip: one batched backward, 1.35x a non-private step), "vmap"
+    # (torch.func, any module), "auto" = hooks when the model's layers allow it, else vmap. Same vectors either way.
+    per_example: Literal["auto", "hooks", "vmap"] = "auto"
     noise_multiplier: float | None = None  # None: calibrated over the whole history for the target (eps, delta)
     # Already-RELEASED examples (RandAugment-ed copies of the released central images) added to every DP-SGD step as
     # non-private examples: free in epsilon (post-processing of the central release; training.dpsgd.PublicMix).

@@ -1,9 +1,12 @@
-"""DP-SGD engine: Poisson sampling, per-example gradients (torch.func), clipping, Gaussian noise, Adam, EMA.
+"""DP-SGD engine: Poisson sampling, per-example gradients (layer hooks or torch.func), clipping, Gaussian noise, Adam, EMA.
 
-Why torch.func and not Opacus: on 2 CPU cores ``vmap(grad(...), chunk_size=...)`` was the fastest stock
-per-example-gradient method measured (see ``bench/bench_dpsgd.py`` and the CPU notes), it has no trouble with
-noise multiplicity (average over K noise draws BEFORE clipping is just a mean inside the per-example loss), and
-it accepts any ``nn.Module`` without hooks or module restrictions.
+Per-example gradients come from one of two engines that compute the same vectors (``select_engine``, ``[dpsgd]
+per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then each
+layer's per-example weight gradient from its input and output gradient; 1.35x a non-private step in
+``bench/bench_dpsgd.py``, B = 64, K = 4), used when every trainable parameter sits in a layer it handles, and torch.func's
+``vmap(grad(...), chunk_size=...)`` (1.55x in the same run), which accepts any ``nn.Module``. Both have no trouble with noise
+multiplicity: the average over K noise draws BEFORE clipping is a mean inside the per-example loss (torch.func) or
+a sum over the example's K rows inside its gradient (hooks). Opacus is not used (``ghost_clip`` says why).
 
 The privacy argument the code keeps (unit = one image of one site; the patient-level variant follows):
 
@@ -39,6 +42,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 from collections.abc import Callable, Iterator
 
@@ -48,8 +52,9 @@ from torch.func import functional_call, grad, vmap
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
-from ..models.edm import SIGMA_DATA, draw_loss_randomness, edm_loss_single
+from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
 from .ema import EMA
+from .ghost_clip import BatchedLoss, hook_grads, unsupported
 from .padding import pad_step, padding_chunks
 
 __all__ = [
@@ -119,6 +124,35 @@ class EDMLoss:
             null_label=self.n_classes, sigma_data=self.sigma_data,
         )
 
+    def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
+        """The B per-example losses from one call of ``model`` over the B*K rows, example-major (``BatchedLoss``)."""
+        rnd = LossRandomness(rand["noise"], rand["sigma"], rand["drop"])
+        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data)
+
+
+ENGINES = ("auto", "hooks", "vmap")
+
+
+def select_engine(model: nn.Module, loss: PerExampleLoss, engine: str = "auto") -> str:
+    """``"hooks"`` (``training.ghost_clip``: one batched backward) or ``"vmap"`` (torch.func) for this model/loss.
+
+    ``auto`` takes the hooks when every trainable parameter sits in a module they handle and the loss has a batched
+    form, else torch.func (which accepts any module); ``hooks`` refuses rather than fall back. Never is a parameter
+    skipped: the hooks return a gradient for every trainable parameter or are not used."""
+    if engine not in ENGINES:
+        raise ConfigError(f"[dpsgd] per_example must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "vmap":
+        return "vmap"
+    problems = unsupported(model)
+    if not isinstance(loss, BatchedLoss):
+        problems.append(f"the loss {type(loss).__name__} has no batched form")
+    if not problems:
+        return "hooks"
+    if engine == "hooks":
+        raise ConfigError(f"[dpsgd] per_example = \"hooks\" cannot handle this model ({'; '.join(problems)}); "
+                          "set per_example = \"auto\" or \"vmap\"")
+    return "vmap"
+
 
 @dataclass
 class StepStats:
@@ -179,8 +213,18 @@ def per_example_grads(
     y: Tensor,
     rand: dict[str, Tensor],
     chunk_size: int | None = None,
+    engine: str = "auto",
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,) via vmap(grad)."""
+    """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,), ``chunk_size`` examples at a
+    time: by layer hooks on one batched backward, or by vmap(grad) (``select_engine``); the same vectors either way."""
+    if x.shape[0] and select_engine(model, loss, engine) == "hooks":
+        assert isinstance(loss, BatchedLoss)
+        step = x.shape[0] if not chunk_size else int(chunk_size)
+        parts = [hook_grads(model, loss, x[s : s + step], y[s : s + step], {k: v[s : s + step] for k, v in rand.items()})
+                 for s in range(0, x.shape[0], max(step, 1))]
+        if len(parts) == 1:
+            return parts[0]
+        return ({n: torch.cat([p[0][n] for p in parts]) for n in parts[0][0]}, torch.cat([p[1] for p in parts]))
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = {n: b for n, b in model.named_buffers()}
 
@@ -222,7 +266,7 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
 
 
 def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor, chunk: int,
-                    generator: torch.Generator) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
+                    generator: torch.Generator, engine: str = "auto") -> Iterator[tuple[dict[str, Tensor], Tensor]]:
     """Per-example gradients and losses of the examples ``idx``, one physical chunk at a time (virtual batches: the
     logical Poisson batch is processed in chunks so memory is bounded by chunk x parameters whatever its size).
     The loss randomness is drawn from ``generator`` chunk by chunk, in order (on the CPU: the same stream on any
@@ -235,13 +279,13 @@ def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labe
             part = idx[start : start + chunk]
             rand = {k: v.to(dev) for k, v in loss.draw(part.numel(), generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            yield per_example_grads(model, loss, xs, ys, rand, chunk)
+            yield per_example_grads(model, loss, xs, ys, rand, chunk, engine=engine)
     finally:
         model.train(was_training)
 
 
 def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor,
-                         clip: float, chunk: int, generator: torch.Generator
+                         clip: float, chunk: int, generator: torch.Generator, engine: str = "auto"
                          ) -> tuple[dict[str, Tensor], list[Tensor], int]:
     """The sum over the batch ``idx`` of the per-example gradients clipped to ``clip`` (sensitivity ``clip`` under
     add/remove of one example), no noise: (sum by parameter name, per-chunk losses, how many were clipped).
@@ -250,7 +294,7 @@ def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor,
     total = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     losses: list[Tensor] = []
     n_clipped = 0
-    for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator):
+    for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
         summed, norms = clip_and_sum(grads, clip)
         for name in total:
             total[name] += summed[name]
@@ -388,6 +432,9 @@ class DPSGDTrainer:
             loss = EDMLoss(image_shape, n_classes, d.noise_multiplicity, cfg.model.label_dropout,
                            sigma_data=getattr(model, "sigma_data", None))
         self.loss = loss
+        # which per-example-gradient engine (hooks or torch.func) every call of this trainer uses, the padding's
+        # included (a padding row must cost what a real one does); resolved once, refused here if impossible
+        self.engine = select_engine(model, loss, d.per_example)
         self.public = public if public is not None and public.batch > 0 else None
         self.pad_to = None if pad_to is None else int(pad_to)
         self.draw_rows = None if draw_rows is None else int(draw_rows)
@@ -410,10 +457,10 @@ class DPSGDTrainer:
         idx = poisson_sample(n, self.q, self.generator, self.draw_rows)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         total, losses, n_clipped = clipped_gradient_sum(self.model, self.loss, images, labels, idx, self.clip,
-                                                        self.chunk, self.generator)
+                                                        self.chunk, self.generator, self.engine)
         if self.pad_to is not None:  # dummy rows up to the public count, dropped: the update is unchanged
             pad_step(self.model, self.loss, images, labels, padding_chunks(int(idx.numel()), self.pad_to, self.chunk),
-                     self.clip, self.chunk, batch_gradients, clip_and_sum)
+                     self.clip, self.chunk, partial(batch_gradients, engine=self.engine), clip_and_sum)
         return self._noised(total, names, dev, expected), self._stats(int(idx.numel()), expected, losses, n_clipped, t0)
 
     def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
@@ -435,7 +482,7 @@ class DPSGDTrainer:
         for part, own, k in _patient_chunks(rows, owner, max(self.chunk, self.patient_cap)):
             rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk)
+            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine)
             summed, norms = clip_and_sum(group_sum(grads, own, k), self.clip)  # clip each PATIENT's sum to C
             for name in total:
                 total[name] += summed[name]
@@ -444,7 +491,7 @@ class DPSGDTrainer:
         if self.pad_to is not None:  # dummy images up to the public count, dropped: the update is unchanged
             size = max(self.chunk, self.patient_cap)
             pad_step(self.model, self.loss, images, labels, padding_chunks(int(rows.numel()), self.pad_to, size),
-                     self.clip, size, batch_gradients, clip_and_sum)
+                     self.clip, size, partial(batch_gradients, engine=self.engine), clip_and_sum)
         self.model.train(was_training)
         b = int(owner.max()) + 1 if owner.numel() else 0
         return self._noised(total, names, dev, expected), self._stats(b, expected, losses, n_clipped, t0)
@@ -479,7 +526,8 @@ class DPSGDTrainer:
             m = min(self.chunk, pub.batch - start)
             xs, ys = pub.draw(m, pub.generator)
             rand = {k: v.to(dev) for k, v in self.loss.draw(m, pub.generator).items()}
-            grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk)
+            grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk,
+                                         engine=self.engine)
             summed, _ = clip_and_sum(grads, self.clip)
             for name in total:
                 total[name] += summed[name]

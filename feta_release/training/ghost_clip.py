@@ -1,0 +1,193 @@
+"""Per-example gradients from ONE ordinary batched forward/backward (layer hooks), for the DP-SGD engine.
+
+``training.dpsgd.per_example_grads`` computes, for each example of a chunk, the gradient of that example's loss
+(the MEAN of its loss over the K noise draws / augmented copies) with respect to every trainable parameter. The
+torch.func path does it with ``vmap(grad(...))``; this module does the same computation the way the book-keeping
+method of Bu et al. (2023) does: one batched forward over the B*K rows with forward hooks that keep each layer's
+input, one ``torch.autograd.grad`` of the summed loss with respect to the layers' OUTPUTS only (so autograd never
+computes the batch weight gradients, which the per-example ones replace), and then, per layer, the per-example
+weight gradient from (input, output gradient):
+
+* ``Linear``: ``G_i = sum_t g_it a_it^T`` over the example's positions t (its K rows and any sequence axis);
+* ``Conv2d``: the same over the unfolded input patches (im2col), positions = K rows x output pixels;
+* ``GroupNorm``: ``sum_t g_it * xhat_it`` (xhat recomputed from the stored input), bias ``sum_t g_it``;
+* ``Embedding``: the output gradients scattered to the rows of the looked-up indices.
+
+The K copies of one example are treated as extra positions of that example (summed inside its gradient BEFORE the
+norm), which is exactly the torch.func semantic: one clipped vector per example, the gradient of its K-draw mean.
+
+Why instantiate and not the ghost norm: the ghost norm ``||G_i||^2 = sum_{t,s} (a_t.a_s)(g_t.g_s)`` costs ~2T^2
+per example against T*d_in*d_out for ``G_i`` itself (T positions), so it wins when 2T^2 < d_in*d_out (Bu et al.'s
+per-layer rule). On the cpu-eps1 UNet no conv qualifies: T = K*H*W >= 196 gives 2T^2 >= 76,832 against
+d_in*d_out <= 576*32 = 18,432. The embedding MLP's Linear layers (T = K, d_in*d_out <= 64*64) do qualify, but all of
+them together took ~2 ms of a ~500 ms step (measured, B = 16, K = 4): the ghost norm would save nothing measurable,
+and instantiating yields the per-example gradients that the rest of the engine already consumes (``clip_and_sum``,
+the patient ``group_sum``, FedSGD's per-record ``clipped_rows``, the padding): nothing downstream changes, and the
+norm is computed from the very same vectors. For a conv, instantiating costs the FLOPs of the weight gradient an
+ordinary backward computes (which the backward here skips).
+
+Why not Opacus (1.6 installed): its ghost mode (``grad_sample_mode="ghost"``) clips each ROW, and the norm of a K-row
+mean is not a function of the K row norms, so it cannot keep the K-multiplicity semantic; its ``GradSampleModule``
+hooks materialise one gradient per ROW (K times more) and measured 3.08x the non-private step in
+``bench/bench_dpsgd.py`` (this module's figure: docs/evaluation.md, "DP-SGD step cost").
+
+Privacy argument (unchanged, see ``training.dpsgd``): each sampled example contributes one gradient vector, clipped
+to L2 norm C over all trainable parameters together; the clipped sum gets N(0, (sigma C)^2) noise once per step.
+This module only changes HOW the per-example vectors are computed, so it must compute the same vectors:
+``tests/test_ghost_clip.py`` checks them against the torch.func path on the real denoiser (K = 1 and 4, clipped and
+unclipped examples) and on random small layers. The decomposition ``per-example gradient = sum over the example's
+rows`` holds only when the model treats rows independently (no BatchNorm, no op across the batch axis): the
+modules that would mix rows are refused (``unsupported``) and the caller falls back to torch.func, never skipping a
+parameter. A model whose own code mixes rows by other means (e.g. ``x.mean(0)``) must not use this engine: the
+UNet keeps that constraint for vmap already (``models.unet``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["BatchedLoss", "unsupported", "hook_grads"]
+
+_ROW_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
+
+
+@runtime_checkable
+class BatchedLoss(Protocol):
+    """A per-example loss that also has a batched form: ``batched(model, x (B,...), y (B,), rand)`` returns the B
+    per-example losses from ONE call of ``model`` over B*r rows, the r rows of example i being rows i*r .. i*r+r-1
+    (example-major), and equals ``loss(model, x[i], y[i], rand_i)`` for each i."""
+
+    def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor: ...
+
+
+def _module_problem(m: nn.Module) -> str | None:
+    """Why this module's own trainable parameters cannot be handled here (None: they can)."""
+    if isinstance(m, nn.Linear | nn.GroupNorm):
+        return None
+    if isinstance(m, nn.Conv2d):
+        if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str):
+            return "Conv2d with groups, a padding mode or string padding"
+        return None
+    if isinstance(m, nn.Embedding):
+        return "Embedding with max_norm or sparse gradients" if m.max_norm is not None or m.sparse else None
+    return f"no per-example rule for {type(m).__name__}"
+
+
+def unsupported(model: nn.Module) -> list[str]:
+    """Reasons this engine cannot compute ``model``'s per-example gradients (empty: it can)."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, _ROW_MIXING):
+            out.append(f"{name or 'model'}: {type(m).__name__} mixes the rows of a batch")
+            continue
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            why = _module_problem(m)
+            if why is not None:
+                out.append(f"{name or 'model'}: {why}")
+    return out
+
+
+def _by_example(t: Tensor, b: int) -> Tensor:
+    """(R, ...) rows -> (B, R/B, ...): the rows of one example together (example-major order)."""
+    r = t.shape[0] // b
+    if r * b != t.shape[0]:
+        raise ValueError(f"per-example hooks: a layer saw {t.shape[0]} rows, not a multiple of the {b} examples")
+    return t.reshape(b, r, *t.shape[1:])
+
+
+def _linear(m: nn.Linear, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+    a = _by_example(a, b).reshape(b, -1, a.shape[-1])  # (B, positions, d_in)
+    g = _by_example(g, b).reshape(b, -1, g.shape[-1])
+    out = {"weight": torch.bmm(g.transpose(1, 2), a)}
+    if m.bias is not None:
+        out["bias"] = g.sum(1)
+    return out
+
+
+def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+    # The per-example weight gradient of a conv IS a weight gradient: that of a grouped conv with one group per
+    # example, over a "batch" of the example's r rows. Rows go to the batch axis and examples to channel groups,
+    # and one convolution_backward computes all B gradients (summed over each example's r rows) in the native
+    # kernel: im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
+    r = a.shape[0] // b
+    ar = _by_example(a, b).transpose(0, 1).reshape(r, -1, *a.shape[2:])  # (r, B*C_in, H, W)
+    gr = _by_example(g, b).transpose(0, 1).reshape(r, -1, *g.shape[2:])  # (r, B*C_out, H', W')
+    w = m.weight.detach().unsqueeze(0).expand(b, *m.weight.shape).reshape(-1, *m.weight.shape[1:])
+    _, gw, _ = torch.ops.aten.convolution_backward(
+        gr, ar, w, None, list(m.stride), list(m.padding), list(m.dilation), False, [0, 0], b, [False, True, False]
+    )
+    out = {"weight": gw.reshape(b, *m.weight.shape)}
+    if m.bias is not None:
+        out["bias"] = _by_example(g, b).sum((1, 3, 4))
+    return out
+
+
+def _group_norm(m: nn.GroupNorm, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+    out = {}
+    g = _by_example(g, b)
+    if m.weight is not None:
+        xhat = _by_example(F.group_norm(a, m.num_groups, eps=m.eps), b)
+        out["weight"] = (g * xhat).flatten(3).sum((1, 3))
+    if m.bias is not None:
+        out["bias"] = g.flatten(3).sum((1, 3))
+    return out
+
+
+def _embedding(m: nn.Embedding, idx: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+    n, d = m.weight.shape
+    idx = _by_example(idx, b).reshape(b, -1)
+    g = _by_example(g, b).reshape(b, -1, d)
+    flat = (idx + torch.arange(b, device=idx.device)[:, None] * n).flatten()
+    w = torch.zeros(b * n, d, dtype=g.dtype, device=g.device).index_add_(0, flat, g.reshape(-1, d)).reshape(b, n, d)
+    if m.padding_idx is not None:  # torch never updates the padding row
+        w[:, m.padding_idx] = 0
+    return {"weight": w}
+
+
+_RULES: dict[type, Callable[..., dict[str, Tensor]]] = {
+    nn.Linear: _linear, nn.Conv2d: _conv2d, nn.GroupNorm: _group_norm, nn.Embedding: _embedding,
+}
+
+
+def _rule(m: nn.Module) -> Callable[..., dict[str, Tensor]]:
+    return next(f for cls, f in _RULES.items() if isinstance(m, cls))
+
+
+def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
+               rand: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
+    """Per-example gradients (name -> (B, *shape), every trainable parameter) and per-example losses (B,), from one
+    batched forward and one backward to the layer outputs. The caller has checked ``unsupported(model) == []``."""
+    b = x.shape[0]
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    calls: list[tuple[nn.Module, Tensor, Tensor]] = []
+
+    def keep(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        calls.append((m, inputs[0].detach(), output))
+
+    hooked = [m for m in model.modules() if any(id(p) in names for p in m.parameters(recurse=False))]
+    handles = [m.register_forward_hook(keep) for m in hooked]
+    try:
+        values = loss.batched(model, x, y, rand)
+    finally:
+        for h in handles:
+            h.remove()
+    grads: dict[str, Tensor] = {}
+    if calls:
+        outs = torch.autograd.grad(values.sum(), [c[2] for c in calls], allow_unused=True)
+        for (m, a, _out), go in zip(calls, outs):
+            if go is None:  # the loss does not depend on this call's output: a zero contribution
+                continue
+            for attr, gi in _rule(m)(m, a, go.detach(), b).items():
+                p = getattr(m, attr)
+                if id(p) in names:
+                    n = names[id(p)]
+                    grads[n] = grads[n] + gi if n in grads else gi
+    params = dict(model.named_parameters())
+    full = {n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))
+            for n in names.values()}
+    return full, values.detach()

@@ -233,3 +233,50 @@ def test_dpo_report_says_the_release_contains_the_central_images_and_draws_as_sy
     path, res = write_report(sd_release, tmp_path / "r.html", keys.trust(), per_class=2)
     html = path.read_text("utf-8")
     assert res.ok and "CONTAINS the noisy central images" in html and "SDEdit" in html
+
+
+# -- review s6: format versions, the starts record's claims --------------------------------------------------------
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sdedit_release_bumps_the_manifest_format_so_an_old_verifier_refuses_it(sd_release, release, keys,
+                                                                             tmp_path) -> None:
+    """S3: an old verifier (format 1 only) refuses a release it cannot fully check; the new one refuses a
+    downgraded format string re-signed by the coordinator."""
+    from .release_helpers import load_signed, resign
+
+    assert json.loads((sd_release / "manifest.json").read_text())["manifest"]["format_version"] == \
+        "feta-release/manifest/2"
+    assert json.loads((release / "manifest.json").read_text())["manifest"]["format_version"] == \
+        "feta-release/manifest/1"  # a noise release stays readable by old verifiers
+    rel = _copy(sd_release, tmp_path / "rel")
+    signed = load_signed(rel)
+    signed["manifest"]["format_version"] = "feta-release/manifest/1"
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "manifest format" in [c.name for c in res.failures]
+
+
+def test_verify_checks_the_generator_format_against_the_sampler(sd_release, keys, tmp_path) -> None:
+    """S3: the generator's feta.format must be format 2 iff the signed sampler has start_sigma."""
+    import onnx
+
+    from .release_helpers import load_signed, resign
+
+    rel = _copy(sd_release, tmp_path / "rel")
+    model = onnx.load(str(rel / "generator.onnx"))
+    for p in model.metadata_props:
+        if p.key == "feta.format":
+            p.value = "feta-release-generator/1"
+    onnx.save(model, str(rel / "generator.onnx"))
+    signed = load_signed(rel)
+    signed["manifest"]["generator"]["sha256"] = hashlib.sha256((rel / "generator.onnx").read_bytes()).hexdigest()
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "feta.format" in res.reason()

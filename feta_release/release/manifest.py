@@ -43,6 +43,16 @@ from ..errors import ReleaseError
 from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
 FORMAT_VERSION = "feta-release/manifest/1"
+# A release with an SDEdit sampler / shipped central images (``starts``): an older verifier, which checks neither,
+# refuses format 2 instead of answering OK for a file it never hashed (review s6, S3).
+FORMAT_VERSION_SDEDIT = "feta-release/manifest/2"
+# The generator's ``feta.format`` (release.onnx_export): format 2 has the SDEdit inputs start, from_release.
+GENERATOR_FORMATS = {False: "feta-release-generator/1", True: "feta-release-generator/2"}
+
+
+def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None) -> str:
+    """The format a manifest with this sampler and ``starts`` record must carry."""
+    return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
 ATTESTATION_KIND = "feta-release/spend-attestation/1"
 MANIFEST_FILE = "manifest.json"
 GENERATOR_FILE = "generator.onnx"
@@ -219,7 +229,7 @@ def build_manifest(
         raise ReleaseError(f"duplicate site ids in release: {ids}")
     created = utc_now()
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": manifest_format(sampler, starts),
         "created": created,
         "generator": {
             "file": generator_file,

@@ -55,8 +55,9 @@ from ..signing import (
 from .manifest import (
     ATTESTATION_KIND,
     ATTESTED_FIELDS,
-    FORMAT_VERSION,
+    GENERATOR_FORMATS,
     MANIFEST_FILE,
+    manifest_format,
     policy_file_name,
     statement_sha256,
 )
@@ -176,11 +177,12 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     man = doc["manifest"]
     res.manifest = man
     res.manifest_sha256 = _guard(res, "manifest", lambda: sha256_hex(canonical_json(man)))
+    fmt = _guard(res, "manifest format", lambda: manifest_format(man["generator"]["sampler"], man.get("starts")))
     res.add(
         "manifest format",
-        man.get("format_version") == FORMAT_VERSION,
-        f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == FORMAT_VERSION
-                                                          else f", expected {FORMAT_VERSION!r}"),
+        man.get("format_version") == fmt,
+        f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == fmt
+                                                          else f", expected {fmt!r} for this sampler/starts"),
     )
     _guard(res, "generator", lambda: _check_generator(res, rd, man))
     _guard(res, "central images", lambda: _check_starts(res, rd, man))
@@ -328,12 +330,13 @@ def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> 
         "feta.classes": gen["classes"],
         "feta.image_shape": gen["image_shape"],
         "feta.sampler": gen["sampler"],
+        "feta.format": GENERATOR_FORMATS["start_sigma" in gen["sampler"]],
         "feta.statement_sha256": statement_sha256(man["job"], man["sites"]),
     }
     bad = []
     for key, expected in want.items():
         got = meta.get(key)
-        if key != "feta.statement_sha256" and got is not None:
+        if key not in ("feta.statement_sha256", "feta.format") and got is not None:
             got = json.loads(got)
         if got != expected:
             bad.append(f"{key} is {got!r}, manifest says {expected!r}")

@@ -31,7 +31,7 @@ from .test_synthesize import BLOCK_TORCH, REPO  # noqa: E402
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 
-def _central(per_class: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _central(per_class: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Stand-ins for released central images: a bar per class (horizontal, vertical, diagonal) plus noise."""
     rng = np.random.default_rng(seed)
     imgs, labels = [], []
@@ -118,7 +118,7 @@ def test_release_ships_hashed_central_images_and_says_what_they_are(sd_release, 
     rec = man["starts"]
     assert rec["file"] == "central_images.npz" and (sd_release / rec["file"]).is_file()
     assert rec["sha256"] == hashlib.sha256((sd_release / rec["file"]).read_bytes()).hexdigest()
-    assert rec["images"] == 6 and rec["per_class"] == [2, 2, 2]
+    assert rec["images"] == 3 and rec["per_class"] == [1, 1, 1]  # tiny preset: rounds 1 x cells 1 per class
     assert man["generator"]["sampler"]["start_sigma"] == 0.5 and "from_release" in man["generator"]["inputs"]
     # a data-protection officer reads that the release contains the noisy central images, with their epsilon
     assert "CONTAINS the noisy central images" in rec["privacy"] and "post-processing" in rec["privacy"]
@@ -280,3 +280,42 @@ def test_verify_checks_the_generator_format_against_the_sampler(sd_release, keys
     resign(rel, signed, keys.coordinator)
     res = verify_release(rel, keys.trust())
     assert not res.ok and "feta.format" in res.reason()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("central_epsilon_alone", {"a": 0.001}),
+    ("central_epsilon_alone", {}),
+    ("per_class", [1, 1, 5]),
+    ("images", 3000),
+    ("privacy", "These images carry epsilon 0.001."),
+    ("source", "the sites' raw images"),
+    ("augmentation", {"kind": "x", "ops": 0, "magnitude_max": 3}),
+    ("extra", "a field verify does not know"),
+])
+def test_a_coordinator_signed_starts_claim_that_the_signed_inputs_do_not_make_is_refused(sd_release, keys, tmp_path,
+                                                                                       field, value) -> None:
+    """S1: every claim of the starts record is recomputed from the signed job and the site-signed histories; a
+    forged one (re-signed by the trusted coordinator) fails verify in one line naming the field, and synthesize
+    refuses it."""
+    from .release_helpers import load_signed, resign
+
+    rel = _copy(sd_release, tmp_path / "rel")
+    signed = load_signed(rel)
+    signed["manifest"]["starts"][field] = value
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and [c.name for c in res.failures] == ["central images"]
+    assert f"starts.{field}" in res.reason() and "\n" not in res.reason()
+    with pytest.raises(ReleaseError, match=f"starts.{field}"):
+        synthesize(rel, tmp_path / "out", keys.trust(), num=3, progress=False)
+
+
+def test_certificate_takes_the_recomputed_central_epsilon(sd_release, keys, tmp_path) -> None:
+    from feta_release.accounting import epsilon_breakdown, events_from_list
+
+    synthesize(sd_release, tmp_path / "o", keys.trust(), num=3, progress=False, threads=1)
+    start = json.loads((tmp_path / "o" / "certificate.json").read_text())["certificate"]["generation"]["start"]
+    st = json.loads((sd_release / "manifest.json").read_text())["manifest"]["sites"][0]["attestation"]["statement"]
+    want = epsilon_breakdown(events_from_list(st["events"]), st["delta"], st["accountant"])["central"]
+    assert start["central_epsilon_alone"] == {"a": want}
+    assert start["augmentation"]["ops"] == 2 and start["augmentation"]["magnitude_max"] == 3

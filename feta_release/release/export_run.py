@@ -74,7 +74,6 @@ def assemble_release(
     enforce_policy: bool = True,
     signed_job: dict[str, Any] | None = None,
     starts: tuple[np.ndarray, np.ndarray] | None = None,
-    starts_source: str = "one site's release",
 ) -> Path:
     """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s.
 
@@ -112,7 +111,7 @@ def assemble_release(
             (tmp / policy_file_name(sid)).write_text(json.dumps(signed, indent=2, ensure_ascii=False) + "\n", "utf-8")
         record = None
         if sampler.start_sigma is not None and starts is not None:
-            record = _write_starts(tmp, starts, len(classes), sites, config, starts_source)
+            record = _write_starts(tmp, starts, len(classes), sites, config)
         manifest = build_manifest(
             tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
             sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
@@ -129,17 +128,14 @@ def assemble_release(
 
 
 def _write_starts(rel: Path, starts: tuple[np.ndarray, np.ndarray], n_classes: int, sites: Sequence[dict[str, Any]],
-                  config: dict[str, Any], source: str) -> dict[str, Any]:
+                  config: dict[str, Any]) -> dict[str, Any]:
     images, labels = np.asarray(starts[0], np.float32), np.asarray(starts[1], np.int64)
     missing = sorted(set(range(n_classes)) - {int(v) for v in labels})
     if missing:
         raise ReleaseError(f"the released central images hold no image of class(es) {missing}: SDEdit needs one per "
                            "class; leave [sampler] start_sigma out")
     (rel / STARTS_FILE).write_bytes(starts_bytes(images, labels))
-    w = JobConfig.from_dict(config).warmup
-    aug = {"kind": "RandAugment bag of training.augment (numpy port, release/starts.py), magnitude drawn per image",
-           "ops": int(w.augment_ops), "magnitude_max": int(w.augment_magnitude)}
-    return starts_record(rel, STARTS_FILE, labels, n_classes, sites, aug, source)
+    return starts_record(rel, STARTS_FILE, config, sites, n_classes)
 
 
 def released_central(job_dir: str | Path) -> tuple[np.ndarray, np.ndarray] | None:

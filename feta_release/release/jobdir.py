@@ -168,12 +168,9 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
     key = coordinator_key if isinstance(coordinator_key, Ed25519PrivateKey) else load_private_key(coordinator_key)
     # The central images the warm-up used (released/central.npz: a run's own release, checked against its ledger by
     # training.local_job; a federation's combination of the sites' releases), shipped for SDEdit (start_sigma).
-    source = ("one site's release, post-processed as the warm-up used it" if len(atts) == 1 else
-              f"the {len(atts)} sites' releases combined (public-size weighted mean, post-processed) as the "
-              "coordinator's warm-up used them")
     return assemble_release(
         out_dir / RELEASE, denoiser=load_model(out_dir), classes=summary["class_names"],
         image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],
         config=job["config"], sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=key,
-        signed_policies=policies, signed_job=signed, starts=released_central(out_dir), starts_source=source,
+        signed_policies=policies, signed_job=signed, starts=released_central(out_dir),
     )

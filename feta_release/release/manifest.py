@@ -249,24 +249,38 @@ def build_manifest(
     }
 
 
-def starts_record(release_dir: str | Path, file: str, labels: Any, n_classes: int, sites: Sequence[dict[str, Any]],
-                  augmentation: dict[str, Any], source: str) -> dict[str, Any]:
-    """The manifest's ``starts`` entry: the released central images' file, hash and what they are, in words a
-    data-protection officer reads (with each site's epsilon of the central stage alone, from its signed history)."""
+STARTS_KIND = "RandAugment bag of training.augment (numpy port, release/starts.py), magnitude drawn per image"
+
+
+def starts_source(n_sites: int) -> str:
+    """Where the shipped central images come from, in words (a function of the public site count only)."""
+    return ("one site's release, post-processed as the warm-up used it" if n_sites == 1 else
+            f"the {n_sites} sites' releases combined (public-size weighted mean, post-processed) as the "
+            "coordinator's warm-up used them")
+
+
+def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int) -> dict[str, Any]:
+    """Every claim of the ``starts`` record, computed from signed inputs only: the job config (counts,
+    augmentation) and each site's signed history (the central stage's ε, as the privacy report computes it).
+    ``sites``: site records or signed statements (site_id, events, delta, accountant). Export writes these and
+    verify recomputes them, so no figure in the record is the coordinator's word (review s6, S1)."""
+    from ..config import JobConfig
+
+    cfg = JobConfig.from_dict(config)
     per_site = {}
     for s in sites:
         evs = events_from_list(s["events"])
         if any(e.stage == "central" for e in evs):
-            per_site[s["site_id"]] = round(epsilon_breakdown(evs, s["delta"], s["accountant"])["central"], 6)
-    counts = [int((labels == c).sum()) for c in range(n_classes)]
+            per_site[str(s["site_id"])] = epsilon_breakdown(evs, float(s["delta"]), s["accountant"])["central"]
+    per_class = cfg.central.rounds * cfg.central.cells  # rows are (round, class, cell); cells = 1 unless "mean"
+    source = starts_source(len(sites))
     words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
     return {
-        "file": file,
-        "sha256": sha256_file(Path(release_dir) / file),
-        "images": int(len(labels)),
-        "per_class": counts,
+        "images": per_class * n_classes,
+        "per_class": [per_class] * n_classes,
         "source": source,
-        "augmentation": dict(augmentation),
+        "augmentation": {"kind": STARTS_KIND, "ops": int(cfg.warmup.augment_ops),
+                         "magnitude_max": int(cfg.warmup.augment_magnitude)},
         "central_epsilon_alone": per_site,
         "privacy": (
             "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
@@ -276,6 +290,12 @@ def starts_record(release_dir: str | Path, file: str, labels: Any, n_classes: in
             "SDEdit samples from augmented copies of them (--from release)."
         ),
     }
+
+
+def starts_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
+                  n_classes: int) -> dict[str, Any]:
+    """The manifest's ``starts`` entry: the released central images' file and hash, and :func:`starts_claims`."""
+    return {"file": file, "sha256": sha256_file(Path(release_dir) / file), **starts_claims(config, sites, n_classes)}
 
 
 def sign_manifest(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:

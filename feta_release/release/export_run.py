@@ -15,6 +15,7 @@ nothing that looks like a release.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -143,8 +144,15 @@ def released_central(job_dir: str | Path) -> tuple[np.ndarray, np.ndarray] | Non
     path = Path(job_dir) / RELEASED_CENTRAL
     if not path.is_file():
         return None
-    with np.load(path, allow_pickle=False) as z:
-        return np.asarray(z["images"], np.float32), np.asarray(z["labels"], np.int64)
+    return _central_arrays(path.read_bytes(), path)
+
+
+def _central_arrays(data: bytes, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            return np.asarray(z["images"], np.float32), np.asarray(z["labels"], np.int64)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ReleaseError(f"{path}: not a central-images file (images, labels) ({exc}); rerun the job") from None
 
 
 # -- single-site run directories -------------------------------------------------------------------------
@@ -313,11 +321,12 @@ def run_central(rd: Path, run_info: Mapping[str, Any], job_id: str, site_key: Ed
     ledger = ledger if ledger.is_absolute() else rd / ledger
     with Ledger(ledger, verify_key=site_key.public_key()) as led:
         recorded = [r["response_sha256"] for r in led.requests(job_id) if r["mechanism"] == "central"]
-    have = sha256_file(path)
+    data = path.read_bytes()  # hashed and parsed from the SAME bytes: no second read to swap in between
+    have = sha256_hex(data)
     if have not in recorded:
         raise ReleaseError(f"{path}: hashes to {have[:16]}…, not the central release the site ledger recorded for job "
                            f"{job_id} (edited or swapped after the run); export the run directory as `train` left it")
-    return released_central(rd)
+    return _central_arrays(data, path)
 
 
 def export_run(

@@ -319,3 +319,61 @@ def test_certificate_takes_the_recomputed_central_epsilon(sd_release, keys, tmp_
     want = epsilon_breakdown(events_from_list(st["events"]), st["delta"], st["accountant"])["central"]
     assert start["central_epsilon_alone"] == {"a": want}
     assert start["augmentation"]["ops"] == 2 and start["augmentation"]["magnitude_max"] == 3
+
+
+def test_central_images_without_a_central_event_in_the_site_history_are_refused(den_onnx, keys, tmp_path,
+                                                                               monkeypatch) -> None:
+    """S2: a release cannot ship central images that no site's signed history released: export refuses, and
+    verify refuses one built anyway (here: a record computed from another history)."""
+    from feta_release.accounting import PrivacyEvent
+    from feta_release.release import export_run
+
+    only_dpsgd = [PrivacyEvent("dpsgd", 1.5, 0.05, 200)]
+    with pytest.raises(ReleaseError, match="no 'central' event"):
+        make_release(tmp_path / "r1", den_onnx, keys, events=only_dpsgd, start_sigma=0.5, starts=_central())
+    from .release_helpers import EVENTS
+
+    def with_central(sites):  # noqa: ANN001, ANN202
+        return [{**s, "events": [e.to_dict() for e in EVENTS]} for s in sites]
+
+    real_rec, real_claims = export_run.starts_record, export_run.starts_claims
+    monkeypatch.setattr(export_run, "starts_record", lambda r, f, c, s, n: real_rec(r, f, c, with_central(s), n))
+    monkeypatch.setattr(export_run, "starts_claims", lambda c, s, n: real_claims(c, with_central(s), n))
+    rel = make_release(tmp_path / "r2", den_onnx, keys, events=only_dpsgd, start_sigma=0.5, starts=_central())
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "no 'central' event" in res.reason()
+
+
+def test_central_image_counts_must_be_what_the_signed_job_releases(den_onnx, sd_release, keys, tmp_path) -> None:
+    """S2: rounds x cells images per class (tiny: 1); a file with other counts is refused at export and, swapped
+    in with a re-signed hash, at verify."""
+    from feta_release.release.starts import starts_bytes
+
+    from .release_helpers import load_signed, resign
+
+    with pytest.raises(ReleaseError, match="per class"):
+        make_release(tmp_path / "r1", den_onnx, keys, start_sigma=0.5, starts=_central(2))
+    rel = _copy(sd_release, tmp_path / "rel")
+    (rel / "central_images.npz").write_bytes(starts_bytes(*_central(2)))
+    signed = load_signed(rel)
+    signed["manifest"]["starts"]["sha256"] = hashlib.sha256((rel / "central_images.npz").read_bytes()).hexdigest()
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "per class" in res.reason()
+
+
+def test_a_stale_central_file_of_another_job_is_not_shipped(tmp_path) -> None:
+    """S2: the federated coordinator's released/central.npz is bound to its job id; a file of an earlier job in
+    the same --out (or one with no job id) is refused, not shipped under the new job."""
+    from feta_release.release.export_run import released_central
+
+    imgs, labels = _central()
+    (tmp_path / "released").mkdir()
+    np.savez(tmp_path / "released" / "central.npz", images=imgs, labels=labels, job_id=np.array("job-old"))
+    with pytest.raises(ReleaseError, match="job-old"):
+        released_central(tmp_path, "job-new")
+    got = released_central(tmp_path, "job-old")
+    assert got is not None and np.array_equal(got[1], labels)
+    np.savez(tmp_path / "released" / "central.npz", images=imgs, labels=labels)
+    with pytest.raises(ReleaseError, match="no job id"):
+        released_central(tmp_path, "job-new")

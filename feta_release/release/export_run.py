@@ -48,6 +48,8 @@ from .manifest import (
     policy_file_name,
     sign_manifest,
     site_record,
+    starts_claims,
+    starts_count_problem,
     starts_record,
     statement_sha256,
     utc_now,
@@ -135,16 +137,29 @@ def _write_starts(rel: Path, starts: tuple[np.ndarray, np.ndarray], n_classes: i
     if missing:
         raise ReleaseError(f"the released central images hold no image of class(es) {missing}: SDEdit needs one per "
                            "class; leave [sampler] start_sigma out")
+    wrong = starts_count_problem(labels, starts_claims(config, sites, n_classes)["per_class"])
+    if wrong:
+        raise ReleaseError(f"{wrong}: not this job's central release, refusing to ship it")
     (rel / STARTS_FILE).write_bytes(starts_bytes(images, labels))
     return starts_record(rel, STARTS_FILE, config, sites, n_classes)
 
 
-def released_central(job_dir: str | Path) -> tuple[np.ndarray, np.ndarray] | None:
-    """The job directory's released central images (``released/central.npz``: images in [0, 1], labels), if any."""
+def released_central(job_dir: str | Path, job_id: str | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The job directory's released central images (``released/central.npz``: images in [0, 1], labels), if any.
+    ``job_id``: the file must say it is that job's (the federated coordinator writes it), so a stale file of an
+    earlier job in the same directory is never shipped under a new one (review s6, S2)."""
     path = Path(job_dir) / RELEASED_CENTRAL
     if not path.is_file():
         return None
-    return _central_arrays(path.read_bytes(), path)
+    data = path.read_bytes()
+    if job_id is not None:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            have = str(z["job_id"]) if "job_id" in z.files else None
+        if have != job_id:
+            raise ReleaseError(f"{path}: " + ("carries no job id" if have is None else f"is job {have!r}'s")
+                               + f", not job {job_id!r}'s central images (a stale file of an earlier job?); remove "
+                               "it and rerun the job")
+    return _central_arrays(data, path)
 
 
 def _central_arrays(data: bytes, path: Path) -> tuple[np.ndarray, np.ndarray]:

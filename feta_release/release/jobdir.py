@@ -171,7 +171,7 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
     key = coordinator_key if isinstance(coordinator_key, Ed25519PrivateKey) else load_private_key(coordinator_key)
     # The central images the warm-up used (a run's own release, checked against its ledger by training.local_job and
     # passed in; a federation's combination of the sites' releases), shipped for SDEdit (start_sigma).
-    starts = released_central(out_dir) if starts is None else starts
+    starts = released_central(out_dir, job["job_id"]) if starts is None else starts
     return assemble_release(
         out_dir / RELEASE, denoiser=load_model(out_dir), classes=summary["class_names"],
         image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],

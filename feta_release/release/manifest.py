@@ -267,11 +267,16 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     from ..config import JobConfig
 
     cfg = JobConfig.from_dict(config)
+    if cfg.central.rounds <= 0:
+        raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
+                           "images: they are not this job's release; leave [sampler] start_sigma out")
     per_site = {}
     for s in sites:
         evs = events_from_list(s["events"])
-        if any(e.stage == "central" for e in evs):
-            per_site[str(s["site_id"])] = epsilon_breakdown(evs, float(s["delta"]), s["accountant"])["central"]
+        if not any(e.stage == "central" for e in evs):  # review s6, S2: every site released its part, in its history
+            raise ReleaseError(f"site {s['site_id']}'s signed history has no 'central' event for this job, so the "
+                               "central images are not what the sites released; leave [sampler] start_sigma out")
+        per_site[str(s["site_id"])] = epsilon_breakdown(evs, float(s["delta"]), s["accountant"])["central"]
     per_class = cfg.central.rounds * cfg.central.cells  # rows are (round, class, cell); cells = 1 unless "mean"
     source = starts_source(len(sites))
     words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
@@ -296,6 +301,15 @@ def starts_record(release_dir: str | Path, file: str, config: dict[str, Any], si
                   n_classes: int) -> dict[str, Any]:
     """The manifest's ``starts`` entry: the released central images' file and hash, and :func:`starts_claims`."""
     return {"file": file, "sha256": sha256_file(Path(release_dir) / file), **starts_claims(config, sites, n_classes)}
+
+
+def starts_count_problem(labels: Any, per_class: Sequence[int]) -> str | None:
+    """Why the file's labels are not the per-class counts the signed job releases (None: they are)."""
+    have = [int(sum(1 for v in labels if int(v) == c)) for c in range(len(per_class))]
+    if have != list(per_class) or len(labels) != sum(per_class):
+        return (f"the central images hold {have} images per class ({len(labels)} in all), the signed job releases "
+                f"{list(per_class)} per class (central rounds x cells)")
+    return None
 
 
 def sign_manifest(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:

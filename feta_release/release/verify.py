@@ -59,6 +59,7 @@ from .manifest import (
     MANIFEST_FILE,
     manifest_format,
     starts_claims,
+    starts_count_problem,
     policy_file_name,
     statement_sha256,
 )
@@ -375,9 +376,13 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
                 "(file changed); take the release as it was published")
         return
     gen = man["generator"]
-    images, _ = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]))
+    images, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]))
     claims = _starts_claims_match(res, man, rec)
     if claims is None:
+        return
+    wrong = starts_count_problem(labels, claims["per_class"])
+    if wrong:
+        res.add("central images", False, f"{path}: {wrong}; not this job's central release")
         return
     res.starts_bytes, res.starts_claims = data, claims
     res.add("central images", sdedit, f"{path}: {len(images)} released central images, sha256 matches the manifest"

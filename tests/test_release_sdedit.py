@@ -377,3 +377,20 @@ def test_a_stale_central_file_of_another_job_is_not_shipped(tmp_path) -> None:
     np.savez(tmp_path / "released" / "central.npz", images=imgs, labels=labels)
     with pytest.raises(ReleaseError, match="no job id"):
         released_central(tmp_path, "job-new")
+
+
+def test_augmentation_sizes_are_bounded_before_any_allocation() -> None:
+    """S6: a signed record (or job) with augmentation.ops = 10**9 is refused in one line, not a MemoryError."""
+    from feta_release.config import load_preset
+    from feta_release.release.manifest import starts_claims
+
+    from .release_helpers import EVENTS
+
+    x, _ = _central()
+    with pytest.raises(ReleaseError, match="ops"):
+        na.rand_augment(x, np.random.default_rng(0), n_ops=10**9, magnitude_max=3)
+    cfg = load_preset("tiny").to_dict()
+    cfg["warmup"]["augment_ops"] = 10**9
+    site = {"site_id": "a", "events": [e.to_dict() for e in EVENTS], "delta": 1e-5, "accountant": "rdp"}
+    with pytest.raises(ReleaseError, match="augment_ops"):
+        starts_claims(cfg, [site], 3)

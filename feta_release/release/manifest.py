@@ -267,6 +267,13 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     from ..config import JobConfig
 
     cfg = JobConfig.from_dict(config)
+    from .starts import MAX_OPS, N_BINS
+
+    w = cfg.warmup
+    if not (0 <= w.augment_ops <= MAX_OPS and 1 <= w.augment_magnitude < N_BINS):  # S6: bounded before any use
+        raise ReleaseError(f"[warmup] augment_ops = {w.augment_ops}, augment_magnitude = {w.augment_magnitude}: the "
+                           f"release's start augmentation needs 0 <= augment_ops <= {MAX_OPS} and 1 <= "
+                           f"augment_magnitude <= {N_BINS - 1}")
     if cfg.central.rounds <= 0:
         raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
                            "images: they are not this job's release; leave [sampler] start_sigma out")

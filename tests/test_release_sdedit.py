@@ -394,3 +394,29 @@ def test_augmentation_sizes_are_bounded_before_any_allocation() -> None:
     site = {"site_id": "a", "events": [e.to_dict() for e in EVENTS], "delta": 1e-5, "accountant": "rdp"}
     with pytest.raises(ReleaseError, match="augment_ops"):
         starts_claims(cfg, [site], 3)
+
+
+def test_dpo_wording_states_unit_scope_worst_case_and_lifetime() -> None:
+    """S4: the DPO reads the unit (per image; k x ε per patient by group privacy), that the figure is this job's
+    central stage under the collusion assumption, the worst case when secure aggregation was used, and where the
+    lifetime total is."""
+    from feta_release.accounting import SkellamEvent, epsilon_breakdown
+    from feta_release.config import load_preset
+    from feta_release.release.manifest import starts_claims
+
+    cfg = load_preset("tiny").to_dict()
+    sk = [SkellamEvent("central", 0.5, 1, 10.0, 10.0, mu=200.0, mu_worst=100.0)]
+    site = {"site_id": "a", "events": [e.to_dict() for e in sk], "delta": 1e-5, "accountant": "rdp"}
+    c = starts_claims(cfg, [site], 3)
+    worst = epsilon_breakdown(sk, 1e-5, "rdp", view="worst_case")["central"]
+    assert c["unit"] == "image" and worst > c["central_epsilon_alone"]["a"]
+    assert c["central_epsilon_worst_case"] == {"a": worst}
+    text = c["privacy"]
+    assert "per IMAGE" in text and "group privacy" in text and "collude" in text and "lifetime" in text
+    assert f"{worst:.3f}" in text
+    plain = {**site, "events": [e.to_dict() for e in EVENTS_PLAIN]}
+    c2 = starts_claims(cfg, [plain], 3)
+    assert c2["central_epsilon_worst_case"] == {} and "collude" not in c2["privacy"]
+
+
+EVENTS_PLAIN = __import__("tests.release_helpers", fromlist=["EVENTS"]).EVENTS

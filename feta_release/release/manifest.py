@@ -277,31 +277,48 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     if cfg.central.rounds <= 0:
         raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
                            "images: they are not this job's release; leave [sampler] start_sigma out")
-    per_site = {}
+    per_site: dict[str, float] = {}
+    worst: dict[str, float] = {}
     for s in sites:
         evs = events_from_list(s["events"])
         if not any(e.stage == "central" for e in evs):  # review s6, S2: every site released its part, in its history
             raise ReleaseError(f"site {s['site_id']}'s signed history has no 'central' event for this job, so the "
                                "central images are not what the sites released; leave [sampler] start_sigma out")
-        per_site[str(s["site_id"])] = epsilon_breakdown(evs, float(s["delta"]), s["accountant"])["central"]
+        sid, delta = str(s["site_id"]), float(s["delta"])
+        per_site[sid] = epsilon_breakdown(evs, delta, s["accountant"])["central"]
+        central = [e for e in evs if e.stage == "central"]
+        if has_secure_aggregation(central):  # S4: the figure if every other site colludes with the coordinator
+            worst[sid] = epsilon_breakdown(central, delta, s["accountant"], view="worst_case")["central"]
     per_class = cfg.central.rounds * cfg.central.cells  # rows are (round, class, cell); cells = 1 unless "mean"
     source = starts_source(len(sites))
-    words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
     return {
         "images": per_class * n_classes,
         "per_class": [per_class] * n_classes,
         "source": source,
         "augmentation": {"kind": STARTS_KIND, "ops": int(cfg.warmup.augment_ops),
                          "magnitude_max": int(cfg.warmup.augment_magnitude)},
+        "unit": "image",  # the central stage is image-level at every site (privacy_unit.py)
         "central_epsilon_alone": per_site,
-        "privacy": (
-            "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
-            f"({source}; {words} for that stage alone, at each site's delta). They are differentially private "
-            "outputs already charged in every site's signed event history, so shipping them is post-processing "
-            "and costs no further privacy; each site's total epsilon above covers them. synthesize starts its "
-            "SDEdit samples from augmented copies of them (--from release)."
-        ),
+        "central_epsilon_worst_case": worst,
+        "privacy": _starts_words(source, per_site, worst),
     }
+
+
+def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
+    """The DPO's text of the starts record (review s6, S4): unit, scope, collusion assumption, lifetime."""
+    words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
+    worst_words = "" if not worst else (
+        " These figures assume the other sites do not collude with the coordinator (secure aggregation); if they "
+        "all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + ".")
+    return (
+        "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
+        f"({source}). Privacy per IMAGE, for this job's central stage alone, at each site's delta: {words} (a "
+        f"patient-level site with patient cap k: k·ε per patient, by group privacy).{worst_words} They are "
+        "differentially private outputs already charged in every site's signed event history, so shipping them is "
+        "post-processing and costs no further privacy; each site's job ε and lifetime ε (its site record and the "
+        "synthesize certificate) cover them. synthesize starts its SDEdit samples from augmented copies of them "
+        "(--from release)."
+    )
 
 
 def starts_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],

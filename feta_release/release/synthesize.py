@@ -308,7 +308,9 @@ def start_statement(source: str, man: dict[str, Any], claims: dict[str, Any] | N
                     f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"),
         "start_sigma": man["generator"]["sampler"]["start_sigma"],
         "central_images": {"file": rec["file"], "sha256": rec["sha256"], "images": claims["images"]},
-        "central_epsilon_alone": claims["central_epsilon_alone"],
+        "central_epsilon_alone": claims["central_epsilon_alone"],  # per image, this job's central stage alone
+        "central_epsilon_worst_case": claims["central_epsilon_worst_case"],  # secure aggregation, all others collude
+        "unit": claims["unit"],
         "augmentation": claims["augmentation"],
         "augmentation_randomness": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
         "privacy": ("the central images are differentially private outputs already charged in each site's "

@@ -31,7 +31,7 @@ from .test_synthesize import BLOCK_TORCH, REPO  # noqa: E402
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 
-def _central(per_class: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _central(per_class: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Stand-ins for released central images: a bar per class (horizontal, vertical, diagonal) plus noise."""
     rng = np.random.default_rng(seed)
     imgs, labels = [], []
@@ -118,7 +118,7 @@ def test_release_ships_hashed_central_images_and_says_what_they_are(sd_release, 
     rec = man["starts"]
     assert rec["file"] == "central_images.npz" and (sd_release / rec["file"]).is_file()
     assert rec["sha256"] == hashlib.sha256((sd_release / rec["file"]).read_bytes()).hexdigest()
-    assert rec["images"] == 6 and rec["per_class"] == [2, 2, 2]
+    assert rec["images"] == 3 and rec["per_class"] == [1, 1, 1]  # tiny preset: rounds 1 x cells 1 per class
     assert man["generator"]["sampler"]["start_sigma"] == 0.5 and "from_release" in man["generator"]["inputs"]
     # a data-protection officer reads that the release contains the noisy central images, with their epsilon
     assert "CONTAINS the noisy central images" in rec["privacy"] and "post-processing" in rec["privacy"]
@@ -233,3 +233,190 @@ def test_dpo_report_says_the_release_contains_the_central_images_and_draws_as_sy
     path, res = write_report(sd_release, tmp_path / "r.html", keys.trust(), per_class=2)
     html = path.read_text("utf-8")
     assert res.ok and "CONTAINS the noisy central images" in html and "SDEdit" in html
+
+
+# -- review s6: format versions, the starts record's claims --------------------------------------------------------
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sdedit_release_bumps_the_manifest_format_so_an_old_verifier_refuses_it(sd_release, release, keys,
+                                                                             tmp_path) -> None:
+    """S3: an old verifier (format 1 only) refuses a release it cannot fully check; the new one refuses a
+    downgraded format string re-signed by the coordinator."""
+    from .release_helpers import load_signed, resign
+
+    assert json.loads((sd_release / "manifest.json").read_text())["manifest"]["format_version"] == \
+        "feta-release/manifest/2"
+    assert json.loads((release / "manifest.json").read_text())["manifest"]["format_version"] == \
+        "feta-release/manifest/1"  # a noise release stays readable by old verifiers
+    rel = _copy(sd_release, tmp_path / "rel")
+    signed = load_signed(rel)
+    signed["manifest"]["format_version"] = "feta-release/manifest/1"
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "manifest format" in [c.name for c in res.failures]
+
+
+def test_verify_checks_the_generator_format_against_the_sampler(sd_release, keys, tmp_path) -> None:
+    """S3: the generator's feta.format must be format 2 iff the signed sampler has start_sigma."""
+    import onnx
+
+    from .release_helpers import load_signed, resign
+
+    rel = _copy(sd_release, tmp_path / "rel")
+    model = onnx.load(str(rel / "generator.onnx"))
+    for p in model.metadata_props:
+        if p.key == "feta.format":
+            p.value = "feta-release-generator/1"
+    onnx.save(model, str(rel / "generator.onnx"))
+    signed = load_signed(rel)
+    signed["manifest"]["generator"]["sha256"] = hashlib.sha256((rel / "generator.onnx").read_bytes()).hexdigest()
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "feta.format" in res.reason()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("central_epsilon_alone", {"a": 0.001}),
+    ("central_epsilon_alone", {}),
+    ("per_class", [1, 1, 5]),
+    ("images", 3000),
+    ("privacy", "These images carry epsilon 0.001."),
+    ("source", "the sites' raw images"),
+    ("augmentation", {"kind": "x", "ops": 0, "magnitude_max": 3}),
+    ("extra", "a field verify does not know"),
+])
+def test_a_coordinator_signed_starts_claim_that_the_signed_inputs_do_not_make_is_refused(sd_release, keys, tmp_path,
+                                                                                       field, value) -> None:
+    """S1: every claim of the starts record is recomputed from the signed job and the site-signed histories; a
+    forged one (re-signed by the trusted coordinator) fails verify in one line naming the field, and synthesize
+    refuses it."""
+    from .release_helpers import load_signed, resign
+
+    rel = _copy(sd_release, tmp_path / "rel")
+    signed = load_signed(rel)
+    signed["manifest"]["starts"][field] = value
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and [c.name for c in res.failures] == ["central images"]
+    assert f"starts.{field}" in res.reason() and "\n" not in res.reason()
+    with pytest.raises(ReleaseError, match=f"starts.{field}"):
+        synthesize(rel, tmp_path / "out", keys.trust(), num=3, progress=False)
+
+
+def test_certificate_takes_the_recomputed_central_epsilon(sd_release, keys, tmp_path) -> None:
+    from feta_release.accounting import epsilon_breakdown, events_from_list
+
+    synthesize(sd_release, tmp_path / "o", keys.trust(), num=3, progress=False, threads=1)
+    start = json.loads((tmp_path / "o" / "certificate.json").read_text())["certificate"]["generation"]["start"]
+    st = json.loads((sd_release / "manifest.json").read_text())["manifest"]["sites"][0]["attestation"]["statement"]
+    want = epsilon_breakdown(events_from_list(st["events"]), st["delta"], st["accountant"])["central"]
+    assert start["central_epsilon_alone"] == {"a": want}
+    assert start["augmentation"]["ops"] == 2 and start["augmentation"]["magnitude_max"] == 3
+
+
+def test_central_images_without_a_central_event_in_the_site_history_are_refused(den_onnx, keys, tmp_path,
+                                                                               monkeypatch) -> None:
+    """S2: a release cannot ship central images that no site's signed history released: export refuses, and
+    verify refuses one built anyway (here: a record computed from another history)."""
+    from feta_release.accounting import PrivacyEvent
+    from feta_release.release import export_run
+
+    only_dpsgd = [PrivacyEvent("dpsgd", 1.5, 0.05, 200)]
+    with pytest.raises(ReleaseError, match="no 'central' event"):
+        make_release(tmp_path / "r1", den_onnx, keys, events=only_dpsgd, start_sigma=0.5, starts=_central())
+    from .release_helpers import EVENTS
+
+    def with_central(sites):  # noqa: ANN001, ANN202
+        return [{**s, "events": [e.to_dict() for e in EVENTS]} for s in sites]
+
+    real_rec, real_claims = export_run.starts_record, export_run.starts_claims
+    monkeypatch.setattr(export_run, "starts_record", lambda r, f, c, s, n: real_rec(r, f, c, with_central(s), n))
+    monkeypatch.setattr(export_run, "starts_claims", lambda c, s, n: real_claims(c, with_central(s), n))
+    rel = make_release(tmp_path / "r2", den_onnx, keys, events=only_dpsgd, start_sigma=0.5, starts=_central())
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "no 'central' event" in res.reason()
+
+
+def test_central_image_counts_must_be_what_the_signed_job_releases(den_onnx, sd_release, keys, tmp_path) -> None:
+    """S2: rounds x cells images per class (tiny: 1); a file with other counts is refused at export and, swapped
+    in with a re-signed hash, at verify."""
+    from feta_release.release.starts import starts_bytes
+
+    from .release_helpers import load_signed, resign
+
+    with pytest.raises(ReleaseError, match="per class"):
+        make_release(tmp_path / "r1", den_onnx, keys, start_sigma=0.5, starts=_central(2))
+    rel = _copy(sd_release, tmp_path / "rel")
+    (rel / "central_images.npz").write_bytes(starts_bytes(*_central(2)))
+    signed = load_signed(rel)
+    signed["manifest"]["starts"]["sha256"] = hashlib.sha256((rel / "central_images.npz").read_bytes()).hexdigest()
+    resign(rel, signed, keys.coordinator)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and "per class" in res.reason()
+
+
+def test_a_stale_central_file_of_another_job_is_not_shipped(tmp_path) -> None:
+    """S2: the federated coordinator's released/central.npz is bound to its job id; a file of an earlier job in
+    the same --out (or one with no job id) is refused, not shipped under the new job."""
+    from feta_release.release.export_run import released_central
+
+    imgs, labels = _central()
+    (tmp_path / "released").mkdir()
+    np.savez(tmp_path / "released" / "central.npz", images=imgs, labels=labels, job_id=np.array("job-old"))
+    with pytest.raises(ReleaseError, match="job-old"):
+        released_central(tmp_path, "job-new")
+    got = released_central(tmp_path, "job-old")
+    assert got is not None and np.array_equal(got[1], labels)
+    np.savez(tmp_path / "released" / "central.npz", images=imgs, labels=labels)
+    with pytest.raises(ReleaseError, match="no job id"):
+        released_central(tmp_path, "job-new")
+
+
+def test_augmentation_sizes_are_bounded_before_any_allocation() -> None:
+    """S6: a signed record (or job) with augmentation.ops = 10**9 is refused in one line, not a MemoryError."""
+    from feta_release.config import load_preset
+    from feta_release.release.manifest import starts_claims
+
+    from .release_helpers import EVENTS
+
+    x, _ = _central()
+    with pytest.raises(ReleaseError, match="ops"):
+        na.rand_augment(x, np.random.default_rng(0), n_ops=10**9, magnitude_max=3)
+    cfg = load_preset("tiny").to_dict()
+    cfg["warmup"]["augment_ops"] = 10**9
+    site = {"site_id": "a", "events": [e.to_dict() for e in EVENTS], "delta": 1e-5, "accountant": "rdp"}
+    with pytest.raises(ReleaseError, match="augment_ops"):
+        starts_claims(cfg, [site], 3)
+
+
+def test_dpo_wording_states_unit_scope_worst_case_and_lifetime() -> None:
+    """S4: the DPO reads the unit (per image; k x ε per patient by group privacy), that the figure is this job's
+    central stage under the collusion assumption, the worst case when secure aggregation was used, and where the
+    lifetime total is."""
+    from feta_release.accounting import SkellamEvent, epsilon_breakdown
+    from feta_release.config import load_preset
+    from feta_release.release.manifest import starts_claims
+
+    cfg = load_preset("tiny").to_dict()
+    sk = [SkellamEvent("central", 0.5, 1, 10.0, 10.0, mu=200.0, mu_worst=100.0)]
+    site = {"site_id": "a", "events": [e.to_dict() for e in sk], "delta": 1e-5, "accountant": "rdp"}
+    c = starts_claims(cfg, [site], 3)
+    worst = epsilon_breakdown(sk, 1e-5, "rdp", view="worst_case")["central"]
+    assert c["unit"] == "image" and worst > c["central_epsilon_alone"]["a"]
+    assert c["central_epsilon_worst_case"] == {"a": worst}
+    text = c["privacy"]
+    assert "per IMAGE" in text and "group privacy" in text and "collude" in text and "lifetime" in text
+    assert f"{worst:.3f}" in text
+    plain = {**site, "events": [e.to_dict() for e in EVENTS_PLAIN]}
+    c2 = starts_claims(cfg, [plain], 3)
+    assert c2["central_epsilon_worst_case"] == {} and "collude" not in c2["privacy"]
+
+
+EVENTS_PLAIN = __import__("tests.release_helpers", fromlist=["EVENTS"]).EVENTS

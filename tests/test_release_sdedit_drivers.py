@@ -61,8 +61,9 @@ def test_a_federated_release_ships_the_combined_central_images(tmp_path: Path, m
 
 
 @pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
-def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path) -> None:
+def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     from feta_release.cli import main
+    from feta_release.training import local_job
     from feta_release.config import load_preset
     from feta_release.data import load_embedded, save_npz
     from feta_release.policy import make_policy, sign_policy
@@ -82,6 +83,17 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path) 
     (tmp_path / "job.toml").write_text(job.replace("[sampler]\n", "[sampler]\nstart_sigma = 0.5\n"))
     assert load_preset("tiny").sampler.start_sigma is None
     run = tmp_path / "run"
+    checked: dict = {}
+    real_build = local_job.build_release
+
+    def swap_then_build(rd, *args, **kw):  # noqa: ANN001, ANN202
+        """S5 (review s6): a local user swaps the file after attest_run checked it against the ledger."""
+        with np.load(rd / "released" / "central.npz") as z:
+            checked.update(z)
+        np.savez(rd / "released" / "central.npz", **{**checked, "images": np.ones_like(checked["images"])})
+        return real_build(rd, *args, **kw)
+
+    monkeypatch.setattr(local_job, "build_release", swap_then_build)
     try:
         main(["train", str(tmp_path / "job.toml"), "--data", str(tmp_path / "small.npz"), "--out", str(run),
               "--synthetic", "10", "--no-progress", "--site-key", str(keys["site"][0]), "--policy",
@@ -92,8 +104,9 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path) 
     trust = {"hosp-a": load_public_key(keys["admin"][1])}
     res = verify_release(run / "release", trust)
     assert res.ok, res.reason()
-    with np.load(run / "released" / "central.npz") as z, np.load(run / "release" / "central_images.npz") as r:
-        assert np.array_equal(z["images"], r["images"]) and np.array_equal(z["labels"], r["labels"])
+    with np.load(run / "release" / "central_images.npz") as r:  # the bytes checked, not the swapped file
+        assert np.array_equal(checked["images"], r["images"]) and np.array_equal(checked["labels"], r["labels"])
+    assert not np.array_equal(checked["images"], np.ones_like(checked["images"]))
     assert synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source == "release"
     # a run directory whose central release was edited after the run is refused (it is not what the ledger recorded)
     with np.load(run / "released" / "central.npz") as z:

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from ..models import denoiser_spec
@@ -61,7 +62,8 @@ def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
     (``[sampler] start_sigma``; post-processing of the sites' releases)."""
     if central:
         images, labels = pooled_central(central, {sid: s.size for sid, s in d.sites.items()}, d.cfg)
-        atomic_write_bytes(d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels))
+        # bound to the job: build_release refuses a file of another job (a stale one in a reused --out)
+        atomic_write_bytes(d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
 
 
 def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any]) -> nn.Module:

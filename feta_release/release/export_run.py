@@ -15,6 +15,7 @@ nothing that looks like a release.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -47,6 +48,8 @@ from .manifest import (
     policy_file_name,
     sign_manifest,
     site_record,
+    starts_claims,
+    starts_count_problem,
     starts_record,
     statement_sha256,
     utc_now,
@@ -74,7 +77,6 @@ def assemble_release(
     enforce_policy: bool = True,
     signed_job: dict[str, Any] | None = None,
     starts: tuple[np.ndarray, np.ndarray] | None = None,
-    starts_source: str = "one site's release",
 ) -> Path:
     """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s.
 
@@ -112,7 +114,7 @@ def assemble_release(
             (tmp / policy_file_name(sid)).write_text(json.dumps(signed, indent=2, ensure_ascii=False) + "\n", "utf-8")
         record = None
         if sampler.start_sigma is not None and starts is not None:
-            record = _write_starts(tmp, starts, len(classes), sites, config, starts_source)
+            record = _write_starts(tmp, starts, len(classes), sites, config)
         manifest = build_manifest(
             tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
             sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
@@ -129,26 +131,43 @@ def assemble_release(
 
 
 def _write_starts(rel: Path, starts: tuple[np.ndarray, np.ndarray], n_classes: int, sites: Sequence[dict[str, Any]],
-                  config: dict[str, Any], source: str) -> dict[str, Any]:
+                  config: dict[str, Any]) -> dict[str, Any]:
     images, labels = np.asarray(starts[0], np.float32), np.asarray(starts[1], np.int64)
     missing = sorted(set(range(n_classes)) - {int(v) for v in labels})
     if missing:
         raise ReleaseError(f"the released central images hold no image of class(es) {missing}: SDEdit needs one per "
                            "class; leave [sampler] start_sigma out")
+    wrong = starts_count_problem(labels, starts_claims(config, sites, n_classes)["per_class"])
+    if wrong:
+        raise ReleaseError(f"{wrong}: not this job's central release, refusing to ship it")
     (rel / STARTS_FILE).write_bytes(starts_bytes(images, labels))
-    w = JobConfig.from_dict(config).warmup
-    aug = {"kind": "RandAugment bag of training.augment (numpy port, release/starts.py), magnitude drawn per image",
-           "ops": int(w.augment_ops), "magnitude_max": int(w.augment_magnitude)}
-    return starts_record(rel, STARTS_FILE, labels, n_classes, sites, aug, source)
+    return starts_record(rel, STARTS_FILE, config, sites, n_classes)
 
 
-def released_central(job_dir: str | Path) -> tuple[np.ndarray, np.ndarray] | None:
-    """The job directory's released central images (``released/central.npz``: images in [0, 1], labels), if any."""
+def released_central(job_dir: str | Path, job_id: str | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The job directory's released central images (``released/central.npz``: images in [0, 1], labels), if any.
+    ``job_id``: the file must say it is that job's (the federated coordinator writes it), so a stale file of an
+    earlier job in the same directory is never shipped under a new one (review s6, S2)."""
     path = Path(job_dir) / RELEASED_CENTRAL
     if not path.is_file():
         return None
-    with np.load(path, allow_pickle=False) as z:
-        return np.asarray(z["images"], np.float32), np.asarray(z["labels"], np.int64)
+    data = path.read_bytes()
+    if job_id is not None:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            have = str(z["job_id"]) if "job_id" in z.files else None
+        if have != job_id:
+            raise ReleaseError(f"{path}: " + ("carries no job id" if have is None else f"is job {have!r}'s")
+                               + f", not job {job_id!r}'s central images (a stale file of an earlier job?); remove "
+                               "it and rerun the job")
+    return _central_arrays(data, path)
+
+
+def _central_arrays(data: bytes, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            return np.asarray(z["images"], np.float32), np.asarray(z["labels"], np.int64)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ReleaseError(f"{path}: not a central-images file (images, labels) ({exc}); rerun the job") from None
 
 
 # -- single-site run directories -------------------------------------------------------------------------
@@ -317,11 +336,12 @@ def run_central(rd: Path, run_info: Mapping[str, Any], job_id: str, site_key: Ed
     ledger = ledger if ledger.is_absolute() else rd / ledger
     with Ledger(ledger, verify_key=site_key.public_key()) as led:
         recorded = [r["response_sha256"] for r in led.requests(job_id) if r["mechanism"] == "central"]
-    have = sha256_file(path)
+    data = path.read_bytes()  # hashed and parsed from the SAME bytes: no second read to swap in between
+    have = sha256_hex(data)
     if have not in recorded:
         raise ReleaseError(f"{path}: hashes to {have[:16]}…, not the central release the site ledger recorded for job "
                            f"{job_id} (edited or swapped after the run); export the run directory as `train` left it")
-    return released_central(rd)
+    return _central_arrays(data, path)
 
 
 def export_run(

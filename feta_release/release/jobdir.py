@@ -145,11 +145,14 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
 
 
 def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey, *,
-                  require_policies: bool = True) -> Path:
+                  require_policies: bool = True, starts: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
     """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside.
 
     ``require_policies``: every site must have its signed policy in ``policies/`` (a federation's sites always
-    do); a single-site run without a policy is released without one (``verify`` then says so)."""
+    do); a single-site run without a policy is released without one (``verify`` then says so).
+    ``starts``: the central images as the caller CHECKED them (a ``train`` run: the arrays ``attest_run`` hashed
+    against the ledger), shipped as they are, never re-read from the path (review s6, S5); None: the federated
+    coordinator's ``released/central.npz``."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     job = signed["job"]
     cfg = JobConfig.from_dict(job["config"])
@@ -166,14 +169,12 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
         elif require_policies:
             raise FetaError(f"{path}: missing; the release needs site {sid}'s signed policy")
     key = coordinator_key if isinstance(coordinator_key, Ed25519PrivateKey) else load_private_key(coordinator_key)
-    # The central images the warm-up used (released/central.npz: a run's own release, checked against its ledger by
-    # training.local_job; a federation's combination of the sites' releases), shipped for SDEdit (start_sigma).
-    source = ("one site's release, post-processed as the warm-up used it" if len(atts) == 1 else
-              f"the {len(atts)} sites' releases combined (public-size weighted mean, post-processed) as the "
-              "coordinator's warm-up used them")
+    # The central images the warm-up used (a run's own release, checked against its ledger by training.local_job and
+    # passed in; a federation's combination of the sites' releases), shipped for SDEdit (start_sigma).
+    starts = released_central(out_dir, job["job_id"]) if starts is None else starts
     return assemble_release(
         out_dir / RELEASE, denoiser=load_model(out_dir), classes=summary["class_names"],
         image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],
         config=job["config"], sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=key,
-        signed_policies=policies, signed_job=signed, starts=released_central(out_dir), starts_source=source,
+        signed_policies=policies, signed_job=signed, starts=starts,
     )

@@ -43,6 +43,16 @@ from ..errors import ReleaseError
 from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
 FORMAT_VERSION = "feta-release/manifest/1"
+# A release with an SDEdit sampler / shipped central images (``starts``): an older verifier, which checks neither,
+# refuses format 2 instead of answering OK for a file it never hashed (review s6, S3).
+FORMAT_VERSION_SDEDIT = "feta-release/manifest/2"
+# The generator's ``feta.format`` (release.onnx_export): format 2 has the SDEdit inputs start, from_release.
+GENERATOR_FORMATS = {False: "feta-release-generator/1", True: "feta-release-generator/2"}
+
+
+def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None) -> str:
+    """The format a manifest with this sampler and ``starts`` record must carry."""
+    return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
 ATTESTATION_KIND = "feta-release/spend-attestation/1"
 MANIFEST_FILE = "manifest.json"
 GENERATOR_FILE = "generator.onnx"
@@ -219,7 +229,7 @@ def build_manifest(
         raise ReleaseError(f"duplicate site ids in release: {ids}")
     created = utc_now()
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": manifest_format(sampler, starts),
         "created": created,
         "generator": {
             "file": generator_file,
@@ -239,33 +249,91 @@ def build_manifest(
     }
 
 
-def starts_record(release_dir: str | Path, file: str, labels: Any, n_classes: int, sites: Sequence[dict[str, Any]],
-                  augmentation: dict[str, Any], source: str) -> dict[str, Any]:
-    """The manifest's ``starts`` entry: the released central images' file, hash and what they are, in words a
-    data-protection officer reads (with each site's epsilon of the central stage alone, from its signed history)."""
-    per_site = {}
+STARTS_KIND = "RandAugment bag of training.augment (numpy port, release/starts.py), magnitude drawn per image"
+
+
+def starts_source(n_sites: int) -> str:
+    """Where the shipped central images come from, in words (a function of the public site count only)."""
+    return ("one site's release, post-processed as the warm-up used it" if n_sites == 1 else
+            f"the {n_sites} sites' releases combined (public-size weighted mean, post-processed) as the "
+            "coordinator's warm-up used them")
+
+
+def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int) -> dict[str, Any]:
+    """Every claim of the ``starts`` record, computed from signed inputs only: the job config (counts,
+    augmentation) and each site's signed history (the central stage's ε, as the privacy report computes it).
+    ``sites``: site records or signed statements (site_id, events, delta, accountant). Export writes these and
+    verify recomputes them, so no figure in the record is the coordinator's word (review s6, S1)."""
+    from ..config import JobConfig
+
+    cfg = JobConfig.from_dict(config)
+    from .starts import MAX_OPS, N_BINS
+
+    w = cfg.warmup
+    if not (0 <= w.augment_ops <= MAX_OPS and 1 <= w.augment_magnitude < N_BINS):  # S6: bounded before any use
+        raise ReleaseError(f"[warmup] augment_ops = {w.augment_ops}, augment_magnitude = {w.augment_magnitude}: the "
+                           f"release's start augmentation needs 0 <= augment_ops <= {MAX_OPS} and 1 <= "
+                           f"augment_magnitude <= {N_BINS - 1}")
+    if cfg.central.rounds <= 0:
+        raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
+                           "images: they are not this job's release; leave [sampler] start_sigma out")
+    per_site: dict[str, float] = {}
+    worst: dict[str, float] = {}
     for s in sites:
         evs = events_from_list(s["events"])
-        if any(e.stage == "central" for e in evs):
-            per_site[s["site_id"]] = round(epsilon_breakdown(evs, s["delta"], s["accountant"])["central"], 6)
-    counts = [int((labels == c).sum()) for c in range(n_classes)]
-    words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
+        if not any(e.stage == "central" for e in evs):  # review s6, S2: every site released its part, in its history
+            raise ReleaseError(f"site {s['site_id']}'s signed history has no 'central' event for this job, so the "
+                               "central images are not what the sites released; leave [sampler] start_sigma out")
+        sid, delta = str(s["site_id"]), float(s["delta"])
+        per_site[sid] = epsilon_breakdown(evs, delta, s["accountant"])["central"]
+        central = [e for e in evs if e.stage == "central"]
+        if has_secure_aggregation(central):  # S4: the figure if every other site colludes with the coordinator
+            worst[sid] = epsilon_breakdown(central, delta, s["accountant"], view="worst_case")["central"]
+    per_class = cfg.central.rounds * cfg.central.cells  # rows are (round, class, cell); cells = 1 unless "mean"
+    source = starts_source(len(sites))
     return {
-        "file": file,
-        "sha256": sha256_file(Path(release_dir) / file),
-        "images": int(len(labels)),
-        "per_class": counts,
+        "images": per_class * n_classes,
+        "per_class": [per_class] * n_classes,
         "source": source,
-        "augmentation": dict(augmentation),
+        "augmentation": {"kind": STARTS_KIND, "ops": int(cfg.warmup.augment_ops),
+                         "magnitude_max": int(cfg.warmup.augment_magnitude)},
+        "unit": "image",  # the central stage is image-level at every site (privacy_unit.py)
         "central_epsilon_alone": per_site,
-        "privacy": (
-            "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
-            f"({source}; {words} for that stage alone, at each site's delta). They are differentially private "
-            "outputs already charged in every site's signed event history, so shipping them is post-processing "
-            "and costs no further privacy; each site's total epsilon above covers them. synthesize starts its "
-            "SDEdit samples from augmented copies of them (--from release)."
-        ),
+        "central_epsilon_worst_case": worst,
+        "privacy": _starts_words(source, per_site, worst),
     }
+
+
+def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
+    """The DPO's text of the starts record (review s6, S4): unit, scope, collusion assumption, lifetime."""
+    words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
+    worst_words = "" if not worst else (
+        " These figures assume the other sites do not collude with the coordinator (secure aggregation); if they "
+        "all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + ".")
+    return (
+        "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
+        f"({source}). Privacy per IMAGE, for this job's central stage alone, at each site's delta: {words} (a "
+        f"patient-level site with patient cap k: k·ε per patient, by group privacy).{worst_words} They are "
+        "differentially private outputs already charged in every site's signed event history, so shipping them is "
+        "post-processing and costs no further privacy; each site's job ε and lifetime ε (its site record and the "
+        "synthesize certificate) cover them. synthesize starts its SDEdit samples from augmented copies of them "
+        "(--from release)."
+    )
+
+
+def starts_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
+                  n_classes: int) -> dict[str, Any]:
+    """The manifest's ``starts`` entry: the released central images' file and hash, and :func:`starts_claims`."""
+    return {"file": file, "sha256": sha256_file(Path(release_dir) / file), **starts_claims(config, sites, n_classes)}
+
+
+def starts_count_problem(labels: Any, per_class: Sequence[int]) -> str | None:
+    """Why the file's labels are not the per-class counts the signed job releases (None: they are)."""
+    have = [int(sum(1 for v in labels if int(v) == c)) for c in range(len(per_class))]
+    if have != list(per_class) or len(labels) != sum(per_class):
+        return (f"the central images hold {have} images per class ({len(labels)} in all), the signed job releases "
+                f"{list(per_class)} per class (central rounds x cells)")
+    return None
 
 
 def sign_manifest(manifest: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:

@@ -95,7 +95,9 @@ def _released(man: dict[str, Any], res: VerificationResult) -> str:
         ("what is released", f"a generator ({_h(gen['file'])}, ONNX) that maps noise and a class label to a "
                              f"synthetic image of shape {_h(' x '.join(map(str, gen['image_shape'])))}; "
                              f"classes: {_h(', '.join(map(str, gen['classes'])))}"),
-        *([("central images (also released)", _h(man["starts"]["privacy"]))] if man.get("starts") else []),
+        *([("central images (also released)", _h(res.starts_claims["privacy"] if res.starts_claims else
+                                                 "the release names central images that did NOT pass verify"))]
+          if man.get("starts") else []),
         ("released by", _h(f"the coordinator: manifest {signer}")),
         ("manifest sha256", f'<span class="hash">{_h(res.manifest_sha256)}</span>'),
         ("generator sha256", f'<span class="hash">{_h(gen["sha256"])}</span>'),

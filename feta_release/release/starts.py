@@ -149,12 +149,18 @@ OPS: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {
 assert tuple(OPS) == OP_NAMES
 
 
+# Upper bound on the ops per image: the record (and job) is signed by the coordinator, so the size is bounded before
+# anything is allocated (one row of 1 + 2 ops uniforms per image; review s6, S6). The warm-up uses 2.
+MAX_OPS = 16
+
+
 def rand_augment(images: np.ndarray, rng: np.random.Generator, *, n_ops: int, magnitude_max: int) -> np.ndarray:
     """RandAugment-ed copies of ``images`` (n, C, H, W) in [0, 1]. Per image, in image order, one row of
     ``1 + 2 n_ops`` uniforms from ``rng``: the magnitude in 1..magnitude_max, then each op and its sign. Drawn
     row by row from one stream, so image k's augmentation does not depend on how the images are batched."""
-    if not 1 <= magnitude_max < N_BINS or n_ops < 0:
-        raise ReleaseError(f"augmentation needs 0 <= ops and 1 <= magnitude <= {N_BINS - 1}, got {n_ops}, {magnitude_max}")
+    if not 1 <= magnitude_max < N_BINS or not 0 <= n_ops <= MAX_OPS:
+        raise ReleaseError(f"augmentation needs 0 <= ops <= {MAX_OPS} and 1 <= magnitude <= {N_BINS - 1}, got "
+                           f"{n_ops}, {magnitude_max}")
     n = len(images)
     u = rng.random((n, 1 + 2 * n_ops))
     f = ((1 + np.floor(u[:, 0] * magnitude_max)) / (N_BINS - 1)).astype(np.float32)

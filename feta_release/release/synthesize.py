@@ -142,12 +142,12 @@ def start_source(requested: str | None, res: VerificationResult) -> str:
 
 
 def release_starts(res: VerificationResult, seed: int) -> Starts:
-    assert res.manifest is not None and res.starts_bytes is not None
+    assert res.manifest is not None and res.starts_bytes is not None and res.starts_claims is not None
     man = res.manifest
     rec = man["starts"]
     images, labels = load_starts(res.starts_bytes, f"{res.release_dir}/{rec['file']}",
                                  tuple(man["generator"]["image_shape"]), len(man["generator"]["classes"]))
-    aug = rec["augmentation"]
+    aug = res.starts_claims["augmentation"]  # recomputed by verify from the signed job (== the record)
     # Its own stream (not the noise's): the noise of image k is the same whichever start it is paired with.
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(1,))))
     return Starts(images, labels, int(aug["ops"]), int(aug["magnitude_max"]), rng)
@@ -279,7 +279,7 @@ def synthesize(
             "batch": batch,
             "threads": threads,
             "sampler": man["generator"]["sampler"],
-            "start": start_statement(source, man),
+            "start": start_statement(source, man, res.starts_claims),
             "onnxruntime": ort.__version__,
             "seconds": round(seconds, 3),
         }
@@ -294,21 +294,24 @@ def synthesize(
     return SynthesisReport(out, total, dict(zip(classes, counts)), out / CERTIFICATE_FILE, seconds, threads, source)
 
 
-def start_statement(source: str, man: dict[str, Any]) -> dict[str, Any]:
-    """What the certificate says the images started from (and, for SDEdit, that the central images are a release)."""
+def start_statement(source: str, man: dict[str, Any], claims: dict[str, Any] | None) -> dict[str, Any]:
+    """What the certificate says the images started from (and, for SDEdit, that the central images are a release).
+    ``claims``: the starts record as verify RECOMPUTED it from the signed inputs (never the coordinator's text)."""
     rec = man.get("starts")
     if source == "noise":
         return {"from": "noise", "meaning": "pure noise at sigma_max (the generator's noise sampler)"
                 + ("; the release also carries central images, not used (--from noise)" if rec else "")}
-    assert rec is not None
+    assert rec is not None and claims is not None
     return {
         "from": "release",
         "meaning": (f"SDEdit: each image denoised from an augmented released central image of its class plus "
                     f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"),
         "start_sigma": man["generator"]["sampler"]["start_sigma"],
-        "central_images": {"file": rec["file"], "sha256": rec["sha256"], "images": rec["images"]},
-        "central_epsilon_alone": rec.get("central_epsilon_alone"),
-        "augmentation": rec["augmentation"],
+        "central_images": {"file": rec["file"], "sha256": rec["sha256"], "images": claims["images"]},
+        "central_epsilon_alone": claims["central_epsilon_alone"],  # per image, this job's central stage alone
+        "central_epsilon_worst_case": claims["central_epsilon_worst_case"],  # secure aggregation, all others collude
+        "unit": claims["unit"],
+        "augmentation": claims["augmentation"],
         "augmentation_randomness": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
         "privacy": ("the central images are differentially private outputs already charged in each site's "
                     "attested history (the privacy figures above include them); starting from them is "

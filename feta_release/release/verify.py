@@ -55,8 +55,11 @@ from ..signing import (
 from .manifest import (
     ATTESTATION_KIND,
     ATTESTED_FIELDS,
-    FORMAT_VERSION,
+    GENERATOR_FORMATS,
     MANIFEST_FILE,
+    manifest_format,
+    starts_claims,
+    starts_count_problem,
     policy_file_name,
     statement_sha256,
 )
@@ -85,6 +88,7 @@ class VerificationResult:
     trusted: list[str] = field(default_factory=list)
     generator_bytes: bytes | None = field(default=None, repr=False)
     starts_bytes: bytes | None = field(default=None, repr=False)  # the verified central images (SDEdit starts)
+    starts_claims: dict[str, Any] | None = None  # the starts record's claims as RECOMPUTED from signed inputs
 
     @property
     def ok(self) -> bool:
@@ -176,11 +180,12 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     man = doc["manifest"]
     res.manifest = man
     res.manifest_sha256 = _guard(res, "manifest", lambda: sha256_hex(canonical_json(man)))
+    fmt = _guard(res, "manifest format", lambda: manifest_format(man["generator"]["sampler"], man.get("starts")))
     res.add(
         "manifest format",
-        man.get("format_version") == FORMAT_VERSION,
-        f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == FORMAT_VERSION
-                                                          else f", expected {FORMAT_VERSION!r}"),
+        man.get("format_version") == fmt,
+        f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == fmt
+                                                          else f", expected {fmt!r} for this sampler/starts"),
     )
     _guard(res, "generator", lambda: _check_generator(res, rd, man))
     _guard(res, "central images", lambda: _check_starts(res, rd, man))
@@ -328,12 +333,13 @@ def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> 
         "feta.classes": gen["classes"],
         "feta.image_shape": gen["image_shape"],
         "feta.sampler": gen["sampler"],
+        "feta.format": GENERATOR_FORMATS["start_sigma" in gen["sampler"]],
         "feta.statement_sha256": statement_sha256(man["job"], man["sites"]),
     }
     bad = []
     for key, expected in want.items():
         got = meta.get(key)
-        if key != "feta.statement_sha256" and got is not None:
+        if key not in ("feta.statement_sha256", "feta.format") and got is not None:
             got = json.loads(got)
         if got != expected:
             bad.append(f"{key} is {got!r}, manifest says {expected!r}")
@@ -370,10 +376,48 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
                 "(file changed); take the release as it was published")
         return
     gen = man["generator"]
-    images, _ = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]))
-    res.starts_bytes = data
+    images, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]))
+    claims = _starts_claims_match(res, man, rec)
+    if claims is None:
+        return
+    wrong = starts_count_problem(labels, claims["per_class"])
+    if wrong:
+        res.add("central images", False, f"{path}: {wrong}; not this job's central release")
+        return
+    res.starts_bytes, res.starts_claims = data, claims
     res.add("central images", sdedit, f"{path}: {len(images)} released central images, sha256 matches the manifest"
             + ("" if sdedit else "; but the sampler has no start_sigma"))
+
+
+def _starts_claims_match(res: VerificationResult, man: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The record's claims recomputed from the signed job config and the sites' SIGNED statements (the same
+    figures the certificate uses); a field that differs fails the check, named (review s6, S1)."""
+    statements = [s["attestation"]["statement"] for s in man["sites"]]
+    want = starts_claims(man["job"]["config"], statements, len(man["generator"]["classes"]))
+    extra = sorted(set(rec) - set(want) - {"file", "sha256"})
+    bad = [f"starts.{k} is not part of the record" for k in extra]
+    for k, v in want.items():
+        got = rec.get(k)
+        same = (isinstance(got, dict) and set(got) == set(v)
+                and all(_close(got[s], e) for s, e in v.items())) if k.startswith("central_epsilon") else got == v
+        if not same:
+            bad.append(f"starts.{k} is {_short(got)}, recomputed from the signed job and site histories "
+                       f"{_short(v)}")
+    if bad:
+        res.add("central images", False, "; ".join(bad) + " (the coordinator's record of the central images is not "
+                "what the signed inputs say; do not use this release)")
+        return None
+    return want
+
+
+def _close(got: Any, want: float) -> bool:
+    return isinstance(got, (int, float)) and not isinstance(got, bool) and math.isclose(
+        float(got), want, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _generator_metadata(data: bytes, where: Path) -> dict[str, str]:

@@ -83,11 +83,14 @@ def reply_timeout(message: Message) -> float:
     try:
         doc = json.loads(str(message.content.config_records["cfg"]["json"]))
         value = doc["job"]["job"]["config"]["federation"]["round_timeout"]
-    except (KeyError, TypeError, ValueError, AttributeError):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return ceiling
+        seconds = float(value)  # an int beyond float range raises OverflowError: the ceiling, not a crash
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError):
         return ceiling
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not math.isfinite(seconds) or seconds <= 0:
         return ceiling
-    return min(ceiling, float(value) + ROUND_MARGIN)
+    return min(ceiling, seconds + ROUND_MARGIN)
 
 
 def forward(message: Message, context: Context, sock: str, key: bytes) -> Message:

@@ -109,3 +109,16 @@ def test_the_wait_is_the_round_timeout_plus_the_margin_capped_by_the_ceiling(rt)
                                  {"job": {"job": {"config": {"federation": {"round_timeout": True}}}}}])
 def test_a_message_without_a_readable_job_waits_the_ceiling(doc):
     assert fwd.reply_timeout(_msg(doc)) == channel.CLIENT_TIMEOUT
+
+
+def test_a_huge_round_timeout_waits_the_ceiling_instead_of_raising():
+    # review F4: an int beyond float range made math.isfinite raise OverflowError out of the forwarder
+    doc = {"job": {"job": {"config": {"federation": {"round_timeout": 10 ** 400}}}}}
+    assert fwd.reply_timeout(_msg(doc)) == channel.CLIENT_TIMEOUT
+
+
+def test_a_deeply_nested_job_document_waits_the_ceiling_instead_of_raising():
+    # review F4: json.loads of a deeply nested document raises RecursionError
+    m = _msg({})
+    m.content.config_records["cfg"]["json"] = "[" * 200_000 + "]" * 200_000
+    assert fwd.reply_timeout(m) == channel.CLIENT_TIMEOUT

@@ -306,18 +306,26 @@ def _check_coordinator(res: VerificationResult, rd: Path, doc: dict[str, Any], j
         res.add("job signature", True, f"the job is signed by the same coordinator key {signer}")
 
 
+def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str, what: str) -> tuple[Path, bytes] | None:
+    """The bytes of a file the manifest names, which must be a plain file name inside the release directory (a
+    signed manifest still must not point outside it); a failed check is recorded under ``check``."""
+    if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+        res.add(check, False, f"{what} name {name!r} must be a plain file name in the release")
+        return None
+    path = rd / name
+    try:
+        return path, path.read_bytes()
+    except OSError as exc:
+        res.add(check, False, f"{path}: missing or unreadable ({exc.strerror or exc})")
+        return None
+
+
 def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
     gen = man["generator"]
-    name = gen["file"]
-    if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
-        res.add("generator file", False, f"generator file name {name!r} must be a plain file name in the release")
+    read = _read_release_file(res, rd, gen["file"], "generator file", "generator file")
+    if read is None:
         return
-    gpath = rd / name
-    try:
-        data = gpath.read_bytes()
-    except OSError as exc:
-        res.add("generator file", False, f"{gpath}: missing or unreadable ({exc.strerror or exc})")
-        return
+    gpath, data = read
     digest = sha256_hex(data)
     res.generator_sha256 = digest
     if not res.add(
@@ -360,16 +368,10 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
             res.add("central images", False, "the sampler has start_sigma but the manifest names no central images "
                     "(starts): the release is incomplete")
         return
-    name = rec["file"]
-    if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
-        res.add("central images", False, f"central images file name {name!r} must be a plain file name in the release")
+    read = _read_release_file(res, rd, rec["file"], "central images", "central images file")
+    if read is None:
         return
-    path = rd / name
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        res.add("central images", False, f"{path}: missing or unreadable ({exc.strerror or exc})")
-        return
+    path, data = read
     digest = sha256_hex(data)
     if digest != rec["sha256"]:
         res.add("central images", False, f"{path}: sha256 {digest[:16]}… != manifest {str(rec['sha256'])[:16]}… "

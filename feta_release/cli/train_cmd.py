@@ -79,7 +79,6 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     import torch
 
     from ..config import load_job, load_preset
-    from ..data import load_dataset, load_embedded, train_heldout_split
     from ..signing import load_private_key
     from ..training.pipeline import run_pipeline
     from ..training.progress import Reporter
@@ -90,18 +89,7 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     site_policy = _site_policy(policy_path, trusted)
     if threads:
         torch.set_num_threads(threads)
-    patients = None
-    if data_path is None:
-        data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
-    else:
-        opts = load or LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
-        data, report = load_dataset(data_path, **opts.kwargs())
-        if report.n_skipped:
-            click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
-        patients = _patient_index(report, public_patients)
-    if public_patients is not None and patients is None:
-        raise ConfigError("--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "
-                          "patient ids (a CSV patient_id column or DICOM PatientID)")
+    data, patients = _training_data(cfg, data_path, load, public_patients)
     rep = Reporter(enabled=progress)
     skey = load_private_key(site_key) if site_key is not None else None
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
@@ -117,11 +105,37 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
             res.run_dir, site_key=skey or run_site_key(res.run_dir),
             coordinator_key=load_private_key(coordinator_key) if coordinator_key else run_coordinator_key(res.run_dir),
             site_id=site_id, signed_policy=read_json(policy_path, "signed policy") if policy_path else None)
+    _print_summary(res, cfg.privacy.accountant, release, as_json)
+
+
+def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
+                   public_patients: int | None) -> tuple[Any, Any]:
+    """(the site's dataset, its patient index or None): --data loaded with the job's (or the options') resize, or the
+    embedded MNIST training split (its held-out 20 % is left for `evaluate`)."""
+    from ..data import load_dataset, load_embedded, train_heldout_split
+
+    patients = None
+    if data_path is None:
+        data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
+    else:
+        opts = load or LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
+        data, report = load_dataset(data_path, **opts.kwargs())
+        if report.n_skipped:
+            click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
+        patients = _patient_index(report, public_patients)
+    if public_patients is not None and patients is None:
+        raise ConfigError("--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "
+                          "patient ids (a CSV patient_id column or DICOM PatientID)")
+    return data, patients
+
+
+def _print_summary(res: Any, accountant: str, release: Path | None, as_json: bool) -> None:
+    """The run's ε, events and where its outputs are: one line, or the JSON summary (--json)."""
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,
         "delta": res.delta,
-        "accountant": cfg.privacy.accountant,
+        "accountant": accountant,
         "events": [e.to_dict() for e in res.events],
         "dpsgd_noise_multiplier": res.dpsgd_sigma,
         "dpsgd_steps_trained": res.dpsgd_steps_trained,

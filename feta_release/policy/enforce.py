@@ -33,7 +33,7 @@ from typing import Any
 from ..accounting import Event, PrivacyEvent
 from ..errors import BudgetExceededError, PolicyError, PrivacyError
 from ..ledger import as_budget, check_spend
-from .document import MECHANISMS, SitePolicy, check_validity
+from .document import MECHANISMS, MechanismRule, SitePolicy, check_validity
 from .errors import JobDoesNotFit, PolicyBudgetExceeded, PolicyViolation
 from .jobs import Job
 
@@ -166,6 +166,16 @@ def check_request(
                               "a job signed by an allowed coordinator", site=site)
     if req.app_bundle is not None:
         check_app_bundle(policy, req.app_bundle)
+    _check_numbers(req, rule, site)
+    _check_caps(policy, req, rule, job_events, require_stated)
+    return req
+
+
+def _check_numbers(req: MechanismRequest, rule: MechanismRule, site: str) -> None:
+    """The request's own numbers are well-formed: σ finite, positive and >= the rule's minimum; q in (0, 1];
+    steps a non-negative integer (a peer's message can carry anything)."""
+    m = req.mechanism
+    base = f"mechanisms.{m}"
     sigma = req.sigma
     if not (isinstance(sigma, (int, float)) and math.isfinite(sigma)) or sigma < (rule.min_sigma or 0.0) or sigma <= 0:
         raise PolicyViolation(f"{base}.min_sigma", f"requested σ={sigma} < minimum {_fmt(rule.min_sigma or 0.0)}",
@@ -174,6 +184,15 @@ def check_request(
         raise PolicyViolation(f"{base}", f"sampling rate q={req.q} must be in (0, 1]", site=site)
     if isinstance(req.steps, bool) or not isinstance(req.steps, int) or req.steps < 0:
         raise PolicyViolation(f"{base}", f"steps={req.steps!r} must be an integer >= 0", site=site)
+
+
+def _check_caps(policy: SitePolicy, req: MechanismRequest, rule: MechanismRule, job_events: Iterable[Event],
+                require_stated: bool) -> None:
+    """The rule's caps: steps/rounds per job (counting ``job_events``), unit of privacy, batch, cells, features,
+    clip; an unstated features/clip is refused when capped and ``require_stated``."""
+    m = req.mechanism
+    site = policy.site_id
+    base = f"mechanisms.{m}"
     caps = rule.caps
     prior = sum(e.steps for e in job_events if e.stage == m)
     steps_cap = "max_rounds" if m == "central" else "max_steps"
@@ -205,7 +224,6 @@ def check_request(
         if req.clip is not None and req.clip > caps["max_clip"]:
             raise PolicyViolation(f"{base}.max_clip", f"requested clip {_fmt(req.clip)} > cap "
                                   f"{_fmt(caps['max_clip'])}", site=site)
-    return req
 
 
 def check_unit(policy: SitePolicy, req: MechanismRequest) -> None:

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,8 +241,6 @@ def synthesize(
     ``verify-synthetic`` will say so. ``source``: ``"release"`` (SDEdit from the release's central images),
     ``"noise"``, or None for what the signed release says.
     """
-    import time
-
     out = Path(out)
     if batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {batch}")
@@ -268,21 +267,8 @@ def synthesize(
         starts = release_starts(res, seed) if source == "release" else None
         _write_pngs(sess, rng, counts, batch, dirs, (c, h, w), info, tmp, hashes_path, progress, starts)
         seconds = time.perf_counter() - t0
-        import onnxruntime as ort
-
-        generation = {
-            "num_images": total,
-            "per_class": dict(zip(classes, counts)),
-            "folders": dict(zip(classes, dirs)),
-            "seed": int(seed),
-            "noise": "numpy PCG64(seed).standard_normal float32, drawn image after image in class order",
-            "batch": batch,
-            "threads": threads,
-            "sampler": man["generator"]["sampler"],
-            "start": start_statement(source, man, res.starts_claims),
-            "onnxruntime": ort.__version__,
-            "seconds": round(seconds, 3),
-        }
+        generation = _generation_record(res, classes, counts, dirs, seed=seed, batch=batch, threads=threads,
+                                        source=source, seconds=seconds)
         _write_certificate(tmp / CERTIFICATE_FILE, release_dir, out, res, generation, hashes_path, key, signer_name)
         hashes_path.unlink()
         if out.exists():
@@ -292,6 +278,28 @@ def synthesize(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return SynthesisReport(out, total, dict(zip(classes, counts)), out / CERTIFICATE_FILE, seconds, threads, source)
+
+
+def _generation_record(res: VerificationResult, classes: list[str], counts: Sequence[int], dirs: Sequence[str], *,
+                       seed: int, batch: int, threads: int, source: str, seconds: float) -> dict[str, Any]:
+    """The certificate's ``generation`` section: what was drawn, from which noise and starts, with what runtime."""
+    import onnxruntime as ort  # loaded by make_session already; lazy here as there (fast `--help` of the CLI)
+
+    man = res.manifest
+    assert man is not None
+    return {
+        "num_images": sum(counts),
+        "per_class": dict(zip(classes, counts)),
+        "folders": dict(zip(classes, dirs)),
+        "seed": int(seed),
+        "noise": "numpy PCG64(seed).standard_normal float32, drawn image after image in class order",
+        "batch": batch,
+        "threads": threads,
+        "sampler": man["generator"]["sampler"],
+        "start": start_statement(source, man, res.starts_claims),
+        "onnxruntime": ort.__version__,
+        "seconds": round(seconds, 3),
+    }
 
 
 def start_statement(source: str, man: dict[str, Any], claims: dict[str, Any] | None) -> dict[str, Any]:

@@ -229,17 +229,26 @@ def table(rows: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def _but_seeds(protocol: dict[str, Any]) -> dict[str, Any]:
+    """The protocol without its seed list: streams that ran different seeds (``--seeds 2``) of one protocol merge."""
+    return {k: v for k, v in protocol.items() if k != "seeds"}
+
+
 def merge(paths: list[str], out: Path) -> dict[str, Any]:
-    """One document (and table) from the JSON files of parallel streams (same protocol and preset)."""
+    """One document (and table) from the JSON files of parallel streams (same preset and protocol; the seeds may
+    differ: the merged protocol's seeds are the union, each arm's rows sorted by seed, a seed kept once per arm)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     doc: dict[str, Any] = {k: v for k, v in docs[0].items() if k not in ("rows", "table")}
     doc["rows"], doc["merged_from"] = {}, [str(p) for p in paths]
     for d in docs:
-        if (d["preset"], d["protocol"]) != (doc["preset"], doc["protocol"]):
+        if (d["preset"], _but_seeds(d["protocol"])) != (doc["preset"], _but_seeds(doc["protocol"])):
             raise SystemExit(f"{paths}: different preset/protocol, not merged")
         for arm, runs in d["rows"].items():
             have = doc["rows"].setdefault(arm, [])
             have += [r for r in runs if r["seed"] not in {h["seed"] for h in have}]
+    for runs in doc["rows"].values():
+        runs.sort(key=lambda r: r["seed"])
+    doc["protocol"] = {**doc["protocol"], "seeds": sorted({r["seed"] for rs in doc["rows"].values() for r in rs})}
     doc["table"] = table(doc["rows"])
     out.write_text(json.dumps(doc, indent=1, default=str))
     print(doc["table"], flush=True)

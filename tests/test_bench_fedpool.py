@@ -65,3 +65,22 @@ def test_parallel_streams_merge_into_one_table(tmp_path: Path) -> None:
     b.write_text(json.dumps({**base, "preset": "q", "rows": {}}))
     with pytest.raises(SystemExit):
         bench.merge([str(a), str(b)], tmp_path / "m.json")
+
+
+def test_a_stream_that_ran_another_seed_merges_into_the_earlier_table(tmp_path: Path) -> None:
+    """A later stream (``--seeds 2``) of the same protocol adds its rows: seeds are the union, rows in seed order; a
+    different protocol (other than its seed list) is still refused."""
+    bench = _bench()
+    row = {"seed": 0, "acc_noise": 0.5, "fd_noise": 10.0, "acc_sdedit": 0.6, "fd_sdedit": 9.0, "release_only": 0.4,
+           "epsilon": 0.99, "seconds": 60.0, "load": {"start": 1.0, "end": 2.0}}
+    proto = {"n_synthetic": 10, "seeds": [0, 1, 2]}
+    early, late = tmp_path / "early.json", tmp_path / "late.json"
+    early.write_text(json.dumps({"preset": "p", "protocol": proto, "rows": {"pooled": [{**row, "seed": 1}, row]}}))
+    late.write_text(json.dumps({"preset": "p", "protocol": {**proto, "seeds": [2]},
+                                "rows": {"pooled": [{**row, "seed": 2, "acc_sdedit": 0.9}]}}))
+    doc = bench.merge([str(late), str(early)], tmp_path / "m.json")
+    assert [r["seed"] for r in doc["rows"]["pooled"]] == [0, 1, 2] and doc["protocol"]["seeds"] == [0, 1, 2]
+    assert "| **pooled, mean ± std** | 0,1,2 |" in doc["table"] and "0.700 ± 0.173" in doc["table"]
+    late.write_text(json.dumps({"preset": "p", "protocol": {**proto, "n_synthetic": 20}, "rows": {}}))
+    with pytest.raises(SystemExit):
+        bench.merge([str(late), str(early)], tmp_path / "m.json")

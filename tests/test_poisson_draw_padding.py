@@ -24,6 +24,7 @@ from scipy.stats import chisquare
 
 import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
+from feta_release.mechanisms.poisson import inclusion_threshold
 from feta_release.training.padding import public_rows
 
 from .federation_fixtures import tiny_job
@@ -32,11 +33,12 @@ from .federation_fixtures import tiny_job
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 60), extra=st.integers(0, 60), q=st.floats(0.01, 1.0), seed=st.integers(0, 2**31 - 1))
 def test_the_draw_over_a_public_bucket_is_the_poisson_sample_of_the_real_rows(n, extra, q, seed):
-    """Exactly: real row i joins iff its own uniform is below q (independent Bernoulli(q)); rows >= n never do."""
+    """Exactly: real row i joins iff its own float64 uniform is below floor(q·2^53)/2^53 (independent Bernoulli,
+    rate <= q: finding F2); rows >= n never do."""
     rows = n + extra
     idx = dp.poisson_sample(n, q, torch.Generator().manual_seed(seed), rows)
-    u = torch.rand(rows, generator=torch.Generator().manual_seed(seed))
-    assert idx.tolist() == [i for i in range(n) if u[i] < q]
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    assert idx.tolist() == [i for i in range(n) if u[i] < inclusion_threshold(q)]
 
 
 def test_the_sampled_sets_have_the_poisson_law_chi_square():

@@ -49,6 +49,7 @@ import numpy as np
 from ..accounting import PrivacyEvent
 from ..errors import DataError, PrivacyError
 from ._checks import as_generator, check_images, check_positive_int, check_sigma, sampling_rate
+from .poisson import poisson_mask
 
 Kind = Literal["mean", "mode"]
 
@@ -283,7 +284,7 @@ def central_images(
         groups = labels * cells + slant_cells(images, cells)  # one (class, cell) per image, from that image alone
         out = np.empty((rounds, k * cells, d), dtype=np.float64)
         for r in range(rounds):
-            take = gen.random(n) < q  # Poisson sampling: each image independently with probability q
+            take = poisson_mask(n, q, gen)  # Poisson sampling: each image independently, probability <= q
             sums = _class_sums(vec[take], groups[take], k * cells)
             # std = sigma x sensitivity C per image; a patient (<= k capped images, each clipped to C) moves the sum by
             # <= k·C: the per-patient statement is group privacy over k (module docstring)
@@ -297,7 +298,7 @@ def central_images(
         noise_std = sigma * math.sqrt(d)  # sensitivity sqrt(#pixel values) per image; k·sqrt(d) per capped patient
         out_idx = np.empty((rounds, k, d), dtype=np.int64)
         for r in range(rounds):
-            take = gen.random(n) < q
+            take = poisson_mask(n, q, gen)
             hist = _class_histograms(vec[take], labels[take], k, nb)
             hist += gen.normal(0.0, noise_std, size=hist.shape)
             out_idx[r] = hist.argmax(axis=2)

@@ -31,6 +31,7 @@ from ..errors import DataError, PrivacyError
 from . import skellam as sk
 from ._checks import check_images, check_positive_int, check_sigma, require_generator, sampling_rate
 from .central import CentralRelease, _prepare, slant_cells
+from .poisson import poisson_mask
 
 SCALE_BITS = 10  # c s = 2^10: Delta2 within 2 % of c s for d <= 2^17 (docs/secure-aggregation.md, Parameters)
 DEFAULT_MODULUS_BITS = 64
@@ -124,7 +125,7 @@ def central_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int,
     params = block_params(d, bound, sigma, n_sites, modulus_bits)
     total = np.zeros(rounds * blocks * d, dtype=np.int64)
     for r in range(rounds):
-        take = gen.random(vec.shape[0]) < q  # Poisson sampling: each image independently with probability q
+        take = poisson_mask(vec.shape[0], q, gen)  # Poisson sampling: each image independently, probability <= q
         for g in range(blocks):
             recs = vec[take & (groups == g)]
             if len(recs):

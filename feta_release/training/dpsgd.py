@@ -52,6 +52,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
+from ..mechanisms.poisson import poisson_mask
 from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
 from .ema import EMA
 from .ghost_clip import BatchedLoss, hook_grads, unsupported
@@ -170,8 +171,9 @@ def poisson_sample(n: int, q: float, generator: torch.Generator, rows: int | Non
     ``rows``: a PUBLIC count >= ``n`` (``training.padding.public_rows``) the draw is made over, the indices >= ``n``
     then dropped: the same law over the real rows (independent uniforms, each below q), but the draw's work no
     longer times the exact ``n`` (review L3); the drop runs over the Binomial(rows, q) drawn indices, whose law
-    is public too."""
-    drawn = torch.nonzero(torch.rand(max(n, rows or 0), generator=generator) < q, as_tuple=False).flatten()
+    is public too. Each row joins with probability floor(q·2^53)/2^53 <= q (``mechanisms.poisson``: the float32
+    ``torch.rand(n) < q`` this replaced joined with probability up to 6e-8 above q)."""
+    drawn = torch.nonzero(poisson_mask(max(n, rows or 0), q, generator), as_tuple=False).flatten()
     return drawn if rows is None else drawn[drawn < n]
 
 

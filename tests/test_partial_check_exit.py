@@ -82,6 +82,13 @@ def test_full_checks_still_exit_0(fed: SimpleNamespace, capsys: pytest.CaptureFi
     assert code == 0 and out.startswith("OK: job job-plain"), out
 
 
+def test_the_cli_status_is_the_policy_packages() -> None:
+    from feta_release.cli.policy_cmd import PartialCheckExit
+    from feta_release.policy.partial import PARTIAL_CHECK_EXIT, PartialCheck
+
+    assert PartialCheckExit.exit_code == PartialCheck.exit_code == PARTIAL_CHECK_EXIT == 8
+
+
 def test_the_console_script_exits_8(fed: SimpleNamespace) -> None:
     """What a site administrator's script sees: `$?` of the installed `feta-release` (this checkout's code)."""
     exe = Path(sys.executable).parent / "feta-release"

@@ -118,7 +118,7 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     _fits(model.state_dict(), weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
-    units = len(ds.images) if patients is None else len(np.unique(patients.ids))  # images, or patients, drawn from
+    units = len(ds.images) if patients is None else patients.n_patients  # drawn from (grouped at open, not here)
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
                            image_shape=ds.image_shape, n_classes=ds.n_classes, **unit,
                            pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above its

@@ -21,6 +21,7 @@ from torch import nn
 
 import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
+from feta_release.privacy_unit import group_patient_rows
 from feta_release.training.padding import padding_chunks, public_batch_bound
 
 from .federation_fixtures import tiny_job
@@ -183,7 +184,8 @@ def _train_patients(seed: int, n: int, pad_to: int | None) -> tuple[nn.Module, i
     ids = torch.repeat_interleave(torch.arange(n), torch.tensor(sizes))
     x, y = _data(int(ids.numel()), seed=seed)
     tr = dp.DPSGDTrainer(TinyDenoiser(), _cfg(batch=2, physical_batch=3), 1.3, 2 / 6, torch.Generator().manual_seed(seed),
-                         image_shape=SHAPE, n_classes=3, n_public=6, patients=ids, images_per_patient=3, pad_to=pad_to)
+                         image_shape=SHAPE, n_classes=3, n_public=6,
+                         patient_rows=group_patient_rows(ids.numpy()), images_per_patient=3, pad_to=pad_to)
     tr.run(x, y, 2)
     return tr.ema_model(), int(ids.numel())
 

@@ -17,7 +17,7 @@ from feta_release.accounting import PrivacyEvent, epsilon, events_from_list
 from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError, PrivacyError
 from feta_release.planning import plan, stage_events
-from feta_release.privacy_unit import PatientIndex, PrivacyUnit
+from feta_release.privacy_unit import PatientIndex, PrivacyUnit, group_patient_rows
 from feta_release.training.dpsgd import DPSGDTrainer, patient_batch
 
 
@@ -52,7 +52,8 @@ def _cfg(clip: float = 1.0, physical_batch: int = 4) -> JobConfig:
 def _trainer(d: int, sigma: float, q: float, ids: np.ndarray, n_public: int, cap: int, seed: int = 0,
              loss: object | None = None, clip: float = 1.0) -> DPSGDTrainer:
     return DPSGDTrainer(Weights(d), _cfg(clip), sigma, q, torch.Generator().manual_seed(seed),
-                        loss=loss or DotLoss(), n_public=n_public, patients=ids, images_per_patient=cap)
+                        loss=loss or DotLoss(), n_public=n_public, patient_rows=group_patient_rows(ids),
+                        images_per_patient=cap)
 
 
 def test_noise_std_on_the_patient_sum_is_sigma_c_over_public_expected_batch() -> None:
@@ -135,7 +136,8 @@ def test_only_public_counts_leave(exact: int, public: int, q: float) -> None:
     _, stats = tr.noisy_gradient(torch.zeros(exact, 3), torch.zeros(exact, dtype=torch.int64))
     assert stats.expected_batch == pytest.approx(q * public)
     with pytest.raises(ConfigError, match="PUBLIC number of patients"):
-        DPSGDTrainer(Weights(3), _cfg(), 1.0, q, torch.Generator(), loss=DotLoss(), patients=ids)
+        DPSGDTrainer(Weights(3), _cfg(), 1.0, q, torch.Generator(), loss=DotLoss(),
+                     patient_rows=group_patient_rows(ids))
     with pytest.raises(PrivacyError):
         PatientIndex(ids, 0, 2)
 
@@ -147,7 +149,7 @@ def test_physical_chunks_never_split_a_patient() -> None:
     x = torch.zeros(9, d)
     x[:, 0] = 1.0  # each image 1 along e_0: a patient's sum is 3, clipped to 1; halves would give 2 (e.g. 2 + 1)
     tr = DPSGDTrainer(Weights(d), _cfg(1.0, physical_batch=2), 1e-9, 1.0, torch.Generator().manual_seed(0),
-                      loss=DotLoss(), n_public=1, patients=ids, images_per_patient=3)
+                      loss=DotLoss(), n_public=1, patient_rows=group_patient_rows(ids), images_per_patient=3)
     g, stats = tr.noisy_gradient(x, torch.zeros(9, dtype=torch.int64))
     assert float(g["w"][0]) == pytest.approx(3.0, rel=1e-6) and stats.batch_size == 3
     assert stats.clipped_fraction == 1.0

@@ -112,10 +112,11 @@ def test_a_patient_level_site_in_a_federation(tmp_path: Path, monkeypatch: pytes
         assert answered["num_examples"] == site.size and answered["events"][0].get("unit", "image") == (
             "patient" if site.site_id == PATIENT_SITE else "image")
     # the patient site's trainer sampled patients and divided by q x the PUBLIC patient count, never the exact one
-    pat = [kw for kw in built if "patients" in kw]
+    pat = [kw for kw in built if "patient_rows" in kw]  # the rows grouped once at open (review F1), not the ids
     assert len(pat) == 2 and all(kw["n_public"] == p and kw["images_per_patient"] == CAP for kw in pat)
-    assert all(int(np.bincount(kw["patients"]).max()) <= CAP for kw in pat)
-    assert len([kw for kw in built if "patients" not in kw]) == 4
+    assert all(max(int(r.numel()) for r in kw["patient_rows"]) <= CAP for kw in pat)
+    assert pat[0]["patient_rows"] is pat[1]["patient_rows"]  # both rounds' trainers reuse the same grouping
+    assert len([kw for kw in built if "patient_rows" not in kw]) == 4
     from feta_release.cli import main
 
     main(["node", "status", "--ledger", str(fed.site(PATIENT_SITE).ledger)])  # the site admin's view says the unit

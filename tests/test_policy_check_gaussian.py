@@ -4,7 +4,8 @@ the node's verdict ("ACCEPTED ... admits job", "planned ε") as if it had checke
 The charged form cannot be computed from public values: its Skellam sensitivities (and a FedSGD job's gradient
 length) depend on the data's image shape and classes, which neither the signed policy nor the signed job states
 (the ε moves in the 4th digit from 16x16 to 3x32x32 images here). So without --data the output now says exactly
-what it checked and what it did not (the charged ε, the worst-case cap); with --data it is the node's verdict: the
+what it checked and what it did not (the charged ε, the worst-case cap), and exits 8, not 0 (review F5,
+tests/test_partial_check_exit.py); with --data it is the node's verdict: the
 same ε ``secure_admit`` computes (tests/test_fedsgd.py: the ε the node charged) and the worst-case cap applied."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _check(policy: Path, job: Path, pub: Path, *extra: str) -> Any:
 
 def test_without_data_the_output_says_it_checked_the_gaussian_form_only(fed: SimpleNamespace) -> None:
     res = _check(fed.site.policy, fed.job, fed.site.policy_pub)
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 8, res.output  # a partial check, never exit 0 (review F5: it was 0)
     pol = load_site_policy(fed.site.policy, [fed.site.policy_pub])
     gaussian = admit(pol, fed.signed).job_epsilon
     out = " ".join(res.output.split())
@@ -75,11 +76,11 @@ def test_a_worst_case_cap_the_gaussian_form_cannot_see_is_not_reported_as_accept
     exact = _check(strict, fed.job, fed.site.policy_pub, "--data", str(fed.site.data))
     assert exact.exit_code != 0 and "secure_aggregation.max_worst_case_epsilon" in exact.output + str(exact.exception)
     blind = _check(strict, fed.job, fed.site.policy_pub)
-    assert blind.exit_code == 0 and "ACCEPTED" not in blind.output and "worst-case cap" in blind.output
+    assert blind.exit_code == 8 and "ACCEPTED" not in blind.output and "worst-case cap" in blind.output
 
 
 def test_job_verify_with_a_policy_says_gaussian_form_only_for_a_secure_job(fed: SimpleNamespace) -> None:
     res = CliRunner().invoke(cli, ["job", "verify", str(fed.job), "--policy", str(fed.site.policy), "--trusted",
                                    str(fed.site.policy_pub)])
-    assert res.exit_code == 0, res.output
-    assert "GAUSSIAN FORM ONLY" in res.output and "policy check POLICY JOB --data DATA" in res.output
+    assert res.exit_code == 8, res.output  # review F5: it was 0
+    assert res.output.startswith("PASSED IN THE GAUSSIAN FORM ONLY") and "policy check POLICY JOB --data DATA" in res.output

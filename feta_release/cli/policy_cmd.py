@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
 from ..errors import PolicyError
 from .trust_options import deprecated_alias, merged
+
+if TYPE_CHECKING:
+    from ..policy.partial import PartialCheck
 
 
 # -- passphrases -----------------------------------------------------------------------------------
@@ -328,6 +332,10 @@ def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path |
                trusted_deprecated: tuple[Path, ...]) -> None:
     """Verify a signed job against coordinator keys, or against a site's signed policy.
 
+    With --policy, a secure-aggregation job can be judged only in its Gaussian form (no data at hand): the command
+    then prints "PASSED IN THE GAUSSIAN FORM ONLY" and exits 8, not 0; `policy check --data` is the full check.
+    Exit statuses: docs/secure-aggregation.md, "Exit status of the checks".
+
     \b
     Example:
       feta-release job verify job.signed.json --coordinator coordinator.pub
@@ -335,6 +343,7 @@ def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path |
     """
     from ..policy import load_site_policy, verify_job, verify_job_with_keys
     from ..policy.envelope import read_json
+    from ..policy.partial import gaussian_form_only, secure_aggregation_job
 
     trusted = merged(trusted, trusted_deprecated)
     doc = read_json(signed, "signed job")
@@ -344,13 +353,13 @@ def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path |
         pol = load_site_policy(policy_file, list(trusted))
         res = _admit_or_refuse(pol, doc, signed)  # the node's own checks, every request of the job
         j = verify_job(doc, pol, str(signed))
-        if _secure(doc):  # no data at hand: the Gaussian form only (review L5)
-            click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version} in its GAUSSIAN FORM "
-                       "ONLY: "
-                       f"{_GAUSSIAN_ONLY.format(eps=res.job_epsilon, delta=pol.job_delta, acc=pol.accountant)}"
-                       .replace("Give --data DATA", "Run `feta-release policy check POLICY JOB --data DATA`"))
-        else:
-            click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version}")
+        details = (f"coordinator {j.signer}; sites {', '.join(j.sites)}; created {j.created.isoformat()}; "
+                   f"sha256 {j.digest}")
+        if secure_aggregation_job(doc):  # no data at hand: the Gaussian form only (reviews L5, F5): exit 8, not 0
+            raise PartialCheckExit(gaussian_form_only(f"job {j.job_id} accepted by site {pol.site_id} policy "
+                                                      f"v{pol.version}", res.job_epsilon, pol.job_delta,
+                                                      pol.accountant), details)
+        click.echo(f"OK: job {j.job_id} accepted by site {pol.site_id} policy v{pol.version}")
     elif trusted:
         # --trusted once named coordinator keys here; never let a key meant for one role be trusted for another.
         raise click.UsageError("--trusted names the site administrator's key(s), used with --policy; give a "
@@ -403,12 +412,16 @@ def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...
                  data_path: Path | None) -> None:
     """Would this site's node serve JOB? Runs the node's own checks and lists EVERY rule that fails.
 
+    Exit 0: ACCEPTED; 6: REFUSED; 8: a secure-aggregation job without --data, PASSED IN THE GAUSSIAN FORM ONLY (not a
+    full check: give --data). All statuses: docs/secure-aggregation.md, "Exit status of the checks".
+
     \b
     Example:
       feta-release policy check policy.signed.json job.signed.json --trusted keys/policy-admin.pub
     """
     from ..policy import load_site_policy
     from ..policy.envelope import read_json
+    from ..policy.partial import gaussian_form_only, secure_aggregation_job
 
     pol = load_site_policy(signed_policy, list(trusted))
     shape = None
@@ -419,26 +432,24 @@ def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...
         shape = (tuple(int(v) for v in ds.image_shape), int(ds.n_classes))
     doc = read_json(signed_job, "signed job")
     res = _admit_or_refuse(pol, doc, signed_job, ledger, shape)  # type: ignore[arg-type]
-    if _secure(doc) and shape is None:
-        click.echo(f"PASSED IN THE GAUSSIAN FORM ONLY: site {pol.site_id} policy v{pol.version}, job {res.job_id}: "
-                   f"{_GAUSSIAN_ONLY.format(eps=res.job_epsilon, delta=pol.job_delta, acc=pol.accountant)}")
-        return
-    form = " in the Skellam form the node charges, worst-case cap included" if shape and _secure(doc) else ""
+    if secure_aggregation_job(doc) and shape is None:  # reviews L5, F5: a partial pass exits 8, never 0
+        raise PartialCheckExit(gaussian_form_only(f"site {pol.site_id} policy v{pol.version}, job {res.job_id}",
+                                                  res.job_epsilon, pol.job_delta, pol.accountant))
+    form = " in the Skellam form the node charges, worst-case cap included" if secure_aggregation_job(doc) else ""
     click.echo(f"ACCEPTED: site {pol.site_id} policy v{pol.version} admits job {res.job_id} "
                f"(planned ε={res.job_epsilon:.4g} at δ={pol.job_delta:g}, {pol.accountant}{form})")
 
 
-# Review L5: a secure-aggregation job's charged form (SkellamEvents) has sensitivities and a FedSGD gradient length
-# that depend on the data's image shape and classes, which neither the signed policy nor the job states; without
-# them only the Gaussian form can be judged, and the output must not read as the node's own verdict.
-_GAUSSIAN_ONLY = ("every request's noise passed against this site's own share (σ/√sites) and the budget at the "
-                  "Gaussian-form ε={eps:.4g} (δ={delta:g}, {acc}). NOT checked: the ε the node charges (the Skellam "
-                  "form: its sensitivities depend on the data's image shape and classes, which no signed document "
-                  "states) and the worst-case cap (every other site colluding). Give --data DATA (only its shape and "
-                  "classes are read) to judge the job exactly as the node does.")
+class PartialCheckExit(click.ClickException):
+    """A ``PartialCheck`` as the CLI reports it: its line on STDOUT (a verdict, not an error: no "Error:" prefix)
+    and exit status 8, the same under ``feta-release`` (``cli.main``) and click's standalone mode (tests)."""
 
+    # = feta_release.policy.partial.PARTIAL_CHECK_EXIT (tests/test_partial_check_exit.py checks it), not imported
+    # here: the policy package loads at module top only when a command needs it (the keys commands start fast)
+    exit_code = 8
 
-def _secure(signed_job: object) -> bool:
-    body = signed_job.get("job") if isinstance(signed_job, dict) else None
-    fed = ((body or {}).get("config") or {}).get("federation") if isinstance(body, dict) else None
-    return bool(isinstance(fed, dict) and fed.get("secure_aggregation"))
+    def __init__(self, check: PartialCheck, details: str = "") -> None:
+        super().__init__(check.line() + (f"\n{details}" if details else ""))
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(self.message, file=file)

@@ -43,7 +43,7 @@ class DpsgdTraining:
         trainer = DPSGDTrainer(ctx.denoiser, ctx.cfg, sgd.sigma, sgd.q, ctx.private_gen("dpsgd"),
                                image_shape=ctx.data.image_shape, n_classes=ctx.data.n_classes,
                                n_public=ctx.n_public if pat is None else pat.n_public,
-                               patients=None if pat is None else pat.ids,
+                               patient_rows=None if pat is None else pat.rows,  # grouped once, at load
                                images_per_patient=None if pat is None else pat.cap,
                                public=_public_mix(ctx))
         ck = ctx.rd.ckpt("dpsgd.pt")

@@ -19,7 +19,7 @@ The privacy argument the code keeps (unit = one image of one site; the patient-l
 * so one step is one subsampled-Gaussian event ``(sigma, q, 1)``; the caller charges it in ``before_step`` before
   the step runs (``run``), so a step whose result exists has always been accounted.
 
-Patient-level DP-SGD (unit = one PATIENT with all of their images; ``patients`` given): each step Poisson-samples
+Patient-level DP-SGD (unit = one PATIENT with all of their images; ``patient_rows`` given): each step Poisson-samples
 PATIENTS with rate ``q`` (each independently, from the site's patients), takes at most ``images_per_patient`` of each
 sampled patient's images (a public cap; a uniform draw without replacement when the patient has more), sums the
 per-image gradients of one patient and clips THAT sum to ``C``; the clipped per-patient sums are added, noised with
@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -178,7 +178,7 @@ def poisson_sample(n: int, q: float, generator: torch.Generator, rows: int | Non
 
 
 def patient_batch(
-    rows_of: list[Tensor], q: float, cap: int, generator: torch.Generator, draw_rows: int | None = None
+    rows_of: Sequence[Tensor], q: float, cap: int, generator: torch.Generator, draw_rows: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """A patient-level Poisson batch: (image indices, owner) where owner[i] in [0, B) numbers the sampled patient
     of image i. Each patient joins independently with probability ``q``; a sampled patient with more than ``cap``
@@ -317,21 +317,15 @@ def clipped_rows(grads: dict[str, Tensor], names: list[str], clip: float) -> Ten
     return torch.where(finite[:, None], flat, torch.zeros_like(flat)) * factor[:, None]
 
 
-def _patient_rows(patients: Any, n_public: int | None, cap: int | None, default_cap: int) -> tuple[list[Tensor], int]:
-    """Image indices of each patient (in order), and the per-step image cap, checked."""
+def _patient_cap(n_public: int | None, cap: int | None, default_cap: int) -> int:
+    """The per-step image cap of patient-level DP-SGD, checked (and that the public patient count is given)."""
     if n_public is None:
         raise ConfigError("patient-level DP-SGD needs the PUBLIC number of patients (n_public): dividing by the exact "
                           "count would scale the released noise by a private number")
     cap = default_cap if cap is None else cap
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
         raise ConfigError(f"patient-level DP-SGD: images per patient must be an integer >= 1, got {cap!r}")
-    ids = torch.as_tensor(patients, dtype=torch.int64).flatten()
-    if ids.numel() and int(ids.min()) < 0:
-        raise DataError("patient-level DP-SGD: patient indices must be >= 0")
-    order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids) if ids.numel() else torch.zeros(0, dtype=torch.int64)
-    rows = [r for r in torch.split(order, counts.tolist()) if r.numel()]
-    return rows, cap
+    return cap
 
 
 def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int]]:
@@ -390,17 +384,19 @@ class DPSGDTrainer:
         image_shape: tuple[int, int, int] | None = None,
         n_classes: int | None = None,
         n_public: int | None = None,
-        patients: Any = None,
+        patient_rows: Sequence[Tensor] | None = None,
         images_per_patient: int | None = None,
         public: PublicMix | None = None,
         pad_to: int | None = None,
         draw_rows: int | None = None,
     ) -> None:
-        """``patients``: per-image patient index (0..P-1, as ``LoadReport.patients``) for patient-level DP-SGD; then
-        ``n_public`` is the PUBLIC number of patients (required) and ``images_per_patient`` the public cap on a
-        sampled patient's images per step (default: the physical batch). ``pad_to``: a PUBLIC row (image) count each
-        step processes whatever its sample (``training.padding``: the step's time does not count it). ``draw_rows``:
-        a PUBLIC count of rows (images, or patients) the Poisson draw is made over (``poisson_sample``)."""
+        """``patient_rows``: each patient's image indices, grouped ONCE when the site's data was opened
+        (``privacy_unit.PatientIndex.rows`` / ``group_patient_rows``; never regrouped per trainer, i.e. per request)
+        for patient-level DP-SGD; then ``n_public`` is the PUBLIC number of patients (required) and
+        ``images_per_patient`` the public cap on a sampled patient's images per step (default: the physical batch).
+        ``pad_to``: a PUBLIC row (image) count each step processes whatever its sample (``training.padding``: the
+        step's time does not count it). ``draw_rows``: a PUBLIC count of rows (images, or patients) the Poisson draw
+        is made over (``poisson_sample``)."""
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
@@ -421,9 +417,11 @@ class DPSGDTrainer:
         if n_public is not None and (isinstance(n_public, bool) or int(n_public) < 1):
             raise ConfigError(f"DP-SGD public dataset size must be an integer >= 1, got {n_public!r}")
         self.n_public = None if n_public is None else int(n_public)
-        self.rows_of: list[Tensor] | None = None
-        if patients is not None:
-            self.rows_of, self.patient_cap = _patient_rows(patients, n_public, images_per_patient, int(d.physical_batch))
+        self.rows_of: Sequence[Tensor] | None = None
+        if patient_rows is not None:
+            self.patient_cap = _patient_cap(n_public, images_per_patient, int(d.physical_batch))
+            self.rows_of = patient_rows
+            self.patient_images = sum(int(r.numel()) for r in patient_rows)  # once, not per step
         if loss is None:
             # an EDMDenoiser knows its own image shape and class count
             image_shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
@@ -469,8 +467,8 @@ class DPSGDTrainer:
         """Patient-level step (see the module docstring): sampled patients' clipped per-patient sums, noised."""
         t0 = time.perf_counter()
         assert self.rows_of is not None and self.n_public is not None
-        if sum(int(r.numel()) for r in self.rows_of) != images.shape[0]:
-            raise DataError(f"patient-level DP-SGD: the patient index covers {sum(int(r.numel()) for r in self.rows_of)} "
+        if self.patient_images != images.shape[0]:
+            raise DataError(f"patient-level DP-SGD: the patient index covers {self.patient_images} "
                             f"images but {images.shape[0]} were given")
         dev = self.params[0].device
         expected = self.q * self.n_public  # public patients: the exact count never scales the released noise

@@ -54,7 +54,8 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
     n_ref = 4000  # presets without a rate are written for the embedded 4,000-image training split
     central_b = sized.central.batch if cfg.central.rate is not None else int(cfg.central.batch / n_ref * site_size)
     dpsgd_b = sized.dpsgd.batch if cfg.dpsgd.rate is not None else round(cfg.dpsgd.batch / n_ref * site_size)
-    steps = rounds * local_steps if cfg.dpsgd.steps > 0 else 0  # a preset without DP-SGD keeps none
+    # a preset without DP-SGD (steps = 0) keeps none; one given in epochs (steps None) has DP-SGD too
+    steps = 0 if cfg.dpsgd.steps == 0 else rounds * local_steps
     over: dict[str, Any] = {
         "privacy": {"epsilon": epsilon},
         "central": {"batch": max(1, min(site_size, central_b))},

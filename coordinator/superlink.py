@@ -122,7 +122,8 @@ class _Lines:
     from its start, so the first ``seen`` lines of a replay are skipped."""
 
     def __init__(self, on_line: Callable[[str], None] | None) -> None:
-        self.on_line, self.seen, self.run_id = on_line, 0, None
+        self.on_line, self.seen = on_line, 0
+        self.run_id: int | None = None  # set from the first "Successfully started run N" line
 
     def replay(self) -> Callable[[str], None]:
         skip = [self.seen]

@@ -24,7 +24,7 @@ import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flwr.app import Context, Message
 
@@ -71,7 +71,11 @@ def is_public(exc: BaseException) -> bool:
     return bool(getattr(exc, _PUBLIC, False))
 
 
-def mark_public(exc: BaseException) -> BaseException:
+_Exc = TypeVar("_Exc", bound=BaseException)
+
+
+def mark_public(exc: _Exc) -> _Exc:
+    """``exc`` itself (same type, so a caller's return type holds), flagged as safe to leave the site."""
     setattr(exc, _PUBLIC, True)
     return exc
 

@@ -222,7 +222,7 @@ class JobConfig:
         """Copy with whole sections or ``section={"key": value}`` overrides, re-validated."""
         data = self.to_dict()
         for name, value in sections.items():
-            if dataclasses.is_dataclass(value):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an instance, not the class
                 value = dataclasses.asdict(value)
             if name not in data:
                 raise ConfigError(f"unknown section [{name}]")

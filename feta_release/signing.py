@@ -193,7 +193,7 @@ def sign_document(doc: Any, key: Ed25519PrivateKey) -> dict[str, str]:
     }
 
 
-def verify_document(doc: Any, signature: dict[str, Any], trusted: list[Ed25519PublicKey], what: str = "document") -> str:
+def verify_document(doc: Any, signature: object, trusted: list[Ed25519PublicKey], what: str = "document") -> str:
     """Check ``signature`` over ``doc`` against the trusted keys; return the signer's fingerprint.
 
     The key embedded in the signature is only a hint: trust comes from ``trusted``.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import PrivacyError
+
 CAVEAT = ("An empirical audit gives a LOWER bound on ε with 95 % confidence: it can show that a mechanism leaks MORE "
           "than claimed (a bug), never that it leaks less. It does not prove privacy; the accounting does.")
 AUDIT_KIND = "feta-release/audit/1"
@@ -38,6 +40,9 @@ def run_audit(cfg: Any, n: int, *, trials: int = 20000, canaries: int = 1000, se
     privacy_plan = plan_job_privacy(cfg, n)
     sgd = next((s for s in privacy_plan.stages if s.stage == "dpsgd" and s.enabled and s.steps > 0), None)
     if sgd is not None:
+        if sgd.sigma is None or sgd.q is None:  # an enabled stage always carries its event's sigma and q
+            raise PrivacyError(f"job {cfg.job.name!r}: the DP-SGD stage of its plan has no sigma/q, so it cannot be "
+                               "audited; this is a bug in planning.plan, please report it")
         say(f"DP-SGD: one run, {canaries} canaries, σ = {sgd.sigma:.4g}, q = {sgd.q:.4g}, {sgd.steps} steps")
         results.append(audit_dpsgd_one_run(float(sgd.sigma), float(sgd.q), sgd.steps, canaries=canaries,
                                            delta=p.delta, accountant=p.accountant, seed=seed, clip=cfg.dpsgd.clip))

@@ -44,12 +44,12 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 from collections.abc import Callable
 
 import numpy as np
 
-from ..accounting import PrivacyEvent, epsilon
+from ..accounting import Accountant, PrivacyEvent, epsilon
 from .stats import best_threshold, one_run_bound, threshold_bound
 
 SHAPE = (1, 8, 8)  # canary images: small, so thousands of runs take seconds
@@ -82,7 +82,7 @@ def _pair(record_copies: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.n
     return d0, d1
 
 
-def _central_scores(kind: str, sigma: float, trials: int, seed: int, record_copies: int,
+def _central_scores(kind: Literal["mean", "mode"], sigma: float, trials: int, seed: int, record_copies: int,
                     classes: int = 200) -> tuple[np.ndarray, ...]:
     """Scores of ``trials`` releases per neighbour; one call releases ``classes`` disjoint classes, each holding
     its own copy of the pair (independent noise per class: independent one-class releases, as in _mode_runs)."""
@@ -189,7 +189,7 @@ def _frequency_scores(sigma: float, trials: int, seed: int, record_copies: int, 
     return out[0], out[1]
 
 
-def audit_one_shot(mechanism: str, sigma: float, *, trials: int, delta: float, accountant: str = "rdp",
+def audit_one_shot(mechanism: str, sigma: float, *, trials: int, delta: float, accountant: Accountant = "rdp",
                    seed: int = 0, confidence: float = 0.95, noise_factor: float = 1.0, record_copies: int = 1,
                    mode_design: str = "tail") -> AuditResult:
     """Audit one unsampled release of ``mechanism`` ("central mean" | "central mode" | "frequency") at σ.
@@ -201,6 +201,7 @@ def audit_one_shot(mechanism: str, sigma: float, *, trials: int, delta: float, a
         "central mode": lambda: _central_scores("mode", run_sigma, trials, seed, record_copies),
         "frequency": lambda: _frequency_scores(run_sigma, trials, seed, record_copies),
     }
+    detail: dict[str, Any]  # threshold_bound's figures, plus the tail test's pair and pilot
     if mechanism == "central mode" and mode_design == "tail":  # the test is fixed before the evaluation runs
         spread, pilot = _mode_pilot_spread(sigma, run_sigma, trials, seed)
         blanks = mode_blanks(spread, trials, delta, confidence)
@@ -250,7 +251,7 @@ def _canary_trainer(m: int, sigma: float, q: float, clip: float, seed: int) -> A
 
 
 def audit_dpsgd_one_run(sigma: float, q: float, steps: int, *, canaries: int = 1000, delta: float,
-                        accountant: str = "rdp", seed: int = 0, confidence: float = 0.95, clip: float = 1.0,
+                        accountant: Accountant = "rdp", seed: int = 0, confidence: float = 0.95, clip: float = 1.0,
                         noise_factor: float = 1.0, record_copies: int = 1) -> AuditResult:
     """One training run with ``canaries`` Dirac canaries at the preset's σ, q and steps (see module docstring)."""
     import torch

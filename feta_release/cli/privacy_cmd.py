@@ -63,7 +63,7 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, publ
 
     cfg = load_job(job_file)
     assumed = dataset_size is None
-    n = DEFAULT_DATASET_SIZE if assumed else dataset_size
+    n = DEFAULT_DATASET_SIZE if dataset_size is None else dataset_size
     result = plan_privacy(cfg, n, dpsgd_unit="image" if public_patients is None else "patient")
     if as_json:
         data = result.to_dict()

@@ -69,6 +69,19 @@ class Window:
             return f"{self.center:g},{self.width:g}"
         return "auto"
 
+    def fixed_bits(self) -> int:
+        """The N of ``bits:N``; a hand-built ``Window("bits")`` without N is refused here, not deep in numpy."""
+        if self.bits is None:
+            raise ConfigError("window kind 'bits' has no bit depth: build it with parse_window('bits:N'), N = 1..16")
+        return self.bits
+
+    def linear(self) -> tuple[float, float]:
+        """(centre, width) of ``C,W``; a hand-built ``Window("linear")`` without both is refused here."""
+        if self.center is None or self.width is None:
+            raise ConfigError("window kind 'linear' needs a centre and a width: build it with "
+                              "parse_window('CENTER,WIDTH'), e.g. 40,400")
+        return self.center, self.width
+
 
 def parse_window(text: str | Window | None) -> Window:
     """``auto``, ``bits:N`` (N = 1..16) or ``CENTER,WIDTH`` (WIDTH ≥ 1)."""
@@ -118,9 +131,9 @@ def window_sixteen_bit(raw: np.ndarray, window: Window) -> tuple[np.ndarray, str
     """16-bit PNG/TIFF values (0..65535) to [0, 1] and a short description of the rule used."""
     x = raw.astype(np.float32)
     if window.kind == "linear":
-        return linear_window(x, window.center, window.width), f"16-bit windowed at {window}"  # type: ignore[arg-type]
-    bits = window.bits if window.kind == "bits" else auto_bits(raw)
-    return bits_range(x, int(bits)), f"16-bit scaled as {bits}-bit (0..{2**bits - 1})"
+        return linear_window(x, *window.linear()), f"16-bit windowed at {window}"
+    bits = window.fixed_bits() if window.kind == "bits" else auto_bits(raw)
+    return bits_range(x, bits), f"16-bit scaled as {bits}-bit (0..{2**bits - 1})"
 
 
 def is_dicom(path: Path) -> bool:
@@ -230,14 +243,14 @@ def _grey(ds, arr: np.ndarray, window: Window) -> tuple[np.ndarray, str]:  # noq
     intercept = float(ds.get("RescaleIntercept", 0) or 0)
     x = np.asarray(apply_modality_lut(arr, ds), dtype=np.float64)
     if window.kind == "linear":
-        return linear_window(x, window.center, window.width), f"DICOM windowed at {window} (job/site setting)"  # type: ignore[arg-type]
+        return linear_window(x, *window.linear()), f"DICOM windowed at {window} (job/site setting)"
     if window.kind == "auto":
         c, w = _file_window(ds)
         if c is not None and w is not None:
             return linear_window(x, c, w), "DICOM windowed by its Window Center/Width"
-    bits = window.bits if window.kind == "bits" else _int(ds, "BitsStored", arr.dtype.itemsize * 8)
+    bits = window.fixed_bits() if window.kind == "bits" else _int(ds, "BitsStored", arr.dtype.itemsize * 8)
     signed = _int(ds, "PixelRepresentation", 0) == 1
-    return bits_range(x, int(bits), slope, intercept, signed), f"DICOM scaled over its {bits}-bit range"
+    return bits_range(x, bits, slope, intercept, signed), f"DICOM scaled over its {bits}-bit range"
 
 
 def _file_window(ds) -> tuple[float | None, float | None]:  # noqa: ANN001

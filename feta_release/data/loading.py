@@ -407,7 +407,7 @@ def _note_patients(report: LoadReport, keys: list[str | None]) -> None:
     if not any(k is not None for k in keys):
         return
     index: dict[str, int] = {}
-    out = []
+    out: list[int] = []
     for k in keys:
         # An image without a patient id counts as its own patient (the image-level assumption).
         out.append(index.setdefault(k if k is not None else f"\0{len(out)}", len(index)))
@@ -750,10 +750,10 @@ def _pixels_to_unit(images: np.ndarray, source: str, report: LoadReport) -> np.n
         report.count("16-bit scaled from 0..65535", images.shape[0])
         return np.ascontiguousarray(images, dtype=np.float32) / np.float32(65535)
     if kind in "iu":
-        lo, hi = int(images.min()), int(images.max())
-        if lo < 0 or hi > 255:
+        ilo, ihi = int(images.min()), int(images.max())
+        if ilo < 0 or ihi > 255:
             raise DataError(
-                f"{source}: integer pixels {lo}..{hi} outside 0..255; store uint8 (0..255), uint16 (0..65535) "
+                f"{source}: integer pixels {ilo}..{ihi} outside 0..255; store uint8 (0..255), uint16 (0..65535) "
                 "or floats in [0, 1]"
             )
         report.count("integer pixels read as 8-bit", images.shape[0])

@@ -31,7 +31,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from .. import __version__
 from ..accounting import (
     Event,
-    PrivacyEvent,
     epsilon,
     epsilon_breakdown,
     events_from_list,
@@ -364,5 +363,5 @@ def read_manifest(release_dir: str | Path) -> dict[str, Any]:
     return doc
 
 
-def site_events(site: dict[str, Any]) -> list[PrivacyEvent]:
+def site_events(site: dict[str, Any]) -> list[Event]:
     return events_from_list(site["events"])

@@ -120,7 +120,7 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
         "dpsgd": f"DP-SGD model updates; per-example gradients clipped to L2 norm C = {d.get('clip', '?')} "
                  "(the sensitivity), Poisson-sampled batches",
     }
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for e in merged_events(site["events"]):
         if e["steps"] == 0:
             continue

@@ -23,6 +23,7 @@ The verified generator BYTES are kept on the result, so synthesis runs exactly t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -196,7 +197,7 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
         return res
     allowed: list[dict[str, Any]] = []
     for sid, site in _sites_against_job(res, sites, job):
-        keys = _guard(res, f"site {sid}", lambda site=site, sid=sid: _check_site(res, rd, man, sid, site, roots, job))
+        keys = _guard(res, f"site {sid}", functools.partial(_check_site, res, rd, man, sid, site, roots, job))
         allowed.append(keys or {})
     _guard(res, "manifest signature", lambda: _check_coordinator(res, rd, doc, job, allowed, roots))
     return res
@@ -741,8 +742,8 @@ def secure_assumption_violations(policy: dict[str, Any], st: dict[str, Any], eve
         return out + [f"the signed job's secure-aggregation threshold: {exc}"]
     h = honest_shares(n, t, colluders)
     for e in events:
-        if isinstance(e, SkellamEvent) and not math.isclose(e.mu, h * e.mu_worst, rel_tol=1e-9):
-            out.append(f"{e.stage}: the Skellam event counts {e.mu / e.mu_worst:.4g} noise shares; threshold {t} "
+        if isinstance(e, SkellamEvent) and not math.isclose(e.mu, h * e.worst_mu, rel_tol=1e-9):
+            out.append(f"{e.stage}: the Skellam event counts {e.mu / e.worst_mu:.4g} noise shares; threshold {t} "
                        f"of {n} sites with {colluders} colluder(s) allows {h}")
     return out
 

@@ -151,6 +151,11 @@ class SamplerSection:
     # signed release then ships a fixed pool of its images (aux_images.npz) for `synthesize` (docs/release.md).
     start_source: Literal["central", "aux", "mix"] = "central"
 
+    @property
+    def uses_aux(self) -> bool:
+        """SDEdit starts (partly) from the aux generator: start_source aux or mix, with start_sigma."""
+        return self.start_sigma is not None and self.start_source != "central"
+
 
 @dataclass(frozen=True)
 class FederationSection:

@@ -14,7 +14,7 @@ from feta_release.errors import ConfigError, DataError
 from feta_release.models.auxgen import AuxGenerator
 from feta_release.stages import freq_warmup, synthesis
 from feta_release.stages.freq_warmup import AUX_POOL_PER_CLASS, aux_draw, aux_pool
-from feta_release.stages.synthesis import aux_starts, release_starts
+from feta_release.stages.synthesis import aux_starts, aux_taken, release_starts
 from feta_release.training.pipeline import run_pipeline
 from tests.test_pipeline_run import _data
 from tests.test_warmup import bars, job
@@ -64,9 +64,20 @@ def test_mix_needs_central_images_but_aux_does_not() -> None:
 # -- the starts -----------------------------------------------------------------------------------------------
 
 
-def test_mix_takes_even_positions_from_the_aux_generator_and_odd_from_the_central_starts() -> None:
+def test_mix_alternates_within_each_class() -> None:
+    """Even index within its class: aux (the set's labels are interleaved, so position parity would give whole
+    classes to one source when the class count is even)."""
+    labels = np.tile(np.arange(10), 3)
+    take = aux_taken(labels, "mix")
+    for c in range(10):
+        assert take[labels == c].tolist() == [True, False, True]
+    assert aux_taken(labels, "aux").all()
+
+
+def test_mix_takes_aux_generator_images_where_taken_and_central_starts_elsewhere() -> None:
     aux, (x, y) = _aux(), bars(3)
     labels = np.array([0, 1, 1, 0, 1, 0, 0])
+    take = aux_taken(labels, "mix")
     cfg = job(warmup={"augment_magnitude": 1})
     central = release_starts((x.numpy(), y.numpy()), labels, cfg, torch.Generator().manual_seed(0))
     seen: list = []
@@ -77,15 +88,15 @@ def test_mix_takes_even_positions_from_the_aux_generator_and_odd_from_the_centra
         return real(z, lab)
 
     aux.forward = spy  # type: ignore[method-assign]
-    got = aux_starts(aux, labels, "mix", central, torch.Generator().manual_seed(5))
-    assert torch.equal(seen[0], torch.from_numpy(labels[::2]))  # the aux generator drew the even positions' labels
-    assert torch.equal(got[1::2], central[1::2])
-    want = aux_draw(aux, labels[::2], torch.Generator().manual_seed(5))
-    assert torch.equal(got[::2], want) and got.min() >= 0 and got.max() <= 1
-    only = aux_starts(aux, labels, "aux", None, torch.Generator().manual_seed(5))
+    got = aux_starts(aux, labels, take, central, torch.Generator().manual_seed(5))
+    assert torch.equal(seen[0], torch.from_numpy(labels[take]))  # the aux generator drew the taken starts' labels
+    assert torch.equal(got[~torch.from_numpy(take)], central[~torch.from_numpy(take)])
+    want = aux_draw(aux, labels[take], torch.Generator().manual_seed(5))
+    assert torch.equal(got[torch.from_numpy(take)], want) and got.min() >= 0 and got.max() <= 1
+    only = aux_starts(aux, labels, aux_taken(labels, "aux"), None, torch.Generator().manual_seed(5))
     assert torch.equal(seen[-1], torch.from_numpy(labels)) and only.shape == (7, 1, 16, 16)
     with pytest.raises(DataError, match="no released central images for the other half"):
-        aux_starts(aux, labels, "mix", None, torch.Generator())
+        aux_starts(aux, labels, take, None, torch.Generator())
 
 
 def test_the_pool_is_public_count_per_class_and_seeded_by_the_job() -> None:
@@ -125,8 +136,9 @@ def test_a_mix_run_starts_even_positions_from_the_aux_generator_and_writes_its_p
     inits, drawn, z = _spied_run(tmp_path, monkeypatch, cfg, "mix")
     labels, sigma_max, init = inits[-1]
     assert sigma_max == 1.0 and init is not None and tuple(init.shape) == (30, 1, 28, 28)
-    assert np.array_equal(drawn[0][0], labels[::2])  # the aux generator, for the even positions' labels
-    assert torch.equal(init[::2], drawn[0][1])
+    take = torch.from_numpy(aux_taken(labels, "mix"))
+    assert take.sum() == 20 and np.array_equal(drawn[0][0], labels[take.numpy()])  # the aux generator's labels
+    assert torch.equal(init[take], drawn[0][1])
     assert np.bincount(z["labels"]).tolist() == [3] * 10
     with np.load(tmp_path / "mix" / "released" / "aux_images.npz") as pool:
         assert np.bincount(pool["labels"]).tolist() == [AUX_POOL_PER_CLASS] * 10
@@ -134,7 +146,7 @@ def test_a_mix_run_starts_even_positions_from_the_aux_generator_and_writes_its_p
     cfg0 = load_preset("tiny").replace(sampler={"start_sigma": 1.0})
     inits0, drawn0, _ = _spied_run(tmp_path, monkeypatch, cfg0, "central")
     assert not drawn0 and not (tmp_path / "central" / "released" / "aux_images.npz").exists()
-    assert torch.equal(inits0[-1][2][1::2], init[1::2])  # odd positions: the same augmented central images
+    assert torch.equal(inits0[-1][2][~take], init[~take])  # the rest: the same augmented central images
 
 
 def test_trained_aux_loads_the_checkpoint_when_the_stage_was_skipped(tmp_path) -> None:

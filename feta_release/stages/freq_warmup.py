@@ -17,6 +17,7 @@ from ..config import JobConfig
 from ..mechanisms.frequency import rff_frequencies
 from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
+from ..release.jobfiles import AUX_POOL_PER_CLASS
 from ..training.augment import rand_augment
 from ..training.checkpoint import load_torch, save_torch
 from ..training.frequency import fit_aux_generator, frequency_warmup, generate_aux_images
@@ -86,11 +87,6 @@ class FrequencyWarmup:
             _warm_up(ctx, ctx.aux)
             save_torch(ck, {"model": ctx.denoiser.state_dict()})
         sample_grid(ctx, "after-frequency", ctx.denoiser)
-
-
-# Images per class of the aux-generator pool a release ships for ``[sampler] start_source`` aux/mix: a PUBLIC count
-# (a function of nothing private), enough that synthesize's augmented copies do not repeat a few starts.
-AUX_POOL_PER_CLASS = 64
 
 
 def trained_aux(ctx: RunContext) -> AuxGenerator:

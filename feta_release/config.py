@@ -226,7 +226,12 @@ class JobConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(dataclasses.asdict(self))
+        d = _to_plain(dataclasses.asdict(self))
+        # The default start source is left out, so a job that does not use the option hashes as before it existed
+        # (run directories resume, signed jobs, ledgers and model.pt stay byte for byte the same).
+        if d["sampler"].get("start_source") == "central":
+            del d["sampler"]["start_source"]
+        return d
 
     def replace(self, **sections: Any) -> JobConfig:
         """Copy with whole sections or ``section={"key": value}`` overrides, re-validated."""

@@ -35,6 +35,17 @@ def test_default_is_central_and_presets_keep_it() -> None:
     assert load_preset("tiny").sampler.start_source == "central"
 
 
+def test_a_default_job_hashes_as_before_the_option_existed() -> None:
+    """The default is left out of the job's dict: job hashes, signed jobs, ledgers and model.pt of every job that
+    does not use the option stay byte for byte what they were (a run directory of the older code resumes)."""
+    from feta_release.config import JobConfig
+
+    tiny = load_preset("tiny")
+    assert "start_source" not in tiny.to_dict()["sampler"] and JobConfig.from_dict(tiny.to_dict()) == tiny
+    mix = tiny.replace(sampler={"start_sigma": 1.0, "start_source": "mix"})
+    assert mix.to_dict()["sampler"]["start_source"] == "mix" and JobConfig.from_dict(mix.to_dict()) == mix
+
+
 def test_an_unknown_start_source_is_refused_naming_the_allowed_values() -> None:
     with pytest.raises(ConfigError, match="start_source: 'noise' is not one of 'central', 'aux', 'mix'"):
         job(sampler={"start_source": "noise", "start_sigma": 1.0})

@@ -208,3 +208,21 @@ def test_export_refuses_aux_starts_without_the_pool_or_with_a_wrong_one(den_onnx
     with pytest.raises(ReleaseError, match=r"holds \[5, 5, 5\] images per class"):
         _release(tmp_path / "c", den_onnx, keys, pool=_pool(per_class=5))
     assert not any(p.name in ("a", "b", "c") for p in tmp_path.iterdir())
+
+
+def test_the_dpo_report_names_the_aux_images_and_draws_as_synthesize(mix_release, keys, tmp_path,  # noqa: ANN001
+                                                                     monkeypatch) -> None:
+    from feta_release.release import report, synthesize as syn
+
+    seen: list = []
+    real = syn.mixed_start_images
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        seen.append(args[2])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(syn, "mixed_start_images", spy)
+    path, res = report.write_report(mix_release, tmp_path / "r.html", keys.trust(), per_class=2)
+    html = path.read_text("utf-8")
+    assert res.ok and "aux-generator images (also released)" in html and "post-processing" in html
+    assert "aux-generator image (even index in its class)" in html and seen == ["mix"]

@@ -100,12 +100,12 @@ def _write_synthetic(ctx: RunContext, model: EDMDenoiser, n: int) -> None:
     else:
         central = None
     out = []
-    take = aux_taken(labels, source)
+    take = aux_taken(labels, source) if aux is not None else None
     with ctx.rep.task("synthesis", n) as adv:
         for start in range(0, n, 256):
             part = labels[start:start + 256]
             init = None if central is None or source == "aux" else release_starts(central, part, cfg, gen)
-            if aux is not None and aux_gen is not None:
+            if aux is not None and aux_gen is not None and take is not None:
                 init = aux_starts(aux, part, take[start:start + 256], init, aux_gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
             out.append(imgs.numpy().astype(np.float32))

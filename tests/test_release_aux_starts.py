@@ -226,3 +226,15 @@ def test_the_dpo_report_names_the_aux_images_and_draws_as_synthesize(mix_release
     html = path.read_text("utf-8")
     assert res.ok and "aux-generator images (also released)" in html and "post-processing" in html
     assert "aux-generator image (even index in its class)" in html and seen == ["mix"]
+
+
+def test_cli_synthesizes_a_mix_release_without_torch(mix_release, keys, tmp_path) -> None:  # noqa: ANN001
+    from .test_synthesize import BLOCK_TORCH
+
+    code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = ["synthesize", "--release", str(mix_release), "--num", "4", "--out", str(tmp_path / "o"), "--no-progress",
+            "--threads", "1", *keys.trusted_args(tmp_path / "keys")]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "started from: the release's aux-generator and noisy central images, alternating" in proc.stdout

@@ -145,6 +145,16 @@ class SamplerSection:
     # denoises from start_sigma. The signed release then ships the central images and its ONNX generator takes a
     # start image too (format 2; `synthesize --from release`, the default for such a release: docs/release.md).
     start_sigma: float | None = None
+    # Where the SDEdit starts come from (with start_sigma): "central" the released central images (as before);
+    # "aux" the auxiliary generator's images; "mix" every other start from each. The aux generator is fitted to
+    # the noised frequency release only, so its images are post-processing of a release: no privacy cost. The
+    # signed release then ships a fixed pool of its images (aux_images.npz) for `synthesize` (docs/release.md).
+    start_source: Literal["central", "aux", "mix"] = "central"
+
+    @property
+    def uses_aux(self) -> bool:
+        """SDEdit starts (partly) from the aux generator: start_source aux or mix, with start_sigma."""
+        return self.start_sigma is not None and self.start_source != "central"
 
 
 @dataclass(frozen=True)
@@ -216,7 +226,12 @@ class JobConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(dataclasses.asdict(self))
+        d = _to_plain(dataclasses.asdict(self))
+        # The default start source is left out, so a job that does not use the option hashes as before it existed
+        # (run directories resume, signed jobs, ledgers and model.pt stay byte for byte the same).
+        if d["sampler"].get("start_source") == "central":
+            del d["sampler"]["start_source"]
+        return d
 
     def replace(self, **sections: Any) -> JobConfig:
         """Copy with whole sections or ``section={"key": value}`` overrides, re-validated."""
@@ -373,6 +388,23 @@ def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
          "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
 
 
+def _validate_start_source(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
+    """``[sampler] start_source``: aux/mix starts need an SDEdit level and the stage that fits the aux generator."""
+    src = cfg.sampler.start_source
+    need(src in ("central", "aux", "mix"), f"[sampler] start_source must be \"central\", \"aux\" or \"mix\", got {src!r}")
+    if src == "central":
+        return
+    need(cfg.sampler.start_sigma is not None,
+         f"[sampler] start_source = \"{src}\" needs start_sigma (the SDEdit start level, e.g. 1.0): set it or use "
+         "start_source = \"central\"")
+    need(cfg.frequency.sigma is not None,
+         f"[sampler] start_source = \"{src}\" starts from the aux generator, which only the frequency stage fits: set "
+         "[frequency] sigma (and a method that keeps it) or use start_source = \"central\"")
+    need(src != "mix" or cfg.central.rounds > 0,
+         "[sampler] start_source = \"mix\" takes half its starts from the released central images: set [central] "
+         "rounds > 0 or use start_source = \"aux\"")
+
+
 def _validate(cfg: JobConfig, source: str) -> None:
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -405,6 +437,7 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(0 < cfg.sampler.sigma_min < cfg.sampler.sigma_max, "[sampler] need 0 < sigma_min < sigma_max")
     need(cfg.sampler.start_sigma is None or cfg.sampler.sigma_min < cfg.sampler.start_sigma <= cfg.sampler.sigma_max,
          "[sampler] start_sigma must be in (sigma_min, sigma_max] (or left out: sample from noise)")
+    _validate_start_source(cfg, need)
     need(cfg.warmup.spatial_iterations >= 0 and cfg.warmup.frequency_epochs >= 0, "[warmup] counts must be >= 0")
     need(cfg.warmup.polish_iterations >= 0 and cfg.warmup.polish_lr > 0,
          "[warmup] polish_iterations must be >= 0 and polish_lr > 0")

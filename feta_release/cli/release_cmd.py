@@ -187,9 +187,13 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
     rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
     click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
                f"-> {report.out_dir}")
-    click.echo("started from: " + ("the release's noisy central images (SDEdit; already-charged DP outputs, "
-                                   "post-processing)" if report.source == "release" else "pure noise"))
     assert res.manifest is not None
+    src = res.manifest["generator"]["sampler"].get("start_source", "central")
+    what = {"central": "the release's noisy central images (SDEdit; already-charged DP outputs, post-processing)",
+            "aux": "the release's aux-generator images (SDEdit; post-processing of the frequency release)",
+            "mix": "the release's aux-generator and noisy central images, alternating (SDEdit; post-processing of "
+                   "the releases)"}.get(src, src) if report.source == "release" else "pure noise"
+    click.echo("started from: " + what)
     for s in res.manifest["sites"]:
         click.echo(describe_site(s))
     click.echo(f"certificate: {report.certificate}" + ("" if priv else

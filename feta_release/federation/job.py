@@ -10,8 +10,11 @@ import numpy as np
 from torch import nn
 
 from ..models import denoiser_spec
-from ..release.jobfiles import RELEASED_CENTRAL, job_summary, write_job_files
+from ..errors import DataError
+from ..models.auxgen import AuxGenerator
+from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
+from ..stages.freq_warmup import aux_pool
 from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
 from . import checkpoint_io
 from .driver import JobDriver, JobResult, Progress, round_ema
@@ -66,6 +69,19 @@ def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
         atomic_write_bytes(d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
 
 
+def _save_aux_pool(d: JobDriver, aux: AuxGenerator | None) -> None:
+    """``[sampler] start_source`` aux/mix: the pool of the aux generator's images the release ships (the same
+    public draw as a ``train`` run's, ``stages.freq_warmup.aux_pool``), bound to the job like the central images.
+    Privacy: the generator was fitted to the sites' combined NOISED frequency releases: post-processing."""
+    if not d.cfg.sampler.uses_aux:
+        return
+    if aux is None:
+        raise DataError(f"job {d.job.job_id}: [sampler] start_source = {d.cfg.sampler.start_source!r} but no site "
+                        "sent a frequency release to fit the aux generator to; set start_source = \"central\"")
+    images, labels = aux_pool(aux, d.cfg)
+    atomic_write_bytes(d.out / RELEASED_AUX, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
+
+
 def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any]) -> nn.Module:
     """The global model after the warm-up stages (on released statistics only), restored from its checkpoint
     when a restarted coordinator already has it."""
@@ -77,8 +93,9 @@ def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any]) -> 
         model.load_state_dict(ck["model"])
         d.emit("warmup", "warm-up restored from checkpoint")
     else:
-        warm_up(model, central, freq, d.cfg, {sid: s.size for sid, s in d.sites.items()},
-                lambda msg: d.emit("warmup", msg))
+        aux = warm_up(model, central, freq, d.cfg, {sid: s.size for sid, s in d.sites.items()},
+                      lambda msg: d.emit("warmup", msg))
+        _save_aux_pool(d, aux)  # before the checkpoint: a restarted coordinator that skips the warm-up has it
         checkpoint_io.save_warmup(d.state, {"model": model.state_dict()})
     d.timings["warmup"] = time.monotonic() - t0
     return model

@@ -19,6 +19,7 @@ from ..config import JobConfig
 from ..errors import DataError
 from ..mechanisms.central import CentralRelease, combine_central, postprocess_central
 from ..mechanisms.frequency import FrequencyRelease, combine_frequency
+from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
 from ..stages.freq_warmup import aux_images, fit_aux, frequency_enabled, frequency_train, warmup_set
 from ..stages.spatial import central_polish, spatial_enabled, spatial_stage
@@ -27,9 +28,11 @@ Log = Callable[[str], None]
 
 
 def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq: dict[str, dict[str, np.ndarray]],
-            cfg: JobConfig, sizes: dict[str, int], log: Log) -> None:
-    """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``)."""
+            cfg: JobConfig, sizes: dict[str, int], log: Log) -> AuxGenerator | None:
+    """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``); returns
+    the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source`` aux/mix."""
     pooled = pooled_central(central, sizes, cfg) if central else None
+    aux = None
     if pooled is not None and spatial_enabled(cfg):
         log(f"spatial warm-up on {len(pooled[1])} central images (combined from {len(central)} site(s)), "
             f"{cfg.warmup.spatial_iterations} iterations")
@@ -38,15 +41,16 @@ def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq:
                             if i % every == 0 else None)
         log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
     if freq and frequency_enabled(cfg):
-        _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
+        aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
     if pooled is not None:  # as the local stages: the last warm-up stage ends with the central polish (if on)
         polished = central_polish(model, pooled, cfg)
         if polished is not None:
             log(f"central polish done in {polished.seconds:.1f} s (final loss {polished.final_loss:.4f})")
+    return aux
 
 
 def _frequency(model: EDMDenoiser, release: FrequencyRelease, central: tuple[np.ndarray, np.ndarray] | None,
-               cfg: JobConfig, log: Log) -> None:
+               cfg: JobConfig, log: Log) -> AuxGenerator:
     log(f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), then "
         f"{cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs")
     device = next(model.parameters()).device
@@ -55,6 +59,7 @@ def _frequency(model: EDMDenoiser, release: FrequencyRelease, central: tuple[np.
     res = frequency_train(model, images, labels, cfg)
     if res is not None:
         log(f"frequency warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
+    return aux
 
 
 def pooled_central(central: dict[str, dict[str, np.ndarray]], sizes: dict[str, int],

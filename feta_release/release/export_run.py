@@ -42,6 +42,8 @@ from ..signing import canonical_json, public_key_pem, sha256_file, sha256_hex
 from ..training.checkpoint import MODEL_FILE, config_hash, read_json, read_model_file
 from .manifest import (
     GENERATOR_FILE,
+    aux_claims,
+    aux_record,
     POLICY_DIR,
     build_attestation,
     build_manifest,
@@ -56,8 +58,8 @@ from .manifest import (
     write_manifest,
 )
 from .onnx_export import SamplerSettings, build_generator, export_denoiser
-from .jobfiles import RELEASED_CENTRAL
-from .starts import STARTS_FILE, starts_bytes
+from .jobfiles import RELEASED_AUX, RELEASED_CENTRAL
+from .starts import AUX_FILE, STARTS_FILE, load_starts, starts_bytes
 from .verify import policy_violations
 
 
@@ -77,11 +79,14 @@ def assemble_release(
     enforce_policy: bool = True,
     signed_job: dict[str, Any] | None = None,
     starts: tuple[np.ndarray, np.ndarray] | None = None,
+    aux_pool: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Path:
     """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s.
 
     ``starts`` (images in [0, 1], labels): the RELEASED central images, shipped as ``central_images.npz`` when the
     sampler has ``start_sigma`` (SDEdit); without them such a sampler is released as the noise sampler.
+    ``aux_pool`` (images in [0, 1], labels): the aux-generator pool, shipped as ``aux_images.npz`` when the sampler's
+    ``start_source`` is aux or mix (required then).
 
     A site whose signed policy is given and whose attested spend is outside it is refused here already
     (``enforce_policy=False`` only for tests that need such a release to check that ``verify`` refuses it).
@@ -98,8 +103,7 @@ def assemble_release(
                 if over:
                     raise ReleaseError(f"site {s['site_id']}'s attested spend is outside its signed policy, "
                                        f"refusing to release: " + "; ".join(over))
-    if sampler.start_sigma is not None and starts is None:
-        sampler = dataclasses.replace(sampler, start_sigma=None)  # nothing to start from: the noise sampler only
+    sampler = _start_sampler(sampler, starts, aux_pool)
     job = {"job_id": job_id, "config": config}
     # The statement is fixed first and embedded in the generator; the manifest then hashes the generator.
     stmt = statement_sha256(job, sites)
@@ -112,13 +116,15 @@ def assemble_release(
         for sid, signed in (signed_policies or {}).items():
             (tmp / POLICY_DIR).mkdir(exist_ok=True)
             (tmp / policy_file_name(sid)).write_text(json.dumps(signed, indent=2, ensure_ascii=False) + "\n", "utf-8")
-        record = None
-        if sampler.start_sigma is not None and starts is not None:
+        record = aux_rec = None
+        if sampler.start_sigma is not None and sampler.start_source != "aux" and starts is not None:
             record = _write_starts(tmp, starts, len(classes), sites, config)
+        if sampler.start_source != "central" and aux_pool is not None:
+            aux_rec = _write_aux(tmp, aux_pool, len(classes), image_shape, sites, config)
         manifest = build_manifest(
             tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
             sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
-            signed_job=signed_job, starts=record,
+            signed_job=signed_job, starts=record, aux_starts=aux_rec,
         )
         write_manifest(tmp, sign_manifest(manifest, coordinator_key))
         if out.exists():
@@ -128,6 +134,39 @@ def assemble_release(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _start_sampler(sampler: SamplerSettings, starts: tuple[np.ndarray, np.ndarray] | None,
+                   aux_pool: tuple[np.ndarray, np.ndarray] | None) -> SamplerSettings:
+    """The sampler as released: a central-start sampler without central images is released as the noise sampler
+    (as before); aux/mix starts without the files they need are refused, never silently turned into noise."""
+    if sampler.start_sigma is None:
+        return sampler
+    if sampler.start_source == "central":
+        return sampler if starts is not None else dataclasses.replace(sampler, start_sigma=None)
+    if aux_pool is None:
+        raise ReleaseError(f"[sampler] start_source = {sampler.start_source!r} but no aux-generator pool was given "
+                           f"({RELEASED_AUX} of the job); rerun the job with this version")
+    if sampler.start_source == "mix" and starts is None:
+        raise ReleaseError("[sampler] start_source = 'mix' but the job has no released central images for the "
+                           "other half; use start_source = \"aux\"")
+    return sampler
+
+
+def _write_aux(rel: Path, pool: tuple[np.ndarray, np.ndarray], n_classes: int, image_shape: Sequence[int],
+               sites: Sequence[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """``aux_images.npz`` and its manifest record; refused unless it is the pool the signed job says (shape, range,
+    per-class counts), so verify can never be handed a file export would not have written."""
+    data = starts_bytes(*pool)
+    images, labels = load_starts(data, "the aux-generator pool", tuple(int(v) for v in image_shape), n_classes,
+                                 what="aux-images")
+    want = aux_claims(config, sites, n_classes)["per_class"]
+    have = np.bincount(labels, minlength=n_classes).tolist()
+    if have != want:
+        raise ReleaseError(f"the aux-generator pool holds {have} images per class, the release format {want}: not "
+                           "this version's pool, refusing to ship it; rerun the job")
+    (rel / AUX_FILE).write_bytes(data)
+    return aux_record(rel, AUX_FILE, config, sites, n_classes)
 
 
 def _write_starts(rel: Path, starts: tuple[np.ndarray, np.ndarray], n_classes: int, sites: Sequence[dict[str, Any]],
@@ -144,11 +183,13 @@ def _write_starts(rel: Path, starts: tuple[np.ndarray, np.ndarray], n_classes: i
     return starts_record(rel, STARTS_FILE, config, sites, n_classes)
 
 
-def released_central(job_dir: str | Path, job_id: str | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def released_central(job_dir: str | Path, job_id: str | None = None, name: str = RELEASED_CENTRAL,
+                     what: str = "central images") -> tuple[np.ndarray, np.ndarray] | None:
     """The job directory's released central images (``released/central.npz``: images in [0, 1], labels), if any.
     ``job_id``: the file must say it is that job's (the federated coordinator writes it), so a stale file of an
-    earlier job in the same directory is never shipped under a new one (review s6, S2)."""
-    path = Path(job_dir) / RELEASED_CENTRAL
+    earlier job in the same directory is never shipped under a new one (review s6, S2). ``name``/``what``: another
+    file of the same layout (the aux pool, :data:`RELEASED_AUX`)."""
+    path = Path(job_dir) / name
     if not path.is_file():
         return None
     data = path.read_bytes()
@@ -157,17 +198,38 @@ def released_central(job_dir: str | Path, job_id: str | None = None) -> tuple[np
             have = str(z["job_id"]) if "job_id" in z.files else None
         if have != job_id:
             raise ReleaseError(f"{path}: " + ("carries no job id" if have is None else f"is job {have!r}'s")
-                               + f", not job {job_id!r}'s central images (a stale file of an earlier job?); remove "
+                               + f", not job {job_id!r}'s {what} (a stale file of an earlier job?); remove "
                                "it and rerun the job")
-    return _central_arrays(data, path)
+    return _central_arrays(data, path, what)
 
 
-def _central_arrays(data: bytes, path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _central_arrays(data: bytes, path: Path, what: str = "central images") -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             return np.asarray(z["images"], np.float32), np.asarray(z["labels"], np.int64)
     except (OSError, ValueError, KeyError) as exc:
-        raise ReleaseError(f"{path}: not a central-images file (images, labels) ({exc}); rerun the job") from None
+        raise ReleaseError(f"{path}: not a {what} file (images, labels) ({exc}); rerun the job") from None
+
+
+def run_aux_pool(rd: Path, record: Mapping[str, Any], cfg: JobConfig) -> tuple[np.ndarray, np.ndarray] | None:
+    """A ``train`` run's aux-generator pool (``[sampler] start_source`` aux/mix), only if ``released/aux_images.npz``
+    is byte for byte the file whose sha256 the run's closed ledger record keeps: the run dir is unsigned, and a
+    swapped file (e.g. private images) must never ship as "post-processing of the frequency release"."""
+    if not cfg.sampler.uses_aux:
+        return None
+    path = rd / RELEASED_AUX
+    want = (record.get("output") or {}).get("aux_pool_sha256")
+    if not want:
+        raise ReleaseError(f"{rd}: the ledger's record of this job names no aux-image pool ([sampler] start_source = "
+                           f"{cfg.sampler.start_source!r}; a run closed before pools were recorded); train it again")
+    if not path.is_file():
+        raise ReleaseError(f"{path}: missing; the run's ledger recorded an aux-image pool; export the run directory "
+                           "as `train` left it")
+    data = path.read_bytes()  # hashed and parsed from the SAME bytes
+    if sha256_hex(data) != want:
+        raise ReleaseError(f"{path}: hashes to {sha256_hex(data)[:16]}…, not the aux-image pool the site ledger "
+                           "recorded (edited or swapped after the run); export the run directory as `train` left it")
+    return _central_arrays(data, path, "aux-images")
 
 
 # -- single-site run directories -------------------------------------------------------------------------
@@ -280,6 +342,7 @@ class AttestedRun:
     run: dict[str, Any]
     rounds: int  # DP-SGD requests charged in the ledger (the run's chunks: its "rounds")
     central: tuple[np.ndarray, np.ndarray] | None = None  # the released central images, checked against the ledger
+    aux_pool: tuple[np.ndarray, np.ndarray] | None = None  # the aux-generator pool, checked against the ledger
 
 
 def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_key: Ed25519PrivateKey,
@@ -294,6 +357,7 @@ def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_
     delta, accountant = check_run_against_ledger(rd, {**record, "job_id": ledger_job}, ckpt)
     den = denoiser_from_checkpoint(ckpt, str(rd / "model.pt"))
     central = run_central(rd, run["run"], ledger_job, site_key)
+    aux_pool = run_aux_pool(rd, record, cfg)
     classes = [str(c) for c in _first(ckpt, ("class_names",), str(rd / "model.pt"))]
     if len(classes) != den.n_classes:
         raise ReleaseError(f"{rd / 'model.pt'}: {len(classes)} class names for a {den.n_classes}-class model")
@@ -321,7 +385,8 @@ def attest_run(run_dir: str | Path, *, coordinator_key: Ed25519PrivateKey, site_
         if over:
             raise ReleaseError(f"{rd}: the run is outside site {site_id}'s policy, refusing to release it: "
                                + "; ".join(over))
-    return AttestedRun(signed_job, att, site_id, signed_policy, den, classes, cfg, run["run"], rounds, central)
+    return AttestedRun(signed_job, att, site_id, signed_policy, den, classes, cfg, run["run"], rounds, central,
+                       aux_pool)
 
 
 def run_central(rd: Path, run_info: Mapping[str, Any], job_id: str, site_key: Ed25519PrivateKey
@@ -375,4 +440,5 @@ def export_run(
         signed_policies={a.site_id: signed_policy} if signed_policy is not None else None,
         timestamps={"trained": a.run["finished"]} if isinstance(a.run.get("finished"), str) else None,
         starts=a.central,
+        aux_pool=a.aux_pool,
     )

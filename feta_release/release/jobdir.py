@@ -11,6 +11,8 @@ Layout (``OUT``; the coordinator's ``--out``/``demo-out/job``, or a ``feta-relea
     model.pt                    the released weights (``training.checkpoint.write_model_file``)
     released/central.npz        the central images the warm-up used (a run's own release; a federation's combination
                                 of the sites' releases): shipped in release/ for SDEdit when the job says start_sigma
+    released/aux_images.npz     [sampler] start_source aux/mix: the aux-generator pool (post-processing of the
+                                frequency release), shipped in release/ as aux_images.npz
     privacy_report.json/.txt    per site, epsilon by stage and in total, from the signed attestations
     budget.svg                  the same as a chart, against the policy caps
     samples.png                 a sample grid of the released model
@@ -45,10 +47,11 @@ from ..signing import load_private_key
 from ..training.checkpoint import MODEL_FILE, read_model_file
 from ..viz import epsilon_title, save_budget_svg, save_grid
 from .export_run import assemble_release, denoiser_from_checkpoint, released_central
-from .jobfiles import ATTESTATIONS, POLICIES, RELEASE, SIGNED_JOB, SUMMARY, job_summary, write_job_files
+from .jobfiles import (ATTESTATIONS, POLICIES, RELEASE, RELEASED_AUX, SIGNED_JOB, SUMMARY, job_summary,
+                       write_job_files)
 from .manifest import site_record
 from .onnx_export import SamplerSettings
-from .starts import start_images
+from .starts import mixed_start_images
 
 __all__ = ["ATTESTATIONS", "POLICIES", "RELEASE", "SIGNED_JOB", "SUMMARY", "build_release", "job_summary", "load_model",
            "privacy_report", "sample_grid", "write_job_files"]
@@ -125,11 +128,14 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
     model = load_model(out_dir)
     scfg, init, what = cfg.sampler, None, "federated model samples"
     central = released_central(out_dir)
-    if scfg.start_sigma is not None and central is not None:  # as the release's synthesize draws by default
+    aux = released_central(out_dir, None, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
+    src = scfg.start_source if aux is not None else "central"
+    if scfg.start_sigma is not None and (src == "aux" or central is not None):  # as synthesize draws by default
         want = np.repeat(np.arange(model.n_classes, dtype=np.int64), per_class)
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(1,))))
-        init = torch.from_numpy(start_images(*central, want, np.tile(np.arange(per_class), model.n_classes), rng,
-                                             n_ops=cfg.warmup.augment_ops, magnitude_max=cfg.warmup.augment_magnitude))
+        init = torch.from_numpy(mixed_start_images(
+            central, aux, src, want, np.tile(np.arange(per_class), model.n_classes), rng,
+            n_ops=cfg.warmup.augment_ops, magnitude_max=cfg.warmup.augment_magnitude))
         scfg, what = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), "model samples (SDEdit from the release)"
     images, labels = generate(model, per_class, seed, scfg, init=init)
     names, eps, delta = None, None, None
@@ -145,14 +151,17 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
 
 
 def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey, *,
-                  require_policies: bool = True, starts: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
+                  require_policies: bool = True, starts: tuple[np.ndarray, np.ndarray] | None = None,
+                  aux_pool: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
     """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside.
 
     ``require_policies``: every site must have its signed policy in ``policies/`` (a federation's sites always
     do); a single-site run without a policy is released without one (``verify`` then says so).
     ``starts``: the central images as the caller CHECKED them (a ``train`` run: the arrays ``attest_run`` hashed
     against the ledger), shipped as they are, never re-read from the path (review s6, S5); None: the federated
-    coordinator's ``released/central.npz``."""
+    coordinator's ``released/central.npz``. ``aux_pool``: likewise the aux-generator pool (``[sampler]
+    start_source`` aux/mix; a ``train`` run's as ``attest_run`` checked it); None: the coordinator's
+    ``released/aux_images.npz``, which must name this job."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     job = signed["job"]
     cfg = JobConfig.from_dict(job["config"])
@@ -172,9 +181,11 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
     # The central images the warm-up used (a run's own release, checked against its ledger by training.local_job and
     # passed in; a federation's combination of the sites' releases), shipped for SDEdit (start_sigma).
     starts = released_central(out_dir, job["job_id"]) if starts is None else starts
+    if aux_pool is None and cfg.sampler.uses_aux:  # post-processing of the frequency release (see aux_pool)
+        aux_pool = released_central(out_dir, job["job_id"], RELEASED_AUX, "aux-generator images")
     return assemble_release(
         out_dir / RELEASE, denoiser=load_model(out_dir), classes=summary["class_names"],
         image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],
         config=job["config"], sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=key,
-        signed_policies=policies, signed_job=signed, starts=starts,
+        signed_policies=policies, signed_job=signed, starts=starts, aux_pool=aux_pool,
     )

@@ -16,6 +16,12 @@ RELEASE = "release"
 # The central images the warm-up used (a run's own release; a federation's combination of the sites'), which the
 # release ships for SDEdit when the job says [sampler] start_sigma.
 RELEASED_CENTRAL = "released/central.npz"
+# The fixed pool of aux-generator images (post-processing of the frequency release) the release ships for
+# [sampler] start_source = "aux" / "mix"; drawn where the generator is (end of a run, the coordinator's warm-up).
+RELEASED_AUX = "released/aux_images.npz"
+# Its images per class: a PUBLIC count (a function of nothing private; verify recomputes the record from it), enough
+# that synthesize's augmented copies do not cycle over a few starts.
+AUX_POOL_PER_CLASS = 64
 
 
 def job_summary(job_id: str, sites: list[str], class_names: list[str], image_shape: list[int], rounds: int,

@@ -6,6 +6,8 @@ A release directory holds::
     generator.onnx                the one-file generator (noise, labels) -> images
     central_images.npz            optional ([sampler] start_sigma): the released central images the generator's
                                   SDEdit path starts from (already-charged DP outputs; hashed in ``starts``)
+    aux_images.npz                optional ([sampler] start_source aux/mix): a fixed pool of aux-generator images
+                                  (post-processing of the frequency release; hashed in ``aux_starts``, format 3)
     policies/SITE.signed.json     optional: the signed policy each site ran under (lets verify check the caps)
 
 Each site's entry carries an *attestation*: a spend statement (site, job, full event history, (eps, delta),
@@ -49,8 +51,16 @@ FORMAT_VERSION_SDEDIT = "feta-release/manifest/2"
 GENERATOR_FORMATS = {False: "feta-release-generator/1", True: "feta-release-generator/2"}
 
 
-def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None) -> str:
-    """The format a manifest with this sampler and ``starts`` record must carry."""
+# A release whose SDEdit starts come (partly) from a shipped aux-generator pool (``aux_starts``, sampler
+# ``start_source``): a format-2 verifier would answer OK without hashing that pool, so it must refuse format 3.
+FORMAT_VERSION_AUX = "feta-release/manifest/3"
+
+
+def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None,
+                    aux_starts: dict[str, Any] | None = None) -> str:
+    """The format a manifest with this sampler, ``starts`` and ``aux_starts`` records must carry."""
+    if aux_starts is not None or "start_source" in sampler:
+        return FORMAT_VERSION_AUX
     return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
 ATTESTATION_KIND = "feta-release/spend-attestation/1"
 MANIFEST_FILE = "manifest.json"
@@ -211,12 +221,14 @@ def build_manifest(
     generator_file: str = GENERATOR_FILE,
     signed_job: dict[str, Any] | None = None,
     starts: dict[str, Any] | None = None,
+    aux_starts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The unsigned manifest body for a release directory whose generator is already written.
 
     ``signed_job`` (the coordinator's ``{"job": ..., "signature": ...}``) is carried whole: its list of sites
     is what ``verify`` holds the release to (every listed site needs a final attestation for this job).
-    ``starts``: the record of the released central images shipped for SDEdit (:func:`starts_record`).
+    ``starts``: the record of the released central images shipped for SDEdit (:func:`starts_record`);
+    ``aux_starts``: the record of the aux-generator pool shipped for ``start_source`` aux/mix (:func:`aux_record`).
     """
     gen_path = Path(release_dir) / generator_file
     if not gen_path.is_file():
@@ -228,7 +240,7 @@ def build_manifest(
         raise ReleaseError(f"duplicate site ids in release: {ids}")
     created = utc_now()
     return {
-        "format_version": manifest_format(sampler, starts),
+        "format_version": manifest_format(sampler, starts, aux_starts),
         "created": created,
         "generator": {
             "file": generator_file,
@@ -245,6 +257,7 @@ def build_manifest(
         "sites": list(sites),
         "timestamps": {"manifest_created": created, **(timestamps or {})},
         **({} if starts is None else {"starts": starts}),
+        **({} if aux_starts is None else {"aux_starts": aux_starts}),
     }
 
 
@@ -266,13 +279,7 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     from ..config import JobConfig
 
     cfg = JobConfig.from_dict(config)
-    from .starts import MAX_OPS, N_BINS
-
-    w = cfg.warmup
-    if not (0 <= w.augment_ops <= MAX_OPS and 1 <= w.augment_magnitude < N_BINS):  # S6: bounded before any use
-        raise ReleaseError(f"[warmup] augment_ops = {w.augment_ops}, augment_magnitude = {w.augment_magnitude}: the "
-                           f"release's start augmentation needs 0 <= augment_ops <= {MAX_OPS} and 1 <= "
-                           f"augment_magnitude <= {N_BINS - 1}")
+    augmentation = _augmentation(cfg)
     if cfg.central.rounds <= 0:
         raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
                            "images: they are not this job's release; leave [sampler] start_sigma out")
@@ -294,13 +301,65 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
         "images": per_class * n_classes,
         "per_class": [per_class] * n_classes,
         "source": source,
-        "augmentation": {"kind": STARTS_KIND, "ops": int(cfg.warmup.augment_ops),
-                         "magnitude_max": int(cfg.warmup.augment_magnitude)},
+        "augmentation": augmentation,
         "unit": "image",  # the central stage is image-level at every site (privacy_unit.py)
         "central_epsilon_alone": per_site,
         "central_epsilon_worst_case": worst,
         "privacy": _starts_words(source, per_site, worst),
     }
+
+
+def _augmentation(cfg: Any) -> dict[str, Any]:
+    """The start images' augmentation as the signed job sets it, bounded before any use (review s6, S6)."""
+    from .starts import MAX_OPS, N_BINS
+
+    w = cfg.warmup
+    if not (0 <= w.augment_ops <= MAX_OPS and 1 <= w.augment_magnitude < N_BINS):
+        raise ReleaseError(f"[warmup] augment_ops = {w.augment_ops}, augment_magnitude = {w.augment_magnitude}: the "
+                           f"release's start augmentation needs 0 <= augment_ops <= {MAX_OPS} and 1 <= "
+                           f"augment_magnitude <= {N_BINS - 1}")
+    return {"kind": STARTS_KIND, "ops": int(w.augment_ops), "magnitude_max": int(w.augment_magnitude)}
+
+
+AUX_SOURCE = ("the auxiliary generator fitted to this job's noised frequency release (random-Fourier-feature "
+              "statistics), sampled with the public seed rule (job seed, 'aux-pool')")
+
+
+def aux_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int) -> dict[str, Any]:
+    """Every claim of the ``aux_starts`` record, from signed inputs and public constants only (as
+    :func:`starts_claims`): the pool's size (``AUX_POOL_PER_CLASS`` per class), augmentation, and that the job
+    and every site's signed history have the frequency release the generator is fitted to."""
+    from ..config import JobConfig
+    from .jobfiles import AUX_POOL_PER_CLASS
+
+    cfg = JobConfig.from_dict(config)
+    augmentation = _augmentation(cfg)
+    if cfg.frequency.sigma is None or not cfg.sampler.uses_aux:
+        raise ReleaseError("the signed job has no frequency stage or no [sampler] start_source aux/mix, but the "
+                           "release carries aux-generator images: they are not this job's; set start_source = "
+                           "\"central\"")
+    for s in sites:
+        if not any(e.stage == "frequency" for e in events_from_list(s["events"])):
+            raise ReleaseError(f"site {s['site_id']}'s signed history has no 'frequency' event for this job, so no "
+                               "aux generator was fitted to its release; set [sampler] start_source = \"central\"")
+    return {
+        "images": AUX_POOL_PER_CLASS * n_classes,
+        "per_class": [AUX_POOL_PER_CLASS] * n_classes,
+        "source": AUX_SOURCE,
+        "augmentation": augmentation,
+        "privacy": ("Images of the auxiliary generator, which was fitted to the noised frequency release only "
+                    "(already charged in every site's signed history) with public randomness: post-processing of "
+                    "a release, no further privacy cost. That they come from that generator is the coordinator's "
+                    "signed word; verify checks their hash, shape and counts and that every site released "
+                    "frequency statistics in this job. synthesize starts SDEdit samples from augmented copies "
+                    "(start_source aux: all, mix: every other image of each class)."),
+    }
+
+
+def aux_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
+               n_classes: int) -> dict[str, Any]:
+    """The manifest's ``aux_starts`` entry: the pool's file and hash, and :func:`aux_claims`."""
+    return {"file": file, "sha256": sha256_file(Path(release_dir) / file), **aux_claims(config, sites, n_classes)}
 
 
 def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float]) -> str:

@@ -52,6 +52,9 @@ OPSET = 17
 META_PREFIX = "feta."
 
 
+START_SOURCES = ("central", "aux", "mix")
+
+
 @dataclass(frozen=True)
 class SamplerSettings:
     """What the generator graph computes; stored verbatim in metadata and the manifest."""
@@ -64,6 +67,10 @@ class SamplerSettings:
     guidance: float = 0.0  # classifier-free guidance weight w: (1+w) D(x,y) - w D(x,null)
     # SDEdit from released central images (``[sampler] start_sigma``): None = the noise sampler only.
     start_sigma: float | None = None
+    # Where ``synthesize`` takes the SDEdit starts from (``[sampler] start_source``): "central" the released central
+    # images, "aux" the shipped aux-generator pool, "mix" every other image from each. The graph is the same (the
+    # start is an input); only the metadata and manifest record it.
+    start_source: str = "central"
 
     def __post_init__(self) -> None:
         if self.solver not in ("euler", "heun"):
@@ -76,11 +83,18 @@ class SamplerSettings:
             raise ReleaseError(f"guidance weight must be >= 0, got {self.guidance}")
         if self.start_sigma is not None and not self.sigma_min < self.start_sigma <= self.sigma_max:
             raise ReleaseError(f"sampler start_sigma must be in (sigma_min, sigma_max], got {self.start_sigma}")
+        if self.start_source not in START_SOURCES:
+            raise ReleaseError(f"sampler start_source must be one of {', '.join(START_SOURCES)}, got "
+                               f"{self.start_source!r}")
+        if self.start_source != "central" and self.start_sigma is None:
+            raise ReleaseError(f"sampler start_source {self.start_source!r} needs start_sigma (SDEdit)")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.start_sigma is None:  # a noise-only release's metadata and manifest stay as before
             del d["start_sigma"]
+        if self.start_source == "central":  # so does a central-start release's
+            del d["start_source"]
         return d
 
     @property
@@ -98,6 +112,7 @@ class SamplerSettings:
             guidance=float(sampler_section.guidance),
             start_sigma=None if getattr(sampler_section, "start_sigma", None) is None
             else float(sampler_section.start_sigma),
+            start_source=str(getattr(sampler_section, "start_source", "central")),
         )
 
 

@@ -98,6 +98,10 @@ def _released(man: dict[str, Any], res: VerificationResult) -> str:
         *([("central images (also released)", _h(res.starts_claims["privacy"] if res.starts_claims else
                                                  "the release names central images that did NOT pass verify"))]
           if man.get("starts") else []),
+        *([("aux-generator images (also released)", _h(res.aux_claims["privacy"] if res.aux_claims else
+                                                       "the release names aux-generator images that did NOT pass "
+                                                       "verify"))]
+          if man.get("aux_starts") else []),
         ("released by", _h(f"the coordinator: manifest {signer}")),
         ("manifest sha256", f'<span class="hash">{_h(res.manifest_sha256)}</span>'),
         ("generator sha256", f'<span class="hash">{_h(gen["sha256"])}</span>'),
@@ -270,8 +274,19 @@ def _samples(man: dict[str, Any], res: VerificationResult, per_class: int, seed:
             f'src="{_png_data_uri(img)}" width="{img.width}" height="{img.height}">'
             f"<figcaption>One row per class (its name on the left), {per_class} images each, drawn with noise seed "
             f"{seed} by the generator whose hash verify checked"
-            + (", each denoised from an augmented released central image of its class (SDEdit, as synthesize does "
-               "by default)" if man.get("starts") else "") + ". Every image is synthetic.</figcaption></figure>")
+            + _start_words(man) + ". Every image is synthetic.</figcaption></figure>")
+
+
+def _start_words(man: dict[str, Any]) -> str:
+    """How the grid's images started (as synthesize draws by default: the signed sampler's start_source)."""
+    src = man["generator"]["sampler"].get("start_source", "central")
+    if src == "aux" and man.get("aux_starts"):
+        return ", each denoised from an augmented aux-generator image of its class (SDEdit, as synthesize does)"
+    if src == "mix" and man.get("aux_starts"):
+        return (", each denoised from an augmented aux-generator image (even index in its class) or released central "
+                "image (odd) of its class (SDEdit, as synthesize does)")
+    return (", each denoised from an augmented released central image of its class (SDEdit, as synthesize does "
+            "by default)" if man.get("starts") else "")
 
 
 def _lifetime_by_stage(statement: dict[str, Any]) -> dict[str, float] | None:

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import ReleaseError
 
 STARTS_FILE = "central_images.npz"
+AUX_FILE = "aux_images.npz"  # [sampler] start_source aux/mix: the aux-generator pool (same layout)
 N_BINS = 31  # RandAugment's magnitude bins, as training.augment
 # The ops of training.augment.OPS, in the same order (the index drawn picks the op).
 OP_NAMES = ("identity", "rotate", "shear_x", "shear_y", "translate_x", "translate_y", "brightness", "contrast",
@@ -177,17 +178,48 @@ def rand_augment(images: np.ndarray, rng: np.random.Generator, *, n_ops: int, ma
     return x
 
 
-def start_images(images: np.ndarray, rel_labels: np.ndarray, labels: np.ndarray, first: np.ndarray,
-                 rng: np.random.Generator, *, n_ops: int, magnitude_max: int) -> np.ndarray:
-    """Start images for ``labels``: image k of class c (``first[i]`` = its index within its class) augments the
-    class's released image ``k mod (count of c)``, cycling over the class's images as ``train`` does."""
+def cycle_index(rel_labels: np.ndarray, labels: np.ndarray, first: np.ndarray, what: str = "central images"
+                ) -> np.ndarray:
+    """Row of each start: image k of class c (``first[i]`` = k) takes the class's row ``k mod (count of c)``,
+    cycling over the class's images as ``train`` does."""
     idx = np.empty(len(labels), np.int64)
     for i, (c, k) in enumerate(zip(labels, first)):
         own = np.flatnonzero(rel_labels == c)
         if own.size == 0:
-            raise ReleaseError(f"the release's central images hold no image of class {int(c)}; use --from noise")
+            raise ReleaseError(f"the release's {what} hold no image of class {int(c)}; use --from noise")
         idx[i] = own[int(k) % own.size]
+    return idx
+
+
+def start_images(images: np.ndarray, rel_labels: np.ndarray, labels: np.ndarray, first: np.ndarray,
+                 rng: np.random.Generator, *, n_ops: int, magnitude_max: int) -> np.ndarray:
+    """Start images for ``labels``: image k of class c (``first[i]`` = its index within its class) augments the
+    class's released image ``k mod (count of c)``, cycling over the class's images as ``train`` does."""
+    idx = cycle_index(rel_labels, labels, first)
     return rand_augment(images[idx], rng, n_ops=n_ops, magnitude_max=magnitude_max)
+
+
+def mixed_start_images(central: tuple[np.ndarray, np.ndarray] | None, aux: tuple[np.ndarray, np.ndarray] | None,
+                       source: str, labels: np.ndarray, first: np.ndarray, rng: np.random.Generator, *, n_ops: int,
+                       magnitude_max: int) -> np.ndarray:
+    """Start images for ``start_source`` central / aux / mix. "mix": image k of its class starts from the aux
+    pool when k is even (as ``train``'s even positions), from the central images when odd, each source cycled by
+    k // 2 so both are walked in order. One augmentation call over the batch in image order, so image k's
+    augmentation does not depend on the batch size or on which source it came from (the rng rows are per image)."""
+    if source == "central":
+        assert central is not None
+        return start_images(*central, labels, first, rng, n_ops=n_ops, magnitude_max=magnitude_max)
+    assert aux is not None
+    if source == "aux":
+        return rand_augment(aux[0][cycle_index(aux[1], labels, first, "aux images")], rng, n_ops=n_ops,
+                            magnitude_max=magnitude_max)
+    assert central is not None and source == "mix"
+    from_aux = np.asarray(first) % 2 == 0
+    half = np.asarray(first) // 2
+    src = np.empty((len(labels), *aux[0].shape[1:]), np.float32)
+    src[from_aux] = aux[0][cycle_index(aux[1], labels[from_aux], half[from_aux], "aux images")]
+    src[~from_aux] = central[0][cycle_index(central[1], labels[~from_aux], half[~from_aux])]
+    return rand_augment(src, rng, n_ops=n_ops, magnitude_max=magnitude_max)
 
 
 def starts_bytes(images: np.ndarray, labels: np.ndarray) -> bytes:
@@ -197,13 +229,15 @@ def starts_bytes(images: np.ndarray, labels: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def load_starts(data: bytes, where: str, image_shape: tuple[int, ...], n_classes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Parse and check the released central images (no pickles); one clear error naming ``where``."""
+def load_starts(data: bytes, where: str, image_shape: tuple[int, ...], n_classes: int,
+                what: str = "central-images") -> tuple[np.ndarray, np.ndarray]:
+    """Parse and check the released central images (or the aux pool: ``what``; no pickles); one clear error
+    naming ``where``."""
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             images, labels = np.asarray(z["images"]), np.asarray(z["labels"])
     except (ValueError, KeyError, OSError, EOFError) as exc:
-        raise ReleaseError(f"{where}: not a readable central-images file ({exc}); take the release as it was "
+        raise ReleaseError(f"{where}: not a readable {what} file ({exc}); take the release as it was "
                            "published") from None
     problems = []
     if images.dtype != np.float32 or images.ndim != 4 or tuple(images.shape[1:]) != tuple(image_shape):
@@ -219,4 +253,5 @@ def load_starts(data: bytes, where: str, image_shape: tuple[int, ...], n_classes
     return images, labels
 
 
-__all__ = ["STARTS_FILE", "OP_NAMES", "rand_augment", "start_images", "starts_bytes", "load_starts", "quantize"]
+__all__ = ["STARTS_FILE", "AUX_FILE", "OP_NAMES", "rand_augment", "start_images", "mixed_start_images",
+           "cycle_index", "starts_bytes", "load_starts", "quantize"]

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..errors import ConfigError, ReleaseError
 from .certificate import CERTIFICATE_FILE, png_info, png_text, relative_release_path, write_certificate
 from .manifest import MANIFEST_FILE, utc_now
-from .starts import load_starts, start_images
+from .starts import load_starts, mixed_start_images
 from .verify import VerificationResult, describe_site, lifetime_of, require_valid, verify_release
 
 
@@ -120,13 +120,19 @@ def label_batches(counts: Sequence[int], batch: int) -> Iterator[np.ndarray]:
 
 @dataclass
 class Starts:
-    """SDEdit from the release's central images: the verified images, the augmentation and its own random stream."""
+    """SDEdit from the release's shipped images: the verified central images and/or aux-generator pool (as the
+    sampler's ``start_source`` says), the augmentation and its own random stream."""
 
-    images: np.ndarray
-    labels: np.ndarray
+    central: tuple[np.ndarray, np.ndarray] | None
     n_ops: int
     magnitude_max: int
     rng: np.random.Generator
+    aux: tuple[np.ndarray, np.ndarray] | None = None
+    source: str = "central"  # the sampler's start_source: central | aux | mix
+
+
+def _sampler_source(res: VerificationResult) -> str:
+    return str(res.manifest["generator"]["sampler"].get("start_source", "central")) if res.manifest else "central"
 
 
 def start_source(requested: str | None, res: VerificationResult) -> str:
@@ -136,22 +142,31 @@ def start_source(requested: str | None, res: VerificationResult) -> str:
     source = requested or ("release" if sdedit else "noise")
     if source not in ("noise", "release"):
         raise ConfigError(f"--from must be 'noise' or 'release', got {source!r}")
-    if source == "release" and (not sdedit or res.starts_bytes is None):
-        raise ConfigError(f"release {res.release_dir} carries no released central images (its sampler has no "
+    src = _sampler_source(res)
+    if source == "release" and (not sdedit or (src != "aux" and res.starts_bytes is None)
+                                or (src != "central" and res.aux_bytes is None)):
+        raise ConfigError(f"release {res.release_dir} carries no verified start images (its sampler has no "
                           "start_sigma), so it can only sample from noise; use --from noise")
     return source
 
 
 def release_starts(res: VerificationResult, seed: int) -> Starts:
-    assert res.manifest is not None and res.starts_bytes is not None and res.starts_claims is not None
-    man = res.manifest
-    rec = man["starts"]
-    images, labels = load_starts(res.starts_bytes, f"{res.release_dir}/{rec['file']}",
-                                 tuple(man["generator"]["image_shape"]), len(man["generator"]["classes"]))
-    aug = res.starts_claims["augmentation"]  # recomputed by verify from the signed job (== the record)
+    """The verified start images of the sampler's ``start_source`` (central images, aux pool, or both)."""
+    assert res.manifest is not None
+    man, src = res.manifest, _sampler_source(res)
+    shape, k = tuple(man["generator"]["image_shape"]), len(man["generator"]["classes"])
+    central = aux = None
+    if src != "aux":
+        assert res.starts_bytes is not None and res.starts_claims is not None
+        central = load_starts(res.starts_bytes, f"{res.release_dir}/{man['starts']['file']}", shape, k)
+    if src != "central":
+        assert res.aux_bytes is not None and res.aux_claims is not None
+        aux = load_starts(res.aux_bytes, f"{res.release_dir}/{man['aux_starts']['file']}", shape, k, what="aux-images")
+    # recomputed by verify from the signed job (== the record); both records carry the job's one augmentation
+    aug = (res.starts_claims if central is not None else res.aux_claims or {})["augmentation"]
     # Its own stream (not the noise's): the noise of image k is the same whichever start it is paired with.
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(1,))))
-    return Starts(images, labels, int(aug["ops"]), int(aug["magnitude_max"]), rng)
+    return Starts(central, int(aug["ops"]), int(aug["magnitude_max"]), rng, aux, src)
 
 
 @dataclass
@@ -179,8 +194,8 @@ def generator_feed(sess: Any, noise: np.ndarray, labels: np.ndarray, first: np.n
         if starts is None:
             feed["start"] = np.zeros_like(noise)
         else:
-            feed["start"] = start_images(starts.images, starts.labels, labels, first, starts.rng,
-                                         n_ops=starts.n_ops, magnitude_max=starts.magnitude_max)
+            feed["start"] = mixed_start_images(starts.central, starts.aux, starts.source, labels, first, starts.rng,
+                                               n_ops=starts.n_ops, magnitude_max=starts.magnitude_max)
         feed["from_release"] = np.array(starts is not None)
     return feed
 
@@ -296,19 +311,51 @@ def _generation_record(res: VerificationResult, classes: list[str], counts: Sequ
         "batch": batch,
         "threads": threads,
         "sampler": man["generator"]["sampler"],
-        "start": start_statement(source, man, res.starts_claims),
+        "start": start_statement(source, man, res.starts_claims, res.aux_claims),
         "onnxruntime": ort.__version__,
         "seconds": round(seconds, 3),
     }
 
 
-def start_statement(source: str, man: dict[str, Any], claims: dict[str, Any] | None) -> dict[str, Any]:
+def _aux_statement(src: str, man: dict[str, Any], claims: dict[str, Any] | None,
+                   aux_claims: dict[str, Any] | None) -> dict[str, Any]:
+    """The certificate's start section of a ``start_source`` aux/mix release (claims as verify recomputed them)."""
+    rec = man["aux_starts"]
+    assert aux_claims is not None
+    which = ("an augmented image of the release's aux-generator pool" if src == "aux" else
+             "an augmented aux-generator pool image (even index within its class) or released central image (odd)")
+    out: dict[str, Any] = {
+        "from": "release",
+        "start_source": src,
+        "meaning": (f"SDEdit: each image denoised from {which} of its class plus "
+                    f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"),
+        "start_sigma": man["generator"]["sampler"]["start_sigma"],
+        "aux_images": {"file": rec["file"], "sha256": rec["sha256"], "images": aux_claims["images"],
+                       "source": aux_claims["source"]},
+        "augmentation": aux_claims["augmentation"],
+        "augmentation_randomness": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
+        "privacy": aux_claims["privacy"],
+    }
+    if src == "mix" and claims is not None:
+        srec = man["starts"]
+        out["central_images"] = {"file": srec["file"], "sha256": srec["sha256"], "images": claims["images"]}
+        out["central_epsilon_alone"] = claims["central_epsilon_alone"]
+        out["central_epsilon_worst_case"] = claims["central_epsilon_worst_case"]
+        out["unit"] = claims["unit"]
+    return out
+
+
+def start_statement(source: str, man: dict[str, Any], claims: dict[str, Any] | None,
+                    aux_claims: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the certificate says the images started from (and, for SDEdit, that the central images are a release).
     ``claims``: the starts record as verify RECOMPUTED it from the signed inputs (never the coordinator's text)."""
     rec = man.get("starts")
     if source == "noise":
         return {"from": "noise", "meaning": "pure noise at sigma_max (the generator's noise sampler)"
                 + ("; the release also carries central images, not used (--from noise)" if rec else "")}
+    src = man["generator"]["sampler"].get("start_source", "central")
+    if src != "central":
+        return _aux_statement(src, man, claims, aux_claims)
     assert rec is not None and claims is not None
     return {
         "from": "release",

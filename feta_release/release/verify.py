@@ -9,6 +9,9 @@ everything else follows from the documents those keys signed. Checks, each repor
   sampler, statement hash) agrees with the manifest: a generator cannot be moved under another job;
 * ``central_images.npz`` (a release whose sampler has ``start_sigma``): present, its sha256 equals the manifest's
   ``starts`` record, and it parses as images of the generator's shape with labels of its classes;
+* ``aux_images.npz`` (a sampler whose ``start_source`` is aux or mix, manifest format 3): the same checks against
+  the ``aux_starts`` record, whose claims are recomputed from the signed job (and every site's history must hold
+  the frequency release the aux generator is fitted to);
 * the manifest carries the coordinator-signed job; every site the job lists has a record, no other site does,
   and every site id is a plain name;
 * for every site: ``policies/SITE.signed.json`` is present and signed by THAT site's administrator key; the
@@ -58,6 +61,7 @@ from .manifest import (
     ATTESTED_FIELDS,
     GENERATOR_FORMATS,
     MANIFEST_FILE,
+    aux_claims,
     manifest_format,
     starts_claims,
     starts_count_problem,
@@ -90,6 +94,8 @@ class VerificationResult:
     generator_bytes: bytes | None = field(default=None, repr=False)
     starts_bytes: bytes | None = field(default=None, repr=False)  # the verified central images (SDEdit starts)
     starts_claims: dict[str, Any] | None = None  # the starts record's claims as RECOMPUTED from signed inputs
+    aux_bytes: bytes | None = field(default=None, repr=False)  # the verified aux-generator pool (start_source aux/mix)
+    aux_claims: dict[str, Any] | None = None  # the aux_starts record's claims as RECOMPUTED from signed inputs
 
     @property
     def ok(self) -> bool:
@@ -181,7 +187,8 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     man = doc["manifest"]
     res.manifest = man
     res.manifest_sha256 = _guard(res, "manifest", lambda: sha256_hex(canonical_json(man)))
-    fmt = _guard(res, "manifest format", lambda: manifest_format(man["generator"]["sampler"], man.get("starts")))
+    fmt = _guard(res, "manifest format", lambda: manifest_format(man["generator"]["sampler"], man.get("starts"),
+                                                                 man.get("aux_starts")))
     res.add(
         "manifest format",
         man.get("format_version") == fmt,
@@ -190,6 +197,7 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     )
     _guard(res, "generator", lambda: _check_generator(res, rd, man))
     _guard(res, "central images", lambda: _check_starts(res, rd, man))
+    _guard(res, "aux images", lambda: _check_aux_starts(res, rd, man))
     job = _guard(res, "job", lambda: _job_of(res, man))
     sites = man.get("sites")
     if not isinstance(sites, list) or not sites:
@@ -363,7 +371,9 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
     """The released central images the SDEdit sampler starts from: hashed in the signed manifest."""
     from .starts import load_starts
 
-    rec, sdedit = man.get("starts"), "start_sigma" in man["generator"]["sampler"]
+    sampler = man["generator"]["sampler"]
+    # start_source "aux" starts from the aux pool only: it needs (and ships) no central images
+    rec, sdedit = man.get("starts"), "start_sigma" in sampler and sampler.get("start_source", "central") != "aux"
     if rec is None:
         if sdedit:
             res.add("central images", False, "the sampler has start_sigma but the manifest names no central images "
@@ -389,7 +399,49 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
         return
     res.starts_bytes, res.starts_claims = data, claims
     res.add("central images", sdedit, f"{path}: {len(images)} released central images, sha256 matches the manifest"
-            + ("" if sdedit else "; but the sampler has no start_sigma"))
+            + ("" if sdedit else "; but the sampler has no start_sigma or starts from aux images only"))
+
+
+def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
+    """The aux-generator pool a ``start_source`` aux/mix sampler starts from: present exactly when the sampler says
+    so, hashed in the signed manifest, of the generator's shape and classes, its record recomputed from signed
+    inputs (:func:`aux_claims`): missing, changed or reshaped is one clear line."""
+    from .starts import load_starts
+
+    rec, src = man.get("aux_starts"), man["generator"]["sampler"].get("start_source", "central")
+    needed = "start_sigma" in man["generator"]["sampler"] and src in ("aux", "mix")
+    if rec is None:
+        if needed or src != "central":
+            res.add("aux images", False, f"the sampler's start_source is {src!r} but the manifest names no aux-generator "
+                    "images (aux_starts): the release is incomplete; take the release as it was published")
+        return
+    if not needed:
+        res.add("aux images", False, f"the manifest names aux-generator images but the sampler's start_source is "
+                f"{src!r}: the release is inconsistent; do not use it")
+        return
+    read = _read_release_file(res, rd, rec.get("file"), "aux images", "aux-generator images file")
+    if read is None:
+        return
+    path, data = read
+    digest = sha256_hex(data)
+    if digest != rec.get("sha256"):
+        res.add("aux images", False, f"{path}: sha256 {digest[:16]}… != manifest {str(rec.get('sha256'))[:16]}… "
+                "(file changed); take the release as it was published")
+        return
+    gen = man["generator"]
+    _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images")
+    statements = [s["attestation"]["statement"] for s in man["sites"]]
+    want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))
+    bad = [f"aux_starts.{k} is {_short(rec.get(k))}, recomputed {_short(v)}" for k, v in want.items() if rec.get(k) != v]
+    bad += [f"aux_starts.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256"})]
+    have = [int((labels == c).sum()) for c in range(len(gen["classes"]))]
+    if have != want["per_class"]:
+        bad.append(f"{path} holds {have} images per class, the record {want['per_class']}")
+    if bad:
+        res.add("aux images", False, "; ".join(bad) + " (not the pool this job's release ships; do not use it)")
+        return
+    res.aux_bytes, res.aux_claims = data, want
+    res.add("aux images", True, f"{path}: {len(labels)} aux-generator images, sha256 matches the manifest")
 
 
 def _starts_claims_match(res: VerificationResult, man: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any] | None:

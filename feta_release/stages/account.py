@@ -84,12 +84,16 @@ class RunAccount:
         """A release of ``stage`` was charged but never recorded (the run was killed between the two)."""
         return any(r["status"] != "done" for r in self.ledger.requests(self.job_id) if r["mechanism"] == stage)
 
-    def close(self, job_sha256: str, model_sha256: str) -> None:
+    def close(self, job_sha256: str, model_sha256: str, aux_pool_sha256: str | None = None) -> None:
         """The run is complete: the ledger refuses any further charge for it (its statement is final). The signed
         job record keeps the released model's sha256 and the run's delta and accountant: ``export`` checks
-        model.pt and job.json against it and attests with its delta (run.json, job.json, model.pt are unsigned)."""
+        model.pt and job.json against it and attests with its delta (run.json, job.json, model.pt are unsigned).
+        ``aux_pool_sha256`` (``[sampler] start_source`` aux/mix): the aux-image pool's, so an export never ships a
+        swapped file (e.g. private images) as "aux-generator images"; left out otherwise (records stay as before)."""
         output = {"model_sha256": model_sha256, "delta": float(self.budget.delta),
                   "accountant": str(self.budget.accountant)}
+        if aux_pool_sha256 is not None:
+            output["aux_pool_sha256"] = aux_pool_sha256
         self.ledger.close_job(self.job_id, job_sha256, output)
 
     def summary(self, final: bool = False) -> dict[str, Any]:

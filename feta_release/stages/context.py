@@ -19,6 +19,7 @@ import torch
 
 from ..config import JobConfig
 from ..data import ImageDataset
+from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
@@ -89,6 +90,7 @@ class RunContext:
     # products of the stages
     central: tuple[np.ndarray, np.ndarray] | None = None  # released central images (post-processed) and labels
     embedding: np.ndarray | None = None  # released frequency statistics
+    aux: AuxGenerator | None = None  # the aux generator fitted to them (post-processing; see freq_warmup.trained_aux)
     final_model: EDMDenoiser | None = None  # EMA model after DP-SGD (else the warmed-up denoiser)
     dpsgd_trained: int = 0
     grid_index: int = 0

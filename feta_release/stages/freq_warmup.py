@@ -17,6 +17,7 @@ from ..config import JobConfig
 from ..mechanisms.frequency import rff_frequencies
 from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
+from ..release.jobfiles import AUX_POOL_PER_CLASS
 from ..training.augment import rand_augment
 from ..training.checkpoint import load_torch, save_torch
 from ..training.frequency import fit_aux_generator, frequency_warmup, generate_aux_images
@@ -82,9 +83,40 @@ class FrequencyWarmup:
             ctx.denoiser.load_state_dict(load_torch(ck)["model"])
             ctx.rep.log("frequency warm-up: loaded from checkpoint")
         else:
-            _warm_up(ctx, _aux_generator(ctx))
+            ctx.aux = _aux_generator(ctx)
+            _warm_up(ctx, ctx.aux)
             save_torch(ck, {"model": ctx.denoiser.state_dict()})
         sample_grid(ctx, "after-frequency", ctx.denoiser)
+
+
+def trained_aux(ctx: RunContext) -> AuxGenerator:
+    """The run's fitted aux generator: the frequency stage's, or its checkpoint when a resumed run skipped the
+    stage (``auxgen.pt`` is saved before ``after-frequency.pt``, so a finished stage always left it)."""
+    if ctx.aux is None:
+        ctx.aux = _aux_generator(ctx)
+    return ctx.aux
+
+
+def aux_pool(aux: AuxGenerator, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The release's fixed pool of aux-generator images: :data:`AUX_POOL_PER_CLASS` per class in class order,
+    float32 in [0, 1] and int64 labels, from the PUBLIC generator ``aux-pool`` (both drivers draw it so). Privacy:
+    the generator is a function of the noised frequency release and public randomness only: post-processing."""
+    labels = np.repeat(np.arange(aux.n_classes, dtype=np.int64), AUX_POOL_PER_CLASS)
+    return aux_draw(aux, labels, public_generator(cfg, "aux-pool")).numpy(), labels
+
+
+def aux_draw(aux: AuxGenerator, labels: np.ndarray, generator: torch.Generator) -> torch.Tensor:
+    """Aux-generator images of ``labels`` (CPU float32, clamped to [0, 1]), one latent per label from ``generator``."""
+    dev = next(aux.parameters()).device
+    was_training = aux.training
+    aux.eval()  # BatchNorm running statistics: an image does not depend on the others of its batch
+    try:
+        with torch.no_grad():
+            z = torch.randn((len(labels), aux.z_dim), generator=generator)
+            x = aux(z.to(dev), torch.as_tensor(labels, dtype=torch.long).to(dev)).cpu()
+    finally:
+        aux.train(was_training)
+    return x.float().clamp(0, 1)
 
 
 def _aux_generator(ctx: RunContext) -> AuxGenerator:

@@ -10,11 +10,14 @@ import torch
 
 from ..config import JobConfig
 from ..errors import DataError
+from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..models.sampler import generate
+from ..release.jobfiles import RELEASED_AUX
 from ..training.augment import rand_augment
 from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
 from .context import RunContext, public_generator, seed_from
+from .freq_warmup import aux_draw, aux_pool, trained_aux
 
 
 class Synthesis:
@@ -27,6 +30,9 @@ class Synthesis:
         model = ctx.final_model or ctx.denoiser
         n = ctx.n_public if ctx.n_synthetic is None else int(ctx.n_synthetic)
         _write_synthetic(ctx, model, n)
+        if ctx.cfg.sampler.uses_aux:  # the pool the release ships; its sha256 goes into the closed ledger record
+            images, labels = aux_pool(trained_aux(ctx), ctx.cfg)
+            atomic_write_bytes(ctx.rd.root / RELEASED_AUX, npz_bytes(images=images, labels=labels))
         d = ctx.data
         write_model_file(ctx.rd.root / MODEL_FILE, spec=denoiser_spec(ctx.cfg.model, d.image_shape, d.n_classes),
                          state_dict=model.state_dict(), class_names=list(d.class_names),
@@ -50,20 +56,57 @@ def release_starts(central: tuple[np.ndarray, np.ndarray], labels: np.ndarray, c
                         generator=generator)[0].clamp(0, 1)
 
 
+def aux_taken(labels: np.ndarray, source: str) -> np.ndarray:
+    """Which starts come from the aux generator: all for "aux"; for "mix" image k of its class when k is even
+    (k = how many earlier images of the set have its label), so each class alternates aux, central, aux, ...
+    as the bench's class-sorted mix did and as ``synthesize`` draws (``release.starts.mixed_start_images``)."""
+    if source == "aux":
+        return np.ones(len(labels), bool)
+    within = np.empty(len(labels), np.int64)
+    for c in np.unique(labels):
+        own = np.flatnonzero(labels == c)
+        within[own] = np.arange(own.size)
+    return within % 2 == 0
+
+
+def aux_starts(aux: AuxGenerator, labels: np.ndarray, take: np.ndarray, central_init: torch.Tensor | None,
+               generator: torch.Generator) -> torch.Tensor:
+    """SDEdit starts where ``take`` (:func:`aux_taken`) from the aux generator, an image of the position's label
+    drawn with ``generator`` (PUBLIC), in [0, 1]; the others stay ``central_init``'s augmented central images.
+    Privacy: the aux generator was fitted to the noised frequency release only, so its images, like the central
+    ones, are post-processing of a release: no privacy cost."""
+    drawn = aux_draw(aux, labels[take], generator)
+    if bool(take.all()):
+        return drawn
+    if central_init is None:
+        raise DataError("[sampler] start_source = \"mix\": no released central images for the other half; set "
+                        "[central] rounds > 0 or start_source = \"aux\"")
+    init = central_init.clone()
+    init[torch.from_numpy(take)] = drawn.to(init.dtype)
+    return init
+
+
 def _write_synthetic(ctx: RunContext, model: EDMDenoiser, n: int) -> None:
     k, cfg = ctx.data.n_classes, ctx.cfg
     # Balanced: class c gets ceil or floor of n/k; interleave so a prefix is balanced too.
     labels = np.tile(np.arange(k, dtype=np.int64), math.ceil(n / k))[:n]
     scfg, gen, central = cfg.sampler, public_generator(cfg, "synthetic-starts"), ctx.central
-    if scfg.start_sigma is not None and central is not None:  # SDEdit: denoise from the start level only
+    source = scfg.start_source if cfg.sampler.uses_aux else "central"
+    # the aux generator and its own PUBLIC stream only for aux/mix: the central path draws exactly as before
+    aux = trained_aux(ctx) if source != "central" else None
+    aux_gen = public_generator(cfg, "synthetic-aux") if aux is not None else None
+    if scfg.start_sigma is not None and (central is not None or aux is not None):  # SDEdit: from the start level
         scfg = dataclasses.replace(scfg, sigma_max=scfg.start_sigma)
     else:
         central = None
     out = []
+    take = aux_taken(labels, source) if aux is not None else None
     with ctx.rep.task("synthesis", n) as adv:
         for start in range(0, n, 256):
             part = labels[start:start + 256]
-            init = None if central is None else release_starts(central, part, cfg, gen)
+            init = None if central is None or source == "aux" else release_starts(central, part, cfg, gen)
+            if aux is not None and aux_gen is not None and take is not None:
+                init = aux_starts(aux, part, take[start:start + 256], init, aux_gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
             out.append(imgs.numpy().astype(np.float32))
             adv(len(part))

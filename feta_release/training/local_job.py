@@ -46,4 +46,5 @@ def release_run(run_dir: str | Path, *, site_key: Ed25519PrivateKey, coordinator
     privacy_report(rd)
     sample_grid(rd)
     # the central images attest_run checked against the ledger, not a second read of the file (a swap in between)
-    return build_release(rd, coordinator_key, require_policies=signed_policy is not None, starts=a.central)
+    return build_release(rd, coordinator_key, require_policies=signed_policy is not None, starts=a.central,
+                         aux_pool=a.aux_pool)

@@ -1,0 +1,117 @@
+"""Both drivers ship the aux-generator pool of a ``[sampler] start_source = "mix"`` job (issue 15): the federated
+coordinator the pool of the aux generator its warm-up fitted to the sites' combined frequency releases (bound to the
+job id), a ``train`` run the pool it wrote, which must hash to what its closed site-ledger record keeps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.setup import sign_job_file
+from feta_release.errors import ReleaseError
+from feta_release.release.jobdir import build_release
+from feta_release.release.synthesize import synthesize
+from feta_release.release.verify import verify_release
+from feta_release.signing import load_public_key
+from feta_release.stages.freq_warmup import aux_pool
+
+from .federation_fixtures import harness, make_federation, tiny_job
+from .federation_fixtures import run_harness_job as _run
+
+MIX = {"central": {"rounds": 1, "batch": 10, "sigma": 5.0}, "frequency": {"sigma": 10.0, "features": 64, "chunk": 256},
+       "warmup": {"spatial_iterations": 2, "spatial_batch": 8, "frequency_images": 20, "frequency_epochs": 0},
+       "auxgen": {"z_dim": 8, "width": 8, "batch": 20, "epochs": 1, "iterations_per_epoch": 2},
+       "dpsgd": {"steps": 0}, "sampler": {"steps": 2, "start_sigma": 0.5, "start_source": "mix"}}
+
+
+def test_a_federated_mix_release_ships_the_coordinators_aux_pool(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from feta_release.federation import job as fjob
+    from feta_release.release import jobdir
+
+    seen: dict = {}
+    real = fjob.warm_up
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        seen["aux"] = real(*args, **kw)
+        return seen["aux"]
+
+    monkeypatch.setattr(fjob, "warm_up", spy)
+    fed = make_federation(tmp_path / "fed")
+    cfg = tiny_job(**MIX)
+    signed, _ = sign_job_file(fed, cfg, "job-mix")
+    out = tmp_path / "out"
+    _run(fed, harness(fed), signed, out)
+    jobdir.sample_grid(out, per_class=2)  # draws as synthesize does (mix starts), the coordinator's finalize step
+    rel = build_release(out, fed.coordinator_key)
+    trust = {s.site_id: load_public_key(s.policy_pub) for s in fed.sites}
+    res = verify_release(rel, trust)
+    assert res.ok, res.reason()
+    man = res.manifest
+    assert man is not None and man["generator"]["sampler"]["start_source"] == "mix" and "starts" in man
+    with np.load(rel / "aux_images.npz") as z:
+        shipped = z["images"], z["labels"]
+    # exactly the public draw of the aux generator the coordinator's warm-up fitted
+    want = aux_pool(seen["aux"], cfg)
+    assert np.array_equal(shipped[0], want[0]) and np.array_equal(shipped[1], want[1])
+    assert synthesize(rel, tmp_path / "syn", trust, num=6, progress=False, threads=1).source == "release"
+    # a stale pool of another job in the same directory is never shipped under this one
+    with np.load(out / "released" / "aux_images.npz") as z:
+        arrays = dict(z)
+    np.savez(out / "released" / "aux_images.npz", **{**arrays, "job_id": np.array("job-other")})
+    with pytest.raises(ReleaseError, match="is job 'job-other''s, not job 'job-mix''s aux-generator images"):
+        _rebuild(out, fed.coordinator_key)
+
+
+def _rebuild(out: Path, key) -> Path:  # noqa: ANN001
+    import shutil
+
+    shutil.rmtree(out / "release")
+    return build_release(out, key)
+
+
+@pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
+def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) -> None:
+    from feta_release.cli import main
+    from feta_release.config import load_preset
+    from feta_release.data import load_embedded, save_npz
+    from feta_release.policy import make_policy, sign_policy
+    from feta_release.release.export_run import export_run
+    from feta_release.signing import generate_keypair, load_private_key
+
+    full = load_embedded()
+    rng = np.random.default_rng(3)
+    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
+    save_npz(full.subset(np.sort(idx)), tmp_path / "small.npz")
+    keys = {n: generate_keypair(tmp_path / "keys", n) for n in ("coordinator", "site", "admin")}
+    doc = make_policy("hosp-a", "1" * 64, 200, [load_private_key(keys["coordinator"][0]).public_key()],
+                      per_job=(10.0, 1e-5), lifetime=(20.0, 1e-5), site_key=load_private_key(keys["site"][0]).public_key())
+    (tmp_path / "policy.json").write_text(json.dumps(sign_policy(doc, load_private_key(keys["admin"][0]))))
+    root = Path(__file__).resolve().parent.parent
+    job = (root / "feta_release" / "presets" / "tiny.toml").read_text("utf-8")
+    (tmp_path / "job.toml").write_text(job.replace("[sampler]\n", "[sampler]\nstart_sigma = 0.5\nstart_source = \"mix\"\n"))
+    assert load_preset("tiny").sampler.start_source == "central"
+    run = tmp_path / "run"
+    try:
+        main(["train", str(tmp_path / "job.toml"), "--data", str(tmp_path / "small.npz"), "--out", str(run),
+              "--synthetic", "10", "--no-progress", "--site-key", str(keys["site"][0]), "--policy",
+              str(tmp_path / "policy.json"), "--trusted", str(keys["admin"][1]), "--coordinator-key",
+              str(keys["coordinator"][0])])
+    except SystemExit as exc:
+        assert not exc.code
+    trust = {"hosp-a": load_public_key(keys["admin"][1])}
+    res = verify_release(run / "release", trust)
+    assert res.ok, res.reason()
+    with np.load(run / "release" / "aux_images.npz") as r, np.load(run / "released" / "aux_images.npz") as w:
+        assert np.array_equal(r["images"], w["images"]) and np.array_equal(r["labels"], w["labels"])
+    assert synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source == "release"
+    # a run directory whose pool was swapped after the run (e.g. for private images) is refused
+    with np.load(run / "released" / "aux_images.npz") as z:
+        arrays = dict(z)
+    np.savez(run / "released" / "aux_images.npz", **{**arrays, "images": np.ones_like(arrays["images"])})
+    with pytest.raises(ReleaseError, match="not the aux-image pool the site ledger recorded"):
+        export_run(run, tmp_path / "rel2", coordinator_key=load_private_key(keys["coordinator"][0]),
+                   site_key=load_private_key(keys["site"][0]),
+                   signed_policy=json.loads((tmp_path / "policy.json").read_text()))

@@ -163,7 +163,9 @@ def release_starts(res: VerificationResult, seed: int) -> Starts:
         assert res.aux_bytes is not None and res.aux_claims is not None
         aux = load_starts(res.aux_bytes, f"{res.release_dir}/{man['aux_starts']['file']}", shape, k, what="aux-images")
     # recomputed by verify from the signed job (== the record); both records carry the job's one augmentation
-    aug = (res.starts_claims if central is not None else res.aux_claims or {})["augmentation"]
+    claims = res.starts_claims if central is not None else res.aux_claims
+    assert claims is not None  # checked above for the source in use
+    aug = claims["augmentation"]
     # Its own stream (not the noise's): the noise of image k is the same whichever start it is paired with.
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(1,))))
     return Starts(central, int(aug["ops"]), int(aug["magnitude_max"]), rng, aux, src)

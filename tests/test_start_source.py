@@ -177,3 +177,36 @@ def test_trained_aux_loads_the_checkpoint_when_the_stage_was_skipped(tmp_path) -
     lab = np.arange(10)
     assert torch.equal(aux_draw(got, lab, torch.Generator().manual_seed(1)),
                        aux_draw(aux, lab, torch.Generator().manual_seed(1)))
+
+
+def test_the_ledger_binds_the_pool_synthesis_drew_not_a_file_swapped_before_the_close(tmp_path, monkeypatch) -> None:
+    """Review (aux pool, medium): the closed ledger record's pool hash was a RE-READ of released/aux_images.npz after
+    model.pt, privacy.json and the chart were written, so a local user who swapped the file in that window (e.g. for
+    private images) got it into the signed release. Now it is the hash of the bytes Synthesis wrote."""
+    import hashlib
+
+    from feta_release.stages.account import RunAccount
+    from feta_release.training import pipeline
+
+    seen: dict[str, str | None] = {}
+    real_chart, real_close = pipeline._budget_chart, RunAccount.close
+
+    def chart_then_swap(doc, path):  # noqa: ANN001, ANN202
+        real_chart(doc, path)
+        pool = path.parent / "released" / "aux_images.npz"
+        seen["drawn"] = hashlib.sha256(pool.read_bytes()).hexdigest()
+        with np.load(pool) as z:
+            arrays = dict(z)
+        np.savez(pool, **{**arrays, "images": np.ones_like(arrays["images"])})  # stands in for private images
+        seen["swapped"] = hashlib.sha256(pool.read_bytes()).hexdigest()
+
+    def close(self, job_sha256, model_sha256, aux_pool_sha256=None):  # noqa: ANN001, ANN202
+        seen["closed"] = aux_pool_sha256
+        return real_close(self, job_sha256, model_sha256, aux_pool_sha256)
+
+    monkeypatch.setattr(pipeline, "_budget_chart", chart_then_swap)
+    monkeypatch.setattr(RunAccount, "close", close)
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 1.0, "start_source": "mix"})
+    run_pipeline(cfg, _data(), tmp_path / "run", n_synthetic=10, grid_per_class=1, noise_seed=1)
+    assert seen["drawn"] != seen["swapped"]
+    assert seen["closed"] == seen["drawn"], "the ledger recorded the swapped file's hash"

@@ -92,6 +92,9 @@ class RunContext:
     embedding: np.ndarray | None = None  # released frequency statistics
     aux: AuxGenerator | None = None  # the aux generator fitted to them (post-processing; see freq_warmup.trained_aux)
     final_model: EDMDenoiser | None = None  # EMA model after DP-SGD (else the warmed-up denoiser)
+    # sha256 of the aux pool's bytes as Synthesis wrote them: the ledger is closed with THIS, never a re-read of
+    # the file (a local user could swap the file between the write and the close)
+    aux_pool_sha256: str | None = None
     dpsgd_trained: int = 0
     grid_index: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import numpy as np
@@ -32,7 +33,9 @@ class Synthesis:
         _write_synthetic(ctx, model, n)
         if ctx.cfg.sampler.uses_aux:  # the pool the release ships; its sha256 goes into the closed ledger record
             images, labels = aux_pool(trained_aux(ctx), ctx.cfg)
-            atomic_write_bytes(ctx.rd.root / RELEASED_AUX, npz_bytes(images=images, labels=labels))
+            blob = npz_bytes(images=images, labels=labels)
+            atomic_write_bytes(ctx.rd.root / RELEASED_AUX, blob)
+            ctx.aux_pool_sha256 = hashlib.sha256(blob).hexdigest()
         d = ctx.data
         write_model_file(ctx.rd.root / MODEL_FILE, spec=denoiser_spec(ctx.cfg.model, d.image_shape, d.n_classes),
                          state_dict=model.state_dict(), class_names=list(d.class_names),

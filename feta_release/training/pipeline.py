@@ -53,7 +53,7 @@ from ..accounting import PrivacyEvent, epsilon, events_to_list
 from ..config import JobConfig
 from ..data import ImageDataset
 from ..data.commitment import suggest_public_size
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, PrivacyError
 from ..ledger import Ledger
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
@@ -63,7 +63,6 @@ from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_
 from ..stages.account import check_recorded_plan
 from ..stages.context import initial_denoiser
 from ..stages.base import now
-from ..release.jobfiles import RELEASED_AUX
 from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, read_json
 from .device import resolve_device
 from .progress import Reporter
@@ -332,9 +331,9 @@ def _finish(ctx: RunContext, seconds: float, resumed: bool) -> RunResult:
     """privacy.json, chart, the job closed in the ledger, run.json, and the completion marker (last)."""
     doc = ctx.account.write(final=True, extra={"dpsgd_steps_trained": ctx.dpsgd_trained})
     _budget_chart(doc, ctx.rd.root / "privacy-budget.png")
-    aux = ctx.rd.root / RELEASED_AUX
-    ctx.account.close(ctx.state["job_hash"], sha256_file(ctx.rd.root / MODEL_FILE),
-                      sha256_file(aux) if ctx.cfg.sampler.uses_aux else None)
+    if ctx.cfg.sampler.uses_aux and ctx.aux_pool_sha256 is None:
+        raise PrivacyError("the aux-image pool was not drawn in this run; rerun `feta-release train` to finish it")
+    ctx.account.close(ctx.state["job_hash"], sha256_file(ctx.rd.root / MODEL_FILE), ctx.aux_pool_sha256)
     st = ctx.state
     st.update(status="complete", dpsgd_steps_trained=ctx.dpsgd_trained,
               finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -368,3 +368,22 @@ def test_patient_level_run_charges_patient_events_and_resumes(tmp_path):
     assert {r.get("unit", "image") for r in ledger_rows if r["stage"] == "dpsgd"} == {"patient"}
     image_level = plan_run(cfg, 240)  # same sigma, q, steps and epsilon as the image-level plan
     assert res.epsilon == pytest.approx(image_level.epsilon)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["central", "frequency"])
+def test_a_release_file_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp_path, stage):
+    """Review (aux pool, medium, resume path): a resumed run read released/<stage>.npz back unchecked, so a local user
+    could replace it (e.g. with an un-noised embedding or private images) and the model, the aux generator and the
+    release were then fitted to it. Now the file must hash to the answer the ledger recorded."""
+    cfg = _cfg(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1})
+    data, out = _data(), tmp_path / "r"
+    with pytest.raises(SimulatedKill):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, kill_after_steps=1)
+    path = out / "released" / f"{stage}.npz"
+    with np.load(path) as z:
+        arrays = dict(z)
+    key = "images" if stage == "central" else "embedding"
+    np.savez(path, **{**arrays, key: arrays[key] * 0 + 0.5})  # stands in for un-noised / private values
+    with pytest.raises(PrivacyError, match=f"not the {stage} release this run's ledger recorded"):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1)

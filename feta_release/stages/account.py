@@ -21,6 +21,7 @@ from ..errors import BudgetExceededError, PrivacyError
 from ..ledger import Budget, Ledger, as_budget
 from ..planning import PrivacyPlan, merged
 from ..policy import check_request
+from ..signing import sha256_hex
 from ..training.checkpoint import atomic_write_json
 
 PRIVACY_FORMAT = "feta-release/privacy/v1"
@@ -79,6 +80,18 @@ class RunAccount:
     def record(self, request_id: str, payload: bytes) -> None:
         """The release's bytes as it was saved: the request is complete (a replay gets these, never a fresh draw)."""
         self.ledger.record_response(request_id, payload)
+
+    def saved_release(self, stage: str, path: Path) -> bytes:
+        """The bytes of ``stage``'s saved release as a resumed run reads them back, refused unless they hash to the
+        answer the ledger recorded: the run directory is writable by local users, and a file swapped while the run
+        was stopped (e.g. an un-noised embedding) would otherwise train the model and reach the release."""
+        data = path.read_bytes()
+        recorded = [r["response_sha256"] for r in self.ledger.requests(self.job_id)
+                    if r["mechanism"] == stage and r["status"] == "done"]
+        if sha256_hex(data) not in recorded:
+            raise PrivacyError(f"{path}: not the {stage} release this run's ledger recorded (sha256 "
+                               f"{sha256_hex(data)[:16]}…); restore the file the run wrote, or start a new run directory")
+        return data
 
     def pending(self, stage: str) -> bool:
         """A release of ``stage`` was charged but never recorded (the run was killed between the two)."""

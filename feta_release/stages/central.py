@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import numpy as np
 
 from ..config import JobConfig
@@ -31,7 +32,7 @@ def _load(ctx: RunContext) -> tuple[np.ndarray, np.ndarray] | None:
     if not path.exists():
         refuse_requery(ctx, "central", path)
         return None
-    z = np.load(path)
+    z = np.load(io.BytesIO(ctx.account.saved_release("central", path)))
     ctx.rep.log(f"central images: loaded {len(z['labels'])} released images (not re-queried)")
     return z["images"], z["labels"]
 

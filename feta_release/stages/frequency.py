@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import numpy as np
 
 from ..config import JobConfig
@@ -21,7 +22,7 @@ class FrequencyRelease:
         path = ctx.rd.released("frequency.npz")
         if path.exists():
             ctx.rep.log("frequency statistics: loaded the released statistics (not re-queried)")
-            ctx.embedding = np.load(path)["embedding"]
+            ctx.embedding = np.load(io.BytesIO(ctx.account.saved_release("frequency", path)))["embedding"]
             return
         refuse_requery(ctx, "frequency", path)
         ctx.embedding = _release(ctx)

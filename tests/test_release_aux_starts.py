@@ -76,6 +76,9 @@ def test_a_mix_release_ships_the_hashed_pool_and_records_the_start_source(mix_re
     assert rec["file"] == "aux_images.npz" and rec["per_class"] == [AUX_POOL_PER_CLASS] * 3
     assert "post-processing" in rec["privacy"] and "frequency release" in rec["source"]
     assert man["starts"]["file"] == "central_images.npz"  # mix: the central half ships too
+    # the signed manifest says where a start comes from (review: it said "a released central image" for aux too)
+    assert "aux-generator pool" in man["generator"]["inputs"]["start"]["meaning"]
+    assert "central image" in man["generator"]["inputs"]["start"]["meaning"]
     with np.load(mix_release / "aux_images.npz") as z:
         assert z["images"].dtype == np.float32 and z["labels"].dtype == np.int64
         assert np.array_equal(z["images"], _pool()[0])
@@ -123,6 +126,8 @@ def test_an_aux_only_release_ships_no_central_images_and_synthesizes(den_onnx, k
     rel = _release(tmp_path / "rel", den_onnx, keys, "aux", starts=False)
     man = load_signed(rel)["manifest"]
     assert "starts" not in man and not (rel / "central_images.npz").exists() and "aux_starts" in man
+    meaning = man["generator"]["inputs"]["start"]["meaning"]
+    assert "aux-generator pool" in meaning and "central" not in meaning
     res = verify_release(rel, keys.trust())
     assert res.ok, res.reason()
     rep = synthesize(rel, tmp_path / "o", keys.trust(), num=3, progress=False, threads=1)

@@ -26,7 +26,7 @@ import json
 from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -76,6 +76,22 @@ SDEDIT_INPUTS = {
               "meaning": "an augmented released central image of the label's class, in [0, 1] (SDEdit start)"},
     "from_release": {"dtype": "bool", "shape": [], "meaning": "true: SDEdit from start at start_sigma; false: noise"},
 }
+START_MEANING = {  # what the signed manifest says a start image is, per [sampler] start_source (review: it said
+    # "central image" for aux releases too)
+    "central": "an augmented released central image of the label's class, in [0, 1] (SDEdit start)",
+    "aux": "an augmented image of the label's class from the release's aux-generator pool (aux_images.npz), in [0, 1] "
+           "(SDEdit start)",
+    "mix": "per class alternately an augmented aux-generator pool image (aux_images.npz) and an augmented released "
+           "central image of the label's class, in [0, 1] (SDEdit start)",
+}
+
+
+def sdedit_inputs(sampler: Mapping[str, Any]) -> dict[str, Any]:
+    """The SDEdit inputs of the generator, the start's meaning naming where its images come from."""
+    meaning = START_MEANING.get(str(sampler.get("start_source", "central")), START_MEANING["central"])
+    return {**SDEDIT_INPUTS, "start": {**SDEDIT_INPUTS["start"], "meaning": meaning}}
+
+
 GENERATOR_OUTPUTS = {"images": {"dtype": "float32", "shape": ["batch", "C", "H", "W"], "range": [0.0, 1.0]}}
 
 # Packages whose versions the manifest records; read from installed metadata, never by importing them.
@@ -245,7 +261,7 @@ def build_manifest(
         "generator": {
             "file": generator_file,
             "sha256": sha256_file(gen_path),
-            "inputs": {**GENERATOR_INPUTS, **(SDEDIT_INPUTS if "start_sigma" in sampler else {})},
+            "inputs": {**GENERATOR_INPUTS, **(sdedit_inputs(sampler) if "start_sigma" in sampler else {})},
             "outputs": GENERATOR_OUTPUTS,
             "classes": list(classes),
             "image_shape": [int(v) for v in image_shape],

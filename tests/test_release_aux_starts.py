@@ -243,3 +243,11 @@ def test_cli_synthesizes_a_mix_release_without_torch(mix_release, keys, tmp_path
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "started from: the release's aux-generator and noisy central images, alternating" in proc.stdout
+
+
+def test_a_noise_certificate_names_the_unused_aux_pool(den_onnx, keys, tmp_path) -> None:  # noqa: ANN001
+    """Review (low): `--from noise` on an aux-only release said nothing of the aux_images.npz it ships."""
+    rel = _release(tmp_path / "rel", den_onnx, keys, "aux", starts=False)
+    synthesize(rel, tmp_path / "n", keys.trust(), num=3, progress=False, threads=1, source="noise")
+    start = json.loads((tmp_path / "n" / "certificate.json").read_text())["certificate"]["generation"]["start"]
+    assert start["from"] == "noise" and "aux-generator image pool, not used" in start["meaning"]

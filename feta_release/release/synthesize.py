@@ -353,8 +353,10 @@ def start_statement(source: str, man: dict[str, Any], claims: dict[str, Any] | N
     ``claims``: the starts record as verify RECOMPUTED it from the signed inputs (never the coordinator's text)."""
     rec = man.get("starts")
     if source == "noise":
+        unused = [what for what, key in (("central images", "starts"), ("an aux-generator image pool", "aux_starts"))
+                  if man.get(key)]
         return {"from": "noise", "meaning": "pure noise at sigma_max (the generator's noise sampler)"
-                + ("; the release also carries central images, not used (--from noise)" if rec else "")}
+                + (f"; the release also carries {' and '.join(unused)}, not used (--from noise)" if unused else "")}
     src = man["generator"]["sampler"].get("start_source", "central")
     if src != "central":
         return _aux_statement(src, man, claims, aux_claims)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from typing import Any
@@ -110,3 +111,50 @@ def stop_serving(stop: Any, sock: Any, thread: Any, listener: Any) -> None:
             pass
     thread.join(5)
     listener.close()
+
+
+class SignedTrain:
+    """A `train --policy` run of the tiny preset on 200 embedded digits, as a site would run it: coordinator, site
+    and policy-admin keys, a signed one-site policy, and ``sampler_lines`` added to the preset's [sampler]."""
+
+    def __init__(self, tmp: Path, sampler_lines: str) -> None:
+        from feta_release.data import load_embedded, save_npz
+        from feta_release.policy import make_policy, sign_policy
+        from feta_release.signing import generate_keypair, load_private_key
+
+        self.tmp, self.run = tmp, tmp / "run"
+        full = load_embedded()
+        rng = np.random.default_rng(3)
+        idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
+        save_npz(full.subset(np.sort(idx)), tmp / "small.npz")
+        self.keys = {n: generate_keypair(tmp / "keys", n) for n in ("coordinator", "site", "admin")}
+        doc = make_policy("hosp-a", "1" * 64, 200, [load_private_key(self.keys["coordinator"][0]).public_key()],
+                          per_job=(10.0, 1e-5), lifetime=(20.0, 1e-5),
+                          site_key=load_private_key(self.keys["site"][0]).public_key())
+        (tmp / "policy.json").write_text(json.dumps(sign_policy(doc, load_private_key(self.keys["admin"][0]))))
+        job = (Path(__file__).resolve().parent.parent / "feta_release" / "presets" / "tiny.toml").read_text("utf-8")
+        (tmp / "job.toml").write_text(job.replace("[sampler]\n", "[sampler]\n" + sampler_lines))
+
+    def train(self) -> None:
+        from feta_release.cli import main
+
+        k, t = self.keys, self.tmp
+        try:
+            main(["train", str(t / "job.toml"), "--data", str(t / "small.npz"), "--out", str(self.run),
+                  "--synthetic", "10", "--no-progress", "--site-key", str(k["site"][0]), "--policy",
+                  str(t / "policy.json"), "--trusted", str(k["admin"][1]), "--coordinator-key", str(k["coordinator"][0])])
+        except SystemExit as exc:
+            assert not exc.code
+
+    def trust(self) -> dict[str, Any]:
+        from feta_release.signing import load_public_key
+
+        return {"hosp-a": load_public_key(self.keys["admin"][1])}
+
+    def export_again(self, out: Path) -> Any:
+        from feta_release.release.export_run import export_run
+        from feta_release.signing import load_private_key
+
+        return export_run(self.run, out, coordinator_key=load_private_key(self.keys["coordinator"][0]),
+                          site_key=load_private_key(self.keys["site"][0]),
+                          signed_policy=json.loads((self.tmp / "policy.json").read_text()))

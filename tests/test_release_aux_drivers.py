@@ -4,7 +4,6 @@ job id), a ``train`` run the pool it wrote, which must hash to what its closed s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from feta_release.release.verify import verify_release
 from feta_release.signing import load_public_key
 from feta_release.stages.freq_warmup import aux_pool
 
-from .federation_fixtures import harness, make_federation, tiny_job
+from .federation_fixtures import SignedTrain, harness, make_federation, tiny_job
 from .federation_fixtures import run_harness_job as _run
 
 MIX = {"central": {"rounds": 1, "batch": 10, "sigma": 5.0}, "frequency": {"sigma": 10.0, "features": 64, "chunk": 256},
@@ -74,34 +73,13 @@ def _rebuild(out: Path, key) -> Path:  # noqa: ANN001
 
 @pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
 def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) -> None:
-    from feta_release.cli import main
     from feta_release.config import load_preset
-    from feta_release.data import load_embedded, save_npz
-    from feta_release.policy import make_policy, sign_policy
-    from feta_release.release.export_run import export_run
-    from feta_release.signing import generate_keypair, load_private_key
 
-    full = load_embedded()
-    rng = np.random.default_rng(3)
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
-    save_npz(full.subset(np.sort(idx)), tmp_path / "small.npz")
-    keys = {n: generate_keypair(tmp_path / "keys", n) for n in ("coordinator", "site", "admin")}
-    doc = make_policy("hosp-a", "1" * 64, 200, [load_private_key(keys["coordinator"][0]).public_key()],
-                      per_job=(10.0, 1e-5), lifetime=(20.0, 1e-5), site_key=load_private_key(keys["site"][0]).public_key())
-    (tmp_path / "policy.json").write_text(json.dumps(sign_policy(doc, load_private_key(keys["admin"][0]))))
-    root = Path(__file__).resolve().parent.parent
-    job = (root / "feta_release" / "presets" / "tiny.toml").read_text("utf-8")
-    (tmp_path / "job.toml").write_text(job.replace("[sampler]\n", "[sampler]\nstart_sigma = 0.5\nstart_source = \"mix\"\n"))
+    kit = SignedTrain(tmp_path, "start_sigma = 0.5\nstart_source = \"mix\"\n")
     assert load_preset("tiny").sampler.start_source == "central"
-    run = tmp_path / "run"
-    try:
-        main(["train", str(tmp_path / "job.toml"), "--data", str(tmp_path / "small.npz"), "--out", str(run),
-              "--synthetic", "10", "--no-progress", "--site-key", str(keys["site"][0]), "--policy",
-              str(tmp_path / "policy.json"), "--trusted", str(keys["admin"][1]), "--coordinator-key",
-              str(keys["coordinator"][0])])
-    except SystemExit as exc:
-        assert not exc.code
-    trust = {"hosp-a": load_public_key(keys["admin"][1])}
+    run = kit.run
+    kit.train()
+    trust = kit.trust()
     res = verify_release(run / "release", trust)
     assert res.ok, res.reason()
     with np.load(run / "release" / "aux_images.npz") as r, np.load(run / "released" / "aux_images.npz") as w:
@@ -112,6 +90,4 @@ def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) ->
         arrays = dict(z)
     np.savez(run / "released" / "aux_images.npz", **{**arrays, "images": np.ones_like(arrays["images"])})
     with pytest.raises(ReleaseError, match="not the aux-image pool the site ledger recorded"):
-        export_run(run, tmp_path / "rel2", coordinator_key=load_private_key(keys["coordinator"][0]),
-                   site_key=load_private_key(keys["site"][0]),
-                   signed_policy=json.loads((tmp_path / "policy.json").read_text()))
+        kit.export_again(tmp_path / "rel2")

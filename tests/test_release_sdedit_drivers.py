@@ -4,7 +4,6 @@ central release, which must be byte for byte the answer its site ledger recorded
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from feta_release.release.synthesize import synthesize
 from feta_release.release.verify import verify_release
 from feta_release.signing import load_public_key
 
-from .federation_fixtures import harness, make_federation, tiny_job
+from .federation_fixtures import SignedTrain, harness, make_federation, tiny_job
 from .federation_fixtures import run_harness_job as _run
 
 SDEDIT = {"central": {"rounds": 1, "batch": 10, "sigma": 5.0}, "warmup": {"spatial_iterations": 2, "spatial_batch": 8},
@@ -62,27 +61,12 @@ def test_a_federated_release_ships_the_combined_central_images(tmp_path: Path, m
 
 @pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
 def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    from feta_release.cli import main
-    from feta_release.training import local_job
     from feta_release.config import load_preset
-    from feta_release.data import load_embedded, save_npz
-    from feta_release.policy import make_policy, sign_policy
-    from feta_release.release.export_run import export_run
-    from feta_release.signing import generate_keypair, load_private_key
+    from feta_release.training import local_job
 
-    full = load_embedded()
-    rng = np.random.default_rng(3)
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
-    save_npz(full.subset(np.sort(idx)), tmp_path / "small.npz")
-    keys = {n: generate_keypair(tmp_path / "keys", n) for n in ("coordinator", "site", "admin")}
-    doc = make_policy("hosp-a", "1" * 64, 200, [load_private_key(keys["coordinator"][0]).public_key()],
-                      per_job=(10.0, 1e-5), lifetime=(20.0, 1e-5), site_key=load_private_key(keys["site"][0]).public_key())
-    (tmp_path / "policy.json").write_text(json.dumps(sign_policy(doc, load_private_key(keys["admin"][0]))))
-    root = Path(__file__).resolve().parent.parent
-    job = (root / "feta_release" / "presets" / "tiny.toml").read_text("utf-8")
-    (tmp_path / "job.toml").write_text(job.replace("[sampler]\n", "[sampler]\nstart_sigma = 0.5\n"))
+    kit = SignedTrain(tmp_path, "start_sigma = 0.5\n")
     assert load_preset("tiny").sampler.start_sigma is None
-    run = tmp_path / "run"
+    run = kit.run
     checked: dict = {}
     real_build = local_job.build_release
 
@@ -94,14 +78,8 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, 
         return real_build(rd, *args, **kw)
 
     monkeypatch.setattr(local_job, "build_release", swap_then_build)
-    try:
-        main(["train", str(tmp_path / "job.toml"), "--data", str(tmp_path / "small.npz"), "--out", str(run),
-              "--synthetic", "10", "--no-progress", "--site-key", str(keys["site"][0]), "--policy",
-              str(tmp_path / "policy.json"), "--trusted", str(keys["admin"][1]), "--coordinator-key",
-              str(keys["coordinator"][0])])
-    except SystemExit as exc:
-        assert not exc.code
-    trust = {"hosp-a": load_public_key(keys["admin"][1])}
+    kit.train()
+    trust = kit.trust()
     res = verify_release(run / "release", trust)
     assert res.ok, res.reason()
     with np.load(run / "release" / "central_images.npz") as r:  # the bytes checked, not the swapped file
@@ -114,9 +92,7 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, 
     arrays["images"] = np.clip(arrays["images"] * 1.5, 0, 1)
     np.savez(run / "released" / "central.npz", **arrays)
     with pytest.raises(ReleaseError, match="not the central release the site ledger recorded"):
-        export_run(run, tmp_path / "rel2", coordinator_key=load_private_key(keys["coordinator"][0]),
-                   site_key=load_private_key(keys["site"][0]),
-                   signed_policy=json.loads((tmp_path / "policy.json").read_text()))
+        kit.export_again(tmp_path / "rel2")
 
 
 def test_the_job_directory_sample_grid_draws_as_the_release_does(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001

@@ -20,7 +20,7 @@ from ..models.edm import EDMDenoiser
 from ..release.jobfiles import AUX_POOL_PER_CLASS
 from ..training.augment import rand_augment
 from ..training.checkpoint import load_torch, save_torch
-from ..training.frequency import fit_aux_generator, frequency_warmup, generate_aux_images
+from ..training.frequency import aux_draw, fit_aux_generator, frequency_warmup, generate_aux_images
 from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
 from .base import sample_grid
@@ -103,20 +103,6 @@ def aux_pool(aux: AuxGenerator, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]
     the generator is a function of the noised frequency release and public randomness only: post-processing."""
     labels = np.repeat(np.arange(aux.n_classes, dtype=np.int64), AUX_POOL_PER_CLASS)
     return aux_draw(aux, labels, public_generator(cfg, "aux-pool")).numpy(), labels
-
-
-def aux_draw(aux: AuxGenerator, labels: np.ndarray, generator: torch.Generator) -> torch.Tensor:
-    """Aux-generator images of ``labels`` (CPU float32, clamped to [0, 1]), one latent per label from ``generator``."""
-    dev = next(aux.parameters()).device
-    was_training = aux.training
-    aux.eval()  # BatchNorm running statistics: an image does not depend on the others of its batch
-    try:
-        with torch.no_grad():
-            z = torch.randn((len(labels), aux.z_dim), generator=generator)
-            x = aux(z.to(dev), torch.as_tensor(labels, dtype=torch.long).to(dev)).cpu()
-    finally:
-        aux.train(was_training)
-    return x.float().clamp(0, 1)
 
 
 def _aux_generator(ctx: RunContext) -> AuxGenerator:

@@ -126,23 +126,28 @@ def fit_aux_generator(
     return result if return_result else gen
 
 
-@torch.no_grad()
+def aux_draw(gen: AuxGenerator, labels: np.ndarray | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Images of ``labels`` from the fitted generator, one latent per label drawn from ``generator``, in eval mode
+    (BatchNorm running statistics: an image does not depend on the others of its batch) and without gradients;
+    CPU float32 in [0, 1] (the generator's tanh is mapped there; the clamp only guards rounding)."""
+    dev = next(gen.parameters()).device
+    was_training = gen.training
+    gen.eval()
+    try:
+        with torch.no_grad():
+            z = torch.randn((len(labels), gen.z_dim), generator=generator)
+            x = gen(z.to(dev), torch.as_tensor(labels, dtype=torch.long).to(dev)).cpu()
+    finally:
+        gen.train(was_training)
+    return x.float().clamp(0, 1)
+
+
 def generate_aux_images(
     gen: AuxGenerator, n: int, generator: torch.Generator, batch: int = 500
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode)."""
-    was_training = gen.training
-    gen.eval()
-    dev = next(gen.parameters()).device
     labels = balanced_labels(n, gen.n_classes, generator)
-    out = []
-    try:
-        for start in range(0, n, batch):
-            y = labels[start:start + batch]
-            z = torch.randn((y.shape[0], gen.z_dim), generator=generator)
-            out.append(gen(z.to(dev), y.to(dev)).cpu())
-    finally:
-        gen.train(was_training)
+    out = [aux_draw(gen, labels[start:start + batch], generator) for start in range(0, n, batch)]
     images = torch.cat(out) if out else torch.zeros((0, gen.img_channels, gen.img_size, gen.img_size))
     # Quantise like stored images so the warm-up sees what a saved set would hold.
     return (images * 255.0).round() / 255.0, labels

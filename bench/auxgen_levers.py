@@ -1,0 +1,91 @@
+"""Aux-generator levers on finished validation runs: refit the generator to the run's RELEASED frequency statistic
+with other ``[auxgen]`` settings (post-processing: no new privacy cost), then score on the validation part
+
+- ``aux``: the protocol classifier trained on N aux-generator images alone (how much of the frequency release the
+  generator turns into images);
+- ``mix`` (with --sdedit): the run's own denoiser, SDEdit from the preset's mix of aux and central starts, with the
+  refit generator's images as the aux half (the denoiser itself was warmed up on the run's original generator).
+
+    python bench/auxgen_levers.py --run runs/e10/protocol/validation/cpu-eps10-nodpsgd/seed0 --seed 0 \
+        --variants "base:;e10:epochs=10;e10w64:epochs=10,width=64" --out bench/results/auxgen-s0.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+
+def _variant(job, spec: str):
+    """``name:key=value,...`` -> (name, job with those [auxgen] values)."""
+    name, _, kv = spec.partition(":")
+    changes = {}
+    for item in filter(None, kv.split(",")):
+        k, v = item.split("=")
+        changes[k] = float(v) if k in ("lr", "gamma") else int(v)
+    return name, job.replace(auxgen=changes) if changes else job
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, type=Path)
+    ap.add_argument("--variants", required=True, help="name:key=value,...;...  ([auxgen] keys)")
+    ap.add_argument("--n", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sdedit", action="store_true", help="also score the run's denoiser from mix starts")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import torch
+
+    from feta_release.config import JobConfig
+    from feta_release.data import ImageDataset, load_embedded
+    from feta_release.eval_protocol import balanced_labels, protocol_splits
+    from feta_release.evaluation import accuracy, train_classifier
+    from feta_release.models.sampler import generate
+    from feta_release.release.jobdir import load_model
+    from feta_release.stages.freq_warmup import fit_aux
+    from feta_release.stages.synthesis import aux_taken, release_starts
+    from feta_release.training.frequency import aux_draw
+
+    torch.set_num_threads(args.threads)
+    fit, val = protocol_splits(load_embedded(), "validation")
+    job = JobConfig.from_dict(json.loads((args.run / "job.json").read_text("utf-8")), str(args.run / "job.json"))
+    rel = np.load(args.run / "released" / "frequency.npz")
+    c = np.load(args.run / "released" / "central.npz")
+    central = (c["images"].astype(np.float32), c["labels"].astype(np.int64))
+    model = load_model(args.run) if args.sdedit else None
+    labels = np.asarray(balanced_labels(args.n, fit.n_classes))
+    rows = []
+    for spec in args.variants.split(";"):
+        name, vjob = _variant(job, spec)
+        t0 = time.perf_counter()
+        aux = fit_aux(rel["embedding"], vjob, fit.image_shape, fit.n_classes, int(rel["n_public"]), torch.device("cpu"))
+        t_fit = time.perf_counter() - t0
+        x = aux_draw(aux, labels, torch.Generator().manual_seed(88 + args.seed))
+        syn = ImageDataset(x.numpy(), labels, fit.class_names, source=name)
+        row = {"variant": name, "auxgen": vjob.auxgen.__dict__, "fit_s": round(t_fit, 1),
+               "aux_acc": round(accuracy(train_classifier(syn, 5, args.seed), val), 4)}
+        if model is not None:
+            from feta_release.config import SamplerSection
+
+            init = release_starts(central, labels, job, torch.Generator().manual_seed(77 + args.seed))
+            take = torch.from_numpy(aux_taken(labels, "mix"))
+            init[take] = x[take]
+            cfg = replace(SamplerSection(), solver="heun", steps=8, sigma_max=job.sampler.start_sigma or 0.7)
+            imgs, _ = generate(model, labels, 1_000 + args.seed, cfg, init=init)
+            syn = ImageDataset(imgs.numpy().astype(np.float32), labels, fit.class_names, source=name)
+            row["mix_acc"] = round(accuracy(train_classifier(syn, 5, args.seed), val), 4)
+        row["s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps({"run": str(args.run), "n": args.n, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -251,3 +251,63 @@ def test_a_noise_certificate_names_the_unused_aux_pool(den_onnx, keys, tmp_path)
     synthesize(rel, tmp_path / "n", keys.trust(), num=3, progress=False, threads=1, source="noise")
     start = json.loads((tmp_path / "n" / "certificate.json").read_text())["certificate"]["generation"]["start"]
     assert start["from"] == "noise" and "aux-generator image pool, not used" in start["meaning"]
+
+
+def _secure_site(stages: tuple[str, ...] = ("central", "frequency")) -> tuple[dict, dict[str, float]]:
+    """A site whose central and frequency releases were summed by secure aggregation (Skellam events), and the
+    worst-case ε of each stage alone (every other site colludes with the coordinator)."""
+    from feta_release.accounting import SkellamEvent, epsilon_breakdown
+
+    sk = [SkellamEvent(s, 0.5, 1, 10.0, 10.0, mu=200.0, mu_worst=100.0) for s in stages]
+    site = {"site_id": "a", "events": [e.to_dict() for e in sk], "delta": 1e-5, "accountant": "rdp"}
+    return site, {s: epsilon_breakdown([e], 1e-5, "rdp", view="worst_case")[s] for s, e in zip(stages, sk)}
+
+
+def test_the_aux_record_states_unit_scope_worst_case_and_lifetime() -> None:
+    """Review (aux pool, low): the aux_starts text lacked the caveats the central images' record carries: the unit
+    (per image; k x ε per patient by group privacy), the frequency stage's figure, the worst case under collusion
+    when it was summed by secure aggregation, and that each site's job and lifetime ε cover it."""
+    from feta_release.release.manifest import aux_claims
+
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5, "start_source": "aux"}).to_dict()
+    site, worst = _secure_site()
+    c = aux_claims(cfg, [site], len(CLASSES))
+    assert c["unit"] == "image" and c["frequency_epsilon_worst_case"] == {"a": worst["frequency"]}
+    assert worst["frequency"] > c["frequency_epsilon_alone"]["a"]
+    text = c["privacy"]
+    assert "per IMAGE" in text and "group privacy" in text and "frequency stage alone" in text
+    assert "collude" in text and f"{worst['frequency']:.3f}" in text and "lifetime" in text
+    plain = aux_claims(cfg, [{**site, "events": [e.to_dict() for e in __import__(
+        "tests.release_helpers", fromlist=["EVENTS"]).EVENTS]}], len(CLASSES))
+    assert plain["frequency_epsilon_worst_case"] == {} and "collude" not in plain["privacy"]
+    assert f"{plain['frequency_epsilon_alone']['a']:.3f}" in plain["privacy"]
+
+
+@pytest.mark.parametrize("source", ["aux", "mix"])
+def test_an_aux_or_mix_certificate_states_unit_and_worst_case(source: str) -> None:
+    """Review (aux pool, low): the certificate's start section of an aux/mix release named neither the unit nor the
+    worst case under collusion (the central start does); a mix one carried only the pool's privacy words."""
+    from feta_release.release.manifest import aux_claims, starts_claims
+    from feta_release.release.synthesize import start_statement
+
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5, "start_source": source}).to_dict()
+    site, worst = _secure_site()
+    aux, central = aux_claims(cfg, [site], len(CLASSES)), starts_claims(cfg, [site], len(CLASSES))
+    man = {"generator": {"sampler": {"start_sigma": 0.5, "start_source": source}},
+           "aux_starts": {"file": "aux_images.npz", "sha256": "0" * 64},
+           **({"starts": {"file": "central_images.npz", "sha256": "1" * 64}} if source == "mix" else {})}
+    start = start_statement("release", man, central if source == "mix" else None, aux)
+    assert start["unit"] == "image" and start["frequency_epsilon_worst_case"] == {"a": worst["frequency"]}
+    assert "collude" in start["privacy"] and "per IMAGE" in start["privacy"]
+    if source == "mix":  # both sources' caveats
+        assert start["central_epsilon_worst_case"] == {"a": worst["central"]}
+        assert "central stage alone" in start["privacy"] and "frequency stage alone" in start["privacy"]
+
+
+def test_a_synthesized_mix_certificate_carries_the_recomputed_aux_figures(mix_release, keys, tmp_path) -> None:  # noqa: ANN001
+    synthesize(mix_release, tmp_path / "o", keys.trust(), num=3, progress=False, threads=1)
+    start = json.loads((tmp_path / "o" / "certificate.json").read_text())["certificate"]["generation"]["start"]
+    rec = load_signed(mix_release)["manifest"]["aux_starts"]
+    assert start["unit"] == rec["unit"] == "image" and set(start["frequency_epsilon_alone"]) == {"a"}
+    assert start["frequency_epsilon_alone"] == rec["frequency_epsilon_alone"]
+    assert "per IMAGE" in start["privacy"] and "per IMAGE" in rec["privacy"]

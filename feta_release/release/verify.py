@@ -432,8 +432,7 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
     _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images")
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))
-    bad = [f"aux_starts.{k} is {_short(rec.get(k))}, recomputed {_short(v)}" for k, v in want.items() if rec.get(k) != v]
-    bad += [f"aux_starts.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256"})]
+    bad = _claim_problems("aux_starts", rec, want, "frequency_epsilon")
     have = [int((labels == c).sum()) for c in range(len(gen["classes"]))]
     if have != want["per_class"]:
         bad.append(f"{path} holds {have} images per class, the record {want['per_class']}")
@@ -449,20 +448,26 @@ def _starts_claims_match(res: VerificationResult, man: dict[str, Any], rec: dict
     figures the certificate uses); a field that differs fails the check, named (review s6, S1)."""
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = starts_claims(man["job"]["config"], statements, len(man["generator"]["classes"]))
-    extra = sorted(set(rec) - set(want) - {"file", "sha256"})
-    bad = [f"starts.{k} is not part of the record" for k in extra]
-    for k, v in want.items():
-        got = rec.get(k)
-        same = (isinstance(got, dict) and set(got) == set(v)
-                and all(_close(got[s], e) for s, e in v.items())) if k.startswith("central_epsilon") else got == v
-        if not same:
-            bad.append(f"starts.{k} is {_short(got)}, recomputed from the signed job and site histories "
-                       f"{_short(v)}")
+    bad = _claim_problems("starts", rec, want, "central_epsilon")
     if bad:
         res.add("central images", False, "; ".join(bad) + " (the coordinator's record of the central images is not "
                 "what the signed inputs say; do not use this release)")
         return None
     return want
+
+
+def _claim_problems(name: str, rec: dict[str, Any], want: dict[str, Any], figures: str) -> list[str]:
+    """Each field of a start-image record (``starts`` / ``aux_starts``) that is not what the signed job and site
+    histories make it, named; the per-site ε maps (keys starting with ``figures``) compared to the tolerance the
+    site figures are checked to, everything else exactly. A field the record should not have is named too."""
+    bad = [f"{name}.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256"})]
+    for k, v in want.items():
+        got = rec.get(k)
+        same = (isinstance(got, dict) and set(got) == set(v)
+                and all(_close(got[s], e) for s, e in v.items())) if k.startswith(figures) else got == v
+        if not same:
+            bad.append(f"{name}.{k} is {_short(got)}, recomputed from the signed job and site histories {_short(v)}")
+    return bad
 
 
 def _close(got: Any, want: float) -> bool:

@@ -311,3 +311,59 @@ def test_a_synthesized_mix_certificate_carries_the_recomputed_aux_figures(mix_re
     assert start["unit"] == rec["unit"] == "image" and set(start["frequency_epsilon_alone"]) == {"a"}
     assert start["frequency_epsilon_alone"] == rec["frequency_epsilon_alone"]
     assert "per IMAGE" in start["privacy"] and "per IMAGE" in rec["privacy"]
+
+
+def _released_as(out: Path, den_onnx, keys, job_sampler: dict, sampler: SamplerSettings, *, starts: bool,  # noqa: ANN001
+                 pool: bool) -> Path:
+    """A release built by the real export step whose sampler may differ from the signed job's [sampler]."""
+    cfg = load_preset("tiny").replace(sampler=job_sampler)
+    job = sign_job(cfg, keys.coordinator, "job-s", ["a"])
+    policy = signed_policy(keys, "a")
+    return assemble_release(
+        out, denoiser=den_onnx, classes=CLASSES, image_shape=IMAGE_SHAPE, sampler=sampler,
+        job_id=job["job"]["job_id"], config=job["job"]["config"], sites=[site_record(attest(keys, "a", job, policy))],
+        coordinator_key=keys.coordinator, signed_policies={"a": policy}, signed_job=job, enforce_policy=False,
+        starts=_central() if starts else None, aux_pool=_pool() if pool else None)
+
+
+MIX_JOB = {"start_sigma": 0.5, "start_source": "mix"}
+
+
+@pytest.mark.parametrize("case", ["mix_as_aux", "start_sigma", "sigma_max", "guidance"])
+def test_a_release_whose_sampler_is_not_the_signed_jobs_is_refused(den_onnx, keys, tmp_path, case: str) -> None:  # noqa: ANN001
+    """Review (aux pool, low): verify never compared the released sampler with the signed job's [sampler]: a job the
+    sites ran as mix could be released as aux (or with another start sigma, noise schedule or guidance) and verify
+    answered OK. Now only `export --solver/--steps` may differ."""
+    job, field = MIX_JOB, "start_source"
+    if case == "mix_as_aux":
+        sampler, starts = SamplerSettings(steps=6, start_sigma=0.5, start_source="aux"), False
+    elif case == "start_sigma":
+        sampler, starts, field = SamplerSettings(steps=6, start_sigma=0.9, start_source="mix"), True, "start_sigma"
+    elif case == "sigma_max":
+        sampler, starts, field = SamplerSettings(sigma_max=40.0, start_sigma=0.5, start_source="mix"), True, "sigma_max"
+    else:
+        sampler, starts, field = SamplerSettings(guidance=1.0, start_sigma=0.5, start_source="mix"), True, "guidance"
+    rel = _released_as(tmp_path / "rel", den_onnx, keys, job, sampler, starts=starts, pool=True)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and [c.name for c in res.failures] == ["sampler"], res.reason()
+    why = res.reason()
+    assert f"{rel / 'manifest.json'}: generator.sampler.{field} is" in why and "signed job's [sampler]" in why
+    assert "export the release again" in why and "\n" not in why
+    with pytest.raises(ReleaseError, match="sampler"):
+        synthesize(rel, tmp_path / "out", keys.trust(), num=3, progress=False)
+
+
+def test_the_signed_jobs_sampler_passes_with_export_overrides_and_the_central_normalisation(den_onnx, keys,  # noqa: ANN001
+                                                                                            tmp_path) -> None:
+    """The honest cases: the job's mix sampler with steps/solver set at export, and a central-start job released
+    without central images (export drops start_sigma: the noise sampler), both verify."""
+    rel = _released_as(tmp_path / "a", den_onnx, keys, MIX_JOB,
+                       SamplerSettings(solver="heun", steps=6, start_sigma=0.5, start_source="mix"), starts=True,
+                       pool=True)
+    res = verify_release(rel, keys.trust())
+    assert res.ok and any(c.name == "sampler" and c.status == "pass" for c in res.checks), res.reason()
+    rel = _released_as(tmp_path / "b", den_onnx, keys, {"start_sigma": 0.5}, SamplerSettings(start_sigma=0.5),
+                       starts=False, pool=False)
+    res = verify_release(rel, keys.trust())
+    assert res.ok, res.reason()
+    assert "start_sigma" not in load_signed(rel)["manifest"]["generator"]["sampler"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from dataclasses import fields
 from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,50 @@ def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None,
     if aux_starts is not None or "start_source" in sampler:
         return FORMAT_VERSION_AUX
     return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
+
+# [sampler] fields `feta-release export --solver/--steps` may set for a release (how many denoising steps and which
+# solver: post-processing, no privacy cost, and no file more or less in the release). Every other field of the
+# released sampler is the signed job's (:func:`released_sampler`; verify refuses a release whose sampler is not).
+EXPORT_SAMPLER_OVERRIDES = ("solver", "steps")
+
+
+def sampler_record(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A sampler (``SamplerSettings``' or a job's ``[sampler]`` fields) as the generator metadata and the manifest
+    record it: ``start_sigma`` only for an SDEdit sampler and ``start_source`` only when it is not the default, so a
+    noise-only or central-start release reads as before those options existed."""
+    out = dict(fields)
+    if out.get("start_sigma") is None:
+        out.pop("start_sigma", None)
+    if out.get("start_source", "central") == "central":
+        out.pop("start_source", None)
+    return out
+
+
+def released_sampler(sampler: Mapping[str, Any], central_images: bool) -> dict[str, Any]:
+    """Export's one normalisation of a job's sampler record (:func:`sampler_record`): a central-start SDEdit sampler
+    whose release carries no central images is released as the noise sampler (``start_sigma`` dropped). Export
+    applies it; verify holds the released sampler to it applied to the SIGNED job's ``[sampler]``."""
+    out = dict(sampler)
+    if out.get("start_source", "central") == "central" and not central_images:
+        out.pop("start_sigma", None)
+    return out
+
+
+def sampler_problem(released: Mapping[str, Any], job_config: Mapping[str, Any], central_images: bool) -> str | None:
+    """Why the released sampler is not the signed job's ``[sampler]`` as export releases it (None: it is), naming
+    the first field that differs (``EXPORT_SAMPLER_OVERRIDES`` may)."""
+    from ..config import JobConfig
+
+    section = JobConfig.from_dict(dict(job_config)).sampler
+    want = released_sampler(sampler_record({f.name: getattr(section, f.name) for f in fields(section)}),
+                            central_images)
+    for k in sorted(set(released) | set(want)):
+        if k not in EXPORT_SAMPLER_OVERRIDES and released.get(k) != want.get(k):
+            return (f"generator.sampler.{k} is {json.dumps(released.get(k))}, the signed job's [sampler] gives "
+                    f"{json.dumps(want.get(k))}")
+    return None
+
+
 ATTESTATION_KIND = "feta-release/spend-attestation/1"
 MANIFEST_FILE = "manifest.json"
 GENERATOR_FILE = "generator.onnx"

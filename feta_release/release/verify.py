@@ -14,6 +14,8 @@ everything else follows from the documents those keys signed. Checks, each repor
   the frequency release the aux generator is fitted to);
 * the manifest carries the coordinator-signed job; every site the job lists has a record, no other site does,
   and every site id is a plain name;
+* the released sampler is the signed job's ``[sampler]`` as export releases it (``manifest.released_sampler``;
+  only the ``export --solver/--steps`` overrides may differ);
 * for every site: ``policies/SITE.signed.json`` is present and signed by THAT site's administrator key; the
   attestation is signed by the ``site_key`` that policy names, is final, names this job and its signed-job
   hash, its figures equal the manifest's, its epsilon (job and lifetime) equals what its event history
@@ -57,6 +59,7 @@ from ..signing import (
     verify_document,
 )
 from .manifest import (
+    EXPORT_SAMPLER_OVERRIDES,
     ATTESTATION_KIND,
     ATTESTED_FIELDS,
     GENERATOR_FORMATS,
@@ -66,6 +69,7 @@ from .manifest import (
     starts_claims,
     starts_count_problem,
     policy_file_name,
+    sampler_problem,
     statement_sha256,
 )
 
@@ -199,6 +203,8 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     _guard(res, "central images", lambda: _check_starts(res, rd, man))
     _guard(res, "aux images", lambda: _check_aux_starts(res, rd, man))
     job = _guard(res, "job", lambda: _job_of(res, man))
+    if job is not None:
+        _guard(res, "sampler", lambda: _check_sampler(res, rd, man, job))
     sites = man.get("sites")
     if not isinstance(sites, list) or not sites:
         res.add("sites", False, "manifest lists no sites: a release needs each site's signed spend statement")
@@ -256,6 +262,17 @@ def _job_of(res: VerificationResult, man: dict[str, Any]) -> _Job | None:
     res.add("job", not problems, "; ".join(problems) if problems else
             f"job {body.get('job_id')} for site(s) {', '.join(job.sites)} (sha256 {job.digest[:16]}…)")
     return job if not problems else None
+
+
+def _check_sampler(res: VerificationResult, rd: Path, man: dict[str, Any], job: _Job) -> None:
+    """The released sampler is the signed job's ``[sampler]`` as export releases it (``manifest.released_sampler``;
+    only ``export --solver/--steps`` may differ): the sites ran a job whose sampler says which start files (central
+    images, aux pool) the release may ship and how the generator samples."""
+    sampler = man["generator"]["sampler"]
+    bad = sampler_problem(sampler, job.body.get("config") or {}, central_images=man.get("starts") is not None)
+    res.add("sampler", bad is None, f"{rd / MANIFEST_FILE}: {bad}; the release's sampler is not the signed job's, "
+            "do not use it (export the release again from the job; only --solver/--steps may differ)" if bad else
+            f"the signed job's [sampler] ({', '.join(EXPORT_SAMPLER_OVERRIDES)} may be set at export)")
 
 
 def _sites_against_job(res: VerificationResult, sites: list[Any], job: _Job | None) -> list[tuple[str, dict[str, Any]]]:

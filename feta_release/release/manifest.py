@@ -64,17 +64,18 @@ def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None,
         return FORMAT_VERSION_AUX
     return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
 
+
 # [sampler] fields `feta-release export --solver/--steps` may set for a release (how many denoising steps and which
 # solver: post-processing, no privacy cost, and no file more or less in the release). Every other field of the
 # released sampler is the signed job's (:func:`released_sampler`; verify refuses a release whose sampler is not).
 EXPORT_SAMPLER_OVERRIDES = ("solver", "steps")
 
 
-def sampler_record(fields: Mapping[str, Any]) -> dict[str, Any]:
+def sampler_record(settings: Mapping[str, Any]) -> dict[str, Any]:
     """A sampler (``SamplerSettings``' or a job's ``[sampler]`` fields) as the generator metadata and the manifest
     record it: ``start_sigma`` only for an SDEdit sampler and ``start_source`` only when it is not the default, so a
     noise-only or central-start release reads as before those options existed."""
-    out = dict(fields)
+    out = dict(settings)
     if out.get("start_sigma") is None:
         out.pop("start_sigma", None)
     if out.get("start_source", "central") == "central":

@@ -59,9 +59,9 @@ from ..signing import (
     verify_document,
 )
 from .manifest import (
-    EXPORT_SAMPLER_OVERRIDES,
     ATTESTATION_KIND,
     ATTESTED_FIELDS,
+    EXPORT_SAMPLER_OVERRIDES,
     GENERATOR_FORMATS,
     MANIFEST_FILE,
     aux_claims,

@@ -488,6 +488,25 @@ class Ledger:
                              "value=excluded.value", (f"job:{job_id}", json.dumps({**rec, "closed": True},
                                                                                    sort_keys=True)))
 
+    # -- a local run's checkpoints: the bytes a resumed run may load ------------------------------------
+    def record_checkpoint(self, job_id: str, name: str, sha256: str) -> None:
+        """Bind job ``job_id``'s checkpoint ``name`` to the sha256 of the bytes about to be written (in ``meta``, which
+        the signed head covers). The hash it replaces is kept as ``previous``: a kill between this record and the
+        file's replacement leaves that file, still this run's own."""
+        key = f"checkpoint:{job_id}:{name}"
+        with self._write():
+            row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+            prev = None if row is None else json.loads(row[0]).get("sha256")
+            self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                             "value=excluded.value", (key, json.dumps({"sha256": sha256, "previous": prev},
+                                                                      sort_keys=True)))
+
+    def checkpoint_hashes(self, job_id: str, name: str) -> tuple[str, ...]:
+        """The sha256s a resumed run may find checkpoint ``name`` at (the last recorded and the one before it)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (f"checkpoint:{job_id}:{name}",)).fetchone()
+        rec = {} if row is None else json.loads(row[0])
+        return tuple(str(rec[k]) for k in ("sha256", "previous") if rec.get(k))
+
     def job_record(self, job_id: str) -> dict[str, Any] | None:
         """The job's signed record (job sha256, signer, closed, output) or None when the ledger never saw it."""
         return self._job_record(job_id)

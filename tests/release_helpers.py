@@ -81,11 +81,14 @@ def signed_policy(keys: Keys, site_id: str = "a", per_job_eps: float = 5.0, dpsg
     return sign_policy(doc, keys.policy)
 
 
-def signed_job(coordinator: Ed25519PrivateKey, job_id: str, sites: list[str]) -> dict:
+def signed_job(coordinator: Ed25519PrivateKey, job_id: str, sites: list[str], sampler: dict | None = None) -> dict:
+    """The tiny preset signed for ``sites``; ``sampler``: its [sampler] overrides (a release's sampler must be the
+    signed job's, ``export --solver/--steps`` aside)."""
     from feta_release.config import load_preset
     from feta_release.policy.jobs import sign_job
 
-    return sign_job(load_preset("tiny"), coordinator, job_id, sites)
+    cfg = load_preset("tiny")
+    return sign_job(cfg.replace(sampler=sampler) if sampler else cfg, coordinator, job_id, sites)
 
 
 def attest(keys: Keys, site_id: str, job: dict, policy: dict | None, events: list[PrivacyEvent] | None = None,
@@ -118,7 +121,7 @@ def make_release(
     ``start_sigma`` + ``starts`` (images, labels): an SDEdit release carrying those central images."""
     if policy is True:
         policy = signed_policy(keys, site_id)
-    job = signed_job(keys.coordinator, job_id, [site_id])
+    job = signed_job(keys.coordinator, job_id, [site_id], {"start_sigma": start_sigma} if start_sigma else None)
     att = attest(keys, site_id, job, policy or None, events)
     return assemble(out, den_onnx, keys.coordinator, job, [att], {site_id: policy} if policy else {},
                     solver=solver, steps=steps, start_sigma=start_sigma, starts=starts)

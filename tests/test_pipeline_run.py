@@ -387,3 +387,46 @@ def test_a_release_file_swapped_while_the_run_was_stopped_is_refused_on_resume(t
     np.savez(path, **{**arrays, key: arrays[key] * 0 + 0.5})  # stands in for un-noised / private values
     with pytest.raises(PrivacyError, match=f"not the {stage} release this run's ledger recorded"):
         run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1)
+
+
+def _perturb_first_float(obj) -> bool:  # noqa: ANN001
+    """Change the first floating tensor found in a checkpoint (in place): stands in for swapped weights."""
+    import torch
+
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for v in items:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+            v.add_(1.0)
+            return True
+        if isinstance(v, (dict, list, tuple)) and _perturb_first_float(v):
+            return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["untouched", "after-spatial.pt", "auxgen.pt", "after-frequency.pt", "dpsgd.pt"])
+def test_a_checkpoint_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp_path, name):
+    """Review (aux pool, low): checkpoints/*.pt were loaded back on resume unchecked (and unpickled), so a local user
+    could swap in a denoiser or aux generator trained on anything and it reached the signed release. Now each one's
+    sha256 is recorded in the run's signed ledger when it is written, and a resume refuses other bytes."""
+    from feta_release.training.checkpoint import load_torch, save_torch
+
+    # start_source mix: the resumed run's synthesis loads auxgen.pt too (the frequency stage loads its own checkpoint)
+    cfg = _cfg(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1}, sampler={"start_sigma": 0.5, "start_source": "mix"})
+    data, out = _data(), tmp_path / "r"
+    with pytest.raises(SimulatedKill):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1, kill_after_steps=1)
+    names = ("after-spatial.pt", "auxgen.pt", "after-frequency.pt", "dpsgd.pt")
+    assert all((out / "checkpoints" / n).is_file() for n in names)
+    if name == "untouched":
+        res = run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1)
+        assert res.resumed and (out / "COMPLETE").exists()
+        return
+    path = out / "checkpoints" / name
+    obj = load_torch(path)
+    assert _perturb_first_float(obj)
+    save_torch(path, obj)
+    with pytest.raises(PrivacyError, match=f"checkpoints/{name}: not the checkpoint this run wrote") as exc:
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1)
+    assert "\n" not in str(exc.value) and f"delete {path}" in str(exc.value)
+    assert not (out / "COMPLETE").exists()

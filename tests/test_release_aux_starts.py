@@ -251,3 +251,119 @@ def test_a_noise_certificate_names_the_unused_aux_pool(den_onnx, keys, tmp_path)
     synthesize(rel, tmp_path / "n", keys.trust(), num=3, progress=False, threads=1, source="noise")
     start = json.loads((tmp_path / "n" / "certificate.json").read_text())["certificate"]["generation"]["start"]
     assert start["from"] == "noise" and "aux-generator image pool, not used" in start["meaning"]
+
+
+def _secure_site(stages: tuple[str, ...] = ("central", "frequency")) -> tuple[dict, dict[str, float]]:
+    """A site whose central and frequency releases were summed by secure aggregation (Skellam events), and the
+    worst-case ε of each stage alone (every other site colludes with the coordinator)."""
+    from feta_release.accounting import SkellamEvent, epsilon_breakdown
+
+    sk = [SkellamEvent(s, 0.5, 1, 10.0, 10.0, mu=200.0, mu_worst=100.0) for s in stages]
+    site = {"site_id": "a", "events": [e.to_dict() for e in sk], "delta": 1e-5, "accountant": "rdp"}
+    return site, {s: epsilon_breakdown([e], 1e-5, "rdp", view="worst_case")[s] for s, e in zip(stages, sk)}
+
+
+def test_the_aux_record_states_unit_scope_worst_case_and_lifetime() -> None:
+    """Review (aux pool, low): the aux_starts text lacked the caveats the central images' record carries: the unit
+    (per image; k x ε per patient by group privacy), the frequency stage's figure, the worst case under collusion
+    when it was summed by secure aggregation, and that each site's job and lifetime ε cover it."""
+    from feta_release.release.manifest import aux_claims
+
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5, "start_source": "aux"}).to_dict()
+    site, worst = _secure_site()
+    c = aux_claims(cfg, [site], len(CLASSES))
+    assert c["unit"] == "image" and c["frequency_epsilon_worst_case"] == {"a": worst["frequency"]}
+    assert worst["frequency"] > c["frequency_epsilon_alone"]["a"]
+    text = c["privacy"]
+    assert "per IMAGE" in text and "group privacy" in text and "frequency stage alone" in text
+    assert "collude" in text and f"{worst['frequency']:.3f}" in text and "lifetime" in text
+    plain = aux_claims(cfg, [{**site, "events": [e.to_dict() for e in __import__(
+        "tests.release_helpers", fromlist=["EVENTS"]).EVENTS]}], len(CLASSES))
+    assert plain["frequency_epsilon_worst_case"] == {} and "collude" not in plain["privacy"]
+    assert f"{plain['frequency_epsilon_alone']['a']:.3f}" in plain["privacy"]
+
+
+@pytest.mark.parametrize("source", ["aux", "mix"])
+def test_an_aux_or_mix_certificate_states_unit_and_worst_case(source: str) -> None:
+    """Review (aux pool, low): the certificate's start section of an aux/mix release named neither the unit nor the
+    worst case under collusion (the central start does); a mix one carried only the pool's privacy words."""
+    from feta_release.release.manifest import aux_claims, starts_claims
+    from feta_release.release.synthesize import start_statement
+
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5, "start_source": source}).to_dict()
+    site, worst = _secure_site()
+    aux, central = aux_claims(cfg, [site], len(CLASSES)), starts_claims(cfg, [site], len(CLASSES))
+    man = {"generator": {"sampler": {"start_sigma": 0.5, "start_source": source}},
+           "aux_starts": {"file": "aux_images.npz", "sha256": "0" * 64},
+           **({"starts": {"file": "central_images.npz", "sha256": "1" * 64}} if source == "mix" else {})}
+    start = start_statement("release", man, central if source == "mix" else None, aux)
+    assert start["unit"] == "image" and start["frequency_epsilon_worst_case"] == {"a": worst["frequency"]}
+    assert "collude" in start["privacy"] and "per IMAGE" in start["privacy"]
+    if source == "mix":  # both sources' caveats
+        assert start["central_epsilon_worst_case"] == {"a": worst["central"]}
+        assert "central stage alone" in start["privacy"] and "frequency stage alone" in start["privacy"]
+
+
+def test_a_synthesized_mix_certificate_carries_the_recomputed_aux_figures(mix_release, keys, tmp_path) -> None:  # noqa: ANN001
+    synthesize(mix_release, tmp_path / "o", keys.trust(), num=3, progress=False, threads=1)
+    start = json.loads((tmp_path / "o" / "certificate.json").read_text())["certificate"]["generation"]["start"]
+    rec = load_signed(mix_release)["manifest"]["aux_starts"]
+    assert start["unit"] == rec["unit"] == "image" and set(start["frequency_epsilon_alone"]) == {"a"}
+    assert start["frequency_epsilon_alone"] == rec["frequency_epsilon_alone"]
+    assert "per IMAGE" in start["privacy"] and "per IMAGE" in rec["privacy"]
+
+
+def _released_as(out: Path, den_onnx, keys, job_sampler: dict, sampler: SamplerSettings, *, starts: bool,  # noqa: ANN001
+                 pool: bool) -> Path:
+    """A release built by the real export step whose sampler may differ from the signed job's [sampler]."""
+    cfg = load_preset("tiny").replace(sampler=job_sampler)
+    job = sign_job(cfg, keys.coordinator, "job-s", ["a"])
+    policy = signed_policy(keys, "a")
+    return assemble_release(
+        out, denoiser=den_onnx, classes=CLASSES, image_shape=IMAGE_SHAPE, sampler=sampler,
+        job_id=job["job"]["job_id"], config=job["job"]["config"], sites=[site_record(attest(keys, "a", job, policy))],
+        coordinator_key=keys.coordinator, signed_policies={"a": policy}, signed_job=job, enforce_policy=False,
+        starts=_central() if starts else None, aux_pool=_pool() if pool else None)
+
+
+MIX_JOB = {"start_sigma": 0.5, "start_source": "mix"}
+
+
+@pytest.mark.parametrize("case", ["mix_as_aux", "start_sigma", "sigma_max", "guidance"])
+def test_a_release_whose_sampler_is_not_the_signed_jobs_is_refused(den_onnx, keys, tmp_path, case: str) -> None:  # noqa: ANN001
+    """Review (aux pool, low): verify never compared the released sampler with the signed job's [sampler]: a job the
+    sites ran as mix could be released as aux (or with another start sigma, noise schedule or guidance) and verify
+    answered OK. Now only `export --solver/--steps` may differ."""
+    job, field = MIX_JOB, "start_source"
+    if case == "mix_as_aux":
+        sampler, starts = SamplerSettings(steps=6, start_sigma=0.5, start_source="aux"), False
+    elif case == "start_sigma":
+        sampler, starts, field = SamplerSettings(steps=6, start_sigma=0.9, start_source="mix"), True, "start_sigma"
+    elif case == "sigma_max":
+        sampler, starts, field = SamplerSettings(sigma_max=40.0, start_sigma=0.5, start_source="mix"), True, "sigma_max"
+    else:
+        sampler, starts, field = SamplerSettings(guidance=1.0, start_sigma=0.5, start_source="mix"), True, "guidance"
+    rel = _released_as(tmp_path / "rel", den_onnx, keys, job, sampler, starts=starts, pool=True)
+    res = verify_release(rel, keys.trust())
+    assert not res.ok and [c.name for c in res.failures] == ["sampler"], res.reason()
+    why = res.reason()
+    assert f"{rel / 'manifest.json'}: generator.sampler.{field} is" in why and "signed job's [sampler]" in why
+    assert "export the release again" in why and "\n" not in why
+    with pytest.raises(ReleaseError, match="sampler"):
+        synthesize(rel, tmp_path / "out", keys.trust(), num=3, progress=False)
+
+
+def test_the_signed_jobs_sampler_passes_with_export_overrides_and_the_central_normalisation(den_onnx, keys,  # noqa: ANN001
+                                                                                            tmp_path) -> None:
+    """The honest cases: the job's mix sampler with steps/solver set at export, and a central-start job released
+    without central images (export drops start_sigma: the noise sampler), both verify."""
+    rel = _released_as(tmp_path / "a", den_onnx, keys, MIX_JOB,
+                       SamplerSettings(solver="heun", steps=6, start_sigma=0.5, start_source="mix"), starts=True,
+                       pool=True)
+    res = verify_release(rel, keys.trust())
+    assert res.ok and any(c.name == "sampler" and c.status == "pass" for c in res.checks), res.reason()
+    rel = _released_as(tmp_path / "b", den_onnx, keys, {"start_sigma": 0.5}, SamplerSettings(start_sigma=0.5),
+                       starts=False, pool=False)
+    res = verify_release(rel, keys.trust())
+    assert res.ok, res.reason()
+    assert "start_sigma" not in load_signed(rel)["manifest"]["generator"]["sampler"]

@@ -163,15 +163,21 @@ def test_a_mix_run_starts_even_positions_from_the_aux_generator_and_writes_its_p
 def test_trained_aux_loads_the_checkpoint_when_the_stage_was_skipped(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from feta_release.stages.context import RunDir
-    from feta_release.training.checkpoint import save_torch
+    from feta_release.ledger import Ledger
+    from feta_release.planning import plan
+    from feta_release.signing import generate_keypair, load_private_key
+    from feta_release.stages import RunAccount, run_budget
+    from feta_release.stages.context import RunDir, save_checkpoint
 
     aux = _aux(10, 28)
     cfg = job(auxgen={"z_dim": 4, "width": 4})
     rd = RunDir(tmp_path)
-    save_torch(rd.ckpt("auxgen.pt"), {"model": aux.state_dict()})
+    key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0])
+    account = RunAccount(Ledger(tmp_path / "ledger.sqlite", key=key), "job", plan(cfg, 60000), run_budget(cfg),
+                         tmp_path / "privacy.json")
+    save_checkpoint(SimpleNamespace(rd=rd, account=account), "auxgen.pt", {"model": aux.state_dict()})
     ctx = SimpleNamespace(aux=None, rd=rd, cfg=cfg, data=SimpleNamespace(image_shape=(1, 28, 28), n_classes=10),
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), account=account)
     got = freq_warmup.trained_aux(ctx)  # type: ignore[arg-type]
     assert ctx.aux is got
     lab = np.arange(10)

@@ -14,7 +14,6 @@ nothing that looks like a release.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -48,6 +47,7 @@ from .manifest import (
     build_attestation,
     build_manifest,
     policy_file_name,
+    released_sampler,
     sign_manifest,
     site_record,
     starts_claims,
@@ -142,8 +142,8 @@ def _start_sampler(sampler: SamplerSettings, starts: tuple[np.ndarray, np.ndarra
     (as before); aux/mix starts without the files they need are refused, never silently turned into noise."""
     if sampler.start_sigma is None:
         return sampler
-    if sampler.start_source == "central":
-        return sampler if starts is not None else dataclasses.replace(sampler, start_sigma=None)
+    if sampler.start_source == "central":  # the one normalisation, which verify holds a release to
+        return SamplerSettings(**released_sampler(sampler.to_dict(), starts is not None))
     if aux_pool is None:
         raise ReleaseError(f"[sampler] start_source = {sampler.start_source!r} but no aux-generator pool was given "
                            f"({RELEASED_AUX} of the job); rerun the job with this version")

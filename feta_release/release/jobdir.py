@@ -122,13 +122,25 @@ def load_model(out_dir: Path) -> Any:
     return denoiser_from_checkpoint(read_model_file(out_dir / MODEL_FILE), str(out_dir / MODEL_FILE))
 
 
-def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
+def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0, *,
+                checked: tuple[Any, tuple[np.ndarray, np.ndarray] | None, tuple[np.ndarray, np.ndarray] | None]
+                | None = None) -> Path:
+    """``samples.png``: a grid of the released model, drawn as ``synthesize`` draws by default.
+
+    ``checked``: (denoiser, central images, aux pool) as the caller CHECKED them (a ``train`` run: what
+    ``attest_run`` hashed against the site ledger), drawn from as they are, never re-read from the run dir (a file
+    swapped after the check, e.g. private images as the aux pool, must not be what the grid shows); None: the job
+    directory's files, the central images and pool bound to this job's id as :func:`build_release` reads them (the
+    federated coordinator's)."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
-    model = load_model(out_dir)
     scfg, init, what = cfg.sampler, None, "federated model samples"
-    central = released_central(out_dir)
-    aux = released_central(out_dir, None, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
+    if checked is None:
+        job_id = signed["job"]["job_id"]
+        model, central = load_model(out_dir), released_central(out_dir, job_id)
+        aux = released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
+    else:
+        model, central, aux = checked
     src = scfg.start_source if aux is not None else "central"
     if scfg.start_sigma is not None and (src == "aux" or central is not None):  # as synthesize draws by default
         want = np.repeat(np.arange(model.n_classes, dtype=np.int64), per_class)
@@ -152,7 +164,7 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0) -> Path:
 
 def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey, *,
                   require_policies: bool = True, starts: tuple[np.ndarray, np.ndarray] | None = None,
-                  aux_pool: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
+                  aux_pool: tuple[np.ndarray, np.ndarray] | None = None, denoiser: Any = None) -> Path:
     """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside.
 
     ``require_policies``: every site must have its signed policy in ``policies/`` (a federation's sites always
@@ -161,7 +173,8 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
     against the ledger), shipped as they are, never re-read from the path (review s6, S5); None: the federated
     coordinator's ``released/central.npz``. ``aux_pool``: likewise the aux-generator pool (``[sampler]
     start_source`` aux/mix; a ``train`` run's as ``attest_run`` checked it); None: the coordinator's
-    ``released/aux_images.npz``, which must name this job."""
+    ``released/aux_images.npz``, which must name this job. ``denoiser``: likewise the model (a ``train`` run's as
+    ``attest_run`` hashed it against the ledger); None: ``model.pt``."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     job = signed["job"]
     cfg = JobConfig.from_dict(job["config"])
@@ -184,7 +197,7 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
     if aux_pool is None and cfg.sampler.uses_aux:  # post-processing of the frequency release (see aux_pool)
         aux_pool = released_central(out_dir, job["job_id"], RELEASED_AUX, "aux-generator images")
     return assemble_release(
-        out_dir / RELEASE, denoiser=load_model(out_dir), classes=summary["class_names"],
+        out_dir / RELEASE, denoiser=load_model(out_dir) if denoiser is None else denoiser, classes=summary["class_names"],
         image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],
         config=job["config"], sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=key,
         signed_policies=policies, signed_job=signed, starts=starts, aux_pool=aux_pool,

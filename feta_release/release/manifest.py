@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from dataclasses import fields
 from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,51 @@ def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None,
     if aux_starts is not None or "start_source" in sampler:
         return FORMAT_VERSION_AUX
     return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
+
+
+# [sampler] fields `feta-release export --solver/--steps` may set for a release (how many denoising steps and which
+# solver: post-processing, no privacy cost, and no file more or less in the release). Every other field of the
+# released sampler is the signed job's (:func:`released_sampler`; verify refuses a release whose sampler is not).
+EXPORT_SAMPLER_OVERRIDES = ("solver", "steps")
+
+
+def sampler_record(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A sampler (``SamplerSettings``' or a job's ``[sampler]`` fields) as the generator metadata and the manifest
+    record it: ``start_sigma`` only for an SDEdit sampler and ``start_source`` only when it is not the default, so a
+    noise-only or central-start release reads as before those options existed."""
+    out = dict(settings)
+    if out.get("start_sigma") is None:
+        out.pop("start_sigma", None)
+    if out.get("start_source", "central") == "central":
+        out.pop("start_source", None)
+    return out
+
+
+def released_sampler(sampler: Mapping[str, Any], central_images: bool) -> dict[str, Any]:
+    """Export's one normalisation of a job's sampler record (:func:`sampler_record`): a central-start SDEdit sampler
+    whose release carries no central images is released as the noise sampler (``start_sigma`` dropped). Export
+    applies it; verify holds the released sampler to it applied to the SIGNED job's ``[sampler]``."""
+    out = dict(sampler)
+    if out.get("start_source", "central") == "central" and not central_images:
+        out.pop("start_sigma", None)
+    return out
+
+
+def sampler_problem(released: Mapping[str, Any], job_config: Mapping[str, Any], central_images: bool) -> str | None:
+    """Why the released sampler is not the signed job's ``[sampler]`` as export releases it (None: it is), naming
+    the first field that differs (``EXPORT_SAMPLER_OVERRIDES`` may)."""
+    from ..config import JobConfig
+
+    section = JobConfig.from_dict(dict(job_config)).sampler
+    want = released_sampler(sampler_record({f.name: getattr(section, f.name) for f in fields(section)}),
+                            central_images)
+    for k in sorted(set(released) | set(want)):
+        if k not in EXPORT_SAMPLER_OVERRIDES and released.get(k) != want.get(k):
+            return (f"generator.sampler.{k} is {json.dumps(released.get(k))}, the signed job's [sampler] gives "
+                    f"{json.dumps(want.get(k))}")
+    return None
+
+
 ATTESTATION_KIND = "feta-release/spend-attestation/1"
 MANIFEST_FILE = "manifest.json"
 GENERATOR_FILE = "generator.onnx"
@@ -299,18 +345,12 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     if cfg.central.rounds <= 0:
         raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
                            "images: they are not this job's release; leave [sampler] start_sigma out")
-    per_site: dict[str, float] = {}
-    worst: dict[str, float] = {}
     for s in sites:
-        evs = events_from_list(s["events"])
-        if not any(e.stage == "central" for e in evs):  # review s6, S2: every site released its part, in its history
+        if not any(e.stage == "central" for e in events_from_list(s["events"])):  # review s6, S2: every site
+            # released its part, in its history
             raise ReleaseError(f"site {s['site_id']}'s signed history has no 'central' event for this job, so the "
                                "central images are not what the sites released; leave [sampler] start_sigma out")
-        sid, delta = str(s["site_id"]), float(s["delta"])
-        per_site[sid] = epsilon_breakdown(evs, delta, s["accountant"])["central"]
-        central = [e for e in evs if e.stage == "central"]
-        if has_secure_aggregation(central):  # S4: the figure if every other site colludes with the coordinator
-            worst[sid] = epsilon_breakdown(central, delta, s["accountant"], view="worst_case")["central"]
+    unit, per_site, worst = _stage_figures(sites, "central")
     per_class = cfg.central.rounds * cfg.central.cells  # rows are (round, class, cell); cells = 1 unless "mean"
     source = starts_source(len(sites))
     return {
@@ -318,11 +358,28 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
         "per_class": [per_class] * n_classes,
         "source": source,
         "augmentation": augmentation,
-        "unit": "image",  # the central stage is image-level at every site (privacy_unit.py)
+        "unit": unit,  # image: the central stage is image-level at every site (privacy_unit.py)
         "central_epsilon_alone": per_site,
         "central_epsilon_worst_case": worst,
-        "privacy": _starts_words(source, per_site, worst),
+        "privacy": _starts_words(source, per_site, worst, unit),
     }
+
+
+def _stage_figures(sites: Sequence[dict[str, Any]], stage: str) -> tuple[str, dict[str, float], dict[str, float]]:
+    """What the signed histories say about one stage's release, per site: its unit of privacy ("image" unless a
+    site's events of that stage say "patient"), its ε alone at the site's delta, and (secure aggregation only,
+    review s6, S4) its ε if every other site colludes with the coordinator."""
+    per_site: dict[str, float] = {}
+    worst: dict[str, float] = {}
+    units: set[str] = set()
+    for s in sites:
+        evs = [e for e in events_from_list(s["events"]) if e.stage == stage]
+        sid, delta = str(s["site_id"]), float(s["delta"])
+        units |= {str(getattr(e, "unit", "image")) for e in evs}
+        per_site[sid] = epsilon_breakdown(evs, delta, s["accountant"])[stage]
+        if has_secure_aggregation(evs):
+            worst[sid] = epsilon_breakdown(evs, delta, s["accountant"], view="worst_case")[stage]
+    return ("patient" if "patient" in units else "image"), per_site, worst
 
 
 def _augmentation(cfg: Any) -> dict[str, Any]:
@@ -358,18 +415,44 @@ def aux_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classe
         if not any(e.stage == "frequency" for e in events_from_list(s["events"])):
             raise ReleaseError(f"site {s['site_id']}'s signed history has no 'frequency' event for this job, so no "
                                "aux generator was fitted to its release; set [sampler] start_source = \"central\"")
+    unit, per_site, worst = _stage_figures(sites, "frequency")
     return {
         "images": AUX_POOL_PER_CLASS * n_classes,
         "per_class": [AUX_POOL_PER_CLASS] * n_classes,
         "source": AUX_SOURCE,
         "augmentation": augmentation,
-        "privacy": ("Images of the auxiliary generator, which was fitted to the noised frequency release only "
-                    "(already charged in every site's signed history) with public randomness: post-processing of "
-                    "a release, no further privacy cost. That they come from that generator is the coordinator's "
-                    "signed word; verify checks their hash, shape and counts and that every site released "
-                    "frequency statistics in this job. synthesize starts SDEdit samples from augmented copies "
-                    "(start_source aux: all, mix: every other image of each class)."),
+        "unit": unit,
+        "frequency_epsilon_alone": per_site,
+        "frequency_epsilon_worst_case": worst,
+        "privacy": _aux_words(unit, per_site, worst),
     }
+
+
+def _aux_words(unit: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
+    """The DPO's text of the aux_starts record, with the caveats of :func:`_starts_words`: unit, scope, the
+    collusion assumption under secure aggregation, and that each site's job and lifetime ε cover the pool."""
+    return (
+        "Images of the auxiliary generator, which was fitted to the noised frequency release only (already charged "
+        "in every site's signed history) with public randomness: post-processing of a release, no further privacy "
+        f"cost. {_figure_words('frequency', unit, per_site, worst)} Each site's job ε and lifetime ε (its site "
+        "record and the synthesize certificate) cover them. That they come from that generator is the "
+        "coordinator's signed word; verify checks their hash, shape and counts and that every site released "
+        "frequency statistics in this job. synthesize starts SDEdit samples from augmented copies (start_source "
+        "aux: all, mix: every other image of each class)."
+    )
+
+
+def _figure_words(stage: str, unit: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
+    """A stage's figures in words (review s6, S4): per unit, that stage alone, and the collusion caveat when the
+    stage was summed by secure aggregation."""
+    words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
+    worst_words = "" if not worst else (
+        " These figures assume the other sites do not collude with the coordinator (secure aggregation); if they "
+        "all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + ".")
+    group = ("" if unit == "patient" else
+             " (a patient-level site with patient cap k: k·ε per patient, by group privacy)")
+    return (f"Privacy per {unit.upper()}, for this job's {stage} stage alone, at each site's delta: {words}{group}."
+            f"{worst_words}")
 
 
 def aux_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
@@ -378,16 +461,11 @@ def aux_record(release_dir: str | Path, file: str, config: dict[str, Any], sites
     return {"file": file, "sha256": sha256_file(Path(release_dir) / file), **aux_claims(config, sites, n_classes)}
 
 
-def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
+def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float], unit: str = "image") -> str:
     """The DPO's text of the starts record (review s6, S4): unit, scope, collusion assumption, lifetime."""
-    words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
-    worst_words = "" if not worst else (
-        " These figures assume the other sites do not collude with the coordinator (secure aggregation); if they "
-        "all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + ".")
     return (
         "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
-        f"({source}). Privacy per IMAGE, for this job's central stage alone, at each site's delta: {words} (a "
-        f"patient-level site with patient cap k: k·ε per patient, by group privacy).{worst_words} They are "
+        f"({source}). {_figure_words('central', unit, per_site, worst)} They are "
         "differentially private outputs already charged in every site's signed event history, so shipping them is "
         "post-processing and costs no further privacy; each site's job ε and lifetime ε (its site record and the "
         "synthesize certificate) cover them. synthesize starts its SDEdit samples from augmented copies of them "

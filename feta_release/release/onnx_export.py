@@ -45,6 +45,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import ReleaseError
+from .manifest import sampler_record
 
 GENERATOR_FORMAT = "feta-release-generator/1"
 GENERATOR_FORMAT_SDEDIT = "feta-release-generator/2"  # + inputs start, from_release
@@ -90,12 +91,9 @@ class SamplerSettings:
             raise ReleaseError(f"sampler start_source {self.start_source!r} needs start_sigma (SDEdit)")
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        if self.start_sigma is None:  # a noise-only release's metadata and manifest stay as before
-            del d["start_sigma"]
-        if self.start_source == "central":  # so does a central-start release's
-            del d["start_source"]
-        return d
+        """As the metadata and manifest record it (``manifest.sampler_record``: a noise-only or central-start
+        release's sampler reads as before start_sigma / start_source existed)."""
+        return sampler_record(asdict(self))
 
     @property
     def sdedit(self) -> bool:

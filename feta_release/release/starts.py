@@ -199,12 +199,32 @@ def start_images(images: np.ndarray, rel_labels: np.ndarray, labels: np.ndarray,
     return rand_augment(images[idx], rng, n_ops=n_ops, magnitude_max=magnitude_max)
 
 
+def aux_mask(source: str, within: np.ndarray) -> np.ndarray:
+    """THE mix rule, one copy for ``train`` (``stages.synthesis``) and ``synthesize``: which starts come from the aux
+    generator / its pool. ``within[i]``: image i's index among the set's images of its class (k). "aux": all;
+    "mix": those with k even, so each class alternates aux, central, aux, ... (as the bench's class-sorted mix did;
+    not position parity: the set's labels are interleaved, and with an even class count position parity gives whole
+    classes to one source)."""
+    within = np.asarray(within)
+    return np.ones(len(within), bool) if source == "aux" else within % 2 == 0
+
+
+def index_within_class(labels: np.ndarray) -> np.ndarray:
+    """Each image's index among the earlier images of its class (k of :func:`aux_mask`)."""
+    labels = np.asarray(labels)
+    within = np.empty(len(labels), np.int64)
+    for c in np.unique(labels):
+        own = np.flatnonzero(labels == c)
+        within[own] = np.arange(own.size)
+    return within
+
+
 def mixed_start_images(central: tuple[np.ndarray, np.ndarray] | None, aux: tuple[np.ndarray, np.ndarray] | None,
                        source: str, labels: np.ndarray, first: np.ndarray, rng: np.random.Generator, *, n_ops: int,
                        magnitude_max: int) -> np.ndarray:
     """Start images for ``start_source`` central / aux / mix. "mix": image k of its class starts from the aux
-    pool when k is even (as ``train``'s even positions), from the central images when odd, each source cycled by
-    k // 2 so both are walked in order. One augmentation call over the batch in image order, so image k's
+    pool when k is even (:func:`aux_mask`, the rule ``train`` draws by too), from the central images when odd, each
+    source cycled by k // 2 so both are walked in order. One augmentation call over the batch in image order, so image k's
     augmentation does not depend on the batch size or on which source it came from (the rng rows are per image)."""
     if source == "central":
         assert central is not None
@@ -214,7 +234,7 @@ def mixed_start_images(central: tuple[np.ndarray, np.ndarray] | None, aux: tuple
         return rand_augment(aux[0][cycle_index(aux[1], labels, first, "aux images")], rng, n_ops=n_ops,
                             magnitude_max=magnitude_max)
     assert central is not None and source == "mix"
-    from_aux = np.asarray(first) % 2 == 0
+    from_aux = aux_mask(source, first)
     half = np.asarray(first) // 2
     src = np.empty((len(labels), *aux[0].shape[1:]), np.float32)
     src[from_aux] = aux[0][cycle_index(aux[1], labels[from_aux], half[from_aux], "aux images")]
@@ -253,5 +273,5 @@ def load_starts(data: bytes, where: str, image_shape: tuple[int, ...], n_classes
     return images, labels
 
 
-__all__ = ["STARTS_FILE", "AUX_FILE", "OP_NAMES", "rand_augment", "start_images", "mixed_start_images",
-           "cycle_index", "starts_bytes", "load_starts", "quantize"]
+__all__ = ["STARTS_FILE", "AUX_FILE", "OP_NAMES", "rand_augment", "start_images", "mixed_start_images", "aux_mask",
+           "index_within_class", "cycle_index", "starts_bytes", "load_starts", "quantize"]

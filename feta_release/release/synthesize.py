@@ -336,6 +336,11 @@ def _aux_statement(src: str, man: dict[str, Any], claims: dict[str, Any] | None,
                        "source": aux_claims["source"]},
         "augmentation": aux_claims["augmentation"],
         "augmentation_randomness": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
+        # the frequency release the pool is post-processing of: per site, alone, and (secure aggregation) if every
+        # other site colludes with the coordinator; the unit those figures protect (as the central start states)
+        "frequency_epsilon_alone": aux_claims["frequency_epsilon_alone"],
+        "frequency_epsilon_worst_case": aux_claims["frequency_epsilon_worst_case"],
+        "unit": aux_claims["unit"],
         "privacy": aux_claims["privacy"],
     }
     if src == "mix" and claims is not None:
@@ -343,7 +348,9 @@ def _aux_statement(src: str, man: dict[str, Any], claims: dict[str, Any] | None,
         out["central_images"] = {"file": srec["file"], "sha256": srec["sha256"], "images": claims["images"]}
         out["central_epsilon_alone"] = claims["central_epsilon_alone"]
         out["central_epsilon_worst_case"] = claims["central_epsilon_worst_case"]
-        out["unit"] = claims["unit"]
+        if claims["unit"] != aux_claims["unit"]:
+            out["unit"] = f"{aux_claims['unit']} (aux-generator images), {claims['unit']} (central images)"
+        out["privacy"] = f"{aux_claims['privacy']} {claims['privacy']}"  # both sources' caveats
     return out
 
 

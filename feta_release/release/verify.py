@@ -14,6 +14,8 @@ everything else follows from the documents those keys signed. Checks, each repor
   the frequency release the aux generator is fitted to);
 * the manifest carries the coordinator-signed job; every site the job lists has a record, no other site does,
   and every site id is a plain name;
+* the released sampler is the signed job's ``[sampler]`` as export releases it (``manifest.released_sampler``;
+  only the ``export --solver/--steps`` overrides may differ);
 * for every site: ``policies/SITE.signed.json`` is present and signed by THAT site's administrator key; the
   attestation is signed by the ``site_key`` that policy names, is final, names this job and its signed-job
   hash, its figures equal the manifest's, its epsilon (job and lifetime) equals what its event history
@@ -59,6 +61,7 @@ from ..signing import (
 from .manifest import (
     ATTESTATION_KIND,
     ATTESTED_FIELDS,
+    EXPORT_SAMPLER_OVERRIDES,
     GENERATOR_FORMATS,
     MANIFEST_FILE,
     aux_claims,
@@ -66,6 +69,7 @@ from .manifest import (
     starts_claims,
     starts_count_problem,
     policy_file_name,
+    sampler_problem,
     statement_sha256,
 )
 
@@ -199,6 +203,8 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     _guard(res, "central images", lambda: _check_starts(res, rd, man))
     _guard(res, "aux images", lambda: _check_aux_starts(res, rd, man))
     job = _guard(res, "job", lambda: _job_of(res, man))
+    if job is not None:
+        _guard(res, "sampler", lambda: _check_sampler(res, rd, man, job))
     sites = man.get("sites")
     if not isinstance(sites, list) or not sites:
         res.add("sites", False, "manifest lists no sites: a release needs each site's signed spend statement")
@@ -256,6 +262,17 @@ def _job_of(res: VerificationResult, man: dict[str, Any]) -> _Job | None:
     res.add("job", not problems, "; ".join(problems) if problems else
             f"job {body.get('job_id')} for site(s) {', '.join(job.sites)} (sha256 {job.digest[:16]}…)")
     return job if not problems else None
+
+
+def _check_sampler(res: VerificationResult, rd: Path, man: dict[str, Any], job: _Job) -> None:
+    """The released sampler is the signed job's ``[sampler]`` as export releases it (``manifest.released_sampler``;
+    only ``export --solver/--steps`` may differ): the sites ran a job whose sampler says which start files (central
+    images, aux pool) the release may ship and how the generator samples."""
+    sampler = man["generator"]["sampler"]
+    bad = sampler_problem(sampler, job.body.get("config") or {}, central_images=man.get("starts") is not None)
+    res.add("sampler", bad is None, f"{rd / MANIFEST_FILE}: {bad}; the release's sampler is not the signed job's, "
+            "do not use it (export the release again from the job; only --solver/--steps may differ)" if bad else
+            f"the signed job's [sampler] ({', '.join(EXPORT_SAMPLER_OVERRIDES)} may be set at export)")
 
 
 def _sites_against_job(res: VerificationResult, sites: list[Any], job: _Job | None) -> list[tuple[str, dict[str, Any]]]:
@@ -432,8 +449,7 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
     _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images")
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))
-    bad = [f"aux_starts.{k} is {_short(rec.get(k))}, recomputed {_short(v)}" for k, v in want.items() if rec.get(k) != v]
-    bad += [f"aux_starts.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256"})]
+    bad = _claim_problems("aux_starts", rec, want, "frequency_epsilon")
     have = [int((labels == c).sum()) for c in range(len(gen["classes"]))]
     if have != want["per_class"]:
         bad.append(f"{path} holds {have} images per class, the record {want['per_class']}")
@@ -449,20 +465,26 @@ def _starts_claims_match(res: VerificationResult, man: dict[str, Any], rec: dict
     figures the certificate uses); a field that differs fails the check, named (review s6, S1)."""
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = starts_claims(man["job"]["config"], statements, len(man["generator"]["classes"]))
-    extra = sorted(set(rec) - set(want) - {"file", "sha256"})
-    bad = [f"starts.{k} is not part of the record" for k in extra]
-    for k, v in want.items():
-        got = rec.get(k)
-        same = (isinstance(got, dict) and set(got) == set(v)
-                and all(_close(got[s], e) for s, e in v.items())) if k.startswith("central_epsilon") else got == v
-        if not same:
-            bad.append(f"starts.{k} is {_short(got)}, recomputed from the signed job and site histories "
-                       f"{_short(v)}")
+    bad = _claim_problems("starts", rec, want, "central_epsilon")
     if bad:
         res.add("central images", False, "; ".join(bad) + " (the coordinator's record of the central images is not "
                 "what the signed inputs say; do not use this release)")
         return None
     return want
+
+
+def _claim_problems(name: str, rec: dict[str, Any], want: dict[str, Any], figures: str) -> list[str]:
+    """Each field of a start-image record (``starts`` / ``aux_starts``) that is not what the signed job and site
+    histories make it, named; the per-site ε maps (keys starting with ``figures``) compared to the tolerance the
+    site figures are checked to, everything else exactly. A field the record should not have is named too."""
+    bad = [f"{name}.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256"})]
+    for k, v in want.items():
+        got = rec.get(k)
+        same = (isinstance(got, dict) and set(got) == set(v)
+                and all(_close(got[s], e) for s, e in v.items())) if k.startswith(figures) else got == v
+        if not same:
+            bad.append(f"{name}.{k} is {_short(got)}, recomputed from the signed job and site histories {_short(v)}")
+    return bad
 
 
 def _close(got: Any, want: float) -> bool:

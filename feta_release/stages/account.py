@@ -93,6 +93,22 @@ class RunAccount:
                                f"{sha256_hex(data)[:16]}…); restore the file the run wrote, or start a new run directory")
         return data
 
+    def bind_checkpoint(self, name: str, data: bytes) -> None:
+        """Record the sha256 of checkpoint ``name``'s bytes in the ledger BEFORE they are written (see
+        :meth:`saved_checkpoint`)."""
+        self.ledger.record_checkpoint(self.job_id, name, sha256_hex(data))
+
+    def saved_checkpoint(self, path: Path) -> bytes:
+        """The bytes of a checkpoint as a resumed run reads them back, refused (before unpickling) unless they hash to
+        what this run recorded when it wrote it (:meth:`saved_release`'s rule): a checkpoint swapped while the run was
+        stopped (e.g. a denoiser trained on non-private data) would otherwise reach the signed release."""
+        data = path.read_bytes()
+        if sha256_hex(data) not in self.ledger.checkpoint_hashes(self.job_id, path.name):
+            raise PrivacyError(f"{path}: not the checkpoint this run wrote (sha256 {sha256_hex(data)[:16]}…, not in the "
+                               f"run's ledger); delete {path} to retrain from the stage before it (no privacy cost; "
+                               "DP-SGD steps already charged are lost progress, never re-charged)")
+        return data
+
     def pending(self, stage: str) -> bool:
         """A release of ``stage`` was charged but never recorded (the run was killed between the two)."""
         return any(r["status"] != "done" for r in self.ledger.requests(self.job_id) if r["mechanism"] == stage)

@@ -24,7 +24,7 @@ from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
 from ..randomness import numpy_generator_from, torch_generator_from
-from ..training.checkpoint import atomic_write_json
+from ..training.checkpoint import atomic_write_bytes, atomic_write_json, load_torch_bytes, torch_bytes
 from ..training.progress import Reporter
 from .account import RunAccount
 
@@ -44,6 +44,23 @@ def initial_denoiser(cfg: JobConfig, image_shape: tuple[int, int, int], n_classe
     """The denoiser before any stage (its weights from the public seed), in both drivers."""
     torch.manual_seed(seed_from(cfg.job.seed, "init"))
     return build_denoiser(cfg.model, image_shape, n_classes)
+
+
+def save_checkpoint(ctx: Any, name: str, obj: Any) -> None:
+    """``checkpoints/NAME``, its bytes' sha256 bound in the run's signed ledger FIRST (``ctx.account``): the run dir is
+    writable by local users, so a resume loads only bytes this run wrote (:func:`load_checkpoint`)."""
+    data = torch_bytes(obj)
+    ctx.account.bind_checkpoint(name, data)
+    atomic_write_bytes(ctx.rd.ckpt(name), data)
+
+
+def load_checkpoint(ctx: Any, name: str) -> Any | None:
+    """A checkpoint :func:`save_checkpoint` wrote (None: there is none), refused before unpickling unless its bytes
+    hash to the ledger's record (``RunAccount.saved_checkpoint``)."""
+    path = ctx.rd.ckpt(name)
+    if not path.exists():
+        return None
+    return load_torch_bytes(ctx.account.saved_checkpoint(path))
 
 
 @dataclass

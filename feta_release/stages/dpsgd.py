@@ -18,12 +18,11 @@ from ..accounting import PrivacyEvent
 from ..config import JobConfig
 from ..models.edm import EDMDenoiser
 from ..planning import round_sizes
-from ..training.checkpoint import load_torch, save_torch
 from ..errors import ConfigError
 from ..training.augment import rand_augment
 from ..training.dpsgd import DPSGDTrainer, PublicMix, StepStats
 from .base import sample_grid
-from .context import RunContext
+from .context import RunContext, load_checkpoint, save_checkpoint
 
 
 class SimulatedKill(RuntimeError):
@@ -46,9 +45,9 @@ class DpsgdTraining:
                                patient_rows=None if pat is None else pat.rows,  # grouped once, at load
                                images_per_patient=None if pat is None else pat.cap,
                                public=_public_mix(ctx))
-        ck = ctx.rd.ckpt("dpsgd.pt")
-        if ck.exists():
-            trainer.load_state_dict(load_torch(ck))
+        saved = load_checkpoint(ctx, "dpsgd.pt")
+        if saved is not None:
+            trainer.load_state_dict(saved)
         charged = ctx.account.charged("dpsgd")
         lost = charged - trainer.steps_done
         if lost > 0:
@@ -56,7 +55,7 @@ class DpsgdTraining:
                         "checkpoint are lost progress (not re-charged)")
             ctx.state["dpsgd_steps_lost"] = int(ctx.state.get("dpsgd_steps_lost", 0)) + lost
         _train(ctx, trainer, sgd, charged)
-        save_torch(ck, trainer.state_dict())
+        save_checkpoint(ctx, "dpsgd.pt", trainer.state_dict())
         model = cast(EDMDenoiser, trainer.ema_model())
         ctx.final_model, ctx.dpsgd_trained = model, trainer.steps_done
         ctx.mark("dpsgd", steps_trained=ctx.dpsgd_trained, steps_charged=ctx.account.charged("dpsgd"))
@@ -99,7 +98,7 @@ def _train(ctx: RunContext, trainer: DPSGDTrainer, sgd: PrivacyEvent, charged: i
         nonlocal done_here
         done_here += 1
         if left == 0:  # end of the chunk: checkpoint, then the request is complete
-            save_torch(ctx.rd.ckpt("dpsgd.pt"), trainer.state_dict())
+            save_checkpoint(ctx, "dpsgd.pt", trainer.state_dict())
             ctx.account.record(rid, json.dumps({"steps_done": trainer.steps_done}).encode())
         adv(1, info=f"batch {s.batch_size} loss {s.loss:.3f} clipped {s.clipped_fraction:.0%}")
         if ctx.kill_after_steps is not None and done_here >= ctx.kill_after_steps:

@@ -19,12 +19,11 @@ from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
 from ..release.jobfiles import AUX_POOL_PER_CLASS
 from ..training.augment import rand_augment
-from ..training.checkpoint import load_torch, save_torch
 from ..training.frequency import aux_draw, fit_aux_generator, frequency_warmup, generate_aux_images
 from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
 from .base import sample_grid
-from .context import RunContext, public_generator
+from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
 from .spatial import polish_stage
 
 
@@ -78,14 +77,14 @@ class FrequencyWarmup:
         return frequency_enabled(cfg)
 
     def run(self, ctx: RunContext) -> None:
-        ck = ctx.rd.ckpt("after-frequency.pt")
-        if ck.exists():
-            ctx.denoiser.load_state_dict(load_torch(ck)["model"])
+        saved = load_checkpoint(ctx, "after-frequency.pt")
+        if saved is not None:
+            ctx.denoiser.load_state_dict(saved["model"])
             ctx.rep.log("frequency warm-up: loaded from checkpoint")
         else:
             ctx.aux = _aux_generator(ctx)
             _warm_up(ctx, ctx.aux)
-            save_torch(ck, {"model": ctx.denoiser.state_dict()})
+            save_checkpoint(ctx, "after-frequency.pt", {"model": ctx.denoiser.state_dict()})
         sample_grid(ctx, "after-frequency", ctx.denoiser)
 
 
@@ -109,17 +108,17 @@ def _aux_generator(ctx: RunContext) -> AuxGenerator:
     """Fitted to the released embedding (checkpointed: a resume does not fit it again)."""
     c, h, w = ctx.data.image_shape
     a = ctx.cfg.auxgen
-    gen_ck = ctx.rd.ckpt("auxgen.pt")
-    if gen_ck.exists():
+    saved = load_checkpoint(ctx, "auxgen.pt")
+    if saved is not None:
         aux = AuxGenerator(c, h, ctx.data.n_classes, z_dim=a.z_dim, width=a.width)
-        aux.load_state_dict(load_torch(gen_ck)["model"])
+        aux.load_state_dict(saved["model"])
         return aux.to(ctx.device).eval()
     assert ctx.embedding is not None, "the aux generator is fitted after the frequency release"
     iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, ctx.n_public // a.batch)
     with ctx.rep.task("aux generator", a.epochs * iters) as adv:
         aux = fit_aux(ctx.embedding, ctx.cfg, ctx.data.image_shape, ctx.data.n_classes, ctx.n_public, ctx.device,
                       progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
-    save_torch(gen_ck, {"model": aux.state_dict()})
+    save_checkpoint(ctx, "auxgen.pt", {"model": aux.state_dict()})
     return aux
 
 

@@ -10,11 +10,10 @@ import numpy as np
 
 from ..config import JobConfig
 from ..models.edm import EDMDenoiser
-from ..training.checkpoint import load_torch, save_torch
 from ..training.spatial import spatial_warmup
 from ..training.warmup_loop import Progress, WarmupResult
 from .base import sample_grid
-from .context import RunContext, public_generator
+from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
 
 
 def spatial_enabled(cfg: JobConfig) -> bool:
@@ -59,9 +58,9 @@ class SpatialWarmup:
 
     def run(self, ctx: RunContext) -> None:
         assert ctx.central is not None, "the spatial warm-up runs after the central release"
-        ck = ctx.rd.ckpt("after-spatial.pt")
-        if ck.exists():
-            ctx.denoiser.load_state_dict(load_torch(ck)["model"])
+        saved = load_checkpoint(ctx, "after-spatial.pt")
+        if saved is not None:
+            ctx.denoiser.load_state_dict(saved["model"])
             ctx.rep.log("spatial warm-up: loaded from checkpoint")
         else:
             with ctx.rep.task("spatial warm-up", ctx.cfg.warmup.spatial_iterations) as adv:
@@ -69,6 +68,6 @@ class SpatialWarmup:
                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
             if ctx.cfg.frequency.sigma is None:  # no frequency warm-up follows: the polish ends this stage
                 polish_stage(ctx)
-            save_torch(ck, {"model": ctx.denoiser.state_dict()})
+            save_checkpoint(ctx, "after-spatial.pt", {"model": ctx.denoiser.state_dict()})
             ctx.mark("spatial", final_loss=res.final_loss, steps=res.steps)
         sample_grid(ctx, "after-spatial", ctx.denoiser)

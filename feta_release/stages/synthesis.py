@@ -15,6 +15,7 @@ from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..models.sampler import generate
 from ..release.jobfiles import RELEASED_AUX
+from ..release.starts import aux_mask, index_within_class
 from ..training.augment import rand_augment
 from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
 from .context import RunContext, public_generator, seed_from
@@ -60,16 +61,9 @@ def release_starts(central: tuple[np.ndarray, np.ndarray], labels: np.ndarray, c
 
 
 def aux_taken(labels: np.ndarray, source: str) -> np.ndarray:
-    """Which starts come from the aux generator: all for "aux"; for "mix" image k of its class when k is even
-    (k = how many earlier images of the set have its label), so each class alternates aux, central, aux, ...
-    as the bench's class-sorted mix did and as ``synthesize`` draws (``release.starts.mixed_start_images``)."""
-    if source == "aux":
-        return np.ones(len(labels), bool)
-    within = np.empty(len(labels), np.int64)
-    for c in np.unique(labels):
-        own = np.flatnonzero(labels == c)
-        within[own] = np.arange(own.size)
-    return within % 2 == 0
+    """Which starts of the set with ``labels`` come from the aux generator: ``release.starts.aux_mask`` (the one
+    mix rule, shared with ``synthesize``) over each image's index within its class."""
+    return aux_mask(source, index_within_class(labels))
 
 
 def aux_starts(aux: AuxGenerator, labels: np.ndarray, take: np.ndarray, central_init: torch.Tensor | None,

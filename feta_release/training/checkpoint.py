@@ -75,16 +75,26 @@ def read_json(path: str | os.PathLike) -> Any:
         raise FetaError(f"{p}: corrupt JSON ({exc}); the run directory was modified outside feta-release") from None
 
 
-def save_torch(path: str | os.PathLike, obj: Any) -> Path:
+def torch_bytes(obj: Any) -> bytes:
+    """The bytes ``save_torch`` writes for ``obj`` (a run hashes them into its ledger before writing them)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def save_torch(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_bytes(path, torch_bytes(obj))
 
 
 def load_torch(path: str | os.PathLike, *, weights_only: bool = False) -> Any:
     """``weights_only=False`` only for a run's own checkpoints (generator states and plain dicts written by this
     process's pipeline); anything another party could have written is read with ``weights_only=True``."""
     return torch.load(Path(path), map_location="cpu", weights_only=weights_only)
+
+
+def load_torch_bytes(data: bytes, *, weights_only: bool = False) -> Any:
+    """:func:`load_torch` of bytes already read (and checked: a run's checkpoint against its ledger's hash)."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
 
 
 def write_model_file(path: str | os.PathLike, *, spec: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],

@@ -44,7 +44,8 @@ def release_run(run_dir: str | Path, *, site_key: Ed25519PrivateKey, coordinator
     write_job_files(rd, signed_job=a.signed_job, summary=summary, attestations={sid: a.attestation},
                     signed_policies={sid: signed_policy} if signed_policy is not None else {})
     privacy_report(rd)
-    sample_grid(rd)
-    # the central images attest_run checked against the ledger, not a second read of the file (a swap in between)
+    # the model, central images and aux pool attest_run checked against the ledger, not a second read of the files
+    # (a swap in between)
+    sample_grid(rd, checked=(a.denoiser, a.central, a.aux_pool))
     return build_release(rd, coordinator_key, require_policies=signed_policy is not None, starts=a.central,
-                         aux_pool=a.aux_pool)
+                         aux_pool=a.aux_pool, denoiser=a.denoiser)

@@ -430,3 +430,23 @@ def test_a_checkpoint_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp
         run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1)
     assert "\n" not in str(exc.value) and f"delete {path}" in str(exc.value)
     assert not (out / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_a_noise_secret_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp_path):
+    """A local user who replaces checkpoints/noise_seed.txt while a run is stopped chooses the noise of every later
+    release (and so can subtract it): the secret is bound in the run's signed ledger like a checkpoint, and a resume
+    refuses another one, saying how to go on with a fresh secret."""
+    cfg = _cfg(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1})
+    data, out = _data(), tmp_path / "r"
+    with pytest.raises(SimulatedKill):
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1, kill_after_steps=1)
+    seed_file = out / "checkpoints" / "noise_seed.txt"
+    seed_file.write_text("12345\n")  # a secret the attacker knows
+    with pytest.raises(PrivacyError, match="noise_seed.txt: not the checkpoint this run wrote") as exc:
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1)
+    assert "\n" not in str(exc.value) and "fresh secret" in str(exc.value)
+    assert not (out / "COMPLETE").exists()
+    seed_file.unlink()  # the fix the message gives
+    res = run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1)
+    assert res.resumed and (out / "COMPLETE").exists()

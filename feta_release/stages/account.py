@@ -98,15 +98,16 @@ class RunAccount:
         :meth:`saved_checkpoint`)."""
         self.ledger.record_checkpoint(self.job_id, name, sha256_hex(data))
 
-    def saved_checkpoint(self, path: Path) -> bytes:
+    def saved_checkpoint(self, path: Path, fix: str | None = None) -> bytes:
         """The bytes of a checkpoint as a resumed run reads them back, refused (before unpickling) unless they hash to
         what this run recorded when it wrote it (:meth:`saved_release`'s rule): a checkpoint swapped while the run was
-        stopped (e.g. a denoiser trained on non-private data) would otherwise reach the signed release."""
+        stopped (e.g. a denoiser trained on non-private data) would otherwise reach the signed release. ``fix``: the
+        refusal's way on (default: delete the file and retrain from the stage before it)."""
         data = path.read_bytes()
         if sha256_hex(data) not in self.ledger.checkpoint_hashes(self.job_id, path.name):
             raise PrivacyError(f"{path}: not the checkpoint this run wrote (sha256 {sha256_hex(data)[:16]}…, not in the "
-                               f"run's ledger); delete {path} to retrain from the stage before it (no privacy cost; "
-                               "DP-SGD steps already charged are lost progress, never re-charged)")
+                               "run's ledger); " + (fix or f"delete {path} to retrain from the stage before it (no "
+                               "privacy cost; DP-SGD steps already charged are lost progress, never re-charged)"))
         return data
 
     def pending(self, stage: str) -> bool:

@@ -217,7 +217,7 @@ def run_pipeline(
         account.write()
     model = initial_denoiser(cfg, data.image_shape, data.n_classes).to(dev)  # the public init of both drivers
     ctx = RunContext(cfg=cfg, data=data, rd=rd, account=account, plan=plan, state=state,
-                     secret=_secret(rd, noise_seed), rep=rep, denoiser=model, n_public=n_pub,
+                     secret=_secret(rd, noise_seed, account), rep=rep, denoiser=model, n_public=n_pub,
                      checkpoint_every=checkpoint_every, grid_per_class=grid_per_class, n_synthetic=n_synthetic,
                      kill_after_steps=kill_after_steps, patients=patients)
     _log_start(ctx, resumed)
@@ -307,12 +307,19 @@ def run_site_key(run_dir: str | Path) -> Ed25519PrivateKey:
     return _run_key(RunDir(Path(run_dir)))
 
 
-def _secret(rd: RunDir, noise_seed: int | None) -> int:
+def _secret(rd: RunDir, noise_seed: int | None, account: RunAccount) -> int:
+    """The run's noise secret, bound in its signed ledger like a checkpoint: a local user who could replace
+    ``noise_seed.txt`` while the run is stopped would otherwise choose the noise of every later release and subtract
+    it. (The ledger keeps the sha256 of 256 random bits: not searchable.)"""
     seed_file = rd.ckpt("noise_seed.txt")
     if seed_file.exists():
-        return int(seed_file.read_text().strip())
+        data = account.saved_checkpoint(seed_file, fix=f"delete {seed_file} to resume with a fresh secret (new noise "
+                                                       "is as private as the old; nothing is charged twice)")
+        return int(data.decode().strip())
     secret = noise_seed if noise_seed is not None else secrets.randbits(256)  # >= 128 bits: not searchable
-    atomic_write_bytes(seed_file, f"{secret}\n".encode())
+    data = f"{secret}\n".encode()
+    account.bind_checkpoint(seed_file.name, data)  # before the file exists: a kill leaves no unbound secret
+    atomic_write_bytes(seed_file, data)
     os.chmod(seed_file, 0o600)  # whoever reads it can subtract the noise
     return secret
 

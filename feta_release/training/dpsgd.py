@@ -55,7 +55,7 @@ from ..errors import ConfigError, DataError
 from ..mechanisms.poisson import poisson_mask
 from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
 from .ema import EMA
-from .ghost_clip import BatchedLoss, hook_grads, unsupported
+from .ghost_clip import K_MAJOR, BatchedLoss, batched_form, hook_grads, unsupported
 from .padding import pad_step, padding_chunks
 
 __all__ = [
@@ -125,10 +125,14 @@ class EDMLoss:
             null_label=self.n_classes, sigma_data=self.sigma_data,
         )
 
+    row_order = K_MAJOR  # batched's rows: ghost_clip.BatchedLoss
+
     def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        """The B per-example losses from one call of ``model`` over the B*K rows, example-major (``BatchedLoss``)."""
+        """The B per-example losses from one call of ``model`` over the B*K rows, row k*B + i holding draw k of
+        example i (K-major: ``BatchedLoss``)."""
         rnd = LossRandomness(rand["noise"], rand["sigma"], rand["drop"])
-        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data)
+        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data,
+                                        k_major=True)
 
 
 ENGINES = ("auto", "hooks", "vmap")
@@ -145,8 +149,8 @@ def select_engine(model: nn.Module, loss: PerExampleLoss, engine: str = "auto") 
     if engine == "vmap":
         return "vmap"
     problems = unsupported(model)
-    if not isinstance(loss, BatchedLoss):
-        problems.append(f"the loss {type(loss).__name__} has no batched form")
+    if not batched_form(loss):
+        problems.append(f"the loss {type(loss).__name__} has no batched form with K-major rows (ghost_clip.BatchedLoss)")
     if not problems:
         return "hooks"
     if engine == "hooks":

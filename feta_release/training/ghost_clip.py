@@ -48,21 +48,37 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["BatchedLoss", "unsupported", "hook_grads"]
+__all__ = ["BatchedLoss", "K_MAJOR", "batched_form", "unsupported", "hook_grads"]
 
 _ROW_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
+
+
+K_MAJOR = "k-major"
 
 
 @runtime_checkable
 class BatchedLoss(Protocol):
     """A per-example loss that also has a batched form: ``batched(model, x (B,...), y (B,), rand)`` returns the B
-    per-example losses from ONE call of ``model`` over B*r rows, the r rows of example i being rows i*r .. i*r+r-1
-    (example-major), and equals ``loss(model, x[i], y[i], rand_i)`` for each i."""
+    per-example losses from ONE call of ``model`` over R = B*r rows, row k*B + i holding copy k (0 <= k < r) of
+    example i (K-major: the B examples' first copies, then their second copies, ...), and equals
+    ``loss(model, x[i], y[i], rand_i)`` for each i.
+
+    ``row_order`` must be ``"k-major"`` (``K_MAJOR``): the declaration that ``batched`` lays its rows out that way.
+    The engine reads row k*B + i as example i's; a loss laid out otherwise (e.g. example-major, the layout before
+    this one) would have each "example" gradient sum rows of several examples, so one example could reach several
+    clipped vectors (sensitivity above C). A loss without the declaration is never given to these hooks
+    (``training.dpsgd.select_engine`` falls back to torch.func)."""
+
+    row_order: str
 
     def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor: ...
+
+
+def batched_form(loss: object) -> bool:
+    """Whether ``loss`` has a batched form these hooks may use (``BatchedLoss`` with K-major rows declared)."""
+    return isinstance(loss, BatchedLoss) and getattr(loss, "row_order", None) == K_MAJOR
 
 
 def _module_problem(m: nn.Module) -> str | None:
@@ -92,57 +108,90 @@ def unsupported(model: nn.Module) -> list[str]:
     return out
 
 
-def _by_example(t: Tensor, b: int) -> Tensor:
-    """(R, ...) rows -> (B, R/B, ...): the rows of one example together (example-major order)."""
+def _by_copy(t: Tensor, b: int) -> Tensor:
+    """(R, ...) rows -> (R/B, B, ...): K-major rows (row k*B + i = copy k of example i), so a view, never a copy."""
     r = t.shape[0] // b
     if r * b != t.shape[0]:
         raise ValueError(f"per-example hooks: a layer saw {t.shape[0]} rows, not a multiple of the {b} examples")
-    return t.reshape(b, r, *t.shape[1:])
+    return t.reshape(r, b, *t.shape[1:])
 
 
 def _linear(m: nn.Linear, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
-    a = _by_example(a, b).reshape(b, -1, a.shape[-1])  # (B, positions, d_in)
-    g = _by_example(g, b).reshape(b, -1, g.shape[-1])
+    # (B, positions, d): a copy when K > 1, but the Linear layers are the embedding MLP's (a few ms a step)
+    a = _by_copy(a, b).transpose(0, 1).reshape(b, -1, a.shape[-1])
+    g = _by_copy(g, b).transpose(0, 1).reshape(b, -1, g.shape[-1])
     out = {"weight": torch.bmm(g.transpose(1, 2), a)}
     if m.bias is not None:
         out["bias"] = g.sum(1)
     return out
 
 
-def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+def _conv_weight(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> Tensor:
+    """(B, *weight.shape): each example's weight gradient, summed over its r = R/B rows."""
+    args = (list(m.stride), list(m.padding), list(m.dilation), False, [0, 0])
+    if m.out_channels == 1:
+        # One output channel per group is the grouped kernel's worst case: 4.3 ms vs 1.9 ms for this loop
+        # (16 -> 1 channels, 3x3, 28x28, B = 16, K = 4; 2.1 vs 1.0 ms at B = 32, K = 1; 1 thread, bench notes in
+        # docs/evaluation.md). With 8 or more output channels the loop is the slower (python + B small kernels).
+        a5, g5 = _by_copy(a, b), _by_copy(g, b)
+        return torch.stack([torch.ops.aten.convolution_backward(g5[:, i], a5[:, i], m.weight.detach(), None, *args, 1,
+                                                                [False, True, False])[1] for i in range(b)])
     # The per-example weight gradient of a conv IS a weight gradient: that of a grouped conv with one group per
-    # example, over a "batch" of the example's r rows. Rows go to the batch axis and examples to channel groups,
-    # and one convolution_backward computes all B gradients (summed over each example's r rows) in the native
-    # kernel: im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
+    # example, over a "batch" of the example's r rows. K-major rows make (r, B*C, H, W) a view of the layer's
+    # own tensors (no copy), and one convolution_backward computes all B gradients in the native kernel:
+    # im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
     r = a.shape[0] // b
-    ar = _by_example(a, b).transpose(0, 1).reshape(r, -1, *a.shape[2:])  # (r, B*C_in, H, W)
-    gr = _by_example(g, b).transpose(0, 1).reshape(r, -1, *g.shape[2:])  # (r, B*C_out, H', W')
     w = m.weight.detach().unsqueeze(0).expand(b, *m.weight.shape).reshape(-1, *m.weight.shape[1:])
     _, gw, _ = torch.ops.aten.convolution_backward(
-        gr, ar, w, None, list(m.stride), list(m.padding), list(m.dilation), False, [0, 0], b, [False, True, False]
+        g.reshape(r, -1, *g.shape[2:]), a.reshape(r, -1, *a.shape[2:]), w, None, *args, b, [False, True, False]
     )
-    out = {"weight": gw.reshape(b, *m.weight.shape)}
+    return gw.reshape(b, *m.weight.shape)
+
+
+def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+    out = {"weight": _conv_weight(m, a, g, b)}
     if m.bias is not None:
-        out["bias"] = _by_example(g, b).sum((1, 3, 4))
+        out["bias"] = _by_copy(g, b).sum((0, 3, 4))
     return out
 
 
-def _group_norm(m: nn.GroupNorm, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+def _group_norm_stats(m: nn.GroupNorm, a: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's own per-(row, group) mean and 1/std, (R, G) each, taken from the autograd node that saved them
+    for the backward (free, and exactly the values the forward normalised with); recomputed by the same native
+    op if that node is not there (another dispatch path)."""
+    fn = out.grad_fn
+    if fn is not None and fn.name() == "NativeGroupNormBackward0":
+        return fn._saved_result1.detach(), fn._saved_result2.detach()
+    n, c = a.shape[:2]
+    _, mean, rstd = torch.ops.aten.native_group_norm(a, None, None, n, c, a[0, 0].numel(), m.num_groups, m.eps)
+    return mean, rstd
+
+
+def _group_norm(m: nn.GroupNorm, a: Tensor, g: Tensor, b: int, mean: Tensor, rstd: Tensor) -> dict[str, Tensor]:
+    # Each example's weight gradient sum_t g_t * xhat_t (bias: sum_t g_t) IS a GroupNorm weight gradient: that of
+    # the (r, B*C, HW) view of the K-major rows with B*G groups, whose per-(row, group) statistics are the forward's
+    # (R, G) ones reshaped. The native backward computes it from (g, input, mean, rstd) in one pass, without the
+    # normalised input (recomputing it with F.group_norm took ~4x as long, measured).
+    r, c, hw = a.shape[0] // b, a.shape[1], a[0, 0].numel()
+    want = [False, m.weight is not None, m.bias is not None]
+    # the native kernel reads its inputs as contiguous rows (an output gradient can come strided: measured wrong)
+    _, gw, gb = torch.ops.aten.native_group_norm_backward(
+        g.contiguous().reshape(r, b * c, hw), a.contiguous().reshape(r, b * c, hw),
+        mean.contiguous().reshape(r, -1), rstd.contiguous().reshape(r, -1),
+        a.new_ones(b * c), r, b * c, hw, b * m.num_groups, want,
+    )
     out = {}
-    g = _by_example(g, b)
-    if m.weight is not None:
-        xhat = _by_example(F.group_norm(a, m.num_groups, eps=m.eps), b)
-        out["weight"] = (g * xhat).flatten(3).sum((1, 3))
-    if m.bias is not None:
-        out["bias"] = g.flatten(3).sum((1, 3))
+    if want[1]:
+        out["weight"] = gw.reshape(b, c)
+    if want[2]:
+        out["bias"] = gb.reshape(b, c)
     return out
 
 
 def _embedding(m: nn.Embedding, idx: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
     n, d = m.weight.shape
-    idx = _by_example(idx, b).reshape(b, -1)
-    g = _by_example(g, b).reshape(b, -1, d)
-    flat = (idx + torch.arange(b, device=idx.device)[:, None] * n).flatten()
+    idx = _by_copy(idx, b).reshape(-1, b, idx[0].numel())  # (r, B, positions): example i is column i
+    flat = (idx + torch.arange(b, device=idx.device)[None, :, None] * n).flatten()
     w = torch.zeros(b * n, d, dtype=g.dtype, device=g.device).index_add_(0, flat, g.reshape(-1, d)).reshape(b, n, d)
     if m.padding_idx is not None:  # torch never updates the padding row
         w[:, m.padding_idx] = 0
@@ -164,10 +213,11 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
     batched forward and one backward to the layer outputs. The caller has checked ``unsupported(model) == []``."""
     b = x.shape[0]
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    calls: list[tuple[nn.Module, Tensor, Tensor]] = []
+    calls: list[tuple[nn.Module, Tensor, Tensor, tuple[Tensor, ...]]] = []
 
     def keep(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        calls.append((m, inputs[0].detach(), output))
+        a = inputs[0].detach()
+        calls.append((m, a, output, _group_norm_stats(m, a, output) if isinstance(m, nn.GroupNorm) else ()))
 
     hooked = [m for m in model.modules() if any(id(p) in names for p in m.parameters(recurse=False))]
     handles = [m.register_forward_hook(keep) for m in hooked]
@@ -179,10 +229,10 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
     grads: dict[str, Tensor] = {}
     if calls:
         outs = torch.autograd.grad(values.sum(), [c[2] for c in calls], allow_unused=True)
-        for (m, a, _out), go in zip(calls, outs):
+        for (m, a, _out, extra), go in zip(calls, outs):
             if go is None:  # the loss does not depend on this call's output: a zero contribution
                 continue
-            for attr, gi in _rule(m)(m, a, go.detach(), b).items():
+            for attr, gi in _rule(m)(m, a, go.detach(), b, *extra).items():
                 p = getattr(m, attr)
                 if id(p) in names:
                     n = names[id(p)]

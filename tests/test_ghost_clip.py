@@ -248,6 +248,26 @@ def test_the_group_norm_rule_without_the_forwards_saved_statistics_recomputes_th
         assert s.shape == (8, 3) and torch.allclose(s, t, rtol=1e-6, atol=1e-7)
 
 
+class _InPlaceAfterLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(2 * 7 * 7, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor, sigma: Tensor, labels: Tensor) -> Tensor:
+        return self.out(torch.nn.functional.silu(self.lin(x.flatten(1) * sigma[:, None]), inplace=True))
+
+
+def test_a_model_that_changes_a_layer_output_in_place_is_refused_not_given_wrong_gradients():
+    # asking autograd for the gradient of an output changed in place gives that of the changed values: the former
+    # hooks returned such wrong per-example gradients without a word
+    model, loss = _InPlaceAfterLinear(), _RowLoss(2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 2, 7, 7, generator=g), torch.randint(0, 4, (3,), generator=g)
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        hook_grads(model, loss, x, y, loss.draw(3, g))
+    per_example_grads(model, loss, x, y, loss.draw(3, g), engine="vmap")  # the torch.func path still serves it
+
+
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(1, 5), k=st.integers(1, 3), c=st.sampled_from([1, 2, 4, 6]), kernel=st.integers(1, 3),
        stride=st.integers(1, 2), padding=st.integers(0, 1), dilation=st.integers(1, 2), bias=st.booleans(),

@@ -4,14 +4,21 @@
 (the MEAN of its loss over the K noise draws / augmented copies) with respect to every trainable parameter. The
 torch.func path does it with ``vmap(grad(...))``; this module does the same computation the way the book-keeping
 method of Bu et al. (2023) does: one batched forward over the B*K rows with forward hooks that keep each layer's
-input, one ``torch.autograd.grad`` of the summed loss with respect to the layers' OUTPUTS only (so autograd never
-computes the batch weight gradients, which the per-example ones replace), and then, per layer, the per-example
-weight gradient from (input, output gradient):
+input and put a tap (``_Tap``) on its output, one backward of the summed loss that computes the layers' OUTPUT
+gradients only (so autograd never computes the batch weight gradients, which the per-example ones replace), and,
+per layer, the per-example weight gradient from (input, output gradient), computed by the tap as soon as autograd
+has that output gradient:
 
 * ``Linear``: ``G_i = sum_t g_it a_it^T`` over the example's positions t (its K rows and any sequence axis);
-* ``Conv2d``: the same over the unfolded input patches (im2col), positions = K rows x output pixels;
-* ``GroupNorm``: ``sum_t g_it * xhat_it`` (xhat recomputed from the stored input), bias ``sum_t g_it``;
+* ``Conv2d``: the same over the input patches, as one grouped-conv weight gradient (examples as groups), or an
+  example-by-example loop for a conv with one output channel (``_conv_weight`` says why);
+* ``GroupNorm``: ``sum_t g_it * xhat_it``, bias ``sum_t g_it``, by the native GroupNorm backward with the
+  forward's own mean and 1/std (``_group_norm``);
 * ``Embedding``: the output gradients scattered to the rows of the looked-up indices.
+
+Rows are K-major (``BatchedLoss``): row k*B + i is copy k of example i, so a layer's (B*K, ...) tensor reshapes
+to (K, B, ...) and, for a conv, to the (K, B*C, H, W) of the grouped weight gradient without a copy (example-major
+rows needed a transpose copy of every layer's input and output gradient, 10-20% of the conv rule).
 
 The K copies of one example are treated as extra positions of that example (summed inside its gradient BEFORE the
 norm), which is exactly the torch.func semantic: one clipped vector per example, the gradient of its K-draw mean.
@@ -45,6 +52,7 @@ UNet keeps that constraint for vmap already (``models.unet``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -126,13 +134,18 @@ def _linear(m: nn.Linear, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
     return out
 
 
+_LOOP_MAX_OUT = 4  # convs with at most this many output channels take the per-example loop (see _conv_weight)
+
+
 def _conv_weight(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> Tensor:
     """(B, *weight.shape): each example's weight gradient, summed over its r = R/B rows."""
     args = (list(m.stride), list(m.padding), list(m.dilation), False, [0, 0])
-    if m.out_channels == 1:
-        # One output channel per group is the grouped kernel's worst case: 4.3 ms vs 1.9 ms for this loop
-        # (16 -> 1 channels, 3x3, 28x28, B = 16, K = 4; 2.1 vs 1.0 ms at B = 32, K = 1; 1 thread, bench notes in
-        # docs/evaluation.md). With 8 or more output channels the loop is the slower (python + B small kernels).
+    if m.out_channels <= _LOOP_MAX_OUT:
+        # The grouped kernel is at its worst with very few output channels per group: 16 -> 1, 2 or 4 channels,
+        # 3x3, 28x28 took 4.3-4.5 ms grouped vs 1.9-2.0 ms in this loop at B = 16, K = 4, and 2.1-2.2 vs 1.0-1.4 ms
+        # at B = 32, K = 1 (1 thread, best of 5 runs). From 8 output channels the loop's B small kernels lose (16 -> 8:
+        # 1.2 grouped vs 2.0 ms; the UNet's 16 -> 16: 1.2 vs 2.0 ms in place); a small C_in does not help the loop
+        # (the UNet's 1 -> 16 input conv: 0.65 grouped vs 0.84 ms).
         a5, g5 = _by_copy(a, b), _by_copy(g, b)
         return torch.stack([torch.ops.aten.convolution_backward(g5[:, i], a5[:, i], m.weight.detach(), None, *args, 1,
                                                                 [False, True, False])[1] for i in range(b)])
@@ -207,36 +220,62 @@ def _rule(m: nn.Module) -> Callable[..., dict[str, Tensor]]:
     return next(f for cls, f in _RULES.items() if isinstance(m, cls))
 
 
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's output whose backward hands the output gradient to ``fn`` the moment autograd has it.
+
+    Why: asking ``torch.autograd.grad`` for every layer output returns them all at once, ~150 MB alive together for
+    a 16-example chunk with K = 4; the allocator then gave those pages back to the OS and faulted them in again
+    every chunk (38,000 minor faults a chunk, as much system time as compute, measured). Consumed inside the
+    backward, each gradient is freed when its rule is done, as in an ordinary backward, and read while in cache.
+    The extra input ``probe`` (a scalar leaf) is what the backward is taken with respect to: every tap leads to it,
+    so autograd runs every tap and every layer's input-gradient node, and still no weight gradient.
+    The output is a view made inside a custom Function, so torch refuses a model that changes it in place
+    (``F.silu(conv(x), inplace=True)``): asking autograd for the gradient of such an output (the former way) gave
+    that of the changed values, and silently wrong per-example gradients."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, probe: Tensor,
+                fn: Callable[[Tensor], None]) -> Tensor:
+        ctx.fn = fn  # type: ignore[attr-defined]
+        return out.view_as(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> tuple[Tensor, None, None]:
+        ctx.fn(g)  # type: ignore[attr-defined]
+        return g, None, None
+
+
 def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
                rand: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
     """Per-example gradients (name -> (B, *shape), every trainable parameter) and per-example losses (B,), from one
     batched forward and one backward to the layer outputs. The caller has checked ``unsupported(model) == []``."""
     b = x.shape[0]
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    calls: list[tuple[nn.Module, Tensor, Tensor, tuple[Tensor, ...]]] = []
+    grads: dict[str, Tensor] = {}
+    probe = torch.zeros((), device=x.device, requires_grad=True)
 
-    def keep(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+    def rule(m: nn.Module, a: Tensor, extra: tuple[Tensor, ...], g: Tensor) -> None:
+        for attr, gi in _rule(m)(m, a, g, b, *extra).items():
+            p = getattr(m, attr)
+            if id(p) in names:  # a module called twice (shared) adds its calls' contributions
+                n = names[id(p)]
+                grads[n] = grads[n] + gi if n in grads else gi
+
+    def tap(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
         a = inputs[0].detach()
-        calls.append((m, a, output, _group_norm_stats(m, a, output) if isinstance(m, nn.GroupNorm) else ()))
+        extra = _group_norm_stats(m, a, output) if isinstance(m, nn.GroupNorm) else ()
+        return _Tap.apply(output, probe, partial(rule, m, a, extra))
 
     hooked = [m for m in model.modules() if any(id(p) in names for p in m.parameters(recurse=False))]
-    handles = [m.register_forward_hook(keep) for m in hooked]
+    handles = [m.register_forward_hook(tap) for m in hooked]
     try:
         values = loss.batched(model, x, y, rand)
     finally:
         for h in handles:
             h.remove()
-    grads: dict[str, Tensor] = {}
-    if calls:
-        outs = torch.autograd.grad(values.sum(), [c[2] for c in calls], allow_unused=True)
-        for (m, a, _out, extra), go in zip(calls, outs):
-            if go is None:  # the loss does not depend on this call's output: a zero contribution
-                continue
-            for attr, gi in _rule(m)(m, a, go.detach(), b, *extra).items():
-                p = getattr(m, attr)
-                if id(p) in names:
-                    n = names[id(p)]
-                    grads[n] = grads[n] + gi if n in grads else gi
+    if hooked and values.requires_grad:  # a tap the loss does not reach never runs: a zero contribution
+        torch.autograd.grad(values.sum(), probe, allow_unused=True)
     params = dict(model.named_parameters())
     full = {n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))
             for n in names.values()}

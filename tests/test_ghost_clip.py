@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -269,6 +269,8 @@ def test_a_model_that_changes_a_layer_output_in_place_is_refused_not_given_wrong
 
 
 @settings(max_examples=25, deadline=None)
+@example(b=3, k=3, c=6, kernel=1, stride=1, padding=0, dilation=1, bias=True, padding_idx=None, seed=1, clip_q=0.5)
+@example(b=4, k=2, c=1, kernel=3, stride=1, padding=1, dilation=1, bias=True, padding_idx=0, seed=2, clip_q=0.5)
 @given(b=st.integers(1, 5), k=st.integers(1, 3), c=st.sampled_from([1, 2, 4, 6]), kernel=st.integers(1, 3),
        stride=st.integers(1, 2), padding=st.integers(0, 1), dilation=st.integers(1, 2), bias=st.booleans(),
        padding_idx=st.sampled_from([None, 0]), seed=st.integers(0, 2**16), clip_q=st.floats(0.1, 0.9))

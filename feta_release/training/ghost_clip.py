@@ -137,6 +137,18 @@ def _linear(m: nn.Linear, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
 _LOOP_MAX_OUT = 4  # convs with at most this many output channels take the per-example loop (see _conv_weight)
 
 
+def _pointwise_weight(a: Tensor, g: Tensor, b: int) -> Tensor:
+    """(B, C_out, C_in) per-example weight gradients of a 1x1 conv (stride 1, no padding): one batched matmul per
+    copy k, accumulated. A grouped 1x1 convolution_backward falls back to one small kernel per group on CPU:
+    0.85 vs 0.61 ms (the UNet's 32 -> 16 skip conv at 28x28, B = 16, K = 4), 0.37 vs 0.30 ms at B = 32, K = 1."""
+    r = a.shape[0] // b
+    a3, g3 = a.reshape(r, b, a.shape[1], -1), g.reshape(r, b, g.shape[1], -1)  # (r, B, C, HW): views
+    out = torch.bmm(g3[0], a3[0].transpose(1, 2))
+    for k in range(1, r):
+        out.baddbmm_(g3[k], a3[k].transpose(1, 2))
+    return out
+
+
 def _conv_weight(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> Tensor:
     """(B, *weight.shape): each example's weight gradient, summed over its r = R/B rows."""
     args = (list(m.stride), list(m.padding), list(m.dilation), False, [0, 0])
@@ -149,6 +161,8 @@ def _conv_weight(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> Tensor:
         a5, g5 = _by_copy(a, b), _by_copy(g, b)
         return torch.stack([torch.ops.aten.convolution_backward(g5[:, i], a5[:, i], m.weight.detach(), None, *args, 1,
                                                                 [False, True, False])[1] for i in range(b)])
+    if m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0):
+        return _pointwise_weight(a, g, b).reshape(b, *m.weight.shape)
     # The per-example weight gradient of a conv IS a weight gradient: that of a grouped conv with one group per
     # example, over a "batch" of the example's r rows. K-major rows make (r, B*C, H, W) a view of the layer's
     # own tensors (no copy), and one convolution_backward computes all B gradients in the native kernel:

@@ -167,8 +167,10 @@ def _conv_weight(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> Tensor:
     # example, over a "batch" of the example's r rows. K-major rows make (r, B*C, H, W) a view of the layer's
     # own tensors (no copy), and one convolution_backward computes all B gradients in the native kernel:
     # im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
+    # the grouped weight's VALUES never enter a weight gradient (only its shape does): an uninitialised buffer
+    # instead of B copies of the weight (a copy as large as the per-example gradients themselves)
     r = a.shape[0] // b
-    w = m.weight.detach().unsqueeze(0).expand(b, *m.weight.shape).reshape(-1, *m.weight.shape[1:])
+    w = m.weight.new_empty((b * m.out_channels, *m.weight.shape[1:]))
     _, gw, _ = torch.ops.aten.convolution_backward(
         g.reshape(r, -1, *g.shape[2:]), a.reshape(r, -1, *a.shape[2:]), w, None, *args, b, [False, True, False]
     )

@@ -268,6 +268,14 @@ def test_a_model_that_changes_a_layer_output_in_place_is_refused_not_given_wrong
     per_example_grads(model, loss, x, y, loss.draw(3, g), engine="vmap")  # the torch.func path still serves it
 
 
+def test_hook_gradients_under_no_grad_raise_rather_than_return_zeros():
+    model, loss = _Stack(4, 3, 1, 1, 1, True, 2, None), _RowLoss(2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 2, 7, 7, generator=g), torch.randint(0, 4, (2,), generator=g)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        hook_grads(model, loss, x, y, loss.draw(2, g))
+
+
 @settings(max_examples=25, deadline=None)
 @example(b=3, k=3, c=6, kernel=1, stride=1, padding=0, dilation=1, bias=True, padding_idx=None, seed=1, clip_q=0.5)
 @example(b=4, k=2, c=1, kernel=3, stride=1, padding=1, dilation=1, bias=True, padding_idx=0, seed=2, clip_q=0.5)

@@ -290,7 +290,8 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
     finally:
         for h in handles:
             h.remove()
-    if hooked and values.requires_grad:  # a tap the loss does not reach never runs: a zero contribution
+    if hooked:  # a tap the loss does not reach never runs: a zero contribution. Under no_grad this raises (loud,
+        # as the former autograd.grad to the outputs did) rather than returning all-zero gradients
         torch.autograd.grad(values.sum(), probe, allow_unused=True)
     params = dict(model.named_parameters())
     full = {n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))

@@ -10,8 +10,8 @@ per layer, the per-example weight gradient from (input, output gradient), comput
 has that output gradient:
 
 * ``Linear``: ``G_i = sum_t g_it a_it^T`` over the example's positions t (its K rows and any sequence axis);
-* ``Conv2d``: the same over the input patches, as one grouped-conv weight gradient (examples as groups), or an
-  example-by-example loop for a conv with one output channel (``_conv_grads`` says why);
+* ``Conv2d``: the same over the input patches, as one grouped-conv weight gradient (examples as groups); a conv
+  with at most 4 output channels by a loop over examples, a 1x1 conv by batched matmuls (``_conv_grads``);
 * ``GroupNorm``: ``sum_t g_it * xhat_it``, bias ``sum_t g_it``, by the native GroupNorm backward with the
   forward's own mean and 1/std (``_group_norm``);
 * ``Embedding``: the output gradients scattered to the rows of the looked-up indices.

@@ -179,21 +179,32 @@ def edm_loss_single(
 
 def edm_loss_from_randomness(
     denoiser: DenoiseFn, x0: torch.Tensor, labels: torch.Tensor, rnd: LossRandomness, *,
-    null_label: int | None = None, sigma_data: float | None = None,
+    null_label: int | None = None, sigma_data: float | None = None, k_major: bool = False,
 ) -> torch.Tensor:
-    """Batched form of :func:`edm_loss_single` (one forward over B*K rows) -> per-example loss (B,)."""
+    """Batched form of :func:`edm_loss_single` (one forward over B*K rows) -> per-example loss (B,).
+
+    Row order of that forward: example-major by default (row i*K + k is draw k of example i); ``k_major`` puts
+    draw k of example i at row k*B + i instead (the DP-SGD hook engine's layout: there a layer's (B*K, ...) rows
+    reshape to (K, B, ...) with no copy). The per-example losses are the same either way."""
     b, k = rnd.sigma.shape
     if null_label is None:
         null_label = denoiser.null_label  # type: ignore[attr-defined]
     if sigma_data is None:
         sigma_data = getattr(denoiser, "sigma_data", SIGMA_DATA)
-    xk = x0.unsqueeze(1).expand(b, k, *x0.shape[1:]).reshape(b * k, *x0.shape[1:])
-    yk = labels.unsqueeze(1).expand(b, k).reshape(-1)
+    shape = x0.shape[1:]
+    if k_major:
+        xk = x0.unsqueeze(0).expand(k, b, *shape).reshape(b * k, *shape)
+        yk = labels.unsqueeze(0).expand(k, b).reshape(-1)
+        noise, sigma, drop = rnd.noise.transpose(0, 1), rnd.sigma.t(), rnd.drop.t()
+    else:
+        xk = x0.unsqueeze(1).expand(b, k, *shape).reshape(b * k, *shape)
+        yk = labels.unsqueeze(1).expand(b, k).reshape(-1)
+        noise, sigma, drop = rnd.noise, rnd.sigma, rnd.drop
     rows = _weighted_mse(
-        denoiser, xk, yk, rnd.noise.reshape(b * k, *x0.shape[1:]), rnd.sigma.reshape(-1), rnd.drop.reshape(-1),
+        denoiser, xk, yk, noise.reshape(b * k, *shape), sigma.reshape(-1), drop.reshape(-1),
         int(null_label), float(sigma_data),
     )
-    return rows.reshape(b, k).mean(1)
+    return rows.reshape(k, b).mean(0) if k_major else rows.reshape(b, k).mean(1)
 
 
 def edm_loss(

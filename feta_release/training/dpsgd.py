@@ -2,9 +2,9 @@
 
 Per-example gradients come from one of two engines that compute the same vectors (``select_engine``, ``[dpsgd]
 per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then each
-layer's per-example weight gradient from its input and output gradient; 1.35x a non-private step in
+layer's per-example weight gradient from its input and output gradient; 1.26x a non-private step in
 ``bench/bench_dpsgd.py``, B = 64, K = 4), used when every trainable parameter sits in a layer it handles, and torch.func's
-``vmap(grad(...), chunk_size=...)`` (1.55x in the same run), which accepts any ``nn.Module``. Both have no trouble with noise
+``vmap(grad(...), chunk_size=...)`` (1.82x in the same run), which accepts any ``nn.Module``. Both have no trouble with noise
 multiplicity: the average over K noise draws BEFORE clipping is a mean inside the per-example loss (torch.func) or
 a sum over the example's K rows inside its gradient (hooks). Opacus is not used (``ghost_clip`` says why).
 
@@ -55,7 +55,7 @@ from ..errors import ConfigError, DataError
 from ..mechanisms.poisson import poisson_mask
 from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
 from .ema import EMA
-from .ghost_clip import BatchedLoss, hook_grads, unsupported
+from .ghost_clip import K_MAJOR, BatchedLoss, batched_form, hook_grads, unsupported
 from .padding import pad_step, padding_chunks
 
 __all__ = [
@@ -125,10 +125,14 @@ class EDMLoss:
             null_label=self.n_classes, sigma_data=self.sigma_data,
         )
 
+    row_order = K_MAJOR  # batched's rows: ghost_clip.BatchedLoss
+
     def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        """The B per-example losses from one call of ``model`` over the B*K rows, example-major (``BatchedLoss``)."""
+        """The B per-example losses from one call of ``model`` over the B*K rows, row k*B + i holding draw k of
+        example i (K-major: ``BatchedLoss``)."""
         rnd = LossRandomness(rand["noise"], rand["sigma"], rand["drop"])
-        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data)
+        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data,
+                                        k_major=True)
 
 
 ENGINES = ("auto", "hooks", "vmap")
@@ -145,8 +149,8 @@ def select_engine(model: nn.Module, loss: PerExampleLoss, engine: str = "auto") 
     if engine == "vmap":
         return "vmap"
     problems = unsupported(model)
-    if not isinstance(loss, BatchedLoss):
-        problems.append(f"the loss {type(loss).__name__} has no batched form")
+    if not batched_form(loss):
+        problems.append(f"the loss {type(loss).__name__} has no batched form with K-major rows (ghost_clip.BatchedLoss)")
     if not problems:
         return "hooks"
     if engine == "hooks":
@@ -262,8 +266,10 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
     factor = torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
     summed = {}
     for n, g in grads.items():
-        keep = finite.reshape(-1, *([1] * (g.dim() - 1)))
-        summed[n] = torch.einsum("b,b...->...", factor, torch.where(keep, g, torch.zeros_like(g)))
+        # the where runs whatever the batch (no data-dependent branch); scalar 0 and mv instead of a zeros_like
+        # buffer and an einsum: 4.9 vs 5.8 ms a 32-example chunk, measured
+        gf = torch.where(finite[:, None], g.reshape(g.shape[0], -1), 0.0)
+        summed[n] = torch.mv(gf.t(), factor).reshape(g.shape[1:])
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 

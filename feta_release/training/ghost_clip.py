@@ -4,14 +4,21 @@
 (the MEAN of its loss over the K noise draws / augmented copies) with respect to every trainable parameter. The
 torch.func path does it with ``vmap(grad(...))``; this module does the same computation the way the book-keeping
 method of Bu et al. (2023) does: one batched forward over the B*K rows with forward hooks that keep each layer's
-input, one ``torch.autograd.grad`` of the summed loss with respect to the layers' OUTPUTS only (so autograd never
-computes the batch weight gradients, which the per-example ones replace), and then, per layer, the per-example
-weight gradient from (input, output gradient):
+input and put a tap (``_Tap``) on its output, one backward of the summed loss that computes the layers' OUTPUT
+gradients only (so autograd never computes the batch weight gradients, which the per-example ones replace), and,
+per layer, the per-example weight gradient from (input, output gradient), computed by the tap as soon as autograd
+has that output gradient:
 
 * ``Linear``: ``G_i = sum_t g_it a_it^T`` over the example's positions t (its K rows and any sequence axis);
-* ``Conv2d``: the same over the unfolded input patches (im2col), positions = K rows x output pixels;
-* ``GroupNorm``: ``sum_t g_it * xhat_it`` (xhat recomputed from the stored input), bias ``sum_t g_it``;
+* ``Conv2d``: the same over the input patches, as one grouped-conv weight gradient (examples as groups); a conv
+  with at most 4 output channels by a loop over examples, a 1x1 conv by batched matmuls (``_conv_grads``);
+* ``GroupNorm``: ``sum_t g_it * xhat_it``, bias ``sum_t g_it``, by the native GroupNorm backward with the
+  forward's own mean and 1/std (``_group_norm``);
 * ``Embedding``: the output gradients scattered to the rows of the looked-up indices.
+
+Rows are K-major (``BatchedLoss``): row k*B + i is copy k of example i, so a layer's (B*K, ...) tensor reshapes
+to (K, B, ...) and, for a conv, to the (K, B*C, H, W) of the grouped weight gradient without a copy (example-major
+rows needed a transpose copy of every layer's input and output gradient, 10-20% of the conv rule).
 
 The K copies of one example are treated as extra positions of that example (summed inside its gradient BEFORE the
 norm), which is exactly the torch.func semantic: one clipped vector per example, the gradient of its K-draw mean.
@@ -45,24 +52,41 @@ UNet keeps that constraint for vmap already (``models.unet``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["BatchedLoss", "unsupported", "hook_grads"]
+__all__ = ["BatchedLoss", "K_MAJOR", "batched_form", "unsupported", "hook_grads"]
 
 _ROW_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
+
+
+K_MAJOR = "k-major"
 
 
 @runtime_checkable
 class BatchedLoss(Protocol):
     """A per-example loss that also has a batched form: ``batched(model, x (B,...), y (B,), rand)`` returns the B
-    per-example losses from ONE call of ``model`` over B*r rows, the r rows of example i being rows i*r .. i*r+r-1
-    (example-major), and equals ``loss(model, x[i], y[i], rand_i)`` for each i."""
+    per-example losses from ONE call of ``model`` over R = B*r rows, row k*B + i holding copy k (0 <= k < r) of
+    example i (K-major: the B examples' first copies, then their second copies, ...), and equals
+    ``loss(model, x[i], y[i], rand_i)`` for each i.
+
+    ``row_order`` must be ``"k-major"`` (``K_MAJOR``): the declaration that ``batched`` lays its rows out that way.
+    The engine reads row k*B + i as example i's; a loss laid out otherwise (e.g. example-major, the layout before
+    this one) would have each "example" gradient sum rows of several examples, so one example could reach several
+    clipped vectors (sensitivity above C). A loss without the declaration is never given to these hooks
+    (``training.dpsgd.select_engine`` falls back to torch.func)."""
+
+    row_order: str
 
     def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor: ...
+
+
+def batched_form(loss: object) -> bool:
+    """Whether ``loss`` has a batched form these hooks may use (``BatchedLoss`` with K-major rows declared)."""
+    return isinstance(loss, BatchedLoss) and getattr(loss, "row_order", None) == K_MAJOR
 
 
 def _module_problem(m: nn.Module) -> str | None:
@@ -92,57 +116,121 @@ def unsupported(model: nn.Module) -> list[str]:
     return out
 
 
-def _by_example(t: Tensor, b: int) -> Tensor:
-    """(R, ...) rows -> (B, R/B, ...): the rows of one example together (example-major order)."""
+def _by_copy(t: Tensor, b: int) -> Tensor:
+    """(R, ...) rows -> (R/B, B, ...): K-major rows (row k*B + i = copy k of example i), so a view, never a copy."""
     r = t.shape[0] // b
     if r * b != t.shape[0]:
         raise ValueError(f"per-example hooks: a layer saw {t.shape[0]} rows, not a multiple of the {b} examples")
-    return t.reshape(b, r, *t.shape[1:])
+    return t.reshape(r, b, *t.shape[1:])
 
 
 def _linear(m: nn.Linear, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
-    a = _by_example(a, b).reshape(b, -1, a.shape[-1])  # (B, positions, d_in)
-    g = _by_example(g, b).reshape(b, -1, g.shape[-1])
+    # (B, positions, d): a copy when K > 1, but the Linear layers are the embedding MLP's (a few ms a step)
+    a = _by_copy(a, b).transpose(0, 1).reshape(b, -1, a.shape[-1])
+    g = _by_copy(g, b).transpose(0, 1).reshape(b, -1, g.shape[-1])
     out = {"weight": torch.bmm(g.transpose(1, 2), a)}
     if m.bias is not None:
         out["bias"] = g.sum(1)
     return out
 
 
-def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
-    # The per-example weight gradient of a conv IS a weight gradient: that of a grouped conv with one group per
-    # example, over a "batch" of the example's r rows. Rows go to the batch axis and examples to channel groups,
-    # and one convolution_backward computes all B gradients (summed over each example's r rows) in the native
-    # kernel: im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
+_LOOP_MAX_OUT = 4  # convs with at most this many output channels take the per-example loop (see _conv_grads)
+
+
+def _pointwise_weight(a: Tensor, g: Tensor, b: int) -> Tensor:
+    """(B, C_out, C_in) per-example weight gradients of a 1x1 conv (stride 1, no padding): one batched matmul per
+    copy k, accumulated. A grouped 1x1 convolution_backward falls back to one small kernel per group on CPU:
+    0.85 vs 0.61 ms (the UNet's 32 -> 16 skip conv at 28x28, B = 16, K = 4), 0.37 vs 0.30 ms at B = 32, K = 1."""
     r = a.shape[0] // b
-    ar = _by_example(a, b).transpose(0, 1).reshape(r, -1, *a.shape[2:])  # (r, B*C_in, H, W)
-    gr = _by_example(g, b).transpose(0, 1).reshape(r, -1, *g.shape[2:])  # (r, B*C_out, H', W')
-    w = m.weight.detach().unsqueeze(0).expand(b, *m.weight.shape).reshape(-1, *m.weight.shape[1:])
-    _, gw, _ = torch.ops.aten.convolution_backward(
-        gr, ar, w, None, list(m.stride), list(m.padding), list(m.dilation), False, [0, 0], b, [False, True, False]
-    )
-    out = {"weight": gw.reshape(b, *m.weight.shape)}
-    if m.bias is not None:
-        out["bias"] = _by_example(g, b).sum((1, 3, 4))
+    a3, g3 = a.reshape(r, b, a.shape[1], -1), g.reshape(r, b, g.shape[1], -1)  # (r, B, C, HW): views
+    out = torch.bmm(g3[0], a3[0].transpose(1, 2))
+    for k in range(1, r):
+        out.baddbmm_(g3[k], a3[k].transpose(1, 2))
     return out
 
 
-def _group_norm(m: nn.GroupNorm, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+def _bias(m: nn.Conv2d, g: Tensor, b: int) -> Tensor | None:
+    """(B, C_out) per-example bias gradients (None without a bias): sums over each example's rows and pixels."""
+    if m.bias is None:
+        return None
+    r = g.shape[0] // b
+    return g.reshape(r, b * m.out_channels, -1).sum(2).reshape(r, b, -1).sum(0)
+
+
+def _conv_grads(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Tensor | None]:
+    """Each example's weight gradient (B, *weight.shape) and bias gradient (B, C_out) (None without a bias), summed
+    over its r = R/B rows."""
+    args = (list(m.stride), list(m.padding), list(m.dilation), False, [0, 0])
+    r = a.shape[0] // b
+    if m.out_channels <= _LOOP_MAX_OUT:
+        # The grouped kernel is at its worst with very few output channels per group: 16 -> 1, 2 or 4 channels,
+        # 3x3, 28x28 took 4.3-4.5 ms grouped vs 1.9-2.0 ms in this loop at B = 16, K = 4, and 2.1-2.2 vs 1.0-1.4 ms
+        # at B = 32, K = 1 (1 thread, best of 5 runs). From 8 output channels the loop's B small kernels lose (16 -> 8:
+        # 1.2 grouped vs 2.0 ms; the UNet's 16 -> 16: 1.2 vs 2.0 ms in place); a small C_in does not help the loop
+        # (the UNet's 1 -> 16 input conv: 0.65 grouped vs 0.84 ms).
+        a5, g5 = _by_copy(a, b), _by_copy(g, b)
+        return torch.stack([torch.ops.aten.convolution_backward(g5[:, i], a5[:, i], m.weight.detach(), None, *args, 1,
+                                                                [False, True, False])[1] for i in range(b)]), _bias(m, g, b)
+    if m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0):
+        return _pointwise_weight(a, g, b).reshape(b, *m.weight.shape), _bias(m, g, b)
+    # The per-example weight gradient of a conv IS a weight gradient: that of a grouped conv with one group per
+    # example, over a "batch" of the example's r rows. K-major rows make (r, B*C, H, W) a view of the layer's
+    # own tensors (no copy), and one convolution_backward computes all B gradients in the native kernel:
+    # im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
+    # The grouped weight's VALUES never enter a weight gradient (only its shape does): an uninitialised buffer
+    # instead of B copies of the weight (a copy as large as the per-example gradients themselves). The bias
+    # gradient comes from the same call (per group = per example): 32.8 vs 34.3 ms for the UNet's grouped convs
+    # with a separate sum (B = 16, K = 4).
+    w, has_bias = m.weight.new_empty((b * m.out_channels, *m.weight.shape[1:])), m.bias is not None
+    _, gw, gb = torch.ops.aten.convolution_backward(
+        g.reshape(r, -1, *g.shape[2:]), a.reshape(r, -1, *a.shape[2:]), w,
+        [b * m.out_channels] if has_bias else None, *args, b, [False, True, has_bias],
+    )
+    return gw.reshape(b, *m.weight.shape), gb.reshape(b, -1) if has_bias else None
+
+
+def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+    weight, bias = _conv_grads(m, a, g, b)
+    return {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+
+
+def _group_norm_stats(m: nn.GroupNorm, a: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's own per-(row, group) mean and 1/std, (R, G) each, taken from the autograd node that saved them
+    for the backward (free, and exactly the values the forward normalised with); recomputed by the same native
+    op if that node is not there (another dispatch path)."""
+    fn = out.grad_fn
+    if fn is not None and fn.name() == "NativeGroupNormBackward0":
+        return fn._saved_result1.detach(), fn._saved_result2.detach()
+    n, c = a.shape[:2]
+    _, mean, rstd = torch.ops.aten.native_group_norm(a, None, None, n, c, a[0, 0].numel(), m.num_groups, m.eps)
+    return mean, rstd
+
+
+def _group_norm(m: nn.GroupNorm, a: Tensor, g: Tensor, b: int, mean: Tensor, rstd: Tensor) -> dict[str, Tensor]:
+    # Each example's weight gradient sum_t g_t * xhat_t (bias: sum_t g_t) IS a GroupNorm weight gradient: that of
+    # the (r, B*C, HW) view of the K-major rows with B*G groups, whose per-(row, group) statistics are the forward's
+    # (R, G) ones reshaped. The native backward computes it from (g, input, mean, rstd) in one pass, without the
+    # normalised input (recomputing it with F.group_norm took ~4x as long, measured).
+    r, c, hw = a.shape[0] // b, a.shape[1], a[0, 0].numel()
+    want = [False, m.weight is not None, m.bias is not None]
+    # the native kernel reads its inputs as contiguous rows (an output gradient can come strided: measured wrong)
+    _, gw, gb = torch.ops.aten.native_group_norm_backward(
+        g.contiguous().reshape(r, b * c, hw), a.contiguous().reshape(r, b * c, hw),
+        mean.contiguous().reshape(r, -1), rstd.contiguous().reshape(r, -1),
+        a.new_ones(b * c), r, b * c, hw, b * m.num_groups, want,
+    )
     out = {}
-    g = _by_example(g, b)
-    if m.weight is not None:
-        xhat = _by_example(F.group_norm(a, m.num_groups, eps=m.eps), b)
-        out["weight"] = (g * xhat).flatten(3).sum((1, 3))
-    if m.bias is not None:
-        out["bias"] = g.flatten(3).sum((1, 3))
+    if want[1]:
+        out["weight"] = gw.reshape(b, c)
+    if want[2]:
+        out["bias"] = gb.reshape(b, c)
     return out
 
 
 def _embedding(m: nn.Embedding, idx: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
     n, d = m.weight.shape
-    idx = _by_example(idx, b).reshape(b, -1)
-    g = _by_example(g, b).reshape(b, -1, d)
-    flat = (idx + torch.arange(b, device=idx.device)[:, None] * n).flatten()
+    idx = _by_copy(idx, b).reshape(-1, b, idx[0].numel())  # (r, B, positions): example i is column i
+    flat = (idx + torch.arange(b, device=idx.device)[None, :, None] * n).flatten()
     w = torch.zeros(b * n, d, dtype=g.dtype, device=g.device).index_add_(0, flat, g.reshape(-1, d)).reshape(b, n, d)
     if m.padding_idx is not None:  # torch never updates the padding row
         w[:, m.padding_idx] = 0
@@ -158,35 +246,63 @@ def _rule(m: nn.Module) -> Callable[..., dict[str, Tensor]]:
     return next(f for cls, f in _RULES.items() if isinstance(m, cls))
 
 
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's output whose backward hands the output gradient to ``fn`` the moment autograd has it.
+
+    Why: asking ``torch.autograd.grad`` for every layer output returns them all at once, ~150 MB alive together for
+    a 16-example chunk with K = 4; the allocator then gave those pages back to the OS and faulted them in again
+    every chunk (38,000 minor faults a chunk, as much system time as compute, measured). Consumed inside the
+    backward, each gradient is freed when its rule is done, as in an ordinary backward, and read while in cache.
+    The extra input ``probe`` (a scalar leaf) is what the backward is taken with respect to: every tap leads to it,
+    so autograd runs every tap and every layer's input-gradient node, and still no weight gradient.
+    The output is a view made inside a custom Function, so torch refuses a model that changes it in place
+    (``F.silu(conv(x), inplace=True)``): asking autograd for the gradient of such an output (the former way) gave
+    that of the changed values, and silently wrong per-example gradients."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, probe: Tensor,
+                fn: Callable[[Tensor], None]) -> Tensor:
+        ctx.fn = fn  # type: ignore[attr-defined]
+        return out.view_as(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> tuple[Tensor, None, None]:
+        ctx.fn(g)  # type: ignore[attr-defined]
+        return g, None, None
+
+
 def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
                rand: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
     """Per-example gradients (name -> (B, *shape), every trainable parameter) and per-example losses (B,), from one
     batched forward and one backward to the layer outputs. The caller has checked ``unsupported(model) == []``."""
     b = x.shape[0]
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    calls: list[tuple[nn.Module, Tensor, Tensor]] = []
+    grads: dict[str, Tensor] = {}
+    probe = torch.zeros((), device=x.device, requires_grad=True)
 
-    def keep(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        calls.append((m, inputs[0].detach(), output))
+    def rule(m: nn.Module, a: Tensor, extra: tuple[Tensor, ...], g: Tensor) -> None:
+        for attr, gi in _rule(m)(m, a, g, b, *extra).items():
+            p = getattr(m, attr)
+            if id(p) in names:  # a module called twice (shared) adds its calls' contributions
+                n = names[id(p)]
+                grads[n] = grads[n] + gi if n in grads else gi
+
+    def tap(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        a = inputs[0].detach()
+        extra = _group_norm_stats(m, a, output) if isinstance(m, nn.GroupNorm) else ()
+        return _Tap.apply(output, probe, partial(rule, m, a, extra))
 
     hooked = [m for m in model.modules() if any(id(p) in names for p in m.parameters(recurse=False))]
-    handles = [m.register_forward_hook(keep) for m in hooked]
+    handles = [m.register_forward_hook(tap) for m in hooked]
     try:
         values = loss.batched(model, x, y, rand)
     finally:
         for h in handles:
             h.remove()
-    grads: dict[str, Tensor] = {}
-    if calls:
-        outs = torch.autograd.grad(values.sum(), [c[2] for c in calls], allow_unused=True)
-        for (m, a, _out), go in zip(calls, outs):
-            if go is None:  # the loss does not depend on this call's output: a zero contribution
-                continue
-            for attr, gi in _rule(m)(m, a, go.detach(), b).items():
-                p = getattr(m, attr)
-                if id(p) in names:
-                    n = names[id(p)]
-                    grads[n] = grads[n] + gi if n in grads else gi
+    if hooked:  # a tap the loss does not reach never runs: a zero contribution. Under no_grad this raises (loud,
+        # as the former autograd.grad to the outputs did) rather than returning all-zero gradients
+        torch.autograd.grad(values.sum(), probe, allow_unused=True)
     params = dict(model.named_parameters())
     full = {n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))
             for n in names.values()}

@@ -177,11 +177,13 @@ def _conv_grads(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Ten
     # example, over a "batch" of the example's r rows. K-major rows make (r, B*C, H, W) a view of the layer's
     # own tensors (no copy), and one convolution_backward computes all B gradients in the native kernel:
     # im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
-    # The grouped weight's VALUES never enter a weight gradient (only its shape does): an uninitialised buffer
-    # instead of B copies of the weight (a copy as large as the per-example gradients themselves). The bias
+    # The grouped weight's VALUES never enter a weight gradient (only its shape does): a zero buffer instead of B
+    # copies of the weight (a copy as large as the per-example gradients themselves); zeros, not uninitialised
+    # memory, so that a backend which did read it would give a wrong-but-deterministic result the cross-check
+    # against torch.func catches, never NaN bits the clip would silently drop. The bias
     # gradient comes from the same call (per group = per example): 32.8 vs 34.3 ms for the UNet's grouped convs
     # with a separate sum (B = 16, K = 4).
-    w, has_bias = m.weight.new_empty((b * m.out_channels, *m.weight.shape[1:])), m.bias is not None
+    w, has_bias = m.weight.new_zeros((b * m.out_channels, *m.weight.shape[1:])), m.bias is not None
     _, gw, gb = torch.ops.aten.convolution_backward(
         g.reshape(r, -1, *g.shape[2:]), a.reshape(r, -1, *a.shape[2:]), w,
         [b * m.out_channels] if has_bias else None, *args, b, [False, True, has_bias],

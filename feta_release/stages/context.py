@@ -24,7 +24,8 @@ from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
 from ..randomness import numpy_generator_from, torch_generator_from
-from ..training.checkpoint import atomic_write_bytes, atomic_write_json, load_torch_bytes, torch_bytes
+from ..training.checkpoint import (atomic_write_bytes, atomic_write_json, load_torch_bytes, private_dir,
+                                   torch_bytes)
 from ..training.progress import Reporter
 from .account import RunAccount
 
@@ -51,7 +52,8 @@ def save_checkpoint(ctx: Any, name: str, obj: Any) -> None:
     writable by local users, so a resume loads only bytes this run wrote (:func:`load_checkpoint`)."""
     data = torch_bytes(obj)
     ctx.account.bind_checkpoint(name, data)
-    atomic_write_bytes(ctx.rd.ckpt(name), data)
+    private_dir(ctx.rd.ckpt(name).parent)
+    atomic_write_bytes(ctx.rd.ckpt(name), data, private=True)
 
 
 def load_checkpoint(ctx: Any, name: str) -> Any | None:

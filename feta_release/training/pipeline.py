@@ -38,7 +38,6 @@ is closed in the ledger: nothing more can be charged for it, so its statement is
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import time
@@ -63,7 +62,7 @@ from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_
 from ..stages.account import check_recorded_plan
 from ..stages.context import initial_denoiser
 from ..stages.base import now
-from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, read_json
+from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, private_dir, read_json
 from .device import resolve_device
 from .progress import Reporter
 from ..viz import save_budget_chart
@@ -296,6 +295,7 @@ def _ledger_path(stored: str, root: Path) -> Path:
 def _run_key(rd: RunDir) -> Ed25519PrivateKey:
     """The run's own site key when none is given (created once, owner-only): ``export --site-key`` takes it."""
     path = rd.ckpt("site.key")
+    private_dir(path.parent)
     if not path.exists():
         generate_keypair(path.parent, "site")
     return load_private_key(path)
@@ -319,8 +319,8 @@ def _secret(rd: RunDir, noise_seed: int | None, account: RunAccount) -> int:
     secret = noise_seed if noise_seed is not None else secrets.randbits(256)  # >= 128 bits: not searchable
     data = f"{secret}\n".encode()
     account.bind_checkpoint(seed_file.name, data)  # before the file exists: a kill leaves no unbound secret
-    atomic_write_bytes(seed_file, data)
-    os.chmod(seed_file, 0o600)  # whoever reads it can subtract the noise
+    private_dir(seed_file.parent)
+    atomic_write_bytes(seed_file, data, private=True)  # 0600 from creation on: whoever reads it can subtract the noise
     return secret
 
 

@@ -147,3 +147,14 @@ def test_privacy_plan_patient_level_dpsgd(capsys) -> None:  # noqa: ANN001
     assert u["epsilon_per_patient"] == pytest.approx(u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
     sgd = [e for e in direct["history"] if e["stage"] == "dpsgd"][0]
     assert u["expected_patients_per_step"] == pytest.approx(sgd["q"] * 2000)
+
+
+def test_the_release_text_of_an_image_level_site_states_group_privacy_with_delta() -> None:
+    """Review L1: the image-unit text said "(a patient-level site with patient cap k: k·ε per patient)": read as a
+    patient bound an image-level site does not give, and silent on δ, which grows to k·e^((k−1)ε)·δ."""
+    from feta_release.release.manifest import _figure_words
+
+    text = _figure_words("central", "image", {"a": 1.0}, {})
+    assert "patient-level site" not in text
+    assert "k·e^((k−1)·ε)·δ" in text and "caps no one" in text
+    assert "group privacy" not in _figure_words("central", "patient", {"a": 1.0}, {})

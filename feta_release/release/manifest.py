@@ -449,8 +449,11 @@ def _figure_words(stage: str, unit: str, per_site: dict[str, float], worst: dict
     worst_words = "" if not worst else (
         " These figures assume the other sites do not collude with the coordinator (secure aggregation); if they "
         "all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + ".")
+    # Review L1: the former "(a patient-level site with patient cap k: k·ε per patient)" read as a patient bound of an
+    # image-level site and left out that δ grows too. Group privacy for k images of one person: (kε, k·e^((k−1)ε)·δ).
     group = ("" if unit == "patient" else
-             " (a patient-level site with patient cap k: k·ε per patient, by group privacy)")
+             " (per image: a person with k images in a site's data is protected only at (k·ε, k·e^((k−1)·ε)·δ) by "
+             "group privacy, and an image-level site caps no one's number of images)")
     return (f"Privacy per {unit.upper()}, for this job's {stage} stage alone, at each site's delta: {words}{group}."
             f"{worst_words}")
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .mechanisms._checks import MIN_CLIP
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,7 @@ def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
     need(d.steps is None or d.steps >= 0, f"[dpsgd] steps must be >= 0, got {d.steps}")
     need(d.epochs is None or d.epochs > 0, f"[dpsgd] epochs must be > 0, got {d.epochs}")
     need(d.batch >= 1, f"[dpsgd] batch must be >= 1, got {d.batch}")
-    need(d.clip > 0, f"[dpsgd] clip must be > 0, got {d.clip}")
+    need(d.clip >= MIN_CLIP, f"[dpsgd] clip must be >= {MIN_CLIP:g} (float32 rounding), got {d.clip}")
     need(d.noise_multiplicity >= 1, f"[dpsgd] noise_multiplicity must be >= 1, got {d.noise_multiplicity}")
     need(d.lr > 0, f"[dpsgd] lr must be > 0, got {d.lr}")
     need(0 <= d.ema < 1, f"[dpsgd] ema must be in [0, 1), got {d.ema}")
@@ -420,7 +421,7 @@ def _validate(cfg: JobConfig, source: str) -> None:
         need(c.batch >= 1, f"[central] batch must be >= 1, got {c.batch}")
         need(c.sigma > 0, f"[central] sigma must be > 0, got {c.sigma}")
         need(0 < c.downsample <= 1, f"[central] downsample must be in (0, 1], got {c.downsample}")
-        need(c.clip is None or c.clip > 0, f"[central] clip must be > 0, got {c.clip}")
+        need(c.clip is None or c.clip >= MIN_CLIP, f"[central] clip must be >= {MIN_CLIP:g} (float32 rounding), got {c.clip}")
         need(c.bins is None or c.bins >= 2, f"[central] bins must be >= 2, got {c.bins}")
         need(c.cells >= 1, f"[central] cells must be >= 1, got {c.cells}")
         need(c.cells == 1 or c.kind == "mean", f"[central] cells = {c.cells} needs kind = \"mean\" (or set cells = 1)")

@@ -173,3 +173,36 @@ def test_combine_weighted_by_public_sizes() -> None:
         combine_frequency([a, other])
     with pytest.raises(DataError):
         combine_frequency([])
+
+
+@settings(max_examples=40, deadline=None)
+@given(log_bw=st.floats(-300, 6), bright=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
+def test_every_record_row_is_finite_with_norm_at_most_one_for_any_bandwidth(log_bw, bright, seed) -> None:
+    """Review58 H1: whatever bandwidth2 the coordinator signs, phi(x) is finite with ||phi(x)|| <= 1 for every image
+    alone (streamed sums and the differentiable features alike), so the sensitivity holds and no NaN flags a record."""
+    x = np.full((4, 36), bright, dtype=np.float32)
+    x[0] = 0.0
+    omega = rff_frequencies(36, 8, bandwidth2=10.0 ** log_bw, seed=seed)
+    phi = rff_features(torch.from_numpy(x), omega)
+    assert torch.isfinite(phi).all() and (phi.norm(dim=1) <= 1 + 1e-5).all()
+    labels = np.zeros(4, dtype=np.int64)
+    total = embedding_sum(x.reshape(4, 1, 6, 6), labels, 1, omega)
+    assert np.isfinite(total).all() and np.linalg.norm(total) <= 4 + 1e-4
+
+
+@pytest.mark.parametrize("clip", [7.0e-45, 1.07e-44, 1e-7, float("nan"), float("inf")])
+def test_a_clip_below_the_float32_floor_is_refused_by_every_clipping_mechanism(clip) -> None:
+    """Review58 H2: a subnormal clip rounded each clipped entry UP (one record moved a sum by ~2x the clip the
+    noise is scaled to). Central query, DP-SGD's clip_and_sum and the job config all refuse below MIN_CLIP."""
+    from feta_release.config import load_preset
+    from feta_release.errors import ConfigError
+    from feta_release.mechanisms.central import central_query
+    from feta_release.training.dpsgd import clip_and_sum
+
+    with pytest.raises(PrivacyError, match="clip must be a finite number >= 1e-06"):
+        central_query(np.ones((1, 1, 4, 4), np.float32), np.array([0]), 2, kind="mean", clip=clip)
+    with pytest.raises(PrivacyError, match="clip must be a finite number >= 1e-06"):
+        clip_and_sum({"w": torch.ones(1, 3)}, clip)
+    for section in ("central", "dpsgd"):
+        with pytest.raises(ConfigError, match=rf"\[{section}\] clip(: must be finite| must be >= 1e-06)"):
+            load_preset("tiny").replace(**{section: {"clip": clip}})

@@ -41,7 +41,6 @@ def _outcome(fn) -> tuple[str, object]:
 # -- Finding H1: a coordinator-chosen bandwidth2 turns the frequency release into an un-noised NaN test ---------
 
 
-@pytest.mark.xfail(strict=True, reason="review58 H1: open")
 def test_h1_frequency_release_is_not_a_nan_membership_test_on_neighbouring_datasets():
     """Finding H1 (high; edge/releases.py:56 release_frequency, mechanisms/frequency.py:90 rff_frequencies, config.py:430
     bandwidth2 > 0 only). Attack: the coordinator signs [frequency] bandwidth2 = 1e-75 (allowed: only > 0 is
@@ -57,7 +56,6 @@ def test_h1_frequency_release_is_not_a_nan_membership_test_on_neighbouring_datas
     assert runs[0] == runs[1], f"neighbouring datasets are told apart with certainty: {runs}"
 
 
-@pytest.mark.xfail(strict=True, reason="review58 H1: open")
 def test_h1_secure_frequency_contribution_does_not_fail_only_for_one_dataset():
     """Finding H1, secure-aggregation form (mechanisms/secure_sums.py:137 frequency_contribution): the same
     bandwidth2 makes phi(x) NaN for the bright image only; ``quantize_records`` then raises AFTER the charge, and the
@@ -85,7 +83,6 @@ def fed(tmp_path_factory):
     return make_federation(tmp_path_factory.mktemp("r58") / "fed")
 
 
-@pytest.mark.xfail(strict=True, reason="review58 H1: open")
 def test_h1_node_sends_no_nan_frequency_release_for_a_coordinator_chosen_bandwidth(fed):
     """Finding H1 through the node: a signed job with bandwidth2 = 1e-75 is either refused before anything is
     charged (naming the rule) or answered with a finite release. Today the node charges it and sends NaN."""
@@ -174,7 +171,6 @@ def _perturbed_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="review58 M2: open")
 def test_m2_a_dpsgd_round_depends_only_on_the_data_and_its_private_generator():
     """Finding M2 (medium; training/dpsgd.py:246 ``vmap(..., randomness="different")`` and the hooks' batched forward
     draw ``nn.Dropout`` masks from torch's GLOBAL generator; unet.py:63; [model] dropout is the coordinator's choice,
@@ -261,7 +257,6 @@ def test_l1_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeyp
 # -- Finding L2: the NaN/inf refusal checks the weights in the coordinator's dtype, not in the model's -------------
 
 
-@pytest.mark.xfail(strict=True, reason="review58 L2: open")
 def test_l2_weights_that_are_finite_only_in_float64_are_refused_before_the_charge():
     """Finding L2 (low, defence in depth; edge/releases.py:70 ``_refuse_non_finite`` checks ``np.isfinite`` in the
     dtype the coordinator sent, then :119 / edge/fedsgd.py:64 ``load_state_dict`` casts into the float32 model).
@@ -324,7 +319,6 @@ def _config_refuses(section: str, clip: float) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=True, reason="review58 H2: open")
 def test_h2_central_mean_query_stays_within_the_clip_the_noise_is_scaled_to():
     """Finding H2 (high; mechanisms/central.py:127 ``clip_rows`` casts x * clip / |x| to float32, :291 the noise is
     sigma x clip; config.py only checks clip > 0 and the policy has no rule on [central] clip). Attack: the
@@ -348,7 +342,6 @@ def test_h2_central_mean_query_stays_within_the_clip_the_noise_is_scaled_to():
     assert ratio <= 1 + 1e-6, f"one image moves the query by {ratio:.3f} x the sensitivity the noise is scaled to"
 
 
-@pytest.mark.xfail(strict=True, reason="review58 H2: open")
 def test_h2_dpsgd_clip_and_sum_stays_within_the_clip_the_noise_is_scaled_to():
     """Finding H2, DP-SGD form (training/dpsgd.py:251 ``clip_and_sum``: factor = clip / |g| in float32; the policy's
     mechanisms.dpsgd.max_clip is an UPPER cap only). [dpsgd] clip = 1.07e-44: the factor rounds up to the smallest

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..accounting import PrivacyEvent
 from ..errors import DataError, PrivacyError
-from ._checks import as_generator, check_images, check_positive_int, check_sigma, sampling_rate
+from ._checks import as_generator, check_clip, check_images, check_positive_int, check_sigma, sampling_rate
 from .poisson import poisson_mask
 
 Kind = Literal["mean", "mode"]
@@ -204,10 +204,8 @@ def _prepare(images: np.ndarray, kind: str, clip: float | None, downsample: floa
     c, h, w = (int(v) for v in small.shape[1:])
     flat = small.reshape(small.shape[0], -1)
     if kind == "mean":
-        bound = math.sqrt(flat.shape[1]) if clip is None else clip
-        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound) or bound <= 0:
-            raise PrivacyError(f"{where}: clip must be a number > 0, got {clip!r}")
-        return clip_rows(flat, float(bound)).astype(np.float64), (c, h, w), float(bound)
+        bound = check_clip(math.sqrt(flat.shape[1]) if clip is None else clip, where)
+        return clip_rows(flat, bound).astype(np.float64), (c, h, w), bound
     nb = default_bins(c) if bins is None else check_positive_int(bins, "bins", where)
     if nb < 2:
         raise PrivacyError(f"{where}: mode images need at least 2 histogram bins, got {nb}")

@@ -110,7 +110,7 @@ def rff_features(x_flat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
         raise DataError(f"rff_features: x must be (B, {omega.shape[0]}), got {tuple(x_flat.shape)}")
     proj = x_flat.to(omega.dtype) @ omega
     scale = 1.0 / math.sqrt(omega.shape[1])
-    return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) * scale
+    return _finite(torch.cat([torch.cos(proj), torch.sin(proj)], dim=1)) * scale
 
 
 def _features_into(x: torch.Tensor, omega: torch.Tensor, proj: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,19 @@ def _features_into(x: torch.Tensor, omega: torch.Tensor, proj: torch.Tensor, phi
     torch.mm(x, omega, out=p)
     torch.cos(p, out=out[:, :half])
     torch.sin(p, out=out[:, half:])
-    return out
+    return _finite(out)
+
+
+def _finite(phi: torch.Tensor) -> torch.Tensor:
+    """``phi`` with every non-finite entry set to 0 (in place when it can be: the streamed buffers).
+
+    Why (review58 H1): a projection that overflows float32 (a coordinator-chosen tiny bandwidth2 makes omega huge)
+    gives cos/sin = NaN for SOME images only, and one NaN makes the whole noised release NaN: a flag no noise
+    covers. Zeroing is a function of the one record, and a row with entries replaced by 0 still has norm <= 1 (the
+    sensitivity is unchanged), so the release stays finite whatever the data."""
+    if phi.requires_grad:
+        return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num_(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def embedding_sum(

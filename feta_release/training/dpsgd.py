@@ -52,6 +52,7 @@ from torch.func import functional_call, grad, vmap
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
+from ..mechanisms._checks import check_clip
 from ..mechanisms.poisson import poisson_mask
 from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
 from .ema import EMA
@@ -260,6 +261,7 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
     channel). Zero has norm <= C, so the sensitivity of the sum stays C under add/remove. How many examples
     were dropped is a function of the private batch: it is never released.
     """
+    clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself (review58 H2)
     flat_sq = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
     norms = torch.stack(flat_sq, 0).sum(0).sqrt()
     finite = torch.isfinite(norms)  # NaN/inf in any entry, or an overflowing square, gives a non-finite norm
@@ -545,7 +547,9 @@ class DPSGDTrainer:
         The caller must have charged one ``(sigma, q, 1)`` event before calling this (``run`` does it via
         ``before_step``).
         """
-        noisy, stats = self.noisy_gradient(images, labels)
+        with torch.random.fork_rng(devices=[]):
+            self._seed_dropout()
+            noisy, stats = self.noisy_gradient(images, labels)
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 p.grad = noisy[name]
@@ -554,6 +558,16 @@ class DPSGDTrainer:
         self.ema.update(self.model)
         self.steps_done += 1
         return stats
+
+    def _seed_dropout(self) -> None:
+        """Seed torch's GLOBAL generator (forked by the caller) from the private one when the model has active
+        dropout: ``nn.Dropout`` draws its masks there, which is public-seeded in the local pipeline and carried across
+        requests in the warm worker. Masks from it were predictable and assigned by position in the batch, so one
+        image more shifted every later image's mask (review58 M2). Now they are a fresh secret draw per step,
+        independent of the data: coupled on the shared examples, each one still moves the sum by <= C. A model
+        without dropout draws nothing (its noise stream is unchanged)."""
+        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in self.model.modules()):
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator)))
 
     def run(
         self,

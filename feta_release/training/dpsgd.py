@@ -3,7 +3,8 @@
 Per-example gradients come from one of two engines that compute the same vectors (``select_engine``, ``[dpsgd]
 per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then each
 layer's per-example weight gradient from its input and output gradient; 1.26x a non-private step in
-``bench/bench_dpsgd.py``, B = 64, K = 4), used when every trainable parameter sits in a layer it handles, and torch.func's
+``bench/bench_dpsgd.py``, B = 64, K = 4), used when every trainable parameter sits in a layer it handles and a
+once-per-trainer cross-check on a public dummy batch agrees (``ghost_clip.cross_check``), and torch.func's
 ``vmap(grad(...), chunk_size=...)`` (1.82x in the same run), which accepts any ``nn.Module``. Both have no trouble with noise
 multiplicity: the average over K noise draws BEFORE clipping is a mean inside the per-example loss (torch.func) or
 a sum over the example's K rows inside its gradient (hooks). Opacus is not used (``ghost_clip`` says why).

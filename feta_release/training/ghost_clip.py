@@ -47,6 +47,19 @@ rows`` holds only when the model treats rows independently (no BatchNorm, no op 
 modules that would mix rows are refused (``unsupported``) and the caller falls back to torch.func, never skipping a
 parameter. A model whose own code mixes rows by other means (e.g. ``x.mean(0)``) must not use this engine: the
 UNet keeps that constraint for vmap already (``models.unet``).
+
+The rules see a parameter only through its own module's forward (input, output gradient), so they also hold only
+when every use of the parameter IS that forward, the library's, with options the rule implements (review M1: the
+former engine returned other vectors than torch.func, silently, for weight tying through ``F.linear(h,
+emb.weight)``, ``Embedding(scale_grad_by_freq=True)``, a subclass's own forward, a forward hook, an extra parameter
+such as the old ``weight_norm``'s, and a layer over rows that are not the batch's). What the module tree shows is
+refused by ``unsupported`` (shared parameters, options, subclasses, hooks, unknown parameters); the rest only shows
+when the model runs, so the engine's choice (``training.dpsgd.select_engine(check=True)``: the trainer's build,
+a FedSGD round) also runs ``cross_check`` once: uses of each parameter counted in the autograd graph against its
+module's calls, then the hooks' per-example gradients against each example's own backward, on a 2-example dummy
+batch from a fixed public generator and a scrambled copy of the model. Most of these errors leave each vector a
+function of its own example (wrong, still clipped: the sum's sensitivity stays C); rows that are not the batch's
+do not (an "example" gradient then sums other examples' rows, and the clip no longer bounds one example).
 """
 
 from __future__ import annotations

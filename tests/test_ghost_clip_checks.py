@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from feta_release.config import load_preset
 from feta_release.errors import ConfigError
 from feta_release.models.edm import build_denoiser
+from feta_release.training import dpsgd
 from feta_release.training.dpsgd import DPSGDTrainer, EDMLoss, per_example_grads, select_engine
 from feta_release.training.ghost_clip import cross_check, hook_grads, unsupported
 
@@ -169,6 +170,30 @@ def test_weight_tying_through_f_linear_is_caught_before_any_step():
     assert float((hooks["emb.weight"] - ref["emb.weight"]).norm()) > 0.1 * float(ref["emb.weight"].norm())
     assert "emb.weight" in (cross_check(model, loss) or "")
     _the_trainers_vectors_are_torch_funcs(model)
+
+
+class _TiedTable(_Base):
+    """``_TiedFunctional`` under another name: its fall-back message is its own (warned once per process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(4, 3)
+
+    def forward(self, x: Tensor, sigma: Tensor, labels: Tensor) -> Tensor:
+        return F.linear(self.features(x, sigma) + self.table(labels), self.table.weight)
+
+
+def test_the_fall_back_is_warned_once_and_an_explicit_hooks_refusal_is_one_line_naming_the_parameter(monkeypatch):
+    monkeypatch.setattr(dpsgd, "_WARNED", set())  # once per process: this test's own process-wide record
+    loss = _Loss(2)
+    with pytest.warns(RuntimeWarning, match=r"torch\.func.*table\.weight is used 2 time"):
+        assert _trainer(_TiedTable(), loss).engine == "vmap"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same fall-back again: silent
+        assert _trainer(_TiedTable(), loss).engine == "vmap"
+    with pytest.raises(ConfigError) as err:
+        _trainer(_TiedTable(), loss, "hooks")
+    assert "\n" not in str(err.value) and "table.weight" in str(err.value) and str(err.value).endswith('or "vmap"')
 
 
 def test_a_parameter_registered_in_two_modules_is_refused_statically():

@@ -234,6 +234,13 @@ def test_modules_whose_computation_the_rule_does_not_see_are_refused(model_fn, w
     _the_trainers_vectors_are_torch_funcs(model)
 
 
+def test_a_model_the_hooks_cannot_run_falls_back_at_build_not_at_the_first_step():
+    from .test_ghost_clip import _InPlaceAfterLinear  # F.silu(lin(x), inplace=True): the tap refuses it (loud)
+    model = _InPlaceAfterLinear()
+    assert "modified inplace" in (cross_check(model, _Loss(2)) or "")
+    _the_trainers_vectors_are_torch_funcs(model)
+
+
 @settings(max_examples=15, deadline=None)
 @given(k=st.integers(1, 3), c=st.sampled_from([1, 2, 4, 6]), kernel=st.integers(1, 3), stride=st.integers(1, 2),
        padding=st.integers(0, 1), dilation=st.integers(1, 2), bias=st.booleans(),

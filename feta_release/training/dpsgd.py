@@ -133,7 +133,7 @@ class EDMLoss:
         """``n`` dummy examples (uniform images in [-1, 1], uniform labels) for the engine's cross-check
         (``ghost_clip.cross_check``), from the caller's fixed public generator: never site data."""
         return (torch.rand(n, *self.image_shape, generator=generator) * 2 - 1,
-                torch.randint(0, self.n_classes, (n,), generator=generator))
+                torch.randint(0, max(self.n_classes, 1), (n,), generator=generator))  # 0 classes: the null label
 
     def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
         """The B per-example losses from one call of ``model`` over the B*K rows, row k*B + i holding draw k of

@@ -471,11 +471,11 @@ def cross_check(model: nn.Module, loss: object, n: int = 2) -> str | None:
     dev = next((p.device for p in probe.parameters()), torch.device("cpu"))
     x, y = (t.to(dev) for t in example(n, gen))
     rand = {k: v.to(dev) for k, v in draw(n, gen).items()}
-    why = _outside_uses(probe, loss, x, y, rand)
-    if why is not None:
-        return why
-    try:
+    try:  # a failure is a reason like the others: "auto" then takes torch.func, which fails loudly if it must
+        why = _outside_uses(probe, loss, x, y, rand)
+        if why is not None:
+            return why
         got, _ = hook_grads(probe, loss, x, y, rand)
+        return _mismatch(got, _one_by_one(probe, loss, x, y, rand))
     except (RuntimeError, ValueError, IndexError, TypeError) as err:  # e.g. an output changed in place (_Tap)
-        return f"the hooks failed on the dummy batch ({type(err).__name__}: {str(err).splitlines()[0]})"
-    return _mismatch(got, _one_by_one(probe, loss, x, y, rand))
+        return f"the check failed on the dummy batch ({type(err).__name__}: {str(err).splitlines()[0]})"

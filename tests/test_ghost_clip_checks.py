@@ -234,6 +234,15 @@ def test_modules_whose_computation_the_rule_does_not_see_are_refused(model_fn, w
     _the_trainers_vectors_are_torch_funcs(model)
 
 
+def test_a_global_forward_hook_is_refused_while_it_is_registered():
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert any("global forward hook" in p for p in unsupported(_Out()))
+    finally:
+        handle.remove()
+    assert unsupported(_Out()) == []
+
+
 def test_a_model_the_hooks_cannot_run_falls_back_at_build_not_at_the_first_step():
     from .test_ghost_clip import _InPlaceAfterLinear  # F.silu(lin(x), inplace=True): the tap refuses it (loud)
     model = _InPlaceAfterLinear()

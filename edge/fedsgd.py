@@ -27,7 +27,7 @@ from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms import skellam as sk
 from feta_release.models import build_denoiser
 from feta_release.policy.jobs import Job
-from feta_release.training.dpsgd import EDMLoss, batch_gradients, clipped_rows, poisson_sample
+from feta_release.training.dpsgd import EDMLoss, batch_gradients, clipped_rows, poisson_sample, select_engine
 from feta_release.training.padding import model_range, public_rows
 
 from .protocol import Request
@@ -74,7 +74,10 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     bound_n = public_rows(images.shape[0], site.n_public)  # the public size, or the bucket the padded passes reveal
     idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator, bound_n), bound_n, event.q, chunk)
     total, at = np.zeros(dim, dtype=np.int64), 0
-    for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator):
+    # the per-example engine once a round, as DPSGDTrainer does: [dpsgd] per_example, the hooks cross-checked on a
+    # public dummy batch (their own fixed generator: this round's draws are untouched)
+    engine = select_engine(model, loss, cfg.dpsgd.per_example, check=True)
+    for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
         rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
         rows[max(0, real - at):] = 0.0  # padding rows: computed like the others, then zeroed (they round to 0)
         at += rows.shape[0]

@@ -125,7 +125,8 @@ class DPSGDSection:
     ema: float = 0.999
     physical_batch: int = 32  # rows per vectorised per-example-gradient chunk (memory bound)
     # per-example gradients: "hooks" (training.ghost_clip: one batched backward, 1.26x a non-private step), "vmap"
-    # (torch.func, any module), "auto" = hooks when the model's layers allow it, else vmap. Same vectors either way.
+    # (torch.func, any module), "auto" = hooks when the model's layers allow it and the hooks pass their cross-check
+    # on a public dummy batch (training.dpsgd.select_engine), else vmap. Same vectors either way.
     per_example: Literal["auto", "hooks", "vmap"] = "auto"
     noise_multiplier: float | None = None  # None: calibrated over the whole history for the target (eps, delta)
     # Already-RELEASED examples (RandAugment-ed copies of the released central images) added to every DP-SGD step as

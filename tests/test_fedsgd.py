@@ -518,17 +518,26 @@ def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypa
     seen: list[int] = []
     real_batches = node_fedsgd.batch_gradients
 
-    def counting(model: Any, loss: Any, images: Any, labels: Any, idx: Any, chunk: int, g: Any) -> Any:
+    def counting(model: Any, loss: Any, images: Any, labels: Any, idx: Any, chunk: int, g: Any, *engine: str) -> Any:
         seen.append(int(idx.numel()))
-        return real_batches(model, loss, images, labels, idx, chunk, g)
+        return real_batches(model, loss, images, labels, idx, chunk, g, *engine)
 
     monkeypatch.setattr(node_fedsgd, "batch_gradients", counting)
+    engines: list[str] = []  # review M1: the round's engine is resolved once, the hooks cross-checked (check=True)
+    real_select = node_fedsgd.select_engine
+
+    def select(model: Any, loss: Any, engine: str, check: bool = False) -> str:
+        engines.append(real_select(model, loss, engine, check=check) if check else "unchecked")
+        return engines[-1]
+
+    monkeypatch.setattr(node_fedsgd, "select_engine", select)
     padded, _ = node_fedsgd.padded_sample(torch.arange(0), site.n_public, event.q, int(job.config.dpsgd.physical_batch))
     for size in (0, 3, padded.numel()):
         monkeypatch.setattr(node_fedsgd, "poisson_sample", lambda n, q, g, rows=None, k=size: torch.arange(k))
         req = Request("r", 0, event, {}, _weights(job.config))
         node_fedsgd.gradient_contribution(site, job, req, os_numpy_generator(), os_torch_generator())
     assert len(set(seen)) == 1, seen
+    assert engines == ["hooks"] * 3  # the denoiser passes its cross-check: the fast engine stays
     bound = event.q * site.n_public + node_fedsgd.PAD_SIGMAS * np.sqrt(site.n_public * event.q * (1 - event.q))
     assert seen[0] >= bound  # the public bound, in whole physical chunks
 

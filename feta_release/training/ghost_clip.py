@@ -47,10 +47,25 @@ rows`` holds only when the model treats rows independently (no BatchNorm, no op 
 modules that would mix rows are refused (``unsupported``) and the caller falls back to torch.func, never skipping a
 parameter. A model whose own code mixes rows by other means (e.g. ``x.mean(0)``) must not use this engine: the
 UNet keeps that constraint for vmap already (``models.unet``).
+
+The rules see a parameter only through its own module's forward (input, output gradient), so they also hold only
+when every use of the parameter IS that forward, the library's, with options the rule implements (review M1: the
+former engine returned other vectors than torch.func, silently, for weight tying through ``F.linear(h,
+emb.weight)``, ``Embedding(scale_grad_by_freq=True)``, a subclass's own forward, a forward hook, an extra parameter
+such as the old ``weight_norm``'s, and a layer over rows that are not the batch's). What the module tree shows is
+refused by ``unsupported`` (shared parameters, options, subclasses, hooks, unknown parameters); the rest only shows
+when the model runs, so the engine's choice (``training.dpsgd.select_engine(check=True)``: the trainer's build,
+a FedSGD round) also runs ``cross_check`` once: uses of each parameter counted in the autograd graph against its
+module's calls, then the hooks' per-example gradients against each example's own backward, on a 2-example dummy
+batch from a fixed public generator and a scrambled copy of the model. Most of these errors leave each vector a
+function of its own example (wrong, still clipped: the sum's sensitivity stays C); rows that are not the batch's
+do not (an "example" gradient then sums other examples' rows, and the clip no longer bounds one example).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Protocol, runtime_checkable
@@ -58,7 +73,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BatchedLoss", "K_MAJOR", "batched_form", "unsupported", "hook_grads"]
+__all__ = ["BatchedLoss", "K_MAJOR", "batched_form", "unsupported", "hook_grads", "cross_check"]
 
 _ROW_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
 
@@ -89,22 +104,57 @@ def batched_form(loss: object) -> bool:
     return isinstance(loss, BatchedLoss) and getattr(loss, "row_order", None) == K_MAJOR
 
 
-def _module_problem(m: nn.Module) -> str | None:
-    """Why this module's own trainable parameters cannot be handled here (None: they can)."""
-    if isinstance(m, nn.Linear | nn.GroupNorm):
-        return None
-    if isinstance(m, nn.Conv2d):
-        if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str):
-            return "Conv2d with groups, a padding mode or string padding"
-        return None
+def _options_problem(m: nn.Module) -> str | None:
+    """A module option no rule implements (None: the rule computes exactly what the module's backward would)."""
+    if isinstance(m, nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str)):
+        return "Conv2d with groups, a padding mode or string padding"
     if isinstance(m, nn.Embedding):
-        return "Embedding with max_norm or sparse gradients" if m.max_norm is not None or m.sparse else None
-    return f"no per-example rule for {type(m).__name__}"
+        # scale_grad_by_freq divides by each index's count in the WHOLE batch of rows: the rule would have to count
+        # per example (torch.func's semantic); max_norm renormalises the weight in the forward; sparse: no rule
+        bad = [o for o, on in (("max_norm", m.max_norm is not None), ("sparse", m.sparse),
+                               ("scale_grad_by_freq", m.scale_grad_by_freq)) if on]
+        return f"Embedding with {' and '.join(bad)}" if bad else None
+    return None
+
+
+def _module_problem(m: nn.Module) -> str | None:
+    """Why this module's own trainable parameters cannot be handled here (None: they can). The rules see a module
+    only through its forward's input and output, so they hold only for the library's own forward (a subclass's may
+    use the weight otherwise), with no forward hook (a hook's changed output is what the tap would differentiate),
+    for the parameters the rule knows (``weight``, ``bias``: not e.g. the old ``weight_norm``'s ``weight_g``)."""
+    base = next((cls for cls in _RULES if isinstance(m, cls)), None)
+    if base is None:
+        return f"no per-example rule for {type(m).__name__}"
+    if type(m).forward is not base.forward:
+        return f"{type(m).__name__} has its own forward (the {base.__name__} rule assumes the library's)"
+    if m._forward_hooks:
+        return "a forward hook (the rule would take the gradient at the output the hook returns)"
+    known = ("weight",) if base is nn.Embedding else ("weight", "bias")
+    extra = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad and n not in known]
+    if extra:
+        return f"parameter(s) {', '.join(extra)} that no rule computes (e.g. the old weight_norm's weight_g/weight_v)"
+    return _options_problem(m)
+
+
+def _shared(model: nn.Module) -> list[str]:
+    """Trainable parameters registered in more than one place (weight tying between modules): refused, because
+    which uses reach a parameter is not something a module's rule can see (one module registered under two names is
+    one owner: its calls add up, as for any module called twice)."""
+    owners: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        for attr, p in m.named_parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append(f"{name}.{attr}" if name else attr)
+    return [f"{' = '.join(o)}: one parameter shared by several modules (weight tying); untie it or use "
+            "per_example = \"vmap\"" for o in owners.values() if len(o) > 1]
 
 
 def unsupported(model: nn.Module) -> list[str]:
-    """Reasons this engine cannot compute ``model``'s per-example gradients (empty: it can)."""
-    out = []
+    """Reasons this engine cannot compute ``model``'s per-example gradients (empty: it can, as far as the module
+    tree shows; a parameter used outside its module's forward shows only when the model runs: ``cross_check``)."""
+    out = _shared(model)
+    if nn.modules.module._global_forward_hooks:
+        out.append("a global forward hook (nn.modules.module.register_module_forward_hook) changes layer outputs")
     for name, m in model.named_modules():
         if isinstance(m, _ROW_MIXING):
             out.append(f"{name or 'model'}: {type(m).__name__} mixes the rows of a batch")
@@ -239,7 +289,7 @@ def _embedding(m: nn.Embedding, idx: Tensor, g: Tensor, b: int) -> dict[str, Ten
     return {"weight": w}
 
 
-_RULES: dict[type, Callable[..., dict[str, Tensor]]] = {
+_RULES: dict[type[nn.Module], Callable[..., dict[str, Tensor]]] = {
     nn.Linear: _linear, nn.Conv2d: _conv2d, nn.GroupNorm: _group_norm, nn.Embedding: _embedding,
 }
 
@@ -309,3 +359,123 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
     full = {n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))
             for n in names.values()}
     return full, values.detach()
+
+
+# -- the cross-check (once, when an engine is chosen: training.dpsgd.select_engine) ---------------------------------
+
+_CHECK_SEED = 20261124  # the dummy batch's and the scrambled weights' generator: fixed and public, never site data
+_RTOL, _ATOL = 1e-2, 1e-4  # per parameter, relative to its own norm / to the whole gradient's (rounding: ~1e-7)
+
+
+def _scrambled(model: nn.Module, gen: torch.Generator) -> nn.Module:
+    """A copy of ``model`` with every parameter redrawn from ``gen`` (fan-in scaled) and dropout off, in train mode:
+    the check then depends on the model's structure only (not its weights, not the site's data), no branch hides
+    behind a zero-initialised layer, and the two engines' dropout draws cannot differ."""
+    probe = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in probe.parameters():
+            fan_in = p[0].numel() if p.dim() > 1 else 1
+            p.copy_((torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)).to(p.device, p.dtype))
+    for m in probe.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    return probe.train()
+
+
+def _graph_uses(out: Tensor) -> dict[int, int]:
+    """How many times each leaf tensor enters the autograd graph of ``out`` (edges into its AccumulateGrad node)."""
+    uses: dict[int, int] = {}
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and hasattr(nxt, "variable"):  # AccumulateGrad: the edge to a leaf
+                uses[id(nxt.variable)] = uses.get(id(nxt.variable), 0) + 1
+            else:
+                todo.append(nxt)
+    return uses
+
+
+def _outside_uses(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> str | None:
+    """A trainable parameter the forward uses more often than its module runs is also used OUTSIDE its module
+    (weight tying through ``F.linear(h, emb.weight)``): that use's gradient no rule sees. Each supported module's
+    forward uses each of its parameters once (one edge into the parameter's graph leaf per call)."""
+    owner = {id(p): (name, m) for name, m in model.named_modules() for p in m.parameters(recurse=False)
+             if p.requires_grad}
+    calls: dict[int, int] = {}
+
+    def count(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        calls[id(m)] = calls.get(id(m), 0) + 1
+
+    handles = [m.register_forward_hook(count) for _, m in {id(m): (n, m) for n, m in owner.values()}.values()]
+    try:
+        uses = _graph_uses(loss.batched(model, x, y, rand).sum())
+    finally:
+        for h in handles:
+            h.remove()
+    for name, p in model.named_parameters():
+        if p.requires_grad and uses.get(id(p), 0) > calls.get(id(owner[id(p)][1]), 0):
+            return (f"{name} is used {uses[id(p)]} time(s) in the forward but its module ran "
+                    f"{calls.get(id(owner[id(p)][1]), 0)}: a use outside the module (weight tying, e.g. "
+                    "F.linear(h, emb.weight)) that no rule sees")
+    return None
+
+
+def _one_by_one(model: nn.Module, loss: Callable[..., Tensor], x: Tensor, y: Tensor,
+                rand: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The definition the hooks must meet: each example's own loss (``PerExampleLoss.__call__``, the one torch.func
+    differentiates) through an ordinary backward, one example at a time. Not torch.func itself: its first call in a
+    process costs ~0.8 s of warm-up (measured), the check's whole budget ten times over."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows = [torch.autograd.grad(loss(model, x[i], y[i], {k: v[i] for k, v in rand.items()}), [p for _, p in named],
+                                allow_unused=True) for i in range(x.shape[0])]
+    return {n: torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows])
+            for j, (n, p) in enumerate(named)}
+
+
+def _mismatch(got: dict[str, Tensor], ref: dict[str, Tensor]) -> str | None:
+    """The first parameter whose per-example gradients differ from the reference's beyond rounding (None: none)."""
+    if list(got) != list(ref):
+        return f"the hooks gave gradients for {sorted(got)}, not for {sorted(ref)}"
+    total = math.sqrt(sum(float(r.double().pow(2).sum()) for r in ref.values()))
+    for n, r in ref.items():
+        err, size = float((got[n].double() - r.double()).norm()), float(r.double().norm())
+        if not err <= _RTOL * size + _ATOL * total:  # a NaN fails too
+            return f"{n}: the hooks' per-example gradient is {err / max(size, 1e-30):.3g} (relative) off the true one"
+    return None
+
+
+def cross_check(model: nn.Module, loss: object, n: int = 2) -> str | None:
+    """Why the hooks' per-example gradients of ``model`` are not the true ones (each example's loss through its own
+    ordinary backward: ``_one_by_one``) on an ``n``-example dummy batch (None: they are, within float rounding).
+    The batch is ``loss.example(n, generator)`` and
+    ``loss.draw`` from a fixed public generator, on a scrambled copy of the model (``_scrambled``): never site data,
+    never the model's own weights or generators, and the model itself is not touched.
+
+    What it catches that ``unsupported`` cannot: a parameter used outside its module (exactly, by counting uses in
+    the autograd graph), and a layer applied to rows that are not the batch's (e.g. positions folded into the row
+    axis: one example's "gradient" then sums other examples' rows, which the clip no longer bounds)."""
+    example, draw = getattr(loss, "example", None), getattr(loss, "draw", None)
+    if not batched_form(loss) or not callable(example) or not callable(draw) or not callable(loss):
+        return (f"the loss {type(loss).__name__} gives no public dummy example (example(n, generator)) to "
+                "cross-check the hooks on")
+    assert isinstance(loss, BatchedLoss)
+    gen = torch.Generator().manual_seed(_CHECK_SEED)
+    try:
+        probe = _scrambled(model, gen)
+    except RuntimeError as err:  # e.g. a non-leaf weight (the old weight_norm) that deepcopy refuses
+        return f"the model cannot be copied to check it ({str(err).splitlines()[0]})"
+    dev = next((p.device for p in probe.parameters()), torch.device("cpu"))
+    x, y = (t.to(dev) for t in example(n, gen))
+    rand = {k: v.to(dev) for k, v in draw(n, gen).items()}
+    try:  # a failure is a reason like the others: "auto" then takes torch.func, which fails loudly if it must
+        why = _outside_uses(probe, loss, x, y, rand)
+        if why is not None:
+            return why
+        got, _ = hook_grads(probe, loss, x, y, rand)
+        return _mismatch(got, _one_by_one(probe, loss, x, y, rand))
+    except (RuntimeError, ValueError, IndexError, TypeError) as err:  # e.g. an output changed in place (_Tap)
+        return f"the check failed on the dummy batch ({type(err).__name__}: {str(err).splitlines()[0]})"

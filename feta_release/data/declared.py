@@ -36,7 +36,7 @@ class DataDeclaration:
     """``class_names`` (label order = list order) and ``image_shape`` (C, H, W), both public."""
 
     class_names: tuple[str, ...]
-    image_shape: tuple[int, int, int]
+    image_shape: tuple[int, ...]  # (C, H, W)
 
     def __post_init__(self) -> None:
         names = tuple(str(c) for c in self.class_names)

@@ -212,3 +212,42 @@ def test_a_label_outside_the_declaration_stays_a_local_error_at_the_node(tmp_pat
     assert "lymphoma" not in rep.error.reason and "new.png" not in rep.error.reason and "DataError" in rep.error.reason
     with pytest.raises(DataError, match=r"'lymphoma' \(.*new.png\).*dataset.classes"):
         Site.open(fed.sites[0].node_config())
+
+
+def test_site_init_drafts_the_declaration_and_the_signed_draft_opens_a_node(tmp_path: Path) -> None:
+    """The kit drafts classes and image_shape from the data (the admin's proposal); an admin who adds a rare class
+    re-runs data-commitment with it, signs, and the node opens on that declaration."""
+    import tomllib
+
+    from click.testing import CliRunner
+
+    from edge.kit import init_site, read_node_toml
+    from edge.launch import NodeSettings
+    from edge.site import Site
+    from feta_release.cli import cli
+    from feta_release.signing import generate_keypair, load_public_key, public_key_pem
+
+    rng = np.random.default_rng(0)
+    csv = _csv(tmp_path / "data", [(lab, rng.integers(0, 256, (8, 8), dtype=np.uint8))
+                                   for lab in ["benign"] * 6 + ["malignant"] * 6])
+    kit = init_site(tmp_path / "kit", csv, "st-mary")
+    text = kit.policy_draft.read_text("utf-8")
+    ds = tomllib.loads(text)["dataset"]
+    assert ds["classes"] == ["benign", "malignant"] and ds["image_shape"] == [1, 8, 8] and "YOUR declaration" in text
+    _, coord_pub = generate_keypair(tmp_path / "coord", "coordinator")
+    out = CliRunner().invoke(cli, ["policy", "data-commitment", str(csv), "--secret",
+                                   str(tmp_path / "kit" / "keys" / "data.secret"), "--class", "benign", "--class",
+                                   "malignant", "--class", "sarcoma", "--image-shape", "1,8,8"])
+    assert out.exit_code == 0, out.output
+    fields = tomllib.loads("\n".join(ln for ln in out.output.splitlines() if not ln.startswith("#")))
+    assert fields["classes"] == ["benign", "malignant", "sarcoma"] and fields["commitment"] != ds["commitment"]
+    text = text.replace(ds["commitment"], fields["commitment"]).replace(
+        '"benign", "malignant"]', '"benign", "malignant", "sarcoma"]').replace(
+        "coordinators = []", f'coordinators = ["""{public_key_pem(load_public_key(coord_pub))}"""]')
+    kit.policy_draft.write_text(text, "utf-8")
+    out = CliRunner().invoke(cli, ["policy", "sign", str(kit.policy_draft), "--key",
+                                   str(tmp_path / "kit" / "keys" / "policy-admin.key"), "--out",
+                                   str(tmp_path / "kit" / "policy.signed.json")])
+    assert out.exit_code == 0, out.output
+    site = Site.open(NodeSettings(**read_node_toml(kit.node_toml)).node_config())
+    assert site.data.class_names == ("benign", "malignant", "sarcoma") and site.policy.declared.n_classes == 3

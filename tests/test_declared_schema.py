@@ -251,3 +251,20 @@ def test_site_init_drafts_the_declaration_and_the_signed_draft_opens_a_node(tmp_
     assert out.exit_code == 0, out.output
     site = Site.open(NodeSettings(**read_node_toml(kit.node_toml)).node_config())
     assert site.data.class_names == ("benign", "malignant", "sarcoma") and site.policy.declared.n_classes == 3
+
+
+def test_train_maps_its_data_onto_the_policy_declaration(tmp_path: Path) -> None:
+    """Single-site ``train --policy``: the data are mapped onto the policy's declaration as the node maps them, and
+    a declared class without images is not refused there either."""
+    from feta_release.cli.train_cmd import _training_data
+    from feta_release.config import load_preset
+    from feta_release.training.pipeline import check_data
+
+    cfg = load_preset("tiny")
+    grey = np.full((8, 8), 9, np.uint8)
+    data, _ = _training_data(cfg, str(_csv(tmp_path, [("benign", grey)] * 3 + [("malignant", grey)] * 3)), None,
+                             None, DECL)
+    assert data.class_names == DECL.class_names and data.image_shape == (1, 8, 8)
+    check_data(cfg, data, 100, declared=True)
+    with pytest.raises(DataError, match="'sarcoma' have no images"):
+        check_data(cfg, data, 100)

@@ -17,6 +17,7 @@ from flwr.cli.build import build_fab_from_disk
 from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED
 from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
 from feta_release.data.dataset import save_npz
+from feta_release.data.declared import DataDeclaration
 from feta_release.data.loading import cap_loaded, load_dataset
 from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.jobs import sign_job
@@ -65,7 +66,9 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
     app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant digits.
     ``pin_peers``: each policy pins the other sites' keys (``secure_aggregation.peers``), as their admins would.
     A ``datasets`` value may be a data path (a folder or a ``path,label,patient_id`` CSV) used as it is; a site whose
-    ``policy_overrides`` hold ``patient_level=(P, K)`` commits to its data with the patient cap K, as its node loads it."""
+    ``policy_overrides`` hold ``patient_level=(P, K)`` commits to its data with the patient cap K, as its node loads it.
+    A site's public data schema (``dataset.classes``/``image_shape``) is ``policy_overrides[site]["declared"]`` (a
+    ``DataDeclaration``) or, as ``site init`` drafts it for the admin, its data's own classes and shape."""
     root = Path(root)
     coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
     fed = Federation(root, coord_key, coord_pub)
@@ -76,7 +79,8 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
         d = root / "sites" / site_id
         data_path = Path(ds) if isinstance(ds, (str, Path)) else save_npz(ds, d / "data.npz")
         over = dict((policy_overrides or {}).get(site_id, {}))
-        loaded, report = load_dataset(data_path)
+        loaded, report = load_dataset(data_path, declared=over.get("declared"))  # as the node maps it
+        over.setdefault("declared", DataDeclaration.draft_from(loaded))
         if over.get("patient_level") and report.patients is not None:  # the images the node will use
             loaded = cap_loaded(loaded, report, int(over["patient_level"][1]))
         policy_key, policy_pub = generate_keypair(d / "keys", "policy")

@@ -42,9 +42,10 @@ def hello(msg: Message, context: Context) -> Message:
     reply = {
         "site_id": site.site_id,
         "dataset_size": site.n_public,  # the policy's public nominal size, never the exact count
-        "image_shape": list(site.data.image_shape),
-        "n_classes": int(site.data.n_classes),
-        "class_names": list(site.data.class_names),
+        # the policy's DECLARED schema (the data were mapped onto it at open), never values read off the images
+        "image_shape": list(site.policy.declared.image_shape),
+        "n_classes": int(site.policy.declared.n_classes),
+        "class_names": list(site.policy.declared.class_names),
         "policy": json.loads(Path(str(context.node_config[CFG_POLICY])).read_text("utf-8")),
         "site_public_key": public_key_pem(site.key),
         "lifetime_events": [e for r in site.ledger.requests() for e in r["events"]],

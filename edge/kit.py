@@ -4,7 +4,8 @@
   keys/policy-admin.key|.pub   Ed25519: signs the site policy (keep the private key offline)
   keys/site-signing.key|.pub   Ed25519: the node signs its spend attestations
   keys/node-auth|.pub          EC P-384 (OpenSSH): the node authenticates to the coordinator's SuperLink
-  policy.toml                  a policy DRAFT filled from the data (site id, data fingerprint, size)
+  policy.toml                  a policy DRAFT filled from the data (site id, data fingerprint, size, and the
+                               public class list and image shape: the admin's declaration, drafted to review)
   node.toml                    every ``node start`` setting (``feta-release node start --config node.toml``)
 Private keys are created here and never leave the site: the coordinator receives only the two
 ``.pub`` files it needs (``node-auth.pub`` to register the node, ``site-signing.pub`` to check
@@ -27,6 +28,7 @@ from typing import Any
 
 from coordinator.tls import make_node_auth_key
 from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
+from feta_release.data.declared import DataDeclaration
 from feta_release.data.loading import LoadOptions, load_dataset
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
@@ -137,8 +139,11 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     # Keyed commitment (never a plain hash) and a rounded PUBLIC size: the exact count stays here.
     commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")))
     site_pem = public_key_pem(load_public_key(site_pub))
+    # the data's own classes and shape, as a PROPOSAL the admin reviews and signs (the node then uses only the
+    # signed declaration); loading with it changes nothing, so the commitment above is the one the node recomputes
+    fields = _unit_fields(opts, report) + DataDeclaration.draft_from(ds).toml_lines()
     draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit,
-                                   tuple(h.lower() for h in app_bundles), _unit_fields(opts, report)), "utf-8")
+                                   tuple(h.lower() for h in app_bundles), fields), "utf-8")
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
     return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,

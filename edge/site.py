@@ -61,14 +61,27 @@ def load_options(node_config: dict[str, Any]) -> Any:
                        patient_cap=integer(CFG_PATIENT_CAP))
 
 
-def load_site_data(path: str | Path, options: Any = None) -> Any:
-    ds, _report = load_dataset(Path(path), **(options or LoadOptions()).kwargs())
+def load_site_data(path: str | Path, options: Any = None, declared: Any = None) -> Any:
+    ds, _report = load_dataset(Path(path), **(options or LoadOptions()).kwargs(), declared=declared)
     return ds
 
 
-def load_site_data_report(path: str | Path, options: Any = None) -> tuple[Any, Any]:
-    """(dataset, ``LoadReport``): the report carries the per-image patient index (private; stays in this process)."""
-    return load_dataset(Path(path), **(options or LoadOptions()).kwargs())
+def load_site_data_report(path: str | Path, options: Any = None, declared: Any = None) -> tuple[Any, Any]:
+    """(dataset, ``LoadReport``): the report carries the per-image patient index (private; stays in this process).
+    ``declared``: the policy's public class list and image shape, which the data are mapped onto."""
+    return load_dataset(Path(path), **(options or LoadOptions()).kwargs(), declared=declared)
+
+
+def declared_schema(policy: Any, policy_source: str) -> Any:
+    """The policy's ``DataDeclaration`` (public class list and image shape), or a ``PolicyError`` saying how to
+    re-sign. No fallback to the data: the classes present and the images' majority shape are private (review 58
+    M1), and ``hello`` and every release's shape would carry them un-noised."""
+    if policy.declared is None:
+        raise PolicyError(f"{policy_source}: the policy declares no public data schema (dataset.classes and "
+                          "dataset.image_shape), so the node would have to read them off the images; add both to its "
+                          "[dataset] (`feta-release policy data-commitment DATA --secret SECRET` drafts them with the "
+                          "matching commitment), raise version and re-sign with `feta-release policy sign`")
+    return policy.declared
 
 
 def owner_only_dir(path: Path) -> Path:
@@ -112,10 +125,13 @@ class Site:
         key = load_private_key(node_config[CFG_SITE_KEY])
         # Opening verifies the ledger's hash chain and its head's signature by this site key.
         ledger = Ledger(node_config[CFG_LEDGER], key=key)
-        data, report = load_site_data_report(node_config[CFG_DATA], load_options(node_config))
-        # the policy's unit decides which images are used (its patient cap) BEFORE the commitment is checked
-        data, patients = policy_data(verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED]), data, report,
-                                     data_source=str(node_config[CFG_DATA]), policy_source=str(node_config[CFG_POLICY]))
+        signed = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+        # the data are mapped onto the policy's PUBLIC schema (classes, image shape) and its unit decides which
+        # images are used (its patient cap), both BEFORE the commitment is checked
+        data, report = load_site_data_report(node_config[CFG_DATA], load_options(node_config),
+                                             declared_schema(signed, str(node_config[CFG_POLICY])))
+        data, patients = policy_data(signed, data, report, data_source=str(node_config[CFG_DATA]),
+                                     policy_source=str(node_config[CFG_POLICY]))
         policy = verify_policy_file(
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
             last_seen_version=ledger.highest_policy_version(),

@@ -119,13 +119,19 @@ def _csv_site(root, labels: list[str], colour: list[bool] | None = None):
 
 
 def _hello(tmp, labels: list[str], colour: list[bool] | None = None):
-    """What the site's node answers to ``hello`` about its data (no charge): classes and image shape."""
+    """What the site's node answers to ``hello`` about its data (no charge): classes and image shape.
+
+    The site's policy declares its public data schema (the fix of M1): the admin's declaration, the SAME in both
+    neighbouring worlds (a rare class is declared whether or not an image of it is held), as the public size is."""
     from coordinator.setup import prepare_federation
+    from feta_release.data.declared import DataDeclaration
 
     from .federation_fixtures import tiny_sites
 
+    declared = DataDeclaration(("benign", "malignant", "sarcoma"), (3, 28, 28))
     fed = prepare_federation(tmp / "fed", {"site-a": _csv_site(tmp / "data", labels, colour),
-                                           "site-b": tiny_sites()["site-b"]}, public_sizes={"site-a": 20})
+                                           "site-b": tiny_sites()["site-b"]}, public_sizes={"site-a": 20},
+                             policy_overrides={"site-a": {"declared": declared}})
     signed, _ = sign_job_file(fed, full_job(), "job-r58-hello")
     grid = harness(fed)
     (rep,) = grid.send_and_receive([grid.create_message(fm.make_payload({"job": signed}), fm.HELLO, 100, "t")])
@@ -138,7 +144,6 @@ def _hello(tmp, labels: list[str], colour: list[bool] | None = None):
 BASE_LABELS = ["benign"] * 10 + ["malignant"] * 10
 
 
-@pytest.mark.xfail(strict=True, reason="review58 M1: open")
 def test_m1_hello_class_list_is_the_same_on_neighbouring_datasets(tmp_path):
     """Finding M1 (medium; edge/clientapp.py:45-46 hello sends ``site.data.n_classes`` / ``class_names``;
     data/loading.py:342 ``names = sorted(set(labels present))`` for a CSV, :287-300 one folder per class that must
@@ -285,7 +290,6 @@ def test_l2_weights_that_are_finite_only_in_float64_are_refused_before_the_charg
     assert not bad, f"admitted weights load as non-finite parameters: {bad}"
 
 
-@pytest.mark.xfail(strict=True, reason="review58 M1: open")
 def test_m1_the_image_shape_does_not_follow_a_majority_vote_over_the_images(tmp_path):
     """Finding M1, second form (data/loading.py:544 ``_choose_channels``: majority colour mode, ties colour; :570
     ``_size_target``: the most common size when resize is allowed and no image_size is set). Every image is converted

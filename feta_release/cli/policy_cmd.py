@@ -144,25 +144,28 @@ def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file:
     click.echo(f"signed policy {doc['site_id']} v{doc['version']} by {signing.fingerprint(k)} -> {target}")
 
 
-def _data_commitment(path: Path, secret: Path, create: bool = False,
-                     patient_cap: int | None = None) -> tuple[str, int, bool, int | None]:
+def _data_commitment(path: Path, secret: Path, create: bool = False, patient_cap: int | None = None,
+                     declared: Any = None) -> tuple[str, int, bool, int | None]:
     """(keyed commitment, exact count, secret created, exact patient count). The exact counts are for the site's
-    own eyes only. ``patient_cap``: the images a patient-level policy's node uses (the first K of each patient)."""
+    own eyes only. ``patient_cap``: the images a patient-level policy's node uses (the first K of each patient).
+    ``declared``: the policy's public class list and image shape, which the node maps its data onto."""
     from ..data import load_dataset
     from ..data.commitment import dataset_commitment, ensure_secret, load_secret
 
-    ds, report = load_dataset(path, patient_cap=patient_cap)
+    ds, report = load_dataset(path, patient_cap=patient_cap, declared=declared)
     key, created = ensure_secret(secret) if create else (load_secret(secret), False)
     return dataset_commitment(ds, key), ds.n, created, report.n_patients
 
 
-def _signed_patient_cap(signed: Path) -> int | None:
-    """The patient cap of a patient-level signed policy (read before it is verified, only to load the data the
-    way its node does; the policy is verified right after)."""
+def _signed_dataset(signed: Path) -> tuple[int | None, Any]:
+    """(patient cap of a patient-level policy, declared data schema) of a signed policy, read before it is
+    verified, only to load the data the way its node does; the policy is verified right after."""
+    from ..data.declared import DataDeclaration
     from ..policy.envelope import read_json
 
     ds = ((read_json(signed, "signed policy").get("policy") or {}).get("dataset") or {})
-    return ds.get("patient_cap") if ds.get("privacy_unit") == "patient" else None
+    cap = ds.get("patient_cap") if ds.get("privacy_unit") == "patient" else None
+    return cap, DataDeclaration.from_dataset_table(ds)
 
 
 @policy.command("verify")
@@ -194,7 +197,8 @@ def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, se
     if data is not None:
         if secret is None:
             raise ConfigError("--data needs --secret: the policy holds a keyed commitment, not a plain hash")
-        fp, n, _, _ = _data_commitment(data, secret, patient_cap=_signed_patient_cap(signed))
+        cap, declared = _signed_dataset(signed)
+        fp, n, _, _ = _data_commitment(data, secret, patient_cap=cap, declared=declared)
     pol = load_site_policy(signed, list(trusted), now=now, dataset_commitment=fp, last_seen_version=min_version)
     click.echo(f"OK: policy {pol.site_id} v{pol.version} signed by {pol.signer}, valid "
                f"{format_time(pol.not_before)} .. {format_time(pol.expires)}")
@@ -235,6 +239,10 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
     console.print(f"signer: {pol.signer}  ({trust})")
     console.print(f"valid:  {format_time(pol.not_before)} .. {format_time(pol.expires)}  {state}")
     console.print(f"dataset: keyed commitment {pol.dataset_commitment}, public nominal size N={pol.dataset_size}")
+    d = pol.declared
+    console.print("declared data schema: " + (f"classes {list(d.class_names)}, image_shape {list(d.image_shape)}"
+                                              if d is not None else "none (a node refuses this policy: re-sign it "
+                                              "with dataset.classes and dataset.image_shape)"))
     console.print(f"budget: lifetime ε={pol.lifetime_epsilon:g} δ={pol.lifetime_delta:g}; per job "
                   f"ε={pol.job_epsilon:g} δ={pol.job_delta:g}; accountant {pol.accountant}")
     table = Table("mechanism", "allowed", "min σ", "caps")
@@ -256,17 +264,29 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
 @click.option("--patient-cap", type=click.IntRange(min=1), default=None, metavar="K",
               help="Patient-level privacy: commit to the first K images of each patient (the node's data under a "
                    "policy with privacy_unit = \"patient\", patient_cap = K) and print those fields too.")
-def policy_data_commitment(data: Path, secret: Path, patient_cap: int | None) -> None:
-    """Print the [dataset] table of a policy: the keyed commitment to DATA and a suggested public size.
+@click.option("--class", "classes", multiple=True, metavar="NAME",
+              help="Declare the public class list (repeat, in label order; classes without images are fine). "
+                   "Default: the classes present in DATA, sorted, as a draft to review.")
+@click.option("--image-shape", metavar="C,H,W", default=None,
+              help="Declare the public image shape, e.g. 1,64,64 (channels 1 or 3). Default: the data's majority "
+                   "shape, as a draft to review.")
+def policy_data_commitment(data: Path, secret: Path, patient_cap: int | None, classes: tuple[str, ...],
+                           image_shape: str | None) -> None:
+    """Print the [dataset] table of a policy: the keyed commitment to DATA as the node maps it onto the declared
+    classes and image shape, a suggested public size, and that declaration.
 
     \b
     Example:
       feta-release policy data-commitment /data/labels.csv --secret keys/data.secret
       feta-release policy data-commitment /data/labels.csv --secret keys/data.secret --patient-cap 5
+      feta-release policy data-commitment /data/labels.csv --secret keys/data.secret \\
+          --class benign --class malignant --class sarcoma --image-shape 1,64,64
     """
     from ..data.commitment import suggest_public_size
 
-    fp, n, created, n_patients = _data_commitment(data, secret, create=True, patient_cap=patient_cap)
+    declared = _declaration(data, classes, image_shape)
+    fp, n, created, n_patients = _data_commitment(data, secret, create=True, patient_cap=patient_cap,
+                                                  declared=declared)
     if created:
         click.echo(f"# created data secret {secret} (mode 0600); back it up on this site only", err=True)
     click.echo(f'commitment = "{fp}"\n# PUBLIC nominal size: every rate and denominator that leaves the site uses it.'
@@ -275,6 +295,25 @@ def policy_data_commitment(data: Path, secret: Path, patient_cap: int | None) ->
     if patient_cap is not None and n_patients:
         click.echo(f'privacy_unit = "patient"\n# PUBLIC nominal number of patients (the exact count stays here)\n'
                    f"patients = {suggest_public_size(n_patients)}\npatient_cap = {patient_cap}")
+    click.echo(declared.toml_lines().rstrip("\n"))
+
+
+def _declaration(data: Path, classes: tuple[str, ...], image_shape: str | None) -> Any:
+    """The admin's declaration: ``--class``/``--image-shape`` where given, else drafted from the data."""
+    from ..data import load_dataset
+    from ..data.declared import DataDeclaration
+    from ..errors import ConfigError
+
+    shape = None
+    if image_shape is not None:
+        try:
+            shape = tuple(int(v) for v in image_shape.split(","))
+        except ValueError:
+            raise ConfigError(f"--image-shape {image_shape!r}: give channels,height,width, e.g. 1,64,64") from None
+    if classes and shape is not None:
+        return DataDeclaration(classes, shape)
+    draft = DataDeclaration.draft_from(load_dataset(data)[0])
+    return DataDeclaration(classes or draft.class_names, shape or draft.image_shape)
 
 
 # -- job -------------------------------------------------------------------------------------------
@@ -425,7 +464,9 @@ def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...
 
     pol = load_site_policy(signed_policy, list(trusted))
     shape = None
-    if data_path is not None:
+    if data_path is not None and pol.declared is not None:  # the node's shape: the policy's public declaration
+        shape = (tuple(pol.declared.image_shape), int(pol.declared.n_classes))
+    elif data_path is not None:
         from ..data import load_dataset
 
         ds, _ = load_dataset(data_path)

@@ -89,12 +89,17 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     site_policy = _site_policy(policy_path, trusted)
     if threads:
         torch.set_num_threads(threads)
-    data, patients = _training_data(cfg, data_path, load, public_patients)
+    data, patients = _training_data(cfg, data_path, load, public_patients,
+                                    site_policy.declared if site_policy is not None else None)
     rep = Reporter(enabled=progress)
     skey = load_private_key(site_key) if site_key is not None else None
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
                        public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy,
                        patients=patients)
+    if data_path is not None and (site_policy is None or site_policy.declared is None):
+        click.echo(f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
+                   f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
+                   "give --policy with dataset.classes and dataset.image_shape", err=True)
     release = None
     if not no_release:
         from ..policy.envelope import read_json
@@ -109,9 +114,13 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
 
 
 def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
-                   public_patients: int | None) -> tuple[Any, Any]:
+                   public_patients: int | None, declared: Any = None) -> tuple[Any, Any]:
     """(the site's dataset, its patient index or None): --data loaded with the job's (or the options') resize, or the
-    embedded MNIST training split (its held-out 20 % is left for `evaluate`)."""
+    embedded MNIST training split (its held-out 20 % is left for `evaluate`).
+
+    ``declared``: the --policy's public class list and image shape, which the data are mapped onto as a node maps
+    them. Without one the classes present and the majority shape of --data are used, and the release (synthetic
+    labels, model, manifest) shows them as they are: ``train`` notes it after the run (review 58 M1)."""
     from ..data import load_dataset, load_embedded, train_heldout_split
 
     patients = None
@@ -119,7 +128,7 @@ def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
         data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
     else:
         opts = load or LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
-        data, report = load_dataset(data_path, **opts.kwargs())
+        data, report = load_dataset(data_path, **opts.kwargs(), declared=declared)
         if report.n_skipped:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
         patients = _patient_index(report, public_patients)

@@ -40,6 +40,7 @@ from ..errors import ConfigError, DataError
 from ..privacy_unit import cap_per_patient
 from . import dicom, embedded  # module references (embedded reads this module's _load_npz at call time)
 from .dataset import ImageDataset
+from .declared import DataDeclaration, conform_image, fit_image, unknown_label_message
 from .dicom import Window, parse_window
 
 PIL_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"})
@@ -49,7 +50,6 @@ IMAGE_EXTENSIONS = PIL_EXTENSIONS | dicom.DICOM_EXTENSIONS
 # applies on top; this one is lower because the method works on small images anyway.
 DEFAULT_MAX_PIXELS = 50_000_000
 MAX_LISTED = 20  # files named in one error message before "... and N more"
-_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R 601-2, as Pillow's convert("L")
 _GREY_MODES = {"1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"}
 _FLOAT_TOLERANCE = 1e-6  # float pixels this far outside [0, 1] are rounding noise and get clipped
 _KINDS = "PNG/JPEG/BMP/TIFF/DICOM"
@@ -108,6 +108,7 @@ class _Options:
     image_size: int | None
     max_pixels: int
     window: Window
+    declared: DataDeclaration | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ def load_dataset(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     window: str | Window | None = None,
     patient_cap: int | None = None,
+    declared: DataDeclaration | None = None,
 ) -> tuple[ImageDataset, LoadReport]:
     """Load an image folder, a labels ``.csv``, an ``.npz`` or ``"embedded"`` into canonical form.
 
@@ -156,8 +158,13 @@ def load_dataset(
         (see ``feta_release.data.dicom``).
     patient_cap: keep at most this many images per patient (the first in file order), making the
         patient the unit of privacy (``feta_release.privacy_unit``); needs patient ids.
+    declared: the site policy's PUBLIC class list and image shape (``feta_release.data.declared``): labels are
+        looked up by name in it (a label outside it is refused, a class without images is fine) and each image is
+        converted to its channels and size on its own. ``None`` (``data inspect``, drafts, ``train`` without a
+        declaring policy): both are read off the data (the classes present; the majority colour mode and size),
+        which is what a site's node never does.
     """
-    ds, report = _load_any(path, resize, image_size, max_pixels, window)
+    ds, report = _load_any(path, resize, image_size, max_pixels, window, declared)
     if patient_cap is not None:
         ds = _cap_patients(ds, report, patient_cap)
     return ds, report
@@ -185,16 +192,19 @@ def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
 
 
 def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | None, max_pixels: int,
-              window: str | Window | None) -> tuple[ImageDataset, LoadReport]:
+              window: str | Window | None, declared: DataDeclaration | None = None) -> tuple[ImageDataset, LoadReport]:
     if resize not in RESIZE_POLICIES:
         raise ConfigError(f"resize must be one of {', '.join(RESIZE_POLICIES)}, not {resize!r}")
     if image_size is not None and (not isinstance(image_size, int) or image_size < 1):
         raise ConfigError(f"image_size must be a positive integer or None, not {image_size!r}")
-    opts = _Options(resize, image_size, max_pixels, parse_window(window))
+    if declared is not None and image_size is not None and declared.size != (image_size, image_size):
+        raise ConfigError(f"image_size {image_size} (node.toml [data] / --image-size) differs from the policy's declared "
+                          f"image_shape {list(declared.image_shape)}; drop image_size (the declaration sets the size)")
+    opts = _Options(resize, image_size, max_pixels, parse_window(window), declared)
     p = Path(path)
     if not p.exists():
         if str(path) == "embedded":
-            ds, report = _load_npz(embedded.embedded_path(), resize, image_size)
+            ds, report = _load_npz(embedded.embedded_path(), resize, image_size, declared)
             ds.source = report.source = embedded.EMBEDDED_SOURCE
             report.kind = "embedded"
             return ds, report
@@ -202,7 +212,7 @@ def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | N
     if p.is_dir():
         return _load_folder(p, opts)
     if p.suffix.lower() == ".npz":
-        return _load_npz(p, resize, image_size)
+        return _load_npz(p, resize, image_size, declared)
     if p.suffix.lower() == ".csv":
         return _load_csv(p, opts)
     raise DataError(
@@ -217,7 +227,7 @@ def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | N
 @dataclass
 class _Header:
     path: Path
-    label: int
+    label: str  # the class NAME (a folder's name, a CSV's label): looked up in the class list when building
     size: tuple[int, int]  # (H, W)
     channels: int  # 1 or 3: what the file holds before any unification
     is_dicom: bool = False
@@ -227,7 +237,7 @@ class _Header:
 @dataclass
 class _Item:
     path: Path
-    label: int
+    label: str
     patient_key: str | None = None
 
 
@@ -282,20 +292,21 @@ def _load_folder(root: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     problems = _Problems()
     items: list[_Item] = []
     empty: list[str] = []
-    for label, cdir in enumerate(class_dirs):
+    for cdir in class_dirs:
         n_before = len(items)
         for f in sorted(cdir.rglob("*")):
             if not f.is_file():
                 continue
             if not _is_hidden(f, cdir) and _is_image(f):
-                items.append(_Item(f, label))
+                items.append(_Item(f, cdir.name))
             else:
                 report.skipped_files.append(str(f))
         if len(items) == n_before:
             empty.append(f"{cdir}/")
-    if empty:
+    # With declared classes an empty (or absent) class folder is fine: the class list is public, not read off here.
+    if empty and opts.declared is None:
         problems.add(f"class folders without any {_KINDS} image:", empty)
-    if len(class_dirs) < 2:
+    if len(class_dirs) < 2 and opts.declared is None:
         problems.add(f"only one class ({class_dirs[0].name!r}); class-conditional synthesis needs at least 2 "
                      "class sub-folders")
     if report.skipped_files:
@@ -343,10 +354,9 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     if not parsed:
         problems.add("no usable rows")
         problems.raise_if_any(path)
-    if len(names) < 2:
+    if len(names) < 2 and opts.declared is None:
         problems.add(f"only one class ({names[0]!r}); class-conditional synthesis needs at least 2")
-    index = {n: i for i, n in enumerate(names)}
-    items = [_Item(f, index[lab], _patient_key(pid)) for f, lab, pid in parsed]
+    items = [_Item(f, lab, _patient_key(pid)) for f, lab, pid in parsed]
     return _load_items(path, items, names, opts, report, problems)
 
 
@@ -358,7 +368,10 @@ def _load_items(
     where: Path, items: list[_Item], class_names: tuple[str, ...], opts: _Options, report: LoadReport,
     problems: _Problems,
 ) -> tuple[ImageDataset, LoadReport]:
-    """Decode every listed file; collect every problem; raise them together or build the dataset."""
+    """Decode every listed file; collect every problem; raise them together or build the dataset.
+
+    The class list and the target shape are the policy's declaration (``opts.declared``) when there is one, else
+    read off the data (a draft); either way each image is then conformed to the target on its own."""
     bad: list[str] = []
     decoded: list[tuple[_Header, np.ndarray]] = []
     for it in items:
@@ -369,29 +382,71 @@ def _load_items(
             bad.append(str(exc))
     if bad:
         problems.add(f"{len(bad)} unreadable, corrupt or truncated image file(s):", bad)
+    names = opts.declared.class_names if opts.declared is not None else class_names
+    _check_labels(items, names, opts.declared, problems)
+    target: tuple[int, int] = (0, 0)
     if decoded:
-        target, off = _size_target([h.size for h, _ in decoded], opts.image_size)
+        target, off = _target_size([h.size for h, _ in decoded], opts)
         if off and opts.resize == "refuse":
-            problems.add(_size_message(target, off, [(str(h.path), h.size) for h, _ in decoded], opts.image_size))
+            problems.add(_size_message(target, off, [(str(h.path), h.size) for h, _ in decoded], opts.image_size,
+                                       opts.declared is not None))
     problems.raise_if_any(where)
-    channels = _choose_channels([h for h, _ in decoded], report)
-    images = np.empty((len(decoded), channels, target[0], target[1]), dtype=np.float32)
-    for i, (_h, arr) in enumerate(decoded):
-        arr = _convert_channels(arr, channels)
-        if arr.shape[:2] != target:
-            arr = _fit(arr, target, opts.resize)
-            report.n_resized += 1
-        images[i] = arr.transpose(2, 0, 1)
-    if report.n_resized:
-        how = "centre-cropped and resized" if opts.resize == "crop" else "resized"
-        report.warnings.append(f"{how} {report.n_resized} image(s) to {target[0]}x{target[1]} (bilinear)")
+    channels = (opts.declared.image_shape[0] if opts.declared is not None
+                else _choose_channels([h for h, _ in decoded], report))
+    images = _conform_all(decoded, (channels, *target), opts, report)
     _note_sixteen_bit(report)
     _note_patients(report, [h.patient_key for h, _ in decoded])
-    labels = np.array([h.label for h, _ in decoded], dtype=np.int64)
+    index = {n: i for i, n in enumerate(names)}
+    labels = np.array([index[h.label] for h, _ in decoded], dtype=np.int64)
     report.files = [str(h.path) for h, _ in decoded]
-    ds = ImageDataset(images, labels, class_names, source=str(where))
+    ds = ImageDataset(images, labels, names, source=str(where))
     report.n_images = ds.n
     return ds, report
+
+
+def _check_labels(items: list[_Item], names: tuple[str, ...], declared: DataDeclaration | None,
+                  problems: _Problems) -> None:
+    """A label outside the declared classes is a problem naming its file(s) and the fix (never mapped elsewhere)."""
+    if declared is None:
+        return
+    known = set(names)
+    outside: dict[str, list[str]] = {}
+    for it in items:
+        if it.label not in known:
+            outside.setdefault(it.label, []).append(str(it.path))
+    if outside:
+        problems.add(unknown_label_message(declared, outside))
+
+
+def _target_size(sizes: list[tuple[int, int]], opts: _Options) -> tuple[tuple[int, int], list[int]]:
+    """(H, W) every image is brought to (the declared size, else ``_size_target``) and the images that differ."""
+    if opts.declared is None:
+        return _size_target(sizes, opts.image_size)
+    target = opts.declared.size
+    return target, [i for i, s in enumerate(sizes) if s != target]
+
+
+def _conform_all(decoded: list[tuple[_Header, np.ndarray]], shape: tuple[int, int, int], opts: _Options,
+                 report: LoadReport) -> np.ndarray:
+    """Each image conformed to ``shape`` by ``conform_image`` (a function of that image alone); counted."""
+    c, h, w = shape
+    images = np.empty((len(decoded), c, h, w), dtype=np.float32)
+    converted: list[str] = []
+    for i, (hd, arr) in enumerate(decoded):
+        if arr.shape[:2] != (h, w):
+            report.n_resized += 1
+        if arr.shape[2] != c:
+            converted.append(str(hd.path))
+        images[i] = conform_image(arr, shape, opts.resize)
+    if converted and opts.declared is not None:
+        what = "greyscale to RGB (channel copied)" if c == 3 else "RGB to greyscale (ITU-R 601 luma)"
+        report.count(f"converted to the declared {c} channel(s): {what}", len(converted))
+        report.warnings.append(f"converted {len(converted)} image(s) {what} to the declared image_shape "
+                               f"{list(shape)}:{_listing(converted)}")
+    if report.n_resized:
+        how = "centre-cropped and resized" if opts.resize == "crop" else "resized"
+        report.warnings.append(f"{how} {report.n_resized} image(s) to {h}x{w} (bilinear)")
+    return images
 
 
 def _note_sixteen_bit(report: LoadReport) -> None:
@@ -559,14 +614,6 @@ def _choose_channels(headers: list[_Header], report: LoadReport) -> int:
     return 3 if n_colour else 1
 
 
-def _convert_channels(arr: np.ndarray, channels: int) -> np.ndarray:
-    if arr.shape[2] == channels:
-        return arr
-    if channels == 3:
-        return np.repeat(arr, 3, axis=2)
-    return np.clip(arr @ _LUMA, 0.0, 1.0)[:, :, None].astype(np.float32)
-
-
 def _size_target(sizes: list[tuple[int, int]], image_size: int | None) -> tuple[tuple[int, int], list[int]]:
     """Target (H, W) (``image_size`` or the most common size) and the indices of images that differ."""
     counts = Counter(sizes)
@@ -576,9 +623,15 @@ def _size_target(sizes: list[tuple[int, int]], image_size: int | None) -> tuple[
 
 
 def _size_message(
-    target: tuple[int, int], off: list[int], named: list[tuple[str, tuple[int, int]]], image_size: int | None
+    target: tuple[int, int], off: list[int], named: list[tuple[str, tuple[int, int]]], image_size: int | None,
+    declared: bool = False,
 ) -> str:
     sizes = Counter(s for _, s in named)
+    if declared:
+        listed = [f"{named[i][0]} ({named[i][1][0]}x{named[i][1][1]})" for i in off]
+        return (f"{len(off)} image(s) differ from the policy's declared image_shape size {target[0]}x{target[1]} "
+                f"(height x width):{_listing(listed)}\nFix the files, or set resize = \"resize\" or \"crop\" "
+                "(node.toml [data], --resize) to resize each of them to it.")
     if image_size is not None and len(sizes) == 1:
         (h, w), = sizes
         return (f"all images are {h}x{w} but image_size = {image_size}; set resize = \"resize\" (or \"crop\", "
@@ -607,38 +660,11 @@ def _choose_size(
     return target
 
 
-def _fit(arr: np.ndarray, size: tuple[int, int], resize: ResizePolicy) -> np.ndarray:
-    """``crop``: centre-crop float (H, W, C) to the aspect ratio of ``size`` first; then resize."""
-    if resize == "crop":
-        h, w = arr.shape[:2]
-        th, tw = size
-        if h * tw > w * th:  # too tall
-            nh = max(1, round(w * th / tw))
-            top = (h - nh) // 2
-            arr = arr[top:top + nh]
-        elif h * tw < w * th:  # too wide
-            nw = max(1, round(h * tw / th))
-            left = (w - nw) // 2
-            arr = arr[:, left:left + nw]
-    if arr.shape[:2] == size:
-        return np.ascontiguousarray(arr)
-    return _resize(np.ascontiguousarray(arr), size)
-
-
-def _resize(arr: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """Bilinear (antialiased when shrinking) resize of float (H, W, C) to (h, w, C), per channel."""
-    h, w = size
-    out = np.empty((h, w, arr.shape[2]), dtype=np.float32)
-    for c in range(arr.shape[2]):
-        ch = Image.fromarray(np.ascontiguousarray(arr[:, :, c]), mode="F")
-        out[:, :, c] = np.asarray(ch.resize((w, h), Image.Resampling.BILINEAR), dtype=np.float32)
-    return np.clip(out, 0.0, 1.0)
-
-
 # ------------------------------------------------------------------------------------------------
 # .npz
 # ------------------------------------------------------------------------------------------------
-def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None) -> tuple[ImageDataset, LoadReport]:
+def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
+              declared: DataDeclaration | None = None) -> tuple[ImageDataset, LoadReport]:
     report = LoadReport(source=str(path), kind="npz")
     if not zipfile.is_zipfile(path):  # np.load would otherwise try it as a pickle
         raise DataError(f"{path}: not a readable .npz file (not a zip archive; corrupt or truncated?)")
@@ -660,8 +686,10 @@ def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None) -> tuple
         raise DataError(f"{path}: unsupported array contents ({exc}); store plain numeric/string arrays") from exc
     except (OSError, zipfile.BadZipFile, EOFError, zlib.error, KeyError) as exc:
         raise DataError(f"{path}: not a readable .npz file (corrupt or truncated: {exc})") from exc
-    ds = parse_arrays(raw_images, raw_labels, raw_names, source=str(path), report=report)
-    ds = _fit_size(ds, resize, image_size, report, path)
+    ds = parse_arrays(raw_images, raw_labels, raw_names, source=str(path), report=report, declared=declared,
+                      resize=resize)
+    if declared is None:
+        ds = _fit_size(ds, resize, image_size, report, path)
     report.n_images = ds.n
     return ds, report
 
@@ -675,7 +703,7 @@ def _fit_size(
     if (h, w) == (image_size, image_size):
         return ds
     _choose_size([(h, w)], [str(where)], resize, image_size, where)  # raises under "refuse"
-    imgs = np.stack([_fit(im.transpose(1, 2, 0), (image_size, image_size), resize).transpose(2, 0, 1)
+    imgs = np.stack([fit_image(im.transpose(1, 2, 0), (image_size, image_size), resize).transpose(2, 0, 1)
                      for im in ds.images])
     report.n_resized = ds.n
     report.warnings.append(f"resized all {ds.n} image(s) from {h}x{w} to {image_size}x{image_size} (bilinear)")
@@ -689,8 +717,13 @@ def parse_arrays(
     *,
     source: str = "<arrays>",
     report: LoadReport | None = None,
+    declared: DataDeclaration | None = None,
+    resize: ResizePolicy = "refuse",
 ) -> ImageDataset:
-    """Validate and canonicalise raw arrays (the ``.npz`` parser); raises ``DataError`` on bad input."""
+    """Validate and canonicalise raw arrays (the ``.npz`` parser); raises ``DataError`` on bad input.
+
+    ``declared``: map the labels by name onto the declared classes (integer labels without ``class_names`` are
+    indices into it) and conform each image to the declared shape on its own (``resize`` as ``load_dataset``)."""
     report = report if report is not None else LoadReport(source=source, kind="npz")
     images = np.asarray(images)
     labels = np.asarray(labels)
@@ -710,6 +743,10 @@ def parse_arrays(
         )
     nchw = _to_nchw(images, source, report)
     pixels = _pixels_to_unit(nchw, source, report)
+    if declared is not None:
+        lab = _declared_labels(labels, class_names, declared, source)
+        return ImageDataset(_conform_arrays(pixels, declared, resize, source, report), lab, declared.class_names,
+                            source=source)
     lab, names = _labels(labels, class_names, source)
     counts = np.bincount(lab, minlength=len(names))
     if len(names) < 2:
@@ -718,6 +755,41 @@ def parse_arrays(
     if empty:
         raise DataError(f"{source}: class(es) without any image: {empty}")
     return ImageDataset(pixels, lab, tuple(names), source=source)
+
+
+def _declared_labels(labels: np.ndarray, class_names: np.ndarray | None, declared: DataDeclaration,
+                     source: str) -> np.ndarray:
+    """The labels as indices into the declared classes: by name when the file names its classes (or the labels are
+    names), else integer labels are indices into the declared list. A label outside it is refused."""
+    lab, names = _labels(labels, class_names, source)
+    if class_names is None and labels.dtype.kind not in "US":
+        if int(lab.max(initial=0)) >= declared.n_classes:
+            raise DataError(f"{source}: integer label {int(lab.max())} but the policy declares "
+                            f"{declared.n_classes} classes {list(declared.class_names)}; store 'class_names' in the "
+                            "file, or add the missing classes to dataset.classes of the policy and re-sign")
+        return lab
+    index = {n: i for i, n in enumerate(declared.class_names)}
+    outside = sorted({names[i] for i in np.unique(lab)} - set(index))
+    if outside:
+        raise DataError(f"{source}: " + unknown_label_message(declared, {n: [source] for n in outside}))
+    return np.array([index[names[i]] for i in lab], dtype=np.int64)
+
+
+def _conform_arrays(pixels: np.ndarray, declared: DataDeclaration, resize: ResizePolicy, source: str,
+                    report: LoadReport) -> np.ndarray:
+    """Each (C, H, W) image conformed to the declared shape on its own (``conform_image``)."""
+    c, h, w = declared.image_shape
+    if pixels.shape[2:] != (h, w) and resize == "refuse":
+        raise DataError(f"{source}: images are {pixels.shape[2]}x{pixels.shape[3]} but the policy declares "
+                        f"image_shape {list(declared.image_shape)}; set resize = \"resize\" or \"crop\" (node.toml "
+                        "[data], --resize) to resize each image, or fix dataset.image_shape and re-sign")
+    if pixels.shape[1:] == (c, h, w):
+        return pixels
+    if pixels.shape[1] != c:
+        report.count(f"converted to the declared {c} channel(s)", pixels.shape[0])
+    if pixels.shape[2:] != (h, w):
+        report.n_resized = pixels.shape[0]
+    return np.stack([conform_image(im.transpose(1, 2, 0), declared.image_shape, resize) for im in pixels])
 
 
 def _to_nchw(images: np.ndarray, source: str, report: LoadReport) -> np.ndarray:

@@ -216,8 +216,13 @@ class JobDriver:
         if pol.site_id != sid:
             raise PolicyError(f"node {node} says it is site {sid} but its policy is for {pol.site_id}")
         size = plan.public_size(pol)
-        self.sites[sid] = SiteInfo(sid, node, size, pol, signed, tuple(doc["image_shape"]), int(doc["n_classes"]),
-                                   list(doc["class_names"]), list(doc.get("lifetime_events", [])))
+        # the data schema from the SIGNED policy (dataset.classes/image_shape, the site's public declaration), as
+        # the size is; the reply's copy only for a policy signed before the declaration existed
+        d = pol.declared
+        shape, names = ((tuple(d.image_shape), list(d.class_names)) if d is not None
+                        else (tuple(doc["image_shape"]), list(doc["class_names"])))
+        self.sites[sid] = SiteInfo(sid, node, size, pol, signed, shape, len(names), names,
+                                   list(doc.get("lifetime_events", [])))
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from .. import signing
 from ..accounting import DEFAULT_WORST_CASE_FACTOR
+from ..data.declared import DataDeclaration
 from ..errors import PolicyError
 from . import schema
 from .envelope import KeyLike, as_public_keys, open_envelope, read_json, seal, write_json
@@ -97,6 +98,9 @@ class SitePolicy:
     privacy_unit: str = "image"
     patients: int | None = None
     patient_cap: int | None = None
+    # the PUBLIC schema of the data (dataset.classes, dataset.image_shape): a DataDeclaration, None for a policy
+    # signed before both fields existed (a node refuses it: edge/site.py)
+    declared: Any = None
 
     @property
     def dpsgd_population(self) -> int:
@@ -150,6 +154,7 @@ class SitePolicy:
             privacy_unit=str(doc["dataset"].get("privacy_unit", "image")),
             patients=doc["dataset"].get("patients"),
             patient_cap=doc["dataset"].get("patient_cap"),
+            declared=DataDeclaration.from_dataset_table(doc["dataset"]),
         )
 
     def coordinator_fingerprints(self) -> set[str]:
@@ -201,6 +206,10 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
         if b["per_job"][k] > b["lifetime"][k]:
             problems.append((f"budget.per_job.{k}", f"{b['per_job'][k]} exceeds budget.lifetime.{k} {b['lifetime'][k]}"))
     problems += _unit_problems(doc["dataset"])
+    try:
+        DataDeclaration.from_dataset_table(doc["dataset"])
+    except PolicyError as exc:
+        problems.append(("dataset.classes", str(exc)))
     if "site_key" in doc:
         try:
             signing.load_public_key(doc["site_key"].encode())
@@ -364,10 +373,12 @@ def make_policy(
     site_key: str | Ed25519PublicKey | None = None,
     secure_aggregation: Mapping[str, Any] | None = None,
     patient_level: tuple[int, int] | None = None,
+    declared: DataDeclaration | None = None,
 ) -> dict[str, Any]:
     """A validated policy document with the research defaults of ``policies/research.toml`` (for demos
     and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text.
-    ``patient_level``: (public patients, patient cap) for a policy whose unit of privacy is the patient."""
+    ``patient_level``: (public patients, patient cap) for a policy whose unit of privacy is the patient.
+    ``declared``: the public class list and image shape (``DataDeclaration``); a node refuses a policy without."""
     start = utc_now().replace(microsecond=0) - dt.timedelta(minutes=5) if not_before is None else parse_time(not_before)
     default_mechs: dict[str, dict[str, Any]] = {
         "central": {"allowed": True, "min_sigma": 1.0, "max_rounds": 50, "max_batch": 60000},
@@ -381,7 +392,8 @@ def make_policy(
         "site_id": site_id,
         "dataset": {"commitment": dataset_commitment, "size": int(dataset_size),
                     **({} if patient_level is None else {"privacy_unit": "patient", "patients": int(patient_level[0]),
-                                                         "patient_cap": int(patient_level[1])})},
+                                                         "patient_cap": int(patient_level[1])}),
+                    **({} if declared is None else declared.policy_fields())},
         "budget": {"lifetime": {"epsilon": lifetime[0], "delta": lifetime[1]},
                    "per_job": {"epsilon": per_job[0], "delta": per_job[1]}},
         "accountant": accountant,

@@ -74,16 +74,17 @@ __all__ = ["FORMAT", "RunResult", "SimulatedKill", "check_data", "run_pipeline",
 # -- configuration ---------------------------------------------------------------------------------
 
 
-def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None) -> None:
+def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None, declared: bool = False) -> None:
     """Refuse data the job cannot be run on, with what to change.
 
     Sampling rates are batch / ``n_public`` (the PUBLIC nominal size, which may round the count up), so a batch
-    is too large only when it exceeds the public size (q > 1), not the exact count."""
+    is too large only when it exceeds the public size (q > 1), not the exact count. ``declared``: the classes are
+    a site policy's public declaration, where a class without images is allowed (review 58 M1)."""
     if data.n == 0:
         raise DataError(f"{data.source}: no images")
     counts = data.class_counts()
     empty = [data.class_names[c] for c in np.flatnonzero(counts == 0)]
-    if empty:
+    if empty and not declared:
         raise DataError(
             f"{data.source}: class(es) {', '.join(map(repr, empty))} have no images; every class needs training "
             "images (remove the empty class folders or add images)"
@@ -194,7 +195,7 @@ def run_pipeline(
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     n_pub = int(public_size) if public_size is not None else suggest_public_size(data.n)
     cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
-    check_data(cfg, data, n_pub)
+    check_data(cfg, data, n_pub, declared=getattr(site_policy, "declared", None) is not None)
     # Plan before touching the directory: an infeasible plan leaves nothing behind.
     plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
                         dpsgd_unit="image" if patients is None else "patient")

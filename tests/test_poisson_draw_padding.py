@@ -77,7 +77,9 @@ def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public:
     rand, from_numpy, clip_and_sum = torch.rand, torch.from_numpy, dp.clip_and_sum
 
     def counted_rand(*a: Any, **k: Any) -> torch.Tensor:
-        if a and isinstance(a[0], int):  # the Poisson draw (the loss draws pass a shape tuple)
+        # the Poisson draw: one int size (the loss draws pass a shape tuple; the engine's build-time cross-check
+        # draws its 2 public dummy images as rand(2, C, H, W))
+        if len(a) == 1 and isinstance(a[0], int):
             work["draws"].append(a[0])
         return rand(*a, **k)
 

@@ -217,7 +217,6 @@ def test_m2_a_dpsgd_round_depends_only_on_the_data_and_its_private_generator():
 # -- Finding L1: a patient-level step's number of per-example-gradient calls counts the private patient layout ------
 
 
-@pytest.mark.xfail(strict=True, reason="review58 L1: open")
 def test_l1_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeypatch):
     """Finding L1 (low; training/dpsgd.py:472 ``_noisy_patient_gradient``, :337 ``_patient_chunks`` + training/padding.py:60
     ``padding_chunks``). The step is padded to a public number of ROWS, but the padding assumes the real rows took

@@ -50,7 +50,8 @@ def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> 
 def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
     """The public row count of one step of a site's DP-SGD round: images (``public_batch_bound``) or, for a
     patient-level site (``patients``: its ``PatientIndex``), images of sampled patients (``patient_rows_bound``
-    over the nominal image count ``n_public``, in the trainer's whole-patient chunks)."""
+    over the nominal image count ``n_public``, rounded to whole ``max(chunk, cap)``; the trainer runs it in calls of
+    ``chunk`` rows, a patient's partial sum carried across a call boundary)."""
     if patients is None:
         return public_batch_bound(n_public, q, chunk)
     cap = int(getattr(patients, "cap", None) or chunk)

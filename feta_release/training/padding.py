@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..data.commitment import public_rows  # torch-free (the node's site cache uses it); re-exported here
+
 PAD_SIGMAS = 5.0  # as edge.fedsgd: P(Binomial(n_public, q) > bound) < 3e-7
 PAD_SEED = 0  # the padding rows' loss randomness: public, and never the private stream
 
@@ -103,15 +105,6 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
                 int((norms > clip).sum())
             done += m
     return done
-
-
-def public_rows(n: int, n_public: int) -> int:
-    """Rows a pass over the whole dataset processes for ``n`` real ones: ``n_public``, doubled until it covers
-    ``n`` (a site holding more than its public size reveals only that bucket)."""
-    rows = max(1, int(n_public))
-    while rows < n:
-        rows *= 2
-    return rows
 
 
 def model_range(images: np.ndarray, n_public: int) -> Tensor:

@@ -355,18 +355,20 @@ def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor
     return out
 
 
-def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, continued: bool,
+def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, last: int, continued: bool,
                     continues: bool) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
-    """Complete per-patient sums of one chunk: the previous chunk's partial sum of its last patient added to
-    owner 0 (``continued``), and owner k-1's partial sum held back as the new carry when that patient goes on
-    in the next chunk (``continues``; its row becomes zero, which the clip passes as zero and never counts as
-    clipped). Returns (the sums to clip now, the carry)."""
+    """Complete per-patient sums of one chunk (rows 0..``last`` hold its patients): the previous chunk's partial
+    sum of its last patient added to row 0 (``continued``), and row ``last`` held back as the new carry when that
+    patient goes on in the next chunk (``continues``; its row becomes zero, which the clip passes as zero and
+    never counts as clipped). Returns (the sums to clip now, the carry)."""
     if continued and carry is not None:
         sums = {name: torch.cat([g[:1] + carry[name][None], g[1:]]) for name, g in sums.items()}
     if not continues:
         return sums, None
-    held = {name: g[-1].clone() for name, g in sums.items()}
-    return {name: torch.cat([g[:-1], torch.zeros_like(g[-1:])]) for name, g in sums.items()}, held
+    held = {name: g[last].clone() for name, g in sums.items()}
+    for g in sums.values():
+        g[last] = 0
+    return sums, held
 
 
 @dataclass
@@ -507,7 +509,9 @@ class DPSGDTrainer:
             rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
             grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine)
-            sums, carry = _carry_patients(group_sum(grads, own, k), carry, continued, continues)
+            # one group row per image of the call (the unused ones zero): the clip's rows, like the image-level
+            # step's, total the public bound whatever the number of sampled patients
+            sums, carry = _carry_patients(group_sum(grads, own, int(part.numel())), carry, k - 1, continued, continues)
             summed, norms = clip_and_sum(sums, self.clip)  # clip each COMPLETE patient's sum to C
             for name in total:
                 total[name] += summed[name]

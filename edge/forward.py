@@ -7,7 +7,8 @@ as Flower delivered them, over the authenticated local channel and returns the w
 the same ``edge.clientapp.app``, so every check of the release protocol runs there, unchanged.
 
 When no worker answers (not running, or it died: ``WorkerUnavailable``) the message is handled here, in this
-process, by the same ``edge.clientapp.app`` (slower: torch and the site are loaded for this one message). That
+process, by the same ``edge.clientapp.app`` (slower: torch and the site are loaded for this one message; the site
+from the private cache ``node start`` wrote, with work padded to the public size: ``edge.site_cache``). That
 is safe even after a worker died mid-request: the ledger refuses to re-run a request that was charged but not
 recorded, and answers a recorded one from its record. A channel that answers wrongly (wrong key, malformed
 reply) is NOT bypassed: the message fails with that one line.

@@ -13,14 +13,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from feta_release.data.commitment import dataset_commitment, load_secret
 from feta_release.data.loading import LoadOptions, load_dataset
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import load_site_policy
-from feta_release.privacy_unit import policy_data
+from feta_release.privacy_unit import PatientIndex, policy_data
 from feta_release.signing import load_private_key, public_key_pem
 
 from feta_release.ledger import Ledger
+
+from . import site_cache
 
 log = logging.getLogger("feta.node")
 
@@ -125,15 +129,10 @@ class Site:
         key = load_private_key(node_config[CFG_SITE_KEY])
         # Opening verifies the ledger's hash chain and its head's signature by this site key.
         ledger = Ledger(node_config[CFG_LEDGER], key=key)
-        signed = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
-        # the data are mapped onto the policy's PUBLIC schema (classes, image shape) and its unit decides which
-        # images are used (its patient cap), both BEFORE the commitment is checked
-        data, report = load_site_data_report(node_config[CFG_DATA], load_options(node_config),
-                                             declared_schema(signed, str(node_config[CFG_POLICY])))
-        data, patients = policy_data(signed, data, report, data_source=str(node_config[CFG_DATA]),
-                                     policy_source=str(node_config[CFG_POLICY]))
+        work = owner_only_dir(Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work")))
+        data, patients, commitment = _opened_data(node_config, secret, work)
         policy = verify_policy_file(
-            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=dataset_commitment(data, secret),
+            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=commitment,
             last_seen_version=ledger.highest_policy_version(),
         )
         if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
@@ -145,10 +144,40 @@ class Site:
         if policy.site_key is not None and policy.site_key != public_key_pem(key):
             raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
                               "names (site_key); a verifier would refuse every attestation it signs")
-        work = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
-        owner_only_dir(work)
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work,
                    patients=patients)
+
+
+def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tuple[Any, Any, str]:
+    """(data as the policy's unit of privacy needs them, their patient index, their keyed commitment), checked
+    against the policy by the caller. From the private cache when the site's files are the ones it was written
+    for (every step padded to the public size: ``edge.site_cache``, review58 L3), else decoded and hashed
+    (O(N), once: at node start, or after the site's files changed) and cached for the next open."""
+    unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])  # its commitment: below
+    # the PUBLIC schema (classes, image shape) the data are mapped onto; a policy without one is refused here,
+    # cache or not (review58 M1). The cache key stamps the policy file's content, so a cached open used this one.
+    schema = declared_schema(unverified, str(node_config[CFG_POLICY]))
+    n_public, patient_level = int(unverified.dataset_size), getattr(unverified, "privacy_unit", "image") == "patient"
+    key = site_cache.cache_key(node_config, n_public)
+    cached = site_cache.load(work, key, secret)
+    if cached is not None and ("patients" in cached) == patient_level:
+        data, ids, commitment = site_cache.cached_site(cached)
+        patients = None
+        if ids is not None:
+            patients = PatientIndex(np.asarray(ids), int(unverified.patients), int(unverified.patient_cap))
+            site_cache.padded_grouping(patients.n_patients, int(cached["labels"].shape[0]))
+        return data, patients, commitment
+    data, report = load_site_data_report(node_config[CFG_DATA], load_options(node_config), schema)
+    # the policy's unit decides which images are used (its patient cap) BEFORE the commitment is checked
+    data, patients = policy_data(unverified, data, report, data_source=str(node_config[CFG_DATA]),
+                                 policy_source=str(node_config[CFG_POLICY]))
+    commitment = dataset_commitment(data, secret)
+    if site_cache.cache_key(node_config, n_public) == key:  # kept only if no file changed while it was decoded
+        try:
+            site_cache.save(work, key, secret, data, None if patients is None else patients.ids, commitment, n_public)
+        except OSError as exc:  # every later open decodes again (slower, as before the cache): said, not fatal
+            log.warning("%s: cannot write the site cache (%s); each per-message open decodes the data", work, exc)
+    return data, patients, commitment
 
 
 _cached_sites: list[Site] = []

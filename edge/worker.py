@@ -21,7 +21,6 @@ Why it stays as safe as a fresh process per message:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -42,56 +41,13 @@ from google.protobuf.message import DecodeError
 
 from feta_release.federation import messages as fm
 from feta_release.policy.document import check_validity
-from feta_release.training.padding import public_rows
 
 from . import channel, clientapp
 from .public_errors import public_error
-from .site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED, forget_sites, site_for
+from .site import CFG_POLICY, forget_sites, site_for
+from .site_cache import site_stamp  # the per-request check of the site's files (moved there: the cache keys on it)
 
 log = logging.getLogger("feta.worker")
-
-_FILES_BY_HASH = (CFG_POLICY, CFG_TRUSTED, CFG_SITE_KEY, CFG_SECRET)
-
-
-def _file_id(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _stamp_entry(h: Any, f: Path) -> None:
-    try:
-        h.update(str(f).encode() + json.dumps(_file_id(f)).encode())
-    except OSError:
-        h.update(str(f).encode() + b"-")
-
-
-def site_stamp(node_config: dict[str, Any], n_public: int | None = None) -> str:
-    """A digest that changes when anything the site was opened from changes.
-
-    Small files (policy, keys, secret) by content; the data (a file or a folder of files) and the ledger by
-    identity, size and times: a file replaced or rewritten gets a new inode or mtime/ctime.
-
-    This runs before every request, and for a folder it costs about 0.1 ms per file: the reply's latency would
-    time the site's exact file count. With ``n_public`` (the signed policy's nominal size, known once the site
-    was opened) the per-file work is padded to ``public_rows`` entries: the same path, sort, stat and hashing
-    work on the real entries again, into a digest that is dropped."""
-    h = hashlib.sha256()
-    for key in _FILES_BY_HASH:
-        p = Path(str(node_config.get(key, "")))
-        h.update(key.encode() + b"\0" + (hashlib.sha256(p.read_bytes()).digest() if p.is_file() else b"-"))
-    data = Path(str(node_config.get(CFG_DATA, "")))
-    files = sorted(data.rglob("*")) if data.is_dir() else [data]
-    for f in [data, *files]:
-        _stamp_entry(h, f)
-    if n_public is not None and data.is_dir() and files:
-        pad, extra = hashlib.sha256(), public_rows(len(files), n_public) - len(files)
-        # the real entries again, as fresh paths, sorted and stat-ed: about the cost of as many more files
-        for f in sorted(Path(str(files[i % len(files)])) for i in range(extra)):
-            _stamp_entry(pad, f)
-    ledger = Path(str(node_config.get(CFG_LEDGER, "")))
-    h.update(json.dumps(_file_id(ledger)[:2] if ledger.exists() else None).encode())
-    return h.hexdigest()
-
 
 class Worker:
     """The site's ClientApp, kept warm; ``handle`` answers one channel request."""

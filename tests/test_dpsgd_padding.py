@@ -204,3 +204,32 @@ def test_a_patient_level_step_is_padded_to_a_public_image_count_and_releases_the
         for (name, a), (_, b) in zip(plain.state_dict().items(), padded.state_dict().items()):
             assert torch.equal(a, b), name
     assert rows == {2 * bound}
+
+
+def test_a_patient_level_steps_clip_work_is_the_public_bound_whatever_the_patients(monkeypatch):
+    """Review58 L1, the clip: each real call clips one group row per image (its patients' sums, the rest zero), the
+    padding calls one per dummy row, so the rows clipped per step total the public bound, not a count of the
+    sampled patients (whose number is an un-noised function of the data), for any layout of the same images."""
+    from feta_release.training.padding import step_bound
+
+    clipped: list[int] = []
+    real = dp.clip_and_sum
+
+    def counted(grads: dict[str, torch.Tensor], clip: float) -> Any:
+        clipped.append(int(next(iter(grads.values())).shape[0]))
+        return real(grads, clip)
+
+    monkeypatch.setattr(dp, "clip_and_sum", counted)
+    bound = step_bound(12, 2 / 6, 3, SimpleNamespace(cap=3))
+    seen = set()
+    for sizes in ([1] * 6, [2] * 6, [3, 1] * 3):
+        for seed in range(3):
+            ids = np.repeat(np.arange(len(sizes)), sizes)
+            x, y = _data(len(ids), seed=seed)
+            tr = dp.DPSGDTrainer(TinyDenoiser(), _cfg(batch=2, physical_batch=3), 1.3, 2 / 6,
+                                 torch.Generator().manual_seed(seed), image_shape=SHAPE, n_classes=3, n_public=6,
+                                 patient_rows=group_patient_rows(ids), images_per_patient=3, pad_to=bound)
+            clipped.clear()
+            tr.noisy_gradient(x, y)
+            seen.add((sum(clipped), len(clipped)))
+    assert seen == {(bound, -(-bound // 3) + 1)}, sorted(seen)

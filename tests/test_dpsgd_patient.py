@@ -200,3 +200,24 @@ def test_release_statements_name_the_unit() -> None:
     assert "unit = one image of that site" in line_img and "patient" not in line_img
     assert "one patient of that site for DP-SGD" in line_pat and line_pat.isascii()
     assert "PATIENT" in _unit_paragraph([{"events": pat}]) and "PATIENT" not in _unit_paragraph([{"events": img}])
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8), physical=st.integers(1, 7),
+       seed=st.integers(0, 2**16))
+def test_a_patient_straddling_physical_calls_is_clipped_once_whole(sizes: list[int], physical: int, seed: int) -> None:
+    """Review58 L1: the real images go through calls of exactly ``physical_batch`` rows, so a patient may straddle
+    calls (one, two or many); its partial sums are carried and the clip applies to the WHOLE patient's sum: the
+    step equals the sum over patients of clip(sum of their gradients), whatever the layout and call size."""
+    d, clip = 3, 1.0
+    ids = np.repeat(np.arange(len(sizes)), sizes)
+    x = torch.randn(len(ids), d, generator=torch.Generator().manual_seed(seed)) * 0.8
+    tr = DPSGDTrainer(Weights(d), _cfg(clip, physical_batch=physical), 1e-9, 1.0, torch.Generator().manual_seed(0),
+                      loss=DotLoss(), n_public=len(sizes), patient_rows=group_patient_rows(ids), images_per_patient=6)
+    g, stats = tr.noisy_gradient(x, torch.zeros(len(ids), dtype=torch.int64))
+    want = torch.zeros(d)
+    for p in range(len(sizes)):
+        s = x[torch.from_numpy(ids == p)].sum(0)
+        want += s * min(1.0, clip / (float(s.norm()) + 1e-12))
+    assert torch.allclose(g["w"] * len(sizes), want, atol=1e-5), (g["w"] * len(sizes), want)
+    assert stats.batch_size == len(sizes)

@@ -218,7 +218,6 @@ def test_m2_a_dpsgd_round_depends_only_on_the_data_and_its_private_generator():
 # -- Finding L1: a patient-level step's number of per-example-gradient calls counts the private patient layout ------
 
 
-@pytest.mark.xfail(strict=True, reason="review58 L1: open")
 def test_l1_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeypatch):
     """Finding L1 (low; training/dpsgd.py:472 ``_noisy_patient_gradient``, :337 ``_patient_chunks`` + training/padding.py:60
     ``padding_chunks``). The step is padded to a public number of ROWS, but the padding assumes the real rows took
@@ -384,6 +383,9 @@ def _decodes_per_hello(tmp, n: int, monkeypatch) -> int:
                                            "site-b": tiny_sites()["site-b"]}, public_sizes={"site-a": 20})
     signed, _ = sign_job_file(fed, full_job(), "job-r58-open")
     grid = harness(fed)
+    from edge.site import Site
+
+    Site.open(fed.site("site-a").node_config()).ledger.close()  # `node start` opens the site once (preflight)
     decoded: list[int] = []
     real = loading._read_pixels
 
@@ -399,7 +401,6 @@ def _decodes_per_hello(tmp, n: int, monkeypatch) -> int:
     return len(decoded)
 
 
-@pytest.mark.xfail(strict=True, reason="review58 L3: open")
 def test_l3_a_per_message_request_does_work_that_counts_the_exact_number_of_images(tmp_path, monkeypatch):
     """Finding L3 (low/medium; edge/site.py:105-115 ``Site.open`` per process: load_dataset decodes every file, the
     keyed commitment hashes every pixel; edge/cli.py:169 ``--no-worker`` and edge/forward.py:139/145 the in-process

@@ -279,7 +279,7 @@ def test_a_stuck_worker_falls_back_in_process(fed, stuck_worker, monkeypatch, ca
 def test_the_per_request_data_check_stats_a_public_number_of_entries(tmp_path, monkeypatch, n_files):
     """Before every request the worker stats every file of a folder dataset (~0.1 ms each): unpadded, each reply's
     latency timed the exact file count. With the public size known, the entries checked are ``public_rows``."""
-    import edge.worker as w
+    import edge.site_cache as w  # site_stamp and its _file_id live there (moved from edge.worker: the site cache keys on it)
 
     data = tmp_path / "data" / "class0"
     data.mkdir(parents=True)

@@ -101,3 +101,12 @@ def suggest_public_size(n: int) -> int:
         return max(10, int(round(n, -1)))
     digits = len(str(int(n))) - 2
     return int(round(n, -digits))
+
+
+def public_rows(n: int, n_public: int) -> int:
+    """Rows a pass over the whole dataset processes for ``n`` real ones: ``n_public``, doubled until it covers
+    ``n`` (a site holding more than its public size reveals only that bucket)."""
+    rows = max(1, int(n_public))
+    while rows < n:
+        rows *= 2
+    return rows

@@ -363,24 +363,43 @@ def _patient_cap(n_public: int | None, cap: int | None, default_cap: int) -> int
     return cap
 
 
-def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int]]:
-    """Split a patient batch into physical chunks of WHOLE patients (<= ``size`` images each: a patient's images
-    are never split, so its gradients are summed before the clip). Owners are renumbered 0..k-1 per chunk."""
-    out: list[tuple[Tensor, Tensor, int]] = []
-    start = 0
+def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int, bool, bool]]:
+    """Split a patient batch into physical chunks of exactly ``size`` images (the last one: the rest), as the
+    image-level step does, so that the number and sizes of the real calls are ceil(rows / size) and ``size``: a
+    function of the row count alone, never of how the sampled patients' images fall into chunks (review58 L1:
+    packing WHOLE patients took more calls the more their image counts wasted each chunk, a private layout
+    seen in latency). A patient may now straddle chunks; the per-patient clip stays exact because a straddling
+    patient's partial sum is carried into the next chunk (``_patient_call``) and clipped only once complete.
+
+    Each entry: (rows, owner renumbered 0..k-1 within the chunk, k, whether owner 0 continues the previous
+    chunk's last patient, whether owner k-1 continues into the next chunk)."""
+    out: list[tuple[Tensor, Tensor, int, bool, bool]] = []
     n = int(rows.numel())
-    while start < n:
+    for start in range(0, n, size):
         end = min(start + size, n)
-        while end < n and owner[end] == owner[end - 1]:  # never cut a patient in two
-            end -= 1
-        if end == start:  # cannot happen with size >= the per-patient cap; kept as a guard
-            end = start + 1
-            while end < n and owner[end] == owner[start]:
-                end += 1
         own = owner[start:end] - owner[start]
-        out.append((rows[start:end], own, int(own.max()) + 1))
-        start = end
+        continued = start > 0 and bool(owner[start] == owner[start - 1])
+        continues = end < n and bool(owner[end] == owner[end - 1])
+        out.append((rows[start:end], own, int(own.max()) + 1, continued, continues))
     return out
+
+
+def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, last: int, continued: bool,
+                    continues: bool) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+    """Complete per-patient sums of one chunk (rows 0..``last`` hold its patients): the previous chunk's partial
+    sum of its last patient added to row 0 (``continued``), and row ``last`` held back as the new carry when that
+    patient goes on in the next chunk (``continues``; its row becomes zero, which the clip passes as zero and
+    never counts as clipped). Returns (the sums to clip now, the carry)."""
+    if continued and carry is not None:
+        sums = {name: torch.cat([g[:1] + carry[name][None], g[1:]]) for name, g in sums.items()}
+    if not continues:
+        return sums, None
+    held = {name: g[last].clone() for name, g in sums.items()}
+    for g in sums.values():
+        g[last] = 0
+    return sums, held
+
+
 @dataclass
 class PublicMix:
     """Already-released examples added to every DP-SGD step (``[dpsgd] public_batch``), free in epsilon.
@@ -515,19 +534,23 @@ class DPSGDTrainer:
         n_clipped = 0
         was_training = self.model.training
         self.model.train()
-        for part, own, k in _patient_chunks(rows, owner, max(self.chunk, self.patient_cap)):
+        carry: dict[str, Tensor] | None = None  # the partial sum of a patient that straddles two chunks
+        for part, own, k, continued, continues in _patient_chunks(rows, owner, self.chunk):
             rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
             grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine)
-            summed, norms = clip_and_sum(group_sum(grads, own, k), self.clip)  # clip each PATIENT's sum to C
+            # one group row per image of the call (the unused ones zero): the clip's rows, like the image-level
+            # step's, total the public bound whatever the number of sampled patients
+            sums, carry = _carry_patients(group_sum(grads, own, int(part.numel())), carry, k - 1, continued, continues)
+            summed, norms = clip_and_sum(sums, self.clip)  # clip each COMPLETE patient's sum to C
             for name in total:
                 total[name] += summed[name]
             losses.append(loss.detach().cpu())
             n_clipped += int((norms > self.clip).sum())
         if self.pad_to is not None:  # dummy images up to the public count, dropped: the update is unchanged
-            size = max(self.chunk, self.patient_cap)
-            pad_step(self.model, self.loss, images, labels, padding_chunks(int(rows.numel()), self.pad_to, size),
-                     self.clip, size, partial(batch_gradients, engine=self.engine), clip_and_sum)
+            # in calls of the same ``chunk`` as the real ones: calls = ceil(bound / chunk) + 1, rows = bound (public)
+            pad_step(self.model, self.loss, images, labels, padding_chunks(int(rows.numel()), self.pad_to, self.chunk),
+                     self.clip, self.chunk, partial(batch_gradients, engine=self.engine), clip_and_sum)
         self.model.train(was_training)
         b = int(owner.max()) + 1 if owner.numel() else 0
         return self._noised(total, names, dev, expected), self._stats(b, expected, losses, n_clipped, t0)

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..data.commitment import public_rows  # torch-free (the node's site cache uses it); re-exported here
+
 PAD_SIGMAS = 5.0  # as edge.fedsgd: P(Binomial(n_public, q) > bound) < 3e-7
 PAD_SEED = 0  # the padding rows' loss randomness: public, and never the private stream
 
@@ -50,7 +52,8 @@ def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> 
 def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
     """The public row count of one step of a site's DP-SGD round: images (``public_batch_bound``) or, for a
     patient-level site (``patients``: its ``PatientIndex``), images of sampled patients (``patient_rows_bound``
-    over the nominal image count ``n_public``, in the trainer's whole-patient chunks)."""
+    over the nominal image count ``n_public``, rounded to whole ``max(chunk, cap)``; the trainer runs it in calls of
+    ``chunk`` rows, a patient's partial sum carried across a call boundary)."""
     if patients is None:
         return public_batch_bound(n_public, q, chunk)
     cap = int(getattr(patients, "cap", None) or chunk)
@@ -102,15 +105,6 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
                 int((norms > clip).sum())
             done += m
     return done
-
-
-def public_rows(n: int, n_public: int) -> int:
-    """Rows a pass over the whole dataset processes for ``n`` real ones: ``n_public``, doubled until it covers
-    ``n`` (a site holding more than its public size reveals only that bucket)."""
-    rows = max(1, int(n_public))
-    while rows < n:
-        rows *= 2
-    return rows
 
 
 def model_range(images: np.ndarray, n_public: int) -> Tensor:

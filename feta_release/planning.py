@@ -38,6 +38,7 @@ from .accounting import (
 )
 from .accountants.skellam import honest_shares, skellam_event
 from .mechanisms._checks import sampling_rate as mechanism_rate
+from .mechanisms.count import SIZE_SIGMA
 from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
 from .errors import FetaError, PolicyError, PrivacyError
@@ -125,7 +126,7 @@ def site_dpsgd(policy: Any | None) -> dict[str, Any]:
 def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
                  budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
                  cache_dir: Path | None = None, dpsgd_unit: str = "image",
-                 dpsgd_size: int | None = None) -> list[PrivacyEvent]:
+                 dpsgd_size: int | None = None, size: PrivacyEvent | None = None) -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
@@ -141,12 +142,15 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     patient's summed gradient clipped): the same (sigma, q, steps), the figure then holds per patient directly.
     ``dpsgd_size``: the PUBLIC count DP-SGD samples from when it is not ``public_size`` (a federated patient-level
     site: its public number of patients, so q = batch / patients; :func:`site_dpsgd` gives both from a policy).
+    ``size``: the noisy count that drew ``public_size`` (``mechanisms.count.size_event``; a local run without a
+    declared size): this job's FIRST event, composed in before DP-SGD is calibrated; None: a declared size.
     """
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
-    events = _with_dpsgd(cfg, n, warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
+    first = [size] if size is not None else []
+    events = _with_dpsgd(cfg, n, first + warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
                          _size(dpsgd_size) if dpsgd_size is not None else None)
     return gaussian_only(events, "stage_events")
 
@@ -353,6 +357,9 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
     if stage == "frequency" and (f_sigma := cfg.frequency.sigma) is not None:
         r = f_sigma * math.sqrt(cfg.frequency.features) / n * n_classes
         return r, f"noise norm >= {r:.2f} x a class column's signal"
+    if stage == "size":  # the noisy count's std against the size it drew (the figure for sigma = SIZE_SIGMA)
+        r = SIZE_SIGMA / n
+        return r, f"count noise std {SIZE_SIGMA:g} images, {r:.1%} of the public size"
     if stage == "dpsgd" and sgd_sigma is not None:
         params = _param_count(cfg, image_shape, n_classes)
         if params is None:
@@ -442,20 +449,20 @@ class PrivacyPlan:
 def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
          budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
          image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image",
-         dpsgd_size: int | None = None) -> PrivacyPlan:
+         dpsgd_size: int | None = None, size: PrivacyEvent | None = None) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
-    ``rounds``, ``dpsgd_unit``, ``dpsgd_size``: see :func:`stage_events`; ``image_shape``/``n_classes`` (public) only feed
-    the noise-to-signal figures (default: the embedded data).
+    ``rounds``, ``dpsgd_unit``, ``dpsgd_size``, ``size``: see :func:`stage_events`; ``image_shape``/``n_classes``
+    (public) only feed the noise-to-signal figures (default: the embedded data).
     Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
     """
     n = _size(public_size)
     cfg = cfg if federated else cfg.for_size(n)
     tgt = budget or target(cfg)
     prior = list(prior)
-    check_warmup(prior + warmup_events(cfg, n), tgt)
+    check_warmup(prior + ([size] if size is not None else []) + warmup_events(cfg, n), tgt)
     events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit,
-                          dpsgd_size=dpsgd_size)
+                          dpsgd_size=dpsgd_size, size=size)
     history = prior + events
     sgd = stage_event(events, "dpsgd")
     total = epsilon(history, tgt.delta, tgt.accountant)
@@ -495,6 +502,8 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
                      if sgd.unit == "patient" else "") if sgd else "disabled (0 steps)"),
     }
     rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
+    if (size := by_stage.get("size")) is not None:  # the noisy count that drew the public size (no declared one)
+        rows.insert(0, ("size", size, f"noisy image count (noise std {size.sigma:g}) -> the public size {n}"))
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}
     if prior:
         rows.insert(0, ("prior", None, f"{len(prior)} event(s) already spent"))

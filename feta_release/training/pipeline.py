@@ -38,6 +38,7 @@ is closed in the ledger: nothing more can be charged for it, so its statement is
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
@@ -51,16 +52,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..accounting import PrivacyEvent, epsilon, events_to_list
 from ..config import JobConfig
 from ..data import ImageDataset
-from ..data.commitment import suggest_public_size
 from ..errors import ConfigError, DataError, PrivacyError
 from ..ledger import Ledger
+from ..mechanisms.count import SIZE_SIGMA, SIZE_STAGE, draw_public_size, public_size_from, size_event
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
 from ..planning import plan as privacy_plan
+from ..randomness import numpy_generator_from
 from ..signing import fingerprint, generate_keypair, load_private_key, sha256_file
 from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget
 from ..stages.account import check_recorded_plan
-from ..stages.context import initial_denoiser
+from ..stages.context import initial_denoiser, private_key
 from ..stages.base import now
 from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, private_dir, read_json
 from .device import resolve_device
@@ -68,6 +70,8 @@ from .progress import Reporter
 from ..viz import save_budget_chart
 
 FORMAT = "feta-release/run/v1"
+SIZING = "sizing"  # run.json's status while a run draws its public size (before its plan exists)
+SIZE_FILE = "size.json"  # released/size.json: the drawn public size as released (its bytes recorded in the ledger)
 __all__ = ["FORMAT", "RunResult", "SimulatedKill", "check_data", "run_pipeline", "run_site_key"]
 
 
@@ -107,8 +111,8 @@ def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None, 
 # -- run directory ---------------------------------------------------------------------------------
 
 
-def _open_run_dir(root: Path, job_hash: str, data_fp: str) -> tuple[RunDir, dict[str, Any] | None]:
-    """Create a fresh run dir or return the run.json of the resumable one; refuse anything else."""
+def _existing_state(root: Path) -> dict[str, Any] | None:
+    """run.json of the run in ``root`` (None: no run there yet); refuse a file or a non-empty non-run directory."""
     rd = RunDir(root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{root}: exists and is not a directory")
@@ -118,7 +122,21 @@ def _open_run_dir(root: Path, job_hash: str, data_fp: str) -> tuple[RunDir, dict
                 f"{root}: directory is not empty and holds no run.json: not a feta-release run; choose an empty "
                 "or new --out directory"
             )
-        state = read_json(rd.run_json)
+        return read_json(rd.run_json)
+    return None
+
+
+def _open_run_dir(root: Path, job_hash: str, data_fp: str, drawn: bool = False) -> tuple[RunDir, dict[str, Any] | None]:
+    """Create a fresh run dir or return the run.json of the resumable one; refuse anything else. ``drawn``: the run
+    drew its public size (its sizing step made the directory and checked job and data)."""
+    rd = RunDir(root)
+    state = _existing_state(root)
+    if state is not None:
+        if state.get("status") == SIZING:
+            if not drawn:
+                raise ConfigError(f"{root}: this run draws its public size (a noisy count, already charged); resume "
+                                  "it without --public-size, or use a new --out directory")
+            return rd, state
         if state.get("job_hash") != job_hash:
             raise ConfigError(
                 f"{root}: belongs to a different job config (hash {str(state.get('job_hash'))[:12]}..., this job "
@@ -193,19 +211,23 @@ def run_pipeline(
     rep = reporter or Reporter(enabled=False)
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    n_pub = int(public_size) if public_size is not None else suggest_public_size(data.n)
-    cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
-    check_data(cfg, data, n_pub, declared=getattr(site_policy, "declared", None) is not None)
-    # Plan before touching the directory: an infeasible plan leaves nothing behind.
-    plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
-                        dpsgd_unit="image" if patients is None else "patient")
-    for w in plan.warnings:
-        rep.log(f"[yellow]warning[/]: {w}")
     if ledger is not None and site_policy is None and _outside(Path(ledger), Path(out_dir)):
         raise ConfigError(_NEEDS_POLICY.format(ledger=ledger))  # before the run dir is made
+    if public_size is None and site_policy is not None:
+        public_size = int(site_policy.dataset_size)  # the administrator's signed declaration
+    size_ev = size_event() if public_size is None else None  # no declared size: a noisy count draws it
+    if size_ev is not None:  # refuse an infeasible job before the count is charged (nothing is released here)
+        _plan_for(cfg, data, public_size_from(data.n), patients, site_policy, size_ev)
+        public_size = _drawn_size(cfg, data, Path(out_dir), ledger, site_key, noise_seed, rep)
+    n_pub = int(public_size)
+    cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
+    # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
+    plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)
+    for w in plan.warnings:
+        rep.log(f"[yellow]warning[/]: {w}")
     job_hash = config_hash(cfg.to_dict())
-    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint())
-    resumed = state is not None
+    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint(), drawn=size_ev is not None)
+    resumed = state is not None and state.get("status") != SIZING
     state = _start_state(rd, state, cfg, data, plan, n_pub)
     account = _open_account(rd, state, cfg, plan, ledger, site_key, site_policy)
     if state.get("status") == "complete" and rd.complete_marker.exists():
@@ -213,8 +235,7 @@ def run_pipeline(
         return _result(account, plan, state, 0.0, resumed=True, already_complete=True)
     state["status"] = "running"
     atomic_write_json(rd.run_json, state)
-    if not account.report_path.exists():
-        account.write()
+    account.write()  # (a drawn size's charge wrote it under the size-only plan)
     model = initial_denoiser(cfg, data.image_shape, data.n_classes).to(dev)  # the public init of both drivers
     ctx = RunContext(cfg=cfg, data=data, rd=rd, account=account, plan=plan, state=state,
                      secret=_secret(rd, noise_seed, account), rep=rep, denoiser=model, n_public=n_pub,
@@ -229,11 +250,22 @@ def run_pipeline(
     return _finish(ctx, time.perf_counter() - t_start, resumed)
 
 
+def _plan_for(cfg: JobConfig, data: ImageDataset, n_pub: int, patients: PatientIndex | None, site_policy: Any,
+              size_ev: PrivacyEvent | None) -> PrivacyPlan:
+    """The run's privacy plan at public size ``n_pub`` (its data checked first); ``size_ev``: the drawn size's."""
+    cfg = cfg.for_size(n_pub)
+    check_data(cfg, data, n_pub, declared=getattr(site_policy, "declared", None) is not None)
+    return privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
+                        dpsgd_unit="image" if patients is None else "patient", size=size_ev)
+
+
 def _start_state(rd: RunDir, state: dict[str, Any] | None, cfg: JobConfig, data: ImageDataset, plan: PrivacyPlan,
                  n_pub: int) -> dict[str, Any]:
-    """run.json of a new run (and job.json), or the resumed one after checking it has this plan."""
-    if state is None:
+    """run.json of a new run (and job.json), or the resumed one after checking it has this plan. A run that drew
+    its size starts from the sizing step's run.json (its ledger, base hash and drawn size are kept)."""
+    if state is None or state.get("status") == SIZING:
         state = {
+            **(state or {}),
             "format": FORMAT, "job_name": cfg.job.name, "job_hash": config_hash(cfg.to_dict()),
             "data_fingerprint": data.fingerprint(), "data_source": data.source,
             "dataset_size": n_pub,  # public nominal size
@@ -270,6 +302,65 @@ def _open_account(rd: RunDir, state: dict[str, Any], cfg: JobConfig, plan: Priva
     atomic_write_json(rd.run_json, state)
     return RunAccount(Ledger(stored, key=key), rec["job_id"], plan, run_budget(cfg), rd.root / "privacy.json",
                       site_policy)
+
+
+# -- the public size of a run without a declared one (mechanisms.count) ------------------------------
+
+
+def _drawn_size(cfg: JobConfig, data: ImageDataset, root: Path, ledger: str | Path | None,
+                site_key: Ed25519PrivateKey | None, noise_seed: int | None, rep: Reporter) -> int:
+    """The public size of a run given none: the noisy count, charged as the event ``size`` in the run's ledger
+    BEFORE anything else is released, drawn from the run's secret, saved in ``released/size.json`` and recorded.
+    A resume reads it back (checked against the ledger's record), never charging or drawing again. The run has no
+    signed policy here (a policy declares the size), so its ledger is its own (a shared one needs a policy)."""
+    rd = RunDir(root)
+    state = _sizing_state(rd, cfg, data)
+    account = _open_account(rd, state, cfg, _size_plan(cfg), ledger, site_key)
+    path = rd.released(SIZE_FILE)
+    if path.exists():
+        return int(json.loads(account.saved_release(SIZE_STAGE, path))["public_size"])
+    if account.charged(SIZE_STAGE) > 0:
+        raise PrivacyError(f"{path} is missing but the public size was already charged (the run was killed between "
+                           "charging and saving it); it cannot be drawn again for free: start a new run directory")
+    secret = _secret(rd, noise_seed, account)  # bound in the ledger before the first charge
+    rid = account.charge(SIZE_STAGE, 1)
+    value = draw_public_size(data.n, numpy_generator_from(private_key(secret, SIZE_STAGE)))
+    blob = json.dumps({"public_size": value, "sigma": SIZE_SIGMA, "unit": "image"}, sort_keys=True).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, blob)
+    account.record(rid, blob)
+    state["public_size"] = {"value": value, "drawn": True, "sigma": SIZE_SIGMA}
+    atomic_write_json(rd.run_json, state)
+    rep.log(f"public size: {value} (a noisy count, noise std {SIZE_SIGMA:g} images, charged as {SIZE_STAGE!r})")
+    return value
+
+
+def _sizing_state(rd: RunDir, cfg: JobConfig, data: ImageDataset) -> dict[str, Any]:
+    """run.json of a run that draws its size: the existing one (same job and data) or a new one (status sizing)."""
+    base = config_hash(cfg.to_dict())  # the job before sizing (its batches follow the size drawn)
+    state = _existing_state(rd.root)
+    if state is None:
+        rd.root.mkdir(parents=True, exist_ok=True)
+        state = {"format": FORMAT, "job_name": cfg.job.name, "base_hash": base,
+                 "data_fingerprint": data.fingerprint(), "status": SIZING, "stages": {}}
+        atomic_write_json(rd.run_json, state)
+        return state
+    if state.get("status") != SIZING and not (state.get("public_size") or {}).get("drawn"):
+        raise ConfigError(f"{rd.root}: this run was started with the declared public size {state.get('dataset_size')}; "
+                          f"resume it with --public-size {state.get('dataset_size')}, or use a new --out directory")
+    if state.get("base_hash") != base or state.get("data_fingerprint") != data.fingerprint():
+        raise ConfigError(f"{rd.root}: belongs to a different job config or data; use the same job file and --data "
+                          "to resume, or a new --out directory")
+    return state
+
+
+def _size_plan(cfg: JobConfig) -> PrivacyPlan:
+    """The plan of a run's sizing step: the noisy count alone (the full plan needs the size it draws)."""
+    ev = size_event()
+    p = cfg.privacy
+    return PrivacyPlan(dataset_size=0, target_epsilon=float(p.epsilon), delta=float(p.delta),
+                       accountant=p.accountant, epsilon=epsilon([ev], float(p.delta), p.accountant),
+                       noise_multiplier=None, calibrated=False, stages=(), history=(ev,))
 
 
 _NEEDS_POLICY = ("{ledger}: a site ledger outside the run directory is charged under the site's signed policy; give "

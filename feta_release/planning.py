@@ -503,7 +503,7 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
     }
     rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
     if (size := by_stage.get("size")) is not None:  # the noisy count that drew the public size (no declared one)
-        rows.insert(0, ("size", size, f"noisy image count (noise std {size.sigma:g}) -> the public size {n}"))
+        rows.insert(0, ("size", size, "noisy image count -> public size"))
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}
     if prior:
         rows.insert(0, ("prior", None, f"{len(prior)} event(s) already spent"))

@@ -27,8 +27,10 @@ from .progress_option import progress_option
 @click.option("--synthetic", "n_synthetic", type=click.IntRange(min=0), default=None,
               help="Images in RUN_DIR/synthetic.npz (balanced labels); default: the public size.")
 @click.option("--public-size", type=click.IntRange(min=1), default=None,
-              help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: the count "
-                   "rounded to 2 significant digits; the exact count is never written into the run).")
+              help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: a --policy's "
+                   "dataset.size, else drawn from a noisy count of the images: the Gaussian mechanism, noise std 50, "
+                   "charged first as the event 'size' and rounded to 2 significant digits; the exact count is never "
+                   "written into the run).")
 @click.option("--public-patients", type=click.IntRange(min=1), default=None,
               help="With --patient-cap: the PUBLIC number of patients; DP-SGD then samples whole patients (rate q) and "
                    "divides by q x this number (default: the patient count rounded to 2 significant digits).")
@@ -87,6 +89,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME")
     cfg = load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
     site_policy = _site_policy(policy_path, trusted)
+    if public_patients is None and site_policy is not None and site_policy.patients:
+        public_patients = int(site_policy.patients)  # the administrator's signed declaration
     if threads:
         torch.set_num_threads(threads)
     data, patients = _training_data(cfg, data_path, load, public_patients,

@@ -216,10 +216,11 @@ def run_pipeline(
     if public_size is None and site_policy is not None:
         public_size = int(site_policy.dataset_size)  # the administrator's signed declaration
     size_ev = size_event() if public_size is None else None  # no declared size: a noisy count draws it
-    if size_ev is not None:  # refuse an infeasible job before the count is charged (nothing is released here)
+    if public_size is None:  # refuse an infeasible job before the count is charged (nothing is released here)
         _plan_for(cfg, data, public_size_from(data.n), patients, site_policy, size_ev)
-        public_size = _drawn_size(cfg, data, Path(out_dir), ledger, site_key, noise_seed, rep)
-    n_pub = int(public_size)
+        n_pub = _drawn_size(cfg, data, Path(out_dir), ledger, site_key, noise_seed, rep)
+    else:
+        n_pub = int(public_size)
     cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
     plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)

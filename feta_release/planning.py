@@ -126,7 +126,8 @@ def site_dpsgd(policy: Any | None) -> dict[str, Any]:
 def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
                  budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
                  cache_dir: Path | None = None, dpsgd_unit: str = "image",
-                 dpsgd_size: int | None = None, size: PrivacyEvent | None = None) -> list[PrivacyEvent]:
+                 dpsgd_size: int | None = None,
+                 size: PrivacyEvent | Sequence[PrivacyEvent] | None = None) -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
@@ -142,14 +143,15 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     patient's summed gradient clipped): the same (sigma, q, steps), the figure then holds per patient directly.
     ``dpsgd_size``: the PUBLIC count DP-SGD samples from when it is not ``public_size`` (a federated patient-level
     site: its public number of patients, so q = batch / patients; :func:`site_dpsgd` gives both from a policy).
-    ``size``: the noisy count that drew ``public_size`` (``mechanisms.count.size_event``; a local run without a
-    declared size): this job's FIRST event, composed in before DP-SGD is calibrated; None: a declared size.
+    ``size``: the noisy count(s) that drew ``public_size`` (``mechanisms.count.size_event``; a local run without a
+    declared size) and/or the public patient count (``patients_event``): this job's FIRST events, composed in before
+    DP-SGD is calibrated; None: declared sizes.
     """
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
-    first = [size] if size is not None else []
+    first = count_events(size)
     events = _with_dpsgd(cfg, n, first + warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
                          _size(dpsgd_size) if dpsgd_size is not None else None)
     return gaussian_only(events, "stage_events")
@@ -246,6 +248,13 @@ def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int],
         args = (tuple(prior) + tuple(warm), q, sum(sizes), tgt.epsilon, tgt.delta, tgt.accountant)
         sigma = _cached_calibration(args, cache_dir)
     return warm + [PrivacyEvent("dpsgd", sigma, q, k, unit=dpsgd_unit) for k in sizes]
+
+
+def count_events(size: PrivacyEvent | Sequence[PrivacyEvent] | None) -> list[PrivacyEvent]:
+    """The noisy-count events of :func:`stage_events`'s ``size`` as a list (one event, several, or none)."""
+    if size is None:
+        return []
+    return [size] if isinstance(size, PrivacyEvent) else list(size)
 
 
 def _round_sizes(rounds: Sequence[int]) -> list[int]:
@@ -449,7 +458,7 @@ class PrivacyPlan:
 def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
          budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
          image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image",
-         dpsgd_size: int | None = None, size: PrivacyEvent | None = None) -> PrivacyPlan:
+         dpsgd_size: int | None = None, size: PrivacyEvent | Sequence[PrivacyEvent] | None = None) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
     ``rounds``, ``dpsgd_unit``, ``dpsgd_size``, ``size``: see :func:`stage_events`; ``image_shape``/``n_classes``
@@ -460,7 +469,7 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
     cfg = cfg if federated else cfg.for_size(n)
     tgt = budget or target(cfg)
     prior = list(prior)
-    check_warmup(prior + ([size] if size is not None else []) + warmup_events(cfg, n), tgt)
+    check_warmup(prior + count_events(size) + warmup_events(cfg, n), tgt)
     events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit,
                           dpsgd_size=dpsgd_size, size=size)
     history = prior + events
@@ -502,8 +511,9 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
                      if sgd.unit == "patient" else "") if sgd else "disabled (0 steps)"),
     }
     rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
-    if (size := by_stage.get("size")) is not None:  # the noisy count that drew the public size (no declared one)
-        rows.insert(0, ("size", size, "noisy image count -> public size"))
+    counts = {"size": "noisy image count -> public size", "patients": "noisy patient count -> public patients"}
+    for name in reversed([e.stage for e in events if e.stage in counts]):  # noisy counts drew undeclared sizes
+        rows.insert(0, (name, by_stage[name], counts[name]))
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}
     if prior:
         rows.insert(0, ("prior", None, f"{len(prior)} event(s) already spent"))

@@ -88,17 +88,20 @@ def test_the_size_is_drawn_from_the_secret_charged_first_and_never_redrawn(tmp_p
     from feta_release.training.pipeline import _drawn_size
 
     cfg, data = load_preset("tiny"), _data()
-    sizes = {_drawn_size(cfg, data, tmp_path / f"r{s}", None, None, s, Reporter(enabled=False)) for s in range(8)}
+    def draw(out, seed=None):
+        return _drawn_size(cfg, data, out, None, None, seed, Reporter(enabled=False), {"size": data.n})["size"]
+
+    sizes = {draw(tmp_path / f"r{s}", s) for s in range(8)}
     assert len(sizes) > 1  # not a function of the count alone
     out = tmp_path / "r0"
     rows, events = _ledger_rows(out)
     assert [r["mechanism"] for r in rows] == ["size"] and [e["stage"] for e in events] == ["size"]
-    first = _drawn_size(cfg, data, out, None, None, None, Reporter(enabled=False))
-    assert _drawn_size(cfg, data, out, None, None, None, Reporter(enabled=False)) == first
+    first = draw(out)
+    assert draw(out) == first
     assert len(_ledger_rows(out)[1]) == 1  # a resume reads it back: no second charge or draw
-    (out / "released" / "size.json").write_text(json.dumps({"public_size": 10**6}))
+    (out / "released" / "size.json").write_text(json.dumps({"counts": {"size": 10**6}}))
     with pytest.raises(PrivacyError, match="not the size release"):
-        _drawn_size(cfg, data, out, None, None, None, Reporter(enabled=False))
+        draw(out)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +118,8 @@ def test_a_run_without_a_declared_size_charges_it_before_any_other_release(drawn
     rows, events = _ledger_rows(out)
     assert rows[0]["mechanism"] == "size" and [e["stage"] for e in events][0] == "size"
     run = json.loads((out / "run.json").read_text())
-    assert run["dataset_size"] == run["public_size"]["value"] == json.loads(
-        (out / "released" / "size.json").read_text())["public_size"]
+    assert run["dataset_size"] == run["public_size"]["counts"]["size"] == json.loads(
+        (out / "released" / "size.json").read_text())["counts"]["size"]
     doc = json.loads((out / "privacy.json").read_text())
     evs = events_from_list(doc["events"])
     assert evs[0] == size_event() and evs == events_from_list(doc["planned"]) == res.events
@@ -144,3 +147,23 @@ def test_a_drawn_size_run_resumes_without_recharging_and_its_export_attests_it(d
     st = site["attestation"]["statement"]  # verify recomputes the job's epsilon from the attested events
     assert epsilon(events_from_list(site["events"]), float(st["delta"]), st["accountant"]) == pytest.approx(
         st["epsilon"])
+
+
+def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
+    """`train --patient-cap K` without --public-patients used to round the EXACT patient count too."""
+    from feta_release.mechanisms.count import patients_event
+    from feta_release.privacy_unit import PatientIndex
+    from feta_release.training.pipeline import run_pipeline
+
+    cfg = load_preset("tiny").replace(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
+    pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=1, cap=3)  # 80 patients x 3 images; 1: a placeholder
+    out = tmp_path / "r"
+    res = run_pipeline(cfg, _data(), out, n_synthetic=0, grid_per_class=1, noise_seed=2, patients=pats,
+                       draw_patients=True)
+    assert [e.stage for e in res.events] == ["size", "patients", "central", "dpsgd"]
+    assert res.events[:2] == [size_event(), patients_event()] and res.events[1].unit == "patient"
+    rows, _ = _ledger_rows(out)
+    assert [r["mechanism"] for r in rows][:2] == ["size", "patients"]
+    counts = json.loads((out / "run.json").read_text())["public_size"]["counts"]
+    assert set(counts) == {"size", "patients"} and counts["patients"] >= 10
+    assert res.epsilon > epsilon(res.events[2:], res.delta, "rdp")

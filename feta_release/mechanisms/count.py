@@ -5,7 +5,8 @@ the declaration. Without one, ``train`` used to round the EXACT count to 2 signi
 un-noised function of N, so neighbouring datasets at a rounding boundary (3949 vs 3950 images) gave different
 releases (epsilon infinite for that bit). Here the count gets Gaussian noise first (sensitivity 1: adding or
 removing one image changes N by 1), the event ``size`` is charged in the run's ledger before anything else is
-released, and the rounding is post-processing of that release.
+released, and the rounding is post-processing of that release. A patient-level run without a declared patient
+count draws that count the same way (event ``patients``, sensitivity 1 patient).
 
 ``SIZE_SIGMA`` = 50 (noise std 50 images): its RDP cost alpha / (2 sigma^2) adds 0.0034 to cpu-eps1's epsilon at
 the same DP-SGD sigma (0.0007 to cpu-eps10-nodpsgd; 0.115 alone at delta 1e-5), while the noise is within the 2
@@ -23,6 +24,7 @@ from ..errors import PrivacyError
 from ._checks import require_generator
 
 SIZE_STAGE = "size"
+PATIENTS_STAGE = "patients"  # the public patient count of a patient-level run without a declared one
 SIZE_SIGMA = 50.0  # the noise multiplier (= noise std in images, sensitivity 1); fixed and public
 MIN_PUBLIC_SIZE = 10  # the smallest public size a draw gives (a noisy count can be tiny or negative)
 
@@ -30,6 +32,11 @@ MIN_PUBLIC_SIZE = 10  # the smallest public size a draw gives (a noisy count can
 def size_event(unit: str = "image") -> PrivacyEvent:
     """The privacy event of one noisy count (no sampling, one composition)."""
     return PrivacyEvent(SIZE_STAGE, SIZE_SIGMA, 1.0, 1, unit=unit)
+
+
+def patients_event() -> PrivacyEvent:
+    """The event of the noisy PATIENT count (sensitivity 1 patient: one patient added or removed)."""
+    return PrivacyEvent(PATIENTS_STAGE, SIZE_SIGMA, 1.0, 1, unit="patient")
 
 
 def noisy_count(n: int, rng: np.random.Generator, sigma: float = SIZE_SIGMA) -> float:

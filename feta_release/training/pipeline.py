@@ -38,6 +38,7 @@ is closed in the ledger: nothing more can be charged for it, so its statement is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -54,7 +55,8 @@ from ..config import JobConfig
 from ..data import ImageDataset
 from ..errors import ConfigError, DataError, PrivacyError
 from ..ledger import Ledger
-from ..mechanisms.count import SIZE_SIGMA, SIZE_STAGE, draw_public_size, public_size_from, size_event
+from ..mechanisms.count import (PATIENTS_STAGE, SIZE_SIGMA, SIZE_STAGE, draw_public_size, patients_event,
+                                public_size_from, size_event)
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
 from ..planning import plan as privacy_plan
@@ -189,11 +191,13 @@ def run_pipeline(
     site_key: Ed25519PrivateKey | None = None,
     site_policy: Any = None,
     patients: PatientIndex | None = None,
+    draw_patients: bool = False,
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
     ``n_synthetic``: images in synthetic.npz (default: the public size, balanced).
-    ``public_size``: the PUBLIC nominal dataset size N (default: the count rounded to 2 significant digits). Rates
+    ``public_size``: the PUBLIC nominal dataset size N (default: ``site_policy``'s declaration, else drawn from a noisy
+    count charged first as the event ``size``, see ``feta_release.mechanisms.count``). Rates
     q = batch / N, the central/frequency denominators, the DP-SGD divisor and everything written into the run (and
     so into a release) use it; the exact count stays in this process.
     ``noise_seed``: fixed secret seed for tests only (default: drawn from the OS, kept in the run dir).
@@ -205,6 +209,8 @@ def run_pipeline(
     charge is checked against its caps.
     ``patients``: patient ids, public patient count and cap: DP-SGD then samples and clips whole PATIENTS and its
     events carry ``unit = "patient"`` (``feta_release.privacy_unit``); None: the unit is the image.
+    ``draw_patients``: ``patients.n_public`` is a placeholder (no declared patient count): the run draws it from a
+    noisy patient count, charged first as the event ``patients`` (``feta_release.mechanisms.count``).
     """
     t_start = time.perf_counter()
     dev = resolve_device(device)  # refuse an absent GPU before anything is written
@@ -215,19 +221,22 @@ def run_pipeline(
         raise ConfigError(_NEEDS_POLICY.format(ledger=ledger))  # before the run dir is made
     if public_size is None and site_policy is not None:
         public_size = int(site_policy.dataset_size)  # the administrator's signed declaration
-    size_ev = size_event() if public_size is None else None  # no declared size: a noisy count draws it
-    if public_size is None:  # refuse an infeasible job before the count is charged (nothing is released here)
-        _plan_for(cfg, data, public_size_from(data.n), patients, site_policy, size_ev)
-        n_pub = _drawn_size(cfg, data, Path(out_dir), ledger, site_key, noise_seed, rep)
-    else:
-        n_pub = int(public_size)
+    exact = _undeclared(data, public_size, patients if draw_patients else None)
+    size_ev = [_COUNT_EVENTS[stage]() for stage in exact]  # no declared size: a noisy count draws it
+    if exact:  # refuse an infeasible job before the counts are charged (nothing is released here)
+        _plan_for(cfg, data, public_size or public_size_from(data.n), patients, site_policy, size_ev)
+        drawn = _drawn_size(cfg, data, Path(out_dir), ledger, site_key, noise_seed, rep, exact)
+        public_size = drawn.get(SIZE_STAGE, public_size)
+        if patients is not None and PATIENTS_STAGE in drawn:
+            patients = dataclasses.replace(patients, n_public=drawn[PATIENTS_STAGE])
+    n_pub = int(public_size or 0)
     cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
     plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)
     for w in plan.warnings:
         rep.log(f"[yellow]warning[/]: {w}")
     job_hash = config_hash(cfg.to_dict())
-    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint(), drawn=size_ev is not None)
+    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint(), drawn=bool(exact))
     resumed = state is not None and state.get("status") != SIZING
     state = _start_state(rd, state, cfg, data, plan, n_pub)
     account = _open_account(rd, state, cfg, plan, ledger, site_key, site_policy)
@@ -251,8 +260,16 @@ def run_pipeline(
     return _finish(ctx, time.perf_counter() - t_start, resumed)
 
 
+def _undeclared(data: ImageDataset, public_size: int | None, patients: PatientIndex | None) -> dict[str, int]:
+    """stage -> EXACT count of each size the run must draw (private: only ``_drawn_size`` adds noise to them)."""
+    exact = {SIZE_STAGE: data.n} if public_size is None else {}
+    if patients is not None:
+        exact[PATIENTS_STAGE] = patients.n_patients
+    return exact
+
+
 def _plan_for(cfg: JobConfig, data: ImageDataset, n_pub: int, patients: PatientIndex | None, site_policy: Any,
-              size_ev: PrivacyEvent | None) -> PrivacyPlan:
+              size_ev: list[PrivacyEvent]) -> PrivacyPlan:
     """The run's privacy plan at public size ``n_pub`` (its data checked first); ``size_ev``: the drawn size's."""
     cfg = cfg.for_size(n_pub)
     check_data(cfg, data, n_pub, declared=getattr(site_policy, "declared", None) is not None)
@@ -309,31 +326,42 @@ def _open_account(rd: RunDir, state: dict[str, Any], cfg: JobConfig, plan: Priva
 
 
 def _drawn_size(cfg: JobConfig, data: ImageDataset, root: Path, ledger: str | Path | None,
-                site_key: Ed25519PrivateKey | None, noise_seed: int | None, rep: Reporter) -> int:
-    """The public size of a run given none: the noisy count, charged as the event ``size`` in the run's ledger
-    BEFORE anything else is released, drawn from the run's secret, saved in ``released/size.json`` and recorded.
-    A resume reads it back (checked against the ledger's record), never charging or drawing again. The run has no
-    signed policy here (a policy declares the size), so its ledger is its own (a shared one needs a policy)."""
+                site_key: Ed25519PrivateKey | None, noise_seed: int | None, rep: Reporter,
+                exact: dict[str, int]) -> dict[str, int]:
+    """The public sizes of a run given none: for each stage of ``exact`` (``size``: the image count; ``patients``:
+    the patient count) a noisy count, charged in the run's ledger BEFORE anything else is released, drawn from the
+    run's secret, saved in ``released/size.json`` and recorded. A resume reads them back (checked against the
+    ledger's record), never charging or drawing again. The run has no signed policy here (a policy declares its
+    sizes), so its ledger is its own (a shared one needs a policy). Returns stage -> public value."""
     rd = RunDir(root)
     state = _sizing_state(rd, cfg, data)
-    account = _open_account(rd, state, cfg, _size_plan(cfg), ledger, site_key)
+    events = [_COUNT_EVENTS[stage]() for stage in exact]
+    account = _open_account(rd, state, cfg, _size_plan(cfg, events), ledger, site_key)
     path = rd.released(SIZE_FILE)
     if path.exists():
-        return int(json.loads(account.saved_release(SIZE_STAGE, path))["public_size"])
-    if account.charged(SIZE_STAGE) > 0:
+        drawn = json.loads(account.saved_release(next(iter(exact)), path))["counts"]
+        if set(drawn) != set(exact):
+            raise ConfigError(f"{root}: this run drew {sorted(drawn)}, not {sorted(exact)}; resume it with the same "
+                              "--public-size/--public-patients options, or use a new --out directory")
+        return {k: int(v) for k, v in drawn.items()}
+    if any(account.charged(stage) > 0 for stage in exact):
         raise PrivacyError(f"{path} is missing but the public size was already charged (the run was killed between "
                            "charging and saving it); it cannot be drawn again for free: start a new run directory")
     secret = _secret(rd, noise_seed, account)  # bound in the ledger before the first charge
-    rid = account.charge(SIZE_STAGE, 1)
-    value = draw_public_size(data.n, numpy_generator_from(private_key(secret, SIZE_STAGE)))
-    blob = json.dumps({"public_size": value, "sigma": SIZE_SIGMA, "unit": "image"}, sort_keys=True).encode()
+    rids = [account.charge(stage, 1) for stage in exact]
+    drawn = {stage: draw_public_size(n, numpy_generator_from(private_key(secret, stage))) for stage, n in exact.items()}
+    blob = json.dumps({"counts": drawn, "sigma": SIZE_SIGMA}, sort_keys=True).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, blob)
-    account.record(rid, blob)
-    state["public_size"] = {"value": value, "drawn": True, "sigma": SIZE_SIGMA}
+    for rid in rids:
+        account.record(rid, blob)
+    state["public_size"] = {"counts": drawn, "drawn": True, "sigma": SIZE_SIGMA}
     atomic_write_json(rd.run_json, state)
-    rep.log(f"public size: {value} (a noisy count, noise std {SIZE_SIGMA:g} images, charged as {SIZE_STAGE!r})")
-    return value
+    rep.log(f"public sizes drawn from noisy counts (noise std {SIZE_SIGMA:g}, charged first): {drawn}")
+    return drawn
+
+
+_COUNT_EVENTS = {SIZE_STAGE: size_event, PATIENTS_STAGE: patients_event}
 
 
 def _sizing_state(rd: RunDir, cfg: JobConfig, data: ImageDataset) -> dict[str, Any]:
@@ -355,13 +383,12 @@ def _sizing_state(rd: RunDir, cfg: JobConfig, data: ImageDataset) -> dict[str, A
     return state
 
 
-def _size_plan(cfg: JobConfig) -> PrivacyPlan:
-    """The plan of a run's sizing step: the noisy count alone (the full plan needs the size it draws)."""
-    ev = size_event()
+def _size_plan(cfg: JobConfig, events: list[PrivacyEvent]) -> PrivacyPlan:
+    """The plan of a run's sizing step: the noisy counts alone (the full plan needs the sizes they draw)."""
     p = cfg.privacy
     return PrivacyPlan(dataset_size=0, target_epsilon=float(p.epsilon), delta=float(p.delta),
-                       accountant=p.accountant, epsilon=epsilon([ev], float(p.delta), p.accountant),
-                       noise_multiplier=None, calibrated=False, stages=(), history=(ev,))
+                       accountant=p.accountant, epsilon=epsilon(events, float(p.delta), p.accountant),
+                       noise_multiplier=None, calibrated=False, stages=(), history=tuple(events))
 
 
 _NEEDS_POLICY = ("{ledger}: a site ledger outside the run directory is charged under the site's signed policy; give "

@@ -219,24 +219,15 @@ def run_pipeline(
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     if ledger is not None and site_policy is None and _outside(Path(ledger), Path(out_dir)):
         raise ConfigError(_NEEDS_POLICY.format(ledger=ledger))  # before the run dir is made
-    if public_size is None and site_policy is not None:
-        public_size = int(site_policy.dataset_size)  # the administrator's signed declaration
-    exact = _undeclared(data, public_size, patients if draw_patients else None)
-    size_ev = [_COUNT_EVENTS[stage]() for stage in exact]  # no declared size: a noisy count draws it
-    if exact:  # refuse an infeasible job before the counts are charged (nothing is released here)
-        _plan_for(cfg, data, public_size or public_size_from(data.n), patients, site_policy, size_ev)
-        drawn = _drawn_size(cfg, data, Path(out_dir), ledger, site_key, noise_seed, rep, exact)
-        public_size = drawn.get(SIZE_STAGE, public_size)
-        if patients is not None and PATIENTS_STAGE in drawn:
-            patients = dataclasses.replace(patients, n_public=drawn[PATIENTS_STAGE])
-    n_pub = int(public_size or 0)
+    n_pub, patients, size_ev = _public_sizes(cfg, data, Path(out_dir), public_size, patients, draw_patients,
+                                             site_policy, (ledger, site_key, noise_seed, rep))
     cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
     plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)
     for w in plan.warnings:
         rep.log(f"[yellow]warning[/]: {w}")
     job_hash = config_hash(cfg.to_dict())
-    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint(), drawn=bool(exact))
+    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint(), drawn=bool(size_ev))
     resumed = state is not None and state.get("status") != SIZING
     state = _start_state(rd, state, cfg, data, plan, n_pub)
     account = _open_account(rd, state, cfg, plan, ledger, site_key, site_policy)
@@ -258,6 +249,32 @@ def run_pipeline(
             stage.run(ctx)
             ctx.lap(stage.name, t0)
     return _finish(ctx, time.perf_counter() - t_start, resumed)
+
+
+def _public_sizes(cfg: JobConfig, data: ImageDataset, root: Path, public_size: int | None,
+                  patients: PatientIndex | None, draw_patients: bool, site_policy: Any,
+                  run: tuple[Any, ...]) -> tuple[int, PatientIndex | None, list[PrivacyEvent]]:
+    """(public size, patient index, the noisy counts' events): the declared sizes (``public_size``, the signed
+    policy's), else drawn by :func:`_drawn_size`. ``run``: (ledger, site key, noise seed, reporter)."""
+    if public_size is None and site_policy is not None:
+        public_size = int(site_policy.dataset_size)  # the administrator's signed declaration
+    exact = _undeclared(data, public_size, patients if draw_patients else None)
+    size_ev = [_COUNT_EVENTS[stage]() for stage in exact]  # no declared size: a noisy count draws it
+    if exact:  # refuse an infeasible job before the counts are charged (nothing is released here)
+        _plan_for(cfg, data, public_size or public_size_from(data.n), patients, site_policy, size_ev)
+        ledger, site_key, noise_seed, rep = run
+        drawn = _drawn_size(cfg, data, root, ledger, site_key, noise_seed, rep, exact)
+        public_size, patients = _with_drawn(drawn, public_size, patients)
+    assert public_size is not None, "a size is declared or drawn"
+    return int(public_size), patients, size_ev
+
+
+def _with_drawn(drawn: dict[str, int], public_size: int | None,
+                patients: PatientIndex | None) -> tuple[int | None, PatientIndex | None]:
+    """(public size, patient index) with the drawn public counts in place of the undeclared ones."""
+    if patients is not None and PATIENTS_STAGE in drawn:
+        patients = dataclasses.replace(patients, n_public=drawn[PATIENTS_STAGE])
+    return drawn.get(SIZE_STAGE, public_size), patients
 
 
 def _undeclared(data: ImageDataset, public_size: int | None, patients: PatientIndex | None) -> dict[str, int]:

@@ -38,6 +38,7 @@ from .accounting import (
 )
 from .accountants.skellam import honest_shares, skellam_event
 from .mechanisms._checks import sampling_rate as mechanism_rate
+from .mechanisms.count import SIZE_SIGMA
 from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
 from .errors import FetaError, PolicyError, PrivacyError
@@ -125,7 +126,8 @@ def site_dpsgd(policy: Any | None) -> dict[str, Any]:
 def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
                  budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
                  cache_dir: Path | None = None, dpsgd_unit: str = "image",
-                 dpsgd_size: int | None = None) -> list[PrivacyEvent]:
+                 dpsgd_size: int | None = None,
+                 size: PrivacyEvent | Sequence[PrivacyEvent] | None = None) -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
@@ -141,12 +143,16 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     patient's summed gradient clipped): the same (sigma, q, steps), the figure then holds per patient directly.
     ``dpsgd_size``: the PUBLIC count DP-SGD samples from when it is not ``public_size`` (a federated patient-level
     site: its public number of patients, so q = batch / patients; :func:`site_dpsgd` gives both from a policy).
+    ``size``: the noisy count(s) that drew ``public_size`` (``mechanisms.count.size_event``; a local run without a
+    declared size) and/or the public patient count (``patients_event``): this job's FIRST events, composed in before
+    DP-SGD is calibrated; None: declared sizes.
     """
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
-    events = _with_dpsgd(cfg, n, warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
+    first = count_events(size)
+    events = _with_dpsgd(cfg, n, first + warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
                          _size(dpsgd_size) if dpsgd_size is not None else None)
     return gaussian_only(events, "stage_events")
 
@@ -242,6 +248,13 @@ def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int],
         args = (tuple(prior) + tuple(warm), q, sum(sizes), tgt.epsilon, tgt.delta, tgt.accountant)
         sigma = _cached_calibration(args, cache_dir)
     return warm + [PrivacyEvent("dpsgd", sigma, q, k, unit=dpsgd_unit) for k in sizes]
+
+
+def count_events(size: PrivacyEvent | Sequence[PrivacyEvent] | None) -> list[PrivacyEvent]:
+    """The noisy-count events of :func:`stage_events`'s ``size`` as a list (one event, several, or none)."""
+    if size is None:
+        return []
+    return [size] if isinstance(size, PrivacyEvent) else list(size)
 
 
 def _round_sizes(rounds: Sequence[int]) -> list[int]:
@@ -353,6 +366,9 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
     if stage == "frequency" and (f_sigma := cfg.frequency.sigma) is not None:
         r = f_sigma * math.sqrt(cfg.frequency.features) / n * n_classes
         return r, f"noise norm >= {r:.2f} x a class column's signal"
+    if stage == "size":  # the noisy count's std against the size it drew (the figure for sigma = SIZE_SIGMA)
+        r = SIZE_SIGMA / n
+        return r, f"count noise std {SIZE_SIGMA:g} images, {r:.1%} of the public size"
     if stage == "dpsgd" and sgd_sigma is not None:
         params = _param_count(cfg, image_shape, n_classes)
         if params is None:
@@ -442,20 +458,20 @@ class PrivacyPlan:
 def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
          budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
          image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image",
-         dpsgd_size: int | None = None) -> PrivacyPlan:
+         dpsgd_size: int | None = None, size: PrivacyEvent | Sequence[PrivacyEvent] | None = None) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
-    ``rounds``, ``dpsgd_unit``, ``dpsgd_size``: see :func:`stage_events`; ``image_shape``/``n_classes`` (public) only feed
-    the noise-to-signal figures (default: the embedded data).
+    ``rounds``, ``dpsgd_unit``, ``dpsgd_size``, ``size``: see :func:`stage_events`; ``image_shape``/``n_classes``
+    (public) only feed the noise-to-signal figures (default: the embedded data).
     Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
     """
     n = _size(public_size)
     cfg = cfg if federated else cfg.for_size(n)
     tgt = budget or target(cfg)
     prior = list(prior)
-    check_warmup(prior + warmup_events(cfg, n), tgt)
+    check_warmup(prior + count_events(size) + warmup_events(cfg, n), tgt)
     events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit,
-                          dpsgd_size=dpsgd_size)
+                          dpsgd_size=dpsgd_size, size=size)
     history = prior + events
     sgd = stage_event(events, "dpsgd")
     total = epsilon(history, tgt.delta, tgt.accountant)
@@ -495,6 +511,9 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
                      if sgd.unit == "patient" else "") if sgd else "disabled (0 steps)"),
     }
     rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
+    counts = {"size": "noisy image count -> public size", "patients": "noisy patient count -> public patients"}
+    for name in reversed([e.stage for e in events if e.stage in counts]):  # noisy counts drew undeclared sizes
+        rows.insert(0, (name, by_stage[name], counts[name]))
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}
     if prior:
         rows.insert(0, ("prior", None, f"{len(prior)} event(s) already spent"))

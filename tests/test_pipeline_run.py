@@ -39,7 +39,8 @@ def _cfg(**over) -> JobConfig:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "r"
-    res = run_pipeline(_cfg(), _data(), out, n_synthetic=30, grid_per_class=2, noise_seed=1)
+    # a declared public size (the site policy's in test_a_trained_run_exports...); a drawn one: test_public_size_draw
+    res = run_pipeline(_cfg(), _data(), out, n_synthetic=30, grid_per_class=2, noise_seed=1, public_size=240)
     return out, res
 
 
@@ -86,7 +87,7 @@ def test_model_pt_rebuilds_the_ema_denoiser(tiny_run):
 def test_rerun_of_complete_run_does_nothing(tiny_run):
     out, _ = tiny_run
     before = (out / "privacy.json").read_bytes()
-    res = run_pipeline(_cfg(), _data(), out, n_synthetic=30)
+    res = run_pipeline(_cfg(), _data(), out, n_synthetic=30, public_size=240)
     assert res.already_complete and (out / "privacy.json").read_bytes() == before
 
 
@@ -161,9 +162,9 @@ def test_the_method_switch_is_part_of_the_config_every_driver_reads():
 def test_other_job_into_existing_run_dir_is_refused(tiny_run, tmp_path):
     out, _ = tiny_run
     with pytest.raises(ConfigError, match="different job config"):
-        run_pipeline(_cfg(dpsgd={"steps": 5}), _data(), out)
+        run_pipeline(_cfg(dpsgd={"steps": 5}), _data(), out, public_size=240)
     with pytest.raises(DataError, match="different data"):
-        run_pipeline(_cfg(), _data(seed=1), out)
+        run_pipeline(_cfg(), _data(seed=1), out, public_size=240)
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("x")
@@ -354,10 +355,12 @@ def test_patient_level_run_charges_patient_events_and_resumes(tmp_path):
     out = tmp_path / "r"
     with pytest.raises(SimulatedKill):
         run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, kill_after_steps=1,
-                     noise_seed=3, patients=pats)
+                     noise_seed=3, patients=pats, public_size=240)
     with pytest.raises(PrivacyError, match="differs from this job's plan"):
-        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2)  # image-level now
-    res = run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, patients=pats)
+        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2,  # image-level now
+                     public_size=240)
+    res = run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, patients=pats,
+                       public_size=240)
     sgd = [e for e in res.events if e.stage == "dpsgd"]
     assert [e.unit for e in sgd] == ["patient"] and sgd[0].steps == 4
     assert all(e.unit == "image" for e in res.events if e.stage != "dpsgd")

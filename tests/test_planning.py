@@ -108,8 +108,12 @@ def test_cli_plan_json() -> None:
     data = json.loads(res.stdout)
     assert data["dataset_size"] == 4000 and data["dataset_size_assumed"] is False
     assert data["delta"] == 1e-5 and data["accountant"] == "rdp"
-    assert data["noise_multiplier"] == pytest.approx(plan(load_job(JOBS / "valid_feta_pro.toml"), 4000).noise_multiplier)
-    assert [s["stage"] for s in data["stages"]] == ["central", "frequency", "dpsgd"]
+    from feta_release.mechanisms.count import size_event
+
+    # train without --public-size draws its size from a noisy count: the plan holds that event first
+    drawn = plan(load_job(JOBS / "valid_feta_pro.toml"), 4000, size=size_event())
+    assert data["noise_multiplier"] == pytest.approx(drawn.noise_multiplier)
+    assert [s["stage"] for s in data["stages"]] == ["size", "central", "frequency", "dpsgd"]
     assert data["epsilon"] <= 1.0
 
 
@@ -120,7 +124,13 @@ def test_cli_plan_table_and_default_size() -> None:
     assert "total epsilon" in res.output and "dpsgd" in res.output and "disabled" in res.output
     res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_dpdm_no_warmup.toml"), "-n", "2000", "--json"])
     data = json.loads(res.stdout)
-    assert data["dataset_size"] == 2000 and data["stages"][2]["q"] == 256 / 2000
+    assert data["dataset_size"] == 2000 and data["stages"][3]["q"] == 256 / 2000  # after the size row
+    res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_dpdm_no_warmup.toml"), "-n", "2000", "--json",
+                                   "--declared-size"])
+    data = json.loads(res.stdout)
+    assert [s["stage"] for s in data["stages"]] == ["central", "frequency", "dpsgd"]
+    assert data["noise_multiplier"] == pytest.approx(plan(load_job(JOBS / "valid_dpdm_no_warmup.toml"), 2000)
+                                                     .noise_multiplier)
 
 
 def test_cli_errors_exit_with_codes(capsys: pytest.CaptureFixture[str]) -> None:

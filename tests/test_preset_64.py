@@ -38,7 +38,9 @@ def test_xray64_preset_trains_and_samples_64px(tmp_path: Path) -> None:
                                 "frequency_epochs": 1, "frequency_batch": 8},
                         auxgen={"epochs": 1, "iterations_per_epoch": 2, "batch": 8},
                         dpsgd={"batch": 8, "steps": 2, "physical_batch": 8}, sampler={"steps": 2})
-    res = run_pipeline(small, data, tmp_path / "run", n_synthetic=4, grid_per_class=1)
+    # a declared size: a noisy count of 40 images (std 50) could fall below the central batch (sizing is tested in
+    # test_public_size_draw)
+    res = run_pipeline(small, data, tmp_path / "run", n_synthetic=4, grid_per_class=1, public_size=40)
     with np.load(tmp_path / "run" / "synthetic.npz") as z:
         assert z["images"].shape[1:] in ((64, 64), (1, 64, 64), (64, 64, 1))
     assert res.epsilon <= 10.0

@@ -452,9 +452,10 @@ def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
     full = load_embedded()
     rng = np.random.default_rng(3)
     idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 13, replace=False) for c in range(10)])
-    data = full.subset(np.sort(idx[:-7]))  # 123 images -> public size 120 (2 significant digits)
-    cfg = load_preset("tiny").replace(warmup={"spatial_iterations": 1, "frequency_epochs": 0},
-                                      dpsgd={"steps": 1, "batch": 16, "physical_batch": 8})
+    data = full.subset(np.sort(idx[:-7]))  # 123 images: the public size is a noisy count's rounding, never 123
+    # batches of 8 < the smallest size a draw gives (10): the run never depends on where the draw falls
+    cfg = load_preset("tiny").replace(warmup={"spatial_iterations": 1, "frequency_epochs": 0}, central={"batch": 8},
+                                      dpsgd={"steps": 1, "batch": 8, "physical_batch": 8})
     out = tmp_path / "run"
     import feta_release.training.pipeline as pipeline
 
@@ -467,11 +468,13 @@ def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
     assert (out / "checkpoints" / "noise_seed.txt").stat().st_mode & 0o077 == 0
     run = json.loads((out / "run.json").read_text())
     privacy = json.loads((out / "privacy.json").read_text())
-    assert run["dataset_size"] == 120
+    n = run["dataset_size"]  # drawn from a noisy count charged first (review: the exact count's rounding was not DP)
+    assert n == run["public_size"]["counts"]["size"] and n != data.n and n % 10 == 0
+    assert privacy["events"][0]["stage"] == "size"
     qs = {e["stage"]: e["q"] for e in privacy["events"]}
-    assert qs["central"] == pytest.approx(100 / 120) and qs["dpsgd"] == pytest.approx(16 / 120)
-    assert len(np.load(out / "synthetic.npz")["labels"]) == 120
-    assert int(np.load(out / "released" / "frequency.npz")["n_public"]) == 120
+    assert qs["central"] == pytest.approx(8 / n) and qs["dpsgd"] == pytest.approx(8 / n)
+    assert len(np.load(out / "synthetic.npz")["labels"]) == n
+    assert int(np.load(out / "released" / "frequency.npz")["n_public"]) == n
 
 
 # -- randomness ---------------------------------------------------------------------------------------------

@@ -32,9 +32,13 @@ def privacy() -> None:
               help="Plan JOB_FILE as a federated job at the site of this policy (signed JSON, or a TOML/JSON draft), "
               "exactly as its node will: its public size, per-job budget and unit of privacy (a patient-level policy: "
               "DP-SGD samples its public patients at q = batch / patients). Replaces -n and the patient options.")
+@click.option("--declared-size", is_flag=True,
+              help="-n is a DECLARED public size (`train --public-size N`): no noisy count is planned. Default: as "
+              "`train` without --public-size, which draws its public size from a noisy count of the images (the "
+              "event 'size', charged first) and -n is then about the count.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, public_patients: int | None,
-         max_images_per_person: int | None, policy_path: Path | None, as_json: bool) -> None:
+         max_images_per_person: int | None, policy_path: Path | None, declared_size: bool, as_json: bool) -> None:
     """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
     and what that ε means for the unit of privacy (an image, or a patient).
 
@@ -49,6 +53,7 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, publ
         if dataset_size is not None or patient_cap is not None or public_patients is not None or max_images_per_person:
             raise click.UsageError("--policy fixes the size and the unit of privacy: drop -n, --patient-cap, "
                                    "--patients and --max-images-per-person")
+        # (a policy's size is its administrator's declaration: nothing is drawn, --declared-size changes nothing)
         _plan_for_policy(job_file, policy_path, as_json)
         return
     if patient_cap is not None and max_images_per_person is not None:
@@ -64,7 +69,10 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, publ
     cfg = load_job(job_file)
     assumed = dataset_size is None
     n = DEFAULT_DATASET_SIZE if dataset_size is None else dataset_size
-    result = plan_privacy(cfg, n, dpsgd_unit="image" if public_patients is None else "patient")
+    from ..mechanisms.count import size_event
+
+    result = plan_privacy(cfg, n, dpsgd_unit="image" if public_patients is None else "patient",
+                          size=None if declared_size else size_event())
     if as_json:
         data = result.to_dict()
         data["job"] = str(job_file)

@@ -27,11 +27,14 @@ from .progress_option import progress_option
 @click.option("--synthetic", "n_synthetic", type=click.IntRange(min=0), default=None,
               help="Images in RUN_DIR/synthetic.npz (balanced labels); default: the public size.")
 @click.option("--public-size", type=click.IntRange(min=1), default=None,
-              help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: the count "
-                   "rounded to 2 significant digits; the exact count is never written into the run).")
+              help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: a --policy's "
+                   "dataset.size, else drawn from a noisy count of the images: the Gaussian mechanism, noise std 50, "
+                   "charged first as the event 'size' and rounded to 2 significant digits; the exact count is never "
+                   "written into the run).")
 @click.option("--public-patients", type=click.IntRange(min=1), default=None,
               help="With --patient-cap: the PUBLIC number of patients; DP-SGD then samples whole patients (rate q) and "
-                   "divides by q x this number (default: the patient count rounded to 2 significant digits).")
+                   "divides by q x this number (default: a --policy's dataset.patients, else drawn from a noisy patient "
+                   "count, noise std 50, charged first as the event 'patients').")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
@@ -87,6 +90,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME")
     cfg = load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
     site_policy = _site_policy(policy_path, trusted)
+    if public_patients is None and site_policy is not None and site_policy.patients:
+        public_patients = int(site_policy.patients)  # the administrator's signed declaration
     if threads:
         torch.set_num_threads(threads)
     data, patients = _training_data(cfg, data_path, load, public_patients,
@@ -95,7 +100,7 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     skey = load_private_key(site_key) if site_key is not None else None
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
                        public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy,
-                       patients=patients)
+                       patients=patients, draw_patients=patients is not None and public_patients is None)
     if data_path is not None and (site_policy is None or site_policy.declared is None):
         click.echo(f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
                    f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
@@ -166,10 +171,11 @@ def _patient_index(report: Any, public_patients: int | None) -> Any:
     """Patient-level DP-SGD when the data was loaded with a patient cap (patient ids known); else None."""
     if report.patient_cap is None or report.patients is None:
         return None
-    from ..data.commitment import suggest_public_size
     from ..privacy_unit import PatientIndex
 
-    n_pub = public_patients if public_patients is not None else suggest_public_size(int(report.n_patients))
+    # no declared count: 1 is a placeholder, `run_pipeline(draw_patients=True)` draws the public count from a noisy
+    # patient count charged first (the exact count, or a rounding of it, would be an un-noised release)
+    n_pub = public_patients if public_patients is not None else 1
     return PatientIndex(report.patients, int(n_pub), int(report.patient_cap))
 
 

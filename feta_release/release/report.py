@@ -115,6 +115,8 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
     alone = epsilon_breakdown(events_from_list(site["events"]), float(site["delta"]), site["accountant"])
     c, d = cfg.get("central", {}), cfg.get("dpsgd", {})
     sens = {
+        "size": "noisy count of the site's images (a run without a declared size draws its public size from it); "
+                "L2 sensitivity 1 image",
         "central": (f"noisy per-class {c.get('kind', 'mean')} images; L2 sensitivity "
                     + (f"C = {c.get('clip') or 'sqrt(pixels)'} (clipped image)" if c.get("kind", "mean") == "mean"
                        else "sqrt(number of pixel values) (one histogram bin per pixel)")),

@@ -74,7 +74,8 @@ from .manifest import (
 )
 
 EPS_REL_TOL = 1e-6
-STAGE_WORDS = {"central": "central images", "frequency": "frequency features", "dpsgd": "DP-SGD fine-tuning"}
+STAGE_WORDS = {"size": "public size (noisy image count)",
+               "central": "central images", "frequency": "frequency features", "dpsgd": "DP-SGD fine-tuning"}
 
 
 @dataclass

@@ -35,6 +35,11 @@ def seed_from(*parts: Any) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+def private_key(secret: int, stage: str) -> bytes:
+    """The key of ``stage``'s private stream, from the run's secret (one stream per stage)."""
+    return hashlib.sha256(f"{secret}/{stage}".encode()).digest()
+
+
 def public_generator(cfg: JobConfig, name: str) -> torch.Generator:
     """PUBLIC randomness of one named use (model init, warm-ups, sampling), from ``[job] seed``: the one seeding
     rule of both drivers, so the coordinator's warm-up draws what a single-site run draws."""
@@ -128,7 +133,7 @@ class RunContext:
         return public_generator(self.cfg, name)
 
     def _private_key(self, stage: str) -> bytes:
-        return hashlib.sha256(f"{self.secret}/{stage}".encode()).digest()
+        return private_key(self.secret, stage)
 
     def private_rng(self, stage: str) -> np.random.Generator:
         return numpy_generator_from(self._private_key(stage))

@@ -38,6 +38,8 @@ is closed in the ledger: nothing more can be charged for it, so its statement is
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import secrets
 import time
@@ -51,16 +53,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..accounting import PrivacyEvent, epsilon, events_to_list
 from ..config import JobConfig
 from ..data import ImageDataset
-from ..data.commitment import suggest_public_size
 from ..errors import ConfigError, DataError, PrivacyError
 from ..ledger import Ledger
+from ..mechanisms.count import (PATIENTS_STAGE, SIZE_SIGMA, SIZE_STAGE, draw_public_size, patients_event,
+                                public_size_from, size_event)
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
 from ..planning import plan as privacy_plan
+from ..randomness import numpy_generator_from
 from ..signing import fingerprint, generate_keypair, load_private_key, sha256_file
 from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget
 from ..stages.account import check_recorded_plan
-from ..stages.context import initial_denoiser
+from ..stages.context import initial_denoiser, private_key
 from ..stages.base import now
 from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, private_dir, read_json
 from .device import resolve_device
@@ -68,6 +72,8 @@ from .progress import Reporter
 from ..viz import save_budget_chart
 
 FORMAT = "feta-release/run/v1"
+SIZING = "sizing"  # run.json's status while a run draws its public size (before its plan exists)
+SIZE_FILE = "size.json"  # released/size.json: the drawn public size as released (its bytes recorded in the ledger)
 __all__ = ["FORMAT", "RunResult", "SimulatedKill", "check_data", "run_pipeline", "run_site_key"]
 
 
@@ -107,8 +113,8 @@ def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None, 
 # -- run directory ---------------------------------------------------------------------------------
 
 
-def _open_run_dir(root: Path, job_hash: str, data_fp: str) -> tuple[RunDir, dict[str, Any] | None]:
-    """Create a fresh run dir or return the run.json of the resumable one; refuse anything else."""
+def _existing_state(root: Path) -> dict[str, Any] | None:
+    """run.json of the run in ``root`` (None: no run there yet); refuse a file or a non-empty non-run directory."""
     rd = RunDir(root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{root}: exists and is not a directory")
@@ -118,7 +124,21 @@ def _open_run_dir(root: Path, job_hash: str, data_fp: str) -> tuple[RunDir, dict
                 f"{root}: directory is not empty and holds no run.json: not a feta-release run; choose an empty "
                 "or new --out directory"
             )
-        state = read_json(rd.run_json)
+        return read_json(rd.run_json)
+    return None
+
+
+def _open_run_dir(root: Path, job_hash: str, data_fp: str, drawn: bool = False) -> tuple[RunDir, dict[str, Any] | None]:
+    """Create a fresh run dir or return the run.json of the resumable one; refuse anything else. ``drawn``: the run
+    drew its public size (its sizing step made the directory and checked job and data)."""
+    rd = RunDir(root)
+    state = _existing_state(root)
+    if state is not None:
+        if state.get("status") == SIZING:
+            if not drawn:
+                raise ConfigError(f"{root}: this run draws its public size (a noisy count, already charged); resume "
+                                  "it without --public-size, or use a new --out directory")
+            return rd, state
         if state.get("job_hash") != job_hash:
             raise ConfigError(
                 f"{root}: belongs to a different job config (hash {str(state.get('job_hash'))[:12]}..., this job "
@@ -171,11 +191,13 @@ def run_pipeline(
     site_key: Ed25519PrivateKey | None = None,
     site_policy: Any = None,
     patients: PatientIndex | None = None,
+    draw_patients: bool = False,
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
     ``n_synthetic``: images in synthetic.npz (default: the public size, balanced).
-    ``public_size``: the PUBLIC nominal dataset size N (default: the count rounded to 2 significant digits). Rates
+    ``public_size``: the PUBLIC nominal dataset size N (default: ``site_policy``'s declaration, else drawn from a noisy
+    count charged first as the event ``size``, see ``feta_release.mechanisms.count``). Rates
     q = batch / N, the central/frequency denominators, the DP-SGD divisor and everything written into the run (and
     so into a release) use it; the exact count stays in this process.
     ``noise_seed``: fixed secret seed for tests only (default: drawn from the OS, kept in the run dir).
@@ -187,25 +209,26 @@ def run_pipeline(
     charge is checked against its caps.
     ``patients``: patient ids, public patient count and cap: DP-SGD then samples and clips whole PATIENTS and its
     events carry ``unit = "patient"`` (``feta_release.privacy_unit``); None: the unit is the image.
+    ``draw_patients``: ``patients.n_public`` is a placeholder (no declared patient count): the run draws it from a
+    noisy patient count, charged first as the event ``patients`` (``feta_release.mechanisms.count``).
     """
     t_start = time.perf_counter()
     dev = resolve_device(device)  # refuse an absent GPU before anything is written
     rep = reporter or Reporter(enabled=False)
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    n_pub = int(public_size) if public_size is not None else suggest_public_size(data.n)
-    cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
-    check_data(cfg, data, n_pub, declared=getattr(site_policy, "declared", None) is not None)
-    # Plan before touching the directory: an infeasible plan leaves nothing behind.
-    plan = privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
-                        dpsgd_unit="image" if patients is None else "patient")
-    for w in plan.warnings:
-        rep.log(f"[yellow]warning[/]: {w}")
     if ledger is not None and site_policy is None and _outside(Path(ledger), Path(out_dir)):
         raise ConfigError(_NEEDS_POLICY.format(ledger=ledger))  # before the run dir is made
+    n_pub, patients, size_ev = _public_sizes(cfg, data, Path(out_dir), public_size, patients, draw_patients,
+                                             site_policy, (ledger, site_key, noise_seed, rep))
+    cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
+    # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
+    plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)
+    for w in plan.warnings:
+        rep.log(f"[yellow]warning[/]: {w}")
     job_hash = config_hash(cfg.to_dict())
-    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint())
-    resumed = state is not None
+    rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint(), drawn=bool(size_ev))
+    resumed = state is not None and state.get("status") != SIZING
     state = _start_state(rd, state, cfg, data, plan, n_pub)
     account = _open_account(rd, state, cfg, plan, ledger, site_key, site_policy)
     if state.get("status") == "complete" and rd.complete_marker.exists():
@@ -213,8 +236,7 @@ def run_pipeline(
         return _result(account, plan, state, 0.0, resumed=True, already_complete=True)
     state["status"] = "running"
     atomic_write_json(rd.run_json, state)
-    if not account.report_path.exists():
-        account.write()
+    account.write()  # (a drawn size's charge wrote it under the size-only plan)
     model = initial_denoiser(cfg, data.image_shape, data.n_classes).to(dev)  # the public init of both drivers
     ctx = RunContext(cfg=cfg, data=data, rd=rd, account=account, plan=plan, state=state,
                      secret=_secret(rd, noise_seed, account), rep=rep, denoiser=model, n_public=n_pub,
@@ -229,11 +251,56 @@ def run_pipeline(
     return _finish(ctx, time.perf_counter() - t_start, resumed)
 
 
+def _public_sizes(cfg: JobConfig, data: ImageDataset, root: Path, public_size: int | None,
+                  patients: PatientIndex | None, draw_patients: bool, site_policy: Any,
+                  run: tuple[Any, ...]) -> tuple[int, PatientIndex | None, list[PrivacyEvent]]:
+    """(public size, patient index, the noisy counts' events): the declared sizes (``public_size``, the signed
+    policy's), else drawn by :func:`_drawn_size`. ``run``: (ledger, site key, noise seed, reporter)."""
+    if public_size is None and site_policy is not None:
+        public_size = int(site_policy.dataset_size)  # the administrator's signed declaration
+    exact = _undeclared(data, public_size, patients if draw_patients else None)
+    size_ev = [_COUNT_EVENTS[stage]() for stage in exact]  # no declared size: a noisy count draws it
+    if exact:  # refuse an infeasible job before the counts are charged (nothing is released here)
+        _plan_for(cfg, data, public_size or public_size_from(data.n), patients, site_policy, size_ev)
+        ledger, site_key, noise_seed, rep = run
+        drawn = _drawn_size(cfg, data, root, ledger, site_key, noise_seed, rep, exact)
+        public_size, patients = _with_drawn(drawn, public_size, patients)
+    assert public_size is not None, "a size is declared or drawn"
+    return int(public_size), patients, size_ev
+
+
+def _with_drawn(drawn: dict[str, int], public_size: int | None,
+                patients: PatientIndex | None) -> tuple[int | None, PatientIndex | None]:
+    """(public size, patient index) with the drawn public counts in place of the undeclared ones."""
+    if patients is not None and PATIENTS_STAGE in drawn:
+        patients = dataclasses.replace(patients, n_public=drawn[PATIENTS_STAGE])
+    return drawn.get(SIZE_STAGE, public_size), patients
+
+
+def _undeclared(data: ImageDataset, public_size: int | None, patients: PatientIndex | None) -> dict[str, int]:
+    """stage -> EXACT count of each size the run must draw (private: only ``_drawn_size`` adds noise to them)."""
+    exact = {SIZE_STAGE: data.n} if public_size is None else {}
+    if patients is not None:
+        exact[PATIENTS_STAGE] = patients.n_patients
+    return exact
+
+
+def _plan_for(cfg: JobConfig, data: ImageDataset, n_pub: int, patients: PatientIndex | None, site_policy: Any,
+              size_ev: list[PrivacyEvent]) -> PrivacyPlan:
+    """The run's privacy plan at public size ``n_pub`` (its data checked first); ``size_ev``: the drawn size's."""
+    cfg = cfg.for_size(n_pub)
+    check_data(cfg, data, n_pub, declared=getattr(site_policy, "declared", None) is not None)
+    return privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
+                        dpsgd_unit="image" if patients is None else "patient", size=size_ev)
+
+
 def _start_state(rd: RunDir, state: dict[str, Any] | None, cfg: JobConfig, data: ImageDataset, plan: PrivacyPlan,
                  n_pub: int) -> dict[str, Any]:
-    """run.json of a new run (and job.json), or the resumed one after checking it has this plan."""
-    if state is None:
+    """run.json of a new run (and job.json), or the resumed one after checking it has this plan. A run that drew
+    its size starts from the sizing step's run.json (its ledger, base hash and drawn size are kept)."""
+    if state is None or state.get("status") == SIZING:
         state = {
+            **(state or {}),
             "format": FORMAT, "job_name": cfg.job.name, "job_hash": config_hash(cfg.to_dict()),
             "data_fingerprint": data.fingerprint(), "data_source": data.source,
             "dataset_size": n_pub,  # public nominal size
@@ -270,6 +337,75 @@ def _open_account(rd: RunDir, state: dict[str, Any], cfg: JobConfig, plan: Priva
     atomic_write_json(rd.run_json, state)
     return RunAccount(Ledger(stored, key=key), rec["job_id"], plan, run_budget(cfg), rd.root / "privacy.json",
                       site_policy)
+
+
+# -- the public size of a run without a declared one (mechanisms.count) ------------------------------
+
+
+def _drawn_size(cfg: JobConfig, data: ImageDataset, root: Path, ledger: str | Path | None,
+                site_key: Ed25519PrivateKey | None, noise_seed: int | None, rep: Reporter,
+                exact: dict[str, int]) -> dict[str, int]:
+    """The public sizes of a run given none: for each stage of ``exact`` (``size``: the image count; ``patients``:
+    the patient count) a noisy count, charged in the run's ledger BEFORE anything else is released, drawn from the
+    run's secret, saved in ``released/size.json`` and recorded. A resume reads them back (checked against the
+    ledger's record), never charging or drawing again. The run has no signed policy here (a policy declares its
+    sizes), so its ledger is its own (a shared one needs a policy). Returns stage -> public value."""
+    rd = RunDir(root)
+    state = _sizing_state(rd, cfg, data)
+    events = [_COUNT_EVENTS[stage]() for stage in exact]
+    account = _open_account(rd, state, cfg, _size_plan(cfg, events), ledger, site_key)
+    path = rd.released(SIZE_FILE)
+    if path.exists():
+        drawn = json.loads(account.saved_release(next(iter(exact)), path))["counts"]
+        if set(drawn) != set(exact):
+            raise ConfigError(f"{root}: this run drew {sorted(drawn)}, not {sorted(exact)}; resume it with the same "
+                              "--public-size/--public-patients options, or use a new --out directory")
+        return {k: int(v) for k, v in drawn.items()}
+    if any(account.charged(stage) > 0 for stage in exact):
+        raise PrivacyError(f"{path} is missing but the public size was already charged (the run was killed between "
+                           "charging and saving it); it cannot be drawn again for free: start a new run directory")
+    secret = _secret(rd, noise_seed, account)  # bound in the ledger before the first charge
+    rids = [account.charge(stage, 1) for stage in exact]
+    drawn = {stage: draw_public_size(n, numpy_generator_from(private_key(secret, stage))) for stage, n in exact.items()}
+    blob = json.dumps({"counts": drawn, "sigma": SIZE_SIGMA}, sort_keys=True).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, blob)
+    for rid in rids:
+        account.record(rid, blob)
+    state["public_size"] = {"counts": drawn, "drawn": True, "sigma": SIZE_SIGMA}
+    atomic_write_json(rd.run_json, state)
+    rep.log(f"public sizes drawn from noisy counts (noise std {SIZE_SIGMA:g}, charged first): {drawn}")
+    return drawn
+
+
+_COUNT_EVENTS = {SIZE_STAGE: size_event, PATIENTS_STAGE: patients_event}
+
+
+def _sizing_state(rd: RunDir, cfg: JobConfig, data: ImageDataset) -> dict[str, Any]:
+    """run.json of a run that draws its size: the existing one (same job and data) or a new one (status sizing)."""
+    base = config_hash(cfg.to_dict())  # the job before sizing (its batches follow the size drawn)
+    state = _existing_state(rd.root)
+    if state is None:
+        rd.root.mkdir(parents=True, exist_ok=True)
+        state = {"format": FORMAT, "job_name": cfg.job.name, "base_hash": base,
+                 "data_fingerprint": data.fingerprint(), "status": SIZING, "stages": {}}
+        atomic_write_json(rd.run_json, state)
+        return state
+    if state.get("status") != SIZING and not (state.get("public_size") or {}).get("drawn"):
+        raise ConfigError(f"{rd.root}: this run was started with the declared public size {state.get('dataset_size')}; "
+                          f"resume it with --public-size {state.get('dataset_size')}, or use a new --out directory")
+    if state.get("base_hash") != base or state.get("data_fingerprint") != data.fingerprint():
+        raise ConfigError(f"{rd.root}: belongs to a different job config or data; use the same job file and --data "
+                          "to resume, or a new --out directory")
+    return state
+
+
+def _size_plan(cfg: JobConfig, events: list[PrivacyEvent]) -> PrivacyPlan:
+    """The plan of a run's sizing step: the noisy counts alone (the full plan needs the sizes they draw)."""
+    p = cfg.privacy
+    return PrivacyPlan(dataset_size=0, target_epsilon=float(p.epsilon), delta=float(p.delta),
+                       accountant=p.accountant, epsilon=epsilon(events, float(p.delta), p.accountant),
+                       noise_multiplier=None, calibrated=False, stages=(), history=tuple(events))
 
 
 _NEEDS_POLICY = ("{ledger}: a site ledger outside the run directory is charged under the site's signed policy; give "

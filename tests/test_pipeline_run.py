@@ -105,14 +105,14 @@ def test_kill_then_resume_never_double_charges(tmp_path):
     assert doc["complete"] is False
     charged = {e.stage: e.steps for e in events_from_list(doc["events"])}
     # charged one chunk (checkpoint_every = 2 steps) before it runs: steps 1-2, then 3-4 before step 3
-    assert charged == {"central": 1, "dpsgd": 4}
+    assert charged == {"size": 1, "central": 1, "dpsgd": 4}  # size: the drawn public size, charged once, first
     central_bytes = (out / "released" / "central.npz").read_bytes()
 
     res = run_pipeline(cfg, data, out, n_synthetic=10, grid_per_class=1, checkpoint_every=2)
     assert res.resumed and (out / "COMPLETE").exists()
     doc = json.loads((out / "privacy.json").read_text())
     assert events_from_list(doc["events"]) == events_from_list(doc["planned"])  # == plan, no double count
-    assert {e.stage: e.steps for e in res.events} == {"central": 1, "dpsgd": 6}
+    assert {e.stage: e.steps for e in res.events} == {"size": 1, "central": 1, "dpsgd": 6}  # size not re-drawn
     # checkpoint at step 2; steps 3-4 were charged then lost: 2 + the remaining 2 steps are trained
     assert res.dpsgd_steps_trained == 4
     assert json.loads((out / "run.json").read_text())["dpsgd_steps_lost"] == 2
@@ -135,8 +135,8 @@ def test_release_charged_but_not_saved_refuses_to_requery(tmp_path):
 def test_dpdm_method_runs_dpsgd_only(tmp_path):
     cfg = _cfg(job={"method": "dpdm"}, dpsgd={"steps": 2})
     res = run_pipeline(cfg, _data(), tmp_path / "r", n_synthetic=10, grid_per_class=1)
-    assert [e.stage for e in res.events] == ["dpsgd"]
-    assert not (tmp_path / "r" / "released").exists()
+    assert [e.stage for e in res.events] == ["size", "dpsgd"]  # the drawn public size, then DP-SGD only
+    assert sorted(p.name for p in (tmp_path / "r" / "released").iterdir()) == ["size.json"]
     assert res.epsilon <= cfg.privacy.epsilon
 
 

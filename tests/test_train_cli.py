@@ -40,7 +40,7 @@ def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["epsilon"] <= 10.0 and summary["delta"] == 1e-5
-    assert [e["stage"] for e in summary["events"]] == ["central", "frequency", "dpsgd"]
+    assert [e["stage"] for e in summary["events"]] == ["size", "central", "frequency", "dpsgd"]
     assert (out / "COMPLETE").exists()
     assert np.load(out / "synthetic.npz")["images"].shape[0] == 10
     # the same command again: already complete, nothing re-spent

@@ -27,7 +27,8 @@ from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms import skellam as sk
 from feta_release.models import build_denoiser
 from feta_release.policy.jobs import Job
-from feta_release.training.dpsgd import EDMLoss, batch_gradients, clipped_rows, poisson_sample, select_engine
+from feta_release.training.dpsgd import (EDMLoss, batch_gradients, clipped_rows, poisson_sample, seed_dropout,
+                                         select_engine)
 from feta_release.training.padding import model_range, public_rows
 
 from .protocol import Request
@@ -77,11 +78,13 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     # the per-example engine once a round, as DPSGDTrainer does: [dpsgd] per_example, the hooks cross-checked on a
     # public dummy batch (their own fixed generator: this round's draws are untouched)
     engine = select_engine(model, loss, cfg.dpsgd.per_example, check=True)
-    for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
-        rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
-        rows[max(0, real - at):] = 0.0  # padding rows: computed like the others, then zeroed (they round to 0)
-        at += rows.shape[0]
-        total += sk.quantize_records(rows, params, np_rng)  # per record: the sensitivity is one rounded record
+    with torch.random.fork_rng(devices=[]):
+        seed_dropout(model, generator)  # dropout masks from the round's private generator (review58 M2)
+        for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
+            rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
+            rows[max(0, real - at):] = 0.0  # padding rows: computed like the others, then zeroed (they round to 0)
+            at += rows.shape[0]
+            total += sk.quantize_records(rows, params, np_rng)  # per record: the sensitivity is one rounded record
     return total + sk.skellam_noise(dim, params.site_mu, np_rng)
 
 

@@ -418,6 +418,18 @@ class PublicMix:
     generator: torch.Generator
 
 
+def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
+    """Seed torch's GLOBAL generator (the caller forks it: ``torch.random.fork_rng``) from the private ``generator``
+    when ``model`` has active dropout. ``nn.Dropout`` draws its masks there, which is public-seeded in the local
+    pipeline, fixed in a fresh per-message process and carried across requests in the warm worker; masks from it
+    were predictable and assigned by position in the batch, so one image more shifted every later image's mask
+    (review58 M2). Now they are a fresh secret draw per step (DP-SGD) or round (FedSGD), independent of the data:
+    coupled on the shared examples, each one still moves the sum by <= C. A model without dropout draws nothing
+    (its noise stream is unchanged)."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+
+
 class DPSGDTrainer:
     """DP-SGD on one site's data. Reused unchanged by the federation for local rounds.
 
@@ -611,14 +623,7 @@ class DPSGDTrainer:
         return stats
 
     def _seed_dropout(self) -> None:
-        """Seed torch's GLOBAL generator (forked by the caller) from the private one when the model has active
-        dropout: ``nn.Dropout`` draws its masks there, which is public-seeded in the local pipeline and carried across
-        requests in the warm worker. Masks from it were predictable and assigned by position in the batch, so one
-        image more shifted every later image's mask (review58 M2). Now they are a fresh secret draw per step,
-        independent of the data: coupled on the shared examples, each one still moves the sum by <= C. A model
-        without dropout draws nothing (its noise stream is unchanged)."""
-        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in self.model.modules()):
-            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator)))
+        seed_dropout(self.model, self.generator)
 
     def run(
         self,

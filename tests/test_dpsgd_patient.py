@@ -221,3 +221,41 @@ def test_a_patient_straddling_physical_calls_is_clipped_once_whole(sizes: list[i
         want += s * min(1.0, clip / (float(s.norm()) + 1e-12))
     assert torch.allclose(g["w"] * len(sizes), want, atol=1e-5), (g["w"] * len(sizes), want)
     assert stats.batch_size == len(sizes)
+
+
+def _carry_ops(continues: bool, carry: bool) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from feta_release.training.dpsgd import _carry_patients
+
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    sums = {"w": torch.randn(4, 3, 2), "b": torch.randn(4, 5)}
+    prev = {"w": torch.randn(3, 2), "b": torch.randn(5)} if carry else None
+    with Record():
+        _carry_patients(sums, prev, 2, continues)
+    return ops
+
+
+def test_the_carry_does_the_same_work_whatever_the_patient_layout() -> None:
+    """Review 62 L2: a torch.cat and a clone ran only where a sampled patient straddled two calls, so the work per
+    step counted the sampled patients' (private) image counts. Now the same operations run for every chunk."""
+    assert _carry_ops(True, True) == _carry_ops(False, True)
+
+
+def test_a_non_finite_patient_that_ends_in_a_chunk_does_not_reach_the_next_patient() -> None:
+    """A patient whose partial sum is NaN is dropped at its own clip; its NaN must not be carried (0 * NaN) into
+    the next chunk's first patient, which would then be dropped too: one patient moving the sum by 2C."""
+    from feta_release.training.dpsgd import _carry_patients
+
+    sums = {"w": torch.ones(4, 3)}
+    sums["w"][2] = float("nan")
+    out, held = _carry_patients(sums, None, 2, False)
+    assert torch.equal(held["w"], torch.zeros(3)) and torch.isnan(out["w"][2]).all()
+    out, held = _carry_patients({"w": torch.ones(4, 3)}, held, 2, False)
+    assert torch.equal(out["w"][0], torch.ones(3))

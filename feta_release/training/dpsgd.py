@@ -384,19 +384,24 @@ def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor
     return out
 
 
-def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, last: int, continued: bool,
-                    continues: bool) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
-    """Complete per-patient sums of one chunk (rows 0..``last`` hold its patients): the previous chunk's partial
-    sum of its last patient added to row 0 (``continued``), and row ``last`` held back as the new carry when that
-    patient goes on in the next chunk (``continues``; its row becomes zero, which the clip passes as zero and
-    never counts as clipped). Returns (the sums to clip now, the carry)."""
-    if continued and carry is not None:
-        sums = {name: torch.cat([g[:1] + carry[name][None], g[1:]]) for name, g in sums.items()}
-    if not continues:
-        return sums, None
-    held = {name: g[last].clone() for name, g in sums.items()}
-    for g in sums.values():
-        g[last] = 0
+def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, last: int,
+                    continues: bool) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Complete per-patient sums of one chunk (rows 0..``last`` hold its patients): the previous chunk's carry
+    added to row 0, and row ``last`` held back as the new carry (zeroed in the sums) when that patient goes on in
+    the next chunk (``continues``). Returns (the sums to clip now, the carry).
+
+    The same operations run whatever the layout (review 62 L2: a branch per straddling patient made the work per
+    step count the sampled patients' private image counts): the carry is ALWAYS added (zeros when the previous
+    chunk's last patient ended there, or for the first chunk) and row ``last`` ALWAYS selected into the carry or
+    left in place. Adding +0.0 is exact, so the sums are bit-identical to the branching form."""
+    goes_on = torch.tensor(bool(continues))
+    held = {}
+    for name, g in sums.items():
+        g[0] += carry[name] if carry is not None else torch.zeros_like(g[0])
+        # selects, not products: a non-finite partial sum (dropped whole at its own clip) must never reach the
+        # NEXT patient's row as 0 * inf = NaN, which would drop that other patient too (sensitivity 2C)
+        held[name] = torch.where(goes_on, g[last], 0.0)
+        g[last] = torch.where(goes_on, 0.0, g[last])
     return sums, held
 
 
@@ -547,13 +552,13 @@ class DPSGDTrainer:
         was_training = self.model.training
         self.model.train()
         carry: dict[str, Tensor] | None = None  # the partial sum of a patient that straddles two chunks
-        for part, own, k, continued, continues in _patient_chunks(rows, owner, self.chunk):
+        for part, own, k, _continued, continues in _patient_chunks(rows, owner, self.chunk):
             rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
             grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine)
             # one group row per image of the call (the unused ones zero): the clip's rows, like the image-level
             # step's, total the public bound whatever the number of sampled patients
-            sums, carry = _carry_patients(group_sum(grads, own, int(part.numel())), carry, k - 1, continued, continues)
+            sums, carry = _carry_patients(group_sum(grads, own, int(part.numel())), carry, k - 1, continues)
             summed, norms = clip_and_sum(sums, self.clip)  # clip each COMPLETE patient's sum to C
             for name in total:
                 total[name] += summed[name]

@@ -183,7 +183,9 @@ site_key = '''{site_pem}'''
 
 [dataset]
 commitment = {_toml_str(commitment)}  # HMAC of the data as node.toml reads it (keys/data.secret)
-size = {n}  # PUBLIC nominal size N (rounded, not the exact count): rates are q = batch / N
+# PUBLIC nominal size N: rates are q = batch / N. DRAFTED as the exact count rounded to 2 significant digits, which
+# is still a function of the exact count: publish a figure you would state anyway (e.g. your data inventory's).
+size = {n}
 {unit_fields}
 # Unit of privacy: {unit}.
 [budget.lifetime]

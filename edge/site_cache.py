@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from feta_release.data.commitment import public_rows
 from feta_release.data.dataset import ImageDataset
@@ -47,7 +49,7 @@ from feta_release.privacy_unit import group_patient_rows
 log = logging.getLogger("feta.node")
 
 CACHE_NAME = "site-data.cache"
-_DOMAIN = b"feta-release site data cache v1\0"  # MAC key derivation: never the data commitment's own key
+_DOMAIN = b"feta-release site data cache v2\0"  # HKDF info of the cache's MAC key (never the commitment's key)
 _TAG = 32
 # node-config keys (edge.site's CFG_*; spelled out here because edge.site imports this module)
 _FILES_BY_HASH = ("policy-file", "trusted-policy-key", "site-key", "data-secret")
@@ -120,7 +122,9 @@ def cache_key(node_config: dict[str, Any], n_public: int) -> str:
 
 
 def _mac(secret: bytes, key: str, body: bytes) -> bytes:
-    return hmac.new(secret, _DOMAIN + key.encode() + b"\0" + body, hashlib.sha256).digest()
+    # a key of its own, derived from the data secret with HKDF (the commitment keys HMAC with the secret itself)
+    mac_key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_DOMAIN).derive(secret)
+    return hmac.new(mac_key, key.encode() + b"\0" + body, hashlib.sha256).digest()
 
 
 def save(work: Path, key: str, secret: bytes, data: ImageDataset, patient_ids: Any, commitment: str,

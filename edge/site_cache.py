@@ -28,6 +28,7 @@ the full O(N) open once: the residual timing this leaves is at the site's own mo
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import hmac
 import io
@@ -42,6 +43,9 @@ import numpy as np
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from feta_release.data import dataset as _dataset
+from feta_release.data import declared as _declared
+from feta_release.data import loading as _loading
 from feta_release.data.commitment import public_rows
 from feta_release.data.dataset import ImageDataset
 from feta_release.privacy_unit import group_patient_rows
@@ -114,11 +118,22 @@ def _data_files(data: Path) -> list[Path]:
     return [data, *(data.parent / name for name in listed)]
 
 
+@functools.lru_cache(maxsize=1)
+def _loader_code() -> bytes:
+    """The sha256 of the code that decodes and maps the data: an upgrade that changes how images are read makes
+    every cache a miss instead of serving data the old code decoded."""
+    h = hashlib.sha256()
+    for mod in (_loading, _declared, _dataset):
+        h.update(Path(str(mod.__file__)).read_bytes())
+    return h.hexdigest().encode()
+
+
 def cache_key(node_config: dict[str, Any], n_public: int) -> str:
-    """What a cached open is valid for: every node-config value (paths, load options) and the stamp of the
-    files, checked with public work (``site_stamp`` padded to the public size)."""
+    """What a cached open is valid for: every node-config value (paths, load options), the loader's code and the
+    stamp of the files, checked with public work (``site_stamp`` padded to the public size)."""
     config = json.dumps(sorted((str(k), str(v)) for k, v in node_config.items())).encode()
-    return hashlib.sha256(config + b"\0" + site_stamp(node_config, n_public).encode()).hexdigest()
+    stamp = site_stamp(node_config, n_public).encode()
+    return hashlib.sha256(config + b"\0" + _loader_code() + b"\0" + stamp).hexdigest()
 
 
 def _mac(secret: bytes, key: str, body: bytes) -> bytes:

@@ -128,3 +128,15 @@ def test_a_cache_not_written_for_these_files_is_a_miss(tmp_path_factory: pytest.
         path.write_bytes(bytes(raw[:at]))
     key = "k2" if how == "other-key" else "k1"
     assert site_cache.load(tmp, key, secret) is None
+
+
+def test_a_changed_loader_makes_the_cache_key_change(monkeypatch) -> None:
+    """Review 62 note: the key covered the node config and the files, not the code that decodes them; after an
+    upgrade that changes decoding, a node kept serving data the old code had decoded."""
+    import edge.site_cache as sc
+
+    cfg = {"policy-file": "/nonexistent"}
+    monkeypatch.setattr(sc, "site_stamp", lambda node_config, n_public: "stamp")
+    before = sc.cache_key(cfg, 10)
+    monkeypatch.setattr(sc, "_loader_code", lambda: b"other loader code")
+    assert sc.cache_key(cfg, 10) != before

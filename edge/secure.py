@@ -40,6 +40,7 @@ from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
+from feta_release.files import atomic_write_bytes
 from feta_release.federation.secagg import (ALREADY_RELEASED, RoundConfig, SecAggError, SecAggSite, ed25519_signer,
                                             ed25519_verifier)
 from feta_release.mechanisms import secure_sums as ss
@@ -136,11 +137,7 @@ def save_state(site: Site, job: Job, phase: str, st: SecAggSite, site_keys: dict
     body = {"node_id": st.node_id, "round_id": st.config.round_id, "node_ids": list(st.config.node_ids),
             "modulus_bits": st.config.modulus_bits, "site_keys": site_keys,
             "record": {k: _enc(v) for k, v in st.to_record().items()}}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(body, fh)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, json.dumps(body).encode("utf-8"), private=True)
 
 
 def load_state(site: Site, job: Job, doc: dict[str, Any]) -> tuple[SecAggSite, dict[str, str]]:

@@ -34,8 +34,6 @@ import hmac
 import io
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +45,7 @@ from feta_release.data import dataset as _dataset
 from feta_release.data import declared as _declared
 from feta_release.data import loading as _loading
 from feta_release.data.commitment import public_rows
+from feta_release.files import atomic_write_bytes
 from feta_release.data.dataset import ImageDataset
 from feta_release.privacy_unit import group_patient_rows
 
@@ -159,14 +158,7 @@ def save(work: Path, key: str, secret: bytes, data: ImageDataset, patient_ids: A
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     body = buf.getvalue()
-    fd, tmp = tempfile.mkstemp(dir=work, prefix=f".{CACHE_NAME}.", suffix=".tmp")  # 0600, random name
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(_mac(secret, key, body) + body)
-        os.replace(tmp, work / CACHE_NAME)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(work / CACHE_NAME, _mac(secret, key, body) + body, private=True)  # 0600, random tmp name
 
 
 def load(work: Path, key: str, secret: bytes) -> dict[str, Any] | None:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from feta_release.training import checkpoint
-from feta_release.training.checkpoint import atomic_write_bytes, private_dir
+from feta_release import files
+from feta_release.files import atomic_write_bytes, private_dir
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def _spy_replace(monkeypatch) -> list[int]:
         modes.append(os.stat(src).st_mode & 0o777)
         return real(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", spy)
+    monkeypatch.setattr(files.os, "replace", spy)
     return modes
 
 
@@ -57,7 +57,7 @@ def test_a_planted_link_at_the_old_temporary_name_receives_nothing(tmp_path: Pat
 
 
 def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(checkpoint.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+    monkeypatch.setattr(files.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
     with pytest.raises(OSError, match="disk gone"):
         atomic_write_bytes(tmp_path / "x.pt", b"data", private=True)
     assert list(tmp_path.iterdir()) == []

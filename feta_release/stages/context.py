@@ -22,10 +22,10 @@ from ..data import ImageDataset
 from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
+from ..files import private_dir
 from ..privacy_unit import PatientIndex
 from ..randomness import numpy_generator_from, torch_generator_from
-from ..training.checkpoint import (atomic_write_bytes, atomic_write_json, load_torch_bytes, private_dir,
-                                   torch_bytes)
+from ..training.checkpoint import atomic_write_bytes, atomic_write_json, load_torch_bytes, torch_bytes
 from ..training.progress import Reporter
 from .account import RunAccount
 

@@ -66,7 +66,8 @@ from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_
 from ..stages.account import check_recorded_plan
 from ..stages.context import initial_denoiser, private_key
 from ..stages.base import now
-from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, private_dir, read_json
+from ..files import private_dir
+from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, read_json
 from .device import resolve_device
 from .progress import Reporter
 from ..viz import save_budget_chart

@@ -363,24 +363,23 @@ def _patient_cap(n_public: int | None, cap: int | None, default_cap: int) -> int
     return cap
 
 
-def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int, bool, bool]]:
+def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int, bool]]:
     """Split a patient batch into physical chunks of exactly ``size`` images (the last one: the rest), as the
     image-level step does, so that the number and sizes of the real calls are ceil(rows / size) and ``size``: a
     function of the row count alone, never of how the sampled patients' images fall into chunks (review58 L1:
     packing WHOLE patients took more calls the more their image counts wasted each chunk, a private layout
     seen in latency). A patient may now straddle chunks; the per-patient clip stays exact because a straddling
-    patient's partial sum is carried into the next chunk (``_patient_call``) and clipped only once complete.
+    patient's partial sum is carried into the next chunk (``_carry_patients``) and clipped only once complete.
 
-    Each entry: (rows, owner renumbered 0..k-1 within the chunk, k, whether owner 0 continues the previous
-    chunk's last patient, whether owner k-1 continues into the next chunk)."""
-    out: list[tuple[Tensor, Tensor, int, bool, bool]] = []
+    Each entry: (rows, owner renumbered 0..k-1 within the chunk, k, whether owner k-1 continues into the next
+    chunk)."""
+    out: list[tuple[Tensor, Tensor, int, bool]] = []
     n = int(rows.numel())
     for start in range(0, n, size):
         end = min(start + size, n)
         own = owner[start:end] - owner[start]
-        continued = start > 0 and bool(owner[start] == owner[start - 1])
         continues = end < n and bool(owner[end] == owner[end - 1])
-        out.append((rows[start:end], own, int(own.max()) + 1, continued, continues))
+        out.append((rows[start:end], own, int(own.max()) + 1, continues))
     return out
 
 
@@ -552,7 +551,7 @@ class DPSGDTrainer:
         was_training = self.model.training
         self.model.train()
         carry: dict[str, Tensor] | None = None  # the partial sum of a patient that straddles two chunks
-        for part, own, k, _continued, continues in _patient_chunks(rows, owner, self.chunk):
+        for part, own, k, continues in _patient_chunks(rows, owner, self.chunk):
             rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
             grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine)
@@ -616,7 +615,7 @@ class DPSGDTrainer:
         ``before_step``).
         """
         with torch.random.fork_rng(devices=[]):
-            self._seed_dropout()
+            seed_dropout(self.model, self.generator)  # masks from the private stream (review58 M2)
             noisy, stats = self.noisy_gradient(images, labels)
         for name, p in self.model.named_parameters():
             if p.requires_grad:
@@ -626,9 +625,6 @@ class DPSGDTrainer:
         self.ema.update(self.model)
         self.steps_done += 1
         return stats
-
-    def _seed_dropout(self) -> None:
-        seed_dropout(self.model, self.generator)
 
     def run(
         self,

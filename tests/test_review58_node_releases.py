@@ -226,13 +226,9 @@ def test_l1_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeyp
     patient per call). Each call has a fixed cost (a batched forward/backward), so the reply's latency (and the
     worker's CPU time) counts the sampled patients and their image counts: private, un-noised, per step. The
     image-level step meets this already (tests/test_dpsgd_padding.py: calls == ceil(bound / chunk) + 1)."""
-    import torch
-
     import feta_release.training.dpsgd as dp
-    from feta_release.privacy_unit import group_patient_rows
-    from feta_release.training.padding import step_bound
 
-    from .test_dpsgd_engine import SHAPE, TinyDenoiser, _cfg, _data
+    from .test_dpsgd_padding import patient_layouts_work
 
     calls: list[int] = []
     real = dp.per_example_grads
@@ -242,19 +238,7 @@ def test_l1_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeyp
         return real(model, loss, x, *a, **k)
 
     monkeypatch.setattr(dp, "per_example_grads", counted)
-    bound = step_bound(12, 2 / 6, 3, SimpleNamespace(cap=3))  # 12 public images, 6 public patients, cap 3
-    seen = set()
-    for sizes in ([1] * 6, [2] * 6, [3, 1] * 3):  # three private layouts of 6 patients
-        for seed in range(4):
-            ids = np.repeat(np.arange(len(sizes)), sizes)
-            x, y = _data(len(ids), seed=seed)
-            torch.manual_seed(0)
-            tr = dp.DPSGDTrainer(TinyDenoiser(), _cfg(batch=2, physical_batch=3), 1.3, 2 / 6,
-                                 torch.Generator().manual_seed(seed), image_shape=SHAPE, n_classes=3, n_public=6,
-                                 patient_rows=group_patient_rows(ids), images_per_patient=3, pad_to=bound)
-            calls.clear()
-            tr.noisy_gradient(x, y)
-            seen.add((sum(calls), len(calls)))
+    seen = patient_layouts_work(calls, seeds=4)  # 12 public images, 6 public patients, cap 3; 3 private layouts
     assert len(seen) == 1, f"(rows, calls) of one step vary with the private patient layout: {sorted(seen)}"
 
 

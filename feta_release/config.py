@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .mechanisms._checks import MIN_CLIP
+from .bounds import MIN_CLIP
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from ..bounds import MIN_CLIP
 from ..errors import DataError, PrivacyError
 
 
@@ -53,11 +54,6 @@ def check_images(images: np.ndarray, labels: np.ndarray, n_classes: int, where: 
     return images.astype(np.float32, copy=False), labels.astype(np.int64, copy=False)
 
 
-# The smallest clip bound any mechanism accepts (review58 H2). Why a floor: clipped values are stored in float32, and
-# a clip in its subnormal range (e.g. 7e-45) makes each clipped entry round UP to the smallest subnormal, so one
-# record moved the sum by ~2x the clip the noise is scaled to. At >= 1e-6 rounding adds at most ~1e-45 per entry:
-# a relative excess below 1e-30 for any model size. No useful job clips below it (pixels and gradients are O(1)).
-MIN_CLIP = 1e-6
 
 
 def check_clip(clip: float, where: str, name: str = "clip") -> float:

@@ -28,7 +28,7 @@ from ..errors import ConfigError, ReleaseError
 from .certificate import CERTIFICATE_FILE, png_info, png_text, relative_release_path, write_certificate
 from .manifest import MANIFEST_FILE, utc_now
 from .starts import load_starts, mixed_start_images
-from .verify import VerificationResult, describe_site, lifetime_of, require_valid, verify_release
+from .verify import VerificationResult, describe_site, lifetime_of, require_valid, sealed_session, verify_release
 
 
 
@@ -39,8 +39,9 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def make_session(model: bytes | str, threads: int | None = None, optimize: bool = True) -> Any:
-    """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores."""
+def make_session(model: bytes, threads: int | None = None, optimize: bool = True) -> Any:
+    """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores; it reads no file
+    (``sealed_session``: a generator's external data would come from the current directory, review70 H1)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -51,7 +52,7 @@ def make_session(model: bytes | str, threads: int | None = None, optimize: bool 
     so.inter_op_num_threads = 1  # the generator is one sequential Loop: no parallel branches to feed
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
+    return sealed_session(model, so)
 
 
 def class_counts(num: int | None, n_classes: int, per_class: Sequence[int] | None) -> list[int]:

@@ -1,0 +1,83 @@
+"""Review 70, release side: attacks on a release that verify / synthesize / verify-synthetic let through before.
+
+H1: a generator whose tensors name EXTERNAL data files: onnxruntime, given the model's bytes, reads them from the
+current directory of whoever runs synthesize (a site key, patient files under it) and the "synthetic" images carry
+them out, under a certificate that says differentially private. A coordinator the sites allow can sign such a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+
+from onnx import TensorProto, helper  # noqa: E402
+
+from feta_release.errors import ReleaseError  # noqa: E402
+from feta_release.release.synthesize import make_session  # noqa: E402
+from feta_release.release.verify import verify_release  # noqa: E402
+
+from .release_helpers import load_signed, resign  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
+
+SECRET = np.arange(16, dtype=np.float32)
+
+
+def _external(name: str, location: str, n: int = 16) -> TensorProto:
+    """A float tensor of ``n`` values whose bytes onnxruntime reads from the file ``location``."""
+    t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=[n], data_location=TensorProto.EXTERNAL)
+    for k, v in (("location", location), ("offset", "0"), ("length", str(4 * n))):
+        t.external_data.add(key=k, value=v)
+    return t
+
+
+def _reader_model() -> bytes:
+    """y = x + W, W read from ``secret.bin`` beside wherever the model is run."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])
+    g = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "g", [x], [y], [_external("W", "secret.bin")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_h1_a_session_never_reads_files_from_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "secret.bin").write_bytes(SECRET.tobytes())
+    monkeypatch.chdir(tmp_path)
+    try:
+        sess = make_session(_reader_model(), threads=1)
+    except Exception as exc:  # refused at load: what the fix must do  # noqa: BLE001
+        assert "external" in str(exc).lower() or "does not exist" in str(exc).lower()
+        return
+    out = sess.run(None, {"x": np.zeros(16, np.float32)})[0]
+    pytest.fail(f"the generator read secret.bin from the current directory: {out[:4]}...")
+
+
+def test_h1_verify_refuses_a_generator_with_external_data(release, keys):
+    gen = release / "generator.onnx"
+    model = onnx.load_model_from_string(gen.read_bytes())
+    model.graph.initializer.append(_external("leak", "keys/site.key", 8))
+    data = model.SerializeToString()
+    gen.write_bytes(data)
+    signed = load_signed(release)
+    signed["manifest"]["generator"]["sha256"] = hashlib.sha256(data).hexdigest()
+    resign(release, signed, keys.coordinator)  # the coordinator every site's policy allows signs it
+    res = verify_release(release, keys.trust())
+    assert not res.ok
+    assert "external" in res.reason(), json.dumps(res.to_dict(), indent=1)[:2000]
+
+
+def test_h1_a_subgraph_with_external_data_is_refused_too():
+    from feta_release.release.verify import refuse_external_data
+
+    body = helper.make_graph([helper.make_node("Identity", ["W"], ["o"])], "body", [],
+                             [helper.make_tensor_value_info("o", TensorProto.FLOAT, [16])], [_external("W", "a.bin")])
+    node = helper.make_node("If", ["c"], ["y"], then_branch=body, else_branch=body)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])])
+    with pytest.raises(ReleaseError, match="external"):
+        refuse_external_data(helper.make_model(g), "generator.onnx")

@@ -51,3 +51,95 @@ def test_m1_a_trigger_planted_while_the_node_runs_is_refused_before_the_next_wri
     with pytest.raises(LedgerTamperedError, match="trigger"):
         led.charge("job0", "r1", "dpsgd", EV, BUDGET, response=b"b")
     led.close()
+
+
+# -- M2: one site's DP-SGD reply ------------------------------------------------------------------------------------
+# Attack (a participating site, or whatever answers for its node): a round reply that is not the model's weights. A
+# scalar or a (1,)-array per tensor BROADCAST into FedAvg and moved every weight of the global model all other sites
+# then train on, silently; NaN/inf made the global model NaN; a missing tensor or an unparseable message (one
+# duplicated JSON key) raised out of the round and ended the whole job. Now such a reply is the site's failure for
+# that round: skipped (as a site that did not answer), named in the progress log, the others averaged.
+
+torch = pytest.importorskip("torch")
+
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+from flwr.app import ConfigRecord, RecordDict  # noqa: E402
+
+from feta_release.federation import messages as fm  # noqa: E402
+from feta_release.federation.driver import JobDriver  # noqa: E402
+
+
+class _Grid:
+    """Answers each message with ``answer(site node, its weights)``'s RecordDict."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def send_and_receive(self, msgs, timeout):
+        out = []
+        for m in msgs:
+            _, arrays = fm.read_payload(m.content)
+            out.append(SimpleNamespace(metadata=SimpleNamespace(src_node_id=m.metadata.dst_node_id),
+                                       has_error=lambda: False, content=self.answer(m.metadata.dst_node_id, arrays)))
+        return out
+
+
+def _driver(answer, events):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Message(...) reads it (a ServerApp's)
+    drv = JobDriver.__new__(JobDriver)  # the round's plumbing only: no signed job, no disk
+    drv.grid, drv.signed_job, drv.query_timeout = _Grid(answer), {}, 1.0
+    drv.cfg = SimpleNamespace(federation=SimpleNamespace(min_sites=1))
+    drv.sites = {"a": SimpleNamespace(node_id=1, size=100), "b": SimpleNamespace(node_id=2, size=100)}
+    drv.planned_dpsgd, drv.skipped = {}, {}
+    drv.emit = lambda phase, message, **kw: events.append(message)
+    return drv
+
+
+def _honest(arrays):
+    return fm.make_payload({}, {k: v + 1.0 for k, v in arrays.items()})
+
+
+BAD_REPLIES = {
+    "a scalar per tensor (broadcast)": lambda arrays: fm.make_payload({}, {k: np.float32(1e6) for k in arrays}),
+    "a (1,)-array per tensor (broadcast)": lambda arrays: fm.make_payload(
+        {}, {k: np.full((1,), 1e6, np.float32) for k in arrays}),
+    "NaN weights": lambda arrays: fm.make_payload({}, {k: np.full_like(v, np.nan) for k, v in arrays.items()}),
+    "inf weights": lambda arrays: fm.make_payload({}, {k: np.full_like(v, np.inf) for k, v in arrays.items()}),
+    "a tensor missing": lambda arrays: fm.make_payload({}, {k: v for k, v in list(arrays.items())[1:]}),
+    "an unparseable message": lambda arrays: RecordDict({"cfg": ConfigRecord({"json": '{"a": 1, "a": 2}'})}),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD_REPLIES))
+def test_m2_a_bad_round_reply_is_skipped_not_averaged(what):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    events: list[str] = []
+    drv = _driver(lambda node, arrays: BAD_REPLIES[what](arrays) if node == 2 else _honest(arrays), events)
+    assert drv._round(0, model) == ["a"]
+    for k, v in model.state_dict().items():  # the honest site's update alone (+1 on every weight)
+        assert torch.allclose(v, before[k] + 1.0), (what, k)
+    assert drv.skipped == {0: ["b"]}
+    assert any("site b skipped" in e for e in events), events
+
+
+def test_m2_a_non_finite_warm_up_release_is_not_pooled(tmp_path):
+    """Attack: a site's central release with NaN images: pooled, the warm-up set and then the global model were NaN
+    (every honest node then refuses the weights: one site ended the job). Now it is that site's failure."""
+    from feta_release.mechanisms.central import CentralRelease
+
+    rel = CentralRelease(values=np.full((3, 1, 2, 2), 0.5, np.float32), labels=np.arange(3), rounds=1, kind="mean",
+                         denominator=4.0, image_shape=(1, 2, 2), n_classes=3, sigma=1.0, q=0.1, clip=None, bins=None)
+    good = rel.to_arrays()
+    bad = {**good, "values": np.full((3, 1, 2, 2), np.nan, np.float32)}
+    events: list[str] = []
+    drv = _driver(lambda node, arrays: fm.make_payload({}, bad if node == 2 else good), events)
+    drv.state, drv.timings = tmp_path, {}
+    have = drv._collect("central", fm.CENTRAL)
+    assert sorted(have) == ["a"] and not (tmp_path / "central_b.npz").exists()
+    assert any("site b: no central release: release refused" in e for e in events), events

@@ -81,3 +81,57 @@ def test_h1_a_subgraph_with_external_data_is_refused_too():
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])])
     with pytest.raises(ReleaseError, match="external"):
         refuse_external_data(helper.make_model(g), "generator.onnx")
+
+
+# -- M3: the certificate's privacy figures -----------------------------------------------------------------------
+# Attack: whoever ran synthesize (a trusted certificate signer, or anyone holding that key) signs a certificate whose
+# privacy section (and PNG text) says ε = 0.01 for a release whose sites attested far more. verify-synthetic checked
+# the signature, the images and the release, but not that the certificate's figures are the release's: it said OK.
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory, pristine, keys):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from feta_release.release.synthesize import synthesize
+
+    signer = Ed25519PrivateKey.generate()
+    out = tmp_path_factory.mktemp("m3") / "synthetic"
+    synthesize(pristine, out, keys.trust(), per_class=[1, 1, 1], seed=1, batch=3, progress=False, threads=1,
+               key=signer, signer_name="DPO")
+    return out, signer
+
+
+@pytest.mark.parametrize("edit", ["epsilon", "lifetime", "statement", "png_metadata"])
+def test_m3_certified_privacy_must_be_the_releases(synthetic, pristine, keys, tmp_path, edit):
+    import shutil
+
+    from feta_release.release.certificate import CERTIFICATE_FILE, verify_synthetic
+    from feta_release.signing import sign_document
+
+    folder, signer = synthetic
+    work = tmp_path / "synthetic"
+    shutil.copytree(folder, work)
+    path = work / CERTIFICATE_FILE
+    doc = json.loads(path.read_text())
+    cert = doc["certificate"]
+    if edit == "epsilon":
+        cert["privacy"][0]["epsilon"] = 0.01
+    elif edit == "lifetime":
+        cert["privacy"][0]["lifetime"]["epsilon"] = 0.01
+    elif edit == "statement":
+        cert["privacy"][0]["statement"] = "Site a: ε = 0.01 at δ = 1e-05."
+    else:
+        cert["png_metadata"]["feta:privacy"] = "site a: epsilon=0.01, delta=1e-05"
+    doc["signature"] = sign_document(cert, signer)  # the trusted certificate signer signs the edit
+    path.write_text(json.dumps(doc))
+    res = verify_synthetic(work, keys.trust(), [signer.public_key()], release_dir=pristine)
+    assert not res.ok and "certified privacy" in {c.name for c in res.failures}, res.reason()
+
+
+def test_m3_an_honest_certificate_still_verifies(synthetic, pristine, keys):
+    from feta_release.release.certificate import verify_synthetic
+
+    folder, signer = synthetic
+    res = verify_synthetic(folder, keys.trust(), [signer.public_key()], release_dir=pristine)
+    assert res.ok, res.reason()

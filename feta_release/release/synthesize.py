@@ -25,10 +25,17 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import ConfigError, ReleaseError
-from .certificate import CERTIFICATE_FILE, png_info, png_text, relative_release_path, write_certificate
+from .certificate import (
+    CERTIFICATE_FILE,
+    certificate_privacy,
+    png_info,
+    png_text,
+    relative_release_path,
+    write_certificate,
+)
 from .manifest import MANIFEST_FILE, utc_now
 from .starts import load_starts, mixed_start_images
-from .verify import VerificationResult, describe_site, lifetime_of, require_valid, sealed_session, verify_release
+from .verify import VerificationResult, require_valid, sealed_session, verify_release
 
 
 
@@ -421,18 +428,7 @@ def _write_certificate(
     signed = json.loads((Path(release_dir) / MANIFEST_FILE).read_text("utf-8"))
     if signed.get("manifest") != man:
         raise ReleaseError(f"{release_dir}/{MANIFEST_FILE} changed during synthesis; run again")
-    privacy = [
-        {
-            "site_id": s["site_id"],
-            "epsilon": s["epsilon"],
-            "delta": s["delta"],
-            "accountant": s["accountant"],
-            "policy_sha256": s["policy_sha256"],
-            "lifetime": lifetime_of(s),  # the site's spend on this data over ALL its jobs (signed)
-            "statement": describe_site(s),
-        }
-        for s in man["sites"]
-    ]
+    privacy = certificate_privacy(man["sites"])
     verification = res.to_dict()
     verification["release_dir"] = relative_release_path(release_dir, out)  # no local absolute path in a release
     head = {

@@ -143,3 +143,36 @@ def test_m2_a_non_finite_warm_up_release_is_not_pooled(tmp_path):
     have = drv._collect("central", fm.CENTRAL)
     assert sorted(have) == ["a"] and not (tmp_path / "central_b.npz").exists()
     assert any("site b: no central release: release refused" in e for e in events), events
+
+
+# -- L1: deeply nested JSON ------------------------------------------------------------------------------------------
+# Attack: any unsigned JSON the project parses strictly (a site's reply, a manifest or certificate handed to verify)
+# nested thousands deep: json raised RecursionError, which no caller expects (verify crashed with a traceback, and one
+# site's reply ended the coordinator's job past the M2 check); nested a few hundred deep it parsed and then overflowed
+# the stack in canonical_json. Now it is one ValueError, as any other malformed document.
+
+
+@pytest.mark.parametrize("depth", [300, 100_000])
+def test_l1_deeply_nested_json_is_one_value_error(depth):
+    from feta_release.signing import loads_strict
+
+    with pytest.raises(ValueError, match="nested"):
+        loads_strict("[" * depth + "]" * depth)
+    assert loads_strict('{"a": [[{"b": [1, 2]}]]}') == {"a": [[{"b": [1, 2]}]]}
+
+
+def test_l1_a_deeply_nested_reply_is_that_sites_failure():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    events: list[str] = []
+    deep = RecordDict({"cfg": ConfigRecord({"json": "[" * 100_000 + "]" * 100_000})})
+    drv = _driver(lambda node, arrays: deep if node == 2 else _honest(arrays), events)
+    assert drv._round(0, model) == ["a"] and drv.skipped == {0: ["b"]}
+
+
+def test_l1_verify_refuses_a_deeply_nested_manifest(tmp_path):
+    from feta_release.release.verify import verify_release
+
+    (tmp_path / "manifest.json").write_text('{"manifest": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    res = verify_release(tmp_path, {"a": KEY.public_key()})
+    assert not res.ok and "nested" in res.reason()

@@ -176,3 +176,58 @@ def test_l1_verify_refuses_a_deeply_nested_manifest(tmp_path):
     (tmp_path / "manifest.json").write_text('{"manifest": ' + "[" * 100_000 + "]" * 100_000 + "}")
     res = verify_release(tmp_path, {"a": KEY.public_key()})
     assert not res.ok and "nested" in res.reason()
+
+
+# -- L2: the sites' attestations -------------------------------------------------------------------------------------
+# Attack: a site answers the attest query with a statement signed by any key (the coordinator checked it against the
+# key EMBEDDED in the reply), with another site's statement, or with one of another job: it was kept as that site's
+# attestation (or a malformed reply raised KeyError/PolicyError and ended the job after every site had spent). verify
+# refused such a release later; now the coordinator refuses the attestation itself, as verify will.
+
+
+def _attest_driver(answer, events):
+    from feta_release.signing import public_key_pem
+
+    drv = _driver(answer, events)
+    drv.job = SimpleNamespace(job_id="job-1", digest="d" * 64)
+    for s in drv.sites.values():
+        s.key = Ed25519PrivateKey.generate()
+        s.policy = SimpleNamespace(site_key=public_key_pem(s.key))
+    return drv
+
+
+def _statement(sid, key, **over):
+    from feta_release.release.manifest import build_attestation
+
+    att = build_attestation(sid, "job-1", EV, 1e-5, "rdp", None, key, job_sha256="d" * 64)
+    if over:
+        from feta_release.signing import sign_document
+
+        att["statement"].update(over)
+        att["signature"] = sign_document(att["statement"], key)
+    return att
+
+
+ATTACKS = {
+    "signed by a key of its own": lambda drv: _statement("b", Ed25519PrivateKey.generate()),
+    "site a's statement": lambda drv: _statement("a", drv.sites["a"].key),
+    "another job's statement": lambda drv: _statement("b", drv.sites["b"].key, job_id="job-0", job_sha256="e" * 64),
+    "not final": lambda drv: _statement("b", drv.sites["b"].key, final=False),
+    "no attestation at all": lambda drv: None,
+}
+
+
+@pytest.mark.parametrize("what", sorted(ATTACKS))
+def test_l2_a_wrong_attestation_is_refused_by_the_coordinator(what):
+    events: list[str] = []
+    holder: dict = {}
+
+    def answer(node, arrays):
+        drv = holder["drv"]
+        att = _statement("a", drv.sites["a"].key) if node == 1 else ATTACKS[what](drv)
+        return fm.make_payload({} if att is None else {"attestation": att})
+
+    holder["drv"] = drv = _attest_driver(answer, events)
+    out = drv.attestations()
+    assert sorted(out) == ["a"]
+    assert any("site b: no attestation: attestation refused" in e for e in events), events

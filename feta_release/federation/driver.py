@@ -126,6 +126,26 @@ def release_problem(arrays: dict[str, np.ndarray]) -> str | None:
     return f"release refused: {', '.join(bad)} are not finite numbers" if bad else None
 
 
+def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> str | None:
+    """Why ``att`` is not site ``sid``'s final spend statement for this job (None: it is), as verify will check it:
+    signed by the site key its signed policy names (not whatever key the reply embeds), for this site, this signed
+    job, final (review70 L2)."""
+    if not (isinstance(att, dict) and isinstance(att.get("statement"), dict)):
+        return "attestation refused: the reply holds no {statement, signature}"
+    if not site_key:
+        return f"attestation refused: site {sid}'s signed policy names no site_key, so no key may sign its spend"
+    try:
+        verify_document(att["statement"], att.get("signature"), [load_public_key(site_key.encode())],
+                        f"attestation of site {sid}")
+    except FetaError as exc:
+        return f"attestation refused: {exc} (only the site_key of its signed policy may sign it)"
+    st = att["statement"]
+    want = {"site_id": sid, "job_id": job.job_id, "job_sha256": job.digest, "final": True}
+    wrong = [k for k, v in want.items() if st.get(k) != v]
+    return f"attestation refused: its {', '.join(wrong)} are not this site's final statement for this job" \
+        if wrong else None
+
+
 class JobDriver:
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
@@ -409,11 +429,11 @@ class JobDriver:
         ok, failed = self._ask("attest", "query.attest", {sid: {} for sid in self.sites})
         out = {}
         for sid, (doc, _) in ok.items():
-            att = doc["attestation"]
-            # The site's key is the one it announced at hello; a wrong signature is refused here already.
-            verify_document(att["statement"], att["signature"], [load_public_key(att["signature"]["public_key"].encode())],
-                            f"attestation of site {sid}")
-            out[sid] = att
+            why = attestation_problem(doc.get("attestation"), sid, self.sites[sid].policy.site_key, self.job)
+            if why is None:
+                out[sid] = doc["attestation"]
+            else:  # not released under this site: verify would refuse the whole release for it (review70 L2)
+                failed[sid] = why
         for sid, reason in failed.items():
             self.emit("attest", f"site {sid}: no attestation: {reason}", site=sid, error=reason)
         return out  # written with the job's other records by release.jobdir.write_job_files

@@ -135,3 +135,19 @@ def test_m3_an_honest_certificate_still_verifies(synthetic, pristine, keys):
     folder, signer = synthetic
     res = verify_synthetic(folder, keys.trust(), [signer.public_key()], release_dir=pristine)
     assert res.ok, res.reason()
+
+
+def test_h1_a_function_constant_with_external_data_is_refused():
+    from onnx import FunctionProto
+
+    from feta_release.release.verify import refuse_external_data
+
+    const = helper.make_node("Constant", [], ["o"], value=_external("W", "a.bin"))
+    fn = FunctionProto(name="leak", domain="local", input=[], output=["o"], node=[const],
+                       opset_import=[helper.make_opsetid("", 17)])
+    g = helper.make_graph([helper.make_node("leak", [], ["y"], domain="local")], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])])
+    model = helper.make_model(g, functions=[fn], opset_imports=[helper.make_opsetid("", 17),
+                                                                helper.make_opsetid("local", 1)])
+    with pytest.raises(ReleaseError, match="external"):
+        refuse_external_data(model, "generator.onnx")

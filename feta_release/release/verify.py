@@ -530,7 +530,12 @@ def _graph_tensors(graph: Any) -> Any:
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield from (sparse.values, sparse.indices)
-    for node in graph.node:
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Any) -> Any:
+    """The tensors in the attributes of ``nodes`` (a graph's, or a model-local function's), subgraphs included."""
+    for node in nodes:
         for attr in node.attribute:
             yield from ([attr.t] if attr.HasField("t") else [])
             yield from attr.tensors
@@ -544,7 +549,8 @@ def refuse_external_data(model: Any, where: Any) -> None:
     """Refuse a generator with a tensor stored outside the file (review70 H1): onnxruntime would read it from the
     current directory of whoever runs synthesize (a key, patient files) into the images the certificate calls
     differentially private. A released generator holds every weight in its own (hashed) bytes."""
-    named = [t.name or "?" for t in _graph_tensors(model.graph) if t.data_location == 1]  # TensorProto.EXTERNAL
+    tensors = [*_graph_tensors(model.graph), *(t for f in model.functions for t in _node_tensors(f.node))]
+    named = [t.name or "?" for t in tensors if t.data_location == 1]  # TensorProto.EXTERNAL
     if named:
         raise ReleaseError(f"{where}: tensor(s) {', '.join(named[:5])} name external data files; a release's generator "
                            "must hold all its weights (an external file is read from wherever synthesize runs, not "

@@ -151,3 +151,26 @@ def test_h1_a_function_constant_with_external_data_is_refused():
                                                                 helper.make_opsetid("local", 1)])
     with pytest.raises(ReleaseError, match="external"):
         refuse_external_data(model, "generator.onnx")
+
+
+def test_h1_a_light_install_without_onnx_refuses_it_too(release, keys, tmp_path, monkeypatch):
+    """Where only onnxruntime is installed, verify reads the metadata through a session: that session is sealed, so
+    a generator whose external file sits in the current directory does not load (before: it loaded and verified)."""
+    import sys
+
+    gen = release / "generator.onnx"
+    model = onnx.load_model_from_string(gen.read_bytes())
+    w = next(t for t in model.graph.initializer if len(t.raw_data) >= 64)  # a weight the graph uses
+    (tmp_path / "w.bin").write_bytes(w.raw_data)  # its bytes, in the directory synthesize runs from
+    w.external_data.extend([onnx.StringStringEntryProto(key="location", value="w.bin"),
+                            onnx.StringStringEntryProto(key="length", value=str(len(w.raw_data)))])
+    w.data_location, w.raw_data = TensorProto.EXTERNAL, b""
+    data = model.SerializeToString()
+    gen.write_bytes(data)
+    signed = load_signed(release)
+    signed["manifest"]["generator"]["sha256"] = hashlib.sha256(data).hexdigest()
+    resign(release, signed, keys.coordinator)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` raises ImportError: the light install
+    res = verify_release(release, keys.trust())
+    assert not res.ok and "not a loadable ONNX model" in res.reason(), res.reason()

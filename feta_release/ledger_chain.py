@@ -124,6 +124,7 @@ def verify(db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | No
     head_row = db.execute("SELECT document, signature FROM chain_head WHERE id=1").fetchone()
     if head_row is None:
         raise LedgerTamperedError(f"{bad}: it has no signed head{fix}")
+    _refuse_code_in_schema(db, bad, fix)
     head, signature = json.loads(head_row[0]), json.loads(head_row[1])
     meta = _meta(db)
     if head.get("format") != FORMAT or head.get("ledger_id") != meta.get("ledger_id"):
@@ -155,6 +156,18 @@ def verify(db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | No
         except PolicyError:
             raise LedgerTamperedError(f"{bad}: the signature over its head does not verify{fix}") from None
     return head
+
+
+def _refuse_code_in_schema(db: sqlite3.Connection, bad: str, fix: str) -> None:
+    """The ledger never creates a trigger or a view; one in the file is an edit the chain cannot see (review70 M1).
+
+    Why: the chain covers the rows, not the schema, and every write re-links and signs the rows as they are after
+    its INSERT; a planted trigger that rewrites or drops each new charge would have the node sign a ledger that
+    never held the spend."""
+    found = db.execute("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') ORDER BY name").fetchall()
+    if found:
+        raise LedgerTamperedError(f"{bad}: it holds {', '.join(f'{t} {n!r}' for t, n in found)}, which the node never "
+                                  f"creates (a trigger could rewrite or drop each new charge before it is signed){fix}")
 
 
 def seal(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:

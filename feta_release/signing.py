@@ -52,14 +52,36 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not JSON")
 
 
+# Deeper than any document of the project (a manifest nests about a dozen levels): JSON nested past it is refused
+# before any recursive walk (canonical_json, signature checks) could overflow the stack (review70 L1).
+MAX_JSON_DEPTH = 64
+
+
 def loads_strict(text: str | bytes) -> Any:
-    """Parse a signed (or to-be-verified) JSON document: duplicate keys and NaN/Infinity are refused.
+    """Parse a signed (or to-be-verified) JSON document: duplicate keys, NaN/Infinity and nesting deeper than
+    ``MAX_JSON_DEPTH`` are refused.
 
     Why: with ``{"epsilon": 9, "epsilon": 0.5}`` Python keeps the last value while another reader may keep
     the first; a signature would then cover a document that readers disagree about. Raises ``ValueError``
     (``json.JSONDecodeError`` or :class:`DuplicateKeyError`).
     """
-    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to parse") from None
+    _check_depth(doc)
+    return doc
+
+
+def _check_depth(doc: Any) -> None:
+    """Without recursion: a list of (value, depth) still to look at."""
+    todo = [(doc, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            todo.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
 
 
 def _reject_non_finite(obj: Any) -> None:

@@ -101,6 +101,51 @@ def secure_fix_hint(exc: JobDoesNotFit, sites: dict[str, SiteInfo], n_sites: int
     return JobDoesNotFit([*exc.problems, (exc.site or "", "federation.secure_aggregation", hint)])
 
 
+def update_problem(sent: dict[str, np.ndarray], reply: dict[str, np.ndarray]) -> str | None:
+    """Why a site's round reply is not a model of the weights sent (None: it is): the same tensors, each of the
+    same shape, numbers, all finite (review70 M2). FedAvg would broadcast a scalar or a (1,)-array into every
+    weight, and one NaN makes the global model NaN at every site."""
+    if set(reply) != set(sent):
+        missing, extra = sorted(set(sent) - set(reply)), sorted(set(reply) - set(sent))
+        return f"reply refused: its tensors are not the model's (missing {missing[:3]}, unknown {extra[:3]})"
+    for k, v in sent.items():
+        got = reply[k]
+        if got.shape != v.shape or (got.dtype.kind not in "fiu" and got.dtype != v.dtype):
+            return f"reply refused: tensor {k!r} is {got.dtype} {tuple(got.shape)}, the model's is {v.dtype} {v.shape}"
+        if not np.all(np.isfinite(got)):
+            return f"reply refused: tensor {k!r} holds NaN or infinite values"
+    return None
+
+
+def release_problem(arrays: dict[str, np.ndarray]) -> str | None:
+    """Why a site's central/frequency release cannot be pooled (None: it can): NaN or infinite numbers would make
+    the pooled warm-up set, and so the global model every site trains on, NaN (review70 M2)."""
+    data = ("values", "embedding")  # the released numbers (a central release's clip is NaN when it has none)
+    bad = sorted(k for k in data if k in arrays and (arrays[k].dtype.kind not in "fiu"
+                                                     or not np.all(np.isfinite(arrays[k]))))
+    return f"release refused: {', '.join(bad)} are not finite numbers" if bad else None
+
+
+def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> str | None:
+    """Why ``att`` is not site ``sid``'s final spend statement for this job (None: it is), as verify will check it:
+    signed by the site key its signed policy names (not whatever key the reply embeds), for this site, this signed
+    job, final (review70 L2)."""
+    if not (isinstance(att, dict) and isinstance(att.get("statement"), dict)):
+        return "attestation refused: the reply holds no {statement, signature}"
+    if not site_key:
+        return f"attestation refused: site {sid}'s signed policy names no site_key, so no key may sign its spend"
+    try:
+        verify_document(att["statement"], att.get("signature"), [load_public_key(site_key.encode())],
+                        f"attestation of site {sid}")
+    except FetaError as exc:
+        return f"attestation refused: {exc} (only the site_key of its signed policy may sign it)"
+    st = att["statement"]
+    want = {"site_id": sid, "job_id": job.job_id, "job_sha256": job.digest, "final": True}
+    wrong = [k for k, v in want.items() if st.get(k) != v]
+    return f"attestation refused: its {', '.join(wrong)} are not this site's final statement for this job" \
+        if wrong else None
+
+
 class JobDriver:
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
@@ -151,8 +196,11 @@ class JobDriver:
                 continue
             if rep.has_error():
                 failed[sid] = rep.error.reason
-            else:
+                continue
+            try:  # one site's unreadable reply is that site's failure, not the job's end (review70 M2)
                 ok[sid] = fm.read_payload(rep.content)
+            except PolicyError as exc:
+                failed[sid] = str(exc)
         for sid in by_node.values():
             if sid not in ok and sid not in failed:
                 failed[sid] = "no reply before the timeout (node down or too slow)"
@@ -272,6 +320,11 @@ class JobDriver:
         if todo:
             self.emit(phase, f"asking {len(todo)} site(s) for {phase} releases")
             ok, failed = self._ask(phase, message_type, todo)
+            for sid in sorted(ok):
+                why = release_problem(ok[sid][1])
+                if why is not None:  # not kept, not pooled: the site's budget is spent, its release unused
+                    del ok[sid]
+                    failed[sid] = why
             for sid, (doc, arrays) in ok.items():
                 (self.state / f"{phase}_{sid}.json").write_text(json.dumps(doc), "utf-8")
                 atomic_write_bytes(self.state / f"{phase}_{sid}.npz", npz_bytes(**arrays))
@@ -355,6 +408,11 @@ class JobDriver:
         targets = {sid: {"round": r, **({"event": self.planned_dpsgd[sid]} if sid in self.planned_dpsgd else {})}
                    for sid in self.sites}
         ok, failed = self._ask("dpsgd", fm.TRAIN, targets, arrays=weights, group=f"round-{r}")
+        for sid in sorted(ok):
+            why = update_problem(weights, ok[sid][1])
+            if why is not None:  # never averaged: a broadcastable or non-finite reply would move every weight
+                del ok[sid]
+                failed[sid] = why
         if len(ok) < self.cfg.federation.min_sites:
             raise SiteUnavailable(f"round {r + 1}: only {len(ok)} site(s) answered ({failed}); "
                                   f"[federation] min_sites = {self.cfg.federation.min_sites}")
@@ -371,11 +429,11 @@ class JobDriver:
         ok, failed = self._ask("attest", "query.attest", {sid: {} for sid in self.sites})
         out = {}
         for sid, (doc, _) in ok.items():
-            att = doc["attestation"]
-            # The site's key is the one it announced at hello; a wrong signature is refused here already.
-            verify_document(att["statement"], att["signature"], [load_public_key(att["signature"]["public_key"].encode())],
-                            f"attestation of site {sid}")
-            out[sid] = att
+            why = attestation_problem(doc.get("attestation"), sid, self.sites[sid].policy.site_key, self.job)
+            if why is None:
+                out[sid] = doc["attestation"]
+            else:  # not released under this site: verify would refuse the whole release for it (review70 L2)
+                failed[sid] = why
         for sid, reason in failed.items():
             self.emit("attest", f"site {sid}: no attestation: {reason}", site=sid, error=reason)
         return out  # written with the job's other records by release.jobdir.write_job_files

@@ -33,7 +33,7 @@ from ..errors import FetaError, ReleaseError
 from ..privacy_unit import unit_phrase
 from ..signing import canonical_json, fingerprint, loads_strict, sha256_file, sha256_hex, sign_document, verify_document
 from .manifest import MANIFEST_FILE
-from .verify import TrustRoots, VerificationResult, verify_release
+from .verify import TrustRoots, VerificationResult, describe_site, lifetime_of, verify_release
 
 CERTIFICATE_FILE = "certificate.json"
 CERTIFICATE_VERSION = "feta-release/certificate/2"
@@ -67,6 +67,23 @@ def png_text(manifest_sha256: str, sites: Sequence[dict[str, Any]]) -> dict[str,
         "feta:manifest_sha256": manifest_sha256,
         "feta:privacy": epsilon_line(sites),
     }
+
+
+def certificate_privacy(sites: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The certificate's ``privacy`` section: each site's attested figures as the verified manifest states them.
+    ``verify_synthetic`` recomputes it from the release, so the signer cannot certify other figures."""
+    return [
+        {
+            "site_id": s["site_id"],
+            "epsilon": s["epsilon"],
+            "delta": s["delta"],
+            "accountant": s["accountant"],
+            "policy_sha256": s["policy_sha256"],
+            "lifetime": lifetime_of(s),  # the site's spend on this data over ALL its jobs (signed)
+            "statement": describe_site(s),
+        }
+        for s in sites
+    ]
 
 
 def png_info(text: dict[str, str]) -> Any:
@@ -239,3 +256,17 @@ def _check_release(
             else f"{rd} has manifest {str(rv.manifest_sha256)[:16]}… / generator {str(rv.generator_sha256)[:16]}…, "
                  f"the certificate names {str(want)[:16]}… / {str(rel.get('generator_sha256'))[:16]}…")
     res.manifest, res.manifest_sha256, res.generator_sha256 = rv.manifest, rv.manifest_sha256, rv.generator_sha256
+    if rv.ok and same:
+        _check_certified_privacy(res, cert, rv)
+
+
+def _check_certified_privacy(res: VerificationResult, cert: dict[str, Any], rv: VerificationResult) -> None:
+    """The certificate's privacy section and PNG text are the verified release's figures (review70 M3): a signer's
+    key vouches that it made these images, never for figures the release's sites did not attest."""
+    assert rv.manifest is not None
+    sites = rv.manifest["sites"]
+    bad = [k for k, want in (("privacy", certificate_privacy(sites)),
+                             ("png_metadata", png_text(str(rv.manifest_sha256), sites))) if cert.get(k) != want]
+    res.add("certified privacy", not bad, "each site's ε, δ, lifetime and statement are the release's" if not bad
+            else f"the certificate's {' and '.join(bad)} differ from what the release's sites attested (ε, δ, "
+                 "lifetime); do not use its figures: read them from `feta-release verify` of the release")

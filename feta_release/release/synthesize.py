@@ -25,10 +25,17 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import ConfigError, ReleaseError
-from .certificate import CERTIFICATE_FILE, png_info, png_text, relative_release_path, write_certificate
+from .certificate import (
+    CERTIFICATE_FILE,
+    certificate_privacy,
+    png_info,
+    png_text,
+    relative_release_path,
+    write_certificate,
+)
 from .manifest import MANIFEST_FILE, utc_now
 from .starts import load_starts, mixed_start_images
-from .verify import VerificationResult, describe_site, lifetime_of, require_valid, verify_release
+from .verify import VerificationResult, require_valid, sealed_session, verify_release
 
 
 
@@ -39,8 +46,9 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def make_session(model: bytes | str, threads: int | None = None, optimize: bool = True) -> Any:
-    """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores."""
+def make_session(model: bytes, threads: int | None = None, optimize: bool = True) -> Any:
+    """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores; it reads no file
+    (``sealed_session``: a generator's external data would come from the current directory, review70 H1)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -51,7 +59,7 @@ def make_session(model: bytes | str, threads: int | None = None, optimize: bool 
     so.inter_op_num_threads = 1  # the generator is one sequential Loop: no parallel branches to feed
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
+    return sealed_session(model, so)
 
 
 def class_counts(num: int | None, n_classes: int, per_class: Sequence[int] | None) -> list[int]:
@@ -420,18 +428,7 @@ def _write_certificate(
     signed = json.loads((Path(release_dir) / MANIFEST_FILE).read_text("utf-8"))
     if signed.get("manifest") != man:
         raise ReleaseError(f"{release_dir}/{MANIFEST_FILE} changed during synthesis; run again")
-    privacy = [
-        {
-            "site_id": s["site_id"],
-            "epsilon": s["epsilon"],
-            "delta": s["delta"],
-            "accountant": s["accountant"],
-            "policy_sha256": s["policy_sha256"],
-            "lifetime": lifetime_of(s),  # the site's spend on this data over ALL its jobs (signed)
-            "statement": describe_site(s),
-        }
-        for s in man["sites"]
-    ]
+    privacy = certificate_privacy(man["sites"])
     verification = res.to_dict()
     verification["release_dir"] = relative_release_path(release_dir, out)  # no local absolute path in a release
     head = {

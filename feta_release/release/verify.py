@@ -510,17 +510,63 @@ def _generator_metadata(data: bytes, where: Path) -> dict[str, str]:
             model = onnx.load_model_from_string(data)
         except Exception as exc:  # protobuf's DecodeError and friends
             raise ReleaseError(f"{where}: not a readable ONNX model ({exc})") from None
+        refuse_external_data(model, where)
         return {p.key: p.value for p in model.metadata_props}
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    try:
-        sess = ort.InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
+    try:  # without onnx: a model that names external data fails to load in the sealed session (review70 H1)
+        sess = sealed_session(data, so)
     except Exception as exc:  # onnxruntime raises its own exception types for unreadable models
         raise ReleaseError(f"{where}: not a loadable ONNX model ({exc})") from None
     return dict(sess.get_modelmeta().custom_metadata_map)
+
+
+def _graph_tensors(graph: Any) -> Any:
+    """Every tensor of ``graph`` and of its subgraphs (a Loop's body, an If's branches): initializers, sparse
+    initializers and tensor-valued node attributes (a Constant's value)."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Any) -> Any:
+    """The tensors in the attributes of ``nodes`` (a graph's, or a model-local function's), subgraphs included."""
+    for node in nodes:
+        for attr in node.attribute:
+            yield from ([attr.t] if attr.HasField("t") else [])
+            yield from attr.tensors
+            for sparse in ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + list(attr.sparse_tensors):
+                yield from (sparse.values, sparse.indices)
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _graph_tensors(sub)
+
+
+def refuse_external_data(model: Any, where: Any) -> None:
+    """Refuse a generator with a tensor stored outside the file (review70 H1): onnxruntime would read it from the
+    current directory of whoever runs synthesize (a key, patient files) into the images the certificate calls
+    differentially private. A released generator holds every weight in its own (hashed) bytes."""
+    tensors = [*_graph_tensors(model.graph), *(t for f in model.functions for t in _node_tensors(f.node))]
+    named = [t.name or "?" for t in tensors if t.data_location == 1]  # TensorProto.EXTERNAL
+    if named:
+        raise ReleaseError(f"{where}: tensor(s) {', '.join(named[:5])} name external data files; a release's generator "
+                           "must hold all its weights (an external file is read from wherever synthesize runs, not "
+                           "hashed in the manifest): export it again as one file")
+
+
+def sealed_session(model: bytes, so: Any) -> Any:
+    """An onnxruntime CPU session of ``model``'s bytes that can read no file: external data (resolved from the
+    current directory for a model given as bytes) is pointed at an empty folder made for this load only."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="feta-onnx-sealed-") as empty:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", empty)
+        return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
 
 
 def _check_site(

@@ -43,8 +43,11 @@ def release_central(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gener
                     ) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
     """Central images at Poisson rate q = batch / ``n_public`` (the policy's public size, not ``ds.n``);
     ``rng``: the request's fresh OS-seeded generator (``edge.protocol.ReleaseRng``)."""
-    planned = _planned(cfg, n_public, "central", "central images ([central] rounds = 0)")
     c = cfg.central
+    if c.cell_rule != "slant":  # config validation refuses it with [federation] sites; a job without them too
+        raise PrivacyError(f"central images: [central] cell_rule = {c.cell_rule!r} is single-site only (a node has no "
+                           "public prototypes); nothing released; sign the job with cell_rule = \"slant\"")
+    planned = _planned(cfg, n_public, "central", "central images ([central] rounds = 0)")
     release, event = central_images(ds.images, ds.labels, ds.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch,
                                     sigma=c.sigma, clip=c.clip, downsample=c.downsample, bins=c.bins, n_public=n_public,
                                     rng=rng, cells=c.cells)  # cells: from the signed job; event unchanged (one cell

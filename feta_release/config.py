@@ -58,6 +58,11 @@ class CentralSection:
     # (mechanisms.central.slant_cells), releasing cells x rounds images per class for the same event and epsilon.
     # Federated jobs too: each site splits its sums the same way (per-site releases and secure sums alike).
     cells: int = 1
+    # How an image's cell is chosen: "slant" (the fixed prior above) or "aux": its nearest of `cells` public
+    # prototypes of its class, k-means centres of aux-generator images (feta_release/stages/prototypes.py). "aux"
+    # moves the frequency release and the aux fit BEFORE the central release (same events, same epsilon);
+    # single-site only for now (a federation's sites would need the coordinator's prototypes).
+    cell_rule: Literal["slant", "aux"] = "slant"
 
 
 @dataclass(frozen=True)
@@ -426,6 +431,13 @@ def _validate(cfg: JobConfig, source: str) -> None:
         need(c.bins is None or c.bins >= 2, f"[central] bins must be >= 2, got {c.bins}")
         need(c.cells >= 1, f"[central] cells must be >= 1, got {c.cells}")
         need(c.cells == 1 or c.kind == "mean", f"[central] cells = {c.cells} needs kind = \"mean\" (or set cells = 1)")
+        need(c.cell_rule in ("slant", "aux"), f"[central] cell_rule must be \"slant\" or \"aux\", got {c.cell_rule!r}")
+        need(c.cell_rule != "aux" or (c.kind == "mean" and f.sigma is not None),
+             "[central] cell_rule = \"aux\" takes its prototypes from the aux generator: it needs kind = \"mean\" and "
+             "[frequency] sigma (or set cell_rule = \"slant\")")
+        need(c.cell_rule != "aux" or not cfg.federation.sites,
+             "[central] cell_rule = \"aux\" is single-site only (a federation's sites split by slant): set "
+             "cell_rule = \"slant\" in a federated job")
     if f.sigma is not None:
         need(f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
         need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")

@@ -356,7 +356,7 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
     if stage == "central" and cfg.central.rounds > 0:
         c = cfg.central
         d = c_ * max(1, int(h * c.downsample)) * max(1, int(w * c.downsample))
-        per_class = c.batch / (n_classes * c.cells)  # expected size of one released sum (class, slant cell)
+        per_class = c.batch / (n_classes * c.cells)  # expected size of one released sum (class, cell)
         if c.kind == "mode":
             r = c.sigma * math.sqrt(d) / per_class
             return r, f"per-bin noise {r:.2f} x the per-class batch {per_class:.0f}"
@@ -503,7 +503,7 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
     c, f = cfg.central, cfg.frequency
     sgd = by_stage.get("dpsgd")
     notes = {
-        "central": (f"{c.kind} images, {c.rounds} round(s)" + (f" x {c.cells} slant cells" if c.cells > 1 else "")
+        "central": (f"{c.kind} images, {c.rounds} round(s)" + (f" x {c.cells} {c.cell_rule} cells" if c.cells > 1 else "")
                     if "central" in by_stage else "disabled (rounds = 0)"),
         "frequency": f"{f.features} random Fourier features" if "frequency" in by_stage else "disabled (no sigma)",
         "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")

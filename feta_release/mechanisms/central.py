@@ -21,6 +21,10 @@ function of that image only, so adding or removing it moves no other image's cel
 event as ``cells = 1``.  Denominator: the fixed public B_c / cells.  Why: one class mean is one blurry digit; cell
 means are several distinct prototypes (upright, right-leaning, ...) for the same epsilon, each noisier by about the
 factor cells (fewer images per sum); a cell few images fall into is mostly noise (post-processing may drop it).
+Prototype cells (``prototypes``, ``[central] cell_rule = "aux"``): the same split, each image into the cell of its
+nearest PUBLIC prototype of its class (k-means centres of aux-generator images, post-processing of the earlier
+frequency release); still a function of the image alone (and public values): the same sensitivity C and event.
+Why: the slant prior is about handwriting; prototypes follow whatever the data's modes are (any dataset).
 
 Mode images.  Query per class k: the per-pixel histogram H_k[p, b] = #{i in batch, y_i = k : bin(down(x_i)[p])
 = b}.  One image adds 1 to exactly one bin of each of the P pixel values, so the L2 sensitivity is sqrt(P).
@@ -163,6 +167,40 @@ def slant_cells(images: np.ndarray, cells: int) -> np.ndarray:
     return np.searchsorted(edges, image_slant(images)).astype(np.int64)
 
 
+def prototype_cells(images: np.ndarray, labels: np.ndarray, prototypes: np.ndarray) -> np.ndarray:
+    """(N,) index of each image's nearest (L2) prototype OF ITS OWN CLASS, ``prototypes`` (n_classes, cells, C*H*W).
+
+    The prototypes are public (``[central] cell_rule = "aux"``: k-means centres of aux-generator images, i.e.
+    post-processing of the frequency release), so an image's cell is a function of that image alone: adding or
+    removing one image moves no other image's cell, and the per-cell sums keep sensitivity C. Ties go to the lower
+    index (``argmin``). Per class one matmul: ||x - p||^2 = ||x||^2 - 2 x.p + ||p||^2, and ||x||^2 is the same for
+    every prototype of a row, so it is left out."""
+    flat = images.reshape(len(images), -1)
+    out = np.zeros(len(images), dtype=np.int64)
+    for k in range(prototypes.shape[0]):
+        rows = np.flatnonzero(labels == k)
+        if rows.size:
+            p = prototypes[k]
+            d2 = (p * p).sum(1)[None, :] - 2.0 * (flat[rows].astype(np.float64) @ p.T)
+            out[rows] = np.argmin(d2, axis=1)
+    return out
+
+
+def _check_prototypes(prototypes: np.ndarray, n_classes: int, cells: int, image_shape: tuple[int, ...],
+                      where: str) -> np.ndarray:
+    want = (int(n_classes), int(cells), int(np.prod(image_shape)))
+    p = np.asarray(prototypes, dtype=np.float64)
+    if p.shape != want or not np.all(np.isfinite(p)):
+        raise PrivacyError(f"{where}: cell prototypes must be finite numbers of shape (classes, cells, pixels) = "
+                           f"{want}, got {p.shape}; they come from [central] cell_rule = \"aux\" (the aux generator)")
+    return p
+
+
+def _cells(images: np.ndarray, labels: np.ndarray, cells: int, prototypes: np.ndarray | None) -> np.ndarray:
+    """Each image's cell: by its slant (the fixed public prior) or, given public prototypes, its nearest one."""
+    return slant_cells(images, cells) if prototypes is None else prototype_cells(images, labels, prototypes)
+
+
 def default_bins(channels: int) -> int:
     return 2 if channels == 1 else 16
 
@@ -262,8 +300,12 @@ def central_images(
     n_public: int,
     rng: np.random.Generator | int,
     cells: int = 1,
+    prototypes: np.ndarray | None = None,
 ) -> tuple[CentralRelease, PrivacyEvent]:
-    """Release ``rounds`` x ``cells`` noisy central images per class; return them with the privacy event they cost."""
+    """Release ``rounds`` x ``cells`` noisy central images per class; return them with the privacy event they cost.
+
+    ``prototypes`` (public, (n_classes, cells, C*H*W) at full size): split each class by nearest prototype
+    (:func:`prototype_cells`) instead of by slant; the event is the same (one cell per image)."""
     where = "central images"
     images, labels = check_images(images, labels, n_classes, where)
     sigma = check_sigma(sigma, where)
@@ -272,6 +314,8 @@ def central_images(
     gen = as_generator(rng, where)
     cells = _check_cells(cells, kind, where)
     image_shape = tuple(int(s) for s in images.shape[1:])
+    if prototypes is not None:
+        prototypes = _check_prototypes(prototypes, n_classes, cells, image_shape, where)
     vec, (c, h, w), param = _prepare(images, kind, clip, downsample, bins, where)
     n, d = vec.shape
     k = int(n_classes)
@@ -279,7 +323,7 @@ def central_images(
 
     if kind == "mean":
         bound, denom = param, batch / (k * cells)
-        groups = labels * cells + slant_cells(images, cells)  # one (class, cell) per image, from that image alone
+        groups = labels * cells + _cells(images, labels, cells, prototypes)  # one (class, cell) per image, from it alone
         out = np.empty((rounds, k * cells, d), dtype=np.float64)
         for r in range(rounds):
             take = poisson_mask(n, q, gen)  # Poisson sampling: each image independently, probability <= q

@@ -15,8 +15,9 @@ from .frequency import FrequencyRelease
 from .spatial import SpatialWarmup
 from .synthesis import Synthesis
 
-STAGES: tuple[Stage, ...] = (CentralRelease(), SpatialWarmup(), FrequencyRelease(), FrequencyWarmup(),
-                             DpsgdTraining(), Synthesis())
+# The frequency release runs first only for [central] cell_rule = "aux" (its prototypes come from the aux generator).
+STAGES: tuple[Stage, ...] = (FrequencyRelease(early=True), CentralRelease(), SpatialWarmup(), FrequencyRelease(),
+                             FrequencyWarmup(), DpsgdTraining(), Synthesis())
 
 __all__ = ["STAGES", "RunAccount", "RunContext", "RunDir", "SimulatedKill", "Stage", "mix_central", "run_budget",
            "seed_from"]

@@ -11,6 +11,8 @@ from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from ..viz import save_grid
 from .base import check_event, grid_title, refuse_requery
 from .context import RunContext
+from .freq_warmup import trained_aux
+from .prototypes import cell_prototypes
 
 
 class CentralRelease:
@@ -37,13 +39,23 @@ def _load(ctx: RunContext) -> tuple[np.ndarray, np.ndarray] | None:
     return z["images"], z["labels"]
 
 
+def _prototypes(ctx: RunContext) -> np.ndarray | None:
+    """``cell_rule = "aux"``: the public prototypes from the aux generator (fitted, or loaded, here: the frequency
+    release ran first); None for the slant rule."""
+    if ctx.cfg.central.cell_rule != "aux":
+        return None
+    return cell_prototypes(trained_aux(ctx), ctx.cfg)
+
+
 def _release(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
     """Charge -> query -> save -> record; the post-processed images (M, C, H, W) in [0, 1] and their labels."""
     c, d = ctx.cfg.central, ctx.data
+    prototypes = _prototypes(ctx)  # before the charge: fitting the aux generator may take minutes
     rid = ctx.account.charge("central", c.rounds)
     release, event = central_images(
         d.images, d.labels, d.n_classes, kind=c.kind, rounds=c.rounds, batch=c.batch, sigma=c.sigma, clip=c.clip,
         downsample=c.downsample, bins=c.bins, n_public=ctx.n_public, rng=ctx.private_rng("central"), cells=c.cells,
+        prototypes=prototypes,
     )
     check_event(event, ctx.account.planned("central"))
     images, labels = postprocess_central(release, stretch=ctx.cfg.central.stretch)
@@ -52,6 +64,7 @@ def _release(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
     blob = npz_bytes(images=images, labels=labels, **arrays)
     atomic_write_bytes(ctx.rd.released("central.npz"), blob)
     ctx.account.record(rid, blob)
-    ctx.rep.log(f"central images: released {len(labels)} {c.kind} images ({c.rounds} round(s), {c.cells} cell(s), "
+    ctx.rep.log(f"central images: released {len(labels)} {c.kind} images ({c.rounds} round(s), {c.cells} {c.cell_rule} "
+                f"cell(s), "
                 f"sigma {c.sigma})")
     return images, labels

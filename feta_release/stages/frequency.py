@@ -13,10 +13,17 @@ from .context import RunContext
 
 
 class FrequencyRelease:
+    """``early``: the instance placed before the central release, which runs instead of the later one when the
+    central cells need the aux generator's prototypes (``[central] cell_rule = "aux"``). Same charge either way."""
+
     name = "frequency-release"
 
+    def __init__(self, early: bool = False) -> None:
+        self.early = early
+
     def enabled(self, cfg: JobConfig) -> bool:
-        return cfg.frequency.sigma is not None
+        first = cfg.central.rounds > 0 and cfg.central.cell_rule == "aux"
+        return cfg.frequency.sigma is not None and self.early == first
 
     def run(self, ctx: RunContext) -> None:
         path = ctx.rd.released("frequency.npz")

@@ -231,3 +231,45 @@ def test_l2_a_wrong_attestation_is_refused_by_the_coordinator(what):
     out = drv.attestations()
     assert sorted(out) == ["a"]
     assert any("site b: no attestation: attestation refused" in e for e in events), events
+
+
+# -- L3 (report's low finding): a malformed hello ----------------------------------------------------------------
+# Attack (anything that can answer for a node): a hello whose site_id is missing or a list, or whose policy is not a
+# signed-policy object. Before: a KeyError / TypeError / AttributeError out of wait_for_sites ended the job for every
+# site. Now that node is refused (named in the progress log) and the job waits for the real sites as it does for a
+# node that refuses.
+
+MALFORMED_HELLOS = {
+    "no site_id": {"policy": {}},
+    "site_id a list": {"site_id": ["a"], "policy": {}},
+    "policy a string": {"site_id": "a", "policy": "signed"},
+    "signature a string": {"site_id": "a", "policy": {"signature": "x"}},
+    "lifetime_events a string": {"site_id": "a", "policy": {"signature": {}}, "lifetime_events": "abc"},
+}
+
+
+class _HelloGrid:
+    def __init__(self, doc):
+        self.doc = doc
+
+    def get_node_ids(self):
+        return [7]
+
+    def send_and_receive(self, msgs, timeout):
+        return [SimpleNamespace(metadata=SimpleNamespace(src_node_id=m.metadata.dst_node_id), has_error=lambda: False,
+                                content=RecordDict({"cfg": ConfigRecord({"json": __import__("json").dumps(self.doc)})}))
+                for m in msgs]
+
+
+@pytest.mark.parametrize("what", sorted(MALFORMED_HELLOS))
+def test_l3_a_malformed_hello_refuses_that_node_not_the_job(what):
+    from feta_release.federation.driver import SiteUnavailable
+
+    events: list[str] = []
+    drv = _driver(lambda node, arrays: None, events)
+    drv.grid, drv.sites = _HelloGrid(MALFORMED_HELLOS[what]), {}
+    drv.job = SimpleNamespace(sites=("a",))
+    drv.wait_timeout, drv.poll, drv.timings = 0.0, 0.0, {}
+    with pytest.raises(SiteUnavailable, match="did not join") as err:
+        drv.wait_for_sites()  # before: KeyError / TypeError / AttributeError out of the driver
+    assert "hello refused" in str(err.value) and any("node 7 refused the job: hello refused" in e for e in events)

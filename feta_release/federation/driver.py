@@ -126,6 +126,20 @@ def release_problem(arrays: dict[str, np.ndarray]) -> str | None:
     return f"release refused: {', '.join(bad)} are not finite numbers" if bad else None
 
 
+def hello_problem(doc: Any) -> str | None:
+    """Why a node's hello cannot be read as a site's (None: it can be): a site_id string, a signed-policy object, a
+    list of lifetime events. Anything else is that node's refusal, not the job's end (a KeyError or TypeError out of
+    wait_for_sites stopped the job for every site)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("site_id"), str):
+        return "hello refused: it names no site_id string"
+    policy = doc.get("policy")
+    if not isinstance(policy, dict) or not isinstance(policy.get("signature", {}), dict):
+        return f"hello refused: site {doc['site_id']!r} sent no signed-policy object"
+    if not isinstance(doc.get("lifetime_events", []), list):
+        return f"hello refused: site {doc['site_id']!r} sent lifetime_events that are not a list"
+    return None
+
+
 def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> str | None:
     """Why ``att`` is not site ``sid``'s final spend statement for this job (None: it is), as verify will check it:
     signed by the site key its signed policy names (not whatever key the reply embeds), for this site, this signed
@@ -222,7 +236,10 @@ class JobDriver:
                 for key, (doc, _) in ok.items():
                     node = int(key.removeprefix("node-"))
                     asked.add(node)
-                    if doc["site_id"] in wanted:
+                    why = hello_problem(doc)
+                    if why is not None:
+                        failed[key] = why  # reported below, as a node that refused
+                    elif doc["site_id"] in wanted:
                         self._admit(node, doc, names.get(node))
                 for key, reason in failed.items():
                     node = int(key.removeprefix("node-"))

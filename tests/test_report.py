@@ -262,3 +262,27 @@ def test_missing_release_still_gets_a_page_that_says_why(keys, tmp_path):
     assert not res.ok and "Release REFUSED" in html and "cannot read" in html
     assert html.count("No readable manifest") == 4 and "cannot be shown" not in html
     assert _parse(html).h2 == list(SECTIONS)
+
+
+def test_caps_shown_are_the_verified_policys_even_if_the_file_changes_after_verify(release, keys, tmp_path):
+    """Review 70 (low): the report re-read the site's policy file after verify, so a file swapped in between (no
+    signature checked) set the caps the page shows. The page must show the policy verify checked."""
+    import json
+    import shutil
+
+    from feta_release.release.report import render_report
+    from feta_release.release.verify import verify_release
+
+    rd = tmp_path / "release"
+    shutil.copytree(release, rd)
+    res = verify_release(rd, keys.trust())
+    assert res.ok, res.reason()
+    files = list((rd / "policies").glob("*.json"))
+    assert files
+    for p in files:
+        doc = json.loads(p.read_text("utf-8"))
+        doc["policy"]["budget"]["per_job"]["epsilon"] = 777.0  # unsigned edit after verify
+        p.write_text(json.dumps(doc), "utf-8")
+    html = render_report(rd, res, per_class=1)
+    assert "ε ≤ 777" not in html
+    assert "ε ≤ 5, δ ≤ 1e-05" in html  # the signed per-job cap (tests/release_helpers.signed_policy)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import json
 import math
 from html import escape
 from pathlib import Path
@@ -27,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from ..accounting import epsilon_breakdown, events_from_list
 from ..errors import ReleaseError
-from .manifest import MANIFEST_FILE, policy_file_name
+from .manifest import MANIFEST_FILE
 from .verify import (
     STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
 )
@@ -74,10 +73,11 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence
 
 
 def _signed_policy(rd: Path, sid: str, res: VerificationResult) -> dict[str, Any] | None:
-    """The site's policy document, only when verify checked its signature and that the site attested it."""
+    """The site's policy document as verify checked it (signature, attested hash), only when that check passed;
+    never the file read again (a file swapped after verify would set the caps shown)."""
     if not any(c.name == f"site {sid} policy" and c.status == "pass" for c in res.checks):
         return None
-    return json.loads((rd / policy_file_name(sid)).read_text("utf-8"))["policy"]
+    return res.policies.get(sid)
 
 
 # -- sections ------------------------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ class VerificationResult:
     starts_claims: dict[str, Any] | None = None  # the starts record's claims as RECOMPUTED from signed inputs
     aux_bytes: bytes | None = field(default=None, repr=False)  # the verified aux-generator pool (start_source aux/mix)
     aux_claims: dict[str, Any] | None = None  # the aux_starts record's claims as RECOMPUTED from signed inputs
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)  # site -> the policy verify checked and passed
 
     @property
     def ok(self) -> bool:
@@ -603,6 +604,8 @@ def _check_site(
         problems += secure_assumption_violations(policy, st, events, job.sites, job.body.get("config") or {})
     if digest != st.get("policy_sha256"):
         problems.insert(0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…")
+    if not problems:  # what the report shows: these bytes, never the file read again (review 70, low)
+        res.policies[sid] = policy
     res.add(f"site {sid} policy", not problems, "; ".join(problems) if problems else
             f"signed by site administrator {admin}; within policy v{policy.get('version')} (per-job ε ≤ "
             f"{policy['budget']['per_job']['epsilon']}, δ ≤ {policy['budget']['per_job']['delta']}, every σ at "

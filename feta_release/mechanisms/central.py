@@ -167,22 +167,25 @@ def slant_cells(images: np.ndarray, cells: int) -> np.ndarray:
     return np.searchsorted(edges, image_slant(images)).astype(np.int64)
 
 
+def nearest(x: np.ndarray, centres: np.ndarray) -> np.ndarray:
+    """(m,) index of the nearest (L2) row of ``centres`` (k, d) for each row of ``x`` (m, d); ties go to the lower
+    index. One matmul: ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2, and ||x||^2 is the same for every centre of a row,
+    so it is left out."""
+    return np.argmin((centres * centres).sum(1)[None, :] - 2.0 * (x @ centres.T), axis=1)
+
+
 def prototype_cells(images: np.ndarray, labels: np.ndarray, prototypes: np.ndarray) -> np.ndarray:
     """(N,) index of each image's nearest (L2) prototype OF ITS OWN CLASS, ``prototypes`` (n_classes, cells, C*H*W).
 
     The prototypes are public (``[central] cell_rule = "aux"``: k-means centres of aux-generator images, i.e.
     post-processing of the frequency release), so an image's cell is a function of that image alone: adding or
-    removing one image moves no other image's cell, and the per-cell sums keep sensitivity C. Ties go to the lower
-    index (``argmin``). Per class one matmul: ||x - p||^2 = ||x||^2 - 2 x.p + ||p||^2, and ||x||^2 is the same for
-    every prototype of a row, so it is left out."""
+    removing one image moves no other image's cell, and the per-cell sums keep sensitivity C."""
     flat = images.reshape(len(images), -1)
     out = np.zeros(len(images), dtype=np.int64)
     for k in range(prototypes.shape[0]):
         rows = np.flatnonzero(labels == k)
         if rows.size:
-            p = prototypes[k]
-            d2 = (p * p).sum(1)[None, :] - 2.0 * (flat[rows].astype(np.float64) @ p.T)
-            out[rows] = np.argmin(d2, axis=1)
+            out[rows] = nearest(flat[rows].astype(np.float64), prototypes[k])
     return out
 
 

@@ -65,6 +65,5 @@ def _release(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
     atomic_write_bytes(ctx.rd.released("central.npz"), blob)
     ctx.account.record(rid, blob)
     ctx.rep.log(f"central images: released {len(labels)} {c.kind} images ({c.rounds} round(s), {c.cells} {c.cell_rule} "
-                f"cell(s), "
-                f"sigma {c.sigma})")
+                f"cell(s), sigma {c.sigma})")
     return images, labels

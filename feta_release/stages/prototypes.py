@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..config import JobConfig
+from ..mechanisms.central import nearest
 from ..models.auxgen import AuxGenerator
 from ..training.frequency import aux_draw
 from .context import public_generator
@@ -33,8 +34,8 @@ def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iterations: int = IT
         centres.append(x[rng.choice(len(x), p=p)])
     c = np.asarray(centres, dtype=np.float64)
     for _ in range(iterations):
-        nearest = np.argmin((c * c).sum(1)[None, :] - 2.0 * x @ c.T, axis=1)
-        c = np.asarray([x[nearest == j].mean(0) if (nearest == j).any() else c[j] for j in range(k)])
+        near = nearest(x, c)
+        c = np.asarray([x[near == j].mean(0) if (near == j).any() else c[j] for j in range(k)])
     return c
 
 

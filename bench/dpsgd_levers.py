@@ -50,6 +50,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/results/dpsgd-levers.json")
+    ap.add_argument("--sigma", type=float, default=None,
+                    help="PROBE: DP-SGD noise multiplier instead of the planned one (the run's releases already "
+                         "spent their budget, so the plan would leave DP-SGD almost none); the row's epsilon is "
+                         "then the stated sigma's DP-SGD cost on top of the run's releases")
+    ap.add_argument("--save", action="store_true",
+                    help="write each variant's model to the run's checkpoints/lever-NAME.pt ({'model': state}) "
+                         "for bench/sampler_levers.py --weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -61,7 +68,7 @@ def main() -> None:
     from feta_release.models.sampler import generate
     from feta_release.planning import plan as privacy_plan
     from feta_release.stages.dpsgd import _public_mix
-    from feta_release.training.checkpoint import load_torch
+    from feta_release.training.checkpoint import load_torch, save_torch
     from feta_release.training.dpsgd import DPSGDTrainer
     from feta_release.viz import save_grid
 
@@ -87,18 +94,24 @@ def main() -> None:
                 trained[key] = den.eval()
             else:
                 ctx = SimpleNamespace(cfg=cfg, central=central, public_gen=lambda n: torch.Generator().manual_seed(11))
-                tr = DPSGDTrainer(den, cfg, pl.noise_multiplier, cfg.dpsgd.batch / fit.n,
+                sigma = pl.noise_multiplier if args.sigma is None else args.sigma
+                tr = DPSGDTrainer(den, cfg, sigma, cfg.dpsgd.batch / fit.n,
                                   torch.Generator().manual_seed(7), n_public=fit.n,
                                   public=_public_mix(ctx))  # type: ignore[arg-type]
                 tr.run(xr, yr, cfg.dpsgd_steps(fit.n))
                 trained[key] = tr.ema_model()
-        labels = balanced_labels(args.n, fit.n_classes)
-        imgs, _ = generate(trained[key], labels, 1234, cfg.sampler)  # type: ignore[arg-type]
-        syn = ImageDataset(imgs.numpy(), np.asarray(labels), fit.class_names, source=name)
-        acc = accuracy(train_classifier(syn, PROTOCOL.classifier_epochs, 0), val)
-        save_grid(imgs.numpy(), np.asarray(labels), out.with_name(f"{out.stem}-{name}.png"), per_class=8,
-                  n_classes=fit.n_classes)
-        row = {"variant": name, "overrides": over, "epsilon": round(pl.epsilon, 4), "sigma_sgd": pl.noise_multiplier,
+            if args.save:
+                save_torch(run / "checkpoints" / f"lever-{name}.pt", {"model": trained[key].state_dict()})
+        acc = float("nan")
+        if args.n:  # --n 0 with --save: train only (score the saved model with bench/sampler_levers.py)
+            labels = balanced_labels(args.n, fit.n_classes)
+            imgs, _ = generate(trained[key], labels, 1234, cfg.sampler)  # type: ignore[arg-type]
+            syn = ImageDataset(imgs.numpy(), np.asarray(labels), fit.class_names, source=name)
+            acc = accuracy(train_classifier(syn, PROTOCOL.classifier_epochs, 0), val)
+            save_grid(imgs.numpy(), np.asarray(labels), out.with_name(f"{out.stem}-{name}.png"), per_class=8,
+                      n_classes=fit.n_classes)
+        eps = pl.epsilon if args.sigma is None else None  # a probe's sigma is not the plan's: no total to state
+        row = {"variant": name, "overrides": over, "epsilon": eps, "sigma_sgd": args.sigma or pl.noise_multiplier,
                "dpsgd_steps": cfg.dpsgd_steps(fit.n), "val_acc": round(acc, 4), "s": round(time.perf_counter() - t0, 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -9,6 +9,10 @@ per-image map (post-processing: no privacy cost) and scores it on the validation
     floorT        soft background floor: x -> max(x - T, 0) / (1 - T)
     medianK       K x K median filter
     blur          3x3 binomial blur
+    stretch       per-image contrast stretch (``mechanisms.central.stretch_contrast``: quantile 0.6 -> 0, 0.98 -> 1)
+    sigT          sigmoid sharpening around T: x -> s(12 (x - T)) rescaled so 0 -> 0 and 1 -> 1 (bright strokes, black
+                  background, as real digits; a public prior on the data kind, like the stretch)
+    A+B           B after A (e.g. ``blur+sig0.4``)
 
     python bench/postprocess_levers.py --run runs/e10b/protocol/validation/cpu-eps10-nodpsgd/seed0 --seed 0 \
         --variants none,floor0.1,floor0.2,median3 --out bench/results/post-s0.json
@@ -29,8 +33,20 @@ def apply(name: str, x: np.ndarray) -> np.ndarray:
     import torch
     import torch.nn.functional as F
 
+    if "+" in name:
+        for part in name.split("+"):
+            x = apply(part, x)
+        return x
     if name == "none":
         return x
+    if name == "stretch":
+        from feta_release.mechanisms.central import stretch_contrast
+
+        return stretch_contrast(x)
+    if name.startswith("sig"):
+        t = float(name[3:])
+        lo, hi = 1 / (1 + np.exp(12 * t)), 1 / (1 + np.exp(-12 * (1 - t)))
+        return ((1 / (1 + np.exp(-12 * (x - t))) - lo) / (hi - lo)).clip(0, 1).astype(np.float32)
     if name.startswith("floor"):
         t = float(name[5:])
         return (np.maximum(x - t, 0.0) / (1.0 - t)).astype(np.float32)

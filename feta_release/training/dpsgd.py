@@ -57,6 +57,7 @@ from ..errors import ConfigError, DataError
 from ..mechanisms._checks import check_clip
 from ..mechanisms.poisson import poisson_mask
 from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
+from .allocator import keep_freed_pages
 from .ema import EMA
 from .ghost_clip import K_MAJOR, BatchedLoss, batched_form, cross_check, hook_grads, unsupported
 from .padding import pad_step, padding_chunks
@@ -310,6 +311,7 @@ def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labe
     device), so a step is reproducible from the generator's state. The model is in train mode while it runs."""
     dev = next(model.parameters()).device
     was_training = model.training
+    keep_freed_pages()  # each chunk's per-example gradients reuse the last chunk's pages (training.allocator)
     model.train()
     try:
         for start in range(0, idx.numel(), chunk):

@@ -309,6 +309,7 @@ def _load_folder(root: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     if len(class_dirs) < 2 and opts.declared is None:
         problems.add(f"only one class ({class_dirs[0].name!r}); class-conditional synthesis needs at least 2 "
                      "class sub-folders")
+    _add_repeated(problems, [(it.path, str(it.path)) for it in items], "delete the copies or links")
     if report.skipped_files:
         report.warnings.append(
             f"skipped {report.n_skipped} non-image file(s) (only {', '.join(sorted(IMAGE_EXTENSIONS))} and "
@@ -331,14 +332,20 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         raise DataError(f"{path}: the first line must be the header path,label or path,label,patient_id")
     has_pid = "patient_id" in header
     bad, missing, parsed = [], [], []
+    lines: list[int] = []  # the CSV line of each parsed row, to name repeated files
     for lineno, row in enumerate(rows[1:], start=2):
         if not any(c.strip() for c in row):
             continue
         if len(row) != len(header) or not row[0].strip() or not row[1].strip():
             bad.append(f"line {lineno}: expected {len(header)} non-empty fields ({','.join(header)})")
             continue
-        f = (path.parent / row[0].strip()).resolve()
-        if not f.is_file():
+        try:  # a NUL byte, an over-long name or a symlink loop: the OS refuses the path (used to be a traceback)
+            f = (path.parent / row[0].strip()).resolve()
+            is_file = f.is_file()
+        except (OSError, ValueError, RuntimeError) as exc:
+            bad.append(f"line {lineno}: the path cannot be used ({_os_reason(exc)})")
+            continue
+        if not is_file:
             missing.append(f"line {lineno}: {f}")
             continue
         pid = row[2].strip() if has_pid else None
@@ -346,10 +353,12 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
             bad.append(f"line {lineno}: empty patient_id")
             continue
         parsed.append((f, row[1].strip(), pid))
+        lines.append(lineno)
     if bad:
         problems.add(f"{len(bad)} malformed row(s):", bad)
     if missing:
         problems.add(f"{len(missing)} listed file(s) do not exist:", missing)
+    _add_repeated(problems, [(f, f"line {n}: {f}") for n, (f, _, _) in zip(lines, parsed)], "delete the extra rows")
     names = tuple(sorted({lab for _, lab, _ in parsed}))
     if not parsed:
         problems.add("no usable rows")
@@ -358,6 +367,40 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         problems.add(f"only one class ({names[0]!r}); class-conditional synthesis needs at least 2")
     items = [_Item(f, lab, _patient_key(pid)) for f, lab, pid in parsed]
     return _load_items(path, items, names, opts, report, problems)
+
+
+def _os_reason(exc: Exception) -> str:
+    """Why the OS refused a path, in a few words (never the path again: it may be thousands of characters)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)[:80] or type(exc).__name__
+
+
+def _file_key(f: Path) -> tuple[int, int] | str:
+    """The file's identity: (device, inode) follows symlinks and sees hard links; the path when stat fails (the
+    decoder reports that file as unreadable)."""
+    try:
+        st = f.stat()
+    except (OSError, ValueError):
+        return str(f)
+    return st.st_dev, st.st_ino
+
+
+def _add_repeated(problems: _Problems, named: list[tuple[Path, str]], fix: str) -> None:
+    """One file read twice (a CSV row repeated, a symlink or hard link beside its target) is one image counted
+    twice: under a patient cap with two patient ids it passes as two patients (twice the ε the policy signs), and
+    with two labels it trains one image into two classes. Refused, each repeat named beside its first listing."""
+    first: dict[tuple[int, int] | str, str] = {}
+    repeats: list[str] = []
+    for f, name in named:
+        key = _file_key(f)
+        if key in first:
+            repeats.append(f"{name} (the same file as {first[key]})")
+        else:
+            first[key] = name
+    if repeats:
+        problems.add(f"{len(repeats)} image file(s) listed more than once (one image must count once: a copy "
+                     f"overweights it and can pass a patient cap as another patient); {fix}:", repeats)
 
 
 def _patient_key(pid: str | None) -> str | None:

@@ -135,3 +135,26 @@ def test_dicom_non_finite_rescale_names_the_file(tmp_path: Path, patch: bytes) -
         load_dataset(tmp_path)
     assert str(bad) in str(err.value)
 
+
+
+# -- memory: full-size scans are not all held at once -------------------------------------------------------------
+def test_full_size_scans_are_conformed_one_at_a_time(tmp_path: Path) -> None:
+    """Every decoded full-size image used to be kept until all were read, then resized: memory N x the scan size
+    (5,000 chest X-rays of 2,500 x 2,000 pixels: 100 GB of float32). Now only one full-size image lives at a time."""
+    import tracemalloc
+
+    side, n = 400, 16
+    for c in ("a", "b"):
+        for i in range(n // 2):
+            arr = np.random.default_rng(i + (100 if c == "b" else 0)).integers(0, 255, (side, side), dtype=np.uint8)
+            (tmp_path / c).mkdir(exist_ok=True)
+            Image.fromarray(arr, mode="L").save(tmp_path / c / f"{i}.png")
+    one_image = side * side * 4  # float32 bytes of one decoded scan
+    tracemalloc.start()
+    try:
+        ds, _ = load_dataset(tmp_path, resize="resize", image_size=8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ds.images.shape == (n, 1, 8, 8)
+    assert peak < 5 * one_image, f"peak {peak / one_image:.1f} decoded scans held at once"

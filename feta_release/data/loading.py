@@ -414,29 +414,35 @@ def _load_items(
     """Decode every listed file; collect every problem; raise them together or build the dataset.
 
     The class list and the target shape are the policy's declaration (``opts.declared``) when there is one, else
-    read off the data (a draft); either way each image is then conformed to the target on its own."""
+    read off the data (a draft); either way each image is then conformed to the target on its own. The target is
+    fixed from the headers first, so each image is conformed as soon as it is decoded: only target-sized images are
+    kept (holding every full-size scan until the end took N x its size: 5,000 chest X-rays of 2,500 x 2,000 pixels
+    are 100 GB of float32 before the first resize)."""
     bad: list[str] = []
-    decoded: list[tuple[_Header, np.ndarray]] = []
+    headers: list[_Header] = []
     for it in items:
         try:
-            h = _read_header(it, opts.max_pixels)
-            decoded.append((h, _read_pixels(h, report, opts.window)))
+            headers.append(_read_header(it, opts.max_pixels))
         except DataError as exc:
             bad.append(str(exc))
+    names = opts.declared.class_names if opts.declared is not None else class_names
+    target: tuple[int, int] = (0, 0)
+    size_problem = None
+    if headers:
+        target, off = _target_size([h.size for h in headers], opts)
+        if off and opts.resize == "refuse":
+            size_problem = _size_message(target, off, [(str(h.path), h.size) for h in headers], opts.image_size,
+                                         opts.declared is not None)
+    channels = (opts.declared.image_shape[0] if opts.declared is not None
+                else _choose_channels(headers, report) if headers else 1)
+    images, decoded = _decode_all(headers, (channels, *target), opts, report, bad)
     if bad:
         problems.add(f"{len(bad)} unreadable, corrupt or truncated image file(s):", bad)
-    names = opts.declared.class_names if opts.declared is not None else class_names
     _check_labels(items, names, opts.declared, problems)
-    target: tuple[int, int] = (0, 0)
-    if decoded:
-        target, off = _target_size([h.size for h, _ in decoded], opts)
-        if off and opts.resize == "refuse":
-            problems.add(_size_message(target, off, [(str(h.path), h.size) for h, _ in decoded], opts.image_size,
-                                       opts.declared is not None))
+    if size_problem is not None:
+        problems.add(size_problem)
     problems.raise_if_any(where)
-    channels = (opts.declared.image_shape[0] if opts.declared is not None
-                else _choose_channels([h for h, _ in decoded], report))
-    images = _conform_all(decoded, (channels, *target), opts, report)
+    _note_conversions(decoded, (channels, *target), opts, report)
     _note_sixteen_bit(report)
     _note_patients(report, [h.patient_key for h, _ in decoded])
     index = {n: i for i, n in enumerate(names)}
@@ -445,6 +451,31 @@ def _load_items(
     ds = ImageDataset(images, labels, names, source=str(where))
     report.n_images = ds.n
     return ds, report
+
+
+def _decode_all(headers: list[_Header], shape: tuple[int, int, int], opts: _Options, report: LoadReport,
+                bad: list[str]) -> tuple[np.ndarray, list[tuple[_Header, bool]]]:
+    """Each image decoded and at once conformed to ``shape`` by ``conform_image`` (a function of that image alone);
+    (images, [(header, was it resized)]) of those that decoded. Problems go to ``bad``; an image whose size is
+    already a listed problem (``resize = "refuse"``) is decoded (to find corrupt data) but not conformed."""
+    c, h, w = shape
+    images = np.empty((len(headers), c, h, w), dtype=np.float32)
+    decoded: list[tuple[_Header, bool]] = []
+    for hd in headers:
+        try:
+            arr = _read_pixels(hd, report, opts.window)
+        except DataError as exc:
+            bad.append(str(exc))
+            continue
+        resized = arr.shape[:2] != (h, w)
+        if resized and opts.resize == "refuse":
+            if hd.size == (h, w):  # its header said otherwise: the file changed between the two reads
+                bad.append(f"{hd.path}: changed while being read ({arr.shape[0]}x{arr.shape[1]}, header said "
+                           f"{h}x{w}); run again when the export has finished")
+            continue
+        images[len(decoded)] = conform_image(arr, shape, opts.resize)
+        decoded.append((hd, resized))
+    return images[:len(decoded)], decoded
 
 
 def _check_labels(items: list[_Item], names: tuple[str, ...], declared: DataDeclaration | None,
@@ -469,18 +500,12 @@ def _target_size(sizes: list[tuple[int, int]], opts: _Options) -> tuple[tuple[in
     return target, [i for i, s in enumerate(sizes) if s != target]
 
 
-def _conform_all(decoded: list[tuple[_Header, np.ndarray]], shape: tuple[int, int, int], opts: _Options,
-                 report: LoadReport) -> np.ndarray:
-    """Each image conformed to ``shape`` by ``conform_image`` (a function of that image alone); counted."""
+def _note_conversions(decoded: list[tuple[_Header, bool]], shape: tuple[int, int, int], opts: _Options,
+                      report: LoadReport) -> None:
+    """Count and name what ``_decode_all`` changed: images resized, and channels converted to the declared ones."""
     c, h, w = shape
-    images = np.empty((len(decoded), c, h, w), dtype=np.float32)
-    converted: list[str] = []
-    for i, (hd, arr) in enumerate(decoded):
-        if arr.shape[:2] != (h, w):
-            report.n_resized += 1
-        if arr.shape[2] != c:
-            converted.append(str(hd.path))
-        images[i] = conform_image(arr, shape, opts.resize)
+    report.n_resized += sum(resized for _, resized in decoded)
+    converted = [str(hd.path) for hd, _ in decoded if hd.channels != c]
     if converted and opts.declared is not None:
         what = "greyscale to RGB (channel copied)" if c == 3 else "RGB to greyscale (ITU-R 601 luma)"
         report.count(f"converted to the declared {c} channel(s): {what}", len(converted))
@@ -489,7 +514,6 @@ def _conform_all(decoded: list[tuple[_Header, np.ndarray]], shape: tuple[int, in
     if report.n_resized:
         how = "centre-cropped and resized" if opts.resize == "crop" else "resized"
         report.warnings.append(f"{how} {report.n_resized} image(s) to {h}x{w} (bilinear)")
-    return images
 
 
 def _note_sixteen_bit(report: LoadReport) -> None:

@@ -158,3 +158,66 @@ def test_full_size_scans_are_conformed_one_at_a_time(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert ds.images.shape == (n, 1, 8, 8)
     assert peak < 5 * one_image, f"peak {peak / one_image:.1f} decoded scans held at once"
+
+
+# -- one --flag on the command line dropped the job's / node.toml's other data settings --------------------------
+def _cli_load(args: list[str]):  # noqa: ANN202 - the LoadOptions (or None) the decorated command receives
+    import click
+    from click.testing import CliRunner
+
+    from feta_release.cli.data_options import data_load_options
+
+    got: dict = {}
+
+    @click.command()
+    @data_load_options
+    def cmd(load) -> None:  # noqa: ANN001
+        got["load"] = load
+
+    res = CliRunner().invoke(cmd, args)
+    assert res.exit_code == 0, res.output
+    return got["load"]
+
+
+def test_train_patient_cap_flag_keeps_the_jobs_window_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train --job J --patient-cap 1`` read the data with window auto / resize refuse / no image size, whatever
+    J's [job] said: one flag silently replaced all four settings (a bits:12 window became auto: other pixels)."""
+    from types import SimpleNamespace
+
+    import feta_release.data as data_pkg
+    from feta_release.cli.train_cmd import _training_data
+
+    seen: dict = {}
+
+    def fake_load(path, **kw):  # noqa: ANN001, ANN202
+        seen.update(kw)
+        return object(), SimpleNamespace(n_skipped=0, patient_cap=None, patients=None)
+
+    monkeypatch.setattr(data_pkg, "load_dataset", fake_load)
+    cfg = SimpleNamespace(job=SimpleNamespace(resize="crop", image_size=64, window="bits:12"))
+    _training_data(cfg, "some/data", _cli_load(["--patient-cap", "1"]), None)
+    assert seen == {"resize": "crop", "image_size": 64, "window": "bits:12", "patient_cap": 1, "declared": None}
+
+
+def test_node_start_flag_keeps_node_toml_data_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``node start --config node.toml --window bits:12`` dropped node.toml's [data] resize, image_size and
+    patient_cap (the node then refused its own data, or read it otherwise than ``site init`` committed to)."""
+    from click.testing import CliRunner
+
+    import edge.launch
+    from edge.cli import node
+
+    toml = tmp_path / "node.toml"
+    toml.write_text('[node]\ndata = "d"\npolicy = "p"\ntrusted_policy_key = "k"\nledger = "l"\nsite_key = "s"\n'
+                    'data_secret = "x"\n[data]\nresize = "crop"\nimage_size = 64\nwindow = "40,400"\npatient_cap = 2\n')
+    seen: dict = {}
+
+    def fake_run(settings) -> int:  # noqa: ANN001
+        seen["load"] = settings.load
+        return 0
+
+    monkeypatch.setattr(edge.launch, "run_node", fake_run)
+    res = CliRunner().invoke(node, ["start", "--config", str(toml), "--window", "bits:12"])
+    assert res.exit_code == 0, res.output
+    load = seen["load"]
+    assert (load.resize, load.image_size, load.window, load.patient_cap) == ("crop", 64, "bits:12", 2)

@@ -29,7 +29,7 @@ import warnings
 import zipfile
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -120,6 +120,8 @@ class LoadOptions:
     image_size: int | None = None
     window: str = "auto"
     patient_cap: int | None = None  # keep the first k images of each patient (unit of privacy: the patient)
+    # The fields the user set (command-line flags); empty: all of them. ``over`` keeps the others from a base.
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.resize not in RESIZE_POLICIES:
@@ -135,6 +137,14 @@ class LoadOptions:
     def kwargs(self) -> dict:
         return {"resize": self.resize, "image_size": self.image_size, "window": self.window,
                 "patient_cap": self.patient_cap}
+
+    def over(self, base: LoadOptions) -> LoadOptions:
+        """These options laid over ``base`` (a job's [job] or a node.toml's [data]): only the fields given replace
+        base's. One flag used to replace all four, so ``--patient-cap 1`` also reset a job's window bits:12 to auto
+        (other pixel values, silently) and its resize/image_size to refuse/None."""
+        if not self.given:
+            return self
+        return replace(base, **{k: getattr(self, k) for k in self.given}, given=frozenset())
 
 
 def load_dataset(

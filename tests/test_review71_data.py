@@ -221,3 +221,19 @@ def test_node_start_flag_keeps_node_toml_data_settings(tmp_path: Path, monkeypat
     assert res.exit_code == 0, res.output
     load = seen["load"]
     assert (load.resize, load.image_size, load.window, load.patient_cap) == ("crop", 64, "bits:12", 2)
+
+
+# -- a patient cap with images that carry no patient id -------------------------------------------------------
+def test_patient_cap_refuses_images_without_a_patient_id(tmp_path: Path) -> None:
+    """Each image without a DICOM PatientID used to count as its own patient under the cap, with a warning that
+    ``train`` and the node never show: a patient whose id is blank on some files passes the cap once per such
+    file (the 'per patient' guarantee then holds for nobody in particular)."""
+    ramp = (np.arange(64).reshape(8, 8) * 10).astype(np.uint16)
+    for i, (cls, pid) in enumerate([("a", "P1"), ("a", "P2"), ("b", "P1"), ("b", "P3")]):
+        write_dicom(tmp_path / cls / f"{i}.dcm", ramp + i, patient_id=pid, phi=False)
+    anon = write_dicom(tmp_path / "b" / "anon.dcm", ramp + 9, phi=False)  # P1's scan, its PatientID blanked
+    with pytest.raises(DataError) as err:
+        load_dataset(tmp_path, patient_cap=1)
+    assert str(tmp_path) in str(err.value) and str(anon) in str(err.value) and "patient id" in str(err.value)
+    _, report = load_dataset(tmp_path)  # without a cap the unit is the image: loaded, and the warning stays
+    assert any("without a patient id" in w for w in report.warnings)

@@ -76,6 +76,8 @@ class LoadReport:
     # Per image: an index 0..P-1 of its patient (None: no patient ids known). Pseudonymous by
     # construction (order of first appearance); the identifiers themselves are never kept.
     patients: np.ndarray | None = field(default=None, repr=False)
+    # Files without a patient id when others have one (each counts as its own patient; a patient cap refuses them).
+    unidentified: list[str] = field(default_factory=list, repr=False)
     patient_cap: int | None = None  # at most this many images per patient were kept (feta_release.privacy_unit)
     n_dropped_by_cap: int = 0
 
@@ -94,6 +96,7 @@ class LoadReport:
         d = asdict(self)
         d.pop("patients")
         d.pop("files")
+        d.pop("unidentified")
         d["n_skipped"] = self.n_skipped
         d["n_patients"] = self.n_patients
         d["max_images_per_patient"] = (
@@ -189,6 +192,10 @@ def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     if report.patients is None:
         raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
                           "PatientID); without them the unit of privacy is one image: drop the cap")
+    if report.unidentified:  # each would pass the cap as a patient of its own: the cap would bound nobody's images
+        raise DataError(f"{report.source}: a patient cap needs a patient id on every image, and "
+                        f"{len(report.unidentified)} have none (DICOM PatientID empty or missing, or not DICOM); give "
+                        "them ids with a CSV path,label,patient_id, or remove them:" + _listing(report.unidentified))
     keep = cap_per_patient(report.patients, k)
     report.patient_cap, report.n_dropped_by_cap = k, ds.n - len(keep)
     if report.n_dropped_by_cap:
@@ -454,7 +461,7 @@ def _load_items(
     problems.raise_if_any(where)
     _note_conversions(decoded, (channels, *target), opts, report)
     _note_sixteen_bit(report)
-    _note_patients(report, [h.patient_key for h, _ in decoded])
+    _note_patients(report, [h for h, _ in decoded])
     index = {n: i for i, n in enumerate(names)}
     labels = np.array([index[h.label] for h, _ in decoded], dtype=np.int64)
     report.files = [str(h.path) for h, _ in decoded]
@@ -535,9 +542,11 @@ def _note_sixteen_bit(report: LoadReport) -> None:
         )
 
 
-def _note_patients(report: LoadReport, keys: list[str | None]) -> None:
+def _note_patients(report: LoadReport, headers: list[_Header]) -> None:
+    keys = [h.patient_key for h in headers]
     if not any(k is not None for k in keys):
         return
+    report.unidentified = [str(h.path) for h in headers if h.patient_key is None]
     index: dict[str, int] = {}
     out: list[int] = []
     for k in keys:

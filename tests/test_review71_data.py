@@ -237,3 +237,30 @@ def test_patient_cap_refuses_images_without_a_patient_id(tmp_path: Path) -> None
     assert str(tmp_path) in str(err.value) and str(anon) in str(err.value) and "patient id" in str(err.value)
     _, report = load_dataset(tmp_path)  # without a cap the unit is the image: loaded, and the warning stays
     assert any("without a patient id" in w for w in report.warnings)
+
+
+# -- the data commitment binds the patient grouping a patient-level policy was signed for ------------------------
+def test_commitment_changes_when_the_patient_ids_are_regrouped(tmp_path: Path) -> None:
+    """The keyed commitment bound pixels and labels only: after the admin signed a patient-level policy, a local
+    user could give every CSV row its own patient_id (same images, same labels, same commitment); the node then
+    clipped each image as a 'patient' and a real patient's k images moved the sum by k x C, not C."""
+    from feta_release.data.commitment import dataset_commitment
+    from feta_release.data.loading import patient_grouping
+
+    _pngs(tmp_path)
+    signed_for = tmp_path / "signed.csv"
+    signed_for.write_text("path,label,patient_id\n0.png,a,P1\n1.png,a,P1\n2.png,b,P2\n3.png,b,P2\n")
+    regrouped = tmp_path / "regrouped.csv"
+    regrouped.write_text("path,label,patient_id\n0.png,a,X1\n1.png,a,X2\n2.png,b,X3\n3.png,b,X4\n")
+    secret = b"\x01" * 32
+    ds1, rep1 = load_dataset(signed_for, patient_cap=2)
+    ds2, rep2 = load_dataset(regrouped, patient_cap=2)
+    assert ds1.fingerprint() == ds2.fingerprint()  # the same images and labels
+    c1 = dataset_commitment(ds1, secret, patients=patient_grouping(rep1))
+    c2 = dataset_commitment(ds2, secret, patients=patient_grouping(rep2))
+    assert c1 != c2
+    renamed = tmp_path / "renamed.csv"  # the same grouping under other ids: the same commitment (ids never enter it)
+    renamed.write_text("path,label,patient_id\n0.png,a,Q7\n1.png,a,Q7\n2.png,b,Q9\n3.png,b,Q9\n")
+    ds3, rep3 = load_dataset(renamed, patient_cap=2)
+    assert dataset_commitment(ds3, secret, patients=patient_grouping(rep3)) == c1
+    assert dataset_commitment(ds1, secret) != c1  # image-level commitments are unchanged by this (no grouping part)

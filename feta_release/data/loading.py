@@ -183,6 +183,12 @@ def load_dataset(
     return ds, report
 
 
+def patient_grouping(report: LoadReport) -> np.ndarray | None:
+    """Per image its patient's index when the data were loaded under a patient cap (a patient-level policy's data),
+    else None: what ``commitment.dataset_commitment(..., patients=)`` binds beside the pixels and labels."""
+    return report.patients if report.patient_cap is not None else None
+
+
 def cap_loaded(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     """``load_dataset(..., patient_cap=k)`` applied to data already loaded without a cap (same images, same report)."""
     return _cap_patients(ds, report, k)

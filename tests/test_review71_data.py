@@ -264,3 +264,32 @@ def test_commitment_changes_when_the_patient_ids_are_regrouped(tmp_path: Path) -
     ds3, rep3 = load_dataset(renamed, patient_cap=2)
     assert dataset_commitment(ds3, secret, patients=patient_grouping(rep3)) == c1
     assert dataset_commitment(ds1, secret) != c1  # image-level commitments are unchanged by this (no grouping part)
+
+
+# -- .npz whose array headers claim more data than the file can hold -------------------------------------------
+def _npz_claiming(path: Path, shape: tuple[int, ...], payload: bytes = b"\0" * 1000) -> Path:
+    import io
+    import zipfile
+
+    from numpy.lib import format as npy_format
+
+    hdr = io.BytesIO()
+    npy_format.write_array_header_1_0(hdr, {"descr": "|u1", "fortran_order": False, "shape": shape})
+    labels = io.BytesIO()
+    np.save(labels, np.zeros(shape[0], np.int64))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("images.npy", hdr.getvalue() + payload)
+        z.writestr("labels.npy", labels.getvalue())
+    return path
+
+
+@pytest.mark.parametrize("shape", [(10**6, 10**4, 10**4), (100, 20000, 20000), (10**7, 64, 64)])
+def test_npz_header_claiming_a_huge_array_is_refused_before_allocating(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """A 2 KB .npz whose header claims 91 TiB, 37 GiB or 38 GiB (small images, 10 million of them): numpy allocated it
+    first (MemoryError traceback, or tens of GB taken before the short data ran out). Refused from the headers and
+    the zip's own sizes (an image over the pixel limit; more bytes than the member holds), naming file and array."""
+    bomb = _npz_claiming(tmp_path / "bomb.npz", shape)
+    with pytest.raises(DataError) as err:
+        load_dataset(bomb)
+    assert str(bomb) in str(err.value) and "'images'" in str(err.value)
+

@@ -17,7 +17,7 @@ import os
 import secrets
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,7 @@ def ensure_secret(path: str | Path) -> tuple[bytes, bool]:
     return load_secret(path), created
 
 
-def dataset_commitment(ds: Any, secret: bytes, patients: Sequence[int] | None = None) -> str:
+def dataset_commitment(ds: Any, secret: bytes, patients: Iterable[Any] | None = None) -> str:
     """HMAC-SHA256 (hex) of the dataset's canonical bytes (``ImageDataset.canonical_parts``) under ``secret``.
 
     ``patients``: per image, its patient's index (a patient-level policy's grouping, ``loading.patient_grouping``).
@@ -96,7 +96,7 @@ def dataset_commitment(ds: Any, secret: bytes, patients: Sequence[int] | None = 
     return mac.hexdigest()
 
 
-def _grouping_bytes(patients: Sequence[int], n: int) -> bytes:
+def _grouping_bytes(patients: Iterable[Any], n: int) -> bytes:
     """The grouping as little-endian int64 indices, renumbered 0, 1, ... by first appearance."""
     ids = [int(p) for p in patients]
     if len(ids) != n:

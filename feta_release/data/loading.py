@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import math
 import os
 import struct
 import warnings
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from numpy.lib import format as npy_format
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
@@ -760,6 +762,7 @@ def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
     report = LoadReport(source=str(path), kind="npz")
     if not zipfile.is_zipfile(path):  # np.load would otherwise try it as a pickle
         raise DataError(f"{path}: not a readable .npz file (not a zip archive; corrupt or truncated?)")
+    _check_npz_sizes(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             keys = set(z.files)
@@ -778,12 +781,40 @@ def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
         raise DataError(f"{path}: unsupported array contents ({exc}); store plain numeric/string arrays") from exc
     except (OSError, zipfile.BadZipFile, EOFError, zlib.error, KeyError) as exc:
         raise DataError(f"{path}: not a readable .npz file (corrupt or truncated: {exc})") from exc
+    except MemoryError:
+        raise DataError(f"{path}: its arrays do not fit in this machine's memory; split the dataset or use an image "
+                        "folder") from None
     ds = parse_arrays(raw_images, raw_labels, raw_names, source=str(path), report=report, declared=declared,
                       resize=resize)
     if declared is None:
         ds = _fit_size(ds, resize, image_size, report, path)
     report.n_images = ds.n
     return ds, report
+
+
+def _check_npz_sizes(path: Path) -> None:
+    """Each array's header checked before numpy allocates it: a 2 KB file may claim terabytes (numpy allocated first:
+    a MemoryError traceback, or tens of GB taken before the short data ran out). Refused: an image over the pixel
+    limit (as for image files), or more bytes than the zip member holds."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as fh:
+                    major, _ = npy_format.read_magic(fh)
+                    read = npy_format.read_array_header_1_0 if major == 1 else npy_format.read_array_header_2_0
+                    shape, _, dtype = read(fh)
+                name = info.filename[:-4]
+                per_item = math.prod(shape[1:]) if len(shape) > 1 else 1
+                if name == "images" and per_item > 3 * DEFAULT_MAX_PIXELS:
+                    raise DataError(f"{path}: array 'images' declares {per_item:,} values per image (shape "
+                                    f"{shape}), over the limit {3 * DEFAULT_MAX_PIXELS:,}; store smaller images")
+                if math.prod(shape) * dtype.itemsize > info.file_size:
+                    raise DataError(f"{path}: array {name!r} declares shape {shape} ({dtype}) but the file holds "
+                                    f"only {info.file_size:,} bytes of it; the file is corrupt or truncated")
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable .npz file (corrupt array header: {exc})") from None
 
 
 def _fit_size(

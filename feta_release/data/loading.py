@@ -469,23 +469,24 @@ def _load_items(
     problems.raise_if_any(where)
     _note_conversions(decoded, (channels, *target), opts, report)
     _note_sixteen_bit(report)
-    _note_patients(report, [h for h, _ in decoded])
+    _note_patients(report, [h for h, _, _ in decoded])
     index = {n: i for i, n in enumerate(names)}
-    labels = np.array([index[h.label] for h, _ in decoded], dtype=np.int64)
-    report.files = [str(h.path) for h, _ in decoded]
+    labels = np.array([index[h.label] for h, _, _ in decoded], dtype=np.int64)
+    report.files = [str(h.path) for h, _, _ in decoded]
     ds = ImageDataset(images, labels, names, source=str(where))
     report.n_images = ds.n
     return ds, report
 
 
 def _decode_all(headers: list[_Header], shape: tuple[int, int, int], opts: _Options, report: LoadReport,
-                bad: list[str]) -> tuple[np.ndarray, list[tuple[_Header, bool]]]:
-    """Each image decoded and at once conformed to ``shape`` by ``conform_image`` (a function of that image alone);
-    (images, [(header, was it resized)]) of those that decoded. Problems go to ``bad``; an image whose size is
-    already a listed problem (``resize = "refuse"``) is decoded (to find corrupt data) but not conformed."""
+                bad: list[str]) -> tuple[np.ndarray, list[tuple[_Header, bool, bool]]]:
+    """Each image decoded and at once conformed to ``shape`` by ``conform_image`` (a function of that image alone):
+    (images, [(header, was it resized, were its channels converted)]) of those that decoded. Problems go to ``bad``;
+    an image whose size is already a listed problem (``resize = "refuse"``) is decoded (to find corrupt data) but not
+    conformed."""
     c, h, w = shape
     images = np.empty((len(headers), c, h, w), dtype=np.float32)
-    decoded: list[tuple[_Header, bool]] = []
+    decoded: list[tuple[_Header, bool, bool]] = []
     for hd in headers:
         try:
             arr = _read_pixels(hd, report, opts.window)
@@ -499,7 +500,7 @@ def _decode_all(headers: list[_Header], shape: tuple[int, int, int], opts: _Opti
                            f"{h}x{w}); run again when the export has finished")
             continue
         images[len(decoded)] = conform_image(arr, shape, opts.resize)
-        decoded.append((hd, resized))
+        decoded.append((hd, resized, arr.shape[2] != c))
     return images[:len(decoded)], decoded
 
 
@@ -525,12 +526,12 @@ def _target_size(sizes: list[tuple[int, int]], opts: _Options) -> tuple[tuple[in
     return target, [i for i, s in enumerate(sizes) if s != target]
 
 
-def _note_conversions(decoded: list[tuple[_Header, bool]], shape: tuple[int, int, int], opts: _Options,
+def _note_conversions(decoded: list[tuple[_Header, bool, bool]], shape: tuple[int, int, int], opts: _Options,
                       report: LoadReport) -> None:
     """Count and name what ``_decode_all`` changed: images resized, and channels converted to the declared ones."""
     c, h, w = shape
-    report.n_resized += sum(resized for _, resized in decoded)
-    converted = [str(hd.path) for hd, _ in decoded if hd.channels != c]
+    report.n_resized += sum(resized for _, resized, _ in decoded)
+    converted = [str(hd.path) for hd, _, changed in decoded if changed]
     if converted and opts.declared is not None:
         what = "greyscale to RGB (channel copied)" if c == 3 else "RGB to greyscale (ITU-R 601 luma)"
         report.count(f"converted to the declared {c} channel(s): {what}", len(converted))

@@ -18,7 +18,7 @@ from edge.site import CFG_DATA, CFG_LEDGER, CFG_POLICY, CFG_SECRET, CFG_SITE_KEY
 from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
 from feta_release.data.dataset import save_npz
 from feta_release.data.declared import DataDeclaration
-from feta_release.data.loading import cap_loaded, load_dataset
+from feta_release.data.loading import cap_loaded, load_dataset, patient_grouping
 from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.jobs import sign_job
 from feta_release.signing import generate_keypair, load_private_key, load_public_key, public_key_pem
@@ -92,7 +92,7 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
             sa.setdefault("peers", {s: pem for s, pem in pems.items() if s != site_id})
             over["secure_aggregation"] = sa
         secret = create_secret(d / "keys" / "data.secret")
-        commitment = dataset_commitment(loaded, load_secret(secret))
+        commitment = dataset_commitment(loaded, load_secret(secret), patients=patient_grouping(report))
         size = int((public_sizes or {}).get(site_id) or suggest_public_size(loaded.n))
         doc = make_policy(site_id, commitment, size, [load_public_key(coord_pub)], **over)
         signed = sign_policy(doc, load_private_key(policy_key))

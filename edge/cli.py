@@ -191,8 +191,8 @@ def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None
         explicit = ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE
         if explicit or (param not in settings and names.get(param, param) not in settings and value is not None):
             settings[names.get(param, param)] = value
-    if load is not None:
-        settings["load"] = load
+    if load is not None:  # the flags given replace those of node.toml's [data], the others stay
+        settings["load"] = load.over(settings.get("load") or LoadOptions())
     flags = {"trusted_policy_key": "--trusted"}
     missing = [flags.get(k, f"--{k.replace('_', '-')}") for k in ("data", "policy", "trusted_policy_key", "ledger",
                                                                   "site_key", "data_secret")

@@ -29,7 +29,7 @@ from typing import Any
 from coordinator.tls import make_node_auth_key
 from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
 from feta_release.data.declared import DataDeclaration
-from feta_release.data.loading import LoadOptions, load_dataset
+from feta_release.data.loading import LoadOptions, load_dataset, patient_grouping
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
 from feta_release.signing import generate_keypair, load_public_key, public_key_pem
@@ -137,7 +137,8 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     unit = (f"one PATIENT (at most {opts.patient_cap} image(s) each, node.toml [data] patient_cap)"
             if opts.patient_cap else "one image (no --patient-cap; see `feta-release privacy plan --patient-cap`)")
     # Keyed commitment (never a plain hash) and a rounded PUBLIC size: the exact count stays here.
-    commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")))
+    commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")),
+                                    patients=patient_grouping(report))  # the node's grouping under the cap
     site_pem = public_key_pem(load_public_key(site_pub))
     # the data's own classes and shape, as a PROPOSAL the admin reviews and signs (the node then uses only the
     # signed declaration); loading with it changes nothing, so the commitment above is the one the node recomputes

@@ -171,7 +171,8 @@ def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tupl
     # the policy's unit decides which images are used (its patient cap) BEFORE the commitment is checked
     data, patients = policy_data(unverified, data, report, data_source=str(node_config[CFG_DATA]),
                                  policy_source=str(node_config[CFG_POLICY]))
-    commitment = dataset_commitment(data, secret)
+    # a patient-level policy's commitment binds the grouping too (feta_release.data.commitment): regrouped ids refused
+    commitment = dataset_commitment(data, secret, patients=None if patients is None else patients.ids)
     if site_cache.cache_key(node_config, n_public) == key:  # kept only if no file changed while it was decoded
         try:
             site_cache.save(work, key, secret, data, None if patients is None else patients.ids, commitment, n_public)

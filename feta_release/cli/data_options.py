@@ -16,8 +16,8 @@ from ..data.loading import RESIZE_POLICIES, LoadOptions
 
 
 def data_load_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Adds --resize/--image-size/--window; the command receives them as ``load: LoadOptions | None``
-    (None when none was given, so a job file's own [job] settings can apply)."""
+    """Adds --resize/--image-size/--window/--patient-cap; the command receives them as ``load: LoadOptions | None``
+    (None when none was given); ``load.over(base)`` keeps a job file's or node.toml's settings for the flags not given."""
 
     @click.option("--resize", type=click.Choice(RESIZE_POLICIES), default=None,
                   help="Images whose size differs from the target: refuse (list them; default), resize "
@@ -35,9 +35,12 @@ def data_load_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, resize: str | None, image_size: int | None, window: str | None,
                 patient_cap: int | None, **kw: Any) -> Any:
-        given = resize is not None or image_size is not None or window is not None or patient_cap is not None
+        values = {"resize": resize, "image_size": image_size, "window": window, "patient_cap": patient_cap}
+        given = frozenset(k for k, v in values.items() if v is not None)
+        # ``given`` lets a command lay the flags over its job's or node.toml's settings (LoadOptions.over)
         load = LoadOptions(resize=resize or "refuse",  # type: ignore[arg-type]
-                           image_size=image_size, window=window or "auto", patient_cap=patient_cap) if given else None
+                           image_size=image_size, window=window or "auto", patient_cap=patient_cap,
+                           given=given) if given else None
         return fn(*args, load=load, **kw)
 
     return wrapper

@@ -151,10 +151,12 @@ def _data_commitment(path: Path, secret: Path, create: bool = False, patient_cap
     ``declared``: the policy's public class list and image shape, which the node maps its data onto."""
     from ..data import load_dataset
     from ..data.commitment import dataset_commitment, ensure_secret, load_secret
+    from ..data.loading import patient_grouping
 
     ds, report = load_dataset(path, patient_cap=patient_cap, declared=declared)
     key, created = ensure_secret(secret) if create else (load_secret(secret), False)
-    return dataset_commitment(ds, key), ds.n, created, report.n_patients
+    # a patient-level policy binds the patient grouping too (the node's PatientIndex): regrouped ids are refused
+    return dataset_commitment(ds, key, patients=patient_grouping(report)), ds.n, created, report.n_patients
 
 
 def _signed_dataset(signed: Path) -> tuple[int | None, Any]:

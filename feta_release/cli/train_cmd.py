@@ -132,7 +132,8 @@ def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
     if data_path is None:
         data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
     else:
-        opts = load or LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
+        job = LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
+        opts = load.over(job) if load is not None else job
         data, report = load_dataset(data_path, **opts.kwargs(), declared=declared)
         if report.n_skipped:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)

@@ -16,6 +16,8 @@ import hmac
 import os
 import secrets
 import stat
+import struct
+from collections.abc import Iterable
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ __all__ = ["SECRET_BYTES", "COMMITMENT_DOMAIN", "create_secret", "load_secret", 
 
 SECRET_BYTES = 32  # 256 bits
 COMMITMENT_DOMAIN = b"feta-dataset-commitment-v1\n"  # keeps this HMAC apart from any other use of a key
+PATIENTS_DOMAIN = b"\nfeta-patient-grouping-v1\n"  # precedes a patient-level policy's grouping
 
 
 def create_secret(path: str | Path) -> Path:
@@ -76,14 +79,31 @@ def ensure_secret(path: str | Path) -> tuple[bytes, bool]:
     return load_secret(path), created
 
 
-def dataset_commitment(ds: Any, secret: bytes) -> str:
-    """HMAC-SHA256 (hex) of the dataset's canonical bytes (``ImageDataset.canonical_parts``) under ``secret``."""
+def dataset_commitment(ds: Any, secret: bytes, patients: Iterable[Any] | None = None) -> str:
+    """HMAC-SHA256 (hex) of the dataset's canonical bytes (``ImageDataset.canonical_parts``) under ``secret``.
+
+    ``patients``: per image, its patient's index (a patient-level policy's grouping, ``loading.patient_grouping``).
+    It is bound too: without it a local user could regroup the patient ids after the admin signed (same images,
+    same labels, same commitment) and make each image a 'patient' of its own under the cap. Only the grouping
+    enters (renumbered by first appearance), never the ids; an image-level commitment (``None``) is unchanged."""
     if len(secret) < SECRET_BYTES:
         raise ConfigError(f"data secret too short ({len(secret) * 8} bits); at least {SECRET_BYTES * 8} are needed")
     mac = hmac.new(secret, COMMITMENT_DOMAIN, sha256)
     for part in ds.canonical_parts():
         mac.update(part)
+    if patients is not None:
+        mac.update(PATIENTS_DOMAIN + _grouping_bytes(patients, ds.n))
     return mac.hexdigest()
+
+
+def _grouping_bytes(patients: Iterable[Any], n: int) -> bytes:
+    """The grouping as little-endian int64 indices, renumbered 0, 1, ... by first appearance."""
+    ids = [int(p) for p in patients]
+    if len(ids) != n:
+        raise ConfigError(f"patient grouping has {len(ids)} entries for {n} images; load the data and its patient "
+                          "ids together (feta_release.data.load_dataset)")
+    index: dict[int, int] = {}
+    return struct.pack(f"<{len(ids)}q", *(index.setdefault(p, len(index)) for p in ids))
 
 
 def same_commitment(a: str, b: str) -> bool:

@@ -228,12 +228,28 @@ def read_pixels(path: Path, window: Window) -> tuple[np.ndarray, str]:
 
             arr = convert_color_space(arr, photometric, "RGB")
         return np.ascontiguousarray(arr, dtype=np.float32) / np.float32(255), "DICOM colour (8-bit RGB)"
-    with _quiet():
-        out, rule = _grey(ds, arr, window)
+    out, rule = _grey_checked(ds, arr, window, path)
     if photometric == "MONOCHROME1":
         out = 1.0 - out
         rule += ", MONOCHROME1 inverted"
     return np.ascontiguousarray(out[:, :, None], dtype=np.float32), rule
+
+
+def _grey_checked(ds, arr: np.ndarray, window: Window, path: Path) -> tuple[np.ndarray, str]:  # noqa: ANN001
+    """``_grey``, with a rescale pydicom cannot parse (a Rescale Slope of 'abc') or one that makes values NaN/inf
+    refused naming the file: the first used to escape as a bare ValueError, the second to surface later as a
+    'pixel values must be finite' for the whole folder, naming no file. Never pydicom's text (it may quote PHI)."""
+    fix = "fix Rescale Slope/Intercept (or the Modality LUT) in the file, or re-export it"
+    try:
+        with _quiet():
+            out, rule = _grey(ds, arr, window)
+    except (ConfigError, DataError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - pydicom's value conversions raise many types
+        raise DataError(f"{path}: DICOM rescale values cannot be read ({type(exc).__name__}); {fix}") from None
+    if not np.isfinite(out).all():
+        raise DataError(f"{path}: DICOM rescale values make pixel values NaN or infinite; {fix}")
+    return out, rule
 
 
 def _grey(ds, arr: np.ndarray, window: Window) -> tuple[np.ndarray, str]:  # noqa: ANN001

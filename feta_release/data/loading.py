@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import math
 import os
 import struct
 import warnings
 import zipfile
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from numpy.lib import format as npy_format
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
@@ -76,6 +78,8 @@ class LoadReport:
     # Per image: an index 0..P-1 of its patient (None: no patient ids known). Pseudonymous by
     # construction (order of first appearance); the identifiers themselves are never kept.
     patients: np.ndarray | None = field(default=None, repr=False)
+    # Files without a patient id when others have one (each counts as its own patient; a patient cap refuses them).
+    unidentified: list[str] = field(default_factory=list, repr=False)
     patient_cap: int | None = None  # at most this many images per patient were kept (feta_release.privacy_unit)
     n_dropped_by_cap: int = 0
 
@@ -94,6 +98,7 @@ class LoadReport:
         d = asdict(self)
         d.pop("patients")
         d.pop("files")
+        d.pop("unidentified")
         d["n_skipped"] = self.n_skipped
         d["n_patients"] = self.n_patients
         d["max_images_per_patient"] = (
@@ -120,6 +125,8 @@ class LoadOptions:
     image_size: int | None = None
     window: str = "auto"
     patient_cap: int | None = None  # keep the first k images of each patient (unit of privacy: the patient)
+    # The fields the user set (command-line flags); empty: all of them. ``over`` keeps the others from a base.
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.resize not in RESIZE_POLICIES:
@@ -135,6 +142,14 @@ class LoadOptions:
     def kwargs(self) -> dict:
         return {"resize": self.resize, "image_size": self.image_size, "window": self.window,
                 "patient_cap": self.patient_cap}
+
+    def over(self, base: LoadOptions) -> LoadOptions:
+        """These options laid over ``base`` (a job's [job] or a node.toml's [data]): only the fields given replace
+        base's. One flag used to replace all four, so ``--patient-cap 1`` also reset a job's window bits:12 to auto
+        (other pixel values, silently) and its resize/image_size to refuse/None."""
+        if not self.given:
+            return self
+        return replace(base, **{k: getattr(self, k) for k in self.given}, given=frozenset())
 
 
 def load_dataset(
@@ -170,6 +185,12 @@ def load_dataset(
     return ds, report
 
 
+def patient_grouping(report: LoadReport) -> np.ndarray | None:
+    """Per image its patient's index when the data were loaded under a patient cap (a patient-level policy's data),
+    else None: what ``commitment.dataset_commitment(..., patients=)`` binds beside the pixels and labels."""
+    return report.patients if report.patient_cap is not None else None
+
+
 def cap_loaded(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     """``load_dataset(..., patient_cap=k)`` applied to data already loaded without a cap (same images, same report)."""
     return _cap_patients(ds, report, k)
@@ -179,6 +200,10 @@ def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     if report.patients is None:
         raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
                           "PatientID); without them the unit of privacy is one image: drop the cap")
+    if report.unidentified:  # each would pass the cap as a patient of its own: the cap would bound nobody's images
+        raise DataError(f"{report.source}: a patient cap needs a patient id on every image, and "
+                        f"{len(report.unidentified)} have none (DICOM PatientID empty or missing, or not DICOM); give "
+                        "them ids with a CSV path,label,patient_id, or remove them:" + _listing(report.unidentified))
     keep = cap_per_patient(report.patients, k)
     report.patient_cap, report.n_dropped_by_cap = k, ds.n - len(keep)
     if report.n_dropped_by_cap:
@@ -309,6 +334,7 @@ def _load_folder(root: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     if len(class_dirs) < 2 and opts.declared is None:
         problems.add(f"only one class ({class_dirs[0].name!r}); class-conditional synthesis needs at least 2 "
                      "class sub-folders")
+    _add_repeated(problems, [(it.path, str(it.path)) for it in items], "delete the copies or links")
     if report.skipped_files:
         report.warnings.append(
             f"skipped {report.n_skipped} non-image file(s) (only {', '.join(sorted(IMAGE_EXTENSIONS))} and "
@@ -331,14 +357,20 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         raise DataError(f"{path}: the first line must be the header path,label or path,label,patient_id")
     has_pid = "patient_id" in header
     bad, missing, parsed = [], [], []
+    lines: list[int] = []  # the CSV line of each parsed row, to name repeated files
     for lineno, row in enumerate(rows[1:], start=2):
         if not any(c.strip() for c in row):
             continue
         if len(row) != len(header) or not row[0].strip() or not row[1].strip():
             bad.append(f"line {lineno}: expected {len(header)} non-empty fields ({','.join(header)})")
             continue
-        f = (path.parent / row[0].strip()).resolve()
-        if not f.is_file():
+        try:  # a NUL byte, an over-long name or a symlink loop: the OS refuses the path (used to be a traceback)
+            f = (path.parent / row[0].strip()).resolve()
+            is_file = f.is_file()
+        except (OSError, ValueError, RuntimeError) as exc:
+            bad.append(f"line {lineno}: the path cannot be used ({_os_reason(exc)})")
+            continue
+        if not is_file:
             missing.append(f"line {lineno}: {f}")
             continue
         pid = row[2].strip() if has_pid else None
@@ -346,10 +378,12 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
             bad.append(f"line {lineno}: empty patient_id")
             continue
         parsed.append((f, row[1].strip(), pid))
+        lines.append(lineno)
     if bad:
         problems.add(f"{len(bad)} malformed row(s):", bad)
     if missing:
         problems.add(f"{len(missing)} listed file(s) do not exist:", missing)
+    _add_repeated(problems, [(f, f"line {n}: {f}") for n, (f, _, _) in zip(lines, parsed)], "delete the extra rows")
     names = tuple(sorted({lab for _, lab, _ in parsed}))
     if not parsed:
         problems.add("no usable rows")
@@ -358,6 +392,40 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         problems.add(f"only one class ({names[0]!r}); class-conditional synthesis needs at least 2")
     items = [_Item(f, lab, _patient_key(pid)) for f, lab, pid in parsed]
     return _load_items(path, items, names, opts, report, problems)
+
+
+def _os_reason(exc: Exception) -> str:
+    """Why the OS refused a path, in a few words (never the path again: it may be thousands of characters)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)[:80] or type(exc).__name__
+
+
+def _file_key(f: Path) -> tuple[int, int] | str:
+    """The file's identity: (device, inode) follows symlinks and sees hard links; the path when stat fails (the
+    decoder reports that file as unreadable)."""
+    try:
+        st = f.stat()
+    except (OSError, ValueError):
+        return str(f)
+    return st.st_dev, st.st_ino
+
+
+def _add_repeated(problems: _Problems, named: list[tuple[Path, str]], fix: str) -> None:
+    """One file read twice (a CSV row repeated, a symlink or hard link beside its target) is one image counted
+    twice: under a patient cap with two patient ids it passes as two patients (twice the ε the policy signs), and
+    with two labels it trains one image into two classes. Refused, each repeat named beside its first listing."""
+    first: dict[tuple[int, int] | str, str] = {}
+    repeats: list[str] = []
+    for f, name in named:
+        key = _file_key(f)
+        if key in first:
+            repeats.append(f"{name} (the same file as {first[key]})")
+        else:
+            first[key] = name
+    if repeats:
+        problems.add(f"{len(repeats)} image file(s) listed more than once (one image must count once: a copy "
+                     f"overweights it and can pass a patient cap as another patient); {fix}:", repeats)
 
 
 def _patient_key(pid: str | None) -> str | None:
@@ -371,37 +439,69 @@ def _load_items(
     """Decode every listed file; collect every problem; raise them together or build the dataset.
 
     The class list and the target shape are the policy's declaration (``opts.declared``) when there is one, else
-    read off the data (a draft); either way each image is then conformed to the target on its own."""
+    read off the data (a draft); either way each image is then conformed to the target on its own. The target is
+    fixed from the headers first, so each image is conformed as soon as it is decoded: only target-sized images are
+    kept (holding every full-size scan until the end took N x its size: 5,000 chest X-rays of 2,500 x 2,000 pixels
+    are 100 GB of float32 before the first resize)."""
     bad: list[str] = []
-    decoded: list[tuple[_Header, np.ndarray]] = []
+    headers: list[_Header] = []
     for it in items:
         try:
-            h = _read_header(it, opts.max_pixels)
-            decoded.append((h, _read_pixels(h, report, opts.window)))
+            headers.append(_read_header(it, opts.max_pixels))
         except DataError as exc:
             bad.append(str(exc))
+    names = opts.declared.class_names if opts.declared is not None else class_names
+    target: tuple[int, int] = (0, 0)
+    size_problem = None
+    if headers:
+        target, off = _target_size([h.size for h in headers], opts)
+        if off and opts.resize == "refuse":
+            size_problem = _size_message(target, off, [(str(h.path), h.size) for h in headers], opts.image_size,
+                                         opts.declared is not None)
+    channels = (opts.declared.image_shape[0] if opts.declared is not None
+                else _choose_channels(headers, report) if headers else 1)
+    images, decoded = _decode_all(headers, (channels, *target), opts, report, bad)
     if bad:
         problems.add(f"{len(bad)} unreadable, corrupt or truncated image file(s):", bad)
-    names = opts.declared.class_names if opts.declared is not None else class_names
     _check_labels(items, names, opts.declared, problems)
-    target: tuple[int, int] = (0, 0)
-    if decoded:
-        target, off = _target_size([h.size for h, _ in decoded], opts)
-        if off and opts.resize == "refuse":
-            problems.add(_size_message(target, off, [(str(h.path), h.size) for h, _ in decoded], opts.image_size,
-                                       opts.declared is not None))
+    if size_problem is not None:
+        problems.add(size_problem)
     problems.raise_if_any(where)
-    channels = (opts.declared.image_shape[0] if opts.declared is not None
-                else _choose_channels([h for h, _ in decoded], report))
-    images = _conform_all(decoded, (channels, *target), opts, report)
+    _note_conversions(decoded, (channels, *target), opts, report)
     _note_sixteen_bit(report)
-    _note_patients(report, [h.patient_key for h, _ in decoded])
+    _note_patients(report, [h for h, _, _ in decoded])
     index = {n: i for i, n in enumerate(names)}
-    labels = np.array([index[h.label] for h, _ in decoded], dtype=np.int64)
-    report.files = [str(h.path) for h, _ in decoded]
+    labels = np.array([index[h.label] for h, _, _ in decoded], dtype=np.int64)
+    report.files = [str(h.path) for h, _, _ in decoded]
     ds = ImageDataset(images, labels, names, source=str(where))
     report.n_images = ds.n
     return ds, report
+
+
+def _decode_all(headers: list[_Header], shape: tuple[int, int, int], opts: _Options, report: LoadReport,
+                bad: list[str]) -> tuple[np.ndarray, list[tuple[_Header, bool, bool]]]:
+    """Each image decoded and at once conformed to ``shape`` by ``conform_image`` (a function of that image alone):
+    (images, [(header, was it resized, were its channels converted)]) of those that decoded. Problems go to ``bad``;
+    an image whose size is already a listed problem (``resize = "refuse"``) is decoded (to find corrupt data) but not
+    conformed."""
+    c, h, w = shape
+    images = np.empty((len(headers), c, h, w), dtype=np.float32)
+    decoded: list[tuple[_Header, bool, bool]] = []
+    for hd in headers:
+        try:
+            arr = _read_pixels(hd, report, opts.window)
+        except DataError as exc:
+            bad.append(str(exc))
+            continue
+        resized = arr.shape[:2] != (h, w)
+        if resized and opts.resize == "refuse":
+            if hd.size == (h, w):  # its header said otherwise: the file changed between the two reads
+                bad.append(f"{hd.path}: changed while being read ({arr.shape[0]}x{arr.shape[1]}, header said "
+                           f"{h}x{w}); run again when the export has finished")
+            continue
+        images[len(decoded)] = conform_image(arr, shape, opts.resize)
+        decoded.append((hd, resized, arr.shape[2] != c))
+    return images[:len(decoded)], decoded
 
 
 def _check_labels(items: list[_Item], names: tuple[str, ...], declared: DataDeclaration | None,
@@ -426,18 +526,12 @@ def _target_size(sizes: list[tuple[int, int]], opts: _Options) -> tuple[tuple[in
     return target, [i for i, s in enumerate(sizes) if s != target]
 
 
-def _conform_all(decoded: list[tuple[_Header, np.ndarray]], shape: tuple[int, int, int], opts: _Options,
-                 report: LoadReport) -> np.ndarray:
-    """Each image conformed to ``shape`` by ``conform_image`` (a function of that image alone); counted."""
+def _note_conversions(decoded: list[tuple[_Header, bool, bool]], shape: tuple[int, int, int], opts: _Options,
+                      report: LoadReport) -> None:
+    """Count and name what ``_decode_all`` changed: images resized, and channels converted to the declared ones."""
     c, h, w = shape
-    images = np.empty((len(decoded), c, h, w), dtype=np.float32)
-    converted: list[str] = []
-    for i, (hd, arr) in enumerate(decoded):
-        if arr.shape[:2] != (h, w):
-            report.n_resized += 1
-        if arr.shape[2] != c:
-            converted.append(str(hd.path))
-        images[i] = conform_image(arr, shape, opts.resize)
+    report.n_resized += sum(resized for _, resized, _ in decoded)
+    converted = [str(hd.path) for hd, _, changed in decoded if changed]
     if converted and opts.declared is not None:
         what = "greyscale to RGB (channel copied)" if c == 3 else "RGB to greyscale (ITU-R 601 luma)"
         report.count(f"converted to the declared {c} channel(s): {what}", len(converted))
@@ -446,7 +540,6 @@ def _conform_all(decoded: list[tuple[_Header, np.ndarray]], shape: tuple[int, in
     if report.n_resized:
         how = "centre-cropped and resized" if opts.resize == "crop" else "resized"
         report.warnings.append(f"{how} {report.n_resized} image(s) to {h}x{w} (bilinear)")
-    return images
 
 
 def _note_sixteen_bit(report: LoadReport) -> None:
@@ -458,9 +551,11 @@ def _note_sixteen_bit(report: LoadReport) -> None:
         )
 
 
-def _note_patients(report: LoadReport, keys: list[str | None]) -> None:
+def _note_patients(report: LoadReport, headers: list[_Header]) -> None:
+    keys = [h.patient_key for h in headers]
     if not any(k is not None for k in keys):
         return
+    report.unidentified = [str(h.path) for h in headers if h.patient_key is None]
     index: dict[str, int] = {}
     out: list[int] = []
     for k in keys:
@@ -668,6 +763,7 @@ def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
     report = LoadReport(source=str(path), kind="npz")
     if not zipfile.is_zipfile(path):  # np.load would otherwise try it as a pickle
         raise DataError(f"{path}: not a readable .npz file (not a zip archive; corrupt or truncated?)")
+    _check_npz_sizes(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             keys = set(z.files)
@@ -686,12 +782,40 @@ def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
         raise DataError(f"{path}: unsupported array contents ({exc}); store plain numeric/string arrays") from exc
     except (OSError, zipfile.BadZipFile, EOFError, zlib.error, KeyError) as exc:
         raise DataError(f"{path}: not a readable .npz file (corrupt or truncated: {exc})") from exc
+    except MemoryError:
+        raise DataError(f"{path}: its arrays do not fit in this machine's memory; split the dataset or use an image "
+                        "folder") from None
     ds = parse_arrays(raw_images, raw_labels, raw_names, source=str(path), report=report, declared=declared,
                       resize=resize)
     if declared is None:
         ds = _fit_size(ds, resize, image_size, report, path)
     report.n_images = ds.n
     return ds, report
+
+
+def _check_npz_sizes(path: Path) -> None:
+    """Each array's header checked before numpy allocates it: a 2 KB file may claim terabytes (numpy allocated first:
+    a MemoryError traceback, or tens of GB taken before the short data ran out). Refused: an image over the pixel
+    limit (as for image files), or more bytes than the zip member holds."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as fh:
+                    major, _ = npy_format.read_magic(fh)
+                    read = npy_format.read_array_header_1_0 if major == 1 else npy_format.read_array_header_2_0
+                    shape, _, dtype = read(fh)
+                name = info.filename[:-4]
+                per_item = math.prod(shape[1:]) if len(shape) > 1 else 1
+                if name == "images" and per_item > 3 * DEFAULT_MAX_PIXELS:
+                    raise DataError(f"{path}: array 'images' declares {per_item:,} values per image (shape "
+                                    f"{shape}), over the limit {3 * DEFAULT_MAX_PIXELS:,}; store smaller images")
+                if math.prod(shape) * dtype.itemsize > info.file_size:
+                    raise DataError(f"{path}: array {name!r} declares shape {shape} ({dtype}) but the file holds "
+                                    f"only {info.file_size:,} bytes of it; the file is corrupt or truncated")
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable .npz file (corrupt array header: {exc})") from None
 
 
 def _fit_size(

@@ -374,12 +374,27 @@ def _audit(audit: dict[str, Any] | None, man: dict[str, Any]) -> str:
             + f"<p>{_h(AUDIT_CAVEAT)}</p>")
 
 
+def _sha256_file(p: Path) -> str:
+    """In 1 MiB chunks: a release file of many GB must not be held in memory whole."""
+    h = hashlib.sha256()
+    with open(p, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _files(rd: Path) -> str:
+    """Every plain file of the release with its size and hash. A symbolic link is listed, never followed: a release
+    unpacked from a coordinator's archive could point one at a file of the verifier's machine (a secret, a large
+    dataset), whose size and hash would otherwise land in a page meant to be shared."""
     rows = []
-    for p in sorted(q for q in rd.rglob("*") if q.is_file()):
-        digest = hashlib.sha256(p.read_bytes()).hexdigest()
-        rows.append((f"<code>{_h(p.relative_to(rd).as_posix())}</code>", f"{p.stat().st_size:,}",
-                     f'<span class="hash">{digest}</span>'))
+    for p in sorted(q for q in rd.rglob("*") if q.is_symlink() or q.is_file()):
+        name = f"<code>{_h(p.relative_to(rd).as_posix())}</code>"
+        if p.is_symlink():
+            rows.append((name, "-", '<span class="fail">symbolic link, not followed (a release holds plain '
+                                    "files)</span>"))
+            continue
+        rows.append((name, f"{p.stat().st_size:,}", f'<span class="hash">{_sha256_file(p)}</span>'))
     return _table(("file (relative to the release)", "bytes", "sha256"), rows, numeric=(1,))
 
 

@@ -9,7 +9,8 @@ per-image map (post-processing: no privacy cost) and scores it on the validation
     floorT        soft background floor: x -> max(x - T, 0) / (1 - T)
     medianK       K x K median filter
     blur          3x3 binomial blur
-    stretch       per-image contrast stretch (``mechanisms.central.stretch_contrast``: quantile 0.6 -> 0, 0.98 -> 1)
+    stretch       per-image contrast stretch (``mechanisms.central.stretch_contrast``: quantile 0.6 -> 0, 0.98 -> 1);
+                  stretchLO-HI with other quantiles (e.g. stretch0.5-0.95)
     sigT          sigmoid sharpening around T: x -> s(12 (x - T)) rescaled so 0 -> 0 and 1 -> 1 (bright strokes, black
                   background, as real digits; a public prior on the data kind, like the stretch)
     A+B           B after A (e.g. ``blur+sig0.4``)
@@ -39,10 +40,11 @@ def apply(name: str, x: np.ndarray) -> np.ndarray:
         return x
     if name == "none":
         return x
-    if name == "stretch":
+    if name.startswith("stretch"):  # stretch, or stretchLO-HI with the two quantiles
         from feta_release.mechanisms.central import stretch_contrast
 
-        return stretch_contrast(x)
+        q = [float(v) for v in name[7:].split("-")] if name != "stretch" else []
+        return stretch_contrast(x, *q)
     if name.startswith("sig"):
         t = float(name[3:])
         lo, hi = 1 / (1 + np.exp(12 * t)), 1 / (1 + np.exp(-12 * (1 - t)))

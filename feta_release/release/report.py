@@ -15,7 +15,6 @@ Imports neither torch nor flwr: it runs on a verifier's light install (numpy, Pi
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import math
 from html import escape
@@ -26,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from ..accounting import epsilon_breakdown, events_from_list
 from ..errors import ReleaseError
+from ..signing import sha256_file
 from .manifest import MANIFEST_FILE
 from .verify import (
     STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
@@ -374,15 +374,6 @@ def _audit(audit: dict[str, Any] | None, man: dict[str, Any]) -> str:
             + f"<p>{_h(AUDIT_CAVEAT)}</p>")
 
 
-def _sha256_file(p: Path) -> str:
-    """In 1 MiB chunks: a release file of many GB must not be held in memory whole."""
-    h = hashlib.sha256()
-    with open(p, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files(rd: Path) -> str:
     """Every plain file of the release with its size and hash. A symbolic link is listed, never followed: a release
     unpacked from a coordinator's archive could point one at a file of the verifier's machine (a secret, a large
@@ -394,7 +385,8 @@ def _files(rd: Path) -> str:
             rows.append((name, "-", '<span class="fail">symbolic link, not followed (a release holds plain '
                                     "files)</span>"))
             continue
-        rows.append((name, f"{p.stat().st_size:,}", f'<span class="hash">{_sha256_file(p)}</span>'))
+        # hashed in 1 MiB chunks (signing.sha256_file): a release file of many GB is never held in memory whole
+        rows.append((name, f"{p.stat().st_size:,}", f'<span class="hash">{sha256_file(p)}</span>'))
     return _table(("file (relative to the release)", "bytes", "sha256"), rows, numeric=(1,))
 
 

@@ -3,11 +3,14 @@
     python bench/bench_dpsgd.py                       # defaults: cpu-eps1 preset model, B=64, K=4, 2 threads
     python bench/bench_dpsgd.py --batch 250 --k 1 --physical 32   # the cpu-eps1 preset's own batch and K
     python bench/bench_dpsgd.py --batch 16 --k 2 --rounds 2 --channels 8   # quick check
+    python bench/bench_dpsgd.py --device cuda --preset paper-mnist --batch 512 --k 32 --physical 64 \
+        --methods nonprivate,hooks --rounds 3   # a GPU machine: the paper's model, K and chunk
 
 The RATIO is timed in ONE process that interleaves the methods' steps (round i runs every method once, the order
 rotated each round), so that the load of a shared machine weighs on the private and the non-private steps alike;
 it is the sum of the private steps' wall time over the sum of the non-private ones' (also in process CPU time,
-which other processes disturb less). Peak resident memory (ru_maxrss) is measured for each method in its own
+which other processes disturb less). On ``--device cuda`` every step ends with a device synchronisation (so the
+host clock times the GPU work) and the memory column is the GPU's peak allocation. Peak resident memory (ru_maxrss) is measured for each method in its own
 subprocess, so that each figure is that method's own.
 Methods:
   nonprivate  ordinary batched EDM loss over the B*K rows (micro-batched in ``physical`` examples), Adam
@@ -51,16 +54,38 @@ def _setup(args):
                "physical_batch": args.physical, "clip": 1.0},
     )
     shape = (1, args.size, args.size)
-    model = build_denoiser(cfg.model, shape, 10)
+    dev = torch.device(args.device)
+    model = build_denoiser(cfg.model, shape, 10).to(dev)
     g = torch.Generator().manual_seed(1)
-    x = torch.rand(args.batch, *shape, generator=g) * 2 - 1
-    y = torch.randint(0, 10, (args.batch,), generator=g)
+    x = (torch.rand(args.batch, *shape, generator=g) * 2 - 1).to(dev)
+    y = torch.randint(0, 10, (args.batch,), generator=g).to(dev)
     return torch, cfg, model, x, y, shape, count_parameters(model)
+
+
+def _synced(torch, step):
+    """``step`` followed by a device synchronisation on CUDA (kernels are asynchronous: time the work, not the
+    launches)."""
+    if not torch.cuda.is_available():
+        return step
+
+    def run():
+        step()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _randomness(torch, m, shape, k, g, dev):
+    """The loss randomness drawn on the CPU (the same stream on any device, as the trainer does), then moved."""
+    from feta_release.models.edm import LossRandomness, draw_loss_randomness
+
+    r = draw_loss_randomness(m, shape, noise_multiplicity=k, generator=g)
+    return LossRandomness(r.noise.to(dev), r.sigma.to(dev), r.drop.to(dev))
 
 
 def _make_step(method: str, args, torch, cfg, model, x, y, shape):
     """One logical step of ``method`` on ``model`` (a closure), at batch B = len(x) and K = args.k."""
-    from feta_release.models.edm import draw_loss_randomness, edm_loss_from_randomness
+    from feta_release.models.edm import edm_loss_from_randomness
 
     b, k, phys = args.batch, args.k, args.physical
     if method == "nonprivate":
@@ -71,11 +96,11 @@ def _make_step(method: str, args, torch, cfg, model, x, y, shape):
             opt.zero_grad()
             for s in range(0, b, phys):
                 xs, ys = x[s : s + phys], y[s : s + phys]
-                rnd = draw_loss_randomness(xs.shape[0], shape, noise_multiplicity=k, generator=g)
+                rnd = _randomness(torch, xs.shape[0], shape, k, g, x.device)
                 (edm_loss_from_randomness(model, xs, ys, rnd).sum() / b).backward()
             opt.step()
 
-        return step
+        return _synced(torch, step)
     if method in ("hooks", "torchfunc"):
         from feta_release.training.dpsgd import DPSGDTrainer
 
@@ -84,16 +109,16 @@ def _make_step(method: str, args, torch, cfg, model, x, y, shape):
         # q = 1 makes the Poisson batch exactly B, so every method sees the same examples per step
         tr = DPSGDTrainer(model, c, 1.0, 1.0, torch.Generator().manual_seed(2), image_shape=shape, n_classes=10)
         assert tr.engine == engine
-        return lambda: tr.step(x, y)
+        return _synced(torch, lambda: tr.step(x, y))
     if method == "opacus":
-        return _opacus_step(args, torch, model, x, y, shape)
+        return _synced(torch, _opacus_step(args, torch, model, x, y, shape))
     raise SystemExit(f"unknown method {method}")
 
 
 def _opacus_step(args, torch, model, x, y, shape):
     from opacus import GradSampleModule
 
-    from feta_release.models.edm import draw_loss_randomness, edm_loss_from_randomness
+    from feta_release.models.edm import edm_loss_from_randomness
 
     b, k, phys = args.batch, args.k, args.physical
     gsm = GradSampleModule(model, loss_reduction="sum")
@@ -106,7 +131,7 @@ def _opacus_step(args, torch, model, x, y, shape):
         for s in range(0, b, phys):
             xs, ys = x[s : s + phys], y[s : s + phys]
             m = xs.shape[0]
-            rnd = draw_loss_randomness(m, shape, noise_multiplicity=k, generator=g)
+            rnd = _randomness(torch, m, shape, k, g, x.device)
             # one row per (example, draw): rows of example i are i*k .. i*k+k-1
             loss = edm_loss_from_randomness(gsm, xs, ys, rnd, null_label=model.null_label, sigma_data=model.sigma_data)
             (loss.sum() * k).backward()  # grad_sample of row r = d(loss_r)/d theta with loss_r = row loss
@@ -135,6 +160,8 @@ def run_one(args) -> dict:
         step()
     sec = (time.perf_counter() - t0) / args.steps
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.device == "cuda":  # the GPU's own peak, which bounds the physical batch there
+        rss_mb = torch.cuda.max_memory_allocated() / 2**20
     return {"method": args.method, "sec_per_step": sec, "peak_rss_mb": rss_mb, "params": n_params}
 
 
@@ -170,10 +197,12 @@ def _subprocess(extra: list[str]) -> dict:
 def _report(args, inter: dict, mem: dict[str, dict]) -> None:
     methods = args.methods.split(",")
     base_w, base_c = sum(inter["wall"]["nonprivate"]), sum(inter["cpu"]["nonprivate"])
-    print(f"DP-SGD step, B={args.batch}, K={args.k}, physical={args.physical}, {args.size}px, threads={args.threads}, "
+    print(f"DP-SGD step on {args.device}, B={args.batch}, K={args.k}, physical={args.physical}, {args.size}px, "
+          f"threads={args.threads}, "
           f"{inter['params']:,} params, {args.rounds} interleaved rounds")
+    mem_name = "GPU peak MB" if args.device == "cuda" else "peak RSS MB"
     print(f"{'method':<12} {'s/step':>8} {'ex/s':>8} {'time/ex vs non-private':>23} {'(CPU time)':>11} "
-          f"{'peak RSS MB':>12}")
+          f"{mem_name:>12}")
     for m in methods:
         w, c = inter["wall"][m], inter["cpu"][m]
         sec = sum(w) / len(w)
@@ -197,6 +226,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (each runs every method once)")
     ap.add_argument("--steps", type=int, default=2, help="steps per method in its memory subprocess")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--methods", default="nonprivate,hooks,torchfunc,opacus")
     ap.add_argument("--method", help=argparse.SUPPRESS)  # internal: one method's memory in this process
     ap.add_argument("--interleave", action="store_true", help=argparse.SUPPRESS)  # internal: the timed rounds

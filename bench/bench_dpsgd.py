@@ -10,7 +10,8 @@ The RATIO is timed in ONE process that interleaves the methods' steps (round i r
 rotated each round), so that the load of a shared machine weighs on the private and the non-private steps alike;
 it is the sum of the private steps' wall time over the sum of the non-private ones' (also in process CPU time,
 which other processes disturb less). On ``--device cuda`` every step ends with a device synchronisation (so the
-host clock times the GPU work) and the memory column is the GPU's peak allocation. Peak resident memory (ru_maxrss) is measured for each method in its own
+host clock times the GPU work) and the memory column is the GPU's peak allocation. Peak resident memory
+(ru_maxrss) is measured for each method in its own
 subprocess, so that each figure is that method's own.
 Methods:
   nonprivate  ordinary batched EDM loss over the B*K rows (micro-batched in ``physical`` examples), Adam

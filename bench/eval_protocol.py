@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="name of this configuration in the results (with --set)")
     ap.add_argument("--out", default="runs/protocol")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the pipeline trains and samples (the classifiers stay on the CPU)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 1 seed, 200 images, 1 epoch")
     ap.add_argument("--lean", action="store_true", help="exploration only (validation mode): no real-data ceiling, "
                     "no FD; accuracy and the release-only baseline only")
@@ -96,7 +98,8 @@ def main() -> None:
             run_dir = out / label.replace(" ", "_").replace("[", "").replace("]", "") / f"seed{seed}"
             t0 = time.perf_counter()
             res = run_pipeline(cfg.replace(job={"seed": seed}), train, run_dir, n_synthetic=proto.n_synthetic,
-                               reporter=Reporter(enabled=False), noise_seed=10_000 + seed)  # benchmark only
+                               reporter=Reporter(enabled=False), noise_seed=10_000 + seed,  # benchmark only
+                               device=args.device)
             z = np.load(run_dir / "synthetic.npz")
             syn = ImageDataset(z["images"], z["labels"], train.class_names, source=str(run_dir))
             assert np.array_equal(np.sort(syn.labels), balanced_labels(proto.n_synthetic, train.n_classes))

@@ -65,7 +65,7 @@ def release_frequency(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gen
     assert f.sigma is not None
     release, event = frequency_statistics(ds.images, ds.labels, ds.n_classes, features=f.features, sigma=f.sigma,
                                           bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_public=n_public,
-                                          rng=rng)
+                                          rng=rng, patch=f.patch, stride=f.stride)
     _same([planned], [event], "frequency statistics")
     return {k: np.asarray(v) for k, v in release.to_arrays().items()}, [planned]
 

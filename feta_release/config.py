@@ -72,6 +72,11 @@ class FrequencySection:
     bandwidth2: float = 105.0  # Gaussian kernel bandwidth^2: omega ~ N(0, 1/bandwidth2)
     seed: int = 1234  # public seed: every site and the coordinator draw the same omega
     chunk: int = 512  # images per streamed chunk (memory is chunk x features, never N x features)
+    # The feature map (mechanisms/feature_map.py): 0 = random Fourier features of all pixels (the papers'); k > 0 =
+    # of every k x k patch at this stride, ``features`` shared out over the patch positions. Rows have norm 1
+    # either way: the same sensitivity and epsilon.
+    patch: int = 0
+    stride: int = 1
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,8 @@ class JobConfig:
         # (run directories resume, signed jobs, ledgers and model.pt stay byte for byte the same).
         if d["sampler"].get("start_source") == "central":
             del d["sampler"]["start_source"]
+        if d["frequency"].get("patch") == 0 and d["frequency"].get("stride") == 1:  # likewise the pixel map
+            del d["frequency"]["patch"], d["frequency"]["stride"]
         return d
 
     def replace(self, **sections: Any) -> JobConfig:
@@ -441,6 +448,8 @@ def _validate(cfg: JobConfig, source: str) -> None:
     if f.sigma is not None:
         need(f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
         need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")
+        need(f.patch >= 0 and f.stride >= 1, f"[frequency] patch must be >= 0 (0: all pixels) and stride >= 1, got "
+             f"patch {f.patch}, stride {f.stride}")
         need(f.bandwidth2 > 0, f"[frequency] bandwidth2 must be > 0, got {f.bandwidth2}")
         need(f.chunk >= 1, f"[frequency] chunk must be >= 1, got {f.chunk}")
     _validate_dpsgd(cfg, need)

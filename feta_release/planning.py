@@ -505,7 +505,9 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
     notes = {
         "central": (f"{c.kind} images, {c.rounds} round(s)" + (f" x {c.cells} {c.cell_rule} cells" if c.cells > 1 else "")
                     if "central" in by_stage else "disabled (rounds = 0)"),
-        "frequency": f"{f.features} random Fourier features" if "frequency" in by_stage else "disabled (no sigma)",
+        "frequency": (f"{f.features} random Fourier features" + (f" of {f.patch}x{f.patch} patches, stride {f.stride}"
+                                                                  if f.patch else "")
+                      if "frequency" in by_stage else "disabled (no sigma)"),
         "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")
                   + ("; unit: the PATIENT (patients sampled, per-patient clip; no group conversion)"
                      if sgd.unit == "patient" else "") if sgd else "disabled (0 steps)"),

@@ -162,6 +162,7 @@ def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[s
         f = cfg.frequency
         params = ss.block_params(lay.block_dim, 1.0, f.sigma, n)
         freq = ss.decode_frequency(residues, lay, params, total_public=sum(sizes.values()), bandwidth2=f.bandwidth2,
-                                   seed=f.seed, sigma=f.sigma, image_shape=tuple(info.image_shape))
+                                   seed=f.seed, sigma=f.sigma, image_shape=tuple(info.image_shape), patch=f.patch,
+                                   stride=f.stride)
         arrays = {k: np.asarray(v) for k, v in freq.to_arrays().items()}  # type: ignore[attr-defined]
     return arrays, contributors

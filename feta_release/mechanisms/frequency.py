@@ -1,6 +1,8 @@
 """Frequency statistics (FETA-Pro): a noisy per-class mean embedding in random Fourier features.
 
-Features.  phi(x) = [cos(x W), sin(x W)] / sqrt(F/2) on raw pixels x in [0,1] flattened over all channels, with
+Features (``feature_map.py``; ``[frequency] patch`` picks the patch map there, whose rows also have norm 1, so
+everything below holds for it unchanged).  phi(x) = [cos(x W), sin(x W)] / sqrt(F/2) on raw pixels x in [0,1]
+flattened over all channels, with
 W in R^{D x F/2}, W_ij ~ N(0, 1/bandwidth2): random Fourier features of the Gaussian kernel
 k(x, x') = exp(-||x - x'||^2 / (2 bandwidth2)).  Because cos^2 + sin^2 = 1, ||phi(x)|| = 1 for EVERY x.
 W is drawn with numpy's PCG64 generator from a PUBLIC seed, so every site and the coordinator obtain
@@ -32,8 +34,12 @@ import numpy as np
 import torch
 
 from ..accounting import PrivacyEvent
-from ..errors import DataError, PrivacyError
+from ..errors import DataError
 from ._checks import as_generator, check_images, check_positive_int, check_sigma
+from .feature_map import FeatureMap, _check_features, _finite, rff_features, rff_frequencies
+
+__all__ = ["FeatureMap", "FrequencyRelease", "combine_frequency", "embedding_sum", "frequency_statistics",
+           "rff_features", "rff_frequencies"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +54,17 @@ class FrequencyRelease:
     sigma: float
     n_classes: int
     image_shape: tuple[int, int, int] | None = None  # (C, H, W) of the images; None when loaded without it
+    patch: int = 0  # the feature map (``feature_map.FeatureMap``): 0 = all pixels, k = k x k patches at ``stride``
+    stride: int = 1
 
-    def omega(self) -> torch.Tensor:
+    def feature_map(self) -> FeatureMap:
+        """The released statistic's own map, rebuilt from its public parameters."""
         if self.image_shape is None:
             raise DataError("frequency release: image shape unknown, cannot rebuild omega; pass the image size")
-        c, h, w = self.image_shape
-        return rff_frequencies(c * h * w, self.features, self.bandwidth2, self.seed)
+        return FeatureMap(self.image_shape, self.features, self.bandwidth2, self.seed, self.patch, self.stride)
+
+    def omega(self) -> torch.Tensor:
+        return self.feature_map().omega
 
     def to_arrays(self) -> dict[str, np.ndarray | np.generic]:
         """Plain arrays (for ``np.savez``); ``from_arrays`` inverts it."""
@@ -63,6 +74,8 @@ class FrequencyRelease:
         }
         if self.image_shape is not None:
             out["image_shape"] = np.asarray(self.image_shape, dtype=np.int64)
+        if self.patch:  # left out for the pixel map: files written before the option read back the same
+            out["patch"], out["stride"] = np.int64(self.patch), np.int64(self.stride)
         return out
 
     @classmethod
@@ -70,47 +83,16 @@ class FrequencyRelease:
         try:
             emb = np.asarray(arrays["embedding"], dtype=np.float32)
             shape = arrays.get("image_shape") if hasattr(arrays, "get") else None
+            patch = int(arrays["patch"]) if "patch" in arrays else 0
             return cls(
                 embedding=emb, n_public=int(arrays["n_public"]), features=int(arrays["features"]),
                 bandwidth2=float(arrays["bandwidth2"]), seed=int(arrays["seed"]), sigma=float(arrays["sigma"]),
                 n_classes=int(emb.shape[1]),
                 image_shape=None if shape is None else tuple(int(v) for v in np.asarray(shape)),  # type: ignore[arg-type]
+                patch=patch, stride=int(arrays["stride"]) if patch else 1,
             )
         except KeyError as exc:
             raise DataError(f"frequency release arrays lack {exc}") from None
-
-
-def _check_features(features: int, where: str) -> int:
-    features = check_positive_int(features, "features", where)
-    if features < 2 or features % 2:
-        raise PrivacyError(f"{where}: features must be an even number >= 2 (cos and sin halves), got {features}")
-    return features
-
-
-def rff_frequencies(dim: int, features: int, bandwidth2: float = 105.0, seed: int = 1234) -> torch.Tensor:
-    """omega (dim, features // 2) float32, omega_ij ~ N(0, 1 / bandwidth2), from numpy PCG64(seed)."""
-    where = "random Fourier features"
-    dim = check_positive_int(dim, "dim", where)
-    features = _check_features(features, where)
-    if not (math.isfinite(bandwidth2) and bandwidth2 > 0):
-        raise PrivacyError(f"{where}: bandwidth2 must be > 0, got {bandwidth2}")
-    gen = np.random.Generator(np.random.PCG64(int(seed)))
-    omega = gen.standard_normal((dim, features // 2)) / math.sqrt(bandwidth2)
-    return torch.from_numpy(omega.astype(np.float32))
-
-
-def rff_features(x_flat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
-    """phi(x) = [cos(x omega), sin(x omega)] / sqrt(F/2), shape (B, F) with F = 2 * omega.shape[1].
-
-    Differentiable (the auxiliary generator backpropagates through it); unit norm per row.
-    """
-    x_flat = torch.as_tensor(x_flat)  # numpy input accepted (checks and tests); the result is always a tensor
-    omega = torch.as_tensor(omega)
-    if x_flat.ndim != 2 or x_flat.shape[1] != omega.shape[0]:
-        raise DataError(f"rff_features: x must be (B, {omega.shape[0]}), got {tuple(x_flat.shape)}")
-    proj = x_flat.to(omega.dtype) @ omega
-    scale = 1.0 / math.sqrt(omega.shape[1])
-    return _finite(torch.cat([torch.cos(proj), torch.sin(proj)], dim=1)) * scale
 
 
 def _features_into(x: torch.Tensor, omega: torch.Tensor, proj: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
@@ -127,25 +109,18 @@ def _features_into(x: torch.Tensor, omega: torch.Tensor, proj: torch.Tensor, phi
     return _finite(out)
 
 
-def _finite(phi: torch.Tensor) -> torch.Tensor:
-    """``phi`` with every non-finite entry set to 0 (in place when it can be: the streamed buffers).
-
-    Why (review58 H1): a projection that overflows float32 (a coordinator-chosen tiny bandwidth2 makes omega huge)
-    gives cos/sin = NaN for SOME images only, and one NaN makes the whole noised release NaN: a flag no noise
-    covers. Zeroing is a function of the one record, and a row with entries replaced by 0 still has norm <= 1 (the
-    sensitivity is unchanged), so the release stays finite whatever the data."""
-    if phi.requires_grad:
-        return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
-    return torch.nan_to_num_(phi, nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def embedding_sum(
-    images: np.ndarray, labels: np.ndarray, n_classes: int, omega: torch.Tensor, chunk: int = 512
+    images: np.ndarray, labels: np.ndarray, n_classes: int, omega: torch.Tensor | FeatureMap, chunk: int = 512
 ) -> np.ndarray:
     """Sum_i phi(x_i) (outer) onehot(y_i): (F, n_classes) float64, streamed over ``chunk`` images at a time.
 
-    Same values as summing ``rff_features`` rows (tested); the 1/sqrt(F/2) scale is applied once at the end.
+    ``omega``: the pixel map's frequencies (buffered path: the same values as summing ``rff_features`` rows, the
+    1/sqrt(F/2) scale applied once at the end) or any ``FeatureMap``.
     """
+    if isinstance(omega, FeatureMap):
+        if omega.patch:
+            return _map_sum(images, labels, n_classes, omega, chunk)
+        omega = omega.omega
     n = images.shape[0]
     flat = images.reshape(n, -1)
     omega = torch.as_tensor(omega, dtype=torch.float32)
@@ -164,6 +139,17 @@ def embedding_sum(
     return (total.T * (1.0 / math.sqrt(half))).numpy()
 
 
+def _map_sum(images: np.ndarray, labels: np.ndarray, n_classes: int, fmap: FeatureMap, chunk: int) -> np.ndarray:
+    total = torch.zeros((n_classes, fmap.features), dtype=torch.float64)
+    with torch.no_grad():
+        for start in range(0, images.shape[0], chunk):
+            x = torch.from_numpy(np.ascontiguousarray(images[start:start + chunk], dtype=np.float32))
+            y = torch.from_numpy(np.ascontiguousarray(labels[start:start + chunk]))
+            onehot = torch.nn.functional.one_hot(y, n_classes).to(torch.float32)
+            total += onehot.T @ fmap(x)
+    return total.T.numpy()
+
+
 def frequency_statistics(
     images: np.ndarray,
     labels: np.ndarray,
@@ -176,8 +162,11 @@ def frequency_statistics(
     chunk: int = 512,
     n_public: int,
     rng: np.random.Generator | int,
+    patch: int = 0,
+    stride: int = 1,
 ) -> tuple[FrequencyRelease, PrivacyEvent]:
-    """Release the noisy per-class RFF embedding E + N(0, (sigma/N)^2) with N = ``n_public``."""
+    """Release the noisy per-class RFF embedding E + N(0, (sigma/N)^2) with N = ``n_public``; ``patch``/``stride``
+    choose the feature map (``feature_map.FeatureMap``: every row norm 1 either way, so the same sensitivity)."""
     where = "frequency statistics"
     images, labels = check_images(images, labels, n_classes, where)
     sigma = check_sigma(sigma, where)
@@ -186,13 +175,14 @@ def frequency_statistics(
     chunk = check_positive_int(chunk, "chunk", where)
     gen = as_generator(rng, where)
     c, h, w = (int(s) for s in images.shape[1:])
-    omega = rff_frequencies(c * h * w, features, bandwidth2, seed)
-    total = embedding_sum(images, labels, int(n_classes), omega, chunk)
+    fmap = FeatureMap((c, h, w), features, float(bandwidth2), int(seed), int(patch), int(stride))
+    total = embedding_sum(images, labels, int(n_classes), fmap, chunk)
     # std sigma x sensitivity 1/N per image; a patient of <= k capped images moves E by <= k/N (module docstring)
     noisy = total / n_public + gen.normal(0.0, sigma / n_public, size=total.shape)
     release = FrequencyRelease(
         embedding=noisy.astype(np.float32), n_public=n_public, features=features, bandwidth2=float(bandwidth2),
-        seed=int(seed), sigma=sigma, n_classes=int(n_classes), image_shape=(c, h, w),
+        seed=int(seed), sigma=sigma, n_classes=int(n_classes), image_shape=(c, h, w), patch=fmap.patch,
+        stride=fmap.stride if fmap.patch else 1,
     )
     return release, PrivacyEvent("frequency", sigma, 1.0, 1)
 
@@ -213,12 +203,12 @@ def combine_frequency(
             raise DataError(f"combine_frequency: need one public size >= 1 per release, got {list(sizes)}")
         rels = [dataclasses.replace(r, n_public=int(s)) for r, s in zip(rels, sizes)]
     first = rels[0]
-    key = (first.features, first.bandwidth2, first.seed, first.n_classes)
+    key = (first.features, first.bandwidth2, first.seed, first.n_classes, first.patch, first.stride)
     for i, r in enumerate(rels[1:], 1):
-        other = (r.features, r.bandwidth2, r.seed, r.n_classes)
+        other = (r.features, r.bandwidth2, r.seed, r.n_classes, r.patch, r.stride)
         if other != key:
             raise DataError(
-                f"combine_frequency: release {i} (features, bandwidth2, seed, classes) = {other} differs "
+                f"combine_frequency: release {i} (features, bandwidth2, seed, classes, patch, stride) = {other} differs "
                 f"from release 0 {key}: sites must use the same public frequencies"
             )
     n_total = sum(r.n_public for r in rels)
@@ -226,5 +216,5 @@ def combine_frequency(
     return FrequencyRelease(
         embedding=np.asarray(combined, dtype=np.float32), n_public=n_total, features=first.features,
         bandwidth2=first.bandwidth2, seed=first.seed, sigma=first.sigma, n_classes=first.n_classes,
-        image_shape=first.image_shape,
+        image_shape=first.image_shape, patch=first.patch, stride=first.stride,
     )

@@ -136,24 +136,25 @@ def central_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int,
 
 def frequency_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int, *, features: int, sigma: float,
                            bandwidth2: float, seed: int, chunk: int, n_sites: int, modulus_bits: int,
-                           rng: np.random.Generator) -> np.ndarray:
-    """This site's masked-sum input for the per-class RFF embedding sum (records phi(x_i) in block y_i)."""
+                           rng: np.random.Generator, patch: int = 0, stride: int = 1) -> np.ndarray:
+    """This site's masked-sum input for the per-class RFF embedding sum (records phi(x_i) in block y_i; phi the
+    job's ``feature_map.FeatureMap``, norm 1 per record whatever ``patch``/``stride``)."""
     import torch
 
-    from .frequency import rff_features, rff_frequencies
+    from .feature_map import FeatureMap
 
     where = "frequency statistics (secure sum)"
     images, labels = check_images(images, labels, n_classes, where)
     sigma, chunk = check_sigma(sigma, where), check_positive_int(chunk, "chunk", where)
     gen = require_generator(rng, where)
-    omega = rff_frequencies(int(np.prod(images.shape[1:])), features, bandwidth2, seed)
+    c, h, w = (int(v) for v in images.shape[1:])
+    fmap = FeatureMap((c, h, w), features, float(bandwidth2), int(seed), int(patch), int(stride))
     params = block_params(features, 1.0, sigma, n_sites, modulus_bits)
     k = int(n_classes)
     total = np.zeros(k * features, dtype=np.int64)
-    flat = images.reshape(images.shape[0], -1)
     with torch.no_grad():
-        for start in range(0, flat.shape[0], chunk):
-            phi = rff_features(torch.from_numpy(np.ascontiguousarray(flat[start:start + chunk])), omega)
+        for start in range(0, images.shape[0], chunk):
+            phi = fmap(torch.from_numpy(np.ascontiguousarray(images[start:start + chunk])))
             phi64, lab = phi.double().numpy(), labels[start:start + chunk]
             for c in np.unique(lab):
                 total[int(c) * features:(int(c) + 1) * features] += sk.quantize_records(phi64[lab == c], params, gen)
@@ -176,7 +177,7 @@ def job_contribution(phase: str, images: np.ndarray, labels: np.ndarray, n_class
             raise PrivacyError("[frequency] sigma is not calibrated; a secure frequency contribution needs it")
         return frequency_contribution(images, labels, n_classes, features=f.features, sigma=f.sigma,
                                       bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_sites=n_sites,
-                                      modulus_bits=modulus_bits, rng=rng)
+                                      modulus_bits=modulus_bits, rng=rng, patch=f.patch, stride=f.stride)
     raise PrivacyError(f"secure aggregation: no job contribution for phase {phase!r}")
 
 
@@ -214,7 +215,8 @@ def wrap_probability(layout: Layout, params: sk.SkellamParams, max_records: int)
 
 
 def decode_frequency(residues: np.ndarray, layout: Layout, params: sk.SkellamParams, *, total_public: int,
-                     bandwidth2: float, seed: int, sigma: float, image_shape: tuple[int, int, int]) -> object:
+                     bandwidth2: float, seed: int, sigma: float, image_shape: tuple[int, int, int], patch: int = 0,
+                     stride: int = 1) -> object:
     """The decoded embedding sum divided by the PUBLIC total size of the contributing sites: a
     ``FrequencyRelease`` (features x classes) as ``combine_frequency`` of per-site releases would be."""
     from .frequency import FrequencyRelease
@@ -223,7 +225,8 @@ def decode_frequency(residues: np.ndarray, layout: Layout, params: sk.SkellamPar
     emb = decode(residues, layout, params).T / float(total_public)  # (features, classes)
     return FrequencyRelease(embedding=emb.astype(np.float32), n_public=int(total_public), features=layout.block_dim,
                             bandwidth2=float(bandwidth2), seed=int(seed), sigma=float(sigma),
-                            n_classes=layout.blocks, image_shape=image_shape)
+                            n_classes=layout.blocks, image_shape=image_shape, patch=int(patch),
+                            stride=int(stride) if patch else 1)
 
 
 # -- the events a site charges ---------------------------------------------------------------------------------

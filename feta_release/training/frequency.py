@@ -19,6 +19,7 @@ class's mean embedding up to the factor n_classes * p_c, which the generator can
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -27,7 +28,8 @@ import torch
 
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
-from ..mechanisms.frequency import rff_features, rff_frequencies
+from ..mechanisms.feature_map import FeatureMap
+from ..mechanisms.frequency import rff_features
 from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
 from .augment import to_model_range
@@ -42,6 +44,21 @@ def _omega_tensor(omega, dim: int, device: torch.device) -> torch.Tensor:
             f"frequency warm-up: omega has shape {tuple(w.shape)}, expected ({dim}, features/2) for these images"
         )
     return w
+
+
+class _PixelOmega:
+    """The pixel map of an explicit omega (callers and tests that pass the frequencies themselves)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w, self.features = w, 2 * w.shape[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rff_features(x.reshape(x.shape[0], -1), self.w)
+
+
+def _feature_fn(omega, dim: int, device: torch.device) -> FeatureMap | _PixelOmega:
+    """The map to fit through: a ``FeatureMap`` as given, or the pixel map of an omega array (dim, F/2)."""
+    return omega if isinstance(omega, FeatureMap) else _PixelOmega(_omega_tensor(omega, dim, device))
 
 
 def embedding_of_batch(phi: torch.Tensor, labels: torch.Tensor, n_classes: int) -> torch.Tensor:
@@ -94,9 +111,9 @@ def fit_aux_generator(
     ).to(device=dev, dtype=torch.float32)
     if e.dim() != 2 or e.shape[1] != n_classes:
         raise DataError(f"frequency warm-up: released embedding has shape {tuple(e.shape)}, expected (features, {n_classes})")
-    w_t = _omega_tensor(omega, dim, dev)
-    if e.shape[0] != 2 * w_t.shape[1]:
-        raise DataError(f"frequency warm-up: embedding has {e.shape[0]} features but omega gives {2 * w_t.shape[1]}")
+    phi_of = _feature_fn(omega, dim, dev)
+    if e.shape[0] != phi_of.features:
+        raise DataError(f"frequency warm-up: embedding has {e.shape[0]} features but omega gives {phi_of.features}")
     iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_public // a.batch)
 
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
@@ -112,7 +129,7 @@ def fit_aux_generator(
         for _ in range(iters):
             y = balanced_labels(a.batch, n_classes, generator).to(dev)
             z = torch.randn((a.batch, a.z_dim), generator=generator).to(dev)
-            phi = rff_features(gen(z, y).reshape(a.batch, -1), w_t)  # the released statistic's own map
+            phi = phi_of(gen(z, y))  # the released statistic's own map
             loss = ((e - embedding_of_batch(phi, y, n_classes)) ** 2).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -224,8 +241,8 @@ def frequency_warmup_from_release(
         raise DataError(f"frequency release is for images {tuple(release.image_shape)}, the model for {(c, h, w)}")
     if release.n_classes != denoiser.n_classes:
         raise DataError(f"frequency release has {release.n_classes} classes, the model {denoiser.n_classes}")
-    omega = rff_frequencies(c * h * w, release.features, release.bandwidth2, release.seed)
+    fmap = dataclasses.replace(release, image_shape=(c, h, w)).feature_map()  # the model's shape when unrecorded
     return run_frequency_stage(
-        denoiser, release.embedding, omega, cfg, release.n_public, generator=generator,
+        denoiser, release.embedding, fmap, cfg, release.n_public, generator=generator,
         fit_progress=fit_progress, train_progress=train_progress,
     )

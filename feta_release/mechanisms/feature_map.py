@@ -1,0 +1,144 @@
+"""The frequency statistic's feature map phi: an image -> a vector of norm exactly 1 (``[frequency] patch``).
+
+Two maps, both of public parameters only (image shape, feature count, bandwidth, seed, patch, stride):
+
+- pixel (``patch = 0``, the papers' map): random Fourier features of a Gaussian kernel on all pixels,
+  phi(x) = [cos(x W), sin(x W)] / sqrt(F/2) (``frequency.rff_features``).
+- patch (``patch = k > 0``): the image cut into k x k patches at ``stride`` (P positions, as ``unfold`` does);
+  every patch gets F_p random Fourier features with ONE public W shared by all positions (bandwidth2 scaled to the
+  patch's share of the pixels: bandwidth2 k^2 / (H W)); the P blocks are concatenated and divided by sqrt(P).
+  Its kernel is the MEAN over positions of a Gaussian kernel on each patch: two images are close when they are
+  close locally, everywhere; a single Gaussian on all pixels (where most digits are about equally far apart) says
+  less. Measured at epsilon = 10 through the whole pipeline: 0.909 vs 0.887 validation accuracy (docs/evaluation.md
+  "A patch feature map").
+
+Privacy (why the map may change without changing the mechanism's argument): every block [cos, sin] / sqrt(F_p/2)
+has norm 1, so the P blocks / sqrt(P) have norm 1 for EVERY image, whatever the parameters; non-finite entries are
+zeroed per record (``frequency._finite``), which can only lower the norm. The release E + N(0, (sigma/N)^2) keeps
+L2 sensitivity 1/N per image. F_p = 2 floor(F / 2P): the vector always has the job's F entries (every payload
+size, policy cap and planner figure stays F); the F - P F_p entries left over are 0 in every record, so their
+release is noise alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, DataError, PrivacyError
+from ._checks import check_positive_int
+
+
+def _check_features(features: int, where: str) -> int:
+    features = check_positive_int(features, "features", where)
+    if features < 2 or features % 2:
+        raise PrivacyError(f"{where}: features must be an even number >= 2 (cos and sin halves), got {features}")
+    return features
+
+
+def rff_frequencies(dim: int, features: int, bandwidth2: float = 105.0, seed: int = 1234) -> torch.Tensor:
+    """omega (dim, features // 2) float32, omega_ij ~ N(0, 1 / bandwidth2), from numpy PCG64(seed)."""
+    where = "random Fourier features"
+    dim = check_positive_int(dim, "dim", where)
+    features = _check_features(features, where)
+    if not (math.isfinite(bandwidth2) and bandwidth2 > 0):
+        raise PrivacyError(f"{where}: bandwidth2 must be > 0, got {bandwidth2}")
+    gen = np.random.Generator(np.random.PCG64(int(seed)))
+    omega = gen.standard_normal((dim, features // 2)) / math.sqrt(bandwidth2)
+    return torch.from_numpy(omega.astype(np.float32))
+
+
+def rff_features(x_flat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """phi(x) = [cos(x omega), sin(x omega)] / sqrt(F/2), shape (B, F) with F = 2 * omega.shape[1].
+
+    Differentiable (the auxiliary generator backpropagates through it); unit norm per row.
+    """
+    x_flat = torch.as_tensor(x_flat)  # numpy input accepted (checks and tests); the result is always a tensor
+    omega = torch.as_tensor(omega)
+    if x_flat.ndim != 2 or x_flat.shape[1] != omega.shape[0]:
+        raise DataError(f"rff_features: x must be (B, {omega.shape[0]}), got {tuple(x_flat.shape)}")
+    proj = x_flat.to(omega.dtype) @ omega
+    scale = 1.0 / math.sqrt(omega.shape[1])
+    return _finite(torch.cat([torch.cos(proj), torch.sin(proj)], dim=1)) * scale
+
+
+def _finite(phi: torch.Tensor) -> torch.Tensor:
+    """``phi`` with every non-finite entry set to 0 (in place when it can be: the streamed buffers).
+
+    Why (review58 H1): a projection that overflows float32 (a coordinator-chosen tiny bandwidth2 makes omega huge)
+    gives cos/sin = NaN for SOME images only, and one NaN makes the whole noised release NaN: a flag no noise
+    covers. Zeroing is a function of the one record, and a row with entries replaced by 0 still has norm <= 1 (the
+    sensitivity is unchanged), so the release stays finite whatever the data."""
+    if phi.requires_grad:
+        return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num_(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@dataclass(frozen=True)
+class FeatureMap:
+    """phi for images of ``image_shape`` (C, H, W): ``fmap(x)`` with x (B, C, H, W) or (B, C*H*W) in [0, 1] ->
+    (B, features), rows of norm 1, differentiable (the aux generator is fitted through it)."""
+
+    image_shape: tuple[int, int, int]
+    features: int
+    bandwidth2: float = 105.0
+    seed: int = 1234
+    patch: int = 0
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        if self.patch < 0 or self.stride < 1:
+            raise ConfigError(f"[frequency] patch must be >= 0 and stride >= 1, got patch {self.patch}, "
+                              f"stride {self.stride}")
+        if self.patch and self.per_position < 2:
+            raise ConfigError(
+                f"[frequency] features {self.features} are too few for {self.positions} patch positions "
+                f"(patch {self.size}, stride {self.stride} on {self.image_shape[1]}x{self.image_shape[2]} images): "
+                f"need >= {2 * self.positions}; raise features or stride")
+
+    @property
+    def size(self) -> int:
+        """The patch side used: ``patch`` capped at the image (a preset fits images of any size)."""
+        return min(self.patch, self.image_shape[1], self.image_shape[2])
+
+    @property
+    def positions(self) -> int:
+        _, h, w = self.image_shape
+        k = self.size
+        return ((h - k) // self.stride + 1) * ((w - k) // self.stride + 1) if self.patch else 1
+
+    @property
+    def per_position(self) -> int:
+        """Features of one patch (even: cos and sin halves)."""
+        return 2 * (self.features // (2 * self.positions)) if self.patch else self.features
+
+    @functools.cached_property
+    def omega(self) -> torch.Tensor:
+        """(input dim, per_position // 2) float32, numpy PCG64(seed) draws: identical at every site."""
+        c, h, w = self.image_shape
+        if not self.patch:
+            return rff_frequencies(c * h * w, self.features, self.bandwidth2, self.seed)
+        k = self.size
+        return rff_frequencies(c * k * k, self.per_position, self.bandwidth2 * k * k / (h * w), self.seed)
+
+    def _omega_on(self, device: torch.device) -> torch.Tensor:
+        cache = self.__dict__.setdefault("_by_device", {})
+        if device not in cache:
+            cache[device] = self.omega.to(device)
+        return cache[device]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.as_tensor(x)
+        w = self._omega_on(x.device)
+        if not self.patch:
+            return rff_features(x.reshape(x.shape[0], -1), w)
+        cols = torch.nn.functional.unfold(x.reshape(-1, *self.image_shape).to(w.dtype), self.size, stride=self.stride)
+        proj = cols.transpose(1, 2) @ w  # (B, P, F_p / 2)
+        scale = 1.0 / math.sqrt(w.shape[1] * self.positions)  # each block norm 1, P blocks -> norm 1
+        phi = _finite(torch.cat([torch.cos(proj), torch.sin(proj)], dim=2)).reshape(x.shape[0], -1) * scale
+        pad = self.features - phi.shape[1]
+        return torch.nn.functional.pad(phi, (0, pad)) if pad else phi

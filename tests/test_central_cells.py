@@ -177,6 +177,7 @@ def test_eps10_nodpsgd_preset_is_the_measured_configuration() -> None:
         central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 0.65, "cells": 4, "stretch": True},
         frequency={"sigma": 1.1}, warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
         dpsgd={"steps": 0}, sampler={"start_sigma": 0.7, "start_source": "mix"},
-        auxgen={"epochs": 10}).to_dict()  # "A better-fitted aux generator"
+        auxgen={"epochs": 10}).replace(  # "A better-fitted aux generator"
+        frequency={"features": 2048, "patch": 7, "stride": 3}).to_dict()  # "A patch feature map"
     shipped = load_preset("cpu-eps10-nodpsgd").to_dict()
     assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}

@@ -32,9 +32,10 @@ import torch
 from flwr.app import Context, Message, RecordDict
 
 from feta_release.accounting import Event, SkellamEvent, events_from_list, events_to_list
-from feta_release.errors import PolicyError, PrivacyError
+from feta_release.errors import ConfigError, PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.federation.plan import check_requested
+from feta_release.mechanisms.feature_map import check_feature_map
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
 from feta_release.planning import fedsgd_shape, secure_stage_events, site_dpsgd, stage_event, target
 from feta_release.policy.enforce import (
@@ -93,6 +94,10 @@ def verified_job(site: Site, doc: dict[str, Any], *, attesting: bool = False) ->
     if "job" not in doc:
         raise PolicyError("request carries no signed job; refused")
     job = verify_job(doc["job"], site.policy, source="job in request")
+    try:  # public values only (the job's [frequency] and the policy's declared shape): refused before any charge
+        check_feature_map(job.config.frequency, tuple(site.policy.declared.image_shape))
+    except ConfigError as exc:
+        raise PolicyError(f"job {job.job_id}: {exc}; refused") from None
     site.ledger.bind_job(job.job_id, job.digest, job.signer_sha256)
     if not attesting and site.ledger.is_closed(job.job_id):
         raise PolicyError(f"job {job.job_id} is closed at site {site.site_id}: its final attestation was signed, "

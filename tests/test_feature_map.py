@@ -175,3 +175,34 @@ def test_pooled_frequency_refuses_releases_of_another_map() -> None:
     assert pooled_frequency({"a": arrays}, {"a": 30}, cfg).patch == 6
     with pytest.raises(DataError, match="not made for this job"):
         pooled_frequency({"a": arrays}, {"a": 30}, cfg.replace(frequency={"patch": 0, "stride": 1}))
+
+
+def test_train_refuses_a_map_too_big_for_the_images_before_writing(tmp_path) -> None:
+    from feta_release.data import load_embedded
+    from feta_release.training.pipeline import run_pipeline
+    from feta_release.training.progress import Reporter
+
+    data = load_embedded().subset(np.arange(0, 5000, 25))
+    cfg = load_preset("tiny").replace(frequency={"features": 64, "patch": 3, "stride": 1})  # 676 positions
+    with pytest.raises(ConfigError, match="too few for 676 patch positions"):
+        run_pipeline(cfg, data, tmp_path / "run", n_synthetic=10, reporter=Reporter(enabled=False))
+    assert not (tmp_path / "run" / "ledger.sqlite").exists()
+
+
+def test_node_refuses_a_map_too_big_for_its_declared_shape_before_charging(tmp_path) -> None:
+    """A coordinator-signed job whose patch map cannot be built on the site's declared image shape is refused at
+    the node before the ledger is charged (it used to fail only inside the release, after the charge)."""
+    from coordinator.setup import sign_job_file
+    from feta_release.federation import messages as fm
+    from feta_release.ledger import Ledger
+
+    from .federation_fixtures import full_job, harness, make_federation
+
+    fed = make_federation(tmp_path / "fed")
+    signed, _ = sign_job_file(fed, full_job(frequency={"features": 64, "patch": 3, "stride": 1}), "job-fmap")
+    grid = harness(fed)
+    for kind in (fm.CENTRAL, fm.FREQUENCY):
+        (rep,) = grid.send_and_receive([grid.create_message(fm.make_payload({"job": signed}), kind, 100, "t")])
+        assert rep.has_error() and "patch positions" in rep.error.reason
+    with Ledger(fed.sites[0].ledger) as led:
+        assert led.job_events("job-fmap") == []

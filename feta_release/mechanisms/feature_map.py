@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,3 +144,13 @@ class FeatureMap:
         phi = _finite(torch.cat([torch.cos(proj), torch.sin(proj)], dim=2)).reshape(x.shape[0], -1) * scale
         pad = self.features - phi.shape[1]
         return torch.nn.functional.pad(phi, (0, pad)) if pad else phi
+
+
+def check_feature_map(frequency: Any, image_shape: Sequence[int]) -> None:
+    """Refuse, before anything is charged, a job's ``[frequency]`` section (``config.FrequencySection``) whose map
+    cannot be built for images of this PUBLIC shape (too few features for its patch positions): a ConfigError
+    naming the fix. A job without the frequency release passes."""
+    f = frequency
+    if f.sigma is not None:
+        c, h, w = (int(v) for v in image_shape)
+        FeatureMap((c, h, w), f.features, f.bandwidth2, f.seed, f.patch, f.stride)

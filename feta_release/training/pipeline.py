@@ -68,6 +68,7 @@ from ..stages.context import initial_denoiser, private_key
 from ..stages.base import now
 from ..files import private_dir
 from .checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, config_hash, read_json
+from ..mechanisms.feature_map import check_feature_map
 from .device import resolve_device
 from .progress import Reporter
 from ..viz import save_budget_chart
@@ -89,6 +90,7 @@ def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None, 
     a site policy's public declaration, where a class without images is allowed (review 58 M1)."""
     if data.n == 0:
         raise DataError(f"{data.source}: no images")
+    check_feature_map(cfg.frequency, data.image_shape)
     counts = data.class_counts()
     empty = [data.class_names[c] for c in np.flatnonzero(counts == 0)]
     if empty and not declared:

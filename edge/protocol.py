@@ -96,7 +96,7 @@ def verified_job(site: Site, doc: dict[str, Any], *, attesting: bool = False) ->
     job = verify_job(doc["job"], site.policy, source="job in request")
     try:  # public values only (the job's [frequency] and the policy's declared shape): refused before any charge
         check_feature_map(job.config.frequency, tuple(site.policy.declared.image_shape))
-    except ConfigError as exc:
+    except (ConfigError, PrivacyError) as exc:
         raise PolicyError(f"job {job.job_id}: {exc}; refused") from None
     site.ledger.bind_job(job.job_id, job.digest, job.signer_sha256)
     if not attesting and site.ledger.is_closed(job.job_id):

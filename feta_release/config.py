@@ -448,8 +448,11 @@ def _validate(cfg: JobConfig, source: str) -> None:
     if f.sigma is not None:
         need(f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
         need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")
-        need(f.patch >= 0 and f.stride >= 1, f"[frequency] patch must be >= 0 (0: all pixels) and stride >= 1, got "
-             f"patch {f.patch}, stride {f.stride}")
+        need(0 <= f.patch <= 65_536 and 1 <= f.stride <= 65_536, f"[frequency] patch must be in [0, 65536] (0: all "
+             f"pixels) and stride in [1, 65536], got patch {f.patch}, stride {f.stride}")
+        need(f.patch > 0 or f.stride == 1, f"[frequency] stride {f.stride} applies to the patch map only: set patch > 0 "
+             "or leave stride at 1")
+        need(0 <= f.seed < 2**63, f"[frequency] seed must be in [0, 2^63), got {f.seed}")
         need(f.bandwidth2 > 0, f"[frequency] bandwidth2 must be > 0, got {f.bandwidth2}")
         need(f.chunk >= 1, f"[frequency] chunk must be >= 1, got {f.chunk}")
     _validate_dpsgd(cfg, need)

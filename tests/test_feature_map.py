@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from feta_release.config import load_preset
-from feta_release.errors import ConfigError, DataError
+from feta_release.errors import ConfigError, DataError, PrivacyError
 from feta_release.mechanisms.feature_map import FeatureMap
 from feta_release.mechanisms.frequency import (
     FrequencyRelease,
@@ -79,6 +79,31 @@ def test_too_few_features_for_the_positions_is_one_line_with_the_fix() -> None:
         FeatureMap(SHAPE, 10, patch=3, stride=1)
     with pytest.raises(ConfigError, match="stride >= 1"):
         FeatureMap(SHAPE, 10, patch=3, stride=0)
+    assert FeatureMap(SHAPE, 64, 1e308, patch=4, stride=4).kernel_bandwidth2 < math.inf  # scaled without overflow
+    for b2 in (5e-324, math.inf):  # scaled to a patch: 0 or inf; refused before any charge, not in omega
+        with pytest.raises(PrivacyError, match="bandwidth2"):
+            FeatureMap(SHAPE, 64, b2, patch=4, stride=4)
+
+
+def test_peak_memory_of_the_patch_sum_does_not_depend_on_the_count() -> None:
+    """Review 72 M1: the patch sum's working set grew with min(chunk, N), a size a coordinator could turn into an
+    out-of-memory flag on the private count. Every step now maps exactly ``chunk`` rows: the feature map sees the
+    same input shape whatever N, and the sum is unchanged."""
+    seen: list[tuple[int, ...]] = []
+    fmap = FeatureMap(SHAPE, 90, patch=4, stride=4)
+
+    class Spy(FeatureMap):
+        def __call__(self, x):  # type: ignore[override]
+            seen.append(tuple(x.shape))
+            return fmap(x)
+
+    spy = Spy(SHAPE, 90, patch=4, stride=4)
+    for n in (3, 17, 40):
+        x, y = _images(n), np.arange(n) % 3
+        got = embedding_sum(x, y, 3, spy, chunk=16)
+        ref = sum(np.outer(fmap(torch.from_numpy(x[i:i + 1]))[0].numpy(), np.eye(3)[y[i]]) for i in range(n))
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+    assert set(seen) == {(16, *SHAPE)}
 
 
 @settings(max_examples=25, deadline=None)
@@ -159,10 +184,15 @@ def test_config_keeps_the_pixel_job_hash_and_refuses_bad_values() -> None:
     assert "patch" not in base.to_dict()["frequency"] and "stride" not in base.to_dict()["frequency"]
     patched = base.replace(frequency={"patch": 7, "stride": 3})
     assert patched.to_dict()["frequency"]["patch"] == 7 and patched.to_dict() != base.to_dict()
-    with pytest.raises(ConfigError, match="patch must be >= 0"):
+    with pytest.raises(ConfigError, match=r"patch must be in \[0, 65536\]"):
         base.replace(frequency={"patch": -1})
-    with pytest.raises(ConfigError, match="stride >= 1"):
+    with pytest.raises(ConfigError, match=r"stride in \[1, 65536\]"):
         base.replace(frequency={"patch": 3, "stride": 0})
+    with pytest.raises(ConfigError, match="applies to the patch map only"):  # a pixel job hashes one way only
+        base.replace(frequency={"stride": 5})
+    for bad in ({"patch": 2**64}, {"patch": 3, "stride": 2**64}, {"seed": -1}, {"seed": 2**64}):
+        with pytest.raises(ConfigError):
+            base.replace(frequency=bad)
 
 
 def test_pooled_frequency_refuses_releases_of_another_map() -> None:

@@ -93,9 +93,12 @@ class FeatureMap:
     stride: int = 1
 
     def __post_init__(self) -> None:
-        if self.patch < 0 or self.stride < 1:
-            raise ConfigError(f"[frequency] patch must be >= 0 and stride >= 1, got patch {self.patch}, "
-                              f"stride {self.stride}")
+        if not (0 <= self.patch <= MAX_SIDE and 1 <= self.stride <= MAX_SIDE):
+            raise ConfigError(f"[frequency] patch must be in [0, {MAX_SIDE}] and stride >= 1 (and <= {MAX_SIDE}), "
+                              f"got patch {self.patch}, stride {self.stride}")
+        if not (math.isfinite(self.kernel_bandwidth2) and self.kernel_bandwidth2 > 0):  # as rff_frequencies refuses
+            where = f" scaled to the {self.size}x{self.size} patch is {self.kernel_bandwidth2}" if self.patch else ""
+            raise PrivacyError(f"[frequency] bandwidth2 {self.bandwidth2}{where}: it must be finite and > 0")
         if self.patch and self.per_position < 2:
             raise ConfigError(
                 f"[frequency] features {self.features} are too few for {self.positions} patch positions "
@@ -118,14 +121,18 @@ class FeatureMap:
         """Features of one patch (even: cos and sin halves)."""
         return 2 * (self.features // (2 * self.positions)) if self.patch else self.features
 
+    @property
+    def kernel_bandwidth2(self) -> float:
+        """The Gaussian kernel's bandwidth^2 on the map's input: the job's on all pixels, scaled to a patch's share."""
+        _, h, w = self.image_shape
+        return self.bandwidth2 * (self.size * self.size / (h * w)) if self.patch else self.bandwidth2
+
     @functools.cached_property
     def omega(self) -> torch.Tensor:
         """(input dim, per_position // 2) float32, numpy PCG64(seed) draws: identical at every site."""
         c, h, w = self.image_shape
-        if not self.patch:
-            return rff_frequencies(c * h * w, self.features, self.bandwidth2, self.seed)
-        k = self.size
-        return rff_frequencies(c * k * k, self.per_position, self.bandwidth2 * k * k / (h * w), self.seed)
+        dim = c * self.size * self.size if self.patch else c * h * w
+        return rff_frequencies(dim, self.per_position, self.kernel_bandwidth2, self.seed)
 
     def _omega_on(self, device: torch.device) -> torch.Tensor:
         cache = self.__dict__.setdefault("_by_device", {})
@@ -138,12 +145,19 @@ class FeatureMap:
         w = self._omega_on(x.device)
         if not self.patch:
             return rff_features(x.reshape(x.shape[0], -1), w)
-        cols = torch.nn.functional.unfold(x.reshape(-1, *self.image_shape).to(w.dtype), self.size, stride=self.stride)
-        proj = cols.transpose(1, 2) @ w  # (B, P, F_p / 2)
+        # a convolution with omega as its filters is (patch @ omega) at every position, without the unfolded
+        # B x C k^2 x P copy (review 72: that grew as k^2 P, past what the features cap bounds)
+        c, k = self.image_shape[0], self.size
+        filters = w.t().reshape(w.shape[1], c, k, k)  # unfold's (C, k, k) order of a patch's pixels
+        out = torch.nn.functional.conv2d(x.reshape(-1, *self.image_shape).to(w.dtype), filters, stride=self.stride)
+        proj = out.flatten(2).transpose(1, 2)  # (B, P, F_p / 2), positions row-major as unfold lists them
         scale = 1.0 / math.sqrt(w.shape[1] * self.positions)  # each block norm 1, P blocks -> norm 1
         phi = _finite(torch.cat([torch.cos(proj), torch.sin(proj)], dim=2)).reshape(x.shape[0], -1) * scale
         pad = self.features - phi.shape[1]
         return torch.nn.functional.pad(phi, (0, pad)) if pad else phi
+
+
+MAX_SIDE = 65_536  # patch and stride bounds: far past any image here, and they keep every count in int64
 
 
 def check_feature_map(frequency: Any, image_shape: Sequence[int]) -> None:

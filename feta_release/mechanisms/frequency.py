@@ -125,7 +125,7 @@ def embedding_sum(
     flat = images.reshape(n, -1)
     omega = torch.as_tensor(omega, dtype=torch.float32)
     half = omega.shape[1]
-    rows = min(chunk, n)
+    rows = chunk  # never min(chunk, n): the buffers' size (peak memory) must not depend on the count (review 72)
     proj = torch.empty((rows, half), dtype=torch.float32)
     phi = torch.empty((rows, 2 * half), dtype=torch.float32)
     total = torch.zeros((n_classes, 2 * half), dtype=torch.float64)  # float64: no drift over millions of rows
@@ -140,12 +140,18 @@ def embedding_sum(
 
 
 def _map_sum(images: np.ndarray, labels: np.ndarray, n_classes: int, fmap: FeatureMap, chunk: int) -> np.ndarray:
+    """The patch map's sum. Every step maps exactly ``chunk`` rows (a short last chunk is padded with zero images
+    whose one-hot rows are 0), so the peak memory is a function of public values only, never of the count."""
     total = torch.zeros((n_classes, fmap.features), dtype=torch.float64)
+    x = torch.zeros((chunk, *images.shape[1:]), dtype=torch.float32)
+    onehot = torch.zeros((chunk, n_classes), dtype=torch.float32)
     with torch.no_grad():
         for start in range(0, images.shape[0], chunk):
-            x = torch.from_numpy(np.ascontiguousarray(images[start:start + chunk], dtype=np.float32))
-            y = torch.from_numpy(np.ascontiguousarray(labels[start:start + chunk]))
-            onehot = torch.nn.functional.one_hot(y, n_classes).to(torch.float32)
+            b = min(chunk, images.shape[0] - start)
+            x[:b] = torch.from_numpy(np.ascontiguousarray(images[start:start + b], dtype=np.float32))
+            x[b:] = 0.0
+            onehot.zero_()
+            onehot[torch.arange(b), torch.from_numpy(np.ascontiguousarray(labels[start:start + b]))] = 1.0
             total += onehot.T @ fmap(x)
     return total.T.numpy()
 

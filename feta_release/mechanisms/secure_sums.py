@@ -152,10 +152,12 @@ def frequency_contribution(images: np.ndarray, labels: np.ndarray, n_classes: in
     params = block_params(features, 1.0, sigma, n_sites, modulus_bits)
     k = int(n_classes)
     total = np.zeros(k * features, dtype=np.int64)
+    x = torch.zeros((chunk, c, h, w), dtype=torch.float32)  # chunk rows every step: memory free of the count
     with torch.no_grad():
         for start in range(0, images.shape[0], chunk):
-            phi = fmap(torch.from_numpy(np.ascontiguousarray(images[start:start + chunk])))
-            phi64, lab = phi.double().numpy(), labels[start:start + chunk]
+            n = min(chunk, images.shape[0] - start)
+            x[:n], x[n:] = torch.from_numpy(np.ascontiguousarray(images[start:start + n], dtype=np.float32)), 0.0
+            phi64, lab = fmap(x)[:n].double().numpy(), labels[start:start + n]
             for c in np.unique(lab):
                 total[int(c) * features:(int(c) + 1) * features] += sk.quantize_records(phi64[lab == c], params, gen)
     return _finish(total, params, gen)

@@ -236,3 +236,14 @@ def test_node_refuses_a_map_too_big_for_its_declared_shape_before_charging(tmp_p
         assert rep.has_error() and "patch positions" in rep.error.reason
     with Ledger(fed.sites[0].ledger) as led:
         assert led.job_events("job-fmap") == []
+
+
+@pytest.mark.parametrize("shape,positions,per", [((1, 28, 28), 64, 32), ((3, 32, 32), 81, 24), ((1, 64, 64), 400, 4),
+                                                 ((1, 8, 8), 1, 2048)])
+def test_the_eps10_preset_map_fits_other_image_sizes(shape, positions, per) -> None:
+    """``cpu-eps10-nodpsgd``'s 2,048 features shared out over the patch positions of other image sizes."""
+    f = load_preset("cpu-eps10-nodpsgd").frequency
+    fmap = FeatureMap(shape, f.features, f.bandwidth2, f.seed, f.patch, f.stride)
+    assert (fmap.positions, fmap.per_position) == (positions, per)
+    phi = fmap(torch.rand(2, *shape))
+    assert phi.shape == (2, 2048) and torch.allclose(phi.norm(dim=1), torch.ones(2), atol=1e-5)

@@ -402,6 +402,18 @@ def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
          "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
 
 
+def _validate_frequency(f: FrequencySection, need: Callable[[bool, str], None]) -> None:
+    need(f.sigma is None or f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
+    need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")
+    need(0 <= f.patch <= 65_536 and 1 <= f.stride <= 65_536, f"[frequency] patch must be in [0, 65536] (0: all "
+         f"pixels) and stride in [1, 65536], got patch {f.patch}, stride {f.stride}")
+    need(f.patch > 0 or f.stride == 1, f"[frequency] stride {f.stride} applies to the patch map only: set patch > 0 "
+         "or leave stride at 1")
+    need(0 <= f.seed < 2**63, f"[frequency] seed must be in [0, 2^63), got {f.seed}")
+    need(f.bandwidth2 > 0, f"[frequency] bandwidth2 must be > 0, got {f.bandwidth2}")
+    need(f.chunk >= 1, f"[frequency] chunk must be >= 1, got {f.chunk}")
+
+
 def _validate_start_source(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
     """``[sampler] start_source``: aux/mix starts need an SDEdit level and the stage that fits the aux generator."""
     src = cfg.sampler.start_source
@@ -446,15 +458,7 @@ def _validate(cfg: JobConfig, source: str) -> None:
              "[central] cell_rule = \"aux\" is single-site only (a federation's sites split by slant): set "
              "cell_rule = \"slant\" in a federated job")
     if f.sigma is not None:
-        need(f.sigma > 0, f"[frequency] sigma must be > 0, got {f.sigma}")
-        need(f.features >= 2 and f.features % 2 == 0, f"[frequency] features must be an even number >= 2, got {f.features}")
-        need(0 <= f.patch <= 65_536 and 1 <= f.stride <= 65_536, f"[frequency] patch must be in [0, 65536] (0: all "
-             f"pixels) and stride in [1, 65536], got patch {f.patch}, stride {f.stride}")
-        need(f.patch > 0 or f.stride == 1, f"[frequency] stride {f.stride} applies to the patch map only: set patch > 0 "
-             "or leave stride at 1")
-        need(0 <= f.seed < 2**63, f"[frequency] seed must be in [0, 2^63), got {f.seed}")
-        need(f.bandwidth2 > 0, f"[frequency] bandwidth2 must be > 0, got {f.bandwidth2}")
-        need(f.chunk >= 1, f"[frequency] chunk must be >= 1, got {f.chunk}")
+        _validate_frequency(f, need)
     _validate_dpsgd(cfg, need)
     need(cfg.model.channels >= 4, f"[model] channels must be >= 4, got {cfg.model.channels}")
     need(len(cfg.model.channel_mult) >= 1, "[model] channel_mult needs at least one level")

@@ -117,7 +117,7 @@ def test_streams_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {buf for _, buf in seen} == {7}  # the feature buffer itself holds 7 rows
     seen.clear()
     b, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=1, chunk=512)
-    assert seen == [(90, 512)]  # one chunk of 90 rows; the buffer is chunk-sized whatever N (review 72)
+    assert seen == [(45, 45), (45, 45)]  # steps capped at half the public size (feature_map.release_chunk)
     assert np.allclose(a.embedding, b.embedding, atol=1e-6)  # chunking does not change the statistic
 
 

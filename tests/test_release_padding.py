@@ -16,6 +16,7 @@ import pytest
 
 import edge.clientapp as ca
 import feta_release.mechanisms.central as central_mod
+import feta_release.mechanisms.feature_map as fmap_mod
 import feta_release.mechanisms.frequency as freq_mod
 import feta_release.mechanisms.secure_sums as ss
 from edge.padded_releases import pad_secure, padded, public_rows
@@ -96,7 +97,7 @@ def test_padding_leaves_the_release_bit_identical(release):
 @pytest.mark.parametrize("phase,fn", [("central", "_prepare"), ("frequency", "rff_features")])
 def test_a_secure_contribution_processes_the_public_number_of_rows(monkeypatch, phase, fn):
     """The masked handlers (secure aggregation): the contribution's rows plus the padding's are P."""
-    seen = _rows(monkeypatch, ss, fn) if phase == "central" else _rows(monkeypatch, freq_mod, fn)
+    seen = _rows(monkeypatch, ss, fn) if phase == "central" else _rows(monkeypatch, fmap_mod, fn)  # the map's own
 
     def contribution(site: Any, job: Any, doc: Any, rng: Any) -> np.ndarray:  # what edge.secure computes
         d = site.data

@@ -160,6 +160,16 @@ class FeatureMap:
 MAX_SIDE = 65_536  # patch and stride bounds: far past any image here, and they keep every count in int64
 
 
+def release_chunk(chunk: int, n_public: int) -> int:
+    """Rows a release maps at once: ``chunk`` capped at half the PUBLIC size (review 72 M1).
+
+    A node maps its N real rows, then P - N dummy rows (``edge.padded_releases``: the rows are public, P), each pass
+    in steps of at most this many. The peak memory is the largest step, max(min(c, N), min(c, P - N)), and with
+    c <= P / 2 one of N, P - N is >= c: the peak is c, a public value, whatever N. Without the cap a coordinator's
+    huge ``[frequency] chunk`` made the peak max(N, P - N), an out-of-memory threshold on the private count."""
+    return max(1, min(int(chunk), int(n_public) // 2))
+
+
 def check_feature_map(frequency: Any, image_shape: Sequence[int]) -> None:
     """Refuse, before anything is charged, a job's ``[frequency]`` section (``config.FrequencySection``) whose map
     cannot be built for images of this PUBLIC shape (too few features for its patch positions): a ConfigError

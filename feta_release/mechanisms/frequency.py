@@ -36,7 +36,7 @@ import torch
 from ..accounting import PrivacyEvent
 from ..errors import DataError
 from ._checks import as_generator, check_images, check_positive_int, check_sigma
-from .feature_map import FeatureMap, _check_features, _finite, rff_features, rff_frequencies
+from .feature_map import FeatureMap, _check_features, _finite, release_chunk, rff_features, rff_frequencies
 
 __all__ = ["FeatureMap", "FrequencyRelease", "combine_frequency", "embedding_sum", "frequency_statistics",
            "rff_features", "rff_frequencies"]
@@ -125,7 +125,7 @@ def embedding_sum(
     flat = images.reshape(n, -1)
     omega = torch.as_tensor(omega, dtype=torch.float32)
     half = omega.shape[1]
-    rows = chunk  # never min(chunk, n): the buffers' size (peak memory) must not depend on the count (review 72)
+    rows = min(chunk, n)
     proj = torch.empty((rows, half), dtype=torch.float32)
     phi = torch.empty((rows, 2 * half), dtype=torch.float32)
     total = torch.zeros((n_classes, 2 * half), dtype=torch.float64)  # float64: no drift over millions of rows
@@ -140,19 +140,12 @@ def embedding_sum(
 
 
 def _map_sum(images: np.ndarray, labels: np.ndarray, n_classes: int, fmap: FeatureMap, chunk: int) -> np.ndarray:
-    """The patch map's sum. Every step maps exactly ``chunk`` rows (a short last chunk is padded with zero images
-    whose one-hot rows are 0), so the peak memory is a function of public values only, never of the count."""
     total = torch.zeros((n_classes, fmap.features), dtype=torch.float64)
-    x = torch.zeros((chunk, *images.shape[1:]), dtype=torch.float32)
-    onehot = torch.zeros((chunk, n_classes), dtype=torch.float32)
     with torch.no_grad():
         for start in range(0, images.shape[0], chunk):
-            b = min(chunk, images.shape[0] - start)
-            x[:b] = torch.from_numpy(np.ascontiguousarray(images[start:start + b], dtype=np.float32))
-            x[b:] = 0.0
-            onehot.zero_()
-            onehot[torch.arange(b), torch.from_numpy(np.ascontiguousarray(labels[start:start + b]))] = 1.0
-            total += onehot.T @ fmap(x)
+            x = torch.from_numpy(np.ascontiguousarray(images[start:start + chunk], dtype=np.float32))
+            y = torch.from_numpy(np.ascontiguousarray(labels[start:start + chunk]))
+            total += torch.nn.functional.one_hot(y, n_classes).to(torch.float32).T @ fmap(x)
     return total.T.numpy()
 
 
@@ -182,7 +175,7 @@ def frequency_statistics(
     gen = as_generator(rng, where)
     c, h, w = (int(s) for s in images.shape[1:])
     fmap = FeatureMap((c, h, w), features, float(bandwidth2), int(seed), int(patch), int(stride))
-    total = embedding_sum(images, labels, int(n_classes), fmap, chunk)
+    total = embedding_sum(images, labels, int(n_classes), fmap, release_chunk(chunk, n_public))
     # std sigma x sensitivity 1/N per image; a patient of <= k capped images moves E by <= k/N (module docstring)
     noisy = total / n_public + gen.normal(0.0, sigma / n_public, size=total.shape)
     release = FrequencyRelease(

@@ -136,28 +136,29 @@ def central_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int,
 
 def frequency_contribution(images: np.ndarray, labels: np.ndarray, n_classes: int, *, features: int, sigma: float,
                            bandwidth2: float, seed: int, chunk: int, n_sites: int, modulus_bits: int,
-                           rng: np.random.Generator, patch: int = 0, stride: int = 1) -> np.ndarray:
+                           rng: np.random.Generator, patch: int = 0, stride: int = 1,
+                           n_public: int | None = None) -> np.ndarray:
     """This site's masked-sum input for the per-class RFF embedding sum (records phi(x_i) in block y_i; phi the
     job's ``feature_map.FeatureMap``, norm 1 per record whatever ``patch``/``stride``)."""
     import torch
 
-    from .feature_map import FeatureMap
+    from .feature_map import FeatureMap, release_chunk
 
     where = "frequency statistics (secure sum)"
     images, labels = check_images(images, labels, n_classes, where)
     sigma, chunk = check_sigma(sigma, where), check_positive_int(chunk, "chunk", where)
+    if n_public is not None:  # a node's release: steps of at most half the public size (feature_map.release_chunk)
+        chunk = release_chunk(chunk, n_public)
     gen = require_generator(rng, where)
     c, h, w = (int(v) for v in images.shape[1:])
     fmap = FeatureMap((c, h, w), features, float(bandwidth2), int(seed), int(patch), int(stride))
     params = block_params(features, 1.0, sigma, n_sites, modulus_bits)
     k = int(n_classes)
     total = np.zeros(k * features, dtype=np.int64)
-    x = torch.zeros((chunk, c, h, w), dtype=torch.float32)  # chunk rows every step: memory free of the count
     with torch.no_grad():
         for start in range(0, images.shape[0], chunk):
-            n = min(chunk, images.shape[0] - start)
-            x[:n], x[n:] = torch.from_numpy(np.ascontiguousarray(images[start:start + n], dtype=np.float32)), 0.0
-            phi64, lab = fmap(x)[:n].double().numpy(), labels[start:start + n]
+            phi = fmap(torch.from_numpy(np.ascontiguousarray(images[start:start + chunk])))
+            phi64, lab = phi.double().numpy(), labels[start:start + chunk]
             for c in np.unique(lab):
                 total[int(c) * features:(int(c) + 1) * features] += sk.quantize_records(phi64[lab == c], params, gen)
     return _finish(total, params, gen)
@@ -179,7 +180,8 @@ def job_contribution(phase: str, images: np.ndarray, labels: np.ndarray, n_class
             raise PrivacyError("[frequency] sigma is not calibrated; a secure frequency contribution needs it")
         return frequency_contribution(images, labels, n_classes, features=f.features, sigma=f.sigma,
                                       bandwidth2=f.bandwidth2, seed=f.seed, chunk=f.chunk, n_sites=n_sites,
-                                      modulus_bits=modulus_bits, rng=rng, patch=f.patch, stride=f.stride)
+                                      modulus_bits=modulus_bits, rng=rng, patch=f.patch, stride=f.stride,
+                                      n_public=n_public)
     raise PrivacyError(f"secure aggregation: no job contribution for phase {phase!r}")
 
 

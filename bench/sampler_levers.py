@@ -5,7 +5,8 @@
 Each variant ``name:solver:steps[:guidance[:start_sigma[:source]]]`` draws ``--n`` balanced images from the run's
 model.pt with the same sampling seed, trains the protocol classifier (seed 0) on them and scores it on the
 VALIDATION part (fit 3,200 / validation 800; the held-out part is never loaded). The run must come from
-``eval_protocol.py --mode validation``.
+``eval_protocol.py --mode validation``. ``--mode test`` (a run of ``eval_protocol.py --mode test``) scores on the
+held-out part instead: only for the one final figure of a variant already chosen on validation.
 With ``start_sigma`` the images are drawn as the pipeline's synthetic set is with ``[sampler] start_sigma``: SDEdit
 from RandAugment-ed copies of the run's released central images (``released/central.npz``) plus N(0, start_sigma^2)
 noise (post-processing of the release). ``source`` (default ``central``): ``aux`` starts from the run's auxiliary
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--weights", default="", help="a checkpoints/ file of the run instead of model.pt")
     ap.add_argument("--polish", type=int, default=0, help="extra polish steps on the released central images first")
+    ap.add_argument("--mode", choices=["validation", "test"], default="validation",
+                    help="test: the held-out score of a variant chosen on validation (a --mode test run)")
     args = ap.parse_args()
     import torch
 
@@ -81,7 +84,7 @@ def main() -> None:
     from feta_release.stages.synthesis import release_starts
 
     torch.set_num_threads(args.threads)
-    fit, val = protocol_splits(load_embedded(), "validation")
+    fit, val = protocol_splits(load_embedded(), args.mode)
     job = _job_config(args.run)
     if args.weights:  # a stage checkpoint ({"model": state_dict}) of the run, e.g. before model.pt is written
         from feta_release.stages.context import initial_denoiser

@@ -6,14 +6,7 @@
 #   2. bench/bench_dpsgd.py on cuda with the paper-mnist preset's model, K = 32 and physical batch 64;
 #   3. the cpu-eps10-nodpsgd preset end to end with --device cuda (wall time against the CPU's ~15 min).
 # Logs land in $OUT (or ./gpu-out).
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)

@@ -3,14 +3,7 @@
 # configuration x seed is its own process (the small denoiser leaves the GPU mostly idle, so 9 share it), the
 # classifiers on the CPU. Lean protocol (accuracy + release-only). Logs: $OUT/sweep-TAG-sSEED.log.
 #   SWEEP_S=420 bash bench/gpu_sweep.sh
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 common="--mode validation --preset cpu-eps10-nodpsgd --threads 2 --lean --device cuda"
 t0=$(date +%s)
 for s in 0 1 2; do

@@ -79,7 +79,7 @@ def pooled_frequency(freq: dict[str, dict[str, np.ndarray]], sizes: dict[str, in
     release = combine_frequency([freq[s] for s in sites], [sizes[s] for s in sites])
     f = cfg.frequency
     got = (release.features, float(release.bandwidth2), release.seed, release.patch, release.stride)
-    want = (f.features, float(f.bandwidth2), f.seed, f.patch, f.stride if f.patch else 1)
+    want = (f.features, float(f.bandwidth2), f.seed, f.patch, f.stride)
     if got != want:
         raise DataError(f"the sites' frequency releases use features/bandwidth2/seed/patch/stride "
                         f"{'/'.join(map(str, got))}, the job {'/'.join(map(str, want))}: they were not made for this job")

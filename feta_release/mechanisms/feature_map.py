@@ -99,6 +99,9 @@ class FeatureMap:
         if not (0 <= self.patch <= MAX_SIDE and 1 <= self.stride <= MAX_SIDE):
             raise ConfigError(f"[frequency] patch must be in [0, {MAX_SIDE}] and stride >= 1 (and <= {MAX_SIDE}), "
                               f"got patch {self.patch}, stride {self.stride}")
+        if not self.patch and self.stride != 1:  # the config's rule: one (patch, stride) per map, one job hash
+            raise ConfigError(f"[frequency] stride {self.stride} applies to the patch map only: set patch > 0 or "
+                              "leave stride at 1")
         if not (math.isfinite(self.kernel_bandwidth2) and self.kernel_bandwidth2 > 0):  # as rff_frequencies refuses
             where = f" scaled to the {self.size}x{self.size} patch is {self.kernel_bandwidth2}" if self.patch else ""
             raise PrivacyError(f"[frequency] bandwidth2 {self.bandwidth2}{where}: it must be finite and > 0")

@@ -181,7 +181,7 @@ def frequency_statistics(
     release = FrequencyRelease(
         embedding=noisy.astype(np.float32), n_public=n_public, features=features, bandwidth2=float(bandwidth2),
         seed=int(seed), sigma=sigma, n_classes=int(n_classes), image_shape=(c, h, w), patch=fmap.patch,
-        stride=fmap.stride if fmap.patch else 1,
+        stride=fmap.stride,
     )
     return release, PrivacyEvent("frequency", sigma, 1.0, 1)
 

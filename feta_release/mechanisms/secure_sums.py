@@ -229,8 +229,7 @@ def decode_frequency(residues: np.ndarray, layout: Layout, params: sk.SkellamPar
     emb = decode(residues, layout, params).T / float(total_public)  # (features, classes)
     return FrequencyRelease(embedding=emb.astype(np.float32), n_public=int(total_public), features=layout.block_dim,
                             bandwidth2=float(bandwidth2), seed=int(seed), sigma=float(sigma),
-                            n_classes=layout.blocks, image_shape=image_shape, patch=int(patch),
-                            stride=int(stride) if patch else 1)
+                            n_classes=layout.blocks, image_shape=image_shape, patch=int(patch), stride=int(stride))
 
 
 # -- the events a site charges ---------------------------------------------------------------------------------

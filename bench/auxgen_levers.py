@@ -36,16 +36,18 @@ def _variant(job, spec: str):
 
 
 def _embedding(fit, job, rel, seed: int) -> np.ndarray:
-    """The run's released embedding, or (other [frequency] features / bandwidth at the SAME sigma, so the same
-    epsilon) a fresh release of the validation fit part with benchmark noise seed ``seed``."""
+    """The run's released embedding, or (other [frequency] features / bandwidth / patch map at the SAME sigma, so the
+    same epsilon) a fresh release of the validation fit part with benchmark noise seed ``seed``."""
     from feta_release.mechanisms.frequency import frequency_statistics
 
     f = job.frequency
-    if f.features == int(rel["features"]) and f.bandwidth2 == float(rel["bandwidth2"]):
+    same_map = int(rel["patch"]) if "patch" in rel.files else 0, int(rel["stride"]) if "stride" in rel.files else 1
+    if (f.features == int(rel["features"]) and f.bandwidth2 == float(rel["bandwidth2"])
+            and (f.patch, f.stride) == same_map):
         return rel["embedding"]
     out, _ = frequency_statistics(fit.images, fit.labels, fit.n_classes, features=f.features, sigma=float(rel["sigma"]),
                                   bandwidth2=f.bandwidth2, seed=f.seed, n_public=int(rel["n_public"]),
-                                  rng=np.random.default_rng(5_000 + seed))
+                                  rng=np.random.default_rng(5_000 + seed), patch=f.patch, stride=f.stride)
     return out.embedding
 
 
@@ -89,6 +91,7 @@ def main() -> None:
         x = aux_draw(aux, labels, torch.Generator().manual_seed(88 + args.seed))
         syn = ImageDataset(x.numpy(), labels, fit.class_names, source=name)
         row = {"variant": name, "auxgen": vjob.auxgen.__dict__, "features": vjob.frequency.features,
+               "patch": vjob.frequency.patch, "stride": vjob.frequency.stride,
                "bandwidth2": vjob.frequency.bandwidth2, "fit_s": round(t_fit, 1),
                "aux_acc": round(accuracy(train_classifier(syn, 5, args.seed), val), 4)}
         if model is not None:

@@ -94,9 +94,11 @@ def fab_hash(app_dir: Path | None) -> None:
 @click.option("--job-id", default=None, help="Default: JOB name + UTC time (kept in --out for resumes).")
 @click.option("--release/--no-release", default=True, show_default=True,
               help="Also write samples.png, the privacy report and OUT/release (ONNX + signed manifest).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the coordinator's warm-up, FedAvg/FedSGD steps and sampling run (auto: CUDA when visible).")
 @progress_option("the job's streamed progress lines (rounds, sites)")
 def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: str, root_certificates: Path | None,
-        insecure: bool, job_id: str | None, release: bool, progress: bool) -> None:
+        insecure: bool, job_id: str | None, release: bool, device: str, progress: bool) -> None:
     """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress.
 
     \b
@@ -104,18 +106,19 @@ def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: st
       feta-release coordinator run job.toml --sites st-mary,st-luke --key coordinator.key \\
           --out runs/job-1 --superlink coordinator.example.org:9092 --root-certificates certs/ca.crt
     """
-    from .runner import run_signed_job, sign_or_resume
+    from .runner import coordinator_device, run_signed_job, sign_or_resume
 
+    dev = coordinator_device(device)  # an absent GPU: refused before anything is signed, written or submitted
     signed_path = sign_or_resume(job_file, [s.strip() for s in sites.split(",") if s.strip()], key_path, out_dir,
                                  job_id)
     summary = run_signed_job(signed_path, key_path, out_dir, superlink, insecure=insecure,
-                             root_certificates=root_certificates, on_line=click.echo if progress else None)
+                             root_certificates=root_certificates, on_line=click.echo if progress else None, device=dev)
     click.echo(json.dumps({k: summary[k] for k in ("job_id", "site_epsilon", "rounds", "skipped", "timings")}, indent=2))
     if release:
         from .finalize import build_release, privacy_report, sample_grid
 
         privacy_report(out_dir)
-        sample_grid(out_dir)
+        sample_grid(out_dir, device=dev)
         click.echo(f"release written to {build_release(out_dir, key_path)}; report {out_dir / 'privacy_report.txt'}")
 
 

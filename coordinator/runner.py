@@ -10,13 +10,21 @@ from typing import Any
 
 from feta_release.config import load_job
 from feta_release.errors import ConfigError, FetaError
+from feta_release.federation.job import save_device
 from feta_release.policy.jobs import sign_job
 from feta_release.signing import load_private_key
+from feta_release.training.device import resolve_device
 
 from .setup import APP_DIR
 from .superlink import submit, write_flwr_config
 
 SIGNED_JOB = "signed_job.json"
+
+
+def coordinator_device(name: str) -> str:
+    """``--device`` resolved here, before anything is signed or written (``cuda`` without a GPU: one ConfigError
+    line); ``auto`` becomes what it found, so the ServerApp computes where this check looked."""
+    return resolve_device(name).type
 
 
 def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Path, job_id: str | None) -> Path:
@@ -28,7 +36,8 @@ def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Pa
     if path.exists():
         prev = json.loads(path.read_text("utf-8"))
         body = prev.get("job", {})
-        if body.get("config") != cfg.to_dict() or body.get("sites") != sites:
+        # compared as signed: signing states the secure-aggregation default, which a job file may leave out
+        if body.get("config") != cfg.with_secure_default(len(sites)).to_dict() or body.get("sites") != sites:
             raise ConfigError(f"{out_dir} holds job {body.get('job_id')!r} with another config or site list; "
                               "use a new --out for a new job")
         if job_id and job_id != body.get("job_id"):
@@ -44,12 +53,14 @@ def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Pa
 
 def run_signed_job(signed_path: Path, key_path: Path, out_dir: Path, superlink: str, *, insecure: bool,
                    root_certificates: Path | None = None, on_line: Callable[[str], None] | None = None,
-                   app_dir: Path = APP_DIR,
-                   retry_hint: str = "run the same command again to resume") -> dict[str, Any]:
+                   app_dir: Path = APP_DIR, retry_hint: str = "run the same command again to resume",
+                   device: str = "cpu") -> dict[str, Any]:
     """Submit the signed job and return its summary; ``retry_hint`` ends the error of a run that did not finish
-    (the demo cannot resume into its non-empty folder, so it says what to do instead)."""
+    (the demo cannot resume into its non-empty folder, so it says what to do instead). ``device``: where the
+    ServerApp computes (:func:`coordinator_device`), handed to it in ``out_dir`` (``federation.job.save_device``)."""
     home = out_dir / "flwr_cli_home"
     write_flwr_config(home, superlink, insecure=insecure, root_certificates=root_certificates)
+    save_device(out_dir, device)  # every submit: a resume with another --device must not find the last one's
     summary_path = out_dir / "job_summary.json"
     if summary_path.exists():
         summary_path.unlink()  # a stale summary must not pass for this run's

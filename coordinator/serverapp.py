@@ -4,6 +4,8 @@ Run configuration (set by ``feta-release coordinator run`` with ``flwr run --run
   job-file         the SIGNED job (JSON envelope written by ``coordinator run``)
   out-dir          where state, checkpoints and outputs go (a rerun with the same dir resumes)
   coordinator-key  the coordinator's private key (signs nothing here; used to verify the job is ours)
+Where it computes (``coordinator run --device``) comes in ``out-dir`` (``feta_release.federation.job.DEVICE_FILE``):
+a run-config key of its own would change the FAB and so its hash in every site's signed policy.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from feta_release.federation.job import run_job
+from feta_release.federation.job import run_job, saved_device
 from feta_release.signing import load_private_key
 
 app = ServerApp()
@@ -35,4 +37,4 @@ def main(grid: Grid, context: Context) -> None:
         # flwr run --stream shows the ServerApp's output: one line per event.
         print(f"[feta] {ev['phase']}: {ev['message']}", flush=True)
 
-    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress)
+    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress, device=saved_device(out_dir))

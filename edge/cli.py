@@ -169,6 +169,8 @@ def _print_summary(s: dict) -> None:
 @click.option("--worker/--no-worker", default=True, show_default=True,
               help="Answer messages from a warm worker process that loads torch and the site once (restarted if it "
                    "dies); --no-worker: a fresh process per message, as Flower runs it (slower).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where this site's DP-SGD and FedSGD rounds run (auto: CUDA when visible).")
 @data_load_options
 @click.pass_context
 def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None, **given: object) -> None:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
@@ -20,6 +21,7 @@ from feta_release.errors import PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.policy.jobs import Job
 from feta_release.signing import public_key_pem
+from feta_release.training.device import resolve_device
 
 from .attest import site_attestation
 from .fedsgd import check_round_weights, gradient_contribution
@@ -31,6 +33,13 @@ from .releases import check_weights, dpsgd_round, release_central, release_frequ
 from .site import CFG_POLICY, Site, site_for
 
 app = ClientApp(mods=[public_errors_mod])  # error replies: no local path or internal text leaves (public_errors)
+
+
+def site_device(site: Site) -> torch.device:
+    """Where this node's DP-SGD / FedSGD rounds compute (``node start --device``). Also resolved by each round's
+    admission, before its charge: a GPU gone since the node started refuses the round instead of charging for a
+    computation that cannot run."""
+    return resolve_device(site.device)
 
 
 @app.query("hello")
@@ -96,12 +105,13 @@ def frequency_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tup
 def _fedsgd_fits(site: Site, job: Job, req: Request) -> None:
     admit_masked(site, job, req.doc)
     check_round_weights(site, job, req)
+    site_device(site)
 
 
 @release("dpsgd", admit=_fedsgd_fits, public=_secure_info, secure=True)
 def dpsgd_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
     """One FedSGD round: this site's clipped-gradient sum plus its noise share, masked (edge/fedsgd.py)."""
-    noisy = gradient_contribution(site, job, req, rng.numpy(), rng.torch())
+    noisy = gradient_contribution(site, job, req, rng.numpy(), rng.torch(), site_device(site))
     return {"masked": masked_contribution(site, job, req.doc, rng.numpy(), noisy)}, [req.event]
 
 
@@ -113,6 +123,7 @@ def secagg(msg: Message, context: Context) -> Message:
 
 def _fitting_weights(site: Site, job: Job, req: Request) -> None:
     check_weights(job.config, site.data.image_shape, site.data.n_classes, req.arrays)
+    site_device(site)
 
 
 def _round_info(site: Site, req: Request) -> dict[str, Any]:
@@ -129,7 +140,7 @@ def train(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, 
     if not isinstance(req.event, PrivacyEvent):
         raise PrivacyError(f"DP-SGD round {req.round}: planned a {type(req.event).__name__}, not a Gaussian step")
     return dpsgd_round(site.data, job.config, req.arrays, req.event, rng.torch(), site.n_public,
-                       site.patients), [req.event]
+                       site.patients, site_device(site)), [req.event]
 
 
 @app.query("attest")

@@ -53,16 +53,19 @@ def round_params(site: Site, job: Job, event: SkellamEvent, dim: int) -> sk.Skel
 
 
 def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.Generator,
-                          generator: torch.Generator) -> np.ndarray:
+                          generator: torch.Generator, device: torch.device | str = "cpu") -> np.ndarray:
     """This site's FedSGD round input: the sum of its sampled images' clipped, scaled, conditionally rounded
     gradients plus its Skellam noise share (int64, not yet reduced mod m). ``np_rng`` / ``generator``: fresh OS
-    randomness (rounding and noise / Poisson sampling and the loss's noise draws)."""
+    randomness (rounding and noise / Poisson sampling and the loss's noise draws). ``device`` (``node start
+    --device``): where the gradients are computed; every draw stays on those CPU generators, and the clipped rows
+    come back to the CPU before they are rounded."""
     event = req.event
     if not isinstance(event, SkellamEvent):
         raise PrivacyError(f"FedSGD round {req.round}: planned a {type(event).__name__}, not a Skellam share")
     cfg, ds = job.config, site.data
     model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in req.arrays.items()})
+    model.to(device)  # only the arithmetic moves: batch_gradients moves each chunk to the model's device
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = round_params(site, job, event, dim)

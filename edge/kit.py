@@ -244,7 +244,7 @@ patient_cap = {opts.patient_cap or 0}
 
 
 NODE_KEYS = {"data", "policy", "trusted_policy_key", "site_key", "data_secret", "auth_key", "ledger", "work_dir", "superlink",
-             "port", "root_certificates", "insecure", "force_insecure", "worker"}
+             "port", "root_certificates", "insecure", "force_insecure", "worker", "device"}
 PATH_KEYS = {"data", "policy", "trusted_policy_key", "site_key", "data_secret", "auth_key", "ledger", "work_dir",
              "root_certificates"}
 

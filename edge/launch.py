@@ -25,8 +25,8 @@ from feta_release.federation.procs import ManagedProcess, flower_env, is_loopbac
 from . import channel, trust
 from .node_state import NodeMonitor, utc_stamp
 from .site import (
-    CFG_DATA, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY, CFG_TRUSTED,
-    CFG_WINDOW, CFG_WORK, Site,
+    CFG_DATA, CFG_DEVICE, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY,
+    CFG_TRUSTED, CFG_WINDOW, CFG_WORK, Site,
 )
 
 log = logging.getLogger("feta.node")
@@ -49,6 +49,7 @@ class NodeSettings:
     work_dir: Path | None = None
     load: LoadOptions | None = None  # how files become images (same as `data inspect --resize ...`)
     worker: bool = True  # a warm worker (edge.worker) answers the messages; False: a fresh process per message
+    device: str = "cpu"  # auto/cpu/cuda: where DP-SGD and FedSGD rounds compute (feta_release.training.device)
 
     def node_config(self) -> dict[str, str]:
         work = self.work_dir or self.ledger.parent / "work"
@@ -59,6 +60,8 @@ class NodeSettings:
         if self.load is not None and self.load != LoadOptions():
             cfg.update({CFG_RESIZE: self.load.resize, CFG_IMAGE_SIZE: str(self.load.image_size or 0),
                         CFG_WINDOW: self.load.window, CFG_PATIENT_CAP: str(self.load.patient_cap or 0)})
+        if self.device != "cpu":  # as the load options: a CPU node's config (and its site-data cache key) unchanged
+            cfg[CFG_DEVICE] = self.device
         return cfg
 
 
@@ -94,8 +97,19 @@ def check_transport(s: NodeSettings) -> None:
                           "the coordinator register its .pub)")
 
 
+def check_device(name: str) -> None:
+    """``--device`` resolved before anything is opened, written or started (``cuda`` where torch sees no GPU: one
+    ConfigError line). torch only for a non-CPU request: a CPU node's supervising process never loads it (its worker
+    and per-message ClientApps, which compute, do)."""
+    if name != "cpu":
+        from feta_release.training.device import resolve_device
+
+        resolve_device(name)
+
+
 def preflight(s: NodeSettings) -> Site:
     """Everything the node refuses to start without. Returns the opened site (policy verified)."""
+    check_device(s.device)
     check_transport(s)
     trust.check_flower_internals()
     site = Site.open(s.node_config())

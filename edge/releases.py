@@ -109,20 +109,24 @@ def _fits(own: dict[str, Any], weights: dict[str, np.ndarray]) -> None:
 
 
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
-                generator: torch.Generator, n_public: int, patients: PatientIndex | None = None) -> dict[str, np.ndarray]:
+                generator: torch.Generator, n_public: int, patients: PatientIndex | None = None,
+                device: torch.device | str = "cpu") -> dict[str, np.ndarray]:
     """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
     The noisy sum is divided by the public expected batch q * ``n_public``, never by anything of ``ds.n``.
     ``patients`` (a patient-level site, events of unit "patient"): whole patients are Poisson-sampled, each
     patient's summed gradient is clipped, and the divisor is q x the policy's PUBLIC patient count.
 
     Only the weights are returned: the trainer's per-step statistics (loss, realised batch size, clipped
-    fraction, seconds) are un-noised functions of the private batch and never leave the site."""
+    fraction, seconds) are un-noised functions of the private batch and never leave the site.
+    ``device`` (``node start --device``): where the model computes; the sampling and the noise are drawn from the
+    CPU ``generator`` on any device, and the weights returned are CPU arrays."""
     if (event.unit == "patient") != (patients is not None):
         raise PrivacyError(f"DP-SGD round planned with unit {event.unit!r} but this site "
                            f"{'has' if patients is not None else 'has no'} patient index; nothing released")
     model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
     _fits(model.state_dict(), weights)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
+    model.to(device)  # only the arithmetic moves (the trainer moves each batch to the model's device)
     unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
     units = len(ds.images) if patients is None else patients.n_patients  # drawn from (grouped at open, not here)
     trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,

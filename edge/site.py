@@ -41,6 +41,9 @@ CFG_RESIZE = "data-resize"
 CFG_IMAGE_SIZE = "data-image-size"
 CFG_WINDOW = "data-window"
 CFG_PATIENT_CAP = "data-patient-cap"
+# Where DP-SGD and FedSGD rounds compute (`node start --device`; feta_release.training.device); optional, cpu when
+# absent. Resolved with torch by the code that computes (this module loads without torch: `node status`).
+CFG_DEVICE = "device"
 REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SECRET)
 
 
@@ -107,6 +110,7 @@ class Site:
     # patient-level DP-SGD (policy dataset.privacy_unit = "patient"): private per-image patient index, with the
     # policy's PUBLIC patient count and cap; None at an image-level site
     patients: Any = None
+    device: str = "cpu"  # the node config's device NAME (auto/cpu/cuda): edge.clientapp.site_device resolves it
 
     @property
     def site_id(self) -> str:
@@ -145,7 +149,7 @@ class Site:
             raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
                               "names (site_key); a verifier would refuse every attestation it signs")
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work,
-                   patients=patients)
+                   patients=patients, device=str(node_config.get(CFG_DEVICE) or "cpu"))
 
 
 def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tuple[Any, Any, str]:

@@ -61,14 +61,17 @@ def full_job(**sections: dict[str, Any]) -> JobConfig:
     return tiny_job(**over)
 
 
-def harness(fed: Any, down: set[str] = frozenset(), fail_on: dict[str, Any] | None = None):
+def harness(fed: Any, down: set[str] = frozenset(), fail_on: dict[str, Any] | None = None,
+            devices: dict[str, str] | None = None):
+    """``devices``: {site: its node config's device (``node start --device``)}; a site not named has none (cpu)."""
     from edge.clientapp import app
+    from edge.site import CFG_DEVICE
     from feta_release.federation.harness import HarnessNode, InProcessGrid
 
     nodes = {}
     for i, s in enumerate(fed.sites):
-        nodes[100 + i] = HarnessNode(app, s.node_config(), down=s.site_id in down,
-                                     fail_on=(fail_on or {}).get(s.site_id))
+        cfg = {**s.node_config(), **({CFG_DEVICE: devices[s.site_id]} if s.site_id in (devices or {}) else {})}
+        nodes[100 + i] = HarnessNode(app, cfg, down=s.site_id in down, fail_on=(fail_on or {}).get(s.site_id))
     return InProcessGrid(nodes)
 
 

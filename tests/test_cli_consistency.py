@@ -162,3 +162,17 @@ def test_train_no_progress_and_its_deprecated_quiet_alias(monkeypatch: pytest.Mo
         assert enabled[-1] is want, flag
         assert ("--quiet is deprecated; use --no-progress" in res.output) == (flag == ["--quiet"])
     assert "--quiet" not in cmd.get_help(click.Context(cmd))
+
+
+def test_the_device_option_has_one_form_everywhere():
+    """--device auto|cpu|cuda: the same choices, default (cpu) and help wherever the computation can move (the local
+    driver, the federated coordinator, a site node)."""
+    found: dict[str, click.Option] = {}
+    for name, cmd in COMMANDS.items():
+        for p in _visible_options(cmd):
+            if "--device" in p.opts:
+                assert isinstance(p.type, click.Choice) and list(p.type.choices) == ["auto", "cpu", "cuda"], name
+                assert p.default == "cpu" and p.show_default, name
+                assert p.help and p.help.startswith("Where ") and p.help.endswith("(auto: CUDA when visible)."), name
+                found[name] = p
+    assert set(found) == {"train", "coordinator run", "node start"}

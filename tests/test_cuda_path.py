@@ -1,12 +1,15 @@
 """The ``--device cuda`` path end to end, on a GPU machine (issue 15 "GPU"). CI is CPU-only: every test here skips
-there and says why; ``tests/test_device.py`` covers the device resolution and refusals that need no GPU.
+there and says why; ``tests/test_device.py`` and ``tests/test_federation_device.py`` cover the device resolution and
+refusals that need no GPU.
 
 Run on a GPU machine: ``python -m pytest tests/test_cuda_path.py tests/test_device.py -v``.
 
 What is checked: a whole ``train --device cuda`` job (every stage, DP-SGD included, the ONNX export run by
-onnxruntime on the CPU, the ledger and report); that the arithmetic moved to the GPU computes the same function
-as on the CPU (DP-SGD's clipped per-example gradient sum, the sampler with SDEdit starts), since the randomness is
-drawn on the CPU on every device (``feta_release.training.device``).
+onnxruntime on the CPU, the ledger and report); a federated job with ``coordinator run --device cuda`` and ``node
+start --device cuda`` (in process: warm-up, FedAvg and FedSGD steps, the sites' rounds, the release); that the
+arithmetic moved to the GPU computes the same function as on the CPU (DP-SGD's clipped per-example gradient sum,
+the sampler with SDEdit starts), since the randomness is drawn on the CPU on every device
+(``feta_release.training.device``).
 """
 
 from __future__ import annotations
@@ -105,3 +108,52 @@ def test_sampler_on_cuda_matches_cpu_with_sdedit_starts() -> None:
     b, lb = generate(gpu, labels, 7, cfg, init=init)
     assert b.device.type == "cpu" and torch.equal(la, lb)
     assert float((a - b).abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("fedsgd", [False, True], ids=["fedavg", "fedsgd"])
+def test_federated_job_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fedsgd: bool) -> None:
+    """``coordinator run --device cuda`` and ``node start --device cuda``, in process: the coordinator's warm-up and
+    FedAvg / FedSGD steps and every site's DP-SGD or FedSGD gradients run on the GPU; the released model, its sample
+    grid and ONNX release come out as on the CPU, and the GPU-written checkpoints load on the CPU."""
+    import edge.fedsgd as node_fedsgd
+    from coordinator.setup import prepare_federation, sign_job_file
+    from feta_release.federation import checkpoint_io
+    from feta_release.federation import fedsgd as coord_fedsgd
+    from feta_release.federation import job as fjob
+    from feta_release.release.jobdir import build_release, sample_grid
+    from feta_release.release.verify import verify_release
+    from feta_release.signing import load_public_key
+    from feta_release.stages.context import initial_denoiser
+    from feta_release.training import dpsgd
+    from feta_release.training.checkpoint import read_model_file
+
+    from .federation_fixtures import full_job, harness, run_harness_job, tiny_sites
+
+    where: set[str] = set()
+
+    def spy(module: object, name: str, model_at: int) -> None:  # record the device of the model each call gets
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: where.add(f"{name}:{next(a[model_at].parameters()).device.type}")
+                            or real(*a, **kw))
+
+    spy(fjob, "warm_up", 0)
+    spy(coord_fedsgd, "coordinator_step", 0)
+    spy(dpsgd, "batch_gradients", 0)  # DPSGDTrainer's (per-site rounds)
+    spy(node_fedsgd, "batch_gradients", 0)  # a FedSGD round's
+    fed = prepare_federation(tmp_path / "fed", tiny_sites(n_sites=2))
+    cfg = full_job(federation={"secure_aggregation": True, "fedsgd": True} if fedsgd else {})
+    signed, _ = sign_job_file(fed, cfg, "job-cuda")
+    out = tmp_path / "out"
+    res = run_harness_job(fed, harness(fed, devices={s.site_id: "cuda" for s in fed.sites}), signed, out, device="cuda")
+    assert res.rounds_done == cfg.federated_rounds and res.skipped == {}
+    assert where == {"warm_up:cuda", "batch_gradients:cuda", *(["coordinator_step:cuda"] if fedsgd else [])}, where
+    weights = read_model_file(out / "model.pt")["state_dict"]
+    assert all(v.device.type == "cpu" and torch.isfinite(v).all() for v in weights.values())
+    sample_grid(out, per_class=2, device="cuda")
+    trust = {s.site_id: load_public_key(s.policy_pub) for s in fed.sites}
+    res_v = verify_release(build_release(out, fed.coordinator_key), trust)
+    assert res_v.ok, res_v.reason()
+    # the GPU-written checkpoints load where no GPU is (map_location cpu), into a CPU model (a resume on the CPU)
+    ck = checkpoint_io.load_round(out / "state")
+    assert ck is not None and ck["round"] == cfg.federated_rounds
+    initial_denoiser(cfg, (1, 28, 28), 10).load_state_dict(ck["model"])

@@ -35,6 +35,7 @@ BOUNDARIES = {
 LAZY = {
     "edge/cli.py": {".launch"},  # Flower, for `node start` only
     "edge/forward.py": {".clientapp"},  # torch: the per-message ClientApp loads it only when no worker answers
+    "edge/launch.py": {"feta_release.training.device"},  # torch, for `node start --device auto|cuda` only
     "coordinator/cli.py": {".setup", ".runner", ".finalize"},  # Flower / torch, per command
     "coordinator/demo.py": {".setup", ".runner", ".finalize", "edge.launch"},  # Flower / torch, once the demo runs
     # Flower's secure-aggregation primitives (via secure_collect), for `policy check --data` of a secure job only

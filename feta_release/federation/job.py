@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from ..models import denoiser_spec
@@ -15,25 +17,48 @@ from ..models.auxgen import AuxGenerator
 from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
 from ..stages.freq_warmup import aux_pool
-from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
+from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, npz_bytes, write_model_file
+from ..training.device import resolve_device
 from . import checkpoint_io
 from .driver import JobDriver, JobResult, Progress, round_ema
 from .warmup import pooled_central, warm_up
 
+# ``coordinator run --device``, for the ServerApp: the SuperLink starts that process with the FAB's run config only,
+# and a new run-config key would change the FAB's hash that every site's signed policy lists (app_bundles)
+DEVICE_FILE = "coordinator_device.json"
+
+
+def save_device(out_dir: str | Path, device: str) -> None:
+    """Where the ServerApp of the job in ``out_dir`` computes (written by ``coordinator run`` before each submit, so
+    a resume with another ``--device`` uses that one). Not part of the signed job: it changes no release."""
+    atomic_write_json(Path(out_dir) / DEVICE_FILE, {"device": device})
+
+
+def saved_device(out_dir: str | Path) -> str:
+    """The device :func:`save_device` left in ``out_dir``; ``cpu`` when there is none (a run submitted otherwise)."""
+    p = Path(out_dir) / DEVICE_FILE
+    return str(json.loads(p.read_text("utf-8"))["device"]) if p.is_file() else "cpu"
+
 
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
-            progress: Progress | None = None, wait_timeout: float = 300.0, poll_interval: float = 1.0) -> JobResult:
-    """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event."""
+            progress: Progress | None = None, wait_timeout: float = 300.0, poll_interval: float = 1.0,
+            device: str = "cpu") -> JobResult:
+    """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event.
+
+    ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the coordinator's warm-up, its
+    FedAvg / FedSGD steps and its EMA run; the weights sent to the sites and everything written are CPU values."""
     d = JobDriver(grid, signed_job, out_dir, coordinator_key=coordinator_key, progress=progress,
                   wait_timeout=wait_timeout, poll_interval=poll_interval)
     try:
-        return _run(d, signed_job)
+        # resolved again in the ServerApp's own process (`coordinator run` resolved it first): a GPU it cannot see
+        # is then an `error` event in progress.jsonl, which `coordinator run` prints, before any site is asked
+        return _run(d, signed_job, resolve_device(device))
     except Exception as exc:
         d.emit("error", f"{type(exc).__name__}: {exc}")
         raise
 
 
-def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
+def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device) -> JobResult:
     t_all = time.monotonic()
     cfg = d.cfg
     d.emit("start", f"job {d.job.job_id}: sites {', '.join(d.job.sites)}")
@@ -42,7 +67,7 @@ def _run(d: JobDriver, signed_job: dict[str, Any]) -> JobResult:
     d.plan_sites()
     central = d.collect_central()
     _save_central(d, central)
-    model = _warm_model(d, central, d.collect_frequency())
+    model = _warm_model(d, central, d.collect_frequency(), device)
     ema = round_ema(model, cfg)
     rounds_done = d.rounds(model, ema)
     atts = d.attestations()
@@ -82,11 +107,12 @@ def _save_aux_pool(d: JobDriver, aux: AuxGenerator | None) -> None:
     atomic_write_bytes(d.out / RELEASED_AUX, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
 
 
-def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any]) -> nn.Module:
-    """The global model after the warm-up stages (on released statistics only), restored from its checkpoint
-    when a restarted coordinator already has it."""
+def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any], device: torch.device) -> nn.Module:
+    """The global model on ``device`` after the warm-up stages (on released statistics only), restored from its
+    checkpoint when a restarted coordinator already has it (checkpoints load to the CPU, then onto ``device``)."""
     info = next(iter(d.sites.values()))
-    model = initial_denoiser(d.cfg, info.image_shape, info.n_classes)  # the local driver's init, same seed rule
+    # the local driver's init, same seed rule, made on the CPU and then moved: the same weights on any device
+    model = initial_denoiser(d.cfg, info.image_shape, info.n_classes).to(device)
     ck = checkpoint_io.load_warmup(d.state)
     t0 = time.monotonic()
     if ck is not None:

@@ -124,20 +124,21 @@ def load_model(out_dir: Path) -> Any:
 
 def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0, *,
                 checked: tuple[Any, tuple[np.ndarray, np.ndarray] | None, tuple[np.ndarray, np.ndarray] | None]
-                | None = None) -> Path:
+                | None = None, device: str | torch.device = "cpu") -> Path:
     """``samples.png``: a grid of the released model, drawn as ``synthesize`` draws by default.
 
     ``checked``: (denoiser, central images, aux pool) as the caller CHECKED them (a ``train`` run: what
     ``attest_run`` hashed against the site ledger), drawn from as they are, never re-read from the run dir (a file
     swapped after the check, e.g. private images as the aux pool, must not be what the grid shows); None: the job
     directory's files, the central images and pool bound to this job's id as :func:`build_release` reads them (the
-    federated coordinator's)."""
+    federated coordinator's). ``device``: where the model read from ``model.pt`` samples (``coordinator run
+    --device``; the noise is drawn on the CPU, so the grid is the same function of the weights on any device)."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
     scfg, init, what = cfg.sampler, None, "federated model samples"
     if checked is None:
         job_id = signed["job"]["job_id"]
-        model, central = load_model(out_dir), released_central(out_dir, job_id)
+        model, central = load_model(out_dir).to(device), released_central(out_dir, job_id)
         aux = released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
     else:
         model, central, aux = checked

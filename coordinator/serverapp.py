@@ -17,7 +17,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from feta_release.federation.job import run_job, saved_device
+from feta_release.federation.job import run_job
 from feta_release.signing import load_private_key
 
 app = ServerApp()
@@ -37,4 +37,4 @@ def main(grid: Grid, context: Context) -> None:
         # flwr run --stream shows the ServerApp's output: one line per event.
         print(f"[feta] {ev['phase']}: {ev['message']}", flush=True)
 
-    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress, device=saved_device(out_dir))
+    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress)  # its device: saved in out_dir

@@ -17,7 +17,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from feta_release.accounting import Event, PrivacyEvent
-from feta_release.errors import PrivacyError
+from feta_release.errors import ConfigError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.policy.jobs import Job
 from feta_release.signing import public_key_pem
@@ -38,8 +38,18 @@ app = ClientApp(mods=[public_errors_mod])  # error replies: no local path or int
 def site_device(site: Site) -> torch.device:
     """Where this node's DP-SGD / FedSGD rounds compute (``node start --device``). Also resolved by each round's
     admission, before its charge: a GPU gone since the node started refuses the round instead of charging for a
-    computation that cannot run."""
-    return resolve_device(site.device)
+    computation that cannot run. ``is_available`` only reads a cached device count, so a GPU is also made to run
+    one small operation: one left broken by an earlier CUDA error (or out of memory) is refused here too, in a
+    fixed line (a CUDA error's own text is not sent to the coordinator)."""
+    dev = resolve_device(site.device)
+    if dev.type == "cuda":
+        try:
+            torch.zeros(1, device=dev).add_(1)
+            torch.cuda.synchronize(dev)
+        except Exception:  # any failure of the device itself: what it says stays in this process
+            raise ConfigError("--device cuda: the node's GPU failed a test operation (broken CUDA state or out of "
+                              "memory); nothing charged for this round; restart the node or use --device cpu") from None
+    return dev
 
 
 @app.query("hello")

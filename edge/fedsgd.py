@@ -29,7 +29,7 @@ from feta_release.models import build_denoiser
 from feta_release.policy.jobs import Job
 from feta_release.training.dpsgd import (EDMLoss, batch_gradients, clipped_rows, poisson_sample, seed_dropout,
                                          select_engine)
-from feta_release.training.padding import model_range, public_rows
+from feta_release.training.padding import fork_rng, model_range, public_rows
 
 from .protocol import Request
 from .releases import check_weights
@@ -81,7 +81,7 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     # the per-example engine once a round, as DPSGDTrainer does: [dpsgd] per_example, the hooks cross-checked on a
     # public dummy batch (their own fixed generator: this round's draws are untouched)
     engine = select_engine(model, loss, cfg.dpsgd.per_example, check=True)
-    with torch.random.fork_rng(devices=[]):
+    with fork_rng(model):  # the CPU's and (on a GPU) the device's global RNG restored after the private seed
         seed_dropout(model, generator)  # dropout masks from the round's private generator (review58 M2)
         for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
             rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()

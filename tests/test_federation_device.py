@@ -94,19 +94,40 @@ def test_coordinator_run_hands_the_resolved_device_to_the_serverapp(tmp_path: Pa
 
 
 def test_the_serverapp_runs_the_job_on_the_saved_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from coordinator import serverapp
-    from feta_release.federation.harness import InProcessGrid, run_server_app
-    from feta_release.federation.job import save_device
+    from feta_release.federation import job as fjob
+    from feta_release.federation.job import save_device, saved_device
 
-    got: dict[str, Any] = {}
-    monkeypatch.setattr(serverapp, "run_job", lambda grid, signed, out_dir, **kw: got.update(kw))
-    (tmp_path / "signed.json").write_text("{}")
-    config = {"job-file": str(tmp_path / "signed.json"), "out-dir": str(tmp_path)}
-    run_server_app(serverapp.app, InProcessGrid({}), config)
-    assert got["device"] == "cpu"  # none saved (a job submitted otherwise): the CPU, as before the option
-    save_device(tmp_path, "cuda")
-    run_server_app(serverapp.app, InProcessGrid({}), config)
-    assert got["device"] == "cuda"
+    seen: list[str] = []
+    monkeypatch.setattr(fjob, "_run", lambda d, signed, device: seen.append(device.type))
+    fed = prepare_federation(tmp_path / "fed", tiny_sites(n_sites=2))
+    signed, _ = sign_job_file(fed, tiny_job(), "job-saved")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert saved_device(out) == "cpu"  # none saved (a job submitted otherwise): the CPU, as before the option
+    run_harness_job(fed, harness(fed), signed, out)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    save_device(out, "cuda")
+    run_harness_job(fed, harness(fed), signed, out)
+    assert seen == ["cpu", "cuda"]
+
+
+def test_a_bad_device_file_ends_as_the_jobs_error_event(tmp_path: Path) -> None:
+    """The ServerApp's device comes from OUT/coordinator_device.json: an unreadable one is a one-line error event in
+    progress.jsonl (what `coordinator run` prints), not a traceback, and no site is asked anything."""
+    from feta_release.federation.job import DEVICE_FILE
+
+    fed = prepare_federation(tmp_path / "fed", tiny_sites(n_sites=2))
+    signed, _ = sign_job_file(fed, tiny_job(), "job-badfile")
+    out = tmp_path / "out"
+    out.mkdir()
+    grid = harness(fed)
+    for text in ("{not json", '{"gpu": "cuda"}', '{"device": "tpu"}'):
+        (out / DEVICE_FILE).write_text(text)
+        with pytest.raises(ConfigError):
+            run_harness_job(fed, grid, signed, out)
+        last = json.loads((out / "progress.jsonl").read_text().splitlines()[-1])
+        assert last["phase"] == "error" and ("coordinator_device.json" in last["message"] or "tpu" in last["message"])
+    assert grid.sent == []
 
 
 def test_run_job_refuses_cuda_without_a_gpu_before_asking_any_site(no_gpu: None, tmp_path: Path) -> None:
@@ -171,6 +192,24 @@ def test_a_round_is_refused_before_its_charge_when_the_nodes_gpu_is_gone(no_gpu:
     site.device = "auto"
     clientapp._fitting_weights(site, job, req)  # type: ignore[arg-type]
     assert clientapp.site_device(site) == torch.device("cpu")  # type: ignore[arg-type]
+
+
+def test_a_gpu_that_is_listed_but_cannot_compute_refuses_the_round_in_a_fixed_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``is_available`` reads a cached device count: a GPU left broken by an earlier CUDA error (or out of memory)
+    still says True. The admission makes it run one small operation; its failure refuses the round before the
+    charge, in a fixed line (the CUDA error's own text stays on the site). Here torch says a GPU is there and there
+    is none (a CPU build), so the operation fails as a broken one would."""
+    from types import SimpleNamespace
+
+    from edge import clientapp
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    site = SimpleNamespace(device="cuda")
+    with pytest.raises(ConfigError) as exc:
+        clientapp.site_device(site)  # type: ignore[arg-type]
+    assert str(exc.value) == ("--device cuda: the node's GPU failed a test operation (broken CUDA state or out of "
+                              "memory); nothing charged for this round; restart the node or use --device cpu")
 
 
 # -- cpu / auto compute what the default does ----------------------------------------------------------------------

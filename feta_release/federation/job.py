@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..models import denoiser_spec
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..models.auxgen import AuxGenerator
 from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
@@ -35,24 +35,34 @@ def save_device(out_dir: str | Path, device: str) -> None:
 
 
 def saved_device(out_dir: str | Path) -> str:
-    """The device :func:`save_device` left in ``out_dir``; ``cpu`` when there is none (a run submitted otherwise)."""
+    """The device :func:`save_device` left in ``out_dir``; ``cpu`` when there is none (a run submitted otherwise).
+    An unreadable file is a ConfigError naming it (``run_job`` logs it as the job's ``error`` event)."""
     p = Path(out_dir) / DEVICE_FILE
-    return str(json.loads(p.read_text("utf-8"))["device"]) if p.is_file() else "cpu"
+    if not p.is_file():
+        return "cpu"
+    try:
+        doc = json.loads(p.read_text("utf-8"))
+        return str(doc["device"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{p}: not a device file written by `coordinator run` ({type(exc).__name__}); delete it "
+                          "and run `coordinator run --device ...` again") from None
 
 
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
             progress: Progress | None = None, wait_timeout: float = 300.0, poll_interval: float = 1.0,
-            device: str = "cpu") -> JobResult:
+            device: str | None = None) -> JobResult:
     """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event.
 
     ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the coordinator's warm-up, its
-    FedAvg / FedSGD steps and its EMA run; the weights sent to the sites and everything written are CPU values."""
+    FedAvg / FedSGD steps and its EMA run; the weights sent to the sites and everything written are CPU values.
+    None (the ServerApp): the one ``coordinator run`` saved in ``out_dir`` (:func:`saved_device`), read here so that
+    a bad file too ends as the job's ``error`` event."""
     d = JobDriver(grid, signed_job, out_dir, coordinator_key=coordinator_key, progress=progress,
                   wait_timeout=wait_timeout, poll_interval=poll_interval)
     try:
         # resolved again in the ServerApp's own process (`coordinator run` resolved it first): a GPU it cannot see
         # is then an `error` event in progress.jsonl, which `coordinator run` prints, before any site is asked
-        return _run(d, signed_job, resolve_device(device))
+        return _run(d, signed_job, resolve_device(saved_device(out_dir) if device is None else device))
     except Exception as exc:
         d.emit("error", f"{type(exc).__name__}: {exc}")
         raise

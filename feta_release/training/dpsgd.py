@@ -60,7 +60,7 @@ from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_l
 from .allocator import keep_freed_pages
 from .ema import EMA
 from .ghost_clip import K_MAJOR, BatchedLoss, batched_form, cross_check, hook_grads, unsupported
-from .padding import pad_step, padding_chunks
+from .padding import fork_rng, pad_step, padding_chunks
 
 __all__ = [
     "PerExampleLoss",
@@ -425,7 +425,7 @@ class PublicMix:
 
 
 def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
-    """Seed torch's GLOBAL generator (the caller forks it: ``torch.random.fork_rng``) from the private ``generator``
+    """Seed torch's GLOBAL generator (the caller forks it: ``padding.fork_rng``) from the private ``generator``
     when ``model`` has active dropout. ``nn.Dropout`` draws its masks there, which is public-seeded in the local
     pipeline, fixed in a fresh per-message process and carried across requests in the warm worker; masks from it
     were predictable and assigned by position in the batch, so one image more shifted every later image's mask
@@ -616,7 +616,7 @@ class DPSGDTrainer:
         The caller must have charged one ``(sigma, q, 1)`` event before calling this (``run`` does it via
         ``before_step``).
         """
-        with torch.random.fork_rng(devices=[]):
+        with fork_rng(self.model):  # CPU and, on a GPU, its generator: both restored after the private seed
             seed_dropout(self.model, self.generator)  # masks from the private stream (review58 M2)
             noisy, stats = self.noisy_gradient(images, labels)
         for name, p in self.model.named_parameters():

@@ -73,7 +73,9 @@ def padding_chunks(real: int, bound: int, chunk: int) -> list[int]:
     return [base + 1] * extra + [base] * (calls - extra)
 
 
-def _fork_rng(model: nn.Module) -> AbstractContextManager[None]:
+def fork_rng(model: nn.Module) -> AbstractContextManager[None]:
+    """The global RNG(s) saved and restored around a block: the CPU's and, for a model on a GPU, that device's
+    (``torch.manual_seed`` seeds both, so a CPU-only fork would leave the GPU's seeded from the block's seed)."""
     dev = next(model.parameters()).device
     return torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
 
@@ -94,7 +96,7 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
     # step's time would still grow with its realised sample, i.e. with N).
     sink = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     dropped: list[Tensor] = []
-    with _fork_rng(model):  # a module with its own randomness (dropout) draws from the global RNG in vmap
+    with fork_rng(model):  # a module with its own randomness (dropout) draws from the global RNG in vmap
         for m in sizes:
             idx = torch.zeros(m, dtype=torch.int64)
             for grads, value in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 
 from .superlink import SuperLinkSettings, register_node, start_superlink
@@ -94,8 +95,7 @@ def fab_hash(app_dir: Path | None) -> None:
 @click.option("--job-id", default=None, help="Default: JOB name + UTC time (kept in --out for resumes).")
 @click.option("--release/--no-release", default=True, show_default=True,
               help="Also write samples.png, the privacy report and OUT/release (ONNX + signed manifest).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the coordinator's warm-up, FedAvg/FedSGD steps and sampling run (auto: CUDA when visible).")
+@device_option("the coordinator's warm-up, FedAvg/FedSGD steps and sampling")
 @progress_option("the job's streamed progress lines (rounds, sites)")
 def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: str, root_certificates: Path | None,
         insecure: bool, job_id: str | None, release: bool, device: str, progress: bool) -> None:

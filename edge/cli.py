@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from feta_release.cli.data_options import data_load_options
+from feta_release.cli.device_option import device_option
 from feta_release.cli.trust_options import deprecated_alias, merged
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError
@@ -169,8 +170,7 @@ def _print_summary(s: dict) -> None:
 @click.option("--worker/--no-worker", default=True, show_default=True,
               help="Answer messages from a warm worker process that loads torch and the site once (restarted if it "
                    "dies); --no-worker: a fresh process per message, as Flower runs it (slower).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where this site's DP-SGD and FedSGD rounds run (auto: CUDA when visible).")
+@device_option("this site's DP-SGD and FedSGD rounds")
 @data_load_options
 @click.pass_context
 def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None, **given: object) -> None:

@@ -176,3 +176,6 @@ def test_the_device_option_has_one_form_everywhere():
                 assert p.help and p.help.startswith("Where ") and p.help.endswith("(auto: CUDA when visible)."), name
                 found[name] = p
     assert set(found) == {"train", "coordinator run", "node start"}
+    from feta_release.training.device import DEVICES
+
+    assert tuple(found["train"].type.choices) == DEVICES  # what resolve_device accepts

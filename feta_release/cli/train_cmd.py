@@ -11,6 +11,7 @@ import click
 from ..data.loading import LoadOptions
 from ..errors import ConfigError
 from .data_options import data_load_options
+from .device_option import device_option
 from .progress_option import progress_option
 
 
@@ -38,8 +39,7 @@ from .progress_option import progress_option
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where training, DP-SGD and sampling run (auto: CUDA when visible).")
+@device_option("training, DP-SGD and sampling")
 @click.option("--ledger", "ledger", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Site ledger (SQLite) charged before every release; default RUN_DIR/ledger.sqlite. Give the site's "
                    "own to compose this run with its earlier ones.")

@@ -24,6 +24,7 @@ import click
 import numpy as np
 from rich.console import Console
 
+from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.config import load_preset
 from feta_release.data.dataset import save_npz
@@ -94,9 +95,10 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
 @click.option("--secure-aggregation/--per-site-noise", "secure", default=True, show_default=True,
               help="Sum the central images and frequency statistics by secure aggregation (each site adds a share of "
                    "the noise), or let each site add the full noise to its own release.")
+@device_option("the coordinator's training and sampling and the sites' DP-SGD rounds")
 @progress_option("a status spinner naming the current step")
 def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
-         quick: bool, no_release: bool, secure: bool, progress: bool) -> None:
+         quick: bool, no_release: bool, secure: bool, device: str, progress: bool) -> None:
     """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1.
 
     \b
@@ -106,6 +108,9 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
     console = Console(stderr=True)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise click.UsageError(f"{out_dir} is not empty; give a new --out folder")
+    from .runner import coordinator_device
+
+    device = coordinator_device(device)  # an absent GPU: refused before anything is written or started
     t_start = time.monotonic()
     timings: dict[str, float] = {}
     procs: list[Any] = []
@@ -123,11 +128,11 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
                         f"coordinator key {fed.coordinator_pub}")
             status.update("[bold]starting the coordinator (SuperLink) and 3 site nodes (SuperNodes) on loopback")
             t0 = time.monotonic()
-            address = _start_processes(out_dir, fed, procs, console)
+            address = _start_processes(out_dir, fed, procs, console, device)
             timings["start_processes"] = time.monotonic() - t0
             status.update("[bold]running the federated job")
             t0 = time.monotonic()
-            summary = _run_job(out_dir, fed, cfg, address, console, status)
+            summary = _run_job(out_dir, fed, cfg, address, console, status, device)
             timings["job"] = time.monotonic() - t0
         _stop_all(procs)
         with _status(console, progress, "[bold]writing samples, privacy report and release"):
@@ -136,7 +141,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
 
             job_out = out_dir / "job"
             report = privacy_report(job_out)
-            grid = sample_grid(job_out)
+            grid = sample_grid(job_out, device=device)
             _copy(job_out / "privacy_report.txt", out_dir / "privacy_report.txt")
             _copy(job_out / "privacy_report.json", out_dir / "privacy_report.json")
             _copy(grid, out_dir / "samples.png")
@@ -196,7 +201,7 @@ def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_step
     return fed, cfg
 
 
-def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) -> str:
+def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any, device: str = "cpu") -> str:
     from edge.launch import NodeSettings, start_node
 
     port = free_port()
@@ -206,7 +211,7 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any) ->
     for s in fed.sites:
         ns = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
                           site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
-                          port=free_port(), insecure=True)
+                          port=free_port(), insecure=True, device=device)
         procs.append(start_node(ns))
         console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, "
                     "keyed data commitment checked")
@@ -230,7 +235,8 @@ def _status(console: Any, progress: bool, text: str) -> Any:
     return console.status(text) if progress else _NoStatus()
 
 
-def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, status: Any) -> dict[str, Any]:
+def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, status: Any,
+             device: str = "cpu") -> dict[str, Any]:
     from .runner import run_signed_job, sign_or_resume
 
     job_toml = out_dir / "federation" / "job.toml"
@@ -247,7 +253,8 @@ def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, stat
             console.log(f"[red]{line}")
 
     return run_signed_job(signed, fed.coordinator_key, job_out, address, insecure=True, on_line=on_line,
-                          retry_hint=f"run the demo again with a new --out (logs of this run stay in {out_dir})")
+                          retry_hint=f"run the demo again with a new --out (logs of this run stay in {out_dir})",
+                          device=device)
 
 
 def _stop_all(procs: list[Any]) -> None:

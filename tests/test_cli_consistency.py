@@ -166,7 +166,7 @@ def test_train_no_progress_and_its_deprecated_quiet_alias(monkeypatch: pytest.Mo
 
 def test_the_device_option_has_one_form_everywhere():
     """--device auto|cpu|cuda: the same choices, default (cpu) and help wherever the computation can move (the local
-    driver, the federated coordinator, a site node)."""
+    driver, the federated coordinator, a site node, the demo)."""
     found: dict[str, click.Option] = {}
     for name, cmd in COMMANDS.items():
         for p in _visible_options(cmd):
@@ -175,7 +175,7 @@ def test_the_device_option_has_one_form_everywhere():
                 assert p.default == "cpu" and p.show_default, name
                 assert p.help and p.help.startswith("Where ") and p.help.endswith("(auto: CUDA when visible)."), name
                 found[name] = p
-    assert set(found) == {"train", "coordinator run", "node start"}
+    assert set(found) == {"train", "coordinator run", "node start", "demo"}
     from feta_release.training.device import DEVICES
 
     assert tuple(found["train"].type.choices) == DEVICES  # what resolve_device accepts

@@ -275,3 +275,44 @@ def test_the_nodes_rounds_on_cpu_are_byte_identical_to_the_default(tmp_path: Pat
                 out.append(dpsgd_round(site.data, cfg, weights, event, gen, site.n_public, None, *device))
         assert out[0].keys() == out[1].keys()
         assert all(out[0][k].tobytes() == out[1][k].tobytes() for k in out[0]), cfg.federation.fedsgd
+
+
+# -- demo --------------------------------------------------------------------------------------------------------
+
+def test_demo_refuses_cuda_without_a_gpu_before_anything_is_written(
+        no_gpu: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--out", str(out), "--quick", "--device", "cuda", "--no-progress"])
+    _refused_in_one_line(exc, capsys)
+    assert not out.exists()  # no keys, policies or data split written, no process started
+
+
+def test_demo_hands_its_device_to_the_nodes_the_coordinator_and_the_sample_grid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` resolves once (here to the CPU) and every part computes there: each site node's settings, the
+    ServerApp's device file (via ``run_signed_job``) and the final sample grid."""
+    from types import SimpleNamespace
+
+    import coordinator.demo as demo
+    import coordinator.finalize as finalize
+    import edge.launch as launch
+
+    seen: dict[str, list[str]] = {"node": [], "job": [], "grid": []}
+    sites = [SimpleNamespace(site_id="site-a", data=tmp_path / "d", policy=tmp_path / "p", policy_pub=tmp_path / "pp",
+                             ledger=tmp_path / "l", site_key=tmp_path / "k", data_secret=tmp_path / "s")]
+    monkeypatch.setattr(demo, "start_superlink", lambda settings: SimpleNamespace(pid=1, stop=lambda: None))
+    monkeypatch.setattr(launch, "start_node",
+                        lambda ns: seen["node"].append(ns.device) or SimpleNamespace(pid=2, stop=lambda: None))
+    address = demo._start_processes(tmp_path, SimpleNamespace(sites=sites), [], SimpleNamespace(log=print), "cpu")
+    assert address.startswith("127.0.0.1:") and seen["node"] == ["cpu"]
+
+    monkeypatch.setattr(demo, "_prepare", lambda *a: (SimpleNamespace(sites=[], coordinator_pub="c"), None))
+    monkeypatch.setattr(demo, "_start_processes", lambda out, fed, procs, console, device: seen["node"].append(device))
+    monkeypatch.setattr(demo, "_run_job", lambda *a: seen["job"].append(a[-1]) or {})
+    monkeypatch.setattr(finalize, "sample_grid", lambda out, device: seen["grid"].append(device) or Path("x"))
+    monkeypatch.setattr(finalize, "privacy_report", lambda out: None)
+    monkeypatch.setattr(demo, "_copy", lambda src, dst: (_ for _ in ()).throw(KeyboardInterrupt))  # stop there
+    with pytest.raises(SystemExit):
+        main(["demo", "--out", str(tmp_path / "demo"), "--quick", "--device", "auto", "--no-progress"])
+    assert seen == {"node": ["cpu", "cpu"], "job": ["cpu"], "grid": ["cpu"]}

@@ -213,9 +213,9 @@ def test_a_patient_level_steps_clip_work_is_the_public_bound_whatever_the_patien
     clipped: list[int] = []
     real = dp.clip_and_sum
 
-    def counted(grads: dict[str, torch.Tensor], clip: float) -> Any:
+    def counted(grads: dict[str, torch.Tensor], clip: float, **kw: Any) -> Any:
         clipped.append(int(next(iter(grads.values())).shape[0]))
-        return real(grads, clip)
+        return real(grads, clip, **kw)
 
     monkeypatch.setattr(dp, "clip_and_sum", counted)
     bound = patient_layout_bound()

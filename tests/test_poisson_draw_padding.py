@@ -94,8 +94,8 @@ def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public:
             self.reads += 1
             return super().__getitem__(key)
 
-    def counted_clip_and_sum(grads: Any, clip: float) -> Any:
-        summed, norms = clip_and_sum(grads, clip)
+    def counted_clip_and_sum(grads: Any, clip: float, **kw: Any) -> Any:
+        summed, norms = clip_and_sum(grads, clip, **kw)
         r = Reads(summed)
         r.reads = 0
         work["sum_reads"].append(r)

@@ -183,6 +183,35 @@ def test_clip_and_sum_drops_non_finite_examples_and_keeps_the_bound(case, clip):
     assert all(math.isinf(float(norms[i])) for i, p in enumerate(poisoned) if p)
 
 
+@given(_grads_with_poison(), st.floats(0.01, 10.0))
+@settings(max_examples=60, deadline=None)
+def test_clip_and_sum_in_place_equals_the_copying_form(case, clip):
+    """Property: ``in_place=True`` (the DP-SGD step's hot path: non-finite entries zeroed in the handed-over
+    gradients, no copy) returns the same sum and norms as the copying form, poisoned rows and all, and leaves every
+    finite row as it was."""
+    import torch
+
+    from feta_release.training.dpsgd import clip_and_sum
+
+    shapes, seed, scale, poisoned, bad = case
+    g = torch.Generator().manual_seed(seed)
+    grads = {f"p{i}": torch.randn(s, generator=g) * scale for i, s in enumerate(shapes)}
+    for i, p in enumerate(poisoned):
+        if p:
+            grads["p0"][i].view(-1)[0] = bad
+    keep = {k: v.clone() for k, v in grads.items()}
+    ref, ref_norms = clip_and_sum(grads, clip)
+    for k in grads:  # the copying form leaves its input as it was
+        torch.testing.assert_close(grads[k], keep[k], rtol=0, atol=0, equal_nan=True)
+    got, norms = clip_and_sum(grads, clip, in_place=True)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0)
+    torch.testing.assert_close(norms, ref_norms, rtol=0, atol=0)
+    clean = [i for i, p in enumerate(poisoned) if not p]
+    for k in grads:
+        assert torch.equal(grads[k][clean], keep[k][clean]) and torch.isfinite(grads[k]).all()
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_incoming_weights_are_refused(bad):
     """Attack (NaN/Inf channel): the old node checked only names and shapes, and trained on NaN/inf weights."""

@@ -277,7 +277,7 @@ def per_example_grads(
     return grads, losses
 
 
-def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tensor], Tensor]:
+def clip_and_sum(grads: dict[str, Tensor], clip: float, *, in_place: bool = False) -> tuple[dict[str, Tensor], Tensor]:
     """Clip each example's gradient (L2 over ALL parameters together) to ``clip`` and sum over examples.
 
     Returns the summed clipped gradient and the per-example norms before clipping (``inf`` for an example
@@ -288,18 +288,24 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float) -> tuple[dict[str, Tenso
     would then turn the whole released update into NaN exactly when that image was sampled (a membership
     channel). Zero has norm <= C, so the sensitivity of the sum stays C under add/remove. How many examples
     were dropped is a function of the private batch: it is never released.
+
+    ``in_place``: the caller hands ``grads`` over (fresh per-example gradients it never reads again): their
+    non-finite entries are set to 0 in place, instead of the rows being selected into a copy. Either way the same
+    operations run whatever the batch (no data-dependent branch), and a non-finite row's factor is 0. Measured at
+    the cpu-eps1 model, 32 examples, 2 threads: 3.0 vs 4.9 ms a chunk (with the norms by ``vector_norm`` rather than
+    ``pow(2).sum``: 6.1 ms before), the DP-SGD step's largest cost outside the backward.
     """
     clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself (review58 H2)
-    flat_sq = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
-    norms = torch.stack(flat_sq, 0).sum(0).sqrt()
-    finite = torch.isfinite(norms)  # NaN/inf in any entry, or an overflowing square, gives a non-finite norm
+    flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
+    norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
+    finite = torch.isfinite(norms)  # NaN/inf in any entry, or an overflowing norm, gives a non-finite norm
     factor = torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
     summed = {}
-    for n, g in grads.items():
-        # the where runs whatever the batch (no data-dependent branch); scalar 0 and mv instead of a zeros_like
-        # buffer and an einsum: 4.9 vs 5.8 ms a 32-example chunk, measured
-        gf = torch.where(finite[:, None], g.reshape(g.shape[0], -1), 0.0)
-        summed[n] = torch.mv(gf.t(), factor).reshape(g.shape[1:])
+    for (n, g), f in zip(grads.items(), flat, strict=True):
+        # finite rows are left as they are; a non-finite row has factor 0, and its entries must be finite for
+        # 0 * x to be 0 (a scalar where and mv instead of a zeros_like buffer and an einsum: measured faster)
+        f = torch.nan_to_num_(f, nan=0.0, posinf=0.0, neginf=0.0) if in_place else torch.where(finite[:, None], f, 0.0)
+        summed[n] = torch.mv(f.t(), factor).reshape(g.shape[1:])
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
@@ -334,7 +340,7 @@ def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor,
     losses: list[Tensor] = []
     n_clipped = 0
     for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
-        summed, norms = clip_and_sum(grads, clip)
+        summed, norms = clip_and_sum(grads, clip, in_place=True)  # fresh per chunk, never read again
         for name in total:
             total[name] += summed[name]
         losses.append(value.detach().cpu())
@@ -560,7 +566,8 @@ class DPSGDTrainer:
             # one group row per image of the call (the unused ones zero): the clip's rows, like the image-level
             # step's, total the public bound whatever the number of sampled patients
             sums, carry = _carry_patients(group_sum(grads, own, int(part.numel())), carry, k - 1, continues)
-            summed, norms = clip_and_sum(sums, self.clip)  # clip each COMPLETE patient's sum to C
+            # clip each COMPLETE patient's sum to C; in place, as the padding calls do (the carry is a separate tensor)
+            summed, norms = clip_and_sum(sums, self.clip, in_place=True)
             for name in total:
                 total[name] += summed[name]
             losses.append(loss.detach().cpu())
@@ -605,7 +612,7 @@ class DPSGDTrainer:
             rand = {k: v.to(dev) for k, v in self.loss.draw(m, pub.generator).items()}
             grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk,
                                          engine=self.engine)
-            summed, _ = clip_and_sum(grads, self.clip)
+            summed, _ = clip_and_sum(grads, self.clip, in_place=True)
             for name in total:
                 total[name] += summed[name]
         return pub.batch

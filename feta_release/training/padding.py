@@ -100,7 +100,7 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
         for m in sizes:
             idx = torch.zeros(m, dtype=torch.int64)
             for grads, value in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):
-                summed, norms = clip_and_sum(grads, clip)  # computed like a real row's, weight 0: never added
+                summed, norms = clip_and_sum(grads, clip, in_place=True)  # as a real row's, weight 0: never added
                 for name in sink:
                     sink[name] += summed[name]
                 dropped.append(value.detach().cpu())

@@ -26,13 +26,30 @@ def _variant(job, spec: str):
     name, _, kv = spec.partition(":")
     aux: dict = {}
     freq: dict = {}
+    guide = 0.0
     for item in filter(None, kv.split(",")):
         k, v = item.split("=")
-        if k.startswith("f."):
+        if k == "guide":
+            guide = float(v)
+        elif k.startswith("f."):
             freq[k[2:]] = float(v) if k[2:] in ("bandwidth2", "sigma") else int(v)
         else:
             aux[k] = float(v) if k in ("lr", "gamma") else int(v)
-    return name, job.replace(auxgen=aux, frequency=freq)
+    return name, job.replace(auxgen=aux, frequency=freq), guide
+
+
+def _guide(central, fit, seed: int, weight: float):
+    """``weight`` x cross-entropy of a classifier trained on 10,000 augmented copies of the RELEASED central images
+    (the release-only baseline's classifier; post-processing): pulls each aux image toward its own class."""
+    import torch
+
+    from feta_release.eval_protocol import release_only
+    from feta_release.evaluation import train_classifier
+
+    net = train_classifier(release_only(*central, fit.class_names, 10_000, seed), 5, seed)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    return lambda x, y: weight * torch.nn.functional.cross_entropy(net(x.clamp(0, 1)), y)
 
 
 def _embedding(fit, job, rel, seed: int) -> np.ndarray:
@@ -71,7 +88,9 @@ def main() -> None:
     from feta_release.release.jobdir import load_model
     from feta_release.stages.freq_warmup import fit_aux
     from feta_release.stages.synthesis import aux_taken, release_starts
-    from feta_release.training.frequency import aux_draw
+    from feta_release.mechanisms.feature_map import FeatureMap
+    from feta_release.stages.context import public_generator
+    from feta_release.training.frequency import aux_draw, fit_aux_generator
 
     torch.set_num_threads(args.threads)
     fit, val = protocol_splits(load_embedded(), "validation")
@@ -83,14 +102,21 @@ def main() -> None:
     labels = np.asarray(balanced_labels(args.n, fit.n_classes))
     rows = []
     for spec in args.variants.split(";"):
-        name, vjob = _variant(job, spec)
+        name, vjob, guide = _variant(job, spec)
         t0 = time.perf_counter()
         emb = _embedding(fit, vjob, rel, args.seed)
-        aux = fit_aux(emb, vjob, fit.image_shape, fit.n_classes, int(rel["n_public"]), torch.device("cpu"))
+        if guide:
+            f = vjob.frequency
+            fmap = FeatureMap(fit.image_shape, f.features, f.bandwidth2, f.seed, f.patch, f.stride)
+            aux = fit_aux_generator(emb, fmap, fit.image_shape, fit.n_classes, vjob, int(rel["n_public"]),
+                                    generator=public_generator(vjob, "auxgen"),
+                                    guide=_guide(central, fit, args.seed, guide))
+        else:
+            aux = fit_aux(emb, vjob, fit.image_shape, fit.n_classes, int(rel["n_public"]), torch.device("cpu"))
         t_fit = time.perf_counter() - t0
         x = aux_draw(aux, labels, torch.Generator().manual_seed(88 + args.seed))
         syn = ImageDataset(x.numpy(), labels, fit.class_names, source=name)
-        row = {"variant": name, "auxgen": vjob.auxgen.__dict__, "features": vjob.frequency.features,
+        row = {"variant": name, "guide": guide, "auxgen": vjob.auxgen.__dict__, "features": vjob.frequency.features,
                "patch": vjob.frequency.patch, "stride": vjob.frequency.stride,
                "bandwidth2": vjob.frequency.bandwidth2, "fit_s": round(t_fit, 1),
                "aux_acc": round(accuracy(train_classifier(syn, 5, args.seed), val), 4)}

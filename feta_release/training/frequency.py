@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,9 +96,13 @@ def fit_aux_generator(
     progress: Progress | None = None,
     device: torch.device | str = "cpu",
     return_result: bool = False,
+    guide: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ):
     """Fit the auxiliary generator to ``embedding_noisy`` (features, n_classes); returns the generator
-    in eval mode (or an :class:`AuxFitResult` with the loss curve when ``return_result``)."""
+    in eval mode (or an :class:`AuxFitResult` with the loss curve when ``return_result``).
+
+    ``guide(images, labels)``: an extra loss term added each step (a function of released values only, so the fit
+    stays post-processing)."""
     a = cfg.auxgen
     c, h, w = (int(v) for v in image_shape)
     if h != w:
@@ -129,8 +134,10 @@ def fit_aux_generator(
         for _ in range(iters):
             y = balanced_labels(a.batch, n_classes, generator).to(dev)
             z = torch.randn((a.batch, a.z_dim), generator=generator).to(dev)
-            phi = phi_of(gen(z, y))  # the released statistic's own map
-            loss = ((e - embedding_of_batch(phi, y, n_classes)) ** 2).sum()
+            x = gen(z, y)
+            loss = ((e - embedding_of_batch(phi_of(x), y, n_classes)) ** 2).sum()  # the release's own map
+            if guide is not None:
+                loss = loss + guide(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

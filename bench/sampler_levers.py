@@ -11,8 +11,8 @@ With ``start_sigma`` the images are drawn as the pipeline's synthetic set is wit
 from RandAugment-ed copies of the run's released central images (``released/central.npz``) plus N(0, start_sigma^2)
 noise (post-processing of the release). ``source`` (default ``central``): ``aux`` starts from the run's auxiliary
 generator images (``checkpoints/auxgen.pt``, post-processing of the frequency release), ``mix`` from half aux,
-half central (alternating). ``--polish N``: first N more polish steps (the run's ``[warmup] polish_lr``)
-on the released central images, then every variant from that model.
+half central (alternating), ``mixP`` from P % aux (spread evenly). ``--polish N``: first N more polish steps
+(the run's ``[warmup] polish_lr``) on the released central images, then every variant from that model.
 """
 
 from __future__ import annotations
@@ -111,9 +111,12 @@ def main() -> None:
             lab = np.asarray(labels)
             init = release_starts(central, lab, job, torch.Generator().manual_seed(77 + args.seed))
             source = rest[2] if len(rest) > 2 else "central"
-            if source in ("aux", "mix"):
+            if source in ("aux", "mix") or source.startswith("mix"):
                 aux = _aux_starts(args.run, job, lab, 88 + args.seed)
                 take = np.ones(len(lab), bool) if source == "aux" else np.arange(len(lab)) % 2 == 0
+                if source[3:]:  # "mixP": P % of the starts from the aux generator, spread evenly over the set
+                    i, share = np.arange(len(lab)), int(source[3:]) / 100
+                    take = np.floor((i + 1) * share) > np.floor(i * share)
                 init[torch.from_numpy(take)] = aux[torch.from_numpy(take)]
         imgs, _ = generate(model, labels, 1_000 + args.seed, cfg, init=init)
         syn = ImageDataset(imgs.numpy().astype(np.float32), np.asarray(labels), fit.class_names, source=name)

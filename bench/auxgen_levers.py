@@ -1,6 +1,10 @@
 """Aux-generator levers on finished validation runs: refit the generator to the run's RELEASED frequency statistic
 with other ``[auxgen]`` settings (post-processing: no new privacy cost), then score on the validation part
 
+Variant keys: ``[auxgen]`` keys, ``f.KEY`` ([frequency]), ``guide=L`` (a class-guided fit, see ``_guide``), ``init=S``
+(the fit's generator seeded with S instead of the job's public "auxgen" one: another start of the same fit). Each
+row also gives the fit's final loss (mean over its last epoch), a function of the release alone.
+
 - ``aux``: the protocol classifier trained on N aux-generator images alone (how much of the frequency release the
   generator turns into images);
 - ``mix`` (with --sdedit): the run's own denoiser, SDEdit from the preset's mix of aux and central starts, with the
@@ -26,16 +30,16 @@ def _variant(job, spec: str):
     name, _, kv = spec.partition(":")
     aux: dict = {}
     freq: dict = {}
-    guide = 0.0
+    extra = {"guide": 0.0, "init": -1}
     for item in filter(None, kv.split(",")):
         k, v = item.split("=")
-        if k == "guide":
-            guide = float(v)
+        if k in extra:
+            extra[k] = type(extra[k])(v)
         elif k.startswith("f."):
             freq[k[2:]] = float(v) if k[2:] in ("bandwidth2", "sigma") else int(v)
         else:
             aux[k] = float(v) if k in ("lr", "gamma") else int(v)
-    return name, job.replace(auxgen=aux, frequency=freq), guide
+    return name, job.replace(auxgen=aux, frequency=freq), extra
 
 
 def _guide(central, fit, seed: int, weight: float):
@@ -86,7 +90,6 @@ def main() -> None:
     from feta_release.evaluation import accuracy, train_classifier
     from feta_release.models.sampler import generate
     from feta_release.release.jobdir import load_model
-    from feta_release.stages.freq_warmup import fit_aux
     from feta_release.stages.synthesis import aux_taken, release_starts
     from feta_release.mechanisms.feature_map import FeatureMap
     from feta_release.stages.context import public_generator
@@ -102,21 +105,24 @@ def main() -> None:
     labels = np.asarray(balanced_labels(args.n, fit.n_classes))
     rows = []
     for spec in args.variants.split(";"):
-        name, vjob, guide = _variant(job, spec)
+        name, vjob, extra = _variant(job, spec)
+        guide, init = extra["guide"], extra["init"]
         t0 = time.perf_counter()
         emb = _embedding(fit, vjob, rel, args.seed)
-        if guide:
-            f = vjob.frequency
-            fmap = FeatureMap(fit.image_shape, f.features, f.bandwidth2, f.seed, f.patch, f.stride)
-            aux = fit_aux_generator(emb, fmap, fit.image_shape, fit.n_classes, vjob, int(rel["n_public"]),
-                                    generator=public_generator(vjob, "auxgen"),
-                                    guide=_guide(central, fit, args.seed, guide))
-        else:
-            aux = fit_aux(emb, vjob, fit.image_shape, fit.n_classes, int(rel["n_public"]), torch.device("cpu"))
+        # as stages.freq_warmup.fit_aux does (same map, same public generator), unless init= gives another start
+        f = vjob.frequency
+        fmap = FeatureMap(fit.image_shape, f.features, f.bandwidth2, f.seed, f.patch, f.stride)
+        res = fit_aux_generator(emb, fmap, fit.image_shape, fit.n_classes, vjob, int(rel["n_public"]),
+                                generator=(torch.Generator().manual_seed(init) if init >= 0
+                                           else public_generator(vjob, "auxgen")),
+                                guide=_guide(central, fit, args.seed, guide) if guide else None, return_result=True)
+        aux = res.generator
         t_fit = time.perf_counter() - t0
         x = aux_draw(aux, labels, torch.Generator().manual_seed(88 + args.seed))
         syn = ImageDataset(x.numpy(), labels, fit.class_names, source=name)
-        row = {"variant": name, "guide": guide, "auxgen": vjob.auxgen.__dict__, "features": vjob.frequency.features,
+        row = {"variant": name, "guide": guide, "init": init,
+               "final_loss": float(np.mean(res.losses[-vjob.auxgen.iterations_per_epoch:])),
+               "auxgen": vjob.auxgen.__dict__, "features": vjob.frequency.features,
                "patch": vjob.frequency.patch, "stride": vjob.frequency.stride,
                "bandwidth2": vjob.frequency.bandwidth2, "fit_s": round(t_fit, 1),
                "aux_acc": round(accuracy(train_classifier(syn, 5, args.seed), val), 4)}

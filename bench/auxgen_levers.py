@@ -91,7 +91,7 @@ def main() -> None:
     from feta_release.models.sampler import generate
     from feta_release.release.jobdir import load_model
     from feta_release.stages.synthesis import aux_taken, release_starts
-    from feta_release.mechanisms.feature_map import FeatureMap
+    from feta_release.mechanisms.feature_map import job_feature_map
     from feta_release.stages.context import public_generator
     from feta_release.training.frequency import aux_draw, fit_aux_generator
 
@@ -110,8 +110,7 @@ def main() -> None:
         t0 = time.perf_counter()
         emb = _embedding(fit, vjob, rel, args.seed)
         # as stages.freq_warmup.fit_aux does (same map, same public generator), unless init= gives another start
-        f = vjob.frequency
-        fmap = FeatureMap(fit.image_shape, f.features, f.bandwidth2, f.seed, f.patch, f.stride)
+        fmap = job_feature_map(vjob.frequency, fit.image_shape)
         res = fit_aux_generator(emb, fmap, fit.image_shape, fit.n_classes, vjob, int(rel["n_public"]),
                                 generator=(torch.Generator().manual_seed(init) if init >= 0
                                            else public_generator(vjob, "auxgen")),

@@ -111,7 +111,7 @@ def main() -> None:
             lab = np.asarray(labels)
             init = release_starts(central, lab, job, torch.Generator().manual_seed(77 + args.seed))
             source = rest[2] if len(rest) > 2 else "central"
-            if source in ("aux", "mix") or source.startswith("mix"):
+            if source == "aux" or source.startswith("mix"):
                 aux = _aux_starts(args.run, job, lab, 88 + args.seed)
                 take = np.ones(len(lab), bool) if source == "aux" else np.arange(len(lab)) % 2 == 0
                 if source[3:]:  # "mixP": P % of the starts from the aux generator, spread evenly over the set

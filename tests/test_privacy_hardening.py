@@ -153,6 +153,19 @@ def _grads_with_poison(draw):
     return shapes, seed, scale, poisoned, bad
 
 
+def _poisoned_grads(case):  # noqa: ANN001, ANN202 - a _grads_with_poison draw
+    """The drawn gradients (name -> (B, ...)), the poisoned examples' first entry set to the drawn NaN/inf."""
+    import torch
+
+    shapes, seed, scale, poisoned, bad = case
+    g = torch.Generator().manual_seed(seed)
+    grads = {f"p{i}": torch.randn(s, generator=g) * scale for i, s in enumerate(shapes)}
+    for i, p in enumerate(poisoned):
+        if p:
+            grads["p0"][i].view(-1)[0] = bad
+    return grads, poisoned
+
+
 @given(_grads_with_poison(), st.floats(0.01, 10.0))
 @settings(max_examples=60, deadline=None)
 def test_clip_and_sum_drops_non_finite_examples_and_keeps_the_bound(case, clip):
@@ -162,12 +175,7 @@ def test_clip_and_sum_drops_non_finite_examples_and_keeps_the_bound(case, clip):
 
     from feta_release.training.dpsgd import clip_and_sum
 
-    shapes, seed, scale, poisoned, bad = case
-    g = torch.Generator().manual_seed(seed)
-    grads = {f"p{i}": torch.randn(s, generator=g) * scale for i, s in enumerate(shapes)}
-    for i, p in enumerate(poisoned):
-        if p:
-            grads["p0"][i].view(-1)[0] = bad
+    grads, poisoned = _poisoned_grads(case)
     summed, norms = clip_and_sum(grads, clip)
     assert all(torch.isfinite(v).all() for v in summed.values())
     clean = [i for i, p in enumerate(poisoned) if not p]
@@ -193,12 +201,7 @@ def test_clip_and_sum_in_place_equals_the_copying_form(case, clip):
 
     from feta_release.training.dpsgd import clip_and_sum
 
-    shapes, seed, scale, poisoned, bad = case
-    g = torch.Generator().manual_seed(seed)
-    grads = {f"p{i}": torch.randn(s, generator=g) * scale for i, s in enumerate(shapes)}
-    for i, p in enumerate(poisoned):
-        if p:
-            grads["p0"][i].view(-1)[0] = bad
+    grads, poisoned = _poisoned_grads(case)
     keep = {k: v.clone() for k, v in grads.items()}
     ref, ref_norms = clip_and_sum(grads, clip)
     for k in grads:  # the copying form leaves its input as it was

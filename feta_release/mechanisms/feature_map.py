@@ -173,11 +173,16 @@ def release_chunk(chunk: int, n_public: int) -> int:
     return max(1, min(int(chunk), int(n_public) // 2))
 
 
+def job_feature_map(frequency: Any, image_shape: Sequence[int]) -> FeatureMap:
+    """The map of a job's ``[frequency]`` section (``config.FrequencySection``) for images of ``image_shape``."""
+    f = frequency
+    c, h, w = (int(v) for v in image_shape)
+    return FeatureMap((c, h, w), f.features, f.bandwidth2, f.seed, f.patch, f.stride)
+
+
 def check_feature_map(frequency: Any, image_shape: Sequence[int]) -> None:
     """Refuse, before anything is charged, a job's ``[frequency]`` section (``config.FrequencySection``) whose map
     cannot be built for images of this PUBLIC shape (too few features for its patch positions): a ConfigError
     naming the fix. A job without the frequency release passes."""
-    f = frequency
-    if f.sigma is not None:
-        c, h, w = (int(v) for v in image_shape)
-        FeatureMap((c, h, w), f.features, f.bandwidth2, f.seed, f.patch, f.stride)
+    if frequency.sigma is not None:
+        job_feature_map(frequency, image_shape)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..config import JobConfig
-from ..mechanisms.feature_map import FeatureMap
+from ..mechanisms.feature_map import job_feature_map
 from ..models.auxgen import AuxGenerator
 from ..models.edm import EDMDenoiser
 from ..release.jobfiles import AUX_POOL_PER_CLASS
@@ -35,8 +35,7 @@ def fit_aux(embedding: np.ndarray, cfg: JobConfig, image_shape: tuple[int, int, 
             device: torch.device, progress: Progress | None = None) -> AuxGenerator:
     """The aux generator fitted to a released (or federated, combined) embedding; its random features are the job's
     public ``[frequency]`` ones, which every site's release used."""
-    f = cfg.frequency
-    fmap = FeatureMap(tuple(image_shape), f.features, f.bandwidth2, f.seed, f.patch, f.stride)  # type: ignore[arg-type]
+    fmap = job_feature_map(cfg.frequency, image_shape)
     return cast(AuxGenerator, fit_aux_generator(embedding, fmap, image_shape, n_classes, cfg, n_public,
                                                 generator=public_generator(cfg, "auxgen"), device=device,
                                                 progress=progress))

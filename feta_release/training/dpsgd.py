@@ -277,6 +277,13 @@ def per_example_grads(
     return grads, losses
 
 
+def _clip_factors(norms: Tensor, clip: float) -> tuple[Tensor, Tensor]:
+    """(finite, factor): which examples' norms are finite, and each one's clip factor min(1, C / norm), 0 where the
+    norm is not finite (NaN/inf in an entry, or an overflowing norm: such an example contributes nothing)."""
+    finite = torch.isfinite(norms)
+    return finite, torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
+
+
 def clip_and_sum(grads: dict[str, Tensor], clip: float, *, in_place: bool = False) -> tuple[dict[str, Tensor], Tensor]:
     """Clip each example's gradient (L2 over ALL parameters together) to ``clip`` and sum over examples.
 
@@ -298,8 +305,7 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float, *, in_place: bool = Fals
     clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself (review58 H2)
     flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
     norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
-    finite = torch.isfinite(norms)  # NaN/inf in any entry, or an overflowing norm, gives a non-finite norm
-    factor = torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
+    finite, factor = _clip_factors(norms, clip)
     summed = {}
     for (n, g), f in zip(grads.items(), flat, strict=True):
         # finite rows are left as they are; a non-finite row has factor 0, and its entries must be finite for
@@ -354,9 +360,7 @@ def clipped_rows(grads: dict[str, Tensor], names: list[str], clip: float) -> Ten
     :func:`clip_and_sum`: its contribution never turns the release into NaN). For mechanisms that need the
     records one by one (per-record conditional rounding of the Skellam mechanism)."""
     flat = torch.cat([grads[n].reshape(grads[n].shape[0], -1) for n in names], dim=1)
-    norms = flat.pow(2).sum(1).sqrt()
-    finite = torch.isfinite(norms)
-    factor = torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
+    finite, factor = _clip_factors(flat.pow(2).sum(1).sqrt(), clip)
     return torch.where(finite[:, None], flat, torch.zeros_like(flat)) * factor[:, None]
 
 

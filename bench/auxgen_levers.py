@@ -7,6 +7,9 @@ row also gives the fit's final loss (mean over its last epoch), a function of th
 
 - ``aux``: the protocol classifier trained on N aux-generator images alone (how much of the frequency release the
   generator turns into images);
+- ``ensemble`` (with --ensemble): after the variants, the classifier on N images drawn evenly from ALL the variants'
+  generators (member j draws every k-th of the class-sorted labels, so each member covers every class), and from the
+  two with the lowest final loss (choosing by loss costs no epsilon: a function of the release alone);
 - ``mix`` (with --sdedit): the run's own denoiser, SDEdit from the preset's mix of aux and central starts, with the
   refit generator's images as the aux half (the denoiser itself was warmed up on the run's original generator).
 
@@ -80,6 +83,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sdedit", action="store_true", help="also score the run's denoiser from mix starts")
+    ap.add_argument("--ensemble", action="store_true", help="also score mixtures of the variants' generators")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import torch
@@ -104,6 +108,7 @@ def main() -> None:
     model = load_model(args.run) if args.sdedit else None
     labels = np.asarray(balanced_labels(args.n, fit.n_classes))
     rows = []
+    members = []
     for spec in args.variants.split(";"):
         name, vjob, extra = _variant(job, spec)
         guide, init = extra["guide"], extra["init"]
@@ -116,6 +121,7 @@ def main() -> None:
                                            else public_generator(vjob, "auxgen")),
                                 guide=_guide(central, fit, args.seed, guide) if guide else None, return_result=True)
         aux = res.generator
+        members.append(aux)
         t_fit = time.perf_counter() - t0
         x = aux_draw(aux, labels, torch.Generator().manual_seed(88 + args.seed))
         syn = ImageDataset(x.numpy(), labels, fit.class_names, source=name)
@@ -139,6 +145,31 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         Path(args.out).write_text(json.dumps({"run": str(args.run), "n": args.n, "rows": rows}, indent=1))
+    if args.ensemble and len(members) > 1:
+        by_loss = sorted(range(len(members)), key=lambda i: rows[i]["final_loss"])
+        for name, pick in (("ensemble-all", list(range(len(members)))), ("ensemble-2-lowest", by_loss[:2])):
+            row = _ensemble_row(name, [members[i] for i in pick], labels, fit, val, args.seed)
+            row["members"] = [rows[i]["variant"] for i in pick]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            Path(args.out).write_text(json.dumps({"run": str(args.run), "n": args.n, "rows": rows}, indent=1))
+
+
+def _ensemble_row(name: str, gens, labels: np.ndarray, fit, val, seed: int) -> dict:
+    """The protocol classifier on images drawn evenly from ``gens`` (member j: labels[j::k], class-sorted labels)."""
+    import torch
+
+    from feta_release.data import ImageDataset
+    from feta_release.evaluation import accuracy, train_classifier
+    from feta_release.training.frequency import aux_draw
+
+    g = torch.Generator().manual_seed(88 + seed)
+    k = len(gens)
+    x = np.zeros((len(labels), *fit.image_shape), np.float32)
+    for j, gen in enumerate(gens):
+        x[j::k] = aux_draw(gen, labels[j::k], g).numpy()
+    syn = ImageDataset(x, labels, fit.class_names, source=name)
+    return {"variant": name, "aux_acc": round(accuracy(train_classifier(syn, 5, seed), val), 4)}
 
 
 if __name__ == "__main__":

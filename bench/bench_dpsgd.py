@@ -1,7 +1,7 @@
 """DP-SGD throughput: private step vs non-private step of the same denoiser, batch and noise multiplicity.
 
     python bench/bench_dpsgd.py                       # defaults: cpu-eps1 preset model, B=64, K=4, 2 threads
-    python bench/bench_dpsgd.py --batch 250 --k 1 --physical 32   # the cpu-eps1 preset's own batch and K
+    python bench/bench_dpsgd.py --batch 250 --k 1 --physical 84   # the cpu-eps1 preset's own batch, K and chunk
     python bench/bench_dpsgd.py --batch 16 --k 2 --rounds 2 --channels 8   # quick check
     python bench/bench_dpsgd.py --device cuda --preset paper-mnist --batch 512 --k 32 --physical 64 \
         --methods nonprivate,hooks --rounds 3   # a GPU machine: the paper's model, K and chunk

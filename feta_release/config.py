@@ -121,6 +121,10 @@ class AuxGenSection:
     epochs: int = 5
     iterations_per_epoch: int | None = None  # None: N // batch with N the public dataset size
     gamma: float = 0.9
+    # Fits of the same release from successive public starts, and how many of them (lowest final loss first) the
+    # aux images are drawn from, evenly: post-processing, chosen by a function of the release alone.
+    restarts: int = 1
+    keep: int = 1
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,8 @@ class JobConfig:
             del d["sampler"]["start_source"]
         if d["frequency"].get("patch") == 0 and d["frequency"].get("stride") == 1:  # likewise the pixel map
             del d["frequency"]["patch"], d["frequency"]["stride"]
+        if d["auxgen"].get("restarts") == 1 and d["auxgen"].get("keep") == 1:  # likewise a single aux fit
+            del d["auxgen"]["restarts"], d["auxgen"]["keep"]
         return d
 
     def replace(self, **sections: Any) -> JobConfig:
@@ -459,6 +465,9 @@ def _validate(cfg: JobConfig, source: str) -> None:
              "cell_rule = \"slant\" in a federated job")
     if f.sigma is not None:
         _validate_frequency(f, need)
+    a = cfg.auxgen
+    need(a.restarts >= 1 and 1 <= a.keep <= a.restarts,
+         f"[auxgen] need restarts >= 1 and 1 <= keep <= restarts, got restarts {a.restarts}, keep {a.keep}")
     _validate_dpsgd(cfg, need)
     need(cfg.model.channels >= 4, f"[model] channels must be >= 4, got {cfg.model.channels}")
     need(len(cfg.model.channel_mult) >= 1, "[model] channel_mult needs at least one level")

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..models import denoiser_spec
 from ..errors import ConfigError, DataError
-from ..models.auxgen import AuxGenerator
+from ..models.auxgen import AuxModel
 from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
 from ..stages.freq_warmup import aux_pool
@@ -104,7 +104,7 @@ def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
         atomic_write_bytes(d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
 
 
-def _save_aux_pool(d: JobDriver, aux: AuxGenerator | None) -> None:
+def _save_aux_pool(d: JobDriver, aux: AuxModel | None) -> None:
     """``[sampler] start_source`` aux/mix: the pool of the aux generator's images the release ships (the same
     public draw as a ``train`` run's, ``stages.freq_warmup.aux_pool``), bound to the job like the central images.
     Privacy: the generator was fitted to the sites' combined NOISED frequency releases: post-processing."""

@@ -19,7 +19,7 @@ from ..config import JobConfig
 from ..errors import DataError
 from ..mechanisms.central import CentralRelease, combine_central, postprocess_central
 from ..mechanisms.frequency import FrequencyRelease, combine_frequency
-from ..models.auxgen import AuxGenerator
+from ..models.auxgen import AuxModel
 from ..models.edm import EDMDenoiser
 from ..stages.freq_warmup import aux_images, fit_aux, frequency_enabled, frequency_train, warmup_set
 from ..stages.spatial import central_polish, spatial_enabled, spatial_stage
@@ -28,7 +28,7 @@ Log = Callable[[str], None]
 
 
 def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq: dict[str, dict[str, np.ndarray]],
-            cfg: JobConfig, sizes: dict[str, int], log: Log) -> AuxGenerator | None:
+            cfg: JobConfig, sizes: dict[str, int], log: Log) -> AuxModel | None:
     """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``); returns
     the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source`` aux/mix."""
     pooled = pooled_central(central, sizes, cfg) if central else None
@@ -50,7 +50,7 @@ def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq:
 
 
 def _frequency(model: EDMDenoiser, release: FrequencyRelease, central: tuple[np.ndarray, np.ndarray] | None,
-               cfg: JobConfig, log: Log) -> AuxGenerator:
+               cfg: JobConfig, log: Log) -> AuxModel:
     log(f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), then "
         f"{cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs")
     device = next(model.parameters()).device

@@ -92,3 +92,36 @@ class AuxGenerator(nn.Module):
         if spec.get("kind") != "auxgen" or spec.get("version") != 1:
             raise ConfigError(f"unsupported aux generator spec {spec.get('kind')!r} v{spec.get('version')!r}")
         return cls(spec["img_channels"], spec["img_size"], spec["n_classes"], spec["z_dim"], spec["width"])
+
+
+class AuxEnsemble(nn.Module):
+    """Several aux generators fitted to the same release (``[auxgen] restarts`` / ``keep``), used as one: row i of a
+    call is drawn by member i mod k, so a class-sorted draw gives every member every class. Eval use only (each
+    member was fitted on its own); a function of the release and public randomness, like each member."""
+
+    def __init__(self, members: list[AuxGenerator]) -> None:
+        super().__init__()
+        if len(members) < 2 or any(m.spec() != members[0].spec() for m in members):
+            raise ConfigError("an aux ensemble needs >= 2 generators of the same shape")
+        self.members = nn.ModuleList(members)
+        first = members[0]
+        self.img_channels, self.img_size, self.n_classes = first.img_channels, first.img_size, first.n_classes
+        self.z_dim, self.width = first.z_dim, first.width
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        k = len(self.members)
+        out = z.new_empty((z.shape[0], self.img_channels, self.img_size, self.img_size))
+        for j, member in enumerate(self.members):
+            if j < z.shape[0]:
+                out[j::k] = member(z[j::k], y[j::k])
+        return out
+
+
+AuxModel = AuxGenerator | AuxEnsemble
+
+
+def new_aux_model(img_channels: int, img_size: int, n_classes: int, *, z_dim: int, width: int,
+                  members: int = 1) -> AuxModel:
+    """An unfitted aux model of this shape: one generator, or an ensemble of ``members`` (to load a checkpoint into)."""
+    gens = [AuxGenerator(img_channels, img_size, n_classes, z_dim=z_dim, width=width) for _ in range(members)]
+    return gens[0] if members == 1 else AuxEnsemble(gens)

@@ -19,7 +19,7 @@ import torch
 
 from ..config import JobConfig
 from ..data import ImageDataset
-from ..models.auxgen import AuxGenerator
+from ..models.auxgen import AuxModel
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
 from ..files import private_dir
@@ -114,7 +114,7 @@ class RunContext:
     # products of the stages
     central: tuple[np.ndarray, np.ndarray] | None = None  # released central images (post-processed) and labels
     embedding: np.ndarray | None = None  # released frequency statistics
-    aux: AuxGenerator | None = None  # the aux generator fitted to them (post-processing; see freq_warmup.trained_aux)
+    aux: AuxModel | None = None  # the aux generator fitted to them (post-processing; see freq_warmup.trained_aux)
     final_model: EDMDenoiser | None = None  # EMA model after DP-SGD (else the warmed-up denoiser)
     # sha256 of the aux pool's bytes as Synthesis wrote them: the ledger is closed with THIS, never a re-read of
     # the file (a local user could swap the file between the write and the close)

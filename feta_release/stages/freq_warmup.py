@@ -8,18 +8,17 @@ drivers run it (the coordinator on the sites' combined embedding, ``feta_release
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import numpy as np
 import torch
 
 from ..config import JobConfig
 from ..mechanisms.feature_map import job_feature_map
-from ..models.auxgen import AuxGenerator
+from ..models.auxgen import AuxModel, new_aux_model
 from ..models.edm import EDMDenoiser
 from ..release.jobfiles import AUX_POOL_PER_CLASS
 from ..training.augment import rand_augment
-from ..training.frequency import aux_draw, fit_aux_generator, frequency_warmup, generate_aux_images
+from ..training.frequency import aux_draw, fit_aux_restarts, frequency_warmup, generate_aux_images
 from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
 from .base import sample_grid
@@ -32,16 +31,16 @@ def frequency_enabled(cfg: JobConfig) -> bool:
 
 
 def fit_aux(embedding: np.ndarray, cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int, n_public: int,
-            device: torch.device, progress: Progress | None = None) -> AuxGenerator:
-    """The aux generator fitted to a released (or federated, combined) embedding; its random features are the job's
-    public ``[frequency]`` ones, which every site's release used."""
+            device: torch.device, progress: Progress | None = None) -> AuxModel:
+    """The aux generator fitted to a released (or federated, combined) embedding (``[auxgen] restarts`` starts, the
+    ``keep`` lowest-loss ones); its random features are the job's public ``[frequency]`` ones, which every site's
+    release used."""
     fmap = job_feature_map(cfg.frequency, image_shape)
-    return cast(AuxGenerator, fit_aux_generator(embedding, fmap, image_shape, n_classes, cfg, n_public,
-                                                generator=public_generator(cfg, "auxgen"), device=device,
-                                                progress=progress))
+    return fit_aux_restarts(embedding, fmap, image_shape, n_classes, cfg, n_public,
+                            generator=public_generator(cfg, "auxgen"), device=device, progress=progress)
 
 
-def aux_images(aux: AuxGenerator, cfg: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def aux_images(aux: AuxModel, cfg: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``[warmup] frequency_images`` images (and balanced labels) of the fitted aux generator."""
     return generate_aux_images(aux, cfg.warmup.frequency_images, public_generator(cfg, "auxgen-images"))
 
@@ -86,7 +85,7 @@ class FrequencyWarmup:
         sample_grid(ctx, "after-frequency", ctx.denoiser)
 
 
-def trained_aux(ctx: RunContext) -> AuxGenerator:
+def trained_aux(ctx: RunContext) -> AuxModel:
     """The run's fitted aux generator: the frequency stage's, or its checkpoint when a resumed run skipped the
     stage (``auxgen.pt`` is saved before ``after-frequency.pt``, so a finished stage always left it)."""
     if ctx.aux is None:
@@ -94,7 +93,7 @@ def trained_aux(ctx: RunContext) -> AuxGenerator:
     return ctx.aux
 
 
-def aux_pool(aux: AuxGenerator, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+def aux_pool(aux: AuxModel, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
     """The release's fixed pool of aux-generator images: :data:`AUX_POOL_PER_CLASS` per class in class order,
     float32 in [0, 1] and int64 labels, from the PUBLIC generator ``aux-pool`` (both drivers draw it so). Privacy:
     the generator is a function of the noised frequency release and public randomness only: post-processing."""
@@ -102,25 +101,25 @@ def aux_pool(aux: AuxGenerator, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]
     return aux_draw(aux, labels, public_generator(cfg, "aux-pool")).numpy(), labels
 
 
-def _aux_generator(ctx: RunContext) -> AuxGenerator:
+def _aux_generator(ctx: RunContext) -> AuxModel:
     """Fitted to the released embedding (checkpointed: a resume does not fit it again)."""
     c, h, w = ctx.data.image_shape
     a = ctx.cfg.auxgen
     saved = load_checkpoint(ctx, "auxgen.pt")
     if saved is not None:
-        aux = AuxGenerator(c, h, ctx.data.n_classes, z_dim=a.z_dim, width=a.width)
+        aux = new_aux_model(c, h, ctx.data.n_classes, z_dim=a.z_dim, width=a.width, members=a.keep)
         aux.load_state_dict(saved["model"])
         return aux.to(ctx.device).eval()
     assert ctx.embedding is not None, "the aux generator is fitted after the frequency release"
     iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, ctx.n_public // a.batch)
-    with ctx.rep.task("aux generator", a.epochs * iters) as adv:
+    with ctx.rep.task("aux generator", a.restarts * a.epochs * iters) as adv:
         aux = fit_aux(ctx.embedding, ctx.cfg, ctx.data.image_shape, ctx.data.n_classes, ctx.n_public, ctx.device,
                       progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
     save_checkpoint(ctx, "auxgen.pt", {"model": aux.state_dict()})
     return aux
 
 
-def _warm_up(ctx: RunContext, aux: AuxGenerator) -> None:
+def _warm_up(ctx: RunContext, aux: AuxModel) -> None:
     d = ctx.data
     images, labels = aux_images(aux, ctx.cfg)
     save_grid(images.numpy(), labels.numpy(), ctx.rd.root / "grids" / "auxgen-images.png", n_classes=d.n_classes,

@@ -16,7 +16,7 @@ import torch
 
 from ..config import JobConfig
 from ..mechanisms.central import nearest
-from ..models.auxgen import AuxGenerator
+from ..models.auxgen import AuxModel
 from ..training.frequency import aux_draw
 from .context import public_generator
 
@@ -39,7 +39,7 @@ def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iterations: int = IT
     return c
 
 
-def cell_prototypes(aux: AuxGenerator, cfg: JobConfig) -> np.ndarray:
+def cell_prototypes(aux: AuxModel, cfg: JobConfig) -> np.ndarray:
     """(n_classes, cells, C*H*W) float64 prototypes in [0, 1]: per class, ``cells`` k-means centres of
     :data:`PER_CLASS` aux-generator images drawn from the public generator ``cell-prototypes``."""
     n, cells = aux.n_classes, cfg.central.cells

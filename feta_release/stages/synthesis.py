@@ -11,7 +11,7 @@ import torch
 
 from ..config import JobConfig
 from ..errors import DataError
-from ..models.auxgen import AuxGenerator
+from ..models.auxgen import AuxModel
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..models.sampler import generate
 from ..release.jobfiles import RELEASED_AUX
@@ -66,7 +66,7 @@ def aux_taken(labels: np.ndarray, source: str) -> np.ndarray:
     return aux_mask(source, index_within_class(labels))
 
 
-def aux_starts(aux: AuxGenerator, labels: np.ndarray, take: np.ndarray, central_init: torch.Tensor | None,
+def aux_starts(aux: AuxModel, labels: np.ndarray, take: np.ndarray, central_init: torch.Tensor | None,
                generator: torch.Generator) -> torch.Tensor:
     """SDEdit starts where ``take`` (:func:`aux_taken`) from the aux generator, an image of the position's label
     drawn with ``generator`` (PUBLIC), in [0, 1]; the others stay ``central_init``'s augmented central images.

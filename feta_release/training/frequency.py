@@ -31,7 +31,7 @@ from ..config import JobConfig
 from ..errors import ConfigError, DataError
 from ..mechanisms.feature_map import FeatureMap
 from ..mechanisms.frequency import rff_features
-from ..models.auxgen import AuxGenerator
+from ..models.auxgen import AuxEnsemble, AuxGenerator, AuxModel
 from ..models.edm import EDMDenoiser
 from .augment import to_model_range
 from .warmup_loop import Progress, WarmupResult, as_image_tensors, train_denoiser
@@ -150,7 +150,39 @@ def fit_aux_generator(
     return result if return_result else gen
 
 
-def aux_draw(gen: AuxGenerator, labels: np.ndarray | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def fit_aux_restarts(embedding_noisy, omega, image_shape: tuple[int, int, int], n_classes: int, cfg: JobConfig,
+                     n_public: int, *, generator: torch.Generator, progress: Progress | None = None,
+                     device: torch.device | str = "cpu") -> AuxModel:
+    """``[auxgen] restarts`` fits of the same release, each from the next start ``generator`` gives; the ``keep``
+    with the lowest final loss (mean over the last epoch) are returned, one generator or an :class:`AuxEnsemble`.
+
+    Privacy: the losses, and so the choice, are functions of the released embedding and public randomness only:
+    post-processing. Why: the start alone moved the aux images' downstream accuracy by up to 0.085 on the same
+    release (docs/evaluation.md, "Restarts of the aux fit")."""
+    a = cfg.auxgen
+    if a.restarts < 1 or not 1 <= a.keep <= a.restarts:
+        raise ConfigError(f"[auxgen] need restarts >= 1 and 1 <= keep <= restarts, got {a.restarts}, {a.keep}")
+    iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_public // a.batch)
+    per_fit = a.epochs * iters
+    fits: list[tuple[float, AuxGenerator]] = []
+    for r in range(a.restarts):
+        res = fit_aux_generator(embedding_noisy, omega, image_shape, n_classes, cfg, n_public, generator=generator,
+                                device=device, return_result=True,
+                                progress=_offset(progress, r * per_fit, a.restarts * per_fit))
+        last = res.losses[-iters:] or [math.inf]  # no epochs: every start ties, the first is kept
+        fits.append((float(np.mean(last)), res.generator))
+    kept = [g for _, g in sorted(fits, key=lambda f: f[0])[: a.keep]]  # stable: ties keep the earlier start
+    return kept[0] if a.keep == 1 else AuxEnsemble(kept).eval()
+
+
+def _offset(progress: Progress | None, done: int, total: int) -> Progress | None:
+    """One fit's progress as steps ``done + i`` of ``total`` over all the restarts."""
+    if progress is None:
+        return None
+    return lambda i, _n, loss: progress(done + i, total, loss)
+
+
+def aux_draw(gen: AuxModel, labels: np.ndarray | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Images of ``labels`` from the fitted generator, one latent per label drawn from ``generator``, in eval mode
     (BatchNorm running statistics: an image does not depend on the others of its batch) and without gradients;
     CPU float32 in [0, 1] (the generator's tanh is mapped there; the clamp only guards rounding)."""
@@ -167,7 +199,7 @@ def aux_draw(gen: AuxGenerator, labels: np.ndarray | torch.Tensor, generator: to
 
 
 def generate_aux_images(
-    gen: AuxGenerator, n: int, generator: torch.Generator, batch: int = 500
+    gen: AuxModel, n: int, generator: torch.Generator, batch: int = 500
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode)."""
     labels = balanced_labels(n, gen.n_classes, generator)
@@ -220,10 +252,10 @@ def run_frequency_stage(
     generator: torch.Generator,
     fit_progress: Progress | None = None,
     train_progress: Progress | None = None,
-) -> tuple[WarmupResult, AuxGenerator]:
+) -> tuple[WarmupResult, AuxModel]:
     """Fit the generator, draw ``cfg.warmup.frequency_images`` images, warm the denoiser up on them."""
     dev = next(denoiser.parameters()).device
-    gen = fit_aux_generator(
+    gen = fit_aux_restarts(
         embedding_noisy, omega, denoiser.image_shape, denoiser.n_classes, cfg, n_public,
         generator=generator, progress=fit_progress, device=dev,
     )
@@ -240,7 +272,7 @@ def frequency_warmup_from_release(
     generator: torch.Generator,
     fit_progress: Progress | None = None,
     train_progress: Progress | None = None,
-) -> tuple[WarmupResult, AuxGenerator]:
+) -> tuple[WarmupResult, AuxModel]:
     """:func:`run_frequency_stage` from a ``mechanisms.frequency.FrequencyRelease`` (one site's or the
     federation's ``combine_frequency`` result): omega is rebuilt from the release's public seed."""
     c, h, w = denoiser.image_shape

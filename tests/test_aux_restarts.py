@@ -67,17 +67,32 @@ def test_the_kept_fits_are_the_lowest_final_losses_in_order() -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(k=st.integers(2, 4), n=st.integers(1, 11), seed=st.integers(0, 2**16))
-def test_an_ensemble_draws_row_i_from_member_i_mod_k(k: int, n: int, seed: int) -> None:
+def test_an_ensemble_draws_the_jth_row_of_a_class_from_member_j_mod_k(k: int, n: int, seed: int) -> None:
     torch.manual_seed(seed)
     members = [AuxGenerator(1, 8, 3, z_dim=4, width=4).eval() for _ in range(k)]
     ens = AuxEnsemble(members).eval()
     z, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+    seen = [0, 0, 0]
     with torch.no_grad():
         out = ens(z, y)
         for i in range(n):
-            assert torch.allclose(out[i], members[i % k](z[i:i + 1], y[i:i + 1])[0], atol=1e-6)
+            c = int(y[i])
+            assert torch.allclose(out[i], members[seen[c] % k](z[i:i + 1], y[i:i + 1])[0], atol=1e-6)
+            seen[c] += 1
     x = aux_draw(ens, y.numpy(), torch.Generator().manual_seed(seed))
     assert x.shape == (n, 1, 8, 8) and 0 <= float(x.min()) and float(x.max()) <= 1
+
+
+def test_a_class_interleaved_draw_gives_every_member_every_class() -> None:
+    """The synthetic set's labels run 0, 1, ..., K-1, 0, 1, ...: a row-index rule would give member 0 only the
+    even classes of a 2-member ensemble."""
+    members = [AuxGenerator(1, 8, 4, z_dim=4, width=4).eval() for _ in range(2)]
+    calls: list[set[int]] = []
+    for m in members:
+        m.register_forward_hook(lambda _m, args, _out: calls.append(set(args[1].tolist())))
+    with torch.no_grad():
+        AuxEnsemble(members)(torch.randn(16, 4), torch.arange(16) % 4)
+    assert calls == [{0, 1, 2, 3}, {0, 1, 2, 3}]
 
 
 def test_an_ensemble_of_other_shapes_is_refused() -> None:

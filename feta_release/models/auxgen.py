@@ -95,9 +95,10 @@ class AuxGenerator(nn.Module):
 
 
 class AuxEnsemble(nn.Module):
-    """Several aux generators fitted to the same release (``[auxgen] restarts`` / ``keep``), used as one: row i of a
-    call is drawn by member i mod k, so a class-sorted draw gives every member every class. Eval use only (each
-    member was fitted on its own); a function of the release and public randomness, like each member."""
+    """Several aux generators fitted to the same release (``[auxgen] restarts`` / ``keep``), used as one: a row whose
+    label occurs for the j-th time in the call is drawn by member j mod k, so every member draws every class
+    evenly whatever the order of the labels (class-sorted pools, class-interleaved synthetic sets). Eval use only
+    (each member was fitted on its own); a function of the release and public randomness, like each member."""
 
     def __init__(self, members: list[AuxGenerator]) -> None:
         super().__init__()
@@ -109,11 +110,13 @@ class AuxEnsemble(nn.Module):
         self.z_dim, self.width = first.z_dim, first.width
 
     def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        k = len(self.members)
+        onehot = F.one_hot(y, self.n_classes)
+        which = ((onehot.cumsum(0) * onehot).sum(1) - 1) % len(self.members)  # occurrence of the row's label, mod k
         out = z.new_empty((z.shape[0], self.img_channels, self.img_size, self.img_size))
         for j, member in enumerate(self.members):
-            if j < z.shape[0]:
-                out[j::k] = member(z[j::k], y[j::k])
+            rows = which == j
+            if bool(rows.any()):
+                out[rows] = member(z[rows], y[rows])
         return out
 
 

@@ -110,3 +110,20 @@ def test_a_checkpointed_ensemble_loads_into_the_model_the_job_builds() -> None:
     assert isinstance(new_aux_model(1, 8, 3, z_dim=4, width=4), AuxGenerator)
     with pytest.raises(RuntimeError):
         new_aux_model(1, 8, 3, z_dim=4, width=4, members=2).load_state_dict(saved)
+
+
+def test_a_diverged_fit_is_never_kept_before_a_finite_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN compares false both ways, so a sort by raw loss could keep a diverged start; it sorts last."""
+    import feta_release.training.frequency as freq
+
+    finals = iter([float("nan"), 2.0, 1.0])
+    made: list[AuxGenerator] = []
+
+    def fake_fit(*_a, **_k):
+        made.append(AuxGenerator(1, 8, 2, z_dim=4, width=4))
+        return freq.AuxFitResult(generator=made[-1], losses=[next(finals)] * 6, steps=6)
+
+    monkeypatch.setattr(freq, "fit_aux_generator", fake_fit)
+    cfg = job(auxgen={**SMALL, "epochs": 1, "restarts": 3, "keep": 2})
+    got = fit_aux_restarts(None, None, (1, 8, 8), 2, cfg, 6, generator=torch.Generator())
+    assert isinstance(got, AuxEnsemble) and list(got.members) == [made[2], made[1]]

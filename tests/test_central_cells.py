@@ -153,7 +153,8 @@ def test_nodpsgd_preset_is_the_measured_configuration() -> None:
     measured = load_preset("cpu-eps1").replace(
         central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 5.0, "cells": 2, "stretch": True},
         frequency={"sigma": 7.0}, warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
-        dpsgd={"steps": 0}, sampler={"start_sigma": 0.5}).to_dict()
+        dpsgd={"steps": 0, "physical_batch": 32},  # as measured (inert without DP-SGD; cpu-eps1's is 84 since)
+        sampler={"start_sigma": 0.5}).to_dict()
     shipped = load_preset("cpu-eps1-nodpsgd").to_dict()
     assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}
 
@@ -176,8 +177,10 @@ def test_eps10_nodpsgd_preset_is_the_measured_configuration() -> None:
     measured = load_preset("cpu-eps10").replace(
         central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 0.65, "cells": 4, "stretch": True},
         frequency={"sigma": 1.1}, warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
-        dpsgd={"steps": 0}, sampler={"start_sigma": 0.7, "start_source": "mix"},
+        dpsgd={"steps": 0, "physical_batch": 32},  # as measured (inert without DP-SGD; cpu-eps10's is 84 since)
+        sampler={"start_sigma": 0.7, "start_source": "mix"},
         auxgen={"epochs": 10}).replace(  # "A better-fitted aux generator"
-        frequency={"features": 2048, "patch": 7, "stride": 3}).to_dict()  # "A patch feature map"
+        frequency={"features": 2048, "patch": 7, "stride": 3}).replace(  # "A patch feature map"
+        auxgen={"restarts": 4, "keep": 4}).to_dict()  # "an ensemble of aux-generator fits"
     shipped = load_preset("cpu-eps10-nodpsgd").to_dict()
     assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}

@@ -18,7 +18,7 @@ from ..models.auxgen import AuxModel, new_aux_model
 from ..models.edm import EDMDenoiser
 from ..release.jobfiles import AUX_POOL_PER_CLASS
 from ..training.augment import rand_augment
-from ..training.frequency import aux_draw, fit_aux_restarts, frequency_warmup, generate_aux_images
+from ..training.frequency import aux_draw, aux_iterations, fit_aux_restarts, frequency_warmup, generate_aux_images
 from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
 from .base import sample_grid
@@ -111,8 +111,7 @@ def _aux_generator(ctx: RunContext) -> AuxModel:
         aux.load_state_dict(saved["model"])
         return aux.to(ctx.device).eval()
     assert ctx.embedding is not None, "the aux generator is fitted after the frequency release"
-    iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, ctx.n_public // a.batch)
-    with ctx.rep.task("aux generator", a.restarts * a.epochs * iters) as adv:
+    with ctx.rep.task("aux generator", a.restarts * a.epochs * aux_iterations(ctx.cfg, ctx.n_public)) as adv:
         aux = fit_aux(ctx.embedding, ctx.cfg, ctx.data.image_shape, ctx.data.n_classes, ctx.n_public, ctx.device,
                       progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"))
     save_checkpoint(ctx, "auxgen.pt", {"model": aux.state_dict()})

@@ -77,6 +77,12 @@ def balanced_labels(n: int, n_classes: int, generator: torch.Generator) -> torch
     return ((base + shift) % n_classes)[torch.randperm(n, generator=generator)]
 
 
+def aux_iterations(cfg: JobConfig, n_public: int) -> int:
+    """Steps per epoch of one aux fit: ``[auxgen] iterations_per_epoch``, else the PUBLIC size over the batch."""
+    a = cfg.auxgen
+    return a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_public // a.batch)
+
+
 @dataclass
 class AuxFitResult:
     generator: AuxGenerator
@@ -119,7 +125,7 @@ def fit_aux_generator(
     phi_of = _feature_fn(omega, dim, dev)
     if e.shape[0] != phi_of.features:
         raise DataError(f"frequency warm-up: embedding has {e.shape[0]} features but omega gives {phi_of.features}")
-    iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_public // a.batch)
+    iters = aux_iterations(cfg, n_public)
 
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
     with torch.random.fork_rng(devices=[]):
@@ -163,7 +169,7 @@ def fit_aux_restarts(embedding_noisy, omega, image_shape: tuple[int, int, int], 
     a = cfg.auxgen
     if a.restarts < 1 or not 1 <= a.keep <= a.restarts:
         raise ConfigError(f"[auxgen] need restarts >= 1 and 1 <= keep <= restarts, got {a.restarts}, {a.keep}")
-    iters = a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_public // a.batch)
+    iters = aux_iterations(cfg, n_public)
     per_fit = a.epochs * iters
     fits: list[tuple[float, AuxGenerator]] = []
     for r in range(a.restarts):

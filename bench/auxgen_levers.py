@@ -97,7 +97,7 @@ def main() -> None:
     from feta_release.stages.synthesis import aux_taken, release_starts
     from feta_release.mechanisms.feature_map import job_feature_map
     from feta_release.stages.context import public_generator
-    from feta_release.training.frequency import aux_draw, fit_aux_generator
+    from feta_release.training.frequency import aux_draw, aux_iterations, fit_aux_generator
 
     torch.set_num_threads(args.threads)
     fit, val = protocol_splits(load_embedded(), "validation")
@@ -126,7 +126,7 @@ def main() -> None:
         x = aux_draw(aux, labels, torch.Generator().manual_seed(88 + args.seed))
         syn = ImageDataset(x.numpy(), labels, fit.class_names, source=name)
         row = {"variant": name, "guide": guide, "init": init,
-               "final_loss": float(np.mean(res.losses[-vjob.auxgen.iterations_per_epoch:])),
+               "final_loss": float(np.mean(res.losses[-aux_iterations(vjob, int(rel["n_public"])):])),
                "auxgen": vjob.auxgen.__dict__, "features": vjob.frequency.features,
                "patch": vjob.frequency.patch, "stride": vjob.frequency.stride,
                "bandwidth2": vjob.frequency.bandwidth2, "fit_s": round(t_fit, 1),

@@ -8,7 +8,7 @@ import torch
 from tests.federation_fixtures import make_federation
 from tests.federation_fixtures import full_job
 from tests.test_fedsgd import _site_and_job
-from tests.test_review58_node_releases import _perturbed_weights
+from tests.test_node_release_side_channels import _perturbed_weights
 
 
 def test_fedsgd_contribution_does_not_depend_on_torchs_global_rng(tmp_path):

@@ -23,7 +23,7 @@ from feta_release.errors import PolicyError
 
 from .federation_fixtures import tiny_sites
 from .test_federation_patient import CAP, PATIENT_SITE, _federation
-from .test_review58_node_releases import BASE_LABELS, _csv_site
+from .test_node_release_side_channels import BASE_LABELS, _csv_site
 
 
 def _site_fed(tmp: Path, n: int) -> Any:

@@ -41,7 +41,7 @@ def _outcome(fn) -> tuple[str, object]:
 # -- Finding H1: a coordinator-chosen bandwidth2 turns the frequency release into an un-noised NaN test ---------
 
 
-def test_h1_frequency_release_is_not_a_nan_membership_test_on_neighbouring_datasets():
+def test_frequency_release_is_not_a_nan_membership_test_on_neighbouring_datasets():
     """Finding H1 (high; edge/releases.py:56 release_frequency, mechanisms/frequency.py:90 rff_frequencies, config.py:430
     bandwidth2 > 0 only). Attack: the coordinator signs [frequency] bandwidth2 = 1e-75 (allowed: only > 0 is
     checked, the policy has no rule on it). omega is then ~1e37, finite; x . omega overflows to inf for a bright
@@ -56,7 +56,7 @@ def test_h1_frequency_release_is_not_a_nan_membership_test_on_neighbouring_datas
     assert runs[0] == runs[1], f"neighbouring datasets are told apart with certainty: {runs}"
 
 
-def test_h1_secure_frequency_contribution_does_not_fail_only_for_one_dataset():
+def test_secure_frequency_contribution_does_not_fail_only_for_one_dataset():
     """Finding H1, secure-aggregation form (mechanisms/secure_sums.py:137 frequency_contribution): the same
     bandwidth2 makes phi(x) NaN for the bright image only; ``quantize_records`` then raises AFTER the charge, and the
     coordinator reads "failed after its privacy cost was charged" for one neighbour and a masked vector for the
@@ -83,7 +83,7 @@ def fed(tmp_path_factory):
     return make_federation(tmp_path_factory.mktemp("r58") / "fed")
 
 
-def test_h1_node_sends_no_nan_frequency_release_for_a_coordinator_chosen_bandwidth(fed):
+def test_node_sends_no_nan_frequency_release_for_a_coordinator_chosen_bandwidth(fed):
     """Finding H1 through the node: a signed job with bandwidth2 = 1e-75 is either refused before anything is
     charged (naming the rule) or answered with a finite release. Today the node charges it and sends NaN."""
     signed, _ = sign_job_file(fed, full_job(frequency={"bandwidth2": TINY_BANDWIDTH2}), "job-r58-bandwidth")
@@ -144,7 +144,7 @@ def _hello(tmp, labels: list[str], colour: list[bool] | None = None):
 BASE_LABELS = ["benign"] * 10 + ["malignant"] * 10
 
 
-def test_m1_hello_class_list_is_the_same_on_neighbouring_datasets(tmp_path):
+def test_hello_class_list_is_the_same_on_neighbouring_datasets(tmp_path):
     """Finding M1 (medium; edge/clientapp.py:45-46 hello sends ``site.data.n_classes`` / ``class_names``;
     data/loading.py:342 ``names = sorted(set(labels present))`` for a CSV, :287-300 one folder per class that must
     hold an image, :818 ``range(max label + 1)`` for an .npz without class_names). Nothing in the signed policy
@@ -176,7 +176,7 @@ def _perturbed_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def test_m2_a_dpsgd_round_depends_only_on_the_data_and_its_private_generator():
+def test_a_dpsgd_round_depends_only_on_the_data_and_its_private_generator():
     """Finding M2 (medium; training/dpsgd.py:246 ``vmap(..., randomness="different")`` and the hooks' batched forward
     draw ``nn.Dropout`` masks from torch's GLOBAL generator; unet.py:63; [model] dropout is the coordinator's choice,
     no policy rule). The request's noise source is ``ReleaseRng`` (256 OS bits, ``protocol.ReleaseRng``: "nothing
@@ -218,7 +218,7 @@ def test_m2_a_dpsgd_round_depends_only_on_the_data_and_its_private_generator():
 # -- Finding L1: a patient-level step's number of per-example-gradient calls counts the private patient layout ------
 
 
-def test_l1_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeypatch):
+def test_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeypatch):
     """Finding L1 (low; training/dpsgd.py:472 ``_noisy_patient_gradient``, :337 ``_patient_chunks`` + training/padding.py:60
     ``padding_chunks``). The step is padded to a public number of ROWS, but the padding assumes the real rows took
     ceil(real / size) calls; the real rows are cut into chunks of WHOLE patients (``_patient_chunks``), which take
@@ -245,7 +245,7 @@ def test_l1_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeyp
 # -- Finding L2: the NaN/inf refusal checks the weights in the coordinator's dtype, not in the model's -------------
 
 
-def test_l2_weights_that_are_finite_only_in_float64_are_refused_before_the_charge():
+def test_weights_that_are_finite_only_in_float64_are_refused_before_the_charge():
     """Finding L2 (low, defence in depth; edge/releases.py:70 ``_refuse_non_finite`` checks ``np.isfinite`` in the
     dtype the coordinator sent, then :119 / edge/fedsgd.py:64 ``load_state_dict`` casts into the float32 model).
     Attack: send the weights as float64 with 1e300 (or 1e39) in a chosen tensor: finite, so ``check_weights`` (the
@@ -273,7 +273,7 @@ def test_l2_weights_that_are_finite_only_in_float64_are_refused_before_the_charg
     assert not bad, f"admitted weights load as non-finite parameters: {bad}"
 
 
-def test_m1_the_image_shape_does_not_follow_a_majority_vote_over_the_images(tmp_path):
+def test_the_image_shape_does_not_follow_a_majority_vote_over_the_images(tmp_path):
     """Finding M1, second form (data/loading.py:544 ``_choose_channels``: majority colour mode, ties colour; :570
     ``_size_target``: the most common size when resize is allowed and no image_size is set). Every image is converted
     to the MAJORITY's channels, so one image flips the shape of all of them: 10 greyscale + 10 RGB images load as
@@ -306,7 +306,7 @@ def _config_refuses(section: str, clip: float) -> bool:
     return False
 
 
-def test_h2_central_mean_query_stays_within_the_clip_the_noise_is_scaled_to():
+def test_central_mean_query_stays_within_the_clip_the_noise_is_scaled_to():
     """Finding H2 (high; mechanisms/central.py:127 ``clip_rows`` casts x * clip / |x| to float32, :291 the noise is
     sigma x clip; config.py only checks clip > 0 and the policy has no rule on [central] clip). Attack: the
     coordinator signs [central] clip = 7.0e-45. Each pixel of the clipped image is ~7.1e-46, just above half the
@@ -329,7 +329,7 @@ def test_h2_central_mean_query_stays_within_the_clip_the_noise_is_scaled_to():
     assert ratio <= 1 + 1e-6, f"one image moves the query by {ratio:.3f} x the sensitivity the noise is scaled to"
 
 
-def test_h2_dpsgd_clip_and_sum_stays_within_the_clip_the_noise_is_scaled_to():
+def test_dpsgd_clip_and_sum_stays_within_the_clip_the_noise_is_scaled_to():
     """Finding H2, DP-SGD form (training/dpsgd.py:251 ``clip_and_sum``: factor = clip / |g| in float32; the policy's
     mechanisms.dpsgd.max_clip is an UPPER cap only). [dpsgd] clip = 1.07e-44: the factor rounds up to the smallest
     subnormal and one example's clipped gradient has norm 1.86 x clip against noise sigma x clip. With a large
@@ -385,7 +385,7 @@ def _decodes_per_hello(tmp, n: int, monkeypatch) -> int:
     return len(decoded)
 
 
-def test_l3_a_per_message_request_does_work_that_counts_the_exact_number_of_images(tmp_path, monkeypatch):
+def test_a_per_message_request_does_work_that_counts_the_exact_number_of_images(tmp_path, monkeypatch):
     """Finding L3 (low/medium; edge/site.py:105-115 ``Site.open`` per process: load_dataset decodes every file, the
     keyed commitment hashes every pixel; edge/cli.py:169 ``--no-worker`` and edge/forward.py:139/145 the in-process
     fallback). In a fresh ClientApp process each message first opens the site: O(exact N) decoding (~30 us per

@@ -45,7 +45,7 @@ def _reader_model() -> bytes:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def test_h1_a_session_never_reads_files_from_the_current_directory(tmp_path, monkeypatch):
+def test_a_session_never_reads_files_from_the_current_directory(tmp_path, monkeypatch):
     (tmp_path / "secret.bin").write_bytes(SECRET.tobytes())
     monkeypatch.chdir(tmp_path)
     try:
@@ -57,7 +57,7 @@ def test_h1_a_session_never_reads_files_from_the_current_directory(tmp_path, mon
     pytest.fail(f"the generator read secret.bin from the current directory: {out[:4]}...")
 
 
-def test_h1_verify_refuses_a_generator_with_external_data(release, keys):
+def test_verify_refuses_a_generator_with_external_data(release, keys):
     gen = release / "generator.onnx"
     model = onnx.load_model_from_string(gen.read_bytes())
     model.graph.initializer.append(_external("leak", "keys/site.key", 8))
@@ -71,7 +71,7 @@ def test_h1_verify_refuses_a_generator_with_external_data(release, keys):
     assert "external" in res.reason(), json.dumps(res.to_dict(), indent=1)[:2000]
 
 
-def test_h1_a_subgraph_with_external_data_is_refused_too():
+def test_a_subgraph_with_external_data_is_refused_too():
     from feta_release.release.verify import refuse_external_data
 
     body = helper.make_graph([helper.make_node("Identity", ["W"], ["o"])], "body", [],
@@ -103,7 +103,7 @@ def synthetic(tmp_path_factory, pristine, keys):
 
 
 @pytest.mark.parametrize("edit", ["epsilon", "lifetime", "statement", "png_metadata"])
-def test_m3_certified_privacy_must_be_the_releases(synthetic, pristine, keys, tmp_path, edit):
+def test_certified_privacy_must_be_the_releases(synthetic, pristine, keys, tmp_path, edit):
     import shutil
 
     from feta_release.release.certificate import CERTIFICATE_FILE, verify_synthetic
@@ -129,7 +129,7 @@ def test_m3_certified_privacy_must_be_the_releases(synthetic, pristine, keys, tm
     assert not res.ok and "certified privacy" in {c.name for c in res.failures}, res.reason()
 
 
-def test_m3_an_honest_certificate_still_verifies(synthetic, pristine, keys):
+def test_an_honest_certificate_still_verifies(synthetic, pristine, keys):
     from feta_release.release.certificate import verify_synthetic
 
     folder, signer = synthetic
@@ -137,7 +137,7 @@ def test_m3_an_honest_certificate_still_verifies(synthetic, pristine, keys):
     assert res.ok, res.reason()
 
 
-def test_h1_a_function_constant_with_external_data_is_refused():
+def test_a_function_constant_with_external_data_is_refused():
     from onnx import FunctionProto
 
     from feta_release.release.verify import refuse_external_data
@@ -153,7 +153,7 @@ def test_h1_a_function_constant_with_external_data_is_refused():
         refuse_external_data(model, "generator.onnx")
 
 
-def test_h1_a_light_install_without_onnx_refuses_it_too(release, keys, tmp_path, monkeypatch):
+def test_a_light_install_without_onnx_refuses_it_too(release, keys, tmp_path, monkeypatch):
     """Where only onnxruntime is installed, verify reads the metadata through a session: that session is sealed, so
     a generator whose external file sits in the current directory does not load (before: it loaded and verified)."""
     import sys

@@ -29,7 +29,7 @@ TRIGGERS = {
 
 
 @pytest.mark.parametrize("what", sorted(TRIGGERS))
-def test_m1_a_trigger_planted_in_the_ledger_is_refused(tmp_path, what):
+def test_a_trigger_planted_in_the_ledger_is_refused(tmp_path, what):
     p = tmp_path / "l.db"
     with Ledger(p, key=KEY) as led:
         led.charge("job0", "r0", "dpsgd", EV, BUDGET, response=b"a")
@@ -41,7 +41,7 @@ def test_m1_a_trigger_planted_in_the_ledger_is_refused(tmp_path, what):
             led.charge("job0", "r1", "dpsgd", EV, BUDGET, response=b"b")
 
 
-def test_m1_a_trigger_planted_while_the_node_runs_is_refused_before_the_next_write(tmp_path):
+def test_a_trigger_planted_while_the_node_runs_is_refused_before_the_next_write(tmp_path):
     p = tmp_path / "l.db"
     led = Ledger(p, key=KEY)
     led.charge("job0", "r0", "dpsgd", EV, BUDGET, response=b"a")
@@ -115,7 +115,7 @@ BAD_REPLIES = {
 
 
 @pytest.mark.parametrize("what", sorted(BAD_REPLIES))
-def test_m2_a_bad_round_reply_is_skipped_not_averaged(what):
+def test_a_bad_round_reply_is_skipped_not_averaged(what):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -128,7 +128,7 @@ def test_m2_a_bad_round_reply_is_skipped_not_averaged(what):
     assert any("site b skipped" in e for e in events), events
 
 
-def test_m2_a_non_finite_warm_up_release_is_not_pooled(tmp_path):
+def test_a_non_finite_warm_up_release_is_not_pooled(tmp_path):
     """Attack: a site's central release with NaN images: pooled, the warm-up set and then the global model were NaN
     (every honest node then refuses the weights: one site ended the job). Now it is that site's failure."""
     from feta_release.mechanisms.central import CentralRelease
@@ -153,7 +153,7 @@ def test_m2_a_non_finite_warm_up_release_is_not_pooled(tmp_path):
 
 
 @pytest.mark.parametrize("depth", [300, 100_000])
-def test_l1_deeply_nested_json_is_one_value_error(depth):
+def test_deeply_nested_json_is_one_value_error(depth):
     from feta_release.signing import loads_strict
 
     with pytest.raises(ValueError, match="nested"):
@@ -161,7 +161,7 @@ def test_l1_deeply_nested_json_is_one_value_error(depth):
     assert loads_strict('{"a": [[{"b": [1, 2]}]]}') == {"a": [[{"b": [1, 2]}]]}
 
 
-def test_l1_a_deeply_nested_reply_is_that_sites_failure():
+def test_a_deeply_nested_reply_is_that_sites_failure():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     events: list[str] = []
@@ -170,7 +170,7 @@ def test_l1_a_deeply_nested_reply_is_that_sites_failure():
     assert drv._round(0, model) == ["a"] and drv.skipped == {0: ["b"]}
 
 
-def test_l1_verify_refuses_a_deeply_nested_manifest(tmp_path):
+def test_verify_refuses_a_deeply_nested_manifest(tmp_path):
     from feta_release.release.verify import verify_release
 
     (tmp_path / "manifest.json").write_text('{"manifest": ' + "[" * 100_000 + "]" * 100_000 + "}")
@@ -218,7 +218,7 @@ ATTACKS = {
 
 
 @pytest.mark.parametrize("what", sorted(ATTACKS))
-def test_l2_a_wrong_attestation_is_refused_by_the_coordinator(what):
+def test_a_wrong_attestation_is_refused_by_the_coordinator(what):
     events: list[str] = []
     holder: dict = {}
 
@@ -262,7 +262,7 @@ class _HelloGrid:
 
 
 @pytest.mark.parametrize("what", sorted(MALFORMED_HELLOS))
-def test_l3_a_malformed_hello_refuses_that_node_not_the_job(what):
+def test_a_malformed_hello_refuses_that_node_not_the_job(what):
     from feta_release.federation.driver import SiteUnavailable
 
     events: list[str] = []

@@ -1,6 +1,6 @@
-"""The README's site-administrator path, run as written, with real processes (issue 17's "done when").
+"""The site administrator's path of docs/how-to/onboard-a-site.md, run as written, with real processes.
 
-From an empty folder, the commands of the README's "Site administrators" block (at most six) bring up a node that a
+From an empty folder, the commands of that how-to's first block (at most six) bring up a node that a
 real coordinator (Flower SuperLink with TLS and node authentication, on loopback) admits and whose job it serves;
 before the coordinator registers the node's key, the same node says it is refused and why.  Only what the environment dictates is
 substituted: the data path, the coordinator's address, the node's local port.  Slow: real Flower processes.
@@ -28,9 +28,9 @@ BIN = Path(sys.executable).parent
 
 
 def readme_commands() -> list[str]:
-    """The bash block under '## Site administrators': one string per command (continuations joined)."""
-    text = (REPO / "README.md").read_text("utf-8")
-    section = text[text.index("## Site administrators"):]
+    """The first bash block of the site administrator's how-to: one string per command (continuations joined)."""
+    text = (REPO / "docs" / "how-to" / "onboard-a-site.md").read_text("utf-8")
+    section = text[text.index("## The five commands"):]
     block = section[section.index("```bash") + len("```bash"):]
     block = block[:block.index("```")]
     joined = re.sub(r"\\\n\s*", " ", block)

@@ -371,7 +371,17 @@ def _audit(audit: dict[str, Any] | None, man: dict[str, Any]) -> str:
     return (f"<p>Audit of {src}, on canary data only (no site's images).</p>"
             + _table(("mechanism", "audited configuration", "claimed ε", "measured ε lower bound", "method", "result"),
                      rows, numeric=(2, 3))
-            + f"<p>{_h(AUDIT_CAVEAT)}</p>")
+            + _audit_scope(audit) + f"<p>{_h(AUDIT_CAVEAT)}</p>")
+
+
+def _audit_scope(audit: dict[str, Any]) -> str:
+    """What a "consistent" row covers (always the library's statement, whatever the supplied file says: the
+    audits are the library's games) and what of the audited job no row covers."""
+    from ..audit import SCOPE
+
+    missing = [str(m) for m in audit.get("not_audited", [])]
+    return (f"<p><strong>{_h(SCOPE)}</strong></p>"
+            + (f"<p>Not audited in this job: {_h('; '.join(missing))}.</p>" if missing else ""))
 
 
 def _files(rd: Path) -> str:

@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rounds = 5
     batch = max(1, n // 10)
     t_mean = best_time(lambda: central_images(images, labels, k, kind="mean", rounds=rounds, batch=batch, sigma=5.0,
-                                              n_public=n, rng=0), args.repeat)
+                                              n_public=n, rng=np.random.default_rng(0)), args.repeat)
     t_mode = best_time(lambda: central_images(images, labels, k, kind="mode", rounds=rounds, batch=batch, sigma=5.0,
-                                              n_public=n, rng=0), args.repeat)
+                                              n_public=n, rng=np.random.default_rng(0)), args.repeat)
 
     # float32 buffers reused across chunks: projection (F/2) and phi = [cos, sin] (F)
     chunk_buffer_mib = min(args.chunk, n) * args.features * 4 * 1.5 / 2**20

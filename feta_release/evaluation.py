@@ -19,6 +19,8 @@ noise 1,090.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -236,7 +238,38 @@ class EvaluationReport:
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
+        """Everything, for whoever ran the evaluation (they hold the held-out data): never the shareable file."""
         return asdict(self)
+
+    def shareable(self, salt: bytes) -> dict:
+        """What may go to a release report: no statistic of the held-out data but the accuracy and FD, labelled not
+        differentially private. Dropped: the held-out size (``n_real``; ``n_fd`` is min(synthetic, held-out)), its
+        class counts, per-class accuracies (their denominators are the class counts), its source path and its plain
+        hash (whoever has a candidate set could test it); in its place a commitment salted with ``salt``, which
+        the evaluator keeps (``heldout_commitment`` opens it)."""
+        keep = ("accuracy", "fd", "fd_name", "chance_accuracy", "n_synthetic", "class_names", "synthetic_class_counts",
+                "synthetic_source", "synthetic_fingerprint", "classifier_epochs", "feature_net_epochs", "seed",
+                "warnings")
+        doc = {k: v for k, v in asdict(self).items() if k in keep}
+        return {**doc, "not_dp": NOT_DP_STATEMENT, "real_commitment": heldout_commitment(self.real_fingerprint, salt)}
+
+
+NOT_DP_STATEMENT = ("accuracy and FD are computed without noise on real held-out images of whoever ran the evaluation "
+                    "(not the released data): they are not differentially private and not covered by the release's "
+                    "epsilon or signatures")
+COMMITMENT_SALT_BYTES = 32
+
+
+def new_commitment_salt() -> bytes:
+    return os.urandom(COMMITMENT_SALT_BYTES)
+
+
+def heldout_commitment(fingerprint: str, salt: bytes) -> str:
+    """SHA-256 over a domain tag, a secret salt and the held-out set's fingerprint: binds the evaluation to one
+    held-out set (the evaluator opens it by showing the salt and the data) without letting anyone test a guess."""
+    if len(salt) < 16:
+        raise ValueError(f"a commitment salt needs >= 128 bits, got {len(salt) * 8}")
+    return hashlib.sha256(b"feta-heldout-commitment-v1\n" + salt + fingerprint.encode("ascii")).hexdigest()
 
 
 def evaluate(

@@ -182,7 +182,7 @@ def test_cli_audit_writes_json_the_report_reads(tmp_path):
     from feta_release.release.report import _audit  # the report renders exactly this file
 
     html = _audit(doc, {"sites": [{"events": [{"stage": "central", "sigma": 5.0, "q": 0.5, "steps": 1}]}]})
-    assert html.count("consistent") == len(doc["audits"]) and "the σ of this release" in html
+    assert html.count('"pass">consistent<') == len(doc["audits"]) and "the σ of this release" in html
     r = CliRunner().invoke(cli, ["audit", "--out", str(out)])
     assert "exactly one of --preset" in str(r.exception)
 
@@ -193,3 +193,29 @@ def test_mean_audit_shows_something_at_the_presets_sigma(sigma, above):
     threshold was fitted at confidence 0.5 (extreme tails, chance counts); fitted at the evaluation's 0.95 it shows."""
     res = audit_one_shot("central mean", sigma, trials=20000, delta=DELTA, seed=0)
     assert above < res.lower_bound <= res.claimed_epsilon, res
+
+
+def test_a_consistent_audit_states_its_scope_in_the_cli_the_file_and_the_report(tmp_path):
+    """"consistent" covers one unsampled Gaussian release or one DP-SGD run alone: the verdict must not read as a
+    check of secure sums, FedSGD, patient clipping or the job's composed epsilon."""
+    from feta_release.audit import not_audited
+    from feta_release.cli import cli
+    from feta_release.config import load_preset
+    from feta_release.release.report import _audit
+
+    out = tmp_path / "audit.json"
+    r = CliRunner().invoke(cli, ["audit", "--preset", "tiny", "--trials", "200", "--canaries", "20", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    html = _audit(doc, {"sites": []})
+    for text in (r.output, doc["scope"], html):
+        for term in ("single unsampled Gaussian release", "one run of DP-SGD", "secure sums", "FedSGD",
+                     "patient-level", "composition"):
+            assert term in text, (term, text[:200])
+    assert "consistent*" in r.output and "Not audited in this job" in r.output
+    assert any("composition" in m for m in doc["not_audited"])
+    federated = load_preset("tiny").replace(federation={"sites": ("a", "b", "c"), "secure_aggregation": True,
+                                                         "fedsgd": True})
+    missing = " ".join(not_audited(federated))
+    assert "secure sums" in missing and "FedSGD" in missing
+    assert "secure sums" not in " ".join(not_audited(load_preset("tiny")))

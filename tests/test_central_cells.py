@@ -93,7 +93,8 @@ def test_noise_scale_and_public_denominator_with_cells() -> None:
     """q = 1: released x (B_c / cells) - query is exactly the noise, std sigma * C (same as one cell)."""
     x, y = data()
     sigma, cells = 2.0, 3
-    rel, ev = central_images(x, y, K, rounds=15, batch=120, sigma=sigma, clip=2.0, n_public=120, rng=3, cells=cells)
+    rel, ev = central_images(x, y, K, rounds=15, batch=120, sigma=sigma, clip=2.0, n_public=120,
+                             rng=np.random.default_rng(3), cells=cells)
     assert ev == PrivacyEvent("central", sigma, 1.0, 15)  # the same event as cells = 1
     assert rel.denominator == pytest.approx(120 / (K * cells)) and rel.cells == cells
     assert rel.values.shape == (15 * K * cells, 1, 6, 6)
@@ -113,7 +114,7 @@ def test_noise_scale_and_public_denominator_with_cells() -> None:
 
 def test_refusals() -> None:
     x, y = data()
-    ok = dict(rounds=1, batch=60, sigma=1.0, n_public=120, rng=0)
+    ok = dict(rounds=1, batch=60, sigma=1.0, n_public=120, rng=np.random.default_rng(0))
     for bad in (dict(cells=0), dict(cells=2, kind="mode"), dict(cells=1.5)):
         with pytest.raises(PrivacyError):
             central_images(x, y, K, **{**ok, **bad})  # type: ignore[arg-type]

@@ -191,7 +191,17 @@ def test_cli_evaluate_run_dir_and_real_npz(split, tmp_path: Path, capsys) -> Non
     info = json.loads(out)
     assert info["n_synthetic"] == 200 and info["n_real"] == 200 and info["fd_name"] == FD_NAME
     assert (tmp_path / "run" / "evaluation" / "samples.png").is_file()
-    assert json.loads((tmp_path / "run" / "evaluation" / "evaluation.json").read_text())["fd"] == info["fd"]
+    shared = json.loads((tmp_path / "run" / "evaluation" / "evaluation.json").read_text())
+    assert shared["fd"] == info["fd"] and "not differentially private" in shared["not_dp"]
+    for key in ("n_real", "n_fd", "real_class_counts", "per_class_accuracy", "real_fingerprint", "real_source"):
+        assert key not in shared, key  # the shareable file holds no held-out statistic but accuracy and FD
+    private = tmp_path / "run" / "evaluation" / "evaluation-private.json"
+    assert private.stat().st_mode & 0o077 == 0  # the evaluator's own record: owner-only
+    full = json.loads(private.read_text())
+    assert full["n_real"] == 200 and full["real_fingerprint"] == heldout.subset(np.arange(0, heldout.n, 5)).fingerprint()
+    from feta_release.evaluation import heldout_commitment
+
+    assert shared["real_commitment"] == heldout_commitment(full["real_fingerprint"], bytes.fromhex(full["commitment_salt"]))
 
 
 def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, capsys) -> None:

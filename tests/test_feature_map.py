@@ -100,7 +100,8 @@ def test_peak_rows_of_a_node_release_do_not_depend_on_the_count(monkeypatch) -> 
         seen.clear()
         for rows in (n, public - n):  # the release, then its padding
             x, y = _images(rows, seed=n), np.arange(rows) % 3
-            frequency_statistics(x, y, 3, features=90, sigma=1.0, n_public=public, rng=0, chunk=10**6, patch=4,
+            frequency_statistics(x, y, 3, features=90, sigma=1.0, n_public=public,
+                                 rng=np.random.default_rng(0), chunk=10**6, patch=4,
                                  stride=4)
         assert sum(seen) == public
         peaks.add(max(seen))
@@ -125,7 +126,8 @@ def test_release_noise_has_std_sigma_over_n_with_patches() -> None:
     """E + N(0, (sigma/N)^2): the residuals of 200 x 3 entries have std sigma/N; 600 draws give the std within
     ~3 % (1 sd); tolerance 15 %."""
     x, y = _images(50), np.arange(50) % 3
-    rel, event = frequency_statistics(x, y, 3, features=200, sigma=2.0, n_public=40, rng=7, patch=4, stride=4)
+    rel, event = frequency_statistics(x, y, 3, features=200, sigma=2.0, n_public=40,
+                                      rng=np.random.default_rng(7), patch=4, stride=4)
     exact = embedding_sum(x, y, 3, FeatureMap(SHAPE, 200, patch=4, stride=4)) / 40
     assert (rel.patch, rel.stride, event.sigma, event.q, event.steps) == (4, 4, 2.0, 1.0, 1)
     assert float(np.std(rel.embedding - exact)) == pytest.approx(2.0 / 40, rel=0.15)
@@ -133,10 +135,10 @@ def test_release_noise_has_std_sigma_over_n_with_patches() -> None:
 
 def test_release_arrays_carry_the_map_and_old_files_read_as_the_pixel_map() -> None:
     x, y = _images(30), np.arange(30) % 3
-    rel, _ = frequency_statistics(x, y, 3, features=64, sigma=1.0, n_public=30, rng=1, patch=6, stride=3)
+    rel, _ = frequency_statistics(x, y, 3, features=64, sigma=1.0, n_public=30, rng=np.random.default_rng(1), patch=6, stride=3)
     back = FrequencyRelease.from_arrays(rel.to_arrays())
     assert (back.patch, back.stride) == (6, 3) and back.feature_map() == rel.feature_map()
-    pixel, _ = frequency_statistics(x, y, 3, features=64, sigma=1.0, n_public=30, rng=1)
+    pixel, _ = frequency_statistics(x, y, 3, features=64, sigma=1.0, n_public=30, rng=np.random.default_rng(1))
     arrays = pixel.to_arrays()
     assert "patch" not in arrays and "stride" not in arrays  # byte-for-byte the files of before the option
     assert FrequencyRelease.from_arrays(arrays).patch == 0
@@ -150,7 +152,7 @@ def test_aux_generator_fits_through_the_patch_map() -> None:
     cfg = load_preset("tiny").replace(auxgen={"epochs": 2, "iterations_per_epoch": 5}, frequency={"patch": 4,
                                                                                                  "stride": 4})
     x, y = _images(60), np.arange(60) % 3
-    rel, _ = frequency_statistics(x, y, 3, features=90, sigma=0.5, n_public=60, rng=2, patch=4, stride=4)
+    rel, _ = frequency_statistics(x, y, 3, features=90, sigma=0.5, n_public=60, rng=np.random.default_rng(2), patch=4, stride=4)
     res = fit_aux_generator(rel.embedding, rel.feature_map(), SHAPE, 3, cfg, 60,
                             generator=torch.Generator().manual_seed(0), return_result=True)
     assert res.steps == 10 and all(math.isfinite(v) for v in res.losses)
@@ -201,7 +203,7 @@ def test_pooled_frequency_refuses_releases_of_another_map() -> None:
 
     x, y = _images(30), np.arange(30) % 3
     cfg = load_preset("tiny").replace(frequency={"features": 64, "patch": 6, "stride": 3})
-    rel, _ = frequency_statistics(x, y, 3, features=64, sigma=1.0, n_public=30, rng=1, patch=6, stride=3)
+    rel, _ = frequency_statistics(x, y, 3, features=64, sigma=1.0, n_public=30, rng=np.random.default_rng(1), patch=6, stride=3)
     arrays = {k: np.asarray(v) for k, v in rel.to_arrays().items()}
     assert pooled_frequency({"a": arrays}, {"a": 30}, cfg).patch == 6
     with pytest.raises(DataError, match="not made for this job"):

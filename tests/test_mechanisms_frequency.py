@@ -72,7 +72,7 @@ def test_event_and_noise_scale() -> None:
     the sample std 0.9 %; tolerance 5 % (> 5 se), far from e.g. sigma alone or sigma / sqrt(N)."""
     x, y = data()
     sigma, n_public = 4.0, 90
-    rel, ev = frequency_statistics(x, y, K, features=2000, sigma=sigma, seed=2, n_public=n_public, rng=42)
+    rel, ev = frequency_statistics(x, y, K, features=2000, sigma=sigma, seed=2, n_public=n_public, rng=np.random.default_rng(42))
     assert ev == PrivacyEvent("frequency", sigma, 1.0, 1)
     assert rel.embedding.shape == (2000, K) and rel.embedding.dtype == np.float32
     clean = embedding_sum(x, y, K, rff_frequencies(36, 2000, 105.0, 2)) / n_public
@@ -112,11 +112,11 @@ def test_streams_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(fm, "_features_into", spy)
     x, y = data(n=90)
-    a, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=1, chunk=7)
+    a, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), chunk=7)
     assert max(r for r, _ in seen) == 7 and sum(r for r, _ in seen) == 90
     assert {buf for _, buf in seen} == {7}  # the feature buffer itself holds 7 rows
     seen.clear()
-    b, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=1, chunk=512)
+    b, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), chunk=512)
     assert seen == [(45, 45), (45, 45)]  # steps capped at half the public size (feature_map.release_chunk)
     assert np.allclose(a.embedding, b.embedding, atol=1e-6)  # chunking does not change the statistic
 
@@ -125,15 +125,15 @@ def test_per_class_columns_ignore_other_classes() -> None:
     x, y = data()
     x2 = x.copy()
     x2[y == 2] = 1.0 - x2[y == 2]
-    a, _ = frequency_statistics(x, y, K, features=300, sigma=1.0, n_public=90, rng=3)
-    b, _ = frequency_statistics(x2, y, K, features=300, sigma=1.0, n_public=90, rng=3)
+    a, _ = frequency_statistics(x, y, K, features=300, sigma=1.0, n_public=90, rng=np.random.default_rng(3))
+    b, _ = frequency_statistics(x2, y, K, features=300, sigma=1.0, n_public=90, rng=np.random.default_rng(3))
     assert np.array_equal(a.embedding[:, :2], b.embedding[:, :2])
     assert not np.array_equal(a.embedding[:, 2], b.embedding[:, 2])
 
 
 def test_refuses_bad_parameters() -> None:
     x, y = data()
-    ok = dict(features=100, sigma=1.0, n_public=90, rng=0)
+    ok = dict(features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(0))
     for bad in [dict(sigma=0.0), dict(sigma=-2.0), dict(features=101), dict(features=0), dict(n_public=0),
                 dict(chunk=0), dict(rng="seed"), dict(bandwidth2=0.0)]:
         with pytest.raises(PrivacyError):
@@ -150,15 +150,15 @@ def test_refuses_bad_parameters() -> None:
 
 def test_combine_weighted_by_public_sizes() -> None:
     x, y = data()
-    a, _ = frequency_statistics(x[:60], y[:60], K, features=100, sigma=1.0, n_public=60, rng=1)
-    b, _ = frequency_statistics(x[60:], y[60:], K, features=100, sigma=1.0, n_public=30, rng=2)
+    a, _ = frequency_statistics(x[:60], y[:60], K, features=100, sigma=1.0, n_public=60, rng=np.random.default_rng(1))
+    b, _ = frequency_statistics(x[60:], y[60:], K, features=100, sigma=1.0, n_public=30, rng=np.random.default_rng(2))
     c = combine_frequency([a, b])
     assert c.n_public == 90
     assert np.allclose(c.embedding, (60 * a.embedding + 30 * b.embedding) / 90, atol=1e-6)
     # Without noise, combining sites equals the statistic of the pooled data.
-    a0, _ = frequency_statistics(x[:60], y[:60], K, features=100, sigma=1e-9, n_public=60, rng=1)
-    b0, _ = frequency_statistics(x[60:], y[60:], K, features=100, sigma=1e-9, n_public=30, rng=2)
-    pooled, _ = frequency_statistics(x, y, K, features=100, sigma=1e-9, n_public=90, rng=3)
+    a0, _ = frequency_statistics(x[:60], y[:60], K, features=100, sigma=1e-9, n_public=60, rng=np.random.default_rng(1))
+    b0, _ = frequency_statistics(x[60:], y[60:], K, features=100, sigma=1e-9, n_public=30, rng=np.random.default_rng(2))
+    pooled, _ = frequency_statistics(x, y, K, features=100, sigma=1e-9, n_public=90, rng=np.random.default_rng(3))
     assert np.allclose(combine_frequency([a0, b0]).embedding, pooled.embedding, atol=1e-6)
     # Saved arrays (e.g. a loaded .npz) and explicit public sizes are accepted.
     d = combine_frequency([a.to_arrays(), b.to_arrays()], sizes=[1, 1])
@@ -168,7 +168,7 @@ def test_combine_weighted_by_public_sizes() -> None:
     assert (back.n_public, back.features, back.bandwidth2, back.seed, back.sigma, back.image_shape) == (
         a.n_public, a.features, a.bandwidth2, a.seed, a.sigma, a.image_shape)
     assert torch.equal(back.omega(), a.omega())
-    other, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=1, seed=99)
+    other, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), seed=99)
     with pytest.raises(DataError, match="same public frequencies"):
         combine_frequency([a, other])
     with pytest.raises(DataError):

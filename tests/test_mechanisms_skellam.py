@@ -201,3 +201,71 @@ def test_integer_seeds_are_refused_everywhere(seed: object) -> None:
         sk.skellam_noise(3, 4.0, seed)  # type: ignore[arg-type]
     with pytest.raises(PrivacyError, match="numpy Generator"):
         sk.site_contribution(np.zeros((1, 10)), p, seed)  # type: ignore[arg-type]
+
+
+# -- conditional rounding does the same work whatever the data ------------------------------------------------
+
+
+def _state_after_quantizing(recs: np.ndarray, p: sk.SkellamParams) -> object:
+    gen = np.random.default_rng(11)
+    sk.quantize_records(recs, p, gen)
+    return gen.bit_generator.state
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), dim=st.sampled_from([7, 49, 196]), data=st.data())
+def test_rounding_draws_the_same_randomness_whatever_the_records(rows: int, dim: int, data: st.DataObject) -> None:
+    """The reply latency of a secure sum must not follow how many records sit at the clip norm: records at the
+    norm (rejected ~10 % of the time by the norm bound) and records at a fraction of it (never rejected) consume
+    exactly the same random words from the same generator (the same final state)."""
+    p = params(dim=dim, scale=1024.0)
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="records"))
+    direction = g.standard_normal((rows, dim))
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    fraction = data.draw(st.floats(0.0, 0.6), label="norm of the others")
+    at_clip = _state_after_quantizing(direction * 1.5, p)  # clipped to the norm
+    assert _state_after_quantizing(direction * fraction, p) == at_clip
+    assert _state_after_quantizing(np.zeros((rows, dim)), p) == at_clip
+
+
+def test_rounding_draws_a_fixed_number_of_uniforms_per_value() -> None:
+    """K candidates per record, counted on a wrapped generator: the same count for clipped and small records."""
+
+    class Counting(np.random.Generator):
+        def __init__(self) -> None:
+            super().__init__(np.random.PCG64(3))
+            self.values = 0
+
+        def random(self, size=None, dtype=np.float64, out=None):  # type: ignore[no-untyped-def,override]
+            self.values += int(np.prod(size))
+            return super().random(size, dtype, out)
+
+    p = params(dim=49, scale=1024.0)
+    recs = np.random.default_rng(4).standard_normal((300, 49))
+    counts = []
+    for norm in (5.0, 1.0, 0.5, 0.0):
+        gen = Counting()
+        sk.quantize_records(recs / np.linalg.norm(recs, axis=1, keepdims=True) * norm, p, gen)
+        counts.append(gen.values)
+    assert counts == [sk.ROUNDING_CANDIDATES * 300 * 49] * 4
+
+
+def test_constant_work_rounding_has_the_conditional_distribution_of_rejection_sampling() -> None:
+    """The first accepted of the K candidates is the unbiased rounding conditioned on the norm bound, exactly as
+    redrawing until accepted: chi-square against the exact conditional law of every outcome, with a bound that
+    rejects ~30 % of the draws (so the fallback batch is exercised too)."""
+    x = np.array([0.5, 0.7, 1.4])
+    bound = 2.2
+    floor, frac = np.floor(x), x - np.floor(x)
+    outcomes = [floor + np.array(bits) for bits in np.ndindex(2, 2, 2)]
+    prob = np.array([np.prod(np.where(np.array(bits) == 1, frac, 1 - frac)) for bits in np.ndindex(2, 2, 2)])
+    accepted = np.array([np.linalg.norm(o) <= bound for o in outcomes])
+    assert 0.2 < prob[~accepted].sum() < 0.5
+    expected = np.where(accepted, prob, 0) / prob[accepted].sum()
+    n = 40_000
+    out = sk.conditional_round(np.repeat(x[None, :], n, axis=0), bound, np.random.default_rng(8))
+    assert (np.linalg.norm(out, axis=1) <= bound + 1e-12).all()
+    index = ((out - floor) * np.array([4, 2, 1])).sum(axis=1).astype(np.int64)
+    counts = np.bincount(index, minlength=8)
+    assert (counts[~accepted] == 0).all()
+    assert stats.chisquare(counts[accepted], n * expected[accepted]).pvalue > 1e-4

@@ -179,16 +179,18 @@ def test_other_job_into_existing_run_dir_is_refused(tiny_run, tmp_path):
 
 
 def test_budget_exhausted_by_warmup_leaves_nothing(tmp_path):
+    """With a declared public size the plan is checked before anything is written (a run that draws its size is
+    refused only after the draw: tests/test_public_size_draw.py)."""
     cfg = _cfg(central={"sigma": 0.3, "rounds": 5})
     with pytest.raises(PrivacyError, match="warm-up"):
-        run_pipeline(cfg, _data(), tmp_path / "r")
+        run_pipeline(cfg, _data(), tmp_path / "r", public_size=240)
     assert not (tmp_path / "r").exists()
 
 
 def test_fewer_examples_than_the_batch_is_refused(tmp_path):
     cfg = _cfg(dpsgd={"batch": 500})
     with pytest.raises(DataError, match="fewer than the DP-SGD batch"):
-        run_pipeline(cfg, _data(), tmp_path / "r")
+        run_pipeline(cfg, _data(), tmp_path / "r", public_size=240)
     assert not (tmp_path / "r").exists()
 
 

@@ -421,7 +421,7 @@ def test_central_images_sensitivity_under_add_remove_with_public_denominator(n, 
     assert sens == sens2
     assert float(np.linalg.norm((s_big - s_small).ravel())) <= sens * (1 + 1e-6)
     rel, ev = central_images(images[:n], labels[:n], 3, kind=kind, rounds=1, batch=batch, sigma=1.0, clip=clip,
-                             n_public=n_public, rng=seed)
+                             n_public=n_public, rng=np.random.default_rng(seed))
     assert ev.q == batch / n_public
     assert rel.denominator == (batch / 3 if kind == "mean" else 1.0)
 
@@ -435,7 +435,7 @@ def test_central_mean_noise_is_sigma_c_over_the_public_denominator():
         images, labels = _digits(n, 1)
         labels[:] = 0  # classes 1 and 2 are empty: their rows are pure noise
         rel, _ = central_images(images, labels, 3, kind="mean", rounds=40, batch=30, sigma=2.0, clip=0.5,
-                                n_public=300, rng=7)
+                                n_public=300, rng=np.random.default_rng(7))
         noise = rel.values[rel.labels != 0].ravel()  # 2 classes x 40 rounds x 9 pixels = 720 draws
         assert float(noise.std()) == pytest.approx(2.0 * 0.5 / 10.0, rel=0.12)
 
@@ -455,7 +455,7 @@ def test_frequency_sensitivity_is_one_over_the_public_size(n, n_public, seed):
     diff = (embedding_sum(images, labels, 3, omega) - embedding_sum(images[:n], labels[:n], 3, omega)) / n_public
     assert float(np.linalg.norm(diff)) == pytest.approx(1.0 / n_public, rel=1e-4)
     rel, ev = frequency_statistics(images[:n], labels[:n], 3, features=64, sigma=1.0, bandwidth2=10.0, seed=3,
-                                   n_public=n_public, rng=seed)
+                                   n_public=n_public, rng=np.random.default_rng(seed))
     assert rel.n_public == n_public and ev.q == 1.0
     del torch
 
@@ -467,7 +467,7 @@ def test_frequency_noise_std_is_sigma_over_the_public_size():
     omega = rff_frequencies(36, 2000, 10.0, 3)
     clean = embedding_sum(images, labels, 3, omega) / 500
     rel, _ = frequency_statistics(images, labels, 3, features=2000, sigma=3.0, bandwidth2=10.0, seed=3,
-                                  n_public=500, rng=0)
+                                  n_public=500, rng=np.random.default_rng(0))
     noise = rel.embedding.astype(np.float64) - clean  # 6,000 draws
     assert float(noise.std()) == pytest.approx(3.0 / 500, rel=0.05)
 

@@ -49,7 +49,7 @@ def test_a_prototype_cell_depends_on_its_own_image_only(x: np.ndarray, labels: l
 def _sums(x: np.ndarray, y: np.ndarray, p: np.ndarray) -> np.ndarray:
     """The released cell sums with (practically) no noise, q = 1: the query itself."""
     rel, _ = central_images(x, y, K, kind="mean", rounds=1, batch=len(x), sigma=1e-12, clip=2.0, downsample=0.5,
-                            n_public=len(x), rng=0, cells=CELLS, prototypes=p)
+                            n_public=len(x), rng=np.random.default_rng(0), cells=CELLS, prototypes=p)
     return rel.values.reshape(K * CELLS, -1) * (len(x) / (K * CELLS))
 
 
@@ -68,7 +68,8 @@ def test_one_more_image_moves_one_sum_of_its_class_by_at_most_the_clip() -> None
 def test_the_event_is_the_slant_rules_event() -> None:
     g = np.random.default_rng(2)
     x, y = g.random((30, 1, SIDE, SIDE), dtype=np.float32), np.arange(30) % K
-    kw = dict(kind="mean", rounds=1, batch=30, sigma=3.0, clip=2.0, downsample=0.5, n_public=30, rng=0, cells=CELLS)
+    kw = dict(kind="mean", rounds=1, batch=30, sigma=3.0, clip=2.0, downsample=0.5, n_public=30,
+              rng=np.random.default_rng(0), cells=CELLS)
     _, slant = central_images(x, y, K, **kw)
     _, aux = central_images(x, y, K, prototypes=protos(), **kw)
     assert aux == slant
@@ -79,7 +80,8 @@ def test_the_event_is_the_slant_rules_event() -> None:
 def test_prototypes_of_the_wrong_shape_or_not_finite_are_refused(bad: np.ndarray) -> None:
     x, y = np.zeros((6, 1, SIDE, SIDE), np.float32), np.arange(6) % K
     with pytest.raises(PrivacyError, match="cell prototypes must be finite numbers of shape"):
-        central_images(x, y, K, kind="mean", rounds=1, batch=6, sigma=3.0, clip=2.0, n_public=6, rng=0, cells=CELLS,
+        central_images(x, y, K, kind="mean", rounds=1, batch=6, sigma=3.0, clip=2.0, n_public=6,
+                       rng=np.random.default_rng(0), cells=CELLS,
                        prototypes=bad)
 
 

@@ -167,3 +167,21 @@ def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
     counts = json.loads((out / "run.json").read_text())["public_size"]["counts"]
     assert set(counts) == {"size", "patients"} and counts["patients"] >= 10
     assert res.epsilon > epsilon(res.events[2:], res.delta, "rdp")
+
+
+@pytest.mark.parametrize("n", [80, 90])
+def test_a_run_without_a_declared_size_refuses_only_at_the_drawn_size(tmp_path, n):
+    """Whether `train` refuses, and what it says, must not be a function of the exact count: the batch check and
+    the plan wait for the noisy draw (charged first) and name the drawn size. The check used to plan at the
+    rounded EXACT count before the draw: 80 images refused with "public size 80", uncharged, 90 with "90"."""
+    from feta_release.errors import DataError
+    from feta_release.training.pipeline import run_pipeline
+
+    cfg = load_preset("tiny").replace(central={"batch": 5000})  # above any size these counts can draw
+    out = tmp_path / "r"
+    with pytest.raises(DataError, match="fewer than \\[central\\] batch") as refused:
+        run_pipeline(cfg, _data(n), out, n_synthetic=0, grid_per_class=1, noise_seed=3)
+    rows, events = _ledger_rows(out)
+    assert [r["mechanism"] for r in rows] == ["size"] and [e["stage"] for e in events] == ["size"]
+    drawn = json.loads((out / "released" / "size.json").read_text())["counts"]["size"]
+    assert f"public size {drawn}," in str(refused.value)

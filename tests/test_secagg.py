@@ -284,8 +284,13 @@ def test_many_sums_on_one_key_setup_with_dropouts_along_the_way(data: st.DataObj
         np.testing.assert_array_equal(total, modsum([vectors[i] for i in masking], cfg))
         assert co.contributors == tuple(sorted(masking))
         gone |= drop
-    with pytest.raises(sa.SecAggError, match="sum\\(s\\) of this key setup are done"):
+        if drop:  # the first sum with a dropout is the last of the key setup, at every site and the coordinator
+            break
+    with pytest.raises(sa.SecAggError, match="this key setup is over"):
         co.collect_masked({})
+    for i in set(cfg.node_ids) - gone:
+        with pytest.raises(sa.SecAggError, match="key setup session is over"):
+            sites[i].masked_vector(None, np.zeros(5, dtype=np.uint64))
 
 
 def session(rounds: int = 3) -> tuple[sa.RoundConfig, dict[int, sa.SecAggSite], sa.SecAggCoordinator,
@@ -297,20 +302,24 @@ def session(rounds: int = 3) -> tuple[sa.RoundConfig, dict[int, sa.SecAggSite], 
     return cfg, sites, co, routed
 
 
-def test_a_site_dropped_in_one_sum_is_never_called_alive_again() -> None:
-    """Its mask key was revealed, so all its later pairwise masks are known: a coordinator that calls it alive in a
-    later sum (to get its seed share too) is refused by every honest site."""
+def test_a_dropout_ends_the_key_setup_at_every_site_and_the_coordinator() -> None:
+    """Site 5 drops in sum 0 (its mask key is rebuilt). Going on without it would leave each site masking against
+    fewer peers than the job's, a case ``honest_shares`` does not bound: the next sum needs a new key setup."""
     cfg, sites, co, routed = session()
     zero = np.zeros(cfg.dim, dtype=np.uint64)
     requests = co.collect_masked({i: sites[i].masked_vector(routed[i], zero) for i in (1, 2, 3, 4)})
     assert requests[1] == ([1, 2, 3, 4], [5])
-    co.finish({i: sites[i].unmask(*requests[i]) for i in requests})
+    np.testing.assert_array_equal(co.finish({i: sites[i].unmask(*requests[i]) for i in requests}), zero)
     for i in (1, 2, 3, 4):
-        sites[i].masked_vector(None, zero)
-    with pytest.raises(sa.SecAggError, match="cannot be alive again"):
-        sites[1].unmask([1, 2, 3, 4, 5], [])
-    with pytest.raises(sa.SecAggError, match="outside this site's peers"):
-        sites[2].unmask([1, 2, 3, 4], [5])  # and its key share, already given, is not asked for again
+        with pytest.raises(sa.SecAggError, match="key setup s is over"):
+            sites[i].masked_vector(None, zero)
+        with pytest.raises(sa.SecAggError, match="expects stage"):
+            sites[i].unmask([1, 2, 3, 4, 5], [])  # nor is any share of a later sum handed out
+        assert not sites[i].seed_shares and not sites[i].sk1_shares and not sites[i].rd_seeds
+    with pytest.raises(sa.SecAggError, match="this key setup is over"):
+        co.collect_masked({i: zero for i in (1, 2, 3, 4)})
+    total, _ = run_round(cfg, {i: np.full(cfg.dim, i, dtype=np.uint64) for i in cfg.node_ids}, sites=sites)
+    np.testing.assert_array_equal(total, np.full(cfg.dim, 15, dtype=np.uint64))  # a new setup sums again
 
 
 def test_a_site_alive_in_one_sum_is_never_called_dropped_later() -> None:
@@ -422,3 +431,77 @@ def test_a_split_view_isolates_a_vector_exactly_when_the_epsilon_counts_only_the
     e = site_epsilons(p, 1.0, 1, 1e-5, threshold=t, colluders=c)
     assert isolated == e.isolable
     assert (e.honest_shares == 1) == isolated and e.honest_shares <= t - c  # fewer when sums of 2+ sites decode
+
+
+# -- a lying coordinator across the sums of one key setup ----------------------------------------------------
+
+# Sum-0 views of a coordinator that lies to each site (n = 5, t = 3; site 1 the victim). Each view passes every
+# check of one sum: the victim is not isolated in sum 0. But sites 3, 4, 5 call site 2 dropped and sites 2, 4, 5
+# call site 3 dropped: the mask keys of 2 and 3 are rebuilt, while the victim was told 4 and 5 dropped.
+LYING_VIEWS_SUM0 = {1: ([1, 2, 3], [4, 5]), 2: ([2, 4, 5], [3]), 3: ([3, 4, 5], [2]), 4: ([1, 4, 5], [2, 3]),
+                    5: ([1, 4, 5], [2, 3])}
+LYING_VIEWS_SUM1 = {2: [1, 2, 4], 4: [1, 4, 5], 5: [1, 4, 5]}  # then the victim's sum-1 seed is called alive
+
+
+def _recover_victim_in_sum_1(sites: dict[int, sa.SecAggSite], keys: dict[int, sa.KeyAdvert], cfg: sa.RoundConfig,
+                             revealed: dict[int, dict[int, bytes]], x1: np.ndarray) -> np.ndarray | None:
+    """The coordinator's attack in sum 1: the victim's vector from its sum-1 seed and the keys of sites 2 and 3
+    rebuilt from the sum-0 replies (``revealed``), or None once an honest site refuses a step."""
+    zero = np.zeros(cfg.dim, dtype=np.uint64)
+    try:
+        masked = sites[1].masked_vector(None, x1)
+        for i in LYING_VIEWS_SUM1:
+            sites[i].masked_vector(None, zero)
+        seed_sh = [sites[i].unmask(view, [])[1] for i, view in LYING_VIEWS_SUM1.items()]
+    except sa.SecAggError:
+        return None
+    v = (masked - sa.prg_mask(sa.combine_shares(seed_sh), cfg, 1)) & cfg.mask
+    for peer in (2, 3):
+        sk1 = sa.combine_shares([revealed[i][peer] for i, (_, dead) in LYING_VIEWS_SUM0.items() if peer in dead])
+        v = (v - sa.pairwise_mask(sa._pair_key(sk1, keys[1][0]), 1, peer, cfg, 1)) & cfg.mask
+    return v
+
+
+def test_a_lying_coordinator_cannot_isolate_a_site_in_a_later_sum_of_one_key_setup() -> None:
+    """Split views in sum 0 rebuild the mask keys of sites 2 and 3 and tell the victim that 4 and 5 dropped. A
+    site that went on masking against only the peers it still called alive (2 and 3) would hand its sum-1 vector
+    to the coordinator alone, with no colluder. A dropout in a site's view ends its key setup: refused."""
+    cfg = sa.RoundConfig("split-across-sums", (1, 2, 3, 4, 5), threshold=3, dim=8, modulus_bits=32, rounds=2)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    g = np.random.default_rng(5)
+    for i in cfg.node_ids:
+        sites[i].masked_vector(routed[i], g.integers(0, 1000, 8).astype(np.uint64))
+    revealed = {i: sites[i].unmask(*view) for i, view in LYING_VIEWS_SUM0.items()}  # every site answers sum 0
+    x1 = g.integers(0, 1000, 8).astype(np.uint64)
+    assert _recover_victim_in_sum_1(sites, keys, cfg, revealed, x1) is None
+    with pytest.raises(sa.SecAggError, match="key setup split-across-sums is over"):
+        sites[1].masked_vector(None, x1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_a_key_setup_goes_on_at_a_site_only_after_a_sum_that_called_every_site_alive(data: st.DataObject) -> None:
+    """Any view a coordinator sends in sum 0 (each one that passes the one-sum checks): the site masks again in
+    sum 1 of the same setup iff that view called every site of the job alive; else nothing of the setup is left."""
+    n = data.draw(st.integers(3, 5), label="sites")
+    t = data.draw(st.integers(n // 2 + 1, n), label="threshold")
+    cfg = sa.RoundConfig("views", tuple(range(1, n + 1)), t, 4, 16, rounds=3)
+    sites, co = new_round(cfg)
+    keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+    routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+    zero = np.zeros(cfg.dim, dtype=np.uint64)
+    for i in cfg.node_ids:
+        others = [j for j in cfg.node_ids if j != i]
+        alive = data.draw(st.sets(st.sampled_from(others), min_size=t - 1), label=f"alive at {i}")
+        dead = data.draw(st.sets(st.sampled_from(sorted(set(others) - alive) or [i])), label=f"dead at {i}") - {i}
+        sites[i].masked_vector(routed[i], zero)
+        sites[i].unmask(sorted(alive | {i}), sorted(dead))
+        if len(alive) == n - 1:
+            sites[i].masked_vector(None, zero)
+            assert sites[i].rd_seeds[1] and all(len(sh) == 3 for sh in sites[i].seed_shares.values())
+        else:
+            assert not sites[i].seed_shares and not sites[i].sk1_shares and not sites[i].rd_seeds
+            with pytest.raises(sa.SecAggError, match="key setup views is over"):
+                sites[i].masked_vector(None, zero)

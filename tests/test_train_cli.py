@@ -62,9 +62,10 @@ def test_cli_errors_have_exit_codes(small_npz, tmp_path, capsys):
     assert code == 2 and "exactly one" in err
 
     job.write_text("[dpsgd]\nsteps = 2\nbatch = 1000\n")
-    code, _, err = _run(["train", str(job), "--data", str(small_npz), "--out", str(tmp_path / "c")], capsys)
+    code, _, err = _run(["train", str(job), "--data", str(small_npz), "--out", str(tmp_path / "c"),
+                         "--public-size", "400"], capsys)
     assert code == 3 and "fewer than the DP-SGD batch" in err
-    assert not (tmp_path / "c").exists()
+    assert not (tmp_path / "c").exists()  # a declared size: refused before anything is written
 
     code, _, err = _run(["train", "--preset", "no-such", "--out", str(tmp_path / "d")], capsys)
     assert code == 2 and "available" in err

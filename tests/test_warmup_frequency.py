@@ -27,7 +27,7 @@ AUX = {"width": 8, "batch": 20, "epochs": 3, "iterations_per_epoch": 30, "lr": 0
 def _release(sigma: float = 0.01):
     x, y = bars(3, size=8)
     rel, _ = frequency_statistics(x.numpy(), y.numpy(), 2, features=400, sigma=sigma, bandwidth2=8.0, seed=1,
-                                  n_public=len(y), rng=0)
+                                  n_public=len(y), rng=np.random.default_rng(0))
     return rel, x, y
 
 

@@ -123,7 +123,9 @@ def honest_shares(n_sites: int, threshold: int, colluders: int) -> int:
     Premises (enforced by ``feta_release.federation.secagg``): every site masks against EVERY other site of the
     job (no key setup or collect without all of them), so the coordinator cannot pick a site's peers; each honest
     site answers one unmask request per sum, revealing for each other site either the share of its seed (alive)
-    or of its mask key sk1 (dropped), never both, with at least ``threshold`` sites alive, itself among them.
+    or of its mask key sk1 (dropped), never both, with at least ``threshold`` sites alive, itself among them; a key
+    setup of several sums goes on at a site only after a sum that called every site alive (no key share out before
+    a later sum, which is masked against every site again), so each sum of it is bounded as one sum.
     With h = n - c honest sites and T = threshold - c: a secret of an honest site is rebuilt iff >= T honest
     sites (other than itself, for sk1) reveal its share; each honest site calls at most h - T honest sites dropped.
 

@@ -32,7 +32,7 @@ def audit(preset: str | None, job_file: Path | None, n: int, trials: int, canari
       feta-release audit --preset cpu-eps1 --out audit.json
       feta-release audit --job job.toml --n 4000 --trials 20000 --out audit.json
     """
-    from ..audit import CAVEAT, run_audit
+    from ..audit import CAVEAT, SCOPE, run_audit
     from ..config import load_job, load_preset
 
     if (preset is None) == (job_file is None):
@@ -48,8 +48,10 @@ def audit(preset: str | None, job_file: Path | None, n: int, trials: int, canari
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", "utf-8")
     for a in doc["audits"]:
-        flag = "consistent" if a["lower_bound"] <= a["claimed_epsilon"] * (1 + 1e-9) else "CLAIM VIOLATED"
+        flag = "consistent*" if a["lower_bound"] <= a["claimed_epsilon"] * (1 + 1e-9) else "CLAIM VIOLATED"
         click.echo(f"{a['mechanism']:<14} claimed ε {a['claimed_epsilon']:.4g}   measured lower bound "
                    f"{a['lower_bound']:.4g}   ({flag}; {a['seconds']:.1f} s)")
+    click.echo(f"* {SCOPE}")
+    click.echo(f"Not audited in this job: {'; '.join(doc['not_audited'])}.")
     click.echo(CAVEAT)
     click.echo(f"written to {out}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -77,15 +78,26 @@ def evaluate(synth: str, real_path: str | None, out_dir: str | None, epochs: int
     info = report.to_dict()
     info["notes"] = notes  # already printed on stderr before the (slow) evaluation
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / ".evaluation.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
-        tmp.replace(out / "evaluation.json")
-        info["report_path"] = str(out / "evaluation.json")
+        info["report_path"] = str(_write_evaluation(out, report, notes))
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:
         _print_tables(info)
+
+
+def _write_evaluation(out: Path, report: Any, notes: list[str]) -> Path:
+    """``evaluation.json``: the shareable figures (``EvaluationReport.shareable``, for ``report --evaluation``);
+    ``evaluation-private.json`` (owner-only): every held-out statistic and the salt that opens the commitment."""
+    from ..evaluation import new_commitment_salt
+    from ..files import atomic_write_bytes
+
+    out.mkdir(parents=True, exist_ok=True)
+    salt = new_commitment_salt()
+    private = {**report.to_dict(), "notes": notes, "commitment_salt": salt.hex()}
+    atomic_write_bytes(out / "evaluation-private.json", (json.dumps(private, indent=2) + "\n").encode(), private=True)
+    path = out / "evaluation.json"
+    atomic_write_bytes(path, (json.dumps({**report.shareable(salt), "notes": notes}, indent=2) + "\n").encode())
+    return path
 
 
 def _print_tables(info: dict) -> None:

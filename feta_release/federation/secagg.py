@@ -21,7 +21,10 @@ plaintext layout (``secaggplus_utils``).  Flower's protocol STAGES are re-wired 
 Trust model.  Every key advertisement is signed with the site's long-term Ed25519 key and checked against the
 job's site keys (``sign`` / ``verify`` are required), so a coordinator cannot substitute keys.  A site reveals, per
 other site, EITHER the share of its mask seed (alive) OR of its mask key (dropped), never both, in one sum and
-across the sums of one key setup; it answers one unmask request per sum; below the threshold it refuses.
+across the sums of one key setup; it answers one unmask request per sum; below the threshold it refuses.  A key
+setup serves several sums only while each unmask request calls every site alive: the first sum with a dropout in
+a site's view is the setup's last at that site, so every sum is masked against every other site and no mask key
+is revealed before a later sum (the one-sum bound below holds for each sum).
 
 Every site masks against EVERY other site of the job: it refuses a key broadcast without all of them and a
 collect whose shares do not come from all of them (a coordinator that chose whose shares a site receives could
@@ -191,9 +194,13 @@ class SecAggSite:
     sums (the shares arrive with the first masked_vector call).
 
     Several sums on one key setup (for FedSGD's many short rounds): one fresh mask seed per sum, each Shamir-shared
-    up front; pairwise masks use the sum's index in the PRG nonce.  A site declared dropped in one sum has its mask
-    key rebuilt, so every later pairwise mask of it is known: it stays out for the rest of the setup, and this site
-    refuses any later request that calls it alive.
+    up front; pairwise masks use the sum's index in the PRG nonce.  The setup goes on to the next sum only after a
+    sum whose unmask request called EVERY site of the job alive; the first request that calls a site dropped (or
+    leaves one out) is the setup's last sum at this site (:meth:`unmask`).  Going on with fewer peers would let a
+    lying coordinator isolate this site in a later sum: split views in one sum rebuild the mask keys of some peers,
+    the later sum would be masked against those peers only, and ``honest_shares`` (one sum, every site masking
+    against every other) would no longer bound it.  Within a setup that goes on, no key share is ever revealed, so
+    every sum of it is a one-sum case.
     """
 
     node_id: int
@@ -260,6 +267,9 @@ class SecAggSite:
         in_session = self.stage == Stage.UNMASK and 0 < self.round_index < self.config.rounds
         # A new setup may start at any point (as in Flower's mod): it is how a refused sum is redone, and it wipes
         # every secret of the old one (whose masked vector can then never be unmasked).
+        if stage == Stage.COLLECT_MASKED_VECTORS and self.stage == Stage.UNMASK and self.round_index >= self.config.rounds:
+            raise SecAggError(f"node {self.node_id}: key setup {self.config.round_id} is over (its sums are done, or its "
+                              f"last unmask request did not call every site alive); refused: start a new key setup")
         if stage != expected and stage != Stage.SETUP and not (stage == Stage.COLLECT_MASKED_VECTORS and in_session):
             raise SecAggError(f"node {self.node_id}: secure aggregation expects stage {expected!r}, got {stage!r}; "
                               f"round {self.config.round_id} refused")
@@ -371,7 +381,8 @@ class SecAggSite:
         and never both across the sums of one key setup: no seed share of a site whose key was revealed before, and
         no key share of a site whose seed share for an earlier sum was revealed (its key rebuilds its pairwise masks
         of every sum, the seed the rest: its earlier vector would be unmasked alone).  Such a sum must be redone
-        on a new key setup."""
+        on a new key setup.  A request that does not call every site of the job alive is the last sum of this key
+        setup at this site: the next sum needs a new setup (see the class doc)."""
         self._enter(Stage.UNMASK)
         r = self.round_index
         self.round_index += 1  # this sum is over whatever happens below: a refused request cannot be retried
@@ -399,6 +410,8 @@ class SecAggSite:
         self.rd_seeds[r] = b""
         for shares in self.seed_shares.values():
             shares[r] = b""
+        if set(active) != set(self.config.node_ids):  # a dropout in this site's view ends the key setup (class doc)
+            self.round_index = self.config.rounds
         if self.round_index >= self.config.rounds:
             self.seed_shares, self.sk1_shares, self.rd_seeds = {}, {}, []
         return out
@@ -413,8 +426,9 @@ class SecAggCoordinator:
 
     ``refused`` records the sites excluded from the sum and why (e.g. a vector outside the modulus);
     ``contributors`` after :meth:`finish` is the set of sites whose vectors (data and noise share) are in the sum.
-    With ``config.rounds`` > 1, collect_masked and finish repeat once per sum; a site dropped in one sum (its mask
-    key rebuilt) stays out of the later ones.
+    With ``config.rounds`` > 1, collect_masked and finish repeat once per sum while every site of the job is in
+    each; a sum with a site missing is the setup's last (the sites end it there too: see :class:`SecAggSite`), and
+    the next sum needs a new key setup.
     """
 
     config: RoundConfig
@@ -467,7 +481,8 @@ class SecAggCoordinator:
         """Masked vectors -> the unmask request (alive, dropped) for each site in the sum. A vector that is not
         ``dim`` residues mod m is refused and its site treated as dropped."""
         if self.round_index >= self.config.rounds:
-            raise SecAggError(f"round {self.config.round_id}: all {self.config.rounds} sum(s) of this key setup are done")
+            raise SecAggError(f"round {self.config.round_id}: this key setup is over (its {self.config.rounds} sum(s) "
+                              f"are done, or its last sum had a site missing); start a new key setup")
         self.masked = {}
         for nid, vec in vectors.items():
             if nid not in self.sharers or nid in self.dropped:
@@ -509,6 +524,8 @@ class SecAggCoordinator:
         self.was_alive = tuple(sorted(set(self.was_alive) | set(alive)))
         self.dropped = tuple(sorted(set(self.dropped) | set(newly_dead)))
         self.round_index += 1
+        if set(alive) != set(self.config.node_ids):  # the sites end the setup at a dropout: so does the coordinator
+            self.round_index = self.config.rounds
         self.masked = {}
         return total & self.config.mask
 

@@ -10,17 +10,11 @@ from ..bounds import MIN_CLIP
 from ..errors import DataError, PrivacyError
 
 
-def as_generator(rng: np.random.Generator | int, where: str) -> np.random.Generator:
-    if isinstance(rng, np.random.Generator):
-        return rng
-    if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
-        return np.random.default_rng(int(rng))
-    raise PrivacyError(f"{where}: rng must be a numpy Generator or an integer seed, got {type(rng).__name__}")
-
-
 def require_generator(rng: object, where: str) -> np.random.Generator:
-    """The caller's numpy Generator, nothing else: an integer seed is refused, because a seed that a request or a
-    coordinator could choose makes the noise known and subtractable (the node passes a fresh OS-seeded one)."""
+    """The caller's numpy Generator, nothing else: an integer seed is refused, because a seed that a request, a
+    config or a coordinator could choose makes the noise known and subtractable. Every mechanism draws its noise
+    from one (the node passes a fresh OS-seeded one, ``train`` one derived from the run's 256-bit secret); a test
+    that wants reproducible noise builds its own ``np.random.default_rng(seed)`` and passes it explicitly."""
     if isinstance(rng, np.random.Generator):
         return rng
     raise PrivacyError(f"{where}: rng must be a numpy Generator (seeded from the OS, e.g. "

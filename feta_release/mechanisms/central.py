@@ -52,7 +52,7 @@ import numpy as np
 
 from ..accounting import PrivacyEvent
 from ..errors import DataError, PrivacyError
-from ._checks import as_generator, check_clip, check_images, check_positive_int, check_sigma, sampling_rate
+from ._checks import check_clip, check_images, check_positive_int, check_sigma, require_generator, sampling_rate
 from .poisson import poisson_mask
 
 Kind = Literal["mean", "mode"]
@@ -301,7 +301,7 @@ def central_images(
     downsample: float = 0.5,
     bins: int | None = None,
     n_public: int,
-    rng: np.random.Generator | int,
+    rng: np.random.Generator,
     cells: int = 1,
     prototypes: np.ndarray | None = None,
 ) -> tuple[CentralRelease, PrivacyEvent]:
@@ -314,7 +314,7 @@ def central_images(
     sigma = check_sigma(sigma, where)
     rounds = check_positive_int(rounds, "rounds", where)
     q = sampling_rate(batch, n_public, where)
-    gen = as_generator(rng, where)
+    gen = require_generator(rng, where)
     cells = _check_cells(cells, kind, where)
     image_shape = tuple(int(s) for s in images.shape[1:])
     if prototypes is not None:

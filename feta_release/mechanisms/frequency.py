@@ -35,7 +35,7 @@ import torch
 
 from ..accounting import PrivacyEvent
 from ..errors import DataError
-from ._checks import as_generator, check_images, check_positive_int, check_sigma
+from ._checks import check_images, check_positive_int, check_sigma, require_generator
 from .feature_map import FeatureMap, _check_features, _finite, release_chunk, rff_features, rff_frequencies
 
 __all__ = ["FeatureMap", "FrequencyRelease", "combine_frequency", "embedding_sum", "frequency_statistics",
@@ -160,7 +160,7 @@ def frequency_statistics(
     seed: int = 1234,
     chunk: int = 512,
     n_public: int,
-    rng: np.random.Generator | int,
+    rng: np.random.Generator,
     patch: int = 0,
     stride: int = 1,
 ) -> tuple[FrequencyRelease, PrivacyEvent]:
@@ -172,7 +172,7 @@ def frequency_statistics(
     features = _check_features(features, where)
     n_public = check_positive_int(n_public, "n_public (public dataset size)", where)
     chunk = check_positive_int(chunk, "chunk", where)
-    gen = as_generator(rng, where)
+    gen = require_generator(rng, where)
     c, h, w = (int(s) for s in images.shape[1:])
     fmap = FeatureMap((c, h, w), features, float(bandwidth2), int(seed), int(patch), int(stride))
     total = embedding_sum(images, labels, int(n_classes), fmap, release_chunk(chunk, n_public))

@@ -12,7 +12,9 @@ Pipeline of one release of a sum over sites (each site holds records x_r in R^d,
 3. scale by s (``scale``; the grid step is gamma = 1 / s) and round EACH RECORD to the integer grid with conditional
    randomized rounding (Kairouz, Liu, Steinke 2021, Thm 1): unbiased randomized rounding, redrawn until the
    rounded record has L2 norm <= ``Delta2`` = min(cs + sqrt(d'), sqrt((cs)^2 + d'/4 + sqrt(2 log(1/beta)) (cs +
-   sqrt(d')/2))); one draw exceeds it with probability <= beta, and cs + sqrt(d') holds always;
+   sqrt(d')/2))); one draw exceeds it with probability <= beta, and cs + sqrt(d') holds always.  Every record gets
+   the same fixed number of candidates whatever its norm (:func:`conditional_round`), so the work of a release
+   does not tell how many records were clipped;
 4. the site sums its rounded records and adds integer noise Sk(mu/n): Poisson(mu/2n) - Poisson(mu/2n) per
    coordinate (``n`` sites; Skellam variables add, so the n shares sum to exactly Sk(mu), variance mu);
 5. reduce mod m = 2^b (``modulus_bits``); secure aggregation adds the sites' vectors mod m;
@@ -48,6 +50,7 @@ from ._checks import check_positive_int, check_sigma, require_generator
 MAX_MODULUS_BITS = 64  # vectors travel as uint64: additions wrap mod 2^64, and 2^b divides 2^64
 DEFAULT_BETA = math.exp(-0.5)  # conditional rounding parameter of Kairouz et al. 2021 (their default)
 MAX_ROUNDING_TRIES = 10_000
+ROUNDING_CANDIDATES = 8  # per record and batch, drawn whatever the data (conditional_round)
 QUANTIZE_CHUNK_VALUES = 1 << 22  # float64 values rotated at once (32 MiB)
 
 
@@ -179,21 +182,32 @@ def unrotate(y: np.ndarray, params: SkellamParams) -> np.ndarray:
 
 
 def conditional_round(x: np.ndarray, bound: float, rng: np.random.Generator) -> np.ndarray:
-    """Unbiased randomized rounding of each row of ``x`` to integers, redrawn for the rows whose rounded L2 norm
-    exceeds ``bound`` (so every returned row has norm <= bound)."""
+    """Unbiased randomized rounding of each row of ``x`` to integers, conditioned on the rounded L2 norm being
+    <= ``bound`` (so every returned row has norm <= bound): each row's value is the first of its i.i.d. candidates
+    within the bound, i.e. exactly rejection sampling.
+
+    Constant work: every row gets ``ROUNDING_CANDIDATES`` candidates and the first accepted one is selected by a
+    masked ``where``, whatever the data.  Redrawing only the rejected rows would do work that grows with the
+    records near the clip norm (a record at the norm is rejected ~10 % of the time, one at half the norm never),
+    so the reply latency of a release would follow how many records were clipped.  A row with no accepted
+    candidate (probability <= beta^K per row, ~0.15^K measured at the clip norm) gets K more, for every row."""
     floor = np.floor(x)
     frac = x - floor
-    out = floor + (rng.random(x.shape) < frac)
-    bad = np.linalg.norm(out, axis=-1) > bound
-    tries = 1
-    while bad.any():
+    out = floor.copy()
+    done = np.zeros(x.shape[:-1], dtype=bool)
+    tries = 0
+    while True:
+        for _ in range(ROUNDING_CANDIDATES):
+            candidate = floor + (rng.random(x.shape) < frac)
+            ok = np.linalg.norm(candidate, axis=-1) <= bound
+            out = np.where((ok & ~done)[..., None], candidate, out)
+            done |= ok
+        tries += ROUNDING_CANDIDATES
+        if done.all():
+            return out.astype(np.int64)
         if tries >= MAX_ROUNDING_TRIES:
-            raise PrivacyError(f"conditional rounding: {int(bad.sum())} record(s) still exceed the norm bound "
+            raise PrivacyError(f"conditional rounding: {int((~done).sum())} record(s) still exceed the norm bound "
                                f"{bound:.4g} after {tries} draws; raise beta or the scale")
-        out[bad] = floor[bad] + (rng.random(frac[bad].shape) < frac[bad])
-        bad = np.linalg.norm(out, axis=-1) > bound
-        tries += 1
-    return out.astype(np.int64)
 
 
 def _clip_rows(records: np.ndarray, clip: float) -> np.ndarray:

@@ -320,19 +320,41 @@ def _budget(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
 def _utility(evaluation: dict[str, Any] | None) -> str:
     if not evaluation:
         return "<p>No evaluation was supplied (<code>feta-release evaluate</code> writes one; pass it with --evaluation).</p>"
-    e = evaluation
+    return _not_dp_heading() + _utility_rows(evaluation) + _utility_note(evaluation)
+
+
+NOT_DP_HEADING = "Not differentially private: statistics of real held-out data"
+
+
+def _not_dp_heading() -> str:
+    return (f'<h3 class="warn">{_h(NOT_DP_HEADING)}</h3><p><strong>The figures below are computed without noise on '
+            "real held-out images of whoever ran <code>feta-release evaluate</code> (a site's or the evaluator's own "
+            "real data, never the released synthetic set alone). They are NOT covered by the release's ε, nor by its "
+            "signatures.</strong> The held-out set's size, class counts, per-class accuracies and plain hash are "
+            "left out of this page on purpose.</p>")
+
+
+def _utility_rows(e: dict[str, Any]) -> str:
+    """Accuracy and FD only, whatever else the supplied file holds (an evaluation.json of an older evaluate kept
+    the held-out size, class counts and plain hash: never shown)."""
     rows = [
         ("downstream accuracy", f"{float(e['accuracy']):.4f}", _h(
             f"a classifier trained on {e.get('n_synthetic', '?')} synthetic images for {e.get('classifier_epochs', '?')} "
-            f"epochs, tested on {e.get('n_real', '?')} real held-out images (chance {float(e.get('chance_accuracy', 0)):.3f})")),
+            f"epochs, tested on the real held-out images (chance {float(e.get('chance_accuracy', 0)):.3f})")),
         (_h(e.get("fd_name", "FD")), f"{float(e['fd']):.4g}", _h(
-            f"Fréchet distance between {e.get('n_fd', '?')} synthetic and {e.get('n_fd', '?')} real images in the "
-            f"features of a classifier trained {e.get('feature_net_epochs', '?')} epochs (lower is closer)")),
+            "Fréchet distance between synthetic and real held-out images (equal numbers per side) in the features "
+            f"of a classifier trained {e.get('feature_net_epochs', '?')} epochs on the held-out images (lower is "
+            "closer)")),
     ]
-    return (_table(("measure", "value", "protocol"), rows, numeric=(1,))
-            + '<p class="note">Supplied by whoever ran the evaluation on held-out real data; not covered by the '
-            f"release's signatures. Synthetic set fingerprint <span class=\"hash\">{_h(e.get('synthetic_fingerprint', ''))}"
-            "</span>.</p>")
+    return _table(("measure", "value", "protocol"), rows, numeric=(1,))
+
+
+def _utility_note(e: dict[str, Any]) -> str:
+    commitment = e.get("real_commitment")
+    held = (f" Held-out set commitment (salted; the evaluator can open it) <span class=\"hash\">{_h(commitment)}</span>."
+            if commitment else "")
+    return ('<p class="note">Supplied by whoever ran the evaluation; not covered by the release\'s signatures. '
+            f"Synthetic set fingerprint <span class=\"hash\">{_h(e.get('synthetic_fingerprint', ''))}</span>.{held}</p>")
 
 
 AUDIT_CAVEAT = ("An empirical audit gives a LOWER bound on ε: it can show that a mechanism leaks MORE than claimed "
@@ -371,7 +393,17 @@ def _audit(audit: dict[str, Any] | None, man: dict[str, Any]) -> str:
     return (f"<p>Audit of {src}, on canary data only (no site's images).</p>"
             + _table(("mechanism", "audited configuration", "claimed ε", "measured ε lower bound", "method", "result"),
                      rows, numeric=(2, 3))
-            + f"<p>{_h(AUDIT_CAVEAT)}</p>")
+            + _audit_scope(audit) + f"<p>{_h(AUDIT_CAVEAT)}</p>")
+
+
+def _audit_scope(audit: dict[str, Any]) -> str:
+    """What a "consistent" row covers (always the library's statement, whatever the supplied file says: the
+    audits are the library's games) and what of the audited job no row covers."""
+    from ..audit import SCOPE
+
+    missing = [str(m) for m in audit.get("not_audited", [])]
+    return (f"<p><strong>{_h(SCOPE)}</strong></p>"
+            + (f"<p>Not audited in this job: {_h('; '.join(missing))}.</p>" if missing else ""))
 
 
 def _files(rd: Path) -> str:

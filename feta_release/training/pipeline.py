@@ -55,8 +55,7 @@ from ..config import JobConfig
 from ..data import ImageDataset
 from ..errors import ConfigError, DataError, PrivacyError
 from ..ledger import Ledger
-from ..mechanisms.count import (PATIENTS_STAGE, SIZE_SIGMA, SIZE_STAGE, draw_public_size, patients_event,
-                                public_size_from, size_event)
+from ..mechanisms.count import PATIENTS_STAGE, SIZE_SIGMA, SIZE_STAGE, draw_public_size, patients_event, size_event
 from ..planning import PrivacyPlan
 from ..privacy_unit import PatientIndex
 from ..planning import plan as privacy_plan
@@ -88,6 +87,13 @@ def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None, 
     Sampling rates are batch / ``n_public`` (the PUBLIC nominal size, which may round the count up), so a batch
     is too large only when it exceeds the public size (q > 1), not the exact count. ``declared``: the classes are
     a site policy's public declaration, where a class without images is allowed (review 58 M1)."""
+    check_data_content(cfg, data, declared)
+    _check_batches(cfg, data, data.n if n_public is None else int(n_public))
+
+
+def check_data_content(cfg: JobConfig, data: ImageDataset, declared: bool = False) -> None:
+    """The checks of :func:`check_data` that do not read the dataset's size (a run that draws its public size
+    makes them before the draw; the size checks wait for the drawn size)."""
     if data.n == 0:
         raise DataError(f"{data.source}: no images")
     check_feature_map(cfg.frequency, data.image_shape)
@@ -98,7 +104,9 @@ def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None, 
             f"{data.source}: class(es) {', '.join(map(repr, empty))} have no images; every class needs training "
             "images (remove the empty class folders or add images)"
         )
-    n = data.n if n_public is None else int(n_public)
+
+
+def _check_batches(cfg: JobConfig, data: ImageDataset, n: int) -> None:
     if cfg.dpsgd.batch > n and cfg.dpsgd_steps(n) > 0:
         raise DataError(
             f"{data.source}: public size {n}, fewer than the DP-SGD batch [dpsgd] batch = {cfg.dpsgd.batch} "
@@ -263,8 +271,11 @@ def _public_sizes(cfg: JobConfig, data: ImageDataset, root: Path, public_size: i
         public_size = int(site_policy.dataset_size)  # the administrator's signed declaration
     exact = _undeclared(data, public_size, patients if draw_patients else None)
     size_ev = [_COUNT_EVENTS[stage]() for stage in exact]  # no declared size: a noisy count draws it
-    if exact:  # refuse an infeasible job before the counts are charged (nothing is released here)
-        _plan_for(cfg, data, public_size or public_size_from(data.n), patients, site_policy, size_ev)
+    if exact:
+        # Only what does not read the exact count is checked before the draw: planning at the exact (or rounded)
+        # count would make whether train refuses, and its message, a function of N that no noise covers. The
+        # size-dependent refusals (batch above the size, an infeasible plan) come after, at the drawn size.
+        check_data_content(cfg, data, declared=getattr(site_policy, "declared", None) is not None)
         ledger, site_key, noise_seed, rep = run
         drawn = _drawn_size(cfg, data, root, ledger, site_key, noise_seed, rep, exact)
         public_size, patients = _with_drawn(drawn, public_size, patients)

@@ -200,9 +200,9 @@ class PrivacyUnit:
         k = int(self.k or 1)
         image_level = [e for e in events if e.steps > 0 and getattr(e, "unit", "image") != "patient"]
         patient_level = [e for e in events if e.steps > 0 and getattr(e, "unit", "image") == "patient"]
+        total = patient_epsilon(events, delta, k, accountant)  # type: ignore[arg-type]
         out = {"unit": "patient", "images_per_patient_cap": k, "sensitivity": self._sensitivity(bool(patient_level)),
-               "epsilon_per_patient": patient_epsilon(events, delta, k, accountant),  # type: ignore[arg-type]
-               "delta_per_patient": delta}
+               "epsilon_per_patient": total, "delta_per_patient": delta}
         if k == 1 or not image_level:
             return {**out, "how": "exact: " + ("DP-SGD samples and clips whole patients" if patient_level else
                                                 "each patient contributes one image")
@@ -212,7 +212,7 @@ class PrivacyUnit:
                                   "patient's δ is the budget's)"}
         eps_s = compose(patient_level, delta / 2, accountant)  # type: ignore[arg-type]
         return {**out, "epsilon_dpsgd_per_patient": eps_s,
-                "epsilon_warmup_per_patient": out["epsilon_per_patient"] - eps_s,
+                "epsilon_warmup_per_patient": total - eps_s,
                 "how": f"DP-SGD per patient directly (no group conversion) at δ/2; the image-level releases by group "
                        f"privacy over the cap of {k} images per patient at δ/2; the two by basic composition"}
 

@@ -67,7 +67,7 @@ class PolicyBudgetExceeded(BudgetExceededError):
         self.site = site
         self.spent, self.requested, self.after, self.cap = spent, after - spent, after, cap
         where = f"site {site}: " if site else ""
-        e = f"ε {per.split(' (')[0]} " if per else "ε"
+        e = f"ε {per.split(' (')[0]}" if per else "ε"
         super().__init__(
             f"{where}policy rule {rule}: {scope} has spent {e}={spent:.4g}; with this release it would reach "
             f"{e}={after:.4g} > cap ε={cap:.4g} (δ={delta:g}, {accountant} accountant"

@@ -350,17 +350,89 @@ def epsilon(events: Iterable[Event], delta: float, accountant: Accountant = "rdp
 
 def _mixed_epsilon(events: Sequence[Event], delta: float, *, worst_case: bool) -> float:
     """RDP composition of subsampled-Gaussian and Skellam events (curves added over the same orders)."""
+    total = history_rdp(events, view="worst_case" if worst_case else "assumed")
+    return epsilon_from_rdp(total, delta) if np.any(total) else 0.0
+
+
+def history_rdp(events: Iterable[Event], *, view: View = "assumed") -> np.ndarray:
+    """The RDP curve over ``RDP_ORDERS`` of a (mixed) history: Gaussian curves times their steps plus Skellam curves
+    (own share only with ``view="worst_case"``), the sum :func:`epsilon` converts for a history with a Skellam event."""
     total = np.zeros(len(RDP_ORDERS))
     for e in events:
         if e.steps == 0:
             continue
         if isinstance(e, SkellamEvent):
-            total = total + e.rdp(worst_case=worst_case)
+            total = total + e.rdp(worst_case=view == "worst_case")
         elif isinstance(e, PrivacyEvent):
             total = total + e.steps * gaussian_rdp_curve(e.sigma, e.q)
         else:
             raise PrivacyError(f"expected PrivacyEvent or SkellamEvent, got {type(e).__name__}: {e!r}")
-    return epsilon_from_rdp(total, delta) if np.any(total) else 0.0
+    return total
+
+
+def group_epsilon(events: Iterable[Event], delta: float, k: int, *, view: View = "assumed") -> float:
+    """Epsilon of a history at ``delta`` for a GROUP of ``k`` records (one patient of at most k capped images) of
+    events that protect one record, by (ε, δ) group privacy: (ε_r, δ_r) per record gives (k·ε_r, k·e^{(k-1)ε_r}·δ_r)
+    per group (Vadhan 2017, Lemma 2.2).
+
+    The per-record δ_r is chosen, per RDP order a > k, as the largest one whose group δ is exactly ``delta``: with
+    ε_r(L) = A_a + L/(a-1) (the RDP conversion of :func:`epsilon_from_rdp`, L = log 1/δ_r), the group condition
+    log k + (k-1)·ε_r - L <= log delta is linear in L, so L* = (log(k/delta) + (k-1)·A_a) / (1 - (k-1)/(a-1)) (and
+    at least log(k/delta), where ε_r = 0); the figure is the smallest k·ε_r(L*) over the orders. Every (a, δ_r) is a
+    valid pair, so the minimum is an upper bound for any accountant (RDP whatever the site's accountant says:
+    the group step needs one curve over many δ_r). Orders <= k cannot pay for the group's δ: they are skipped."""
+    _check_delta(delta)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise PrivacyError(f"group size must be an integer >= 1, got {k!r}")
+    events = list(events)
+    if k == 1:
+        return epsilon(events, delta, "rdp", view=view)
+    curve = history_rdp(events, view=view)
+    if not np.any(curve):
+        return 0.0
+    a = np.asarray(RDP_ORDERS)
+    usable = a > k
+    if not usable.any():
+        raise PrivacyError(f"group privacy over {k} records needs an RDP order above {k}; the largest is {a.max():g}")
+    a, curve = a[usable], curve[usable]
+    base = curve + np.log1p(-1 / a) - np.log(a) / (a - 1)
+    floor = math.log(k / delta)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lstar = np.maximum((floor + (k - 1) * base) / (1 - (k - 1) / (a - 1)), floor)
+        per_record = np.maximum(base + lstar / (a - 1), 0.0)
+    return float(k * np.nanmin(per_record))
+
+
+def patient_epsilon(events: Iterable[Event], delta: float, cap: int, accountant: Accountant = "rdp", *,
+                    view: View = "assumed") -> float:
+    """Epsilon PER PATIENT at ``delta`` (the whole δ: a per-patient budget's δ is met, not exceeded) of a history
+    at a site that keeps at most ``cap`` images per patient: THE per-patient figure that every cap (per job,
+    lifetime, worst case), the DP-SGD calibration, the statement and ``verify`` use.
+
+    Patient-level events (``unit = "patient"``: patient-level DP-SGD samples and clips whole patients) hold per
+    patient as they are; the image-level ones (warm-up releases, noisy counts, Skellam sums) change by one record
+    per image, so by at most ``cap`` records per patient and hold per patient by group privacy
+    (:func:`group_epsilon`). The two parts compose by basic composition with δ split in half; with ``cap`` = 1
+    (every patient one image) or one part empty, the history is composed as one at the full δ."""
+    events = list(events)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise PrivacyError(f"patient cap must be an integer >= 1, got {cap!r}")
+    image = [e for e in events if e.steps > 0 and getattr(e, "unit", "image") != "patient"]
+    patient = [e for e in events if e.steps > 0 and getattr(e, "unit", "image") == "patient"]
+    if cap == 1 or not image:
+        return epsilon(events, delta, accountant, view=view)
+    if not patient:
+        return group_epsilon(image, delta, cap, view=view)
+    return group_epsilon(image, delta / 2, cap, view=view) + epsilon(patient, delta / 2, accountant, view=view)
+
+
+def unit_epsilon(events: Iterable[Event], delta: float, accountant: Accountant = "rdp", *, patient_cap: int | None,
+                 view: View = "assumed") -> float:
+    """The epsilon a budget caps: per patient (:func:`patient_epsilon`) at a patient-level site (``patient_cap``
+    set), else the history's epsilon per image (:func:`epsilon`)."""
+    if patient_cap is None:
+        return epsilon(events, delta, accountant, view=view)
+    return patient_epsilon(events, delta, patient_cap, accountant, view=view)
 
 
 def worst_case_epsilon(events: Iterable[Event], delta: float) -> float:

@@ -61,14 +61,17 @@ class PolicyBudgetExceeded(BudgetExceededError):
     """
 
     def __init__(self, rule: str, *, spent: float, after: float, cap: float, delta: float, accountant: str,
-                 scope: str, site: str | None = None) -> None:
+                 scope: str, site: str | None = None, per: str = "") -> None:
+        """``per``: what one ε protects when it is not one image, e.g. "per patient (at most 5 image(s) each)"."""
         self.rule = rule
         self.site = site
         self.spent, self.requested, self.after, self.cap = spent, after - spent, after, cap
         where = f"site {site}: " if site else ""
+        e = f"ε {per.split(' (')[0]}" if per else "ε"
         super().__init__(
-            f"{where}policy rule {rule}: {scope} has spent ε={spent:.4g}; with this release it would reach "
-            f"ε={after:.4g} > cap ε={cap:.4g} (δ={delta:g}, {accountant} accountant); nothing was released"
+            f"{where}policy rule {rule}: {scope} has spent {e}={spent:.4g}; with this release it would reach "
+            f"{e}={after:.4g} > cap ε={cap:.4g} (δ={delta:g}, {accountant} accountant"
+            + (f"; {per}" if per else "") + "); nothing was released"
         )
 
 

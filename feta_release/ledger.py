@@ -35,7 +35,7 @@ from .accounting import (
     event_to_dict,
     events_from_list,
     has_secure_aggregation,
-    worst_case_epsilon,
+    unit_epsilon,
 )
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
 
@@ -80,10 +80,30 @@ class Budget:
     # per-job cap on the epsilon of secure-aggregation releases if every other site colludes (own share only);
     # None: not checked (a Budget built by hand; a SitePolicy always brings its cap, explicit or default)
     worst_case_epsilon: float | None = None
+    # the patient cap of a patient-level site: every cap above is then a cap on the epsilon PER PATIENT
+    # (accounting.patient_epsilon: patient-level events as they are, image-level ones by group privacy over the cap);
+    # None: an image-level site, epsilon per image
+    patient_cap: int | None = None
+    # cap on the lifetime worst-case epsilon (every secure-aggregation release of every job, own noise share only);
+    # None: not checked (a Budget built by hand; a SitePolicy always brings its cap, explicit or default)
+    lifetime_worst_case_epsilon: float | None = None
 
     @property
     def life_delta(self) -> float:
         return self.delta if self.lifetime_delta is None else self.lifetime_delta
+
+    @property
+    def per(self) -> str:
+        """What one epsilon of this budget protects, in words (the refusals name it)."""
+        return "" if self.patient_cap is None else f"per patient (at most {self.patient_cap} image(s) each)"
+
+    def spent(self, events: Sequence[Any], delta: float, view: str = "assumed") -> float:
+        """The epsilon this budget caps over ``events`` at ``delta``: per patient at a patient-level site, else per
+        image (``accounting.unit_epsilon``)."""
+        if not events:
+            return 0.0
+        return float(unit_epsilon(list(events), delta, self.accountant, patient_cap=self.patient_cap,
+                                  view=cast(Any, view)))
 
     @classmethod
     def from_policy(cls, policy: dict[str, Any]) -> Budget:
@@ -96,6 +116,8 @@ class Budget:
             accountant=cast(AccountantName, str(policy.get("accountant", "rdp"))),
             lifetime_delta=float(b["lifetime"]["delta"]),
             worst_case_epsilon=_worst_case_cap(policy),
+            patient_cap=_patient_cap(policy),
+            lifetime_worst_case_epsilon=_lifetime_worst_case_cap(policy),
         )
 
 
@@ -114,13 +136,26 @@ def _worst_case_cap(policy: dict[str, Any]) -> float:
     return float(cap) if cap is not None else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["per_job"]["epsilon"])
 
 
+def _lifetime_worst_case_cap(policy: dict[str, Any]) -> float:
+    # the same rule as SitePolicy.lifetime_worst_case_cap
+    cap = policy.get("secure_aggregation", {}).get("max_lifetime_worst_case_epsilon")
+    return float(cap) if cap is not None else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["lifetime"]["epsilon"])
+
+
+def _patient_cap(policy: dict[str, Any]) -> int | None:
+    # the same rule as SitePolicy.unit_cap
+    ds = policy.get("dataset") or {}
+    return int(ds["patient_cap"]) if ds.get("privacy_unit") == "patient" and ds.get("patient_cap") else None
+
+
 def as_budget(policy: Budget | Any) -> Budget:
     """A ``Budget`` from itself, a verified ``SitePolicy`` or a policy document."""
     if isinstance(policy, Budget):
         return policy
     if hasattr(policy, "job_epsilon") and hasattr(policy, "lifetime_delta"):
         return Budget(policy.job_epsilon, policy.lifetime_epsilon, policy.job_delta, policy.accountant,
-                      policy.lifetime_delta, getattr(policy, "worst_case_cap", None))
+                      policy.lifetime_delta, getattr(policy, "worst_case_cap", None), getattr(policy, "unit_cap", None),
+                      getattr(policy, "lifetime_worst_case_cap", None))
     if isinstance(policy, dict) and "budget" in policy:
         return Budget.from_policy(policy)
     raise TypeError(f"not a budget or site policy: {type(policy).__name__}")
@@ -134,43 +169,55 @@ def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequ
                 *, job_scope: str = "this job", site: str | None = None,
                 accountant: Accountant | None = None) -> tuple[float, float]:
     """THE budget check: (ε of the job after, ε of the site's lifetime after) with the budget's accountant, or
-    :class:`PolicyBudgetExceeded` naming ``budget.per_job.epsilon`` or ``budget.lifetime.epsilon``.
+    :class:`PolicyBudgetExceeded` naming ``budget.per_job.epsilon``, ``budget.lifetime.epsilon`` or a worst-case cap.
+
+    At a patient-level site (``budget.patient_cap``) every figure here is the epsilon PER PATIENT at the budget's
+    δ (``accounting.patient_epsilon``): the per-job, lifetime and worst-case caps bound what one patient's records
+    can change, never the per-image figure of a history that mixes image- and patient-level events.
 
     Every refusal on spend goes through here: a ledger's charge, the node's pre-check and the coordinator's
     plan (``feta_release.policy.enforce.check_budget``), the local driver's run.
     """
-    acc = accountant or _default_accountant
     job_ev, life_ev, new_ev = list(job_events), list(lifetime_events), list(new_events)
 
     def eps(events: list[Any], delta: float) -> float:
-        return float(acc(events, delta, budget.accountant)) if events else 0.0
+        if accountant is not None and budget.patient_cap is None:
+            return float(accountant(events, delta, budget.accountant)) if events else 0.0
+        return budget.spent(events, delta)
 
     job_after = eps(job_ev + new_ev, budget.delta)
     if job_after > budget.job_epsilon + 1e-9:
         raise PolicyBudgetExceeded("budget.per_job.epsilon", spent=eps(job_ev, budget.delta), after=job_after,
                                    cap=budget.job_epsilon, delta=budget.delta, accountant=budget.accountant,
-                                   scope=job_scope, site=site)
+                                   scope=job_scope, site=site, per=budget.per)
     life_after = eps(life_ev + new_ev, budget.life_delta)
     if life_after > budget.lifetime_epsilon + 1e-9:
         raise PolicyBudgetExceeded("budget.lifetime.epsilon", spent=eps(life_ev, budget.life_delta), after=life_after,
                                    cap=budget.lifetime_epsilon, delta=budget.life_delta, accountant=budget.accountant,
-                                   scope="the site's lifetime", site=site)
-    _check_worst_case(budget, job_ev, new_ev, job_scope, site)
+                                   scope="the site's lifetime", site=site, per=budget.per)
+    _check_worst_case(budget, job_ev, new_ev, budget.delta, budget.worst_case_epsilon,
+                      "secure_aggregation.max_worst_case_epsilon", job_scope, site)
+    _check_worst_case(budget, life_ev, new_ev, budget.life_delta, budget.lifetime_worst_case_epsilon,
+                      "secure_aggregation.max_lifetime_worst_case_epsilon", "the site's lifetime", site)
     return job_after, life_after
 
 
-def _check_worst_case(budget: Budget, job_ev: list[Any], new_ev: list[Any], job_scope: str, site: str | None) -> None:
-    """Secure-aggregation releases: the job's epsilon if every other site colluded (own noise share only) against
-    ``secure_aggregation.max_worst_case_epsilon`` (default 3 x the per-job cap).  Checked whenever the job's
-    history (old + new) has a secure-aggregation event: a later Gaussian charge (DP-SGD) adds to the worst case too."""
-    if budget.worst_case_epsilon is None or not has_secure_aggregation(job_ev + new_ev):
+def _check_worst_case(budget: Budget, old: list[Any], new_ev: list[Any], delta: float, cap: float | None, rule: str,
+                      scope: str, site: str | None) -> None:
+    """Secure-aggregation releases: the epsilon of ``old + new`` (one job's, or the site's lifetime history) if
+    every other site colluded (own noise share only) against ``cap``: ``secure_aggregation.max_worst_case_epsilon``
+    per job (default 3 x the per-job cap), ``secure_aggregation.max_lifetime_worst_case_epsilon`` over the lifetime
+    (default 3 x the lifetime cap: a coalition that holds for one job can hold for all of them, and the worst-case
+    views of all charged events compose). Checked whenever the history (old + new) has a secure-aggregation event:
+    a later Gaussian charge (DP-SGD) adds to the worst case too."""
+    if cap is None or not has_secure_aggregation(old + new_ev):
         return
-    after = worst_case_epsilon(job_ev + new_ev, budget.delta)
-    if after > budget.worst_case_epsilon + 1e-9:
-        spent = worst_case_epsilon(job_ev, budget.delta) if job_ev else 0.0
-        raise PolicyBudgetExceeded("secure_aggregation.max_worst_case_epsilon", spent=spent, after=after,
-                                   cap=budget.worst_case_epsilon, delta=budget.delta, accountant="rdp",
-                                   scope=f"{job_scope}, if every other site colluded with the coordinator,", site=site)
+    after = budget.spent(old + new_ev, delta, "worst_case")
+    if after > cap + 1e-9:
+        raise PolicyBudgetExceeded(rule, spent=budget.spent(old, delta, "worst_case"), after=after, cap=cap,
+                                   delta=delta, accountant="rdp",
+                                   scope=f"{scope}, if every other site colluded with the coordinator,", site=site,
+                                   per=budget.per)
 
 
 def _event_dicts(events: Sequence[Any]) -> list[dict[str, Any]]:
@@ -295,6 +342,8 @@ class Ledger:
         if not event_dicts:
             return 0.0
         delta = budget.life_delta if lifetime else budget.delta
+        if budget.patient_cap is not None:  # a patient-level site's figures are per patient (check_spend's)
+            return budget.spent(_events_from_dicts(event_dicts), delta)
         return self._accountant(_events_from_dicts(event_dicts), delta, budget.accountant)
 
     def projected(self, job_id: str, events: Sequence[Any], budget: Budget | Any) -> tuple[float, float]:

@@ -35,6 +35,7 @@ from .accounting import (
     epsilon,
     gaussian_only,
     smallest_fitting_sigma,
+    unit_epsilon,
 )
 from .accountants.skellam import honest_shares, skellam_event
 from .mechanisms._checks import sampling_rate as mechanism_rate
@@ -117,17 +118,20 @@ def site_dpsgd(policy: Any | None) -> dict[str, Any]:
     """How a site's SIGNED policy has DP-SGD sample (keyword arguments of :func:`stage_events`): a patient-level
     policy (``dataset.privacy_unit = "patient"``) samples its PUBLIC ``dataset.patients`` at q = batch / patients
     with events of unit "patient"; otherwise images at q = batch / ``dataset.size``. The coordinator and the
-    node both read it from the signed policy only, so they plan the same events."""
+    node both read it from the signed policy only, so they plan the same events. ``patient_cap``: the policy's
+    patient cap, so DP-SGD is calibrated for the budget PER PATIENT (``accounting.patient_epsilon``), the figure the
+    site's ledger caps."""
     if policy is not None and getattr(policy, "privacy_unit", "image") == "patient":
-        return {"dpsgd_unit": "patient", "dpsgd_size": int(policy.patients)}
-    return {"dpsgd_unit": "image", "dpsgd_size": None}
+        return {"dpsgd_unit": "patient", "dpsgd_size": int(policy.patients), "patient_cap": int(policy.patient_cap)}
+    return {"dpsgd_unit": "image", "dpsgd_size": None, "patient_cap": None}
 
 
 def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
                  budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
                  cache_dir: Path | None = None, dpsgd_unit: str = "image",
                  dpsgd_size: int | None = None,
-                 size: PrivacyEvent | Sequence[PrivacyEvent] | None = None) -> list[PrivacyEvent]:
+                 size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
+                 patient_cap: int | None = None) -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
@@ -146,6 +150,9 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     ``size``: the noisy count(s) that drew ``public_size`` (``mechanisms.count.size_event``; a local run without a
     declared size) and/or the public patient count (``patients_event``): this job's FIRST events, composed in before
     DP-SGD is calibrated; None: declared sizes.
+    ``patient_cap``: the site's patient cap when the PATIENT is its unit of privacy: the budget is then a budget PER
+    PATIENT (``accounting.patient_epsilon``: the image-level events by group privacy over the cap, the patient-level
+    ones as they are), and sigma is calibrated so that the per-patient total meets it; None: per image.
     """
     n = _size(public_size)
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
@@ -153,7 +160,7 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
     first = count_events(size)
     events = _with_dpsgd(cfg, n, first + warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
-                         _size(dpsgd_size) if dpsgd_size is not None else None)
+                         _size(dpsgd_size) if dpsgd_size is not None else None, patient_cap)
     return gaussian_only(events, "stage_events")
 
 
@@ -178,7 +185,7 @@ def fedsgd_shape(cfg: JobConfig, image_shape: tuple[int, ...], n_classes: int, n
 
 def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event], *, budget: Target | None = None,
                         cache_dir: Path | None = None, fedsgd: FedSGDShape | None = None, dpsgd_unit: str = "image",
-                        dpsgd_size: int | None = None) -> list[Event]:
+                        dpsgd_size: int | None = None, patient_cap: int | None = None) -> list[Event]:
     """:func:`stage_events` of a federated site whose warm-up releases go through secure aggregation: ``warmup``
     are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``), so DP-SGD is calibrated over
     the history the ledger will hold. With ``[federation] fedsgd`` (``fedsgd`` then required) DP-SGD is one
@@ -187,7 +194,7 @@ def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event
     n = _size(public_size)
     if not cfg.federation.fedsgd:
         return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir, dpsgd_unit,
-                           _size(dpsgd_size) if dpsgd_size is not None else None)
+                           _size(dpsgd_size) if dpsgd_size is not None else None, patient_cap)
     if dpsgd_unit != "image":
         # FedSGD samples and clips per image (edge/fedsgd.py): a patient-level site would be charged an image-level
         # event while it attests a per-patient epsilon (review M1)
@@ -232,7 +239,7 @@ def _with_fedsgd(cfg: JobConfig, n: int, warm: list[Event], shape: FedSGDShape, 
 
 def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int], budget: Target | None,
                 prior: Sequence[Event], cache_dir: Path | None, dpsgd_unit: str = "image",
-                dpsgd_size: int | None = None) -> list[Event]:
+                dpsgd_size: int | None = None, patient_cap: int | None = None) -> list[Event]:
     warm = list(warm)
     if sum(sizes) < 1:
         return warm
@@ -245,7 +252,9 @@ def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int],
         sigma = float(cfg.dpsgd.noise_multiplier)
     else:
         tgt = budget or target(cfg)
-        args = (tuple(prior) + tuple(warm), q, sum(sizes), tgt.epsilon, tgt.delta, tgt.accountant)
+        args: tuple[Any, ...] = (tuple(prior) + tuple(warm), q, sum(sizes), tgt.epsilon, tgt.delta, tgt.accountant)
+        if patient_cap is not None:  # the per-patient budget (an image-level site's key stays as it was)
+            args += (dpsgd_unit, int(patient_cap))
         sigma = _cached_calibration(args, cache_dir)
     return warm + [PrivacyEvent("dpsgd", sigma, q, k, unit=dpsgd_unit) for k in sizes]
 
@@ -289,29 +298,39 @@ def _disk_cached(key_doc: Any, cache_dir: Path | None, compute: Callable[[], flo
     return sigma
 
 
-def check_warmup(prior_and_warm: Sequence[Event], budget: Target) -> float:
-    """The warm-up's (and prior spending's) epsilon; refuse, naming the biggest stage, when it leaves nothing."""
+def check_warmup(prior_and_warm: Sequence[Event], budget: Target, patient_cap: int | None = None) -> float:
+    """The warm-up's (and prior spending's) epsilon (per patient with ``patient_cap``); refuse, naming the figure
+    and the biggest stage, when it leaves nothing."""
     evs = list(prior_and_warm)
-    spent = epsilon(evs, budget.delta, budget.accountant)
+    spent = unit_epsilon(evs, budget.delta, budget.accountant, patient_cap=patient_cap)
     if spent >= budget.epsilon:
         biggest = max(evs, key=lambda e: epsilon([e], budget.delta, budget.accountant)).stage if evs else "prior"
+        what = "epsilon" if patient_cap is None else (
+            f"epsilon PER PATIENT (at most {patient_cap} image(s) each, the image-level releases by group privacy "
+            f"over {patient_cap})")
         raise PrivacyError(
-            f"the warm-up alone spends epsilon {spent:.3f} >= the budget {budget.epsilon}: shrink [{biggest}] "
-            f"(fewer rounds / larger sigma), drop a warm-up stage, or raise [privacy] epsilon"
+            f"the warm-up alone spends {what} {spent:.3f} at delta {budget.delta:g} >= the budget {budget.epsilon}: "
+            f"shrink [{biggest}] (fewer rounds / larger sigma), drop a warm-up stage, or raise [privacy] epsilon"
+            + ("" if patient_cap is None else ", or lower the patient cap")
         )
     return spent
 
 
 @functools.lru_cache(maxsize=256)
 def _calibrate(prior: tuple[PrivacyEvent, ...], q: float, steps: int, eps: float, delta: float,
-               acc: Accountant) -> float:
+               acc: Accountant, unit: str = "image", patient_cap: int | None = None) -> float:
     # Deterministic, so caching is exact; the bisection costs ~0.5 s and a node recomputes it for every request.
-    spent = check_warmup(prior, Target(eps, delta, acc))
+    spent = check_warmup(prior, Target(eps, delta, acc), patient_cap)
     try:
-        return calibrate_noise_multiplier(list(prior), q, steps, eps, delta, acc, max_sigma=MAX_NOISE_MULTIPLIER)
+        if patient_cap is None:
+            return calibrate_noise_multiplier(list(prior), q, steps, eps, delta, acc, max_sigma=MAX_NOISE_MULTIPLIER)
+        return smallest_fitting_sigma(  # the per-patient total (ledger.check_spend's figure) meets the budget
+            lambda s: unit_epsilon(list(prior) + [PrivacyEvent("dpsgd", s, q, steps, unit=unit)], delta, acc,
+                                   patient_cap=patient_cap), eps, tol=0.01, max_sigma=MAX_NOISE_MULTIPLIER, refusal="")
     except PrivacyError:
         raise PrivacyError(
-            f"[dpsgd] cannot meet epsilon {eps} at delta {delta}: even noise multiplier {MAX_NOISE_MULTIPLIER:g} "
+            f"[dpsgd] cannot meet epsilon {eps}{'' if patient_cap is None else ' per patient'} at delta {delta}: "
+            f"even noise multiplier {MAX_NOISE_MULTIPLIER:g} "
             f"is not enough for {steps} steps at q = {q:.4g} after the warm-up's epsilon {spent:.3f}. Shrink "
             f"[dpsgd] (fewer steps/epochs, smaller batch), or the warm-up ([central] rounds, [frequency] sigma), or "
             f"raise [privacy] epsilon"
@@ -418,13 +437,14 @@ class PrivacyPlan:
     target_epsilon: float
     delta: float
     accountant: Accountant
-    epsilon: float  # total over the whole history (all stages composed)
+    epsilon: float  # total over the whole history (all stages composed; PER PATIENT when ``patient_cap`` is set)
     noise_multiplier: float | None  # DP-SGD sigma (calibrated or configured); None when DP-SGD has 0 steps
     calibrated: bool
     stages: tuple[StagePlan, ...]
     history: tuple[PrivacyEvent, ...]  # prior + this job's events (stage_events), in order
     prior: tuple[PrivacyEvent, ...] = field(default=())
     warnings: tuple[str, ...] = field(default=())
+    patient_cap: int | None = None  # the patient cap of a per-patient budget (None: the budget is per image)
 
     def stage(self, name: str) -> StagePlan:
         for s in self.stages:
@@ -452,16 +472,19 @@ class PrivacyPlan:
             "stages": [s.to_dict() for s in self.stages],
             "history": [e.to_dict() for e in self.history],
             "warnings": list(self.warnings),
+            **({} if self.patient_cap is None else {"epsilon_unit": "patient", "patient_cap": self.patient_cap}),
         }
 
 
 def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
          budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
          image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image",
-         dpsgd_size: int | None = None, size: PrivacyEvent | Sequence[PrivacyEvent] | None = None) -> PrivacyPlan:
+         dpsgd_size: int | None = None, size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
+         patient_cap: int | None = None) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
-    ``rounds``, ``dpsgd_unit``, ``dpsgd_size``, ``size``: see :func:`stage_events`; ``image_shape``/``n_classes``
+    ``rounds``, ``dpsgd_unit``, ``dpsgd_size``, ``size``, ``patient_cap`` (the total then PER PATIENT): see
+    :func:`stage_events`; ``image_shape``/``n_classes``
     (public) only feed the noise-to-signal figures (default: the embedded data).
     Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
     """
@@ -469,16 +492,17 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
     cfg = cfg if federated else cfg.for_size(n)
     tgt = budget or target(cfg)
     prior = list(prior)
-    check_warmup(prior + count_events(size) + warmup_events(cfg, n), tgt)
+    check_warmup(prior + count_events(size) + warmup_events(cfg, n), tgt, patient_cap)
     events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit,
-                          dpsgd_size=dpsgd_size, size=size)
+                          dpsgd_size=dpsgd_size, size=size, patient_cap=patient_cap)
     history = prior + events
     sgd = stage_event(events, "dpsgd")
-    total = epsilon(history, tgt.delta, tgt.accountant)
+    total = unit_epsilon(history, tgt.delta, tgt.accountant, patient_cap=patient_cap)
     if total > tgt.epsilon + 1e-9:
         steps = sum(e.steps for e in events if e.stage == "dpsgd")
         raise PrivacyError(
-            f"[dpsgd] noise_multiplier {sgd.sigma if sgd else None} gives a total epsilon {total:.3f} above the "
+            f"[dpsgd] noise_multiplier {sgd.sigma if sgd else None} gives a total epsilon"
+            f"{'' if patient_cap is None else ' per patient'} {total:.3f} above the "
             f"budget {tgt.epsilon}: raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer steps "
             f"than {steps}"
         )
@@ -493,7 +517,7 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
     return PrivacyPlan(
         dataset_size=n, target_epsilon=tgt.epsilon, delta=tgt.delta, accountant=tgt.accountant, epsilon=total,
         noise_multiplier=sgd.sigma if sgd else None, calibrated=sgd is not None and cfg.dpsgd.noise_multiplier is None,
-        stages=stages, history=tuple(history), prior=tuple(prior), warnings=warnings,
+        stages=stages, history=tuple(history), prior=tuple(prior), warnings=warnings, patient_cap=patient_cap,
     )
 
 

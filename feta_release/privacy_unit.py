@@ -13,15 +13,19 @@ shared random draw would not have this property). Sensitivities under add/remove
   frequency mean of feature vectors k / N               (image level: 1 / N, features of norm 1)
   DP-SGD summed clipped gradients   k · C per step      (image level: C)
 With k = 1 the patient-level guarantee IS the image-level (ε, δ): the accountant's numbers hold for a
-patient unchanged. With k > 1 the guarantee follows by group privacy over k records:
-(k·ε, k·e^{(k-1)ε}·δ) (Dwork & Roth, Thm 2.2 generalised to (ε, δ); Vadhan 2017, Lemma 2.2).
+patient unchanged. With k > 1 the image-level releases hold per patient by group privacy over k records:
+(ε_r, δ_r) per record gives (k·ε_r, k·e^{(k-1)ε_r}·δ_r) per patient (Dwork & Roth, Thm 2.2 generalised to (ε, δ);
+Vadhan 2017, Lemma 2.2), with δ_r chosen so that the patient's δ is the budget's (``accounting.group_epsilon``).
 
 Patient-level DP-SGD (``training.dpsgd``, events with ``unit = "patient"``) needs no such conversion: it
 Poisson-samples PATIENTS and clips each sampled patient's summed gradient to C, so add/remove of one patient
 changes the noised sum by at most C, and the accountant's (ε, δ) for those steps holds per patient as it is.
-When the warm-up stages are image-level with k > 1, the statement splits δ in half: the warm-up's (ε_w, δ/2)
-goes through group privacy over k, DP-SGD's (ε_s, δ/2) is per patient already, and the two compose by basic
-composition: (k·ε_w + ε_s, k·e^{(k-1)ε_w}·δ/2 + δ/2).
+When the warm-up stages are image-level with k > 1, δ is split in half: the image-level releases' group figure at
+δ/2 and DP-SGD's ε at δ/2 compose by basic composition to (ε per patient, δ) (``accounting.patient_epsilon``).
+At a patient-level site THAT figure is what every cap bounds (``ledger.check_spend``: per job, lifetime, worst
+case), what DP-SGD's σ is calibrated to meet (``planning.stage_events`` with ``patient_cap``), what the statement
+says and what ``verify`` checks against the signed caps: a job whose per-patient figure cannot meet the budget is
+refused before anything is charged, naming that figure.
 Without patient ids the unit stays the image, and a person with m images in the data is protected
 only by that same group bound with k = m.
 """
@@ -160,19 +164,20 @@ class PrivacyUnit:
     k: int | None = 1
 
     def statement(self, epsilon: float, delta: float, events: Sequence[Any] = (), accountant: str = "rdp") -> dict:
-        """What (ε, δ) (the accountant's figure over ``events``) means for one patient or one image. ``events``
-        matter only when some are patient-level (patient-level DP-SGD): those are then not group-converted."""
-        if self.kind == "patient" and any(getattr(e, "unit", "image") == "patient" for e in events):
-            return self._mixed_statement(float(epsilon), float(delta), list(events), accountant)
+        """What (ε, δ) (the accountant's figure over ``events``) means for one patient or one image.
+
+        A patient: with ``events``, ε PER PATIENT at δ itself (``accounting.patient_epsilon``, the figure the site's
+        ledger caps and its DP-SGD is calibrated to meet): patient-level events as they are, the image-level ones by
+        group privacy over the cap. Without events (a bare figure), only group privacy of (ε, δ) can be stated."""
+        if self.kind == "patient" and events:
+            return self._patient_statement(float(delta), list(events), accountant)
         if self.kind == "patient":
             k = int(self.k or 1)
             pe, pd = group_privacy(epsilon, delta, k)
             how = ("exact: each patient contributes one image, so the image-level accounting covers the patient"
                    if k == 1 else f"group privacy over the cap of {k} images per patient")
             return {"unit": "patient", "images_per_patient_cap": k, "epsilon_per_patient": pe,
-                    "delta_per_patient": pd, "how": how,
-                    "sensitivity": f"add/remove one patient changes at most {k} record(s): central {k}·clip, "
-                                   f"frequency {k}/N, DP-SGD {k}·C per step"}
+                    "delta_per_patient": pd, "how": how, "sensitivity": self._sensitivity(False)}
         out = {"unit": "image", "epsilon_per_image": float(epsilon), "delta_per_image": float(delta),
                "how": "no patient ids: one image is the unit; a person with k images is protected only by group "
                       "privacy, (k·ε, k·e^((k-1)ε)·δ)"}
@@ -181,27 +186,35 @@ class PrivacyUnit:
             out.update(largest_group=int(self.k), epsilon_for_largest_group=pe, delta_for_largest_group=pd)
         return out
 
-    def _mixed_statement(self, epsilon: float, delta: float, events: list[Any], accountant: str) -> dict:
+    def _sensitivity(self, patient_sgd: bool) -> str:
+        k = int(self.k or 1)
+        sgd = ("DP-SGD: one patient adds one clipped summed gradient, C per step (patients sampled)" if patient_sgd
+               else f"DP-SGD {k}·C per step")
+        return (f"add/remove one patient changes at most {k} record(s) of the image-level releases: central "
+                f"{k}·clip (mode: {k}·sqrt(P)), frequency {k}/N; {sgd}")
+
+    def _patient_statement(self, delta: float, events: list[Any], accountant: str) -> dict:
         from .accounting import epsilon as compose
+        from .accounting import patient_epsilon
 
         k = int(self.k or 1)
-        image_level = [e for e in events if getattr(e, "unit", "image") == "image"]  # Skellam events: per image
-        patient_level = [e for e in events if getattr(e, "unit", "image") == "patient"]
-        base = {"unit": "patient", "images_per_patient_cap": k,
-                "sensitivity": f"DP-SGD: one patient adds one clipped summed gradient, C per step (patients sampled); "
-                               f"central {k}·clip, frequency {k}/N (at most {k} image(s) per patient)"}
+        image_level = [e for e in events if e.steps > 0 and getattr(e, "unit", "image") != "patient"]
+        patient_level = [e for e in events if e.steps > 0 and getattr(e, "unit", "image") == "patient"]
+        total = patient_epsilon(events, delta, k, accountant)  # type: ignore[arg-type]
+        out = {"unit": "patient", "images_per_patient_cap": k, "sensitivity": self._sensitivity(bool(patient_level)),
+               "epsilon_per_patient": total, "delta_per_patient": delta}
         if k == 1 or not image_level:
-            # each image-level record is a whole patient (k = 1) or there is none: the accountant's figure is exact
-            return {**base, "epsilon_per_patient": epsilon, "delta_per_patient": delta,
-                    "how": "exact: DP-SGD samples and clips whole patients"
-                           + ("" if not image_level else ", and each patient has one image in the warm-up stages")}
-        eps_w = compose(image_level, delta / 2, accountant)  # type: ignore[arg-type]
+            return {**out, "how": "exact: " + ("DP-SGD samples and clips whole patients" if patient_level else
+                                                "each patient contributes one image")
+                    + (", and each patient has one image in the other releases" if image_level else "")}
+        if not patient_level:
+            return {**out, "how": f"group privacy over the cap of {k} images per patient (per-image δ chosen so the "
+                                  "patient's δ is the budget's)"}
         eps_s = compose(patient_level, delta / 2, accountant)  # type: ignore[arg-type]
-        ge, gd = group_privacy(eps_w, delta / 2, k)
-        return {**base, "epsilon_per_patient": ge + eps_s, "delta_per_patient": min(gd + delta / 2, 1.0),
-                "epsilon_dpsgd_per_patient": eps_s, "epsilon_warmup_per_patient": ge,
-                "how": f"DP-SGD per patient directly (no group conversion); the warm-up stages by group privacy over "
-                       f"the cap of {k} images per patient; the two by basic composition, δ split in half"}
+        return {**out, "epsilon_dpsgd_per_patient": eps_s,
+                "epsilon_warmup_per_patient": total - eps_s,
+                "how": f"DP-SGD per patient directly (no group conversion) at δ/2; the image-level releases by group "
+                       f"privacy over the cap of {k} images per patient at δ/2; the two by basic composition"}
 
 
 def site_unit_statement(policy: Any, epsilon: float, delta: float, events: Sequence[Any], accountant: str) -> dict:

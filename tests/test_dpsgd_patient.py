@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from feta_release.accounting import PrivacyEvent, epsilon, events_from_list
+from feta_release.accounting import PrivacyEvent, epsilon, events_from_list, group_epsilon
 from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError, PrivacyError
 from feta_release.planning import plan, stage_events
@@ -180,9 +180,9 @@ def test_patient_statement_does_not_group_convert_dpsgd() -> None:
     mixed = PrivacyUnit("patient", 5).statement(p.epsilon, p.delta, p.events)
     warm = [e for e in p.events if e.unit == "image"]
     assert warm  # the preset has a warm-up: group 5 for it, DP-SGD direct, basic composition
-    if warm:
-        want = 5 * epsilon(warm, p.delta / 2) + epsilon(only_sgd, p.delta / 2)
-        assert mixed["epsilon_per_patient"] == pytest.approx(want)
+    if warm:  # the warm-up's group figure at δ/2 (per-record δ chosen so the patient's δ is δ/2), DP-SGD's at δ/2
+        want = group_epsilon(warm, p.delta / 2, 5) + epsilon(only_sgd, p.delta / 2)
+        assert mixed["epsilon_per_patient"] == pytest.approx(want) and mixed["delta_per_patient"] == p.delta
         assert mixed["epsilon_per_patient"] < PrivacyUnit("patient", 5).statement(p.epsilon, p.delta)[
             "epsilon_per_patient"]
 

@@ -53,12 +53,15 @@ def write_patient_csv(ds: Any, folder: Path, sizes: list[int]) -> Path:
     return folder / "labels.csv"
 
 
-def _federation(tmp: Path, public_patients: int | None = None) -> tuple[Any, int]:
+def _federation(tmp: Path, public_patients: int | None = None, **budget: Any) -> tuple[Any, int]:
+    """``budget``: the patient site's ``per_job`` / ``lifetime`` (make_policy's), when the job needs more than 1 per
+    patient (a warm-up per image counts up to CAP times per patient)."""
     sites: dict[str, Any] = tiny_sites()
     sizes = _patient_sizes(sites[PATIENT_SITE].n, seed=3)
     sites[PATIENT_SITE] = write_patient_csv(sites[PATIENT_SITE], tmp / "csv", sizes)
     p = public_patients or len(sizes)
-    return prepare_federation(tmp / "fed", sites, policy_overrides={PATIENT_SITE: {"patient_level": (p, CAP)}}), p
+    over = {PATIENT_SITE: {"patient_level": (p, CAP), **budget}}
+    return prepare_federation(tmp / "fed", sites, policy_overrides=over), p
 
 
 def test_a_patient_level_site_in_a_federation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -253,6 +256,13 @@ def test_request_unit_must_be_the_policy_unit() -> None:
     check_request(pat, PrivacyEvent("central", 5.0, 0.1, 1), require_job=False)  # warm-up stays per image
 
 
+def _eps20_job(tmp_path: Path) -> Path:
+    """cpu-eps1 with a budget of 20: room, per patient of 5 images, for its warm-up and DP-SGD."""
+    text = (Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml").read_text()
+    (job := tmp_path / "eps20.toml").write_text(text.replace("epsilon = 1.0", "epsilon = 20.0", 1))
+    return job
+
+
 def _plan_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     from feta_release.cli import main
 
@@ -267,13 +277,14 @@ def test_privacy_plan_for_a_federated_policy_of_two_thousand_patients(tmp_path: 
     from feta_release.data.commitment import suggest_public_size
     from feta_release.privacy_unit import cap_per_patient
 
-    preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
+    preset = _eps20_job(tmp_path)  # cap 5: the budget is per patient, and cpu-eps1's warm-up alone is 3.4 per patient
     counts = np.random.default_rng(7).integers(1, 21, 2000)
     n5 = len(cap_per_patient(np.repeat(np.arange(2000), counts), 5))
     size = suggest_public_size(n5)
     pols = {}
     for name, level in (("patient", (2000, 5)), ("image", None)):
-        doc = make_policy("site-p", "0" * 64, size, ["a" * 64], patient_level=level)
+        doc = make_policy("site-p", "0" * 64, size, ["a" * 64], patient_level=level, per_job=(20.0, 1e-5),
+                          lifetime=(40.0, 1e-5))
         (path := tmp_path / f"{name}.json").write_text(json.dumps(doc))
         pols[name] = _plan_json([str(preset), "--policy", str(path)], capsys)
     pat, img = pols["patient"], pols["image"]
@@ -281,7 +292,8 @@ def test_privacy_plan_for_a_federated_policy_of_two_thousand_patients(tmp_path: 
     assert sgd and all(e["unit"] == "patient" and e["q"] == pytest.approx(125 / 2000) for e in sgd)  # rate 0.0625
     u = pat["privacy_unit"]
     assert u["unit"] == "patient" and u["public_patients"] == 2000 and u["images_per_patient_cap"] == 5
-    assert pat["epsilon"] <= 1.0 + 1e-9
+    assert pat["epsilon"] <= 20.0 + 1e-9 and pat["epsilon"] == pytest.approx(u["epsilon_per_patient"])  # per patient
+    assert u["delta_per_patient"] <= 1e-5
     assert u["epsilon_per_patient"] == pytest.approx(u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
     isgd = [e for e in img["history"] if e["stage"] == "dpsgd"]
     assert all("unit" not in e and e["q"] == pytest.approx(round(0.0625 * size) / size) for e in isgd)
@@ -303,10 +315,11 @@ def test_privacy_plan_states_the_unit_in_one_form_with_and_without_a_policy(tmp_
 
     from feta_release.cli import main
 
-    preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
+    preset = _eps20_job(tmp_path)
     lines = {}
     for name, level in (("patient", (2000, 5)), ("image", None)):
-        doc = make_policy("site-p", "0" * 64, 9500, ["a" * 64], patient_level=level)
+        doc = make_policy("site-p", "0" * 64, 9500, ["a" * 64], patient_level=level, per_job=(20.0, 1e-5),
+                          lifetime=(40.0, 1e-5))
         (path := tmp_path / f"{name}.json").write_text(json.dumps(doc))
         main(["privacy", "plan", str(preset), "--policy", str(path)])
         lines[f"policy-{name}"] = _unit_lines(capsys.readouterr().out)
@@ -398,8 +411,8 @@ def test_a_secure_aggregation_job_with_a_patient_level_site(tmp_path: Path) -> N
 
     from .federation_fixtures import full_job
 
-    fed, p = _federation(tmp_path)
-    cfg = full_job(federation={"secure_aggregation": True, "rounds": 1})
+    fed, p = _federation(tmp_path, per_job=(5.0, 1e-5), lifetime=(10.0, 1e-5))
+    cfg = full_job(federation={"secure_aggregation": True, "rounds": 1}, privacy={"epsilon": 5.0})
     signed, _ = sign_job_file(fed, cfg, "job-sp")
     res = _run(fed, harness(fed), signed, tmp_path / "out")
     assert res.rounds_done == 1 and res.skipped == {}
@@ -411,5 +424,6 @@ def test_a_secure_aggregation_job_with_a_patient_level_site(tmp_path: Path) -> N
     u = st_["privacy_unit"]
     assert u["unit"] == "patient" and u["epsilon_per_patient"] == pytest.approx(
         u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
+    assert u["epsilon_per_patient"] <= 5.0 + 1e-9 and u["delta_per_patient"] <= 1e-5  # the budget holds per patient
     policy = json.loads(fed.site(PATIENT_SITE).policy.read_text())["policy"]
     assert policy_violations(policy, st_, events) == []

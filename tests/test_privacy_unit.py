@@ -85,6 +85,12 @@ def test_unit_statements() -> None:
     assert p1["unit"] == "patient" and p1["epsilon_per_patient"] == 1.0 and "exact" in p1["how"]
     p5 = PrivacyUnit("patient", 5).statement(1.0, 1e-5)
     assert p5["epsilon_per_patient"] == 5.0 and "5·clip" in p5["sensitivity"]
+    # with the events: ε per patient at δ itself (the figure the site's caps bound), never a larger δ
+    from feta_release.accounting import PrivacyEvent, patient_epsilon
+
+    evs = [PrivacyEvent("central", 8.0, 0.5, 2), PrivacyEvent("dpsgd", 1.0, 0.05, 100, unit="patient")]
+    pe = PrivacyUnit("patient", 5).statement(1.0, 1e-5, evs)
+    assert pe["delta_per_patient"] == 1e-5 and pe["epsilon_per_patient"] == patient_epsilon(evs, 1e-5, 5)
     img = PrivacyUnit("image", 20).statement(1.0, 1e-5)
     assert img["unit"] == "image" and img["epsilon_for_largest_group"] == 20.0 and "group privacy" in img["how"]
 
@@ -115,8 +121,18 @@ def _plan(args: list[str], capsys) -> dict:  # noqa: ANN001
     return json.loads(capsys.readouterr().out)
 
 
-def test_privacy_plan_two_thousand_patients(capsys) -> None:
-    """2,000 patients with 1-20 images each: the cap sets N and the statement the unit."""
+def _eps20_job(tmp_path: Path) -> Path:
+    """cpu-eps10 with a budget of 20: room, per patient of 5 images, for its warm-up and DP-SGD."""
+    text = (Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps10.toml").read_text()
+    (job := tmp_path / "eps20.toml").write_text(text.replace("epsilon = 10.0", "epsilon = 20.0", 1))
+    return job
+
+
+def test_privacy_plan_two_thousand_patients(capsys, tmp_path: Path) -> None:  # noqa: ANN001
+    """2,000 patients with 1-20 images each: the cap sets N and the statement the unit; with a cap the job's budget
+    is a budget PER PATIENT (a cap of 5 cannot fit cpu-eps1's warm-up in ε 1 per patient: refused, naming it)."""
+    from feta_release.cli import main
+
     preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
     rng = np.random.default_rng(7)
     counts = rng.integers(1, 21, 2000)
@@ -128,22 +144,29 @@ def test_privacy_plan_two_thousand_patients(capsys) -> None:
     u = one["privacy_unit"]
     assert u["unit"] == "patient" and u["epsilon_per_patient"] == pytest.approx(one["epsilon"])
     assert one["epsilon"] <= 1.0 + 1e-9
-    five = _plan([str(preset), "-n", str(n5), "--patient-cap", "5"], capsys)
-    assert five["privacy_unit"]["epsilon_per_patient"] == pytest.approx(5 * five["epsilon"])
+    with pytest.raises(SystemExit):
+        main(["privacy", "plan", str(preset), "-n", str(n5), "--patient-cap", "5", "--json"])
+    assert "PER PATIENT" in capsys.readouterr().err
+    five = _plan([str(_eps20_job(tmp_path)), "-n", str(n5), "--patient-cap", "5"], capsys)
+    assert five["privacy_unit"]["epsilon_per_patient"] == pytest.approx(five["epsilon"])
+    assert 19.5 < five["epsilon"] <= 20.0 + 1e-9 and five["privacy_unit"]["delta_per_patient"] == 1e-5
     img = _plan([str(preset), "-n", str(len(patients)), "--max-images-per-person", "20"], capsys)
     assert img["privacy_unit"]["unit"] == "image"
     assert img["privacy_unit"]["epsilon_for_largest_group"] == pytest.approx(20 * img["epsilon"])
 
 
-def test_privacy_plan_patient_level_dpsgd(capsys) -> None:  # noqa: ANN001
-    """--patients: DP-SGD's ε is per patient directly, only the warm-up goes through group privacy."""
-    preset = Path(__file__).resolve().parents[1] / "feta_release" / "presets" / "cpu-eps1.toml"
-    grouped = _plan([str(preset), "-n", "9000", "--patient-cap", "5"], capsys)
-    direct = _plan([str(preset), "-n", "9000", "--patient-cap", "5", "--patients", "2000"], capsys)
-    assert direct["epsilon"] == pytest.approx(grouped["epsilon"])  # same events, same accountant figure
+def test_privacy_plan_patient_level_dpsgd(capsys, tmp_path: Path) -> None:  # noqa: ANN001
+    """--patients: DP-SGD's ε is per patient directly, only the warm-up goes through group privacy, so at the same
+    per-patient budget patient-level DP-SGD needs less noise than image-level DP-SGD grouped over the cap."""
+    job = str(_eps20_job(tmp_path))
+    grouped = _plan([job, "-n", "9000", "--patient-cap", "5"], capsys)
+    direct = _plan([job, "-n", "9000", "--patient-cap", "5", "--patients", "2000"], capsys)
+    for plan in (grouped, direct):  # both calibrated to the budget per patient
+        assert plan["privacy_unit"]["epsilon_per_patient"] == pytest.approx(plan["epsilon"])
+        assert 19.5 < plan["epsilon"] <= 20.0 + 1e-9
+    assert direct["noise_multiplier"] < grouped["noise_multiplier"]
     assert [e.get("unit", "image") for e in direct["history"]][-1] == "patient"
     u = direct["privacy_unit"]
-    assert u["epsilon_per_patient"] < grouped["privacy_unit"]["epsilon_per_patient"]
     assert u["epsilon_per_patient"] == pytest.approx(u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
     sgd = [e for e in direct["history"] if e["stage"] == "dpsgd"][0]
     assert u["expected_patients_per_step"] == pytest.approx(sgd["q"] * 2000)

@@ -71,8 +71,9 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, publ
     n = DEFAULT_DATASET_SIZE if dataset_size is None else dataset_size
     from ..mechanisms.count import size_event
 
+    # --patient-cap makes the PATIENT the unit: the job's [privacy] budget is then a budget per patient
     result = plan_privacy(cfg, n, dpsgd_unit="image" if public_patients is None else "patient",
-                          size=None if declared_size else size_event())
+                          size=None if declared_size else size_event(), patient_cap=patient_cap)
     if as_json:
         data = result.to_dict()
         data["job"] = str(job_file)

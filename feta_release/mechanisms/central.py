@@ -34,8 +34,10 @@ Per PATIENT (patient ids known, ``--patient-cap k``): the loader keeps at most k
 k in file order, a choice that depends on that patient's records only), so add/remove of one patient adds or
 removes at most k records, each clipped as above: the unsampled sum moves by at most k·C (mean; by the triangle
 inequality, also when the patient's images lie in different classes) or k·sqrt(P) (mode), and each of those
-records is Poisson-sampled independently. The event is charged per image and stated per patient by group privacy
-over k (``feta_release.privacy_unit``); nothing here depends on how many images a patient has beyond the cap.
+records is Poisson-sampled independently. The event is recorded per image (unit "image"); at a patient-level
+site every budget counts it per patient by group privacy over k (``accounting.patient_epsilon``, the figure
+``ledger.check_spend`` caps and DP-SGD is calibrated around); nothing here depends on how many images a patient has
+beyond the cap.
 
 Everything after the noisy query (division by B_c, argmax, ``postprocess_central``, ``combine_central``) is
 post-processing and costs no privacy.

@@ -16,8 +16,9 @@ E + N(0, (sigma/N)^2 I), one unsampled Gaussian release: ``PrivacyEvent("frequen
 
 Per PATIENT (``--patient-cap k``): at most k images per patient are loaded (first k in file order), each with
 ||phi(x)|| = 1, so add/remove of one patient changes E by at most k/N (N the PUBLIC image count after the cap;
-triangle inequality across the patient's classes): the release is stated per patient by group privacy over k
-(``feta_release.privacy_unit``); no clipping is needed, the feature map bounds every image already.
+triangle inequality across the patient's classes): the event is recorded per image and every budget of a
+patient-level site counts it per patient by group privacy over k (``accounting.patient_epsilon``); no clipping is
+needed, the feature map bounds every image already.
 
 The sum is streamed over chunks of images, so memory is chunk x F (never N x F).
 """

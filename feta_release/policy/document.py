@@ -90,6 +90,7 @@ class SitePolicy:
     # epsilon when all of them do (None: not capped)
     max_colluders: int = 0
     max_worst_case_epsilon: float | None = None
+    max_lifetime_worst_case_epsilon: float | None = None
     # the other sites' pinned Ed25519 keys (PEM) by site id: key adverts are checked against these, not against
     # keys the coordinator relays (empty: none pinned, so no other site's noise share is counted)
     peers: Mapping[str, str] = field(default_factory=dict)
@@ -121,6 +122,21 @@ class SitePolicy:
             return float(self.max_worst_case_epsilon)
         return DEFAULT_WORST_CASE_FACTOR * self.job_epsilon
 
+    @property
+    def lifetime_worst_case_cap(self) -> float:
+        """The cap on the LIFETIME worst-case epsilon (every secure-aggregation release of every job seen by a
+        coalition of all other sites with the coordinator): ``secure_aggregation.max_lifetime_worst_case_epsilon``,
+        or DEFAULT_WORST_CASE_FACTOR x the lifetime epsilon."""
+        if self.max_lifetime_worst_case_epsilon is not None:
+            return float(self.max_lifetime_worst_case_epsilon)
+        return DEFAULT_WORST_CASE_FACTOR * self.lifetime_epsilon
+
+    @property
+    def unit_cap(self) -> int | None:
+        """The group size every budget of this site is counted over: the patient cap of a patient-level policy
+        (epsilon PER PATIENT), None for an image-level one (epsilon per image)."""
+        return int(self.patient_cap) if self.privacy_unit == "patient" and self.patient_cap else None
+
     @classmethod
     def from_document(cls, doc: dict[str, Any], signer: str | None, source: str = "<policy>") -> SitePolicy:
         validate_policy(doc, source)
@@ -150,6 +166,7 @@ class SitePolicy:
             document=doc,
             max_colluders=int(doc.get("secure_aggregation", {}).get("max_colluders", 0)),
             max_worst_case_epsilon=doc.get("secure_aggregation", {}).get("max_worst_case_epsilon"),
+            max_lifetime_worst_case_epsilon=doc.get("secure_aggregation", {}).get("max_lifetime_worst_case_epsilon"),
             peers=dict(doc.get("secure_aggregation", {}).get("peers", {})),
             privacy_unit=str(doc["dataset"].get("privacy_unit", "image")),
             patients=doc["dataset"].get("patients"),

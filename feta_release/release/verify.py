@@ -775,6 +775,7 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
         out.append(f"accountant {st.get('accountant')!r} differs from the policy's {policy['accountant']!r}")
     size = policy.get("dataset", {}).get("size")
     out += unit_violations(policy, st, events)
+    out += unit_budget_violations(policy, st, events)
     patients = policy.get("dataset", {}).get("patients") if _unit_of(policy) == "patient" else None
     mech = policy.get("mechanisms", {})
     steps_by_stage: dict[str, int] = {}
@@ -805,6 +806,42 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
         key = limits.get(stage)
         if key and key in mech[stage] and total > int(mech[stage][key]):
             out.append(f"{stage}: {total} rounds/steps exceed {key} {mech[stage][key]}")
+    return out
+
+
+def unit_budget_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any]) -> list[str]:
+    """The attested histories against the signed caps IN THE UNIT THE CAPS BOUND, recomputed as the site's ledger
+    holds them (``ledger.Budget.from_policy``, ``check_spend``) at the caps' own δ:
+
+    - a patient-level policy (``dataset.privacy_unit = "patient"``): ε PER PATIENT (``accounting.patient_epsilon``:
+      patient-level DP-SGD as it is, the image-level releases by group privacy over ``dataset.patient_cap``) of the
+      job's history against ``budget.per_job`` and ``secure_aggregation.max_worst_case_epsilon``, of the lifetime
+      history against ``budget.lifetime``; the per-image figures the statement gives do not bound a patient;
+    - every policy: the lifetime worst case (every secure-aggregation release of every job seen by a coalition of
+      all other sites) against ``secure_aggregation.max_lifetime_worst_case_epsilon`` (default 3 x the lifetime ε).
+    """
+    from ..ledger import Budget
+
+    b = Budget.from_policy(policy)
+    life = st.get("lifetime")
+    life_events = events_from_list(life["events"]) if isinstance(life, dict) else []
+    checks: list[tuple[str, list[Any], float, str, float | None, str]] = [
+        ("lifetime worst-case ε", life_events, b.life_delta, "worst_case", b.lifetime_worst_case_epsilon,
+         "secure_aggregation.max_lifetime_worst_case_epsilon")]
+    if b.patient_cap is not None:
+        checks += [("ε per patient of this job", events, b.delta, "assumed", b.job_epsilon, "budget.per_job.epsilon"),
+                   ("lifetime ε per patient", life_events, b.life_delta, "assumed", b.lifetime_epsilon,
+                    "budget.lifetime.epsilon"),
+                   ("worst-case ε per patient of this job", events, b.delta, "worst_case", b.worst_case_epsilon,
+                    "secure_aggregation.max_worst_case_epsilon")]
+    out = []
+    for what, evs, delta, view, cap, rule in checks:
+        if cap is None or not evs or (view == "worst_case" and not has_secure_aggregation(evs)):
+            continue
+        eps = b.spent(evs, delta, view)
+        if eps > cap * (1 + EPS_REL_TOL):
+            per = f" ({b.per})" if b.per else ""
+            out.append(f"{what} = {eps:.4g} at δ = {delta:g}{per} exceeds {rule} {cap:g}")
     return out
 
 

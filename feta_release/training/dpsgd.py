@@ -30,6 +30,9 @@ same subsampled-Gaussian event ``(sigma, q, 1)`` with the patient as the unit: n
 image cap is not what bounds the sensitivity (the per-patient clip does); it bounds a step's compute and memory
 (a patient with 500 slices would otherwise cost 500 per-example gradients in one step) and keeps a many-image
 patient's sum from being clipped far harder than a one-image patient's; being public, it reveals nothing.
+At a patient-level site these events compose with the image-level warm-up releases into ONE per-patient figure
+(``accounting.patient_epsilon``: the warm-up by group privacy over the loader's patient cap, these steps as they
+are), and the planner calibrates sigma so that figure meets the site's per-patient budget.
 
 All randomness the vectorised loss needs (noise levels, noise images, label-dropout masks) is drawn OUTSIDE
 ``vmap`` from the trainer's generator and passed in, so a step is reproducible from ``state_dict()``.

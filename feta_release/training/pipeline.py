@@ -305,7 +305,8 @@ def _plan_for(cfg: JobConfig, data: ImageDataset, n_pub: int, patients: PatientI
     cfg = cfg.for_size(n_pub)
     check_data(cfg, data, n_pub, declared=getattr(site_policy, "declared", None) is not None)
     return privacy_plan(cfg, n_pub, image_shape=data.image_shape, n_classes=data.n_classes,
-                        dpsgd_unit="image" if patients is None else "patient", size=size_ev)
+                        dpsgd_unit="image" if patients is None else "patient", size=size_ev,
+                        patient_cap=None if patients is None else patients.cap)  # a budget per patient
 
 
 def _start_state(rd: RunDir, state: dict[str, Any] | None, cfg: JobConfig, data: ImageDataset, plan: PrivacyPlan,
@@ -349,7 +350,8 @@ def _open_account(rd: RunDir, state: dict[str, Any], cfg: JobConfig, plan: Priva
         raise ConfigError(_NEEDS_POLICY.format(ledger=stored))
     state["ledger"] = {**rec, "site_key": fingerprint(key)}
     atomic_write_json(rd.run_json, state)
-    return RunAccount(Ledger(stored, key=key), rec["job_id"], plan, run_budget(cfg), rd.root / "privacy.json",
+    budget = dataclasses.replace(run_budget(cfg), patient_cap=plan.patient_cap)  # per patient when the plan is
+    return RunAccount(Ledger(stored, key=key), rec["job_id"], plan, budget, rd.root / "privacy.json",
                       site_policy)
 
 

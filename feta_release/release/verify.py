@@ -706,6 +706,27 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
             f"lifetime ε = {float(life['epsilon']):.6g} over {len(life_events)} event(s), recomputed {life_eps:.6g}"
             + ("" if ok else ": the stated figure is not what the history composes to")
             + ("" if contains else "; the lifetime history does not contain this job's events"))
+    _check_lifetime_worst_case(res, sid, st, life_events)
+
+
+def _check_lifetime_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], life_events: list[Any]) -> None:
+    """Secure aggregation over the site's lifetime: the stated ``lifetime_worst_case_epsilon`` (every other site
+    colluding in every job) is what the lifetime history composes to at the lifetime δ. The policy caps the worst
+    case per job only (``secure_aggregation.max_worst_case_epsilon``, ``policy_violations``); this figure has no cap
+    of its own to meet, but a signed figure that its history does not support is refused like any other."""
+    sa = st.get("secure_aggregation")
+    stated = sa.get("lifetime_worst_case_epsilon") if isinstance(sa, dict) else None
+    if stated is None and not has_secure_aggregation(life_events):
+        return
+    name = f"site {sid} lifetime secure aggregation"
+    if stated is None:
+        res.add(name, False, "the lifetime history has secure-aggregation releases but the statement gives no "
+                "lifetime worst-case epsilon (secure_aggregation.lifetime_worst_case_epsilon)")
+        return
+    worst = worst_case_epsilon(life_events, float(st["lifetime"]["delta"]))
+    ok = math.isclose(float(stated), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+    res.add(name, ok, f"lifetime ε if every other site colluded in every job = {float(stated):.6g}, recomputed "
+            f"{worst:.6g}" + ("" if ok else ": the stated figure is not what the lifetime history composes to"))
 
 
 def _check_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]) -> None:
@@ -774,6 +795,7 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
     if policy.get("accountant") and policy["accountant"] != st.get("accountant"):
         out.append(f"accountant {st.get('accountant')!r} differs from the policy's {policy['accountant']!r}")
     size = policy.get("dataset", {}).get("size")
+    out += lifetime_violations(policy, st)
     out += unit_violations(policy, st, events)
     patients = policy.get("dataset", {}).get("patients") if _unit_of(policy) == "patient" else None
     mech = policy.get("mechanisms", {})
@@ -805,6 +827,25 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
         key = limits.get(stage)
         if key and key in mech[stage] and total > int(mech[stage][key]):
             out.append(f"{stage}: {total} rounds/steps exceed {key} {mech[stage][key]}")
+    return out
+
+
+def lifetime_violations(policy: dict[str, Any], st: dict[str, Any]) -> list[str]:
+    """The site's signed LIFETIME spend (every job on this data) against its signed policy's ``budget.lifetime``, as
+    the node's ledger holds it (``ledger.check_spend``): ε of the lifetime history recomputed at the CAP's δ with the
+    policy's accountant, so neither a stated figure nor a larger stated δ can move it under the cap. A statement
+    without a lifetime is refused by the lifetime check (``_check_epsilon``)."""
+    life, cap = st.get("lifetime"), (policy.get("budget") or {}).get("lifetime")
+    if not isinstance(life, dict) or not isinstance(cap, dict):
+        return []
+    accountant = policy.get("accountant") or st.get("accountant") or "rdp"
+    eps = compose_epsilon(events_from_list(life["events"]), float(cap["delta"]), accountant)
+    out = []
+    if eps > float(cap["epsilon"]) * (1 + EPS_REL_TOL):
+        out.append(f"lifetime ε = {eps:.4g} (all of the site's jobs on this data, at δ = {float(cap['delta']):g}) "
+                   f"exceeds the lifetime cap budget.lifetime.epsilon {cap['epsilon']}")
+    if float(life["delta"]) > float(cap["delta"]):
+        out.append(f"lifetime δ = {float(life['delta']):g} exceeds the lifetime cap budget.lifetime.delta {cap['delta']}")
     return out
 
 

@@ -48,6 +48,7 @@ from ..accounting import (
     worst_case_epsilon,
 )
 from ..errors import FetaError, ReleaseError
+from ..files import read_regular
 from ..policy.enforce import skellam_own_sigma
 from ..signing import (
     canonical_json,
@@ -64,6 +65,11 @@ from .manifest import (
     EXPORT_SAMPLER_OVERRIDES,
     GENERATOR_FORMATS,
     MANIFEST_FILE,
+    MAX_GENERATOR_BYTES,
+    MAX_IMAGES_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_POLICY_BYTES,
+    TAKE_AS_PUBLISHED,
     aux_claims,
     manifest_format,
     starts_claims,
@@ -201,9 +207,6 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
         f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == fmt
                                                           else f", expected {fmt!r} for this sampler/starts"),
     )
-    _guard(res, "generator", lambda: _check_generator(res, rd, man))
-    _guard(res, "central images", lambda: _check_starts(res, rd, man))
-    _guard(res, "aux images", lambda: _check_aux_starts(res, rd, man))
     job = _guard(res, "job", lambda: _job_of(res, man))
     if job is not None:
         _guard(res, "sampler", lambda: _check_sampler(res, rd, man, job))
@@ -216,14 +219,30 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
         keys = _guard(res, f"site {sid}", functools.partial(_check_site, res, rd, man, sid, site, roots, job))
         allowed.append(keys or {})
     _guard(res, "manifest signature", lambda: _check_coordinator(res, rd, doc, job, allowed, roots))
+    _check_release_files(res, rd, man)
     return res
+
+
+def _check_release_files(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
+    """The files the manifest names, read only once its signature verified (before, an unsigned manifest's hash
+    of a decompression bomb or a link to /dev/zero would have been read), each a regular file of the size its
+    signed record states (``files.read_regular``)."""
+    signature = [c.status for c in res.checks if c.name == "manifest signature"]
+    if "pass" not in signature or "fail" in signature:
+        # noted, not failed again: the failed signature already refuses the release (a fail, should none be there)
+        res.add("release files", False, "not read: the manifest's signature did not verify, so nothing it names "
+                "(generator, central images, aux images) is read or hashed", warn=not res.ok)
+        return
+    _guard(res, "generator", lambda: _check_generator(res, rd, man))
+    _guard(res, "central images", lambda: _check_starts(res, rd, man))
+    _guard(res, "aux images", lambda: _check_aux_starts(res, rd, man))
 
 
 def _read_manifest_doc(res: VerificationResult, path: Path) -> dict[str, Any] | None:
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        res.add("manifest", False, f"{path}: cannot read ({exc.strerror or exc})")
+        raw = read_regular(path, limit=MAX_MANIFEST_BYTES, error=ReleaseError, what="manifest", fix=TAKE_AS_PUBLISHED)
+    except ReleaseError as exc:
+        res.add("manifest", False, str(exc))
         return None
     try:
         doc = loads_strict(raw.decode("utf-8"))
@@ -334,23 +353,31 @@ def _check_coordinator(res: VerificationResult, rd: Path, doc: dict[str, Any], j
         res.add("job signature", True, f"the job is signed by the same coordinator key {signer}")
 
 
-def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str, what: str) -> tuple[Path, bytes] | None:
+def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str, what: str, *, limit: int,
+                       size: Any = None) -> tuple[Path, bytes] | None:
     """The bytes of a file the manifest names, which must be a plain file name inside the release directory (a
-    signed manifest still must not point outside it); a failed check is recorded under ``check``."""
+    signed manifest still must not point outside it), a regular file reached through no link, of the ``size``
+    its signed record states (records written before sizes were signed: ``limit`` alone); a failed check is
+    recorded under ``check``."""
     if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
         res.add(check, False, f"{what} name {name!r} must be a plain file name in the release")
         return None
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        res.add(check, False, f"{what} size {size!r} in the manifest is not a byte count")
+        return None
     path = rd / name
     try:
-        return path, path.read_bytes()
-    except OSError as exc:
-        res.add(check, False, f"{path}: missing or unreadable ({exc.strerror or exc})")
+        return path, read_regular(path, limit=limit, size=size, root=rd, error=ReleaseError, what=what,
+                                  fix=TAKE_AS_PUBLISHED)
+    except ReleaseError as exc:
+        res.add(check, False, str(exc))
         return None
 
 
 def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
     gen = man["generator"]
-    read = _read_release_file(res, rd, gen["file"], "generator file", "generator file")
+    read = _read_release_file(res, rd, gen["file"], "generator file", "generator file", limit=MAX_GENERATOR_BYTES,
+                              size=gen.get("size"))
     if read is None:
         return
     gpath, data = read
@@ -398,7 +425,8 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
             res.add("central images", False, "the sampler has start_sigma but the manifest names no central images "
                     "(starts): the release is incomplete")
         return
-    read = _read_release_file(res, rd, rec["file"], "central images", "central images file")
+    read = _read_release_file(res, rd, rec["file"], "central images", "central images file", limit=MAX_IMAGES_BYTES,
+                              size=rec.get("size"))
     if read is None:
         return
     path, data = read
@@ -408,10 +436,11 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
                 "(file changed); take the release as it was published")
         return
     gen = man["generator"]
-    images, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]))
-    claims = _starts_claims_match(res, man, rec)
+    claims = _starts_claims_match(res, man, rec)  # first: its count bounds what the file may inflate to
     if claims is None:
         return
+    images, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]),
+                                 count=int(claims["images"]))
     wrong = starts_count_problem(labels, claims["per_class"])
     if wrong:
         res.add("central images", False, f"{path}: {wrong}; not this job's central release")
@@ -438,7 +467,8 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
         res.add("aux images", False, f"the manifest names aux-generator images but the sampler's start_source is "
                 f"{src!r}: the release is inconsistent; do not use it")
         return
-    read = _read_release_file(res, rd, rec.get("file"), "aux images", "aux-generator images file")
+    read = _read_release_file(res, rd, rec.get("file"), "aux images", "aux-generator images file",
+                              limit=MAX_IMAGES_BYTES, size=rec.get("size"))
     if read is None:
         return
     path, data = read
@@ -448,9 +478,10 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
                 "(file changed); take the release as it was published")
         return
     gen = man["generator"]
-    _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images")
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))
+    _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images",
+                            count=int(want["images"]))
     bad = _claim_problems("aux_starts", rec, want, "frequency_epsilon")
     have = [int((labels == c).sum()) for c in range(len(gen["classes"]))]
     if have != want["per_class"]:
@@ -479,7 +510,7 @@ def _claim_problems(name: str, rec: dict[str, Any], want: dict[str, Any], figure
     """Each field of a start-image record (``starts`` / ``aux_starts``) that is not what the signed job and site
     histories make it, named; the per-site ε maps (keys starting with ``figures``) compared to the tolerance the
     site figures are checked to, everything else exactly. A field the record should not have is named too."""
-    bad = [f"{name}.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256"})]
+    bad = [f"{name}.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256", "size"})]
     for k, v in want.items():
         got = rec.get(k)
         same = (isinstance(got, dict) and set(got) == set(v)
@@ -581,12 +612,12 @@ def _check_site(
                 f"(--trusted {sid}=ADMIN_KEY.pub): its policy, and so its site key, cannot be trusted")
         return None
     ppath = rd / policy_file_name(sid)
-    if not ppath.is_file():
+    if not ppath.exists() and not ppath.is_symlink():
         res.add(f"site {sid} policy", False, f"{policy_file_name(sid)} not in the release: without the site's "
                 "signed policy neither its key nor its caps can be checked")
         return None
     try:
-        policy, digest, admin = _load_signed_policy(ppath, list(admins))
+        policy, digest, admin = _load_signed_policy(ppath, list(admins), rd)
     except FetaError as exc:
         res.add(f"site {sid} policy", False, f"{exc} (a site's policy must be signed by its administrator key)")
         return None
@@ -768,16 +799,26 @@ def _contains(life: list[Any], job: list[Any]) -> bool:
     return True
 
 
-def _load_signed_policy(ppath: Path, trusted: list[Ed25519PublicKey]) -> tuple[dict[str, Any], str, str]:
+def _load_signed_policy(ppath: Path, trusted: list[Ed25519PublicKey], rd: Path) -> tuple[dict[str, Any], str, str]:
     """(policy document, its sha256, signer fingerprint) of a signed policy file, checked against ``trusted``.
 
     Signature and schema only: a policy that has expired since the job ran still says what the job was
-    allowed to spend, so the validity window is not checked here.
+    allowed to spend, so the validity window is not checked here. Read before the manifest's signature is checked
+    (the policies name the coordinator keys that may sign it), so as a regular file below ``rd`` through no link,
+    of at most ``MAX_POLICY_BYTES``.
     """
     from ..policy import open_signed_policy
-    from ..policy.envelope import read_json
+    from ..signing import DuplicateKeyError
 
-    pol = open_signed_policy(read_json(ppath, "signed policy"), trusted, str(ppath))
+    raw = read_regular(ppath, limit=MAX_POLICY_BYTES, error=ReleaseError, what="signed policy", root=rd,
+                       fix=TAKE_AS_PUBLISHED)
+    try:
+        envelope = loads_strict(raw.decode("utf-8"))
+    except DuplicateKeyError as exc:
+        raise ReleaseError(f"{ppath}: signed policy refused: {exc}; a signed document names each key once") from None
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise ReleaseError(f"{ppath}: signed policy is not JSON ({exc}); signed documents are JSON") from None
+    pol = open_signed_policy(envelope, trusted, str(ppath))
     return dict(pol.document), pol.digest, pol.signer or ""
 
 
@@ -838,7 +879,7 @@ def lifetime_violations(policy: dict[str, Any], st: dict[str, Any]) -> list[str]
     life, cap = st.get("lifetime"), (policy.get("budget") or {}).get("lifetime")
     if not isinstance(life, dict) or not isinstance(cap, dict):
         return []
-    accountant = policy.get("accountant") or st.get("accountant") or "rdp"
+    accountant: Any = policy.get("accountant") or st.get("accountant") or "rdp"
     eps = compose_epsilon(events_from_list(life["events"]), float(cap["delta"]), accountant)
     out = []
     if eps > float(cap["epsilon"]) * (1 + EPS_REL_TOL):

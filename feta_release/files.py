@@ -140,6 +140,36 @@ def read_regular(path: str | os.PathLike, *, limit: int, error: type[Exception],
         os.close(fd)
 
 
+def hash_regular(path: str | os.PathLike, *, error: type[Exception], what: str = "file",
+                 root: str | os.PathLike | None = None, fix: str = "") -> tuple[int, str]:
+    """(size, sha256 hex) of ``path``, a regular file reached through no link (as :func:`read_regular`), hashed in
+    1 MiB chunks: a file of any size is listed without being held in memory, and a link is never followed into a
+    file of the reader's machine whose hash would then be shown."""
+    import hashlib
+
+    p = Path(path)
+    tail = f"; {fix}" if fix else ""
+    try:
+        st = os.lstat(p)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{p}: the {what} is {_kind(st.st_mode)}, not a regular file; it is not read{tail}")
+        fd = _open_beneath(p, Path(root) if root is not None else None)
+    except OSError as exc:
+        raise error(f"{p}: the {what} cannot be opened as a regular file without following a link "
+                    f"({exc.strerror or exc}){tail}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{p}: the {what} is {_kind(st.st_mode)}, not a regular file; it is not read{tail}")
+        h, size = hashlib.sha256(), 0
+        while chunk := os.read(fd, _CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        return size, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
 def _read_fd(fd: int, p: Path, limit: int, size: int | None, error: type[Exception], what: str, tail: str) -> bytes:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):  # swapped between the lstat and the open

@@ -359,8 +359,9 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     if header[:2] != ["path", "label"] or not set(header[2:]) <= {"patient_id"}:
         raise DataError(f"{path}: the first line must be the header path,label or path,label,patient_id")
     has_pid = "patient_id" in header
-    bad, missing, parsed = [], [], []
+    bad, missing, parsed, outside = [], [], [], []
     lines: list[int] = []  # the CSV line of each parsed row, to name repeated files
+    root = path.parent.resolve()
     for lineno, row in enumerate(rows[1:], start=2):
         if not any(c.strip() for c in row):
             continue
@@ -368,7 +369,11 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
             bad.append(f"line {lineno}: expected {len(header)} non-empty fields ({','.join(header)})")
             continue
         try:  # a NUL byte, an over-long name or a symlink loop: the OS refuses the path (used to be a traceback)
-            f = (path.parent / row[0].strip()).resolve()
+            why = _leaves_root(row[0].strip(), root)
+            if why is not None:
+                outside.append(f"line {lineno}: {why}")
+                continue
+            f = (root / row[0].strip()).resolve()
             is_file = f.is_file()
         except (OSError, ValueError, RuntimeError) as exc:
             bad.append(f"line {lineno}: the path cannot be used ({_os_reason(exc)})")
@@ -384,6 +389,9 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         lines.append(lineno)
     if bad:
         problems.add(f"{len(bad)} malformed row(s):", bad)
+    if outside:
+        problems.add(f"{len(outside)} row(s) name a file outside the data folder {root} (the CSV's folder); list "
+                     "only images inside it, by a relative path without '..' (move or copy them in):", outside)
     if missing:
         problems.add(f"{len(missing)} listed file(s) do not exist:", missing)
     _add_repeated(problems, [(f, f"line {n}: {f}") for n, (f, _, _) in zip(lines, parsed)], "delete the extra rows")
@@ -395,6 +403,21 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         problems.add(f"only one class ({names[0]!r}); class-conditional synthesis needs at least 2")
     items = [_Item(f, lab, _patient_key(pid)) for f, lab, pid in parsed]
     return _load_items(path, items, names, opts, report, problems)
+
+
+def _leaves_root(listed: str, root: Path) -> str | None:
+    """Why a CSV row's path leaves ``root`` (None: it stays inside): an absolute path, a '..' part, or a path that
+    resolves (through symbolic links) outside it. Images from elsewhere on the node (another study's, a file an
+    export tool was tricked into naming) would be trained on as this site's data."""
+    shown = listed if len(listed) <= 80 else listed[:77] + "..."
+    parts = listed.replace("\\", "/").split("/")
+    if listed.startswith(("/", "\\")) or Path(listed).is_absolute() or (len(listed) > 1 and listed[1] == ":"):
+        return f"{shown!r} is an absolute path"
+    if ".." in parts:
+        return f"{shown!r} goes up out of the folder ('..')"
+    if not (root / listed).resolve().is_relative_to(root):
+        return f"{shown!r} is (or lies below) a symbolic link that leads out of the data folder"
+    return None
 
 
 def _os_reason(exc: Exception) -> str:

@@ -220,7 +220,9 @@ def read_npz(source: bytes | str | os.PathLike, where: str, *, names: Sequence[s
     with bounded memory (see above); ``check`` sees every header before any data is read and raises to refuse.
     Pickled (object) arrays are refused. Any refusal is one ``error`` line naming ``where``."""
     import io
+    import struct
     import zipfile
+    import zlib
 
     try:
         with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else Path(source)) as zf:
@@ -230,7 +232,8 @@ def read_npz(source: bytes | str | os.PathLike, where: str, *, names: Sequence[s
                 check(headers)
             _check_npz_bounds(headers, infos, where, max_bytes, error)
             return {n: _read_npy(zf, infos[n], headers[n], where, error) for n in headers}
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error, struct.error, NotImplementedError,
+            KeyError) as exc:
         if isinstance(exc, error):
             raise
         raise error(f"{where}: not a readable .npz file (corrupt or truncated: {exc})") from None

@@ -130,7 +130,7 @@ def read_regular(path: str | os.PathLike, *, limit: int, error: type[Exception],
             raise error(f"{p}: the {what} is {_kind(st.st_mode)}, not a regular file; it is not read{tail}")
         fd = _open_beneath(p, Path(root) if root is not None else None)
     except FileNotFoundError:
-        raise error(f"{p}: the {what} is missing or unreadable{tail}") from None
+        raise error(f"{p}: cannot read the {what}: missing or unreadable{tail}") from None
     except OSError as exc:  # ELOOP: a link in a folder below root (O_NOFOLLOW); EACCES ...
         raise error(f"{p}: the {what} cannot be opened as a regular file without following a link "
                     f"({exc.strerror or exc}){tail}") from None

@@ -88,11 +88,12 @@ def test_a_row_loads_iff_it_names_an_image_inside_the_folder_without_going_up(tm
     data = root / "data"
     if not data.exists():
         _png(data / "img" / "a.png", 10)
-        _png(data / "b.png", 200)
+        _png(data / "base.png", 200)  # a name no generated path reaches: the other class's one image
+        _png(data / "b.png", 150)
         _png(root / "img" / "a.png", 90)  # what '../img/a.png' would reach
         _png(root / "out" / "a.png", 90)
     listed = posixpath.join(str(data) if absolute else "", *parts)
-    csv = _csv(data / "labels.csv", [("b.png", "y"), (listed, "x")])
+    csv = _csv(data / "labels.csv", [("base.png", "y"), (listed, "x")])
     inside = not absolute and ".." not in parts
     target = data.joinpath(*parts)
     if inside and target.is_file():

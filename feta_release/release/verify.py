@@ -20,7 +20,14 @@ everything else follows from the documents those keys signed. Checks, each repor
   attestation is signed by the ``site_key`` that policy names, is final, names this job and its signed-job
   hash, its figures equal the manifest's, its epsilon (job and lifetime) equals what its event history
   composes to (relative tolerance 1e-6), and the spend is within the policy's caps;
-* the manifest and the job are signed by one coordinator key that EVERY site's policy allows (by full key).
+* the manifest and the job are signed by one coordinator key that EVERY site's policy allows (by full key);
+* a site's lifetime spend (every job on its data) is within its policy's ``budget.lifetime`` (``lifetime_violations``).
+
+Order of reading: ``manifest.json`` and the sites' signed policies (they name the keys that may sign it) are read
+capped; the files the manifest names (generator, central images, aux images) only after its signature verified
+(``_check_release_files``). Every file is read by ``files.read_regular``: a regular file reached through no symbolic
+link, of the ``size`` its signed record states and under a hard cap, checked before a byte is read; ``.npz`` files
+by ``files.read_npz``, never inflated past the images the signed record releases.
 
 The verified generator BYTES are kept on the result, so synthesis runs exactly the bytes that were hashed
 (no window in which the file could be swapped between verification and use).

@@ -6,17 +6,19 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/feta-release
 
-# Same install as the README: the CPU build of torch first (pinned), then the project.
-# Outside the development machines the CPU wheel comes from PyTorch's CPU index.
+# Same install as the README's for a site node, pinned by hash (docs/supply-chain.md): every wheel, the CPU build
+# of torch (torch==2.13.0+cpu, from PyTorch's CPU index) and the build backend included, must match a sha256 in
+# requirements-node.lock (CPython 3.11, linux x86_64); then the project itself, with no other download.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX_URL}
+COPY requirements-node.lock ./
+RUN pip install --require-hashes --no-deps -r requirements-node.lock --extra-index-url ${TORCH_INDEX_URL}
 
 COPY pyproject.toml README.md ./
 COPY feta_release ./feta_release
 COPY edge ./edge
 COPY coordinator ./coordinator
 COPY policies ./policies
-RUN pip install .
+RUN pip install --no-deps --no-build-isolation . && pip check
 
 # An unprivileged user owns the state; site data is mounted read-only by the operator (docker run -v ...:ro).
 ARG UID=10001

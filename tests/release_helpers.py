@@ -155,6 +155,14 @@ def load_signed(release: Path) -> dict:
     return json.loads((release / "manifest.json").read_text())
 
 
+def rehash(record: dict, path: Path) -> None:
+    """Point a manifest file record at the file as it is now (sha256 and size), as a coordinator re-signing it would."""
+    import hashlib
+
+    data = path.read_bytes()
+    record["sha256"], record["size"] = hashlib.sha256(data).hexdigest(), len(data)
+
+
 def resign(release: Path, signed: dict, key: Ed25519PrivateKey) -> None:
     """Write a modified manifest signed by ``key`` (a coordinator that is trusted, or an attacker that is not)."""
     doc = copy.deepcopy(signed)

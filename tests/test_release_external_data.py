@@ -7,7 +7,6 @@ them out, under a certificate that says differentially private. A coordinator th
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import numpy as np
@@ -22,7 +21,7 @@ from feta_release.errors import ReleaseError  # noqa: E402
 from feta_release.release.synthesize import make_session  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
 
-from .release_helpers import load_signed, resign  # noqa: E402
+from .release_helpers import load_signed, rehash, resign  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
@@ -64,7 +63,7 @@ def test_verify_refuses_a_generator_with_external_data(release, keys):
     data = model.SerializeToString()
     gen.write_bytes(data)
     signed = load_signed(release)
-    signed["manifest"]["generator"]["sha256"] = hashlib.sha256(data).hexdigest()
+    rehash(signed["manifest"]["generator"], release / "generator.onnx")
     resign(release, signed, keys.coordinator)  # the coordinator every site's policy allows signs it
     res = verify_release(release, keys.trust())
     assert not res.ok
@@ -168,7 +167,7 @@ def test_a_light_install_without_onnx_refuses_it_too(release, keys, tmp_path, mo
     data = model.SerializeToString()
     gen.write_bytes(data)
     signed = load_signed(release)
-    signed["manifest"]["generator"]["sha256"] = hashlib.sha256(data).hexdigest()
+    rehash(signed["manifest"]["generator"], release / "generator.onnx")
     resign(release, signed, keys.coordinator)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` raises ImportError: the light install

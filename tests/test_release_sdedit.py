@@ -267,7 +267,7 @@ def test_verify_checks_the_generator_format_against_the_sampler(sd_release, keys
     """S3: the generator's feta.format must be format 2 iff the signed sampler has start_sigma."""
     import onnx
 
-    from .release_helpers import load_signed, resign
+    from .release_helpers import load_signed, rehash, resign
 
     rel = _copy(sd_release, tmp_path / "rel")
     model = onnx.load(str(rel / "generator.onnx"))
@@ -276,7 +276,7 @@ def test_verify_checks_the_generator_format_against_the_sampler(sd_release, keys
             p.value = "feta-release-generator/1"
     onnx.save(model, str(rel / "generator.onnx"))
     signed = load_signed(rel)
-    signed["manifest"]["generator"]["sha256"] = hashlib.sha256((rel / "generator.onnx").read_bytes()).hexdigest()
+    rehash(signed["manifest"]["generator"], rel / "generator.onnx")
     resign(rel, signed, keys.coordinator)
     res = verify_release(rel, keys.trust())
     assert not res.ok and "feta.format" in res.reason()
@@ -349,14 +349,14 @@ def test_central_image_counts_must_be_what_the_signed_job_releases(den_onnx, sd_
     in with a re-signed hash, at verify."""
     from feta_release.release.starts import starts_bytes
 
-    from .release_helpers import load_signed, resign
+    from .release_helpers import load_signed, rehash, resign
 
     with pytest.raises(ReleaseError, match="per class"):
         make_release(tmp_path / "r1", den_onnx, keys, start_sigma=0.5, starts=_central(2))
     rel = _copy(sd_release, tmp_path / "rel")
     (rel / "central_images.npz").write_bytes(starts_bytes(*_central(2)))
     signed = load_signed(rel)
-    signed["manifest"]["starts"]["sha256"] = hashlib.sha256((rel / "central_images.npz").read_bytes()).hexdigest()
+    rehash(signed["manifest"]["starts"], rel / "central_images.npz")
     resign(rel, signed, keys.coordinator)
     res = verify_release(rel, keys.trust())
     assert not res.ok and "per class" in res.reason()

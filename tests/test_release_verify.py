@@ -21,6 +21,7 @@ from .release_helpers import (  # noqa: E402
     load_signed,
     make_release,
     new_keys,
+    rehash,
     resign,
     signed_policy,
 )
@@ -157,7 +158,7 @@ def test_generator_from_another_job_refused(tmp_path, den_onnx, keys, release):
     other = make_release(tmp_path / "other", den_onnx, keys, job_id="job-2")
     shutil.copy(other / "generator.onnx", release / "generator.onnx")
     signed = load_signed(release)
-    signed["manifest"]["generator"]["sha256"] = load_signed(other)["manifest"]["generator"]["sha256"]
+    rehash(signed["manifest"]["generator"], release / "generator.onnx")
     resign(release, signed, keys.coordinator)
     res = verify_release(release, keys.trust())
     assert _failed(res) == {"generator metadata"}

@@ -22,12 +22,12 @@ counted in the ``LoadReport``. DICOM and 16-bit windowing: ``feta_release.data.d
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import math
 import os
 import struct
 import warnings
-import zipfile
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from numpy.lib import format as npy_format
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
+from ..files import NpyHeader, read_npz
 from ..privacy_unit import cap_per_patient
 from . import dicom, embedded  # module references (embedded reads this module's _load_npz at call time)
 from .dataset import ImageDataset
@@ -51,6 +51,9 @@ IMAGE_EXTENSIONS = PIL_EXTENSIONS | dicom.DICOM_EXTENSIONS
 # 100k x 100k pixels and exhaust memory (decompression bomb). Pillow's own limit (89M) still
 # applies on top; this one is lower because the method works on small images anyway.
 DEFAULT_MAX_PIXELS = 50_000_000
+# The most bytes the arrays of one .npz dataset may take (as stored, before the float32 conversion): a larger dataset
+# is an image folder or a CSV, whose files are decoded one at a time.
+MAX_NPZ_BYTES = 8 << 30
 MAX_LISTED = 20  # files named in one error message before "... and N more"
 _GREY_MODES = {"1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"}
 _FLOAT_TOLERANCE = 1e-6  # float pixels this far outside [0, 1] are rounding noise and get clipped
@@ -356,8 +359,9 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     if header[:2] != ["path", "label"] or not set(header[2:]) <= {"patient_id"}:
         raise DataError(f"{path}: the first line must be the header path,label or path,label,patient_id")
     has_pid = "patient_id" in header
-    bad, missing, parsed = [], [], []
+    bad, missing, parsed, outside = [], [], [], []
     lines: list[int] = []  # the CSV line of each parsed row, to name repeated files
+    root = path.parent.resolve()
     for lineno, row in enumerate(rows[1:], start=2):
         if not any(c.strip() for c in row):
             continue
@@ -365,7 +369,11 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
             bad.append(f"line {lineno}: expected {len(header)} non-empty fields ({','.join(header)})")
             continue
         try:  # a NUL byte, an over-long name or a symlink loop: the OS refuses the path (used to be a traceback)
-            f = (path.parent / row[0].strip()).resolve()
+            why = _leaves_root(row[0].strip(), root)
+            if why is not None:
+                outside.append(f"line {lineno}: {why}")
+                continue
+            f = (root / row[0].strip()).resolve()
             is_file = f.is_file()
         except (OSError, ValueError, RuntimeError) as exc:
             bad.append(f"line {lineno}: the path cannot be used ({_os_reason(exc)})")
@@ -381,6 +389,9 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         lines.append(lineno)
     if bad:
         problems.add(f"{len(bad)} malformed row(s):", bad)
+    if outside:
+        problems.add(f"{len(outside)} row(s) name a file outside the data folder {root} (the CSV's folder); list "
+                     "only images inside it, by a relative path without '..' (move or copy them in):", outside)
     if missing:
         problems.add(f"{len(missing)} listed file(s) do not exist:", missing)
     _add_repeated(problems, [(f, f"line {n}: {f}") for n, (f, _, _) in zip(lines, parsed)], "delete the extra rows")
@@ -392,6 +403,21 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         problems.add(f"only one class ({names[0]!r}); class-conditional synthesis needs at least 2")
     items = [_Item(f, lab, _patient_key(pid)) for f, lab, pid in parsed]
     return _load_items(path, items, names, opts, report, problems)
+
+
+def _leaves_root(listed: str, root: Path) -> str | None:
+    """Why a CSV row's path leaves ``root`` (None: it stays inside): an absolute path, a '..' part, or a path that
+    resolves (through symbolic links) outside it. Images from elsewhere on the node (another study's, a file an
+    export tool was tricked into naming) would be trained on as this site's data."""
+    shown = listed if len(listed) <= 80 else listed[:77] + "..."
+    parts = listed.replace("\\", "/").split("/")
+    if listed.startswith(("/", "\\")) or Path(listed).is_absolute() or (len(listed) > 1 and listed[1] == ":"):
+        return f"{shown!r} is an absolute path"
+    if ".." in parts:
+        return f"{shown!r} goes up out of the folder ('..')"
+    if not (root / listed).resolve().is_relative_to(root):
+        return f"{shown!r} is (or lies below) a symbolic link that leads out of the data folder"
+    return None
 
 
 def _os_reason(exc: Exception) -> str:
@@ -760,62 +786,29 @@ def _choose_size(
 # ------------------------------------------------------------------------------------------------
 def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
               declared: DataDeclaration | None = None) -> tuple[ImageDataset, LoadReport]:
+    """Read through ``files.read_npz``: every array's header is checked (an image over the pixel limit, a shape
+    that is not the bytes its member holds, a total over ``MAX_NPZ_BYTES``, a decompression bomb, an object
+    array) before numpy allocates it; a 1.2 MB archive of deflated zeros used to take the loader to 2.7 GB."""
     report = LoadReport(source=str(path), kind="npz")
-    if not zipfile.is_zipfile(path):  # np.load would otherwise try it as a pickle
-        raise DataError(f"{path}: not a readable .npz file (not a zip archive; corrupt or truncated?)")
-    _check_npz_sizes(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            keys = set(z.files)
-            missing = {"images", "labels"} - keys
-            if missing:
-                raise DataError(
-                    f"{path}: missing array(s) {sorted(missing)}; an .npz dataset needs 'images' and 'labels' "
-                    f"(found {sorted(keys)})"
-                )
-            raw_images = z["images"]
-            raw_labels = z["labels"]
-            raw_names = z["class_names"] if "class_names" in keys else None
-    except DataError:
-        raise
-    except ValueError as exc:  # object arrays need pickle, which we never allow
-        raise DataError(f"{path}: unsupported array contents ({exc}); store plain numeric/string arrays") from exc
-    except (OSError, zipfile.BadZipFile, EOFError, zlib.error, KeyError) as exc:
-        raise DataError(f"{path}: not a readable .npz file (corrupt or truncated: {exc})") from exc
-    except MemoryError:
-        raise DataError(f"{path}: its arrays do not fit in this machine's memory; split the dataset or use an image "
-                        "folder") from None
-    ds = parse_arrays(raw_images, raw_labels, raw_names, source=str(path), report=report, declared=declared,
-                      resize=resize)
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file; give the .npz file itself")
+    arrays = read_npz(path, str(path), names=("images", "labels"), optional=("class_names",),
+                      max_bytes=MAX_NPZ_BYTES, error=DataError, check=functools.partial(_check_npz_images, path))
+    ds = parse_arrays(arrays["images"], arrays["labels"], arrays.get("class_names"), source=str(path), report=report,
+                      declared=declared, resize=resize)
     if declared is None:
         ds = _fit_size(ds, resize, image_size, report, path)
     report.n_images = ds.n
     return ds, report
 
 
-def _check_npz_sizes(path: Path) -> None:
-    """Each array's header checked before numpy allocates it: a 2 KB file may claim terabytes (numpy allocated first:
-    a MemoryError traceback, or tens of GB taken before the short data ran out). Refused: an image over the pixel
-    limit (as for image files), or more bytes than the zip member holds."""
-    try:
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue
-                with zf.open(info) as fh:
-                    major, _ = npy_format.read_magic(fh)
-                    read = npy_format.read_array_header_1_0 if major == 1 else npy_format.read_array_header_2_0
-                    shape, _, dtype = read(fh)
-                name = info.filename[:-4]
-                per_item = math.prod(shape[1:]) if len(shape) > 1 else 1
-                if name == "images" and per_item > 3 * DEFAULT_MAX_PIXELS:
-                    raise DataError(f"{path}: array 'images' declares {per_item:,} values per image (shape "
-                                    f"{shape}), over the limit {3 * DEFAULT_MAX_PIXELS:,}; store smaller images")
-                if math.prod(shape) * dtype.itemsize > info.file_size:
-                    raise DataError(f"{path}: array {name!r} declares shape {shape} ({dtype}) but the file holds "
-                                    f"only {info.file_size:,} bytes of it; the file is corrupt or truncated")
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: not a readable .npz file (corrupt array header: {exc})") from None
+def _check_npz_images(path: Path, headers: dict[str, NpyHeader]) -> None:
+    """An image over the pixel limit (as for image files) is refused from its header, before any data is read."""
+    shape = headers["images"].shape
+    per_item = math.prod(shape[1:]) if len(shape) > 1 else 1
+    if per_item > 3 * DEFAULT_MAX_PIXELS:
+        raise DataError(f"{path}: array 'images' declares {per_item:,} values per image (shape {shape}), over the "
+                        f"limit {3 * DEFAULT_MAX_PIXELS:,}; store smaller images")
 
 
 def _fit_size(

@@ -42,6 +42,7 @@ from ..accounting import (
     worst_case_epsilon,
 )
 from ..errors import ReleaseError
+from ..files import read_regular
 from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
 FORMAT_VERSION = "feta-release/manifest/1"
@@ -55,6 +56,23 @@ GENERATOR_FORMATS = {False: "feta-release-generator/1", True: "feta-release-gene
 # A release whose SDEdit starts come (partly) from a shipped aux-generator pool (``aux_starts``, sampler
 # ``start_source``): a format-2 verifier would answer OK without hashing that pool, so it must refuse format 3.
 FORMAT_VERSION_AUX = "feta-release/manifest/3"
+
+
+# What verify, synthesize and report read of a release (``files.read_regular``: regular files through no link): a
+# file's signed ``size`` is checked before it is read, and these caps bound every read, the manifest's and the
+# policies' (read before the manifest's signature can be checked) and those of releases whose records state no size.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_POLICY_BYTES = 4 << 20
+MAX_GENERATOR_BYTES = 2 << 30  # protobuf's own limit on one serialized ONNX model
+MAX_IMAGES_BYTES = 1 << 30  # central_images.npz / aux_images.npz
+TAKE_AS_PUBLISHED = "take the release as it was published (its files are regular files, no links)"
+
+
+def file_record(release_dir: str | Path, file: str) -> dict[str, Any]:
+    """A release file's ``file``, ``sha256`` and ``size`` (bytes): the size lets verify refuse a file of any other
+    size before reading a byte of it."""
+    path = Path(release_dir) / file
+    return {"file": file, "sha256": sha256_file(path), "size": path.stat().st_size}
 
 
 def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None,
@@ -305,8 +323,7 @@ def build_manifest(
         "format_version": manifest_format(sampler, starts, aux_starts),
         "created": created,
         "generator": {
-            "file": generator_file,
-            "sha256": sha256_file(gen_path),
+            **file_record(release_dir, generator_file),
             "inputs": {**GENERATOR_INPUTS, **(sdedit_inputs(sampler) if "start_sigma" in sampler else {})},
             "outputs": GENERATOR_OUTPUTS,
             "classes": list(classes),
@@ -461,7 +478,7 @@ def _figure_words(stage: str, unit: str, per_site: dict[str, float], worst: dict
 def aux_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
                n_classes: int) -> dict[str, Any]:
     """The manifest's ``aux_starts`` entry: the pool's file and hash, and :func:`aux_claims`."""
-    return {"file": file, "sha256": sha256_file(Path(release_dir) / file), **aux_claims(config, sites, n_classes)}
+    return {**file_record(release_dir, file), **aux_claims(config, sites, n_classes)}
 
 
 def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float], unit: str = "image") -> str:
@@ -479,7 +496,7 @@ def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, floa
 def starts_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
                   n_classes: int) -> dict[str, Any]:
     """The manifest's ``starts`` entry: the released central images' file and hash, and :func:`starts_claims`."""
-    return {"file": file, "sha256": sha256_file(Path(release_dir) / file), **starts_claims(config, sites, n_classes)}
+    return {**file_record(release_dir, file), **starts_claims(config, sites, n_classes)}
 
 
 def starts_count_problem(labels: Any, per_class: Sequence[int]) -> str | None:
@@ -504,12 +521,9 @@ def write_manifest(release_dir: str | Path, signed: dict[str, Any]) -> Path:
 
 def read_manifest(release_dir: str | Path) -> dict[str, Any]:
     path = Path(release_dir) / MANIFEST_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ReleaseError(f"{path}: no manifest.json; is {release_dir} a release directory?") from None
-    except OSError as exc:
-        raise ReleaseError(f"{path}: cannot read manifest: {exc.strerror}") from None
+    if not path.exists() and not path.is_symlink():
+        raise ReleaseError(f"{path}: no manifest.json; is {release_dir} a release directory?")
+    raw = read_regular(path, limit=MAX_MANIFEST_BYTES, error=ReleaseError, what="manifest", fix=TAKE_AS_PUBLISHED)
     try:
         doc = loads_strict(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from ..accounting import epsilon_breakdown, events_from_list
 from ..errors import ReleaseError
-from ..signing import sha256_file
+from ..files import hash_regular
 from .manifest import MANIFEST_FILE
 from .verify import (
     STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
@@ -411,14 +411,16 @@ def _files(rd: Path) -> str:
     unpacked from a coordinator's archive could point one at a file of the verifier's machine (a secret, a large
     dataset), whose size and hash would otherwise land in a page meant to be shared."""
     rows = []
-    for p in sorted(q for q in rd.rglob("*") if q.is_symlink() or q.is_file()):
+    for p in sorted(q for q in rd.rglob("*") if not q.is_dir() or q.is_symlink()):
         name = f"<code>{_h(p.relative_to(rd).as_posix())}</code>"
-        if p.is_symlink():
-            rows.append((name, "-", '<span class="fail">symbolic link, not followed (a release holds plain '
+        try:  # opened below rd through no link, hashed in 1 MiB chunks: never a file outside the release
+            size, digest = hash_regular(p, root=rd, error=ReleaseError, what="release file")
+        except ReleaseError:
+            kind = "symbolic link" if p.is_symlink() else "not a regular file"
+            rows.append((name, "-", f'<span class="fail">{kind}, not followed or read (a release holds regular '
                                     "files)</span>"))
             continue
-        # hashed in 1 MiB chunks (signing.sha256_file): a release file of many GB is never held in memory whole
-        rows.append((name, f"{p.stat().st_size:,}", f'<span class="hash">{sha256_file(p)}</span>'))
+        rows.append((name, f"{size:,}", f'<span class="hash">{digest}</span>'))
     return _table(("file (relative to the release)", "bytes", "sha256"), rows, numeric=(1,))
 
 

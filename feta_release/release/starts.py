@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -250,27 +251,48 @@ def starts_bytes(images: np.ndarray, labels: np.ndarray) -> bytes:
 
 
 def load_starts(data: bytes, where: str, image_shape: tuple[int, ...], n_classes: int,
-                what: str = "central-images") -> tuple[np.ndarray, np.ndarray]:
+                what: str = "central-images", count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Parse and check the released central images (or the aux pool: ``what``; no pickles); one clear error
-    naming ``where``."""
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            images, labels = np.asarray(z["images"]), np.asarray(z["labels"])
-    except (ValueError, KeyError, OSError, EOFError) as exc:
-        raise ReleaseError(f"{where}: not a readable {what} file ({exc}); take the release as it was "
-                           "published") from None
+    naming ``where``. Read by ``files.read_npz``: the arrays' headers must be float32 images of ``image_shape``
+    and int64 labels (``count`` of each when the signed record says how many) before any data is inflated."""
+    from ..files import read_npz
+
+    def check(headers: dict[str, Any]) -> None:
+        problems = _header_problems(headers["images"], headers["labels"], image_shape, count)
+        if problems:
+            raise ReleaseError(f"{where}: " + "; ".join(problems))
+
+    per_image = 4 * math.prod(image_shape) + 8
+    arrays = read_npz(data, f"{where} ({what} file)", names=("images", "labels"), error=ReleaseError, check=check,
+                      max_bytes=per_image * count if count is not None else MAX_STARTS_ARRAY_BYTES)
+    images, labels = arrays["images"], arrays["labels"]
     problems = []
-    if images.dtype != np.float32 or images.ndim != 4 or tuple(images.shape[1:]) != tuple(image_shape):
-        problems.append(f"images are {images.dtype} {images.shape}, expected float32 (M, {', '.join(map(str, image_shape))})")
-    elif not np.all(np.isfinite(images)) or images.min() < 0 or images.max() > 1:
+    if not np.all(np.isfinite(images)) or (images.size and (images.min() < 0 or images.max() > 1)):
         problems.append("images are not finite values in [0, 1]")
-    if labels.dtype != np.int64 or labels.shape != images.shape[:1]:
-        problems.append(f"labels are {labels.dtype} {labels.shape}, expected int64 ({images.shape[0]},)")
-    elif labels.size and (labels.min() < 0 or labels.max() >= n_classes):
+    if labels.size and (labels.min() < 0 or labels.max() >= n_classes):
         problems.append(f"labels outside 0..{n_classes - 1}")
     if problems:
         raise ReleaseError(f"{where}: " + "; ".join(problems))
     return images, labels
+
+
+# Without a signed count (export reading its own job directory): at most this many bytes of arrays.
+MAX_STARTS_ARRAY_BYTES = 1 << 30
+
+
+def _header_problems(images: Any, labels: Any, image_shape: tuple[int, ...], count: int | None) -> list[str]:
+    """What is wrong with the declared images / labels arrays (shape and dtype, from their headers only)."""
+    problems = []
+    m = images.shape[0] if len(images.shape) else 0
+    if images.dtype != np.float32 or len(images.shape) != 4 or tuple(images.shape[1:]) != tuple(image_shape):
+        problems.append(f"images are {images.dtype} {images.shape}, expected float32 (M, "
+                        f"{', '.join(map(str, image_shape))})")
+    elif count is not None and m != count:
+        problems.append(f"{m} images, but the signed job releases {count} (central rounds x cells per class, or the aux "
+                        "pool's per class count, times the classes)")
+    if labels.dtype != np.int64 or labels.shape != (m,):
+        problems.append(f"labels are {labels.dtype} {labels.shape}, expected int64 ({m},)")
+    return problems
 
 
 __all__ = ["STARTS_FILE", "AUX_FILE", "OP_NAMES", "rand_augment", "start_images", "mixed_start_images", "aux_mask",

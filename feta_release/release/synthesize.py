@@ -33,7 +33,7 @@ from .certificate import (
     relative_release_path,
     write_certificate,
 )
-from .manifest import MANIFEST_FILE, utc_now
+from .manifest import MANIFEST_FILE, read_manifest, utc_now
 from .starts import load_starts, mixed_start_images
 from .verify import VerificationResult, require_valid, sealed_session, verify_release
 
@@ -425,7 +425,7 @@ def _write_certificate(
 ) -> None:
     man = res.manifest
     assert man is not None
-    signed = json.loads((Path(release_dir) / MANIFEST_FILE).read_text("utf-8"))
+    signed = read_manifest(release_dir)  # a regular file under the manifest cap, as verify read it
     if signed.get("manifest") != man:
         raise ReleaseError(f"{release_dir}/{MANIFEST_FILE} changed during synthesis; run again")
     privacy = certificate_privacy(man["sites"])

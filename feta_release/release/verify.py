@@ -20,7 +20,14 @@ everything else follows from the documents those keys signed. Checks, each repor
   attestation is signed by the ``site_key`` that policy names, is final, names this job and its signed-job
   hash, its figures equal the manifest's, its epsilon (job and lifetime) equals what its event history
   composes to (relative tolerance 1e-6), and the spend is within the policy's caps;
-* the manifest and the job are signed by one coordinator key that EVERY site's policy allows (by full key).
+* the manifest and the job are signed by one coordinator key that EVERY site's policy allows (by full key);
+* a site's lifetime spend (every job on its data) is within its policy's ``budget.lifetime`` (``lifetime_violations``).
+
+Order of reading: ``manifest.json`` and the sites' signed policies (they name the keys that may sign it) are read
+capped; the files the manifest names (generator, central images, aux images) only after its signature verified
+(``_check_release_files``). Every file is read by ``files.read_regular``: a regular file reached through no symbolic
+link, of the ``size`` its signed record states and under a hard cap, checked before a byte is read; ``.npz`` files
+by ``files.read_npz``, never inflated past the images the signed record releases.
 
 The verified generator BYTES are kept on the result, so synthesis runs exactly the bytes that were hashed
 (no window in which the file could be swapped between verification and use).
@@ -48,6 +55,7 @@ from ..accounting import (
     worst_case_epsilon,
 )
 from ..errors import FetaError, ReleaseError
+from ..files import read_regular
 from ..policy.enforce import skellam_own_sigma
 from ..signing import (
     canonical_json,
@@ -64,6 +72,11 @@ from .manifest import (
     EXPORT_SAMPLER_OVERRIDES,
     GENERATOR_FORMATS,
     MANIFEST_FILE,
+    MAX_GENERATOR_BYTES,
+    MAX_IMAGES_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_POLICY_BYTES,
+    TAKE_AS_PUBLISHED,
     aux_claims,
     manifest_format,
     starts_claims,
@@ -201,9 +214,6 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
         f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == fmt
                                                           else f", expected {fmt!r} for this sampler/starts"),
     )
-    _guard(res, "generator", lambda: _check_generator(res, rd, man))
-    _guard(res, "central images", lambda: _check_starts(res, rd, man))
-    _guard(res, "aux images", lambda: _check_aux_starts(res, rd, man))
     job = _guard(res, "job", lambda: _job_of(res, man))
     if job is not None:
         _guard(res, "sampler", lambda: _check_sampler(res, rd, man, job))
@@ -216,14 +226,30 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
         keys = _guard(res, f"site {sid}", functools.partial(_check_site, res, rd, man, sid, site, roots, job))
         allowed.append(keys or {})
     _guard(res, "manifest signature", lambda: _check_coordinator(res, rd, doc, job, allowed, roots))
+    _check_release_files(res, rd, man)
     return res
+
+
+def _check_release_files(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
+    """The files the manifest names, read only once its signature verified (before, an unsigned manifest's hash
+    of a decompression bomb or a link to /dev/zero would have been read), each a regular file of the size its
+    signed record states (``files.read_regular``)."""
+    signature = [c.status for c in res.checks if c.name == "manifest signature"]
+    if "pass" not in signature or "fail" in signature:
+        # noted, not failed again: the failed signature already refuses the release (a fail, should none be there)
+        res.add("release files", False, "not read: the manifest's signature did not verify, so nothing it names "
+                "(generator, central images, aux images) is read or hashed", warn=not res.ok)
+        return
+    _guard(res, "generator", lambda: _check_generator(res, rd, man))
+    _guard(res, "central images", lambda: _check_starts(res, rd, man))
+    _guard(res, "aux images", lambda: _check_aux_starts(res, rd, man))
 
 
 def _read_manifest_doc(res: VerificationResult, path: Path) -> dict[str, Any] | None:
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        res.add("manifest", False, f"{path}: cannot read ({exc.strerror or exc})")
+        raw = read_regular(path, limit=MAX_MANIFEST_BYTES, error=ReleaseError, what="manifest", fix=TAKE_AS_PUBLISHED)
+    except ReleaseError as exc:
+        res.add("manifest", False, str(exc))
         return None
     try:
         doc = loads_strict(raw.decode("utf-8"))
@@ -334,23 +360,31 @@ def _check_coordinator(res: VerificationResult, rd: Path, doc: dict[str, Any], j
         res.add("job signature", True, f"the job is signed by the same coordinator key {signer}")
 
 
-def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str, what: str) -> tuple[Path, bytes] | None:
+def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str, what: str, *, limit: int,
+                       size: Any = None) -> tuple[Path, bytes] | None:
     """The bytes of a file the manifest names, which must be a plain file name inside the release directory (a
-    signed manifest still must not point outside it); a failed check is recorded under ``check``."""
+    signed manifest still must not point outside it), a regular file reached through no link, of the ``size``
+    its signed record states (records written before sizes were signed: ``limit`` alone); a failed check is
+    recorded under ``check``."""
     if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
         res.add(check, False, f"{what} name {name!r} must be a plain file name in the release")
         return None
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        res.add(check, False, f"{what} size {size!r} in the manifest is not a byte count")
+        return None
     path = rd / name
     try:
-        return path, path.read_bytes()
-    except OSError as exc:
-        res.add(check, False, f"{path}: missing or unreadable ({exc.strerror or exc})")
+        return path, read_regular(path, limit=limit, size=size, root=rd, error=ReleaseError, what=what,
+                                  fix=TAKE_AS_PUBLISHED)
+    except ReleaseError as exc:
+        res.add(check, False, str(exc))
         return None
 
 
 def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
     gen = man["generator"]
-    read = _read_release_file(res, rd, gen["file"], "generator file", "generator file")
+    read = _read_release_file(res, rd, gen["file"], "generator file", "generator file", limit=MAX_GENERATOR_BYTES,
+                              size=gen.get("size"))
     if read is None:
         return
     gpath, data = read
@@ -398,7 +432,8 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
             res.add("central images", False, "the sampler has start_sigma but the manifest names no central images "
                     "(starts): the release is incomplete")
         return
-    read = _read_release_file(res, rd, rec["file"], "central images", "central images file")
+    read = _read_release_file(res, rd, rec["file"], "central images", "central images file", limit=MAX_IMAGES_BYTES,
+                              size=rec.get("size"))
     if read is None:
         return
     path, data = read
@@ -408,10 +443,11 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
                 "(file changed); take the release as it was published")
         return
     gen = man["generator"]
-    images, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]))
-    claims = _starts_claims_match(res, man, rec)
+    claims = _starts_claims_match(res, man, rec)  # first: its count bounds what the file may inflate to
     if claims is None:
         return
+    images, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]),
+                                 count=int(claims["images"]))
     wrong = starts_count_problem(labels, claims["per_class"])
     if wrong:
         res.add("central images", False, f"{path}: {wrong}; not this job's central release")
@@ -438,7 +474,8 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
         res.add("aux images", False, f"the manifest names aux-generator images but the sampler's start_source is "
                 f"{src!r}: the release is inconsistent; do not use it")
         return
-    read = _read_release_file(res, rd, rec.get("file"), "aux images", "aux-generator images file")
+    read = _read_release_file(res, rd, rec.get("file"), "aux images", "aux-generator images file",
+                              limit=MAX_IMAGES_BYTES, size=rec.get("size"))
     if read is None:
         return
     path, data = read
@@ -448,9 +485,10 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
                 "(file changed); take the release as it was published")
         return
     gen = man["generator"]
-    _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images")
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))
+    _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images",
+                            count=int(want["images"]))
     bad = _claim_problems("aux_starts", rec, want, "frequency_epsilon")
     have = [int((labels == c).sum()) for c in range(len(gen["classes"]))]
     if have != want["per_class"]:
@@ -479,7 +517,7 @@ def _claim_problems(name: str, rec: dict[str, Any], want: dict[str, Any], figure
     """Each field of a start-image record (``starts`` / ``aux_starts``) that is not what the signed job and site
     histories make it, named; the per-site ε maps (keys starting with ``figures``) compared to the tolerance the
     site figures are checked to, everything else exactly. A field the record should not have is named too."""
-    bad = [f"{name}.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256"})]
+    bad = [f"{name}.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256", "size"})]
     for k, v in want.items():
         got = rec.get(k)
         same = (isinstance(got, dict) and set(got) == set(v)
@@ -581,12 +619,12 @@ def _check_site(
                 f"(--trusted {sid}=ADMIN_KEY.pub): its policy, and so its site key, cannot be trusted")
         return None
     ppath = rd / policy_file_name(sid)
-    if not ppath.is_file():
+    if not ppath.exists() and not ppath.is_symlink():
         res.add(f"site {sid} policy", False, f"{policy_file_name(sid)} not in the release: without the site's "
                 "signed policy neither its key nor its caps can be checked")
         return None
     try:
-        policy, digest, admin = _load_signed_policy(ppath, list(admins))
+        policy, digest, admin = _load_signed_policy(ppath, list(admins), rd)
     except FetaError as exc:
         res.add(f"site {sid} policy", False, f"{exc} (a site's policy must be signed by its administrator key)")
         return None
@@ -706,6 +744,27 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
             f"lifetime ε = {float(life['epsilon']):.6g} over {len(life_events)} event(s), recomputed {life_eps:.6g}"
             + ("" if ok else ": the stated figure is not what the history composes to")
             + ("" if contains else "; the lifetime history does not contain this job's events"))
+    _check_lifetime_worst_case(res, sid, st, life_events)
+
+
+def _check_lifetime_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], life_events: list[Any]) -> None:
+    """Secure aggregation over the site's lifetime: the stated ``lifetime_worst_case_epsilon`` (every other site
+    colluding in every job) is what the lifetime history composes to at the lifetime δ. The policy caps the worst
+    case per job only (``secure_aggregation.max_worst_case_epsilon``, ``policy_violations``); this figure has no cap
+    of its own to meet, but a signed figure that its history does not support is refused like any other."""
+    sa = st.get("secure_aggregation")
+    stated = sa.get("lifetime_worst_case_epsilon") if isinstance(sa, dict) else None
+    if stated is None and not has_secure_aggregation(life_events):
+        return
+    name = f"site {sid} lifetime secure aggregation"
+    if stated is None:
+        res.add(name, False, "the lifetime history has secure-aggregation releases but the statement gives no "
+                "lifetime worst-case epsilon (secure_aggregation.lifetime_worst_case_epsilon)")
+        return
+    worst = worst_case_epsilon(life_events, float(st["lifetime"]["delta"]))
+    ok = math.isclose(float(stated), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+    res.add(name, ok, f"lifetime ε if every other site colluded in every job = {float(stated):.6g}, recomputed "
+            f"{worst:.6g}" + ("" if ok else ": the stated figure is not what the lifetime history composes to"))
 
 
 def _check_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]) -> None:
@@ -747,16 +806,26 @@ def _contains(life: list[Any], job: list[Any]) -> bool:
     return True
 
 
-def _load_signed_policy(ppath: Path, trusted: list[Ed25519PublicKey]) -> tuple[dict[str, Any], str, str]:
+def _load_signed_policy(ppath: Path, trusted: list[Ed25519PublicKey], rd: Path) -> tuple[dict[str, Any], str, str]:
     """(policy document, its sha256, signer fingerprint) of a signed policy file, checked against ``trusted``.
 
     Signature and schema only: a policy that has expired since the job ran still says what the job was
-    allowed to spend, so the validity window is not checked here.
+    allowed to spend, so the validity window is not checked here. Read before the manifest's signature is checked
+    (the policies name the coordinator keys that may sign it), so as a regular file below ``rd`` through no link,
+    of at most ``MAX_POLICY_BYTES``.
     """
     from ..policy import open_signed_policy
-    from ..policy.envelope import read_json
+    from ..signing import DuplicateKeyError
 
-    pol = open_signed_policy(read_json(ppath, "signed policy"), trusted, str(ppath))
+    raw = read_regular(ppath, limit=MAX_POLICY_BYTES, error=ReleaseError, what="signed policy", root=rd,
+                       fix=TAKE_AS_PUBLISHED)
+    try:
+        envelope = loads_strict(raw.decode("utf-8"))
+    except DuplicateKeyError as exc:
+        raise ReleaseError(f"{ppath}: signed policy refused: {exc}; a signed document names each key once") from None
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise ReleaseError(f"{ppath}: signed policy is not JSON ({exc}); signed documents are JSON") from None
+    pol = open_signed_policy(envelope, trusted, str(ppath))
     return dict(pol.document), pol.digest, pol.signer or ""
 
 
@@ -774,6 +843,7 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
     if policy.get("accountant") and policy["accountant"] != st.get("accountant"):
         out.append(f"accountant {st.get('accountant')!r} differs from the policy's {policy['accountant']!r}")
     size = policy.get("dataset", {}).get("size")
+    out += lifetime_violations(policy, st)
     out += unit_violations(policy, st, events)
     out += unit_budget_violations(policy, st, events)
     patients = policy.get("dataset", {}).get("patients") if _unit_of(policy) == "patient" else None
@@ -842,6 +912,25 @@ def unit_budget_violations(policy: dict[str, Any], st: dict[str, Any], events: l
         if eps > cap * (1 + EPS_REL_TOL):
             per = f" ({b.per})" if b.per else ""
             out.append(f"{what} = {eps:.4g} at δ = {delta:g}{per} exceeds {rule} {cap:g}")
+    return out
+
+
+def lifetime_violations(policy: dict[str, Any], st: dict[str, Any]) -> list[str]:
+    """The site's signed LIFETIME spend (every job on this data) against its signed policy's ``budget.lifetime``, as
+    the node's ledger holds it (``ledger.check_spend``): ε of the lifetime history recomputed at the CAP's δ with the
+    policy's accountant, so neither a stated figure nor a larger stated δ can move it under the cap. A statement
+    without a lifetime is refused by the lifetime check (``_check_epsilon``)."""
+    life, cap = st.get("lifetime"), (policy.get("budget") or {}).get("lifetime")
+    if not isinstance(life, dict) or not isinstance(cap, dict):
+        return []
+    accountant: Any = policy.get("accountant") or st.get("accountant") or "rdp"
+    eps = compose_epsilon(events_from_list(life["events"]), float(cap["delta"]), accountant)
+    out = []
+    if eps > float(cap["epsilon"]) * (1 + EPS_REL_TOL):
+        out.append(f"lifetime ε = {eps:.4g} (all of the site's jobs on this data, at δ = {float(cap['delta']):g}) "
+                   f"exceeds the lifetime cap budget.lifetime.epsilon {cap['epsilon']}")
+    if float(life["delta"]) > float(cap["delta"]):
+        out.append(f"lifetime δ = {float(life['delta']):g} exceeds the lifetime cap budget.lifetime.delta {cap['delta']}")
     return out
 
 

@@ -263,8 +263,12 @@ _current: dict[str, object] = {}
 
 
 def main() -> None:
-    """Entry point used as ``flwr-clientapp`` on the node (same arguments as Flower's)."""
+    """Entry point used as ``flwr-clientapp`` on the node (Flower's arguments; the task token comes in the
+    environment and the Runtime API is the node's private socket: ``edge.runtime_api``)."""
+    from . import runtime_api
+
     install_gate()
+    runtime_api.client_side()
     flwr_clientapp()
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError, FetaError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
+from feta_release.signing import refuse_shared_secret_file
 
 from . import channel, runtime_api, trust
 from .node_state import NodeMonitor, utc_stamp
@@ -114,6 +115,8 @@ def preflight(s: NodeSettings) -> Site:
     """Everything the node refuses to start without. Returns the opened site (policy verified)."""
     check_device(s.device)
     check_transport(s)
+    if s.auth_key is not None:  # Flower reads it itself, without this check: whoever reads it joins as this site
+        refuse_shared_secret_file(s.auth_key, "node authentication key")
     trust.check_flower_internals()
     runtime_api.check_flower_internals()
     site = Site.open(s.node_config())

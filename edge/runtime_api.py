@@ -38,6 +38,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TASK_TYPE_TO_COMMAND, TaskType
+from flwr.supercore.runtime import runtime_http_client as rhc
+from flwr.supercore.superexec.executor.types import LaunchResult
+
 from feta_release.errors import FetaError
 
 ENV_SOCKET = "FETA_RUNTIME_SOCKET"  # set by `feta-release node start`; the coordinator cannot change a node's env
@@ -102,9 +107,6 @@ def serve_on_socket() -> None:
 
 def dial_socket() -> None:
     """Every Runtime API client of this process (SuperExec, ClientApp) talks to the private socket."""
-    import httpx
-    from flwr.supercore.runtime import runtime_http_client as rhc
-
     cls = rhc.RuntimeHttpClient
     if getattr(cls.__init__, "__feta_socket__", False):
         return
@@ -124,8 +126,6 @@ def dial_socket() -> None:
 
 def clientapp_command(spec: Any) -> list[str]:
     """``flwr-clientapp``'s arguments for a task, as Flower's SubprocessExecutor builds them, less ``--token``."""
-    from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TASK_TYPE_TO_COMMAND
-
     args = [TASK_TYPE_TO_COMMAND[spec.task_type], TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[spec.task_type],
             spec.runtime_api_address]
     if spec.insecure:
@@ -141,9 +141,6 @@ def clientapp_command(spec: Any) -> list[str]:
 
 def launch_with_token_in_env(self: Any, spec: Any) -> Any:
     """SubprocessExecutor.launch with the task token in the child's environment, never on its command line."""
-    from flwr.supercore.constant import TaskType
-    from flwr.supercore.superexec.executor.types import LaunchResult
-
     if spec.task_type != TaskType.CLIENT_APP:
         return LaunchResult.failed(f"a site node runs ClientApp tasks only, not {spec.task_type}")
     out = subprocess.DEVNULL if spec.suppress_output else None
@@ -168,7 +165,6 @@ def client_side() -> None:
 
 def check_flower_internals() -> None:
     """The Flower names this module replaces exist (the flwr pin is checked by ``edge.trust``)."""
-    from flwr.supercore.runtime import runtime_http_client as rhc
     from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 
     for owner, name in ((_supernode_module(), "_start_supernode_http_api"), (SubprocessExecutor, "launch"),

@@ -208,3 +208,10 @@ def test_the_memory_limit_makes_an_allocation_past_it_fail_in_that_process():
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"limit": 1024 * 2**20, "big": "MemoryError"}
+
+
+def test_the_research_example_policy_states_the_defaults():
+    from feta_release.policy.document import read_policy_document
+
+    doc = read_policy_document(Path(__file__).parents[1] / "policies" / "research.toml")
+    assert doc["resources"] == DEFAULT_RESOURCES

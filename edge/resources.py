@@ -48,9 +48,13 @@ def check_message_size(policy: Any, message: Message) -> None:
                               site=policy.site_id)
 
 
-def limit_memory(policy: Any) -> int | None:
+def limit_memory(policy: Any, device: str = "cpu") -> int | None:
     """Set this process's RLIMIT_DATA soft limit to ``resources.max_worker_memory_mb`` (never above the hard limit
-    the node was started under); returns it in bytes, or None when the policy sets no limit (0)."""
+    the node was started under); returns it in bytes, or None when there is none: the policy says 0, or the node
+    computes on a GPU (``node start --device auto|cuda``) and the policy does not state the limit itself (the CUDA
+    driver's own host mappings have not been measured against the default)."""
+    if device != "cpu" and "max_worker_memory_mb" not in policy.resources:
+        return None
     mb = int(resource_cap(policy, "max_worker_memory_mb"))
     if mb <= 0:
         return None
@@ -64,8 +68,8 @@ def resources_mod(message: Message, context: Context, call_next: Any) -> Message
     """Flower mod around every handler: the memory limit (in a node's own processes: those ``node start`` started,
     which carry its Runtime API socket in their environment; not a process that hosts the ClientApp in-process, as
     the coordinator's tests and harness do), then the message size, then the handler."""
-    policy = site_for(context.node_config).policy
+    site = site_for(context.node_config)
     if os.environ.get(ENV_SOCKET):
-        limit_memory(policy)
-    check_message_size(policy, message)
+        limit_memory(site.policy, site.device)
+    check_message_size(site.policy, message)
     return call_next(message, context)  # type: ignore[no-any-return]

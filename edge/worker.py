@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     worker = Worker(json.loads(a.node_config))
     site = worker.fresh_site()  # fail at start, in the node's log, rather than at the first message
-    limit = resources.limit_memory(site.policy)  # before the first message (each message sets it again: a new policy)
+    # the policy's memory limit before the first message (each message sets it again: a new policy may change it)
+    limit = resources.limit_memory(site.policy, site.device)
     clientapp.site_device(site)  # likewise `node start --device cuda` where this process sees no GPU
     listener = channel.listen(a.socket, channel.read_key(a.key_file))
     log.info("worker for site %s ready on %s (pid %d, memory limit %s)", site.site_id, a.socket, os.getpid(),

@@ -215,3 +215,13 @@ def test_the_research_example_policy_states_the_defaults():
 
     doc = read_policy_document(Path(__file__).parents[1] / "policies" / "research.toml")
     assert doc["resources"] == DEFAULT_RESOURCES
+
+
+def test_a_gpu_node_applies_only_a_memory_limit_its_policy_states():
+    from edge.resources import limit_memory
+
+    unset = SimpleNamespace(resources={})
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    assert limit_memory(unset, "cuda") is None and limit_memory(unset, "auto") is None
+    assert limit_memory(SimpleNamespace(resources={"max_worker_memory_mb": 0}), "cpu") is None
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before

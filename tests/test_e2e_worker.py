@@ -44,7 +44,7 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
         os.kill(workers["site-b"].pid, signal.SIGKILL)
         workers["site-b"].proc.wait(10)
         time.sleep(3)
-        watch = CommandLines()
+        watch = CommandLines(str(tmp_path))
         try:
             summary = run_signed_job(signed, fed.coordinator_key, out, f"127.0.0.1:{port}", insecure=True)
         finally:
@@ -71,9 +71,11 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
 
 
 class CommandLines:
-    """The command lines of every ``flwr-clientapp`` process seen while it runs (polled: each lives for seconds)."""
+    """The command lines of every ``flwr-clientapp`` process of this test's nodes (their shim lies under ``root``)
+    seen while it runs (polled: each lives for seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str) -> None:
+        self.root = root
         self.clientapps: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -83,7 +85,7 @@ class CommandLines:
         while not self._stop.is_set():
             for proc in psutil.process_iter(["cmdline"]):
                 line = " ".join(proc.info["cmdline"] or [])
-                if "flwr-clientapp" in line and line not in self.clientapps:
+                if "flwr-clientapp" in line and self.root in line and line not in self.clientapps:
                     self.clientapps.append(line)
             time.sleep(0.05)
 

@@ -20,7 +20,9 @@ from typing import Any
 from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
 from feta_release.planning import secure_stage_events, site_dpsgd, stage_event, stage_events, target, warmup_events
-from feta_release.policy.enforce import MechanismRequest, check_budget, check_request, own_share_request, request_of
+from feta_release.policy.enforce import (
+    MechanismRequest, check_budget, check_request, check_resources, own_share_request, request_of,
+)
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
 from feta_release.policy.jobs import verify_job
 
@@ -105,6 +107,11 @@ def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: li
         res.failures.append(("job", str(exc)))
         return res
     res.job_id = job.job_id
+    try:  # the node's next check (edge.protocol.verified_job): nothing else is judged for a job it cannot hold
+        check_resources(policy, job)
+    except PolicyViolation as exc:
+        res.failures.append((exc.rule, str(exc)))
+        return res
     if data_shape is not None and job.config.federation.secure_aggregation:
         return secure_admit(res, policy, job, data_shape, job_events or [], lifetime_events or [], now)
     n = int(policy.dataset_size)  # the public size: what the node's accountant and caps use

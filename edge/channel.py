@@ -114,12 +114,12 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def socket_path(state_dir: Path) -> Path:
+def socket_path(state_dir: Path, name: str = "worker.sock") -> Path:
     """The socket in the node's state dir, or (when that path is too long for AF_UNIX) in a fresh private temp dir."""
-    p = state_dir / "worker.sock"
+    p = state_dir / name
     if len(os.fsencode(str(p))) <= MAX_SOCKET_PATH:
         return p
-    return Path(tempfile.mkdtemp(prefix="feta-worker-")) / "worker.sock"  # mkdtemp makes it 0700
+    return Path(tempfile.mkdtemp(prefix="feta-node-")) / name  # mkdtemp makes it 0700
 
 
 def write_key(path: Path) -> bytes:

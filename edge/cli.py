@@ -158,7 +158,8 @@ def _print_summary(s: dict) -> None:
 @click.option("--data-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's data secret (mode 0600; made by `feta-release policy data-commitment`).")
 @click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="Coordinator SuperLink host:port.")
-@click.option("--port", type=int, default=9101, show_default=True, help="Local port of this node's ClientApp API.")
+@click.option("--port", type=int, default=9101, hidden=True,
+              help="Unused: the node's local Runtime API is a Unix socket only the site's account can reach.")
 @click.option("--root-certificates", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="CA certificate of the SuperLink (TLS).")
 @click.option("--auth-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),

@@ -28,11 +28,14 @@ from .fedsgd import check_round_weights, gradient_contribution
 from .protocol import Arrays, ReleaseRng, Request, release, verified_job
 from .padded_releases import pad_secure, padded
 from .public_errors import public_errors_mod
+from .resources import resources_mod
 from .secure import admit_masked, handle, masked_contribution
 from .releases import check_weights, dpsgd_round, release_central, release_frequency
 from .site import CFG_POLICY, Site, site_for
 
-app = ClientApp(mods=[public_errors_mod])  # error replies: no local path or internal text leaves (public_errors)
+# error replies: no local path or internal text leaves (public_errors); the policy's memory and message caps
+# (resources) hold before any handler reads the message
+app = ClientApp(mods=[public_errors_mod, resources_mod])
 
 
 def site_device(site: Site) -> torch.device:

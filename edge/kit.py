@@ -230,7 +230,6 @@ auth_key = "keys/node-auth"
 ledger = "ledger.sqlite"
 work_dir = "work"
 superlink = {_toml_str(superlink)}
-port = 9101
 root_certificates = {ca}
 
 # How files become model-sized images: the same options as `feta-release data inspect`.

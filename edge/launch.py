@@ -2,9 +2,10 @@
 
 Before anything starts: the signed policy is verified against the site's trusted key, the data's
 keyed commitment (HMAC under the site's secret) must match the policy, the ledger must not have seen a
-newer policy, the FAB gate must be installable on this flwr version. Then ``flower-supernode`` runs with the site's settings in
+newer policy, the FAB gate must be installable on this flwr version. Then Flower's SuperNode runs with the site's settings in
 ``--node-config`` (read by the ClientApp as ``context.node_config``; the coordinator cannot change
-them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) first on PATH.
+them) and with our ``flwr-clientapp`` (the FAB allow-list gate, ``edge.trust``) and ``flower-superexec`` first on
+PATH; its local Runtime API is a Unix socket in a 0700 directory, never a TCP port (``edge.runtime_api``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError, FetaError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
+from feta_release.signing import refuse_shared_secret_file
 
-from . import channel, trust
+from . import channel, runtime_api, trust
 from .node_state import NodeMonitor, utc_stamp
 from .site import (
     CFG_DATA, CFG_DEVICE, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY,
@@ -41,6 +43,8 @@ class NodeSettings:
     site_key: Path
     data_secret: Path
     superlink: str = "127.0.0.1:9092"
+    # Unused: the node's local Runtime API is a private Unix socket (edge.runtime_api), no TCP port. Kept so that
+    # node.toml files and scripts that name a port still start.
     port: int = 9101
     root_certificates: Path | None = None
     auth_key: Path | None = None
@@ -111,7 +115,10 @@ def preflight(s: NodeSettings) -> Site:
     """Everything the node refuses to start without. Returns the opened site (policy verified)."""
     check_device(s.device)
     check_transport(s)
+    if s.auth_key is not None:  # Flower reads it itself, without this check: whoever reads it joins as this site
+        refuse_shared_secret_file(s.auth_key, "node authentication key")
     trust.check_flower_internals()
+    runtime_api.check_flower_internals()
     site = Site.open(s.node_config())
     site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
     if not site.policy.app_bundles:
@@ -120,7 +127,9 @@ def preflight(s: NodeSettings) -> Site:
 
 
 def supernode_command(s: NodeSettings) -> list[str]:
-    cmd = ["flower-supernode", "--superlink", s.superlink, "--host", "127.0.0.1", "--port", str(s.port),
+    """Flower's SuperNode with its Runtime API on the private socket (``edge.runtime_api``); ``-P`` as for the
+    worker (``start_worker``): no module of the directory the admin started the node from is imported."""
+    cmd = [sys.executable, "-P", "-m", "edge.runtime_api", "supernode", "--superlink", s.superlink,
            "--node-config", node_config_arg(s.node_config())]
     if s.insecure:
         cmd.append("--insecure")
@@ -191,9 +200,12 @@ def start_node(s: NodeSettings, log_path: Path | None = None,
     work = Path(s.node_config()[CFG_WORK])
     shim_dir = work / "bin"
     trust.write_wrapper(shim_dir)
+    runtime_api.write_superexec_shim(shim_dir)
     env = flower_env(work / "flwr_home", [shim_dir], **{
         trust.ENV_ALLOWED: ",".join(site.policy.app_bundles),
         trust.ENV_LOG: str(work / "trust.log"),
+        runtime_api.ENV_SOCKET: str(channel.socket_path(channel.private_dir(work / "runtime"),
+                                                        runtime_api.SOCKET_NAME)),
     })
     site.ledger.close()
     worker = None

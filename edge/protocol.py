@@ -41,6 +41,7 @@ from feta_release.planning import fedsgd_shape, secure_stage_events, site_dpsgd,
 from feta_release.policy.enforce import (
     MechanismRequest,
     check_request,
+    check_resources,
     own_share_request,
     skellam_own_sigma,
     skellam_request,
@@ -94,6 +95,7 @@ def verified_job(site: Site, doc: dict[str, Any], *, attesting: bool = False) ->
     if "job" not in doc:
         raise PolicyError("request carries no signed job; refused")
     job = verify_job(doc["job"], site.policy, source="job in request")
+    check_resources(site.policy, job)  # the job's model and per-step work, from its config: before anything is built
     try:  # public values only (the job's [frequency] and the policy's declared shape): refused before any charge
         check_feature_map(job.config.frequency, tuple(site.policy.declared.image_shape))
     except (ConfigError, PrivacyError) as exc:

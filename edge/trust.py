@@ -49,7 +49,7 @@ from flwr.supernode.runtime import run_clientapp as rc
 
 from feta_release.errors import PolicyError
 
-from . import forward
+from . import forward, runtime_api
 from .public_errors import public_error
 
 PINNED_FLWR = "1.41.0"
@@ -263,8 +263,10 @@ _current: dict[str, object] = {}
 
 
 def main() -> None:
-    """Entry point used as ``flwr-clientapp`` on the node (same arguments as Flower's)."""
+    """Entry point used as ``flwr-clientapp`` on the node (Flower's arguments; the task token comes in the
+    environment and the Runtime API is the node's private socket: ``edge.runtime_api``)."""
     install_gate()
+    runtime_api.client_side()
     flwr_clientapp()
 
 

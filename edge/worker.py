@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 from feta_release.federation import messages as fm
 from feta_release.policy.document import check_validity
 
-from . import channel, clientapp
+from . import channel, clientapp, resources
 from .public_errors import public_error
 from .site import CFG_POLICY, forget_sites, site_for
 from .site_cache import site_stamp  # the per-request check of the site's files (moved there: the cache keys on it)
@@ -187,9 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     worker = Worker(json.loads(a.node_config))
     site = worker.fresh_site()  # fail at start, in the node's log, rather than at the first message
+    # the policy's memory limit before the first message (each message sets it again: a new policy may change it)
+    limit = resources.limit_memory(site.policy, site.device)
     clientapp.site_device(site)  # likewise `node start --device cuda` where this process sees no GPU
     listener = channel.listen(a.socket, channel.read_key(a.key_file))
-    log.info("worker for site %s ready on %s (pid %d)", site.site_id, a.socket, os.getpid())
+    log.info("worker for site %s ready on %s (pid %d, memory limit %s)", site.site_id, a.socket, os.getpid(),
+             "none" if limit is None else f"{limit >> 20} MiB")
     try:
         serve(listener, worker, stop)
     finally:

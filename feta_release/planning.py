@@ -399,10 +399,10 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
 
 
 def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int) -> int | None:
-    from .models.edm import build_denoiser  # torch: only when a figure needs the model
+    from .model_size import denoiser_parameters
 
     try:
-        return sum(p.numel() for p in build_denoiser(cfg.model, image_shape, n_classes).parameters())
+        return denoiser_parameters(cfg.model, image_shape, n_classes)
     except FetaError:
         return None  # a model that cannot be built is reported by training, not by the plan
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import PolicyError
+from .errors import FetaError, PolicyError
 
 SIGNATURE_ALG = "ed25519"
 
@@ -155,10 +156,26 @@ def generate_keypair(out_dir: str | Path, name: str = "signing", passphrase: byt
     return priv_path, pub_path
 
 
+def refuse_shared_secret_file(path: str | Path, what: str, st: os.stat_result | None = None,
+                              error: type[FetaError] = PolicyError) -> None:
+    """Refuse a secret file (a private key, the data secret) that its group or other accounts may read or change:
+    any of them could then sign, authenticate or recompute the data commitment as the site. The one check of every
+    secret the project loads; ``st``: the file's stat when the caller already has it. POSIX only (Windows keeps
+    file access in ACLs, which mode bits do not show)."""
+    if os.name != "posix":
+        return
+    p = Path(path)
+    mode = (p.stat() if st is None else st).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        how = "readable by other users" if mode & (stat.S_IRGRP | stat.S_IROTH) else "writable by other users"
+        raise error(f"{p}: the {what} is {how} (mode {stat.S_IMODE(mode):o}); run `chmod 600 {p}`")
+
+
 def load_private_key(path: str | Path, passphrase: bytes | None = None) -> Ed25519PrivateKey:
     p = Path(path)
     try:
         data = p.read_bytes()
+        refuse_shared_secret_file(p, "private key")
     except OSError as exc:
         raise PolicyError(f"{p}: cannot read private key: {exc.strerror}") from None
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -43,10 +44,16 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
         os.kill(workers["site-b"].pid, signal.SIGKILL)
         workers["site-b"].proc.wait(10)
         time.sleep(3)
-        summary = run_signed_job(signed, fed.coordinator_key, out, f"127.0.0.1:{port}", insecure=True)
+        watch = CommandLines(str(tmp_path))
+        try:
+            summary = run_signed_job(signed, fed.coordinator_key, out, f"127.0.0.1:{port}", insecure=True)
+        finally:
+            watch.stop()
     finally:
         for p in procs:
             p.stop()
+    # every local account reads /proc/PID/cmdline: no ClientApp was started with its task token there
+    assert watch.clientapps and not [c for c in watch.clientapps if "--token" in c]
     assert summary["rounds"] == 2
     for sid in ("site-a", "site-b"):
         with Ledger(fed.site(sid).ledger) as led:
@@ -54,9 +61,35 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
     work_a, work_b = (fed.site(s).ledger.parent / "work" for s in ("site-a", "site-b"))
     worker_log = (work_a / "worker.log").read_text()
     assert worker_log.count("answered train") == 2 and "answered query.hello" in worker_log
+    assert "memory limit 16384 MiB" in worker_log  # the policy's default resources.max_worker_memory_mb
     assert "in this process instead" not in (work_a / "supernode.log").read_text()
     assert "in this process instead" in (work_b / "supernode.log").read_text()
     # stopping the node stopped its worker; the socket is gone with it
     assert not psutil.pid_exists(workers["site-a"].pid) or \
         psutil.Process(workers["site-a"].pid).status() == psutil.STATUS_ZOMBIE
     assert not (work_a / "worker" / "worker.sock").exists()
+
+
+class CommandLines:
+    """The command lines of every ``flwr-clientapp`` process of this test's nodes (their shim lies under ``root``)
+    seen while it runs (polled: each lives for seconds)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.clientapps: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            for proc in psutil.process_iter(["cmdline"]):
+                line = " ".join(proc.info["cmdline"] or [])
+                if "flwr-clientapp" in line and self.root in line and line not in self.clientapps:
+                    self.clientapps.append(line)
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+

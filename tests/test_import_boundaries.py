@@ -40,6 +40,11 @@ LAZY = {
     "coordinator/demo.py": {".setup", ".runner", ".finalize", "edge.launch"},  # Flower / torch, once the demo runs
     # Flower's secure-aggregation primitives (via secure_collect), for `policy check --data` of a secure job only
     "edge/admission.py": {"feta_release.federation.plan", "feta_release.federation.secure_collect"},
+    # Flower's SuperNode and SuperExec programs (uvicorn, FastAPI), each in its own process only: every per-message
+    # ClientApp imports this module for its client side
+    "edge/runtime_api.py": {"uvicorn", "flwr.supernode.main", "flwr.supernode.cli.flower_supernode",
+                            "flwr.supercore.cli.flower_superexec",
+                            "flwr.supercore.superexec.executor.subprocess_executor"},
 }
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-import stat
 import struct
 from collections.abc import Iterable
 from hashlib import sha256
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..signing import refuse_shared_secret_file
 
 __all__ = ["SECRET_BYTES", "COMMITMENT_DOMAIN", "create_secret", "load_secret", "ensure_secret", "dataset_commitment",
            "same_commitment", "suggest_public_size"]
@@ -57,9 +57,7 @@ def load_secret(path: str | Path) -> bytes:
                           f"--secret {p}` and put the printed commitment into the policy") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot read the data secret: {exc}") from None
-    if os.name == "posix" and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{p}: the data secret is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
-                          f"run `chmod 600 {p}`")
+    refuse_shared_secret_file(p, "data secret", st, error=ConfigError)
     try:
         key = bytes.fromhex(text)
     except ValueError:

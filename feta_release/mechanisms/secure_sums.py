@@ -60,10 +60,9 @@ def fedsgd_params(dim: int, clip: float, sigma: float, n_sites: int, modulus_bit
 
 def model_dim(model_cfg: object, image_shape: tuple[int, ...], n_classes: int) -> int:
     """The number of trainable values of the job's model: the length of a FedSGD gradient vector (public)."""
-    from ..models import build_denoiser  # torch: only the FedSGD layout needs the model
+    from ..model_size import denoiser_parameters  # counted from the config: every parameter trains, none is built
 
-    model = build_denoiser(model_cfg, tuple(image_shape), int(n_classes))  # type: ignore[arg-type]
-    return int(sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return denoiser_parameters(model_cfg, tuple(image_shape), int(n_classes))
 
 
 def fedsgd_layout(dim: int, clip: float) -> Layout:

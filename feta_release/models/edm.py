@@ -27,6 +27,7 @@ from torch import nn
 
 from ..config import ModelSection
 from ..errors import ConfigError
+from ..model_size import check_architecture
 from .unet import UNet
 
 SIGMA_DATA = math.sqrt(1.0 / 3.0)
@@ -103,12 +104,7 @@ def denoiser_from_spec(spec: dict[str, Any]) -> EDMDenoiser:
 def build_denoiser(model_cfg: ModelSection, image_shape: tuple[int, int, int], n_classes: int) -> EDMDenoiser:
     """The denoiser a job's ``[model]`` section describes, for images of ``(C, H, W)``."""
     spec = denoiser_spec(model_cfg, image_shape, n_classes)
-    size = spec["img_size"]
-    if size < 2 ** (len(model_cfg.channel_mult) - 1):
-        raise ConfigError(f"[model] channel_mult has too many levels for {size}px images")
-    g = max(1, min(32, model_cfg.channels // 4))
-    if model_cfg.channels % g:
-        raise ConfigError(f"[model] channels must be a multiple of 4 (got {model_cfg.channels})")
+    check_architecture(model_cfg, image_shape)  # the one rule of what builds, shared with the size count
     return denoiser_from_spec(spec)
 
 

@@ -102,6 +102,8 @@ class SitePolicy:
     # the PUBLIC schema of the data (dataset.classes, dataset.image_shape): a DataDeclaration, None for a policy
     # signed before both fields existed (a node refuses it: edge/site.py)
     declared: Any = None
+    # what one job may make the node allocate (``resources``; absent fields: enforce.DEFAULT_RESOURCES)
+    resources: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def dpsgd_population(self) -> int:
@@ -172,6 +174,7 @@ class SitePolicy:
             patients=doc["dataset"].get("patients"),
             patient_cap=doc["dataset"].get("patient_cap"),
             declared=DataDeclaration.from_dataset_table(doc["dataset"]),
+            resources=dict(doc.get("resources", {})),
         )
 
     def coordinator_fingerprints(self) -> set[str]:

@@ -19,6 +19,11 @@ steps plus those already recorded for the job):
   job.sites                   the job names this site
   app_bundles                 the app bundle's sha256 is allowed
   budget.per_job.epsilon / budget.lifetime.epsilon   composed with the site's accountant
+  resources.max_model_parameters   the job's denoiser, counted from its [model] without building it  } per job,
+  resources.max_physical_batch     [dpsgd] physical_batch                                            } before
+  resources.max_pass_rows          [dpsgd] physical_batch x noise_multiplicity                        } anything
+  resources.max_message_mb         one coordinator message (edge: checked before it is decoded)       } is built
+  resources.max_worker_memory_mb   the computing processes' memory limit (edge.resources)
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..accounting import Event, PrivacyEvent
-from ..errors import BudgetExceededError, PolicyError, PrivacyError
+from ..errors import BudgetExceededError, ConfigError, PolicyError, PrivacyError
 from ..ledger import as_budget, check_spend
+from ..model_size import denoiser_parameters
 from .document import MECHANISMS, MechanismRule, SitePolicy, check_validity
 from .errors import JobDoesNotFit, PolicyBudgetExceeded, PolicyViolation
 from .jobs import Job
@@ -40,6 +46,14 @@ from .jobs import Job
 # Review L1: without a cap a coordinator could sign cells = 10**6; the event is unchanged, but the release's shape
 # would exhaust the site's memory after the charge (budget spent, nothing released).
 DEFAULT_MAX_CELLS = 64
+
+# The resource caps a policy that does not set them runs under (``resources``). A 2 KB signed job with
+# ``channels = 1024`` made a node allocate 6 GB to check the coordinator's weights against its model: the caps are
+# checked from the job's config before anything is built. The defaults admit every shipped preset with room to spare
+# (paper-mnist: 1.4 M parameters, physical batch 64 x 32 noise draws = 2048 rows) and bound what one job can take.
+DEFAULT_RESOURCES: Mapping[str, float] = {"max_model_parameters": 20_000_000, "max_physical_batch": 256,
+                                          "max_pass_rows": 4096, "max_message_mb": 512,
+                                          "max_worker_memory_mb": 16384}
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,39 @@ def check_job(policy: SitePolicy, job: Job) -> None:
                               "this policy does not allow", site=policy.site_id)
     if policy.site_id not in job.sites:
         raise PolicyViolation("job.sites", f"job {job.job_id} does not name this site", site=policy.site_id)
+    check_resources(policy, job)
+
+
+def resource_cap(policy: SitePolicy, name: str) -> float:
+    """The policy's ``resources.<name>``, or its default (``DEFAULT_RESOURCES``)."""
+    return float(policy.resources.get(name, DEFAULT_RESOURCES[name]))
+
+
+def _over(policy: SitePolicy, rule: str, job: Job, what: str, value: float) -> None:
+    cap = resource_cap(policy, rule)
+    if value > cap:
+        raise PolicyViolation(f"resources.{rule}", f"job {job.job_id}: {what} {value:,.0f} > cap {cap:,.0f}; refused "
+                              f"before anything was built (raise resources.{rule} in the site's policy to allow it)",
+                              site=policy.site_id)
+
+
+def check_resources(policy: SitePolicy, job: Job) -> None:
+    """Refuse a job whose model or per-step work exceeds the policy's resource caps: from the job's config and the
+    policy's declared data shape alone (public; nothing is built or allocated). A policy without a declared shape
+    is refused by a node before any job (edge/site.py); its model is then not counted here."""
+    d = job.config.dpsgd
+    _over(policy, "max_physical_batch", job, "[dpsgd] physical_batch", int(d.physical_batch))
+    _over(policy, "max_pass_rows", job, "[dpsgd] physical_batch x noise_multiplicity",
+          int(d.physical_batch) * int(d.noise_multiplicity))
+    if policy.declared is None:
+        return
+    try:
+        params = denoiser_parameters(job.config.model, tuple(policy.declared.image_shape),
+                                     int(policy.declared.n_classes))
+    except ConfigError as exc:
+        raise PolicyViolation("resources.max_model_parameters", f"job {job.job_id}: its [model] cannot be built "
+                              f"for this site's declared images: {exc}", site=policy.site_id) from None
+    _over(policy, "max_model_parameters", job, "[model] parameters", params)
 
 
 def check_request(

@@ -252,6 +252,20 @@ class Ledger:
         """Check the chain and the signed head now (``LedgerTamperedError`` if anything was changed)."""
         return chain.verify(self._db, self.path, self._pub, deep=deep)
 
+    def anchor(self) -> dict[str, Any]:
+        """``{ledger_id, rows, head}`` of this ledger now (chain and head verified first): what an attestation
+        carries, so that a coordinator notices the ledger deleted or restored from an older copy."""
+        return chain.anchor(self.verify())
+
+    def extends(self, anchor: Mapping[str, Any]) -> bool:
+        """True when this ledger is ``anchor``'s ledger grown by appends only: the same id, at least its rows, and
+        the chain through its first ``rows`` rows ending at its ``head`` (a rolled-back copy, or one that went on
+        from an older copy, does not)."""
+        now = self.anchor()
+        if now["ledger_id"] != anchor.get("ledger_id") or now["rows"] < int(anchor.get("rows", 0)):
+            return False
+        return chain.hash_at(self._db, now["ledger_id"], int(anchor["rows"])) == anchor.get("head")
+
     @property
     def signature_checked(self) -> bool:
         return self._pub is not None

@@ -36,6 +36,7 @@ from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from ..training.ema import EMA
 from . import checkpoint_io, fedsgd, plan
+from .anchors import AnchorStore
 from .secure_collect import collect_secure, secure_plan
 from . import messages as fm
 
@@ -163,8 +164,9 @@ def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> s
 class JobDriver:
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
-                 poll_interval: float = 1.0) -> None:
+                 poll_interval: float = 1.0, anchors: AnchorStore | None = None) -> None:
         self.grid = grid
+        self.anchors = anchors  # the sites' last attested ledger positions (None: not checked, an in-memory test)
         self.signed_job = signed_job
         embedded = signed_job.get("signature", {}).get("public_key") if isinstance(signed_job, dict) else None
         keys = [coordinator_key.public_key()] if coordinator_key is not None else ([embedded] if embedded else [])
@@ -281,13 +283,15 @@ class JobDriver:
         if pol.site_id != sid:
             raise PolicyError(f"node {node} says it is site {sid} but its policy is for {pol.site_id}")
         size = plan.public_size(pol)
+        # a deleted or rolled-back ledger would re-grant spent budget: refused here, before any plan or release
+        carried = self.anchors.check(sid, doc.get("ledger")) if self.anchors is not None else []
         # the data schema from the SIGNED policy (dataset.classes/image_shape, the site's public declaration), as
         # the size is; the reply's copy only for a policy signed before the declaration existed
         d = pol.declared
         shape, names = ((tuple(d.image_shape), list(d.class_names)) if d is not None
                         else (tuple(doc["image_shape"]), list(doc["class_names"])))
         self.sites[sid] = SiteInfo(sid, node, size, pol, signed, shape, len(names), names,
-                                   list(doc.get("lifetime_events", [])))
+                                   carried + list(doc.get("lifetime_events", [])))
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:
@@ -449,6 +453,8 @@ class JobDriver:
             why = attestation_problem(doc.get("attestation"), sid, self.sites[sid].policy.site_key, self.job)
             if why is None:
                 out[sid] = doc["attestation"]
+                if self.anchors is not None:  # the ledger position the next job's hello must extend
+                    self.anchors.record(sid, self.job.job_id, doc["attestation"]["statement"])
             else:  # not released under this site: verify would refuse the whole release for it (review70 L2)
                 failed[sid] = why
         for sid, reason in failed.items():

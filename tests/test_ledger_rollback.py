@@ -27,9 +27,9 @@ JOB = {"federation": {"rounds": 1, "local_steps": 1}}
 
 
 def _federation(tmp_path):
-    # a lifetime cap that one job fits and two do not (tests/test_federation.py pins that refusal)
+    # site-a: a lifetime cap that one job fits and two do not (tests/test_federation.py pins that refusal)
     return prepare_federation(tmp_path / "fed", tiny_sites(2), policy_overrides={
-        s: {"lifetime": (1.2, 1e-5)} for s in ("site-a", "site-b")})
+        "site-a": {"lifetime": (1.2, 1e-5)}, "site-b": {"lifetime": (10.0, 1e-5)}})
 
 
 def _job(fed, tmp_path, job_id):

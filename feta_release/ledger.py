@@ -182,6 +182,22 @@ def _events_from_dicts(rows: list[dict[str, Any]]) -> list[Any]:
     return events_from_list(rows)
 
 
+def _roll_back(db: sqlite3.Connection) -> None:
+    try:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+    except sqlite3.Error:  # the failed write may have ended the transaction itself
+        pass
+
+
+def _storage_failure(path: Path, exc: sqlite3.OperationalError) -> PrivacyError:
+    """One line for a write the disk refused (full, read-only, I/O error). Nothing of it was committed, so nothing
+    was charged and nothing may be released; the same request charges once when it is sent again."""
+    return PrivacyError(f"{path}: the privacy ledger could not record this request ({exc}); nothing was charged or "
+                        "released. Fix: free disk space (or repair the volume) where the ledger lives, then send the "
+                        "request again (the job's re-run resumes)")
+
+
 class Ledger:
     """One site's ledger file. Safe to open from several processes (SQLite locking)."""
 
@@ -283,6 +299,9 @@ class Ledger:
             if self._db.in_transaction:  # the body may have rolled back (nothing to record)
                 chain.seal(self._db, self._key)
                 self._db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:  # disk full, I/O error: SQLite rolled the write back (or we do)
+            _roll_back(self._db)
+            raise _storage_failure(self.path, exc) from None
         except BaseException:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")

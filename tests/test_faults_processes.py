@@ -38,7 +38,7 @@ from .federation_fixtures import make_federation, tiny_job
 
 pytestmark = pytest.mark.slow
 
-ROUND_TIMEOUT = 45.0  # a killed node is waited for this long per request (Flower notices a dead node after 60 s)
+ROUND_TIMEOUT = 25.0  # a killed node is waited for this long per request (Flower notices a dead node after 60 s)
 
 
 def _wait(what: str, ok: Callable[[], bool], timeout: float, poll: float = 0.02) -> None:
@@ -132,26 +132,55 @@ class Coordinator:
             self.superlink.stop()
 
 
-def _start_node(s: Any, port: int) -> Any:
-    from edge.launch import NodeSettings, start_node
-    from feta_release.federation.procs import free_port
+class Node:
+    """``feta-release node start`` as the site runs it (its SuperNode and warm worker as children; the worker is
+    restarted by the node when it dies)."""
 
-    return start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                                   site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
-                                   port=free_port(), insecure=True))
+    def __init__(self, s: Any, port: int, log: Path) -> None:
+        from feta_release.federation.procs import free_port
+
+        cmd = [sys.executable, "-m", "feta_release", "node", "start", "--data", str(s.data), "--policy", str(s.policy),
+               "--trusted", str(s.policy_pub), "--ledger", str(s.ledger), "--site-key", str(s.site_key),
+               "--data-secret", str(s.data_secret), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+               "--insecure"]
+        self.log = open(log, "a")  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+    def worker_pid(self) -> int | None:
+        try:
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return None
+        return next((p.pid for p in family if "edge.worker" in " ".join(_cmdline(p))), None)
+
+    def kill(self) -> None:
+        _kill_tree(self.proc.pid)
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the node stops its SuperNode and worker itself
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                _kill_tree(self.proc.pid)
+        self.proc.wait(10)
+        self.log.close()
 
 
-def _kill_node(node: Any) -> None:
-    for p in [node, *node.companions]:
-        _kill_tree(p.pid)
-    node.stop()
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _job(tmp: Path) -> Path:
     from coordinator.demo import _to_toml
 
     cfg = tiny_job(central={"rounds": 1, "batch": 10, "sigma": 5.0},
-                   warmup={"spatial_iterations": 300, "spatial_batch": 8},
+                   warmup={"spatial_iterations": 200, "spatial_batch": 8},
                    federation={"secure_aggregation": True, "secagg_threshold": 2, "rounds": 2, "local_steps": 30,
                                "min_sites": 2, "round_timeout": ROUND_TIMEOUT})
     p = tmp / "job.toml"
@@ -170,29 +199,33 @@ def test_nodes_a_worker_and_the_coordinator_killed_mid_job_complete_it_without_a
     nodes: dict[str, Any] = {}
     try:
         co.start_superlink()
-        nodes = {s.site_id: _start_node(s, port) for s in fed.sites}
+        nodes = {s.site_id: Node(s, port, tmp_path / f"{s.site_id}.log") for s in fed.sites}
         co.submit()
         # 1. site-c dies right after handing over its masked vector (setup, share_keys, collect_masked_vectors)
         _wait("site-c's masked vector", lambda: _answers(work["site-c"], "query.secagg") >= 3, 240)
-        _kill_node(nodes.pop("site-c"))
+        nodes.pop("site-c").kill()
         # 2. the coordinator dies during the warm-up, after the secure sum was decoded and kept
         _wait("the warm-up", lambda: any(e["message"].startswith("spatial warm-up on") for e in _events(out)), 240)
         co.kill()
         decoded = [e for e in _events(out) if e["message"].startswith("secure sum of")]
-        assert decoded and decoded[0]["sites"] == ["site-a", "site-b", "site-c"]  # site-c's masks recovered
+        # decoded: with site-c's vector when it arrived before the kill, else without it (its masks recovered from the
+        # others' shares either way)
+        assert decoded and {"site-a", "site-b"} <= set(decoded[0]["sites"])
         _check_files(out)
         # ... and is started again, site-c's node too; the same command resumes the job
         co.start_superlink()
-        nodes["site-c"] = _start_node(fed.site("site-c"), port)
+        nodes["site-c"] = Node(fed.site("site-c"), port, tmp_path / "site-c.log")
         co.submit()
         # 3. site-b's worker dies mid-request: round 1 charged at site-b, its answer not yet recorded
         _wait("site-b's charge of round 1", lambda: _status(ledgers["site-b"], "job-f:train:0") == "charged", 300,
               poll=0.005)
-        _kill_tree(nodes["site-b"].companions[0].pid)
+        worker = nodes["site-b"].worker_pid()
+        assert worker is not None, "site-b's node runs no worker"
+        os.kill(worker, signal.SIGKILL)
         # 4. site-c's node dies during round 2 (charged, computing)
         _wait("site-c's charge of round 2", lambda: _status(ledgers["site-c"], "job-f:train:1") == "charged", 300,
               poll=0.005)
-        _kill_node(nodes.pop("site-c"))
+        nodes.pop("site-c").kill()
         code, text = co.wait(300)
     finally:
         co.kill()

@@ -13,6 +13,7 @@ request id, which the site's ledger answers from its record without charging twi
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -161,6 +162,16 @@ def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> s
         if wrong else None
 
 
+def append_event(path: Path, ev: dict[str, Any]) -> None:
+    """One line of ``progress.jsonl``. A coordinator killed mid-line left a torn last line: it is ended first, so that
+    this event (and every later one) stays a line of its own that a reader can parse."""
+    line = (json.dumps(ev) + "\n").encode("utf-8")
+    with open(path, "a+b") as fh:
+        if fh.seek(0, os.SEEK_END) and (fh.seek(-1, os.SEEK_END), fh.read(1))[1] != b"\n":
+            line = b"\n" + line
+        fh.write(line)
+
+
 class JobDriver:
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
@@ -189,8 +200,7 @@ class JobDriver:
     # -- plumbing --------------------------------------------------------------------------------
     def emit(self, phase: str, message: str, **fields: Any) -> None:
         ev = {"t": time.time(), "phase": phase, "message": message, **fields}
-        with open(self._log_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(ev) + "\n")
+        append_event(self._log_path, ev)
         self.progress(ev)
 
     def _ask(self, phase: str, message_type: str, targets: dict[str, dict[str, Any]],
@@ -323,7 +333,7 @@ class JobDriver:
             v["privacy_unit"] = self.sites[sid].policy.privacy_unit  # from the site's signed policy, per site
             if (sgd := next((e for e in v["events"] if e["stage"] == "dpsgd"), None)) is not None:
                 self.planned_dpsgd[sid] = sgd
-        (self.out / "plan.json").write_text(json.dumps(doc, indent=2), "utf-8")
+        atomic_write_bytes(self.out / "plan.json", json.dumps(doc, indent=2).encode("utf-8"))
         self.emit("plan", "job fits every site's policy: " + ", ".join(f"{k} ε={v['planned_epsilon']:.3f}"
                                                                        for k, v in doc.items()))
         return doc
@@ -347,7 +357,7 @@ class JobDriver:
                     del ok[sid]
                     failed[sid] = why
             for sid, (doc, arrays) in ok.items():
-                (self.state / f"{phase}_{sid}.json").write_text(json.dumps(doc), "utf-8")
+                atomic_write_bytes(self.state / f"{phase}_{sid}.json", json.dumps(doc).encode("utf-8"))
                 atomic_write_bytes(self.state / f"{phase}_{sid}.npz", npz_bytes(**arrays))
                 have[sid] = arrays
                 self.emit(phase, f"site {sid}: {phase} released", site=sid)
@@ -372,7 +382,7 @@ class JobDriver:
             self.emit(phase, f"secure sum of the {phase} releases of {len(self.sites)} site(s)")
             arrays, contributors = collect_secure(self, phase)
             atomic_write_bytes(p, npz_bytes(**arrays))
-            meta.write_text(json.dumps({"sites": contributors}), "utf-8")
+            atomic_write_bytes(meta, json.dumps({"sites": contributors}).encode("utf-8"))
         if len(contributors) < self.cfg.federation.min_sites:
             raise SiteUnavailable(f"{phase}: only {len(contributors)} site(s) in the secure sum, [federation] "
                                   f"min_sites = {self.cfg.federation.min_sites}")

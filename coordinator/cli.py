@@ -14,6 +14,7 @@ import click
 
 from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
+from feta_release.federation.anchors import AnchorStore, anchors_path
 
 from .superlink import SuperLinkSettings, register_node, start_superlink
 from .tls import make_certificates, make_node_auth_key
@@ -179,6 +180,4 @@ def accept_ledger(site: str, ledger_id: str, key_path: Path) -> None:
     Example:
       feta-release coordinator accept-ledger --site st-mary --ledger-id 3f2a... --key coordinator.key
     """
-    from feta_release.federation.anchors import AnchorStore, anchors_path
-
     click.echo(AnchorStore(anchors_path(key_path)).accept(site, ledger_id))

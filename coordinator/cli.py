@@ -14,6 +14,7 @@ import click
 
 from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
+from feta_release.federation.anchors import AnchorStore, anchors_path
 
 from .superlink import SuperLinkSettings, register_node, start_superlink
 from .tls import make_certificates, make_node_auth_key
@@ -162,3 +163,21 @@ def register(public_key: Path, name: str, superlink: str, root_certificates: Pat
     """
     register_node(public_key, name, home / "cli_home", superlink, root_certificates=root_certificates)
     click.echo(f"registered {public_key} as {name}")
+
+
+@coordinator.command("accept-ledger")
+@click.option("--site", required=True, help="The site id whose new ledger to accept.")
+@click.option("--ledger-id", required=True, help="The new ledger's id (named in the refusal of the site's hello).")
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The coordinator's private key (its ledger-anchors.json is beside it).")
+def accept_ledger(site: str, ledger_id: str, key_path: Path) -> None:
+    """Accept a site's NEW ledger after it lost its old one for good (`node start --new-ledger` there).
+
+    The old ledger's attested lifetime spend stays counted in every later plan of the site; the acceptance is
+    logged in ledger-anchors.json. Never accept a new ledger for a site that could restore its latest one.
+
+    \b
+    Example:
+      feta-release coordinator accept-ledger --site st-mary --ledger-id 3f2a... --key coordinator.key
+    """
+    click.echo(AnchorStore(anchors_path(key_path)).accept(site, ledger_id))

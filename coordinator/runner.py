@@ -11,6 +11,7 @@ from typing import Any
 from feta_release.config import load_job
 from feta_release.errors import ConfigError, FetaError
 from feta_release.federation.job import save_device
+from feta_release.files import atomic_write_bytes
 from feta_release.policy.jobs import sign_job
 from feta_release.signing import load_private_key
 from feta_release.training.device import resolve_device
@@ -47,7 +48,7 @@ def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Pa
         raise ConfigError("--sites: name at least one site")
     jid = job_id or f"{cfg.job.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     signed = sign_job(cfg, load_private_key(key_path), jid, sites)
-    path.write_text(json.dumps(signed, indent=2), "utf-8")
+    atomic_write_bytes(path, json.dumps(signed, indent=2).encode("utf-8"))  # a kill mid-write: no torn job to resume
     return path
 
 
@@ -78,8 +79,11 @@ def _last_error(out_dir: Path) -> str:
     p = out_dir / "progress.jsonl"
     if not p.exists():
         return ""
-    for line in reversed(p.read_text("utf-8").splitlines()):
-        ev = json.loads(line)
+    for line in reversed(p.read_text("utf-8", errors="replace").splitlines()):
+        try:
+            ev = json.loads(line)
+        except ValueError:  # the line a killed coordinator was writing
+            continue
         if ev.get("phase") == "error" or ev.get("error"):
             return str(ev.get("message"))
     return ""

@@ -17,6 +17,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from feta_release.federation.anchors import anchors_path
 from feta_release.federation.job import run_job
 from feta_release.signing import load_private_key
 
@@ -37,4 +38,6 @@ def main(grid: Grid, context: Context) -> None:
         # flwr run --stream shows the ServerApp's output: one line per event.
         print(f"[feta] {ev['phase']}: {ev['message']}", flush=True)
 
-    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress)  # its device: saved in out_dir
+    # the sites' ledger positions live beside the coordinator key: every job of this coordinator checks the same record
+    anchors = anchors_path(str(rc["coordinator-key"])) if rc.get("coordinator-key") else None
+    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress, anchors=anchors)  # device: in out_dir

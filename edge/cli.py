@@ -171,6 +171,9 @@ def _print_summary(s: dict) -> None:
 @click.option("--worker/--no-worker", default=True, show_default=True,
               help="Answer messages from a warm worker process that loads torch and the site once (restarted if it "
                    "dies); --no-worker: a fresh process per message, as Flower runs it (slower).")
+@click.option("--new-ledger", is_flag=True,
+              help="Start a NEW privacy ledger where this node ran on one that is lost (logged; the coordinator "
+                   "refuses it until its admin accepts it). Never needed on a first start.")
 @device_option("this site's DP-SGD and FedSGD rounds")
 @data_load_options
 @click.pass_context

@@ -72,6 +72,8 @@ def hello(msg: Message, context: Context) -> Message:
         "site_public_key": public_key_pem(site.key),
         "lifetime_events": [e for r in site.ledger.requests() for e in r["events"]],
         "job_events": site.ledger.job_events(job.job_id),
+        # which ledger, how far: the coordinator refuses one that does not extend the last it saw attested
+        "ledger": site.ledger.anchor(),
     }
     return Message(fm.make_payload(reply), reply_to=msg)
 

@@ -24,7 +24,7 @@ from feta_release.errors import ConfigError, FetaError, PolicyError
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
 from feta_release.signing import refuse_shared_secret_file
 
-from . import channel, runtime_api, trust
+from . import channel, ledger_anchor, runtime_api, trust
 from .node_state import NodeMonitor, utc_stamp
 from .site import (
     CFG_DATA, CFG_DEVICE, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY,
@@ -54,6 +54,7 @@ class NodeSettings:
     load: LoadOptions | None = None  # how files become images (same as `data inspect --resize ...`)
     worker: bool = True  # a warm worker (edge.worker) answers the messages; False: a fresh process per message
     device: str = "cpu"  # auto/cpu/cuda: where DP-SGD and FedSGD rounds compute (feta_release.training.device)
+    new_ledger: bool = False  # start a NEW ledger where the node ran on one (edge.ledger_anchor; logged)
 
     def node_config(self) -> dict[str, str]:
         work = self.work_dir or self.ledger.parent / "work"
@@ -119,8 +120,12 @@ def preflight(s: NodeSettings) -> Site:
         refuse_shared_secret_file(s.auth_key, "node authentication key")
     trust.check_flower_internals()
     runtime_api.check_flower_internals()
-    site = Site.open(s.node_config())
+    work = Path(s.node_config()[CFG_WORK])
+    if s.new_ledger:
+        ledger_anchor.start_new(s.ledger, work)
+    site = Site.open(s.node_config())  # refuses a missing or rolled-back ledger (edge.ledger_anchor)
     site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
+    ledger_anchor.record(site.ledger, work)
     if not site.policy.app_bundles:
         raise PolicyError(f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run")
     return site

@@ -24,7 +24,7 @@ from feta_release.signing import load_private_key, public_key_pem
 
 from feta_release.ledger import Ledger
 
-from . import site_cache
+from . import ledger_anchor, site_cache
 
 log = logging.getLogger("feta.node")
 
@@ -131,9 +131,17 @@ class Site:
             raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
         secret = load_secret(node_config[CFG_SECRET])
         key = load_private_key(node_config[CFG_SITE_KEY])
+        work_path = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
+        # never a fresh ledger where this node ran on one (deleted: the spent budget would come back)
+        ledger_anchor.refuse_missing(node_config[CFG_LEDGER], work_path)
         # Opening verifies the ledger's hash chain and its head's signature by this site key.
         ledger = Ledger(node_config[CFG_LEDGER], key=key)
-        work = owner_only_dir(Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work")))
+        try:
+            ledger_anchor.refuse_regression(ledger, work_path)  # nor an older copy of it (restored from a backup)
+        except BaseException:
+            ledger.close()
+            raise
+        work = owner_only_dir(work_path)
         data, patients, commitment = _opened_data(node_config, secret, work)
         policy = verify_policy_file(
             node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=commitment,

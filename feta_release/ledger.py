@@ -229,6 +229,22 @@ def _events_from_dicts(rows: list[dict[str, Any]]) -> list[Any]:
     return events_from_list(rows)
 
 
+def _roll_back(db: sqlite3.Connection) -> None:
+    try:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+    except sqlite3.Error:  # the failed write may have ended the transaction itself
+        pass
+
+
+def _storage_failure(path: Path, exc: sqlite3.OperationalError) -> PrivacyError:
+    """One line for a write the disk refused (full, read-only, I/O error). Nothing of it was committed, so nothing
+    was charged and nothing may be released; the same request charges once when it is sent again."""
+    return PrivacyError(f"{path}: the privacy ledger could not record this request ({exc}); nothing was charged or "
+                        "released. Fix: free disk space (or repair the volume) where the ledger lives, then send the "
+                        "request again (the job's re-run resumes)")
+
+
 class Ledger:
     """One site's ledger file. Safe to open from several processes (SQLite locking)."""
 
@@ -299,6 +315,20 @@ class Ledger:
         """Check the chain and the signed head now (``LedgerTamperedError`` if anything was changed)."""
         return chain.verify(self._db, self.path, self._pub, deep=deep)
 
+    def anchor(self) -> dict[str, Any]:
+        """``{ledger_id, rows, head}`` of this ledger now (chain and head verified first): what an attestation
+        carries, so that a coordinator notices the ledger deleted or restored from an older copy."""
+        return chain.anchor(self.verify())
+
+    def extends(self, anchor: Mapping[str, Any]) -> bool:
+        """True when this ledger is ``anchor``'s ledger grown by appends only: the same id, at least its rows, and
+        the chain through its first ``rows`` rows ending at its ``head`` (a rolled-back copy, or one that went on
+        from an older copy, does not)."""
+        now = self.anchor()
+        if now["ledger_id"] != anchor.get("ledger_id") or now["rows"] < int(anchor.get("rows", 0)):
+            return False
+        return chain.hash_at(self._db, now["ledger_id"], int(anchor["rows"])) == anchor.get("head")
+
     @property
     def signature_checked(self) -> bool:
         return self._pub is not None
@@ -316,6 +346,9 @@ class Ledger:
             if self._db.in_transaction:  # the body may have rolled back (nothing to record)
                 chain.seal(self._db, self._key)
                 self._db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:  # disk full, I/O error: SQLite rolled the write back (or we do)
+            _roll_back(self._db)
+            raise _storage_failure(self.path, exc) from None
         except BaseException:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")

@@ -187,6 +187,24 @@ def seal(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:
                (canonical_json(head).decode("utf-8"), json.dumps(sign_document(head, key))))
 
 
+def anchor(head: dict[str, Any]) -> dict[str, Any]:
+    """The ledger's position from its (verified) head: ``{ledger_id, rows, head}``.
+
+    Why: a rollback or deletion of the whole file is invisible to the chain itself (module docstring); a party
+    outside the node's disk that keeps this triple (the coordinator, from each attestation) sees it as fewer rows,
+    a head the ledger no longer holds, or another ledger id."""
+    return {"ledger_id": str(head["ledger_id"]), "rows": int(head["rows"]), "head": str(head["head"])}
+
+
+def hash_at(db: sqlite3.Connection, ledger_id: str, rows: int) -> str | None:
+    """The chain hash after the first ``rows`` rows (the genesis hash for 0), None when the ledger holds fewer.
+    Call on a verified ledger: the stored ``row_hash`` of row ``rows`` is then the chain's own."""
+    if rows == 0:
+        return genesis(ledger_id)
+    got = db.execute("SELECT row_hash FROM requests WHERE seq=?", (int(rows),)).fetchone()
+    return None if got is None else str(got[0])
+
+
 def init(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:
     """A new ledger's id and first signed head (inside the creating transaction)."""
     db.execute("INSERT INTO meta(key, value) VALUES ('ledger_id', ?)", (secrets.token_hex(16),))

@@ -13,6 +13,7 @@ request id, which the site's ledger answers from its record without charging twi
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from ..training.ema import EMA
 from . import checkpoint_io, fedsgd, plan
+from .anchors import AnchorStore
 from .secure_collect import collect_secure, secure_plan
 from . import messages as fm
 
@@ -160,11 +162,22 @@ def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> s
         if wrong else None
 
 
+def append_event(path: Path, ev: dict[str, Any]) -> None:
+    """One line of ``progress.jsonl``. A coordinator killed mid-line left a torn last line: it is ended first, so that
+    this event (and every later one) stays a line of its own that a reader can parse."""
+    line = (json.dumps(ev) + "\n").encode("utf-8")
+    with open(path, "a+b") as fh:
+        if fh.seek(0, os.SEEK_END) and (fh.seek(-1, os.SEEK_END), fh.read(1))[1] != b"\n":
+            line = b"\n" + line
+        fh.write(line)
+
+
 class JobDriver:
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
-                 poll_interval: float = 1.0) -> None:
+                 poll_interval: float = 1.0, anchors: AnchorStore | None = None) -> None:
         self.grid = grid
+        self.anchors = anchors  # the sites' last attested ledger positions (None: not checked, an in-memory test)
         self.signed_job = signed_job
         embedded = signed_job.get("signature", {}).get("public_key") if isinstance(signed_job, dict) else None
         keys = [coordinator_key.public_key()] if coordinator_key is not None else ([embedded] if embedded else [])
@@ -187,8 +200,7 @@ class JobDriver:
     # -- plumbing --------------------------------------------------------------------------------
     def emit(self, phase: str, message: str, **fields: Any) -> None:
         ev = {"t": time.time(), "phase": phase, "message": message, **fields}
-        with open(self._log_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(ev) + "\n")
+        append_event(self._log_path, ev)
         self.progress(ev)
 
     def _ask(self, phase: str, message_type: str, targets: dict[str, dict[str, Any]],
@@ -281,13 +293,15 @@ class JobDriver:
         if pol.site_id != sid:
             raise PolicyError(f"node {node} says it is site {sid} but its policy is for {pol.site_id}")
         size = plan.public_size(pol)
+        # a deleted or rolled-back ledger would re-grant spent budget: refused here, before any plan or release
+        carried = self.anchors.check(sid, doc.get("ledger")) if self.anchors is not None else []
         # the data schema from the SIGNED policy (dataset.classes/image_shape, the site's public declaration), as
         # the size is; the reply's copy only for a policy signed before the declaration existed
         d = pol.declared
         shape, names = ((tuple(d.image_shape), list(d.class_names)) if d is not None
                         else (tuple(doc["image_shape"]), list(doc["class_names"])))
         self.sites[sid] = SiteInfo(sid, node, size, pol, signed, shape, len(names), names,
-                                   list(doc.get("lifetime_events", [])))
+                                   carried + list(doc.get("lifetime_events", [])))
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:
@@ -319,7 +333,7 @@ class JobDriver:
             v["privacy_unit"] = self.sites[sid].policy.privacy_unit  # from the site's signed policy, per site
             if (sgd := next((e for e in v["events"] if e["stage"] == "dpsgd"), None)) is not None:
                 self.planned_dpsgd[sid] = sgd
-        (self.out / "plan.json").write_text(json.dumps(doc, indent=2), "utf-8")
+        atomic_write_bytes(self.out / "plan.json", json.dumps(doc, indent=2).encode("utf-8"))
         self.emit("plan", "job fits every site's policy: " + ", ".join(f"{k} ε={v['planned_epsilon']:.3f}"
                                                                        for k, v in doc.items()))
         return doc
@@ -343,7 +357,7 @@ class JobDriver:
                     del ok[sid]
                     failed[sid] = why
             for sid, (doc, arrays) in ok.items():
-                (self.state / f"{phase}_{sid}.json").write_text(json.dumps(doc), "utf-8")
+                atomic_write_bytes(self.state / f"{phase}_{sid}.json", json.dumps(doc).encode("utf-8"))
                 atomic_write_bytes(self.state / f"{phase}_{sid}.npz", npz_bytes(**arrays))
                 have[sid] = arrays
                 self.emit(phase, f"site {sid}: {phase} released", site=sid)
@@ -368,7 +382,7 @@ class JobDriver:
             self.emit(phase, f"secure sum of the {phase} releases of {len(self.sites)} site(s)")
             arrays, contributors = collect_secure(self, phase)
             atomic_write_bytes(p, npz_bytes(**arrays))
-            meta.write_text(json.dumps({"sites": contributors}), "utf-8")
+            atomic_write_bytes(meta, json.dumps({"sites": contributors}).encode("utf-8"))
         if len(contributors) < self.cfg.federation.min_sites:
             raise SiteUnavailable(f"{phase}: only {len(contributors)} site(s) in the secure sum, [federation] "
                                   f"min_sites = {self.cfg.federation.min_sites}")
@@ -449,6 +463,8 @@ class JobDriver:
             why = attestation_problem(doc.get("attestation"), sid, self.sites[sid].policy.site_key, self.job)
             if why is None:
                 out[sid] = doc["attestation"]
+                if self.anchors is not None:  # the ledger position the next job's hello must extend
+                    self.anchors.record(sid, self.job.job_id, doc["attestation"]["statement"])
             else:  # not released under this site: verify would refuse the whole release for it (review70 L2)
                 failed[sid] = why
         for sid, reason in failed.items():

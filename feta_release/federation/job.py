@@ -20,6 +20,7 @@ from ..stages.freq_warmup import aux_pool
 from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, npz_bytes, write_model_file
 from ..training.device import resolve_device
 from . import checkpoint_io
+from .anchors import AnchorStore
 from .driver import JobDriver, JobResult, Progress, round_ema
 from .warmup import pooled_central, warm_up
 
@@ -50,15 +51,17 @@ def saved_device(out_dir: str | Path) -> str:
 
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
             progress: Progress | None = None, wait_timeout: float = 300.0, poll_interval: float = 1.0,
-            device: str | None = None) -> JobResult:
+            device: str | None = None, anchors: str | Path | None = None) -> JobResult:
     """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event.
 
     ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the coordinator's warm-up, its
     FedAvg / FedSGD steps and its EMA run; the weights sent to the sites and everything written are CPU values.
     None (the ServerApp): the one ``coordinator run`` saved in ``out_dir`` (:func:`saved_device`), read here so that
-    a bad file too ends as the job's ``error`` event."""
+    a bad file too ends as the job's ``error`` event. ``anchors``: the coordinator's ``ledger-anchors.json``
+    (``federation.anchors``): a site whose ledger does not extend its last attested one is refused at its hello."""
     d = JobDriver(grid, signed_job, out_dir, coordinator_key=coordinator_key, progress=progress,
-                  wait_timeout=wait_timeout, poll_interval=poll_interval)
+                  wait_timeout=wait_timeout, poll_interval=poll_interval,
+                  anchors=AnchorStore(anchors) if anchors is not None else None)
     try:
         # resolved again in the ServerApp's own process (`coordinator run` resolved it first): a GPU it cannot see
         # is then an `error` event in progress.jsonl, which `coordinator run` prints, before any site is asked

@@ -200,6 +200,7 @@ def build_attestation(
     history: str = "site-ledger",
     max_colluders: int | None = None,
     unit_policy: Any = None,
+    ledger: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A site's signed, FINAL spend statement for one job: ``{"statement": {...}, "signature": {...}}``.
 
@@ -213,6 +214,8 @@ def build_attestation(
     lifetime) if every other site colluded with the coordinator (its own noise share only), both recomputed here.
     ``unit_policy``: the site's verified policy: the statement then carries ``privacy_unit``, what its ε protects
     (one patient or one image, ``feta_release.privacy_unit.site_unit_statement``), also recomputed here.
+    ``ledger``: the site ledger's ``{ledger_id, rows, head}`` after this job (``Ledger.anchor``): the coordinator
+    keeps the last one per site and refuses a later job from a ledger that does not extend it (deleted, restored).
     """
     evs = list(events)
     life = evs if lifetime_events is None else list(lifetime_events)
@@ -238,6 +241,9 @@ def build_attestation(
         "policy_sha256": policy_sha256,
         "created": created or utc_now(),
     }
+    if ledger is not None:
+        statement["ledger"] = {"ledger_id": str(ledger["ledger_id"]), "rows": int(ledger["rows"]),
+                               "head": str(ledger["head"])}
     if unit_policy is not None:
         from ..privacy_unit import site_unit_statement
 

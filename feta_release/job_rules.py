@@ -44,7 +44,7 @@ one H100 against ~15 min on the 2-core CPU; not measured for other jobs).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma
@@ -510,3 +510,23 @@ def derivation_toml(d: Derivation) -> str:
     head = ("job derived from public facts by feta_release.job_rules (feta-release train without --preset); "
             "each line: a rule and what it chose",)
     return job_toml(d.cfg, head + d.notes)
+
+
+def sizing_size(facts: DataFacts) -> int:
+    """A public reference size for a run that draws its size: the job the noisy count is drawn under is the one
+    derived at this size, a function of the facts other than the size (never of the private count): 4,000, or
+    the first of 16,000, 64,000, ... that derives (the floor falls with N)."""
+    n = 4000
+    while True:
+        try:
+            derive(facts_at(facts, n))
+            return n
+        except ConfigError:
+            if n >= 10**8:
+                raise
+            n *= 4
+
+
+def facts_at(facts: DataFacts, n: int) -> DataFacts:
+    """``facts`` with the public size ``n``."""
+    return replace(facts, size=int(n))

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from feta_release.accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma
 from feta_release.config import JobConfig, load_job, load_preset
 from feta_release.errors import ConfigError
-from feta_release.job_rules import (FILL, DataFacts, central_clip, query_factor, default_delta, default_time_budget, derive, derive_job,
-                                    derivation_toml, estimate, job_toml)
+from feta_release.job_rules import (FILL, DataFacts, central_clip, default_delta, default_time_budget, derivation_toml,
+                                    derive, derive_job, estimate, job_toml, query_factor)
 from feta_release.mechanisms.count import size_event
 from feta_release.mechanisms.feature_map import check_feature_map
 from feta_release.planning import MOSTLY_NOISE, plan, stage_events, stage_noise
@@ -88,7 +88,6 @@ def test_default_delta_is_the_presets_up_to_ten_thousand_and_below_a_tenth_of_on
 
 def test_default_time_budget_fits_the_stated_goals_by_the_cost_model() -> None:
     for side, minutes in ((28, 15), (64, 40)):
-        f = digits(1.0)
         f = DataFacts(size=4000, height=side, width=side, channels=1, n_classes=10, epsilon=1.0)
         assert default_time_budget(f) <= minutes * 60
         for eps in (1.0, 10.0):
@@ -120,8 +119,8 @@ def _whole_budget_central_noise(f: DataFacts) -> float:
         max_sigma=MAX_NOISE_MULTIPLIER, refusal="none")
     factor = query_factor(f.height)
     clip = central_clip(f.channels * int(f.height * factor) * int(f.width * factor))
-    probe = JobConfig().replace(dpsgd={"steps": 0}, central={"sigma": sigma, "cells": 1, "rounds": 1, "batch": f.size, "clip": clip,
-                                         "downsample": factor})
+    probe = JobConfig().replace(dpsgd={"steps": 0}, central={"sigma": sigma, "cells": 1, "rounds": 1, "batch": f.size,
+                                                              "clip": clip, "downsample": factor})
     r, _ = stage_noise(probe, "central", f.size, f.shape, f.n_classes)
     assert r is not None
     return r

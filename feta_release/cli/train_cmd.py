@@ -138,7 +138,7 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
     from ..config import load_job, load_preset
 
     if job is not None and preset is not None:
-        raise ConfigError("give one of JOB (a job .toml file) or --preset NAME, not both")
+        raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME, not both")
     if job is None and preset is None:
         if req.epsilon is None:
             raise ConfigError("give --epsilon E to derive the job from the data (recommended), or a JOB file, or "

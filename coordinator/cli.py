@@ -135,8 +135,8 @@ def _derived_toml(policies: tuple[Path, ...], epsilon: float | None, delta: floa
 
 @coordinator.command("derive-job")
 @_derive_options
-@click.option("--device", "for_device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="The device the job is sized for.")
+@click.option("--for-device", "for_device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="The device the job is sized for (its model width and time estimate).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the job here (default: print it).")
 def derive_job_cmd(policies: tuple[Path, ...], epsilon: float | None, delta: float | None, time_budget: str | None,

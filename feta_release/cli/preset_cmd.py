@@ -42,7 +42,12 @@ def preset() -> None:
 def list_presets() -> None:
     """One line per preset: its description and the figure its header states (if any).
 
-    Without --preset, `train` derives a job from your data instead (the recommended way)."""
+    Without --preset, `train` derives a job from your data instead (the recommended way).
+
+    \b
+    Example:
+      feta-release preset list
+    """
     for name in preset_names():
         desc, measured = summary(name)
         click.echo(f"{name:<18} {desc}")
@@ -52,7 +57,12 @@ def list_presets() -> None:
 @preset.command("show")
 @click.argument("name")
 def show(name: str) -> None:
-    """Print preset NAME's job file (its header comments say what it was tuned on)."""
+    """Print preset NAME's job file (its header comments say what it was tuned on).
+
+    \b
+    Example:
+      feta-release preset show cpu-eps10-nodpsgd
+    """
     click.echo(preset_text(name), nl=False)
 
 

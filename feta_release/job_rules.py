@@ -478,7 +478,8 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
     ]
     est = estimate(cfg, f)
     parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items() if v >= 1)
-    lines.append(f"estimated {est.training / 60:.1f} min of training on {f.device} (budget {f.budget / 60:.1f} min) + "
+    over = "; OVER it: the warm-up is at its shortest" if est.training > f.budget * 1.01 else ""
+    lines.append(f"estimated {est.training / 60:.1f} min of training on {f.device} (budget {f.budget / 60:.1f} min{over}) + "
                  f"{est.seconds.get('sampling', 0.0) / 60:.1f} min to draw {f.size} synthetic images ({parts} s)")
     lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")
     return tuple(lines)

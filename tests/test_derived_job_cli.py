@@ -136,3 +136,18 @@ def test_train_help_names_the_derived_job_and_the_best_presets(capsys: Any) -> N
     text = re.sub(r"-\s+", "-", " ".join(out.split()))  # help wraps lines at hyphens
     assert "DERIVED" in text and "--epsilon" in text
     assert "cpu-eps1-nodpsgd" in text and "cpu-eps10-nodpsgd" in text
+
+
+@pytest.mark.slow
+def test_a_derived_job_trains_end_to_end_within_its_epsilon(digits_npz: Path, tmp_path: Path, capsys: Any) -> None:
+    out, saved = tmp_path / "run", tmp_path / "job.toml"
+    code, stdout, err = _run(["train", "--data", str(digits_npz), "--epsilon", "10", "--public-size", "600",
+                              "--time-budget", "1s", "--save-job", str(saved), "--out", str(out), "--synthetic", "10",
+                              "--no-release", "--no-progress", "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["epsilon"] <= 10.0
+    job = load_job(saved)
+    assert job.central.cell_rule == "aux" and job.central.cells > 1  # the generic cells ran, prototypes and all
+    assert JobConfig.from_dict(json.loads((out / "job.json").read_text("utf-8"))) == job.for_size(600)
+    assert (out / "COMPLETE").exists()

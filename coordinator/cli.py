@@ -13,9 +13,12 @@ from typing import Any
 
 import click
 
+from feta_release.cli.derive_options import parse_duration
 from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
+from feta_release.job_rules import derivation_toml
 
+from .derive import derive_federated
 from .superlink import SuperLinkSettings, register_node, start_superlink
 from .tls import make_certificates, make_node_auth_key
 
@@ -121,11 +124,6 @@ def _derive_options(f: Any) -> Any:
 def _derived_toml(policies: tuple[Path, ...], epsilon: float | None, delta: float | None, time_budget: str | None,
                   device: str) -> tuple[str, list[str]]:
     """(the TOML of the job derived from the sites' policies, their site ids)."""
-    from feta_release.cli.derive_options import parse_duration
-    from feta_release.job_rules import derivation_toml
-
-    from .derive import derive_federated
-
     if not policies or epsilon is None:
         raise click.UsageError("a derived job needs --policy (once per site) and --epsilon; or give JOB_FILE")
     d, ids = derive_federated(list(policies), epsilon, delta,

@@ -13,13 +13,12 @@ from typing import Any
 
 from feta_release.errors import ConfigError
 from feta_release.job_rules import DataFacts, Derivation, default_delta, derive
+from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
+from feta_release.policy.envelope import read_json
 
 
 def read_site_policy(path: Path) -> Any:
     """A site policy for planning: signed (its integrity checked, not who signed it) or an unsigned draft."""
-    from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
-    from feta_release.policy.envelope import read_json
-
     if path.suffix.lower() == ".json" and isinstance(raw := read_json(path, "policy"), dict) and "signature" in raw:
         return read_signed_policy_unverified(path)[0]
     return SitePolicy.from_document(read_policy_document(path), None, str(path))

@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
+from feta_release.cli.derive_options import parse_duration
 from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.federation.anchors import AnchorStore, anchors_path
+from feta_release.job_rules import derivation_toml
 
+from .derive import derive_federated
 from .superlink import SuperLinkSettings, register_node, start_superlink
 from .tls import make_certificates, make_node_auth_key
 
@@ -67,6 +71,26 @@ def start(host: str, port: int, database: Path, ssl_certfile: Path | None, ssl_k
         proc.stop()
 
 
+def _job_and_sites(job_file: Path | None, sites: str | None, policies: tuple[Path, ...], epsilon: float | None,
+                   delta: float | None, time_budget: str | None, device: str, out_dir: Path) -> tuple[Path, str]:
+    """JOB_FILE and --sites as given, or the job derived from the policies (written to OUT/derived-job.toml, which a
+    resume derives again to the same job) and their site ids."""
+    if job_file is not None:
+        if policies or epsilon is not None or delta is not None or time_budget is not None:
+            raise click.UsageError("--policy/--epsilon/--delta/--time-budget derive a job: drop them, or JOB_FILE")
+        if not sites:
+            raise click.UsageError("--sites: name the sites that take part")
+        return job_file, sites
+    text, ids = _derived_toml(policies, epsilon, delta, time_budget, device)
+    if sites and sorted(s.strip() for s in sites.split(",") if s.strip()) != sorted(ids):
+        raise click.UsageError(f"--sites {sites} differs from the sites of the policies given ({', '.join(ids)})")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "derived-job.toml"
+    path.write_text(text, "utf-8")
+    click.echo(text, nl=False)
+    return path, sites or ",".join(ids)
+
+
 @coordinator.command("fab-hash")
 @click.option("--app", "app_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="App directory to hash (default: the shipped Flower app).")
@@ -82,9 +106,60 @@ def fab_hash(app_dir: Path | None) -> None:
     click.echo(app_bundle_hash(app_dir or APP_DIR))
 
 
+def _derive_options(f: Any) -> Any:
+    for opt in reversed([
+        click.option("--policy", "policies", multiple=True, type=click.Path(exists=True, dir_okay=False,
+                     path_type=Path), help="A site's policy (signed JSON or draft), once per site: its public "
+                     "dataset.size, classes and image_shape are what the job is derived from."),
+        click.option("--epsilon", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="The derived job's per-site budget (capped by each policy's per-job budget)."),
+        click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+                     help="The derived job's delta (default: the presets' 1e-5, below 1 / (10 N) for larger N)."),
+        click.option("--time-budget", default=None, metavar="DURATION",
+                     help="Training time the derived job is sized for (900, 15m, 1h; default as `train`)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _derived_toml(policies: tuple[Path, ...], epsilon: float | None, delta: float | None, time_budget: str | None,
+                  device: str) -> tuple[str, list[str]]:
+    """(the TOML of the job derived from the sites' policies, their site ids)."""
+    if not policies or epsilon is None:
+        raise click.UsageError("a derived job needs --policy (once per site) and --epsilon; or give JOB_FILE")
+    d, ids = derive_federated(list(policies), epsilon, delta,
+                              parse_duration(time_budget) if time_budget else None, device)
+    return derivation_toml(d), ids
+
+
+@coordinator.command("derive-job")
+@_derive_options
+@click.option("--for-device", "for_device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="The device the job is sized for (its model width and time estimate).")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the job here (default: print it).")
+def derive_job_cmd(policies: tuple[Path, ...], epsilon: float | None, delta: float | None, time_budget: str | None,
+                   for_device: str, out_file: Path | None) -> None:
+    """Derive a federated job from the sites' public declarations: their summed sizes, common image shape and
+    classes, and the smallest per-job budget (feta_release.job_rules; docs/derived-job.md).
+
+    \b
+    Example:
+      feta-release coordinator derive-job --policy st-mary.signed.json --policy st-luke.signed.json \\
+          --epsilon 1 --out job.toml
+    """
+    text, ids = _derived_toml(policies, epsilon, delta, time_budget, for_device)
+    if out_file is None:
+        click.echo(text, nl=False)
+        return
+    out_file.write_text(text, "utf-8")
+    click.echo(f"wrote the job derived for sites {', '.join(ids)} to {out_file}")
+
+
 @coordinator.command()
-@click.argument("job_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--sites", required=True, help="Comma-separated site ids that take part.")
+@click.argument("job_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--sites", default=None, help="Comma-separated site ids that take part (default with --policy: theirs).")
+@_derive_options
 @click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The coordinator's Ed25519 private key (signs the job).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
@@ -98,18 +173,24 @@ def fab_hash(app_dir: Path | None) -> None:
               help="Also write samples.png, the privacy report and OUT/release (ONNX + signed manifest).")
 @device_option("the coordinator's warm-up, FedAvg/FedSGD steps and sampling")
 @progress_option("the job's streamed progress lines (rounds, sites)")
-def run(job_file: Path, sites: str, key_path: Path, out_dir: Path, superlink: str, root_certificates: Path | None,
-        insecure: bool, job_id: str | None, release: bool, device: str, progress: bool) -> None:
-    """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress.
+def run(job_file: Path | None, sites: str | None, policies: tuple[Path, ...], epsilon: float | None,
+        delta: float | None, time_budget: str | None, key_path: Path, out_dir: Path, superlink: str,
+        root_certificates: Path | None, insecure: bool, job_id: str | None, release: bool, device: str,
+        progress: bool) -> None:
+    """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress. Without JOB_FILE the job
+    is derived from the sites' policies (--policy per site, --epsilon) and kept in OUT/derived-job.toml.
 
     \b
     Example:
       feta-release coordinator run job.toml --sites st-mary,st-luke --key coordinator.key \\
           --out runs/job-1 --superlink coordinator.example.org:9092 --root-certificates certs/ca.crt
+      feta-release coordinator run --policy st-mary.signed.json --policy st-luke.signed.json --epsilon 1 \\
+          --key coordinator.key --out runs/job-2 --superlink coordinator.example.org:9092 --root-certificates certs/ca.crt
     """
     from .runner import coordinator_device, run_signed_job, sign_or_resume
 
     dev = coordinator_device(device)  # an absent GPU: refused before anything is signed, written or submitted
+    job_file, sites = _job_and_sites(job_file, sites, policies, epsilon, delta, time_budget, dev, out_dir)
     signed_path = sign_or_resume(job_file, [s.strip() for s in sites.split(",") if s.strip()], key_path, out_dir,
                                  job_id)
     summary = run_signed_job(signed_path, key_path, out_dir, superlink, insecure=insecure,

@@ -317,18 +317,27 @@ def load_job(path: str | Path) -> JobConfig:
     return JobConfig.from_dict(data, source=str(p))
 
 
-def load_preset(name: str) -> JobConfig:
-    """A job file shipped in ``feta_release/presets`` (e.g. ``cpu-eps1``)."""
+def preset_names() -> list[str]:
+    """The job files shipped in ``feta_release/presets``, by name."""
+    from importlib import resources
+
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("feta_release.presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def preset_text(name: str) -> str:
+    """The TOML text (header comments included) of a shipped preset; unknown names are refused listing them."""
     from importlib import resources
 
     ref = resources.files("feta_release.presets").joinpath(f"{name}.toml")
-    if not ref.is_file():
-        available = sorted(
-            p.name.removesuffix(".toml") for p in resources.files("feta_release.presets").iterdir()
-            if p.name.endswith(".toml")
-        )
-        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(available)}")
-    return JobConfig.from_dict(tomllib.loads(ref.read_text("utf-8")), source=f"preset {name}")
+    if "/" in name or not ref.is_file():
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(preset_names())}")
+    return ref.read_text("utf-8")
+
+
+def load_preset(name: str) -> JobConfig:
+    """A job file shipped in ``feta_release/presets`` (e.g. ``cpu-eps1``)."""
+    return JobConfig.from_dict(tomllib.loads(preset_text(name)), source=f"preset {name}")
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ def privacy() -> None:
 
 
 @privacy.command("plan")
-@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--dataset-size", "-n", type=click.IntRange(min=1), default=None,
+@click.argument("job_file", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dataset-size", "--size", "-n", type=click.IntRange(min=1), default=None,
               help="Public number of training images. Default: 4000 (the embedded data's training split).")
 @click.option("--patient-cap", type=click.IntRange(min=1), default=None, metavar="K",
               help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT. "
@@ -36,18 +36,41 @@ def privacy() -> None:
               help="-n is a DECLARED public size (`train --public-size N`): no noisy count is planned. Default: as "
               "`train` without --public-size, which draws its public size from a noisy count of the images (the "
               "event 'size', charged first) and -n is then about the count.")
+@click.option("--shape", default=None, metavar="HxWxC",
+              help="Without JOB_FILE: the images' shape (e.g. 28x28x1, 64x64x3) of the job to derive.")
+@click.option("--classes", type=click.IntRange(min=1), default=None,
+              help="Without JOB_FILE: the number of classes of the job to derive.")
+@click.option("--epsilon", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Without JOB_FILE: the budget of the job to derive (`train --epsilon` derives the same job).")
+@click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+              help="Without JOB_FILE: delta of the derived job (default: the rule of `train --delta`).")
+@click.option("--time-budget", default=None, metavar="DURATION", help="Without JOB_FILE: as `train --time-budget`.")
+@click.option("--for-device", "for_device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Without JOB_FILE: the device the derived job is sized for.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, public_patients: int | None,
-         max_images_per_person: int | None, policy_path: Path | None, declared_size: bool, as_json: bool) -> None:
+def plan(job_file: Path | None, dataset_size: int | None, patient_cap: int | None, public_patients: int | None,
+         max_images_per_person: int | None, policy_path: Path | None, declared_size: bool, shape: str | None,
+         classes: int | None, epsilon: float | None, delta: float | None, time_budget: str | None, for_device: str,
+         as_json: bool) -> None:
     """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
-    and what that ε means for the unit of privacy (an image, or a patient).
+    and what that ε means for the unit of privacy (an image, or a patient). Without JOB_FILE: the job `train`
+    derives from these public facts (--size, --shape, --classes, --epsilon), printed as TOML, and its plan.
 
     \b
     Example:
       feta-release privacy plan job.toml -n 9500 --patient-cap 5 --patients 2000
       feta-release privacy plan job.toml --policy site-kit/policy.signed.json
+      feta-release privacy plan --size 300 --shape 64x64x3 --classes 10 --epsilon 10
     """
     from ..privacy_unit import PrivacyUnit
+
+    derived = (shape, classes, epsilon, delta, time_budget)
+    if job_file is None:
+        _plan_derived(dataset_size, shape, classes, epsilon, delta, time_budget, for_device, declared_size, as_json)
+        return
+    if any(v is not None for v in derived):
+        raise click.UsageError("--shape, --classes, --epsilon, --delta and --time-budget describe a job to derive: "
+                               "drop them, or drop JOB_FILE")
 
     if policy_path is not None:
         if dataset_size is not None or patient_cap is not None or public_patients is not None or max_images_per_person:
@@ -91,6 +114,45 @@ def plan(job_file: Path, dataset_size: int | None, patient_cap: int | None, publ
         click.echo(f"patient-level DP-SGD: each step samples patients at q = {sgd.q:.4g}, expected "
                    f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that")
     click.echo(unit_line(st))
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'28x28x1' / '64x64' (H x W [x C]) -> (C, H, W); anything else refused naming the form."""
+    parts = text.lower().replace(",", "x").split("x")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        nums = []
+    if len(nums) not in (2, 3) or min(nums) < 1:
+        raise ConfigError(f"--shape: {text!r} is not HxWxC (e.g. 28x28x1, 64x64x3)")
+    h, w, c = (nums + [1])[:3]
+    return c, h, w
+
+
+def _plan_derived(size: int | None, shape: str | None, classes: int | None, eps: float | None, delta: float | None,
+                  time_budget: str | None, device: str, declared: bool, as_json: bool) -> None:
+    """The job derived from public facts (feta_release.job_rules), as TOML, and its plan."""
+    if shape is None or classes is None or eps is None:
+        raise click.UsageError("give JOB_FILE, or --shape, --classes and --epsilon (and --size) to plan the job "
+                               "`train` derives from them")
+    from ..job_rules import DataFacts, derivation_toml, derive
+    from ..mechanisms.count import size_event
+    from ..planning import DEFAULT_DATASET_SIZE
+    from ..planning import plan as plan_privacy
+    from .derive_options import parse_duration
+
+    c, h, w = parse_shape(shape)
+    n = DEFAULT_DATASET_SIZE if size is None else size
+    d = derive(DataFacts(size=n, height=h, width=w, channels=c, n_classes=classes, epsilon=eps, delta=delta,
+                         device=device, time_budget=parse_duration(time_budget) if time_budget else None,  # type: ignore[arg-type]
+                         size_drawn=not declared))
+    result = plan_privacy(d.cfg, n, image_shape=(c, h, w), n_classes=classes, size=None if declared else size_event())
+    if as_json:
+        click.echo(json.dumps({**result.to_dict(), "job": "derived", "derived_job": d.cfg.to_dict(),
+                               "notes": list(d.notes), "estimated_seconds": d.estimate.seconds}, indent=2))
+        return
+    click.echo(derivation_toml(d))
+    _print_plan(result, Path("derived job"), size is None)
 
 
 def _read_policy(path: Path) -> Any:

@@ -11,18 +11,21 @@ import click
 from ..data.loading import LoadOptions
 from ..errors import ConfigError
 from .data_options import data_load_options
+from .derive_options import DeriveRequest, base_job, derive_options, derived_jobs
 from .device_option import device_option
 from .progress_option import progress_option
 
 
 @click.command()
 @click.argument("job", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--preset", default=None, help="Use a shipped job (e.g. cpu-eps1, cpu-eps10, tiny, paper-mnist) "
-              "instead of JOB.")
+@click.option("--preset", default=None, help="Use a shipped job instead of JOB or a derived one (`feta-release preset "
+              "list`); on the embedded digits the best measured are cpu-eps1-nodpsgd (eps 1) and cpu-eps10-nodpsgd "
+              "(eps 10).")
 @click.option("--data", "data_path", default=None,
               help="Image folder (one sub-folder per class), labels .csv or .npz; default: the training split (80%, "
               "seed 0) of the embedded MNIST subset, whose held-out 20% is left for `feta-release evaluate`.")
 @data_load_options
+@derive_options
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Run directory: created, or resumed when it holds an unfinished run of the same job and data.")
 @click.option("--synthetic", "n_synthetic", type=click.IntRange(min=0), default=None,
@@ -58,13 +61,20 @@ from .progress_option import progress_option
 @click.option("--no-release", is_flag=True, help="Stop after training: no RUN_DIR/release (`export` can make one).")
 @progress_option("progress bars per stage", old_quiet=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
-def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None, out_dir: Path,
+def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None,
+          epsilon: float | None, delta: float | None, time_budget: str | None, save_job: Path | None, out_dir: Path,
           n_synthetic: int | None, public_size: int | None, public_patients: int | None, checkpoint_every: int,
           threads: int | None, device: str,
           ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: Path | None,
           coordinator_key: Path | None, site_id: str | None, no_release: bool, progress: bool,
           as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
+
+    Recommended: give no JOB and no --preset, only --epsilon: the job is DERIVED from the data's public facts
+    (size, image shape, classes, epsilon, device, --time-budget; feta_release.job_rules, docs/derived-job.md),
+    printed as TOML (--save-job keeps it). Shipped presets are tuned to 28x28 digits: on them the best measured
+    are cpu-eps1-nodpsgd (0.80 held-out at eps 1) and cpu-eps10-nodpsgd (0.90 at eps 10); `feta-release preset
+    list` shows them all with their figures.
 
     Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
     naming the rule. Re-running the same command after an interruption resumes from the last checkpoint without
@@ -76,31 +86,36 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
 
     \b
     Example:
-      feta-release train --preset cpu-eps1 --out runs/eps1
+      feta-release train --data /data/images --epsilon 1 --out runs/derived --save-job job.toml
+      feta-release train --preset cpu-eps1-nodpsgd --out runs/eps1
       feta-release train --preset xray64-eps10 --data /data/chest --resize crop --image-size 64 --out runs/x
     """
     import torch
 
-    from ..config import load_job, load_preset
     from ..signing import load_private_key
+    from ..training.device import resolve_device
     from ..training.pipeline import run_pipeline
     from ..training.progress import Reporter
 
-    if (job is None) == (preset is None):
-        raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME")
-    cfg = load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
+    req = DeriveRequest(epsilon, delta, time_budget, save_job)
+    cfg = _job_or_preset(job, preset, req)
     site_policy = _site_policy(policy_path, trusted)
     if public_patients is None and site_policy is not None and site_policy.patients:
         public_patients = int(site_policy.patients)  # the administrator's signed declaration
     if threads:
         torch.set_num_threads(threads)
-    data, patients = _training_data(cfg, data_path, load, public_patients,
+    data, patients = _training_data(cfg or base_job(), data_path, load, public_patients,
                                     site_policy.declared if site_policy is not None else None)
+    job_for_size = None
+    if cfg is None:  # the job derived from the data's public facts
+        cfg, job_for_size = derived_jobs(req, data, resolve_device(device).type, public_size, site_policy, load,
+                                         lambda text: click.echo(text, err=as_json))
     rep = Reporter(enabled=progress)
     skey = load_private_key(site_key) if site_key is not None else None
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
                        public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy,
-                       patients=patients, draw_patients=patients is not None and public_patients is None)
+                       patients=patients, draw_patients=patients is not None and public_patients is None,
+                       job_for_size=job_for_size)
     if data_path is not None and (site_policy is None or site_policy.declared is None):
         click.echo(f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
                    f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
@@ -116,6 +131,23 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
             coordinator_key=load_private_key(coordinator_key) if coordinator_key else run_coordinator_key(res.run_dir),
             site_id=site_id, signed_policy=read_json(policy_path, "signed policy") if policy_path else None)
     _print_summary(res, cfg.privacy.accountant, release, as_json)
+
+
+def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> Any:
+    """The job of JOB or --preset, or None for the derived job (--epsilon given, neither JOB nor --preset)."""
+    from ..config import load_job, load_preset
+
+    if job is not None and preset is not None:
+        raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME, not both")
+    if job is None and preset is None:
+        if req.epsilon is None:
+            raise ConfigError("give --epsilon E to derive the job from the data (recommended), or a JOB file, or "
+                              "--preset NAME (`feta-release preset list`)")
+        return None
+    if req.given:
+        raise ConfigError("--epsilon, --delta, --time-budget and --save-job are for the derived job: drop them, or "
+                          "drop JOB / --preset to derive the job from the data")
+    return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
 
 
 def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,

@@ -43,6 +43,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,7 @@ def run_pipeline(
     site_policy: Any = None,
     patients: PatientIndex | None = None,
     draw_patients: bool = False,
+    job_for_size: Callable[[int], JobConfig] | None = None,
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
@@ -222,6 +224,9 @@ def run_pipeline(
     events carry ``unit = "patient"`` (``feta_release.privacy_unit``); None: the unit is the image.
     ``draw_patients``: ``patients.n_public`` is a placeholder (no declared patient count): the run draws it from a
     noisy patient count, charged first as the event ``patients`` (``feta_release.mechanisms.count``).
+    ``job_for_size``: the job as a function of the PUBLIC size (a job derived from public facts,
+    ``feta_release.job_rules``): the run is ``job_for_size(N)`` once N is declared or drawn; ``cfg`` is then the
+    job the size is drawn under (its hash names the sizing step, so a resume draws nothing again).
     """
     t_start = time.perf_counter()
     dev = resolve_device(device)  # refuse an absent GPU before anything is written
@@ -232,6 +237,8 @@ def run_pipeline(
         raise ConfigError(_NEEDS_POLICY.format(ledger=ledger))  # before the run dir is made
     n_pub, patients, size_ev = _public_sizes(cfg, data, Path(out_dir), public_size, patients, draw_patients,
                                              site_policy, (ledger, site_key, noise_seed, rep))
+    if job_for_size is not None:
+        cfg = job_for_size(n_pub)  # a job derived from the public facts, the size among them
     cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
     plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)

@@ -1,0 +1,533 @@
+"""A job derived from the PUBLIC facts of a dataset: the rules that turn (size, image shape, classes, epsilon, delta,
+device, time budget) into a ``JobConfig``, so a site need not pick a preset tuned for someone else's data.
+
+The facts are public: ``size`` is the declared size (``--public-size``, a signed policy's ``dataset.size``, the
+sum of a federation's declarations) or the one drawn from a noisy count, never an exact private count. Every rule
+below is a function of these facts alone, so the derived job is public too (it is signed, shipped and hashed).
+
+Where the rules come from. The presets that reach the best measured figures on 4,000 28x28 digits
+(``cpu-eps1-nodpsgd``, ``cpu-eps10-nodpsgd``; docs/evaluation.md) spend the whole budget on the two warm-up
+releases: one central pass over all images (q = 1, ~80 % of epsilon alone), the frequency statistic filling the
+rest, no DP-SGD, the small 16-channel UNet, the polish and SDEdit sampling. The rules generalise that recipe by
+the public facts, and drop what was digit knowledge:
+
+- central: ``rate = 1`` (one pass, the least noise per epsilon); query side near 15 px by a power-of-two
+  downsample (14 at 28 px, 16 at 64 and 128 px, as ``xray64-eps10``), doubled while the noise stays far below the
+  signal; ``clip = sqrt(values) / 7`` (2 at 14x14 grey, tuned on digits: a brighter or larger image is scaled
+  down, which the per-image contrast stretch undoes); cells by the GENERIC public rule ``aux`` (each class split by
+  its nearest public prototype, k-means centres of aux-generator images: post-processing of the frequency
+  release) as many (1, 2 or 4) as keep each cell's noise under :data:`CELL_NOISE`; federated jobs one cell (``aux``
+  is single-site only, ``slant`` is a prior on handwriting).
+- frequency: sigma fills the budget the central release leaves; as many random features (32 .. 2,048) as keep
+  the planner's frequency figure under :data:`FEATURE_NOISE`; at the cap the patch map of the eps = 10 preset
+  (7x7 patches at stride 3 on 28 px, scaled with the image); switched off when even 32 features would be mostly
+  noise (its budget then goes to the central release).
+- model: 16 channels on the CPU (32 on a GPU), one UNet level more per doubling of the side above 28 px.
+- DP-SGD: off where it was measured not to help (eps x N of 4,000 and 40,000 on digits); on from
+  :data:`DPSGD_MIN_EPS_N` (not yet measured), its steps from the time budget by the cost model below.
+
+FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest release
+any job can make here (the central images, whole budget, one pass, one image per class) would be mostly noise by
+the planner's own figure (``planning.stage_noise`` above ``planning.MOSTLY_NOISE``, the line of its warning). Above
+the floor every derived job plans with no "mostly noise" warning.
+
+COST MODEL (:func:`estimate`): seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up image
+passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes + ``SAMPLING_PASSES`` x synthetic images) + aux-generator
+epochs + the releases. ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads,
+idle machine (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
+nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image value; at 64 px, B = 32,
+0.214 s = 1.63e-6; the hooks step 1.35x / 1.15x of it). It predicts 8.0 min for ``cpu-eps10-nodpsgd`` (measured:
+8 min 8 s alone on 2 threads). On a GPU it is divided by ``CUDA_SPEEDUP`` (20: the whole eps = 10 job took 47 s on
+one H100 against ~15 min on the 2-core CPU; not measured for other jobs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from .accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma
+from .config import JobConfig
+from .errors import ConfigError, PrivacyError
+from .mechanisms.count import size_event
+from .planning import MOSTLY_NOISE
+
+# -- the rules' constants (each one's origin beside it) ------------------------------------------------------------
+CENTRAL_SHARE = 0.8  # central alone: 0.795 of eps = 1 and 0.782 of eps = 10 in the tuned presets
+CENTRAL_SHARE_DPSGD = 0.5  # when DP-SGD runs: the eps = 10 trial with DP-SGD gave the central release about half
+FILL = 0.995  # the releases' target when DP-SGD is off (the eps = 1 preset reached 0.994)
+FILL_DPSGD = 0.75  # the releases' target when DP-SGD runs; DP-SGD is calibrated for the rest
+CELL_NOISE = 0.065  # a cell's central noise figure at most this: 2 cells at eps 1, 4 at eps 10 on 4,000 digits
+RES_NOISE = 0.02  # the query side doubles while the central figure stays under this (no preset needed it)
+MAX_CELLS = 4  # 4 tuned at eps = 10 (6 gave +0.007, inside the noise)
+FEATURE_NOISE = 0.25  # the frequency figure at most this: 200 features at eps 1, the 2,048 cap at eps 10
+FEATURE_LADDER = (2048, 1024, 512, 200, 100, 64, 32)
+CLIP_PER_ROOT_VALUE = 1 / 7  # clip 2 at 14x14 grey (tuned on digits: 2 beat 3)
+PIXEL_BANDWIDTH2 = 105.0 / 784  # [frequency] bandwidth2 per image value of the pixel map (105 at 28x28 grey)
+STRONG_EPSILON = 5.0  # from here the eps = 10 preset's aux fit and sampler, below it the eps = 1 preset's
+DPSGD_MIN_EPS_N = 200_000  # DP-SGD below this lost or tied (eps x N = 4,000 and 40,000 measured); above: untested
+DPSGD_MIN_STEPS = 20  # fewer steps than this are not worth the budget they take from the releases
+DELTA_PRESETS = 1e-5  # every preset's delta (N ~ 4,000)
+# cost model (see the module docstring)
+SECONDS_PER_PIXEL_PASS = 1.7e-6
+DPSGD_OVERHEAD = 1.35  # per-example-gradient step / non-private step (bench/bench_dpsgd.py, 28 px)
+SAMPLING_PASSES = 5.0  # Heun 8 = 15 forward passes of about a third of a training pass each
+AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images) at 28 px, CPU: the eps = 10
+#                          preset's header (+1 CPU-minute for 7 more epochs)
+RELEASE_FLOPS = 2e10  # assumed CPU rate of the feature map (a matrix product), not measured
+CUDA_SPEEDUP = 20.0
+BASE_BUDGET = 900.0  # seconds: 4,000 images at 28 px within 15 minutes on 2 CPU cores
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """The public facts a job is derived from. ``size``: declared or noisy-drawn, never an exact private count;
+    ``size_drawn``: it comes from the run's noisy count (its event is charged first, so the rules leave room)."""
+
+    size: int
+    height: int
+    width: int
+    channels: int
+    n_classes: int
+    epsilon: float
+    delta: float | None = None  # None: default_delta(size)
+    device: Literal["cpu", "cuda"] = "cpu"
+    time_budget: float | None = None  # seconds; None: default_time_budget
+    federated: bool = False
+    size_drawn: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.channels, self.height, self.width)
+
+    @property
+    def values(self) -> int:
+        return self.channels * self.height * self.width
+
+    @property
+    def job_delta(self) -> float:
+        return default_delta(self.size) if self.delta is None else float(self.delta)
+
+    @property
+    def budget(self) -> float:
+        return default_time_budget(self) if self.time_budget is None else float(self.time_budget)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Estimated seconds of a derived job by stage (the cost model of the module docstring)."""
+
+    seconds: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def training(self) -> float:
+        """Everything but drawing the synthetic set (whose size is the user's choice: ``train --synthetic``)."""
+        return self.total - self.seconds.get("sampling", 0.0)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """A derived job, the estimate it was sized with and one line per rule (the TOML header)."""
+
+    cfg: JobConfig
+    facts: DataFacts
+    estimate: Estimate
+    notes: tuple[str, ...] = field(default=())
+
+
+def default_delta(n: int) -> float:
+    """The presets' delta 1e-5 up to 10,000 images; beyond, the power of ten at or below 1 / (10 N)."""
+    return min(DELTA_PRESETS, 10.0 ** -(math.ceil(math.log10(max(int(n), 1))) + 1))
+
+
+def default_time_budget(facts: DataFacts) -> float:
+    """15 min for 4,000 28x28 images on the CPU; x sqrt of the pixels (34 min at 64 px) and of N / 4,000."""
+    pixels = facts.height * facts.width
+    return BASE_BUDGET * math.sqrt(max(1.0, pixels / 784)) * math.sqrt(max(1.0, facts.size / 4000))
+
+
+def check_facts(f: DataFacts) -> None:
+    """Refuse facts no job can be derived from, naming the fact and the fix."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"derived job: {msg}")
+
+    need(isinstance(f.size, int) and f.size >= 1, f"public size must be a positive integer, got {f.size!r}")
+    need(min(f.height, f.width) >= 8, f"images must be at least 8x8 pixels, got {f.height}x{f.width}")
+    need(f.channels >= 1, f"channels must be >= 1, got {f.channels}")
+    need(f.n_classes >= 1, f"the number of classes must be >= 1, got {f.n_classes}")
+    need(math.isfinite(f.epsilon) and f.epsilon > 0, f"epsilon must be > 0, got {f.epsilon}")
+    need(f.delta is None or 0 < f.delta < 1, f"delta must be in (0, 1), got {f.delta}")
+    need(f.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {f.device!r}")
+    need(f.time_budget is None or f.time_budget > 0, f"the time budget must be > 0 seconds, got {f.time_budget}")
+
+
+# -- privacy: the budget split ---------------------------------------------------------------------------------
+
+
+def _first(f: DataFacts) -> list[PrivacyEvent]:
+    return [size_event()] if f.size_drawn else []
+
+
+def _fit_sigma(f: DataFacts, prior: list[PrivacyEvent], stage: str, target: float) -> float:
+    """Smallest sigma of one q = 1 release of ``stage`` that keeps prior + it within ``target``."""
+    delta = f.job_delta
+    return smallest_fitting_sigma(
+        lambda s: epsilon(prior + [PrivacyEvent(stage, s, 1.0, 1)], delta), target, tol=0.005,
+        max_sigma=MAX_NOISE_MULTIPLIER, refusal=f"derived job: no [{stage}] noise fits epsilon {target:.3g}")
+
+
+def _check_size_event(f: DataFacts) -> None:
+    if not f.size_drawn:
+        return
+    spent = epsilon(_first(f), f.job_delta)
+    if spent >= 0.5 * f.epsilon:
+        raise ConfigError(
+            f"derived job: epsilon {f.epsilon:g} is too small to draw the public size too: the noisy count alone "
+            f"costs epsilon {spent:.3f} (more than half the budget); declare the size instead (train --public-size "
+            "N, or a signed policy's dataset.size), or raise --epsilon")
+
+
+# -- central images ---------------------------------------------------------------------------------------------
+
+
+def query_factor(height: int, noise_room: float = 0.0) -> float:
+    """The power-of-two downsample whose query side is nearest 15 px (ties up; at most 0.5 unless the image is
+    small), doubled once per factor 2 of ``noise_room`` (how far the noise figure is below :data:`RES_NOISE`)."""
+    best = min((2.0 ** -k for k in range(0, 5)), key=lambda x: (abs(height * x - 15), -x))
+    best = min(best, 0.5) if height >= 24 else best
+    while noise_room >= 2 and best < 1 and height * best * 2 <= 32:
+        best, noise_room = best * 2, noise_room / 2
+    return best
+
+
+def _query_values(f: DataFacts, factor: float) -> int:
+    return f.channels * max(1, int(f.height * factor)) * max(1, int(f.width * factor))
+
+
+def central_clip(values: int) -> float:
+    return round(CLIP_PER_ROOT_VALUE * math.sqrt(values), 3)
+
+
+def central_noise(sigma: float, clip: float, values: int, size: int, n_classes: int, cells: int) -> float:
+    """``planning.stage_noise``'s central (mean) figure: noise std per value of one released (class, cell) mean."""
+    return sigma * min(clip, math.sqrt(values)) / (size / (n_classes * cells))
+
+
+def _floor(f: DataFacts, sigma_all: float, clip: float, values: int) -> None:
+    r = central_noise(sigma_all, clip, values, f.size, f.n_classes, 1)
+    if r <= MOSTLY_NOISE:
+        return
+    n_min = math.ceil(f.size * r / MOSTLY_NOISE)
+    need_sigma = MOSTLY_NOISE * f.size / (f.n_classes * clip)
+    eps_min = epsilon(_first(f) + [PrivacyEvent("central", need_sigma, 1.0, 1)], f.job_delta) / FILL
+    raise ConfigError(
+        f"derived job: below the floor: {f.size} images in {f.n_classes} classes at epsilon {f.epsilon:g} - even "
+        f"the strongest release (central images, the whole budget, one pass, one image per class) would have noise "
+        f"std {r:.2f} per value of a class mean (noise sigma {sigma_all:.2f} x clip {clip:g} / {f.size / f.n_classes:.1f} "
+        f"images per class), above the planner's mostly-noise line {MOSTLY_NOISE}; it needs about {n_min} images "
+        f"at this epsilon, or epsilon >= {eps_min:.2f} at this size (or fewer classes)")
+
+
+def _cells(f: DataFacts, sigma: float, clip: float, values: int, frequency_on: bool) -> int:
+    if f.federated or not frequency_on:
+        return 1  # "aux" prototypes are single-site; "slant" is a prior on handwriting: no generic split
+    ok = [c for c in (MAX_CELLS, 2, 1) if central_noise(sigma, clip, values, f.size, f.n_classes, c) <= CELL_NOISE]
+    return ok[0] if ok else 1
+
+
+# -- frequency statistic ----------------------------------------------------------------------------------------
+
+
+def frequency_noise(sigma: float, features: int, size: int, n_classes: int) -> float:
+    """``planning.stage_noise``'s frequency figure."""
+    return sigma * math.sqrt(features) / size * n_classes
+
+
+def _features(f: DataFacts, sigma: float) -> int | None:
+    for feats in FEATURE_LADDER:
+        if frequency_noise(sigma, feats, f.size, f.n_classes) <= FEATURE_NOISE:
+            return feats
+    low = FEATURE_LADDER[-1]
+    return low if frequency_noise(sigma, low, f.size, f.n_classes) <= MOSTLY_NOISE else None
+
+
+def _frequency_section(f: DataFacts, sigma: float, features: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"features": features, "sigma": round(sigma, 4),
+                           "bandwidth2": round(PIXEL_BANDWIDTH2 * f.values, 3)}
+    if features == FEATURE_LADDER[0]:  # the eps = 10 preset's patch map, scaled with the image
+        side = min(f.height, f.width)
+        patch, stride = max(3, round(7 * side / 28)), max(1, round(3 * side / 28))
+        positions = ((f.height - patch) // stride + 1) * ((f.width - patch) // stride + 1)
+        if 2 * positions <= features:
+            out.update(patch=patch, stride=stride, bandwidth2=105.0)  # (the map scales it to the patch)
+    return out
+
+
+# -- the model, the warm-up, DP-SGD and the sampler -----------------------------------------------------------
+
+
+def model_section(f: DataFacts) -> dict[str, Any]:
+    """16 channels on the CPU, 32 on a GPU; 2 levels at 28 px, one more per doubling of the side (at most 4)."""
+    levels = max(2, min(4, 2 + round(math.log2(max(f.height, f.width) / 28))))
+    return {"channels": 16 if f.device == "cpu" else 32, "channel_mult": [1] + [2] * (levels - 1),
+            "num_res_blocks": 1, "attn_resolutions": []}
+
+
+def _warmup(scale: float) -> dict[str, Any]:
+    return {"spatial_iterations": max(50, round(1000 * scale)), "spatial_batch": 50, "augment_ops": 2,
+            "augment_magnitude": 3, "frequency_images": max(400, round(4000 * scale)), "frequency_epochs": 3,
+            "frequency_batch": 100, "frequency_mix_central": True, "lr": 2e-3, "ema": 0.99,
+            "polish_iterations": max(25, round(500 * scale)), "polish_lr": 5e-4}
+
+
+def _auxgen(strong: bool, restarts: int) -> dict[str, Any]:
+    return {"z_dim": 32, "width": 32, "lr": 0.01, "batch": 100, "epochs": 10 if strong else 3,
+            "iterations_per_epoch": 40, "restarts": restarts, "keep": restarts}
+
+
+def _dpsgd_batch(n: int) -> int:
+    return max(1, min(n, max(256, min(4096, round(0.25 * n)))))
+
+
+def _physical(values: int) -> int:
+    return max(4, min(32, 4 * round(8 * 784 / values)))
+
+
+def _sampler(strong: bool, frequency_on: bool) -> dict[str, Any]:
+    if strong and frequency_on:
+        return {"solver": "heun", "steps": 8, "start_sigma": 0.7, "start_source": "mix"}
+    return {"solver": "heun", "steps": 8, "start_sigma": 0.5, "start_source": "central"}
+
+
+# -- the cost model ---------------------------------------------------------------------------------------------
+
+
+def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
+    """Estimated seconds of one training pass of one image through the job's model (see the module docstring)."""
+    m = cfg.model
+    width = (m.channels / 16) ** 2 * (1 + 0.25 * (len(m.channel_mult) - 2)) * m.num_res_blocks
+    per = SECONDS_PER_PIXEL_PASS * facts.values * width
+    return per / CUDA_SPEEDUP if facts.device == "cuda" else per
+
+
+def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -> Estimate:
+    """Estimated seconds of ``cfg`` on data of these facts, by stage (``n_synthetic``: default the public size)."""
+    cfg = cfg.for_size(facts.size)
+    per, w, a = seconds_per_pass(cfg, facts), cfg.warmup, cfg.auxgen
+    fr = cfg.frequency
+    out = {"central": 0.0, "frequency": 0.0, "aux generator": 0.0}
+    if fr.sigma is not None:
+        cost = fr.features * (fr.patch ** 2 * facts.channels if fr.patch else facts.values)
+        out["frequency"] = facts.size * cost * 2 / RELEASE_FLOPS
+        iters = a.iterations_per_epoch or max(1, facts.size // a.batch)
+        aux = a.restarts * a.epochs * iters / 40 * AUX_EPOCH_SECONDS * facts.values / 784
+        out["aux generator"] = aux / CUDA_SPEEDUP if facts.device == "cuda" else aux
+        out["frequency warm-up"] = per * w.frequency_images * w.frequency_epochs * (2 if w.frequency_mix_central else 1)
+    if cfg.central.rounds > 0:
+        out["central"] = facts.size * facts.values * cfg.central.rounds / RELEASE_FLOPS
+        out["spatial warm-up"] = per * w.spatial_iterations * w.spatial_batch
+    out["polish"] = per * w.polish_iterations * w.spatial_batch
+    out["dpsgd"] = per * DPSGD_OVERHEAD * cfg.dpsgd_steps(facts.size) * cfg.dpsgd.batch
+    out["sampling"] = per * SAMPLING_PASSES * (facts.size if n_synthetic is None else n_synthetic)
+    return Estimate({k: round(v, 1) for k, v in out.items()})
+
+
+# -- the derivation ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The releases' noise: central sigma, frequency sigma and features (None: the stage is off), cells, factor."""
+
+    central: float
+    frequency: float | None
+    features: int | None
+    cells: int
+    factor: float
+
+
+def _split(f: DataFacts, dpsgd: bool) -> _Split:
+    prior, eps = _first(f), f.epsilon
+    share, fill = (CENTRAL_SHARE_DPSGD, FILL_DPSGD) if dpsgd else (CENTRAL_SHARE, FILL)
+    factor = query_factor(f.height)
+    values = _query_values(f, factor)
+    clip = central_clip(values)
+    sigma_c = _fit_sigma(f, prior, "central", share * eps)
+    sigma_f: float | None = _fit_sigma(f, prior + [PrivacyEvent("central", sigma_c, 1.0, 1)], "frequency", fill * eps)
+    feats = _features(f, sigma_f) if sigma_f is not None else None
+    if feats is None or central_noise(sigma_c, clip, values, f.size, f.n_classes, 1) > MOSTLY_NOISE:
+        sigma_c, sigma_f, feats = _fit_sigma(f, prior, "central", fill * eps), None, None  # all on the central
+    cells = _cells(f, sigma_c, clip, values, feats is not None)
+    room = RES_NOISE / central_noise(sigma_c, clip, values, f.size, f.n_classes, cells)
+    return _Split(sigma_c, sigma_f, feats, cells, query_factor(f.height, room))
+
+
+def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str, Any]:
+    strong = f.epsilon >= STRONG_EPSILON
+    values = _query_values(f, s.factor)
+    d: dict[str, Any] = {
+        "job": {"name": "derived", "seed": 0, "method": "feta-pro"},
+        "privacy": {"epsilon": float(f.epsilon), "delta": f.job_delta, "accountant": "rdp"},
+        "central": {"kind": "mean", "rounds": 1, "rate": 1.0, "sigma": round(s.central, 4),
+                    "clip": central_clip(values), "downsample": s.factor, "cells": s.cells,
+                    "cell_rule": "aux" if s.cells > 1 else "slant", "stretch": True},
+        "model": model_section(f), "warmup": _warmup(scale),
+        "auxgen": _auxgen(strong, restarts if s.frequency is not None else 1),
+        "dpsgd": {"rate": round(_dpsgd_batch(f.size) / f.size, 6), "steps": 0, "clip": 1.0,
+                  "noise_multiplicity": 1, "physical_batch": _physical(f.values), "lr": 1e-3, "ema": 0.9},
+        "sampler": _sampler(strong, s.frequency is not None),
+    }
+    if s.frequency is not None and s.features is not None:
+        d["frequency"] = _frequency_section(f, s.frequency, s.features)
+    return d
+
+
+def _with_steps(d: dict[str, Any], steps: int, federated: bool) -> dict[str, Any]:
+    if federated and steps > 0:  # rounds of 5 local steps (every site its own q over its declared size)
+        rounds = math.ceil(steps / 5)
+        return {**d, "dpsgd": {**d["dpsgd"], "steps": rounds * 5}, "federation": {"rounds": rounds, "local_steps": 5}}
+    return {**d, "dpsgd": {**d["dpsgd"], "steps": steps}}
+
+
+def _fit_budget(f: DataFacts, s: _Split) -> tuple[dict[str, Any], Estimate]:
+    """The sections of split ``s`` whose training (sampling aside) fits the time budget: fewer aux fits, then a
+    shorter warm-up (to a quarter at least)."""
+    restarts = 4 if f.epsilon >= STRONG_EPSILON else 1
+    d = _sections(f, s, 1.0, restarts)
+    est = estimate(JobConfig.from_dict(d, "derived job"), f)
+    if est.training > f.budget and restarts > 1:
+        d = _sections(f, s, 1.0, 1)
+        est = estimate(JobConfig.from_dict(d, "derived job"), f)
+    warm = sum(est.seconds.get(k, 0.0) for k in ("spatial warm-up", "frequency warm-up", "polish"))
+    if est.training > f.budget and warm > 0:
+        scale = max(0.25, 1 - (est.training - f.budget) / warm)
+        d = _sections(f, s, scale, 1)
+        est = estimate(JobConfig.from_dict(d, "derived job"), f)
+    return d, est
+
+
+def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
+    cfg = JobConfig.from_dict(d, "derived job")
+    batch = _dpsgd_batch(f.size)
+    per_step = seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * batch
+    steps = int(max(0.0, f.budget - est.training) // per_step)
+    return min(steps, math.ceil(20 * f.size / batch))  # at most 20 epochs
+
+
+def derive(facts: DataFacts) -> Derivation:
+    """The job derived from ``facts`` (see the module docstring), its estimate and the rules' notes. Raises
+    ConfigError below the floor, naming the figure, why, and the fix."""
+    check_facts(facts)
+    _check_size_event(facts)
+    factor = query_factor(facts.height)
+    values = _query_values(facts, factor)
+    _floor(facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values)
+    steps = 0
+    if facts.epsilon * facts.size >= DPSGD_MIN_EPS_N:
+        d, est = _fit_budget(facts, _split(facts, True))
+        steps = _dpsgd_steps(facts, d, est)
+    if steps < DPSGD_MIN_STEPS:
+        steps = 0
+        d, est = _fit_budget(facts, _split(facts, False))
+    d = _with_steps(d, steps, facts.federated)
+    cfg = JobConfig.from_dict(d, "derived job")
+    try:
+        from .planning import plan
+
+        plan(cfg, facts.size, size=_first(facts) or None, image_shape=facts.shape, n_classes=facts.n_classes)
+    except PrivacyError as exc:  # the split above always leaves room: this would be a rule bug, said plainly
+        raise ConfigError(f"derived job does not plan: {exc}") from None
+    return Derivation(cfg, facts, estimate(cfg, facts), _notes(facts, cfg, steps))
+
+
+def derive_job(facts: DataFacts) -> JobConfig:
+    """The ``JobConfig`` derived from the public ``facts`` (:func:`derive`)."""
+    return derive(facts).cfg
+
+
+def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
+    c, fr, m = cfg.central, cfg.frequency, cfg.model
+    side = max(1, int(f.height * c.downsample))
+    delta = "the presets' 1e-5" if f.delta is None and f.job_delta == DELTA_PRESETS else (
+        "<= 1 / (10 N)" if f.delta is None else "given")
+    lines = [
+        f"facts: public size {f.size}{' (noisy count)' if f.size_drawn else ''}, {f.height}x{f.width}x{f.channels}, "
+        f"{f.n_classes} classes, epsilon {f.epsilon:g}, delta {f.job_delta:g} ({delta}), {f.device}, time budget "
+        f"{f.budget:.0f} s{' (default)' if f.time_budget is None else ''}" + (", federated" if f.federated else ""),
+        f"central: one pass over all images (rate 1), sigma {c.sigma:g} "
+        f"(epsilon {epsilon([PrivacyEvent('central', c.sigma, 1.0, 1)], f.job_delta):.3f} alone), {side}x{side} query "
+        f"(downsample {c.downsample:g}), clip {c.clip:g} = sqrt(values) / 7, {c.cells} cell(s)"
+        + (" by public aux-generator prototypes" if c.cell_rule == "aux" else ""),
+        ("frequency: off (even 32 features would be mostly noise; its budget went to the central images)"
+         if fr.sigma is None else
+         f"frequency: sigma {fr.sigma:g}, {fr.features} features"
+         + (f" of {fr.patch}x{fr.patch} patches at stride {fr.stride}" if fr.patch else " of all pixels")),
+        f"model: {m.channels} channels, {len(m.channel_mult)} levels; warm-up {cfg.warmup.spatial_iterations} "
+        f"spatial + {cfg.warmup.polish_iterations} polish steps, {cfg.warmup.frequency_images} aux images, "
+        f"{cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} epochs",
+        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget (eps x N >= {DPSGD_MIN_EPS_N:,}: "
+         "not yet measured)" if steps else
+         f"dpsgd: off (eps x N = {f.epsilon * f.size:,.0f}: below {DPSGD_MIN_EPS_N:,} or too few steps in the "
+         "budget; on digits it lost at 4,000 and tied at 40,000)"),
+    ]
+    est = estimate(cfg, f)
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items() if v >= 1)
+    over = "; OVER it: the warm-up is at its shortest" if est.training > f.budget * 1.01 else ""
+    lines.append(f"estimated {est.training / 60:.1f} min of training on {f.device} (budget {f.budget / 60:.1f} min{over}) + "
+                 f"{est.seconds.get('sampling', 0.0) / 60:.1f} min to draw {f.size} synthetic images ({parts} s)")
+    lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")
+    return tuple(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def job_toml(cfg: JobConfig, notes: tuple[str, ...] = ()) -> str:
+    """``cfg`` as a job TOML file (``load_job`` reads it back to the same job), ``notes`` as its header."""
+    out = [f"# {line}" for line in notes]
+    for section, values in cfg.to_dict().items():
+        kept = {k: v for k, v in values.items() if v is not None}
+        if not kept:
+            continue
+        out += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in kept.items()]
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def derivation_toml(d: Derivation) -> str:
+    """A derived job as a TOML file whose header says how it was derived."""
+    head = ("job derived from public facts by feta_release.job_rules (feta-release train without --preset); "
+            "each line: a rule and what it chose",)
+    return job_toml(d.cfg, head + d.notes)
+
+
+def sizing_size(facts: DataFacts) -> int:
+    """A public reference size for a run that draws its size: the job the noisy count is drawn under is the one
+    derived at this size, a function of the facts other than the size (never of the private count): 4,000, or
+    the first of 16,000, 64,000, ... that derives (the floor falls with N)."""
+    n = 4000
+    while True:
+        try:
+            derive(facts_at(facts, n))
+            return n
+        except ConfigError:
+            if n >= 10**8:
+                raise
+            n *= 4
+
+
+def facts_at(facts: DataFacts, n: int) -> DataFacts:
+    """``facts`` with the public size ``n``."""
+    return replace(facts, size=int(n))

@@ -1,0 +1,94 @@
+"""The coordinator derives a federated job from the sites' public declarations: it fits every site's plan and
+policy, and sites that disagree on their schema are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from coordinator.derive import derive_federated
+from feta_release.accounting import epsilon
+from feta_release.cli import main
+from feta_release.config import load_job
+from feta_release.data.declared import DataDeclaration
+from feta_release.errors import ConfigError
+from feta_release.mechanisms.secure_sums import secagg_warmup_events
+from feta_release.planning import stage_events
+from feta_release.policy import make_policy, open_signed_policy, sign_job, sign_policy
+
+DIGITS = DataDeclaration(tuple(str(c) for c in range(10)), (1, 28, 28))
+
+
+def _policies(tmp_path: Path, sizes: dict[str, int], coord: Ed25519PrivateKey,
+              declared: dict[str, DataDeclaration] | None = None) -> tuple[list[Path], dict[str, Any]]:
+    files, opened = [], {}
+    for sid, n in sizes.items():
+        site = Ed25519PrivateKey.generate()
+        doc = make_policy(sid, "ab" * 32, n, [coord.public_key()], app_bundles=["cd" * 32],
+                          declared=(declared or {}).get(sid, DIGITS))
+        signed = sign_policy(doc, site)
+        path = tmp_path / f"{sid}.signed.json"
+        path.write_text(json.dumps(signed), "utf-8")
+        files.append(path)
+        opened[sid] = open_signed_policy(signed, [site.public_key()])
+    return files, opened
+
+
+def test_derived_federated_job_fits_every_sites_plan_and_policy(tmp_path: Path) -> None:
+    from edge.admission import admit
+
+    coord = Ed25519PrivateKey.generate()
+    sizes = {"st-mary": 1500, "st-luke": 1300, "st-john": 1700}
+    files, pols = _policies(tmp_path, sizes, coord)
+    d, ids = derive_federated(files, epsilon=1.0)
+    cfg = d.cfg
+    assert ids == list(sizes) and d.facts.size == 3 * 1300 and d.facts.federated
+    assert cfg.central.batch == 1300 and cfg.central.rate is None and cfg.central.cells == 1
+    signed = sign_job(cfg.with_secure_default(3), coord, "j", ids)
+    for sid, n in sizes.items():
+        assert epsilon(stage_events(cfg, n, federated=True), cfg.privacy.delta) <= 1.0
+        secure = secagg_warmup_events(cfg.with_secure_default(3), n, (1, 28, 28), 10, 3, 0)
+        assert epsilon(secure, cfg.privacy.delta) <= 1.0  # type: ignore[arg-type]
+        res = admit(pols[sid], signed)
+        assert res.accepted, (sid, res.failures)
+
+
+def test_sites_that_declare_different_schemas_are_refused(tmp_path: Path) -> None:
+    coord = Ed25519PrivateKey.generate()
+    other = DataDeclaration(("a", "b"), (3, 64, 64))
+    files, _ = _policies(tmp_path, {"a": 1000, "b": 1000}, coord, {"b": other})
+    with pytest.raises(ConfigError, match="different classes or image shapes"):
+        derive_federated(files, epsilon=1.0)
+
+
+def test_coordinator_derive_job_writes_a_job_that_loads(tmp_path: Path, capsys: Any) -> None:
+    coord = Ed25519PrivateKey.generate()
+    files, _ = _policies(tmp_path, {"a": 2000, "b": 2000}, coord)
+    out = tmp_path / "job.toml"
+    argv = ["coordinator", "derive-job", "--epsilon", "1", "--out", str(out)]
+    for f in files:
+        argv += ["--policy", str(f)]
+    main(argv)
+    assert "sites a, b" in capsys.readouterr().out
+    assert load_job(out) == derive_federated(files, epsilon=1.0)[0].cfg
+    assert "# federation: 2 site(s)" in out.read_text("utf-8")
+
+
+def test_coordinator_run_without_a_job_file_derives_it_into_the_output(tmp_path: Path, capsys: Any) -> None:
+    from click import UsageError
+
+    from coordinator.cli import _job_and_sites
+
+    coord = Ed25519PrivateKey.generate()
+    files, _ = _policies(tmp_path, {"a": 2000, "b": 2000}, coord)
+    path, sites = _job_and_sites(None, None, tuple(files), 1.0, None, None, "cpu", tmp_path / "out")
+    assert path == tmp_path / "out" / "derived-job.toml" and sites == "a,b"
+    assert load_job(path) == derive_federated(files, epsilon=1.0)[0].cfg
+    with pytest.raises(UsageError, match="differs"):
+        _job_and_sites(None, "a,c", tuple(files), 1.0, None, None, "cpu", tmp_path / "out")
+    with pytest.raises(UsageError, match="JOB_FILE"):
+        _job_and_sites(path, "a,b", tuple(files), 1.0, None, None, "cpu", tmp_path / "out")

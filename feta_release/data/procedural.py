@@ -134,9 +134,9 @@ def _col(v: np.ndarray) -> np.ndarray:
     return np.asarray(v, np.float32)[:, None, None]
 
 
-def _soft_inside(level: np.ndarray, edge: float) -> np.ndarray:
+def _soft_inside(level: np.ndarray, edge: float | np.ndarray) -> np.ndarray:
     """1 inside (level < 1), 0 outside, a linear ramp ``edge`` wide across the boundary (anti-aliased, no exp)."""
-    out = (1.0 + 0.5 * edge - level) * np.float32(1.0 / edge)
+    out = (1.0 + 0.5 * edge - level) / edge
     return np.clip(out, 0.0, 1.0, out=out)
 
 
@@ -174,11 +174,21 @@ def _smooth_noise(rng: np.random.Generator, b: int, size: int, cells: int) -> np
 # ------------------------------------------------------------------------------------------------
 # medical-like radiographs
 # ------------------------------------------------------------------------------------------------
-def medical(n: int, *, size: int = 64, seed: int = 0, population: str = "A") -> ImageDataset:
-    """``n`` chest-radiograph-like grey images (N, 1, size, size); classes ``MEDICAL_CLASSES`` (see the module)."""
+def medical(n: int, *, size: int = 64, seed: int = 0, population: str = "A",
+            labels: np.ndarray | None = None) -> ImageDataset:
+    """``n`` chest-radiograph-like grey images (N, 1, size, size); classes ``MEDICAL_CLASSES`` (see the module).
+
+    labels: the class of each image instead of the population's balance. The anatomy, acquisition and noise of
+    image i depend on the seed only, so the same seed with other labels gives the same patients with other signs
+    (e.g. each normal image and its copy with a finding).
+    """
     size = check_request("medical", n, size, population)
     acq = ACQUISITION[population]
-    labels = _labels(n, acq.class_shares, seed, "medical")
+    if labels is None:
+        labels = _labels(n, acq.class_shares, seed, "medical")
+    labels = np.asarray(labels, np.int64)
+    if labels.shape != (n,) or labels.min(initial=0) < 0 or labels.max(initial=0) >= len(MEDICAL_CLASSES):
+        raise ConfigError(f"labels must be {n} class indices in 0..{len(MEDICAL_CLASSES) - 1}")
     images = _blocks("medical", labels, seed, 1, size, lambda rng, lab: _medical_block(rng, lab, size, acq)[:, None])
     return ImageDataset(images, labels, MEDICAL_CLASSES,
                         source=f"procedural:medical[population {population}, {size}x{size}, seed {seed}]")
@@ -264,20 +274,22 @@ def _medical_block(rng: np.random.Generator, lab: np.ndarray, size: int, acq: Ac
     b = len(lab)
     y, x = _grid(size)
     edge = 4.0 / size
-    a = _draw_anatomy(rng, b)
+    # Three streams: the anatomy and the acquisition (noise included) do not depend on the labels, so the same
+    # seed with another label changes only the class sign (what tests/test_data_procedural.py checks).
+    anatomy_rng, sign_rng, acquisition_rng = rng.spawn(3)
+    a = _draw_anatomy(anatomy_rng, b)
     right, left = _lungs(y, x, a, edge)
     lungs = np.maximum(right, left)
-    img = _anatomy_image(y, x, a, lungs, rng, edge)
-    img += np.float32(0.02) * _smooth_noise(rng, b, size, 6)  # soft-tissue unevenness, every class
-    # class signs drawn for their own rows only (the rows' streams stay fixed by the block's seed)
+    img = _anatomy_image(y, x, a, lungs, anatomy_rng, edge)
+    img += np.float32(0.02) * _smooth_noise(anatomy_rng, b, size, 6)  # soft-tissue unevenness, every class
     rows = np.flatnonzero(lab == 1)
-    img[rows] += _finding(y, x, a.rows(rows), rng, size)
+    img[rows] += _finding(y, x, a.rows(rows), sign_rng, size)
     rows = np.flatnonzero(lab == 2)
-    img[rows] += _effusion(y, x, a.rows(rows), right[rows], left[rows], rng, edge)
+    img[rows] += _effusion(y, x, a.rows(rows), right[rows], left[rows], sign_rng, edge)
     rows = np.flatnonzero(lab == 3)
-    texture = np.clip(_smooth_noise(rng, len(rows), size, 12) * 0.5 + 0.35, 0.0, 1.0)
-    img[rows] += lungs[rows] * texture * _col(rng.uniform(0.12, 0.20, len(rows)))
-    return _acquire(img, rng, acq)
+    texture = np.clip(_smooth_noise(sign_rng, len(rows), size, 12) * 0.5 + 0.35, 0.0, 1.0)
+    img[rows] += lungs[rows] * texture * _col(sign_rng.uniform(0.12, 0.20, len(rows)))
+    return _acquire(img, acquisition_rng, acq)
 
 
 def _acquire(img: np.ndarray, rng: np.random.Generator, acq: Acquisition) -> np.ndarray:
@@ -308,7 +320,7 @@ def _hsv(h: np.ndarray, s: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (v[:, None] - v[:, None] * s[:, None] * np.clip(np.minimum(k, 4 - k), 0, 1)).astype(np.float32)
 
 
-def _shape_mask(shape_id: np.ndarray, u: np.ndarray, v: np.ndarray, edge: float) -> np.ndarray:
+def _shape_mask(shape_id: np.ndarray, u: np.ndarray, v: np.ndarray, edge: np.ndarray) -> np.ndarray:
     """Anti-aliased mask of each image's shape in its own rotated, scaled frame (u, v: radius 1 = object size)."""
     rad = np.sqrt(u * u + v * v)
     tri = np.maximum(np.maximum(-v - 0.5, 0.866 * u + 0.5 * v - 0.5), -0.866 * u + 0.5 * v - 0.5) * 2.0 + 1.0
@@ -341,7 +353,7 @@ def _rgb_block(rng: np.random.Generator, lab: np.ndarray, size: int) -> np.ndarr
     ang = rng.uniform(0, 2 * np.pi, b)
     c, s = _col(np.cos(ang)), _col(np.sin(ang))
     u, v = (c * (x - cx) + s * (y - cy)) / r, (-s * (x - cx) + c * (y - cy)) / r
-    mask = _shape_mask(shape_id, u, v, 4.0 / size / float(r.mean()))
+    mask = _shape_mask(shape_id, u, v, np.float32(4.0 / size) / r)  # the ramp one pixel-ish wide per image
     hue = np.where(warm, rng.uniform(-0.02, 0.15, b) % 1.0, rng.uniform(0.30, 0.66, b))  # warm: red..yellow
     colour = _hsv(hue, rng.uniform(0.65, 1.0, b), rng.uniform(0.7, 1.0, b))
     stripes = 0.82 + 0.18 * np.cos(u * _col(rng.uniform(4, 12, b)) + _col(rng.uniform(0, 6.3, b)))  # object texture

@@ -44,6 +44,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -149,16 +150,19 @@ def _cell_name(cell: dict) -> str:
 def _spawn(cell: dict) -> tuple[dict, float, float]:
     """(result, seconds, peak RSS in MiB of the cell's process and its children) of one cell in a child process."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--cell", json.dumps(cell)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    out, err = proc.communicate()  # reads the pipes to the end; the child is reaped by wait4 below
-    _, status, usage = os.wait4(proc.pid, 0)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, __file__, "--cell", json.dumps(cell)], stdout=out, stderr=err,
+                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # wait4, not Popen.wait: it also returns the child's resource usage (output goes to files, so no pipe fills)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
     seconds = time.perf_counter() - t0
     rss_mib = usage.ru_maxrss / 1024  # Linux: KiB; the largest of the child and the descendants it waited for
-    code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        return {"error": (err.strip().splitlines() or [f"exit {code}"])[-1]}, seconds, rss_mib
-    return json.loads(out.strip().splitlines()[-1]), seconds, rss_mib
+        return {"error": (stderr.strip().splitlines() or [f"exit {code}"])[-1]}, seconds, rss_mib
+    return json.loads(stdout.strip().splitlines()[-1]), seconds, rss_mib
 
 
 def train_has_epsilon() -> bool:

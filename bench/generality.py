@@ -295,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline trains")
     ap.add_argument("--out", default=None, help="result files' stem (default bench/results/generality)")
     ap.add_argument("--work", default="runs/generality", help="data and run directories")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 80 training images, the tiny preset, one "
+    ap.add_argument("--quick", action="store_true", help="smoke run: 300 training images, the tiny preset, one "
                     "seed, 1 classifier epoch, 1 DP-SGD epoch, 100 synthetic images, 32x32 medical images")
     ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -303,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from feta_release.eval_protocol import PROTOCOL
 
     if args.quick:
-        args.sizes, args.job, args.image_size = "80", "preset:tiny", args.image_size or 32
+        args.sizes, args.job, args.image_size = "300", "preset:tiny", args.image_size or 32  # tiny: >= 100 images
         args.seeds, args.n_synthetic = args.seeds or "0", args.n_synthetic or 100
         args.classifier_epochs, args.dpsgd_epochs = args.classifier_epochs or 1, args.dpsgd_epochs or 1
         args.work = args.work + "-quick"

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from ..errors import ConfigError, DataError
 from .dataset import ImageDataset, save_npz
@@ -382,8 +383,6 @@ def write_dataset(ds: ImageDataset, out: str | os.PathLike) -> Path:
 
 
 def _write_folder(ds: ImageDataset, path: Path) -> Path:
-    from PIL import Image
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # renamed into place when complete
     width = len(str(max(ds.n - 1, 0)))

@@ -182,6 +182,11 @@ def _fit_sigma(f: DataFacts, prior: list[PrivacyEvent], stage: str, target: floa
         max_sigma=MAX_NOISE_MULTIPLIER, refusal=f"derived job: no [{stage}] noise fits epsilon {target:.3g}")
 
 
+def _up(sigma: float) -> float:
+    """A noise multiplier written with 4 decimals, rounded UP: the written job never spends more than planned."""
+    return math.ceil(sigma * 1e4) / 1e4
+
+
 def _check_size_event(f: DataFacts) -> None:
     if not f.size_drawn:
         return
@@ -258,7 +263,7 @@ def _features(f: DataFacts, sigma: float) -> int | None:
 
 
 def _frequency_section(f: DataFacts, sigma: float, features: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"features": features, "sigma": round(sigma, 4),
+    out: dict[str, Any] = {"features": features, "sigma": _up(sigma),
                            "bandwidth2": round(PIXEL_BANDWIDTH2 * f.values, 3)}
     if features == FEATURE_LADDER[0]:  # the eps = 10 preset's patch map, scaled with the image
         side = min(f.height, f.width)
@@ -374,7 +379,7 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
     d: dict[str, Any] = {
         "job": {"name": "derived", "seed": 0, "method": "feta-pro"},
         "privacy": {"epsilon": float(f.epsilon), "delta": f.job_delta, "accountant": "rdp"},
-        "central": {"kind": "mean", "rounds": 1, "rate": 1.0, "sigma": round(s.central, 4),
+        "central": {"kind": "mean", "rounds": 1, "rate": 1.0, "sigma": _up(s.central),
                     "clip": central_clip(values), "downsample": s.factor, "cells": s.cells,
                     "cell_rule": "aux" if s.cells > 1 else "slant", "stretch": True},
         "model": model_section(f), "warmup": _warmup(scale),

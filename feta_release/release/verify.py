@@ -749,9 +749,9 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
 
 def _check_lifetime_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], life_events: list[Any]) -> None:
     """Secure aggregation over the site's lifetime: the stated ``lifetime_worst_case_epsilon`` (every other site
-    colluding in every job) is what the lifetime history composes to at the lifetime δ. The policy caps the worst
-    case per job only (``secure_aggregation.max_worst_case_epsilon``, ``policy_violations``); this figure has no cap
-    of its own to meet, but a signed figure that its history does not support is refused like any other."""
+    colluding in every job) is what the lifetime history composes to at the lifetime δ; a signed figure that its
+    history does not support is refused like any other. The cap it must meet,
+    ``secure_aggregation.max_lifetime_worst_case_epsilon``, is checked by ``unit_budget_violations``."""
     sa = st.get("secure_aggregation")
     stated = sa.get("lifetime_worst_case_epsilon") if isinstance(sa, dict) else None
     if stated is None and not has_secure_aggregation(life_events):

@@ -27,15 +27,18 @@ from ..accounting import epsilon_breakdown, events_from_list
 from ..errors import ReleaseError
 from ..files import hash_regular
 from .manifest import MANIFEST_FILE
+from .summary import SiteSummary, site_summaries, trust_assumption, verdict_line
 from .verify import (
     STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
 )
 
 # The headings, in order; the browser test checks that each is in the rendered page.
 SECTIONS = (
+    "At a glance",
     "What was released",
     "Privacy statement",
     "Threat model",
+    "Limitations",
     "Verification checklist",
     "Sample images",
     "Privacy budget",
@@ -131,9 +134,18 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
         if e["steps"] == 0:
             continue
         rows.append((_h(STAGE_WORDS.get(e["stage"], e["stage"])), _h(sens.get(e["stage"], "see the job config")),
-                     f"{e['sigma']:.4g}" if "sigma" in e else "secure sum (Skellam share)", f"{e['q']:.4g}",
+                     f"{e['sigma']:.4g}" if "sigma" in e else _skellam_sigma(e), f"{e['q']:.4g}",
                      str(e["steps"]), f"{alone.get(e['stage'], math.nan):.4g}"))
     return rows
+
+
+def _skellam_sigma(e: dict[str, Any]) -> str:
+    """A secure-aggregation release's noise as σ (noise std / L2 sensitivity): the site's own Skellam share (what
+    holds if every other site colludes) and all the shares its trust assumption counts."""
+    own = math.sqrt(float(e.get("mu_worst") or e["mu"])) / float(e["l2"])
+    counted = math.sqrt(float(e["mu"])) / float(e["l2"])
+    return (f"{own:.4g} own share; {counted:.4g} with the honest sites' shares (Skellam noise, summed by secure "
+            "aggregation)")
 
 
 def _spend_row(rd: Path, s: dict[str, Any], res: VerificationResult) -> tuple[str, ...]:
@@ -211,10 +223,6 @@ THREAT_MODEL = (
      "spend statement (this job and lifetime) with the site key its policy names; it sends only noised values, "
      "the public nominal size from its policy (never the exact count) and a keyed commitment to its data (never "
      "a plain hash)"),
-    ("the coordinator", "NOT trusted with privacy: it only ever receives noised releases (no secure aggregation "
-     "is used or needed for the guarantee). It cannot sign or change a site's spend statement, drop a site from "
-     "the release, or sign with a key that any one site's policy does not allow; trusted only for the quality "
-     "of training"),
     ("anyone with the release", "may do anything with the generator and its images: post-processing of a DP "
      "release cannot increase ε"),
     ("the verifier (you)", "needs no trust in the coordinator: signatures, hashes, ε recomputation (job and "
@@ -222,11 +230,82 @@ THREAT_MODEL = (
 )
 
 
+def coordinator_trust(sites: Sequence[SiteSummary]) -> str:
+    """What the coordinator is trusted with, derived from the release: secure aggregation used or not, and the
+    collusion each site's signed policy assumes."""
+    common = ("It cannot sign or change a site's spend statement, drop a site from the release, or sign with a key "
+              "that any one site's policy does not allow; trusted for the quality of training.")
+    secure = [s for s in sites if s.colluders is not None]
+    if not secure:
+        return ("NOT trusted with privacy: no secure aggregation was used; every site adds all of its noise before "
+                "anything leaves it, so the coordinator only ever receives noised releases and each ε holds "
+                "whatever it does, with or without other sites. " + common)
+    per_site = "; ".join(f"{s.site_id}: ε {s.job.text()} {s.assumption}, worst case {s.worst.text()}"
+                         for s in secure if s.worst is not None)
+    return ("TRUSTED NOT TO COLLUDE, within limits: secure aggregation was used, so each site adds only a share of "
+            "the noise and the coordinator sees the sum. The stated ε holds only if the coordinator does not collude "
+            "with more other sites than each site's signed policy allows (max_colluders); if every other site "
+            "colluded with it, the worst-case ε applies (that site's own noise share only), which the policy also "
+            f"caps ({per_site}). " + common)
+
+
 def _threat_model(res: VerificationResult) -> str:
     keys = "; ".join(res.trusted) or "none"
-    return (_table(("party", "trusted for"), [(_h(a), _h(b)) for a, b in THREAT_MODEL])
+    rows = list(THREAT_MODEL)
+    rows.insert(2, ("the coordinator", coordinator_trust(site_summaries(res))))
+    return (_table(("party", "trusted for"), [(_h(a), _h(b)) for a, b in rows])
             + f'<p class="note">Keys trusted for this report, with their roles (fingerprints): '
               f'<span class="hash">{_h(keys)}</span></p>')
+
+
+def _glance_row(s: SiteSummary) -> tuple[str, ...]:
+    unit = "patient (all of their images)" if s.unit == "patient" else "image"
+    none = "no secure aggregation: not applicable"
+    return (_h(s.site_id), _h(unit), _h(f"{s.delta:g}"), _h(s.job.text()), _h(s.lifetime.text()),
+            _h(s.worst.text()) if s.worst else _h(none), _h(s.lifetime_worst.text()) if s.lifetime_worst else _h(none),
+            _h(s.assumption + ("" if s.policy_verified else "; caps NOT checked (the site's policy did not verify)")))
+
+
+def _glance(res: VerificationResult) -> str:
+    """The first screen: may I publish this, ε per site under which trust assumption, what is not guaranteed."""
+    sites = site_summaries(res)
+    if not sites:
+        return '<p class="fail">No site figures can be shown: see the verification checklist.</p>'
+    table = _table(("site", "ε per", "δ", "ε this job (cap)", "ε lifetime, all jobs (cap)",
+                    "worst case: ε this job if every other site colludes (cap)", "worst case, lifetime (cap)",
+                    "this job's ε holds"), [_glance_row(s) for s in sites])
+    return (f"<p><b>Trust assumption:</b> {_h(trust_assumption(sites))}</p>{table}"
+            "<p><b>Not guaranteed</b> (see Limitations): protection of a person with several images at an "
+            "image-level site beyond group privacy; the stated ε if the coordinator colludes with more sites than "
+            "assumed (the worst case then applies); the floating-point noise's exactness; anything about the "
+            "utility figures, which are of real held-out data and not differentially private.</p>")
+
+
+def _limitations(res: VerificationResult) -> str:
+    sites = site_summaries(res)
+    secure = any(s.colluders is not None for s in sites)
+    items = [
+        "Floating-point noise: the Gaussian (and Skellam) noise is drawn in floating point, while the accountant "
+        "assumes the exact real-valued (integer) mechanism; floating-point attacks on the noise's low bits are not "
+        "ruled out by the proof.",
+        ("The coordinator is trusted not to collude with more other sites than each site's policy assumes (secure "
+         "aggregation was used); beyond that, the worst-case ε in the table applies. It is also trusted for the "
+         "quality of training and, in a federation, for combining released central images (no site signs the "
+         "combination)." if secure else
+         "The coordinator is not trusted with privacy (no secure aggregation: every site adds all its noise); it is "
+         "trusted for the quality of training and, in a federation, for combining released central images (no site "
+         "signs the combination)."),
+        "The unit of privacy is what each site declared: one image, or one patient. At an image-level site a person "
+        "with k images is protected only by group privacy, (k·ε, k·e^((k-1)ε)·δ).",
+        "What the audit cannot show: an empirical audit gives a LOWER bound on ε on canary data; it can reveal a "
+        "mechanism that leaks more than claimed, never prove that it leaks less. The guarantee rests on the "
+        "accounting and on the sites' software doing what it says.",
+        "Utility figures (accuracy, FD) are computed without noise on real held-out images: they are NOT "
+        "differentially private, not covered by the release's ε and not signed.",
+        "Verification checks signatures, hashes, recomputed ε and the signed caps against the administrator keys you "
+        "chose to trust: it is only as good as the out-of-band check of those keys' fingerprints.",
+    ]
+    return "<ul>" + "".join(f"<li>{_h(i)}</li>" for i in items) + "</ul>"
 
 
 def _checklist(res: VerificationResult) -> str:
@@ -447,13 +526,13 @@ def render_report(
     rd = Path(release_dir)
     man = res.manifest or {}
     job = _h(man.get("job", {}).get("job_id", "?")) if isinstance(man.get("job"), dict) else "?"
-    banner = (f'<div class="banner ok">Release VERIFIED: all {len(res.checks)} checks passed or warned, against '
-              f"{len(res.trusted)} trusted key(s).</div>" if res.ok else
-              f'<div class="banner bad">Release REFUSED: {_h(res.reason())}</div>')
+    banner = f'<div class="banner {"ok" if res.ok else "bad"}">Release {_h(verdict_line(res))}</div>'
     bodies = {
+        "At a glance": lambda: _glance(res),
         "What was released": lambda: _released(man, res),
         "Privacy statement": lambda: _privacy(rd, man, res),
         "Threat model": lambda: _threat_model(res),
+        "Limitations": lambda: _limitations(res),
         "Verification checklist": lambda: _checklist(res),
         "Sample images": lambda: _samples(man, res, per_class, seed),
         "Privacy budget": lambda: _budget(rd, man, res),

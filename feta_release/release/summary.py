@@ -131,9 +131,8 @@ def site_summaries(res: VerificationResult) -> list[SiteSummary]:
     out = []
     for s in (res.manifest or {}).get("sites") or []:
         try:
-            sid = str(s["site_id"])
-            passed = any(c.name == f"site {sid} policy" and c.status == "pass" for c in res.checks)
-            out.append(site_summary(s, res.policies.get(sid) if passed else None))
+            # res.policies holds only policies whose check passed (signature, site, attested hash, caps)
+            out.append(site_summary(s, res.policies.get(str(s["site_id"]))))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             continue
     return out
@@ -171,8 +170,8 @@ def trust_assumption(summaries: list[SiteSummary]) -> str:
 def verdict_line(res: VerificationResult, what: str = "release") -> str:
     """One line: VERIFIED or REFUSED, and why."""
     if res.ok:
-        return (f"VERIFIED: the {what} may be published under the stated trust assumption ({counts_text(res)}, "
-                f"against {len(res.trusted)} trusted key(s))")
+        return (f"VERIFIED: the {what} is within every site's signed caps and may be published under the trust "
+                f"assumption stated ({counts_text(res)}, against {len(res.trusted)} trusted key(s))")
     first = res.failures[0] if res.failures else None
     why = f"{first.name}: {first.detail}" if first else "no checks ran"
     more = len(res.failures) - 1

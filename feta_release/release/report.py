@@ -52,7 +52,7 @@ body{font-family:Helvetica,Arial,sans-serif;max-width:60rem;margin:2rem auto;pad
 h1{font-size:1.6rem;margin-bottom:.2rem}h2{border-bottom:2px solid #27306e;padding-bottom:.2rem;margin-top:2rem}
 table{border-collapse:collapse;width:100%;margin:.6rem 0;font-size:.92rem}
 th,td{border:1px solid #c9cfdc;padding:.3rem .5rem;text-align:left;vertical-align:top}th{background:#eef1f7}
-td.num{text-align:right;font-variant-numeric:tabular-nums}code,.hash{font-family:monospace;font-size:.85rem;word-break:break-all}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}code,.hash{font-family:monospace;font-size:.85rem;word-break:break-all}
 .banner{padding:.7rem 1rem;border-radius:4px;font-weight:bold;margin:1rem 0}
 .ok{background:#e3f4e5;border:1px solid #2e7d32;color:#1b5e20}.bad{background:#fde8e8;border:1px solid #c62828;color:#8e0000}
 .pass{color:#1b5e20;font-weight:bold}.fail{color:#8e0000;font-weight:bold}.warn{color:#8a5a00;font-weight:bold}
@@ -273,12 +273,13 @@ def _glance(res: VerificationResult) -> str:
         return '<p class="fail">No site figures can be shown: see the verification checklist.</p>'
     table = _table(("site", "ε per", "δ", "ε this job (cap)", "ε lifetime, all jobs (cap)",
                     "worst case: ε this job if every other site colludes (cap)", "worst case, lifetime (cap)",
-                    "this job's ε holds"), [_glance_row(s) for s in sites])
+                    "this job's ε holds"), [_glance_row(s) for s in sites], numeric=(3, 4, 5, 6))
     return (f"<p><b>Trust assumption:</b> {_h(trust_assumption(sites))}</p>{table}"
-            "<p><b>Not guaranteed</b> (see Limitations): protection of a person with several images at an "
-            "image-level site beyond group privacy; the stated ε if the coordinator colludes with more sites than "
-            "assumed (the worst case then applies); the floating-point noise's exactness; anything about the "
-            "utility figures, which are of real held-out data and not differentially private.</p>")
+            "<p><b>Not guaranteed</b> (see Limitations):</p><ul>"
+            "<li>a person with several images at an image-level site: only group privacy protects them;</li>"
+            "<li>the stated ε if the coordinator colludes with more sites than assumed (the worst case applies);</li>"
+            "<li>exactness of the floating-point noise the accountant treats as exact;</li>"
+            "<li>the utility figures: of real held-out data, not differentially private.</li></ul>")
 
 
 def _limitations(res: VerificationResult) -> str:
@@ -526,7 +527,8 @@ def render_report(
     rd = Path(release_dir)
     man = res.manifest or {}
     job = _h(man.get("job", {}).get("job_id", "?")) if isinstance(man.get("job"), dict) else "?"
-    banner = f'<div class="banner {"ok" if res.ok else "bad"}">Release {_h(verdict_line(res))}</div>'
+    verdict = verdict_line(res).replace("VERIFIED: the release is", "VERIFIED:", 1)
+    banner = f'<div class="banner {"ok" if res.ok else "bad"}">Release {_h(verdict)}</div>'
     bodies = {
         "At a glance": lambda: _glance(res),
         "What was released": lambda: _released(man, res),

@@ -102,3 +102,24 @@ def test_synthesize_and_verify_synthetic_print_the_verdict_first(secure, tmp_pat
     doc = json.loads(CliRunner().invoke(cli, ["verify-synthetic", str(out), "--certificate-key",
                                               str(root / "dpo.pub"), *trusted, "--json"]).output)
     assert doc["verdict"] == "VERIFIED" and doc["counts"]["notes"] == 2 and len(doc["sites"]) == 2
+
+
+def test_a_patient_level_site_is_summarised_per_patient_against_its_caps() -> None:
+    """At a patient-level site the caps bound ε PER PATIENT (the image-level stages by group privacy over the
+    patient cap): the line shows that figure beside the caps, never the smaller per-image one."""
+    from feta_release.accounting import PrivacyEvent, epsilon, patient_epsilon
+    from feta_release.release.summary import site_summary
+
+    events = [PrivacyEvent("central", 5.0, 1.0, 2), PrivacyEvent("dpsgd", 1.5, 0.05, 100, unit="patient")]
+    rows = [e.to_dict() for e in events]
+    site = {"site_id": "st-anne", "delta": 1e-5, "epsilon": epsilon(events, 1e-5), "accountant": "rdp", "events": rows,
+            "attestation": {"statement": {"lifetime": {"events": rows, "delta": 1e-5,
+                                                       "epsilon": epsilon(events, 1e-5)}}}}
+    policy = {"budget": {"per_job": {"epsilon": 4.0, "delta": 1e-5}, "lifetime": {"epsilon": 9.0, "delta": 1e-5}},
+              "accountant": "rdp", "dataset": {"privacy_unit": "patient", "patient_cap": 3, "patients": 100}}
+    s = site_summary(site, policy)
+    per_patient = patient_epsilon(events, 1e-5, 3, "rdp")
+    assert s.unit == "patient" and s.job.epsilon == pytest.approx(per_patient) and s.job.cap == 4.0
+    assert per_patient > epsilon(events, 1e-5)  # the per-image figure would understate a patient's loss
+    assert s.line().startswith(f"site st-anne: per patient, δ = 1e-05: ε this job {per_patient:.3g} (cap 4)")
+    assert s.worst is None and "holds whoever colludes" in s.assumption

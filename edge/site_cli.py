@@ -8,6 +8,7 @@ import click
 
 from feta_release.cli.data_options import data_load_options
 from feta_release.data.loading import LoadOptions
+from feta_release.signing import fingerprint, load_public_key
 
 from .kit import init_site
 
@@ -67,8 +68,6 @@ def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coo
 def _dpo_key_words(admin_pub: Path) -> str:
     """The key a data-protection officer trusts for this site (``verify --trusted SITE=KEY``): never taken from a
     release, so it is handed over out of band, its fingerprint read out over a second channel."""
-    from feta_release.signing import fingerprint, load_public_key
-
     fp = fingerprint(load_public_key(admin_pub))
     return (f"send to your data-protection officer (the key that `feta-release verify` trusts for this site):\n"
             f"  {admin_pub}  fingerprint {fp}\n"

@@ -196,14 +196,16 @@ def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
     cfg = man["job"]["config"]
     out = [_unit_paragraph(man["sites"])]
     rows = [_spend_row(rd, s, res) for s in man["sites"]]
-    out.append(_table(("site", "ε this job", "δ this job", "ε lifetime (all jobs)", "δ lifetime",
+    out.append(_table(("site", "ε this job (per image, as signed)", "δ this job", "ε lifetime (all jobs)", "δ lifetime",
                        "accountant", "per-job cap (signed policy)", "lifetime cap (signed policy)", "spend read from"),
                       rows, numeric=(1, 2, 3, 4)))
     out.append('<p class="note">Lifetime: each site signs, beside this job\'s spend, its spend on the same images '
                "over ALL its jobs (composed from its ledger; verify re-composes it and checks it against the "
                "lifetime cap). A model trained on an earlier job's release depends on both, so the lifetime figure "
                "is the one that bounds what these images reveal. Stage figures below are each stage alone; "
-               "composition is sub-additive, the total is what counts.</p>")
+               "composition is sub-additive, the total is what counts. Under secure aggregation these are the "
+               "figures under each site's trust assumption; the worst case and every figure in the unit the caps "
+               "bound (per patient at a patient-level site) are in At a glance.</p>")
     for s in man["sites"]:
         out.append(f"<h3>Site {_h(s['site_id'])}: mechanisms</h3>")
         out.append(_table(("stage", "what is released and its sensitivity", "σ (noise multiplier)", "q (sampling)",

@@ -149,13 +149,13 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             release = None
             if not no_release:
                 release = build_release(job_out, fed.coordinator_key)
-                (out_dir / "release").symlink_to(release.resolve(), target_is_directory=True)
+                link_release(out_dir, release)
                 _dpo_report(release, out_dir, fed)
             timings["finalize"] = time.monotonic() - t0
         timings["total"] = time.monotonic() - t_start
         doc = {"timings_s": timings, "job_phase_timings_s": summary["timings"], "site_epsilon": summary["site_epsilon"],
                "rounds": summary["rounds"], "skipped": summary["skipped"],
-               "release": str(release) if release else None, "cores": _cores()}
+               "release": "release" if release else None, "cores": _cores()}
         (out_dir / "demo_summary.json").write_text(json.dumps(doc, indent=2), "utf-8")
         console.print((out_dir / "privacy_report.txt").read_text("utf-8"))
         console.print(f"[bold green]done in {timings['total']:.0f} s[/]: {out_dir / 'samples.png'}, "
@@ -167,6 +167,14 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
     finally:
         _stop_all(procs)
         signal.signal(signal.SIGTERM, old)
+
+
+def link_release(out_dir: Path, release: Path) -> Path:
+    """``OUT/release``: a RELATIVE link to the release inside OUT, so the folder can be moved, archived or sent and
+    every copy verifies its own files (an absolute link made a copy verify the original's files instead)."""
+    link = out_dir / "release"
+    link.symlink_to(os.path.relpath(release.resolve(), out_dir.resolve()), target_is_directory=True)
+    return link
 
 
 def _dpo_report(release: Path, out_dir: Path, fed: Any) -> Path:

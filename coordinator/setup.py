@@ -83,7 +83,7 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
         over.setdefault("declared", DataDeclaration.draft_from(loaded))
         if over.get("patient_level") and report.patients is not None:  # the images the node will use
             loaded = cap_loaded(loaded, report, int(over["patient_level"][1]))
-        policy_key, policy_pub = generate_keypair(d / "keys", "policy")
+        policy_key, policy_pub = generate_keypair(d / "keys", "policy-admin")
         site_key, site_pub = site_keys[site_id]
         over.setdefault("app_bundles", hashes)
         over.setdefault("site_key", load_public_key(site_pub))

@@ -9,7 +9,8 @@
   node.toml                    every ``node start`` setting (``feta-release node start --config node.toml``)
 Private keys are created here and never leave the site: the coordinator receives only the two
 ``.pub`` files it needs (``node-auth.pub`` to register the node, ``site-signing.pub`` to check
-attestations).
+attestations), and the data-protection officer ``policy-admin.pub`` with its fingerprint (the key that
+``feta-release verify`` trusts for this site).
 
 ``signing_review`` is what ``policy sign`` runs first: it REFUSES a draft that still holds example
 values (the shipped example coordinator key, no coordinator at all) and WARNS about values a reviewer

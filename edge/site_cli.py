@@ -8,6 +8,7 @@ import click
 
 from feta_release.cli.data_options import data_load_options
 from feta_release.data.loading import LoadOptions
+from feta_release.signing import fingerprint, load_public_key
 
 from .kit import init_site
 
@@ -56,8 +57,19 @@ def site_init(site_dir: Path, data_path: Path, site_id: str, superlink: str, coo
         unit = "no patient ids (unit of privacy: one image)"
     click.echo(f"site kit for {site_id} in {kit.root}: {kit.n_images} images, {unit}")
     click.echo("send to the coordinator (public keys only):\n  " + "\n  ".join(str(p) for p in kit.coordinator_files))
+    click.echo(_dpo_key_words(kit.root / "keys" / "policy-admin.pub"))
     click.echo("next:\n"
                f"  1. review {kit.policy_draft} (coordinator key, app_bundles, budgets, validity window)\n"
                f"  2. feta-release policy sign {kit.policy_draft} --key {kit.root / 'keys/policy-admin.key'} "
                f"--out {kit.root / 'policy.signed.json'}\n"
                f"  3. feta-release node start --config {kit.node_toml}")
+
+
+def _dpo_key_words(admin_pub: Path) -> str:
+    """The key a data-protection officer trusts for this site (``verify --trusted SITE=KEY``): never taken from a
+    release, so it is handed over out of band, its fingerprint read out over a second channel."""
+    fp = fingerprint(load_public_key(admin_pub))
+    return (f"send to your data-protection officer (the key that `feta-release verify` trusts for this site):\n"
+            f"  {admin_pub}  fingerprint {fp}\n"
+            f"  hand it over in person or through a channel you already trust, and read the fingerprint out over a "
+            f"second one (they check it with `feta-release keys show policy-admin.pub`)")

@@ -168,3 +168,47 @@ def resign(release: Path, signed: dict, key: Ed25519PrivateKey) -> None:
     doc = copy.deepcopy(signed)
     doc["signature"] = sign_document(doc["manifest"], key)
     (release / "manifest.json").write_text(json.dumps(doc))
+
+
+SECURE_EVENTS_WORST_MU = 3e4  # the site's own Skellam noise share; a second honest site doubles what it counts on
+
+
+def secure_events(honest: int = 2) -> list[Any]:
+    """A secure-aggregation history: central sums under Skellam noise (``honest`` shares counted), DP-SGD steps."""
+    from feta_release.accounting import SkellamEvent
+
+    mw = SECURE_EVENTS_WORST_MU
+    return [SkellamEvent("central", 1.0, 2, l2=40.0, l1=1600.0, mu=honest * mw, mu_worst=mw),
+            PrivacyEvent("dpsgd", 3.0, 0.05, 50)]
+
+
+def secure_release(out: Path, den_onnx: Any, site_ids: tuple[str, ...] = ("st-mary", "st-luke")) -> dict[str, Keys]:
+    """A signed multi-site release under secure aggregation: each site's policy pins the other sites' keys and
+    assumes no other site colludes with the coordinator (max_colluders 0), so its job ε counts every site's noise
+    share while the worst case (all others colluding) counts its own only. Returns each site's keys (one shared
+    coordinator key)."""
+    from feta_release.policy import make_policy, sign_policy
+
+    coordinator = Ed25519PrivateKey.generate()
+    keys = {s: Keys(coordinator, Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()) for s in site_ids}
+    policies = {}
+    for sid, k in keys.items():
+        peers = {o: public_key_pem(keys[o].site) for o in site_ids if o != sid}
+        doc = make_policy(sid, "0" * 64, 5000, [coordinator.public_key()], per_job=(2.0, 1e-5), lifetime=(8.0, 1e-5),
+                          site_key=k.site.public_key(),
+                          secure_aggregation={"max_colluders": 0, "peers": peers, "max_worst_case_epsilon": 3.0})
+        policies[sid] = sign_policy(doc, k.policy)
+    job = signed_job(coordinator, "job-secure", list(site_ids))
+    atts = [_secure_attestation(k, sid, job, policies[sid], len(site_ids)) for sid, k in keys.items()]
+    assemble(out, den_onnx, coordinator, job, atts, policies)
+    return keys
+
+
+def _secure_attestation(k: Keys, sid: str, job: dict, policy: dict, n_sites: int) -> dict:
+    from feta_release.policy.document import SitePolicy
+    from feta_release.release.manifest import build_attestation
+    from feta_release.signing import canonical_json, sha256_hex
+
+    pol_sha = SitePolicy.from_document(policy["policy"], None).digest
+    return build_attestation(sid, job["job"]["job_id"], secure_events(n_sites), 1e-5, "rdp", pol_sha, k.site,
+                             job_sha256=sha256_hex(canonical_json(job["job"])), max_colluders=0)

@@ -70,7 +70,7 @@ def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
     fed = out / "federation"
     trusted = ["--coordinator", str(fed / "coordinator" / "coordinator.pub")]
     for s in ("site-a", "site-b", "site-c"):  # role-bound: each site's administrator (policy) key for its id
-        trusted += ["--trusted", f"{s}={fed / 'sites' / s / 'keys' / 'policy.pub'}"]
+        trusted += ["--trusted", f"{s}={fed / 'sites' / s / 'keys' / 'policy-admin.pub'}"]
     v = subprocess.run([*CLI, "verify", str(out / "release"), *trusted], capture_output=True, text=True, timeout=300)
     assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
 

@@ -170,7 +170,7 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    assert "Site a: ε =" in proc.stdout
+    assert proc.stdout.startswith("VERIFIED: ") and "site a: per image, δ = 1e-05: ε this job" in proc.stdout
     cert = json.loads((out / "certificate.json").read_text())
     assert len(cert["files"]) == 4
     probe = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import torch"], capture_output=True, text=True,

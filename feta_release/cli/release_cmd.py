@@ -32,25 +32,38 @@ def _trust_roots(entries: tuple[str, ...], coordinators: tuple[str, ...] = ()): 
     return TrustRoots({k: tuple(v) for k, v in admins.items()}, tuple(load_public_key(p) for p in coordinators))
 
 
-def _print_verification(res) -> None:  # type: ignore[no-untyped-def]
-    from rich.console import Console
-    from rich.table import Table
+def _print_verification(res, explain: bool = False, what: str = "release") -> None:  # type: ignore[no-untyped-def]
+    """The verdict FIRST (one line), then one line per site, then what needs reading (warnings, notes); every check
+    and each site's meaning only with ``explain``."""
+    from ..release.summary import site_summaries, trust_assumption, verdict_line
 
-    console = Console()
-    table = Table(title=f"release {res.release_dir}", show_lines=False)
-    table.add_column("check")
-    table.add_column("result")
-    table.add_column("detail", overflow="fold")
-    style = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "warn": "[yellow]warn[/]"}
+    click.echo(verdict_line(res, what))
+    sites = site_summaries(res)
+    for s in sites:
+        click.echo("  " + s.line())
+    if sites:
+        click.echo("trust: " + trust_assumption(sites))
     for c in res.checks:
-        table.add_row(c.name, style[c.status], c.detail)
-    console.print(table)
+        if c.status in ("fail", "warn") or (explain and c.status == "note"):
+            click.echo(f"{c.status.upper()} {c.name}: {c.detail}")
+    if not explain:
+        click.echo("(--explain: every check and what each figure means; --json: machine-readable)")
+        return
+    click.echo("")
+    for c in res.checks:
+        if c.status == "pass":
+            click.echo(f"PASS {c.name}: {c.detail}")
     if res.ok and res.manifest:
         from ..release.verify import describe_site
 
         for s in res.manifest["sites"]:
-            console.print(describe_site(s), highlight=False)
-        console.print("[green]release verified[/]")
+            click.echo("\n" + describe_site(s))
+
+
+def _explain_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--explain", is_flag=True,
+                        help="After the verdict and the per-site lines, print every check and what each figure "
+                             "means.")(f)
 
 
 @click.command("export")
@@ -106,8 +119,11 @@ def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_i
               help="A site's administrator public key (signs its policy); repeat for each site.")
 @click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
               help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
-@click.option("--json", "as_json", is_flag=True, help="Print the verification result as JSON.")
-def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.")
+@_explain_option
+def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool,
+           explain: bool) -> None:
     """Verify RELEASE_DIR offline: hashes, signatures by role, every site present, recomputed ε, policy caps.
 
     \b
@@ -117,19 +133,25 @@ def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str,
     from ..release.verify import verify_release
 
     res = verify_release(release_dir, _trust_roots(trusted, coordinators))
-    _report_verification(res, as_json, f"release {release_dir}")
+    _report_verification(res, as_json, explain, f"release {release_dir}")
 
 
-def _report_verification(res, as_json: bool, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Print a verification (table or JSON) and fail with its reason: `verify` and `verify-synthetic` alike."""
+def _report_verification(res, as_json: bool, explain: bool, what: str, kind: str = "release") -> None:  # type: ignore[no-untyped-def]
+    """Print a verification (verdict first, or JSON) and fail with its reason: `verify` and `verify-synthetic`."""
+    _show_verification(res, as_json, explain, kind)
+    if not res.ok:
+        raise ReleaseError(f"{what} did not verify: {res.reason()}")
+
+
+def _show_verification(res, as_json: bool, explain: bool, kind: str = "release") -> None:  # type: ignore[no-untyped-def]
     if as_json:
         import json
 
-        click.echo(json.dumps(res.to_dict(), indent=2, ensure_ascii=False))
+        from ..release.summary import summary_dict
+
+        click.echo(json.dumps(summary_dict(res, kind), indent=2, ensure_ascii=False))
     else:
-        _print_verification(res)
-    if not res.ok:
-        raise ReleaseError(f"{what} did not verify: {res.reason()}")
+        _print_verification(res, explain, kind)
 
 
 def _parse_counts(text: str | None) -> list[int] | None:
@@ -160,9 +182,12 @@ def _parse_counts(text: str | None) -> list[int] | None:
 @click.option("--from", "source", type=click.Choice(["noise", "release"]), default=None,
               help="Start each image from pure noise, or (SDEdit) from an augmented released central image of its "
                    "class shipped in the release. Default: what the signed release's sampler says.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the result as JSON: the release's verdict, per-site figures and caps, and what was written.")
+@_explain_option
 def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
                threads: int | None, trusted: tuple[str, ...], coordinators: tuple[str, ...], progress: bool,
-               key: str | None, signer: str | None, source: str | None) -> None:
+               key: str | None, signer: str | None, source: str | None, as_json: bool, explain: bool) -> None:
     """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only.
 
     \b
@@ -171,7 +196,7 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
           --trusted st-mary=st-mary-admin.pub --key me.key --signer 'DPO St Mary'
     """
     from ..release.synthesize import synthesize as run
-    from ..release.verify import describe_site, verify_release
+    from ..release.verify import verify_release
 
     from ..signing import load_private_key
 
@@ -179,24 +204,37 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
     priv = load_private_key(key) if key else None
     res = verify_release(release_dir, keys)
     if not res.ok:
-        _print_verification(res)
+        _show_verification(res, as_json, explain)
         raise ReleaseError(f"release {release_dir} refused, nothing written: {res.reason()}")
     report = run(release_dir, out, keys, num=num, per_class=_parse_counts(per_class), seed=seed, batch=batch,
                  threads=threads, progress=progress, verification=res, key=priv,
                  signer_name=signer or (Path(key).stem if key else None), source=source)
-    rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
-    click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
-               f"-> {report.out_dir}")
+    _print_synthesized(res, report, priv is not None, as_json, explain)
+
+
+def _print_synthesized(res, report, signed: bool, as_json: bool, explain: bool) -> None:  # type: ignore[no-untyped-def]
+    """The release's verdict first, then what was written (or all of it as JSON)."""
     assert res.manifest is not None
     src = res.manifest["generator"]["sampler"].get("start_source", "central")
     what = {"central": "the release's noisy central images (SDEdit; already-charged DP outputs, post-processing)",
             "aux": "the release's aux-generator images (SDEdit; post-processing of the frequency release)",
             "mix": "the release's aux-generator and noisy central images, alternating (SDEdit; post-processing of "
                    "the releases)"}.get(src, src) if report.source == "release" else "pure noise"
+    rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
+    written = {"images": report.n_images, "out_dir": str(report.out_dir), "certificate": str(report.certificate),
+               "certificate_signed": signed, "started_from": what, "seconds": report.seconds}
+    if as_json:
+        import json
+
+        from ..release.summary import summary_dict
+
+        click.echo(json.dumps({**summary_dict(res), "synthesized": written}, indent=2, ensure_ascii=False))
+        return
+    _print_verification(res, explain)
+    click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
+               f"-> {report.out_dir}")
     click.echo("started from: " + what)
-    for s in res.manifest["sites"]:
-        click.echo(describe_site(s))
-    click.echo(f"certificate: {report.certificate}" + ("" if priv else
+    click.echo(f"certificate: {report.certificate}" + ("" if signed else
                " (UNSIGNED: give --key KEY so that verify-synthetic can check it)"))
 
 
@@ -210,9 +248,11 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
               help="Optional: pin the release's coordinator key.")
 @click.option("--release", "release_dir", default=None, type=click.Path(path_type=Path),
               help="The release the images came from (default: the path recorded in the certificate).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.")
+@_explain_option
 def verify_synthetic(synthetic_dir: Path, cert_keys: tuple[str, ...], trusted: tuple[str, ...],
-                     coordinators: tuple[str, ...], release_dir: Path | None, as_json: bool) -> None:
+                     coordinators: tuple[str, ...], release_dir: Path | None, as_json: bool, explain: bool) -> None:
     """Check SYNTHETIC_DIR against its signed certificate: every image re-hashed, nothing added or missing,
     and the release it came from re-verified.
 
@@ -228,4 +268,4 @@ def verify_synthetic(synthetic_dir: Path, cert_keys: tuple[str, ...], trusted: t
                           "certificate.json); the release's keys go in --trusted SITE_ID=ADMIN_KEY.pub")
     res = check(synthetic_dir, _trust_roots(trusted, coordinators), [load_public_key(p) for p in cert_keys],
                 release_dir)
-    _report_verification(res, as_json, f"synthetic folder {synthetic_dir}")
+    _report_verification(res, as_json, explain, f"synthetic folder {synthetic_dir}", "synthetic folder")

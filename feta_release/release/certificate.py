@@ -262,13 +262,17 @@ def _check_release(
         res.add("release", False, f"{rd}: no {MANIFEST_FILE}; give the release with --release DIR")
         return
     rv = verify_release(rd, roots)
-    res.add("release verifies", rv.ok, f"{rd}: all {len(rv.checks)} release checks pass" if rv.ok
+    passed = sum(c.status == "pass" for c in rv.checks)
+    warned = sum(c.status == "warn" for c in rv.checks)
+    res.add("release verifies", rv.ok, f"{rd}: {passed} release checks passed, {warned} warned, 0 failed" if rv.ok
             else f"{rd}: {rv.reason()}")
+    res.checks += [c for c in rv.checks if c.status == "note"]  # the release's caveats travel with its images
     same = rv.manifest_sha256 == want and rv.generator_sha256 == rel.get("generator_sha256")
     res.add("release is the certified one", same, "manifest and generator hashes equal the certificate's" if same
             else f"{rd} has manifest {str(rv.manifest_sha256)[:16]}… / generator {str(rv.generator_sha256)[:16]}…, "
                  f"the certificate names {str(want)[:16]}… / {str(rel.get('generator_sha256'))[:16]}…")
     res.manifest, res.manifest_sha256, res.generator_sha256 = rv.manifest, rv.manifest_sha256, rv.generator_sha256
+    res.policies = rv.policies
     if rv.ok and same:
         _check_certified_privacy(res, cert, rv)
 

@@ -27,15 +27,18 @@ from ..accounting import epsilon_breakdown, events_from_list
 from ..errors import ReleaseError
 from ..files import hash_regular
 from .manifest import MANIFEST_FILE
+from .summary import SiteSummary, site_summaries, trust_assumption, verdict_line
 from .verify import (
     STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
 )
 
 # The headings, in order; the browser test checks that each is in the rendered page.
 SECTIONS = (
+    "At a glance",
     "What was released",
     "Privacy statement",
     "Threat model",
+    "Limitations",
     "Verification checklist",
     "Sample images",
     "Privacy budget",
@@ -49,7 +52,7 @@ body{font-family:Helvetica,Arial,sans-serif;max-width:60rem;margin:2rem auto;pad
 h1{font-size:1.6rem;margin-bottom:.2rem}h2{border-bottom:2px solid #27306e;padding-bottom:.2rem;margin-top:2rem}
 table{border-collapse:collapse;width:100%;margin:.6rem 0;font-size:.92rem}
 th,td{border:1px solid #c9cfdc;padding:.3rem .5rem;text-align:left;vertical-align:top}th{background:#eef1f7}
-td.num{text-align:right;font-variant-numeric:tabular-nums}code,.hash{font-family:monospace;font-size:.85rem;word-break:break-all}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}code,.hash{font-family:monospace;font-size:.85rem;word-break:break-all}
 .banner{padding:.7rem 1rem;border-radius:4px;font-weight:bold;margin:1rem 0}
 .ok{background:#e3f4e5;border:1px solid #2e7d32;color:#1b5e20}.bad{background:#fde8e8;border:1px solid #c62828;color:#8e0000}
 .pass{color:#1b5e20;font-weight:bold}.fail{color:#8e0000;font-weight:bold}.warn{color:#8a5a00;font-weight:bold}
@@ -131,9 +134,18 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
         if e["steps"] == 0:
             continue
         rows.append((_h(STAGE_WORDS.get(e["stage"], e["stage"])), _h(sens.get(e["stage"], "see the job config")),
-                     f"{e['sigma']:.4g}" if "sigma" in e else "secure sum (Skellam share)", f"{e['q']:.4g}",
+                     f"{e['sigma']:.4g}" if "sigma" in e else _skellam_sigma(e), f"{e['q']:.4g}",
                      str(e["steps"]), f"{alone.get(e['stage'], math.nan):.4g}"))
     return rows
+
+
+def _skellam_sigma(e: dict[str, Any]) -> str:
+    """A secure-aggregation release's noise as σ (noise std / L2 sensitivity): the site's own Skellam share (what
+    holds if every other site colludes) and all the shares its trust assumption counts."""
+    own = math.sqrt(float(e.get("mu_worst") or e["mu"])) / float(e["l2"])
+    counted = math.sqrt(float(e["mu"])) / float(e["l2"])
+    return (f"{own:.4g} own share; {counted:.4g} with the honest sites' shares (Skellam noise, summed by secure "
+            "aggregation)")
 
 
 def _spend_row(rd: Path, s: dict[str, Any], res: VerificationResult) -> tuple[str, ...]:
@@ -184,14 +196,16 @@ def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
     cfg = man["job"]["config"]
     out = [_unit_paragraph(man["sites"])]
     rows = [_spend_row(rd, s, res) for s in man["sites"]]
-    out.append(_table(("site", "ε this job", "δ this job", "ε lifetime (all jobs)", "δ lifetime",
+    out.append(_table(("site", "ε this job (per image, as signed)", "δ this job", "ε lifetime (all jobs)", "δ lifetime",
                        "accountant", "per-job cap (signed policy)", "lifetime cap (signed policy)", "spend read from"),
                       rows, numeric=(1, 2, 3, 4)))
     out.append('<p class="note">Lifetime: each site signs, beside this job\'s spend, its spend on the same images '
                "over ALL its jobs (composed from its ledger; verify re-composes it and checks it against the "
                "lifetime cap). A model trained on an earlier job's release depends on both, so the lifetime figure "
                "is the one that bounds what these images reveal. Stage figures below are each stage alone; "
-               "composition is sub-additive, the total is what counts.</p>")
+               "composition is sub-additive, the total is what counts. Under secure aggregation these are the "
+               "figures under each site's trust assumption; the worst case and every figure in the unit the caps "
+               "bound (per patient at a patient-level site) are in At a glance.</p>")
     for s in man["sites"]:
         out.append(f"<h3>Site {_h(s['site_id'])}: mechanisms</h3>")
         out.append(_table(("stage", "what is released and its sensitivity", "σ (noise multiplier)", "q (sampling)",
@@ -211,10 +225,6 @@ THREAT_MODEL = (
      "spend statement (this job and lifetime) with the site key its policy names; it sends only noised values, "
      "the public nominal size from its policy (never the exact count) and a keyed commitment to its data (never "
      "a plain hash)"),
-    ("the coordinator", "NOT trusted with privacy: it only ever receives noised releases (no secure aggregation "
-     "is used or needed for the guarantee). It cannot sign or change a site's spend statement, drop a site from "
-     "the release, or sign with a key that any one site's policy does not allow; trusted only for the quality "
-     "of training"),
     ("anyone with the release", "may do anything with the generator and its images: post-processing of a DP "
      "release cannot increase ε"),
     ("the verifier (you)", "needs no trust in the coordinator: signatures, hashes, ε recomputation (job and "
@@ -222,11 +232,83 @@ THREAT_MODEL = (
 )
 
 
+def coordinator_trust(sites: Sequence[SiteSummary]) -> str:
+    """What the coordinator is trusted with, derived from the release: secure aggregation used or not, and the
+    collusion each site's signed policy assumes."""
+    common = ("It cannot sign or change a site's spend statement, drop a site from the release, or sign with a key "
+              "that any one site's policy does not allow; trusted for the quality of training.")
+    secure = [s for s in sites if s.colluders is not None]
+    if not secure:
+        return ("NOT trusted with privacy: no secure aggregation was used; every site adds all of its noise before "
+                "anything leaves it, so the coordinator only ever receives noised releases and each ε holds "
+                "whatever it does, with or without other sites. " + common)
+    per_site = "; ".join(f"{s.site_id}: ε {s.job.text()} {s.assumption}, worst case {s.worst.text()}"
+                         for s in secure if s.worst is not None)
+    return ("TRUSTED NOT TO COLLUDE, within limits: secure aggregation was used, so each site adds only a share of "
+            "the noise and the coordinator sees the sum. The stated ε holds only if the coordinator does not collude "
+            "with more other sites than each site's signed policy allows (max_colluders); if every other site "
+            "colluded with it, the worst-case ε applies (that site's own noise share only), which the policy also "
+            f"caps ({per_site}). " + common)
+
+
 def _threat_model(res: VerificationResult) -> str:
     keys = "; ".join(res.trusted) or "none"
-    return (_table(("party", "trusted for"), [(_h(a), _h(b)) for a, b in THREAT_MODEL])
+    rows = list(THREAT_MODEL)
+    rows.insert(2, ("the coordinator", coordinator_trust(site_summaries(res))))
+    return (_table(("party", "trusted for"), [(_h(a), _h(b)) for a, b in rows])
             + f'<p class="note">Keys trusted for this report, with their roles (fingerprints): '
               f'<span class="hash">{_h(keys)}</span></p>')
+
+
+def _glance_row(s: SiteSummary) -> tuple[str, ...]:
+    unit = "patient (all of their images)" if s.unit == "patient" else "image"
+    none = "no secure aggregation: not applicable"
+    return (_h(s.site_id), _h(unit), _h(f"{s.delta:g}"), _h(s.job.text()), _h(s.lifetime.text()),
+            _h(s.worst.text()) if s.worst else _h(none), _h(s.lifetime_worst.text()) if s.lifetime_worst else _h(none),
+            _h(s.assumption + ("" if s.policy_verified else "; caps NOT checked (the site's policy did not verify)")))
+
+
+def _glance(res: VerificationResult) -> str:
+    """The first screen: may I publish this, ε per site under which trust assumption, what is not guaranteed."""
+    sites = site_summaries(res)
+    if not sites:
+        return '<p class="fail">No site figures can be shown: see the verification checklist.</p>'
+    table = _table(("site", "ε per", "δ", "ε this job (cap)", "ε lifetime, all jobs (cap)",
+                    "worst case: ε this job if every other site colludes (cap)", "worst case, lifetime (cap)",
+                    "this job's ε holds"), [_glance_row(s) for s in sites], numeric=(3, 4, 5, 6))
+    return (f"<p><b>Trust assumption:</b> {_h(trust_assumption(sites))}</p>{table}"
+            "<p><b>Not guaranteed</b> (see Limitations):</p><ul>"
+            "<li>a person with several images at an image-level site: only group privacy protects them;</li>"
+            "<li>the stated ε if the coordinator colludes with more sites than assumed (the worst case applies);</li>"
+            "<li>exactness of the floating-point noise the accountant treats as exact;</li>"
+            "<li>the utility figures: of real held-out data, not differentially private.</li></ul>")
+
+
+def _limitations(res: VerificationResult) -> str:
+    sites = site_summaries(res)
+    secure = any(s.colluders is not None for s in sites)
+    items = [
+        "Floating-point noise: the Gaussian (and Skellam) noise is drawn in floating point, while the accountant "
+        "assumes the exact real-valued (integer) mechanism; floating-point attacks on the noise's low bits are not "
+        "ruled out by the proof.",
+        ("The coordinator is trusted not to collude with more other sites than each site's policy assumes (secure "
+         "aggregation was used); beyond that, the worst-case ε in the table applies. It is also trusted for the "
+         "quality of training and, in a federation, for combining released central images (no site signs the "
+         "combination)." if secure else
+         "The coordinator is not trusted with privacy (no secure aggregation: every site adds all its noise); it is "
+         "trusted for the quality of training and, in a federation, for combining released central images (no site "
+         "signs the combination)."),
+        "The unit of privacy is what each site declared: one image, or one patient. At an image-level site a person "
+        "with k images is protected only by group privacy, (k·ε, k·e^((k-1)ε)·δ).",
+        "What the audit cannot show: an empirical audit gives a LOWER bound on ε on canary data; it can reveal a "
+        "mechanism that leaks more than claimed, never prove that it leaks less. The guarantee rests on the "
+        "accounting and on the sites' software doing what it says.",
+        "Utility figures (accuracy, FD) are computed without noise on real held-out images: they are NOT "
+        "differentially private, not covered by the release's ε and not signed.",
+        "Verification checks signatures, hashes, recomputed ε and the signed caps against the administrator keys you "
+        "chose to trust: it is only as good as the out-of-band check of those keys' fingerprints.",
+    ]
+    return "<ul>" + "".join(f"<li>{_h(i)}</li>" for i in items) + "</ul>"
 
 
 def _checklist(res: VerificationResult) -> str:
@@ -447,13 +529,14 @@ def render_report(
     rd = Path(release_dir)
     man = res.manifest or {}
     job = _h(man.get("job", {}).get("job_id", "?")) if isinstance(man.get("job"), dict) else "?"
-    banner = (f'<div class="banner ok">Release VERIFIED: all {len(res.checks)} checks passed or warned, against '
-              f"{len(res.trusted)} trusted key(s).</div>" if res.ok else
-              f'<div class="banner bad">Release REFUSED: {_h(res.reason())}</div>')
+    verdict = verdict_line(res).replace("VERIFIED: the release is", "VERIFIED:", 1)
+    banner = f'<div class="banner {"ok" if res.ok else "bad"}">Release {_h(verdict)}</div>'
     bodies = {
+        "At a glance": lambda: _glance(res),
         "What was released": lambda: _released(man, res),
         "Privacy statement": lambda: _privacy(rd, man, res),
         "Threat model": lambda: _threat_model(res),
+        "Limitations": lambda: _limitations(res),
         "Verification checklist": lambda: _checklist(res),
         "Sample images": lambda: _samples(man, res, per_class, seed),
         "Privacy budget": lambda: _budget(rd, man, res),

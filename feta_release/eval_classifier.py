@@ -1,10 +1,11 @@
 """The evaluation classifier: a small ResNet that keeps local evidence, trained to convergence with early stopping.
 
 Why this network: a finding in a medical image can be a few pixels at any place. A classifier that averages its
-last feature map (global or to a coarse grid) dilutes such a finding among the background and cannot learn it; on
-a four-class 64x64 set where one class differs from "normal" only by a small bright spot, an averaging CNN scored
-47 % on that class while a BatchNorm conv net with global max pooling scored 99.5 %. So the head sees the global
-MAX (is the evidence anywhere?) concatenated with the global MEAN (overall texture/intensity) of the last stage.
+last feature map (globally or to a coarse grid) dilutes such a finding among the background. On the test set of
+``tests/finding_images.py`` (48x48 noisy textures, 600 training images, one class differing from "normal" only by
+a 2x2 bright spot at a random place) the former evaluation CNN (3x3 average pooling of its last map) scored 67 %
+on the finding class and 33 % on normal; this network 100 % and 92 %. So the head sees the global MAX (is the
+evidence anywhere?) concatenated with the global MEAN (overall texture, intensity) of the last stage.
 
 Architecture (adapts to the image): a 3x3 conv-BN-ReLU stem at full resolution (cheap: 1 or 3 input channels),
 then 2x2 max-pools (each but the last followed by a conv-BN-ReLU) until the side is below 24 px (28 -> 14,
@@ -38,7 +39,7 @@ from .training.progress import Reporter
 
 DEFAULT_LR = 2e-3
 DEFAULT_BATCH = 64
-WEIGHT_DECAY = 5e-4
+WEIGHT_DECAY = 0.05  # AdamW (decoupled); 5e-4 let 540 images be memorised (normal vs finding 48 %)
 VALIDATION_FRACTION = 0.1
 MIN_VALIDATION = 20  # fewer validation images than this: no early stopping (train the cap), said in the log
 CHECK_STEPS = 60  # the validation loss is checked every ~this many optimizer steps (whole epochs, at least one)

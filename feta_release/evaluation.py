@@ -279,10 +279,10 @@ class EvaluationReport:
         return asdict(self)
 
 
-def _fit_warnings(what: str, fit: dict) -> list[str]:
+def _fit_warnings(what: str, fit: dict, option: str) -> list[str]:
     if fit.get("stopped") == "max_epochs":
-        return [f"{what} stopped at its cap of {fit['max_epochs']} epochs while its validation loss was still "
-                "falling (not converged): raise the cap (--epochs / --feature-epochs)"]
+        return [f"{what} stopped at its cap of {fit['max_epochs']} epochs before its validation loss settled (not "
+                f"converged): raise the cap ({option})"]
     if fit.get("stopped") == "no_validation":
         return [f"{what} had too few images for a validation part: no early stopping, trained {fit['epochs']} "
                 "epochs"]
@@ -305,13 +305,13 @@ def _warnings(synthetic: ImageDataset, n_fd: int, feature_dim: int, fits: dict[s
                    "precision/recall/density/coverage may not separate good from bad synthetic images")
     if not feat:
         out.append("the feature network was supplied without a training log: its convergence is unknown")
-    for what, fit in fits.items():
-        out += _fit_warnings(what, fit)
+    out += _fit_warnings("the classifier trained on synthetic images", fits["classifier"], "--epochs")
+    out += _fit_warnings("the feature network", feat, "--feature-epochs")
     if ceiling is None:
         out.append("no real-data ceiling: the accuracy has no real-data reference")
     else:
         for fit in ceiling.fits:
-            out += _fit_warnings("a real-data ceiling classifier", fit)
+            out += [w for w in _fit_warnings("a real-data ceiling classifier", fit, "--epochs") if w not in out]
     return out
 
 
@@ -364,7 +364,7 @@ def evaluate(
         feature_net = train_classifier(real_heldout, feature_epochs, seed,
                                        what="feature network on real held-out images", **kw)
     n_fd, dim, fd, prdc = _fidelity(synthetic, real_heldout, feature_net, seed)
-    fits = {"the classifier trained on synthetic images": _fit_dict(acc_net), "feature network": _fit_dict(feature_net)}
+    fits = {"classifier": _fit_dict(acc_net), "feature network": _fit_dict(feature_net)}
     grid = None
     if grid_path is not None:
         grid = str(save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class,
@@ -385,7 +385,7 @@ def evaluate(
         synthetic_fingerprint=synthetic.fingerprint(), real_fingerprint=real_heldout.fingerprint(),
         classifier_epochs=int(acc_net.fit_log.epochs) if acc_net.fit_log else 0,
         feature_net_epochs=fits["feature network"].get("epochs"),
-        classifier_fit=fits["the classifier trained on synthetic images"], feature_net_fit=fits["feature network"],
+        classifier_fit=fits["classifier"], feature_net_fit=fits["feature network"],
         ceiling_fits=ceil.fits if ceil else [], seed=seed, grid_path=grid,
         warnings=_warnings(synthetic, n_fd, dim, fits, ceil), seconds=time.perf_counter() - t0,
     )

@@ -35,7 +35,7 @@ def finding_images(n_per_class: int, size: int = 48, seed: int = 0, spot: int = 
     yy, xx = np.mgrid[:size, :size]
     for i in np.flatnonzero(labels == 2):  # opacity: a faint wide Gaussian haze at a random place
         cy, cx = rng.uniform(0.25 * size, 0.75 * size, size=2)
-        imgs[i] += 0.12 * np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * (size / 6) ** 2))
+        imgs[i] += 0.25 * np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * (size / 6) ** 2))
     order = rng.permutation(len(labels))
     return ImageDataset(np.clip(imgs[order], 0, 1).astype(np.float32)[:, None], labels[order].astype(np.int64),
                         CLASSES, source=f"finding-images {size}px seed {seed}")

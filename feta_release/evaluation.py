@@ -162,10 +162,13 @@ def frechet_distance(
 
 
 
+CHUNK = 1024  # rows of a pairwise-distance block: 10,000 images per side never hold a 10,000 x 10,000 matrix
+
+
 def _knn_radii(f: torch.Tensor, k: int) -> torch.Tensor:
     """Distance from each row of ``f`` to its k-th nearest OTHER row."""
-    d = torch.cdist(f, f)
-    return d.kthvalue(k + 1, dim=1).values  # k + 1: the smallest distance is the row to itself (0)
+    # k + 1: the smallest distance is the row to itself (0)
+    return torch.cat([torch.cdist(f[i : i + CHUNK], f).kthvalue(k + 1, dim=1).values for i in range(0, len(f), CHUNK)])
 
 
 def prdc_from_features(real: np.ndarray, fake: np.ndarray, k: int = PRDC_K) -> dict[str, float]:
@@ -181,13 +184,18 @@ def prdc_from_features(real: np.ndarray, fake: np.ndarray, k: int = PRDC_K) -> d
     r = torch.from_numpy(np.asarray(real, np.float64))
     f = torch.from_numpy(np.asarray(fake, np.float64))
     r_rad, f_rad = _knn_radii(r, k), _knn_radii(f, k)
-    d = torch.cdist(r, f)  # (n_real, n_fake)
-    in_real_ball = d <= r_rad[:, None]
+    fake_hits = torch.zeros(len(f), dtype=torch.float64)  # real balls containing each fake
+    recalled, covered = [], []
+    for i in range(0, len(r), CHUNK):
+        d = torch.cdist(r[i : i + CHUNK], f)  # (chunk of reals, all fakes)
+        fake_hits += (d <= r_rad[i : i + CHUNK, None]).double().sum(0)
+        recalled.append((d <= f_rad[None, :]).any(1))
+        covered.append(d.min(1).values <= r_rad[i : i + CHUNK])
     return {
-        "precision": float(in_real_ball.any(0).double().mean()),
-        "recall": float((d <= f_rad[None, :]).any(1).double().mean()),
-        "density": float(in_real_ball.double().sum(0).mean() / k),
-        "coverage": float((d.min(1).values <= r_rad).double().mean()),
+        "precision": float((fake_hits > 0).double().mean()),
+        "recall": float(torch.cat(recalled).double().mean()),
+        "density": float(fake_hits.mean() / k),
+        "coverage": float(torch.cat(covered).double().mean()),
     }
 
 

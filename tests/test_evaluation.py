@@ -318,6 +318,16 @@ def test_prdc_sees_identity_collapse_and_shift(seed: int, d: int, n_classes: int
     assert min(fresh["precision"], fresh["recall"], fresh["coverage"]) >= 0.6, fresh
 
 
+def test_prdc_does_not_depend_on_the_distance_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    import feta_release.evaluation as ev
+
+    rng = np.random.default_rng(0)
+    real, fake = rng.standard_normal((300, 5)), rng.standard_normal((250, 5)) + 0.3
+    whole = prdc_from_features(real, fake)
+    monkeypatch.setattr(ev, "CHUNK", 7)  # blocks that do not divide either size
+    assert prdc_from_features(real, fake) == whole == pytest.approx(_prdc_by_definition(real, fake, 5), abs=1e-12)
+
+
 def test_prdc_needs_more_than_k_samples() -> None:
     with pytest.raises(DataError, match="more than k = 5"):
         prdc_from_features(np.zeros((5, 2)), np.zeros((10, 2)))

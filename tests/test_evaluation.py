@@ -393,3 +393,16 @@ def test_ceiling_never_scores_an_image_its_classifier_saw(monkeypatch: pytest.Mo
     other = ImageDataset(rng.random((50, 1, 8, 8), dtype=np.float32), rng.integers(1, 4, 50), real.class_names, "t")
     assert ev.real_ceiling(real, other).accuracy == 0.0
     assert ev.real_ceiling(real, real).accuracy == 1.0  # the memoriser does score what it saw
+
+
+@pytest.mark.parametrize(("shape", "n_classes", "dim"), [((1, 28, 28), 10, 128), ((3, 32, 32), 2, 128),
+                                                         ((1, 64, 64), 4, 128), ((3, 128, 96), 100, 256),
+                                                         ((1, 48, 48), 30, 192)])
+def test_network_adapts_to_image_size_channels_and_classes(shape: tuple[int, int, int], n_classes: int,
+                                                           dim: int) -> None:
+    from feta_release.eval_classifier import ResNetClassifier
+
+    net = ResNetClassifier(shape[0], n_classes, shape[1:]).eval()
+    x = torch.rand(2, *shape)
+    with torch.no_grad():
+        assert net(x).shape == (2, n_classes) and net.features(x).shape == (2, dim) == (2, net.feature_dim)

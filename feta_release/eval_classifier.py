@@ -190,8 +190,6 @@ def _train_epoch(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     order = torch.from_numpy(rng.permutation(len(x)))
     for start in range(0, len(x), batch_size):
         idx = order[start : start + batch_size]
-        if len(idx) < 2 and len(x) >= 2:
-            continue  # BatchNorm cannot train on a single image; the rest of the epoch saw it anyway
         loss = nn.functional.cross_entropy(net(random_shift(x[idx], shift, rng)), y[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -25,7 +25,7 @@ Protocol (``evaluate``; DPImageBench's rule: nothing is chosen on the real held-
 
 Warnings name every figure that rests on too little: FD / PRDC on fewer than max(500, 5 x feature dimension)
 images per side, a feature network trained fewer than ``MIN_FEATURE_EPOCHS`` epochs or not converged, a
-classifier that hit its epoch cap while its validation loss still fell, missing classes.
+classifier that hit its epoch cap before its validation loss settled, missing classes.
 """
 
 from __future__ import annotations

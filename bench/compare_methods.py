@@ -92,20 +92,23 @@ def main() -> None:
 
     from feta_release.config import load_preset
     from feta_release.data import ImageDataset
-    from feta_release.evaluation import FD_NAME, evaluate, train_classifier
+    from feta_release.evaluation import FD_NAME, evaluate, real_ceiling, train_classifier
 
     torch.set_num_threads(args.threads)
     train, heldout = _training_split(args.quick)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
     epsilons = [float(e) for e in args.eps.split(",")]
     methods = args.methods.split(",")
-    clf_epochs, feat_epochs = (1, 3) if args.quick else (5, 20)
+    # Epoch caps (early stopping below them); None: the evaluator's automatic cap.
+    clf_epochs, feat_epochs = (1, 3) if args.quick else (None, None)
     n_syn = args.synthetic if args.synthetic is not None else (200 if args.quick else train.n)
     out = Path(args.out) / ("quick" if args.quick else "full")
     print(f"train {train.n} images, held-out {heldout.n}; seeds {seeds}; synthetic {n_syn} per run; out {out}")
 
     # One feature network for every FD: trained once on the held-out images (as feta_release.evaluation does).
     feature_net = train_classifier(heldout, feat_epochs, 0)
+    ceiling = real_ceiling(heldout, train, 0, epochs=clf_epochs)  # the same classifier on the real training images
+    print(f"real-data ceiling: {ceiling.accuracy:.3f} ({ceiling.protocol})")
     rows = []
     t_all = time.perf_counter()
     jobs = []
@@ -152,10 +155,12 @@ def main() -> None:
         z = np.load(run_dir / "synthetic.npz")
         syn = ImageDataset(z["images"], z["labels"], tuple(str(c) for c in z["class_names"]), source=str(run_dir))
         ev = evaluate(syn, heldout, seed=seed, classifier_epochs=clf_epochs, feature_epochs=feat_epochs,
-                      feature_net=feature_net)
+                      feature_net=feature_net, ceiling=ceiling)
         run_json = json.loads((run_dir / "run.json").read_text())
         row = {
             "epsilon_target": eps, "method": method, "seed": seed, "accuracy": ev.accuracy, "fd": ev.fd,
+            "ceiling_accuracy": ev.ceiling_accuracy, "precision": ev.precision, "recall": ev.recall,
+            "density": ev.density, "coverage": ev.coverage,
             "epsilon": privacy["epsilon"], "per_stage_epsilon": privacy["per_stage_epsilon"],
             "dpsgd_sigma": dpsgd_sigma, "dpsgd_steps": dpsgd_steps,
             "stage_seconds": run_json.get("stage_seconds", {}), "train_seconds": seconds,

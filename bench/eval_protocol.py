@@ -49,7 +49,7 @@ def main() -> None:
     from feta_release.data import ImageDataset, load_embedded
     from feta_release.eval_protocol import PROTOCOL, balanced_labels, format_row, mean_std, protocol_splits, \
         release_only
-    from feta_release.evaluation import FD_NAME, accuracy, evaluate, train_classifier
+    from feta_release.evaluation import FD_NAME, accuracy, evaluate, real_ceiling, train_classifier
     from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
@@ -75,15 +75,18 @@ def main() -> None:
     def save() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"protocol": proto.__dict__, "rows": results}, indent=1))
-        lines = [f"mode {args.mode}; {proto.n_synthetic} synthetic images; classifier {proto.classifier_epochs} "
-                 f"epochs; {FD_NAME} (not FID)", "", "| configuration | accuracy (mean ± std) | FD | seeds |",
+        lines = [f"mode {args.mode}; {proto.n_synthetic} synthetic images; classifier epoch cap "
+                 f"{proto.classifier_epochs or 'automatic'} (early stopping); {FD_NAME} (not FID)", "",
+                 "| configuration | accuracy (mean ± std) | FD | seeds |",
                  "|---|---|---|---|"]
         lines += [format_row(k, r["acc"], r.get("fd")) for k, r in results.items() if r["acc"]]
         (out / "results.md").write_text("\n".join(lines) + "\n")
 
     ceiling = results.setdefault("real training data (ceiling)", {"acc": []})
+    ceilings = {}  # per seed, reused by evaluate(): the classifier trained on the REAL training part
     for seed in () if args.lean else proto.seeds:
-        ceiling["acc"].append(accuracy(train_classifier(train, proto.classifier_epochs, seed), real))
+        ceilings[seed] = real_ceiling(real, train, seed, epochs=proto.classifier_epochs)
+        ceiling["acc"].append(ceilings[seed].accuracy)
     save()
     for name in presets:
         cfg = load_preset(name)
@@ -106,8 +109,11 @@ def main() -> None:
             if args.lean:
                 acc, fd = accuracy(train_classifier(syn, proto.classifier_epochs, seed), real), float("nan")
             else:
-                ev = evaluate(syn, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net)
+                ev = evaluate(syn, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net,
+                              ceiling=ceilings[seed])
                 acc, fd = ev.accuracy, ev.fd
+                for k in ("precision", "recall", "density", "coverage"):
+                    row.setdefault(k, []).append(getattr(ev, k))
             row["acc"].append(acc), row["epsilon"].append(res.epsilon)
             if not args.lean:
                 row["fd"].append(fd)

@@ -8,10 +8,12 @@ One protocol, so that figures from different runs, presets and methods can be co
   ``validation`` (``mode="validation"``).
 - Synthetic images: ``n_synthetic`` (10,000) per run, exactly balanced over the classes (more samples are free:
   post-processing).
-- Classifier: ``SmallCNN`` (conv 32/64/128 + dropout, Adam lr 1e-3, batch 64), ``classifier_epochs`` epochs, no
-  augmentation, seeded; the same classifier trained on the REAL training part is the ceiling.
-- FD (classifier features): a ``SmallCNN`` trained ``feature_epochs`` on the evaluation set's real images; equal n
-  per side. Not FID.
+- Classifier: the evaluation ResNet (``feta_release.eval_classifier``: global max + mean pooling, small random
+  translations, AdamW), early-stopped on a stratified 10 % validation part of ITS OWN training images (never the
+  scored images), ``classifier_epochs`` the epoch cap (None: automatic), seeded; the same classifier trained on the
+  REAL training part is the ceiling.
+- FD (classifier features) and precision/recall/density/coverage: in the pooled features of the same network
+  trained (cap ``feature_epochs``) on the evaluation set's real images; equal n per side. Not FID.
 - Seeds: the run (training) seed and the classifier seed are the same; ``seeds`` = (0, 1, 2); figures are
   mean ± sample std (ddof = 1) over seeds.
 - Release-only baseline: the same classifier trained on ``n_synthetic`` augmented copies of the released central
@@ -37,8 +39,8 @@ Mode = Literal["validation", "test"]
 @dataclass(frozen=True)
 class Protocol:
     n_synthetic: int = 10_000
-    classifier_epochs: int = 5
-    feature_epochs: int = 20
+    classifier_epochs: int | None = None  # epoch cap; early stopping below it (None: automatic)
+    feature_epochs: int | None = None
     seeds: tuple[int, ...] = (0, 1, 2)
     heldout_fraction: float = 0.2
     split_seed: int = 0
@@ -47,7 +49,8 @@ class Protocol:
     augment_magnitude: int = 3  # release-only baseline: RandAugment magnitude bound (as the warm-up)
 
     def __post_init__(self) -> None:
-        if self.n_synthetic < 1 or self.classifier_epochs < 1 or self.feature_epochs < 1 or not self.seeds:
+        caps = [e for e in (self.classifier_epochs, self.feature_epochs) if e is not None]
+        if self.n_synthetic < 1 or any(e < 1 for e in caps) or not self.seeds:
             raise ConfigError(f"evaluation protocol: sizes, epochs and seeds must be positive/non-empty: {self}")
 
 

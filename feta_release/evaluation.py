@@ -1,20 +1,31 @@
-"""Utility and fidelity of a synthetic dataset, measured against REAL held-out images.
+"""Utility, fidelity and diversity of a synthetic dataset, measured against REAL held-out images.
 
-- Downstream accuracy: a small CNN trained on the synthetic images, tested on the real held-out
-  split (which the synthesizer never saw).
-- ``FD (classifier features)``: Fréchet distance between real held-out and synthetic images in the
-  penultimate features of the same kind of CNN trained on the real held-out images. No Inception
-  weights exist offline, so this is NOT FID and is never called that; its scale depends on the
-  feature network, so compare figures only when produced with the same real data, seed, epochs and
-  sample size (small samples inflate FD: both sides are subsampled to the same n).
+Protocol (``evaluate``; DPImageBench's rule: nothing is chosen on the real held-out images):
 
-CPU budget: the classifier is the DP-FETA evaluation CNN (conv 32/64/128, dropout, Adam) but
-trained for a few epochs only (default 5; lr 1e-3 rather than the papers' 3e-4 so that few epochs
-suffice: 3 epochs on the embedded 4,000 training images gave 93.5% held-out accuracy with 1e-3 and
-87.7% with 3e-4, ~8 s on one busy core). The feature network trains 20 epochs on the 1,000 held-out
-images (~10-20 s); in its features, against the embedded held-out split at n = 1,000 per side, we
-measured: real vs real 3.8, real + N(0, 0.1) 8.6, + N(0, 0.2) 59, digits 0-4 only 461, uniform
-noise 1,090.
+- Downstream accuracy: the evaluation classifier (:mod:`feta_release.eval_classifier`: a small ResNet with global
+  max + mean pooling, so a few-pixel finding is not averaged away) is trained on the synthetic images, early-stopped
+  on a stratified 10 % validation part of the SYNTHETIC images, and scored once on the real held-out images
+  (overall and per class).
+- Real-data ceiling, reported beside every accuracy: the same classifier trained on REAL images and scored on real
+  images it never saw. With ``real_train`` (real training images disjoint from the held-out set, e.g. the split the
+  synthesizer was trained on) it is trained there and scored on the whole held-out set: the directly comparable
+  figure. Without it the held-out set is split in two stratified halves and the classifier is cross-fitted (trained
+  on one half, scored on the other, both ways; every held-out image is scored once, by the net that did not see
+  it). That ceiling is trained on only half the held-out images, so it is a LOW estimate of what real data of the
+  synthetic set's size would give, and says so in its protocol field.
+- ``FD (classifier features)``: Fréchet distance between real held-out and synthetic images in the pooled features
+  of the same kind of network trained on the real held-out images. No Inception weights exist offline, so this is
+  NOT FID and is never called that; its scale depends on the feature network, so compare figures only when
+  produced with the same real data, seed and sample size. Both sides are subsampled to the same n (FD grows as
+  samples shrink).
+- Precision / recall (Kynkäänniemi et al. 2019) and density / coverage (Naeem et al. 2020) with k = 5 nearest
+  neighbours, in the same features and on the same equal-n samples: precision and density measure fidelity (do
+  synthetic images fall where real ones lie?), recall and coverage diversity (is every part of the real
+  distribution reached?). Written here with torch (pairwise distances): no installed library computes them.
+
+Warnings name every figure that rests on too little: FD / PRDC on fewer than max(500, 5 x feature dimension)
+images per side, a feature network trained fewer than ``MIN_FEATURE_EPOCHS`` epochs or not converged, a
+classifier that hit its epoch cap before its validation loss settled, missing classes.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,88 +43,26 @@ from torch import nn
 
 from .data import ImageDataset
 from .errors import DataError
+from .eval_classifier import (
+    DEFAULT_BATCH,
+    DEFAULT_LR,
+    FitLog,
+    ResNetClassifier,
+    random_shift,
+    train_classifier,
+    validation_split,
+)
+from .training.progress import Reporter
 from .viz import save_grid
 
+__all__ = ["FD_NAME", "ResNetClassifier", "accuracy", "evaluate", "extract_features", "frechet_distance",
+           "frechet_distance_from_features", "prdc_from_features", "random_shift", "real_ceiling",
+           "train_classifier"]
+
 FD_NAME = "FD (classifier features)"
-DEFAULT_EPOCHS = 5  # downstream classifier (trained on synthetic data)
-# The feature network sees only the held-out images (1,000 for the embedded data), so it needs more
-# epochs to give features in which FD is sensitive (measured: 5 epochs -> real+N(0,0.1) barely moves FD).
-DEFAULT_FEATURE_EPOCHS = 20
-DEFAULT_LR = 1e-3
-DEFAULT_BATCH = 64
-
-
-class SmallCNN(nn.Module):
-    """Conv 32/64/128 (3x3, ReLU, 2x2 max-pool) -> 128-d hidden layer -> logits; any H, W >= 8."""
-
-    def __init__(self, in_channels: int, n_classes: int, hidden: int = 128, dropout: float = 0.25) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(in_channels, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(3),  # fixed head size whatever the image size
-            nn.Flatten(), nn.Dropout(dropout),
-            nn.Linear(128 * 9, hidden), nn.ReLU(),
-        )
-        self.head = nn.Sequential(nn.Dropout(2 * dropout), nn.Linear(hidden, n_classes))
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Penultimate (hidden-layer) features of images in [0, 1]: (B, hidden)."""
-        return self.body(x * 2.0 - 1.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
-
-def train_classifier(
-    ds: ImageDataset,
-    epochs: int = DEFAULT_EPOCHS,
-    seed: int = 0,
-    *,
-    batch_size: int = DEFAULT_BATCH,
-    lr: float = DEFAULT_LR,
-    augment: bool = False,
-) -> SmallCNN:
-    """Train a ``SmallCNN`` on ``ds`` (cross-entropy, Adam); deterministic given ``seed``.
-
-    ``augment``: random shifts of up to 2 pixels per batch (see :func:`random_shift`).
-
-    Leaves the global torch RNG as it found it. Returns the network in eval mode.
-    """
-    if ds.n == 0:
-        raise DataError(f"{ds.source}: cannot train a classifier on 0 images")
-    if epochs < 1:
-        raise DataError(f"classifier epochs must be >= 1, not {epochs}")
-    c, h, w = ds.image_shape
-    if min(h, w) < 8:
-        raise DataError(f"{ds.source}: images of {h}x{w} are too small for the evaluation classifier (min 8x8)")
-    x_all = torch.from_numpy(ds.images)
-    y_all = torch.from_numpy(ds.labels)
-    rng = np.random.default_rng(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        net = SmallCNN(c, ds.n_classes)
-        opt = torch.optim.Adam(net.parameters(), lr=lr)
-        net.train()
-        for _ in range(epochs):
-            order = torch.from_numpy(rng.permutation(ds.n))
-            for start in range(0, ds.n, batch_size):
-                idx = order[start : start + batch_size]
-                xb = random_shift(x_all[idx], 2, rng) if augment else x_all[idx]
-                loss = nn.functional.cross_entropy(net(xb), y_all[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-    return net.eval()
-
-
-def random_shift(x: torch.Tensor, max_shift: int, rng: np.random.Generator) -> torch.Tensor:
-    """Each image translated by an independent integer offset in [-max_shift, max_shift]^2 (zero fill)."""
-    n, _, h, w = x.shape
-    pad = nn.functional.pad(x, (max_shift,) * 4)
-    off = rng.integers(0, 2 * max_shift + 1, size=(n, 2))
-    return torch.stack([pad[i, :, a : a + h, b : b + w] for i, (a, b) in enumerate(off)])
+PRDC_K = 5
+MIN_FEATURE_EPOCHS = 10  # fewer: the feature space is barely trained, FD / PRDC may be insensitive
+MIN_FD_IMAGES = 500  # and at least 5 x the feature dimension (the covariance needs many more samples than dims)
 
 
 @torch.no_grad()
@@ -159,7 +109,7 @@ def downstream_accuracy(
     synthetic: ImageDataset,
     real_heldout: ImageDataset,
     *,
-    epochs: int = DEFAULT_EPOCHS,
+    epochs: int | None = None,
     seed: int = 0,
     batch_size: int = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
@@ -213,6 +163,91 @@ def frechet_distance(
     return frechet_distance_from_features(extract_features(feature_net, a), extract_features(feature_net, b))
 
 
+
+CHUNK = 1024  # rows of a pairwise-distance block: 10,000 images per side never hold a 10,000 x 10,000 matrix
+
+
+def _knn_radii(f: torch.Tensor, k: int) -> torch.Tensor:
+    """Distance from each row of ``f`` to its k-th nearest OTHER row."""
+    # k + 1: the smallest distance is the row to itself (0)
+    return torch.cat([torch.cdist(f[i : i + CHUNK], f).kthvalue(k + 1, dim=1).values for i in range(0, len(f), CHUNK)])
+
+
+def prdc_from_features(real: np.ndarray, fake: np.ndarray, k: int = PRDC_K) -> dict[str, float]:
+    """Precision, recall (Kynkäänniemi et al. 2019), density and coverage (Naeem et al. 2020) with k-NN balls.
+
+    With r_i the distance of real i to its k-th nearest real neighbour and s_j that of fake j among the fakes:
+    precision = share of fakes inside some real ball; recall = share of reals inside some fake ball;
+    density = mean over fakes of (number of real balls containing it) / k; coverage = share of reals whose ball
+    contains at least one fake. Identical sets give precision = recall = coverage = 1.
+    """
+    if len(real) <= k or len(fake) <= k:
+        raise DataError(f"precision/recall need more than k = {k} samples per side; got {len(real)} and {len(fake)}")
+    r = torch.from_numpy(np.asarray(real, np.float64))
+    f = torch.from_numpy(np.asarray(fake, np.float64))
+    r_rad, f_rad = _knn_radii(r, k), _knn_radii(f, k)
+    fake_hits = torch.zeros(len(f), dtype=torch.float64)  # real balls containing each fake
+    recalled, covered = [], []
+    for i in range(0, len(r), CHUNK):
+        d = torch.cdist(r[i : i + CHUNK], f)  # (chunk of reals, all fakes)
+        fake_hits += (d <= r_rad[i : i + CHUNK, None]).double().sum(0)
+        recalled.append((d <= f_rad[None, :]).any(1))
+        covered.append(d.min(1).values <= r_rad[i : i + CHUNK])
+    return {
+        "precision": float((fake_hits > 0).double().mean()),
+        "recall": float(torch.cat(recalled).double().mean()),
+        "density": float(fake_hits.mean() / k),
+        "coverage": float(torch.cat(covered).double().mean()),
+    }
+
+
+@dataclass
+class Ceiling:
+    """The evaluation classifier trained on REAL images, scored on real held-out images it never saw."""
+
+    accuracy: float
+    per_class_accuracy: dict[str, float]
+    protocol: str  # how it was obtained (real-train set, or cross-fitted halves of the held-out set)
+    n_train: int  # real training images per classifier
+    fits: list[dict] = field(default_factory=list)  # FitLog of each classifier
+
+
+def real_ceiling(real_heldout: ImageDataset, real_train: ImageDataset | None = None, seed: int = 0, *,
+                 epochs: int | None = None, batch_size: int = DEFAULT_BATCH, lr: float = DEFAULT_LR,
+                 reporter: Reporter | None = None) -> Ceiling:
+    """Real-data ceiling (module docstring): trained on ``real_train`` if given, else cross-fitted halves."""
+    kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter)
+    if real_train is not None:
+        check_compatible(real_train, real_heldout)
+        net = train_classifier(real_train, epochs, seed, what="ceiling: classifier on real training images", **kw)
+        pred = predict(net, real_heldout.images)
+        return Ceiling(float((pred == real_heldout.labels).mean()), _per_class(pred, real_heldout),
+                       f"trained on the {real_train.n:,} real training images, scored on the real held-out set",
+                       real_train.n, [_fit_dict(net)])
+    a, b = _halves(real_heldout, seed)
+    pred = np.empty(real_heldout.n, np.int64)
+    fits = []
+    for fit_idx, score_idx in ((a, b), (b, a)):
+        net = train_classifier(real_heldout.subset(fit_idx), epochs, seed,
+                               what="ceiling: classifier on half the real held-out images", **kw)
+        pred[score_idx] = predict(net, real_heldout.images[score_idx])
+        fits.append(_fit_dict(net))
+    return Ceiling(float((pred == real_heldout.labels).mean()), _per_class(pred, real_heldout),
+                   "cross-fitted halves of the real held-out set (trained on one half, scored on the other, both "
+                   "ways): a low estimate, trained on half the held-out images", min(len(a), len(b)), fits)
+
+
+def _halves(ds: ImageDataset, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of two disjoint stratified halves of ``ds`` (a class with one image lies in one half only)."""
+    mask = validation_split(ds.labels, ds.n_classes, 0.5, seed)
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
+
+
+def _fit_dict(net: nn.Module) -> dict:
+    log = getattr(net, "fit_log", None)
+    return log.to_dict() if isinstance(log, FitLog) else {}
+
+
 @dataclass
 class EvaluationReport:
     accuracy: float  # real held-out accuracy of a classifier trained on the synthetic data
@@ -220,9 +255,19 @@ class EvaluationReport:
     fd_name: str = FD_NAME
     chance_accuracy: float = 0.0
     per_class_accuracy: dict[str, float] = field(default_factory=dict)
+    ceiling_accuracy: float | None = None  # the same classifier trained on real images (see ceiling_protocol)
+    ceiling_per_class_accuracy: dict[str, float] = field(default_factory=dict)
+    ceiling_protocol: str = ""
+    n_ceiling_train: int = 0
+    precision: float = float("nan")
+    recall: float = float("nan")
+    density: float = float("nan")
+    coverage: float = float("nan")
+    prdc_k: int = PRDC_K
+    feature_dim: int = 0
     n_synthetic: int = 0
     n_real: int = 0
-    n_fd: int = 0  # images per side in the FD (min of the two sizes)
+    n_fd: int = 0  # images per side in the FD and precision/recall/density/coverage (min of the two sizes)
     class_names: list[str] = field(default_factory=list)
     synthetic_class_counts: dict[str, int] = field(default_factory=dict)
     real_class_counts: dict[str, int] = field(default_factory=dict)
@@ -230,8 +275,11 @@ class EvaluationReport:
     real_source: str = ""
     synthetic_fingerprint: str = ""
     real_fingerprint: str = ""
-    classifier_epochs: int = DEFAULT_EPOCHS
-    feature_net_epochs: int = DEFAULT_FEATURE_EPOCHS
+    classifier_epochs: int = 0  # epochs the synthetic-data classifier ran (early stopping)
+    feature_net_epochs: int | None = None  # epochs the feature network ran (None: supplied without a FitLog)
+    classifier_fit: dict = field(default_factory=dict)
+    feature_net_fit: dict = field(default_factory=dict)
+    ceiling_fits: list[dict] = field(default_factory=list)
     seed: int = 0
     grid_path: str | None = None
     warnings: list[str] = field(default_factory=list)
@@ -247,7 +295,8 @@ class EvaluationReport:
         class counts, per-class accuracies (their denominators are the class counts), its source path and its plain
         hash (whoever has a candidate set could test it); in its place a commitment salted with ``salt``, which
         the evaluator keeps (``heldout_commitment`` opens it)."""
-        keep = ("accuracy", "fd", "fd_name", "chance_accuracy", "n_synthetic", "class_names", "synthetic_class_counts",
+        keep = ("accuracy", "fd", "fd_name", "chance_accuracy", "ceiling_accuracy", "ceiling_protocol", "precision",
+                "recall", "density", "coverage", "prdc_k", "n_synthetic", "class_names", "synthetic_class_counts",
                 "synthetic_source", "synthetic_fingerprint", "classifier_epochs", "feature_net_epochs", "seed",
                 "warnings")
         doc = {k: v for k, v in asdict(self).items() if k in keep}
@@ -272,70 +321,113 @@ def heldout_commitment(fingerprint: str, salt: bytes) -> str:
     return hashlib.sha256(b"feta-heldout-commitment-v1\n" + salt + fingerprint.encode("ascii")).hexdigest()
 
 
+def _fit_warnings(what: str, fit: dict, option: str) -> list[str]:
+    if fit.get("stopped") == "max_epochs":
+        return [f"{what} stopped at its cap of {fit['max_epochs']} epochs before its validation loss settled (not "
+                f"converged): raise the cap ({option})"]
+    if fit.get("stopped") == "no_validation":
+        return [f"{what} had too few images for a validation part: no early stopping, trained {fit['epochs']} "
+                "epochs"]
+    return []
+
+
+def _warnings(synthetic: ImageDataset, n_fd: int, feature_dim: int, fits: dict[str, dict],
+              ceiling: Ceiling | None) -> list[str]:
+    out: list[str] = []
+    missing = [synthetic.class_names[c] for c in np.flatnonzero(synthetic.class_counts() == 0)]
+    if missing:
+        out.append(f"synthetic data has no images of class(es) {missing}; accuracy on them will be ~0")
+    need = max(MIN_FD_IMAGES, 5 * feature_dim)
+    if n_fd < need:
+        out.append(f"FD, precision, recall, density and coverage rest on only {n_fd} images per side (< {need} = "
+                   f"max({MIN_FD_IMAGES}, 5 x the {feature_dim}-d features)): they are noisy and FD is inflated")
+    feat = fits.get("feature network", {})
+    if feat and feat["epochs"] < MIN_FEATURE_EPOCHS:
+        out.append(f"the feature network trained only {feat['epochs']} epochs (< {MIN_FEATURE_EPOCHS}): FD and "
+                   "precision/recall/density/coverage may not separate good from bad synthetic images")
+    if not feat:
+        out.append("the feature network was supplied without a training log: its convergence is unknown")
+    out += _fit_warnings("the classifier trained on synthetic images", fits["classifier"], "--epochs")
+    out += _fit_warnings("the feature network", feat, "--feature-epochs")
+    if ceiling is None:
+        out.append("no real-data ceiling: the accuracy has no real-data reference")
+    else:
+        for fit in ceiling.fits:
+            out += [w for w in _fit_warnings("a real-data ceiling classifier", fit, "--epochs") if w not in out]
+    return out
+
+
+def _fidelity(synthetic: ImageDataset, real: ImageDataset, feature_net: nn.Module, seed: int
+              ) -> tuple[int, int, float, dict[str, float]]:
+    """(n per side, feature dim, FD, PRDC) on equal-size random subsamples of both sets."""
+    n = min(synthetic.n, real.n)
+    rng = np.random.default_rng(seed)
+    fr = extract_features(feature_net, real.images[np.sort(rng.choice(real.n, n, replace=False))])
+    fs = extract_features(feature_net, synthetic.images[np.sort(rng.choice(synthetic.n, n, replace=False))])
+    prdc = prdc_from_features(fr, fs) if n > PRDC_K else dict.fromkeys(("precision", "recall", "density",
+                                                                         "coverage"), float("nan"))
+    return n, fr.shape[1], frechet_distance_from_features(fr, fs), prdc
+
+
 def evaluate(
     synthetic: ImageDataset,
     real_heldout: ImageDataset,
     seed: int = 0,
     *,
-    classifier_epochs: int = DEFAULT_EPOCHS,
-    feature_epochs: int = DEFAULT_FEATURE_EPOCHS,
+    real_train: ImageDataset | None = None,
+    ceiling: Ceiling | bool = True,
+    classifier_epochs: int | None = None,
+    feature_epochs: int | None = None,
     feature_net: nn.Module | None = None,
     grid_path: str | Path | None = None,
     per_class: int = 10,
     batch_size: int = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
+    reporter: Reporter | None = None,
 ) -> EvaluationReport:
-    """Downstream accuracy + FD (classifier features) + per-class counts (+ a sample grid PNG).
+    """Downstream accuracy + real-data ceiling + FD and precision/recall/density/coverage (+ a sample grid PNG).
 
-    ``feature_net``: a network already trained on ``real_heldout`` (e.g. from ``train_classifier``)
-    to reuse across many evaluations against the same real data; trained here otherwise.
-    ``batch_size``/``lr`` apply to both networks trained here.
+    ``classifier_epochs`` / ``feature_epochs``: epoch caps (None: automatic; early stopping below the cap).
+    ``real_train``: real training images for the ceiling (else cross-fitted halves of ``real_heldout``).
+    ``ceiling``: True computes it, False skips it (a warning says so), a :class:`Ceiling` from
+    :func:`real_ceiling` is reused (many evaluations against the same real data).
+    ``feature_net``: a network already trained on ``real_heldout`` to reuse; trained here otherwise.
     """
     t0 = time.perf_counter()
     check_compatible(synthetic, real_heldout)
     if synthetic.n == 0:
         raise DataError(f"{synthetic.source}: no synthetic images to evaluate")
-    warnings: list[str] = []
-    counts = synthetic.class_counts()
-    missing = [synthetic.class_names[c] for c in np.flatnonzero(counts == 0)]
-    if missing:
-        warnings.append(f"synthetic data has no images of class(es) {missing}; accuracy on them will be ~0")
-    acc_net = train_classifier(synthetic, classifier_epochs, seed, batch_size=batch_size, lr=lr)
+    kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter)
+    acc_net = train_classifier(synthetic, classifier_epochs, seed, what="classifier on synthetic images", **kw)
     pred = predict(acc_net, real_heldout.images)
+    ceil = ceiling if isinstance(ceiling, Ceiling) else (
+        real_ceiling(real_heldout, real_train, seed, epochs=classifier_epochs, **kw) if ceiling else None)
     if feature_net is None:
-        feature_net = train_classifier(real_heldout, feature_epochs, seed, batch_size=batch_size, lr=lr)
-    # Equal n per side: FD grows as samples shrink, so unequal n would bias the comparison.
-    n_fd = min(synthetic.n, real_heldout.n)
-    rng = np.random.default_rng(seed)
-    ri = np.sort(rng.choice(real_heldout.n, n_fd, replace=False))
-    si = np.sort(rng.choice(synthetic.n, n_fd, replace=False))
-    fd = frechet_distance(real_heldout.images[ri], synthetic.images[si], feature_net)
+        feature_net = train_classifier(real_heldout, feature_epochs, seed,
+                                       what="feature network on real held-out images", **kw)
+    n_fd, dim, fd, prdc = _fidelity(synthetic, real_heldout, feature_net, seed)
+    fits = {"classifier": _fit_dict(acc_net), "feature network": _fit_dict(feature_net)}
     grid = None
     if grid_path is not None:
-        grid = str(
-            save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class, n_classes=synthetic.n_classes,
-                      class_names=synthetic.class_names,
-                      title=f"synthetic images evaluated (n = {synthetic.n}; ε: see the release's certificate)")
-        )
+        grid = str(save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class,
+                             n_classes=synthetic.n_classes, class_names=synthetic.class_names,
+                             title=f"synthetic images evaluated (n = {synthetic.n}; ε: see the release's certificate)"))
     return EvaluationReport(
-        accuracy=float((pred == real_heldout.labels).mean()),
-        fd=fd,
-        chance_accuracy=1.0 / real_heldout.n_classes,
+        accuracy=float((pred == real_heldout.labels).mean()), fd=fd, chance_accuracy=1.0 / real_heldout.n_classes,
         per_class_accuracy=_per_class(pred, real_heldout),
-        n_synthetic=synthetic.n,
-        n_real=real_heldout.n,
-        n_fd=n_fd,
+        ceiling_accuracy=ceil.accuracy if ceil else None,
+        ceiling_per_class_accuracy=ceil.per_class_accuracy if ceil else {},
+        ceiling_protocol=ceil.protocol if ceil else "", n_ceiling_train=ceil.n_train if ceil else 0,
+        precision=prdc["precision"], recall=prdc["recall"], density=prdc["density"],
+        coverage=prdc["coverage"], feature_dim=dim, n_synthetic=synthetic.n, n_real=real_heldout.n, n_fd=n_fd,
         class_names=list(synthetic.class_names),
-        synthetic_class_counts={n: int(c) for n, c in zip(synthetic.class_names, counts)},
+        synthetic_class_counts={n: int(c) for n, c in zip(synthetic.class_names, synthetic.class_counts())},
         real_class_counts={n: int(c) for n, c in zip(real_heldout.class_names, real_heldout.class_counts())},
-        synthetic_source=synthetic.source,
-        real_source=real_heldout.source,
-        synthetic_fingerprint=synthetic.fingerprint(),
-        real_fingerprint=real_heldout.fingerprint(),
-        classifier_epochs=classifier_epochs,
-        feature_net_epochs=feature_epochs,
-        seed=seed,
-        grid_path=grid,
-        warnings=warnings,
-        seconds=time.perf_counter() - t0,
+        synthetic_source=synthetic.source, real_source=real_heldout.source,
+        synthetic_fingerprint=synthetic.fingerprint(), real_fingerprint=real_heldout.fingerprint(),
+        classifier_epochs=int(acc_net.fit_log.epochs) if acc_net.fit_log else 0,
+        feature_net_epochs=fits["feature network"].get("epochs"),
+        classifier_fit=fits["classifier"], feature_net_fit=fits["feature network"],
+        ceiling_fits=ceil.fits if ceil else [], seed=seed, grid_path=grid,
+        warnings=_warnings(synthetic, n_fd, dim, fits, ceil), seconds=time.perf_counter() - t0,
     )

@@ -83,4 +83,7 @@ def test_mean_std_and_protocol_reject_bad_input() -> None:
         mean_std([0.5, float("nan")])
     with pytest.raises(ConfigError):
         Protocol(seeds=())
+    with pytest.raises(ConfigError):
+        Protocol(classifier_epochs=0)  # an epoch cap, when given, is at least 1; None is the automatic cap
+    assert Protocol(classifier_epochs=None, feature_epochs=None).classifier_epochs is None
     assert format_row("x", [0.5, 0.7], [10.0, 30.0]) == "| x | 0.600 ± 0.141 | 20 ± 14 | 2 |"

@@ -1,4 +1,5 @@
-"""Evaluation: classifier, FD (classifier features), evaluate(), the sample grid and the CLI."""
+"""Evaluation: the classifier (local findings, early stopping), the real-data ceiling, FD (classifier features),
+precision/recall/density/coverage, evaluate(), the sample grid and the CLI."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from feta_release.data import ImageDataset, load_embedded, save_npz, train_heldout_split
 from feta_release.errors import DataError
+from feta_release.eval_classifier import validation_split
 from feta_release.evaluation import (
     FD_NAME,
     accuracy,
@@ -19,9 +23,13 @@ from feta_release.evaluation import (
     extract_features,
     frechet_distance,
     frechet_distance_from_features,
+    per_class_accuracy,
+    prdc_from_features,
     train_classifier,
 )
 from feta_release.viz import grid_array, save_grid
+
+from tests.finding_images import finding_images
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,12 +131,24 @@ def test_evaluate_report_and_grid(split, feature_net, tmp_path: Path) -> None:
     assert set(report.per_class_accuracy) == set(heldout.class_names)
     assert Path(report.grid_path).is_file()
     json.dumps(report.to_dict())  # JSON-ready
-    # Uniform noise labelled like the real data: chance-level accuracy and a far larger FD.
+    # No real training set given: the ceiling is cross-fitted on the two halves of the held-out set.
+    assert "cross-fitted halves" in report.ceiling_protocol and report.n_ceiling_train == 500
+    assert report.ceiling_accuracy is not None and report.ceiling_accuracy > 0.6
+    assert set(report.ceiling_per_class_accuracy) == set(heldout.class_names) and len(report.ceiling_fits) == 2
+    assert report.precision > 0.5 and report.recall > 0.5 and report.coverage > 0.5, report
+    # Every figure resting on too little says so: 500 images per side < 5 x the 128-d features, a 5-epoch
+    # feature network, classifiers cut at 3 epochs.
+    said = " | ".join(report.warnings)
+    assert "rest on only 500 images per side (< 640" in said and "trained only 5 epochs" in said
+    assert "stopped at its cap of 3 epochs" in said
+    # Uniform noise labelled like the real data: chance-level accuracy, a far larger FD, no fidelity.
     rng = np.random.default_rng(1)
     junk = ImageDataset(rng.random(synth.images.shape, dtype=np.float32), synth.labels, synth.class_names, "noise")
-    bad = evaluate(junk, heldout, seed=0, **fast)
+    bad = evaluate(junk, heldout, seed=0, ceiling=False, **fast)
     assert report.accuracy > 0.6 and bad.accuracy < 0.3
     assert bad.fd > 10 * report.fd
+    assert bad.precision < 0.1 and bad.coverage < 0.1, bad
+    assert bad.ceiling_accuracy is None and any("no real-data ceiling" in w for w in bad.warnings)
 
 
 def test_class_names_and_shapes_must_match(split) -> None:
@@ -190,6 +210,8 @@ def test_cli_evaluate_run_dir_and_real_npz(split, tmp_path: Path, capsys) -> Non
     assert code == 0, err
     info = json.loads(out)
     assert info["n_synthetic"] == 200 and info["n_real"] == 200 and info["fd_name"] == FD_NAME
+    assert info["ceiling_accuracy"] is not None and info["n_ceiling_train"] == 100  # halves of the 200
+    assert all(0.0 <= info[k] <= 1.0 for k in ("precision", "recall", "coverage"))
     assert (tmp_path / "run" / "evaluation" / "samples.png").is_file()
     shared = json.loads((tmp_path / "run" / "evaluation" / "evaluation.json").read_text())
     assert shared["fd"] == info["fd"] and "not differentially private" in shared["not_dp"]
@@ -217,9 +239,180 @@ def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, cap
                               "--out", str(tmp_path / "ev")], capsys)
     assert code == 0, err
     assert "held-out split of the embedded data" in err and "FD (classifier features)" in out
-    assert (tmp_path / "ev" / "evaluation.json").is_file()
+    report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert report["n_ceiling_train"] == 4000 and "real training images" in report["ceiling_protocol"]
     (folder / "9").rename(folder / "nine")
     code, _, err = run_cli(["evaluate", str(folder), "--epochs", "1"], capsys)
     assert code == 3 and "class names differ" in err
     code, _, err = run_cli(["evaluate", str(tmp_path / "missing")], capsys)
     assert code == 3 and "no such file" in err
+
+
+# -- a classifier that keeps local evidence -----------------------------------------------------
+@pytest.mark.slow
+def test_classifier_recognises_a_small_local_finding() -> None:
+    """One class differs from "normal" only by a 2x2 bright spot at a random place on a noisy textured 48x48
+    background: an averaging classifier (the former SmallCNN: 63 % on it, 34 % on normal) cannot learn it; one with
+    global max pooling must, early-stopped on its own training images."""
+    train, test = finding_images(200, 48, seed=0), finding_images(100, 48, seed=1)
+    net = train_classifier(train, seed=0)
+    per_class = per_class_accuracy(net, test)
+    assert per_class["finding"] >= 0.9 and per_class["normal"] >= 0.8, per_class  # found, and not everywhere
+    log = net.fit_log
+    assert log is not None and log.converged and log.n_validation == 60 and log.best_epoch <= log.epochs
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=8), fraction=st.sampled_from([0.1, 0.5]),
+       seed=st.integers(0, 1000))
+def test_validation_part_is_stratified_and_leaves_every_class_in_training(counts: list[int], fraction: float,
+                                                                           seed: int) -> None:
+    shuffled = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(counts)), counts))
+    mask = validation_split(shuffled, len(counts), fraction, seed)
+    for c, n_c in enumerate(counts):
+        held = int(mask[shuffled == c].sum())
+        if n_c < 2:
+            assert held == 0  # a lone image stays in training
+        else:
+            assert 1 <= held <= n_c - 1 and abs(held - fraction * n_c) <= 1
+
+
+# -- precision / recall / density / coverage ----------------------------------------------------
+def _prdc_by_definition(real: np.ndarray, fake: np.ndarray, k: int) -> dict[str, float]:
+    """The four figures straight from the papers' formulas, with explicit loops."""
+    def radius(x: np.ndarray, i: int) -> float:
+        return float(np.sort(np.linalg.norm(x - x[i], axis=1))[k])  # index k: the 0 to itself is index 0
+
+    rr = [radius(real, i) for i in range(len(real))]
+    fr = [radius(fake, j) for j in range(len(fake))]
+    d = np.array([[np.linalg.norm(r - f) for f in fake] for r in real])
+    return {
+        "precision": np.mean([any(d[i, j] <= rr[i] for i in range(len(real))) for j in range(len(fake))]),
+        "recall": np.mean([any(d[i, j] <= fr[j] for j in range(len(fake))) for i in range(len(real))]),
+        "density": np.mean([sum(d[i, j] <= rr[i] for i in range(len(real))) for j in range(len(fake))]) / k,
+        "coverage": np.mean([d[i].min() <= rr[i] for i in range(len(real))]),
+    }
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), n_real=st.integers(8, 40), n_fake=st.integers(8, 40), d=st.integers(1, 6))
+def test_prdc_equals_the_papers_formulas(seed: int, n_real: int, n_fake: int, d: int) -> None:
+    rng = np.random.default_rng(seed)
+    real, fake = rng.standard_normal((n_real, d)), rng.standard_normal((n_fake, d)) + rng.uniform(0, 2)
+    got, want = prdc_from_features(real, fake, k=3), _prdc_by_definition(real, fake, 3)
+    assert got == pytest.approx(want, abs=1e-12)
+
+
+def _mixture(rng: np.random.Generator, n_per: int, centres: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    labels = np.repeat(np.arange(len(centres)), n_per)
+    return centres[labels] + rng.standard_normal((len(labels), centres.shape[1])), labels
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), d=st.integers(4, 32), n_classes=st.integers(2, 6))
+def test_prdc_sees_identity_collapse_and_shift(seed: int, d: int, n_classes: int) -> None:
+    rng = np.random.default_rng(seed)
+    centres = 6.0 * rng.standard_normal((n_classes, d))
+    real, labels = _mixture(rng, 60, centres)
+    same = prdc_from_features(real, real.copy())
+    assert same["precision"] == same["recall"] == same["coverage"] == 1.0
+    # Collapsed to one prototype per class (a single exemplar of each class, repeated): every synthetic image is
+    # faithful, but a real image is covered only if the exemplar is among its k nearest neighbours.
+    protos = np.stack([real[rng.choice(np.flatnonzero(labels == c))] for c in range(n_classes)])[labels]
+    collapsed = prdc_from_features(real, protos)
+    assert collapsed["precision"] == 1.0 and collapsed["recall"] <= 0.05 and collapsed["coverage"] <= 0.4, collapsed
+    # Shifted far from the real data: no fidelity.
+    shifted = prdc_from_features(real, _mixture(rng, 60, centres)[0] + 8.0)
+    assert shifted["precision"] <= 0.05 and shifted["density"] <= 0.05, shifted
+    fresh = prdc_from_features(real, _mixture(rng, 60, centres)[0])  # a new sample of the same distribution
+    assert min(fresh["precision"], fresh["recall"], fresh["coverage"]) >= 0.6, fresh
+
+
+def test_prdc_does_not_depend_on_the_distance_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    import feta_release.evaluation as ev
+
+    rng = np.random.default_rng(0)
+    real, fake = rng.standard_normal((300, 5)), rng.standard_normal((250, 5)) + 0.3
+    whole = prdc_from_features(real, fake)
+    monkeypatch.setattr(ev, "CHUNK", 7)  # blocks that do not divide either size
+    assert prdc_from_features(real, fake) == whole == pytest.approx(_prdc_by_definition(real, fake, 5), abs=1e-12)
+
+
+def test_prdc_needs_more_than_k_samples() -> None:
+    with pytest.raises(DataError, match="more than k = 5"):
+        prdc_from_features(np.zeros((5, 2)), np.zeros((10, 2)))
+
+
+def test_cli_evaluate_writes_the_report_beside_an_npz_and_checks_the_real_training_set(split, tmp_path: Path,
+                                                                                        capsys) -> None:
+    train, heldout = split
+    save_npz(train.subset(np.arange(0, train.n, 40)), tmp_path / "syn.npz")
+    save_npz(heldout.subset(np.arange(0, heldout.n, 5)), tmp_path / "real.npz")
+    save_npz(train.subset(np.arange(1, train.n, 40)), tmp_path / "real-train.npz")
+    base = ["evaluate", str(tmp_path / "syn.npz"), "--real", str(tmp_path / "real.npz"), "--epochs", "1",
+            "--feature-epochs", "1", "--no-progress"]
+    code, out, err = run_cli([*base, "--real-train", str(tmp_path / "real-train.npz")], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "syn-evaluation" / "evaluation.json").read_text())
+    assert report["n_ceiling_train"] == 100 and "real training images" in report["ceiling_protocol"]
+    assert "real-data ceiling" in out and "precision / recall" in out and "warning:" in out
+    assert report["report_path"] == str(tmp_path / "syn-evaluation" / "evaluation.json")
+    assert any("rest on only 100 images per side" in w for w in report["warnings"])
+    # A real training set that shares images with the held-out set would score the ceiling on what it saw.
+    code, _, err = run_cli([*base, "--real-train", str(tmp_path / "real.npz")], capsys)
+    assert code == 3 and "shares images with --real" in err
+
+
+def test_cli_evaluate_help_names_the_protocol(capsys) -> None:
+    code, out, _ = run_cli(["evaluate", "--help"], capsys)
+    assert code == 0
+    for phrase in ("--real-train", "--progress / --no-progress", "cross-fitted", "Epoch cap", "precision/recall",
+                   "evaluation.json"):
+        assert phrase in out, phrase
+
+
+# -- the real-data ceiling ----------------------------------------------------------------------
+class _Memoriser(torch.nn.Module):
+    """A "classifier" that knows the label of every image it was trained on and nothing else (class 0 otherwise)."""
+
+    def __init__(self, ds: ImageDataset) -> None:
+        super().__init__()
+        self.seen = {img.tobytes(): int(label) for img, label in zip(ds.images, ds.labels)}
+        self.n_classes = ds.n_classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(x), self.n_classes)
+        for i, img in enumerate(x.numpy()):
+            if img.tobytes() in self.seen:
+                out[i, self.seen[img.tobytes()]] = 1.0
+        return out
+
+
+def test_ceiling_never_scores_an_image_its_classifier_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memorising classifier gets credit only for images it was trained on; no held-out image has class 0, so
+    the ceiling must be exactly 0 both cross-fitted and with a real training set (and 1 if it were scored on its
+    own training images)."""
+    import feta_release.evaluation as ev
+
+    monkeypatch.setattr(ev, "train_classifier", lambda ds, *a, **k: _Memoriser(ds))
+    rng = np.random.default_rng(0)
+    labels = rng.integers(1, 4, 120)
+    real = ImageDataset(rng.random((120, 1, 8, 8), dtype=np.float32), labels, ("0", "1", "2", "3"), "real")
+    crossed = ev.real_ceiling(real, seed=3)
+    assert crossed.accuracy == 0.0 and crossed.n_train >= 55 and "cross-fitted" in crossed.protocol
+    other = ImageDataset(rng.random((50, 1, 8, 8), dtype=np.float32), rng.integers(1, 4, 50), real.class_names, "t")
+    assert ev.real_ceiling(real, other).accuracy == 0.0
+    assert ev.real_ceiling(real, real).accuracy == 1.0  # the memoriser does score what it saw
+
+
+@pytest.mark.parametrize(("shape", "n_classes", "dim"), [((1, 28, 28), 10, 128), ((3, 32, 32), 2, 128),
+                                                         ((1, 64, 64), 4, 128), ((3, 128, 96), 100, 256),
+                                                         ((1, 48, 48), 30, 192)])
+def test_network_adapts_to_image_size_channels_and_classes(shape: tuple[int, int, int], n_classes: int,
+                                                           dim: int) -> None:
+    from feta_release.eval_classifier import ResNetClassifier
+
+    net = ResNetClassifier(shape[0], n_classes, shape[1:]).eval()
+    x = torch.rand(2, *shape)
+    with torch.no_grad():
+        assert net(x).shape == (2, n_classes) and net.features(x).shape == (2, dim) == (2, net.feature_dim)

@@ -239,8 +239,10 @@ def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, cap
                               "--out", str(tmp_path / "ev")], capsys)
     assert code == 0, err
     assert "held-out split of the embedded data" in err and "FD (classifier features)" in out
-    report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    report = json.loads((tmp_path / "ev" / "evaluation-private.json").read_text())  # the evaluator's own copy
     assert report["n_ceiling_train"] == 4000 and "real training images" in report["ceiling_protocol"]
+    shared = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert "n_ceiling_train" not in shared and "real training images" in shared["ceiling_protocol"]
     (folder / "9").rename(folder / "nine")
     code, _, err = run_cli(["evaluate", str(folder), "--epochs", "1"], capsys)
     assert code == 3 and "class names differ" in err
@@ -353,10 +355,10 @@ def test_cli_evaluate_writes_the_report_beside_an_npz_and_checks_the_real_traini
             "--feature-epochs", "1", "--no-progress"]
     code, out, err = run_cli([*base, "--real-train", str(tmp_path / "real-train.npz")], capsys)
     assert code == 0, err
-    report = json.loads((tmp_path / "syn-evaluation" / "evaluation.json").read_text())
+    report = json.loads((tmp_path / "syn-evaluation" / "evaluation-private.json").read_text())
     assert report["n_ceiling_train"] == 100 and "real training images" in report["ceiling_protocol"]
     assert "real-data ceiling" in out and "precision / recall" in out and "warning:" in out
-    assert report["report_path"] == str(tmp_path / "syn-evaluation" / "evaluation.json")
+    assert (tmp_path / "syn-evaluation" / "evaluation.json").is_file()  # the shareable figures
     assert any("rest on only 100 images per side" in w for w in report["warnings"])
     # A real training set that shares images with the held-out set would score the ceiling on what it saw.
     code, _, err = run_cli([*base, "--real-train", str(tmp_path / "real.npz")], capsys)

@@ -189,11 +189,13 @@ def append_event(path: Path, ev: dict[str, Any]) -> None:
 
 
 class JobDriver:
+    anchors: AnchorStore | None = None  # the sites' last attested ledger positions (None: not checked)
+
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
                  poll_interval: float = 1.0, anchors: AnchorStore | None = None) -> None:
         self.grid = grid
-        self.anchors = anchors  # the sites' last attested ledger positions (None: not checked, an in-memory test)
+        self.anchors = anchors
         self.signed_job = signed_job
         embedded = signed_job.get("signature", {}).get("public_key") if isinstance(signed_job, dict) else None
         keys = [coordinator_key.public_key()] if coordinator_key is not None else ([embedded] if embedded else [])

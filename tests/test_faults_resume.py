@@ -40,3 +40,27 @@ def test_other_jobs_removes_each_event_of_the_job_once():
     a, b = {"stage": "dpsgd", "sigma": 1.0}, {"stage": "central", "sigma": 5.0}
     assert other_jobs([b, a, a, b], [a, b]) == [a, b]
     assert other_jobs([a], []) == [a] and other_jobs([a], [a]) == []
+
+
+def test_a_site_down_when_the_others_attested_attests_when_the_finished_job_is_run_again(tmp_path):
+    from feta_release.federation import messages as fm
+
+    fed = prepare_federation(tmp_path / "fed", tiny_sites(3))
+    signed, _ = sign_job_file(fed, tiny_job(federation={"rounds": 1, "local_steps": 1}), "job-att")
+    down_at_attest = {"site-c": lambda m: m.metadata.message_type == "query.attest"}
+    first = run_harness_job(fed, harness(fed, fail_on=down_at_attest), signed, tmp_path / "out")
+    assert set(first.attestations) == {"site-a", "site-b"}  # closed at a and b, open at c
+    rows = {s.site_id: len(_requests(s)) for s in fed.sites}
+    forget_sites()
+    grid = harness(fed)
+    again = run_harness_job(fed, grid, signed, tmp_path / "out")  # the same --out, site-c back
+    assert set(again.attestations) == {"site-a", "site-b", "site-c"}
+    assert {s.site_id: len(_requests(s)) for s in fed.sites} == rows  # nothing released or charged again
+    assert not [m for m in grid.sent if m.metadata.message_type == fm.TRAIN]
+    for sid in ("site-a", "site-b"):  # the closed sites signed the same history again
+        assert again.attestations[sid]["statement"]["events"] == first.attestations[sid]["statement"]["events"]
+
+
+def _requests(site):
+    with Ledger(site.ledger) as led:
+        return led.requests()

@@ -13,6 +13,7 @@ from feta_release.ledger import Ledger
 from .federation_fixtures import harness, run_harness_job, tiny_job, tiny_sites
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_at_a_site_whose_lifetime_cap_fits_it_once(tmp_path, monkeypatch):
     import feta_release.federation.checkpoint_io as ck
 
@@ -42,6 +43,7 @@ def test_other_jobs_removes_each_event_of_the_job_once():
     assert other_jobs([a], []) == [a] and other_jobs([a], [a]) == []
 
 
+@pytest.mark.slow
 def test_a_site_down_when_the_others_attested_attests_when_the_finished_job_is_run_again(tmp_path):
     from feta_release.federation import messages as fm
 

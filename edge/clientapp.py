@@ -60,7 +60,9 @@ def hello(msg: Message, context: Context) -> Message:
     """Identify the site for a job: site id, public size, its signed policy, what it has spent (no release)."""
     site = site_for(context.node_config)
     doc, _ = fm.read_payload(msg.content)
-    job = verified_job(site, doc)
+    # a hello releases nothing: it is answered for a closed job too, so that a re-run of a finished job can collect
+    # the attestation of a site that was down when the others attested (every release of it stays refused)
+    job = verified_job(site, doc, attesting=True)
     reply = {
         "site_id": site.site_id,
         "dataset_size": site.n_public,  # the policy's public nominal size, never the exact count

@@ -5,17 +5,20 @@ the coordinator, two per-site DP-SGD rounds), run by the real ``feta-release coo
 SuperLink and three real ``node start`` processes, with these faults, each at a point read off the processes' own
 records (a worker's log, a ledger row, the job's progress log), never off a clock:
 
-1. site-c's whole node is SIGKILLed during the secure sum, right after it handed over its masked vector:
-   the threshold (2 of 3) recovers its masks and the sum is decoded;
+1. site-c's whole node is SIGKILLed during the secure sum, right after its worker computed its masked vector (charged):
+   the sum is decoded without it (its pairwise masks rebuilt from the others' shares, threshold 2 of 3), or with it
+   when its vector left before the kill;
 2. the coordinator (SuperLink, ServerApp and ``coordinator run``) is SIGKILLed during the warm-up; it is
    started again, site-c's node too, and ``coordinator run`` with the same ``--out`` resumes;
 3. site-b's worker is SIGKILLed mid-request, after its ledger charged DP-SGD round 1 and before the answer was
    recorded: that round goes on without site-b (the site refuses to run a charged request twice);
 4. site-c's node is SIGKILLed during DP-SGD round 2 (charged, computing): the round goes on without it.
 
-The job completes. Every site's ledger holds each release once (no request charged twice, no release charged
-under a second request id), every file of the job directory reads back whole, and each site's attested epsilon
-is at most what the plan said. Slow (real processes, minutes), bounded by timeouts at every wait."""
+The job completes without site-c's attestation (it was down); site-c's node comes back and the same command again
+resumes: nothing is trained or charged again, and site-c attests. Every site's ledger holds each release once (no
+request charged twice, no release charged under a second request id), every file of the job directory reads back
+whole, and each site's attested epsilon is at most what the plan said. Slow (real processes, minutes), bounded by
+timeouts at every wait."""
 
 from __future__ import annotations
 
@@ -229,15 +232,37 @@ def test_nodes_a_worker_and_the_coordinator_killed_mid_job_complete_it_without_a
               poll=0.005)
         nodes.pop("site-c").kill()
         code, text = co.wait(900)
+        assert code == 0, text[-3000:]
+        first = json.loads((out / "job_summary.json").read_text())
+        # the job is done, but site-c was down when the sites attested: no statement of its spend yet
+        assert first["rounds"] == 2 and first["skipped"] == {"0": ["site-b"], "1": ["site-c"]}
+        assert set(first["site_epsilon"]) == {"site-a", "site-b"}
+        assert any(e.get("site") == "site-c" and e["phase"] == "attest" for e in _events(out))
+        # site-c comes back; the same command again: nothing is trained or charged again, site-c attests
+        nodes["site-c"] = Node(fed.site("site-c"), port, tmp_path / "site-c.log")
+        rows = _rows(fed)
+        co.submit()
+        code, text = co.wait(900)
     finally:
         co.kill()
         for n in nodes.values():
             n.stop()
     assert code == 0, text[-3000:]
     summary = json.loads((out / "job_summary.json").read_text())
-    assert summary["rounds"] == 2 and summary["skipped"] == {"0": ["site-b"], "1": ["site-c"]}
+    assert summary["rounds"] == 2 and summary["skipped"] == first["skipped"]
+    assert set(summary["site_epsilon"]) == {"site-a", "site-b", "site-c"} and _rows(fed) == rows
     _check_files(out)
     _check_no_double_charge(fed, out, summary)
+
+
+def _rows(fed: Any) -> dict[str, int]:
+    from feta_release.ledger import Ledger
+
+    out = {}
+    for s in fed.sites:
+        with Ledger(s.ledger) as led:
+            out[s.site_id] = len(led.requests())
+    return out
 
 
 def _check_files(out: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class SiteInfo:
     n_classes: int
     class_names: list[str]
     lifetime_events: list[dict[str, Any]] = field(default_factory=list)
+    job_events: list[dict[str, Any]] = field(default_factory=list)  # this job's, already charged (a resumed job)
 
 
 @dataclass
@@ -162,6 +164,20 @@ def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> s
         if wrong else None
 
 
+def other_jobs(lifetime: list[dict[str, Any]], job: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``lifetime`` without ``job`` (a sub-multiset of it: the same ledger's rows), each of ``job``'s events removed
+    once. Identical events are interchangeable for the accountant, so which copy goes does not matter."""
+    left = Counter(json.dumps(e, sort_keys=True) for e in job)
+    out = []
+    for e in lifetime:
+        k = json.dumps(e, sort_keys=True)
+        if left[k] > 0:
+            left[k] -= 1
+        else:
+            out.append(e)
+    return out
+
+
 def append_event(path: Path, ev: dict[str, Any]) -> None:
     """One line of ``progress.jsonl``. A coordinator killed mid-line left a torn last line: it is ended first, so that
     this event (and every later one) stays a line of its own that a reader can parse."""
@@ -173,11 +189,13 @@ def append_event(path: Path, ev: dict[str, Any]) -> None:
 
 
 class JobDriver:
+    anchors: AnchorStore | None = None  # the sites' last attested ledger positions (None: not checked)
+
     def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
                  progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
                  poll_interval: float = 1.0, anchors: AnchorStore | None = None) -> None:
         self.grid = grid
-        self.anchors = anchors  # the sites' last attested ledger positions (None: not checked, an in-memory test)
+        self.anchors = anchors
         self.signed_job = signed_job
         embedded = signed_job.get("signature", {}).get("public_key") if isinstance(signed_job, dict) else None
         keys = [coordinator_key.public_key()] if coordinator_key is not None else ([embedded] if embedded else [])
@@ -301,7 +319,8 @@ class JobDriver:
         shape, names = ((tuple(d.image_shape), list(d.class_names)) if d is not None
                         else (tuple(doc["image_shape"]), list(doc["class_names"])))
         self.sites[sid] = SiteInfo(sid, node, size, pol, signed, shape, len(names), names,
-                                   carried + list(doc.get("lifetime_events", [])))
+                                   carried + list(doc.get("lifetime_events", [])),
+                                   list(doc.get("job_events") or []) if isinstance(doc.get("job_events"), list) else [])
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:
@@ -315,7 +334,9 @@ class JobDriver:
                                    **site_dpsgd(s.policy))
                 planned[sid] = [request_of(e, self.cfg) for e in evs]
             policies[sid] = s.policy
-            life[sid] = events_from_list(s.lifetime_events)
+            # what the site spent on OTHER jobs: this job's own charges are part of its plan already (a resumed job
+            # counted them twice and was refused at a site whose lifetime cap fits the job once)
+            life[sid] = events_from_list(other_jobs(s.lifetime_events, s.job_events))
         try:
             job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
                                      charged=charged if self.cfg.federation.secure_aggregation else None)

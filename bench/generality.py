@@ -12,7 +12,8 @@ Columns (accuracy on REAL held-out images, mean ± std over ``--seeds``):
   (bench/dpsgd_classifier.py): the anchor a synthetic release should approach;
 - release (pipeline): ``feta-release train`` on the training part (the job given by ``--job``), its synthetic
   images scored by the evaluation classifier; beside it the ε the run's ledger spent;
-- time (sum of the row's cells) and peak RSS (the largest of the row's processes, children included).
+- time (the sum of the row's cells; the ceiling's counted in the first ε row) and peak RSS (the largest of the
+  row's processes, children included).
 
 Splits are the project's protocol (feta_release/eval_protocol.py): the generated set holds size / 0.8 images, its
 held-out 20 % (seed 0) is scored once; ``--mode validation`` scores the validation part inside train instead (for

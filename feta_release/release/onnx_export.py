@@ -23,8 +23,9 @@ as fast as the bare denoiser, with the same numbers (shared/reference/onnx-and-e
 
 The denoiser body is exported with the TorchScript exporter (dynamo=False, opset 17), which torch deprecates, on
 purpose: the torch.export-based exporter (dynamo=True, torch 2.13 + onnxscript 0.7.2) was measured on the UNet at
-channels 8 and 32, each export in a fresh process as a release runs it: 7.6-8.5 s of CPU against 1.8-2.1 s (4.0-4.4x),
-for a graph that gives the same images (max |diff| to the torch sampler 2.4e-7 with either, Heun 18 and Euler 12) at
+channels 8 and 32, each export in a fresh process as a release runs it: 7.0-8.5 s of CPU against 0.33-0.37 s with
+one torch thread (20x; 22-26 s against 1.0-1.1 s wall) and 1.8-2.1 s with torch's default threads (4x), for a
+graph that gives the same images (max |diff| to the torch sampler 2.4e-7 with either, Heun 18 and Euler 12) at
 the same onnxruntime speed. It would also add onnxscript and onnx-ir to the hash-pinned node install. Moving over
 when the TorchScript exporter goes: ``dynamo=True, opset_version=18`` with one ``torch.export.Dim`` for axis 0
 of the three inputs in ``dynamic_shapes``; its optimizer leaves no local functions and no nested

@@ -249,7 +249,10 @@ def main() -> None:
 
     den, classes, what = get_model(args)
     shape = den.image_shape
+    t0, cpu0 = time.perf_counter(), time.process_time()
     den_onnx = export_denoiser(den, shape)
+    export_s = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - cpu0}  # CPU: fair on a busy machine
+    print(f"denoiser export: {export_s['wall']:.2f} s wall, {export_s['cpu']:.2f} s CPU ({len(den_onnx.graph.node)} nodes)")
     rng = np.random.default_rng(1234)
     noise = rng.standard_normal((args.n, *shape), dtype=np.float32)
     labels = (np.arange(args.n) % len(classes)).astype(np.int64)
@@ -325,7 +328,7 @@ def main() -> None:
         err = f"{r['mean_abs_err_vs_reference']:8.4f}" if "mean_abs_err_vs_reference" in r else f"{'-':>8}"
         print(f"{r['config']:22} {r['nfe']:>4} {r['images_per_s']:7.2f} {r['images_per_s_median']:7.2f} {r['speedup']:6.2f}x "
               f"{r['max_abs_diff_vs_baseline']:7.3f} {r['mean_abs_diff_vs_baseline']:8.4f} {err} {fd:>14} {eq}")
-    out = {"model": what, "n": args.n, "results": results}
+    out = {"model": what, "n": args.n, "export_s": export_s, "results": results}
 
     if args.memory:
         ns = [int(v) for v in args.memory.split(",")]

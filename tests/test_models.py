@@ -173,15 +173,13 @@ def test_torch_func_per_example_grads_match_loop() -> None:
 
 def test_onnx_export_matches_torch(tmp_path) -> None:
     ort = pytest.importorskip("onnxruntime")
+    import onnx
+
+    from feta_release.release.onnx_export import export_denoiser
+
     d = tiny_denoiser().eval()
-    x = torch.randn(2, 1, 16, 16)
-    s = torch.tensor([0.5, 5.0])
-    y = torch.tensor([1, 3])
     path = tmp_path / "d.onnx"
-    torch.onnx.export(
-        d, (x, s, y), str(path), dynamo=False, opset_version=17, input_names=["x", "sigma", "labels"],
-        output_names=["d"], dynamic_axes={"x": {0: "b"}, "sigma": {0: "b"}, "labels": {0: "b"}, "d": {0: "b"}},
-    )
+    onnx.save(export_denoiser(d, (1, 16, 16)), path)  # the release's own export path
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     x3, s3, y3 = torch.randn(3, 1, 16, 16), torch.tensor([0.01, 1.0, 60.0]), torch.tensor([0, 2, 3])
     got = sess.run(None, {"x": x3.numpy(), "sigma": s3.numpy(), "labels": y3.numpy()})[0]

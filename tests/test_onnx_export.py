@@ -11,6 +11,7 @@ A wrong schedule, a missing Heun correction or an off-by-one step gives differen
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import onnx
@@ -23,6 +24,7 @@ from feta_release.models.sampler import karras_sigmas, sample  # noqa: E402
 from feta_release.release.onnx_export import (  # noqa: E402
     SamplerSettings,
     build_generator,
+    export_denoiser,
     karras_schedule,
 )
 
@@ -181,3 +183,29 @@ def test_noise_only_generator_keeps_format_1_and_two_inputs(den_onnx):
     assert [i.name for i in sd.graph.input] == ["noise", "labels", "start", "from_release"]
     with pytest.raises(Exception, match="start_sigma"):
         SamplerSettings(steps=8, start_sigma=100.0)
+
+
+class _WarnsWhileTraced(torch.nn.Module):
+    """The denoiser, plus a deprecation and a user warning of its own each time it is traced."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, sigma, labels):
+        warnings.warn("model code calls a deprecated API", DeprecationWarning, stacklevel=1)
+        warnings.warn("model code has something to say", UserWarning, stacklevel=1)
+        return self.inner(x, sigma, labels)
+
+
+def test_export_hides_only_the_exporters_own_notices(den):
+    """The TorchScript exporter's per-export notices are expected (module docstring); every other warning raised
+    while exporting - a deprecated API our model calls, anything torch has to say about it - must still reach the
+    user and the test log."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        export_denoiser(_WarnsWhileTraced(den), IMAGE_SHAPE)
+    assert {(w.category, str(w.message)) for w in seen} == {
+        (DeprecationWarning, "model code calls a deprecated API"),
+        (UserWarning, "model code has something to say"),
+    }

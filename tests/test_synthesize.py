@@ -56,8 +56,8 @@ def test_writes_per_class_pngs_and_certificate(release, keys, tmp_path):
     for rel, digest in files.items():
         data = (out / rel).read_bytes()
         assert hashlib.sha256(data).hexdigest() == digest
-        img = Image.open(out / rel)
-        assert img.mode == "L" and img.size == (IMAGE_SHAPE[2], IMAGE_SHAPE[1])
+        with Image.open(out / rel) as img:
+            assert img.mode == "L" and img.size == (IMAGE_SHAPE[2], IMAGE_SHAPE[1])
     man = json.loads((release / "manifest.json").read_text())
     assert cert["manifest"] == man
     assert cert["certificate"]["verification"]["ok"] is True

@@ -14,7 +14,7 @@ import pytest
 
 from feta_release.cli import main
 from feta_release.config import JobConfig, load_job, load_preset, preset_names, preset_text
-from feta_release.data import load_embedded, save_npz
+from feta_release.data import ImageDataset, load_embedded, save_npz
 from feta_release.job_rules import DataFacts, derive_job, sizing_size
 
 
@@ -138,16 +138,28 @@ def test_train_help_names_the_derived_job_and_the_best_presets(capsys: Any) -> N
     assert "cpu-eps1-nodpsgd" in text and "cpu-eps10-nodpsgd" in text
 
 
+@pytest.fixture(scope="module")
+def two_digits_npz(tmp_path_factory):
+    full = load_embedded()
+    sub = full.subset(np.sort(np.concatenate([np.flatnonzero(full.labels == c)[:300] for c in (0, 1)])))
+    path = tmp_path_factory.mktemp("data") / "two.npz"
+    save_npz(ImageDataset(sub.images, sub.labels, ("0", "1"), "two digits"), path)
+    return path
+
+
 @pytest.mark.slow
-def test_a_derived_job_trains_end_to_end_within_its_epsilon(digits_npz: Path, tmp_path: Path, capsys: Any) -> None:
+def test_a_derived_job_trains_end_to_end_within_its_epsilon(two_digits_npz: Path, tmp_path: Path,
+                                                            capsys: Any) -> None:
+    # 600 images of 2 classes at epsilon 3: both releases, aux-prototype cells, the shortest warm-up, 3 aux epochs
     out, saved = tmp_path / "run", tmp_path / "job.toml"
-    code, stdout, err = _run(["train", "--data", str(digits_npz), "--epsilon", "10", "--public-size", "600",
+    code, stdout, err = _run(["train", "--data", str(two_digits_npz), "--epsilon", "3", "--public-size", "600",
                               "--time-budget", "1s", "--save-job", str(saved), "--out", str(out), "--synthetic", "10",
                               "--no-release", "--no-progress", "--json"], capsys)
     assert code == 0, err
     summary = json.loads(stdout)
-    assert summary["epsilon"] <= 10.0
+    assert summary["epsilon"] <= 3.0
     job = load_job(saved)
     assert job.central.cell_rule == "aux" and job.central.cells > 1  # the generic cells ran, prototypes and all
+    assert job.frequency.sigma is not None and job.auxgen.epochs == 3
     assert JobConfig.from_dict(json.loads((out / "job.json").read_text("utf-8"))) == job.for_size(600)
     assert (out / "COMPLETE").exists()

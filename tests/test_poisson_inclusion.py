@@ -159,8 +159,10 @@ def test_secure_central_contribution_joins_at_most_q(monkeypatch):
 
 # Uniform comparisons that are not a charged subsample: conditional rounding (its bias is covered by the rounded
 # norm bound), an audit game's canary coin, the label dropout of the loss.
+# Uniform draws that are not a subsample of private data: rounding, canaries, the loss's noise levels, the rule
+# itself, and the generator of public procedural images (it draws shapes, never private records).
 NOT_SUBSAMPLES = {"feta_release/mechanisms/skellam.py", "feta_release/audit/games.py", "feta_release/models/edm.py",
-                  "feta_release/mechanisms/poisson.py"}
+                  "feta_release/mechanisms/poisson.py", "feta_release/data/procedural.py"}
 
 
 def _uniform_comparisons(path: Path) -> list[int]:

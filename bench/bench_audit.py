@@ -6,7 +6,7 @@
     python bench/bench_audit.py --sigma 2 --trials 2000000 --mechanisms "central mode"
     python bench/bench_audit.py --runs-needed --sigma 2,4,7.4,8,10   # runs an audit needs (no runs: the model)
 
-Goals (issue 16): each one-shot audit within 2x of its claim (ratio >= 0.5), the DP-SGD one-run audit in <= 10 min
+Goals: each one-shot audit within 2x of its claim (ratio >= 0.5), the DP-SGD one-run audit in <= 10 min
 on 2 cores. An audit gives a LOWER bound: a ratio below 1 is expected (the accountant is an upper bound and a
 finite number of runs cannot certify the tail); a ratio above 1 is a privacy bug.
 

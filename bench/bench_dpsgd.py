@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 
 # Time the code of THIS checkout: run as a script, sys.path[0] is bench/ and ``feta_release`` would otherwise be
-# whichever copy the venv installed (main's, for a worktree that shares main's venv: its figures were main's).
+# whichever copy the venv installed (another checkout's, where several share one venv).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GOAL_RATIO = 1.3  # private time per example <= 1.3x non-private (issue 15)
+GOAL_RATIO = 1.3  # private time per example <= 1.3x non-private
 
 
 def _setup(args):

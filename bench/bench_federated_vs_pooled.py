@@ -1,4 +1,4 @@
-"""Federated release over secure aggregation vs the single-site pooled run (issue 14's last goal), same protocol.
+"""Federated release over secure aggregation vs the single-site pooled run, same protocol.
 
     nohup nice -n 5 .venv/bin/python bench/bench_federated_vs_pooled.py > bench/results/fedpool-run.log 2>&1 &
     .venv/bin/python bench/bench_federated_vs_pooled.py --quick     # smoke run (tiny preset, 1 seed, minutes)

@@ -5,7 +5,7 @@
 
 Reports seconds per protocol stage (all sites together, one process: the cryptography a real round adds to the
 per-message overhead), the Skellam quantization time per site, and the max |decoded - true sum| against the noise
-std sigma * clip. The goal of issue 14 (per-round wall time <= 2x Flower's no-op round trip) is measured end to end
+std sigma * clip. The goal (per-round wall time <= 2x Flower's no-op round trip) is measured end to end
 once the protocol is wired into the node; this bench says how much of that budget the cryptography takes.
 """
 

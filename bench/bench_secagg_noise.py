@@ -6,8 +6,8 @@
 Both modes release the same job (cpu-eps1's [central]: mean images, the same sigma, clip, batch per site, rounds)
 from the same sites, and the coordinator combines them as it does (per-site: ``combine_central`` weighted by
 public sizes; secure: the decoded Skellam sum over the public denominator). Reported: the std of (combined -
-noise-free combined mean image) over all pixels, i.e. the noise the warm-up trains on, and its ratio (issue 14:
-sqrt(sites) expected). Sites' epsilons are not equal across the modes (Skellam's L1 term, the honest shares
+noise-free combined mean image) over all pixels, i.e. the noise the warm-up trains on, and its ratio
+(sqrt(sites) expected). Sites' epsilons are not equal across the modes (Skellam's L1 term, the honest shares
 counted): the bench prints each mode's epsilon of the central stage at one site for the default policy.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 15, as ONE command on a lent GPU machine (never in CI; the device tool runs it from the
+# The GPU checks, as ONE command on a lent GPU machine (never in CI; the device tool runs it from the
 # repository root with the project's missing wheels carried in .whl/, see docs/evaluation.md "GPU"):
 #   1. tests/test_cuda_path.py + tests/test_device.py: a whole `train --device cuda` job, DP-SGD and the sampler on
 #      CUDA against the CPU;

@@ -41,7 +41,7 @@ MAX_HEADER = 64 * 1024
 MAX_FRAME = 1 << 31  # a frame larger than 2 GiB is not a model update this node could have been sent
 # AF_UNIX socket paths are limited to 108 bytes (Linux, with the terminating NUL).
 MAX_SOCKET_PATH = 100
-# Deadlines (review W3: a client that connected and then hung blocked the one-at-a-time worker for good).
+# Deadlines.
 # Worker side: a client has this long per read or write, for the challenge, its request and taking the reply.
 SERVE_TIMEOUT = 60.0
 # Client side: the worker serves one request at a time, so connecting (and the challenge) may wait for the

@@ -82,7 +82,7 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     # public dummy batch (their own fixed generator: this round's draws are untouched)
     engine = select_engine(model, loss, cfg.dpsgd.per_example, check=True)
     with fork_rng(model):  # the CPU's and (on a GPU) the device's global RNG restored after the private seed
-        seed_dropout(model, generator)  # dropout masks from the round's private generator (review58 M2)
+        seed_dropout(model, generator)  # dropout masks from the round's private generator
         for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
             rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
             rows[max(0, real - at):] = 0.0  # padding rows: computed like the others, then zeroed (they round to 0)
@@ -98,7 +98,7 @@ def padded_sample(idx: torch.Tensor, n_public: int, q: float, chunk: int) -> tup
     """The sampled indices padded to a PUBLIC size, and how many are real.
 
     The work of a round (and so the reply's latency, which the coordinator sees per site per round) would
-    otherwise track the realised Poisson batch |B|, an un-noised count (review F2). It is padded to whole chunks
+    otherwise track the realised Poisson batch |B|, an un-noised count. It is padded to whole chunks
     covering q·n_public + 5 sd of Binomial(n_public, q); only a batch above that (probability < 3e-7 at the public
     size) takes longer. Padding rows repeat image 0 and are zeroed after clipping: the released sum is unchanged."""
     mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))

@@ -39,7 +39,7 @@ from .public_errors import mark_public, public_error
 log = logging.getLogger("feta.forward")
 
 CLIENTAPP_REF = "edge.clientapp:app"  # the component of feta-release's app bundle that the worker serves
-# Past the job's round timeout the coordinator has stopped waiting for the reply (review L4): this process waits that
+# Past the job's round timeout the coordinator has stopped waiting for the reply: this process waits that
 # long plus this slack (queueing, clocks), never more than ``channel.CLIENT_TIMEOUT``.
 ROUND_MARGIN = 60.0
 _QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

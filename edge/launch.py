@@ -173,7 +173,7 @@ def start_worker(s: NodeSettings, ch: WorkerChannel, env: dict[str, str], work: 
 
     ``-P``: ``python -m`` would put the current directory first on ``sys.path``, so an ``edge/`` package another
     local user planted where the admin started the node (``/tmp``, a shared folder) would run as the site account,
-    with its key, secret, ledger and images (review W1)."""
+    with its key, secret, ledger and images."""
     cmd = [sys.executable, "-P", "-m", "edge.worker", "--node-config", json.dumps(s.node_config()),
            "--socket", str(ch.socket), "--key-file", str(ch.key_file)]
     proc = ManagedProcess("worker", cmd, env, work / "worker.log", umask=0o077)

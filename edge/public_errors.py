@@ -101,7 +101,7 @@ def public_error(exc: BaseException, node_config: Mapping[str, Any] | None = Non
     ref = new_reference()
     log.error("%s failed (error reference %s): %s: %s", where, ref, type(exc).__name__, exc,
               exc_info=(type(exc), exc, exc.__traceback__))
-    if isinstance(exc, DataError):  # about the site's own images: may state exact counts or shapes (review L2)
+    if isinstance(exc, DataError):  # about the site's own images: may state exact counts or shapes
         out = _same_type(exc, f"the site's data failed a check before this {where} (site error reference {ref}: "
                               "its administrator finds which in the node's local log)")
     elif isinstance(exc, FetaError):

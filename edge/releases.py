@@ -71,7 +71,7 @@ def release_frequency(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gen
 
 
 def _refuse_non_finite(weights: dict[str, np.ndarray]) -> None:
-    """Refuse NaN/inf in the coordinator's weights, in the float32 the model loads them as (review58 L2): a
+    """Refuse NaN/inf in the coordinator's weights, in the float32 the model loads them as: a
     non-finite weight turns the local update into NaN or not depending on which images were sampled, a channel the
     DP noise does not cover."""
     bad = {}

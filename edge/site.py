@@ -81,8 +81,8 @@ def load_site_data_report(path: str | Path, options: Any = None, declared: Any =
 
 def declared_schema(policy: Any, policy_source: str) -> Any:
     """The policy's ``DataDeclaration`` (public class list and image shape), or a ``PolicyError`` saying how to
-    re-sign. No fallback to the data: the classes present and the images' majority shape are private (review 58
-    M1), and ``hello`` and every release's shape would carry them un-noised."""
+    re-sign. No fallback to the data: the classes present and the images' majority shape are private, and ``hello``
+    and every release's shape would carry them un-noised."""
     if policy.declared is None:
         raise PolicyError(f"{policy_source}: the policy declares no public data schema (dataset.classes and "
                           "dataset.image_shape), so the node would have to read them off the images; add both to its "
@@ -163,11 +163,11 @@ class Site:
 def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tuple[Any, Any, str]:
     """(data as the policy's unit of privacy needs them, their patient index, their keyed commitment), checked
     against the policy by the caller. From the private cache when the site's files are the ones it was written
-    for (every step padded to the public size: ``edge.site_cache``, review58 L3), else decoded and hashed
+    for (every step padded to the public size: ``edge.site_cache``), else decoded and hashed
     (O(N), once: at node start, or after the site's files changed) and cached for the next open."""
     unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])  # its commitment: below
     # the PUBLIC schema (classes, image shape) the data are mapped onto; a policy without one is refused here,
-    # cache or not (review58 M1). The cache key stamps the policy file's content, so a cached open used this one.
+    # cache or not. The cache key stamps the policy file's content, so a cached open used this one.
     schema = declared_schema(unverified, str(node_config[CFG_POLICY]))
     n_public, patient_level = int(unverified.dataset_size), getattr(unverified, "privacy_unit", "image") == "patient"
     key = site_cache.cache_key(node_config, n_public)

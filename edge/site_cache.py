@@ -1,6 +1,6 @@
 """The site's opened data, cached in a private file so that a per-message open does no work that counts N.
 
-Why (review58 L3): without a warm worker (``node start --no-worker``, or the per-message fallback of
+Why: without a warm worker (``node start --no-worker``, or the per-message fallback of
 ``edge.forward`` when the worker is down or busy) every message runs in a fresh process that opens the site, and
 opening decodes every image file and hashes every pixel: O(exact N) work (~30 µs per 28x28 PNG, ms per DICOM
 slice) before the reply, none of it padded to the public size. ``hello`` is uncharged, so the coordinator could

@@ -52,7 +52,7 @@ class CentralSection:
     downsample: float = 0.5  # factor applied before the query (nearest)
     bins: int | None = None  # mode histogram bins; None: 2 for grey, 16 for colour
     # Per-image contrast stretch of the released images (post-processing, mechanisms.central.stretch_contrast):
-    # a mean of clipped images is dim with a noisy background (measured in bench/diagnose_stages.py).
+    # a mean of clipped images is dim with a noisy background (docs/evaluation.md).
     stretch: bool = False
     # Slant cells per class (mean only): each class's sum is split by a public function of each image
     # (mechanisms.central.slant_cells), releasing cells x rounds images per class for the same event and epsilon.
@@ -101,13 +101,13 @@ class WarmupSection:
     frequency_epochs: int = 10
     frequency_batch: int = 256
     # Also train the frequency warm-up on as many augmented copies of the released central images as there are
-    # aux images (post-processing): keeps what the spatial stage learnt (measured in bench/diagnose_stages.py).
+    # aux images (post-processing): keeps what the spatial stage learnt (docs/evaluation.md).
     frequency_mix_central: bool = False
     lr: float = 3e-4
     ema: float = 0.999
     # Central polish: after the last warm-up stage, this many more steps on augmented released central images only,
     # at ``polish_lr`` (post-processing). At lr 2e-3 the EMA model is under-fitted and draws speckled strokes;
-    # a low-lr pass on the release lifted the model above its release (docs/evaluation.md, fifth session).
+    # a low-lr pass on the release lifted the model above its release (docs/evaluation.md).
     polish_iterations: int = 0
     polish_lr: float = 5e-4
 

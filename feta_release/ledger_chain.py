@@ -159,7 +159,7 @@ def verify(db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | No
 
 
 def _refuse_code_in_schema(db: sqlite3.Connection, bad: str, fix: str) -> None:
-    """The ledger never creates a trigger or a view; one in the file is an edit the chain cannot see (review70 M1).
+    """The ledger never creates a trigger or a view; one in the file is an edit the chain cannot see.
 
     Why: the chain covers the rows, not the schema, and every write re-links and signs the rows as they are after
     its INSERT; a planted trigger that rewrites or drops each new charge would have the node sign a ledger that

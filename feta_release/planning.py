@@ -197,7 +197,7 @@ def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event
                            _size(dpsgd_size) if dpsgd_size is not None else None, patient_cap)
     if dpsgd_unit != "image":
         # FedSGD samples and clips per image (edge/fedsgd.py): a patient-level site would be charged an image-level
-        # event while it attests a per-patient epsilon (review M1)
+        # event while it attests a per-patient epsilon
         raise PolicyError(f"[federation] fedsgd runs image-level DP-SGD only; this site's policy makes the "
                           f"{dpsgd_unit} the unit of privacy: run the job without fedsgd")
     if fedsgd is None:

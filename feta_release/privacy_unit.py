@@ -66,7 +66,7 @@ def group_patient_rows(ids: Any) -> tuple[Tensor, ...]:
 
     Its work (a stable sort, a count and a split of the private ids) depends on the exact number and layout of a
     site's patients, so ``PatientIndex`` runs it ONCE, when the site's data is opened, and every DP-SGD request
-    reuses the result (review F1: it used to run in each request's trainer, its time counting the private ids)."""
+    reuses the result."""
     import torch  # lazy: the light install (verify, report) imports this module without torch
 
     a = np.asarray(ids).astype(np.int64, copy=False).reshape(-1)

@@ -54,7 +54,7 @@ def _no_constants(name: str) -> Any:
 
 
 # Deeper than any document of the project (a manifest nests about a dozen levels): JSON nested past it is refused
-# before any recursive walk (canonical_json, signature checks) could overflow the stack (review70 L1).
+# before any recursive walk (canonical_json, signature checks) could overflow the stack.
 MAX_JSON_DEPTH = 64
 
 

@@ -194,11 +194,11 @@ def labelled_grid_image(
     (font, greek), (tfont, _) = _font(13), _font(14)
     if title and not greek:
         title = _ascii(title)
-    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     names = [str(n) for n in class_names] if (class_names is not None and labels is not None) else []
-    left = (max(int(probe.textlength(n, font=font)) for n in names) + 12) if names else 0
+    left = (max(int(measure.textlength(n, font=font)) for n in names) + 12) if names else 0
     top = 26 if title else 0
-    width = max(left + arr.shape[1], int(probe.textlength(title, font=tfont)) + 16 if title else 0)
+    width = max(left + arr.shape[1], int(measure.textlength(title, font=tfont)) + 16 if title else 0)
     img = Image.new("RGB", (width, top + arr.shape[0]), "white")
     img.paste(Image.fromarray(arr, mode="RGB"), (left, top))
     d = ImageDraw.Draw(img)

@@ -1,14 +1,13 @@
 """Size and structure of the project's packages in one tree: lines, code lines, function-level imports, long functions.
 
     python scripts/package_stats.py .                  # this checkout
-    python scripts/package_stats.py /tmp/old13         # another tree (a `git worktree add --detach` of an old commit)
+    python scripts/package_stats.py ../old-tree        # another tree (a `git worktree add --detach` of an old commit)
 
 Per package (feta_release, edge, coordinator, tests): files, raw lines (as `wc -l` counts them), code lines (lines
 holding a token other than a comment or whitespace, by `scripts/longfuncs.code_lines` over the whole file, so
 docstrings count), import statements inside a function (each `import` / `from ... import` node once, however deeply
 nested; AST only) and functions above 60 code lines (`scripts/longfuncs.function_lengths`). Nothing is imported from
-the tree measured, so an old commit needs no environment of its own. Written for issue 13's before/after note
-(docs/issue13-closure.md).
+the tree measured, so an old commit needs no environment of its own.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Canonical documents (issue 12, section 2): duplicate JSON keys and non-plain site ids, as properties.
+"""Canonical documents: duplicate JSON keys and non-plain site ids, as properties.
 
 Attack: ``{"epsilon": 9, "epsilon": 0.5}`` is one document to Python (last key wins) and another to a reader
 that keeps the first; a signature over it then vouches for two different statements. On 473f707 every

@@ -17,7 +17,7 @@ from feta_release.stages.spatial import central_polish
 from feta_release.training.pipeline import run_pipeline
 from tests.test_models import TINY
 from tests.test_pipeline_run import _data
-from tests.test_warmup import bars, job, probe_loss
+from tests.test_warmup import bars, job, fixed_noise_loss
 
 
 def _central() -> tuple[np.ndarray, np.ndarray]:
@@ -39,10 +39,10 @@ def test_polish_runs_its_steps_at_its_own_lr_and_lowers_the_loss() -> None:
     x, y = bars()
     cfg = job(warmup={"spatial_iterations": 7, "spatial_batch": 4, "polish_iterations": 80, "polish_lr": 2e-3,
                       "ema": 0.9})
-    before = probe_loss(d, x, y)
+    before = fixed_noise_loss(d, x, y)
     res = central_polish(d, _central(), cfg)
     assert res is not None and res.steps == 80  # the polish count, not spatial_iterations
-    assert probe_loss(d, x, y) < 0.8 * before
+    assert fixed_noise_loss(d, x, y) < 0.8 * before
 
 
 def test_polish_lr_matters() -> None:

@@ -1,4 +1,4 @@
-"""Review L4: the per-message process waited on the worker for a constant hour (``channel.CLIENT_TIMEOUT``), not for
+"""The per-message process waited on the worker for a constant hour (``channel.CLIENT_TIMEOUT``), not for
 the job's own deadline. A worker hung on a message of a job with a 2-minute round timeout kept that process (and
 its Flower task) for an hour after the coordinator had stopped waiting. Now the wait is the signed job's round
 timeout plus ``edge.forward.ROUND_MARGIN``, with the constant as a ceiling."""
@@ -112,13 +112,13 @@ def test_a_message_without_a_readable_job_waits_the_ceiling(doc):
 
 
 def test_a_huge_round_timeout_waits_the_ceiling_instead_of_raising():
-    # review F4: an int beyond float range made math.isfinite raise OverflowError out of the forwarder
+    # An int beyond float range made math.isfinite raise OverflowError out of the forwarder
     doc = {"job": {"job": {"config": {"federation": {"round_timeout": 10 ** 400}}}}}
     assert fwd.reply_timeout(_msg(doc)) == channel.CLIENT_TIMEOUT
 
 
 def test_a_deeply_nested_job_document_waits_the_ceiling_instead_of_raising():
-    # review F4: json.loads of a deeply nested document raises RecursionError
+    # Json.loads of a deeply nested document raises RecursionError
     m = _msg({})
     m.content.config_records["cfg"]["json"] = "[" * 200_000 + "]" * 200_000
     assert fwd.reply_timeout(m) == channel.CLIENT_TIMEOUT

@@ -1,4 +1,4 @@
-"""One CLI (issue 17): one name for the trusted key, an example in every --help, help text on every option."""
+"""One CLI: one name for the trusted key, an example in every --help, help text on every option."""
 
 from __future__ import annotations
 

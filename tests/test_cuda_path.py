@@ -1,4 +1,4 @@
-"""The ``--device cuda`` path end to end, on a GPU machine (issue 15 "GPU"). CI is CPU-only: every test here skips
+"""The ``--device cuda`` path end to end, on a GPU machine. CI is CPU-only: every test here skips
 there and says why; ``tests/test_device.py`` and ``tests/test_federation_device.py`` cover the device resolution and
 refusals that need no GPU.
 

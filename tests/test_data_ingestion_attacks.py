@@ -1,6 +1,6 @@
-"""Review 71 (data ingestion): one file counted twice, CSV paths the OS refuses, DICOM values pydicom cannot parse.
+"""Data ingestion attacks: one file counted twice, CSV paths the OS refuses, DICOM values pydicom cannot parse.
 
-Each test failed on the code before its fix (see the review's report)."""
+Each test failed on the code before its fix."""
 
 from __future__ import annotations
 

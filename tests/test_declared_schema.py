@@ -1,4 +1,4 @@
-"""Review 58 M1's fix: the class list and the image shape are PUBLIC declarations of the signed site policy
+"""The class list and the image shape are PUBLIC declarations of the signed site policy
 (``dataset.classes``, ``dataset.image_shape``; feta_release/data/declared.py). The node maps its data onto them:
 each image is conformed on its own (no vote over the images), labels are looked up by name (outside: refused, a
 local error naming the file and the fix; a declared class without images is fine), and a policy without them is

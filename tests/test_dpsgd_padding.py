@@ -154,7 +154,7 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
 
 
 def test_a_site_above_its_public_size_pads_to_its_bucket_not_to_the_public_size(monkeypatch):
-    """Review M2: the step bound came from the public size even for a site holding more images; its samples then
+    """The step bound came from the public size even for a site holding more images; its samples then
     exceeded the bound about half the time, were processed whole, and their time counted |B| (so N). The bound
     now comes from ``public_rows`` (the bucket the padded whole-dataset passes already reveal): constant rows."""
     from edge.releases import dpsgd_round
@@ -207,7 +207,7 @@ def test_a_patient_level_step_is_padded_to_a_public_image_count_and_releases_the
 
 
 def test_a_patient_level_steps_clip_work_is_the_public_bound_whatever_the_patients(monkeypatch):
-    """Review58 L1, the clip: each real call clips one group row per image (its patients' sums, the rest zero), the
+    """The clip: each real call clips one group row per image (its patients' sums, the rest zero), the
     padding calls one per dummy row, so the rows clipped per step total the public bound, not a count of the
     sampled patients (whose number is an un-noised function of the data), for any layout of the same images."""
     clipped: list[int] = []

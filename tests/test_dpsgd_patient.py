@@ -206,7 +206,7 @@ def test_release_statements_name_the_unit() -> None:
 @given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8), physical=st.integers(1, 7),
        seed=st.integers(0, 2**16))
 def test_a_patient_straddling_physical_calls_is_clipped_once_whole(sizes: list[int], physical: int, seed: int) -> None:
-    """Review58 L1: the real images go through calls of exactly ``physical_batch`` rows, so a patient may straddle
+    """The real images go through calls of exactly ``physical_batch`` rows, so a patient may straddle
     calls (one, two or many); its partial sums are carried and the clip applies to the WHOLE patient's sum: the
     step equals the sum over patients of clip(sum of their gradients), whatever the layout and call size."""
     d, clip = 3, 1.0
@@ -243,7 +243,7 @@ def _carry_ops(continues: bool, carry: bool) -> list[str]:
 
 
 def test_the_carry_does_the_same_work_whatever_the_patient_layout() -> None:
-    """Review 62 L2: a torch.cat and a clone ran only where a sampled patient straddled two calls, so the work per
+    """A torch.cat and a clone ran only where a sampled patient straddled two calls, so the work per
     step counted the sampled patients' (private) image counts. Now the same operations run for every chunk."""
     assert _carry_ops(True, True) == _carry_ops(False, True)
 

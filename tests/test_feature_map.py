@@ -38,8 +38,8 @@ def _images(n: int, shape=SHAPE, seed: int = 0) -> np.ndarray:
 def test_every_row_has_norm_one_whatever_the_public_parameters(x, patch, stride, extra, seed) -> None:
     """The sensitivity argument: ||phi(x)|| = 1 for any image, patch (capped at the image), stride and feature count
     (the entries left over after P equal blocks are 0)."""
-    probe = FeatureMap(SHAPE, 10**6, patch=patch, stride=stride)  # only its positions are read
-    features = 2 * probe.positions * (1 + extra) + 2 * extra  # some counts leave padding, some do not
+    fmap = FeatureMap(SHAPE, 10**6, patch=patch, stride=stride)  # only its positions are read
+    features = 2 * fmap.positions * (1 + extra) + 2 * extra  # some counts leave padding, some do not
     fmap = FeatureMap(SHAPE, features, 105.0, seed, patch, stride)
     phi = fmap(torch.from_numpy(x))
     assert phi.shape == (3, features) and torch.isfinite(phi).all()
@@ -86,7 +86,7 @@ def test_too_few_features_for_the_positions_is_one_line_with_the_fix() -> None:
 
 
 def test_peak_rows_of_a_node_release_do_not_depend_on_the_count(monkeypatch) -> None:
-    """Review 72 M1: a node maps its N real rows, then P - N dummy rows (edge.padded_releases). With a coordinator's
+    """A node maps its N real rows, then P - N dummy rows (edge.padded_releases). With a coordinator's
     huge ``[frequency] chunk`` each pass mapped all its rows at once, so the peak memory was max(N, P - N): an
     out-of-memory threshold on the private count. Steps are now capped at P / 2 (``release_chunk``): the largest
     step, over both passes, is the same for every N; rows in all = P, as before (the timing padding)."""

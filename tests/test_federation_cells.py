@@ -1,4 +1,4 @@
-"""Federated ``[central] cells`` (issue 14): each site splits its per-class sums by the single-site stage's public
+"""Federated ``[central] cells``: each site splits its per-class sums by the single-site stage's public
 slant-cell function; the coordinator combines the (class, cell) sums exactly as a pooled single-site release
 would be. Secure aggregation and per-site noise alike; the event (sensitivity) is the one of cells = 1; the
 cells a release uses come from the SIGNED job, capped by the site's policy when it says so."""
@@ -142,7 +142,7 @@ def test_a_coordinator_cannot_change_the_cells_a_site_verified(fed: Any, tmp_pat
         check_request(capped, request_of(ev, cfg), require_job=False)
     check_request(capped, request_of(ev, cells_job(True, cells=1)), require_job=False)
     uncapped = SitePolicy.from_document(json.loads(fed.site("site-a").policy.read_text())["policy"], None)
-    with pytest.raises(PolicyViolation, match="max_cells"):  # review L1: a default cap without max_cells
+    with pytest.raises(PolicyViolation, match="max_cells"):  # A default cap without max_cells
         check_request(uncapped, request_of(ev, cells_job(True, cells=10**6)), require_job=False)
 
 

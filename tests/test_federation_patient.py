@@ -1,4 +1,4 @@
-"""Patient-level DP-SGD in the federation (issue 17): a site whose signed policy makes the PATIENT the unit of
+"""Patient-level DP-SGD in the federation: a site whose signed policy makes the PATIENT the unit of
 privacy samples whole patients at q = batch / (its PUBLIC patient count), clips each patient's summed gradient and
 charges events of unit "patient"; the coordinator learns the unit and the public count only from that signed
 policy, and a node refuses a coordinator that plans it as image-level. A federation may mix units: each site
@@ -115,7 +115,7 @@ def test_a_patient_level_site_in_a_federation(tmp_path: Path, monkeypatch: pytes
         assert answered["num_examples"] == site.size and answered["events"][0].get("unit", "image") == (
             "patient" if site.site_id == PATIENT_SITE else "image")
     # the patient site's trainer sampled patients and divided by q x the PUBLIC patient count, never the exact one
-    pat = [kw for kw in built if "patient_rows" in kw]  # the rows grouped once at open (review F1), not the ids
+    pat = [kw for kw in built if "patient_rows" in kw]  # the rows grouped once at open, not the ids
     assert len(pat) == 2 and all(kw["n_public"] == p and kw["images_per_patient"] == CAP for kw in pat)
     assert all(max(int(r.numel()) for r in kw["patient_rows"]) <= CAP for kw in pat)
     assert pat[0]["patient_rows"] is pat[1]["patient_rows"]  # both rounds' trainers reuse the same grouping

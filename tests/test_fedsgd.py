@@ -1,4 +1,4 @@
-"""DP-SGD as FedSGD over secure aggregation (issue 14): one pooled DP-SGD step per round, each site sending its
+"""DP-SGD as FedSGD over secure aggregation: one pooled DP-SGD step per round, each site sending its
 clipped-gradient sum plus its Skellam noise share through the secure sum; the coordinator steps. In-process."""
 
 from __future__ import annotations
@@ -468,7 +468,7 @@ def test_clipped_rows_are_the_records_whose_sum_clip_and_sum_releases() -> None:
 
 
 def test_fedsgd_refuses_a_patient_level_site_plan() -> None:
-    """Review M1: FedSGD samples and clips per IMAGE; a site whose signed policy makes the patient the unit would be
+    """FedSGD samples and clips per IMAGE; a site whose signed policy makes the patient the unit would be
     charged an image-level event while it attests a per-patient epsilon. The planner refuses that plan (node and
     coordinator both plan through it)."""
     cfg = fedsgd_job()
@@ -480,7 +480,7 @@ def test_fedsgd_refuses_a_patient_level_site_plan() -> None:
 
 def test_a_coordinator_stopped_between_masking_and_unmask_skips_that_round_and_finishes(
         fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review F1: the sites masked (and were charged for) round 1, then the coordinator stopped before unmask. On
+    """The sites masked (and were charged for) round 1, then the coordinator stopped before unmask. On
     restart it asked for round 1 again under the same round id: each site's new key setup overwrote the secrets
     that sum needed while its masked vector was replayed from the ledger, so every unmask was refused and the job
     was stuck for good. Now the sites refuse a new setup for a released contribution and the coordinator skips the
@@ -506,7 +506,7 @@ def test_a_coordinator_stopped_between_masking_and_unmask_skips_that_round_and_f
 
 
 def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review F2: the coordinator times each site's masked-vector reply every round; the per-example work tracked
+    """The coordinator times each site's masked-vector reply every round; the per-example work tracked
     the realised Poisson batch |B| (an un-noised count). The site now pads the sample to a public size: the
     gradient computation sees the same number of rows for |B| = 0, 3 or the bound, and the padding adds nothing."""
     import edge.fedsgd as node_fedsgd
@@ -523,7 +523,7 @@ def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypa
         return real_batches(model, loss, images, labels, idx, chunk, g, *engine)
 
     monkeypatch.setattr(node_fedsgd, "batch_gradients", counting)
-    engines: list[str] = []  # review M1: the round's engine is resolved once, the hooks cross-checked (check=True)
+    engines: list[str] = []  # The round's engine is resolved once, the hooks cross-checked (check=True)
     real_select = node_fedsgd.select_engine
 
     def select(model: Any, loss: Any, engine: str, check: bool = False) -> str:

@@ -1,5 +1,5 @@
-"""Review 62 M1: FedSGD's per-site contribution drew nn.Dropout masks from torch's GLOBAL generator (review58 M2 left open
-in edge/fedsgd.py: DPSGDTrainer.step seeds dropout privately, gradient_contribution does not)."""
+"""FedSGD's per-site contribution drew nn.Dropout masks from torch's GLOBAL generator (left open
+in edge/fedsgd.py when the DP-SGD step was fixed: DPSGDTrainer.step seeds dropout privately, gradient_contribution does not)."""
 from __future__ import annotations
 
 import numpy as np

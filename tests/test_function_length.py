@@ -1,4 +1,4 @@
-"""The project standard "functions <= ~60 lines of code" (issue 13), enforced on the library and both drivers with
+"""The project standard "functions <= ~60 lines of code", enforced on the library and both drivers with
 scripts/longfuncs.py (AST + tokenize only, no import of the code it measures: a fraction of a second)."""
 
 from __future__ import annotations

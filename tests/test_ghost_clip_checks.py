@@ -1,4 +1,4 @@
-"""The hook engine (training.ghost_clip) is used only where its layer rules compute the torch.func vectors (review M1).
+"""The hook engine (training.ghost_clip) is used only where its layer rules compute the torch.func vectors.
 
 Its rules see a parameter only through its own module's forward, with the library's forward and default options. A
 parameter used elsewhere (weight tying through ``F.linear(h, emb.weight)``), one registered in two modules, a module

@@ -1,4 +1,4 @@
-"""Final attestations and one signed job per job id, at the node (issue 12, section 2).
+"""Final attestations and one signed job per job id, at the node.
 
 Attacks: a coordinator that asks for more after a site signed its spend statement (the statement would no
 longer be what the job spent), and one that sends a second job document under an existing job id (the site

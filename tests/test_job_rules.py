@@ -119,9 +119,9 @@ def _whole_budget_central_noise(f: DataFacts) -> float:
         max_sigma=MAX_NOISE_MULTIPLIER, refusal="none")
     factor = query_factor(f.height)
     clip = central_clip(f.channels * int(f.height * factor) * int(f.width * factor))
-    probe = JobConfig().replace(dpsgd={"steps": 0}, central={"sigma": sigma, "cells": 1, "rounds": 1, "batch": f.size,
+    central_only = JobConfig().replace(dpsgd={"steps": 0}, central={"sigma": sigma, "cells": 1, "rounds": 1, "batch": f.size,
                                                               "clip": clip, "downsample": factor})
-    r, _ = stage_noise(probe, "central", f.size, f.shape, f.n_classes)
+    r, _ = stage_noise(central_only, "central", f.size, f.shape, f.n_classes)
     assert r is not None
     return r
 

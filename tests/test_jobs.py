@@ -59,7 +59,7 @@ def test_fingerprint_only_coordinator_entry() -> None:
 
 
 def test_short_fingerprint_coordinator_entry_refused() -> None:
-    """Attack (issue 12 §2): a 16-hex (64-bit) allow-list entry lets anyone who finds a key whose short hash
+    """Attack: a 16-hex (64-bit) allow-list entry lets anyone who finds a key whose short hash
     matches (~2^64 work) sign jobs. Such a policy is refused. Fails on 473f707 (it accepted the entry)."""
     from feta_release.policy.errors import PolicySchemaError
 

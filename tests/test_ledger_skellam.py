@@ -125,7 +125,7 @@ def test_budget_from_a_policy_brings_the_default_worst_case_cap() -> None:
 
 
 def test_a_later_gaussian_charge_cannot_push_the_worst_case_past_its_cap() -> None:
-    """Review finding 3 (/work/wt/wc_probe.py): the worst-case cap was checked only when the NEW events held a
+    """The worst-case cap was checked only when the NEW events held a
     Skellam event, so DP-SGD charged after a secure warm-up took the job's worst case from 5.63 to 6.48 (cap 6)."""
     from feta_release.accounting import epsilon, worst_case_epsilon
     from feta_release.ledger import check_spend

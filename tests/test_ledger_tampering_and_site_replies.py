@@ -1,6 +1,6 @@
-"""Review 70, ledger and coordinator side: each test is an attack the code before its fix let through.
+"""Ledger tampering and malformed site replies: each test is an attack the code before its fix let through.
 
-M1 (local user on a node): a SQLite trigger planted in the ledger file. The hash chain covers the rows, not the
+A local user on a node: a SQLite trigger planted in the ledger file. The hash chain covers the rows, not the
 schema, and every write re-links and re-signs the rows as they are after the INSERT: a trigger that rewrites or
 drops each new charge made the node sign a ledger that never held the spend, so the budget was spent again.
 """
@@ -53,7 +53,7 @@ def test_a_trigger_planted_while_the_node_runs_is_refused_before_the_next_write(
     led.close()
 
 
-# -- M2: one site's DP-SGD reply ------------------------------------------------------------------------------------
+# -- one site's DP-SGD reply ------------------------------------------------------------------------------------
 # Attack (a participating site, or whatever answers for its node): a round reply that is not the model's weights. A
 # scalar or a (1,)-array per tensor BROADCAST into FedAvg and moved every weight of the global model all other sites
 # then train on, silently; NaN/inf made the global model NaN; a missing tensor or an unparseable message (one
@@ -145,10 +145,10 @@ def test_a_non_finite_warm_up_release_is_not_pooled(tmp_path):
     assert any("site b: no central release: release refused" in e for e in events), events
 
 
-# -- L1: deeply nested JSON ------------------------------------------------------------------------------------------
+# -- deeply nested JSON ------------------------------------------------------------------------------------------
 # Attack: any unsigned JSON the project parses strictly (a site's reply, a manifest or certificate handed to verify)
 # nested thousands deep: json raised RecursionError, which no caller expects (verify crashed with a traceback, and one
-# site's reply ended the coordinator's job past the M2 check); nested a few hundred deep it parsed and then overflowed
+# site's reply ended the coordinator's job past the reply check); nested a few hundred deep it parsed and then overflowed
 # the stack in canonical_json. Now it is one ValueError, as any other malformed document.
 
 
@@ -178,7 +178,7 @@ def test_verify_refuses_a_deeply_nested_manifest(tmp_path):
     assert not res.ok and "nested" in res.reason()
 
 
-# -- L2: the sites' attestations -------------------------------------------------------------------------------------
+# -- the sites' attestations -------------------------------------------------------------------------------------
 # Attack: a site answers the attest query with a statement signed by any key (the coordinator checked it against the
 # key EMBEDDED in the reply), with another site's statement, or with one of another job: it was kept as that site's
 # attestation (or a malformed reply raised KeyError/PolicyError and ended the job after every site had spent). verify
@@ -233,7 +233,7 @@ def test_a_wrong_attestation_is_refused_by_the_coordinator(what):
     assert any("site b: no attestation: attestation refused" in e for e in events), events
 
 
-# -- L3 (report's low finding): a malformed hello ----------------------------------------------------------------
+# -- a malformed hello ----------------------------------------------------------------
 # Attack (anything that can answer for a node): a hello whose site_id is missing or a list, or whose policy is not a
 # signed-policy object. Before: a KeyError / TypeError / AttributeError out of wait_for_sites ended the job for every
 # site. Now that node is refused (named in the progress log) and the job waits for the real sites as it does for a

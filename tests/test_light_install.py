@@ -67,9 +67,9 @@ def test_verify_report_synthesize_and_verify_synthetic_without_the_training_stac
 
 def test_the_block_is_real():
     proc = _run([["export", "--help"]], heavy=("torch",))
-    probe = subprocess.run([sys.executable, "-c", SCRIPT.format(heavy=("torch",), commands=[]) + "import torch"],
+    blocked = subprocess.run([sys.executable, "-c", SCRIPT.format(heavy=("torch",), commands=[]) + "import torch"],
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
-    assert "blocked: light install" in probe.stderr
+    assert "blocked: light install" in blocked.stderr
     assert proc.returncode == 0  # --help of a torch command imports nothing heavy either
 
 

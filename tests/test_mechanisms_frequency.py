@@ -178,7 +178,7 @@ def test_combine_weighted_by_public_sizes() -> None:
 @settings(max_examples=40, deadline=None)
 @given(log_bw=st.floats(-300, 6), bright=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
 def test_every_record_row_is_finite_with_norm_at_most_one_for_any_bandwidth(log_bw, bright, seed) -> None:
-    """Review58 H1: whatever bandwidth2 the coordinator signs, phi(x) is finite with ||phi(x)|| <= 1 for every image
+    """Whatever bandwidth2 the coordinator signs, phi(x) is finite with ||phi(x)|| <= 1 for every image
     alone (streamed sums and the differentiable features alike), so the sensitivity holds and no NaN flags a record."""
     x = np.full((4, 36), bright, dtype=np.float32)
     x[0] = 0.0
@@ -192,7 +192,7 @@ def test_every_record_row_is_finite_with_norm_at_most_one_for_any_bandwidth(log_
 
 @pytest.mark.parametrize("clip", [7.0e-45, 1.07e-44, 1e-7, float("nan"), float("inf")])
 def test_a_clip_below_the_float32_floor_is_refused_by_every_clipping_mechanism(clip) -> None:
-    """Review58 H2: a subnormal clip rounded each clipped entry UP (one record moved a sum by ~2x the clip the
+    """A subnormal clip rounded each clipped entry UP (one record moved a sum by ~2x the clip the
     noise is scaled to). Central query, DP-SGD's clip_and_sum and the job config all refuse below MIN_CLIP."""
     from feta_release.config import load_preset
     from feta_release.errors import ConfigError

@@ -123,9 +123,9 @@ def test_loss_finite_and_decreases_when_overfitting() -> None:
     y = torch.tensor([0, 1, 0, 1])
     opt = torch.optim.Adam(d.parameters(), lr=3e-3)
     # Fixed randomness: an exact measure of progress on the same draws.
-    probe = draw_loss_randomness(4, (1, 8, 8), noise_multiplicity=8, generator=torch.Generator().manual_seed(9))
+    rand = draw_loss_randomness(4, (1, 8, 8), noise_multiplicity=8, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        before = edm_loss_from_randomness(d, x0, y, probe).mean().item()
+        before = edm_loss_from_randomness(d, x0, y, rand).mean().item()
     g = torch.Generator().manual_seed(1)
     for _ in range(100):
         loss = edm_loss(d, x0, y, noise_multiplicity=2, label_dropout=0.1, generator=g)
@@ -134,7 +134,7 @@ def test_loss_finite_and_decreases_when_overfitting() -> None:
         loss.mean().backward()
         opt.step()
     with torch.no_grad():
-        after = edm_loss_from_randomness(d, x0, y, probe).mean().item()
+        after = edm_loss_from_randomness(d, x0, y, rand).mean().item()
     assert after < 0.8 * before, (before, after)
 
 

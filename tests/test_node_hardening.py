@@ -1,4 +1,4 @@
-"""Issue 12, node side: each test is an attack on a site node that the code before this change let through.
+"""Each test is an attack on a site node that the code before this change let through.
 
 Ledger attacks come from a local user on the node (edits the SQLite file); cap attacks from a coordinator
 sending concurrent requests; the rest are named in each docstring.

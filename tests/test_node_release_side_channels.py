@@ -1,4 +1,4 @@
-"""Review 58 (adversarial review of what the NODE sends and accepts). Each test is an attack that works on the code
+"""Side channels in what the NODE sends and accepts. Each test is an attack that works on the code
 it was written against; it fails there and must pass once the finding is fixed (any fix that closes the channel)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The node tells its state (issue 17): connecting / connected / refused (why) / serving job X / stopped, on the
+"""The node tells its state: connecting / connected / refused (why) / serving job X / stopped, on the
 console and in `node status`, from the SuperNode's real output; its log is plain text with timestamps."""
 
 from __future__ import annotations

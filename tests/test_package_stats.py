@@ -1,4 +1,4 @@
-"""scripts/package_stats.py (issue 13's before/after note): imports inside functions are counted once each, module-
+"""scripts/package_stats.py: imports inside functions are counted once each, module-
 level and class-level imports not at all, and a package's row adds up its files."""
 
 from __future__ import annotations

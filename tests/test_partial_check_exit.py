@@ -1,4 +1,4 @@
-"""Review F5: `policy check POLICY JOB` without --data, and `job verify JOB --policy POLICY`, can judge a
+"""`policy check POLICY JOB` without --data, and `job verify JOB --policy POLICY`, can judge a
 secure-aggregation job only in its Gaussian form (the Skellam form the node charges needs the data's image shape and
 classes), yet exited 0 like a full pass: a script testing `$? -eq 0` took a partial check for the node's verdict.
 Such a check now exits 8 (``feta_release.policy.partial.PARTIAL_CHECK_EXIT``), its line starting "PASSED IN THE

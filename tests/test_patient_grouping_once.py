@@ -1,4 +1,4 @@
-"""Review F1: patient-level DP-SGD grouped the site's PRIVATE patient ids (a stable sort, a count, a split; and a
+"""Patient-level DP-SGD grouped the site's PRIVATE patient ids (a stable sort, a count, a split; and a
 ``np.unique`` for the draw's size) in every request's trainer, so that work, and its time, depending on the exact
 number and layout of the patients, ran once per DP-SGD round request. The ids are now grouped ONCE, when the site's
 data is opened (``PatientIndex``), and every request reuses the grouped rows."""

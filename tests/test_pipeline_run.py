@@ -308,7 +308,7 @@ def _signed_site_policy(tmp_path, lifetime_eps: float, per_job_eps: float, mecha
 
 
 def test_local_run_on_a_site_ledger_is_held_to_the_signed_lifetime_cap(tmp_path):
-    """Attack (review B): `train --ledger SITE` charged with the job's own budget (no lifetime cap), so local runs
+    """Attack: `train --ledger SITE` charged with the job's own budget (no lifetime cap), so local runs
     could push a site's shared ledger past its signed lifetime budget. With the site policy: refused, naming the rule."""
     from feta_release.policy import PolicyBudgetExceeded
 

@@ -235,7 +235,7 @@ def test_dpsgd_noise_figure_falls_with_the_batch_at_fixed_epsilon() -> None:
 @given(n=st.integers(500, 60_000), n_classes=st.integers(2, 20),
        preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd", "paper-mnist"]))
 def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: str) -> None:
-    """issue 15: `train --preset cpu-eps1 --data` on 1,400 images refused ("fewer than [central] batch")."""
+    """`train --preset cpu-eps1 --data` on 1,400 images refused ("fewer than [central] batch")."""
     import numpy as np
 
     from feta_release.config import load_preset

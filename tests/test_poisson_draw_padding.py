@@ -1,4 +1,4 @@
-"""Review L3: the per-site DP-SGD round's remaining work that depended on the site's exact count N.
+"""The per-site DP-SGD round's remaining work that depended on the site's exact count N.
 
 Attack: the coordinator times the per-site round's reply (another local user reads the worker's CPU time). After
 the step padding, three pieces still varied with N: the Poisson draw (``torch.rand(N)``, ~20 µs per 1,333 rows),

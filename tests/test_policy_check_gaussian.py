@@ -1,11 +1,11 @@
-"""Review L5: `policy check POLICY JOB` without --data judged a secure-aggregation job in its Gaussian form but printed
+"""`policy check POLICY JOB` without --data judged a secure-aggregation job in its Gaussian form but printed
 the node's verdict ("ACCEPTED ... admits job", "planned ε") as if it had checked what the node charges.
 
 The charged form cannot be computed from public values: its Skellam sensitivities (and a FedSGD job's gradient
 length) depend on the data's image shape and classes, which neither the signed policy nor the signed job states
 (the ε moves in the 4th digit from 16x16 to 3x32x32 images here). So without --data the output now says exactly
-what it checked and what it did not (the charged ε, the worst-case cap), and exits 8, not 0 (review F5,
-tests/test_partial_check_exit.py); with --data it is the node's verdict: the
+what it checked and what it did not (the charged ε, the worst-case cap), and exits 8, not 0
+(tests/test_partial_check_exit.py); with --data it is the node's verdict: the
 same ε ``secure_admit`` computes (tests/test_fedsgd.py: the ε the node charged) and the worst-case cap applied."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _check(policy: Path, job: Path, pub: Path, *extra: str) -> Any:
 
 def test_without_data_the_output_says_it_checked_the_gaussian_form_only(fed: SimpleNamespace) -> None:
     res = _check(fed.site.policy, fed.job, fed.site.policy_pub)
-    assert res.exit_code == 8, res.output  # a partial check, never exit 0 (review F5: it was 0)
+    assert res.exit_code == 8, res.output  # a partial check, never exit 0
     pol = load_site_policy(fed.site.policy, [fed.site.policy_pub])
     gaussian = admit(pol, fed.signed).job_epsilon
     out = " ".join(res.output.split())
@@ -82,5 +82,5 @@ def test_a_worst_case_cap_the_gaussian_form_cannot_see_is_not_reported_as_accept
 def test_job_verify_with_a_policy_says_gaussian_form_only_for_a_secure_job(fed: SimpleNamespace) -> None:
     res = CliRunner().invoke(cli, ["job", "verify", str(fed.job), "--policy", str(fed.site.policy), "--trusted",
                                    str(fed.site.policy_pub)])
-    assert res.exit_code == 8, res.output  # review F5: it was 0
+    assert res.exit_code == 8, res.output  # It was 0
     assert res.output.startswith("PASSED IN THE GAUSSIAN FORM ONLY") and "policy check POLICY JOB --data DATA" in res.output

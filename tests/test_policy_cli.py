@@ -77,7 +77,7 @@ def test_round_trip(setup) -> None:
     res = runner.invoke(cli, ["job", "verify", str(d / "job.signed.json"), "--policy", str(d / "signed.json"),
                               "--trusted", str(k / "site.pub")])
     # two sites: secure aggregation by default, so without the data only its Gaussian form is judged: exit 8, not
-    # a full pass (review F5; `policy check --data` is the full check, tests/test_partial_check_exit.py)
+    # a full pass
     assert res.exit_code == 8, res.output
     assert res.output.startswith("PASSED IN THE GAUSSIAN FORM ONLY") and "accepted by site site-a" in res.output
 

@@ -116,7 +116,7 @@ def test_default_worst_case_cap_is_three_times_the_per_job_cap() -> None:
 
 
 def test_pinned_peers_refuse_unpinned_sites_and_substituted_keys() -> None:
-    """Review finding 2: the coordinator supplied the keys that authenticate key adverts, so it could put its own
+    """The coordinator supplied the keys that authenticate key adverts, so it could put its own
     keys under invented (sybil) site ids or under a real site's id. Now the site's admin-signed policy pins them."""
     import dataclasses
 
@@ -141,7 +141,7 @@ def test_pinned_peers_refuse_unpinned_sites_and_substituted_keys() -> None:
 
 
 def test_verify_cross_checks_the_attested_colluders_and_shares_with_policy_and_job() -> None:
-    """Review finding 5: verify did not compare the attestation's max_colluders with the policy, nor mu/mu_worst
+    """Verify did not compare the attestation's max_colluders with the policy, nor mu/mu_worst
     with the shares the threshold and colluders allow."""
     from feta_release.accounting import SkellamEvent
     from feta_release.release.verify import secure_assumption_violations
@@ -164,7 +164,7 @@ def test_verify_cross_checks_the_attested_colluders_and_shares_with_policy_and_j
 
 
 def test_min_sigma_bounds_the_own_noise_share_of_a_secure_release() -> None:
-    """Review finding 4: min_sigma was checked against the pooled sigma of the sum; a site whose policy asks
+    """Min_sigma was checked against the pooled sigma of the sum; a site whose policy asks
     sigma >= 3 accepted a 3-site secure release at pooled sigma 4 (own share ~ 4 / sqrt 3 = 2.3)."""
     from feta_release.accountants.skellam import skellam_event
     from feta_release.policy.enforce import skellam_own_sigma

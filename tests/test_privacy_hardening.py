@@ -1,4 +1,4 @@
-"""Issue 12 §1: nothing un-noised leaves a site. Each test is an attack that worked on the code before the fix."""
+"""Nothing un-noised leaves a site. Each test is an attack that worked on the code before the fix."""
 
 from __future__ import annotations
 

@@ -173,7 +173,7 @@ def test_privacy_plan_patient_level_dpsgd(capsys, tmp_path: Path) -> None:  # no
 
 
 def test_the_release_text_of_an_image_level_site_states_group_privacy_with_delta() -> None:
-    """Review L1: the image-unit text said "(a patient-level site with patient cap k: k·ε per patient)": read as a
+    """The image-unit text said "(a patient-level site with patient cap k: k·ε per patient)": read as a
     patient bound an image-level site does not give, and silent on δ, which grows to k·e^((k−1)ε)·δ."""
     from feta_release.release.manifest import _figure_words
 

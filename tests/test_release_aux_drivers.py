@@ -1,4 +1,4 @@
-"""Both drivers ship the aux-generator pool of a ``[sampler] start_source = "mix"`` job (issue 15): the federated
+"""Both drivers ship the aux-generator pool of a ``[sampler] start_source = "mix"`` job: the federated
 coordinator the pool of the aux generator its warm-up fitted to the sites' combined frequency releases (bound to the
 job id), a ``train`` run the pool it wrote, which must hash to what its closed site-ledger record keeps."""
 

@@ -1,4 +1,4 @@
-"""[sampler] start_source aux/mix in a signed release (issue 15): the release ships a fixed pool of aux-generator
+"""[sampler] start_source aux/mix in a signed release: the release ships a fixed pool of aux-generator
 images (``aux_images.npz``, hashed in the manifest's ``aux_starts`` record, format 3), verify checks it (missing,
 changed, reshaped or a forged record: one clear line), and the torch-free ``synthesize`` starts from augmented
 copies of it (mix: even index within its class from the pool, odd from the central images)."""

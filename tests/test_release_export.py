@@ -156,7 +156,7 @@ class _Payload:
 
 
 def test_export_does_not_unpickle_code_from_model_pt(setup):
-    """Attack (issue 12 §2): whoever can write the run directory plants code in model.pt; `export` (run by the
+    """Attack: whoever can write the run directory plants code in model.pt; `export` (run by the
     site, with the site key) must load weights only. Fails on 473f707 (torch.load weights_only=False runs it)."""
     tmp, k = setup
     rd = _run_dir(tmp, k["site"])
@@ -171,7 +171,7 @@ def test_export_does_not_unpickle_code_from_model_pt(setup):
 
 
 def test_editing_privacy_json_does_not_change_what_export_attests(setup):
-    """Attack (issue 12's open gap): whoever can write the run directory lowers the spend in privacy.json; export
+    """Attack: whoever can write the run directory lowers the spend in privacy.json; export
     attested from that unsigned file. Now the statement is the ledger's history (fails on the old export)."""
     tmp, k = setup
     rd = _run_dir(tmp, k["site"])
@@ -209,7 +209,7 @@ def _export(tmp: Path, k: dict, rd: Path, out: str = "rel"):
 
 
 def test_export_refuses_run_json_pointing_at_another_closed_job(setup):
-    """Attack (review A): run.json is unsigned; pointing its job id at a cheaper closed job of the same site ledger
+    """Attack: run.json is unsigned; pointing its job id at a cheaper closed job of the same site ledger
     attested that job's spend for this model. The signed record of that job names another model: refused."""
     tmp, k = setup
     rd = _run_dir(tmp, k["site"])
@@ -222,7 +222,7 @@ def test_export_refuses_run_json_pointing_at_another_closed_job(setup):
 
 
 def test_export_refuses_an_edited_delta_and_attests_the_ledgers(setup):
-    """Attack (review A): delta came from the unsigned job.json; a larger delta gives a smaller epsilon. Editing it
+    """Attack: delta came from the unsigned job.json; a larger delta gives a smaller epsilon. Editing it
     is refused (job.json no longer hashes to the signed record); the attested delta is the ledger's."""
     tmp, k = setup
     rd = _run_dir(tmp, k["site"])
@@ -239,7 +239,7 @@ def test_export_refuses_an_edited_delta_and_attests_the_ledgers(setup):
 
 
 def test_export_refuses_a_swapped_model(setup):
-    """Attack (review A): model.pt is unsigned; another model (same job hash, other weights) swapped in after the
+    """Attack: model.pt is unsigned; another model (same job hash, other weights) swapped in after the
     run closed was released under this run's statement. Its sha256 is not the ledger's: refused."""
     tmp, k = setup
     rd = _run_dir(tmp, k["site"])

@@ -1,6 +1,6 @@
-"""Review 70, release side: attacks on a release that verify / synthesize / verify-synthetic let through before.
+"""Attacks on a release that verify / synthesize / verify-synthetic let through before.
 
-H1: a generator whose tensors name EXTERNAL data files: onnxruntime, given the model's bytes, reads them from the
+A generator whose tensors name EXTERNAL data files: onnxruntime, given the model's bytes, reads them from the
 current directory of whoever runs synthesize (a site key, patient files under it) and the "synthetic" images carry
 them out, under a certificate that says differentially private. A coordinator the sites allow can sign such a file.
 """
@@ -82,7 +82,7 @@ def test_a_subgraph_with_external_data_is_refused_too():
         refuse_external_data(helper.make_model(g), "generator.onnx")
 
 
-# -- M3: the certificate's privacy figures -----------------------------------------------------------------------
+# -- the certificate's privacy figures -----------------------------------------------------------------------
 # Attack: whoever ran synthesize (a trusted certificate signer, or anyone holding that key) signs a certificate whose
 # privacy section (and PNG text) says ε = 0.01 for a release whose sites attested far more. verify-synthetic checked
 # the signature, the images and the release, but not that the certificate's figures are the release's: it said OK.

@@ -112,7 +112,7 @@ def test_a_secure_contribution_processes_the_public_number_of_rows(monkeypatch, 
 
 
 def test_the_secure_central_padding_prepares_the_slant_cells_of_the_public_number_of_rows(monkeypatch):
-    """Review M1: with ``[central] cells > 1`` the real contribution computes each image's slant cell; the padding
+    """With ``[central] cells > 1`` the real contribution computes each image's slant cell; the padding
     ran the contribution WITHOUT cells, so the dummy rows skipped that work and the time still counted N."""
     seen = _rows(monkeypatch, central_mod, "image_slant")  # only computed for cells > 1
     job = SimpleNamespace(config=full_job(central={"cells": 4, "kind": "mean"}), sites=["site-a", "site-b", "site-c"])

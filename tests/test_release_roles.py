@@ -1,4 +1,4 @@
-"""Keys bound to roles, no site left out, final attestations, canonical documents (issue 12, section 2).
+"""Keys bound to roles, no site left out, final attestations, canonical documents.
 
 Each test is an attack on ``verify``: the release is rebuilt or re-signed the way a malicious coordinator
 or site could, and ``verify`` must refuse it and say why.
@@ -238,5 +238,5 @@ def test_lifetime_spend_shown_beside_the_job_in_verify_and_certificate(tmp_path,
     assert f"ε = {life:.3g}" in words and f"(this job: ε = {att['statement']['epsilon']:.3g})" in words
     synthesize(rel, tmp_path / "out", k.trust(), num=1, batch=1, progress=False, threads=1)
     cert = json.loads((tmp_path / "out" / "certificate.json").read_text())
-    (p,) = cert["certificate"]["privacy"]  # the signed part of the certificate (issue 16 layout)
+    (p,) = cert["certificate"]["privacy"]  # the signed part of the certificate
     assert p["lifetime"]["epsilon"] == pytest.approx(life) and p["epsilon"] == att["statement"]["epsilon"]

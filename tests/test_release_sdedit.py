@@ -235,7 +235,7 @@ def test_dpo_report_says_the_release_contains_the_central_images_and_draws_as_sy
     assert res.ok and "CONTAINS the noisy central images" in html and "SDEdit" in html
 
 
-# -- review s6: format versions, the starts record's claims --------------------------------------------------------
+# -- Format versions, the starts record's claims --------------------------------------------------------
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -71,7 +71,7 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, 
     real_build = local_job.build_release
 
     def swap_then_build(rd, *args, **kw):  # noqa: ANN001, ANN202
-        """S5 (review s6): a local user swaps the file after attest_run checked it against the ledger."""
+        """S5: a local user swaps the file after attest_run checked it against the ledger."""
         with np.load(rd / "released" / "central.npz") as z:
             checked.update(z)
         np.savez(rd / "released" / "central.npz", **{**checked, "images": np.ones_like(checked["images"])})

@@ -151,7 +151,7 @@ def test_flat_key_list_is_refused_not_trusted_for_every_role(release, keys, tmp_
 
 
 def test_lifetime_spend_is_shown_beside_the_jobs(keys, tmp_path):
-    """A site that spent on the same images in an earlier job: the page shows both figures (issue 16 left it open)."""
+    """A site that spent on the same images in an earlier job: the page shows both figures."""
     from feta_release.accounting import PrivacyEvent
     from feta_release.policy.document import SitePolicy
     from feta_release.release.manifest import build_attestation
@@ -265,7 +265,7 @@ def test_missing_release_still_gets_a_page_that_says_why(keys, tmp_path):
 
 
 def test_caps_shown_are_the_verified_policys_even_if_the_file_changes_after_verify(release, keys, tmp_path):
-    """Review 70 (low): the report re-read the site's policy file after verify, so a file swapped in between (no
+    """The report re-read the site's policy file after verify, so a file swapped in between (no
     signature checked) set the caps the page shows. The page must show the policy verify checked."""
     import json
     import shutil

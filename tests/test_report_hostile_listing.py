@@ -1,6 +1,6 @@
-"""Review 71 (HTML report): the file listing of a release directory a hostile coordinator assembled.
+"""The HTML report and the file listing of a release directory a hostile coordinator assembled.
 
-Each test failed on the code before its fix (see the review's report)."""
+Each test failed on the code before its fix."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def _x(i: int) -> np.ndarray:
 
 @pytest.mark.parametrize(("n", "t"), [(5, 3), (7, 4), (9, 5)])
 def test_a_victim_given_the_shares_of_only_t_minus_1_peers_refuses_to_mask(n: int, t: int) -> None:
-    """/work/wt/route_attack.py, 0 colluders: the victim gets the shares of t - 1 peers P only, every other site
+    """0 colluders: the victim gets the shares of t - 1 peers P only, every other site
     is told 'victim alive, P dropped'; on the old code the victim masked against P alone and its vector came out
     with only its own noise share (t seed shares of it, t key shares of each peer in P)."""
     cfg, sites = _round(n, t, f"route{n}")
@@ -98,7 +98,7 @@ def test_honest_shares_is_between_one_and_threshold_minus_colluders(n: int, t: i
 
 
 def test_the_node_checks_key_adverts_against_its_pinned_peers_not_the_relay() -> None:
-    """Review finding 2: the coordinator relayed the site keys that authenticate key adverts, so it could relay
+    """The coordinator relayed the site keys that authenticate key adverts, so it could relay
     its own key under another site's id (or a sybil site's) and read the victim's Shamir shares. The node now
     takes the keys its admin-signed policy pins (``secure_aggregation.peers``)."""
     from types import SimpleNamespace

@@ -1,4 +1,4 @@
-"""Attack (review S1): two unmask requests for ONE sum, delivered to a node at the same time with conflicting views
+"""Attack: two unmask requests for ONE sum, delivered to a node at the same time with conflicting views
 of who dropped, must not both be answered. Without a lock edge.secure._unmask did load_state -> unmask ->
 save_state unguarded, both processes read the state before either saved, and the victim revealed the shares of
 BOTH other sites for the same sum; with the others' honest answers the coordinator could unmask the victim's

@@ -1,4 +1,4 @@
-"""Secure aggregation is the DEFAULT for a job with >= 2 sites (issue 14); per-site noise is the explicit opt-out
+"""Secure aggregation is the DEFAULT for a job with >= 2 sites; per-site noise is the explicit opt-out
 (``[federation] secure_aggregation = false``). The signed job always states the resolved value, so a node and the
 coordinator never disagree on the mode, and old signed jobs (which state false) keep their per-site mode."""
 

@@ -61,7 +61,7 @@ def test_secure_job_charges_skellam_events_and_the_coordinator_sees_only_masked_
                                                                                         ) -> None:
     signed, _ = sign_job_file(fed, secure_job(), "job-sec")
     secagg_dirs = [Path(fed.site(s.site_id).ledger).parent / "work" / "secagg" for s in fed.sites]
-    for d in secagg_dirs:  # review finding 6: an existing, too open directory
+    for d in secagg_dirs:  # An existing, too open directory
         d.mkdir(parents=True, exist_ok=True)
         d.chmod(0o755)
     grid = harness(fed)
@@ -284,7 +284,7 @@ def test_a_split_view_through_the_nodes_gets_too_few_key_shares_when_the_epsilon
     again = {**doc, "active": [a, b], "dead": [c]}
     grid.push_messages([Message(fm.make_payload(again), dst_node_id=a, message_type=fm.SECAGG, group_id="x")])
     rep = grid._replies.popitem()[1]
-    # refused: the sum's state (and its ECDH secrets) is gone after the unmask stage (review finding 6)
+    # refused: the sum's state (and its ECDH secrets) is gone after the unmask stage
     assert rep.has_error() and "no key setup" in rep.error.reason
     ev = events_from_list(_requests(fed, "site-c", "job-split-view")[0]["events"])[0]
     assert isinstance(ev, SkellamEvent) and ev.mu == pytest.approx(2 * ev.mu_worst)  # what site_epsilons counts

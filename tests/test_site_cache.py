@@ -1,4 +1,4 @@
-"""The node's private site cache (edge/site_cache.py, review58 L3): a per-message open reads the site opened at
+"""The node's private site cache (edge/site_cache.py): a per-message open reads the site opened at
 node start instead of decoding N images, with work padded to the public size; what it returns is the site a
 fresh open verifies, and a cache not written by this node for exactly these files is never trusted."""
 
@@ -131,7 +131,7 @@ def test_a_cache_not_written_for_these_files_is_a_miss(tmp_path_factory: pytest.
 
 
 def test_a_changed_loader_makes_the_cache_key_change(monkeypatch) -> None:
-    """Review 62 note: the key covered the node config and the files, not the code that decodes them; after an
+    """The key covered the node config and the files, not the code that decodes them; after an
     upgrade that changes decoding, a node kept serving data the old code had decoded."""
     import edge.site_cache as sc
 

@@ -1,4 +1,4 @@
-"""[sampler] start_source (issue 15): SDEdit starts of the run's synthetic set from the aux generator's images ("aux")
+"""[sampler] start_source: SDEdit starts of the run's synthetic set from the aux generator's images ("aux")
 or every other one ("mix"); the aux generator is fitted to the noised frequency release, so its images are
 post-processing of a release. The default ("central") draws exactly as before."""
 

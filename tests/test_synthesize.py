@@ -173,9 +173,9 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
     assert proc.stdout.startswith("VERIFIED: ") and "site a: per image, δ = 1e-05: ε this job" in proc.stdout
     cert = json.loads((out / "certificate.json").read_text())
     assert len(cert["files"]) == 4
-    probe = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import torch"], capture_output=True, text=True,
+    blocked = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import torch"], capture_output=True, text=True,
                            env=env, timeout=60)
-    assert probe.returncode != 0 and "blocked by the test" in probe.stderr  # the block is real
+    assert blocked.returncode != 0 and "blocked by the test" in blocked.stderr  # the block is real
     # And refusal through the CLI: exit code of ReleaseError, reason printed, nothing written.
     # The site key is not the administrator key: trusting it for site a's policy must fail.
     site_pub = keys.pub_files(tmp_path / "keys")[1]
@@ -185,7 +185,7 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
     assert "unknown key" in bad.stderr + bad.stdout
 
 
-MEM_PROBE = """
+MEM_CHECK = """
 import sys
 from feta_release.release.synthesize import synthesize
 from feta_release.signing import load_public_key
@@ -203,7 +203,7 @@ def test_memory_does_not_grow_with_n(release, keys, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     peaks = []
     for n in (16, 400):
-        proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + MEM_PROBE, str(release), str(tmp_path / f"o{n}"),
+        proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + MEM_CHECK, str(release), str(tmp_path / f"o{n}"),
                                str(n), admin_pub], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr
         peaks.append(int(proc.stdout.strip().splitlines()[-1]))

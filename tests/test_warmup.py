@@ -35,7 +35,7 @@ def job(**sections) -> JobConfig:
     return JobConfig().replace(**{"dpsgd": {"steps": 1}, **sections})
 
 
-def probe_loss(d, x01: torch.Tensor, y: torch.Tensor) -> float:
+def fixed_noise_loss(d, x01: torch.Tensor, y: torch.Tensor) -> float:
     rnd = draw_loss_randomness(x01.shape[0], tuple(x01.shape[1:]), noise_multiplicity=16,
                                label_dropout=0.0, generator=torch.Generator().manual_seed(123))
     with torch.no_grad():
@@ -71,11 +71,11 @@ def test_spatial_warmup_reduces_loss_and_carries_ema() -> None:
     x, y = bars()
     d = build_denoiser(TINY, (1, 16, 16), 2)
     cfg = job(warmup={"spatial_iterations": 120, "spatial_batch": 4, "lr": 2e-3, "ema": 0.99})
-    before = probe_loss(d, x, y)
+    before = fixed_noise_loss(d, x, y)
     calls: list[tuple[int, int, float]] = []
     res = spatial_warmup(d, x, y, cfg, generator=torch.Generator().manual_seed(0),
                          progress=lambda s, t, loss: calls.append((s, t, loss)))
-    after = probe_loss(d, x, y)
+    after = fixed_noise_loss(d, x, y)
     assert after < 0.7 * before, (before, after)
     assert res.steps == 120 and len(res.losses) == 120 and res.examples == 60 * 4 + 60 * 2  # 6 images: batches of 4 then 2
     assert [c[0] for c in calls] == list(range(1, 121)) and all(c[1] == 120 for c in calls)

@@ -19,7 +19,7 @@ from feta_release.training.frequency import (
     run_frequency_stage,
 )
 from tests.test_models import TINY
-from tests.test_warmup import bars, job, probe_loss
+from tests.test_warmup import bars, job, fixed_noise_loss
 
 AUX = {"width": 8, "batch": 20, "epochs": 3, "iterations_per_epoch": 30, "lr": 0.01, "z_dim": 8}
 
@@ -118,10 +118,10 @@ def test_frequency_warmup_trains_denoiser() -> None:
     x, y = bars(3)  # stand-in for generator images: 16x16, two classes
     d = build_denoiser(TINY, (1, 16, 16), 2)
     cfg = job(warmup={"frequency_epochs": 30, "frequency_batch": 4, "lr": 2e-3, "ema": 0.99})
-    before = probe_loss(d, x, y)
+    before = fixed_noise_loss(d, x, y)
     res = frequency_warmup(d, x, y, cfg, generator=torch.Generator().manual_seed(0))
     assert res.steps == 30 * 2 and res.stage == "frequency"
-    assert probe_loss(d, x, y) < 0.7 * before
+    assert fixed_noise_loss(d, x, y) < 0.7 * before
     with pytest.raises(ConfigError):
         frequency_warmup(d, torch.zeros(2, 1, 8, 8), y[:2], cfg, generator=torch.Generator())
 

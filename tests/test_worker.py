@@ -386,7 +386,7 @@ def test_the_site_stamp_changes_with_every_file_the_site_is_opened_from(tmp_path
 
 
 def test_an_edge_package_planted_in_the_nodes_cwd_is_not_imported_by_the_worker(tmp_path, monkeypatch):
-    """Review W1: ``python -m edge.worker`` put the current directory first on sys.path; an ``edge/`` package that
+    """``python -m edge.worker`` put the current directory first on sys.path; an ``edge/`` package that
     another local user planted where the admin started the node ran as the site account."""
     from edge.launch import NodeSettings, WorkerChannel, start_worker
 

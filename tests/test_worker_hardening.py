@@ -144,7 +144,7 @@ def test_redact_keeps_ratios_and_words():
 
 
 def test_a_data_check_refusal_leaves_without_the_sites_counts(caplog):
-    """Review L2: a ``DataError`` is about the site's own images and its text may state their exact count or
+    """A ``DataError`` is about the site's own images and its text may state their exact count or
     shape; it leaves with its type and a generic line, the detail stays in the local log."""
     from feta_release.errors import DataError
 

@@ -157,7 +157,7 @@ def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
 
     ``declared``: the --policy's public class list and image shape, which the data are mapped onto as a node maps
     them. Without one the classes present and the majority shape of --data are used, and the release (synthetic
-    labels, model, manifest) shows them as they are: ``train`` notes it after the run (review 58 M1)."""
+    labels, model, manifest) shows them as they are: ``train`` notes it after the run."""
     from ..data import load_dataset, load_embedded, train_heldout_split
 
     patients = None

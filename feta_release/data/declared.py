@@ -1,6 +1,6 @@
 """The PUBLIC shape of a site's data: its class list and its image shape, declared by the site's administrator.
 
-Review 58 M1: the class list (which classes, their order, how many) and the image shape (channels, height, width)
+The class list (which classes, their order, how many) and the image shape (channels, height, width)
 fix the shape of every release and of the model, and the node's ``hello`` sends them un-noised. Read off the
 private images they are a count > 0 query per class (one 'sarcoma' image adds a class) and a majority vote over
 the colour modes and sizes (one RGB image flips every image to 3 channels). So they are DECLARED instead: the

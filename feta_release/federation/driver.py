@@ -107,7 +107,7 @@ def secure_fix_hint(exc: JobDoesNotFit, sites: dict[str, SiteInfo], n_sites: int
 
 def update_problem(sent: dict[str, np.ndarray], reply: dict[str, np.ndarray]) -> str | None:
     """Why a site's round reply is not a model of the weights sent (None: it is): the same tensors, each of the
-    same shape, numbers, all finite (review70 M2). FedAvg would broadcast a scalar or a (1,)-array into every
+    same shape, numbers, all finite. FedAvg would broadcast a scalar or a (1,)-array into every
     weight, and one NaN makes the global model NaN at every site."""
     if set(reply) != set(sent):
         missing, extra = sorted(set(sent) - set(reply)), sorted(set(reply) - set(sent))
@@ -123,7 +123,7 @@ def update_problem(sent: dict[str, np.ndarray], reply: dict[str, np.ndarray]) ->
 
 def release_problem(arrays: dict[str, np.ndarray]) -> str | None:
     """Why a site's central/frequency release cannot be pooled (None: it can): NaN or infinite numbers would make
-    the pooled warm-up set, and so the global model every site trains on, NaN (review70 M2)."""
+    the pooled warm-up set, and so the global model every site trains on, NaN."""
     data = ("values", "embedding")  # the released numbers (a central release's clip is NaN when it has none)
     bad = sorted(k for k in data if k in arrays and (arrays[k].dtype.kind not in "fiu"
                                                      or not np.all(np.isfinite(arrays[k]))))
@@ -147,7 +147,7 @@ def hello_problem(doc: Any) -> str | None:
 def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> str | None:
     """Why ``att`` is not site ``sid``'s final spend statement for this job (None: it is), as verify will check it:
     signed by the site key its signed policy names (not whatever key the reply embeds), for this site, this signed
-    job, final (review70 L2)."""
+    job, final."""
     if not (isinstance(att, dict) and isinstance(att.get("statement"), dict)):
         return "attestation refused: the reply holds no {statement, signature}"
     if not site_key:
@@ -241,7 +241,7 @@ class JobDriver:
             if rep.has_error():
                 failed[sid] = rep.error.reason
                 continue
-            try:  # one site's unreadable reply is that site's failure, not the job's end (review70 M2)
+            try:  # one site's unreadable reply is that site's failure, not the job's end
                 ok[sid] = fm.read_payload(rep.content)
             except PolicyError as exc:
                 failed[sid] = str(exc)
@@ -486,7 +486,7 @@ class JobDriver:
                 out[sid] = doc["attestation"]
                 if self.anchors is not None:  # the ledger position the next job's hello must extend
                     self.anchors.record(sid, self.job.job_id, doc["attestation"]["statement"])
-            else:  # not released under this site: verify would refuse the whole release for it (review70 L2)
+            else:  # not released under this site: verify would refuse the whole release for it
                 failed[sid] = why
         for sid, reason in failed.items():
             self.emit("attest", f"site {sid}: no attestation: {reason}", site=sid, error=reason)

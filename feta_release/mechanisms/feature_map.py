@@ -74,7 +74,7 @@ def rff_features(x_flat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
 def _finite(phi: torch.Tensor) -> torch.Tensor:
     """``phi`` with every non-finite entry set to 0 (in place when it can be: the streamed buffers).
 
-    Why (review58 H1): a projection that overflows float32 (a coordinator-chosen tiny bandwidth2 makes omega huge)
+    Why: a projection that overflows float32 (a coordinator-chosen tiny bandwidth2 makes omega huge)
     gives cos/sin = NaN for SOME images only, and one NaN makes the whole noised release NaN: a flag no noise
     covers. Zeroing is a function of the one record, and a row with entries replaced by 0 still has norm <= 1 (the
     sensitivity is unchanged), so the release stays finite whatever the data."""
@@ -152,7 +152,7 @@ class FeatureMap:
         if not self.patch:
             return rff_features(x.reshape(x.shape[0], -1), w)
         # a convolution with omega as its filters is (patch @ omega) at every position, without the unfolded
-        # B x C k^2 x P copy (review 72: that grew as k^2 P, past what the features cap bounds)
+        # B x C k^2 x P copy
         c, k = self.image_shape[0], self.size
         filters = w.t().reshape(w.shape[1], c, k, k)  # unfold's (C, k, k) order of a patch's pixels
         out = torch.nn.functional.conv2d(x.reshape(-1, *self.image_shape).to(w.dtype), filters, stride=self.stride)
@@ -164,7 +164,7 @@ class FeatureMap:
 
 
 def release_chunk(chunk: int, n_public: int) -> int:
-    """Rows a release maps at once: ``chunk`` capped at half the PUBLIC size (review 72 M1).
+    """Rows a release maps at once: ``chunk`` capped at half the PUBLIC size.
 
     A node maps its N real rows, then P - N dummy rows (``edge.padded_releases``: the rows are public, P), each pass
     in steps of at most this many. The peak memory is the largest step, max(min(c, N), min(c, P - N)), and with

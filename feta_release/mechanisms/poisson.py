@@ -21,7 +21,7 @@ f-divergences (exp((α-1)·D_α), the hockey-stick), each direction's divergence
 the subsampled Gaussian's (and Skellam's) RDP and (ε, δ) are nondecreasing in q, and the accountant's charge at q
 covers the draw made here.
 
-The draw's shape is the caller's, unchanged: ``rows`` uniforms (a public bucket where the caller pads, review L3),
+The draw's shape is the caller's, unchanged: ``rows`` uniforms (a public bucket where the caller pads),
 one comparison each; the threshold depends on q alone."""
 
 from __future__ import annotations

@@ -85,15 +85,15 @@ class Layout:
 def central_layout(image_shape: tuple[int, ...], n_classes: int, rounds: int, clip: float | None,
                    downsample: float, cells: int = 1) -> Layout:
     """One block per (round, class, cell), in the row order of a single site's ``CentralRelease``."""
-    probe = np.zeros((1, *image_shape), dtype=np.float32)
-    vec, _, bound = _prepare(probe, "mean", clip, downsample, None, "central images (secure sum)")
+    blank = np.zeros((1, *image_shape), dtype=np.float32)
+    vec, _, bound = _prepare(blank, "mean", clip, downsample, None, "central images (secure sum)")
     cells = check_positive_int(cells, "cells", "central images (secure sum)")
     return Layout(int(rounds) * int(n_classes) * cells, int(vec.shape[1]), float(bound))
 
 
 def small_shape(image_shape: tuple[int, ...], downsample: float) -> tuple[int, int, int]:
-    probe = np.zeros((1, *image_shape), dtype=np.float32)
-    _, shape, _ = _prepare(probe, "mean", 1.0, downsample, None, "central images (secure sum)")
+    blank = np.zeros((1, *image_shape), dtype=np.float32)
+    _, shape, _ = _prepare(blank, "mean", 1.0, downsample, None, "central images (secure sum)")
     return shape
 
 
@@ -167,7 +167,7 @@ def job_contribution(phase: str, images: np.ndarray, labels: np.ndarray, n_class
                      n_public: int, n_sites: int, modulus_bits: int, rng: np.random.Generator) -> np.ndarray:
     """A site's ``phase`` ("central" / "frequency") contribution with the job config's parameters: the ONE call
     both the charged release (``edge.secure.masked_contribution``) and its latency padding
-    (``edge.padded_releases.pad_secure``) make, so the dummy rows cost what real rows cost (review M1: cells)."""
+    (``edge.padded_releases.pad_secure``) make, so the dummy rows cost what real rows cost."""
     if phase == "central":
         c = cfg.central  # type: ignore[attr-defined]
         return central_contribution(images, labels, n_classes, rounds=c.rounds, batch=c.batch, sigma=c.sigma,

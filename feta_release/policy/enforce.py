@@ -43,7 +43,7 @@ from .document import MECHANISMS, MechanismRule, SitePolicy, check_validity
 from .errors import JobDoesNotFit, PolicyBudgetExceeded, PolicyViolation
 from .jobs import Job
 
-# Review L1: without a cap a coordinator could sign cells = 10**6; the event is unchanged, but the release's shape
+# Without a cap a coordinator could sign cells = 10**6; the event is unchanged, but the release's shape
 # would exhaust the site's memory after the charge (budget spent, nothing released).
 DEFAULT_MAX_CELLS = 64
 

@@ -3,7 +3,7 @@
 ``feta-release policy check`` without ``--data`` and ``job verify --policy`` can judge a secure-aggregation job only
 in its Gaussian form: the form the node charges (its Skellam events, FedSGD included) has sensitivities that depend
 on the data's image shape and classes, which neither the signed policy nor the signed job states. Such a check used
-to exit 0 like the node's own verdict (review F5), so a script testing ``$? -eq 0`` took it for one. Its outcome is
+to exit 0 like the node's own verdict, so a script testing ``$? -eq 0`` took it for one. Its outcome is
 now a :class:`PartialCheck`, which the CLI prints as one line and maps to exit status ``PARTIAL_CHECK_EXIT`` (8):
 what passed, what was NOT checked, and the command that makes it a full check (docs/secure-aggregation.md, "Exit
 status of the checks").

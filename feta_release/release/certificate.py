@@ -278,7 +278,7 @@ def _check_release(
 
 
 def _check_certified_privacy(res: VerificationResult, cert: dict[str, Any], rv: VerificationResult) -> None:
-    """The certificate's privacy section and PNG text are the verified release's figures (review70 M3): a signer's
+    """The certificate's privacy section and PNG text are the verified release's figures: a signer's
     key vouches that it made these images, never for figures the release's sites did not attest."""
     assert rv.manifest is not None
     sites = rv.manifest["sites"]

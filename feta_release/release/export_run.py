@@ -187,7 +187,7 @@ def released_central(job_dir: str | Path, job_id: str | None = None, name: str =
                      what: str = "central images") -> tuple[np.ndarray, np.ndarray] | None:
     """The job directory's released central images (``released/central.npz``: images in [0, 1], labels), if any.
     ``job_id``: the file must say it is that job's (the federated coordinator writes it), so a stale file of an
-    earlier job in the same directory is never shipped under a new one (review s6, S2). ``name``/``what``: another
+    earlier job in the same directory is never shipped under a new one. ``name``/``what``: another
     file of the same layout (the aux pool, :data:`RELEASED_AUX`)."""
     path = Path(job_dir) / name
     if not path.is_file():

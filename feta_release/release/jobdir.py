@@ -171,7 +171,7 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
     ``require_policies``: every site must have its signed policy in ``policies/`` (a federation's sites always
     do); a single-site run without a policy is released without one (``verify`` then says so).
     ``starts``: the central images as the caller CHECKED them (a ``train`` run: the arrays ``attest_run`` hashed
-    against the ledger), shipped as they are, never re-read from the path (review s6, S5); None: the federated
+    against the ledger), shipped as they are, never re-read from the path; None: the federated
     coordinator's ``released/central.npz``. ``aux_pool``: likewise the aux-generator pool (``[sampler]
     start_source`` aux/mix; a ``train`` run's as ``attest_run`` checked it); None: the coordinator's
     ``released/aux_images.npz``, which must name this job. ``denoiser``: likewise the model (a ``train`` run's as

@@ -47,7 +47,7 @@ from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sig
 
 FORMAT_VERSION = "feta-release/manifest/1"
 # A release with an SDEdit sampler / shipped central images (``starts``): an older verifier, which checks neither,
-# refuses format 2 instead of answering OK for a file it never hashed (review s6, S3).
+# refuses format 2 instead of answering OK for a file it never hashed.
 FORMAT_VERSION_SDEDIT = "feta-release/manifest/2"
 # The generator's ``feta.format`` (release.onnx_export): format 2 has the SDEdit inputs start, from_release.
 GENERATOR_FORMATS = {False: "feta-release-generator/1", True: "feta-release-generator/2"}
@@ -360,7 +360,7 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     """Every claim of the ``starts`` record, computed from signed inputs only: the job config (counts,
     augmentation) and each site's signed history (the central stage's ε, as the privacy report computes it).
     ``sites``: site records or signed statements (site_id, events, delta, accountant). Export writes these and
-    verify recomputes them, so no figure in the record is the coordinator's word (review s6, S1)."""
+    verify recomputes them, so no figure in the record is the coordinator's word."""
     from ..config import JobConfig
 
     cfg = JobConfig.from_dict(config)
@@ -369,7 +369,7 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
         raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
                            "images: they are not this job's release; leave [sampler] start_sigma out")
     for s in sites:
-        if not any(e.stage == "central" for e in events_from_list(s["events"])):  # review s6, S2: every site
+        if not any(e.stage == "central" for e in events_from_list(s["events"])):  # every site
             # released its part, in its history
             raise ReleaseError(f"site {s['site_id']}'s signed history has no 'central' event for this job, so the "
                                "central images are not what the sites released; leave [sampler] start_sigma out")
@@ -391,7 +391,7 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
 def _stage_figures(sites: Sequence[dict[str, Any]], stage: str) -> tuple[str, dict[str, float], dict[str, float]]:
     """What the signed histories say about one stage's release, per site: its unit of privacy ("image" unless a
     site's events of that stage say "patient"), its ε alone at the site's delta, and (secure aggregation only,
-    review s6, S4) its ε if every other site colludes with the coordinator."""
+    ) its ε if every other site colludes with the coordinator."""
     per_site: dict[str, float] = {}
     worst: dict[str, float] = {}
     units: set[str] = set()
@@ -406,7 +406,7 @@ def _stage_figures(sites: Sequence[dict[str, Any]], stage: str) -> tuple[str, di
 
 
 def _augmentation(cfg: Any) -> dict[str, Any]:
-    """The start images' augmentation as the signed job sets it, bounded before any use (review s6, S6)."""
+    """The start images' augmentation as the signed job sets it, bounded before any use."""
     from .starts import MAX_OPS, N_BINS
 
     w = cfg.warmup
@@ -466,13 +466,13 @@ def _aux_words(unit: str, per_site: dict[str, float], worst: dict[str, float]) -
 
 
 def _figure_words(stage: str, unit: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
-    """A stage's figures in words (review s6, S4): per unit, that stage alone, and the collusion caveat when the
+    """A stage's figures in words: per unit, that stage alone, and the collusion caveat when the
     stage was summed by secure aggregation."""
     words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
     worst_words = "" if not worst else (
         " These figures assume the other sites do not collude with the coordinator (secure aggregation); if they "
         "all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + ".")
-    # Review L1: the former "(a patient-level site with patient cap k: k·ε per patient)" read as a patient bound of an
+    # The former "(a patient-level site with patient cap k: k·ε per patient)" read as a patient bound of an
     # image-level site and left out that δ grows too. Group privacy for k images of one person: (kε, k·e^((k−1)ε)·δ).
     group = ("" if unit == "patient" else
              " (per image: a person with k images in a site's data is protected only at (k·ε, k·e^((k−1)·ε)·δ) by "
@@ -488,7 +488,7 @@ def aux_record(release_dir: str | Path, file: str, config: dict[str, Any], sites
 
 
 def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float], unit: str = "image") -> str:
-    """The DPO's text of the starts record (review s6, S4): unit, scope, collusion assumption, lifetime."""
+    """The DPO's text of the starts record: unit, scope, collusion assumption, lifetime."""
     return (
         "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
         f"({source}). {_figure_words('central', unit, per_site, worst)} They are "

@@ -152,7 +152,7 @@ assert tuple(OPS) == OP_NAMES
 
 
 # Upper bound on the ops per image: the record (and job) is signed by the coordinator, so the size is bounded before
-# anything is allocated (one row of 1 + 2 ops uniforms per image; review s6, S6). The warm-up uses 2.
+# anything is allocated (one row of 1 + 2 ops uniforms per image). The warm-up uses 2.
 MAX_OPS = 16
 
 

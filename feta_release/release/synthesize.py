@@ -48,7 +48,7 @@ def available_cores() -> int:
 
 def make_session(model: bytes, threads: int | None = None, optimize: bool = True) -> Any:
     """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores; it reads no file
-    (``sealed_session``: a generator's external data would come from the current directory, review70 H1)."""
+    (``sealed_session``: a generator's external data would come from the current directory)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()

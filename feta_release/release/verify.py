@@ -506,7 +506,7 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
 
 def _starts_claims_match(res: VerificationResult, man: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any] | None:
     """The record's claims recomputed from the signed job config and the sites' SIGNED statements (the same
-    figures the certificate uses); a field that differs fails the check, named (review s6, S1)."""
+    figures the certificate uses); a field that differs fails the check, named."""
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = starts_claims(man["job"]["config"], statements, len(man["generator"]["classes"]))
     bad = _claim_problems("starts", rec, want, "central_epsilon")
@@ -560,7 +560,7 @@ def _generator_metadata(data: bytes, where: Path) -> dict[str, str]:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    try:  # without onnx: a model that names external data fails to load in the sealed session (review70 H1)
+    try:  # without onnx: a model that names external data fails to load in the sealed session
         sess = sealed_session(data, so)
     except Exception as exc:  # onnxruntime raises its own exception types for unreadable models
         raise ReleaseError(f"{where}: not a loadable ONNX model ({exc})") from None
@@ -589,7 +589,7 @@ def _node_tensors(nodes: Any) -> Any:
 
 
 def refuse_external_data(model: Any, where: Any) -> None:
-    """Refuse a generator with a tensor stored outside the file (review70 H1): onnxruntime would read it from the
+    """Refuse a generator with a tensor stored outside the file: onnxruntime would read it from the
     current directory of whoever runs synthesize (a key, patient files) into the images the certificate calls
     differentially private. A released generator holds every weight in its own (hashed) bytes."""
     tensors = [*_graph_tensors(model.graph), *(t for f in model.functions for t in _node_tensors(f.node))]
@@ -646,7 +646,7 @@ def _check_site(
         problems += secure_assumption_violations(policy, st, events, job.sites, job.body.get("config") or {})
     if digest != st.get("policy_sha256"):
         problems.insert(0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…")
-    if not problems:  # what the report shows: these bytes, never the file read again (review 70, low)
+    if not problems:  # what the report shows: these bytes, never the file read again
         res.policies[sid] = policy
     res.add(f"site {sid} policy", not problems, "; ".join(problems) if problems else
             f"signed by site administrator {admin}; within policy v{policy.get('version')} (per-job ε ≤ "

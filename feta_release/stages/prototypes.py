@@ -6,7 +6,7 @@ them (``mechanisms.central.prototype_cells``) at no privacy cost beyond its own 
 written here because they are a few lines over a few hundred public images (no library dependency for it).
 
 Measured (validation, epsilon = 10 central setting, 2 noise seeds, release-only classifier): 4 prototype cells
-0.859 vs 4 slant cells 0.834 (``bench/prototype_cells_probe.py``, docs/evaluation.md).
+0.859 vs 4 slant cells 0.834 (docs/evaluation.md).
 """
 
 from __future__ import annotations

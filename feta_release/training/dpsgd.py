@@ -206,7 +206,7 @@ def poisson_sample(n: int, q: float, generator: torch.Generator, rows: int | Non
 
     ``rows``: a PUBLIC count >= ``n`` (``training.padding.public_rows``) the draw is made over, the indices >= ``n``
     then dropped: the same law over the real rows (independent uniforms, each below q), but the draw's work no
-    longer times the exact ``n`` (review L3); the drop runs over the Binomial(rows, q) drawn indices, whose law
+    longer times the exact ``n``; the drop runs over the Binomial(rows, q) drawn indices, whose law
     is public too. Each row joins with probability floor(q·2^53)/2^53 <= q (``mechanisms.poisson``: the float32
     ``torch.rand(n) < q`` this replaced joined with probability up to 6e-8 above q)."""
     drawn = torch.nonzero(poisson_mask(max(n, rows or 0), q, generator), as_tuple=False).flatten()
@@ -305,7 +305,7 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float, *, in_place: bool = Fals
     the cpu-eps1 model, 32 examples, 2 threads: 3.0 vs 4.9 ms a chunk (with the norms by ``vector_norm`` rather than
     ``pow(2).sum``: 6.1 ms before), the DP-SGD step's largest cost outside the backward.
     """
-    clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself (review58 H2)
+    clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself
     flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
     norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
     finite, factor = _clip_factors(norms, clip)
@@ -381,7 +381,7 @@ def _patient_cap(n_public: int | None, cap: int | None, default_cap: int) -> int
 def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int, bool]]:
     """Split a patient batch into physical chunks of exactly ``size`` images (the last one: the rest), as the
     image-level step does, so that the number and sizes of the real calls are ceil(rows / size) and ``size``: a
-    function of the row count alone, never of how the sampled patients' images fall into chunks (review58 L1:
+    function of the row count alone, never of how the sampled patients' images fall into chunks (
     packing WHOLE patients took more calls the more their image counts wasted each chunk, a private layout
     seen in latency). A patient may now straddle chunks; the per-patient clip stays exact because a straddling
     patient's partial sum is carried into the next chunk (``_carry_patients``) and clipped only once complete.
@@ -404,7 +404,7 @@ def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, la
     added to row 0, and row ``last`` held back as the new carry (zeroed in the sums) when that patient goes on in
     the next chunk (``continues``). Returns (the sums to clip now, the carry).
 
-    The same operations run whatever the layout (review 62 L2: a branch per straddling patient made the work per
+    The same operations run whatever the layout (a branch per straddling patient made the work per
     step count the sampled patients' private image counts): the carry is ALWAYS added (zeros when the previous
     chunk's last patient ended there, or for the first chunk) and row ``last`` ALWAYS selected into the carry or
     left in place. Adding +0.0 is exact, so the sums are bit-identical to the branching form."""
@@ -442,7 +442,7 @@ def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
     when ``model`` has active dropout. ``nn.Dropout`` draws its masks there, which is public-seeded in the local
     pipeline, fixed in a fresh per-message process and carried across requests in the warm worker; masks from it
     were predictable and assigned by position in the batch, so one image more shifted every later image's mask
-    (review58 M2). Now they are a fresh secret draw per step (DP-SGD) or round (FedSGD), independent of the data:
+. Now they are a fresh secret draw per step (DP-SGD) or round (FedSGD), independent of the data:
     coupled on the shared examples, each one still moves the sum by <= C. A model without dropout draws nothing
     (its noise stream is unchanged)."""
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
@@ -631,7 +631,7 @@ class DPSGDTrainer:
         ``before_step``).
         """
         with fork_rng(self.model):  # CPU and, on a GPU, its generator: both restored after the private seed
-            seed_dropout(self.model, self.generator)  # masks from the private stream (review58 M2)
+            seed_dropout(self.model, self.generator)  # masks from the private stream
             noisy, stats = self.noisy_gradient(images, labels)
         for name, p in self.model.named_parameters():
             if p.requires_grad:

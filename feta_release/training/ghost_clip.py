@@ -49,7 +49,7 @@ parameter. A model whose own code mixes rows by other means (e.g. ``x.mean(0)``)
 UNet keeps that constraint for vmap already (``models.unet``).
 
 The rules see a parameter only through its own module's forward (input, output gradient), so they also hold only
-when every use of the parameter IS that forward, the library's, with options the rule implements (review M1: the
+when every use of the parameter IS that forward, the library's, with options the rule implements (the
 former engine returned other vectors than torch.func, silently, for weight tying through ``F.linear(h,
 emb.weight)``, ``Embedding(scale_grad_by_freq=True)``, a subclass's own forward, a forward hook, an extra parameter
 such as the old ``weight_norm``'s, and a layer over rows that are not the batch's). What the module tree shows is
@@ -305,14 +305,14 @@ class _Tap(torch.autograd.Function):
     a 16-example chunk with K = 4; the allocator then gave those pages back to the OS and faulted them in again
     every chunk (38,000 minor faults a chunk, as much system time as compute, measured). Consumed inside the
     backward, each gradient is freed when its rule is done, as in an ordinary backward, and read while in cache.
-    The extra input ``probe`` (a scalar leaf) is what the backward is taken with respect to: every tap leads to it,
+    The extra input ``root`` (a scalar leaf) is what the backward is taken with respect to: every tap leads to it,
     so autograd runs every tap and every layer's input-gradient node, and still no weight gradient.
     The output is a view made inside a custom Function, so torch refuses a model that changes it in place
     (``F.silu(conv(x), inplace=True)``): asking autograd for the gradient of such an output (the former way) gave
     that of the changed values, and silently wrong per-example gradients."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, probe: Tensor,
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, root: Tensor,
                 fn: Callable[[Tensor], None]) -> Tensor:
         ctx.fn = fn  # type: ignore[attr-defined]
         return out.view_as(out)
@@ -331,7 +331,7 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
     b = x.shape[0]
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     grads: dict[str, Tensor] = {}
-    probe = torch.zeros((), device=x.device, requires_grad=True)
+    root = torch.zeros((), device=x.device, requires_grad=True)
 
     def rule(m: nn.Module, a: Tensor, extra: tuple[Tensor, ...], g: Tensor) -> None:
         for attr, gi in _rule(m)(m, a, g, b, *extra).items():
@@ -343,7 +343,7 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
     def tap(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
         a = inputs[0].detach()
         extra = _group_norm_stats(m, a, output) if isinstance(m, nn.GroupNorm) else ()
-        return _Tap.apply(output, probe, partial(rule, m, a, extra))
+        return _Tap.apply(output, root, partial(rule, m, a, extra))
 
     hooked = [m for m in model.modules() if any(id(p) in names for p in m.parameters(recurse=False))]
     handles = [m.register_forward_hook(tap) for m in hooked]
@@ -354,7 +354,7 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
             h.remove()
     if hooked:  # a tap the loss does not reach never runs: a zero contribution. Under no_grad this raises (loud,
         # as the former autograd.grad to the outputs did) rather than returning all-zero gradients
-        torch.autograd.grad(values.sum(), probe, allow_unused=True)
+        torch.autograd.grad(values.sum(), root, allow_unused=True)
     params = dict(model.named_parameters())
     full = {n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))
             for n in names.values()}
@@ -371,15 +371,15 @@ def _scrambled(model: nn.Module, gen: torch.Generator) -> nn.Module:
     """A copy of ``model`` with every parameter redrawn from ``gen`` (fan-in scaled) and dropout off, in train mode:
     the check then depends on the model's structure only (not its weights, not the site's data), no branch hides
     behind a zero-initialised layer, and the two engines' dropout draws cannot differ."""
-    probe = copy.deepcopy(model)
+    twin = copy.deepcopy(model)
     with torch.no_grad():
-        for p in probe.parameters():
+        for p in twin.parameters():
             fan_in = p[0].numel() if p.dim() > 1 else 1
             p.copy_((torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)).to(p.device, p.dtype))
-    for m in probe.modules():
+    for m in twin.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
-    return probe.train()
+    return twin.train()
 
 
 def _graph_uses(out: Tensor) -> dict[int, int]:
@@ -465,17 +465,17 @@ def cross_check(model: nn.Module, loss: object, n: int = 2) -> str | None:
     assert isinstance(loss, BatchedLoss)
     gen = torch.Generator().manual_seed(_CHECK_SEED)
     try:
-        probe = _scrambled(model, gen)
+        twin = _scrambled(model, gen)
     except RuntimeError as err:  # e.g. a non-leaf weight (the old weight_norm) that deepcopy refuses
         return f"the model cannot be copied to check it ({str(err).splitlines()[0]})"
-    dev = next((p.device for p in probe.parameters()), torch.device("cpu"))
+    dev = next((p.device for p in twin.parameters()), torch.device("cpu"))
     x, y = (t.to(dev) for t in example(n, gen))
     rand = {k: v.to(dev) for k, v in draw(n, gen).items()}
     try:  # a failure is a reason like the others: "auto" then takes torch.func, which fails loudly if it must
-        why = _outside_uses(probe, loss, x, y, rand)
+        why = _outside_uses(twin, loss, x, y, rand)
         if why is not None:
             return why
-        got, _ = hook_grads(probe, loss, x, y, rand)
-        return _mismatch(got, _one_by_one(probe, loss, x, y, rand))
+        got, _ = hook_grads(twin, loss, x, y, rand)
+        return _mismatch(got, _one_by_one(twin, loss, x, y, rand))
     except (RuntimeError, ValueError, IndexError, TypeError) as err:  # e.g. an output changed in place (_Tap)
         return f"the check failed on the dummy batch ({type(err).__name__}: {str(err).splitlines()[0]})"

@@ -92,7 +92,7 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
     gen = torch.Generator().manual_seed(PAD_SEED)
     done = 0
     # A real call also adds its clipped sum into the step's total, keeps its loss and counts its clipped rows: a
-    # padding call does the same into dropped values, so that it costs what a real call costs (review L3: else a
+    # padding call does the same into dropped values, so that it costs what a real call costs (else a
     # step's time would still grow with its realised sample, i.e. with N).
     sink = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     dropped: list[Tensor] = []

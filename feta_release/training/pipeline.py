@@ -87,7 +87,7 @@ def check_data(cfg: JobConfig, data: ImageDataset, n_public: int | None = None, 
 
     Sampling rates are batch / ``n_public`` (the PUBLIC nominal size, which may round the count up), so a batch
     is too large only when it exceeds the public size (q > 1), not the exact count. ``declared``: the classes are
-    a site policy's public declaration, where a class without images is allowed (review 58 M1)."""
+    a site policy's public declaration, where a class without images is allowed."""
     check_data_content(cfg, data, declared)
     _check_batches(cfg, data, data.n if n_public is None else int(n_public))
 

@@ -169,7 +169,7 @@ class PublicSection:
     # "public=private" pairs naming which public class stands for which private class; a private class that no
     # pair (or equal name) reaches is learnt later (the pretraining draws it as the null label)
     label_map: tuple[str, ...] = ()
-    pretrain_iterations: int = 0
+    pretrain_iterations: int = 2000  # steps on the public set (when one is named)
     pretrain_batch: int = 64
     pretrain_lr: float = 2e-3
     # sha256 of a reused pretrained model file (``train --pretrained``); it is loaded instead of pretraining
@@ -286,7 +286,7 @@ class JobConfig:
             del d["auxgen"]["restarts"], d["auxgen"]["keep"]
         if d["dpsgd"].get("trainable") == "all":  # likewise DP-SGD of every parameter
             del d["dpsgd"]["trainable"]
-        if not self.public.enabled:  # likewise a job without public data
+        if self.public == PublicSection():  # likewise a job without public data
             del d["public"]
         return d
 
@@ -507,8 +507,6 @@ def _validate_public(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
         need(pb.count >= 1 and len(pb.shape) == 3 and all(v >= 1 for v in pb.shape),
              f"[public] a public set needs count >= 1 and shape = [C, H, W], got count {pb.count}, shape "
              f"{list(pb.shape)}")
-    need(pb.sha256 is not None or pb.pretrain_iterations == 0,
-         "[public] pretrain_iterations > 0 needs a public set (train --public PATH, or sha256/count/shape)")
     need(len(pb.description) <= 500, "[public] description must be at most 500 characters")
     for pair in pb.label_map:
         pub, sep, priv = pair.partition("=")

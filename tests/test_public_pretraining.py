@@ -119,3 +119,45 @@ def test_public_section_is_strict_and_absent_jobs_hash_as_before():
         JobConfig.from_dict({"public": {"path": "/data"}})
     with pytest.raises(ConfigError, match="count >= 1"):
         base.replace(public={"sha256": "a" * 64})
+
+
+def test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images(tmp_path, monkeypatch):
+    """The coordinator pretrains; every message to a site (encoded as on the wire) holds the job's [public] hash
+    and none of the public images' bytes, and each site's ledger charges the plan of the same job without
+    [public]."""
+    from flwr.common.serde import message_to_proto
+
+    from coordinator.setup import sign_job_file
+    from feta_release.federation import harness as h
+
+    from .federation_fixtures import harness, ledger_requests, make_federation, run_harness_job, tiny_job
+
+    fed = make_federation(tmp_path / "fed")
+    public = generate("strokes", 48, size=28, seed=9)
+    pub = PublicInputs(public, "pen strokes")
+    base = tiny_job(public={"pretrain_iterations": 3, "pretrain_batch": 8})
+    cfg = with_public(base, pub, (1, 28, 28))
+    signed, _ = sign_job_file(fed, cfg, "job-pub")
+    sent: list[bytes] = []
+    wire = h._wire
+
+    def record(msg):
+        sent.append(message_to_proto(msg).SerializeToString())
+        return wire(msg)
+
+    monkeypatch.setattr(h, "_wire", record)
+    res = run_harness_job(fed, harness(fed), signed, tmp_path / "out", public=pub)
+    assert res.rounds_done == 2
+    assert any(public.fingerprint().encode() in m for m in sent)  # the job, naming the set by hash
+    images = [np.ascontiguousarray(public.images[i], "<f4").tobytes() for i in range(public.n)]
+    pixels = [np.rint(public.images[i] * 255).astype(np.uint8).tobytes() for i in range(public.n)]
+    assert not any(img in m for m in sent for img in images + pixels)
+    plain, _ = sign_job_file(fed, base, "job-plain")
+    run_harness_job(fed, harness(fed), plain, tmp_path / "plain")
+    for s in fed.sites:
+        got = [r["events"] for r in ledger_requests(fed, s.site_id, "job-pub")]
+        assert got == [r["events"] for r in ledger_requests(fed, s.site_id, "job-plain")]
+    again, _ = sign_job_file(fed, cfg, "job-pub-again")
+    with pytest.raises(ConfigError, match="--public PATH"):  # the coordinator never skips it silently
+        run_harness_job(fed, harness(fed), again, tmp_path / "nopub")
+    assert ledger_requests(fed, "site-a", "job-pub-again") == []  # refused before any release

@@ -107,7 +107,10 @@ def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_i
 @click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
               help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verification result as JSON.")
-def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool) -> None:
+@click.option("--public", "public_path", default=None,
+              help="The public pretraining set the job names ([public]): checked against its sha256.")
+def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool,
+           public_path: str | None) -> None:
     """Verify RELEASE_DIR offline: hashes, signatures by role, every site present, recomputed ε, policy caps.
 
     \b
@@ -116,7 +119,7 @@ def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str,
     """
     from ..release.verify import verify_release
 
-    res = verify_release(release_dir, _trust_roots(trusted, coordinators))
+    res = verify_release(release_dir, _trust_roots(trusted, coordinators), public=public_path)
     _report_verification(res, as_json, f"release {release_dir}")
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..config import JobConfig
 from ..data import ImageDataset
-from ..data.public import public_problem
+from ..data.public import public_problem, public_record
 from ..errors import ConfigError, DataError
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..signing import sha256_file
@@ -47,8 +47,6 @@ class PublicInputs:
 
     def section(self) -> dict[str, Any]:
         """The ``[public]`` values that name these inputs (sha256, count, shape, classes, description)."""
-        from ..data.public import public_record
-
         out: dict[str, Any] = public_record(self.data, self.description) if self.data is not None else {}
         if self.pretrained is not None:
             out["pretrained_sha256"] = sha256_file(self.pretrained)
@@ -128,6 +126,19 @@ def load_pretrained(model: EDMDenoiser, path: Path, cfg: JobConfig, image_shape:
     model.load_state_dict(doc["state_dict"])
 
 
+def public_start(model: EDMDenoiser, public: PublicInputs, cfg: JobConfig, image_shape: tuple[int, int, int],
+                 class_names: tuple[str, ...], progress: Progress | None = None) -> dict[str, Any]:
+    """The denoiser's PUBLIC start, in both drivers: the pretrained file's weights (when the job names one), then
+    ``[public] pretrain_iterations`` steps on the public set (when it names one). Returns what was done."""
+    info: dict[str, Any] = {"pretrained_sha256": cfg.public.pretrained_sha256}
+    if public.pretrained is not None:
+        load_pretrained(model, public.pretrained, cfg, image_shape, len(class_names))
+    if public.data is not None and cfg.public.pretrain_iterations > 0:
+        res = pretrain(model, public.data, class_names, cfg, progress=progress)
+        info.update(final_loss=res.final_loss, steps=res.steps)
+    return info
+
+
 class PublicPretraining:
     name = "pretrain"
 
@@ -136,19 +147,13 @@ class PublicPretraining:
 
     def run(self, ctx: RunContext) -> None:
         saved = load_checkpoint(ctx, "after-pretrain.pt")
-        pub = ctx.public or PublicInputs()
         if saved is not None:
             ctx.denoiser.load_state_dict(saved["model"])
             ctx.rep.log("public pretraining: loaded from checkpoint")
         else:
-            if pub.pretrained is not None:
-                load_pretrained(ctx.denoiser, pub.pretrained, ctx.cfg, ctx.data.image_shape, ctx.data.n_classes)
-            info: dict[str, Any] = {"pretrained_sha256": ctx.cfg.public.pretrained_sha256}
-            if pub.data is not None and ctx.cfg.public.pretrain_iterations > 0:
-                with ctx.rep.task("public pretraining", ctx.cfg.public.pretrain_iterations) as adv:
-                    res = pretrain(ctx.denoiser, pub.data, ctx.data.class_names, ctx.cfg,
-                                   progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
-                info.update(final_loss=res.final_loss, steps=res.steps)
+            with ctx.rep.task("public pretraining", ctx.cfg.public.pretrain_iterations) as adv:
+                info = public_start(ctx.denoiser, ctx.public or PublicInputs(), ctx.cfg, ctx.data.image_shape,
+                                    ctx.data.class_names, progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
             save_checkpoint(ctx, "after-pretrain.pt", {"model": ctx.denoiser.state_dict()})
             write_model_file(ctx.rd.root / PRETRAINED_FILE,
                              spec=denoiser_spec(ctx.cfg.model, ctx.data.image_shape, ctx.data.n_classes),

@@ -161,3 +161,40 @@ def test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images
     with pytest.raises(ConfigError, match="--public PATH"):  # the coordinator never skips it silently
         run_harness_job(fed, harness(fed), again, tmp_path / "nopub")
     assert ledger_requests(fed, "site-a", "job-pub-again") == []  # refused before any release
+
+
+def test_verify_shows_the_public_set_and_checks_its_hash_when_given(public_run, strokes, tmp_path):
+    from feta_release.data import save_npz
+    from feta_release.release.verify import verify_release
+    from feta_release.training.local_job import release_run, run_coordinator_key
+    from feta_release.training.pipeline import run_site_key
+
+    out, _ = public_run
+    rel = release_run(out, site_key=run_site_key(out), coordinator_key=run_coordinator_key(out))
+    trust = {"site": [run_site_key(out).public_key()]}
+
+    def public_check(path=None):
+        res = verify_release(rel, trust, public=path)
+        return next(c for c in res.checks if c.name == "public data")
+
+    shown = public_check()
+    assert shown.status == "pass" and strokes.fingerprint()[:16] in shown.detail and "64 images" in shown.detail
+    save_npz(strokes, tmp_path / "same.npz")
+    assert public_check(tmp_path / "same.npz").status == "pass"
+    save_npz(generate("strokes", 64, size=28, seed=5), tmp_path / "other.npz")
+    bad = public_check(tmp_path / "other.npz")
+    assert bad.status == "fail" and "sha256" in bad.detail
+
+
+def test_train_reads_public_through_the_private_loader_and_refuses_a_stray_description(tmp_path, strokes):
+    from feta_release.cli.train_cmd import _public_inputs
+    from feta_release.data import save_npz
+
+    save_npz(strokes, tmp_path / "public.npz", dtype="uint8")
+    got = _public_inputs(_cfg(), str(tmp_path / "public.npz"), "strokes", None, None, (1, 28, 28))
+    assert got.data.n == 64 and got.description == "strokes" and got.data.image_shape == (1, 28, 28)
+    with pytest.raises(DataError, match="private data's"):
+        _public_inputs(_cfg(), str(tmp_path / "public.npz"), "", None, None, (1, 32, 32))
+    with pytest.raises(ConfigError, match="--public PATH"):
+        _public_inputs(_cfg(), None, "a description without a set", None, None, (1, 28, 28))
+    assert _public_inputs(_cfg(), None, "", None, None, (1, 28, 28)) is None

@@ -1,8 +1,8 @@
 """The local driver (``feta-release train``): one site's run, as the stage layer's loop.
 
-Stages (``feta_release.stages``, in order): central release -> spatial warm-up -> frequency release -> aux
-generator + frequency warm-up -> DP-SGD -> synthesis. Each is switched off by the config (``[central]
-rounds = 0``, ``[frequency] sigma`` absent, ``[dpsgd] steps = 0``) or by ``[job] method`` (``dpdm``: no
+Stages (``feta_release.stages``, in order): public pretraining (with ``[public]``) -> central release -> spatial
+warm-up -> frequency release -> aux generator + frequency warm-up -> DP-SGD -> synthesis. Each is switched off by
+the config (``[central] rounds = 0``, ``[frequency] sigma`` absent, ``[dpsgd] steps = 0``) or by ``[job] method`` (``dpdm``: no
 warm-up; ``dp-feta``: central images only; ``feta-pro``: spatial then frequency; ``feta-pro-freq``:
 frequency only), which the config applies itself (``config.METHOD_OFF``). This module owns the run directory,
 the secret seed and the site ledger; the stages own what they compute.
@@ -25,6 +25,7 @@ Run directory (``RUN_DIR``) layout::
                              noise seed (``noise_seed.txt``), the run's site key when none is given (``site.key``)
     grids/NN-<stage>.png     a grid of samples per class after each stage (01 = the central images themselves);
                              grids/auxgen-images.png: the aux generator's images
+    pretrained.pt            with [public]: the model after public pretraining (public: reusable by --pretrained)
     synthetic.npz            images float32 (N,C,H,W) in [0,1], labels int64 (N,), class_names; balanced labels
     model.pt                 {"spec": denoiser spec, "state_dict": EMA weights, "class_names", "job_hash"}
     COMPLETE                 written last; a run without it is unfinished, whatever else exists

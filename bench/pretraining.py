@@ -102,7 +102,8 @@ def _cell(out: Path, kind: str, eps: int, pre: bool, dpsgd: str, data: tuple[Any
     cfg = _job(eps, dpsgd, args.quick)
     t0 = time.perf_counter()
     res = run_pipeline(cfg, private, out / name, n_synthetic=args.n_synthetic, grid_per_class=2, noise_seed=0,
-                       public_size=private.n, public=PublicInputs(pretrained=pretrained) if pre else None)
+                       public_size=private.n, public=PublicInputs(pretrained=pretrained) if pre else None,
+                       device=args.device)
     seconds = time.perf_counter() - t0
     with np.load(out / name / "synthetic.npz") as z:
         syn = ImageDataset(z["images"], z["labels"], tuple(private.class_names), source=name)
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--eps", default="1,10")
     ap.add_argument("--out", default="runs/pretraining")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline runs trains and samples")
     args = ap.parse_args()
     import torch
 

@@ -146,6 +146,38 @@ class DPSGDSection:
     # Already-RELEASED examples (RandAugment-ed copies of the released central images) added to every DP-SGD step as
     # non-private examples: free in epsilon (post-processing of the central release; training.dpsgd.PublicMix).
     public_batch: int = 0
+    # Which parameters DP-SGD trains (models.trainable): "all", or "norm_attention" (normalisation, attention and
+    # conditioning: noise-level map, class embedding, per-block affine), the rest frozen at their PUBLIC values
+    # (after public pretraining). The clip bounds the trainable gradient vector only and the noise has one draw per
+    # trainable coordinate, so fewer dimensions carry the same sigma * C.
+    trainable: Literal["all", "norm_attention"] = "all"
+
+
+@dataclass(frozen=True)
+class PublicSection:
+    """A PUBLIC image set the denoiser is pretrained on before it sees any private image (stages.pretrain): it
+    costs no epsilon, and the job names it (the sha256 of its canonical form, ``ImageDataset.fingerprint``, its
+    count, shape and description), so a verifier can tell what the model knew before the private data.
+    Only the coordinator (or the local run) reads it; sites receive this section of the signed job, never images.
+    """
+
+    sha256: str | None = None  # fingerprint of the public set; None: no public set
+    count: int = 0
+    shape: tuple[int, ...] = ()  # (C, H, W)
+    description: str = ""
+    class_names: tuple[str, ...] = ()  # the public set's classes; () when it is used without labels
+    # "public=private" pairs naming which public class stands for which private class; a private class that no
+    # pair (or equal name) reaches is learnt later (the pretraining draws it as the null label)
+    label_map: tuple[str, ...] = ()
+    pretrain_iterations: int = 2000  # steps on the public set (when one is named)
+    pretrain_batch: int = 64
+    pretrain_lr: float = 2e-3
+    # sha256 of a reused pretrained model file (``train --pretrained``); it is loaded instead of pretraining
+    pretrained_sha256: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.sha256 is not None or self.pretrained_sha256 is not None
 
 
 @dataclass(frozen=True)
@@ -207,6 +239,7 @@ class JobConfig:
     dpsgd: DPSGDSection = field(default_factory=DPSGDSection)
     sampler: SamplerSection = field(default_factory=SamplerSection)
     federation: FederationSection = field(default_factory=FederationSection)
+    public: PublicSection = field(default_factory=PublicSection)
 
     # -- derived quantities -------------------------------------------------------------------
     def dpsgd_steps(self, n: int) -> int:
@@ -251,6 +284,10 @@ class JobConfig:
             del d["frequency"]["patch"], d["frequency"]["stride"]
         if d["auxgen"].get("restarts") == 1 and d["auxgen"].get("keep") == 1:  # likewise a single aux fit
             del d["auxgen"]["restarts"], d["auxgen"]["keep"]
+        if d["dpsgd"].get("trainable") == "all":  # likewise DP-SGD of every parameter
+            del d["dpsgd"]["trainable"]
+        if self.public == PublicSection():  # likewise a job without public data
+            del d["public"]
         return d
 
     def replace(self, **sections: Any) -> JobConfig:
@@ -259,9 +296,9 @@ class JobConfig:
         for name, value in sections.items():
             if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an instance, not the class
                 value = dataclasses.asdict(value)
-            if name not in data:
+            if name not in data and name != "public":  # [public] is left out of to_dict while unset
                 raise ConfigError(f"unknown section [{name}]")
-            merged = {**data[name], **value}
+            merged = {**data.get(name, {}), **value}
             if name == "dpsgd" and "steps" in value and "epochs" not in value:
                 merged["epochs"] = None  # steps and epochs are alternatives: the override wins
             if name == "dpsgd" and "epochs" in value and "steps" not in value:
@@ -413,6 +450,11 @@ def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
     need(d.physical_batch >= 1, f"[dpsgd] physical_batch must be >= 1, got {d.physical_batch}")
     need(d.noise_multiplier is None or d.noise_multiplier > 0, "[dpsgd] noise_multiplier must be > 0")
     need(d.public_batch >= 0, f"[dpsgd] public_batch must be >= 0, got {d.public_batch}")
+    need(d.trainable in ("all", "norm_attention"),
+         f"[dpsgd] trainable must be \"all\" or \"norm_attention\", got {d.trainable!r}")
+    need(d.trainable == "all" or not cfg.federation.fedsgd,
+         "[dpsgd] trainable = \"norm_attention\" is not wired into FedSGD rounds (the sites' and the coordinator's "
+         "parameter lists would have to agree on it); set trainable = \"all\" or fedsgd = false")
     need(d.public_batch == 0 or not cfg.federation.sites,
          "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
 
@@ -444,6 +486,33 @@ def _validate_start_source(cfg: JobConfig, need: Callable[[bool, str], None]) ->
     need(src != "mix" or cfg.central.rounds > 0,
          "[sampler] start_source = \"mix\" takes half its starts from the released central images: set [central] "
          "rounds > 0 or use start_source = \"aux\"")
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_sha256(v: str | None) -> bool:
+    return v is None or (len(v) == 64 and set(v) <= _HEX)
+
+
+def _validate_public(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
+    """``[public]``: a named public set (its hash, count and shape) or a hashed pretrained model, never neither
+    with pretraining asked for; label_map pairs name the public set's classes."""
+    pb = cfg.public
+    need(_is_sha256(pb.sha256) and _is_sha256(pb.pretrained_sha256),
+         "[public] sha256 and pretrained_sha256 must be 64 lower-case hex digits (feta-release data fingerprint)")
+    need(pb.pretrain_iterations >= 0 and pb.pretrain_batch >= 1 and pb.pretrain_lr > 0,
+         "[public] pretrain_iterations must be >= 0, pretrain_batch >= 1 and pretrain_lr > 0")
+    if pb.sha256 is not None:
+        need(pb.count >= 1 and len(pb.shape) == 3 and all(v >= 1 for v in pb.shape),
+             f"[public] a public set needs count >= 1 and shape = [C, H, W], got count {pb.count}, shape "
+             f"{list(pb.shape)}")
+    need(len(pb.description) <= 500, "[public] description must be at most 500 characters")
+    for pair in pb.label_map:
+        pub, sep, priv = pair.partition("=")
+        need(bool(sep and pub and priv), f"[public] label_map entry {pair!r} must read \"public_class=private_class\"")
+        need(not pb.class_names or pub in pb.class_names,
+             f"[public] label_map names public class {pub!r}, not one of {', '.join(pb.class_names)}")
 
 
 def _validate(cfg: JobConfig, source: str) -> None:
@@ -486,6 +555,7 @@ def _validate(cfg: JobConfig, source: str) -> None:
     need(cfg.sampler.start_sigma is None or cfg.sampler.sigma_min < cfg.sampler.start_sigma <= cfg.sampler.sigma_max,
          "[sampler] start_sigma must be in (sigma_min, sigma_max] (or left out: sample from noise)")
     _validate_start_source(cfg, need)
+    _validate_public(cfg, need)
     need(cfg.warmup.spatial_iterations >= 0 and cfg.warmup.frequency_epochs >= 0, "[warmup] counts must be >= 0")
     need(cfg.warmup.polish_iterations >= 0 and cfg.warmup.polish_lr > 0,
          "[warmup] polish_iterations must be >= 0 and polish_lr > 0")

@@ -38,9 +38,8 @@ def test_the_same_arguments_give_the_same_images_and_another_seed_other_images(k
 def test_images_have_the_asked_shape_and_lie_in_the_unit_range(kind, n, seed, data):
     size = _size(kind, data)
     ds = P.generate(kind, n, size=size, seed=seed)  # ImageDataset itself refuses NaN, inf and values off [0, 1]
-    channels = 1 if kind == "medical" else 3
-    assert ds.images.shape == (n, channels, size, size) and ds.images.dtype == np.float32
-    assert ds.class_names == (P.MEDICAL_CLASSES if kind == "medical" else P.RGB_CLASSES)
+    assert ds.images.shape == (n, P.CHANNELS[kind], size, size) and ds.images.dtype == np.float32
+    assert ds.class_names == P.CLASSES[kind]
     assert float(ds.images.std()) > 0.05  # not a blank image set
 
 
@@ -180,3 +179,13 @@ def test_cli_bad_input_is_one_line_with_the_config_exit_code(tmp_path, capsys, a
     assert exc.value.code == ConfigError.exit_code
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "x.npz").exists()
+
+
+def test_strokes_are_thin_bright_ink_on_a_dark_ground_and_name_no_digit():
+    ds = P.generate("strokes", 400, seed=3)
+    assert ds.images.shape == (400, 1, 28, 28)
+    ink = ds.images > 0.5
+    share = ink.mean(axis=(1, 2, 3))
+    assert 0.01 < float(share.min()) and float(share.max()) < 0.4  # every image has a stroke, none is a blob
+    assert float(np.median(ds.images)) < 0.05  # dark ground
+    assert not set(ds.class_names) & {str(d) for d in range(10)}  # public classes that stand for no digit

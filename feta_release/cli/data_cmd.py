@@ -44,17 +44,19 @@ def inspect(path: str, load: LoadOptions | None, as_json: bool) -> None:
 @click.argument("kind", metavar="KIND")
 @click.option("--n", "n", type=int, default=1000, show_default=True, help="Number of images.")
 @click.option("--size", type=int, default=None,
-              help="Side length in pixels (medical 28..128, default 64; rgb 16..128, default 32).")
+              help="Side length in pixels (medical 28..128, default 64; rgb 16..128, default 32; strokes 16..128, "
+                   "default 28).")
 @click.option("--seed", type=int, default=0, show_default=True, help="The same seed gives the same images.")
 @click.option("--population", default="A", show_default=True,
               help="medical only: A, or B (another hospital: other contrast, noise, gamma and class balance).")
 @click.option("--out", "out", required=True,
               help="An .npz file (uint8 pixels), or a new folder: images/<class>/*.png and labels.csv.")
 def generate(kind: str, n: int, size: int | None, seed: int, population: str, out: str) -> None:
-    """Generate a labelled image set offline: KIND is medical or rgb (see docs/data-kinds.md).
+    """Generate a labelled image set offline: KIND is medical, rgb or strokes (see docs/data-kinds.md).
 
     medical: chest-radiograph-like grey images, classes normal, finding (a small local spot only), effusion,
     opacity. rgb: coloured textured shapes on cluttered backgrounds, 10 classes (shape x warm/cool colour).
+    strokes: grey pen strokes (line, arc, loop, curve) on black: public pretraining data for digits (`train --public`).
     The result loads with `data inspect`, `train --data` and `evaluate --real` (an .npz keeps the class order;
     a folder or labels.csv lists its classes by name, sorted).
 
@@ -63,6 +65,7 @@ def generate(kind: str, n: int, size: int | None, seed: int, population: str, ou
       feta-release data generate medical --n 5000 --size 64 --seed 1 --out chest.npz
       feta-release data generate medical --n 5000 --population B --seed 2 --out public.npz
       feta-release data generate rgb --n 2000 --out shapes/
+      feta-release data generate strokes --n 5000 --out strokes.npz
     """
     from ..data.procedural import check_request, generate as make, write_dataset
 

@@ -122,8 +122,10 @@ def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_i
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.")
 @_explain_option
+@click.option("--public", "public_path", default=None,
+              help="The public pretraining set the job names ([public]): checked against its sha256.")
 def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool,
-           explain: bool) -> None:
+           explain: bool, public_path: str | None) -> None:
     """Verify RELEASE_DIR offline: hashes, signatures by role, every site present, recomputed ε, policy caps.
 
     \b
@@ -132,7 +134,7 @@ def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str,
     """
     from ..release.verify import verify_release
 
-    res = verify_release(release_dir, _trust_roots(trusted, coordinators))
+    res = verify_release(release_dir, _trust_roots(trusted, coordinators), public=public_path)
     _report_verification(res, as_json, explain, f"release {release_dir}")
 
 

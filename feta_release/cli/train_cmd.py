@@ -58,6 +58,14 @@ from .progress_option import progress_option
               default=None, help="The key that signs the one-site job and RUN_DIR/release's manifest, as a "
                                  "federation's coordinator (default: RUN_DIR/checkpoints/coordinator.key, created once).")
 @click.option("--site-id", default=None, help="The site's id in the release (default: the policy's, else 'site').")
+@click.option("--public", "public_path", default=None,
+              help="A PUBLIC image set (same layouts and checks as --data; labels optional) the model is pretrained on "
+                   "before any private image: free in epsilon, named in the job and the release by its sha256, count "
+                   "and shape ([public]; docs/explanation/public-pretraining.md).")
+@click.option("--public-description", default="", help="What the --public set is (up to 500 characters; in the job).")
+@click.option("--pretrained", "pretrained", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Start from a pretrained model file (an earlier run's RUN_DIR/pretrained.pt), named in the job by "
+                   "its sha256.")
 @click.option("--no-release", is_flag=True, help="Stop after training: no RUN_DIR/release (`export` can make one).")
 @progress_option("progress bars per stage", old_quiet=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
@@ -66,8 +74,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
           n_synthetic: int | None, public_size: int | None, public_patients: int | None, checkpoint_every: int,
           threads: int | None, device: str,
           ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: Path | None,
-          coordinator_key: Path | None, site_id: str | None, no_release: bool, progress: bool,
-          as_json: bool) -> None:
+          coordinator_key: Path | None, site_id: str | None, public_path: str | None, public_description: str,
+          pretrained: Path | None, no_release: bool, progress: bool, as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Recommended: give no JOB and no --preset, only --epsilon: the job is DERIVED from the data's public facts
@@ -115,7 +123,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
                        public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy,
                        patients=patients, draw_patients=patients is not None and public_patients is None,
-                       job_for_size=job_for_size)
+                       job_for_size=job_for_size,
+                       public=_public_inputs(cfg, public_path, public_description, pretrained, load, data.image_shape))
     if data_path is not None and (site_policy is None or site_policy.declared is None):
         click.echo(f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
                    f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
@@ -174,6 +183,21 @@ def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
         raise ConfigError("--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "
                           "patient ids (a CSV patient_id column or DICOM PatientID)")
     return data, patients
+
+
+def _public_inputs(cfg: Any, path: str | None, description: str, pretrained: Path | None, load: LoadOptions | None,
+                   shape: tuple[int, int, int]) -> Any:
+    """--public / --pretrained as ``stages.pretrain.PublicInputs`` (None: neither), the set loaded as --data is."""
+    if path is None and pretrained is None:
+        if description:
+            raise ConfigError("--public-description describes a --public set: give --public PATH too")
+        return None
+    from ..data.public import load_public
+    from ..stages.pretrain import PublicInputs
+
+    job = LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
+    data = load_public(path, load.over(job) if load is not None else job, shape) if path is not None else None
+    return PublicInputs(data, description, pretrained)
 
 
 def _print_summary(res: Any, accountant: str, release: Path | None, as_json: bool) -> None:

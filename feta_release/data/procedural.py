@@ -1,6 +1,6 @@
 """Procedurally generated labelled image sets: made offline, deterministic by seed, numpy only.
 
-Two kinds, each built to test something the embedded digits cannot:
+Three kinds, the first two built to test something the embedded digits cannot, the third a PUBLIC set for them:
 
 - ``medical``: chest-radiograph-like grey images (body outline, two lung fields, mediastinum and heart, ribs) with
   random size, position, contrast, gamma and detector noise. Four classes:
@@ -16,6 +16,12 @@ Two kinds, each built to test something the embedded digits cannot:
 - ``rgb``: 3-channel images of one coloured, textured object (disk, square, triangle, ring or cross) on a cluttered
   background of coloured blobs and a colour gradient. Ten classes = five shapes x two colour families (warm: red to
   yellow hues; cool: green to blue). A generator that loses colour (or a grey release) loses half the label.
+- ``strokes``: grey pen strokes on a dark ground (a line, an arc, a closed loop or a curve, thick and anti-aliased,
+  plus sometimes a short second stroke): public pretraining data for hand-drawn digits that is derived from no
+  digit set at all (not the embedded MNIST subset, not any scored set). It teaches a denoiser what strokes look
+  like (thickness, smooth edges, a black background) and nothing about the digits' shapes. Four classes named
+  after the stroke, none a digit: pretraining on it is unconditional for a digit job (docs/explanation/
+  public-pretraining.md).
 
 The same (kind, n, size, seed, population) gives the same pixels on any machine: labels come from
 ``numpy.random.default_rng(seed)`` and the images of each block of ``BLOCK`` rows from their own seeded stream.
@@ -37,16 +43,19 @@ from PIL import Image
 from ..errors import ConfigError, DataError
 from .dataset import ImageDataset, save_npz
 
-KINDS = ("medical", "rgb")
+KINDS = ("medical", "rgb", "strokes")
 MEDICAL_CLASSES = ("normal", "finding", "effusion", "opacity")
 SHAPES = ("disk", "square", "triangle", "ring", "cross")
 RGB_CLASSES = tuple(f"{shape}-{family}" for shape in SHAPES for family in ("warm", "cool"))
+STROKE_CLASSES = ("line", "arc", "loop", "curve")
+CLASSES = {"medical": MEDICAL_CLASSES, "rgb": RGB_CLASSES, "strokes": STROKE_CLASSES}
+CHANNELS = {"medical": 1, "rgb": 3, "strokes": 1}
 POPULATIONS = ("A", "B")
-DEFAULT_SIZE = {"medical": 64, "rgb": 32}
-SIZE_RANGE = {"medical": (28, 128), "rgb": (16, 128)}
+DEFAULT_SIZE = {"medical": 64, "rgb": 32, "strokes": 28}
+SIZE_RANGE = {"medical": (28, 128), "rgb": (16, 128), "strokes": (16, 128)}
 MAX_N = 10_000_000
 BLOCK = 512  # rows generated together; each block has its own seeded stream (memory stays flat in n)
-_KIND_TAG = {"medical": 1, "rgb": 2}
+_KIND_TAG = {"medical": 1, "rgb": 2, "strokes": 3}
 
 
 @dataclass(frozen=True)
@@ -69,14 +78,17 @@ ACQUISITION = {
 
 
 def generate(kind: str, n: int, *, size: int | None = None, seed: int = 0, population: str = "A") -> ImageDataset:
-    """``n`` labelled images of ``kind`` (``medical`` or ``rgb``) as the canonical ``ImageDataset``.
+    """``n`` labelled images of ``kind`` (``medical``, ``rgb`` or ``strokes``) as the canonical ``ImageDataset``.
 
-    size: side length in pixels (medical 28..128, default 64; rgb 16..128, default 32). population: ``A`` (default)
+    size: side length in pixels (medical 28..128, default 64; rgb 16..128, default 32; strokes 16..128, default
+    28). population: ``A`` (default)
     or ``B``, medical only. Bad arguments raise ``ConfigError`` naming the argument and its allowed values.
     """
     size = check_request(kind, n, size, population)
     if kind == "medical":
         return medical(n, size=size, seed=seed, population=population)
+    if kind == "strokes":
+        return strokes(n, size=size, seed=seed)
     return rgb(n, size=size, seed=seed)
 
 
@@ -362,6 +374,64 @@ def _rgb_block(rng: np.random.Generator, lab: np.ndarray, size: int) -> np.ndarr
     img = bg * (1 - mask[:, None]) + obj * mask[:, None]
     img += _col(rng.uniform(0.01, 0.04, b))[:, None] * _pixel_noise(rng, img.shape)
     return np.clip(img, 0.0, 1.0).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# pen strokes (public pretraining data for hand-drawn images)
+# ------------------------------------------------------------------------------------------------
+STROKE_POINTS = 48  # points sampled along a stroke; the ink is the distance to the nearest one
+
+
+def strokes(n: int, *, size: int = 28, seed: int = 0) -> ImageDataset:
+    """``n`` grey stroke images (N, 1, size, size), balanced over ``STROKE_CLASSES``."""
+    size = check_request("strokes", n, size, "A")
+    labels = _labels(n, (1.0,) * len(STROKE_CLASSES), seed, "strokes")
+    images = _blocks("strokes", labels, seed, 1, size, lambda rng, lab: _strokes_block(rng, lab, size))
+    return ImageDataset(images, labels, STROKE_CLASSES, source=f"procedural:strokes[{size}x{size}, seed {seed}]")
+
+
+def _stroke_path(rng: np.random.Generator, kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(b, P) y and x of each image's stroke of class ``kind`` (0 line, 1 arc, 2 loop, 3 curve), in [-1, 1]."""
+    b = len(kind)
+    t = np.linspace(0.0, 1.0, STROKE_POINTS, dtype=np.float32)[None, :]
+    cy, cx = _col(rng.uniform(-0.2, 0.2, b))[:, :, 0], _col(rng.uniform(-0.2, 0.2, b))[:, :, 0]
+    ry, rx = _col(rng.uniform(0.3, 0.75, b))[:, :, 0], _col(rng.uniform(0.25, 0.65, b))[:, :, 0]
+    a0 = _col(rng.uniform(0, 2 * np.pi, b))[:, :, 0]
+    span = np.where(kind[:, None] == 2, 2 * np.pi, _col(rng.uniform(0.6, 1.6, b))[:, :, 0] * np.pi)
+    arc_y, arc_x = cy + ry * np.sin(a0 + span * t), cx + rx * np.cos(a0 + span * t)
+    p = rng.uniform(-0.8, 0.8, (b, 3, 2)).astype(np.float32)  # a quadratic Bezier's control points
+    bez = ((1 - t)[..., None] ** 2 * p[:, None, 0] + 2 * ((1 - t) * t)[..., None] * p[:, None, 1]
+           + (t * t)[..., None] * p[:, None, 2])
+    ang, length = rng.uniform(0, 2 * np.pi, b), rng.uniform(0.7, 1.4, b)  # a line long enough to read as a stroke
+    step = (length[:, None] * np.stack([np.sin(ang), np.cos(ang)], 1)).astype(np.float32)
+    start = np.clip(p[:, 0], -0.9 + np.maximum(-step, 0), 0.9 - np.maximum(step, 0))
+    line = start[:, None] + t[..., None] * step[:, None]
+    is_arc = (kind == 1) | (kind == 2)
+    y = np.where(is_arc[:, None], arc_y, np.where((kind == 0)[:, None], line[..., 0], bez[..., 0]))
+    x = np.where(is_arc[:, None], arc_x, np.where((kind == 0)[:, None], line[..., 1], bez[..., 1]))
+    return y.astype(np.float32), x.astype(np.float32)
+
+
+def _ink(y: np.ndarray, x: np.ndarray, py: np.ndarray, px: np.ndarray, width: np.ndarray, size: int) -> np.ndarray:
+    """(b, H, W) anti-aliased ink of a stroke through the points (py, px) (b, P) of half-width ``width`` (b, 1, 1)."""
+    d2 = np.full((py.shape[0], y.shape[1], x.shape[2]), np.inf, np.float32)
+    for k in range(py.shape[1]):  # running minimum: memory b x H x W, never b x H x W x P
+        np.minimum(d2, (y - py[:, k, None, None]) ** 2 + (x - px[:, k, None, None]) ** 2, out=d2)
+    return np.clip((width - np.sqrt(d2)) * size / 2.0 + 0.5, 0.0, 1.0)
+
+
+def _strokes_block(rng: np.random.Generator, lab: np.ndarray, size: int) -> np.ndarray:
+    b = len(lab)
+    y, x = _grid(size)
+    width = _col(rng.uniform(0.06, 0.13, b))
+    py, px = _stroke_path(rng, lab)
+    ink = _ink(y, x, py, px, width, size)
+    extra = rng.random(b) < 0.4  # a short second stroke on some images: strokes meet and cross
+    qy, qx = _stroke_path(rng, np.zeros(b, np.int64))
+    half = STROKE_POINTS // 2
+    ink = np.maximum(ink, _ink(y, x, qy[:, :half], qx[:, :half], width, size) * extra[:, None, None])
+    ink = ink * _col(rng.uniform(0.75, 1.0, b)) + _col(rng.uniform(0.0, 0.02, b)) * _pixel_noise(rng, ink.shape)
+    return np.clip(ink, 0.0, 1.0)[:, None].astype(np.float32)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from ..errors import ConfigError, DataError
 from ..models.auxgen import AuxModel
 from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
+from ..stages.pretrain import PublicInputs, public_start, with_public
 from ..stages.freq_warmup import aux_pool
 from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, npz_bytes, write_model_file
 from ..training.device import resolve_device
@@ -51,36 +52,40 @@ def saved_device(out_dir: str | Path) -> str:
 
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
             progress: Progress | None = None, wait_timeout: float = 300.0, poll_interval: float = 1.0,
-            device: str | None = None, anchors: str | Path | None = None) -> JobResult:
+            device: str | None = None, anchors: str | Path | None = None,
+            public: PublicInputs | None = None) -> JobResult:
     """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event.
 
     ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the coordinator's warm-up, its
     FedAvg / FedSGD steps and its EMA run; the weights sent to the sites and everything written are CPU values.
     None (the ServerApp): the one ``coordinator run`` saved in ``out_dir`` (:func:`saved_device`), read here so that
     a bad file too ends as the job's ``error`` event. ``anchors``: the coordinator's ``ledger-anchors.json``
-    (``federation.anchors``): a site whose ledger does not extend its last attested one is refused at its hello."""
+    (``federation.anchors``): a site whose ledger does not extend its last attested one is refused at its hello.
+    ``public``: the public set / pretrained file the signed job's ``[public]`` names (``stages.pretrain``): only the
+    coordinator reads it; the sites get the job (hashes only) and, in DP-SGD rounds, the weights trained from it."""
     d = JobDriver(grid, signed_job, out_dir, coordinator_key=coordinator_key, progress=progress,
                   wait_timeout=wait_timeout, poll_interval=poll_interval,
                   anchors=AnchorStore(anchors) if anchors is not None else None)
     try:
         # resolved again in the ServerApp's own process (`coordinator run` resolved it first): a GPU it cannot see
         # is then an `error` event in progress.jsonl, which `coordinator run` prints, before any site is asked
-        return _run(d, signed_job, resolve_device(saved_device(out_dir) if device is None else device))
+        return _run(d, signed_job, resolve_device(saved_device(out_dir) if device is None else device), public)
     except Exception as exc:
         d.emit("error", f"{type(exc).__name__}: {exc}")
         raise
 
 
-def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device) -> JobResult:
+def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public: PublicInputs | None) -> JobResult:
     t_all = time.monotonic()
     cfg = d.cfg
     d.emit("start", f"job {d.job.job_id}: sites {', '.join(d.job.sites)}")
     d.wait_for_sites()
+    _check_public(d, public)  # before any release: a job pretrained on other data than it names never starts
     # Refuse BEFORE any release if the job cannot fit every site's policy.
     d.plan_sites()
     central = d.collect_central()
     _save_central(d, central)
-    model = _warm_model(d, central, d.collect_frequency(), device)
+    model = _warm_model(d, central, d.collect_frequency(), device, public)
     ema = round_ema(model, cfg)
     rounds_done = d.rounds(model, ema)
     atts = d.attestations()
@@ -120,7 +125,17 @@ def _save_aux_pool(d: JobDriver, aux: AuxModel | None) -> None:
     atomic_write_bytes(d.out / RELEASED_AUX, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
 
 
-def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any], device: torch.device) -> nn.Module:
+def _check_public(d: JobDriver, public: PublicInputs | None) -> None:
+    """The public inputs are exactly what the SIGNED job's ``[public]`` names (the coordinator cannot add or change
+    them after the sites agreed to the job)."""
+    info = next(iter(d.sites.values()))
+    if with_public(d.cfg, public, info.image_shape) != d.cfg:
+        raise ConfigError(f"job {d.job.job_id}: the public inputs given are not the ones the signed job's [public] "
+                          "names; sign the job with them ([public] sha256, pretrained_sha256)")
+
+
+def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any], device: torch.device,
+                public: PublicInputs | None = None) -> nn.Module:
     """The global model on ``device`` after the warm-up stages (on released statistics only), restored from its
     checkpoint when a restarted coordinator already has it (checkpoints load to the CPU, then onto ``device``)."""
     info = next(iter(d.sites.values()))
@@ -132,6 +147,9 @@ def _warm_model(d: JobDriver, central: dict[str, Any], freq: dict[str, Any], dev
         model.load_state_dict(ck["model"])
         d.emit("warmup", "warm-up restored from checkpoint")
     else:
+        if public is not None:  # public pretraining first, as `train` does (stages.pretrain)
+            info_pre = public_start(model, public, d.cfg, info.image_shape, tuple(info.class_names))
+            d.emit("warmup", f"public pretraining: {info_pre.get('steps', 0)} steps")
         aux = warm_up(model, central, freq, d.cfg, {sid: s.size for sid, s in d.sites.items()},
                       lambda msg: d.emit("warmup", msg))
         _save_aux_pool(d, aux)  # before the checkpoint: a restarted coordinator that skips the warm-up has it

@@ -29,7 +29,7 @@ from ..files import hash_regular
 from .manifest import MANIFEST_FILE
 from .summary import SiteSummary, site_summaries, trust_assumption, verdict_line
 from .verify import (
-    STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, verify_release,
+    STAGE_WORDS, TrustRoots, VerificationResult, describe_site, lifetime_of, merged_events, public_words, verify_release,
 )
 
 # The headings, in order; the browser test checks that each is in the rendered page.
@@ -93,6 +93,8 @@ def _released(man: dict[str, Any], res: VerificationResult) -> str:
     rows = [
         ("job", _h(job["job_id"])),
         ("method", _h(job["config"].get("job", {}).get("method", "?"))),
+        *([("seen before any private image", _h(public_words(job["config"]["public"])))]
+          if job["config"].get("public") else []),
         ("created", _h(man.get("created", "?"))),
         ("sites", _h(", ".join(s["site_id"] for s in man["sites"]))),
         ("what is released", f"a generator ({_h(gen['file'])}, ONNX) that maps noise and a class label to a "

@@ -187,8 +187,13 @@ class TrustRoots:
         return out + [f"coordinator {fingerprint(k)}" for k in self.coordinators]
 
 
-def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any]) -> VerificationResult:
+def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any],
+                   public: str | Path | None = None) -> VerificationResult:
     """Verify everything offline; never raises for a bad release (see ``result.ok`` / ``result.reason()``).
+
+    ``public``: the path of the job's public pretraining set (``verify --public PATH``), loaded as ``train --public``
+    loads it (the signed job's ``[job]`` load options, its ``[public]`` shape): it must hash to the signed job's
+    ``[public] sha256``. Without it a job's public set is shown, not checked.
 
     ``trust``: :class:`TrustRoots` or ``{site_id: admin public key(s)}``. A flat list of keys is refused: a
     key trusted for everything lets a coordinator sign a site's spend or one site sign for another.
@@ -221,6 +226,7 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     job = _guard(res, "job", lambda: _job_of(res, man))
     if job is not None:
         _guard(res, "sampler", lambda: _check_sampler(res, rd, man, job))
+        _guard(res, "public data", lambda: check_public(res, job.body.get("config") or {}, public))
     sites = man.get("sites")
     if not isinstance(sites, list) or not sites:
         res.add("sites", False, "manifest lists no sites: a release needs each site's signed spend statement")
@@ -294,6 +300,49 @@ def _job_of(res: VerificationResult, man: dict[str, Any]) -> _Job | None:
     res.add("job", not problems, "; ".join(problems) if problems else
             f"job {body.get('job_id')} for site(s) {', '.join(job.sites)} (sha256 {job.digest[:16]}…)")
     return job if not problems else None
+
+
+def public_words(section: Mapping[str, Any]) -> str:
+    """One line on what the model saw before any private image (a signed job's ``[public]``)."""
+    parts = []
+    if section.get("sha256"):
+        shape = "x".join(str(v) for v in section.get("shape") or [])
+        desc = f" ({section['description']})" if section.get("description") else ""
+        parts.append(f"public set of {section.get('count')} images {shape}{desc}, sha256 {section['sha256'][:16]}…")
+    if section.get("pretrained_sha256"):
+        parts.append(f"pretrained model file sha256 {section['pretrained_sha256'][:16]}…")
+    return "pretrained before any private image on a " + " and a ".join(parts) + " (public: no privacy cost)"
+
+
+def check_public(res: VerificationResult, config: Mapping[str, Any], public: str | Path | None) -> None:
+    """Show the signed job's public pretraining (a pass: it costs no epsilon); with ``public`` (a path) given, the
+    set there must be the one the job names (its canonical hash, count and shape)."""
+    section = config.get("public")
+    if not isinstance(section, Mapping):
+        if public is not None:
+            res.add("public data", False, "the signed job names no public pretraining set, but --public was given")
+        return
+    words = public_words(section)
+    if public is None:
+        res.add("public data", True, words + ("; give --public PATH to check the set's hash" if section.get("sha256")
+                                             else ""))
+        return
+    if not section.get("sha256"):
+        res.add("public data", False, f"{public}: the signed job names a pretrained model file, no public set")
+        return
+    from ..data.loading import LoadOptions
+    from ..data.public import load_public, public_problem
+
+    job = config.get("job") or {}
+    opts = LoadOptions(resize=job.get("resize", "refuse"), image_size=job.get("image_size"),
+                       window=job.get("window", "auto"))
+    try:
+        ds = load_public(public, opts, tuple(int(v) for v in section.get("shape") or ()))  # type: ignore[arg-type]
+    except FetaError as exc:
+        res.add("public data", False, str(exc))
+        return
+    problem = public_problem(dict(section), ds)
+    res.add("public data", problem is None, f"{public}: {problem}" if problem else words + "; hash checked")
 
 
 def _check_sampler(res: VerificationResult, rd: Path, man: dict[str, Any], job: _Job) -> None:

@@ -111,6 +111,7 @@ class RunContext:
     n_synthetic: int | None = None
     kill_after_steps: int | None = None  # test hook: SimulatedKill after that many DP-SGD steps
     patients: PatientIndex | None = None  # patient-level DP-SGD (private ids, public count and cap); None: images
+    public: Any = None  # stages.pretrain.PublicInputs: the public set / pretrained model ([public]); None: none
     # products of the stages
     central: tuple[np.ndarray, np.ndarray] | None = None  # released central images (post-processed) and labels
     embedding: np.ndarray | None = None  # released frequency statistics

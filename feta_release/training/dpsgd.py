@@ -59,6 +59,7 @@ from ..config import JobConfig
 from ..errors import ConfigError, DataError
 from ..mechanisms._checks import check_clip
 from ..mechanisms.poisson import poisson_mask
+from ..models.trainable import set_trainable
 from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
 from .allocator import keep_freed_pages
 from .ema import EMA
@@ -520,10 +521,13 @@ class DPSGDTrainer:
         # which per-example-gradient engine (hooks or torch.func) every call of this trainer uses, the padding's
         # included (a padding row must cost what a real one does); resolved once, the hooks cross-checked against
         # torch.func on a public dummy batch (select_engine), refused here if impossible
-        self.engine = select_engine(model, loss, d.per_example, check=True)
         self.public = public if public is not None and public.batch > 0 else None
         self.pad_to = None if pad_to is None else int(pad_to)
         self.draw_rows = None if draw_rows is None else int(draw_rows)
+        # [dpsgd] trainable: frozen parameters get no per-example gradient, no clip share and no noise (their
+        # values are public: models.trainable); the noise dimension is the trainable count
+        self.noise_dimension = set_trainable(model, d.trainable)
+        self.engine = select_engine(model, loss, d.per_example, check=True)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)
         # A fresh EMA: the caller copies the warm-up EMA weights into ``model`` before DP-SGD starts (method §2),

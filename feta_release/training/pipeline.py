@@ -1,8 +1,8 @@
 """The local driver (``feta-release train``): one site's run, as the stage layer's loop.
 
-Stages (``feta_release.stages``, in order): central release -> spatial warm-up -> frequency release -> aux
-generator + frequency warm-up -> DP-SGD -> synthesis. Each is switched off by the config (``[central]
-rounds = 0``, ``[frequency] sigma`` absent, ``[dpsgd] steps = 0``) or by ``[job] method`` (``dpdm``: no
+Stages (``feta_release.stages``, in order): public pretraining (with ``[public]``) -> central release -> spatial
+warm-up -> frequency release -> aux generator + frequency warm-up -> DP-SGD -> synthesis. Each is switched off by
+the config (``[central] rounds = 0``, ``[frequency] sigma`` absent, ``[dpsgd] steps = 0``) or by ``[job] method`` (``dpdm``: no
 warm-up; ``dp-feta``: central images only; ``feta-pro``: spatial then frequency; ``feta-pro-freq``:
 frequency only), which the config applies itself (``config.METHOD_OFF``). This module owns the run directory,
 the secret seed and the site ledger; the stages own what they compute.
@@ -25,6 +25,7 @@ Run directory (``RUN_DIR``) layout::
                              noise seed (``noise_seed.txt``), the run's site key when none is given (``site.key``)
     grids/NN-<stage>.png     a grid of samples per class after each stage (01 = the central images themselves);
                              grids/auxgen-images.png: the aux generator's images
+    pretrained.pt            with [public]: the model after public pretraining (public: reusable by --pretrained)
     synthetic.npz            images float32 (N,C,H,W) in [0,1], labels int64 (N,), class_names; balanced labels
     model.pt                 {"spec": denoiser spec, "state_dict": EMA weights, "class_names", "job_hash"}
     COMPLETE                 written last; a run without it is unfinished, whatever else exists
@@ -62,7 +63,8 @@ from ..privacy_unit import PatientIndex
 from ..planning import plan as privacy_plan
 from ..randomness import numpy_generator_from
 from ..signing import fingerprint, generate_keypair, load_private_key, sha256_file
-from ..stages import STAGES, RunAccount, RunContext, RunDir, SimulatedKill, run_budget
+from ..stages import STAGES, PublicInputs, RunAccount, RunContext, RunDir, SimulatedKill, run_budget
+from ..stages.pretrain import with_public
 from ..stages.account import check_recorded_plan
 from ..stages.context import initial_denoiser, private_key
 from ..stages.base import now
@@ -205,6 +207,7 @@ def run_pipeline(
     patients: PatientIndex | None = None,
     draw_patients: bool = False,
     job_for_size: Callable[[int], JobConfig] | None = None,
+    public: PublicInputs | None = None,
 ) -> RunResult:
     """Run (or resume) the whole single-site pipeline into ``out_dir``; see the module docstring.
 
@@ -227,6 +230,8 @@ def run_pipeline(
     ``job_for_size``: the job as a function of the PUBLIC size (a job derived from public facts,
     ``feta_release.job_rules``): the run is ``job_for_size(N)`` once N is declared or drawn; ``cfg`` is then the
     job the size is drawn under (its hash names the sizing step, so a resume draws nothing again).
+    ``public``: a PUBLIC image set and/or pretrained model file (``stages.pretrain``): the job's ``[public]`` section
+    is filled in to name them (or checked against them), and the denoiser is pretrained before any private image.
     """
     t_start = time.perf_counter()
     dev = resolve_device(device)  # refuse an absent GPU before anything is written
@@ -235,10 +240,11 @@ def run_pipeline(
         raise ConfigError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     if ledger is not None and site_policy is None and _outside(Path(ledger), Path(out_dir)):
         raise ConfigError(_NEEDS_POLICY.format(ledger=ledger))  # before the run dir is made
+    cfg = with_public(cfg, public, data.image_shape)  # named in the job: its hash covers the public inputs
     n_pub, patients, size_ev = _public_sizes(cfg, data, Path(out_dir), public_size, patients, draw_patients,
                                              site_policy, (ledger, site_key, noise_seed, rep))
     if job_for_size is not None:
-        cfg = job_for_size(n_pub)  # a job derived from the public facts, the size among them
+        cfg = with_public(job_for_size(n_pub), public, data.image_shape)  # derived from the public facts
     cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
     plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)
@@ -259,7 +265,7 @@ def run_pipeline(
     ctx = RunContext(cfg=cfg, data=data, rd=rd, account=account, plan=plan, state=state,
                      secret=_secret(rd, noise_seed, account), rep=rep, denoiser=model, n_public=n_pub,
                      checkpoint_every=checkpoint_every, grid_per_class=grid_per_class, n_synthetic=n_synthetic,
-                     kill_after_steps=kill_after_steps, patients=patients)
+                     kill_after_steps=kill_after_steps, patients=patients, public=public)
     _log_start(ctx, resumed)
     for stage in STAGES:
         if stage.enabled(cfg):

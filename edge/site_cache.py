@@ -54,7 +54,7 @@ log = logging.getLogger("feta.node")
 CACHE_NAME = "site-data.cache"
 _DOMAIN = b"feta-release site data cache v3\0"  # HKDF info of the cache's MAC key (never the commitment's key)
 _TAG = 32
-_CHUNK_ROWS = 2048  # rows converted or written at a time: the memory a cache read or write adds beyond the site
+_CHUNK_BYTES = 16 << 20  # float32 bytes converted or written at a time: what a cache read or write adds to the site
 _READ_BYTES = 1 << 20
 # node-config keys (edge.site's CFG_*; spelled out here because edge.site imports this module)
 _FILES_BY_HASH = ("policy-file", "trusted-policy-key", "site-key", "data-secret")
@@ -147,11 +147,17 @@ def _mac(secret: bytes, key: str) -> Any:
 def _eight_bit(images: np.ndarray) -> bool:
     """Whether every pixel is k/255 exactly as the loader computes it from an 8-bit source (``float32(k) /
     float32(255)``): then one byte per pixel holds it and ``_to_unit`` gives back the very same float32 bits."""
-    for start in range(0, images.shape[0], _CHUNK_ROWS):
-        part = images[start:start + _CHUNK_ROWS]
+    step = _chunk(images.shape)
+    for start in range(0, images.shape[0], step):
+        part = images[start:start + step]
         if not np.array_equal(_to_unit(np.rint(part * 255.0).astype(np.uint8)), part):
             return False
     return True
+
+
+def _chunk(shape: Any) -> int:
+    """Rows per chunk for images of ``shape`` (N, C, H, W)."""
+    return max(1, _CHUNK_BYTES // (4 * int(np.prod(shape[1:]))))
 
 
 def _to_unit(stored: np.ndarray) -> np.ndarray:
@@ -166,7 +172,7 @@ def _layout(data: ImageDataset, rows: int, pixels: str, patients: bool, commitme
     arrays: dict[str, Any] = {"images": [pixels, [rows, *data.images.shape[1:]]], "labels": ["<i8", [rows]]}
     if patients:
         arrays["patients"] = ["<i8", [rows]]
-    head = {"n": data.n, "commitment": commitment, "class_names": list(data.class_names), "source": data.source,
+    head: dict[str, Any] = {"n": data.n, "commitment": commitment, "class_names": list(data.class_names), "source": data.source,
             "arrays": {}}
     offset = 0
     for name, (dtype, shape) in arrays.items():
@@ -213,13 +219,14 @@ def _write(fh: Any, mac: Any, chunk: bytes | memoryview) -> None:
 
 def _write_rows(fh: Any, mac: Any, real: np.ndarray, dtype: np.dtype, shape: list[int]) -> None:
     """``real``'s rows in ``dtype``, then blank rows up to ``shape[0]`` (the public bucket), chunk by chunk."""
-    for start in range(0, shape[0], _CHUNK_ROWS):
-        stop = min(start + _CHUNK_ROWS, shape[0])
+    step = _chunk(shape) if len(shape) > 1 else 1 << 20
+    for start in range(0, shape[0], step):
+        stop = min(start + step, shape[0])
         part = np.zeros((stop - start, *shape[1:]), dtype=dtype)
         have = real[start:min(stop, real.shape[0])]
         if have.shape[0]:
             part[:have.shape[0]] = np.rint(have * 255.0) if dtype == np.uint8 else have
-        _write(fh, mac, memoryview(part).cast("B"))
+        _write(fh, mac, part.data.cast("B"))
 
 
 def load(work: Path, key: str, secret: bytes) -> dict[str, Any] | None:
@@ -262,8 +269,9 @@ def cached_site(cached: dict[str, Any]) -> tuple[ImageDataset, Any, str]:
     n = int(cached["n"])
     stored = cached["images"]
     images = np.empty((n, *stored.shape[1:]), dtype=np.float32)
-    for start in range(0, n, _CHUNK_ROWS):
-        images[start:start + _CHUNK_ROWS] = _to_unit(stored[start:min(start + _CHUNK_ROWS, n)])
+    step = _chunk(stored.shape)
+    for start in range(0, n, step):
+        images[start:start + step] = _to_unit(stored[start:min(start + step, n)])
     data = ImageDataset(images=images, labels=np.array(cached["labels"][:n]),
                         class_names=tuple(str(c) for c in cached["class_names"]), source=str(cached["source"]))
     ids = np.array(cached["patients"][:n]) if "patients" in cached else None
@@ -276,8 +284,9 @@ def _padded_checks(cached: dict[str, Any], n: int, class_names: tuple[str, ...])
     the two together cost the public row count; for a patient site the grouping is padded by the patient
     index (``padded_grouping``). Left unpadded: Python-level constants and a numpy slice (no per-row work)."""
     stored, labels = cached["images"], cached["labels"]
-    for start in range(n, stored.shape[0], _CHUNK_ROWS):  # the same conversion, chunk by chunk, then validation
-        stop = min(start + _CHUNK_ROWS, stored.shape[0])
+    step = _chunk(stored.shape)
+    for start in range(n, stored.shape[0], step):  # the same conversion, chunk by chunk, then validation
+        stop = min(start + step, stored.shape[0])
         ImageDataset(images=_to_unit(stored[start:stop]), labels=np.array(labels[start:stop]), class_names=class_names)
 
 

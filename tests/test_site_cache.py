@@ -143,13 +143,15 @@ def test_a_changed_loader_makes_the_cache_key_change(monkeypatch) -> None:
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(eight_bit=st.booleans(), n=st.integers(1, 5000), extra=st.integers(0, 3000), seed=st.integers(0, 2**31))
-def test_the_cache_gives_back_the_loader_bits_exactly(tmp_path_factory: pytest.TempPathFactory, eight_bit: bool,
+def test_the_cache_gives_back_the_loader_bits_exactly(tmp_path_factory: pytest.TempPathFactory,
+                                                       monkeypatch: pytest.MonkeyPatch, eight_bit: bool,
                                                        n: int, extra: int, seed: int) -> None:
     """8-bit sources are cached one byte per pixel, anything else as float32; either way a cached open returns the
     very float32 bits the loader gave (across the chunks the cache is written and read in), the labels and ids."""
     from feta_release.data.dataset import ImageDataset
 
     tmp = tmp_path_factory.mktemp("bits")
+    monkeypatch.setattr(site_cache, "_CHUNK_BYTES", 48 * 7)  # 7 rows a chunk: chunk edges inside the real rows
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, 1, 4, 3), dtype=np.uint8)
     images = raw.astype(np.float32) / np.float32(255) if eight_bit else rng.random((n, 1, 4, 3), dtype=np.float32)

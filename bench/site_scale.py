@@ -123,7 +123,7 @@ def _release(name: str, site: Any, steps: int) -> None:
 def measure(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--stage", name, "--work", str(work), "--n", str(args.n),
            "--size", str(args.size), "--steps", str(args.steps)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FETA_MAX_DATASET_MB": str(args.memory_mb)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.stdout.read() if proc.stdout else ""
@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=1, help="local DP-SGD steps of the dpsgd stage")
     ap.add_argument("--quick", action="store_true", help="n = 5,000")
+    ap.add_argument("--memory-mb", type=int, default=2560,
+                    help="FETA_MAX_DATASET_MB of every stage: the float32 images' limit (the rest of 4 GB is headroom)")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--keep", help="work directory to use and keep (default: a temporary one)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)

@@ -165,3 +165,18 @@ def test_the_cache_gives_back_the_loader_bits_exactly(tmp_path_factory: pytest.T
     back, back_ids, commitment = site_cache.cached_site(cached)
     assert back.images.tobytes() == ds.images.tobytes() and np.array_equal(back.labels, ds.labels)
     assert np.array_equal(back_ids, ids) and commitment == "c" * 64 and back.class_names == ds.class_names
+
+
+def test_a_node_refuses_a_public_size_over_the_memory_limit_before_reading(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's open checks the policy's PUBLIC size x declared shape x 4 bytes against the limit before it
+    decodes or reads the cache: one line naming the policy and the figure."""
+    from feta_release.data.dataset import MEMORY_ENV
+    from feta_release.errors import DataError
+
+    cfg = _site_fed(tmp_path, 18).site("site-a").node_config()
+    decoded = _decodes(monkeypatch)
+    monkeypatch.setenv(MEMORY_ENV, str(20 * 784 * 4 / 2**20 * 0.99))  # public size 20 of 1x28x28: just over
+    with pytest.raises(DataError) as err:
+        _open(cfg)
+    assert "dataset.size" in str(err.value) and "20 images of 784 values" in str(err.value) and not decoded

@@ -234,7 +234,8 @@ def load(work: Path, key: str, secret: bytes) -> dict[str, Any] | None:
     MACed by this node for exactly these files (a miss: the caller decodes and verifies the data afresh).
 
     The MAC is checked by reading the file in chunks; the arrays are then memory-mapped from the SAME open file
-    (a file renamed over it later is not seen), so nothing holds the whole body as bytes."""
+    (a file renamed over it later is not seen), so nothing holds the whole body as bytes. Only a writer of this
+    0600 file in place (the site's own account) could change mapped bytes after the check."""
     try:
         fh = open(work / CACHE_NAME, "rb")
     except OSError:

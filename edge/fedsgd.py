@@ -29,7 +29,7 @@ from feta_release.models import build_denoiser
 from feta_release.policy.jobs import Job
 from feta_release.training.dpsgd import (EDMLoss, batch_gradients, clipped_rows, poisson_sample, seed_dropout,
                                          select_engine)
-from feta_release.training.padding import fork_rng, model_range, public_rows
+from feta_release.training.padding import fork_rng, model_range_rows, public_rows
 
 from .protocol import Request
 from .releases import check_weights
@@ -71,7 +71,7 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     params = round_params(site, job, event, dim)
     loss = EDMLoss(ds.image_shape, ds.n_classes, cfg.dpsgd.noise_multiplicity, cfg.model.label_dropout,
                    sigma_data=getattr(model, "sigma_data", None))
-    images = model_range(ds.images, site.n_public)  # the pass over all rows padded to the public size
+    images = model_range_rows(ds.images)  # converted per indexed chunk (padded rows included): no copy of the site
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     # q over the site's rows: each image joins with probability q = batch / n_public (the planned, charged rate)
     chunk = int(cfg.dpsgd.physical_batch)

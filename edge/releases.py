@@ -21,7 +21,7 @@ from feta_release.models import build_denoiser
 from feta_release.planning import stage_event, warmup_events
 from feta_release.privacy_unit import PatientIndex
 from feta_release.training.dpsgd import DPSGDTrainer
-from feta_release.training.padding import model_range, public_rows, step_bound
+from feta_release.training.padding import model_range_rows, public_rows, step_bound
 
 
 def _planned(cfg: JobConfig, n_public: int, stage: str, what: str) -> PrivacyEvent:
@@ -134,7 +134,7 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
                            pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above its
                                               cfg.dpsgd.physical_batch, patients),  # size: its bucket)
                            draw_rows=public_rows(units, unit["n_public"]))  # the Poisson draw's size: public too (L3)
-    images = model_range(ds.images, n_public)  # padded to the public size, as every step's work
+    images = model_range_rows(ds.images)  # converted per indexed batch: each step's padded work, no copy of the site
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}

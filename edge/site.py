@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from feta_release.data.commitment import dataset_commitment, load_secret
+from feta_release.data.dataset import check_dataset_memory
 from feta_release.data.loading import LoadOptions, load_dataset
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import load_site_policy
@@ -170,6 +172,8 @@ def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tupl
     # cache or not. The cache key stamps the policy file's content, so a cached open used this one.
     schema = declared_schema(unverified, str(node_config[CFG_POLICY]))
     n_public, patient_level = int(unverified.dataset_size), getattr(unverified, "privacy_unit", "image") == "patient"
+    # the policy's PUBLIC size and shape: a site too large for this machine is refused before anything is read
+    check_dataset_memory(n_public, math.prod(schema.image_shape), f"{node_config[CFG_POLICY]} (dataset.size)")
     key = site_cache.cache_key(node_config, n_public)
     cached = site_cache.load(work, key, secret)
     if cached is not None and ("patients" in cached) == patient_level:

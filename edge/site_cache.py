@@ -31,9 +31,10 @@ import csv
 import functools
 import hashlib
 import hmac
-import io
 import json
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,16 @@ from feta_release.data import dataset as _dataset
 from feta_release.data import declared as _declared
 from feta_release.data import loading as _loading
 from feta_release.data.commitment import public_rows
-from feta_release.files import atomic_write_bytes
 from feta_release.data.dataset import ImageDataset
 from feta_release.privacy_unit import group_patient_rows
 
 log = logging.getLogger("feta.node")
 
 CACHE_NAME = "site-data.cache"
-_DOMAIN = b"feta-release site data cache v2\0"  # HKDF info of the cache's MAC key (never the commitment's key)
+_DOMAIN = b"feta-release site data cache v3\0"  # HKDF info of the cache's MAC key (never the commitment's key)
 _TAG = 32
+_CHUNK_BYTES = 16 << 20  # float32 bytes converted or written at a time: what a cache read or write adds to the site
+_READ_BYTES = 1 << 20
 # node-config keys (edge.site's CFG_*; spelled out here because edge.site imports this module)
 _FILES_BY_HASH = ("policy-file", "trusted-policy-key", "site-key", "data-secret")
 _DATA, _LEDGER = "data-path", "ledger-path"
@@ -135,53 +137,145 @@ def cache_key(node_config: dict[str, Any], n_public: int) -> str:
     return hashlib.sha256(config + b"\0" + _loader_code() + b"\0" + stamp).hexdigest()
 
 
-def _mac(secret: bytes, key: str, body: bytes) -> bytes:
-    # a key of its own, derived from the data secret with HKDF (the commitment keys HMAC with the secret itself)
+def _mac(secret: bytes, key: str) -> Any:
+    """The running HMAC of a cache for ``key``: its body is fed in chunks (the file is never one bytes object).
+    A key of its own, derived from the data secret with HKDF (the commitment keys HMAC with the secret itself)."""
     mac_key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_DOMAIN).derive(secret)
-    return hmac.new(mac_key, key.encode() + b"\0" + body, hashlib.sha256).digest()
+    return hmac.new(mac_key, key.encode() + b"\0", hashlib.sha256)
+
+
+def _eight_bit(images: np.ndarray) -> bool:
+    """Whether every pixel is k/255 exactly as the loader computes it from an 8-bit source (``float32(k) /
+    float32(255)``): then one byte per pixel holds it and ``_to_unit`` gives back the very same float32 bits."""
+    step = _chunk(images.shape)
+    for start in range(0, images.shape[0], step):
+        part = images[start:start + step]
+        if not np.array_equal(_to_unit(np.rint(part * 255.0).astype(np.uint8)), part):
+            return False
+    return True
+
+
+def _chunk(shape: Any) -> int:
+    """Rows per chunk for images of ``shape`` (N, C, H, W)."""
+    return max(1, _CHUNK_BYTES // (4 * int(np.prod(shape[1:]))))
+
+
+def _to_unit(stored: np.ndarray) -> np.ndarray:
+    """Stored pixels as the dataset's float32 in [0, 1] (8-bit: the loader's own arithmetic)."""
+    if stored.dtype == np.uint8:
+        return stored.astype(np.float32) / np.float32(255)  # type: ignore[no-any-return]
+    return np.array(stored, dtype=np.float32)
+
+
+def _layout(data: ImageDataset, rows: int, pixels: str, patients: bool, commitment: str) -> dict[str, Any]:
+    """The cache's header: its public facts and where each padded array lies after it (sizes rounded up to 64)."""
+    arrays: dict[str, Any] = {"images": [pixels, [rows, *data.images.shape[1:]]], "labels": ["<i8", [rows]]}
+    if patients:
+        arrays["patients"] = ["<i8", [rows]]
+    head: dict[str, Any] = {"n": data.n, "commitment": commitment, "class_names": list(data.class_names), "source": data.source,
+            "arrays": {}}
+    offset = 0
+    for name, (dtype, shape) in arrays.items():
+        head["arrays"][name] = {"dtype": dtype, "shape": shape, "offset": offset}
+        offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 64) * 64
+    return head
 
 
 def save(work: Path, key: str, secret: bytes, data: ImageDataset, patient_ids: Any, commitment: str,
          n_public: int) -> None:
-    """Write the opened site for ``key``: images and labels padded with blank rows to ``public_rows``."""
-    n, rows = data.n, public_rows(data.n, n_public)
-    images = np.zeros((rows, *data.images.shape[1:]), dtype=np.float32)
-    images[:n] = data.images
-    labels = np.zeros(rows, dtype=np.int64)
-    labels[:n] = data.labels
-    arrays: dict[str, Any] = {"images": images, "labels": labels, "n": np.int64(n), "commitment": np.str_(commitment),
-                              "class_names": np.array(list(data.class_names), dtype=np.str_), "source": np.str_(data.source)}
-    if patient_ids is not None:
-        ids = np.zeros(rows, dtype=np.int64)
-        ids[:n] = np.asarray(patient_ids, dtype=np.int64)
-        arrays["patients"] = ids
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    body = buf.getvalue()
-    atomic_write_bytes(work / CACHE_NAME, _mac(secret, key, body) + body, private=True)  # 0600, random tmp name
+    """Write the opened site for ``key``: images and labels padded with blank rows to ``public_rows``; pixels as
+    one byte each where the source was 8-bit (bit-exact, ``_eight_bit``), else float32. Streamed in chunks into a
+    0600 ``mkstemp`` file renamed into place, the MAC computed as it is written: no copy of the whole site."""
+    rows = public_rows(data.n, n_public)
+    pixels = "|u1" if _eight_bit(data.images) else "<f4"
+    head = _layout(data, rows, pixels, patient_ids is not None, commitment)
+    header = json.dumps(head, sort_keys=True).encode()
+    prefix = len(header).to_bytes(8, "little") + header
+    mac = _mac(secret, key)
+    fd, tmp = tempfile.mkstemp(dir=work, prefix=f".{CACHE_NAME}.", suffix=".tmp")  # 0600, random name
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(b"\0" * _TAG)
+            _write(fh, mac, prefix)
+            base = _TAG + len(prefix)
+            sources = {"images": data.images, "labels": data.labels, "patients": patient_ids}
+            for name, spec in head["arrays"].items():
+                _write(fh, mac, b"\0" * (base + spec["offset"] - fh.tell()))
+                _write_rows(fh, mac, np.asarray(sources[name]), np.dtype(spec["dtype"]), spec["shape"])
+            fh.seek(0)
+            fh.write(mac.digest())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, work / CACHE_NAME)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write(fh: Any, mac: Any, chunk: bytes | memoryview) -> None:
+    mac.update(chunk)
+    fh.write(chunk)
+
+
+def _write_rows(fh: Any, mac: Any, real: np.ndarray, dtype: np.dtype, shape: list[int]) -> None:
+    """``real``'s rows in ``dtype``, then blank rows up to ``shape[0]`` (the public bucket), chunk by chunk."""
+    step = _chunk(shape) if len(shape) > 1 else 1 << 20
+    for start in range(0, shape[0], step):
+        stop = min(start + step, shape[0])
+        part = np.zeros((stop - start, *shape[1:]), dtype=dtype)
+        have = real[start:min(stop, real.shape[0])]
+        if have.shape[0]:
+            part[:have.shape[0]] = np.rint(have * 255.0) if dtype == np.uint8 else have
+        _write(fh, mac, part.data.cast("B"))
 
 
 def load(work: Path, key: str, secret: bytes) -> dict[str, Any] | None:
     """The cached open for ``key`` (padded arrays, the real count, the commitment), or None: no file, or one not
-    MACed by this node for exactly these files (a miss: the caller decodes and verifies the data afresh)."""
+    MACed by this node for exactly these files (a miss: the caller decodes and verifies the data afresh).
+
+    The MAC is checked by reading the file in chunks; the arrays are then memory-mapped from the SAME open file
+    (a file renamed over it later is not seen), so nothing holds the whole body as bytes. Only a writer of this
+    0600 file in place (the site's own account) could change mapped bytes after the check."""
     try:
-        raw = (work / CACHE_NAME).read_bytes()
+        fh = open(work / CACHE_NAME, "rb")
     except OSError:
         return None
-    tag, body = raw[:_TAG], raw[_TAG:]
-    if not hmac.compare_digest(tag, _mac(secret, key, body)):
-        return None
-    with np.load(io.BytesIO(body), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    with fh:
+        tag, mac = fh.read(_TAG), _mac(secret, key)
+        while chunk := fh.read(_READ_BYTES):
+            mac.update(chunk)
+        if not hmac.compare_digest(tag, mac.digest()):
+            return None
+        return _parse(fh)
+
+
+def _parse(fh: Any) -> dict[str, Any]:
+    """The MACed body's header and its arrays as read-only memory maps (the MAC vouches for this node's layout)."""
+    fh.seek(_TAG)
+    size = int.from_bytes(fh.read(8), "little")
+    head = json.loads(fh.read(size))
+    base = _TAG + 8 + size
+    out: dict[str, Any] = {"n": head["n"], "commitment": head["commitment"], "source": head["source"],
+                           "class_names": head["class_names"]}
+    for name, spec in head["arrays"].items():
+        out[name] = np.memmap(fh, dtype=np.dtype(spec["dtype"]), mode="r", offset=base + spec["offset"],
+                              shape=tuple(spec["shape"]))
+    return out
 
 
 def cached_site(cached: dict[str, Any]) -> tuple[ImageDataset, Any, str]:
     """(dataset of the real rows, their patient ids or None, the keyed commitment) from ``load``'s arrays,
-    checked with work padded to the cached (public) row count."""
+    checked with work padded to the cached (public) row count. The pixels are converted to float32 chunk by
+    chunk into the dataset's one array: the memory of the site is its float32 images once, plus a chunk."""
     n = int(cached["n"])
-    data = ImageDataset(images=cached["images"][:n], labels=cached["labels"][:n],
+    stored = cached["images"]
+    images = np.empty((n, *stored.shape[1:]), dtype=np.float32)
+    step = _chunk(stored.shape)
+    for start in range(0, n, step):
+        images[start:start + step] = _to_unit(stored[start:min(start + step, n)])
+    data = ImageDataset(images=images, labels=np.array(cached["labels"][:n]),
                         class_names=tuple(str(c) for c in cached["class_names"]), source=str(cached["source"]))
-    ids = cached["patients"][:n] if "patients" in cached else None
+    ids = np.array(cached["patients"][:n]) if "patients" in cached else None
     _padded_checks(cached, n, data.class_names)
     return data, ids, str(cached["commitment"])
 
@@ -190,7 +284,11 @@ def _padded_checks(cached: dict[str, Any], n: int, class_names: tuple[str, ...])
     """The dataset's validation (its min/max over labels and pixels) again on the padding rows, dropped, so that
     the two together cost the public row count; for a patient site the grouping is padded by the patient
     index (``padded_grouping``). Left unpadded: Python-level constants and a numpy slice (no per-row work)."""
-    ImageDataset(images=cached["images"][n:], labels=cached["labels"][n:], class_names=class_names)
+    stored, labels = cached["images"], cached["labels"]
+    step = _chunk(stored.shape)
+    for start in range(n, stored.shape[0], step):  # the same conversion, chunk by chunk, then validation
+        stop = min(start + step, stored.shape[0])
+        ImageDataset(images=_to_unit(stored[start:stop]), labels=np.array(labels[start:stop]), class_names=class_names)
 
 
 def padded_grouping(n_patients: int, rows: int) -> None:

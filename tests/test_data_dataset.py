@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from feta_release.data import (
     EMBEDDED_SOURCE,
@@ -177,3 +179,14 @@ def test_split_sites_refuses() -> None:
         split_sites(make(9, 3), 4)
     with pytest.raises(ConfigError):
         split_sites(make(), 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 40), rows=st.integers(1, 9), seed=st.integers(0, 2**31))
+def test_the_chunked_8bit_conversion_is_the_whole_array_one(n: int, rows: int, seed: int) -> None:
+    """``save_npz(dtype="uint8")`` converts in chunks (no set-sized float temporaries): the same bytes as
+    ``rint(images * 255)`` over the whole array, chunk edges anywhere."""
+    from feta_release.data.dataset import _to_uint8
+
+    images = np.random.default_rng(seed).random((n, 1, 3, 2), dtype=np.float32)
+    assert _to_uint8(images, rows).tobytes() == np.rint(images * 255.0).astype(np.uint8).tobytes()

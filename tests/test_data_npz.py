@@ -190,3 +190,20 @@ def test_property_length_mismatch_refused(n_images, n_labels) -> None:
     else:
         with pytest.raises(DataError):
             parse_arrays(imgs, labels)
+
+
+def test_a_set_over_the_memory_limit_is_refused_from_its_header_in_one_line(tmp_path, monkeypatch) -> None:
+    """A site whose float32 images would not fit is refused before any pixel is read, in one line naming the
+    figure (N*C*H*W*4 bytes) and the limit, instead of exhausting the machine part-way through a stage."""
+    from feta_release.data.dataset import MEMORY_ENV
+    from feta_release.data.loading import load_dataset
+
+    path = tmp_path / "big.npz"
+    np.savez(path, images=np.zeros((40, 16, 16), dtype=np.uint8), labels=np.arange(40, dtype=np.int64) % 2)
+    monkeypatch.setenv(MEMORY_ENV, str(40 * 256 * 4 / 2**20 * 0.99))  # just under the set's 40,960 bytes
+    with pytest.raises(DataError) as err:
+        load_dataset(path)
+    line = str(err.value)
+    assert "\n" not in line and str(path) in line and "40 images of 256 values" in line and "N*C*H*W*4" in line
+    monkeypatch.setenv(MEMORY_ENV, str(40 * 256 * 4 / 2**20))  # exactly the set: accepted
+    assert load_dataset(path)[0].n == 40

@@ -25,7 +25,7 @@ from scipy.stats import chisquare
 import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
 from feta_release.mechanisms.poisson import inclusion_threshold
-from feta_release.training.padding import public_rows
+from feta_release.training.padding import public_rows, step_bound
 
 from .federation_fixtures import tiny_job
 
@@ -116,18 +116,21 @@ def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public:
 
 
 def test_the_rounds_draw_and_conversion_do_not_depend_on_n_within_a_bucket():
-    """N = 11, 16 and 20 (= the public size: no blank rows to convert) against public size 20: the same draw
-    size (the bucket, 20) every step and the same conversion calls and rows."""
+    """N = 11, 16 and 20 (= the public size) against public size 20: the same draw size (the bucket, 20) every
+    step and the same conversion calls and rows: the rows the two steps index (each step's public bound, in
+    chunks of the physical batch), converted as they are indexed, never a pass over the exact N."""
     seen = []
     for n, seed in ((11, 0), (16, 1), (20, 2)):
         w = _round_work(n, seed)
         seen.append((tuple(w["draws"]), w["convert_calls"], w["convert_rows"]))
-    assert seen == [((public_rows(11, 20),) * 2, 2, 20)] * 3, seen
+    assert len(set(seen)) == 1 and seen[0][0] == (public_rows(11, 20),) * 2, seen
+    assert seen[0][2] == 2 * step_bound(20, 4 / 20, 4), seen
 
 
 def test_a_site_above_its_public_size_draws_over_its_bucket():
     w = _round_work(27, 3)
-    assert w["draws"] == [40, 40] and (w["convert_calls"], w["convert_rows"]) == (2, 40)
+    bound = step_bound(40, 4 / 20, 4)  # the bucket's step bound, not the public size's
+    assert w["draws"] == [40, 40] and w["convert_rows"] == 2 * bound
 
 
 def test_a_padding_call_does_the_bookkeeping_of_a_real_call():

@@ -4,7 +4,6 @@ fresh open verifies, and a cache not written by this node for exactly these file
 
 from __future__ import annotations
 
-import io
 import os
 import stat
 from pathlib import Path
@@ -18,7 +17,7 @@ from hypothesis import strategies as st
 from coordinator.setup import prepare_federation
 from edge import site_cache
 from edge.site import Site, forget_sites
-from feta_release.data.commitment import public_rows
+from feta_release.data.commitment import load_secret, public_rows
 from feta_release.errors import PolicyError
 
 from .federation_fixtures import tiny_sites
@@ -74,8 +73,8 @@ def test_the_cache_is_private_and_its_size_is_the_public_bucket(tmp_path: Path) 
         site = _open(cfg)
         path = site.work_dir / site_cache.CACHE_NAME
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(site.work_dir.stat().st_mode) == 0o700
-        with np.load(io.BytesIO(path.read_bytes()[32:]), allow_pickle=False) as z:  # after the 32-byte MAC
-            assert z["images"].shape[0] == public_rows(n, 20) == 20
+        cached = site_cache.load(site.work_dir, site_cache.cache_key(cfg, 20), load_secret(cfg["data-secret"]))
+        assert cached is not None and cached["images"].shape[0] == public_rows(n, 20) == 20
         sizes.append(path.stat().st_size)
     assert sizes[0] == sizes[1]
 
@@ -140,3 +139,44 @@ def test_a_changed_loader_makes_the_cache_key_change(monkeypatch) -> None:
     before = sc.cache_key(cfg, 10)
     monkeypatch.setattr(sc, "_loader_code", lambda: b"other loader code")
     assert sc.cache_key(cfg, 10) != before
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(eight_bit=st.booleans(), n=st.integers(1, 5000), extra=st.integers(0, 3000), seed=st.integers(0, 2**31))
+def test_the_cache_gives_back_the_loader_bits_exactly(tmp_path_factory: pytest.TempPathFactory,
+                                                       monkeypatch: pytest.MonkeyPatch, eight_bit: bool,
+                                                       n: int, extra: int, seed: int) -> None:
+    """8-bit sources are cached one byte per pixel, anything else as float32; either way a cached open returns the
+    very float32 bits the loader gave (across the chunks the cache is written and read in), the labels and ids."""
+    from feta_release.data.dataset import ImageDataset
+
+    tmp = tmp_path_factory.mktemp("bits")
+    monkeypatch.setattr(site_cache, "_CHUNK_BYTES", 48 * 7)  # 7 rows a chunk: chunk edges inside the real rows
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, 1, 4, 3), dtype=np.uint8)
+    images = raw.astype(np.float32) / np.float32(255) if eight_bit else rng.random((n, 1, 4, 3), dtype=np.float32)
+    ds = ImageDataset(images=images, labels=rng.integers(0, 3, n), class_names=("a", "b", "c"), source="s")
+    ids = rng.integers(0, 50, n)
+    secret = os.urandom(32)
+    site_cache.save(tmp, "k", secret, ds, ids, "c" * 64, n + extra)
+    cached = site_cache.load(tmp, "k", secret)
+    assert cached is not None and cached["images"].dtype == (np.uint8 if eight_bit else np.float32)
+    assert cached["images"].shape[0] == public_rows(n, n + extra)
+    back, back_ids, commitment = site_cache.cached_site(cached)
+    assert back.images.tobytes() == ds.images.tobytes() and np.array_equal(back.labels, ds.labels)
+    assert np.array_equal(back_ids, ids) and commitment == "c" * 64 and back.class_names == ds.class_names
+
+
+def test_a_node_refuses_a_public_size_over_the_memory_limit_before_reading(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's open checks the policy's PUBLIC size x declared shape x 4 bytes against the limit before it
+    decodes or reads the cache: one line naming the policy and the figure."""
+    from feta_release.data.dataset import MEMORY_ENV
+    from feta_release.errors import DataError
+
+    cfg = _site_fed(tmp_path, 18).site("site-a").node_config()
+    decoded = _decodes(monkeypatch)
+    monkeypatch.setenv(MEMORY_ENV, str(20 * 784 * 4 / 2**20 * 0.99))  # public size 20 of 1x28x28: just over
+    with pytest.raises(DataError) as err:
+        _open(cfg)
+    assert "dataset.size" in str(err.value) and "20 images of 784 values" in str(err.value) and not decoded

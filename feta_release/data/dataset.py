@@ -19,6 +19,29 @@ import numpy as np
 from ..errors import DataError
 
 FINGERPRINT_VERSION = "feta-imagedataset-v1"
+MEMORY_ENV = "FETA_MAX_DATASET_MB"  # the most memory a site's float32 images may take; default half the machine's
+
+
+def dataset_memory_limit() -> int:
+    """Bytes the canonical float32 images of one set may take: ``FETA_MAX_DATASET_MB``, else half of this
+    machine's physical memory (the mechanisms and the cache conversion need room beside the set itself)."""
+    value = os.environ.get(MEMORY_ENV, "").strip()
+    if value:
+        try:
+            return int(float(value) * 2**20)
+        except ValueError:
+            raise DataError(f"{MEMORY_ENV}={value!r} is not a number of MiB; set it like {MEMORY_ENV}=3000") from None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def check_dataset_memory(n: int, values_per_image: int, where: str) -> None:
+    """Refuse, before any pixel is read, a set whose float32 images (N x C x H x W x 4 bytes) exceed the limit:
+    every stage holds them once (``ImageDataset``), so such a set would exhaust the machine part-way instead."""
+    need, limit = int(n) * int(values_per_image) * 4, dataset_memory_limit()
+    if need > limit:
+        raise DataError(f"{where}: {n:,} images of {values_per_image:,} values need {need / 2**30:,.2f} GiB as "
+                        f"float32 (N*C*H*W*4 bytes) > the limit {limit / 2**30:,.2f} GiB; use smaller images "
+                        f"(--image-size), split the site, or raise {MEMORY_ENV} on a machine with the memory")
 
 
 @dataclass
@@ -117,12 +140,14 @@ class ImageDataset:
             h.update(part)
         return h.hexdigest()
 
-    def canonical_parts(self) -> list[bytes]:
+    def canonical_parts(self) -> list[bytes | memoryview]:
         """Items 2-4 of ``fingerprint``'s byte string (header, pixels, labels): what a site's keyed commitment
-        (``feta_release.data.commitment``) binds. Never published as a plain hash: see that module."""
+        (``feta_release.data.commitment``) binds. Never published as a plain hash: see that module. The pixels
+        are a view of the array's own buffer (a copy only when it is not little-endian C-order float32): a large
+        site is hashed without a second copy of its images."""
         header = {"class_names": list(self.class_names), "shape": [int(s) for s in self.images.shape]}
         head = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        return [head + b"\n", np.ascontiguousarray(self.images, dtype="<f4").tobytes(),
+        return [head + b"\n", np.ascontiguousarray(self.images, dtype="<f4").data.cast("B"),
                 np.ascontiguousarray(self.labels, dtype="<i8").tobytes()]
 
     def summary(self) -> dict:
@@ -139,6 +164,15 @@ class ImageDataset:
         }
 
 
+def _to_uint8(images: np.ndarray, rows: int = 4096) -> np.ndarray:
+    """``rint(images * 255)`` as uint8, chunk by chunk: the whole-array expression holds two float32 temporaries
+    the size of the set (3.2 GB more at 100,000 images of 64x64)."""
+    out = np.empty(images.shape, dtype=np.uint8)
+    for i in range(0, len(images), rows):
+        out[i:i + rows] = np.rint(images[i:i + rows] * 255.0)
+    return out
+
+
 def save_npz(ds: ImageDataset, path: str | os.PathLike, *, dtype: str = "float32") -> Path:
     """Write ``ds`` as a compressed ``.npz`` that ``load_dataset`` reads back.
 
@@ -150,7 +184,7 @@ def save_npz(ds: ImageDataset, path: str | os.PathLike, *, dtype: str = "float32
         raise DataError(f"save_npz: dtype must be 'float32' or 'uint8', not {dtype!r}")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    images = ds.images if dtype == "float32" else np.rint(ds.images * 255.0).astype(np.uint8)
+    images = ds.images if dtype == "float32" else _to_uint8(ds.images)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "wb") as fh:  # a file object: np.savez would append ".npz" to a name

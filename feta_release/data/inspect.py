@@ -65,13 +65,22 @@ def _duplicates(ds: ImageDataset, files: list[str] | None, report: LoadReport | 
             "release"]
 
 
+def _pixel_moments(images: np.ndarray, rows: int = 4096) -> dict[str, float]:
+    """Mean and standard deviation of every pixel value, accumulated in float64 chunk by chunk: ``images.std()``
+    makes a temporary the size of the whole set (1.6 GB more at 100,000 images of 64x64)."""
+    size = max(images.size, 1)
+    mean = sum(float(images[i:i + rows].sum(dtype=np.float64)) for i in range(0, len(images), rows)) / size
+    square = sum(float(np.square(images[i:i + rows] - mean, dtype=np.float64).sum())
+                 for i in range(0, len(images), rows))
+    return {"pixel_mean": mean, "pixel_std": (square / size) ** 0.5}
+
+
 def inspect_summary(ds: ImageDataset, report: LoadReport) -> dict:
     """Everything ``data inspect`` shows, JSON-ready."""
     out = ds.summary()
     out.update(
         kind=report.kind,
-        pixel_mean=float(ds.images.mean()),
-        pixel_std=float(ds.images.std()),
+        **_pixel_moments(ds.images),
         skipped_files=report.skipped_files,
         n_skipped=report.n_skipped,
         conversions=report.conversions,

@@ -41,7 +41,7 @@ from ..errors import ConfigError, DataError
 from ..files import NpyHeader, read_npz
 from ..privacy_unit import cap_per_patient
 from . import dicom, embedded  # module references (embedded reads this module's _load_npz at call time)
-from .dataset import ImageDataset
+from .dataset import ImageDataset, check_dataset_memory
 from .declared import DataDeclaration, conform_image, fit_image, unknown_label_message
 from .dicom import Window, parse_window
 
@@ -809,6 +809,7 @@ def _check_npz_images(path: Path, headers: dict[str, NpyHeader]) -> None:
     if per_item > 3 * DEFAULT_MAX_PIXELS:
         raise DataError(f"{path}: array 'images' declares {per_item:,} values per image (shape {shape}), over the "
                         f"limit {3 * DEFAULT_MAX_PIXELS:,}; store smaller images")
+    check_dataset_memory(shape[0] if shape else 0, per_item, str(path))  # the float32 set it becomes
 
 
 def _fit_size(
@@ -933,8 +934,10 @@ def _pixels_to_unit(images: np.ndarray, source: str, report: LoadReport) -> np.n
     kind = images.dtype.kind
     if kind == "b":
         return np.ascontiguousarray(images, dtype=np.float32)
-    if images.dtype == np.uint8:
-        return np.ascontiguousarray(images, dtype=np.float32) / np.float32(255)
+    if images.dtype == np.uint8:  # divided in place: the same bits without a second float32 copy of the set
+        out = np.ascontiguousarray(images, dtype=np.float32)
+        out /= np.float32(255)
+        return out
     if images.dtype == np.uint16:
         report.count("16-bit scaled from 0..65535", images.shape[0])
         return np.ascontiguousarray(images, dtype=np.float32) / np.float32(65535)

@@ -41,7 +41,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import ConfigError, DataError
-from .dataset import ImageDataset, save_npz
+from .dataset import ImageDataset, check_dataset_memory, save_npz
 
 KINDS = ("medical", "rgb", "strokes")
 MEDICAL_CLASSES = ("normal", "finding", "effusion", "opacity")
@@ -106,6 +106,8 @@ def check_request(kind: str, n: int, size: int | None, population: str) -> int:
         raise ConfigError(f"population must be one of {', '.join(POPULATIONS)}, not {population!r}")
     if kind != "medical" and population != "A":
         raise ConfigError(f"population {population!r} is for the medical kind only; drop it for {kind}")
+    channels = 1 if kind == "medical" else 3
+    check_dataset_memory(int(n), channels * int(size) ** 2, f"data generate {kind} --n {n} --size {size}")  # held whole
     return int(size)
 
 

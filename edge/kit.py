@@ -52,8 +52,16 @@ class Review:
     warnings: list[str]
 
 
-def signing_review(doc: dict[str, Any], now: dt.datetime | None = None) -> Review:
-    """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix."""
+# Values no reviewed policy should hold unless its administrator says so: ``policy sign`` refuses each, naming the
+# risk that ``--accept-risk RISK`` accepts (the line then stays, as a warning).
+# (A lifetime budget below the per-job one is refused by the policy's validation itself.)
+RISKS = ("job-epsilon", "lifetime-epsilon", "delta", "expired")
+
+
+def signing_review(doc: dict[str, Any], now: dt.datetime | None = None,
+                   accept: frozenset[str] | set[str] = frozenset()) -> Review:
+    """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix. A risk
+    in ``accept`` is a warning instead of an error."""
     now = now or utc_now()
     errors, warnings = [], []
     coords = list(doc.get("coordinators", []))
@@ -68,33 +76,46 @@ def signing_review(doc: dict[str, Any], now: dt.datetime | None = None) -> Revie
     size = ds.get("nominal_size", ds.get("size"))
     if not size:
         warnings.append("dataset: no public nominal size; sampling rates and sensitivities need it")
-    nb, ex = parse_time(doc["not_before"]), parse_time(doc["expires"])
-    if ex <= now:
-        warnings.append(f"expires: {doc['expires']} is in the past; a node refuses an expired policy")
-    elif nb > now:
+    if parse_time(doc["not_before"]) > now and parse_time(doc["expires"]) > now:
         warnings.append(f"not_before: {doc['not_before']} is in the future; a node refuses it until then")
-    b = doc["budget"]
-    if b["per_job"]["epsilon"] > EPSILON_CEILING_JOB:
-        warnings.append(f"budget.per_job.epsilon = {b['per_job']['epsilon']:g} is above {EPSILON_CEILING_JOB:g}, "
-                        "beyond common guidance (ε ≤ 1 strong, single digits in deployed systems)")
-    if b["lifetime"]["epsilon"] > EPSILON_CEILING_LIFETIME:
-        warnings.append(f"budget.lifetime.epsilon = {b['lifetime']['epsilon']:g} is above "
-                        f"{EPSILON_CEILING_LIFETIME:g}, beyond common guidance")
-    if size and b["per_job"]["delta"] >= 1.0 / float(size):
-        warnings.append(f"budget.per_job.delta = {b['per_job']['delta']:g} is not below 1/N = {1 / float(size):.3g}: "
-                        "a mechanism could then reveal a whole record; use δ well below 1/N")
     if not doc.get("app_bundles"):
         warnings.append("app_bundles: empty; the node will refuse to start until you add the sha256 of the "
                         "reviewed app bundle your coordinator sends")
+    for risk, line in _risks(doc, size, now):
+        if risk in accept:
+            warnings.append(f"{line} (accepted: --accept-risk {risk})")
+        else:
+            errors.append(f"{line}; if you mean it, sign with --accept-risk {risk}")
     return Review(errors, warnings)
 
 
-def review_or_refuse(doc: dict[str, Any], source: str, now: dt.datetime | None = None) -> list[str]:
+def _risks(doc: dict[str, Any], size: Any, now: dt.datetime) -> list[tuple[str, str]]:
+    """(risk, line) for each value a reviewer must not sign by accident."""
+    out = []
+    b = doc["budget"]
+    job, life = b["per_job"], b["lifetime"]
+    if parse_time(doc["expires"]) <= now:
+        out.append(("expired", f"expires: {doc['expires']} is in the past; a node refuses an expired policy: set a "
+                               "future expires"))
+    if job["epsilon"] > EPSILON_CEILING_JOB:
+        out.append(("job-epsilon", f"budget.per_job.epsilon = {job['epsilon']:g} is above {EPSILON_CEILING_JOB:g}, "
+                                   "beyond common guidance (ε ≤ 1 strong, single digits in deployed systems)"))
+    if life["epsilon"] > EPSILON_CEILING_LIFETIME:
+        out.append(("lifetime-epsilon", f"budget.lifetime.epsilon = {life['epsilon']:g} is above "
+                                        f"{EPSILON_CEILING_LIFETIME:g}, beyond common guidance"))
+    if size and max(job["delta"], life["delta"]) >= 1.0 / float(size):
+        out.append(("delta", f"budget delta = {max(job['delta'], life['delta']):g} is not below 1/N = "
+                             f"{1 / float(size):.3g}: a mechanism could then reveal a whole record; use δ well below "
+                             "1/N"))
+    return out
+
+
+def review_or_refuse(doc: dict[str, Any], source: str, now: dt.datetime | None = None,
+                     accept: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Raise ``PolicyError`` listing every error; return the warnings."""
-    r = signing_review(doc, now)
+    r = signing_review(doc, now, accept)
     if r.errors:
-        raise PolicyError(f"{source}: refusing to sign a policy that still holds example or missing values:\n  "
-                          + "\n  ".join(r.errors))
+        raise PolicyError(f"{source}: refusing to sign:\n  " + "\n  ".join(r.errors))
     return r.warnings
 
 

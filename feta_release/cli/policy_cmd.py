@@ -121,9 +121,14 @@ def policy() -> None:
               help="The site's private policy key.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Signed policy file (default: POLICY with suffix .signed.json).")
+@click.option("--accept-risk", "accept_risk", multiple=True, type=click.Choice(["job-epsilon", "lifetime-epsilon",
+              "delta", "expired"]),
+              help="Sign although the review refuses this value (per-job ε above 10, lifetime ε above 20, δ not below "
+                   "1/N, an expired window); it is then printed as a "
+                   "warning (repeatable).")
 @_passphrase_options
-def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file: Path | None,
-                passphrase_prompt: bool) -> None:
+def policy_sign(policy_file: Path, key: Path, out: Path | None, accept_risk: tuple[str, ...],
+                passphrase_file: Path | None, passphrase_prompt: bool) -> None:
     """Validate POLICY (TOML or JSON) and write it signed: {"policy": ..., "signature": ...}.
 
     \b
@@ -136,7 +141,7 @@ def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file:
     from edge.kit import review_or_refuse
 
     doc = read_policy_document(policy_file)
-    for w in review_or_refuse(doc, str(policy_file)):
+    for w in review_or_refuse(doc, str(policy_file), accept=set(accept_risk)):
         click.secho(f"warning: {w}", fg="yellow", err=True)
     k = _load_signing_key(key, passphrase_file, passphrase_prompt)
     target = out or policy_file.with_suffix(".signed.json")

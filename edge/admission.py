@@ -124,7 +124,7 @@ def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: li
     new = _gaussian_requests(res, policy, job, job_events or [], now)
     refit = new is None
     if refit:  # the job cannot be planned here: judge its budget as if its batches were fixed
-        new = _planned_with_fitting_batches(policy, job)
+        new = _planned_with_fitting_batches(res, policy, job)
     try:
         res.job_epsilon, _ = check_budget(policy, job_events or [], lifetime_events or [], new or [])
     except PolicyBudgetExceeded as exc:
@@ -161,9 +161,10 @@ def _gaussian_requests(res: Admission, policy: Any, job: Any, job_events: list[E
     return new if planned else None
 
 
-def _planned_with_fitting_batches(policy: Any, job: Any) -> list[PrivacyEvent] | None:
+def _planned_with_fitting_batches(res: Admission, policy: Any, job: Any) -> list[PrivacyEvent] | None:
     """The job's events with its central and DP-SGD batches cut to what the site's public sizes allow, so that a
-    batch refusal and a budget refusal show in one pass (None: it cannot be planned even so)."""
+    batch refusal and a budget refusal show in one pass (None: it cannot be planned even so; why is added to
+    ``res``)."""
     cfg = job.config
     n = int(policy.dataset_size)
     fixed = cfg.replace(central={"batch": max(1, min(int(cfg.central.batch), n))},
@@ -171,7 +172,8 @@ def _planned_with_fitting_batches(policy: Any, job: Any) -> list[PrivacyEvent] |
     job2 = dataclasses.replace(job, config=fixed)
     try:
         return [request_for(m, job2, policy, n)[0] for m in job_mechanisms(fixed)]
-    except FetaError:
+    except FetaError as exc:
+        res.add("job", f"{exc} (planned with each batch cut to the site's public size)")
         return None
 
 

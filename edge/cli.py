@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from feta_release.cli.data_options import data_load_options
@@ -123,7 +124,7 @@ def _print_summary(s: dict) -> None:
     con = Console()
     left = s["lifetime_epsilon_left"]
     con.print(
-        f"[bold]ledger[/] {s['ledger']}  accountant={s['accountant']}  δ={s['delta']:g}  "
+        f"[bold]ledger[/] {escape(str(s['ledger']))}  accountant={s['accountant']}  δ={s['delta']:g}  "
         f"policy version seen={s['policy_version']}"
     )
     con.print(f"integrity: {s['integrity']}")

@@ -227,6 +227,7 @@ def policy_show(signed: Path, trusted: tuple[str, ...]) -> None:
       feta-release policy show policy.signed.json --trusted keys/policy-admin.pub
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from ..policy import open_signed_policy
@@ -248,7 +249,7 @@ def policy_show(signed: Path, trusted: tuple[str, ...]) -> None:
     console.print(f"valid:  {format_time(pol.not_before)} .. {format_time(pol.expires)}  {state}")
     console.print(f"dataset: keyed commitment {pol.dataset_commitment}, public nominal size N={pol.dataset_size}")
     d = pol.declared
-    console.print("declared data schema: " + (f"classes {list(d.class_names)}, image_shape {list(d.image_shape)}"
+    console.print("declared data schema: " + (escape(f"classes {list(d.class_names)}, image_shape {list(d.image_shape)}")
                                               if d is not None else "none (a node refuses this policy: re-sign it "
                                               "with dataset.classes and dataset.image_shape)"))
     console.print(f"budget: lifetime ε={pol.lifetime_epsilon:g} δ={pol.lifetime_delta:g}; per job "
@@ -261,7 +262,7 @@ def policy_show(signed: Path, trusted: tuple[str, ...]) -> None:
     console.print("coordinators: " + (", ".join(sorted(pol.coordinator_fingerprints())) or "none"))
     console.print("app bundles: " + (", ".join(b[:16] + "…" for b in pol.app_bundles) or "none"))
     if pol.document.get("description"):
-        console.print(f"description: {pol.document['description']}")
+        console.print(f"description: {escape(str(pol.document['description']))}")
 
 
 @policy.command("data-commitment")

@@ -56,8 +56,12 @@ def evaluate(synth: str, real_path: str | None, out_dir: str | None, epochs: int
     # Resizing is never implicit: with --image-size both sets are resized to it, else sizes must match.
     size = {"image_size": image_size, "resize": "resize"} if image_size else {}
     notes: list[str] = []
+    synthetic, _ = load_dataset(synth_file, **size)  # type: ignore[arg-type]
     if real_path is None:
         real = train_heldout_split(load_embedded(), 0.2, seed=0)[1]
+        if (synthetic.class_names, synthetic.image_shape) != (real.class_names, real.image_shape):
+            raise DataError(f"{synth_file}: its classes and image shape are not the embedded digits' (the default "
+                            "--real); give --real HELDOUT: real images of the same classes that training never saw")
         if image_size is not None and real.image_shape[1:] != (image_size, image_size):
             raise DataError("--image-size cannot change the embedded data's 28x28; pass --real with your own data")
         notes.append("--real not given: using the held-out split of the embedded data (20%, seed 0; "
@@ -65,7 +69,6 @@ def evaluate(synth: str, real_path: str | None, out_dir: str | None, epochs: int
         click.echo(f"note: {notes[-1]}", err=True)
     else:
         real, _ = load_dataset(real_path, **size)  # type: ignore[arg-type]
-    synthetic, _ = load_dataset(synth_file, **size)  # type: ignore[arg-type]
     ev.check_compatible(synthetic, real)
 
     out = Path(out_dir) if out_dir else (synth_file.parent / "evaluation" if is_run else None)

@@ -398,11 +398,15 @@ def _drawn_size(cfg: JobConfig, data: ImageDataset, root: Path, ledger: str | Pa
         account.record(rid, blob)
     state["public_size"] = {"counts": drawn, "drawn": True, "sigma": SIZE_SIGMA}
     atomic_write_json(rd.run_json, state)
-    rep.log(escape(f"public sizes drawn from noisy counts (noise std {SIZE_SIGMA:g}, charged first): {drawn}"))
+    said = ", ".join(f"{_COUNT_WORDS.get(k, k)} {v:,}" for k, v in drawn.items())
+    rep.log(escape(f"public {said}: drawn from a noisy count (Gaussian, noise std {SIZE_SIGMA:g}, charged first); "
+                   "rates, denominators and the default number of synthetic images use it (declare a figure you "
+                   "would publish anyway with --public-size / --public-patients)"))
     return drawn
 
 
 _COUNT_EVENTS = {SIZE_STAGE: size_event, PATIENTS_STAGE: patients_event}
+_COUNT_WORDS = {SIZE_STAGE: "size N =", PATIENTS_STAGE: "number of patients ="}
 
 
 def _sizing_state(rd: RunDir, cfg: JobConfig, data: ImageDataset) -> dict[str, Any]:

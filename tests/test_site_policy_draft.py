@@ -84,3 +84,40 @@ def test_peer_naming_this_site_is_refused(federation: Path) -> None:
     code, out = _invoke(["site", "init", str(d / "self"), "--data", str(d / "data" / "labels.csv"), "--site-id",
                          "st-mary", "--peer", f"st-mary={d / 'st-luke' / 'site-signing.pub'}"])
     assert code != 0 and "--peer st-mary=" in out and "Traceback" not in out, out
+
+
+def test_admin_key_elsewhere_writes_no_admin_private_key_and_says_how_to_sign(federation: Path) -> None:
+    d = federation
+    code, out = _invoke(["site", "init", str(d / "offline"), "--data", str(d / "data" / "labels.csv"), "--site-id",
+                         "st-mary", "--admin-key-elsewhere"])
+    assert code == 0, out
+    assert not list((d / "offline").rglob("policy-admin*"))
+    assert "--passphrase-prompt" in out and "bring back only policy.signed.json" in out, out
+    assert "NOT on this node" in (d / "offline" / "policy.toml").read_text()
+
+
+def test_admin_key_made_on_the_node_with_a_passphrase_is_encrypted(federation: Path) -> None:
+    d = federation
+    (d / "pp.txt").write_text("correct horse battery\n")
+    code, out = _invoke(["site", "init", str(d / "encrypted"), "--data", str(d / "data" / "labels.csv"), "--site-id",
+                         "st-mary", "--coordinator-key", str(d / "coord" / "coordinator.pub"), "--app-bundle",
+                         "ab" * 32, "--admin-passphrase-file", str(d / "pp.txt")])
+    assert code == 0 and "--passphrase-prompt" in out, out
+    key = d / "encrypted" / "keys" / "policy-admin.key"
+    assert b"ENCRYPTED" in key.read_bytes()
+    sign = ["policy", "sign", str(d / "encrypted" / "policy.toml"), "--key", str(key)]
+    code, out = _invoke(sign)
+    assert code != 0 and "Traceback" not in out, out
+    code, out = _invoke([*sign, "--passphrase-file", str(d / "pp.txt")])
+    assert code == 0, out
+
+
+def test_trusted_bound_to_another_site_is_refused(federation: Path) -> None:
+    d = federation
+    kit = d / "pinned" if (d / "pinned" / "policy.signed.json").exists() else _kit(d, "bound")
+    code, out = _invoke(["policy", "verify", str(kit / "policy.signed.json"), "--trusted",
+                         f"st-luke={kit / 'keys' / 'policy-admin.pub'}"])
+    assert code != 0 and "bound to site 'st-luke'" in out, out
+    code, out = _invoke(["policy", "verify", str(kit / "policy.signed.json"), "--trusted",
+                         f"st-mary={kit / 'keys' / 'policy-admin.pub'}"])
+    assert code == 0, out

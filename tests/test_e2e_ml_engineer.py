@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# A whole derived-job run (about 2 minutes of training on an idle 2-core CPU) and its evaluation; a shared,
+# oversubscribed machine takes many times that.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -23,6 +23,7 @@ from typing import Any
 import click
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 
 from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
@@ -105,7 +106,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
     Example:
       feta-release demo --out demo-out --quick
     """
-    console = Console(stderr=True)
+    console = demo_console()
     if out_dir.exists() and any(out_dir.iterdir()):
         raise click.UsageError(f"{out_dir} is not empty; give a new --out folder")
     from .runner import coordinator_device
@@ -157,7 +158,7 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
                "rounds": summary["rounds"], "skipped": summary["skipped"],
                "release": "release" if release else None, "cores": _cores()}
         (out_dir / "demo_summary.json").write_text(json.dumps(doc, indent=2), "utf-8")
-        console.print((out_dir / "privacy_report.txt").read_text("utf-8"))
+        console.print(escape((out_dir / "privacy_report.txt").read_text("utf-8")))
         console.print(f"[bold green]done in {timings['total']:.0f} s[/]: {out_dir / 'samples.png'}, "
                       f"{out_dir / 'privacy_report.txt'}" + (f", {release}" if release else ""))
         del report
@@ -183,6 +184,12 @@ def _dpo_report(release: Path, out_dir: Path, fed: Any) -> Path:
     roots = TrustRoots({s.site_id: (load_public_key(s.policy_pub),) for s in fed.sites},
                        (load_public_key(fed.coordinator_pub),))
     return write_report(release, out_dir / "report.html", roots)[0]
+
+
+def demo_console(file: Any = None) -> Console:
+    """The demo's console: timestamped lines without the source location (a user reads the step, not the line of
+    demo.py that logged it)."""
+    return Console(stderr=file is None, file=file, log_path=False)
 
 
 def _cores() -> int:
@@ -255,10 +262,10 @@ def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, stat
     def on_line(line: str) -> None:
         if line.startswith("[feta] "):
             text = line.removeprefix("[feta] ")
-            console.log(text)
-            status.update(f"[bold]{text}")
+            console.log(escape(text))  # "[central]", "[sampler]": stage names, not rich markup
+            status.update(f"[bold]{escape(text)}")
         elif "ERROR" in line or "Traceback" in line or line.startswith("feta_release"):
-            console.log(f"[red]{line}")
+            console.log(f"[red]{escape(line)}")
 
     return run_signed_job(signed, fed.coordinator_key, job_out, address, insecure=True, on_line=on_line,
                           retry_hint=f"run the demo again with a new --out (logs of this run stay in {out_dir})",

@@ -84,6 +84,12 @@ class Admission:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (rule, message)
     job_epsilon: float | None = None  # with the site's accountant, when every request passed
 
+    def add(self, rule: str, message: str) -> None:
+        """Record a failing rule once (every DP-SGD round makes the same request, and the planner's refusal of a
+        job is the same for each of its releases)."""
+        if not any(r == rule and (rule not in ("job", "plan") or m == message) for r, m in self.failures):
+            self.failures.append((rule, message))
+
     @property
     def accepted(self) -> bool:
         return not self.failures
@@ -113,31 +119,106 @@ def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: li
         res.failures.append((exc.rule, str(exc)))
         return res
     if data_shape is not None and job.config.federation.secure_aggregation:
-        return secure_admit(res, policy, job, data_shape, job_events or [], lifetime_events or [], now)
+        return explained(secure_admit(res, policy, job, data_shape, job_events or [], lifetime_events or [], now),
+                         policy, job)
+    new = _gaussian_requests(res, policy, job, job_events or [], now)
+    refit = new is None
+    if refit:  # the job cannot be planned here: judge its budget as if its batches were fixed
+        new = _planned_with_fitting_batches(res, policy, job)
+    try:
+        res.job_epsilon, _ = check_budget(policy, job_events or [], lifetime_events or [], new or [])
+    except PolicyBudgetExceeded as exc:
+        res.add(exc.rule, str(exc) + (" (planned with each batch cut to the site's public size)" if refit else ""))
+    return explained(res, policy, job)
+
+
+def _gaussian_requests(res: Admission, policy: Any, job: Any, job_events: list[Event],
+                       now: Any) -> list[PrivacyEvent] | None:
+    """Check every request of ``job`` in the node's order, each failing rule once; return the events the job would
+    charge (also those of requests a rule refuses: the budget is judged in the same pass), None when the planner
+    refuses the job itself."""
     n = int(policy.dataset_size)  # the public size: what the node's accountant and caps use
-    history = list(job_events or [])
+    history = list(job_events)
     new: list[PrivacyEvent] = []
+    planned = True
     for mech in job_mechanisms(job.config):
         try:
             ev, req = request_for(mech, job, policy, n)
+        except PolicyViolation as exc:
+            res.add(exc.rule, str(exc))
+            planned = False
+            continue
+        except FetaError as exc:  # the planner's refusal of the job: the same line for every request, said once
+            res.add("job", str(exc))
+            planned = False
+            continue
+        new.append(ev)
+        try:
             check_request(policy, req, job_events=history, now=now)
         except PolicyViolation as exc:
-            res.failures.append((exc.rule, str(exc)))
-            if mech == "dpsgd":
-                break  # every round is the same request: one line is enough
-            continue
-        except FetaError as exc:
-            res.failures.append((f"mechanisms.{mech}", str(exc)))
-            if mech == "dpsgd":
-                break
-            continue
+            res.add(exc.rule, str(exc))
         history.append(ev)
-        new.append(ev)
+    return new if planned else None
+
+
+def _planned_with_fitting_batches(res: Admission, policy: Any, job: Any) -> list[PrivacyEvent] | None:
+    """The job's events with its central and DP-SGD batches cut to what the site's public sizes allow, so that a
+    batch refusal and a budget refusal show in one pass (None: it cannot be planned even so; why is added to
+    ``res``)."""
+    cfg = job.config
+    n = int(policy.dataset_size)
+    fixed = cfg.replace(central={"batch": max(1, min(int(cfg.central.batch), n))},
+                        dpsgd={"batch": max(1, min(int(cfg.dpsgd.batch), int(policy.dpsgd_population)))})
+    job2 = dataclasses.replace(job, config=fixed)
     try:
-        res.job_epsilon, _ = check_budget(policy, job_events or [], lifetime_events or [], new)
-    except PolicyBudgetExceeded as exc:
-        res.failures.append((exc.rule, str(exc)))
+        return [request_for(m, job2, policy, n)[0] for m in job_mechanisms(fixed)]
+    except FetaError as exc:
+        res.add("job", f"{exc} (planned with each batch cut to the site's public size)")
+        return None
+
+
+def _budget_fix(policy: Any, job: Any, rule: str) -> str:
+    """The fix that applies to a budget refusal: whose number is the limit, and who changes it."""
+    cfg = job.config
+    if cfg.federation.secure_aggregation and len(job.sites) > 1 and not policy.peers:
+        return no_peers_cause(len(job.sites))
+    if rule == "budget.lifetime.epsilon":
+        return ("fix: this site's lifetime budget is the limit: raise budget.lifetime.epsilon in the POLICY (raise "
+                "version, re-sign) only if its administrator accepts more spending on these data")
+    if float(policy.job_epsilon) < float(cfg.privacy.epsilon):
+        return (f"fix: the limit is this site's POLICY cap budget.per_job.epsilon = {policy.job_epsilon:g}, below the "
+                f"job's [privacy] epsilon = {cfg.privacy.epsilon:g}: raise the POLICY's cap (raise version, re-sign), "
+                f"or the coordinator lowers the JOB's epsilon to at most {policy.job_epsilon:g}")
+    return (f"fix: the limit is the JOB (its [privacy] epsilon = {cfg.privacy.epsilon:g} fits this site's cap "
+            f"{policy.job_epsilon:g}, but its releases spend more): the coordinator lowers the JOB's epsilon or adds "
+            "noise")
+
+
+def no_peers_cause(n_sites: int) -> str:
+    """Why a multi-site secure-aggregation job spends more at a site that pins no peers, and the fix."""
+    return (f"cause: no peers pinned: this site's policy pins no other site's key ([secure_aggregation] peers), so no "
+            f"other site's noise share counts and its epsilon is that of its own share (sigma / sqrt({n_sites})) "
+            "alone; fix: pin the other sites' keys/site-signing.pub (`site init --peer SITE_ID=FILE`, or "
+            "[secure_aggregation.peers] in the policy), raise version and re-sign; or the coordinator runs the job "
+            "with per-site noise ([federation] secure_aggregation = false)")
+
+
+def explained(res: Admission, policy: Any, job: Any) -> Admission:
+    """Each budget or planner refusal with the fix that applies (the policy's cap or the job's epsilon, peers)."""
+    out = []
+    for rule, msg in res.failures:
+        if rule.startswith("budget.") or "epsilon" in msg and rule in ("job", "plan"):
+            msg = _planner_advice(msg, policy, job) + "; " + _budget_fix(policy, job, rule)
+        out.append((rule, msg))
+    res.failures = out
     return res
+
+
+def _planner_advice(msg: str, policy: Any, job: Any) -> str:
+    """The planner says "raise [privacy] epsilon": wrong advice where the site's own cap is the limit."""
+    if float(policy.job_epsilon) < float(job.config.privacy.epsilon):
+        return msg.replace(", or raise [privacy] epsilon", "")
+    return msg
 
 
 @dataclass
@@ -177,11 +258,10 @@ def secure_admit(res: Admission, policy: Any, job: Any, data_shape: tuple[tuple[
         try:
             check_request(policy, dataclasses.replace(req, job=job), job_events=history, now=now)
         except PolicyViolation as exc:
-            res.failures.append((exc.rule, str(exc)))
-            continue
+            res.add(exc.rule, str(exc))
         history.append(req.event())
     try:
         res.job_epsilon, _ = check_budget(policy, job_events, lifetime_events, charged)
     except PolicyBudgetExceeded as exc:
-        res.failures.append((exc.rule, str(exc)))
+        res.add(exc.rule, str(exc))
     return res

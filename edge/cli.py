@@ -11,11 +11,12 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from feta_release.cli.data_options import data_load_options
 from feta_release.cli.device_option import device_option
-from feta_release.cli.trust_options import deprecated_alias, merged
+from feta_release.cli.trust_options import TRUSTED_METAVAR, deprecated_alias, merged, trusted_for_policy
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError
 from feta_release.ledger import Ledger
@@ -123,7 +124,7 @@ def _print_summary(s: dict) -> None:
     con = Console()
     left = s["lifetime_epsilon_left"]
     con.print(
-        f"[bold]ledger[/] {s['ledger']}  accountant={s['accountant']}  δ={s['delta']:g}  "
+        f"[bold]ledger[/] {escape(str(s['ledger']))}  accountant={s['accountant']}  δ={s['delta']:g}  "
         f"policy version seen={s['policy_version']}"
     )
     con.print(f"integrity: {s['integrity']}")
@@ -148,9 +149,10 @@ def _print_summary(s: dict) -> None:
               help="The site's images (folder, labels .csv or .npz).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's signed policy.")
-@click.option("--trusted", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="ADMIN.pub",
-              help="The site administrator's public key, which must have signed the site's policy.")
-@deprecated_alias("--trusted-policy-key", "--trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--trusted", "trusted", metavar=TRUSTED_METAVAR,
+              help="The site administrator's public key, which must have signed the site's policy (ADMIN.pub or "
+                   "SITE_ID=ADMIN.pub).")
+@deprecated_alias("--trusted-policy-key", "--trusted")
 @click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path),
               help="The site's privacy ledger (SQLite; created on first use).")
 @click.option("--site-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -205,4 +207,6 @@ def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None
                if not settings.get(k)]
     if missing:
         raise ConfigError(f"node start needs {', '.join(missing)} (or --config node.toml from `feta-release site init`)")
+    if isinstance(settings["trusted_policy_key"], str):  # from the command line: FILE or SITE_ID=FILE
+        settings["trusted_policy_key"] = trusted_for_policy(settings["trusted_policy_key"], Path(settings["policy"]))[0]
     raise SystemExit(run_node(NodeSettings(**settings)))

@@ -25,6 +25,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from coordinator.tls import make_node_auth_key
@@ -52,8 +53,16 @@ class Review:
     warnings: list[str]
 
 
-def signing_review(doc: dict[str, Any], now: dt.datetime | None = None) -> Review:
-    """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix."""
+# Values no reviewed policy should hold unless its administrator says so: ``policy sign`` refuses each, naming the
+# risk that ``--accept-risk RISK`` accepts (the line then stays, as a warning).
+# (A lifetime budget below the per-job one is refused by the policy's validation itself.)
+RISKS = ("job-epsilon", "lifetime-epsilon", "delta", "expired")
+
+
+def signing_review(doc: dict[str, Any], now: dt.datetime | None = None,
+                   accept: frozenset[str] | set[str] = frozenset()) -> Review:
+    """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix. A risk
+    in ``accept`` is a warning instead of an error."""
     now = now or utc_now()
     errors, warnings = [], []
     coords = list(doc.get("coordinators", []))
@@ -68,33 +77,46 @@ def signing_review(doc: dict[str, Any], now: dt.datetime | None = None) -> Revie
     size = ds.get("nominal_size", ds.get("size"))
     if not size:
         warnings.append("dataset: no public nominal size; sampling rates and sensitivities need it")
-    nb, ex = parse_time(doc["not_before"]), parse_time(doc["expires"])
-    if ex <= now:
-        warnings.append(f"expires: {doc['expires']} is in the past; a node refuses an expired policy")
-    elif nb > now:
+    if parse_time(doc["not_before"]) > now and parse_time(doc["expires"]) > now:
         warnings.append(f"not_before: {doc['not_before']} is in the future; a node refuses it until then")
-    b = doc["budget"]
-    if b["per_job"]["epsilon"] > EPSILON_CEILING_JOB:
-        warnings.append(f"budget.per_job.epsilon = {b['per_job']['epsilon']:g} is above {EPSILON_CEILING_JOB:g}, "
-                        "beyond common guidance (ε ≤ 1 strong, single digits in deployed systems)")
-    if b["lifetime"]["epsilon"] > EPSILON_CEILING_LIFETIME:
-        warnings.append(f"budget.lifetime.epsilon = {b['lifetime']['epsilon']:g} is above "
-                        f"{EPSILON_CEILING_LIFETIME:g}, beyond common guidance")
-    if size and b["per_job"]["delta"] >= 1.0 / float(size):
-        warnings.append(f"budget.per_job.delta = {b['per_job']['delta']:g} is not below 1/N = {1 / float(size):.3g}: "
-                        "a mechanism could then reveal a whole record; use δ well below 1/N")
     if not doc.get("app_bundles"):
         warnings.append("app_bundles: empty; the node will refuse to start until you add the sha256 of the "
                         "reviewed app bundle your coordinator sends")
+    for risk, line in _risks(doc, size, now):
+        if risk in accept:
+            warnings.append(f"{line} (accepted: --accept-risk {risk})")
+        else:
+            errors.append(f"{line}; if you mean it, sign with --accept-risk {risk}")
     return Review(errors, warnings)
 
 
-def review_or_refuse(doc: dict[str, Any], source: str, now: dt.datetime | None = None) -> list[str]:
+def _risks(doc: dict[str, Any], size: Any, now: dt.datetime) -> list[tuple[str, str]]:
+    """(risk, line) for each value a reviewer must not sign by accident."""
+    out = []
+    b = doc["budget"]
+    job, life = b["per_job"], b["lifetime"]
+    if parse_time(doc["expires"]) <= now:
+        out.append(("expired", f"expires: {doc['expires']} is in the past; a node refuses an expired policy: set a "
+                               "future expires"))
+    if job["epsilon"] > EPSILON_CEILING_JOB:
+        out.append(("job-epsilon", f"budget.per_job.epsilon = {job['epsilon']:g} is above {EPSILON_CEILING_JOB:g}, "
+                                   "beyond common guidance (ε ≤ 1 strong, single digits in deployed systems)"))
+    if life["epsilon"] > EPSILON_CEILING_LIFETIME:
+        out.append(("lifetime-epsilon", f"budget.lifetime.epsilon = {life['epsilon']:g} is above "
+                                        f"{EPSILON_CEILING_LIFETIME:g}, beyond common guidance"))
+    if size and max(job["delta"], life["delta"]) >= 1.0 / float(size):
+        out.append(("delta", f"budget delta = {max(job['delta'], life['delta']):g} is not below 1/N = "
+                             f"{1 / float(size):.3g}: a mechanism could then reveal a whole record; use δ well below "
+                             "1/N"))
+    return out
+
+
+def review_or_refuse(doc: dict[str, Any], source: str, now: dt.datetime | None = None,
+                     accept: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Raise ``PolicyError`` listing every error; return the warnings."""
-    r = signing_review(doc, now)
+    r = signing_review(doc, now, accept)
     if r.errors:
-        raise PolicyError(f"{source}: refusing to sign a policy that still holds example or missing values:\n  "
-                          + "\n  ".join(r.errors))
+        raise PolicyError(f"{source}: refusing to sign:\n  " + "\n  ".join(r.errors))
     return r.warnings
 
 
@@ -108,6 +130,49 @@ class Kit:
     n_images: int
     n_patients: int | None
     patient_cap: int | None
+    admin_pub: Path | None = None  # keys/policy-admin.pub (None: it is made elsewhere and copied here later)
+    admin_key: Path | None = None  # keys/policy-admin.key (None: kept off the node)
+
+
+@dataclass(frozen=True)
+class AdminKey:
+    """Where the policy-admin key lives. ``elsewhere``: no private key is written into the kit; the admin makes it on
+    another machine (``keys generate --passphrase-prompt``), signs there and brings only the signed policy and the
+    ``.pub``. Otherwise it is made here, encrypted with ``passphrase`` when one is given."""
+
+    elsewhere: bool = False
+    passphrase: bytes | None = None
+
+    def install(self, keys: Path) -> Path | None:
+        if self.elsewhere:
+            keys.mkdir(parents=True, exist_ok=True)
+            return None
+        return generate_keypair(keys, "policy-admin", passphrase=self.passphrase)[1]
+
+    def private_path(self, keys: Path) -> Path | None:
+        return None if self.elsewhere else keys / "policy-admin.key"
+
+    def sign_hint(self) -> str:
+        if self.elsewhere:
+            return ("# The policy-admin key is NOT on this node. On the offline machine that holds it:\n"
+                    "#   feta-release keys generate --out admin-keys --name policy-admin --passphrase-prompt  (once)\n"
+                    "#   feta-release policy sign policy.toml --key admin-keys/policy-admin.key --passphrase-prompt "
+                    "--out policy.signed.json\n"
+                    "# then copy back only policy.signed.json and admin-keys/policy-admin.pub (to keys/policy-admin.pub).")
+        pp = " --passphrase-prompt" if self.passphrase else ""
+        return ("# Review every value, then sign it (better on an offline machine: move keys/policy-admin.key there):\n"
+                f"#   feta-release policy sign policy.toml --key keys/policy-admin.key{pp} --out policy.signed.json")
+
+
+def _peer_pems(site_id: str, peers: Mapping[str, Path]) -> dict[str, str]:
+    """The other sites' site-signing keys as PEM, by site id (refused: a bad id, this site itself, a bad key)."""
+    out: dict[str, str] = {}
+    for sid, path in peers.items():
+        if not SITE_ID.match(sid) or sid == site_id:
+            raise ConfigError(f"--peer {sid}={path}: give another site's id (letters, digits, . _ -) and its "
+                              "keys/site-signing.pub")
+        out[sid] = public_key_pem(load_public_key(Path(path)))
+    return out
 
 
 def _toml_str(v: str) -> str:
@@ -116,10 +181,17 @@ def _toml_str(v: str) -> str:
 
 def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superlink: str = "127.0.0.1:9092",
               coordinator_pub: Path | None = None, root_certificates: Path | None = None,
-              app_bundles: tuple[str, ...] = ()) -> Kit:
-    """Write the kit (see the module docstring); refuses to overwrite an existing kit."""
+              app_bundles: tuple[str, ...] = (), peers: Mapping[str, Path] | None = None,
+              admin_key: AdminKey | None = None) -> Kit:
+    """Write the kit (see the module docstring); refuses to overwrite an existing kit.
+
+    ``peers``: the other sites' site-signing public keys (site id -> .pub), pinned in the draft's
+    ``[secure_aggregation] peers``. ``admin_key``: how the policy-admin key is kept (default: made here, no
+    passphrase)."""
     if not SITE_ID.match(site_id):
         raise ConfigError(f"site id {site_id!r}: use letters, digits, . _ - (at most 64)")
+    peer_pems = _peer_pems(site_id, peers or {})
+    admin_key = admin_key or AdminKey()
     bad = [h for h in app_bundles if not SHA256_HEX.match(h)]
     if bad:
         raise ConfigError(f"--app-bundle {bad[0]!r}: not a sha256 (64 hex digits); your coordinator prints it with "
@@ -131,7 +203,7 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     ds, report = load_dataset(data, **opts.kwargs())  # the same reading the node will do
     coord_pem = public_key_pem(load_public_key(coordinator_pub)) if coordinator_pub else None
     keys = root / "keys"
-    generate_keypair(keys, "policy-admin")
+    admin_pub = admin_key.install(keys)
     _, site_pub = generate_keypair(keys, "site-signing")
     _, auth_pub = make_node_auth_key(keys, "node-auth")
     draft = root / "policy.toml"
@@ -145,11 +217,12 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     # signed declaration); loading with it changes nothing, so the commitment above is the one the node recomputes
     fields = _unit_fields(opts, report) + DataDeclaration.draft_from(ds).toml_lines()
     draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit,
-                                   tuple(h.lower() for h in app_bundles), fields), "utf-8")
+                                   tuple(h.lower() for h in app_bundles), fields, peer_pems,
+                                   admin_key.sign_hint()), "utf-8")
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
     return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
-               opts.patient_cap)
+               opts.patient_cap, admin_pub, admin_key.private_path(keys))
 
 
 def _unit_fields(opts: Any, report: Any) -> str:
@@ -162,13 +235,32 @@ def _unit_fields(opts: Any, report: Any) -> str:
             f"patient_cap = {int(opts.patient_cap)}  # at most this many images per patient (node.toml [data])\n")
 
 
+def _secure_aggregation_table(peers: Mapping[str, str]) -> str:
+    """The draft's trust assumption for secure-aggregation jobs (the default for >= 2 sites)."""
+    head = """
+# Secure aggregation (a multi-site job's default): each site adds a SHARE of the noise, sigma / sqrt(n sites).
+# peers: the other sites' keys/site-signing.pub, by site id (`site init --peer SITE=FILE`). With NO peer pinned a
+# coordinator could stand in for every other site, so no other site's share counts: this site's epsilon is then that
+# of its own share alone (about n times the job's), and a job sized for n sites is refused. max_colluders: how many
+# of the pinned sites may collude with the coordinator (their shares do not count either).
+[secure_aggregation]
+max_colluders = 0
+"""
+    if not peers:
+        return head + "# [secure_aggregation.peers]\n# st-luke = '''-----BEGIN PUBLIC KEY-----...'''\n"
+    return head + "[secure_aggregation.peers]\n" + "".join(f"{_toml_str(s)} = '''{pem}'''\n"
+                                                            for s, pem in sorted(peers.items()))
+
+
 def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
-                  unit: str = "one image", app_bundles: tuple[str, ...] = (), unit_fields: str = "") -> str:
+                  unit: str = "one image", app_bundles: tuple[str, ...] = (), unit_fields: str = "",
+                  peers: Mapping[str, str] | None = None, sign_hint: str = "") -> str:
     start = utc_now().replace(microsecond=0, second=0)
     coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
               else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
-    return f"""# Site policy DRAFT written by `feta-release site init`. Review every value, then sign it OFFLINE:
-#   feta-release policy sign policy.toml --key keys/policy-admin.key --out policy.signed.json
+    hint = sign_hint or AdminKey().sign_hint()
+    return f"""# Site policy DRAFT written by `feta-release site init`.
+{hint}
 # Signing refuses while this draft still lacks a coordinator key or holds the example one.
 version = 1
 site_id = {_toml_str(site_id)}
@@ -197,15 +289,17 @@ delta = 1e-5
 epsilon = 1.0
 delta = 1e-5
 
+# min_sigma is checked against THIS site's noise share: under secure aggregation sigma / sqrt(n sites). The
+# epsilon budgets above are the guarantee; min_sigma only refuses a release with almost no noise.
 [mechanisms.central]
 allowed = true
-min_sigma = 5.0
+min_sigma = 1.0
 max_rounds = 10
 max_batch = {n}
 
 [mechanisms.frequency]
 allowed = true
-min_sigma = 5.0
+min_sigma = 1.0
 max_features = 20000
 
 [mechanisms.dpsgd]
@@ -214,7 +308,7 @@ min_sigma = 0.5
 max_steps = 100000
 max_batch = {n}
 max_clip = 1.0
-"""
+""" + _secure_aggregation_table(peers or {})
 
 
 def _node_toml(site_id: str, data: Path, opts: Any, superlink: str, root_certificates: Path | None) -> str:

@@ -177,7 +177,8 @@ class NodeMonitor:
             if self.state.state == "refused" and code not in (None, 0):
                 self._publish()  # keep the reason: it is why the node stopped
             else:
-                self._go("stopped", "stopped" + ("" if code in (None, 0) else f" (the SuperNode exited with code {code})"))
+                self._go("stopped", "the node shut down cleanly" if code in (None, 0)
+                         else f"the SuperNode exited with code {code}; see its log for why")
             if self.log_file is not None:
                 self.log_file.close()
 

@@ -196,3 +196,43 @@ def test_any_single_byte_change_breaks_verification(doc, data) -> None:
         return  # no longer a document at all: nothing to verify
     with pytest.raises((PolicyError, ValueError)):
         signing.verify_document(changed, sig, [SIGNER.public_key()])
+
+
+def _sign_cli(tmp_path, over: dict, *accept: str):  # noqa: ANN001, ANN202
+    """``policy sign`` on a policy with ``over`` merged into its budget, as a user runs it."""
+    from click.testing import CliRunner
+    from cryptography.hazmat.primitives import serialization
+
+    from feta_release.cli import cli
+    from feta_release.policy import make_policy
+
+    doc = make_policy("s", "ab" * 32, 1000, [K["coord"].public_key()], app_bundles=["cd" * 32], **over)
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    (tmp_path / "admin.key").write_bytes(K["site"].private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (tmp_path / "admin.key").chmod(0o600)
+    args = ["policy", "sign", str(tmp_path / "p.json"), "--key", str(tmp_path / "admin.key"), "--out",
+            str(tmp_path / "s.json")]
+    return CliRunner().invoke(cli, args + [a for r in accept for a in ("--accept-risk", r)])
+
+
+@pytest.mark.parametrize(("over", "risk"), [
+    ({"per_job": (1e9, 1e-6), "lifetime": (1e9, 1e-6)}, "job-epsilon"),
+    ({"per_job": (1.0, 1e-2), "lifetime": (4.0, 1e-2)}, "delta"),
+    ({"per_job": (1.0, 1e-6), "lifetime": (4.0, 1e-6), "not_before": "2020-01-01T00:00:00Z", "valid_days": 30},
+     "expired"),
+])
+def test_sign_refuses_a_nonsense_budget_unless_the_risk_is_accepted(tmp_path, over, risk) -> None:  # noqa: ANN001
+    res = _sign_cli(tmp_path, over)
+    assert res.exit_code != 0 and f"--accept-risk {risk}" in str(res.exception) and not (tmp_path / "s.json").exists()
+    res = _sign_cli(tmp_path, over, risk, "lifetime-epsilon")
+    assert res.exit_code == 0, res.output
+    assert f"accepted: --accept-risk {risk}" in res.output and (tmp_path / "s.json").exists()
+
+
+def test_accept_risk_choices_are_the_review_risks() -> None:
+    from edge.kit import RISKS
+    from feta_release.cli.policy_cmd import policy_sign
+
+    opt = next(p for p in policy_sign.params if p.name == "accept_risk")
+    assert tuple(opt.type.choices) == RISKS  # type: ignore[attr-defined]

@@ -119,7 +119,14 @@ def test_signing_review_examples_and_ceilings() -> None:
     k = keys()
     doc = make_policy("s", "ab" * 32, 1000, [k["coord"].public_key()], lifetime=(1e8, 1e-2), per_job=(1e8, 1e-2),
                       not_before="2020-01-01T00:00:00Z", valid_days=30)
-    w = " | ".join(review_or_refuse(doc, "p", now=NOW))
+    from edge.kit import RISKS
+    from feta_release.errors import PolicyError
+
+    with pytest.raises(PolicyError) as exc:
+        review_or_refuse(doc, "p", now=NOW)
+    for risk in ("expired", "job-epsilon", "lifetime-epsilon", "delta"):
+        assert f"--accept-risk {risk}" in str(exc.value), risk
+    w = " | ".join(review_or_refuse(doc, "p", now=NOW, accept=set(RISKS)))
     for needle in ("expires:", "budget.per_job.epsilon = 1e+08", "budget.lifetime.epsilon", "not below 1/N",
                    "app_bundles: empty"):
         assert needle in w, needle

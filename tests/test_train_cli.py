@@ -50,6 +50,15 @@ def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     code, stdout, _ = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
                             "--synthetic", "10", "--no-progress", "--json"], capsys)
     assert code == 0 and json.loads(stdout)["already_complete"] is True
+    # a plain run's release verifies under the run's own one-site policy, with the key and commands it prints
+    code, stdout, _ = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
+                            "--synthetic", "10", "--no-progress"], capsys)
+    key = out / "keys" / "policy-admin.key"
+    assert code == 0 and key.is_file() and key.stat().st_mode & 0o077 == 0
+    line = f"feta-release verify {out / 'release'} --trusted site={out / 'keys' / 'policy-admin.pub'}"
+    assert line in stdout and f"feta-release synthesize --release {out / 'release'}" in stdout, stdout
+    code, stdout, err = _run(line.split()[1:] + ["--json"], capsys)
+    assert code == 0 and json.loads(stdout)["ok"] is True, (stdout, err)
 
 
 def test_cli_errors_have_exit_codes(small_npz, tmp_path, capsys):

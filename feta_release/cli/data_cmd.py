@@ -97,7 +97,8 @@ def _print_tables(info: dict) -> None:
     overview.add_row("resized images", str(info["n_resized"]))
     if info["n_patients"] is not None:
         overview.add_row("patients (unit of privacy)",
-                         f"{info['n_patients']:,} (at most {info['max_images_per_patient']} images each)")
+                         f"{info['n_patients']:,} (at most {info['max_images_per_patient']} "
+                         f"image{'' if info['max_images_per_patient'] == 1 else 's'} each)")
     for what, k in info["conversions"].items():
         overview.add_row("converted", escape(f"{k} x {what}"))
     console.print(overview)

@@ -128,6 +128,10 @@ def _load(synth_file: Path, real_path: str | None, real_train_path: str | None, 
     real_train = None
     if real_path is None:
         real_train, real = train_heldout_split(load_embedded(), 0.2, seed=0)
+        head = load_dataset(synth_file, **size)[0]  # type: ignore[arg-type]
+        if (head.class_names, head.image_shape) != (real.class_names, real.image_shape):
+            raise DataError(f"{synth_file}: its classes and image shape are not the embedded digits' (the default "
+                            "--real); give --real HELDOUT: real images of the same classes that training never saw")
         if image_size is not None and real.image_shape[1:] != (image_size, image_size):
             raise DataError("--image-size cannot change the embedded data's 28x28; pass --real with your own data")
         notes.append("--real not given: using the held-out split of the embedded data (20%, seed 0; valid only if "

@@ -10,7 +10,7 @@ from typing import IO, TYPE_CHECKING, Any
 import click
 
 from ..errors import PolicyError
-from .trust_options import deprecated_alias, merged
+from .trust_options import TRUSTED_METAVAR, deprecated_alias, merged, trusted_for_policy
 
 if TYPE_CHECKING:
     from ..policy.partial import PartialCheck
@@ -121,9 +121,14 @@ def policy() -> None:
               help="The site's private policy key.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Signed policy file (default: POLICY with suffix .signed.json).")
+@click.option("--accept-risk", "accept_risk", multiple=True, type=click.Choice(["job-epsilon", "lifetime-epsilon",
+              "delta", "expired"]),
+              help="Sign although the review refuses this value (per-job ε above 10, lifetime ε above 20, δ not below "
+                   "1/N, an expired window); it is then printed as a "
+                   "warning (repeatable).")
 @_passphrase_options
-def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file: Path | None,
-                passphrase_prompt: bool) -> None:
+def policy_sign(policy_file: Path, key: Path, out: Path | None, accept_risk: tuple[str, ...],
+                passphrase_file: Path | None, passphrase_prompt: bool) -> None:
     """Validate POLICY (TOML or JSON) and write it signed: {"policy": ..., "signature": ...}.
 
     \b
@@ -136,7 +141,7 @@ def policy_sign(policy_file: Path, key: Path, out: Path | None, passphrase_file:
     from edge.kit import review_or_refuse
 
     doc = read_policy_document(policy_file)
-    for w in review_or_refuse(doc, str(policy_file)):
+    for w in review_or_refuse(doc, str(policy_file), accept=set(accept_risk)):
         click.secho(f"warning: {w}", fg="yellow", err=True)
     k = _load_signing_key(key, passphrase_file, passphrase_prompt)
     target = out or policy_file.with_suffix(".signed.json")
@@ -172,16 +177,16 @@ def _signed_dataset(signed: Path) -> tuple[int | None, Any]:
 
 @policy.command("verify")
 @click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--trusted", "trusted", multiple=True, required=True, metavar="ADMIN.pub",
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The site administrator's public key(s) allowed to sign site policies (repeatable).")
+@click.option("--trusted", "trusted", multiple=True, required=True, metavar=TRUSTED_METAVAR,
+              help="The site administrator's public key(s) allowed to sign site policies, as ADMIN.pub or "
+                   "SITE_ID=ADMIN.pub (repeatable).")
 @click.option("--data", type=click.Path(exists=True, path_type=Path),
               help="Check the policy's keyed data commitment against this data (needs --secret).")
 @click.option("--secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's data secret (the key of the commitment; it never leaves the site).")
 @click.option("--now", help="Check the validity window at this ISO 8601 UTC time instead of now.")
 @click.option("--min-version", type=int, help="Refuse a policy older than this version (replay check).")
-def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, secret: Path | None, now: str | None,
+def policy_verify(signed: Path, trusted: tuple[str, ...], data: Path | None, secret: Path | None, now: str | None,
                   min_version: int | None) -> None:
     """Verify a signed policy as a node would at start; exit non-zero naming the rule if refused.
 
@@ -201,7 +206,8 @@ def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, se
             raise ConfigError("--data needs --secret: the policy holds a keyed commitment, not a plain hash")
         cap, declared = _signed_dataset(signed)
         fp, n, _, _ = _data_commitment(data, secret, patient_cap=cap, declared=declared)
-    pol = load_site_policy(signed, list(trusted), now=now, dataset_commitment=fp, last_seen_version=min_version)
+    pol = load_site_policy(signed, trusted_for_policy(trusted, signed), now=now, dataset_commitment=fp,
+                           last_seen_version=min_version)
     click.echo(f"OK: policy {pol.site_id} v{pol.version} signed by {pol.signer}, valid "
                f"{format_time(pol.not_before)} .. {format_time(pol.expires)}")
     if data is not None:
@@ -210,10 +216,10 @@ def policy_verify(signed: Path, trusted: tuple[Path, ...], data: Path | None, se
 
 @policy.command("show")
 @click.argument("signed", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--trusted", multiple=True, metavar="ADMIN.pub", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Also verify against these site administrator public keys (otherwise the signature is only "
-                   "checked against the key it embeds).")
-def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
+@click.option("--trusted", multiple=True, metavar=TRUSTED_METAVAR,
+              help="Also verify against these site administrator public keys, as ADMIN.pub or SITE_ID=ADMIN.pub "
+                   "(otherwise the signature is only checked against the key it embeds).")
+def policy_show(signed: Path, trusted: tuple[str, ...]) -> None:
     """Pretty-print a signed policy with its signer fingerprint and validity window.
 
     \b
@@ -221,6 +227,7 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
       feta-release policy show policy.signed.json --trusted keys/policy-admin.pub
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from ..policy import open_signed_policy
@@ -228,7 +235,7 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
     from ..policy.envelope import read_json
 
     if trusted:
-        pol = open_signed_policy(read_json(signed, "signed policy"), list(trusted), str(signed))
+        pol = open_signed_policy(read_json(signed, "signed policy"), trusted_for_policy(trusted, signed), str(signed))
         trust = "[green]verified against a trusted key[/]"
     else:
         pol, _ = read_signed_policy_unverified(signed)
@@ -242,7 +249,7 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
     console.print(f"valid:  {format_time(pol.not_before)} .. {format_time(pol.expires)}  {state}")
     console.print(f"dataset: keyed commitment {pol.dataset_commitment}, public nominal size N={pol.dataset_size}")
     d = pol.declared
-    console.print("declared data schema: " + (f"classes {list(d.class_names)}, image_shape {list(d.image_shape)}"
+    console.print("declared data schema: " + (escape(f"classes {list(d.class_names)}, image_shape {list(d.image_shape)}")
                                               if d is not None else "none (a node refuses this policy: re-sign it "
                                               "with dataset.classes and dataset.image_shape)"))
     console.print(f"budget: lifetime ε={pol.lifetime_epsilon:g} δ={pol.lifetime_delta:g}; per job "
@@ -255,7 +262,7 @@ def policy_show(signed: Path, trusted: tuple[Path, ...]) -> None:
     console.print("coordinators: " + (", ".join(sorted(pol.coordinator_fingerprints())) or "none"))
     console.print("app bundles: " + (", ".join(b[:16] + "…" for b in pol.app_bundles) or "none"))
     if pol.document.get("description"):
-        console.print(f"description: {pol.document['description']}")
+        console.print(f"description: {escape(str(pol.document['description']))}")
 
 
 @policy.command("data-commitment")
@@ -365,12 +372,12 @@ def job_sign(job_file: Path, key: Path, job_id: str, sites: str | None, out: Pat
               help="Coordinator public key(s) to accept (repeatable).")
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Instead: check as the node of this signed site policy would.")
-@click.option("--trusted", multiple=True, metavar="ADMIN.pub", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The site administrator's public key(s) that sign site policies (with --policy; repeatable).")
-@deprecated_alias("--policy-trusted", "--trusted", multiple=True,
-                  type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path | None, trusted: tuple[Path, ...],
-               trusted_deprecated: tuple[Path, ...]) -> None:
+@click.option("--trusted", multiple=True, metavar=TRUSTED_METAVAR,
+              help="The site administrator's public key(s) that sign site policies, as ADMIN.pub or "
+                   "SITE_ID=ADMIN.pub (with --policy; repeatable).")
+@deprecated_alias("--policy-trusted", "--trusted", multiple=True)
+def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path | None, trusted: tuple[str, ...],
+               trusted_deprecated: tuple[str, ...]) -> None:
     """Verify a signed job against coordinator keys, or against a site's signed policy.
 
     With --policy, a secure-aggregation job can be judged only in its Gaussian form (no data at hand): the command
@@ -391,7 +398,7 @@ def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path |
     if policy_file is not None:
         if not trusted:
             raise click.UsageError("--policy needs --trusted ADMIN.pub (the key that signs site policies)")
-        pol = load_site_policy(policy_file, list(trusted))
+        pol = load_site_policy(policy_file, trusted_for_policy(trusted, policy_file))
         res = _admit_or_refuse(pol, doc, signed)  # the node's own checks, every request of the job
         j = verify_job(doc, pol, str(signed))
         details = (f"coordinator {j.signer}; sites {', '.join(j.sites)}; created {j.created.isoformat()}; "
@@ -430,26 +437,24 @@ def _admit_or_refuse(pol, signed_job, source: Path, ledger: Path | None = None, 
             job_ev = events_from_list(led.job_events(jid)) if jid else []
     res = admit(pol, signed_job, source=str(source), job_events=job_ev, lifetime_events=life_ev, data_shape=data_shape)
     if not res.accepted:
-        from ..policy.errors import PolicyViolation
+        from ..policy.errors import JobRefused
 
-        lines = "\n".join(f"  {rule}: {msg}" for rule, msg in res.failures)
-        raise PolicyViolation(res.failures[0][0], f"REFUSED: policy v{pol.version} refuses job "
-                              f"{res.job_id or source} ({len(res.failures)} rule(s)):\n{lines}", site=pol.site_id)
+        raise JobRefused(f"REFUSED: site {pol.site_id} policy v{pol.version} refuses job {res.job_id or source}",
+                         res.failures, site=pol.site_id)
     return res
 
 
 @policy.command("check")
 @click.argument("signed_policy", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("signed_job", metavar="JOB", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--trusted", "trusted", multiple=True, required=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Public key(s) allowed to sign this site's policy (repeatable).")
+@click.option("--trusted", "trusted", multiple=True, required=True, metavar=TRUSTED_METAVAR,
+              help="Public key(s) allowed to sign this site's policy, as ADMIN.pub or SITE_ID=ADMIN.pub (repeatable).")
 @click.option("--ledger", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The site's ledger: also count what the site has already spent.")
 @click.option("--data", "data_path", type=click.Path(exists=True, path_type=Path),
               help="The site's data (only its image shape and classes are read): a secure-aggregation job is then "
                    "judged as the node charges it (Skellam events, FedSGD included), not in its Gaussian form.")
-def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...], ledger: Path | None,
+def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[str, ...], ledger: Path | None,
                  data_path: Path | None) -> None:
     """Would this site's node serve JOB? Runs the node's own checks and lists EVERY rule that fails.
 
@@ -464,7 +469,7 @@ def policy_check(signed_policy: Path, signed_job: Path, trusted: tuple[Path, ...
     from ..policy.envelope import read_json
     from ..policy.partial import gaussian_form_only, secure_aggregation_job
 
-    pol = load_site_policy(signed_policy, list(trusted))
+    pol = load_site_policy(signed_policy, trusted_for_policy(trusted, signed_policy))
     shape = None
     if data_path is not None and pol.declared is not None:  # the node's shape: the policy's public declaration
         shape = (tuple(pol.declared.image_shape), int(pol.declared.n_classes))

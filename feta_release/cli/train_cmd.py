@@ -14,6 +14,7 @@ from .data_options import data_load_options
 from .derive_options import DeriveRequest, base_job, derive_options, derived_jobs
 from .device_option import device_option
 from .progress_option import progress_option
+from .trust_options import TRUSTED_METAVAR, trusted_for_policy
 
 
 @click.command()
@@ -52,8 +53,8 @@ from .progress_option import progress_option
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The site's signed policy (required with a --ledger outside RUN_DIR): every charge is checked "
                    "against its caps, as a node checks them.")
-@click.option("--trusted", "trusted", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="The site administrator's public key that signed --policy.")
+@click.option("--trusted", "trusted", default=None, metavar=TRUSTED_METAVAR,
+              help="The site administrator's public key that signed --policy (ADMIN.pub or SITE_ID=ADMIN.pub).")
 @click.option("--coordinator-key", "coordinator_key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="The key that signs the one-site job and RUN_DIR/release's manifest, as a "
                                  "federation's coordinator (default: RUN_DIR/checkpoints/coordinator.key, created once).")
@@ -73,7 +74,7 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
           epsilon: float | None, delta: float | None, time_budget: str | None, save_job: Path | None, out_dir: Path,
           n_synthetic: int | None, public_size: int | None, public_patients: int | None, checkpoint_every: int,
           threads: int | None, device: str,
-          ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: Path | None,
+          ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: str | None,
           coordinator_key: Path | None, site_id: str | None, public_path: str | None, public_description: str,
           pretrained: Path | None, no_release: bool, progress: bool, as_json: bool) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
@@ -129,17 +130,45 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         click.echo(f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
                    f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
                    "give --policy with dataset.classes and dataset.image_shape", err=True)
-    release = None
+    release, signed = None, None
     if not no_release:
-        from ..policy.envelope import read_json
-        from ..training.local_job import release_run, run_coordinator_key
-        from ..training.pipeline import run_site_key
-
-        release = release_run(
-            res.run_dir, site_key=skey or run_site_key(res.run_dir),
-            coordinator_key=load_private_key(coordinator_key) if coordinator_key else run_coordinator_key(res.run_dir),
-            site_id=site_id, signed_policy=read_json(policy_path, "signed policy") if policy_path else None)
+        release, signed = _release(res, data, cfg, policy_path, skey, coordinator_key, site_id)
     _print_summary(res, cfg.privacy.accountant, release, as_json)
+    if release is not None and not as_json:
+        _print_next(release, signed, policy_path, trusted)
+
+
+def _release(res: Any, data: Any, cfg: Any, policy_path: Path | None, skey: Any, coordinator_key: Path | None,
+             site_id: str | None) -> tuple[Path, dict[str, Any] | None]:
+    """RUN_DIR/release, signed under --policy or, without one, under the run's own one-site policy."""
+    from ..policy.envelope import read_json
+    from ..signing import load_private_key
+    from ..training.local_job import needs_site_policy, release_run, run_coordinator_key, run_policy
+    from ..training.pipeline import run_site_key
+
+    skey = skey or run_site_key(res.run_dir)
+    ckey = load_private_key(coordinator_key) if coordinator_key else run_coordinator_key(res.run_dir)
+    signed = read_json(policy_path, "signed policy") if policy_path else None
+    if signed is None and not needs_site_policy(res.events):
+        signed = run_policy(res.run_dir, data, site_key=skey, coordinator_key=ckey, site_id=site_id, cfg=cfg,
+                            events=res.events)
+    return release_run(res.run_dir, site_key=skey, coordinator_key=ckey, site_id=site_id,
+                       signed_policy=signed), signed
+
+
+def _print_next(release: Path, signed: dict[str, Any] | None, policy_path: Path | None, trusted: str | None) -> None:
+    """The exact commands that check and use the release (the trusted key is the run's own without --policy)."""
+    if signed is None:
+        click.echo(f"note: {release} has no signed policy (a patient-level run: give --policy); `verify` says so")
+        return
+    sid = signed["policy"]["site_id"]
+    key = Path(trusted.partition("=")[2] or trusted) if policy_path and trusted else \
+        release.parent / "keys" / "policy-admin.pub"
+    if not policy_path:
+        click.echo(f"the release is signed under the run's own one-site policy ({release.parent / 'policy.signed.json'},"
+                   f" key {key}: trust it only as far as you trust this run folder)")
+    click.echo(f"check and use it:\n  feta-release verify {release} --trusted {sid}={key}\n"
+               f"  feta-release synthesize --release {release} --trusted {sid}={key} --num 100 --out synthetic")
 
 
 def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> Any:
@@ -236,7 +265,7 @@ def _patient_index(report: Any, public_patients: int | None) -> Any:
     return PatientIndex(report.patients, int(n_pub), int(report.patient_cap))
 
 
-def _site_policy(policy_path: Path | None, trusted: Path | None) -> Any:
+def _site_policy(policy_path: Path | None, trusted: str | None) -> Any:
     """The verified ``SitePolicy`` (signature by the trusted administrator key, validity window) or None."""
     if policy_path is None:
         if trusted is not None:
@@ -246,4 +275,4 @@ def _site_policy(policy_path: Path | None, trusted: Path | None) -> Any:
         raise ConfigError(f"{policy_path}: give --trusted ADMIN.pub, the administrator key that signed it")
     from ..policy import load_site_policy
 
-    return load_site_policy(policy_path, [trusted])
+    return load_site_policy(policy_path, trusted_for_policy(trusted, policy_path))

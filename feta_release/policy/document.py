@@ -372,7 +372,10 @@ def load_site_policy(
             # neither value is printed in full: they are keyed, but there is no reason to spread them
             raise PolicyViolation("dataset.commitment", f"{p}: the data (or the data secret) changed since the "
                                   f"policy was signed: the data's keyed commitment {dataset_commitment[:12]}… != "
-                                  f"policy's {pol.dataset_commitment[:12]}…")
+                                  f"policy's {pol.dataset_commitment[:12]}…; if the change is meant, recompute the "
+                                  "commitment with `feta-release policy data-commitment DATA --secret SECRET` (the "
+                                  "node's data and secret), put it into the policy's [dataset], raise version and "
+                                  "re-sign with `feta-release policy sign`")
     return pol
 
 

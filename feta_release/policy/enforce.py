@@ -71,6 +71,7 @@ class MechanismRequest:
     job: Job | None = None
     app_bundle: str | None = None  # sha256 of the app bundle that asks
     unit: str = "image"  # what one add/remove changes (PrivacyEvent.unit): "patient" for patient-level DP-SGD
+    pooled_sigma: float | None = None  # secure aggregation: the sum's sigma, of which ``sigma`` is this site's share
 
     def event(self) -> PrivacyEvent:
         return PrivacyEvent(stage=self.mechanism, sigma=self.sigma, q=self.q, steps=self.steps, unit=self.unit)
@@ -109,7 +110,7 @@ def request_of(event: PrivacyEvent, cfg: Any, job: Job | None = None) -> Mechani
 def own_share_request(req: MechanismRequest, own_sigma: float) -> MechanismRequest:
     """A secure-aggregation release: ``min_sigma`` is checked against this site's OWN noise share (what is left
     if every other site colludes), not the pooled sigma of the sum."""
-    return dataclasses.replace(req, sigma=float(own_sigma))
+    return dataclasses.replace(req, sigma=float(own_sigma), pooled_sigma=float(req.sigma))
 
 
 def skellam_own_sigma(event: Any) -> float:
@@ -225,12 +226,21 @@ def _check_numbers(req: MechanismRequest, rule: MechanismRule, site: str) -> Non
     base = f"mechanisms.{m}"
     sigma = req.sigma
     if not (isinstance(sigma, (int, float)) and math.isfinite(sigma)) or sigma < (rule.min_sigma or 0.0) or sigma <= 0:
-        raise PolicyViolation(f"{base}.min_sigma", f"requested σ={sigma} < minimum {_fmt(rule.min_sigma or 0.0)}",
-                              site=site)
+        raise PolicyViolation(f"{base}.min_sigma", f"requested σ={sigma} < minimum {_fmt(rule.min_sigma or 0.0)}"
+                              + _share_note(req, rule), site=site)
     if not (isinstance(req.q, (int, float)) and 0 < req.q <= 1):
         raise PolicyViolation(f"{base}", f"sampling rate q={req.q} must be in (0, 1]", site=site)
     if isinstance(req.steps, bool) or not isinstance(req.steps, int) or req.steps < 0:
         raise PolicyViolation(f"{base}", f"steps={req.steps!r} must be an integer >= 0", site=site)
+
+
+def _share_note(req: MechanismRequest, rule: MechanismRule) -> str:
+    """Why a secure-aggregation request's sigma is smaller than the job's: min_sigma judges this site's share."""
+    if req.pooled_sigma is None or not isinstance(req.sigma, (int, float)) or not req.sigma > 0:
+        return ""
+    return (f" (σ is this site's own noise share under secure aggregation: the job's pooled σ={req.pooled_sigma:.4g} "
+            f"over √{(req.pooled_sigma / req.sigma) ** 2:.3g} sites; fix: lower mechanisms.{req.mechanism}.min_sigma in "
+            f"the POLICY to at most {req.sigma:.3g}, or the coordinator adds noise)")
 
 
 def _check_caps(policy: SitePolicy, req: MechanismRequest, rule: MechanismRule, job_events: Iterable[Event],

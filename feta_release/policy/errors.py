@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import PolicyBudgetExceeded, PolicyError, PolicyViolation
 
-__all__ = ["JobDoesNotFit", "PolicyBudgetExceeded", "PolicySchemaError", "PolicyViolation"]
+__all__ = ["JobDoesNotFit", "JobRefused", "PolicyBudgetExceeded", "PolicySchemaError", "PolicyViolation"]
 
 
 class PolicySchemaError(PolicyError):
@@ -27,3 +27,23 @@ class JobDoesNotFit(PolicyViolation):
         detail = "; ".join(msg for _, _, msg in problems)
         PolicyError.__init__(self, f"job refused before anything was released: {detail}")
         self.rule, self.site = rule, site
+
+
+class JobRefused(PolicyViolation):
+    """A site's policy refuses a job (``policy check``, ``job verify --policy``): every failing rule, one line each,
+    ``.failures`` the (rule, message) pairs; ``.rule`` the first."""
+
+    def __init__(self, header: str, failures: list[tuple[str, str]], site: str | None = None) -> None:
+        self.failures = failures
+        prefix = f"site {site}: " if site else ""
+        lines = "\n".join(f"  {rule}: {_bare(msg, prefix, rule)}" for rule, msg in failures)
+        PolicyError.__init__(self, f"{header} ({len(failures)} rule(s)):\n{lines}")
+        self.rule, self.site = failures[0][0], site
+
+
+def _bare(message: str, prefix: str, rule: str) -> str:
+    """A violation's message without the "site X: policy rule R: " its line already says."""
+    for head in (f"{prefix}policy rule {rule}: ", prefix):
+        if message.startswith(head):
+            return message[len(head):]
+    return message

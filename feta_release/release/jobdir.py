@@ -135,7 +135,9 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0, *,
     --device``; the noise is drawn on the CPU, so the grid is the same function of the weights on any device)."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
-    scfg, init, what = cfg.sampler, None, "federated model samples"
+    n_sites = len(signed["job"]["sites"])  # titled by what made it: one site's run, or a federation's job
+    scfg, init = cfg.sampler, None
+    what = "single-site model samples" if n_sites == 1 else f"federated model samples ({n_sites} sites)"
     if checked is None:
         job_id = signed["job"]["job_id"]
         model, central = load_model(out_dir).to(device), released_central(out_dir, job_id)
@@ -149,7 +151,7 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0, *,
         init = torch.from_numpy(mixed_start_images(
             central, aux, src, want, np.tile(np.arange(per_class), model.n_classes), rng,
             n_ops=cfg.warmup.augment_ops, magnitude_max=cfg.warmup.augment_magnitude))
-        scfg, what = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), "model samples (SDEdit from the release)"
+        scfg, what = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), f"{what} (SDEdit from the release)"
     images, labels = generate(model, per_class, seed, scfg, init=init)
     names, eps, delta = None, None, None
     if (out_dir / "job_summary.json").is_file():

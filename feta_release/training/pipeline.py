@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from rich.markup import escape
 
 from ..accounting import PrivacyEvent, epsilon, events_to_list
 from ..config import JobConfig
@@ -249,14 +250,14 @@ def run_pipeline(
     # Plan before touching the directory (a drawn size aside): an infeasible plan leaves nothing behind.
     plan = _plan_for(cfg, data, n_pub, patients, site_policy, size_ev)
     for w in plan.warnings:
-        rep.log(f"[yellow]warning[/]: {w}")
+        rep.warn(w)
     job_hash = config_hash(cfg.to_dict())
     rd, state = _open_run_dir(Path(out_dir), job_hash, data.fingerprint(), drawn=bool(size_ev))
     resumed = state is not None and state.get("status") != SIZING
     state = _start_state(rd, state, cfg, data, plan, n_pub)
     account = _open_account(rd, state, cfg, plan, ledger, site_key, site_policy)
     if state.get("status") == "complete" and rd.complete_marker.exists():
-        rep.log(f"[green]{rd.root} is already complete[/]; nothing to do")
+        rep.log(f"[green]{escape(str(rd.root))} is already complete[/]; nothing to do")
         return _result(account, plan, state, 0.0, resumed=True, already_complete=True)
     state["status"] = "running"
     atomic_write_json(rd.run_json, state)
@@ -403,11 +404,15 @@ def _drawn_size(cfg: JobConfig, data: ImageDataset, root: Path, ledger: str | Pa
         account.record(rid, blob)
     state["public_size"] = {"counts": drawn, "drawn": True, "sigma": SIZE_SIGMA}
     atomic_write_json(rd.run_json, state)
-    rep.log(f"public sizes drawn from noisy counts (noise std {SIZE_SIGMA:g}, charged first): {drawn}")
+    said = ", ".join(f"{_COUNT_WORDS.get(k, k)} {v:,}" for k, v in drawn.items())
+    rep.log(escape(f"public {said}: drawn from a noisy count (Gaussian, noise std {SIZE_SIGMA:g}, charged first); "
+                   "rates, denominators and the default number of synthetic images use it (declare a figure you "
+                   "would publish anyway with --public-size / --public-patients)"))
     return drawn
 
 
 _COUNT_EVENTS = {SIZE_STAGE: size_event, PATIENTS_STAGE: patients_event}
+_COUNT_WORDS = {SIZE_STAGE: "size N =", PATIENTS_STAGE: "number of patients ="}
 
 
 def _sizing_state(rd: RunDir, cfg: JobConfig, data: ImageDataset) -> dict[str, Any]:
@@ -496,7 +501,7 @@ def _log_start(ctx: RunContext, resumed: bool) -> None:
         f"[bold]{cfg.job.name}[/] ({cfg.job.method}) on {ctx.data.n} images, {ctx.data.n_classes} classes: planned "
         f"epsilon {plan.epsilon:.3f} at delta {cfg.privacy.delta:g}"
         + (f"; DP-SGD sigma {sgd.sigma:.3f}, q {sgd.q:.4f}, {sgd.steps} steps" if sgd else "")
-        + f"; ledger {ctx.account.ledger.path}" + (" [resuming]" if resumed else "")
+        + escape(f"; ledger {ctx.account.ledger.path}" + (" [resuming]" if resumed else ""))
     )
 
 

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -26,8 +27,13 @@ class Reporter:
         self.console = console or Console(stderr=True)
 
     def log(self, message: str) -> None:
+        """``message`` is rich markup: escape text that is not (see :meth:`warn`)."""
         if self.enabled:
             self.console.print(message, highlight=False)
+
+    def warn(self, message: str) -> None:
+        """A warning in plain text: its "[sampler]", "[central]" (job sections) are printed, not read as markup."""
+        self.log(f"[yellow]warning[/]: {escape(message)}")
 
     @contextlib.contextmanager
     def task(self, description: str, total: int | None) -> Iterator[Callable[..., None]]:

@@ -245,7 +245,7 @@ def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, cap
     assert "n_ceiling_train" not in shared and "real training images" in shared["ceiling_protocol"]
     (folder / "9").rename(folder / "nine")
     code, _, err = run_cli(["evaluate", str(folder), "--epochs", "1"], capsys)
-    assert code == 3 and "class names differ" in err
+    assert code == 3 and "not the embedded digits'" in err and "give --real" in err
     code, _, err = run_cli(["evaluate", str(tmp_path / "missing")], capsys)
     assert code == 3 and "no such file" in err
 

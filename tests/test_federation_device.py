@@ -98,7 +98,7 @@ def test_the_serverapp_runs_the_job_on_the_saved_device(tmp_path: Path, monkeypa
     from feta_release.federation.job import save_device, saved_device
 
     seen: list[str] = []
-    monkeypatch.setattr(fjob, "_run", lambda d, signed, device: seen.append(device.type))
+    monkeypatch.setattr(fjob, "_run", lambda d, signed, device, public: seen.append(device.type))
     fed = prepare_federation(tmp_path / "fed", tiny_sites(n_sites=2))
     signed, _ = sign_job_file(fed, tiny_job(), "job-saved")
     out = tmp_path / "out"

@@ -186,7 +186,7 @@ def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None
     Example:
       feta-release node start --config st-mary/node.toml
     """
-    from .launch import NodeSettings, run_node
+    from .launch import NodeSettings, check_device, run_node
 
     names = {"data_path": "data", "policy_path": "policy", "trusted": "trusted_policy_key",
              "trusted_deprecated": "trusted_policy_key", "ledger_path": "ledger"}
@@ -207,6 +207,7 @@ def start(ctx: click.Context, config_path: Path | None, load: LoadOptions | None
                if not settings.get(k)]
     if missing:
         raise ConfigError(f"node start needs {', '.join(missing)} (or --config node.toml from `feta-release site init`)")
+    check_device(str(settings.get("device") or "cpu"))  # before any file is read, as the node's preflight does
     if isinstance(settings["trusted_policy_key"], str):  # from the command line: FILE or SITE_ID=FILE
         settings["trusted_policy_key"] = trusted_for_policy(settings["trusted_policy_key"], Path(settings["policy"]))[0]
     raise SystemExit(run_node(NodeSettings(**settings)))

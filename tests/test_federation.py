@@ -263,7 +263,8 @@ def test_full_pipeline_central_frequency_dpsgd_and_resume_replays(fed, tmp_path,
     assert _ledger_requests(fed, "site-b", "job-full") == before
     for s in fed.sites:
         assert res.attestations[s.site_id]["statement"]["epsilon"] <= 1.0 + 1e-9
-    # Attested: the job is closed at every site, a further run is refused before anything is released.
-    with pytest.raises(Exception, match="closed"):
+    # Attested: the job is closed at every site, a further run is refused before anything is released (a closed job
+    # still answers hello, so that a site down at attest time can attest later; every release is refused "closed").
+    with pytest.raises(Exception, match=r"closed|only 0 site\(s\) released"):
         _run(fed, harness(fed), signed, tmp_path / "out2")
     assert _ledger_requests(fed, "site-b", "job-full") == before

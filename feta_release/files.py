@@ -124,16 +124,7 @@ def read_regular(path: str | os.PathLike, *, limit: int, error: type[Exception],
     ``fix``."""
     p = Path(path)
     tail = f"; {fix}" if fix else ""
-    try:
-        st = os.lstat(p)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{p}: the {what} is {_kind(st.st_mode)}, not a regular file; it is not read{tail}")
-        fd = _open_beneath(p, Path(root) if root is not None else None)
-    except FileNotFoundError:
-        raise error(f"{p}: cannot read the {what}: missing or unreadable{tail}") from None
-    except OSError as exc:  # ELOOP: a link in a folder below root (O_NOFOLLOW); EACCES ...
-        raise error(f"{p}: the {what} cannot be opened as a regular file without following a link "
-                    f"({exc.strerror or exc}){tail}") from None
+    fd = _open_regular(p, root, error, what, tail, name_missing=True)
     try:
         return _read_fd(fd, p, limit, size, error, what, tail)
     finally:
@@ -149,14 +140,7 @@ def hash_regular(path: str | os.PathLike, *, error: type[Exception], what: str =
 
     p = Path(path)
     tail = f"; {fix}" if fix else ""
-    try:
-        st = os.lstat(p)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{p}: the {what} is {_kind(st.st_mode)}, not a regular file; it is not read{tail}")
-        fd = _open_beneath(p, Path(root) if root is not None else None)
-    except OSError as exc:
-        raise error(f"{p}: the {what} cannot be opened as a regular file without following a link "
-                    f"({exc.strerror or exc}){tail}") from None
+    fd = _open_regular(p, root, error, what, tail, name_missing=False)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -168,6 +152,22 @@ def hash_regular(path: str | os.PathLike, *, error: type[Exception], what: str =
         return size, h.hexdigest()
     finally:
         os.close(fd)
+
+
+def _open_regular(p: Path, root: str | os.PathLike | None, error: type[Exception], what: str, tail: str, *,
+                  name_missing: bool) -> int:
+    """A descriptor of ``p`` if it is a regular file reached through no link (below ``root``: none at all), else one
+    ``error`` line; ``name_missing``: a missing file says so rather than naming the open's OS error."""
+    try:
+        st = os.lstat(p)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{p}: the {what} is {_kind(st.st_mode)}, not a regular file; it is not read{tail}")
+        return _open_beneath(p, Path(root) if root is not None else None)
+    except OSError as exc:  # ELOOP: a link in a folder below root (O_NOFOLLOW); EACCES ...
+        if name_missing and isinstance(exc, FileNotFoundError):
+            raise error(f"{p}: cannot read the {what}: missing or unreadable{tail}") from None
+        raise error(f"{p}: the {what} cannot be opened as a regular file without following a link "
+                    f"({exc.strerror or exc}){tail}") from None
 
 
 def _read_fd(fd: int, p: Path, limit: int, size: int | None, error: type[Exception], what: str, tail: str) -> bytes:

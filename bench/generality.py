@@ -178,6 +178,7 @@ def job_args(job: str, eps: float, delta: float, seed: int, work: Path, derived:
     if job == "derived" or (job == "auto" and derived):
         return ["--epsilon", f"{eps:g}"]
     from feta_release.config import load_job, load_preset
+    from feta_release.job_rules import job_toml
 
     if job == "auto":
         cfg = load_preset("cpu-eps1" if eps < 3.0 else "cpu-eps10")  # nearer in log scale
@@ -188,25 +189,8 @@ def job_args(job: str, eps: float, delta: float, seed: int, work: Path, derived:
     cfg = cfg.replace(privacy={"epsilon": float(eps), "delta": float(delta)}, job={"seed": seed})
     path = work / "jobs" / f"{cfg.job.name}-eps{eps:g}-seed{seed}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_toml(cfg.to_dict()))
+    path.write_text(job_toml(cfg))  # the library's writer: load_job reads it back to the same job
     return [str(path)]
-
-
-def to_toml(d: dict[str, dict[str, Any]]) -> str:
-    """A job's sections as TOML (scalars and flat lists: what ``JobConfig.to_dict`` holds; None left out)."""
-    def val(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        return repr(v)
-
-    lines = []
-    for section, values in d.items():
-        lines += [f"[{section}]", *(f"{k} = {val(v)}" for k, v in values.items() if v is not None), ""]
-    return "\n".join(lines)
 
 
 def plan_cells(args: argparse.Namespace, derived: bool) -> list[dict]:

@@ -16,6 +16,7 @@ from feta_release.cli import main
 from feta_release.config import JobConfig, load_job, load_preset, preset_names, preset_text
 from feta_release.data import ImageDataset, load_embedded, save_npz
 from feta_release.job_rules import DataFacts, derive_job, sizing_size
+from tests.cli_helpers import run_cli as _run
 
 
 class Stop(Exception):
@@ -29,16 +30,6 @@ def digits_npz(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "digits.npz"
     save_npz(full.subset(np.sort(idx)), path)
     return path
-
-
-def _run(argv: list[str], capsys: Any) -> tuple[int, str, str]:
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture

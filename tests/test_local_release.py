@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from feta_release.accounting import epsilon, events_from_list
-from feta_release.cli import main
 from feta_release.config import load_job
 from feta_release.data import load_embedded, save_npz
 from feta_release.ledger import Ledger
@@ -19,6 +18,7 @@ from feta_release.planning import merged, plan, round_sizes, stage_events
 from feta_release.policy import make_policy, sign_policy
 from feta_release.release import jobdir
 from feta_release.signing import generate_keypair, load_private_key
+from tests.cli_helpers import run_cli as _run
 
 ROOT = Path(__file__).resolve().parent.parent
 # What coordinator/finalize.py (now feta_release.release.jobdir) leaves in a federated job's --out, besides the
@@ -35,16 +35,6 @@ SUMMARY_KEYS = {"job_id", "sites", "class_names", "image_shape", "rounds", "skip
 
 def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

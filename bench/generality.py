@@ -29,12 +29,15 @@ Each cell (one method, data kind, size, ε, seed) runs in its own process, so it
 results are saved after every cell and a rerun with the same ``--out`` skips the cells already done.
 
 Commands (the full table takes hours on 2 CPU cores; run it on a GPU machine with ``--device cuda`` for the
-pipeline, the classifiers stay on the CPU):
+pipeline and ``--classifier-device cuda`` for the evaluation classifiers, ``--jobs N`` cells at once; the DP-SGD
+anchor stays on the CPU):
 
     python bench/generality.py                                   # the whole table -> bench/results/generality.*
     python bench/generality.py --kinds medical --sizes 4000 --eps 10 --seeds 0   # one row, one seed
     python bench/generality.py --methods ceiling,dpsgd           # the cheap columns only
     python bench/generality.py --job preset:cpu-eps{eps} --device cuda
+    python bench/generality.py --sizes 4000 --methods ceiling,release --job derived --device cuda \
+        --classifier-device cuda --jobs 6 --priority medical:10,digits:1,rgb:10   # those rows first
     python bench/generality.py --quick                           # smoke run -> bench/results/generality-quick.*
 """
 
@@ -47,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -70,28 +74,28 @@ def _splits(cell: dict) -> tuple[Any, Any]:
     return protocol_splits(load_kind(kind, cell["size"], size=cell.get("image_size")), cell["mode"])
 
 
-def _classifier_accuracy(train: Any, test: Any, seed: int, epochs: int | None) -> float:
-    """The project's evaluation classifier through its public names (whatever its architecture and stopping rule)."""
+def _classifier_scores(train: Any, test: Any, cell: dict) -> tuple[float, dict[str, float]]:
+    """(accuracy, per-class accuracy) of the project's evaluation classifier trained on ``train`` and scored on
+    ``test``, through its public names (whatever its architecture and stopping rule); it trains on
+    ``cell["classifier_device"]`` where it takes a device."""
     import inspect
-
-    import torch
 
     from feta_release import evaluation as ev
 
-    kw: dict[str, Any] = {"seed": seed}
-    if epochs is not None and "epochs" in inspect.signature(ev.train_classifier).parameters:
-        kw["epochs"] = epochs
+    kw: dict[str, Any] = {"seed": cell["seed"]}
+    params = inspect.signature(ev.train_classifier).parameters
+    if cell.get("classifier_epochs") is not None and "epochs" in params:
+        kw["epochs"] = cell["classifier_epochs"]
+    if cell.get("classifier_device", "cpu") != "cpu" and "device" in params:
+        kw["device"] = cell["classifier_device"]
     net = ev.train_classifier(train, **kw)
-    if hasattr(ev, "accuracy"):
-        return float(ev.accuracy(net, test))
-    with torch.no_grad():
-        pred = torch.cat([net(torch.from_numpy(test.images[i : i + 500])).argmax(1) for i in range(0, test.n, 500)])
-    return float((pred.numpy() == test.labels).mean())
+    return float(ev.accuracy(net, test)), ev.per_class_accuracy(net, test)
 
 
 def _cell_ceiling(cell: dict) -> dict:
     train, test = _splits(cell)
-    return {"acc": _classifier_accuracy(train, test, cell["seed"], cell.get("classifier_epochs"))}
+    acc, per_class = _classifier_scores(train, test, cell)
+    return {"acc": acc, "per_class": per_class}
 
 
 def _cell_dpsgd(cell: dict) -> dict:
@@ -114,20 +118,25 @@ def _cell_release(cell: dict) -> dict:
     cmd = [sys.executable, "-m", "feta_release", "train", *cell["job_args"], "--data", str(data),
            "--out", str(run_dir), "--synthetic", str(cell["n_synthetic"]), "--no-release", "--json",
            "--no-progress", "--threads", str(cell["threads"]), "--device", cell["device"]]
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
+    train_s = time.perf_counter() - t0
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
     z = np.load(run_dir / "synthetic.npz")
     syn = ImageDataset(z["images"].astype(np.float32), z["labels"].astype(np.int64), train.class_names,
                        source=str(run_dir))
-    out = {"acc": _classifier_accuracy(syn, test, cell["seed"], cell.get("classifier_epochs")),
-           "epsilon": summary["epsilon"]}
+    acc, per_class = _classifier_scores(syn, test, cell)
+    run_json = run_dir / "run.json"  # the job's own per-stage wall times
+    stages = json.loads(run_json.read_text()).get("stage_seconds", {}) if run_json.exists() else {}
+    out = {"acc": acc, "per_class": per_class, "epsilon": summary["epsilon"], "train_s": round(train_s, 1),
+           "stage_seconds": {k: round(v, 1) for k, v in stages.items()}}
     central = run_dir / "released" / "central.npz"
     if central.exists():  # the job released central images: the release-only floor is free
         c = np.load(central)
         ro = release_only(c["images"], c["labels"], train.class_names, cell["n_synthetic"], cell["seed"])
-        out["release_only"] = _classifier_accuracy(ro, test, cell["seed"], cell.get("classifier_epochs"))
+        out["release_only"] = _classifier_scores(ro, test, cell)[0]
     return out
 
 
@@ -197,7 +206,7 @@ def plan_cells(args: argparse.Namespace, derived: bool) -> list[dict]:
     """Every cell of the table, in row order; the ceiling once per (kind, size, seed)."""
     common = {"mode": args.mode, "delta": args.delta, "threads": args.threads, "device": args.device,
               "n_synthetic": args.n_synthetic, "work": str(args.work), "classifier_epochs": args.classifier_epochs,
-              "dpsgd_epochs": args.dpsgd_epochs}
+              "dpsgd_epochs": args.dpsgd_epochs, "classifier_device": args.classifier_device}
     cells = []
     for kind in args.kinds:
         for size in args.sizes:
@@ -214,7 +223,16 @@ def plan_cells(args: argparse.Namespace, derived: bool) -> list[dict]:
                         if method == "release":
                             cell["job_args"] = job_args(args.job, eps, args.delta, seed, args.work, derived)
                         cells.append(cell)
-    return cells
+    return sorted(cells, key=lambda c: _priority(c, args)) if args.priority else cells
+
+
+def _priority(cell: dict, args: argparse.Namespace) -> int:
+    """A cell's rank under ``--priority kind:eps,...``: the listed rows first, in that order (a kind's ceiling with
+    its first listed row), then the rest; the sort is stable, so seeds keep their order within a row."""
+    for rank, (kind, eps) in enumerate(args.priority):
+        if cell["kind"] == kind and (cell["method"] == "ceiling" or cell["eps"] == eps):
+            return rank
+    return len(args.priority)
 
 
 def _fmt(values: list[float]) -> str:
@@ -241,9 +259,31 @@ def table(results: dict, args: argparse.Namespace) -> str:
                                  + " |" * (len(head) - 4))
                     continue
                 lines.append(_row(results, kind, size, eps, args.eps[0]))
+    lines += _per_class_lines(results, args)
     errors = [f"- {name}: {r['result']['error']}" for name, r in results.items() if "error" in r["result"]]
     return "\n".join(lines + (["", "Cells that failed (rerun the same command to retry them):", *errors] if errors
                               else [])) + "\n"
+
+
+def _per_class_lines(results: dict, args: argparse.Namespace) -> list[str]:
+    """Per-class accuracy of the release beside the real ceiling's (mean over seeds): a class the release loses
+    (the medical set's few-pixel ``finding``) shows here while the overall accuracy hides it."""
+    lines = []
+    for kind in args.kinds:
+        for size in args.sizes:
+            ceil = _class_means(results, f"ceiling-{kind}-n{size}-seed")
+            for eps in args.eps:
+                rel = _class_means(results, f"release-{kind}-n{size}-eps{eps:g}-seed")
+                if rel:
+                    parts = [f"{c} {m:.2f} ({ceil[c]:.2f})" if c in ceil else f"{c} {m:.2f}" for c, m in rel.items()]
+                    lines.append(f"- {kind}, {size:,}, ε = {eps:g}: " + ", ".join(parts))
+    head = ["", "Per-class accuracy of the release (real ceiling in brackets), mean over seeds:", ""]
+    return head + lines if lines else []
+
+
+def _class_means(results: dict, prefix: str) -> dict[str, float]:
+    rows = [r["result"]["per_class"] for k, r in results.items() if k.startswith(prefix) and "per_class" in r["result"]]
+    return {c: float(np.nanmean([row[c] for row in rows])) for c in rows[0]} if rows else {}
 
 
 def _row(results: dict, kind: str, size: int, eps: float, first_eps: float) -> str:
@@ -278,6 +318,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dpsgd-epochs", type=int, default=None, help="default: bench/dpsgd_classifier.py's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline trains")
+    ap.add_argument("--classifier-device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the evaluation classifiers train (ceiling, release, release-only)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each its own process; on a GPU "
+                    "machine several share the GPU); their times then include the others' load")
+    ap.add_argument("--priority", default="", help="rows to run first, in order, e.g. medical:10,digits:1")
     ap.add_argument("--out", default=None, help="result files' stem (default bench/results/generality)")
     ap.add_argument("--work", default="runs/generality", help="data and run directories")
     ap.add_argument("--quick", action="store_true", help="smoke run: 300 training images, the tiny preset, one "
@@ -303,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.n_synthetic = args.n_synthetic or PROTOCOL.n_synthetic
     args.out = Path(args.out or ROOT / "bench" / "results" / ("generality-quick" if args.quick else "generality"))
     args.work = Path(args.work)
+    args.priority = [(k, float(e)) for k, e in (r.split(":") for r in args.priority.split(",") if r)]
     return args
 
 
@@ -314,19 +360,21 @@ def main(argv: list[str] | None = None) -> None:
     json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
     results: dict = json.loads(json_path.read_text())["cells"] if json_path.exists() else {}
     cells = plan_cells(args, derived=args.job == "auto" and "release" in args.methods and train_has_epsilon())
-    print(f"{len(cells)} cells; results -> {md_path}", flush=True)
-    for cell in cells:
-        name = _cell_name(cell)
-        if name in results and "error" not in results[name]["result"]:
-            continue
-        result, seconds, rss = _spawn(cell)
-        results[name] = {"result": result, "seconds": round(seconds, 1), "rss_mib": round(rss),
-                         "job_args": cell.get("job_args")}
-        print(json.dumps({"cell": name, **results[name]}), flush=True)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"cells": results, "args": {k: str(v) for k, v in vars(args).items()}},
-                                        indent=1))
-        md_path.write_text(table(results, args))
+    todo = [c for c in cells if _cell_name(c) not in results or "error" in results[_cell_name(c)]["result"]]
+    print(f"{len(cells)} cells, {len(todo)} to run, {args.jobs} at once; results -> {md_path}", flush=True)
+    # threads only wait on the cells' child processes; results are written here, one cell at a time
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        running = {pool.submit(_spawn, cell): cell for cell in todo}  # started in the planned (priority) order
+        for done in as_completed(running):
+            cell = running[done]
+            result, seconds, rss = done.result()
+            results[_cell_name(cell)] = {"result": result, "seconds": round(seconds, 1), "rss_mib": round(rss),
+                                         "job_args": cell.get("job_args")}
+            print(json.dumps({"cell": _cell_name(cell), **results[_cell_name(cell)]}), flush=True)
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps({"cells": results, "args": {k: str(v) for k, v in vars(args).items()}},
+                                            indent=1))
+            md_path.write_text(table(results, args))
     md_path.write_text(table(results, args))
     print(md_path.read_text())
 

@@ -187,7 +187,7 @@ def _validation_scores(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tupl
 def _train_epoch(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, batch_size: int,
                  shift: int, rng: np.random.Generator) -> None:
     net.train()
-    order = torch.from_numpy(rng.permutation(len(x)))
+    order = torch.from_numpy(rng.permutation(len(x))).to(x.device)
     for start in range(0, len(x), batch_size):
         idx = order[start : start + batch_size]
         loss = nn.functional.cross_entropy(net(random_shift(x[idx], shift, rng)), y[idx])
@@ -235,31 +235,36 @@ def train_classifier(
     augment: bool = True,
     reporter: Reporter | None = None,
     what: str = "classifier",
+    device: str = "cpu",
 ) -> ResNetClassifier:
     """Train a :class:`ResNetClassifier` on ``ds`` with early stopping on a stratified 10 % validation part of
     ``ds`` itself; deterministic given ``seed``. ``epochs``: the epoch cap (None: :func:`auto_max_epochs`).
 
     ``augment``: random translations (:func:`random_shift`, :func:`max_shift_for`). The returned network (eval
     mode) carries ``fit_log`` (:class:`FitLog`). Leaves the global torch RNG as it found it.
+
+    ``device``: where the network trains (``"cuda"`` on a GPU machine); the shuffles and shifts are drawn on the
+    CPU either way, and the returned network is always on the CPU, so callers score it as before.
     """
     _check_trainable(ds, epochs)
     c, h, w = ds.image_shape
     val = validation_split(ds.labels, ds.n_classes, VALIDATION_FRACTION, seed)
     if val.sum() < MIN_VALIDATION:
         val[:] = False
-    data = (torch.from_numpy(ds.images[~val]), torch.from_numpy(ds.labels[~val]),
-            torch.from_numpy(ds.images[val]), torch.from_numpy(ds.labels[val]))
+    data = tuple(torch.from_numpy(a).to(device) for a in (ds.images[~val], ds.labels[~val], ds.images[val],
+                                                          ds.labels[val]))
     cap = epochs if epochs is not None else auto_max_epochs(len(data[0]), batch_size)
     log = FitLog(epochs=0, max_epochs=cap, best_epoch=0, stopped="max_epochs", n_train=len(data[0]),
                  n_validation=len(data[2]))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = ResNetClassifier(c, ds.n_classes, (h, w))
+        net = ResNetClassifier(c, ds.n_classes, (h, w)).to(device)
         best_state = _fit(net, data, log, batch_size=batch_size, lr=lr, shift=max_shift_for(h, w) if augment else 0,
                           rng=np.random.default_rng(seed), reporter=reporter or Reporter(enabled=False),
                           what=f"{what} ({ds.n:,} images)")
     if best_state is not None:
         net.load_state_dict(best_state)
+    net = net.cpu()
     net.fit_log = log
     return net.eval()
 

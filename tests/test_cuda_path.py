@@ -110,6 +110,23 @@ def test_sampler_on_cuda_matches_cpu_with_sdedit_starts() -> None:
     assert float((a - b).abs().max()) < 1e-2
 
 
+def test_evaluation_classifier_trains_on_cuda_and_returns_a_cpu_network() -> None:
+    """``train_classifier(device="cuda")``: the benchmarks' evaluator on the GPU scores as well as on the CPU and hands
+    back a CPU network, so ``accuracy`` / ``per_class_accuracy`` take it as they are."""
+    from feta_release.data.procedural import generate
+    from feta_release.evaluation import accuracy, per_class_accuracy, train_classifier
+
+    data = generate("medical", 600, size=28, seed=3)
+    train, test = data.subset(np.arange(400)), data.subset(np.arange(400, 600))
+    acc = {}
+    for device in ("cpu", "cuda"):
+        net = train_classifier(train, epochs=6, seed=0, device=device)
+        assert {p.device.type for p in net.parameters()} == {"cpu"} and net.fit_log.epochs >= 1
+        acc[device] = accuracy(net, test)
+    assert set(per_class_accuracy(net, test)) == set(test.class_names)
+    assert acc["cuda"] > 1.5 / test.n_classes and abs(acc["cuda"] - acc["cpu"]) < 0.15, acc
+
+
 @pytest.mark.parametrize("fedsgd", [False, True], ids=["fedavg", "fedsgd"])
 def test_federated_job_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fedsgd: bool) -> None:
     """``coordinator run --device cuda`` and ``node start --device cuda``, in process: the coordinator's warm-up and

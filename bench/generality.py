@@ -119,7 +119,7 @@ def _cell_release(cell: dict) -> dict:
            "--out", str(run_dir), "--synthetic", str(cell["n_synthetic"]), "--no-release", "--json",
            "--no-progress", "--threads", str(cell["threads"]), "--device", cell["device"]]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
     train_s = time.perf_counter() - t0
@@ -138,6 +138,12 @@ def _cell_release(cell: dict) -> dict:
         ro = release_only(c["images"], c["labels"], train.class_names, cell["n_synthetic"], cell["seed"])
         out["release_only"] = _classifier_scores(ro, test, cell)[0]
     return out
+
+
+def _child_env() -> dict[str, str]:
+    """This tree first on the children's path, the caller's path after it (e.g. wheels installed beside a
+    machine's own packages with ``pip install --target``)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def run_cell(cell: dict) -> dict:
@@ -162,7 +168,7 @@ def _spawn(cell: dict) -> tuple[dict, float, float]:
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, __file__, "--cell", json.dumps(cell)], stdout=out, stderr=err,
-                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                text=True, env=_child_env())
         # wait4, not Popen.wait: it also returns the child's resource usage (output goes to files, so no pipe fills)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = code = os.waitstatus_to_exitcode(status)
@@ -178,7 +184,7 @@ def _spawn(cell: dict) -> tuple[dict, float, float]:
 def train_has_epsilon() -> bool:
     """Whether the installed ``feta-release train`` takes ``--epsilon`` (the derived job, no preset)."""
     proc = subprocess.run([sys.executable, "-m", "feta_release", "train", "--help"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=_child_env())
     return "--epsilon" in proc.stdout
 
 

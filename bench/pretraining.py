@@ -2,6 +2,7 @@
 
     python bench/pretraining.py --quick --out runs/pretraining     # the small table of docs/explanation/public-pretraining.md
     python bench/pretraining.py --out runs/pretraining             # the presets' full sizes (hours on 2 CPU cores)
+    python bench/pretraining.py --pretrain-only --device cuda      # time the pretraining alone (full size)
 
 Per dataset and epsilon, six cells: {no pretraining, pretraining} x {no DP-SGD, DP-SGD of all parameters, DP-SGD of
 normalisation + attention + conditioning only ([dpsgd] trainable = "norm_attention")}. The no-DP-SGD cells run the
@@ -64,8 +65,10 @@ def _job(eps: int, dpsgd: str, quick: bool) -> Any:
     return cfg
 
 
-def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int) -> Path:
-    """The public model file of ``kind`` (trained once; reused when present)."""
+def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int, device: str = "cpu") -> Path:
+    """The public model file of ``kind`` (trained once on ``device``; reused when present)."""
+    import torch
+
     from feta_release.config import load_preset
     from feta_release.stages.pretrain import PRETRAINED_FILE, PublicInputs, pretrain, with_public
     from feta_release.stages.context import initial_denoiser
@@ -77,11 +80,16 @@ def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int
         return path
     cfg = with_public(load_preset("cpu-eps1").replace(public={"pretrain_iterations": iterations}),
                       PublicInputs(public), private.image_shape)
-    model = initial_denoiser(cfg, private.image_shape, private.n_classes)
+    model = initial_denoiser(cfg, private.image_shape, private.n_classes).to(device)
     t0 = time.perf_counter()
-    res = pretrain(model, public, private.class_names, cfg)
-    print(f"{kind}: pretrained {res.steps} steps on {public.n} public images in {time.perf_counter() - t0:.0f} s "
+    res = pretrain(model, public, private.class_names, cfg)  # trains where the model is
+    seconds = time.perf_counter() - t0
+    model = model.cpu()
+    print(f"{kind}: pretrained {res.steps} steps on {public.n} public images in {seconds:.0f} s on {device} "
           f"(final loss {res.final_loss:.3f}) -> {path.name} (as {PRETRAINED_FILE})", flush=True)
+    print(json.dumps({"pretrain": kind, "device": device, "steps": res.steps, "public_images": public.n,
+                      "image_shape": list(private.image_shape), "seconds": round(seconds, 1),
+                      "threads": torch.get_num_threads()}), flush=True)
     write_model_file(path, spec=denoiser_spec(cfg.model, private.image_shape, private.n_classes),
                      state_dict=model.state_dict(), class_names=list(private.class_names))
     return path
@@ -132,6 +140,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/pretraining")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline runs trains and samples")
+    ap.add_argument("--pretrain-only", action="store_true", help="only pretrain each dataset's public model (timed)")
     args = ap.parse_args()
     import torch
 
@@ -144,7 +153,9 @@ def main() -> None:
     sets = {}
     for kind in args.datasets.split(","):
         private, real_eval, public = _split(kind, n_private, n_eval, n_public)
-        sets[kind] = (private, real_eval, _pretrained(out, kind, public, private, iters))
+        sets[kind] = (private, real_eval, _pretrained(out, kind, public, private, iters, args.device))
+    if args.pretrain_only:
+        return
     for eps in (int(e) for e in args.eps.split(",")):
         for kind, data in sets.items():
             for pre, dpsgd in CELLS:

@@ -29,8 +29,8 @@ Each cell (one method, data kind, size, ε, seed) runs in its own process, so it
 results are saved after every cell and a rerun with the same ``--out`` skips the cells already done.
 
 Commands (the full table takes hours on 2 CPU cores; run it on a GPU machine with ``--device cuda`` for the
-pipeline and ``--classifier-device cuda`` for the evaluation classifiers, ``--jobs N`` cells at once; the DP-SGD
-anchor stays on the CPU):
+pipeline and ``--classifier-device cuda`` for the evaluation classifiers, ``--jobs N`` cells at once; the
+DP-SGD anchor stays on the CPU):
 
     python bench/generality.py                                   # the whole table -> bench/results/generality.*
     python bench/generality.py --kinds medical --sizes 4000 --eps 10 --seeds 0   # one row, one seed
@@ -75,8 +75,8 @@ def _splits(cell: dict) -> tuple[Any, Any]:
 
 
 def _classifier_scores(train: Any, test: Any, cell: dict) -> tuple[float, dict[str, float]]:
-    """(accuracy, per-class accuracy) of the project's evaluation classifier trained on ``train`` and scored on
-    ``test``, through its public names (whatever its architecture and stopping rule); it trains on
+    """(accuracy, per-class accuracy) of the project's evaluation classifier trained on ``train`` and scored
+    on ``test``, through its public names (whatever its architecture and stopping rule); it trains on
     ``cell["classifier_device"]`` where it takes a device."""
     import inspect
 
@@ -143,7 +143,8 @@ def _cell_release(cell: dict) -> dict:
 def _child_env() -> dict[str, str]:
     """This tree first on the children's path, the caller's path after it (e.g. wheels installed beside a
     machine's own packages with ``pip install --target``)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def run_cell(cell: dict) -> dict:
@@ -233,8 +234,8 @@ def plan_cells(args: argparse.Namespace, derived: bool) -> list[dict]:
 
 
 def _priority(cell: dict, args: argparse.Namespace) -> int:
-    """A cell's rank under ``--priority kind:eps,...``: the listed rows first, in that order (a kind's ceiling with
-    its first listed row), then the rest; the sort is stable, so seeds keep their order within a row."""
+    """A cell's rank under ``--priority kind:eps,...``: the listed rows first, in that order (a kind's ceiling
+    with its first listed row), then the rest; the sort is stable, so seeds keep their order within a row."""
     for rank, (kind, eps) in enumerate(args.priority):
         if cell["kind"] == kind and (cell["method"] == "ceiling" or cell["eps"] == eps):
             return rank
@@ -272,8 +273,8 @@ def table(results: dict, args: argparse.Namespace) -> str:
 
 
 def _per_class_lines(results: dict, args: argparse.Namespace) -> list[str]:
-    """Per-class accuracy of the release beside the real ceiling's (mean over seeds): a class the release loses
-    (the medical set's few-pixel ``finding``) shows here while the overall accuracy hides it."""
+    """Per-class accuracy of the release beside the real ceiling's (mean over seeds): a class the release
+    loses (the medical set's few-pixel ``finding``) shows here while the overall accuracy hides it."""
     lines = []
     for kind in args.kinds:
         for size in args.sizes:
@@ -281,14 +282,15 @@ def _per_class_lines(results: dict, args: argparse.Namespace) -> list[str]:
             for eps in args.eps:
                 rel = _class_means(results, f"release-{kind}-n{size}-eps{eps:g}-seed")
                 if rel:
-                    parts = [f"{c} {m:.2f} ({ceil[c]:.2f})" if c in ceil else f"{c} {m:.2f}" for c, m in rel.items()]
+                    parts = [f"{c} {m:.2f}" + (f" ({ceil[c]:.2f})" if c in ceil else "") for c, m in rel.items()]
                     lines.append(f"- {kind}, {size:,}, ε = {eps:g}: " + ", ".join(parts))
     head = ["", "Per-class accuracy of the release (real ceiling in brackets), mean over seeds:", ""]
     return head + lines if lines else []
 
 
 def _class_means(results: dict, prefix: str) -> dict[str, float]:
-    rows = [r["result"]["per_class"] for k, r in results.items() if k.startswith(prefix) and "per_class" in r["result"]]
+    rows = [r["result"]["per_class"] for k, r in results.items()
+            if k.startswith(prefix) and "per_class" in r["result"]]
     return {c: float(np.nanmean([row[c] for row in rows])) for c in rows[0]} if rows else {}
 
 
@@ -370,16 +372,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(cells)} cells, {len(todo)} to run, {args.jobs} at once; results -> {md_path}", flush=True)
     # threads only wait on the cells' child processes; results are written here, one cell at a time
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        running = {pool.submit(_spawn, cell): cell for cell in todo}  # started in the planned (priority) order
+        running = {pool.submit(_spawn, cell): cell for cell in todo}  # started in the planned order
         for done in as_completed(running):
-            cell = running[done]
-            result, seconds, rss = done.result()
-            results[_cell_name(cell)] = {"result": result, "seconds": round(seconds, 1), "rss_mib": round(rss),
-                                         "job_args": cell.get("job_args")}
-            print(json.dumps({"cell": _cell_name(cell), **results[_cell_name(cell)]}), flush=True)
+            cell, (result, seconds, rss) = running[done], done.result()
+            name = _cell_name(cell)
+            results[name] = {"result": result, "seconds": round(seconds, 1), "rss_mib": round(rss),
+                             "job_args": cell.get("job_args")}
+            print(json.dumps({"cell": name, **results[name]}), flush=True)
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps({"cells": results, "args": {k: str(v) for k, v in vars(args).items()}},
-                                            indent=1))
+            saved = {"cells": results, "args": {k: str(v) for k, v in vars(args).items()}}
+            json_path.write_text(json.dumps(saved, indent=1))
             md_path.write_text(table(results, args))
     md_path.write_text(table(results, args))
     print(md_path.read_text())

@@ -65,7 +65,8 @@ def _job(eps: int, dpsgd: str, quick: bool) -> Any:
     return cfg
 
 
-def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int, device: str = "cpu") -> Path:
+def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int,
+                device: str = "cpu") -> Path:
     """The public model file of ``kind`` (trained once on ``device``; reused when present)."""
     import torch
 
@@ -140,7 +141,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/pretraining")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline runs trains and samples")
-    ap.add_argument("--pretrain-only", action="store_true", help="only pretrain each dataset's public model (timed)")
+    ap.add_argument("--pretrain-only", action="store_true",
+                    help="only pretrain each dataset's public model (timed)")
     args = ap.parse_args()
     import torch
 

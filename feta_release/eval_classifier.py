@@ -243,8 +243,8 @@ def train_classifier(
     ``augment``: random translations (:func:`random_shift`, :func:`max_shift_for`). The returned network (eval
     mode) carries ``fit_log`` (:class:`FitLog`). Leaves the global torch RNG as it found it.
 
-    ``device``: where the network trains (``"cuda"`` on a GPU machine); the shuffles and shifts are drawn on the
-    CPU either way, and the returned network is always on the CPU, so callers score it as before.
+    ``device``: where the network trains (``"cuda"`` on a GPU machine); the shuffles and shifts are drawn on
+    the CPU either way, and the returned network is always on the CPU, so callers score it as before.
     """
     _check_trainable(ds, epochs)
     c, h, w = ds.image_shape

@@ -6,8 +6,8 @@
 # Parts run AT ONCE, each under its own timeout, all ending within GPU_CHECK_S (default 440 s):
 #   a. tests/test_cuda_path.py + tests/test_device.py (the CUDA path, the federated job on CUDA) -> pytest.log
 #   b. bench/generality.py at 4,000 training images, derived job (`train --epsilon E --device cuda`), the
-#      evaluation classifiers on cuda, rows in priority order (medical ε 10, digits ε 1, RGB ε 10, then the rest),
-#      seeds 0-2, several cells at once; every finished cell is a line of generality.log (and rewrites
+#      evaluation classifiers on cuda, rows in priority order (medical ε 10, digits ε 1, RGB ε 10, then the
+#      rest), seeds 0-2, several cells at once; every finished cell is a line of generality.log (and rewrites
 #      generality.json / generality.md), so a timeout loses only the unfinished cells. Each release cell also
 #      gives the derived job's wall time (train_s) and per-stage seconds on the GPU, under the others' load.
 #   c. timings: the derived job for the 4,000 digits (28 px, ε 1) on 2 CPU cores of the same machine (taskset,
@@ -54,7 +54,8 @@ print('flwr', flwr.__version__, 'opacus', opacus.__version__, 'onnxruntime', o._
 } >"$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
 if [ "$DEV" = cuda ]; then
-    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 15 >"$OUT/gpu_util.csv" 2>&1 &
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 15 \
+        >"$OUT/gpu_util.csv" 2>&1 &
     SMI=$!
 fi
 
@@ -91,8 +92,8 @@ EOF
   echo "[c] derived job, $N_CPU2 digits 28 px, eps 1, $SYN_CPU2 synthetic, 2 CPU cores: rc=$rc in" \
        "$(( $(date +%s) - t )) s"
   tail -c 1500 "$WORK/cpu2.json"; echo
-  "$PY" -c "import json,sys; print('stage_seconds', json.load(open(sys.argv[1]))['stage_seconds'])" \
-      "$WORK/cpu2/run.json" 2>&1 | tail -1
+  [ -f "$WORK/cpu2/run.json" ] && "$PY" -c "import json, sys
+print('stage_seconds', json.load(open(sys.argv[1])).get('stage_seconds'))" "$WORK/cpu2/run.json"
   timeout -k 5 "$(left 8)" "${PIN01[@]}" "$PY" bench/pretraining.py --pretrain-only "${PRE_CPU[@]}" \
       --datasets medical --threads 2 --device cpu --out "$WORK/pretrain-cpu2" 2>&1 | tail -3
   echo "[c] 2-core pretraining rc=${PIPESTATUS[0]}" ) >"$OUT/cpu2.log" 2>&1 &

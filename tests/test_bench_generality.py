@@ -75,3 +75,37 @@ def test_the_table_aggregates_seeds_and_names_failed_cells() -> None:
     assert "0.850 ± 0.071 (2)" in row and "0.500 ± 0.000 (1)" in row
     assert "30 s" in row and "700 MiB" in row
     assert "release-medical-n500-eps1-seed0: DataError: no images" in md
+
+
+def test_priority_runs_the_listed_rows_first_with_their_ceiling_and_seeds_in_order(tmp_path: Path) -> None:
+    bench = _bench()
+    args = bench.parse_args(["--sizes", "4000", "--seeds", "0,1", "--methods", "ceiling,release", "--job",
+                             "derived", "--work", str(tmp_path), "--priority", "medical:10,digits:1"])
+    names = [bench._cell_name(c) for c in bench.plan_cells(args, derived=False)]
+    assert names[:8] == ["ceiling-medical-n4000-seed0", "ceiling-medical-n4000-seed1",
+                         "release-medical-n4000-eps10-seed0", "release-medical-n4000-eps10-seed1",
+                         "ceiling-digits-n4000-seed0", "ceiling-digits-n4000-seed1",
+                         "release-digits-n4000-eps1-seed0", "release-digits-n4000-eps1-seed1"]
+    unlisted = bench.parse_args(["--sizes", "4000", "--seeds", "0,1", "--methods", "ceiling,release", "--job",
+                                 "derived", "--work", str(tmp_path)])
+    assert sorted(names) == sorted(bench._cell_name(c) for c in bench.plan_cells(unlisted, derived=False))
+
+
+def test_the_per_class_lines_put_the_release_beside_the_ceiling() -> None:
+    bench = _bench()
+    args = bench.parse_args(["--kinds", "medical", "--sizes", "500", "--eps", "10", "--seeds", "0,1"])
+    cell = {"seconds": 10.0, "rss_mib": 300}
+    results = {
+        "ceiling-medical-n500-seed0": {**cell, "result": {"acc": 0.9, "per_class": {"normal": 0.9, "finding": 0.8}}},
+        "release-medical-n500-eps10-seed0": {**cell, "result": {"acc": 0.6, "per_class": {"normal": 0.9,
+                                                                                         "finding": 0.2}}},
+        "release-medical-n500-eps10-seed1": {**cell, "result": {"acc": 0.6, "per_class": {"normal": 0.7,
+                                                                                         "finding": 0.4}}},
+    }
+    assert "- medical, 500, ε = 10: normal 0.80 (0.90), finding 0.30 (0.80)" in bench.table(results, args)
+
+
+def test_cells_keep_the_callers_python_path_after_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench()
+    monkeypatch.setenv("PYTHONPATH", "/opt/wheels")
+    assert bench._child_env()["PYTHONPATH"].split(":") == [str(ROOT), "/opt/wheels"]

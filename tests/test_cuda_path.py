@@ -121,7 +121,8 @@ def test_evaluation_classifier_trains_on_cuda_and_returns_a_cpu_network() -> Non
     acc = {}
     for device in ("cpu", "cuda"):
         net = train_classifier(train, epochs=6, seed=0, device=device)
-        assert {p.device.type for p in net.parameters()} == {"cpu"} and net.fit_log.epochs >= 1
+        assert {p.device.type for p in net.parameters()} == {"cpu"}
+        assert net.fit_log is not None and net.fit_log.epochs >= 1
         acc[device] = accuracy(net, test)
     assert set(per_class_accuracy(net, test)) == set(test.class_names)
     assert acc["cuda"] > 1.5 / test.n_classes and abs(acc["cuda"] - acc["cpu"]) < 0.15, acc

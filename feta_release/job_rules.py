@@ -49,7 +49,8 @@ from typing import Any, Literal
 
 from .accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma
 from .config import JobConfig
-from .errors import ConfigError, PrivacyError
+from .data.dataset import check_site_memory
+from .errors import ConfigError, DataError, FetaError, PrivacyError
 from .mechanisms.count import size_event
 from .planning import MOSTLY_NOISE
 
@@ -96,6 +97,7 @@ class DataFacts:
     time_budget: float | None = None  # seconds; None: default_time_budget
     federated: bool = False
     size_drawn: bool = False
+    memory_mb: float | None = None  # the site's resources.max_worker_memory_mb; None: not checked
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -165,6 +167,11 @@ def check_facts(f: DataFacts) -> None:
     need(f.delta is None or 0 < f.delta < 1, f"delta must be in (0, 1), got {f.delta}")
     need(f.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {f.device!r}")
     need(f.time_budget is None or f.time_budget > 0, f"the time budget must be > 0 seconds, got {f.time_budget}")
+    if f.memory_mb is not None:  # the images' memory is a ceiling no job changes: refused with the figure
+        try:
+            check_site_memory(f.size, f.shape, f.memory_mb, "derived job", "resources.max_worker_memory_mb")
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 # -- privacy: the budget split ---------------------------------------------------------------------------------
@@ -536,3 +543,120 @@ def sizing_size(facts: DataFacts) -> int:
 def facts_at(facts: DataFacts, n: int) -> DataFacts:
     """``facts`` with the public size ``n``."""
     return replace(facts, size=int(n))
+
+
+# -- a shipped preset on data of another shape -------------------------------------------------------------
+# A preset is a saved example of these rules for one data kind: the digit presets for the embedded 28x28 grey
+# digits, ``xray64-eps10`` (``[job] image_size = 64``) for 64x64 grey crops. On data of another shape its
+# shape-dependent numbers are mapped by the same rules; what cannot be mapped is refused, naming the
+# derived job.
+PRESET_SIDE = 28  # the side a preset without ``[job] image_size`` was tuned at (the embedded digits)
+
+
+def preset_shape(cfg: JobConfig) -> tuple[int, int, int]:
+    """The (C, H, W) a preset was tuned on: grey, ``[job] image_size`` or the digits' 28 px."""
+    side = int(cfg.job.image_size or PRESET_SIDE)
+    return (1, side, side)
+
+
+def _nearest_factor(side: int, query_side: float) -> float:
+    """The power-of-two downsample of ``side`` whose query side is nearest ``query_side`` (ties: larger)."""
+    return min((2.0 ** -k for k in range(0, 6)), key=lambda x: (abs(side * x - query_side), -x))
+
+
+def _fit_central(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> dict[str, Any]:
+    """The preset's query side kept (the nearest power-of-two downsample), its clip per root query value
+    kept (the rule ``clip = sqrt(values) / 7`` scales the same way)."""
+    c = cfg.central
+    factor = _nearest_factor(f.height, ref[1] * c.downsample)
+    out: dict[str, Any] = {"downsample": factor}
+    if c.clip is not None:  # (None: sqrt(values), the pixels' own bound, at any shape)
+        ref_values = ref[0] * max(1, int(ref[1] * c.downsample)) * max(1, int(ref[2] * c.downsample))
+        out["clip"] = round(c.clip * math.sqrt(_query_values(f, factor) / ref_values), 3)
+    return out
+
+
+def _fit_frequency(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> dict[str, Any]:
+    """The patch map scaled with the side (as :func:`_frequency_section`), or the pixel map's bandwidth2
+    scaled with the image values (``PIXEL_BANDWIDTH2``'s rule)."""
+    fr = cfg.frequency
+    if fr.sigma is None:
+        return {}
+    if fr.patch:
+        scale = f.height / ref[1]
+        return {"patch": max(3, round(fr.patch * scale)), "stride": max(1, round(fr.stride * scale))}
+    return {"bandwidth2": round(fr.bandwidth2 * f.values / (ref[0] * ref[1] * ref[2]), 3)}
+
+
+def _fit_model(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> dict[str, Any]:
+    """One UNet level more per doubling of the side (fewer per halving; :func:`model_section`'s rule), at
+    least one and no more than the side allows; attention kept at the level nearest its resolution."""
+    m = cfg.model
+    mult = list(m.channel_mult)
+    levels = len(mult) + round(math.log2(f.height / ref[1]))
+    levels = max(1, min(levels, int(math.log2(f.height)) + 1, len(mult) + 2))
+    mult = (mult + [mult[-1]] * levels)[:levels]
+    sides = [math.ceil(f.height / 2**k) for k in range(levels)]
+    ref_levels = [math.ceil(ref[1] / 2**k) for k in range(len(m.channel_mult))]
+    attn = []
+    for r in m.attn_resolutions:  # the preset's attention level, shifted as the levels were
+        nearest = min(range(len(ref_levels)), key=lambda k: abs(ref_levels[k] - r))
+        level = nearest + levels - len(m.channel_mult)
+        attn.append(sides[max(0, min(level, levels - 1))])
+    return {"channel_mult": mult, "attn_resolutions": sorted(set(attn))}
+
+
+def _fit_physical(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> int:
+    """The physical batch scaled down with the image values (its memory is rows x values), never up."""
+    p = int(cfg.dpsgd.physical_batch)
+    scaled = p * ref[0] * ref[1] * ref[2] // f.values
+    return max(min(p, 4), min(p, scaled))
+
+
+def fit_preset(cfg: JobConfig, name: str, facts: DataFacts, *, size_known: bool = True) -> JobConfig:
+    """The preset ``name`` on data of these public ``facts``: on its own shape as written; on another shape
+    its central query, clip, feature map, UNet levels and physical batch mapped by the rules above. Refused
+    in one line naming the derived job where it cannot run (a batch larger than the public size, a feature
+    map or model the shape cannot hold, the resource caps). ``size_known``: the public size is declared
+    (else it is drawn later and the size checks are left to the run's plan)."""
+    ref = preset_shape(cfg)
+    out = cfg
+    if ref != facts.shape:
+        out = cfg.replace(central=_fit_central(cfg, ref, facts), frequency=_fit_frequency(cfg, ref, facts),
+                          model=_fit_model(cfg, ref, facts),
+                          dpsgd={"physical_batch": _fit_physical(cfg, ref, facts)})
+    try:
+        _check_runs(out, facts, size_known)
+    except FetaError as exc:
+        side, tuned = "x".join(str(v) for v in facts.shape), "x".join(str(v) for v in ref)
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"preset {name} (tuned on {tuned}) cannot run on {facts.size:,} images of {side} "
+                          f"in {facts.n_classes} classes: {first}; derive the job from the data instead: drop "
+                          f"--preset and give --epsilon {facts.epsilon:g} (docs/derived-job.md)") from None
+    return out
+
+
+def _check_runs(cfg: JobConfig, f: DataFacts, size_known: bool) -> None:
+    """What any job must pass on these facts before it runs: the feature map and model the shape can hold, the
+    policy's default resource caps, the memory limit, and (a public size) a plan within its epsilon."""
+    from .mechanisms.feature_map import check_feature_map
+    from .model_size import denoiser_parameters
+    from .planning import plan
+    from .policy.enforce import DEFAULT_RESOURCES
+
+    check_feature_map(cfg.frequency, f.shape)
+    params = denoiser_parameters(cfg.model, f.shape, f.n_classes)
+    for what, value, cap in (("[model] parameters", params, "max_model_parameters"),
+                             ("[dpsgd] physical_batch", cfg.dpsgd.physical_batch, "max_physical_batch"),
+                             ("[dpsgd] physical_batch x noise_multiplicity",
+                              cfg.dpsgd.physical_batch * cfg.dpsgd.noise_multiplicity, "max_pass_rows")):
+        if value > DEFAULT_RESOURCES[cap]:
+            raise ConfigError(f"{what} {value:,} > the policy's default resources.{cap} "
+                              f"{DEFAULT_RESOURCES[cap]:,.0f}")
+    if f.memory_mb is not None:
+        try:
+            check_site_memory(f.size, f.shape, f.memory_mb, "the site", "resources.max_worker_memory_mb")
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+    if size_known:
+        plan(cfg, f.size, image_shape=f.shape, n_classes=f.n_classes)

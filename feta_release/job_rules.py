@@ -660,3 +660,61 @@ def _check_runs(cfg: JobConfig, f: DataFacts, size_known: bool) -> None:
             raise ConfigError(str(exc)) from None
     if size_known:
         plan(cfg, f.size, image_shape=f.shape, n_classes=f.n_classes)
+
+
+# -- the site policy `site init` drafts -------------------------------------------------------------------
+DRAFT_EPSILON = 1.0  # the draft's per-job budget: strong by common guidance (edge/kit.py EPSILON_CEILING_JOB)
+DRAFT_SHARE_SITES = 16  # min_sigma admits this site's share of the noise in a secure sum of up to 16 sites
+DRAFT_MIN_STEPS = 100  # the DP-SGD step cap is at least this (the presets run 4 to 60 steps)
+DPSGD_MIN_SIGMA = 0.5  # DP-SGD's floor is not one release's: subsampled steps fit a budget at small sigma
+
+
+@dataclass(frozen=True)
+class SiteCaps:
+    """What `site init` drafts into a site policy from the site's PUBLIC facts by these rules (each a value the
+    derived job at the drafted budget stays within), and that job (None: below the floor, ``floor`` says why)."""
+
+    delta: float
+    min_sigma: float  # central and frequency
+    central_max_batch: int
+    max_features: int
+    dpsgd_max_batch: int
+    dpsgd_max_steps: int
+    max_worker_memory_mb: int
+    job: Derivation | None
+    floor: str = ""
+
+
+def site_caps(size: int, shape: tuple[int, int, int], n_classes: int, patients: int | None = None,
+              job_epsilon: float = DRAFT_EPSILON) -> SiteCaps:
+    """The draft's caps for a site of public ``size`` images of ``shape`` in ``n_classes`` classes (``patients``:
+    the public number of patients of a patient-level site, whose DP-SGD samples patients):
+
+    * delta: :func:`default_delta` of the size (the presets' 1e-5, below 1 / (10 N) past 10,000 images);
+    * min_sigma (central, frequency): the noise multiplier one q = 1 release needs to fit ``job_epsilon`` alone,
+      over sqrt(:data:`DRAFT_SHARE_SITES`): every one-pass release within the budget passes, and so does this
+      site's share sigma / sqrt(n) of a secure sum of up to 16 sites;
+    * central max_batch: the size (one pass); max_features: the rules' largest feature count;
+    * DP-SGD max_batch: the rules' batch for the unit count; max_steps: 20 epochs of it (at least 100);
+    * max_worker_memory_mb: the float32 images plus the working memory (:func:`site_memory_bytes`), rounded up
+      to a GiB, at least the policy's default."""
+    from .data.dataset import site_memory_bytes
+    from .policy.enforce import DEFAULT_RESOURCES
+
+    c, h, w = (int(v) for v in shape)
+    delta = default_delta(size)
+    one = smallest_fitting_sigma(lambda s: epsilon([PrivacyEvent("central", s, 1.0, 1)], delta), job_epsilon,
+                                 tol=0.005, max_sigma=MAX_NOISE_MULTIPLIER, refusal="no sigma fits the draft")
+    units = int(patients) if patients else int(size)
+    batch = _dpsgd_batch(units)
+    need_mb = math.ceil(site_memory_bytes(size, c * h * w) / 2**30) * 1024
+    job, floor = None, ""
+    try:
+        job = derive(DataFacts(int(size), h, w, c, int(n_classes), job_epsilon, delta=delta))
+    except ConfigError as exc:
+        floor = str(exc)
+    return SiteCaps(delta=delta, min_sigma=math.floor(one / math.sqrt(DRAFT_SHARE_SITES) * 100) / 100,
+                    central_max_batch=int(size), max_features=FEATURE_LADDER[0], dpsgd_max_batch=batch,
+                    dpsgd_max_steps=max(DRAFT_MIN_STEPS, math.ceil(20 * units / batch)),
+                    max_worker_memory_mb=max(int(DEFAULT_RESOURCES["max_worker_memory_mb"]), need_mb),
+                    job=job, floor=floor)

@@ -277,6 +277,38 @@ def _derived_lines(caps: SiteCaps, n: int, shape: tuple[int, ...], n_classes: in
             + (f"{steps} steps" if steps else "off") + ".\n")
 
 
+def _caps_toml(caps: SiteCaps, n: int, shape: tuple[int, ...], patients: int | None) -> str:
+    """The draft's mechanism caps and memory limit (:func:`site_caps`), each with the rule it comes from."""
+    side, unit_count = "x".join(str(v) for v in shape), "patients" if patients else "images"
+    return f"""# min_sigma is checked against THIS site's noise share: under secure aggregation sigma / sqrt(n sites). The
+# epsilon budgets above are the guarantee; min_sigma only refuses a release with almost no noise: the sigma
+# one full-data release needs to spend the per-job epsilon alone, over sqrt({DRAFT_SHARE_SITES}) (a share of a
+# secure sum of up to {DRAFT_SHARE_SITES} sites).
+[mechanisms.central]
+allowed = true
+min_sigma = {caps.min_sigma:g}
+max_rounds = 10
+max_batch = {caps.central_max_batch}  # one pass over the public size
+
+[mechanisms.frequency]
+allowed = true
+min_sigma = {caps.min_sigma:g}
+max_features = {caps.max_features}  # the rules' most features
+
+[mechanisms.dpsgd]
+allowed = true
+min_sigma = {DPSGD_MIN_SIGMA:g}
+max_steps = {caps.dpsgd_max_steps}  # 20 epochs of the rules' batch (at least {DRAFT_MIN_STEPS})
+max_batch = {caps.dpsgd_max_batch}  # the rules' batch: a quarter of the {unit_count}, in [256, 4096]
+max_clip = 1.0
+
+# What one job may make this node allocate. max_worker_memory_mb: the site's float32 images
+# ({n:,} x {side} x 4 bytes) + 1 GiB working memory, rounded up, at least the default.
+[resources]
+max_worker_memory_mb = {caps.max_worker_memory_mb}
+"""
+
+
 def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
                   unit: str = "one image", app_bundles: tuple[str, ...] = (), unit_fields: str = "",
                   peers: Mapping[str, str] | None = None, sign_hint: str = "", *,
@@ -285,7 +317,6 @@ def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | 
     """The policy draft's text; its budgets' delta, mechanism caps and memory limit from :func:`site_caps` of
     the site's public facts (size, image shape, classes, unit of privacy)."""
     caps = site_caps(n, (int(shape[0]), int(shape[1]), int(shape[2])), n_classes, patients)
-    side, unit_count = "x".join(str(v) for v in shape), "patients" if patients else "images"
     start = utc_now().replace(microsecond=0, second=0)
     coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
               else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
@@ -321,34 +352,8 @@ delta = {caps.delta:g}
 epsilon = {DRAFT_EPSILON:g}
 delta = {caps.delta:g}
 
-{_derived_lines(caps, n, shape, n_classes)}
-# min_sigma is checked against THIS site's noise share: under secure aggregation sigma / sqrt(n sites). The
-# epsilon budgets above are the guarantee; min_sigma only refuses a release with almost no noise: the sigma
-# one full-data release needs to spend the per-job epsilon alone, over sqrt({DRAFT_SHARE_SITES}) (a share of a
-# secure sum of up to {DRAFT_SHARE_SITES} sites).
-[mechanisms.central]
-allowed = true
-min_sigma = {caps.min_sigma:g}
-max_rounds = 10
-max_batch = {caps.central_max_batch}  # one pass over the public size
-
-[mechanisms.frequency]
-allowed = true
-min_sigma = {caps.min_sigma:g}
-max_features = {caps.max_features}  # the rules' most features
-
-[mechanisms.dpsgd]
-allowed = true
-min_sigma = {DPSGD_MIN_SIGMA:g}
-max_steps = {caps.dpsgd_max_steps}  # 20 epochs of the rules' batch (at least {DRAFT_MIN_STEPS})
-max_batch = {caps.dpsgd_max_batch}  # the rules' batch: a quarter of the {unit_count}, in [256, 4096]
-max_clip = 1.0
-
-# What one job may make this node allocate. max_worker_memory_mb: the site's float32 images
-# ({n:,} x {side} x 4 bytes) + 1 GiB working memory, rounded up, at least the default.
-[resources]
-max_worker_memory_mb = {caps.max_worker_memory_mb}
-""" + _secure_aggregation_table(peers or {})
+""" + _derived_lines(caps, n, shape, n_classes) + "\n" + _caps_toml(caps, n, shape, patients) \
+        + _secure_aggregation_table(peers or {})
 
 
 def _node_toml(site_id: str, data: Path, opts: Any, superlink: str, root_certificates: Path | None) -> str:

@@ -14,7 +14,14 @@ Each stage runs in a process of its own and its peak resident set is read from t
 
 A stage that refuses (a site too large for the memory limit) prints its one line and the bench says so.
 
+Sizes above the generator's 128 px (``--size 256``): ``generate`` writes only ``SMALL_SITE`` real images (128
+px medical images, each pixel repeated to the side) and the signed policy declares the public size ``--n``;
+the node's open then refuses the site before reading it, naming the bytes its float32 images and working
+memory need against the policy's ``resources.max_worker_memory_mb`` (or, first, ``FETA_MAX_DATASET_MB``).
+
 Usage:  python bench/site_scale.py [--n 100000] [--size 64] [--quick] [--stages open,central] [--keep DIR]
+        python bench/site_scale.py --n 20000 --size 128            (128 px: at most 40,960 images fit 2.5 GiB)
+        python bench/site_scale.py --size 256 --memory-mb 100000 --stages generate,init,open
 ``--quick``: n = 5,000 (a smoke run). Run it niced on a shared machine.
 """
 
@@ -35,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STAGES = ("generate", "inspect", "init", "open", "reopen", "central", "frequency", "dpsgd")
+GENERATOR_SIDE = 128  # the largest side `data generate medical` draws
+SMALL_SITE = 200  # real images written for a side above it (the policy declares --n)
 QUICK_MODEL = {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attn_resolutions": []}
 
 
@@ -71,7 +80,9 @@ def _site(work: Path) -> Any:
 def stage(name: str, work: Path, n: int, size: int, steps: int) -> int:
     """Run one stage in this process; returns the images it processed."""
     data = work / "site.npz"
-    if name == "generate":
+    if name == "generate" and size > GENERATOR_SIDE:
+        _large_side(data, min(n, SMALL_SITE), size)
+    elif name == "generate":
         _cli("data", "generate", "medical", "--n", str(n), "--size", str(size), "--out", str(data))
     elif name == "inspect":
         _cli("data", "inspect", str(data), "--json")
@@ -86,6 +97,20 @@ def stage(name: str, work: Path, n: int, size: int, steps: int) -> int:
     else:
         _release(name, _site(work), steps)
     return n
+
+
+def _large_side(path: Path, n: int, size: int) -> None:
+    """``n`` medical images of 128 px, each pixel repeated to ``size`` (a multiple of 128), as an .npz."""
+    import numpy as np
+
+    from feta_release.data import save_npz
+    from feta_release.data.dataset import ImageDataset
+    from feta_release.data.procedural import generate
+
+    small = generate("medical", n, size=GENERATOR_SIDE)
+    k = size // GENERATOR_SIDE
+    images = np.repeat(np.repeat(small.images, k, axis=2), k, axis=3)
+    save_npz(ImageDataset(images, small.labels, small.class_names, f"medical at {size} px"), path)
 
 
 def _federation(work: Path, data: Path, n: int) -> None:
@@ -135,6 +160,17 @@ def measure(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "said": last[:300]}
 
 
+def _one_stage(args: argparse.Namespace) -> None:
+    """A stage in this process; a refusal is its one line (as the command line prints it) and exit code."""
+    from feta_release.errors import FetaError
+
+    try:
+        stage(args.stage, Path(args.work), args.n, args.size, args.steps)
+    except FetaError as exc:
+        print(f"error: {exc}")
+        sys.exit(exc.exit_code)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100_000)
@@ -149,7 +185,7 @@ def main() -> None:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.stage:
-        stage(args.stage, Path(args.work), args.n, args.size, args.steps)
+        _one_stage(args)
         return
     if args.quick:
         args.n = 5_000

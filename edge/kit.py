@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import textwrap
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from feta_release.data.commitment import create_secret, dataset_commitment, load
 from feta_release.data.declared import DataDeclaration
 from feta_release.data.loading import LoadOptions, load_dataset, patient_grouping
 from feta_release.errors import ConfigError, PolicyError
+from feta_release.job_rules import (DPSGD_MIN_SIGMA, DRAFT_EPSILON, DRAFT_MIN_STEPS, DRAFT_SHARE_SITES,
+                                    SiteCaps, site_caps)
 from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
 from feta_release.signing import generate_keypair, load_public_key, public_key_pem
 
@@ -216,9 +219,11 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     # the data's own classes and shape, as a PROPOSAL the admin reviews and signs (the node then uses only the
     # signed declaration); loading with it changes nothing, so the commitment above is the one the node recomputes
     fields = _unit_fields(opts, report) + DataDeclaration.draft_from(ds).toml_lines()
+    patients = suggest_public_size(int(report.n_patients)) if opts.patient_cap and report.n_patients else None
     draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit,
                                    tuple(h.lower() for h in app_bundles), fields, peer_pems,
-                                   admin_key.sign_hint()), "utf-8")
+                                   admin_key.sign_hint(), shape=tuple(ds.image_shape), n_classes=ds.n_classes,
+                                   patients=patients), "utf-8")
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
     return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
@@ -252,9 +257,66 @@ max_colluders = 0
                                                             for s, pem in sorted(peers.items()))
 
 
+def _derived_lines(caps: SiteCaps, n: int, shape: tuple[int, ...], n_classes: int) -> str:
+    """The draft's comment on the job the rules derive for this site at its per-job budget (what the caps
+    admit), or why that job is refused."""
+    side = "x".join(str(v) for v in (shape[1], shape[2], shape[0]))
+    head = ("# The caps below come from this site's public facts by the derived job's rules\n"
+            "# (feta_release/job_rules.py site_caps, docs/derived-job.md). The job they admit at the per-job\n"
+            "# budget:\n"
+            f"#   feta-release privacy plan --size {n} --shape {side} --classes {n_classes} --epsilon "
+            f"{DRAFT_EPSILON:g} --declared-size\n")
+    if caps.job is None:
+        why = textwrap.wrap("is refused at this budget: " + caps.floor.replace("\n", " "), 106)
+        return head + "".join(f"# {line}\n" for line in why)
+    cfg = caps.job.cfg
+    freq = "off" if cfg.frequency.sigma is None else \
+        f"sigma {cfg.frequency.sigma:g} with {cfg.frequency.features} features"
+    steps = cfg.dpsgd_steps(n)
+    return (head + f"# central sigma {cfg.central.sigma:g} (one pass), frequency {freq}, DP-SGD "
+            + (f"{steps} steps" if steps else "off") + ".\n")
+
+
+def _caps_toml(caps: SiteCaps, n: int, shape: tuple[int, ...], patients: int | None) -> str:
+    """The draft's mechanism caps and memory limit (:func:`site_caps`), each with the rule it comes from."""
+    side, unit_count = "x".join(str(v) for v in shape), "patients" if patients else "images"
+    return f"""# min_sigma is checked against THIS site's noise share: under secure aggregation sigma / sqrt(n sites). The
+# epsilon budgets above are the guarantee; min_sigma only refuses a release with almost no noise: the sigma
+# one full-data release needs to spend the per-job epsilon alone, over sqrt({DRAFT_SHARE_SITES}) (a share of a
+# secure sum of up to {DRAFT_SHARE_SITES} sites).
+[mechanisms.central]
+allowed = true
+min_sigma = {caps.min_sigma:g}
+max_rounds = 10
+max_batch = {caps.central_max_batch}  # one pass over the public size
+
+[mechanisms.frequency]
+allowed = true
+min_sigma = {caps.min_sigma:g}
+max_features = {caps.max_features}  # the rules' most features
+
+[mechanisms.dpsgd]
+allowed = true
+min_sigma = {DPSGD_MIN_SIGMA:g}
+max_steps = {caps.dpsgd_max_steps}  # 20 epochs of the rules' batch (at least {DRAFT_MIN_STEPS})
+max_batch = {caps.dpsgd_max_batch}  # the rules' batch: a quarter of the {unit_count}, in [256, 4096]
+max_clip = 1.0
+
+# What one job may make this node allocate. max_worker_memory_mb: the site's float32 images
+# ({n:,} x {side} x 4 bytes) + 1 GiB working memory, rounded up, at least the default.
+[resources]
+max_worker_memory_mb = {caps.max_worker_memory_mb}
+"""
+
+
 def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
                   unit: str = "one image", app_bundles: tuple[str, ...] = (), unit_fields: str = "",
-                  peers: Mapping[str, str] | None = None, sign_hint: str = "") -> str:
+                  peers: Mapping[str, str] | None = None, sign_hint: str = "", *,
+                  shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
+                  patients: int | None = None) -> str:
+    """The policy draft's text; its budgets' delta, mechanism caps and memory limit from :func:`site_caps` of
+    the site's public facts (size, image shape, classes, unit of privacy)."""
+    caps = site_caps(n, (int(shape[0]), int(shape[1]), int(shape[2])), n_classes, patients)
     start = utc_now().replace(microsecond=0, second=0)
     coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
               else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
@@ -282,33 +344,16 @@ commitment = {_toml_str(commitment)}  # HMAC of the data as node.toml reads it (
 size = {n}
 {unit_fields}
 # Unit of privacy: {unit}.
+# delta: the presets' 1e-5 up to 10,000 images, below 1 / (10 N) beyond (job_rules.default_delta).
 [budget.lifetime]
-epsilon = 4.0
-delta = 1e-5
+epsilon = {4 * DRAFT_EPSILON:g}
+delta = {caps.delta:g}
 [budget.per_job]
-epsilon = 1.0
-delta = 1e-5
+epsilon = {DRAFT_EPSILON:g}
+delta = {caps.delta:g}
 
-# min_sigma is checked against THIS site's noise share: under secure aggregation sigma / sqrt(n sites). The
-# epsilon budgets above are the guarantee; min_sigma only refuses a release with almost no noise.
-[mechanisms.central]
-allowed = true
-min_sigma = 1.0
-max_rounds = 10
-max_batch = {n}
-
-[mechanisms.frequency]
-allowed = true
-min_sigma = 1.0
-max_features = 20000
-
-[mechanisms.dpsgd]
-allowed = true
-min_sigma = 0.5
-max_steps = 100000
-max_batch = {n}
-max_clip = 1.0
-""" + _secure_aggregation_table(peers or {})
+""" + _derived_lines(caps, n, shape, n_classes) + "\n" + _caps_toml(caps, n, shape, patients) \
+        + _secure_aggregation_table(peers or {})
 
 
 def _node_toml(site_id: str, data: Path, opts: Any, superlink: str, root_certificates: Path | None) -> str:

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 
 from feta_release.data.commitment import dataset_commitment, load_secret
-from feta_release.data.dataset import check_dataset_memory
+from feta_release.data.dataset import check_dataset_memory, check_site_memory
 from feta_release.data.loading import LoadOptions, load_dataset
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import load_site_policy
+from feta_release.policy.enforce import resource_cap
 from feta_release.privacy_unit import PatientIndex, policy_data
 from feta_release.signing import load_private_key, public_key_pem
 
@@ -174,6 +175,7 @@ def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tupl
     n_public, patient_level = int(unverified.dataset_size), getattr(unverified, "privacy_unit", "image") == "patient"
     # the policy's PUBLIC size and shape: a site too large for this machine is refused before anything is read
     check_dataset_memory(n_public, math.prod(schema.image_shape), f"{node_config[CFG_POLICY]} (dataset.size)")
+    _check_worker_memory(unverified, n_public, tuple(schema.image_shape), node_config)
     key = site_cache.cache_key(node_config, n_public)
     cached = site_cache.load(work, key, secret)
     if cached is not None and ("patients" in cached) == patient_level:
@@ -195,6 +197,20 @@ def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tupl
         except OSError as exc:  # every later open decodes again (slower, as before the cache): said, not fatal
             log.warning("%s: cannot write the site cache (%s); each per-message open decodes the data", work, exc)
     return data, patients, commitment
+
+
+def _check_worker_memory(policy: Any, n_public: int, shape: tuple[int, ...],
+                         node_config: dict[str, Any]) -> None:
+    """Refuse, before anything is read, a site whose float32 images (its PUBLIC size and declared shape) and
+    working memory exceed ``resources.max_worker_memory_mb``: the limit ``edge.resources.limit_memory`` sets
+    on the computing processes, where on the same rule (a CPU node, or a limit the policy states) the site
+    would fail part-way through an open or a charged release instead."""
+    device = str(node_config.get(CFG_DEVICE) or "cpu")
+    cap = resource_cap(policy, "max_worker_memory_mb")
+    if cap <= 0 or (device != "cpu" and "max_worker_memory_mb" not in policy.resources):
+        return
+    check_site_memory(n_public, shape, cap, f"{node_config[CFG_POLICY]} (dataset.size, dataset.image_shape)",
+                      "resources.max_worker_memory_mb")
 
 
 _cached_sites: list[Site] = []

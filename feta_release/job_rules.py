@@ -23,8 +23,10 @@ the public facts, and drop what was digit knowledge:
   (7x7 patches at stride 3 on 28 px, scaled with the image); switched off when even 32 features would be mostly
   noise (its budget then goes to the central release).
 - model: 16 channels on the CPU (32 on a GPU), one UNet level more per doubling of the side above 28 px.
-- DP-SGD: off where it was measured not to help (eps x N of 4,000 and 40,000 on digits); on from
-  :data:`DPSGD_MIN_EPS_N` (not yet measured), its steps from the time budget by the cost model below.
+- DP-SGD: on only where its noise-to-signal over the job (:func:`dpsgd_noise`: sigma sqrt(P) / (B
+  sqrt(T)), the noise of T averaged clipped-gradient steps against the clip) is at most
+  :data:`DPSGD_MAX_NOISE`, a fifth of the figure at the one point where a DP-SGD stage was measured to tie
+  (4,000 digits, eps = 10); its steps from the time budget by the cost model below.
 
 FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest release
 any job can make here (the central images, whole budget, one pass, one image per class) would be mostly noise by
@@ -49,7 +51,8 @@ from typing import Any, Literal
 
 from .accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma
 from .config import JobConfig
-from .errors import ConfigError, PrivacyError
+from .data.dataset import check_site_memory
+from .errors import ConfigError, DataError, FetaError, PrivacyError
 from .mechanisms.count import size_event
 from .planning import MOSTLY_NOISE
 
@@ -66,7 +69,13 @@ FEATURE_LADDER = (2048, 1024, 512, 200, 100, 64, 32)
 CLIP_PER_ROOT_VALUE = 1 / 7  # clip 2 at 14x14 grey (tuned on digits: 2 beat 3)
 PIXEL_BANDWIDTH2 = 105.0 / 784  # [frequency] bandwidth2 per image value of the pixel map (105 at 28x28 grey)
 STRONG_EPSILON = 5.0  # from here the eps = 10 preset's aux fit and sampler, below it the eps = 1 preset's
-DPSGD_MIN_EPS_N = 200_000  # DP-SGD below this lost or tied (eps x N = 4,000 and 40,000 measured); above: untested
+# DP-SGD's noise-to-signal over the job (dpsgd_noise) where a DP-SGD stage was measured to tie the releases
+# alone: the rules' DP-SGD on 4,000 digits at eps = 10 (eps x N = 40,000; docs/evaluation.md, "a DP-SGD stage
+# at eps = 10": +-0.01): sigma 2.09, 160k parameters, B = 1,000, T = 80 steps. At eps = 1 (figure 0.64) DP-SGD lowered
+# accuracy. tests/test_dpsgd_rule.py recomputes it from the rules.
+DPSGD_TIE_NOISE = 0.0936
+DPSGD_MARGIN = 5.0  # the former rule's margin over the tie (eps x N >= 200,000 = 5 x 40,000): NOT measured
+DPSGD_MAX_NOISE = DPSGD_TIE_NOISE / DPSGD_MARGIN
 DPSGD_MIN_STEPS = 20  # fewer steps than this are not worth the budget they take from the releases
 DELTA_PRESETS = 1e-5  # every preset's delta (N ~ 4,000)
 # cost model (see the module docstring)
@@ -96,6 +105,7 @@ class DataFacts:
     time_budget: float | None = None  # seconds; None: default_time_budget
     federated: bool = False
     size_drawn: bool = False
+    memory_mb: float | None = None  # the site's resources.max_worker_memory_mb; None: not checked
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -165,6 +175,11 @@ def check_facts(f: DataFacts) -> None:
     need(f.delta is None or 0 < f.delta < 1, f"delta must be in (0, 1), got {f.delta}")
     need(f.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {f.device!r}")
     need(f.time_budget is None or f.time_budget > 0, f"the time budget must be > 0 seconds, got {f.time_budget}")
+    if f.memory_mb is not None:  # the images' memory is a ceiling no job changes: refused with the figure
+        try:
+            check_site_memory(f.size, f.shape, f.memory_mb, "derived job", "resources.max_worker_memory_mb")
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 # -- privacy: the budget split ---------------------------------------------------------------------------------
@@ -433,11 +448,15 @@ def derive(facts: DataFacts) -> Derivation:
     factor = query_factor(facts.height)
     values = _query_values(facts, factor)
     _floor(facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values)
-    steps = 0
-    if facts.epsilon * facts.size >= DPSGD_MIN_EPS_N:
+    try:
         d, est = _fit_budget(facts, _split(facts, True))
         steps = _dpsgd_steps(facts, d, est)
-    if steps < DPSGD_MIN_STEPS:
+    except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
+        steps = 0
+    with_dpsgd = steps >= DPSGD_MIN_STEPS
+    if with_dpsgd and job_dpsgd_noise(facts, _with_steps(d, steps, facts.federated)) > DPSGD_MAX_NOISE:
+        with_dpsgd = False
+    if not with_dpsgd:
         steps = 0
         d, est = _fit_budget(facts, _split(facts, False))
     d = _with_steps(d, steps, facts.federated)
@@ -449,6 +468,27 @@ def derive(facts: DataFacts) -> Derivation:
     except PrivacyError as exc:  # the split above always leaves room: this would be a rule bug, said plainly
         raise ConfigError(f"derived job does not plan: {exc}") from None
     return Derivation(cfg, facts, estimate(cfg, facts), _notes(facts, cfg, steps))
+
+
+def dpsgd_noise(sigma: float, params: int, batch: int, steps: int) -> float:
+    """DP-SGD's noise-to-signal over a job: each step adds noise of std sigma x C per coordinate to the sum of
+    ``batch`` gradients clipped to norm C, so the averaged step's noise has norm sigma C sqrt(params) / batch
+    against a signal of norm at most C (``planning.stage_noise``'s per-step figure); over ``steps`` steps the
+    signal adds up and the independent noise by sqrt(steps)."""
+    return sigma * math.sqrt(params) / (batch * math.sqrt(max(1, steps)))
+
+
+def job_dpsgd_noise(f: DataFacts, sections: dict[str, Any]) -> float:
+    """:func:`dpsgd_noise` of the job ``sections`` on these facts, its sigma calibrated by the planner."""
+    from .model_size import denoiser_parameters
+    from .planning import plan
+
+    cfg = JobConfig.from_dict(sections, "derived job")
+    p = plan(cfg, f.size, size=_first(f) or None, image_shape=f.shape, n_classes=f.n_classes)
+    if p.noise_multiplier is None:
+        return math.inf
+    params = denoiser_parameters(cfg.model, f.shape, f.n_classes)
+    return dpsgd_noise(p.noise_multiplier, params, cfg.for_size(f.size).dpsgd.batch, cfg.dpsgd_steps(f.size))
 
 
 def derive_job(facts: DataFacts) -> JobConfig:
@@ -476,10 +516,11 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
         f"model: {m.channels} channels, {len(m.channel_mult)} levels; warm-up {cfg.warmup.spatial_iterations} "
         f"spatial + {cfg.warmup.polish_iterations} polish steps, {cfg.warmup.frequency_images} aux images, "
         f"{cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} epochs",
-        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget (eps x N >= {DPSGD_MIN_EPS_N:,}: "
-         "not yet measured)" if steps else
-         f"dpsgd: off (eps x N = {f.epsilon * f.size:,.0f}: below {DPSGD_MIN_EPS_N:,} or too few steps in the "
-         "budget; on digits it lost at 4,000 and tied at 40,000)"),
+        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget: noise-to-signal over the "
+         f"job <= {DPSGD_MAX_NOISE:.4f} (a fifth of where it tied on digits; its gain not yet measured)"
+         if steps else
+         f"dpsgd: off (fewer than {DPSGD_MIN_STEPS} steps fit the budget, or its noise-to-signal over the "
+         f"job sigma sqrt(P) / (B sqrt(T)) is above {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied)"),
     ]
     est = estimate(cfg, f)
     parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items() if v >= 1)
@@ -536,3 +577,178 @@ def sizing_size(facts: DataFacts) -> int:
 def facts_at(facts: DataFacts, n: int) -> DataFacts:
     """``facts`` with the public size ``n``."""
     return replace(facts, size=int(n))
+
+
+# -- a shipped preset on data of another shape -------------------------------------------------------------
+# A preset is a saved example of these rules for one data kind: the digit presets for the embedded 28x28 grey
+# digits, ``xray64-eps10`` (``[job] image_size = 64``) for 64x64 grey crops. On data of another shape its
+# shape-dependent numbers are mapped by the same rules; what cannot be mapped is refused, naming the
+# derived job.
+PRESET_SIDE = 28  # the side a preset without ``[job] image_size`` was tuned at (the embedded digits)
+
+
+def preset_shape(cfg: JobConfig) -> tuple[int, int, int]:
+    """The (C, H, W) a preset was tuned on: grey, ``[job] image_size`` or the digits' 28 px."""
+    side = int(cfg.job.image_size or PRESET_SIDE)
+    return (1, side, side)
+
+
+def _nearest_factor(side: int, query_side: float) -> float:
+    """The power-of-two downsample of ``side`` whose query side is nearest ``query_side`` (ties: larger)."""
+    return min((2.0 ** -k for k in range(0, 6)), key=lambda x: (abs(side * x - query_side), -x))
+
+
+def _fit_central(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> dict[str, Any]:
+    """The preset's query side kept (the nearest power-of-two downsample), its clip per root query value
+    kept (the rule ``clip = sqrt(values) / 7`` scales the same way)."""
+    c = cfg.central
+    factor = _nearest_factor(f.height, ref[1] * c.downsample)
+    out: dict[str, Any] = {"downsample": factor}
+    if c.clip is not None:  # (None: sqrt(values), the pixels' own bound, at any shape)
+        ref_values = ref[0] * max(1, int(ref[1] * c.downsample)) * max(1, int(ref[2] * c.downsample))
+        out["clip"] = round(c.clip * math.sqrt(_query_values(f, factor) / ref_values), 3)
+    return out
+
+
+def _fit_frequency(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> dict[str, Any]:
+    """The patch map scaled with the side (as :func:`_frequency_section`), or the pixel map's bandwidth2
+    scaled with the image values (``PIXEL_BANDWIDTH2``'s rule)."""
+    fr = cfg.frequency
+    if fr.sigma is None:
+        return {}
+    if fr.patch:
+        scale = f.height / ref[1]
+        return {"patch": max(3, round(fr.patch * scale)), "stride": max(1, round(fr.stride * scale))}
+    return {"bandwidth2": round(fr.bandwidth2 * f.values / (ref[0] * ref[1] * ref[2]), 3)}
+
+
+def _fit_model(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> dict[str, Any]:
+    """One UNet level more per doubling of the side (fewer per halving; :func:`model_section`'s rule), at
+    least one and no more than the side allows; attention kept at the level nearest its resolution."""
+    m = cfg.model
+    mult = list(m.channel_mult)
+    levels = len(mult) + round(math.log2(f.height / ref[1]))
+    levels = max(1, min(levels, int(math.log2(f.height)) + 1, len(mult) + 2))
+    mult = (mult + [mult[-1]] * levels)[:levels]
+    sides = [math.ceil(f.height / 2**k) for k in range(levels)]
+    ref_levels = [math.ceil(ref[1] / 2**k) for k in range(len(m.channel_mult))]
+    attn = []
+    for r in m.attn_resolutions:  # the preset's attention level, shifted as the levels were
+        nearest = min(range(len(ref_levels)), key=lambda k: abs(ref_levels[k] - r))
+        level = nearest + levels - len(m.channel_mult)
+        attn.append(sides[max(0, min(level, levels - 1))])
+    return {"channel_mult": mult, "attn_resolutions": sorted(set(attn))}
+
+
+def _fit_physical(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> int:
+    """The physical batch scaled down with the image values (its memory is rows x values), never up."""
+    p = int(cfg.dpsgd.physical_batch)
+    scaled = p * ref[0] * ref[1] * ref[2] // f.values
+    return max(min(p, 4), min(p, scaled))
+
+
+def fit_preset(cfg: JobConfig, name: str, facts: DataFacts, *, size_known: bool = True) -> JobConfig:
+    """The preset ``name`` on data of these public ``facts``: on its own shape as written; on another shape
+    its central query, clip, feature map, UNet levels and physical batch mapped by the rules above. Refused
+    in one line naming the derived job where it cannot run (a batch larger than the public size, a feature
+    map or model the shape cannot hold, the resource caps). ``size_known``: the public size is declared
+    (else it is drawn later and the size checks are left to the run's plan)."""
+    ref = preset_shape(cfg)
+    out = cfg
+    if ref != facts.shape:
+        out = cfg.replace(central=_fit_central(cfg, ref, facts), frequency=_fit_frequency(cfg, ref, facts),
+                          model=_fit_model(cfg, ref, facts),
+                          dpsgd={"physical_batch": _fit_physical(cfg, ref, facts)})
+    try:
+        _check_runs(out, facts, size_known)
+    except FetaError as exc:
+        side, tuned = "x".join(str(v) for v in facts.shape), "x".join(str(v) for v in ref)
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"preset {name} (tuned on {tuned}) cannot run on {facts.size:,} images of {side} "
+                          f"in {facts.n_classes} classes: {first}; derive the job from the data instead: drop "
+                          f"--preset and give --epsilon {facts.epsilon:g} (docs/derived-job.md)") from None
+    return out
+
+
+def _check_runs(cfg: JobConfig, f: DataFacts, size_known: bool) -> None:
+    """What any job must pass on these facts before it runs: the feature map and model the shape can hold, the
+    policy's default resource caps, the memory limit, and (a public size) a plan within its epsilon."""
+    from .mechanisms.feature_map import check_feature_map
+    from .model_size import denoiser_parameters
+    from .planning import plan
+    from .policy.enforce import DEFAULT_RESOURCES
+
+    check_feature_map(cfg.frequency, f.shape)
+    params = denoiser_parameters(cfg.model, f.shape, f.n_classes)
+    for what, value, cap in (("[model] parameters", params, "max_model_parameters"),
+                             ("[dpsgd] physical_batch", cfg.dpsgd.physical_batch, "max_physical_batch"),
+                             ("[dpsgd] physical_batch x noise_multiplicity",
+                              cfg.dpsgd.physical_batch * cfg.dpsgd.noise_multiplicity, "max_pass_rows")):
+        if value > DEFAULT_RESOURCES[cap]:
+            raise ConfigError(f"{what} {value:,} > the policy's default resources.{cap} "
+                              f"{DEFAULT_RESOURCES[cap]:,.0f}")
+    if f.memory_mb is not None:
+        try:
+            check_site_memory(f.size, f.shape, f.memory_mb, "the site", "resources.max_worker_memory_mb")
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+    if size_known:
+        plan(cfg, f.size, image_shape=f.shape, n_classes=f.n_classes)
+
+
+# -- the site policy `site init` drafts -------------------------------------------------------------------
+DRAFT_EPSILON = 1.0  # the draft's per-job budget: strong by common guidance (edge/kit.py EPSILON_CEILING_JOB)
+DRAFT_SHARE_SITES = 16  # min_sigma admits this site's share of the noise in a secure sum of up to 16 sites
+DRAFT_MIN_STEPS = 100  # the DP-SGD step cap is at least this (the presets run 4 to 60 steps)
+DPSGD_MIN_SIGMA = 0.5  # DP-SGD's floor is not one release's: subsampled steps fit a budget at small sigma
+
+
+@dataclass(frozen=True)
+class SiteCaps:
+    """What `site init` drafts into a site policy from the site's PUBLIC facts by these rules (each a value the
+    derived job at the drafted budget stays within), and that job (None: below the floor, ``floor`` says why)."""
+
+    delta: float
+    min_sigma: float  # central and frequency
+    central_max_batch: int
+    max_features: int
+    dpsgd_max_batch: int
+    dpsgd_max_steps: int
+    max_worker_memory_mb: int
+    job: Derivation | None
+    floor: str = ""
+
+
+def site_caps(size: int, shape: tuple[int, int, int], n_classes: int, patients: int | None = None,
+              job_epsilon: float = DRAFT_EPSILON) -> SiteCaps:
+    """The draft's caps for a site of public ``size`` images of ``shape`` in ``n_classes`` classes (``patients``:
+    the public number of patients of a patient-level site, whose DP-SGD samples patients):
+
+    * delta: :func:`default_delta` of the size (the presets' 1e-5, below 1 / (10 N) past 10,000 images);
+    * min_sigma (central, frequency): the noise multiplier one q = 1 release needs to fit ``job_epsilon`` alone,
+      over sqrt(:data:`DRAFT_SHARE_SITES`): every one-pass release within the budget passes, and so does this
+      site's share sigma / sqrt(n) of a secure sum of up to 16 sites;
+    * central max_batch: the size (one pass); max_features: the rules' largest feature count;
+    * DP-SGD max_batch: the rules' batch for the unit count; max_steps: 20 epochs of it (at least 100);
+    * max_worker_memory_mb: the float32 images plus the working memory (:func:`site_memory_bytes`), rounded up
+      to a GiB, at least the policy's default."""
+    from .data.dataset import site_memory_bytes
+    from .policy.enforce import DEFAULT_RESOURCES
+
+    c, h, w = (int(v) for v in shape)
+    delta = default_delta(size)
+    one = smallest_fitting_sigma(lambda s: epsilon([PrivacyEvent("central", s, 1.0, 1)], delta), job_epsilon,
+                                 tol=0.005, max_sigma=MAX_NOISE_MULTIPLIER, refusal="no sigma fits the draft")
+    units = int(patients) if patients else int(size)
+    batch = _dpsgd_batch(units)
+    need_mb = math.ceil(site_memory_bytes(size, c * h * w) / 2**30) * 1024
+    job, floor = None, ""
+    try:
+        job = derive(DataFacts(int(size), h, w, c, int(n_classes), job_epsilon, delta=delta))
+    except ConfigError as exc:
+        floor = str(exc)
+    return SiteCaps(delta=delta, min_sigma=math.floor(one / math.sqrt(DRAFT_SHARE_SITES) * 100) / 100,
+                    central_max_batch=int(size), max_features=FEATURE_LADDER[0], dpsgd_max_batch=batch,
+                    dpsgd_max_steps=max(DRAFT_MIN_STEPS, math.ceil(20 * units / batch)),
+                    max_worker_memory_mb=max(int(DEFAULT_RESOURCES["max_worker_memory_mb"]), need_mb),
+                    job=job, floor=floor)

@@ -101,11 +101,11 @@ def test_cost_model_reproduces_the_measured_eps10_preset_time() -> None:
 
 
 def test_derived_job_toml_reads_back_to_the_same_job(tmp_path) -> None:
-    d = derive(DataFacts(size=20_000, height=64, width=64, channels=1, n_classes=2, epsilon=10.0))
+    d = derive(DataFacts(size=100_000, height=64, width=64, channels=1, n_classes=2, epsilon=10.0))
     p = tmp_path / "job.toml"
     p.write_text(derivation_toml(d), "utf-8")
     assert load_job(p) == d.cfg
-    assert load_job(p).dpsgd_steps(20_000) > 0  # eps x N = 200,000: DP-SGD from the time budget
+    assert load_job(p).dpsgd_steps(100_000) > 0  # DP-SGD's figure under the rule's line: budgeted steps
     (tmp_path / "plain.toml").write_text(job_toml(load_preset("tiny")), "utf-8")
     assert load_job(tmp_path / "plain.toml") == load_preset("tiny")
 

@@ -78,7 +78,7 @@ def derived_jobs(req: DeriveRequest, data: Any, device: str, public_size: int | 
     facts = DataFacts(size=declared or 1, height=int(h), width=int(w), channels=int(c), n_classes=int(data.n_classes),
                       epsilon=eps, delta=delta, device="cuda" if device == "cuda" else "cpu",
                       time_budget=parse_duration(req.time_budget) if req.time_budget is not None else None,
-                      size_drawn=declared is None)
+                      size_drawn=declared is None, memory_mb=_memory_cap(policy))
 
     def job_at(n: int) -> JobConfig:
         d = derive(facts_at(facts, n))
@@ -92,6 +92,13 @@ def derived_jobs(req: DeriveRequest, data: Any, device: str, public_size: int | 
     if declared is not None:
         return job_at(declared), None
     return _with_load(derive(facts_at(facts, sizing_size(facts))).cfg, load), job_at
+
+
+def _memory_cap(policy: Any) -> float | None:
+    """The site policy's ``resources.max_worker_memory_mb`` (its default when unset), or None without a policy."""
+    from ..policy.enforce import resource_cap
+
+    return None if policy is None else resource_cap(policy, "max_worker_memory_mb")
 
 
 def _with_load(cfg: JobConfig, load: Any) -> JobConfig:

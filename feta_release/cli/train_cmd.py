@@ -116,6 +116,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     data, patients = _training_data(cfg or base_job(), data_path, load, public_patients,
                                     site_policy.declared if site_policy is not None else None)
     job_for_size = None
+    if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
+        cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
     if cfg is None:  # the job derived from the data's public facts
         cfg, job_for_size = derived_jobs(req, data, resolve_device(device).type, public_size, site_policy, load,
                                          lambda text: click.echo(text, err=as_json))
@@ -186,6 +188,33 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
         raise ConfigError("--epsilon, --delta, --time-budget and --save-job are for the derived job: drop them, or "
                           "drop JOB / --preset to derive the job from the data")
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
+
+
+def _fit_preset(cfg: Any, name: str, data: Any, public_size: int | None, policy: Any) -> Any:
+    """``job_rules.fit_preset`` on the data's shape and classes and the PUBLIC size (--public-size or the
+    policy's; none: the size checks are left to the run's plan); a note says what was adapted."""
+    from ..job_rules import DataFacts, fit_preset, preset_shape
+    from ..policy.enforce import resource_cap
+
+    declared = public_size if public_size is not None else (
+        int(policy.dataset_size) if policy is not None else None)
+    c, h, w = (int(v) for v in data.image_shape)
+    memory = None
+    if policy is not None and declared is not None:
+        memory = resource_cap(policy, "max_worker_memory_mb")
+    facts = DataFacts(size=declared or 1, height=h, width=w, channels=c, n_classes=int(data.n_classes),
+                      epsilon=float(cfg.privacy.epsilon), memory_mb=memory)
+    fitted = fit_preset(cfg, name, facts, size_known=declared is not None)
+    if fitted != cfg:
+        m, ce, fr = fitted.model, fitted.central, fitted.frequency
+        side = max(1, int(h * ce.downsample))
+        tuned = "x".join(map(str, preset_shape(cfg)))
+        click.echo(f"note: preset {name} was tuned on {tuned} images; adapted to "
+                   f"{c}x{h}x{w} by the derived job's rules: central query {side}x{side} (clip {ce.clip}), "
+                   + (f"{fr.patch}x{fr.patch} patches at stride {fr.stride}, " if fr.patch else "")
+                   + f"{len(m.channel_mult)} UNet levels, physical batch {fitted.dpsgd.physical_batch}",
+                   err=True)
+    return fitted
 
 
 def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,

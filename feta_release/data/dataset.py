@@ -44,6 +44,35 @@ def check_dataset_memory(n: int, values_per_image: int, where: str) -> None:
                         f"(--image-size), split the site, or raise {MEMORY_ENV} on a machine with the memory")
 
 
+# What a site's computing process holds beside its float32 images: Python, numpy and torch, the job's model,
+# one chunk of the cache conversion and the releases' temporaries. bench/site_scale.py at 100,000 x 64x64
+# (1.53 GiB of images): peak RSS 2.0 to 2.4 GiB per stage, at most 0.9 GiB above the images; rounded up.
+SITE_WORKING_MB = 1024
+
+
+def site_memory_bytes(n: int, values_per_image: int) -> int:
+    """Bytes a site's computing process needs for ``n`` images of ``values_per_image`` values: the float32
+    set it holds whole (``ImageDataset``) plus :data:`SITE_WORKING_MB`."""
+    return int(n) * int(values_per_image) * 4 + SITE_WORKING_MB * 2**20
+
+
+def check_site_memory(n: int, shape: tuple[int, ...], limit_mb: float, where: str, limit_name: str) -> None:
+    """Refuse, before any pixel is read, a site whose images need more memory than ``limit_mb`` (the policy's
+    ``resources.max_worker_memory_mb``: the computing processes' RLIMIT_DATA, ``edge/resources.py``), one line
+    naming the bytes needed, the limit and the fixes. Without it the open or the first release would fail
+    part-way under the limit, after the node had started."""
+    values = 1
+    for v in shape:
+        values *= int(v)
+    need = site_memory_bytes(n, values)
+    if need > limit_mb * 2**20:
+        side = "x".join(str(int(v)) for v in shape)
+        raise DataError(f"{where}: {int(n):,} images of {side} need {need / 2**30:,.2f} GiB (float32 images "
+                        f"N*C*H*W*4 bytes + {SITE_WORKING_MB} MiB working memory) > {limit_name} "
+                        f"{limit_mb:,.0f} MiB; use smaller images (--image-size), split the site, or raise "
+                        f"{limit_name} on a machine with the memory")
+
+
 @dataclass
 class ImageDataset:
     """Labelled images in canonical form.

@@ -397,11 +397,13 @@ def make_policy(
     secure_aggregation: Mapping[str, Any] | None = None,
     patient_level: tuple[int, int] | None = None,
     declared: DataDeclaration | None = None,
+    resources: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """A validated policy document with the research defaults of ``policies/research.toml`` (for demos
     and tests; a real site writes its policy file by hand). Coordinators may be keys or PEM text.
     ``patient_level``: (public patients, patient cap) for a policy whose unit of privacy is the patient.
-    ``declared``: the public class list and image shape (``DataDeclaration``); a node refuses a policy without."""
+    ``declared``: the public class list and image shape (``DataDeclaration``); a node refuses a policy
+    without. ``resources``: the policy's resource caps (absent: ``enforce.DEFAULT_RESOURCES``)."""
     start = utc_now().replace(microsecond=0) - dt.timedelta(minutes=5) if not_before is None else parse_time(not_before)
     default_mechs: dict[str, dict[str, Any]] = {
         "central": {"allowed": True, "min_sigma": 1.0, "max_rounds": 50, "max_batch": 60000},
@@ -428,6 +430,7 @@ def make_policy(
         "not_before": format_time(start),
         "expires": format_time(start + dt.timedelta(days=valid_days)),
         **({} if secure_aggregation is None else {"secure_aggregation": dict(secure_aggregation)}),
+        **({} if resources is None else {"resources": dict(resources)}),
     }
     validate_policy(doc, f"policy for {site_id}")
     return doc

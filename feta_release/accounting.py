@@ -33,6 +33,27 @@ import numpy as np
 
 from .errors import PrivacyError
 
+__all__ = [
+    "MAX_NOISE_MULTIPLIER",
+    "RDP_ORDERS",
+    "Accountant",
+    "Event",
+    "PrivacyEvent",
+    "SkellamEvent",
+    "View",
+    "calibrate_noise_multiplier",
+    "epsilon",
+    "epsilon_breakdown",
+    "event_from_dict",
+    "event_to_dict",
+    "events_from_list",
+    "events_to_list",
+    "group_epsilon",
+    "patient_epsilon",
+    "unit_epsilon",
+    "worst_case_epsilon",
+]
+
 Accountant = Literal["rdp", "prv"]
 View = Literal["assumed", "worst_case"]
 
@@ -93,6 +114,7 @@ class PrivacyEvent:
         object.__setattr__(self, "steps", int(self.steps))
 
     def to_dict(self) -> dict[str, Any]:
+        """The event as JSON-ready fields (an image-level event without its ``unit``)."""
         d = asdict(self)
         if d["unit"] == "image":  # the default stays implicit: image-level events are byte-identical to before
             del d["unit"]
@@ -100,6 +122,7 @@ class PrivacyEvent:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrivacyEvent:
+        """The event of :meth:`to_dict`'s fields; unknown or missing keys are refused."""
         if not isinstance(data, dict):
             raise PrivacyError(f"privacy event must be an object with stage, sigma, q, steps; got {data!r}")
         missing = sorted({"stage", "sigma", "q", "steps"} - set(data))
@@ -152,6 +175,7 @@ class SkellamEvent:
 
     @property
     def worst_mu(self) -> float:
+        """The noise variance of the site's own share alone (every other site colluding)."""
         return float(self.mu if self.mu_worst is None else self.mu_worst)
 
     def rdp(self, orders: Sequence[float] = RDP_ORDERS, *, worst_case: bool = False) -> np.ndarray:
@@ -160,10 +184,12 @@ class SkellamEvent:
         return self.steps * _skellam_step_curve(tuple(orders), self.q, self.l2, self.l1, mu)
 
     def to_dict(self) -> dict[str, Any]:
+        """The event as JSON-ready fields, tagged ``kind: skellam``."""
         return {"kind": "skellam", **asdict(self)}
 
     @classmethod
     def from_dict(cls, data: object) -> SkellamEvent:
+        """The event of :meth:`to_dict`'s fields, exactly those keys."""
         if not isinstance(data, dict) or set(data) != set(_SKELLAM_KEYS) or data.get("kind") != "skellam":
             raise PrivacyError(f"Skellam event must be an object with exactly {', '.join(_SKELLAM_KEYS)} "
                                f"(kind \"skellam\"); got {data!r}")
@@ -197,16 +223,19 @@ def event_to_dict(e: Event | dict[str, Any]) -> dict[str, Any]:
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
+    """A Gaussian or Skellam event from its JSON fields (``kind`` tells them apart)."""
     if isinstance(data, dict) and data.get("kind") == "skellam":
         return SkellamEvent.from_dict(data)
     return PrivacyEvent.from_dict(data)
 
 
 def events_to_list(events: Iterable[Event]) -> list[dict[str, Any]]:
+    """A history as JSON-ready fields, in order."""
     return [e.to_dict() for e in events]
 
 
 def events_from_list(items: Iterable[dict[str, Any]]) -> list[Event]:
+    """A history from :func:`events_to_list`'s fields, in order."""
     return [event_from_dict(d) for d in items]
 
 

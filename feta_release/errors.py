@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "BudgetExceededError",
+    "ConfigError",
+    "DataError",
+    "FetaError",
+    "PolicyBudgetExceeded",
+    "PolicyError",
+    "PolicyViolation",
+    "PrivacyError",
+    "ReleaseError",
+]
+
 
 class FetaError(Exception):
     """Base class: the CLI prints the message (no traceback) and exits with ``exit_code``."""

@@ -56,6 +56,19 @@ from .errors import ConfigError, DataError, FetaError, PrivacyError
 from .mechanisms.count import size_event
 from .planning import MOSTLY_NOISE
 
+__all__ = [
+    "DataFacts",
+    "Derivation",
+    "Estimate",
+    "check_facts",
+    "default_delta",
+    "derivation_toml",
+    "derive",
+    "derive_job",
+    "estimate",
+    "job_toml",
+]
+
 # -- the rules' constants (each one's origin beside it) ------------------------------------------------------------
 CENTRAL_SHARE = 0.8  # central alone: 0.795 of eps = 1 and 0.782 of eps = 10 in the tuned presets
 CENTRAL_SHARE_DPSGD = 0.5  # when DP-SGD runs: the eps = 10 trial with DP-SGD gave the central release about half
@@ -109,18 +122,22 @@ class DataFacts:
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of an image."""
         return (self.channels, self.height, self.width)
 
     @property
     def values(self) -> int:
+        """Values in one image (channels x height x width)."""
         return self.channels * self.height * self.width
 
     @property
     def job_delta(self) -> float:
+        """The job's delta: the given one, else :func:`default_delta` of the size."""
         return default_delta(self.size) if self.delta is None else float(self.delta)
 
     @property
     def budget(self) -> float:
+        """Seconds the derived job may take: the given budget, else the default for the data."""
         return default_time_budget(self) if self.time_budget is None else float(self.time_budget)
 
 
@@ -132,6 +149,7 @@ class Estimate:
 
     @property
     def total(self) -> float:
+        """Estimated seconds of the whole job, drawing the synthetic set included."""
         return sum(self.seconds.values())
 
     @property
@@ -151,7 +169,11 @@ class Derivation:
 
 
 def default_delta(n: int) -> float:
-    """The presets' delta 1e-5 up to 10,000 images; beyond, the power of ten at or below 1 / (10 N)."""
+    """The presets' delta 1e-5 up to 10,000 images; beyond, the power of ten at or below 1 / (10 N).
+
+    >>> default_delta(4000), default_delta(10_000), default_delta(60_000)
+    (1e-05, 1e-05, 1e-06)
+    """
     return min(DELTA_PRESETS, 10.0 ** -(math.ceil(math.log10(max(int(n), 1))) + 1))
 
 

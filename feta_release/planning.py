@@ -44,6 +44,24 @@ from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
 from .errors import FetaError, PolicyError, PrivacyError
 
+__all__ = [
+    "DEFAULT_DATASET_SIZE",
+    "MOSTLY_NOISE",
+    "STAGES",
+    "PrivacyPlan",
+    "StagePlan",
+    "Target",
+    "dpsgd_rounds",
+    "merged",
+    "plan",
+    "round_sizes",
+    "sampling_rate",
+    "secure_stage_events",
+    "stage_event",
+    "stage_events",
+    "target",
+]
+
 # The embedded data's training split (5,000 MNIST digits, 20 % held out): the size assumed when none is given.
 DEFAULT_DATASET_SIZE = 4000
 # A release whose noise-to-signal figure is above this is mostly noise (the plan warns).
@@ -86,7 +104,13 @@ def sampling_rate(batch: int, n: int, section: str) -> float:
 
 
 def round_sizes(total: int, per_round: int) -> list[int]:
-    """``total`` DP-SGD steps in rounds of ``per_round`` (the last one shorter when it does not divide)."""
+    """``total`` DP-SGD steps in rounds of ``per_round`` (the last one shorter when it does not divide).
+
+    >>> round_sizes(10, 4)
+    [4, 4, 2]
+    >>> sum(round_sizes(157, 50)) == 157
+    True
+    """
     if total < 0 or per_round < 1:
         raise PrivacyError(f"cannot split {total} DP-SGD steps into rounds of {per_round}")
     return [min(per_round, total - start) for start in range(0, total, per_round)]
@@ -412,6 +436,7 @@ def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: i
 
 @dataclass(frozen=True)
 class StagePlan:
+    """One stage's row of a plan: its event, its epsilon alone and its noise figure."""
     stage: str
     enabled: bool
     sigma: float | None
@@ -424,6 +449,7 @@ class StagePlan:
     noise_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The row as JSON-ready fields."""
         return {
             "stage": self.stage, "enabled": self.enabled, "sigma": self.sigma, "q": self.q, "steps": self.steps,
             "epsilon": self.epsilon, "share": self.share, "note": self.note,
@@ -433,6 +459,7 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class PrivacyPlan:
+    """A job's plan at one site: the history it charges, its total epsilon and one row per stage."""
     dataset_size: int
     target_epsilon: float
     delta: float
@@ -447,6 +474,7 @@ class PrivacyPlan:
     patient_cap: int | None = None  # the patient cap of a per-patient budget (None: the budget is per image)
 
     def stage(self, name: str) -> StagePlan:
+        """The row of stage ``name``; KeyError for a stage the plan does not have."""
         for s in self.stages:
             if s.stage == name:
                 return s
@@ -458,9 +486,11 @@ class PrivacyPlan:
         return merged(self.history[len(self.prior):])
 
     def event(self, stage: str) -> PrivacyEvent | None:
+        """This job's merged event of ``stage``, None when the stage does not run."""
         return stage_event(self.events, stage)
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready fields (``privacy plan --json``)."""
         return {
             "dataset_size": self.dataset_size,
             "target_epsilon": self.target_epsilon,

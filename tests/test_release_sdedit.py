@@ -154,8 +154,9 @@ def test_tampered_central_images_are_refused_in_one_line(sd_release, keys, tmp_p
 
 
 def test_sdedit_synthesis_is_deterministic_and_differs_from_noise(sd_release, keys, tmp_path) -> None:
-    run = lambda name, **kw: synthesize(sd_release, tmp_path / name, keys.trust(), num=9, progress=False,  # noqa: E731
-                                        threads=1, **kw)
+    def run(name, **kw):
+        return synthesize(sd_release, tmp_path / name, keys.trust(), num=9, progress=False, threads=1, **kw)
+
     a, b = run("a", seed=3), run("b", seed=3, batch=2)
     assert a.source == b.source == "release"  # the signed release's default
     assert _pngs(tmp_path / "a") == _pngs(tmp_path / "b")  # same seed, any batch size: the same images

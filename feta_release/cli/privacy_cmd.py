@@ -143,9 +143,12 @@ def _plan_derived(size: int | None, shape: str | None, classes: int | None, eps:
 
     c, h, w = parse_shape(shape)
     n = DEFAULT_DATASET_SIZE if size is None else size
-    d = derive(DataFacts(size=n, height=h, width=w, channels=c, n_classes=classes, epsilon=eps, delta=delta,
-                         device=device, time_budget=parse_duration(time_budget) if time_budget else None,  # type: ignore[arg-type]
-                         size_drawn=not declared))
+    facts = DataFacts(
+        size=n, height=h, width=w, channels=c, n_classes=classes, epsilon=eps, delta=delta,
+        device=device,  # type: ignore[arg-type]  # click.Choice: "cpu" or "cuda", typed str
+        time_budget=parse_duration(time_budget) if time_budget else None, size_drawn=not declared,
+    )
+    d = derive(facts)
     result = plan_privacy(d.cfg, n, image_shape=(c, h, w), n_classes=classes, size=None if declared else size_event())
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "job": "derived", "derived_job": d.cfg.to_dict(),

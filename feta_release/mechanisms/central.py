@@ -57,6 +57,15 @@ from ..errors import DataError, PrivacyError
 from ._checks import check_clip, check_images, check_positive_int, check_sigma, require_generator, sampling_rate
 from .poisson import poisson_mask
 
+__all__ = [
+    "CentralRelease",
+    "Kind",
+    "central_images",
+    "central_query",
+    "combine_central",
+    "postprocess_central",
+]
+
 Kind = Literal["mean", "mode"]
 
 
@@ -100,6 +109,7 @@ class CentralRelease:
 
     @classmethod
     def from_arrays(cls, a: Mapping[str, Any]) -> CentralRelease:
+        """The release of :meth:`to_arrays`'s arrays (a saved ``central.npz``)."""
         try:
             clip = float(a["clip"])
             bins = int(a["bins"])

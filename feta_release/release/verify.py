@@ -87,6 +87,15 @@ from .manifest import (
     statement_sha256,
 )
 
+__all__ = [
+    "Check",
+    "TrustRoots",
+    "VerificationResult",
+    "describe_site",
+    "require_valid",
+    "verify_release",
+]
+
 EPS_REL_TOL = 1e-6
 STAGE_WORDS = {"size": "public size (noisy image count)",
                "central": "central images", "frequency": "frequency features", "dpsgd": "DP-SGD fine-tuning"}
@@ -94,16 +103,19 @@ STAGE_WORDS = {"size": "public size (noisy image count)",
 
 @dataclass
 class Check:
+    """One verification check: its name, ``pass`` / ``fail`` / ``warn`` / ``note`` and what it found."""
     name: str
     status: str  # "pass" | "fail" | "warn" | "note" (a caveat to read: never counted as a check that passed)
     detail: str
 
     def to_dict(self) -> dict[str, str]:
+        """The check as JSON-ready fields."""
         return {"name": self.name, "status": self.status, "detail": self.detail}
 
 
 @dataclass
 class VerificationResult:
+    """Every check of one release, the manifest and the verified bytes the checks read."""
     release_dir: str
     checks: list[Check] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
@@ -119,13 +131,16 @@ class VerificationResult:
 
     @property
     def ok(self) -> bool:
+        """True when at least one check ran and none failed."""
         return bool(self.checks) and all(c.status != "fail" for c in self.checks)
 
     @property
     def failures(self) -> list[Check]:
+        """The checks that failed, in order."""
         return [c for c in self.checks if c.status == "fail"]
 
     def add(self, name: str, ok: bool, detail: str, warn: bool = False) -> bool:
+        """Record a check (a failure, or a warning with ``warn``); returns ``ok``."""
         self.checks.append(Check(name, "pass" if ok else ("warn" if warn else "fail"), detail))
         return ok
 
@@ -134,9 +149,11 @@ class VerificationResult:
         self.checks.append(Check(name, "note", detail))
 
     def reason(self) -> str:
+        """The failed checks in one line: what a refusal prints."""
         return "; ".join(f"{c.name}: {c.detail}" for c in self.failures)
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as JSON-ready fields (``verify --json``)."""
         return {
             "release_dir": self.release_dir,
             "ok": self.ok,
@@ -178,12 +195,14 @@ class TrustRoots:
 
     @classmethod
     def of(cls, trust: TrustRoots | Mapping[str, Any], coordinators: Sequence[Ed25519PublicKey] = ()) -> TrustRoots:
+        """Trust roots from ``{site_id: admin key(s)}`` (or as given) and optional coordinator pins."""
         if isinstance(trust, TrustRoots):
             return trust
         admins = {str(k): tuple(v) if isinstance(v, (list, tuple)) else (v,) for k, v in trust.items()}
         return cls(admins, tuple(coordinators))
 
     def describe(self) -> list[str]:
+        """One line per trusted key: its role and fingerprint."""
         out = [f"site {sid} administrator {fingerprint(k)}" for sid, ks in sorted(self.site_admins.items()) for k in ks]
         return out + [f"coordinator {fingerprint(k)}" for k in self.coordinators]
 
@@ -941,7 +960,7 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
 
 def unit_budget_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any]) -> list[str]:
     """The attested histories against the signed caps IN THE UNIT THE CAPS BOUND, recomputed as the site's ledger
-    holds them (``ledger.Budget.from_policy``, ``check_spend``) at the caps' own δ:
+    holds them (``ledger.Budget.from_policy``, ``check_spend``) at the caps' own δ.
 
     - a patient-level policy (``dataset.privacy_unit = "patient"``): ε PER PATIENT (``accounting.patient_epsilon``:
       patient-level DP-SGD as it is, the image-level releases by group privacy over ``dataset.patient_cap``) of the
@@ -1059,6 +1078,7 @@ def secure_assumption_violations(policy: dict[str, Any], st: dict[str, Any], eve
 
 
 def require_valid(result: VerificationResult) -> VerificationResult:
+    """``result`` when the release verified; otherwise ReleaseError naming every failed check."""
     if not result.ok:
         raise ReleaseError(f"release {result.release_dir} refused: {result.reason()}")
     return result

@@ -442,8 +442,8 @@ def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
     """Seed torch's GLOBAL generator (the caller forks it: ``padding.fork_rng``) from the private ``generator``
     when ``model`` has active dropout. ``nn.Dropout`` draws its masks there, which is public-seeded in the local
     pipeline, fixed in a fresh per-message process and carried across requests in the warm worker; masks from it
-    were predictable and assigned by position in the batch, so one image more shifted every later image's mask
-. Now they are a fresh secret draw per step (DP-SGD) or round (FedSGD), independent of the data:
+    were predictable and assigned by position in the batch, so one image more shifted every later image's mask.
+    Now they are a fresh secret draw per step (DP-SGD) or round (FedSGD), independent of the data:
     coupled on the shared examples, each one still moves the sum by <= C. A model without dropout draws nothing
     (its noise stream is unchanged)."""
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):

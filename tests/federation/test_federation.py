@@ -18,8 +18,7 @@ from feta_release.federation.job import run_job
 from feta_release.signing import generate_keypair, load_private_key
 from feta_release.training.checkpoint import load_torch, read_model_file
 
-from tests.support.federation import full_job, harness, make_federation, tiny_job
-from tests.support.federation import run_harness_job as _run
+from tests.support.federation import full_job, harness, make_federation, run_harness_job as _run, tiny_job
 
 
 @pytest.fixture()

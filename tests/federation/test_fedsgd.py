@@ -20,10 +20,7 @@ from feta_release.planning import fedsgd_shape, secure_stage_events
 
 from tests.support.federation import full_job, harness, make_federation
 from tests.support.federation import run_harness_job as _run, ledger_requests as _requests
-
-
-def fedsgd_job(**fed: Any) -> Any:
-    return full_job(federation={"secure_aggregation": True, "fedsgd": True, "rounds": 2, **fed})
+from tests.support.federation import fedsgd_job, site_and_job as _site_and_job
 
 
 def _doc(msg: Any) -> dict[str, Any]:
@@ -233,15 +230,6 @@ def test_fedsgd_needs_secure_aggregation() -> None:
 
 
 # -- the node's checks, one by one -------------------------------------------------------------------------------
-
-
-def _site_and_job(fed: Any, job_id: str, cfg: Any, site_id: str = "site-a") -> tuple[Any, Any, dict[str, Any]]:
-    from edge.site import site_for
-    from feta_release.policy.jobs import verify_job
-
-    signed, _ = sign_job_file(fed, cfg, job_id)
-    site = site_for(fed.site(site_id).node_config())
-    return site, verify_job(signed, site.policy, source="test"), signed
 
 
 def _weights(cfg: Any) -> dict[str, np.ndarray]:

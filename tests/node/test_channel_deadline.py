@@ -23,7 +23,7 @@ from feta_release.federation import messages as fm
 from feta_release.policy.jobs import sign_job
 
 from tests.support.federation import tiny_job
-from tests.node.test_worker import _ctx, _msg
+from tests.support.flower import flower_message as _msg, node_context as _ctx
 
 
 def _job_msg(round_timeout: float) -> Any:

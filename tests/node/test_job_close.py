@@ -18,8 +18,7 @@ from feta_release.federation import messages as fm
 from feta_release.federation.job import run_job
 from feta_release.signing import load_private_key
 
-from tests.support.federation import harness, make_federation, tiny_job
-from tests.support.federation import ledger_requests as _requests
+from tests.support.federation import harness, ledger_requests as _requests, make_federation, tiny_job
 
 
 @pytest.fixture()

@@ -21,8 +21,8 @@ from feta_release.data.commitment import load_secret, public_rows
 from feta_release.errors import PolicyError
 
 from tests.support.federation import tiny_sites
-from tests.federation.test_federation_patient import CAP, PATIENT_SITE, _federation
-from tests.security.test_node_release_side_channels import BASE_LABELS, _csv_site
+from tests.support.patients import CAP, PATIENT_SITE, patient_federation as _federation
+from tests.support.sites import BASE_LABELS, csv_site as _csv_site
 
 
 def _site_fed(tmp: Path, n: int) -> Any:

@@ -12,6 +12,7 @@ from feta_release.errors import ConfigError
 
 from tests.support.dicom import PHI, write_dicom
 from tests.support.policy import NOW, keys, policy_doc, signed_policy
+from tests.support.cli import run_cli_merged as _invoke
 
 
 def _dicom_site(root: Path) -> Path:
@@ -21,23 +22,6 @@ def _dicom_site(root: Path) -> Path:
             write_dicom(root / c / f"{i}.dcm", rng.integers(0, 4096, (12, 12)).astype(np.uint16),
                         patient_id=f"PID-{c}-{i // 2}")
     return root
-
-
-def _invoke(args: list[str]) -> tuple[int, str]:
-    """Run the real entry point (its error printing included), capturing what a user would see."""
-    import contextlib
-    import io
-
-    from feta_release.cli import main
-
-    buf = io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        try:
-            main(args)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, buf.getvalue()
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.test_site_kit import _invoke
+from tests.support.cli import run_cli_merged as _invoke
 
 SITES = ("st-mary", "st-luke", "st-paul")
 

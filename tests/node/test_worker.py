@@ -11,15 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from multiprocessing.connection import Client
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from flwr.app import Context, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,19 +25,9 @@ from edge.forward import ForwardingApp, remote_error
 from feta_release.federation import messages as fm
 
 from tests.support.federation import make_federation, stop_serving, tiny_job
+from tests.support.flower import flower_message as _msg, node_context as _ctx
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _msg(doc: dict[str, Any], mtype: str = fm.HELLO) -> Message:
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
-    m = Message(fm.make_payload(doc), dst_node_id=100, message_type=mtype, group_id="g")
-    m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-    return m
-
-
-def _ctx(node_config: dict[str, Any]) -> Context:
-    return Context(run_id=7, node_id=100, node_config=dict(node_config), state=RecordDict(), run_config={})
 
 
 # -- the thin side imports no torch -------------------------------------------------------------------------------------

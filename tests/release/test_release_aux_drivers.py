@@ -17,8 +17,7 @@ from feta_release.release.verify import verify_release
 from feta_release.signing import load_public_key
 from feta_release.stages.freq_warmup import aux_pool
 
-from tests.support.federation import SignedTrain, harness, make_federation, tiny_job
-from tests.support.federation import run_harness_job as _run
+from tests.support.federation import SignedTrain, harness, make_federation, run_harness_job as _run, tiny_job
 
 MIX = {"central": {"rounds": 1, "batch": 10, "sigma": 5.0}, "frequency": {"sigma": 10.0, "features": 64, "chunk": 256},
        "warmup": {"spatial_iterations": 2, "spatial_batch": 8, "frequency_images": 20, "frequency_epochs": 0},

@@ -30,8 +30,8 @@ from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
 
 from tests.support.release import CLASSES, IMAGE_SHAPE, attest, load_signed, rehash, resign, signed_policy  # noqa: E402
-from tests.release.test_release_sdedit import _arrays, _central, _pngs  # noqa: E402
-from tests.release.test_synthesize import REPO  # noqa: E402
+from tests.support.release import png_arrays as _arrays, png_hashes as _pngs, sdedit_central as _central  # noqa: E402
+from tests.support.release import REPO  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
@@ -233,7 +233,7 @@ def test_the_dpo_report_names_the_aux_images_and_draws_as_synthesize(mix_release
 
 
 def test_cli_synthesizes_a_mix_release_without_torch(mix_release, keys, tmp_path) -> None:  # noqa: ANN001
-    from tests.release.test_synthesize import BLOCK_TORCH
+    from tests.support.release import BLOCK_TORCH
 
     code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

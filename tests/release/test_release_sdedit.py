@@ -25,44 +25,15 @@ from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
 from feta_release.training import augment as ta  # noqa: E402
 
-from tests.support.release import CLASSES, IMAGE_SHAPE, make_release  # noqa: E402
-from tests.release.test_synthesize import BLOCK_TORCH, REPO  # noqa: E402
+from tests.support.release import BLOCK_TORCH, IMAGE_SHAPE, REPO, make_release  # noqa: E402
+from tests.support.release import png_arrays as _arrays, png_hashes as _pngs, sdedit_central as _central  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
-
-
-def _central(per_class: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Stand-ins for released central images: a bar per class (horizontal, vertical, diagonal) plus noise."""
-    rng = np.random.default_rng(seed)
-    imgs, labels = [], []
-    for c in range(len(CLASSES)):
-        for _ in range(per_class):
-            x = np.zeros(IMAGE_SHAPE, np.float32)
-            if c == 0:
-                x[0, 3:5, 1:7] = 1.0
-            elif c == 1:
-                x[0, 1:7, 3:5] = 1.0
-            else:
-                x[0, np.arange(1, 7), np.arange(1, 7)] = 1.0
-            imgs.append(np.clip(x + rng.normal(0, 0.1, x.shape), 0, 1).astype(np.float32))
-            labels.append(c)
-    return np.stack(imgs), np.array(labels, np.int64)
 
 
 @pytest.fixture(scope="module")
 def sd_release(tmp_path_factory, den_onnx, keys):
     return make_release(tmp_path_factory.mktemp("sd") / "rel", den_onnx, keys, start_sigma=0.5, starts=_central())
-
-
-def _pngs(out: Path) -> dict[str, str]:
-    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*.png"))}
-
-
-def _arrays(out: Path) -> np.ndarray:
-    from PIL import Image
-
-    files = [p for c in CLASSES for p in sorted((out / c).glob("*.png"))]  # class order, as generated
-    return np.stack([np.asarray(Image.open(p), np.float32) / 255.0 for p in files])
 
 
 # -- the numpy augmentation ------------------------------------------------------------------------------------

@@ -17,8 +17,7 @@ from feta_release.release.synthesize import synthesize
 from feta_release.release.verify import verify_release
 from feta_release.signing import load_public_key
 
-from tests.support.federation import SignedTrain, harness, make_federation, tiny_job
-from tests.support.federation import run_harness_job as _run
+from tests.support.federation import SignedTrain, harness, make_federation, run_harness_job as _run, tiny_job
 
 SDEDIT = {"central": {"rounds": 1, "batch": 10, "sigma": 5.0}, "warmup": {"spatial_iterations": 2, "spatial_batch": 8},
           "dpsgd": {"steps": 0}, "sampler": {"steps": 2, "start_sigma": 0.5}}

@@ -19,24 +19,9 @@ from feta_release.errors import ConfigError, ReleaseError  # noqa: E402
 from feta_release.release.synthesize import class_counts, class_dirs, label_batches, synthesize  # noqa: E402
 
 from tests.support.release import CLASSES, IMAGE_SHAPE, signed_policy  # noqa: E402
+from tests.support.release import BLOCK_TORCH, REPO
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-# "torch is not installed": a meta-path finder that refuses torch and everything under it. (Setting
-# sys.modules['torch'] = None instead would also break scipy, which inspects sys.modules for torch arrays.)
-BLOCK_TORCH = """
-import sys
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError(f"No module named {name!r} (blocked by the test)", name=name)
-        return None
-sys.meta_path.insert(0, _NoTorch())
-"""
-
 
 def _only_children(parent: Path) -> set[str]:
     return {p.name for p in parent.iterdir()}

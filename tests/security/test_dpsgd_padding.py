@@ -25,7 +25,8 @@ from feta_release.privacy_unit import group_patient_rows
 from feta_release.training.padding import padding_chunks, public_batch_bound
 
 from tests.support.federation import tiny_job
-from tests.training.test_dpsgd_engine import SHAPE, TinyDenoiser, _cfg, _data
+from tests.support.dpsgd import SHAPE, TinyDenoiser, dpsgd_batch as _data, dpsgd_job as _cfg
+from tests.support.dpsgd import patient_layout_bound, patient_layouts_work
 
 
 class DropoutDenoiser(TinyDenoiser):
@@ -223,32 +224,6 @@ def test_a_patient_level_steps_clip_work_is_the_public_bound_whatever_the_patien
     bound = patient_layout_bound()
     seen = patient_layouts_work(clipped, seeds=3)
     assert seen == {(bound, -(-bound // 3) + 1)}, sorted(seen)
-
-
-def patient_layout_bound() -> int:
-    """The public row bound of the step :func:`patient_layouts_work` runs (12 images, 6 patients, cap 3, q 2/6)."""
-    from feta_release.training.padding import step_bound
-
-    return step_bound(12, 2 / 6, 3, SimpleNamespace(cap=3))
-
-
-def patient_layouts_work(counted: list[int], seeds: int) -> set[tuple[int, int]]:
-    """One padded patient-level step per private layout of 6 patients' 12 images (all single, all pairs, 3+1
-    alternating) and per seed: the set of (sum, count) of what a spy appended to ``counted`` during each step
-    (rows per call, rows per clip...). One element: the work does not depend on the layout."""
-    bound, seen = patient_layout_bound(), set()
-    for sizes in ([1] * 6, [2] * 6, [3, 1] * 3):
-        for seed in range(seeds):
-            ids = np.repeat(np.arange(len(sizes)), sizes)
-            x, y = _data(len(ids), seed=seed)
-            torch.manual_seed(0)
-            tr = dp.DPSGDTrainer(TinyDenoiser(), _cfg(batch=2, physical_batch=3), 1.3, 2 / 6,
-                                 torch.Generator().manual_seed(seed), image_shape=SHAPE, n_classes=3, n_public=6,
-                                 patient_rows=group_patient_rows(ids), images_per_patient=3, pad_to=bound)
-            counted.clear()
-            tr.noisy_gradient(x, y)
-            seen.add((sum(counted), len(counted)))
-    return seen
 
 
 def _train_from(images: Any, labels: torch.Tensor, seed: int, pad_to: int) -> nn.Module:

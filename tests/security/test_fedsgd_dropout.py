@@ -5,10 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tests.support.federation import make_federation
-from tests.support.federation import full_job
-from tests.federation.test_fedsgd import _site_and_job
-from tests.security.test_node_release_side_channels import _perturbed_weights
+from tests.support.federation import full_job, make_federation, site_and_job as _site_and_job
+from tests.support.sites import perturbed_weights as _perturbed_weights
 
 
 def test_fedsgd_contribution_does_not_depend_on_torchs_global_rng(tmp_path):

@@ -14,6 +14,7 @@ from feta_release.federation import messages as fm
 from feta_release.ledger import Ledger
 
 from tests.support.federation import full_job, harness, make_federation
+from tests.support.sites import BASE_LABELS, csv_site as _csv_site, perturbed_weights as _perturbed_weights
 
 # A coordinator-chosen [frequency] bandwidth2 so small that omega ~ N(0, 1/bandwidth2) is huge but finite in float32:
 # x . omega overflows to inf (cos/sin -> NaN) for a bright image and stays finite for a dark one.
@@ -100,24 +101,6 @@ def test_node_sends_no_nan_frequency_release_for_a_coordinator_chosen_bandwidth(
 # -- Finding M1: the class list (names, count, label order) is read off the images and sent un-noised ---------------
 
 
-def _csv_site(root, labels: list[str], colour: list[bool] | None = None):
-    """A CSV site of 28x28 PNGs, one per label (``colour[i]``: image i is RGB, else greyscale)."""
-    from PIL import Image
-
-    root.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    rows = ["path,label"]
-    for i, lab in enumerate(labels):
-        if colour is not None and colour[i]:
-            img = Image.fromarray((rng.random((28, 28, 3)) * 255).astype(np.uint8), mode="RGB")
-        else:
-            img = Image.fromarray((rng.random((28, 28)) * 255).astype(np.uint8), mode="L")
-        img.save(root / f"{i:03d}.png")
-        rows.append(f"{i:03d}.png,{lab}")
-    (root / "labels.csv").write_text("\n".join(rows) + "\n", "utf-8")
-    return root / "labels.csv"
-
-
 def _hello(tmp, labels: list[str], colour: list[bool] | None = None):
     """What the site's node answers to ``hello`` about its data (no charge): classes and image shape.
 
@@ -141,9 +124,6 @@ def _hello(tmp, labels: list[str], colour: list[bool] | None = None):
     return doc["n_classes"], doc["class_names"], doc["image_shape"]
 
 
-BASE_LABELS = ["benign"] * 10 + ["malignant"] * 10
-
-
 def test_hello_class_list_is_the_same_on_neighbouring_datasets(tmp_path):
     """Finding M1 (medium; edge/clientapp.py:45-46 hello sends ``site.data.n_classes`` / ``class_names``;
     data/loading.py:342 ``names = sorted(set(labels present))`` for a CSV, :287-300 one folder per class that must
@@ -160,20 +140,6 @@ def test_hello_class_list_is_the_same_on_neighbouring_datasets(tmp_path):
 
 
 # -- Finding M2: DP-SGD's dropout masks come from torch's GLOBAL generator, not the request's private one ------------
-
-
-def _perturbed_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
-    """Coordinator-chosen finite weights (the zero-initialised output convs make dropout invisible at init)."""
-    import torch
-
-    from feta_release.models import build_denoiser
-
-    rng = np.random.default_rng(seed)
-    out = {}
-    for k, v in build_denoiser(cfg.model, (1, 28, 28), 10).state_dict().items():
-        a = v.numpy()
-        out[k] = a + 0.05 * rng.standard_normal(a.shape).astype(a.dtype) if v.dtype == torch.float32 else a
-    return out
 
 
 def test_a_dpsgd_round_depends_only_on_the_data_and_its_private_generator():
@@ -228,7 +194,7 @@ def test_a_patient_level_step_makes_a_public_number_of_gradient_calls(monkeypatc
     image-level step meets this already (tests/security/test_dpsgd_padding.py: calls == ceil(bound / chunk) + 1)."""
     import feta_release.training.dpsgd as dp
 
-    from tests.security.test_dpsgd_padding import patient_layouts_work
+    from tests.support.dpsgd import patient_layouts_work
 
     calls: list[int] = []
     real = dp.per_example_grads

@@ -98,7 +98,7 @@ def test_a_trainer_from_the_index_does_not_regroup(monkeypatch: pytest.MonkeyPat
     from feta_release.config import JobConfig
     from feta_release.training.dpsgd import DPSGDTrainer
 
-    from tests.training.test_dpsgd_patient import DotLoss, Weights
+    from tests.support.dpsgd import DotLoss, Weights
 
     _, index = _site(3)
     assert index is not None

@@ -20,8 +20,7 @@ import edge.site as node_site
 from coordinator.setup import sign_job_file
 from feta_release.federation import messages as fm
 
-from tests.support.federation import harness, make_federation
-from tests.federation.test_fedsgd import _run, fedsgd_job
+from tests.support.federation import fedsgd_job, harness, make_federation, run_harness_job as _run
 
 
 class Stop(Exception):

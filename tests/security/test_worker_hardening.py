@@ -29,7 +29,7 @@ from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 
 from tests.support.federation import make_federation, stop_serving, tiny_job
-from tests.node.test_worker import _ctx, _msg
+from tests.support.flower import flower_message as _msg, node_context as _ctx
 
 REF = re.compile(r"reference ([0-9a-f]{12})")
 

@@ -61,6 +61,21 @@ def full_job(**sections: dict[str, Any]) -> JobConfig:
     return tiny_job(**over)
 
 
+def fedsgd_job(**fed: Any) -> JobConfig:
+    return full_job(federation={"secure_aggregation": True, "fedsgd": True, "rounds": 2, **fed})
+
+
+def site_and_job(fed: Any, job_id: str, cfg: Any, site_id: str = "site-a") -> tuple[Any, Any, dict[str, Any]]:
+    """A site as its node opens it, and a job signed for ``fed`` as that site verifies it (with the signed job)."""
+    from coordinator.setup import sign_job_file
+    from edge.site import site_for
+    from feta_release.policy.jobs import verify_job
+
+    signed, _ = sign_job_file(fed, cfg, job_id)
+    site = site_for(fed.site(site_id).node_config())
+    return site, verify_job(signed, site.policy, source="test"), signed
+
+
 def harness(fed: Any, down: set[str] = frozenset(), fail_on: dict[str, Any] | None = None,
             devices: dict[str, str] | None = None):
     """``devices``: {site: its node config's device (``node start --device``)}; a site not named has none (cpu)."""

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from feta_release.accounting import PrivacyEvent
 from feta_release.signing import public_key_pem, sign_document
+
+REPO = Path(__file__).resolve().parents[2]
+
+# "torch is not installed": a meta-path finder that refuses torch and everything under it. (Setting
+# sys.modules['torch'] = None instead would also break scipy, which inspects sys.modules for torch arrays.)
+BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+sys.meta_path.insert(0, _NoTorch())
+"""
 
 CLASSES = ["zero", "one", "two"]
 IMAGE_SHAPE = (1, 8, 8)
@@ -212,3 +228,34 @@ def _secure_attestation(k: Keys, sid: str, job: dict, policy: dict, n_sites: int
     pol_sha = SitePolicy.from_document(policy["policy"], None).digest
     return build_attestation(sid, job["job"]["job_id"], secure_events(n_sites), 1e-5, "rdp", pol_sha, k.site,
                              job_sha256=sha256_hex(canonical_json(job["job"])), max_colluders=0)
+
+
+def sdedit_central(per_class: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Stand-ins for released central images: a bar per class (horizontal, vertical, diagonal) plus noise."""
+    rng = np.random.default_rng(seed)
+    imgs, labels = [], []
+    for c in range(len(CLASSES)):
+        for _ in range(per_class):
+            x = np.zeros(IMAGE_SHAPE, np.float32)
+            if c == 0:
+                x[0, 3:5, 1:7] = 1.0
+            elif c == 1:
+                x[0, 1:7, 3:5] = 1.0
+            else:
+                x[0, np.arange(1, 7), np.arange(1, 7)] = 1.0
+            imgs.append(np.clip(x + rng.normal(0, 0.1, x.shape), 0, 1).astype(np.float32))
+            labels.append(c)
+    return np.stack(imgs), np.array(labels, np.int64)
+
+
+def png_hashes(out: Path) -> dict[str, str]:
+    """sha256 of every PNG under ``out``, by its path relative to ``out``."""
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*.png"))}
+
+
+def png_arrays(out: Path) -> np.ndarray:
+    """The PNGs of a synthetic folder in class order, as generated, scaled to [0, 1]."""
+    from PIL import Image
+
+    files = [p for c in CLASSES for p in sorted((out / c).glob("*.png"))]  # class order, as generated
+    return np.stack([np.asarray(Image.open(p), np.float32) / 255.0 for p in files])

@@ -13,8 +13,7 @@ from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError
 from feta_release.models.auxgen import AuxEnsemble, AuxGenerator, new_aux_model
 from feta_release.training.frequency import aux_draw, fit_aux_generator, fit_aux_restarts
-from tests.training.test_warmup import job
-from tests.training.test_warmup_frequency import AUX, _release
+from tests.support.training import AUX, frequency_release as _release, job
 
 SMALL = {**AUX, "epochs": 2, "iterations_per_epoch": 6}
 

@@ -15,9 +15,7 @@ from feta_release.errors import ConfigError
 from feta_release.models import build_denoiser
 from feta_release.stages.spatial import central_polish
 from feta_release.training.pipeline import run_pipeline
-from tests.training.test_models import TINY
-from tests.training.test_pipeline_run import _data
-from tests.training.test_warmup import bars, job, fixed_noise_loss
+from tests.support.training import TINY, bars, embedded_subset as _data, fixed_noise_loss, job
 
 
 def _central() -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from feta_release.config import JobConfig
 from feta_release.errors import ConfigError, DataError
 from feta_release.training.dpsgd import (
     DPSGDTrainer,
@@ -17,34 +16,7 @@ from feta_release.training.dpsgd import (
     per_example_grads,
     poisson_sample,
 )
-
-SHAPE = (1, 6, 6)
-
-
-class TinyDenoiser(nn.Module):
-    """EDMDenoiser-shaped toy: forward(x, sigma, labels) with a class embedding (null label = n_classes)."""
-
-    def __init__(self, n_classes: int = 3) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3, padding=1)
-        self.norm = nn.GroupNorm(2, 4)
-        self.emb = nn.Embedding(n_classes + 1, 4)
-        self.out = nn.Conv2d(4, 1, 3, padding=1)
-
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.conv(x)) + self.emb(labels)[:, :, None, None] + sigma.log()[:, None, None, None]
-        return self.out(torch.tanh(h))
-
-
-def _cfg(**dpsgd) -> JobConfig:
-    base = {"batch": 4, "steps": 3, "physical_batch": 3, "noise_multiplicity": 2, "clip": 1.0, "lr": 1e-2}
-    return JobConfig().replace(dpsgd={**base, **dpsgd})
-
-
-def _data(n: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, *SHAPE, generator=g) * 2 - 1, torch.randint(0, 3, (n,), generator=g)
-
+from tests.support.dpsgd import SHAPE, TinyDenoiser, dpsgd_batch as _data, dpsgd_job as _cfg
 
 def _naive_grads(model, loss, x, y, rand):
     out = []

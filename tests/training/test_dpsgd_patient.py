@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from feta_release.accounting import PrivacyEvent, epsilon, events_from_list, group_epsilon
 from feta_release.config import JobConfig, load_preset
@@ -19,25 +18,7 @@ from feta_release.errors import ConfigError, PrivacyError
 from feta_release.planning import plan, stage_events
 from feta_release.privacy_unit import PatientIndex, PrivacyUnit, group_patient_rows
 from feta_release.training.dpsgd import DPSGDTrainer, patient_batch
-
-
-class Weights(nn.Module):
-    """Only parameter w in R^d; with DotLoss an example x has gradient exactly x."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w
-
-
-class DotLoss:
-    def draw(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"unused": torch.zeros(n)}
-
-    def __call__(self, model, x, y, rand):  # noqa: ANN001, ANN204
-        return (model(x) * x).sum()
+from tests.support.dpsgd import DotLoss, Weights
 
 
 class ZeroGradLoss(DotLoss):

@@ -25,9 +25,11 @@ from feta_release.training.dpsgd import (
     per_example_grads,
     select_engine,
 )
-from feta_release.training.ghost_clip import K_MAJOR, _group_norm_stats, hook_grads, unsupported
+from feta_release.training.ghost_clip import _group_norm_stats, hook_grads, unsupported
 
-from tests.training.test_dpsgd_engine import SHAPE, TinyDenoiser, _cfg, _data
+from tests.support.dpsgd import SHAPE, TinyDenoiser, dpsgd_batch as _data, dpsgd_job as _cfg
+from tests.support.dpsgd import InPlaceAfterLinear as _InPlaceAfterLinear, LayerStack as _Stack, RowLoss as _RowLoss
+from tests.support.dpsgd import assert_same_gradients as _assert_same
 
 IMG = (1, 28, 28)
 
@@ -41,16 +43,6 @@ def _denoiser(seed: int = 0) -> nn.Module:
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return model
-
-
-def _assert_same(a: dict[str, Tensor], b: dict[str, Tensor], rtol: float = 1e-4) -> None:
-    """Equal up to float32 rounding, relative to the largest entry of the whole gradient (a parameter whose exact
-    gradient is 0, e.g. a conv bias a GroupNorm cancels, holds rounding noise of that size in both paths)."""
-    assert list(a) == list(b)
-    scale = max(float(v.abs().max()) for v in b.values()) + 1e-8
-    for n in b:
-        assert a[n].shape == b[n].shape, n
-        assert float((a[n] - b[n]).abs().max()) <= rtol * scale, n
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -173,49 +165,6 @@ def test_a_loss_without_a_batched_form_uses_torch_func_and_the_engine_name_is_ch
 # -- property: random small layers ------------------------------------------------------------------------------
 
 
-class _Stack(nn.Module):
-    """Conv2d -> GroupNorm -> tanh -> Linear over a sequence axis, plus an Embedding of the label: every rule."""
-
-    def __init__(self, c: int, kernel: int, stride: int, padding: int, dilation: int, bias: bool, groups: int,
-                 padding_idx: int | None) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(2, c, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias)
-        self.norm = nn.GroupNorm(groups, c, affine=True)
-        self.lin = nn.Linear(c, 3, bias=bias)
-        self.emb = nn.Embedding(4, 3, padding_idx=padding_idx)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.normal_()
-
-    def forward(self, x: Tensor, sigma: Tensor, labels: Tensor) -> Tensor:
-        h = torch.tanh(self.norm(self.conv(x * sigma[:, None, None, None])))  # (R, c, h, w)
-        seq = h.flatten(2).transpose(1, 2)  # (R, positions, c): a Linear over a sequence axis
-        return self.lin(seq).sum(1) * self.emb(labels)  # (R, 3)
-
-
-class _RowLoss:
-    """K rows per example (noise + sigma per row), loss = mean over rows of sum(out^2): a BatchedLoss."""
-
-    row_order = K_MAJOR
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-
-    def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
-        return {"noise": torch.randn(n, self.k, 2, 7, 7, generator=generator),
-                "sigma": torch.rand(n, self.k, generator=generator) + 0.5}
-
-    def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        out = model(x.unsqueeze(0) + rand["noise"], rand["sigma"], y.reshape(1).expand(self.k))
-        return out.pow(2).sum(1).mean()
-
-    def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        b = x.shape[0]  # K-major rows: row k*b + i is copy k of example i
-        rows = (x.unsqueeze(0) + rand["noise"].transpose(0, 1)).reshape(b * self.k, *x.shape[1:])
-        out = model(rows, rand["sigma"].t().reshape(-1), y.unsqueeze(0).expand(self.k, b).reshape(-1))
-        return out.pow(2).sum(1).reshape(self.k, b).mean(0)
-
-
 class _ExampleMajorRows(_RowLoss):
     """The row layout before K-major (rows of example i are i*K .. i*K+K-1): read K-major, an "example" gradient
     would sum rows of several examples (one example reaching several clipped vectors)."""
@@ -246,15 +195,6 @@ def test_the_group_norm_rule_without_the_forwards_saved_statistics_recomputes_th
         again = _group_norm_stats(norm, a.detach(), norm(a))
     for s, t in zip(saved, again):
         assert s.shape == (8, 3) and torch.allclose(s, t, rtol=1e-6, atol=1e-7)
-
-
-class _InPlaceAfterLinear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.out = nn.Linear(2 * 7 * 7, 4), nn.Linear(4, 3)
-
-    def forward(self, x: Tensor, sigma: Tensor, labels: Tensor) -> Tensor:
-        return self.out(torch.nn.functional.silu(self.lin(x.flatten(1) * sigma[:, None]), inplace=True))
 
 
 def test_a_model_that_changes_a_layer_output_in_place_is_refused_not_given_wrong_gradients():

@@ -27,8 +27,8 @@ from feta_release.training import dpsgd
 from feta_release.training.dpsgd import DPSGDTrainer, EDMLoss, per_example_grads, select_engine
 from feta_release.training.ghost_clip import cross_check, hook_grads, unsupported
 
-from tests.training.test_dpsgd_engine import _cfg
-from tests.training.test_ghost_clip import _assert_same, _RowLoss, _Stack
+from tests.support.dpsgd import dpsgd_job as _cfg
+from tests.support.dpsgd import LayerStack as _Stack, RowLoss as _RowLoss, assert_same_gradients as _assert_same
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # tiny models: see conftest
 
@@ -244,7 +244,8 @@ def test_a_global_forward_hook_is_refused_while_it_is_registered():
 
 
 def test_a_model_the_hooks_cannot_run_falls_back_at_build_not_at_the_first_step():
-    from tests.training.test_ghost_clip import _InPlaceAfterLinear  # F.silu(lin(x), inplace=True): the tap refuses it (loud)
+    # F.silu(lin(x), inplace=True): the tap refuses it (loud)
+    from tests.support.dpsgd import InPlaceAfterLinear as _InPlaceAfterLinear
     model = _InPlaceAfterLinear()
     assert "modified inplace" in (cross_check(model, _Loss(2)) or "")
     _the_trainers_vectors_are_torch_funcs(model)
@@ -286,7 +287,7 @@ def test_the_cross_check_passes_on_the_real_denoiser_and_leaves_everything_as_it
 
 
 def test_the_trainer_keeps_the_hooks_and_its_generator_where_the_check_passes():
-    from tests.training.test_dpsgd_engine import SHAPE, TinyDenoiser
+    from tests.support.dpsgd import SHAPE, TinyDenoiser
     gen = torch.Generator().manual_seed(7)
     before = gen.get_state()
     tr = DPSGDTrainer(TinyDenoiser(), _cfg(), 1.0, 0.5, gen, image_shape=SHAPE, n_classes=3)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from tests.support.training import TINY, tiny_denoiser
 from feta_release.config import ModelSection
 from feta_release.errors import ConfigError
 from feta_release.models import (
     AuxGenerator,
-    EDMDenoiser,
     UNet,
     build_denoiser,
     count_parameters,
@@ -24,19 +24,6 @@ from feta_release.models import (
     edm_loss_from_randomness,
     edm_loss_single,
 )
-
-TINY = ModelSection(channels=8, channel_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,))
-
-
-def tiny_denoiser(seed: int = 0, size: int = 16, channels: int = 1) -> EDMDenoiser:
-    torch.manual_seed(seed)
-    d = build_denoiser(TINY, (channels, size, size), 3)
-    # Zero-initialised output convs make F == 0 at start; perturb so tests see a real network.
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return d
-
 
 def test_default_unet_size_and_shapes() -> None:
     d = build_denoiser(ModelSection(), (1, 28, 28), 10)

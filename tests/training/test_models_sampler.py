@@ -12,7 +12,7 @@ from feta_release.config import SamplerSection
 from feta_release.errors import ConfigError
 from feta_release.models import generate, karras_sigmas, sample, sampler_step
 from feta_release.models.sampler import guided_denoise
-from tests.training.test_models import tiny_denoiser
+from tests.support.training import tiny_denoiser
 
 
 class GaussianDenoiser(torch.nn.Module):

@@ -11,7 +11,6 @@ import pytest
 
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import JobConfig, load_job, load_preset
-from feta_release.data import ImageDataset, load_embedded
 from feta_release.errors import BudgetExceededError, ConfigError, DataError, PrivacyError
 from feta_release.planning import plan as plan_run
 from feta_release.ledger import Budget, Ledger
@@ -21,14 +20,7 @@ from feta_release.training.pipeline import (
     SimulatedKill,
     run_pipeline,
 )
-
-
-def _data(n: int = 240, seed: int = 0) -> ImageDataset:
-    full = load_embedded()
-    rng = np.random.default_rng(seed)
-    # stratified so every class is present
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
-    return full.subset(np.sort(idx))
+from tests.support.training import embedded_subset as _data
 
 
 # Tests whose run DRAWS its public size (no public_size, no fixed noise seed): the draw has noise std 50

@@ -14,9 +14,7 @@ from feta_release.models import build_denoiser
 from feta_release.models.sampler import sample
 from feta_release.stages.synthesis import release_starts
 from feta_release.training.pipeline import run_pipeline
-from tests.training.test_models import TINY
-from tests.training.test_pipeline_run import _data
-from tests.training.test_warmup import bars, job
+from tests.support.training import TINY, bars, embedded_subset as _data, job
 
 
 def test_no_init_is_the_noise_sampler_and_tiny_start_sigma_keeps_the_start_images() -> None:

@@ -16,8 +16,7 @@ from feta_release.stages import freq_warmup, synthesis
 from feta_release.stages.freq_warmup import AUX_POOL_PER_CLASS, aux_draw, aux_pool
 from feta_release.stages.synthesis import aux_starts, aux_taken, release_starts
 from feta_release.training.pipeline import run_pipeline
-from tests.training.test_pipeline_run import _data
-from tests.training.test_warmup import bars, job
+from tests.support.training import bars, embedded_subset as _data, job
 
 FREQ = {"sigma": 10.0, "features": 64}
 

@@ -6,40 +6,11 @@ import pytest
 import torch
 
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
-from feta_release.config import JobConfig
 from feta_release.errors import ConfigError, DataError
-from feta_release.models import build_denoiser, draw_loss_randomness, edm_loss_from_randomness
+from feta_release.models import build_denoiser
 from feta_release.training.ema import EMA
 from feta_release.training.spatial import spatial_warmup
-from tests.training.test_models import TINY
-
-
-def bars(n_per_class: int = 3, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class 0: a horizontal bar, class 1: a vertical bar (positions vary)."""
-    imgs, labels = [], []
-    for i in range(n_per_class):
-        for c in range(2):
-            x = torch.zeros(1, size, size)
-            p = 4 + 3 * i
-            if c == 0:
-                x[:, p:p + 2, 2:-2] = 1.0
-            else:
-                x[:, 2:-2, p:p + 2] = 1.0
-            imgs.append(x)
-            labels.append(c)
-    return torch.stack(imgs), torch.tensor(labels)
-
-
-def job(**sections) -> JobConfig:
-    """A valid JobConfig (the bare defaults leave [dpsgd] steps/epochs open) with overrides."""
-    return JobConfig().replace(**{"dpsgd": {"steps": 1}, **sections})
-
-
-def fixed_noise_loss(d, x01: torch.Tensor, y: torch.Tensor) -> float:
-    rnd = draw_loss_randomness(x01.shape[0], tuple(x01.shape[1:]), noise_multiplicity=16,
-                               label_dropout=0.0, generator=torch.Generator().manual_seed(123))
-    with torch.no_grad():
-        return edm_loss_from_randomness(d, x01 * 2 - 1, y, rnd).mean().item()
+from tests.support.training import TINY, bars, fixed_noise_loss, job
 
 
 def test_ema_math_and_copy() -> None:

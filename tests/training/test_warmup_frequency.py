@@ -8,7 +8,7 @@ import torch
 
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.errors import ConfigError, DataError
-from feta_release.mechanisms.frequency import frequency_statistics, rff_features
+from feta_release.mechanisms.frequency import rff_features
 from feta_release.models import AuxGenerator, build_denoiser
 from feta_release.training.frequency import (
     balanced_labels,
@@ -18,18 +18,7 @@ from feta_release.training.frequency import (
     generate_aux_images,
     run_frequency_stage,
 )
-from tests.training.test_models import TINY
-from tests.training.test_warmup import bars, job, fixed_noise_loss
-
-AUX = {"width": 8, "batch": 20, "epochs": 3, "iterations_per_epoch": 30, "lr": 0.01, "z_dim": 8}
-
-
-def _release(sigma: float = 0.01):
-    x, y = bars(3, size=8)
-    rel, _ = frequency_statistics(x.numpy(), y.numpy(), 2, features=400, sigma=sigma, bandwidth2=8.0, seed=1,
-                                  n_public=len(y), rng=np.random.default_rng(0))
-    return rel, x, y
-
+from tests.support.training import AUX, TINY, bars, fixed_noise_loss, frequency_release as _release, job
 
 def _mmd(emb: torch.Tensor, omega: torch.Tensor, images: torch.Tensor, labels: torch.Tensor) -> float:
     phi = rff_features(images.reshape(len(images), -1), omega)

@@ -197,7 +197,7 @@ def memory_run(den_onnx, classes, shape, ns, batch, steps):
     from feta_release.release.export_run import assemble_release
     from feta_release.release.manifest import site_record
     from feta_release.release.onnx_export import SamplerSettings
-    from tests.release_helpers import attest, new_keys, signed_job, signed_policy
+    from tests.support.release import attest, new_keys, signed_job, signed_policy
 
     rows = []
     with tempfile.TemporaryDirectory() as d:

@@ -4,7 +4,7 @@
 #     bash bench/gpu_check.sh            # ~7.5 min wall, everything in $OUT (8 files at most)
 #     GPU_CHECK_SMOKE=1 bash bench/gpu_check.sh   # the same command lines, toy scale, on the CPU
 # Parts run AT ONCE, each under its own timeout, all ending within GPU_CHECK_S (default 440 s):
-#   a. tests/test_cuda_path.py + tests/test_device.py (the CUDA path, the federated job on CUDA) -> pytest.log
+#   a. tests/e2e/test_cuda_path.py + tests/training/test_device.py (the CUDA path, the federated job on CUDA) -> pytest.log
 #   b. bench/generality.py at 4,000 training images, derived job (`train --epsilon E --device cuda`), the
 #      evaluation classifiers on cuda, rows in priority order (medical ε 10, digits ε 1, RGB ε 10, then the
 #      rest), seeds 0-2, several cells at once; every finished cell is a line of generality.log (and rewrites
@@ -62,7 +62,7 @@ fi
 # a. the CUDA tests (4 threads: they share the cores with part b)
 ( t=$(date +%s)
   OMP_NUM_THREADS=4 timeout -k 5 "$(left 10)" "${PIN_TEST[@]}" "$PY" -m pytest -q -p no:cacheprovider \
-      tests/test_cuda_path.py tests/test_device.py >"$OUT/pytest.log" 2>&1
+      tests/e2e/test_cuda_path.py tests/training/test_device.py >"$OUT/pytest.log" 2>&1
   echo "[a] pytest rc=$? in $(( $(date +%s) - t )) s" >>"$OUT/pytest.log" ) &
 PA=$!
 

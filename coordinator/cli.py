@@ -1,6 +1,6 @@
 """``feta-release coordinator``: run the SuperLink and submit signed jobs to it.
 
-Import boundary (fast CLI start, enforced by tests/test_import_boundaries.py): ``.setup``, ``.runner`` and
+Import boundary (fast CLI start, enforced by tests/house/test_import_boundaries.py): ``.setup``, ``.runner`` and
 ``.finalize`` pull in Flower or torch and are imported only by the commands that need them.
 """
 

@@ -5,7 +5,7 @@ Splits the embedded data into 3 sites, gives each its keys and a signed policy, 
 writes everything into one folder: samples.png, privacy_report.{txt,json}, release/ (ONNX generator +
 signed manifest with each site's signed spend statement), and the federation's files.
 
-Import boundary (fast CLI start, enforced by tests/test_import_boundaries.py): the modules that pull in
+Import boundary (fast CLI start, enforced by tests/house/test_import_boundaries.py): the modules that pull in
 Flower or torch (``.setup``, ``.runner``, ``.finalize``, ``edge.launch``) are imported inside the functions
 that start the federation, so ``feta-release demo --help`` loads neither.
 """

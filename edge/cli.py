@@ -1,6 +1,6 @@
 """``feta-release node``: run a site node (Flower SuperNode) and inspect its privacy ledger.
 
-Import boundary (fast CLI start, enforced by tests/test_import_boundaries.py): ``.launch`` pulls in Flower
+Import boundary (fast CLI start, enforced by tests/house/test_import_boundaries.py): ``.launch`` pulls in Flower
 and is imported only by ``node start``; ``node status`` and ``--help`` run without Flower or torch.
 """
 

@@ -10,7 +10,7 @@ Gaussian's RDP by TF Privacy's series at Opacus' default orders 1.1 .. 10.9 step
 RDP -> (eps, delta) conversion of Balle et al. 2020 Thm 21) and its PRV accountant (numerical composition of
 privacy loss random variables, Gopi et al. 2021) with Opacus' PRVAccountant settings.  Both give exactly
 Opacus' numbers, so releases made before the move still verify (verify.py re-composes to 1e-6);
-tests/test_accounting.py cross-checks them against Opacus and against Google's dp-accounting.  (dp-accounting
+tests/accounting/test_accounting.py cross-checks them against Opacus and against Google's dp-accounting.  (dp-accounting
 0.6's own fractional-order series sums absolute values: a valid but looser bound, up to ~2 % above Opacus at
 sigma 2, q 0.2, 1,000 steps, which would make every earlier release fail verification; it stays a test oracle.)
 

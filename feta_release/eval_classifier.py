@@ -2,7 +2,7 @@
 
 Why this network: a finding in a medical image can be a few pixels at any place. A classifier that averages its
 last feature map (globally or to a coarse grid) dilutes such a finding among the background. On the test set of
-``tests/finding_images.py`` (48x48 noisy textures, 600 training images, one class differing from "normal" only by
+``tests/support/finding_images.py`` (48x48 noisy textures, 600 training images, one class differing from "normal" only by
 a 2x2 bright spot at a random place) the former evaluation CNN (3x3 average pooling of its last map) scored 67 %
 on the finding class and 33 % on normal; this network 100 % and 92 %. So the head sees the global MAX (is the
 evidence anywhere?) concatenated with the global MEAN (overall texture, intensity) of the last stage.

@@ -85,7 +85,7 @@ STRONG_EPSILON = 5.0  # from here the eps = 10 preset's aux fit and sampler, bel
 # DP-SGD's noise-to-signal over the job (dpsgd_noise) where a DP-SGD stage was measured to tie the releases
 # alone: the rules' DP-SGD on 4,000 digits at eps = 10 (eps x N = 40,000; docs/evaluation.md, "a DP-SGD stage
 # at eps = 10": +-0.01): sigma 2.09, 160k parameters, B = 1,000, T = 80 steps. At eps = 1 (figure 0.64) DP-SGD lowered
-# accuracy. tests/test_dpsgd_rule.py recomputes it from the rules.
+# accuracy. tests/accounting/test_dpsgd_rule.py recomputes it from the rules.
 DPSGD_TIE_NOISE = 0.0936
 DPSGD_MARGIN = 5.0  # the former rule's margin over the tie (eps x N >= 200,000 = 5 x 40,000): NOT measured
 DPSGD_MAX_NOISE = DPSGD_TIE_NOISE / DPSGD_MARGIN

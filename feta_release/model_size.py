@@ -2,7 +2,7 @@
 
 Why: a node refuses a job whose model exceeds its policy's ``resources.max_model_parameters`` BEFORE it builds
 anything (a 2 KB signed job with ``channels = 1024`` made a node allocate 6 GB just to check the coordinator's
-weights against it). The count follows ``models.unet.UNet`` layer by layer (``tests/test_model_size.py`` holds it
+weights against it). The count follows ``models.unet.UNet`` layer by layer (``tests/node/test_node_resources.py`` holds it
 equal to the built model's for any architecture), in closed form per level, so a job's own numbers (e.g.
 ``num_res_blocks = 10**9``) cannot make the count itself slow. Torch-free: ``policy check`` runs it on an
 administrator's machine without the training stack.

@@ -18,7 +18,7 @@ OUT = ROOT / "docs" / "reference" / "cli.md"
 HEADER = """# Command reference
 
 Generated from the commands' own help by `python scripts/cli_reference.py`; do not edit by hand
-(`tests/test_cli_reference.py` fails when this file and the CLI disagree). Exit codes: docs/reference/exit-codes.md.
+(`tests/house/test_cli_reference.py` fails when this file and the CLI disagree). Exit codes: docs/reference/exit-codes.md.
 """
 
 

@@ -35,8 +35,8 @@ def torch_one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def keys() -> Any:
-    """Coordinator, site and site-administrator keys of site "a" (tests/release_helpers.Keys)."""
-    from .release_helpers import new_keys
+    """Coordinator, site and site-administrator keys of site "a" (tests/support/release.Keys)."""
+    from tests.support.release import new_keys
 
     return new_keys()
 
@@ -44,7 +44,7 @@ def keys() -> Any:
 @pytest.fixture(scope="module")
 def den() -> Any:
     """The project's real EDM UNet at a tiny size (torch)."""
-    from .release_helpers import small_denoiser
+    from tests.support.release import small_denoiser
 
     return small_denoiser()
 
@@ -54,7 +54,7 @@ def den_onnx(den: Any) -> Any:
     """``den`` exported to ONNX."""
     from feta_release.release.onnx_export import export_denoiser
 
-    from .release_helpers import IMAGE_SHAPE
+    from tests.support.release import IMAGE_SHAPE
 
     return export_denoiser(den, IMAGE_SHAPE)
 
@@ -62,7 +62,7 @@ def den_onnx(den: Any) -> Any:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory, den_onnx: Any, keys: Any) -> Path:
     """One valid one-site release with its signed policy; tests copy it (``release``) before changing it."""
-    from .release_helpers import make_release, signed_policy
+    from tests.support.release import make_release, signed_policy
 
     return make_release(tmp_path_factory.mktemp("rel") / "release", den_onnx, keys, policy=signed_policy(keys))
 

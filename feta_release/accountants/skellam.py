@@ -136,7 +136,7 @@ def honest_shares(n_sites: int, threshold: int, colluders: int) -> int:
       2. Otherwise every honest j outside S needs T "dropped" calls from honest sites other than itself: o T of
          them (o = h - |S|), while a site in S makes at most min(h - T, o) and one outside at most
          min(h - T, o - 1).  The least |S| for which o T fits is the bound returned (<= T; e.g. n = 5, t = 3,
-         c = 0 gives 2, reached by tests/test_secagg.py's two-site split view, not t - c = 3).
+         c = 0 gives 2, reached by tests/federation/test_secagg.py's two-site split view, not t - c = 3).
     """
     h, big_t = n_sites - colluders, threshold - colluders
     if big_t <= 0:

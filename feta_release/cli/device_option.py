@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-CHOICES = ("auto", "cpu", "cuda")  # = training.device.DEVICES (tests/test_cli_consistency.py checks both)
+CHOICES = ("auto", "cpu", "cuda")  # = training.device.DEVICES (tests/cli/test_cli_consistency.py checks both)
 
 
 def device_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

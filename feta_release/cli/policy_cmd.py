@@ -492,7 +492,7 @@ class PartialCheckExit(click.ClickException):
     """A ``PartialCheck`` as the CLI reports it: its line on STDOUT (a verdict, not an error: no "Error:" prefix)
     and exit status 8, the same under ``feta-release`` (``cli.main``) and click's standalone mode (tests)."""
 
-    # = feta_release.policy.partial.PARTIAL_CHECK_EXIT (tests/test_partial_check_exit.py checks it), not imported
+    # = feta_release.policy.partial.PARTIAL_CHECK_EXIT (tests/policy/test_partial_check_exit.py checks it), not imported
     # here: the policy package loads at module top only when a command needs it (the keys commands start fast)
     exit_code = 8
 

@@ -290,7 +290,7 @@ def _medical_block(rng: np.random.Generator, lab: np.ndarray, size: int, acq: Ac
     y, x = _grid(size)
     edge = 4.0 / size
     # Three streams: the anatomy and the acquisition (noise included) do not depend on the labels, so the same
-    # seed with another label changes only the class sign (what tests/test_data_procedural.py checks).
+    # seed with another label changes only the class sign (what tests/data/test_data_procedural.py checks).
     anatomy_rng, sign_rng, acquisition_rng = rng.spawn(3)
     a = _draw_anatomy(anatomy_rng, b)
     right, left = _lungs(y, x, a, edge)

@@ -6,7 +6,7 @@ Central images: the sites' released images are averaged (``combine_central``), p
 are, and the spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are combined into one
 (``combine_frequency``); the frequency stage fits the auxiliary generator to it and warms the denoiser on its
 images (+ the combined central images when ``[warmup] frequency_mix_central``). A federation of one site therefore
-warms up exactly as ``train`` does on the same releases (``tests/test_warmup_shared.py``).
+warms up exactly as ``train`` does on the same releases (``tests/training/test_warmup_shared.py``).
 """
 
 from __future__ import annotations

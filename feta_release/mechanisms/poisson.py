@@ -10,7 +10,7 @@ rate q. A float uniform is not a real one, so ``u < q`` is not Bernoulli(q):
     above q whenever q is off that grid (q = 0.1, say).
 
 Here u is a float64 uniform on the 2^-53 grid, numpy (as above) or torch CPU ``torch.rand(dtype=float64)`` (ATen
-``uniform_real<double>``: (random64() & (2^53 - 1))·2^-53; tests/test_poisson_inclusion.py checks both grids), and
+``uniform_real<double>``: (random64() & (2^53 - 1))·2^-53; tests/security/test_poisson_inclusion.py checks both grids), and
 a record joins iff u < t with t = floor(q·2^53) / 2^53 (exact in float64: a power-of-two scaling, a floor, and the
 scaling back). Then P(join) = #{k in [0, 2^53) : k < floor(q·2^53)} / 2^53 = floor(q·2^53) / 2^53 <= q, equal to q
 whenever q is on the grid (every float64 q >= 1/2, every batch / n_public with n_public a power of two <= 2^53).

@@ -41,7 +41,7 @@ hooks materialise one gradient per ROW (K times more) and measured 3.08x the non
 Privacy argument (unchanged, see ``training.dpsgd``): each sampled example contributes one gradient vector, clipped
 to L2 norm C over all trainable parameters together; the clipped sum gets N(0, (sigma C)^2) noise once per step.
 This module only changes HOW the per-example vectors are computed, so it must compute the same vectors:
-``tests/test_ghost_clip.py`` checks them against the torch.func path on the real denoiser (K = 1 and 4, clipped and
+``tests/training/test_ghost_clip.py`` checks them against the torch.func path on the real denoiser (K = 1 and 4, clipped and
 unclipped examples) and on random small layers. The decomposition ``per-example gradient = sum over the example's
 rows`` holds only when the model treats rows independently (no BatchNorm, no op across the batch axis): the
 modules that would mix rows are refused (``unsupported``) and the caller falls back to torch.func, never skipping a

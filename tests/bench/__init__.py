@@ -1,0 +1,1 @@
+"""The benchmark scripts in bench/ run and measure what they claim."""

@@ -1,0 +1,111 @@
+"""bench/generality.py: the pipeline cell runs the job asked for at the row's ε (a preset or a job file rewritten
+with the row's ε, δ and seed; the derived job by --epsilon), the plan has one cell per method, kind, size, ε and seed
+(the ceiling once per ε pair, no digits beyond the 5,000 shipped), and the table shows every row."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from feta_release.config import load_job, load_preset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("generality", ROOT / "bench" / "generality.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu-eps1", "cpu-eps10", "xray64-eps10"])
+def test_a_preset_job_is_written_with_the_rows_epsilon_delta_and_seed(tmp_path: Path, preset: str) -> None:
+    bench = _bench()
+    (path,) = bench.job_args(f"preset:{preset}", 3.0, 2e-6, 7, tmp_path, derived=False)
+    cfg = load_job(path)
+    assert (cfg.privacy.epsilon, cfg.privacy.delta, cfg.job.seed) == (3.0, 2e-6, 7)
+    want = load_preset(preset).replace(privacy={"epsilon": 3.0, "delta": 2e-6}, job={"seed": 7})
+    assert cfg.to_dict() == want.to_dict()  # every other setting of the preset kept
+
+
+def test_job_choice_derived_preset_template_and_auto(tmp_path: Path) -> None:
+    bench = _bench()
+    assert bench.job_args("derived", 1.0, 1e-5, 0, tmp_path, derived=False) == ["--epsilon", "1"]
+    assert bench.job_args("auto", 10.0, 1e-5, 0, tmp_path, derived=True) == ["--epsilon", "10"]
+    (auto1,) = bench.job_args("auto", 1.0, 1e-5, 0, tmp_path, derived=False)
+    assert load_job(auto1).job.name == "cpu-eps1"
+    (templ,) = bench.job_args("preset:cpu-eps{eps}", 10.0, 1e-5, 0, tmp_path, derived=False)
+    assert load_job(templ).job.name == "cpu-eps10" and load_job(templ).privacy.epsilon == 10.0
+
+
+def test_the_plan_has_every_cell_once_and_no_digits_beyond_the_shipped_set(tmp_path: Path) -> None:
+    bench = _bench()
+    args = bench.parse_args(["--sizes", "500,20000", "--seeds", "0,1", "--job", "derived", "--work", str(tmp_path)])
+    cells = bench.plan_cells(args, derived=False)
+    names = [bench._cell_name(c) for c in cells]
+    assert len(names) == len(set(names))
+    # per (kind, size): ceiling x seeds + (dpsgd + release) x eps x seeds; digits only at 500
+    assert len(cells) == 5 * (2 + 2 * 2 * 2)
+    assert not any(c["kind"] == "digits" and c["size"] == 20000 for c in cells)
+    assert all(c["delta"] == 1e-5 and c["mode"] == "test" for c in cells)
+    md = bench.table({}, args)
+    assert md.count("\n| ") == 1 + 3 * 2 * 2  # header + kinds x sizes x eps rows
+    assert "| digits | 20,000 | 1 | n/a" in md
+
+
+def test_the_table_aggregates_seeds_and_names_failed_cells() -> None:
+    bench = _bench()
+    args = bench.parse_args(["--kinds", "medical", "--sizes", "500", "--eps", "1", "--seeds", "0,1"])
+    cell = {"seconds": 10.0, "rss_mib": 300}
+    results = {
+        "ceiling-medical-n500-seed0": {**cell, "result": {"acc": 0.9}},
+        "ceiling-medical-n500-seed1": {**cell, "result": {"acc": 0.8}},
+        "dpsgd-medical-n500-eps1-seed0": {**cell, "rss_mib": 700, "result": {"acc": 0.5, "epsilon": 0.99}},
+        "release-medical-n500-eps1-seed0": {**cell, "result": {"error": "DataError: no images"}},
+    }
+    md = bench.table(results, args)
+    row = next(ln for ln in md.splitlines() if ln.startswith("| medical"))
+    assert "0.850 ± 0.071 (2)" in row and "0.500 ± 0.000 (1)" in row
+    assert "30 s" in row and "700 MiB" in row
+    assert "release-medical-n500-eps1-seed0: DataError: no images" in md
+
+
+def test_priority_runs_the_listed_rows_first_with_their_ceiling_and_seeds_in_order(tmp_path: Path) -> None:
+    bench = _bench()
+    args = bench.parse_args(["--sizes", "4000", "--seeds", "0,1", "--methods", "ceiling,release", "--job",
+                             "derived", "--work", str(tmp_path), "--priority", "medical:10,digits:1"])
+    names = [bench._cell_name(c) for c in bench.plan_cells(args, derived=False)]
+    assert names[:8] == ["ceiling-medical-n4000-seed0", "ceiling-medical-n4000-seed1",
+                         "release-medical-n4000-eps10-seed0", "release-medical-n4000-eps10-seed1",
+                         "ceiling-digits-n4000-seed0", "ceiling-digits-n4000-seed1",
+                         "release-digits-n4000-eps1-seed0", "release-digits-n4000-eps1-seed1"]
+    unlisted = bench.parse_args(["--sizes", "4000", "--seeds", "0,1", "--methods", "ceiling,release", "--job",
+                                 "derived", "--work", str(tmp_path)])
+    assert sorted(names) == sorted(bench._cell_name(c) for c in bench.plan_cells(unlisted, derived=False))
+
+
+def test_the_per_class_lines_put_the_release_beside_the_ceiling() -> None:
+    bench = _bench()
+    args = bench.parse_args(["--kinds", "medical", "--sizes", "500", "--eps", "10", "--seeds", "0,1"])
+    cell = {"seconds": 10.0, "rss_mib": 300}
+    results = {
+        "ceiling-medical-n500-seed0": {**cell, "result": {"acc": 0.9, "per_class": {"normal": 0.9, "finding": 0.8}}},
+        "release-medical-n500-eps10-seed0": {**cell, "result": {"acc": 0.6, "per_class": {"normal": 0.9,
+                                                                                         "finding": 0.2}}},
+        "release-medical-n500-eps10-seed1": {**cell, "result": {"acc": 0.6, "per_class": {"normal": 0.7,
+                                                                                         "finding": 0.4}}},
+    }
+    assert "- medical, 500, ε = 10: normal 0.80 (0.90), finding 0.30 (0.80)" in bench.table(results, args)
+
+
+def test_cells_keep_the_callers_python_path_after_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench()
+    monkeypatch.setenv("PYTHONPATH", "/opt/wheels")
+    assert bench._child_env()["PYTHONPATH"].split(":") == [str(ROOT), "/opt/wheels"]

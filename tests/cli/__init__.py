@@ -1,0 +1,1 @@
+"""The command line as one tool: names, help, console text, typed refusals."""

@@ -1,0 +1,156 @@
+"""The derived job from the command line: `train --epsilon` without a preset, `privacy plan --shape`, and
+`preset list|show|export`."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from feta_release.cli import main
+from feta_release.config import JobConfig, load_job, load_preset, preset_names, preset_text
+from feta_release.data import ImageDataset, load_embedded, save_npz
+from feta_release.job_rules import DataFacts, derive_job, sizing_size
+from tests.support.cli import run_cli as _run
+
+
+class Stop(Exception):
+    """Raised by the stand-in pipeline once it has seen what `train` would run."""
+
+
+@pytest.fixture(scope="module")
+def digits_npz(tmp_path_factory):
+    full = load_embedded()
+    idx = np.concatenate([np.flatnonzero(full.labels == c)[:60] for c in range(10)])
+    path = tmp_path_factory.mktemp("data") / "digits.npz"
+    save_npz(full.subset(np.sort(idx)), path)
+    return path
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+
+    def fake_pipeline(cfg: JobConfig, data: Any, out_dir: Any, **kw: Any) -> None:
+        got.update(cfg=cfg, data=data, **kw)
+        raise Stop
+
+    monkeypatch.setattr("feta_release.training.pipeline.run_pipeline", fake_pipeline)
+    return got
+
+
+def test_train_without_a_preset_asks_for_epsilon(tmp_path: Path, capsys: Any) -> None:
+    code, _, err = _run(["train", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "--epsilon" in err and "preset list" in err
+
+
+def test_derived_job_options_are_refused_beside_a_preset(tmp_path: Path, capsys: Any) -> None:
+    code, _, err = _run(["train", "--preset", "tiny", "--epsilon", "1", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "for the derived job" in err
+
+
+def test_train_with_a_declared_size_runs_the_job_derived_from_the_data(digits_npz: Path, tmp_path: Path,
+                                                                       capsys: Any, seen: dict[str, Any]) -> None:
+    saved = tmp_path / "job.toml"
+    with pytest.raises(Stop):
+        main(["train", "--data", str(digits_npz), "--epsilon", "10", "--public-size", "600", "--out",
+              str(tmp_path / "r"), "--save-job", str(saved)])
+    out = capsys.readouterr().out
+    want = derive_job(DataFacts(size=600, height=28, width=28, channels=1, n_classes=10, epsilon=10.0))
+    assert seen["cfg"] == want and seen["job_for_size"] is None and seen["public_size"] == 600
+    assert load_job(saved) == want  # the printed and saved TOML is the job that runs
+    assert tomllib.loads(out)["central"]["sigma"] == want.central.sigma
+    assert "# facts: public size 600" in out and "not yet measured" in out
+
+
+def test_train_that_draws_its_size_derives_the_job_at_the_drawn_size(digits_npz: Path, tmp_path: Path,
+                                                                     capsys: Any, seen: dict[str, Any]) -> None:
+    with pytest.raises(Stop):
+        main(["train", "--data", str(digits_npz), "--epsilon", "1", "--out", str(tmp_path / "r")])
+    facts = DataFacts(size=1, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True)
+    ref = sizing_size(facts)
+    # drawn under a job that depends on public facts only (not on the 600 private images)
+    assert seen["cfg"] == derive_job(DataFacts(size=ref, height=28, width=28, channels=1, n_classes=10,
+                                               epsilon=1.0, size_drawn=True))
+    job_at = seen["job_for_size"]
+    assert job_at(700) == derive_job(DataFacts(size=700, height=28, width=28, channels=1, n_classes=10,
+                                               epsilon=1.0, size_drawn=True))
+    assert "# facts: public size 700 (noisy count)" in capsys.readouterr().out
+
+
+def test_privacy_plan_shows_the_derived_job_from_public_facts(capsys: Any) -> None:
+    code, out, err = _run(["privacy", "plan", "--size", "300", "--shape", "64x64x3", "--classes", "10", "--epsilon",
+                           "10", "--declared-size", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    want = derive_job(DataFacts(size=300, height=64, width=64, channels=3, n_classes=10, epsilon=10.0))
+    assert JobConfig.from_dict(data["derived_job"]) == want
+    assert data["epsilon"] <= 10.0 and not data["warnings"]
+    code, _, err = _run(["privacy", "plan", "--size", "300", "--shape", "28x28", "--classes", "100", "--epsilon",
+                         "1"], capsys)
+    assert code == 2 and "below the floor" in err
+
+
+def test_privacy_plan_refuses_a_bad_shape(capsys: Any) -> None:
+    code, _, err = _run(["privacy", "plan", "--shape", "28by28", "--classes", "10", "--epsilon", "1"], capsys)
+    assert code == 2 and "HxWxC" in err
+
+
+def test_preset_list_names_every_preset_with_its_header_figure(capsys: Any) -> None:
+    code, out, _ = _run(["preset", "list"], capsys)
+    assert code == 0
+    for name in preset_names():
+        assert name in out
+    assert "0.900 +- 0.015" in out and "0.803 +- 0.019" in out  # the nodpsgd presets' measured figures
+
+
+def test_preset_show_and_export_give_the_shipped_file(tmp_path: Path, capsys: Any) -> None:
+    code, out, _ = _run(["preset", "show", "cpu-eps1-nodpsgd"], capsys)
+    assert code == 0 and out == preset_text("cpu-eps1-nodpsgd")
+    dest = tmp_path / "mine.toml"
+    code, _, _ = _run(["preset", "export", "cpu-eps10-nodpsgd", str(dest)], capsys)
+    assert code == 0 and load_job(dest) == load_preset("cpu-eps10-nodpsgd")
+    code, _, err = _run(["preset", "export", "cpu-eps10-nodpsgd", str(dest)], capsys)
+    assert code == 2 and "--force" in err
+    code, _, err = _run(["preset", "show", "../config"], capsys)
+    assert code == 2 and "unknown preset" in err
+
+
+def test_train_help_names_the_derived_job_and_the_best_presets(capsys: Any) -> None:
+    code, out, _ = _run(["train", "--help"], capsys)
+    assert code == 0
+    text = re.sub(r"-\s+", "-", " ".join(out.split()))  # help wraps lines at hyphens
+    assert "DERIVED" in text and "--epsilon" in text
+    assert "cpu-eps1-nodpsgd" in text and "cpu-eps10-nodpsgd" in text
+
+
+@pytest.fixture(scope="module")
+def two_digits_npz(tmp_path_factory):
+    full = load_embedded()
+    sub = full.subset(np.sort(np.concatenate([np.flatnonzero(full.labels == c)[:300] for c in (0, 1)])))
+    path = tmp_path_factory.mktemp("data") / "two.npz"
+    save_npz(ImageDataset(sub.images, sub.labels, ("0", "1"), "two digits"), path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_derived_job_trains_end_to_end_within_its_epsilon(two_digits_npz: Path, tmp_path: Path,
+                                                            capsys: Any) -> None:
+    # 600 images of 2 classes at epsilon 3: both releases, aux-prototype cells, the shortest warm-up, 3 aux epochs
+    out, saved = tmp_path / "run", tmp_path / "job.toml"
+    code, stdout, err = _run(["train", "--data", str(two_digits_npz), "--epsilon", "3", "--public-size", "600",
+                              "--time-budget", "1s", "--save-job", str(saved), "--out", str(out), "--synthetic", "10",
+                              "--no-release", "--no-progress", "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["epsilon"] <= 3.0
+    job = load_job(saved)
+    assert job.central.cell_rule == "aux" and job.central.cells > 1  # the generic cells ran, prototypes and all
+    assert job.frequency.sigma is not None and job.auxgen.epochs == 3
+    assert JobConfig.from_dict(json.loads((out / "job.json").read_text("utf-8"))) == job.for_size(600)
+    assert (out / "COMPLETE").exists()

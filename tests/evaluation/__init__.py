@@ -1,0 +1,1 @@
+"""Evaluating a synthetic set: classifier, fidelity figures, protocol and labelled grids."""

@@ -1,0 +1,1 @@
+"""Faults: full disks, torn writes, killed processes, resumed jobs."""

@@ -1,0 +1,1 @@
+"""The coordinator and the federated protocol: the Grid harness, FedSGD, secure aggregation, Flower processes."""

@@ -1,0 +1,1 @@
+"""House rules checked on the tree: lint, domain language, function length, layering, references, supply chain."""

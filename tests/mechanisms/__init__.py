@@ -1,0 +1,1 @@
+"""The noise mechanisms: central images, frequency statistics, Skellam, cells, feature maps, audits."""

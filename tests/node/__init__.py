@@ -1,0 +1,1 @@
+"""The site node: its release protocol, worker, resources, state, site cache and onboarding kit."""

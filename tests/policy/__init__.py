@@ -1,0 +1,1 @@
+"""Signed policies, signed jobs, keys and the `policy` / `job` commands."""

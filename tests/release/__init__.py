@@ -1,0 +1,1 @@
+"""The signed release: export, verify, report, synthesize, certificates and the light install."""

@@ -1,0 +1,1 @@
+"""Attacks and side channels, each file named by the threat it pins."""

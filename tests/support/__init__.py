@@ -1,0 +1,1 @@
+"""Shared test code: fixtures and builders that test modules import (never one test module from another)."""

@@ -1,0 +1,1 @@
+"""Models, DP-SGD, warm-up stages, sampler starts and the single-site pipeline."""

@@ -1,0 +1,77 @@
+"""The central polish ([warmup] polish_iterations): low-lr steps on the released central images after the last
+warm-up stage; off by default, counted and validated, run by the pipeline and by the coordinator's warm-up."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from feta_release.config import load_preset
+from feta_release.errors import ConfigError
+from feta_release.models import build_denoiser
+from feta_release.stages.spatial import central_polish
+from feta_release.training.pipeline import run_pipeline
+from tests.support.training import TINY, bars, embedded_subset as _data, fixed_noise_loss, job
+
+
+def _central() -> tuple[np.ndarray, np.ndarray]:
+    x, y = bars()
+    return x.numpy(), y.numpy()
+
+
+def test_polish_off_by_default_leaves_model_unchanged() -> None:
+    d = build_denoiser(TINY, (1, 16, 16), 2)
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    assert job().warmup.polish_iterations == 0
+    assert central_polish(d, _central(), job()) is None
+    assert all(torch.equal(before[k], v) for k, v in d.state_dict().items())
+
+
+def test_polish_runs_its_steps_at_its_own_lr_and_lowers_the_loss() -> None:
+    torch.manual_seed(0)
+    d = build_denoiser(TINY, (1, 16, 16), 2)
+    x, y = bars()
+    cfg = job(warmup={"spatial_iterations": 7, "spatial_batch": 4, "polish_iterations": 80, "polish_lr": 2e-3,
+                      "ema": 0.9})
+    before = fixed_noise_loss(d, x, y)
+    res = central_polish(d, _central(), cfg)
+    assert res is not None and res.steps == 80  # the polish count, not spatial_iterations
+    assert fixed_noise_loss(d, x, y) < 0.8 * before
+
+
+def test_polish_lr_matters() -> None:
+    outs = []
+    for lr in (1e-4, 2e-3):
+        torch.manual_seed(1)
+        d = build_denoiser(TINY, (1, 16, 16), 2)
+        central_polish(d, _central(), job(warmup={"polish_iterations": 3, "polish_lr": lr, "spatial_batch": 4}))
+        outs.append(torch.cat([p.flatten() for p in d.parameters()]))
+    assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("over", [{"polish_iterations": -1}, {"polish_lr": 0.0}, {"polish_lr": -1e-3}])
+def test_bad_polish_values_are_refused(over: dict) -> None:
+    with pytest.raises(ConfigError, match="polish"):
+        load_preset("tiny").replace(warmup=over)
+
+
+def test_polish_is_allowed_in_federated_jobs() -> None:
+    """The coordinator's warm-up polishes on the combined central images (tests/training/test_warmup_shared.py: a
+    federation of one reaches the local driver's weights bit for bit, polish included)."""
+    cfg = load_preset("tiny").replace(warmup={"polish_iterations": 5}, federation={"sites": ("a", "b")})
+    assert cfg.warmup.polish_iterations == 5
+
+
+@pytest.mark.parametrize("frequency", [True, False])
+def test_pipeline_runs_the_polish_once_after_the_last_warmup(tmp_path, frequency: bool) -> None:
+    cfg = load_preset("tiny").replace(warmup={"polish_iterations": 4})
+    if not frequency:  # no frequency warm-up: the polish ends the spatial stage instead
+        cfg = cfg.replace(frequency={"sigma": None})
+    run_pipeline(cfg, _data(), tmp_path / "r", n_synthetic=20, grid_per_class=1, noise_seed=1)
+    stages = json.loads((tmp_path / "r" / "run.json").read_text())["stages"]
+    assert stages["polish"]["steps"] == 4
+    assert ("frequency" in stages) == frequency

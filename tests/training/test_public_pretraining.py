@@ -1,0 +1,200 @@
+"""Public pretraining ([public], train --public / --pretrained): named in the job, free in the ledger, first."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from feta_release.config import JobConfig, load_preset
+from feta_release.data import ImageDataset, load_embedded
+from feta_release.data.procedural import generate
+from feta_release.errors import ConfigError, DataError
+from feta_release.ledger import Ledger
+from feta_release.planning import plan, stage_events
+from feta_release.signing import load_private_key
+from feta_release.stages import PublicInputs
+from feta_release.stages.pretrain import PRETRAINED_FILE, mapped_labels, with_public
+from feta_release.training.checkpoint import read_model_file
+from feta_release.training.pipeline import run_pipeline
+
+pytestmark = pytest.mark.slow  # two tiny runs
+
+
+def _data(n: int = 240) -> ImageDataset:
+    full = load_embedded()
+    rng = np.random.default_rng(0)
+    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    return full.subset(np.sort(idx))
+
+
+def _cfg(**over) -> JobConfig:
+    base = load_preset("tiny").replace(public={"pretrain_iterations": 6, "pretrain_batch": 16})
+    return base.replace(**over) if over else base
+
+
+@pytest.fixture(scope="module")
+def strokes() -> ImageDataset:
+    return generate("strokes", 64, size=28, seed=4)
+
+
+@pytest.fixture(scope="module")
+def public_run(tmp_path_factory, strokes):
+    out = tmp_path_factory.mktemp("pub") / "r"
+    res = run_pipeline(_cfg(), _data(), out, n_synthetic=10, grid_per_class=1, noise_seed=1, public_size=240,
+                       public=PublicInputs(strokes, "procedural pen strokes, seed 4"))
+    return out, res
+
+
+def test_the_job_names_the_public_set_by_hash_count_shape_and_description(public_run, strokes):
+    out, _ = public_run
+    job = json.loads((out / "job.json").read_text())
+    assert job["public"]["sha256"] == strokes.fingerprint()
+    assert job["public"]["count"] == 64 and job["public"]["shape"] == [1, 28, 28]
+    assert job["public"]["description"] == "procedural pen strokes, seed 4"
+    assert job["public"]["class_names"] == list(strokes.class_names)
+    state = json.loads((out / "run.json").read_text())
+    assert state["stages"]["pretrain"]["steps"] == 6
+    assert (out / "grids" / "01-after-pretrain.png").exists()  # the first thing the run shows
+
+
+def test_pretraining_costs_nothing_in_the_ledger(public_run):
+    out, res = public_run
+    plain = stage_events(load_preset("tiny"), 240)
+    assert stage_events(_cfg().replace(public={"sha256": "0" * 64, "count": 64, "shape": [1, 28, 28]}), 240) == plain
+    run = json.loads((out / "run.json").read_text())
+    key = load_private_key(out / "checkpoints" / "site.key")
+    with Ledger(out / run["ledger"]["path"], verify_key=key.public_key()) as led:
+        rows = led.requests(run["ledger"]["job_id"])
+    assert [r["mechanism"] for r in rows] == ["central", "frequency", "dpsgd"]  # nothing for the public set
+    assert res.epsilon == pytest.approx(plan(load_preset("tiny"), 240).epsilon, rel=1e-9)
+
+
+def test_a_pretrained_file_is_reused_by_hash_and_gives_the_same_start(public_run, tmp_path, strokes):
+    out, _ = public_run
+    f = out / PRETRAINED_FILE
+    doc = read_model_file(f)
+    assert doc["public"]["sha256"] == strokes.fingerprint()
+    cfg = _cfg(public={"pretrain_iterations": 0})
+    res = run_pipeline(cfg, _data(), tmp_path / "again", n_synthetic=0, grid_per_class=1, noise_seed=1,
+                       public_size=240, public=PublicInputs(pretrained=f))
+    job = json.loads((tmp_path / "again" / "job.json").read_text())
+    assert job["public"]["pretrained_sha256"] and job["public"].get("sha256") is None
+    again = read_model_file(tmp_path / "again" / PRETRAINED_FILE)["state_dict"]
+    for k, v in doc["state_dict"].items():
+        assert torch.equal(v, again[k]), k
+    assert res.epsilon > 0
+
+
+def test_the_job_refuses_another_public_set_than_the_one_it_names(strokes):
+    cfg = with_public(_cfg(), PublicInputs(strokes), (1, 28, 28))
+    other = generate("strokes", 64, size=28, seed=5)
+    with pytest.raises(DataError, match="not the public set"):
+        with_public(cfg, PublicInputs(other), (1, 28, 28))
+    with pytest.raises(ConfigError, match="--public PATH"):
+        with_public(cfg, None, (1, 28, 28))
+    with pytest.raises(DataError, match="private data's"):
+        with_public(_cfg(), PublicInputs(generate("strokes", 8, size=32)), (1, 28, 28))
+
+
+def test_public_labels_map_onto_private_classes_by_name_or_label_map_else_null(strokes):
+    private = ("arc", "x", "y")
+    lab = mapped_labels(strokes, private, ())
+    names = np.array(strokes.class_names)[strokes.labels]
+    assert np.array_equal(lab == 0, names == "arc") and set(lab[names != "arc"]) == {3}  # 3: the null label
+    lab = mapped_labels(strokes, private, ("loop=y",))
+    assert np.array_equal(lab == 2, names == "loop")
+    with pytest.raises(ConfigError, match="label_map"):
+        mapped_labels(strokes, private, ("loop=z",))
+
+
+def test_public_section_is_strict_and_absent_jobs_hash_as_before():
+    base = load_preset("tiny")
+    assert "public" not in base.to_dict()
+    with pytest.raises(ConfigError, match="sha256"):
+        base.replace(public={"sha256": "xyz"})
+    with pytest.raises(ConfigError, match="unknown key"):
+        JobConfig.from_dict({"public": {"path": "/data"}})
+    with pytest.raises(ConfigError, match="count >= 1"):
+        base.replace(public={"sha256": "a" * 64})
+
+
+def test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images(tmp_path, monkeypatch):
+    """The coordinator pretrains; every message to a site (encoded as on the wire) holds the job's [public] hash
+    and none of the public images' bytes, and each site's ledger charges the plan of the same job without
+    [public]."""
+    from flwr.common.serde import message_to_proto
+
+    from coordinator.setup import sign_job_file
+    from feta_release.federation import harness as h
+
+    from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job, tiny_job
+
+    fed = make_federation(tmp_path / "fed")
+    public = generate("strokes", 48, size=28, seed=9)
+    pub = PublicInputs(public, "pen strokes")
+    base = tiny_job(public={"pretrain_iterations": 3, "pretrain_batch": 8})
+    cfg = with_public(base, pub, (1, 28, 28))
+    signed, _ = sign_job_file(fed, cfg, "job-pub")
+    sent: list[bytes] = []
+    wire = h._wire
+
+    def record(msg):
+        sent.append(message_to_proto(msg).SerializeToString())
+        return wire(msg)
+
+    monkeypatch.setattr(h, "_wire", record)
+    res = run_harness_job(fed, harness(fed), signed, tmp_path / "out", public=pub)
+    assert res.rounds_done == 2
+    assert any(public.fingerprint().encode() in m for m in sent)  # the job, naming the set by hash
+    images = [np.ascontiguousarray(public.images[i], "<f4").tobytes() for i in range(public.n)]
+    pixels = [np.rint(public.images[i] * 255).astype(np.uint8).tobytes() for i in range(public.n)]
+    assert not any(img in m for m in sent for img in images + pixels)
+    plain, _ = sign_job_file(fed, base, "job-plain")
+    run_harness_job(fed, harness(fed), plain, tmp_path / "plain")
+    for s in fed.sites:
+        got = [r["events"] for r in ledger_requests(fed, s.site_id, "job-pub")]
+        assert got == [r["events"] for r in ledger_requests(fed, s.site_id, "job-plain")]
+    again, _ = sign_job_file(fed, cfg, "job-pub-again")
+    with pytest.raises(ConfigError, match="--public PATH"):  # the coordinator never skips it silently
+        run_harness_job(fed, harness(fed), again, tmp_path / "nopub")
+    assert ledger_requests(fed, "site-a", "job-pub-again") == []  # refused before any release
+
+
+def test_verify_shows_the_public_set_and_checks_its_hash_when_given(public_run, strokes, tmp_path):
+    from feta_release.data import save_npz
+    from feta_release.release.verify import verify_release
+    from feta_release.training.local_job import release_run, run_coordinator_key
+    from feta_release.training.pipeline import run_site_key
+
+    out, _ = public_run
+    rel = release_run(out, site_key=run_site_key(out), coordinator_key=run_coordinator_key(out))
+    trust = {"site": [run_site_key(out).public_key()]}
+
+    def public_check(path=None):
+        res = verify_release(rel, trust, public=path)
+        return next(c for c in res.checks if c.name == "public data")
+
+    shown = public_check()
+    assert shown.status == "pass" and strokes.fingerprint()[:16] in shown.detail and "64 images" in shown.detail
+    save_npz(strokes, tmp_path / "same.npz")
+    assert public_check(tmp_path / "same.npz").status == "pass"
+    save_npz(generate("strokes", 64, size=28, seed=5), tmp_path / "other.npz")
+    bad = public_check(tmp_path / "other.npz")
+    assert bad.status == "fail" and "sha256" in bad.detail
+
+
+def test_train_reads_public_through_the_private_loader_and_refuses_a_stray_description(tmp_path, strokes):
+    from feta_release.cli.train_cmd import _public_inputs
+    from feta_release.data import save_npz
+
+    save_npz(strokes, tmp_path / "public.npz", dtype="uint8")
+    got = _public_inputs(_cfg(), str(tmp_path / "public.npz"), "strokes", None, None, (1, 28, 28))
+    assert got.data.n == 64 and got.description == "strokes" and got.data.image_shape == (1, 28, 28)
+    with pytest.raises(DataError, match="private data's"):
+        _public_inputs(_cfg(), str(tmp_path / "public.npz"), "", None, None, (1, 32, 32))
+    with pytest.raises(ConfigError, match="--public PATH"):
+        _public_inputs(_cfg(), None, "a description without a set", None, None, (1, 28, 28))
+    assert _public_inputs(_cfg(), None, "", None, None, (1, 28, 28)) is None

@@ -71,7 +71,7 @@ def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> 
     from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
-    from feta_release.training.checkpoint import MODEL_FILE
+    from feta_release.models.model_file import MODEL_FILE
 
     rcfg = cfg.replace(job={"seed": seed})
     res = run_pipeline(rcfg, train, out, n_synthetic=n_synthetic,
@@ -129,7 +129,7 @@ def federated_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, 
     res = run_job(grid, signed, out / "job", coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=30,
                   poll_interval=0.05)
     central = _combined_central(out / "job", fcfg, {s.site_id: s.size for s in fed.sites}, pooled_central)
-    from feta_release.training.checkpoint import MODEL_FILE
+    from feta_release.models.model_file import MODEL_FILE
 
     syn = {"noise": sample_model(out / "job" / MODEL_FILE, fcfg, train, n_synthetic)}
     if fcfg.sampler.start_sigma is not None:
@@ -163,7 +163,7 @@ def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
     from feta_release.models.sampler import generate
     from feta_release.stages.context import initial_denoiser, public_generator, seed_from
     from feta_release.stages.synthesis import release_starts
-    from feta_release.training.checkpoint import read_model_file
+    from feta_release.models.model_file import read_model_file
 
     model = initial_denoiser(cfg, train.image_shape, train.n_classes)
     model.load_state_dict(read_model_file(model_file)["state_dict"])

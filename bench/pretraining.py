@@ -69,7 +69,7 @@ def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int
     from feta_release.config import load_preset
     from feta_release.stages.pretrain import PRETRAINED_FILE, PublicInputs, pretrain, with_public
     from feta_release.stages.context import initial_denoiser
-    from feta_release.training.checkpoint import write_model_file
+    from feta_release.models.model_file import write_model_file
     from feta_release.models.edm import denoiser_spec
 
     path = out / f"pretrained-{kind}.pt"

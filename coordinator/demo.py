@@ -29,7 +29,7 @@ from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.config import load_preset
 from feta_release.data.dataset import save_npz
-from feta_release.data.embedded import load_embedded
+from feta_release.data import load_embedded
 from feta_release.data.splits import split_sites, train_heldout_split
 from feta_release.federation.procs import free_port
 from feta_release.release.report import write_report

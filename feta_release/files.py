@@ -7,6 +7,7 @@ secret (``training.checkpoint``), the node's secure-aggregation state (``edge.se
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -14,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .errors import FetaError
 
 
 def _fsync_dir(path: Path) -> None:
@@ -62,6 +65,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = 
         raise
     _fsync_dir(p.parent)
     return p
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """A run directory's record (``run.json``, ``privacy.json``, ...) as sorted, indented JSON, atomically."""
+    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def read_run_json(path: str | os.PathLike) -> Any:
+    """A record :func:`atomic_write_json` wrote; unreadable JSON means someone else edited the run directory."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text("utf-8"))
+    except json.JSONDecodeError as exc:
+        raise FetaError(f"{p}: corrupt JSON ({exc}); the run directory was modified outside feta-release") from None
 
 
 def private_dir(path: str | os.PathLike) -> Path:

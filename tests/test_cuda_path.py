@@ -125,7 +125,7 @@ def test_federated_job_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     from feta_release.signing import load_public_key
     from feta_release.stages.context import initial_denoiser
     from feta_release.training import dpsgd
-    from feta_release.training.checkpoint import read_model_file
+    from feta_release.models.model_file import read_model_file
 
     from .federation_fixtures import full_job, harness, run_harness_job, tiny_sites
 

@@ -105,7 +105,8 @@ def test_tls_and_node_authentication_real_processes(tmp_path):
     from coordinator.demo import _to_toml
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, register_node, start_superlink
-    from coordinator.tls import make_certificates, make_node_auth_key
+    from coordinator.tls import make_certificates
+    from feta_release.signing import make_node_auth_key
     from edge.launch import NodeSettings, start_node
     from feta_release.federation.procs import free_port
 

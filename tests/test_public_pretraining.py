@@ -17,7 +17,7 @@ from feta_release.planning import plan, stage_events
 from feta_release.signing import load_private_key
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import PRETRAINED_FILE, mapped_labels, with_public
-from feta_release.training.checkpoint import read_model_file
+from feta_release.models.model_file import read_model_file
 from feta_release.training.pipeline import run_pipeline
 
 pytestmark = pytest.mark.slow  # two tiny runs

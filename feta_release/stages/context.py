@@ -25,7 +25,8 @@ from ..planning import PrivacyPlan
 from ..files import private_dir
 from ..privacy_unit import PatientIndex
 from ..randomness import numpy_generator_from, torch_generator_from
-from ..training.checkpoint import atomic_write_bytes, atomic_write_json, load_torch_bytes, torch_bytes
+from ..files import atomic_write_bytes, atomic_write_json
+from ..training.checkpoint import load_torch_bytes, torch_bytes
 from ..training.progress import Reporter
 from .account import RunAccount
 

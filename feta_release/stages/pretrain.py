@@ -29,7 +29,7 @@ from ..data.public import public_problem, public_record
 from ..errors import ConfigError, DataError
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..signing import sha256_file
-from ..training.checkpoint import read_model_file, write_model_file
+from ..models.model_file import read_model_file, write_model_file
 from ..training.warmup_loop import Progress, WarmupResult, train_denoiser
 from .base import sample_grid
 from .context import RunContext, load_checkpoint, public_generator, save_checkpoint

@@ -17,7 +17,8 @@ from ..models.sampler import generate
 from ..release.jobfiles import RELEASED_AUX
 from ..release.starts import aux_mask, index_within_class
 from ..training.augment import rand_augment
-from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
+from ..models.model_file import MODEL_FILE, write_model_file
+from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from .context import RunContext, public_generator, seed_from
 from .freq_warmup import aux_draw, aux_pool, trained_aux
 

@@ -20,7 +20,7 @@ Both arms draw ``n_synthetic`` balanced images from their final model with BOTH 
 
 - ``noise``: pure-noise sampling (the model file's sampler, from ``[sampler] sigma_max``);
 - ``sdedit``: SDEdit (``[sampler] start_sigma``) from the arm's RELEASED central images through the synthesis stage's
-  own ``release_starts`` (public generator ``synthetic-starts``): the pooled run's released central images, the
+  own ``sdedit_starts`` (public generator ``synthetic-starts``): the pooled run's released central images, the
   coordinator's combined (securely summed) central images for the federated arm -- post-processing of released
   values, no privacy cost. For the pooled arm this is train's ``synthetic.npz`` itself (the scored set), and the
   bench checks that its own SDEdit sampling reproduces the first batch of it (``sdedit_check_max_abs_diff``).
@@ -156,13 +156,13 @@ def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
                  central: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
     """``n`` balanced samples of the model with the single-site synthesis stage's labels, seeds and sampler: from
     pure noise (``central`` None), or SDEdit from ``central`` (released images) as ``stages.synthesis`` draws them
-    (its ``release_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
+    (its ``sdedit_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
     import torch
 
     from feta_release.data import ImageDataset
     from feta_release.models.sampler import generate
     from feta_release.stages.context import initial_denoiser, public_generator, seed_from
-    from feta_release.stages.synthesis import release_starts
+    from feta_release.stages.synthesis import sdedit_starts
     from feta_release.models.model_file import read_model_file
 
     model = initial_denoiser(cfg, train.image_shape, train.n_classes)
@@ -177,7 +177,7 @@ def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
     with torch.no_grad():
         for start in range(0, n, 256):
             part = labels[start:start + 256]
-            init = None if central is None else release_starts(central, part, cfg, gen)
+            init = None if central is None else sdedit_starts(central, part, cfg, gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
             out.append(imgs.numpy().astype(np.float32))
     return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(model_file))

@@ -14,11 +14,12 @@ import os
 import re
 import sqlite3
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from feta_release.policy.document import utc_stamp
 
 STATE_FILE = "node-state.json"
 STATES = ("starting", "connecting", "connected", "refused", "serving", "stopped")
@@ -40,10 +41,6 @@ _REFUSAL_HINTS = {
 def plain(line: str) -> str:
     """The line without ANSI colour/cursor codes or trailing whitespace."""
     return _ANSI.sub("", line).rstrip()
-
-
-def utc_stamp(t: float | None = None) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if t is None else t))
 
 
 @dataclass

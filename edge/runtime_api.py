@@ -163,7 +163,7 @@ def client_side() -> None:
     take_token_from_env()
 
 
-def check_flower_internals() -> None:
+def check_runtime_api_internals() -> None:
     """The Flower names this module replaces exist (the flwr pin is checked by ``edge.trust``)."""
     from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 

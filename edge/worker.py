@@ -139,7 +139,7 @@ def serve_one(conn: Connection, worker: Worker) -> None:
     except Exception as exc:  # noqa: BLE001 - the handler's refusal or failure, as flwr-clientapp would report it
         out, rest = error_reply(exc, getattr(worker, "node_config", None)), []
     try:
-        channel.send(conn, [channel.header({**out, "protocol": channel.PROTOCOL, "frames": len(rest)}), *rest])
+        channel.send(conn, [channel.encode_header({**out, "protocol": channel.PROTOCOL, "frames": len(rest)}), *rest])
     except (OSError, channel.WorkerTimeout) as exc:
         log.warning("could not send the reply (%s): the per-message ClientApp went away or hung", exc)
 

@@ -81,12 +81,17 @@ def read_run_json(path: str | os.PathLike) -> Any:
         raise FetaError(f"{p}: corrupt JSON ({exc}); the run directory was modified outside feta-release") from None
 
 
-def private_dir(path: str | os.PathLike) -> Path:
-    """``path`` as a directory only its owner can list or enter (0700), tightened if it already exists looser: it
-    holds a run's checkpoints (the noise stream's state) and its noise secret."""
+def private_dir(path: str | os.PathLike, *, error: type[Exception] = FetaError) -> Path:
+    """``path`` as a directory only this account can list or enter (0700), tightened if it already exists looser:
+    it holds a run's checkpoints and noise secret, or the node worker's socket and state. A link, a file or another
+    account's directory there is refused (``error``): whoever owns it could read or swap what is put inside."""
     p = Path(path)
     p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if stat.S_IMODE(p.stat().st_mode) & 0o077:
+    st = p.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise error(f"{p}: must be a directory owned by this account (not a link, a file or another account's "
+                    "directory); remove it or choose another place")
+    if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(p, 0o700)
     return p
 

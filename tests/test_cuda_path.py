@@ -77,7 +77,8 @@ def test_train_with_sdedit_mix_starts_on_cuda(tmp_path: Path) -> None:
 
 
 def test_dpsgd_clipped_sum_on_cuda_matches_cpu() -> None:
-    from feta_release.training.dpsgd import EDMLoss, clipped_gradient_sum
+    from feta_release.models.edm import EDMLoss
+    from feta_release.training.dpsgd import clipped_gradient_sum
 
     cpu = _model()
     gpu = copy.deepcopy(cpu).cuda()

@@ -370,9 +370,9 @@ def test_the_coordinator_step_equals_a_local_dpsgd_step_on_the_same_batch() -> N
     from feta_release.mechanisms.secure_sums import fedsgd_params
     from feta_release.mechanisms.skellam import quantize_records
     from feta_release.models import build_denoiser
+    from feta_release.models.edm import EDMLoss
     from feta_release.training.dpsgd import (
         DPSGDTrainer,
-        EDMLoss,
         batch_gradients,
         clipped_gradient_sum,
         clipped_rows,

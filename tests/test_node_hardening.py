@@ -84,7 +84,7 @@ def test_rehashing_the_chain_without_the_site_key_is_detected(tmp_path):
     _ledger_with_rows(p)
     db = sqlite3.connect(p, isolation_level=None)
     db.execute("DELETE FROM requests WHERE request_id='r3'")
-    chain.seal(db, Ed25519PrivateKey.generate())  # the attacker's own key
+    chain.seal_chain(db, Ed25519PrivateKey.generate())  # the attacker's own key
     db.close()
     assert "signed by another key" in _tampered(p)
 

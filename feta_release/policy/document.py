@@ -9,6 +9,7 @@ bundles may run, and the validity window. The site's policy key signs it (``{"po
 from __future__ import annotations
 
 import datetime as dt
+import time
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,12 @@ def format_time(t: dt.datetime) -> str:
 
 def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def utc_stamp(t: float | None = None) -> str:
+    """UTC time ``t`` (seconds since the epoch; default now) as ``YYYY-MM-DDTHH:MM:SSZ``: the one timestamp of
+    manifests, certificates and the node's state."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if t is None else t))
 
 
 # -- the parsed policy -----------------------------------------------------------------------------

@@ -55,9 +55,9 @@ from .manifest import (
     starts_count_problem,
     starts_record,
     statement_sha256,
-    utc_now,
     write_manifest,
 )
+from ..policy.document import utc_stamp
 from .onnx_export import SamplerSettings, build_generator, export_denoiser
 from .jobfiles import RELEASED_AUX, RELEASED_CENTRAL
 from .starts import AUX_FILE, STARTS_FILE, load_starts, starts_bytes
@@ -124,7 +124,7 @@ def assemble_release(
             aux_rec = _write_aux(tmp, aux_pool, len(classes), image_shape, sites, config)
         manifest = build_manifest(
             tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
-            sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
+            sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_stamp(), **(timestamps or {})},
             signed_job=signed_job, starts=record, aux_starts=aux_rec,
         )
         write_manifest(tmp, sign_manifest(manifest, coordinator_key))

@@ -21,7 +21,7 @@ from ..training.augment import rand_augment
 from ..training.frequency import aux_draw, aux_iterations, fit_aux_restarts, frequency_warmup, generate_aux_images
 from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
-from .base import sample_grid
+from .base import stage_grid
 from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
 from .spatial import polish_stage
 
@@ -82,7 +82,7 @@ class FrequencyWarmup:
             ctx.aux = _aux_generator(ctx)
             _warm_up(ctx, ctx.aux)
             save_checkpoint(ctx, "after-frequency.pt", {"model": ctx.denoiser.state_dict()})
-        sample_grid(ctx, "after-frequency", ctx.denoiser)
+        stage_grid(ctx, "after-frequency", ctx.denoiser)
 
 
 def trained_aux(ctx: RunContext) -> AuxModel:

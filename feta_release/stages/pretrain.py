@@ -31,7 +31,7 @@ from ..models.edm import EDMDenoiser, denoiser_spec
 from ..signing import sha256_file
 from ..models.model_file import read_model_file, write_model_file
 from ..training.warmup_loop import Progress, WarmupResult, train_denoiser
-from .base import sample_grid
+from .base import stage_grid
 from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
 
 PRETRAINED_FILE = "pretrained.pt"  # RUN_DIR/pretrained.pt: the public model, reusable by `train --pretrained`
@@ -160,4 +160,4 @@ class PublicPretraining:
                              state_dict=ctx.denoiser.state_dict(), class_names=list(ctx.data.class_names),
                              public=dict(ctx.cfg.to_dict()["public"]))
             ctx.mark("pretrain", **info)
-        sample_grid(ctx, "after-pretrain", ctx.denoiser)
+        stage_grid(ctx, "after-pretrain", ctx.denoiser)

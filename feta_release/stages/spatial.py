@@ -12,7 +12,7 @@ from ..config import JobConfig
 from ..models.edm import EDMDenoiser
 from ..training.spatial import spatial_warmup
 from ..training.warmup_loop import Progress, WarmupResult
-from .base import sample_grid
+from .base import stage_grid
 from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
 
 
@@ -70,4 +70,4 @@ class SpatialWarmup:
                 polish_stage(ctx)
             save_checkpoint(ctx, "after-spatial.pt", {"model": ctx.denoiser.state_dict()})
             ctx.mark("spatial", final_loss=res.final_loss, steps=res.steps)
-        sample_grid(ctx, "after-spatial", ctx.denoiser)
+        stage_grid(ctx, "after-spatial", ctx.denoiser)

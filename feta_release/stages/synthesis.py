@@ -44,7 +44,7 @@ class Synthesis:
                          job_hash=ctx.state["job_hash"], sampler=ctx.cfg.to_dict()["sampler"])
 
 
-def release_starts(central: tuple[np.ndarray, np.ndarray], labels: np.ndarray, cfg: JobConfig,
+def sdedit_starts(central: tuple[np.ndarray, np.ndarray], labels: np.ndarray, cfg: JobConfig,
                    generator: torch.Generator) -> torch.Tensor:
     """SDEdit start images for ``labels``: RandAugment-ed released central images of each label, cycled over the
     class's images (the warm-up's augmentation; PUBLIC randomness). Post-processing of the release."""
@@ -102,7 +102,7 @@ def _write_synthetic(ctx: RunContext, model: EDMDenoiser, n: int) -> None:
     with ctx.rep.task("synthesis", n) as adv:
         for start in range(0, n, 256):
             part = labels[start:start + 256]
-            init = None if central is None or source == "aux" else release_starts(central, part, cfg, gen)
+            init = None if central is None or source == "aux" else sdedit_starts(central, part, cfg, gen)
             if aux is not None and aux_gen is not None and take is not None:
                 init = aux_starts(aux, part, take[start:start + 256], init, aux_gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)

@@ -23,7 +23,7 @@ from ..accounting import DEFAULT_WORST_CASE_FACTOR
 from ..data.declared import DataDeclaration
 from ..errors import PolicyError
 from . import schema
-from .envelope import KeyLike, as_public_keys, open_envelope, read_json, seal, write_json
+from .envelope import KeyLike, as_public_keys, open_envelope, read_json, read_text, seal, write_json
 from .errors import PolicySchemaError, PolicyViolation
 
 MECHANISMS = ("central", "frequency", "dpsgd")
@@ -275,12 +275,7 @@ def _unit_problems(ds: Mapping[str, Any]) -> list[tuple[str, str]]:
 def read_policy_document(path: str | Path) -> dict[str, Any]:
     """Read an UNSIGNED policy (``.toml`` or ``.json``), normalized and validated."""
     p = Path(path)
-    try:
-        text = p.read_text("utf-8")
-    except FileNotFoundError:
-        raise PolicyError(f"{p}: policy file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError(f"{p}: cannot read policy: {exc}") from None
+    text = read_text(p, "policy")
     try:
         if p.suffix.lower() == ".toml":
             doc = tomllib.loads(text)

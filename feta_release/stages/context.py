@@ -71,6 +71,22 @@ def load_checkpoint(ctx: Any, name: str) -> Any | None:
     return load_torch_bytes(ctx.account.saved_checkpoint(path))
 
 
+def resume_denoiser(ctx: Any, stage: str, what: str) -> bool:
+    """True when a warm-up stage already ran: its checkpoint ``after-STAGE.pt`` (:func:`save_denoiser`) is loaded
+    into ``ctx.denoiser`` in place of running it again."""
+    saved = load_checkpoint(ctx, f"after-{stage}.pt")
+    if saved is None:
+        return False
+    ctx.denoiser.load_state_dict(saved["model"])
+    ctx.rep.log(f"{what}: loaded from checkpoint")
+    return True
+
+
+def save_denoiser(ctx: Any, stage: str) -> None:
+    """The denoiser after a warm-up stage, for :func:`resume_denoiser`."""
+    save_checkpoint(ctx, f"after-{stage}.pt", {"model": ctx.denoiser.state_dict()})
+
+
 @dataclass
 class RunDir:
     root: Path

@@ -32,7 +32,7 @@ from ..signing import sha256_file
 from ..models.model_file import read_model_file, write_model_file
 from ..training.warmup_loop import Progress, WarmupResult, train_denoiser
 from .base import stage_grid
-from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
+from .context import RunContext, public_generator, resume_denoiser, save_denoiser
 
 PRETRAINED_FILE = "pretrained.pt"  # RUN_DIR/pretrained.pt: the public model, reusable by `train --pretrained`
 
@@ -146,15 +146,11 @@ class PublicPretraining:
         return cfg.public.enabled
 
     def run(self, ctx: RunContext) -> None:
-        saved = load_checkpoint(ctx, "after-pretrain.pt")
-        if saved is not None:
-            ctx.denoiser.load_state_dict(saved["model"])
-            ctx.rep.log("public pretraining: loaded from checkpoint")
-        else:
+        if not resume_denoiser(ctx, "pretrain", "public pretraining"):
             with ctx.rep.task("public pretraining", ctx.cfg.public.pretrain_iterations) as adv:
                 info = public_start(ctx.denoiser, ctx.public or PublicInputs(), ctx.cfg, ctx.data.image_shape,
                                     ctx.data.class_names, progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
-            save_checkpoint(ctx, "after-pretrain.pt", {"model": ctx.denoiser.state_dict()})
+            save_denoiser(ctx, "pretrain")
             write_model_file(ctx.rd.root / PRETRAINED_FILE,
                              spec=denoiser_spec(ctx.cfg.model, ctx.data.image_shape, ctx.data.n_classes),
                              state_dict=ctx.denoiser.state_dict(), class_names=list(ctx.data.class_names),

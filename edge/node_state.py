@@ -2,7 +2,7 @@
 
 The node's only window on its SuperNode is the SuperNode's output (Flower writes no machine-readable status), so
 ``NodeMonitor`` reads that output line by line (ANSI colour codes stripped), writes it to the node's log as plain
-text with a UTC timestamp, and turns the lines Flower 1.41 prints into the node's state.  Each change is announced
+text with a UTC timestamp, and turns the lines Flower 1.41 and 1.42 print into the node's state.  Each change is announced
 (the console of ``node start``) and written to ``node-state.json`` in the node's work directory, which
 ``feta-release node status`` reads.  Nothing here is sent anywhere: the state file and the log stay at the site.
 """

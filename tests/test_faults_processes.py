@@ -166,14 +166,14 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 
 def _job(tmp: Path) -> Path:
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
 
     cfg = tiny_job(central={"rounds": 1, "batch": 10, "sigma": 5.0},
                    warmup={"spatial_iterations": 30, "spatial_batch": 8},
                    federation={"secure_aggregation": True, "secagg_threshold": 2, "rounds": 2, "local_steps": 4,
                                "min_sites": 2, "round_timeout": ROUND_TIMEOUT})
     p = tmp / "job.toml"
-    p.write_text(_to_toml(cfg.to_dict()))
+    p.write_text(job_rules.job_toml(cfg))
     return p
 
 

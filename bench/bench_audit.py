@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from feta_release.audit import run_audit
+    from feta_release.audit.run import run_audit
     from feta_release.audit.games import audit_one_shot
     from feta_release.config import load_preset
 

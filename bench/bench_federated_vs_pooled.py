@@ -20,7 +20,7 @@ Both arms draw ``n_synthetic`` balanced images from their final model with BOTH 
 
 - ``noise``: pure-noise sampling (the model file's sampler, from ``[sampler] sigma_max``);
 - ``sdedit``: SDEdit (``[sampler] start_sigma``) from the arm's RELEASED central images through the synthesis stage's
-  own ``release_starts`` (public generator ``synthetic-starts``): the pooled run's released central images, the
+  own ``sdedit_starts`` (public generator ``synthetic-starts``): the pooled run's released central images, the
   coordinator's combined (securely summed) central images for the federated arm -- post-processing of released
   values, no privacy cost. For the pooled arm this is train's ``synthetic.npz`` itself (the scored set), and the
   bench checks that its own SDEdit sampling reproduces the first batch of it (``sdedit_check_max_abs_diff``).
@@ -71,7 +71,7 @@ def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> 
     from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
-    from feta_release.training.checkpoint import MODEL_FILE
+    from feta_release.models.model_file import MODEL_FILE
 
     rcfg = cfg.replace(job={"seed": seed})
     res = run_pipeline(rcfg, train, out, n_synthetic=n_synthetic,
@@ -129,7 +129,7 @@ def federated_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, 
     res = run_job(grid, signed, out / "job", coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=30,
                   poll_interval=0.05)
     central = _combined_central(out / "job", fcfg, {s.site_id: s.size for s in fed.sites}, pooled_central)
-    from feta_release.training.checkpoint import MODEL_FILE
+    from feta_release.models.model_file import MODEL_FILE
 
     syn = {"noise": sample_model(out / "job" / MODEL_FILE, fcfg, train, n_synthetic)}
     if fcfg.sampler.start_sigma is not None:
@@ -156,14 +156,14 @@ def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
                  central: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
     """``n`` balanced samples of the model with the single-site synthesis stage's labels, seeds and sampler: from
     pure noise (``central`` None), or SDEdit from ``central`` (released images) as ``stages.synthesis`` draws them
-    (its ``release_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
+    (its ``sdedit_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
     import torch
 
     from feta_release.data import ImageDataset
     from feta_release.models.sampler import generate
     from feta_release.stages.context import initial_denoiser, public_generator, seed_from
-    from feta_release.stages.synthesis import release_starts
-    from feta_release.training.checkpoint import read_model_file
+    from feta_release.stages.synthesis import sdedit_starts
+    from feta_release.models.model_file import read_model_file
 
     model = initial_denoiser(cfg, train.image_shape, train.n_classes)
     model.load_state_dict(read_model_file(model_file)["state_dict"])
@@ -177,7 +177,7 @@ def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
     with torch.no_grad():
         for start in range(0, n, 256):
             part = labels[start:start + 256]
-            init = None if central is None else release_starts(central, part, cfg, gen)
+            init = None if central is None else sdedit_starts(central, part, cfg, gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
             out.append(imgs.numpy().astype(np.float32))
     return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(model_file))

@@ -75,11 +75,11 @@ def ping(address: str, rounds: int, work: Path) -> list[float]:
 
 
 def dpsgd(fed: Any, address: str, rounds: int, work: Path) -> list[float]:
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
 
     job_toml = work / "job.toml"
-    job_toml.write_text(_to_toml(job_config(rounds, len(fed.sites)).to_dict()), "utf-8")
+    job_toml.write_text(job_rules.job_toml(job_config(rounds, len(fed.sites))), "utf-8")
     out = work / "job"
     signed = sign_or_resume(job_toml, [s.site_id for s in fed.sites], fed.coordinator_key, out, "bench-round")
     run_signed_job(signed, fed.coordinator_key, out, address, insecure=True)

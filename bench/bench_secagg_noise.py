@@ -22,7 +22,7 @@ import numpy as np
 from feta_release.accountants.skellam import honest_shares
 from feta_release.accounting import PrivacyEvent, epsilon
 from feta_release.config import load_preset
-from feta_release.data.embedded import load_embedded
+from feta_release.data import load_embedded
 from feta_release.data.splits import split_sites
 from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms import skellam as sk

@@ -145,7 +145,7 @@ def load_kind(kind: str, n_train: int, data_seed: int = 0, size: int | None = No
     """The labelled set whose protocol train split holds ``n_train`` images: ``embedded`` (a stratified subset of
     the 5,000 shipped digits; at most 4,000 for training), ``medical`` or ``rgb`` (generated, seed ``data_seed``)."""
     from feta_release.data import load_embedded
-    from feta_release.data.procedural import generate
+    from feta_release.data.procedural import generate_dataset
     from feta_release.eval_protocol import PROTOCOL
     from feta_release.errors import ConfigError
 
@@ -160,7 +160,7 @@ def load_kind(kind: str, n_train: int, data_seed: int = 0, size: int | None = No
                 : total // ds.n_classes + (c < total % ds.n_classes)] for c in range(ds.n_classes)])
             ds = ds.subset(np.sort(keep), source=f"{ds.source} [{total} of {ds.n}, seed {data_seed}]")
         return ds
-    return generate(kind, total, size=size, seed=data_seed)
+    return generate_dataset(kind, total, size=size, seed=data_seed)
 
 
 def main() -> None:

@@ -47,7 +47,8 @@ def main() -> None:
 
     from feta_release.config import load_preset
     from feta_release.data import ImageDataset, load_embedded
-    from feta_release.eval_protocol import PROTOCOL, balanced_labels, format_row, mean_std, protocol_splits, \
+    from feta_release.data.splits import balanced_labels
+    from feta_release.eval_protocol import PROTOCOL, format_row, mean_std, protocol_splits, \
         release_only
     from feta_release.evaluation import FD_NAME, accuracy, evaluate, real_ceiling, train_classifier
     from feta_release.training.pipeline import run_pipeline

@@ -38,17 +38,17 @@ CELLS = ((False, "none"), (True, "none"), (False, "all"), (True, "all"), (True, 
 
 def _split(kind: str, n_private: int, n_eval: int, n_public: int) -> tuple[Any, Any, Any]:
     from feta_release.data import load_embedded
-    from feta_release.data.procedural import generate
+    from feta_release.data.procedural import generate_dataset
     from feta_release.eval_protocol import protocol_splits
 
     if kind == "digits":
         fit, val = protocol_splits(load_embedded(), "validation")
         rng = np.random.default_rng(0)
         return (fit.subset(np.sort(rng.permutation(fit.n)[:n_private])),
-                val.subset(np.sort(rng.permutation(val.n)[:n_eval])), generate("strokes", n_public, size=28, seed=7))
-    private = generate("medical", n_private + n_eval, size=28, seed=1, population="A")
+                val.subset(np.sort(rng.permutation(val.n)[:n_eval])), generate_dataset("strokes", n_public, size=28, seed=7))
+    private = generate_dataset("medical", n_private + n_eval, size=28, seed=1, population="A")
     return (private.subset(np.arange(n_private)), private.subset(np.arange(n_private, n_private + n_eval)),
-            generate("medical", n_public, size=28, seed=7, population="B"))
+            generate_dataset("medical", n_public, size=28, seed=7, population="B"))
 
 
 def _job(eps: int, dpsgd: str, quick: bool) -> Any:
@@ -73,7 +73,7 @@ def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int
     from feta_release.config import load_preset
     from feta_release.stages.pretrain import PRETRAINED_FILE, PublicInputs, pretrain, with_public
     from feta_release.stages.context import initial_denoiser
-    from feta_release.training.checkpoint import write_model_file
+    from feta_release.models.model_file import write_model_file
     from feta_release.models.edm import denoiser_spec
 
     path = out / f"pretrained-{kind}.pt"

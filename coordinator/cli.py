@@ -18,10 +18,11 @@ from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.federation.anchors import AnchorStore, anchors_path
 from feta_release.job_rules import derivation_toml
+from feta_release.signing import make_node_auth_key
 
 from .derive import derive_federated
 from .superlink import SuperLinkSettings, register_node, start_superlink
-from .tls import make_certificates, make_node_auth_key
+from .tls import make_certificates
 
 
 @click.group()

@@ -29,9 +29,10 @@ from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.config import load_preset
 from feta_release.data.dataset import save_npz
-from feta_release.data.embedded import load_embedded
+from feta_release.data import load_embedded
 from feta_release.data.splits import split_sites, train_heldout_split
 from feta_release.federation.procs import free_port
+from feta_release.job_rules import job_toml
 from feta_release.release.report import write_report
 from feta_release.release.verify import TrustRoots
 from feta_release.signing import load_public_key
@@ -254,10 +255,10 @@ def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, stat
              device: str = "cpu") -> dict[str, Any]:
     from .runner import run_signed_job, sign_or_resume
 
-    job_toml = out_dir / "federation" / "job.toml"
-    job_toml.write_text(_to_toml(cfg.to_dict()), "utf-8")
+    job_file = out_dir / "federation" / "job.toml"
+    job_file.write_text(job_toml(cfg), "utf-8")
     job_out = out_dir / "job"
-    signed = sign_or_resume(job_toml, [s.site_id for s in fed.sites], fed.coordinator_key, job_out, None)
+    signed = sign_or_resume(job_file, [s.site_id for s in fed.sites], fed.coordinator_key, job_out, None)
 
     def on_line(line: str) -> None:
         if line.startswith("[feta] "):
@@ -279,21 +280,3 @@ def _stop_all(procs: list[Any]) -> None:
     if taken:
         with ThreadPoolExecutor(len(taken)) as pool:
             list(pool.map(lambda p: p.stop(), taken))
-
-
-def _to_toml(d: dict[str, Any]) -> str:
-    def val(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        return repr(v)
-
-    out = []
-    for section, values in d.items():
-        out.append(f"[{section}]")
-        out += [f"{k} = {val(v)}" for k, v in values.items() if v is not None]
-        out.append("")
-    return "\n".join(out)

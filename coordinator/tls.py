@@ -1,16 +1,15 @@
-"""TLS certificates and node-authentication keys for a test or pilot federation (``cryptography``).
+"""TLS certificates for a test or pilot federation (``cryptography``); the node-authentication keys are
+``feta_release.signing.make_node_auth_key`` (a site kit makes its own).
 
 A production site uses its organisation's PKI; these are for loopback tests and pilots:
   ca.crt / ca.key            a self-signed CA
   server.pem / server.key    the SuperLink's certificate (SANs: the given hosts/IPs), signed by the CA
-  nodes/<site>(.pub)         per-site EC (SECP384R1) node-auth keys in OpenSSH format, as Flower expects
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,16 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from feta_release.errors import ConfigError
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Mode 0600 from the first byte; O_EXCL: never overwrite a key, nor write through a planted link."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except FileExistsError:
-        raise ConfigError(f"{path}: already exists; refusing to overwrite a private key (choose another --out)") from None
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
+from feta_release.signing import write_new_key
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -69,20 +59,7 @@ def make_certificates(out_dir: str | Path, hosts: Iterable[str] = ("127.0.0.1", 
            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
            .sign(ca_key, hashes.SHA256()))
     paths["ca_cert"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    _write_private(paths["ca_key"], _pem_key(ca_key))
+    write_new_key(paths["ca_key"], _pem_key(ca_key))
     paths["server_cert"].write_bytes(srv.public_bytes(serialization.Encoding.PEM))
-    _write_private(paths["server_key"], _pem_key(srv_key))
+    write_new_key(paths["server_key"], _pem_key(srv_key))
     return paths
-
-
-def make_node_auth_key(out_dir: str | Path, name: str) -> tuple[Path, Path]:
-    """EC SECP384R1 key pair in OpenSSH format (``flwr supernode register NAME.pub``; node: ``--auth-key NAME``)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP384R1())
-    priv, pub = out / name, out / f"{name}.pub"
-    _write_private(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                           serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                  serialization.PublicFormat.OpenSSH) + b"\n")
-    return priv, pub

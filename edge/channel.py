@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from feta_release.errors import FetaError
+from feta_release.files import private_dir
 
 PROTOCOL = "feta-worker/1"
 ENV_SOCKET = "FETA_WORKER_SOCKET"  # set by `feta-release node start`; the coordinator cannot change a node's env
@@ -104,16 +105,6 @@ class TimedListener(Listener):
         return conn
 
 
-def private_dir(path: Path) -> Path:
-    """``path`` as a directory only this account can enter (0700), refusing one owned by someone else."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise WorkerRequestError(f"{path}: the worker's state directory must be a directory owned by this account")
-    os.chmod(path, 0o700)
-    return path
-
-
 def socket_path(state_dir: Path, name: str = "worker.sock") -> Path:
     """The socket in the node's state dir, or (when that path is too long for AF_UNIX) in a fresh private temp dir."""
     p = state_dir / name
@@ -150,7 +141,7 @@ def read_key(path: str | Path) -> bytes:
 def listen(sock: Path, key: bytes, timeout: float | None = None) -> Listener:
     """Bind the socket (0600; a stale one from a killed worker is removed first); ``timeout``: each client's
     deadline per read/write (``TimedListener``)."""
-    private_dir(sock.parent)
+    private_dir(sock.parent, error=WorkerRequestError)
     sock.unlink(missing_ok=True)
     old = os.umask(0o177)
     try:
@@ -206,7 +197,7 @@ def connect(sock: str | Path, key: bytes, timeout: float | None = None) -> Conne
                                  "was restarted with a new key, or this is not the node's worker") from None
 
 
-def header(doc: dict[str, Any]) -> bytes:
+def encode_header(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -256,7 +247,7 @@ def call(sock: str | Path, key: bytes, doc: dict[str, Any], frames: list[bytes],
     conn = connect(sock, key, timeout)
     try:
         try:
-            send(conn, [header({**doc, "protocol": PROTOCOL, "frames": len(frames)}), *frames])
+            send(conn, [encode_header({**doc, "protocol": PROTOCOL, "frames": len(frames)}), *frames])
         except (BrokenPipeError, ConnectionResetError):
             raise WorkerUnavailable(f"the worker at {sock} closed the channel before the request was sent") from None
         return receive(conn, f"reply of the worker at {sock}")

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from feta_release.cli.data_options import data_load_options
 from feta_release.cli.device_option import device_option
-from feta_release.cli.trust_options import TRUSTED_METAVAR, deprecated_alias, merged, trusted_for_policy
+from feta_release.cli.trust_options import TRUSTED_METAVAR, deprecated_alias, merged_option, trusted_for_policy
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError
 from feta_release.ledger import Ledger
@@ -57,7 +57,7 @@ def status(config_path: Path | None, ledger_path: Path | None, policy_path: Path
       feta-release node status --config st-mary/node.toml
       feta-release node status --ledger st-mary/ledger.sqlite --site-key st-mary/keys/site-signing.pub --json
     """
-    trusted = merged(trusted, trusted_deprecated)
+    trusted = merged_option(trusted, trusted_deprecated)
     if config_path is not None:
         cfg = read_node_toml(config_path)
         ledger_path = ledger_path or cfg["ledger"]

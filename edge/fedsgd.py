@@ -27,7 +27,8 @@ from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms import skellam as sk
 from feta_release.models import build_denoiser
 from feta_release.policy.jobs import Job
-from feta_release.training.dpsgd import (EDMLoss, batch_gradients, clipped_rows, poisson_sample, seed_dropout,
+from feta_release.models.edm import EDMLoss
+from feta_release.training.dpsgd import (batch_gradients, clipped_rows, poisson_sample, seed_dropout,
                                          select_engine)
 from feta_release.training.padding import fork_rng, model_range_rows, public_rows
 

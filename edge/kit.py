@@ -29,7 +29,6 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.tls import make_node_auth_key
 from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
 from feta_release.data.declared import DataDeclaration
 from feta_release.data.loading import LoadOptions, load_dataset, patient_grouping
@@ -37,7 +36,7 @@ from feta_release.errors import ConfigError, PolicyError
 from feta_release.job_rules import (DPSGD_MIN_SIGMA, DRAFT_EPSILON, DRAFT_MIN_STEPS, DRAFT_SHARE_SITES,
                                     SiteCaps, site_caps)
 from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
-from feta_release.signing import generate_keypair, load_public_key, public_key_pem
+from feta_release.signing import generate_keypair, load_public_key, make_node_auth_key, public_key_pem
 
 # The key in policies/strict-hospital.toml and policies/research.toml: an example, never a real coordinator.
 EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset({"c9dc80267b498549c4fb98b541d69a6212511d9436b00142eb66e24fbe6dd0d2"})

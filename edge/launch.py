@@ -21,11 +21,13 @@ from pathlib import Path
 
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError, FetaError, PolicyError
+from feta_release.files import private_dir
 from feta_release.federation.procs import ManagedProcess, flower_env, is_loopback
+from feta_release.policy.document import utc_stamp
 from feta_release.signing import refuse_shared_secret_file
 
 from . import channel, ledger_anchor, runtime_api, trust
-from .node_state import NodeMonitor, utc_stamp
+from .node_state import NodeMonitor
 from .site import (
     CFG_DATA, CFG_DEVICE, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY,
     CFG_TRUSTED, CFG_WINDOW, CFG_WORK, Site,
@@ -119,7 +121,7 @@ def preflight(s: NodeSettings) -> Site:
     if s.auth_key is not None:  # Flower reads it itself, without this check: whoever reads it joins as this site
         refuse_shared_secret_file(s.auth_key, "node authentication key")
     trust.check_flower_internals()
-    runtime_api.check_flower_internals()
+    runtime_api.check_runtime_api_internals()
     work = Path(s.node_config()[CFG_WORK])
     if s.new_ledger:
         ledger_anchor.start_new(s.ledger, work)
@@ -161,7 +163,7 @@ class WorkerChannel:
 
 def new_worker_channel(work: Path) -> WorkerChannel:
     """A fresh channel for this node start: a new random key (the old one, if any, stops working)."""
-    state = channel.private_dir(work / "worker")
+    state = private_dir(work / "worker", error=channel.WorkerRequestError)
     ch = WorkerChannel(channel.socket_path(state), state / "worker.key")
     channel.write_key(ch.key_file)
     return ch
@@ -209,7 +211,7 @@ def start_node(s: NodeSettings, log_path: Path | None = None,
     env = flower_env(work / "flwr_home", [shim_dir], **{
         trust.ENV_ALLOWED: ",".join(site.policy.app_bundles),
         trust.ENV_LOG: str(work / "trust.log"),
-        runtime_api.ENV_SOCKET: str(channel.socket_path(channel.private_dir(work / "runtime"),
+        runtime_api.ENV_SOCKET: str(channel.socket_path(private_dir(work / "runtime", error=channel.WorkerRequestError),
                                                         runtime_api.SOCKET_NAME)),
     })
     site.ledger.close()

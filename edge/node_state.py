@@ -2,7 +2,7 @@
 
 The node's only window on its SuperNode is the SuperNode's output (Flower writes no machine-readable status), so
 ``NodeMonitor`` reads that output line by line (ANSI colour codes stripped), writes it to the node's log as plain
-text with a UTC timestamp, and turns the lines Flower 1.41 prints into the node's state.  Each change is announced
+text with a UTC timestamp, and turns the lines Flower 1.41 and 1.42 print into the node's state.  Each change is announced
 (the console of ``node start``) and written to ``node-state.json`` in the node's work directory, which
 ``feta-release node status`` reads.  Nothing here is sent anywhere: the state file and the log stay at the site.
 """
@@ -14,11 +14,12 @@ import os
 import re
 import sqlite3
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from feta_release.policy.document import utc_stamp
 
 STATE_FILE = "node-state.json"
 STATES = ("starting", "connecting", "connected", "refused", "serving", "stopped")
@@ -40,10 +41,6 @@ _REFUSAL_HINTS = {
 def plain(line: str) -> str:
     """The line without ANSI colour/cursor codes or trailing whitespace."""
     return _ANSI.sub("", line).rstrip()
-
-
-def utc_stamp(t: float | None = None) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if t is None else t))
 
 
 @dataclass

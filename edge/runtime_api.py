@@ -1,12 +1,12 @@
 """The SuperNode's local Runtime API on a Unix socket that only the site's account can reach.
 
-Threat: flwr 1.41's SuperNode serves its Runtime API (the ClientAppIo of earlier versions: ``acquire-task``,
+Threat: flwr 1.42's SuperNode serves its Runtime API (the ClientAppIo of earlier versions: ``acquire-task``,
 ``pull-task-input``, ``push-task-output``, ...) as HTTP on a TCP port. In subprocess isolation ``acquire-task`` takes
 no credential (Flower ignores the SuperExec auth secret there), and the task token it hands out reaches
 ``flwr-clientapp`` on its command line, which every local account reads in ``/proc/PID/cmdline``. Any local account
 could so acquire the pending task, read the coordinator's message and answer it in the site's name.
 
-What flwr 1.41 offers, and why this module takes the last one:
+What flwr 1.42 offers, and why this module takes the last one:
   * ``--isolation process`` with ``--superexec-auth-secret-file``: an HMAC on ``acquire-task`` only (marked
     experimental); the API stays on TCP for every account, and the token still travels on a command line;
   * ``--ssl-certfile``: server TLS; it authenticates the SuperNode to its clients, no client to the SuperNode;
@@ -163,7 +163,7 @@ def client_side() -> None:
     take_token_from_env()
 
 
-def check_flower_internals() -> None:
+def check_runtime_api_internals() -> None:
     """The Flower names this module replaces exist (the flwr pin is checked by ``edge.trust``)."""
     from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 

@@ -18,11 +18,11 @@ import numpy as np
 
 from feta_release.data.commitment import dataset_commitment, load_secret
 from feta_release.data.dataset import check_dataset_memory, check_site_memory
-from feta_release.data.loading import LoadOptions, load_dataset
+from feta_release.data.loading import LoadOptions, load_dataset, policy_data
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.policy.document import load_site_policy
 from feta_release.policy.enforce import resource_cap
-from feta_release.privacy_unit import PatientIndex, policy_data
+from feta_release.privacy_unit import PatientIndex
 from feta_release.signing import load_private_key, public_key_pem
 
 from feta_release.ledger import Ledger

@@ -52,7 +52,7 @@ from feta_release.errors import PolicyError
 from . import forward, runtime_api
 from .public_errors import public_error
 
-PINNED_FLWR = "1.41.0"
+PINNED_FLWR = "1.42.0"
 ENV_ALLOWED = "FETA_ALLOWED_FABS"
 ENV_LOG = "FETA_TRUST_LOG"
 

@@ -1,6 +1,6 @@
 """A site's warm worker: loads the site once and answers the node's messages, one at a time.
 
-Flower 1.41 starts a fresh ``flwr-clientapp`` process for every message; importing torch, opening the site
+Flower 1.42 starts a fresh ``flwr-clientapp`` process for every message; importing torch, opening the site
 (verifying its signed policy, the data's keyed commitment, the ledger's chain) and rebuilding the model in each
 cost most of a short round. ``feta-release node start`` therefore also starts this process
 (``python -m edge.worker``); the per-message process keeps Flower's FAB gate (``edge.trust``) and then hands
@@ -139,7 +139,7 @@ def serve_one(conn: Connection, worker: Worker) -> None:
     except Exception as exc:  # noqa: BLE001 - the handler's refusal or failure, as flwr-clientapp would report it
         out, rest = error_reply(exc, getattr(worker, "node_config", None)), []
     try:
-        channel.send(conn, [channel.header({**out, "protocol": channel.PROTOCOL, "frames": len(rest)}), *rest])
+        channel.send(conn, [channel.encode_header({**out, "protocol": channel.PROTOCOL, "frames": len(rest)}), *rest])
     except (OSError, channel.WorkerTimeout) as exc:
         log.warning("could not send the reply (%s): the per-message ClientApp went away or hung", exc)
 

@@ -7,6 +7,8 @@ section, the key and what is wrong, so a typo never silently falls back to a def
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import tomllib
 import typing
@@ -576,3 +578,9 @@ def _validate(cfg: JobConfig, source: str) -> None:
         parse_window(cfg.job.window)
     except ConfigError as exc:
         raise ConfigError(f"{source}: [job] {exc}") from None
+
+
+def config_hash(cfg_dict: dict[str, Any]) -> str:
+    """sha256 of the job configuration in canonical JSON (key order and whitespace do not matter)."""
+    blob = json.dumps(cfg_dict, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()

@@ -69,7 +69,7 @@ class _Block(nn.Module):
         return torch.relu(self.body(x) + self.shortcut(x))
 
 
-def plan(image_shape: tuple[int, int, int], n_classes: int) -> tuple[int, int]:
+def classifier_plan(image_shape: tuple[int, int, int], n_classes: int) -> tuple[int, int]:
     """(base width w, number of 2x2 max-pools before the stages) for images (C, H, W) and ``n_classes``: halve
     until the side is below 24 px (28 -> 14, 64 -> 16, 128 -> 16)."""
     _, h, w = image_shape
@@ -89,7 +89,7 @@ class ResNetClassifier(nn.Module):
 
     def __init__(self, in_channels: int, n_classes: int, image_hw: tuple[int, int] = (28, 28)) -> None:
         super().__init__()
-        width, pools = plan((in_channels, *image_hw), n_classes)
+        width, pools = classifier_plan((in_channels, *image_hw), n_classes)
         stem = _conv_bn_relu(in_channels, width)
         for i in range(pools):  # max-pool (keeps a bright pixel's evidence), then a conv at the new scale
             stem.append(nn.MaxPool2d(2))

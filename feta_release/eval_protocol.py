@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .data import ImageDataset
-from .data.splits import train_heldout_split
+from .data.splits import balanced_labels, train_heldout_split
 from .errors import ConfigError, DataError
 
 Mode = Literal["validation", "test"]
@@ -69,13 +69,6 @@ def protocol_splits(ds: ImageDataset, mode: Mode, protocol: Protocol = PROTOCOL)
     if mode == "validation":
         return train_heldout_split(train, protocol.validation_fraction, protocol.validation_seed)
     raise ConfigError(f"evaluation mode must be 'validation' or 'test', got {mode!r}")
-
-
-def balanced_labels(n: int, n_classes: int) -> np.ndarray:
-    """``n`` labels, class counts differing by at most one (the first ``n % n_classes`` classes get one more)."""
-    if n < 1 or n_classes < 1:
-        raise ConfigError(f"balanced_labels needs n >= 1 and n_classes >= 1, got {n}, {n_classes}")
-    return np.sort(np.arange(n) % n_classes).astype(np.int64)
 
 
 def release_only(images: np.ndarray, labels: np.ndarray, class_names: Sequence[str], n: int, seed: int,

@@ -7,6 +7,7 @@ secret (``training.checkpoint``), the node's secure-aggregation state (``edge.se
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -14,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .errors import FetaError
 
 
 def _fsync_dir(path: Path) -> None:
@@ -64,12 +67,31 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = 
     return p
 
 
-def private_dir(path: str | os.PathLike) -> Path:
-    """``path`` as a directory only its owner can list or enter (0700), tightened if it already exists looser: it
-    holds a run's checkpoints (the noise stream's state) and its noise secret."""
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """A run directory's record (``run.json``, ``privacy.json``, ...) as sorted, indented JSON, atomically."""
+    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def read_run_json(path: str | os.PathLike) -> Any:
+    """A record :func:`atomic_write_json` wrote; unreadable JSON means someone else edited the run directory."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text("utf-8"))
+    except json.JSONDecodeError as exc:
+        raise FetaError(f"{p}: corrupt JSON ({exc}); the run directory was modified outside feta-release") from None
+
+
+def private_dir(path: str | os.PathLike, *, error: type[Exception] = FetaError) -> Path:
+    """``path`` as a directory only this account can list or enter (0700), tightened if it already exists looser:
+    it holds a run's checkpoints and noise secret, or the node worker's socket and state. A link, a file or another
+    account's directory there is refused (``error``): whoever owns it could read or swap what is put inside."""
     p = Path(path)
     p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if stat.S_IMODE(p.stat().st_mode) & 0o077:
+    st = p.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise error(f"{p}: must be a directory owned by this account (not a link, a file or another account's "
+                    "directory); remove it or choose another place")
+    if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(p, 0o700)
     return p
 

@@ -344,7 +344,7 @@ class Ledger:
             chain.verify(self._db, self.path, self._pub)
             yield
             if self._db.in_transaction:  # the body may have rolled back (nothing to record)
-                chain.seal(self._db, self._key)
+                chain.seal_chain(self._db, self._key)
                 self._db.execute("COMMIT")
         except sqlite3.OperationalError as exc:  # disk full, I/O error: SQLite rolled the write back (or we do)
             _roll_back(self._db)

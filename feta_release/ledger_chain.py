@@ -170,7 +170,7 @@ def _refuse_code_in_schema(db: sqlite3.Connection, bad: str, fix: str) -> None:
                                   f"creates (a trigger could rewrite or drop each new charge before it is signed){fix}")
 
 
-def seal(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:
+def seal_chain(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:
     """Re-link every row and sign a new head. Call inside the write transaction, after ``verify``."""
     ledger_id = _meta(db)["ledger_id"]
     prev = genesis(ledger_id)
@@ -208,7 +208,7 @@ def hash_at(db: sqlite3.Connection, ledger_id: str, rows: int) -> str | None:
 def init(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:
     """A new ledger's id and first signed head (inside the creating transaction)."""
     db.execute("INSERT INTO meta(key, value) VALUES ('ledger_id', ?)", (secrets.token_hex(16),))
-    seal(db, key)
+    seal_chain(db, key)
 
 
 def migrate(db: sqlite3.Connection, key: Ed25519PrivateKey) -> int:
@@ -224,5 +224,5 @@ def migrate(db: sqlite3.Connection, key: Ed25519PrivateKey) -> int:
     db.execute("CREATE UNIQUE INDEX IF NOT EXISTS requests_seq ON requests(seq)")
     if "ledger_id" not in _meta(db):
         db.execute("INSERT INTO meta(key, value) VALUES ('ledger_id', ?)", (secrets.token_hex(16),))
-    seal(db, key)
+    seal_chain(db, key)
     return len(ids)

@@ -91,7 +91,7 @@ def target(cfg: JobConfig, policy: Any | None = None) -> Target:
     return Target(min(p.epsilon, policy.job_epsilon), min(p.delta, policy.job_delta), policy.accountant)
 
 
-def sampling_rate(batch: int, n: int, section: str) -> float:
+def stage_sampling_rate(batch: int, n: int, section: str) -> float:
     """The Poisson sampling rate q = batch / n of a stage over the PUBLIC size ``n``, as the mechanisms compute it
     (``mechanisms._checks.sampling_rate``: the one computation), refused here with the job's section to change."""
     if batch > n:
@@ -132,7 +132,7 @@ def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
     c, f = cfg.central, cfg.frequency
     out = []
     if c.rounds > 0:
-        out.append(PrivacyEvent("central", float(c.sigma), sampling_rate(c.batch, n, "central"), int(c.rounds)))
+        out.append(PrivacyEvent("central", float(c.sigma), stage_sampling_rate(c.batch, n, "central"), int(c.rounds)))
     if f.sigma is not None:
         out.append(PrivacyEvent("frequency", float(f.sigma), 1.0, 1))
     return out
@@ -232,7 +232,7 @@ def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event
 
 def fedsgd_event(cfg: JobConfig, n: int, shape: FedSGDShape, sigma: float, steps: int = 1) -> Event:
     """The SkellamEvent of ``steps`` FedSGD rounds at noise multiplier ``sigma`` for a site of public size ``n``."""
-    q = sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
+    q = stage_sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
     params = fedsgd_params(shape.dim, cfg.dpsgd.clip, sigma, shape.n_sites)
     return skellam_event(params, "dpsgd", q, steps, shape.shares)
 
@@ -271,7 +271,7 @@ def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int],
         raise PrivacyError(f"[dpsgd] batch {cfg.dpsgd.batch} exceeds the site's {dpsgd_size} public patients (its "
                            "policy's dataset.patients; patient-level DP-SGD samples patients at q = batch / patients): "
                            f"shrink [dpsgd] batch to at most {dpsgd_size}")
-    q = sampling_rate(cfg.dpsgd.batch, n if dpsgd_size is None else dpsgd_size, "dpsgd")
+    q = stage_sampling_rate(cfg.dpsgd.batch, n if dpsgd_size is None else dpsgd_size, "dpsgd")
     if cfg.dpsgd.noise_multiplier is not None:
         sigma = float(cfg.dpsgd.noise_multiplier)
     else:

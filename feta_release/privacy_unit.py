@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ConfigError, DataError, PrivacyError
+from .errors import DataError, PrivacyError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -108,30 +108,6 @@ class PatientIndex:
         PUBLIC patient count (the one place a site turns its index into a trainer's arguments). The rows are the
         ones grouped at open: a request's trainer never regroups the private ids."""
         return {"n_public": self.n_public, "patient_rows": self.rows, "images_per_patient": self.cap}
-
-
-def policy_data(policy: Any, ds: Any, report: Any, *, data_source: str, policy_source: str) -> tuple[Any, PatientIndex | None]:
-    """The site's data as its signed policy's unit of privacy needs them, and the patient index for DP-SGD.
-
-    An image-level policy: the data as loaded, no index. A patient-level policy (``dataset.privacy_unit =
-    "patient"``): the data must carry patient ids (refused otherwise: DP-SGD cannot sample patients it cannot
-    tell apart), at most ``dataset.patient_cap`` images per patient are kept (the loader's cap, set here when
-    the node's own config sets none; a different one is refused), and the index holds the PUBLIC patient count."""
-    if getattr(policy, "privacy_unit", "image") != "patient":
-        return ds, None
-    if report.patients is None:
-        raise ConfigError(f'{policy_source}: the policy makes the PATIENT the unit of privacy (dataset.privacy_unit = '
-                          f'"patient") but {data_source} has no patient ids; give the data a patient_id column (CSV '
-                          'path,label,patient_id) or DICOM files with PatientID, or sign a policy without privacy_unit')
-    cap = int(policy.patient_cap)
-    if report.patient_cap is not None and report.patient_cap != cap:
-        raise ConfigError(f"{policy_source}: dataset.patient_cap = {cap} but the node loads {data_source} with a patient "
-                          f"cap of {report.patient_cap} (node.toml [data] patient_cap); set it to {cap} or remove it")
-    if report.patient_cap is None:
-        from .data.loading import cap_loaded
-
-        ds = cap_loaded(ds, report, cap)
-    return ds, PatientIndex(np.asarray(report.patients), int(policy.patients), cap)
 
 
 def unit_phrase(events: Sequence[Any]) -> str:

@@ -21,9 +21,10 @@ from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import FetaError, PolicyError
+from .errors import ConfigError, FetaError, PolicyError
 
 SIGNATURE_ALG = "ed25519"
 
@@ -154,6 +155,32 @@ def generate_keypair(out_dir: str | Path, name: str = "signing", passphrase: byt
         key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     return priv_path, pub_path
+
+
+def write_new_key(path: Path, data: bytes) -> None:
+    """Mode 0600 from the first byte; O_EXCL: never overwrite a key, nor write through a planted link."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{path}: already exists; refusing to overwrite a private key "
+                          "(choose another --out)") from None
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def make_node_auth_key(out_dir: str | Path, name: str) -> tuple[Path, Path]:
+    """A node's key to authenticate to the SuperLink: EC SECP384R1 in OpenSSH format, as Flower expects
+    (``flwr supernode register NAME.pub``; node: ``--auth-key NAME``). Made by ``site init`` and by the
+    coordinator's test and pilot kits."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    priv, pub = out / name, out / f"{name}.pub"
+    write_new_key(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                  serialization.PublicFormat.OpenSSH) + b"\n")
+    return priv, pub
 
 
 def refuse_shared_secret_file(path: str | Path, what: str, st: os.stat_result | None = None,

@@ -41,9 +41,9 @@ from ..accounting import (  # noqa: F401 - skellam_rdp and poisson_subsampled_rd
     epsilon,
     poisson_subsampled_rdp,
     skellam_rdp,
+    epsilon_from_rdp,
     smallest_fitting_sigma,
 )
-from ..accounting import epsilon_from_rdp as _epsilon_from_rdp
 from ..errors import PrivacyError
 from ..mechanisms.skellam import SkellamParams
 
@@ -58,24 +58,16 @@ def skellam_rdp_curve(params: SkellamParams, q: float, steps: int, mu: float | N
     return SkellamEvent("skellam", q, steps, params.l2_sensitivity, params.l1_sensitivity, var).rdp(orders)
 
 
-def epsilon_from_rdp(rdp: np.ndarray, delta: float, orders: Sequence[float] = RDP_ORDERS) -> float:
-    """(epsilon at ``delta``) of an RDP curve, with the conversion :mod:`feta_release.accounting` uses."""
-    if not (0 < delta < 1):
-        raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
-    if not np.any(rdp):
-        return 0.0
-    if tuple(orders) != RDP_ORDERS:
-        raise PrivacyError("epsilon_from_rdp: the curve must be over accounting.RDP_ORDERS")
-    return _epsilon_from_rdp(np.asarray(rdp), delta)
-
-
 def skellam_epsilon(params: SkellamParams, q: float, steps: int, delta: float, noise_shares: int | None = None) -> float:
     """Epsilon of ``steps`` releases when ``noise_shares`` of the n sites' noise shares protect the sum
     (default: all n)."""
     shares = params.n_sites if noise_shares is None else noise_shares
     if isinstance(shares, bool) or not isinstance(shares, int) or not (1 <= shares <= params.n_sites):
         raise PrivacyError(f"Skellam accounting: noise_shares must be an integer in [1, {params.n_sites}], got {shares!r}")
-    return epsilon_from_rdp(skellam_rdp_curve(params, q, steps, params.site_mu * shares), delta)
+    if not (0 < delta < 1):
+        raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
+    curve = skellam_rdp_curve(params, q, steps, params.site_mu * shares)
+    return epsilon_from_rdp(curve, delta) if np.any(curve) else 0.0  # no release, no loss
 
 
 @dataclass(frozen=True)
@@ -168,8 +160,8 @@ def site_epsilons(params: SkellamParams, q: float, steps: int, delta: float, thr
     )
 
 
-def calibrate_noise_multiplier(params: SkellamParams, q: float, steps: int, target_epsilon: float, delta: float,
-                               noise_shares: int | None = None, tol: float = 0.01, max_sigma: float = 1000.0) -> float:
+def calibrate_skellam_noise(params: SkellamParams, q: float, steps: int, target_epsilon: float, delta: float,
+                            noise_shares: int | None = None, tol: float = 0.01, max_sigma: float = 1000.0) -> float:
     """Smallest noise multiplier (within ``tol``; the upper end of the bracket, so epsilon <= target) for which
     ``steps`` releases protected by ``noise_shares`` of the n shares stay within ``target_epsilon`` at ``delta``.
     Calibrate with the shares the site can count on (e.g. ``SiteEpsilons.honest_shares``)."""

@@ -32,7 +32,8 @@ def audit(preset: str | None, job_file: Path | None, n: int, trials: int, canari
       feta-release audit --preset cpu-eps1 --out audit.json
       feta-release audit --job job.toml --n 4000 --trials 20000 --out audit.json
     """
-    from ..audit import CAVEAT, SCOPE, run_audit
+    from ..audit import CAVEAT, SCOPE
+    from ..audit.run import run_audit
     from ..config import load_job, load_preset
 
     if (preset is None) == (job_file is None):

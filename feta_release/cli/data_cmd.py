@@ -67,10 +67,10 @@ def generate(kind: str, n: int, size: int | None, seed: int, population: str, ou
       feta-release data generate rgb --n 2000 --out shapes/
       feta-release data generate strokes --n 5000 --out strokes.npz
     """
-    from ..data.procedural import check_request, generate as make, write_dataset
+    from ..data.procedural import checked_size, generate_dataset, write_dataset
 
-    check_request(kind, n, size, population)  # every argument checked before any work
-    ds = make(kind, n, size=size, seed=seed, population=population)
+    checked_size(kind, n, size, population)  # every argument checked before any work
+    ds = generate_dataset(kind, n, size=size, seed=seed, population=population)
     path = write_dataset(ds, out)
     counts = ", ".join(f"{c} {k}" for c, k in zip(ds.class_names, ds.class_counts()))
     c, h, w = ds.image_shape

@@ -10,7 +10,7 @@ from typing import IO, TYPE_CHECKING, Any
 import click
 
 from ..errors import PolicyError
-from .trust_options import TRUSTED_METAVAR, deprecated_alias, merged, trusted_for_policy
+from .trust_options import TRUSTED_METAVAR, deprecated_alias, merged_option, trusted_for_policy
 
 if TYPE_CHECKING:
     from ..policy.partial import PartialCheck
@@ -393,7 +393,7 @@ def job_verify(signed: Path, coordinators: tuple[Path, ...], policy_file: Path |
     from ..policy.envelope import read_json
     from ..policy.partial import gaussian_form_only, secure_aggregation_job
 
-    trusted = merged(trusted, trusted_deprecated)
+    trusted = merged_option(trusted, trusted_deprecated)
     doc = read_json(signed, "signed job")
     if policy_file is not None:
         if not trusted:

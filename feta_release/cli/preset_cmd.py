@@ -13,7 +13,7 @@ from ..errors import ConfigError
 MEASURED = "# Measured:"
 
 
-def header(text: str) -> list[str]:
+def preset_header(text: str) -> list[str]:
     """The comment lines before a preset's first section, without their '# '."""
     lines = []
     for line in text.splitlines():
@@ -26,7 +26,7 @@ def header(text: str) -> list[str]:
 
 def summary(name: str) -> tuple[str, str]:
     """(one-line description, the measured figure its header states or ''): the header's first sentence."""
-    head = header(preset_text(name))
+    head = preset_header(preset_text(name))
     measured = next((h.removeprefix(MEASURED).strip() for h in head if h.startswith(MEASURED)), "")
     prose = " ".join(h.lstrip("#").strip() for h in head if not h.startswith(MEASURED))
     first = re.split(r"(?<!e\.g)(?<!i\.e)\. |: ", prose)[0].strip()

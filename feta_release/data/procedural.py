@@ -77,14 +77,14 @@ ACQUISITION = {
 }
 
 
-def generate(kind: str, n: int, *, size: int | None = None, seed: int = 0, population: str = "A") -> ImageDataset:
+def generate_dataset(kind: str, n: int, *, size: int | None = None, seed: int = 0, population: str = "A") -> ImageDataset:
     """``n`` labelled images of ``kind`` (``medical``, ``rgb`` or ``strokes``) as the canonical ``ImageDataset``.
 
     size: side length in pixels (medical 28..128, default 64; rgb 16..128, default 32; strokes 16..128, default
     28). population: ``A`` (default)
     or ``B``, medical only. Bad arguments raise ``ConfigError`` naming the argument and its allowed values.
     """
-    size = check_request(kind, n, size, population)
+    size = checked_size(kind, n, size, population)
     if kind == "medical":
         return medical(n, size=size, seed=seed, population=population)
     if kind == "strokes":
@@ -92,7 +92,7 @@ def generate(kind: str, n: int, *, size: int | None = None, seed: int = 0, popul
     return rgb(n, size=size, seed=seed)
 
 
-def check_request(kind: str, n: int, size: int | None, population: str) -> int:
+def checked_size(kind: str, n: int, size: int | None, population: str) -> int:
     """The side length to use, after checking every argument (one ``ConfigError`` line on the first bad one)."""
     if kind not in KINDS:
         raise ConfigError(f"unknown data kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -197,7 +197,7 @@ def medical(n: int, *, size: int = 64, seed: int = 0, population: str = "A",
     image i depend on the seed only, so the same seed with other labels gives the same patients with other signs
     (e.g. each normal image and its copy with a finding).
     """
-    size = check_request("medical", n, size, population)
+    size = checked_size("medical", n, size, population)
     acq = ACQUISITION[population]
     if labels is None:
         labels = _labels(n, acq.class_shares, seed, "medical")
@@ -323,7 +323,7 @@ def _acquire(img: np.ndarray, rng: np.random.Generator, acq: Acquisition) -> np.
 # ------------------------------------------------------------------------------------------------
 def rgb(n: int, *, size: int = 32, seed: int = 0) -> ImageDataset:
     """``n`` RGB images (N, 3, size, size), balanced over ``RGB_CLASSES`` (shape x colour family)."""
-    size = check_request("rgb", n, size, "A")
+    size = checked_size("rgb", n, size, "A")
     labels = _labels(n, (1.0,) * len(RGB_CLASSES), seed, "rgb")
     images = _blocks("rgb", labels, seed, 3, size, lambda rng, lab: _rgb_block(rng, lab, size))
     return ImageDataset(images, labels, RGB_CLASSES, source=f"procedural:rgb[{size}x{size}, seed {seed}]")
@@ -386,7 +386,7 @@ STROKE_POINTS = 48  # points sampled along a stroke; the ink is the distance to 
 
 def strokes(n: int, *, size: int = 28, seed: int = 0) -> ImageDataset:
     """``n`` grey stroke images (N, 1, size, size), balanced over ``STROKE_CLASSES``."""
-    size = check_request("strokes", n, size, "A")
+    size = checked_size("strokes", n, size, "A")
     labels = _labels(n, (1.0,) * len(STROKE_CLASSES), seed, "strokes")
     images = _blocks("strokes", labels, seed, 1, size, lambda rng, lab: _strokes_block(rng, lab, size))
     return ImageDataset(images, labels, STROKE_CLASSES, source=f"procedural:strokes[{size}x{size}, seed {seed}]")

@@ -64,3 +64,11 @@ def split_sites(ds: ImageDataset, n_sites: int, seed: int = 0) -> list[ImageData
         ds.subset(np.flatnonzero(site_of == s), source=f"{ds.source} [site {s + 1}/{n_sites}; seed {seed}]")
         for s in range(n_sites)
     ]
+
+
+def balanced_labels(n: int, n_classes: int) -> np.ndarray:
+    """``n`` labels in class order, class counts differing by at most one (the first ``n % n_classes`` classes get
+    one more): a synthetic set's labels (``n_per_class`` each when ``n`` is a multiple)."""
+    if n < 0 or n_classes < 1:
+        raise ConfigError(f"balanced_labels needs n >= 0 and n_classes >= 1, got {n}, {n_classes}")
+    return np.sort(np.arange(n) % n_classes).astype(np.int64)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..mechanisms import secure_sums as ss
-from ..planning import sampling_rate
+from ..planning import stage_sampling_rate
 from ..training.ema import EMA
 from . import checkpoint_io
 from .secagg import AlreadyReleased
@@ -62,7 +62,7 @@ def coordinator_step(model: nn.Module, optimizer: torch.optim.Optimizer, noisy_s
 def expected_batch(d: Any, contributors: list[str]) -> float:
     """sum over the sites in the sum of q_s x N_s: public sizes and planned rates only, never a realised count."""
     b = d.cfg.dpsgd.batch
-    return float(sum(sampling_rate(b, d.sites[s].size, "dpsgd") * d.sites[s].size for s in contributors))
+    return float(sum(stage_sampling_rate(b, d.sites[s].size, "dpsgd") * d.sites[s].size for s in contributors))
 
 
 def decode_gradient(d: Any, residues: np.ndarray) -> np.ndarray:

@@ -18,7 +18,9 @@ from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, writ
 from ..stages.context import initial_denoiser
 from ..stages.pretrain import PublicInputs, public_start, with_public
 from ..stages.freq_warmup import aux_pool
-from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, npz_bytes, write_model_file
+from ..files import atomic_write_bytes, atomic_write_json
+from ..models.model_file import MODEL_FILE, write_model_file
+from ..training.checkpoint import npz_bytes
 from ..training.device import resolve_device
 from . import checkpoint_io
 from .anchors import AnchorStore

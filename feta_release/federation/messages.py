@@ -33,7 +33,7 @@ TRAIN = "train"
 SECAGG = "query.secagg"  # one stage of a secure sum (edge/secure.py)
 
 
-# Arrays travel packed into ONE byte array: Flower 1.41 moves every Array of a message as its own objects, one
+# Arrays travel packed into ONE byte array: Flower 1.42 moves every Array of a message as its own objects, one
 # request each at every hop (SuperLink, SuperNode, ClientApp, both ways), so a model's 65 weight tensors cost ~134
 # objects per message; packed, a DP-SGD round moves a handful (bench/bench_round.py).
 PACKED = "packed"

@@ -96,12 +96,7 @@ class ManagedProcess:
         self._stop_group(timeout)
         for companion in self.companions:
             companion.stop(timeout)
-        for child in family:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(family, timeout=5.0)
+        _kill_all(family, 5.0)
         if self._reader is not None:  # the group is gone, so the pipe is at its end: let the reader finish its lines
             self._reader.join(5.0)
         self._log.close()
@@ -149,6 +144,26 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
+
+
+def _kill_all(family: list[psutil.Process], timeout: float) -> None:
+    for child in family:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(family, timeout=timeout)
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid``, its process group and every descendant (also those that started their own session): a
+    crash, as a power cut or the OOM killer would leave it; ``ManagedProcess.stop`` is the orderly stop."""
+    family = _descendants(pid)
+    try:
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _kill_all(family, timeout)
 
 
 def group_alive(pgid: int) -> bool:

@@ -210,13 +210,6 @@ def decode_central(residues: np.ndarray, layout: Layout, params: sk.SkellamParam
                           layout.clip, None, cells)
 
 
-def wrap_probability(layout: Layout, params: sk.SkellamParams, max_records: int) -> float:
-    """Bound on the probability that the decoded sum is wrong somewhere (``max_records``: public cap)."""
-    if max_records < 1:
-        raise PrivacyError(f"wrap-around bound: max_records must be >= 1, got {max_records}")
-    return sk.wrap_probability(_full(layout, params), max_records)
-
-
 def decode_frequency(residues: np.ndarray, layout: Layout, params: sk.SkellamParams, *, total_public: int,
                      bandwidth2: float, seed: int, sigma: float, image_shape: tuple[int, int, int], patch: int = 0,
                      stride: int = 1) -> object:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..config import ModelSection
 from ..errors import ConfigError
@@ -220,3 +220,56 @@ def edm_loss(
     # Drawn on the generator's device (a CPU generator keeps runs reproducible across devices).
     rnd = LossRandomness(rnd.noise.to(x0.device), rnd.sigma.to(x0.device), rnd.drop.to(x0.device))
     return edm_loss_from_randomness(denoiser, x0, labels, rnd)
+
+
+class EDMLoss:
+    """The DP-SGD engine's ``PerExampleLoss`` (``training.dpsgd``) for an ``EDMDenoiser``: K noise draws and
+    label dropout per example.
+
+    The loss itself and its randomness are this module's (``draw_loss_randomness`` / ``edm_loss_single``:
+    lambda(sigma)-weighted x0-MSE averaged over the K draws); this class only reshapes the randomness into the
+    dict the engine slices per example. The null label is ``n_classes``.
+    """
+
+    def __init__(
+        self,
+        image_shape: tuple[int, int, int],
+        n_classes: int,
+        noise_multiplicity: int = 1,
+        label_dropout: float = 0.1,
+        sigma_data: float | None = None,
+    ) -> None:
+        if noise_multiplicity < 1:
+            raise ConfigError(f"[dpsgd] noise_multiplicity must be >= 1, got {noise_multiplicity}")
+        self.image_shape = tuple(int(v) for v in image_shape)
+        self.n_classes = int(n_classes)
+        self.k = int(noise_multiplicity)
+        self.label_dropout = float(label_dropout)
+        self.sigma_data = SIGMA_DATA if sigma_data is None else float(sigma_data)
+
+    def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
+        r = draw_loss_randomness(
+            n, self.image_shape, noise_multiplicity=self.k, label_dropout=self.label_dropout, generator=generator
+        )
+        return {"noise": r.noise, "sigma": r.sigma, "drop": r.drop}
+
+    def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
+        return edm_loss_single(
+            model, x, y, rand["noise"], rand["sigma"], rand["drop"],
+            null_label=self.n_classes, sigma_data=self.sigma_data,
+        )
+
+    row_order = "k-major"  # batched's rows: training.ghost_clip.BatchedLoss (its K_MAJOR)
+
+    def example(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """``n`` dummy examples (uniform images in [-1, 1], uniform labels) for the engine's cross-check
+        (``ghost_clip.cross_check``), from the caller's fixed public generator: never site data."""
+        return (torch.rand(n, *self.image_shape, generator=generator) * 2 - 1,
+                torch.randint(0, max(self.n_classes, 1), (n,), generator=generator))  # 0 classes: the null label
+
+    def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
+        """The B per-example losses from one call of ``model`` over the B*K rows, row k*B + i holding draw k of
+        example i (K-major: ``BatchedLoss``)."""
+        rnd = LossRandomness(rand["noise"], rand["sigma"], rand["drop"])
+        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data,
+                                        k_major=True)

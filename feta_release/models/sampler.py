@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..config import SamplerSection
+from ..data.splits import balanced_labels
 from ..errors import ConfigError
 from .edm import EDMDenoiser
 
@@ -114,10 +115,6 @@ def sample(
     return ((x + 1.0) / 2.0).clamp(0.0, 1.0)
 
 
-def balanced_labels(n_per_class: int, n_classes: int) -> torch.Tensor:
-    return torch.arange(n_classes, dtype=torch.long).repeat_interleave(n_per_class)
-
-
 def seeded_noise(seed: int, n: int, image_shape: Sequence[int]) -> torch.Tensor:
     """Standard-normal noise for ``n`` images, drawn in fixed blocks: a prefix of a larger draw."""
     g = torch.Generator().manual_seed(int(seed))
@@ -150,7 +147,7 @@ def generate(
     ``progress(done, total)`` is optional. ``init`` (N, C, H, W) in [0, 1]: SDEdit start images (see :func:`sample`).
     """
     if isinstance(labels, int):
-        labels_t = balanced_labels(labels, denoiser.n_classes)
+        labels_t = torch.from_numpy(balanced_labels(labels * denoiser.n_classes, denoiser.n_classes))
     else:
         labels_t = torch.as_tensor(np.asarray(labels), dtype=torch.long).reshape(-1)
     if labels_t.numel() and (labels_t.min() < 0 or labels_t.max() > denoiser.n_classes):

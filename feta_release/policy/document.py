@@ -9,6 +9,7 @@ bundles may run, and the validity window. The site's policy key signs it (``{"po
 from __future__ import annotations
 
 import datetime as dt
+import time
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from ..accounting import DEFAULT_WORST_CASE_FACTOR
 from ..data.declared import DataDeclaration
 from ..errors import PolicyError
 from . import schema
-from .envelope import KeyLike, as_public_keys, open_envelope, read_json, seal, write_json
+from .envelope import KeyLike, as_public_keys, open_envelope, read_json, read_text, seal, write_json
 from .errors import PolicySchemaError, PolicyViolation
 
 MECHANISMS = ("central", "frequency", "dpsgd")
@@ -51,6 +52,12 @@ def format_time(t: dt.datetime) -> str:
 
 def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def utc_stamp(t: float | None = None) -> str:
+    """UTC time ``t`` (seconds since the epoch; default now) as ``YYYY-MM-DDTHH:MM:SSZ``: the one timestamp of
+    manifests, certificates and the node's state."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if t is None else t))
 
 
 # -- the parsed policy -----------------------------------------------------------------------------
@@ -268,12 +275,7 @@ def _unit_problems(ds: Mapping[str, Any]) -> list[tuple[str, str]]:
 def read_policy_document(path: str | Path) -> dict[str, Any]:
     """Read an UNSIGNED policy (``.toml`` or ``.json``), normalized and validated."""
     p = Path(path)
-    try:
-        text = p.read_text("utf-8")
-    except FileNotFoundError:
-        raise PolicyError(f"{p}: policy file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError(f"{p}: cannot read policy: {exc}") from None
+    text = read_text(p, "policy")
     try:
         if p.suffix.lower() == ".toml":
             doc = tomllib.loads(text)

@@ -98,14 +98,20 @@ def open_envelope(envelope: Any, kind: str, trusted: Iterable[Ed25519PublicKey],
     return body, signer
 
 
-def read_json(path: str | Path, what: str) -> Any:
+def read_text(path: str | Path, what: str) -> str:
+    """A policy or signed document's text, or one ``PolicyError`` line naming the file and what is wrong."""
     p = Path(path)
     try:
-        text = p.read_text("utf-8")
+        return p.read_text("utf-8")
     except FileNotFoundError:
         raise PolicyError(f"{p}: {what} file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PolicyError(f"{p}: cannot read {what}: {exc}") from None
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    p = Path(path)
+    text = read_text(p, what)
     try:
         return signing.loads_strict(text)
     except signing.DuplicateKeyError as exc:

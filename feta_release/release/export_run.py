@@ -30,7 +30,7 @@ import onnx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..accounting import Event, PrivacyEvent, events_from_list, gaussian_only
-from ..config import JobConfig
+from ..config import JobConfig, config_hash
 from ..errors import PrivacyError, ReleaseError
 from ..ledger import Ledger, LedgerTamperedError
 from ..models.edm import denoiser_from_spec
@@ -38,7 +38,8 @@ from ..planning import merged
 from ..policy.document import SitePolicy
 from ..policy.jobs import sign_job
 from ..signing import canonical_json, public_key_pem, sha256_file, sha256_hex
-from ..training.checkpoint import MODEL_FILE, config_hash, read_json, read_model_file
+from ..files import read_run_json
+from ..models.model_file import MODEL_FILE, read_model_file
 from .manifest import (
     GENERATOR_FILE,
     aux_claims,
@@ -54,9 +55,9 @@ from .manifest import (
     starts_count_problem,
     starts_record,
     statement_sha256,
-    utc_now,
     write_manifest,
 )
+from ..policy.document import utc_stamp
 from .onnx_export import SamplerSettings, build_generator, export_denoiser
 from .jobfiles import RELEASED_AUX, RELEASED_CENTRAL
 from .starts import AUX_FILE, STARTS_FILE, load_starts, starts_bytes
@@ -123,7 +124,7 @@ def assemble_release(
             aux_rec = _write_aux(tmp, aux_pool, len(classes), image_shape, sites, config)
         manifest = build_manifest(
             tmp, job_id=job_id, config=config, classes=classes, image_shape=image_shape,
-            sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_now(), **(timestamps or {})},
+            sampler=sampler.to_dict(), sites=sites, timestamps={"exported": utc_stamp(), **(timestamps or {})},
             signed_job=signed_job, starts=record, aux_starts=aux_rec,
         )
         write_manifest(tmp, sign_manifest(manifest, coordinator_key))
@@ -253,8 +254,8 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
         if not (rd / name).is_file():
             raise ReleaseError(f"{rd / name}: missing; is {rd} a `feta-release train` run directory?")
     ckpt = read_model_file(rd / MODEL_FILE)
-    cfg = JobConfig.from_dict(read_json(rd / "job.json"), source=str(rd / "job.json"))
-    return {"checkpoint": ckpt, "config": cfg, "run_dir": rd, "run": read_json(rd / "run.json")}
+    cfg = JobConfig.from_dict(read_run_json(rd / "job.json"), source=str(rd / "job.json"))
+    return {"checkpoint": ckpt, "config": cfg, "run_dir": rd, "run": read_run_json(rd / "run.json")}
 
 
 def ledger_history(rd: Path, run_info: Mapping[str, Any], site_key: Ed25519PrivateKey
@@ -302,7 +303,7 @@ def check_run_against_ledger(rd: Path, record: Mapping[str, Any], ckpt: Mapping[
     if not isinstance(out, Mapping) or not out.get("model_sha256"):
         raise ReleaseError(f"{rd}: the ledger's record of this job names no model (a run closed before the ledger "
                            "recorded its model); train it again to export it")
-    checks = (("job.json", config_hash(read_json(rd / "job.json")), record.get("sha256")),
+    checks = (("job.json", config_hash(read_run_json(rd / "job.json")), record.get("sha256")),
               ("model.pt's job_hash", str(ckpt.get("job_hash")), record.get("sha256")),
               ("model.pt", sha256_file(rd / MODEL_FILE), out.get("model_sha256")))
     for name, have, want in checks:
@@ -315,7 +316,7 @@ def check_run_against_ledger(rd: Path, record: Mapping[str, Any], ckpt: Mapping[
 
 def denoiser_from_checkpoint(ckpt: Mapping[str, Any], where: str) -> Any:
     spec = _first(ckpt, ("spec",), where)
-    state = _first(ckpt, ("state_dict",), where)  # the weights to release (EMA), see training.checkpoint.write_model_file
+    state = _first(ckpt, ("state_dict",), where)  # the weights to release (EMA), see models.model_file.write_model_file
     den = denoiser_from_spec(spec)
     den.load_state_dict(state)
     return den.eval()

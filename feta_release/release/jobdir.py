@@ -8,7 +8,7 @@ Layout (``OUT``; the coordinator's ``--out``/``demo-out/job``, or a ``feta-relea
                                 epsilon/delta/history as it attested them, timings
     attestations.json           {site: the site's spend statement signed with the SITE key, from its own ledger}
     policies/SITE.signed.json   each site's signed policy (when it has one)
-    model.pt                    the released weights (``training.checkpoint.write_model_file``)
+    model.pt                    the released weights (``models.model_file.write_model_file``)
     released/central.npz        the central images the warm-up used (a run's own release; a federation's combination
                                 of the sites' releases): shipped in release/ for SDEdit when the job says start_sigma
     released/aux_images.npz     [sampler] start_source aux/mix: the aux-generator pool (post-processing of the
@@ -44,7 +44,7 @@ from ..config import JobConfig
 from ..errors import FetaError
 from ..models import generate
 from ..signing import load_private_key
-from ..training.checkpoint import MODEL_FILE, read_model_file
+from ..models.model_file import MODEL_FILE, read_model_file
 from ..viz import epsilon_title, save_budget_svg, save_grid
 from .export_run import assemble_release, denoiser_from_checkpoint, released_central
 from .jobfiles import (ATTESTATIONS, POLICIES, RELEASE, RELEASED_AUX, SIGNED_JOB, SUMMARY, job_summary,

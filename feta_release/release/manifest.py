@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from dataclasses import fields
-from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,6 +42,7 @@ from ..accounting import (
 )
 from ..errors import ReleaseError
 from ..files import read_regular
+from ..policy.document import utc_stamp
 from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
 FORMAT_VERSION = "feta-release/manifest/1"
@@ -162,10 +162,6 @@ GENERATOR_OUTPUTS = {"images": {"dtype": "float32", "shape": ["batch", "C", "H",
 SOFTWARE = ("feta-release", "torch", "onnx", "onnxruntime", "flwr", "opacus")
 
 
-def utc_now() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
 def software_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in SOFTWARE:
@@ -239,7 +235,7 @@ def build_attestation(
             "delta": life_delta,
         },
         "policy_sha256": policy_sha256,
-        "created": created or utc_now(),
+        "created": created or utc_stamp(),
     }
     if ledger is not None:
         statement["ledger"] = {"ledger_id": str(ledger["ledger_id"]), "rows": int(ledger["rows"]),
@@ -324,7 +320,7 @@ def build_manifest(
     ids = [s["site_id"] for s in sites]
     if len(set(ids)) != len(ids):
         raise ReleaseError(f"duplicate site ids in release: {ids}")
-    created = utc_now()
+    created = utc_stamp()
     return {
         "format_version": manifest_format(sampler, starts, aux_starts),
         "created": created,

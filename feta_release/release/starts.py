@@ -4,7 +4,7 @@ A release whose job says ``[sampler] start_sigma`` carries ``central_images.npz`
 RELEASED (the DP-FETA central-image stage, already charged in every site's ledger and attested in the manifest's
 event histories), post-processed as the warm-up used them. Shipping them is post-processing: they cost no further
 epsilon. ``synthesize`` then draws each image by denoising an augmented released image of its class plus
-N(0, start_sigma^2) noise (SDEdit), as ``train``'s own synthetic set is drawn (``stages.synthesis.release_starts``).
+N(0, start_sigma^2) noise (SDEdit), as ``train``'s own synthetic set is drawn (``stages.synthesis.sdedit_starts``).
 
 The augmentation is a numpy port of the warm-up's RandAugment bag (``training.augment``, which is torch): the same
 ops, strengths and uint8 quantisation; nearest-neighbour affine ops follow ``grid_sample``'s pixel mapping. One

@@ -33,7 +33,8 @@ from .certificate import (
     relative_release_path,
     write_certificate,
 )
-from .manifest import MANIFEST_FILE, read_manifest, utc_now
+from ..policy.document import utc_stamp
+from .manifest import MANIFEST_FILE, read_manifest
 from .starts import load_starts, mixed_start_images
 from .verify import VerificationResult, require_valid, sealed_session, verify_release
 
@@ -432,7 +433,7 @@ def _write_certificate(
     verification = res.to_dict()
     verification["release_dir"] = relative_release_path(release_dir, out)  # no local absolute path in a release
     head = {
-        "created": utc_now(),
+        "created": utc_stamp(),
         "release": {
             "path": relative_release_path(release_dir, out),
             "manifest_sha256": res.manifest_sha256,

@@ -804,7 +804,7 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
         f"stated ε = {stated:.6g}, recomputed from {len(events)} event(s) ({st['accountant']}) = {recomputed:.6g}"
         + ("" if close else ": the stated figure is not what the history composes to"),
     )
-    _check_worst_case(res, sid, st, events)
+    _check_stated_worst_case(res, sid, st, events)
     life = st.get("lifetime")
     if not isinstance(life, dict):
         res.add(f"site {sid} lifetime", False, "the statement gives no lifetime spend for this dataset")
@@ -840,7 +840,7 @@ def _check_lifetime_worst_case(res: VerificationResult, sid: str, st: dict[str, 
             f"{worst:.6g}" + ("" if ok else ": the stated figure is not what the lifetime history composes to"))
 
 
-def _check_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]) -> None:
+def _check_stated_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]) -> None:
     """Secure aggregation: the worst case (every other site colludes) recomputed, stated in plain words."""
     sa = st.get("secure_aggregation")
     if not has_secure_aggregation(events) and sa is None:

@@ -59,7 +59,7 @@ def grid_title(ctx: RunContext, what: str) -> str:
     return epsilon_title(label, spent, b.delta, unit)
 
 
-def sample_grid(ctx: RunContext, stage: str, model: EDMDenoiser) -> None:
+def stage_grid(ctx: RunContext, stage: str, model: EDMDenoiser) -> None:
     images, labels = generate(model, ctx.grid_per_class, seed_from(ctx.cfg.job.seed, "grid"), ctx.cfg.sampler)
     d = ctx.data
     save_grid(images.numpy(), labels.numpy(), ctx.next_grid(stage), per_class=ctx.grid_per_class,

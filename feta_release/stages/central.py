@@ -15,7 +15,7 @@ from .freq_warmup import trained_aux
 from .prototypes import cell_prototypes
 
 
-class CentralRelease:
+class CentralStage:
     name = "central"
 
     def enabled(self, cfg: JobConfig) -> bool:

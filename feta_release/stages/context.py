@@ -25,7 +25,8 @@ from ..planning import PrivacyPlan
 from ..files import private_dir
 from ..privacy_unit import PatientIndex
 from ..randomness import numpy_generator_from, torch_generator_from
-from ..training.checkpoint import atomic_write_bytes, atomic_write_json, load_torch_bytes, torch_bytes
+from ..files import atomic_write_bytes, atomic_write_json
+from ..training.checkpoint import load_torch_bytes, torch_bytes
 from ..training.progress import Reporter
 from .account import RunAccount
 
@@ -68,6 +69,22 @@ def load_checkpoint(ctx: Any, name: str) -> Any | None:
     if not path.exists():
         return None
     return load_torch_bytes(ctx.account.saved_checkpoint(path))
+
+
+def resume_denoiser(ctx: Any, stage: str, what: str) -> bool:
+    """True when a warm-up stage already ran: its checkpoint ``after-STAGE.pt`` (:func:`save_denoiser`) is loaded
+    into ``ctx.denoiser`` in place of running it again."""
+    saved = load_checkpoint(ctx, f"after-{stage}.pt")
+    if saved is None:
+        return False
+    ctx.denoiser.load_state_dict(saved["model"])
+    ctx.rep.log(f"{what}: loaded from checkpoint")
+    return True
+
+
+def save_denoiser(ctx: Any, stage: str) -> None:
+    """The denoiser after a warm-up stage, for :func:`resume_denoiser`."""
+    save_checkpoint(ctx, f"after-{stage}.pt", {"model": ctx.denoiser.state_dict()})
 
 
 @dataclass

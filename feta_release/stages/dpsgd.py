@@ -21,7 +21,7 @@ from ..planning import round_sizes
 from ..errors import ConfigError
 from ..training.augment import rand_augment
 from ..training.dpsgd import DPSGDTrainer, PublicMix, StepStats
-from .base import sample_grid
+from .base import stage_grid
 from .context import RunContext, load_checkpoint, save_checkpoint
 
 
@@ -59,7 +59,7 @@ class DpsgdTraining:
         model = cast(EDMDenoiser, trainer.ema_model())
         ctx.final_model, ctx.dpsgd_trained = model, trainer.steps_done
         ctx.mark("dpsgd", steps_trained=ctx.dpsgd_trained, steps_charged=ctx.account.charged("dpsgd"))
-        sample_grid(ctx, "after-dpsgd", model)
+        stage_grid(ctx, "after-dpsgd", model)
 
 
 def _public_mix(ctx: RunContext) -> PublicMix | None:

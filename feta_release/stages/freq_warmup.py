@@ -21,8 +21,9 @@ from ..training.augment import rand_augment
 from ..training.frequency import aux_draw, aux_iterations, fit_aux_restarts, frequency_warmup, generate_aux_images
 from ..training.warmup_loop import Progress, WarmupResult
 from ..viz import save_grid
-from .base import sample_grid
-from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
+from .base import stage_grid
+from .context import (RunContext, load_checkpoint, public_generator, resume_denoiser, save_checkpoint,
+                      save_denoiser)
 from .spatial import polish_stage
 
 
@@ -74,15 +75,11 @@ class FrequencyWarmup:
         return frequency_enabled(cfg)
 
     def run(self, ctx: RunContext) -> None:
-        saved = load_checkpoint(ctx, "after-frequency.pt")
-        if saved is not None:
-            ctx.denoiser.load_state_dict(saved["model"])
-            ctx.rep.log("frequency warm-up: loaded from checkpoint")
-        else:
+        if not resume_denoiser(ctx, "frequency", "frequency warm-up"):
             ctx.aux = _aux_generator(ctx)
             _warm_up(ctx, ctx.aux)
-            save_checkpoint(ctx, "after-frequency.pt", {"model": ctx.denoiser.state_dict()})
-        sample_grid(ctx, "after-frequency", ctx.denoiser)
+            save_denoiser(ctx, "frequency")
+        stage_grid(ctx, "after-frequency", ctx.denoiser)
 
 
 def trained_aux(ctx: RunContext) -> AuxModel:

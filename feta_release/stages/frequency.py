@@ -12,7 +12,7 @@ from .base import check_event, refuse_requery
 from .context import RunContext
 
 
-class FrequencyRelease:
+class FrequencyStage:
     """``early``: the instance placed before the central release, which runs instead of the later one when the
     central cells need the aux generator's prototypes (``[central] cell_rule = "aux"``). Same charge either way."""
 

@@ -29,10 +29,10 @@ from ..data.public import public_problem, public_record
 from ..errors import ConfigError, DataError
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..signing import sha256_file
-from ..training.checkpoint import read_model_file, write_model_file
+from ..models.model_file import read_model_file, write_model_file
 from ..training.warmup_loop import Progress, WarmupResult, train_denoiser
-from .base import sample_grid
-from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
+from .base import stage_grid
+from .context import RunContext, public_generator, resume_denoiser, save_denoiser
 
 PRETRAINED_FILE = "pretrained.pt"  # RUN_DIR/pretrained.pt: the public model, reusable by `train --pretrained`
 
@@ -146,18 +146,14 @@ class PublicPretraining:
         return cfg.public.enabled
 
     def run(self, ctx: RunContext) -> None:
-        saved = load_checkpoint(ctx, "after-pretrain.pt")
-        if saved is not None:
-            ctx.denoiser.load_state_dict(saved["model"])
-            ctx.rep.log("public pretraining: loaded from checkpoint")
-        else:
+        if not resume_denoiser(ctx, "pretrain", "public pretraining"):
             with ctx.rep.task("public pretraining", ctx.cfg.public.pretrain_iterations) as adv:
                 info = public_start(ctx.denoiser, ctx.public or PublicInputs(), ctx.cfg, ctx.data.image_shape,
                                     ctx.data.class_names, progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
-            save_checkpoint(ctx, "after-pretrain.pt", {"model": ctx.denoiser.state_dict()})
+            save_denoiser(ctx, "pretrain")
             write_model_file(ctx.rd.root / PRETRAINED_FILE,
                              spec=denoiser_spec(ctx.cfg.model, ctx.data.image_shape, ctx.data.n_classes),
                              state_dict=ctx.denoiser.state_dict(), class_names=list(ctx.data.class_names),
                              public=dict(ctx.cfg.to_dict()["public"]))
             ctx.mark("pretrain", **info)
-        sample_grid(ctx, "after-pretrain", ctx.denoiser)
+        stage_grid(ctx, "after-pretrain", ctx.denoiser)

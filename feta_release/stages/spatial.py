@@ -12,8 +12,8 @@ from ..config import JobConfig
 from ..models.edm import EDMDenoiser
 from ..training.spatial import spatial_warmup
 from ..training.warmup_loop import Progress, WarmupResult
-from .base import sample_grid
-from .context import RunContext, load_checkpoint, public_generator, save_checkpoint
+from .base import stage_grid
+from .context import RunContext, public_generator, resume_denoiser, save_denoiser
 
 
 def spatial_enabled(cfg: JobConfig) -> bool:
@@ -58,16 +58,12 @@ class SpatialWarmup:
 
     def run(self, ctx: RunContext) -> None:
         assert ctx.central is not None, "the spatial warm-up runs after the central release"
-        saved = load_checkpoint(ctx, "after-spatial.pt")
-        if saved is not None:
-            ctx.denoiser.load_state_dict(saved["model"])
-            ctx.rep.log("spatial warm-up: loaded from checkpoint")
-        else:
+        if not resume_denoiser(ctx, "spatial", "spatial warm-up"):
             with ctx.rep.task("spatial warm-up", ctx.cfg.warmup.spatial_iterations) as adv:
                 res = spatial_stage(ctx.denoiser, ctx.central, ctx.cfg,
                                     progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
             if ctx.cfg.frequency.sigma is None:  # no frequency warm-up follows: the polish ends this stage
                 polish_stage(ctx)
-            save_checkpoint(ctx, "after-spatial.pt", {"model": ctx.denoiser.state_dict()})
+            save_denoiser(ctx, "spatial")
             ctx.mark("spatial", final_loss=res.final_loss, steps=res.steps)
-        sample_grid(ctx, "after-spatial", ctx.denoiser)
+        stage_grid(ctx, "after-spatial", ctx.denoiser)

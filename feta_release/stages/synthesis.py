@@ -15,9 +15,10 @@ from ..models.auxgen import AuxModel
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..models.sampler import generate
 from ..release.jobfiles import RELEASED_AUX
-from ..release.starts import aux_mask, index_within_class
+from ..release.starts import aux_mask, cycle_index, index_within_class
 from ..training.augment import rand_augment
-from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, npz_bytes, write_model_file
+from ..models.model_file import MODEL_FILE, write_model_file
+from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from .context import RunContext, public_generator, seed_from
 from .freq_warmup import aux_draw, aux_pool, trained_aux
 
@@ -43,18 +44,15 @@ class Synthesis:
                          job_hash=ctx.state["job_hash"], sampler=ctx.cfg.to_dict()["sampler"])
 
 
-def release_starts(central: tuple[np.ndarray, np.ndarray], labels: np.ndarray, cfg: JobConfig,
+def sdedit_starts(central: tuple[np.ndarray, np.ndarray], labels: np.ndarray, cfg: JobConfig,
                    generator: torch.Generator) -> torch.Tensor:
     """SDEdit start images for ``labels``: RandAugment-ed released central images of each label, cycled over the
     class's images (the warm-up's augmentation; PUBLIC randomness). Post-processing of the release."""
     images, rel_labels = np.asarray(central[0], np.float32), np.asarray(central[1], np.int64)
-    pos = np.zeros(int(rel_labels.max()) + 1, np.int64)
-    idx = np.empty(len(labels), np.int64)
-    for i, c in enumerate(labels):
-        own = np.flatnonzero(rel_labels == c)
-        if own.size == 0:
-            raise DataError(f"[sampler] start_sigma: no released central image of class {int(c)}; leave start_sigma out")
-        idx[i], pos[c] = own[pos[c] % own.size], pos[c] + 1
+    if missing := sorted(set(np.asarray(labels).tolist()) - set(rel_labels.tolist())):
+        raise DataError(f"[sampler] start_sigma: no released central image of class {int(missing[0])}; leave "
+                        "start_sigma out")
+    idx = cycle_index(rel_labels, np.asarray(labels), index_within_class(labels))  # synthesize's cycling rule
     w = cfg.warmup
     return rand_augment(torch.from_numpy(images[idx]), n_ops=w.augment_ops, magnitude_max=w.augment_magnitude,
                         generator=generator)[0].clamp(0, 1)
@@ -101,7 +99,7 @@ def _write_synthetic(ctx: RunContext, model: EDMDenoiser, n: int) -> None:
     with ctx.rep.task("synthesis", n) as adv:
         for start in range(0, n, 256):
             part = labels[start:start + 256]
-            init = None if central is None or source == "aux" else release_starts(central, part, cfg, gen)
+            init = None if central is None or source == "aux" else sdedit_starts(central, part, cfg, gen)
             if aux is not None and aux_gen is not None and take is not None:
                 init = aux_starts(aux, part, take[start:start + 256], init, aux_gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)

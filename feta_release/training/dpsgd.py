@@ -37,7 +37,8 @@ are), and the planner calibrates sigma so that figure meets the site's per-patie
 All randomness the vectorised loss needs (noise levels, noise images, label-dropout masks) is drawn OUTSIDE
 ``vmap`` from the trainer's generator and passed in, so a step is reproducible from ``state_dict()``.
 
-``PerExampleLoss`` is the interface between the engine and a model; ``EDMLoss`` adapts an ``EDMDenoiser``.
+``PerExampleLoss`` is the interface between the engine and a model; ``models.edm.EDMLoss`` adapts an
+``EDMDenoiser``.
 """
 
 from __future__ import annotations
@@ -60,15 +61,14 @@ from ..errors import ConfigError, DataError
 from ..mechanisms._checks import check_clip
 from ..mechanisms.poisson import poisson_mask
 from ..models.trainable import set_trainable
-from ..models.edm import SIGMA_DATA, LossRandomness, draw_loss_randomness, edm_loss_from_randomness, edm_loss_single
+from ..models.edm import EDMLoss
 from .allocator import keep_freed_pages
 from .ema import EMA
-from .ghost_clip import K_MAJOR, BatchedLoss, batched_form, cross_check, hook_grads, unsupported
+from .ghost_clip import BatchedLoss, batched_form, cross_check, hook_grads, unsupported
 from .padding import fork_rng, pad_step, padding_chunks
 
 __all__ = [
     "PerExampleLoss",
-    "EDMLoss",
     "StepStats",
     "DPSGDTrainer",
     "poisson_sample",
@@ -95,58 +95,6 @@ class PerExampleLoss(Protocol):
     def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]: ...
 
     def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor: ...
-
-
-class EDMLoss:
-    """``PerExampleLoss`` adapter for an ``EDMDenoiser``: K noise draws and label dropout per example.
-
-    The loss itself and its randomness are ``feta_release.models.edm``'s (``draw_loss_randomness`` /
-    ``edm_loss_single``: lambda(sigma)-weighted x0-MSE averaged over the K draws); this class only reshapes the
-    randomness into the dict the engine slices per example. The null label is ``n_classes``.
-    """
-
-    def __init__(
-        self,
-        image_shape: tuple[int, int, int],
-        n_classes: int,
-        noise_multiplicity: int = 1,
-        label_dropout: float = 0.1,
-        sigma_data: float | None = None,
-    ) -> None:
-        if noise_multiplicity < 1:
-            raise ConfigError(f"[dpsgd] noise_multiplicity must be >= 1, got {noise_multiplicity}")
-        self.image_shape = tuple(int(v) for v in image_shape)
-        self.n_classes = int(n_classes)
-        self.k = int(noise_multiplicity)
-        self.label_dropout = float(label_dropout)
-        self.sigma_data = SIGMA_DATA if sigma_data is None else float(sigma_data)
-
-    def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
-        r = draw_loss_randomness(
-            n, self.image_shape, noise_multiplicity=self.k, label_dropout=self.label_dropout, generator=generator
-        )
-        return {"noise": r.noise, "sigma": r.sigma, "drop": r.drop}
-
-    def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        return edm_loss_single(
-            model, x, y, rand["noise"], rand["sigma"], rand["drop"],
-            null_label=self.n_classes, sigma_data=self.sigma_data,
-        )
-
-    row_order = K_MAJOR  # batched's rows: ghost_clip.BatchedLoss
-
-    def example(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """``n`` dummy examples (uniform images in [-1, 1], uniform labels) for the engine's cross-check
-        (``ghost_clip.cross_check``), from the caller's fixed public generator: never site data."""
-        return (torch.rand(n, *self.image_shape, generator=generator) * 2 - 1,
-                torch.randint(0, max(self.n_classes, 1), (n,), generator=generator))  # 0 classes: the null label
-
-    def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        """The B per-example losses from one call of ``model`` over the B*K rows, row k*B + i holding draw k of
-        example i (K-major: ``BatchedLoss``)."""
-        rnd = LossRandomness(rand["noise"], rand["sigma"], rand["drop"])
-        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data,
-                                        k_major=True)
 
 
 ENGINES = ("auto", "hooks", "vmap")

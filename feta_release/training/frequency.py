@@ -69,7 +69,7 @@ def embedding_of_batch(phi: torch.Tensor, labels: torch.Tensor, n_classes: int) 
     return (phi.T @ onehot) / counts / n_classes
 
 
-def balanced_labels(n: int, n_classes: int, generator: torch.Generator) -> torch.Tensor:
+def shuffled_balanced_labels(n: int, n_classes: int, generator: torch.Generator) -> torch.Tensor:
     """n labels, each class floor(n/K) or ceil(n/K) times, in random order."""
     base = torch.arange(n) % n_classes
     # Which classes get the remainder rotates at random, so no class is systematically short.
@@ -138,7 +138,7 @@ def fit_aux_generator(
     gen.train()
     for _epoch in range(a.epochs):
         for _ in range(iters):
-            y = balanced_labels(a.batch, n_classes, generator).to(dev)
+            y = shuffled_balanced_labels(a.batch, n_classes, generator).to(dev)
             z = torch.randn((a.batch, a.z_dim), generator=generator).to(dev)
             x = gen(z, y)
             loss = ((e - embedding_of_batch(phi_of(x), y, n_classes)) ** 2).sum()  # the release's own map
@@ -209,7 +209,7 @@ def generate_aux_images(
     gen: AuxModel, n: int, generator: torch.Generator, batch: int = 500
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode)."""
-    labels = balanced_labels(n, gen.n_classes, generator)
+    labels = shuffled_balanced_labels(n, gen.n_classes, generator)
     out = [aux_draw(gen, labels[start:start + batch], generator) for start in range(0, n, batch)]
     images = torch.cat(out) if out else torch.zeros((0, gen.img_channels, gen.img_size, gen.img_size))
     # Quantise like stored images so the warm-up sees what a saved set would hold.

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy import special
 
 from feta_release.accountants import skellam as acc
-from feta_release.accounting import RDP_ORDERS, PrivacyEvent, epsilon
+from feta_release.accounting import RDP_ORDERS, PrivacyEvent, epsilon, epsilon_from_rdp
 from feta_release.errors import PrivacyError
 from feta_release.mechanisms.skellam import SkellamParams
 
@@ -117,7 +117,7 @@ def test_epsilon_conversion_matches_dp_accounting() -> None:
 
     p = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=2.0, n_sites=4)
     curve = acc.skellam_rdp_curve(p, 0.05, 200)
-    ours = acc.epsilon_from_rdp(curve, 1e-6)
+    ours = epsilon_from_rdp(curve, 1e-6)
     theirs, _ = compute_epsilon(list(RDP_ORDERS), list(curve), 1e-6)
     assert ours == pytest.approx(theirs, rel=1e-6)
 
@@ -178,12 +178,12 @@ def test_calibration_meets_the_target_and_is_tight() -> None:
     import dataclasses
 
     p = SkellamParams(dim=100, clip=1.0, scale=1024.0, noise_multiplier=1.0, n_sites=3)
-    sigma = acc.calibrate_noise_multiplier(p, 0.05, 100, 1.0, 1e-5, noise_shares=2)
+    sigma = acc.calibrate_skellam_noise(p, 0.05, 100, 1.0, 1e-5, noise_shares=2)
     at = dataclasses.replace(p, noise_multiplier=sigma)
     below = dataclasses.replace(p, noise_multiplier=sigma - 0.01)
     assert acc.skellam_epsilon(at, 0.05, 100, 1e-5, 2) <= 1.0 < acc.skellam_epsilon(below, 0.05, 100, 1e-5, 2)
     with pytest.raises(PrivacyError, match="even noise multiplier"):
-        acc.calibrate_noise_multiplier(p, 1.0, 10**6, 0.01, 1e-5, max_sigma=4.0)
+        acc.calibrate_skellam_noise(p, 1.0, 10**6, 0.01, 1e-5, max_sigma=4.0)
 
 
 def test_events_compose_with_the_gaussian_stages_and_round_trip() -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from torch import nn
 
-from feta_release.data.procedural import generate
+from feta_release.data.procedural import generate_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,8 +29,8 @@ def _bench() -> ModuleType:
 @pytest.mark.parametrize(("kind", "epsilon"), [("medical", 1.0), ("rgb", 10.0)])
 def test_the_anchor_runs_on_a_tiny_set_within_its_target_epsilon(kind: str, epsilon: float) -> None:
     bench = _bench()
-    train = generate(kind, 64, size=28 if kind == "medical" else 16, seed=1)
-    test = generate(kind, 20, size=train.image_shape[1], seed=2)
+    train = generate_dataset(kind, 64, size=28 if kind == "medical" else 16, seed=1)
+    test = generate_dataset(kind, 20, size=train.image_shape[1], seed=2)
     res = bench.dpsgd_anchor(train, test, epsilon=epsilon, delta=1e-5, epochs=2, batch=16, seed=0)
     assert 0.0 < res.epsilon <= epsilon  # Opacus's RDP accountant after every step taken
     assert res.epsilon > 0.5 * epsilon  # the noise was calibrated for this target, not far below it

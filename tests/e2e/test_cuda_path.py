@@ -77,7 +77,8 @@ def test_train_with_sdedit_mix_starts_on_cuda(tmp_path: Path) -> None:
 
 
 def test_dpsgd_clipped_sum_on_cuda_matches_cpu() -> None:
-    from feta_release.training.dpsgd import EDMLoss, clipped_gradient_sum
+    from feta_release.models.edm import EDMLoss
+    from feta_release.training.dpsgd import clipped_gradient_sum
 
     cpu = _model()
     gpu = copy.deepcopy(cpu).cuda()
@@ -143,7 +144,7 @@ def test_federated_job_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     from feta_release.signing import load_public_key
     from feta_release.stages.context import initial_denoiser
     from feta_release.training import dpsgd
-    from feta_release.training.checkpoint import read_model_file
+    from feta_release.models.model_file import read_model_file
 
     from tests.support.federation import full_job, harness, run_harness_job, tiny_sites
 

@@ -25,7 +25,7 @@ def _pids_of_group_alive(pgids: list[int]) -> list[int]:
 
 
 def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path, loopback):
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
     from feta_release.ledger import Ledger
 
@@ -33,7 +33,7 @@ def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path, loopba
     fed = make_federation(tmp_path / "fed", policy_overrides={"site-c": {"app_bundles": ["0" * 64]}})
     cfg = tiny_job(federation={"rounds": 1, "local_steps": 1, "min_sites": 2, "round_timeout": 600.0})
     job_toml = tmp_path / "job.toml"
-    job_toml.write_text(_to_toml(cfg.to_dict()))
+    job_toml.write_text(job_rules.job_toml(cfg))
     out = tmp_path / "out"
     signed = sign_or_resume(job_toml, ["site-a", "site-b"], fed.coordinator_key, out, "job-e2e")
     try:
@@ -102,10 +102,11 @@ def test_demo_cleans_up_its_processes_on_ctrl_c(tmp_path):
 
 
 def test_tls_and_node_authentication_real_processes(tmp_path):
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, register_node, start_superlink
-    from coordinator.tls import make_certificates, make_node_auth_key
+    from coordinator.tls import make_certificates
+    from feta_release.signing import make_node_auth_key
     from edge.launch import NodeSettings, start_node
     from feta_release.federation.procs import free_port
 
@@ -114,7 +115,7 @@ def test_tls_and_node_authentication_real_processes(tmp_path):
     keys = {s.site_id: make_node_auth_key(tmp_path / "certs" / "nodes", s.site_id) for s in fed.sites}
     cfg = tiny_job(federation={"rounds": 1, "local_steps": 1, "min_sites": 2, "round_timeout": 600.0})
     job_toml = tmp_path / "job.toml"
-    job_toml.write_text(_to_toml(cfg.to_dict()))
+    job_toml.write_text(job_rules.job_toml(cfg))
     out = tmp_path / "out"
     signed = sign_or_resume(job_toml, ["site-a", "site-b"], fed.coordinator_key, out, "job-tls")
     port = free_port()

@@ -14,12 +14,12 @@ pytestmark = pytest.mark.slow
 
 def _run_real_job(tmp_path, loopback, cfg, job_id):
     """Sign ``cfg`` for the three sites and run it on the real SuperLink + nodes; (federation, out dir, sites, summary)."""
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
 
     fed = make_federation(tmp_path / "fed")
     job_toml = tmp_path / "job.toml"
-    job_toml.write_text(_to_toml(cfg.to_dict()))
+    job_toml.write_text(job_rules.job_toml(cfg))
     out = tmp_path / "out"
     sites = [s.site_id for s in fed.sites]
     signed = sign_or_resume(job_toml, sites, fed.coordinator_key, out, job_id)

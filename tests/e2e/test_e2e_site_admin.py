@@ -63,14 +63,14 @@ def _hospital_data(root: Path) -> Path:
 
 def _coordinator_material(d: Path, env: dict[str, str]) -> str:
     """What the coordinator sends a site: its public key, its CA certificate, a signed job, its app bundle's hash."""
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
 
     from tests.support.federation import tiny_job
 
     _run("feta-release keys generate --out coord-keys --name coordinator && cp coord-keys/coordinator.pub . && "
          "feta-release coordinator certs --out certs && cp certs/ca.crt .", d, env)
     job = tiny_job(federation={"rounds": 1, "local_steps": 1, "min_sites": 1, "round_timeout": 60.0})
-    (d / "job.toml").write_text(_to_toml(job.to_dict()))
+    (d / "job.toml").write_text(job_rules.job_toml(job))
     _run("feta-release job sign job.toml --key coord-keys/coordinator.key --job-id job-1 --sites st-mary "
          "--out job.signed.json", d, env)
     return _run("feta-release coordinator fab-hash", d, env).strip()

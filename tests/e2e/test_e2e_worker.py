@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, start_superlink
     from edge.launch import NodeSettings, start_node
@@ -26,7 +26,7 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
     fed = make_federation(tmp_path / "fed")
     cfg = tiny_job(federation={"rounds": 2, "local_steps": 1, "min_sites": 2, "round_timeout": 600.0})
     job_toml = tmp_path / "job.toml"
-    job_toml.write_text(_to_toml(cfg.to_dict()))
+    job_toml.write_text(job_rules.job_toml(cfg))
     out = tmp_path / "out"
     signed = sign_or_resume(job_toml, ["site-a", "site-b"], fed.coordinator_key, out, "job-w")
     procs, workers = [], {}

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from feta_release.data import ImageDataset
 from feta_release.errors import ConfigError, DataError
-from feta_release.eval_protocol import PROTOCOL, Protocol, balanced_labels, format_row, mean_std, protocol_splits, \
+from feta_release.data.splits import balanced_labels
+from feta_release.eval_protocol import PROTOCOL, Protocol, format_row, mean_std, protocol_splits, \
     release_only
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import psutil
 import pytest
 
+from feta_release.federation.procs import kill_tree
 from tests.support.federation import make_federation, tiny_job
 
 pytestmark = pytest.mark.slow
@@ -52,24 +53,6 @@ def _wait(what: str, ok: Callable[[], bool], timeout: float, poll: float = 0.02)
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every descendant (also those that started their own session)."""
-    try:
-        family = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    try:
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in family:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(family, timeout=10)
 
 
 def _status(ledger: Path, request_id: str) -> str | None:
@@ -129,7 +112,7 @@ class Coordinator:
     def kill(self) -> None:
         """The whole coordinator dies at once: SuperLink (with its ServerApp) and ``coordinator run``."""
         for pid in ([self.run.pid] if self.run else []) + ([self.superlink.pid] if self.superlink else []):
-            _kill_tree(pid)
+            kill_tree(pid)
         if self.run is not None:
             self.run.wait(10)
             self.log.close()
@@ -160,7 +143,7 @@ class Node:
         return next((p.pid for p in family if "edge.worker" in " ".join(_cmdline(p))), None)
 
     def kill(self) -> None:
-        _kill_tree(self.proc.pid)
+        kill_tree(self.proc.pid)
         self.stop()
 
     def stop(self) -> None:
@@ -169,7 +152,7 @@ class Node:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                _kill_tree(self.proc.pid)
+                kill_tree(self.proc.pid)
         self.proc.wait(10)
         self.log.close()
 
@@ -182,14 +165,14 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 
 def _job(tmp: Path) -> Path:
-    from coordinator.demo import _to_toml
+    from feta_release import job_rules
 
     cfg = tiny_job(central={"rounds": 1, "batch": 10, "sigma": 5.0},
                    warmup={"spatial_iterations": 30, "spatial_batch": 8},
                    federation={"secure_aggregation": True, "secagg_threshold": 2, "rounds": 2, "local_steps": 4,
                                "min_sites": 2, "round_timeout": ROUND_TIMEOUT})
     p = tmp / "job.toml"
-    p.write_text(_to_toml(cfg.to_dict()))
+    p.write_text(job_rules.job_toml(cfg))
     return p
 
 

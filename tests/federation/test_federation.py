@@ -16,7 +16,8 @@ from feta_release.federation import messages as fm
 from feta_release.federation.driver import SiteUnavailable
 from feta_release.federation.job import run_job
 from feta_release.signing import generate_keypair, load_private_key
-from feta_release.training.checkpoint import load_torch, read_model_file
+from feta_release.models.model_file import read_model_file
+from feta_release.training.checkpoint import load_torch
 
 from tests.support.federation import full_job, harness, make_federation, run_harness_job as _run, tiny_job
 

@@ -225,7 +225,7 @@ def _seed_release_noise(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _released_weights(root: Path, monkeypatch: pytest.MonkeyPatch, devices: dict[str, str] | None = None,
                       **device: str) -> dict[str, torch.Tensor]:
-    from feta_release.training.checkpoint import read_model_file
+    from feta_release.models.model_file import read_model_file
 
     _seed_release_noise(monkeypatch)
     fed = prepare_federation(root / "fed", tiny_sites(n_sites=2))

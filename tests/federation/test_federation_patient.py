@@ -184,7 +184,7 @@ def test_site_patient_index_bounds_a_many_image_patient_to_c(sizes: list[int], m
 
     from feta_release.config import JobConfig
     from feta_release.data.loading import LoadReport
-    from feta_release.privacy_unit import policy_data
+    from feta_release.data.loading import policy_data
     from feta_release.training.dpsgd import DPSGDTrainer
 
     d, clip = 12, 1.0

@@ -353,14 +353,14 @@ def test_the_coordinator_step_equals_a_local_dpsgd_step_on_the_same_batch() -> N
     step on the same Poisson batch, exactly; with the Skellam quantization it differs by the rounding only."""
     import torch
 
-    from feta_release.data.embedded import load_embedded
+    from feta_release.data import load_embedded
     from feta_release.federation.fedsgd import coordinator_step, optimizer_for
     from feta_release.mechanisms.secure_sums import fedsgd_params
     from feta_release.mechanisms.skellam import quantize_records
     from feta_release.models import build_denoiser
+    from feta_release.models.edm import EDMLoss
     from feta_release.training.dpsgd import (
         DPSGDTrainer,
-        EDMLoss,
         batch_gradients,
         clipped_gradient_sum,
         clipped_rows,

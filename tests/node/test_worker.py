@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from feta_release.files import private_dir
 from edge import channel
 from edge.forward import ForwardingApp, remote_error
 from feta_release.federation import messages as fm
@@ -52,7 +53,7 @@ class EchoWorker:
 def echo(tmp_path):
     from edge.worker import _Stop, serve
 
-    state = channel.private_dir(tmp_path / "w")
+    state = private_dir(tmp_path / "w")
     sock, key_file = channel.socket_path(state), state / "worker.key"
     key = channel.write_key(key_file)
     listener = channel.listen(sock, key)
@@ -177,10 +178,10 @@ def _raw(echo, frames: list[bytes]) -> dict[str, Any]:
 @pytest.mark.parametrize("frames,why", [
     ([b"not json"], "header is not JSON"),
     ([b"[1, 2]"], "not a feta-worker/1 object"),
-    ([channel.header({"protocol": "other/9", "frames": 0})], "not a feta-worker/1 object"),
-    ([channel.header({"protocol": channel.PROTOCOL, "frames": 99})], "announces 99 frames"),
-    ([channel.header({"protocol": channel.PROTOCOL, "frames": True})], "announces True frames"),
-    ([channel.header({"protocol": channel.PROTOCOL, "frames": 0, "kind": "rm -rf"})], "unknown kind"),
+    ([channel.encode_header({"protocol": "other/9", "frames": 0})], "not a feta-worker/1 object"),
+    ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": 99})], "announces 99 frames"),
+    ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": True})], "announces True frames"),
+    ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": 0, "kind": "rm -rf"})], "unknown kind"),
 ])
 def test_a_malformed_request_is_refused_in_one_line(echo, frames, why):
     head = _raw(echo, frames)
@@ -226,7 +227,7 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("worker")
     fed = make_federation(tmp / "fed")
     site = fed.sites[0]
-    state = channel.private_dir(tmp / "state")
+    state = private_dir(tmp / "state")
     sock, key_file = channel.socket_path(state), state / "worker.key"
     channel.write_key(key_file)
     log = tmp / "worker.log"

@@ -109,7 +109,8 @@ def test_node_start_refuses_a_world_readable_site_key(tmp_path) -> None:
 def test_node_start_refuses_a_group_readable_node_authentication_key(tmp_path) -> None:
     """Flower loads the node-auth key itself, with no mode check: whoever reads it can join the federation as this
     site (the coordinator binds the site to that key)."""
-    from coordinator.tls import make_certificates, make_node_auth_key
+    from coordinator.tls import make_certificates
+    from feta_release.signing import make_node_auth_key
     from edge.launch import NodeSettings, preflight
 
     from tests.support.federation import make_federation

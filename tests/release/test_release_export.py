@@ -22,7 +22,9 @@ from feta_release.models.edm import denoiser_spec  # noqa: E402
 from feta_release.policy import make_policy, sign_policy  # noqa: E402
 from feta_release.signing import generate_keypair, load_private_key  # noqa: E402
 from feta_release.signing import sha256_file  # noqa: E402
-from feta_release.training.checkpoint import atomic_write_json, config_hash, save_torch  # noqa: E402
+from feta_release.config import config_hash  # noqa: E402
+from feta_release.files import atomic_write_json  # noqa: E402
+from feta_release.training.checkpoint import save_torch  # noqa: E402
 
 from tests.support.release import CLASSES, EVENTS, IMAGE_SHAPE, small_denoiser  # noqa: E402
 

@@ -84,7 +84,7 @@ def test_rehashing_the_chain_without_the_site_key_is_detected(tmp_path):
     _ledger_with_rows(p)
     db = sqlite3.connect(p, isolation_level=None)
     db.execute("DELETE FROM requests WHERE request_id='r3'")
-    chain.seal(db, Ed25519PrivateKey.generate())  # the attacker's own key
+    chain.seal_chain(db, Ed25519PrivateKey.generate())  # the attacker's own key
     db.close()
     assert "signed by another key" in _tampered(p)
 
@@ -414,7 +414,8 @@ def test_node_refuses_a_remote_superlink_without_an_auth_key(tmp_path):
 
 def test_tls_and_node_keys_are_0600_and_never_overwritten(tmp_path):
     """Attack: a planted file/link at a key path, or a re-run that silently replaces the coordinator's CA key."""
-    from coordinator.tls import make_certificates, make_node_auth_key
+    from coordinator.tls import make_certificates
+    from feta_release.signing import make_node_auth_key
     from feta_release.errors import ConfigError
 
     paths = make_certificates(tmp_path / "certs")

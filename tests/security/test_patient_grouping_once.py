@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from feta_release.accounting import PrivacyEvent
 from feta_release.data.loading import LoadReport
-from feta_release.privacy_unit import policy_data
+from feta_release.data.loading import policy_data
 
 from tests.support.federation import tiny_job
 

@@ -22,6 +22,7 @@ from flwr.app import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from feta_release.files import private_dir
 from edge import channel, public_errors
 from edge.forward import ForwardingApp
 from edge.site import forget_sites
@@ -168,7 +169,7 @@ def short_worker(tmp_path, monkeypatch):
     from edge.worker import _Stop, serve
 
     monkeypatch.setattr(channel, "SERVE_TIMEOUT", 0.5, raising=False)
-    state = channel.private_dir(tmp_path / "w")
+    state = private_dir(tmp_path / "w")
     sock, key = channel.socket_path(state), channel.write_key(state / "worker.key")
     listener = channel.listen(sock, key)
     stop = _Stop()

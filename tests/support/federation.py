@@ -16,7 +16,7 @@ TINY_MODEL = {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attn_res
 
 def tiny_sites(n_sites: int = 3, per_site: int = 40, seed: int = 0) -> dict[str, Any]:
     """Disjoint small sites from the embedded digits, every class present at every site."""
-    from feta_release.data.embedded import load_embedded
+    from feta_release.data import load_embedded
     from feta_release.data.splits import split_sites
 
     ds = load_embedded()

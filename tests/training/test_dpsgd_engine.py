@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from feta_release.errors import ConfigError, DataError
+from feta_release.models.edm import EDMLoss
 from feta_release.training.dpsgd import (
     DPSGDTrainer,
-    EDMLoss,
     clip_and_sum,
     per_example_grads,
     poisson_sample,

@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError
 from feta_release.models.edm import build_denoiser
+from feta_release.models.edm import EDMLoss
 from feta_release.training.dpsgd import (
     DPSGDTrainer,
-    EDMLoss,
     clip_and_sum,
     clipped_gradient_sum,
     per_example_grads,

@@ -24,7 +24,8 @@ from feta_release.config import load_preset
 from feta_release.errors import ConfigError
 from feta_release.models.edm import build_denoiser
 from feta_release.training import dpsgd
-from feta_release.training.dpsgd import DPSGDTrainer, EDMLoss, per_example_grads, select_engine
+from feta_release.models.edm import EDMLoss
+from feta_release.training.dpsgd import DPSGDTrainer, per_example_grads, select_engine
 from feta_release.training.ghost_clip import cross_check, hook_grads, unsupported
 
 from tests.support.dpsgd import dpsgd_job as _cfg

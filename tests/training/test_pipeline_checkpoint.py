@@ -9,14 +9,10 @@ import torch
 
 from feta_release.config import load_preset
 from feta_release.errors import FetaError
-from feta_release.training.checkpoint import (
-    atomic_write_bytes,
-    atomic_write_json,
-    config_hash,
-    load_torch,
-    read_json,
-    save_torch,
-)
+from feta_release.config import config_hash
+from feta_release.files import atomic_write_bytes, atomic_write_json
+from feta_release.files import read_run_json as read_json
+from feta_release.training.checkpoint import load_torch, save_torch
 
 
 def test_atomic_write_replaces_and_leaves_no_temporaries(tmp_path):
@@ -69,7 +65,7 @@ def test_config_hash_depends_on_values_not_key_order():
 def test_one_model_file_format_written_atomically_and_read_weights_only(tmp_path):
     """`train` and the coordinator write model.pt with one writer (atomic), every reader uses one reader."""
     from feta_release.errors import ReleaseError
-    from feta_release.training.checkpoint import read_model_file, write_model_file
+    from feta_release.models.model_file import read_model_file, write_model_file
 
     state = {"w": torch.arange(4.0), "n": torch.tensor(3)}
     p = write_model_file(tmp_path / "model.pt", spec={"kind": "x"}, state_dict=state, class_names=["a", 1],
@@ -84,10 +80,11 @@ def test_one_model_file_format_written_atomically_and_read_weights_only(tmp_path
 
 
 def test_no_model_or_checkpoint_is_read_or_written_beside_the_one_writer_and_reader():
-    """Grep guard: torch.save / torch.load appear only in training/checkpoint.py."""
+    """Grep guard: torch.save / torch.load appear only in training/checkpoint.py and models/model_file.py."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     hits = [f"{p.relative_to(root)}" for d in ("feta_release", "edge", "coordinator", "bench") for p in (root / d).rglob("*.py")
-            if p.name != "checkpoint.py" and ("torch.save(" in p.read_text("utf-8") or "torch.load(" in p.read_text("utf-8"))]
+            if p.name not in ("checkpoint.py", "model_file.py")
+            and ("torch.save(" in p.read_text("utf-8") or "torch.load(" in p.read_text("utf-8"))]
     assert hits == []

@@ -10,14 +10,14 @@ import torch
 
 from feta_release.config import JobConfig, load_preset
 from feta_release.data import ImageDataset, load_embedded
-from feta_release.data.procedural import generate
+from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError, DataError
 from feta_release.ledger import Ledger
 from feta_release.planning import plan, stage_events
 from feta_release.signing import load_private_key
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import PRETRAINED_FILE, mapped_labels, with_public
-from feta_release.training.checkpoint import read_model_file
+from feta_release.models.model_file import read_model_file
 from feta_release.training.pipeline import run_pipeline
 
 pytestmark = pytest.mark.slow  # two tiny runs
@@ -37,7 +37,7 @@ def _cfg(**over) -> JobConfig:
 
 @pytest.fixture(scope="module")
 def strokes() -> ImageDataset:
-    return generate("strokes", 64, size=28, seed=4)
+    return generate_dataset("strokes", 64, size=28, seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +90,13 @@ def test_a_pretrained_file_is_reused_by_hash_and_gives_the_same_start(public_run
 
 def test_the_job_refuses_another_public_set_than_the_one_it_names(strokes):
     cfg = with_public(_cfg(), PublicInputs(strokes), (1, 28, 28))
-    other = generate("strokes", 64, size=28, seed=5)
+    other = generate_dataset("strokes", 64, size=28, seed=5)
     with pytest.raises(DataError, match="not the public set"):
         with_public(cfg, PublicInputs(other), (1, 28, 28))
     with pytest.raises(ConfigError, match="--public PATH"):
         with_public(cfg, None, (1, 28, 28))
     with pytest.raises(DataError, match="private data's"):
-        with_public(_cfg(), PublicInputs(generate("strokes", 8, size=32)), (1, 28, 28))
+        with_public(_cfg(), PublicInputs(generate_dataset("strokes", 8, size=32)), (1, 28, 28))
 
 
 def test_public_labels_map_onto_private_classes_by_name_or_label_map_else_null(strokes):
@@ -133,7 +133,7 @@ def test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images
     from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job, tiny_job
 
     fed = make_federation(tmp_path / "fed")
-    public = generate("strokes", 48, size=28, seed=9)
+    public = generate_dataset("strokes", 48, size=28, seed=9)
     pub = PublicInputs(public, "pen strokes")
     base = tiny_job(public={"pretrain_iterations": 3, "pretrain_batch": 8})
     cfg = with_public(base, pub, (1, 28, 28))
@@ -181,7 +181,7 @@ def test_verify_shows_the_public_set_and_checks_its_hash_when_given(public_run, 
     assert shown.status == "pass" and strokes.fingerprint()[:16] in shown.detail and "64 images" in shown.detail
     save_npz(strokes, tmp_path / "same.npz")
     assert public_check(tmp_path / "same.npz").status == "pass"
-    save_npz(generate("strokes", 64, size=28, seed=5), tmp_path / "other.npz")
+    save_npz(generate_dataset("strokes", 64, size=28, seed=5), tmp_path / "other.npz")
     bad = public_check(tmp_path / "other.npz")
     assert bad.status == "fail" and "sha256" in bad.detail
 

@@ -14,7 +14,7 @@ from feta_release.errors import ConfigError, DataError
 from feta_release.models.auxgen import AuxGenerator
 from feta_release.stages import freq_warmup, synthesis
 from feta_release.stages.freq_warmup import AUX_POOL_PER_CLASS, aux_draw, aux_pool
-from feta_release.stages.synthesis import aux_starts, aux_taken, release_starts
+from feta_release.stages.synthesis import aux_starts, aux_taken, sdedit_starts
 from feta_release.training.pipeline import run_pipeline
 from tests.support.training import bars, embedded_subset as _data, job
 
@@ -89,7 +89,7 @@ def test_mix_takes_aux_generator_images_where_taken_and_central_starts_elsewhere
     labels = np.array([0, 1, 1, 0, 1, 0, 0])
     take = aux_taken(labels, "mix")
     cfg = job(warmup={"augment_magnitude": 1})
-    central = release_starts((x.numpy(), y.numpy()), labels, cfg, torch.Generator().manual_seed(0))
+    central = sdedit_starts((x.numpy(), y.numpy()), labels, cfg, torch.Generator().manual_seed(0))
     seen: list = []
     real = aux.forward
 

@@ -11,7 +11,7 @@ from feta_release.errors import ConfigError, DataError
 from feta_release.mechanisms.frequency import rff_features
 from feta_release.models import AuxGenerator, build_denoiser
 from feta_release.training.frequency import (
-    balanced_labels,
+    shuffled_balanced_labels,
     embedding_of_batch,
     fit_aux_generator,
     frequency_warmup,
@@ -34,7 +34,7 @@ def test_batch_embedding_matches_reference_formula_for_balanced_batches() -> Non
 
 def test_balanced_labels() -> None:
     g = torch.Generator().manual_seed(0)
-    counts = balanced_labels(23, 5, g).bincount(minlength=5)
+    counts = shuffled_balanced_labels(23, 5, g).bincount(minlength=5)
     assert counts.sum() == 23 and counts.max() - counts.min() <= 1
 
 
@@ -53,7 +53,7 @@ def test_fit_reduces_mmd_and_eval_images_match() -> None:
     untrained = AuxGenerator(1, 8, 2, z_dim=8, width=8)
     untrained.train()
     with torch.no_grad():
-        lab0 = balanced_labels(200, 2, torch.Generator())
+        lab0 = shuffled_balanced_labels(200, 2, torch.Generator())
         base = _mmd(emb, omega, untrained(torch.randn(200, 8), lab0), lab0)
     assert _mmd(emb, omega, imgs, labels) < 0.3 * base
 

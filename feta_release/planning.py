@@ -55,7 +55,7 @@ __all__ = [
     "merged",
     "plan",
     "round_sizes",
-    "sampling_rate",
+    "stage_sampling_rate",
     "secure_stage_events",
     "stage_event",
     "stage_events",

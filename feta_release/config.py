@@ -174,6 +174,14 @@ class PublicSection:
     pretrain_lr: float = 2e-3
     # sha256 of a reused pretrained model file (``train --pretrained``); it is loaded instead of pretraining
     pretrained_sha256: str | None = None
+    # Semantic selection (PrivImage; mechanisms/selection.py): each site releases a noisy histogram of which
+    # of `selection_groups` k-means groups of the public set its images are nearest to (sensitivity 1 image,
+    # noise multiplier `selection_sigma`, charged as the event "selection"); pretraining then uses the groups
+    # with the highest noisy counts, at least `selection_keep` of the public set. Off by default (costs ε).
+    selection: bool = False
+    selection_groups: int = 16
+    selection_sigma: float = 20.0
+    selection_keep: float = 0.5
 
     @property
     def enabled(self) -> bool:
@@ -288,6 +296,9 @@ class JobConfig:
             del d["dpsgd"]["trainable"]
         if self.public == PublicSection():  # likewise a job without public data
             del d["public"]
+        elif not self.public.selection:  # likewise a public job without semantic selection
+            for key in ("selection", "selection_groups", "selection_sigma", "selection_keep"):
+                del d["public"][key]
         return d
 
     def replace(self, **sections: Any) -> JobConfig:
@@ -508,11 +519,28 @@ def _validate_public(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
              f"[public] a public set needs count >= 1 and shape = [C, H, W], got count {pb.count}, shape "
              f"{list(pb.shape)}")
     need(len(pb.description) <= 500, "[public] description must be at most 500 characters")
+    if pb.selection:
+        _validate_selection(pb, need)
     for pair in pb.label_map:
         pub, sep, priv = pair.partition("=")
         need(bool(sep and pub and priv), f"[public] label_map entry {pair!r} must read \"public_class=private_class\"")
         need(not pb.class_names or pub in pb.class_names,
              f"[public] label_map names public class {pub!r}, not one of {', '.join(pb.class_names)}")
+
+
+def _validate_selection(pb: PublicSection, need: Callable[[bool, str], None]) -> None:
+    """``[public] selection``: pretraining to use it and a well-formed query (the public set itself is named
+    when the run is given it: ``stages.pretrain.with_public`` refuses a selection without one)."""
+    need(pb.pretrain_iterations > 0, "[public] selection spends epsilon on a selection that no pretraining "
+         "uses (pretrain_iterations = 0): set pretrain_iterations > 0 or selection = false")
+    need(pb.selection_groups >= 2 and (pb.sha256 is None or pb.selection_groups <= pb.count),
+         f"[public] selection_groups must be >= 2 and at most the public set's count ({pb.count}), "
+         f"got {pb.selection_groups}")
+    need(math.isfinite(pb.selection_sigma) and pb.selection_sigma > 0,
+         f"[public] selection_sigma (the histogram's noise multiplier) must be > 0, got {pb.selection_sigma}")
+    need(0 < pb.selection_keep <= 1,
+         f"[public] selection_keep (the fraction of the public set kept) must be in (0, 1], got "
+         f"{pb.selection_keep}")
 
 
 def _validate(cfg: JobConfig, source: str) -> None:

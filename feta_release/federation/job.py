@@ -16,7 +16,7 @@ from ..errors import ConfigError, DataError
 from ..models.auxgen import AuxModel
 from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
-from ..stages.pretrain import PublicInputs, public_start, with_public
+from ..stages.pretrain import PublicInputs, public_start, selected, selection_groups, with_public
 from ..stages.freq_warmup import aux_pool
 from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_json, npz_bytes, write_model_file
 from ..training.device import resolve_device
@@ -83,6 +83,7 @@ def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public:
     _check_public(d, public)  # before any release: a job pretrained on other data than it names never starts
     # Refuse BEFORE any release if the job cannot fit every site's policy.
     d.plan_sites()
+    public = _select_public(d, public)
     central = d.collect_central()
     _save_central(d, central)
     model = _warm_model(d, central, d.collect_frequency(), device, public)
@@ -101,6 +102,25 @@ def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public:
     d.emit("done", f"job {d.job.job_id} finished: " + ", ".join(
         f"{sid} ε={e:.3f}" for sid, e in summary["site_epsilon"].items()), timings=summary["timings"])
     return JobResult(d.out, sorted(d.sites), rounds_done, d.skipped, summary["timings"], atts)
+
+
+def _select_public(d: JobDriver, public: PublicInputs | None) -> PublicInputs | None:
+    """``[public] selection``: the sites' summed noisy histogram over the public groups (k-means of the public
+    set, the same as ``train``'s: ``stages.pretrain.selection_groups``) cuts the public set before
+    pretraining. Only the centroids go to the sites; what is kept is post-processing of the released
+    histograms."""
+    if public is None or not d.cfg.public.selection:
+        return public
+    centroids, groups = selection_groups(public, d.cfg)
+    histogram = d.collect_selection(centroids)
+    assert histogram is not None
+    out = selected(public, d.cfg, histogram, groups)
+    atomic_write_json(d.out / "selection.json", {"histogram": [float(v) for v in histogram],
+                                                 "kept": int(out.data.n if out.data else 0),
+                                                 "of": int(public.data.n if public.data else 0)})
+    d.emit("selection", f"semantic selection: pretraining on {out.data.n if out.data else 0} of "
+                        f"{public.data.n if public.data else 0} public images")
+    return out
 
 
 def _save_central(d: JobDriver, central: dict[str, Any]) -> None:

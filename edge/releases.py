@@ -19,6 +19,7 @@ from feta_release.mechanisms.central import central_images
 from feta_release.mechanisms.frequency import frequency_statistics
 from feta_release.mechanisms.selection import check_centroids, selection_histogram
 from feta_release.models import build_denoiser
+from feta_release.models.lora import merge_lora
 from feta_release.planning import selection_events, stage_event, warmup_events
 from feta_release.privacy_unit import PatientIndex
 from feta_release.training.dpsgd import DPSGDTrainer
@@ -153,4 +154,5 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     images = model_range_rows(ds.images)  # converted per indexed batch: each step's padded work, no copy of the site
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)
+    merge_lora(model)  # trainable = "lora": the round's adapters folded in, the plain model's tensors out
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}

@@ -150,7 +150,10 @@ class DPSGDSection:
     # conditioning: noise-level map, class embedding, per-block affine), the rest frozen at their PUBLIC values
     # (after public pretraining). The clip bounds the trainable gradient vector only and the noise has one draw per
     # trainable coordinate, so fewer dimensions carry the same sigma * C.
-    trainable: Literal["all", "norm_attention"] = "all"
+    # "lora": low-rank adapters on every conv/linear layer (models.lora), rank `lora_rank`, merged into the
+    # weights when DP-SGD ends (a federated site: at the end of each round)
+    trainable: Literal["all", "norm_attention", "lora"] = "all"
+    lora_rank: int = 4
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,8 @@ class JobConfig:
             del d["auxgen"]["restarts"], d["auxgen"]["keep"]
         if d["dpsgd"].get("trainable") == "all":  # likewise DP-SGD of every parameter
             del d["dpsgd"]["trainable"]
+        if d["dpsgd"].get("trainable") != "lora":  # likewise the adapters' rank of a job without them
+            del d["dpsgd"]["lora_rank"]
         if self.public == PublicSection():  # likewise a job without public data
             del d["public"]
         elif not self.public.selection:  # likewise a public job without semantic selection
@@ -461,10 +466,12 @@ def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
     need(d.physical_batch >= 1, f"[dpsgd] physical_batch must be >= 1, got {d.physical_batch}")
     need(d.noise_multiplier is None or d.noise_multiplier > 0, "[dpsgd] noise_multiplier must be > 0")
     need(d.public_batch >= 0, f"[dpsgd] public_batch must be >= 0, got {d.public_batch}")
-    need(d.trainable in ("all", "norm_attention"),
-         f"[dpsgd] trainable must be \"all\" or \"norm_attention\", got {d.trainable!r}")
+    need(d.trainable in ("all", "norm_attention", "lora"),
+         f"[dpsgd] trainable must be \"all\", \"norm_attention\" or \"lora\", got {d.trainable!r}")
+    need(d.lora_rank >= 1, f"[dpsgd] lora_rank must be >= 1, got {d.lora_rank}")
     need(d.trainable == "all" or not cfg.federation.fedsgd,
-         "[dpsgd] trainable = \"norm_attention\" is not wired into FedSGD rounds (the sites' and the coordinator's "
+         f"[dpsgd] trainable = \"{d.trainable}\" is not wired into FedSGD rounds (the sites' and the "
+         "coordinator's "
          "parameter lists would have to agree on it); set trainable = \"all\" or fedsgd = false")
     need(d.public_batch == 0 or not cfg.federation.sites,
          "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")

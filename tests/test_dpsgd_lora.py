@@ -49,7 +49,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.randn(3, *SHAPE, generator=g), torch.tensor([0.3, 1.0, 4.0]), torch.tensor([0, 2, 3])
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(st.integers(1, 5), st.integers(0, 1000))
 def test_adapters_change_nothing_at_attach_and_merge_into_the_same_function(rank, seed):
     m = _model(_job()).eval()
@@ -107,6 +107,7 @@ def test_the_layer_hooks_take_the_adapters_and_agree_with_torch_func():
         assert torch.allclose(v, out["vmap"][n], atol=1e-5), n
 
 
+@pytest.mark.slow  # a padded site round
 def test_a_federated_round_returns_the_plain_models_tensors_with_the_adapters_merged():
     from edge.releases import dpsgd_round
     from feta_release.accounting import PrivacyEvent

@@ -7,12 +7,12 @@
 
 Per dataset and epsilon, the cells {start} x {DP-SGD}: start = scratch (no pretraining), pretrain (public
 pretraining on the whole public set), select (public pretraining on the part the semantic selection keeps:
-``[public] selection``, its noisy histogram charged in the run's epsilon); DP-SGD = none, all (every parameter),
-norm_attention (normalisation + attention + conditioning), lora (low-rank adapters, ``[dpsgd] lora_rank``).
-``--starts`` / ``--dpsgd`` pick the cells; the sizes come from ``--n-private`` etc. (``--quick`` sets small ones).
-The no-DP-SGD cells run the ``cpu-eps*-nodpsgd`` preset, the DP-SGD cells ``cpu-eps*`` (the tuned digit presets;
-both datasets are 28x28 grey). A select cell whose selection does not fit the budget beside the preset's warm-up
-(the no-DP-SGD presets spend it all) is reported as refused, not run.
+``[public] selection``, its noisy histogram charged in the run's epsilon); DP-SGD = none, all (every
+parameter), norm_attention (normalisation + attention + conditioning), lora (low-rank adapters, ``[dpsgd]
+lora_rank``). ``--starts`` / ``--dpsgd`` pick the cells; the sizes come from ``--n-private`` etc.
+(``--quick`` sets small ones). The no-DP-SGD cells run the ``cpu-eps*-nodpsgd`` preset, the DP-SGD cells
+``cpu-eps*`` (the tuned digit presets; both datasets are 28x28 grey). A select cell whose selection does not
+fit the budget beside the preset's warm-up (the no-DP-SGD presets spend it all) is reported as refused.
 
 - digits: private = the embedded MNIST training split (protocol ``fit`` part), scored on its ``validation`` part (the
   held-out test part is never read); public = procedural pen strokes (``data generate strokes``): derived from no
@@ -70,7 +70,8 @@ def _job(eps: int, dpsgd: str, start: str, args: argparse.Namespace) -> Any:
         cfg = cfg.replace(dpsgd={"steps": args.dpsgd_steps})
     if start == "select":  # pretraining runs inside the cell: what it keeps depends on the private histogram
         cfg = cfg.replace(public={"pretrain_iterations": args.pretrain_iterations, "selection": True,
-                                  "selection_groups": args.selection_groups, "selection_keep": args.selection_keep,
+                                  "selection_groups": args.selection_groups,
+                                  "selection_keep": args.selection_keep,
                                   "selection_sigma": args.selection_sigma})
     return cfg
 
@@ -121,8 +122,9 @@ def _cell(out: Path, kind: str, eps: int, start: str, dpsgd: str, data: tuple[An
     cfg = _job(eps, dpsgd, start, args)
     t0 = time.perf_counter()
     try:
-        res = run_pipeline(cfg, private, out / name, n_synthetic=args.n_synthetic, grid_per_class=2, noise_seed=0,
-                           public_size=private.n, public=_inputs(start, public, pretrained), device=args.device)
+        res = run_pipeline(cfg, private, out / name, n_synthetic=args.n_synthetic, grid_per_class=2,
+                           noise_seed=0, public_size=private.n, public=_inputs(start, public, pretrained),
+                           device=args.device)
     except PrivacyError as exc:  # a selection beside a warm-up that spends the whole budget
         row = {"dataset": kind, "epsilon": eps, "start": start, "dpsgd": dpsgd, "refused": str(exc)}
         print(json.dumps(row), flush=True)
@@ -139,10 +141,11 @@ def _cell(out: Path, kind: str, eps: int, start: str, dpsgd: str, data: tuple[An
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    words = {"none": "no DP-SGD", "all": "DP-SGD, all parameters", "norm_attention": "DP-SGD, norm + attention + cond.",
-             "lora": "DP-SGD, LoRA adapters"}
-    starts = {"scratch": "scratch", "pretrain": "public pretraining", "select": "pretraining on the selection"}
-    lines = ["| dataset | ε | start | DP-SGD | accuracy | FD | ε spent | train s |", "|---|---|---|---|---|---|---|---|"]
+    words = {"none": "no DP-SGD", "all": "DP-SGD, all parameters",
+             "norm_attention": "DP-SGD, norm + attention + cond.", "lora": "DP-SGD, LoRA adapters"}
+    starts = {"scratch": "scratch", "pretrain": "public pretraining", "select": "pretrained on the selection"}
+    lines = ["| dataset | ε | start | DP-SGD | accuracy | FD | ε spent | train s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['dataset']} | {r['epsilon']} | {starts[r['start']]} | {words[r['dpsgd']]} |"
         lines.append(f"{head} refused: over the budget | | | |" if "refused" in r else
@@ -156,7 +159,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--datasets", default="medical,digits")
     ap.add_argument("--eps", default="1,10")
     ap.add_argument("--starts", default="scratch,pretrain", help=f"cells' starts, of {', '.join(STARTS)}")
-    ap.add_argument("--dpsgd", default="none,all,norm_attention", help=f"cells' DP-SGD, of {', '.join(DPSGD)}")
+    ap.add_argument("--dpsgd", default="none,all,norm_attention",
+                    help=f"cells' DP-SGD, of {', '.join(DPSGD)}")
     ap.add_argument("--out", default="runs/pretraining")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline runs trains and samples")
@@ -165,8 +169,10 @@ def _args() -> argparse.Namespace:
     for key in sizes:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None,
                         help=f"default {sizes[key][0]} with --quick, else {sizes[key][1]}")
-    ap.add_argument("--warmup-iterations", type=int, default=None, help="spatial warm-up steps (--quick: 150)")
-    ap.add_argument("--dpsgd-steps", type=int, default=None, help="DP-SGD steps of the DP-SGD cells (--quick: 10)")
+    ap.add_argument("--warmup-iterations", type=int, default=None,
+                    help="spatial warm-up steps (--quick: 150)")
+    ap.add_argument("--dpsgd-steps", type=int, default=None,
+                    help="DP-SGD steps of the DP-SGD cells (--quick: 10)")
     ap.add_argument("--lora-rank", type=int, default=4)
     ap.add_argument("--selection-groups", type=int, default=16)
     ap.add_argument("--selection-keep", type=float, default=0.5)

@@ -248,6 +248,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--lora-rank", type=int, default=4, help="[dpsgd] lora_rank of the :lora methods")
+    ap.add_argument("--no-memory", action="store_true", help="time only (no per-method memory subprocesses)")
     ap.add_argument("--methods", default="nonprivate,hooks,torchfunc,opacus")
     ap.add_argument("--method", help=argparse.SUPPRESS)  # internal: one method's memory in this process
     ap.add_argument("--interleave", action="store_true", help=argparse.SUPPRESS)  # internal: the timed rounds
@@ -263,7 +264,7 @@ def main() -> None:
     inter = _subprocess(["--interleave", "--methods", args.methods])
     if "error" in inter:
         raise SystemExit(f"interleaved timing failed: {inter['error']}")
-    mem = {m: _subprocess(["--method", m]) for m in args.methods.split(",")}
+    mem = {} if args.no_memory else {m: _subprocess(["--method", m]) for m in args.methods.split(",")}
     _report(args, inter, mem)
 
 

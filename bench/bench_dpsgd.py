@@ -220,7 +220,7 @@ def _report(args, inter: dict, mem: dict[str, dict]) -> None:
         base = _baseline(m, methods)
         ratio, ratio_c = sum(w) / sum(inter["wall"][base]), sum(c) / sum(inter["cpu"][base])
         rss = mem.get(m, {}).get("peak_rss_mb")
-        rss_s = f"{rss:12.0f}" if rss else f"{'failed':>12}"
+        rss_s = f"{rss:12.0f}" if rss else f"{'not run' if args.no_memory else 'failed':>12}"
         flag = "" if m.startswith("nonprivate") else (
             f"  (vs {base}; goal <= {GOAL_RATIO}: {'met' if ratio <= GOAL_RATIO else 'NOT met'})")
         print(f"{m:<26} {sec:8.3f} {args.batch / sec:8.1f} {ratio:22.2f}x {ratio_c:10.2f}x {rss_s}{flag}")

@@ -19,6 +19,12 @@ Methods:
               (training/ghost_clip.py), clip, noise, Adam, EMA
   torchfunc   DPSGDTrainer, per_example = "vmap": vmap(grad) per-example gradients, chunked (the former default)
   opacus      Opacus GradSampleModule hooks on the B*K rows, grad_sample averaged over K before clipping
+A method may name what it trains (``[dpsgd] trainable``) after a colon: ``hooks:lora``, ``nonprivate:lora``,
+``hooks:norm_attention`` (default ``all``); its ratio is taken against ``nonprivate:<the same>`` when that is
+among the methods (the same trained parameters without privacy), else against ``nonprivate``:
+
+    python bench/bench_dpsgd.py --methods nonprivate,hooks,nonprivate:norm_attention,hooks:norm_attention,\
+        nonprivate:lora,hooks:lora --rounds 4   # DP-SGD's cost per trained subset
 """
 
 from __future__ import annotations
@@ -89,8 +95,13 @@ def _make_step(method: str, args, torch, cfg, model, x, y, shape):
     from feta_release.models.edm import edm_loss_from_randomness
 
     b, k, phys = args.batch, args.k, args.physical
+    method, _, trainable = method.partition(":")
+    trainable = trainable or "all"
     if method == "nonprivate":
-        opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+        from feta_release.models.trainable import set_trainable
+
+        set_trainable(model, trainable, args.lora_rank)  # the same trained subset, no privacy
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-4)
         g = torch.Generator().manual_seed(2)
 
         def step():
@@ -106,7 +117,7 @@ def _make_step(method: str, args, torch, cfg, model, x, y, shape):
         from feta_release.training.dpsgd import DPSGDTrainer
 
         engine = "hooks" if method == "hooks" else "vmap"
-        c = cfg.replace(dpsgd={"per_example": engine})
+        c = cfg.replace(dpsgd={"per_example": engine, "trainable": trainable, "lora_rank": args.lora_rank})
         # q = 1 makes the Poisson batch exactly B, so every method sees the same examples per step
         tr = DPSGDTrainer(model, c, 1.0, 1.0, torch.Generator().manual_seed(2), image_shape=shape, n_classes=10)
         assert tr.engine == engine
@@ -197,23 +208,31 @@ def _subprocess(extra: list[str]) -> dict:
 
 def _report(args, inter: dict, mem: dict[str, dict]) -> None:
     methods = args.methods.split(",")
-    base_w, base_c = sum(inter["wall"]["nonprivate"]), sum(inter["cpu"]["nonprivate"])
     print(f"DP-SGD step on {args.device}, B={args.batch}, K={args.k}, physical={args.physical}, {args.size}px, "
           f"threads={args.threads}, "
           f"{inter['params']:,} params, {args.rounds} interleaved rounds")
     mem_name = "GPU peak MB" if args.device == "cuda" else "peak RSS MB"
-    print(f"{'method':<12} {'s/step':>8} {'ex/s':>8} {'time/ex vs non-private':>23} {'(CPU time)':>11} "
+    print(f"{'method':<26} {'s/step':>8} {'ex/s':>8} {'time/ex vs non-private':>23} {'(CPU time)':>11} "
           f"{mem_name:>12}")
     for m in methods:
         w, c = inter["wall"][m], inter["cpu"][m]
         sec = sum(w) / len(w)
-        ratio, ratio_c = sum(w) / base_w, sum(c) / base_c
+        base = _baseline(m, methods)
+        ratio, ratio_c = sum(w) / sum(inter["wall"][base]), sum(c) / sum(inter["cpu"][base])
         rss = mem.get(m, {}).get("peak_rss_mb")
-        rss_s = f"{rss:12.0f}" if rss else f"{'failed':>12}"
-        flag = "" if m == "nonprivate" else f"  (goal <= {GOAL_RATIO}: {'met' if ratio <= GOAL_RATIO else 'NOT met'})"
-        print(f"{m:<12} {sec:8.3f} {args.batch / sec:8.1f} {ratio:22.2f}x {ratio_c:10.2f}x {rss_s}{flag}")
+        rss_s = f"{rss:12.0f}" if rss else f"{'not run' if args.no_memory else 'failed':>12}"
+        flag = "" if m.startswith("nonprivate") else (
+            f"  (vs {base}; goal <= {GOAL_RATIO}: {'met' if ratio <= GOAL_RATIO else 'NOT met'})")
+        print(f"{m:<26} {sec:8.3f} {args.batch / sec:8.1f} {ratio:22.2f}x {ratio_c:10.2f}x {rss_s}{flag}")
     print("ratio = sum of the method's step wall times / the non-private ones', steps interleaved in one process; "
           "peak RSS of each method alone in its own process (includes the Python/torch baseline, ~300 MB)")
+
+
+def _baseline(method: str, methods: list[str]) -> str:
+    """The non-private step a method is compared with: the same trained subset when timed, else all."""
+    trainable = method.partition(":")[2]
+    same = f"nonprivate:{trainable}" if trainable else "nonprivate"
+    return same if same in methods else "nonprivate"
 
 
 def main() -> None:
@@ -228,6 +247,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per method in its memory subprocess")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--lora-rank", type=int, default=4, help="[dpsgd] lora_rank of the :lora methods")
+    ap.add_argument("--no-memory", action="store_true", help="time only (no per-method memory subprocesses)")
     ap.add_argument("--methods", default="nonprivate,hooks,torchfunc,opacus")
     ap.add_argument("--method", help=argparse.SUPPRESS)  # internal: one method's memory in this process
     ap.add_argument("--interleave", action="store_true", help=argparse.SUPPRESS)  # internal: the timed rounds
@@ -243,7 +264,7 @@ def main() -> None:
     inter = _subprocess(["--interleave", "--methods", args.methods])
     if "error" in inter:
         raise SystemExit(f"interleaved timing failed: {inter['error']}")
-    mem = {m: _subprocess(["--method", m]) for m in args.methods.split(",")}
+    mem = {} if args.no_memory else {m: _subprocess(["--method", m]) for m in args.methods.split(",")}
     _report(args, inter, mem)
 
 

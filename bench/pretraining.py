@@ -3,10 +3,17 @@
     python bench/pretraining.py --quick --out runs/pretraining     # the small table of docs/explanation/public-pretraining.md
     python bench/pretraining.py --out runs/pretraining             # the presets' full sizes (hours on 2 CPU cores)
     python bench/pretraining.py --pretrain-only --device cuda      # time the pretraining alone (full size)
+    python bench/pretraining.py --device cuda --starts scratch,pretrain,select \
+        --dpsgd none,all,norm_attention,lora --out runs/pretraining-gpu   # the whole grid on a GPU
 
-Per dataset and epsilon, six cells: {no pretraining, pretraining} x {no DP-SGD, DP-SGD of all parameters, DP-SGD of
-normalisation + attention + conditioning only ([dpsgd] trainable = "norm_attention")}. The no-DP-SGD cells run the
-``cpu-eps*-nodpsgd`` preset, the DP-SGD cells ``cpu-eps*`` (the tuned digit presets; both datasets are 28x28 grey).
+Per dataset and epsilon, the cells {start} x {DP-SGD}: start = scratch (no pretraining), pretrain (public
+pretraining on the whole public set), select (public pretraining on the part the semantic selection keeps:
+``[public] selection``, its noisy histogram charged in the run's epsilon); DP-SGD = none, all (every
+parameter), norm_attention (normalisation + attention + conditioning), lora (low-rank adapters, ``[dpsgd]
+lora_rank``). ``--starts`` / ``--dpsgd`` pick the cells; the sizes come from ``--n-private`` etc.
+(``--quick`` sets small ones). The no-DP-SGD cells run the ``cpu-eps*-nodpsgd`` preset, the DP-SGD cells
+``cpu-eps*`` (the tuned digit presets; both datasets are 28x28 grey). A select cell whose selection does not
+fit the budget beside the preset's warm-up (the no-DP-SGD presets spend it all) is reported as refused.
 
 - digits: private = the embedded MNIST training split (protocol ``fit`` part), scored on its ``validation`` part (the
   held-out test part is never read); public = procedural pen strokes (``data generate strokes``): derived from no
@@ -31,9 +38,8 @@ from typing import Any
 import numpy as np
 
 
-# the most telling comparisons first (a stopped run still has them)
-CELLS = ((False, "none"), (True, "none"), (False, "all"), (True, "all"), (True, "norm_attention"),
-         (False, "norm_attention"))
+STARTS = ("scratch", "pretrain", "select")
+DPSGD = ("none", "all", "norm_attention", "lora")
 
 
 def _split(kind: str, n_private: int, n_eval: int, n_public: int) -> tuple[Any, Any, Any]:
@@ -51,17 +57,23 @@ def _split(kind: str, n_private: int, n_eval: int, n_public: int) -> tuple[Any, 
             generate_dataset("medical", n_public, size=28, seed=7, population="B"))
 
 
-def _job(eps: int, dpsgd: str, quick: bool) -> Any:
+def _job(eps: int, dpsgd: str, start: str, args: argparse.Namespace) -> Any:
     from feta_release.config import load_preset
 
     cfg = load_preset(f"cpu-eps{eps}" if dpsgd != "none" else f"cpu-eps{eps}-nodpsgd")
-    if dpsgd == "norm_attention":
-        cfg = cfg.replace(dpsgd={"trainable": "norm_attention"})
-    if quick:  # the same stages, shorter: every cell of the table shrinks alike
-        cfg = cfg.replace(warmup={"spatial_iterations": 150, "frequency_epochs": 1, "frequency_images": 600},
+    if dpsgd in ("norm_attention", "lora"):
+        cfg = cfg.replace(dpsgd={"trainable": dpsgd, "lora_rank": args.lora_rank})
+    if args.warmup_iterations is not None:  # the same stages, shorter: every cell of the table shrinks alike
+        cfg = cfg.replace(warmup={"spatial_iterations": args.warmup_iterations, "frequency_epochs": 1,
+                                  "frequency_images": min(600, 2 * args.n_private)},
                           auxgen={"epochs": 1, "iterations_per_epoch": 10})
-        if dpsgd != "none":
-            cfg = cfg.replace(dpsgd={"steps": 10})
+    if args.dpsgd_steps is not None and dpsgd != "none":
+        cfg = cfg.replace(dpsgd={"steps": args.dpsgd_steps})
+    if start == "select":  # pretraining runs inside the cell: what it keeps depends on the private histogram
+        cfg = cfg.replace(public={"pretrain_iterations": args.pretrain_iterations, "selection": True,
+                                  "selection_groups": args.selection_groups,
+                                  "selection_keep": args.selection_keep,
+                                  "selection_sigma": args.selection_sigma})
     return cfg
 
 
@@ -96,28 +108,41 @@ def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int
     return path
 
 
-def _cell(out: Path, kind: str, eps: int, pre: bool, dpsgd: str, data: tuple[Any, Any, Path | None],
+def _inputs(start: str, public: Any, pretrained: Path) -> Any:
+    from feta_release.stages import PublicInputs
+
+    if start == "scratch":
+        return None
+    return PublicInputs(pretrained=pretrained) if start == "pretrain" else PublicInputs(public, "public set")
+
+
+def _cell(out: Path, kind: str, eps: int, start: str, dpsgd: str, data: tuple[Any, Any, Any, Path],
           args: argparse.Namespace) -> dict[str, Any]:
     from feta_release.data import ImageDataset
+    from feta_release.errors import PrivacyError
     from feta_release.evaluation import evaluate
-    from feta_release.stages import PublicInputs
     from feta_release.training.pipeline import run_pipeline
 
-    private, real_eval, pretrained = data
-    name = f"{kind}-eps{eps}-{'pre' if pre else 'scratch'}-{dpsgd}"
+    private, real_eval, public, pretrained = data
+    name = f"{kind}-eps{eps}-{start}-{dpsgd}"
     done = out / f"{name}.json"
     if done.exists():
         return json.loads(done.read_text())
-    cfg = _job(eps, dpsgd, args.quick)
+    cfg = _job(eps, dpsgd, start, args)
     t0 = time.perf_counter()
-    res = run_pipeline(cfg, private, out / name, n_synthetic=args.n_synthetic, grid_per_class=2, noise_seed=0,
-                       public_size=private.n, public=PublicInputs(pretrained=pretrained) if pre else None,
-                       device=args.device)
+    try:
+        res = run_pipeline(cfg, private, out / name, n_synthetic=args.n_synthetic, grid_per_class=2,
+                           noise_seed=0, public_size=private.n, public=_inputs(start, public, pretrained),
+                           device=args.device)
+    except PrivacyError as exc:  # a selection beside a warm-up that spends the whole budget
+        row = {"dataset": kind, "epsilon": eps, "start": start, "dpsgd": dpsgd, "refused": str(exc)}
+        print(json.dumps(row), flush=True)
+        return row
     seconds = time.perf_counter() - t0
     with np.load(out / name / "synthetic.npz") as z:
         syn = ImageDataset(z["images"], z["labels"], tuple(private.class_names), source=name)
     rep = evaluate(syn, real_eval, 0, classifier_epochs=args.epochs, feature_epochs=args.epochs)
-    row = {"dataset": kind, "epsilon": eps, "pretraining": pre, "dpsgd": dpsgd, "accuracy": rep.accuracy,
+    row = {"dataset": kind, "epsilon": eps, "start": start, "dpsgd": dpsgd, "accuracy": rep.accuracy,
            "fd": rep.fd, "spent": res.epsilon, "dpsgd_steps": res.dpsgd_steps_trained, "seconds": round(seconds)}
     done.write_text(json.dumps(row))
     print(json.dumps(row), flush=True)
@@ -125,44 +150,78 @@ def _cell(out: Path, kind: str, eps: int, pre: bool, dpsgd: str, data: tuple[Any
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    words = {"none": "no DP-SGD", "all": "DP-SGD, all parameters", "norm_attention": "DP-SGD, norm + attention + cond."}
-    lines = ["| dataset | ε | start | DP-SGD | accuracy | FD | train s |", "|---|---|---|---|---|---|---|"]
+    words = {"none": "no DP-SGD", "all": "DP-SGD, all parameters",
+             "norm_attention": "DP-SGD, norm + attention + cond.", "lora": "DP-SGD, LoRA adapters"}
+    starts = {"scratch": "scratch", "pretrain": "public pretraining", "select": "pretrained on the selection"}
+    lines = ["| dataset | ε | start | DP-SGD | accuracy | FD | ε spent | train s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dataset']} | {r['epsilon']} | {'public pretraining' if r['pretraining'] else 'scratch'} "
-                     f"| {words[r['dpsgd']]} | {r['accuracy']:.3f} | {r['fd']:.1f} | {r['seconds']} |")
+        head = f"| {r['dataset']} | {r['epsilon']} | {starts[r['start']]} | {words[r['dpsgd']]} |"
+        lines.append(f"{head} refused: over the budget | | | |" if "refused" in r else
+                     f"{head} {r['accuracy']:.3f} | {r['fd']:.1f} | {r['spent']:.3f} | {r['seconds']} |")
     return "\n".join(lines)
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sets and short stages (the documented table)")
     ap.add_argument("--datasets", default="medical,digits")
     ap.add_argument("--eps", default="1,10")
+    ap.add_argument("--starts", default="scratch,pretrain", help=f"cells' starts, of {', '.join(STARTS)}")
+    ap.add_argument("--dpsgd", default="none,all,norm_attention",
+                    help=f"cells' DP-SGD, of {', '.join(DPSGD)}")
     ap.add_argument("--out", default="runs/pretraining")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline runs trains and samples")
     ap.add_argument("--pretrain-only", action="store_true",
                     help="only pretrain each dataset's public model (timed)")
+    sizes = {"n_private": (600, 4000), "n_eval": (300, 1000), "n_public": (1000, 10000),
+             "pretrain_iterations": (200, 4000), "n_synthetic": (400, 10000), "epochs": (2, 5)}
+    for key in sizes:
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=None,
+                        help=f"default {sizes[key][0]} with --quick, else {sizes[key][1]}")
+    ap.add_argument("--warmup-iterations", type=int, default=None,
+                    help="spatial warm-up steps (--quick: 150)")
+    ap.add_argument("--dpsgd-steps", type=int, default=None,
+                    help="DP-SGD steps of the DP-SGD cells (--quick: 10)")
+    ap.add_argument("--lora-rank", type=int, default=4)
+    ap.add_argument("--selection-groups", type=int, default=16)
+    ap.add_argument("--selection-keep", type=float, default=0.5)
+    ap.add_argument("--selection-sigma", type=float, default=20.0)
     args = ap.parse_args()
+    for key, (quick, full) in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    if args.quick:
+        args.warmup_iterations = 150 if args.warmup_iterations is None else args.warmup_iterations
+        args.dpsgd_steps = 10 if args.dpsgd_steps is None else args.dpsgd_steps
+    bad = sorted(set(args.starts.split(",")) - set(STARTS)) + sorted(set(args.dpsgd.split(",")) - set(DPSGD))
+    if bad:
+        ap.error(f"unknown cell(s) {bad}")
+    return args
+
+
+def main() -> None:
+    args = _args()
     import torch
 
     torch.set_num_threads(args.threads)
-    n_private, n_eval, n_public, iters = (600, 300, 1000, 200) if args.quick else (4000, 1000, 10000, 4000)
-    args.n_synthetic, args.epochs = (400, 2) if args.quick else (10000, 5)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     sets = {}
     for kind in args.datasets.split(","):
-        private, real_eval, public = _split(kind, n_private, n_eval, n_public)
-        sets[kind] = (private, real_eval, _pretrained(out, kind, public, private, iters, args.device))
+        private, real_eval, public = _split(kind, args.n_private, args.n_eval, args.n_public)
+        pre = _pretrained(out, kind, public, private, args.pretrain_iterations, args.device)
+        sets[kind] = (private, real_eval, public, pre)
     if args.pretrain_only:
         return
     for eps in (int(e) for e in args.eps.split(",")):
         for kind, data in sets.items():
-            for pre, dpsgd in CELLS:
-                rows.append(_cell(out, kind, eps, pre, dpsgd, data, args))
-                (out / "results.md").write_text(_table(rows) + "\n")  # a partial table survives a stop
+            for dpsgd in args.dpsgd.split(","):
+                for start in args.starts.split(","):
+                    rows.append(_cell(out, kind, eps, start, dpsgd, data, args))
+                    (out / "results.md").write_text(_table(rows) + "\n")  # a partial table survives a stop
     print(_table(rows))
 
 

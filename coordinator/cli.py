@@ -172,11 +172,21 @@ def derive_job_cmd(policies: tuple[Path, ...], epsilon: float | None, delta: flo
 @click.option("--job-id", default=None, help="Default: JOB name + UTC time (kept in --out for resumes).")
 @click.option("--release/--no-release", default=True, show_default=True,
               help="Also write samples.png, the privacy report and OUT/release (ONNX + signed manifest).")
+@click.option("--public", "public_path", default=None,
+              help="A PUBLIC image set the coordinator pretrains on before any site's release (read as "
+                   "`train --public` reads it, at the job's [job] resize/image_size/window); the signed job "
+                   "names it by sha256, count and shape; the sites never receive it.")
+@click.option("--public-description", default="",
+              help="What the --public set is (up to 500 characters; in the job).")
+@click.option("--pretrained", "pretrained", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Start from a pretrained model file, named in the signed job by its sha256.")
 @device_option("the coordinator's warm-up, FedAvg/FedSGD steps and sampling")
 @progress_option("the job's streamed progress lines (rounds, sites)")
 def run(job_file: Path | None, sites: str | None, policies: tuple[Path, ...], epsilon: float | None,
         delta: float | None, time_budget: str | None, key_path: Path, out_dir: Path, superlink: str,
-        root_certificates: Path | None, insecure: bool, job_id: str | None, release: bool, device: str,
+        root_certificates: Path | None, insecure: bool, job_id: str | None, release: bool,
+        public_path: str | None, public_description: str, pretrained: Path | None, device: str,
         progress: bool) -> None:
     """Sign JOB_FILE for the given sites and run it on the SuperLink, streaming progress. Without JOB_FILE the job
     is derived from the sites' policies (--policy per site, --epsilon) and kept in OUT/derived-job.toml.
@@ -188,14 +198,16 @@ def run(job_file: Path | None, sites: str | None, policies: tuple[Path, ...], ep
       feta-release coordinator run --policy st-mary.signed.json --policy st-luke.signed.json --epsilon 1 \\
           --key coordinator.key --out runs/job-2 --superlink coordinator.example.org:9092 --root-certificates certs/ca.crt
     """
-    from .runner import coordinator_device, run_signed_job, sign_or_resume
+    from .runner import PublicOption, coordinator_device, run_signed_job, sign_or_resume
 
     dev = coordinator_device(device)  # an absent GPU: refused before anything is signed, written or submitted
     job_file, sites = _job_and_sites(job_file, sites, policies, epsilon, delta, time_budget, dev, out_dir)
+    public = PublicOption(public_path, public_description, pretrained)  # read here and by the ServerApp only
     signed_path = sign_or_resume(job_file, [s.strip() for s in sites.split(",") if s.strip()], key_path, out_dir,
-                                 job_id)
+                                 job_id, public)
     summary = run_signed_job(signed_path, key_path, out_dir, superlink, insecure=insecure,
-                             root_certificates=root_certificates, on_line=click.echo if progress else None, device=dev)
+                             root_certificates=root_certificates, on_line=click.echo if progress else None,
+                             device=dev, public=public)
     click.echo(json.dumps({k: summary[k] for k in ("job_id", "site_epsilon", "rounds", "skipped", "timings")}, indent=2))
     if release:
         from .finalize import build_release, privacy_report, sample_grid

@@ -5,7 +5,9 @@ Run configuration (set by ``feta-release coordinator run`` with ``flwr run --run
   out-dir          where state, checkpoints and outputs go (a rerun with the same dir resumes)
   coordinator-key  the coordinator's private key (signs nothing here; used to verify the job is ours)
 Where it computes (``coordinator run --device``) comes in ``out-dir`` (``feta_release.federation.job.DEVICE_FILE``):
-a run-config key of its own would change the FAB and so its hash in every site's signed policy.
+a run-config key of its own would change the FAB and so its hash in every site's signed policy. Its public
+inputs (``coordinator run --public/--pretrained``) likewise (``feta_release.federation.job.PUBLIC_FILE``),
+checked against the signed job's [public] hashes before any site is asked for a release.
 """
 
 from __future__ import annotations

@@ -19,19 +19,22 @@ from typing import Any
 
 from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
-from feta_release.planning import secure_stage_events, site_dpsgd, stage_event, stage_events, target, warmup_events
+from feta_release.planning import (
+    secure_stage_events, selection_events, site_dpsgd, stage_event, stage_events, target, warmup_events,
+)
 from feta_release.policy.enforce import (
     MechanismRequest, check_budget, check_request, check_resources, own_share_request, request_of,
 )
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
 from feta_release.policy.jobs import verify_job
 
-MECHANISM_ORDER = ("central", "frequency", "dpsgd")
+MECHANISM_ORDER = ("selection", "central", "frequency", "dpsgd")
 
 
 _DISABLED = {
     "central": "the job disables central images ([central] rounds = 0); nothing to release",
     "frequency": "the job disables the frequency release ([frequency] sigma unset); nothing to release",
+    "selection": "the job asks no semantic selection ([public] selection = false); nothing to release",
     "dpsgd": "the job has no DP-SGD ([federation] rounds x local_steps = 0); nothing to train",
 }
 
@@ -47,8 +50,8 @@ def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path |
         raise PolicyError(f"unknown mechanism {mechanism!r}")
     # The warm-up releases need no DP-SGD calibration (seconds, and a job whose DP-SGD cannot fit is the
     # coordinator's refusal to make); the DP-SGD round is the planner's calibrated one.
-    if mechanism != "dpsgd":
-        events: list[Event] = list(warmup_events(cfg, n))
+    if mechanism != "dpsgd":  # the selection query is per-site Gaussian in every job (never a secure sum)
+        events: list[Event] = [*selection_events(cfg), *warmup_events(cfg, n)]
     elif secure_warmup is not None:
         events = secure_stage_events(cfg, n, secure_warmup, budget=target(cfg, policy), cache_dir=cache_dir,
                                      **site_dpsgd(policy))
@@ -61,7 +64,8 @@ def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path |
     if not isinstance(ev, PrivacyEvent):
         raise PrivacyError(f"{mechanism}: the planner returned a {type(ev).__name__}, not a Gaussian request")
     req = request_of(ev, cfg, job)
-    if mechanism != "dpsgd" and cfg.federation.secure_aggregation and secure_warmup is None:
+    summed = mechanism not in ("dpsgd", "selection") and cfg.federation.secure_aggregation
+    if summed and secure_warmup is None:
         # no data at hand (policy check): the own share's sigma / sqrt(n); the node checks the exact Skellam share
         req = own_share_request(req, ev.sigma / math.sqrt(max(len(job.sites), 1)))
     return ev, req
@@ -69,7 +73,7 @@ def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path |
 
 def job_mechanisms(cfg: Any) -> list[str]:
     """The releases a job asks of each site, in order (DP-SGD once per federated round)."""
-    out = []
+    out = ["selection"] if cfg.public.selection else []
     if cfg.central.rounds > 0:
         out.append("central")
     if cfg.frequency.sigma is not None:

@@ -17,8 +17,9 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from feta_release.accounting import Event, PrivacyEvent
-from feta_release.errors import ConfigError, PrivacyError
+from feta_release.errors import ConfigError, PolicyError, PrivacyError
 from feta_release.federation import messages as fm
+from feta_release.mechanisms.selection import check_centroids
 from feta_release.policy.jobs import Job
 from feta_release.signing import public_key_pem
 from feta_release.training.device import resolve_device
@@ -30,7 +31,7 @@ from .padded_releases import pad_secure, padded
 from .public_errors import public_errors_mod
 from .resources import resources_mod
 from .secure import admit_masked, handle, masked_contribution
-from .releases import check_weights, dpsgd_round, release_central, release_frequency
+from .releases import check_weights, dpsgd_round, release_central, release_frequency, release_selection
 from .site import CFG_POLICY, Site, site_for
 
 # error replies: no local path or internal text leaves (public_errors); the policy's memory and message caps
@@ -78,6 +79,28 @@ def hello(msg: Message, context: Context) -> Message:
         "ledger": site.ledger.anchor(),
     }
     return Message(fm.make_payload(reply), reply_to=msg)
+
+
+def _selection_fits(site: Site, job: Job, req: Request) -> None:
+    """Public input only, before the charge: exactly one array, the job's number of centroids of this site's
+    declared image shape, finite (a public image or anything else in the request is refused)."""
+    if set(req.arrays) != {"centroids"}:
+        raise PolicyError(f"selection request carries arrays {sorted(req.arrays)}; only 'centroids' is "
+                          "accepted")
+    check_centroids(req.arrays["centroids"], job.config.public.selection_groups,
+                    tuple(site.policy.declared.image_shape))
+
+
+@app.query("selection")
+@release("selection", admit=_selection_fits)
+def selection(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
+    """The semantic selection query: a noisy histogram of the public groups nearest to this site's images."""
+    centroids = req.arrays["centroids"]
+    def release(ds: Any, cfg: Any, n_public: int, r: Any) -> tuple[Arrays, list[PrivacyEvent]]:
+        return release_selection(ds, cfg, centroids, r)
+
+    arrays, events = padded(release, site.data, job.config, site.n_public, rng.numpy())  # + public work
+    return arrays, [*events]
 
 
 @app.query("central")

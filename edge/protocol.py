@@ -57,7 +57,7 @@ log = logging.getLogger("feta.node")
 Arrays = dict[str, np.ndarray]
 Handler = Callable[[Message, Context], Message]
 # The message phase of each mechanism (request ids are ``job:phase:round``).
-PHASES = {"central": "central", "frequency": "frequency", "dpsgd": "train"}
+PHASES = {"selection": "selection", "central": "central", "frequency": "frequency", "dpsgd": "train"}
 
 
 class ReleaseRng:
@@ -129,7 +129,7 @@ def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismReque
         return _fedsgd_round(site, job, secure)
     event, mreq = request_for(mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir,
                               secure_warmup=secure)
-    if secure is not None and mechanism != "dpsgd":
+    if secure is not None and mechanism not in ("dpsgd", "selection"):  # selection: per-site in any job
         charged = stage_event(secure, mechanism)
         if charged is None:
             raise PrivacyError(f"the job has no secure {mechanism} release; nothing to release")
@@ -155,6 +155,11 @@ def _check_mode(mechanism: str, job: Job, secure: bool) -> None:
     """A job's warm-up releases go EITHER through secure aggregation OR out with per-site noise, never both; its
     DP-SGD rounds EITHER as FedSGD noise shares (``[federation] fedsgd``) OR as per-site-noise rounds."""
     fed = job.config.federation
+    if mechanism == "selection":  # one small per-site Gaussian histogram in every job, never a secure sum
+        if secure:
+            raise PolicyError(f"job {job.job_id}: the selection query is a per-site release; a secure-sum "
+                              "request for it is refused")
+        return
     if mechanism == "dpsgd":
         if bool(fed.secure_aggregation and fed.fedsgd) != secure:
             raise PolicyError(f"job {job.job_id} runs its DP-SGD rounds " + (

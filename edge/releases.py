@@ -17,8 +17,10 @@ from feta_release.config import JobConfig
 from feta_release.errors import PrivacyError
 from feta_release.mechanisms.central import central_images
 from feta_release.mechanisms.frequency import frequency_statistics
+from feta_release.mechanisms.selection import check_centroids, selection_histogram
 from feta_release.models import build_denoiser
-from feta_release.planning import stage_event, warmup_events
+from feta_release.models.lora import merge_lora
+from feta_release.planning import selection_events, stage_event, warmup_events
 from feta_release.privacy_unit import PatientIndex
 from feta_release.training.dpsgd import DPSGDTrainer
 from feta_release.training.padding import model_range_rows, public_rows, step_bound
@@ -68,6 +70,21 @@ def release_frequency(ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Gen
                                           rng=rng, patch=f.patch, stride=f.stride)
     _same([planned], [event], "frequency statistics")
     return {k: np.asarray(v) for k, v in release.to_arrays().items()}, [planned]
+
+
+def release_selection(ds: Any, cfg: JobConfig, centroids: np.ndarray, rng: np.random.Generator
+                      ) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
+    """The semantic selection histogram (``mechanisms.selection``): each image votes for its nearest of the
+    coordinator's ``centroids`` (means of PUBLIC thumbnails), N(0, sigma^2) per group; sensitivity 1 image
+    whatever the centroids. Only the noisy histogram leaves."""
+    planned = stage_event(selection_events(cfg), "selection")
+    if planned is None:
+        raise PrivacyError("the job asks no semantic selection ([public] selection = false); nothing to "
+                           "release")
+    c = check_centroids(centroids, cfg.public.selection_groups, tuple(ds.image_shape))
+    noisy, event = selection_histogram(ds.images, c, cfg.public.selection_sigma, rng)
+    _same([planned], [event], "semantic selection")
+    return {"histogram": noisy}, [planned]
 
 
 def _refuse_non_finite(weights: dict[str, np.ndarray]) -> None:
@@ -137,4 +154,5 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     images = model_range_rows(ds.images)  # converted per indexed batch: each step's padded work, no copy of the site
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)
+    merge_lora(model)  # trainable = "lora": the round's adapters folded in, the plain model's tensors out
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}

@@ -152,7 +152,10 @@ class DPSGDSection:
     # conditioning: noise-level map, class embedding, per-block affine), the rest frozen at their PUBLIC values
     # (after public pretraining). The clip bounds the trainable gradient vector only and the noise has one draw per
     # trainable coordinate, so fewer dimensions carry the same sigma * C.
-    trainable: Literal["all", "norm_attention"] = "all"
+    # "lora": low-rank adapters on every conv/linear layer (models.lora), rank `lora_rank`, merged into the
+    # weights when DP-SGD ends (a federated site: at the end of each round)
+    trainable: Literal["all", "norm_attention", "lora"] = "all"
+    lora_rank: int = 4
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,14 @@ class PublicSection:
     pretrain_lr: float = 2e-3
     # sha256 of a reused pretrained model file (``train --pretrained``); it is loaded instead of pretraining
     pretrained_sha256: str | None = None
+    # Semantic selection (PrivImage; mechanisms/selection.py): each site releases a noisy histogram of which
+    # of `selection_groups` k-means groups of the public set its images are nearest to (sensitivity 1 image,
+    # noise multiplier `selection_sigma`, charged as the event "selection"); pretraining then uses the groups
+    # with the highest noisy counts, at least `selection_keep` of the public set. Off by default (costs ε).
+    selection: bool = False
+    selection_groups: int = 16
+    selection_sigma: float = 20.0
+    selection_keep: float = 0.5
 
     @property
     def enabled(self) -> bool:
@@ -288,8 +299,13 @@ class JobConfig:
             del d["auxgen"]["restarts"], d["auxgen"]["keep"]
         if d["dpsgd"].get("trainable") == "all":  # likewise DP-SGD of every parameter
             del d["dpsgd"]["trainable"]
+        if d["dpsgd"].get("trainable") != "lora":  # likewise the adapters' rank of a job without them
+            del d["dpsgd"]["lora_rank"]
         if self.public == PublicSection():  # likewise a job without public data
             del d["public"]
+        elif not self.public.selection:  # likewise a public job without semantic selection
+            for key in ("selection", "selection_groups", "selection_sigma", "selection_keep"):
+                del d["public"][key]
         return d
 
     def replace(self, **sections: Any) -> JobConfig:
@@ -452,10 +468,12 @@ def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
     need(d.physical_batch >= 1, f"[dpsgd] physical_batch must be >= 1, got {d.physical_batch}")
     need(d.noise_multiplier is None or d.noise_multiplier > 0, "[dpsgd] noise_multiplier must be > 0")
     need(d.public_batch >= 0, f"[dpsgd] public_batch must be >= 0, got {d.public_batch}")
-    need(d.trainable in ("all", "norm_attention"),
-         f"[dpsgd] trainable must be \"all\" or \"norm_attention\", got {d.trainable!r}")
+    need(d.trainable in ("all", "norm_attention", "lora"),
+         f"[dpsgd] trainable must be \"all\", \"norm_attention\" or \"lora\", got {d.trainable!r}")
+    need(d.lora_rank >= 1, f"[dpsgd] lora_rank must be >= 1, got {d.lora_rank}")
     need(d.trainable == "all" or not cfg.federation.fedsgd,
-         "[dpsgd] trainable = \"norm_attention\" is not wired into FedSGD rounds (the sites' and the coordinator's "
+         f"[dpsgd] trainable = \"{d.trainable}\" is not wired into FedSGD rounds (the sites' and the "
+         "coordinator's "
          "parameter lists would have to agree on it); set trainable = \"all\" or fedsgd = false")
     need(d.public_batch == 0 or not cfg.federation.sites,
          "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
@@ -510,11 +528,28 @@ def _validate_public(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
              f"[public] a public set needs count >= 1 and shape = [C, H, W], got count {pb.count}, shape "
              f"{list(pb.shape)}")
     need(len(pb.description) <= 500, "[public] description must be at most 500 characters")
+    if pb.selection:
+        _validate_selection(pb, need)
     for pair in pb.label_map:
         pub, sep, priv = pair.partition("=")
         need(bool(sep and pub and priv), f"[public] label_map entry {pair!r} must read \"public_class=private_class\"")
         need(not pb.class_names or pub in pb.class_names,
              f"[public] label_map names public class {pub!r}, not one of {', '.join(pb.class_names)}")
+
+
+def _validate_selection(pb: PublicSection, need: Callable[[bool, str], None]) -> None:
+    """``[public] selection``: pretraining to use it and a well-formed query (the public set itself is named
+    when the run is given it: ``stages.pretrain.with_public`` refuses a selection without one)."""
+    need(pb.pretrain_iterations > 0, "[public] selection spends epsilon on a selection that no pretraining "
+         "uses (pretrain_iterations = 0): set pretrain_iterations > 0 or selection = false")
+    need(pb.selection_groups >= 2 and (pb.sha256 is None or pb.selection_groups <= pb.count),
+         f"[public] selection_groups must be >= 2 and at most the public set's count ({pb.count}), "
+         f"got {pb.selection_groups}")
+    need(math.isfinite(pb.selection_sigma) and pb.selection_sigma > 0,
+         f"[public] selection_sigma (the histogram's noise multiplier) must be > 0, got {pb.selection_sigma}")
+    need(0 < pb.selection_keep <= 1,
+         f"[public] selection_keep (the fraction of the public set kept) must be in (0, 1], got "
+         f"{pb.selection_keep}")
 
 
 def _validate(cfg: JobConfig, source: str) -> None:

@@ -40,6 +40,7 @@ from .accounting import (
 from .accountants.skellam import honest_shares, skellam_event
 from .mechanisms._checks import sampling_rate as mechanism_rate
 from .mechanisms.count import SIZE_SIGMA
+from .mechanisms.selection import selection_event
 from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
 from .errors import FetaError, PolicyError, PrivacyError
@@ -69,8 +70,10 @@ MOSTLY_NOISE = 0.5
 _FIXES = {
     "central": "lower [central] sigma or rounds, raise [central] rate, or use more data",
     "frequency": "lower [frequency] sigma or features, or use more data",
+    "selection": "lower [public] selection_sigma or selection_groups, or use more data",
 }
 STAGES = ("central", "frequency", "dpsgd")
+_SECTION = {"selection": "[public] selection_sigma"}  # the config key of a stage that is not its own section
 E = TypeVar("E", PrivacyEvent, Event)
 
 
@@ -138,6 +141,12 @@ def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
     return out
 
 
+def selection_events(cfg: JobConfig) -> list[PrivacyEvent]:
+    """The semantic selection query's event (``[public] selection``; ``mechanisms.selection``: a noisy
+    histogram of sensitivity 1 image), released before any other: it decides what pretraining uses."""
+    return [selection_event(cfg.public.selection_sigma)] if cfg.public.selection else []
+
+
 def site_dpsgd(policy: Any | None) -> dict[str, Any]:
     """How a site's SIGNED policy has DP-SGD sample (keyword arguments of :func:`stage_events`): a patient-level
     policy (``dataset.privacy_unit = "patient"``) samples its PUBLIC ``dataset.patients`` at q = batch / patients
@@ -182,7 +191,7 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
-    first = count_events(size)
+    first = count_events(size) + selection_events(cfg)
     events = _with_dpsgd(cfg, n, first + warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
                          _size(dpsgd_size) if dpsgd_size is not None else None, patient_cap)
     return gaussian_only(events, "stage_events")
@@ -216,6 +225,7 @@ def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event
     ``SkellamEvent`` per round (q, one step, the gradient's integer-domain sensitivities), its sigma calibrated
     so that the whole history counted over ``fedsgd.shares`` noise shares meets the budget."""
     n = _size(public_size)
+    warmup = selection_events(cfg) + list(warmup)  # the selection: a per-site Gaussian release in any job
     if not cfg.federation.fedsgd:
         return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir, dpsgd_unit,
                            _size(dpsgd_size) if dpsgd_size is not None else None, patient_cap)
@@ -334,7 +344,8 @@ def check_warmup(prior_and_warm: Sequence[Event], budget: Target, patient_cap: i
             f"over {patient_cap})")
         raise PrivacyError(
             f"the warm-up alone spends {what} {spent:.3f} at delta {budget.delta:g} >= the budget {budget.epsilon}: "
-            f"shrink [{biggest}] (fewer rounds / larger sigma), drop a warm-up stage, or raise [privacy] epsilon"
+            f"shrink {_SECTION.get(biggest, f'[{biggest}]')} (fewer rounds / larger sigma), drop a warm-up "
+            "stage, or raise [privacy] epsilon"
             + ("" if patient_cap is None else ", or lower the patient cap")
         )
     return spent
@@ -412,6 +423,9 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
     if stage == "size":  # the noisy count's std against the size it drew (the figure for sigma = SIZE_SIGMA)
         r = SIZE_SIGMA / n
         return r, f"count noise std {SIZE_SIGMA:g} images, {r:.1%} of the public size"
+    if stage == "selection" and cfg.public.selection:  # noise std against a group's share of the votes
+        r = cfg.public.selection_sigma * cfg.public.selection_groups / n
+        return r, f"noise std {cfg.public.selection_sigma:g} votes per group, {r:.1%} of a group's even share"
     if stage == "dpsgd" and sgd_sigma is not None:
         params = _param_count(cfg, image_shape, n_classes)
         if params is None:
@@ -522,7 +536,7 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
     cfg = cfg if federated else cfg.for_size(n)
     tgt = budget or target(cfg)
     prior = list(prior)
-    check_warmup(prior + count_events(size) + warmup_events(cfg, n), tgt, patient_cap)
+    check_warmup(prior + count_events(size) + selection_events(cfg) + warmup_events(cfg, n), tgt, patient_cap)
     events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit,
                           dpsgd_size=dpsgd_size, size=size, patient_cap=patient_cap)
     history = prior + events
@@ -567,7 +581,10 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
                      if sgd.unit == "patient" else "") if sgd else "disabled (0 steps)"),
     }
     rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
-    counts = {"size": "noisy image count -> public size", "patients": "noisy patient count -> public patients"}
+    counts = {"size": "noisy image count -> public size",
+              "patients": "noisy patient count -> public patients",
+              "selection": f"noisy histogram over {cfg.public.selection_groups} public groups -> pretrain on "
+                           f">= {cfg.public.selection_keep:.0%} of the public set"}
     for name in reversed([e.stage for e in events if e.stage in counts]):  # noisy counts drew undeclared sizes
         rows.insert(0, (name, by_stage[name], counts[name]))
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}

@@ -21,14 +21,21 @@ from .loading import LoadOptions, load_dataset
 MAX_DESCRIPTION = 500
 
 
+def read_public(path: str | os.PathLike, opts: LoadOptions, image_size: int | None = None) -> ImageDataset:
+    """The public set at ``path`` through the private data's loader and checks (``opts``: resize, size,
+    window; ``image_size``: the size to resize to when ``opts`` resize)."""
+    kw = opts.kwargs()
+    kw["patient_cap"] = None  # public images have no privacy unit
+    if kw["resize"] != "refuse" and image_size is not None:
+        kw["image_size"] = int(image_size)  # resized to the private data's size, as asked
+    ds, _ = load_dataset(path, **kw)
+    return ds
+
+
 def load_public(path: str | os.PathLike, opts: LoadOptions, image_shape: tuple[int, int, int]) -> ImageDataset:
     """The public set at ``path``, read with the private data's options at its image shape; refused (one line,
     with the fix) when it does not come out at ``image_shape``."""
-    kw = opts.kwargs()
-    kw["patient_cap"] = None  # public images have no privacy unit
-    if kw["resize"] != "refuse":
-        kw["image_size"] = int(image_shape[-1])  # resized to the private data's size, as asked
-    ds, _ = load_dataset(path, **kw)
+    ds = read_public(path, opts, int(image_shape[-1]))
     if tuple(ds.image_shape) != tuple(image_shape):
         raise DataError(f"{path}: public images are {list(ds.image_shape)} (C, H, W) but the private data's are "
                         f"{list(image_shape)}; give the same channels and --resize resize (or crop) to fit the size")

@@ -124,7 +124,8 @@ def update_problem(sent: dict[str, np.ndarray], reply: dict[str, np.ndarray]) ->
 def release_problem(arrays: dict[str, np.ndarray]) -> str | None:
     """Why a site's central/frequency release cannot be pooled (None: it can): NaN or infinite numbers would make
     the pooled warm-up set, and so the global model every site trains on, NaN."""
-    data = ("values", "embedding")  # the released numbers (a central release's clip is NaN when it has none)
+    # the released numbers (a central release's clip is NaN when it has none)
+    data = ("values", "embedding", "histogram")
     bad = sorted(k for k in data if k in arrays and (arrays[k].dtype.kind not in "fiu"
                                                      or not np.all(np.isfinite(arrays[k]))))
     return f"release refused: {', '.join(bad)} are not finite numbers" if bad else None
@@ -359,8 +360,10 @@ class JobDriver:
                                                                        for k, v in doc.items()))
         return doc
 
-    def _collect(self, phase: str, message_type: str) -> dict[str, dict[str, np.ndarray]]:
-        """One release per site, cached on disk: a restart does not ask again for what it holds."""
+    def _collect(self, phase: str, message_type: str, arrays: dict[str, np.ndarray] | None = None
+                 ) -> dict[str, dict[str, np.ndarray]]:
+        """One release per site, cached on disk: a restart does not ask again for what it holds. ``arrays``:
+        the public input every site gets with the request (the selection's centroids)."""
         t0 = time.monotonic()
         have: dict[str, dict[str, np.ndarray]] = {}
         for sid in self.sites:
@@ -371,7 +374,7 @@ class JobDriver:
         todo: dict[str, dict[str, Any]] = {sid: {} for sid in self.sites if sid not in have}
         if todo:
             self.emit(phase, f"asking {len(todo)} site(s) for {phase} releases")
-            ok, failed = self._ask(phase, message_type, todo)
+            ok, failed = self._ask(phase, message_type, todo, arrays=arrays)
             for sid in sorted(ok):
                 why = release_problem(ok[sid][1])
                 if why is not None:  # not kept, not pooled: the site's budget is spent, its release unused
@@ -409,6 +412,21 @@ class JobDriver:
                                   f"min_sites = {self.cfg.federation.min_sites}")
         self.timings[phase] = time.monotonic() - t0
         return {sid: arrays for sid in contributors}
+
+    def collect_selection(self, centroids: np.ndarray) -> np.ndarray | None:
+        """The semantic selection query (``[public] selection``): each site's noisy histogram over the public
+        groups (``centroids``: means of public thumbnails, the only thing sent; never a public image), summed.
+        Each site adds its own full Gaussian noise (a per-site release in every job), so the sum is
+        post-processing of DP releases. None when the job asks no selection."""
+        if not self.cfg.public.selection:
+            return None
+        got = self._collect("selection", fm.SELECTION, {"centroids": np.asarray(centroids, dtype=np.float32)})
+        want = (int(self.cfg.public.selection_groups),)
+        bad = sorted(sid for sid, a in got.items() if "histogram" not in a or a["histogram"].shape != want)
+        if bad:
+            raise PolicyError(f"selection: site(s) {', '.join(bad)} sent a histogram that is not {want[0]} "
+                              "counts")
+        return np.sum([got[sid]["histogram"].astype(np.float64) for sid in sorted(got)], axis=0)
 
     def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.central.rounds <= 0:

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from ..models import denoiser_spec
+from ..data.loading import LoadOptions
+from ..data.public import read_public
 from ..errors import ConfigError, DataError
 from ..models.auxgen import AuxModel
 from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
-from ..stages.pretrain import PublicInputs, public_start, with_public
+from ..stages.pretrain import PublicInputs, public_start, selected, selection_groups, with_public
 from ..stages.freq_warmup import aux_pool
 from ..files import atomic_write_bytes, atomic_write_json
 from ..models.model_file import MODEL_FILE, write_model_file
@@ -30,6 +32,10 @@ from .warmup import pooled_central, warm_up
 # ``coordinator run --device``, for the ServerApp: the SuperLink starts that process with the FAB's run config only,
 # and a new run-config key would change the FAB's hash that every site's signed policy lists (app_bundles)
 DEVICE_FILE = "coordinator_device.json"
+# ``coordinator run --public/--pretrained``, for the ServerApp likewise: where the public inputs are and how
+# they are read. Only the coordinator reads them; the signed job's [public] names them by hash (checked before
+# any release).
+PUBLIC_FILE = "coordinator_public.json"
 
 
 def save_device(out_dir: str | Path, device: str) -> None:
@@ -52,6 +58,49 @@ def saved_device(out_dir: str | Path) -> str:
                           "and run `coordinator run --device ...` again") from None
 
 
+def save_public(out_dir: str | Path, path: str | None, description: str, pretrained: Path | None,
+                load: LoadOptions) -> None:
+    """Where the ServerApp of the job in ``out_dir`` finds its public inputs (written by ``coordinator run``
+    before each submit; removed when none is given, so a stale file never stands in for a missing option)."""
+    file = Path(out_dir) / PUBLIC_FILE
+    if path is None and pretrained is None:
+        file.unlink(missing_ok=True)
+        return
+    atomic_write_json(file, {"path": None if path is None else str(Path(path).resolve()),
+                             "description": description,
+                             "pretrained": None if pretrained is None else str(Path(pretrained).resolve()),
+                             "load": {k: v for k, v in load.kwargs().items() if k != "patient_cap"}})
+
+
+def public_inputs(path: str | None, description: str, pretrained: Path | None, load: LoadOptions
+                  ) -> PublicInputs | None:
+    """``--public PATH`` / ``--pretrained FILE`` of a coordinator as ``PublicInputs``, the set read by the
+    private data's loader and checks (``data.public.read_public``) at the job's [job] resize, image_size and
+    window."""
+    if path is None and pretrained is None:
+        if description:
+            raise ConfigError("--public-description describes a --public set: give --public PATH too")
+        return None
+    data = read_public(path, load, load.image_size) if path is not None else None
+    return PublicInputs(data, description, pretrained)
+
+
+def saved_public(out_dir: str | Path) -> PublicInputs | None:
+    """The public inputs :func:`save_public` left in ``out_dir`` (None: none)."""
+    p = Path(out_dir) / PUBLIC_FILE
+    if not p.is_file():
+        return None
+    try:
+        doc = json.loads(p.read_text("utf-8"))
+        load = LoadOptions(**doc["load"])
+        pretrained = Path(doc["pretrained"]) if doc["pretrained"] else None
+        return public_inputs(doc["path"], str(doc["description"]), pretrained, load)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{p}: not a public-inputs file written by `coordinator run` "
+                          f"({type(exc).__name__}); delete it and run `coordinator run --public ...` again"
+                          ) from None
+
+
 def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
             progress: Progress | None = None, wait_timeout: float = 300.0, poll_interval: float = 1.0,
             device: str | None = None, anchors: str | Path | None = None,
@@ -64,14 +113,16 @@ def run_job(grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coord
     a bad file too ends as the job's ``error`` event. ``anchors``: the coordinator's ``ledger-anchors.json``
     (``federation.anchors``): a site whose ledger does not extend its last attested one is refused at its hello.
     ``public``: the public set / pretrained file the signed job's ``[public]`` names (``stages.pretrain``): only the
-    coordinator reads it; the sites get the job (hashes only) and, in DP-SGD rounds, the weights trained from it."""
+    coordinator reads it; the sites get the job (hashes only) and, in DP-SGD rounds, the weights trained from
+    it. None: the ones ``coordinator run --public`` left in ``out_dir`` (:func:`saved_public`), if any."""
     d = JobDriver(grid, signed_job, out_dir, coordinator_key=coordinator_key, progress=progress,
                   wait_timeout=wait_timeout, poll_interval=poll_interval,
                   anchors=AnchorStore(anchors) if anchors is not None else None)
     try:
         # resolved again in the ServerApp's own process (`coordinator run` resolved it first): a GPU it cannot see
         # is then an `error` event in progress.jsonl, which `coordinator run` prints, before any site is asked
-        return _run(d, signed_job, resolve_device(saved_device(out_dir) if device is None else device), public)
+        dev = resolve_device(saved_device(out_dir) if device is None else device)
+        return _run(d, signed_job, dev, public if public is not None else saved_public(out_dir))
     except Exception as exc:
         d.emit("error", f"{type(exc).__name__}: {exc}")
         raise
@@ -85,6 +136,7 @@ def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public:
     _check_public(d, public)  # before any release: a job pretrained on other data than it names never starts
     # Refuse BEFORE any release if the job cannot fit every site's policy.
     d.plan_sites()
+    public = _select_public(d, public)
     central = d.collect_central()
     _save_central(d, central)
     model = _warm_model(d, central, d.collect_frequency(), device, public)
@@ -103,6 +155,25 @@ def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public:
     d.emit("done", f"job {d.job.job_id} finished: " + ", ".join(
         f"{sid} ε={e:.3f}" for sid, e in summary["site_epsilon"].items()), timings=summary["timings"])
     return JobResult(d.out, sorted(d.sites), rounds_done, d.skipped, summary["timings"], atts)
+
+
+def _select_public(d: JobDriver, public: PublicInputs | None) -> PublicInputs | None:
+    """``[public] selection``: the sites' summed noisy histogram over the public groups (k-means of the public
+    set, the same as ``train``'s: ``stages.pretrain.selection_groups``) cuts the public set before
+    pretraining. Only the centroids go to the sites; what is kept is post-processing of the released
+    histograms."""
+    if public is None or not d.cfg.public.selection:
+        return public
+    centroids, groups = selection_groups(public, d.cfg)
+    histogram = d.collect_selection(centroids)
+    assert histogram is not None
+    out = selected(public, d.cfg, histogram, groups)
+    atomic_write_json(d.out / "selection.json", {"histogram": [float(v) for v in histogram],
+                                                 "kept": int(out.data.n if out.data else 0),
+                                                 "of": int(public.data.n if public.data else 0)})
+    d.emit("selection", f"semantic selection: pretraining on {out.data.n if out.data else 0} of "
+                        f"{public.data.n if public.data else 0} public images")
+    return out
 
 
 def _save_central(d: JobDriver, central: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from ..signing import canonical_json, loads_strict
 HELLO = "query.hello"
 CENTRAL = "query.central"
 FREQUENCY = "query.frequency"
+SELECTION = "query.selection"  # the semantic selection query of public pretraining (edge.clientapp.selection)
 TRAIN = "train"
 SECAGG = "query.secagg"  # one stage of a secure sum (edge/secure.py)
 

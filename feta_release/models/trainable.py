@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from .lora import attach_lora
 from .unet import SelfAttention
 
-MODES = ("all", "norm_attention")
+MODES = ("all", "norm_attention", "lora")  # lora: low-rank adapters on every conv/linear layer (models.lora)
 # conditioning layers by their attribute name in the UNet: the noise-level map, the class embedding, each residual
 # block's projection of the embedding
 _CONDITIONING = ("map0", "map1", "class_embed", "affine")
@@ -30,6 +31,8 @@ def trainable_names(model: nn.Module, mode: str) -> list[str]:
         raise ValueError(f"trainable mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "all":
         return [n for n, _ in model.named_parameters()]
+    if mode == "lora":  # the adapters, once attached (set_trainable)
+        return [n for n, _ in model.named_parameters() if ".lora_down." in n or ".lora_up." in n]
     keep: set[int] = set()
     attention = [name for name, m in model.named_modules() if isinstance(m, SelfAttention)]
     for name, module in model.named_modules():
@@ -39,9 +42,12 @@ def trainable_names(model: nn.Module, mode: str) -> list[str]:
     return [n for n, p in model.named_parameters() if id(p) in keep]
 
 
-def set_trainable(model: nn.Module, mode: str) -> int:
+def set_trainable(model: nn.Module, mode: str, rank: int = 4) -> int:
     """Freeze every parameter ``mode`` does not train (``requires_grad = False``); returns how many scalars stay
-    trainable (the dimension DP-SGD's noise is drawn in). ``all`` leaves the model as it is."""
+    trainable (the dimension DP-SGD's noise is drawn in). ``all`` leaves the model as it is; ``lora`` attaches
+    rank-``rank`` adapters (``models.lora.attach_lora``) and trains them alone."""
+    if mode == "lora":
+        return attach_lora(model, rank)
     names = set(trainable_names(model, mode))
     if mode != "all":
         for n, p in model.named_parameters():

@@ -26,7 +26,10 @@ from . import schema
 from .envelope import KeyLike, as_public_keys, open_envelope, read_json, read_text, seal, write_json
 from .errors import PolicySchemaError, PolicyViolation
 
-MECHANISMS = ("central", "frequency", "dpsgd")
+MECHANISMS = ("central", "frequency", "dpsgd", "selection")
+# Mechanisms a policy may leave out: absent means not allowed (a policy signed before the mechanism existed
+# allows nothing new). ``selection``: the semantic selection query of public pretraining.
+OPTIONAL_MECHANISMS = ("selection",)
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -151,7 +154,8 @@ class SitePolicy:
         validate_policy(doc, source)
         mechs = {}
         for name in MECHANISMS:
-            m = doc["mechanisms"][name]
+            m = doc["mechanisms"].get(name, {"allowed": False}) if name in OPTIONAL_MECHANISMS \
+                else doc["mechanisms"][name]
             caps = {k: v for k, v in m.items() if k.startswith("max_")}
             mechs[name] = MechanismRule(name, bool(m["allowed"]), m.get("min_sigma"), caps)
         return cls(
@@ -411,6 +415,7 @@ def make_policy(
         "central": {"allowed": True, "min_sigma": 1.0, "max_rounds": 50, "max_batch": 60000},
         "frequency": {"allowed": True, "min_sigma": 1.0, "max_features": 20000},
         "dpsgd": {"allowed": True, "min_sigma": 0.5, "max_steps": 100000, "max_batch": 60000},
+        "selection": {"allowed": True, "min_sigma": 5.0},
     }
     for name, over in (mechanisms or {}).items():
         default_mechs[name] = {**default_mechs.get(name, {}), **over}

@@ -206,7 +206,10 @@ def check_request(
     rule = policy.mechanisms[m]
     base = f"mechanisms.{m}"
     if not rule.allowed:
-        raise PolicyViolation(f"{base}.allowed", f"mechanism {m} is not allowed at this site", site=site)
+        fix = ("; the policy allows no semantic selection: add mechanisms.selection {allowed = true, "
+               "min_sigma} to the POLICY (re-sign), or run the job with [public] selection = false"
+               ) if m == "selection" else ""
+        raise PolicyViolation(f"{base}.allowed", f"mechanism {m} is not allowed at this site{fix}", site=site)
     if req.job is not None:
         check_job(policy, req.job)
     elif require_job:

@@ -98,6 +98,7 @@ __all__ = [
 
 EPS_REL_TOL = 1e-6
 STAGE_WORDS = {"size": "public size (noisy image count)",
+               "selection": "semantic selection of the public set (noisy histogram)",
                "central": "central images", "frequency": "frequency features", "dpsgd": "DP-SGD fine-tuning"}
 
 

@@ -17,6 +17,7 @@ import torch
 from ..accounting import PrivacyEvent
 from ..config import JobConfig
 from ..models.edm import EDMDenoiser
+from ..models.lora import merge_lora
 from ..planning import round_sizes
 from ..errors import ConfigError
 from ..training.augment import rand_augment
@@ -56,7 +57,9 @@ class DpsgdTraining:
             ctx.state["dpsgd_steps_lost"] = int(ctx.state.get("dpsgd_steps_lost", 0)) + lost
         _train(ctx, trainer, sgd, charged)
         save_checkpoint(ctx, "dpsgd.pt", trainer.state_dict())
-        model = cast(EDMDenoiser, trainer.ema_model())
+        # trainable = "lora": the adapters folded into the weights; what follows sees the plain denoiser
+        model = cast(EDMDenoiser, merge_lora(trainer.ema_model()))
+        merge_lora(ctx.denoiser)
         ctx.final_model, ctx.dpsgd_trained = model, trainer.steps_done
         ctx.mark("dpsgd", steps_trained=ctx.dpsgd_trained, steps_charged=ctx.account.charged("dpsgd"))
         stage_grid(ctx, "after-dpsgd", model)

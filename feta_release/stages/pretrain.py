@@ -15,6 +15,7 @@ denoiser unconditionally and the private classes' embeddings are learnt later, f
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +28,14 @@ from ..config import JobConfig
 from ..data import ImageDataset
 from ..data.public import public_problem, public_record
 from ..errors import ConfigError, DataError
+from ..mechanisms.selection import public_groups, select_groups, selection_histogram
 from ..models.edm import EDMDenoiser, denoiser_spec
 from ..signing import sha256_file
+from ..files import atomic_write_bytes
 from ..models.model_file import read_model_file, write_model_file
+from ..training.checkpoint import npz_bytes
 from ..training.warmup_loop import Progress, WarmupResult, train_denoiser
-from .base import stage_grid
+from .base import check_event, refuse_requery, stage_grid
 from .context import RunContext, public_generator, resume_denoiser, save_denoiser
 
 PRETRAINED_FILE = "pretrained.pt"  # RUN_DIR/pretrained.pt: the public model, reusable by `train --pretrained`
@@ -57,6 +61,9 @@ def with_public(cfg: JobConfig, public: PublicInputs | None, image_shape: tuple[
     """``cfg`` with its ``[public]`` section naming ``public``; refused when the job already names another set or
     model, names one that was not given, or the public images are not the private data's shape."""
     pb = cfg.public
+    if pb.selection and (public is None or public.data is None):
+        raise ConfigError("[public] selection chooses among public images: give the public set (--public "
+                          "PATH), or set [public] selection = false")
     if public is not None and public.data is not None and tuple(public.data.image_shape) != tuple(image_shape):
         raise DataError(f"{public.data.source}: public images are {list(public.data.image_shape)} (C, H, W), the "
                         f"private data's {list(image_shape)}; load both at one shape (--resize, --image-size)")
@@ -78,6 +85,24 @@ def with_public(cfg: JobConfig, public: PublicInputs | None, image_shape: tuple[
     if not public.description:
         named.pop("description", None)  # keep the job's own
     return cfg.replace(public=named)
+
+
+def selection_groups(public: PublicInputs, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(centroids, each public image's group) of the job's semantic selection: k-means of the public set
+    from the job's PUBLIC seed (``mechanisms.selection.public_groups``), the same in both drivers. Public:
+    costs nothing."""
+    if public.data is None:
+        raise ConfigError("[public] selection needs the public set: give --public PATH")
+    return public_groups(public.data.images, cfg.public.selection_groups, cfg.job.seed)
+
+
+def selected(public: PublicInputs, cfg: JobConfig, histogram: np.ndarray, groups: np.ndarray) -> PublicInputs:
+    """``public`` cut to the groups the released (noisy, summed over the sites) ``histogram`` ranks highest,
+    at least ``[public] selection_keep`` of it (``select_groups``). Post-processing: it reads the released
+    histogram and public values only, never a private image: pretraining on the result costs nothing more."""
+    assert public.data is not None
+    keep = select_groups(histogram, groups, cfg.public.selection_keep)
+    return PublicInputs(public.data.subset(keep), public.description, public.pretrained)
 
 
 def mapped_labels(public: ImageDataset, private_names: tuple[str, ...], label_map: tuple[str, ...]) -> np.ndarray:
@@ -139,6 +164,30 @@ def public_start(model: EDMDenoiser, public: PublicInputs, cfg: JobConfig, image
     return info
 
 
+def local_selection(ctx: RunContext) -> PublicInputs:
+    """The local run's semantic selection: charge the planned ``selection`` event in the run's ledger, THEN
+    compute the noisy histogram from the run's secret noise, save and record it; the public set cut by it. A
+    resumed run reads the recorded release back (never a second draw)."""
+    public = ctx.public or PublicInputs()
+    centroids, groups = selection_groups(public, ctx.cfg)
+    path = ctx.rd.released("selection.npz")
+    if path.exists():
+        histogram = np.load(io.BytesIO(ctx.account.saved_release("selection", path)))["histogram"]
+    else:
+        refuse_requery(ctx, "selection", path)
+        rid = ctx.account.charge("selection", 1)  # committed before any private image is read
+        histogram, event = selection_histogram(ctx.data.images, centroids, ctx.cfg.public.selection_sigma,
+                                               ctx.private_rng("selection"))
+        check_event(event, ctx.account.planned("selection"))
+        blob = npz_bytes(histogram=histogram)
+        atomic_write_bytes(path, blob)
+        ctx.account.record(rid, blob)
+    out = selected(public, ctx.cfg, histogram, groups)
+    ctx.rep.log(f"semantic selection: pretraining on {out.data.n if out.data else 0} of "
+                f"{public.data.n if public.data else 0} public images ({len(histogram)} groups)")
+    return out
+
+
 class PublicPretraining:
     name = "pretrain"
 
@@ -147,13 +196,21 @@ class PublicPretraining:
 
     def run(self, ctx: RunContext) -> None:
         if not resume_denoiser(ctx, "pretrain", "public pretraining"):
+            public = local_selection(ctx) if ctx.cfg.public.selection else (ctx.public or PublicInputs())
             with ctx.rep.task("public pretraining", ctx.cfg.public.pretrain_iterations) as adv:
-                info = public_start(ctx.denoiser, ctx.public or PublicInputs(), ctx.cfg, ctx.data.image_shape,
+                info = public_start(ctx.denoiser, public, ctx.cfg, ctx.data.image_shape,
                                     ctx.data.class_names, progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
             save_denoiser(ctx, "pretrain")
-            write_model_file(ctx.rd.root / PRETRAINED_FILE,
-                             spec=denoiser_spec(ctx.cfg.model, ctx.data.image_shape, ctx.data.n_classes),
-                             state_dict=ctx.denoiser.state_dict(), class_names=list(ctx.data.class_names),
-                             public=dict(ctx.cfg.to_dict()["public"]))
-            ctx.mark("pretrain", **info)
+            if ctx.cfg.public.selection:  # weights after a charged selection: not public, not for reuse
+                ctx.mark("pretrain", selected=public.data.n if public.data else 0, **info)
+            else:
+                self._write_public_model(ctx)
+                ctx.mark("pretrain", **info)
         stage_grid(ctx, "after-pretrain", ctx.denoiser)
+
+    @staticmethod
+    def _write_public_model(ctx: RunContext) -> None:
+        write_model_file(ctx.rd.root / PRETRAINED_FILE,
+                         spec=denoiser_spec(ctx.cfg.model, ctx.data.image_shape, ctx.data.n_classes),
+                         state_dict=ctx.denoiser.state_dict(), class_names=list(ctx.data.class_names),
+                         public=dict(ctx.cfg.to_dict()["public"]))

@@ -474,7 +474,7 @@ class DPSGDTrainer:
         self.draw_rows = None if draw_rows is None else int(draw_rows)
         # [dpsgd] trainable: frozen parameters get no per-example gradient, no clip share and no noise (their
         # values are public: models.trainable); the noise dimension is the trainable count
-        self.noise_dimension = set_trainable(model, d.trainable)
+        self.noise_dimension = set_trainable(model, d.trainable, d.lora_rank)
         self.engine = select_engine(model, loss, d.per_example, check=True)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)

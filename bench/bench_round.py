@@ -36,7 +36,7 @@ def federation(root: Path, sites: int, per_site: int) -> Any:
     import numpy as np
 
     from coordinator.setup import app_bundle_hash, prepare_federation
-    from feta_release.data.embedded import load_embedded
+    from feta_release.data.loading import load_embedded
     from feta_release.data.splits import split_sites
 
     ds = load_embedded()

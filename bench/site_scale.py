@@ -105,7 +105,7 @@ def _large_side(path: Path, n: int, size: int) -> None:
 
     from feta_release.data import save_npz
     from feta_release.data.dataset import ImageDataset
-    from feta_release.data.procedural import generate
+    from feta_release.data.procedural import generate_dataset as generate
 
     small = generate("medical", n, size=GENERATOR_SIDE)
     k = size // GENERATOR_SIDE

@@ -114,10 +114,10 @@ def test_sampler_on_cuda_matches_cpu_with_sdedit_starts() -> None:
 def test_evaluation_classifier_trains_on_cuda_and_returns_a_cpu_network() -> None:
     """``train_classifier(device="cuda")``: the benchmarks' evaluator on the GPU scores as well as on the CPU
     and hands back a CPU network, so ``accuracy`` / ``per_class_accuracy`` take it as they are."""
-    from feta_release.data.procedural import generate
+    from feta_release.data.procedural import generate_dataset
     from feta_release.evaluation import accuracy, per_class_accuracy, train_classifier
 
-    data = generate("medical", 600, size=28, seed=3)
+    data = generate_dataset("medical", 600, size=28, seed=3)
     train, test = data.subset(np.arange(400)), data.subset(np.arange(400, 600))
     acc = {}
     for device in ("cpu", "cuda"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from feta_release.data import save_npz
-from feta_release.data.procedural import generate
+from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError, DataError
 from feta_release.job_rules import job_toml
 
@@ -19,7 +19,7 @@ from tests.support.federation import tiny_job
 
 
 def _public(tmp_path: Path, seed: int = 9) -> tuple[Path, object]:
-    ds = generate("strokes", 40, size=28, seed=seed)
+    ds = generate_dataset("strokes", 40, size=28, seed=seed)
     return save_npz(ds, tmp_path / f"public-{seed}.npz"), ds
 
 
@@ -71,7 +71,7 @@ def test_a_public_set_of_another_shape_than_the_sites_is_refused_before_any_rele
     from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job
 
     fed = make_federation(tmp_path / "fed")
-    small = save_npz(generate("strokes", 40, size=16, seed=3), tmp_path / "small.npz")
+    small = save_npz(generate_dataset("strokes", 40, size=16, seed=3), tmp_path / "small.npz")
     job, out = _job_file(tmp_path), tmp_path / "out"
     option = PublicOption(str(small))
     signed = sign_or_resume(job, ["site-a", "site-b", "site-c"], fed.coordinator_key, out, "job-16", option)

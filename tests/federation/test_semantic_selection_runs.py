@@ -11,7 +11,7 @@ import pytest
 
 from feta_release.config import load_preset
 from feta_release.data import ImageDataset, load_embedded
-from feta_release.data.procedural import generate
+from feta_release.data.procedural import generate_dataset
 from feta_release.errors import PrivacyError
 from feta_release.ledger import Ledger
 from feta_release.mechanisms import selection as sel
@@ -54,7 +54,7 @@ def _order_recorder(monkeypatch) -> list[str]:
 
 def test_train_charges_the_selection_before_it_reads_an_image_and_pretrains_on_the_kept_part(
         tmp_path, monkeypatch):
-    public = generate("strokes", 64, size=28, seed=4)
+    public = generate_dataset("strokes", 64, size=28, seed=4)
     cfg = load_preset("tiny").replace(public={
         "pretrain_iterations": 3, "pretrain_batch": 16, "selection": True, "selection_groups": 4,
         "selection_keep": 0.3})
@@ -85,7 +85,7 @@ def test_a_federated_selection_sends_centroids_only_and_each_site_charges_it_fir
     from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job, tiny_job
 
     fed = make_federation(tmp_path / "fed")
-    public = generate("strokes", 48, size=28, seed=9)
+    public = generate_dataset("strokes", 48, size=28, seed=9)
     pub = PublicInputs(public, "pen strokes")
     cfg = with_public(tiny_job(public={"pretrain_iterations": 2, "pretrain_batch": 8, "selection": True,
                                        "selection_groups": 3}), pub, (1, 28, 28))
@@ -127,7 +127,7 @@ def test_a_selection_below_the_sites_min_sigma_is_refused_before_any_charge_or_v
 
     fed = make_federation(tmp_path / "fed", policy_overrides={
         s: {"per_job": (10.0, 1e-5), "lifetime": (20.0, 1e-5)} for s in ("site-a", "site-b", "site-c")})
-    public = generate("strokes", 48, size=28, seed=9)
+    public = generate_dataset("strokes", 48, size=28, seed=9)
     pub = PublicInputs(public)
     job = tiny_job(privacy={"epsilon": 10.0}, public={
         "pretrain_iterations": 2, "selection": True, "selection_groups": 3, "selection_sigma": 3.0})

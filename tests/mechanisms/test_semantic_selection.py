@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feta_release.config import JobConfig, load_preset
-from feta_release.data.procedural import generate
+from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError, PolicyError, PrivacyError
 from feta_release.ledger import Budget, Ledger
 from feta_release.mechanisms import selection as sel
@@ -20,7 +20,7 @@ from feta_release.stages.pretrain import PublicInputs, selected, selection_group
 
 @pytest.fixture(scope="module")
 def strokes():
-    return generate("strokes", 64, size=28, seed=4)
+    return generate_dataset("strokes", 64, size=28, seed=4)
 
 
 def _cfg(public, **over) -> JobConfig:
@@ -51,7 +51,7 @@ def test_the_histogram_noise_is_gaussian_with_std_sigma_per_group(strokes):
     """The released counts minus the exact counts: mean 0, std sigma in every group (4,000 draws, bounds at
     about 5 standard errors)."""
     centroids, _ = sel.public_groups(strokes.images, 4, 0)
-    x = generate("strokes", 30, size=28, seed=8).images
+    x = generate_dataset("strokes", 30, size=28, seed=8).images
     exact = sel.vote_counts(x, centroids)
     rng = np.random.default_rng(123)
     draws = np.stack([sel.selection_histogram(x, centroids, 7.0, rng)[0] - exact for _ in range(4000)])
@@ -136,7 +136,7 @@ def test_the_ledger_refuses_a_selection_over_the_budget_naming_the_rule(tmp_path
     from feta_release.errors import BudgetExceededError
 
     budget = Budget(job_epsilon=0.5, lifetime_epsilon=10.0, delta=1e-5, accountant="rdp")
-    with Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate()) as led:
+    with Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate_dataset()) as led:
         with pytest.raises(BudgetExceededError, match="budget.per_job.epsilon"):
             led.charge("j", "j:selection:0", "selection", [sel.selection_event(0.5)], budget)
         assert led.requests("j") == []

@@ -25,6 +25,12 @@ the public facts, and drop what was digit knowledge:
 - model: 16 channels on the CPU (32 on a GPU), one UNet level more per doubling of the side above 28 px.
 - DP-SGD: off where it was measured not to help (eps x N of 4,000 and 40,000 on digits); on from
   :data:`DPSGD_MIN_EPS_N` (not yet measured), its steps from the time budget by the cost model below.
+- public pretraining (``train --public``; docs/explanation/public-pretraining.md), from the public set's facts
+  (:class:`PublicFacts`: size, shape, class names): about :data:`PRETRAIN_EPOCHS` passes over it, within
+  [:data:`PRETRAIN_MIN`, :data:`PRETRAIN_MAX`] steps and at most :data:`PRETRAIN_SHARE` of the time budget;
+  class-conditional when its classes name private classes (equal names, ``stages.pretrain.mapped_labels``), else
+  unconditional (the null label); DP-SGD, where it runs, then trains only the normalisation, attention and
+  conditioning parameters (``trainable = "norm_attention"``): the convolutions keep what the public set taught.
 
 FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest release
 any job can make here (the central images, whole budget, one pass, one image per class) would be mostly noise by
@@ -78,6 +84,22 @@ AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images)
 RELEASE_FLOPS = 2e10  # assumed CPU rate of the feature map (a matrix product), not measured
 CUDA_SPEEDUP = 20.0
 BASE_BUDGET = 900.0  # seconds: 4,000 images at 28 px within 15 minutes on 2 CPU cores
+# public pretraining: bench/pretraining.py's full size is 4,000 steps of 64 on 10,000 images (~25 passes); the
+# [public] default 2,000 steps; fewer than a few hundred steps leave the fresh model's loss far from converged
+PRETRAIN_EPOCHS = 20
+PRETRAIN_MIN = 200
+PRETRAIN_MAX = 4000
+PRETRAIN_BATCH = 64
+PRETRAIN_SHARE = 1 / 3  # of the time budget: the rest is for the stages that read the private data
+
+
+@dataclass(frozen=True)
+class PublicFacts:
+    """The facts of a PUBLIC pretraining set (``train --public``): its size, image shape (C, H, W) and classes."""
+
+    size: int
+    shape: tuple[int, int, int]
+    class_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,10 @@ class DataFacts:
     time_budget: float | None = None  # seconds; None: default_time_budget
     federated: bool = False
     size_drawn: bool = False
+    public: PublicFacts | None = None  # a public pretraining set (its facts only; no private value)
+    # "auto": DP-SGD by the eps x N rule; "on" / "off": asked for (a benchmark's route, a site's choice)
+    dpsgd: Literal["auto", "on", "off"] = "auto"
+    class_names: tuple[str, ...] = ()  # the private classes' names (public: declared or read off the data)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -165,6 +191,12 @@ def check_facts(f: DataFacts) -> None:
     need(f.delta is None or 0 < f.delta < 1, f"delta must be in (0, 1), got {f.delta}")
     need(f.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {f.device!r}")
     need(f.time_budget is None or f.time_budget > 0, f"the time budget must be > 0 seconds, got {f.time_budget}")
+    need(f.dpsgd in ("auto", "on", "off"), f"dpsgd must be auto, on or off, got {f.dpsgd!r}")
+    if f.public is not None:
+        need(isinstance(f.public.size, int) and f.public.size >= 1,
+             f"the public set must hold at least one image, got {f.public.size!r}")
+        need(tuple(f.public.shape) == f.shape, f"the public images are {list(f.public.shape)} (C, H, W), the "
+             f"private data's {list(f.shape)}; load both at one shape (--resize, --image-size)")
 
 
 # -- privacy: the budget split ---------------------------------------------------------------------------------
@@ -310,6 +342,30 @@ def _sampler(strong: bool, frequency_on: bool) -> dict[str, Any]:
     return {"solver": "heun", "steps": 8, "start_sigma": 0.5, "start_source": "central"}
 
 
+# -- public pretraining -----------------------------------------------------------------------------------------
+
+
+def shared_classes(f: DataFacts) -> tuple[str, ...]:
+    """The private classes a public class names by equal name: the pretraining is class-conditional for them."""
+    if f.public is None:
+        return ()
+    return tuple(c for c in f.class_names if c in set(f.public.class_names))
+
+
+def pretrain_iterations(f: DataFacts) -> int:
+    """About :data:`PRETRAIN_EPOCHS` passes over the public set, clamped to [PRETRAIN_MIN, PRETRAIN_MAX] steps,
+    and no more than :data:`PRETRAIN_SHARE` of the time budget buys (never below PRETRAIN_MIN)."""
+    assert f.public is not None
+    want = min(PRETRAIN_MAX, max(PRETRAIN_MIN, math.ceil(PRETRAIN_EPOCHS * f.public.size / PRETRAIN_BATCH)))
+    model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job")
+    per_step = seconds_per_pass(model, f) * PRETRAIN_BATCH
+    return max(PRETRAIN_MIN, min(want, int(PRETRAIN_SHARE * f.budget // per_step)))
+
+
+def _public_section(f: DataFacts) -> dict[str, Any]:
+    return {"pretrain_iterations": pretrain_iterations(f), "pretrain_batch": PRETRAIN_BATCH, "pretrain_lr": 2e-3}
+
+
 # -- the cost model ---------------------------------------------------------------------------------------------
 
 
@@ -338,6 +394,8 @@ def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -
         out["central"] = facts.size * facts.values * cfg.central.rounds / RELEASE_FLOPS
         out["spatial warm-up"] = per * w.spatial_iterations * w.spatial_batch
     out["polish"] = per * w.polish_iterations * w.spatial_batch
+    if facts.public is not None:
+        out["pretraining"] = per * cfg.public.pretrain_iterations * cfg.public.pretrain_batch
     out["dpsgd"] = per * DPSGD_OVERHEAD * cfg.dpsgd_steps(facts.size) * cfg.dpsgd.batch
     out["sampling"] = per * SAMPLING_PASSES * (facts.size if n_synthetic is None else n_synthetic)
     return Estimate({k: round(v, 1) for k, v in out.items()})
@@ -385,9 +443,12 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
         "model": model_section(f), "warmup": _warmup(scale),
         "auxgen": _auxgen(strong, restarts if s.frequency is not None else 1),
         "dpsgd": {"rate": round(_dpsgd_batch(f.size) / f.size, 6), "steps": 0, "clip": 1.0,
-                  "noise_multiplicity": 1, "physical_batch": _physical(f.values), "lr": 1e-3, "ema": 0.9},
+                  "noise_multiplicity": 1, "physical_batch": _physical(f.values), "lr": 1e-3, "ema": 0.9,
+                  "trainable": "norm_attention" if f.public is not None else "all"},
         "sampler": _sampler(strong, s.frequency is not None),
     }
+    if f.public is not None:
+        d["public"] = _public_section(f)
     if s.frequency is not None and s.features is not None:
         d["frequency"] = _frequency_section(f, s.frequency, s.features)
     return d
@@ -434,7 +495,7 @@ def derive(facts: DataFacts) -> Derivation:
     values = _query_values(facts, factor)
     _floor(facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values)
     steps = 0
-    if facts.epsilon * facts.size >= DPSGD_MIN_EPS_N:
+    if facts.dpsgd == "on" or (facts.dpsgd == "auto" and facts.epsilon * facts.size >= DPSGD_MIN_EPS_N):
         d, est = _fit_budget(facts, _split(facts, True))
         steps = _dpsgd_steps(facts, d, est)
     if steps < DPSGD_MIN_STEPS:
@@ -476,8 +537,11 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
         f"model: {m.channels} channels, {len(m.channel_mult)} levels; warm-up {cfg.warmup.spatial_iterations} "
         f"spatial + {cfg.warmup.polish_iterations} polish steps, {cfg.warmup.frequency_images} aux images, "
         f"{cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} epochs",
-        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget (eps x N >= {DPSGD_MIN_EPS_N:,}: "
-         "not yet measured)" if steps else
+        *_public_notes(f, cfg),
+        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget ("
+         + ("asked for" if f.dpsgd == "on" else f"eps x N >= {DPSGD_MIN_EPS_N:,}: not yet measured") + ")"
+         if steps else
+         "dpsgd: off (asked for)" if f.dpsgd == "off" else
          f"dpsgd: off (eps x N = {f.epsilon * f.size:,.0f}: below {DPSGD_MIN_EPS_N:,} or too few steps in the "
          "budget; on digits it lost at 4,000 and tied at 40,000)"),
     ]
@@ -488,6 +552,17 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
                  f"{est.seconds.get('sampling', 0.0) / 60:.1f} min to draw {f.size} synthetic images ({parts} s)")
     lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")
     return tuple(lines)
+
+
+def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
+    if f.public is None:
+        return []
+    shared = shared_classes(f)
+    how = (f"class-conditional for {len(shared)} of {f.n_classes} private classes named alike ({', '.join(shared)})"
+           if shared else "unconditional (no public class names a private class)")
+    return [f"public: {cfg.public.pretrain_iterations} pretraining steps of {cfg.public.pretrain_batch} on "
+            f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the time "
+            f"budget), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning only"]
 
 
 def _toml_value(v: Any) -> str:

@@ -102,6 +102,12 @@ class PublicFacts:
     class_names: tuple[str, ...] = ()
 
 
+def public_facts(ds: Any) -> PublicFacts:
+    """The facts of a loaded public set (an ``ImageDataset``): its size, shape and class names."""
+    c, h, w = (int(v) for v in ds.image_shape)
+    return PublicFacts(int(ds.n), (c, h, w), tuple(str(n) for n in ds.class_names))
+
+
 @dataclass(frozen=True)
 class DataFacts:
     """The public facts a job is derived from. ``size``: declared or noisy-drawn, never an exact private count;

@@ -157,7 +157,8 @@ def run_row(task: dict) -> dict:
                            source=str(run_dir))
     t1 = time.perf_counter()
     rep = evaluate(syn, real, int(task["seed"]), ceiling=False, classifier_epochs=task["classifier_epochs"],
-                   feature_epochs=task["feature_epochs"], grid_path=run_dir / "evaluated.png", per_class=8)
+                   feature_epochs=task["feature_epochs"], grid_path=run_dir / "evaluated.png", per_class=8,
+                   device=task["device"])
     gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
     return {"accuracy": rep.accuracy, "per_class": rep.per_class_accuracy, "precision": rep.precision,
             "recall": rep.recall, "density": rep.density, "coverage": rep.coverage, "fd": rep.fd,
@@ -175,7 +176,7 @@ def run_ceiling(task: dict) -> dict:
     torch.set_num_threads(task["threads"])
     train, real = _load(task["data"]["train"]), _load(task["data"]["eval"])
     t0 = time.perf_counter()
-    c = real_ceiling(real, train, int(task["seed"]), epochs=task["classifier_epochs"])
+    c = real_ceiling(real, train, int(task["seed"]), epochs=task["classifier_epochs"], device=task["device"])
     return {"accuracy": c.accuracy, "per_class": c.per_class_accuracy, "eval_s": round(time.perf_counter() - t0, 1),
             "train_s": 0.0, "gpu_peak_mib": 0}
 
@@ -273,8 +274,8 @@ def table(rows: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each row trains and samples "
-                    "(the evaluation classifiers run on the CPU)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each row trains, samples and "
+                    "trains its evaluation classifiers")
     ap.add_argument("--jobs", type=int, default=1, help="rows run in parallel (separate processes)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per row (default: cores / jobs)")
     ap.add_argument("--seeds", default="0,1,2")

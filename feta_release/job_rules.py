@@ -467,21 +467,28 @@ def _with_steps(d: dict[str, Any], steps: int, federated: bool) -> dict[str, Any
     return {**d, "dpsgd": {**d["dpsgd"], "steps": steps}}
 
 
-def _fit_budget(f: DataFacts, s: _Split) -> tuple[dict[str, Any], Estimate]:
-    """The sections of split ``s`` whose training (sampling aside) fits the time budget: fewer aux fits, then a
-    shorter warm-up (to a quarter at least)."""
+def _fit_budget(f: DataFacts, s: _Split, reserve: float = 0.0) -> tuple[dict[str, Any], Estimate]:
+    """The sections of split ``s`` whose training (sampling aside) fits the time budget less ``reserve`` seconds
+    (kept for DP-SGD): fewer aux fits, then a shorter warm-up (to a quarter at least)."""
+    budget = f.budget - reserve
     restarts = 4 if f.epsilon >= STRONG_EPSILON else 1
     d = _sections(f, s, 1.0, restarts)
     est = estimate(JobConfig.from_dict(d, "derived job"), f)
-    if est.training > f.budget and restarts > 1:
+    if est.training > budget and restarts > 1:
         d = _sections(f, s, 1.0, 1)
         est = estimate(JobConfig.from_dict(d, "derived job"), f)
     warm = sum(est.seconds.get(k, 0.0) for k in ("spatial warm-up", "frequency warm-up", "polish"))
-    if est.training > f.budget and warm > 0:
-        scale = max(0.25, 1 - (est.training - f.budget) / warm)
+    if est.training > budget and warm > 0:
+        scale = max(0.25, 1 - (est.training - budget) / warm)
         d = _sections(f, s, scale, 1)
         est = estimate(JobConfig.from_dict(d, "derived job"), f)
     return d, est
+
+
+def _dpsgd_seconds(f: DataFacts, steps: int) -> float:
+    """Estimated seconds of ``steps`` DP-SGD steps of the derived model at the derived batch."""
+    model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job")
+    return seconds_per_pass(model, f) * DPSGD_OVERHEAD * _dpsgd_batch(f.size) * steps
 
 
 def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
@@ -502,7 +509,9 @@ def derive(facts: DataFacts) -> Derivation:
     _floor(facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values)
     steps = 0
     if facts.dpsgd == "on" or (facts.dpsgd == "auto" and facts.epsilon * facts.size >= DPSGD_MIN_EPS_N):
-        d, est = _fit_budget(facts, _split(facts, True))
+        # DP-SGD runs: the warm-up leaves room for at least its minimum steps (it shrinks first; one step more
+        # for the rounding of the shortened warm-up's steps)
+        d, est = _fit_budget(facts, _split(facts, True), reserve=_dpsgd_seconds(facts, DPSGD_MIN_STEPS + 1))
         steps = _dpsgd_steps(facts, d, est)
     if steps < DPSGD_MIN_STEPS:
         steps = 0

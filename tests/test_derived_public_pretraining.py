@@ -15,8 +15,8 @@ from feta_release.config import JobConfig
 from feta_release.data import save_npz
 from feta_release.data.procedural import generate
 from feta_release.errors import ConfigError
-from feta_release.job_rules import (PRETRAIN_MAX, PRETRAIN_MIN, PRETRAIN_SHARE, DataFacts, PublicFacts, derive,
-                                    derive_job, estimate, public_facts, seconds_per_pass)
+from feta_release.job_rules import (DPSGD_MIN_STEPS, PRETRAIN_MAX, PRETRAIN_MIN, PRETRAIN_SHARE, DataFacts,
+                                    PublicFacts, derive, derive_job, estimate, public_facts, seconds_per_pass)
 from tests.cli_helpers import run_cli
 
 MEDICAL = ("normal", "finding", "effusion", "opacity")
@@ -117,3 +117,14 @@ def test_pretraining_steps_grow_with_the_public_set_within_their_bounds_and_budg
     assert estimate(d.cfg, f).seconds["pretraining"] == round(steps * per_step, 1)
     bigger = derive(DataFacts(**{**f.__dict__, "public": PublicFacts(public_n * 2, (1, side, side), MEDICAL)}))
     assert bigger.cfg.public.pretrain_iterations >= steps  # more public images never fewer steps
+
+
+@pytest.mark.parametrize("budget", [180.0, 300.0, 900.0])
+def test_dpsgd_asked_for_shortens_the_warm_up_to_make_room_for_its_minimum_steps(budget: float) -> None:
+    f = DataFacts(size=3200, height=64, width=64, channels=1, n_classes=4, epsilon=10.0, device="cuda",
+                  time_budget=budget, public=PublicFacts(4000, (1, 64, 64), MEDICAL), class_names=MEDICAL, dpsgd="on")
+    d = derive(f)
+    assert d.cfg.dpsgd_steps(f.size) >= DPSGD_MIN_STEPS and d.cfg.dpsgd.trainable == "norm_attention"
+    assert d.estimate.training <= budget * 1.01
+    plain = derive(DataFacts(**{**f.__dict__, "dpsgd": "auto"}))
+    assert plain.cfg.dpsgd_steps(f.size) == 0  # eps x N = 32,000: the rule alone keeps DP-SGD off

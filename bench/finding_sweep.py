@@ -216,16 +216,25 @@ def plan_tasks(args: argparse.Namespace, data: dict[str, str], n_train: int) -> 
     return tasks
 
 
-def spawn(task: dict) -> dict:
-    """One task in a child process: its row with the wall seconds (and the error line of a failed row)."""
+def spawn(task: dict, deadline: float) -> dict:
+    """One task in a child process: its row with the wall seconds (and the error line of a failed row). A task
+    not started by ``deadline`` (``time.monotonic``) is skipped, one still running then is stopped."""
     t0 = time.perf_counter()
+    head = {k: task[k] for k in ("route", "eps", "seed", "mode", "device", "settings", "name")}
+    if time.monotonic() >= deadline:
+        return {**head, "wall_s": 0.0, "error": "not started: the sweep's --deadline had passed"}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, __file__, "--task", json.dumps(task)], stdout=out, stderr=err,
                                 text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        code = proc.wait()
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = -9
+            err.write("\nstopped at the sweep's --deadline\n")
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
-    head = {k: task[k] for k in ("route", "eps", "seed", "mode", "device", "settings", "name")}
     head["wall_s"] = round(time.perf_counter() - t0, 1)
     if code != 0:
         return {**head, "error": (stderr.strip().splitlines() or [f"exit {code}"])[-1]}
@@ -296,6 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--feature-epochs", type=int, default=10, help="feature network epoch cap (recall, coverage)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a key of every row's derived job (TOML literal), e.g. public.pretrain_iterations=300")
+    ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS", help="stop after this many seconds: "
+                    "rows not started are skipped, running ones stopped; finished rows and the table are kept")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 28 px, one seed, epsilon 10")
     ap.add_argument("--task", default=None, help=argparse.SUPPRESS)  # one row, in a child process
     args = ap.parse_args(argv)
@@ -339,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.threads} thread(s) each, on {args.device}", flush=True)
     rows = list(done.values())
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for fut in as_completed([pool.submit(spawn, t) for t in tasks]):
+        deadline = time.monotonic() + (args.deadline if args.deadline else float("inf"))
+        for fut in as_completed([pool.submit(spawn, t, deadline) for t in tasks]):
             row = fut.result()
             rows.append(row)
             with out.open("a") as f:

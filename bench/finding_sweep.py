@@ -312,7 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.n_private, args.n_public, args.image_size, args.n_synthetic = 400, 300, 28, 200
-        args.time_budget, args.classifier_epochs, args.feature_epochs = "60", 3, 3
+        args.time_budget, args.classifier_epochs, args.feature_epochs = "240", 3, 3  # 240: DP-SGD gets its 20 steps
         args.seeds, args.eps = "0", "10"
         args.set += ["public.pretrain_iterations=20", "warmup.spatial_iterations=20", "warmup.polish_iterations=10",
                      "warmup.frequency_images=200", "warmup.frequency_epochs=1", "auxgen.epochs=1",

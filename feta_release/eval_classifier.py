@@ -241,9 +241,10 @@ def train_classifier(
     ``ds`` itself; deterministic given ``seed`` (on one device). ``epochs``: the epoch cap (None:
     :func:`auto_max_epochs`).
 
-    ``augment``: random translations (:func:`random_shift`, :func:`max_shift_for`). ``device``: where it trains
-    ("cpu", "cuda"); the network is returned on the CPU either way. The returned network (eval mode) carries
-    ``fit_log`` (:class:`FitLog`). Leaves the global torch RNG (of the CPU and of ``device``) as it found it.
+    ``augment``: random translations (:func:`random_shift`, :func:`max_shift_for`). ``device``: where it
+    trains ("cpu", "cuda"); the network is returned on the CPU either way. The returned network (eval mode)
+    carries ``fit_log`` (:class:`FitLog`). Leaves the global torch RNG (of the CPU and of ``device``) as it
+    found it.
     """
     _check_trainable(ds, epochs)
     c, h, w = ds.image_shape

@@ -28,9 +28,10 @@ the public facts, and drop what was digit knowledge:
 - public pretraining (``train --public``; docs/explanation/public-pretraining.md), from the public set's facts
   (:class:`PublicFacts`: size, shape, class names): about :data:`PRETRAIN_EPOCHS` passes over it, within
   [:data:`PRETRAIN_MIN`, :data:`PRETRAIN_MAX`] steps and at most :data:`PRETRAIN_SHARE` of the time budget;
-  class-conditional when its classes name private classes (equal names, ``stages.pretrain.mapped_labels``), else
-  unconditional (the null label); DP-SGD, where it runs, then trains only the normalisation, attention and
-  conditioning parameters (``trainable = "norm_attention"``): the convolutions keep what the public set taught.
+  class-conditional when its classes name private classes (equal names, ``stages.pretrain.mapped_labels``),
+  else unconditional (the null label); DP-SGD, where it runs, then trains only the normalisation, attention
+  and conditioning parameters (``trainable = "norm_attention"``): the convolutions keep what the public set
+  taught.
 
 FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest release
 any job can make here (the central images, whole budget, one pass, one image per class) would be mostly noise by
@@ -95,7 +96,7 @@ PRETRAIN_SHARE = 1 / 3  # of the time budget: the rest is for the stages that re
 
 @dataclass(frozen=True)
 class PublicFacts:
-    """The facts of a PUBLIC pretraining set (``train --public``): its size, image shape (C, H, W) and classes."""
+    """The facts of a PUBLIC pretraining set (``train --public``): size, image shape (C, H, W), classes."""
 
     size: int
     shape: tuple[int, int, int]
@@ -348,19 +349,20 @@ def _sampler(strong: bool, frequency_on: bool) -> dict[str, Any]:
     return {"solver": "heun", "steps": 8, "start_sigma": 0.5, "start_source": "central"}
 
 
-# -- public pretraining -----------------------------------------------------------------------------------------
+# -- public pretraining ---------------------------------------------------------------------------------
 
 
 def shared_classes(f: DataFacts) -> tuple[str, ...]:
-    """The private classes a public class names by equal name: the pretraining is class-conditional for them."""
+    """The private classes a public class names by equal name: the pretraining is class-conditional for
+    them."""
     if f.public is None:
         return ()
     return tuple(c for c in f.class_names if c in set(f.public.class_names))
 
 
 def pretrain_iterations(f: DataFacts) -> int:
-    """About :data:`PRETRAIN_EPOCHS` passes over the public set, clamped to [PRETRAIN_MIN, PRETRAIN_MAX] steps,
-    and no more than :data:`PRETRAIN_SHARE` of the time budget buys (never below PRETRAIN_MIN)."""
+    """About :data:`PRETRAIN_EPOCHS` passes over the public set, clamped to [PRETRAIN_MIN, PRETRAIN_MAX]
+    steps, and no more than :data:`PRETRAIN_SHARE` of the time budget buys (never below PRETRAIN_MIN)."""
     assert f.public is not None
     want = min(PRETRAIN_MAX, max(PRETRAIN_MIN, math.ceil(PRETRAIN_EPOCHS * f.public.size / PRETRAIN_BATCH)))
     model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job")
@@ -369,7 +371,8 @@ def pretrain_iterations(f: DataFacts) -> int:
 
 
 def _public_section(f: DataFacts) -> dict[str, Any]:
-    return {"pretrain_iterations": pretrain_iterations(f), "pretrain_batch": PRETRAIN_BATCH, "pretrain_lr": 2e-3}
+    return {"pretrain_iterations": pretrain_iterations(f), "pretrain_batch": PRETRAIN_BATCH,
+            "pretrain_lr": 2e-3}
 
 
 # -- the cost model ---------------------------------------------------------------------------------------------
@@ -468,8 +471,8 @@ def _with_steps(d: dict[str, Any], steps: int, federated: bool) -> dict[str, Any
 
 
 def _fit_budget(f: DataFacts, s: _Split, reserve: float = 0.0) -> tuple[dict[str, Any], Estimate]:
-    """The sections of split ``s`` whose training (sampling aside) fits the time budget less ``reserve`` seconds
-    (kept for DP-SGD): fewer aux fits, then a shorter warm-up (to a quarter at least)."""
+    """The sections of split ``s`` whose training (sampling aside) fits the time budget less ``reserve``
+    seconds (kept for DP-SGD): fewer aux fits, then a shorter warm-up (to a quarter at least)."""
     budget = f.budget - reserve
     restarts = 4 if f.epsilon >= STRONG_EPSILON else 1
     d = _sections(f, s, 1.0, restarts)
@@ -573,11 +576,11 @@ def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
     if f.public is None:
         return []
     shared = shared_classes(f)
-    how = (f"class-conditional for {len(shared)} of {f.n_classes} private classes named alike ({', '.join(shared)})"
-           if shared else "unconditional (no public class names a private class)")
+    how = (f"class-conditional for {len(shared)} of {f.n_classes} private classes named alike "
+           f"({', '.join(shared)})" if shared else "unconditional (no public class names a private class)")
     return [f"public: {cfg.public.pretrain_iterations} pretraining steps of {cfg.public.pretrain_batch} on "
-            f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the time "
-            f"budget), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning only"]
+            f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the "
+            f"time budget), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning only"]
 
 
 def _toml_value(v: Any) -> str:

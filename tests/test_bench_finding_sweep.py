@@ -1,6 +1,6 @@
-"""bench/finding_sweep.py: every route's row runs the job `train --epsilon [--public] [--dpsgd on]` derives (with
-the row's seed), the plan holds the ceiling once per seed and every route x epsilon x seed, and the table puts the
-finding class beside its real-data ceiling."""
+"""bench/finding_sweep.py: every route's row runs the job `train --epsilon [--public] [--dpsgd on]` derives
+(with the row's seed), the plan holds the ceiling once per seed and every route x epsilon x seed, and the
+table puts the finding class beside its real-data ceiling."""
 
 from __future__ import annotations
 
@@ -27,18 +27,34 @@ def _bench() -> ModuleType:
 
 def test_each_route_runs_the_job_the_command_line_derives_with_the_rows_seed(tmp_path: Path) -> None:
     bench = _bench()
-    train, public = generate("medical", 300, size=28, seed=1), generate("medical", 200, size=28, seed=7,
-                                                                          population="B")
-    for route, dpsgd, pub in (("scratch", None, None), ("public", None, public), ("public-dpsgd", "on", public)):
+    train, public = (
+        generate("medical", 300, size=28, seed=1),
+        generate("medical", 200, size=28, seed=7, population="B"),
+    )
+    for route, dpsgd, pub in (
+        ("scratch", None, None),
+        ("public", None, public),
+        ("public-dpsgd", "on", public),
+    ):
         task = {"route": route, "eps": 10.0, "seed": 3, "time_budget": "900", "device": "cpu", "set": {}}
         bench.derived_job_file(task, train, public, tmp_path / f"{route}.toml")
         got = load_job(tmp_path / f"{route}.toml")
-        want, _ = derived_jobs(DeriveRequest(10.0, None, "900", None, dpsgd), train, "cpu", train.n, None, None,
-                               lambda _: None, public=pub)
+        want, _ = derived_jobs(
+            DeriveRequest(10.0, None, "900", None, dpsgd),
+            train,
+            "cpu",
+            train.n,
+            None,
+            None,
+            lambda _: None,
+            public=pub,
+        )
         assert got == want.replace(job={"seed": 3})
     assert load_job(tmp_path / "public-dpsgd.toml").dpsgd_steps(train.n) > 0
     assert load_job(tmp_path / "public.toml").dpsgd_steps(train.n) == 0
-    assert load_job(tmp_path / "scratch.toml").public.pretrain_iterations == 2000  # the [public] default: unused
+    assert (
+        load_job(tmp_path / "scratch.toml").public.pretrain_iterations == 2000
+    )  # the [public] default: unused
 
 
 def test_the_plan_has_one_ceiling_per_seed_and_every_route_epsilon_and_seed(tmp_path: Path) -> None:
@@ -54,10 +70,23 @@ def test_the_plan_has_one_ceiling_per_seed_and_every_route_epsilon_and_seed(tmp_
 def test_the_table_divides_the_finding_accuracy_by_the_same_seeds_ceiling() -> None:
     bench = _bench()
     pc = {"normal": 0.5, "finding": 0.4, "effusion": 0.9, "opacity": 0.8}
-    rows = [{"route": "ceiling", "eps": None, "seed": 0, "accuracy": 0.7, "per_class": {**pc, "finding": 0.8}},
-            {"route": "public", "eps": 10.0, "seed": 0, "accuracy": 0.6, "per_class": pc, "recall": 0.3,
-             "coverage": 0.2, "precision": 0.5, "train_s": 10.0, "peak_rss_mib": 100, "gpu_peak_mib": 0},
-            {"route": "public", "eps": 10.0, "seed": 1, "error": "stopped"}]
+    rows = [
+        {"route": "ceiling", "eps": None, "seed": 0, "accuracy": 0.7, "per_class": {**pc, "finding": 0.8}},
+        {
+            "route": "public",
+            "eps": 10.0,
+            "seed": 0,
+            "accuracy": 0.6,
+            "per_class": pc,
+            "recall": 0.3,
+            "coverage": 0.2,
+            "precision": 0.5,
+            "train_s": 10.0,
+            "peak_rss_mib": 100,
+            "gpu_peak_mib": 0,
+        },
+        {"route": "public", "eps": 10.0, "seed": 1, "error": "stopped"},
+    ]
     text = bench.table(rows)
     line = next(ln for ln in text.splitlines() if ln.startswith("| public |"))
     assert "| 0.400 | 0.500 |" in line and "| 1 |" in line  # finding 0.4, 0.4 / 0.8 of its ceiling, one seed

@@ -1,5 +1,5 @@
-"""The evaluation classifiers train where they are told (a GPU for a benchmark's many rows) and always come back
-on the CPU, so scoring, features and the report do not depend on where they trained."""
+"""The evaluation classifiers train where they are told (a GPU for a benchmark's many rows) and always come
+back on the CPU, so scoring, features and the report do not depend on where they trained."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def test_evaluate_trains_every_classifier_on_the_device_it_is_given(monkeypatch:
     monkeypatch.setattr(evaluation, "train_classifier", spy)
     ds = finding_images(10, size=16, seed=4)
     half = np.arange(ds.n) % 2 == 0
-    evaluation.evaluate(ds.subset(np.flatnonzero(half)), ds.subset(np.flatnonzero(~half)), 0, classifier_epochs=1,
-                        feature_epochs=1, device="cuda")
+    evaluation.evaluate(
+        ds.subset(np.flatnonzero(half)),
+        ds.subset(np.flatnonzero(~half)),
+        0,
+        classifier_epochs=1,
+        feature_epochs=1,
+        device="cuda",
+    )
     assert seen == ["cuda"] * 4  # the synthetic classifier, two cross-fitted ceilings, the feature network

@@ -117,7 +117,8 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     data, patients = _training_data(cfg or base_job(), data_path, load, public_patients,
                                     site_policy.declared if site_policy is not None else None)
     job_for_size = None
-    public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load, data.image_shape)
+    public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load,
+                            data.image_shape)
     if cfg is None:  # the job derived from the data's public facts (and the --public set's)
         cfg, job_for_size = derived_jobs(req, data, resolve_device(device).type, public_size, site_policy, load,
                                          lambda text: click.echo(text, err=as_json),
@@ -185,8 +186,8 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
                               "--preset NAME (`feta-release preset list`)")
         return None
     if req.given:
-        raise ConfigError("--epsilon, --delta, --time-budget, --save-job and --dpsgd are for the derived job: drop "
-                          "them, or drop JOB / --preset to derive the job from the data")
+        raise ConfigError("--epsilon, --delta, --time-budget, --save-job and --dpsgd are for the derived "
+                          "job: drop them, or drop JOB / --preset to derive the job from the data")
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
 
 

@@ -15,6 +15,8 @@ row writes that job with the row's seed and runs ``feta-release train JOB --data
   another hospital's scanner and case mix, the same four class names, so the pretraining is
   class-conditional).
 - ``public-dpsgd``: the same, then DP-SGD of the norms, attention and conditioning only (``--dpsgd on``).
+- for comparison (``--routes``, not by default): ``scratch-noise-start`` / ``public-noise-start``, the first
+  two with the synthetic set drawn from pure noise instead of the derived job's SDEdit start (a job edit).
 
 Data: population A (seed 1) split by the evaluation protocol (``feta_release.eval_protocol``): ``--mode
 validation`` trains on the fit part and scores on the validation part (for choosing), ``--mode test`` trains
@@ -53,6 +55,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTES = ("scratch", "public", "public-dpsgd")
+# Comparison routes, not in the default set: a job edit the command line does not make (the synthetic set drawn
+# from pure noise instead of the derived SDEdit start), to see whether the start carries or hides the finding.
+EXTRA_ROUTES = {
+    "public-noise-start": {"sampler": {"start_sigma": None, "start_source": "central"}},
+    "scratch-noise-start": {"sampler": {"start_sigma": None, "start_source": "central"}},
+}
 FINDING = "finding"
 PRIVATE_SEED, PUBLIC_SEED = 1, 7  # population A (the site) and B (the public set): different patients
 
@@ -106,7 +114,7 @@ def derived_job_file(task: dict, train: Any, public: Any, path: Path) -> list[st
         None,
         str(task["time_budget"]),
         None,
-        "on" if task["route"] == "public-dpsgd" else None,
+        "on" if task["route"].startswith("public-dpsgd") else None,
     )
     notes: list[str] = []
     cfg, _ = derived_jobs(
@@ -117,9 +125,9 @@ def derived_job_file(task: dict, train: Any, public: Any, path: Path) -> list[st
         None,
         None,
         notes.append,
-        public=public if task["route"] != "scratch" else None,
+        public=public if task["route"].startswith("public") else None,
     )
-    cfg = cfg.replace(job={"seed": int(task["seed"])})
+    cfg = cfg.replace(job={"seed": int(task["seed"])}, **EXTRA_ROUTES.get(task["route"], {}))
     for key, value in task["set"].items():
         section, name = key.split(".", 1)
         cfg = cfg.replace(**{section: {name: value}})
@@ -154,7 +162,7 @@ def _train(task: dict, job: Path, run_dir: Path) -> dict:
         "--device",
         task["device"],
     ]
-    if task["route"] != "scratch":
+    if task["route"].startswith("public"):
         argv += ["--public", task["data"]["public"], "--public-description", "medical-like population B"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -366,7 +374,7 @@ def table(rows: list[dict]) -> str:
         )
     cells = sorted(
         {(r["route"], r["eps"]) for r in rows if r["route"] != "ceiling" and "per_class" in r},
-        key=lambda k: (k[1], ROUTES.index(k[0]) if k[0] in ROUTES else 9),
+        key=lambda k: (k[1], [*ROUTES, *EXTRA_ROUTES].index(k[0])),
     )
     for route, eps in cells:
         rs = [r for r in rows if r["route"] == route and r["eps"] == eps and "per_class" in r]
@@ -398,7 +406,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--eps", default="1,10")
-    ap.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated of {', '.join(ROUTES)}")
+    ap.add_argument(
+        "--routes", default=",".join(ROUTES), help=f"comma-separated of {', '.join([*ROUTES, *EXTRA_ROUTES])}"
+    )
     ap.add_argument("--mode", choices=["validation", "test"], default="validation")
     ap.add_argument("--out", default="runs/finding/results.jsonl", help="JSON lines, appended row by row")
     ap.add_argument("--work", default=None, help="data and run folders (default: beside --out)")
@@ -467,9 +477,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.seeds = [int(s) for s in str(args.seeds).split(",")]
     args.eps = [float(e) for e in str(args.eps).split(",")]
     args.routes = [r for r in str(args.routes).split(",") if r]
-    bad = [r for r in args.routes if r not in ROUTES]
+    bad = [r for r in args.routes if r not in ROUTES and r not in EXTRA_ROUTES]
     if bad:
-        ap.error(f"unknown route(s) {bad}; choose from {', '.join(ROUTES)}")
+        ap.error(f"unknown route(s) {bad}; choose from {', '.join([*ROUTES, *EXTRA_ROUTES])}")
     import tomllib
 
     args.set = {kv.split("=", 1)[0]: tomllib.loads(f"v = {kv.split('=', 1)[1]}")["v"] for kv in args.set}

@@ -90,3 +90,24 @@ def test_the_table_divides_the_finding_accuracy_by_the_same_seeds_ceiling() -> N
     text = bench.table(rows)
     line = next(ln for ln in text.splitlines() if ln.startswith("| public |"))
     assert "| 0.400 | 0.500 |" in line and "| 1 |" in line  # finding 0.4, 0.4 / 0.8 of its ceiling, one seed
+
+
+def test_a_noise_start_route_is_its_route_with_the_sampler_from_pure_noise(tmp_path: Path) -> None:
+    bench = _bench()
+    train, public = (
+        generate("medical", 300, size=28, seed=1),
+        generate("medical", 200, size=28, seed=7, population="B"),
+    )
+    jobs = {}
+    for route in ("public", "public-noise-start"):
+        task = {"route": route, "eps": 10.0, "seed": 0, "time_budget": "900", "device": "cpu", "set": {}}
+        bench.derived_job_file(task, train, public, tmp_path / f"{route}.toml")
+        jobs[route] = load_job(tmp_path / f"{route}.toml")
+    assert (
+        jobs["public"].sampler.start_sigma is not None
+        and jobs["public-noise-start"].sampler.start_sigma is None
+    )
+    assert (
+        jobs["public"].replace(sampler={"start_sigma": None, "start_source": "central"})
+        == jobs["public-noise-start"]
+    )

@@ -55,8 +55,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTES = ("scratch", "public", "public-dpsgd")
-# Comparison routes, not in the default set: a job edit the command line does not make (the synthetic set drawn
-# from pure noise instead of the derived SDEdit start), to see whether the start carries or hides the finding.
+# Comparison routes, not in the default set: a job edit the command line does not make (the synthetic set
+# drawn from pure noise instead of the derived SDEdit start), to see whether the start carries or hides the
+# finding.
 EXTRA_ROUTES = {
     "public-noise-start": {"sampler": {"start_sigma": None, "start_source": "central"}},
     "scratch-noise-start": {"sampler": {"start_sigma": None, "start_source": "central"}},

@@ -15,8 +15,11 @@ row writes that job with the row's seed and runs ``feta-release train JOB --data
   another hospital's scanner and case mix, the same four class names, so the pretraining is
   class-conditional).
 - ``public-dpsgd``: the same, then DP-SGD of the norms, attention and conditioning only (``--dpsgd on``).
-- for comparison (``--routes``, not by default): ``scratch-noise-start`` / ``public-noise-start``, the first
-  two with the synthetic set drawn from pure noise instead of the derived job's SDEdit start (a job edit).
+- for comparison (``--routes``, not by default; job edits the command line does not make):
+  ``scratch-noise-start`` / ``public-noise-start``, the first two with the synthetic set drawn from pure noise
+  instead of the derived job's SDEdit start; ``public-nocentral`` / ``public-dpsgd-nocentral``, the public
+  routes without training on the released central images (no spatial warm-up, no polish, no central images in
+  the frequency warm-up).
 
 Data: population A (seed 1) split by the evaluation protocol (``feta_release.eval_protocol``): ``--mode
 validation`` trains on the fit part and scores on the validation part (for choosing), ``--mode test`` trains
@@ -58,9 +61,17 @@ ROUTES = ("scratch", "public", "public-dpsgd")
 # Comparison routes, not in the default set: a job edit the command line does not make (the synthetic set
 # drawn from pure noise instead of the derived SDEdit start), to see whether the start carries or hides the
 # finding.
-EXTRA_ROUTES = {
+# The "-nocentral" routes keep the pretrained model from being retrained on the released central images (no
+# spatial warm-up or polish, no central images mixed into the frequency warm-up): on the CPU at 32 px the
+# spatial warm-up turned the pretrained model's anatomy back into the central images' speckled prototypes.
+_NO_CENTRAL_WARMUP: dict[str, dict[str, Any]] = {
+    "warmup": {"spatial_iterations": 0, "polish_iterations": 0, "frequency_mix_central": False}
+}
+EXTRA_ROUTES: dict[str, dict[str, dict[str, Any]]] = {
     "public-noise-start": {"sampler": {"start_sigma": None, "start_source": "central"}},
     "scratch-noise-start": {"sampler": {"start_sigma": None, "start_source": "central"}},
+    "public-nocentral": _NO_CENTRAL_WARMUP,
+    "public-dpsgd-nocentral": _NO_CENTRAL_WARMUP,
 }
 FINDING = "finding"
 PRIVATE_SEED, PUBLIC_SEED = 1, 7  # population A (the site) and B (the public set): different patients

@@ -111,3 +111,19 @@ def test_a_noise_start_route_is_its_route_with_the_sampler_from_pure_noise(tmp_p
         jobs["public"].replace(sampler={"start_sigma": None, "start_source": "central"})
         == jobs["public-noise-start"]
     )
+
+
+def test_the_nocentral_routes_drop_only_the_training_on_central_images(tmp_path: Path) -> None:
+    bench = _bench()
+    train, public = (
+        generate("medical", 300, size=28, seed=1),
+        generate("medical", 200, size=28, seed=7, population="B"),
+    )
+    for route in ("public-dpsgd", "public-dpsgd-nocentral"):
+        task = {"route": route, "eps": 10.0, "seed": 0, "time_budget": "900", "device": "cpu", "set": {}}
+        bench.derived_job_file(task, train, public, tmp_path / f"{route}.toml")
+    base, edit = (load_job(tmp_path / f"{r}.toml") for r in ("public-dpsgd", "public-dpsgd-nocentral"))
+    assert edit.dpsgd_steps(train.n) > 0 and edit.public.pretrain_iterations > 0
+    assert edit == base.replace(
+        warmup={"spatial_iterations": 0, "polish_iterations": 0, "frequency_mix_central": False}
+    )

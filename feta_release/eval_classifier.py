@@ -238,27 +238,28 @@ def train_classifier(
     device: str = "cpu",
 ) -> ResNetClassifier:
     """Train a :class:`ResNetClassifier` on ``ds`` with early stopping on a stratified 10 % validation part of
-    ``ds`` itself; deterministic given ``seed``. ``epochs``: the epoch cap (None: :func:`auto_max_epochs`).
+    ``ds`` itself; deterministic given ``seed`` (on one device). ``epochs``: the epoch cap (None:
+    :func:`auto_max_epochs`).
 
-    ``augment``: random translations (:func:`random_shift`, :func:`max_shift_for`). The returned network (eval
-    mode) carries ``fit_log`` (:class:`FitLog`). Leaves the global torch RNG as it found it.
-
-    ``device``: where the network trains (``"cuda"`` on a GPU machine); the shuffles and shifts are drawn on
-    the CPU either way, and the returned network is always on the CPU, so callers score it as before.
+    ``augment``: random translations (:func:`random_shift`, :func:`max_shift_for`). ``device``: where it
+    trains ("cpu", "cuda"); the network is returned on the CPU either way. The returned network (eval mode)
+    carries ``fit_log`` (:class:`FitLog`). Leaves the global torch RNG (of the CPU and of ``device``) as it
+    found it.
     """
     _check_trainable(ds, epochs)
     c, h, w = ds.image_shape
     val = validation_split(ds.labels, ds.n_classes, VALIDATION_FRACTION, seed)
     if val.sum() < MIN_VALIDATION:
         val[:] = False
-    data = tuple(torch.from_numpy(a).to(device) for a in (ds.images[~val], ds.labels[~val], ds.images[val],
+    dev = torch.device(device)
+    data = tuple(torch.from_numpy(a).to(dev) for a in (ds.images[~val], ds.labels[~val], ds.images[val],
                                                           ds.labels[val]))
     cap = epochs if epochs is not None else auto_max_epochs(len(data[0]), batch_size)
     log = FitLog(epochs=0, max_epochs=cap, best_epoch=0, stopped="max_epochs", n_train=len(data[0]),
                  n_validation=len(data[2]))
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        net = ResNetClassifier(c, ds.n_classes, (h, w)).to(device)
+        net = ResNetClassifier(c, ds.n_classes, (h, w)).to(dev)
         best_state = _fit(net, data, log, batch_size=batch_size, lr=lr, shift=max_shift_for(h, w) if augment else 0,
                           rng=np.random.default_rng(seed), reporter=reporter or Reporter(enabled=False),
                           what=f"{what} ({ds.n:,} images)")

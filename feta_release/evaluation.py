@@ -214,9 +214,10 @@ class Ceiling:
 
 def real_ceiling(real_heldout: ImageDataset, real_train: ImageDataset | None = None, seed: int = 0, *,
                  epochs: int | None = None, batch_size: int = DEFAULT_BATCH, lr: float = DEFAULT_LR,
-                 reporter: Reporter | None = None) -> Ceiling:
-    """Real-data ceiling (module docstring): trained on ``real_train`` if given, else cross-fitted halves."""
-    kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter)
+                 reporter: Reporter | None = None, device: str = "cpu") -> Ceiling:
+    """Real-data ceiling (module docstring): trained on ``real_train`` if given, else cross-fitted halves;
+    ``device``: where the classifiers train."""
+    kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter, device=device)
     if real_train is not None:
         check_compatible(real_train, real_heldout)
         net = train_classifier(real_train, epochs, seed, what="ceiling: classifier on real training images", **kw)
@@ -384,6 +385,7 @@ def evaluate(
     batch_size: int = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
     reporter: Reporter | None = None,
+    device: str = "cpu",
 ) -> EvaluationReport:
     """Downstream accuracy + real-data ceiling + FD and precision/recall/density/coverage (+ a sample grid PNG).
 
@@ -392,12 +394,13 @@ def evaluate(
     ``ceiling``: True computes it, False skips it (a warning says so), a :class:`Ceiling` from
     :func:`real_ceiling` is reused (many evaluations against the same real data).
     ``feature_net``: a network already trained on ``real_heldout`` to reuse; trained here otherwise.
+    ``device``: where the classifiers train ("cpu", "cuda"); they score on the CPU.
     """
     t0 = time.perf_counter()
     check_compatible(synthetic, real_heldout)
     if synthetic.n == 0:
         raise DataError(f"{synthetic.source}: no synthetic images to evaluate")
-    kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter)
+    kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter, device=device)
     acc_net = train_classifier(synthetic, classifier_epochs, seed, what="classifier on synthetic images", **kw)
     pred = predict(acc_net, real_heldout.images)
     ceil = ceiling if isinstance(ceiling, Ceiling) else (

@@ -27,6 +27,13 @@ the public facts, and drop what was digit knowledge:
   sqrt(T)), the noise of T averaged clipped-gradient steps against the clip) is at most
   :data:`DPSGD_MAX_NOISE`, a fifth of the figure at the one point where a DP-SGD stage was measured to tie
   (4,000 digits, eps = 10); its steps from the time budget by the cost model below.
+- public pretraining (``train --public``; docs/explanation/public-pretraining.md), from the public set's facts
+  (:class:`PublicFacts`: size, shape, class names): about :data:`PRETRAIN_EPOCHS` passes over it, within
+  [:data:`PRETRAIN_MIN`, :data:`PRETRAIN_MAX`] steps and at most :data:`PRETRAIN_SHARE` of the time budget;
+  class-conditional when its classes name private classes (equal names, ``stages.pretrain.mapped_labels``),
+  else unconditional (the null label); DP-SGD, where it runs, then trains only the normalisation, attention
+  and conditioning parameters (``trainable = "norm_attention"``): the convolutions keep what the public set
+  taught.
 
 FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest release
 any job can make here (the central images, whole budget, one pass, one image per class) would be mostly noise by
@@ -100,6 +107,28 @@ AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images)
 RELEASE_FLOPS = 2e10  # assumed CPU rate of the feature map (a matrix product), not measured
 CUDA_SPEEDUP = 20.0
 BASE_BUDGET = 900.0  # seconds: 4,000 images at 28 px within 15 minutes on 2 CPU cores
+# public pretraining: bench/pretraining.py's full size is 4,000 steps of 64 on 10,000 images (~25 passes); the
+# [public] default 2,000 steps; fewer than a few hundred steps leave the fresh model's loss far from converged
+PRETRAIN_EPOCHS = 20
+PRETRAIN_MIN = 200
+PRETRAIN_MAX = 4000
+PRETRAIN_BATCH = 64
+PRETRAIN_SHARE = 1 / 3  # of the time budget: the rest is for the stages that read the private data
+
+
+@dataclass(frozen=True)
+class PublicFacts:
+    """The facts of a PUBLIC pretraining set (``train --public``): size, image shape (C, H, W), classes."""
+
+    size: int
+    shape: tuple[int, int, int]
+    class_names: tuple[str, ...] = ()
+
+
+def public_facts(ds: Any) -> PublicFacts:
+    """The facts of a loaded public set (an ``ImageDataset``): its size, shape and class names."""
+    c, h, w = (int(v) for v in ds.image_shape)
+    return PublicFacts(int(ds.n), (c, h, w), tuple(str(n) for n in ds.class_names))
 
 
 @dataclass(frozen=True)
@@ -119,6 +148,10 @@ class DataFacts:
     federated: bool = False
     size_drawn: bool = False
     memory_mb: float | None = None  # the site's resources.max_worker_memory_mb; None: not checked
+    public: PublicFacts | None = None  # a public pretraining set (its facts only; no private value)
+    # "auto": DP-SGD by the eps x N rule; "on" / "off": asked for (a benchmark's route, a site's choice)
+    dpsgd: Literal["auto", "on", "off"] = "auto"
+    class_names: tuple[str, ...] = ()  # the private classes' names (public: declared or read off the data)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -197,6 +230,12 @@ def check_facts(f: DataFacts) -> None:
     need(f.delta is None or 0 < f.delta < 1, f"delta must be in (0, 1), got {f.delta}")
     need(f.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {f.device!r}")
     need(f.time_budget is None or f.time_budget > 0, f"the time budget must be > 0 seconds, got {f.time_budget}")
+    need(f.dpsgd in ("auto", "on", "off"), f"dpsgd must be auto, on or off, got {f.dpsgd!r}")
+    if f.public is not None:
+        need(isinstance(f.public.size, int) and f.public.size >= 1,
+             f"the public set must hold at least one image, got {f.public.size!r}")
+        need(tuple(f.public.shape) == f.shape, f"the public images are {list(f.public.shape)} (C, H, W), the "
+             f"private data's {list(f.shape)}; load both at one shape (--resize, --image-size)")
     if f.memory_mb is not None:  # the images' memory is a ceiling no job changes: refused with the figure
         try:
             check_site_memory(f.size, f.shape, f.memory_mb, "derived job", "resources.max_worker_memory_mb")
@@ -347,6 +386,32 @@ def _sampler(strong: bool, frequency_on: bool) -> dict[str, Any]:
     return {"solver": "heun", "steps": 8, "start_sigma": 0.5, "start_source": "central"}
 
 
+# -- public pretraining ---------------------------------------------------------------------------------
+
+
+def shared_classes(f: DataFacts) -> tuple[str, ...]:
+    """The private classes a public class names by equal name: the pretraining is class-conditional for
+    them."""
+    if f.public is None:
+        return ()
+    return tuple(c for c in f.class_names if c in set(f.public.class_names))
+
+
+def pretrain_iterations(f: DataFacts) -> int:
+    """About :data:`PRETRAIN_EPOCHS` passes over the public set, clamped to [PRETRAIN_MIN, PRETRAIN_MAX]
+    steps, and no more than :data:`PRETRAIN_SHARE` of the time budget buys (never below PRETRAIN_MIN)."""
+    assert f.public is not None
+    want = min(PRETRAIN_MAX, max(PRETRAIN_MIN, math.ceil(PRETRAIN_EPOCHS * f.public.size / PRETRAIN_BATCH)))
+    model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job")
+    per_step = seconds_per_pass(model, f) * PRETRAIN_BATCH
+    return max(PRETRAIN_MIN, min(want, int(PRETRAIN_SHARE * f.budget // per_step)))
+
+
+def _public_section(f: DataFacts) -> dict[str, Any]:
+    return {"pretrain_iterations": pretrain_iterations(f), "pretrain_batch": PRETRAIN_BATCH,
+            "pretrain_lr": 2e-3}
+
+
 # -- the cost model ---------------------------------------------------------------------------------------------
 
 
@@ -375,6 +440,8 @@ def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -
         out["central"] = facts.size * facts.values * cfg.central.rounds / RELEASE_FLOPS
         out["spatial warm-up"] = per * w.spatial_iterations * w.spatial_batch
     out["polish"] = per * w.polish_iterations * w.spatial_batch
+    if facts.public is not None:
+        out["pretraining"] = per * cfg.public.pretrain_iterations * cfg.public.pretrain_batch
     out["dpsgd"] = per * DPSGD_OVERHEAD * cfg.dpsgd_steps(facts.size) * cfg.dpsgd.batch
     out["sampling"] = per * SAMPLING_PASSES * (facts.size if n_synthetic is None else n_synthetic)
     return Estimate({k: round(v, 1) for k, v in out.items()})
@@ -422,9 +489,12 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
         "model": model_section(f), "warmup": _warmup(scale),
         "auxgen": _auxgen(strong, restarts if s.frequency is not None else 1),
         "dpsgd": {"rate": round(_dpsgd_batch(f.size) / f.size, 6), "steps": 0, "clip": 1.0,
-                  "noise_multiplicity": 1, "physical_batch": _physical(f.values), "lr": 1e-3, "ema": 0.9},
+                  "noise_multiplicity": 1, "physical_batch": _physical(f.values), "lr": 1e-3, "ema": 0.9,
+                  "trainable": "norm_attention" if f.public is not None else "all"},
         "sampler": _sampler(strong, s.frequency is not None),
     }
+    if f.public is not None:
+        d["public"] = _public_section(f)
     if s.frequency is not None and s.features is not None:
         d["frequency"] = _frequency_section(f, s.frequency, s.features)
     return d
@@ -437,21 +507,28 @@ def _with_steps(d: dict[str, Any], steps: int, federated: bool) -> dict[str, Any
     return {**d, "dpsgd": {**d["dpsgd"], "steps": steps}}
 
 
-def _fit_budget(f: DataFacts, s: _Split) -> tuple[dict[str, Any], Estimate]:
-    """The sections of split ``s`` whose training (sampling aside) fits the time budget: fewer aux fits, then a
-    shorter warm-up (to a quarter at least)."""
+def _fit_budget(f: DataFacts, s: _Split, reserve: float = 0.0) -> tuple[dict[str, Any], Estimate]:
+    """The sections of split ``s`` whose training (sampling aside) fits the time budget less ``reserve``
+    seconds (kept for DP-SGD): fewer aux fits, then a shorter warm-up (to a quarter at least)."""
+    budget = f.budget - reserve
     restarts = 4 if f.epsilon >= STRONG_EPSILON else 1
     d = _sections(f, s, 1.0, restarts)
     est = estimate(JobConfig.from_dict(d, "derived job"), f)
-    if est.training > f.budget and restarts > 1:
+    if est.training > budget and restarts > 1:
         d = _sections(f, s, 1.0, 1)
         est = estimate(JobConfig.from_dict(d, "derived job"), f)
     warm = sum(est.seconds.get(k, 0.0) for k in ("spatial warm-up", "frequency warm-up", "polish"))
-    if est.training > f.budget and warm > 0:
-        scale = max(0.25, 1 - (est.training - f.budget) / warm)
+    if est.training > budget and warm > 0:
+        scale = max(0.25, 1 - (est.training - budget) / warm)
         d = _sections(f, s, scale, 1)
         est = estimate(JobConfig.from_dict(d, "derived job"), f)
     return d, est
+
+
+def _dpsgd_seconds(f: DataFacts, steps: int) -> float:
+    """Estimated seconds of ``steps`` DP-SGD steps of the derived model at the derived batch."""
+    model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job")
+    return seconds_per_pass(model, f) * DPSGD_OVERHEAD * _dpsgd_batch(f.size) * steps
 
 
 def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
@@ -470,13 +547,16 @@ def derive(facts: DataFacts) -> Derivation:
     factor = query_factor(facts.height)
     values = _query_values(facts, factor)
     _floor(facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values)
-    try:
-        d, est = _fit_budget(facts, _split(facts, True))
-        steps = _dpsgd_steps(facts, d, est)
-    except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
-        steps = 0
+    steps = 0
+    if facts.dpsgd != "off":
+        try:  # the warm-up leaves room for at least DP-SGD's minimum steps (one more for the rounding)
+            d, est = _fit_budget(facts, _split(facts, True), reserve=_dpsgd_seconds(facts, DPSGD_MIN_STEPS + 1))
+            steps = _dpsgd_steps(facts, d, est)
+        except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
+            steps = 0
     with_dpsgd = steps >= DPSGD_MIN_STEPS
-    if with_dpsgd and job_dpsgd_noise(facts, _with_steps(d, steps, facts.federated)) > DPSGD_MAX_NOISE:
+    if (with_dpsgd and facts.dpsgd == "auto"
+            and job_dpsgd_noise(facts, _with_steps(d, steps, facts.federated)) > DPSGD_MAX_NOISE):
         with_dpsgd = False
     if not with_dpsgd:
         steps = 0
@@ -538,9 +618,13 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
         f"model: {m.channels} channels, {len(m.channel_mult)} levels; warm-up {cfg.warmup.spatial_iterations} "
         f"spatial + {cfg.warmup.polish_iterations} polish steps, {cfg.warmup.frequency_images} aux images, "
         f"{cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} epochs",
-        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget: noise-to-signal over the "
-         f"job <= {DPSGD_MAX_NOISE:.4f} (a fifth of where it tied on digits; its gain not yet measured)"
+        *_public_notes(f, cfg),
+        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget ("
+         + ("asked for" if f.dpsgd == "on" else
+            f"noise-to-signal over the job <= {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied on digits; its "
+            "gain not yet measured") + ")"
          if steps else
+         "dpsgd: off (asked for)" if f.dpsgd == "off" else
          f"dpsgd: off (fewer than {DPSGD_MIN_STEPS} steps fit the budget, or its noise-to-signal over the "
          f"job sigma sqrt(P) / (B sqrt(T)) is above {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied)"),
     ]
@@ -551,6 +635,17 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
                  f"{est.seconds.get('sampling', 0.0) / 60:.1f} min to draw {f.size} synthetic images ({parts} s)")
     lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")
     return tuple(lines)
+
+
+def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
+    if f.public is None:
+        return []
+    shared = shared_classes(f)
+    how = (f"class-conditional for {len(shared)} of {f.n_classes} private classes named alike "
+           f"({', '.join(shared)})" if shared else "unconditional (no public class names a private class)")
+    return [f"public: {cfg.public.pretrain_iterations} pretraining steps of {cfg.public.pretrain_batch} on "
+            f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the "
+            f"time budget), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning only"]
 
 
 def _toml_value(v: Any) -> str:

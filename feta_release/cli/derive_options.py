@@ -38,6 +38,10 @@ def derive_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "N/4,000: 34 min at 64 px)."),
         click.option("--save-job", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="Derived job: also write it to this TOML file (then `train FILE` reruns it)."),
+        click.option("--dpsgd", "dpsgd", type=click.Choice(["auto", "on", "off"]), default=None,
+                     help="Derived job: DP-SGD after the warm-ups: auto (default: by the rule on epsilon x "
+                          "N), on (steps from the time budget; with --public only the norms, attention and "
+                          "conditioning train) or off."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -50,10 +54,12 @@ class DeriveRequest:
     delta: float | None
     time_budget: str | None
     save_job: Path | None
+    dpsgd: str | None = None  # "auto" | "on" | "off"; None: not given (auto)
 
     @property
     def given(self) -> bool:
-        return any(v is not None for v in (self.epsilon, self.delta, self.time_budget, self.save_job))
+        return any(v is not None
+                   for v in (self.epsilon, self.delta, self.time_budget, self.save_job, self.dpsgd))
 
 
 def base_job() -> JobConfig:
@@ -62,11 +68,13 @@ def base_job() -> JobConfig:
 
 
 def derived_jobs(req: DeriveRequest, data: Any, device: str, public_size: int | None, policy: Any,
-                 load: Any, emit: Callable[[str], None]) -> tuple[JobConfig, Callable[[int], JobConfig] | None]:
+                 load: Any, emit: Callable[[str], None], public: Any = None
+                 ) -> tuple[JobConfig, Callable[[int], JobConfig] | None]:
     """(the job to run or to draw the size under, the job as a function of the drawn size or None): derived from the
     data's public facts (shape, classes) and the declared size (``public_size``, the policy's), else from the size
-    the run draws. ``emit`` gets the derived job's TOML."""
-    from ..job_rules import DataFacts, derivation_toml, derive, facts_at, sizing_size
+    the run draws; ``public`` (a loaded --public set, or None) adds its pretraining
+    (``job_rules.PublicFacts``). ``emit`` gets the derived job's TOML."""
+    from ..job_rules import DataFacts, derivation_toml, derive, facts_at, public_facts, sizing_size
 
     assert req.epsilon is not None
     c, h, w = data.image_shape
@@ -78,7 +86,10 @@ def derived_jobs(req: DeriveRequest, data: Any, device: str, public_size: int | 
     facts = DataFacts(size=declared or 1, height=int(h), width=int(w), channels=int(c), n_classes=int(data.n_classes),
                       epsilon=eps, delta=delta, device="cuda" if device == "cuda" else "cpu",
                       time_budget=parse_duration(req.time_budget) if req.time_budget is not None else None,
-                      size_drawn=declared is None, memory_mb=_memory_cap(policy))
+                      size_drawn=declared is None, memory_mb=_memory_cap(policy),
+                      public=public_facts(public) if public is not None else None,
+                      dpsgd=req.dpsgd or "auto",  # type: ignore[arg-type]  # click.Choice checked it
+                      class_names=tuple(data.class_names))
 
     def job_at(n: int) -> JobConfig:
         d = derive(facts_at(facts, n))

@@ -71,7 +71,8 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
 @progress_option("progress bars per stage", old_quiet=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None,
-          epsilon: float | None, delta: float | None, time_budget: str | None, save_job: Path | None, out_dir: Path,
+          epsilon: float | None, delta: float | None, time_budget: str | None, save_job: Path | None,
+          dpsgd: str | None, out_dir: Path,
           n_synthetic: int | None, public_size: int | None, public_patients: int | None, checkpoint_every: int,
           threads: int | None, device: str,
           ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: str | None,
@@ -106,7 +107,7 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     from ..training.pipeline import run_pipeline
     from ..training.progress import Reporter
 
-    req = DeriveRequest(epsilon, delta, time_budget, save_job)
+    req = DeriveRequest(epsilon, delta, time_budget, save_job, dpsgd)
     cfg = _job_or_preset(job, preset, req)
     site_policy = _site_policy(policy_path, trusted)
     if public_patients is None and site_policy is not None and site_policy.patients:
@@ -118,16 +119,18 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
     job_for_size = None
     if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
         cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
-    if cfg is None:  # the job derived from the data's public facts
+    public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load,
+                            data.image_shape)
+    if cfg is None:  # the job derived from the data's public facts (and the --public set's)
         cfg, job_for_size = derived_jobs(req, data, resolve_device(device).type, public_size, site_policy, load,
-                                         lambda text: click.echo(text, err=as_json))
+                                         lambda text: click.echo(text, err=as_json),
+                                         public=public.data if public is not None else None)
     rep = Reporter(enabled=progress)
     skey = load_private_key(site_key) if site_key is not None else None
     res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
                        public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy,
                        patients=patients, draw_patients=patients is not None and public_patients is None,
-                       job_for_size=job_for_size,
-                       public=_public_inputs(cfg, public_path, public_description, pretrained, load, data.image_shape))
+                       job_for_size=job_for_size, public=public)
     if data_path is not None and (site_policy is None or site_policy.declared is None):
         click.echo(f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
                    f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
@@ -185,8 +188,8 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
                               "--preset NAME (`feta-release preset list`)")
         return None
     if req.given:
-        raise ConfigError("--epsilon, --delta, --time-budget and --save-job are for the derived job: drop them, or "
-                          "drop JOB / --preset to derive the job from the data")
+        raise ConfigError("--epsilon, --delta, --time-budget, --save-job and --dpsgd are for the derived "
+                          "job: drop them, or drop JOB / --preset to derive the job from the data")
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
 
 

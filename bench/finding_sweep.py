@@ -83,7 +83,7 @@ PRIVATE_SEED, PUBLIC_SEED = 1, 7  # population A (the site) and B (the public se
 def prepare_data(args: argparse.Namespace) -> dict[str, str]:
     """Write the mode's training part, its scored part and the public set as .npz files under ``--work``."""
     from feta_release.data import save_npz
-    from feta_release.data.procedural import generate
+    from feta_release.data.procedural import generate_dataset as generate
     from feta_release.eval_protocol import protocol_splits
 
     work = Path(args.work)

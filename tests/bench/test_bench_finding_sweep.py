@@ -11,7 +11,7 @@ from types import ModuleType
 
 from feta_release.cli.derive_options import DeriveRequest, derived_jobs
 from feta_release.config import load_job
-from feta_release.data.procedural import generate
+from feta_release.data.procedural import generate_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,8 +28,8 @@ def _bench() -> ModuleType:
 def test_each_route_runs_the_job_the_command_line_derives_with_the_rows_seed(tmp_path: Path) -> None:
     bench = _bench()
     train, public = (
-        generate("medical", 300, size=28, seed=1),
-        generate("medical", 200, size=28, seed=7, population="B"),
+        generate_dataset("medical", 300, size=28, seed=1),
+        generate_dataset("medical", 200, size=28, seed=7, population="B"),
     )
     for route, dpsgd, pub in (
         ("scratch", None, None),
@@ -95,8 +95,8 @@ def test_the_table_divides_the_finding_accuracy_by_the_same_seeds_ceiling() -> N
 def test_a_noise_start_route_is_its_route_with_the_sampler_from_pure_noise(tmp_path: Path) -> None:
     bench = _bench()
     train, public = (
-        generate("medical", 300, size=28, seed=1),
-        generate("medical", 200, size=28, seed=7, population="B"),
+        generate_dataset("medical", 300, size=28, seed=1),
+        generate_dataset("medical", 200, size=28, seed=7, population="B"),
     )
     jobs = {}
     for route in ("public", "public-noise-start"):
@@ -116,8 +116,8 @@ def test_a_noise_start_route_is_its_route_with_the_sampler_from_pure_noise(tmp_p
 def test_the_nocentral_routes_drop_only_the_training_on_central_images(tmp_path: Path) -> None:
     bench = _bench()
     train, public = (
-        generate("medical", 300, size=28, seed=1),
-        generate("medical", 200, size=28, seed=7, population="B"),
+        generate_dataset("medical", 300, size=28, seed=1),
+        generate_dataset("medical", 200, size=28, seed=7, population="B"),
     )
     for route in ("public-dpsgd", "public-dpsgd-nocentral"):
         task = {"route": route, "eps": 10.0, "seed": 0, "time_budget": "900", "device": "cpu", "set": {}}

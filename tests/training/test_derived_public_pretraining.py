@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from feta_release.cli import main
 from feta_release.config import JobConfig
 from feta_release.data import save_npz
-from feta_release.data.procedural import generate
+from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError
 from feta_release.job_rules import (
     DPSGD_MIN_STEPS,
@@ -40,8 +40,8 @@ class Stop(Exception):
 @pytest.fixture(scope="module")
 def medical_sets(tmp_path_factory: Any) -> tuple[Path, Path, Any]:
     root = tmp_path_factory.mktemp("medical")
-    public = generate("medical", 300, size=28, seed=7, population="B")
-    save_npz(generate("medical", 200, size=28, seed=1), root / "private.npz")
+    public = generate_dataset("medical", 300, size=28, seed=7, population="B")
+    save_npz(generate_dataset("medical", 200, size=28, seed=1), root / "private.npz")
     save_npz(public, root / "public.npz")
     return root / "private.npz", root / "public.npz", public
 

@@ -71,7 +71,7 @@ def features(images: np.ndarray) -> np.ndarray:
     return np.concatenate(list(_feature_chunks(images)))
 
 
-def nearest(feats: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+def nearest_group(feats: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     """Index of each row's nearest centroid (squared L2; a tie goes to the lower index)."""
     d = (feats ** 2).sum(1, keepdims=True) - 2 * feats @ centroids.T + (centroids ** 2).sum(1)[None, :]
     return np.argmin(d, axis=1)
@@ -99,14 +99,14 @@ def public_groups(public_images: np.ndarray, groups: int, seed: int) -> tuple[np
     rng = np.random.default_rng([int(seed), 0x5E1EC7])  # public seed: the same groups at every run of the job
     c = _kmeans_pp(x, k, rng)
     for _ in range(KMEANS_ITERATIONS):
-        a = nearest(x, c)
+        a = nearest_group(x, c)
         for g in range(k):
             members = x[a == g]
             if len(members):
                 c[g] = members.mean(0)
             else:
                 c[g] = x[int(np.argmax(((x - c[a]) ** 2).sum(1)))]
-    return c.astype(np.float32), nearest(x, c.astype(np.float32).astype(np.float64))
+    return c.astype(np.float32), nearest_group(x, c.astype(np.float32).astype(np.float64))
 
 
 def check_centroids(centroids: np.ndarray, groups: int, image_shape: tuple[int, ...]) -> np.ndarray:
@@ -127,7 +127,7 @@ def vote_counts(images: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     counts = np.zeros(len(centroids), dtype=np.int64)
     c = np.asarray(centroids, dtype=np.float64)
     for f in _feature_chunks(images):
-        counts += np.bincount(nearest(f, c), minlength=len(c))
+        counts += np.bincount(nearest_group(f, c), minlength=len(c))
     return counts
 
 

@@ -136,7 +136,7 @@ def test_the_ledger_refuses_a_selection_over_the_budget_naming_the_rule(tmp_path
     from feta_release.errors import BudgetExceededError
 
     budget = Budget(job_epsilon=0.5, lifetime_epsilon=10.0, delta=1e-5, accountant="rdp")
-    with Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate_dataset()) as led:
+    with Ledger(tmp_path / "l.sqlite", key=Ed25519PrivateKey.generate()) as led:
         with pytest.raises(BudgetExceededError, match="budget.per_job.epsilon"):
             led.charge("j", "j:selection:0", "selection", [sel.selection_event(0.5)], budget)
         assert led.requests("j") == []

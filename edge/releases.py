@@ -15,6 +15,7 @@ import torch
 from feta_release.accounting import PrivacyEvent
 from feta_release.config import JobConfig
 from feta_release.errors import PrivacyError
+from feta_release.federation.messages import split_ema, with_ema
 from feta_release.mechanisms.central import central_images
 from feta_release.mechanisms.frequency import frequency_statistics
 from feta_release.models import build_denoiser
@@ -96,6 +97,16 @@ def check_weights(cfg: JobConfig, image_shape: Any, n_classes: int, weights: dic
     _fits(build_denoiser(cfg.model, image_shape, n_classes).state_dict(), weights)
 
 
+def check_round(cfg: JobConfig, image_shape: Any, n_classes: int, arrays: dict[str, np.ndarray]) -> None:
+    """:func:`check_weights` for a per-site round's message: its weights, and its EMA of the global model when it
+    carries one (``federation.messages.with_ema``), each must fit the job's model and be finite."""
+    weights, ema = split_ema(arrays)
+    own = build_denoiser(cfg.model, image_shape, n_classes).state_dict()
+    _fits(own, weights)
+    if ema:
+        _fits(own, ema)
+
+
 def _fits(own: dict[str, Any], weights: dict[str, np.ndarray]) -> None:
     if set(weights) != set(own):
         raise PrivacyError("global weights do not match the job's [model]: "
@@ -110,21 +121,29 @@ def _fits(own: dict[str, Any], weights: dict[str, np.ndarray]) -> None:
 
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
                 generator: torch.Generator, n_public: int, patients: PatientIndex | None = None,
-                device: torch.device | str = "cpu") -> dict[str, np.ndarray]:
+                device: torch.device | str = "cpu", first_step: int = 0) -> dict[str, np.ndarray]:
     """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
     The noisy sum is divided by the public expected batch q * ``n_public``, never by anything of ``ds.n``.
     ``patients`` (a patient-level site, events of unit "patient"): whole patients are Poisson-sampled, each
     patient's summed gradient is clipped, and the divisor is q x the policy's PUBLIC patient count.
 
-    Only the weights are returned: the trainer's per-step statistics (loss, realised batch size, clipped
+    The EMA is per step (docs/architecture.md): the trainer's EMA starts from the message's EMA of the global model
+    (the weights when it carries none), its warm-up counted from ``first_step`` (the job's steps before this
+    round: round x ``local_steps``, public), and is returned beside the weights (``ema:<name>``). It is a function
+    of the round's iterates, all covered by the round's composition of ``event.steps`` steps: no further cost.
+
+    Only the weights and their EMA are returned: the trainer's per-step statistics (loss, realised batch size, clipped
     fraction, seconds) are un-noised functions of the private batch and never leave the site.
     ``device`` (``node start --device``): where the model computes; the sampling and the noise are drawn from the
     CPU ``generator`` on any device, and the weights returned are CPU arrays."""
     if (event.unit == "patient") != (patients is not None):
         raise PrivacyError(f"DP-SGD round planned with unit {event.unit!r} but this site "
                            f"{'has' if patients is not None else 'has no'} patient index; nothing released")
+    weights, ema = split_ema(weights)
     model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
     _fits(model.state_dict(), weights)
+    if ema:
+        _fits(model.state_dict(), ema)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     model.to(device)  # only the arithmetic moves (the trainer moves each batch to the model's device)
     unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
@@ -134,7 +153,15 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
                            pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above its
                                               cfg.dpsgd.physical_batch, patients),  # size: its bucket)
                            draw_rows=public_rows(units, unit["n_public"]))  # the Poisson draw's size: public too (L3)
+    _continue_ema(trainer, ema or weights, first_step)
     images = model_range_rows(ds.images)  # converted per indexed batch: each step's padded work, no copy of the site
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    out = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    return with_ema(out, {k: v.detach().cpu().numpy() for k, v in trainer.ema.shadow.items()})
+
+
+def _continue_ema(trainer: DPSGDTrainer, ema: dict[str, np.ndarray], first_step: int) -> None:
+    """The trainer's EMA continues the global one: its shadow the coordinator's, ``first_step`` updates done."""
+    trainer.ema.load_state_dict({"decay": trainer.ema.decay, "warmup": True, "num_updates": int(first_step),
+                                 "shadow": {k: torch.from_numpy(np.array(v)) for k, v in ema.items()}})

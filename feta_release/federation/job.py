@@ -22,7 +22,7 @@ from ..training.checkpoint import MODEL_FILE, atomic_write_bytes, atomic_write_j
 from ..training.device import resolve_device
 from . import checkpoint_io
 from .anchors import AnchorStore
-from .driver import JobDriver, JobResult, Progress, round_ema
+from .driver import JobDriver, JobResult, Progress, global_ema
 from .warmup import pooled_central, warm_up
 
 # ``coordinator run --device``, for the ServerApp: the SuperLink starts that process with the FAB's run config only,
@@ -86,7 +86,7 @@ def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public:
     central = d.collect_central()
     _save_central(d, central)
     model = _warm_model(d, central, d.collect_frequency(), device, public)
-    ema = round_ema(model, cfg)
+    ema = global_ema(model, cfg)
     rounds_done = d.rounds(model, ema)
     atts = d.attestations()
     if rounds_done:

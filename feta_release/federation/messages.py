@@ -122,3 +122,19 @@ def request_id(job_id: str, phase: str, round_: int = 0) -> str:
     """Deterministic per job/phase/round: a coordinator that asks again after a restart asks for the SAME
     release, which the site's ledger answers from its record instead of charging twice."""
     return f"{job_id}:{phase}:{round_}"
+
+
+# A per-site DP-SGD round carries the coordinator's EMA of the global model beside its weights, and its reply the
+# site's EMA continued over the round's steps (docs/architecture.md, "the EMA is per step").
+EMA_PREFIX = "ema:"
+
+
+def with_ema(weights: dict[str, np.ndarray], ema: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays of a round message: the weights under their own names, the EMA under ``ema:<name>``."""
+    return {**weights, **{EMA_PREFIX + k: v for k, v in ema.items()}}
+
+
+def split_ema(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(weights, EMA) of a round message or reply (:func:`with_ema`'s inverse)."""
+    weights = {k: v for k, v in arrays.items() if not k.startswith(EMA_PREFIX)}
+    return weights, {k.removeprefix(EMA_PREFIX): v for k, v in arrays.items() if k.startswith(EMA_PREFIX)}

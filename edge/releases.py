@@ -15,13 +15,14 @@ import torch
 from feta_release.accounting import PrivacyEvent
 from feta_release.config import JobConfig
 from feta_release.errors import PrivacyError
-from feta_release.federation.messages import split_ema, with_ema
+from feta_release.federation.messages import round_public, split_ema, with_ema
 from feta_release.mechanisms.central import central_images
 from feta_release.mechanisms.frequency import frequency_statistics
 from feta_release.models import build_denoiser
 from feta_release.planning import stage_event, warmup_events
 from feta_release.privacy_unit import PatientIndex
-from feta_release.training.dpsgd import DPSGDTrainer
+from feta_release.stages.context import public_generator
+from feta_release.training.dpsgd import DPSGDTrainer, released_mix
 from feta_release.training.padding import model_range_rows, public_rows, step_bound
 
 
@@ -99,12 +100,34 @@ def check_weights(cfg: JobConfig, image_shape: Any, n_classes: int, weights: dic
 
 def check_round(cfg: JobConfig, image_shape: Any, n_classes: int, arrays: dict[str, np.ndarray]) -> None:
     """:func:`check_weights` for a per-site round's message: its weights, and its EMA of the global model when it
-    carries one (``federation.messages.with_ema``), each must fit the job's model and be finite."""
+    carries one (``federation.messages.with_ema``), each must fit the job's model and be finite; its public input
+    (the central images of ``[dpsgd] public_batch``) must be there exactly when the job mixes them, and be images
+    of the declared shape in [0, 1] with labels among the declared classes."""
     weights, ema = split_ema(arrays)
     own = build_denoiser(cfg.model, image_shape, n_classes).state_dict()
     _fits(own, weights)
     if ema:
         _fits(own, ema)
+    public = round_public(arrays)
+    if (public is not None) != (cfg.dpsgd.public_batch > 0):
+        raise PrivacyError(f"round refused: the job's [dpsgd] public_batch is {cfg.dpsgd.public_batch}, but the round "
+                           f"{'carries' if public is not None else 'carries no'} central images to mix")
+    if public is not None:
+        _check_public(public, tuple(image_shape), n_classes)
+
+
+def _check_public(public: tuple[np.ndarray, np.ndarray], image_shape: tuple[int, ...], n_classes: int) -> None:
+    """Public input, refused before the charge unless it is what the job's step mixes: a few images in [0, 1]."""
+    images, labels = np.asarray(public[0]), np.asarray(public[1])
+    shape_ok = images.ndim == 4 and tuple(images.shape[1:]) == image_shape and labels.shape == images.shape[:1]
+    if not shape_ok or len(labels) == 0 or images.dtype.kind != "f" or labels.dtype.kind not in "iu":
+        raise PrivacyError(f"round refused: its central images are {images.dtype} {images.shape} with labels "
+                           f"{labels.dtype} {labels.shape}, not float images (M, {', '.join(map(str, image_shape))}) "
+                           "and M integer labels")
+    with np.errstate(invalid="ignore"):
+        in_range = bool(np.all((images >= 0) & (images <= 1)))  # NaN compares false: refused too
+    if not in_range or not bool(np.all((labels >= 0) & (labels < n_classes))):
+        raise PrivacyError(f"round refused: its central images must lie in [0, 1] and their labels in [0, {n_classes})")
 
 
 def _fits(own: dict[str, Any], weights: dict[str, np.ndarray]) -> None:
@@ -131,6 +154,8 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     (the weights when it carries none), its warm-up counted from ``first_step`` (the job's steps before this
     round: round x ``local_steps``, public), and is returned beside the weights (``ema:<name>``). It is a function
     of the round's iterates, all covered by the round's composition of ``event.steps`` steps: no further cost.
+    With ``[dpsgd] public_batch`` the message's central images (public input) are mixed into every step
+    (``PublicMix``, from the job's public seed).
 
     Only the weights and their EMA are returned: the trainer's per-step statistics (loss, realised batch size, clipped
     fraction, seconds) are un-noised functions of the private batch and never leave the site.
@@ -139,6 +164,7 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     if (event.unit == "patient") != (patients is not None):
         raise PrivacyError(f"DP-SGD round planned with unit {event.unit!r} but this site "
                            f"{'has' if patients is not None else 'has no'} patient index; nothing released")
+    public = round_public(weights)
     weights, ema = split_ema(weights)
     model = build_denoiser(cfg.model, ds.image_shape, ds.n_classes)
     _fits(model.state_dict(), weights)
@@ -152,13 +178,19 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
                            image_shape=ds.image_shape, n_classes=ds.n_classes, **unit,
                            pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above its
                                               cfg.dpsgd.physical_batch, patients),  # size: its bucket)
-                           draw_rows=public_rows(units, unit["n_public"]))  # the Poisson draw's size: public too (L3)
+                           draw_rows=public_rows(units, unit["n_public"]),  # the Poisson draw's size: public too (L3)
+                           public=released_mix(cfg, public, public_generator(cfg, _mix_stream(first_step))))
     _continue_ema(trainer, ema or weights, first_step)
     images = model_range_rows(ds.images)  # converted per indexed batch: each step's padded work, no copy of the site
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
     trainer.run(images, labels, event.steps)
     out = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
     return with_ema(out, {k: v.detach().cpu().numpy() for k, v in trainer.ema.shadow.items()})
+
+
+def _mix_stream(first_step: int) -> str:
+    """The PUBLIC stream the round's mix is drawn from: ``train``'s own for the first round, one per round after."""
+    return "dpsgd-public" if first_step == 0 else f"dpsgd-public/{first_step}"
 
 
 def _continue_ema(trainer: DPSGDTrainer, ema: dict[str, np.ndarray], first_step: int) -> None:

@@ -99,7 +99,8 @@ def test_the_coordinator_fedavgs_the_sites_emas_with_the_models_weights():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    cfg = SimpleNamespace(federation=SimpleNamespace(min_sites=1, local_steps=4), dpsgd=SimpleNamespace(ema=0.9))
+    cfg = SimpleNamespace(federation=SimpleNamespace(min_sites=1, local_steps=4),
+                          dpsgd=SimpleNamespace(ema=0.9, public_batch=0))
     ema = global_ema(model, cfg)  # type: ignore[arg-type]
     start = {k: v.clone() for k, v in ema.shadow.items()}
     shift = {1: 1.0, 2: 4.0}  # site a (node 1, size 100) moves everything by 1, site b (size 300) by 4

@@ -220,6 +220,9 @@ class JobDriver:
         self.skipped: dict[int, list[str]] = {}
         self._log_path = self.out / "progress.jsonl"
         self.planned_dpsgd: dict[str, dict[str, Any]] = {}  # site -> its planned DP-SGD round event (sent each round)
+        # the pooled central images the warm-up used (federation/job.py): with [dpsgd] public_batch, sent with every
+        # per-site round as public input (post-processing of the releases)
+        self.public_central: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
     def emit(self, phase: str, message: str, **fields: Any) -> None:
@@ -467,7 +470,7 @@ class JobDriver:
         # each site's planned event goes with its request: the node refuses one that is not its own plan
         targets = {sid: {"round": r, **({"event": self.planned_dpsgd[sid]} if sid in self.planned_dpsgd else {})}
                    for sid in self.sites}
-        ok, failed = self._ask("dpsgd", fm.TRAIN, targets, arrays=sent, group=f"round-{r}")
+        ok, failed = self._ask("dpsgd", fm.TRAIN, targets, arrays=self._with_public(sent), group=f"round-{r}")
         for sid in sorted(ok):
             why = update_problem(sent, ok[sid][1])
             if why is not None:  # never averaged: a broadcastable or non-finite reply would move every weight
@@ -486,6 +489,15 @@ class JobDriver:
         model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new_weights.items()})
         fold_site_emas(ema, new_ema, (r + 1) * self.cfg.federation.local_steps)
         return sorted(ok)
+
+    def _with_public(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A round's arrays, with the pooled central images when the job mixes them into every step."""
+        if self.cfg.dpsgd.public_batch == 0:
+            return arrays
+        if self.public_central is None or len(self.public_central[1]) == 0:
+            raise FetaError(f"job {self.job.job_id}: [dpsgd] public_batch mixes released central images, but no site "
+                            "released any; set [central] rounds > 0 or public_batch = 0")
+        return fm.with_public(arrays, self.public_central)
 
     def attestations(self) -> dict[str, Any]:
         ok, failed = self._ask("attest", "query.attest", {sid: {} for sid in self.sites})

@@ -105,9 +105,11 @@ def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public:
 
 def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
     """The combined central images the warm-up uses, kept in the job directory: the release ships them for SDEdit
-    (``[sampler] start_sigma``; post-processing of the sites' releases)."""
+    (``[sampler] start_sigma``) and, with ``[dpsgd] public_batch``, every per-site round carries them (post-processing
+    of the sites' releases)."""
     if central:
         images, labels = pooled_central(central, {sid: s.size for sid, s in d.sites.items()}, d.cfg)
+        d.public_central = (images, labels)  # the rounds' public input with [dpsgd] public_batch
         # bound to the job: build_release refuses a file of another job (a stale one in a reused --out)
         atomic_write_bytes(d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
 

@@ -135,6 +135,27 @@ def with_ema(weights: dict[str, np.ndarray], ema: dict[str, np.ndarray]) -> dict
 
 
 def split_ema(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(weights, EMA) of a round message or reply (:func:`with_ema`'s inverse)."""
-    weights = {k: v for k, v in arrays.items() if not k.startswith(EMA_PREFIX)}
+    """(weights, EMA) of a round message or reply (:func:`with_ema`'s inverse; its public input left out)."""
+    weights = {k: v for k, v in arrays.items() if not k.startswith((EMA_PREFIX, PUBLIC_PREFIX))}
     return weights, {k.removeprefix(EMA_PREFIX): v for k, v in arrays.items() if k.startswith(EMA_PREFIX)}
+
+
+# With ``[dpsgd] public_batch``, a per-site round also carries the pooled, post-processed central images the
+# coordinator warmed up on, as PUBLIC input the site mixes into every step (docs/architecture.md).
+PUBLIC_PREFIX = "public:"
+PUBLIC_IMAGES, PUBLIC_LABELS = PUBLIC_PREFIX + "images", PUBLIC_PREFIX + "labels"
+
+
+def with_public(arrays: dict[str, np.ndarray], central: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+    """A round message's arrays with the released central images (images in [0, 1], labels) as public input."""
+    return {**arrays, PUBLIC_IMAGES: np.asarray(central[0]), PUBLIC_LABELS: np.asarray(central[1])}
+
+
+def round_public(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The public input of a round message (None: it carries none); a half of it is refused."""
+    keys = [k for k in arrays if k.startswith(PUBLIC_PREFIX)]
+    if not keys:
+        return None
+    if sorted(keys) != sorted((PUBLIC_IMAGES, PUBLIC_LABELS)):
+        raise PolicyError(f"round refused: its public input is {sorted(keys)}, not {PUBLIC_IMAGES} and {PUBLIC_LABELS}")
+    return arrays[PUBLIC_IMAGES], arrays[PUBLIC_LABELS]

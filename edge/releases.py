@@ -7,6 +7,9 @@ one, or nothing leaves the site.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +25,9 @@ from feta_release.models import build_denoiser
 from feta_release.planning import stage_event, warmup_events
 from feta_release.privacy_unit import PatientIndex
 from feta_release.stages.context import public_generator
-from feta_release.training.dpsgd import DPSGDTrainer, released_mix
+from feta_release.signing import sha256_hex
+from feta_release.training.checkpoint import atomic_write_bytes, load_torch_bytes, torch_bytes
+from feta_release.training.dpsgd import DPSGDTrainer, StepStats, released_mix
 from feta_release.training.padding import model_range_rows, public_rows, step_bound
 
 
@@ -144,7 +149,8 @@ def _fits(own: dict[str, Any], weights: dict[str, np.ndarray]) -> None:
 
 def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: PrivacyEvent,
                 generator: torch.Generator, n_public: int, patients: PatientIndex | None = None,
-                device: torch.device | str = "cpu", first_step: int = 0) -> dict[str, np.ndarray]:
+                device: torch.device | str = "cpu", first_step: int = 0,
+                checkpoint: RoundCheckpoint | None = None) -> dict[str, np.ndarray]:
     """``local_steps`` DP-SGD steps (Poisson sampling at rate q on the site's data) from the global weights.
     The noisy sum is divided by the public expected batch q * ``n_public``, never by anything of ``ds.n``.
     ``patients`` (a patient-level site, events of unit "patient"): whole patients are Poisson-sampled, each
@@ -160,7 +166,8 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
     Only the weights and their EMA are returned: the trainer's per-step statistics (loss, realised batch size, clipped
     fraction, seconds) are un-noised functions of the private batch and never leave the site.
     ``device`` (``node start --device``): where the model computes; the sampling and the noise are drawn from the
-    CPU ``generator`` on any device, and the weights returned are CPU arrays."""
+    CPU ``generator`` on any device, and the weights returned are CPU arrays. ``checkpoint``: where the round's
+    trainer state is kept every ``checkpoint.every`` steps; a round killed after one goes on from it."""
     if (event.unit == "patient") != (patients is not None):
         raise PrivacyError(f"DP-SGD round planned with unit {event.unit!r} but this site "
                            f"{'has' if patients is not None else 'has no'} patient index; nothing released")
@@ -172,20 +179,80 @@ def dpsgd_round(ds: Any, cfg: JobConfig, weights: dict[str, np.ndarray], event: 
         _fits(model.state_dict(), ema)
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
     model.to(device)  # only the arithmetic moves (the trainer moves each batch to the model's device)
-    unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
-    units = len(ds.images) if patients is None else patients.n_patients  # drawn from (grouped at open, not here)
-    trainer = DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
-                           image_shape=ds.image_shape, n_classes=ds.n_classes, **unit,
-                           pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above its
-                                              cfg.dpsgd.physical_batch, patients),  # size: its bucket)
-                           draw_rows=public_rows(units, unit["n_public"]),  # the Poisson draw's size: public too (L3)
-                           public=released_mix(cfg, public, public_generator(cfg, _mix_stream(first_step))))
+    trainer = _round_trainer(ds, cfg, model, event, generator, n_public, patients,
+                             released_mix(cfg, public, public_generator(cfg, _mix_stream(first_step))))
     _continue_ema(trainer, ema or weights, first_step)
+    saved = checkpoint.load() if checkpoint is not None else None
+    if saved is not None:  # the killed round's model, EMA, Adam and noise stream: the rest is the same computation
+        trainer.load_state_dict(saved)
     images = model_range_rows(ds.images)  # converted per indexed batch: each step's padded work, no copy of the site
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
-    trainer.run(images, labels, event.steps)
+    trainer.run(images, labels, event.steps - trainer.steps_done, after_step=_saver(trainer, checkpoint))
+    if checkpoint is not None:  # a kill from here on restarts the round (nothing of it has left the site yet)
+        checkpoint.clear()
     out = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
     return with_ema(out, {k: v.detach().cpu().numpy() for k, v in trainer.ema.shadow.items()})
+
+
+def _round_trainer(ds: Any, cfg: JobConfig, model: torch.nn.Module, event: PrivacyEvent, generator: torch.Generator,
+                   n_public: int, patients: PatientIndex | None, public: Any) -> DPSGDTrainer:
+    unit = {"n_public": n_public} if patients is None else patients.trainer_kwargs()
+    units = len(ds.images) if patients is None else patients.n_patients  # drawn from (grouped at open, not here)
+    return DPSGDTrainer(model, cfg, event.sigma, event.q, generator,
+                        image_shape=ds.image_shape, n_classes=ds.n_classes, **unit,
+                        pad_to=step_bound(public_rows(len(ds.images), n_public), event.q,  # public work (a site above
+                                          cfg.dpsgd.physical_batch, patients),  # its size: its bucket)
+                        draw_rows=public_rows(units, unit["n_public"]),  # the Poisson draw's size: public too (L3)
+                        public=public)
+
+
+@dataclass(frozen=True)
+class RoundCheckpoint:
+    """A DP-SGD round's trainer state (model, EMA, Adam, its noise generator, steps done), every ``every`` steps
+    (0: never), in the node's owner-only work directory, so that a round whose process was killed is finished from
+    it (``edge.protocol.release(resume=True)``). Its bytes' sha256 is bound in the site's signed ledger BEFORE they
+    are written, and a resumed round loads only bytes the ledger names: a file swapped into the work directory would
+    otherwise steer the released weights (or hold a known noise stream)."""
+
+    ledger: Any
+    job_id: str
+    path: Path
+    every: int
+
+    def load(self) -> dict[str, Any] | None:
+        if not self.path.is_file():
+            return None
+        data = self.path.read_bytes()
+        if sha256_hex(data) not in self.ledger.checkpoint_hashes(self.job_id, self.path.name):
+            raise PrivacyError(f"{self.path}: not a round checkpoint this site wrote (its sha256 is not in the "
+                               "ledger); nothing released")
+        return dict(load_torch_bytes(data, weights_only=True))
+
+    def save(self, state: dict[str, Any]) -> None:
+        data = torch_bytes(state)
+        self.ledger.record_checkpoint(self.job_id, self.path.name, sha256_hex(data))
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write_bytes(self.path, data, private=True)
+
+    def clear(self) -> None:
+        """The round is done: its state (a noise stream of the round among it) is not kept beyond it."""
+        self.path.unlink(missing_ok=True)
+
+
+def round_checkpoint(ledger: Any, work_dir: Path, job_id: str, request_id: str, every: int) -> RoundCheckpoint:
+    """The checkpoint of request ``request_id``'s round (one file per request, named by its hash)."""
+    name = f"round-{hashlib.sha256(request_id.encode()).hexdigest()[:24]}.pt"
+    return RoundCheckpoint(ledger, job_id, work_dir / "rounds" / name, int(every))
+
+
+def _saver(trainer: DPSGDTrainer, checkpoint: RoundCheckpoint | None) -> Any:
+    if checkpoint is None or checkpoint.every < 1:
+        return None
+
+    def after(_: StepStats) -> None:
+        if trainer.steps_done % checkpoint.every == 0:
+            checkpoint.save(trainer.state_dict())
+    return after
 
 
 def _mix_stream(first_step: int) -> str:

@@ -484,7 +484,7 @@ class JobDriver:
             for sid, why in failed.items():
                 self.emit("dpsgd", f"round {r + 1}: site {sid} skipped ({why})", site=sid, error=why)
         w = plan.fedavg_weights({sid: self.sites[sid].size for sid in ok})
-        new = {k: sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok) for k in sent}
+        new = {k: np.asarray(sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok)) for k in sent}
         new_weights, new_ema = fm.split_ema(new)
         model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new_weights.items()})
         fold_site_emas(ema, new_ema, (r + 1) * self.cfg.federation.local_steps)

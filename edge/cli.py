@@ -176,6 +176,10 @@ def _print_summary(s: dict) -> None:
 @click.option("--new-ledger", is_flag=True,
               help="Start a NEW privacy ledger where this node ran on one that is lost (logged; the coordinator "
                    "refuses it until its admin accepts it). Never needed on a first start.")
+@click.option("--round-checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="DP-SGD steps between a round's checkpoints in the work directory (0: none). A round whose node "
+                   "was killed after its charge is finished when it is asked again, from the last checkpoint or from "
+                   "its start; it is never charged twice.")
 @device_option("this site's DP-SGD and FedSGD rounds")
 @data_load_options
 @click.pass_context

@@ -31,7 +31,7 @@ from .padded_releases import pad_secure, padded
 from .public_errors import public_errors_mod
 from .resources import resources_mod
 from .secure import admit_masked, handle, masked_contribution
-from .releases import check_weights, dpsgd_round, release_central, release_frequency, release_selection
+from .releases import check_round, dpsgd_round, release_central, release_frequency, release_selection, round_checkpoint
 from .site import CFG_POLICY, Site, site_for
 
 # error replies: no local path or internal text leaves (public_errors); the policy's memory and message caps
@@ -162,7 +162,7 @@ def secagg(msg: Message, context: Context) -> Message:
 
 
 def _fitting_weights(site: Site, job: Job, req: Request) -> None:
-    check_weights(job.config, site.data.image_shape, site.data.n_classes, req.arrays)
+    check_round(job.config, site.data.image_shape, site.data.n_classes, req.arrays)
     site_device(site)
 
 
@@ -174,13 +174,17 @@ def _round_info(site: Site, req: Request) -> dict[str, Any]:
 
 
 @app.train()
-@release("dpsgd", admit=_fitting_weights, public=_round_info)
+@release("dpsgd", admit=_fitting_weights, public=_round_info, resume=True)
 def train(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
-    """One federated DP-SGD round: global weights in, ``local_steps`` DP-SGD steps on site, weights out."""
+    """One federated DP-SGD round: global weights and their EMA in, ``local_steps`` DP-SGD steps on site, weights
+    and the EMA continued over those steps out (``edge.releases.dpsgd_round``). A round whose process was killed
+    is finished when it is asked again, from its checkpoint (``node config round-checkpoint-every``)."""
     if not isinstance(req.event, PrivacyEvent):
         raise PrivacyError(f"DP-SGD round {req.round}: planned a {type(req.event).__name__}, not a Gaussian step")
+    first_step = req.round * job.config.federation.local_steps  # public: the job's steps before this round
+    ckpt = round_checkpoint(site.ledger, site.work_dir, job.job_id, req.rid, site.round_checkpoint_every)
     return dpsgd_round(site.data, job.config, req.arrays, req.event, rng.torch(), site.n_public,
-                       site.patients, site_device(site)), [req.event]
+                       site.patients, site_device(site), first_step, ckpt), [req.event]
 
 
 @app.query("attest")

@@ -30,7 +30,7 @@ from . import channel, ledger_anchor, runtime_api, trust
 from .node_state import NodeMonitor
 from .site import (
     CFG_DATA, CFG_DEVICE, CFG_IMAGE_SIZE, CFG_LEDGER, CFG_PATIENT_CAP, CFG_POLICY, CFG_RESIZE, CFG_SECRET, CFG_SITE_KEY,
-    CFG_TRUSTED, CFG_WINDOW, CFG_WORK, Site,
+    CFG_ROUND_CHECKPOINT, CFG_TRUSTED, CFG_WINDOW, CFG_WORK, Site,
 )
 
 log = logging.getLogger("feta.node")
@@ -57,6 +57,7 @@ class NodeSettings:
     worker: bool = True  # a warm worker (edge.worker) answers the messages; False: a fresh process per message
     device: str = "cpu"  # auto/cpu/cuda: where DP-SGD and FedSGD rounds compute (feta_release.training.device)
     new_ledger: bool = False  # start a NEW ledger where the node ran on one (edge.ledger_anchor; logged)
+    round_checkpoint_every: int = 0  # DP-SGD steps between a round's checkpoints (edge.releases.RoundCheckpoint)
 
     def node_config(self) -> dict[str, str]:
         work = self.work_dir or self.ledger.parent / "work"
@@ -69,6 +70,8 @@ class NodeSettings:
                         CFG_WINDOW: self.load.window, CFG_PATIENT_CAP: str(self.load.patient_cap or 0)})
         if self.device != "cpu":  # as the load options: a CPU node's config (and its site-data cache key) unchanged
             cfg[CFG_DEVICE] = self.device
+        if self.round_checkpoint_every:
+            cfg[CFG_ROUND_CHECKPOINT] = str(self.round_checkpoint_every)
         return cfg
 
 

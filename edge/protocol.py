@@ -13,7 +13,10 @@ For each request, in this order:
   7. only then reply.
 A computation that fails after step 4 releases nothing: its cause stays in the site's log (an exception
 text could depend on the images) and the coordinator gets one line saying the request was charged and
-answered with nothing. Refusals before step 4 are ``PolicyError``/``BudgetExceededError`` naming the rule;
+answered with nothing; it is marked failed in the ledger and never run again. A request whose process was KILLED
+after step 4 (never recorded, never failed) is finished when it comes again for a DP-SGD round (``release(resume=
+True)``: from the round's own checkpoint, ``edge.releases.RoundCheckpoint``), and refused for the other releases.
+Refusals before step 4 are ``PolicyError``/``BudgetExceededError`` naming the rule;
 the runtime turns them into an error reply.
 """
 
@@ -212,11 +215,20 @@ def _compute_and_record(compute: Compute, site: Site, job: Job, req: Request, pu
         site.ledger.record_response(req.rid, fm.payload_bytes(payload))
     except Exception:
         log.exception("request %s failed after it was charged; nothing released", req.rid)
+        _mark_failed(site, req.rid)
         raise PrivacyError(f"request {req.rid} failed at site {site.site_id} after its privacy cost was charged; "
                            "nothing was released (the cause is in the site's log); the request cannot be retried") \
             from None
     _local_timing(site, req.rid, time.perf_counter() - t0)
     return payload
+
+
+def _mark_failed(site: Site, rid: str) -> None:
+    """A failed request is never run again (its failure may depend on the data), unlike a killed one."""
+    try:
+        site.ledger.mark_failed(rid)
+    except Exception:  # noqa: BLE001 - the ledger's own refusal: the request stays charged, and refused as before
+        log.exception("request %s: could not mark it failed", rid)
 
 
 def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute, public: Public | None) -> RecordDict:
@@ -228,12 +240,15 @@ def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute
 
 
 def release(mechanism: str, *, admit: Admit | None = None, public: Public | None = None,
-            secure: bool = False) -> Callable[[Compute], Handler]:
+            secure: bool = False, resume: bool = False) -> Callable[[Compute], Handler]:
     """Wrap ``compute`` in the protocol of this module as a ClientApp handler for ``mechanism``.
 
     ``admit`` refuses a payload before the charge (it may read the coordinator's input, never the images);
     ``public`` adds reply fields, each a public value fixed by the signed job and policy; ``secure``: the
-    handler releases the masked secure-aggregation contribution (charged as the site's SkellamEvent)."""
+    handler releases the masked secure-aggregation contribution (charged as the site's SkellamEvent); ``resume``: a
+    request charged but interrupted (its process killed: never recorded, never failed) is computed once more,
+    from the site's own checkpoint when ``compute`` keeps one, and its one answer recorded, not charged again.
+    Nothing of the killed computation left the site, so one answer leaves it, as charged."""
     def wrap(compute: Compute) -> Handler:
         def handler(msg: Message, context: Context) -> Message:
             site = site_for(context.node_config)
@@ -245,12 +260,17 @@ def release(mechanism: str, *, admit: Admit | None = None, public: Public | None
             # σ of a DP-SGD round is calibrated HERE, by the site, for its own size and budget.
             event, mreq = planned(site, job, mechanism)
             check_requested(doc.get("event"), event, site.site_id)  # the coordinator's plan must be the site's own
+            req = Request(rid, rnd, event, doc, arrays)
+            if resume and site.ledger.interrupted(job.job_id, rid, mechanism, [event]):
+                log.info("request %s was interrupted after its charge: finishing it (not charged again)", rid)
+                if admit is not None:
+                    admit(site, job, req)
+                return Message(_compute_and_record(compute, site, job, req, public), reply_to=msg)
             prior = site.ledger.check(job.job_id, rid, mechanism, [event], site.policy)
             if prior is not None:
                 log.info("replayed request %s: answering from the ledger (not charged again)", rid)
                 return Message(_recorded(prior.response), reply_to=msg)
             check_request(site.policy, mreq, job_events=job_events(site, job))
-            req = Request(rid, rnd, event, doc, arrays)
             if admit is not None:
                 admit(site, job, req)
             return Message(_answer(site, job, mechanism, req, compute, public), reply_to=msg)

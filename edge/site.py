@@ -47,6 +47,9 @@ CFG_PATIENT_CAP = "data-patient-cap"
 # Where DP-SGD and FedSGD rounds compute (`node start --device`; feta_release.training.device); optional, cpu when
 # absent. Resolved with torch by the code that computes (this module loads without torch: `node status`).
 CFG_DEVICE = "device"
+# DP-SGD steps between a round's checkpoints in the work directory (edge.releases.RoundCheckpoint); optional, 0 (none)
+# when absent: a round whose process was killed is then computed again from its start, not charged again.
+CFG_ROUND_CHECKPOINT = "round-checkpoint-every"
 REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SECRET)
 
 
@@ -114,6 +117,7 @@ class Site:
     # policy's PUBLIC patient count and cap; None at an image-level site
     patients: Any = None
     device: str = "cpu"  # the node config's device NAME (auto/cpu/cuda): edge.clientapp.site_device resolves it
+    round_checkpoint_every: int = 0  # CFG_ROUND_CHECKPOINT
 
     @property
     def site_id(self) -> str:
@@ -160,7 +164,18 @@ class Site:
             raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
                               "names (site_key); a verifier would refuse every attestation it signs")
         return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work,
-                   patients=patients, device=str(node_config.get(CFG_DEVICE) or "cpu"))
+                   patients=patients, device=str(node_config.get(CFG_DEVICE) or "cpu"),
+                   round_checkpoint_every=_steps(node_config.get(CFG_ROUND_CHECKPOINT)))
+
+
+def _steps(value: Any) -> int:
+    try:
+        n = int(value or 0)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise ConfigError(f"node config {CFG_ROUND_CHECKPOINT} must be a number of steps >= 0, not {value!r}")
+    return n
 
 
 def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tuple[Any, Any, str]:

@@ -475,8 +475,9 @@ def _validate_dpsgd(cfg: JobConfig, need: Callable[[bool, str], None]) -> None:
          f"[dpsgd] trainable = \"{d.trainable}\" is not wired into FedSGD rounds (the sites' and the "
          "coordinator's "
          "parameter lists would have to agree on it); set trainable = \"all\" or fedsgd = false")
-    need(d.public_batch == 0 or not cfg.federation.sites,
-         "[dpsgd] public_batch is single-site only (a federation's sites release no central images to mix); set it to 0")
+    need(d.public_batch == 0 or not cfg.federation.fedsgd,
+         "[dpsgd] public_batch is not mixed into FedSGD rounds (their update is a secure sum of the sites' gradient "
+         "shares; per-site rounds get the central images from the coordinator); set it to 0 or fedsgd = false")
 
 
 def _validate_frequency(f: FrequencySection, need: Callable[[bool, str], None]) -> None:

@@ -51,7 +51,7 @@ CREATE TABLE IF NOT EXISTS requests (
     job_id       TEXT NOT NULL,
     mechanism    TEXT NOT NULL,
     events       TEXT NOT NULL,      -- JSON list of PrivacyEvent fields
-    status       TEXT NOT NULL,      -- 'charged' (spent, result not yet recorded) | 'done'
+    status       TEXT NOT NULL,      -- 'charged' (spent, result not yet recorded) | 'done' | 'failed'
     response     BLOB,
     response_sha256 TEXT,
     job_epsilon  REAL NOT NULL,      -- this job's epsilon after this charge (site's accountant)
@@ -478,6 +478,22 @@ class Ledger:
             if cur.rowcount != 1:
                 raise PrivacyError(f"{self.path}: request {request_id!r} is not a pending charge; response not recorded")
 
+    def mark_failed(self, request_id: str) -> None:
+        """A charged request whose computation FAILED (an exception, whose cause may depend on the data): it is never
+        run again, as a killed one may be (:meth:`interrupted`)."""
+        with self._write():
+            self._db.execute("UPDATE requests SET status='failed' WHERE request_id=? AND status='charged'", (request_id,))
+
+    def interrupted(self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any]) -> bool:
+        """``request_id`` is this very request (job, mechanism, events), charged, never recorded and never failed: its
+        process was killed while it computed. Nothing of it left the site, so it may be computed once more (from the
+        site's own checkpoint) and its one answer recorded, without a second charge."""
+        row = self._db.execute("SELECT job_id, mechanism, events, status FROM requests WHERE request_id=?",
+                               (request_id,)).fetchone()
+        if row is None or row[3] != "charged":
+            return False
+        return bool((row[0], row[1], json.loads(row[2])) == (job_id, mechanism, _event_dicts(events)))
+
     def _lookup(self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any]) -> ChargeResult | None:
         row = self._db.execute(
             "SELECT job_id, mechanism, events, status, response, job_epsilon, lifetime_epsilon, response_sha256 "
@@ -492,6 +508,9 @@ class Ledger:
                 f"request id {request_id!r} was already used for {r_mech} in job {r_job!r} with other parameters; "
                 "refused (a request id names one release)"
             )
+        if status == "failed":
+            raise PolicyError(f"request {request_id!r} failed after its charge; it is not run again (its failure may "
+                              "depend on the data): start a new job")
         if status != "done":
             raise PolicyError(
                 f"request {request_id!r} was charged but its result was never recorded (interrupted); "

@@ -169,8 +169,8 @@ def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, r
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
     ``rounds``: the DP-SGD round sizes, in order (default :func:`dpsgd_rounds`: one round in a local run,
-    ``[federation] rounds`` x ``local_steps`` in a federated one); a local run charged in chunks of
-    ``checkpoint_every`` steps passes ``round_sizes(steps, checkpoint_every)``. sigma is calibrated for their sum,
+    ``[federation] rounds`` x ``local_steps`` in a federated one; ``round_sizes`` splits steps into rounds of at
+    most a given size). sigma is calibrated for their sum,
     so how the steps are split never changes sigma, q or epsilon. ``budget``: what DP-SGD is calibrated for
     (default the job's ``[privacy]``); ``prior``: events already spent on the same data, composed in before
     calibrating; ``cache_dir``: remember calibrations on disk (a node answers each message in a fresh process and

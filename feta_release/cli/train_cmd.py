@@ -41,7 +41,8 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
                    "divides by q x this number (default: a --policy's dataset.patients, else drawn from a noisy patient "
                    "count, noise std 50, charged first as the event 'patients').")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
-              help="DP-SGD steps between checkpoints (steps charged after the last one are lost on a kill).")
+              help="DP-SGD steps between checkpoints (a killed run resumes its charged DP-SGD round from the last one; "
+                   "nothing is charged twice).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
 @device_option("training, DP-SGD and sampling")
 @click.option("--ledger", "ledger", type=click.Path(dir_okay=False, path_type=Path), default=None,

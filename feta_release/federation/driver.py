@@ -73,12 +73,18 @@ class JobResult:
     attestations: dict[str, Any]
 
 
-def round_ema(model: nn.Module, cfg: JobConfig) -> EMA:
-    """The EMA of the global model, folded once per federated round: a round is ``local_steps`` optimiser steps,
-    so it decays by ``[dpsgd] ema ** local_steps`` (what a per-step EMA over those steps would do), without the
-    per-step warm-up (the warm-up stages already moved the weights away from their random start)."""
-    steps = 1 if cfg.federation.fedsgd else cfg.federation.local_steps  # a FedSGD round is one step
-    return EMA(model, cfg.dpsgd.ema ** steps, warmup=False)
+def global_ema(model: nn.Module, cfg: JobConfig) -> EMA:
+    """The EMA of the global model, per DP-SGD step with ``training.ema.EMA``'s warm-up, as ``train``'s trainer
+    keeps it (docs/architecture.md, "the EMA is per step"). A FedSGD round is one step the coordinator takes: it
+    folds it itself. A per-site round's steps run at the sites: each continues this EMA over its ``local_steps``
+    and returns it, and the coordinator FedAvgs the returned EMAs into it (:func:`fold_site_emas`)."""
+    return EMA(model, cfg.dpsgd.ema)
+
+
+def fold_site_emas(ema: EMA, averaged: dict[str, np.ndarray], steps_done: int) -> None:
+    """The global EMA after a per-site round: the sites' EMAs FedAvg-ed (``averaged``), ``steps_done`` job steps."""
+    ema.load_state_dict({"decay": ema.decay, "warmup": ema.warmup, "num_updates": int(steps_done),
+                         "shadow": {k: torch.from_numpy(np.asarray(v)) for k, v in averaged.items()}})
 
 
 def _registered_names(grid: Any) -> dict[int, str]:
@@ -215,6 +221,9 @@ class JobDriver:
         self.skipped: dict[int, list[str]] = {}
         self._log_path = self.out / "progress.jsonl"
         self.planned_dpsgd: dict[str, dict[str, Any]] = {}  # site -> its planned DP-SGD round event (sent each round)
+        # the pooled central images the warm-up used (federation/job.py): with [dpsgd] public_batch, sent with every
+        # per-site round as public input (post-processing of the releases)
+        self.public_central: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
     def emit(self, phase: str, message: str, **fields: Any) -> None:
@@ -445,7 +454,7 @@ class JobDriver:
     def rounds(self, model: nn.Module, ema: EMA) -> int:
         """Federated DP-SGD; checkpoint after every round. Returns the number of rounds done.
 
-        ``ema``: see :func:`round_ema`; it is folded once per round, after FedAvg. A FedSGD job
+        ``ema``: see :func:`global_ema`; after each round the sites' EMAs FedAvg-ed. A FedSGD job
         (``[federation] fedsgd``) runs its rounds as secure sums of gradient shares instead (``fedsgd``)."""
         if self.cfg.federation.fedsgd:
             return fedsgd.run_rounds(self, model, ema)
@@ -461,8 +470,7 @@ class JobDriver:
         t0 = time.monotonic()
         for r in range(start, R):
             tr = time.monotonic()
-            answered = self._round(r, model)
-            ema.update(model)
+            answered = self._round(r, model, ema)
             checkpoint_io.save_round(self.state, {"model": model.state_dict(), "ema": ema.state_dict(), "round": r + 1,
                                                   "skipped": {str(k): v for k, v in self.skipped.items()}})
             # Sites send weights and public values only (no loss, no on-site seconds): see edge/clientapp.py.
@@ -471,15 +479,18 @@ class JobDriver:
         self.timings["dpsgd"] = time.monotonic() - t0
         return R
 
-    def _round(self, r: int, model: nn.Module) -> list[str]:
-        """Round ``r``: send the global weights, FedAvg the answers (weighted by public sizes) into ``model``."""
+    def _round(self, r: int, model: nn.Module, ema: EMA | None = None) -> list[str]:
+        """Round ``r``: send the global weights and their EMA, FedAvg the answers (weighted by public sizes) into
+        ``model`` and ``ema`` (None: a fresh one from the weights, as round 0 starts)."""
+        ema = ema if ema is not None else global_ema(model, self.cfg)
         weights = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        sent = fm.with_ema(weights, {k: v.detach().cpu().numpy() for k, v in ema.shadow.items()})
         # each site's planned event goes with its request: the node refuses one that is not its own plan
         targets = {sid: {"round": r, **({"event": self.planned_dpsgd[sid]} if sid in self.planned_dpsgd else {})}
                    for sid in self.sites}
-        ok, failed = self._ask("dpsgd", fm.TRAIN, targets, arrays=weights, group=f"round-{r}")
+        ok, failed = self._ask("dpsgd", fm.TRAIN, targets, arrays=self._with_public(sent), group=f"round-{r}")
         for sid in sorted(ok):
-            why = update_problem(weights, ok[sid][1])
+            why = update_problem(sent, ok[sid][1])
             if why is not None:  # never averaged: a broadcastable or non-finite reply would move every weight
                 del ok[sid]
                 failed[sid] = why
@@ -491,9 +502,20 @@ class JobDriver:
             for sid, why in failed.items():
                 self.emit("dpsgd", f"round {r + 1}: site {sid} skipped ({why})", site=sid, error=why)
         w = plan.fedavg_weights({sid: self.sites[sid].size for sid in ok})
-        new = {k: sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok) for k in weights}
-        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new.items()})
+        new = {k: np.asarray(sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok)) for k in sent}
+        new_weights, new_ema = fm.split_ema(new)
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new_weights.items()})
+        fold_site_emas(ema, new_ema, (r + 1) * self.cfg.federation.local_steps)
         return sorted(ok)
+
+    def _with_public(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A round's arrays, with the pooled central images when the job mixes them into every step."""
+        if self.cfg.dpsgd.public_batch == 0:
+            return arrays
+        if self.public_central is None or len(self.public_central[1]) == 0:
+            raise FetaError(f"job {self.job.job_id}: [dpsgd] public_batch mixes released central images, but no site "
+                            "released any; set [central] rounds > 0 or public_batch = 0")
+        return fm.with_public(arrays, self.public_central)
 
     def attestations(self) -> dict[str, Any]:
         ok, failed = self._ask("attest", "query.attest", {sid: {} for sid in self.sites})

@@ -73,7 +73,8 @@ def decode_gradient(d: Any, residues: np.ndarray) -> np.ndarray:
 
 
 def run_rounds(d: Any, model: nn.Module, ema: EMA) -> int:
-    """``[federation] rounds`` FedSGD rounds into ``model`` (``ema`` folded once per round); returns the rounds done."""
+    """``[federation] rounds`` FedSGD rounds into ``model`` (``ema`` folded after each, a round being one step);
+    returns the rounds done."""
     optimizer = optimizer_for(model, d.cfg)
     ck = checkpoint_io.load_round(d.state)
     start = 0

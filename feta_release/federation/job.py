@@ -26,7 +26,7 @@ from ..training.checkpoint import npz_bytes
 from ..training.device import resolve_device
 from . import checkpoint_io
 from .anchors import AnchorStore
-from .driver import JobDriver, JobResult, Progress, round_ema
+from .driver import JobDriver, JobResult, Progress, global_ema
 from .warmup import pooled_central, warm_up
 
 # ``coordinator run --device``, for the ServerApp: the SuperLink starts that process with the FAB's run config only,
@@ -140,7 +140,7 @@ def _run(d: JobDriver, signed_job: dict[str, Any], device: torch.device, public:
     central = d.collect_central()
     _save_central(d, central)
     model = _warm_model(d, central, d.collect_frequency(), device, public)
-    ema = round_ema(model, cfg)
+    ema = global_ema(model, cfg)
     rounds_done = d.rounds(model, ema)
     atts = d.attestations()
     if rounds_done:
@@ -178,9 +178,11 @@ def _select_public(d: JobDriver, public: PublicInputs | None) -> PublicInputs | 
 
 def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
     """The combined central images the warm-up uses, kept in the job directory: the release ships them for SDEdit
-    (``[sampler] start_sigma``; post-processing of the sites' releases)."""
+    (``[sampler] start_sigma``) and, with ``[dpsgd] public_batch``, every per-site round carries them (post-processing
+    of the sites' releases)."""
     if central:
         images, labels = pooled_central(central, {sid: s.size for sid, s in d.sites.items()}, d.cfg)
+        d.public_central = (images, labels)  # the rounds' public input with [dpsgd] public_batch
         # bound to the job: build_release refuses a file of another job (a stale one in a reused --out)
         atomic_write_bytes(d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id)))
 

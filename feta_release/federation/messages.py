@@ -123,3 +123,40 @@ def request_id(job_id: str, phase: str, round_: int = 0) -> str:
     """Deterministic per job/phase/round: a coordinator that asks again after a restart asks for the SAME
     release, which the site's ledger answers from its record instead of charging twice."""
     return f"{job_id}:{phase}:{round_}"
+
+
+# A per-site DP-SGD round carries the coordinator's EMA of the global model beside its weights, and its reply the
+# site's EMA continued over the round's steps (docs/architecture.md, "the EMA is per step").
+EMA_PREFIX = "ema:"
+
+
+def with_ema(weights: dict[str, np.ndarray], ema: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays of a round message: the weights under their own names, the EMA under ``ema:<name>``."""
+    return {**weights, **{EMA_PREFIX + k: v for k, v in ema.items()}}
+
+
+def split_ema(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(weights, EMA) of a round message or reply (:func:`with_ema`'s inverse; its public input left out)."""
+    weights = {k: v for k, v in arrays.items() if not k.startswith((EMA_PREFIX, PUBLIC_PREFIX))}
+    return weights, {k.removeprefix(EMA_PREFIX): v for k, v in arrays.items() if k.startswith(EMA_PREFIX)}
+
+
+# With ``[dpsgd] public_batch``, a per-site round also carries the pooled, post-processed central images the
+# coordinator warmed up on, as PUBLIC input the site mixes into every step (docs/architecture.md).
+PUBLIC_PREFIX = "public:"
+PUBLIC_IMAGES, PUBLIC_LABELS = PUBLIC_PREFIX + "images", PUBLIC_PREFIX + "labels"
+
+
+def with_public(arrays: dict[str, np.ndarray], central: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+    """A round message's arrays with the released central images (images in [0, 1], labels) as public input."""
+    return {**arrays, PUBLIC_IMAGES: np.asarray(central[0]), PUBLIC_LABELS: np.asarray(central[1])}
+
+
+def round_public(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The public input of a round message (None: it carries none); a half of it is refused."""
+    keys = [k for k in arrays if k.startswith(PUBLIC_PREFIX)]
+    if not keys:
+        return None
+    if sorted(keys) != sorted((PUBLIC_IMAGES, PUBLIC_LABELS)):
+        raise PolicyError(f"round refused: its public input is {sorted(keys)}, not {PUBLIC_IMAGES} and {PUBLIC_LABELS}")
+    return arrays[PUBLIC_IMAGES], arrays[PUBLIC_LABELS]

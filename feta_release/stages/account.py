@@ -3,10 +3,9 @@ federation's nodes use) before each release, exactly its planned events, and nev
 
 Request ids are deterministic (``<job>/<stage>/<first step>``), so a resumed run never charges the same
 release twice; a release charged but never recorded (killed between charge and save) is refused by the
-ledger rather than re-drawn. DP-SGD is charged one chunk (a local "round" of ``checkpoint_every`` steps) at
-a time, before the chunk runs: after a kill, the chunk's steps past the last checkpoint are lost progress,
-never re-charged. ``privacy.json`` in the run directory is an unsigned copy for people; ``export`` attests
-from the ledger.
+ledger rather than re-drawn. DP-SGD is one round of all its steps, charged once before its first step and
+recorded after its last (``stages.dpsgd``): a killed run finishes it from its checkpoint. ``privacy.json`` in
+the run directory is an unsigned copy for people; ``export`` attests from the ledger.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ class RunAccount:
                 f"{stage}: {done} of {plan.steps} planned compositions already charged; {steps} more would exceed "
                 f"the plan (and so the budget); nothing was released"
             )
-        rid = f"{self.job_id}/{stage}/{done}"
+        rid = self.request_id(stage, done)
         if self.site_policy is not None:  # the site's per-mechanism rules (allowed, min σ, max q, caps), as a node
             check_request(self.site_policy, dataclasses.replace(plan, steps=steps), job_events=self.events,
                           require_job=False, require_stated=False)
@@ -76,6 +75,10 @@ class RunAccount:
         self.ledger.charge(self.job_id, rid, stage, [dataclasses.replace(plan, steps=steps)], limits)
         self.write()
         return rid
+
+    def request_id(self, stage: str, first: int) -> str:
+        """The deterministic id of ``stage``'s request whose compositions start at ``first`` (0: its first)."""
+        return f"{self.job_id}/{stage}/{first}"
 
     def record(self, request_id: str, payload: bytes) -> None:
         """The release's bytes as it was saved: the request is complete (a replay gets these, never a fresh draw)."""
@@ -107,7 +110,7 @@ class RunAccount:
         if sha256_hex(data) not in self.ledger.checkpoint_hashes(self.job_id, path.name):
             raise PrivacyError(f"{path}: not the checkpoint this run wrote (sha256 {sha256_hex(data)[:16]}…, not in the "
                                "run's ledger); " + (fix or f"delete {path} to retrain from the stage before it (no "
-                               "privacy cost; DP-SGD steps already charged are lost progress, never re-charged)"))
+                               "privacy cost; a charged DP-SGD round is trained again from its start, never re-charged)"))
         return data
 
     def pending(self, stage: str) -> bool:

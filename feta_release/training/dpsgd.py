@@ -52,6 +52,7 @@ from functools import partial
 from typing import Any, Protocol
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -63,6 +64,7 @@ from ..mechanisms.poisson import poisson_mask
 from ..models.trainable import set_trainable
 from ..models.edm import EDMLoss
 from .allocator import keep_freed_pages
+from .augment import rand_augment
 from .ema import EMA
 from .ghost_clip import BatchedLoss, batched_form, cross_check, hook_grads, unsupported
 from .padding import fork_rng, pad_step, padding_chunks
@@ -384,6 +386,27 @@ class PublicMix:
     draw: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
     batch: int
     generator: torch.Generator
+
+
+def released_mix(cfg: JobConfig, central: tuple[Any, Any] | None, generator: torch.Generator) -> PublicMix | None:
+    """``[dpsgd] public_batch`` RandAugment-ed copies of the RELEASED, post-processed central images (images in
+    [0, 1], labels) per step, drawn with the PUBLIC ``generator`` (None when ``public_batch`` is 0): ``train``'s
+    stage and a site's DP-SGD round (which gets them from the coordinator with the round) build it here."""
+    n, w = cfg.dpsgd.public_batch, cfg.warmup
+    if n == 0:
+        return None
+    if central is None or len(central[1]) == 0:
+        raise ConfigError("[dpsgd] public_batch > 0 needs released central images ([central] rounds > 0 and a method "
+                          "with a central release); set public_batch = 0")
+    src = torch.from_numpy(np.asarray(central[0], np.float32))
+    lab = torch.from_numpy(np.asarray(central[1], np.int64))
+
+    def draw(m: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(lab), (m,), generator=g)
+        aug, _ = rand_augment(src[idx], n_ops=w.augment_ops, magnitude_max=w.augment_magnitude, generator=g)
+        return aug * 2 - 1, lab[idx]  # [0, 1] -> the model's [-1, 1]
+
+    return PublicMix(draw, n, generator)
 
 
 def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:

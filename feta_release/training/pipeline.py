@@ -31,10 +31,10 @@ Run directory (``RUN_DIR``) layout::
     COMPLETE                 written last; a run without it is unfinished, whatever else exists
 
 Privacy: released statistics are charged, then computed, then saved and recorded; on resume they are loaded,
-never re-queried. DP-SGD is charged one chunk of ``checkpoint_every`` steps before the chunk runs (see
-``feta_release.stages.dpsgd``), so the final history equals the plan. A charge beyond the plan or the target
-epsilon raises ``BudgetExceededError`` naming the rule, before anything runs. When the run completes its job
-is closed in the ledger: nothing more can be charged for it, so its statement is final.
+never re-queried. DP-SGD is one round of all its steps, charged once before it runs and finished from its
+checkpoint after a kill (see ``feta_release.stages.dpsgd``), so the final history equals the plan. A charge
+beyond the plan or the target epsilon raises ``BudgetExceededError`` naming the rule, before anything runs. When
+the run completes its job is closed in the ledger: nothing more can be charged for it, so its statement is final.
 """
 
 from __future__ import annotations
@@ -219,6 +219,7 @@ def run_pipeline(
     so into a release) use it; the exact count stays in this process.
     ``noise_seed``: fixed secret seed for tests only (default: drawn from the OS, kept in the run dir).
     ``kill_after_steps``: test hook, raise ``SimulatedKill`` after that many DP-SGD steps of this process.
+    ``checkpoint_every``: DP-SGD steps between trainer checkpoints (the round is charged once, whatever it is).
     ``device``: ``auto``/``cpu``/``cuda`` (``feta_release.training.device``): where the networks train and sample.
     ``ledger``: the site ledger to charge (default ``RUN_DIR/ledger.sqlite``); ``site_key``: the key that signs it
     (default: ``RUN_DIR/checkpoints/site.key``, created at the first start). ``site_policy``: the site's verified

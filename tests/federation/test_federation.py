@@ -53,7 +53,7 @@ def test_job_runs_and_every_site_is_charged_exactly_its_plan(fed, tmp_path):
     model = read_model_file(tmp_path / "out" / "model.pt")
     ema = load_torch(tmp_path / "out" / "state" / "rounds.pt", weights_only=True)["ema"]
     assert model["class_names"] == json.loads((tmp_path / "out" / "job_summary.json").read_text())["class_names"]
-    assert ema["num_updates"] == 2 and set(model["state_dict"]) == set(ema["shadow"])
+    assert ema["num_updates"] == 2 * 2 and set(model["state_dict"]) == set(ema["shadow"])  # per step: 2 rounds x 2
     assert all(torch.equal(model["state_dict"][k], v) for k, v in ema["shadow"].items())
 
 

@@ -4,7 +4,7 @@ merged privacy history and ε, and both are the planner's (``planning.stage_even
 
 The federated job is the local one as the local driver would sign it: the job sized for the site's public size,
 one site, and its DP-SGD as one round of all of its steps (``[federation] rounds = 1``, ``local_steps`` = the
-job's DP-SGD steps), the schedule of a ``train`` run whose ``--checkpoint-every`` covers every step.
+job's DP-SGD steps), the schedule of every ``train`` run (``--checkpoint-every`` only spaces its checkpoints).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def test_train_and_a_federation_of_one_charge_the_planners_events(tmp_path: Path
     data = _data()
     n_pub = 200
     cfg = load_preset("tiny")
-    # train, DP-SGD charged as one chunk (checkpoint_every covers all steps)
+    # train: DP-SGD one round of all its steps, charged once (checkpoints every 2 steps change nothing of it)
     steps = plan(cfg, n_pub).event("dpsgd").steps  # type: ignore[union-attr]
-    local = run_pipeline(cfg, data, tmp_path / "run", n_synthetic=0, grid_per_class=1, checkpoint_every=steps,
+    local = run_pipeline(cfg, data, tmp_path / "run", n_synthetic=0, grid_per_class=1, checkpoint_every=2,
                          public_size=n_pub)
     run = json.loads((tmp_path / "run" / "run.json").read_text("utf-8"))
     with Ledger(tmp_path / "run" / run["ledger"]["path"]) as led:

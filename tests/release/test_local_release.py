@@ -14,7 +14,7 @@ from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import load_job
 from feta_release.data import load_embedded, save_npz
 from feta_release.ledger import Ledger
-from feta_release.planning import merged, plan, round_sizes, stage_events
+from feta_release.planning import merged, plan, stage_events
 from feta_release.policy import make_policy, sign_policy
 from feta_release.release import jobdir
 from feta_release.signing import generate_keypair, load_private_key
@@ -78,16 +78,16 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(kit: dic
     assert events_from_list(att["events"]) == run_events == planned.events
     assert att["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)
     assert summary["epsilon"] == pytest.approx(epsilon(planned.events, 1e-5), rel=1e-12)
-    # ... and the ledger's DP-SGD requests are the planner's rounds for this schedule
+    # ... and the ledger's requests are the planner's: DP-SGD one round of all its steps, whatever the checkpoints
     run = json.loads((out / "run.json").read_text())
     with Ledger(out / run["ledger"]["path"]) as led:
         rows = [r for r in led.requests(run["ledger"]["job_id"])]
     steps = planned.event("dpsgd").steps
-    sizes = round_sizes(steps, 3)
     charged = [e for r in rows for e in events_from_list(r["events"])]
-    assert charged == stage_events(cfg, n, rounds=sizes) and merged(charged) == planned.events
+    assert charged == stage_events(cfg, n, rounds=[steps]) == stage_events(cfg, n)
+    assert merged(charged) == planned.events
     summary_doc = json.loads((out / jobdir.SUMMARY).read_text())
-    assert summary_doc["rounds"] == len(sizes) and set(summary_doc) == SUMMARY_KEYS
+    assert summary_doc["rounds"] == 1 and set(summary_doc) == SUMMARY_KEYS
 
     # the release verifies, synthesizes and reports exactly as a federated one
     trusted = ["--trusted", f"hosp-a={kit['admin_pub']}"]

@@ -92,7 +92,8 @@ def _driver(answer, events):
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Message(...) reads it (a ServerApp's)
     drv = JobDriver.__new__(JobDriver)  # the round's plumbing only: no signed job, no disk
     drv.grid, drv.signed_job, drv.query_timeout = _Grid(answer), {}, 1.0
-    drv.cfg = SimpleNamespace(federation=SimpleNamespace(min_sites=1))
+    drv.cfg = SimpleNamespace(federation=SimpleNamespace(min_sites=1, local_steps=1),
+                              dpsgd=SimpleNamespace(ema=0.9, public_batch=0))
     drv.sites = {"a": SimpleNamespace(node_id=1, size=100), "b": SimpleNamespace(node_id=2, size=100)}
     drv.planned_dpsgd, drv.skipped = {}, {}
     drv.emit = lambda phase, message, **kw: events.append(message)

@@ -49,7 +49,7 @@ def test_train_reply_carries_no_loss_no_seconds_only_public_fields(fed):
     doc, arrays = _ask(harness(fed), signed, fm.TRAIN, {"round": 0}, _weights(cfg))
     assert "loss" not in doc and "seconds" not in doc
     assert set(doc) <= PUBLIC_REPLY_FIELDS[fm.TRAIN], set(doc) - PUBLIC_REPLY_FIELDS[fm.TRAIN]
-    assert set(arrays) == set(_weights(cfg))  # the weights, and no extra array
+    assert set(arrays) == set(fm.with_ema(_weights(cfg), _weights(cfg)))  # the weights and their EMA only
 
 
 def test_central_and_frequency_replies_carry_no_timing(fed):

@@ -111,6 +111,7 @@ def test_the_layer_hooks_take_the_adapters_and_agree_with_torch_func():
 def test_a_federated_round_returns_the_plain_models_tensors_with_the_adapters_merged():
     from edge.releases import dpsgd_round
     from feta_release.accounting import PrivacyEvent
+    from feta_release.federation.messages import split_ema
     from feta_release.data import ImageDataset
 
     cfg = _job()
@@ -120,8 +121,10 @@ def test_a_federated_round_returns_the_plain_models_tensors_with_the_adapters_me
     ds = ImageDataset(images=((x + 1) / 2).numpy(), labels=y.numpy(), class_names=("a", "b", "c"))
     out = dpsgd_round(ds, cfg, weights, PrivacyEvent("dpsgd", 2.0, 0.5, 2), torch.Generator().manual_seed(4),
                       n_public=12)
-    assert set(out) == set(weights)
+    out, ema = split_ema(out)
+    assert set(out) == set(weights) == set(ema)  # the plain model's tensors, of the weights and of their EMA
     assert all(out[k].shape == weights[k].shape and np.isfinite(out[k]).all() for k in out)
+    assert all(ema[k].shape == weights[k].shape and np.isfinite(ema[k]).all() for k in ema)
     assert any(not np.array_equal(out[k], weights[k]) for k in out if k.endswith("weight"))
 
 

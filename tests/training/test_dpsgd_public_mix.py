@@ -125,8 +125,10 @@ def test_config_public_batch_typed_and_checked():
     assert load_preset("cpu-eps1").replace(dpsgd={"public_batch": 100}).dpsgd.public_batch == 100
     with pytest.raises(ConfigError, match="public_batch must be >= 0"):
         JobConfig.from_dict({"dpsgd": {"steps": 1, "public_batch": -1}})
-    with pytest.raises(ConfigError, match="single-site only"):
-        JobConfig.from_dict({"dpsgd": {"steps": 1, "public_batch": 4}, "federation": {"sites": ["a", "b"]}})
+    federated = {"dpsgd": {"steps": 1, "public_batch": 4}, "federation": {"sites": ["a", "b"]}}
+    assert JobConfig.from_dict(federated).dpsgd.public_batch == 4  # per-site rounds get the central images
+    with pytest.raises(ConfigError, match="not mixed into FedSGD rounds"):
+        JobConfig.from_dict({**federated, "federation": {"sites": ["a", "b"], "fedsgd": True}})
     with pytest.raises(ConfigError, match="unknown key"):
         JobConfig.from_dict({"dpsgd": {"steps": 1, "public_batches": 4}})
 

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import JobConfig, load_job, load_preset
@@ -16,6 +17,7 @@ from feta_release.planning import plan as plan_run
 from feta_release.ledger import Budget, Ledger
 from feta_release.signing import generate_keypair, load_private_key
 from feta_release.stages import RunAccount, run_budget
+from feta_release.models.model_file import read_model_file
 from feta_release.training.pipeline import (
     SimulatedKill,
     run_pipeline,
@@ -90,7 +92,10 @@ def test_rerun_of_complete_run_does_nothing(tiny_run):
 
 
 @pytest.mark.slow
-def test_kill_then_resume_never_double_charges(tmp_path):
+def test_a_killed_run_finishes_its_charged_dpsgd_round_from_the_checkpoint_charging_nothing_twice(tmp_path):
+    """DP-SGD is one round of all its steps, charged once before its first step. A run killed inside it resumes from
+    its last checkpoint with the same generator state: the steps after it are the same computation done again (the
+    model is the uninterrupted run's), nothing is charged twice and no charged step is lost."""
     cfg = _cfg(dpsgd={"steps": 6}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
     data = _data()
     out = tmp_path / "r"
@@ -102,8 +107,8 @@ def test_kill_then_resume_never_double_charges(tmp_path):
     doc = json.loads((out / "privacy.json").read_text())
     assert doc["complete"] is False
     charged = {e.stage: e.steps for e in events_from_list(doc["events"])}
-    # charged one chunk (checkpoint_every = 2 steps) before it runs: steps 1-2, then 3-4 before step 3
-    assert charged == {"size": 1, "central": 1, "dpsgd": 4}  # size: the drawn public size, charged once, first
+    # the whole round charged before its first step
+    assert charged == {"size": 1, "central": 1, "dpsgd": 6}  # size: the drawn public size, charged once, first
     central_bytes = (out / "released" / "central.npz").read_bytes()
 
     res = run_pipeline(cfg, data, out, n_synthetic=10, grid_per_class=1, checkpoint_every=2)
@@ -111,10 +116,12 @@ def test_kill_then_resume_never_double_charges(tmp_path):
     doc = json.loads((out / "privacy.json").read_text())
     assert events_from_list(doc["events"]) == events_from_list(doc["planned"])  # == plan, no double count
     assert {e.stage: e.steps for e in res.events} == {"size": 1, "central": 1, "dpsgd": 6}  # size not re-drawn
-    # checkpoint at step 2; steps 3-4 were charged then lost: 2 + the remaining 2 steps are trained
-    assert res.dpsgd_steps_trained == 4
-    assert json.loads((out / "run.json").read_text())["dpsgd_steps_lost"] == 2
+    assert res.dpsgd_steps_trained == 6  # steps 3-6 trained from the checkpoint at step 2: none lost
     assert (out / "released" / "central.npz").read_bytes() == central_bytes  # not re-queried
+    whole = run_pipeline(cfg, data, tmp_path / "whole", n_synthetic=10, grid_per_class=1, checkpoint_every=2,
+                         noise_seed=5)
+    resumed, uninterrupted = (read_model_file(d / "model.pt")["state_dict"] for d in (out, whole.run_dir))
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
 @pytest.mark.slow

@@ -10,12 +10,13 @@ Goals: each one-shot audit within 2x of its claim (ratio >= 0.5), the DP-SGD one
 on 2 cores. An audit gives a LOWER bound: a ratio below 1 is expected (the accountant is an upper bound and a
 finite number of runs cannot certify the tail); a ratio above 1 is a privacy bug.
 
-``--runs-needed`` prints, per mechanism and σ, the runs per neighbour after which the TYPICAL audit (every count at
-its expectation) shows a bound above 0, and reaches half the claim, and the best any number of runs can show. The
-model: the mean and frequency audits are threshold tests on a Gaussian shift of mu = 1/σ with half of the runs
-evaluating (the other half fits the threshold); the mode audit is one on mu = 1/(σ·sqrt 2) (the argmax sees a
-difference of two noisy bins) with every run evaluating. The measured rows above check that model.
-"""
+``--runs-needed`` prints, per mechanism and σ, the runs per neighbour after which the TYPICAL audit (every
+count at its expectation) shows a bound above 0, and reaches half the claim, and the best any number of runs
+can show. The model: the mean and frequency audits are threshold tests on a Gaussian shift of mu = 1/σ with
+half of the runs evaluating (the other half fits the threshold); the mode audit is one on mu = 1/(σ·sqrt 2)
+(the argmax sees a difference of two noisy bins) with every run evaluating. The measured rows above check that
+model.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ ONE_SHOT = ("central mean", "central mode", "frequency")
 
 
 def runs_needed(mechanism: str, sigma: float, claim: float, delta: float = 1e-5) -> dict[str, float | None]:
-    """Runs per neighbour for a typical bound > 0 and >= claim / 2 (None: not below 10^12), and the ceiling."""
+    """Runs per neighbour for a typical bound > 0 and >= claim / 2 (None: not below 10^12), and the
+    ceiling."""
     from feta_release.audit.stats import expected_gaussian_bound
 
     mu, share = (1.0 / (sigma * math.sqrt(2.0)), 1.0) if mechanism == "central mode" else (1.0 / sigma, 0.5)
@@ -54,7 +56,9 @@ def runs_needed(mechanism: str, sigma: float, claim: float, delta: float = 1e-5)
 
 
 def _gdp_epsilon(mu: float, delta: float) -> float:
-    """The exact ε(δ) of a Gaussian shift mu (Balle & Wang 2018): what infinitely many runs could show at best."""
+    """The exact ε(δ) of a Gaussian shift mu (Balle & Wang 2018): what infinitely many runs could show at
+    best."""
+
     def d(e: float) -> float:
         phi = lambda x: 0.5 * math.erfc(-x / math.sqrt(2.0))  # noqa: E731
         return phi(-e / mu + mu / 2) - math.exp(e) * phi(-e / mu - mu / 2)
@@ -76,8 +80,10 @@ def _print_runs_needed(sigmas: list[float], delta: float) -> list[dict]:
             r = runs_needed(m, s, claim, delta)
             rows.append({"mechanism": m, "sigma": s, "claimed_epsilon": claim, **r})
             fmt = lambda v: "never" if v is None else f"{v:.2g}"  # noqa: E731
-            print(f"σ {s:<5g} {m:<13} claimed {claim:.3f}  runs/neighbour for a bound > 0: {fmt(r['any']):>7}  "
-                  f"for >= claim/2: {fmt(r['half_claim']):>7}  ceiling (infinite runs) {r['ceiling']:.3f}")
+            print(
+                f"σ {s:<5g} {m:<13} claimed {claim:.3f}  runs/neighbour for a bound > 0: {fmt(r['any']):>7}  "
+                f"for >= claim/2: {fmt(r['half_claim']):>7}  ceiling (infinite runs) {r['ceiling']:.3f}"
+            )
     return rows
 
 
@@ -87,16 +93,23 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4000)
     ap.add_argument("--trials", type=int, default=20000)
     ap.add_argument("--canaries", type=int, default=1000)
-    ap.add_argument("--sigma", default=None, help="audit the one-shot mechanisms at this σ (comma list with "
-                    "--runs-needed) instead of the preset")
-    ap.add_argument("--mechanisms", default=",".join(ONE_SHOT), help="with --sigma: which one-shot mechanisms")
-    ap.add_argument("--runs-needed", action="store_true", help="print the runs an audit needs (model, no runs)")
+    ap.add_argument(
+        "--sigma",
+        default=None,
+        help="audit the one-shot mechanisms at this σ (comma list with --runs-needed) instead of the preset",
+    )
+    ap.add_argument(
+        "--mechanisms", default=",".join(ONE_SHOT), help="with --sigma: which one-shot mechanisms"
+    )
+    ap.add_argument(
+        "--runs-needed", action="store_true", help="print the runs an audit needs (model, no runs)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from feta_release.audit.run import run_audit
     from feta_release.audit.games import audit_one_shot
+    from feta_release.audit.run import run_audit
     from feta_release.config import load_preset
 
     t0 = time.perf_counter()
@@ -105,19 +118,26 @@ def main() -> None:
         _dump(args, rows)
         return
     if args.sigma is None:
-        audits = run_audit(load_preset(args.preset), args.n, trials=args.trials, canaries=args.canaries,
-                           seed=args.seed)["audits"]
+        audits = run_audit(
+            load_preset(args.preset), args.n, trials=args.trials, canaries=args.canaries, seed=args.seed
+        )["audits"]
     else:
-        audits = [audit_one_shot(m.strip(), float(args.sigma), trials=args.trials, delta=1e-5, seed=args.seed).to_dict()
-                  for m in args.mechanisms.split(",")]
+        audits = [
+            audit_one_shot(
+                m.strip(), float(args.sigma), trials=args.trials, delta=1e-5, seed=args.seed
+            ).to_dict()
+            for m in args.mechanisms.split(",")
+        ]
     rows = []
     for a in audits:
         ratio = a["lower_bound"] / a["claimed_epsilon"]
         goal = a["seconds"] <= GOAL_DPSGD_SECONDS if a["mechanism"] == "DP-SGD" else ratio >= GOAL_RATIO
         rows.append({**a, "tightness": ratio, "goal_met": goal})
-        print(f"{a['mechanism']:<14} claimed {a['claimed_epsilon']:.4g}  lower bound {a['lower_bound']:.4g}  "
-              f"tightness {ratio:.2f}  {a['seconds']:.1f} s  goal {'met' if goal else 'NOT met'}  runs/neighbour "
-              f"{a['trials']}")
+        print(
+            f"{a['mechanism']:<14} claimed {a['claimed_epsilon']:.4g}  lower bound {a['lower_bound']:.4g}  "
+            f"tightness {ratio:.2f}  {a['seconds']:.1f} s  goal {'met' if goal else 'NOT met'}  "
+            f"runs/neighbour {a['trials']}"
+        )
     print(f"total {time.perf_counter() - t0:.1f} s")
     _dump(args, rows)
 

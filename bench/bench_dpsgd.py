@@ -6,18 +6,19 @@
     python bench/bench_dpsgd.py --device cuda --preset paper-mnist --batch 512 --k 32 --physical 64 \
         --methods nonprivate,hooks --rounds 3   # a GPU machine: the paper's model, K and chunk
 
-The RATIO is timed in ONE process that interleaves the methods' steps (round i runs every method once, the order
-rotated each round), so that the load of a shared machine weighs on the private and the non-private steps alike;
-it is the sum of the private steps' wall time over the sum of the non-private ones' (also in process CPU time,
-which other processes disturb less). On ``--device cuda`` every step ends with a device synchronisation (so the
-host clock times the GPU work) and the memory column is the GPU's peak allocation. Peak resident memory
-(ru_maxrss) is measured for each method in its own
+The RATIO is timed in ONE process that interleaves the methods' steps (round i runs every method once, the
+order rotated each round), so that the load of a shared machine weighs on the private and the non-private
+steps alike; it is the sum of the private steps' wall time over the sum of the non-private ones' (also in
+process CPU time, which other processes disturb less). On ``--device cuda`` every step ends with a device
+synchronisation (so the host clock times the GPU work) and the memory column is the GPU's peak allocation.
+Peak resident memory (ru_maxrss) is measured for each method in its own
 subprocess, so that each figure is that method's own.
 Methods:
   nonprivate  ordinary batched EDM loss over the B*K rows (micro-batched in ``physical`` examples), Adam
   hooks       DPSGDTrainer, [dpsgd] per_example = "hooks": per-example gradients from one batched backward
               (training/ghost_clip.py), clip, noise, Adam, EMA
-  torchfunc   DPSGDTrainer, per_example = "vmap": vmap(grad) per-example gradients, chunked (the former default)
+  torchfunc   DPSGDTrainer, per_example = "vmap": vmap(grad) per-example gradients, chunked (the former
+              default)
   opacus      Opacus GradSampleModule hooks on the B*K rows, grad_sample averaged over K before clipping
 A method may name what it trains (``[dpsgd] trainable``) after a colon: ``hooks:lora``, ``nonprivate:lora``,
 ``hooks:norm_attention`` (default ``all``); its ratio is taken against ``nonprivate:<the same>`` when that is
@@ -25,7 +26,7 @@ among the methods (the same trained parameters without privacy), else against ``
 
     python bench/bench_dpsgd.py --methods nonprivate,hooks,nonprivate:norm_attention,hooks:norm_attention,\
         nonprivate:lora,hooks:lora --rounds 4   # DP-SGD's cost per trained subset
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-# Time the code of THIS checkout: run as a script, sys.path[0] is bench/ and ``feta_release`` would otherwise be
-# whichever copy the venv installed (another checkout's, where several share one venv).
+# Time the code of THIS checkout: run as a script, sys.path[0] is bench/ and ``feta_release`` would otherwise
+# be whichever copy the venv installed (another checkout's, where several share one venv).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GOAL_RATIO = 1.3  # private time per example <= 1.3x non-private
@@ -57,8 +58,13 @@ def _setup(args):
     model_over = {"channels": args.channels} if args.channels else {}
     cfg = base.replace(
         model=model_over,
-        dpsgd={"batch": args.batch, "steps": args.steps, "noise_multiplicity": args.k,
-               "physical_batch": args.physical, "clip": 1.0},
+        dpsgd={
+            "batch": args.batch,
+            "steps": args.steps,
+            "noise_multiplicity": args.k,
+            "physical_batch": args.physical,
+            "clip": 1.0,
+        },
     )
     shape = (1, args.size, args.size)
     dev = torch.device(args.device)
@@ -83,7 +89,8 @@ def _synced(torch, step):
 
 
 def _randomness(torch, m, shape, k, g, dev):
-    """The loss randomness drawn on the CPU (the same stream on any device, as the trainer does), then moved."""
+    """The loss randomness drawn on the CPU (the same stream on any device, as the trainer does), then
+    moved."""
     from feta_release.models.edm import LossRandomness, draw_loss_randomness
 
     r = draw_loss_randomness(m, shape, noise_multiplicity=k, generator=g)
@@ -119,7 +126,9 @@ def _make_step(method: str, args, torch, cfg, model, x, y, shape):
         engine = "hooks" if method == "hooks" else "vmap"
         c = cfg.replace(dpsgd={"per_example": engine, "trainable": trainable, "lora_rank": args.lora_rank})
         # q = 1 makes the Poisson batch exactly B, so every method sees the same examples per step
-        tr = DPSGDTrainer(model, c, 1.0, 1.0, torch.Generator().manual_seed(2), image_shape=shape, n_classes=10)
+        tr = DPSGDTrainer(
+            model, c, 1.0, 1.0, torch.Generator().manual_seed(2), image_shape=shape, n_classes=10
+        )
         assert tr.engine == engine
         return _synced(torch, lambda: tr.step(x, y))
     if method == "opacus":
@@ -145,7 +154,9 @@ def _opacus_step(args, torch, model, x, y, shape):
             m = xs.shape[0]
             rnd = _randomness(torch, m, shape, k, g, x.device)
             # one row per (example, draw): rows of example i are i*k .. i*k+k-1
-            loss = edm_loss_from_randomness(gsm, xs, ys, rnd, null_label=model.null_label, sigma_data=model.sigma_data)
+            loss = edm_loss_from_randomness(
+                gsm, xs, ys, rnd, null_label=model.null_label, sigma_data=model.sigma_data
+            )
             (loss.sum() * k).backward()  # grad_sample of row r = d(loss_r)/d theta with loss_r = row loss
             gs = [p.grad_sample.reshape(m, k, *p.shape).mean(1) for p in params]
             norms = torch.stack([v.flatten(1).pow(2).sum(1) for v in gs]).sum(0).sqrt()
@@ -189,7 +200,7 @@ def run_interleaved(args) -> dict:
     wall = {m: [] for m in methods}
     cpu = {m: [] for m in methods}
     for r in range(args.rounds):
-        for m in methods[r % len(methods):] + methods[: r % len(methods)]:
+        for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
             w0, c0 = time.perf_counter(), time.process_time()
             steps[m]()
             wall[m].append(time.perf_counter() - w0)
@@ -208,12 +219,16 @@ def _subprocess(extra: list[str]) -> dict:
 
 def _report(args, inter: dict, mem: dict[str, dict]) -> None:
     methods = args.methods.split(",")
-    print(f"DP-SGD step on {args.device}, B={args.batch}, K={args.k}, physical={args.physical}, {args.size}px, "
-          f"threads={args.threads}, "
-          f"{inter['params']:,} params, {args.rounds} interleaved rounds")
+    print(
+        f"DP-SGD step on {args.device}, B={args.batch}, K={args.k}, physical={args.physical}, {args.size}px, "
+        f"threads={args.threads}, "
+        f"{inter['params']:,} params, {args.rounds} interleaved rounds"
+    )
     mem_name = "GPU peak MB" if args.device == "cuda" else "peak RSS MB"
-    print(f"{'method':<26} {'s/step':>8} {'ex/s':>8} {'time/ex vs non-private':>23} {'(CPU time)':>11} "
-          f"{mem_name:>12}")
+    print(
+        f"{'method':<26} {'s/step':>8} {'ex/s':>8} {'time/ex vs non-private':>23} {'(CPU time)':>11} "
+        f"{mem_name:>12}"
+    )
     for m in methods:
         w, c = inter["wall"][m], inter["cpu"][m]
         sec = sum(w) / len(w)
@@ -221,11 +236,17 @@ def _report(args, inter: dict, mem: dict[str, dict]) -> None:
         ratio, ratio_c = sum(w) / sum(inter["wall"][base]), sum(c) / sum(inter["cpu"][base])
         rss = mem.get(m, {}).get("peak_rss_mb")
         rss_s = f"{rss:12.0f}" if rss else f"{'not run' if args.no_memory else 'failed':>12}"
-        flag = "" if m.startswith("nonprivate") else (
-            f"  (vs {base}; goal <= {GOAL_RATIO}: {'met' if ratio <= GOAL_RATIO else 'NOT met'})")
+        flag = (
+            ""
+            if m.startswith("nonprivate")
+            else (f"  (vs {base}; goal <= {GOAL_RATIO}: {'met' if ratio <= GOAL_RATIO else 'NOT met'})")
+        )
         print(f"{m:<26} {sec:8.3f} {args.batch / sec:8.1f} {ratio:22.2f}x {ratio_c:10.2f}x {rss_s}{flag}")
-    print("ratio = sum of the method's step wall times / the non-private ones', steps interleaved in one process; "
-          "peak RSS of each method alone in its own process (includes the Python/torch baseline, ~300 MB)")
+    print(
+        "ratio = sum of the method's step wall times / the non-private ones', steps interleaved in one "
+        "process; peak RSS of each method alone in its own process (includes the Python/torch baseline, ~300 "
+        "MB)"
+    )
 
 
 def _baseline(method: str, methods: list[str]) -> str:
@@ -237,7 +258,9 @@ def _baseline(method: str, methods: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="cpu-eps1", help="model sizes from this preset ('' = JobConfig defaults)")
+    ap.add_argument(
+        "--preset", default="cpu-eps1", help="model sizes from this preset ('' = JobConfig defaults)"
+    )
     ap.add_argument("--channels", type=int, default=0, help="override [model] channels")
     ap.add_argument("--size", type=int, default=28)
     ap.add_argument("--batch", type=int, default=64)

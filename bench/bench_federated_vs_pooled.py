@@ -10,25 +10,27 @@ training images, the 1,000 held-out images scored once. Same job config (``--pre
 - pooled: the single-site ``train`` pipeline (``run_pipeline``) on all 4,000 images (benchmark noise seed
   10,000 + seed, as bench/eval_protocol.py);
 - federated: the in-process harness (feta_release/federation/harness.py: every message through Flower's wire
-  encoding, the node's full release protocol, signed policies and ledgers) with 3 sites over the demo's split of
-  the same 4,000 (``split_sites(train, 3, seed=0)``, public sizes by the demo's rule), the preset adapted by
-  ``coordinator.demo.demo_config`` (rates kept, so q is the preset's), secure aggregation (``--per-site-noise``:
-  the old mode). Site noise is fresh OS randomness (a node takes no seed).
+  encoding, the node's full release protocol, signed policies and ledgers) with 3 sites over the demo's split
+  of the same 4,000 (``split_sites(train, 3, seed=0)``, public sizes by the demo's rule), the preset adapted
+  by ``coordinator.demo.demo_config`` (rates kept, so q is the preset's), secure aggregation
+  (``--per-site-noise``: the old mode). Site noise is fresh OS randomness (a node takes no seed).
 
 Both arms draw ``n_synthetic`` balanced images from their final model with BOTH samplers, same seed rule
-(``seed_from(job seed, "synthetic", start)``, batches of 256) -- the primary comparison is sampler against sampler:
+(``seed_from(job seed, "synthetic", start)``, batches of 256) -- the primary comparison is sampler against
+sampler:
 
 - ``noise``: pure-noise sampling (the model file's sampler, from ``[sampler] sigma_max``);
-- ``sdedit``: SDEdit (``[sampler] start_sigma``) from the arm's RELEASED central images through the synthesis stage's
-  own ``sdedit_starts`` (public generator ``synthetic-starts``): the pooled run's released central images, the
-  coordinator's combined (securely summed) central images for the federated arm -- post-processing of released
-  values, no privacy cost. For the pooled arm this is train's ``synthetic.npz`` itself (the scored set), and the
-  bench checks that its own SDEdit sampling reproduces the first batch of it (``sdedit_check_max_abs_diff``).
+- ``sdedit``: SDEdit (``[sampler] start_sigma``) from the arm's RELEASED central images through the synthesis
+  stage's own ``sdedit_starts`` (public generator ``synthetic-starts``): the pooled run's released central
+  images, the coordinator's combined (securely summed) central images for the federated arm -- post-processing
+  of released values, no privacy cost. For the pooled arm this is train's ``synthetic.npz`` itself (the scored
+  set), and the bench checks that its own SDEdit sampling reproduces the first batch of it
+  (``sdedit_check_max_abs_diff``).
 
-Each is scored with the protocol's classifier (SmallCNN, 5 epochs, seed = run seed) and FD (classifier features)
-on the held-out images, plus the release-only baseline (augmented copies of the released/combined central images).
-Writes the JSON after every step (a stopped run keeps its finished seeds) and prints mean ± std (ddof 1). Two
-streams in parallel (one per arm, separate ``--out``), then one table::
+Each is scored with the protocol's classifier (SmallCNN, 5 epochs, seed = run seed) and FD (classifier
+features) on the held-out images, plus the release-only baseline (augmented copies of the released/combined
+central images). Writes the JSON after every step (a stopped run keeps its finished seeds) and prints mean ±
+std (ddof 1). Two streams in parallel (one per arm, separate ``--out``), then one table::
 
     .venv/bin/python bench/bench_federated_vs_pooled.py --arms pooled --threads 1 --out A.json ...
     .venv/bin/python bench/bench_federated_vs_pooled.py --arms federated --threads 1 --out B.json ...
@@ -55,27 +57,32 @@ sys.path.insert(0, str(ROOT))
 
 
 def job_config(preset: str, quick: bool) -> Any:
-    """The job both arms run (the quick run: the tiny preset with the nodpsgd preset's central/DP-SGD choices)."""
+    """The job both arms run (the quick run: the tiny preset with the nodpsgd preset's central/DP-SGD
+    choices)."""
     from feta_release.config import load_preset
 
     if not quick:
         return load_preset(preset)
-    return load_preset("tiny").replace(privacy={"epsilon": 1.0}, central={"rate": 1.0, "cells": 2, "stretch": True},
-                                       dpsgd={"steps": 0}, warmup={"polish_iterations": 3},
-                                       sampler={"start_sigma": 0.5})
+    return load_preset("tiny").replace(
+        privacy={"epsilon": 1.0},
+        central={"rate": 1.0, "cells": 2, "stretch": True},
+        dpsgd={"steps": 0},
+        warmup={"polish_iterations": 3},
+        sampler={"start_sigma": 0.5},
+    )
 
 
 def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> tuple[Any, dict[str, Any]]:
     """The single-site pipeline on all training images: (synthetic set, info)."""
     from feta_release.data import ImageDataset
+    from feta_release.models.model_file import MODEL_FILE
     from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
-    from feta_release.models.model_file import MODEL_FILE
-
     rcfg = cfg.replace(job={"seed": seed})
-    res = run_pipeline(rcfg, train, out, n_synthetic=n_synthetic,
-                       reporter=Reporter(enabled=False), noise_seed=10_000 + seed)  # benchmark only
+    res = run_pipeline(
+        rcfg, train, out, n_synthetic=n_synthetic, reporter=Reporter(enabled=False), noise_seed=10_000 + seed
+    )  # benchmark only
     with np.load(out / "released" / "central.npz") as c:
         central = (c["images"], c["labels"])
     with np.load(out / "synthetic.npz") as z:
@@ -83,33 +90,47 @@ def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> 
     info: dict[str, Any] = {"epsilon": res.epsilon, "central": central}
     syn = {"noise": sample_model(out / MODEL_FILE, rcfg, train, n_synthetic)}
     if rcfg.sampler.start_sigma is not None:
-        # train's synthetic.npz IS the SDEdit set (what bench/eval_protocol.py --mode test scores); check that this
-        # bench's SDEdit sampling (used for the federated arm) reproduces it, on its first batch.
+        # train's synthetic.npz IS the SDEdit set (what bench/eval_protocol.py --mode test scores); check that
+        # this bench's SDEdit sampling (used for the federated arm) reproduces it, on its first batch.
         first = sample_model(out / MODEL_FILE, rcfg, train, min(256, n_synthetic), central)
-        info["sdedit_check_max_abs_diff"] = float(np.abs(first.images - images[:first.n]).max())
+        info["sdedit_check_max_abs_diff"] = float(np.abs(first.images - images[: first.n]).max())
         syn["sdedit"] = ImageDataset(images, labels, train.class_names, source=str(out))
     return syn, info
 
 
 def federated_config(cfg: Any, site_size: int, seed: int, secure: bool, n_sites: int) -> Any:
     """``cfg`` adapted to ``n_sites`` sites of public size ``site_size`` by the demo's rule
-    (``coordinator.demo.demo_config``): sampling rates kept (each site's batch = rate x its public size), DP-SGD
-    steps as rounds x local_steps (none for a preset without DP-SGD), the demo's federation section."""
+    (``coordinator.demo.demo_config``): sampling rates kept (each site's batch = rate x its public size),
+    DP-SGD steps as rounds x local_steps (none for a preset without DP-SGD), the demo's federation section."""
     steps = cfg.dpsgd_steps(site_size * n_sites)
     rounds, local = (0, 1) if steps == 0 else (4, max(1, steps // 4))
     sized, n_ref = cfg.for_size(site_size), 4000  # presets without a rate are written for 4,000 images
-    central_b = sized.central.batch if cfg.central.rate is not None else int(cfg.central.batch / n_ref * site_size)
+    central_b = (
+        sized.central.batch if cfg.central.rate is not None else int(cfg.central.batch / n_ref * site_size)
+    )
     dpsgd_b = sized.dpsgd.batch if cfg.dpsgd.rate is not None else round(cfg.dpsgd.batch / n_ref * site_size)
     return cfg.replace(
-        job={"seed": seed}, central={"batch": max(1, min(site_size, central_b))},
+        job={"seed": seed},
+        central={"batch": max(1, min(site_size, central_b))},
         dpsgd={"batch": max(1, min(site_size, dpsgd_b)), "steps": rounds * local},
-        federation={"sites": [f"site-{chr(ord('a') + i)}" for i in range(n_sites)], "min_sites": 2, "rounds": rounds,
-                    "local_steps": local, "round_timeout": 900.0, "secure_aggregation": secure})
+        federation={
+            "sites": [f"site-{chr(ord('a') + i)}" for i in range(n_sites)],
+            "min_sites": 2,
+            "rounds": rounds,
+            "local_steps": local,
+            "round_timeout": 900.0,
+            "secure_aggregation": secure,
+        },
+    )
 
 
-def federated_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, secure: bool,
-                  n_sites: int = 3) -> tuple[Any, dict[str, Any]]:
-    """The federated job over the in-process harness, then sampling as the single-site synthesis stage does."""
+def federated_run(
+    cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, secure: bool, n_sites: int = 3
+) -> tuple[Any, dict[str, Any]]:
+    """The federated job over the in-process harness, then sampling as the single-site synthesis stage
+    does."""
+    import shutil
+
     from coordinator.setup import prepare_federation, sign_job_file
     from edge.clientapp import app
     from feta_release.data.splits import split_sites
@@ -118,16 +139,22 @@ def federated_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, 
     from feta_release.federation.warmup import pooled_central
     from feta_release.signing import load_private_key
 
-    import shutil
-
     shutil.rmtree(out, ignore_errors=True)  # fresh keys, policies and ledgers for every run
     parts = split_sites(train, n_sites, seed=0)  # the demo's split rule
-    fed = prepare_federation(out / "federation", {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)})
+    fed = prepare_federation(
+        out / "federation", {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
+    )
     fcfg = federated_config(cfg, min(s.size for s in fed.sites), seed, secure, n_sites)
     signed, _ = sign_job_file(fed, fcfg, f"fedpool-{seed}")
     grid = InProcessGrid({100 + i: HarnessNode(app, s.node_config()) for i, s in enumerate(fed.sites)})
-    res = run_job(grid, signed, out / "job", coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=30,
-                  poll_interval=0.05)
+    res = run_job(
+        grid,
+        signed,
+        out / "job",
+        coordinator_key=load_private_key(fed.coordinator_key),
+        wait_timeout=30,
+        poll_interval=0.05,
+    )
     central = _combined_central(out / "job", fcfg, {s.site_id: s.size for s in fed.sites}, pooled_central)
     from feta_release.models.model_file import MODEL_FILE
 
@@ -135,16 +162,27 @@ def federated_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, 
     if fcfg.sampler.start_sigma is not None:
         syn["sdedit"] = sample_model(out / "job" / MODEL_FILE, fcfg, train, n_synthetic, central)
     eps = {sid: att["statement"]["epsilon"] for sid, att in res.attestations.items()}
-    worst = {sid: (att["statement"].get("secure_aggregation") or {}).get("worst_case_epsilon")
-             for sid, att in res.attestations.items()}
-    return syn, {"epsilon": max(eps.values()), "site_epsilon": eps, "worst_case_epsilon": worst,
-                 "public_sizes": [s.size for s in fed.sites], "timings": res.timings, "central": central}
+    worst = {
+        sid: (att["statement"].get("secure_aggregation") or {}).get("worst_case_epsilon")
+        for sid, att in res.attestations.items()
+    }
+    return syn, {
+        "epsilon": max(eps.values()),
+        "site_epsilon": eps,
+        "worst_case_epsilon": worst,
+        "public_sizes": [s.size for s in fed.sites],
+        "timings": res.timings,
+        "central": central,
+    }
 
 
 def _combined_central(job: Path, cfg: Any, sizes: dict[str, int], pooled_central: Any) -> tuple[Any, Any]:
     state = job / "state"
-    files = [state / "central_secure.npz"] if (state / "central_secure.npz").exists() else \
-        [state / f"central_{sid}.npz" for sid in sorted(sizes)]
+    files = (
+        [state / "central_secure.npz"]
+        if (state / "central_secure.npz").exists()
+        else [state / f"central_{sid}.npz" for sid in sorted(sizes)]
+    )
     arrays = {}
     for sid, f in zip(sorted(sizes), files * len(sizes) if len(files) == 1 else files):
         with np.load(f) as z:
@@ -152,18 +190,19 @@ def _combined_central(job: Path, cfg: Any, sizes: dict[str, int], pooled_central
     return pooled_central(arrays, sizes, cfg)
 
 
-def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
-                 central: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
-    """``n`` balanced samples of the model with the single-site synthesis stage's labels, seeds and sampler: from
-    pure noise (``central`` None), or SDEdit from ``central`` (released images) as ``stages.synthesis`` draws them
-    (its ``sdedit_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
+def sample_model(
+    model_file: Path, cfg: Any, train: Any, n: int, central: tuple[np.ndarray, np.ndarray] | None = None
+) -> Any:
+    """``n`` balanced samples of the model with the single-site synthesis stage's labels, seeds and sampler:
+    from pure noise (``central`` None), or SDEdit from ``central`` (released images) as ``stages.synthesis``
+    draws them (its ``sdedit_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
     import torch
 
     from feta_release.data import ImageDataset
+    from feta_release.models.model_file import read_model_file
     from feta_release.models.sampler import generate
     from feta_release.stages.context import initial_denoiser, public_generator, seed_from
     from feta_release.stages.synthesis import sdedit_starts
-    from feta_release.models.model_file import read_model_file
 
     model = initial_denoiser(cfg, train.image_shape, train.n_classes)
     model.load_state_dict(read_model_file(model_file)["state_dict"])
@@ -176,16 +215,18 @@ def sample_model(model_file: Path, cfg: Any, train: Any, n: int,
     out = []
     with torch.no_grad():
         for start in range(0, n, 256):
-            part = labels[start:start + 256]
+            part = labels[start : start + 256]
             init = None if central is None else sdedit_starts(central, part, cfg, gen)
             imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
             out.append(imgs.numpy().astype(np.float32))
     return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(model_file))
 
 
-def score(syn: dict[str, Any], central: tuple[Any, Any], real: Any, seed: int, proto: Any,
-          feature_net: Any) -> dict[str, float]:
-    """Protocol accuracy + FD of each sampler's synthetic set, and the release-only baseline of the central images."""
+def score(
+    syn: dict[str, Any], central: tuple[Any, Any], real: Any, seed: int, proto: Any, feature_net: Any
+) -> dict[str, float]:
+    """Protocol accuracy + FD of each sampler's synthetic set, and the release-only baseline of the central
+    images."""
     from feta_release.eval_protocol import release_only
     from feta_release.evaluation import accuracy, evaluate, train_classifier
 
@@ -210,33 +251,42 @@ def _ms(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
 
 def table(rows: dict[str, list[dict[str, Any]]]) -> str:
     """Per-seed rows, then mean ± std (ddof 1) per arm: both samplers, release-only, ε, wall time, load."""
-    lines = ["| arm | seed | acc, pure noise | FD, pure noise | acc, SDEdit | FD, SDEdit | release-only | "
-             "ε per site (worst case) | wall | load (start-end) |", "|---" * 10 + "|"]
+    lines = [
+        "| arm | seed | acc, pure noise | FD, pure noise | acc, SDEdit | FD, SDEdit | release-only | "
+        "ε per site (worst case) | wall | load (start-end) |",
+        "|---" * 10 + "|",
+    ]
     for arm, runs in rows.items():
         for r in sorted(runs, key=lambda r: r["seed"]):
             worst = [w for w in (r.get("worst_case_epsilon") or {}).values() if w is not None]
             eps = f"{r['epsilon']:.3f}" + (f" ({max(worst):.3f})" if worst else "")
             load = r.get("load", {})
-            lines.append(f"| {arm} | {r['seed']} | {_ms([r], 'acc_noise', '.3f')} | {_ms([r], 'fd_noise', '.0f')} | "
-                         f"{_ms([r], 'acc_sdedit', '.3f')} | {_ms([r], 'fd_sdedit', '.0f')} | "
-                         f"{_ms([r], 'release_only', '.3f')} | {eps} | {r['seconds'] / 60:.1f} min | "
-                         f"{load.get('start', float('nan')):.1f}-{load.get('end', float('nan')):.1f} |")
+            lines.append(
+                f"| {arm} | {r['seed']} | {_ms([r], 'acc_noise', '.3f')} | {_ms([r], 'fd_noise', '.0f')} | "
+                f"{_ms([r], 'acc_sdedit', '.3f')} | {_ms([r], 'fd_sdedit', '.0f')} | "
+                f"{_ms([r], 'release_only', '.3f')} | {eps} | {r['seconds'] / 60:.1f} min | "
+                f"{load.get('start', float('nan')):.1f}-{load.get('end', float('nan')):.1f} |"
+            )
         if len(runs) > 1:
-            lines.append(f"| **{arm}, mean ± std** | {','.join(str(r['seed']) for r in runs)} | "
-                         f"{_ms(runs, 'acc_noise', '.3f')} | {_ms(runs, 'fd_noise', '.0f')} | "
-                         f"{_ms(runs, 'acc_sdedit', '.3f')} | {_ms(runs, 'fd_sdedit', '.0f')} | "
-                         f"{_ms(runs, 'release_only', '.3f')} | ≤ {max(r['epsilon'] for r in runs):.3f} | | |")
+            lines.append(
+                f"| **{arm}, mean ± std** | {','.join(str(r['seed']) for r in runs)} | "
+                f"{_ms(runs, 'acc_noise', '.3f')} | {_ms(runs, 'fd_noise', '.0f')} | "
+                f"{_ms(runs, 'acc_sdedit', '.3f')} | {_ms(runs, 'fd_sdedit', '.0f')} | "
+                f"{_ms(runs, 'release_only', '.3f')} | ≤ {max(r['epsilon'] for r in runs):.3f} | | |"
+            )
     return "\n".join(lines)
 
 
 def _but_seeds(protocol: dict[str, Any]) -> dict[str, Any]:
-    """The protocol without its seed list: streams that ran different seeds (``--seeds 2``) of one protocol merge."""
+    """The protocol without its seed list: streams that ran different seeds (``--seeds 2``) of one protocol
+    merge."""
     return {k: v for k, v in protocol.items() if k != "seeds"}
 
 
 def merge(paths: list[str], out: Path) -> dict[str, Any]:
-    """One document (and table) from the JSON files of parallel streams (same preset and protocol; the seeds may
-    differ: the merged protocol's seeds are the union, each arm's rows sorted by seed, a seed kept once per arm)."""
+    """One document (and table) from the JSON files of parallel streams (same preset and protocol; the seeds
+    may differ: the merged protocol's seeds are the union, each arm's rows sorted by seed, a seed kept once
+    per arm)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     doc: dict[str, Any] = {k: v for k, v in docs[0].items() if k not in ("rows", "table")}
     doc["rows"], doc["merged_from"] = {}, [str(p) for p in paths]
@@ -248,7 +298,10 @@ def merge(paths: list[str], out: Path) -> dict[str, Any]:
             have += [r for r in runs if r["seed"] not in {h["seed"] for h in have}]
     for runs in doc["rows"].values():
         runs.sort(key=lambda r: r["seed"])
-    doc["protocol"] = {**doc["protocol"], "seeds": sorted({r["seed"] for rs in doc["rows"].values() for r in rs})}
+    doc["protocol"] = {
+        **doc["protocol"],
+        "seeds": sorted({r["seed"] for rs in doc["rows"].values() for r in rs}),
+    }
     doc["table"] = table(doc["rows"])
     out.write_text(json.dumps(doc, indent=1, default=str))
     print(doc["table"], flush=True)
@@ -276,12 +329,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not arms or set(arms) - {"pooled", "federated"}:
         raise SystemExit(f"--arms {args.arms!r}: comma-separated 'pooled' and/or 'federated'")
     fed_arm = "federated (3 sites, " + ("secure aggregation)" if args.secure else "per-site noise)")
-    doc: dict[str, Any] = {"preset": "tiny (quick)" if args.quick else args.preset, "protocol": proto.__dict__,
-                           "train": train.n, "scored_on": real.n,
-                           "rows": {("pooled (1 site)" if a == "pooled" else fed_arm): [] for a in arms}}
+    doc: dict[str, Any] = {
+        "preset": "tiny (quick)" if args.quick else args.preset,
+        "protocol": proto.__dict__,
+        "train": train.n,
+        "scored_on": real.n,
+        "rows": {("pooled (1 site)" if a == "pooled" else fed_arm): [] for a in arms},
+    }
     out = Path(args.out)
     t0 = time.perf_counter()
-    feature_net = train_classifier(real, proto.feature_epochs, 0)  # one FD space for both arms (the protocol's)
+    # one FD space for both arms (the protocol's)
+    feature_net = train_classifier(real, proto.feature_epochs, 0)
     print(f"train {train.n}, held-out {real.n}; feature net {time.perf_counter() - t0:.0f} s", flush=True)
     for seed in proto.seeds:
         for arm in arms:
@@ -292,13 +350,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 syn, info = pooled_run(cfg, train, run_dir, proto.n_synthetic, seed)
             else:
                 syn, info = federated_run(cfg, train, run_dir, proto.n_synthetic, seed, args.secure)
-            row = {"seed": seed, **score(syn, info.pop("central"), real, seed, proto, feature_net), **info,
-                   "seconds": round(time.perf_counter() - t0, 1), "threads": args.threads,
-                   "load": {"start": load0, "end": os.getloadavg()[0]}}
+            row = {
+                "seed": seed,
+                **score(syn, info.pop("central"), real, seed, proto, feature_net),
+                **info,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "threads": args.threads,
+                "load": {"start": load0, "end": os.getloadavg()[0]},
+            }
             doc["rows"][name].append(row)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=1, default=str))
-            print(json.dumps({"arm": name, **{k: v for k, v in row.items() if k != "timings"}}, default=str), flush=True)
+            print(
+                json.dumps({"arm": name, **{k: v for k, v in row.items() if k != "timings"}}, default=str),
+                flush=True,
+            )
     doc["table"] = table(doc["rows"])
     out.write_text(json.dumps(doc, indent=1, default=str))
     print(doc["table"], flush=True)
@@ -310,13 +376,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--preset", default="cpu-eps1-nodpsgd")
     ap.add_argument("--seeds", default=None, help="comma-separated (default: the protocol's 0,1,2)")
     ap.add_argument("--arms", default="federated,pooled", help="comma-separated, run in this order per seed")
-    ap.add_argument("--per-site-noise", dest="secure", action="store_false", help="the federation without secure "
-                    "aggregation (each site adds the full noise to its own release)")
+    ap.add_argument(
+        "--per-site-noise",
+        dest="secure",
+        action="store_false",
+        help="the federation without secure aggregation (each site adds the full noise to its own release)",
+    )
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/fedpool-<preset>.json)")
     ap.add_argument("--runs", default=None, help="run directories (default runs/fedpool[-quick])")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 400 images, 1 seed, 200 samples")
-    ap.add_argument("--merge", nargs="+", default=None, help="merge these results JSON files into --out (no run)")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny preset, 400 images, 1 seed, 200 samples"
+    )
+    ap.add_argument(
+        "--merge", nargs="+", default=None, help="merge these results JSON files into --out (no run)"
+    )
     args = ap.parse_args(argv)
     if args.merge:
         if not args.out:

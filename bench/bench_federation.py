@@ -34,17 +34,37 @@ def ping_rounds(nodes: int, rounds: int, floats: int, work: Path) -> list[float]
     procs = []
     out_file = work / f"ping-{floats}.json"
     try:
-        procs.append(start_superlink(SuperLinkSettings(port=port, database=work / "state.db", insecure=True,
-                                                       home=work / "link")))
+        procs.append(
+            start_superlink(
+                SuperLinkSettings(port=port, database=work / "state.db", insecure=True, home=work / "link")
+            )
+        )
         for i in range(nodes):
             env = flower_env(work / f"node{i}")
-            procs.append(ManagedProcess(f"node{i}", ["flower-supernode", "--insecure", "--superlink",
-                                                     f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port",
-                                                     str(free_port())], env, work / f"node{i}.log"))
+            procs.append(
+                ManagedProcess(
+                    f"node{i}",
+                    [
+                        "flower-supernode",
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{port}",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(free_port()),
+                    ],
+                    env,
+                    work / f"node{i}.log",
+                )
+            )
         home = work / "cli"
         write_flwr_config(home, f"127.0.0.1:{port}", insecure=True)
-        code = submit(ROOT / "bench" / "ping_app", home,
-                      {"rounds": str(rounds), "payload-floats": str(floats), "out-file": str(out_file)})
+        code = submit(
+            ROOT / "bench" / "ping_app",
+            home,
+            {"rounds": str(rounds), "payload-floats": str(floats), "out-file": str(out_file)},
+        )
         if code != 0 or not out_file.exists():
             raise SystemExit(f"ping run failed (code {code}); logs in {work}")
         return json.loads(out_file.read_text())["round_seconds"]
@@ -72,8 +92,14 @@ def job_overheads(job_out: Path, sites_root: Path) -> list[dict[str, float]]:
         ev = json.loads(line)
         if ev.get("phase") == "dpsgd" and "round" in ev and (ev["round"] - 1) in per_round:
             compute = per_round[ev["round"] - 1]
-            rows.append({"round": ev["round"], "wall": ev["seconds"], "site_compute_max": compute,
-                         "overhead": ev["seconds"] - compute})
+            rows.append(
+                {
+                    "round": ev["round"],
+                    "wall": ev["seconds"],
+                    "site_compute_max": compute,
+                    "overhead": ev["seconds"] - compute,
+                }
+            )
     return rows
 
 
@@ -81,11 +107,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--payload-floats", type=int, default=None,
-                    help="weights-sized payload (default: the demo model's parameter count)")
+    ap.add_argument(
+        "--payload-floats",
+        type=int,
+        default=None,
+        help="weights-sized payload (default: the demo model's parameter count)",
+    )
     ap.add_argument("--job-out", type=Path, default=None)
-    ap.add_argument("--sites-root", type=Path, default=None,
-                    help="folder holding the sites' work dirs (default: the --job-out's parent)")
+    ap.add_argument(
+        "--sites-root",
+        type=Path,
+        default=None,
+        help="folder holding the sites' work dirs (default: the --job-out's parent)",
+    )
     a = ap.parse_args()
     floats = a.payload_floats
     if floats is None:
@@ -98,8 +132,14 @@ def main() -> None:
         empty = ping_rounds(a.nodes, a.rounds, 0, Path(tmp) / "empty")
         sized = ping_rounds(a.nodes, a.rounds, floats, Path(tmp) / "sized")
     print(f"Flower minimum round trip, {a.nodes} nodes on loopback (fresh flwr-clientapp per message):")
-    print(f"  empty payload      : median {statistics.median(empty):.2f} s  (rounds: {', '.join(f'{t:.2f}' for t in empty)})")
-    print(f"  {floats:>9,d} floats : median {statistics.median(sized):.2f} s  (rounds: {', '.join(f'{t:.2f}' for t in sized)})")
+    print(
+        f"  empty payload      : median {statistics.median(empty):.2f} s  (rounds: "
+        f"{', '.join(f'{t:.2f}' for t in empty)})"
+    )
+    print(
+        f"  {floats:>9,d} floats : median {statistics.median(sized):.2f} s  (rounds: "
+        f"{', '.join(f'{t:.2f}' for t in sized)})"
+    )
     if a.job_out is not None:
         rows = job_overheads(a.job_out, a.sites_root or a.job_out.parent)
         if not rows:
@@ -108,10 +148,14 @@ def main() -> None:
         med = statistics.median(r["overhead"] for r in rows)
         print(f"feta-release DP-SGD rounds in {a.job_out}:")
         for r in rows:
-            print(f"  round {r['round']}: wall {r['wall']:.1f} s = on-site compute {r['site_compute_max']:.1f} s "
-                  f"+ overhead {r['overhead']:.1f} s")
-        print(f"  median overhead {med:.1f} s vs Flower minimum {statistics.median(sized):.2f} s "
-              f"(extra: imports of torch/feta in each fresh clientapp, policy + ledger checks)")
+            print(
+                f"  round {r['round']}: wall {r['wall']:.1f} s = on-site compute {r['site_compute_max']:.1f} "
+                f"s + overhead {r['overhead']:.1f} s"
+            )
+        print(
+            f"  median overhead {med:.1f} s vs Flower minimum {statistics.median(sized):.2f} s "
+            f"(extra: imports of torch/feta in each fresh clientapp, policy + ledger checks)"
+        )
 
 
 if __name__ == "__main__":

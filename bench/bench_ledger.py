@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
-from feta_release.ledger import Budget, Ledger  # noqa: E402
 from feta_release.accounting import PrivacyEvent  # noqa: E402
+from feta_release.ledger import Budget, Ledger  # noqa: E402
 
 
 def _acc(events, delta, accountant):  # noqa: ANN001, ANN202 - only the ledger's own cost is measured

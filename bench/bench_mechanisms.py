@@ -1,10 +1,11 @@
 """Benchmark of the DP mechanisms on the embedded data (not a timed test: figures are printed).
 
 * Frequency statistics: images/s of the streamed RFF embedding (phi(x) (outer) onehot summed over chunks) vs a
-  plain float32 GEMM of the same shape (N x D @ D x F/2, the projection the embedding cannot avoid) in the same
-  run.  Goal: >= 0.5 of the GEMM rate.  Peak memory: process max RSS, plus torch's own allocation profile
+  plain float32 GEMM of the same shape (N x D @ D x F/2, the projection the embedding cannot avoid) in the
+  same run.  Goal: >= 0.5 of the GEMM rate.  Peak memory: process max RSS, plus torch's own allocation profile
   (tracemalloc sees only Python allocations, so the streamed buffer size is also reported analytically).
-* Central images: images/s of the mean and mode queries (Poisson sampling + per-class sums/histograms + noise).
+* Central images: images/s of the mean and mode queries (Poisson sampling + per-class sums/histograms +
+  noise).
 
     python bench/bench_mechanisms.py [--features 10000] [--chunk 512] [--n 5000] [--threads 1] [--repeat 3]
 
@@ -19,8 +20,8 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,8 +41,11 @@ def load_data(n: int) -> tuple[np.ndarray, np.ndarray, str]:
             labels = z["labels"][:n].astype(np.int64)
         return images, labels, f"embedded MNIST ({path.name})"
     g = np.random.default_rng(0)
-    return (g.random((n, 1, 28, 28), dtype=np.float32), g.integers(0, 10, n),
-            "SYNTHETIC random data of the embedded data's shape (embedded file not found)")
+    return (
+        g.random((n, 1, 28, 28), dtype=np.float32),
+        g.integers(0, 10, n),
+        "SYNTHETIC random data of the embedded data's shape (embedded file not found)",
+    )
 
 
 def best_time(fn: Callable[[], object], repeat: int) -> float:
@@ -83,23 +87,51 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def gemm() -> None:
         # Same shape and chunking as the embedding's projection, so both stream the same operands.
         for s in range(0, n, args.chunk):
-            flat[s:s + args.chunk] @ omega
+            flat[s : s + args.chunk] @ omega
 
     t_gemm = best_time(gemm, args.repeat)
     t_gemm_full = best_time(lambda: flat @ omega, args.repeat)
 
     rounds = 5
     batch = max(1, n // 10)
-    t_mean = best_time(lambda: central_images(images, labels, k, kind="mean", rounds=rounds, batch=batch, sigma=5.0,
-                                              n_public=n, rng=np.random.default_rng(0)), args.repeat)
-    t_mode = best_time(lambda: central_images(images, labels, k, kind="mode", rounds=rounds, batch=batch, sigma=5.0,
-                                              n_public=n, rng=np.random.default_rng(0)), args.repeat)
+    t_mean = best_time(
+        lambda: central_images(
+            images,
+            labels,
+            k,
+            kind="mean",
+            rounds=rounds,
+            batch=batch,
+            sigma=5.0,
+            n_public=n,
+            rng=np.random.default_rng(0),
+        ),
+        args.repeat,
+    )
+    t_mode = best_time(
+        lambda: central_images(
+            images,
+            labels,
+            k,
+            kind="mode",
+            rounds=rounds,
+            batch=batch,
+            sigma=5.0,
+            n_public=n,
+            rng=np.random.default_rng(0),
+        ),
+        args.repeat,
+    )
 
     # float32 buffers reused across chunks: projection (F/2) and phi = [cos, sin] (F)
     chunk_buffer_mib = min(args.chunk, n) * args.features * 4 * 1.5 / 2**20
     full_buffer_mib = n * args.features * 4 / 2**20
     out = {
-        "images": n, "dim": d, "features": args.features, "chunk": args.chunk, "threads": args.threads,
+        "images": n,
+        "dim": d,
+        "features": args.features,
+        "chunk": args.chunk,
+        "threads": args.threads,
         "rff_images_per_s": n / t_rff,
         "gemm_images_per_s": n / t_gemm,
         "gemm_unchunked_images_per_s": n / t_gemm_full,
@@ -114,14 +146,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.json:
         print(json.dumps({"data": source, **out}, indent=2))
         return out
-    print(f"data: {source}; N = {n}, D = {d}, F = {args.features}, chunk = {args.chunk}, torch threads = {args.threads}")
+    print(
+        f"data: {source}; N = {n}, D = {d}, F = {args.features}, chunk = {args.chunk}, torch threads = "
+        f"{args.threads}"
+    )
     rows = [
         ("RFF embedding (streamed)", f"{out['rff_images_per_s']:,.0f} img/s"),
         ("float32 GEMM N x D @ D x F/2 (same chunks)", f"{out['gemm_images_per_s']:,.0f} img/s"),
         ("float32 GEMM (one call)", f"{out['gemm_unchunked_images_per_s']:,.0f} img/s"),
         ("RFF / GEMM rate (goal >= 0.5)", f"{out['rff_over_gemm']:.2f}"),
-        (f"central mean query ({rounds} rounds, q = {batch / n:.2g})", f"{out['central_mean_images_per_s']:,.0f} img/s"),
-        (f"central mode query ({rounds} rounds, q = {batch / n:.2g})", f"{out['central_mode_images_per_s']:,.0f} img/s"),
+        (
+            f"central mean query ({rounds} rounds, q = {batch / n:.2g})",
+            f"{out['central_mean_images_per_s']:,.0f} img/s",
+        ),
+        (
+            f"central mode query ({rounds} rounds, q = {batch / n:.2g})",
+            f"{out['central_mode_images_per_s']:,.0f} img/s",
+        ),
         ("peak RSS (process)", f"{out['peak_rss_mib']:.0f} MiB"),
         ("RSS growth during RFF", f"{out['rss_growth_during_rff_mib']:.0f} MiB"),
         ("streamed buffers (approx.)", f"{chunk_buffer_mib:.0f} MiB"),

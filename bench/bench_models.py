@@ -58,8 +58,10 @@ def main() -> None:
         t0 = time.perf_counter()
         sample(d, y, noise, solver="heun", steps=args.sample_steps)
         sample_rate = args.batch / (time.perf_counter() - t0)
-        print(f"unet {name:12s} params={count_parameters(d):>9,d}  train {train_rate:7.1f} ex/s  "
-              f"sample(heun,{args.sample_steps}) {sample_rate:6.2f} img/s")
+        print(
+            f"unet {name:12s} params={count_parameters(d):>9,d}  train {train_rate:7.1f} ex/s  "
+            f"sample(heun,{args.sample_steps}) {sample_rate:6.2f} img/s"
+        )
     for width in (64, 32):
         gen = AuxGenerator(1, 28, 10, width=width)
         opt = torch.optim.Adam(gen.parameters(), lr=1e-3)

@@ -1,10 +1,11 @@
-"""Per-round wall time of a federated DP-SGD round vs Flower's no-op round trip, with and without the warm worker.
+"""Per-round wall time of a federated DP-SGD round vs Flower's no-op round trip, with and without the warm
+worker.
 
 Real processes on loopback, the same set-up for both: a SuperLink and ``--sites`` site nodes started by
-``edge.launch.start_node`` (the site's checks, the FAB gate, and -- unless ``--no-worker`` mode -- the warm worker
-``edge.worker``). On those same processes it runs
-  1. Flower's no-op round trip: the ping app (``bench/ping_app``: a ClientApp that answers at once; allowed by the
-     sites' policies beside the job's bundle), ``--rounds`` rounds;
+``edge.launch.start_node`` (the site's checks, the FAB gate, and -- unless ``--no-worker`` mode -- the warm
+worker ``edge.worker``). On those same processes it runs
+  1. Flower's no-op round trip: the ping app (``bench/ping_app``: a ClientApp that answers at once; allowed by
+     the sites' policies beside the job's bundle), ``--rounds`` rounds;
   2. a small signed job of ``--rounds`` DP-SGD rounds (one local step each, the demo's ``--quick`` model, no
      warm-up stages), each round's wall time as the coordinator logs it (``progress.jsonl``).
 Both modes get a fresh federation (fresh ledgers). Prints per-mode medians and the ratio DP-SGD / no-op.
@@ -41,8 +42,9 @@ def federation(root: Path, sites: int, per_site: int) -> Any:
 
     ds = load_embedded()
     rng = np.random.default_rng(0)
-    idx = np.concatenate([rng.choice(np.flatnonzero(ds.labels == c), per_site * sites // 10, replace=False)
-                          for c in range(10)])
+    idx = np.concatenate(
+        [rng.choice(np.flatnonzero(ds.labels == c), per_site * sites // 10, replace=False) for c in range(10)]
+    )
     parts = split_sites(ds.subset(np.sort(idx), source="embedded subset"), sites, seed=0)
     data = {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
     return prepare_federation(root, data, app_hashes=[app_bundle_hash(), app_bundle_hash(PING_DIR)])
@@ -51,16 +53,18 @@ def federation(root: Path, sites: int, per_site: int) -> Any:
 def job_config(rounds: int, sites: int) -> Any:
     from feta_release.config import JobConfig
 
-    return JobConfig.from_dict({
-        "job": {"name": "bench-round", "seed": 0},
-        "privacy": {"epsilon": 1.0, "delta": 1e-5},
-        "central": {"rounds": 0},
-        "frequency": {"sigma": None},
-        "model": QUICK_MODEL,
-        "warmup": {"spatial_iterations": 0, "frequency_epochs": 0},
-        "dpsgd": {"batch": 16, "steps": rounds, "noise_multiplicity": 1, "physical_batch": 16},
-        "federation": {"min_sites": sites, "rounds": rounds, "local_steps": 1, "round_timeout": 900.0},
-    })
+    return JobConfig.from_dict(
+        {
+            "job": {"name": "bench-round", "seed": 0},
+            "privacy": {"epsilon": 1.0, "delta": 1e-5},
+            "central": {"rounds": 0},
+            "frequency": {"sigma": None},
+            "model": QUICK_MODEL,
+            "warmup": {"spatial_iterations": 0, "frequency_epochs": 0},
+            "dpsgd": {"batch": 16, "steps": rounds, "noise_multiplicity": 1, "physical_batch": 16},
+            "federation": {"min_sites": sites, "rounds": rounds, "local_steps": 1, "round_timeout": 900.0},
+        }
+    )
 
 
 def ping(address: str, rounds: int, work: Path) -> list[float]:
@@ -75,8 +79,8 @@ def ping(address: str, rounds: int, work: Path) -> list[float]:
 
 
 def dpsgd(fed: Any, address: str, rounds: int, work: Path) -> list[float]:
-    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
+    from feta_release import job_rules
 
     job_toml = work / "job.toml"
     job_toml.write_text(job_rules.job_toml(job_config(rounds, len(fed.sites))), "utf-8")
@@ -84,7 +88,9 @@ def dpsgd(fed: Any, address: str, rounds: int, work: Path) -> list[float]:
     signed = sign_or_resume(job_toml, [s.site_id for s in fed.sites], fed.coordinator_key, out, "bench-round")
     run_signed_job(signed, fed.coordinator_key, out, address, insecure=True)
     rows = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
-    return [float(r["seconds"]) for r in rows if r.get("phase") == "dpsgd" and "round" in r and "seconds" in r]
+    return [
+        float(r["seconds"]) for r in rows if r.get("phase") == "dpsgd" and "round" in r and "seconds" in r
+    ]
 
 
 def run_mode(worker: bool, sites: int, rounds: int, per_site: int, work: Path) -> dict[str, Any]:
@@ -97,13 +103,30 @@ def run_mode(worker: bool, sites: int, rounds: int, per_site: int, work: Path) -
     procs = []
     try:
         t0 = time.monotonic()
-        procs.append(start_superlink(SuperLinkSettings(port=port, database=work / "link" / "state.db", insecure=True,
-                                                       home=work / "link")))
+        procs.append(
+            start_superlink(
+                SuperLinkSettings(
+                    port=port, database=work / "link" / "state.db", insecure=True, home=work / "link"
+                )
+            )
+        )
         for s in fed.sites:
-            procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                                 ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret,
-                                                 superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True,
-                                                 worker=worker)))
+            procs.append(
+                start_node(
+                    NodeSettings(
+                        data=s.data,
+                        policy=s.policy,
+                        trusted_policy_key=s.policy_pub,
+                        ledger=s.ledger,
+                        site_key=s.site_key,
+                        data_secret=s.data_secret,
+                        superlink=f"127.0.0.1:{port}",
+                        port=free_port(),
+                        insecure=True,
+                        worker=worker,
+                    )
+                )
+            )
         started = time.monotonic() - t0
         time.sleep(3)  # let the nodes register
         no_op = ping(f"127.0.0.1:{port}", rounds, work)
@@ -111,9 +134,15 @@ def run_mode(worker: bool, sites: int, rounds: int, per_site: int, work: Path) -
     finally:
         for p in procs:
             p.stop()
-    return {"worker": worker, "start_seconds": started, "noop_round_seconds": no_op, "dpsgd_round_seconds": rounds_s,
-            "noop_median": statistics.median(no_op), "dpsgd_median": statistics.median(rounds_s),
-            "ratio": statistics.median(rounds_s) / statistics.median(no_op)}
+    return {
+        "worker": worker,
+        "start_seconds": started,
+        "noop_round_seconds": no_op,
+        "dpsgd_round_seconds": rounds_s,
+        "noop_median": statistics.median(no_op),
+        "dpsgd_median": statistics.median(rounds_s),
+        "ratio": statistics.median(rounds_s) / statistics.median(no_op),
+    }
 
 
 def _list(xs: list[float]) -> str:
@@ -135,9 +164,18 @@ def main() -> None:
             r = run_mode(mode.strip() == "worker", a.sites, a.rounds, a.per_site, Path(tmp) / mode.strip())
             r["load_before"] = load
             results.append(r)
-            print(f"{mode:>9}: {a.sites} sites, {a.rounds} rounds, load {load:.1f}, node start {r['start_seconds']:.1f} s")
-            print(f"           Flower no-op round : median {r['noop_median']:.2f} s  ({_list(r['noop_round_seconds'])})")
-            print(f"           DP-SGD round       : median {r['dpsgd_median']:.2f} s  ({_list(r['dpsgd_round_seconds'])})")
+            print(
+                f"{mode:>9}: {a.sites} sites, {a.rounds} rounds, load {load:.1f}, node start "
+                f"{r['start_seconds']:.1f} s"
+            )
+            print(
+                f"           Flower no-op round : median {r['noop_median']:.2f} s  "
+                f"({_list(r['noop_round_seconds'])})"
+            )
+            print(
+                f"           DP-SGD round       : median {r['dpsgd_median']:.2f} s  "
+                f"({_list(r['dpsgd_round_seconds'])})"
+            )
             print(f"           ratio DP-SGD / no-op: {r['ratio']:.2f}x (goal <= 2x)", flush=True)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))

@@ -12,11 +12,12 @@ What it measures, in one run on the same weights and the same noise:
 Usage (the lead's full run; minutes on 2 free cores):
   python bench/bench_synthesis.py --run RUN_DIR --n 1000 --batch 100 --threads 2 --memory 500,2000,8000
 Without --run, a UNet of --channels width is trained non-privately on the embedded MNIST for --pretrain-steps
-(benchmark only: speed does not depend on the weights, but quality comparisons need a model that draws digits).
+(benchmark only: speed does not depend on the weights, but quality comparisons need a model that draws
+digits).
 Quick check that it works: python bench/bench_synthesis.py --channels 8 --pretrain-steps 20 --n 20 --batch 10 \
     --configs torch-euler50,ort-heun18 --memory 20,60
 Timings on the shared 2-core development machine are approximate (other jobs compete for the cores).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -71,7 +72,10 @@ CONFIGS = {
         Config("ort-heun50", "ort", "heun", 50),  # 99 NFE: an accurate ODE solution to measure solver error
     ]
 }
-DEFAULT = "torch-euler50,torch-heun18,ort-euler50,ort-heun18,ort-heun18-noopt,ort-heun18-1thread,ort-heun18-int8,ort-heun12"
+DEFAULT = (
+    "torch-euler50,torch-heun18,ort-euler50,ort-heun18,ort-heun18-noopt,ort-heun18-1thread,ort-heun18-int8,"
+    "ort-heun12"
+)
 
 
 def get_model(args):
@@ -104,7 +108,10 @@ def get_model(args):
             loss.backward()
             opt.step()
             if step % 100 == 0 or step == args.pretrain_steps - 1:
-                print(f"  pretrain step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(
+                    f"  pretrain step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
     else:
         # A freshly built UNet has zero-initialised output layers, i.e. D(x) = c_skip x: every solver then
         # solves the same linear ODE and quality columns would be vacuous. Perturb the weights instead.
@@ -112,8 +119,9 @@ def get_model(args):
             for p in den.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
     n_params = sum(p.numel() for p in den.parameters())
-    what = (f"UNet channels={args.channels} ({n_params / 1e6:.2f}M params), "
-            + (f"{args.pretrain_steps} non-private steps" if args.pretrain_steps else "random weights (untrained)"))
+    what = f"UNet channels={args.channels} ({n_params / 1e6:.2f}M params), " + (
+        f"{args.pretrain_steps} non-private steps" if args.pretrain_steps else "random weights (untrained)"
+    )
     return den.eval(), list(data.class_names), what
 
 
@@ -142,8 +150,9 @@ def build_torch(den, cfg: Config, threads):
 
     def run(noise, labels):
         torch.set_num_threads(cfg.threads or threads)
-        return sample(den, torch.from_numpy(labels), torch.from_numpy(noise), solver=cfg.solver,
-                      steps=cfg.steps).numpy()
+        return sample(
+            den, torch.from_numpy(labels), torch.from_numpy(noise), solver=cfg.solver, steps=cfg.steps
+        ).numpy()
 
     return run
 
@@ -165,8 +174,10 @@ def fd_with_sd(feat_real, feat_fake, reps=20, seed=0):
     fd = frechet_distance_from_features(feat_real, feat_fake)
     rng = np.random.default_rng(seed)
     boots = [
-        frechet_distance_from_features(feat_real[rng.integers(0, len(feat_real), len(feat_real))],
-                                       feat_fake[rng.integers(0, len(feat_fake), len(feat_fake))])
+        frechet_distance_from_features(
+            feat_real[rng.integers(0, len(feat_real), len(feat_real))],
+            feat_fake[rng.integers(0, len(feat_fake), len(feat_fake))],
+        )
         for _ in range(reps)
     ]
     return fd, float(np.std(boots))
@@ -190,8 +201,8 @@ print(json.dumps({"n": n, "peak_rss_mib": hwm / 1024, "images_per_s": n / rep.se
 def memory_run(den_onnx, classes, shape, ns, batch, steps):
     """Peak RSS of `synthesize` (verify + generate + PNGs + certificate) in a fresh process per N.
 
-    The release is role-complete (signed policy naming the site key, signed job, final attestation), built by the
-    same helpers the tests use, so the role-bound verify inside `synthesize` accepts it.
+    The release is role-complete (signed policy naming the site key, signed job, final attestation), built by
+    the same helpers the tests use, so the role-bound verify inside `synthesize` accepts it.
     """
     sys.path.insert(0, str(REPO))
     from feta_release.release.export_run import assemble_release
@@ -204,16 +215,36 @@ def memory_run(den_onnx, classes, shape, ns, batch, steps):
         d = Path(d)
         keys = new_keys()
         policy, job = signed_policy(keys, "a"), signed_job(keys.coordinator, "bench", ["a"])
-        rel = assemble_release(d / "rel", denoiser=den_onnx, classes=classes, image_shape=shape,
-                               sampler=SamplerSettings(solver="euler", steps=steps), job_id="bench",
-                               config=job["job"]["config"], sites=[site_record(attest(keys, "a", job, policy))],
-                               coordinator_key=keys.coordinator, signed_policies={"a": policy}, signed_job=job,
-                               enforce_policy=False)
+        rel = assemble_release(
+            d / "rel",
+            denoiser=den_onnx,
+            classes=classes,
+            image_shape=shape,
+            sampler=SamplerSettings(solver="euler", steps=steps),
+            job_id="bench",
+            config=job["job"]["config"],
+            sites=[site_record(attest(keys, "a", job, policy))],
+            coordinator_key=keys.coordinator,
+            signed_policies={"a": policy},
+            signed_job=job,
+            enforce_policy=False,
+        )
         admin_pub = keys.pub_files(d / "keys")[2]
         for n in ns:
             proc = subprocess.run(
-                [sys.executable, "-c", MEM_SCRIPT, str(rel), str(d / f"out{n}"), str(n), str(batch), admin_pub],
-                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                [
+                    sys.executable,
+                    "-c",
+                    MEM_SCRIPT,
+                    str(rel),
+                    str(d / f"out{n}"),
+                    str(n),
+                    str(batch),
+                    admin_pub,
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
             )
             if proc.returncode:
                 raise SystemExit(proc.stderr)
@@ -224,21 +255,32 @@ def memory_run(den_onnx, classes, shape, ns, batch, steps):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", help="trained run directory (model.pt, job.json, ...)")
-    ap.add_argument("--channels", type=int, default=32, help="UNet width without --run (32: the 1.4M default)")
+    ap.add_argument(
+        "--channels", type=int, default=32, help="UNet width without --run (32: the 1.4M default)"
+    )
     ap.add_argument("--pretrain-steps", type=int, default=0)
     ap.add_argument("--pretrain-batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--n", type=int, default=256, help="images per configuration")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (best and median reported)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved timing rounds (best and median reported)"
+    )
     ap.add_argument("--configs", default=DEFAULT, help=f"comma list of: {', '.join(CONFIGS)}")
     ap.add_argument("--no-fd", action="store_true", help="skip the FD quality check")
-    ap.add_argument("--reference", default=None,
-                    help="config whose images are the accurate ODE solution (e.g. ort-heun50); adds each "
-                         "configuration's solver error |x - x_ref| next to its difference from the baseline")
-    ap.add_argument("--memory", default="", help="comma list of N for the peak-memory runs, e.g. 500,2000,8000")
-    ap.add_argument("--memory-steps", type=int, default=2, help="sampler steps for memory runs (memory is per batch)")
+    ap.add_argument(
+        "--reference",
+        default=None,
+        help="config whose images are the accurate ODE solution (e.g. ort-heun50); adds each "
+        "configuration's solver error |x - x_ref| next to its difference from the baseline",
+    )
+    ap.add_argument(
+        "--memory", default="", help="comma list of N for the peak-memory runs, e.g. 500,2000,8000"
+    )
+    ap.add_argument(
+        "--memory-steps", type=int, default=2, help="sampler steps for memory runs (memory is per batch)"
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -251,13 +293,19 @@ def main() -> None:
     shape = den.image_shape
     t0, cpu0 = time.perf_counter(), time.process_time()
     den_onnx = export_denoiser(den, shape)
-    export_s = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - cpu0}  # CPU: fair on a busy machine
-    print(f"denoiser export: {export_s['wall']:.2f} s wall, {export_s['cpu']:.2f} s CPU ({len(den_onnx.graph.node)} nodes)")
+    # CPU: fair on a busy machine
+    export_s = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - cpu0}
+    print(
+        f"denoiser export: {export_s['wall']:.2f} s wall, {export_s['cpu']:.2f} s CPU "
+        f"({len(den_onnx.graph.node)} nodes)"
+    )
     rng = np.random.default_rng(1234)
     noise = rng.standard_normal((args.n, *shape), dtype=np.float32)
     labels = (np.arange(args.n) % len(classes)).astype(np.int64)
-    print(f"model: {what}; n={args.n} batch={args.batch} threads={args.threads} "
-          f"(cores available: {len(os.sched_getaffinity(0))}; shared machine: timings approximate)")
+    print(
+        f"model: {what}; n={args.n} batch={args.batch} threads={args.threads} "
+        f"(cores available: {len(os.sched_getaffinity(0))}; shared machine: timings approximate)"
+    )
 
     feat_real = feature_net = None
     if not args.no_fd:
@@ -276,36 +324,59 @@ def main() -> None:
     ref_imgs = None
     if args.reference:
         cfg = CONFIGS[args.reference]
-        run = build_torch(den, cfg, args.threads) if cfg.engine == "torch" else build_ort(
-            den_onnx, cfg, classes, shape, args.threads)
-        ref_imgs = np.concatenate([run(noise[s : s + args.batch], labels[s : s + args.batch])
-                                   for s in range(0, args.n, args.batch)])
+        run = (
+            build_torch(den, cfg, args.threads)
+            if cfg.engine == "torch"
+            else build_ort(den_onnx, cfg, classes, shape, args.threads)
+        )
+        ref_imgs = np.concatenate(
+            [run(noise[s : s + args.batch], labels[s : s + args.batch]) for s in range(0, args.n, args.batch)]
+        )
     # Build every runner first, then time them in interleaved rounds (A B C A B C ...): on a shared machine
     # the load changes by the minute, and interleaving exposes every configuration to the same conditions.
     # Reported: the best round (least disturbed) and the median round.
     cfgs = [CONFIGS[name.strip()] for name in args.configs.split(",")]
-    runners = {c.name: (build_torch(den, c, args.threads) if c.engine == "torch"
-                        else build_ort(den_onnx, c, classes, shape, args.threads)) for c in cfgs}
+    runners = {
+        c.name: (
+            build_torch(den, c, args.threads)
+            if c.engine == "torch"
+            else build_ort(den_onnx, c, classes, shape, args.threads)
+        )
+        for c in cfgs
+    }
     images, rates = {}, {c.name: [] for c in cfgs}
     for rnd in range(args.rounds):
         for c in cfgs:
             imgs, ips = timed(runners[c.name], noise, labels, args.batch, warm=(rnd == 0))
             images.setdefault(c.name, imgs)
             rates[c.name].append(ips)
-        print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
-              flush=True)
+        print(
+            f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
+            flush=True,
+        )
     results = []
     base_name = cfgs[0].name
     base_imgs, base_ips = images[base_name], max(rates[base_name])
     for c in cfgs:
         imgs = images[c.name]
         ips = max(rates[c.name])
-        row = {"config": c.name, "engine": c.engine, "solver": c.solver, "steps": c.steps, "nfe": c.nfe,
-               "quant": c.quant, "optimize": c.optimize, "threads": c.threads or args.threads,
-               "batch": args.batch, "images_per_s": ips, "images_per_s_median": float(np.median(rates[c.name])),
-               "rounds": rates[c.name], "speedup": ips / base_ips,
-               "max_abs_diff_vs_baseline": float(np.abs(imgs - base_imgs).max()),
-               "mean_abs_diff_vs_baseline": float(np.abs(imgs - base_imgs).mean())}
+        row = {
+            "config": c.name,
+            "engine": c.engine,
+            "solver": c.solver,
+            "steps": c.steps,
+            "nfe": c.nfe,
+            "quant": c.quant,
+            "optimize": c.optimize,
+            "threads": c.threads or args.threads,
+            "batch": args.batch,
+            "images_per_s": ips,
+            "images_per_s_median": float(np.median(rates[c.name])),
+            "rounds": rates[c.name],
+            "speedup": ips / base_ips,
+            "max_abs_diff_vs_baseline": float(np.abs(imgs - base_imgs).max()),
+            "mean_abs_diff_vs_baseline": float(np.abs(imgs - base_imgs).mean()),
+        }
         if ref_imgs is not None:
             row["mean_abs_err_vs_reference"] = float(np.abs(imgs - ref_imgs).mean())
         if feat_real is not None:
@@ -316,8 +387,10 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     print()
-    hdr = (f"{'config':22} {'NFE':>4} {'img/s':>7} {'median':>7} {'speedup':>7} {'max|Δ|':>7} {'mean|Δ|':>8} {'err_ref':>8} "
-           f"{'FD ± sd':>14} equal?")
+    hdr = (
+        f"{'config':22} {'NFE':>4} {'img/s':>7} {'median':>7} {'speedup':>7} {'max|Δ|':>7} {'mean|Δ|':>8} "
+        f"{'err_ref':>8} {'FD ± sd':>14} equal?"
+    )
     print(hdr)
     b = results[0]
     for r in results:
@@ -326,8 +399,11 @@ def main() -> None:
         if "fd" in r:
             eq = "yes" if abs(r["fd"] - b["fd"]) <= 2 * np.hypot(r["fd_sd"], b["fd_sd"]) else "NO"
         err = f"{r['mean_abs_err_vs_reference']:8.4f}" if "mean_abs_err_vs_reference" in r else f"{'-':>8}"
-        print(f"{r['config']:22} {r['nfe']:>4} {r['images_per_s']:7.2f} {r['images_per_s_median']:7.2f} {r['speedup']:6.2f}x "
-              f"{r['max_abs_diff_vs_baseline']:7.3f} {r['mean_abs_diff_vs_baseline']:8.4f} {err} {fd:>14} {eq}")
+        print(
+            f"{r['config']:22} {r['nfe']:>4} {r['images_per_s']:7.2f} {r['images_per_s_median']:7.2f} "
+            f"{r['speedup']:6.2f}x {r['max_abs_diff_vs_baseline']:7.3f} "
+            f"{r['mean_abs_diff_vs_baseline']:8.4f} {err} {fd:>14} {eq}"
+        )
     out = {"model": what, "n": args.n, "export_s": export_s, "results": results}
 
     if args.memory:
@@ -335,11 +411,17 @@ def main() -> None:
         mem = memory_run(den_onnx, classes, shape, ns, args.batch, args.memory_steps)
         print("\npeak RSS of `synthesize` in a fresh process (verify + generate + PNG + certificate):")
         for m in mem:
-            print(f"  N = {m['n']:>7}: {m['peak_rss_mib']:.1f} MiB ({m['images_per_s']:.0f} images/s at "
-                  f"{args.memory_steps} steps; torch imported: {m['torch_loaded']})")
-        growth = (mem[-1]["peak_rss_mib"] - mem[0]["peak_rss_mib"]) / max(1, mem[-1]["n"] - mem[0]["n"]) * 1024
-        print(f"  growth: {growth:.2f} KiB per image -> N = 60,000 projected "
-              f"{mem[-1]['peak_rss_mib'] + growth * (60000 - mem[-1]['n']) / 1024:.0f} MiB")
+            print(
+                f"  N = {m['n']:>7}: {m['peak_rss_mib']:.1f} MiB ({m['images_per_s']:.0f} images/s at "
+                f"{args.memory_steps} steps; torch imported: {m['torch_loaded']})"
+            )
+        growth = (
+            (mem[-1]["peak_rss_mib"] - mem[0]["peak_rss_mib"]) / max(1, mem[-1]["n"] - mem[0]["n"]) * 1024
+        )
+        print(
+            f"  growth: {growth:.2f} KiB per image -> N = 60,000 projected "
+            f"{mem[-1]['peak_rss_mib'] + growth * (60000 - mem[-1]['n']) / 1024:.0f} MiB"
+        )
         out["memory"] = mem
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -13,7 +13,7 @@ finished run directory is reused, so an interrupted comparison continues where i
 
 Prints a table of accuracy and FD (mean +- std over seeds) and the epsilon of each stage (alone) and total,
 and writes ``results.json`` + ``results.md`` to ``--out``.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-METHODS = [("dpdm", "DPDM (no warm-up)"), ("dp-feta", "DP-FETA (central)"), ("feta-pro", "FETA-Pro"),
-           ("feta-pro-freq", "FETA-Pro freq-only")]
+METHODS = [
+    ("dpdm", "DPDM (no warm-up)"),
+    ("dp-feta", "DP-FETA (central)"),
+    ("feta-pro", "FETA-Pro"),
+    ("feta-pro-freq", "FETA-Pro freq-only"),
+]
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -47,7 +51,9 @@ def _training_split(quick: bool):
     train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
     if quick:
         rng = np.random.default_rng(0)
-        idx = np.concatenate([rng.choice(np.flatnonzero(train.labels == c), 40, replace=False) for c in range(10)])
+        idx = np.concatenate(
+            [rng.choice(np.flatnonzero(train.labels == c), 40, replace=False) for c in range(10)]
+        )
         train = train.subset(np.sort(idx))
     return train, heldout
 
@@ -68,24 +74,38 @@ def _train_one(spec: tuple) -> tuple[float, float | None, int]:
     cfg_dict, run_dir, n_syn, seed, threads = spec
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    res = run_pipeline(JobConfig.from_dict(cfg_dict), _TRAIN, run_dir, n_synthetic=n_syn, grid_per_class=4,
-                       reporter=Reporter(enabled=False),
-                       noise_seed=10_000 + seed)  # benchmark only: reproducible secret noise
+    res = run_pipeline(
+        JobConfig.from_dict(cfg_dict),
+        _TRAIN,
+        run_dir,
+        n_synthetic=n_syn,
+        grid_per_class=4,
+        reporter=Reporter(enabled=False),
+        noise_seed=10_000 + seed,
+    )  # benchmark only: reproducible secret noise
     return time.perf_counter() - t0, res.dpsgd_sigma, res.dpsgd_steps_trained
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 1 seed, 400 training images")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny preset, 1 seed, 400 training images"
+    )
     ap.add_argument("--eps", default="1,10", help="comma-separated epsilons (presets cpu-eps1 / cpu-eps10)")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; --quick: 0)")
     ap.add_argument("--methods", default=",".join(m for m, _ in METHODS))
     ap.add_argument("--out", default="runs/compare", help="where run directories and results go")
-    ap.add_argument("--synthetic", type=int, default=None, help="synthetic images per run (default: train size)")
+    ap.add_argument(
+        "--synthetic", type=int, default=None, help="synthetic images per run (default: train size)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch threads in all (split between workers)")
-    ap.add_argument("--workers", type=int, default=1,
-                    help="runs trained at once, each with threads/workers torch threads (2 workers x 1 thread "
-                         "trained ~2x faster than 1 x 2 threads on 2 cores: these small models scale badly)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="runs trained at once, each with threads/workers torch threads (2 workers x 1 thread "
+        "trained ~2x faster than 1 x 2 threads on 2 cores: these small models scale badly)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -103,11 +123,14 @@ def main() -> None:
     clf_epochs, feat_epochs = (1, 3) if args.quick else (None, None)
     n_syn = args.synthetic if args.synthetic is not None else (200 if args.quick else train.n)
     out = Path(args.out) / ("quick" if args.quick else "full")
-    print(f"train {train.n} images, held-out {heldout.n}; seeds {seeds}; synthetic {n_syn} per run; out {out}")
+    print(
+        f"train {train.n} images, held-out {heldout.n}; seeds {seeds}; synthetic {n_syn} per run; out {out}"
+    )
 
     # One feature network for every FD: trained once on the held-out images (as feta_release.evaluation does).
     feature_net = train_classifier(heldout, feat_epochs, 0)
-    ceiling = real_ceiling(heldout, train, 0, epochs=clf_epochs)  # the same classifier on the real training images
+    # the same classifier on the real training images
+    ceiling = real_ceiling(heldout, train, 0, epochs=clf_epochs)
     print(f"real-data ceiling: {ceiling.accuracy:.3f} ({ceiling.protocol})")
     rows = []
     t_all = time.perf_counter()
@@ -117,8 +140,15 @@ def main() -> None:
         base = base.replace(privacy={"epsilon": eps})
         for method in methods:
             for seed in seeds:
-                jobs.append((eps, method, seed, base.replace(job={"method": method, "seed": seed}),
-                             out / f"eps{eps:g}" / method / f"seed{seed}"))
+                jobs.append(
+                    (
+                        eps,
+                        method,
+                        seed,
+                        base.replace(job={"method": method, "seed": seed}),
+                        out / f"eps{eps:g}" / method / f"seed{seed}",
+                    )
+                )
     threads = max(1, args.threads // max(1, args.workers))
 
     def spec(i: int) -> tuple:
@@ -130,8 +160,11 @@ def main() -> None:
     def record(i: int, result: tuple[float, float | None, int]) -> None:
         trained[i] = result
         eps, method, seed = jobs[i][:3]
-        print(f"  trained eps {eps:g} {method:<14} seed {seed} in {result[0]:.0f} s "
-              f"({len(trained)}/{len(jobs)}, {time.perf_counter() - t_all:.0f} s so far)", flush=True)
+        print(
+            f"  trained eps {eps:g} {method:<14} seed {seed} in {result[0]:.0f} s "
+            f"({len(trained)}/{len(jobs)}, {time.perf_counter() - t_all:.0f} s so far)",
+            flush=True,
+        )
 
     if args.workers > 1:
         import multiprocessing as mp
@@ -140,8 +173,12 @@ def main() -> None:
         # Most expensive first (all warm-ups), so the last runs to finish are short ones.
         cost = {"feta-pro": 0, "feta-pro-freq": 1, "dp-feta": 2, "dpdm": 3}
         order = sorted(range(len(jobs)), key=lambda i: cost.get(jobs[i][1], 9))
-        with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"),
-                                 initializer=_worker_init, initargs=((args.quick,),)) as pool:
+        with ProcessPoolExecutor(
+            args.workers,
+            mp_context=mp.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=((args.quick,),),
+        ) as pool:
             futs = {pool.submit(_train_one, spec(i)): i for i in order}
             for f in as_completed(futs):
                 record(futs[f], f.result())
@@ -153,25 +190,47 @@ def main() -> None:
         seconds, dpsgd_sigma, dpsgd_steps = trained[i]
         privacy = json.loads((run_dir / "privacy.json").read_text())
         z = np.load(run_dir / "synthetic.npz")
-        syn = ImageDataset(z["images"], z["labels"], tuple(str(c) for c in z["class_names"]), source=str(run_dir))
-        ev = evaluate(syn, heldout, seed=seed, classifier_epochs=clf_epochs, feature_epochs=feat_epochs,
-                      feature_net=feature_net, ceiling=ceiling)
+        syn = ImageDataset(
+            z["images"], z["labels"], tuple(str(c) for c in z["class_names"]), source=str(run_dir)
+        )
+        ev = evaluate(
+            syn,
+            heldout,
+            seed=seed,
+            classifier_epochs=clf_epochs,
+            feature_epochs=feat_epochs,
+            feature_net=feature_net,
+            ceiling=ceiling,
+        )
         run_json = json.loads((run_dir / "run.json").read_text())
         row = {
-            "epsilon_target": eps, "method": method, "seed": seed, "accuracy": ev.accuracy, "fd": ev.fd,
-            "ceiling_accuracy": ev.ceiling_accuracy, "precision": ev.precision, "recall": ev.recall,
-            "density": ev.density, "coverage": ev.coverage,
-            "epsilon": privacy["epsilon"], "per_stage_epsilon": privacy["per_stage_epsilon"],
-            "dpsgd_sigma": dpsgd_sigma, "dpsgd_steps": dpsgd_steps,
-            "stage_seconds": run_json.get("stage_seconds", {}), "train_seconds": seconds,
+            "epsilon_target": eps,
+            "method": method,
+            "seed": seed,
+            "accuracy": ev.accuracy,
+            "fd": ev.fd,
+            "ceiling_accuracy": ev.ceiling_accuracy,
+            "precision": ev.precision,
+            "recall": ev.recall,
+            "density": ev.density,
+            "coverage": ev.coverage,
+            "epsilon": privacy["epsilon"],
+            "per_stage_epsilon": privacy["per_stage_epsilon"],
+            "dpsgd_sigma": dpsgd_sigma,
+            "dpsgd_steps": dpsgd_steps,
+            "stage_seconds": run_json.get("stage_seconds", {}),
+            "train_seconds": seconds,
         }
         rows.append(row)
-        print(f"  eps {eps:g} {method:<14} seed {seed}: acc {ev.accuracy:.3f}  FD {ev.fd:.1f}  "
-              f"eps {privacy['epsilon']:.3f}", flush=True)
+        print(
+            f"  eps {eps:g} {method:<14} seed {seed}: acc {ev.accuracy:.3f}  FD {ev.fd:.1f}  "
+            f"eps {privacy['epsilon']:.3f}",
+            flush=True,
+        )
 
     lines = [
-        f"| target ε | method | accuracy (mean ± std) | {FD_NAME} | ε central | ε frequency | ε DP-SGD | ε total | "
-        "DP-SGD σ | seeds |",
+        f"| target ε | method | accuracy (mean ± std) | {FD_NAME} | ε central | ε frequency | ε DP-SGD | ε "
+        "total | DP-SGD σ | seeds |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for eps in epsilons:
@@ -182,15 +241,19 @@ def main() -> None:
             pse = rs[0]["per_stage_epsilon"]
             label = dict(METHODS).get(method, method)
             lines.append(
-                f"| {eps:g} | {label} | {_mean_std([r['accuracy'] for r in rs])} | {_mean_std([r['fd'] for r in rs])} "
-                f"| {pse.get('central', 0):.3f} | {pse.get('frequency', 0):.3f} | {pse.get('dpsgd', 0):.3f} "
-                f"| {rs[0]['epsilon']:.3f} | {rs[0]['dpsgd_sigma'] or 0:.3f} | {len(rs)} |"
+                f"| {eps:g} | {label} | {_mean_std([r['accuracy'] for r in rs])} | "
+                f"{_mean_std([r['fd'] for r in rs])} | {pse.get('central', 0):.3f} | "
+                f"{pse.get('frequency', 0):.3f} | {pse.get('dpsgd', 0):.3f} | {rs[0]['epsilon']:.3f} | "
+                f"{rs[0]['dpsgd_sigma'] or 0:.3f} | {len(rs)} |"
             )
     table = "\n".join(lines)
     print()
     print(table)
-    print(f"\nper-stage ε is each stage alone (composition is sub-additive); ε total is the whole history at "
-          f"δ = 1e-5. Held-out: {heldout.n} real images never used in training. Total {time.perf_counter() - t_all:.0f} s.")
+    print(
+        f"\nper-stage ε is each stage alone (composition is sub-additive); ε total is the whole history at "
+        f"δ = 1e-5. Held-out: {heldout.n} real images never used in training. Total "
+        f"{time.perf_counter() - t_all:.0f} s."
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     (out / "results.md").write_text(table + "\n")

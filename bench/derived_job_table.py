@@ -1,4 +1,5 @@
-"""The table of docs/derived-job.md: what the job derived from public facts does per data kind x size x epsilon.
+"""The table of docs/derived-job.md: what the job derived from public facts does per data kind x size x
+epsilon.
 
     PYTHONPATH=. python bench/derived_job_table.py > /tmp/table.md
 
@@ -16,8 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from feta_release.errors import ConfigError  # noqa: E402
 from feta_release.job_rules import DataFacts, derive  # noqa: E402
 
-KINDS = [("digits 28x28 grey, 10 classes", 28, 1, 10), ("RGB 64x64, 10 classes", 64, 3, 10),
-         ("X-ray 128x128 grey, 2 classes", 128, 1, 2), ("RGB 32x32, 100 classes", 32, 3, 100)]
+KINDS = [
+    ("digits 28x28 grey, 10 classes", 28, 1, 10),
+    ("RGB 64x64, 10 classes", 64, 3, 10),
+    ("X-ray 128x128 grey, 2 classes", 128, 1, 2),
+    ("RGB 32x32, 100 classes", 32, 3, 100),
+]
 SIZES = [300, 4000, 20_000, 100_000]
 EPSILONS = [1.0, 10.0]
 
@@ -35,16 +40,20 @@ def row(kind: str, side: int, ch: int, k: int, n: int, eps: float) -> str:
     sgd = d.cfg.dpsgd_steps(n)
     sgd_text = f"{sgd} x B {d.cfg.for_size(n).dpsgd.batch}" if sgd else "off"
     est = d.estimate
-    return (f"| {kind} | {n:,} | {eps:g} | {q}x{q}, batch {n:,}, clip {c.clip:g}, {c.cells} cell(s) | {freq} | "
-            f"{m.channels} ch, {len(m.channel_mult)} levels | {w.spatial_iterations}+{w.polish_iterations} steps, "
-            f"{d.cfg.auxgen.restarts}x{d.cfg.auxgen.epochs} aux epochs | {sgd_text} | "
-            f"{est.training / 60:.0f} (budget {f.budget / 60:.0f}) + {est.seconds.get('sampling', 0) / 60:.0f} | "
-            "not yet measured |")
+    return (
+        f"| {kind} | {n:,} | {eps:g} | {q}x{q}, batch {n:,}, clip {c.clip:g}, {c.cells} cell(s) | {freq} | "
+        f"{m.channels} ch, {len(m.channel_mult)} levels | {w.spatial_iterations}+{w.polish_iterations} "
+        f"steps, {d.cfg.auxgen.restarts}x{d.cfg.auxgen.epochs} aux epochs | {sgd_text} | "
+        f"{est.training / 60:.0f} (budget {f.budget / 60:.0f}) + {est.seconds.get('sampling', 0) / 60:.0f} | "
+        "not yet measured |"
+    )
 
 
 def main() -> None:
-    print("| data | N | ε | central query (one pass) | frequency features | model | warm-up | DP-SGD steps | "
-          "est. min on 2 CPU cores: training (budget) + sampling N | quality |")
+    print(
+        "| data | N | ε | central query (one pass) | frequency features | model | warm-up | DP-SGD steps | "
+        "est. min on 2 CPU cores: training (budget) + sampling N | quality |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kind, side, ch, k in KINDS:
         for n in SIZES:

@@ -6,11 +6,12 @@
     python bench/eval_protocol.py --mode test --preset cpu-eps1,cpu-eps10 --out runs/protocol
     python bench/eval_protocol.py --quick   # 1-minute smoke run of the script itself (tiny preset)
 
-Per preset and seed: train the whole pipeline on the mode's training part (job seed = seed, benchmark-only fixed
-noise seed), draw ``--n-synthetic`` balanced images, score accuracy + FD (classifier features) on the mode's real
-evaluation images. Also per seed: the release-only baseline (the protocol classifier on augmented copies of that
-run's released central images) and the real-data ceiling (the same classifier on the REAL training part).
-Writes ``results.md`` / ``results.json`` (mean ± std over seeds); finished runs are reused when rerun.
+Per preset and seed: train the whole pipeline on the mode's training part (job seed = seed, benchmark-only
+fixed noise seed), draw ``--n-synthetic`` balanced images, score accuracy + FD (classifier features) on the
+mode's real evaluation images. Also per seed: the release-only baseline (the protocol classifier on augmented
+copies of that run's released central images) and the real-data ceiling (the same classifier on the REAL
+training part). Writes ``results.md`` / ``results.json`` (mean ± std over seeds); finished runs are reused
+when rerun.
 """
 
 from __future__ import annotations
@@ -34,11 +35,21 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="name of this configuration in the results (with --set)")
     ap.add_argument("--out", default="runs/protocol")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="where the pipeline trains and samples (the classifiers stay on the CPU)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny preset, 1 seed, 200 images, 1 epoch")
-    ap.add_argument("--lean", action="store_true", help="exploration only (validation mode): no real-data ceiling, "
-                    "no FD; accuracy and the release-only baseline only")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the pipeline trains and samples (the classifiers stay on the CPU)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny preset, 1 seed, 200 images, 1 epoch"
+    )
+    ap.add_argument(
+        "--lean",
+        action="store_true",
+        help="exploration only (validation mode): no real-data ceiling, "
+        "no FD; accuracy and the release-only baseline only",
+    )
     args = ap.parse_args()
 
     import tomllib
@@ -48,8 +59,7 @@ def main() -> None:
     from feta_release.config import load_preset
     from feta_release.data import ImageDataset, load_embedded
     from feta_release.data.splits import balanced_labels
-    from feta_release.eval_protocol import PROTOCOL, format_row, mean_std, protocol_splits, \
-        release_only
+    from feta_release.eval_protocol import PROTOCOL, format_row, mean_std, protocol_splits, release_only
     from feta_release.evaluation import FD_NAME, accuracy, evaluate, real_ceiling, train_classifier
     from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
@@ -70,16 +80,20 @@ def main() -> None:
     presets = ["tiny"] if args.quick else args.preset.split(",")
     out = Path(args.out) / args.mode
     print(f"mode {args.mode}: train {train.n}, scored on {real.n} real images; {proto}", flush=True)
-    feature_net = None if args.lean else train_classifier(real, proto.feature_epochs, 0)  # one FD space for every row
+    # one FD space for every row
+    feature_net = None if args.lean else train_classifier(real, proto.feature_epochs, 0)
     results: dict[str, dict] = {}
 
     def save() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"protocol": proto.__dict__, "rows": results}, indent=1))
-        lines = [f"mode {args.mode}; {proto.n_synthetic} synthetic images; classifier epoch cap "
-                 f"{proto.classifier_epochs or 'automatic'} (early stopping); {FD_NAME} (not FID)", "",
-                 "| configuration | accuracy (mean ± std) | FD | seeds |",
-                 "|---|---|---|---|"]
+        lines = [
+            f"mode {args.mode}; {proto.n_synthetic} synthetic images; classifier epoch cap "
+            f"{proto.classifier_epochs or 'automatic'} (early stopping); {FD_NAME} (not FID)",
+            "",
+            "| configuration | accuracy (mean ± std) | FD | seeds |",
+            "|---|---|---|---|",
+        ]
         lines += [format_row(k, r["acc"], r.get("fd")) for k, r in results.items() if r["acc"]]
         (out / "results.md").write_text("\n".join(lines) + "\n")
 
@@ -101,17 +115,29 @@ def main() -> None:
         for seed in proto.seeds:
             run_dir = out / label.replace(" ", "_").replace("[", "").replace("]", "") / f"seed{seed}"
             t0 = time.perf_counter()
-            res = run_pipeline(cfg.replace(job={"seed": seed}), train, run_dir, n_synthetic=proto.n_synthetic,
-                               reporter=Reporter(enabled=False), noise_seed=10_000 + seed,  # benchmark only
-                               device=args.device)
+            res = run_pipeline(
+                cfg.replace(job={"seed": seed}),
+                train,
+                run_dir,
+                n_synthetic=proto.n_synthetic,
+                reporter=Reporter(enabled=False),
+                noise_seed=10_000 + seed,  # benchmark only
+                device=args.device,
+            )
             z = np.load(run_dir / "synthetic.npz")
             syn = ImageDataset(z["images"], z["labels"], train.class_names, source=str(run_dir))
             assert np.array_equal(np.sort(syn.labels), balanced_labels(proto.n_synthetic, train.n_classes))
             if args.lean:
                 acc, fd = accuracy(train_classifier(syn, proto.classifier_epochs, seed), real), float("nan")
             else:
-                ev = evaluate(syn, real, seed, classifier_epochs=proto.classifier_epochs, feature_net=feature_net,
-                              ceiling=ceilings[seed])
+                ev = evaluate(
+                    syn,
+                    real,
+                    seed,
+                    classifier_epochs=proto.classifier_epochs,
+                    feature_net=feature_net,
+                    ceiling=ceilings[seed],
+                )
                 acc, fd = ev.accuracy, ev.fd
                 for k in ("precision", "recall", "density", "coverage"):
                     row.setdefault(k, []).append(getattr(ev, k))
@@ -124,9 +150,20 @@ def main() -> None:
                 c = np.load(central)
                 ro = release_only(c["images"], c["labels"], train.class_names, proto.n_synthetic, seed, proto)
                 base["acc"].append(accuracy(train_classifier(ro, proto.classifier_epochs, seed), real))
-            print(json.dumps({"preset": label, "seed": seed, "acc": round(acc, 4), "fd": round(fd, 1),
-                              "release_only": base["acc"][-1] if base["acc"] else None,
-                              "epsilon": round(res.epsilon, 3), "s": row["seconds"][-1]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "preset": label,
+                        "seed": seed,
+                        "acc": round(acc, 4),
+                        "fd": round(fd, 1),
+                        "release_only": base["acc"][-1] if base["acc"] else None,
+                        "epsilon": round(res.epsilon, 3),
+                        "s": row["seconds"][-1],
+                    }
+                ),
+                flush=True,
+            )
             save()
     for k, r in results.items():
         if r["acc"]:

@@ -4,29 +4,31 @@ Rows: data kind (the embedded digits; the procedural medical-like radiographs; t
 docs/data-kinds.md) x training size (``--sizes``, default 500, 4,000, 20,000) x ε (``--eps``, default 1, 10).
 Columns (accuracy on REAL held-out images, mean ± std over ``--seeds``):
 
-- real ceiling: the project's evaluation classifier (``feta_release.evaluation.train_classifier``) trained on the
-  real training part; it does not depend on ε (computed once per data kind and size, shown in both ε rows);
+- real ceiling: the project's evaluation classifier (``feta_release.evaluation.train_classifier``) trained on
+  the real training part; it does not depend on ε (computed once per data kind and size, shown in both ε
+  rows);
 - release-only: the same classifier on augmented copies of the run's released central images
   (``feta_release.eval_protocol.release_only``): what the release gives without its generator;
-- DP-SGD CNN: a GroupNorm CNN trained DIRECTLY on the real training part with DP-SGD (Opacus) at the same (ε, δ)
-  (bench/dpsgd_classifier.py): the anchor a synthetic release should approach;
+- DP-SGD CNN: a GroupNorm CNN trained DIRECTLY on the real training part with DP-SGD (Opacus) at the same (ε,
+  δ) (bench/dpsgd_classifier.py): the anchor a synthetic release should approach;
 - release (pipeline): ``feta-release train`` on the training part (the job given by ``--job``), its synthetic
   images scored by the evaluation classifier; beside it the ε the run's ledger spent;
 - time (the sum of the row's cells; the ceiling's counted in the first ε row) and peak RSS (the largest of the
   row's processes, children included).
 
-Splits are the project's protocol (feta_release/eval_protocol.py): the generated set holds size / 0.8 images, its
-held-out 20 % (seed 0) is scored once; ``--mode validation`` scores the validation part inside train instead (for
-tuning; the held-out part is then never read). δ is the project's job default (1e-5) unless ``--delta``.
-The digits hold 5,000 images, so their 20,000 row is marked n/a.
+Splits are the project's protocol (feta_release/eval_protocol.py): the generated set holds size / 0.8 images,
+its held-out 20 % (seed 0) is scored once; ``--mode validation`` scores the validation part inside train
+instead (for tuning; the held-out part is then never read). δ is the project's job default (1e-5) unless
+``--delta``. The digits hold 5,000 images, so their 20,000 row is marked n/a.
 
-``--job`` picks the pipeline's job: ``auto`` (default: ``train --data PATH --epsilon E`` when the installed ``train``
-has ``--epsilon``, else the shipped preset ``cpu-eps1`` / ``cpu-eps10`` nearest the row's ε, with [privacy]
-epsilon/delta set to the row's), ``derived`` (always ``--epsilon E``), ``preset:NAME`` (NAME may contain ``{eps}``,
-e.g. ``preset:cpu-eps{eps}``) or a job ``.toml`` path; a preset or file gets the row's ε, δ and the seed.
+``--job`` picks the pipeline's job: ``auto`` (default: ``train --data PATH --epsilon E`` when the installed
+``train`` has ``--epsilon``, else the shipped preset ``cpu-eps1`` / ``cpu-eps10`` nearest the row's ε, with
+[privacy] epsilon/delta set to the row's), ``derived`` (always ``--epsilon E``), ``preset:NAME`` (NAME may
+contain ``{eps}``, e.g. ``preset:cpu-eps{eps}``) or a job ``.toml`` path; a preset or file gets the row's ε, δ
+and the seed.
 
-Each cell (one method, data kind, size, ε, seed) runs in its own process, so its time and peak RSS are its own;
-results are saved after every cell and a rerun with the same ``--out`` skips the cells already done.
+Each cell (one method, data kind, size, ε, seed) runs in its own process, so its time and peak RSS are its
+own; results are saved after every cell and a rerun with the same ``--out`` skips the cells already done.
 
 Commands (the full table takes hours on 2 CPU cores; run it on a GPU machine with ``--device cuda`` for the
 pipeline and ``--classifier-device cuda`` for the evaluation classifiers, ``--jobs N`` cells at once; the
@@ -39,7 +41,7 @@ DP-SGD anchor stays on the CPU):
     python bench/generality.py --sizes 4000 --methods ceiling,release --job derived --device cuda \
         --classifier-device cuda --jobs 6 --priority medical:10,digits:1,rgb:10   # those rows first
     python bench/generality.py --quick                           # smoke run -> bench/results/generality-quick.*
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -104,8 +106,12 @@ def _cell_dpsgd(cell: dict) -> dict:
     train, test = _splits(cell)
     kw = {"epochs": cell["dpsgd_epochs"]} if cell.get("dpsgd_epochs") else {}
     res = dpsgd_anchor(train, test, epsilon=cell["eps"], delta=cell["delta"], seed=cell["seed"], **kw)
-    return {"acc": res.accuracy, "epsilon": res.epsilon, "noise_multiplier": res.noise_multiplier,
-            "steps": res.steps}
+    return {
+        "acc": res.accuracy,
+        "epsilon": res.epsilon,
+        "noise_multiplier": res.noise_multiplier,
+        "steps": res.steps,
+    }
 
 
 def _cell_release(cell: dict) -> dict:
@@ -115,23 +121,46 @@ def _cell_release(cell: dict) -> dict:
     train, test = _splits(cell)
     run_dir = Path(cell["work"]) / "runs" / _cell_name(cell)
     data = save_npz(train, run_dir.parent / f"{_cell_name(cell)}-train.npz")
-    cmd = [sys.executable, "-m", "feta_release", "train", *cell["job_args"], "--data", str(data),
-           "--out", str(run_dir), "--synthetic", str(cell["n_synthetic"]), "--no-release", "--json",
-           "--no-progress", "--threads", str(cell["threads"]), "--device", cell["device"]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "feta_release",
+        "train",
+        *cell["job_args"],
+        "--data",
+        str(data),
+        "--out",
+        str(run_dir),
+        "--synthetic",
+        str(cell["n_synthetic"]),
+        "--no-release",
+        "--json",
+        "--no-progress",
+        "--threads",
+        str(cell["threads"]),
+        "--device",
+        cell["device"],
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
     train_s = time.perf_counter() - t0
-    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
     z = np.load(run_dir / "synthetic.npz")
-    syn = ImageDataset(z["images"].astype(np.float32), z["labels"].astype(np.int64), train.class_names,
-                       source=str(run_dir))
+    syn = ImageDataset(
+        z["images"].astype(np.float32), z["labels"].astype(np.int64), train.class_names, source=str(run_dir)
+    )
     acc, per_class = _classifier_scores(syn, test, cell)
     run_json = run_dir / "run.json"  # the job's own per-stage wall times
     stages = json.loads(run_json.read_text()).get("stage_seconds", {}) if run_json.exists() else {}
-    out = {"acc": acc, "per_class": per_class, "epsilon": summary["epsilon"], "train_s": round(train_s, 1),
-           "stage_seconds": {k: round(v, 1) for k, v in stages.items()}}
+    out = {
+        "acc": acc,
+        "per_class": per_class,
+        "epsilon": summary["epsilon"],
+        "train_s": round(train_s, 1),
+        "stage_seconds": {k: round(v, 1) for k, v in stages.items()},
+    }
     central = run_dir / "released" / "central.npz"
     if central.exists():  # the job released central images: the release-only floor is free
         c = np.load(central)
@@ -165,12 +194,19 @@ def _cell_name(cell: dict) -> str:
 # the driver
 # ------------------------------------------------------------------------------------------------
 def _spawn(cell: dict) -> tuple[dict, float, float]:
-    """(result, seconds, peak RSS in MiB of the cell's process and its children) of one cell in a child process."""
+    """(result, seconds, peak RSS in MiB of the cell's process and its children) of one cell in a child
+    process."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, __file__, "--cell", json.dumps(cell)], stdout=out, stderr=err,
-                                text=True, env=_child_env())
-        # wait4, not Popen.wait: it also returns the child's resource usage (output goes to files, so no pipe fills)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--cell", json.dumps(cell)],
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=_child_env(),
+        )
+        # wait4, not Popen.wait: it also returns the child's resource usage (output goes to files, so no pipe
+        # fills)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = code = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
@@ -184,8 +220,12 @@ def _spawn(cell: dict) -> tuple[dict, float, float]:
 
 def train_has_epsilon() -> bool:
     """Whether the installed ``feta-release train`` takes ``--epsilon`` (the derived job, no preset)."""
-    proc = subprocess.run([sys.executable, "-m", "feta_release", "train", "--help"], capture_output=True, text=True,
-                          env=_child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "feta_release", "train", "--help"],
+        capture_output=True,
+        text=True,
+        env=_child_env(),
+    )
     return "--epsilon" in proc.stdout
 
 
@@ -211,9 +251,17 @@ def job_args(job: str, eps: float, delta: float, seed: int, work: Path, derived:
 
 def plan_cells(args: argparse.Namespace, derived: bool) -> list[dict]:
     """Every cell of the table, in row order; the ceiling once per (kind, size, seed)."""
-    common = {"mode": args.mode, "delta": args.delta, "threads": args.threads, "device": args.device,
-              "n_synthetic": args.n_synthetic, "work": str(args.work), "classifier_epochs": args.classifier_epochs,
-              "dpsgd_epochs": args.dpsgd_epochs, "classifier_device": args.classifier_device}
+    common = {
+        "mode": args.mode,
+        "delta": args.delta,
+        "threads": args.threads,
+        "device": args.device,
+        "n_synthetic": args.n_synthetic,
+        "work": str(args.work),
+        "classifier_epochs": args.classifier_epochs,
+        "dpsgd_epochs": args.dpsgd_epochs,
+        "classifier_device": args.classifier_device,
+    }
     cells = []
     for kind in args.kinds:
         for size in args.sizes:
@@ -225,8 +273,15 @@ def plan_cells(args: argparse.Namespace, derived: bool) -> list[dict]:
                     if method == "ceiling" and eps != args.eps[0]:
                         continue
                     for seed in args.seeds:
-                        cell = {**common, "kind": kind, "size": size, "eps": eps, "seed": seed, "method": method,
-                                "image_size": image_size}
+                        cell = {
+                            **common,
+                            "kind": kind,
+                            "size": size,
+                            "eps": eps,
+                            "seed": seed,
+                            "method": method,
+                            "image_size": image_size,
+                        }
                         if method == "release":
                             cell["job_args"] = job_args(args.job, eps, args.delta, seed, args.work, derived)
                         cells.append(cell)
@@ -253,23 +308,44 @@ def _fmt(values: list[float]) -> str:
 
 def table(results: dict, args: argparse.Namespace) -> str:
     """The markdown table of the cells done so far."""
-    head = ["data", "n train", "ε", "real ceiling", "release-only", "DP-SGD CNN (Opacus)", "release (pipeline)",
-            "pipeline ε spent", "time", "peak RSS"]
-    lines = [f"Accuracy on real {'held-out' if args.mode == 'test' else 'validation'} images, mean ± std (seeds); "
-             f"δ = {args.delta:g}; job {args.job}; {args.n_synthetic} synthetic images per run.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = [
+        "data",
+        "n train",
+        "ε",
+        "real ceiling",
+        "release-only",
+        "DP-SGD CNN (Opacus)",
+        "release (pipeline)",
+        "pipeline ε spent",
+        "time",
+        "peak RSS",
+    ]
+    lines = [
+        f"Accuracy on real {'held-out' if args.mode == 'test' else 'validation'} images, mean ± std (seeds); "
+        f"δ = {args.delta:g}; job {args.job}; {args.n_synthetic} synthetic images per run.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for kind in args.kinds:
         for size in args.sizes:
             for eps in args.eps:
                 if kind == "digits" and size > DIGITS_TRAIN_MAX:
-                    lines.append(f"| {kind} | {size:,} | {eps:g} | n/a: the embedded digits hold 5,000 images |"
-                                 + " |" * (len(head) - 4))
+                    lines.append(
+                        f"| {kind} | {size:,} | {eps:g} | n/a: the embedded digits hold 5,000 images |"
+                        + " |" * (len(head) - 4)
+                    )
                     continue
                 lines.append(_row(results, kind, size, eps, args.eps[0]))
     lines += _per_class_lines(results, args)
     errors = [f"- {name}: {r['result']['error']}" for name, r in results.items() if "error" in r["result"]]
-    return "\n".join(lines + (["", "Cells that failed (rerun the same command to retry them):", *errors] if errors
-                              else [])) + "\n"
+    return (
+        "\n".join(
+            lines
+            + (["", "Cells that failed (rerun the same command to retry them):", *errors] if errors else [])
+        )
+        + "\n"
+    )
 
 
 def _per_class_lines(results: dict, args: argparse.Namespace) -> list[str]:
@@ -282,15 +358,20 @@ def _per_class_lines(results: dict, args: argparse.Namespace) -> list[str]:
             for eps in args.eps:
                 rel = _class_means(results, f"release-{kind}-n{size}-eps{eps:g}-seed")
                 if rel:
-                    parts = [f"{c} {m:.2f}" + (f" ({ceil[c]:.2f})" if c in ceil else "") for c, m in rel.items()]
+                    parts = [
+                        f"{c} {m:.2f}" + (f" ({ceil[c]:.2f})" if c in ceil else "") for c, m in rel.items()
+                    ]
                     lines.append(f"- {kind}, {size:,}, ε = {eps:g}: " + ", ".join(parts))
     head = ["", "Per-class accuracy of the release (real ceiling in brackets), mean over seeds:", ""]
     return head + lines if lines else []
 
 
 def _class_means(results: dict, prefix: str) -> dict[str, float]:
-    rows = [r["result"]["per_class"] for k, r in results.items()
-            if k.startswith(prefix) and "per_class" in r["result"]]
+    rows = [
+        r["result"]["per_class"]
+        for k, r in results.items()
+        if k.startswith(prefix) and "per_class" in r["result"]
+    ]
     return {c: float(np.nanmean([row[c] for row in rows])) for c in rows[0]} if rows else {}
 
 
@@ -303,11 +384,24 @@ def _row(results: dict, kind: str, size: int, eps: float, first_eps: float) -> s
     mine = dpsgd + release + (ceiling if eps == first_eps else [])
     acc = lambda rows, key="acc": [r["result"][key] for r in rows if key in r["result"]]  # noqa: E731
     spent = acc(release, "epsilon")
-    return "| " + " | ".join([
-        kind, f"{size:,}", f"{eps:g}", _fmt(acc(ceiling)), _fmt(acc(release, "release_only")), _fmt(acc(dpsgd)),
-        _fmt(acc(release)), f"{max(spent):.3g}" if spent else "–",
-        f"{sum(r['seconds'] for r in mine):.0f} s" if mine else "–",
-        f"{max(r['rss_mib'] for r in mine):.0f} MiB" if mine else "–"]) + " |"
+    return (
+        "| "
+        + " | ".join(
+            [
+                kind,
+                f"{size:,}",
+                f"{eps:g}",
+                _fmt(acc(ceiling)),
+                _fmt(acc(release, "release_only")),
+                _fmt(acc(dpsgd)),
+                _fmt(acc(release)),
+                f"{max(spent):.3g}" if spent else "–",
+                f"{sum(r['seconds'] for r in mine):.0f} s" if mine else "–",
+                f"{max(r['rss_mib'] for r in mine):.0f} MiB" if mine else "–",
+            ]
+        )
+        + " |"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -316,32 +410,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="500,4000,20000", help="training sizes, comma-separated")
     ap.add_argument("--eps", default="1,10", help="target epsilons, comma-separated")
     ap.add_argument("--seeds", default=None, help="comma-separated (default: the protocol's 0,1,2)")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    ap.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}"
+    )
     ap.add_argument("--job", default="auto", help="auto | derived | preset:NAME | JOB.toml (see above)")
     ap.add_argument("--mode", choices=["test", "validation"], default="test")
     ap.add_argument("--delta", type=float, default=None, help="default: the project's job default")
     ap.add_argument("--n-synthetic", type=int, default=None, help="default: the protocol's 10,000")
-    ap.add_argument("--image-size", type=int, default=None, help="side of generated images (default: the kind's)")
+    ap.add_argument(
+        "--image-size", type=int, default=None, help="side of generated images (default: the kind's)"
+    )
     ap.add_argument("--classifier-epochs", type=int, default=None, help="default: the evaluator's own")
     ap.add_argument("--dpsgd-epochs", type=int, default=None, help="default: bench/dpsgd_classifier.py's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline trains")
-    ap.add_argument("--classifier-device", choices=["cpu", "cuda"], default="cpu",
-                    help="where the evaluation classifiers train (ceiling, release, release-only)")
-    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each its own process; on a GPU "
-                    "machine several share the GPU); their times then include the others' load")
+    ap.add_argument(
+        "--classifier-device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the evaluation classifiers train (ceiling, release, release-only)",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="cells run at once (each its own process; on a GPU "
+        "machine several share the GPU); their times then include the others' load",
+    )
     ap.add_argument("--priority", default="", help="rows to run first, in order, e.g. medical:10,digits:1")
     ap.add_argument("--out", default=None, help="result files' stem (default bench/results/generality)")
     ap.add_argument("--work", default="runs/generality", help="data and run directories")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 300 training images, the tiny preset, one "
-                    "seed, 1 classifier epoch, 1 DP-SGD epoch, 100 synthetic images, 32x32 medical images")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 300 training images, the tiny preset, one "
+        "seed, 1 classifier epoch, 1 DP-SGD epoch, 100 synthetic images, 32x32 medical images",
+    )
     ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from feta_release.config import PrivacySection
     from feta_release.eval_protocol import PROTOCOL
 
     if args.quick:
-        args.sizes, args.job, args.image_size = "300", "preset:tiny", args.image_size or 32  # tiny: >= 100 images
+        # tiny: >= 100 images
+        args.sizes, args.job, args.image_size = "300", "preset:tiny", args.image_size or 32
         args.seeds, args.n_synthetic = args.seeds or "0", args.n_synthetic or 100
         args.classifier_epochs, args.dpsgd_epochs = args.classifier_epochs or 1, args.dpsgd_epochs or 1
         args.work = args.work + "-quick"
@@ -354,7 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(PROTOCOL.seeds)
     args.delta = args.delta if args.delta is not None else PrivacySection().delta
     args.n_synthetic = args.n_synthetic or PROTOCOL.n_synthetic
-    args.out = Path(args.out or ROOT / "bench" / "results" / ("generality-quick" if args.quick else "generality"))
+    args.out = Path(
+        args.out or ROOT / "bench" / "results" / ("generality-quick" if args.quick else "generality")
+    )
     args.work = Path(args.work)
     args.priority = [(k, float(e)) for k, e in (r.split(":") for r in args.priority.split(",") if r)]
     return args
@@ -376,8 +490,12 @@ def main(argv: list[str] | None = None) -> None:
         for done in as_completed(running):
             cell, (result, seconds, rss) = running[done], done.result()
             name = _cell_name(cell)
-            results[name] = {"result": result, "seconds": round(seconds, 1), "rss_mib": round(rss),
-                             "job_args": cell.get("job_args")}
+            results[name] = {
+                "result": result,
+                "seconds": round(seconds, 1),
+                "rss_mib": round(rss),
+                "job_args": cell.get("job_args"),
+            }
             print(json.dumps({"cell": name, **results[name]}), flush=True)
             json_path.parent.mkdir(parents=True, exist_ok=True)
             saved = {"cells": results, "args": {k: str(v) for k, v in vars(args).items()}}

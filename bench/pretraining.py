@@ -15,17 +15,17 @@ lora_rank``). ``--starts`` / ``--dpsgd`` pick the cells; the sizes come from ``-
 ``cpu-eps*`` (the tuned digit presets; both datasets are 28x28 grey). A select cell whose selection does not
 fit the budget beside the preset's warm-up (the no-DP-SGD presets spend it all) is reported as refused.
 
-- digits: private = the embedded MNIST training split (protocol ``fit`` part), scored on its ``validation`` part (the
-  held-out test part is never read); public = procedural pen strokes (``data generate strokes``): derived from no
-  digit set, so pretraining on it is unconditional (its classes name no digit).
+- digits: private = the embedded MNIST training split (protocol ``fit`` part), scored on its ``validation``
+  part (the held-out test part is never read); public = procedural pen strokes (``data generate strokes``):
+  derived from no digit set, so pretraining on it is unconditional (its classes name no digit).
 - medical: private = procedural chest images of population A, scored on other population-A images; public =
   population B (another hospital: other contrast, noise and class balance; the same four class names, so
   pretraining is class-conditional).
 
-Pretraining runs once per dataset (``[public] pretrain_iterations`` on the public set, a function of public data and
-the job seed only) and every pretrained cell starts from that file (``train --pretrained``'s route). One seed:
-figures are single runs, not means.
-"""
+Pretraining runs once per dataset (``[public] pretrain_iterations`` on the public set, a function of public
+data and the job seed only) and every pretrained cell starts from that file (``train --pretrained``'s
+route). One seed: figures are single runs, not means.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 
 STARTS = ("scratch", "pretrain", "select")
 DPSGD = ("none", "all", "norm_attention", "lora")
@@ -50,11 +49,17 @@ def _split(kind: str, n_private: int, n_eval: int, n_public: int) -> tuple[Any, 
     if kind == "digits":
         fit, val = protocol_splits(load_embedded(), "validation")
         rng = np.random.default_rng(0)
-        return (fit.subset(np.sort(rng.permutation(fit.n)[:n_private])),
-                val.subset(np.sort(rng.permutation(val.n)[:n_eval])), generate_dataset("strokes", n_public, size=28, seed=7))
+        return (
+            fit.subset(np.sort(rng.permutation(fit.n)[:n_private])),
+            val.subset(np.sort(rng.permutation(val.n)[:n_eval])),
+            generate_dataset("strokes", n_public, size=28, seed=7),
+        )
     private = generate_dataset("medical", n_private + n_eval, size=28, seed=1, population="A")
-    return (private.subset(np.arange(n_private)), private.subset(np.arange(n_private, n_private + n_eval)),
-            generate_dataset("medical", n_public, size=28, seed=7, population="B"))
+    return (
+        private.subset(np.arange(n_private)),
+        private.subset(np.arange(n_private, n_private + n_eval)),
+        generate_dataset("medical", n_public, size=28, seed=7, population="B"),
+    )
 
 
 def _job(eps: int, dpsgd: str, start: str, args: argparse.Namespace) -> Any:
@@ -64,47 +69,79 @@ def _job(eps: int, dpsgd: str, start: str, args: argparse.Namespace) -> Any:
     if dpsgd in ("norm_attention", "lora"):
         cfg = cfg.replace(dpsgd={"trainable": dpsgd, "lora_rank": args.lora_rank})
     if args.warmup_iterations is not None:  # the same stages, shorter: every cell of the table shrinks alike
-        cfg = cfg.replace(warmup={"spatial_iterations": args.warmup_iterations, "frequency_epochs": 1,
-                                  "frequency_images": min(600, 2 * args.n_private)},
-                          auxgen={"epochs": 1, "iterations_per_epoch": 10})
+        cfg = cfg.replace(
+            warmup={
+                "spatial_iterations": args.warmup_iterations,
+                "frequency_epochs": 1,
+                "frequency_images": min(600, 2 * args.n_private),
+            },
+            auxgen={"epochs": 1, "iterations_per_epoch": 10},
+        )
     if args.dpsgd_steps is not None and dpsgd != "none":
         cfg = cfg.replace(dpsgd={"steps": args.dpsgd_steps})
     if start == "select":  # pretraining runs inside the cell: what it keeps depends on the private histogram
-        cfg = cfg.replace(public={"pretrain_iterations": args.pretrain_iterations, "selection": True,
-                                  "selection_groups": args.selection_groups,
-                                  "selection_keep": args.selection_keep,
-                                  "selection_sigma": args.selection_sigma})
+        cfg = cfg.replace(
+            public={
+                "pretrain_iterations": args.pretrain_iterations,
+                "selection": True,
+                "selection_groups": args.selection_groups,
+                "selection_keep": args.selection_keep,
+                "selection_sigma": args.selection_sigma,
+            }
+        )
     return cfg
 
 
-def _pretrained(out: Path, kind: str, public: Any, private: Any, iterations: int,
-                device: str = "cpu") -> Path:
+def _pretrained(
+    out: Path, kind: str, public: Any, private: Any, iterations: int, device: str = "cpu"
+) -> Path:
     """The public model file of ``kind`` (trained once on ``device``; reused when present)."""
     import torch
 
     from feta_release.config import load_preset
-    from feta_release.stages.pretrain import PRETRAINED_FILE, PublicInputs, pretrain, with_public
-    from feta_release.stages.context import initial_denoiser
-    from feta_release.models.model_file import write_model_file
     from feta_release.models.edm import denoiser_spec
+    from feta_release.models.model_file import write_model_file
+    from feta_release.stages.context import initial_denoiser
+    from feta_release.stages.pretrain import PRETRAINED_FILE, PublicInputs, pretrain, with_public
 
     path = out / f"pretrained-{kind}.pt"
     if path.exists():
         return path
-    cfg = with_public(load_preset("cpu-eps1").replace(public={"pretrain_iterations": iterations}),
-                      PublicInputs(public), private.image_shape)
+    cfg = with_public(
+        load_preset("cpu-eps1").replace(public={"pretrain_iterations": iterations}),
+        PublicInputs(public),
+        private.image_shape,
+    )
     model = initial_denoiser(cfg, private.image_shape, private.n_classes).to(device)
     t0 = time.perf_counter()
     res = pretrain(model, public, private.class_names, cfg)  # trains where the model is
     seconds = time.perf_counter() - t0
     model = model.cpu()
-    print(f"{kind}: pretrained {res.steps} steps on {public.n} public images in {seconds:.0f} s on {device} "
-          f"(final loss {res.final_loss:.3f}) -> {path.name} (as {PRETRAINED_FILE})", flush=True)
-    print(json.dumps({"pretrain": kind, "device": device, "steps": res.steps, "public_images": public.n,
-                      "image_shape": list(private.image_shape), "seconds": round(seconds, 1),
-                      "threads": torch.get_num_threads()}), flush=True)
-    write_model_file(path, spec=denoiser_spec(cfg.model, private.image_shape, private.n_classes),
-                     state_dict=model.state_dict(), class_names=list(private.class_names))
+    print(
+        f"{kind}: pretrained {res.steps} steps on {public.n} public images in {seconds:.0f} s on {device} "
+        f"(final loss {res.final_loss:.3f}) -> {path.name} (as {PRETRAINED_FILE})",
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {
+                "pretrain": kind,
+                "device": device,
+                "steps": res.steps,
+                "public_images": public.n,
+                "image_shape": list(private.image_shape),
+                "seconds": round(seconds, 1),
+                "threads": torch.get_num_threads(),
+            }
+        ),
+        flush=True,
+    )
+    write_model_file(
+        path,
+        spec=denoiser_spec(cfg.model, private.image_shape, private.n_classes),
+        state_dict=model.state_dict(),
+        class_names=list(private.class_names),
+    )
     return path
 
 
@@ -116,8 +153,15 @@ def _inputs(start: str, public: Any, pretrained: Path) -> Any:
     return PublicInputs(pretrained=pretrained) if start == "pretrain" else PublicInputs(public, "public set")
 
 
-def _cell(out: Path, kind: str, eps: int, start: str, dpsgd: str, data: tuple[Any, Any, Any, Path],
-          args: argparse.Namespace) -> dict[str, Any]:
+def _cell(
+    out: Path,
+    kind: str,
+    eps: int,
+    start: str,
+    dpsgd: str,
+    data: tuple[Any, Any, Any, Path],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     from feta_release.data import ImageDataset
     from feta_release.errors import PrivacyError
     from feta_release.evaluation import evaluate
@@ -131,9 +175,17 @@ def _cell(out: Path, kind: str, eps: int, start: str, dpsgd: str, data: tuple[An
     cfg = _job(eps, dpsgd, start, args)
     t0 = time.perf_counter()
     try:
-        res = run_pipeline(cfg, private, out / name, n_synthetic=args.n_synthetic, grid_per_class=2,
-                           noise_seed=0, public_size=private.n, public=_inputs(start, public, pretrained),
-                           device=args.device)
+        res = run_pipeline(
+            cfg,
+            private,
+            out / name,
+            n_synthetic=args.n_synthetic,
+            grid_per_class=2,
+            noise_seed=0,
+            public_size=private.n,
+            public=_inputs(start, public, pretrained),
+            device=args.device,
+        )
     except PrivacyError as exc:  # a selection beside a warm-up that spends the whole budget
         row = {"dataset": kind, "epsilon": eps, "start": start, "dpsgd": dpsgd, "refused": str(exc)}
         print(json.dumps(row), flush=True)
@@ -142,23 +194,41 @@ def _cell(out: Path, kind: str, eps: int, start: str, dpsgd: str, data: tuple[An
     with np.load(out / name / "synthetic.npz") as z:
         syn = ImageDataset(z["images"], z["labels"], tuple(private.class_names), source=name)
     rep = evaluate(syn, real_eval, 0, classifier_epochs=args.epochs, feature_epochs=args.epochs)
-    row = {"dataset": kind, "epsilon": eps, "start": start, "dpsgd": dpsgd, "accuracy": rep.accuracy,
-           "fd": rep.fd, "spent": res.epsilon, "dpsgd_steps": res.dpsgd_steps_trained, "seconds": round(seconds)}
+    row = {
+        "dataset": kind,
+        "epsilon": eps,
+        "start": start,
+        "dpsgd": dpsgd,
+        "accuracy": rep.accuracy,
+        "fd": rep.fd,
+        "spent": res.epsilon,
+        "dpsgd_steps": res.dpsgd_steps_trained,
+        "seconds": round(seconds),
+    }
     done.write_text(json.dumps(row))
     print(json.dumps(row), flush=True)
     return row
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    words = {"none": "no DP-SGD", "all": "DP-SGD, all parameters",
-             "norm_attention": "DP-SGD, norm + attention + cond.", "lora": "DP-SGD, LoRA adapters"}
+    words = {
+        "none": "no DP-SGD",
+        "all": "DP-SGD, all parameters",
+        "norm_attention": "DP-SGD, norm + attention + cond.",
+        "lora": "DP-SGD, LoRA adapters",
+    }
     starts = {"scratch": "scratch", "pretrain": "public pretraining", "select": "pretrained on the selection"}
-    lines = ["| dataset | ε | start | DP-SGD | accuracy | FD | ε spent | train s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dataset | ε | start | DP-SGD | accuracy | FD | ε spent | train s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         head = f"| {r['dataset']} | {r['epsilon']} | {starts[r['start']]} | {words[r['dpsgd']]} |"
-        lines.append(f"{head} refused: over the budget | | | |" if "refused" in r else
-                     f"{head} {r['accuracy']:.3f} | {r['fd']:.1f} | {r['spent']:.3f} | {r['seconds']} |")
+        lines.append(
+            f"{head} refused: over the budget | | | |"
+            if "refused" in r
+            else f"{head} {r['accuracy']:.3f} | {r['fd']:.1f} | {r['spent']:.3f} | {r['seconds']} |"
+        )
     return "\n".join(lines)
 
 
@@ -168,22 +238,38 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--datasets", default="medical,digits")
     ap.add_argument("--eps", default="1,10")
     ap.add_argument("--starts", default="scratch,pretrain", help=f"cells' starts, of {', '.join(STARTS)}")
-    ap.add_argument("--dpsgd", default="none,all,norm_attention",
-                    help=f"cells' DP-SGD, of {', '.join(DPSGD)}")
+    ap.add_argument(
+        "--dpsgd", default="none,all,norm_attention", help=f"cells' DP-SGD, of {', '.join(DPSGD)}"
+    )
     ap.add_argument("--out", default="runs/pretraining")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline runs trains and samples")
-    ap.add_argument("--pretrain-only", action="store_true",
-                    help="only pretrain each dataset's public model (timed)")
-    sizes = {"n_private": (600, 4000), "n_eval": (300, 1000), "n_public": (1000, 10000),
-             "pretrain_iterations": (200, 4000), "n_synthetic": (400, 10000), "epochs": (2, 5)}
+    ap.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the pipeline runs trains and samples"
+    )
+    ap.add_argument(
+        "--pretrain-only", action="store_true", help="only pretrain each dataset's public model (timed)"
+    )
+    sizes = {
+        "n_private": (600, 4000),
+        "n_eval": (300, 1000),
+        "n_public": (1000, 10000),
+        "pretrain_iterations": (200, 4000),
+        "n_synthetic": (400, 10000),
+        "epochs": (2, 5),
+    }
     for key in sizes:
-        ap.add_argument("--" + key.replace("_", "-"), type=int, default=None,
-                        help=f"default {sizes[key][0]} with --quick, else {sizes[key][1]}")
-    ap.add_argument("--warmup-iterations", type=int, default=None,
-                    help="spatial warm-up steps (--quick: 150)")
-    ap.add_argument("--dpsgd-steps", type=int, default=None,
-                    help="DP-SGD steps of the DP-SGD cells (--quick: 10)")
+        ap.add_argument(
+            "--" + key.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"default {sizes[key][0]} with --quick, else {sizes[key][1]}",
+        )
+    ap.add_argument(
+        "--warmup-iterations", type=int, default=None, help="spatial warm-up steps (--quick: 150)"
+    )
+    ap.add_argument(
+        "--dpsgd-steps", type=int, default=None, help="DP-SGD steps of the DP-SGD cells (--quick: 10)"
+    )
     ap.add_argument("--lora-rank", type=int, default=4)
     ap.add_argument("--selection-groups", type=int, default=16)
     ap.add_argument("--selection-keep", type=float, default=0.5)

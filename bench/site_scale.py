@@ -6,7 +6,8 @@ Each stage runs in a process of its own and its peak resident set is read from t
   generate   ``data generate medical`` into an .npz (8-bit pixels)
   inspect    ``data inspect`` of it
   init       ``site init`` (keys, node.toml, the policy draft with the data's keyed commitment)
-  open       the node's first open (``node start``'s preflight): decode, verify the commitment, write the site cache
+  open       the node's first open (``node start``'s preflight): decode, verify the commitment, write the site
+             cache
   reopen     a per-message open: the site from its cache
   central    the central-images release, padded to the public size (``edge.padded_releases``)
   frequency  the frequency release, padded likewise
@@ -50,15 +51,24 @@ QUICK_MODEL = {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attn_re
 def job_config(steps: int) -> Any:
     from feta_release.config import JobConfig
 
-    return JobConfig.from_dict({
-        "job": {"name": "site-scale", "seed": 0},
-        "privacy": {"epsilon": 10.0, "delta": 1e-5},
-        "central": {"kind": "mean", "rounds": 2, "batch": 1000, "sigma": 5.0, "clip": 8.0, "downsample": 0.25},
-        "frequency": {"features": 400, "sigma": 10.0},
-        "model": QUICK_MODEL,
-        "dpsgd": {"batch": 32, "steps": steps, "physical_batch": 16, "noise_multiplicity": 1},
-        "federation": {"rounds": 1, "local_steps": steps},
-    })
+    return JobConfig.from_dict(
+        {
+            "job": {"name": "site-scale", "seed": 0},
+            "privacy": {"epsilon": 10.0, "delta": 1e-5},
+            "central": {
+                "kind": "mean",
+                "rounds": 2,
+                "batch": 1000,
+                "sigma": 5.0,
+                "clip": 8.0,
+                "downsample": 0.25,
+            },
+            "frequency": {"features": 400, "sigma": 10.0},
+            "model": QUICK_MODEL,
+            "dpsgd": {"batch": 32, "steps": steps, "physical_batch": 16, "noise_multiplicity": 1},
+            "federation": {"rounds": 1, "local_steps": steps},
+        }
+    )
 
 
 def _cli(*args: str) -> None:
@@ -138,7 +148,9 @@ def _release(name: str, site: Any, steps: int) -> None:
     elif name == "frequency":
         padded(release_frequency, site.data, cfg, site.n_public, rng)
     else:
-        event = [e for e in stage_events(cfg, site.n_public, federated=True, rounds=[steps]) if e.stage == "dpsgd"][0]
+        event = [
+            e for e in stage_events(cfg, site.n_public, federated=True, rounds=[steps]) if e.stage == "dpsgd"
+        ][0]
         model = build_denoiser(cfg.model, site.data.image_shape, site.data.n_classes)
         weights = {k: v.numpy() for k, v in model.state_dict().items()}
         dpsgd_round(site.data, cfg, weights, event, torch.Generator().manual_seed(0), site.n_public)
@@ -146,8 +158,20 @@ def _release(name: str, site: Any, steps: int) -> None:
 
 
 def measure(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--stage", name, "--work", str(work), "--n", str(args.n),
-           "--size", str(args.size), "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--stage",
+        name,
+        "--work",
+        str(work),
+        "--n",
+        str(args.n),
+        "--size",
+        str(args.size),
+        "--steps",
+        str(args.steps),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FETA_MAX_DATASET_MB": str(args.memory_mb)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -156,8 +180,14 @@ def measure(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     rc = os.waitstatus_to_exitcode(status)
     last = out.strip().splitlines()[-1] if out.strip() else ""
-    return {"stage": name, "rc": rc, "seconds": round(seconds, 2), "images_per_s": round(args.n / seconds, 1),
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "said": last[:300]}
+    return {
+        "stage": name,
+        "rc": rc,
+        "seconds": round(seconds, 2),
+        "images_per_s": round(args.n / seconds, 1),
+        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        "said": last[:300],
+    }
 
 
 def _one_stage(args: argparse.Namespace) -> None:
@@ -177,8 +207,12 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=1, help="local DP-SGD steps of the dpsgd stage")
     ap.add_argument("--quick", action="store_true", help="n = 5,000")
-    ap.add_argument("--memory-mb", type=int, default=2560,
-                    help="FETA_MAX_DATASET_MB of every stage: the float32 images' limit (the rest of 4 GB is headroom)")
+    ap.add_argument(
+        "--memory-mb",
+        type=int,
+        default=2560,
+        help="FETA_MAX_DATASET_MB of every stage: the float32 images' limit (the rest of 4 GB is headroom)",
+    )
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--keep", help="work directory to use and keep (default: a temporary one)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)

@@ -28,8 +28,8 @@ from rich.markup import escape
 from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.config import load_preset
-from feta_release.data.dataset import save_npz
 from feta_release.data import load_embedded
+from feta_release.data.dataset import save_npz
 from feta_release.data.splits import split_sites, train_heldout_split
 from feta_release.federation.procs import free_port
 from feta_release.job_rules import job_toml
@@ -42,20 +42,29 @@ from .superlink import SuperLinkSettings, start_superlink
 N_SITES = 3
 
 
-def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_steps: int, quick: bool,
-                secure: bool = True) -> Any:
+def demo_config(
+    preset: str,
+    epsilon: float,
+    site_size: int,
+    rounds: int,
+    local_steps: int,
+    quick: bool,
+    secure: bool = True,
+) -> Any:
     """The preset's job, adapted to a federation of sites of ``site_size`` images each.
 
     The single-site preset's sampling RATES are kept (q = batch / N), so each site's batch is the preset's
-    rate times the site's size; its DP-SGD steps (if any) become rounds x local_steps at every site. ``secure``: the
-    central images and frequency statistics are summed by secure aggregation (each site adds its share of the
-    noise; the sum carries the pooled mechanism's noise, not sqrt(3) times it); DP-SGD rounds keep per-site noise
-    (FedSGD loses at this epsilon: docs/secure-aggregation.md).
+    rate times the site's size; its DP-SGD steps (if any) become rounds x local_steps at every site.
+    ``secure``: the central images and frequency statistics are summed by secure aggregation (each site adds
+    its share of the noise; the sum carries the pooled mechanism's noise, not sqrt(3) times it); DP-SGD rounds
+    keep per-site noise (FedSGD loses at this epsilon: docs/secure-aggregation.md).
     """
     cfg = load_preset(preset)
     sized = cfg.for_size(site_size)  # presets with [central]/[dpsgd] rate: batch = rate x public size
     n_ref = 4000  # presets without a rate are written for the embedded 4,000-image training split
-    central_b = sized.central.batch if cfg.central.rate is not None else int(cfg.central.batch / n_ref * site_size)
+    central_b = (
+        sized.central.batch if cfg.central.rate is not None else int(cfg.central.batch / n_ref * site_size)
+    )
     dpsgd_b = sized.dpsgd.batch if cfg.dpsgd.rate is not None else round(cfg.dpsgd.batch / n_ref * site_size)
     # a preset without DP-SGD (steps = 0) keeps none; one given in epochs (steps None) has DP-SGD too
     steps = 0 if cfg.dpsgd.steps == 0 else rounds * local_steps
@@ -63,44 +72,92 @@ def demo_config(preset: str, epsilon: float, site_size: int, rounds: int, local_
         "privacy": {"epsilon": epsilon},
         "central": {"batch": max(1, min(site_size, central_b))},
         "dpsgd": {"batch": max(1, min(site_size, dpsgd_b)), "steps": steps},
-        "federation": {"sites": [f"site-{chr(ord('a') + i)}" for i in range(N_SITES)], "min_sites": 2,
-                       "rounds": rounds, "local_steps": local_steps, "round_timeout": 900.0,
-                       "secure_aggregation": secure},
+        "federation": {
+            "sites": [f"site-{chr(ord('a') + i)}" for i in range(N_SITES)],
+            "min_sites": 2,
+            "rounds": rounds,
+            "local_steps": local_steps,
+            "round_timeout": 900.0,
+            "secure_aggregation": secure,
+        },
         "job": {"name": "demo"},
     }
     if quick:  # a smoke run of the real processes: minutes, not quality
-        over.update({
-            "model": {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attn_resolutions": []},
-            "warmup": {"spatial_iterations": 5, "spatial_batch": 16, "frequency_images": 40, "frequency_epochs": 1,
-                       "frequency_batch": 20, "polish_iterations": min(5, cfg.warmup.polish_iterations)},
-            "auxgen": {"epochs": 1, "iterations_per_epoch": 2, "width": 8, "batch": 20},
-            "frequency": {"features": 100},
-            "dpsgd": {"batch": 16, "steps": steps, "noise_multiplicity": 1, "physical_batch": 16},
-            "sampler": {"steps": 4},
-        })
+        over.update(
+            {
+                "model": {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attn_resolutions": []},
+                "warmup": {
+                    "spatial_iterations": 5,
+                    "spatial_batch": 16,
+                    "frequency_images": 40,
+                    "frequency_epochs": 1,
+                    "frequency_batch": 20,
+                    "polish_iterations": min(5, cfg.warmup.polish_iterations),
+                },
+                "auxgen": {"epochs": 1, "iterations_per_epoch": 2, "width": 8, "batch": 20},
+                "frequency": {"features": 100},
+                "dpsgd": {"batch": 16, "steps": steps, "noise_multiplicity": 1, "physical_batch": 16},
+                "sampler": {"steps": 4},
+            }
+        )
     return cfg.replace(**over)
 
 
 @click.command()
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("feta-demo"),
-              show_default=True, help="One folder for everything the demo writes (must be new or empty).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("feta-demo"),
+    show_default=True,
+    help="One folder for everything the demo writes (must be new or empty).",
+)
 @click.option("--epsilon", type=float, default=1.0, show_default=True, help="Per-site ε of the release.")
-@click.option("--preset", default="cpu-eps1-nodpsgd", show_default=True,
-              help="Job preset adapted to 3 sites (the default spends ε on the central images and frequency statistics "
-                   "and runs no DP-SGD: at this ε·N it scores higher, docs/evaluation.md; cpu-eps1 adds DP-SGD rounds).")
-@click.option("--rounds", type=int, default=4, show_default=True, help="Federated DP-SGD rounds (presets with DP-SGD).")
-@click.option("--local-steps", type=int, default=10, show_default=True,
-              help="DP-SGD steps per site per round (presets with DP-SGD).")
-@click.option("--per-site", type=int, default=None, help="Use only this many images per site (faster, worse).")
+@click.option(
+    "--preset",
+    default="cpu-eps1-nodpsgd",
+    show_default=True,
+    help="Job preset adapted to 3 sites (the default spends ε on the central images and frequency statistics "
+    "and runs no DP-SGD: at this ε·N it scores higher, docs/evaluation.md; cpu-eps1 adds DP-SGD rounds).",
+)
+@click.option(
+    "--rounds", type=int, default=4, show_default=True, help="Federated DP-SGD rounds (presets with DP-SGD)."
+)
+@click.option(
+    "--local-steps",
+    type=int,
+    default=10,
+    show_default=True,
+    help="DP-SGD steps per site per round (presets with DP-SGD).",
+)
+@click.option(
+    "--per-site", type=int, default=None, help="Use only this many images per site (faster, worse)."
+)
 @click.option("--quick", is_flag=True, help="Tiny model and stages: checks the machinery in a few minutes.")
 @click.option("--no-release", is_flag=True, help="Skip the ONNX release (samples + privacy report only).")
-@click.option("--secure-aggregation/--per-site-noise", "secure", default=True, show_default=True,
-              help="Sum the central images and frequency statistics by secure aggregation (each site adds a share of "
-                   "the noise), or let each site add the full noise to its own release.")
+@click.option(
+    "--secure-aggregation/--per-site-noise",
+    "secure",
+    default=True,
+    show_default=True,
+    help="Sum the central images and frequency statistics by secure aggregation (each site adds a share of "
+    "the noise), or let each site add the full noise to its own release.",
+)
 @device_option("the coordinator's training and sampling and the sites' DP-SGD rounds")
 @progress_option("a status spinner naming the current step")
-def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
-         quick: bool, no_release: bool, secure: bool, device: str, progress: bool) -> None:
+def demo(
+    out_dir: Path,
+    epsilon: float,
+    preset: str,
+    rounds: int,
+    local_steps: int,
+    per_site: int | None,
+    quick: bool,
+    no_release: bool,
+    secure: bool,
+    device: str,
+    progress: bool,
+) -> None:
     """Run the whole federated release on the embedded data: 3 sites + a coordinator on loopback, ε = 1.
 
     \b
@@ -126,9 +183,13 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
             t0 = time.monotonic()
             fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, per_site, quick, secure)
             timings["prepare"] = time.monotonic() - t0
-            console.log(f"3 sites ready ({', '.join(f'{s.site_id}: public size {s.size}' for s in fed.sites)}); "
-                        f"coordinator key {fed.coordinator_pub}")
-            status.update("[bold]starting the coordinator (SuperLink) and 3 site nodes (SuperNodes) on loopback")
+            console.log(
+                f"3 sites ready ({', '.join(f'{s.site_id}: public size {s.size}' for s in fed.sites)}); "
+                f"coordinator key {fed.coordinator_pub}"
+            )
+            status.update(
+                "[bold]starting the coordinator (SuperLink) and 3 site nodes (SuperNodes) on loopback"
+            )
             t0 = time.monotonic()
             address = _start_processes(out_dir, fed, procs, console, device)
             timings["start_processes"] = time.monotonic() - t0
@@ -155,13 +216,21 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
                 _dpo_report(release, out_dir, fed)
             timings["finalize"] = time.monotonic() - t0
         timings["total"] = time.monotonic() - t_start
-        doc = {"timings_s": timings, "job_phase_timings_s": summary["timings"], "site_epsilon": summary["site_epsilon"],
-               "rounds": summary["rounds"], "skipped": summary["skipped"],
-               "release": "release" if release else None, "cores": _cores()}
+        doc = {
+            "timings_s": timings,
+            "job_phase_timings_s": summary["timings"],
+            "site_epsilon": summary["site_epsilon"],
+            "rounds": summary["rounds"],
+            "skipped": summary["skipped"],
+            "release": "release" if release else None,
+            "cores": _cores(),
+        }
         (out_dir / "demo_summary.json").write_text(json.dumps(doc, indent=2), "utf-8")
         console.print(escape((out_dir / "privacy_report.txt").read_text("utf-8")))
-        console.print(f"[bold green]done in {timings['total']:.0f} s[/]: {out_dir / 'samples.png'}, "
-                      f"{out_dir / 'privacy_report.txt'}" + (f", {release}" if release else ""))
+        console.print(
+            f"[bold green]done in {timings['total']:.0f} s[/]: {out_dir / 'samples.png'}, "
+            f"{out_dir / 'privacy_report.txt'}" + (f", {release}" if release else "")
+        )
         del report
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the coordinator and site nodes[/]")
@@ -172,8 +241,9 @@ def demo(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: i
 
 
 def link_release(out_dir: Path, release: Path) -> Path:
-    """``OUT/release``: a RELATIVE link to the release inside OUT, so the folder can be moved, archived or sent and
-    every copy verifies its own files (an absolute link made a copy verify the original's files instead)."""
+    """``OUT/release``: a RELATIVE link to the release inside OUT, so the folder can be moved, archived or
+    sent and every copy verifies its own files (an absolute link made a copy verify the original's files
+    instead)."""
     link = out_dir / "release"
     link.symlink_to(os.path.relpath(release.resolve(), out_dir.resolve()), target_is_directory=True)
     return link
@@ -181,15 +251,18 @@ def link_release(out_dir: Path, release: Path) -> Path:
 
 def _dpo_report(release: Path, out_dir: Path, fed: Any) -> Path:
     """``report.html``: the release report a data-protection officer reads. Trust is role-bound as for
-    ``verify``: each demo site's administrator (policy) key for its site id, and the demo's coordinator key pinned."""
-    roots = TrustRoots({s.site_id: (load_public_key(s.policy_pub),) for s in fed.sites},
-                       (load_public_key(fed.coordinator_pub),))
+    ``verify``: each demo site's administrator (policy) key for its site id, and the demo's coordinator key
+    pinned."""
+    roots = TrustRoots(
+        {s.site_id: (load_public_key(s.policy_pub),) for s in fed.sites},
+        (load_public_key(fed.coordinator_pub),),
+    )
     return write_report(release, out_dir / "report.html", roots)[0]
 
 
 def demo_console(file: Any = None) -> Console:
-    """The demo's console: timestamped lines without the source location (a user reads the step, not the line of
-    demo.py that logged it)."""
+    """The demo's console: timestamped lines without the source location (a user reads the step, not the line
+    of demo.py that logged it)."""
     return Console(stderr=file is None, file=file, log_path=False)
 
 
@@ -201,14 +274,25 @@ def _copy(src: Path, dst: Path) -> None:
     dst.write_bytes(src.read_bytes())
 
 
-def _prepare(out_dir: Path, epsilon: float, preset: str, rounds: int, local_steps: int, per_site: int | None,
-             quick: bool, secure: bool = True) -> tuple[Any, Any]:
+def _prepare(
+    out_dir: Path,
+    epsilon: float,
+    preset: str,
+    rounds: int,
+    local_steps: int,
+    per_site: int | None,
+    quick: bool,
+    secure: bool = True,
+) -> tuple[Any, Any]:
     from .setup import prepare_federation
 
     train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
     parts = split_sites(train, N_SITES, seed=0)
     if per_site is not None:
-        parts = [p.subset(np.sort(np.random.default_rng(i).permutation(p.n)[:per_site])) for i, p in enumerate(parts)]
+        parts = [
+            p.subset(np.sort(np.random.default_rng(i).permutation(p.n)[:per_site]))
+            for i, p in enumerate(parts)
+        ]
     datasets = {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
     fed = prepare_federation(out_dir / "federation", datasets)
     save_npz(heldout, out_dir / "federation" / "heldout.npz")
@@ -223,14 +307,27 @@ def _start_processes(out_dir: Path, fed: Any, procs: list[Any], console: Any, de
     port = free_port()
     coord = out_dir / "coordinator"
     procs.append(start_superlink(SuperLinkSettings(port=port, database=None, insecure=True, home=coord)))
-    console.log(f"coordinator SuperLink on 127.0.0.1:{port} (pid {procs[-1].pid}; --insecure: loopback demo only)")
+    console.log(
+        f"coordinator SuperLink on 127.0.0.1:{port} (pid {procs[-1].pid}; --insecure: loopback demo only)"
+    )
     for s in fed.sites:
-        ns = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                          site_key=s.site_key, data_secret=s.data_secret, superlink=f"127.0.0.1:{port}",
-                          port=free_port(), insecure=True, device=device)
+        ns = NodeSettings(
+            data=s.data,
+            policy=s.policy,
+            trusted_policy_key=s.policy_pub,
+            ledger=s.ledger,
+            site_key=s.site_key,
+            data_secret=s.data_secret,
+            superlink=f"127.0.0.1:{port}",
+            port=free_port(),
+            insecure=True,
+            device=device,
+        )
         procs.append(start_node(ns))
-        console.log(f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, "
-                    "keyed data commitment checked")
+        console.log(
+            f"site node {s.site_id} started (pid {procs[-1].pid}); policy verified, "
+            "keyed data commitment checked"
+        )
     return f"127.0.0.1:{port}"
 
 
@@ -251,8 +348,9 @@ def _status(console: Any, progress: bool, text: str) -> Any:
     return console.status(text) if progress else _NoStatus()
 
 
-def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, status: Any,
-             device: str = "cpu") -> dict[str, Any]:
+def _run_job(
+    out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, status: Any, device: str = "cpu"
+) -> dict[str, Any]:
     from .runner import run_signed_job, sign_or_resume
 
     job_file = out_dir / "federation" / "job.toml"
@@ -268,14 +366,21 @@ def _run_job(out_dir: Path, fed: Any, cfg: Any, address: str, console: Any, stat
         elif "ERROR" in line or "Traceback" in line or line.startswith("feta_release"):
             console.log(f"[red]{escape(line)}")
 
-    return run_signed_job(signed, fed.coordinator_key, job_out, address, insecure=True, on_line=on_line,
-                          retry_hint=f"run the demo again with a new --out (logs of this run stay in {out_dir})",
-                          device=device)
+    return run_signed_job(
+        signed,
+        fed.coordinator_key,
+        job_out,
+        address,
+        insecure=True,
+        on_line=on_line,
+        retry_hint=f"run the demo again with a new --out (logs of this run stay in {out_dir})",
+        device=device,
+    )
 
 
 def _stop_all(procs: list[Any]) -> None:
-    """Stop every process group at once: one by one, a loaded machine can take ~15 s per process (SIGTERM wait,
-    then SIGKILL), so a Ctrl-C took over a minute to return."""
+    """Stop every process group at once: one by one, a loaded machine can take ~15 s per process (SIGTERM
+    wait, then SIGKILL), so a Ctrl-C took over a minute to return."""
     taken, procs[:] = list(procs), []
     if taken:
         with ThreadPoolExecutor(len(taken)) as pool:

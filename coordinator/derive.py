@@ -1,8 +1,9 @@
 """A federated job derived from the sites' PUBLIC declarations (``feta_release.job_rules``): the sum of their
 declared sizes, their common declared image shape and classes, the smallest of their per-job budgets.
 
-The declarations are read from the sites' policies (signed, or drafts) as ``privacy plan --policy`` reads them:
-planning trusts nothing, every node checks the signed job against its own signed policy when the job runs."""
+The declarations are read from the sites' policies (signed, or drafts) as ``privacy plan --policy`` reads
+them: planning trusts nothing, every node checks the signed job against its own signed policy when the job
+runs."""
 
 from __future__ import annotations
 
@@ -19,57 +20,94 @@ from feta_release.policy.envelope import read_json
 
 def read_site_policy(path: Path) -> Any:
     """A site policy for planning: signed (its integrity checked, not who signed it) or an unsigned draft."""
-    if path.suffix.lower() == ".json" and isinstance(raw := read_json(path, "policy"), dict) and "signature" in raw:
+    if (
+        path.suffix.lower() == ".json"
+        and isinstance(raw := read_json(path, "policy"), dict)
+        and "signature" in raw
+    ):
         return read_signed_policy_unverified(path)[0]
     return SitePolicy.from_document(read_policy_document(path), None, str(path))
 
 
-def facts_from_policies(policies: Sequence[Any], epsilon: float, delta: float | None = None,
-                        time_budget: float | None = None, device: str = "cpu") -> DataFacts:
-    """The public facts of a federation: summed declared sizes, the one declared shape and class list (refused when
-    the sites disagree or one declares none), epsilon and delta capped by every site's per-job budget."""
+def facts_from_policies(
+    policies: Sequence[Any],
+    epsilon: float,
+    delta: float | None = None,
+    time_budget: float | None = None,
+    device: str = "cpu",
+) -> DataFacts:
+    """The public facts of a federation: summed declared sizes, the one declared shape and class list (refused
+    when the sites disagree or one declares none), epsilon and delta capped by every site's per-job budget."""
     if not policies:
         raise ConfigError("derived federated job: give each site's policy (--policy FILE, once per site)")
     decls = []
     for p in policies:
         if p.declared is None:
-            raise ConfigError(f"site {p.site_id}: its policy declares no dataset.classes / dataset.image_shape; a "
-                              "derived job needs them (`feta-release site init` writes them), or give a JOB file")
+            raise ConfigError(
+                f"site {p.site_id}: its policy declares no dataset.classes / dataset.image_shape; a "
+                "derived job needs them (`feta-release site init` writes them), or give a JOB file"
+            )
         decls.append(p.declared)
     if len({(d.class_names, d.image_shape) for d in decls}) > 1:
-        seen = ", ".join(f"{p.site_id}: {len(d.class_names)} classes {list(d.image_shape)}"
-                         for p, d in zip(policies, decls))
-        raise ConfigError(f"derived federated job: the sites declare different classes or image shapes ({seen}); "
-                          "they must agree on one schema")
-    # one signed batch for every site (q = batch / each site's size): the smallest site's size, so that it samples
-    # q = 1 and a larger one q < 1; the combined release then counts n_sites x that many images on average
+        seen = ", ".join(
+            f"{p.site_id}: {len(d.class_names)} classes {list(d.image_shape)}"
+            for p, d in zip(policies, decls)
+        )
+        raise ConfigError(
+            f"derived federated job: the sites declare different classes or image shapes ({seen}); "
+            "they must agree on one schema"
+        )
+    # one signed batch for every site (q = batch / each site's size): the smallest site's size, so that it
+    # samples q = 1 and a larger one q < 1; the combined release then counts n_sites x that many images on
+    # average
     size = len(policies) * min(int(p.dataset_size) for p in policies)
     c, h, w = decls[0].image_shape
     eps = min([float(epsilon)] + [float(p.job_epsilon) for p in policies])
     cap = min(float(p.job_delta) for p in policies)
-    return DataFacts(size=size, height=int(h), width=int(w), channels=int(c), n_classes=decls[0].n_classes,
-                     epsilon=eps, delta=min(cap, default_delta(size) if delta is None else float(delta)),
-                     device="cuda" if device == "cuda" else "cpu", time_budget=time_budget, federated=True)
+    return DataFacts(
+        size=size,
+        height=int(h),
+        width=int(w),
+        channels=int(c),
+        n_classes=decls[0].n_classes,
+        epsilon=eps,
+        delta=min(cap, default_delta(size) if delta is None else float(delta)),
+        device="cuda" if device == "cuda" else "cpu",
+        time_budget=time_budget,
+        federated=True,
+    )
 
 
-def derive_federated(policy_files: Sequence[Path], epsilon: float, delta: float | None = None,
-                     time_budget: float | None = None, device: str = "cpu") -> tuple[Derivation, list[str]]:
+def derive_federated(
+    policy_files: Sequence[Path],
+    epsilon: float,
+    delta: float | None = None,
+    time_budget: float | None = None,
+    device: str = "cpu",
+) -> tuple[Derivation, list[str]]:
     """(the job derived from the sites' policies, their site ids in the order given)."""
     policies = [read_site_policy(Path(p)) for p in policy_files]
     ids = [p.site_id for p in policies]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"derived federated job: a site's policy was given twice ({', '.join(ids)})")
-    return federated_job(facts_from_policies(policies, epsilon, delta, time_budget, device),
-                         min(int(p.dataset_size) for p in policies)), ids
+    return federated_job(
+        facts_from_policies(policies, epsilon, delta, time_budget, device),
+        min(int(p.dataset_size) for p in policies),
+    ), ids
 
 
 def federated_job(facts: DataFacts, site_size: int) -> Derivation:
-    """The job derived from a federation's ``facts`` with its sampling rates turned into the one batch every site
-    is signed for (a signed federated job carries batches, not rates: each site's q = batch / its own size)."""
+    """The job derived from a federation's ``facts`` with its sampling rates turned into the one batch every
+    site is signed for (a signed federated job carries batches, not rates: each site's q = batch / its own
+    size)."""
     d = derive(facts)
     c, s = d.cfg.central, d.cfg.dpsgd
-    cfg = d.cfg.replace(central={"rate": None, "batch": max(1, round((c.rate or 1.0) * site_size))},
-                        dpsgd={"rate": None, "batch": max(1, min(site_size, round((s.rate or 0.0) * site_size)))})
-    note = (f"federation: {facts.size // site_size} site(s); one signed batch for all of them, sized at the smallest "
-            f"declared site ({site_size} images): central {cfg.central.batch}, DP-SGD {cfg.dpsgd.batch}")
+    cfg = d.cfg.replace(
+        central={"rate": None, "batch": max(1, round((c.rate or 1.0) * site_size))},
+        dpsgd={"rate": None, "batch": max(1, min(site_size, round((s.rate or 0.0) * site_size)))},
+    )
+    note = (
+        f"federation: {facts.size // site_size} site(s); one signed batch for all of them, sized at the "
+        f"smallest declared site ({site_size} images): central {cfg.central.batch}, DP-SGD {cfg.dpsgd.batch}"
+    )
     return replace(d, cfg=cfg, notes=d.notes[:-1] + (note,) + d.notes[-1:])

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from feta_release.config import JobConfig, load_job
-from feta_release.errors import ConfigError, FetaError
 from feta_release.data.loading import LoadOptions
+from feta_release.errors import ConfigError, FetaError
 from feta_release.federation.job import public_inputs, save_device, save_public
 from feta_release.files import atomic_write_bytes
 from feta_release.policy.jobs import sign_job
@@ -45,13 +45,19 @@ class PublicOption:
 
 
 def coordinator_device(name: str) -> str:
-    """``--device`` resolved here, before anything is signed or written (``cuda`` without a GPU: one ConfigError
-    line); ``auto`` becomes what it found, so the ServerApp computes where this check looked."""
+    """``--device`` resolved here, before anything is signed or written (``cuda`` without a GPU: one
+    ConfigError line); ``auto`` becomes what it found, so the ServerApp computes where this check looked."""
     return resolve_device(name).type
 
 
-def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Path, job_id: str | None,
-                   public: PublicOption = PublicOption()) -> Path:
+def sign_or_resume(
+    job_file: Path,
+    sites: list[str],
+    key_path: Path,
+    out_dir: Path,
+    job_id: str | None,
+    public: PublicOption = PublicOption(),
+) -> Path:
     """The signed job for ``out_dir``: the existing one when resuming (same job id: the sites' ledgers then
     answer already-paid requests from their records), a new one otherwise. ``public``: hashed into the job's
     ``[public]`` section (``stages.pretrain.with_public``: a job file naming another set is refused)."""
@@ -67,11 +73,15 @@ def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Pa
         # compared as signed: signing states the secure-aggregation default, which a job file may leave out
         named = body.get("config", {}).get("public", {})
         if (named.get("sha256") or named.get("pretrained_sha256")) and not cfg.public.enabled:
-            raise ConfigError(f"{out_dir} holds job {body.get('job_id')!r}, signed with public inputs "
-                              "([public]): give the same --public PATH / --pretrained FILE to resume it")
+            raise ConfigError(
+                f"{out_dir} holds job {body.get('job_id')!r}, signed with public inputs "
+                "([public]): give the same --public PATH / --pretrained FILE to resume it"
+            )
         if body.get("config") != cfg.with_secure_default(len(sites)).to_dict() or body.get("sites") != sites:
-            raise ConfigError(f"{out_dir} holds job {body.get('job_id')!r} with another config or site list; "
-                              "use a new --out for a new job")
+            raise ConfigError(
+                f"{out_dir} holds job {body.get('job_id')!r} with another config or site list; "
+                "use a new --out for a new job"
+            )
         if job_id and job_id != body.get("job_id"):
             raise ConfigError(f"{out_dir} holds job {body.get('job_id')!r}, not {job_id!r}")
         return path
@@ -79,17 +89,29 @@ def sign_or_resume(job_file: Path, sites: list[str], key_path: Path, out_dir: Pa
         raise ConfigError("--sites: name at least one site")
     jid = job_id or f"{cfg.job.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     signed = sign_job(cfg, load_private_key(key_path), jid, sites)
-    atomic_write_bytes(path, json.dumps(signed, indent=2).encode("utf-8"))  # a kill mid-write: no torn job to resume
+    # a kill mid-write: no torn job to resume
+    atomic_write_bytes(path, json.dumps(signed, indent=2).encode("utf-8"))
     return path
 
 
-def run_signed_job(signed_path: Path, key_path: Path, out_dir: Path, superlink: str, *, insecure: bool,
-                   root_certificates: Path | None = None, on_line: Callable[[str], None] | None = None,
-                   app_dir: Path = APP_DIR, retry_hint: str = "run the same command again to resume",
-                   device: str = "cpu", public: PublicOption = PublicOption()) -> dict[str, Any]:
-    """Submit the signed job and return its summary; ``retry_hint`` ends the error of a run that did not finish
-    (the demo cannot resume into its non-empty folder, so it says what to do instead). ``device``: where the
-    ServerApp computes (:func:`coordinator_device`), handed to it in ``out_dir`` (``federation.job.save_device``)."""
+def run_signed_job(
+    signed_path: Path,
+    key_path: Path,
+    out_dir: Path,
+    superlink: str,
+    *,
+    insecure: bool,
+    root_certificates: Path | None = None,
+    on_line: Callable[[str], None] | None = None,
+    app_dir: Path = APP_DIR,
+    retry_hint: str = "run the same command again to resume",
+    device: str = "cpu",
+    public: PublicOption = PublicOption(),
+) -> dict[str, Any]:
+    """Submit the signed job and return its summary; ``retry_hint`` ends the error of a run that did not
+    finish (the demo cannot resume into its non-empty folder, so it says what to do instead). ``device``:
+    where the ServerApp computes (:func:`coordinator_device`), handed to it in ``out_dir``
+    (``federation.job.save_device``)."""
     home = out_dir / "flwr_cli_home"
     write_flwr_config(home, superlink, insecure=insecure, root_certificates=root_certificates)
     save_device(out_dir, device)  # every submit: a resume with another --device must not find the last one's
@@ -98,13 +120,23 @@ def run_signed_job(signed_path: Path, key_path: Path, out_dir: Path, superlink: 
     summary_path = out_dir / "job_summary.json"
     if summary_path.exists():
         summary_path.unlink()  # a stale summary must not pass for this run's
-    code = submit(app_dir, home, {"job-file": str(signed_path.resolve()), "out-dir": str(out_dir.resolve()),
-                                  "coordinator-key": str(key_path.resolve())}, on_line=on_line)
+    code = submit(
+        app_dir,
+        home,
+        {
+            "job-file": str(signed_path.resolve()),
+            "out-dir": str(out_dir.resolve()),
+            "coordinator-key": str(key_path.resolve()),
+        },
+        on_line=on_line,
+    )
     # `flwr run` exits 0 even when the ServerApp raised: the job's own summary is the proof it finished.
     if code != 0 or not summary_path.exists():
         last = _last_error(out_dir)
-        raise FetaError(f"the job did not finish (flwr run exit code {code}){': ' + last if last else ''}; "
-                        f"progress log: {out_dir / 'progress.jsonl'}; {retry_hint}")
+        raise FetaError(
+            f"the job did not finish (flwr run exit code {code}){': ' + last if last else ''}; "
+            f"progress log: {out_dir / 'progress.jsonl'}; {retry_hint}"
+        )
     return json.loads(summary_path.read_text("utf-8"))
 
 

@@ -4,10 +4,11 @@ Run configuration (set by ``feta-release coordinator run`` with ``flwr run --run
   job-file         the SIGNED job (JSON envelope written by ``coordinator run``)
   out-dir          where state, checkpoints and outputs go (a rerun with the same dir resumes)
   coordinator-key  the coordinator's private key (signs nothing here; used to verify the job is ours)
-Where it computes (``coordinator run --device``) comes in ``out-dir`` (``feta_release.federation.job.DEVICE_FILE``):
-a run-config key of its own would change the FAB and so its hash in every site's signed policy. Its public
-inputs (``coordinator run --public/--pretrained``) likewise (``feta_release.federation.job.PUBLIC_FILE``),
-checked against the signed job's [public] hashes before any site is asked for a release.
+Where it computes (``coordinator run --device``) comes in ``out-dir``
+(``feta_release.federation.job.DEVICE_FILE``): a run-config key of its own would change the FAB and so its
+hash in every site's signed policy. Its public inputs (``coordinator run --public/--pretrained``) likewise
+(``feta_release.federation.job.PUBLIC_FILE``), checked against the signed job's [public] hashes before any
+site is asked for a release.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main(grid: Grid, context: Context) -> None:
         # flwr run --stream shows the ServerApp's output: one line per event.
         print(f"[feta] {ev['phase']}: {ev['message']}", flush=True)
 
-    # the sites' ledger positions live beside the coordinator key: every job of this coordinator checks the same record
+    # the sites' ledger positions live beside the coordinator key: every job of this coordinator checks the
+    # same record
     anchors = anchors_path(str(rc["coordinator-key"])) if rc.get("coordinator-key") else None
-    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress, anchors=anchors)  # device: in out_dir
+    # device: in out_dir
+    run_job(grid, signed, out_dir, coordinator_key=key, progress=progress, anchors=anchors)

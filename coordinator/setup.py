@@ -44,8 +44,14 @@ class SiteFiles:
     data_secret: Path  # the key of that commitment: stays on the site (mode 0600)
 
     def node_config(self) -> dict[str, str]:
-        return {CFG_DATA: str(self.data), CFG_POLICY: str(self.policy), CFG_TRUSTED: str(self.policy_pub),
-                CFG_LEDGER: str(self.ledger), CFG_SITE_KEY: str(self.site_key), CFG_SECRET: str(self.data_secret)}
+        return {
+            CFG_DATA: str(self.data),
+            CFG_POLICY: str(self.policy),
+            CFG_TRUSTED: str(self.policy_pub),
+            CFG_LEDGER: str(self.ledger),
+            CFG_SITE_KEY: str(self.site_key),
+            CFG_SECRET: str(self.data_secret),
+        }
 
 
 @dataclass
@@ -59,16 +65,23 @@ class Federation:
         return next(s for s in self.sites if s.site_id == site_id)
 
 
-def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes: list[str] | None = None,
-                       policy_overrides: dict[str, dict[str, Any]] | None = None,
-                       public_sizes: dict[str, int] | None = None, pin_peers: bool = True) -> Federation:
-    """Write each site's data (.npz), keys, data secret, and a signed policy allowing the coordinator key and the
-    app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant digits.
-    ``pin_peers``: each policy pins the other sites' keys (``secure_aggregation.peers``), as their admins would.
-    A ``datasets`` value may be a data path (a folder or a ``path,label,patient_id`` CSV) used as it is; a site whose
-    ``policy_overrides`` hold ``patient_level=(P, K)`` commits to its data with the patient cap K, as its node loads it.
-    A site's public data schema (``dataset.classes``/``image_shape``) is ``policy_overrides[site]["declared"]`` (a
-    ``DataDeclaration``) or, as ``site init`` drafts it for the admin, its data's own classes and shape."""
+def prepare_federation(
+    root: str | Path,
+    datasets: dict[str, Any],
+    *,
+    app_hashes: list[str] | None = None,
+    policy_overrides: dict[str, dict[str, Any]] | None = None,
+    public_sizes: dict[str, int] | None = None,
+    pin_peers: bool = True,
+) -> Federation:
+    """Write each site's data (.npz), keys, data secret, and a signed policy allowing the coordinator key and
+    the app. A site's public nominal size is ``public_sizes[site]`` or its count rounded to 2 significant
+    digits. ``pin_peers``: each policy pins the other sites' keys (``secure_aggregation.peers``), as their
+    admins would. A ``datasets`` value may be a data path (a folder or a ``path,label,patient_id`` CSV) used
+    as it is; a site whose ``policy_overrides`` hold ``patient_level=(P, K)`` commits to its data with the
+    patient cap K, as its node loads it. A site's public data schema (``dataset.classes``/``image_shape``) is
+    ``policy_overrides[site]["declared"]`` (a ``DataDeclaration``) or, as ``site init`` drafts it for the
+    admin, its data's own classes and shape."""
     root = Path(root)
     coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
     fed = Federation(root, coord_key, coord_pub)
@@ -97,15 +110,21 @@ def prepare_federation(root: str | Path, datasets: dict[str, Any], *, app_hashes
         doc = make_policy(site_id, commitment, size, [load_public_key(coord_pub)], **over)
         signed = sign_policy(doc, load_private_key(policy_key))
         pol_path = write_signed_policy(d / "policy.signed.json", signed)
-        fed.sites.append(SiteFiles(site_id, data_path, pol_path, policy_pub, site_key, d / "ledger.db", size,
-                                   commitment, secret))
+        fed.sites.append(
+            SiteFiles(
+                site_id, data_path, pol_path, policy_pub, site_key, d / "ledger.db", size, commitment, secret
+            )
+        )
     return fed
 
 
-def sign_job_file(fed: Federation, cfg: Any, job_id: str, sites: list[str] | None = None,
-                  out: Path | None = None) -> tuple[dict[str, Any], Path]:
+def sign_job_file(
+    fed: Federation, cfg: Any, job_id: str, sites: list[str] | None = None, out: Path | None = None
+) -> tuple[dict[str, Any], Path]:
 
-    signed = sign_job(cfg, load_private_key(fed.coordinator_key), job_id, sites or [s.site_id for s in fed.sites])
+    signed = sign_job(
+        cfg, load_private_key(fed.coordinator_key), job_id, sites or [s.site_id for s in fed.sites]
+    )
     path = out or (fed.root / f"{job_id}.signed.json")
     path.write_text(json.dumps(signed, indent=2), "utf-8")
     return signed, path

@@ -1,8 +1,8 @@
 """Running the coordinator's Flower SuperLink, and submitting a run to it with ``flwr run``.
 
 The SuperLink keeps its state in a database (``--database``) so nodes stay registered across a
-restart (``database=None``: Flower's in-memory state, for the demo, which never outlives its SuperLink and which,
-on a loaded machine, lost runs to SQLite's "database is locked" answered as HTTP 500),
+restart (``database=None``: Flower's in-memory state, for the demo, which never outlives its SuperLink and
+which, on a loaded machine, lost runs to SQLite's "database is locked" answered as HTTP 500),
 and never installs an app's dependencies at run time
 (``--disable-runtime-dependency-installation``): the sites run only what is installed.
 ``flwr`` is always called with an explicit ``FLWR_HOME`` whose ``config.toml`` names this SuperLink;
@@ -50,14 +50,23 @@ class SuperLinkSettings:
         if self.enable_supernode_auth is None:
             return not is_loopback(self.address)
         if not self.enable_supernode_auth and not is_loopback(self.address):
-            raise ConfigError(f"refusing to run the SuperLink on {self.address} without node authentication: any "
-                              "machine that reaches the port could join as a site. Drop --no-supernode-auth and "
-                              "register each site's node key (`feta-release coordinator register`)")
+            raise ConfigError(
+                f"refusing to run the SuperLink on {self.address} without node authentication: any "
+                "machine that reaches the port could join as a site. Drop --no-supernode-auth and "
+                "register each site's node key (`feta-release coordinator register`)"
+            )
         return self.enable_supernode_auth
 
 
 def superlink_command(s: SuperLinkSettings) -> list[str]:
-    cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--disable-runtime-dependency-installation"]
+    cmd = [
+        "flower-superlink",
+        "--host",
+        s.host,
+        "--port",
+        str(s.port),
+        "--disable-runtime-dependency-installation",
+    ]
     if s.database is not None:
         cmd += ["--database", str(s.database)]
     if s.insecure:
@@ -70,10 +79,18 @@ def superlink_command(s: SuperLinkSettings) -> list[str]:
         cmd.append("--insecure")
     else:
         if not (s.ssl_certfile and s.ssl_keyfile and s.ssl_ca_certfile):
-            raise ConfigError("give --ssl-certfile, --ssl-keyfile and --ssl-ca-certfile (TLS), or --insecure "
-                              "for a loopback demo")
-        cmd += ["--ssl-certfile", str(s.ssl_certfile), "--ssl-keyfile", str(s.ssl_keyfile),
-                "--ssl-ca-certfile", str(s.ssl_ca_certfile)]
+            raise ConfigError(
+                "give --ssl-certfile, --ssl-keyfile and --ssl-ca-certfile (TLS), or --insecure "
+                "for a loopback demo"
+            )
+        cmd += [
+            "--ssl-certfile",
+            str(s.ssl_certfile),
+            "--ssl-keyfile",
+            str(s.ssl_keyfile),
+            "--ssl-ca-certfile",
+            str(s.ssl_ca_certfile),
+        ]
         if s.node_auth():
             cmd.append("--enable-supernode-auth")
     return cmd
@@ -93,10 +110,18 @@ def start_superlink(s: SuperLinkSettings, log_path: Path | None = None, wait: fl
     return proc
 
 
-def write_flwr_config(flwr_home: Path, address: str, *, insecure: bool, root_certificates: Path | None = None) -> Path:
+def write_flwr_config(
+    flwr_home: Path, address: str, *, insecure: bool, root_certificates: Path | None = None
+) -> Path:
     """``$FLWR_HOME/config.toml`` naming the SuperLink as federation ``feta``."""
     flwr_home.mkdir(parents=True, exist_ok=True)
-    lines = ["[superlink]", f'default = "{FEDERATION}"', "", f"[superlink.{FEDERATION}]", f'address = "{address}"']
+    lines = [
+        "[superlink]",
+        f'default = "{FEDERATION}"',
+        "",
+        f"[superlink.{FEDERATION}]",
+        f'address = "{address}"',
+    ]
     if insecure:
         lines.append("insecure = true")
     elif root_certificates is not None:
@@ -133,6 +158,7 @@ class _Lines:
                 skip[0] -= 1
                 return
             self(line)
+
         return take
 
     def __call__(self, line: str) -> None:
@@ -144,9 +170,12 @@ class _Lines:
             self.on_line(line)
 
 
-def _stream(cmd: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout: float | None) -> int:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def _stream(
+    cmd: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout: float | None
+) -> int:
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -164,7 +193,15 @@ def _stream(cmd: list[str], env: dict[str, str], on_line: Callable[[str], None],
 def run_status(flwr_home: Path, run_id: int) -> str:
     """The run's status as the SuperLink reports it (``running``, ``finished:completed``, ...), or ``""``
     when it cannot be read now (the caller asks again)."""
-    cmd = [str(Path(sys.executable).parent / "flwr"), "list", FEDERATION, "--run-id", str(run_id), "--format", "json"]
+    cmd = [
+        str(Path(sys.executable).parent / "flwr"),
+        "list",
+        FEDERATION,
+        "--run-id",
+        str(run_id),
+        "--format",
+        "json",
+    ]
     try:
         r = subprocess.run(cmd, env=flower_env(flwr_home), capture_output=True, text=True, timeout=120)
         runs = json.loads(r.stdout).get("runs", [])
@@ -173,9 +210,16 @@ def run_status(flwr_home: Path, run_id: int) -> str:
     return str(runs[0].get("status", "")) if runs else ""
 
 
-def follow_run(run_id: int, flwr_home: Path, lines: _Lines, *, poll: float = 5.0, give_up_after: float = 600.0,
-               status: Callable[[Path, int], str] = run_status,
-               reattach: Callable[[int, Path, Callable[[str], None]], int] | None = None) -> str:
+def follow_run(
+    run_id: int,
+    flwr_home: Path,
+    lines: _Lines,
+    *,
+    poll: float = 5.0,
+    give_up_after: float = 600.0,
+    status: Callable[[Path, int], str] = run_status,
+    reattach: Callable[[int, Path, Callable[[str], None]], int] | None = None,
+) -> str:
     """Wait until the run is finished and return its status.  ``flwr run --stream`` also returns (exit 0) when
     the SuperLink's log stream breaks while the ServerApp still runs (seen on a loaded 2-core machine: the
     SuperLink's SQLite state was locked for longer than its busy timeout); then the run is still going and
@@ -200,11 +244,17 @@ def _reattach(run_id: int, flwr_home: Path, on_line: Callable[[str], None]) -> i
     return _stream(cmd, flower_env(flwr_home), on_line, None)
 
 
-def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *,
-           on_line: Callable[[str], None] | None = None, timeout: float | None = None,
-           follow: bool = True) -> int:
-    """``flwr run APP feta --stream`` with FLWR_HOME set; streams output lines to ``on_line``.  With ``follow``,
-    returns only once the SuperLink reports the run finished (see :func:`follow_run`)."""
+def submit(
+    app_dir: Path,
+    flwr_home: Path,
+    run_config: dict[str, str],
+    *,
+    on_line: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+    follow: bool = True,
+) -> int:
+    """``flwr run APP feta --stream`` with FLWR_HOME set; streams output lines to ``on_line``.  With
+    ``follow``, returns only once the SuperLink reports the run finished (see :func:`follow_run`)."""
     lines = _Lines(on_line)
     code = _stream(flwr_run_command(app_dir, run_config), flower_env(flwr_home), lines, timeout)
     if code == 0 and follow and lines.run_id is not None:
@@ -214,16 +264,34 @@ def submit(app_dir: Path, flwr_home: Path, run_config: dict[str, str], *,
 
 def check_run_ok(code: int, out_dir: Path) -> None:
     if code != 0:
-        raise FetaError(f"flwr run exited with code {code}; see the streamed log and {out_dir / 'progress.jsonl'}")
+        raise FetaError(
+            f"flwr run exited with code {code}; see the streamed log and {out_dir / 'progress.jsonl'}"
+        )
 
 
-def register_node(public_key: Path, name: str, flwr_home: Path, address: str, *, insecure: bool = False,
-                  root_certificates: Path | None = None) -> None:
+def register_node(
+    public_key: Path,
+    name: str,
+    flwr_home: Path,
+    address: str,
+    *,
+    insecure: bool = False,
+    root_certificates: Path | None = None,
+) -> None:
     """``flwr supernode register KEY.pub feta --name NAME``: only registered node keys may connect
     to a SuperLink started with ``--enable-supernode-auth``."""
     write_flwr_config(flwr_home, address, insecure=insecure, root_certificates=root_certificates)
-    cmd = [str(Path(sys.executable).parent / "flwr"), "supernode", "register", str(public_key), FEDERATION,
-           "--name", name]
+    cmd = [
+        str(Path(sys.executable).parent / "flwr"),
+        "supernode",
+        "register",
+        str(public_key),
+        FEDERATION,
+        "--name",
+        name,
+    ]
     r = subprocess.run(cmd, env=flower_env(flwr_home), capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        raise FetaError(f"registering node key {public_key} as {name!r} failed: {(r.stdout + r.stderr)[-1500:]}")
+        raise FetaError(
+            f"registering node key {public_key} as {name!r} failed: {(r.stdout + r.stderr)[-1500:]}"
+        )

@@ -20,10 +20,21 @@ from typing import Any
 from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
 from feta_release.planning import (
-    secure_stage_events, selection_events, site_dpsgd, stage_event, stage_events, target, warmup_events,
+    secure_stage_events,
+    selection_events,
+    site_dpsgd,
+    stage_event,
+    stage_events,
+    target,
+    warmup_events,
 )
 from feta_release.policy.enforce import (
-    MechanismRequest, check_budget, check_request, check_resources, own_share_request, request_of,
+    MechanismRequest,
+    check_budget,
+    check_request,
+    check_resources,
+    own_share_request,
+    request_of,
 )
 from feta_release.policy.errors import PolicyBudgetExceeded, PolicyViolation
 from feta_release.policy.jobs import verify_job
@@ -39,8 +50,14 @@ _DISABLED = {
 }
 
 
-def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path | None = None,
-                secure_warmup: Sequence[Event] | None = None) -> tuple[PrivacyEvent, MechanismRequest]:
+def request_for(
+    mechanism: str,
+    job: Any,
+    policy: Any,
+    n: int,
+    cache_dir: Path | None = None,
+    secure_warmup: Sequence[Event] | None = None,
+) -> tuple[PrivacyEvent, MechanismRequest]:
     """The privacy event a handler will release (the planner's, ``feta_release.planning``) and the request it
     checks against the policy. ``secure_warmup``: the site's ``SkellamEvent``s when the job sums its warm-up
     releases by secure aggregation (DP-SGD is then calibrated over them; the warm-up requests keep their
@@ -53,11 +70,15 @@ def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path |
     if mechanism != "dpsgd":  # the selection query is per-site Gaussian in every job (never a secure sum)
         events: list[Event] = [*selection_events(cfg), *warmup_events(cfg, n)]
     elif secure_warmup is not None:
-        events = secure_stage_events(cfg, n, secure_warmup, budget=target(cfg, policy), cache_dir=cache_dir,
-                                     **site_dpsgd(policy))
+        events = secure_stage_events(
+            cfg, n, secure_warmup, budget=target(cfg, policy), cache_dir=cache_dir, **site_dpsgd(policy)
+        )
     else:  # the unit and the DP-SGD population (public patients or images) come from the signed policy only
-        events = list(stage_events(cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir,
-                                   **site_dpsgd(policy)))
+        events = list(
+            stage_events(
+                cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir, **site_dpsgd(policy)
+            )
+        )
     ev = stage_event(events, mechanism)
     if ev is None:
         raise PrivacyError(_DISABLED[mechanism])
@@ -66,7 +87,8 @@ def request_for(mechanism: str, job: Any, policy: Any, n: int, cache_dir: Path |
     req = request_of(ev, cfg, job)
     summed = mechanism not in ("dpsgd", "selection") and cfg.federation.secure_aggregation
     if summed and secure_warmup is None:
-        # no data at hand (policy check): the own share's sigma / sqrt(n); the node checks the exact Skellam share
+        # no data at hand (policy check): the own share's sigma / sqrt(n); the node checks the exact Skellam
+        # share
         req = own_share_request(req, ev.sigma / math.sqrt(max(len(job.sites), 1)))
     return ev, req
 
@@ -89,8 +111,8 @@ class Admission:
     job_epsilon: float | None = None  # with the site's accountant, when every request passed
 
     def add(self, rule: str, message: str) -> None:
-        """Record a failing rule once (every DP-SGD round makes the same request, and the planner's refusal of a
-        job is the same for each of its releases)."""
+        """Record a failing rule once (every DP-SGD round makes the same request, and the planner's refusal of
+        a job is the same for each of its releases)."""
         if not any(r == rule and (rule not in ("job", "plan") or m == message) for r, m in self.failures):
             self.failures.append((rule, message))
 
@@ -99,14 +121,21 @@ class Admission:
         return not self.failures
 
 
-def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: list[Event] | None = None,
-          lifetime_events: list[Event] | None = None, now: Any = None,
-          data_shape: tuple[tuple[int, int, int], int] | None = None) -> Admission:
+def admit(
+    policy: Any,
+    signed_job: Any,
+    *,
+    source: str = "<job>",
+    job_events: list[Event] | None = None,
+    lifetime_events: list[Event] | None = None,
+    now: Any = None,
+    data_shape: tuple[tuple[int, int, int], int] | None = None,
+) -> Admission:
     """Every rule of ``policy`` that ``signed_job`` breaks at this site (empty: the node would serve it).
 
-    ``data_shape``: (image shape, classes) of the site's data. With it, a secure-aggregation job is judged in the
-    form the node charges (its SkellamEvents, FedSGD rounds included: :func:`secure_admit`); without it (the
-    sensitivities depend on the shape) in its Gaussian form."""
+    ``data_shape``: (image shape, classes) of the site's data. With it, a secure-aggregation job is judged in
+    the form the node charges (its SkellamEvents, FedSGD rounds included: :func:`secure_admit`); without it
+    (the sensitivities depend on the shape) in its Gaussian form."""
     res = Admission(policy.site_id, None)
     try:
         job = verify_job(signed_job, policy, source)  # the node's first check (edge.clientapp._job)
@@ -117,14 +146,18 @@ def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: li
         res.failures.append(("job", str(exc)))
         return res
     res.job_id = job.job_id
-    try:  # the node's next check (edge.protocol.verified_job): nothing else is judged for a job it cannot hold
+    # the node's next check (edge.protocol.verified_job): nothing else is judged for a job it cannot hold
+    try:
         check_resources(policy, job)
     except PolicyViolation as exc:
         res.failures.append((exc.rule, str(exc)))
         return res
     if data_shape is not None and job.config.federation.secure_aggregation:
-        return explained(secure_admit(res, policy, job, data_shape, job_events or [], lifetime_events or [], now),
-                         policy, job)
+        return explained(
+            secure_admit(res, policy, job, data_shape, job_events or [], lifetime_events or [], now),
+            policy,
+            job,
+        )
     new = _gaussian_requests(res, policy, job, job_events or [], now)
     refit = new is None
     if refit:  # the job cannot be planned here: judge its budget as if its batches were fixed
@@ -132,15 +165,18 @@ def admit(policy: Any, signed_job: Any, *, source: str = "<job>", job_events: li
     try:
         res.job_epsilon, _ = check_budget(policy, job_events or [], lifetime_events or [], new or [])
     except PolicyBudgetExceeded as exc:
-        res.add(exc.rule, str(exc) + (" (planned with each batch cut to the site's public size)" if refit else ""))
+        res.add(
+            exc.rule, str(exc) + (" (planned with each batch cut to the site's public size)" if refit else "")
+        )
     return explained(res, policy, job)
 
 
-def _gaussian_requests(res: Admission, policy: Any, job: Any, job_events: list[Event],
-                       now: Any) -> list[PrivacyEvent] | None:
-    """Check every request of ``job`` in the node's order, each failing rule once; return the events the job would
-    charge (also those of requests a rule refuses: the budget is judged in the same pass), None when the planner
-    refuses the job itself."""
+def _gaussian_requests(
+    res: Admission, policy: Any, job: Any, job_events: list[Event], now: Any
+) -> list[PrivacyEvent] | None:
+    """Check every request of ``job`` in the node's order, each failing rule once; return the events the job
+    would charge (also those of requests a rule refuses: the budget is judged in the same pass), None when the
+    planner refuses the job itself."""
     n = int(policy.dataset_size)  # the public size: what the node's accountant and caps use
     history = list(job_events)
     new: list[PrivacyEvent] = []
@@ -152,7 +188,8 @@ def _gaussian_requests(res: Admission, policy: Any, job: Any, job_events: list[E
             res.add(exc.rule, str(exc))
             planned = False
             continue
-        except FetaError as exc:  # the planner's refusal of the job: the same line for every request, said once
+        # the planner's refusal of the job: the same line for every request, said once
+        except FetaError as exc:
             res.add("job", str(exc))
             planned = False
             continue
@@ -166,13 +203,15 @@ def _gaussian_requests(res: Admission, policy: Any, job: Any, job_events: list[E
 
 
 def _planned_with_fitting_batches(res: Admission, policy: Any, job: Any) -> list[PrivacyEvent] | None:
-    """The job's events with its central and DP-SGD batches cut to what the site's public sizes allow, so that a
-    batch refusal and a budget refusal show in one pass (None: it cannot be planned even so; why is added to
+    """The job's events with its central and DP-SGD batches cut to what the site's public sizes allow, so that
+    a batch refusal and a budget refusal show in one pass (None: it cannot be planned even so; why is added to
     ``res``)."""
     cfg = job.config
     n = int(policy.dataset_size)
-    fixed = cfg.replace(central={"batch": max(1, min(int(cfg.central.batch), n))},
-                        dpsgd={"batch": max(1, min(int(cfg.dpsgd.batch), int(policy.dpsgd_population)))})
+    fixed = cfg.replace(
+        central={"batch": max(1, min(int(cfg.central.batch), n))},
+        dpsgd={"batch": max(1, min(int(cfg.dpsgd.batch), int(policy.dpsgd_population)))},
+    )
     job2 = dataclasses.replace(job, config=fixed)
     try:
         return [request_for(m, job2, policy, n)[0] for m in job_mechanisms(fixed)]
@@ -187,28 +226,38 @@ def _budget_fix(policy: Any, job: Any, rule: str) -> str:
     if cfg.federation.secure_aggregation and len(job.sites) > 1 and not policy.peers:
         return no_peers_cause(len(job.sites))
     if rule == "budget.lifetime.epsilon":
-        return ("fix: this site's lifetime budget is the limit: raise budget.lifetime.epsilon in the POLICY (raise "
-                "version, re-sign) only if its administrator accepts more spending on these data")
+        return (
+            "fix: this site's lifetime budget is the limit: raise budget.lifetime.epsilon in the POLICY "
+            "(raise version, re-sign) only if its administrator accepts more spending on these data"
+        )
     if float(policy.job_epsilon) < float(cfg.privacy.epsilon):
-        return (f"fix: the limit is this site's POLICY cap budget.per_job.epsilon = {policy.job_epsilon:g}, below the "
-                f"job's [privacy] epsilon = {cfg.privacy.epsilon:g}: raise the POLICY's cap (raise version, re-sign), "
-                f"or the coordinator lowers the JOB's epsilon to at most {policy.job_epsilon:g}")
-    return (f"fix: the limit is the JOB (its [privacy] epsilon = {cfg.privacy.epsilon:g} fits this site's cap "
-            f"{policy.job_epsilon:g}, but its releases spend more): the coordinator lowers the JOB's epsilon or adds "
-            "noise")
+        return (
+            f"fix: the limit is this site's POLICY cap budget.per_job.epsilon = {policy.job_epsilon:g}, "
+            f"below the job's [privacy] epsilon = {cfg.privacy.epsilon:g}: raise the POLICY's cap (raise "
+            "version, re-sign), or the coordinator lowers the JOB's epsilon to at most "
+            f"{policy.job_epsilon:g}"
+        )
+    return (
+        f"fix: the limit is the JOB (its [privacy] epsilon = {cfg.privacy.epsilon:g} fits this site's cap "
+        f"{policy.job_epsilon:g}, but its releases spend more): the coordinator lowers the JOB's epsilon or "
+        "adds noise"
+    )
 
 
 def no_peers_cause(n_sites: int) -> str:
     """Why a multi-site secure-aggregation job spends more at a site that pins no peers, and the fix."""
-    return (f"cause: no peers pinned: this site's policy pins no other site's key ([secure_aggregation] peers), so no "
-            f"other site's noise share counts and its epsilon is that of its own share (sigma / sqrt({n_sites})) "
-            "alone; fix: pin the other sites' keys/site-signing.pub (`site init --peer SITE_ID=FILE`, or "
-            "[secure_aggregation.peers] in the policy), raise version and re-sign; or the coordinator runs the job "
-            "with per-site noise ([federation] secure_aggregation = false)")
+    return (
+        f"cause: no peers pinned: this site's policy pins no other site's key ([secure_aggregation] peers), "
+        "so no other site's noise share counts and its epsilon is that of its own share (sigma / "
+        f"sqrt({n_sites})) alone; fix: pin the other sites' keys/site-signing.pub (`site init --peer "
+        "SITE_ID=FILE`, or [secure_aggregation.peers] in the policy), raise version and re-sign; or the "
+        "coordinator runs the job with per-site noise ([federation] secure_aggregation = false)"
+    )
 
 
 def explained(res: Admission, policy: Any, job: Any) -> Admission:
-    """Each budget or planner refusal with the fix that applies (the policy's cap or the job's epsilon, peers)."""
+    """Each budget or planner refusal with the fix that applies (the policy's cap or the job's epsilon,
+    peers)."""
     out = []
     for rule, msg in res.failures:
         if rule.startswith("budget.") or "epsilon" in msg and rule in ("job", "plan"):
@@ -241,12 +290,19 @@ class _JobView:
     job: Any
 
 
-def secure_admit(res: Admission, policy: Any, job: Any, data_shape: tuple[tuple[int, int, int], int],
-                 job_events: list[Any], lifetime_events: list[Any], now: Any) -> Admission:
-    """A secure-aggregation job judged as the node charges it: the requests (``min_sigma`` against the site's OWN
-    noise share, FedSGD rounds as one Skellam request of R steps) and the budget and worst-case caps over the
-    SkellamEvents. The plan is the coordinator's own (``secure_collect.secure_plan``, which calls the planner the
-    node calls), so the check, the coordinator and the node agree."""
+def secure_admit(
+    res: Admission,
+    policy: Any,
+    job: Any,
+    data_shape: tuple[tuple[int, int, int], int],
+    job_events: list[Any],
+    lifetime_events: list[Any],
+    now: Any,
+) -> Admission:
+    """A secure-aggregation job judged as the node charges it: the requests (``min_sigma`` against the site's
+    OWN noise share, FedSGD rounds as one Skellam request of R steps) and the budget and worst-case caps over
+    the SkellamEvents. The plan is the coordinator's own (``secure_collect.secure_plan``, which calls the
+    planner the node calls), so the check, the coordinator and the node agree."""
     from feta_release.federation.plan import public_size
     from feta_release.federation.secure_collect import secure_plan
 

@@ -22,10 +22,22 @@ def site_attestation(site: Any, job: Any) -> dict[str, Any]:
     events = events_from_list(site.ledger.job_events(job.job_id))
     lifetime = events_from_list([e for r in site.ledger.requests() for e in r["events"]])
     pol = site.policy
-    # the ledger's position after this job, signed with the spend: the coordinator keeps it per site (a later job
-    # from a deleted or restored ledger is refused there) and the node keeps its own copy (edge.ledger_anchor)
+    # the ledger's position after this job, signed with the spend: the coordinator keeps it per site (a later
+    # job from a deleted or restored ledger is refused there) and the node keeps its own copy
+    # (edge.ledger_anchor)
     anchor = ledger_anchor.record(site.ledger, site.work_dir)
-    return build_attestation(site.site_id, job.job_id, events, pol.job_delta, pol.accountant, pol.digest, site.key,
-                             job_sha256=job.digest, lifetime_events=lifetime, lifetime_delta=pol.lifetime_delta,
-                             max_colluders=pol.counted_colluders(len(job.sites)), unit_policy=pol,
-                             ledger=anchor)
+    return build_attestation(
+        site.site_id,
+        job.job_id,
+        events,
+        pol.job_delta,
+        pol.accountant,
+        pol.digest,
+        site.key,
+        job_sha256=job.digest,
+        lifetime_events=lifetime,
+        lifetime_delta=pol.lifetime_delta,
+        max_colluders=pol.counted_colluders(len(job.sites)),
+        unit_policy=pol,
+        ledger=anchor,
+    )

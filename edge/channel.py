@@ -1,4 +1,5 @@
-"""The authenticated local channel between a node's per-message ClientApp and its warm worker (``edge.worker``).
+"""The authenticated local channel between a node's per-message ClientApp and its warm worker
+(``edge.worker``).
 
 Access control, in layers:
   * the socket lives in a directory only the site's account can enter (0700) and is itself 0600;
@@ -11,11 +12,13 @@ for a release.
 
 What crosses it is data only: ``multiprocessing.connection`` would pickle with ``send``/``recv``, so this
 module uses nothing but ``send_bytes``/``recv_bytes``. A request is three frames: a JSON header, the Flower
-``Message`` exactly as Flower delivered it (Flower's protobuf encoding) and the ``Context`` (protobuf). A reply
-is a JSON header and, on success, the reply's ``RecordDict`` (``feta_release.federation.messages.payload_bytes``)
-and the updated ``Context``. Both ends parse them as data (JSON, protobuf), never as code.
+``Message`` exactly as Flower delivered it (Flower's protobuf encoding) and the ``Context`` (protobuf). A
+reply is a JSON header and, on success, the reply's ``RecordDict``
+(``feta_release.federation.messages.payload_bytes``) and the updated ``Context``. Both ends parse them as data
+(JSON, protobuf), never as code.
 
-This module imports neither torch nor the site's handlers: the per-message ClientApp (``edge.forward``) uses it.
+This module imports neither torch nor the site's handlers: the per-message ClientApp (``edge.forward``) uses
+it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from feta_release.errors import FetaError
 from feta_release.files import private_dir
 
 PROTOCOL = "feta-worker/1"
-ENV_SOCKET = "FETA_WORKER_SOCKET"  # set by `feta-release node start`; the coordinator cannot change a node's env
+# set by `feta-release node start`; the coordinator cannot change a node's env
+ENV_SOCKET = "FETA_WORKER_SOCKET"
 ENV_KEY = "FETA_WORKER_KEY"
 KEY_BYTES = 32
 MAX_HEADER = 64 * 1024
@@ -60,13 +64,16 @@ class WorkerRequestError(FetaError):
 
 
 class WorkerTimeout(WorkerRequestError):
-    """The other end took longer than the channel's deadline (a request already handed over is not re-run here)."""
+    """The other end took longer than the channel's deadline (a request already handed over is not re-run
+    here)."""
 
 
 def set_deadline(conn: Connection, seconds: float) -> None:
     """Kernel timeouts on every read and write of ``conn`` (SO_RCVTIMEO / SO_SNDTIMEO; also bounds a blocking
-    AF_UNIX ``connect`` on Linux): a peer that stops answering makes the call fail with ``BlockingIOError``."""
-    sock = socket.socket(fileno=os.dup(conn.fileno()))  # a duplicate: options are the socket's, shared by both fds
+    AF_UNIX ``connect`` on Linux): a peer that stops answering makes the call fail with
+    ``BlockingIOError``."""
+    # a duplicate: options are the socket's, shared by both fds
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         _socket_deadline(sock, seconds)
     finally:
@@ -97,8 +104,9 @@ class TimedListener(Listener):
             answer_challenge(conn, self._key)
         except BlockingIOError:
             conn.close()
-            raise WorkerTimeout(f"a client did not finish the channel's challenge within {self.timeout:g} s; "
-                                "dropped") from None
+            raise WorkerTimeout(
+                f"a client did not finish the channel's challenge within {self.timeout:g} s; dropped"
+            ) from None
         except BaseException:
             conn.close()
             raise
@@ -106,7 +114,8 @@ class TimedListener(Listener):
 
 
 def socket_path(state_dir: Path, name: str = "worker.sock") -> Path:
-    """The socket in the node's state dir, or (when that path is too long for AF_UNIX) in a fresh private temp dir."""
+    """The socket in the node's state dir, or (when that path is too long for AF_UNIX) in a fresh private temp
+    dir."""
     p = state_dir / name
     if len(os.fsencode(str(p))) <= MAX_SOCKET_PATH:
         return p
@@ -129,10 +138,14 @@ def read_key(path: str | Path) -> bytes:
         st = p.stat()
         key = p.read_bytes()
     except OSError as exc:
-        raise WorkerUnavailable(f"{p}: cannot read the worker key ({exc.strerror}); restart the node") from None
+        raise WorkerUnavailable(
+            f"{p}: cannot read the worker key ({exc.strerror}); restart the node"
+        ) from None
     if st.st_mode & 0o077 or st.st_uid != os.getuid():
-        raise WorkerRequestError(f"{p}: the worker key must be this account's and mode 0600 (it is "
-                                 f"{stat.S_IMODE(st.st_mode):o}); restart the node to make a new one")
+        raise WorkerRequestError(
+            f"{p}: the worker key must be this account's and mode 0600 (it is "
+            f"{stat.S_IMODE(st.st_mode):o}); restart the node to make a new one"
+        )
     if len(key) != KEY_BYTES:
         raise WorkerRequestError(f"{p}: the worker key must be {KEY_BYTES} bytes; restart the node")
     return key
@@ -169,32 +182,42 @@ def connect(sock: str | Path, key: bytes, timeout: float | None = None) -> Conne
     (also when the worker takes no connection within ``timeout`` s: stuck, or busy for longer than that)."""
     timeout = CLIENT_TIMEOUT if timeout is None else timeout
     if not Path(sock).exists():
-        raise WorkerUnavailable(f"no worker socket at {sock}: the node's worker is not running (start the node with "
-                                "`feta-release node start`)")
+        raise WorkerUnavailable(
+            f"no worker socket at {sock}: the node's worker is not running (start the node with "
+            "`feta-release node start`)"
+        )
     try:
         conn = _dial(sock, timeout)
     except BlockingIOError:
-        raise WorkerUnavailable(f"the worker at {sock} did not take the connection within {timeout:g} s (stuck, or "
-                                "busy with a longer request)") from None
+        raise WorkerUnavailable(
+            f"the worker at {sock} did not take the connection within {timeout:g} s (stuck, or "
+            "busy with a longer request)"
+        ) from None
     except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError) as exc:
-        raise WorkerUnavailable(f"the worker at {sock} does not answer ({type(exc).__name__}): it stopped or died") \
-            from None
+        raise WorkerUnavailable(
+            f"the worker at {sock} does not answer ({type(exc).__name__}): it stopped or died"
+        ) from None
     try:
         answer_challenge(conn, key)
         deliver_challenge(conn, key)
         return conn
     except BlockingIOError:
         conn.close()
-        raise WorkerUnavailable(f"the worker at {sock} did not answer the channel's challenge within {timeout:g} s "
-                                "(stuck, or busy with a longer request)") from None
+        raise WorkerUnavailable(
+            f"the worker at {sock} did not answer the channel's challenge within {timeout:g} s "
+            "(stuck, or busy with a longer request)"
+        ) from None
     except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
         conn.close()
-        raise WorkerUnavailable(f"the worker at {sock} does not answer ({type(exc).__name__}): it stopped or died") \
-            from None
+        raise WorkerUnavailable(
+            f"the worker at {sock} does not answer ({type(exc).__name__}): it stopped or died"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - AuthenticationError and the stdlib's bare assert on a bad challenge
         conn.close()
-        raise WorkerRequestError(f"the worker at {sock} refused this channel's key ({type(exc).__name__}): the node "
-                                 "was restarted with a new key, or this is not the node's worker") from None
+        raise WorkerRequestError(
+            f"the worker at {sock} refused this channel's key ({type(exc).__name__}): the node "
+            "was restarted with a new key, or this is not the node's worker"
+        ) from None
 
 
 def encode_header(doc: dict[str, Any]) -> bytes:
@@ -219,8 +242,9 @@ def send(conn: Connection, frames: list[bytes]) -> None:
         for f in frames:
             conn.send_bytes(f)
     except BlockingIOError:
-        raise WorkerTimeout("the other end of the worker channel took nothing for longer than the channel's "
-                            "deadline; dropped") from None
+        raise WorkerTimeout(
+            "the other end of the worker channel took nothing for longer than the channel's deadline; dropped"
+        ) from None
 
 
 def receive(conn: Connection, what: str, max_frames: int = 3) -> tuple[dict[str, Any], list[bytes]]:
@@ -239,17 +263,20 @@ def receive(conn: Connection, what: str, max_frames: int = 3) -> tuple[dict[str,
         raise WorkerRequestError(f"{what}: a frame was refused ({exc})") from None
 
 
-def call(sock: str | Path, key: bytes, doc: dict[str, Any], frames: list[bytes],
-         timeout: float | None = None) -> tuple[dict[str, Any], list[bytes]]:
+def call(
+    sock: str | Path, key: bytes, doc: dict[str, Any], frames: list[bytes], timeout: float | None = None
+) -> tuple[dict[str, Any], list[bytes]]:
     """Send one request (header ``doc`` + ``frames``), return the reply's header and frames. One request per
-    connection; ``timeout`` (default ``CLIENT_TIMEOUT``): seconds for the connection (and challenge), and per read or
-    write after it."""
+    connection; ``timeout`` (default ``CLIENT_TIMEOUT``): seconds for the connection (and challenge), and per
+    read or write after it."""
     conn = connect(sock, key, timeout)
     try:
         try:
             send(conn, [encode_header({**doc, "protocol": PROTOCOL, "frames": len(frames)}), *frames])
         except (BrokenPipeError, ConnectionResetError):
-            raise WorkerUnavailable(f"the worker at {sock} closed the channel before the request was sent") from None
+            raise WorkerUnavailable(
+                f"the worker at {sock} closed the channel before the request was sent"
+            ) from None
         return receive(conn, f"reply of the worker at {sock}")
     finally:
         conn.close()

@@ -26,12 +26,19 @@ from feta_release.training.device import resolve_device
 
 from .attest import site_attestation
 from .fedsgd import check_round_weights, gradient_contribution
-from .protocol import Arrays, ReleaseRng, Request, release, verified_job
 from .padded_releases import pad_secure, padded
+from .protocol import Arrays, ReleaseRng, Request, release, verified_job
 from .public_errors import public_errors_mod
+from .releases import (
+    check_round,
+    dpsgd_round,
+    release_central,
+    release_frequency,
+    release_selection,
+    round_checkpoint,
+)
 from .resources import resources_mod
 from .secure import admit_masked, handle, masked_contribution
-from .releases import check_round, dpsgd_round, release_central, release_frequency, release_selection, round_checkpoint
 from .site import CFG_POLICY, Site, site_for
 
 # error replies: no local path or internal text leaves (public_errors); the policy's memory and message caps
@@ -40,34 +47,39 @@ app = ClientApp(mods=[public_errors_mod, resources_mod])
 
 
 def site_device(site: Site) -> torch.device:
-    """Where this node's DP-SGD / FedSGD rounds compute (``node start --device``). Also resolved by each round's
-    admission, before its charge: a GPU gone since the node started refuses the round instead of charging for a
-    computation that cannot run. ``is_available`` only reads a cached device count, so a GPU is also made to run
-    one small operation: one left broken by an earlier CUDA error (or out of memory) is refused here too, in a
-    fixed line (a CUDA error's own text is not sent to the coordinator)."""
+    """Where this node's DP-SGD / FedSGD rounds compute (``node start --device``). Also resolved by each
+    round's admission, before its charge: a GPU gone since the node started refuses the round instead of
+    charging for a computation that cannot run. ``is_available`` only reads a cached device count, so a GPU is
+    also made to run one small operation: one left broken by an earlier CUDA error (or out of memory) is
+    refused here too, in a fixed line (a CUDA error's own text is not sent to the coordinator)."""
     dev = resolve_device(site.device)
     if dev.type == "cuda":
         try:
             torch.zeros(1, device=dev).add_(1)
             torch.cuda.synchronize(dev)
         except Exception:  # any failure of the device itself: what it says stays in this process
-            raise ConfigError("--device cuda: the node's GPU failed a test operation (broken CUDA state or out of "
-                              "memory); nothing charged for this round; restart the node or use --device cpu") from None
+            raise ConfigError(
+                "--device cuda: the node's GPU failed a test operation (broken CUDA state or out of "
+                "memory); nothing charged for this round; restart the node or use --device cpu"
+            ) from None
     return dev
 
 
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
-    """Identify the site for a job: site id, public size, its signed policy, what it has spent (no release)."""
+    """Identify the site for a job: site id, public size, its signed policy, what it has spent (no
+    release)."""
     site = site_for(context.node_config)
     doc, _ = fm.read_payload(msg.content)
-    # a hello releases nothing: it is answered for a closed job too, so that a re-run of a finished job can collect
-    # the attestation of a site that was down when the others attested (every release of it stays refused)
+    # a hello releases nothing: it is answered for a closed job too, so that a re-run of a finished job can
+    # collect the attestation of a site that was down when the others attested (every release of it stays
+    # refused)
     job = verified_job(site, doc, attesting=True)
     reply = {
         "site_id": site.site_id,
         "dataset_size": site.n_public,  # the policy's public nominal size, never the exact count
-        # the policy's DECLARED schema (the data were mapped onto it at open), never values read off the images
+        # the policy's DECLARED schema (the data were mapped onto it at open), never values read off the
+        # images
         "image_shape": list(site.policy.declared.image_shape),
         "n_classes": int(site.policy.declared.n_classes),
         "class_names": list(site.policy.declared.class_names),
@@ -85,10 +97,12 @@ def _selection_fits(site: Site, job: Job, req: Request) -> None:
     """Public input only, before the charge: exactly one array, the job's number of centroids of this site's
     declared image shape, finite (a public image or anything else in the request is refused)."""
     if set(req.arrays) != {"centroids"}:
-        raise PolicyError(f"selection request carries arrays {sorted(req.arrays)}; only 'centroids' is "
-                          "accepted")
-    check_centroids(req.arrays["centroids"], job.config.public.selection_groups,
-                    tuple(site.policy.declared.image_shape))
+        raise PolicyError(
+            f"selection request carries arrays {sorted(req.arrays)}; only 'centroids' is accepted"
+        )
+    check_centroids(
+        req.arrays["centroids"], job.config.public.selection_groups, tuple(site.policy.declared.image_shape)
+    )
 
 
 @app.query("selection")
@@ -96,6 +110,7 @@ def _selection_fits(site: Site, job: Job, req: Request) -> None:
 def selection(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
     """The semantic selection query: a noisy histogram of the public groups nearest to this site's images."""
     centroids = req.arrays["centroids"]
+
     def release(ds: Any, cfg: Any, n_public: int, r: Any) -> tuple[Arrays, list[PrivacyEvent]]:
         return release_selection(ds, cfg, centroids, r)
 
@@ -113,13 +128,18 @@ def central(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays
 @app.query("frequency")
 @release("frequency")
 def frequency(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
-    arrays, events = padded(release_frequency, site.data, job.config, site.n_public, rng.numpy())  # public work
+    # public work
+    arrays, events = padded(release_frequency, site.data, job.config, site.n_public, rng.numpy())
     return arrays, [*events]
 
 
 def _secure_info(site: Site, req: Request) -> dict[str, Any]:
     # public values only: which sum this vector belongs to (the coordinator's own round id echoed)
-    return {"phase": req.doc.get("phase"), "round_id": req.doc.get("round_id"), "stage": "collect_masked_vectors"}
+    return {
+        "phase": req.doc.get("phase"),
+        "round_id": req.doc.get("round_id"),
+        "stage": "collect_masked_vectors",
+    }
 
 
 def _secure_fits(site: Site, job: Job, req: Request) -> None:
@@ -130,7 +150,8 @@ def _secure_fits(site: Site, job: Job, req: Request) -> None:
 def central_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
     """Mean central images as this site's masked Skellam contribution to the secure sum (edge/secure.py)."""
     out = {"masked": masked_contribution(site, job, req.doc, rng.numpy())}
-    pad_secure(site.data, job.config, site.n_public, "central", len(job.sites))  # public work (padded_releases)
+    # public work (padded_releases)
+    pad_secure(site.data, job.config, site.n_public, "central", len(job.sites))
     return out, [req.event]
 
 
@@ -138,7 +159,8 @@ def central_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple
 def frequency_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
     """The frequency embedding sum as this site's masked Skellam contribution to the secure sum."""
     out = {"masked": masked_contribution(site, job, req.doc, rng.numpy())}
-    pad_secure(site.data, job.config, site.n_public, "frequency", len(job.sites))  # public work (padded_releases)
+    # public work (padded_releases)
+    pad_secure(site.data, job.config, site.n_public, "frequency", len(job.sites))
     return out, [req.event]
 
 
@@ -158,7 +180,9 @@ def dpsgd_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[A
 @app.query("secagg")
 def secagg(msg: Message, context: Context) -> Message:
     """One stage of a secure sum (setup, share_keys, collect_masked_vectors, unmask): see edge/secure.py."""
-    return handle(msg, context, {"central": central_masked, "frequency": frequency_masked, "dpsgd": dpsgd_masked})
+    return handle(
+        msg, context, {"central": central_masked, "frequency": frequency_masked, "dpsgd": dpsgd_masked}
+    )
 
 
 def _fitting_weights(site: Site, job: Job, req: Request) -> None:
@@ -176,15 +200,28 @@ def _round_info(site: Site, req: Request) -> dict[str, Any]:
 @app.train()
 @release("dpsgd", admit=_fitting_weights, public=_round_info, resume=True)
 def train(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
-    """One federated DP-SGD round: global weights and their EMA in, ``local_steps`` DP-SGD steps on site, weights
-    and the EMA continued over those steps out (``edge.releases.dpsgd_round``). A round whose process was killed
-    is finished when it is asked again, from its checkpoint (``node config round-checkpoint-every``)."""
+    """One federated DP-SGD round: global weights and their EMA in, ``local_steps`` DP-SGD steps on site,
+    weights and the EMA continued over those steps out (``edge.releases.dpsgd_round``). A round whose process
+    was killed is finished when it is asked again, from its checkpoint (``node config
+    round-checkpoint-every``)."""
     if not isinstance(req.event, PrivacyEvent):
-        raise PrivacyError(f"DP-SGD round {req.round}: planned a {type(req.event).__name__}, not a Gaussian step")
+        raise PrivacyError(
+            f"DP-SGD round {req.round}: planned a {type(req.event).__name__}, not a Gaussian step"
+        )
     first_step = req.round * job.config.federation.local_steps  # public: the job's steps before this round
     ckpt = round_checkpoint(site.ledger, site.work_dir, job.job_id, req.rid, site.round_checkpoint_every)
-    return dpsgd_round(site.data, job.config, req.arrays, req.event, rng.torch(), site.n_public,
-                       site.patients, site_device(site), first_step, ckpt), [req.event]
+    return dpsgd_round(
+        site.data,
+        job.config,
+        req.arrays,
+        req.event,
+        rng.torch(),
+        site.n_public,
+        site.patients,
+        site_device(site),
+        first_step,
+        ckpt,
+    ), [req.event]
 
 
 @app.query("attest")

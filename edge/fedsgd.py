@@ -1,17 +1,19 @@
-"""The node's side of a FedSGD round over secure aggregation (``[federation] fedsgd``; docs/secure-aggregation.md).
+"""The node's side of a FedSGD round over secure aggregation (``[federation] fedsgd``;
+docs/secure-aggregation.md).
 
-One round is ONE pooled DP-SGD step: the coordinator sends the global weights with the masking stage of the round's
-secure sum (``query.secagg``, phase ``dpsgd``, the round named in the request); the site Poisson-samples its images
-at the planned rate q = batch / n_public, takes each sampled image's gradient (the same per-example loss and
-clipping as ``DPSGDTrainer``: ``training.dpsgd.batch_gradients`` / ``clipped_rows``), turns each clipped gradient
-into integers ONE RECORD AT A TIME (scale, conditional randomized rounding: ``mechanisms.skellam.quantize_records``),
-sums them, adds its noise share Sk(mu / n) and hands the vector to the mask (``edge.secure.masked_contribution``).
+One round is ONE pooled DP-SGD step: the coordinator sends the global weights with the masking stage of the
+round's secure sum (``query.secagg``, phase ``dpsgd``, the round named in the request); the site
+Poisson-samples its images at the planned rate q = batch / n_public, takes each sampled image's gradient (the
+same per-example loss and clipping as ``DPSGDTrainer``: ``training.dpsgd.batch_gradients`` /
+``clipped_rows``), turns each clipped gradient into integers ONE RECORD AT A TIME (scale, conditional
+randomized rounding: ``mechanisms.skellam.quantize_records``), sums them, adds its noise share Sk(mu / n) and
+hands the vector to the mask (``edge.secure.masked_contribution``).
 
 Sensitivity (add/remove one image of this site): one rounded record, L2 <= Delta2 = the event's ``l2`` and
-L1 <= Delta1 = its ``l1`` (integer units): the round is the Poisson-subsampled Skellam event the protocol charged
-before this code ran. Nothing else leaves: no realised batch size, no loss, no clipped count (the reply carries the
-masked vector and the public round id only), and the work is padded to a public batch size so that the reply's
-latency does not count the sample either (``padded_sample``).
+L1 <= Delta1 = its ``l1`` (integer units): the round is the Poisson-subsampled Skellam event the protocol
+charged before this code ran. Nothing else leaves: no realised batch size, no loss, no clipped count (the
+reply carries the masked vector and the public round id only), and the work is padded to a public batch size
+so that the reply's latency does not count the sample either (``padded_sample``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,15 @@ from feta_release.errors import PrivacyError
 from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms import skellam as sk
 from feta_release.models import build_denoiser
-from feta_release.policy.jobs import Job
 from feta_release.models.edm import EDMLoss
-from feta_release.training.dpsgd import (batch_gradients, clipped_rows, poisson_sample, seed_dropout,
-                                         select_engine)
+from feta_release.policy.jobs import Job
+from feta_release.training.dpsgd import (
+    batch_gradients,
+    clipped_rows,
+    poisson_sample,
+    seed_dropout,
+    select_engine,
+)
 from feta_release.training.padding import fork_rng, model_range_rows, public_rows
 
 from .protocol import Request
@@ -38,28 +45,38 @@ from .site import Site
 
 
 def round_params(site: Site, job: Job, event: SkellamEvent, dim: int) -> sk.SkellamParams:
-    """The Skellam parameters of the charged event: its noise share Sk(mu_worst) (sigma derived from it), and the
-    quantization (dim, clip, scale) whose sensitivities must be the event's l2 / l1, else refused (the released
-    records must be the ones the charge's sensitivity covers)."""
+    """The Skellam parameters of the charged event: its noise share Sk(mu_worst) (sigma derived from it), and
+    the quantization (dim, clip, scale) whose sensitivities must be the event's l2 / l1, else refused (the
+    released records must be the ones the charge's sensitivity covers)."""
     n_sites, clip = len(job.sites), float(job.config.dpsgd.clip)
     scale = 2.0 ** ss.fedsgd_scale_bits(dim) / clip
     sigma = math.sqrt(event.worst_mu * n_sites) / (clip * scale)
     params = ss.fedsgd_params(dim, clip, sigma, n_sites)
-    if not (math.isclose(params.site_mu, event.worst_mu, rel_tol=1e-9)
-            and math.isclose(params.l2_sensitivity, event.l2, rel_tol=1e-12)
-            and math.isclose(params.l1_sensitivity, event.l1, rel_tol=1e-12)):
-        raise PrivacyError(f"FedSGD round: the mechanism's parameters {params} do not give the charged event {event}; "
-                           "nothing released")
+    if not (
+        math.isclose(params.site_mu, event.worst_mu, rel_tol=1e-9)
+        and math.isclose(params.l2_sensitivity, event.l2, rel_tol=1e-12)
+        and math.isclose(params.l1_sensitivity, event.l1, rel_tol=1e-12)
+    ):
+        raise PrivacyError(
+            f"FedSGD round: the mechanism's parameters {params} do not give the charged event {event}; "
+            "nothing released"
+        )
     return params
 
 
-def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.Generator,
-                          generator: torch.Generator, device: torch.device | str = "cpu") -> np.ndarray:
+def gradient_contribution(
+    site: Site,
+    job: Job,
+    req: Request,
+    np_rng: np.random.Generator,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+) -> np.ndarray:
     """This site's FedSGD round input: the sum of its sampled images' clipped, scaled, conditionally rounded
-    gradients plus its Skellam noise share (int64, not yet reduced mod m). ``np_rng`` / ``generator``: fresh OS
-    randomness (rounding and noise / Poisson sampling and the loss's noise draws). ``device`` (``node start
-    --device``): where the gradients are computed; every draw stays on those CPU generators, and the clipped rows
-    come back to the CPU before they are rounded."""
+    gradients plus its Skellam noise share (int64, not yet reduced mod m). ``np_rng`` / ``generator``: fresh
+    OS randomness (rounding and noise / Poisson sampling and the loss's noise draws). ``device`` (``node start
+    --device``): where the gradients are computed; every draw stays on those CPU generators, and the clipped
+    rows come back to the CPU before they are rounded."""
     event = req.event
     if not isinstance(event, SkellamEvent):
         raise PrivacyError(f"FedSGD round {req.round}: planned a {type(event).__name__}, not a Skellam share")
@@ -70,25 +87,37 @@ def gradient_contribution(site: Site, job: Job, req: Request, np_rng: np.random.
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = round_params(site, job, event, dim)
-    loss = EDMLoss(ds.image_shape, ds.n_classes, cfg.dpsgd.noise_multiplicity, cfg.model.label_dropout,
-                   sigma_data=getattr(model, "sigma_data", None))
-    images = model_range_rows(ds.images)  # converted per indexed chunk (padded rows included): no copy of the site
+    loss = EDMLoss(
+        ds.image_shape,
+        ds.n_classes,
+        cfg.dpsgd.noise_multiplicity,
+        cfg.model.label_dropout,
+        sigma_data=getattr(model, "sigma_data", None),
+    )
+    # converted per indexed chunk (padded rows included): no copy of the site
+    images = model_range_rows(ds.images)
     labels = torch.from_numpy(np.asarray(ds.labels, dtype=np.int64))
-    # q over the site's rows: each image joins with probability q = batch / n_public (the planned, charged rate)
+    # q over the site's rows: each image joins with probability q = batch / n_public (the planned, charged
+    # rate)
     chunk = int(cfg.dpsgd.physical_batch)
-    bound_n = public_rows(images.shape[0], site.n_public)  # the public size, or the bucket the padded passes reveal
-    idx, real = padded_sample(poisson_sample(images.shape[0], event.q, generator, bound_n), bound_n, event.q, chunk)
+    # the public size, or the bucket the padded passes reveal
+    bound_n = public_rows(images.shape[0], site.n_public)
+    idx, real = padded_sample(
+        poisson_sample(images.shape[0], event.q, generator, bound_n), bound_n, event.q, chunk
+    )
     total, at = np.zeros(dim, dtype=np.int64), 0
-    # the per-example engine once a round, as DPSGDTrainer does: [dpsgd] per_example, the hooks cross-checked on a
-    # public dummy batch (their own fixed generator: this round's draws are untouched)
+    # the per-example engine once a round, as DPSGDTrainer does: [dpsgd] per_example, the hooks cross-checked
+    # on a public dummy batch (their own fixed generator: this round's draws are untouched)
     engine = select_engine(model, loss, cfg.dpsgd.per_example, check=True)
     with fork_rng(model):  # the CPU's and (on a GPU) the device's global RNG restored after the private seed
         seed_dropout(model, generator)  # dropout masks from the round's private generator
         for grads, _ in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
             rows = clipped_rows(grads, names, float(cfg.dpsgd.clip)).detach().cpu().double().numpy()
-            rows[max(0, real - at):] = 0.0  # padding rows: computed like the others, then zeroed (they round to 0)
+            # padding rows: computed like the others, then zeroed (they round to 0)
+            rows[max(0, real - at) :] = 0.0
             at += rows.shape[0]
-            total += sk.quantize_records(rows, params, np_rng)  # per record: the sensitivity is one rounded record
+            # per record: the sensitivity is one rounded record
+            total += sk.quantize_records(rows, params, np_rng)
     return total + sk.skellam_noise(dim, params.site_mu, np_rng)
 
 
@@ -100,8 +129,9 @@ def padded_sample(idx: torch.Tensor, n_public: int, q: float, chunk: int) -> tup
 
     The work of a round (and so the reply's latency, which the coordinator sees per site per round) would
     otherwise track the realised Poisson batch |B|, an un-noised count. It is padded to whole chunks
-    covering q·n_public + 5 sd of Binomial(n_public, q); only a batch above that (probability < 3e-7 at the public
-    size) takes longer. Padding rows repeat image 0 and are zeroed after clipping: the released sum is unchanged."""
+    covering q·n_public + 5 sd of Binomial(n_public, q); only a batch above that (probability < 3e-7 at the
+    public size) takes longer. Padding rows repeat image 0 and are zeroed after clipping: the released sum is
+    unchanged."""
     mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
     bound = -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk
     real = int(idx.numel())

@@ -1,16 +1,17 @@
 """The thin per-message ClientApp: hands each message to the site's warm worker (``edge.worker``).
 
-``edge.trust`` loads this in place of ``edge.clientapp:app`` (the component the allowed app bundle names) AFTER
-Flower's FAB gate passed, when the node was started with a worker (``FETA_WORKER_SOCKET``/``FETA_WORKER_KEY`` in
-the node's own environment). It imports neither torch nor the handlers: it sends the message and the context,
-as Flower delivered them, over the authenticated local channel and returns the worker's reply; the worker runs
-the same ``edge.clientapp.app``, so every check of the release protocol runs there, unchanged.
+``edge.trust`` loads this in place of ``edge.clientapp:app`` (the component the allowed app bundle names)
+AFTER Flower's FAB gate passed, when the node was started with a worker
+(``FETA_WORKER_SOCKET``/``FETA_WORKER_KEY`` in the node's own environment). It imports neither torch nor the
+handlers: it sends the message and the context, as Flower delivered them, over the authenticated local channel
+and returns the worker's reply; the worker runs the same ``edge.clientapp.app``, so every check of the release
+protocol runs there, unchanged.
 
 When no worker answers (not running, or it died: ``WorkerUnavailable``) the message is handled here, in this
-process, by the same ``edge.clientapp.app`` (slower: torch and the site are loaded for this one message; the site
-from the private cache ``node start`` wrote, with work padded to the public size: ``edge.site_cache``). That
-is safe even after a worker died mid-request: the ledger refuses to re-run a request that was charged but not
-recorded, and answers a recorded one from its record. A channel that answers wrongly (wrong key, malformed
+process, by the same ``edge.clientapp.app`` (slower: torch and the site are loaded for this one message; the
+site from the private cache ``node start`` wrote, with work padded to the public size: ``edge.site_cache``).
+That is safe even after a worker died mid-request: the ledger refuses to re-run a request that was charged but
+not recorded, and answers a recorded one from its record. A channel that answers wrongly (wrong key, malformed
 reply) is NOT bypassed: the message fails with that one line.
 """
 
@@ -24,7 +25,6 @@ import re
 import time
 
 import psutil
-
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.serde import context_from_proto, context_to_proto, message_to_proto
@@ -50,10 +50,14 @@ class WorkerRaised(Exception):
 
 
 def remote_error(type_name: object, text: object) -> Exception:
-    """An exception whose ``str(type(e))`` and ``str(e)`` are the worker's, so the error reply Flower builds from it
-    (``"<class 'M.T'>:<'text'>"``) reads exactly as if the handler had run in this process. Only the name is
-    reused; nothing is imported or evaluated from it."""
-    name = str(type_name) if isinstance(type_name, str) and _QUALNAME.fullmatch(type_name) else "edge.forward.WorkerRaised"
+    """An exception whose ``str(type(e))`` and ``str(e)`` are the worker's, so the error reply Flower builds
+    from it (``"<class 'M.T'>:<'text'>"``) reads exactly as if the handler had run in this process. Only the
+    name is reused; nothing is imported or evaluated from it."""
+    name = (
+        str(type_name)
+        if isinstance(type_name, str) and _QUALNAME.fullmatch(type_name)
+        else "edge.forward.WorkerRaised"
+    )
     module, _, qual = name.rpartition(".")
     cls = type(qual, (WorkerRaised,), {"__module__": module or "edge.forward", "__qualname__": qual})
     return mark_public(cls(str(text)))  # the worker made it public (edge.public_errors) before sending it
@@ -67,7 +71,8 @@ def _task_id() -> int:
 
 
 def _process_age() -> float:
-    """Seconds since this per-message process started (for the worker's log: Flower's start-up cost per message)."""
+    """Seconds since this per-message process started (for the worker's log: Flower's start-up cost per
+    message)."""
     try:
         return round(time.time() - psutil.Process().create_time(), 3)
     except psutil.Error:
@@ -76,10 +81,10 @@ def _process_age() -> float:
 
 def reply_timeout(message: Message) -> float:
     """Seconds this process gives the worker per step of ``message``'s call (connect, challenge, each read and
-    write): the job's ``[federation] round_timeout`` (the coordinator waits no longer for any reply of the job)
-    plus ``ROUND_MARGIN``, at most ``channel.CLIENT_TIMEOUT``, which is also the answer for a message that carries
-    no readable job. Read before the worker checks the job's signature: whatever the value, this process waits
-    at most the ceiling, and a shorter wait only gives up on this message's own reply sooner."""
+    write): the job's ``[federation] round_timeout`` (the coordinator waits no longer for any reply of the
+    job) plus ``ROUND_MARGIN``, at most ``channel.CLIENT_TIMEOUT``, which is also the answer for a message
+    that carries no readable job. Read before the worker checks the job's signature: whatever the value, this
+    process waits at most the ceiling, and a shorter wait only gives up on this message's own reply sooner."""
     ceiling = float(channel.CLIENT_TIMEOUT)
     try:
         doc = json.loads(str(message.content.config_records["cfg"]["json"]))
@@ -95,16 +100,22 @@ def reply_timeout(message: Message) -> float:
 
 
 def forward(message: Message, context: Context, sock: str, key: bytes) -> Message:
-    """One message through the worker; the worker's updated ``context.state`` is copied into ``context`` (Flower
-    pushes this same object back to the SuperNode)."""
-    doc = {"kind": "message", "message_id": message.metadata.message_id, "task_id": _task_id(),
-           "process_age": _process_age()}
+    """One message through the worker; the worker's updated ``context.state`` is copied into ``context``
+    (Flower pushes this same object back to the SuperNode)."""
+    doc = {
+        "kind": "message",
+        "message_id": message.metadata.message_id,
+        "task_id": _task_id(),
+        "process_age": _process_age(),
+    }
     frames = [message_to_proto(message).SerializeToString(), context_to_proto(context).SerializeToString()]
     reply, rest = channel.call(sock, key, doc, frames, timeout=reply_timeout(message))
     if reply.get("ok") is not True:
         raise remote_error(reply.get("error_type"), reply.get("error", "the worker failed without a reason"))
     if len(rest) != 2:
-        raise channel.WorkerRequestError(f"the worker at {sock} replied with {len(rest)} frames, not 2; refused")
+        raise channel.WorkerRequestError(
+            f"the worker at {sock} replied with {len(rest)} frames, not 2; refused"
+        )
     content = fm.payload_from_bytes(rest[0])
     pc = ProtoContext()
     pc.ParseFromString(rest[1])
@@ -121,7 +132,8 @@ def in_process(message: Message, context: Context) -> Message:
 class ForwardingApp(ClientApp):
     """A ClientApp that forwards every message (any type: the worker's ClientApp routes it).
 
-    The channel is the node's (its environment, set by ``node start``) unless given (tests, the in-process grid)."""
+    The channel is the node's (its environment, set by ``node start``) unless given (tests, the in-process
+    grid)."""
 
     def __init__(self, sock: str | None = None, key_file: str | None = None) -> None:
         super().__init__()
@@ -131,7 +143,9 @@ class ForwardingApp(ClientApp):
         try:
             return self._handle(message, context)
         except Exception as exc:  # noqa: BLE001 - a channel failure names local files: only its public form leaves
-            raise public_error(exc, context.node_config, where=f"{message.metadata.message_type} request") from None
+            raise public_error(
+                exc, context.node_config, where=f"{message.metadata.message_type} request"
+            ) from None
 
     def _handle(self, message: Message, context: Context) -> Message:
         sock = self._sock or os.environ.get(channel.ENV_SOCKET)
@@ -142,7 +156,9 @@ class ForwardingApp(ClientApp):
             key = channel.read_key(key_file)
             return forward(message, context, sock, key)
         except channel.WorkerUnavailable as exc:
-            log.warning("%s; handling %s in this process instead (slower)", exc, message.metadata.message_type)
+            log.warning(
+                "%s; handling %s in this process instead (slower)", exc, message.metadata.message_type
+            )
             return in_process(message, context)
 
 

@@ -24,22 +24,30 @@ import datetime as dt
 import re
 import textwrap
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from feta_release.data.commitment import create_secret, dataset_commitment, load_secret, suggest_public_size
 from feta_release.data.declared import DataDeclaration
 from feta_release.data.loading import LoadOptions, load_dataset, patient_grouping
 from feta_release.errors import ConfigError, PolicyError
-from feta_release.job_rules import (DPSGD_MIN_SIGMA, DRAFT_EPSILON, DRAFT_MIN_STEPS, DRAFT_SHARE_SITES,
-                                    SiteCaps, site_caps)
+from feta_release.job_rules import (
+    DPSGD_MIN_SIGMA,
+    DRAFT_EPSILON,
+    DRAFT_MIN_STEPS,
+    DRAFT_SHARE_SITES,
+    SiteCaps,
+    site_caps,
+)
 from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
 from feta_release.signing import generate_keypair, load_public_key, make_node_auth_key, public_key_pem
 
 # The key in policies/strict-hospital.toml and policies/research.toml: an example, never a real coordinator.
-EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset({"c9dc80267b498549c4fb98b541d69a6212511d9436b00142eb66e24fbe6dd0d2"})
+EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset(
+    {"c9dc80267b498549c4fb98b541d69a6212511d9436b00142eb66e24fbe6dd0d2"}
+)
 # Per-job ε above which signing warns. Common guidance: ε ≤ 1 is strong, single-digit ε is what
 # deployed DP systems use (e.g. the US Census 2020 DAS, Apple/Google telemetry); above 10 the formal
 # guarantee says little about one patient. The lifetime ceiling allows a few such jobs.
@@ -55,26 +63,31 @@ class Review:
     warnings: list[str]
 
 
-# Values no reviewed policy should hold unless its administrator says so: ``policy sign`` refuses each, naming the
-# risk that ``--accept-risk RISK`` accepts (the line then stays, as a warning).
+# Values no reviewed policy should hold unless its administrator says so: ``policy sign`` refuses each, naming
+# the risk that ``--accept-risk RISK`` accepts (the line then stays, as a warning).
 # (A lifetime budget below the per-job one is refused by the policy's validation itself.)
 RISKS = ("job-epsilon", "lifetime-epsilon", "delta", "expired")
 
 
-def signing_review(doc: dict[str, Any], now: dt.datetime | None = None,
-                   accept: frozenset[str] | set[str] = frozenset()) -> Review:
-    """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix. A risk
-    in ``accept`` is a warning instead of an error."""
+def signing_review(
+    doc: dict[str, Any], now: dt.datetime | None = None, accept: frozenset[str] | set[str] = frozenset()
+) -> Review:
+    """What ``policy sign`` refuses (errors) and warns about, one line each naming the field and the fix. A
+    risk in ``accept`` is a warning instead of an error."""
     now = now or utc_now()
     errors, warnings = [], []
     coords = list(doc.get("coordinators", []))
     if not coords:
-        errors.append("coordinators: empty; paste your coordinator's public key (feta-release keys show "
-                      "coordinator.pub --pem) so the node can verify its jobs")
+        errors.append(
+            "coordinators: empty; paste your coordinator's public key (feta-release keys show "
+            "coordinator.pub --pem) so the node can verify its jobs"
+        )
     for i, c in enumerate(coords):
         if _coordinator_fingerprint(c) in EXAMPLE_COORDINATOR_FINGERPRINTS:
-            errors.append(f"coordinators[{i}]: the shipped EXAMPLE coordinator key; replace it with your "
-                          "coordinator's public key")
+            errors.append(
+                f"coordinators[{i}]: the shipped EXAMPLE coordinator key; replace it with your "
+                "coordinator's public key"
+            )
     ds = doc.get("dataset", {})
     size = ds.get("nominal_size", ds.get("size"))
     if not size:
@@ -82,8 +95,10 @@ def signing_review(doc: dict[str, Any], now: dt.datetime | None = None,
     if parse_time(doc["not_before"]) > now and parse_time(doc["expires"]) > now:
         warnings.append(f"not_before: {doc['not_before']} is in the future; a node refuses it until then")
     if not doc.get("app_bundles"):
-        warnings.append("app_bundles: empty; the node will refuse to start until you add the sha256 of the "
-                        "reviewed app bundle your coordinator sends")
+        warnings.append(
+            "app_bundles: empty; the node will refuse to start until you add the sha256 of the "
+            "reviewed app bundle your coordinator sends"
+        )
     for risk, line in _risks(doc, size, now):
         if risk in accept:
             warnings.append(f"{line} (accepted: --accept-risk {risk})")
@@ -98,23 +113,47 @@ def _risks(doc: dict[str, Any], size: Any, now: dt.datetime) -> list[tuple[str, 
     b = doc["budget"]
     job, life = b["per_job"], b["lifetime"]
     if parse_time(doc["expires"]) <= now:
-        out.append(("expired", f"expires: {doc['expires']} is in the past; a node refuses an expired policy: set a "
-                               "future expires"))
+        out.append(
+            (
+                "expired",
+                f"expires: {doc['expires']} is in the past; a node refuses an expired policy: set a "
+                "future expires",
+            )
+        )
     if job["epsilon"] > EPSILON_CEILING_JOB:
-        out.append(("job-epsilon", f"budget.per_job.epsilon = {job['epsilon']:g} is above {EPSILON_CEILING_JOB:g}, "
-                                   "beyond common guidance (ε ≤ 1 strong, single digits in deployed systems)"))
+        out.append(
+            (
+                "job-epsilon",
+                f"budget.per_job.epsilon = {job['epsilon']:g} is above {EPSILON_CEILING_JOB:g}, "
+                "beyond common guidance (ε ≤ 1 strong, single digits in deployed systems)",
+            )
+        )
     if life["epsilon"] > EPSILON_CEILING_LIFETIME:
-        out.append(("lifetime-epsilon", f"budget.lifetime.epsilon = {life['epsilon']:g} is above "
-                                        f"{EPSILON_CEILING_LIFETIME:g}, beyond common guidance"))
+        out.append(
+            (
+                "lifetime-epsilon",
+                f"budget.lifetime.epsilon = {life['epsilon']:g} is above "
+                f"{EPSILON_CEILING_LIFETIME:g}, beyond common guidance",
+            )
+        )
     if size and max(job["delta"], life["delta"]) >= 1.0 / float(size):
-        out.append(("delta", f"budget delta = {max(job['delta'], life['delta']):g} is not below 1/N = "
-                             f"{1 / float(size):.3g}: a mechanism could then reveal a whole record; use δ well below "
-                             "1/N"))
+        out.append(
+            (
+                "delta",
+                f"budget delta = {max(job['delta'], life['delta']):g} is not below 1/N = "
+                f"{1 / float(size):.3g}: a mechanism could then reveal a whole record; use δ well below "
+                "1/N",
+            )
+        )
     return out
 
 
-def review_or_refuse(doc: dict[str, Any], source: str, now: dt.datetime | None = None,
-                     accept: frozenset[str] | set[str] = frozenset()) -> list[str]:
+def review_or_refuse(
+    doc: dict[str, Any],
+    source: str,
+    now: dt.datetime | None = None,
+    accept: frozenset[str] | set[str] = frozenset(),
+) -> list[str]:
     """Raise ``PolicyError`` listing every error; return the warnings."""
     r = signing_review(doc, now, accept)
     if r.errors:
@@ -138,9 +177,10 @@ class Kit:
 
 @dataclass(frozen=True)
 class AdminKey:
-    """Where the policy-admin key lives. ``elsewhere``: no private key is written into the kit; the admin makes it on
-    another machine (``keys generate --passphrase-prompt``), signs there and brings only the signed policy and the
-    ``.pub``. Otherwise it is made here, encrypted with ``passphrase`` when one is given."""
+    """Where the policy-admin key lives. ``elsewhere``: no private key is written into the kit; the admin
+    makes it on another machine (``keys generate --passphrase-prompt``), signs there and brings only the
+    signed policy and the ``.pub``. Otherwise it is made here, encrypted with ``passphrase`` when one is
+    given."""
 
     elsewhere: bool = False
     passphrase: bytes | None = None
@@ -156,23 +196,32 @@ class AdminKey:
 
     def sign_hint(self) -> str:
         if self.elsewhere:
-            return ("# The policy-admin key is NOT on this node. On the offline machine that holds it:\n"
-                    "#   feta-release keys generate --out admin-keys --name policy-admin --passphrase-prompt  (once)\n"
-                    "#   feta-release policy sign policy.toml --key admin-keys/policy-admin.key --passphrase-prompt "
-                    "--out policy.signed.json\n"
-                    "# then copy back only policy.signed.json and admin-keys/policy-admin.pub (to keys/policy-admin.pub).")
+            return (
+                "# The policy-admin key is NOT on this node. On the offline machine that holds it:\n"
+                "#   feta-release keys generate --out admin-keys --name policy-admin --passphrase-prompt  "
+                "(once)\n#   feta-release policy sign policy.toml --key admin-keys/policy-admin.key "
+                "--passphrase-prompt --out policy.signed.json\n"
+                "# then copy back only policy.signed.json and admin-keys/policy-admin.pub (to "
+                "keys/policy-admin.pub)."
+            )
         pp = " --passphrase-prompt" if self.passphrase else ""
-        return ("# Review every value, then sign it (better on an offline machine: move keys/policy-admin.key there):\n"
-                f"#   feta-release policy sign policy.toml --key keys/policy-admin.key{pp} --out policy.signed.json")
+        return (
+            "# Review every value, then sign it (better on an offline machine: move keys/policy-admin.key "
+            f"there):\n#   feta-release policy sign policy.toml --key keys/policy-admin.key{pp} --out "
+            "policy.signed.json"
+        )
 
 
 def _peer_pems(site_id: str, peers: Mapping[str, Path]) -> dict[str, str]:
-    """The other sites' site-signing keys as PEM, by site id (refused: a bad id, this site itself, a bad key)."""
+    """The other sites' site-signing keys as PEM, by site id (refused: a bad id, this site itself, a bad
+    key)."""
     out: dict[str, str] = {}
     for sid, path in peers.items():
         if not SITE_ID.match(sid) or sid == site_id:
-            raise ConfigError(f"--peer {sid}={path}: give another site's id (letters, digits, . _ -) and its "
-                              "keys/site-signing.pub")
+            raise ConfigError(
+                f"--peer {sid}={path}: give another site's id (letters, digits, . _ -) and its "
+                "keys/site-signing.pub"
+            )
         out[sid] = public_key_pem(load_public_key(Path(path)))
     return out
 
@@ -181,10 +230,19 @@ def _toml_str(v: str) -> str:
     return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superlink: str = "127.0.0.1:9092",
-              coordinator_pub: Path | None = None, root_certificates: Path | None = None,
-              app_bundles: tuple[str, ...] = (), peers: Mapping[str, Path] | None = None,
-              admin_key: AdminKey | None = None) -> Kit:
+def init_site(
+    root: Path,
+    data: Path,
+    site_id: str,
+    *,
+    load: Any = None,
+    superlink: str = "127.0.0.1:9092",
+    coordinator_pub: Path | None = None,
+    root_certificates: Path | None = None,
+    app_bundles: tuple[str, ...] = (),
+    peers: Mapping[str, Path] | None = None,
+    admin_key: AdminKey | None = None,
+) -> Kit:
     """Write the kit (see the module docstring); refuses to overwrite an existing kit.
 
     ``peers``: the other sites' site-signing public keys (site id -> .pub), pinned in the draft's
@@ -196,8 +254,10 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     admin_key = admin_key or AdminKey()
     bad = [h for h in app_bundles if not SHA256_HEX.match(h)]
     if bad:
-        raise ConfigError(f"--app-bundle {bad[0]!r}: not a sha256 (64 hex digits); your coordinator prints it with "
-                          "`feta-release coordinator fab-hash`")
+        raise ConfigError(
+            f"--app-bundle {bad[0]!r}: not a sha256 (64 hex digits); your coordinator prints it with "
+            "`feta-release coordinator fab-hash`"
+        )
     root = Path(root)
     if (root / "node.toml").exists() or (root / "keys").exists():
         raise ConfigError(f"{root}: already holds a site kit (node.toml or keys/); choose an empty folder")
@@ -209,24 +269,52 @@ def init_site(root: Path, data: Path, site_id: str, *, load: Any = None, superli
     _, site_pub = generate_keypair(keys, "site-signing")
     _, auth_pub = make_node_auth_key(keys, "node-auth")
     draft = root / "policy.toml"
-    unit = (f"one PATIENT (at most {opts.patient_cap} image(s) each, node.toml [data] patient_cap)"
-            if opts.patient_cap else "one image (no --patient-cap; see `feta-release privacy plan --patient-cap`)")
+    unit = (
+        f"one PATIENT (at most {opts.patient_cap} image(s) each, node.toml [data] patient_cap)"
+        if opts.patient_cap
+        else "one image (no --patient-cap; see `feta-release privacy plan --patient-cap`)"
+    )
     # Keyed commitment (never a plain hash) and a rounded PUBLIC size: the exact count stays here.
-    commitment = dataset_commitment(ds, load_secret(create_secret(keys / "data.secret")),
-                                    patients=patient_grouping(report))  # the node's grouping under the cap
+    commitment = dataset_commitment(
+        ds, load_secret(create_secret(keys / "data.secret")), patients=patient_grouping(report)
+    )  # the node's grouping under the cap
     site_pem = public_key_pem(load_public_key(site_pub))
     # the data's own classes and shape, as a PROPOSAL the admin reviews and signs (the node then uses only the
-    # signed declaration); loading with it changes nothing, so the commitment above is the one the node recomputes
+    # signed declaration); loading with it changes nothing, so the commitment above is the one the node
+    # recomputes
     fields = _unit_fields(opts, report) + DataDeclaration.draft_from(ds).toml_lines()
     patients = suggest_public_size(int(report.n_patients)) if opts.patient_cap and report.n_patients else None
-    draft.write_text(_policy_draft(site_id, commitment, suggest_public_size(ds.n), coord_pem, site_pem, unit,
-                                   tuple(h.lower() for h in app_bundles), fields, peer_pems,
-                                   admin_key.sign_hint(), shape=tuple(ds.image_shape), n_classes=ds.n_classes,
-                                   patients=patients), "utf-8")
+    draft.write_text(
+        _policy_draft(
+            site_id,
+            commitment,
+            suggest_public_size(ds.n),
+            coord_pem,
+            site_pem,
+            unit,
+            tuple(h.lower() for h in app_bundles),
+            fields,
+            peer_pems,
+            admin_key.sign_hint(),
+            shape=tuple(ds.image_shape),
+            n_classes=ds.n_classes,
+            patients=patients,
+        ),
+        "utf-8",
+    )
     node = root / "node.toml"
     node.write_text(_node_toml(site_id, Path(data).resolve(), opts, superlink, root_certificates), "utf-8")
-    return Kit(root, node, draft, (auth_pub, keys / "site-signing.pub"), ds.n, report.n_patients,
-               opts.patient_cap, admin_pub, admin_key.private_path(keys))
+    return Kit(
+        root,
+        node,
+        draft,
+        (auth_pub, keys / "site-signing.pub"),
+        ds.n,
+        report.n_patients,
+        opts.patient_cap,
+        admin_pub,
+        admin_key.private_path(keys),
+    )
 
 
 def _unit_fields(opts: Any, report: Any) -> str:
@@ -234,9 +322,12 @@ def _unit_fields(opts: Any, report: Any) -> str:
     (rounded) number of patients, so federated DP-SGD samples and clips whole patients."""
     if not opts.patient_cap or not report.n_patients:
         return ""
-    return (f'privacy_unit = "patient"  # DP-SGD samples whole patients at q = batch / patients\n'
-            f"patients = {suggest_public_size(int(report.n_patients))}  # PUBLIC nominal number of patients (rounded)\n"
-            f"patient_cap = {int(opts.patient_cap)}  # at most this many images per patient (node.toml [data])\n")
+    return (
+        f'privacy_unit = "patient"  # DP-SGD samples whole patients at q = batch / patients\n'
+        f"patients = {suggest_public_size(int(report.n_patients))}  # PUBLIC nominal number of patients "
+        f"(rounded)\npatient_cap = {int(opts.patient_cap)}  # at most this many images per patient "
+        "(node.toml [data])\n"
+    )
 
 
 def _secure_aggregation_table(peers: Mapping[str, str]) -> str:
@@ -249,31 +340,43 @@ def _secure_aggregation_table(peers: Mapping[str, str]) -> str:
 # of the pinned sites may collude with the coordinator (their shares do not count either).
 [secure_aggregation]
 max_colluders = 0
-"""
+"""  # noqa: E501
     if not peers:
         return head + "# [secure_aggregation.peers]\n# st-luke = '''-----BEGIN PUBLIC KEY-----...'''\n"
-    return head + "[secure_aggregation.peers]\n" + "".join(f"{_toml_str(s)} = '''{pem}'''\n"
-                                                            for s, pem in sorted(peers.items()))
+    return (
+        head
+        + "[secure_aggregation.peers]\n"
+        + "".join(f"{_toml_str(s)} = '''{pem}'''\n" for s, pem in sorted(peers.items()))
+    )
 
 
 def _derived_lines(caps: SiteCaps, n: int, shape: tuple[int, ...], n_classes: int) -> str:
     """The draft's comment on the job the rules derive for this site at its per-job budget (what the caps
     admit), or why that job is refused."""
     side = "x".join(str(v) for v in (shape[1], shape[2], shape[0]))
-    head = ("# The caps below come from this site's public facts by the derived job's rules\n"
-            "# (feta_release/job_rules.py site_caps, docs/derived-job.md). The job they admit at the per-job\n"
-            "# budget:\n"
-            f"#   feta-release privacy plan --size {n} --shape {side} --classes {n_classes} --epsilon "
-            f"{DRAFT_EPSILON:g} --declared-size\n")
+    head = (
+        "# The caps below come from this site's public facts by the derived job's rules\n"
+        "# (feta_release/job_rules.py site_caps, docs/derived-job.md). The job they admit at the per-job\n"
+        "# budget:\n"
+        f"#   feta-release privacy plan --size {n} --shape {side} --classes {n_classes} --epsilon "
+        f"{DRAFT_EPSILON:g} --declared-size\n"
+    )
     if caps.job is None:
         why = textwrap.wrap("is refused at this budget: " + caps.floor.replace("\n", " "), 106)
         return head + "".join(f"# {line}\n" for line in why)
     cfg = caps.job.cfg
-    freq = "off" if cfg.frequency.sigma is None else \
-        f"sigma {cfg.frequency.sigma:g} with {cfg.frequency.features} features"
+    freq = (
+        "off"
+        if cfg.frequency.sigma is None
+        else f"sigma {cfg.frequency.sigma:g} with {cfg.frequency.features} features"
+    )
     steps = cfg.dpsgd_steps(n)
-    return (head + f"# central sigma {cfg.central.sigma:g} (one pass), frequency {freq}, DP-SGD "
-            + (f"{steps} steps" if steps else "off") + ".\n")
+    return (
+        head
+        + f"# central sigma {cfg.central.sigma:g} (one pass), frequency {freq}, DP-SGD "
+        + (f"{steps} steps" if steps else "off")
+        + ".\n"
+    )
 
 
 def _caps_toml(caps: SiteCaps, n: int, shape: tuple[int, ...], patients: int | None) -> str:
@@ -305,22 +408,37 @@ max_clip = 1.0
 # ({n:,} x {side} x 4 bytes) + 1 GiB working memory, rounded up, at least the default.
 [resources]
 max_worker_memory_mb = {caps.max_worker_memory_mb}
-"""
+"""  # noqa: E501
 
 
-def _policy_draft(site_id: str, commitment: str, n: int, coordinator_pem: str | None, site_pem: str,
-                  unit: str = "one image", app_bundles: tuple[str, ...] = (), unit_fields: str = "",
-                  peers: Mapping[str, str] | None = None, sign_hint: str = "", *,
-                  shape: tuple[int, ...] = (1, 28, 28), n_classes: int = 10,
-                  patients: int | None = None) -> str:
+def _policy_draft(
+    site_id: str,
+    commitment: str,
+    n: int,
+    coordinator_pem: str | None,
+    site_pem: str,
+    unit: str = "one image",
+    app_bundles: tuple[str, ...] = (),
+    unit_fields: str = "",
+    peers: Mapping[str, str] | None = None,
+    sign_hint: str = "",
+    *,
+    shape: tuple[int, ...] = (1, 28, 28),
+    n_classes: int = 10,
+    patients: int | None = None,
+) -> str:
     """The policy draft's text; its budgets' delta, mechanism caps and memory limit from :func:`site_caps` of
     the site's public facts (size, image shape, classes, unit of privacy)."""
     caps = site_caps(n, (int(shape[0]), int(shape[1]), int(shape[2])), n_classes, patients)
     start = utc_now().replace(microsecond=0, second=0)
-    coords = (f'[\n  """{coordinator_pem}""",\n]' if coordinator_pem
-              else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`")
+    coords = (
+        f'[\n  """{coordinator_pem}""",\n]'
+        if coordinator_pem
+        else "[]  # REQUIRED: paste `feta-release keys show coordinator.pub --pem`"
+    )
     hint = sign_hint or AdminKey().sign_hint()
-    return f"""# Site policy DRAFT written by `feta-release site init`.
+    return (
+        f"""# Site policy DRAFT written by `feta-release site init`.
 {hint}
 # Signing refuses while this draft still lacks a coordinator key or holds the example one.
 version = 1
@@ -351,12 +469,20 @@ delta = {caps.delta:g}
 epsilon = {DRAFT_EPSILON:g}
 delta = {caps.delta:g}
 
-""" + _derived_lines(caps, n, shape, n_classes) + "\n" + _caps_toml(caps, n, shape, patients) \
+"""  # noqa: E501
+        + _derived_lines(caps, n, shape, n_classes)
+        + "\n"
+        + _caps_toml(caps, n, shape, patients)
         + _secure_aggregation_table(peers or {})
+    )
 
 
 def _node_toml(site_id: str, data: Path, opts: Any, superlink: str, root_certificates: Path | None) -> str:
-    ca = _toml_str(str(root_certificates)) if root_certificates else '""  # REQUIRED: the ca.crt your coordinator sends'
+    ca = (
+        _toml_str(str(root_certificates))
+        if root_certificates
+        else '""  # REQUIRED: the ca.crt your coordinator sends'
+    )
     return f"""# Node settings for site {site_id}: feta-release node start --config node.toml
 # Relative paths are relative to this file. Command-line options override values here.
 [node]
@@ -381,10 +507,34 @@ patient_cap = {opts.patient_cap or 0}
 """
 
 
-NODE_KEYS = {"data", "policy", "trusted_policy_key", "site_key", "data_secret", "auth_key", "ledger", "work_dir", "superlink",
-             "port", "root_certificates", "insecure", "force_insecure", "worker", "device"}
-PATH_KEYS = {"data", "policy", "trusted_policy_key", "site_key", "data_secret", "auth_key", "ledger", "work_dir",
-             "root_certificates"}
+NODE_KEYS = {
+    "data",
+    "policy",
+    "trusted_policy_key",
+    "site_key",
+    "data_secret",
+    "auth_key",
+    "ledger",
+    "work_dir",
+    "superlink",
+    "port",
+    "root_certificates",
+    "insecure",
+    "force_insecure",
+    "worker",
+    "device",
+}
+PATH_KEYS = {
+    "data",
+    "policy",
+    "trusted_policy_key",
+    "site_key",
+    "data_secret",
+    "auth_key",
+    "ledger",
+    "work_dir",
+    "root_certificates",
+}
 
 
 def read_node_toml(path: Path) -> dict[str, Any]:
@@ -392,7 +542,9 @@ def read_node_toml(path: Path) -> dict[str, Any]:
     try:
         doc = tomllib.loads(Path(path).read_text("utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{path}: node config not found; create one with `feta-release site init`") from None
+        raise ConfigError(
+            f"{path}: node config not found; create one with `feta-release site init`"
+        ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
     extra = sorted(set(doc) - {"node", "data"})
@@ -408,12 +560,19 @@ def read_node_toml(path: Path) -> dict[str, Any]:
             out[k] = (base / v).resolve() if v else None
         else:
             out[k] = v
-    missing = [k for k in ("data", "policy", "trusted_policy_key", "ledger", "site_key", "data_secret")
-               if not out.get(k)]
+    missing = [
+        k
+        for k in ("data", "policy", "trusted_policy_key", "ledger", "site_key", "data_secret")
+        if not out.get(k)
+    ]
     if missing:
         raise ConfigError(f"{path}: [node] lacks {', '.join(missing)}")
     size = int(data.get("image_size") or 0) or None
     cap = int(data.get("patient_cap") or 0) or None
-    out["load"] = LoadOptions(resize=data.get("resize", "refuse"), image_size=size, window=data.get("window", "auto"),
-                              patient_cap=cap)
+    out["load"] = LoadOptions(
+        resize=data.get("resize", "refuse"),
+        image_size=size,
+        window=data.get("window", "auto"),
+        patient_cap=cap,
+    )
     return out

@@ -1,19 +1,20 @@
-"""The node's own record of its ledger (``WORK/ledger-anchor.json``): which ledger it ran on, and how far it got.
+"""The node's own record of its ledger (``WORK/ledger-anchor.json``): which ledger it ran on, and how far it
+got.
 
-Why: the ledger's hash chain cannot see the whole file deleted or rolled back to an older copy signed by the same key
-(``feta_release.ledger_chain``); either would hand the site back budget it has spent. The node keeps, beside its
-other state, the ledger's id, row count and head hash (``Ledger.anchor``) at every start and every attestation, and
-refuses to start (or to open the site for a message) on a ledger that does not extend it:
+Why: the ledger's hash chain cannot see the whole file deleted or rolled back to an older copy signed by the
+same key (``feta_release.ledger_chain``); either would hand the site back budget it has spent. The node keeps,
+beside its other state, the ledger's id, row count and head hash (``Ledger.anchor``) at every start and every
+attestation, and refuses to start (or to open the site for a message) on a ledger that does not extend it:
 
 - the ledger file is missing although the node ran on one: refused, instead of creating a fresh, empty ledger
-  silently; the fix is to restore the latest ledger. ``node start --new-ledger`` starts a new one deliberately: it
-  is logged here (``history``) and the coordinator, which keeps the last attested anchor of every site
-  (``feta_release.federation.anchors``), refuses the new ledger id until its admin accepts it;
+  silently; the fix is to restore the latest ledger. ``node start --new-ledger`` starts a new one
+  deliberately: it is logged here (``history``) and the coordinator, which keeps the last attested anchor of
+  every site (``feta_release.federation.anchors``), refuses the new ledger id until its admin accepts it;
 - another ledger id, fewer rows, or a chain that does not pass through the recorded head: an older copy (or a
   copy that went on from one) was restored: refused; restore the latest ledger.
 
-This file lives on the node's disk, so it is a guard against an ordinary restore or an accidental deletion, not
-against someone who rolls back the whole disk: the coordinator's copy covers that.
+This file lives on the node's disk, so it is a guard against an ordinary restore or an accidental deletion,
+not against someone who rolls back the whole disk: the coordinator's copy covers that.
 """
 
 from __future__ import annotations
@@ -46,59 +47,81 @@ def read(work_dir: str | Path) -> dict[str, Any]:
     try:
         doc = json.loads(p.read_text("utf-8"))
     except (OSError, ValueError) as exc:
-        raise LedgerRegressedError(f"{p}: unreadable ({type(exc).__name__}); it records which ledger this node ran "
-                                   "on: restore it from the backup of the node's work directory") from None
+        raise LedgerRegressedError(
+            f"{p}: unreadable ({type(exc).__name__}); it records which ledger this node ran "
+            "on: restore it from the backup of the node's work directory"
+        ) from None
     return doc if isinstance(doc, dict) else {}
 
 
 def _write(work_dir: str | Path, doc: dict[str, Any]) -> None:
-    atomic_write_bytes(anchor_path(work_dir), (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
-                       private=True)
+    atomic_write_bytes(
+        anchor_path(work_dir), (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(), private=True
+    )
 
 
 def _fix(ledger: Path) -> str:
-    return (f"restore the latest copy of {ledger} (with its -wal file, if any) from the backup; only if it is lost "
-            "for good, move what is there aside and start once with `feta-release node start --new-ledger` (logged; "
-            "the coordinator then refuses the new ledger until its admin accepts it)")
+    return (
+        f"restore the latest copy of {ledger} (with its -wal file, if any) from the backup; only if it is "
+        "lost for good, move what is there aside and start once with `feta-release node start --new-ledger` "
+        "(logged; the coordinator then refuses the new ledger until its admin accepts it)"
+    )
 
 
 def refuse_missing(ledger: str | Path, work_dir: str | Path) -> None:
-    """Before a ledger is opened (and so created when missing): refuse when the node recorded one that is gone."""
+    """Before a ledger is opened (and so created when missing): refuse when the node recorded one that is
+    gone."""
     led, rec = Path(ledger), read(work_dir)
     if led.exists() or not rec.get("ledger_id"):
         return
     raise LedgerRegressedError(
         f"{led}: the privacy ledger is missing, but this node ran on ledger {rec['ledger_id'][:12]}… with "
-        f"{rec.get('rows')} row(s) ({anchor_path(work_dir)}); a fresh ledger would re-grant the spent budget. "
-        f"Fix: {_fix(led)}")
+        f"{rec.get('rows')} row(s) ({anchor_path(work_dir)}); a fresh ledger would re-grant the spent "
+        f"budget. Fix: {_fix(led)}"
+    )
 
 
 def refuse_regression(ledger: Any, work_dir: str | Path) -> None:
-    """After opening: refuse a ledger (``feta_release.ledger.Ledger``) that does not extend the recorded anchor."""
+    """After opening: refuse a ledger (``feta_release.ledger.Ledger``) that does not extend the recorded
+    anchor."""
     rec = read(work_dir)
     if not rec.get("ledger_id") or ledger.extends(rec):
         return
     now = ledger.anchor()
-    what = (f"another ledger ({now['ledger_id'][:12]}…)" if now["ledger_id"] != rec["ledger_id"] else
-            f"an older copy of it ({now['rows']} row(s))" if now["rows"] < int(rec.get("rows", 0)) else
-            "a copy that went on from an older one (its chain does not pass through the recorded head)")
+    what = (
+        f"another ledger ({now['ledger_id'][:12]}…)"
+        if now["ledger_id"] != rec["ledger_id"]
+        else f"an older copy of it ({now['rows']} row(s))"
+        if now["rows"] < int(rec.get("rows", 0))
+        else "a copy that went on from an older one (its chain does not pass through the recorded head)"
+    )
     raise LedgerRegressedError(
         f"{ledger.path}: this node last ran on ledger {rec['ledger_id'][:12]}… with {rec.get('rows')} row(s) "
         f"({anchor_path(work_dir)}), but the file is {what}; it would re-grant the spent budget. "
-        f"Fix: {_fix(Path(ledger.path))}")
+        f"Fix: {_fix(Path(ledger.path))}"
+    )
 
 
 def start_new(ledger: str | Path, work_dir: str | Path) -> str:
     """``node start --new-ledger``: forget the recorded ledger (kept in ``history``) so that a new one may be
-    created. Refused while a ledger file is there (move it aside first: nothing is deleted here). Returns the line
-    that was logged."""
+    created. Refused while a ledger file is there (move it aside first: nothing is deleted here). Returns the
+    line that was logged."""
     led, rec = Path(ledger), read(work_dir)
     if led.exists():
-        raise LedgerRegressedError(f"{led}: --new-ledger starts a NEW ledger, but one is there; move it aside first "
-                                   "(or start without --new-ledger to keep using it)")
-    line = (f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} --new-ledger: a new privacy ledger is created at "
-            f"{led}" + (f", replacing ledger {rec['ledger_id']} ({rec.get('rows')} row(s))" if rec.get("ledger_id")
-                        else "") + "; the coordinator refuses it until its admin accepts it")
+        raise LedgerRegressedError(
+            f"{led}: --new-ledger starts a NEW ledger, but one is there; move it aside first "
+            "(or start without --new-ledger to keep using it)"
+        )
+    line = (
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} --new-ledger: a new privacy ledger is created "
+        f"at {led}"
+        + (
+            f", replacing ledger {rec['ledger_id']} ({rec.get('rows')} row(s))"
+            if rec.get("ledger_id")
+            else ""
+        )
+        + "; the coordinator refuses it until its admin accepts it"
+    )
     history = [*rec.get("history", []), line]
     _write(work_dir, {"history": history})
     print(f"WARNING: {line}", file=sys.stderr, flush=True)

@@ -1,10 +1,11 @@
 """What a site node is doing, told plainly: connecting / connected / refused (why) / serving job X / stopped.
 
-The node's only window on its SuperNode is the SuperNode's output (Flower writes no machine-readable status), so
-``NodeMonitor`` reads that output line by line (ANSI colour codes stripped), writes it to the node's log as plain
-text with a UTC timestamp, and turns the lines Flower 1.41 and 1.42 print into the node's state.  Each change is announced
-(the console of ``node start``) and written to ``node-state.json`` in the node's work directory, which
-``feta-release node status`` reads.  Nothing here is sent anywhere: the state file and the log stay at the site.
+The node's only window on its SuperNode is the SuperNode's output (Flower writes no machine-readable status),
+so ``NodeMonitor`` reads that output line by line (ANSI colour codes stripped), writes it to the node's log as
+plain text with a UTC timestamp, and turns the lines Flower 1.41 and 1.42 print into the node's state.  Each
+change is announced (the console of ``node start``) and written to ``node-state.json`` in the node's work
+directory, which ``feta-release node status`` reads.  Nothing here is sent anywhere: the state file and the
+log stay at the site.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ _LEVEL = re.compile(r"^(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\s*:\s*")
 _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 _RUN = re.compile(r"\[RUN (\d+), ROUND ([^\]]+)\]")
 _EXIT = re.compile(r"Exit Code: (\d+)")
-# The last line of a traceback raised by this project's code in a ClientApp: the site refused the job's request.
+# The last line of a traceback raised by this project's code in a ClientApp: the site refused the job's
+# request.
 _OUR_ERROR = re.compile(r"^(?:edge|feta_release)[\w.]*\.(\w+): (.+)$")
 # Flower exit codes of the SuperNode itself (3xx) that mean the coordinator turned this node away.
 _REFUSAL_HINTS = {
-    "Failed to activate SuperNode": "the coordinator refused this node: its node-auth key is not registered there "
-                                    "(send keys/node-auth.pub to the coordinator: `feta-release coordinator register`)",
+    "Failed to activate SuperNod"
+    "e": "the coordinator refused this node: its node-auth key is not registered there "
+    "(send keys/node-auth.pub to the coordinator: `feta-release coordinator register`)",
 }
 
 
@@ -77,8 +80,9 @@ def ledger_jobs(ledger_path: Path | None) -> dict[str, bool]:
 
 
 def open_job(ledger_path: Path | None, before: dict[str, bool] | None = None) -> str | None:
-    """The job being served: the newest one bound since ``before`` (a snapshot taken when the Flower run began),
-    else the newest still-open one that was already bound (a resumed job); None when nothing names it yet."""
+    """The job being served: the newest one bound since ``before`` (a snapshot taken when the Flower run
+    began), else the newest still-open one that was already bound (a resumed job); None when nothing names it
+    yet."""
     jobs = ledger_jobs(ledger_path)
     new = [j for j in jobs if before is not None and j not in before]
     if new:
@@ -90,8 +94,15 @@ def open_job(ledger_path: Path | None, before: dict[str, bool] | None = None) ->
 class NodeMonitor:
     """Reads the SuperNode's output; keeps the plain log, the state file and the console in step."""
 
-    def __init__(self, superlink: str, work_dir: Path, log_path: Path | None, *, ledger: Path | None = None,
-                 announce: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        superlink: str,
+        work_dir: Path,
+        log_path: Path | None,
+        *,
+        ledger: Path | None = None,
+        announce: Callable[[str], None] | None = None,
+    ) -> None:
         self.superlink = superlink
         self.state_path = Path(work_dir) / STATE_FILE
         if log_path is not None:
@@ -102,7 +113,9 @@ class NodeMonitor:
         self._lock = threading.Lock()
         self._exit: list[str] | None = None  # lines of a Flower exit report being read
         self._runs: dict[str, dict[str, bool]] = {}  # Flower run id -> the ledger's jobs when it began
-        self.state = NodeState("starting", f"checks passed; starting the SuperNode for {superlink}", superlink)
+        self.state = NodeState(
+            "starting", f"checks passed; starting the SuperNode for {superlink}", superlink
+        )
         self._publish()
 
     def set_pid(self, pid: int) -> None:
@@ -123,17 +136,27 @@ class NodeMonitor:
             return
         if "Starting Flower SuperNode" in msg:
             self._go("connecting", f"reaching the coordinator at {self.superlink}")
-        elif "Connection attempt failed" in msg and self.state.state in ("starting", "connecting", "connected"):
-            self._go("connecting", f"cannot reach the coordinator at {self.superlink} yet; retrying (check the "
-                                   "address, the firewall and --root-certificates)")
+        elif "Connection attempt failed" in msg and self.state.state in (
+            "starting",
+            "connecting",
+            "connected",
+        ):
+            self._go(
+                "connecting",
+                f"cannot reach the coordinator at {self.superlink} yet; retrying (check the "
+                "address, the firewall and --root-certificates)",
+            )
         elif m := _NODE_ID.search(msg):
             self.state.node_id = m.group(1)
             self._go("connected", f"registered at {self.superlink} as node {m.group(1)}; waiting for a job")
         elif m := _RUN.search(msg):
             self._serving(m.group(1), m.group(2))
         elif "Sent successfully" in msg and self.state.state == "serving" and self.state.stage == "attest":
-            self._go("connected", f"served job {self.state.job or '(id unknown)'} (final attestation sent); waiting for "
-                                  "the next job")
+            self._go(
+                "connected",
+                f"served job {self.state.job or '(id unknown)'} (final attestation sent); waiting for "
+                "the next job",
+            )
         elif m := _OUR_ERROR.match(msg):
             what = f"job {self.state.job}" if self.state.job else "a job's request"
             self._go("refused", f"this site refused {what}: {m.group(2)} ({m.group(1)})")
@@ -143,9 +166,9 @@ class NodeMonitor:
             self._go("stopped", "the SuperNode stopped")
 
     def _serving(self, run: str, stage: str) -> None:
-        # The RUN line comes before the ClientApp binds a new job in the ledger: at a run's first round only a job
-        # bound since then can name it (an older open job may be a stale one); from the next round on, a resumed
-        # job (bound before this run) is named too.
+        # The RUN line comes before the ClientApp binds a new job in the ledger: at a run's first round only a
+        # job bound since then can name it (an older open job may be a stale one); from the next round on, a
+        # resumed job (bound before this run) is named too.
         first = run not in self._runs
         if first:
             self._runs[run] = ledger_jobs(self.ledger)
@@ -165,8 +188,12 @@ class NodeMonitor:
             return
         code, lines = self._exit[0], self._exit[1:]
         self._exit = None
-        if code.startswith("3"):  # the SuperNode itself gave up: the coordinator turned it away, or unreachable
-            why = next((hint for key, hint in _REFUSAL_HINTS.items() if any(key in x for x in lines)), " ".join(lines))
+        # the SuperNode itself gave up: the coordinator turned it away, or unreachable
+        if code.startswith("3"):
+            why = next(
+                (hint for key, hint in _REFUSAL_HINTS.items() if any(key in x for x in lines)),
+                " ".join(lines),
+            )
             self._go("refused", f"{why} (Flower exit code {code})")
 
     def stopped(self, code: int | None) -> None:
@@ -174,17 +201,27 @@ class NodeMonitor:
             if self.state.state == "refused" and code not in (None, 0):
                 self._publish()  # keep the reason: it is why the node stopped
             else:
-                self._go("stopped", "the node shut down cleanly" if code in (None, 0)
-                         else f"the SuperNode exited with code {code}; see its log for why")
+                self._go(
+                    "stopped",
+                    "the node shut down cleanly"
+                    if code in (None, 0)
+                    else f"the SuperNode exited with code {code}; see its log for why",
+                )
             if self.log_file is not None:
                 self.log_file.close()
 
     def _go(self, state: str, detail: str, **extra: Any) -> None:
         if (state, detail) == (self.state.state, self.state.detail):
             return
-        self.state = NodeState(state, detail, self.superlink, pid=self.state.pid,
-                               node_id=self.state.node_id, job=extra.get("job", self.state.job),
-                               stage=extra.get("stage"))
+        self.state = NodeState(
+            state,
+            detail,
+            self.superlink,
+            pid=self.state.pid,
+            node_id=self.state.node_id,
+            job=extra.get("job", self.state.job),
+            stage=extra.get("stage"),
+        )
         self._publish()
         if self.announce is not None:
             self.announce(self.state.line())
@@ -205,7 +242,8 @@ def _owner_only_append(path: Path) -> BinaryIO:
 
 
 def read_state(work_dir: Path) -> dict[str, Any] | None:
-    """The node's last published state, with ``running`` False when its process is gone (None: never started)."""
+    """The node's last published state, with ``running`` False when its process is gone (None: never
+    started)."""
     path = Path(work_dir) / STATE_FILE
     try:
         state: dict[str, Any] = json.loads(path.read_text("utf-8"))

@@ -6,11 +6,12 @@ coordinator sees, and the worker's CPU time, which other local users see, would 
 the real release, the same computation runs once more, on P - N dummy rows (blank images, classes in turn),
 with FRESH randomness of its own, and its result is dropped:
 
-  * rows: N + (P - N) = P, public (P = the policy's nominal size, or, for a site holding more images than that,
-    the nominal size doubled until it covers them: only that bucket is then revealed);
-  * sampled rows: Binomial(N, q) + Binomial(P - N, q) has the law Binomial(P, q) whatever N is, because the dummy
-    rows are sampled with fresh secret randomness (a fixed seed would let an observer subtract them);
-  * the release itself is untouched (the real computation, its generator and its output are the unpadded ones).
+  * rows: N + (P - N) = P, public (P = the policy's nominal size, or, for a site holding more images than
+    that, the nominal size doubled until it covers them: only that bucket is then revealed);
+  * sampled rows: Binomial(N, q) + Binomial(P - N, q) has the law Binomial(P, q) whatever N is, because the
+    dummy rows are sampled with fresh secret randomness (a fixed seed would let an observer subtract them);
+  * the release itself is untouched (the real computation, its generator and its output are the unpadded
+    ones).
 
 The padding runs the SAME function as the release (for the per-site releases, the very function the handler
 called), so it follows that function's cost whatever it becomes.
@@ -35,9 +36,15 @@ def dummy_data(ds: Any, rows: int) -> SimpleNamespace:
     """``rows`` blank images of ``ds``'s shape, classes in turn: the same cost per row as real images."""
     shape = tuple(int(v) for v in np.asarray(ds.images).shape[1:])
     k = int(ds.n_classes)
-    return SimpleNamespace(images=np.zeros((rows, *shape), dtype=np.float32),
-                           labels=np.arange(rows, dtype=np.int64) % k, n_classes=k, image_shape=shape, n=rows,
-                           class_names=list(getattr(ds, "class_names", [])), patients=None)
+    return SimpleNamespace(
+        images=np.zeros((rows, *shape), dtype=np.float32),
+        labels=np.arange(rows, dtype=np.int64) % k,
+        n_classes=k,
+        image_shape=shape,
+        n=rows,
+        class_names=list(getattr(ds, "class_names", [])),
+        patients=None,
+    )
 
 
 def padded(release: Callable[..., T], ds: Any, cfg: Any, n_public: int, rng: np.random.Generator) -> T:
@@ -57,6 +64,15 @@ def pad_secure(ds: Any, cfg: Any, n_public: int, phase: str, n_sites: int, modul
     if rows <= 0:
         return 0
     d = dummy_data(ds, rows)
-    ss.job_contribution(phase, d.images, d.labels, d.n_classes, cfg, n_public=n_public, n_sites=n_sites,
-                        modulus_bits=modulus_bits, rng=os_numpy_generator())
+    ss.job_contribution(
+        phase,
+        d.images,
+        d.labels,
+        d.n_classes,
+        cfg,
+        n_public=n_public,
+        n_sites=n_sites,
+        modulus_bits=modulus_bits,
+        rng=os_numpy_generator(),
+    )
     return rows

@@ -13,10 +13,10 @@ For each request, in this order:
   7. only then reply.
 A computation that fails after step 4 releases nothing: its cause stays in the site's log (an exception
 text could depend on the images) and the coordinator gets one line saying the request was charged and
-answered with nothing; it is marked failed in the ledger and never run again. A request whose process was KILLED
-after step 4 (never recorded, never failed) is finished when it comes again for a DP-SGD round (``release(resume=
-True)``: from the round's own checkpoint, ``edge.releases.RoundCheckpoint``), and refused for the other releases.
-Refusals before step 4 are ``PolicyError``/``BudgetExceededError`` naming the rule;
+answered with nothing; it is marked failed in the ledger and never run again. A request whose process was
+KILLED after step 4 (never recorded, never failed) is finished when it comes again for a DP-SGD round
+(``release(resume= True)``: from the round's own checkpoint, ``edge.releases.RoundCheckpoint``), and refused
+for the other releases. Refusals before step 4 are ``PolicyError``/``BudgetExceededError`` naming the rule;
 the runtime turns them into an error reply.
 """
 
@@ -98,15 +98,19 @@ def verified_job(site: Site, doc: dict[str, Any], *, attesting: bool = False) ->
     if "job" not in doc:
         raise PolicyError("request carries no signed job; refused")
     job = verify_job(doc["job"], site.policy, source="job in request")
-    check_resources(site.policy, job)  # the job's model and per-step work, from its config: before anything is built
-    try:  # public values only (the job's [frequency] and the policy's declared shape): refused before any charge
+    # the job's model and per-step work, from its config: before anything is built
+    check_resources(site.policy, job)
+    # public values only (the job's [frequency] and the policy's declared shape): refused before any charge
+    try:
         check_feature_map(job.config.frequency, tuple(site.policy.declared.image_shape))
     except (ConfigError, PrivacyError) as exc:
         raise PolicyError(f"job {job.job_id}: {exc}; refused") from None
     site.ledger.bind_job(job.job_id, job.digest, job.signer_sha256)
     if not attesting and site.ledger.is_closed(job.job_id):
-        raise PolicyError(f"job {job.job_id} is closed at site {site.site_id}: its final attestation was signed, "
-                          "so nothing more is answered for it; start a new job")
+        raise PolicyError(
+            f"job {job.job_id} is closed at site {site.site_id}: its final attestation was signed, "
+            "so nothing more is answered for it; start a new job"
+        )
     return job
 
 
@@ -115,13 +119,20 @@ def job_events(site: Site, job: Job) -> list[Event]:
 
 
 def secure_warmup(site: Site, job: Job) -> list[Event] | None:
-    """The site's SkellamEvents of the job's warm-up releases when the job sums them by secure aggregation (its
-    own trust assumption, ``secure_aggregation.max_colluders``, decides the noise shares counted), else None."""
+    """The site's SkellamEvents of the job's warm-up releases when the job sums them by secure aggregation
+    (its own trust assumption, ``secure_aggregation.max_colluders``, decides the noise shares counted), else
+    None."""
     cfg = job.config
     if not cfg.federation.secure_aggregation:
         return None
-    events = secagg_warmup_events(cfg, site.n_public, tuple(site.data.image_shape), int(site.data.n_classes),
-                                  len(job.sites), site.policy.counted_colluders(len(job.sites)))
+    events = secagg_warmup_events(
+        cfg,
+        site.n_public,
+        tuple(site.data.image_shape),
+        int(site.data.n_classes),
+        len(job.sites),
+        site.policy.counted_colluders(len(job.sites)),
+    )
     return [e for e in events if isinstance(e, SkellamEvent)]
 
 
@@ -130,8 +141,9 @@ def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismReque
     secure = secure_warmup(site, job)
     if mechanism == "dpsgd" and secure is not None and job.config.federation.fedsgd:
         return _fedsgd_round(site, job, secure)
-    event, mreq = request_for(mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir,
-                              secure_warmup=secure)
+    event, mreq = request_for(
+        mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir, secure_warmup=secure
+    )
     if secure is not None and mechanism not in ("dpsgd", "selection"):  # selection: per-site in any job
         charged = stage_event(secure, mechanism)
         if charged is None:
@@ -144,10 +156,22 @@ def _fedsgd_round(site: Site, job: Job, secure: list[Event]) -> tuple[Event, Mec
     """One FedSGD round's SkellamEvent (the planner's, calibrated over the whole secure history with the noise
     shares this site counts on) and its Gaussian-form request (``min_sigma`` against the site's own share)."""
     cfg, n_sites = job.config, len(job.sites)
-    shape = fedsgd_shape(cfg, tuple(site.data.image_shape), int(site.data.n_classes), n_sites,
-                         site.policy.counted_colluders(n_sites))
-    events = secure_stage_events(cfg, site.n_public, secure, budget=target(cfg, site.policy), cache_dir=site.work_dir,
-                                 fedsgd=shape, **site_dpsgd(site.policy))
+    shape = fedsgd_shape(
+        cfg,
+        tuple(site.data.image_shape),
+        int(site.data.n_classes),
+        n_sites,
+        site.policy.counted_colluders(n_sites),
+    )
+    events = secure_stage_events(
+        cfg,
+        site.n_public,
+        secure,
+        budget=target(cfg, site.policy),
+        cache_dir=site.work_dir,
+        fedsgd=shape,
+        **site_dpsgd(site.policy),
+    )
     event = stage_event(events, "dpsgd")
     if event is None:
         raise PrivacyError("the job has no FedSGD rounds ([federation] rounds = 0); nothing to train")
@@ -155,27 +179,39 @@ def _fedsgd_round(site: Site, job: Job, secure: list[Event]) -> tuple[Event, Mec
 
 
 def _check_mode(mechanism: str, job: Job, secure: bool) -> None:
-    """A job's warm-up releases go EITHER through secure aggregation OR out with per-site noise, never both; its
-    DP-SGD rounds EITHER as FedSGD noise shares (``[federation] fedsgd``) OR as per-site-noise rounds."""
+    """A job's warm-up releases go EITHER through secure aggregation OR out with per-site noise, never both;
+    its DP-SGD rounds EITHER as FedSGD noise shares (``[federation] fedsgd``) OR as per-site-noise rounds."""
     fed = job.config.federation
     if mechanism == "selection":  # one small per-site Gaussian histogram in every job, never a secure sum
         if secure:
-            raise PolicyError(f"job {job.job_id}: the selection query is a per-site release; a secure-sum "
-                              "request for it is refused")
+            raise PolicyError(
+                f"job {job.job_id}: the selection query is a per-site release; a secure-sum "
+                "request for it is refused"
+            )
         return
     if mechanism == "dpsgd":
         if bool(fed.secure_aggregation and fed.fedsgd) != secure:
-            raise PolicyError(f"job {job.job_id} runs its DP-SGD rounds " + (
-                "as FedSGD over secure aggregation; a per-site round (full noise, unmasked) is refused" if not secure
-                else "with per-site noise ([federation] fedsgd unset); a FedSGD secure-sum round is refused"))
+            raise PolicyError(
+                f"job {job.job_id} runs its DP-SGD rounds "
+                + (
+                    "as FedSGD over secure aggregation; a per-site round (full noise, unmasked) is refused"
+                    if not secure
+                    else "with per-site noise ([federation] fedsgd unset); a FedSGD secure-sum round is "
+                    "refused"
+                )
+            )
         return
     if bool(fed.secure_aggregation) == secure:
         return
     if secure:
-        raise PolicyError(f"job {job.job_id} does not set [federation] secure_aggregation: its {mechanism} release "
-                          "is per-site; a secure-aggregation request for it is refused")
-    raise PolicyError(f"job {job.job_id} sums its {mechanism} release by secure aggregation; a per-site "
-                      f"{mechanism} release (full noise, unmasked) is refused")
+        raise PolicyError(
+            f"job {job.job_id} does not set [federation] secure_aggregation: its {mechanism} release "
+            "is per-site; a secure-aggregation request for it is refused"
+        )
+    raise PolicyError(
+        f"job {job.job_id} sums its {mechanism} release by secure aggregation; a per-site "
+        f"{mechanism} release (full noise, unmasked) is refused"
+    )
 
 
 def _round(mechanism: str, job: Job, doc: dict[str, Any]) -> int:
@@ -198,27 +234,34 @@ def _recorded(response: bytes | None) -> RecordDict:
     return fm.payload_from_bytes(response or b"")
 
 
-def _compute_and_record(compute: Compute, site: Site, job: Job, req: Request, public: Public | None) -> RecordDict:
+def _compute_and_record(
+    compute: Compute, site: Site, job: Job, req: Request, public: Public | None
+) -> RecordDict:
     """Run ``compute`` for a request that is already charged, build the reply and record it.
 
-    Everything after the charge is under one catch: any failure (the computation, the public fields, building or
-    recording the payload) releases nothing and sends a fixed message, because an exception's text can depend on
-    the images and Flower forwards it to the coordinator."""
+    Everything after the charge is under one catch: any failure (the computation, the public fields, building
+    or recording the payload) releases nothing and sends a fixed message, because an exception's text can
+    depend on the images and Flower forwards it to the coordinator."""
     t0 = time.perf_counter()
     try:
         arrays, events = compute(site, job, req, ReleaseRng())
         if events_to_list(events) != events_to_list([req.event]):
             raise PrivacyError(f"the computation reported events {events}, not the charged {req.event}")
-        doc = {**(public(site, req) if public else {}), "site_id": site.site_id, "request_id": req.rid,
-               "events": events_to_list(events)}
+        doc = {
+            **(public(site, req) if public else {}),
+            "site_id": site.site_id,
+            "request_id": req.rid,
+            "events": events_to_list(events),
+        }
         payload = fm.make_payload(doc, arrays)
         site.ledger.record_response(req.rid, fm.payload_bytes(payload))
     except Exception:
         log.exception("request %s failed after it was charged; nothing released", req.rid)
         _mark_failed(site, req.rid)
-        raise PrivacyError(f"request {req.rid} failed at site {site.site_id} after its privacy cost was charged; "
-                           "nothing was released (the cause is in the site's log); the request cannot be retried") \
-            from None
+        raise PrivacyError(
+            f"request {req.rid} failed at site {site.site_id} after its privacy cost was charged; "
+            "nothing was released (the cause is in the site's log); the request cannot be retried"
+        ) from None
     _local_timing(site, req.rid, time.perf_counter() - t0)
     return payload
 
@@ -231,7 +274,9 @@ def _mark_failed(site: Site, rid: str) -> None:
         log.exception("request %s: could not mark it failed", rid)
 
 
-def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute, public: Public | None) -> RecordDict:
+def _answer(
+    site: Site, job: Job, mechanism: str, req: Request, compute: Compute, public: Public | None
+) -> RecordDict:
     """Steps 4-6: charge, compute, record. Returns the recorded payload (a racing twin's, if it won)."""
     charged = site.ledger.charge(job.job_id, req.rid, mechanism, [req.event], site.policy)
     if charged.replay:  # an identical request committed first: answer with ITS record, nothing computed
@@ -239,16 +284,24 @@ def _answer(site: Site, job: Job, mechanism: str, req: Request, compute: Compute
     return _compute_and_record(compute, site, job, req, public)
 
 
-def release(mechanism: str, *, admit: Admit | None = None, public: Public | None = None,
-            secure: bool = False, resume: bool = False) -> Callable[[Compute], Handler]:
+def release(
+    mechanism: str,
+    *,
+    admit: Admit | None = None,
+    public: Public | None = None,
+    secure: bool = False,
+    resume: bool = False,
+) -> Callable[[Compute], Handler]:
     """Wrap ``compute`` in the protocol of this module as a ClientApp handler for ``mechanism``.
 
     ``admit`` refuses a payload before the charge (it may read the coordinator's input, never the images);
     ``public`` adds reply fields, each a public value fixed by the signed job and policy; ``secure``: the
-    handler releases the masked secure-aggregation contribution (charged as the site's SkellamEvent); ``resume``: a
-    request charged but interrupted (its process killed: never recorded, never failed) is computed once more,
-    from the site's own checkpoint when ``compute`` keeps one, and its one answer recorded, not charged again.
-    Nothing of the killed computation left the site, so one answer leaves it, as charged."""
+    handler releases the masked secure-aggregation contribution (charged as the site's SkellamEvent);
+    ``resume``: a request charged but interrupted (its process killed: never recorded, never failed) is
+    computed once more, from the site's own checkpoint when ``compute`` keeps one, and its one answer
+    recorded, not charged again. Nothing of the killed computation left the site, so one answer leaves it, as
+    charged."""
+
     def wrap(compute: Compute) -> Handler:
         def handler(msg: Message, context: Context) -> Message:
             site = site_for(context.node_config)
@@ -259,7 +312,8 @@ def release(mechanism: str, *, admit: Admit | None = None, public: Public | None
             rid = fm.request_id(job.job_id, PHASES[mechanism], rnd)
             # σ of a DP-SGD round is calibrated HERE, by the site, for its own size and budget.
             event, mreq = planned(site, job, mechanism)
-            check_requested(doc.get("event"), event, site.site_id)  # the coordinator's plan must be the site's own
+            # the coordinator's plan must be the site's own
+            check_requested(doc.get("event"), event, site.site_id)
             req = Request(rid, rnd, event, doc, arrays)
             if resume and site.ledger.interrupted(job.job_id, rid, mechanism, [event]):
                 log.info("request %s was interrupted after its charge: finishing it (not charged again)", rid)
@@ -274,7 +328,11 @@ def release(mechanism: str, *, admit: Admit | None = None, public: Public | None
             if admit is not None:
                 admit(site, job, req)
             return Message(_answer(site, job, mechanism, req, compute, public), reply_to=msg)
-        # The handler keeps the compute function's name and doc (not its signature: Flower calls (msg, context)).
-        return functools.update_wrapper(handler, compute, assigned=("__module__", "__name__", "__qualname__", "__doc__"),
-                                        updated=())
+
+        # The handler keeps the compute function's name and doc (not its signature: Flower calls (msg,
+        # context)).
+        return functools.update_wrapper(
+            handler, compute, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
+        )
+
     return wrap

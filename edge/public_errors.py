@@ -8,7 +8,8 @@ so before anything leaves:
 
   * a ``FetaError`` (the protocol's deliberate refusals: policy rule, budget, closed job, wrong request) keeps
     its type and its one line, with every local path replaced by ``<site path>``; except a ``DataError`` (a
-    check of the site's own images, whose text may state their exact count or shape): its type and a generic line;
+    check of the site's own images, whose text may state their exact count or shape): its type and a generic
+    line;
   * any other exception (a bug, an ``OSError``, torch) becomes one generic ``SiteFailure`` line;
   * both carry a random reference id, and the full detail (text and traceback) goes to the node's LOCAL log
     under that id, so the site's administrator can find what the coordinator's operator reports.
@@ -35,7 +36,15 @@ log = logging.getLogger("feta.node")
 PLACEHOLDER = "<site path>"
 # node-config keys whose values are local files or directories (edge.site's CFG_*; spelled out so that this
 # module imports nothing of the site: the per-message forwarder uses it without torch)
-PATH_KEYS = ("data-path", "policy-file", "trusted-policy-key", "ledger-path", "site-key", "work-dir", "data-secret")
+PATH_KEYS = (
+    "data-path",
+    "policy-file",
+    "trusted-policy-key",
+    "ledger-path",
+    "site-key",
+    "work-dir",
+    "data-secret",
+)
 # An absolute path or a home-relative one: a '/' or '~/' that does not follow a word character (so "q/n",
 # "sigma/sqrt(n)" and "and/or" stay), then anything up to white space, a quote or a bracket.
 _PATH = re.compile(r"(?<![\w.\-])(?:~/|/)[^\s'\"<>()\[\]{},;]+")
@@ -43,7 +52,8 @@ _PUBLIC = "_feta_public_reply"
 
 
 class SiteFailure(FetaError):
-    """A request failed at the site for a reason that is not one of the protocol's refusals (details local)."""
+    """A request failed at the site for a reason that is not one of the protocol's refusals (details
+    local)."""
 
 
 def new_reference() -> str:
@@ -94,22 +104,35 @@ def _same_type(exc: FetaError, text: str) -> BaseException:
     return FetaError(text)
 
 
-def public_error(exc: BaseException, node_config: Mapping[str, Any] | None = None, *, where: str = "request") -> BaseException:
+def public_error(
+    exc: BaseException, node_config: Mapping[str, Any] | None = None, *, where: str = "request"
+) -> BaseException:
     """The exception that may leave the site in place of ``exc``; ``exc`` itself is logged locally in full."""
     if is_public(exc):
         return exc
     ref = new_reference()
-    log.error("%s failed (error reference %s): %s: %s", where, ref, type(exc).__name__, exc,
-              exc_info=(type(exc), exc, exc.__traceback__))
+    log.error(
+        "%s failed (error reference %s): %s: %s",
+        where,
+        ref,
+        type(exc).__name__,
+        exc,
+        exc_info=(type(exc), exc, exc.__traceback__),
+    )
     if isinstance(exc, DataError):  # about the site's own images: may state exact counts or shapes
-        out = _same_type(exc, f"the site's data failed a check before this {where} (site error reference {ref}: "
-                              "its administrator finds which in the node's local log)")
+        out = _same_type(
+            exc,
+            f"the site's data failed a check before this {where} (site error reference {ref}: "
+            "its administrator finds which in the node's local log)",
+        )
     elif isinstance(exc, FetaError):
         line = " ".join(redact(str(exc), node_config).split())  # one line, whatever the original had
         out = _same_type(exc, f"{line} [site error reference {ref}]")
     else:
-        out = SiteFailure(f"the site could not answer this {where} (an internal error; site error reference {ref}: "
-                          "its administrator finds the cause in the node's local log)")
+        out = SiteFailure(
+            f"the site could not answer this {where} (an internal error; site error reference {ref}: "
+            "its administrator finds the cause in the node's local log)"
+        )
     return mark_public(out)
 
 
@@ -119,4 +142,6 @@ def public_errors_mod(message: Message, context: Context, call_next: Any) -> Mes
     try:
         return call_next(message, context)  # type: ignore[no-any-return]
     except Exception as exc:  # noqa: BLE001 - every failure is answered, none with its raw text
-        raise public_error(exc, context.node_config, where=f"{message.metadata.message_type} request") from None
+        raise public_error(
+            exc, context.node_config, where=f"{message.metadata.message_type} request"
+        ) from None

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,11 @@ from feta_release.data.commitment import dataset_commitment, load_secret
 from feta_release.data.dataset import check_dataset_memory, check_site_memory
 from feta_release.data.loading import LoadOptions, load_dataset, policy_data
 from feta_release.errors import ConfigError, PolicyError
+from feta_release.ledger import Ledger
 from feta_release.policy.document import load_site_policy
 from feta_release.policy.enforce import resource_cap
 from feta_release.privacy_unit import PatientIndex
 from feta_release.signing import load_private_key, public_key_pem
-
-from feta_release.ledger import Ledger
 
 from . import ledger_anchor, site_cache
 
@@ -44,24 +43,35 @@ CFG_RESIZE = "data-resize"
 CFG_IMAGE_SIZE = "data-image-size"
 CFG_WINDOW = "data-window"
 CFG_PATIENT_CAP = "data-patient-cap"
-# Where DP-SGD and FedSGD rounds compute (`node start --device`; feta_release.training.device); optional, cpu when
-# absent. Resolved with torch by the code that computes (this module loads without torch: `node status`).
+# Where DP-SGD and FedSGD rounds compute (`node start --device`; feta_release.training.device); optional, cpu
+# when absent. Resolved with torch by the code that computes (this module loads without torch: `node status`).
 CFG_DEVICE = "device"
-# DP-SGD steps between a round's checkpoints in the work directory (edge.releases.RoundCheckpoint); optional, 0 (none)
-# when absent: a round whose process was killed is then computed again from its start, not charged again.
+# DP-SGD steps between a round's checkpoints in the work directory (edge.releases.RoundCheckpoint); optional,
+# 0 (none) when absent: a round whose process was killed is then computed again from its start, not charged
+# again.
 CFG_ROUND_CHECKPOINT = "round-checkpoint-every"
 REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SECRET)
 
 
-def verify_policy_file(policy_path: str | Path, trusted_key: str | Path, *, dataset_commitment: str | None = None,
-                       last_seen_version: int | None = None) -> Any:
+def verify_policy_file(
+    policy_path: str | Path,
+    trusted_key: str | Path,
+    *,
+    dataset_commitment: str | None = None,
+    last_seen_version: int | None = None,
+) -> Any:
     """The verified ``SitePolicy`` or a ``PolicyError`` naming the rule it breaks."""
-    return load_site_policy(policy_path, [Path(trusted_key)], dataset_commitment=dataset_commitment,
-                            last_seen_version=last_seen_version)
+    return load_site_policy(
+        policy_path,
+        [Path(trusted_key)],
+        dataset_commitment=dataset_commitment,
+        last_seen_version=last_seen_version,
+    )
 
 
 def load_options(node_config: dict[str, Any]) -> Any:
     """The site's ``LoadOptions`` from its node config (the same object ``data inspect`` uses)."""
+
     def integer(key: str) -> int | None:
         v = node_config.get(key)
         try:
@@ -69,9 +79,12 @@ def load_options(node_config: dict[str, Any]) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"node config {key} must be an integer, not {v!r}") from None
 
-    return LoadOptions(resize=str(node_config.get(CFG_RESIZE) or "refuse"),  # type: ignore[arg-type]
-                       image_size=integer(CFG_IMAGE_SIZE), window=str(node_config.get(CFG_WINDOW) or "auto"),
-                       patient_cap=integer(CFG_PATIENT_CAP))
+    return LoadOptions(
+        resize=str(node_config.get(CFG_RESIZE) or "refuse"),  # type: ignore[arg-type]
+        image_size=integer(CFG_IMAGE_SIZE),
+        window=str(node_config.get(CFG_WINDOW) or "auto"),
+        patient_cap=integer(CFG_PATIENT_CAP),
+    )
 
 
 def load_site_data(path: str | Path, options: Any = None, declared: Any = None) -> Any:
@@ -80,20 +93,22 @@ def load_site_data(path: str | Path, options: Any = None, declared: Any = None) 
 
 
 def load_site_data_report(path: str | Path, options: Any = None, declared: Any = None) -> tuple[Any, Any]:
-    """(dataset, ``LoadReport``): the report carries the per-image patient index (private; stays in this process).
-    ``declared``: the policy's public class list and image shape, which the data are mapped onto."""
+    """(dataset, ``LoadReport``): the report carries the per-image patient index (private; stays in this
+    process). ``declared``: the policy's public class list and image shape, which the data are mapped onto."""
     return load_dataset(Path(path), **(options or LoadOptions()).kwargs(), declared=declared)
 
 
 def declared_schema(policy: Any, policy_source: str) -> Any:
-    """The policy's ``DataDeclaration`` (public class list and image shape), or a ``PolicyError`` saying how to
-    re-sign. No fallback to the data: the classes present and the images' majority shape are private, and ``hello``
-    and every release's shape would carry them un-noised."""
+    """The policy's ``DataDeclaration`` (public class list and image shape), or a ``PolicyError`` saying how
+    to re-sign. No fallback to the data: the classes present and the images' majority shape are private, and
+    ``hello`` and every release's shape would carry them un-noised."""
     if policy.declared is None:
-        raise PolicyError(f"{policy_source}: the policy declares no public data schema (dataset.classes and "
-                          "dataset.image_shape), so the node would have to read them off the images; add both to its "
-                          "[dataset] (`feta-release policy data-commitment DATA --secret SECRET` drafts them with the "
-                          "matching commitment), raise version and re-sign with `feta-release policy sign`")
+        raise PolicyError(
+            f"{policy_source}: the policy declares no public data schema (dataset.classes and "
+            "dataset.image_shape), so the node would have to read them off the images; add both to its "
+            "[dataset] (`feta-release policy data-commitment DATA --secret SECRET` drafts them with the "
+            "matching commitment), raise version and re-sign with `feta-release policy sign`"
+        )
     return policy.declared
 
 
@@ -106,17 +121,17 @@ def owner_only_dir(path: Path) -> Path:
 
 
 @dataclass
-
 class Site:
     policy: Any  # feta_release.policy.document.SitePolicy (verified)
     data: Any  # feta_release.data.ImageDataset
     ledger: Ledger
     key: Any  # Ed25519PrivateKey
     work_dir: Path
-    # patient-level DP-SGD (policy dataset.privacy_unit = "patient"): private per-image patient index, with the
-    # policy's PUBLIC patient count and cap; None at an image-level site
+    # patient-level DP-SGD (policy dataset.privacy_unit = "patient"): private per-image patient index, with
+    # the policy's PUBLIC patient count and cap; None at an image-level site
     patients: Any = None
-    device: str = "cpu"  # the node config's device NAME (auto/cpu/cuda): edge.clientapp.site_device resolves it
+    # the node config's device NAME (auto/cpu/cuda): edge.clientapp.site_device resolves it
+    device: str = "cpu"
     round_checkpoint_every: int = 0  # CFG_ROUND_CHECKPOINT
 
     @property
@@ -132,10 +147,13 @@ class Site:
     @classmethod
     def open(cls, node_config: dict[str, Any]) -> Site:
         """Verify the signed policy against the site's trusted key and the data against the policy's keyed
-        commitment (recomputed with the site's secret), and refuse a policy older than one this ledger has seen."""
+        commitment (recomputed with the site's secret), and refuse a policy older than one this ledger has
+        seen."""
         missing = [k for k in REQUIRED if not node_config.get(k)]
         if missing:
-            raise ConfigError(f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`")
+            raise ConfigError(
+                f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`"
+            )
         secret = load_secret(node_config[CFG_SECRET])
         key = load_private_key(node_config[CFG_SITE_KEY])
         work_path = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
@@ -144,28 +162,45 @@ class Site:
         # Opening verifies the ledger's hash chain and its head's signature by this site key.
         ledger = Ledger(node_config[CFG_LEDGER], key=key)
         try:
-            ledger_anchor.refuse_regression(ledger, work_path)  # nor an older copy of it (restored from a backup)
+            # nor an older copy of it (restored from a backup)
+            ledger_anchor.refuse_regression(ledger, work_path)
         except BaseException:
             ledger.close()
             raise
         work = owner_only_dir(work_path)
         data, patients, commitment = _opened_data(node_config, secret, work)
         policy = verify_policy_file(
-            node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=commitment,
+            node_config[CFG_POLICY],
+            node_config[CFG_TRUSTED],
+            dataset_commitment=commitment,
             last_seen_version=ledger.highest_policy_version(),
         )
         if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
-            # Local log only (never sent): the public nominal size drives every rate and denominator, so a far-off
-            # value costs utility (noise is scaled for it), not privacy.
-            log.warning("%s: the policy's public nominal size %d is far from the %d images here; noise and rates "
-                        "are set for the nominal size", node_config[CFG_POLICY], policy.dataset_size, data.n)
+            # Local log only (never sent): the public nominal size drives every rate and denominator, so a
+            # far-off value costs utility (noise is scaled for it), not privacy.
+            log.warning(
+                "%s: the policy's public nominal size %d is far from the %d images here; noise and rates "
+                "are set for the nominal size",
+                node_config[CFG_POLICY],
+                policy.dataset_size,
+                data.n,
+            )
         ledger.observe_policy_version(int(policy.version))
         if policy.site_key is not None and policy.site_key != public_key_pem(key):
-            raise PolicyError(f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
-                              "names (site_key); a verifier would refuse every attestation it signs")
-        return cls(policy=policy, data=data, ledger=ledger, key=key, work_dir=work,
-                   patients=patients, device=str(node_config.get(CFG_DEVICE) or "cpu"),
-                   round_checkpoint_every=_steps(node_config.get(CFG_ROUND_CHECKPOINT)))
+            raise PolicyError(
+                f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
+                "names (site_key); a verifier would refuse every attestation it signs"
+            )
+        return cls(
+            policy=policy,
+            data=data,
+            ledger=ledger,
+            key=key,
+            work_dir=work,
+            patients=patients,
+            device=str(node_config.get(CFG_DEVICE) or "cpu"),
+            round_checkpoint_every=_steps(node_config.get(CFG_ROUND_CHECKPOINT)),
+        )
 
 
 def _steps(value: Any) -> int:
@@ -183,11 +218,15 @@ def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tupl
     against the policy by the caller. From the private cache when the site's files are the ones it was written
     for (every step padded to the public size: ``edge.site_cache``), else decoded and hashed
     (O(N), once: at node start, or after the site's files changed) and cached for the next open."""
-    unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])  # its commitment: below
+    # its commitment: below
+    unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
     # the PUBLIC schema (classes, image shape) the data are mapped onto; a policy without one is refused here,
     # cache or not. The cache key stamps the policy file's content, so a cached open used this one.
     schema = declared_schema(unverified, str(node_config[CFG_POLICY]))
-    n_public, patient_level = int(unverified.dataset_size), getattr(unverified, "privacy_unit", "image") == "patient"
+    n_public, patient_level = (
+        int(unverified.dataset_size),
+        getattr(unverified, "privacy_unit", "image") == "patient",
+    )
     # the policy's PUBLIC size and shape: a site too large for this machine is refused before anything is read
     check_dataset_memory(n_public, math.prod(schema.image_shape), f"{node_config[CFG_POLICY]} (dataset.size)")
     _check_worker_memory(unverified, n_public, tuple(schema.image_shape), node_config)
@@ -202,20 +241,33 @@ def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tupl
         return data, patients, commitment
     data, report = load_site_data_report(node_config[CFG_DATA], load_options(node_config), schema)
     # the policy's unit decides which images are used (its patient cap) BEFORE the commitment is checked
-    data, patients = policy_data(unverified, data, report, data_source=str(node_config[CFG_DATA]),
-                                 policy_source=str(node_config[CFG_POLICY]))
-    # a patient-level policy's commitment binds the grouping too (feta_release.data.commitment): regrouped ids refused
+    data, patients = policy_data(
+        unverified,
+        data,
+        report,
+        data_source=str(node_config[CFG_DATA]),
+        policy_source=str(node_config[CFG_POLICY]),
+    )
+    # a patient-level policy's commitment binds the grouping too (feta_release.data.commitment): regrouped ids
+    # refused
     commitment = dataset_commitment(data, secret, patients=None if patients is None else patients.ids)
-    if site_cache.cache_key(node_config, n_public) == key:  # kept only if no file changed while it was decoded
+    # kept only if no file changed while it was decoded
+    if site_cache.cache_key(node_config, n_public) == key:
         try:
-            site_cache.save(work, key, secret, data, None if patients is None else patients.ids, commitment, n_public)
-        except OSError as exc:  # every later open decodes again (slower, as before the cache): said, not fatal
-            log.warning("%s: cannot write the site cache (%s); each per-message open decodes the data", work, exc)
+            site_cache.save(
+                work, key, secret, data, None if patients is None else patients.ids, commitment, n_public
+            )
+        # every later open decodes again (slower, as before the cache): said, not fatal
+        except OSError as exc:
+            log.warning(
+                "%s: cannot write the site cache (%s); each per-message open decodes the data", work, exc
+            )
     return data, patients, commitment
 
 
-def _check_worker_memory(policy: Any, n_public: int, shape: tuple[int, ...],
-                         node_config: dict[str, Any]) -> None:
+def _check_worker_memory(
+    policy: Any, n_public: int, shape: tuple[int, ...], node_config: dict[str, Any]
+) -> None:
     """Refuse, before anything is read, a site whose float32 images (its PUBLIC size and declared shape) and
     working memory exceed ``resources.max_worker_memory_mb``: the limit ``edge.resources.limit_memory`` sets
     on the computing processes, where on the same rule (a CPU node, or a limit the policy states) the site
@@ -224,8 +276,13 @@ def _check_worker_memory(policy: Any, n_public: int, shape: tuple[int, ...],
     cap = resource_cap(policy, "max_worker_memory_mb")
     if cap <= 0 or (device != "cpu" and "max_worker_memory_mb" not in policy.resources):
         return
-    check_site_memory(n_public, shape, cap, f"{node_config[CFG_POLICY]} (dataset.size, dataset.image_shape)",
-                      "resources.max_worker_memory_mb")
+    check_site_memory(
+        n_public,
+        shape,
+        cap,
+        f"{node_config[CFG_POLICY]} (dataset.size, dataset.image_shape)",
+        "resources.max_worker_memory_mb",
+    )
 
 
 _cached_sites: list[Site] = []

@@ -18,9 +18,9 @@ byte of an untrusted bundle is written or imported. A refusal is logged and answ
 coordinator as an error reply. This touches a Flower internal (``run_clientapp.install_from_fab``):
 flwr is pinned to ``PINNED_FLWR`` and ``check_flower_internals`` fails loudly on any other version.
 
-A node started with a warm worker (``edge.worker``) also wraps the ClientApp loader: once both gates passed, the
-allowed bundle's ``edge.clientapp:app`` is replaced by the thin ``edge.forward.app``, which hands the message to
-the worker (the same ClientApp, loaded once); any other allowed bundle loads as Flower would.
+A node started with a warm worker (``edge.worker``) also wraps the ClientApp loader: once both gates passed,
+the allowed bundle's ``edge.clientapp:app`` is replaced by the thin ``edge.forward.app``, which hands the
+message to the worker (the same ClientApp, loaded once); any other allowed bundle loads as Flower would.
 
 The allow-list comes from the environment variable ``FETA_ALLOWED_FABS`` (comma-separated
 sha256), set by ``feta-release node start`` from the verified policy: the coordinator cannot
@@ -41,7 +41,11 @@ from pathlib import Path
 
 import flwr
 from flwr.common.config import (
-    get_fab_config, get_flwr_home, get_metadata_from_config, get_project_config, get_project_dir,
+    get_fab_config,
+    get_flwr_home,
+    get_metadata_from_config,
+    get_project_config,
+    get_project_dir,
 )
 from flwr.common.constant import APP_DIR
 from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
@@ -97,8 +101,8 @@ def _audit(line: str) -> None:
 def check_flower_internals() -> None:
     if flwr.__version__ != PINNED_FLWR:
         raise PolicyError(
-            f"the FAB allow-list gate is built on flwr {PINNED_FLWR} internals, but flwr {flwr.__version__} is "
-            "installed; refusing to run app bundles unchecked"
+            f"the FAB allow-list gate is built on flwr {PINNED_FLWR} internals, but flwr {flwr.__version__} "
+            "is installed; refusing to run app bundles unchecked"
         )
     for name in ("install_from_fab", "pull_task_input", "get_project_dir", "get_load_client_app_fn"):
         if not callable(getattr(rc, name, None)):
@@ -115,8 +119,14 @@ def _refuse(msg: str) -> None:
     raise public_error(UntrustedAppError(msg), where="app bundle")  # the error reply names no local path
 
 
-def check_app_identity(fab_id: str, fab_version: str, fab_hash: str, fab_bytes: bytes,
-                       flwr_home: Path, allowed: set[str] | None = None) -> Path:
+def check_app_identity(
+    fab_id: str,
+    fab_version: str,
+    fab_hash: str,
+    fab_bytes: bytes,
+    flwr_home: Path,
+    allowed: set[str] | None = None,
+) -> Path:
     """The directory Flower will load the ClientApp from, if every part of it is what the allow-list means.
 
     Flower loads from ``get_project_dir(run.fab_id, run.fab_version, fab.hash_str)``: three strings
@@ -131,17 +141,26 @@ def check_app_identity(fab_id: str, fab_version: str, fab_hash: str, fab_bytes: 
     if not isinstance(fab_hash, str) or fab_hash.lower() != h:
         _refuse(f"refused {what}: the run names hash {fab_hash!r}, not the bundle's own; nothing was loaded")
     parts = fab_id.split("/") if isinstance(fab_id, str) else []
-    if len(parts) != 2 or not all(_NAME.fullmatch(x) for x in parts) or \
-            not isinstance(fab_version, str) or not _VERSION.fullmatch(fab_version) or ".." in fab_version:
-        _refuse(f"refused {what}: fab_id {fab_id!r} / fab_version {fab_version!r} are not plain names "
-                "(path characters could make Flower load code from elsewhere); nothing was loaded")
+    if (
+        len(parts) != 2
+        or not all(_NAME.fullmatch(x) for x in parts)
+        or not isinstance(fab_version, str)
+        or not _VERSION.fullmatch(fab_version)
+        or ".." in fab_version
+    ):
+        _refuse(
+            f"refused {what}: fab_id {fab_id!r} / fab_version {fab_version!r} are not plain names "
+            "(path characters could make Flower load code from elsewhere); nothing was loaded"
+        )
     try:
         own_id, own_version = get_metadata_from_config(get_fab_config(fab_bytes))
     except Exception as exc:  # noqa: BLE001 - any unreadable bundle is refused
         _refuse(f"refused {what}: its pyproject.toml cannot be read ({exc}); nothing was loaded")
     if (own_id, own_version) != (fab_id, fab_version):
-        _refuse(f"refused {what}: the run names {fab_id} {fab_version} but the bundle is {own_id} {own_version}; "
-                "nothing was loaded")
+        _refuse(
+            f"refused {what}: the run names {fab_id} {fab_version} but the bundle is {own_id} {own_version}; "
+            "nothing was loaded"
+        )
     apps = (Path(flwr_home) / APP_DIR).resolve()
     target = get_project_dir(fab_id, fab_version, fab_hash)
     if target.resolve().parent != apps or target.parent.resolve() != apps:
@@ -178,8 +197,10 @@ def check_installed(app_dir: Path, fab_bytes: bytes) -> None:
         have[rel] = hashlib.sha256(f.read_bytes()).hexdigest()
     if have != want:
         diff = sorted(set(have) ^ set(want)) + sorted(k for k in set(have) & set(want) if have[k] != want[k])
-        _refuse(f"refused app directory {app_dir}: it differs from the allowed bundle ({', '.join(diff[:5])}); "
-                "nothing was loaded. Delete the directory so the node reinstalls the bundle")
+        _refuse(
+            f"refused app directory {app_dir}: it differs from the allowed bundle ({', '.join(diff[:5])}); "
+            "nothing was loaded. Delete the directory so the node reinstalls the bundle"
+        )
 
 
 def install_gate() -> None:
@@ -192,8 +213,9 @@ def install_gate() -> None:
             message, context, run, fab = original_pull(client, *args, **kwargs)
             _current.clear()
             try:
-                _current["dir"] = check_app_identity(run.fab_id, run.fab_version, fab.hash_str, fab.content,
-                                                     get_flwr_home())
+                _current["dir"] = check_app_identity(
+                    run.fab_id, run.fab_version, fab.hash_str, fab.content, get_flwr_home()
+                )
                 _current["fab"] = fab.content
             except UntrustedAppError as exc:
                 # Raised at the install step instead (the very next one, before anything is unpacked): only
@@ -212,7 +234,9 @@ def install_gate() -> None:
             data = fab_file if isinstance(fab_file, bytes) else Path(fab_file).read_bytes()
             check_fab(data)  # before a single byte is unpacked
             if _current.get("fab") != data:
-                _refuse("refused app bundle: it is not the one whose identity was checked; nothing was loaded")
+                _refuse(
+                    "refused app bundle: it is not the one whose identity was checked; nothing was loaded"
+                )
             path = original_install(fab_file, *args, **kwargs)
             if Path(path).resolve() != Path(_current["dir"]).resolve():
                 _refuse(f"refused app bundle: installed at {path}, but Flower will load {_current['dir']}")
@@ -225,7 +249,8 @@ def install_gate() -> None:
 
 
 def _names_our_clientapp(app_dir: object) -> bool:
-    """True when the checked, installed bundle's ClientApp component is feta-release's own (edge.clientapp:app)."""
+    """True when the checked, installed bundle's ClientApp component is feta-release's own
+    (edge.clientapp:app)."""
     try:
         ref = get_project_config(Path(str(app_dir)))["tool"]["flwr"]["app"]["components"]["clientapp"]
     except Exception:  # noqa: BLE001 - Flower's own loader reports an unreadable bundle
@@ -234,10 +259,11 @@ def _names_our_clientapp(app_dir: object) -> bool:
 
 
 def _install_worker_hand_off() -> None:
-    """Load the thin forwarding ClientApp (``edge.forward``) instead of ``edge.clientapp:app`` when the node runs a
-    warm worker (``edge.worker``). Runs only after the two gates above passed for this message's bundle: the loader
-    is called after the install step, and ``_current["dir"]`` is the directory whose identity and files were
-    checked. Any other allowed bundle (e.g. the benchmark's ping app) loads as Flower would."""
+    """Load the thin forwarding ClientApp (``edge.forward``) instead of ``edge.clientapp:app`` when the node
+    runs a warm worker (``edge.worker``). Runs only after the two gates above passed for this message's
+    bundle: the loader is called after the install step, and ``_current["dir"]`` is the directory whose
+    identity and files were checked. Any other allowed bundle (e.g. the benchmark's ping app) loads as Flower
+    would."""
     if getattr(rc.get_load_client_app_fn, "__feta_gate__", False):
         return
     original = rc.get_load_client_app_fn
@@ -247,8 +273,12 @@ def _install_worker_hand_off() -> None:
 
         def _load(fab_id: str, fab_version: str, fab_hash: str):  # type: ignore[no-untyped-def]
             checked = _current.get("dir")
-            if forward.worker_configured() and checked is not None and _names_our_clientapp(checked) and \
-                    get_project_dir(fab_id, fab_version, fab_hash).resolve() == Path(str(checked)).resolve():
+            if (
+                forward.worker_configured()
+                and checked is not None
+                and _names_our_clientapp(checked)
+                and get_project_dir(fab_id, fab_version, fab_hash).resolve() == Path(str(checked)).resolve()
+            ):
                 return forward.app
             return load(fab_id, fab_version, fab_hash)
 

@@ -1,8 +1,8 @@
 """A site's warm worker: loads the site once and answers the node's messages, one at a time.
 
 Flower 1.42 starts a fresh ``flwr-clientapp`` process for every message; importing torch, opening the site
-(verifying its signed policy, the data's keyed commitment, the ledger's chain) and rebuilding the model in each
-cost most of a short round. ``feta-release node start`` therefore also starts this process
+(verifying its signed policy, the data's keyed commitment, the ledger's chain) and rebuilding the model in
+each cost most of a short round. ``feta-release node start`` therefore also starts this process
 (``python -m edge.worker``); the per-message process keeps Flower's FAB gate (``edge.trust``) and then hands
 the message, as Flower delivered it, over the authenticated local channel (``edge.channel``) to this worker,
 which runs the SAME ClientApp (``edge.clientapp.app``: every handler and ``edge.protocol.release`` unchanged)
@@ -45,9 +45,12 @@ from feta_release.policy.document import check_validity
 from . import channel, clientapp, resources
 from .public_errors import public_error
 from .site import CFG_POLICY, forget_sites, site_for
-from .site_cache import site_stamp  # the per-request check of the site's files (moved there: the cache keys on it)
+from .site_cache import (
+    site_stamp,  # the per-request check of the site's files (moved there: the cache keys on it)
+)
 
 log = logging.getLogger("feta.worker")
+
 
 class Worker:
     """The site's ClientApp, kept warm; ``handle`` answers one channel request."""
@@ -68,8 +71,8 @@ class Worker:
             forget_sites()
             self._stamp = None
             site = site_for(self.node_config)  # verifies as Site.open always does; raises on any problem
-            # Kept only if nothing changed while it was opened (opening may itself create the ledger): otherwise
-            # the next request opens it again rather than trust a site read from half-changed files.
+            # Kept only if nothing changed while it was opened (opening may itself create the ledger):
+            # otherwise the next request opens it again rather than trust a site read from half-changed files.
             self._stamp = stamp if site_stamp(self.node_config, self._n_public) == stamp else None
             self._n_public = int(site.n_public)  # public (the signed policy's): pads the next checks' work
             return site
@@ -82,12 +85,15 @@ class Worker:
         if kind == "ping":
             return {"ok": True, "pid": os.getpid(), "site_id": self.fresh_site().site_id}, []
         if kind != "message":
-            raise channel.WorkerRequestError(f"worker request: unknown kind {kind!r} (expected 'message' or 'ping'); "
-                                             "refused")
+            raise channel.WorkerRequestError(
+                f"worker request: unknown kind {kind!r} (expected 'message' or 'ping'); refused"
+            )
         message, context = _parse_message(doc, frames)
         if context.node_config != self.node_config:
-            raise channel.WorkerRequestError("worker request: its node config is not the one this worker serves; "
-                                             "refused (restart the node so both come from the same settings)")
+            raise channel.WorkerRequestError(
+                "worker request: its node config is not the one this worker serves; "
+                "refused (restart the node so both come from the same settings)"
+            )
         TaskIdentity.run_id, TaskIdentity.node_id = context.run_id, context.node_id
         TaskIdentity.task_id = int(doc.get("task_id") or 0)
         self.fresh_site()
@@ -95,10 +101,16 @@ class Worker:
         reply = self.app(message, context)
         # the message type and seconds stay in the site's own log (seconds track the realised batch size)
         age = doc.get("process_age")
-        log.info("answered %s in %.2f s (the per-message process was %s s old when it handed the message over)",
-                 message.metadata.message_type, time.perf_counter() - t0, age if isinstance(age, (int, float)) else "?")
+        log.info(
+            "answered %s in %.2f s (the per-message process was %s s old when it handed the message over)",
+            message.metadata.message_type,
+            time.perf_counter() - t0,
+            age if isinstance(age, (int, float)) else "?",
+        )
         if not reply.has_content():
-            raise channel.WorkerRequestError(f"the ClientApp answered {message.metadata.message_type} with no content")
+            raise channel.WorkerRequestError(
+                f"the ClientApp answered {message.metadata.message_type} with no content"
+            )
         return {"ok": True}, [fm.payload_bytes(reply.content), context_to_proto(context).SerializeToString()]
 
 
@@ -106,15 +118,18 @@ def _parse_message(doc: dict[str, Any], frames: list[bytes]) -> tuple[Message, A
     """The Message and Context as Flower delivered them (protobuf, parsed as data), or a one-line refusal."""
     mid = doc.get("message_id")
     if len(frames) != 2 or not isinstance(mid, str) or len(mid) > 256:
-        raise channel.WorkerRequestError("worker request: expected a message id, the message and its context; refused")
+        raise channel.WorkerRequestError(
+            "worker request: expected a message id, the message and its context; refused"
+        )
     try:
         pm, pc = ProtoMessage(), ProtoContext()
         pm.ParseFromString(frames[0])
         pc.ParseFromString(frames[1])
         message, context = message_from_proto(pm), context_from_proto(pc)
     except (DecodeError, ValueError, TypeError) as exc:
-        raise channel.WorkerRequestError(f"worker request: the message or context is not Flower's encoding "
-                                         f"({type(exc).__name__}); refused") from None
+        raise channel.WorkerRequestError(
+            f"worker request: the message or context is not Flower's encoding ({type(exc).__name__}); refused"
+        ) from None
     if not message.has_content():
         raise channel.WorkerRequestError("worker request: the message carries no content; refused")
     message.metadata.__dict__["_message_id"] = mid  # not part of the encoding (Flower sets it the same way)
@@ -122,8 +137,9 @@ def _parse_message(doc: dict[str, Any], frames: list[bytes]) -> tuple[Message, A
 
 
 def error_reply(exc: BaseException, node_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What Flower's runtime would have put in the error reply (type and text), as ``edge.public_errors`` lets it
-    leave the site: no local path, no internal text; the detail goes to this worker's log under a reference."""
+    """What Flower's runtime would have put in the error reply (type and text), as ``edge.public_errors`` lets
+    it leave the site: no local path, no internal text; the detail goes to this worker's log under a
+    reference."""
     pub = public_error(exc, node_config, where="worker request")
     return {"ok": False, "error_type": f"{type(pub).__module__}.{type(pub).__qualname__}", "error": str(pub)}
 
@@ -139,14 +155,16 @@ def serve_one(conn: Connection, worker: Worker) -> None:
     except Exception as exc:  # noqa: BLE001 - the handler's refusal or failure, as flwr-clientapp would report it
         out, rest = error_reply(exc, getattr(worker, "node_config", None)), []
     try:
-        channel.send(conn, [channel.encode_header({**out, "protocol": channel.PROTOCOL, "frames": len(rest)}), *rest])
+        channel.send(
+            conn, [channel.encode_header({**out, "protocol": channel.PROTOCOL, "frames": len(rest)}), *rest]
+        )
     except (OSError, channel.WorkerTimeout) as exc:
         log.warning("could not send the reply (%s): the per-message ClientApp went away or hung", exc)
 
 
 class _Stop:
-    """SIGTERM/SIGINT: stop at once while idle, or after the request in hand (a charged request is finished and
-    recorded rather than cut off between its charge and its record)."""
+    """SIGTERM/SIGINT: stop at once while idle, or after the request in hand (a charged request is finished
+    and recorded rather than cut off between its charge and its record)."""
 
     def __init__(self) -> None:
         self.busy = False
@@ -181,18 +199,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", required=True, type=Path)
     ap.add_argument("--key-file", required=True, type=Path)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     worker = Worker(json.loads(a.node_config))
     site = worker.fresh_site()  # fail at start, in the node's log, rather than at the first message
-    # the policy's memory limit before the first message (each message sets it again: a new policy may change it)
+    # the policy's memory limit before the first message (each message sets it again: a new policy may change
+    # it)
     limit = resources.limit_memory(site.policy, site.device)
     clientapp.site_device(site)  # likewise `node start --device cuda` where this process sees no GPU
     listener = channel.listen(a.socket, channel.read_key(a.key_file))
-    log.info("worker for site %s ready on %s (pid %d, memory limit %s)", site.site_id, a.socket, os.getpid(),
-             "none" if limit is None else f"{limit >> 20} MiB")
+    log.info(
+        "worker for site %s ready on %s (pid %d, memory limit %s)",
+        site.site_id,
+        a.socket,
+        os.getpid(),
+        "none" if limit is None else f"{limit >> 20} MiB",
+    )
     try:
         serve(listener, worker, stop)
     finally:

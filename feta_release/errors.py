@@ -72,9 +72,21 @@ class PolicyBudgetExceeded(BudgetExceededError):
     policy package builds on the ledger; ``feta_release.policy.errors`` re-exports it.
     """
 
-    def __init__(self, rule: str, *, spent: float, after: float, cap: float, delta: float, accountant: str,
-                 scope: str, site: str | None = None, per: str = "") -> None:
-        """``per``: what one ε protects when it is not one image, e.g. "per patient (at most 5 image(s) each)"."""
+    def __init__(
+        self,
+        rule: str,
+        *,
+        spent: float,
+        after: float,
+        cap: float,
+        delta: float,
+        accountant: str,
+        scope: str,
+        site: str | None = None,
+        per: str = "",
+    ) -> None:
+        """``per``: what one ε protects when it is not one image, e.g. "per patient (at most 5 image(s)
+        each)"."""
         self.rule = rule
         self.site = site
         self.spent, self.requested, self.after, self.cap = spent, after - spent, after, cap
@@ -83,7 +95,8 @@ class PolicyBudgetExceeded(BudgetExceededError):
         super().__init__(
             f"{where}policy rule {rule}: {scope} has spent {e}={spent:.4g}; with this release it would reach "
             f"{e}={after:.4g} > cap ε={cap:.4g} (δ={delta:g}, {accountant} accountant"
-            + (f"; {per}" if per else "") + "); nothing was released"
+            + (f"; {per}" if per else "")
+            + "); nothing was released"
         )
 
 

@@ -1,23 +1,26 @@
-"""The evaluation classifier: a small ResNet that keeps local evidence, trained to convergence with early stopping.
+"""The evaluation classifier: a small ResNet that keeps local evidence, trained to convergence with early
+stopping.
 
-Why this network: a finding in a medical image can be a few pixels at any place. A classifier that averages its
-last feature map (globally or to a coarse grid) dilutes such a finding among the background. On the test set of
-``tests/support/finding_images.py`` (48x48 noisy textures, 600 training images, one class differing from "normal" only by
-a 2x2 bright spot at a random place) the former evaluation CNN (3x3 average pooling of its last map) scored 67 %
-on the finding class and 33 % on normal; this network 100 % and 92 %. So the head sees the global MAX (is the
-evidence anywhere?) concatenated with the global MEAN (overall texture, intensity) of the last stage.
+Why this network: a finding in a medical image can be a few pixels at any place. A classifier that averages
+its last feature map (globally or to a coarse grid) dilutes such a finding among the background. On the test
+set of ``tests/support/finding_images.py`` (48x48 noisy textures, 600 training images, one class differing
+from "normal" only by a 2x2 bright spot at a random place) the former evaluation CNN (3x3 average pooling of
+its last map) scored 67 % on the finding class and 33 % on normal; this network 100 % and 92 %. So the head
+sees the global MAX (is the evidence anywhere?) concatenated with the global MEAN (overall texture, intensity)
+of the last stage.
 
 Architecture (adapts to the image): a 3x3 conv-BN-ReLU stem at full resolution (cheap: 1 or 3 input channels),
 then 2x2 max-pools (each but the last followed by a conv-BN-ReLU) until the side is below 24 px (28 -> 14,
-64 -> 16, 128 -> 16): max pooling keeps a bright pixel's evidence and makes the network cheap enough for the CPU.
-Then three BasicBlock stages (conv-BN-ReLU-conv-BN plus a shortcut) of width w, 2w, 4w at strides 1, 2, 2 (last
-map 3..6 px a side). w = 16 up to 10 classes, 24 up to 30, 32 beyond, so 100 classes get a 256-d pooled feature.
+64 -> 16, 128 -> 16): max pooling keeps a bright pixel's evidence and makes the network cheap enough for the
+CPU. Then three BasicBlock stages (conv-BN-ReLU-conv-BN plus a shortcut) of width w, 2w, 4w at strides 1, 2, 2
+(last map 3..6 px a side). w = 16 up to 10 classes, 24 up to 30, 32 beyond, so 100 classes get a 256-d pooled
+feature.
 
 Training (DPImageBench's rule: nothing is chosen on the test set): a stratified 10 % validation part of the
 TRAINING images, checked every ~``CHECK_STEPS`` optimizer steps (whole epochs); AdamW; after a warm-up of
-``WARMUP_STEPS`` steps, the learning rate is cut 5x whenever the validation loss has not improved for ``PATIENCE``
-checks; after ``LR_CUTS`` cuts one more plateau means converged and training stops; the weights with the lowest
-validation loss are returned. Augmentation: random translations of up to ~1/14 of the side
+``WARMUP_STEPS`` steps, the learning rate is cut 5x whenever the validation loss has not improved for
+``PATIENCE`` checks; after ``LR_CUTS`` cuts one more plateau means converged and training stops; the weights
+with the lowest validation loss are returned. Augmentation: random translations of up to ~1/14 of the side
 (reflection padding, so no artificial black border); no flips, since laterality matters in medical images.
 ``max_epochs`` caps the epochs (default: enough for ~2,500 optimizer steps, between 20 and 150 epochs); a run
 that hits the cap while still improving is reported as not converged.
@@ -42,7 +45,8 @@ DEFAULT_BATCH = 64
 WEIGHT_DECAY = 0.05  # AdamW (decoupled); 5e-4 let 540 images be memorised (normal vs finding 48 %)
 VALIDATION_FRACTION = 0.1
 MIN_VALIDATION = 20  # fewer validation images than this: no early stopping (train the cap), said in the log
-CHECK_STEPS = 60  # the validation loss is checked every ~this many optimizer steps (whole epochs, at least one)
+# the validation loss is checked every ~this many optimizer steps (whole epochs, at least one)
+CHECK_STEPS = 60
 PATIENCE = 3  # checks without a better validation loss before the learning rate is cut
 LR_CUTS = 2  # cuts (x 0.2 each) before a further plateau counts as converged
 MIN_IMPROVEMENT = 1e-3  # relative decrease of the validation loss that counts as an improvement
@@ -58,8 +62,11 @@ class _Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(cout),
         )
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
@@ -85,7 +92,8 @@ def _conv_bn_relu(cin: int, cout: int) -> list[nn.Module]:
 
 
 class ResNetClassifier(nn.Module):
-    """Stem, three BasicBlock stages, global max + mean pooling (concatenated), linear head; images in [0, 1]."""
+    """Stem, three BasicBlock stages, global max + mean pooling (concatenated), linear head; images in [0,
+    1]."""
 
     def __init__(self, in_channels: int, n_classes: int, image_hw: tuple[int, int] = (28, 28)) -> None:
         super().__init__()
@@ -96,8 +104,9 @@ class ResNetClassifier(nn.Module):
             if i < pools - 1:
                 stem += _conv_bn_relu(width, width)
         self.stem = nn.Sequential(*stem)
-        self.stages = nn.Sequential(_Block(width, width, 1), _Block(width, 2 * width, 2),
-                                    _Block(2 * width, 4 * width, 2))
+        self.stages = nn.Sequential(
+            _Block(width, width, 1), _Block(width, 2 * width, 2), _Block(2 * width, 4 * width, 2)
+        )
         self.feature_dim = 8 * width  # max and mean of 4w channels
         self.head = nn.Linear(self.feature_dim, n_classes)
         self.fit_log: FitLog | None = None  # set by train_classifier
@@ -133,8 +142,8 @@ class FitLog:
 
 
 def validation_split(labels: np.ndarray, n_classes: int, fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of a stratified validation part: per class round(fraction * n_c) images, at least 1 for a class
-    with >= 2 images (a class with 0 or 1 image keeps all of it for training)."""
+    """Boolean mask of a stratified validation part: per class round(fraction * n_c) images, at least 1 for a
+    class with >= 2 images (a class with 0 or 1 image keeps all of it for training)."""
     rng = np.random.default_rng(seed)
     mask = np.zeros(len(labels), dtype=bool)
     for c in range(n_classes):
@@ -152,7 +161,8 @@ def auto_max_epochs(n_train: int, batch_size: int) -> int:
 
 
 def random_shift(x: torch.Tensor, max_shift: int, rng: np.random.Generator) -> torch.Tensor:
-    """Each image translated by an independent integer offset in [-max_shift, max_shift]^2 (reflection fill)."""
+    """Each image translated by an independent integer offset in [-max_shift, max_shift]^2 (reflection
+    fill)."""
     if max_shift < 1:
         return x
     n, _, h, w = x.shape
@@ -173,7 +183,9 @@ def _check_trainable(ds: ImageDataset, epochs: int | None) -> None:
         raise DataError(f"classifier epochs must be >= 1, not {epochs}")
     _, h, w = ds.image_shape
     if min(h, w) < 8:
-        raise DataError(f"{ds.source}: images of {h}x{w} are too small for the evaluation classifier (min 8x8)")
+        raise DataError(
+            f"{ds.source}: images of {h}x{w} are too small for the evaluation classifier (min 8x8)"
+        )
 
 
 @torch.no_grad()
@@ -184,8 +196,15 @@ def _validation_scores(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tupl
     return float(nn.functional.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
 
 
-def _train_epoch(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, batch_size: int,
-                 shift: int, rng: np.random.Generator) -> None:
+def _train_epoch(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    shift: int,
+    rng: np.random.Generator,
+) -> None:
     net.train()
     order = torch.from_numpy(rng.permutation(len(x))).to(x.device)
     for start in range(0, len(x), batch_size):
@@ -208,8 +227,8 @@ class _Plateau:
         self.cuts = 0
 
     def step(self, epoch: int, loss: float, counting: bool) -> bool:
-        """Record one check's validation loss; True when training has converged. ``counting``: False during the
-        warm-up (the best weights are still kept, plateaus are not counted)."""
+        """Record one check's validation loss; True when training has converged. ``counting``: False during
+        the warm-up (the best weights are still kept, plateaus are not counted)."""
         if loss < self.best * (1.0 - MIN_IMPROVEMENT):
             self.best, self.best_epoch, self.bad = loss, epoch, 0
             self.best_state = copy.deepcopy(self.net.state_dict())
@@ -252,17 +271,33 @@ def train_classifier(
     if val.sum() < MIN_VALIDATION:
         val[:] = False
     dev = torch.device(device)
-    data = tuple(torch.from_numpy(a).to(dev) for a in (ds.images[~val], ds.labels[~val], ds.images[val],
-                                                          ds.labels[val]))
+    data = tuple(
+        torch.from_numpy(a).to(dev)
+        for a in (ds.images[~val], ds.labels[~val], ds.images[val], ds.labels[val])
+    )
     cap = epochs if epochs is not None else auto_max_epochs(len(data[0]), batch_size)
-    log = FitLog(epochs=0, max_epochs=cap, best_epoch=0, stopped="max_epochs", n_train=len(data[0]),
-                 n_validation=len(data[2]))
+    log = FitLog(
+        epochs=0,
+        max_epochs=cap,
+        best_epoch=0,
+        stopped="max_epochs",
+        n_train=len(data[0]),
+        n_validation=len(data[2]),
+    )
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         net = ResNetClassifier(c, ds.n_classes, (h, w)).to(dev)
-        best_state = _fit(net, data, log, batch_size=batch_size, lr=lr, shift=max_shift_for(h, w) if augment else 0,
-                          rng=np.random.default_rng(seed), reporter=reporter or Reporter(enabled=False),
-                          what=f"{what} ({ds.n:,} images)")
+        best_state = _fit(
+            net,
+            data,
+            log,
+            batch_size=batch_size,
+            lr=lr,
+            shift=max_shift_for(h, w) if augment else 0,
+            rng=np.random.default_rng(seed),
+            reporter=reporter or Reporter(enabled=False),
+            what=f"{what} ({ds.n:,} images)",
+        )
     if best_state is not None:
         net.load_state_dict(best_state)
     net = net.cpu()
@@ -270,8 +305,18 @@ def train_classifier(
     return net.eval()
 
 
-def _fit(net: ResNetClassifier, data: tuple[torch.Tensor, ...], log: FitLog, *, batch_size: int, lr: float,
-         shift: int, rng: np.random.Generator, reporter: Reporter, what: str) -> dict | None:
+def _fit(
+    net: ResNetClassifier,
+    data: tuple[torch.Tensor, ...],
+    log: FitLog,
+    *,
+    batch_size: int,
+    lr: float,
+    shift: int,
+    rng: np.random.Generator,
+    reporter: Reporter,
+    what: str,
+) -> dict | None:
     """The training loop; fills ``log``; returns the best weights (None without a validation part)."""
     x_tr, y_tr, x_va, y_va = data
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)

@@ -2,30 +2,31 @@
 
 One protocol, so that figures from different runs, presets and methods can be compared:
 
-- Splits (deterministic, per class): the dataset -> ``train`` / ``heldout`` (20 %, seed 0). The held-out part is
-  the TEST set: scored once per final configuration, never used to choose anything. For tuning, ``train`` is split
-  again -> ``fit`` / ``validation`` (20 %, seed 1): the mechanisms see ``fit`` only and scores are taken on
-  ``validation`` (``mode="validation"``).
-- Synthetic images: ``n_synthetic`` (10,000) per run, exactly balanced over the classes (more samples are free:
-  post-processing).
+- Splits (deterministic, per class): the dataset -> ``train`` / ``heldout`` (20 %, seed 0). The held-out part
+  is the TEST set: scored once per final configuration, never used to choose anything. For tuning, ``train``
+  is split again -> ``fit`` / ``validation`` (20 %, seed 1): the mechanisms see ``fit`` only and scores are
+  taken on ``validation`` (``mode="validation"``).
+- Synthetic images: ``n_synthetic`` (10,000) per run, exactly balanced over the classes (more samples are
+  free: post-processing).
 - Classifier: the evaluation ResNet (``feta_release.eval_classifier``: global max + mean pooling, small random
-  translations, AdamW), early-stopped on a stratified 10 % validation part of ITS OWN training images (never the
-  scored images), ``classifier_epochs`` the epoch cap (None: automatic), seeded; the same classifier trained on the
-  REAL training part is the ceiling.
+  translations, AdamW), early-stopped on a stratified 10 % validation part of ITS OWN training images (never
+  the scored images), ``classifier_epochs`` the epoch cap (None: automatic), seeded; the same classifier
+  trained on the REAL training part is the ceiling.
 - FD (classifier features) and precision/recall/density/coverage: in the pooled features of the same network
   trained (cap ``feature_epochs``) on the evaluation set's real images; equal n per side. Not FID.
 - Seeds: the run (training) seed and the classifier seed are the same; ``seeds`` = (0, 1, 2); figures are
   mean ± sample std (ddof = 1) over seeds.
-- Release-only baseline: the same classifier trained on ``n_synthetic`` augmented copies of the released central
-  images (or any released images), so a diffusion model that adds nothing over its warm-up data shows it.
+- Release-only baseline: the same classifier trained on ``n_synthetic`` augmented copies of the released
+  central images (or any released images), so a diffusion model that adds nothing over its warm-up data shows
+  it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,13 +52,17 @@ class Protocol:
     def __post_init__(self) -> None:
         caps = [e for e in (self.classifier_epochs, self.feature_epochs) if e is not None]
         if self.n_synthetic < 1 or any(e < 1 for e in caps) or not self.seeds:
-            raise ConfigError(f"evaluation protocol: sizes, epochs and seeds must be positive/non-empty: {self}")
+            raise ConfigError(
+                f"evaluation protocol: sizes, epochs and seeds must be positive/non-empty: {self}"
+            )
 
 
 PROTOCOL = Protocol()
 
 
-def protocol_splits(ds: ImageDataset, mode: Mode, protocol: Protocol = PROTOCOL) -> tuple[ImageDataset, ImageDataset]:
+def protocol_splits(
+    ds: ImageDataset, mode: Mode, protocol: Protocol = PROTOCOL
+) -> tuple[ImageDataset, ImageDataset]:
     """(training data the pipeline sees, real images it is scored on) for ``mode``.
 
     ``test``: (train, heldout). ``validation``: (fit, validation), both inside ``train``: the held-out part is
@@ -71,8 +76,14 @@ def protocol_splits(ds: ImageDataset, mode: Mode, protocol: Protocol = PROTOCOL)
     raise ConfigError(f"evaluation mode must be 'validation' or 'test', got {mode!r}")
 
 
-def release_only(images: np.ndarray, labels: np.ndarray, class_names: Sequence[str], n: int, seed: int,
-                 protocol: Protocol = PROTOCOL) -> ImageDataset:
+def release_only(
+    images: np.ndarray,
+    labels: np.ndarray,
+    class_names: Sequence[str],
+    n: int,
+    seed: int,
+    protocol: Protocol = PROTOCOL,
+) -> ImageDataset:
     """The release-only baseline's training set: ``n`` augmented copies of released images, balanced by class.
 
     Each class's released images are cycled to its share of ``n`` and every copy batch is RandAugment-ed
@@ -87,14 +98,21 @@ def release_only(images: np.ndarray, labels: np.ndarray, class_names: Sequence[s
     missing = [class_names[c] for c in range(len(class_names)) if not (labels == c).any()]
     if missing:
         raise DataError(f"release-only baseline: no released image of class(es) {missing}")
-    idx = np.concatenate([np.resize(np.flatnonzero(labels == c), int((want == c).sum()))
-                          for c in range(len(class_names))])
+    idx = np.concatenate(
+        [np.resize(np.flatnonzero(labels == c), int((want == c).sum())) for c in range(len(class_names))]
+    )
     src = torch.from_numpy(np.asarray(images, np.float32)[idx])
     gen = torch.Generator().manual_seed(seed)
-    chunks = [rand_augment(src[i : i + 256], n_ops=2, magnitude_max=protocol.augment_magnitude, generator=gen)[0]
-              for i in range(0, len(src), 256)]
-    return ImageDataset(torch.cat(chunks).clamp(0, 1).numpy(), labels[idx], tuple(class_names),
-                        source="release-only (augmented released images)")
+    chunks = [
+        rand_augment(src[i : i + 256], n_ops=2, magnitude_max=protocol.augment_magnitude, generator=gen)[0]
+        for i in range(0, len(src), 256)
+    ]
+    return ImageDataset(
+        torch.cat(chunks).clamp(0, 1).numpy(),
+        labels[idx],
+        tuple(class_names),
+        source="release-only (augmented released images)",
+    )
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

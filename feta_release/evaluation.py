@@ -2,22 +2,22 @@
 
 Protocol (``evaluate``; DPImageBench's rule: nothing is chosen on the real held-out images):
 
-- Downstream accuracy: the evaluation classifier (:mod:`feta_release.eval_classifier`: a small ResNet with global
-  max + mean pooling, so a few-pixel finding is not averaged away) is trained on the synthetic images, early-stopped
-  on a stratified 10 % validation part of the SYNTHETIC images, and scored once on the real held-out images
-  (overall and per class).
-- Real-data ceiling, reported beside every accuracy: the same classifier trained on REAL images and scored on real
-  images it never saw. With ``real_train`` (real training images disjoint from the held-out set, e.g. the split the
-  synthesizer was trained on) it is trained there and scored on the whole held-out set: the directly comparable
-  figure. Without it the held-out set is split in two stratified halves and the classifier is cross-fitted (trained
-  on one half, scored on the other, both ways; every held-out image is scored once, by the net that did not see
-  it). That ceiling is trained on only half the held-out images, so it is a LOW estimate of what real data of the
-  synthetic set's size would give, and says so in its protocol field.
-- ``FD (classifier features)``: Fréchet distance between real held-out and synthetic images in the pooled features
-  of the same kind of network trained on the real held-out images. No Inception weights exist offline, so this is
-  NOT FID and is never called that; its scale depends on the feature network, so compare figures only when
-  produced with the same real data, seed and sample size. Both sides are subsampled to the same n (FD grows as
-  samples shrink).
+- Downstream accuracy: the evaluation classifier (:mod:`feta_release.eval_classifier`: a small ResNet with
+  global max + mean pooling, so a few-pixel finding is not averaged away) is trained on the synthetic images,
+  early-stopped on a stratified 10 % validation part of the SYNTHETIC images, and scored once on the real
+  held-out images (overall and per class).
+- Real-data ceiling, reported beside every accuracy: the same classifier trained on REAL images and scored on
+  real images it never saw. With ``real_train`` (real training images disjoint from the held-out set, e.g. the
+  split the synthesizer was trained on) it is trained there and scored on the whole held-out set: the directly
+  comparable figure. Without it the held-out set is split in two stratified halves and the classifier is
+  cross-fitted (trained on one half, scored on the other, both ways; every held-out image is scored once, by
+  the net that did not see it). That ceiling is trained on only half the held-out images, so it is a LOW
+  estimate of what real data of the synthetic set's size would give, and says so in its protocol field.
+- ``FD (classifier features)``: Fréchet distance between real held-out and synthetic images in the pooled
+  features of the same kind of network trained on the real held-out images. No Inception weights exist
+  offline, so this is NOT FID and is never called that; its scale depends on the feature network, so compare
+  figures only when produced with the same real data, seed and sample size. Both sides are subsampled to the
+  same n (FD grows as samples shrink).
 - Precision / recall (Kynkäänniemi et al. 2019) and density / coverage (Naeem et al. 2020) with k = 5 nearest
   neighbours, in the same features and on the same equal-n samples: precision and density measure fidelity (do
   synthetic images fall where real ones lie?), recall and coverage diversity (is every part of the real
@@ -55,14 +55,25 @@ from .eval_classifier import (
 from .training.progress import Reporter
 from .viz import save_grid
 
-__all__ = ["FD_NAME", "ResNetClassifier", "accuracy", "evaluate", "extract_features", "frechet_distance",
-           "frechet_distance_from_features", "prdc_from_features", "random_shift", "real_ceiling",
-           "train_classifier"]
+__all__ = [
+    "FD_NAME",
+    "ResNetClassifier",
+    "accuracy",
+    "evaluate",
+    "extract_features",
+    "frechet_distance",
+    "frechet_distance_from_features",
+    "prdc_from_features",
+    "random_shift",
+    "real_ceiling",
+    "train_classifier",
+]
 
 FD_NAME = "FD (classifier features)"
 PRDC_K = 5
 MIN_FEATURE_EPOCHS = 10  # fewer: the feature space is barely trained, FD / PRDC may be insensitive
-MIN_FD_IMAGES = 500  # and at least 5 x the feature dimension (the covariance needs many more samples than dims)
+# and at least 5 x the feature dimension (the covariance needs many more samples than dims)
+MIN_FD_IMAGES = 500
 
 
 @torch.no_grad()
@@ -95,8 +106,9 @@ def check_compatible(synthetic: ImageDataset, real: ImageDataset) -> None:
     """Same class names (same order) and image shape, else a DataError that shows both."""
     if synthetic.class_names != real.class_names:
         raise DataError(
-            f"class names differ: synthetic {synthetic.source or '<synthetic>'} has {list(synthetic.class_names)}, "
-            f"real {real.source or '<real>'} has {list(real.class_names)}; they must match (same names, same order)"
+            f"class names differ: synthetic {synthetic.source or '<synthetic>'} has "
+            f"{list(synthetic.class_names)}, real {real.source or '<real>'} has {list(real.class_names)}; "
+            "they must match (same names, same order)"
         )
     if synthetic.image_shape != real.image_shape:
         raise DataError(
@@ -163,14 +175,15 @@ def frechet_distance(
     return frechet_distance_from_features(extract_features(feature_net, a), extract_features(feature_net, b))
 
 
-
 CHUNK = 1024  # rows of a pairwise-distance block: 10,000 images per side never hold a 10,000 x 10,000 matrix
 
 
 def _knn_radii(f: torch.Tensor, k: int) -> torch.Tensor:
     """Distance from each row of ``f`` to its k-th nearest OTHER row."""
     # k + 1: the smallest distance is the row to itself (0)
-    return torch.cat([torch.cdist(f[i : i + CHUNK], f).kthvalue(k + 1, dim=1).values for i in range(0, len(f), CHUNK)])
+    return torch.cat(
+        [torch.cdist(f[i : i + CHUNK], f).kthvalue(k + 1, dim=1).values for i in range(0, len(f), CHUNK)]
+    )
 
 
 def prdc_from_features(real: np.ndarray, fake: np.ndarray, k: int = PRDC_K) -> dict[str, float]:
@@ -178,11 +191,13 @@ def prdc_from_features(real: np.ndarray, fake: np.ndarray, k: int = PRDC_K) -> d
 
     With r_i the distance of real i to its k-th nearest real neighbour and s_j that of fake j among the fakes:
     precision = share of fakes inside some real ball; recall = share of reals inside some fake ball;
-    density = mean over fakes of (number of real balls containing it) / k; coverage = share of reals whose ball
-    contains at least one fake. Identical sets give precision = recall = coverage = 1.
+    density = mean over fakes of (number of real balls containing it) / k; coverage = share of reals whose
+    ball contains at least one fake. Identical sets give precision = recall = coverage = 1.
     """
     if len(real) <= k or len(fake) <= k:
-        raise DataError(f"precision/recall need more than k = {k} samples per side; got {len(real)} and {len(fake)}")
+        raise DataError(
+            f"precision/recall need more than k = {k} samples per side; got {len(real)} and {len(fake)}"
+        )
     r = torch.from_numpy(np.asarray(real, np.float64))
     f = torch.from_numpy(np.asarray(fake, np.float64))
     r_rad, f_rad = _knn_radii(r, k), _knn_radii(f, k)
@@ -212,30 +227,54 @@ class Ceiling:
     fits: list[dict] = field(default_factory=list)  # FitLog of each classifier
 
 
-def real_ceiling(real_heldout: ImageDataset, real_train: ImageDataset | None = None, seed: int = 0, *,
-                 epochs: int | None = None, batch_size: int = DEFAULT_BATCH, lr: float = DEFAULT_LR,
-                 reporter: Reporter | None = None, device: str = "cpu") -> Ceiling:
+def real_ceiling(
+    real_heldout: ImageDataset,
+    real_train: ImageDataset | None = None,
+    seed: int = 0,
+    *,
+    epochs: int | None = None,
+    batch_size: int = DEFAULT_BATCH,
+    lr: float = DEFAULT_LR,
+    reporter: Reporter | None = None,
+    device: str = "cpu",
+) -> Ceiling:
     """Real-data ceiling (module docstring): trained on ``real_train`` if given, else cross-fitted halves;
     ``device``: where the classifiers train."""
     kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter, device=device)
     if real_train is not None:
         check_compatible(real_train, real_heldout)
-        net = train_classifier(real_train, epochs, seed, what="ceiling: classifier on real training images", **kw)
+        net = train_classifier(
+            real_train, epochs, seed, what="ceiling: classifier on real training images", **kw
+        )
         pred = predict(net, real_heldout.images)
-        return Ceiling(float((pred == real_heldout.labels).mean()), _per_class(pred, real_heldout),
-                       f"trained on the {real_train.n:,} real training images, scored on the real held-out set",
-                       real_train.n, [_fit_dict(net)])
+        return Ceiling(
+            float((pred == real_heldout.labels).mean()),
+            _per_class(pred, real_heldout),
+            f"trained on the {real_train.n:,} real training images, scored on the real held-out set",
+            real_train.n,
+            [_fit_dict(net)],
+        )
     a, b = _halves(real_heldout, seed)
     pred = np.empty(real_heldout.n, np.int64)
     fits = []
     for fit_idx, score_idx in ((a, b), (b, a)):
-        net = train_classifier(real_heldout.subset(fit_idx), epochs, seed,
-                               what="ceiling: classifier on half the real held-out images", **kw)
+        net = train_classifier(
+            real_heldout.subset(fit_idx),
+            epochs,
+            seed,
+            what="ceiling: classifier on half the real held-out images",
+            **kw,
+        )
         pred[score_idx] = predict(net, real_heldout.images[score_idx])
         fits.append(_fit_dict(net))
-    return Ceiling(float((pred == real_heldout.labels).mean()), _per_class(pred, real_heldout),
-                   "cross-fitted halves of the real held-out set (trained on one half, scored on the other, both "
-                   "ways): a low estimate, trained on half the held-out images", min(len(a), len(b)), fits)
+    return Ceiling(
+        float((pred == real_heldout.labels).mean()),
+        _per_class(pred, real_heldout),
+        "cross-fitted halves of the real held-out set (trained on one half, scored on the other, both "
+        "ways): a low estimate, trained on half the held-out images",
+        min(len(a), len(b)),
+        fits,
+    )
 
 
 def _halves(ds: ImageDataset, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -287,26 +326,51 @@ class EvaluationReport:
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        """Everything, for whoever ran the evaluation (they hold the held-out data): never the shareable file."""
+        """Everything, for whoever ran the evaluation (they hold the held-out data): never the shareable
+        file."""
         return asdict(self)
 
     def shareable(self, salt: bytes) -> dict:
-        """What may go to a release report: no statistic of the held-out data but the accuracy and FD, labelled not
-        differentially private. Dropped: the held-out size (``n_real``; ``n_fd`` is min(synthetic, held-out)), its
-        class counts, per-class accuracies (their denominators are the class counts), its source path and its plain
-        hash (whoever has a candidate set could test it); in its place a commitment salted with ``salt``, which
-        the evaluator keeps (``heldout_commitment`` opens it)."""
-        keep = ("accuracy", "fd", "fd_name", "chance_accuracy", "ceiling_accuracy", "ceiling_protocol", "precision",
-                "recall", "density", "coverage", "prdc_k", "n_synthetic", "class_names", "synthetic_class_counts",
-                "synthetic_source", "synthetic_fingerprint", "classifier_epochs", "feature_net_epochs", "seed",
-                "warnings")
+        """What may go to a release report: no statistic of the held-out data but the accuracy and FD,
+        labelled not differentially private. Dropped: the held-out size (``n_real``; ``n_fd`` is
+        min(synthetic, held-out)), its class counts, per-class accuracies (their denominators are the class
+        counts), its source path and its plain hash (whoever has a candidate set could test it); in its place
+        a commitment salted with ``salt``, which the evaluator keeps (``heldout_commitment`` opens it)."""
+        keep = (
+            "accuracy",
+            "fd",
+            "fd_name",
+            "chance_accuracy",
+            "ceiling_accuracy",
+            "ceiling_protocol",
+            "precision",
+            "recall",
+            "density",
+            "coverage",
+            "prdc_k",
+            "n_synthetic",
+            "class_names",
+            "synthetic_class_counts",
+            "synthetic_source",
+            "synthetic_fingerprint",
+            "classifier_epochs",
+            "feature_net_epochs",
+            "seed",
+            "warnings",
+        )
         doc = {k: v for k, v in asdict(self).items() if k in keep}
-        return {**doc, "not_dp": NOT_DP_STATEMENT, "real_commitment": heldout_commitment(self.real_fingerprint, salt)}
+        return {
+            **doc,
+            "not_dp": NOT_DP_STATEMENT,
+            "real_commitment": heldout_commitment(self.real_fingerprint, salt),
+        }
 
 
-NOT_DP_STATEMENT = ("accuracy and FD are computed without noise on real held-out images of whoever ran the evaluation "
-                    "(not the released data): they are not differentially private and not covered by the release's "
-                    "epsilon or signatures")
+NOT_DP_STATEMENT = (
+    "accuracy and FD are computed without noise on real held-out images of whoever ran the evaluation "
+    "(not the released data): they are not differentially private and not covered by the release's "
+    "epsilon or signatures"
+)
 COMMITMENT_SALT_BYTES = 32
 
 
@@ -315,8 +379,9 @@ def new_commitment_salt() -> bytes:
 
 
 def heldout_commitment(fingerprint: str, salt: bytes) -> str:
-    """SHA-256 over a domain tag, a secret salt and the held-out set's fingerprint: binds the evaluation to one
-    held-out set (the evaluator opens it by showing the salt and the data) without letting anyone test a guess."""
+    """SHA-256 over a domain tag, a secret salt and the held-out set's fingerprint: binds the evaluation to
+    one held-out set (the evaluator opens it by showing the salt and the data) without letting anyone test a
+    guess."""
     if len(salt) < 16:
         raise ValueError(f"a commitment salt needs >= 128 bits, got {len(salt) * 8}")
     return hashlib.sha256(b"feta-heldout-commitment-v1\n" + salt + fingerprint.encode("ascii")).hexdigest()
@@ -324,28 +389,37 @@ def heldout_commitment(fingerprint: str, salt: bytes) -> str:
 
 def _fit_warnings(what: str, fit: dict, option: str) -> list[str]:
     if fit.get("stopped") == "max_epochs":
-        return [f"{what} stopped at its cap of {fit['max_epochs']} epochs before its validation loss settled (not "
-                f"converged): raise the cap ({option})"]
+        return [
+            f"{what} stopped at its cap of {fit['max_epochs']} epochs before its validation loss settled "
+            f"(not converged): raise the cap ({option})"
+        ]
     if fit.get("stopped") == "no_validation":
-        return [f"{what} had too few images for a validation part: no early stopping, trained {fit['epochs']} "
-                "epochs"]
+        return [
+            f"{what} had too few images for a validation part: no early stopping, trained {fit['epochs']} "
+            "epochs"
+        ]
     return []
 
 
-def _warnings(synthetic: ImageDataset, n_fd: int, feature_dim: int, fits: dict[str, dict],
-              ceiling: Ceiling | None) -> list[str]:
+def _warnings(
+    synthetic: ImageDataset, n_fd: int, feature_dim: int, fits: dict[str, dict], ceiling: Ceiling | None
+) -> list[str]:
     out: list[str] = []
     missing = [synthetic.class_names[c] for c in np.flatnonzero(synthetic.class_counts() == 0)]
     if missing:
         out.append(f"synthetic data has no images of class(es) {missing}; accuracy on them will be ~0")
     need = max(MIN_FD_IMAGES, 5 * feature_dim)
     if n_fd < need:
-        out.append(f"FD, precision, recall, density and coverage rest on only {n_fd} images per side (< {need} = "
-                   f"max({MIN_FD_IMAGES}, 5 x the {feature_dim}-d features)): they are noisy and FD is inflated")
+        out.append(
+            f"FD, precision, recall, density and coverage rest on only {n_fd} images per side (< {need} = "
+            f"max({MIN_FD_IMAGES}, 5 x the {feature_dim}-d features)): they are noisy and FD is inflated"
+        )
     feat = fits.get("feature network", {})
     if feat and feat["epochs"] < MIN_FEATURE_EPOCHS:
-        out.append(f"the feature network trained only {feat['epochs']} epochs (< {MIN_FEATURE_EPOCHS}): FD and "
-                   "precision/recall/density/coverage may not separate good from bad synthetic images")
+        out.append(
+            f"the feature network trained only {feat['epochs']} epochs (< {MIN_FEATURE_EPOCHS}): FD and "
+            "precision/recall/density/coverage may not separate good from bad synthetic images"
+        )
     if not feat:
         out.append("the feature network was supplied without a training log: its convergence is unknown")
     out += _fit_warnings("the classifier trained on synthetic images", fits["classifier"], "--epochs")
@@ -354,19 +428,25 @@ def _warnings(synthetic: ImageDataset, n_fd: int, feature_dim: int, fits: dict[s
         out.append("no real-data ceiling: the accuracy has no real-data reference")
     else:
         for fit in ceiling.fits:
-            out += [w for w in _fit_warnings("a real-data ceiling classifier", fit, "--epochs") if w not in out]
+            out += [
+                w for w in _fit_warnings("a real-data ceiling classifier", fit, "--epochs") if w not in out
+            ]
     return out
 
 
-def _fidelity(synthetic: ImageDataset, real: ImageDataset, feature_net: nn.Module, seed: int
-              ) -> tuple[int, int, float, dict[str, float]]:
+def _fidelity(
+    synthetic: ImageDataset, real: ImageDataset, feature_net: nn.Module, seed: int
+) -> tuple[int, int, float, dict[str, float]]:
     """(n per side, feature dim, FD, PRDC) on equal-size random subsamples of both sets."""
     n = min(synthetic.n, real.n)
     rng = np.random.default_rng(seed)
     fr = extract_features(feature_net, real.images[np.sort(rng.choice(real.n, n, replace=False))])
     fs = extract_features(feature_net, synthetic.images[np.sort(rng.choice(synthetic.n, n, replace=False))])
-    prdc = prdc_from_features(fr, fs) if n > PRDC_K else dict.fromkeys(("precision", "recall", "density",
-                                                                         "coverage"), float("nan"))
+    prdc = (
+        prdc_from_features(fr, fs)
+        if n > PRDC_K
+        else dict.fromkeys(("precision", "recall", "density", "coverage"), float("nan"))
+    )
     return n, fr.shape[1], frechet_distance_from_features(fr, fs), prdc
 
 
@@ -387,7 +467,8 @@ def evaluate(
     reporter: Reporter | None = None,
     device: str = "cpu",
 ) -> EvaluationReport:
-    """Downstream accuracy + real-data ceiling + FD and precision/recall/density/coverage (+ a sample grid PNG).
+    """Downstream accuracy + real-data ceiling + FD and precision/recall/density/coverage (+ a sample grid
+    PNG).
 
     ``classifier_epochs`` / ``feature_epochs``: epoch caps (None: automatic; early stopping below the cap).
     ``real_train``: real training images for the ceiling (else cross-fitted halves of ``real_heldout``).
@@ -401,36 +482,67 @@ def evaluate(
     if synthetic.n == 0:
         raise DataError(f"{synthetic.source}: no synthetic images to evaluate")
     kw: dict[str, Any] = dict(batch_size=batch_size, lr=lr, reporter=reporter, device=device)
-    acc_net = train_classifier(synthetic, classifier_epochs, seed, what="classifier on synthetic images", **kw)
+    acc_net = train_classifier(
+        synthetic, classifier_epochs, seed, what="classifier on synthetic images", **kw
+    )
     pred = predict(acc_net, real_heldout.images)
-    ceil = ceiling if isinstance(ceiling, Ceiling) else (
-        real_ceiling(real_heldout, real_train, seed, epochs=classifier_epochs, **kw) if ceiling else None)
+    ceil = (
+        ceiling
+        if isinstance(ceiling, Ceiling)
+        else (
+            real_ceiling(real_heldout, real_train, seed, epochs=classifier_epochs, **kw) if ceiling else None
+        )
+    )
     if feature_net is None:
-        feature_net = train_classifier(real_heldout, feature_epochs, seed,
-                                       what="feature network on real held-out images", **kw)
+        feature_net = train_classifier(
+            real_heldout, feature_epochs, seed, what="feature network on real held-out images", **kw
+        )
     n_fd, dim, fd, prdc = _fidelity(synthetic, real_heldout, feature_net, seed)
     fits = {"classifier": _fit_dict(acc_net), "feature network": _fit_dict(feature_net)}
     grid = None
     if grid_path is not None:
-        grid = str(save_grid(synthetic.images, synthetic.labels, grid_path, per_class=per_class,
-                             n_classes=synthetic.n_classes, class_names=synthetic.class_names,
-                             title=f"synthetic images evaluated (n = {synthetic.n}; ε: see the release's certificate)"))
+        grid = str(
+            save_grid(
+                synthetic.images,
+                synthetic.labels,
+                grid_path,
+                per_class=per_class,
+                n_classes=synthetic.n_classes,
+                class_names=synthetic.class_names,
+                title=f"synthetic images evaluated (n = {synthetic.n}; ε: see the release's certificate)",
+            )
+        )
     return EvaluationReport(
-        accuracy=float((pred == real_heldout.labels).mean()), fd=fd, chance_accuracy=1.0 / real_heldout.n_classes,
+        accuracy=float((pred == real_heldout.labels).mean()),
+        fd=fd,
+        chance_accuracy=1.0 / real_heldout.n_classes,
         per_class_accuracy=_per_class(pred, real_heldout),
         ceiling_accuracy=ceil.accuracy if ceil else None,
         ceiling_per_class_accuracy=ceil.per_class_accuracy if ceil else {},
-        ceiling_protocol=ceil.protocol if ceil else "", n_ceiling_train=ceil.n_train if ceil else 0,
-        precision=prdc["precision"], recall=prdc["recall"], density=prdc["density"],
-        coverage=prdc["coverage"], feature_dim=dim, n_synthetic=synthetic.n, n_real=real_heldout.n, n_fd=n_fd,
+        ceiling_protocol=ceil.protocol if ceil else "",
+        n_ceiling_train=ceil.n_train if ceil else 0,
+        precision=prdc["precision"],
+        recall=prdc["recall"],
+        density=prdc["density"],
+        coverage=prdc["coverage"],
+        feature_dim=dim,
+        n_synthetic=synthetic.n,
+        n_real=real_heldout.n,
+        n_fd=n_fd,
         class_names=list(synthetic.class_names),
         synthetic_class_counts={n: int(c) for n, c in zip(synthetic.class_names, synthetic.class_counts())},
         real_class_counts={n: int(c) for n, c in zip(real_heldout.class_names, real_heldout.class_counts())},
-        synthetic_source=synthetic.source, real_source=real_heldout.source,
-        synthetic_fingerprint=synthetic.fingerprint(), real_fingerprint=real_heldout.fingerprint(),
+        synthetic_source=synthetic.source,
+        real_source=real_heldout.source,
+        synthetic_fingerprint=synthetic.fingerprint(),
+        real_fingerprint=real_heldout.fingerprint(),
         classifier_epochs=int(acc_net.fit_log.epochs) if acc_net.fit_log else 0,
         feature_net_epochs=fits["feature network"].get("epochs"),
-        classifier_fit=fits["classifier"], feature_net_fit=fits["feature network"],
-        ceiling_fits=ceil.fits if ceil else [], seed=seed, grid_path=grid,
-        warnings=_warnings(synthetic, n_fd, dim, fits, ceil), seconds=time.perf_counter() - t0,
+        classifier_fit=fits["classifier"],
+        feature_net_fit=fits["feature network"],
+        ceiling_fits=ceil.fits if ceil else [],
+        seed=seed,
+        grid_path=grid,
+        warnings=_warnings(synthetic, n_fd, dim, fits, ceil),
+        seconds=time.perf_counter() - t0,
     )

@@ -1,27 +1,29 @@
-"""A job derived from the PUBLIC facts of a dataset: the rules that turn (size, image shape, classes, epsilon, delta,
-device, time budget) into a ``JobConfig``, so a site need not pick a preset tuned for someone else's data.
+"""A job derived from the PUBLIC facts of a dataset: the rules that turn (size, image shape, classes, epsilon,
+delta, device, time budget) into a ``JobConfig``, so a site need not pick a preset tuned for someone else's
+data.
 
-The facts are public: ``size`` is the declared size (``--public-size``, a signed policy's ``dataset.size``, the
-sum of a federation's declarations) or the one drawn from a noisy count, never an exact private count. Every rule
-below is a function of these facts alone, so the derived job is public too (it is signed, shipped and hashed).
+The facts are public: ``size`` is the declared size (``--public-size``, a signed policy's ``dataset.size``,
+the sum of a federation's declarations) or the one drawn from a noisy count, never an exact private count.
+Every rule below is a function of these facts alone, so the derived job is public too (it is signed, shipped
+and hashed).
 
 Where the rules come from. The presets that reach the best measured figures on 4,000 28x28 digits
 (``cpu-eps1-nodpsgd``, ``cpu-eps10-nodpsgd``; docs/evaluation.md) spend the whole budget on the two warm-up
-releases: one central pass over all images (q = 1, ~80 % of epsilon alone), the frequency statistic filling the
-rest, no DP-SGD, the small 16-channel UNet, the polish and SDEdit sampling. The rules generalise that recipe by
-the public facts, and drop what was digit knowledge:
+releases: one central pass over all images (q = 1, ~80 % of epsilon alone), the frequency statistic filling
+the rest, no DP-SGD, the small 16-channel UNet, the polish and SDEdit sampling. The rules generalise that
+recipe by the public facts, and drop what was digit knowledge:
 
 - central: ``rate = 1`` (one pass, the least noise per epsilon); query side near 15 px by a power-of-two
-  downsample (14 at 28 px, 16 at 64 and 128 px, as ``xray64-eps10``), doubled while the noise stays far below the
-  signal; ``clip = sqrt(values) / 7`` (2 at 14x14 grey, tuned on digits: a brighter or larger image is scaled
-  down, which the per-image contrast stretch undoes); cells by the GENERIC public rule ``aux`` (each class split by
-  its nearest public prototype, k-means centres of aux-generator images: post-processing of the frequency
-  release) as many (1, 2 or 4) as keep each cell's noise under :data:`CELL_NOISE`; federated jobs one cell (``aux``
-  is single-site only, ``slant`` is a prior on handwriting).
+  downsample (14 at 28 px, 16 at 64 and 128 px, as ``xray64-eps10``), doubled while the noise stays far below
+  the signal; ``clip = sqrt(values) / 7`` (2 at 14x14 grey, tuned on digits: a brighter or larger image is
+  scaled down, which the per-image contrast stretch undoes); cells by the GENERIC public rule ``aux`` (each
+  class split by its nearest public prototype, k-means centres of aux-generator images: post-processing of the
+  frequency release) as many (1, 2 or 4) as keep each cell's noise under :data:`CELL_NOISE`; federated jobs
+  one cell (``aux`` is single-site only, ``slant`` is a prior on handwriting).
 - frequency: sigma fills the budget the central release leaves; as many random features (32 .. 2,048) as keep
   the planner's frequency figure under :data:`FEATURE_NOISE`; at the cap the patch map of the eps = 10 preset
-  (7x7 patches at stride 3 on 28 px, scaled with the image); switched off when even 32 features would be mostly
-  noise (its budget then goes to the central release).
+  (7x7 patches at stride 3 on 28 px, scaled with the image); switched off when even 32 features would be
+  mostly noise (its budget then goes to the central release).
 - model: 16 channels on the CPU (32 on a GPU), one UNet level more per doubling of the side above 28 px.
 - DP-SGD: on only where its noise-to-signal over the job (:func:`dpsgd_noise`: sigma sqrt(P) / (B
   sqrt(T)), the noise of T averaged clipped-gradient steps against the clip) is at most
@@ -35,19 +37,20 @@ the public facts, and drop what was digit knowledge:
   and conditioning parameters (``trainable = "norm_attention"``): the convolutions keep what the public set
   taught.
 
-FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest release
-any job can make here (the central images, whole budget, one pass, one image per class) would be mostly noise by
-the planner's own figure (``planning.stage_noise`` above ``planning.MOSTLY_NOISE``, the line of its warning). Above
-the floor every derived job plans with no "mostly noise" warning.
+FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest
+release any job can make here (the central images, whole budget, one pass, one image per class) would be
+mostly noise by the planner's own figure (``planning.stage_noise`` above ``planning.MOSTLY_NOISE``, the line
+of its warning). Above the floor every derived job plans with no "mostly noise" warning.
 
-COST MODEL (:func:`estimate`): seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up image
-passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes + ``SAMPLING_PASSES`` x synthetic images) + aux-generator
-epochs + the releases. ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads,
-idle machine (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
-nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image value; at 64 px, B = 32,
-0.214 s = 1.63e-6; the hooks step 1.35x / 1.15x of it). It predicts 8.0 min for ``cpu-eps10-nodpsgd`` (measured:
-8 min 8 s alone on 2 threads). On a GPU it is divided by ``CUDA_SPEEDUP`` (20: the whole eps = 10 job took 47 s on
-one H100 against ~15 min on the 2-core CPU; not measured for other jobs).
+COST MODEL (:func:`estimate`): seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up
+image passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes + ``SAMPLING_PASSES`` x synthetic images) +
+aux-generator epochs + the releases. ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core
+CPU, 2 threads, idle machine (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1
+--threads 2 --methods nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
+value; at 64 px, B = 32, 0.214 s = 1.63e-6; the hooks step 1.35x / 1.15x of it). It predicts 8.0 min for
+``cpu-eps10-nodpsgd`` (measured: 8 min 8 s alone on 2 threads). On a GPU it is divided by ``CUDA_SPEEDUP``
+(20: the whole eps = 10 job took 47 s on one H100 against ~15 min on the 2-core CPU; not measured for other
+jobs).
 """
 
 from __future__ import annotations
@@ -76,12 +79,15 @@ __all__ = [
     "job_toml",
 ]
 
-# -- the rules' constants (each one's origin beside it) ------------------------------------------------------------
+# -- the rules' constants (each one's origin beside it)
+# ------------------------------------------------------------
 CENTRAL_SHARE = 0.8  # central alone: 0.795 of eps = 1 and 0.782 of eps = 10 in the tuned presets
-CENTRAL_SHARE_DPSGD = 0.5  # when DP-SGD runs: the eps = 10 trial with DP-SGD gave the central release about half
+# when DP-SGD runs: the eps = 10 trial with DP-SGD gave the central release about half
+CENTRAL_SHARE_DPSGD = 0.5
 FILL = 0.995  # the releases' target when DP-SGD is off (the eps = 1 preset reached 0.994)
 FILL_DPSGD = 0.75  # the releases' target when DP-SGD runs; DP-SGD is calibrated for the rest
-CELL_NOISE = 0.065  # a cell's central noise figure at most this: 2 cells at eps 1, 4 at eps 10 on 4,000 digits
+# a cell's central noise figure at most this: 2 cells at eps 1, 4 at eps 10 on 4,000 digits
+CELL_NOISE = 0.065
 RES_NOISE = 0.02  # the query side doubles while the central figure stays under this (no preset needed it)
 MAX_CELLS = 4  # 4 tuned at eps = 10 (6 gave +0.007, inside the noise)
 FEATURE_NOISE = 0.25  # the frequency figure at most this: 200 features at eps 1, the 2,048 cap at eps 10
@@ -91,8 +97,8 @@ PIXEL_BANDWIDTH2 = 105.0 / 784  # [frequency] bandwidth2 per image value of the 
 STRONG_EPSILON = 5.0  # from here the eps = 10 preset's aux fit and sampler, below it the eps = 1 preset's
 # DP-SGD's noise-to-signal over the job (dpsgd_noise) where a DP-SGD stage was measured to tie the releases
 # alone: the rules' DP-SGD on 4,000 digits at eps = 10 (eps x N = 40,000; docs/evaluation.md, "a DP-SGD stage
-# at eps = 10": +-0.01): sigma 2.09, 160k parameters, B = 1,000, T = 80 steps. At eps = 1 (figure 0.64) DP-SGD lowered
-# accuracy. tests/accounting/test_dpsgd_rule.py recomputes it from the rules.
+# at eps = 10": +-0.01): sigma 2.09, 160k parameters, B = 1,000, T = 80 steps. At eps = 1 (figure 0.64) DP-SGD
+# lowered accuracy. tests/accounting/test_dpsgd_rule.py recomputes it from the rules.
 DPSGD_TIE_NOISE = 0.0936
 DPSGD_MARGIN = 5.0  # the former rule's margin over the tie (eps x N >= 200,000 = 5 x 40,000): NOT measured
 DPSGD_MAX_NOISE = DPSGD_TIE_NOISE / DPSGD_MARGIN
@@ -133,8 +139,9 @@ def public_facts(ds: Any) -> PublicFacts:
 
 @dataclass(frozen=True)
 class DataFacts:
-    """The public facts a job is derived from. ``size``: declared or noisy-drawn, never an exact private count;
-    ``size_drawn``: it comes from the run's noisy count (its event is charged first, so the rules leave room)."""
+    """The public facts a job is derived from. ``size``: declared or noisy-drawn, never an exact private
+    count; ``size_drawn``: it comes from the run's noisy count (its event is charged first, so the rules leave
+    room)."""
 
     size: int
     height: int
@@ -187,7 +194,8 @@ class Estimate:
 
     @property
     def training(self) -> float:
-        """Everything but drawing the synthetic set (whose size is the user's choice: ``train --synthetic``)."""
+        """Everything but drawing the synthetic set (whose size is the user's choice: ``train
+        --synthetic``)."""
         return self.total - self.seconds.get("sampling", 0.0)
 
 
@@ -218,6 +226,7 @@ def default_time_budget(facts: DataFacts) -> float:
 
 def check_facts(f: DataFacts) -> None:
     """Refuse facts no job can be derived from, naming the fact and the fix."""
+
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(f"derived job: {msg}")
@@ -229,13 +238,21 @@ def check_facts(f: DataFacts) -> None:
     need(math.isfinite(f.epsilon) and f.epsilon > 0, f"epsilon must be > 0, got {f.epsilon}")
     need(f.delta is None or 0 < f.delta < 1, f"delta must be in (0, 1), got {f.delta}")
     need(f.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {f.device!r}")
-    need(f.time_budget is None or f.time_budget > 0, f"the time budget must be > 0 seconds, got {f.time_budget}")
+    need(
+        f.time_budget is None or f.time_budget > 0,
+        f"the time budget must be > 0 seconds, got {f.time_budget}",
+    )
     need(f.dpsgd in ("auto", "on", "off"), f"dpsgd must be auto, on or off, got {f.dpsgd!r}")
     if f.public is not None:
-        need(isinstance(f.public.size, int) and f.public.size >= 1,
-             f"the public set must hold at least one image, got {f.public.size!r}")
-        need(tuple(f.public.shape) == f.shape, f"the public images are {list(f.public.shape)} (C, H, W), the "
-             f"private data's {list(f.shape)}; load both at one shape (--resize, --image-size)")
+        need(
+            isinstance(f.public.size, int) and f.public.size >= 1,
+            f"the public set must hold at least one image, got {f.public.size!r}",
+        )
+        need(
+            tuple(f.public.shape) == f.shape,
+            f"the public images are {list(f.public.shape)} (C, H, W), the "
+            f"private data's {list(f.shape)}; load both at one shape (--resize, --image-size)",
+        )
     if f.memory_mb is not None:  # the images' memory is a ceiling no job changes: refused with the figure
         try:
             check_site_memory(f.size, f.shape, f.memory_mb, "derived job", "resources.max_worker_memory_mb")
@@ -243,7 +260,8 @@ def check_facts(f: DataFacts) -> None:
             raise ConfigError(str(exc)) from None
 
 
-# -- privacy: the budget split ---------------------------------------------------------------------------------
+# -- privacy: the budget split
+# ---------------------------------------------------------------------------------
 
 
 def _first(f: DataFacts) -> list[PrivacyEvent]:
@@ -254,12 +272,17 @@ def _fit_sigma(f: DataFacts, prior: list[PrivacyEvent], stage: str, target: floa
     """Smallest sigma of one q = 1 release of ``stage`` that keeps prior + it within ``target``."""
     delta = f.job_delta
     return smallest_fitting_sigma(
-        lambda s: epsilon(prior + [PrivacyEvent(stage, s, 1.0, 1)], delta), target, tol=0.005,
-        max_sigma=MAX_NOISE_MULTIPLIER, refusal=f"derived job: no [{stage}] noise fits epsilon {target:.3g}")
+        lambda s: epsilon(prior + [PrivacyEvent(stage, s, 1.0, 1)], delta),
+        target,
+        tol=0.005,
+        max_sigma=MAX_NOISE_MULTIPLIER,
+        refusal=f"derived job: no [{stage}] noise fits epsilon {target:.3g}",
+    )
 
 
 def _up(sigma: float) -> float:
-    """A noise multiplier written with 4 decimals, rounded UP: the written job never spends more than planned."""
+    """A noise multiplier written with 4 decimals, rounded UP: the written job never spends more than
+    planned."""
     return math.ceil(sigma * 1e4) / 1e4
 
 
@@ -269,18 +292,21 @@ def _check_size_event(f: DataFacts) -> None:
     spent = epsilon(_first(f), f.job_delta)
     if spent >= 0.5 * f.epsilon:
         raise ConfigError(
-            f"derived job: epsilon {f.epsilon:g} is too small to draw the public size too: the noisy count alone "
-            f"costs epsilon {spent:.3f} (more than half the budget); declare the size instead (train --public-size "
-            "N, or a signed policy's dataset.size), or raise --epsilon")
+            f"derived job: epsilon {f.epsilon:g} is too small to draw the public size too: the noisy count "
+            f"alone costs epsilon {spent:.3f} (more than half the budget); declare the size instead (train "
+            "--public-size N, or a signed policy's dataset.size), or raise --epsilon"
+        )
 
 
-# -- central images ---------------------------------------------------------------------------------------------
+# -- central images
+# ---------------------------------------------------------------------------------------------
 
 
 def query_factor(height: int, noise_room: float = 0.0) -> float:
     """The power-of-two downsample whose query side is nearest 15 px (ties up; at most 0.5 unless the image is
-    small), doubled once per factor 2 of ``noise_room`` (how far the noise figure is below :data:`RES_NOISE`)."""
-    best = min((2.0 ** -k for k in range(0, 5)), key=lambda x: (abs(height * x - 15), -x))
+    small), doubled once per factor 2 of ``noise_room`` (how far the noise figure is
+    below :data:`RES_NOISE`)."""
+    best = min((2.0**-k for k in range(0, 5)), key=lambda x: (abs(height * x - 15), -x))
     best = min(best, 0.5) if height >= 24 else best
     while noise_room >= 2 and best < 1 and height * best * 2 <= 32:
         best, noise_room = best * 2, noise_room / 2
@@ -296,7 +322,8 @@ def central_clip(values: int) -> float:
 
 
 def central_noise(sigma: float, clip: float, values: int, size: int, n_classes: int, cells: int) -> float:
-    """``planning.stage_noise``'s central (mean) figure: noise std per value of one released (class, cell) mean."""
+    """``planning.stage_noise``'s central (mean) figure: noise std per value of one released (class, cell)
+    mean."""
     return sigma * min(clip, math.sqrt(values)) / (size / (n_classes * cells))
 
 
@@ -308,21 +335,28 @@ def _floor(f: DataFacts, sigma_all: float, clip: float, values: int) -> None:
     need_sigma = MOSTLY_NOISE * f.size / (f.n_classes * clip)
     eps_min = epsilon(_first(f) + [PrivacyEvent("central", need_sigma, 1.0, 1)], f.job_delta) / FILL
     raise ConfigError(
-        f"derived job: below the floor: {f.size} images in {f.n_classes} classes at epsilon {f.epsilon:g} - even "
-        f"the strongest release (central images, the whole budget, one pass, one image per class) would have noise "
-        f"std {r:.2f} per value of a class mean (noise sigma {sigma_all:.2f} x clip {clip:g} / {f.size / f.n_classes:.1f} "
-        f"images per class), above the planner's mostly-noise line {MOSTLY_NOISE}; it needs about {n_min} images "
-        f"at this epsilon, or epsilon >= {eps_min:.2f} at this size (or fewer classes)")
+        f"derived job: below the floor: {f.size} images in {f.n_classes} classes at epsilon {f.epsilon:g} - "
+        f"even the strongest release (central images, the whole budget, one pass, one image per class) would "
+        f"have noise std {r:.2f} per value of a class mean (noise sigma {sigma_all:.2f} x clip {clip:g} / "
+        f"{f.size / f.n_classes:.1f} images per class), above the planner's mostly-noise line "
+        f"{MOSTLY_NOISE}; it needs about {n_min} images at this epsilon, or epsilon >= {eps_min:.2f} at this "
+        "size (or fewer classes)"
+    )
 
 
 def _cells(f: DataFacts, sigma: float, clip: float, values: int, frequency_on: bool) -> int:
     if f.federated or not frequency_on:
         return 1  # "aux" prototypes are single-site; "slant" is a prior on handwriting: no generic split
-    ok = [c for c in (MAX_CELLS, 2, 1) if central_noise(sigma, clip, values, f.size, f.n_classes, c) <= CELL_NOISE]
+    ok = [
+        c
+        for c in (MAX_CELLS, 2, 1)
+        if central_noise(sigma, clip, values, f.size, f.n_classes, c) <= CELL_NOISE
+    ]
     return ok[0] if ok else 1
 
 
-# -- frequency statistic ----------------------------------------------------------------------------------------
+# -- frequency statistic
+# ----------------------------------------------------------------------------------------
 
 
 def frequency_noise(sigma: float, features: int, size: int, n_classes: int) -> float:
@@ -339,8 +373,11 @@ def _features(f: DataFacts, sigma: float) -> int | None:
 
 
 def _frequency_section(f: DataFacts, sigma: float, features: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"features": features, "sigma": _up(sigma),
-                           "bandwidth2": round(PIXEL_BANDWIDTH2 * f.values, 3)}
+    out: dict[str, Any] = {
+        "features": features,
+        "sigma": _up(sigma),
+        "bandwidth2": round(PIXEL_BANDWIDTH2 * f.values, 3),
+    }
     if features == FEATURE_LADDER[0]:  # the eps = 10 preset's patch map, scaled with the image
         side = min(f.height, f.width)
         patch, stride = max(3, round(7 * side / 28)), max(1, round(3 * side / 28))
@@ -350,26 +387,50 @@ def _frequency_section(f: DataFacts, sigma: float, features: int) -> dict[str, A
     return out
 
 
-# -- the model, the warm-up, DP-SGD and the sampler -----------------------------------------------------------
+# -- the model, the warm-up, DP-SGD and the sampler
+# -----------------------------------------------------------
 
 
 def model_section(f: DataFacts) -> dict[str, Any]:
-    """16 channels on the CPU, 32 on a GPU; 2 levels at 28 px, one more per doubling of the side (at most 4)."""
+    """16 channels on the CPU, 32 on a GPU; 2 levels at 28 px, one more per doubling of the side (at most
+    4)."""
     levels = max(2, min(4, 2 + round(math.log2(max(f.height, f.width) / 28))))
-    return {"channels": 16 if f.device == "cpu" else 32, "channel_mult": [1] + [2] * (levels - 1),
-            "num_res_blocks": 1, "attn_resolutions": []}
+    return {
+        "channels": 16 if f.device == "cpu" else 32,
+        "channel_mult": [1] + [2] * (levels - 1),
+        "num_res_blocks": 1,
+        "attn_resolutions": [],
+    }
 
 
 def _warmup(scale: float) -> dict[str, Any]:
-    return {"spatial_iterations": max(50, round(1000 * scale)), "spatial_batch": 50, "augment_ops": 2,
-            "augment_magnitude": 3, "frequency_images": max(400, round(4000 * scale)), "frequency_epochs": 3,
-            "frequency_batch": 100, "frequency_mix_central": True, "lr": 2e-3, "ema": 0.99,
-            "polish_iterations": max(25, round(500 * scale)), "polish_lr": 5e-4}
+    return {
+        "spatial_iterations": max(50, round(1000 * scale)),
+        "spatial_batch": 50,
+        "augment_ops": 2,
+        "augment_magnitude": 3,
+        "frequency_images": max(400, round(4000 * scale)),
+        "frequency_epochs": 3,
+        "frequency_batch": 100,
+        "frequency_mix_central": True,
+        "lr": 2e-3,
+        "ema": 0.99,
+        "polish_iterations": max(25, round(500 * scale)),
+        "polish_lr": 5e-4,
+    }
 
 
 def _auxgen(strong: bool, restarts: int) -> dict[str, Any]:
-    return {"z_dim": 32, "width": 32, "lr": 0.01, "batch": 100, "epochs": 10 if strong else 3,
-            "iterations_per_epoch": 40, "restarts": restarts, "keep": restarts}
+    return {
+        "z_dim": 32,
+        "width": 32,
+        "lr": 0.01,
+        "batch": 100,
+        "epochs": 10 if strong else 3,
+        "iterations_per_epoch": 40,
+        "restarts": restarts,
+        "keep": restarts,
+    }
 
 
 def _dpsgd_batch(n: int) -> int:
@@ -408,15 +469,20 @@ def pretrain_iterations(f: DataFacts) -> int:
 
 
 def _public_section(f: DataFacts) -> dict[str, Any]:
-    return {"pretrain_iterations": pretrain_iterations(f), "pretrain_batch": PRETRAIN_BATCH,
-            "pretrain_lr": 2e-3}
+    return {
+        "pretrain_iterations": pretrain_iterations(f),
+        "pretrain_batch": PRETRAIN_BATCH,
+        "pretrain_lr": 2e-3,
+    }
 
 
-# -- the cost model ---------------------------------------------------------------------------------------------
+# -- the cost model
+# ---------------------------------------------------------------------------------------------
 
 
 def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
-    """Estimated seconds of one training pass of one image through the job's model (see the module docstring)."""
+    """Estimated seconds of one training pass of one image through the job's model (see the module
+    docstring)."""
     m = cfg.model
     width = (m.channels / 16) ** 2 * (1 + 0.25 * (len(m.channel_mult) - 2)) * m.num_res_blocks
     per = SECONDS_PER_PIXEL_PASS * facts.values * width
@@ -424,18 +490,21 @@ def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
 
 
 def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -> Estimate:
-    """Estimated seconds of ``cfg`` on data of these facts, by stage (``n_synthetic``: default the public size)."""
+    """Estimated seconds of ``cfg`` on data of these facts, by stage (``n_synthetic``: default the public
+    size)."""
     cfg = cfg.for_size(facts.size)
     per, w, a = seconds_per_pass(cfg, facts), cfg.warmup, cfg.auxgen
     fr = cfg.frequency
     out = {"central": 0.0, "frequency": 0.0, "aux generator": 0.0}
     if fr.sigma is not None:
-        cost = fr.features * (fr.patch ** 2 * facts.channels if fr.patch else facts.values)
+        cost = fr.features * (fr.patch**2 * facts.channels if fr.patch else facts.values)
         out["frequency"] = facts.size * cost * 2 / RELEASE_FLOPS
         iters = a.iterations_per_epoch or max(1, facts.size // a.batch)
         aux = a.restarts * a.epochs * iters / 40 * AUX_EPOCH_SECONDS * facts.values / 784
         out["aux generator"] = aux / CUDA_SPEEDUP if facts.device == "cuda" else aux
-        out["frequency warm-up"] = per * w.frequency_images * w.frequency_epochs * (2 if w.frequency_mix_central else 1)
+        out["frequency warm-up"] = (
+            per * w.frequency_images * w.frequency_epochs * (2 if w.frequency_mix_central else 1)
+        )
     if cfg.central.rounds > 0:
         out["central"] = facts.size * facts.values * cfg.central.rounds / RELEASE_FLOPS
         out["spatial warm-up"] = per * w.spatial_iterations * w.spatial_batch
@@ -447,12 +516,14 @@ def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -
     return Estimate({k: round(v, 1) for k, v in out.items()})
 
 
-# -- the derivation ---------------------------------------------------------------------------------------------
+# -- the derivation
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Split:
-    """The releases' noise: central sigma, frequency sigma and features (None: the stage is off), cells, factor."""
+    """The releases' noise: central sigma, frequency sigma and features (None: the stage is off), cells,
+    factor."""
 
     central: float
     frequency: float | None
@@ -468,10 +539,13 @@ def _split(f: DataFacts, dpsgd: bool) -> _Split:
     values = _query_values(f, factor)
     clip = central_clip(values)
     sigma_c = _fit_sigma(f, prior, "central", share * eps)
-    sigma_f: float | None = _fit_sigma(f, prior + [PrivacyEvent("central", sigma_c, 1.0, 1)], "frequency", fill * eps)
+    sigma_f: float | None = _fit_sigma(
+        f, prior + [PrivacyEvent("central", sigma_c, 1.0, 1)], "frequency", fill * eps
+    )
     feats = _features(f, sigma_f) if sigma_f is not None else None
     if feats is None or central_noise(sigma_c, clip, values, f.size, f.n_classes, 1) > MOSTLY_NOISE:
-        sigma_c, sigma_f, feats = _fit_sigma(f, prior, "central", fill * eps), None, None  # all on the central
+        # all on the central
+        sigma_c, sigma_f, feats = _fit_sigma(f, prior, "central", fill * eps), None, None
     cells = _cells(f, sigma_c, clip, values, feats is not None)
     room = RES_NOISE / central_noise(sigma_c, clip, values, f.size, f.n_classes, cells)
     return _Split(sigma_c, sigma_f, feats, cells, query_factor(f.height, room))
@@ -483,14 +557,30 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
     d: dict[str, Any] = {
         "job": {"name": "derived", "seed": 0, "method": "feta-pro"},
         "privacy": {"epsilon": float(f.epsilon), "delta": f.job_delta, "accountant": "rdp"},
-        "central": {"kind": "mean", "rounds": 1, "rate": 1.0, "sigma": _up(s.central),
-                    "clip": central_clip(values), "downsample": s.factor, "cells": s.cells,
-                    "cell_rule": "aux" if s.cells > 1 else "slant", "stretch": True},
-        "model": model_section(f), "warmup": _warmup(scale),
+        "central": {
+            "kind": "mean",
+            "rounds": 1,
+            "rate": 1.0,
+            "sigma": _up(s.central),
+            "clip": central_clip(values),
+            "downsample": s.factor,
+            "cells": s.cells,
+            "cell_rule": "aux" if s.cells > 1 else "slant",
+            "stretch": True,
+        },
+        "model": model_section(f),
+        "warmup": _warmup(scale),
         "auxgen": _auxgen(strong, restarts if s.frequency is not None else 1),
-        "dpsgd": {"rate": round(_dpsgd_batch(f.size) / f.size, 6), "steps": 0, "clip": 1.0,
-                  "noise_multiplicity": 1, "physical_batch": _physical(f.values), "lr": 1e-3, "ema": 0.9,
-                  "trainable": "norm_attention" if f.public is not None else "all"},
+        "dpsgd": {
+            "rate": round(_dpsgd_batch(f.size) / f.size, 6),
+            "steps": 0,
+            "clip": 1.0,
+            "noise_multiplicity": 1,
+            "physical_batch": _physical(f.values),
+            "lr": 1e-3,
+            "ema": 0.9,
+            "trainable": "norm_attention" if f.public is not None else "all",
+        },
         "sampler": _sampler(strong, s.frequency is not None),
     }
     if f.public is not None:
@@ -503,7 +593,11 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
 def _with_steps(d: dict[str, Any], steps: int, federated: bool) -> dict[str, Any]:
     if federated and steps > 0:  # rounds of 5 local steps (every site its own q over its declared size)
         rounds = math.ceil(steps / 5)
-        return {**d, "dpsgd": {**d["dpsgd"], "steps": rounds * 5}, "federation": {"rounds": rounds, "local_steps": 5}}
+        return {
+            **d,
+            "dpsgd": {**d["dpsgd"], "steps": rounds * 5},
+            "federation": {"rounds": rounds, "local_steps": 5},
+        }
     return {**d, "dpsgd": {**d["dpsgd"], "steps": steps}}
 
 
@@ -546,17 +640,24 @@ def derive(facts: DataFacts) -> Derivation:
     _check_size_event(facts)
     factor = query_factor(facts.height)
     values = _query_values(facts, factor)
-    _floor(facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values)
+    _floor(
+        facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values
+    )
     steps = 0
     if facts.dpsgd != "off":
         try:  # the warm-up leaves room for at least DP-SGD's minimum steps (one more for the rounding)
-            d, est = _fit_budget(facts, _split(facts, True), reserve=_dpsgd_seconds(facts, DPSGD_MIN_STEPS + 1))
+            d, est = _fit_budget(
+                facts, _split(facts, True), reserve=_dpsgd_seconds(facts, DPSGD_MIN_STEPS + 1)
+            )
             steps = _dpsgd_steps(facts, d, est)
         except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
             steps = 0
     with_dpsgd = steps >= DPSGD_MIN_STEPS
-    if (with_dpsgd and facts.dpsgd == "auto"
-            and job_dpsgd_noise(facts, _with_steps(d, steps, facts.federated)) > DPSGD_MAX_NOISE):
+    if (
+        with_dpsgd
+        and facts.dpsgd == "auto"
+        and job_dpsgd_noise(facts, _with_steps(d, steps, facts.federated)) > DPSGD_MAX_NOISE
+    ):
         with_dpsgd = False
     if not with_dpsgd:
         steps = 0
@@ -601,38 +702,56 @@ def derive_job(facts: DataFacts) -> JobConfig:
 def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
     c, fr, m = cfg.central, cfg.frequency, cfg.model
     side = max(1, int(f.height * c.downsample))
-    delta = "the presets' 1e-5" if f.delta is None and f.job_delta == DELTA_PRESETS else (
-        "<= 1 / (10 N)" if f.delta is None else "given")
+    delta = (
+        "the presets' 1e-5"
+        if f.delta is None and f.job_delta == DELTA_PRESETS
+        else ("<= 1 / (10 N)" if f.delta is None else "given")
+    )
     lines = [
-        f"facts: public size {f.size}{' (noisy count)' if f.size_drawn else ''}, {f.height}x{f.width}x{f.channels}, "
-        f"{f.n_classes} classes, epsilon {f.epsilon:g}, delta {f.job_delta:g} ({delta}), {f.device}, time budget "
-        f"{f.budget:.0f} s{' (default)' if f.time_budget is None else ''}" + (", federated" if f.federated else ""),
+        f"facts: public size {f.size}{' (noisy count)' if f.size_drawn else ''}, "
+        f"{f.height}x{f.width}x{f.channels}, {f.n_classes} classes, epsilon {f.epsilon:g}, delta "
+        f"{f.job_delta:g} ({delta}), {f.device}, time budget {f.budget:.0f} "
+        f"s{' (default)' if f.time_budget is None else ''}" + (", federated" if f.federated else ""),
         f"central: one pass over all images (rate 1), sigma {c.sigma:g} "
-        f"(epsilon {epsilon([PrivacyEvent('central', c.sigma, 1.0, 1)], f.job_delta):.3f} alone), {side}x{side} query "
-        f"(downsample {c.downsample:g}), clip {c.clip:g} = sqrt(values) / 7, {c.cells} cell(s)"
-        + (" by public aux-generator prototypes" if c.cell_rule == "aux" else ""),
-        ("frequency: off (even 32 features would be mostly noise; its budget went to the central images)"
-         if fr.sigma is None else
-         f"frequency: sigma {fr.sigma:g}, {fr.features} features"
-         + (f" of {fr.patch}x{fr.patch} patches at stride {fr.stride}" if fr.patch else " of all pixels")),
-        f"model: {m.channels} channels, {len(m.channel_mult)} levels; warm-up {cfg.warmup.spatial_iterations} "
-        f"spatial + {cfg.warmup.polish_iterations} polish steps, {cfg.warmup.frequency_images} aux images, "
-        f"{cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} epochs",
+        f"(epsilon {epsilon([PrivacyEvent('central', c.sigma, 1.0, 1)], f.job_delta):.3f} alone), "
+        f"{side}x{side} query (downsample {c.downsample:g}), clip {c.clip:g} = sqrt(values) / 7, {c.cells} "
+        "cell(s)" + (" by public aux-generator prototypes" if c.cell_rule == "aux" else ""),
+        (
+            "frequency: off (even 32 features would be mostly noise; its budget went to the central images)"
+            if fr.sigma is None
+            else f"frequency: sigma {fr.sigma:g}, {fr.features} features"
+            + (f" of {fr.patch}x{fr.patch} patches at stride {fr.stride}" if fr.patch else " of all pixels")
+        ),
+        f"model: {m.channels} channels, {len(m.channel_mult)} levels; warm-up "
+        f"{cfg.warmup.spatial_iterations} spatial + {cfg.warmup.polish_iterations} polish steps, "
+        f"{cfg.warmup.frequency_images} aux images, {cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} "
+        "epochs",
         *_public_notes(f, cfg),
-        (f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget ("
-         + ("asked for" if f.dpsgd == "on" else
-            f"noise-to-signal over the job <= {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied on digits; its "
-            "gain not yet measured") + ")"
-         if steps else
-         "dpsgd: off (asked for)" if f.dpsgd == "off" else
-         f"dpsgd: off (fewer than {DPSGD_MIN_STEPS} steps fit the budget, or its noise-to-signal over the "
-         f"job sigma sqrt(P) / (B sqrt(T)) is above {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied)"),
+        (
+            f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget ("
+            + (
+                "asked for"
+                if f.dpsgd == "on"
+                else f"noise-to-signal over the job <= {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied on "
+                "digits; its gain not yet measured"
+            )
+            + ")"
+            if steps
+            else "dpsgd: off (asked for)"
+            if f.dpsgd == "off"
+            else f"dpsgd: off (fewer than {DPSGD_MIN_STEPS} steps fit the budget, or its noise-to-signal "
+            f"over the job sigma sqrt(P) / (B sqrt(T)) is above {DPSGD_MAX_NOISE:.4f}, a fifth of where it "
+            "tied)"
+        ),
     ]
     est = estimate(cfg, f)
     parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items() if v >= 1)
     over = "; OVER it: the warm-up is at its shortest" if est.training > f.budget * 1.01 else ""
-    lines.append(f"estimated {est.training / 60:.1f} min of training on {f.device} (budget {f.budget / 60:.1f} min{over}) + "
-                 f"{est.seconds.get('sampling', 0.0) / 60:.1f} min to draw {f.size} synthetic images ({parts} s)")
+    lines.append(
+        f"estimated {est.training / 60:.1f} min of training on {f.device} (budget {f.budget / 60:.1f} "
+        f"min{over}) + {est.seconds.get('sampling', 0.0) / 60:.1f} min to draw {f.size} synthetic images "
+        f"({parts} s)"
+    )
     lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")
     return tuple(lines)
 
@@ -641,11 +760,17 @@ def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
     if f.public is None:
         return []
     shared = shared_classes(f)
-    how = (f"class-conditional for {len(shared)} of {f.n_classes} private classes named alike "
-           f"({', '.join(shared)})" if shared else "unconditional (no public class names a private class)")
-    return [f"public: {cfg.public.pretrain_iterations} pretraining steps of {cfg.public.pretrain_batch} on "
-            f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the "
-            f"time budget), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning only"]
+    how = (
+        f"class-conditional for {len(shared)} of {f.n_classes} private classes named alike "
+        f"({', '.join(shared)})"
+        if shared
+        else "unconditional (no public class names a private class)"
+    )
+    return [
+        f"public: {cfg.public.pretrain_iterations} pretraining steps of {cfg.public.pretrain_batch} on "
+        f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the "
+        f"time budget), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning only"
+    ]
 
 
 def _toml_value(v: Any) -> str:
@@ -671,15 +796,17 @@ def job_toml(cfg: JobConfig, notes: tuple[str, ...] = ()) -> str:
 
 def derivation_toml(d: Derivation) -> str:
     """A derived job as a TOML file whose header says how it was derived."""
-    head = ("job derived from public facts by feta_release.job_rules (feta-release train without --preset); "
-            "each line: a rule and what it chose",)
+    head = (
+        "job derived from public facts by feta_release.job_rules (feta-release train without --preset); "
+        "each line: a rule and what it chose",
+    )
     return job_toml(d.cfg, head + d.notes)
 
 
 def sizing_size(facts: DataFacts) -> int:
-    """A public reference size for a run that draws its size: the job the noisy count is drawn under is the one
-    derived at this size, a function of the facts other than the size (never of the private count): 4,000, or
-    the first of 16,000, 64,000, ... that derives (the floor falls with N)."""
+    """A public reference size for a run that draws its size: the job the noisy count is drawn under is the
+    one derived at this size, a function of the facts other than the size (never of the private count): 4,000,
+    or the first of 16,000, 64,000, ... that derives (the floor falls with N)."""
     n = 4000
     while True:
         try:
@@ -712,7 +839,7 @@ def preset_shape(cfg: JobConfig) -> tuple[int, int, int]:
 
 def _nearest_factor(side: int, query_side: float) -> float:
     """The power-of-two downsample of ``side`` whose query side is nearest ``query_side`` (ties: larger)."""
-    return min((2.0 ** -k for k in range(0, 6)), key=lambda x: (abs(side * x - query_side), -x))
+    return min((2.0**-k for k in range(0, 6)), key=lambda x: (abs(side * x - query_side), -x))
 
 
 def _fit_central(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> dict[str, Any]:
@@ -773,17 +900,22 @@ def fit_preset(cfg: JobConfig, name: str, facts: DataFacts, *, size_known: bool 
     ref = preset_shape(cfg)
     out = cfg
     if ref != facts.shape:
-        out = cfg.replace(central=_fit_central(cfg, ref, facts), frequency=_fit_frequency(cfg, ref, facts),
-                          model=_fit_model(cfg, ref, facts),
-                          dpsgd={"physical_batch": _fit_physical(cfg, ref, facts)})
+        out = cfg.replace(
+            central=_fit_central(cfg, ref, facts),
+            frequency=_fit_frequency(cfg, ref, facts),
+            model=_fit_model(cfg, ref, facts),
+            dpsgd={"physical_batch": _fit_physical(cfg, ref, facts)},
+        )
     try:
         _check_runs(out, facts, size_known)
     except FetaError as exc:
         side, tuned = "x".join(str(v) for v in facts.shape), "x".join(str(v) for v in ref)
         first = str(exc).splitlines()[0]
-        raise ConfigError(f"preset {name} (tuned on {tuned}) cannot run on {facts.size:,} images of {side} "
-                          f"in {facts.n_classes} classes: {first}; derive the job from the data instead: drop "
-                          f"--preset and give --epsilon {facts.epsilon:g} (docs/derived-job.md)") from None
+        raise ConfigError(
+            f"preset {name} (tuned on {tuned}) cannot run on {facts.size:,} images of {side} "
+            f"in {facts.n_classes} classes: {first}; derive the job from the data instead: drop "
+            f"--preset and give --epsilon {facts.epsilon:g} (docs/derived-job.md)"
+        ) from None
     return out
 
 
@@ -797,13 +929,19 @@ def _check_runs(cfg: JobConfig, f: DataFacts, size_known: bool) -> None:
 
     check_feature_map(cfg.frequency, f.shape)
     params = denoiser_parameters(cfg.model, f.shape, f.n_classes)
-    for what, value, cap in (("[model] parameters", params, "max_model_parameters"),
-                             ("[dpsgd] physical_batch", cfg.dpsgd.physical_batch, "max_physical_batch"),
-                             ("[dpsgd] physical_batch x noise_multiplicity",
-                              cfg.dpsgd.physical_batch * cfg.dpsgd.noise_multiplicity, "max_pass_rows")):
+    for what, value, cap in (
+        ("[model] parameters", params, "max_model_parameters"),
+        ("[dpsgd] physical_batch", cfg.dpsgd.physical_batch, "max_physical_batch"),
+        (
+            "[dpsgd] physical_batch x noise_multiplicity",
+            cfg.dpsgd.physical_batch * cfg.dpsgd.noise_multiplicity,
+            "max_pass_rows",
+        ),
+    ):
         if value > DEFAULT_RESOURCES[cap]:
-            raise ConfigError(f"{what} {value:,} > the policy's default resources.{cap} "
-                              f"{DEFAULT_RESOURCES[cap]:,.0f}")
+            raise ConfigError(
+                f"{what} {value:,} > the policy's default resources.{cap} {DEFAULT_RESOURCES[cap]:,.0f}"
+            )
     if f.memory_mb is not None:
         try:
             check_site_memory(f.size, f.shape, f.memory_mb, "the site", "resources.max_worker_memory_mb")
@@ -822,8 +960,9 @@ DPSGD_MIN_SIGMA = 0.5  # DP-SGD's floor is not one release's: subsampled steps f
 
 @dataclass(frozen=True)
 class SiteCaps:
-    """What `site init` drafts into a site policy from the site's PUBLIC facts by these rules (each a value the
-    derived job at the drafted budget stays within), and that job (None: below the floor, ``floor`` says why)."""
+    """What `site init` drafts into a site policy from the site's PUBLIC facts by these rules (each a value
+    the derived job at the drafted budget stays within), and that job (None: below the floor, ``floor`` says
+    why)."""
 
     delta: float
     min_sigma: float  # central and frequency
@@ -836,15 +975,22 @@ class SiteCaps:
     floor: str = ""
 
 
-def site_caps(size: int, shape: tuple[int, int, int], n_classes: int, patients: int | None = None,
-              job_epsilon: float = DRAFT_EPSILON) -> SiteCaps:
-    """The draft's caps for a site of public ``size`` images of ``shape`` in ``n_classes`` classes (``patients``:
-    the public number of patients of a patient-level site, whose DP-SGD samples patients):
+def site_caps(
+    size: int,
+    shape: tuple[int, int, int],
+    n_classes: int,
+    patients: int | None = None,
+    job_epsilon: float = DRAFT_EPSILON,
+) -> SiteCaps:
+    """The draft's caps for a site of public ``size`` images of ``shape`` in ``n_classes`` classes.
+
+    ``patients``: the public number of patients of a patient-level site, whose DP-SGD samples patients. The
+    caps:
 
     * delta: :func:`default_delta` of the size (the presets' 1e-5, below 1 / (10 N) past 10,000 images);
-    * min_sigma (central, frequency): the noise multiplier one q = 1 release needs to fit ``job_epsilon`` alone,
-      over sqrt(:data:`DRAFT_SHARE_SITES`): every one-pass release within the budget passes, and so does this
-      site's share sigma / sqrt(n) of a secure sum of up to 16 sites;
+    * min_sigma (central, frequency): the noise multiplier one q = 1 release needs to fit ``job_epsilon``
+      alone, over sqrt(:data:`DRAFT_SHARE_SITES`): every one-pass release within the budget passes, and so
+      does this site's share sigma / sqrt(n) of a secure sum of up to 16 sites;
     * central max_batch: the size (one pass); max_features: the rules' largest feature count;
     * DP-SGD max_batch: the rules' batch for the unit count; max_steps: 20 epochs of it (at least 100);
     * max_worker_memory_mb: the float32 images plus the working memory (:func:`site_memory_bytes`), rounded up
@@ -854,8 +1000,13 @@ def site_caps(size: int, shape: tuple[int, int, int], n_classes: int, patients: 
 
     c, h, w = (int(v) for v in shape)
     delta = default_delta(size)
-    one = smallest_fitting_sigma(lambda s: epsilon([PrivacyEvent("central", s, 1.0, 1)], delta), job_epsilon,
-                                 tol=0.005, max_sigma=MAX_NOISE_MULTIPLIER, refusal="no sigma fits the draft")
+    one = smallest_fitting_sigma(
+        lambda s: epsilon([PrivacyEvent("central", s, 1.0, 1)], delta),
+        job_epsilon,
+        tol=0.005,
+        max_sigma=MAX_NOISE_MULTIPLIER,
+        refusal="no sigma fits the draft",
+    )
     units = int(patients) if patients else int(size)
     batch = _dpsgd_batch(units)
     need_mb = math.ceil(site_memory_bytes(size, c * h * w) / 2**30) * 1024
@@ -864,8 +1015,14 @@ def site_caps(size: int, shape: tuple[int, int, int], n_classes: int, patients: 
         job = derive(DataFacts(int(size), h, w, c, int(n_classes), job_epsilon, delta=delta))
     except ConfigError as exc:
         floor = str(exc)
-    return SiteCaps(delta=delta, min_sigma=math.floor(one / math.sqrt(DRAFT_SHARE_SITES) * 100) / 100,
-                    central_max_batch=int(size), max_features=FEATURE_LADDER[0], dpsgd_max_batch=batch,
-                    dpsgd_max_steps=max(DRAFT_MIN_STEPS, math.ceil(20 * units / batch)),
-                    max_worker_memory_mb=max(int(DEFAULT_RESOURCES["max_worker_memory_mb"]), need_mb),
-                    job=job, floor=floor)
+    return SiteCaps(
+        delta=delta,
+        min_sigma=math.floor(one / math.sqrt(DRAFT_SHARE_SITES) * 100) / 100,
+        central_max_batch=int(size),
+        max_features=FEATURE_LADDER[0],
+        dpsgd_max_batch=batch,
+        dpsgd_max_steps=max(DRAFT_MIN_STEPS, math.ceil(20 * units / batch)),
+        max_worker_memory_mb=max(int(DEFAULT_RESOURCES["max_worker_memory_mb"]), need_mb),
+        job=job,
+        floor=floor,
+    )

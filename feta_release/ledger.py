@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from .accounting import Accountant as AccountantName
+from . import ledger_chain as chain
 from .accounting import (
     DEFAULT_WORST_CASE_FACTOR,
     epsilon,
@@ -37,15 +37,15 @@ from .accounting import (
     has_secure_aggregation,
     unit_epsilon,
 )
+from .accounting import Accountant as AccountantName
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
-
-from . import ledger_chain as chain
 from .ledger_chain import LedgerNotChainedError, LedgerTamperedError  # noqa: F401 - re-exported
 
 # (events, delta, accountant) -> epsilon
 Accountant = Callable[[Sequence[Any], float, str], float]
 
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS requests (
     request_id   TEXT PRIMARY KEY,
     job_id       TEXT NOT NULL,
@@ -65,7 +65,9 @@ CREATE TABLE IF NOT EXISTS requests (
 CREATE INDEX IF NOT EXISTS requests_job ON requests(job_id);
 CREATE UNIQUE INDEX IF NOT EXISTS requests_seq ON requests(seq);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-""" + chain.CHAIN_SCHEMA
+"""
+    + chain.CHAIN_SCHEMA
+)
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,12 @@ class Budget:
     # None: not checked (a Budget built by hand; a SitePolicy always brings its cap, explicit or default)
     worst_case_epsilon: float | None = None
     # the patient cap of a patient-level site: every cap above is then a cap on the epsilon PER PATIENT
-    # (accounting.patient_epsilon: patient-level events as they are, image-level ones by group privacy over the cap);
-    # None: an image-level site, epsilon per image
+    # (accounting.patient_epsilon: patient-level events as they are, image-level ones by group privacy over
+    # the cap); None: an image-level site, epsilon per image
     patient_cap: int | None = None
-    # cap on the lifetime worst-case epsilon (every secure-aggregation release of every job, own noise share only);
-    # None: not checked (a Budget built by hand; a SitePolicy always brings its cap, explicit or default)
+    # cap on the lifetime worst-case epsilon (every secure-aggregation release of every job, own noise share
+    # only); None: not checked (a Budget built by hand; a SitePolicy always brings its cap, explicit or
+    # default)
     lifetime_worst_case_epsilon: float | None = None
 
     @property
@@ -98,12 +101,15 @@ class Budget:
         return "" if self.patient_cap is None else f"per patient (at most {self.patient_cap} image(s) each)"
 
     def spent(self, events: Sequence[Any], delta: float, view: str = "assumed") -> float:
-        """The epsilon this budget caps over ``events`` at ``delta``: per patient at a patient-level site, else per
-        image (``accounting.unit_epsilon``)."""
+        """The epsilon this budget caps over ``events`` at ``delta``: per patient at a patient-level site,
+        else per image (``accounting.unit_epsilon``)."""
         if not events:
             return 0.0
-        return float(unit_epsilon(list(events), delta, self.accountant, patient_cap=self.patient_cap,
-                                  view=cast(Any, view)))
+        return float(
+            unit_epsilon(
+                list(events), delta, self.accountant, patient_cap=self.patient_cap, view=cast(Any, view)
+            )
+        )
 
     @classmethod
     def from_policy(cls, policy: dict[str, Any]) -> Budget:
@@ -133,13 +139,21 @@ class ChargeResult:
 def _worst_case_cap(policy: dict[str, Any]) -> float:
     # the same rule as SitePolicy.worst_case_cap (policy.document, which this module must not import)
     cap = policy.get("secure_aggregation", {}).get("max_worst_case_epsilon")
-    return float(cap) if cap is not None else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["per_job"]["epsilon"])
+    return (
+        float(cap)
+        if cap is not None
+        else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["per_job"]["epsilon"])
+    )
 
 
 def _lifetime_worst_case_cap(policy: dict[str, Any]) -> float:
     # the same rule as SitePolicy.lifetime_worst_case_cap
     cap = policy.get("secure_aggregation", {}).get("max_lifetime_worst_case_epsilon")
-    return float(cap) if cap is not None else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["lifetime"]["epsilon"])
+    return (
+        float(cap)
+        if cap is not None
+        else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["lifetime"]["epsilon"])
+    )
 
 
 def _patient_cap(policy: dict[str, Any]) -> int | None:
@@ -153,9 +167,16 @@ def as_budget(policy: Budget | Any) -> Budget:
     if isinstance(policy, Budget):
         return policy
     if hasattr(policy, "job_epsilon") and hasattr(policy, "lifetime_delta"):
-        return Budget(policy.job_epsilon, policy.lifetime_epsilon, policy.job_delta, policy.accountant,
-                      policy.lifetime_delta, getattr(policy, "worst_case_cap", None), getattr(policy, "unit_cap", None),
-                      getattr(policy, "lifetime_worst_case_cap", None))
+        return Budget(
+            policy.job_epsilon,
+            policy.lifetime_epsilon,
+            policy.job_delta,
+            policy.accountant,
+            policy.lifetime_delta,
+            getattr(policy, "worst_case_cap", None),
+            getattr(policy, "unit_cap", None),
+            getattr(policy, "lifetime_worst_case_cap", None),
+        )
     if isinstance(policy, dict) and "budget" in policy:
         return Budget.from_policy(policy)
     raise TypeError(f"not a budget or site policy: {type(policy).__name__}")
@@ -165,15 +186,24 @@ def _default_accountant(events: Sequence[Any], delta: float, accountant: str) ->
     return float(epsilon(list(events), delta, cast(AccountantName, accountant)))
 
 
-def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequence[Any], new_events: Sequence[Any],
-                *, job_scope: str = "this job", site: str | None = None,
-                accountant: Accountant | None = None) -> tuple[float, float]:
+def check_spend(
+    budget: Budget,
+    job_events: Sequence[Any],
+    lifetime_events: Sequence[Any],
+    new_events: Sequence[Any],
+    *,
+    job_scope: str = "this job",
+    site: str | None = None,
+    accountant: Accountant | None = None,
+) -> tuple[float, float]:
     """THE budget check: (ε of the job after, ε of the site's lifetime after) with the budget's accountant, or
-    :class:`PolicyBudgetExceeded` naming ``budget.per_job.epsilon``, ``budget.lifetime.epsilon`` or a worst-case cap.
+    :class:`PolicyBudgetExceeded` naming ``budget.per_job.epsilon``, ``budget.lifetime.epsilon`` or a
+    worst-case cap.
 
-    At a patient-level site (``budget.patient_cap``) every figure here is the epsilon PER PATIENT at the budget's
-    δ (``accounting.patient_epsilon``): the per-job, lifetime and worst-case caps bound what one patient's records
-    can change, never the per-image figure of a history that mixes image- and patient-level events.
+    At a patient-level site (``budget.patient_cap``) every figure here is the epsilon PER PATIENT at the
+    budget's δ (``accounting.patient_epsilon``): the per-job, lifetime and worst-case caps bound what one
+    patient's records can change, never the per-image figure of a history that mixes image- and patient-level
+    events.
 
     Every refusal on spend goes through here: a ledger's charge, the node's pre-check and the coordinator's
     plan (``feta_release.policy.enforce.check_budget``), the local driver's run.
@@ -187,37 +217,85 @@ def check_spend(budget: Budget, job_events: Sequence[Any], lifetime_events: Sequ
 
     job_after = eps(job_ev + new_ev, budget.delta)
     if job_after > budget.job_epsilon + 1e-9:
-        raise PolicyBudgetExceeded("budget.per_job.epsilon", spent=eps(job_ev, budget.delta), after=job_after,
-                                   cap=budget.job_epsilon, delta=budget.delta, accountant=budget.accountant,
-                                   scope=job_scope, site=site, per=budget.per)
+        raise PolicyBudgetExceeded(
+            "budget.per_job.epsilon",
+            spent=eps(job_ev, budget.delta),
+            after=job_after,
+            cap=budget.job_epsilon,
+            delta=budget.delta,
+            accountant=budget.accountant,
+            scope=job_scope,
+            site=site,
+            per=budget.per,
+        )
     life_after = eps(life_ev + new_ev, budget.life_delta)
     if life_after > budget.lifetime_epsilon + 1e-9:
-        raise PolicyBudgetExceeded("budget.lifetime.epsilon", spent=eps(life_ev, budget.life_delta), after=life_after,
-                                   cap=budget.lifetime_epsilon, delta=budget.life_delta, accountant=budget.accountant,
-                                   scope="the site's lifetime", site=site, per=budget.per)
-    _check_worst_case(budget, job_ev, new_ev, budget.delta, budget.worst_case_epsilon,
-                      "secure_aggregation.max_worst_case_epsilon", job_scope, site)
-    _check_worst_case(budget, life_ev, new_ev, budget.life_delta, budget.lifetime_worst_case_epsilon,
-                      "secure_aggregation.max_lifetime_worst_case_epsilon", "the site's lifetime", site)
+        raise PolicyBudgetExceeded(
+            "budget.lifetime.epsilon",
+            spent=eps(life_ev, budget.life_delta),
+            after=life_after,
+            cap=budget.lifetime_epsilon,
+            delta=budget.life_delta,
+            accountant=budget.accountant,
+            scope="the site's lifetime",
+            site=site,
+            per=budget.per,
+        )
+    _check_worst_case(
+        budget,
+        job_ev,
+        new_ev,
+        budget.delta,
+        budget.worst_case_epsilon,
+        "secure_aggregation.max_worst_case_epsilon",
+        job_scope,
+        site,
+    )
+    _check_worst_case(
+        budget,
+        life_ev,
+        new_ev,
+        budget.life_delta,
+        budget.lifetime_worst_case_epsilon,
+        "secure_aggregation.max_lifetime_worst_case_epsilon",
+        "the site's lifetime",
+        site,
+    )
     return job_after, life_after
 
 
-def _check_worst_case(budget: Budget, old: list[Any], new_ev: list[Any], delta: float, cap: float | None, rule: str,
-                      scope: str, site: str | None) -> None:
-    """Secure-aggregation releases: the epsilon of ``old + new`` (one job's, or the site's lifetime history) if
-    every other site colluded (own noise share only) against ``cap``: ``secure_aggregation.max_worst_case_epsilon``
-    per job (default 3 x the per-job cap), ``secure_aggregation.max_lifetime_worst_case_epsilon`` over the lifetime
-    (default 3 x the lifetime cap: a coalition that holds for one job can hold for all of them, and the worst-case
-    views of all charged events compose). Checked whenever the history (old + new) has a secure-aggregation event:
-    a later Gaussian charge (DP-SGD) adds to the worst case too."""
+def _check_worst_case(
+    budget: Budget,
+    old: list[Any],
+    new_ev: list[Any],
+    delta: float,
+    cap: float | None,
+    rule: str,
+    scope: str,
+    site: str | None,
+) -> None:
+    """Secure-aggregation releases: the epsilon of ``old + new`` (one job's, or the site's lifetime history)
+    if every other site colluded (own noise share only) against ``cap``:
+    ``secure_aggregation.max_worst_case_epsilon`` per job (default 3 x the per-job cap),
+    ``secure_aggregation.max_lifetime_worst_case_epsilon`` over the lifetime (default 3 x the lifetime cap: a
+    coalition that holds for one job can hold for all of them, and the worst-case views of all charged events
+    compose). Checked whenever the history (old + new) has a secure-aggregation event: a later Gaussian charge
+    (DP-SGD) adds to the worst case too."""
     if cap is None or not has_secure_aggregation(old + new_ev):
         return
     after = budget.spent(old + new_ev, delta, "worst_case")
     if after > cap + 1e-9:
-        raise PolicyBudgetExceeded(rule, spent=budget.spent(old, delta, "worst_case"), after=after, cap=cap,
-                                   delta=delta, accountant="rdp",
-                                   scope=f"{scope}, if every other site colluded with the coordinator,", site=site,
-                                   per=budget.per)
+        raise PolicyBudgetExceeded(
+            rule,
+            spent=budget.spent(old, delta, "worst_case"),
+            after=after,
+            cap=cap,
+            delta=delta,
+            accountant="rdp",
+            scope=f"{scope}, if every other site colluded with the coordinator,",
+            site=site,
+            per=budget.per,
+        )
 
 
 def _event_dicts(events: Sequence[Any]) -> list[dict[str, Any]]:
@@ -238,18 +316,27 @@ def _roll_back(db: sqlite3.Connection) -> None:
 
 
 def _storage_failure(path: Path, exc: sqlite3.OperationalError) -> PrivacyError:
-    """One line for a write the disk refused (full, read-only, I/O error). Nothing of it was committed, so nothing
-    was charged and nothing may be released; the same request charges once when it is sent again."""
-    return PrivacyError(f"{path}: the privacy ledger could not record this request ({exc}); nothing was charged or "
-                        "released. Fix: free disk space (or repair the volume) where the ledger lives, then send the "
-                        "request again (the job's re-run resumes)")
+    """One line for a write the disk refused (full, read-only, I/O error). Nothing of it was committed, so
+    nothing was charged and nothing may be released; the same request charges once when it is sent again."""
+    return PrivacyError(
+        f"{path}: the privacy ledger could not record this request ({exc}); nothing was charged or "
+        "released. Fix: free disk space (or repair the volume) where the ledger lives, then send the "
+        "request again (the job's re-run resumes)"
+    )
 
 
 class Ledger:
     """One site's ledger file. Safe to open from several processes (SQLite locking)."""
 
-    def __init__(self, path: str | Path, accountant: Accountant | None = None, *, key: Any = None,
-                 verify_key: Any = None, deep: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        accountant: Accountant | None = None,
+        *,
+        key: Any = None,
+        verify_key: Any = None,
+        deep: bool = False,
+    ) -> None:
         """Open (or, with ``key`` and no file yet, create) a ledger and verify its chain.
 
         ``key``: the site's Ed25519 private key (needed to record anything; its public half checks the
@@ -263,7 +350,9 @@ class Ledger:
         new = not self.path.exists()
         if new:
             if key is None:
-                raise PrivacyError(f"{self.path}: no ledger here (a node creates it, with its site key, on its first start)")
+                raise PrivacyError(
+                    f"{self.path}: no ledger here (a node creates it, with its site key, on its first start)"
+                )
             self.path.parent.mkdir(parents=True, exist_ok=True)
             chain.create_private_file(self.path)
         chain.check_file_mode(self.path)
@@ -279,14 +368,17 @@ class Ledger:
             elif not chain.has_requests_table(self._db):
                 self._db.close()
                 raise LedgerTamperedError(
-                    f"{self.path}: privacy ledger tampered with: the file holds no ledger (emptied or replaced); "
-                    "the node refuses to run on it. Restore the ledger from a backup (never edit it by hand)")
+                    f"{self.path}: privacy ledger tampered with: the file holds no ledger (emptied or "
+                    "replaced); the node refuses to run on it. Restore the ledger from a backup (never edit "
+                    "it by hand)"
+                )
             elif not chain.is_chained(self._db):
                 self._db.close()
                 raise LedgerNotChainedError(
-                    f"{self.path}: this ledger has no hash chain (written by an older feta-release); if you trust it "
-                    f"as it is, chain and sign it once with `feta-release node migrate-ledger --ledger {self.path} "
-                    "--site-key SITE.key`")
+                    f"{self.path}: this ledger has no hash chain (written by an older feta-release); if you "
+                    "trust it as it is, chain and sign it once with `feta-release node migrate-ledger "
+                    f"--ledger {self.path} --site-key SITE.key`"
+                )
         except sqlite3.DatabaseError as exc:
             raise PrivacyError(f"{self.path}: cannot open privacy ledger: {exc}") from None
         self.verify(deep=deep)
@@ -321,9 +413,9 @@ class Ledger:
         return chain.anchor(self.verify())
 
     def extends(self, anchor: Mapping[str, Any]) -> bool:
-        """True when this ledger is ``anchor``'s ledger grown by appends only: the same id, at least its rows, and
-        the chain through its first ``rows`` rows ending at its ``head`` (a rolled-back copy, or one that went on
-        from an older copy, does not)."""
+        """True when this ledger is ``anchor``'s ledger grown by appends only: the same id, at least its rows,
+        and the chain through its first ``rows`` rows ending at its ``head`` (a rolled-back copy, or one that
+        went on from an older copy, does not)."""
         now = self.anchor()
         if now["ledger_id"] != anchor.get("ledger_id") or now["rows"] < int(anchor.get("rows", 0)):
             return False
@@ -346,7 +438,8 @@ class Ledger:
             if self._db.in_transaction:  # the body may have rolled back (nothing to record)
                 chain.seal_chain(self._db, self._key)
                 self._db.execute("COMMIT")
-        except sqlite3.OperationalError as exc:  # disk full, I/O error: SQLite rolled the write back (or we do)
+        # disk full, I/O error: SQLite rolled the write back (or we do)
+        except sqlite3.OperationalError as exc:
             _roll_back(self._db)
             raise _storage_failure(self.path, exc) from None
         except BaseException:
@@ -368,7 +461,9 @@ class Ledger:
         if job_id is None:
             rows = self._db.execute("SELECT events FROM requests ORDER BY seq").fetchall()
         else:
-            rows = self._db.execute("SELECT events FROM requests WHERE job_id=? ORDER BY seq", (job_id,)).fetchall()
+            rows = self._db.execute(
+                "SELECT events FROM requests WHERE job_id=? ORDER BY seq", (job_id,)
+            ).fetchall()
         return [e for (blob,) in rows for e in json.loads(blob)]
 
     def _eps(self, event_dicts: list[dict[str, Any]], budget: Budget, lifetime: bool = False) -> float:
@@ -398,19 +493,28 @@ class Ledger:
         self._assess(job_id, mechanism, _event_dicts(events), budget)
         return None
 
-    def _assess(self, job_id: str, mechanism: str, new: list[dict[str, Any]], policy: Budget | Any) -> tuple[float, float]:
+    def _assess(
+        self, job_id: str, mechanism: str, new: list[dict[str, Any]], policy: Budget | Any
+    ) -> tuple[float, float]:
         """(job ε, lifetime ε) after adding ``new``, or raise (``check_spend``: the one budget check).
 
         A verified ``SitePolicy`` also brings its per-job caps on rounds and steps.
         """
         if self.is_closed(job_id):  # under charge's write lock: nothing commits after the close
-            raise PolicyError(f"job {job_id!r} was closed at this site by its final attestation; nothing more is "
-                              "released for it (start a new job)")
+            raise PolicyError(
+                f"job {job_id!r} was closed at this site by its final attestation; nothing more is "
+                "released for it (start a new job)"
+            )
         if not isinstance(policy, Budget):
             self._check_step_caps(job_id, new, policy)
-        return check_spend(as_budget(policy), _events_from_dicts(self._history(job_id)),
-                           _events_from_dicts(self._history()), _events_from_dicts(new),
-                           site=getattr(policy, "site_id", None), accountant=self._accountant)
+        return check_spend(
+            as_budget(policy),
+            _events_from_dicts(self._history(job_id)),
+            _events_from_dicts(self._history()),
+            _events_from_dicts(new),
+            site=getattr(policy, "site_id", None),
+            accountant=self._accountant,
+        )
 
     def _check_step_caps(self, job_id: str, new: list[dict[str, Any]], policy: Any) -> None:
         """The policy's per-job caps on central rounds and DP-SGD steps, over what is RECORDED now.
@@ -429,12 +533,21 @@ class Ledger:
             asked = sum(e["steps"] for e in new if e["stage"] == m)
             if done + asked > rule.caps[cap]:
                 what = "rounds" if m == "central" else "steps"
-                raise PolicyViolation(f"mechanisms.{m}.{cap}", f"{what} for job {job_id} would be {done + asked} "
-                                      f"({done} recorded + {asked} requested) > cap {rule.caps[cap]:g}; nothing "
-                                      "released", site=getattr(policy, "site_id", None))
+                raise PolicyViolation(
+                    f"mechanisms.{m}.{cap}",
+                    f"{what} for job {job_id} would be {done + asked} "
+                    f"({done} recorded + {asked} requested) > cap {rule.caps[cap]:g}; nothing "
+                    "released",
+                    site=getattr(policy, "site_id", None),
+                )
 
     def charge(
-        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any], budget: Budget | Any,
+        self,
+        job_id: str,
+        request_id: str,
+        mechanism: str,
+        events: Sequence[Any],
+        budget: Budget | Any,
         response: bytes | None = None,
     ) -> ChargeResult:
         """Record the spend of ``events`` for ``request_id`` (committed on return) or refuse.
@@ -456,12 +569,22 @@ class Ledger:
             now = time.time()
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM requests").fetchone()[0]
             self._db.execute(
-                "INSERT INTO requests(request_id, job_id, mechanism, events, status, response, response_sha256,"
-                " job_epsilon, lifetime_epsilon, created_at, completed_at, seq) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO requests(request_id, job_id, mechanism, events, status, response, "
+                "response_sha256, job_epsilon, lifetime_epsilon, created_at, completed_at, seq) VALUES "
+                "(?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
-                    request_id, job_id, mechanism, json.dumps(new), "charged" if response is None else "done",
-                    response, None if response is None else hashlib.sha256(response).hexdigest(),
-                    job_eps, life_eps, now, None if response is None else now, seq,
+                    request_id,
+                    job_id,
+                    mechanism,
+                    json.dumps(new),
+                    "charged" if response is None else "done",
+                    response,
+                    None if response is None else hashlib.sha256(response).hexdigest(),
+                    job_eps,
+                    life_eps,
+                    now,
+                    None if response is None else now,
+                    seq,
                 ),
             )
         return ChargeResult(request_id, False, None, job_eps, life_eps)
@@ -476,28 +599,35 @@ class Ledger:
                 (response, digest, time.time(), request_id),
             )
             if cur.rowcount != 1:
-                raise PrivacyError(f"{self.path}: request {request_id!r} is not a pending charge; response not recorded")
+                raise PrivacyError(
+                    f"{self.path}: request {request_id!r} is not a pending charge; response not recorded"
+                )
 
     def mark_failed(self, request_id: str) -> None:
-        """A charged request whose computation FAILED (an exception, whose cause may depend on the data): it is never
-        run again, as a killed one may be (:meth:`interrupted`)."""
+        """A charged request whose computation FAILED (an exception, whose cause may depend on the data): it
+        is never run again, as a killed one may be (:meth:`interrupted`)."""
         with self._write():
-            self._db.execute("UPDATE requests SET status='failed' WHERE request_id=? AND status='charged'", (request_id,))
+            self._db.execute(
+                "UPDATE requests SET status='failed' WHERE request_id=? AND status='charged'", (request_id,)
+            )
 
     def interrupted(self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any]) -> bool:
-        """``request_id`` is this very request (job, mechanism, events), charged, never recorded and never failed: its
-        process was killed while it computed. Nothing of it left the site, so it may be computed once more (from the
-        site's own checkpoint) and its one answer recorded, without a second charge."""
-        row = self._db.execute("SELECT job_id, mechanism, events, status FROM requests WHERE request_id=?",
-                               (request_id,)).fetchone()
+        """``request_id`` is this very request (job, mechanism, events), charged, never recorded and never
+        failed: its process was killed while it computed. Nothing of it left the site, so it may be computed
+        once more (from the site's own checkpoint) and its one answer recorded, without a second charge."""
+        row = self._db.execute(
+            "SELECT job_id, mechanism, events, status FROM requests WHERE request_id=?", (request_id,)
+        ).fetchone()
         if row is None or row[3] != "charged":
             return False
         return bool((row[0], row[1], json.loads(row[2])) == (job_id, mechanism, _event_dicts(events)))
 
-    def _lookup(self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any]) -> ChargeResult | None:
+    def _lookup(
+        self, job_id: str, request_id: str, mechanism: str, events: Sequence[Any]
+    ) -> ChargeResult | None:
         row = self._db.execute(
-            "SELECT job_id, mechanism, events, status, response, job_epsilon, lifetime_epsilon, response_sha256 "
-            "FROM requests WHERE request_id=?",
+            "SELECT job_id, mechanism, events, status, response, job_epsilon, lifetime_epsilon, "
+            "response_sha256 FROM requests WHERE request_id=?",
             (request_id,),
         ).fetchone()
         if row is None:
@@ -505,20 +635,24 @@ class Ledger:
         r_job, r_mech, r_events, status, response, job_eps, life_eps, r_sha = row
         if (r_job, r_mech, json.loads(r_events)) != (job_id, mechanism, _event_dicts(events)):
             raise PolicyError(
-                f"request id {request_id!r} was already used for {r_mech} in job {r_job!r} with other parameters; "
-                "refused (a request id names one release)"
+                f"request id {request_id!r} was already used for {r_mech} in job {r_job!r} with other "
+                "parameters; refused (a request id names one release)"
             )
         if status == "failed":
-            raise PolicyError(f"request {request_id!r} failed after its charge; it is not run again (its failure may "
-                              "depend on the data): start a new job")
+            raise PolicyError(
+                f"request {request_id!r} failed after its charge; it is not run again (its failure may "
+                "depend on the data): start a new job"
+            )
         if status != "done":
             raise PolicyError(
                 f"request {request_id!r} was charged but its result was never recorded (interrupted); "
                 "refusing to run it again: a fresh noise draw would spend the budget twice"
             )
         if hashlib.sha256(bytes(response)).hexdigest() != r_sha:
-            raise LedgerTamperedError(f"{self.path}: privacy ledger tampered with: the stored answer of request "
-                                      f"{request_id!r} does not match its recorded hash; not replayed")
+            raise LedgerTamperedError(
+                f"{self.path}: privacy ledger tampered with: the stored answer of request "
+                f"{request_id!r} does not match its recorded hash; not replayed"
+            )
         return ChargeResult(request_id, True, bytes(response), job_eps, life_eps)
 
     # -- policy versions -------------------------------------------------------------------------
@@ -534,8 +668,8 @@ class Ledger:
             seen = self.highest_policy_version()
             if seen is not None and version < seen:
                 raise PolicyError(
-                    f"policy version {version} is older than version {seen} already used with ledger {self.path}; "
-                    "a newer policy supersedes it"
+                    f"policy version {version} is older than version {seen} already used with ledger "
+                    f"{self.path}; a newer policy supersedes it"
                 )
             self._db.execute(
                 "INSERT INTO meta(key, value) VALUES ('policy_version', ?) "
@@ -562,54 +696,68 @@ class Ledger:
         with self._write():
             rec = self._job_record(job_id)
             if rec is None:
-                self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?)",
-                                 (f"job:{job_id}", json.dumps({**want, "closed": False}, sort_keys=True)))
+                self._db.execute(
+                    "INSERT INTO meta(key, value) VALUES (?, ?)",
+                    (f"job:{job_id}", json.dumps({**want, "closed": False}, sort_keys=True)),
+                )
             elif {k: rec.get(k) for k in want} != want:
                 raise PolicyError(
                     f"job id {job_id!r} is already bound at this site to another signed job (sha256 "
-                    f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with job "
-                    f"{job_sha256[:16]}… signed by {signer_sha256[:16]}… is refused (one job id names one job)")
+                    f"{str(rec.get('sha256'))[:16]}…, signer {str(rec.get('signer'))[:16]}…); a request with "
+                    f"job {job_sha256[:16]}… signed by {signer_sha256[:16]}… is refused (one job id names "
+                    "one job)"
+                )
 
     def close_job(self, job_id: str, job_sha256: str, output: Mapping[str, Any] | None = None) -> None:
         """Close the job: from now on every charge for it is refused (its attestation is final).
 
-        ``output``: what the job produced and how it is read (a local run: model sha256, delta, accountant), kept
-        in the signed job record so that an export takes it from here, not from the run's unsigned files. Once
-        recorded it is final: a second close with another output is refused."""
+        ``output``: what the job produced and how it is read (a local run: model sha256, delta, accountant),
+        kept in the signed job record so that an export takes it from here, not from the run's unsigned files.
+        Once recorded it is final: a second close with another output is refused."""
         with self._write():
             rec = self._job_record(job_id) or {"sha256": job_sha256, "signer": None}
             if rec.get("sha256") != job_sha256:
                 raise PolicyError(f"job id {job_id!r} is bound to another signed job; not closed")
             if output is not None:
                 if rec.get("output") not in (None, dict(output)):
-                    raise PolicyError(f"job {job_id!r} was closed with another output ({rec.get('output')}); "
-                                      "a closed job's record is final")
+                    raise PolicyError(
+                        f"job {job_id!r} was closed with another output ({rec.get('output')}); "
+                        "a closed job's record is final"
+                    )
                 rec = {**rec, "output": dict(output)}
-            self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
-                             "value=excluded.value", (f"job:{job_id}", json.dumps({**rec, "closed": True},
-                                                                                   sort_keys=True)))
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                "value=excluded.value",
+                (f"job:{job_id}", json.dumps({**rec, "closed": True}, sort_keys=True)),
+            )
 
     # -- a local run's checkpoints: the bytes a resumed run may load ------------------------------------
     def record_checkpoint(self, job_id: str, name: str, sha256: str) -> None:
-        """Bind job ``job_id``'s checkpoint ``name`` to the sha256 of the bytes about to be written (in ``meta``, which
-        the signed head covers). The hash it replaces is kept as ``previous``: a kill between this record and the
-        file's replacement leaves that file, still this run's own."""
+        """Bind job ``job_id``'s checkpoint ``name`` to the sha256 of the bytes about to be written (in
+        ``meta``, which the signed head covers). The hash it replaces is kept as ``previous``: a kill between
+        this record and the file's replacement leaves that file, still this run's own."""
         key = f"checkpoint:{job_id}:{name}"
         with self._write():
             row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
             prev = None if row is None else json.loads(row[0]).get("sha256")
-            self._db.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
-                             "value=excluded.value", (key, json.dumps({"sha256": sha256, "previous": prev},
-                                                                      sort_keys=True)))
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                "value=excluded.value",
+                (key, json.dumps({"sha256": sha256, "previous": prev}, sort_keys=True)),
+            )
 
     def checkpoint_hashes(self, job_id: str, name: str) -> tuple[str, ...]:
-        """The sha256s a resumed run may find checkpoint ``name`` at (the last recorded and the one before it)."""
-        row = self._db.execute("SELECT value FROM meta WHERE key=?", (f"checkpoint:{job_id}:{name}",)).fetchone()
+        """The sha256s a resumed run may find checkpoint ``name`` at (the last recorded and the one before
+        it)."""
+        row = self._db.execute(
+            "SELECT value FROM meta WHERE key=?", (f"checkpoint:{job_id}:{name}",)
+        ).fetchone()
         rec = {} if row is None else json.loads(row[0])
         return tuple(str(rec[k]) for k in ("sha256", "previous") if rec.get(k))
 
     def job_record(self, job_id: str) -> dict[str, Any] | None:
-        """The job's signed record (job sha256, signer, closed, output) or None when the ledger never saw it."""
+        """The job's signed record (job sha256, signer, closed, output) or None when the ledger never saw
+        it."""
         return self._job_record(job_id)
 
     def is_closed(self, job_id: str) -> bool:
@@ -622,8 +770,17 @@ class Ledger:
         return self._history(job_id)
 
     def requests(self, job_id: str | None = None) -> list[dict[str, Any]]:
-        keys = ("request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon",
-                "lifetime_epsilon", "created_at")
+        keys = (
+            "request_id",
+            "job_id",
+            "mechanism",
+            "events",
+            "status",
+            "response_sha256",
+            "job_epsilon",
+            "lifetime_epsilon",
+            "created_at",
+        )
         q = f"SELECT {', '.join(keys)} FROM requests"
         args: tuple[Any, ...] = ()
         if job_id is not None:
@@ -635,7 +792,9 @@ class Ledger:
             out.append(d)
         return out
 
-    def summary(self, budget: Budget | Any | None = None, delta: float = 1e-5, accountant: str = "rdp") -> dict[str, Any]:
+    def summary(
+        self, budget: Budget | Any | None = None, delta: float = 1e-5, accountant: str = "rdp"
+    ) -> dict[str, Any]:
         """Per job and per mechanism: ε spent (and left, when the budget is known).
 
         Per-mechanism figures are that mechanism's events alone; the job total composes all of them.
@@ -645,7 +804,7 @@ class Ledger:
         acc = budget.accountant if budget else accountant
         b = budget or Budget(float("inf"), float("inf"), d, cast(AccountantName, acc))
         jobs: dict[str, Any] = {}
-        for job_id, in self._db.execute("SELECT DISTINCT job_id FROM requests ORDER BY seq").fetchall():
+        for (job_id,) in self._db.execute("SELECT DISTINCT job_id FROM requests ORDER BY seq").fetchall():
             reqs = self.requests(job_id)
             mechs: dict[str, list[dict[str, Any]]] = {}
             for r in reqs:
@@ -655,7 +814,9 @@ class Ledger:
                 "epsilon_spent": spent,
                 "epsilon_left": (max(0.0, budget.job_epsilon - spent) if budget else None),
                 "requests": len(reqs),
-                "mechanisms": {m: {"epsilon_spent": self._eps(ev, b), "events": ev} for m, ev in mechs.items()},
+                "mechanisms": {
+                    m: {"epsilon_spent": self._eps(ev, b), "events": ev} for m, ev in mechs.items()
+                },
             }
         life = self._eps(self._history(), b, True)
         return {

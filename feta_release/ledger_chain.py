@@ -30,14 +30,25 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from feta_release.errors import PrivacyError, PolicyError
+from feta_release.errors import PolicyError, PrivacyError
 from feta_release.signing import canonical_json, public_key_bytes, sign_document, verify_document
 
 FORMAT = "feta-ledger/2"
 
 # Columns of ``requests`` covered by the chain, in this order.
-ROW_FIELDS = ("seq", "request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon",
-              "lifetime_epsilon", "created_at", "completed_at")
+ROW_FIELDS = (
+    "seq",
+    "request_id",
+    "job_id",
+    "mechanism",
+    "events",
+    "status",
+    "response_sha256",
+    "job_epsilon",
+    "lifetime_epsilon",
+    "created_at",
+    "completed_at",
+)
 
 CHAIN_SCHEMA = """
 CREATE TABLE IF NOT EXISTS chain_head (
@@ -81,16 +92,20 @@ def create_private_file(path: Path) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except FileExistsError:
-        raise PrivacyError(f"{path}: something (a dangling link?) is already there; refusing to create the ledger "
-                           "through it. Remove it or choose another --ledger path") from None
+        raise PrivacyError(
+            f"{path}: something (a dangling link?) is already there; refusing to create the ledger "
+            "through it. Remove it or choose another --ledger path"
+        ) from None
     os.close(fd)
 
 
 def check_file_mode(path: Path) -> None:
     mode = path.stat().st_mode
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PolicyError(f"{path}: the ledger is writable by group/others (mode {stat.S_IMODE(mode):o}); "
-                          f"fix with `chmod 600 {path}`")
+        raise PolicyError(
+            f"{path}: the ledger is writable by group/others (mode {stat.S_IMODE(mode):o}); "
+            f"fix with `chmod 600 {path}`"
+        )
 
 
 def _rows(db: sqlite3.Connection, with_response: bool = False) -> list[dict[str, Any]]:
@@ -105,7 +120,10 @@ def _meta(db: sqlite3.Connection) -> dict[str, str]:
 
 
 def has_requests_table(db: sqlite3.Connection) -> bool:
-    return db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='requests'").fetchone() is not None
+    return (
+        db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='requests'").fetchone()
+        is not None
+    )
 
 
 def is_chained(db: sqlite3.Connection) -> bool:
@@ -114,7 +132,9 @@ def is_chained(db: sqlite3.Connection) -> bool:
     return "row_hash" in cols and "chain_head" in tables
 
 
-def verify(db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | None, deep: bool = False) -> dict:
+def verify(
+    db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | None, deep: bool = False
+) -> dict:
     """Check every link, the head and (with ``public_key``) its signature; return the head document.
 
     Raises ``LedgerTamperedError`` naming the first inconsistency.
@@ -136,21 +156,32 @@ def verify(db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | No
         if row["seq"] != i:
             raise LedgerTamperedError(f"{bad}: row {i} is missing (rows deleted or renumbered){fix}")
         if row["prev_hash"] != prev:
-            raise LedgerTamperedError(f"{bad}: the chain breaks before {where} (a row was deleted or moved){fix}")
+            raise LedgerTamperedError(
+                f"{bad}: the chain breaks before {where} (a row was deleted or moved){fix}"
+            )
         prev = row_hash(prev, row)
         if row["row_hash"] != prev:
             raise LedgerTamperedError(f"{bad}: {where} was changed after it was recorded{fix}")
-        if deep and row["response"] is not None and \
-                hashlib.sha256(bytes(row["response"])).hexdigest() != row["response_sha256"]:
+        if (
+            deep
+            and row["response"] is not None
+            and hashlib.sha256(bytes(row["response"])).hexdigest() != row["response_sha256"]
+        ):
             raise LedgerTamperedError(f"{bad}: the stored answer of {where} was changed{fix}")
     if head.get("rows") != len(rows) or head.get("head") != prev:
-        raise LedgerTamperedError(f"{bad}: the signed head covers {head.get('rows')} row(s) but the file has "
-                                  f"{len(rows)} or different ones (rows added or removed outside the node){fix}")
+        raise LedgerTamperedError(
+            f"{bad}: the signed head covers {head.get('rows')} row(s) but the file has "
+            f"{len(rows)} or different ones (rows added or removed outside the node){fix}"
+        )
     if head.get("meta") != meta:
-        raise LedgerTamperedError(f"{bad}: its meta table (policy version seen, ...) differs from the signed head{fix}")
+        raise LedgerTamperedError(
+            f"{bad}: its meta table (policy version seen, ...) differs from the signed head{fix}"
+        )
     if public_key is not None:
         if head.get("site_key") != key_id(public_key):
-            raise LedgerTamperedError(f"{bad}: it was signed by another key than this site's (file replaced?){fix}")
+            raise LedgerTamperedError(
+                f"{bad}: it was signed by another key than this site's (file replaced?){fix}"
+            )
         try:
             verify_document(head, signature, [public_key], f"{path}: head")
         except PolicyError:
@@ -161,13 +192,17 @@ def verify(db: sqlite3.Connection, path: Path, public_key: Ed25519PublicKey | No
 def _refuse_code_in_schema(db: sqlite3.Connection, bad: str, fix: str) -> None:
     """The ledger never creates a trigger or a view; one in the file is an edit the chain cannot see.
 
-    Why: the chain covers the rows, not the schema, and every write re-links and signs the rows as they are after
-    its INSERT; a planted trigger that rewrites or drops each new charge would have the node sign a ledger that
-    never held the spend."""
-    found = db.execute("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') ORDER BY name").fetchall()
+    Why: the chain covers the rows, not the schema, and every write re-links and signs the rows as they are
+    after its INSERT; a planted trigger that rewrites or drops each new charge would have the node sign a
+    ledger that never held the spend."""
+    found = db.execute(
+        "SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') ORDER BY name"
+    ).fetchall()
     if found:
-        raise LedgerTamperedError(f"{bad}: it holds {', '.join(f'{t} {n!r}' for t, n in found)}, which the node never "
-                                  f"creates (a trigger could rewrite or drop each new charge before it is signed){fix}")
+        raise LedgerTamperedError(
+            f"{bad}: it holds {', '.join(f'{t} {n!r}' for t, n in found)}, which the node never "
+            f"creates (a trigger could rewrite or drop each new charge before it is signed){fix}"
+        )
 
 
 def seal_chain(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:
@@ -180,25 +215,33 @@ def seal_chain(db: sqlite3.Connection, key: Ed25519PrivateKey) -> None:
             db.execute("UPDATE requests SET prev_hash=?, row_hash=? WHERE seq=?", (prev, h, row["seq"]))
         prev = h
     n = db.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
-    head = {"format": FORMAT, "ledger_id": ledger_id, "site_key": key_id(key), "rows": n, "head": prev,
-            "meta": _meta(db)}
-    db.execute("INSERT INTO chain_head(id, document, signature) VALUES (1, ?, ?) "
-               "ON CONFLICT(id) DO UPDATE SET document=excluded.document, signature=excluded.signature",
-               (canonical_json(head).decode("utf-8"), json.dumps(sign_document(head, key))))
+    head = {
+        "format": FORMAT,
+        "ledger_id": ledger_id,
+        "site_key": key_id(key),
+        "rows": n,
+        "head": prev,
+        "meta": _meta(db),
+    }
+    db.execute(
+        "INSERT INTO chain_head(id, document, signature) VALUES (1, ?, ?) "
+        "ON CONFLICT(id) DO UPDATE SET document=excluded.document, signature=excluded.signature",
+        (canonical_json(head).decode("utf-8"), json.dumps(sign_document(head, key))),
+    )
 
 
 def anchor(head: dict[str, Any]) -> dict[str, Any]:
     """The ledger's position from its (verified) head: ``{ledger_id, rows, head}``.
 
     Why: a rollback or deletion of the whole file is invisible to the chain itself (module docstring); a party
-    outside the node's disk that keeps this triple (the coordinator, from each attestation) sees it as fewer rows,
-    a head the ledger no longer holds, or another ledger id."""
+    outside the node's disk that keeps this triple (the coordinator, from each attestation) sees it as fewer
+    rows, a head the ledger no longer holds, or another ledger id."""
     return {"ledger_id": str(head["ledger_id"]), "rows": int(head["rows"]), "head": str(head["head"])}
 
 
 def hash_at(db: sqlite3.Connection, ledger_id: str, rows: int) -> str | None:
-    """The chain hash after the first ``rows`` rows (the genesis hash for 0), None when the ledger holds fewer.
-    Call on a verified ledger: the stored ``row_hash`` of row ``rows`` is then the chain's own."""
+    """The chain hash after the first ``rows`` rows (the genesis hash for 0), None when the ledger holds
+    fewer. Call on a verified ledger: the stored ``row_hash`` of row ``rows`` is then the chain's own."""
     if rows == 0:
         return genesis(ledger_id)
     got = db.execute("SELECT row_hash FROM requests WHERE seq=?", (int(rows),)).fetchone()

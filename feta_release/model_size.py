@@ -2,10 +2,10 @@
 
 Why: a node refuses a job whose model exceeds its policy's ``resources.max_model_parameters`` BEFORE it builds
 anything (a 2 KB signed job with ``channels = 1024`` made a node allocate 6 GB just to check the coordinator's
-weights against it). The count follows ``models.unet.UNet`` layer by layer (``tests/node/test_node_resources.py`` holds it
-equal to the built model's for any architecture), in closed form per level, so a job's own numbers (e.g.
-``num_res_blocks = 10**9``) cannot make the count itself slow. Torch-free: ``policy check`` runs it on an
-administrator's machine without the training stack.
+weights against it). The count follows ``models.unet.UNet`` layer by layer
+(``tests/node/test_node_resources.py`` holds it equal to the built model's for any architecture), in closed
+form per level, so a job's own numbers (e.g. ``num_res_blocks = 10**9``) cannot make the count itself slow.
+Torch-free: ``policy check`` runs it on an administrator's machine without the training stack.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def check_architecture(model_cfg: Any, image_shape: Sequence[int]) -> int:
     """The image side the UNet runs at, or a ``ConfigError`` for an architecture it cannot build."""
     _, h, w = (int(v) for v in image_shape)
     if h != w:
-        raise ConfigError(f"[model] the UNet needs square images, got {h}x{w}; set [job] image_size to resize")
+        raise ConfigError(
+            f"[model] the UNet needs square images, got {h}x{w}; set [job] image_size to resize"
+        )
     if h < 2 ** (len(model_cfg.channel_mult) - 1):
         raise ConfigError(f"[model] channel_mult has too many levels for {h}px images")
     g = max(1, min(32, int(model_cfg.channels) // 4))
@@ -55,13 +57,16 @@ def denoiser_parameters(model_cfg: Any, image_shape: Sequence[int], n_classes: i
     attn = {int(r) for r in model_cfg.attn_resolutions}
     emb = 4 * c
     n = _linear(c, emb) + _linear(emb, emb) + (int(n_classes) + 1) * c + _conv(img_ch, c, 3)
-    res, ch, widths, sides = size, c, [], []  # widths[l]: channels after level l going down; sides[l]: its side
+    # widths[l]: channels after level l going down; sides[l]: its side
+    res, ch, widths, sides = size, c, [], []
     for level, m in enumerate(mult):
         if level > 0:
             n += _conv(ch, ch, 3)  # Downsample
             res = (res + 1) // 2
         if blocks:
-            n += _res_block(ch, c * m, emb, res in attn) + (blocks - 1) * _res_block(c * m, c * m, emb, res in attn)
+            n += _res_block(ch, c * m, emb, res in attn) + (blocks - 1) * _res_block(
+                c * m, c * m, emb, res in attn
+            )
             ch = c * m
         widths.append(ch)
         sides.append(res)

@@ -1,4 +1,5 @@
-"""The ONE privacy planner: from a job and a site's PUBLIC dataset size to its privacy events and total epsilon.
+"""The ONE privacy planner: from a job and a site's PUBLIC dataset size to its privacy events and total
+epsilon.
 
 :func:`stage_events` is the only source of a site's events: the single-site ``train`` run, the federation's
 coordinator (which plans with them and refuses a job that cannot fit) and every site's node (which enforces
@@ -8,9 +9,9 @@ them) call it. :func:`plan` reports on the same events (epsilon per stage, noise
 The stages of a job are, in order: central images (DP-FETA warm-up), frequency statistics (FETA-Pro warm-up),
 DP-SGD fine-tuning. The warm-up stages have fixed noise; the DP-SGD noise multiplier is calibrated so that the
 WHOLE history (prior spending + warm-up + every DP-SGD step) meets the target (epsilon, delta), or, when the
-job fixes ``[dpsgd] noise_multiplier``, that value is used and checked against the budget. In a federation each
-site calibrates for ITS public size and for min(job budget, its per-job budget); the warm-up events are the
-PLANNED ones, so the sigma a site uses in round r does not depend on which requests were actually made.
+job fixes ``[dpsgd] noise_multiplier``, that value is used and checked against the budget. In a federation
+each site calibrates for ITS public size and for min(job budget, its per-job budget); the warm-up events are
+the PLANNED ones, so the sigma a site uses in round r does not depend on which requests were actually made.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .accountants.skellam import honest_shares, skellam_event
 from .accounting import (
     MAX_NOISE_MULTIPLIER,
     Accountant,
@@ -37,13 +39,12 @@ from .accounting import (
     smallest_fitting_sigma,
     unit_epsilon,
 )
-from .accountants.skellam import honest_shares, skellam_event
-from .mechanisms._checks import sampling_rate as mechanism_rate
-from .mechanisms.count import SIZE_SIGMA
-from .mechanisms.selection import selection_event
-from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
 from .config import JobConfig
 from .errors import FetaError, PolicyError, PrivacyError
+from .mechanisms._checks import sampling_rate as mechanism_rate
+from .mechanisms.count import SIZE_SIGMA
+from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
+from .mechanisms.selection import selection_event
 
 __all__ = [
     "DEFAULT_DATASET_SIZE",
@@ -95,13 +96,14 @@ def target(cfg: JobConfig, policy: Any | None = None) -> Target:
 
 
 def stage_sampling_rate(batch: int, n: int, section: str) -> float:
-    """The Poisson sampling rate q = batch / n of a stage over the PUBLIC size ``n``, as the mechanisms compute it
-    (``mechanisms._checks.sampling_rate``: the one computation), refused here with the job's section to change."""
+    """The Poisson sampling rate q = batch / n of a stage over the PUBLIC size ``n``, as the mechanisms
+    compute it (``mechanisms._checks.sampling_rate``: the one computation), refused here with the job's
+    section to change."""
     if batch > n:
         raise PrivacyError(
-            f"[{section}] batch {batch} exceeds the dataset size {n} (sampling rate would be {batch / n:.3g} > 1): "
-            f"shrink [{section}] batch to at most {n} (in a federation: each site's expected Poisson batch, at most "
-            "its public size)"
+            f"[{section}] batch {batch} exceeds the dataset size {n} (sampling rate would be {batch / n:.3g} "
+            f"> 1): shrink [{section}] batch to at most {n} (in a federation: each site's expected Poisson "
+            "batch, at most its public size)"
         )
     return mechanism_rate(batch, n, f"[{section}]")
 
@@ -120,11 +122,12 @@ def round_sizes(total: int, per_round: int) -> list[int]:
 
 
 def dpsgd_rounds(cfg: JobConfig, n: int, federated: bool) -> list[int]:
-    """The DP-SGD round sizes of a schedule: a local run is one round of the job's steps/epochs (its driver may
-    charge it in chunks, see ``rounds=`` of :func:`stage_events`); a federated site runs ``[federation] rounds``
-    rounds of ``local_steps`` steps each."""
+    """The DP-SGD round sizes of a schedule: a local run is one round of the job's steps/epochs (its driver
+    may charge it in chunks, see ``rounds=`` of :func:`stage_events`); a federated site runs ``[federation]
+    rounds`` rounds of ``local_steps`` steps each."""
     if federated:
-        per_round = 1 if cfg.federation.fedsgd else int(cfg.federation.local_steps)  # FedSGD: one step a round
+        # FedSGD: one step a round
+        per_round = 1 if cfg.federation.fedsgd else int(cfg.federation.local_steps)
         return [per_round] * cfg.federated_rounds if per_round > 0 else []
     steps = cfg.dpsgd_steps(n)
     return [steps] if steps > 0 else []
@@ -135,7 +138,9 @@ def warmup_events(cfg: JobConfig, n: int) -> list[PrivacyEvent]:
     c, f = cfg.central, cfg.frequency
     out = []
     if c.rounds > 0:
-        out.append(PrivacyEvent("central", float(c.sigma), stage_sampling_rate(c.batch, n, "central"), int(c.rounds)))
+        out.append(
+            PrivacyEvent("central", float(c.sigma), stage_sampling_rate(c.batch, n, "central"), int(c.rounds))
+        )
     if f.sigma is not None:
         out.append(PrivacyEvent("frequency", float(f.sigma), 1.0, 1))
     return out
@@ -148,107 +153,163 @@ def selection_events(cfg: JobConfig) -> list[PrivacyEvent]:
 
 
 def site_dpsgd(policy: Any | None) -> dict[str, Any]:
-    """How a site's SIGNED policy has DP-SGD sample (keyword arguments of :func:`stage_events`): a patient-level
-    policy (``dataset.privacy_unit = "patient"``) samples its PUBLIC ``dataset.patients`` at q = batch / patients
-    with events of unit "patient"; otherwise images at q = batch / ``dataset.size``. The coordinator and the
-    node both read it from the signed policy only, so they plan the same events. ``patient_cap``: the policy's
-    patient cap, so DP-SGD is calibrated for the budget PER PATIENT (``accounting.patient_epsilon``), the figure the
-    site's ledger caps."""
+    """How a site's SIGNED policy has DP-SGD sample (keyword arguments of :func:`stage_events`): a
+    patient-level policy (``dataset.privacy_unit = "patient"``) samples its PUBLIC ``dataset.patients`` at q =
+    batch / patients with events of unit "patient"; otherwise images at q = batch / ``dataset.size``. The
+    coordinator and the node both read it from the signed policy only, so they plan the same events.
+    ``patient_cap``: the policy's patient cap, so DP-SGD is calibrated for the budget PER PATIENT
+    (``accounting.patient_epsilon``), the figure the site's ledger caps."""
     if policy is not None and getattr(policy, "privacy_unit", "image") == "patient":
-        return {"dpsgd_unit": "patient", "dpsgd_size": int(policy.patients), "patient_cap": int(policy.patient_cap)}
+        return {
+            "dpsgd_unit": "patient",
+            "dpsgd_size": int(policy.patients),
+            "patient_cap": int(policy.patient_cap),
+        }
     return {"dpsgd_unit": "image", "dpsgd_size": None, "patient_cap": None}
 
 
-def stage_events(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
-                 budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
-                 cache_dir: Path | None = None, dpsgd_unit: str = "image",
-                 dpsgd_size: int | None = None,
-                 size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
-                 patient_cap: int | None = None) -> list[PrivacyEvent]:
+def stage_events(
+    cfg: JobConfig,
+    public_size: int,
+    *,
+    federated: bool = False,
+    rounds: Sequence[int] | None = None,
+    budget: Target | None = None,
+    prior: Sequence[PrivacyEvent] = (),
+    cache_dir: Path | None = None,
+    dpsgd_unit: str = "image",
+    dpsgd_size: int | None = None,
+    size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
+    patient_cap: int | None = None,
+) -> list[PrivacyEvent]:
     """All privacy events of a job at one site of PUBLIC size ``public_size``, in order: what its ledger holds
     after the job. DP-SGD is one event per round with the calibrated (or configured) sigma.
 
     ``rounds``: the DP-SGD round sizes, in order (default :func:`dpsgd_rounds`: one round in a local run,
-    ``[federation] rounds`` x ``local_steps`` in a federated one; ``round_sizes`` splits steps into rounds of at
-    most a given size). sigma is calibrated for their sum,
+    ``[federation] rounds`` x ``local_steps`` in a federated one; ``round_sizes`` splits steps into rounds of
+    at most a given size). sigma is calibrated for their sum,
     so how the steps are split never changes sigma, q or epsilon. ``budget``: what DP-SGD is calibrated for
     (default the job's ``[privacy]``); ``prior``: events already spent on the same data, composed in before
-    calibrating; ``cache_dir``: remember calibrations on disk (a node answers each message in a fresh process and
-    a calibration costs seconds; it is a pure function of its inputs, so the cache is exact). Raises PrivacyError
-    naming the stage to shrink when the job cannot fit.
+    calibrating; ``cache_dir``: remember calibrations on disk (a node answers each message in a fresh process
+    and a calibration costs seconds; it is a pure function of its inputs, so the cache is exact). Raises
+    PrivacyError naming the stage to shrink when the job cannot fit.
     ``dpsgd_unit``: ``"patient"`` for patient-level DP-SGD (patients Poisson-sampled at the same rate q, each
-    patient's summed gradient clipped): the same (sigma, q, steps), the figure then holds per patient directly.
-    ``dpsgd_size``: the PUBLIC count DP-SGD samples from when it is not ``public_size`` (a federated patient-level
-    site: its public number of patients, so q = batch / patients; :func:`site_dpsgd` gives both from a policy).
-    ``size``: the noisy count(s) that drew ``public_size`` (``mechanisms.count.size_event``; a local run without a
-    declared size) and/or the public patient count (``patients_event``): this job's FIRST events, composed in before
-    DP-SGD is calibrated; None: declared sizes.
-    ``patient_cap``: the site's patient cap when the PATIENT is its unit of privacy: the budget is then a budget PER
-    PATIENT (``accounting.patient_epsilon``: the image-level events by group privacy over the cap, the patient-level
-    ones as they are), and sigma is calibrated so that the per-patient total meets it; None: per image.
+    patient's summed gradient clipped): the same (sigma, q, steps), the figure then holds per patient
+    directly. ``dpsgd_size``: the PUBLIC count DP-SGD samples from when it is not ``public_size`` (a federated
+    patient-level site: its public number of patients, so q = batch / patients; :func:`site_dpsgd` gives both
+    from a policy). ``size``: the noisy count(s) that drew ``public_size`` (``mechanisms.count.size_event``; a
+    local run without a declared size) and/or the public patient count (``patients_event``): this job's FIRST
+    events, composed in before DP-SGD is calibrated; None: declared sizes.
+    ``patient_cap``: the site's patient cap when the PATIENT is its unit of privacy: the budget is then a
+    budget PER PATIENT (``accounting.patient_epsilon``: the image-level events by group privacy over the cap,
+    the patient-level ones as they are), and sigma is calibrated so that the per-patient total meets it; None:
+    per image.
     """
     n = _size(public_size)
-    if not federated:  # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
+    # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
+    if not federated:
         cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
     first = count_events(size) + selection_events(cfg)
-    events = _with_dpsgd(cfg, n, first + warmup_events(cfg, n), sizes, budget, prior, cache_dir, dpsgd_unit,
-                         _size(dpsgd_size) if dpsgd_size is not None else None, patient_cap)
+    events = _with_dpsgd(
+        cfg,
+        n,
+        first + warmup_events(cfg, n),
+        sizes,
+        budget,
+        prior,
+        cache_dir,
+        dpsgd_unit,
+        _size(dpsgd_size) if dpsgd_size is not None else None,
+        patient_cap,
+    )
     return gaussian_only(events, "stage_events")
 
 
 @dataclass(frozen=True)
 class FedSGDShape:
-    """What a site's FedSGD events depend on beside the job: the gradient's length (the model's trainable values),
-    the job's sites and the honest noise shares the site counts on (``accountants.skellam.honest_shares``)."""
+    """What a site's FedSGD events depend on beside the job: the gradient's length (the model's trainable
+    values), the job's sites and the honest noise shares the site counts on
+    (``accountants.skellam.honest_shares``)."""
 
     dim: int
     n_sites: int
     shares: int
 
 
-def fedsgd_shape(cfg: JobConfig, image_shape: tuple[int, ...], n_classes: int, n_sites: int,
-                 colluders: int) -> FedSGDShape:
-    """A site's :class:`FedSGDShape` from public values: the job's model on the sites' image shape, the job's sites
-    and threshold, and the colluders the site's signed policy allows (the node and the coordinator call this)."""
+def fedsgd_shape(
+    cfg: JobConfig, image_shape: tuple[int, ...], n_classes: int, n_sites: int, colluders: int
+) -> FedSGDShape:
+    """A site's :class:`FedSGDShape` from public values: the job's model on the sites' image shape, the job's
+    sites and threshold, and the colluders the site's signed policy allows (the node and the coordinator call
+    this)."""
     t = secagg_threshold(cfg.federation.secagg_threshold, n_sites)
-    return FedSGDShape(model_dim(cfg.model, image_shape, n_classes), n_sites,
-                       honest_shares(n_sites, t, min(int(colluders), n_sites - 1)))
+    return FedSGDShape(
+        model_dim(cfg.model, image_shape, n_classes),
+        n_sites,
+        honest_shares(n_sites, t, min(int(colluders), n_sites - 1)),
+    )
 
 
-def secure_stage_events(cfg: JobConfig, public_size: int, warmup: Sequence[Event], *, budget: Target | None = None,
-                        cache_dir: Path | None = None, fedsgd: FedSGDShape | None = None, dpsgd_unit: str = "image",
-                        dpsgd_size: int | None = None, patient_cap: int | None = None) -> list[Event]:
-    """:func:`stage_events` of a federated site whose warm-up releases go through secure aggregation: ``warmup``
-    are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``), so DP-SGD is calibrated over
-    the history the ledger will hold. With ``[federation] fedsgd`` (``fedsgd`` then required) DP-SGD is one
-    ``SkellamEvent`` per round (q, one step, the gradient's integer-domain sensitivities), its sigma calibrated
-    so that the whole history counted over ``fedsgd.shares`` noise shares meets the budget."""
+def secure_stage_events(
+    cfg: JobConfig,
+    public_size: int,
+    warmup: Sequence[Event],
+    *,
+    budget: Target | None = None,
+    cache_dir: Path | None = None,
+    fedsgd: FedSGDShape | None = None,
+    dpsgd_unit: str = "image",
+    dpsgd_size: int | None = None,
+    patient_cap: int | None = None,
+) -> list[Event]:
+    """:func:`stage_events` of a federated site whose warm-up releases go through secure aggregation:
+    ``warmup`` are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``), so DP-SGD is
+    calibrated over the history the ledger will hold. With ``[federation] fedsgd`` (``fedsgd`` then required)
+    DP-SGD is one ``SkellamEvent`` per round (q, one step, the gradient's integer-domain sensitivities), its
+    sigma calibrated so that the whole history counted over ``fedsgd.shares`` noise shares meets the
+    budget."""
     n = _size(public_size)
     warmup = selection_events(cfg) + list(warmup)  # the selection: a per-site Gaussian release in any job
     if not cfg.federation.fedsgd:
-        return _with_dpsgd(cfg, n, list(warmup), dpsgd_rounds(cfg, n, True), budget, (), cache_dir, dpsgd_unit,
-                           _size(dpsgd_size) if dpsgd_size is not None else None, patient_cap)
+        return _with_dpsgd(
+            cfg,
+            n,
+            list(warmup),
+            dpsgd_rounds(cfg, n, True),
+            budget,
+            (),
+            cache_dir,
+            dpsgd_unit,
+            _size(dpsgd_size) if dpsgd_size is not None else None,
+            patient_cap,
+        )
     if dpsgd_unit != "image":
-        # FedSGD samples and clips per image (edge/fedsgd.py): a patient-level site would be charged an image-level
-        # event while it attests a per-patient epsilon
-        raise PolicyError(f"[federation] fedsgd runs image-level DP-SGD only; this site's policy makes the "
-                          f"{dpsgd_unit} the unit of privacy: run the job without fedsgd")
+        # FedSGD samples and clips per image (edge/fedsgd.py): a patient-level site would be charged an
+        # image-level event while it attests a per-patient epsilon
+        raise PolicyError(
+            f"[federation] fedsgd runs image-level DP-SGD only; this site's policy makes the "
+            f"{dpsgd_unit} the unit of privacy: run the job without fedsgd"
+        )
     if fedsgd is None:
-        raise PrivacyError("[federation] fedsgd: planning its rounds needs the model's size and the site's noise "
-                           "shares (FedSGDShape); none given")
+        raise PrivacyError(
+            "[federation] fedsgd: planning its rounds needs the model's size and the site's noise "
+            "shares (FedSGDShape); none given"
+        )
     return _with_fedsgd(cfg, n, list(warmup), fedsgd, budget or target(cfg), cache_dir)
 
 
 def fedsgd_event(cfg: JobConfig, n: int, shape: FedSGDShape, sigma: float, steps: int = 1) -> Event:
-    """The SkellamEvent of ``steps`` FedSGD rounds at noise multiplier ``sigma`` for a site of public size ``n``."""
+    """The SkellamEvent of ``steps`` FedSGD rounds at noise multiplier ``sigma`` for a site of public size
+    ``n``."""
     q = stage_sampling_rate(cfg.dpsgd.batch, n, "dpsgd")
     params = fedsgd_params(shape.dim, cfg.dpsgd.clip, sigma, shape.n_sites)
     return skellam_event(params, "dpsgd", q, steps, shape.shares)
 
 
-def _with_fedsgd(cfg: JobConfig, n: int, warm: list[Event], shape: FedSGDShape, tgt: Target,
-                 cache_dir: Path | None) -> list[Event]:
+def _with_fedsgd(
+    cfg: JobConfig, n: int, warm: list[Event], shape: FedSGDShape, tgt: Target, cache_dir: Path | None
+) -> list[Event]:
     rounds = cfg.federated_rounds
     if rounds < 1:
         return warm
@@ -259,34 +320,69 @@ def _with_fedsgd(cfg: JobConfig, n: int, warm: list[Event], shape: FedSGDShape, 
 
         def calibrate() -> float:
             return smallest_fitting_sigma(
-                lambda s: epsilon(warm + [fedsgd_event(cfg, n, shape, s, rounds)], tgt.delta), tgt.epsilon, tol=0.01,
-                max_sigma=MAX_NOISE_MULTIPLIER, refusal=(
-                    f"[dpsgd] FedSGD cannot meet epsilon {tgt.epsilon} at delta {tgt.delta}: even noise multiplier "
-                    f"{MAX_NOISE_MULTIPLIER:g} is not enough for {rounds} rounds at q = {cfg.dpsgd.batch / n:.4g} "
-                    f"over {shape.shares} noise share(s); use fewer [federation] rounds or a smaller [dpsgd] batch"))
+                lambda s: epsilon(warm + [fedsgd_event(cfg, n, shape, s, rounds)], tgt.delta),
+                tgt.epsilon,
+                tol=0.01,
+                max_sigma=MAX_NOISE_MULTIPLIER,
+                refusal=(
+                    f"[dpsgd] FedSGD cannot meet epsilon {tgt.epsilon} at delta {tgt.delta}: even noise "
+                    f"multiplier {MAX_NOISE_MULTIPLIER:g} is not enough for {rounds} rounds at q = "
+                    f"{cfg.dpsgd.batch / n:.4g} over {shape.shares} noise share(s); use fewer [federation] "
+                    "rounds or a smaller [dpsgd] batch"
+                ),
+            )
 
-        key = ["fedsgd", [e.to_dict() for e in warm], cfg.dpsgd.batch, n, cfg.dpsgd.clip, rounds, shape.dim,
-               shape.n_sites, shape.shares, tgt.epsilon, tgt.delta]
+        key = [
+            "fedsgd",
+            [e.to_dict() for e in warm],
+            cfg.dpsgd.batch,
+            n,
+            cfg.dpsgd.clip,
+            rounds,
+            shape.dim,
+            shape.n_sites,
+            shape.shares,
+            tgt.epsilon,
+            tgt.delta,
+        ]
         sigma = _disk_cached(key, cache_dir, calibrate)
     return warm + [fedsgd_event(cfg, n, shape, sigma) for _ in range(rounds)]
 
 
-def _with_dpsgd(cfg: JobConfig, n: int, warm: Sequence[Event], sizes: list[int], budget: Target | None,
-                prior: Sequence[Event], cache_dir: Path | None, dpsgd_unit: str = "image",
-                dpsgd_size: int | None = None, patient_cap: int | None = None) -> list[Event]:
+def _with_dpsgd(
+    cfg: JobConfig,
+    n: int,
+    warm: Sequence[Event],
+    sizes: list[int],
+    budget: Target | None,
+    prior: Sequence[Event],
+    cache_dir: Path | None,
+    dpsgd_unit: str = "image",
+    dpsgd_size: int | None = None,
+    patient_cap: int | None = None,
+) -> list[Event]:
     warm = list(warm)
     if sum(sizes) < 1:
         return warm
     if dpsgd_size is not None and cfg.dpsgd.batch > dpsgd_size:
-        raise PrivacyError(f"[dpsgd] batch {cfg.dpsgd.batch} exceeds the site's {dpsgd_size} public patients (its "
-                           "policy's dataset.patients; patient-level DP-SGD samples patients at q = batch / patients): "
-                           f"shrink [dpsgd] batch to at most {dpsgd_size}")
+        raise PrivacyError(
+            f"[dpsgd] batch {cfg.dpsgd.batch} exceeds the site's {dpsgd_size} public patients (its "
+            "policy's dataset.patients; patient-level DP-SGD samples patients at q = batch / patients): "
+            f"shrink [dpsgd] batch to at most {dpsgd_size}"
+        )
     q = stage_sampling_rate(cfg.dpsgd.batch, n if dpsgd_size is None else dpsgd_size, "dpsgd")
     if cfg.dpsgd.noise_multiplier is not None:
         sigma = float(cfg.dpsgd.noise_multiplier)
     else:
         tgt = budget or target(cfg)
-        args: tuple[Any, ...] = (tuple(prior) + tuple(warm), q, sum(sizes), tgt.epsilon, tgt.delta, tgt.accountant)
+        args: tuple[Any, ...] = (
+            tuple(prior) + tuple(warm),
+            q,
+            sum(sizes),
+            tgt.epsilon,
+            tgt.delta,
+            tgt.accountant,
+        )
         if patient_cap is not None:  # the per-patient budget (an image-level site's key stays as it was)
             args += (dpsgd_unit, int(patient_cap))
         sigma = _cached_calibration(args, cache_dir)
@@ -333,42 +429,69 @@ def _disk_cached(key_doc: Any, cache_dir: Path | None, compute: Callable[[], flo
 
 
 def check_warmup(prior_and_warm: Sequence[Event], budget: Target, patient_cap: int | None = None) -> float:
-    """The warm-up's (and prior spending's) epsilon (per patient with ``patient_cap``); refuse, naming the figure
-    and the biggest stage, when it leaves nothing."""
+    """The warm-up's (and prior spending's) epsilon (per patient with ``patient_cap``); refuse, naming the
+    figure and the biggest stage, when it leaves nothing."""
     evs = list(prior_and_warm)
     spent = unit_epsilon(evs, budget.delta, budget.accountant, patient_cap=patient_cap)
     if spent >= budget.epsilon:
-        biggest = max(evs, key=lambda e: epsilon([e], budget.delta, budget.accountant)).stage if evs else "prior"
-        what = "epsilon" if patient_cap is None else (
-            f"epsilon PER PATIENT (at most {patient_cap} image(s) each, the image-level releases by group privacy "
-            f"over {patient_cap})")
+        biggest = (
+            max(evs, key=lambda e: epsilon([e], budget.delta, budget.accountant)).stage if evs else "prior"
+        )
+        what = (
+            "epsilon"
+            if patient_cap is None
+            else (
+                f"epsilon PER PATIENT (at most {patient_cap} image(s) each, the image-level releases by "
+                f"group privacy over {patient_cap})"
+            )
+        )
         raise PrivacyError(
-            f"the warm-up alone spends {what} {spent:.3f} at delta {budget.delta:g} >= the budget {budget.epsilon}: "
-            f"shrink {_SECTION.get(biggest, f'[{biggest}]')} (fewer rounds / larger sigma), drop a warm-up "
-            "stage, or raise [privacy] epsilon"
+            f"the warm-up alone spends {what} {spent:.3f} at delta {budget.delta:g} >= the budget "
+            f"{budget.epsilon}: shrink {_SECTION.get(biggest, f'[{biggest}]')} (fewer rounds / larger "
+            "sigma), drop a warm-up stage, or raise [privacy] epsilon"
             + ("" if patient_cap is None else ", or lower the patient cap")
         )
     return spent
 
 
 @functools.lru_cache(maxsize=256)
-def _calibrate(prior: tuple[PrivacyEvent, ...], q: float, steps: int, eps: float, delta: float,
-               acc: Accountant, unit: str = "image", patient_cap: int | None = None) -> float:
-    # Deterministic, so caching is exact; the bisection costs ~0.5 s and a node recomputes it for every request.
+def _calibrate(
+    prior: tuple[PrivacyEvent, ...],
+    q: float,
+    steps: int,
+    eps: float,
+    delta: float,
+    acc: Accountant,
+    unit: str = "image",
+    patient_cap: int | None = None,
+) -> float:
+    # Deterministic, so caching is exact; the bisection costs ~0.5 s and a node recomputes it for every
+    # request.
     spent = check_warmup(prior, Target(eps, delta, acc), patient_cap)
     try:
         if patient_cap is None:
-            return calibrate_noise_multiplier(list(prior), q, steps, eps, delta, acc, max_sigma=MAX_NOISE_MULTIPLIER)
+            return calibrate_noise_multiplier(
+                list(prior), q, steps, eps, delta, acc, max_sigma=MAX_NOISE_MULTIPLIER
+            )
         return smallest_fitting_sigma(  # the per-patient total (ledger.check_spend's figure) meets the budget
-            lambda s: unit_epsilon(list(prior) + [PrivacyEvent("dpsgd", s, q, steps, unit=unit)], delta, acc,
-                                   patient_cap=patient_cap), eps, tol=0.01, max_sigma=MAX_NOISE_MULTIPLIER, refusal="")
+            lambda s: unit_epsilon(
+                list(prior) + [PrivacyEvent("dpsgd", s, q, steps, unit=unit)],
+                delta,
+                acc,
+                patient_cap=patient_cap,
+            ),
+            eps,
+            tol=0.01,
+            max_sigma=MAX_NOISE_MULTIPLIER,
+            refusal="",
+        )
     except PrivacyError:
         raise PrivacyError(
-            f"[dpsgd] cannot meet epsilon {eps}{'' if patient_cap is None else ' per patient'} at delta {delta}: "
-            f"even noise multiplier {MAX_NOISE_MULTIPLIER:g} "
+            f"[dpsgd] cannot meet epsilon {eps}{'' if patient_cap is None else ' per patient'} at delta "
+            f"{delta}: even noise multiplier {MAX_NOISE_MULTIPLIER:g} "
             f"is not enough for {steps} steps at q = {q:.4g} after the warm-up's epsilon {spent:.3f}. Shrink "
-            f"[dpsgd] (fewer steps/epochs, smaller batch), or the warm-up ([central] rounds, [frequency] sigma), or "
-            f"raise [privacy] epsilon"
+            f"[dpsgd] (fewer steps/epochs, smaller batch), or the warm-up ([central] rounds, [frequency] "
+            f"sigma), or raise [privacy] epsilon"
         ) from None
 
 
@@ -382,8 +505,8 @@ _E = TypeVar("_E", PrivacyEvent, Event)
 
 def merged(events: Sequence[_E]) -> list[_E]:
     """Events of one stage, sigma and q as one event with the steps summed (DP-SGD rounds or chunks of one
-    sigma and q are one composition, so epsilon is unchanged), in order of first appearance. Secure-aggregation
-    (Skellam) events are kept as they are."""
+    sigma and q are one composition, so epsilon is unchanged), in order of first appearance.
+    Secure-aggregation (Skellam) events are kept as they are."""
     out: dict[object, _E] = {}
     for i, e in enumerate(events):
         if not isinstance(e, PrivacyEvent):
@@ -395,16 +518,23 @@ def merged(events: Sequence[_E]) -> list[_E]:
     return list(out.values())
 
 
-def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int, int] = (1, 28, 28),
-                n_classes: int = 10, sgd_sigma: float | None = None) -> tuple[float | None, str]:
+def stage_noise(
+    cfg: JobConfig,
+    stage: str,
+    n: int,
+    image_shape: tuple[int, int, int] = (1, 28, 28),
+    n_classes: int = 10,
+    sgd_sigma: float | None = None,
+) -> tuple[float | None, str]:
     """A noise-to-signal figure a user can judge, per stage, from PUBLIC values only.
 
-    central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / (n_classes * cells)), against
-    the pixel scale 1 (pixels in [0, 1]).  central (mode): per-bin noise std sigma * sqrt(d) against the expected
-    per-class batch.  frequency: norm of a class column's noise, sigma * sqrt(features) / n, against the column's
-    largest possible norm 1 / n_classes (||phi|| = 1, balanced classes): a lower bound on the true ratio.
-    dpsgd: norm of the noise on the mean clipped gradient of ONE step, sigma * C * sqrt(params) / batch, against
-    its largest possible norm C; steps average it down, so it is reported, not warned about.
+    central (mean): noise std per pixel of a released class-mean image, sigma * C / (batch / (n_classes *
+    cells)), against the pixel scale 1 (pixels in [0, 1]).  central (mode): per-bin noise std sigma * sqrt(d)
+    against the expected per-class batch.  frequency: norm of a class column's noise, sigma * sqrt(features) /
+    n, against the column's largest possible norm 1 / n_classes (||phi|| = 1, balanced classes): a lower bound
+    on the true ratio. dpsgd: norm of the noise on the mean clipped gradient of ONE step, sigma * C *
+    sqrt(params) / batch, against its largest possible norm C; steps average it down, so it is reported, not
+    warned about.
     """
     c_, h, w = image_shape
     if stage == "central" and cfg.central.rounds > 0:
@@ -431,8 +561,10 @@ def stage_noise(cfg: JobConfig, stage: str, n: int, image_shape: tuple[int, int,
         if params is None:
             return None, ""
         r = sgd_sigma * math.sqrt(params) / cfg.dpsgd.batch
-        return r, (f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters, "
-                   f"batch {cfg.dpsgd.batch}); a larger batch at the same epsilon lowers it")
+        return r, (
+            f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters, "
+            f"batch {cfg.dpsgd.batch}); a larger batch at the same epsilon lowers it"
+        )
     return None, ""
 
 
@@ -445,12 +577,14 @@ def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: i
         return None  # a model that cannot be built is reported by training, not by the plan
 
 
-# -- the report: epsilon per stage, noise-to-signal figures, warnings ---------------------------------------------
+# -- the report: epsilon per stage, noise-to-signal figures, warnings
+# ---------------------------------------------
 
 
 @dataclass(frozen=True)
 class StagePlan:
     """One stage's row of a plan: its event, its epsilon alone and its noise figure."""
+
     stage: str
     enabled: bool
     sigma: float | None
@@ -465,20 +599,29 @@ class StagePlan:
     def to_dict(self) -> dict[str, Any]:
         """The row as JSON-ready fields."""
         return {
-            "stage": self.stage, "enabled": self.enabled, "sigma": self.sigma, "q": self.q, "steps": self.steps,
-            "epsilon": self.epsilon, "share": self.share, "note": self.note,
-            "noise_to_signal": self.noise_to_signal, "noise_note": self.noise_note,
+            "stage": self.stage,
+            "enabled": self.enabled,
+            "sigma": self.sigma,
+            "q": self.q,
+            "steps": self.steps,
+            "epsilon": self.epsilon,
+            "share": self.share,
+            "note": self.note,
+            "noise_to_signal": self.noise_to_signal,
+            "noise_note": self.noise_note,
         }
 
 
 @dataclass(frozen=True)
 class PrivacyPlan:
     """A job's plan at one site: the history it charges, its total epsilon and one row per stage."""
+
     dataset_size: int
     target_epsilon: float
     delta: float
     accountant: Accountant
-    epsilon: float  # total over the whole history (all stages composed; PER PATIENT when ``patient_cap`` is set)
+    # total over the whole history (all stages composed; PER PATIENT when ``patient_cap`` is set)
+    epsilon: float
     noise_multiplier: float | None  # DP-SGD sigma (calibrated or configured); None when DP-SGD has 0 steps
     calibrated: bool
     stages: tuple[StagePlan, ...]
@@ -497,7 +640,7 @@ class PrivacyPlan:
     @property
     def events(self) -> list[PrivacyEvent]:
         """This job's events, one per stage (DP-SGD steps summed): what a single run's ledger charges."""
-        return merged(self.history[len(self.prior):])
+        return merged(self.history[len(self.prior) :])
 
     def event(self, stage: str) -> PrivacyEvent | None:
         """This job's merged event of ``stage``, None when the stage does not run."""
@@ -516,15 +659,29 @@ class PrivacyPlan:
             "stages": [s.to_dict() for s in self.stages],
             "history": [e.to_dict() for e in self.history],
             "warnings": list(self.warnings),
-            **({} if self.patient_cap is None else {"epsilon_unit": "patient", "patient_cap": self.patient_cap}),
+            **(
+                {}
+                if self.patient_cap is None
+                else {"epsilon_unit": "patient", "patient_cap": self.patient_cap}
+            ),
         }
 
 
-def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: Sequence[int] | None = None,
-         budget: Target | None = None, prior: Sequence[PrivacyEvent] = (),
-         image_shape: tuple[int, int, int] = (1, 28, 28), n_classes: int = 10, dpsgd_unit: str = "image",
-         dpsgd_size: int | None = None, size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
-         patient_cap: int | None = None) -> PrivacyPlan:
+def plan(
+    cfg: JobConfig,
+    public_size: int,
+    *,
+    federated: bool = False,
+    rounds: Sequence[int] | None = None,
+    budget: Target | None = None,
+    prior: Sequence[PrivacyEvent] = (),
+    image_shape: tuple[int, int, int] = (1, 28, 28),
+    n_classes: int = 10,
+    dpsgd_unit: str = "image",
+    dpsgd_size: int | None = None,
+    size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
+    patient_cap: int | None = None,
+) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
     ``rounds``, ``dpsgd_unit``, ``dpsgd_size``, ``size``, ``patient_cap`` (the total then PER PATIENT): see
@@ -537,8 +694,18 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
     tgt = budget or target(cfg)
     prior = list(prior)
     check_warmup(prior + count_events(size) + selection_events(cfg) + warmup_events(cfg, n), tgt, patient_cap)
-    events = stage_events(cfg, n, federated=federated, rounds=rounds, budget=tgt, prior=prior, dpsgd_unit=dpsgd_unit,
-                          dpsgd_size=dpsgd_size, size=size, patient_cap=patient_cap)
+    events = stage_events(
+        cfg,
+        n,
+        federated=federated,
+        rounds=rounds,
+        budget=tgt,
+        prior=prior,
+        dpsgd_unit=dpsgd_unit,
+        dpsgd_size=dpsgd_size,
+        size=size,
+        patient_cap=patient_cap,
+    )
     history = prior + events
     sgd = stage_event(events, "dpsgd")
     total = unit_epsilon(history, tgt.delta, tgt.accountant, patient_cap=patient_cap)
@@ -547,8 +714,8 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
         raise PrivacyError(
             f"[dpsgd] noise_multiplier {sgd.sigma if sgd else None} gives a total epsilon"
             f"{'' if patient_cap is None else ' per patient'} {total:.3f} above the "
-            f"budget {tgt.epsilon}: raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer steps "
-            f"than {steps}"
+            f"budget {tgt.epsilon}: raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer "
+            f"steps than {steps}"
         )
     stages = _stage_rows(cfg, n, prior, merged(events), tgt, image_shape, n_classes)
     warnings = tuple(
@@ -559,33 +726,66 @@ def plan(cfg: JobConfig, public_size: int, *, federated: bool = False, rounds: S
         if s.stage != "dpsgd" and s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE
     )
     return PrivacyPlan(
-        dataset_size=n, target_epsilon=tgt.epsilon, delta=tgt.delta, accountant=tgt.accountant, epsilon=total,
-        noise_multiplier=sgd.sigma if sgd else None, calibrated=sgd is not None and cfg.dpsgd.noise_multiplier is None,
-        stages=stages, history=tuple(history), prior=tuple(prior), warnings=warnings, patient_cap=patient_cap,
+        dataset_size=n,
+        target_epsilon=tgt.epsilon,
+        delta=tgt.delta,
+        accountant=tgt.accountant,
+        epsilon=total,
+        noise_multiplier=sgd.sigma if sgd else None,
+        calibrated=sgd is not None and cfg.dpsgd.noise_multiplier is None,
+        stages=stages,
+        history=tuple(history),
+        prior=tuple(prior),
+        warnings=warnings,
+        patient_cap=patient_cap,
     )
 
 
-def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[PrivacyEvent], tgt: Target,
-                image_shape: tuple[int, int, int], n_classes: int) -> tuple[StagePlan, ...]:
+def _stage_rows(
+    cfg: JobConfig,
+    n: int,
+    prior: list[PrivacyEvent],
+    events: list[PrivacyEvent],
+    tgt: Target,
+    image_shape: tuple[int, int, int],
+    n_classes: int,
+) -> tuple[StagePlan, ...]:
     by_stage = {e.stage: e for e in events}
     c, f = cfg.central, cfg.frequency
     sgd = by_stage.get("dpsgd")
     notes = {
-        "central": (f"{c.kind} images, {c.rounds} round(s)" + (f" x {c.cells} {c.cell_rule} cells" if c.cells > 1 else "")
-                    if "central" in by_stage else "disabled (rounds = 0)"),
-        "frequency": (f"{f.features} random Fourier features" + (f" of {f.patch}x{f.patch} patches, stride {f.stride}"
-                                                                  if f.patch else "")
-                      if "frequency" in by_stage else "disabled (no sigma)"),
-        "dpsgd": (("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")
-                  + ("; unit: the PATIENT (patients sampled, per-patient clip; no group conversion)"
-                     if sgd.unit == "patient" else "") if sgd else "disabled (0 steps)"),
+        "central": (
+            f"{c.kind} images, {c.rounds} round(s)"
+            + (f" x {c.cells} {c.cell_rule} cells" if c.cells > 1 else "")
+            if "central" in by_stage
+            else "disabled (rounds = 0)"
+        ),
+        "frequency": (
+            f"{f.features} random Fourier features"
+            + (f" of {f.patch}x{f.patch} patches, stride {f.stride}" if f.patch else "")
+            if "frequency" in by_stage
+            else "disabled (no sigma)"
+        ),
+        "dpsgd": (
+            ("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")
+            + (
+                "; unit: the PATIENT (patients sampled, per-patient clip; no group conversion)"
+                if sgd.unit == "patient"
+                else ""
+            )
+            if sgd
+            else "disabled (0 steps)"
+        ),
     }
     rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
-    counts = {"size": "noisy image count -> public size",
-              "patients": "noisy patient count -> public patients",
-              "selection": f"noisy histogram over {cfg.public.selection_groups} public groups -> pretrain on "
-                           f">= {cfg.public.selection_keep:.0%} of the public set"}
-    for name in reversed([e.stage for e in events if e.stage in counts]):  # noisy counts drew undeclared sizes
+    counts = {
+        "size": "noisy image count -> public size",
+        "patients": "noisy patient count -> public patients",
+        "selection": f"noisy histogram over {cfg.public.selection_groups} public groups -> pretrain on "
+        f">= {cfg.public.selection_keep:.0%} of the public set",
+    }
+    # noisy counts drew undeclared sizes
+    for name in reversed([e.stage for e in events if e.stage in counts]):
         rows.insert(0, (name, by_stage[name], counts[name]))
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}
     if prior:
@@ -596,11 +796,16 @@ def _stage_rows(cfg: JobConfig, n: int, prior: list[PrivacyEvent], events: list[
     noise = {name: stage_noise(cfg, name, n, image_shape, n_classes, sgd_sigma) for name, _, _ in rows}
     return tuple(
         StagePlan(
-            stage=name, enabled=ev is not None or name == "prior",
-            sigma=ev.sigma if ev else None, q=ev.q if ev else None,
+            stage=name,
+            enabled=ev is not None or name == "prior",
+            sigma=ev.sigma if ev else None,
+            q=ev.q if ev else None,
             steps=ev.steps if ev else (sum(e.steps for e in prior) if name == "prior" else 0),
-            epsilon=alone[name], share=alone[name] / summed, note=note,
-            noise_to_signal=noise[name][0], noise_note=noise[name][1],
+            epsilon=alone[name],
+            share=alone[name] / summed,
+            note=note,
+            noise_to_signal=noise[name][0],
+            noise_note=noise[name][1],
         )
         for name, ev, note in rows
     )

@@ -20,8 +20,14 @@ import secrets
 import numpy as np
 import torch
 
-__all__ = ["SEED_BYTES", "os_key", "torch_generator_from", "os_torch_generator", "numpy_generator_from",
-           "os_numpy_generator"]
+__all__ = [
+    "SEED_BYTES",
+    "os_key",
+    "torch_generator_from",
+    "os_torch_generator",
+    "numpy_generator_from",
+    "os_numpy_generator",
+]
 
 SEED_BYTES = 32  # 256 bits
 _MT_WORDS = 624
@@ -36,8 +42,8 @@ def os_key() -> bytes:
 
 
 def torch_generator_from(key: bytes) -> torch.Generator:
-    """A CPU torch generator whose full MT19937 state is derived from ``key`` (>= 16 bytes; deterministic, so a
-    run can be resumed from a stored key; the state is also saved in checkpoints)."""
+    """A CPU torch generator whose full MT19937 state is derived from ``key`` (>= 16 bytes; deterministic, so
+    a run can be resumed from a stored key; the state is also saved in checkpoints)."""
     if len(key) < 16:
         raise ValueError(f"a private seed needs >= 128 bits, got {len(key) * 8}")
     g = torch.Generator()
@@ -48,13 +54,16 @@ def torch_generator_from(key: bytes) -> torch.Generator:
     words = words.astype("<u8")
     if not words.any():  # the all-zero MT state is degenerate (probability 2^-19968)
         words[0] = 1
-    state[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS] = torch.frombuffer(bytearray(words.tobytes()), dtype=torch.uint8)
+    state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS] = torch.frombuffer(
+        bytearray(words.tobytes()), dtype=torch.uint8
+    )
     g.set_state(state)
     return g
 
 
 def os_torch_generator() -> torch.Generator:
-    """A torch generator seeded with 256 fresh bits from the OS (nobody, the coordinator included, can predict it)."""
+    """A torch generator seeded with 256 fresh bits from the OS (nobody, the coordinator included, can predict
+    it)."""
     return torch_generator_from(os_key())
 
 

@@ -54,8 +54,8 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not JSON")
 
 
-# Deeper than any document of the project (a manifest nests about a dozen levels): JSON nested past it is refused
-# before any recursive walk (canonical_json, signature checks) could overflow the stack.
+# Deeper than any document of the project (a manifest nests about a dozen levels): JSON nested past it is
+# refused before any recursive walk (canonical_json, signature checks) could overflow the stack.
 MAX_JSON_DEPTH = 64
 
 
@@ -132,7 +132,9 @@ def fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
     return hashlib.sha256(public_key_bytes(key)).hexdigest()[:16]
 
 
-def generate_keypair(out_dir: str | Path, name: str = "signing", passphrase: bytes | None = None) -> tuple[Path, Path]:
+def generate_keypair(
+    out_dir: str | Path, name: str = "signing", passphrase: bytes | None = None
+) -> tuple[Path, Path]:
     """Write ``NAME.key`` (PKCS#8 PEM, mode 0600, optionally encrypted) and ``NAME.pub`` (PEM)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,18 +143,16 @@ def generate_keypair(out_dir: str | Path, name: str = "signing", passphrase: byt
         if p.exists():
             raise PolicyError(f"{p}: already exists; refusing to overwrite a key")
     key = Ed25519PrivateKey.generate()
-    enc = (
-        serialization.BestAvailableEncryption(passphrase)
-        if passphrase
-        else serialization.NoEncryption()
-    )
+    enc = serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc)
     # Create with 0600 from the start, so the key is never readable by others even briefly.
     fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(pem)
     pub_path.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
     )
     return priv_path, pub_path
 
@@ -162,8 +162,9 @@ def write_new_key(path: Path, data: bytes) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except FileExistsError:
-        raise ConfigError(f"{path}: already exists; refusing to overwrite a private key "
-                          "(choose another --out)") from None
+        raise ConfigError(
+            f"{path}: already exists; refusing to overwrite a private key (choose another --out)"
+        ) from None
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
 
@@ -176,19 +177,26 @@ def make_node_auth_key(out_dir: str | Path, name: str) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     priv, pub = out / name, out / f"{name}.pub"
-    write_new_key(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                          serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                  serialization.PublicFormat.OpenSSH) + b"\n")
+    write_new_key(
+        priv,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
+    pub.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        + b"\n"
+    )
     return priv, pub
 
 
-def refuse_shared_secret_file(path: str | Path, what: str, st: os.stat_result | None = None,
-                              error: type[FetaError] = PolicyError) -> None:
-    """Refuse a secret file (a private key, the data secret) that its group or other accounts may read or change:
-    any of them could then sign, authenticate or recompute the data commitment as the site. The one check of every
-    secret the project loads; ``st``: the file's stat when the caller already has it. POSIX only (Windows keeps
-    file access in ACLs, which mode bits do not show)."""
+def refuse_shared_secret_file(
+    path: str | Path, what: str, st: os.stat_result | None = None, error: type[FetaError] = PolicyError
+) -> None:
+    """Refuse a secret file (a private key, the data secret) that its group or other accounts may read or
+    change: any of them could then sign, authenticate or recompute the data commitment as the site. The one
+    check of every secret the project loads; ``st``: the file's stat when the caller already has it. POSIX
+    only (Windows keeps file access in ACLs, which mode bits do not show)."""
     if os.name != "posix":
         return
     p = Path(path)
@@ -243,7 +251,9 @@ def load_public_key(path_or_pem: str | Path | bytes) -> Ed25519PublicKey:
 def public_key_pem(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
     if isinstance(key, Ed25519PrivateKey):
         key = key.public_key()
-    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    return key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    ).decode()
 
 
 # -- signatures ------------------------------------------------------------------------------------
@@ -259,7 +269,9 @@ def sign_document(doc: Any, key: Ed25519PrivateKey) -> dict[str, str]:
     }
 
 
-def verify_document(doc: Any, signature: object, trusted: list[Ed25519PublicKey], what: str = "document") -> str:
+def verify_document(
+    doc: Any, signature: object, trusted: list[Ed25519PublicKey], what: str = "document"
+) -> str:
     """Check ``signature`` over ``doc`` against the trusted keys; return the signer's fingerprint.
 
     The key embedded in the signature is only a hint: trust comes from ``trusted``.
@@ -279,5 +291,7 @@ def verify_document(doc: Any, signature: object, trusted: list[Ed25519PublicKey]
     try:
         by_fp[signer].verify(raw, canonical_json(doc))
     except InvalidSignature:
-        raise PolicyError(f"{what}: bad signature (content changed after signing, or wrong key {signer})") from None
+        raise PolicyError(
+            f"{what}: bad signature (content changed after signing, or wrong key {signer})"
+        ) from None
     return signer

@@ -1,7 +1,8 @@
 """Write docs/reference/cli.md from the click commands themselves, so the reference cannot drift from the CLI.
 
-    python scripts/cli_reference.py            # rewrite docs/reference/cli.md
-    python scripts/cli_reference.py --check    # exit 1 if the file differs from what the CLI says (the test's check)
+python scripts/cli_reference.py            # rewrite docs/reference/cli.md
+python scripts/cli_reference.py --check    # exit 1 if the file differs from what the CLI says (the test's
+check)
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ HEADER = """# Command reference
 
 Generated from the commands' own help by `python scripts/cli_reference.py`; do not edit by hand
 (`tests/house/test_cli_reference.py` fails when this file and the CLI disagree). Exit codes: docs/reference/exit-codes.md.
-"""
+"""  # noqa: E501
 
 
-def _walk(cmd: click.Command, path: list[str], ctx: click.Context | None) -> list[tuple[str, click.Command, click.Context]]:
+def _walk(
+    cmd: click.Command, path: list[str], ctx: click.Context | None
+) -> list[tuple[str, click.Command, click.Context]]:
     here = click.Context(cmd, info_name=path[-1], parent=ctx, terminal_width=100, max_content_width=100)
     found = [(" ".join(path), cmd, here)]
     if isinstance(cmd, click.Group):
@@ -54,13 +57,26 @@ def render_exit_codes() -> str:
     from feta_release import errors
 
     kinds = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.FetaError)]
-    rows = sorted(((c.exit_code, c.__name__, inspect.getdoc(c) or "") for c in kinds), key=lambda r: (r[0], r[1]))
-    lines = ["# Exit codes", "", "Generated from `feta_release/errors.py` by `python scripts/cli_reference.py`.",
-             "Every refusal prints one line naming what is wrong and the fix, then exits with its code.", "",
-             "| code | error | meaning |", "|---|---|---|", "| 0 | – | success |"]
+    rows = sorted(
+        ((c.exit_code, c.__name__, inspect.getdoc(c) or "") for c in kinds), key=lambda r: (r[0], r[1])
+    )
+    lines = [
+        "# Exit codes",
+        "",
+        "Generated from `feta_release/errors.py` by `python scripts/cli_reference.py`.",
+        "Every refusal prints one line naming what is wrong and the fix, then exits with its code.",
+        "",
+        "| code | error | meaning |",
+        "|---|---|---|",
+        "| 0 | – | success |",
+    ]
     lines += [f"| {code} | `{name}` | {doc.splitlines()[0]} |" for code, name, doc in rows]
-    lines += ["| 8 | – | a partial check: what could be checked passed, the rest needs more input (e.g. `policy check` "
-              "of a secure-aggregation job without `--data`) |", "| 130 | – | interrupted (Ctrl-C) |", ""]
+    lines += [
+        "| 8 | – | a partial check: what could be checked passed, the rest needs more input (e.g. `policy "
+        "check` of a secure-aggregation job without `--data`) |",
+        "| 130 | – | interrupted (Ctrl-C) |",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@ right and in the function that contains it (its lines are that function's lines 
     python scripts/longfuncs.py feta_release edge coordinator          # threshold 60
     python scripts/longfuncs.py --max 40 feta_release/stages
 
-Prints `path:line qualified.name N` for each function above the limit, longest first; exit status 1 when any is.
-AST and tokenize only: nothing is imported, so it runs without the project's dependencies.
+Prints `path:line qualified.name N` for each function above the limit, longest first; exit status 1 when any
+is. AST and tokenize only: nothing is imported, so it runs without the project's dependencies.
 """
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ FuncNode = ast.FunctionDef | ast.AsyncFunctionDef
 
 def code_lines(source: str) -> set[int]:
     """Line numbers (1-based) that hold a token other than a comment, a newline or indentation."""
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    skip = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
     lines: set[int] = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type not in skip:
@@ -54,8 +61,12 @@ def statement_lines(source: str) -> set[int]:
 
 def _docstring_lines(fn: FuncNode) -> set[int]:
     body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         return set(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
     return set()
 
@@ -76,8 +87,8 @@ def functions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, FuncNode]]
 def function_lengths(path: Path) -> list[tuple[int, str, int]]:
     """(line, qualified name, lines of code) of each function in one file, from its `def` line to its end.
 
-    Decorators do not count: they declare the function's interface (a click command's options), they are not code a
-    reader follows through it.
+    Decorators do not count: they declare the function's interface (a click command's options), they are not
+    code a reader follows through it.
     """
     source = path.read_text("utf-8")
     code = statement_lines(source)
@@ -97,7 +108,12 @@ def python_files(paths: list[str]) -> list[Path]:
 
 def long_functions(paths: list[str], limit: int = 60) -> list[tuple[str, str, int]]:
     """(path:line, name, lines of code) of every function above `limit`, longest first."""
-    found = [(f"{f}:{line}", name, n) for f in python_files(paths) for line, name, n in function_lengths(f) if n > limit]
+    found = [
+        (f"{f}:{line}", name, n)
+        for f in python_files(paths)
+        for line, name, n in function_lengths(f)
+        if n > limit
+    ]
     return sorted(found, key=lambda row: (-row[2], row[0]))
 
 

@@ -40,7 +40,10 @@ def convert(csv_path: Path, out: Path) -> None:
     np.savez_compressed(out, images=images, labels=labels.astype(np.int64), class_names=class_names)
     counts = np.bincount(labels, minlength=10)
     digest = hashlib.sha256(out.read_bytes()).hexdigest()
-    print(f"wrote {out}: {images.shape[0]} images {images.shape[1:]}, per class {counts.tolist()}, sha256 {digest}")
+    print(
+        f"wrote {out}: {images.shape[0]} images {images.shape[1:]}, per class {counts.tolist()}, sha256 "
+        f"{digest}"
+    )
 
 
 def main() -> None:

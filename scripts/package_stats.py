@@ -1,14 +1,15 @@
-"""Size and structure of the project's packages in one tree: lines, code lines, function-level imports, long functions.
+"""Size and structure of the project's packages in one tree: lines, code lines, function-level imports, long
+functions.
 
     python scripts/package_stats.py .                  # this checkout
     python scripts/package_stats.py ../old-tree        # another tree (a `git worktree add --detach` of an old commit)
 
-Per package (feta_release, edge, coordinator, tests): files, raw lines (as `wc -l` counts them), code lines (lines
-holding a token other than a comment or whitespace, by `scripts/longfuncs.code_lines` over the whole file, so
-docstrings count), import statements inside a function (each `import` / `from ... import` node once, however deeply
-nested; AST only) and functions above 60 code lines (`scripts/longfuncs.function_lengths`). Nothing is imported from
-the tree measured, so an old commit needs no environment of its own.
-"""
+Per package (feta_release, edge, coordinator, tests): files, raw lines (as `wc -l` counts them), code lines
+(lines holding a token other than a comment or whitespace, by `scripts/longfuncs.code_lines` over the whole
+file, so docstrings count), import statements inside a function (each `import` / `from ... import` node once,
+however deeply nested; AST only) and functions above 60 code lines (`scripts/longfuncs.function_lengths`).
+Nothing is imported from the tree measured, so an old commit needs no environment of its own.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ PACKAGES = ("feta_release", "edge", "coordinator", "tests")
 
 
 def function_imports(source: str) -> int:
-    """Import statements that sit inside a function body (each counted once, also inside a nested function)."""
+    """Import statements that sit inside a function body (each counted once, also inside a nested
+    function)."""
     inside: set[int] = set()
     for fn in ast.walk(ast.parse(source)):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -51,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max", type=int, default=60, help="code lines allowed per function (default 60)")
     args = ap.parse_args(argv)
     root = Path(args.root)
-    print(f"| package | files | raw lines | code lines | imports inside functions | functions > {args.max} code lines |")
+    print(
+        f"| package | files | raw lines | code lines | imports inside functions | functions > {args.max} "
+        "code lines |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     total = [0, 0, 0, 0, 0]
     for pkg in PACKAGES:

@@ -53,7 +53,6 @@ def den() -> Any:
 def den_onnx(den: Any) -> Any:
     """``den`` exported to ONNX."""
     from feta_release.release.onnx_export import export_denoiser
-
     from tests.support.release import IMAGE_SHAPE
 
     return export_denoiser(den, IMAGE_SHAPE)
@@ -64,7 +63,9 @@ def pristine(tmp_path_factory: pytest.TempPathFactory, den_onnx: Any, keys: Any)
     """One valid one-site release with its signed policy; tests copy it (``release``) before changing it."""
     from tests.support.release import make_release, signed_policy
 
-    return make_release(tmp_path_factory.mktemp("rel") / "release", den_onnx, keys, policy=signed_policy(keys))
+    return make_release(
+        tmp_path_factory.mktemp("rel") / "release", den_onnx, keys, policy=signed_policy(keys)
+    )
 
 
 @pytest.fixture
@@ -75,13 +76,14 @@ def release(pristine: Path, tmp_path: Path) -> Path:
     return dst
 
 
-# -- real Flower processes on loopback (the slow end-to-end tests) ---------------------------------------------
+# -- real Flower processes on loopback (the slow end-to-end tests)
+# ---------------------------------------------
 
 
 class LoopbackFederation:
     """A SuperLink and one SuperNode per site of a test federation, as real processes on loopback (insecure).
-    ``start`` returns the SuperLink's address; ``stop`` (also run at teardown) stops them all and returns their
-    process group ids, so a test can check that nothing survived."""
+    ``start`` returns the SuperLink's address; ``stop`` (also run at teardown) stops them all and returns
+    their process group ids, so a test can check that nothing survived."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -95,12 +97,32 @@ class LoopbackFederation:
         from feta_release.federation.procs import free_port
 
         port = free_port()
-        self.procs.append(start_superlink(SuperLinkSettings(port=port, database=self.tmp / "coord" / "state.db",
-                                                            insecure=True, home=self.tmp / "coord")))
+        self.procs.append(
+            start_superlink(
+                SuperLinkSettings(
+                    port=port,
+                    database=self.tmp / "coord" / "state.db",
+                    insecure=True,
+                    home=self.tmp / "coord",
+                )
+            )
+        )
         for s in fed.sites:
-            self.procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                                      ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret,
-                                                      superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True)))
+            self.procs.append(
+                start_node(
+                    NodeSettings(
+                        data=s.data,
+                        policy=s.policy,
+                        trusted_policy_key=s.policy_pub,
+                        ledger=s.ledger,
+                        site_key=s.site_key,
+                        data_secret=s.data_secret,
+                        superlink=f"127.0.0.1:{port}",
+                        port=free_port(),
+                        insecure=True,
+                    )
+                )
+            )
         time.sleep(settle)  # let every node register before the job's first hello
         return f"127.0.0.1:{port}"
 

@@ -5,37 +5,37 @@ One-shot mechanisms (central mean, central mode, frequency statistics): a worst-
 D = {blank image} and D' = D + {canary}, where the canary has the largest contribution the mechanism's
 sensitivity allows (an all-white image: its clipped vector has norm exactly C, it moves every mode pixel, and
 every feature vector has norm 1 anyway). The mechanism runs ``trials`` times on each; a one-dimensional score
-(the output projected on the canary's direction) feeds a threshold test, whose threshold is chosen on the first
-half of the runs and evaluated on the second half with Clopper-Pearson bounds. Runs use q = 1 (no sampling):
-the claimed ε is that of ONE unsampled release at the preset's σ, which is what the runs measure.
+(the output projected on the canary's direction) feeds a threshold test, whose threshold is chosen on the
+first half of the runs and evaluated on the second half with Clopper-Pearson bounds. Runs use q = 1 (no
+sampling): the claimed ε is that of ONE unsampled release at the preset's σ, which is what the runs measure.
 
 Central MODE: the release is an argmax per pixel, so the pair above (16 pixel values, a blank against a white
 image, score = white pixels) can never reach the claim: with 2 bins the argmax sees only the DIFFERENCE of two
-noisy counts (noise std sigma·sqrt(2 d) on it, against a shift of 1 per pixel), and binarising d such pixels loses
-another factor 2/pi in the squared signal-to-noise ratio, so the best test on that pair is a Gaussian test of
-mu = 0.56/sigma (ε 1.06 at sigma 2, delta 1e-5, against the claimed 2.17: a ratio < 1/2 with infinitely many
-runs). The worst case for the released output is ONE pixel value (no downsampling, 2 bins) and a tail threshold:
-D = m black one-pixel images, D' = D + one white one; the output is white iff Z1 - Z0 > m - [canary], a threshold
-test on a Gaussian of mu = 1/(sigma·sqrt 2) at the point m (Neyman-Pearson: the best test on that output). m is
-chosen BEFORE the evaluation runs (``mode_blanks``): from the noise scale measured on a small pilot of separate
-runs (so that a mechanism with too little noise moves the threshold to where it shows), and the number of runs;
-every evaluation run then evaluates (no half spent on fitting a threshold). ``mode_design="count"`` keeps the
-16-pixel count test: weaker, but the one that exercises the sqrt(#pixels) sensitivity of the mode's noise.
-The mode's true ε is therefore that of a Gaussian with sigma·sqrt 2 (1.36 at sigma 2 against the claimed 2.17): its
-accounting as a Gaussian of sigma is an upper bound that no audit of the released argmax can reach, and the 2x
-goal is met from ~2 million runs per neighbour (measured: 1M 0.47, 4M 0.53, 16M 0.59; bench/bench_audit.py,
-docs/audit.md). Those runs are cheap: one call of the mechanism releases 1,000 classes, i.e. 1,000 independent
-one-class releases (``_mode_runs``).
+noisy counts (noise std sigma·sqrt(2 d) on it, against a shift of 1 per pixel), and binarising d such pixels
+loses another factor 2/pi in the squared signal-to-noise ratio, so the best test on that pair is a Gaussian
+test of mu = 0.56/sigma (ε 1.06 at sigma 2, delta 1e-5, against the claimed 2.17: a ratio < 1/2 with
+infinitely many runs). The worst case for the released output is ONE pixel value (no downsampling, 2 bins) and
+a tail threshold: D = m black one-pixel images, D' = D + one white one; the output is white iff Z1 - Z0 > m -
+[canary], a threshold test on a Gaussian of mu = 1/(sigma·sqrt 2) at the point m (Neyman-Pearson: the best
+test on that output). m is chosen BEFORE the evaluation runs (``mode_blanks``): from the noise scale measured
+on a small pilot of separate runs (so that a mechanism with too little noise moves the threshold to where it
+shows), and the number of runs; every evaluation run then evaluates (no half spent on fitting a threshold).
+``mode_design="count"`` keeps the 16-pixel count test: weaker, but the one that exercises the sqrt(#pixels)
+sensitivity of the mode's noise. The mode's true ε is therefore that of a Gaussian with sigma·sqrt 2 (1.36 at
+sigma 2 against the claimed 2.17): its accounting as a Gaussian of sigma is an upper bound that no audit of
+the released argmax can reach, and the 2x goal is met from ~2 million runs per neighbour (measured: 1M 0.47,
+4M 0.53, 16M 0.59; bench/bench_audit.py, docs/audit.md). Those runs are cheap: one call of the mechanism
+releases 1,000 classes, i.e. 1,000 independent one-class releases (``_mode_runs``).
 
 DP-SGD: the one-run audit of Steinke, Nasr & Jagielski (2023) through the project's own ``DPSGDTrainer``
 (Poisson sampling, per-example clipping, Gaussian noise): m white-box Dirac canaries (example i's gradient is
-C·e_i, so canaries do not interfere), each included with probability 1/2, trained for the preset's steps at its
-σ and q; the auditor sees every noisy gradient (the DP-SGD threat model allows that) and scores canary i by the
-sum of coordinate i over the steps.
+C·e_i, so canaries do not interfere), each included with probability 1/2, trained for the preset's steps at
+its σ and q; the auditor sees every noisy gradient (the DP-SGD threat model allows that) and scores canary i
+by the sum of coordinate i over the steps.
 
 ``noise_factor`` and ``record_copies`` exist to BREAK a mechanism on purpose (noise scaled down; one record
-contributing several examples, i.e. a sensitivity that ignores how much one person adds): the tests use them to
-show that an audit has the power to catch such a bug. A real audit leaves both at 1.
+contributing several examples, i.e. a sensitivity that ignores how much one person adds): the tests use them
+to show that an audit has the power to catch such a bug. A real audit leaves both at 1.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
-from collections.abc import Callable
 
 import numpy as np
 
@@ -75,17 +75,25 @@ class AuditResult:
 
 
 def _pair(record_copies: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """(D, D'): a blank image, and the blank image plus the canary (``record_copies`` times: a broken unit)."""
+    """(D, D'): a blank image, and the blank image plus the canary (``record_copies`` times: a broken
+    unit)."""
     blank, canary = np.zeros((1, *SHAPE), np.float32), np.ones((record_copies, *SHAPE), np.float32)
     d0 = (blank, np.zeros(1, np.int64))
     d1 = (np.concatenate([blank, canary]), np.zeros(1 + record_copies, np.int64))
     return d0, d1
 
 
-def _central_scores(kind: Literal["mean", "mode"], sigma: float, trials: int, seed: int, record_copies: int,
-                    classes: int = 200) -> tuple[np.ndarray, ...]:
-    """Scores of ``trials`` releases per neighbour; one call releases ``classes`` disjoint classes, each holding
-    its own copy of the pair (independent noise per class: independent one-class releases, as in _mode_runs)."""
+def _central_scores(
+    kind: Literal["mean", "mode"],
+    sigma: float,
+    trials: int,
+    seed: int,
+    record_copies: int,
+    classes: int = 200,
+) -> tuple[np.ndarray, ...]:
+    """Scores of ``trials`` releases per neighbour; one call releases ``classes`` disjoint classes, each
+    holding its own copy of the pair (independent noise per class: independent one-class releases, as in
+    _mode_runs)."""
     from ..mechanisms.central import central_images
 
     k = min(classes, trials)
@@ -95,8 +103,18 @@ def _central_scores(kind: Literal["mean", "mode"], sigma: float, trials: int, se
         n_public = k * (1 + record_copies)  # public and the same for both neighbours; batch = n_public: q = 1
         xs = np.tile(x, (k, 1, 1, 1))
         ys = np.repeat(np.arange(k, dtype=np.int64), len(x))
-        rel, _ = central_images(xs, ys, k, kind=kind, rounds=rounds, batch=n_public, sigma=sigma, n_public=n_public,
-                                rng=np.random.default_rng([seed, i]), bins=2 if kind == "mode" else None)
+        rel, _ = central_images(
+            xs,
+            ys,
+            k,
+            kind=kind,
+            rounds=rounds,
+            batch=n_public,
+            sigma=sigma,
+            n_public=n_public,
+            rng=np.random.default_rng([seed, i]),
+            bins=2 if kind == "mode" else None,
+        )
         flat = rel.values.reshape(rounds * k, -1)[:trials]
         # mean: the canary direction is all-ones; mode: how many pixels came out white.
         out.append(flat.sum(axis=1) if kind == "mean" else (flat > 0.5).sum(axis=1).astype(np.float64))
@@ -106,20 +124,28 @@ def _central_scores(kind: Literal["mean", "mode"], sigma: float, trials: int, se
 MODE_SHAPE = (1, 1, 1)  # one pixel value: the mode's worst case (see the module docstring)
 
 
-def mode_blanks(spread: float, trials: int, delta: float, confidence: float = 0.95, max_blanks: int = 2000) -> int:
-    """The number m >= 1 of black images in the mode audit's pair: the m that maximises the bound ``trials`` runs
-    would give if every count were at its expectation, for a noise std ``spread`` on the difference of the two
-    bins (sigma·sqrt 2 for a correct mechanism): a threshold test on a Gaussian shift of 1/spread at m."""
+def mode_blanks(
+    spread: float, trials: int, delta: float, confidence: float = 0.95, max_blanks: int = 2000
+) -> int:
+    """The number m >= 1 of black images in the mode audit's pair: the m that maximises the bound ``trials``
+    runs would give if every count were at its expectation, for a noise std ``spread`` on the difference of
+    the two bins (sigma·sqrt 2 for a correct mechanism): a threshold test on a Gaussian shift of 1/spread at
+    m."""
     from .stats import expected_threshold_bound
 
-    return max(range(1, max_blanks + 1), key=lambda m: expected_threshold_bound(
-        _norm_sf(m / spread), _norm_sf((m - 1) / spread), trials, delta, confidence))
+    return max(
+        range(1, max_blanks + 1),
+        key=lambda m: expected_threshold_bound(
+            _norm_sf(m / spread), _norm_sf((m - 1) / spread), trials, delta, confidence
+        ),
+    )
 
 
 def _mode_pilot_spread(sigma: float, run_sigma: float, trials: int, seed: int) -> tuple[float, int]:
-    """The std of the bins' difference, measured on pilot runs of D alone with k = 1 and k ~ the claimed spread
-    black images: P[white] = Phi(-k / spread); the k whose rate is nearer Phi(-1) ~ 0.16 (where the rate pins the
-    spread down best) gives the estimate. Separate runs: the evaluation's threshold never sees its own runs."""
+    """The std of the bins' difference, measured on pilot runs of D alone with k = 1 and k ~ the claimed
+    spread black images: P[white] = Phi(-k / spread); the k whose rate is nearer Phi(-1) ~ 0.16 (where the
+    rate pins the spread down best) gives the estimate. Separate runs: the evaluation's threshold never sees
+    its own runs."""
     from statistics import NormalDist
 
     n = max(1000, trials // 40)
@@ -139,18 +165,31 @@ def _mode_runs(blanks: int, copies: int, sigma: float, trials: int, seed: list[i
     """White (1) or black (0) per release of the real mode mechanism on ``blanks`` black one-pixel images plus
     ``copies`` white ones (q = 1: batch = the public size, the same for both neighbours).
 
-    Each call releases K classes, each holding that same data: the classes are disjoint and get independent noise
-    of the same std (the mechanism's parallel composition: one image touches one class), so the K class outputs
-    are K independent releases of the one-class mechanism, at a thousandth of the cost of K calls."""
+    Each call releases K classes, each holding that same data: the classes are disjoint and get independent
+    noise of the same std (the mechanism's parallel composition: one image touches one class), so the K class
+    outputs are K independent releases of the one-class mechanism, at a thousandth of the cost of K calls."""
     from ..mechanisms.central import central_images
 
     k = min(MODE_CLASSES, trials)
     rounds = -(-trials // k)
-    one = np.concatenate([np.zeros((blanks, *MODE_SHAPE), np.float32), np.ones((copies, *MODE_SHAPE), np.float32)])
+    one = np.concatenate(
+        [np.zeros((blanks, *MODE_SHAPE), np.float32), np.ones((copies, *MODE_SHAPE), np.float32)]
+    )
     x = np.tile(one, (k, 1, 1, 1))
     y = np.repeat(np.arange(k, dtype=np.int64), len(one))
-    rel, _ = central_images(x, y, k, kind="mode", rounds=rounds, batch=len(x), sigma=sigma, n_public=len(x),
-                            downsample=1.0, bins=2, rng=np.random.default_rng(seed))
+    rel, _ = central_images(
+        x,
+        y,
+        k,
+        kind="mode",
+        rounds=rounds,
+        batch=len(x),
+        sigma=sigma,
+        n_public=len(x),
+        downsample=1.0,
+        bins=2,
+        rng=np.random.default_rng(seed),
+    )
     return (rel.values.reshape(rounds * k)[:trials] > 0.5).astype(np.float64)
 
 
@@ -158,17 +197,19 @@ def _norm_sf(x: float) -> float:
     return 0.5 * math.erfc(x / math.sqrt(2.0))
 
 
-def _frequency_scores(sigma: float, trials: int, seed: int, record_copies: int, features: int = 64,
-                      classes: int = 100) -> tuple[np.ndarray, ...]:
-    """Scores of ``trials`` releases per neighbour. One call releases ``classes`` class columns, each computed from
-    its own copy of the pair with independent noise of std sigma/N (one image touches one column): the columns are
-    independent one-class releases, so a call yields that many runs."""
+def _frequency_scores(
+    sigma: float, trials: int, seed: int, record_copies: int, features: int = 64, classes: int = 100
+) -> tuple[np.ndarray, ...]:
+    """Scores of ``trials`` releases per neighbour. One call releases ``classes`` class columns, each computed
+    from its own copy of the pair with independent noise of std sigma/N (one image touches one column): the
+    columns are independent one-class releases, so a call yields that many runs."""
     import torch
 
     from ..mechanisms.frequency import frequency_statistics, rff_features, rff_frequencies
 
-    direction = rff_features(np.ones((1, int(np.prod(SHAPE))), np.float32),
-                             rff_frequencies(int(np.prod(SHAPE)), features)).numpy()[0]
+    direction = rff_features(
+        np.ones((1, int(np.prod(SHAPE))), np.float32), rff_frequencies(int(np.prod(SHAPE)), features)
+    ).numpy()[0]
     k = min(classes, trials)
     calls = -(-trials // k)
     out = []
@@ -189,9 +230,19 @@ def _frequency_scores(sigma: float, trials: int, seed: int, record_copies: int, 
     return out[0], out[1]
 
 
-def audit_one_shot(mechanism: str, sigma: float, *, trials: int, delta: float, accountant: Accountant = "rdp",
-                   seed: int = 0, confidence: float = 0.95, noise_factor: float = 1.0, record_copies: int = 1,
-                   mode_design: str = "tail") -> AuditResult:
+def audit_one_shot(
+    mechanism: str,
+    sigma: float,
+    *,
+    trials: int,
+    delta: float,
+    accountant: Accountant = "rdp",
+    seed: int = 0,
+    confidence: float = 0.95,
+    noise_factor: float = 1.0,
+    record_copies: int = 1,
+    mode_design: str = "tail",
+) -> AuditResult:
     """Audit one unsampled release of ``mechanism`` ("central mean" | "central mode" | "frequency") at σ.
     ``mode_design``: "tail" (the one-pixel tail test, tight) or "count" (the 16-pixel count test)."""
     t0 = time.perf_counter()
@@ -208,8 +259,12 @@ def audit_one_shot(mechanism: str, sigma: float, *, trials: int, delta: float, a
         null = _mode_runs(blanks, 0, run_sigma, trials, [seed, 0])
         alt = _mode_runs(blanks, record_copies, run_sigma, trials, [seed, 1])
         bound, detail = threshold_bound(null, alt, 0.5, delta, confidence)
-        detail = {**detail, "pair": f"{blanks} black one-pixel images, and the same + {record_copies} white",
-                  "pilot_runs": pilot, "pilot_spread": spread}
+        detail = {
+            **detail,
+            "pair": f"{blanks} black one-pixel images, and the same + {record_copies} white",
+            "pilot_runs": pilot,
+            "pilot_spread": spread,
+        }
     else:
         null, alt = scorers[mechanism]()
         h = trials // 2
@@ -217,8 +272,18 @@ def audit_one_shot(mechanism: str, sigma: float, *, trials: int, delta: float, a
         bound, detail = threshold_bound(null[h:], alt[h:], threshold, delta, confidence)
     stage = "frequency" if mechanism == "frequency" else "central"
     event = PrivacyEvent(stage, sigma, 1.0, 1)
-    return AuditResult(mechanism, epsilon([event], delta, accountant), bound, delta, confidence, trials, METHOD_CP,
-                       event.to_dict(), time.perf_counter() - t0, detail)
+    return AuditResult(
+        mechanism,
+        epsilon([event], delta, accountant),
+        bound,
+        delta,
+        confidence,
+        trials,
+        METHOD_CP,
+        event.to_dict(),
+        time.perf_counter() - t0,
+        detail,
+    )
 
 
 def _canary_trainer(m: int, sigma: float, q: float, clip: float, seed: int) -> Any:
@@ -241,19 +306,35 @@ def _canary_trainer(m: int, sigma: float, q: float, clip: float, seed: int) -> A
         def draw(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
             return {"unused": torch.zeros(n)}
 
-        def __call__(self, model: Any, x: torch.Tensor, y: torch.Tensor, rand: dict[str, torch.Tensor]) -> torch.Tensor:
+        def __call__(
+            self, model: Any, x: torch.Tensor, y: torch.Tensor, rand: dict[str, torch.Tensor]
+        ) -> torch.Tensor:
             return (model(x) * x).sum()
 
     base = JobConfig()
-    cfg = dataclasses.replace(base, dpsgd=dataclasses.replace(base.dpsgd, clip=float(clip), physical_batch=256))
+    cfg = dataclasses.replace(
+        base, dpsgd=dataclasses.replace(base.dpsgd, clip=float(clip), physical_batch=256)
+    )
     gen = torch.Generator().manual_seed(seed)
     return DPSGDTrainer(Weights(), cfg, sigma, q, gen, loss=DotLoss())
 
 
-def audit_dpsgd_one_run(sigma: float, q: float, steps: int, *, canaries: int = 1000, delta: float,
-                        accountant: Accountant = "rdp", seed: int = 0, confidence: float = 0.95, clip: float = 1.0,
-                        noise_factor: float = 1.0, record_copies: int = 1) -> AuditResult:
-    """One training run with ``canaries`` Dirac canaries at the preset's σ, q and steps (see module docstring)."""
+def audit_dpsgd_one_run(
+    sigma: float,
+    q: float,
+    steps: int,
+    *,
+    canaries: int = 1000,
+    delta: float,
+    accountant: Accountant = "rdp",
+    seed: int = 0,
+    confidence: float = 0.95,
+    clip: float = 1.0,
+    noise_factor: float = 1.0,
+    record_copies: int = 1,
+) -> AuditResult:
+    """One training run with ``canaries`` Dirac canaries at the preset's σ, q and steps (see module
+    docstring)."""
     import torch
 
     t0 = time.perf_counter()
@@ -270,6 +351,15 @@ def audit_dpsgd_one_run(sigma: float, q: float, steps: int, *, canaries: int = 1
         scores += grads["w"].double()  # white box: the auditor sees every privatised gradient
     bound, detail = one_run_bound(scores.numpy(), included, delta, confidence)
     event = PrivacyEvent("dpsgd", sigma, q, steps)
-    return AuditResult("DP-SGD", epsilon([event], delta, accountant), bound, delta, confidence, 1, METHOD_ONE_RUN,
-                       event.to_dict(), time.perf_counter() - t0,
-                       {**detail, "canaries": canaries, "included": int(included.sum())})
+    return AuditResult(
+        "DP-SGD",
+        epsilon([event], delta, accountant),
+        bound,
+        delta,
+        confidence,
+        1,
+        METHOD_ONE_RUN,
+        event.to_dict(),
+        time.perf_counter() - t0,
+        {**detail, "canaries": canaries, "included": int(included.sum())},
+    )

@@ -3,8 +3,8 @@ one-run bound of Steinke, Nasr and Jagielski (NeurIPS 2023).
 
 Every function here turns observations into a LOWER bound on ε that holds with the stated confidence: if the
 mechanism really were (ε, δ)-DP, the returned value would exceed ε with probability at most 1 - confidence.
-scipy's beta / binomial distributions are used where installed; the exact fallbacks (log-space binomial sums and
-bisection) give the same numbers to ~1e-9 and are tested against scipy.
+scipy's beta / binomial distributions are used where installed; the exact fallbacks (log-space binomial sums
+and bisection) give the same numbers to ~1e-9 and are tested against scipy.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ def _log_pmf(k: int, n: int, p: float) -> float:
         return 0.0 if k == 0 else -math.inf
     if p >= 1.0:
         return 0.0 if k == n else -math.inf
-    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-            + k * math.log(p) + (n - k) * math.log1p(-p))
+    return (
+        math.lgamma(n + 1)
+        - math.lgamma(k + 1)
+        - math.lgamma(n - k + 1)
+        + k * math.log(p)
+        + (n - k) * math.log1p(-p)
+    )
 
 
 def binom_cdf_exact(k: int, n: int, p: float) -> float:
@@ -93,32 +98,40 @@ def epsilon_from_rates(fpr: float, fnr: float, delta: float) -> float:
     return best
 
 
-def threshold_bound(null: np.ndarray, alt: np.ndarray, threshold: float, delta: float,
-                    confidence: float = 0.95) -> tuple[float, dict[str, float]]:
+def threshold_bound(
+    null: np.ndarray, alt: np.ndarray, threshold: float, delta: float, confidence: float = 0.95
+) -> tuple[float, dict[str, float]]:
     """ε lower bound of the test "alternative if score > threshold" on scores under the two neighbours.
 
-    FPR and FNR each get a one-sided Clopper-Pearson upper bound at (1 - confidence) / 2: by the union bound both
-    hold together with probability >= confidence, and then so does the ε bound.
+    FPR and FNR each get a one-sided Clopper-Pearson upper bound at (1 - confidence) / 2: by the union bound
+    both hold together with probability >= confidence, and then so does the ε bound.
     """
     a = (1 - confidence) / 2
     fp, fn = int((null > threshold).sum()), int((alt <= threshold).sum())
     fpr, fnr = cp_upper(fp, len(null), a), cp_upper(fn, len(alt), a)
-    return epsilon_from_rates(fpr, fnr, delta), {"false_positives": fp, "false_negatives": fn, "fpr_upper": fpr,
-                                                  "fnr_upper": fnr, "threshold": float(threshold)}
+    return epsilon_from_rates(fpr, fnr, delta), {
+        "false_positives": fp,
+        "false_negatives": fn,
+        "fpr_upper": fpr,
+        "fnr_upper": fnr,
+        "threshold": float(threshold),
+    }
 
 
 def expected_threshold_bound(fpr: float, tpr: float, n: int, delta: float, confidence: float = 0.95) -> float:
-    """The bound ``threshold_bound`` would give on ``n`` runs per neighbour if the counts were at their expectation
-    (false positives fpr·n, false negatives (1 - tpr)·n): the typical outcome, for planning how many runs an audit
-    needs (never a bound itself)."""
+    """The bound ``threshold_bound`` would give on ``n`` runs per neighbour if the counts were at their
+    expectation (false positives fpr·n, false negatives (1 - tpr)·n): the typical outcome, for planning how
+    many runs an audit needs (never a bound itself)."""
     a = (1 - confidence) / 2
     fp, fn = int(round(fpr * n)), int(round((1.0 - tpr) * n))
     return epsilon_from_rates(cp_upper(min(fp, n), n, a), cp_upper(min(fn, n), n, a), delta)
 
 
-def expected_gaussian_bound(mu: float, n: int, delta: float, confidence: float = 0.95, steps: int = 400) -> float:
-    """The best ``expected_threshold_bound`` over thresholds for a Gaussian shift ``mu`` (noise 1): what an audit of
-    a mechanism that is exactly GDP(mu) typically shows with ``n`` evaluation runs per neighbour."""
+def expected_gaussian_bound(
+    mu: float, n: int, delta: float, confidence: float = 0.95, steps: int = 400
+) -> float:
+    """The best ``expected_threshold_bound`` over thresholds for a Gaussian shift ``mu`` (noise 1): what an
+    audit of a mechanism that is exactly GDP(mu) typically shows with ``n`` evaluation runs per neighbour."""
     best = 0.0
     for t in np.linspace(-2.0, 9.0, steps):
         fpr = 0.5 * math.erfc(t / math.sqrt(2.0))
@@ -127,14 +140,16 @@ def expected_gaussian_bound(mu: float, n: int, delta: float, confidence: float =
     return best
 
 
-def best_threshold(null: np.ndarray, alt: np.ndarray, delta: float, candidates: int = 256,
-                   confidence: float = 0.95) -> float:
+def best_threshold(
+    null: np.ndarray, alt: np.ndarray, delta: float, candidates: int = 256, confidence: float = 0.95
+) -> float:
     """The threshold that maximises the bound on THESE scores (use it on fresh scores only: choosing it on the
     scores it is then evaluated on would overstate the bound).
 
-    Scored at the evaluation's own ``confidence``: scoring at 0.5 (nearly the point estimate) picked thresholds in
-    the extreme tails, where a handful of chance counts in the fitting half look like a large ε and the fresh half
-    then shows nothing: the audits at the presets' σ measured 0 for that reason (docs/audit.md)."""
+    Scored at the evaluation's own ``confidence``: scoring at 0.5 (nearly the point estimate) picked
+    thresholds in the extreme tails, where a handful of chance counts in the fitting half look like a large ε
+    and the fresh half then shows nothing: the audits at the presets' σ measured 0 for that reason
+    (docs/audit.md)."""
     pooled = np.concatenate([null, alt])
     grid = np.unique(np.quantile(pooled, np.linspace(0.0, 1.0, candidates)))
     return float(max(grid, key=lambda t: threshold_bound(null, alt, t, delta, confidence)[0]))
@@ -184,14 +199,19 @@ def one_run_guesses(scores: np.ndarray, included: np.ndarray, guesses: int) -> t
     """Guess "in" for the guesses/2 highest scores and "out" for the guesses/2 lowest; (r, correct)."""
     order = np.argsort(scores, kind="stable")
     k = guesses // 2
-    outs, ins = order[:k], order[len(order) - k:]
+    outs, ins = order[:k], order[len(order) - k :]
     return 2 * k, int((~included[outs]).sum() + included[ins].sum())
 
 
-def one_run_bound(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float = 0.95,
-                  grid: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)) -> tuple[float, dict[str, int]]:
-    """The best bound over a FIXED grid of guess counts (fractions of m), Bonferroni-corrected over the grid so
-    that picking the best one keeps the stated confidence."""
+def one_run_bound(
+    scores: np.ndarray,
+    included: np.ndarray,
+    delta: float,
+    confidence: float = 0.95,
+    grid: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+) -> tuple[float, dict[str, int]]:
+    """The best bound over a FIXED grid of guess counts (fractions of m), Bonferroni-corrected over the grid
+    so that picking the best one keeps the stated confidence."""
     m = len(scores)
     alpha = (1 - confidence) / len(grid)
     best, info = 0.0, {"guesses": 0, "correct": 0}

@@ -13,7 +13,8 @@ from .data_options import data_load_options
 
 @click.group()
 def data() -> None:
-    """Inspect image datasets (image folders, .npz files, the embedded MNIST subset); generate procedural ones."""
+    """Inspect image datasets (image folders, .npz files, the embedded MNIST subset); generate procedural
+    ones."""
 
 
 @data.command()
@@ -43,22 +44,34 @@ def inspect(path: str, load: LoadOptions | None, as_json: bool) -> None:
 @data.command()
 @click.argument("kind", metavar="KIND")
 @click.option("--n", "n", type=int, default=1000, show_default=True, help="Number of images.")
-@click.option("--size", type=int, default=None,
-              help="Side length in pixels (medical 28..128, default 64; rgb 16..128, default 32; strokes 16..128, "
-                   "default 28).")
+@click.option(
+    "--size",
+    type=int,
+    default=None,
+    help="Side length in pixels (medical 28..128, default 64; rgb 16..128, default 32; strokes 16..128, "
+    "default 28).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="The same seed gives the same images.")
-@click.option("--population", default="A", show_default=True,
-              help="medical only: A, or B (another hospital: other contrast, noise, gamma and class balance).")
-@click.option("--out", "out", required=True,
-              help="An .npz file (uint8 pixels), or a new folder: images/<class>/*.png and labels.csv.")
+@click.option(
+    "--population",
+    default="A",
+    show_default=True,
+    help="medical only: A, or B (another hospital: other contrast, noise, gamma and class balance).",
+)
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    help="An .npz file (uint8 pixels), or a new folder: images/<class>/*.png and labels.csv.",
+)
 def generate(kind: str, n: int, size: int | None, seed: int, population: str, out: str) -> None:
     """Generate a labelled image set offline: KIND is medical, rgb or strokes (see docs/data-kinds.md).
 
     medical: chest-radiograph-like grey images, classes normal, finding (a small local spot only), effusion,
     opacity. rgb: coloured textured shapes on cluttered backgrounds, 10 classes (shape x warm/cool colour).
-    strokes: grey pen strokes (line, arc, loop, curve) on black: public pretraining data for digits (`train --public`).
-    The result loads with `data inspect`, `train --data` and `evaluate --real` (an .npz keeps the class order;
-    a folder or labels.csv lists its classes by name, sorted).
+    strokes: grey pen strokes (line, arc, loop, curve) on black: public pretraining data for digits (`train
+    --public`). The result loads with `data inspect`, `train --data` and `evaluate --real` (an .npz keeps the
+    class order; a folder or labels.csv lists its classes by name, sorted).
 
     \b
     Example:
@@ -96,9 +109,11 @@ def _print_tables(info: dict) -> None:
     overview.add_row("skipped files", str(info["n_skipped"]))
     overview.add_row("resized images", str(info["n_resized"]))
     if info["n_patients"] is not None:
-        overview.add_row("patients (unit of privacy)",
-                         f"{info['n_patients']:,} (at most {info['max_images_per_patient']} "
-                         f"image{'' if info['max_images_per_patient'] == 1 else 's'} each)")
+        overview.add_row(
+            "patients (unit of privacy)",
+            f"{info['n_patients']:,} (at most {info['max_images_per_patient']} "
+            f"image{'' if info['max_images_per_patient'] == 1 else 's'} each)",
+        )
     for what, k in info["conversions"].items():
         overview.add_row("converted", escape(f"{k} x {what}"))
     console.print(overview)

@@ -1,5 +1,6 @@
-"""The derived job's options of ``train`` (``--epsilon --delta --time-budget --save-job``) and the glue from loaded
-data to :mod:`feta_release.job_rules`: the job derived from the public facts, printed as TOML and saved."""
+"""The derived job's options of ``train`` (``--epsilon --delta --time-budget --save-job``) and the glue from
+loaded data to :mod:`feta_release.job_rules`: the job derived from the public facts, printed as TOML and
+saved."""
 
 from __future__ import annotations
 
@@ -28,20 +29,41 @@ def parse_duration(text: str, where: str = "--time-budget") -> float:
 def derive_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """``--epsilon --delta --time-budget --save-job`` (the function gets ``derive: DeriveRequest``)."""
     opts = [
-        click.option("--epsilon", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Derive the job from the data (no JOB, no --preset): the privacy budget epsilon."),
-        click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
-                     help="Derived job: delta (default: the presets' 1e-5, below 1 / (10 N) past 10,000 images)."),
-        click.option("--time-budget", default=None, metavar="DURATION",
-                     help="Derived job: training time to size the warm-up and DP-SGD steps for (900, 15m, 1h; "
-                          "default: 15 min for 4,000 images at 28 px on 2 CPU cores, x sqrt of pixels/784 and of "
-                          "N/4,000: 34 min at 64 px)."),
-        click.option("--save-job", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                     help="Derived job: also write it to this TOML file (then `train FILE` reruns it)."),
-        click.option("--dpsgd", "dpsgd", type=click.Choice(["auto", "on", "off"]), default=None,
-                     help="Derived job: DP-SGD after the warm-ups: auto (default: by the rule on epsilon x "
-                          "N), on (steps from the time budget; with --public only the norms, attention and "
-                          "conditioning train) or off."),
+        click.option(
+            "--epsilon",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="Derive the job from the data (no JOB, no --preset): the privacy budget epsilon.",
+        ),
+        click.option(
+            "--delta",
+            type=click.FloatRange(0, 1, min_open=True, max_open=True),
+            default=None,
+            help="Derived job: delta (default: the presets' 1e-5, below 1 / (10 N) past 10,000 images).",
+        ),
+        click.option(
+            "--time-budget",
+            default=None,
+            metavar="DURATION",
+            help="Derived job: training time to size the warm-up and DP-SGD steps for (900, 15m, 1h; "
+            "default: 15 min for 4,000 images at 28 px on 2 CPU cores, x sqrt of pixels/784 and of "
+            "N/4,000: 34 min at 64 px).",
+        ),
+        click.option(
+            "--save-job",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="Derived job: also write it to this TOML file (then `train FILE` reruns it).",
+        ),
+        click.option(
+            "--dpsgd",
+            "dpsgd",
+            type=click.Choice(["auto", "on", "off"]),
+            default=None,
+            help="Derived job: DP-SGD after the warm-ups: auto (default: by the rule on epsilon x "
+            "N), on (steps from the time budget; with --public only the norms, attention and "
+            "conditioning train) or off.",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -58,21 +80,30 @@ class DeriveRequest:
 
     @property
     def given(self) -> bool:
-        return any(v is not None
-                   for v in (self.epsilon, self.delta, self.time_budget, self.save_job, self.dpsgd))
+        return any(
+            v is not None for v in (self.epsilon, self.delta, self.time_budget, self.save_job, self.dpsgd)
+        )
 
 
 def base_job() -> JobConfig:
-    """The job the data are loaded under before the derived one exists (the [job] defaults: refuse other sizes)."""
+    """The job the data are loaded under before the derived one exists (the [job] defaults: refuse other
+    sizes)."""
     return JobConfig.from_dict({"dpsgd": {"steps": 0}}, "derived job")
 
 
-def derived_jobs(req: DeriveRequest, data: Any, device: str, public_size: int | None, policy: Any,
-                 load: Any, emit: Callable[[str], None], public: Any = None
-                 ) -> tuple[JobConfig, Callable[[int], JobConfig] | None]:
-    """(the job to run or to draw the size under, the job as a function of the drawn size or None): derived from the
-    data's public facts (shape, classes) and the declared size (``public_size``, the policy's), else from the size
-    the run draws; ``public`` (a loaded --public set, or None) adds its pretraining
+def derived_jobs(
+    req: DeriveRequest,
+    data: Any,
+    device: str,
+    public_size: int | None,
+    policy: Any,
+    load: Any,
+    emit: Callable[[str], None],
+    public: Any = None,
+) -> tuple[JobConfig, Callable[[int], JobConfig] | None]:
+    """(the job to run or to draw the size under, the job as a function of the drawn size or None): derived
+    from the data's public facts (shape, classes) and the declared size (``public_size``, the policy's), else
+    from the size the run draws; ``public`` (a loaded --public set, or None) adds its pretraining
     (``job_rules.PublicFacts``). ``emit`` gets the derived job's TOML."""
     from ..job_rules import DataFacts, derivation_toml, derive, facts_at, public_facts, sizing_size
 
@@ -82,14 +113,25 @@ def derived_jobs(req: DeriveRequest, data: Any, device: str, public_size: int | 
     if policy is not None:  # the site's signed per-job budget caps what the job may spend
         eps = min(eps, float(policy.job_epsilon))
         delta = min(delta if delta is not None else 1.0, float(policy.job_delta))
-    declared = public_size if public_size is not None else (int(policy.dataset_size) if policy is not None else None)
-    facts = DataFacts(size=declared or 1, height=int(h), width=int(w), channels=int(c), n_classes=int(data.n_classes),
-                      epsilon=eps, delta=delta, device="cuda" if device == "cuda" else "cpu",
-                      time_budget=parse_duration(req.time_budget) if req.time_budget is not None else None,
-                      size_drawn=declared is None, memory_mb=_memory_cap(policy),
-                      public=public_facts(public) if public is not None else None,
-                      dpsgd=req.dpsgd or "auto",  # type: ignore[arg-type]  # click.Choice checked it
-                      class_names=tuple(data.class_names))
+    declared = (
+        public_size if public_size is not None else (int(policy.dataset_size) if policy is not None else None)
+    )
+    facts = DataFacts(
+        size=declared or 1,
+        height=int(h),
+        width=int(w),
+        channels=int(c),
+        n_classes=int(data.n_classes),
+        epsilon=eps,
+        delta=delta,
+        device="cuda" if device == "cuda" else "cpu",
+        time_budget=parse_duration(req.time_budget) if req.time_budget is not None else None,
+        size_drawn=declared is None,
+        memory_mb=_memory_cap(policy),
+        public=public_facts(public) if public is not None else None,
+        dpsgd=req.dpsgd or "auto",  # type: ignore[arg-type]  # click.Choice checked it
+        class_names=tuple(data.class_names),
+    )
 
     def job_at(n: int) -> JobConfig:
         d = derive(facts_at(facts, n))
@@ -106,7 +148,8 @@ def derived_jobs(req: DeriveRequest, data: Any, device: str, public_size: int | 
 
 
 def _memory_cap(policy: Any) -> float | None:
-    """The site policy's ``resources.max_worker_memory_mb`` (its default when unset), or None without a policy."""
+    """The site policy's ``resources.max_worker_memory_mb`` (its default when unset), or None without a
+    policy."""
     from ..policy.enforce import resource_cap
 
     return None if policy is None else resource_cap(policy, "max_worker_memory_mb")

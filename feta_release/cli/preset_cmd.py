@@ -48,8 +48,10 @@ def list_presets() -> None:
     Example:
       feta-release preset list
     """
-    click.echo("Presets are tuned to the embedded 28x28 digits (slant cells, clips and sizes included); for other data "
-               "let `train --epsilon E` derive the job from it (docs/derived-job.md).")
+    click.echo(
+        "Presets are tuned to the embedded 28x28 digits (slant cells, clips and sizes included); for other "
+        "data let `train --epsilon E` derive the job from it (docs/derived-job.md)."
+    )
     for name in preset_names():
         desc, measured = summary(name)
         click.echo(f"{name:<18} {desc}")

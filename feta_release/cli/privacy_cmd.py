@@ -1,4 +1,5 @@
-"""``feta-release privacy``: plan a job's privacy budget before touching data; account a saved event history."""
+"""``feta-release privacy``: plan a job's privacy budget before touching data; account a saved event
+history."""
 
 from __future__ import annotations
 
@@ -18,40 +19,106 @@ def privacy() -> None:
 
 @privacy.command("plan")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--dataset-size", "--size", "-n", type=click.IntRange(min=1), default=None,
-              help="Public number of training images. Default: 4000 (the embedded data's training split).")
-@click.option("--patient-cap", type=click.IntRange(min=1), default=None, metavar="K",
-              help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT. "
-              "Give -n as the number of images left after the cap.")
-@click.option("--patients", "public_patients", type=click.IntRange(min=1), default=None, metavar="P",
-              help="With --patient-cap: the PUBLIC number of patients; plans patient-level DP-SGD (whole patients "
-              "sampled at rate q, each patient's summed gradient clipped), so DP-SGD's ε holds per patient directly.")
-@click.option("--max-images-per-person", type=click.IntRange(min=1), default=None, metavar="M",
-              help="Without patient ids: the most images one person may have; states the group-privacy ε for them.")
-@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Plan JOB_FILE as a federated job at the site of this policy (signed JSON, or a TOML/JSON draft), "
-              "exactly as its node will: its public size, per-job budget and unit of privacy (a patient-level policy: "
-              "DP-SGD samples its public patients at q = batch / patients). Replaces -n and the patient options.")
-@click.option("--declared-size", is_flag=True,
-              help="-n is a DECLARED public size (`train --public-size N`): no noisy count is planned. Default: as "
-              "`train` without --public-size, which draws its public size from a noisy count of the images (the "
-              "event 'size', charged first) and -n is then about the count.")
-@click.option("--shape", default=None, metavar="HxWxC",
-              help="Without JOB_FILE: the images' shape (e.g. 28x28x1, 64x64x3) of the job to derive.")
-@click.option("--classes", type=click.IntRange(min=1), default=None,
-              help="Without JOB_FILE: the number of classes of the job to derive.")
-@click.option("--epsilon", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Without JOB_FILE: the budget of the job to derive (`train --epsilon` derives the same job).")
-@click.option("--delta", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
-              help="Without JOB_FILE: delta of the derived job (default: the rule of `train --delta`).")
-@click.option("--time-budget", default=None, metavar="DURATION", help="Without JOB_FILE: as `train --time-budget`.")
-@click.option("--for-device", "for_device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Without JOB_FILE: the device the derived job is sized for.")
+@click.option(
+    "--dataset-size",
+    "--size",
+    "-n",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Public number of training images. Default: 4000 (the embedded data's training split).",
+)
+@click.option(
+    "--patient-cap",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="K",
+    help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT. "
+    "Give -n as the number of images left after the cap.",
+)
+@click.option(
+    "--patients",
+    "public_patients",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="P",
+    help="With --patient-cap: the PUBLIC number of patients; plans patient-level DP-SGD (whole patients "
+    "sampled at rate q, each patient's summed gradient clipped), so DP-SGD's ε holds per patient directly.",
+)
+@click.option(
+    "--max-images-per-person",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="M",
+    help="Without patient ids: the most images one person may have; states the group-privacy ε for them.",
+)
+@click.option(
+    "--policy",
+    "policy_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Plan JOB_FILE as a federated job at the site of this policy (signed JSON, or a TOML/JSON draft), "
+    "exactly as its node will: its public size, per-job budget and unit of privacy (a patient-level policy: "
+    "DP-SGD samples its public patients at q = batch / patients). Replaces -n and the patient options.",
+)
+@click.option(
+    "--declared-size",
+    is_flag=True,
+    help="-n is a DECLARED public size (`train --public-size N`): no noisy count is planned. Default: as "
+    "`train` without --public-size, which draws its public size from a noisy count of the images (the "
+    "event 'size', charged first) and -n is then about the count.",
+)
+@click.option(
+    "--shape",
+    default=None,
+    metavar="HxWxC",
+    help="Without JOB_FILE: the images' shape (e.g. 28x28x1, 64x64x3) of the job to derive.",
+)
+@click.option(
+    "--classes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Without JOB_FILE: the number of classes of the job to derive.",
+)
+@click.option(
+    "--epsilon",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Without JOB_FILE: the budget of the job to derive (`train --epsilon` derives the same job).",
+)
+@click.option(
+    "--delta",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=None,
+    help="Without JOB_FILE: delta of the derived job (default: the rule of `train --delta`).",
+)
+@click.option(
+    "--time-budget", default=None, metavar="DURATION", help="Without JOB_FILE: as `train --time-budget`."
+)
+@click.option(
+    "--for-device",
+    "for_device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Without JOB_FILE: the device the derived job is sized for.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def plan(job_file: Path | None, dataset_size: int | None, patient_cap: int | None, public_patients: int | None,
-         max_images_per_person: int | None, policy_path: Path | None, declared_size: bool, shape: str | None,
-         classes: int | None, epsilon: float | None, delta: float | None, time_budget: str | None, for_device: str,
-         as_json: bool) -> None:
+def plan(
+    job_file: Path | None,
+    dataset_size: int | None,
+    patient_cap: int | None,
+    public_patients: int | None,
+    max_images_per_person: int | None,
+    policy_path: Path | None,
+    declared_size: bool,
+    shape: str | None,
+    classes: int | None,
+    epsilon: float | None,
+    delta: float | None,
+    time_budget: str | None,
+    for_device: str,
+    as_json: bool,
+) -> None:
     """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
     and what that ε means for the unit of privacy (an image, or a patient). Without JOB_FILE: the job `train`
     derives from these public facts (--size, --shape, --classes, --epsilon), printed as TOML, and its plan.
@@ -66,25 +133,44 @@ def plan(job_file: Path | None, dataset_size: int | None, patient_cap: int | Non
 
     derived = (shape, classes, epsilon, delta, time_budget)
     if job_file is None:
-        _plan_derived(dataset_size, shape, classes, epsilon, delta, time_budget, for_device, declared_size, as_json)
+        _plan_derived(
+            dataset_size, shape, classes, epsilon, delta, time_budget, for_device, declared_size, as_json
+        )
         return
     if any(v is not None for v in derived):
-        raise click.UsageError("--shape, --classes, --epsilon, --delta and --time-budget describe a job to derive: "
-                               "drop them, or drop JOB_FILE")
+        raise click.UsageError(
+            "--shape, --classes, --epsilon, --delta and --time-budget describe a job to derive: "
+            "drop them, or drop JOB_FILE"
+        )
 
     if policy_path is not None:
-        if dataset_size is not None or patient_cap is not None or public_patients is not None or max_images_per_person:
-            raise click.UsageError("--policy fixes the size and the unit of privacy: drop -n, --patient-cap, "
-                                   "--patients and --max-images-per-person")
-        # (a policy's size is its administrator's declaration: nothing is drawn, --declared-size changes nothing)
+        if (
+            dataset_size is not None
+            or patient_cap is not None
+            or public_patients is not None
+            or max_images_per_person
+        ):
+            raise click.UsageError(
+                "--policy fixes the size and the unit of privacy: drop -n, --patient-cap, "
+                "--patients and --max-images-per-person"
+            )
+        # (a policy's size is its administrator's declaration: nothing is drawn, --declared-size changes
+        # nothing)
         _plan_for_policy(job_file, policy_path, as_json)
         return
     if patient_cap is not None and max_images_per_person is not None:
-        raise click.UsageError("give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both")
+        raise click.UsageError(
+            "give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both"
+        )
     if public_patients is not None and patient_cap is None:
-        raise click.UsageError("--patients plans patient-level DP-SGD, which needs patient ids: give --patient-cap K")
-    unit = (PrivacyUnit("patient", patient_cap) if patient_cap is not None
-            else PrivacyUnit("image", max_images_per_person))
+        raise click.UsageError(
+            "--patients plans patient-level DP-SGD, which needs patient ids: give --patient-cap K"
+        )
+    unit = (
+        PrivacyUnit("patient", patient_cap)
+        if patient_cap is not None
+        else PrivacyUnit("image", max_images_per_person)
+    )
     from ..config import load_job
     from ..planning import DEFAULT_DATASET_SIZE
     from ..planning import plan as plan_privacy
@@ -95,8 +181,13 @@ def plan(job_file: Path | None, dataset_size: int | None, patient_cap: int | Non
     from ..mechanisms.count import size_event
 
     # --patient-cap makes the PATIENT the unit: the job's [privacy] budget is then a budget per patient
-    result = plan_privacy(cfg, n, dpsgd_unit="image" if public_patients is None else "patient",
-                          size=None if declared_size else size_event(), patient_cap=patient_cap)
+    result = plan_privacy(
+        cfg,
+        n,
+        dpsgd_unit="image" if public_patients is None else "patient",
+        size=None if declared_size else size_event(),
+        patient_cap=patient_cap,
+    )
     if as_json:
         data = result.to_dict()
         data["job"] = str(job_file)
@@ -111,8 +202,10 @@ def plan(job_file: Path | None, dataset_size: int | None, patient_cap: int | Non
     _print_plan(result, job_file, assumed)
     st = unit.statement(result.epsilon, result.delta, result.events, result.accountant)
     if public_patients is not None and (sgd := result.event("dpsgd")) is not None:
-        click.echo(f"patient-level DP-SGD: each step samples patients at q = {sgd.q:.4g}, expected "
-                   f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that")
+        click.echo(
+            f"patient-level DP-SGD: each step samples patients at q = {sgd.q:.4g}, expected "
+            f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that"
+        )
     click.echo(unit_line(st))
 
 
@@ -129,12 +222,23 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return c, h, w
 
 
-def _plan_derived(size: int | None, shape: str | None, classes: int | None, eps: float | None, delta: float | None,
-                  time_budget: str | None, device: str, declared: bool, as_json: bool) -> None:
+def _plan_derived(
+    size: int | None,
+    shape: str | None,
+    classes: int | None,
+    eps: float | None,
+    delta: float | None,
+    time_budget: str | None,
+    device: str,
+    declared: bool,
+    as_json: bool,
+) -> None:
     """The job derived from public facts (feta_release.job_rules), as TOML, and its plan."""
     if shape is None or classes is None or eps is None:
-        raise click.UsageError("give JOB_FILE, or --shape, --classes and --epsilon (and --size) to plan the job "
-                               "`train` derives from them")
+        raise click.UsageError(
+            "give JOB_FILE, or --shape, --classes and --epsilon (and --size) to plan the job "
+            "`train` derives from them"
+        )
     from ..job_rules import DataFacts, derivation_toml, derive
     from ..mechanisms.count import size_event
     from ..planning import DEFAULT_DATASET_SIZE
@@ -144,15 +248,34 @@ def _plan_derived(size: int | None, shape: str | None, classes: int | None, eps:
     c, h, w = parse_shape(shape)
     n = DEFAULT_DATASET_SIZE if size is None else size
     facts = DataFacts(
-        size=n, height=h, width=w, channels=c, n_classes=classes, epsilon=eps, delta=delta,
+        size=n,
+        height=h,
+        width=w,
+        channels=c,
+        n_classes=classes,
+        epsilon=eps,
+        delta=delta,
         device=device,  # type: ignore[arg-type]  # click.Choice: "cpu" or "cuda", typed str
-        time_budget=parse_duration(time_budget) if time_budget else None, size_drawn=not declared,
+        time_budget=parse_duration(time_budget) if time_budget else None,
+        size_drawn=not declared,
     )
     d = derive(facts)
-    result = plan_privacy(d.cfg, n, image_shape=(c, h, w), n_classes=classes, size=None if declared else size_event())
+    result = plan_privacy(
+        d.cfg, n, image_shape=(c, h, w), n_classes=classes, size=None if declared else size_event()
+    )
     if as_json:
-        click.echo(json.dumps({**result.to_dict(), "job": "derived", "derived_job": d.cfg.to_dict(),
-                               "notes": list(d.notes), "estimated_seconds": d.estimate.seconds}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    **result.to_dict(),
+                    "job": "derived",
+                    "derived_job": d.cfg.to_dict(),
+                    "notes": list(d.notes),
+                    "estimated_seconds": d.estimate.seconds,
+                },
+                indent=2,
+            )
+        )
         return
     click.echo(derivation_toml(d))
     _print_plan(result, Path("derived job"), size is None)
@@ -164,7 +287,11 @@ def _read_policy(path: Path) -> Any:
     from ..policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
     from ..policy.envelope import read_json
 
-    if path.suffix.lower() == ".json" and isinstance(raw := read_json(path, "policy"), dict) and "signature" in raw:
+    if (
+        path.suffix.lower() == ".json"
+        and isinstance(raw := read_json(path, "policy"), dict)
+        and "signature" in raw
+    ):
         return read_signed_policy_unverified(path)[0]
     return SitePolicy.from_document(read_policy_document(path), None, str(path))
 
@@ -184,20 +311,32 @@ def _plan_for_policy(job_file: Path, policy_path: Path, as_json: bool) -> None:
         cfg = cfg.replace(central={"batch": max(1, round(cfg.central.rate * pol.dataset_size))})
     if cfg.dpsgd.rate is not None:
         cfg = cfg.replace(dpsgd={"batch": max(1, round(cfg.dpsgd.rate * pol.dpsgd_population))})
-    result = plan_privacy(cfg, int(pol.dataset_size), federated=True, budget=target(cfg, pol), **site_dpsgd(pol))
+    result = plan_privacy(
+        cfg, int(pol.dataset_size), federated=True, budget=target(cfg, pol), **site_dpsgd(pol)
+    )
     st = site_unit_statement(pol, result.epsilon, result.delta, result.events, result.accountant)
     sgd = result.event("dpsgd")
     if as_json:
-        data = {**result.to_dict(), "job": str(job_file), "policy": str(policy_path), "site_id": pol.site_id,
-                "federated": True, "privacy_unit": st}
+        data = {
+            **result.to_dict(),
+            "job": str(job_file),
+            "policy": str(policy_path),
+            "site_id": pol.site_id,
+            "federated": True,
+            "privacy_unit": st,
+        }
         click.echo(json.dumps(data, indent=2))
         return
     _print_plan(result, job_file, False)
-    click.echo(f"site {pol.site_id} (policy {policy_path}): federated plan, {cfg.federation.rounds} round(s) x "
-               f"{cfg.federation.local_steps} local step(s)")
+    click.echo(
+        f"site {pol.site_id} (policy {policy_path}): federated plan, {cfg.federation.rounds} round(s) x "
+        f"{cfg.federation.local_steps} local step(s)"
+    )
     if pol.privacy_unit == "patient" and sgd is not None:
-        click.echo(f"patient-level DP-SGD: q = batch / public patients = {cfg.dpsgd.batch} / {pol.patients} = "
-                   f"{sgd.q:.4g}; each step's noisy sum is divided by q x {pol.patients}")
+        click.echo(
+            f"patient-level DP-SGD: q = batch / public patients = {cfg.dpsgd.batch} / {pol.patients} = "
+            f"{sgd.q:.4g}; each step's noisy sum is divided by q x {pol.patients}"
+        )
     click.echo(unit_line(st))
 
 
@@ -207,14 +346,22 @@ def unit_line(st: dict[str, Any]) -> str:
     optional facts the statement carries (public patients, sensitivity, a person's group figure)."""
     if st["unit"] == "patient":
         who = f"at most {st['images_per_patient_cap']} image(s) each" + (
-            f", {st['public_patients']} public patients" if "public_patients" in st else "")
-        line = (f"unit of privacy: the PATIENT ({who}): ε per patient {st['epsilon_per_patient']:.3f} at δ "
-                f"{st['delta_per_patient']:.3g} ({st['how']})")
+            f", {st['public_patients']} public patients" if "public_patients" in st else ""
+        )
+        line = (
+            f"unit of privacy: the PATIENT ({who}): ε per patient {st['epsilon_per_patient']:.3f} at δ "
+            f"{st['delta_per_patient']:.3g} ({st['how']})"
+        )
         return line + (f"; sensitivity: {st['sensitivity']}" if "sensitivity" in st else "")
-    line = f"unit of privacy: one IMAGE: ε {st['epsilon_per_image']:.3f} at δ {st['delta_per_image']:.3g} ({st['how']})"
+    line = (
+        f"unit of privacy: one IMAGE: ε {st['epsilon_per_image']:.3f} at δ {st['delta_per_image']:.3g} "
+        f"({st['how']})"
+    )
     if "largest_group" in st:
-        line += (f"; a person with {st['largest_group']} images: ε {st['epsilon_for_largest_group']:.3f} at δ "
-                 f"{st['delta_for_largest_group']:.3g}")
+        line += (
+            f"; a person with {st['largest_group']} images: ε {st['epsilon_for_largest_group']:.3f} at δ "
+            f"{st['delta_for_largest_group']:.3g}"
+        )
     return line
 
 
@@ -230,13 +377,28 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
     console = Console()
     title = f"privacy plan for {job_file} (N = {result.dataset_size}{', assumed' if assumed else ''})"
     table = Table(title=title)
-    for col, just in [("stage", "left"), ("sigma", "right"), ("q", "right"), ("steps", "right"),
-                      ("epsilon alone", "right"), ("share", "right"), ("noise/ signal", "right"), ("note", "left")]:
+    for col, just in [
+        ("stage", "left"),
+        ("sigma", "right"),
+        ("q", "right"),
+        ("steps", "right"),
+        ("epsilon alone", "right"),
+        ("share", "right"),
+        ("noise/ signal", "right"),
+        ("note", "left"),
+    ]:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for s in result.stages:
-        table.add_row(s.stage, _fmt(s.sigma, ".3f"), _fmt(s.q, ".4g"), str(s.steps) if s.enabled else "-",
-                      f"{s.epsilon:.3f}", f"{100 * s.share:.0f}%", _fmt(s.noise_to_signal, ".3f"),
-                      s.note)
+        table.add_row(
+            s.stage,
+            _fmt(s.sigma, ".3f"),
+            _fmt(s.q, ".4g"),
+            str(s.steps) if s.enabled else "-",
+            f"{s.epsilon:.3f}",
+            f"{100 * s.share:.0f}%",
+            _fmt(s.noise_to_signal, ".3f"),
+            s.note,
+        )
     console.print(table)
     for s in result.stages:
         if s.noise_note:
@@ -245,21 +407,27 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
         how = "calibrated" if result.calibrated else "configured"
         console.print(f"DP-SGD noise multiplier ({how}): [bold]{result.noise_multiplier:.3f}[/bold]")
     console.print(
-        f"total epsilon over the whole history: [bold]{result.epsilon:.3f}[/bold] at delta = {result.delta:g} "
-        f"(budget {result.target_epsilon:g}, {result.accountant} accountant)"
+        f"total epsilon over the whole history: [bold]{result.epsilon:.3f}[/bold] at delta = "
+        f"{result.delta:g} (budget {result.target_epsilon:g}, {result.accountant} accountant)"
     )
     console.print("shares are of the sum of per-stage epsilons; composed, the total is smaller than that sum")
     for w in result.warnings:
         console.print(f"[yellow]warning[/yellow]: {escape(w)}")
     if assumed:
-        console.print(f"note: no --dataset-size given; assumed N = {result.dataset_size} (embedded training split)")
+        console.print(
+            f"note: no --dataset-size given; assumed N = {result.dataset_size} (embedded training split)"
+        )
 
 
 @privacy.command("account")
 @click.argument("history_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--delta", type=float, default=None, help="Target delta (default: the file's \"delta\").")
-@click.option("--accountant", type=click.Choice(["rdp", "prv"]), default=None,
-              help="Accountant (default: the file's \"accountant\", else rdp).")
+@click.option("--delta", type=float, default=None, help='Target delta (default: the file\'s "delta").')
+@click.option(
+    "--accountant",
+    type=click.Choice(["rdp", "prv"]),
+    default=None,
+    help='Accountant (default: the file\'s "accountant", else rdp).',
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account(history_file: Path, delta: float | None, accountant: str | None, as_json: bool) -> None:
     """Total epsilon of a saved event history (a list of events, or an object with "history" or "events").
@@ -279,13 +447,15 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
     if isinstance(raw, dict):
         items = raw.get("history", raw.get("events"))
         if items is None:
-            raise PrivacyError(f"{history_file}: object has no \"history\" or \"events\" list")
+            raise PrivacyError(f'{history_file}: object has no "history" or "events" list')
         delta = raw.get("delta") if delta is None else delta
         accountant = accountant or raw.get("accountant")
     else:
         items = raw
     if not isinstance(items, list):
-        raise PrivacyError(f"{history_file}: the event history must be a list of {{stage, sigma, q, steps}} objects")
+        raise PrivacyError(
+            f"{history_file}: the event history must be a list of {{stage, sigma, q, steps}} objects"
+        )
     if delta is None:
         raise PrivacyError(f"{history_file}: no delta in the file; pass --delta")
     accountant = accountant or "rdp"
@@ -296,8 +466,18 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
     total = epsilon(events, delta, accountant)  # type: ignore[arg-type]
     per_stage = {k: v for k, v in epsilon_breakdown(events, delta, accountant).items() if k != "total"}  # type: ignore[arg-type]
     if as_json:
-        click.echo(json.dumps({"epsilon": total, "delta": delta, "accountant": accountant,
-                               "stages": per_stage, "events": len(events)}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "epsilon": total,
+                    "delta": delta,
+                    "accountant": accountant,
+                    "stages": per_stage,
+                    "events": len(events),
+                },
+                indent=2,
+            )
+        )
         return
     for stage, eps in per_stage.items():
         click.echo(f"{stage:<10} epsilon alone {eps:.3f}")

@@ -20,21 +20,27 @@ def _trust_roots(entries: tuple[str, ...], coordinators: tuple[str, ...] = ()): 
     from ..signing import load_public_key
 
     if not entries:
-        raise ConfigError("give --trusted SITE_ID=ADMIN_KEY.pub for each site (the key that signs its policy)")
+        raise ConfigError(
+            "give --trusted SITE_ID=ADMIN_KEY.pub for each site (the key that signs its policy)"
+        )
     admins: dict[str, list] = {}
     for e in entries:
         sid, sep, path = e.partition("=")
         if not sep or not SITE_ID_RE.fullmatch(sid) or not path:
-            raise ConfigError(f"--trusted {e!r}: say whose key it is, as SITE_ID=ADMIN_KEY.pub (a key trusted for "
-                              "every role would let a coordinator or another site sign for a site); the coordinator "
-                              "key comes from the sites' signed policies, or pin it with --coordinator KEY.pub")
+            raise ConfigError(
+                f"--trusted {e!r}: say whose key it is, as SITE_ID=ADMIN_KEY.pub (a key trusted for "
+                "every role would let a coordinator or another site sign for a site); the coordinator "
+                "key comes from the sites' signed policies, or pin it with --coordinator KEY.pub"
+            )
         admins.setdefault(sid, []).append(load_public_key(path))
-    return TrustRoots({k: tuple(v) for k, v in admins.items()}, tuple(load_public_key(p) for p in coordinators))
+    return TrustRoots(
+        {k: tuple(v) for k, v in admins.items()}, tuple(load_public_key(p) for p in coordinators)
+    )
 
 
 def _print_verification(res, explain: bool = False, what: str = "release") -> None:  # type: ignore[no-untyped-def]
-    """The verdict FIRST (one line), then one line per site, then what needs reading (warnings, notes); every check
-    and each site's meaning only with ``explain``."""
+    """The verdict FIRST (one line), then one line per site, then what needs reading (warnings, notes); every
+    check and each site's meaning only with ``explain``."""
     from ..release.summary import site_summaries, trust_assumption, verdict_line
 
     click.echo(verdict_line(res, what))
@@ -61,26 +67,57 @@ def _print_verification(res, explain: bool = False, what: str = "release") -> No
 
 
 def _explain_option(f):  # type: ignore[no-untyped-def]
-    return click.option("--explain", is_flag=True,
-                        help="After the verdict and the per-site lines, print every check and what each figure "
-                             "means.")(f)
+    return click.option(
+        "--explain",
+        is_flag=True,
+        help="After the verdict and the per-site lines, print every check and what each figure means.",
+    )(f)
 
 
 @click.command("export")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="New release directory.")
-@click.option("--coordinator-key", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Private key that signs the manifest.")
-@click.option("--site-key", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="The site's private key: signs its spend statement (attestation).")
+@click.option(
+    "--coordinator-key",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Private key that signs the manifest.",
+)
+@click.option(
+    "--site-key",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The site's private key: signs its spend statement (attestation).",
+)
 @click.option("--site-id", default=None, help="Site id (default: the policy's site_id, else 'site').")
-@click.option("--policy", "policy", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="The site's signed policy (JSON); copied into the release so verify can check the caps.")
-@click.option("--job-id", default=None, help="Job id recorded in the manifest (default: job name + run folder).")
-@click.option("--solver", type=click.Choice(["euler", "heun"]), default=None, help="Override the job's [sampler] solver.")
+@click.option(
+    "--policy",
+    "policy",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The site's signed policy (JSON); copied into the release so verify can check the caps.",
+)
+@click.option(
+    "--job-id", default=None, help="Job id recorded in the manifest (default: job name + run folder)."
+)
+@click.option(
+    "--solver",
+    type=click.Choice(["euler", "heun"]),
+    default=None,
+    help="Override the job's [sampler] solver.",
+)
 @click.option("--steps", type=int, default=None, help="Override the job's [sampler] steps.")
-def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_id: str | None,
-           policy: str | None, job_id: str | None, solver: str | None, steps: int | None) -> None:
+def export(
+    run_dir: Path,
+    out: Path,
+    coordinator_key: str,
+    site_key: str,
+    site_id: str | None,
+    policy: str | None,
+    job_id: str | None,
+    solver: str | None,
+    steps: int | None,
+) -> None:
     """Export a single-site training run RUN_DIR as a signed ONNX generator release.
 
     \b
@@ -89,43 +126,76 @@ def export(run_dir: Path, out: Path, coordinator_key: str, site_key: str, site_i
           --site-key keys/site-signing.key --policy policy.signed.json
     """
     from ..policy.envelope import read_json
-    from ..release.export_run import export_run
-    from ..signing import load_private_key, sha256_file
-
+    from ..release.export_run import export_run, read_run
     from ..release.onnx_export import SamplerSettings
-    from ..release.export_run import read_run
+    from ..signing import load_private_key, sha256_file
 
     sampler = None
     if solver or steps:
         base = read_run(run_dir)["config"].sampler
         sampler = SamplerSettings.from_config(base)
-        sampler = SamplerSettings(**{**sampler.to_dict(), **({"solver": solver} if solver else {}),
-                                     **({"steps": steps} if steps else {})})
+        sampler = SamplerSettings(
+            **{
+                **sampler.to_dict(),
+                **({"solver": solver} if solver else {}),
+                **({"steps": steps} if steps else {}),
+            }
+        )
     signed = read_json(policy, "signed policy") if policy else None
     if signed is not None and not (isinstance(signed, dict) and "policy" in signed and "signature" in signed):
-        raise ReleaseError(f"{policy}: not a signed policy ({{\"policy\": ..., \"signature\": ...}}); sign it first")
+        raise ReleaseError(
+            f'{policy}: not a signed policy ({{"policy": ..., "signature": ...}}); sign it first'
+        )
     path = export_run(
-        run_dir, out,
+        run_dir,
+        out,
         coordinator_key=load_private_key(coordinator_key),
         site_key=load_private_key(site_key),
-        site_id=site_id, signed_policy=signed, job_id=job_id, sampler=sampler,
+        site_id=site_id,
+        signed_policy=signed,
+        job_id=job_id,
+        sampler=sampler,
     )
     click.echo(f"release written to {path} (generator sha256 {sha256_file(path / 'generator.onnx')[:16]}…)")
 
 
 @click.command("verify")
 @click.argument("release_dir", type=click.Path(path_type=Path))
-@click.option("--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub",
-              help="A site's administrator public key (signs its policy); repeat for each site.")
-@click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
-              help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.")
+@click.option(
+    "--trusted",
+    "trusted",
+    multiple=True,
+    metavar="SITE_ID=KEY.pub",
+    help="A site's administrator public key (signs its policy); repeat for each site.",
+)
+@click.option(
+    "--coordinator",
+    "coordinators",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Optional: pin the coordinator key (it must also be allowed by every site's policy).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.",
+)
 @_explain_option
-@click.option("--public", "public_path", default=None,
-              help="The public pretraining set the job names ([public]): checked against its sha256.")
-def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str, ...], as_json: bool,
-           explain: bool, public_path: str | None) -> None:
+@click.option(
+    "--public",
+    "public_path",
+    default=None,
+    help="The public pretraining set the job names ([public]): checked against its sha256.",
+)
+def verify(
+    release_dir: Path,
+    trusted: tuple[str, ...],
+    coordinators: tuple[str, ...],
+    as_json: bool,
+    explain: bool,
+    public_path: str | None,
+) -> None:
     """Verify RELEASE_DIR offline: hashes, signatures by role, every site present, recomputed ε, policy caps.
 
     \b
@@ -139,7 +209,8 @@ def verify(release_dir: Path, trusted: tuple[str, ...], coordinators: tuple[str,
 
 
 def _report_verification(res, as_json: bool, explain: bool, what: str, kind: str = "release") -> None:  # type: ignore[no-untyped-def]
-    """Print a verification (verdict first, or JSON) and fail with its reason: `verify` and `verify-synthetic`."""
+    """Print a verification (verdict first, or JSON) and fail with its reason: `verify` and
+    `verify-synthetic`."""
     _show_verification(res, as_json, explain, kind)
     if not res.ok:
         raise ReleaseError(f"{what} did not verify: {res.reason()}")
@@ -162,34 +233,90 @@ def _parse_counts(text: str | None) -> list[int] | None:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--per-class must be comma-separated integers, e.g. 100,100,100; got {text!r}") from None
+        raise ConfigError(
+            f"--per-class must be comma-separated integers, e.g. 100,100,100; got {text!r}"
+        ) from None
 
 
 @click.command("synthesize")
-@click.option("--release", "release_dir", required=True, type=click.Path(path_type=Path), help="Release directory.")
+@click.option(
+    "--release", "release_dir", required=True, type=click.Path(path_type=Path), help="Release directory."
+)
 @click.option("--num", type=int, default=None, help="Number of images (split evenly over classes).")
-@click.option("--per-class", default=None, help="Images per class, comma-separated, in the manifest's class order.")
+@click.option(
+    "--per-class", default=None, help="Images per class, comma-separated, in the manifest's class order."
+)
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="New output directory.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Noise seed of the generator (same seed, same images).")
-@click.option("--batch", type=int, default=64, show_default=True, help="Images per generator call (memory bound).")
-@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: available cores).")
-@click.option("--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub",
-              help="A site's administrator public key (signs its policy); repeat for each site.")
-@click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
-              help="Optional: pin the coordinator key (it must also be allowed by every site's policy).")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Noise seed of the generator (same seed, same images).",
+)
+@click.option(
+    "--batch", type=int, default=64, show_default=True, help="Images per generator call (memory bound)."
+)
+@click.option(
+    "--threads", type=int, default=None, help="onnxruntime intra-op threads (default: available cores)."
+)
+@click.option(
+    "--trusted",
+    "trusted",
+    multiple=True,
+    metavar="SITE_ID=KEY.pub",
+    help="A site's administrator public key (signs its policy); repeat for each site.",
+)
+@click.option(
+    "--coordinator",
+    "coordinators",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Optional: pin the coordinator key (it must also be allowed by every site's policy).",
+)
 @progress_option("a progress bar while generating")
-@click.option("--key", "key", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Your private key (Ed25519 PEM): signs certificate.json so anyone can check the folder.")
-@click.option("--signer", "signer", default=None, help="Your name in the certificate (default: the key file's name).")
-@click.option("--from", "source", type=click.Choice(["noise", "release"]), default=None,
-              help="Start each image from pure noise, or (SDEdit) from an augmented released central image of its "
-                   "class shipped in the release. Default: what the signed release's sampler says.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the result as JSON: the release's verdict, per-site figures and caps, and what was written.")
+@click.option(
+    "--key",
+    "key",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Your private key (Ed25519 PEM): signs certificate.json so anyone can check the folder.",
+)
+@click.option(
+    "--signer", "signer", default=None, help="Your name in the certificate (default: the key file's name)."
+)
+@click.option(
+    "--from",
+    "source",
+    type=click.Choice(["noise", "release"]),
+    default=None,
+    help="Start each image from pure noise, or (SDEdit) from an augmented released central image of its "
+    "class shipped in the release. Default: what the signed release's sampler says.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the result as JSON: the release's verdict, per-site figures and caps, and what was written.",
+)
 @_explain_option
-def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: Path, seed: int, batch: int,
-               threads: int | None, trusted: tuple[str, ...], coordinators: tuple[str, ...], progress: bool,
-               key: str | None, signer: str | None, source: str | None, as_json: bool, explain: bool) -> None:
+def synthesize(
+    release_dir: Path,
+    num: int | None,
+    per_class: str | None,
+    out: Path,
+    seed: int,
+    batch: int,
+    threads: int | None,
+    trusted: tuple[str, ...],
+    coordinators: tuple[str, ...],
+    progress: bool,
+    key: str | None,
+    signer: str | None,
+    source: str | None,
+    as_json: bool,
+    explain: bool,
+) -> None:
     """Verify a release, then generate PNGs per class + certificate.json with onnxruntime only.
 
     \b
@@ -199,7 +326,6 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
     """
     from ..release.synthesize import synthesize as run
     from ..release.verify import verify_release
-
     from ..signing import load_private_key
 
     keys = _trust_roots(trusted, coordinators)
@@ -208,9 +334,21 @@ def synthesize(release_dir: Path, num: int | None, per_class: str | None, out: P
     if not res.ok:
         _show_verification(res, as_json, explain)
         raise ReleaseError(f"release {release_dir} refused, nothing written: {res.reason()}")
-    report = run(release_dir, out, keys, num=num, per_class=_parse_counts(per_class), seed=seed, batch=batch,
-                 threads=threads, progress=progress, verification=res, key=priv,
-                 signer_name=signer or (Path(key).stem if key else None), source=source)
+    report = run(
+        release_dir,
+        out,
+        keys,
+        num=num,
+        per_class=_parse_counts(per_class),
+        seed=seed,
+        batch=batch,
+        threads=threads,
+        progress=progress,
+        verification=res,
+        key=priv,
+        signer_name=signer or (Path(key).stem if key else None),
+        source=source,
+    )
     _print_synthesized(res, report, priv is not None, as_json, explain)
 
 
@@ -218,13 +356,26 @@ def _print_synthesized(res, report, signed: bool, as_json: bool, explain: bool) 
     """The release's verdict first, then what was written (or all of it as JSON)."""
     assert res.manifest is not None
     src = res.manifest["generator"]["sampler"].get("start_source", "central")
-    what = {"central": "the release's noisy central images (SDEdit; already-charged DP outputs, post-processing)",
+    what = (
+        {
+            "centra"
+            "l": "the release's noisy central images (SDEdit; already-charged DP outputs, post-processing)",
             "aux": "the release's aux-generator images (SDEdit; post-processing of the frequency release)",
-            "mix": "the release's aux-generator and noisy central images, alternating (SDEdit; post-processing of "
-                   "the releases)"}.get(src, src) if report.source == "release" else "pure noise"
+            "mix": "the release's aux-generator and noisy central images, alternating (SDEdit; "
+            "post-processing of the releases)",
+        }.get(src, src)
+        if report.source == "release"
+        else "pure noise"
+    )
     rate = report.n_images / report.seconds if report.seconds > 0 else float("inf")
-    written = {"images": report.n_images, "out_dir": str(report.out_dir), "certificate": str(report.certificate),
-               "certificate_signed": signed, "started_from": what, "seconds": report.seconds}
+    written = {
+        "images": report.n_images,
+        "out_dir": str(report.out_dir),
+        "certificate": str(report.certificate),
+        "certificate_signed": signed,
+        "started_from": what,
+        "seconds": report.seconds,
+    }
     if as_json:
         import json
 
@@ -233,28 +384,64 @@ def _print_synthesized(res, report, signed: bool, as_json: bool, explain: bool) 
         click.echo(json.dumps({**summary_dict(res), "synthesized": written}, indent=2, ensure_ascii=False))
         return
     _print_verification(res, explain)
-    click.echo(f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
-               f"-> {report.out_dir}")
+    click.echo(
+        f"{report.n_images} images in {report.seconds:.1f} s ({rate:.1f} images/s, {report.threads} threads) "
+        f"-> {report.out_dir}"
+    )
     click.echo("started from: " + what)
-    click.echo(f"certificate: {report.certificate}" + ("" if signed else
-               " (UNSIGNED: give --key KEY so that verify-synthetic can check it)"))
+    click.echo(
+        f"certificate: {report.certificate}"
+        + ("" if signed else " (UNSIGNED: give --key KEY so that verify-synthetic can check it)")
+    )
 
 
 @click.command("verify-synthetic")
 @click.argument("synthetic_dir", type=click.Path(path_type=Path))
-@click.option("--certificate-key", "cert_keys", multiple=True, type=click.Path(dir_okay=False), metavar="KEY.pub",
-              help="Public key of whoever ran synthesize (signs certificate.json); repeatable.")
-@click.option("--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub",
-              help="A site's administrator public key (signs its policy), to re-verify the release; repeat per site.")
-@click.option("--coordinator", "coordinators", multiple=True, type=click.Path(dir_okay=False),
-              help="Optional: pin the release's coordinator key.")
-@click.option("--release", "release_dir", default=None, type=click.Path(path_type=Path),
-              help="The release the images came from (default: the path recorded in the certificate).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.")
+@click.option(
+    "--certificate-key",
+    "cert_keys",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    metavar="KEY.pub",
+    help="Public key of whoever ran synthesize (signs certificate.json); repeatable.",
+)
+@click.option(
+    "--trusted",
+    "trusted",
+    multiple=True,
+    metavar="SITE_ID=KEY.pub",
+    help="A site's administrator public key (signs its policy), to re-verify the release; repeat per site.",
+)
+@click.option(
+    "--coordinator",
+    "coordinators",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Optional: pin the release's coordinator key.",
+)
+@click.option(
+    "--release",
+    "release_dir",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="The release the images came from (default: the path recorded in the certificate).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.",
+)
 @_explain_option
-def verify_synthetic(synthetic_dir: Path, cert_keys: tuple[str, ...], trusted: tuple[str, ...],
-                     coordinators: tuple[str, ...], release_dir: Path | None, as_json: bool, explain: bool) -> None:
+def verify_synthetic(
+    synthetic_dir: Path,
+    cert_keys: tuple[str, ...],
+    trusted: tuple[str, ...],
+    coordinators: tuple[str, ...],
+    release_dir: Path | None,
+    as_json: bool,
+    explain: bool,
+) -> None:
     """Check SYNTHETIC_DIR against its signed certificate: every image re-hashed, nothing added or missing,
     and the release it came from re-verified.
 
@@ -266,8 +453,14 @@ def verify_synthetic(synthetic_dir: Path, cert_keys: tuple[str, ...], trusted: t
     from ..signing import load_public_key
 
     if not cert_keys:
-        raise ConfigError("give --certificate-key KEY.pub: the public key of whoever ran synthesize (it signs "
-                          "certificate.json); the release's keys go in --trusted SITE_ID=ADMIN_KEY.pub")
-    res = check(synthetic_dir, _trust_roots(trusted, coordinators), [load_public_key(p) for p in cert_keys],
-                release_dir)
+        raise ConfigError(
+            "give --certificate-key KEY.pub: the public key of whoever ran synthesize (it signs "
+            "certificate.json); the release's keys go in --trusted SITE_ID=ADMIN_KEY.pub"
+        )
+    res = check(
+        synthetic_dir,
+        _trust_roots(trusted, coordinators),
+        [load_public_key(p) for p in cert_keys],
+        release_dir,
+    )
     _report_verification(res, as_json, explain, f"synthetic folder {synthetic_dir}", "synthetic folder")

@@ -19,80 +19,175 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
 
 @click.command()
 @click.argument("job", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--preset", default=None, help="Use a shipped job instead of JOB or a derived one (`feta-release preset "
-              "list`); on the embedded digits the best measured are cpu-eps1-nodpsgd (eps 1) and cpu-eps10-nodpsgd "
-              "(eps 10).")
-@click.option("--data", "data_path", default=None,
-              help="Image folder (one sub-folder per class), labels .csv or .npz; default: the training split (80%, "
-              "seed 0) of the embedded MNIST subset, whose held-out 20% is left for `feta-release evaluate`.")
+@click.option(
+    "--preset",
+    default=None,
+    help="Use a shipped job instead of JOB or a derived one (`feta-release preset "
+    "list`); on the embedded digits the best measured are cpu-eps1-nodpsgd (eps 1) and cpu-eps10-nodpsgd "
+    "(eps 10).",
+)
+@click.option(
+    "--data",
+    "data_path",
+    default=None,
+    help="Image folder (one sub-folder per class), labels .csv or .npz; default: the training split (80%, "
+    "seed 0) of the embedded MNIST subset, whose held-out 20% is left for `feta-release evaluate`.",
+)
 @data_load_options
 @derive_options
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Run directory: created, or resumed when it holds an unfinished run of the same job and data.")
-@click.option("--synthetic", "n_synthetic", type=click.IntRange(min=0), default=None,
-              help="Images in RUN_DIR/synthetic.npz (balanced labels); default: the public size.")
-@click.option("--public-size", type=click.IntRange(min=1), default=None,
-              help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: a --policy's "
-                   "dataset.size, else drawn from a noisy count of the images: the Gaussian mechanism, noise std 50, "
-                   "charged first as the event 'size' and rounded to 2 significant digits; the exact count is never "
-                   "written into the run).")
-@click.option("--public-patients", type=click.IntRange(min=1), default=None,
-              help="With --patient-cap: the PUBLIC number of patients; DP-SGD then samples whole patients (rate q) and "
-                   "divides by q x this number (default: a --policy's dataset.patients, else drawn from a noisy patient "
-                   "count, noise std 50, charged first as the event 'patients').")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True,
-              help="DP-SGD steps between checkpoints (a killed run resumes its charged DP-SGD round from the last one; "
-                   "nothing is charged twice).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Run directory: created, or resumed when it holds an unfinished run of the same job and data.",
+)
+@click.option(
+    "--synthetic",
+    "n_synthetic",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Images in RUN_DIR/synthetic.npz (balanced labels); default: the public size.",
+)
+@click.option(
+    "--public-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="PUBLIC nominal dataset size N for rates q = batch / N and all denominators (default: a --policy's "
+    "dataset.size, else drawn from a noisy count of the images: the Gaussian mechanism, noise std 50, "
+    "charged first as the event 'size' and rounded to 2 significant digits; the exact count is never "
+    "written into the run).",
+)
+@click.option(
+    "--public-patients",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --patient-cap: the PUBLIC number of patients; DP-SGD then samples whole patients (rate q) and "
+    "divides by q x this number (default: a --policy's dataset.patients, else drawn from a noisy patient "
+    "count, noise std 50, charged first as the event 'patients').",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="DP-SGD steps between checkpoints (a killed run resumes its charged DP-SGD round from the last one; "
+    "nothing is charged twice).",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's)."
+)
 @device_option("training, DP-SGD and sampling")
-@click.option("--ledger", "ledger", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Site ledger (SQLite) charged before every release; default RUN_DIR/ledger.sqlite. Give the site's "
-                   "own to compose this run with its earlier ones.")
-@click.option("--site-key", "site_key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="The site's private key: signs the ledger (default: RUN_DIR/checkpoints/site.key, created once); "
-                   "`export --site-key` must be the same key.")
-@click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="The site's signed policy (required with a --ledger outside RUN_DIR): every charge is checked "
-                   "against its caps, as a node checks them.")
-@click.option("--trusted", "trusted", default=None, metavar=TRUSTED_METAVAR,
-              help="The site administrator's public key that signed --policy (ADMIN.pub or SITE_ID=ADMIN.pub).")
-@click.option("--coordinator-key", "coordinator_key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="The key that signs the one-site job and RUN_DIR/release's manifest, as a "
-                                 "federation's coordinator (default: RUN_DIR/checkpoints/coordinator.key, created once).")
-@click.option("--site-id", default=None, help="The site's id in the release (default: the policy's, else 'site').")
-@click.option("--public", "public_path", default=None,
-              help="A PUBLIC image set (same layouts and checks as --data; labels optional) the model is pretrained on "
-                   "before any private image: free in epsilon, named in the job and the release by its sha256, count "
-                   "and shape ([public]; docs/explanation/public-pretraining.md).")
-@click.option("--public-description", default="", help="What the --public set is (up to 500 characters; in the job).")
-@click.option("--pretrained", "pretrained", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Start from a pretrained model file (an earlier run's RUN_DIR/pretrained.pt), named in the job by "
-                   "its sha256.")
-@click.option("--no-release", is_flag=True, help="Stop after training: no RUN_DIR/release (`export` can make one).")
+@click.option(
+    "--ledger",
+    "ledger",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Site ledger (SQLite) charged before every release; default RUN_DIR/ledger.sqlite. Give the site's "
+    "own to compose this run with its earlier ones.",
+)
+@click.option(
+    "--site-key",
+    "site_key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The site's private key: signs the ledger (default: RUN_DIR/checkpoints/site.key, created once); "
+    "`export --site-key` must be the same key.",
+)
+@click.option(
+    "--policy",
+    "policy_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The site's signed policy (required with a --ledger outside RUN_DIR): every charge is checked "
+    "against its caps, as a node checks them.",
+)
+@click.option(
+    "--trusted",
+    "trusted",
+    default=None,
+    metavar=TRUSTED_METAVAR,
+    help="The site administrator's public key that signed --policy (ADMIN.pub or SITE_ID=ADMIN.pub).",
+)
+@click.option(
+    "--coordinator-key",
+    "coordinator_key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The key that signs the one-site job and RUN_DIR/release's manifest, as a "
+    "federation's coordinator (default: RUN_DIR/checkpoints/coordinator.key, created once).",
+)
+@click.option(
+    "--site-id", default=None, help="The site's id in the release (default: the policy's, else 'site')."
+)
+@click.option(
+    "--public",
+    "public_path",
+    default=None,
+    help="A PUBLIC image set (same layouts and checks as --data; labels optional) the model is pretrained on "
+    "before any private image: free in epsilon, named in the job and the release by its sha256, count "
+    "and shape ([public]; docs/explanation/public-pretraining.md).",
+)
+@click.option(
+    "--public-description", default="", help="What the --public set is (up to 500 characters; in the job)."
+)
+@click.option(
+    "--pretrained",
+    "pretrained",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Start from a pretrained model file (an earlier run's RUN_DIR/pretrained.pt), named in the job by "
+    "its sha256.",
+)
+@click.option(
+    "--no-release", is_flag=True, help="Stop after training: no RUN_DIR/release (`export` can make one)."
+)
 @progress_option("progress bars per stage", old_quiet=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
-def train(job: Path | None, preset: str | None, data_path: str | None, load: LoadOptions | None,
-          epsilon: float | None, delta: float | None, time_budget: str | None, save_job: Path | None,
-          dpsgd: str | None, out_dir: Path,
-          n_synthetic: int | None, public_size: int | None, public_patients: int | None, checkpoint_every: int,
-          threads: int | None, device: str,
-          ledger: Path | None, site_key: Path | None, policy_path: Path | None, trusted: str | None,
-          coordinator_key: Path | None, site_id: str | None, public_path: str | None, public_description: str,
-          pretrained: Path | None, no_release: bool, progress: bool, as_json: bool) -> None:
+def train(
+    job: Path | None,
+    preset: str | None,
+    data_path: str | None,
+    load: LoadOptions | None,
+    epsilon: float | None,
+    delta: float | None,
+    time_budget: str | None,
+    save_job: Path | None,
+    dpsgd: str | None,
+    out_dir: Path,
+    n_synthetic: int | None,
+    public_size: int | None,
+    public_patients: int | None,
+    checkpoint_every: int,
+    threads: int | None,
+    device: str,
+    ledger: Path | None,
+    site_key: Path | None,
+    policy_path: Path | None,
+    trusted: str | None,
+    coordinator_key: Path | None,
+    site_id: str | None,
+    public_path: str | None,
+    public_description: str,
+    pretrained: Path | None,
+    no_release: bool,
+    progress: bool,
+    as_json: bool,
+) -> None:
     """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
 
     Recommended: give no JOB and no --preset, only --epsilon: the job is DERIVED from the data's public facts
     (size, image shape, classes, epsilon, device, --time-budget; feta_release.job_rules, docs/derived-job.md),
-    printed as TOML (--save-job keeps it). Shipped presets are tuned to 28x28 digits: on them the best measured
-    are cpu-eps1-nodpsgd (0.80 held-out at eps 1) and cpu-eps10-nodpsgd (0.90 at eps 10); `feta-release preset
-    list` shows them all with their figures.
+    printed as TOML (--save-job keeps it). Shipped presets are tuned to 28x28 digits: on them the best
+    measured are cpu-eps1-nodpsgd (0.80 held-out at eps 1) and cpu-eps10-nodpsgd (0.90 at eps 10);
+    `feta-release preset list` shows them all with their figures.
 
     Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
-    naming the rule. Re-running the same command after an interruption resumes from the last checkpoint without
-    spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run. A finished run is
-    then written up as a one-site job, the layout a federated coordinator writes (signed_job.json, the site's
-    attestation from its ledger, privacy_report.*, samples.png and the signed RUN_DIR/release for `verify`,
-    `synthesize` and `report`).
+    naming the rule. Re-running the same command after an interruption resumes from the last checkpoint
+    without spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run. A
+    finished run is then written up as a one-site job, the layout a federated coordinator writes
+    (signed_job.json, the site's attestation from its ledger, privacy_report.*, samples.png and the signed
+    RUN_DIR/release for `verify`, `synthesize` and `report`).
     --resize/--image-size/--window override the job's [job] resize/image_size/window.
 
     \b
@@ -115,27 +210,56 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         public_patients = int(site_policy.patients)  # the administrator's signed declaration
     if threads:
         torch.set_num_threads(threads)
-    data, patients = _training_data(cfg or base_job(), data_path, load, public_patients,
-                                    site_policy.declared if site_policy is not None else None)
+    data, patients = _training_data(
+        cfg or base_job(),
+        data_path,
+        load,
+        public_patients,
+        site_policy.declared if site_policy is not None else None,
+    )
     job_for_size = None
     if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
         cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
-    public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load,
-                            data.image_shape)
+    public = _public_inputs(
+        cfg or base_job(), public_path, public_description, pretrained, load, data.image_shape
+    )
     if cfg is None:  # the job derived from the data's public facts (and the --public set's)
-        cfg, job_for_size = derived_jobs(req, data, resolve_device(device).type, public_size, site_policy, load,
-                                         lambda text: click.echo(text, err=as_json),
-                                         public=public.data if public is not None else None)
+        cfg, job_for_size = derived_jobs(
+            req,
+            data,
+            resolve_device(device).type,
+            public_size,
+            site_policy,
+            load,
+            lambda text: click.echo(text, err=as_json),
+            public=public.data if public is not None else None,
+        )
     rep = Reporter(enabled=progress)
     skey = load_private_key(site_key) if site_key is not None else None
-    res = run_pipeline(cfg, data, out_dir, n_synthetic=n_synthetic, checkpoint_every=checkpoint_every, reporter=rep,
-                       public_size=public_size, device=device, ledger=ledger, site_key=skey, site_policy=site_policy,
-                       patients=patients, draw_patients=patients is not None and public_patients is None,
-                       job_for_size=job_for_size, public=public)
+    res = run_pipeline(
+        cfg,
+        data,
+        out_dir,
+        n_synthetic=n_synthetic,
+        checkpoint_every=checkpoint_every,
+        reporter=rep,
+        public_size=public_size,
+        device=device,
+        ledger=ledger,
+        site_key=skey,
+        site_policy=site_policy,
+        patients=patients,
+        draw_patients=patients is not None and public_patients is None,
+        job_for_size=job_for_size,
+        public=public,
+    )
     if data_path is not None and (site_policy is None or site_policy.declared is None):
-        click.echo(f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
-                   f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
-                   "give --policy with dataset.classes and dataset.image_shape", err=True)
+        click.echo(
+            f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
+            f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
+            "give --policy with dataset.classes and dataset.image_shape",
+            err=True,
+        )
     release, signed = None, None
     if not no_release:
         release, signed = _release(res, data, cfg, policy_path, skey, coordinator_key, site_id)
@@ -144,8 +268,15 @@ def train(job: Path | None, preset: str | None, data_path: str | None, load: Loa
         _print_next(release, signed, policy_path, trusted)
 
 
-def _release(res: Any, data: Any, cfg: Any, policy_path: Path | None, skey: Any, coordinator_key: Path | None,
-             site_id: str | None) -> tuple[Path, dict[str, Any] | None]:
+def _release(
+    res: Any,
+    data: Any,
+    cfg: Any,
+    policy_path: Path | None,
+    skey: Any,
+    coordinator_key: Path | None,
+    site_id: str | None,
+) -> tuple[Path, dict[str, Any] | None]:
     """RUN_DIR/release, signed under --policy or, without one, under the run's own one-site policy."""
     from ..policy.envelope import read_json
     from ..signing import load_private_key
@@ -156,25 +287,46 @@ def _release(res: Any, data: Any, cfg: Any, policy_path: Path | None, skey: Any,
     ckey = load_private_key(coordinator_key) if coordinator_key else run_coordinator_key(res.run_dir)
     signed = read_json(policy_path, "signed policy") if policy_path else None
     if signed is None and not needs_site_policy(res.events):
-        signed = run_policy(res.run_dir, data, site_key=skey, coordinator_key=ckey, site_id=site_id, cfg=cfg,
-                            events=res.events)
-    return release_run(res.run_dir, site_key=skey, coordinator_key=ckey, site_id=site_id,
-                       signed_policy=signed), signed
+        signed = run_policy(
+            res.run_dir,
+            data,
+            site_key=skey,
+            coordinator_key=ckey,
+            site_id=site_id,
+            cfg=cfg,
+            events=res.events,
+        )
+    return release_run(
+        res.run_dir, site_key=skey, coordinator_key=ckey, site_id=site_id, signed_policy=signed
+    ), signed
 
 
-def _print_next(release: Path, signed: dict[str, Any] | None, policy_path: Path | None, trusted: str | None) -> None:
-    """The exact commands that check and use the release (the trusted key is the run's own without --policy)."""
+def _print_next(
+    release: Path, signed: dict[str, Any] | None, policy_path: Path | None, trusted: str | None
+) -> None:
+    """The exact commands that check and use the release (the trusted key is the run's own without
+    --policy)."""
     if signed is None:
-        click.echo(f"note: {release} has no signed policy (a patient-level run: give --policy); `verify` says so")
+        click.echo(
+            f"note: {release} has no signed policy (a patient-level run: give --policy); `verify` says so"
+        )
         return
     sid = signed["policy"]["site_id"]
-    key = Path(trusted.partition("=")[2] or trusted) if policy_path and trusted else \
-        release.parent / "keys" / "policy-admin.pub"
+    key = (
+        Path(trusted.partition("=")[2] or trusted)
+        if policy_path and trusted
+        else release.parent / "keys" / "policy-admin.pub"
+    )
     if not policy_path:
-        click.echo(f"the release is signed under the run's own one-site policy ({release.parent / 'policy.signed.json'},"
-                   f" key {key}: trust it only as far as you trust this run folder)")
-    click.echo(f"check and use it:\n  feta-release verify {release} --trusted {sid}={key}\n"
-               f"  feta-release synthesize --release {release} --trusted {sid}={key} --num 100 --out synthetic")
+        click.echo(
+            "the release is signed under the run's own one-site policy "
+            f"({release.parent / 'policy.signed.json'}, key {key}: trust it only as far as you trust this "
+            "run folder)"
+        )
+    click.echo(
+        f"check and use it:\n  feta-release verify {release} --trusted {sid}={key}\n"
+        f"  feta-release synthesize --release {release} --trusted {sid}={key} --num 100 --out synthetic"
+    )
 
 
 def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> Any:
@@ -185,12 +337,16 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
         raise ConfigError("give exactly one of JOB (a job .toml file) or --preset NAME, not both")
     if job is None and preset is None:
         if req.epsilon is None:
-            raise ConfigError("give --epsilon E to derive the job from the data (recommended), or a JOB file, or "
-                              "--preset NAME (`feta-release preset list`)")
+            raise ConfigError(
+                "give --epsilon E to derive the job from the data (recommended), or a JOB file, or "
+                "--preset NAME (`feta-release preset list`)"
+            )
         return None
     if req.given:
-        raise ConfigError("--epsilon, --delta, --time-budget, --save-job and --dpsgd are for the derived "
-                          "job: drop them, or drop JOB / --preset to derive the job from the data")
+        raise ConfigError(
+            "--epsilon, --delta, --time-budget, --save-job and --dpsgd are for the derived "
+            "job: drop them, or drop JOB / --preset to derive the job from the data"
+        )
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
 
 
@@ -200,35 +356,50 @@ def _fit_preset(cfg: Any, name: str, data: Any, public_size: int | None, policy:
     from ..job_rules import DataFacts, fit_preset, preset_shape
     from ..policy.enforce import resource_cap
 
-    declared = public_size if public_size is not None else (
-        int(policy.dataset_size) if policy is not None else None)
+    declared = (
+        public_size if public_size is not None else (int(policy.dataset_size) if policy is not None else None)
+    )
     c, h, w = (int(v) for v in data.image_shape)
     memory = None
     if policy is not None and declared is not None:
         memory = resource_cap(policy, "max_worker_memory_mb")
-    facts = DataFacts(size=declared or 1, height=h, width=w, channels=c, n_classes=int(data.n_classes),
-                      epsilon=float(cfg.privacy.epsilon), memory_mb=memory)
+    facts = DataFacts(
+        size=declared or 1,
+        height=h,
+        width=w,
+        channels=c,
+        n_classes=int(data.n_classes),
+        epsilon=float(cfg.privacy.epsilon),
+        memory_mb=memory,
+    )
     fitted = fit_preset(cfg, name, facts, size_known=declared is not None)
     if fitted != cfg:
         m, ce, fr = fitted.model, fitted.central, fitted.frequency
         side = max(1, int(h * ce.downsample))
         tuned = "x".join(map(str, preset_shape(cfg)))
-        click.echo(f"note: preset {name} was tuned on {tuned} images; adapted to "
-                   f"{c}x{h}x{w} by the derived job's rules: central query {side}x{side} (clip {ce.clip}), "
-                   + (f"{fr.patch}x{fr.patch} patches at stride {fr.stride}, " if fr.patch else "")
-                   + f"{len(m.channel_mult)} UNet levels, physical batch {fitted.dpsgd.physical_batch}",
-                   err=True)
+        click.echo(
+            f"note: preset {name} was tuned on {tuned} images; adapted to "
+            f"{c}x{h}x{w} by the derived job's rules: central query {side}x{side} (clip {ce.clip}), "
+            + (f"{fr.patch}x{fr.patch} patches at stride {fr.stride}, " if fr.patch else "")
+            + f"{len(m.channel_mult)} UNet levels, physical batch {fitted.dpsgd.physical_batch}",
+            err=True,
+        )
     return fitted
 
 
-def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
-                   public_patients: int | None, declared: Any = None) -> tuple[Any, Any]:
-    """(the site's dataset, its patient index or None): --data loaded with the job's (or the options') resize, or the
-    embedded MNIST training split (its held-out 20 % is left for `evaluate`).
+def _training_data(
+    cfg: Any,
+    data_path: str | None,
+    load: LoadOptions | None,
+    public_patients: int | None,
+    declared: Any = None,
+) -> tuple[Any, Any]:
+    """(the site's dataset, its patient index or None): --data loaded with the job's (or the options') resize,
+    or the embedded MNIST training split (its held-out 20 % is left for `evaluate`).
 
-    ``declared``: the --policy's public class list and image shape, which the data are mapped onto as a node maps
-    them. Without one the classes present and the majority shape of --data are used, and the release (synthetic
-    labels, model, manifest) shows them as they are: ``train`` notes it after the run."""
+    ``declared``: the --policy's public class list and image shape, which the data are mapped onto as a node
+    maps them. Without one the classes present and the majority shape of --data are used, and the release
+    (synthetic labels, model, manifest) shows them as they are: ``train`` notes it after the run."""
     from ..data import load_dataset, load_embedded, train_heldout_split
 
     patients = None
@@ -242,14 +413,23 @@ def _training_data(cfg: Any, data_path: str | None, load: LoadOptions | None,
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
         patients = _patient_index(report, public_patients)
     if public_patients is not None and patients is None:
-        raise ConfigError("--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "
-                          "patient ids (a CSV patient_id column or DICOM PatientID)")
+        raise ConfigError(
+            "--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "
+            "patient ids (a CSV patient_id column or DICOM PatientID)"
+        )
     return data, patients
 
 
-def _public_inputs(cfg: Any, path: str | None, description: str, pretrained: Path | None, load: LoadOptions | None,
-                   shape: tuple[int, int, int]) -> Any:
-    """--public / --pretrained as ``stages.pretrain.PublicInputs`` (None: neither), the set loaded as --data is."""
+def _public_inputs(
+    cfg: Any,
+    path: str | None,
+    description: str,
+    pretrained: Path | None,
+    load: LoadOptions | None,
+    shape: tuple[int, int, int],
+) -> Any:
+    """--public / --pretrained as ``stages.pretrain.PublicInputs`` (None: neither), the set loaded as --data
+    is."""
     if path is None and pretrained is None:
         if description:
             raise ConfigError("--public-description describes a --public set: give --public PATH too")
@@ -280,10 +460,12 @@ def _print_summary(res: Any, accountant: str, release: Path | None, as_json: boo
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
-        click.echo(f"{res.run_dir}: epsilon {res.epsilon:.3f} at delta {res.delta:g} "
-                   f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
-                   f"synthetic images in {res.run_dir / 'synthetic.npz'}"
-                   + (f"; release in {release}" if release else ""))
+        click.echo(
+            f"{res.run_dir}: epsilon {res.epsilon:.3f} at delta {res.delta:g} "
+            f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
+            f"synthetic images in {res.run_dir / 'synthetic.npz'}"
+            + (f"; release in {release}" if release else "")
+        )
 
 
 def _patient_index(report: Any, public_patients: int | None) -> Any:
@@ -292,8 +474,8 @@ def _patient_index(report: Any, public_patients: int | None) -> Any:
         return None
     from ..privacy_unit import PatientIndex
 
-    # no declared count: 1 is a placeholder, `run_pipeline(draw_patients=True)` draws the public count from a noisy
-    # patient count charged first (the exact count, or a rounding of it, would be an un-noised release)
+    # no declared count: 1 is a placeholder, `run_pipeline(draw_patients=True)` draws the public count from a
+    # noisy patient count charged first (the exact count, or a rounding of it, would be an un-noised release)
     n_pub = public_patients if public_patients is not None else 1
     return PatientIndex(report.patients, int(n_pub), int(report.patient_cap))
 

@@ -34,8 +34,9 @@ def merged_option(new: Any, old: Any) -> Any:
     return new if new is not None else old
 
 
-# A key bound to a site reads SITE_ID=FILE everywhere (`verify` and `report` need the binding; the one-site commands
-# accept it too, so one spelling works in every command); a bare FILE is accepted where only one site is meant.
+# A key bound to a site reads SITE_ID=FILE everywhere (`verify` and `report` need the binding; the one-site
+# commands accept it too, so one spelling works in every command); a bare FILE is accepted where only one site
+# is meant.
 TRUSTED_METAVAR = "[SITE_ID=]ADMIN.pub"
 
 
@@ -45,15 +46,17 @@ def site_file(value: str, option: str) -> tuple[str, Path]:
 
     sid, sep, path = value.partition("=")
     if not sep or not sid or not path:
-        raise ConfigError(f"{option} {value!r}: give SITE_ID=FILE (e.g. st-luke=st-luke/keys/site-signing.pub)")
+        raise ConfigError(
+            f"{option} {value!r}: give SITE_ID=FILE (e.g. st-luke=st-luke/keys/site-signing.pub)"
+        )
     if not Path(path).is_file():
         raise ConfigError(f"{option} {value!r}: {path} is not a file")
     return sid, Path(path)
 
 
 def trusted_key(value: str) -> tuple[str | None, Path]:
-    """``--trusted`` as (bound site id or None, file): a bare FILE, or SITE_ID=FILE. An existing file whose name
-    holds '=' stays a bare FILE."""
+    """``--trusted`` as (bound site id or None, file): a bare FILE, or SITE_ID=FILE. An existing file whose
+    name holds '=' stays a bare FILE."""
     if "=" in value and not Path(value).is_file():
         return site_file(value, "--trusted")
     if not Path(value).is_file():
@@ -64,23 +67,25 @@ def trusted_key(value: str) -> tuple[str | None, Path]:
 
 
 def trusted_for_site(values: Any, site_id: str) -> list[Path]:
-    """The files of ``--trusted`` values meant for ``site_id`` (bare, or bound to it); a key bound to another site
-    is refused: trusting it for this one would let that site's administrator sign this site's policy."""
+    """The files of ``--trusted`` values meant for ``site_id`` (bare, or bound to it); a key bound to another
+    site is refused: trusting it for this one would let that site's administrator sign this site's policy."""
     from ..errors import ConfigError
 
     out = []
-    for v in ([values] if isinstance(values, (str, Path)) else list(values or ())):
+    for v in [values] if isinstance(values, (str, Path)) else list(values or ()):
         sid, path = trusted_key(str(v))
         if sid is not None and sid != site_id:
-            raise ConfigError(f"--trusted {v}: bound to site {sid!r}, but the policy is site {site_id!r}'s; give "
-                              f"{site_id}=ADMIN.pub (or the bare file)")
+            raise ConfigError(
+                f"--trusted {v}: bound to site {sid!r}, but the policy is site {site_id!r}'s; give "
+                f"{site_id}=ADMIN.pub (or the bare file)"
+            )
         out.append(path)
     return out
 
 
 def policy_site_id(signed_policy: Path) -> str:
-    """The site id a signed policy names, read BEFORE it is verified, only to pick the ``--trusted`` keys bound to
-    that site; the policy is then verified against them."""
+    """The site id a signed policy names, read BEFORE it is verified, only to pick the ``--trusted`` keys
+    bound to that site; the policy is then verified against them."""
     from ..policy.envelope import read_json
 
     doc = read_json(signed_policy, "signed policy")

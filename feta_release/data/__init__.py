@@ -6,7 +6,13 @@ Importing this package needs numpy and Pillow only (no torch).
 from .dataset import ImageDataset, save_npz
 from .embedded import EMBEDDED_SOURCE, embedded_path
 from .loading import (
-    DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, RESIZE_POLICIES, LoadOptions, LoadReport, load_dataset, load_embedded,
+    DEFAULT_MAX_PIXELS,
+    IMAGE_EXTENSIONS,
+    RESIZE_POLICIES,
+    LoadOptions,
+    LoadReport,
+    load_dataset,
+    load_embedded,
     parse_arrays,
 )
 from .splits import split_sites, train_heldout_split

@@ -24,8 +24,16 @@ from typing import Any
 from ..errors import ConfigError
 from ..signing import refuse_shared_secret_file
 
-__all__ = ["SECRET_BYTES", "COMMITMENT_DOMAIN", "create_secret", "load_secret", "ensure_secret", "dataset_commitment",
-           "same_commitment", "suggest_public_size"]
+__all__ = [
+    "SECRET_BYTES",
+    "COMMITMENT_DOMAIN",
+    "create_secret",
+    "load_secret",
+    "ensure_secret",
+    "dataset_commitment",
+    "same_commitment",
+    "suggest_public_size",
+]
 
 SECRET_BYTES = 32  # 256 bits
 COMMITMENT_DOMAIN = b"feta-dataset-commitment-v1\n"  # keeps this HMAC apart from any other use of a key
@@ -33,39 +41,48 @@ PATIENTS_DOMAIN = b"\nfeta-patient-grouping-v1\n"  # precedes a patient-level po
 
 
 def create_secret(path: str | Path) -> Path:
-    """Write a fresh 256-bit secret (hex) to a NEW file readable by its owner only; refuse to overwrite one."""
+    """Write a fresh 256-bit secret (hex) to a NEW file readable by its owner only; refuse to overwrite
+    one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise ConfigError(f"{p}: a data secret already exists; keep it (the policy's commitment depends on it) "
-                          "or move it away yourself") from None
+        raise ConfigError(
+            f"{p}: a data secret already exists; keep it (the policy's commitment depends on it) "
+            "or move it away yourself"
+        ) from None
     with os.fdopen(fd, "w", encoding="ascii") as fh:
         fh.write(secrets.token_bytes(SECRET_BYTES).hex() + "\n")
     return p
 
 
 def load_secret(path: str | Path) -> bytes:
-    """The secret bytes, or a ``ConfigError`` naming the file and the fix (missing, readable by others, short)."""
+    """The secret bytes, or a ``ConfigError`` naming the file and the fix (missing, readable by others,
+    short)."""
     p = Path(path)
     try:
         st = p.stat()
         text = p.read_text("ascii").strip()
     except FileNotFoundError:
-        raise ConfigError(f"{p}: data secret not found; create it with `feta-release policy data-commitment DATA "
-                          f"--secret {p}` and put the printed commitment into the policy") from None
+        raise ConfigError(
+            f"{p}: data secret not found; create it with `feta-release policy data-commitment DATA "
+            f"--secret {p}` and put the printed commitment into the policy"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot read the data secret: {exc}") from None
     refuse_shared_secret_file(p, "data secret", st, error=ConfigError)
     try:
         key = bytes.fromhex(text)
     except ValueError:
-        raise ConfigError(f"{p}: the data secret is not hex text; recreate it with `feta-release policy "
-                          "data-commitment`") from None
+        raise ConfigError(
+            f"{p}: the data secret is not hex text; recreate it with `feta-release policy data-commitment`"
+        ) from None
     if len(key) < SECRET_BYTES:
-        raise ConfigError(f"{p}: the data secret has {len(key) * 8} bits, fewer than {SECRET_BYTES * 8}; "
-                          "recreate it with `feta-release policy data-commitment`")
+        raise ConfigError(
+            f"{p}: the data secret has {len(key) * 8} bits, fewer than {SECRET_BYTES * 8}; "
+            "recreate it with `feta-release policy data-commitment`"
+        )
     return key
 
 
@@ -80,12 +97,15 @@ def ensure_secret(path: str | Path) -> tuple[bytes, bool]:
 def dataset_commitment(ds: Any, secret: bytes, patients: Iterable[Any] | None = None) -> str:
     """HMAC-SHA256 (hex) of the dataset's canonical bytes (``ImageDataset.canonical_parts``) under ``secret``.
 
-    ``patients``: per image, its patient's index (a patient-level policy's grouping, ``loading.patient_grouping``).
-    It is bound too: without it a local user could regroup the patient ids after the admin signed (same images,
-    same labels, same commitment) and make each image a 'patient' of its own under the cap. Only the grouping
-    enters (renumbered by first appearance), never the ids; an image-level commitment (``None``) is unchanged."""
+    ``patients``: per image, its patient's index (a patient-level policy's grouping,
+    ``loading.patient_grouping``). It is bound too: without it a local user could regroup the patient ids
+    after the admin signed (same images, same labels, same commitment) and make each image a 'patient' of its
+    own under the cap. Only the grouping enters (renumbered by first appearance), never the ids; an
+    image-level commitment (``None``) is unchanged."""
     if len(secret) < SECRET_BYTES:
-        raise ConfigError(f"data secret too short ({len(secret) * 8} bits); at least {SECRET_BYTES * 8} are needed")
+        raise ConfigError(
+            f"data secret too short ({len(secret) * 8} bits); at least {SECRET_BYTES * 8} are needed"
+        )
     mac = hmac.new(secret, COMMITMENT_DOMAIN, sha256)
     for part in ds.canonical_parts():
         mac.update(part)
@@ -98,8 +118,10 @@ def _grouping_bytes(patients: Iterable[Any], n: int) -> bytes:
     """The grouping as little-endian int64 indices, renumbered 0, 1, ... by first appearance."""
     ids = [int(p) for p in patients]
     if len(ids) != n:
-        raise ConfigError(f"patient grouping has {len(ids)} entries for {n} images; load the data and its patient "
-                          "ids together (feta_release.data.load_dataset)")
+        raise ConfigError(
+            f"patient grouping has {len(ids)} entries for {n} images; load the data and its patient "
+            "ids together (feta_release.data.load_dataset)"
+        )
     index: dict[int, int] = {}
     return struct.pack(f"<{len(ids)}q", *(index.setdefault(p, len(index)) for p in ids))
 

@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import DataError
 
 FINGERPRINT_VERSION = "feta-imagedataset-v1"
-MEMORY_ENV = "FETA_MAX_DATASET_MB"  # the most memory a site's float32 images may take; default half the machine's
+# the most memory a site's float32 images may take; default half the machine's
+MEMORY_ENV = "FETA_MAX_DATASET_MB"
 
 
 def dataset_memory_limit() -> int:
@@ -30,18 +31,23 @@ def dataset_memory_limit() -> int:
         try:
             return int(float(value) * 2**20)
         except ValueError:
-            raise DataError(f"{MEMORY_ENV}={value!r} is not a number of MiB; set it like {MEMORY_ENV}=3000") from None
+            raise DataError(
+                f"{MEMORY_ENV}={value!r} is not a number of MiB; set it like {MEMORY_ENV}=3000"
+            ) from None
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def check_dataset_memory(n: int, values_per_image: int, where: str) -> None:
-    """Refuse, before any pixel is read, a set whose float32 images (N x C x H x W x 4 bytes) exceed the limit:
-    every stage holds them once (``ImageDataset``), so such a set would exhaust the machine part-way instead."""
+    """Refuse, before any pixel is read, a set whose float32 images (N x C x H x W x 4 bytes) exceed the
+    limit: every stage holds them once (``ImageDataset``), so such a set would exhaust the machine part-way
+    instead."""
     need, limit = int(n) * int(values_per_image) * 4, dataset_memory_limit()
     if need > limit:
-        raise DataError(f"{where}: {n:,} images of {values_per_image:,} values need {need / 2**30:,.2f} GiB as "
-                        f"float32 (N*C*H*W*4 bytes) > the limit {limit / 2**30:,.2f} GiB; use smaller images "
-                        f"(--image-size), split the site, or raise {MEMORY_ENV} on a machine with the memory")
+        raise DataError(
+            f"{where}: {n:,} images of {values_per_image:,} values need {need / 2**30:,.2f} GiB as "
+            f"float32 (N*C*H*W*4 bytes) > the limit {limit / 2**30:,.2f} GiB; use smaller images "
+            f"(--image-size), split the site, or raise {MEMORY_ENV} on a machine with the memory"
+        )
 
 
 # What a site's computing process holds beside its float32 images: Python, numpy and torch, the job's model,
@@ -67,10 +73,12 @@ def check_site_memory(n: int, shape: tuple[int, ...], limit_mb: float, where: st
     need = site_memory_bytes(n, values)
     if need > limit_mb * 2**20:
         side = "x".join(str(int(v)) for v in shape)
-        raise DataError(f"{where}: {int(n):,} images of {side} need {need / 2**30:,.2f} GiB (float32 images "
-                        f"N*C*H*W*4 bytes + {SITE_WORKING_MB} MiB working memory) > {limit_name} "
-                        f"{limit_mb:,.0f} MiB; use smaller images (--image-size), split the site, or raise "
-                        f"{limit_name} on a machine with the memory")
+        raise DataError(
+            f"{where}: {int(n):,} images of {side} need {need / 2**30:,.2f} GiB (float32 images "
+            f"N*C*H*W*4 bytes + {SITE_WORKING_MB} MiB working memory) > {limit_name} "
+            f"{limit_mb:,.0f} MiB; use smaller images (--image-size), split the site, or raise "
+            f"{limit_name} on a machine with the memory"
+        )
 
 
 @dataclass
@@ -91,15 +99,21 @@ class ImageDataset:
     def __post_init__(self) -> None:
         self.class_names = tuple(str(c) for c in self.class_names)
         where = self.source or "<dataset>"
-        if not isinstance(self.images, np.ndarray) or self.images.dtype != np.float32 or self.images.ndim != 4:
+        if (
+            not isinstance(self.images, np.ndarray)
+            or self.images.dtype != np.float32
+            or self.images.ndim != 4
+        ):
             raise DataError(
                 f"{where}: images must be a float32 array (N, C, H, W); got "
-                f"{getattr(self.images, 'dtype', type(self.images).__name__)} {getattr(self.images, 'shape', '')}"
+                f"{getattr(self.images, 'dtype', type(self.images).__name__)} "
+                f"{getattr(self.images, 'shape', '')}"
             )
         if not isinstance(self.labels, np.ndarray) or self.labels.dtype != np.int64 or self.labels.ndim != 1:
             raise DataError(
                 f"{where}: labels must be an int64 array (N,); got "
-                f"{getattr(self.labels, 'dtype', type(self.labels).__name__)} {getattr(self.labels, 'shape', '')}"
+                f"{getattr(self.labels, 'dtype', type(self.labels).__name__)} "
+                f"{getattr(self.labels, 'shape', '')}"
             )
         if len(self.labels) != len(self.images):
             raise DataError(f"{where}: {len(self.images)} images but {len(self.labels)} labels")
@@ -116,7 +130,9 @@ class ImageDataset:
             lo, hi = float(self.images.min()), float(self.images.max())
             # min/max are NaN if any pixel is NaN, so one comparison covers NaN, inf and range.
             if not (0.0 <= lo and hi <= 1.0):
-                raise DataError(f"{where}: pixel values must be finite and in [0, 1]; found min {lo}, max {hi}")
+                raise DataError(
+                    f"{where}: pixel values must be finite and in [0, 1]; found min {lo}, max {hi}"
+                )
 
     # -- shape ----------------------------------------------------------------------------------
     @property
@@ -172,12 +188,15 @@ class ImageDataset:
     def canonical_parts(self) -> list[bytes | memoryview]:
         """Items 2-4 of ``fingerprint``'s byte string (header, pixels, labels): what a site's keyed commitment
         (``feta_release.data.commitment``) binds. Never published as a plain hash: see that module. The pixels
-        are a view of the array's own buffer (a copy only when it is not little-endian C-order float32): a large
-        site is hashed without a second copy of its images."""
+        are a view of the array's own buffer (a copy only when it is not little-endian C-order float32): a
+        large site is hashed without a second copy of its images."""
         header = {"class_names": list(self.class_names), "shape": [int(s) for s in self.images.shape]}
         head = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        return [head + b"\n", np.ascontiguousarray(self.images, dtype="<f4").data.cast("B"),
-                np.ascontiguousarray(self.labels, dtype="<i8").tobytes()]
+        return [
+            head + b"\n",
+            np.ascontiguousarray(self.images, dtype="<f4").data.cast("B"),
+            np.ascontiguousarray(self.labels, dtype="<i8").tobytes(),
+        ]
 
     def summary(self) -> dict:
         """JSON-ready description (no pixels)."""
@@ -194,11 +213,11 @@ class ImageDataset:
 
 
 def _to_uint8(images: np.ndarray, rows: int = 4096) -> np.ndarray:
-    """``rint(images * 255)`` as uint8, chunk by chunk: the whole-array expression holds two float32 temporaries
-    the size of the set (3.2 GB more at 100,000 images of 64x64)."""
+    """``rint(images * 255)`` as uint8, chunk by chunk: the whole-array expression holds two float32
+    temporaries the size of the set (3.2 GB more at 100,000 images of 64x64)."""
     out = np.empty(images.shape, dtype=np.uint8)
     for i in range(0, len(images), rows):
-        out[i:i + rows] = np.rint(images[i:i + rows] * 255.0)
+        out[i : i + rows] = np.rint(images[i : i + rows] * 255.0)
     return out
 
 

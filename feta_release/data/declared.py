@@ -1,15 +1,16 @@
-"""The PUBLIC shape of a site's data: its class list and its image shape, declared by the site's administrator.
+"""The PUBLIC shape of a site's data: its class list and its image shape, declared by the site's
+administrator.
 
 The class list (which classes, their order, how many) and the image shape (channels, height, width)
 fix the shape of every release and of the model, and the node's ``hello`` sends them un-noised. Read off the
-private images they are a count > 0 query per class (one 'sarcoma' image adds a class) and a majority vote over
-the colour modes and sizes (one RGB image flips every image to 3 channels). So they are DECLARED instead: the
-signed site policy holds ``dataset.classes`` and ``dataset.image_shape`` (``site init`` and ``policy
+private images they are a count > 0 query per class (one 'sarcoma' image adds a class) and a majority vote
+over the colour modes and sizes (one RGB image flips every image to 3 channels). So they are DECLARED instead:
+the signed site policy holds ``dataset.classes`` and ``dataset.image_shape`` (``site init`` and ``policy
 data-commitment`` draft them from the data as a proposal the administrator reviews and signs, like the public
 size), and the node maps its data onto them:
 
-  * each image is converted to the declared channels and size by :func:`conform_image`, a function of that image
-    and the public declaration alone (never of the other images);
+  * each image is converted to the declared channels and size by :func:`conform_image`, a function of that
+    image and the public declaration alone (never of the other images);
   * each label is looked up by NAME in the declared list; a label outside it refuses to open the site (a local
     error naming the file and the fix); a declared class without any image is fine.
 
@@ -43,11 +44,15 @@ class DataDeclaration:
         object.__setattr__(self, "class_names", names)
         object.__setattr__(self, "image_shape", tuple(int(v) for v in self.image_shape))
         if len(names) < 2 or len(set(names)) != len(names) or not all(n.strip() for n in names):
-            raise PolicyError(f"dataset.classes {list(names)}: give at least 2 distinct, non-empty class names")
+            raise PolicyError(
+                f"dataset.classes {list(names)}: give at least 2 distinct, non-empty class names"
+            )
         c, h, w = self.image_shape if len(self.image_shape) == 3 else (0, 0, 0)
         if len(self.image_shape) != 3 or c not in (1, 3) or h < 1 or w < 1:
-            raise PolicyError(f"dataset.image_shape {list(self.image_shape)}: give [channels, height, width] with "
-                              "1 (greyscale) or 3 (RGB) channels, e.g. [1, 64, 64]")
+            raise PolicyError(
+                f"dataset.image_shape {list(self.image_shape)}: give [channels, height, width] with "
+                "1 (greyscale) or 3 (RGB) channels, e.g. [1, 64, 64]"
+            )
 
     @property
     def n_classes(self) -> int:
@@ -59,35 +64,42 @@ class DataDeclaration:
 
     @classmethod
     def from_dataset_table(cls, table: Mapping[str, Any]) -> DataDeclaration | None:
-        """From a policy's ``[dataset]`` table; None when it declares neither field (a policy signed before both)."""
+        """From a policy's ``[dataset]`` table; None when it declares neither field (a policy signed before
+        both)."""
         if "classes" not in table and "image_shape" not in table:
             return None
         if "classes" not in table or "image_shape" not in table:
-            raise PolicyError("dataset: declare both classes and image_shape (the public schema of the data), or "
-                              "neither")
+            raise PolicyError(
+                "dataset: declare both classes and image_shape (the public schema of the data), or neither"
+            )
         return cls(tuple(table["classes"]), tuple(table["image_shape"]))
 
     @classmethod
     def draft_from(cls, ds: Any) -> DataDeclaration:
-        """A PROPOSAL read off a dataset loaded without a declaration (its classes present, its majority shape): for
-        the administrator to review and sign, never what a node uses on its own."""
+        """A PROPOSAL read off a dataset loaded without a declaration (its classes present, its majority
+        shape): for the administrator to review and sign, never what a node uses on its own."""
         return cls(tuple(ds.class_names), tuple(ds.image_shape))
 
     def policy_fields(self) -> dict[str, Any]:
         return {"classes": list(self.class_names), "image_shape": list(self.image_shape)}
 
     def toml_lines(self) -> str:
-        """The two ``[dataset]`` lines of a policy draft, with a comment saying they are the admin's declaration."""
+        """The two ``[dataset]`` lines of a policy draft, with a comment saying they are the admin's
+        declaration."""
         names = ", ".join('"' + n.replace("\\", "\\\\").replace('"', '\\"') + '"' for n in self.class_names)
-        return (f"# PUBLIC schema of the data, YOUR declaration (drafted from the data: review it). Every release and\n"
-                f"# the model have this shape; the node maps each image onto it alone and refuses labels outside\n"
-                f"# classes (a declared class without images is fine: declare rare classes whether or not you hold any).\n"
-                f"classes = [{names}]\n"
-                f"image_shape = [{', '.join(str(v) for v in self.image_shape)}]  # [channels 1|3, height, width]\n")
+        return (
+            f"# PUBLIC schema of the data, YOUR declaration (drafted from the data: review it). Every "
+            f"release and\n# the model have this shape; the node maps each image onto it alone and refuses "
+            f"labels outside\n# classes (a declared class without images is fine: declare rare classes "
+            f"whether or not you hold any).\nclasses = [{names}]\n"
+            f"image_shape = [{', '.join(str(v) for v in self.image_shape)}]  # [channels 1|3, height, "
+            "width]\n"
+        )
 
 
 def convert_channels(arr: np.ndarray, channels: int) -> np.ndarray:
-    """float32 (H, W, C) in [0, 1] to ``channels`` (greyscale is copied to RGB; RGB becomes ITU-R 601 luma)."""
+    """float32 (H, W, C) in [0, 1] to ``channels`` (greyscale is copied to RGB; RGB becomes ITU-R 601
+    luma)."""
     if arr.shape[2] == channels:
         return arr
     if channels == 3:
@@ -103,11 +115,11 @@ def fit_image(arr: np.ndarray, size: tuple[int, int], resize: Resize) -> np.ndar
         if h * tw > w * th:  # too tall
             nh = max(1, round(w * th / tw))
             top = (h - nh) // 2
-            arr = arr[top:top + nh]
+            arr = arr[top : top + nh]
         elif h * tw < w * th:  # too wide
             nw = max(1, round(h * tw / th))
             left = (w - nw) // 2
-            arr = arr[:, left:left + nw]
+            arr = arr[:, left : left + nw]
     if arr.shape[:2] == size:
         return np.ascontiguousarray(arr)
     h, w = size
@@ -119,8 +131,8 @@ def fit_image(arr: np.ndarray, size: tuple[int, int], resize: Resize) -> np.ndar
 
 
 def conform_image(arr: np.ndarray, shape: Sequence[int], resize: Resize) -> np.ndarray:
-    """One image, float32 (H, W, C) in [0, 1], as the declared (C, H, W): its channels converted and, when its size
-    differs and ``resize`` allows it, resized. A function of this image and the public declaration only.
+    """One image, float32 (H, W, C) in [0, 1], as the declared (C, H, W): its channels converted and, when its
+    size differs and ``resize`` allows it, resized. A function of this image and the public declaration only.
 
     Raises ``DataError`` when the size differs under ``resize = "refuse"`` (the caller names the file)."""
     c, h, w = (int(v) for v in shape)
@@ -133,9 +145,14 @@ def conform_image(arr: np.ndarray, shape: Sequence[int], resize: Resize) -> np.n
 
 
 def unknown_label_message(declared: DataDeclaration, found: Mapping[str, list[str]]) -> str:
-    """The admin-facing line for labels outside the declared classes: which labels, which files, and the fix."""
-    parts = [f"{lab!r} ({files[0]}{f' and {len(files) - 1} more' if len(files) > 1 else ''})"
-             for lab, files in sorted(found.items())]
-    return (f"label(s) outside the policy's declared classes {list(declared.class_names)}: {'; '.join(parts)}; "
-            "add them to dataset.classes of the site policy (then recompute the commitment with `feta-release policy "
-            "data-commitment` and re-sign), or remove those images")
+    """The admin-facing line for labels outside the declared classes: which labels, which files, and the
+    fix."""
+    parts = [
+        f"{lab!r} ({files[0]}{f' and {len(files) - 1} more' if len(files) > 1 else ''})"
+        for lab, files in sorted(found.items())
+    ]
+    return (
+        f"label(s) outside the policy's declared classes {list(declared.class_names)}: {'; '.join(parts)}; "
+        "add them to dataset.classes of the site policy (then recompute the commitment with `feta-release "
+        "policy data-commitment` and re-sign), or remove those images"
+    )

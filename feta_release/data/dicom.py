@@ -70,16 +70,21 @@ class Window:
         return "auto"
 
     def fixed_bits(self) -> int:
-        """The N of ``bits:N``; a hand-built ``Window("bits")`` without N is refused here, not deep in numpy."""
+        """The N of ``bits:N``; a hand-built ``Window("bits")`` without N is refused here, not deep in
+        numpy."""
         if self.bits is None:
-            raise ConfigError("window kind 'bits' has no bit depth: build it with parse_window('bits:N'), N = 1..16")
+            raise ConfigError(
+                "window kind 'bits' has no bit depth: build it with parse_window('bits:N'), N = 1..16"
+            )
         return self.bits
 
     def linear(self) -> tuple[float, float]:
         """(centre, width) of ``C,W``; a hand-built ``Window("linear")`` without both is refused here."""
         if self.center is None or self.width is None:
-            raise ConfigError("window kind 'linear' needs a centre and a width: build it with "
-                              "parse_window('CENTER,WIDTH'), e.g. 40,400")
+            raise ConfigError(
+                "window kind 'linear' needs a centre and a width: build it with "
+                "parse_window('CENTER,WIDTH'), e.g. 40,400"
+            )
         return self.center, self.width
 
 
@@ -103,7 +108,9 @@ def parse_window(text: str | Window | None) -> Window:
             c, w = math.nan, math.nan
         if math.isfinite(c) and math.isfinite(w) and w >= 1:
             return Window("linear", center=c, width=w)
-    raise ConfigError(f"window {text!r}: use 'auto', 'bits:N' (N = 1..16) or 'CENTER,WIDTH' with WIDTH >= 1, e.g. 40,400")
+    raise ConfigError(
+        f"window {text!r}: use 'auto', 'bits:N' (N = 1..16) or 'CENTER,WIDTH' with WIDTH >= 1, e.g. 40,400"
+    )
 
 
 def linear_window(x: np.ndarray, center: float, width: float) -> np.ndarray:
@@ -113,7 +120,9 @@ def linear_window(x: np.ndarray, center: float, width: float) -> np.ndarray:
     return np.clip((x - (center - 0.5)) / (width - 1.0) + 0.5, 0.0, 1.0).astype(np.float32)
 
 
-def bits_range(x: np.ndarray, bits: int, slope: float = 1.0, intercept: float = 0.0, signed: bool = False) -> np.ndarray:
+def bits_range(
+    x: np.ndarray, bits: int, slope: float = 1.0, intercept: float = 0.0, signed: bool = False
+) -> np.ndarray:
     """Map the full stored range of ``bits`` (through a rescale) onto [0, 1]."""
     lo_raw, hi_raw = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
     lo, hi = sorted((lo_raw * slope + intercept, hi_raw * slope + intercept))
@@ -137,7 +146,8 @@ def window_sixteen_bit(raw: np.ndarray, window: Window) -> tuple[np.ndarray, str
 
 
 def is_dicom(path: Path) -> bool:
-    """``.dcm``/``.dicom``, or any extension-less file with the DICM magic (scanners often write no extension)."""
+    """``.dcm``/``.dicom``, or any extension-less file with the DICM magic (scanners often write no
+    extension)."""
     if path.suffix.lower() in DICOM_EXTENSIONS:
         return True
     if path.suffix:
@@ -188,23 +198,33 @@ def read_header(path: Path, max_pixels: int) -> DicomHeader:
 def _header(ds, path: Path, max_pixels: int) -> DicomHeader:  # noqa: ANN001
     rows, cols = _int(ds, "Rows", 0), _int(ds, "Columns", 0)
     if rows < 1 or cols < 1:
-        raise DataError(f"{path}: DICOM file holds no image (no Rows/Columns; a report or structured document?)")
+        raise DataError(
+            f"{path}: DICOM file holds no image (no Rows/Columns; a report or structured document?)"
+        )
     frames, spp = _int(ds, "NumberOfFrames", 1), _int(ds, "SamplesPerPixel", 1)
     if rows * cols * max(frames, 1) > max_pixels:
-        raise DataError(f"{path}: refused as a possible decompression bomb ({cols}x{rows}x{frames} frames > limit "
-                        f"{max_pixels:,} pixels)")
+        raise DataError(
+            f"{path}: refused as a possible decompression bomb ({cols}x{rows}x{frames} frames > limit "
+            f"{max_pixels:,} pixels)"
+        )
     if frames > 1:
-        raise DataError(f"{path}: multi-frame DICOM ({frames} frames) is not supported; export the frames you want "
-                        "as single-frame files")
+        raise DataError(
+            f"{path}: multi-frame DICOM ({frames} frames) is not supported; export the frames you want "
+            "as single-frame files"
+        )
     photometric = str(ds.get("PhotometricInterpretation", "")).upper()
     if spp == 1 and photometric not in ("MONOCHROME1", "MONOCHROME2"):
-        raise DataError(f"{path}: DICOM photometric interpretation {photometric or 'missing'} is not supported "
-                        "(use MONOCHROME1/2 greyscale or 8-bit RGB/YBR colour)")
+        raise DataError(
+            f"{path}: DICOM photometric interpretation {photometric or 'missing'} is not supported "
+            "(use MONOCHROME1/2 greyscale or 8-bit RGB/YBR colour)"
+        )
     if spp not in (1, 3):
         raise DataError(f"{path}: DICOM with {spp} samples per pixel is not supported (1 = grey, 3 = colour)")
     if spp == 3 and _int(ds, "BitsAllocated", 8) != 8:
-        raise DataError(f"{path}: colour DICOM with {_int(ds, 'BitsAllocated', 0)} bits per sample is not supported "
-                        "(8-bit colour only)")
+        raise DataError(
+            f"{path}: colour DICOM with {_int(ds, 'BitsAllocated', 0)} bits per sample is not supported "
+            "(8-bit colour only)"
+        )
     pid = ds.get("PatientID", None)
     key = hashlib.sha256(str(pid).encode()).hexdigest() if pid not in (None, "") else None
     return DicomHeader(size=(rows, cols), channels=3 if spp == 3 else 1, patient_key=key)
@@ -219,8 +239,10 @@ def read_pixels(path: Path, window: Window) -> tuple[np.ndarray, str]:
     except Exception as exc:  # noqa: BLE001 - missing codec, truncated pixel data, ...
         tsuid = getattr(getattr(ds, "file_meta", None), "TransferSyntaxUID", None)
         what = f"transfer syntax {tsuid.name}" if tsuid is not None else "pixel data"
-        raise DataError(f"{path}: DICOM pixel data cannot be decoded ({what}; {type(exc).__name__}): truncated, or "
-                        "compressed with a codec that is not installed (e.g. pip install pylibjpeg)") from exc
+        raise DataError(
+            f"{path}: DICOM pixel data cannot be decoded ({what}; {type(exc).__name__}): truncated, or "
+            "compressed with a codec that is not installed (e.g. pip install pylibjpeg)"
+        ) from exc
     photometric = str(ds.get("PhotometricInterpretation", "")).upper()
     if _int(ds, "SamplesPerPixel", 1) == 3:
         if photometric.startswith("YBR"):
@@ -236,9 +258,10 @@ def read_pixels(path: Path, window: Window) -> tuple[np.ndarray, str]:
 
 
 def _grey_checked(ds, arr: np.ndarray, window: Window, path: Path) -> tuple[np.ndarray, str]:  # noqa: ANN001
-    """``_grey``, with a rescale pydicom cannot parse (a Rescale Slope of 'abc') or one that makes values NaN/inf
-    refused naming the file: the first used to escape as a bare ValueError, the second to surface later as a
-    'pixel values must be finite' for the whole folder, naming no file. Never pydicom's text (it may quote PHI)."""
+    """``_grey``, with a rescale pydicom cannot parse (a Rescale Slope of 'abc') or one that makes values
+    NaN/inf refused naming the file: the first used to escape as a bare ValueError, the second to surface
+    later as a 'pixel values must be finite' for the whole folder, naming no file. Never pydicom's text (it
+    may quote PHI)."""
     fix = "fix Rescale Slope/Intercept (or the Modality LUT) in the file, or re-export it"
     try:
         with _quiet():
@@ -246,7 +269,9 @@ def _grey_checked(ds, arr: np.ndarray, window: Window, path: Path) -> tuple[np.n
     except (ConfigError, DataError):
         raise
     except Exception as exc:  # noqa: BLE001 - pydicom's value conversions raise many types
-        raise DataError(f"{path}: DICOM rescale values cannot be read ({type(exc).__name__}); {fix}") from None
+        raise DataError(
+            f"{path}: DICOM rescale values cannot be read ({type(exc).__name__}); {fix}"
+        ) from None
     if not np.isfinite(out).all():
         raise DataError(f"{path}: DICOM rescale values make pixel values NaN or infinite; {fix}")
     return out, rule
@@ -274,7 +299,11 @@ def _file_window(ds) -> tuple[float | None, float | None]:  # noqa: ANN001
         if v is None:
             return None
         try:
-            v = v[0] if isinstance(v, (list, tuple)) or hasattr(v, "__getitem__") and not isinstance(v, str) else v
+            v = (
+                v[0]
+                if isinstance(v, (list, tuple)) or hasattr(v, "__getitem__") and not isinstance(v, str)
+                else v
+            )
             f = float(v)
         except (TypeError, ValueError, IndexError):
             return None

@@ -23,8 +23,10 @@ def find_problems(ds: ImageDataset, report: LoadReport | None = None) -> list[st
     flat = ds.images.reshape(ds.n, -1)
     const = np.flatnonzero(flat.max(axis=1) == flat.min(axis=1)) if ds.n else np.array([], int)
     if len(const):
-        problems.append(f"{len(const)} constant (single-colour) image(s){_named(const, files)}: check the export "
-                        "(blank frames, wrong window); remove them if they are not real images")
+        problems.append(
+            f"{len(const)} constant (single-colour) image(s){_named(const, files)}: check the export "
+            "(blank frames, wrong window); remove them if they are not real images"
+        )
     counts = ds.class_counts()
     if counts.min() > 0 and counts.max() / counts.min() > IMBALANCE_RATIO:
         problems.append(
@@ -34,14 +36,19 @@ def find_problems(ds: ImageDataset, report: LoadReport | None = None) -> list[st
         )
     small = [f"{ds.class_names[c]} ({counts[c]})" for c in range(ds.n_classes) if counts[c] < FEW_IMAGES]
     if small:
-        problems.append(f"class(es) with fewer than {FEW_IMAGES} images: {', '.join(small)}; DP noise is "
-                        "calibrated to the whole set, so tiny classes drown in it: add images or merge classes")
+        problems.append(
+            f"class(es) with fewer than {FEW_IMAGES} images: {', '.join(small)}; DP noise is "
+            "calibrated to the whole set, so tiny classes drown in it: add images or merge classes"
+        )
     return problems
 
 
 def _named(indices: np.ndarray, files: list[str] | None, limit: int = 5) -> str:
     if files is None:
-        return f" (indices {', '.join(str(int(i)) for i in indices[:limit])}{', ...' if len(indices) > limit else ''})"
+        return (
+            f" (indices {', '.join(str(int(i)) for i in indices[:limit])}"
+            f"{', ...' if len(indices) > limit else ''})"
+        )
     shown = [files[int(i)] for i in indices[:limit]]
     return f": {', '.join(shown)}{f' and {len(indices) - limit} more' if len(indices) > limit else ''}"
 
@@ -55,23 +62,33 @@ def _duplicates(ds: ImageDataset, files: list[str] | None, report: LoadReport | 
         return []
     n_dup = sum(len(g) - 1 for g in dups)
     first = dups[0]
-    where = (f"; e.g. {', '.join(files[i] for i in first[:3])}" if files is not None
-             else f"; e.g. indices {', '.join(map(str, first[:3]))}")
-    unit = ("the unit of privacy is the patient; copies still overweight that image and use up the patient's image "
-            "cap" if report is not None
-            and report.patients is not None else "the unit of privacy is one image, so a person whose image "
-            "appears twice is protected at half strength")
-    return [f"{n_dup} exact duplicate image(s) in {len(dups)} group(s){where}: {unit}; delete the copies before "
-            "release"]
+    where = (
+        f"; e.g. {', '.join(files[i] for i in first[:3])}"
+        if files is not None
+        else f"; e.g. indices {', '.join(map(str, first[:3]))}"
+    )
+    unit = (
+        "the unit of privacy is the patient; copies still overweight that image and use up the patient's "
+        "image cap"
+        if report is not None and report.patients is not None
+        else "the unit of privacy is one image, so a person whose image "
+        "appears twice is protected at half strength"
+    )
+    return [
+        f"{n_dup} exact duplicate image(s) in {len(dups)} group(s){where}: {unit}; delete the copies before "
+        "release"
+    ]
 
 
 def _pixel_moments(images: np.ndarray, rows: int = 4096) -> dict[str, float]:
-    """Mean and standard deviation of every pixel value, accumulated in float64 chunk by chunk: ``images.std()``
-    makes a temporary the size of the whole set (1.6 GB more at 100,000 images of 64x64)."""
+    """Mean and standard deviation of every pixel value, accumulated in float64 chunk by chunk:
+    ``images.std()`` makes a temporary the size of the whole set (1.6 GB more at 100,000 images of 64x64)."""
     size = max(images.size, 1)
-    mean = sum(float(images[i:i + rows].sum(dtype=np.float64)) for i in range(0, len(images), rows)) / size
-    square = sum(float(np.square(images[i:i + rows] - mean, dtype=np.float64).sum())
-                 for i in range(0, len(images), rows))
+    mean = sum(float(images[i : i + rows].sum(dtype=np.float64)) for i in range(0, len(images), rows)) / size
+    square = sum(
+        float(np.square(images[i : i + rows] - mean, dtype=np.float64).sum())
+        for i in range(0, len(images), rows)
+    )
     return {"pixel_mean": mean, "pixel_std": (square / size) ** 0.5}
 
 

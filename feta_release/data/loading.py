@@ -41,10 +41,10 @@ from ..errors import ConfigError, DataError
 from ..files import NpyHeader, read_npz
 from ..privacy_unit import PatientIndex, cap_per_patient
 from . import dicom
-from .embedded import EMBEDDED_SOURCE, embedded_path
 from .dataset import ImageDataset, check_dataset_memory
 from .declared import DataDeclaration, conform_image, fit_image, unknown_label_message
 from .dicom import Window, parse_window
+from .embedded import EMBEDDED_SOURCE, embedded_path
 
 PIL_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"})
 IMAGE_EXTENSIONS = PIL_EXTENSIONS | dicom.DICOM_EXTENSIONS
@@ -52,8 +52,8 @@ IMAGE_EXTENSIONS = PIL_EXTENSIONS | dicom.DICOM_EXTENSIONS
 # 100k x 100k pixels and exhaust memory (decompression bomb). Pillow's own limit (89M) still
 # applies on top; this one is lower because the method works on small images anyway.
 DEFAULT_MAX_PIXELS = 50_000_000
-# The most bytes the arrays of one .npz dataset may take (as stored, before the float32 conversion): a larger dataset
-# is an image folder or a CSV, whose files are decoded one at a time.
+# The most bytes the arrays of one .npz dataset may take (as stored, before the float32 conversion): a larger
+# dataset is an image folder or a CSV, whose files are decoded one at a time.
 MAX_NPZ_BYTES = 8 << 30
 MAX_LISTED = 20  # files named in one error message before "... and N more"
 _GREY_MODES = {"1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"}
@@ -82,9 +82,11 @@ class LoadReport:
     # Per image: an index 0..P-1 of its patient (None: no patient ids known). Pseudonymous by
     # construction (order of first appearance); the identifiers themselves are never kept.
     patients: np.ndarray | None = field(default=None, repr=False)
-    # Files without a patient id when others have one (each counts as its own patient; a patient cap refuses them).
+    # Files without a patient id when others have one (each counts as its own patient; a patient cap refuses
+    # them).
     unidentified: list[str] = field(default_factory=list, repr=False)
-    patient_cap: int | None = None  # at most this many images per patient were kept (feta_release.privacy_unit)
+    # at most this many images per patient were kept (feta_release.privacy_unit)
+    patient_cap: int | None = None
     n_dropped_by_cap: int = 0
 
     @property
@@ -135,22 +137,30 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.resize not in RESIZE_POLICIES:
             raise ConfigError(f"resize must be one of {', '.join(RESIZE_POLICIES)}, not {self.resize!r}")
-        if self.image_size is not None and (isinstance(self.image_size, bool) or not isinstance(self.image_size, int)
-                                            or self.image_size < 1):
+        if self.image_size is not None and (
+            isinstance(self.image_size, bool) or not isinstance(self.image_size, int) or self.image_size < 1
+        ):
             raise ConfigError(f"image_size must be a positive integer, not {self.image_size!r}")
         object.__setattr__(self, "window", str(parse_window(self.window)))
-        if self.patient_cap is not None and (isinstance(self.patient_cap, bool) or not isinstance(self.patient_cap, int)
-                                             or self.patient_cap < 1):
+        if self.patient_cap is not None and (
+            isinstance(self.patient_cap, bool)
+            or not isinstance(self.patient_cap, int)
+            or self.patient_cap < 1
+        ):
             raise ConfigError(f"patient_cap must be a positive integer, not {self.patient_cap!r}")
 
     def kwargs(self) -> dict:
-        return {"resize": self.resize, "image_size": self.image_size, "window": self.window,
-                "patient_cap": self.patient_cap}
+        return {
+            "resize": self.resize,
+            "image_size": self.image_size,
+            "window": self.window,
+            "patient_cap": self.patient_cap,
+        }
 
     def over(self, base: LoadOptions) -> LoadOptions:
-        """These options laid over ``base`` (a job's [job] or a node.toml's [data]): only the fields given replace
-        base's. One flag used to replace all four, so ``--patient-cap 1`` also reset a job's window bits:12 to auto
-        (other pixel values, silently) and its resize/image_size to refuse/None."""
+        """These options laid over ``base`` (a job's [job] or a node.toml's [data]): only the fields given
+        replace base's. One flag used to replace all four, so ``--patient-cap 1`` also reset a job's window
+        bits:12 to auto (other pixel values, silently) and its resize/image_size to refuse/None."""
         if not self.given:
             return self
         return replace(base, **{k: getattr(self, k) for k in self.given}, given=frozenset())
@@ -178,10 +188,10 @@ def load_dataset(
     patient_cap: keep at most this many images per patient (the first in file order), making the
         patient the unit of privacy (``feta_release.privacy_unit``); needs patient ids.
     declared: the site policy's PUBLIC class list and image shape (``feta_release.data.declared``): labels are
-        looked up by name in it (a label outside it is refused, a class without images is fine) and each image is
-        converted to its channels and size on its own. ``None`` (``data inspect``, drafts, ``train`` without a
-        declaring policy): both are read off the data (the classes present; the majority colour mode and size),
-        which is what a site's node never does.
+        looked up by name in it (a label outside it is refused, a class without images is fine) and each image
+        is converted to its channels and size on its own. ``None`` (``data inspect``, drafts, ``train``
+        without a declaring policy): both are read off the data (the classes present; the majority colour mode
+        and size), which is what a site's node never does.
     """
     ds, report = _load_any(path, resize, image_size, max_pixels, window, declared)
     if patient_cap is not None:
@@ -190,34 +200,42 @@ def load_dataset(
 
 
 def patient_grouping(report: LoadReport) -> np.ndarray | None:
-    """Per image its patient's index when the data were loaded under a patient cap (a patient-level policy's data),
-    else None: what ``commitment.dataset_commitment(..., patients=)`` binds beside the pixels and labels."""
+    """Per image its patient's index when the data were loaded under a patient cap (a patient-level policy's
+    data), else None: what ``commitment.dataset_commitment(..., patients=)`` binds beside the pixels and
+    labels."""
     return report.patients if report.patient_cap is not None else None
 
 
 def cap_loaded(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
-    """``load_dataset(..., patient_cap=k)`` applied to data already loaded without a cap (same images, same report)."""
+    """``load_dataset(..., patient_cap=k)`` applied to data already loaded without a cap (same images, same
+    report)."""
     return _cap_patients(ds, report, k)
 
 
-def policy_data(policy: Any, ds: Any, report: Any, *, data_source: str,
-                policy_source: str) -> tuple[Any, PatientIndex | None]:
+def policy_data(
+    policy: Any, ds: Any, report: Any, *, data_source: str, policy_source: str
+) -> tuple[Any, PatientIndex | None]:
     """The site's data as its signed policy's unit of privacy needs them, and the patient index for DP-SGD.
 
     An image-level policy: the data as loaded, no index. A patient-level policy (``dataset.privacy_unit =
     "patient"``): the data must carry patient ids (refused otherwise: DP-SGD cannot sample patients it cannot
     tell apart), at most ``dataset.patient_cap`` images per patient are kept (the loader's cap, set here when
-    the node's own config sets none; a different one is refused), and the index holds the PUBLIC patient count."""
+    the node's own config sets none; a different one is refused), and the index holds the PUBLIC patient
+    count."""
     if getattr(policy, "privacy_unit", "image") != "patient":
         return ds, None
     if report.patients is None:
-        raise ConfigError(f'{policy_source}: the policy makes the PATIENT the unit of privacy (dataset.privacy_unit = '
-                          f'"patient") but {data_source} has no patient ids; give the data a patient_id column (CSV '
-                          'path,label,patient_id) or DICOM files with PatientID, or sign a policy without privacy_unit')
+        raise ConfigError(
+            f"{policy_source}: the policy makes the PATIENT the unit of privacy (dataset.privacy_unit = "
+            f'"patient") but {data_source} has no patient ids; give the data a patient_id column (CSV '
+            "path,label,patient_id) or DICOM files with PatientID, or sign a policy without privacy_unit"
+        )
     cap = int(policy.patient_cap)
     if report.patient_cap is not None and report.patient_cap != cap:
-        raise ConfigError(f"{policy_source}: dataset.patient_cap = {cap} but the node loads {data_source} with a patient "
-                          f"cap of {report.patient_cap} (node.toml [data] patient_cap); set it to {cap} or remove it")
+        raise ConfigError(
+            f"{policy_source}: dataset.patient_cap = {cap} but the node loads {data_source} with a patient "
+            f"cap of {report.patient_cap} (node.toml [data] patient_cap); set it to {cap} or remove it"
+        )
     if report.patient_cap is None:
         ds = cap_loaded(ds, report, cap)
     return ds, PatientIndex(np.asarray(report.patients), int(policy.patients), cap)
@@ -225,17 +243,24 @@ def policy_data(policy: Any, ds: Any, report: Any, *, data_source: str,
 
 def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     if report.patients is None:
-        raise ConfigError(f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
-                          "PatientID); without them the unit of privacy is one image: drop the cap")
-    if report.unidentified:  # each would pass the cap as a patient of its own: the cap would bound nobody's images
-        raise DataError(f"{report.source}: a patient cap needs a patient id on every image, and "
-                        f"{len(report.unidentified)} have none (DICOM PatientID empty or missing, or not DICOM); give "
-                        "them ids with a CSV path,label,patient_id, or remove them:" + _listing(report.unidentified))
+        raise ConfigError(
+            f"{report.source}: a patient cap needs patient ids (a CSV patient_id column or DICOM "
+            "PatientID); without them the unit of privacy is one image: drop the cap"
+        )
+    # each would pass the cap as a patient of its own: the cap would bound nobody's images
+    if report.unidentified:
+        raise DataError(
+            f"{report.source}: a patient cap needs a patient id on every image, and "
+            f"{len(report.unidentified)} have none (DICOM PatientID empty or missing, or not DICOM); give "
+            "them ids with a CSV path,label,patient_id, or remove them:" + _listing(report.unidentified)
+        )
     keep = cap_per_patient(report.patients, k)
     report.patient_cap, report.n_dropped_by_cap = k, ds.n - len(keep)
     if report.n_dropped_by_cap:
-        report.warnings.append(f"patient cap {k}: kept the first {k} image(s) of each patient, dropped "
-                               f"{report.n_dropped_by_cap} image(s)")
+        report.warnings.append(
+            f"patient cap {k}: kept the first {k} image(s) of each patient, dropped "
+            f"{report.n_dropped_by_cap} image(s)"
+        )
     report.patients = report.patients[keep]
     if len(report.files) == ds.n:
         report.files = [report.files[i] for i in keep]
@@ -243,15 +268,23 @@ def _cap_patients(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     return ImageDataset(ds.images[keep], ds.labels[keep], ds.class_names, ds.source)
 
 
-def _load_any(path: str | os.PathLike, resize: ResizePolicy, image_size: int | None, max_pixels: int,
-              window: str | Window | None, declared: DataDeclaration | None = None) -> tuple[ImageDataset, LoadReport]:
+def _load_any(
+    path: str | os.PathLike,
+    resize: ResizePolicy,
+    image_size: int | None,
+    max_pixels: int,
+    window: str | Window | None,
+    declared: DataDeclaration | None = None,
+) -> tuple[ImageDataset, LoadReport]:
     if resize not in RESIZE_POLICIES:
         raise ConfigError(f"resize must be one of {', '.join(RESIZE_POLICIES)}, not {resize!r}")
     if image_size is not None and (not isinstance(image_size, int) or image_size < 1):
         raise ConfigError(f"image_size must be a positive integer or None, not {image_size!r}")
     if declared is not None and image_size is not None and declared.size != (image_size, image_size):
-        raise ConfigError(f"image_size {image_size} (node.toml [data] / --image-size) differs from the policy's declared "
-                          f"image_shape {list(declared.image_shape)}; drop image_size (the declaration sets the size)")
+        raise ConfigError(
+            f"image_size {image_size} (node.toml [data] / --image-size) differs from the policy's declared "
+            f"image_shape {list(declared.image_shape)}; drop image_size (the declaration sets the size)"
+        )
     opts = _Options(resize, image_size, max_pixels, parse_window(window), declared)
     p = Path(path)
     if not p.exists():
@@ -308,7 +341,9 @@ class _Problems:
         if len(self.sections) == 1:
             raise DataError(f"{where}: {self.sections[0]}")
         body = "\n".join(f"[{i}] {s}" for i, s in enumerate(self.sections, 1))
-        raise DataError(f"{where}: {len(self.sections)} kinds of problem; fix them all, then run again:\n{body}")
+        raise DataError(
+            f"{where}: {len(self.sections)} kinds of problem; fix them all, then run again:\n{body}"
+        )
 
 
 def _listing(items: list[str]) -> str:
@@ -338,7 +373,8 @@ def _load_folder(root: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         n_img = sum(_is_image(e) for e in loose)
         hint = f" ({n_img} images lie directly in it)" if n_img else ""
         raise DataError(
-            f"{root}: no class sub-folders{hint}; expected one sub-folder per class, e.g. {root}/<class>/001.png"
+            f"{root}: no class sub-folders{hint}; expected one sub-folder per class, e.g. "
+            f"{root}/<class>/001.png"
         )
     report.skipped_files.extend(str(e) for e in loose)
     problems = _Problems()
@@ -355,12 +391,15 @@ def _load_folder(root: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
                 report.skipped_files.append(str(f))
         if len(items) == n_before:
             empty.append(f"{cdir}/")
-    # With declared classes an empty (or absent) class folder is fine: the class list is public, not read off here.
+    # With declared classes an empty (or absent) class folder is fine: the class list is public, not read off
+    # here.
     if empty and opts.declared is None:
         problems.add(f"class folders without any {_KINDS} image:", empty)
     if len(class_dirs) < 2 and opts.declared is None:
-        problems.add(f"only one class ({class_dirs[0].name!r}); class-conditional synthesis needs at least 2 "
-                     "class sub-folders")
+        problems.add(
+            f"only one class ({class_dirs[0].name!r}); class-conditional synthesis needs at least 2 "
+            "class sub-folders"
+        )
     _add_repeated(problems, [(it.path, str(it.path)) for it in items], "delete the copies or links")
     if report.skipped_files:
         report.warnings.append(
@@ -392,7 +431,8 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
         if len(row) != len(header) or not row[0].strip() or not row[1].strip():
             bad.append(f"line {lineno}: expected {len(header)} non-empty fields ({','.join(header)})")
             continue
-        try:  # a NUL byte, an over-long name or a symlink loop: the OS refuses the path (used to be a traceback)
+        # a NUL byte, an over-long name or a symlink loop: the OS refuses the path (used to be a traceback)
+        try:
             why = _leaves_root(row[0].strip(), root)
             if why is not None:
                 outside.append(f"line {lineno}: {why}")
@@ -414,11 +454,16 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
     if bad:
         problems.add(f"{len(bad)} malformed row(s):", bad)
     if outside:
-        problems.add(f"{len(outside)} row(s) name a file outside the data folder {root} (the CSV's folder); list "
-                     "only images inside it, by a relative path without '..' (move or copy them in):", outside)
+        problems.add(
+            f"{len(outside)} row(s) name a file outside the data folder {root} (the CSV's folder); list "
+            "only images inside it, by a relative path without '..' (move or copy them in):",
+            outside,
+        )
     if missing:
         problems.add(f"{len(missing)} listed file(s) do not exist:", missing)
-    _add_repeated(problems, [(f, f"line {n}: {f}") for n, (f, _, _) in zip(lines, parsed)], "delete the extra rows")
+    _add_repeated(
+        problems, [(f, f"line {n}: {f}") for n, (f, _, _) in zip(lines, parsed)], "delete the extra rows"
+    )
     names = tuple(sorted({lab for _, lab, _ in parsed}))
     if not parsed:
         problems.add("no usable rows")
@@ -430,9 +475,9 @@ def _load_csv(path: Path, opts: _Options) -> tuple[ImageDataset, LoadReport]:
 
 
 def _leaves_root(listed: str, root: Path) -> str | None:
-    """Why a CSV row's path leaves ``root`` (None: it stays inside): an absolute path, a '..' part, or a path that
-    resolves (through symbolic links) outside it. Images from elsewhere on the node (another study's, a file an
-    export tool was tricked into naming) would be trained on as this site's data."""
+    """Why a CSV row's path leaves ``root`` (None: it stays inside): an absolute path, a '..' part, or a path
+    that resolves (through symbolic links) outside it. Images from elsewhere on the node (another study's, a
+    file an export tool was tricked into naming) would be trained on as this site's data."""
     shown = listed if len(listed) <= 80 else listed[:77] + "..."
     parts = listed.replace("\\", "/").split("/")
     if listed.startswith(("/", "\\")) or Path(listed).is_absolute() or (len(listed) > 1 and listed[1] == ":"):
@@ -452,8 +497,8 @@ def _os_reason(exc: Exception) -> str:
 
 
 def _file_key(f: Path) -> tuple[int, int] | str:
-    """The file's identity: (device, inode) follows symlinks and sees hard links; the path when stat fails (the
-    decoder reports that file as unreadable)."""
+    """The file's identity: (device, inode) follows symlinks and sees hard links; the path when stat fails
+    (the decoder reports that file as unreadable)."""
     try:
         st = f.stat()
     except (OSError, ValueError):
@@ -463,8 +508,9 @@ def _file_key(f: Path) -> tuple[int, int] | str:
 
 def _add_repeated(problems: _Problems, named: list[tuple[Path, str]], fix: str) -> None:
     """One file read twice (a CSV row repeated, a symlink or hard link beside its target) is one image counted
-    twice: under a patient cap with two patient ids it passes as two patients (twice the ε the policy signs), and
-    with two labels it trains one image into two classes. Refused, each repeat named beside its first listing."""
+    twice: under a patient cap with two patient ids it passes as two patients (twice the ε the policy signs),
+    and with two labels it trains one image into two classes. Refused, each repeat named beside its first
+    listing."""
     first: dict[tuple[int, int] | str, str] = {}
     repeats: list[str] = []
     for f, name in named:
@@ -474,8 +520,11 @@ def _add_repeated(problems: _Problems, named: list[tuple[Path, str]], fix: str) 
         else:
             first[key] = name
     if repeats:
-        problems.add(f"{len(repeats)} image file(s) listed more than once (one image must count once: a copy "
-                     f"overweights it and can pass a patient cap as another patient); {fix}:", repeats)
+        problems.add(
+            f"{len(repeats)} image file(s) listed more than once (one image must count once: a copy "
+            f"overweights it and can pass a patient cap as another patient); {fix}:",
+            repeats,
+        )
 
 
 def _patient_key(pid: str | None) -> str | None:
@@ -483,16 +532,20 @@ def _patient_key(pid: str | None) -> str | None:
 
 
 def _load_items(
-    where: Path, items: list[_Item], class_names: tuple[str, ...], opts: _Options, report: LoadReport,
+    where: Path,
+    items: list[_Item],
+    class_names: tuple[str, ...],
+    opts: _Options,
+    report: LoadReport,
     problems: _Problems,
 ) -> tuple[ImageDataset, LoadReport]:
     """Decode every listed file; collect every problem; raise them together or build the dataset.
 
-    The class list and the target shape are the policy's declaration (``opts.declared``) when there is one, else
-    read off the data (a draft); either way each image is then conformed to the target on its own. The target is
-    fixed from the headers first, so each image is conformed as soon as it is decoded: only target-sized images are
-    kept (holding every full-size scan until the end took N x its size: 5,000 chest X-rays of 2,500 x 2,000 pixels
-    are 100 GB of float32 before the first resize)."""
+    The class list and the target shape are the policy's declaration (``opts.declared``) when there is one,
+    else read off the data (a draft); either way each image is then conformed to the target on its own. The
+    target is fixed from the headers first, so each image is conformed as soon as it is decoded: only
+    target-sized images are kept (holding every full-size scan until the end took N x its size: 5,000 chest
+    X-rays of 2,500 x 2,000 pixels are 100 GB of float32 before the first resize)."""
     bad: list[str] = []
     headers: list[_Header] = []
     for it in items:
@@ -506,10 +559,20 @@ def _load_items(
     if headers:
         target, off = _target_size([h.size for h in headers], opts)
         if off and opts.resize == "refuse":
-            size_problem = _size_message(target, off, [(str(h.path), h.size) for h in headers], opts.image_size,
-                                         opts.declared is not None)
-    channels = (opts.declared.image_shape[0] if opts.declared is not None
-                else _choose_channels(headers, report) if headers else 1)
+            size_problem = _size_message(
+                target,
+                off,
+                [(str(h.path), h.size) for h in headers],
+                opts.image_size,
+                opts.declared is not None,
+            )
+    channels = (
+        opts.declared.image_shape[0]
+        if opts.declared is not None
+        else _choose_channels(headers, report)
+        if headers
+        else 1
+    )
     images, decoded = _decode_all(headers, (channels, *target), opts, report, bad)
     if bad:
         problems.add(f"{len(bad)} unreadable, corrupt or truncated image file(s):", bad)
@@ -528,12 +591,13 @@ def _load_items(
     return ds, report
 
 
-def _decode_all(headers: list[_Header], shape: tuple[int, int, int], opts: _Options, report: LoadReport,
-                bad: list[str]) -> tuple[np.ndarray, list[tuple[_Header, bool, bool]]]:
-    """Each image decoded and at once conformed to ``shape`` by ``conform_image`` (a function of that image alone):
-    (images, [(header, was it resized, were its channels converted)]) of those that decoded. Problems go to ``bad``;
-    an image whose size is already a listed problem (``resize = "refuse"``) is decoded (to find corrupt data) but not
-    conformed."""
+def _decode_all(
+    headers: list[_Header], shape: tuple[int, int, int], opts: _Options, report: LoadReport, bad: list[str]
+) -> tuple[np.ndarray, list[tuple[_Header, bool, bool]]]:
+    """Each image decoded and at once conformed to ``shape`` by ``conform_image`` (a function of that image
+    alone): (images, [(header, was it resized, were its channels converted)]) of those that decoded. Problems
+    go to ``bad``; an image whose size is already a listed problem (``resize = "refuse"``) is decoded (to find
+    corrupt data) but not conformed."""
     c, h, w = shape
     images = np.empty((len(headers), c, h, w), dtype=np.float32)
     decoded: list[tuple[_Header, bool, bool]] = []
@@ -546,17 +610,21 @@ def _decode_all(headers: list[_Header], shape: tuple[int, int, int], opts: _Opti
         resized = arr.shape[:2] != (h, w)
         if resized and opts.resize == "refuse":
             if hd.size == (h, w):  # its header said otherwise: the file changed between the two reads
-                bad.append(f"{hd.path}: changed while being read ({arr.shape[0]}x{arr.shape[1]}, header said "
-                           f"{h}x{w}); run again when the export has finished")
+                bad.append(
+                    f"{hd.path}: changed while being read ({arr.shape[0]}x{arr.shape[1]}, header said "
+                    f"{h}x{w}); run again when the export has finished"
+                )
             continue
         images[len(decoded)] = conform_image(arr, shape, opts.resize)
         decoded.append((hd, resized, arr.shape[2] != c))
-    return images[:len(decoded)], decoded
+    return images[: len(decoded)], decoded
 
 
-def _check_labels(items: list[_Item], names: tuple[str, ...], declared: DataDeclaration | None,
-                  problems: _Problems) -> None:
-    """A label outside the declared classes is a problem naming its file(s) and the fix (never mapped elsewhere)."""
+def _check_labels(
+    items: list[_Item], names: tuple[str, ...], declared: DataDeclaration | None, problems: _Problems
+) -> None:
+    """A label outside the declared classes is a problem naming its file(s) and the fix (never mapped
+    elsewhere)."""
     if declared is None:
         return
     known = set(names)
@@ -569,24 +637,29 @@ def _check_labels(items: list[_Item], names: tuple[str, ...], declared: DataDecl
 
 
 def _target_size(sizes: list[tuple[int, int]], opts: _Options) -> tuple[tuple[int, int], list[int]]:
-    """(H, W) every image is brought to (the declared size, else ``_size_target``) and the images that differ."""
+    """(H, W) every image is brought to (the declared size, else ``_size_target``) and the images that
+    differ."""
     if opts.declared is None:
         return _size_target(sizes, opts.image_size)
     target = opts.declared.size
     return target, [i for i, s in enumerate(sizes) if s != target]
 
 
-def _note_conversions(decoded: list[tuple[_Header, bool, bool]], shape: tuple[int, int, int], opts: _Options,
-                      report: LoadReport) -> None:
-    """Count and name what ``_decode_all`` changed: images resized, and channels converted to the declared ones."""
+def _note_conversions(
+    decoded: list[tuple[_Header, bool, bool]], shape: tuple[int, int, int], opts: _Options, report: LoadReport
+) -> None:
+    """Count and name what ``_decode_all`` changed: images resized, and channels converted to the declared
+    ones."""
     c, h, w = shape
     report.n_resized += sum(resized for _, resized, _ in decoded)
     converted = [str(hd.path) for hd, _, changed in decoded if changed]
     if converted and opts.declared is not None:
         what = "greyscale to RGB (channel copied)" if c == 3 else "RGB to greyscale (ITU-R 601 luma)"
         report.count(f"converted to the declared {c} channel(s): {what}", len(converted))
-        report.warnings.append(f"converted {len(converted)} image(s) {what} to the declared image_shape "
-                               f"{list(shape)}:{_listing(converted)}")
+        report.warnings.append(
+            f"converted {len(converted)} image(s) {what} to the declared image_shape "
+            f"{list(shape)}:{_listing(converted)}"
+        )
     if report.n_resized:
         how = "centre-cropped and resized" if opts.resize == "crop" else "resized"
         report.warnings.append(f"{how} {report.n_resized} image(s) to {h}x{w} (bilinear)")
@@ -633,7 +706,8 @@ def _open_guarded(path: Path, max_pixels: int) -> Image.Image:
     if w * h > max_pixels:
         im.close()
         raise DataError(
-            f"{path}: refused as a possible decompression bomb ({w}x{h} = {w * h:,} pixels > limit {max_pixels:,})"
+            f"{path}: refused as a possible decompression bomb ({w}x{h} = {w * h:,} pixels > limit "
+            f"{max_pixels:,})"
         )
     if w < 1 or h < 1:
         im.close()
@@ -768,25 +842,32 @@ def _size_target(sizes: list[tuple[int, int]], image_size: int | None) -> tuple[
 
 
 def _size_message(
-    target: tuple[int, int], off: list[int], named: list[tuple[str, tuple[int, int]]], image_size: int | None,
+    target: tuple[int, int],
+    off: list[int],
+    named: list[tuple[str, tuple[int, int]]],
+    image_size: int | None,
     declared: bool = False,
 ) -> str:
     sizes = Counter(s for _, s in named)
     if declared:
         listed = [f"{named[i][0]} ({named[i][1][0]}x{named[i][1][1]})" for i in off]
-        return (f"{len(off)} image(s) differ from the policy's declared image_shape size {target[0]}x{target[1]} "
-                f"(height x width):{_listing(listed)}\nFix the files, or set resize = \"resize\" or \"crop\" "
-                "(node.toml [data], --resize) to resize each of them to it.")
+        return (
+            f"{len(off)} image(s) differ from the policy's declared image_shape size {target[0]}x{target[1]} "
+            f'(height x width):{_listing(listed)}\nFix the files, or set resize = "resize" or "crop" '
+            "(node.toml [data], --resize) to resize each of them to it."
+        )
     if image_size is not None and len(sizes) == 1:
-        (h, w), = sizes
-        return (f"all images are {h}x{w} but image_size = {image_size}; set resize = \"resize\" (or \"crop\", "
-                "--resize on the command line) to resize them, or drop image_size")
+        ((h, w),) = sizes
+        return (
+            f'all images are {h}x{w} but image_size = {image_size}; set resize = "resize" (or "crop", '
+            "--resize on the command line) to resize them, or drop image_size"
+        )
     n_major = sizes[target]
     listed = [f"{named[i][0]} ({named[i][1][0]}x{named[i][1][1]})" for i in off]
     return (
         f"images differ in size; the target is {target[0]}x{target[1]}"
         f"{' (' + str(n_major) + ' images)' if image_size is None else ''} and {len(off)} differ "
-        f"(height x width):{_listing(listed)}\nFix the files, or set resize = \"resize\" or \"crop\" (and "
+        f'(height x width):{_listing(listed)}\nFix the files, or set resize = "resize" or "crop" (and '
         "image_size; --resize/--image-size on the command line) to resize them explicitly."
     )
 
@@ -808,18 +889,34 @@ def _choose_size(
 # ------------------------------------------------------------------------------------------------
 # .npz
 # ------------------------------------------------------------------------------------------------
-def _load_npz(path: Path, resize: ResizePolicy, image_size: int | None,
-              declared: DataDeclaration | None = None) -> tuple[ImageDataset, LoadReport]:
-    """Read through ``files.read_npz``: every array's header is checked (an image over the pixel limit, a shape
-    that is not the bytes its member holds, a total over ``MAX_NPZ_BYTES``, a decompression bomb, an object
-    array) before numpy allocates it; a 1.2 MB archive of deflated zeros used to take the loader to 2.7 GB."""
+def _load_npz(
+    path: Path, resize: ResizePolicy, image_size: int | None, declared: DataDeclaration | None = None
+) -> tuple[ImageDataset, LoadReport]:
+    """Read through ``files.read_npz``: every array's header is checked (an image over the pixel limit, a
+    shape that is not the bytes its member holds, a total over ``MAX_NPZ_BYTES``, a decompression bomb, an
+    object array) before numpy allocates it; a 1.2 MB archive of deflated zeros used to take the loader to 2.7
+    GB."""
     report = LoadReport(source=str(path), kind="npz")
     if not path.is_file():
         raise DataError(f"{path}: not a regular file; give the .npz file itself")
-    arrays = read_npz(path, str(path), names=("images", "labels"), optional=("class_names",),
-                      max_bytes=MAX_NPZ_BYTES, error=DataError, check=functools.partial(_check_npz_images, path))
-    ds = parse_arrays(arrays["images"], arrays["labels"], arrays.get("class_names"), source=str(path), report=report,
-                      declared=declared, resize=resize)
+    arrays = read_npz(
+        path,
+        str(path),
+        names=("images", "labels"),
+        optional=("class_names",),
+        max_bytes=MAX_NPZ_BYTES,
+        error=DataError,
+        check=functools.partial(_check_npz_images, path),
+    )
+    ds = parse_arrays(
+        arrays["images"],
+        arrays["labels"],
+        arrays.get("class_names"),
+        source=str(path),
+        report=report,
+        declared=declared,
+        resize=resize,
+    )
     if declared is None:
         ds = _fit_size(ds, resize, image_size, report, path)
     report.n_images = ds.n
@@ -843,12 +940,15 @@ def load_embedded() -> ImageDataset:
 
 
 def _check_npz_images(path: Path, headers: dict[str, NpyHeader]) -> None:
-    """An image over the pixel limit (as for image files) is refused from its header, before any data is read."""
+    """An image over the pixel limit (as for image files) is refused from its header, before any data is
+    read."""
     shape = headers["images"].shape
     per_item = math.prod(shape[1:]) if len(shape) > 1 else 1
     if per_item > 3 * DEFAULT_MAX_PIXELS:
-        raise DataError(f"{path}: array 'images' declares {per_item:,} values per image (shape {shape}), over the "
-                        f"limit {3 * DEFAULT_MAX_PIXELS:,}; store smaller images")
+        raise DataError(
+            f"{path}: array 'images' declares {per_item:,} values per image (shape {shape}), over the "
+            f"limit {3 * DEFAULT_MAX_PIXELS:,}; store smaller images"
+        )
     check_dataset_memory(shape[0] if shape else 0, per_item, str(path))  # the float32 set it becomes
 
 
@@ -861,10 +961,16 @@ def _fit_size(
     if (h, w) == (image_size, image_size):
         return ds
     _choose_size([(h, w)], [str(where)], resize, image_size, where)  # raises under "refuse"
-    imgs = np.stack([fit_image(im.transpose(1, 2, 0), (image_size, image_size), resize).transpose(2, 0, 1)
-                     for im in ds.images])
+    imgs = np.stack(
+        [
+            fit_image(im.transpose(1, 2, 0), (image_size, image_size), resize).transpose(2, 0, 1)
+            for im in ds.images
+        ]
+    )
     report.n_resized = ds.n
-    report.warnings.append(f"resized all {ds.n} image(s) from {h}x{w} to {image_size}x{image_size} (bilinear)")
+    report.warnings.append(
+        f"resized all {ds.n} image(s) from {h}x{w} to {image_size}x{image_size} (bilinear)"
+    )
     return ImageDataset(imgs.astype(np.float32), ds.labels, ds.class_names, ds.source)
 
 
@@ -881,7 +987,8 @@ def parse_arrays(
     """Validate and canonicalise raw arrays (the ``.npz`` parser); raises ``DataError`` on bad input.
 
     ``declared``: map the labels by name onto the declared classes (integer labels without ``class_names`` are
-    indices into it) and conform each image to the declared shape on its own (``resize`` as ``load_dataset``)."""
+    indices into it) and conform each image to the declared shape on its own (``resize`` as
+    ``load_dataset``)."""
     report = report if report is not None else LoadReport(source=source, kind="npz")
     images = np.asarray(images)
     labels = np.asarray(labels)
@@ -897,34 +1004,44 @@ def parse_arrays(
         raise DataError(f"{source}: 'labels' must be one-dimensional (N,); got shape {labels.shape}")
     if len(labels) != images.shape[0]:
         raise DataError(
-            f"{source}: {images.shape[0]} images but {len(labels)} labels; the arrays must have the same length"
+            f"{source}: {images.shape[0]} images but {len(labels)} labels; the arrays must have the same "
+            "length"
         )
     nchw = _to_nchw(images, source, report)
     pixels = _pixels_to_unit(nchw, source, report)
     if declared is not None:
         lab = _declared_labels(labels, class_names, declared, source)
-        return ImageDataset(_conform_arrays(pixels, declared, resize, source, report), lab, declared.class_names,
-                            source=source)
+        return ImageDataset(
+            _conform_arrays(pixels, declared, resize, source, report),
+            lab,
+            declared.class_names,
+            source=source,
+        )
     lab, names = _labels(labels, class_names, source)
     counts = np.bincount(lab, minlength=len(names))
     if len(names) < 2:
-        raise DataError(f"{source}: only one class ({names[0]!r}); class-conditional synthesis needs at least 2")
+        raise DataError(
+            f"{source}: only one class ({names[0]!r}); class-conditional synthesis needs at least 2"
+        )
     empty = [names[i] for i in np.flatnonzero(counts == 0)]
     if empty:
         raise DataError(f"{source}: class(es) without any image: {empty}")
     return ImageDataset(pixels, lab, tuple(names), source=source)
 
 
-def _declared_labels(labels: np.ndarray, class_names: np.ndarray | None, declared: DataDeclaration,
-                     source: str) -> np.ndarray:
-    """The labels as indices into the declared classes: by name when the file names its classes (or the labels are
-    names), else integer labels are indices into the declared list. A label outside it is refused."""
+def _declared_labels(
+    labels: np.ndarray, class_names: np.ndarray | None, declared: DataDeclaration, source: str
+) -> np.ndarray:
+    """The labels as indices into the declared classes: by name when the file names its classes (or the labels
+    are names), else integer labels are indices into the declared list. A label outside it is refused."""
     lab, names = _labels(labels, class_names, source)
     if class_names is None and labels.dtype.kind not in "US":
         if int(lab.max(initial=0)) >= declared.n_classes:
-            raise DataError(f"{source}: integer label {int(lab.max())} but the policy declares "
-                            f"{declared.n_classes} classes {list(declared.class_names)}; store 'class_names' in the "
-                            "file, or add the missing classes to dataset.classes of the policy and re-sign")
+            raise DataError(
+                f"{source}: integer label {int(lab.max())} but the policy declares "
+                f"{declared.n_classes} classes {list(declared.class_names)}; store 'class_names' in the "
+                "file, or add the missing classes to dataset.classes of the policy and re-sign"
+            )
         return lab
     index = {n: i for i, n in enumerate(declared.class_names)}
     outside = sorted({names[i] for i in np.unique(lab)} - set(index))
@@ -933,14 +1050,17 @@ def _declared_labels(labels: np.ndarray, class_names: np.ndarray | None, declare
     return np.array([index[names[i]] for i in lab], dtype=np.int64)
 
 
-def _conform_arrays(pixels: np.ndarray, declared: DataDeclaration, resize: ResizePolicy, source: str,
-                    report: LoadReport) -> np.ndarray:
+def _conform_arrays(
+    pixels: np.ndarray, declared: DataDeclaration, resize: ResizePolicy, source: str, report: LoadReport
+) -> np.ndarray:
     """Each (C, H, W) image conformed to the declared shape on its own (``conform_image``)."""
     c, h, w = declared.image_shape
     if pixels.shape[2:] != (h, w) and resize == "refuse":
-        raise DataError(f"{source}: images are {pixels.shape[2]}x{pixels.shape[3]} but the policy declares "
-                        f"image_shape {list(declared.image_shape)}; set resize = \"resize\" or \"crop\" (node.toml "
-                        "[data], --resize) to resize each image, or fix dataset.image_shape and re-sign")
+        raise DataError(
+            f"{source}: images are {pixels.shape[2]}x{pixels.shape[3]} but the policy declares "
+            f'image_shape {list(declared.image_shape)}; set resize = "resize" or "crop" (node.toml '
+            "[data], --resize) to resize each image, or fix dataset.image_shape and re-sign"
+        )
     if pixels.shape[1:] == (c, h, w):
         return pixels
     if pixels.shape[1] != c:
@@ -965,8 +1085,8 @@ def _to_nchw(images: np.ndarray, source: str, report: LoadReport) -> np.ndarray:
     if chan_last:
         return images.transpose(0, 3, 1, 2)
     raise DataError(
-        f"{source}: cannot find the channel axis in {images.shape}; 1 (grey) or 3 (RGB) channels are supported, "
-        "as (N,C,H,W) or (N,H,W,C)"
+        f"{source}: cannot find the channel axis in {images.shape}; 1 (grey) or 3 (RGB) channels are "
+        "supported, as (N,C,H,W) or (N,H,W,C)"
     )
 
 
@@ -985,8 +1105,8 @@ def _pixels_to_unit(images: np.ndarray, source: str, report: LoadReport) -> np.n
         ilo, ihi = int(images.min()), int(images.max())
         if ilo < 0 or ihi > 255:
             raise DataError(
-                f"{source}: integer pixels {ilo}..{ihi} outside 0..255; store uint8 (0..255), uint16 (0..65535) "
-                "or floats in [0, 1]"
+                f"{source}: integer pixels {ilo}..{ihi} outside 0..255; store uint8 (0..255), uint16 "
+                "(0..65535) or floats in [0, 1]"
             )
         report.count("integer pixels read as 8-bit", images.shape[0])
         return np.ascontiguousarray(images, dtype=np.float32) / np.float32(255)
@@ -1009,8 +1129,8 @@ def _pixels_to_unit(images: np.ndarray, source: str, report: LoadReport) -> np.n
             else:
                 hint = ""
             raise DataError(
-                f"{source}: float pixels must be in [0, 1]; found {lo:g}..{hi:g} in {len(rows)} image(s), first "
-                f"at index {int(rows[0])}{hint}"
+                f"{source}: float pixels must be in [0, 1]; found {lo:g}..{hi:g} in {len(rows)} image(s), "
+                f"first at index {int(rows[0])}{hint}"
             )
         return np.clip(np.ascontiguousarray(images, dtype=np.float32), 0.0, 1.0)
     raise DataError(f"{source}: unsupported pixel dtype {images.dtype}; use uint8, uint16 or float in [0, 1]")
@@ -1021,7 +1141,9 @@ def _labels(labels: np.ndarray, class_names: np.ndarray | None, source: str) -> 
     if class_names is not None:
         cn = np.asarray(class_names)
         if cn.ndim != 1 or cn.dtype.kind not in ("U", "S", "i", "u"):
-            raise DataError(f"{source}: 'class_names' must be a 1-D array of strings; got {cn.dtype} {cn.shape}")
+            raise DataError(
+                f"{source}: 'class_names' must be a 1-D array of strings; got {cn.dtype} {cn.shape}"
+            )
         names = [c.decode() if isinstance(c, bytes) else str(c) for c in cn.tolist()]
         if len(set(names)) != len(names):
             raise DataError(f"{source}: duplicate entries in 'class_names': {names}")
@@ -1039,7 +1161,9 @@ def _labels(labels: np.ndarray, class_names: np.ndarray | None, source: str) -> 
         if not np.isfinite(labels).all() or (labels != np.round(labels)).any():
             raise DataError(f"{source}: 'labels' must be integers; found non-integral or NaN values")
     elif kind not in "iub":
-        raise DataError(f"{source}: unsupported label dtype {labels.dtype}; use integers or class-name strings")
+        raise DataError(
+            f"{source}: unsupported label dtype {labels.dtype}; use integers or class-name strings"
+        )
     lab = labels.astype(np.int64)
     lo, hi = int(lab.min()), int(lab.max())
     if lo < 0:

@@ -54,7 +54,8 @@ def split_sites(ds: ImageDataset, n_sites: int, seed: int = 0) -> list[ImageData
     small = [f"{ds.class_names[c]} ({counts[c]})" for c in range(ds.n_classes) if counts[c] < n_sites]
     if small:
         raise DataError(
-            f"{ds.source}: cannot give each of {n_sites} sites every class; too few images in class(es) {small}"
+            f"{ds.source}: cannot give each of {n_sites} sites every class; too few images in class(es) "
+            f"{small}"
         )
     rng = np.random.default_rng(seed)
     order = np.concatenate([rng.permutation(np.flatnonzero(ds.labels == c)) for c in range(ds.n_classes)])
@@ -67,8 +68,8 @@ def split_sites(ds: ImageDataset, n_sites: int, seed: int = 0) -> list[ImageData
 
 
 def balanced_labels(n: int, n_classes: int) -> np.ndarray:
-    """``n`` labels in class order, class counts differing by at most one (the first ``n % n_classes`` classes get
-    one more): a synthetic set's labels (``n_per_class`` each when ``n`` is a multiple)."""
+    """``n`` labels in class order, class counts differing by at most one (the first ``n % n_classes`` classes
+    get one more): a synthetic set's labels (``n_per_class`` each when ``n`` is a multiple)."""
     if n < 0 or n_classes < 1:
         raise ConfigError(f"balanced_labels needs n >= 0 and n_classes >= 1, got {n}, {n_classes}")
     return np.sort(np.arange(n) % n_classes).astype(np.int64)

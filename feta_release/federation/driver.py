@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +38,9 @@ from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from ..training.ema import EMA
 from . import checkpoint_io, fedsgd, plan
+from . import messages as fm
 from .anchors import AnchorStore
 from .secure_collect import collect_secure, secure_plan
-from . import messages as fm
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -60,7 +60,8 @@ class SiteInfo:
     n_classes: int
     class_names: list[str]
     lifetime_events: list[dict[str, Any]] = field(default_factory=list)
-    job_events: list[dict[str, Any]] = field(default_factory=list)  # this job's, already charged (a resumed job)
+    # this job's, already charged (a resumed job)
+    job_events: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -74,17 +75,25 @@ class JobResult:
 
 
 def global_ema(model: nn.Module, cfg: JobConfig) -> EMA:
-    """The EMA of the global model, per DP-SGD step with ``training.ema.EMA``'s warm-up, as ``train``'s trainer
-    keeps it (docs/architecture.md, "the EMA is per step"). A FedSGD round is one step the coordinator takes: it
-    folds it itself. A per-site round's steps run at the sites: each continues this EMA over its ``local_steps``
-    and returns it, and the coordinator FedAvgs the returned EMAs into it (:func:`fold_site_emas`)."""
+    """The EMA of the global model, per DP-SGD step with ``training.ema.EMA``'s warm-up, as ``train``'s
+    trainer keeps it (docs/architecture.md, "the EMA is per step"). A FedSGD round is one step the coordinator
+    takes: it folds it itself. A per-site round's steps run at the sites: each continues this EMA over its
+    ``local_steps`` and returns it, and the coordinator FedAvgs the returned EMAs into it
+    (:func:`fold_site_emas`)."""
     return EMA(model, cfg.dpsgd.ema)
 
 
 def fold_site_emas(ema: EMA, averaged: dict[str, np.ndarray], steps_done: int) -> None:
-    """The global EMA after a per-site round: the sites' EMAs FedAvg-ed (``averaged``), ``steps_done`` job steps."""
-    ema.load_state_dict({"decay": ema.decay, "warmup": ema.warmup, "num_updates": int(steps_done),
-                         "shadow": {k: torch.from_numpy(np.asarray(v)) for k, v in averaged.items()}})
+    """The global EMA after a per-site round: the sites' EMAs FedAvg-ed (``averaged``), ``steps_done`` job
+    steps."""
+    ema.load_state_dict(
+        {
+            "decay": ema.decay,
+            "warmup": ema.warmup,
+            "num_updates": int(steps_done),
+            "shadow": {k: torch.from_numpy(np.asarray(v)) for k, v in averaged.items()},
+        }
+    )
 
 
 def _registered_names(grid: Any) -> dict[int, str]:
@@ -99,21 +108,28 @@ def _registered_names(grid: Any) -> dict[int, str]:
 
 
 def secure_fix_hint(exc: JobDoesNotFit, sites: dict[str, SiteInfo], n_sites: int) -> JobDoesNotFit:
-    """The refusal of a secure-aggregation job (the default for >= 2 sites), with the fix: a site's epsilon counts
-    only the noise shares its SIGNED policy trusts (``secure_aggregation.peers`` pinned, ``max_colluders``), so a
-    job sized for the pooled noise may not fit a site that trusts fewer; or opt out of secure aggregation."""
+    """The refusal of a secure-aggregation job (the default for >= 2 sites), with the fix: a site's epsilon
+    counts only the noise shares its SIGNED policy trusts (``secure_aggregation.peers`` pinned,
+    ``max_colluders``), so a job sized for the pooled noise may not fit a site that trusts fewer; or opt out
+    of secure aggregation."""
     few = sorted(sid for sid, s in sites.items() if s.policy.counted_colluders(n_sites) > 0)
-    why = (f"site(s) {', '.join(few)} count fewer than all {n_sites} noise shares (their policies pin no peer keys "
-           "in secure_aggregation.peers or allow max_colluders > 0); " if few else "")
-    hint = (f"this job sums its releases by secure aggregation (the default for >= 2 sites): {why}fix: raise the "
-            "job's noise, have the sites pin each other's keys, or set [federation] secure_aggregation = false "
-            "(per-site noise)")
+    why = (
+        f"site(s) {', '.join(few)} count fewer than all {n_sites} noise shares (their policies pin no peer "
+        "keys in secure_aggregation.peers or allow max_colluders > 0); "
+        if few
+        else ""
+    )
+    hint = (
+        f"this job sums its releases by secure aggregation (the default for >= 2 sites): {why}fix: raise the "
+        "job's noise, have the sites pin each other's keys, or set [federation] secure_aggregation = false "
+        "(per-site noise)"
+    )
     return JobDoesNotFit([*exc.problems, (exc.site or "", "federation.secure_aggregation", hint)])
 
 
 def update_problem(sent: dict[str, np.ndarray], reply: dict[str, np.ndarray]) -> str | None:
-    """Why a site's round reply is not a model of the weights sent (None: it is): the same tensors, each of the
-    same shape, numbers, all finite. FedAvg would broadcast a scalar or a (1,)-array into every
+    """Why a site's round reply is not a model of the weights sent (None: it is): the same tensors, each of
+    the same shape, numbers, all finite. FedAvg would broadcast a scalar or a (1,)-array into every
     weight, and one NaN makes the global model NaN at every site."""
     if set(reply) != set(sent):
         missing, extra = sorted(set(sent) - set(reply)), sorted(set(reply) - set(sent))
@@ -121,26 +137,32 @@ def update_problem(sent: dict[str, np.ndarray], reply: dict[str, np.ndarray]) ->
     for k, v in sent.items():
         got = reply[k]
         if got.shape != v.shape or (got.dtype.kind not in "fiu" and got.dtype != v.dtype):
-            return f"reply refused: tensor {k!r} is {got.dtype} {tuple(got.shape)}, the model's is {v.dtype} {v.shape}"
+            return (
+                f"reply refused: tensor {k!r} is {got.dtype} {tuple(got.shape)}, the model's is {v.dtype} "
+                f"{v.shape}"
+            )
         if not np.all(np.isfinite(got)):
             return f"reply refused: tensor {k!r} holds NaN or infinite values"
     return None
 
 
 def release_problem(arrays: dict[str, np.ndarray]) -> str | None:
-    """Why a site's central/frequency release cannot be pooled (None: it can): NaN or infinite numbers would make
-    the pooled warm-up set, and so the global model every site trains on, NaN."""
+    """Why a site's central/frequency release cannot be pooled (None: it can): NaN or infinite numbers would
+    make the pooled warm-up set, and so the global model every site trains on, NaN."""
     # the released numbers (a central release's clip is NaN when it has none)
     data = ("values", "embedding", "histogram")
-    bad = sorted(k for k in data if k in arrays and (arrays[k].dtype.kind not in "fiu"
-                                                     or not np.all(np.isfinite(arrays[k]))))
+    bad = sorted(
+        k
+        for k in data
+        if k in arrays and (arrays[k].dtype.kind not in "fiu" or not np.all(np.isfinite(arrays[k])))
+    )
     return f"release refused: {', '.join(bad)} are not finite numbers" if bad else None
 
 
 def hello_problem(doc: Any) -> str | None:
-    """Why a node's hello cannot be read as a site's (None: it can be): a site_id string, a signed-policy object, a
-    list of lifetime events. Anything else is that node's refusal, not the job's end (a KeyError or TypeError out of
-    wait_for_sites stopped the job for every site)."""
+    """Why a node's hello cannot be read as a site's (None: it can be): a site_id string, a signed-policy
+    object, a list of lifetime events. Anything else is that node's refusal, not the job's end (a KeyError or
+    TypeError out of wait_for_sites stopped the job for every site)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("site_id"), str):
         return "hello refused: it names no site_id string"
     policy = doc.get("policy")
@@ -152,28 +174,38 @@ def hello_problem(doc: Any) -> str | None:
 
 
 def attestation_problem(att: Any, sid: str, site_key: str | None, job: Any) -> str | None:
-    """Why ``att`` is not site ``sid``'s final spend statement for this job (None: it is), as verify will check it:
-    signed by the site key its signed policy names (not whatever key the reply embeds), for this site, this signed
-    job, final."""
+    """Why ``att`` is not site ``sid``'s final spend statement for this job (None: it is), as verify will
+    check it: signed by the site key its signed policy names (not whatever key the reply embeds), for this
+    site, this signed job, final."""
     if not (isinstance(att, dict) and isinstance(att.get("statement"), dict)):
         return "attestation refused: the reply holds no {statement, signature}"
     if not site_key:
-        return f"attestation refused: site {sid}'s signed policy names no site_key, so no key may sign its spend"
+        return (
+            f"attestation refused: site {sid}'s signed policy names no site_key, so no key may sign its spend"
+        )
     try:
-        verify_document(att["statement"], att.get("signature"), [load_public_key(site_key.encode())],
-                        f"attestation of site {sid}")
+        verify_document(
+            att["statement"],
+            att.get("signature"),
+            [load_public_key(site_key.encode())],
+            f"attestation of site {sid}",
+        )
     except FetaError as exc:
         return f"attestation refused: {exc} (only the site_key of its signed policy may sign it)"
     st = att["statement"]
     want = {"site_id": sid, "job_id": job.job_id, "job_sha256": job.digest, "final": True}
     wrong = [k for k, v in want.items() if st.get(k) != v]
-    return f"attestation refused: its {', '.join(wrong)} are not this site's final statement for this job" \
-        if wrong else None
+    return (
+        f"attestation refused: its {', '.join(wrong)} are not this site's final statement for this job"
+        if wrong
+        else None
+    )
 
 
 def other_jobs(lifetime: list[dict[str, Any]], job: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``lifetime`` without ``job`` (a sub-multiset of it: the same ledger's rows), each of ``job``'s events removed
-    once. Identical events are interchangeable for the accountant, so which copy goes does not matter."""
+    """``lifetime`` without ``job`` (a sub-multiset of it: the same ledger's rows), each of ``job``'s events
+    removed once. Identical events are interchangeable for the accountant, so which copy goes does not
+    matter."""
     left = Counter(json.dumps(e, sort_keys=True) for e in job)
     out = []
     for e in lifetime:
@@ -186,8 +218,8 @@ def other_jobs(lifetime: list[dict[str, Any]], job: list[dict[str, Any]]) -> lis
 
 
 def append_event(path: Path, ev: dict[str, Any]) -> None:
-    """One line of ``progress.jsonl``. A coordinator killed mid-line left a torn last line: it is ended first, so that
-    this event (and every later one) stays a line of its own that a reader can parse."""
+    """One line of ``progress.jsonl``. A coordinator killed mid-line left a torn last line: it is ended first,
+    so that this event (and every later one) stays a line of its own that a reader can parse."""
     line = (json.dumps(ev) + "\n").encode("utf-8")
     with open(path, "a+b") as fh:
         if fh.seek(0, os.SEEK_END) and (fh.seek(-1, os.SEEK_END), fh.read(1))[1] != b"\n":
@@ -198,14 +230,28 @@ def append_event(path: Path, ev: dict[str, Any]) -> None:
 class JobDriver:
     anchors: AnchorStore | None = None  # the sites' last attested ledger positions (None: not checked)
 
-    def __init__(self, grid: Any, signed_job: dict[str, Any], out_dir: str | Path, *, coordinator_key: Any = None,
-                 progress: Progress | None = None, wait_timeout: float = 300.0, query_timeout: float | None = None,
-                 poll_interval: float = 1.0, anchors: AnchorStore | None = None) -> None:
+    def __init__(
+        self,
+        grid: Any,
+        signed_job: dict[str, Any],
+        out_dir: str | Path,
+        *,
+        coordinator_key: Any = None,
+        progress: Progress | None = None,
+        wait_timeout: float = 300.0,
+        query_timeout: float | None = None,
+        poll_interval: float = 1.0,
+        anchors: AnchorStore | None = None,
+    ) -> None:
         self.grid = grid
         self.anchors = anchors
         self.signed_job = signed_job
         embedded = signed_job.get("signature", {}).get("public_key") if isinstance(signed_job, dict) else None
-        keys = [coordinator_key.public_key()] if coordinator_key is not None else ([embedded] if embedded else [])
+        keys = (
+            [coordinator_key.public_key()]
+            if coordinator_key is not None
+            else ([embedded] if embedded else [])
+        )
         self.job = verify_job_with_keys(signed_job, keys, "job")
         self.cfg = self.job.config
         self.key = coordinator_key
@@ -220,9 +266,10 @@ class JobDriver:
         self.timings: dict[str, float] = {}
         self.skipped: dict[int, list[str]] = {}
         self._log_path = self.out / "progress.jsonl"
-        self.planned_dpsgd: dict[str, dict[str, Any]] = {}  # site -> its planned DP-SGD round event (sent each round)
-        # the pooled central images the warm-up used (federation/job.py): with [dpsgd] public_batch, sent with every
-        # per-site round as public input (post-processing of the releases)
+        # site -> its planned DP-SGD round event (sent each round)
+        self.planned_dpsgd: dict[str, dict[str, Any]] = {}
+        # the pooled central images the warm-up used (federation/job.py): with [dpsgd] public_batch, sent with
+        # every per-site round as public input (post-processing of the releases)
         self.public_central: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -231,17 +278,27 @@ class JobDriver:
         append_event(self._log_path, ev)
         self.progress(ev)
 
-    def _ask(self, phase: str, message_type: str, targets: dict[str, dict[str, Any]],
-             arrays: dict[str, np.ndarray] | None = None, timeout: float | None = None,
-             group: str = "") -> tuple[dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], dict[str, str]]:
+    def _ask(
+        self,
+        phase: str,
+        message_type: str,
+        targets: dict[str, dict[str, Any]],
+        arrays: dict[str, np.ndarray] | None = None,
+        timeout: float | None = None,
+        group: str = "",
+    ) -> tuple[dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]], dict[str, str]]:
         """Send one message per site; return ({site: (doc, arrays)}, {site: failure reason})."""
         msgs, by_node = [], {}
         for site_id, doc in targets.items():
             node = self.sites[site_id].node_id if site_id in self.sites else int(doc.pop("_node"))
             content = fm.make_payload({"job": self.signed_job, **doc}, arrays)
-            msgs.append(Message(content, dst_node_id=node, message_type=message_type, group_id=group or phase))
+            msgs.append(
+                Message(content, dst_node_id=node, message_type=message_type, group_id=group or phase)
+            )
             by_node[node] = site_id
-        replies = self.grid.send_and_receive(msgs, timeout=timeout if timeout is not None else self.query_timeout)
+        replies = self.grid.send_and_receive(
+            msgs, timeout=timeout if timeout is not None else self.query_timeout
+        )
         ok: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
         failed: dict[str, str] = {}
         for rep in replies:
@@ -292,7 +349,9 @@ class JobDriver:
             if time.monotonic() - t0 > self.wait_timeout:
                 missing = sorted(wanted - set(self.sites))
                 extra = f"; refusals: {refusals}" if refusals else ""
-                raise SiteUnavailable(f"sites {', '.join(missing)} did not join within {self.wait_timeout:.0f} s{extra}")
+                raise SiteUnavailable(
+                    f"sites {', '.join(missing)} did not join within {self.wait_timeout:.0f} s{extra}"
+                )
             time.sleep(self.poll)
         shapes = {(s.image_shape, s.n_classes) for s in self.sites.values()}
         if len(shapes) != 1:
@@ -309,28 +368,45 @@ class JobDriver:
         """
         sid = doc["site_id"]
         if registered and registered != sid:
-            raise PolicyError(f"node {node} is registered as {registered!r} but claims to be site {sid!r}; refused "
-                              "(a node may speak only for the site its key was registered for)")
+            raise PolicyError(
+                f"node {node} is registered as {registered!r} but claims to be site {sid!r}; refused "
+                "(a node may speak only for the site its key was registered for)"
+            )
         held = self.sites.get(sid)
         if held is not None and held.node_id != node:
-            raise PolicyError(f"node {node} claims site {sid!r}, which node {held.node_id} already holds; refused "
-                              "before any release (two nodes for one site: one is an impostor)")
+            raise PolicyError(
+                f"node {node} claims site {sid!r}, which node {held.node_id} already holds; refused "
+                "before any release (two nodes for one site: one is an impostor)"
+            )
         signed = doc["policy"]
         embedded = signed.get("signature", {}).get("public_key")
         pol = open_signed_policy(signed, [embedded], f"policy of site {sid}")
         if pol.site_id != sid:
             raise PolicyError(f"node {node} says it is site {sid} but its policy is for {pol.site_id}")
         size = plan.public_size(pol)
-        # a deleted or rolled-back ledger would re-grant spent budget: refused here, before any plan or release
+        # a deleted or rolled-back ledger would re-grant spent budget: refused here, before any plan or
+        # release
         carried = self.anchors.check(sid, doc.get("ledger")) if self.anchors is not None else []
-        # the data schema from the SIGNED policy (dataset.classes/image_shape, the site's public declaration), as
-        # the size is; the reply's copy only for a policy signed before the declaration existed
+        # the data schema from the SIGNED policy (dataset.classes/image_shape, the site's public declaration),
+        # as the size is; the reply's copy only for a policy signed before the declaration existed
         d = pol.declared
-        shape, names = ((tuple(d.image_shape), list(d.class_names)) if d is not None
-                        else (tuple(doc["image_shape"]), list(doc["class_names"])))
-        self.sites[sid] = SiteInfo(sid, node, size, pol, signed, shape, len(names), names,
-                                   carried + list(doc.get("lifetime_events", [])),
-                                   list(doc.get("job_events") or []) if isinstance(doc.get("job_events"), list) else [])
+        shape, names = (
+            (tuple(d.image_shape), list(d.class_names))
+            if d is not None
+            else (tuple(doc["image_shape"]), list(doc["class_names"]))
+        )
+        self.sites[sid] = SiteInfo(
+            sid,
+            node,
+            size,
+            pol,
+            signed,
+            shape,
+            len(names),
+            names,
+            carried + list(doc.get("lifetime_events", [])),
+            list(doc.get("job_events") or []) if isinstance(doc.get("job_events"), list) else [],
+        )
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:
@@ -339,25 +415,43 @@ class JobDriver:
             if self.cfg.federation.secure_aggregation:  # the sites charge SkellamEvents for the warm-up sums
                 planned[sid], charged[sid] = secure_plan(self, s)
             else:
-                # the site's unit and public patient count come from its SIGNED policy (hello), as the node plans
-                evs = stage_events(self.cfg, s.size, federated=True, budget=target(self.cfg, s.policy),
-                                   **site_dpsgd(s.policy))
+                # the site's unit and public patient count come from its SIGNED policy (hello), as the node
+                # plans
+                evs = stage_events(
+                    self.cfg,
+                    s.size,
+                    federated=True,
+                    budget=target(self.cfg, s.policy),
+                    **site_dpsgd(s.policy),
+                )
                 planned[sid] = [request_of(e, self.cfg) for e in evs]
             policies[sid] = s.policy
-            # what the site spent on OTHER jobs: this job's own charges are part of its plan already (a resumed job
-            # counted them twice and was refused at a site whose lifetime cap fits the job once)
+            # what the site spent on OTHER jobs: this job's own charges are part of its plan already (a
+            # resumed job counted them twice and was refused at a site whose lifetime cap fits the job once)
             life[sid] = events_from_list(other_jobs(s.lifetime_events, s.job_events))
         try:
-            job_eps = check_job_fits(policies, planned, job=self.job, lifetime_events=life,
-                                     charged=charged if self.cfg.federation.secure_aggregation else None)
+            job_eps = check_job_fits(
+                policies,
+                planned,
+                job=self.job,
+                lifetime_events=life,
+                charged=charged if self.cfg.federation.secure_aggregation else None,
+            )
         except JobDoesNotFit as exc:
-            raise secure_fix_hint(exc, self.sites, len(self.job.sites)) if self.cfg.federation.secure_aggregation \
-                else exc from None
+            raise (
+                secure_fix_hint(exc, self.sites, len(self.job.sites))
+                if self.cfg.federation.secure_aggregation
+                else exc
+            ) from None
         doc: dict[str, dict[str, Any]] = {
-            sid: {"size": self.sites[sid].size, "planned_epsilon": job_eps[sid],
-                  "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
-                  "events": [e.to_dict() for e in charged[sid]] if sid in charged else
-                  [r.event().to_dict() for r in planned[sid]]}
+            sid: {
+                "size": self.sites[sid].size,
+                "planned_epsilon": job_eps[sid],
+                "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
+                "events": [e.to_dict() for e in charged[sid]]
+                if sid in charged
+                else [r.event().to_dict() for r in planned[sid]],
+            }
             for sid in planned
         }
         for sid, v in doc.items():
@@ -365,12 +459,16 @@ class JobDriver:
             if (sgd := next((e for e in v["events"] if e["stage"] == "dpsgd"), None)) is not None:
                 self.planned_dpsgd[sid] = sgd
         atomic_write_bytes(self.out / "plan.json", json.dumps(doc, indent=2).encode("utf-8"))
-        self.emit("plan", "job fits every site's policy: " + ", ".join(f"{k} ε={v['planned_epsilon']:.3f}"
-                                                                       for k, v in doc.items()))
+        self.emit(
+            "plan",
+            "job fits every site's policy: "
+            + ", ".join(f"{k} ε={v['planned_epsilon']:.3f}" for k, v in doc.items()),
+        )
         return doc
 
-    def _collect(self, phase: str, message_type: str, arrays: dict[str, np.ndarray] | None = None
-                 ) -> dict[str, dict[str, np.ndarray]]:
+    def _collect(
+        self, phase: str, message_type: str, arrays: dict[str, np.ndarray] | None = None
+    ) -> dict[str, dict[str, np.ndarray]]:
         """One release per site, cached on disk: a restart does not ask again for what it holds. ``arrays``:
         the public input every site gets with the request (the selection's centroids)."""
         t0 = time.monotonic()
@@ -397,14 +495,17 @@ class JobDriver:
             for sid, reason in failed.items():
                 self.emit(phase, f"site {sid}: no {phase} release: {reason}", site=sid, error=reason)
         if len(have) < self.cfg.federation.min_sites:
-            raise SiteUnavailable(f"{phase}: only {len(have)} site(s) released, [federation] min_sites = "
-                                  f"{self.cfg.federation.min_sites}")
+            raise SiteUnavailable(
+                f"{phase}: only {len(have)} site(s) released, [federation] min_sites = "
+                f"{self.cfg.federation.min_sites}"
+            )
         self.timings[phase] = time.monotonic() - t0
         return have
 
     def _collect_secure(self, phase: str) -> dict[str, dict[str, np.ndarray]]:
-        """One secure sum (``secure_collect``), cached on disk like ``_collect``. Every contributing site maps to
-        the SAME decoded release, so the warm-up's public-size-weighted combination of them is that sum itself."""
+        """One secure sum (``secure_collect``), cached on disk like ``_collect``. Every contributing site maps
+        to the SAME decoded release, so the warm-up's public-size-weighted combination of them is that sum
+        itself."""
         t0 = time.monotonic()
         p, meta = self.state / f"{phase}_secure.npz", self.state / f"{phase}_secure.json"
         if p.exists() and meta.exists():
@@ -417,8 +518,10 @@ class JobDriver:
             atomic_write_bytes(p, npz_bytes(**arrays))
             atomic_write_bytes(meta, json.dumps({"sites": contributors}).encode("utf-8"))
         if len(contributors) < self.cfg.federation.min_sites:
-            raise SiteUnavailable(f"{phase}: only {len(contributors)} site(s) in the secure sum, [federation] "
-                                  f"min_sites = {self.cfg.federation.min_sites}")
+            raise SiteUnavailable(
+                f"{phase}: only {len(contributors)} site(s) in the secure sum, [federation] "
+                f"min_sites = {self.cfg.federation.min_sites}"
+            )
         self.timings[phase] = time.monotonic() - t0
         return {sid: arrays for sid in contributors}
 
@@ -433,8 +536,9 @@ class JobDriver:
         want = (int(self.cfg.public.selection_groups),)
         bad = sorted(sid for sid, a in got.items() if "histogram" not in a or a["histogram"].shape != want)
         if bad:
-            raise PolicyError(f"selection: site(s) {', '.join(bad)} sent a histogram that is not {want[0]} "
-                              "counts")
+            raise PolicyError(
+                f"selection: site(s) {', '.join(bad)} sent a histogram that is not {want[0]} counts"
+            )
         return np.sum([got[sid]["histogram"].astype(np.float64) for sid in sorted(got)], axis=0)
 
     def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
@@ -471,23 +575,38 @@ class JobDriver:
         for r in range(start, R):
             tr = time.monotonic()
             answered = self._round(r, model, ema)
-            checkpoint_io.save_round(self.state, {"model": model.state_dict(), "ema": ema.state_dict(), "round": r + 1,
-                                                  "skipped": {str(k): v for k, v in self.skipped.items()}})
+            checkpoint_io.save_round(
+                self.state,
+                {
+                    "model": model.state_dict(),
+                    "ema": ema.state_dict(),
+                    "round": r + 1,
+                    "skipped": {str(k): v for k, v in self.skipped.items()},
+                },
+            )
             # Sites send weights and public values only (no loss, no on-site seconds): see edge/clientapp.py.
-            self.emit("dpsgd", f"round {r + 1}/{R}: {len(answered)} site(s)",
-                      round=r + 1, rounds=R, seconds=time.monotonic() - tr, sites=answered)
+            self.emit(
+                "dpsgd",
+                f"round {r + 1}/{R}: {len(answered)} site(s)",
+                round=r + 1,
+                rounds=R,
+                seconds=time.monotonic() - tr,
+                sites=answered,
+            )
         self.timings["dpsgd"] = time.monotonic() - t0
         return R
 
     def _round(self, r: int, model: nn.Module, ema: EMA | None = None) -> list[str]:
-        """Round ``r``: send the global weights and their EMA, FedAvg the answers (weighted by public sizes) into
-        ``model`` and ``ema`` (None: a fresh one from the weights, as round 0 starts)."""
+        """Round ``r``: send the global weights and their EMA, FedAvg the answers (weighted by public sizes)
+        into ``model`` and ``ema`` (None: a fresh one from the weights, as round 0 starts)."""
         ema = ema if ema is not None else global_ema(model, self.cfg)
         weights = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
         sent = fm.with_ema(weights, {k: v.detach().cpu().numpy() for k, v in ema.shadow.items()})
         # each site's planned event goes with its request: the node refuses one that is not its own plan
-        targets = {sid: {"round": r, **({"event": self.planned_dpsgd[sid]} if sid in self.planned_dpsgd else {})}
-                   for sid in self.sites}
+        targets = {
+            sid: {"round": r, **({"event": self.planned_dpsgd[sid]} if sid in self.planned_dpsgd else {})}
+            for sid in self.sites
+        }
         ok, failed = self._ask("dpsgd", fm.TRAIN, targets, arrays=self._with_public(sent), group=f"round-{r}")
         for sid in sorted(ok):
             why = update_problem(sent, ok[sid][1])
@@ -495,8 +614,10 @@ class JobDriver:
                 del ok[sid]
                 failed[sid] = why
         if len(ok) < self.cfg.federation.min_sites:
-            raise SiteUnavailable(f"round {r + 1}: only {len(ok)} site(s) answered ({failed}); "
-                                  f"[federation] min_sites = {self.cfg.federation.min_sites}")
+            raise SiteUnavailable(
+                f"round {r + 1}: only {len(ok)} site(s) answered ({failed}); "
+                f"[federation] min_sites = {self.cfg.federation.min_sites}"
+            )
         if failed:
             self.skipped[r] = sorted(failed)
             for sid, why in failed.items():
@@ -504,7 +625,9 @@ class JobDriver:
         w = plan.fedavg_weights({sid: self.sites[sid].size for sid in ok})
         new = {k: np.asarray(sum(w[sid] * ok[sid][1][k].astype(np.float64) for sid in ok)) for k in sent}
         new_weights, new_ema = fm.split_ema(new)
-        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new_weights.items()})
+        model.load_state_dict(
+            {k: torch.from_numpy(np.asarray(v, dtype=weights[k].dtype)) for k, v in new_weights.items()}
+        )
         fold_site_emas(ema, new_ema, (r + 1) * self.cfg.federation.local_steps)
         return sorted(ok)
 
@@ -513,8 +636,10 @@ class JobDriver:
         if self.cfg.dpsgd.public_batch == 0:
             return arrays
         if self.public_central is None or len(self.public_central[1]) == 0:
-            raise FetaError(f"job {self.job.job_id}: [dpsgd] public_batch mixes released central images, but no site "
-                            "released any; set [central] rounds > 0 or public_batch = 0")
+            raise FetaError(
+                f"job {self.job.job_id}: [dpsgd] public_batch mixes released central images, but no site "
+                "released any; set [central] rounds > 0 or public_batch = 0"
+            )
         return fm.with_public(arrays, self.public_central)
 
     def attestations(self) -> dict[str, Any]:

@@ -70,10 +70,17 @@ class InProcessGrid(Grid):
         return self._run
 
     def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
     ) -> Message:
         _set_identity(self._run.run_id, SUPERLINK_NODE_ID, 1)
-        return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
+        return Message(
+            content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl
+        )
 
     def get_node_ids(self) -> Iterable[int]:
         return [nid for nid, n in self.nodes.items() if not n.down]
@@ -97,7 +104,9 @@ class InProcessGrid(Grid):
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return [self._replies.pop(m) for m in message_ids if m in self._replies]
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
         return list(self.pull_messages(list(self.push_messages(messages))))
 
     # -- delivery --------------------------------------------------------------------------------
@@ -122,7 +131,9 @@ class InProcessGrid(Grid):
             reply = node.app(incoming, ctx)
         except Exception as exc:  # what flwr-clientapp does: an error reply, the node lives on
             reason = f"{type(exc)}:<'{exc}'>"
-            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=incoming)
+            reply = Message(
+                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=incoming
+            )
         finally:
             _set_identity(self._run.run_id, SUPERLINK_NODE_ID, 1)
         return _wire(reply)
@@ -131,7 +142,12 @@ class InProcessGrid(Grid):
 def run_server_app(app: ServerApp, grid: InProcessGrid, run_config: dict | None = None) -> Context:
     """Run ``app``'s main on ``grid`` as the SuperLink's runtime would."""
     _set_identity(grid.run.run_id, SUPERLINK_NODE_ID, 1)
-    ctx = Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
-                  run_config=dict(run_config or {}))
+    ctx = Context(
+        run_id=grid.run.run_id,
+        node_id=SUPERLINK_NODE_ID,
+        node_config={},
+        state=RecordDict(),
+        run_config=dict(run_config or {}),
+    )
     app(grid, ctx)
     return ctx

@@ -42,14 +42,19 @@ def check_requested(asked: Any, own: Any, site_id: str) -> None:
     """The coordinator's planned event for a request (``asked``: its dict, sent with the request; None when it
     sent none) must be the event this site planned from its OWN signed policy (``own``), unit included: a
     coordinator that plans a patient-level site as image-level (or with another q or sigma) is refused before
-    anything is charged. The site never uses the coordinator's numbers: it releases with its own plan or not at all."""
+    anything is charged. The site never uses the coordinator's numbers: it releases with its own plan or not
+    at all."""
     if asked is None:
         return
     try:
         ev = event_from_dict(asked)
     except FetaError as exc:
-        raise PolicyError(f"the coordinator's planned event for this request is malformed ({exc}); refused") from None
+        raise PolicyError(
+            f"the coordinator's planned event for this request is malformed ({exc}); refused"
+        ) from None
     if _key(ev) != _key(own):
-        raise PolicyError(f"the coordinator planned {ev.to_dict()} for this request but site {site_id}'s signed policy "
-                          f"gives {own.to_dict()} (unit of privacy, q or sigma differ); refused before any charge: the "
-                          "coordinator must plan each site from its signed policy (dataset.privacy_unit, patients)")
+        raise PolicyError(
+            f"the coordinator planned {ev.to_dict()} for this request but site {site_id}'s signed policy "
+            f"gives {own.to_dict()} (unit of privacy, q or sigma differ); refused before any charge: the "
+            "coordinator must plan each site from its signed policy (dataset.privacy_unit, patients)"
+        )

@@ -46,10 +46,18 @@ class ManagedProcess:
     With ``on_line``, the output goes through a pipe instead: a reader thread hands every line to ``on_line``,
     which keeps the log itself (e.g. plain text with timestamps: edge.node_state.NodeMonitor)."""
 
-    def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path | None = None,
-                 on_line: Callable[[str], None] | None = None, umask: int | None = None):
-        """``umask``: the child's file-creation mask (a site node passes 0o077: files its handlers write, e.g. logs
-        and compute times, are readable by the site's account only); its log file gets the same mode."""
+    def __init__(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        env: dict[str, str],
+        log_path: Path,
+        cwd: Path | None = None,
+        on_line: Callable[[str], None] | None = None,
+        umask: int | None = None,
+    ):
+        """``umask``: the child's file-creation mask (a site node passes 0o077: files its handlers write, e.g.
+        logs and compute times, are readable by the site's account only); its log file gets the same mode."""
         self.name = name
         self.cmd = list(cmd)
         self.log_path = log_path
@@ -62,15 +70,24 @@ class ManagedProcess:
         self.companions: list[ManagedProcess] = []
         try:
             self.proc = subprocess.Popen(
-                self.cmd, env=env, cwd=cwd, stdout=self._log if on_line is None else subprocess.PIPE,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                self.cmd,
+                env=env,
+                cwd=cwd,
+                stdout=self._log if on_line is None else subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
                 umask=-1 if umask is None else umask,
             )
         except FileNotFoundError:
             self._log.close()
-            raise FetaError(f"cannot start {name}: {cmd[0]} not found (is flwr installed in this environment?)") from None
+            raise FetaError(
+                f"cannot start {name}: {cmd[0]} not found (is flwr installed in this environment?)"
+            ) from None
         if on_line is not None:
-            self._reader = threading.Thread(target=self._read, args=(on_line,), name=f"{name} output", daemon=True)
+            self._reader = threading.Thread(
+                target=self._read, args=(on_line,), name=f"{name} output", daemon=True
+            )
             self._reader.start()
 
     def _read(self, on_line: Callable[[str], None]) -> None:
@@ -90,14 +107,15 @@ class ManagedProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the whole group, then SIGKILL what is left, then every descendant that left the group: the
-        SuperLink's ``flower-superexec`` starts its own session, and the ServerApp it spawned outlived both (seen:
-        an orphaned ``flwr-serverapp`` kept training for 50 minutes after a demo had stopped)."""
+        SuperLink's ``flower-superexec`` starts its own session, and the ServerApp it spawned outlived both
+        (seen: an orphaned ``flwr-serverapp`` kept training for 50 minutes after a demo had stopped)."""
         family = _descendants(self.proc.pid)
         self._stop_group(timeout)
         for companion in self.companions:
             companion.stop(timeout)
         _kill_all(family, 5.0)
-        if self._reader is not None:  # the group is gone, so the pipe is at its end: let the reader finish its lines
+        # the group is gone, so the pipe is at its end: let the reader finish its lines
+        if self._reader is not None:
             self._reader.join(5.0)
         self._log.close()
 
@@ -206,8 +224,10 @@ def wait_for_port(host: str, port: int, timeout: float, proc: ManagedProcess | N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and not proc.alive():
-            raise FetaError(f"{proc.name} exited (code {proc.proc.returncode}) before listening on {host}:{port}; "
-                            f"log {proc.log_path}:\n{proc.tail()}")
+            raise FetaError(
+                f"{proc.name} exited (code {proc.proc.returncode}) before listening on {host}:{port}; "
+                f"log {proc.log_path}:\n{proc.tail()}"
+            )
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return

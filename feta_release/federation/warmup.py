@@ -2,11 +2,12 @@
 computations the local driver runs (``feta_release.stages.spatial`` / ``freq_warmup``), on the sites' releases
 combined with public-size weights, so a fix to a warm-up stage lands in both drivers.
 
-Central images: the sites' released images are averaged (``combine_central``), post-processed as a single site's
-are, and the spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are combined into one
-(``combine_frequency``); the frequency stage fits the auxiliary generator to it and warms the denoiser on its
-images (+ the combined central images when ``[warmup] frequency_mix_central``). A federation of one site therefore
-warms up exactly as ``train`` does on the same releases (``tests/training/test_warmup_shared.py``).
+Central images: the sites' released images are averaged (``combine_central``), post-processed as a single
+site's are, and the spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are
+combined into one (``combine_frequency``); the frequency stage fits the auxiliary generator to it and warms
+the denoiser on its images (+ the combined central images when ``[warmup] frequency_mix_central``). A
+federation of one site therefore warms up exactly as ``train`` does on the same releases
+(``tests/training/test_warmup_shared.py``).
 """
 
 from __future__ import annotations
@@ -27,18 +28,31 @@ from ..stages.spatial import central_polish, spatial_enabled, spatial_stage
 Log = Callable[[str], None]
 
 
-def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq: dict[str, dict[str, np.ndarray]],
-            cfg: JobConfig, sizes: dict[str, int], log: Log) -> AuxModel | None:
-    """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``); returns
-    the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source`` aux/mix."""
+def warm_up(
+    model: EDMDenoiser,
+    central: dict[str, dict[str, np.ndarray]],
+    freq: dict[str, dict[str, np.ndarray]],
+    cfg: JobConfig,
+    sizes: dict[str, int],
+    log: Log,
+) -> AuxModel | None:
+    """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``);
+    returns the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source``
+    aux/mix."""
     pooled = pooled_central(central, sizes, cfg) if central else None
     aux = None
     if pooled is not None and spatial_enabled(cfg):
-        log(f"spatial warm-up on {len(pooled[1])} central images (combined from {len(central)} site(s)), "
-            f"{cfg.warmup.spatial_iterations} iterations")
+        log(
+            f"spatial warm-up on {len(pooled[1])} central images (combined from {len(central)} site(s)), "
+            f"{cfg.warmup.spatial_iterations} iterations"
+        )
         every = max(1, cfg.warmup.spatial_iterations // 10)
-        res = spatial_stage(model, pooled, cfg, progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}")
-                            if i % every == 0 else None)
+        res = spatial_stage(
+            model,
+            pooled,
+            cfg,
+            progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}") if i % every == 0 else None,
+        )
         log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
     if freq and frequency_enabled(cfg):
         aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
@@ -49,10 +63,17 @@ def warm_up(model: EDMDenoiser, central: dict[str, dict[str, np.ndarray]], freq:
     return aux
 
 
-def _frequency(model: EDMDenoiser, release: FrequencyRelease, central: tuple[np.ndarray, np.ndarray] | None,
-               cfg: JobConfig, log: Log) -> AuxModel:
-    log(f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), then "
-        f"{cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs")
+def _frequency(
+    model: EDMDenoiser,
+    release: FrequencyRelease,
+    central: tuple[np.ndarray, np.ndarray] | None,
+    cfg: JobConfig,
+    log: Log,
+) -> AuxModel:
+    log(
+        f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), "
+        f"then {cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs"
+    )
     device = next(model.parameters()).device
     aux = fit_aux(release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device)
     images, labels = warmup_set(*aux_images(aux, cfg), central, cfg)
@@ -62,25 +83,32 @@ def _frequency(model: EDMDenoiser, release: FrequencyRelease, central: tuple[np.
     return aux
 
 
-def pooled_central(central: dict[str, dict[str, np.ndarray]], sizes: dict[str, int],
-                   cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
-    """The sites' central images averaged with public-size weights, then post-processed as a single site's release
-    is (``[central] stretch``): float32 images in [0, 1] and int64 labels."""
+def pooled_central(
+    central: dict[str, dict[str, np.ndarray]], sizes: dict[str, int], cfg: JobConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sites' central images averaged with public-size weights, then post-processed as a single site's
+    release is (``[central] stretch``): float32 images in [0, 1] and int64 labels."""
     sites = sorted(central)
-    combined = combine_central([CentralRelease.from_arrays(central[s]) for s in sites], [sizes[s] for s in sites])
+    combined = combine_central(
+        [CentralRelease.from_arrays(central[s]) for s in sites], [sizes[s] for s in sites]
+    )
     images, labels = postprocess_central(combined, stretch=cfg.central.stretch)
     return images.astype(np.float32), labels.astype(np.int64)
 
 
-def pooled_frequency(freq: dict[str, dict[str, np.ndarray]], sizes: dict[str, int], cfg: JobConfig) -> FrequencyRelease:
-    """The sites' embeddings combined with public-size weights; refused unless they used the job's public random
-    features (the aux generator is fitted with those)."""
+def pooled_frequency(
+    freq: dict[str, dict[str, np.ndarray]], sizes: dict[str, int], cfg: JobConfig
+) -> FrequencyRelease:
+    """The sites' embeddings combined with public-size weights; refused unless they used the job's public
+    random features (the aux generator is fitted with those)."""
     sites = sorted(freq)
     release = combine_frequency([freq[s] for s in sites], [sizes[s] for s in sites])
     f = cfg.frequency
     got = (release.features, float(release.bandwidth2), release.seed, release.patch, release.stride)
     want = (f.features, float(f.bandwidth2), f.seed, f.patch, f.stride)
     if got != want:
-        raise DataError(f"the sites' frequency releases use features/bandwidth2/seed/patch/stride "
-                        f"{'/'.join(map(str, got))}, the job {'/'.join(map(str, want))}: they were not made for this job")
+        raise DataError(
+            f"the sites' frequency releases use features/bandwidth2/seed/patch/stride "
+            f"{'/'.join(map(str, got))}, the job {'/'.join(map(str, want))}: they were not made for this job"
+        )
     return release

@@ -11,17 +11,22 @@ from ..errors import DataError, PrivacyError
 
 
 def require_generator(rng: object, where: str) -> np.random.Generator:
-    """The caller's numpy Generator, nothing else: an integer seed is refused, because a seed that a request, a
-    config or a coordinator could choose makes the noise known and subtractable. Every mechanism draws its noise
-    from one (the node passes a fresh OS-seeded one, ``train`` one derived from the run's 256-bit secret); a test
-    that wants reproducible noise builds its own ``np.random.default_rng(seed)`` and passes it explicitly."""
+    """The caller's numpy Generator, nothing else: an integer seed is refused, because a seed that a request,
+    a config or a coordinator could choose makes the noise known and subtractable. Every mechanism draws its
+    noise from one (the node passes a fresh OS-seeded one, ``train`` one derived from the run's 256-bit
+    secret); a test that wants reproducible noise builds its own ``np.random.default_rng(seed)`` and passes it
+    explicitly."""
     if isinstance(rng, np.random.Generator):
         return rng
-    raise PrivacyError(f"{where}: rng must be a numpy Generator (seeded from the OS, e.g. "
-                       f"mechanisms.skellam.os_generator()), got {type(rng).__name__}; integer seeds are refused")
+    raise PrivacyError(
+        f"{where}: rng must be a numpy Generator (seeded from the OS, e.g. "
+        f"mechanisms.skellam.os_generator()), got {type(rng).__name__}; integer seeds are refused"
+    )
 
 
-def check_images(images: np.ndarray, labels: np.ndarray, n_classes: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+def check_images(
+    images: np.ndarray, labels: np.ndarray, n_classes: int, where: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(N,C,H,W) float pixels in [0,1] and int labels in [0, n_classes); returns float32 / int64 views."""
     images = np.asarray(images)
     labels = np.asarray(labels)
@@ -41,24 +46,33 @@ def check_images(images: np.ndarray, labels: np.ndarray, n_classes: int, where: 
         raise DataError(f"{where}: labels must lie in [0, {n_classes}), found {labels.min()}..{labels.max()}")
     # Sensitivity bounds assume bounded pixels: NaN or out-of-range values would void them.
     if not np.isfinite(images).all():
-        raise DataError(f"{where}: images contain NaN or infinite pixels ({int((~np.isfinite(images)).sum())} values)")
+        raise DataError(
+            f"{where}: images contain NaN or infinite pixels ({int((~np.isfinite(images)).sum())} values)"
+        )
     lo, hi = float(images.min()), float(images.max())
     if lo < 0.0 or hi > 1.0:
         raise DataError(f"{where}: pixels must lie in [0, 1], found {lo:.4g}..{hi:.4g}")
     return images.astype(np.float32, copy=False), labels.astype(np.int64, copy=False)
 
 
-
-
 def check_clip(clip: float, where: str, name: str = "clip") -> float:
-    if isinstance(clip, bool) or not isinstance(clip, (int, float, np.floating)) or not math.isfinite(clip) \
-            or clip < MIN_CLIP:
+    if (
+        isinstance(clip, bool)
+        or not isinstance(clip, (int, float, np.floating))
+        or not math.isfinite(clip)
+        or clip < MIN_CLIP
+    ):
         raise PrivacyError(f"{where}: {name} must be a finite number >= {MIN_CLIP:g}, got {clip!r}")
     return float(clip)
 
 
 def check_sigma(sigma: float, where: str) -> float:
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating)) or not math.isfinite(sigma) or sigma <= 0:
+    if (
+        isinstance(sigma, bool)
+        or not isinstance(sigma, (int, float, np.floating))
+        or not math.isfinite(sigma)
+        or sigma <= 0
+    ):
         raise PrivacyError(f"{where}: noise multiplier sigma must be a finite number > 0, got {sigma!r}")
     return float(sigma)
 

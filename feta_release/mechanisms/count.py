@@ -1,16 +1,17 @@
 """The public dataset size of a single-site run without a declared one: a Gaussian mechanism on the count.
 
-Every rate, denominator and size that leaves a site is public; with a signed policy (or ``--public-size``) it is
-the declaration. Without one, ``train`` used to round the EXACT count to 2 significant digits: a deterministic,
-un-noised function of N, so neighbouring datasets at a rounding boundary (3949 vs 3950 images) gave different
-releases (epsilon infinite for that bit). Here the count gets Gaussian noise first (sensitivity 1: adding or
-removing one image changes N by 1), the event ``size`` is charged in the run's ledger before anything else is
-released, and the rounding is post-processing of that release. A patient-level run without a declared patient
-count draws that count the same way (event ``patients``, sensitivity 1 patient).
+Every rate, denominator and size that leaves a site is public; with a signed policy (or ``--public-size``) it
+is the declaration. Without one, ``train`` used to round the EXACT count to 2 significant digits: a
+deterministic, un-noised function of N, so neighbouring datasets at a rounding boundary (3949 vs 3950 images)
+gave different releases (epsilon infinite for that bit). Here the count gets Gaussian noise first (sensitivity
+1: adding or removing one image changes N by 1), the event ``size`` is charged in the run's ledger before
+anything else is released, and the rounding is post-processing of that release. A patient-level run without a
+declared patient count draws that count the same way (event ``patients``, sensitivity 1 patient).
 
-``SIZE_SIGMA`` = 50 (noise std 50 images): its RDP cost alpha / (2 sigma^2) adds 0.0034 to cpu-eps1's epsilon at
-the same DP-SGD sigma (0.0007 to cpu-eps10-nodpsgd; 0.115 alone at delta 1e-5), while the noise is within the 2
-significant digits' rounding step (100) for any dataset of 10,000 images or more, and 1.25 % of 4,000 images.
+``SIZE_SIGMA`` = 50 (noise std 50 images): its RDP cost alpha / (2 sigma^2) adds 0.0034 to cpu-eps1's epsilon
+at the same DP-SGD sigma (0.0007 to cpu-eps10-nodpsgd; 0.115 alone at delta 1e-5), while the noise is within
+the 2 significant digits' rounding step (100) for any dataset of 10,000 images or more, and 1.25 % of 4,000
+images.
 """
 
 from __future__ import annotations
@@ -61,5 +62,6 @@ def public_size_from(noisy: float) -> int:
 
 
 def draw_public_size(n: int, rng: np.random.Generator, sigma: float = SIZE_SIGMA) -> int:
-    """The public size released for a dataset of ``n`` images: rounded noisy count (charge ``size_event`` first)."""
+    """The public size released for a dataset of ``n`` images: rounded noisy count (charge ``size_event``
+    first)."""
     return public_size_from(noisy_count(n, rng, sigma))

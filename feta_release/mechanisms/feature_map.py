@@ -6,19 +6,19 @@ Two maps, both of public parameters only (image shape, feature count, bandwidth,
   phi(x) = [cos(x W), sin(x W)] / sqrt(F/2) (``frequency.rff_features``).
 - patch (``patch = k > 0``): the image cut into k x k patches at ``stride`` (P positions, as ``unfold`` lists
   them; computed as a convolution with the frequencies as its filters, so no patch copy is ever made);
-  every patch gets F_p random Fourier features with ONE public W shared by all positions (bandwidth2 scaled to the
-  patch's share of the pixels: bandwidth2 k^2 / (H W)); the P blocks are concatenated and divided by sqrt(P).
-  Its kernel is the MEAN over positions of a Gaussian kernel on each patch: two images are close when they are
-  close locally, everywhere; a single Gaussian on all pixels (where most digits are about equally far apart) says
-  less. Measured at epsilon = 10 through the whole pipeline: 0.909 vs 0.887 validation accuracy, held out 0.880
-  vs 0.886 (within the noise) with FD 101 vs 115 (docs/evaluation.md "A patch feature map").
+  every patch gets F_p random Fourier features with ONE public W shared by all positions (bandwidth2 scaled to
+  the patch's share of the pixels: bandwidth2 k^2 / (H W)); the P blocks are concatenated and divided by
+  sqrt(P). Its kernel is the MEAN over positions of a Gaussian kernel on each patch: two images are close when
+  they are close locally, everywhere; a single Gaussian on all pixels (where most digits are about equally far
+  apart) says less. Measured at epsilon = 10 through the whole pipeline: 0.909 vs 0.887 validation accuracy,
+  held out 0.880 vs 0.886 (within the noise) with FD 101 vs 115 (docs/evaluation.md "A patch feature map").
 
-Privacy (why the map may change without changing the mechanism's argument): every block [cos, sin] / sqrt(F_p/2)
-has norm 1, so the P blocks / sqrt(P) have norm 1 for EVERY image, whatever the parameters; non-finite entries are
-zeroed per record (``frequency._finite``), which can only lower the norm. The release E + N(0, (sigma/N)^2) keeps
-L2 sensitivity 1/N per image. F_p = 2 floor(F / 2P): the vector always has the job's F entries (every payload
-size, policy cap and planner figure stays F); the F - P F_p entries left over are 0 in every record, so their
-release is noise alone.
+Privacy (why the map may change without changing the mechanism's argument): every block [cos, sin] /
+sqrt(F_p/2) has norm 1, so the P blocks / sqrt(P) have norm 1 for EVERY image, whatever the parameters;
+non-finite entries are zeroed per record (``frequency._finite``), which can only lower the norm. The release
+E + N(0, (sigma/N)^2) keeps L2 sensitivity 1/N per image. F_p = 2 floor(F / 2P): the vector always has the
+job's F entries (every payload size, policy cap and planner figure stays F); the F - P F_p entries left over
+are 0 in every record, so their release is noise alone.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ MAX_SIDE = 65_536  # patch and stride bounds: far past any image here, and they 
 def _check_features(features: int, where: str) -> int:
     features = check_positive_int(features, "features", where)
     if features < 2 or features % 2:
-        raise PrivacyError(f"{where}: features must be an even number >= 2 (cos and sin halves), got {features}")
+        raise PrivacyError(
+            f"{where}: features must be an even number >= 2 (cos and sin halves), got {features}"
+        )
     return features
 
 
@@ -76,8 +78,8 @@ def _finite(phi: torch.Tensor) -> torch.Tensor:
 
     Why: a projection that overflows float32 (a coordinator-chosen tiny bandwidth2 makes omega huge)
     gives cos/sin = NaN for SOME images only, and one NaN makes the whole noised release NaN: a flag no noise
-    covers. Zeroing is a function of the one record, and a row with entries replaced by 0 still has norm <= 1 (the
-    sensitivity is unchanged), so the release stays finite whatever the data."""
+    covers. Zeroing is a function of the one record, and a row with entries replaced by 0 still has norm <= 1
+    (the sensitivity is unchanged), so the release stays finite whatever the data."""
     if phi.requires_grad:
         return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
     return torch.nan_to_num_(phi, nan=0.0, posinf=0.0, neginf=0.0)
@@ -97,19 +99,30 @@ class FeatureMap:
 
     def __post_init__(self) -> None:
         if not (0 <= self.patch <= MAX_SIDE and 1 <= self.stride <= MAX_SIDE):
-            raise ConfigError(f"[frequency] patch must be in [0, {MAX_SIDE}] and stride >= 1 (and <= {MAX_SIDE}), "
-                              f"got patch {self.patch}, stride {self.stride}")
-        if not self.patch and self.stride != 1:  # the config's rule: one (patch, stride) per map, one job hash
-            raise ConfigError(f"[frequency] stride {self.stride} applies to the patch map only: set patch > 0 or "
-                              "leave stride at 1")
-        if not (math.isfinite(self.kernel_bandwidth2) and self.kernel_bandwidth2 > 0):  # as rff_frequencies refuses
-            where = f" scaled to the {self.size}x{self.size} patch is {self.kernel_bandwidth2}" if self.patch else ""
+            raise ConfigError(
+                f"[frequency] patch must be in [0, {MAX_SIDE}] and stride >= 1 (and <= {MAX_SIDE}), "
+                f"got patch {self.patch}, stride {self.stride}"
+            )
+        # the config's rule: one (patch, stride) per map, one job hash
+        if not self.patch and self.stride != 1:
+            raise ConfigError(
+                f"[frequency] stride {self.stride} applies to the patch map only: set patch > 0 or "
+                "leave stride at 1"
+            )
+        # as rff_frequencies refuses
+        if not (math.isfinite(self.kernel_bandwidth2) and self.kernel_bandwidth2 > 0):
+            where = (
+                f" scaled to the {self.size}x{self.size} patch is {self.kernel_bandwidth2}"
+                if self.patch
+                else ""
+            )
             raise PrivacyError(f"[frequency] bandwidth2 {self.bandwidth2}{where}: it must be finite and > 0")
         if self.patch and self.per_position < 2:
             raise ConfigError(
                 f"[frequency] features {self.features} are too few for {self.positions} patch positions "
-                f"(patch {self.size}, stride {self.stride} on {self.image_shape[1]}x{self.image_shape[2]} images): "
-                f"need >= {2 * self.positions}; raise features or stride")
+                f"(patch {self.size}, stride {self.stride} on {self.image_shape[1]}x{self.image_shape[2]} "
+                f"images): need >= {2 * self.positions}; raise features or stride"
+            )
 
     @property
     def size(self) -> int:
@@ -129,7 +142,8 @@ class FeatureMap:
 
     @property
     def kernel_bandwidth2(self) -> float:
-        """The Gaussian kernel's bandwidth^2 on the map's input: the job's on all pixels, scaled to a patch's share."""
+        """The Gaussian kernel's bandwidth^2 on the map's input: the job's on all pixels, scaled to a patch's
+        share."""
         _, h, w = self.image_shape
         return self.bandwidth2 * (self.size * self.size / (h * w)) if self.patch else self.bandwidth2
 
@@ -155,7 +169,9 @@ class FeatureMap:
         # B x C k^2 x P copy
         c, k = self.image_shape[0], self.size
         filters = w.t().reshape(w.shape[1], c, k, k)  # unfold's (C, k, k) order of a patch's pixels
-        out = torch.nn.functional.conv2d(x.reshape(-1, *self.image_shape).to(w.dtype), filters, stride=self.stride)
+        out = torch.nn.functional.conv2d(
+            x.reshape(-1, *self.image_shape).to(w.dtype), filters, stride=self.stride
+        )
         proj = out.flatten(2).transpose(1, 2)  # (B, P, F_p / 2), positions row-major as unfold lists them
         scale = 1.0 / math.sqrt(w.shape[1] * self.positions)  # each block norm 1, P blocks -> norm 1
         phi = _finite(torch.cat([torch.cos(proj), torch.sin(proj)], dim=2)).reshape(x.shape[0], -1) * scale
@@ -166,23 +182,25 @@ class FeatureMap:
 def release_chunk(chunk: int, n_public: int) -> int:
     """Rows a release maps at once: ``chunk`` capped at half the PUBLIC size.
 
-    A node maps its N real rows, then P - N dummy rows (``edge.padded_releases``: the rows are public, P), each pass
-    in steps of at most this many. The peak memory is the largest step, max(min(c, N), min(c, P - N)), and with
-    c <= P / 2 one of N, P - N is >= c: the peak is c, a public value, whatever N. Without the cap a coordinator's
-    huge ``[frequency] chunk`` made the peak max(N, P - N), an out-of-memory threshold on the private count."""
+    A node maps its N real rows, then P - N dummy rows (``edge.padded_releases``: the rows are public, P),
+    each pass in steps of at most this many. The peak memory is the largest step, max(min(c, N), min(c, P -
+    N)), and with c <= P / 2 one of N, P - N is >= c: the peak is c, a public value, whatever N. Without the
+    cap a coordinator's huge ``[frequency] chunk`` made the peak max(N, P - N), an out-of-memory threshold on
+    the private count."""
     return max(1, min(int(chunk), int(n_public) // 2))
 
 
 def job_feature_map(frequency: Any, image_shape: Sequence[int]) -> FeatureMap:
-    """The map of a job's ``[frequency]`` section (``config.FrequencySection``) for images of ``image_shape``."""
+    """The map of a job's ``[frequency]`` section (``config.FrequencySection``) for images of
+    ``image_shape``."""
     f = frequency
     c, h, w = (int(v) for v in image_shape)
     return FeatureMap((c, h, w), f.features, f.bandwidth2, f.seed, f.patch, f.stride)
 
 
 def check_feature_map(frequency: Any, image_shape: Sequence[int]) -> None:
-    """Refuse, before anything is charged, a job's ``[frequency]`` section (``config.FrequencySection``) whose map
-    cannot be built for images of this PUBLIC shape (too few features for its patch positions): a ConfigError
-    naming the fix. A job without the frequency release passes."""
+    """Refuse, before anything is charged, a job's ``[frequency]`` section (``config.FrequencySection``) whose
+    map cannot be built for images of this PUBLIC shape (too few features for its patch positions): a
+    ConfigError naming the fix. A job without the frequency release passes."""
     if frequency.sigma is not None:
         job_feature_map(frequency, image_shape)

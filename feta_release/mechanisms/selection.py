@@ -58,11 +58,12 @@ def _pool_matrix(size: int) -> np.ndarray:
 
 def _feature_chunks(images: np.ndarray) -> Iterator[np.ndarray]:
     if images.ndim != 4 or images.shape[0] == 0:
-        raise DataError(f"semantic selection: images must be a non-empty (N, C, H, W) array, got "
-                        f"{images.shape}")
+        raise DataError(
+            f"semantic selection: images must be a non-empty (N, C, H, W) array, got {images.shape}"
+        )
     rows, cols = _pool_matrix(images.shape[2]), _pool_matrix(images.shape[3])
     for start in range(0, images.shape[0], CHUNK):
-        x = np.asarray(images[start:start + CHUNK], dtype=np.float64)
+        x = np.asarray(images[start : start + CHUNK], dtype=np.float64)
         yield np.einsum("bh,nchw,dw->ncbd", rows, x, cols).reshape(len(x), -1)
 
 
@@ -73,7 +74,7 @@ def features(images: np.ndarray) -> np.ndarray:
 
 def nearest_group(feats: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     """Index of each row's nearest centroid (squared L2; a tie goes to the lower index)."""
-    d = (feats ** 2).sum(1, keepdims=True) - 2 * feats @ centroids.T + (centroids ** 2).sum(1)[None, :]
+    d = (feats**2).sum(1, keepdims=True) - 2 * feats @ centroids.T + (centroids**2).sum(1)[None, :]
     return np.argmin(d, axis=1)
 
 
@@ -94,8 +95,9 @@ def public_groups(public_images: np.ndarray, groups: int, seed: int) -> tuple[np
     k = check_positive_int(groups, "[public] selection_groups", "semantic selection")
     x = features(public_images)
     if k > len(x):
-        raise DataError(f"semantic selection: {k} groups for {len(x)} public images; lower [public] "
-                        "selection_groups")
+        raise DataError(
+            f"semantic selection: {k} groups for {len(x)} public images; lower [public] selection_groups"
+        )
     rng = np.random.default_rng([int(seed), 0x5E1EC7])  # public seed: the same groups at every run of the job
     c = _kmeans_pp(x, k, rng)
     for _ in range(KMEANS_ITERATIONS):
@@ -115,8 +117,9 @@ def check_centroids(centroids: np.ndarray, groups: int, image_shape: tuple[int, 
     c = np.asarray(centroids)
     want = (int(groups), feature_dim(image_shape))
     if c.dtype.kind not in "fiu" or c.shape != want:
-        raise PrivacyError(f"semantic selection: centroids are {c.dtype} {tuple(c.shape)}, the job's are "
-                           f"{want} floats")
+        raise PrivacyError(
+            f"semantic selection: centroids are {c.dtype} {tuple(c.shape)}, the job's are {want} floats"
+        )
     if not np.isfinite(c).all():
         raise PrivacyError("semantic selection: the centroids hold NaN or infinite values; refused")
     return c.astype(np.float64)
@@ -131,8 +134,9 @@ def vote_counts(images: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     return counts
 
 
-def selection_histogram(images: np.ndarray, centroids: np.ndarray, sigma: float, rng: np.random.Generator
-                        ) -> tuple[np.ndarray, PrivacyEvent]:
+def selection_histogram(
+    images: np.ndarray, centroids: np.ndarray, sigma: float, rng: np.random.Generator
+) -> tuple[np.ndarray, PrivacyEvent]:
     """The released noisy histogram (one vote per image, sensitivity 1) and its event. ``rng``: the request's
     fresh OS-seeded generator (a node) or the run's secret one (``train``); an integer seed is refused."""
     event = selection_event(sigma)
@@ -147,8 +151,9 @@ def select_groups(noisy: np.ndarray, public_group: np.ndarray, keep: float) -> n
     and public values only (post-processing)."""
     h = np.asarray(noisy, dtype=np.float64)
     if h.ndim != 1 or not np.isfinite(h).all():
-        raise PrivacyError("semantic selection: the released histogram is not a finite vector; nothing "
-                           "selected")
+        raise PrivacyError(
+            "semantic selection: the released histogram is not a finite vector; nothing selected"
+        )
     if not 0 < keep <= 1:
         raise PrivacyError(f"semantic selection: keep must be in (0, 1], got {keep}")
     group = np.asarray(public_group)

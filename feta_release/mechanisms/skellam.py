@@ -1,32 +1,35 @@
-"""The distributed Skellam mechanism (Agarwal, Kairouz, Liu 2021, "The Skellam Mechanism for Differentially Private
-Federated Learning", NeurIPS 2021), for sums computed by secure aggregation.
+"""The distributed Skellam mechanism (Agarwal, Kairouz, Liu 2021, "The Skellam Mechanism for Differentially
+Private Federated Learning", NeurIPS 2021), for sums computed by secure aggregation.
 
-Pipeline of one release of a sum over sites (each site holds records x_r in R^d, one record = the unit of privacy):
+Pipeline of one release of a sum over sites (each site holds records x_r in R^d, one record = the unit of
+privacy):
 
 1. clip: each record is scaled to L2 norm <= ``clip`` (c);
 2. rotate (optional, off by default): zero-pad to d' = 2^k and apply a randomized Walsh-Hadamard transform
-   H D / sqrt(d') whose signs D come from a PUBLIC seed (an orthogonal map, norms are kept; it spreads a vector over
-   all coordinates).  It shrinks the per-coordinate signal (hence the modulus a packed b-bit transport needs) but
-   not :func:`wrap_probability`'s bound, which uses only Delta2, and it costs most of the quantization time and up
-   to 2x in dimension: worth it only with a bit-packed transport (vectors travel as uint64 here);
-3. scale by s (``scale``; the grid step is gamma = 1 / s) and round EACH RECORD to the integer grid with conditional
-   randomized rounding (Kairouz, Liu, Steinke 2021, Thm 1): unbiased randomized rounding, redrawn until the
-   rounded record has L2 norm <= ``Delta2`` = min(cs + sqrt(d'), sqrt((cs)^2 + d'/4 + sqrt(2 log(1/beta)) (cs +
-   sqrt(d')/2))); one draw exceeds it with probability <= beta, and cs + sqrt(d') holds always.  Every record gets
-   the same fixed number of candidates whatever its norm (:func:`conditional_round`), so the work of a release
-   does not tell how many records were clipped;
+   H D / sqrt(d') whose signs D come from a PUBLIC seed (an orthogonal map, norms are kept; it spreads a
+   vector over all coordinates).  It shrinks the per-coordinate signal (hence the modulus a packed b-bit
+   transport needs) but not :func:`wrap_probability`'s bound, which uses only Delta2, and it costs most of the
+   quantization time and up to 2x in dimension: worth it only with a bit-packed transport (vectors travel as
+   uint64 here);
+3. scale by s (``scale``; the grid step is gamma = 1 / s) and round EACH RECORD to the integer grid with
+   conditional randomized rounding (Kairouz, Liu, Steinke 2021, Thm 1): unbiased randomized rounding, redrawn
+   until the rounded record has L2 norm <= ``Delta2`` = min(cs + sqrt(d'), sqrt((cs)^2 + d'/4 + sqrt(2
+   log(1/beta)) (cs + sqrt(d')/2))); one draw exceeds it with probability <= beta, and cs + sqrt(d') holds
+   always.  Every record gets the same fixed number of candidates whatever its norm
+   (:func:`conditional_round`), so the work of a release does not tell how many records were clipped;
 4. the site sums its rounded records and adds integer noise Sk(mu/n): Poisson(mu/2n) - Poisson(mu/2n) per
    coordinate (``n`` sites; Skellam variables add, so the n shares sum to exactly Sk(mu), variance mu);
 5. reduce mod m = 2^b (``modulus_bits``); secure aggregation adds the sites' vectors mod m;
-6. the coordinator maps the modular sum to [-m/2, m/2), divides by s and undoes the rotation (post-processing).
+6. the coordinator maps the modular sum to [-m/2, m/2), divides by s and undoes the rotation
+   (post-processing).
 
-Sensitivity (stated in integer units, add/remove ONE record of one site): the integer sum changes by one rounded
-record Q(x_r), so ||Delta||_2 <= Delta2 (above) and, as an integer vector has |v_j| <= v_j^2,
+Sensitivity (stated in integer units, add/remove ONE record of one site): the integer sum changes by one
+rounded record Q(x_r), so ||Delta||_2 <= Delta2 (above) and, as an integer vector has |v_j| <= v_j^2,
 ||Delta||_1 <= Delta1 = min(sqrt(d'), Delta2) * Delta2.  The rounding randomness of the other records and of
-x_r itself is a mixture over fixed outcomes, each of which is a Skellam mechanism with these sensitivities, and
-Renyi divergence is jointly quasi-convex, so the bound holds for the randomized rounding as a whole.  Rounding
-is per record (not of the site's sum) precisely so that this bound is a per-record one.  The RDP of Sk(mu) with
-these sensitivities is in :mod:`feta_release.accountants.skellam`.
+x_r itself is a mixture over fixed outcomes, each of which is a Skellam mechanism with these sensitivities,
+and Renyi divergence is jointly quasi-convex, so the bound holds for the randomized rounding as a whole.
+Rounding is per record (not of the site's sum) precisely so that this bound is a per-record one.  The RDP of
+Sk(mu) with these sensitivities is in :mod:`feta_release.accountants.skellam`.
 
 Wrap-around: if a coordinate of the true integer sum leaves [-m/2, m/2) the decoded sum is wrong in that
 coordinate.  That costs utility, never privacy (the modular sum is a post-processing of the noisy sum).
@@ -60,14 +63,17 @@ def os_generator() -> np.random.Generator:
 
 
 def rounded_l2_bound(scaled_norm: float, beta: float, dim: int) -> float:
-    """L2 bound of a randomized-rounded vector of L2 norm <= ``scaled_norm`` in dimension ``dim`` that holds with
-    probability >= 1 - beta per draw (Kairouz, Liu, Steinke 2021, Thm 1); ``beta`` = 0: the sure bound."""
+    """L2 bound of a randomized-rounded vector of L2 norm <= ``scaled_norm`` in dimension ``dim`` that holds
+    with probability >= 1 - beta per draw (Kairouz, Liu, Steinke 2021, Thm 1); ``beta`` = 0: the sure
+    bound."""
     if not (0 <= beta < 1):
         raise PrivacyError(f"conditional rounding: beta must be in [0, 1), got {beta!r}")
     sure = scaled_norm + math.sqrt(dim)
     if beta == 0:
         return sure
-    squared = scaled_norm**2 + dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (scaled_norm + math.sqrt(dim) / 2)
+    squared = (
+        scaled_norm**2 + dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (scaled_norm + math.sqrt(dim) / 2)
+    )
     return min(sure, math.sqrt(squared))
 
 
@@ -80,8 +86,8 @@ def rounded_l1_bound(l2_bound: float, dim: int) -> float:
 class SkellamParams:
     """Public parameters of one distributed Skellam release (all sites and the coordinator use the same).
 
-    ``noise_multiplier`` sigma: the TOTAL noise (all n shares) has std sigma * clip in real units, i.e. variance
-    mu = (sigma * clip * scale)^2 in integer units; each site adds Sk(mu / n_sites).
+    ``noise_multiplier`` sigma: the TOTAL noise (all n shares) has std sigma * clip in real units, i.e.
+    variance mu = (sigma * clip * scale)^2 in integer units; each site adds Sk(mu / n_sites).
     """
 
     dim: int
@@ -103,10 +109,15 @@ class SkellamParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise PrivacyError(f"{where}: {name} must be a finite number > 0, got {v!r}")
-        if isinstance(self.modulus_bits, bool) or not isinstance(self.modulus_bits, int) or not (
-                2 <= self.modulus_bits <= MAX_MODULUS_BITS):
-            raise PrivacyError(f"{where}: modulus_bits must be an integer in [2, {MAX_MODULUS_BITS}], "
-                               f"got {self.modulus_bits!r}")
+        if (
+            isinstance(self.modulus_bits, bool)
+            or not isinstance(self.modulus_bits, int)
+            or not (2 <= self.modulus_bits <= MAX_MODULUS_BITS)
+        ):
+            raise PrivacyError(
+                f"{where}: modulus_bits must be an integer in [2, {MAX_MODULUS_BITS}], "
+                f"got {self.modulus_bits!r}"
+            )
         if not (0 <= self.beta < 1):
             raise PrivacyError(f"{where}: beta must be in [0, 1), got {self.beta!r}")
 
@@ -141,8 +152,9 @@ class SkellamParams:
 
 
 def _fwht(x: np.ndarray) -> np.ndarray:
-    """Orthonormal Walsh-Hadamard transform along the last axis (length a power of two); H/sqrt(d) is symmetric
-    and its own inverse.  In-place butterflies on one copy (memory traffic dominates for long vectors)."""
+    """Orthonormal Walsh-Hadamard transform along the last axis (length a power of two); H/sqrt(d) is
+    symmetric and its own inverse.  In-place butterflies on one copy (memory traffic dominates for long
+    vectors)."""
     x = np.array(x, dtype=np.float64, copy=True)
     d = x.shape[-1]
     rows = x.reshape(-1, d)
@@ -163,7 +175,8 @@ def _signs(params: SkellamParams) -> np.ndarray:
 
 
 def rotate(x: np.ndarray, params: SkellamParams) -> np.ndarray:
-    """Rows of ``x`` (..., dim) zero-padded to d' and mapped by H D / sqrt(d') (identity when rotate=False)."""
+    """Rows of ``x`` (..., dim) zero-padded to d' and mapped by H D / sqrt(d') (identity when
+    rotate=False)."""
     x = np.asarray(x, dtype=np.float64)
     pad = params.padded_dim - x.shape[-1]
     if pad:
@@ -183,14 +196,15 @@ def unrotate(y: np.ndarray, params: SkellamParams) -> np.ndarray:
 
 def conditional_round(x: np.ndarray, bound: float, rng: np.random.Generator) -> np.ndarray:
     """Unbiased randomized rounding of each row of ``x`` to integers, conditioned on the rounded L2 norm being
-    <= ``bound`` (so every returned row has norm <= bound): each row's value is the first of its i.i.d. candidates
-    within the bound, i.e. exactly rejection sampling.
+    <= ``bound`` (so every returned row has norm <= bound): each row's value is the first of its i.i.d.
+    candidates within the bound, i.e. exactly rejection sampling.
 
-    Constant work: every row gets ``ROUNDING_CANDIDATES`` candidates and the first accepted one is selected by a
-    masked ``where``, whatever the data.  Redrawing only the rejected rows would do work that grows with the
-    records near the clip norm (a record at the norm is rejected ~10 % of the time, one at half the norm never),
-    so the reply latency of a release would follow how many records were clipped.  A row with no accepted
-    candidate (probability <= beta^K per row, ~0.15^K measured at the clip norm) gets K more, for every row."""
+    Constant work: every row gets ``ROUNDING_CANDIDATES`` candidates and the first accepted one is selected by
+    a masked ``where``, whatever the data.  Redrawing only the rejected rows would do work that grows with the
+    records near the clip norm (a record at the norm is rejected ~10 % of the time, one at half the norm
+    never), so the reply latency of a release would follow how many records were clipped.  A row with no
+    accepted candidate (probability <= beta^K per row, ~0.15^K measured at the clip norm) gets K more, for
+    every row."""
     floor = np.floor(x)
     frac = x - floor
     out = floor.copy()
@@ -206,8 +220,10 @@ def conditional_round(x: np.ndarray, bound: float, rng: np.random.Generator) -> 
         if done.all():
             return out.astype(np.int64)
         if tries >= MAX_ROUNDING_TRIES:
-            raise PrivacyError(f"conditional rounding: {int((~done).sum())} record(s) still exceed the norm bound "
-                               f"{bound:.4g} after {tries} draws; raise beta or the scale")
+            raise PrivacyError(
+                f"conditional rounding: {int((~done).sum())} record(s) still exceed the norm bound "
+                f"{bound:.4g} after {tries} draws; raise beta or the scale"
+            )
 
 
 def _clip_rows(records: np.ndarray, clip: float) -> np.ndarray:
@@ -220,16 +236,19 @@ def quantize_records(records: np.ndarray, params: SkellamParams, rng: np.random.
     integer vectors: an int64 vector of length d' (no noise)."""
     records = np.asarray(records, dtype=np.float64)
     if records.ndim != 2 or records.shape[1] != params.dim:
-        raise DataError(f"Skellam quantization: records must have shape (R, {params.dim}), got {records.shape}")
+        raise DataError(
+            f"Skellam quantization: records must have shape (R, {params.dim}), got {records.shape}"
+        )
     if not np.isfinite(records).all():
         raise DataError("Skellam quantization: records contain NaN or infinite values")
     gen = require_generator(rng, "Skellam quantization")
     if records.shape[0] == 0:
         return np.zeros(params.padded_dim, dtype=np.int64)
     total = np.zeros(params.padded_dim, dtype=np.int64)
-    rows = max(1, QUANTIZE_CHUNK_VALUES // params.padded_dim)  # bounded memory for many long records (gradients)
+    # bounded memory for many long records (gradients)
+    rows = max(1, QUANTIZE_CHUNK_VALUES // params.padded_dim)
     for start in range(0, records.shape[0], rows):
-        scaled = rotate(_clip_rows(records[start:start + rows], params.clip), params) * params.scale
+        scaled = rotate(_clip_rows(records[start : start + rows], params.clip), params) * params.scale
         total += conditional_round(scaled, params.l2_sensitivity, gen).sum(axis=0, dtype=np.int64)
     return total
 
@@ -272,7 +291,8 @@ def centered(residues: np.ndarray, bits: int) -> np.ndarray:
 
 
 def site_contribution(records: np.ndarray, params: SkellamParams, rng: np.random.Generator) -> np.ndarray:
-    """What one site hands to secure aggregation: its quantized records plus its noise share Sk(mu/n), mod m."""
+    """What one site hands to secure aggregation: its quantized records plus its noise share Sk(mu/n), mod
+    m."""
     gen = require_generator(rng, "Skellam site contribution")
     integer = quantize_records(records, params, gen) + skellam_noise(params.padded_dim, params.site_mu, gen)
     return to_modular(integer, params.modulus_bits)
@@ -282,11 +302,15 @@ def check_contribution(vector: np.ndarray, params: SkellamParams, where: str) ->
     """Refuse a vector that is not d' residues in [0, m) (a malformed share would corrupt the whole sum)."""
     v = np.asarray(vector)
     if v.shape != (params.padded_dim,) or v.dtype != np.uint64:
-        raise PrivacyError(f"{where}: expected {params.padded_dim} uint64 residues, got shape {v.shape} "
-                           f"dtype {v.dtype}; the site must send its Skellam contribution unchanged")
+        raise PrivacyError(
+            f"{where}: expected {params.padded_dim} uint64 residues, got shape {v.shape} "
+            f"dtype {v.dtype}; the site must send its Skellam contribution unchanged"
+        )
     if params.modulus_bits < 64 and (v >= np.uint64(params.modulus)).any():
-        raise PrivacyError(f"{where}: {int((v >= np.uint64(params.modulus)).sum())} value(s) outside the "
-                           f"modulus 2^{params.modulus_bits}; refused")
+        raise PrivacyError(
+            f"{where}: {int((v >= np.uint64(params.modulus)).sum())} value(s) outside the "
+            f"modulus 2^{params.modulus_bits}; refused"
+        )
     return v
 
 
@@ -299,8 +323,8 @@ def dequantize_sum(residues: np.ndarray, params: SkellamParams) -> np.ndarray:
 
 
 def skellam_log_tail(t: float, mu: float) -> float:
-    """log of the Chernoff bound on P(Z >= t) for Z ~ Sk(mu/2, mu/2): E e^{lZ} = exp(mu (cosh l - 1)), minimised
-    at l = asinh(t / mu), giving mu (sqrt(1 + u^2) - 1) - t asinh(u) with u = t / mu."""
+    """log of the Chernoff bound on P(Z >= t) for Z ~ Sk(mu/2, mu/2): E e^{lZ} = exp(mu (cosh l - 1)),
+    minimised at l = asinh(t / mu), giving mu (sqrt(1 + u^2) - 1) - t asinh(u) with u = t / mu."""
     if t <= 0:
         return 0.0
     u = t / mu
@@ -310,11 +334,12 @@ def skellam_log_tail(t: float, mu: float) -> float:
 def wrap_probability(params: SkellamParams, max_records: int) -> float:
     """Upper bound on the probability that the decoded sum is wrong in some coordinate (wrap-around mod m).
 
-    ``max_records``: the PUBLIC cap on the number of records summed over all sites in the release.  Each rounded
-    record has L2 (hence L-infinity) norm <= Delta2, so the signal is within R * Delta2 of 0 in every coordinate;
-    a wrap needs |noise_j| >= m/2 - R * Delta2.  The total noise of all n shares is Sk(mu) (fewer shares after a
-    dropout only shrink it, and the Chernoff bound grows with mu).  Union bound over the d' coordinates and both
-    tails.  More records than the cap cost utility only: the modular sum is post-processing of the noisy sum.
+    ``max_records``: the PUBLIC cap on the number of records summed over all sites in the release.  Each
+    rounded record has L2 (hence L-infinity) norm <= Delta2, so the signal is within R * Delta2 of 0 in every
+    coordinate; a wrap needs |noise_j| >= m/2 - R * Delta2.  The total noise of all n shares is Sk(mu) (fewer
+    shares after a dropout only shrink it, and the Chernoff bound grows with mu).  Union bound over the d'
+    coordinates and both tails.  More records than the cap cost utility only: the modular sum is
+    post-processing of the noisy sum.
     """
     check_positive_int(max_records, "max_records", "wrap-around bound")
     t = params.modulus / 2 - max_records * params.l2_sensitivity - 1
@@ -325,13 +350,25 @@ def wrap_probability(params: SkellamParams, max_records: int) -> float:
 
 
 def choose_modulus_bits(params: SkellamParams, max_records: int, target: float = 1e-12) -> int:
-    """Smallest modulus 2^b (b <= 64) whose wrap-around probability for ``max_records`` records is <= target."""
+    """Smallest modulus 2^b (b <= 64) whose wrap-around probability for ``max_records`` records is <=
+    target."""
     if not (0 < target < 1):
         raise PrivacyError(f"wrap-around target must be in (0, 1), got {target!r}")
     for bits in range(2, MAX_MODULUS_BITS + 1):
-        candidate = SkellamParams(params.dim, params.clip, params.scale, params.noise_multiplier, params.n_sites,
-                                  bits, params.beta, params.rotate, params.rotation_seed)
+        candidate = SkellamParams(
+            params.dim,
+            params.clip,
+            params.scale,
+            params.noise_multiplier,
+            params.n_sites,
+            bits,
+            params.beta,
+            params.rotate,
+            params.rotation_seed,
+        )
         if wrap_probability(candidate, max_records) <= target:
             return bits
-    raise PrivacyError(f"no modulus up to 2^{MAX_MODULUS_BITS} keeps the wrap-around probability of {max_records} "
-                       f"records below {target:g}; lower the scale ({params.scale:g}) or the record cap")
+    raise PrivacyError(
+        f"no modulus up to 2^{MAX_MODULUS_BITS} keeps the wrap-around probability of {max_records} "
+        f"records below {target:g}; lower the scale ({params.scale:g}) or the record cap"
+    )

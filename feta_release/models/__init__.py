@@ -16,7 +16,20 @@ from .sampler import generate, karras_sigmas, sample, sampler_step
 from .unet import UNet, count_parameters
 
 __all__ = [
-    "AuxGenerator", "EDMDenoiser", "LossRandomness", "UNet", "build_denoiser", "count_parameters",
-    "denoiser_from_spec", "denoiser_spec", "draw_loss_randomness", "edm_loss", "edm_loss_from_randomness",
-    "edm_loss_single", "generate", "karras_sigmas", "sample", "sampler_step",
+    "AuxGenerator",
+    "EDMDenoiser",
+    "LossRandomness",
+    "UNet",
+    "build_denoiser",
+    "count_parameters",
+    "denoiser_from_spec",
+    "denoiser_spec",
+    "draw_loss_randomness",
+    "edm_loss",
+    "edm_loss_from_randomness",
+    "edm_loss_single",
+    "generate",
+    "karras_sigmas",
+    "sample",
+    "sampler_step",
 ]

@@ -54,7 +54,9 @@ class UpBlock(nn.Module):
 
 
 class AuxGenerator(nn.Module):
-    def __init__(self, img_channels: int, img_size: int, n_classes: int, z_dim: int = 60, width: int = 64) -> None:
+    def __init__(
+        self, img_channels: int, img_size: int, n_classes: int, z_dim: int = 60, width: int = 64
+    ) -> None:
         super().__init__()
         if img_size < 8:
             raise ConfigError(f"[auxgen] images of {img_size}px are too small for the generator (>= 8)")
@@ -83,8 +85,13 @@ class AuxGenerator(nn.Module):
 
     def spec(self) -> dict[str, Any]:
         return {
-            "kind": "auxgen", "version": 1, "img_channels": self.img_channels, "img_size": self.img_size,
-            "n_classes": self.n_classes, "z_dim": self.z_dim, "width": self.width,
+            "kind": "auxgen",
+            "version": 1,
+            "img_channels": self.img_channels,
+            "img_size": self.img_size,
+            "n_classes": self.n_classes,
+            "z_dim": self.z_dim,
+            "width": self.width,
         }
 
     @classmethod
@@ -95,10 +102,11 @@ class AuxGenerator(nn.Module):
 
 
 class AuxEnsemble(nn.Module):
-    """Several aux generators fitted to the same release (``[auxgen] restarts`` / ``keep``), used as one: a row whose
-    label occurs for the j-th time in the call is drawn by member j mod k, so every member draws every class
-    evenly whatever the order of the labels (class-sorted pools, class-interleaved synthetic sets). Eval use only
-    (each member was fitted on its own); a function of the release and public randomness, like each member."""
+    """Several aux generators fitted to the same release (``[auxgen] restarts`` / ``keep``), used as one: a
+    row whose label occurs for the j-th time in the call is drawn by member j mod k, so every member draws
+    every class evenly whatever the order of the labels (class-sorted pools, class-interleaved synthetic
+    sets). Eval use only (each member was fitted on its own); a function of the release and public randomness,
+    like each member."""
 
     def __init__(self, members: list[AuxGenerator]) -> None:
         super().__init__()
@@ -111,7 +119,8 @@ class AuxEnsemble(nn.Module):
 
     def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         onehot = F.one_hot(y, self.n_classes)
-        which = ((onehot.cumsum(0) * onehot).sum(1) - 1) % len(self.members)  # occurrence of the row's label, mod k
+        # occurrence of the row's label, mod k
+        which = ((onehot.cumsum(0) * onehot).sum(1) - 1) % len(self.members)
         out = z.new_empty((z.shape[0], self.img_channels, self.img_size, self.img_size))
         for j, member in enumerate(self.members):
             rows = which == j
@@ -123,8 +132,10 @@ class AuxEnsemble(nn.Module):
 AuxModel = AuxGenerator | AuxEnsemble
 
 
-def new_aux_model(img_channels: int, img_size: int, n_classes: int, *, z_dim: int, width: int,
-                  members: int = 1) -> AuxModel:
-    """An unfitted aux model of this shape: one generator, or an ensemble of ``members`` (to load a checkpoint into)."""
+def new_aux_model(
+    img_channels: int, img_size: int, n_classes: int, *, z_dim: int, width: int, members: int = 1
+) -> AuxModel:
+    """An unfitted aux model of this shape: one generator, or an ensemble of ``members`` (to load a checkpoint
+    into)."""
     gens = [AuxGenerator(img_channels, img_size, n_classes, z_dim=z_dim, width=width) for _ in range(members)]
     return gens[0] if members == 1 else AuxEnsemble(gens)

@@ -65,11 +65,15 @@ class EDMDenoiser(nn.Module):
 # -- construction and (de)serialisation --------------------------------------------------------------
 
 
-def denoiser_spec(model_cfg: ModelSection, image_shape: tuple[int, int, int], n_classes: int) -> dict[str, Any]:
+def denoiser_spec(
+    model_cfg: ModelSection, image_shape: tuple[int, int, int], n_classes: int
+) -> dict[str, Any]:
     """Plain-JSON description from which :func:`denoiser_from_spec` rebuilds the same architecture."""
     c, h, w = (int(v) for v in image_shape)
     if h != w:
-        raise ConfigError(f"[model] the UNet needs square images, got {h}x{w}; set [job] image_size to resize")
+        raise ConfigError(
+            f"[model] the UNet needs square images, got {h}x{w}; set [job] image_size to resize"
+        )
     return {
         "kind": "edm-unet",
         "version": 1,
@@ -87,7 +91,9 @@ def denoiser_spec(model_cfg: ModelSection, image_shape: tuple[int, int, int], n_
 
 def denoiser_from_spec(spec: dict[str, Any]) -> EDMDenoiser:
     if spec.get("kind") != "edm-unet" or spec.get("version") != 1:
-        raise ConfigError(f"unsupported denoiser spec kind={spec.get('kind')!r} version={spec.get('version')!r}")
+        raise ConfigError(
+            f"unsupported denoiser spec kind={spec.get('kind')!r} version={spec.get('version')!r}"
+        )
     net = UNet(
         img_channels=spec["img_channels"],
         img_size=spec["img_size"],
@@ -138,8 +144,14 @@ def draw_loss_randomness(
 
 
 def _weighted_mse(
-    denoise: DenoiseFn, x0: torch.Tensor, labels: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
-    drop: torch.Tensor, null_label: int, sigma_data: float,
+    denoise: DenoiseFn,
+    x0: torch.Tensor,
+    labels: torch.Tensor,
+    noise: torch.Tensor,
+    sigma: torch.Tensor,
+    drop: torch.Tensor,
+    null_label: int,
+    sigma_data: float,
 ) -> torch.Tensor:
     """x0 (M,C,H,W), labels/sigma/drop (M,), noise (M,C,H,W) -> weighted per-row loss (M,)."""
     y = torch.where(drop, torch.full_like(labels, null_label), labels)
@@ -174,14 +186,20 @@ def edm_loss_single(
 
 
 def edm_loss_from_randomness(
-    denoiser: DenoiseFn, x0: torch.Tensor, labels: torch.Tensor, rnd: LossRandomness, *,
-    null_label: int | None = None, sigma_data: float | None = None, k_major: bool = False,
+    denoiser: DenoiseFn,
+    x0: torch.Tensor,
+    labels: torch.Tensor,
+    rnd: LossRandomness,
+    *,
+    null_label: int | None = None,
+    sigma_data: float | None = None,
+    k_major: bool = False,
 ) -> torch.Tensor:
     """Batched form of :func:`edm_loss_single` (one forward over B*K rows) -> per-example loss (B,).
 
     Row order of that forward: example-major by default (row i*K + k is draw k of example i); ``k_major`` puts
-    draw k of example i at row k*B + i instead (the DP-SGD hook engine's layout: there a layer's (B*K, ...) rows
-    reshape to (K, B, ...) with no copy). The per-example losses are the same either way."""
+    draw k of example i at row k*B + i instead (the DP-SGD hook engine's layout: there a layer's (B*K, ...)
+    rows reshape to (K, B, ...) with no copy). The per-example losses are the same either way."""
     b, k = rnd.sigma.shape
     if null_label is None:
         null_label = denoiser.null_label  # type: ignore[attr-defined]
@@ -197,8 +215,14 @@ def edm_loss_from_randomness(
         yk = labels.unsqueeze(1).expand(b, k).reshape(-1)
         noise, sigma, drop = rnd.noise, rnd.sigma, rnd.drop
     rows = _weighted_mse(
-        denoiser, xk, yk, noise.reshape(b * k, *shape), sigma.reshape(-1), drop.reshape(-1),
-        int(null_label), float(sigma_data),
+        denoiser,
+        xk,
+        yk,
+        noise.reshape(b * k, *shape),
+        sigma.reshape(-1),
+        drop.reshape(-1),
+        int(null_label),
+        float(sigma_data),
     )
     return rows.reshape(k, b).mean(0) if k_major else rows.reshape(b, k).mean(1)
 
@@ -214,8 +238,13 @@ def edm_loss(
 ) -> torch.Tensor:
     """Per-example EDM loss (B,) of images x0 in [-1, 1] with K noise draws averaged per example."""
     rnd = draw_loss_randomness(
-        x0.shape[0], tuple(x0.shape[1:]), noise_multiplicity=noise_multiplicity, label_dropout=label_dropout,
-        generator=generator, device=generator.device if generator is not None else x0.device, dtype=x0.dtype,
+        x0.shape[0],
+        tuple(x0.shape[1:]),
+        noise_multiplicity=noise_multiplicity,
+        label_dropout=label_dropout,
+        generator=generator,
+        device=generator.device if generator is not None else x0.device,
+        dtype=x0.dtype,
     )
     # Drawn on the generator's device (a CPU generator keeps runs reproducible across devices).
     rnd = LossRandomness(rnd.noise.to(x0.device), rnd.sigma.to(x0.device), rnd.drop.to(x0.device))
@@ -249,14 +278,24 @@ class EDMLoss:
 
     def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
         r = draw_loss_randomness(
-            n, self.image_shape, noise_multiplicity=self.k, label_dropout=self.label_dropout, generator=generator
+            n,
+            self.image_shape,
+            noise_multiplicity=self.k,
+            label_dropout=self.label_dropout,
+            generator=generator,
         )
         return {"noise": r.noise, "sigma": r.sigma, "drop": r.drop}
 
     def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
         return edm_loss_single(
-            model, x, y, rand["noise"], rand["sigma"], rand["drop"],
-            null_label=self.n_classes, sigma_data=self.sigma_data,
+            model,
+            x,
+            y,
+            rand["noise"],
+            rand["sigma"],
+            rand["drop"],
+            null_label=self.n_classes,
+            sigma_data=self.sigma_data,
         )
 
     row_order = "k-major"  # batched's rows: training.ghost_clip.BatchedLoss (its K_MAJOR)
@@ -264,12 +303,15 @@ class EDMLoss:
     def example(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         """``n`` dummy examples (uniform images in [-1, 1], uniform labels) for the engine's cross-check
         (``ghost_clip.cross_check``), from the caller's fixed public generator: never site data."""
-        return (torch.rand(n, *self.image_shape, generator=generator) * 2 - 1,
-                torch.randint(0, max(self.n_classes, 1), (n,), generator=generator))  # 0 classes: the null label
+        return (
+            torch.rand(n, *self.image_shape, generator=generator) * 2 - 1,
+            torch.randint(0, max(self.n_classes, 1), (n,), generator=generator),
+        )  # 0 classes: the null label
 
     def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        """The B per-example losses from one call of ``model`` over the B*K rows, row k*B + i holding draw k of
-        example i (K-major: ``BatchedLoss``)."""
+        """The B per-example losses from one call of ``model`` over the B*K rows, row k*B + i holding draw k
+        of example i (K-major: ``BatchedLoss``)."""
         rnd = LossRandomness(rand["noise"], rand["sigma"], rand["drop"])
-        return edm_loss_from_randomness(model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data,
-                                        k_major=True)
+        return edm_loss_from_randomness(
+            model, x, y, rnd, null_label=self.n_classes, sigma_data=self.sigma_data, k_major=True
+        )

@@ -23,6 +23,7 @@ weights.
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor, nn
 
@@ -46,8 +47,9 @@ def _is_adapter(m: nn.Module) -> bool:
 def _adapters(m: nn.Module, rank: int, gen: torch.Generator) -> tuple[nn.Module, nn.Module]:
     w = m.weight
     if isinstance(m, nn.Conv2d):
-        down: nn.Module = nn.Conv2d(m.in_channels, rank, m.kernel_size, m.stride,
-                                    m.padding, m.dilation, bias=False)  # type: ignore[arg-type]
+        down: nn.Module = nn.Conv2d(
+            m.in_channels, rank, m.kernel_size, m.stride, m.padding, m.dilation, bias=False
+        )  # type: ignore[arg-type]
         up: nn.Module = nn.Conv2d(rank, m.out_channels, 1, bias=False)
     else:
         assert isinstance(m, nn.Linear)
@@ -107,4 +109,3 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(True)
     return model
-

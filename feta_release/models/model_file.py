@@ -24,12 +24,22 @@ MODEL_FILE = "model.pt"
 MODEL_KEYS = ("spec", "state_dict", "class_names")
 
 
-def write_model_file(path: str | os.PathLike, *, spec: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
-                     class_names: list[str], **extra: Any) -> Path:
+def write_model_file(
+    path: str | os.PathLike,
+    *,
+    spec: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor],
+    class_names: list[str],
+    **extra: Any,
+) -> Path:
     """Write THE model file atomically: ``spec`` (``models.denoiser_spec``), ``state_dict`` (the weights to
     release, on CPU), ``class_names``, plus plain ``extra`` values (job hash, sampler settings)."""
-    doc = {"spec": dict(spec), "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
-           "class_names": [str(c) for c in class_names], **extra}
+    doc = {
+        "spec": dict(spec),
+        "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
+        "class_names": [str(c) for c in class_names],
+        **extra,
+    }
     buf = io.BytesIO()
     torch.save(doc, buf)
     return atomic_write_bytes(path, buf.getvalue())
@@ -45,12 +55,16 @@ def read_model_file(path: str | os.PathLike) -> dict[str, Any]:
         doc = torch.load(p, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ReleaseError(f"{p}: not a weights-only checkpoint ({first[:200]}); refusing to unpickle it, "
-                           "re-create it with `feta-release train`") from None
+        raise ReleaseError(
+            f"{p}: not a weights-only checkpoint ({first[:200]}); refusing to unpickle it, "
+            "re-create it with `feta-release train`"
+        ) from None
     if not isinstance(doc, dict):
         raise ReleaseError(f"{p}: expected a checkpoint dictionary")
     missing = [k for k in MODEL_KEYS if doc.get(k) is None]
     if missing:
-        raise ReleaseError(f"{p}: not a feta-release model file (no {', '.join(missing)}); re-create it with "
-                           "`feta-release train` or the coordinator")
+        raise ReleaseError(
+            f"{p}: not a feta-release model file (no {', '.join(missing)}); re-create it with "
+            "`feta-release train` or the coordinator"
+        )
     return doc

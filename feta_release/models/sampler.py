@@ -9,8 +9,8 @@ Exact arithmetic (the ONNX release reproduces it step for step):
 * one step, :func:`sampler_step` with ``(x, t_cur, t_next)``:
   ``d = (x - D_w(x, t_cur)) / t_cur``; ``x_e = x + (t_next - t_cur) * d``;
   Euler returns ``x_e``. Heun, when ``t_next > 0``: ``d2 = (x_e - D_w(x_e, t_next)) / t_next``,
-  returns ``x + (t_next - t_cur) * (0.5 * d + 0.5 * d2)``. Heun's last step (``t_next == 0``) is an Euler step,
-  so a branch-free export runs N-1 Heun steps then one Euler step.
+  returns ``x + (t_next - t_cur) * (0.5 * d + 0.5 * d2)``. Heun's last step (``t_next == 0``) is an Euler
+  step, so a branch-free export runs N-1 Heun steps then one Euler step.
 * output: ``clamp((x_N + 1) / 2, 0, 1)``.
 
 No stochastic churn: the map noise -> image is a pure function of the weights.
@@ -100,8 +100,8 @@ def sample(
 ) -> torch.Tensor:
     """Images in [0, 1] (B, C, H, W) from standard-normal ``noise``; deterministic given the noise.
 
-    ``init`` (images in [0, 1], SDEdit): start from ``2 init - 1 + noise * sigma_max`` instead of pure noise, so the
-    model denoises noised copies of given images (``[sampler] start_sigma``)."""
+    ``init`` (images in [0, 1], SDEdit): start from ``2 init - 1 + noise * sigma_max`` instead of pure noise,
+    so the model denoises noised copies of given images (``[sampler] start_sigma``)."""
     if solver not in ("euler", "heun"):
         raise ConfigError(f"[sampler] solver must be 'euler' or 'heun', got {solver!r}")
     t = karras_sigmas(steps, sigma_min, sigma_max, rho).to(device=noise.device, dtype=noise.dtype)
@@ -111,7 +111,9 @@ def sample(
         x = x + (init.to(device=noise.device, dtype=noise.dtype) * 2.0 - 1.0)
     for i in range(steps):
         last = i == steps - 1
-        x = sampler_step(denoiser, x, t[i], t[i + 1], labels, heun=(solver == "heun" and not last), guidance=guidance)
+        x = sampler_step(
+            denoiser, x, t[i], t[i + 1], labels, heun=(solver == "heun" and not last), guidance=guidance
+        )
     return ((x + 1.0) / 2.0).clamp(0.0, 1.0)
 
 
@@ -144,7 +146,8 @@ def generate(
 
     Returns ``(images float32 (N,C,H,W) in [0,1] on CPU, labels int64 (N,))``. The result depends only
     on (weights, labels, seed, sampler settings), not on ``batch`` (up to float rounding of batched convs).
-    ``progress(done, total)`` is optional. ``init`` (N, C, H, W) in [0, 1]: SDEdit start images (see :func:`sample`).
+    ``progress(done, total)`` is optional. ``init`` (N, C, H, W) in [0, 1]: SDEdit start images
+    (see :func:`sample`).
     """
     if isinstance(labels, int):
         labels_t = torch.from_numpy(balanced_labels(labels * denoiser.n_classes, denoiser.n_classes))
@@ -162,9 +165,15 @@ def generate(
         for start in range(0, n, batch):
             stop = min(n, start + batch)
             imgs = sample(
-                denoiser, labels_t[start:stop].to(device), noise[start:stop].to(device),
-                solver=sampler_cfg.solver, steps=sampler_cfg.steps, guidance=sampler_cfg.guidance,
-                sigma_min=sampler_cfg.sigma_min, sigma_max=sampler_cfg.sigma_max, rho=sampler_cfg.rho,
+                denoiser,
+                labels_t[start:stop].to(device),
+                noise[start:stop].to(device),
+                solver=sampler_cfg.solver,
+                steps=sampler_cfg.steps,
+                guidance=sampler_cfg.guidance,
+                sigma_min=sampler_cfg.sigma_min,
+                sigma_max=sampler_cfg.sigma_max,
+                rho=sampler_cfg.rho,
                 init=None if init is None else init[start:stop],
             )
             out.append(imgs.cpu())

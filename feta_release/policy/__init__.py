@@ -25,14 +25,41 @@ from .document import (
     validate_policy,
     write_signed_policy,
 )
-from .enforce import MechanismRequest, check_app_bundle, check_budget, check_job, check_job_fits, check_request
+from .enforce import (
+    MechanismRequest,
+    check_app_bundle,
+    check_budget,
+    check_job,
+    check_job_fits,
+    check_request,
+)
 from .errors import JobDoesNotFit, PolicyBudgetExceeded, PolicySchemaError, PolicyViolation
 from .jobs import Job, sign_job, verify_job, verify_job_with_keys
 
 __all__ = [
-    "MECHANISMS", "Job", "JobDoesNotFit", "MechanismRequest", "MechanismRule", "PolicyBudgetExceeded",
-    "PolicySchemaError", "PolicyViolation", "SitePolicy", "check_app_bundle", "check_budget", "check_job",
-    "check_job_fits", "check_request", "check_validity", "load_site_policy", "make_policy", "open_signed_policy",
-    "read_policy_document", "sign_job", "sign_policy", "validate_policy", "verify_job", "verify_job_with_keys",
+    "MECHANISMS",
+    "Job",
+    "JobDoesNotFit",
+    "MechanismRequest",
+    "MechanismRule",
+    "PolicyBudgetExceeded",
+    "PolicySchemaError",
+    "PolicyViolation",
+    "SitePolicy",
+    "check_app_bundle",
+    "check_budget",
+    "check_job",
+    "check_job_fits",
+    "check_request",
+    "check_validity",
+    "load_site_policy",
+    "make_policy",
+    "open_signed_policy",
+    "read_policy_document",
+    "sign_job",
+    "sign_policy",
+    "validate_policy",
+    "verify_job",
+    "verify_job_with_keys",
     "write_signed_policy",
 ]

@@ -1,8 +1,9 @@
 """Site policy documents: read (TOML or JSON), validate, sign, and load a signed one for a node.
 
-A policy says what one site allows: its data (keyed commitment + public nominal size), its ε/δ budget for its lifetime
-and per job, the mechanisms with their minimum noise and caps, which coordinators may send jobs, which app
-bundles may run, and the validity window. The site's policy key signs it (``{"policy": ..., "signature":
+A policy says what one site allows: its data (keyed commitment + public nominal size), its ε/δ budget for its
+lifetime and per job, the mechanisms with their minimum noise and caps, which coordinators may send jobs,
+which app bundles may run, and the validity window. The site's policy key signs it (``{"policy": ...,
+"signature":
 ...}``); a node loads it with :func:`load_site_policy`, which refuses anything it cannot trust.
 """
 
@@ -90,35 +91,39 @@ class SitePolicy:
     mechanisms: Mapping[str, MechanismRule]
     coordinators: tuple[str, ...]  # as written: PEM or fingerprint
     app_bundles: tuple[str, ...]
-    site_key: str | None  # PEM of the key that signs this site's attestations (None: an old policy names none)
+    # PEM of the key that signs this site's attestations (None: an old policy names none)
+    site_key: str | None
     not_before: dt.datetime
     expires: dt.datetime
     signer: str | None  # fingerprint of the key that signed it (None: read unsigned, e.g. before signing)
     digest: str
     document: Mapping[str, Any] = field(repr=False)
-    # secure aggregation trust assumption: other sites that may collude with the coordinator, and the cap on the
-    # epsilon when all of them do (None: not capped)
+    # secure aggregation trust assumption: other sites that may collude with the coordinator, and the cap on
+    # the epsilon when all of them do (None: not capped)
     max_colluders: int = 0
     max_worst_case_epsilon: float | None = None
     max_lifetime_worst_case_epsilon: float | None = None
-    # the other sites' pinned Ed25519 keys (PEM) by site id: key adverts are checked against these, not against
-    # keys the coordinator relays (empty: none pinned, so no other site's noise share is counted)
+    # the other sites' pinned Ed25519 keys (PEM) by site id: key adverts are checked against these, not
+    # against keys the coordinator relays (empty: none pinned, so no other site's noise share is counted)
     peers: Mapping[str, str] = field(default_factory=dict)
-    # the unit of privacy (dataset.privacy_unit): "patient" declares the PUBLIC patient count and the per-patient
-    # image cap, and DP-SGD samples and clips whole patients (None for an image-level policy)
+    # the unit of privacy (dataset.privacy_unit): "patient" declares the PUBLIC patient count and the
+    # per-patient image cap, and DP-SGD samples and clips whole patients (None for an image-level policy)
     privacy_unit: str = "image"
     patients: int | None = None
     patient_cap: int | None = None
-    # the PUBLIC schema of the data (dataset.classes, dataset.image_shape): a DataDeclaration, None for a policy
-    # signed before both fields existed (a node refuses it: edge/site.py)
+    # the PUBLIC schema of the data (dataset.classes, dataset.image_shape): a DataDeclaration, None for a
+    # policy signed before both fields existed (a node refuses it: edge/site.py)
     declared: Any = None
     # what one job may make the node allocate (``resources``; absent fields: enforce.DEFAULT_RESOURCES)
     resources: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def dpsgd_population(self) -> int:
-        """The PUBLIC count DP-SGD samples from: patients for a patient-level policy, else the nominal image count."""
-        return int(self.patients) if self.privacy_unit == "patient" and self.patients else int(self.dataset_size)
+        """The PUBLIC count DP-SGD samples from: patients for a patient-level policy, else the nominal image
+        count."""
+        return (
+            int(self.patients) if self.privacy_unit == "patient" and self.patients else int(self.dataset_size)
+        )
 
     def counted_colluders(self, n_sites: int) -> int:
         """Other sites counted as colluding: ``max_colluders``, or all of them when no peer key is pinned (the
@@ -137,8 +142,9 @@ class SitePolicy:
     @property
     def lifetime_worst_case_cap(self) -> float:
         """The cap on the LIFETIME worst-case epsilon (every secure-aggregation release of every job seen by a
-        coalition of all other sites with the coordinator): ``secure_aggregation.max_lifetime_worst_case_epsilon``,
-        or DEFAULT_WORST_CASE_FACTOR x the lifetime epsilon."""
+        coalition of all other sites with the coordinator):
+        ``secure_aggregation.max_lifetime_worst_case_epsilon``, or DEFAULT_WORST_CASE_FACTOR x the lifetime
+        epsilon."""
         if self.max_lifetime_worst_case_epsilon is not None:
             return float(self.max_lifetime_worst_case_epsilon)
         return DEFAULT_WORST_CASE_FACTOR * self.lifetime_epsilon
@@ -154,8 +160,11 @@ class SitePolicy:
         validate_policy(doc, source)
         mechs = {}
         for name in MECHANISMS:
-            m = doc["mechanisms"].get(name, {"allowed": False}) if name in OPTIONAL_MECHANISMS \
+            m = (
+                doc["mechanisms"].get(name, {"allowed": False})
+                if name in OPTIONAL_MECHANISMS
                 else doc["mechanisms"][name]
+            )
             caps = {k: v for k, v in m.items() if k.startswith("max_")}
             mechs[name] = MechanismRule(name, bool(m["allowed"]), m.get("min_sigma"), caps)
         return cls(
@@ -179,7 +188,9 @@ class SitePolicy:
             document=doc,
             max_colluders=int(doc.get("secure_aggregation", {}).get("max_colluders", 0)),
             max_worst_case_epsilon=doc.get("secure_aggregation", {}).get("max_worst_case_epsilon"),
-            max_lifetime_worst_case_epsilon=doc.get("secure_aggregation", {}).get("max_lifetime_worst_case_epsilon"),
+            max_lifetime_worst_case_epsilon=doc.get("secure_aggregation", {}).get(
+                "max_lifetime_worst_case_epsilon"
+            ),
             peers=dict(doc.get("secure_aggregation", {}).get("peers", {})),
             privacy_unit=str(doc["dataset"].get("privacy_unit", "image")),
             patients=doc["dataset"].get("patients"),
@@ -194,7 +205,11 @@ class SitePolicy:
 
     def coordinator_keys(self) -> list[Ed25519PublicKey]:
         """The coordinators given as full PEM (fingerprint-only entries have no key to return)."""
-        return [signing.load_public_key(c.encode()) for c in self.coordinators if c.lstrip().startswith("-----BEGIN")]
+        return [
+            signing.load_public_key(c.encode())
+            for c in self.coordinators
+            if c.lstrip().startswith("-----BEGIN")
+        ]
 
 
 def _coordinator_fingerprint(entry: str) -> str:
@@ -214,10 +229,14 @@ def _normalize(obj: Any) -> Any:
         return [_normalize(v) for v in obj]
     if isinstance(obj, dt.datetime):
         if obj.tzinfo is None:
-            raise PolicyError(f"date-time {obj.isoformat()} has no UTC offset; write e.g. 2026-01-01T00:00:00Z")
+            raise PolicyError(
+                f"date-time {obj.isoformat()} has no UTC offset; write e.g. 2026-01-01T00:00:00Z"
+            )
         return format_time(obj)
     if isinstance(obj, (dt.date, dt.time)):
-        raise PolicyError(f"{obj.isoformat()}: give a full date-time with UTC offset, e.g. 2026-01-01T00:00:00Z")
+        raise PolicyError(
+            f"{obj.isoformat()}: give a full date-time with UTC offset, e.g. 2026-01-01T00:00:00Z"
+        )
     return obj
 
 
@@ -235,7 +254,9 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
     b = doc["budget"]
     for k in ("epsilon", "delta"):
         if b["per_job"][k] > b["lifetime"][k]:
-            problems.append((f"budget.per_job.{k}", f"{b['per_job'][k]} exceeds budget.lifetime.{k} {b['lifetime'][k]}"))
+            problems.append(
+                (f"budget.per_job.{k}", f"{b['per_job'][k]} exceeds budget.lifetime.{k} {b['lifetime'][k]}")
+            )
     problems += _unit_problems(doc["dataset"])
     try:
         DataDeclaration.from_dataset_table(doc["dataset"])
@@ -262,17 +283,38 @@ def validate_policy(doc: Any, source: str = "<policy>") -> None:
 
 
 def _unit_problems(ds: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The unit of privacy's fields, each problem with its fix (a patient-level policy needs both public counts)."""
+    """The unit of privacy's fields, each problem with its fix (a patient-level policy needs both public
+    counts)."""
     if ds.get("privacy_unit", "image") != "patient":
-        return [(f"dataset.{k}", f'only with dataset.privacy_unit = "patient" (the unit is one image here); add '
-                 f'privacy_unit = "patient" to [dataset] or remove {k}') for k in ("patients", "patient_cap") if k in ds]
-    out = [(f"dataset.{k}", f'required with privacy_unit = "patient": {why}') for k, why in (
-        ("patients", "the PUBLIC nominal number of patients, e.g. the count rounded to 2 significant digits "
-                     "(`feta-release data inspect` prints it)"),
-        ("patient_cap", "at most this many images per patient are used, e.g. patient_cap = 5")) if k not in ds]
+        return [
+            (
+                f"dataset.{k}",
+                f'only with dataset.privacy_unit = "patient" (the unit is one image here); add '
+                f'privacy_unit = "patient" to [dataset] or remove {k}',
+            )
+            for k in ("patients", "patient_cap")
+            if k in ds
+        ]
+    out = [
+        (f"dataset.{k}", f'required with privacy_unit = "patient": {why}')
+        for k, why in (
+            (
+                "patients",
+                "the PUBLIC nominal number of patients, e.g. the count rounded to 2 significant digits "
+                "(`feta-release data inspect` prints it)",
+            ),
+            ("patient_cap", "at most this many images per patient are used, e.g. patient_cap = 5"),
+        )
+        if k not in ds
+    ]
     if not out and ds["patients"] > ds["size"]:
-        out.append(("dataset.patients", f"{ds['patients']} patients > dataset.size {ds['size']} images: every patient "
-                    "has at least one image; give the public patient count, at most the public image count"))
+        out.append(
+            (
+                "dataset.patients",
+                f"{ds['patients']} patients > dataset.size {ds['size']} images: every patient "
+                "has at least one image; give the public patient count, at most the public image count",
+            )
+        )
     return out
 
 
@@ -286,7 +328,9 @@ def read_policy_document(path: str | Path) -> dict[str, Any]:
         else:
             doc = signing.loads_strict(text)  # a duplicated key would be signed as one reader sees it
     except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise PolicyError(f"{p}: not valid {'TOML' if p.suffix.lower() == '.toml' else 'JSON'}: {exc}") from None
+        raise PolicyError(
+            f"{p}: not valid {'TOML' if p.suffix.lower() == '.toml' else 'JSON'}: {exc}"
+        ) from None
     if isinstance(doc, dict) and set(doc) == {"policy", "signature"}:
         raise PolicyError(f"{p}: already a signed policy; sign the plain policy document instead")
     try:
@@ -310,7 +354,9 @@ def write_signed_policy(path: str | Path, signed: dict[str, Any]) -> Path:
 # -- loading a signed policy (node side) -----------------------------------------------------------
 
 
-def open_signed_policy(signed: Any, trusted_keys: Iterable[KeyLike], source: str = "<signed policy>") -> SitePolicy:
+def open_signed_policy(
+    signed: Any, trusted_keys: Iterable[KeyLike], source: str = "<signed policy>"
+) -> SitePolicy:
     """Signature + schema only (no clock, data or version checks): see :func:`load_site_policy`."""
     body, signer = open_envelope(signed, "policy", as_public_keys(trusted_keys), source)
     return SitePolicy.from_document(body, signer, source)
@@ -332,11 +378,17 @@ def read_signed_policy_unverified(path: str | Path) -> tuple[SitePolicy, dict[st
 def check_validity(policy: SitePolicy, now: dt.datetime | str | None = None, source: str = "policy") -> None:
     t = utc_now() if now is None else parse_time(now, "now")
     if t < policy.not_before:
-        raise PolicyViolation("not_before", f"{source} (site {policy.site_id}, version {policy.version}) is not valid "
-                              f"before {format_time(policy.not_before)}; it is now {format_time(t)}")
+        raise PolicyViolation(
+            "not_before",
+            f"{source} (site {policy.site_id}, version {policy.version}) is not valid "
+            f"before {format_time(policy.not_before)}; it is now {format_time(t)}",
+        )
     if t >= policy.expires:
-        raise PolicyViolation("expires", f"{source} (site {policy.site_id}, version {policy.version}) expired at "
-                              f"{format_time(policy.expires)}; it is now {format_time(t)}; sign a new version")
+        raise PolicyViolation(
+            "expires",
+            f"{source} (site {policy.site_id}, version {policy.version}) expired at "
+            f"{format_time(policy.expires)}; it is now {format_time(t)}; sign a new version",
+        )
 
 
 def load_site_policy(
@@ -354,34 +406,51 @@ def load_site_policy(
     (``signature.signer``), bad signature (``signature.valid``), malformed body (schema error naming the
     field), not yet valid (``not_before``), expired (``expires``), older than a version already seen
     (``version``: a replayed policy; with ``last_seen_digest``, also the same version number re-signed
-    with different content), data changed since signing (``dataset.commitment``, recomputed by the node with its secret).
+    with different content), data changed since signing (``dataset.commitment``, recomputed by the node with
+    its secret).
     """
     p = Path(path)
     if p.suffix.lower() == ".toml":
-        raise PolicyViolation("signature.required", f"{p}: unsigned policy (TOML); sign it with "
-                              f"`feta-release policy sign {p} --key KEY` and load the signed JSON")
+        raise PolicyViolation(
+            "signature.required",
+            f"{p}: unsigned policy (TOML); sign it with "
+            f"`feta-release policy sign {p} --key KEY` and load the signed JSON",
+        )
     pol = open_signed_policy(read_json(p, "signed policy"), trusted_keys, str(p))
     check_validity(pol, now, str(p))
     if last_seen_version is not None and pol.version < last_seen_version:
-        raise PolicyViolation("version", f"{p}: policy version {pol.version} is older than version "
-                              f"{last_seen_version} already seen at this site (a replayed old policy); "
-                              f"versions only go up")
-    if (last_seen_digest is not None and last_seen_version is not None and pol.version == last_seen_version
-            and pol.digest != last_seen_digest):
-        raise PolicyViolation("version", f"{p}: policy version {pol.version} differs from the version {pol.version} "
-                              f"already seen at this site (digest {pol.digest[:16]} != {last_seen_digest[:16]}); "
-                              f"a changed policy needs a higher version number")
+        raise PolicyViolation(
+            "version",
+            f"{p}: policy version {pol.version} is older than version "
+            f"{last_seen_version} already seen at this site (a replayed old policy); "
+            f"versions only go up",
+        )
+    if (
+        last_seen_digest is not None
+        and last_seen_version is not None
+        and pol.version == last_seen_version
+        and pol.digest != last_seen_digest
+    ):
+        raise PolicyViolation(
+            "version",
+            f"{p}: policy version {pol.version} differs from the version {pol.version} "
+            f"already seen at this site (digest {pol.digest[:16]} != {last_seen_digest[:16]}); "
+            f"a changed policy needs a higher version number",
+        )
     if dataset_commitment is not None:
         from ..data.commitment import same_commitment
 
         if not same_commitment(dataset_commitment, pol.dataset_commitment):
             # neither value is printed in full: they are keyed, but there is no reason to spread them
-            raise PolicyViolation("dataset.commitment", f"{p}: the data (or the data secret) changed since the "
-                                  f"policy was signed: the data's keyed commitment {dataset_commitment[:12]}… != "
-                                  f"policy's {pol.dataset_commitment[:12]}…; if the change is meant, recompute the "
-                                  "commitment with `feta-release policy data-commitment DATA --secret SECRET` (the "
-                                  "node's data and secret), put it into the policy's [dataset], raise version and "
-                                  "re-sign with `feta-release policy sign`")
+            raise PolicyViolation(
+                "dataset.commitment",
+                f"{p}: the data (or the data secret) changed since the "
+                f"policy was signed: the data's keyed commitment {dataset_commitment[:12]}… != "
+                f"policy's {pol.dataset_commitment[:12]}…; if the change is meant, recompute the "
+                "commitment with `feta-release policy data-commitment DATA --secret SECRET` (the "
+                "node's data and secret), put it into the policy's [dataset], raise version and "
+                "re-sign with `feta-release policy sign`",
+            )
     return pol
 
 
@@ -410,7 +479,11 @@ def make_policy(
     ``patient_level``: (public patients, patient cap) for a policy whose unit of privacy is the patient.
     ``declared``: the public class list and image shape (``DataDeclaration``); a node refuses a policy
     without. ``resources``: the policy's resource caps (absent: ``enforce.DEFAULT_RESOURCES``)."""
-    start = utc_now().replace(microsecond=0) - dt.timedelta(minutes=5) if not_before is None else parse_time(not_before)
+    start = (
+        utc_now().replace(microsecond=0) - dt.timedelta(minutes=5)
+        if not_before is None
+        else parse_time(not_before)
+    )
     default_mechs: dict[str, dict[str, Any]] = {
         "central": {"allowed": True, "min_sigma": 1.0, "max_rounds": 50, "max_batch": 60000},
         "frequency": {"allowed": True, "min_sigma": 1.0, "max_features": 20000},
@@ -422,18 +495,33 @@ def make_policy(
     doc = {
         "version": version,
         "site_id": site_id,
-        "dataset": {"commitment": dataset_commitment, "size": int(dataset_size),
-                    **({} if patient_level is None else {"privacy_unit": "patient", "patients": int(patient_level[0]),
-                                                         "patient_cap": int(patient_level[1])}),
-                    **({} if declared is None else declared.policy_fields())},
-        "budget": {"lifetime": {"epsilon": lifetime[0], "delta": lifetime[1]},
-                   "per_job": {"epsilon": per_job[0], "delta": per_job[1]}},
+        "dataset": {
+            "commitment": dataset_commitment,
+            "size": int(dataset_size),
+            **(
+                {}
+                if patient_level is None
+                else {
+                    "privacy_unit": "patient",
+                    "patients": int(patient_level[0]),
+                    "patient_cap": int(patient_level[1]),
+                }
+            ),
+            **({} if declared is None else declared.policy_fields()),
+        },
+        "budget": {
+            "lifetime": {"epsilon": lifetime[0], "delta": lifetime[1]},
+            "per_job": {"epsilon": per_job[0], "delta": per_job[1]},
+        },
         "accountant": accountant,
         "mechanisms": default_mechs,
         "coordinators": [c if isinstance(c, str) else signing.public_key_pem(c) for c in coordinators],
         "app_bundles": list(app_bundles),
-        **({} if site_key is None else
-           {"site_key": site_key if isinstance(site_key, str) else signing.public_key_pem(site_key)}),
+        **(
+            {}
+            if site_key is None
+            else {"site_key": site_key if isinstance(site_key, str) else signing.public_key_pem(site_key)}
+        ),
         "not_before": format_time(start),
         "expires": format_time(start + dt.timedelta(days=valid_days)),
         **({} if secure_aggregation is None else {"secure_aggregation": dict(secure_aggregation)}),

@@ -60,33 +60,53 @@ def signer_of(envelope: dict[str, Any]) -> str | None:
     return sig.get("signer") if isinstance(sig, dict) else None
 
 
-def open_envelope(envelope: Any, kind: str, trusted: Iterable[Ed25519PublicKey], source: str,
-                  *, signer_rule: str = "signature.signer") -> tuple[dict[str, Any], str]:
+def open_envelope(
+    envelope: Any,
+    kind: str,
+    trusted: Iterable[Ed25519PublicKey],
+    source: str,
+    *,
+    signer_rule: str = "signature.signer",
+) -> tuple[dict[str, Any], str]:
     """Check the envelope against ``trusted`` keys; return (body, signer fingerprint). Nothing is parsed
     from the body before its signature verifies."""
     if not isinstance(envelope, dict) or "signature" not in envelope:
-        raise PolicyViolation("signature.required", f"{source}: unsigned {kind} (no signature envelope); "
-                              f"sign it with `feta-release {kind} sign`")
+        raise PolicyViolation(
+            "signature.required",
+            f"{source}: unsigned {kind} (no signature envelope); sign it with `feta-release {kind} sign`",
+        )
     if set(envelope) != {kind, "signature"}:
-        raise PolicyViolation("signature.envelope", f"{source}: a signed {kind} holds exactly {kind!r} and "
-                              f"'signature'; found {', '.join(sorted(map(str, envelope)))}")
+        raise PolicyViolation(
+            "signature.envelope",
+            f"{source}: a signed {kind} holds exactly {kind!r} and "
+            f"'signature'; found {', '.join(sorted(map(str, envelope)))}",
+        )
     body, sig = envelope[kind], envelope["signature"]
     if not isinstance(body, dict):
         raise PolicyViolation("signature.envelope", f"{source}: {kind!r} must be an object")
     if not isinstance(sig, dict) or set(sig) != SIGNATURE_FIELDS:
-        raise PolicyViolation("signature.envelope", f"{source}: signature must have exactly the fields "
-                              f"{', '.join(sorted(SIGNATURE_FIELDS))}")
+        raise PolicyViolation(
+            "signature.envelope",
+            f"{source}: signature must have exactly the fields {', '.join(sorted(SIGNATURE_FIELDS))}",
+        )
     by_fp = {signing.fingerprint(k): k for k in trusted}
     signer = sig.get("signer")
     if signer not in by_fp:
-        raise PolicyViolation(signer_rule, f"{source}: signed by unknown key {signer!r}; trusted: "
-                              f"{', '.join(sorted(by_fp)) or 'none given'}")
+        raise PolicyViolation(
+            signer_rule,
+            f"{source}: signed by unknown key {signer!r}; trusted: "
+            f"{', '.join(sorted(by_fp)) or 'none given'}",
+        )
     key = by_fp[signer]
     if sig.get("public_key") != signing.public_key_pem(key):
-        raise PolicyViolation("signature.valid", f"{source}: the signature's public_key is not the trusted key {signer}")
+        raise PolicyViolation(
+            "signature.valid", f"{source}: the signature's public_key is not the trusted key {signer}"
+        )
     raw = sig.get("signature")
     try:
-        canonical_b64 = isinstance(raw, str) and base64.b64encode(base64.b64decode(raw, validate=True)).decode() == raw
+        canonical_b64 = (
+            isinstance(raw, str) and base64.b64encode(base64.b64decode(raw, validate=True)).decode() == raw
+        )
     except ValueError:
         canonical_b64 = False
     if not canonical_b64:

@@ -30,8 +30,8 @@ class JobDoesNotFit(PolicyViolation):
 
 
 class JobRefused(PolicyViolation):
-    """A site's policy refuses a job (``policy check``, ``job verify --policy``): every failing rule, one line each,
-    ``.failures`` the (rule, message) pairs; ``.rule`` the first."""
+    """A site's policy refuses a job (``policy check``, ``job verify --policy``): every failing rule, one line
+    each, ``.failures`` the (rule, message) pairs; ``.rule`` the first."""
 
     def __init__(self, header: str, failures: list[tuple[str, str]], site: str | None = None) -> None:
         self.failures = failures
@@ -45,5 +45,5 @@ def _bare(message: str, prefix: str, rule: str) -> str:
     """A violation's message without the "site X: policy rule R: " its line already says."""
     for head in (f"{prefix}policy rule {rule}: ", prefix):
         if message.startswith(head):
-            return message[len(head):]
+            return message[len(head) :]
     return message

@@ -35,7 +35,8 @@ class Job:
     signer: str
     digest: str  # sha256 of the canonical job body: identifies exactly what was signed
     document: Mapping[str, Any] = field(repr=False)
-    signer_sha256: str = ""  # FULL fingerprint of the signing key (the allow-list matches on this, not 64 bits)
+    # FULL fingerprint of the signing key (the allow-list matches on this, not 64 bits)
+    signer_sha256: str = ""
 
 
 def sign_job(
@@ -68,13 +69,17 @@ def sign_job(
 def _parse_body(body: dict[str, Any], signer: str, source: str) -> Job:
     schema.validate(body, "job", source)
     try:
-        # a job signed without an explicit value (none of ours: sign_job resolves it) reads as the default would
-        cfg = JobConfig.from_dict(body["config"], source=f"{source} config").with_secure_default(len(body["sites"]))
+        # a job signed without an explicit value (none of ours: sign_job resolves it) reads as the default
+        # would
+        cfg = JobConfig.from_dict(body["config"], source=f"{source} config").with_secure_default(
+            len(body["sites"])
+        )
     except ConfigError as exc:
         raise PolicySchemaError(source, [("config", str(exc))]) from None
     if body["coordinator"] != signer:
-        raise PolicyViolation("job.coordinator", f"{source}: names coordinator {body['coordinator']} but was "
-                              f"signed by {signer}")
+        raise PolicyViolation(
+            "job.coordinator", f"{source}: names coordinator {body['coordinator']} but was signed by {signer}"
+        )
     return Job(
         job_id=body["job_id"],
         coordinator=body["coordinator"],
@@ -87,16 +92,20 @@ def _parse_body(body: dict[str, Any], signer: str, source: str) -> Job:
     )
 
 
-def verify_job_with_keys(signed_job: Any, trusted_keys: Iterable[KeyLike], source: str = "<signed job>") -> Job:
+def verify_job_with_keys(
+    signed_job: Any, trusted_keys: Iterable[KeyLike], source: str = "<signed job>"
+) -> Job:
     """Verify a signed job against explicit coordinator keys (coordinator side, CLI)."""
     keys = as_public_keys(trusted_keys)
     body, signer = open_envelope(signed_job, "job", keys, source, signer_rule="coordinators")
-    full = signing.full_fingerprint({signing.fingerprint(k): k for k in keys}[signer])  # as open_envelope chose
+    # as open_envelope chose
+    full = signing.full_fingerprint({signing.fingerprint(k): k for k in keys}[signer])
     return dataclasses.replace(_parse_body(body, signer, source), signer_sha256=full)
 
 
 def verify_job(signed_job: Any, policy: SitePolicy, source: str = "<signed job>") -> Job:
-    """Node side: accept a job only if a coordinator key allowed by ``policy`` signed it and it names this site.
+    """Node side: accept a job only if a coordinator key allowed by ``policy`` signed it and it names this
+    site.
 
     Coordinators listed in the policy as full PEM are used directly. One listed only by fingerprint is
     matched against the key embedded in the signature (its fingerprint must equal the listed one).
@@ -113,9 +122,13 @@ def verify_job(signed_job: Any, policy: SitePolicy, source: str = "<signed job>"
         if k is not None and signing.full_fingerprint(k) in allowed_fps:
             keys.append(k)
     if not allowed_fps:
-        raise PolicyViolation("coordinators", f"{source}: the policy of site {policy.site_id} allows no coordinator")
+        raise PolicyViolation(
+            "coordinators", f"{source}: the policy of site {policy.site_id} allows no coordinator"
+        )
     job = verify_job_with_keys(signed_job, keys, source)
     if policy.site_id not in job.sites:
-        raise PolicyViolation("job.sites", f"{source}: job {job.job_id} does not name site {policy.site_id} "
-                              f"(sites: {', '.join(job.sites)})")
+        raise PolicyViolation(
+            "job.sites",
+            f"{source}: job {job.job_id} does not name site {policy.site_id} (sites: {', '.join(job.sites)})",
+        )
     return job

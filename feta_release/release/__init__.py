@@ -1,8 +1,10 @@
 """Release: ONNX generator export, signed manifest, offline verification, torch-free synthesis.
 
-Modules (imported on demand; this package imports nothing itself, so ``verify``/``synthesize`` never pull torch):
+Modules (imported on demand; this package imports nothing itself, so ``verify``/``synthesize`` never pull
+torch):
 
-- :mod:`.onnx_export` (needs torch for tracing): ``export_denoiser``, ``build_generator``, ``SamplerSettings``.
+- :mod:`.onnx_export` (needs torch for tracing): ``export_denoiser``, ``build_generator``,
+  ``SamplerSettings``.
 - :mod:`.manifest`: ``build_attestation`` (a site's signed spend statement; the node ledger reuses it),
   ``site_record``, ``build_manifest``, ``sign_manifest``, ``statement_sha256``.
 - :mod:`.export_run`: ``assemble_release`` (federated coordinator) and ``export_run`` (single-site RUN_DIR).

@@ -1,16 +1,18 @@
-"""The job directory: what a finished job leaves for the release step, WHICHEVER driver ran it, and the one code
-that turns it into a release (sample grid, privacy report, signed ONNX release).
+"""The job directory: what a finished job leaves for the release step, WHICHEVER driver ran it, and the one
+code that turns it into a release (sample grid, privacy report, signed ONNX release).
 
 Layout (``OUT``; the coordinator's ``--out``/``demo-out/job``, or a ``feta-release train`` RUN_DIR)::
 
     signed_job.json             the job signed by the coordinator key (its config and list of sites)
-    job_summary.json            job id, sites, class names, image shape, DP-SGD rounds, skipped sites, each site's
-                                epsilon/delta/history as it attested them, timings
-    attestations.json           {site: the site's spend statement signed with the SITE key, from its own ledger}
+    job_summary.json            job id, sites, class names, image shape, DP-SGD rounds, skipped sites, each
+                                site's epsilon/delta/history as it attested them, timings
+    attestations.json           {site: the site's spend statement signed with the SITE key, from its own
+                                ledger}
     policies/SITE.signed.json   each site's signed policy (when it has one)
     model.pt                    the released weights (``models.model_file.write_model_file``)
-    released/central.npz        the central images the warm-up used (a run's own release; a federation's combination
-                                of the sites' releases): shipped in release/ for SDEdit when the job says start_sigma
+    released/central.npz        the central images the warm-up used (a run's own release; a federation's
+                                combination of the sites' releases): shipped in release/ for SDEdit when the
+                                job says start_sigma
     released/aux_images.npz     [sampler] start_source aux/mix: the aux-generator pool (post-processing of the
                                 frequency release), shipped in release/ as aux_images.npz
     privacy_report.json/.txt    per site, epsilon by stage and in total, from the signed attestations
@@ -19,8 +21,9 @@ Layout (``OUT``; the coordinator's ``--out``/``demo-out/job``, or a ``feta-relea
     release/                    generator.onnx + manifest.json signed by the coordinator (+ policies/,
                                 + central_images.npz for a start_sigma job)
 
-The federated coordinator (``coordinator/finalize.py``) and the local driver (``feta_release.training.local_job``)
-both write it and both call these functions, so ``verify``/``synthesize``/``report`` meet one release layout.
+The federated coordinator (``coordinator/finalize.py``) and the local driver
+(``feta_release.training.local_job``) both write it and both call these functions, so
+``verify``/``synthesize``/``report`` meet one release layout.
 
 Everything here is post-processing of the trained model and of the sites' SIGNED attestations: the
 privacy figures in the report are the ones each site computed from its own ledger, re-derived by the
@@ -36,25 +39,44 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..accounting import epsilon_breakdown, events_from_list
 from ..config import JobConfig
 from ..errors import FetaError
 from ..models import generate
-from ..signing import load_private_key
 from ..models.model_file import MODEL_FILE, read_model_file
+from ..signing import load_private_key
 from ..viz import epsilon_title, save_budget_svg, save_grid
 from .export_run import assemble_release, denoiser_from_checkpoint, released_central
-from .jobfiles import (ATTESTATIONS, POLICIES, RELEASE, RELEASED_AUX, SIGNED_JOB, SUMMARY, job_summary,
-                       write_job_files)
+from .jobfiles import (
+    ATTESTATIONS,
+    POLICIES,
+    RELEASE,
+    RELEASED_AUX,
+    SIGNED_JOB,
+    SUMMARY,
+    job_summary,
+    write_job_files,
+)
 from .manifest import site_record
 from .onnx_export import SamplerSettings
 from .starts import mixed_start_images
 
-__all__ = ["ATTESTATIONS", "POLICIES", "RELEASE", "SIGNED_JOB", "SUMMARY", "build_release", "job_summary", "load_model",
-           "privacy_report", "sample_grid", "write_job_files"]
+__all__ = [
+    "ATTESTATIONS",
+    "POLICIES",
+    "RELEASE",
+    "SIGNED_JOB",
+    "SUMMARY",
+    "build_release",
+    "job_summary",
+    "load_model",
+    "privacy_report",
+    "sample_grid",
+    "write_job_files",
+]
+
 
 def privacy_report(out_dir: Path) -> dict[str, Any]:
     """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total."""
@@ -65,55 +87,84 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
         st = att["statement"]
         events = events_from_list(st["events"])
         sites[sid] = {
-            "epsilon_total": st["epsilon"], "delta": st["delta"], "accountant": st["accountant"],
+            "epsilon_total": st["epsilon"],
+            "delta": st["delta"],
+            "accountant": st["accountant"],
             "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
-            "events": st["events"], "policy_sha256": st["policy_sha256"], "signed_by_site": att["signature"]["signer"],
+            "events": st["events"],
+            "policy_sha256": st["policy_sha256"],
+            "signed_by_site": att["signature"]["signer"],
         }
-        if isinstance(st.get("secure_aggregation"), dict):  # both figures the site signed (docs/secure-aggregation.md)
+        # both figures the site signed (docs/secure-aggregation.md)
+        if isinstance(st.get("secure_aggregation"), dict):
             sites[sid]["secure_aggregation"] = dict(st["secure_aggregation"])
         life = st.get("lifetime")
         if isinstance(life, dict):  # the site's signed spend on the same images over all its jobs
             sites[sid]["lifetime"] = {
-                "epsilon": life["epsilon"], "delta": life["delta"],
-                "epsilon_by_stage_alone": epsilon_breakdown(events_from_list(life["events"]), life["delta"],
-                                                            st["accountant"])}
-    report = {"job_id": summary["job_id"], "unit_of_privacy": "one image of one site", "sites": sites,
-              "rounds": summary["rounds"], "skipped": summary["skipped"], "timings_s": summary["timings"]}
+                "epsilon": life["epsilon"],
+                "delta": life["delta"],
+                "epsilon_by_stage_alone": epsilon_breakdown(
+                    events_from_list(life["events"]), life["delta"], st["accountant"]
+                ),
+            }
+    report = {
+        "job_id": summary["job_id"],
+        "unit_of_privacy": "one image of one site",
+        "sites": sites,
+        "rounds": summary["rounds"],
+        "skipped": summary["skipped"],
+        "timings_s": summary["timings"],
+    }
     (out_dir / "privacy_report.json").write_text(json.dumps(report, indent=2), "utf-8")
     _budget_chart(out_dir, sites)
     lines = [f"Privacy report for job {report['job_id']} (unit of privacy: one image of one site)", ""]
     for sid, s in sites.items():
-        lines.append(f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
-                     f"accountant), signed by the site's key {s['signed_by_site']}")
+        lines.append(
+            f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
+            f"accountant), signed by the site's key {s['signed_by_site']}"
+        )
         if "lifetime" in s:
-            lines.append(f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
-                         f"at δ = {s['lifetime']['delta']:g}")
+            lines.append(
+                f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
+                f"at δ = {s['lifetime']['delta']:g}"
+            )
         sa = s.get("secure_aggregation")
         if sa:
-            lines.append(f"    secure aggregation: the ε above assumes at most {sa.get('max_colluders', 0)} other site(s) "
-                         "collude with the coordinator (the site's signed policy); if every other site colluded "
-                         f"(only this site's own noise share protecting it): ε = {sa['worst_case_epsilon']:.3f}")
+            lines.append(
+                f"    secure aggregation: the ε above assumes at most {sa.get('max_colluders', 0)} other "
+                "site(s) collude with the coordinator (the site's signed policy); if every other site "
+                "colluded (only this site's own noise share protecting it): ε = "
+                f"{sa['worst_case_epsilon']:.3f}"
+            )
         for stage, e in s["epsilon_by_stage_alone"].items():
             if stage != "total":
                 lines.append(f"    {stage:<10} alone ε = {e:.3f}")
-    lines += ["", "Stage figures are each stage alone; composition is sub-additive, the total is what counts.",
-              "Each site's data never left it: only the noisy releases above did."]
+    lines += [
+        "",
+        "Stage figures are each stage alone; composition is sub-additive, the total is what counts.",
+        "Each site's data never left it: only the noisy releases above did.",
+    ]
     (out_dir / "privacy_report.txt").write_text("\n".join(lines) + "\n", "utf-8")
     return report
 
 
 def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
-    """``budget.svg``: per site, ε of each stage alone and the composed total, this job beside the site's lifetime,
-    against the site's per-job and lifetime caps."""
+    """``budget.svg``: per site, ε of each stage alone and the composed total, this job beside the site's
+    lifetime, against the site's per-job and lifetime caps."""
     chart = {}
     for sid, s in sites.items():
         budget: dict[str, Any] = {}
         pol = out_dir / "policies" / f"{sid}.signed.json"
-        if pol.is_file():  # the caps are context for the chart only; verify checks them against the signed policy
+        # the caps are context for the chart only; verify checks them against the signed policy
+        if pol.is_file():
             budget = json.loads(pol.read_text("utf-8")).get("policy", {}).get("budget", {})
-        chart[sid] = {"by_stage": s["epsilon_by_stage_alone"], "delta": s["delta"],
-                      "lifetime_by_stage": (s.get("lifetime") or {}).get("epsilon_by_stage_alone"),
-                      "cap": budget.get("per_job", {}).get("epsilon"), "lifetime_cap": budget.get("lifetime", {}).get("epsilon")}
+        chart[sid] = {
+            "by_stage": s["epsilon_by_stage_alone"],
+            "delta": s["delta"],
+            "lifetime_by_stage": (s.get("lifetime") or {}).get("epsilon_by_stage_alone"),
+            "cap": budget.get("per_job", {}).get("epsilon"),
+            "lifetime_cap": budget.get("lifetime", {}).get("epsilon"),
+        }
     return save_budget_svg(chart, out_dir / "budget.svg")
 
 
@@ -122,17 +173,24 @@ def load_model(out_dir: Path) -> Any:
     return denoiser_from_checkpoint(read_model_file(out_dir / MODEL_FILE), str(out_dir / MODEL_FILE))
 
 
-def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0, *,
-                checked: tuple[Any, tuple[np.ndarray, np.ndarray] | None, tuple[np.ndarray, np.ndarray] | None]
-                | None = None, device: str | torch.device = "cpu") -> Path:
+def sample_grid(
+    out_dir: Path,
+    per_class: int = 10,
+    seed: int = 0,
+    *,
+    checked: tuple[Any, tuple[np.ndarray, np.ndarray] | None, tuple[np.ndarray, np.ndarray] | None]
+    | None = None,
+    device: str | torch.device = "cpu",
+) -> Path:
     """``samples.png``: a grid of the released model, drawn as ``synthesize`` draws by default.
 
     ``checked``: (denoiser, central images, aux pool) as the caller CHECKED them (a ``train`` run: what
-    ``attest_run`` hashed against the site ledger), drawn from as they are, never re-read from the run dir (a file
-    swapped after the check, e.g. private images as the aux pool, must not be what the grid shows); None: the job
-    directory's files, the central images and pool bound to this job's id as :func:`build_release` reads them (the
-    federated coordinator's). ``device``: where the model read from ``model.pt`` samples (``coordinator run
-    --device``; the noise is drawn on the CPU, so the grid is the same function of the weights on any device)."""
+    ``attest_run`` hashed against the site ledger), drawn from as they are, never re-read from the run dir (a
+    file swapped after the check, e.g. private images as the aux pool, must not be what the grid shows); None:
+    the job directory's files, the central images and pool bound to this job's id as :func:`build_release`
+    reads them (the federated coordinator's). ``device``: where the model read from ``model.pt`` samples
+    (``coordinator run --device``; the noise is drawn on the CPU, so the grid is the same function of the
+    weights on any device)."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
     n_sites = len(signed["job"]["sites"])  # titled by what made it: one site's run, or a federation's job
@@ -141,17 +199,32 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0, *,
     if checked is None:
         job_id = signed["job"]["job_id"]
         model, central = load_model(out_dir).to(device), released_central(out_dir, job_id)
-        aux = released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
+        aux = (
+            released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
+        )
     else:
         model, central, aux = checked
     src = scfg.start_source if aux is not None else "central"
-    if scfg.start_sigma is not None and (src == "aux" or central is not None):  # as synthesize draws by default
+    # as synthesize draws by default
+    if scfg.start_sigma is not None and (src == "aux" or central is not None):
         want = np.repeat(np.arange(model.n_classes, dtype=np.int64), per_class)
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(1,))))
-        init = torch.from_numpy(mixed_start_images(
-            central, aux, src, want, np.tile(np.arange(per_class), model.n_classes), rng,
-            n_ops=cfg.warmup.augment_ops, magnitude_max=cfg.warmup.augment_magnitude))
-        scfg, what = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), f"{what} (SDEdit from the release)"
+        init = torch.from_numpy(
+            mixed_start_images(
+                central,
+                aux,
+                src,
+                want,
+                np.tile(np.arange(per_class), model.n_classes),
+                rng,
+                n_ops=cfg.warmup.augment_ops,
+                magnitude_max=cfg.warmup.augment_magnitude,
+            )
+        )
+        scfg, what = (
+            dataclasses.replace(scfg, sigma_max=scfg.start_sigma),
+            f"{what} (SDEdit from the release)",
+        )
     images, labels = generate(model, per_class, seed, scfg, init=init)
     names, eps, delta = None, None, None
     if (out_dir / "job_summary.json").is_file():
@@ -160,24 +233,36 @@ def sample_grid(out_dir: Path, per_class: int = 10, seed: int = 0, *,
         atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
         eps = {sid: float(a["statement"]["epsilon"]) for sid, a in atts.items()} or None
         delta = max((float(a["statement"]["delta"]) for a in atts.values()), default=None)
-    return save_grid(images.numpy(), labels.numpy(), out_dir / "samples.png", per_class=per_class,
-                     n_classes=model.n_classes, class_names=names,
-                     title=epsilon_title(what, eps, delta))
+    return save_grid(
+        images.numpy(),
+        labels.numpy(),
+        out_dir / "samples.png",
+        per_class=per_class,
+        n_classes=model.n_classes,
+        class_names=names,
+        title=epsilon_title(what, eps, delta),
+    )
 
 
-def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey, *,
-                  require_policies: bool = True, starts: tuple[np.ndarray, np.ndarray] | None = None,
-                  aux_pool: tuple[np.ndarray, np.ndarray] | None = None, denoiser: Any = None) -> Path:
+def build_release(
+    out_dir: Path,
+    coordinator_key: Path | str | Ed25519PrivateKey,
+    *,
+    require_policies: bool = True,
+    starts: tuple[np.ndarray, np.ndarray] | None = None,
+    aux_pool: tuple[np.ndarray, np.ndarray] | None = None,
+    denoiser: Any = None,
+) -> Path:
     """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside.
 
     ``require_policies``: every site must have its signed policy in ``policies/`` (a federation's sites always
     do); a single-site run without a policy is released without one (``verify`` then says so).
-    ``starts``: the central images as the caller CHECKED them (a ``train`` run: the arrays ``attest_run`` hashed
-    against the ledger), shipped as they are, never re-read from the path; None: the federated
+    ``starts``: the central images as the caller CHECKED them (a ``train`` run: the arrays ``attest_run``
+    hashed against the ledger), shipped as they are, never re-read from the path; None: the federated
     coordinator's ``released/central.npz``. ``aux_pool``: likewise the aux-generator pool (``[sampler]
     start_source`` aux/mix; a ``train`` run's as ``attest_run`` checked it); None: the coordinator's
-    ``released/aux_images.npz``, which must name this job. ``denoiser``: likewise the model (a ``train`` run's as
-    ``attest_run`` hashed it against the ledger); None: ``model.pt``."""
+    ``released/aux_images.npz``, which must name this job. ``denoiser``: likewise the model (a ``train`` run's
+    as ``attest_run`` hashed it against the ledger); None: ``model.pt``."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     job = signed["job"]
     cfg = JobConfig.from_dict(job["config"])
@@ -193,15 +278,29 @@ def build_release(out_dir: Path, coordinator_key: Path | str | Ed25519PrivateKey
             policies[sid] = json.loads(path.read_text("utf-8"))
         elif require_policies:
             raise FetaError(f"{path}: missing; the release needs site {sid}'s signed policy")
-    key = coordinator_key if isinstance(coordinator_key, Ed25519PrivateKey) else load_private_key(coordinator_key)
-    # The central images the warm-up used (a run's own release, checked against its ledger by training.local_job and
-    # passed in; a federation's combination of the sites' releases), shipped for SDEdit (start_sigma).
+    key = (
+        coordinator_key
+        if isinstance(coordinator_key, Ed25519PrivateKey)
+        else load_private_key(coordinator_key)
+    )
+    # The central images the warm-up used (a run's own release, checked against its ledger by
+    # training.local_job and passed in; a federation's combination of the sites' releases), shipped for SDEdit
+    # (start_sigma).
     starts = released_central(out_dir, job["job_id"]) if starts is None else starts
     if aux_pool is None and cfg.sampler.uses_aux:  # post-processing of the frequency release (see aux_pool)
         aux_pool = released_central(out_dir, job["job_id"], RELEASED_AUX, "aux-generator images")
     return assemble_release(
-        out_dir / RELEASE, denoiser=load_model(out_dir) if denoiser is None else denoiser, classes=summary["class_names"],
-        image_shape=summary["image_shape"], sampler=SamplerSettings.from_config(cfg.sampler), job_id=job["job_id"],
-        config=job["config"], sites=[site_record(atts[s]) for s in sorted(atts)], coordinator_key=key,
-        signed_policies=policies, signed_job=signed, starts=starts, aux_pool=aux_pool,
+        out_dir / RELEASE,
+        denoiser=load_model(out_dir) if denoiser is None else denoiser,
+        classes=summary["class_names"],
+        image_shape=summary["image_shape"],
+        sampler=SamplerSettings.from_config(cfg.sampler),
+        job_id=job["job_id"],
+        config=job["config"],
+        sites=[site_record(atts[s]) for s in sorted(atts)],
+        coordinator_key=key,
+        signed_policies=policies,
+        signed_job=signed,
+        starts=starts,
+        aux_pool=aux_pool,
     )

@@ -2,19 +2,23 @@
 
 A release directory holds::
 
-    manifest.json                 {"manifest": {...}, "signature": coordinator signature over canonical_json(manifest)}
+    manifest.json                 {"manifest": {...}, "signature": coordinator signature over
+                                  canonical_json(manifest)}
     generator.onnx                the one-file generator (noise, labels) -> images
-    central_images.npz            optional ([sampler] start_sigma): the released central images the generator's
-                                  SDEdit path starts from (already-charged DP outputs; hashed in ``starts``)
-    aux_images.npz                optional ([sampler] start_source aux/mix): a fixed pool of aux-generator images
-                                  (post-processing of the frequency release; hashed in ``aux_starts``, format 3)
+    central_images.npz            optional ([sampler] start_sigma): the released central images the
+                                  generator's SDEdit path starts from (already-charged DP outputs; hashed in
+                                  ``starts``)
+    aux_images.npz                optional ([sampler] start_source aux/mix): a fixed pool of aux-generator
+                                  images (post-processing of the frequency release; hashed in ``aux_starts``,
+                                  format 3)
     policies/SITE.signed.json     optional: the signed policy each site ran under (lets verify check the caps)
 
 Each site's entry carries an *attestation*: a spend statement (site, job, full event history, (eps, delta),
 accountant, policy hash) signed with the SITE's key. The site's ledger produces it in a federated run
-(``edge.attest`` calls :func:`build_attestation`); ``feta-release export --site-key`` does it for a single-site
-run. The coordinator then signs the whole manifest. So a verifier needs no trust in the coordinator for a
-site's privacy figures: the site itself signed them, and ``verify`` recomputes epsilon from the events.
+(``edge.attest`` calls :func:`build_attestation`); ``feta-release export --site-key`` does it for a
+single-site run. The coordinator then signs the whole manifest. So a verifier needs no trust in the
+coordinator for a site's privacy figures: the site itself signed them, and ``verify`` recomputes epsilon from
+the events.
 
 This module imports neither torch nor onnx: verification and synthesis run where only onnxruntime exists.
 """
@@ -23,10 +27,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -46,21 +50,23 @@ from ..policy.document import utc_stamp
 from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
 FORMAT_VERSION = "feta-release/manifest/1"
-# A release with an SDEdit sampler / shipped central images (``starts``): an older verifier, which checks neither,
-# refuses format 2 instead of answering OK for a file it never hashed.
+# A release with an SDEdit sampler / shipped central images (``starts``): an older verifier, which checks
+# neither, refuses format 2 instead of answering OK for a file it never hashed.
 FORMAT_VERSION_SDEDIT = "feta-release/manifest/2"
 # The generator's ``feta.format`` (release.onnx_export): format 2 has the SDEdit inputs start, from_release.
 GENERATOR_FORMATS = {False: "feta-release-generator/1", True: "feta-release-generator/2"}
 
 
 # A release whose SDEdit starts come (partly) from a shipped aux-generator pool (``aux_starts``, sampler
-# ``start_source``): a format-2 verifier would answer OK without hashing that pool, so it must refuse format 3.
+# ``start_source``): a format-2 verifier would answer OK without hashing that pool, so it must refuse format
+# 3.
 FORMAT_VERSION_AUX = "feta-release/manifest/3"
 
 
-# What verify, synthesize and report read of a release (``files.read_regular``: regular files through no link): a
-# file's signed ``size`` is checked before it is read, and these caps bound every read, the manifest's and the
-# policies' (read before the manifest's signature can be checked) and those of releases whose records state no size.
+# What verify, synthesize and report read of a release (``files.read_regular``: regular files through no
+# link): a file's signed ``size`` is checked before it is read, and these caps bound every read, the
+# manifest's and the policies' (read before the manifest's signature can be checked) and those of releases
+# whose records state no size.
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_POLICY_BYTES = 4 << 20
 MAX_GENERATOR_BYTES = 2 << 30  # protobuf's own limit on one serialized ONNX model
@@ -69,30 +75,32 @@ TAKE_AS_PUBLISHED = "take the release as it was published (its files are regular
 
 
 def file_record(release_dir: str | Path, file: str) -> dict[str, Any]:
-    """A release file's ``file``, ``sha256`` and ``size`` (bytes): the size lets verify refuse a file of any other
-    size before reading a byte of it."""
+    """A release file's ``file``, ``sha256`` and ``size`` (bytes): the size lets verify refuse a file of any
+    other size before reading a byte of it."""
     path = Path(release_dir) / file
     return {"file": file, "sha256": sha256_file(path), "size": path.stat().st_size}
 
 
-def manifest_format(sampler: dict[str, Any], starts: dict[str, Any] | None,
-                    aux_starts: dict[str, Any] | None = None) -> str:
+def manifest_format(
+    sampler: dict[str, Any], starts: dict[str, Any] | None, aux_starts: dict[str, Any] | None = None
+) -> str:
     """The format a manifest with this sampler, ``starts`` and ``aux_starts`` records must carry."""
     if aux_starts is not None or "start_source" in sampler:
         return FORMAT_VERSION_AUX
     return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
 
 
-# [sampler] fields `feta-release export --solver/--steps` may set for a release (how many denoising steps and which
-# solver: post-processing, no privacy cost, and no file more or less in the release). Every other field of the
-# released sampler is the signed job's (:func:`released_sampler`; verify refuses a release whose sampler is not).
+# [sampler] fields `feta-release export --solver/--steps` may set for a release (how many denoising steps and
+# which solver: post-processing, no privacy cost, and no file more or less in the release). Every other field
+# of the released sampler is the signed job's (:func:`released_sampler`; verify refuses a release whose
+# sampler is not).
 EXPORT_SAMPLER_OVERRIDES = ("solver", "steps")
 
 
 def sampler_record(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """A sampler (``SamplerSettings``' or a job's ``[sampler]`` fields) as the generator metadata and the manifest
-    record it: ``start_sigma`` only for an SDEdit sampler and ``start_source`` only when it is not the default, so a
-    noise-only or central-start release reads as before those options existed."""
+    """A sampler (``SamplerSettings``' or a job's ``[sampler]`` fields) as the generator metadata and the
+    manifest record it: ``start_sigma`` only for an SDEdit sampler and ``start_source`` only when it is not
+    the default, so a noise-only or central-start release reads as before those options existed."""
     out = dict(settings)
     if out.get("start_sigma") is None:
         out.pop("start_sigma", None)
@@ -102,27 +110,33 @@ def sampler_record(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def released_sampler(sampler: Mapping[str, Any], central_images: bool) -> dict[str, Any]:
-    """Export's one normalisation of a job's sampler record (:func:`sampler_record`): a central-start SDEdit sampler
-    whose release carries no central images is released as the noise sampler (``start_sigma`` dropped). Export
-    applies it; verify holds the released sampler to it applied to the SIGNED job's ``[sampler]``."""
+    """Export's one normalisation of a job's sampler record (:func:`sampler_record`): a central-start SDEdit
+    sampler whose release carries no central images is released as the noise sampler (``start_sigma``
+    dropped). Export applies it; verify holds the released sampler to it applied to the SIGNED job's
+    ``[sampler]``."""
     out = dict(sampler)
     if out.get("start_source", "central") == "central" and not central_images:
         out.pop("start_sigma", None)
     return out
 
 
-def sampler_problem(released: Mapping[str, Any], job_config: Mapping[str, Any], central_images: bool) -> str | None:
-    """Why the released sampler is not the signed job's ``[sampler]`` as export releases it (None: it is), naming
-    the first field that differs (``EXPORT_SAMPLER_OVERRIDES`` may)."""
+def sampler_problem(
+    released: Mapping[str, Any], job_config: Mapping[str, Any], central_images: bool
+) -> str | None:
+    """Why the released sampler is not the signed job's ``[sampler]`` as export releases it (None: it is),
+    naming the first field that differs (``EXPORT_SAMPLER_OVERRIDES`` may)."""
     from ..config import JobConfig
 
     section = JobConfig.from_dict(dict(job_config)).sampler
-    want = released_sampler(sampler_record({f.name: getattr(section, f.name) for f in fields(section)}),
-                            central_images)
+    want = released_sampler(
+        sampler_record({f.name: getattr(section, f.name) for f in fields(section)}), central_images
+    )
     for k in sorted(set(released) | set(want)):
         if k not in EXPORT_SAMPLER_OVERRIDES and released.get(k) != want.get(k):
-            return (f"generator.sampler.{k} is {json.dumps(released.get(k))}, the signed job's [sampler] gives "
-                    f"{json.dumps(want.get(k))}")
+            return (
+                f"generator.sampler.{k} is {json.dumps(released.get(k))}, the signed job's [sampler] gives "
+                f"{json.dumps(want.get(k))}"
+            )
     return None
 
 
@@ -136,17 +150,25 @@ GENERATOR_INPUTS = {
     "labels": {"dtype": "int64", "shape": ["batch"], "meaning": "class index into classes"},
 }
 SDEDIT_INPUTS = {
-    "start": {"dtype": "float32", "shape": ["batch", "C", "H", "W"],
-              "meaning": "an augmented released central image of the label's class, in [0, 1] (SDEdit start)"},
-    "from_release": {"dtype": "bool", "shape": [], "meaning": "true: SDEdit from start at start_sigma; false: noise"},
+    "start": {
+        "dtype": "float32",
+        "shape": ["batch", "C", "H", "W"],
+        "meaning": "an augmented released central image of the label's class, in [0, 1] (SDEdit start)",
+    },
+    "from_release": {
+        "dtype": "bool",
+        "shape": [],
+        "meaning": "true: SDEdit from start at start_sigma; false: noise",
+    },
 }
-START_MEANING = {  # what the signed manifest says a start image is, per [sampler] start_source (review: it said
+# what the signed manifest says a start image is, per [sampler] start_source (review: it said
+START_MEANING = {
     # "central image" for aux releases too)
     "central": "an augmented released central image of the label's class, in [0, 1] (SDEdit start)",
-    "aux": "an augmented image of the label's class from the release's aux-generator pool (aux_images.npz), in [0, 1] "
-           "(SDEdit start)",
-    "mix": "per class alternately an augmented aux-generator pool image (aux_images.npz) and an augmented released "
-           "central image of the label's class, in [0, 1] (SDEdit start)",
+    "aux": "an augmented image of the label's class from the release's aux-generator pool (aux_images.npz), "
+    "in [0, 1] (SDEdit start)",
+    "mix": "per class alternately an augmented aux-generator pool image (aux_images.npz) and an augmented "
+    "released central image of the label's class, in [0, 1] (SDEdit start)",
 }
 
 
@@ -207,11 +229,12 @@ def build_attestation(
     ``final: true`` says the job is closed at the site: it spends nothing more after this statement.
     A history with secure-aggregation (Skellam) events also carries ``secure_aggregation``: the site's trust
     assumption (``max_colluders``) under which ``epsilon`` holds, and ``worst_case_epsilon`` (job and
-    lifetime) if every other site colluded with the coordinator (its own noise share only), both recomputed here.
-    ``unit_policy``: the site's verified policy: the statement then carries ``privacy_unit``, what its ε protects
-    (one patient or one image, ``feta_release.privacy_unit.site_unit_statement``), also recomputed here.
-    ``ledger``: the site ledger's ``{ledger_id, rows, head}`` after this job (``Ledger.anchor``): the coordinator
-    keeps the last one per site and refuses a later job from a ledger that does not extend it (deleted, restored).
+    lifetime) if every other site colluded with the coordinator (its own noise share only), both recomputed
+    here. ``unit_policy``: the site's verified policy: the statement then carries ``privacy_unit``, what its ε
+    protects (one patient or one image, ``feta_release.privacy_unit.site_unit_statement``), also recomputed
+    here. ``ledger``: the site ledger's ``{ledger_id, rows, head}`` after this job (``Ledger.anchor``): the
+    coordinator keeps the last one per site and refuses a later job from a ledger that does not extend it
+    (deleted, restored).
     """
     evs = list(events)
     life = evs if lifetime_events is None else list(lifetime_events)
@@ -238,8 +261,11 @@ def build_attestation(
         "created": created or utc_stamp(),
     }
     if ledger is not None:
-        statement["ledger"] = {"ledger_id": str(ledger["ledger_id"]), "rows": int(ledger["rows"]),
-                               "head": str(ledger["head"])}
+        statement["ledger"] = {
+            "ledger_id": str(ledger["ledger_id"]),
+            "rows": int(ledger["rows"]),
+            "head": str(ledger["head"]),
+        }
     if unit_policy is not None:
         from ..privacy_unit import site_unit_statement
 
@@ -247,7 +273,9 @@ def build_attestation(
     if has_secure_aggregation(life):
         statement["secure_aggregation"] = {
             "max_colluders": int(max_colluders or 0),
-            "worst_case_epsilon": worst_case_epsilon(evs, delta) if has_secure_aggregation(evs) else statement["epsilon"],
+            "worst_case_epsilon": worst_case_epsilon(evs, delta)
+            if has_secure_aggregation(evs)
+            else statement["epsilon"],
             "lifetime_worst_case_epsilon": worst_case_epsilon(life, life_delta),
         }
     return {"statement": statement, "signature": sign_document(statement, key)}
@@ -276,7 +304,8 @@ ATTESTED_FIELDS = ("site_id", "events", "epsilon", "delta", "accountant", "polic
 
 
 def release_statement(job: dict[str, Any], sites: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Job + every site's privacy figures: fixed BEFORE the generator is written (see onnx_export docstring)."""
+    """Job + every site's privacy figures: fixed BEFORE the generator is written (see onnx_export
+    docstring)."""
     return {
         "job": {"job_id": job["job_id"], "config": job["config"]},
         "sites": [{k: s[k] for k in ATTESTED_FIELDS} for s in sites],
@@ -310,7 +339,8 @@ def build_manifest(
     ``signed_job`` (the coordinator's ``{"job": ..., "signature": ...}``) is carried whole: its list of sites
     is what ``verify`` holds the release to (every listed site needs a final attestation for this job).
     ``starts``: the record of the released central images shipped for SDEdit (:func:`starts_record`);
-    ``aux_starts``: the record of the aux-generator pool shipped for ``start_source`` aux/mix (:func:`aux_record`).
+    ``aux_starts``: the record of the aux-generator pool shipped for ``start_source`` aux/mix
+    (:func:`aux_record`).
     """
     gen_path = Path(release_dir) / generator_file
     if not gen_path.is_file():
@@ -332,8 +362,15 @@ def build_manifest(
             "image_shape": [int(v) for v in image_shape],
             "sampler": dict(sampler),
         },
-        "job": {"job_id": job_id, "config": config,
-                **({} if signed_job is None else {"sites": list(signed_job["job"]["sites"]), "signed": signed_job})},
+        "job": {
+            "job_id": job_id,
+            "config": config,
+            **(
+                {}
+                if signed_job is None
+                else {"sites": list(signed_job["job"]["sites"]), "signed": signed_job}
+            ),
+        },
         "software": software_versions(),
         "sites": list(sites),
         "timestamps": {"manifest_created": created, **(timestamps or {})},
@@ -347,9 +384,12 @@ STARTS_KIND = "RandAugment bag of training.augment (numpy port, release/starts.p
 
 def starts_source(n_sites: int) -> str:
     """Where the shipped central images come from, in words (a function of the public site count only)."""
-    return ("one site's release, post-processed as the warm-up used it" if n_sites == 1 else
-            f"the {n_sites} sites' releases combined (public-size weighted mean, post-processed) as the "
-            "coordinator's warm-up used them")
+    return (
+        "one site's release, post-processed as the warm-up used it"
+        if n_sites == 1
+        else f"the {n_sites} sites' releases combined (public-size weighted mean, post-processed) as the "
+        "coordinator's warm-up used them"
+    )
 
 
 def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int) -> dict[str, Any]:
@@ -362,15 +402,20 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     cfg = JobConfig.from_dict(config)
     augmentation = _augmentation(cfg)
     if cfg.central.rounds <= 0:
-        raise ReleaseError("the job has no central stage ([central] rounds = 0) but the release carries central "
-                           "images: they are not this job's release; leave [sampler] start_sigma out")
+        raise ReleaseError(
+            "the job has no central stage ([central] rounds = 0) but the release carries central "
+            "images: they are not this job's release; leave [sampler] start_sigma out"
+        )
     for s in sites:
         if not any(e.stage == "central" for e in events_from_list(s["events"])):  # every site
             # released its part, in its history
-            raise ReleaseError(f"site {s['site_id']}'s signed history has no 'central' event for this job, so the "
-                               "central images are not what the sites released; leave [sampler] start_sigma out")
+            raise ReleaseError(
+                f"site {s['site_id']}'s signed history has no 'central' event for this job, so the "
+                "central images are not what the sites released; leave [sampler] start_sigma out"
+            )
     unit, per_site, worst = _stage_figures(sites, "central")
-    per_class = cfg.central.rounds * cfg.central.cells  # rows are (round, class, cell); cells = 1 unless "mean"
+    # rows are (round, class, cell); cells = 1 unless "mean"
+    per_class = cfg.central.rounds * cfg.central.cells
     source = starts_source(len(sites))
     return {
         "images": per_class * n_classes,
@@ -384,10 +429,12 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
     }
 
 
-def _stage_figures(sites: Sequence[dict[str, Any]], stage: str) -> tuple[str, dict[str, float], dict[str, float]]:
-    """What the signed histories say about one stage's release, per site: its unit of privacy ("image" unless a
-    site's events of that stage say "patient"), its ε alone at the site's delta, and (secure aggregation only,
-    ) its ε if every other site colludes with the coordinator."""
+def _stage_figures(
+    sites: Sequence[dict[str, Any]], stage: str
+) -> tuple[str, dict[str, float], dict[str, float]]:
+    """What the signed histories say about one stage's release, per site: its unit of privacy ("image" unless
+    a site's events of that stage say "patient"), its ε alone at the site's delta, and (secure aggregation
+    only, ) its ε if every other site colludes with the coordinator."""
     per_site: dict[str, float] = {}
     worst: dict[str, float] = {}
     units: set[str] = set()
@@ -407,14 +454,18 @@ def _augmentation(cfg: Any) -> dict[str, Any]:
 
     w = cfg.warmup
     if not (0 <= w.augment_ops <= MAX_OPS and 1 <= w.augment_magnitude < N_BINS):
-        raise ReleaseError(f"[warmup] augment_ops = {w.augment_ops}, augment_magnitude = {w.augment_magnitude}: the "
-                           f"release's start augmentation needs 0 <= augment_ops <= {MAX_OPS} and 1 <= "
-                           f"augment_magnitude <= {N_BINS - 1}")
+        raise ReleaseError(
+            f"[warmup] augment_ops = {w.augment_ops}, augment_magnitude = {w.augment_magnitude}: the "
+            f"release's start augmentation needs 0 <= augment_ops <= {MAX_OPS} and 1 <= "
+            f"augment_magnitude <= {N_BINS - 1}"
+        )
     return {"kind": STARTS_KIND, "ops": int(w.augment_ops), "magnitude_max": int(w.augment_magnitude)}
 
 
-AUX_SOURCE = ("the auxiliary generator fitted to this job's noised frequency release (random-Fourier-feature "
-              "statistics), sampled with the public seed rule (job seed, 'aux-pool')")
+AUX_SOURCE = (
+    "the auxiliary generator fitted to this job's noised frequency release (random-Fourier-feature "
+    "statistics), sampled with the public seed rule (job seed, 'aux-pool')"
+)
 
 
 def aux_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int) -> dict[str, Any]:
@@ -427,13 +478,17 @@ def aux_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classe
     cfg = JobConfig.from_dict(config)
     augmentation = _augmentation(cfg)
     if cfg.frequency.sigma is None or not cfg.sampler.uses_aux:
-        raise ReleaseError("the signed job has no frequency stage or no [sampler] start_source aux/mix, but the "
-                           "release carries aux-generator images: they are not this job's; set start_source = "
-                           "\"central\"")
+        raise ReleaseError(
+            "the signed job has no frequency stage or no [sampler] start_source aux/mix, but the "
+            "release carries aux-generator images: they are not this job's; set start_source = "
+            '"central"'
+        )
     for s in sites:
         if not any(e.stage == "frequency" for e in events_from_list(s["events"])):
-            raise ReleaseError(f"site {s['site_id']}'s signed history has no 'frequency' event for this job, so no "
-                               "aux generator was fitted to its release; set [sampler] start_source = \"central\"")
+            raise ReleaseError(
+                f"site {s['site_id']}'s signed history has no 'frequency' event for this job, so no "
+                'aux generator was fitted to its release; set [sampler] start_source = "central"'
+            )
     unit, per_site, worst = _stage_figures(sites, "frequency")
     return {
         "images": AUX_POOL_PER_CLASS * n_classes,
@@ -451,13 +506,13 @@ def _aux_words(unit: str, per_site: dict[str, float], worst: dict[str, float]) -
     """The DPO's text of the aux_starts record, with the caveats of :func:`_starts_words`: unit, scope, the
     collusion assumption under secure aggregation, and that each site's job and lifetime ε cover the pool."""
     return (
-        "Images of the auxiliary generator, which was fitted to the noised frequency release only (already charged "
-        "in every site's signed history) with public randomness: post-processing of a release, no further privacy "
-        f"cost. {_figure_words('frequency', unit, per_site, worst)} Each site's job ε and lifetime ε (its site "
-        "record and the synthesize certificate) cover them. That they come from that generator is the "
-        "coordinator's signed word; verify checks their hash, shape and counts and that every site released "
-        "frequency statistics in this job. synthesize starts SDEdit samples from augmented copies (start_source "
-        "aux: all, mix: every other image of each class)."
+        "Images of the auxiliary generator, which was fitted to the noised frequency release only (already "
+        "charged in every site's signed history) with public randomness: post-processing of a release, no "
+        f"further privacy cost. {_figure_words('frequency', unit, per_site, worst)} Each site's job ε and "
+        "lifetime ε (its site record and the synthesize certificate) cover them. That they come from that "
+        "generator is the coordinator's signed word; verify checks their hash, shape and counts and that "
+        "every site released frequency statistics in this job. synthesize starts SDEdit samples from "
+        "augmented copies (start_source aux: all, mix: every other image of each class)."
     )
 
 
@@ -465,39 +520,63 @@ def _figure_words(stage: str, unit: str, per_site: dict[str, float], worst: dict
     """A stage's figures in words: per unit, that stage alone, and the collusion caveat when the
     stage was summed by secure aggregation."""
     words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
-    worst_words = "" if not worst else (
-        " These figures assume the other sites do not collude with the coordinator (secure aggregation); if they "
-        "all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + ".")
+    worst_words = (
+        ""
+        if not worst
+        else (
+            " These figures assume the other sites do not collude with the coordinator (secure aggregation); "
+            "if they all do: " + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in worst.items()) + "."
+        )
+    )
     # The former "(a patient-level site with patient cap k: k·ε per patient)" read as a patient bound of an
-    # image-level site and left out that δ grows too. Group privacy for k images of one person: (kε, k·e^((k−1)ε)·δ).
-    group = ("" if unit == "patient" else
-             " (per image: a person with k images in a site's data is protected only at (k·ε, k·e^((k−1)·ε)·δ) by "
-             "group privacy, and an image-level site caps no one's number of images)")
-    return (f"Privacy per {unit.upper()}, for this job's {stage} stage alone, at each site's delta: {words}{group}."
-            f"{worst_words}")
+    # image-level site and left out that δ grows too. Group privacy for k images of one person: (kε,
+    # k·e^((k−1)ε)·δ).
+    group = (
+        ""
+        if unit == "patient"
+        else " (per image: a person with k images in a site's data is protected only at (k·ε, "
+        "k·e^((k−1)·ε)·δ) by group privacy, and an image-level site caps no one's number of images)"
+    )
+    return (
+        f"Privacy per {unit.upper()}, for this job's {stage} stage alone, at each site's delta: "
+        f"{words}{group}.{worst_words}"
+    )
 
 
-def aux_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
-               n_classes: int) -> dict[str, Any]:
+def aux_record(
+    release_dir: str | Path,
+    file: str,
+    config: dict[str, Any],
+    sites: Sequence[dict[str, Any]],
+    n_classes: int,
+) -> dict[str, Any]:
     """The manifest's ``aux_starts`` entry: the pool's file and hash, and :func:`aux_claims`."""
     return {**file_record(release_dir, file), **aux_claims(config, sites, n_classes)}
 
 
-def _starts_words(source: str, per_site: dict[str, float], worst: dict[str, float], unit: str = "image") -> str:
+def _starts_words(
+    source: str, per_site: dict[str, float], worst: dict[str, float], unit: str = "image"
+) -> str:
     """The DPO's text of the starts record: unit, scope, collusion assumption, lifetime."""
     return (
-        "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' stage "
-        f"({source}). {_figure_words('central', unit, per_site, worst)} They are "
-        "differentially private outputs already charged in every site's signed event history, so shipping them is "
-        "post-processing and costs no further privacy; each site's job ε and lifetime ε (its site record and the "
-        "synthesize certificate) cover them. synthesize starts its SDEdit samples from augmented copies of them "
-        "(--from release)."
+        "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' "
+        f"stage ({source}). {_figure_words('central', unit, per_site, worst)} They are "
+        "differentially private outputs already charged in every site's signed event history, so shipping "
+        "them is post-processing and costs no further privacy; each site's job ε and lifetime ε (its site "
+        "record and the synthesize certificate) cover them. synthesize starts its SDEdit samples from "
+        "augmented copies of them (--from release)."
     )
 
 
-def starts_record(release_dir: str | Path, file: str, config: dict[str, Any], sites: Sequence[dict[str, Any]],
-                  n_classes: int) -> dict[str, Any]:
-    """The manifest's ``starts`` entry: the released central images' file and hash, and :func:`starts_claims`."""
+def starts_record(
+    release_dir: str | Path,
+    file: str,
+    config: dict[str, Any],
+    sites: Sequence[dict[str, Any]],
+    n_classes: int,
+) -> dict[str, Any]:
+    """The manifest's ``starts`` entry: the released central images' file and hash,
+    and :func:`starts_claims`."""
     return {**file_record(release_dir, file), **starts_claims(config, sites, n_classes)}
 
 
@@ -505,8 +584,10 @@ def starts_count_problem(labels: Any, per_class: Sequence[int]) -> str | None:
     """Why the file's labels are not the per-class counts the signed job releases (None: they are)."""
     have = [int(sum(1 for v in labels if int(v) == c)) for c in range(len(per_class))]
     if have != list(per_class) or len(labels) != sum(per_class):
-        return (f"the central images hold {have} images per class ({len(labels)} in all), the signed job releases "
-                f"{list(per_class)} per class (central rounds x cells)")
+        return (
+            f"the central images hold {have} images per class ({len(labels)} in all), the signed job "
+            f"releases {list(per_class)} per class (central rounds x cells)"
+        )
     return None
 
 
@@ -525,13 +606,15 @@ def read_manifest(release_dir: str | Path) -> dict[str, Any]:
     path = Path(release_dir) / MANIFEST_FILE
     if not path.exists() and not path.is_symlink():
         raise ReleaseError(f"{path}: no manifest.json; is {release_dir} a release directory?")
-    raw = read_regular(path, limit=MAX_MANIFEST_BYTES, error=ReleaseError, what="manifest", fix=TAKE_AS_PUBLISHED)
+    raw = read_regular(
+        path, limit=MAX_MANIFEST_BYTES, error=ReleaseError, what="manifest", fix=TAKE_AS_PUBLISHED
+    )
     try:
         doc = loads_strict(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ReleaseError(f"{path}: manifest is not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict) or "signature" not in doc:
-        raise ReleaseError(f"{path}: expected {{\"manifest\": {{...}}, \"signature\": {{...}}}}")
+        raise ReleaseError(f'{path}: expected {{"manifest": {{...}}, "signature": {{...}}}}')
     return doc
 
 

@@ -9,29 +9,29 @@ Shape of the generator graph (assembled with the onnx helper API, not traced):
       [Heun] final Euler step t_{N-1} -> 0   # EDM's Heun takes no 2nd-order correction into t = 0
       images = clip((x + 1) / 2, 0, 1)
 
-SDEdit (``SamplerSettings.start_sigma``, format ``feta-release-generator/2``): two more inputs, ``start`` (B,C,H,W)
-float32 in [0, 1] and ``from_release`` (bool scalar). With ``from_release`` the schedule is the Karras schedule from
-``start_sigma`` (same steps, sigma_min and rho) and ``x = 2 start - 1 + noise * start_sigma``, exactly
-``models.sampler.sample(init=start)`` with ``sigma_max = start_sigma``; without it the graph is the noise sampler
-above (``start`` ignored). Both schedules are constants of the graph, so the signed file fixes both samplers.
-A generator without ``start_sigma`` is the format-1 graph, byte for byte as before.
+SDEdit (``SamplerSettings.start_sigma``, format ``feta-release-generator/2``): two more inputs, ``start``
+(B,C,H,W) float32 in [0, 1] and ``from_release`` (bool scalar). With ``from_release`` the schedule is the
+Karras schedule from ``start_sigma`` (same steps, sigma_min and rho) and ``x = 2 start - 1 + noise *
+start_sigma``, exactly ``models.sampler.sample(init=start)`` with ``sigma_max = start_sigma``; without it the
+graph is the noise sampler above (``start`` ignored). Both schedules are constants of the graph, so the signed
+file fixes both samplers. A generator without ``start_sigma`` is the format-1 graph, byte for byte as before.
 
 Why a Loop around the exported denoiser rather than tracing the whole sampler: tracing unrolls every step
 (16,605 nodes, 71 s to open a session at 50 steps), the Loop graph is the denoiser's size (weights are
 initializers of the outer graph, referenced from the loop body), builds in well under a second and opens
 as fast as the bare denoiser, with the same numbers (shared/reference/onnx-and-eval-notes.md).
 
-The denoiser body is exported with the TorchScript exporter (dynamo=False, opset 17), which torch deprecates, on
-purpose: the torch.export-based exporter (dynamo=True, torch 2.13 + onnxscript 0.7.2) was measured on the UNet at
-channels 8 and 32, each export in a fresh process as a release runs it: 7.0-8.5 s of CPU against 0.33-0.37 s with
-one torch thread (20x; 22-26 s against 1.0-1.1 s wall) and 1.8-2.1 s with torch's default threads (4x), for a
-graph that gives the same images (max |diff| to the torch sampler 2.4e-7 with either, Heun 18 and Euler 12) at
-the same onnxruntime speed. It would also add onnxscript and onnx-ir to the hash-pinned node install. Moving over
-when the TorchScript exporter goes: ``dynamo=True, opset_version=18`` with one ``torch.export.Dim`` for axis 0
-of the three inputs in ``dynamic_shapes``; its optimizer leaves no local functions and no nested
-subgraphs, so :class:`_Inliner` takes its graph as it is; the generator's opset becomes 18, where the guidance
-``Split`` needs ``num_outputs=2``. Only the notices the TorchScript exporter itself prints are silenced
-(``_hide_exporter_notices``); any other warning raised while exporting still shows.
+The denoiser body is exported with the TorchScript exporter (dynamo=False, opset 17), which torch deprecates,
+on purpose: the torch.export-based exporter (dynamo=True, torch 2.13 + onnxscript 0.7.2) was measured on the
+UNet at channels 8 and 32, each export in a fresh process as a release runs it: 7.0-8.5 s of CPU against
+0.33-0.37 s with one torch thread (20x; 22-26 s against 1.0-1.1 s wall) and 1.8-2.1 s with torch's default
+threads (4x), for a graph that gives the same images (max |diff| to the torch sampler 2.4e-7 with either, Heun
+18 and Euler 12) at the same onnxruntime speed. It would also add onnxscript and onnx-ir to the hash-pinned
+node install. Moving over when the TorchScript exporter goes: ``dynamo=True, opset_version=18`` with one
+``torch.export.Dim`` for axis 0 of the three inputs in ``dynamic_shapes``; its optimizer leaves no local
+functions and no nested subgraphs, so :class:`_Inliner` takes its graph as it is; the generator's opset
+becomes 18, where the guidance ``Split`` needs ``num_outputs=2``. Only the notices the TorchScript exporter
+itself prints are silenced (``_hide_exporter_notices``); any other warning raised while exporting still shows.
 
 Metadata and the manifest (no circularity): the manifest records the generator file's sha256, so the
 generator cannot hold the manifest's hash. The generator instead holds ``feta.statement_sha256``, the
@@ -39,16 +39,16 @@ hash of the *release statement* (job id + config + every site's privacy event hi
 which is fixed before the generator is written. The manifest then hashes the finished generator file.
 ``verify`` recomputes the statement hash from the manifest and compares it with the generator's metadata,
 so a generator cannot be moved under another job's privacy statement.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
 import io
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
-from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -78,9 +78,9 @@ class SamplerSettings:
     guidance: float = 0.0  # classifier-free guidance weight w: (1+w) D(x,y) - w D(x,null)
     # SDEdit from released central images (``[sampler] start_sigma``): None = the noise sampler only.
     start_sigma: float | None = None
-    # Where ``synthesize`` takes the SDEdit starts from (``[sampler] start_source``): "central" the released central
-    # images, "aux" the shipped aux-generator pool, "mix" every other image from each. The graph is the same (the
-    # start is an input); only the metadata and manifest record it.
+    # Where ``synthesize`` takes the SDEdit starts from (``[sampler] start_source``): "central" the released
+    # central images, "aux" the shipped aux-generator pool, "mix" every other image from each. The graph is
+    # the same (the start is an input); only the metadata and manifest record it.
     start_source: str = "central"
 
     def __post_init__(self) -> None:
@@ -89,14 +89,19 @@ class SamplerSettings:
         if self.steps < 1:
             raise ReleaseError(f"sampler steps must be >= 1, got {self.steps}")
         if not 0 < self.sigma_min < self.sigma_max:
-            raise ReleaseError(f"sampler needs 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
+            raise ReleaseError(
+                f"sampler needs 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}"
+            )
         if self.guidance < 0:
             raise ReleaseError(f"guidance weight must be >= 0, got {self.guidance}")
         if self.start_sigma is not None and not self.sigma_min < self.start_sigma <= self.sigma_max:
-            raise ReleaseError(f"sampler start_sigma must be in (sigma_min, sigma_max], got {self.start_sigma}")
+            raise ReleaseError(
+                f"sampler start_sigma must be in (sigma_min, sigma_max], got {self.start_sigma}"
+            )
         if self.start_source not in START_SOURCES:
-            raise ReleaseError(f"sampler start_source must be one of {', '.join(START_SOURCES)}, got "
-                               f"{self.start_source!r}")
+            raise ReleaseError(
+                f"sampler start_source must be one of {', '.join(START_SOURCES)}, got {self.start_source!r}"
+            )
         if self.start_source != "central" and self.start_sigma is None:
             raise ReleaseError(f"sampler start_source {self.start_source!r} needs start_sigma (SDEdit)")
 
@@ -118,7 +123,8 @@ class SamplerSettings:
             sigma_max=float(sampler_section.sigma_max),
             rho=float(sampler_section.rho),
             guidance=float(sampler_section.guidance),
-            start_sigma=None if getattr(sampler_section, "start_sigma", None) is None
+            start_sigma=None
+            if getattr(sampler_section, "start_sigma", None) is None
             else float(sampler_section.start_sigma),
             start_source=str(getattr(sampler_section, "start_source", "central")),
         )
@@ -140,20 +146,32 @@ def karras_schedule(s: SamplerSettings, sigma_max: float | None = None) -> np.nd
 
 # -- denoiser export --------------------------------------------------------------------------------
 
+
 def _hide_exporter_notices(tracer_warning: type[Warning]) -> None:
-    """Inside ``warnings.catch_warnings()``: ignore what the TorchScript exporter prints on every export, each by its
-    exact message (and the module raising it where the message is generic), so that any other warning, ours or
-    torch's, still shows."""
+    """Inside ``warnings.catch_warnings()``: ignore what the TorchScript exporter prints on every export, each
+    by its exact message (and the module raising it where the message is generic), so that any other warning,
+    ours or torch's, still shows."""
     # The exporter's deprecation: the choice is deliberate and measured (module docstring).
-    warnings.filterwarnings("ignore", r"You are using the legacy TorchScript-based ONNX export\.", DeprecationWarning)
+    warnings.filterwarnings(
+        "ignore", r"You are using the legacy TorchScript-based ONNX export\.", DeprecationWarning
+    )
     # The same deprecation from inside the legacy exporter (its logging setup, deprecated with it).
-    warnings.filterwarnings("ignore", r"The feature will be removed\. Please remove usage of this function",
-                            DeprecationWarning, r"torch\.onnx\._internal\.torchscript_exporter\.")
-    # GroupNorm's eager input check (F._verify_batch_size: more than one value per group) reads a traced size as a
-    # bool. It only guards training on a single value and has no data flow into the graph, so the trace loses
-    # nothing; a tensor-to-bool conversion in our own model code is raised from our module and still shows.
-    warnings.filterwarnings("ignore", r"Converting a tensor to a Python boolean might cause the trace to be incorrect",
-                            tracer_warning, r"torch\.nn\.functional")
+    warnings.filterwarnings(
+        "ignore",
+        r"The feature will be removed\. Please remove usage of this function",
+        DeprecationWarning,
+        r"torch\.onnx\._internal\.torchscript_exporter\.",
+    )
+    # GroupNorm's eager input check (F._verify_batch_size: more than one value per group) reads a traced size
+    # as a bool. It only guards training on a single value and has no data flow into the graph, so the trace
+    # loses nothing; a tensor-to-bool conversion in our own model code is raised from our module and still
+    # shows.
+    warnings.filterwarnings(
+        "ignore",
+        r"Converting a tensor to a Python boolean might cause the trace to be incorrect",
+        tracer_warning,
+        r"torch\.nn\.functional",
+    )
 
 
 def export_denoiser(denoiser: Any, image_shape: Sequence[int], *, opset: int = OPSET) -> onnx.ModelProto:
@@ -205,7 +223,9 @@ class _Inliner:
         self.graph = g
         for node in g.node:
             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-                raise ReleaseError(f"denoiser graph has a nested subgraph in node {node.name!r}; cannot inline it")
+                raise ReleaseError(
+                    f"denoiser graph has a nested subgraph in node {node.name!r}; cannot inline it"
+                )
         self.inputs = [i.name for i in g.input if i.name not in {t.name for t in g.initializer}]
         if len(self.inputs) != 3 or len(g.output) != 1:
             raise ReleaseError(
@@ -241,7 +261,8 @@ class _Inliner:
         for k, node in enumerate(self.graph.node):
             n = onnx.NodeProto()
             n.CopyFrom(node)
-            # Index keeps names unique even where the source graph repeats or omits them (quantized graphs do).
+            # Index keeps names unique even where the source graph repeats or omits them (quantized graphs
+            # do).
             n.name = f"{prefix}{k}/{node.name or node.op_type}"
             del n.input[:]
             n.input.extend(rn(v) for v in node.input)
@@ -252,7 +273,9 @@ class _Inliner:
 
 
 def _const(name: str, value: Any, dtype: Any = np.float32) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+    return helper.make_node(
+        "Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+    )
 
 
 class _Builder:
@@ -341,7 +364,9 @@ def _prologue(settings: SamplerSettings, n_classes: int) -> list[onnx.NodeProto]
         nodes += [
             helper.make_node("Shape", ["labels"], ["label_batch"]),
             helper.make_node(
-                "ConstantOfShape", ["label_batch"], ["null_labels"],
+                "ConstantOfShape",
+                ["label_batch"],
+                ["null_labels"],
                 value=numpy_helper.from_array(np.array([n_classes], dtype=np.int64)),
             ),
             helper.make_node("Concat", ["labels", "null_labels"], ["labels_cfg"], axis=0),
@@ -369,8 +394,8 @@ def _sdedit_prologue() -> list[onnx.NodeProto]:
 
 
 def _sampler_loop(b: _Builder, settings: SamplerSettings, img_type: onnx.TypeProto) -> onnx.NodeProto:
-    """The ONNX Loop over sampler steps: body (i, cond, x) -> (cond, x_next); schedule, weights and labels come
-    from the outer scope."""
+    """The ONNX Loop over sampler steps: body (i, cond, x) -> (cond, x_next); schedule, weights and labels
+    come from the outer scope."""
     body_nodes: list[onnx.NodeProto] = [
         helper.make_node("Add", ["i", "one_i64"], ["i_next"]),
         helper.make_node("Gather", ["sigmas", "i"], ["t_cur"], axis=0),
@@ -453,8 +478,10 @@ def build_generator(
         helper.make_tensor_value_info("labels", TensorProto.INT64, ["batch"]),
     ]
     if sdedit:
-        inputs += [helper.make_tensor_value_info("start", TensorProto.FLOAT, ["batch", c, h, w]),
-                   helper.make_tensor_value_info("from_release", TensorProto.BOOL, [])]
+        inputs += [
+            helper.make_tensor_value_info("start", TensorProto.FLOAT, ["batch", c, h, w]),
+            helper.make_tensor_value_info("from_release", TensorProto.BOOL, []),
+        ]
     graph = helper.make_graph(
         nodes,
         "feta_generator",
@@ -485,8 +512,10 @@ def generator_metadata(
 ) -> dict[str, str]:
     inputs = "noise: float32 (batch, C, H, W) standard normal; labels: int64 (batch,) class index"
     if settings.start_sigma is not None:
-        inputs += ("; start: float32 (batch, C, H, W) in [0, 1], an augmented released central image (ignored "
-                   "unless from_release); from_release: bool scalar, SDEdit from start at sigma start_sigma")
+        inputs += (
+            "; start: float32 (batch, C, H, W) in [0, 1], an augmented released central image (ignored "
+            "unless from_release); from_release: bool scalar, SDEdit from start at sigma start_sigma"
+        )
     return {
         f"{META_PREFIX}format": GENERATOR_FORMAT if settings.start_sigma is None else GENERATOR_FORMAT_SDEDIT,
         f"{META_PREFIX}classes": json.dumps(list(classes), ensure_ascii=False),
@@ -515,4 +544,3 @@ def export_generator(
     """Trace the torch denoiser and assemble the generator in one go."""
     den = export_denoiser(denoiser, image_shape)
     return build_generator(den, settings, classes, image_shape, statement_sha256=statement_sha256)
-

@@ -1,11 +1,11 @@
-"""What a data-protection officer reads first: the verdict, then per site the ε under the trust assumption, the
-worst case and the signed caps, one line each. ``verify``, ``synthesize``, ``verify-synthetic`` and the HTML report
-all read these figures from here, so the screen and the page say the same thing.
+"""What a data-protection officer reads first: the verdict, then per site the ε under the trust assumption,
+the worst case and the signed caps, one line each. ``verify``, ``synthesize``, ``verify-synthetic`` and the
+HTML report all read these figures from here, so the screen and the page say the same thing.
 
-Every figure is the verified release's own: the sites' signed statements (re-composed by verify), in the unit the
-site's signed caps bound (per patient at a patient-level site, else per image), beside the caps of the policy that
-verify checked. A release that did not verify still gets its figures (the officer needs to see why it failed), but
-a site whose policy did not verify shows no caps.
+Every figure is the verified release's own: the sites' signed statements (re-composed by verify), in the unit
+the site's signed caps bound (per patient at a patient-level site, else per image), beside the caps of the
+policy that verify checked. A release that did not verify still gets its figures (the officer needs to see why
+it failed), but a site whose policy did not verify shows no caps.
 
 Imports neither torch nor flwr.
 """
@@ -30,7 +30,11 @@ class Figure:
     def text(self) -> str:
         if self.epsilon is None:
             return "not stated"
-        return f"{self.epsilon:.3g} (cap {self.cap:g})" if self.cap is not None else f"{self.epsilon:.3g} (cap ?)"
+        return (
+            f"{self.epsilon:.3g} (cap {self.cap:g})"
+            if self.cap is not None
+            else f"{self.epsilon:.3g} (cap ?)"
+        )
 
     def to_dict(self) -> dict[str, float | None]:
         return {"epsilon": self.epsilon, "cap": self.cap}
@@ -56,8 +60,12 @@ class SiteSummary:
         """Under which trust assumption the job figure holds, in words."""
         if self.colluders is None:
             return "holds whoever colludes (each site adds all its noise itself)"
-        if self.worst is not None and self.worst.epsilon is not None and self.job.epsilon is not None and \
-                math.isclose(self.worst.epsilon, self.job.epsilon, rel_tol=EPS_REL_TOL, abs_tol=1e-12):
+        if (
+            self.worst is not None
+            and self.worst.epsilon is not None
+            and self.job.epsilon is not None
+            and math.isclose(self.worst.epsilon, self.job.epsilon, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+        ):
             return "holds whoever colludes (counts this site's own noise share only)"
         if self.colluders == 0:
             return "holds if no other site colludes with the coordinator"
@@ -65,19 +73,31 @@ class SiteSummary:
 
     def line(self) -> str:
         """The site in one line: id, unit, ε job / lifetime with caps, worst case with cap, assumption."""
-        worst = (f"; worst case (all other sites collude) {self.worst.text()}, lifetime {self.lifetime_worst.text()}"
-                 if self.worst is not None and self.lifetime_worst is not None else "")
+        worst = (
+            f"; worst case (all other sites collude) {self.worst.text()}, lifetime "
+            f"{self.lifetime_worst.text()}"
+            if self.worst is not None and self.lifetime_worst is not None
+            else ""
+        )
         caps = "" if self.policy_verified else " [caps NOT checked: the site's policy did not verify]"
-        return (f"site {self.site_id}: per {self.unit}, δ = {self.delta:g}: ε this job {self.job.text()}, lifetime "
-                f"{self.lifetime.text()}{worst}; {self.assumption}{caps}")
+        return (
+            f"site {self.site_id}: per {self.unit}, δ = {self.delta:g}: ε this job {self.job.text()}, "
+            f"lifetime {self.lifetime.text()}{worst}; {self.assumption}{caps}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"site_id": self.site_id, "unit": self.unit, "delta": self.delta, "job": self.job.to_dict(),
-                "lifetime": self.lifetime.to_dict(),
-                "worst_case": self.worst.to_dict() if self.worst else None,
-                "lifetime_worst_case": self.lifetime_worst.to_dict() if self.lifetime_worst else None,
-                "assumed_colluders": self.colluders, "assumption": self.assumption,
-                "policy_verified": self.policy_verified}
+        return {
+            "site_id": self.site_id,
+            "unit": self.unit,
+            "delta": self.delta,
+            "job": self.job.to_dict(),
+            "lifetime": self.lifetime.to_dict(),
+            "worst_case": self.worst.to_dict() if self.worst else None,
+            "lifetime_worst_case": self.lifetime_worst.to_dict() if self.lifetime_worst else None,
+            "assumed_colluders": self.colluders,
+            "assumption": self.assumption,
+            "policy_verified": self.policy_verified,
+        }
 
 
 def _statement(site: dict[str, Any]) -> dict[str, Any]:
@@ -117,12 +137,20 @@ def site_summary(site: dict[str, Any], policy: dict[str, Any] | None) -> SiteSum
         job, lt = float(site["epsilon"]), lifetime_of(site)
         lifetime = lt["epsilon"] if lt else None
         worst = float(sa["worst_case_epsilon"]) if sa and "worst_case_epsilon" in sa else None
-        life_worst = float(sa["lifetime_worst_case_epsilon"]) if sa and "lifetime_worst_case_epsilon" in sa else None
+        life_worst = (
+            float(sa["lifetime_worst_case_epsilon"]) if sa and "lifetime_worst_case_epsilon" in sa else None
+        )
     return SiteSummary(
-        str(site["site_id"]), _unit(site, policy) if policy is not None else "image", delta,
-        Figure(job, caps[0]), Figure(lifetime, caps[1]),
-        Figure(worst, caps[2]) if secure else None, Figure(life_worst, caps[3]) if secure else None,
-        int(sa.get("max_colluders", 0)) if secure and sa else (0 if secure else None), policy is not None)
+        str(site["site_id"]),
+        _unit(site, policy) if policy is not None else "image",
+        delta,
+        Figure(job, caps[0]),
+        Figure(lifetime, caps[1]),
+        Figure(worst, caps[2]) if secure else None,
+        Figure(life_worst, caps[3]) if secure else None,
+        int(sa.get("max_colluders", 0)) if secure and sa else (0 if secure else None),
+        policy is not None,
+    )
 
 
 def site_summaries(res: VerificationResult) -> list[SiteSummary]:
@@ -149,39 +177,57 @@ def counts(res: VerificationResult) -> dict[str, int]:
 
 def counts_text(res: VerificationResult) -> str:
     n = counts(res)
-    return (f"{n['passed']} checks passed, {n['warned']} warned, {n['failed']} failed"
-            + (f", {n['notes']} note(s)" if n["notes"] else ""))
+    return f"{n['passed']} checks passed, {n['warned']} warned, {n['failed']} failed" + (
+        f", {n['notes']} note(s)" if n["notes"] else ""
+    )
 
 
 def trust_assumption(summaries: list[SiteSummary]) -> str:
     """The release's trust assumption in one sentence, derived from its sites' statements."""
     secure = [s for s in summaries if s.colluders is not None]
     if not secure:
-        return ("No secure aggregation: every site adds all of its noise itself before anything leaves it, so each "
-                "site's ε holds whoever colludes; the coordinator is not trusted with privacy.")
+        return (
+            "No secure aggregation: every site adds all of its noise itself before anything leaves it, so "
+            "each site's ε holds whoever colludes; the coordinator is not trusted with privacy."
+        )
     assumed = sorted({s.colluders for s in secure if s.colluders is not None})
-    who = ("no other site colludes with the coordinator" if assumed == [0] else
-           f"at most {max(assumed)} other site(s) collude with the coordinator")
-    return (f"Secure aggregation: the coordinator sees only the sum of the sites' noised updates. Each site's ε holds "
-            f"if {who} (the assumption its signed policy states); if every other site colluded, the worst-case ε "
-            "applies (its own noise share only), also capped by its policy.")
+    who = (
+        "no other site colludes with the coordinator"
+        if assumed == [0]
+        else f"at most {max(assumed)} other site(s) collude with the coordinator"
+    )
+    return (
+        f"Secure aggregation: the coordinator sees only the sum of the sites' noised updates. Each site's ε "
+        f"holds if {who} (the assumption its signed policy states); if every other site colluded, the "
+        "worst-case ε applies (its own noise share only), also capped by its policy."
+    )
 
 
 def verdict_line(res: VerificationResult, what: str = "release") -> str:
     """One line: VERIFIED or REFUSED, and why."""
     if res.ok:
-        return (f"VERIFIED: the {what} is within every site's signed caps and may be published under the trust "
-                f"assumption stated ({counts_text(res)}, against {len(res.trusted)} trusted key(s))")
+        return (
+            f"VERIFIED: the {what} is within every site's signed caps and may be published under the trust "
+            f"assumption stated ({counts_text(res)}, against {len(res.trusted)} trusted key(s))"
+        )
     first = res.failures[0] if res.failures else None
     why = f"{first.name}: {first.detail}" if first else "no checks ran"
     more = len(res.failures) - 1
-    return f"REFUSED: do not publish; {why}" + (f" (and {more} more failed check(s))" if more > 0 else "") + \
-        f" [{counts_text(res)}]"
+    return (
+        f"REFUSED: do not publish; {why}"
+        + (f" (and {more} more failed check(s))" if more > 0 else "")
+        + f" [{counts_text(res)}]"
+    )
 
 
 def summary_dict(res: VerificationResult, what: str = "release") -> dict[str, Any]:
     """The machine-readable result: verdict, counts, per-site figures, every check."""
     sites = site_summaries(res)
-    return {"verdict": "VERIFIED" if res.ok else "REFUSED", "verdict_line": verdict_line(res, what),
-            "counts": counts(res), "trust_assumption": trust_assumption(sites) if sites else None,
-            "sites": [s.to_dict() for s in sites], **res.to_dict()}
+    return {
+        "verdict": "VERIFIED" if res.ok else "REFUSED",
+        "verdict_line": verdict_line(res, what),
+        "counts": counts(res),
+        "trust_assumption": trust_assumption(sites) if sites else None,
+        "sites": [s.to_dict() for s in sites],
+        **res.to_dict(),
+    }

@@ -3,7 +3,8 @@
 Order of work, so that a refusal leaves nothing behind and a crash never leaves a half output that looks
 complete: verify the release (refuse with every reason) -> generate into a hidden temporary directory beside
 OUT -> write ``certificate.json`` last -> rename the directory to OUT in one step. Streaming: one batch of
-noise and images exists at a time; per-file hashes go to a scratch file, not to memory, so memory is flat in N.
+noise and images exists at a time; per-file hashes go to a scratch file, not to memory, so memory is flat in
+N.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator, Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import ConfigError, ReleaseError
+from ..policy.document import utc_stamp
 from .certificate import (
     CERTIFICATE_FILE,
     certificate_privacy,
@@ -33,11 +35,9 @@ from .certificate import (
     relative_release_path,
     write_certificate,
 )
-from ..policy.document import utc_stamp
 from .manifest import MANIFEST_FILE, read_manifest
 from .starts import load_starts, mixed_start_images
 from .verify import VerificationResult, require_valid, sealed_session, verify_release
-
 
 
 def available_cores() -> int:
@@ -48,8 +48,8 @@ def available_cores() -> int:
 
 
 def make_session(model: bytes, threads: int | None = None, optimize: bool = True) -> Any:
-    """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores; it reads no file
-    (``sealed_session``: a generator's external data would come from the current directory)."""
+    """An onnxruntime CPU session: all graph optimizations, intra-op threads = available cores; it reads no
+    file (``sealed_session``: a generator's external data would come from the current directory)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -64,11 +64,14 @@ def make_session(model: bytes, threads: int | None = None, optimize: bool = True
 
 
 def class_counts(num: int | None, n_classes: int, per_class: Sequence[int] | None) -> list[int]:
-    """Images per class: ``per_class`` as given, else ``num`` split evenly (remainder to the first classes)."""
+    """Images per class: ``per_class`` as given, else ``num`` split evenly (remainder to the first
+    classes)."""
     if per_class is not None:
         counts = [int(c) for c in per_class]
         if len(counts) != n_classes:
-            raise ConfigError(f"--per-class gives {len(counts)} counts but the release has {n_classes} classes")
+            raise ConfigError(
+                f"--per-class gives {len(counts)} counts but the release has {n_classes} classes"
+            )
         if any(c < 0 for c in counts):
             raise ConfigError(f"--per-class counts must be >= 0, got {counts}")
         if num is not None and num != sum(counts):
@@ -141,21 +144,31 @@ class Starts:
 
 
 def _sampler_source(res: VerificationResult) -> str:
-    return str(res.manifest["generator"]["sampler"].get("start_source", "central")) if res.manifest else "central"
+    return (
+        str(res.manifest["generator"]["sampler"].get("start_source", "central"))
+        if res.manifest
+        else "central"
+    )
 
 
 def start_source(requested: str | None, res: VerificationResult) -> str:
-    """``noise`` or ``release``: as asked, else what the signed release says (``start_sigma`` in its sampler)."""
+    """``noise`` or ``release``: as asked, else what the signed release says (``start_sigma`` in its
+    sampler)."""
     assert res.manifest is not None
     sdedit = "start_sigma" in res.manifest["generator"]["sampler"]
     source = requested or ("release" if sdedit else "noise")
     if source not in ("noise", "release"):
         raise ConfigError(f"--from must be 'noise' or 'release', got {source!r}")
     src = _sampler_source(res)
-    if source == "release" and (not sdedit or (src != "aux" and res.starts_bytes is None)
-                                or (src != "central" and res.aux_bytes is None)):
-        raise ConfigError(f"release {res.release_dir} carries no verified start images (its sampler has no "
-                          "start_sigma), so it can only sample from noise; use --from noise")
+    if source == "release" and (
+        not sdedit
+        or (src != "aux" and res.starts_bytes is None)
+        or (src != "central" and res.aux_bytes is None)
+    ):
+        raise ConfigError(
+            f"release {res.release_dir} carries no verified start images (its sampler has no "
+            "start_sigma), so it can only sample from noise; use --from noise"
+        )
     return source
 
 
@@ -170,7 +183,9 @@ def release_starts(res: VerificationResult, seed: int) -> Starts:
         central = load_starts(res.starts_bytes, f"{res.release_dir}/{man['starts']['file']}", shape, k)
     if src != "central":
         assert res.aux_bytes is not None and res.aux_claims is not None
-        aux = load_starts(res.aux_bytes, f"{res.release_dir}/{man['aux_starts']['file']}", shape, k, what="aux-images")
+        aux = load_starts(
+            res.aux_bytes, f"{res.release_dir}/{man['aux_starts']['file']}", shape, k, what="aux-images"
+        )
     # recomputed by verify from the signed job (== the record); both records carry the job's one augmentation
     claims = res.starts_claims if central is not None else res.aux_claims
     assert claims is not None  # checked above for the source in use
@@ -198,23 +213,44 @@ def _prepare_out(out: Path) -> None:
         raise ReleaseError(f"{out.parent}: parent directory of --out does not exist")
 
 
-def generator_feed(sess: Any, noise: np.ndarray, labels: np.ndarray, first: np.ndarray, starts: Starts | None) -> dict[str, Any]:
+def generator_feed(
+    sess: Any, noise: np.ndarray, labels: np.ndarray, first: np.ndarray, starts: Starts | None
+) -> dict[str, Any]:
     """The generator's inputs: a format-2 (SDEdit) graph also takes ``start`` and ``from_release``."""
     feed: dict[str, Any] = {"noise": noise, "labels": labels}
     if "from_release" in {i.name for i in sess.get_inputs()}:
         if starts is None:
             feed["start"] = np.zeros_like(noise)
         else:
-            feed["start"] = mixed_start_images(starts.central, starts.aux, starts.source, labels, first, starts.rng,
-                                               n_ops=starts.n_ops, magnitude_max=starts.magnitude_max)
+            feed["start"] = mixed_start_images(
+                starts.central,
+                starts.aux,
+                starts.source,
+                labels,
+                first,
+                starts.rng,
+                n_ops=starts.n_ops,
+                magnitude_max=starts.magnitude_max,
+            )
         feed["from_release"] = np.array(starts is not None)
     return feed
 
 
-def _write_pngs(sess: Any, rng: np.random.Generator, counts: Sequence[int], batch: int, dirs: Sequence[str],
-                shape: tuple[int, int, int], info: Any, tmp: Path, hashes_path: Path, progress: bool,
-                starts: Starts | None = None) -> None:
-    """Run the generator batch by batch and write each image as a PNG (with its provenance text) and its hash."""
+def _write_pngs(
+    sess: Any,
+    rng: np.random.Generator,
+    counts: Sequence[int],
+    batch: int,
+    dirs: Sequence[str],
+    shape: tuple[int, int, int],
+    info: Any,
+    tmp: Path,
+    hashes_path: Path,
+    progress: bool,
+    starts: Starts | None = None,
+) -> None:
+    """Run the generator batch by batch and write each image as a PNG (with its provenance text) and its
+    hash."""
     for d in dirs:
         (tmp / d).mkdir()
     per_class_written = [0] * len(dirs)
@@ -293,9 +329,20 @@ def synthesize(
         starts = release_starts(res, seed) if source == "release" else None
         _write_pngs(sess, rng, counts, batch, dirs, (c, h, w), info, tmp, hashes_path, progress, starts)
         seconds = time.perf_counter() - t0
-        generation = _generation_record(res, classes, counts, dirs, seed=seed, batch=batch, threads=threads,
-                                        source=source, seconds=seconds)
-        _write_certificate(tmp / CERTIFICATE_FILE, release_dir, out, res, generation, hashes_path, key, signer_name)
+        generation = _generation_record(
+            res,
+            classes,
+            counts,
+            dirs,
+            seed=seed,
+            batch=batch,
+            threads=threads,
+            source=source,
+            seconds=seconds,
+        )
+        _write_certificate(
+            tmp / CERTIFICATE_FILE, release_dir, out, res, generation, hashes_path, key, signer_name
+        )
         hashes_path.unlink()
         if out.exists():
             out.rmdir()  # empty (checked above); rename needs the name free
@@ -303,12 +350,25 @@ def synthesize(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SynthesisReport(out, total, dict(zip(classes, counts)), out / CERTIFICATE_FILE, seconds, threads, source)
+    return SynthesisReport(
+        out, total, dict(zip(classes, counts)), out / CERTIFICATE_FILE, seconds, threads, source
+    )
 
 
-def _generation_record(res: VerificationResult, classes: list[str], counts: Sequence[int], dirs: Sequence[str], *,
-                       seed: int, batch: int, threads: int, source: str, seconds: float) -> dict[str, Any]:
-    """The certificate's ``generation`` section: what was drawn, from which noise and starts, with what runtime."""
+def _generation_record(
+    res: VerificationResult,
+    classes: list[str],
+    counts: Sequence[int],
+    dirs: Sequence[str],
+    *,
+    seed: int,
+    batch: int,
+    threads: int,
+    source: str,
+    seconds: float,
+) -> dict[str, Any]:
+    """The certificate's ``generation`` section: what was drawn, from which noise and starts, with what
+    runtime."""
     import onnxruntime as ort  # loaded by make_session already; lazy here as there (fast `--help` of the CLI)
 
     man = res.manifest
@@ -328,25 +388,39 @@ def _generation_record(res: VerificationResult, classes: list[str], counts: Sequ
     }
 
 
-def _aux_statement(src: str, man: dict[str, Any], claims: dict[str, Any] | None,
-                   aux_claims: dict[str, Any] | None) -> dict[str, Any]:
-    """The certificate's start section of a ``start_source`` aux/mix release (claims as verify recomputed them)."""
+def _aux_statement(
+    src: str, man: dict[str, Any], claims: dict[str, Any] | None, aux_claims: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The certificate's start section of a ``start_source`` aux/mix release (claims as verify recomputed
+    them)."""
     rec = man["aux_starts"]
     assert aux_claims is not None
-    which = ("an augmented image of the release's aux-generator pool" if src == "aux" else
-             "an augmented aux-generator pool image (even index within its class) or released central image (odd)")
+    which = (
+        "an augmented image of the release's aux-generator pool"
+        if src == "aux"
+        else "an augmented aux-generator pool image (even index within its class) or released central image "
+        "(odd)"
+    )
     out: dict[str, Any] = {
         "from": "release",
         "start_source": src,
-        "meaning": (f"SDEdit: each image denoised from {which} of its class plus "
-                    f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"),
+        "meaning": (
+            f"SDEdit: each image denoised from {which} of its class plus "
+            f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"
+        ),
         "start_sigma": man["generator"]["sampler"]["start_sigma"],
-        "aux_images": {"file": rec["file"], "sha256": rec["sha256"], "images": aux_claims["images"],
-                       "source": aux_claims["source"]},
+        "aux_images": {
+            "file": rec["file"],
+            "sha256": rec["sha256"],
+            "images": aux_claims["images"],
+            "source": aux_claims["source"],
+        },
         "augmentation": aux_claims["augmentation"],
-        "augmentation_randomness": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
-        # the frequency release the pool is post-processing of: per site, alone, and (secure aggregation) if every
-        # other site colludes with the coordinator; the unit those figures protect (as the central start states)
+        "augmentation_randomnes"
+        "s": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
+        # the frequency release the pool is post-processing of: per site, alone, and (secure aggregation) if
+        # every other site colludes with the coordinator; the unit those figures protect (as the central start
+        # states)
         "frequency_epsilon_alone": aux_claims["frequency_epsilon_alone"],
         "frequency_epsilon_worst_case": aux_claims["frequency_epsilon_worst_case"],
         "unit": aux_claims["unit"],
@@ -363,34 +437,53 @@ def _aux_statement(src: str, man: dict[str, Any], claims: dict[str, Any] | None,
     return out
 
 
-def start_statement(source: str, man: dict[str, Any], claims: dict[str, Any] | None,
-                    aux_claims: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What the certificate says the images started from (and, for SDEdit, that the central images are a release).
-    ``claims``: the starts record as verify RECOMPUTED it from the signed inputs (never the coordinator's text)."""
+def start_statement(
+    source: str, man: dict[str, Any], claims: dict[str, Any] | None, aux_claims: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What the certificate says the images started from (and, for SDEdit, that the central images are a
+    release). ``claims``: the starts record as verify RECOMPUTED it from the signed inputs (never the
+    coordinator's text)."""
     rec = man.get("starts")
     if source == "noise":
-        unused = [what for what, key in (("central images", "starts"), ("an aux-generator image pool", "aux_starts"))
-                  if man.get(key)]
-        return {"from": "noise", "meaning": "pure noise at sigma_max (the generator's noise sampler)"
-                + (f"; the release also carries {' and '.join(unused)}, not used (--from noise)" if unused else "")}
+        unused = [
+            what
+            for what, key in (("central images", "starts"), ("an aux-generator image pool", "aux_starts"))
+            if man.get(key)
+        ]
+        return {
+            "from": "noise",
+            "meaning": "pure noise at sigma_max (the generator's noise sampler)"
+            + (
+                f"; the release also carries {' and '.join(unused)}, not used (--from noise)"
+                if unused
+                else ""
+            ),
+        }
     src = man["generator"]["sampler"].get("start_source", "central")
     if src != "central":
         return _aux_statement(src, man, claims, aux_claims)
     assert rec is not None and claims is not None
     return {
         "from": "release",
-        "meaning": (f"SDEdit: each image denoised from an augmented released central image of its class plus "
-                    f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"),
+        "meaning": (
+            f"SDEdit: each image denoised from an augmented released central image of its class plus "
+            f"N(0, {man['generator']['sampler']['start_sigma']}^2) noise, from sigma start_sigma"
+        ),
         "start_sigma": man["generator"]["sampler"]["start_sigma"],
         "central_images": {"file": rec["file"], "sha256": rec["sha256"], "images": claims["images"]},
         "central_epsilon_alone": claims["central_epsilon_alone"],  # per image, this job's central stage alone
-        "central_epsilon_worst_case": claims["central_epsilon_worst_case"],  # secure aggregation, all others collude
+        "central_epsilon_worst_case": claims[
+            "central_epsilon_worst_case"
+        ],  # secure aggregation, all others collude
         "unit": claims["unit"],
         "augmentation": claims["augmentation"],
-        "augmentation_randomness": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
-        "privacy": ("the central images are differentially private outputs already charged in each site's "
-                    "attested history (the privacy figures above include them); starting from them is "
-                    "post-processing and costs nothing further"),
+        "augmentation_randomnes"
+        "s": "numpy PCG64(SeedSequence(seed, spawn_key=(1,))), one row of uniforms per image",
+        "privacy": (
+            "the central images are differentially private outputs already charged in each site's "
+            "attested history (the privacy figures above include them); starting from them is "
+            "post-processing and costs nothing further"
+        ),
     }
 
 
@@ -408,7 +501,10 @@ class _progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(
-            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
             console=Console(stderr=True),
         )
         self.bar.__enter__()
@@ -421,8 +517,14 @@ class _progress:
 
 
 def _write_certificate(
-    path: Path, release_dir: str | Path, out: Path, res: VerificationResult, generation: dict[str, Any],
-    hashes_path: Path, key: Ed25519PrivateKey | None, signer_name: str | None,
+    path: Path,
+    release_dir: str | Path,
+    out: Path,
+    res: VerificationResult,
+    generation: dict[str, Any],
+    hashes_path: Path,
+    key: Ed25519PrivateKey | None,
+    signer_name: str | None,
 ) -> None:
     man = res.manifest
     assert man is not None
@@ -431,7 +533,8 @@ def _write_certificate(
         raise ReleaseError(f"{release_dir}/{MANIFEST_FILE} changed during synthesis; run again")
     privacy = certificate_privacy(man["sites"])
     verification = res.to_dict()
-    verification["release_dir"] = relative_release_path(release_dir, out)  # no local absolute path in a release
+    # no local absolute path in a release
+    verification["release_dir"] = relative_release_path(release_dir, out)
     head = {
         "created": utc_stamp(),
         "release": {
@@ -441,8 +544,9 @@ def _write_certificate(
         },
         "privacy": privacy,
         "privacy_note": (
-            f"The unit of privacy is {_units(man['sites'])}. Each site's figure is its total over every stage of "
-            "this job; images generated from the release are post-processing and cost nothing further."
+            f"The unit of privacy is {_units(man['sites'])}. Each site's figure is its total over every "
+            "stage of this job; images generated from the release are post-processing and cost nothing "
+            "further."
         ),
         "png_metadata": png_text(str(res.manifest_sha256), man["sites"]),
         "generation": generation,
@@ -460,5 +564,13 @@ def _units(sites: list[dict[str, Any]]) -> str:
     return "; ".join(p.replace("that site", "one site") for p in sorted(phrases))
 
 
-__all__ = ["synthesize", "make_session", "class_counts", "class_dirs", "SynthesisReport", "start_source",
-           "release_starts", "generator_feed"]
+__all__ = [
+    "synthesize",
+    "make_session",
+    "class_counts",
+    "class_dirs",
+    "SynthesisReport",
+    "start_source",
+    "release_starts",
+    "generator_feed",
+]

@@ -7,11 +7,11 @@ everything else follows from the documents those keys signed. Checks, each repor
 * ``manifest.json`` parses (duplicate keys refused) and has the expected format version;
 * the generator file exists, its sha256 equals the manifest's, and its metadata (classes, image shape,
   sampler, statement hash) agrees with the manifest: a generator cannot be moved under another job;
-* ``central_images.npz`` (a release whose sampler has ``start_sigma``): present, its sha256 equals the manifest's
-  ``starts`` record, and it parses as images of the generator's shape with labels of its classes;
-* ``aux_images.npz`` (a sampler whose ``start_source`` is aux or mix, manifest format 3): the same checks against
-  the ``aux_starts`` record, whose claims are recomputed from the signed job (and every site's history must hold
-  the frequency release the aux generator is fitted to);
+* ``central_images.npz`` (a release whose sampler has ``start_sigma``): present, its sha256 equals the
+  manifest's ``starts`` record, and it parses as images of the generator's shape with labels of its classes;
+* ``aux_images.npz`` (a sampler whose ``start_source`` is aux or mix, manifest format 3): the same checks
+  against the ``aux_starts`` record, whose claims are recomputed from the signed job (and every site's history
+  must hold the frequency release the aux generator is fitted to);
 * the manifest carries the coordinator-signed job; every site the job lists has a record, no other site does,
   and every site id is a plain name;
 * the released sampler is the signed job's ``[sampler]`` as export releases it (``manifest.released_sampler``;
@@ -21,13 +21,14 @@ everything else follows from the documents those keys signed. Checks, each repor
   hash, its figures equal the manifest's, its epsilon (job and lifetime) equals what its event history
   composes to (relative tolerance 1e-6), and the spend is within the policy's caps;
 * the manifest and the job are signed by one coordinator key that EVERY site's policy allows (by full key);
-* a site's lifetime spend (every job on its data) is within its policy's ``budget.lifetime`` (``lifetime_violations``).
+* a site's lifetime spend (every job on its data) is within its policy's ``budget.lifetime``
+  (``lifetime_violations``).
 
-Order of reading: ``manifest.json`` and the sites' signed policies (they name the keys that may sign it) are read
-capped; the files the manifest names (generator, central images, aux images) only after its signature verified
-(``_check_release_files``). Every file is read by ``files.read_regular``: a regular file reached through no symbolic
-link, of the ``size`` its signed record states and under a hard cap, checked before a byte is read; ``.npz`` files
-by ``files.read_npz``, never inflated past the images the signed record releases.
+Order of reading: ``manifest.json`` and the sites' signed policies (they name the keys that may sign it) are
+read capped; the files the manifest names (generator, central images, aux images) only after its signature
+verified (``_check_release_files``). Every file is read by ``files.read_regular``: a regular file reached
+through no symbolic link, of the ``size`` its signed record states and under a hard cap, checked before a byte
+is read; ``.npz`` files by ``files.read_npz``, never inflated past the images the signed record releases.
 
 The verified generator BYTES are kept on the result, so synthesis runs exactly the bytes that were hashed
 (no window in which the file could be swapped between verification and use).
@@ -39,14 +40,13 @@ import functools
 import json
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ..accounting import epsilon as compose_epsilon
 from ..accounting import (
     DEFAULT_WORST_CASE_FACTOR,
     SkellamEvent,
@@ -54,6 +54,7 @@ from ..accounting import (
     has_secure_aggregation,
     worst_case_epsilon,
 )
+from ..accounting import epsilon as compose_epsilon
 from ..errors import FetaError, ReleaseError
 from ..files import read_regular
 from ..mechanisms.count import PATIENTS_STAGE, SIZE_STAGE
@@ -80,10 +81,10 @@ from .manifest import (
     TAKE_AS_PUBLISHED,
     aux_claims,
     manifest_format,
-    starts_claims,
-    starts_count_problem,
     policy_file_name,
     sampler_problem,
+    starts_claims,
+    starts_count_problem,
     statement_sha256,
 )
 
@@ -97,14 +98,19 @@ __all__ = [
 ]
 
 EPS_REL_TOL = 1e-6
-STAGE_WORDS = {"size": "public size (noisy image count)",
-               "selection": "semantic selection of the public set (noisy histogram)",
-               "central": "central images", "frequency": "frequency features", "dpsgd": "DP-SGD fine-tuning"}
+STAGE_WORDS = {
+    "size": "public size (noisy image count)",
+    "selection": "semantic selection of the public set (noisy histogram)",
+    "central": "central images",
+    "frequency": "frequency features",
+    "dpsgd": "DP-SGD fine-tuning",
+}
 
 
 @dataclass
 class Check:
     """One verification check: its name, ``pass`` / ``fail`` / ``warn`` / ``note`` and what it found."""
+
     name: str
     status: str  # "pass" | "fail" | "warn" | "note" (a caveat to read: never counted as a check that passed)
     detail: str
@@ -117,6 +123,7 @@ class Check:
 @dataclass
 class VerificationResult:
     """Every check of one release, the manifest and the verified bytes the checks read."""
+
     release_dir: str
     checks: list[Check] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
@@ -124,11 +131,15 @@ class VerificationResult:
     generator_sha256: str | None = None
     trusted: list[str] = field(default_factory=list)
     generator_bytes: bytes | None = field(default=None, repr=False)
-    starts_bytes: bytes | None = field(default=None, repr=False)  # the verified central images (SDEdit starts)
+    # the verified central images (SDEdit starts)
+    starts_bytes: bytes | None = field(default=None, repr=False)
     starts_claims: dict[str, Any] | None = None  # the starts record's claims as RECOMPUTED from signed inputs
-    aux_bytes: bytes | None = field(default=None, repr=False)  # the verified aux-generator pool (start_source aux/mix)
-    aux_claims: dict[str, Any] | None = None  # the aux_starts record's claims as RECOMPUTED from signed inputs
-    policies: dict[str, dict[str, Any]] = field(default_factory=dict)  # site -> the policy verify checked and passed
+    # the verified aux-generator pool (start_source aux/mix)
+    aux_bytes: bytes | None = field(default=None, repr=False)
+    # the aux_starts record's claims as RECOMPUTED from signed inputs
+    aux_claims: dict[str, Any] | None = None
+    # site -> the policy verify checked and passed
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -195,7 +206,9 @@ class TrustRoots:
     coordinators: tuple[Ed25519PublicKey, ...] = ()
 
     @classmethod
-    def of(cls, trust: TrustRoots | Mapping[str, Any], coordinators: Sequence[Ed25519PublicKey] = ()) -> TrustRoots:
+    def of(
+        cls, trust: TrustRoots | Mapping[str, Any], coordinators: Sequence[Ed25519PublicKey] = ()
+    ) -> TrustRoots:
         """Trust roots from ``{site_id: admin key(s)}`` (or as given) and optional coordinator pins."""
         if isinstance(trust, TrustRoots):
             return trust
@@ -204,17 +217,22 @@ class TrustRoots:
 
     def describe(self) -> list[str]:
         """One line per trusted key: its role and fingerprint."""
-        out = [f"site {sid} administrator {fingerprint(k)}" for sid, ks in sorted(self.site_admins.items()) for k in ks]
+        out = [
+            f"site {sid} administrator {fingerprint(k)}"
+            for sid, ks in sorted(self.site_admins.items())
+            for k in ks
+        ]
         return out + [f"coordinator {fingerprint(k)}" for k in self.coordinators]
 
 
-def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any],
-                   public: str | Path | None = None) -> VerificationResult:
+def verify_release(
+    release_dir: str | Path, trust: TrustRoots | Mapping[str, Any], public: str | Path | None = None
+) -> VerificationResult:
     """Verify everything offline; never raises for a bad release (see ``result.ok`` / ``result.reason()``).
 
-    ``public``: the path of the job's public pretraining set (``verify --public PATH``), loaded as ``train --public``
-    loads it (the signed job's ``[job]`` load options, its ``[public]`` shape): it must hash to the signed job's
-    ``[public] sha256``. Without it a job's public set is shown, not checked.
+    ``public``: the path of the job's public pretraining set (``verify --public PATH``), loaded as ``train
+    --public`` loads it (the signed job's ``[job]`` load options, its ``[public]`` shape): it must hash to the
+    signed job's ``[public] sha256``. Without it a job's public set is shown, not checked.
 
     ``trust``: :class:`TrustRoots` or ``{site_id: admin public key(s)}``. A flat list of keys is refused: a
     key trusted for everything lets a coordinator sign a site's spend or one site sign for another.
@@ -222,8 +240,12 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     rd = Path(release_dir)
     res = VerificationResult(release_dir=str(rd))
     if not isinstance(trust, (TrustRoots, Mapping)):
-        res.add("trusted keys", False, "trusted keys must be bound to roles: give each site's administrator key "
-                "as SITE_ID=KEY.pub (the coordinator key then comes from the sites' signed policies)")
+        res.add(
+            "trusted keys",
+            False,
+            "trusted keys must be bound to roles: give each site's administrator key "
+            "as SITE_ID=KEY.pub (the coordinator key then comes from the sites' signed policies)",
+        )
         return res
     roots = TrustRoots.of(trust)
     res.trusted = roots.describe()
@@ -236,13 +258,16 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
     man = doc["manifest"]
     res.manifest = man
     res.manifest_sha256 = _guard(res, "manifest", lambda: sha256_hex(canonical_json(man)))
-    fmt = _guard(res, "manifest format", lambda: manifest_format(man["generator"]["sampler"], man.get("starts"),
-                                                                 man.get("aux_starts")))
+    fmt = _guard(
+        res,
+        "manifest format",
+        lambda: manifest_format(man["generator"]["sampler"], man.get("starts"), man.get("aux_starts")),
+    )
     res.add(
         "manifest format",
         man.get("format_version") == fmt,
-        f"format_version {man.get('format_version')!r}" + ("" if man.get("format_version") == fmt
-                                                          else f", expected {fmt!r} for this sampler/starts"),
+        f"format_version {man.get('format_version')!r}"
+        + ("" if man.get("format_version") == fmt else f", expected {fmt!r} for this sampler/starts"),
     )
     job = _guard(res, "job", lambda: _job_of(res, man))
     if job is not None:
@@ -262,14 +287,20 @@ def verify_release(release_dir: str | Path, trust: TrustRoots | Mapping[str, Any
 
 
 def _check_release_files(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
-    """The files the manifest names, read only once its signature verified (before, an unsigned manifest's hash
-    of a decompression bomb or a link to /dev/zero would have been read), each a regular file of the size its
-    signed record states (``files.read_regular``)."""
+    """The files the manifest names, read only once its signature verified (before, an unsigned manifest's
+    hash of a decompression bomb or a link to /dev/zero would have been read), each a regular file of the size
+    its signed record states (``files.read_regular``)."""
     signature = [c.status for c in res.checks if c.name == "manifest signature"]
     if "pass" not in signature or "fail" in signature:
-        # noted, not failed again: the failed signature already refuses the release (a fail, should none be there)
-        res.add("release files", False, "not read: the manifest's signature did not verify, so nothing it names "
-                "(generator, central images, aux images) is read or hashed", warn=not res.ok)
+        # noted, not failed again: the failed signature already refuses the release (a fail, should none be
+        # there)
+        res.add(
+            "release files",
+            False,
+            "not read: the manifest's signature did not verify, so nothing it names "
+            "(generator, central images, aux images) is read or hashed",
+            warn=not res.ok,
+        )
         return
     _guard(res, "generator", lambda: _check_generator(res, rd, man))
     _guard(res, "central images", lambda: _check_starts(res, rd, man))
@@ -278,7 +309,9 @@ def _check_release_files(res: VerificationResult, rd: Path, man: dict[str, Any])
 
 def _read_manifest_doc(res: VerificationResult, path: Path) -> dict[str, Any] | None:
     try:
-        raw = read_regular(path, limit=MAX_MANIFEST_BYTES, error=ReleaseError, what="manifest", fix=TAKE_AS_PUBLISHED)
+        raw = read_regular(
+            path, limit=MAX_MANIFEST_BYTES, error=ReleaseError, what="manifest", fix=TAKE_AS_PUBLISHED
+        )
     except ReleaseError as exc:
         res.add("manifest", False, str(exc))
         return None
@@ -288,7 +321,7 @@ def _read_manifest_doc(res: VerificationResult, path: Path) -> dict[str, Any] | 
         res.add("manifest", False, f"{path}: not valid JSON ({exc})")
         return None
     if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict):
-        res.add("manifest", False, f"{path}: expected {{\"manifest\": {{...}}, \"signature\": {{...}}}}")
+        res.add("manifest", False, f'{path}: expected {{"manifest": {{...}}, "signature": {{...}}}}')
         return None
     return doc
 
@@ -306,8 +339,12 @@ def _job_of(res: VerificationResult, man: dict[str, Any]) -> _Job | None:
     mj = man["job"]
     env = mj.get("signed")
     if not isinstance(env, dict) or not isinstance(env.get("job"), dict):
-        res.add("job", False, "the manifest carries no signed job (job.signed): the list of sites the release "
-                "must account for is unknown")
+        res.add(
+            "job",
+            False,
+            "the manifest carries no signed job (job.signed): the list of sites the release "
+            "must account for is unknown",
+        )
         return None
     body = env["job"]
     problems = []
@@ -318,8 +355,13 @@ def _job_of(res: VerificationResult, man: dict[str, Any]) -> _Job | None:
     if list(body.get("sites") or []) != list(mj.get("sites") or []):
         problems.append(f"the manifest lists sites {mj.get('sites')}, the signed job {body.get('sites')}")
     job = _Job(body, env, sha256_hex(canonical_json(body)), tuple(str(s) for s in body.get("sites") or ()))
-    res.add("job", not problems, "; ".join(problems) if problems else
-            f"job {body.get('job_id')} for site(s) {', '.join(job.sites)} (sha256 {job.digest[:16]}…)")
+    res.add(
+        "job",
+        not problems,
+        "; ".join(problems)
+        if problems
+        else f"job {body.get('job_id')} for site(s) {', '.join(job.sites)} (sha256 {job.digest[:16]}…)",
+    )
     return job if not problems else None
 
 
@@ -329,34 +371,44 @@ def public_words(section: Mapping[str, Any]) -> str:
     if section.get("sha256"):
         shape = "x".join(str(v) for v in section.get("shape") or [])
         desc = f" ({section['description']})" if section.get("description") else ""
-        parts.append(f"public set of {section.get('count')} images {shape}{desc}, sha256 {section['sha256'][:16]}…")
+        parts.append(
+            f"public set of {section.get('count')} images {shape}{desc}, sha256 {section['sha256'][:16]}…"
+        )
     if section.get("pretrained_sha256"):
         parts.append(f"pretrained model file sha256 {section['pretrained_sha256'][:16]}…")
     return "pretrained before any private image on a " + " and a ".join(parts) + " (public: no privacy cost)"
 
 
 def check_public(res: VerificationResult, config: Mapping[str, Any], public: str | Path | None) -> None:
-    """Show the signed job's public pretraining (a pass: it costs no epsilon); with ``public`` (a path) given, the
-    set there must be the one the job names (its canonical hash, count and shape)."""
+    """Show the signed job's public pretraining (a pass: it costs no epsilon); with ``public`` (a path) given,
+    the set there must be the one the job names (its canonical hash, count and shape)."""
     section = config.get("public")
     if not isinstance(section, Mapping):
         if public is not None:
-            res.add("public data", False, "the signed job names no public pretraining set, but --public was given")
+            res.add(
+                "public data", False, "the signed job names no public pretraining set, but --public was given"
+            )
         return
     words = public_words(section)
     if public is None:
-        res.add("public data", True, words + ("; give --public PATH to check the set's hash" if section.get("sha256")
-                                             else ""))
+        res.add(
+            "public data",
+            True,
+            words + ("; give --public PATH to check the set's hash" if section.get("sha256") else ""),
+        )
         return
     if not section.get("sha256"):
-        res.add("public data", False, f"{public}: the signed job names a pretrained model file, no public set")
+        res.add(
+            "public data", False, f"{public}: the signed job names a pretrained model file, no public set"
+        )
         return
     from ..data.loading import LoadOptions
     from ..data.public import load_public, public_problem
 
     job = config.get("job") or {}
-    opts = LoadOptions(resize=job.get("resize", "refuse"), image_size=job.get("image_size"),
-                       window=job.get("window", "auto"))
+    opts = LoadOptions(
+        resize=job.get("resize", "refuse"), image_size=job.get("image_size"), window=job.get("window", "auto")
+    )
     try:
         ds = load_public(public, opts, tuple(int(v) for v in section.get("shape") or ()))  # type: ignore[arg-type]
     except FetaError as exc:
@@ -367,25 +419,37 @@ def check_public(res: VerificationResult, config: Mapping[str, Any], public: str
 
 
 def _check_sampler(res: VerificationResult, rd: Path, man: dict[str, Any], job: _Job) -> None:
-    """The released sampler is the signed job's ``[sampler]`` as export releases it (``manifest.released_sampler``;
-    only ``export --solver/--steps`` may differ): the sites ran a job whose sampler says which start files (central
-    images, aux pool) the release may ship and how the generator samples."""
+    """The released sampler is the signed job's ``[sampler]`` as export releases it
+    (``manifest.released_sampler``; only ``export --solver/--steps`` may differ): the sites ran a job whose
+    sampler says which start files (central images, aux pool) the release may ship and how the generator
+    samples."""
     sampler = man["generator"]["sampler"]
     bad = sampler_problem(sampler, job.body.get("config") or {}, central_images=man.get("starts") is not None)
-    res.add("sampler", bad is None, f"{rd / MANIFEST_FILE}: {bad}; the release's sampler is not the signed job's, "
-            "do not use it (export the release again from the job; only --solver/--steps may differ)" if bad else
-            f"the signed job's [sampler] ({', '.join(EXPORT_SAMPLER_OVERRIDES)} may be set at export)")
+    res.add(
+        "sampler",
+        bad is None,
+        f"{rd / MANIFEST_FILE}: {bad}; the release's sampler is not the signed job's, "
+        "do not use it (export the release again from the job; only --solver/--steps may differ)"
+        if bad
+        else f"the signed job's [sampler] ({', '.join(EXPORT_SAMPLER_OVERRIDES)} may be set at export)",
+    )
 
 
-def _sites_against_job(res: VerificationResult, sites: list[Any], job: _Job | None) -> list[tuple[str, dict[str, Any]]]:
+def _sites_against_job(
+    res: VerificationResult, sites: list[Any], job: _Job | None
+) -> list[tuple[str, dict[str, Any]]]:
     """(site id, record) for each site to check; every site the signed job lists must be present."""
     out: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
     for i, site in enumerate(sites):
         sid = site.get("site_id") if isinstance(site, dict) else None
         if not isinstance(sid, str) or not SITE_ID_RE.fullmatch(sid):
-            res.add(f"site #{i}", False, f"site id {sid!r} is not a plain name (a letter or digit, then up to 63 of "
-                    "letters, digits, '.', '_', '-')")
+            res.add(
+                f"site #{i}",
+                False,
+                f"site id {sid!r} is not a plain name (a letter or digit, then up to 63 of "
+                "letters, digits, '.', '_', '-')",
+            )
             continue
         if sid in seen:
             res.add(f"site {sid}", False, "listed twice in the manifest")
@@ -395,47 +459,73 @@ def _sites_against_job(res: VerificationResult, sites: list[Any], job: _Job | No
     if job is not None:
         for sid in job.sites:
             if sid not in seen:
-                res.add(f"site {sid}", False, f"the signed job lists site {sid} but the release has no final "
-                        "attestation from it (a release cannot leave a site out)")
+                res.add(
+                    f"site {sid}",
+                    False,
+                    f"the signed job lists site {sid} but the release has no final "
+                    "attestation from it (a release cannot leave a site out)",
+                )
         extra = sorted(seen - set(job.sites))
         if extra:
             res.add("sites", False, f"site(s) {', '.join(extra)} are not in the signed job")
     return out
 
 
-def _check_coordinator(res: VerificationResult, rd: Path, doc: dict[str, Any], job: _Job | None,
-                       allowed: list[dict[str, Any]], roots: TrustRoots) -> None:
+def _check_coordinator(
+    res: VerificationResult,
+    rd: Path,
+    doc: dict[str, Any],
+    job: _Job | None,
+    allowed: list[dict[str, Any]],
+    roots: TrustRoots,
+) -> None:
     """The manifest and the job must be signed by ONE coordinator key that every site's policy allows."""
     name = "manifest signature"
     if not allowed or any(not a for a in allowed):
-        res.add(name, False, "not every site's signed policy could be read, so no coordinator key is allowed by "
-                "all of them; the manifest signer cannot be trusted")
+        res.add(
+            name,
+            False,
+            "not every site's signed policy could be read, so no coordinator key is allowed by "
+            "all of them; the manifest signer cannot be trusted",
+        )
         return
     common = set(allowed[0]).intersection(*allowed[1:])
     if roots.coordinators:
         common &= {full_fingerprint(k) for k in roots.coordinators}
     keys = [k for k in (_allowed_key(fp, allowed, doc) for fp in sorted(common)) if k is not None]
     if not keys:
-        res.add(name, False, "no coordinator key is allowed by every site's policy" +
-                (" and pinned with --coordinator" if roots.coordinators else ""))
+        res.add(
+            name,
+            False,
+            "no coordinator key is allowed by every site's policy"
+            + (" and pinned with --coordinator" if roots.coordinators else ""),
+        )
         return
     path = rd / MANIFEST_FILE
     try:
-        signer = verify_document(doc["manifest"], doc.get("signature"), keys, what=f"{path} (coordinator signature)")
+        signer = verify_document(
+            doc["manifest"], doc.get("signature"), keys, what=f"{path} (coordinator signature)"
+        )
     except FetaError as exc:
-        res.add(name, False, f"{exc} (the manifest must be signed by a coordinator key that every site's policy "
-                "allows)")
+        res.add(
+            name,
+            False,
+            f"{exc} (the manifest must be signed by a coordinator key that every site's policy allows)",
+        )
         return
     res.add(name, True, f"signed by coordinator key {signer}, allowed by every site's policy")
     if job is not None:
         from ..policy.envelope import open_envelope
 
-        open_envelope(job.envelope, "job", [k for k in keys if fingerprint(k) == signer], "signed job in manifest")
+        open_envelope(
+            job.envelope, "job", [k for k in keys if fingerprint(k) == signer], "signed job in manifest"
+        )
         res.add("job signature", True, f"the job is signed by the same coordinator key {signer}")
 
 
-def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str, what: str, *, limit: int,
-                       size: Any = None) -> tuple[Path, bytes] | None:
+def _read_release_file(
+    res: VerificationResult, rd: Path, name: Any, check: str, what: str, *, limit: int, size: Any = None
+) -> tuple[Path, bytes] | None:
     """The bytes of a file the manifest names, which must be a plain file name inside the release directory (a
     signed manifest still must not point outside it), a regular file reached through no link, of the ``size``
     its signed record states (records written before sizes were signed: ``limit`` alone); a failed check is
@@ -448,8 +538,9 @@ def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str,
         return None
     path = rd / name
     try:
-        return path, read_regular(path, limit=limit, size=size, root=rd, error=ReleaseError, what=what,
-                                  fix=TAKE_AS_PUBLISHED)
+        return path, read_regular(
+            path, limit=limit, size=size, root=rd, error=ReleaseError, what=what, fix=TAKE_AS_PUBLISHED
+        )
     except ReleaseError as exc:
         res.add(check, False, str(exc))
         return None
@@ -457,8 +548,15 @@ def _read_release_file(res: VerificationResult, rd: Path, name: Any, check: str,
 
 def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
     gen = man["generator"]
-    read = _read_release_file(res, rd, gen["file"], "generator file", "generator file", limit=MAX_GENERATOR_BYTES,
-                              size=gen.get("size"))
+    read = _read_release_file(
+        res,
+        rd,
+        gen["file"],
+        "generator file",
+        "generator file",
+        limit=MAX_GENERATOR_BYTES,
+        size=gen.get("size"),
+    )
     if read is None:
         return
     gpath, data = read
@@ -467,8 +565,12 @@ def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> 
     if not res.add(
         "generator hash",
         digest == gen["sha256"],
-        f"{gpath}: sha256 {digest[:16]}… " + ("matches the manifest" if digest == gen["sha256"]
-                                             else f"!= manifest {str(gen['sha256'])[:16]}… (file changed)"),
+        f"{gpath}: sha256 {digest[:16]}… "
+        + (
+            "matches the manifest"
+            if digest == gen["sha256"]
+            else f"!= manifest {str(gen['sha256'])[:16]}… (file changed)"
+        ),
     ):
         return
     res.generator_bytes = data
@@ -490,7 +592,9 @@ def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> 
     res.add(
         "generator metadata",
         not bad,
-        "; ".join(bad) if bad else "classes, image shape, sampler and job/privacy statement hash agree with the manifest",
+        "; ".join(bad)
+        if bad
+        else "classes, image shape, sampler and job/privacy statement hash agree with the manifest",
     )
 
 
@@ -500,110 +604,178 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
 
     sampler = man["generator"]["sampler"]
     # start_source "aux" starts from the aux pool only: it needs (and ships) no central images
-    rec, sdedit = man.get("starts"), "start_sigma" in sampler and sampler.get("start_source", "central") != "aux"
+    rec, sdedit = (
+        man.get("starts"),
+        "start_sigma" in sampler and sampler.get("start_source", "central") != "aux",
+    )
     if rec is None:
         if sdedit:
-            res.add("central images", False, "the sampler has start_sigma but the manifest names no central images "
-                    "(starts): the release is incomplete")
+            res.add(
+                "central images",
+                False,
+                "the sampler has start_sigma but the manifest names no central images "
+                "(starts): the release is incomplete",
+            )
         return
-    read = _read_release_file(res, rd, rec["file"], "central images", "central images file", limit=MAX_IMAGES_BYTES,
-                              size=rec.get("size"))
+    read = _read_release_file(
+        res,
+        rd,
+        rec["file"],
+        "central images",
+        "central images file",
+        limit=MAX_IMAGES_BYTES,
+        size=rec.get("size"),
+    )
     if read is None:
         return
     path, data = read
     digest = sha256_hex(data)
     if digest != rec["sha256"]:
-        res.add("central images", False, f"{path}: sha256 {digest[:16]}… != manifest {str(rec['sha256'])[:16]}… "
-                "(file changed); take the release as it was published")
+        res.add(
+            "central images",
+            False,
+            f"{path}: sha256 {digest[:16]}… != manifest {str(rec['sha256'])[:16]}… "
+            "(file changed); take the release as it was published",
+        )
         return
     gen = man["generator"]
     claims = _starts_claims_match(res, man, rec)  # first: its count bounds what the file may inflate to
     if claims is None:
         return
-    images, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]),
-                                 count=int(claims["images"]))
+    images, labels = load_starts(
+        data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), count=int(claims["images"])
+    )
     wrong = starts_count_problem(labels, claims["per_class"])
     if wrong:
         res.add("central images", False, f"{path}: {wrong}; not this job's central release")
         return
     res.starts_bytes, res.starts_claims = data, claims
-    res.add("central images", sdedit, f"{path}: {len(images)} released central images, sha256 matches the manifest"
-            + ("" if sdedit else "; but the sampler has no start_sigma or starts from aux images only"))
+    res.add(
+        "central images",
+        sdedit,
+        f"{path}: {len(images)} released central images, sha256 matches the manifest"
+        + ("" if sdedit else "; but the sampler has no start_sigma or starts from aux images only"),
+    )
 
 
 def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
-    """The aux-generator pool a ``start_source`` aux/mix sampler starts from: present exactly when the sampler says
-    so, hashed in the signed manifest, of the generator's shape and classes, its record recomputed from signed
-    inputs (:func:`aux_claims`): missing, changed or reshaped is one clear line."""
+    """The aux-generator pool a ``start_source`` aux/mix sampler starts from: present exactly when the sampler
+    says so, hashed in the signed manifest, of the generator's shape and classes, its record recomputed from
+    signed inputs (:func:`aux_claims`): missing, changed or reshaped is one clear line."""
     from .starts import load_starts
 
     rec, src = man.get("aux_starts"), man["generator"]["sampler"].get("start_source", "central")
     needed = "start_sigma" in man["generator"]["sampler"] and src in ("aux", "mix")
     if rec is None:
         if needed or src != "central":
-            res.add("aux images", False, f"the sampler's start_source is {src!r} but the manifest names no aux-generator "
-                    "images (aux_starts): the release is incomplete; take the release as it was published")
+            res.add(
+                "aux images",
+                False,
+                f"the sampler's start_source is {src!r} but the manifest names no aux-generator "
+                "images (aux_starts): the release is incomplete; take the release as it was published",
+            )
         return
     if not needed:
-        res.add("aux images", False, f"the manifest names aux-generator images but the sampler's start_source is "
-                f"{src!r}: the release is inconsistent; do not use it")
+        res.add(
+            "aux images",
+            False,
+            f"the manifest names aux-generator images but the sampler's start_source is "
+            f"{src!r}: the release is inconsistent; do not use it",
+        )
         return
-    read = _read_release_file(res, rd, rec.get("file"), "aux images", "aux-generator images file",
-                              limit=MAX_IMAGES_BYTES, size=rec.get("size"))
+    read = _read_release_file(
+        res,
+        rd,
+        rec.get("file"),
+        "aux images",
+        "aux-generator images file",
+        limit=MAX_IMAGES_BYTES,
+        size=rec.get("size"),
+    )
     if read is None:
         return
     path, data = read
     digest = sha256_hex(data)
     if digest != rec.get("sha256"):
-        res.add("aux images", False, f"{path}: sha256 {digest[:16]}… != manifest {str(rec.get('sha256'))[:16]}… "
-                "(file changed); take the release as it was published")
+        res.add(
+            "aux images",
+            False,
+            f"{path}: sha256 {digest[:16]}… != manifest {str(rec.get('sha256'))[:16]}… "
+            "(file changed); take the release as it was published",
+        )
         return
     gen = man["generator"]
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))
-    _, labels = load_starts(data, str(path), tuple(gen["image_shape"]), len(gen["classes"]), what="aux-images",
-                            count=int(want["images"]))
+    _, labels = load_starts(
+        data,
+        str(path),
+        tuple(gen["image_shape"]),
+        len(gen["classes"]),
+        what="aux-images",
+        count=int(want["images"]),
+    )
     bad = _claim_problems("aux_starts", rec, want, "frequency_epsilon")
     have = [int((labels == c).sum()) for c in range(len(gen["classes"]))]
     if have != want["per_class"]:
         bad.append(f"{path} holds {have} images per class, the record {want['per_class']}")
     if bad:
-        res.add("aux images", False, "; ".join(bad) + " (not the pool this job's release ships; do not use it)")
+        res.add(
+            "aux images", False, "; ".join(bad) + " (not the pool this job's release ships; do not use it)"
+        )
         return
     res.aux_bytes, res.aux_claims = data, want
     res.add("aux images", True, f"{path}: {len(labels)} aux-generator images, sha256 matches the manifest")
 
 
-def _starts_claims_match(res: VerificationResult, man: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any] | None:
+def _starts_claims_match(
+    res: VerificationResult, man: dict[str, Any], rec: dict[str, Any]
+) -> dict[str, Any] | None:
     """The record's claims recomputed from the signed job config and the sites' SIGNED statements (the same
     figures the certificate uses); a field that differs fails the check, named."""
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = starts_claims(man["job"]["config"], statements, len(man["generator"]["classes"]))
     bad = _claim_problems("starts", rec, want, "central_epsilon")
     if bad:
-        res.add("central images", False, "; ".join(bad) + " (the coordinator's record of the central images is not "
-                "what the signed inputs say; do not use this release)")
+        res.add(
+            "central images",
+            False,
+            "; ".join(bad) + " (the coordinator's record of the central images is not "
+            "what the signed inputs say; do not use this release)",
+        )
         return None
     return want
 
 
 def _claim_problems(name: str, rec: dict[str, Any], want: dict[str, Any], figures: str) -> list[str]:
-    """Each field of a start-image record (``starts`` / ``aux_starts``) that is not what the signed job and site
-    histories make it, named; the per-site ε maps (keys starting with ``figures``) compared to the tolerance the
-    site figures are checked to, everything else exactly. A field the record should not have is named too."""
-    bad = [f"{name}.{k} is not part of the record" for k in sorted(set(rec) - set(want) - {"file", "sha256", "size"})]
+    """Each field of a start-image record (``starts`` / ``aux_starts``) that is not what the signed job and
+    site histories make it, named; the per-site ε maps (keys starting with ``figures``) compared to the
+    tolerance the site figures are checked to, everything else exactly. A field the record should not have is
+    named too."""
+    bad = [
+        f"{name}.{k} is not part of the record"
+        for k in sorted(set(rec) - set(want) - {"file", "sha256", "size"})
+    ]
     for k, v in want.items():
         got = rec.get(k)
-        same = (isinstance(got, dict) and set(got) == set(v)
-                and all(_close(got[s], e) for s, e in v.items())) if k.startswith(figures) else got == v
+        same = (
+            (isinstance(got, dict) and set(got) == set(v) and all(_close(got[s], e) for s, e in v.items()))
+            if k.startswith(figures)
+            else got == v
+        )
         if not same:
-            bad.append(f"{name}.{k} is {_short(got)}, recomputed from the signed job and site histories {_short(v)}")
+            bad.append(
+                f"{name}.{k} is {_short(got)}, recomputed from the signed job and site histories {_short(v)}"
+            )
     return bad
 
 
 def _close(got: Any, want: float) -> bool:
-    return isinstance(got, (int, float)) and not isinstance(got, bool) and math.isclose(
-        float(got), want, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+    return (
+        isinstance(got, (int, float))
+        and not isinstance(got, bool)
+        and math.isclose(float(got), want, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
+    )
 
 
 def _short(v: Any) -> str:
@@ -647,12 +819,15 @@ def _graph_tensors(graph: Any) -> Any:
 
 
 def _node_tensors(nodes: Any) -> Any:
-    """The tensors in the attributes of ``nodes`` (a graph's, or a model-local function's), subgraphs included."""
+    """The tensors in the attributes of ``nodes`` (a graph's, or a model-local function's), subgraphs
+    included."""
     for node in nodes:
         for attr in node.attribute:
             yield from ([attr.t] if attr.HasField("t") else [])
             yield from attr.tensors
-            for sparse in ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + list(attr.sparse_tensors):
+            for sparse in ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + list(
+                attr.sparse_tensors
+            ):
                 yield from (sparse.values, sparse.indices)
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 yield from _graph_tensors(sub)
@@ -665,9 +840,11 @@ def refuse_external_data(model: Any, where: Any) -> None:
     tensors = [*_graph_tensors(model.graph), *(t for f in model.functions for t in _node_tensors(f.node))]
     named = [t.name or "?" for t in tensors if t.data_location == 1]  # TensorProto.EXTERNAL
     if named:
-        raise ReleaseError(f"{where}: tensor(s) {', '.join(named[:5])} name external data files; a release's generator "
-                           "must hold all its weights (an external file is read from wherever synthesize runs, not "
-                           "hashed in the manifest): export it again as one file")
+        raise ReleaseError(
+            f"{where}: tensor(s) {', '.join(named[:5])} name external data files; a release's generator "
+            "must hold all its weights (an external file is read from wherever synthesize runs, not "
+            "hashed in the manifest): export it again as one file"
+        )
 
 
 def sealed_session(model: bytes, so: Any) -> Any:
@@ -683,24 +860,39 @@ def sealed_session(model: bytes, so: Any) -> Any:
 
 
 def _check_site(
-    res: VerificationResult, rd: Path, man: dict[str, Any], sid: str, site: dict[str, Any], roots: TrustRoots,
+    res: VerificationResult,
+    rd: Path,
+    man: dict[str, Any],
+    sid: str,
+    site: dict[str, Any],
+    roots: TrustRoots,
     job: _Job | None,
 ) -> dict[str, Any] | None:
     """Check one site; return the coordinators its signed policy allows (full fingerprint → key or None)."""
     admins = roots.site_admins.get(sid)
     if not admins:
-        res.add(f"site {sid} policy", False, f"no administrator key given for site {sid} "
-                f"(--trusted {sid}=ADMIN_KEY.pub): its policy, and so its site key, cannot be trusted")
+        res.add(
+            f"site {sid} policy",
+            False,
+            f"no administrator key given for site {sid} "
+            f"(--trusted {sid}=ADMIN_KEY.pub): its policy, and so its site key, cannot be trusted",
+        )
         return None
     ppath = rd / policy_file_name(sid)
     if not ppath.exists() and not ppath.is_symlink():
-        res.add(f"site {sid} policy", False, f"{policy_file_name(sid)} not in the release: without the site's "
-                "signed policy neither its key nor its caps can be checked")
+        res.add(
+            f"site {sid} policy",
+            False,
+            f"{policy_file_name(sid)} not in the release: without the site's "
+            "signed policy neither its key nor its caps can be checked",
+        )
         return None
     try:
         policy, digest, admin = _load_signed_policy(ppath, list(admins), rd)
     except FetaError as exc:
-        res.add(f"site {sid} policy", False, f"{exc} (a site's policy must be signed by its administrator key)")
+        res.add(
+            f"site {sid} policy", False, f"{exc} (a site's policy must be signed by its administrator key)"
+        )
         return None
     if policy.get("site_id") != sid:
         res.add(f"site {sid} policy", False, f"{ppath.name} is the policy of site {policy.get('site_id')!r}")
@@ -715,13 +907,20 @@ def _check_site(
     if job is not None:
         problems += secure_assumption_violations(policy, st, events, job.sites, job.body.get("config") or {})
     if digest != st.get("policy_sha256"):
-        problems.insert(0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…")
+        problems.insert(
+            0, f"{ppath.name} has hash {digest[:16]}…, the site attested {str(st.get('policy_sha256'))[:16]}…"
+        )
     if not problems:  # what the report shows: these bytes, never the file read again
         res.policies[sid] = policy
-    res.add(f"site {sid} policy", not problems, "; ".join(problems) if problems else
-            f"signed by site administrator {admin}; within policy v{policy.get('version')} (per-job ε ≤ "
-            f"{policy['budget']['per_job']['epsilon']}, δ ≤ {policy['budget']['per_job']['delta']}, every σ at "
-            "or above its minimum)")
+    res.add(
+        f"site {sid} policy",
+        not problems,
+        "; ".join(problems)
+        if problems
+        else f"signed by site administrator {admin}; within policy v{policy.get('version')} (per-job ε ≤ "
+        f"{policy['budget']['per_job']['epsilon']}, δ ≤ {policy['budget']['per_job']['delta']}, every σ at "
+        "or above its minimum)",
+    )
     return coordinators
 
 
@@ -753,8 +952,14 @@ def _allowed_key(fp: str, allowed: list[dict[str, Any]], doc: dict[str, Any]) ->
     return None
 
 
-def _check_attestation(res: VerificationResult, man: dict[str, Any], sid: str, site: dict[str, Any],
-                       policy: dict[str, Any], job: _Job | None) -> bool:
+def _check_attestation(
+    res: VerificationResult,
+    man: dict[str, Any],
+    sid: str,
+    site: dict[str, Any],
+    policy: dict[str, Any],
+    job: _Job | None,
+) -> bool:
     name = f"site {sid} attestation"
     att = site["attestation"]
     st = att["statement"]
@@ -766,8 +971,12 @@ def _check_attestation(res: VerificationResult, man: dict[str, Any], sid: str, s
     try:
         signer = verify_document(st, att["signature"], [site_key], what=f"site {sid} attestation")
     except FetaError as exc:
-        res.add(name, False, f"{exc}: only the site key that site {sid}'s own signed policy names "
-                f"({fingerprint(site_key)}) may sign its spend statement")
+        res.add(
+            name,
+            False,
+            f"{exc}: only the site key that site {sid}'s own signed policy names "
+            f"({fingerprint(site_key)}) may sign its spend statement",
+        )
         return False
     problems = []
     if st.get("kind") != ATTESTATION_KIND:
@@ -780,18 +989,34 @@ def _check_attestation(res: VerificationResult, man: dict[str, Any], sid: str, s
     if mismatched:
         problems.append(f"manifest figures differ from the signed statement in: {', '.join(mismatched)}")
     if st.get("job_id") != man["job"]["job_id"]:
-        problems.append(f"statement is for job {st.get('job_id')!r}, the release is job {man['job']['job_id']!r}")
+        problems.append(
+            f"statement is for job {st.get('job_id')!r}, the release is job {man['job']['job_id']!r}"
+        )
     if st.get("final") is not True:
-        problems.append("the statement is not final: the job could still spend at the site after it was signed")
+        problems.append(
+            "the statement is not final: the job could still spend at the site after it was signed"
+        )
     if job is not None and st.get("job_sha256") != job.digest:
-        problems.append(f"statement is for signed job {str(st.get('job_sha256'))[:16]}…, the release's job is "
-                        f"{job.digest[:16]}…")
-    res.add(name, not problems, "; ".join(problems) if problems else
-            f"final spend statement signed by the site key {signer} that its policy names")
+        problems.append(
+            f"statement is for signed job {str(st.get('job_sha256'))[:16]}…, the release's job is "
+            f"{job.digest[:16]}…"
+        )
+    res.add(
+        name,
+        not problems,
+        "; ".join(problems)
+        if problems
+        else f"final spend statement signed by the site key {signer} that its policy names",
+    )
     if not problems and st.get("history") != "site-ledger":
-        res.add(f"site {sid} history", False, f"the events come from {st.get('history') or 'an unnamed source'}, not "
-                "from the site's ledger: a single-site run directory is not signed, so the figures are only as good "
-                "as whoever could write it", warn=True)
+        res.add(
+            f"site {sid} history",
+            False,
+            f"the events come from {st.get('history') or 'an unnamed source'}, not "
+            "from the site's ledger: a single-site run directory is not signed, so the figures are only as "
+            "good as whoever could write it",
+            warn=True,
+        )
     return not problems
 
 
@@ -802,8 +1027,8 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
     res.add(
         f"site {sid} epsilon",
         close,
-        f"stated ε = {stated:.6g}, recomputed from {len(events)} event(s) ({st['accountant']}) = {recomputed:.6g}"
-        + ("" if close else ": the stated figure is not what the history composes to"),
+        f"stated ε = {stated:.6g}, recomputed from {len(events)} event(s) ({st['accountant']}) = "
+        f"{recomputed:.6g}" + ("" if close else ": the stated figure is not what the history composes to"),
     )
     _check_stated_worst_case(res, sid, st, events)
     life = st.get("lifetime")
@@ -814,17 +1039,23 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
     life_eps = compose_epsilon(life_events, float(life["delta"]), st["accountant"])
     ok = math.isclose(float(life["epsilon"]), life_eps, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
     contains = _contains(life["events"], st["events"])
-    res.add(f"site {sid} lifetime", ok and contains,
-            f"lifetime ε = {float(life['epsilon']):.6g} over {len(life_events)} event(s), recomputed {life_eps:.6g}"
-            + ("" if ok else ": the stated figure is not what the history composes to")
-            + ("" if contains else "; the lifetime history does not contain this job's events"))
+    res.add(
+        f"site {sid} lifetime",
+        ok and contains,
+        f"lifetime ε = {float(life['epsilon']):.6g} over {len(life_events)} event(s), recomputed "
+        f"{life_eps:.6g}"
+        + ("" if ok else ": the stated figure is not what the history composes to")
+        + ("" if contains else "; the lifetime history does not contain this job's events"),
+    )
     _check_lifetime_worst_case(res, sid, st, life_events)
 
 
-def _check_lifetime_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], life_events: list[Any]) -> None:
-    """Secure aggregation over the site's lifetime: the stated ``lifetime_worst_case_epsilon`` (every other site
-    colluding in every job) is what the lifetime history composes to at the lifetime δ; a signed figure that its
-    history does not support is refused like any other. The cap it must meet,
+def _check_lifetime_worst_case(
+    res: VerificationResult, sid: str, st: dict[str, Any], life_events: list[Any]
+) -> None:
+    """Secure aggregation over the site's lifetime: the stated ``lifetime_worst_case_epsilon`` (every other
+    site colluding in every job) is what the lifetime history composes to at the lifetime δ; a signed figure
+    that its history does not support is refused like any other. The cap it must meet,
     ``secure_aggregation.max_lifetime_worst_case_epsilon``, is checked by ``unit_budget_violations``."""
     sa = st.get("secure_aggregation")
     stated = sa.get("lifetime_worst_case_epsilon") if isinstance(sa, dict) else None
@@ -832,43 +1063,67 @@ def _check_lifetime_worst_case(res: VerificationResult, sid: str, st: dict[str, 
         return
     name = f"site {sid} lifetime secure aggregation"
     if stated is None:
-        res.add(name, False, "the lifetime history has secure-aggregation releases but the statement gives no "
-                "lifetime worst-case epsilon (secure_aggregation.lifetime_worst_case_epsilon)")
+        res.add(
+            name,
+            False,
+            "the lifetime history has secure-aggregation releases but the statement gives no "
+            "lifetime worst-case epsilon (secure_aggregation.lifetime_worst_case_epsilon)",
+        )
         return
     worst = worst_case_epsilon(life_events, float(st["lifetime"]["delta"]))
     ok = math.isclose(float(stated), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
-    res.add(name, ok, f"lifetime ε if every other site colluded in every job = {float(stated):.6g}, recomputed "
-            f"{worst:.6g}" + ("" if ok else ": the stated figure is not what the lifetime history composes to"))
+    res.add(
+        name,
+        ok,
+        f"lifetime ε if every other site colluded in every job = {float(stated):.6g}, recomputed "
+        f"{worst:.6g}" + ("" if ok else ": the stated figure is not what the lifetime history composes to"),
+    )
 
 
-def _check_stated_worst_case(res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]) -> None:
+def _check_stated_worst_case(
+    res: VerificationResult, sid: str, st: dict[str, Any], events: list[Any]
+) -> None:
     """Secure aggregation: the worst case (every other site colludes) recomputed, stated in plain words."""
     sa = st.get("secure_aggregation")
     if not has_secure_aggregation(events) and sa is None:
         return
     if not isinstance(sa, dict):
-        res.add(f"site {sid} secure aggregation", False, "the history has secure-aggregation releases but the "
-                "statement gives no worst-case epsilon")
+        res.add(
+            f"site {sid} secure aggregation",
+            False,
+            "the history has secure-aggregation releases but the statement gives no worst-case epsilon",
+        )
         return
     worst = worst_case_epsilon(events, float(st["delta"]))
     ok = math.isclose(float(sa["worst_case_epsilon"]), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12)
-    res.add(f"site {sid} secure aggregation", ok, f"ε if every other site colluded = {float(sa['worst_case_epsilon']):.6g}"
-            f", recomputed {worst:.6g}" + ("" if ok else ": the stated figure is not what the history composes to"))
+    res.add(
+        f"site {sid} secure aggregation",
+        ok,
+        f"ε if every other site colluded = {float(sa['worst_case_epsilon']):.6g}"
+        f", recomputed {worst:.6g}"
+        + ("" if ok else ": the stated figure is not what the history composes to"),
+    )
     if ok:  # the figure is right; what it rests on is a caveat to read, not a check that passed
-        res.note(f"site {sid} trust assumption", secure_words(st["epsilon"], worst, float(st["delta"]),
-                                                              int(sa.get("max_colluders", 0))))
+        res.note(
+            f"site {sid} trust assumption",
+            secure_words(st["epsilon"], worst, float(st["delta"]), int(sa.get("max_colluders", 0))),
+        )
 
 
 def secure_words(eps: float, worst: float, delta: float, colluders: int) -> str:
     """The two epsilons of a site under secure aggregation, in plain words."""
     if math.isclose(float(eps), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12):
-        return (f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) counts this site's own noise share only "
-                f"(its policy pins no other site's key under secure_aggregation.peers, or assumes every other site "
-                f"may collude with the coordinator), so it holds whoever colludes")
+        return (
+            f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) counts this site's own noise share "
+            f"only (its policy pins no other site's key under secure_aggregation.peers, or assumes every "
+            f"other site may collude with the coordinator), so it holds whoever colludes"
+        )
     who = "no other site colludes" if colluders == 0 else f"at most {colluders} other site(s) collude"
-    return (f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) holds if {who} with the coordinator "
-            f"(the noise shares of the honest sites protect this site's images); if every other site colluded, "
-            f"ε would be {worst:.3g} (this site's own noise share only)")
+    return (
+        f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) holds if {who} with the coordinator "
+        f"(the noise shares of the honest sites protect this site's images); if every other site colluded, "
+        f"ε would be {worst:.3g} (this site's own noise share only)"
+    )
 
 
 def _contains(life: list[Any], job: list[Any]) -> bool:
@@ -881,23 +1136,33 @@ def _contains(life: list[Any], job: list[Any]) -> bool:
     return True
 
 
-def _load_signed_policy(ppath: Path, trusted: list[Ed25519PublicKey], rd: Path) -> tuple[dict[str, Any], str, str]:
+def _load_signed_policy(
+    ppath: Path, trusted: list[Ed25519PublicKey], rd: Path
+) -> tuple[dict[str, Any], str, str]:
     """(policy document, its sha256, signer fingerprint) of a signed policy file, checked against ``trusted``.
 
     Signature and schema only: a policy that has expired since the job ran still says what the job was
-    allowed to spend, so the validity window is not checked here. Read before the manifest's signature is checked
-    (the policies name the coordinator keys that may sign it), so as a regular file below ``rd`` through no link,
-    of at most ``MAX_POLICY_BYTES``.
+    allowed to spend, so the validity window is not checked here. Read before the manifest's signature is
+    checked (the policies name the coordinator keys that may sign it), so as a regular file below ``rd``
+    through no link, of at most ``MAX_POLICY_BYTES``.
     """
     from ..policy import open_signed_policy
     from ..signing import DuplicateKeyError
 
-    raw = read_regular(ppath, limit=MAX_POLICY_BYTES, error=ReleaseError, what="signed policy", root=rd,
-                       fix=TAKE_AS_PUBLISHED)
+    raw = read_regular(
+        ppath,
+        limit=MAX_POLICY_BYTES,
+        error=ReleaseError,
+        what="signed policy",
+        root=rd,
+        fix=TAKE_AS_PUBLISHED,
+    )
     try:
         envelope = loads_strict(raw.decode("utf-8"))
     except DuplicateKeyError as exc:
-        raise ReleaseError(f"{ppath}: signed policy refused: {exc}; a signed document names each key once") from None
+        raise ReleaseError(
+            f"{ppath}: signed policy refused: {exc}; a signed document names each key once"
+        ) from None
     except ValueError as exc:  # also UnicodeDecodeError
         raise ReleaseError(f"{ppath}: signed policy is not JSON ({exc}); signed documents are JSON") from None
     pol = open_signed_policy(envelope, trusted, str(ppath))
@@ -928,29 +1193,39 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
     mech = policy.get("mechanisms", {})
     steps_by_stage: dict[str, int] = {}
     for e in events:
-        if e.stage in COUNT_STAGES:  # a noisy count of the site's own size (sensitivity 1): no mechanism rule bounds
+        # a noisy count of the site's own size (sensitivity 1): no mechanism rule bounds
+        if e.stage in COUNT_STAGES:
             continue  # it; its epsilon is in the composed totals checked against the caps above
         rules = mech.get(e.stage)
         if rules is None or not rules.get("allowed", False):
             out.append(f"stage {e.stage!r} is not allowed by the policy")
             continue
         steps_by_stage[e.stage] = steps_by_stage.get(e.stage, 0) + e.steps
-        # a Skellam event: min_sigma bounds the site's OWN noise share (sqrt(mu_worst) / l2), not the pooled sum's
+        # a Skellam event: min_sigma bounds the site's OWN noise share (sqrt(mu_worst) / l2), not the pooled
+        # sum's
         sigma = skellam_own_sigma(e) if isinstance(e, SkellamEvent) else getattr(e, "sigma", None)
         if "min_sigma" in rules and sigma is not None and sigma < float(rules["min_sigma"]) * (1 - 1e-12):
-            out.append(f"{e.stage}: σ = {sigma:.4g} (own noise share) is below the policy minimum {rules['min_sigma']}"
-                       if isinstance(e, SkellamEvent) else
-                       f"{e.stage}: σ = {sigma:.4g} is below the policy minimum {rules['min_sigma']}")
-        n = patients if e.stage == "dpsgd" and patients else size  # patient-level DP-SGD samples the public patients
+            out.append(
+                f"{e.stage}: σ = {sigma:.4g} (own noise share) is below the policy minimum "
+                f"{rules['min_sigma']}"
+                if isinstance(e, SkellamEvent)
+                else f"{e.stage}: σ = {sigma:.4g} is below the policy minimum {rules['min_sigma']}"
+            )
+        # patient-level DP-SGD samples the public patients
+        n = patients if e.stage == "dpsgd" and patients else size
         if "max_batch" in rules and n and e.q * n > float(rules["max_batch"]) * (1 + 1e-9):
-            out.append(f"{e.stage}: expected batch q·N = {e.q * n:.1f} exceeds max_batch {rules['max_batch']}")
+            out.append(
+                f"{e.stage}: expected batch q·N = {e.q * n:.1f} exceeds max_batch {rules['max_batch']}"
+            )
     if has_secure_aggregation(events):
         sa = policy.get("secure_aggregation", {})
         cap_w = sa.get("max_worst_case_epsilon", DEFAULT_WORST_CASE_FACTOR * float(cap["epsilon"]))
         worst = worst_case_epsilon(events, delta)
         if worst > float(cap_w) * (1 + EPS_REL_TOL):
-            out.append(f"worst-case ε = {worst:.4g} (every other site colluding) exceeds "
-                       f"secure_aggregation.max_worst_case_epsilon {float(cap_w):g}")
+            out.append(
+                f"worst-case ε = {worst:.4g} (every other site colluding) exceeds "
+                f"secure_aggregation.max_worst_case_epsilon {float(cap_w):g}"
+            )
     limits = {"central": "max_rounds", "dpsgd": "max_steps"}
     for stage, total in steps_by_stage.items():
         key = limits.get(stage)
@@ -960,15 +1235,17 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
 
 
 def unit_budget_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any]) -> list[str]:
-    """The attested histories against the signed caps IN THE UNIT THE CAPS BOUND, recomputed as the site's ledger
-    holds them (``ledger.Budget.from_policy``, ``check_spend``) at the caps' own δ.
+    """The attested histories against the signed caps IN THE UNIT THE CAPS BOUND, recomputed as the site's
+    ledger holds them (``ledger.Budget.from_policy``, ``check_spend``) at the caps' own δ.
 
-    - a patient-level policy (``dataset.privacy_unit = "patient"``): ε PER PATIENT (``accounting.patient_epsilon``:
-      patient-level DP-SGD as it is, the image-level releases by group privacy over ``dataset.patient_cap``) of the
-      job's history against ``budget.per_job`` and ``secure_aggregation.max_worst_case_epsilon``, of the lifetime
-      history against ``budget.lifetime``; the per-image figures the statement gives do not bound a patient;
-    - every policy: the lifetime worst case (every secure-aggregation release of every job seen by a coalition of
-      all other sites) against ``secure_aggregation.max_lifetime_worst_case_epsilon`` (default 3 x the lifetime ε).
+    - a patient-level policy (``dataset.privacy_unit = "patient"``): ε PER PATIENT
+      (``accounting.patient_epsilon``: patient-level DP-SGD as it is, the image-level releases by group
+      privacy over ``dataset.patient_cap``) of the job's history against ``budget.per_job`` and
+      ``secure_aggregation.max_worst_case_epsilon``, of the lifetime history against ``budget.lifetime``; the
+      per-image figures the statement gives do not bound a patient;
+    - every policy: the lifetime worst case (every secure-aggregation release of every job seen by a coalition
+      of all other sites) against ``secure_aggregation.max_lifetime_worst_case_epsilon`` (default 3 x the
+      lifetime ε).
     """
     from ..ledger import Budget
 
@@ -976,14 +1253,42 @@ def unit_budget_violations(policy: dict[str, Any], st: dict[str, Any], events: l
     life = st.get("lifetime")
     life_events = events_from_list(life["events"]) if isinstance(life, dict) else []
     checks: list[tuple[str, list[Any], float, str, float | None, str]] = [
-        ("lifetime worst-case ε", life_events, b.life_delta, "worst_case", b.lifetime_worst_case_epsilon,
-         "secure_aggregation.max_lifetime_worst_case_epsilon")]
+        (
+            "lifetime worst-case ε",
+            life_events,
+            b.life_delta,
+            "worst_case",
+            b.lifetime_worst_case_epsilon,
+            "secure_aggregation.max_lifetime_worst_case_epsilon",
+        )
+    ]
     if b.patient_cap is not None:
-        checks += [("ε per patient of this job", events, b.delta, "assumed", b.job_epsilon, "budget.per_job.epsilon"),
-                   ("lifetime ε per patient", life_events, b.life_delta, "assumed", b.lifetime_epsilon,
-                    "budget.lifetime.epsilon"),
-                   ("worst-case ε per patient of this job", events, b.delta, "worst_case", b.worst_case_epsilon,
-                    "secure_aggregation.max_worst_case_epsilon")]
+        checks += [
+            (
+                "ε per patient of this job",
+                events,
+                b.delta,
+                "assumed",
+                b.job_epsilon,
+                "budget.per_job.epsilon",
+            ),
+            (
+                "lifetime ε per patient",
+                life_events,
+                b.life_delta,
+                "assumed",
+                b.lifetime_epsilon,
+                "budget.lifetime.epsilon",
+            ),
+            (
+                "worst-case ε per patient of this job",
+                events,
+                b.delta,
+                "worst_case",
+                b.worst_case_epsilon,
+                "secure_aggregation.max_worst_case_epsilon",
+            ),
+        ]
     out = []
     for what, evs, delta, view, cap, rule in checks:
         if cap is None or not evs or (view == "worst_case" and not has_secure_aggregation(evs)):
@@ -996,10 +1301,11 @@ def unit_budget_violations(policy: dict[str, Any], st: dict[str, Any], events: l
 
 
 def lifetime_violations(policy: dict[str, Any], st: dict[str, Any]) -> list[str]:
-    """The site's signed LIFETIME spend (every job on this data) against its signed policy's ``budget.lifetime``, as
-    the node's ledger holds it (``ledger.check_spend``): ε of the lifetime history recomputed at the CAP's δ with the
-    policy's accountant, so neither a stated figure nor a larger stated δ can move it under the cap. A statement
-    without a lifetime is refused by the lifetime check (``_check_epsilon``)."""
+    """The site's signed LIFETIME spend (every job on this data) against its signed policy's
+    ``budget.lifetime``, as the node's ledger holds it (``ledger.check_spend``): ε of the lifetime history
+    recomputed at the CAP's δ with the policy's accountant, so neither a stated figure nor a larger stated δ
+    can move it under the cap. A statement without a lifetime is refused by the lifetime check
+    (``_check_epsilon``)."""
     life, cap = st.get("lifetime"), (policy.get("budget") or {}).get("lifetime")
     if not isinstance(life, dict) or not isinstance(cap, dict):
         return []
@@ -1007,10 +1313,15 @@ def lifetime_violations(policy: dict[str, Any], st: dict[str, Any]) -> list[str]
     eps = compose_epsilon(events_from_list(life["events"]), float(cap["delta"]), accountant)
     out = []
     if eps > float(cap["epsilon"]) * (1 + EPS_REL_TOL):
-        out.append(f"lifetime ε = {eps:.4g} (all of the site's jobs on this data, at δ = {float(cap['delta']):g}) "
-                   f"exceeds the lifetime cap budget.lifetime.epsilon {cap['epsilon']}")
+        out.append(
+            f"lifetime ε = {eps:.4g} (all of the site's jobs on this data, at δ = {float(cap['delta']):g}) "
+            f"exceeds the lifetime cap budget.lifetime.epsilon {cap['epsilon']}"
+        )
     if float(life["delta"]) > float(cap["delta"]):
-        out.append(f"lifetime δ = {float(life['delta']):g} exceeds the lifetime cap budget.lifetime.delta {cap['delta']}")
+        out.append(
+            f"lifetime δ = {float(life['delta']):g} exceeds the lifetime cap budget.lifetime.delta "
+            f"{cap['delta']}"
+        )
     return out
 
 
@@ -1019,9 +1330,9 @@ def _unit_of(policy: dict[str, Any]) -> str:
 
 
 def unit_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any]) -> list[str]:
-    """The attested unit of privacy against the site's signed policy: a patient-level policy's DP-SGD events are
-    patient-level (and an image-level policy's are not), and a stated ``privacy_unit`` is the one recomputed from
-    the policy and the events."""
+    """The attested unit of privacy against the site's signed policy: a patient-level policy's DP-SGD events
+    are patient-level (and an image-level policy's are not), and a stated ``privacy_unit`` is the one
+    recomputed from the policy and the events."""
     from types import SimpleNamespace
 
     from ..privacy_unit import site_unit_statement
@@ -1029,27 +1340,46 @@ def unit_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any
     unit, out = _unit_of(policy), []
     wrong = sorted({e.stage for e in events if e.stage == "dpsgd" and getattr(e, "unit", "image") != unit})
     if wrong:
-        out.append(f"dpsgd: events are not of the policy's unit {unit!r} (dataset.privacy_unit): the site's DP-SGD "
-                   "did not run at the unit its policy declares")
+        out.append(
+            f"dpsgd: events are not of the policy's unit {unit!r} (dataset.privacy_unit): the site's DP-SGD "
+            "did not run at the unit its policy declares"
+        )
     stated = st.get("privacy_unit")
     if stated is None:
-        return out + ([f'the statement does not say its unit of privacy, the policy makes it the {unit}']
-                      if unit == "patient" else [])
+        return out + (
+            [f"the statement does not say its unit of privacy, the policy makes it the {unit}"]
+            if unit == "patient"
+            else []
+        )
     d = policy.get("dataset") or {}
-    want = site_unit_statement(SimpleNamespace(privacy_unit=unit, patients=d.get("patients"),
-                                               patient_cap=d.get("patient_cap")),
-                               float(st["epsilon"]), float(st["delta"]), events, str(st.get("accountant")))
+    want = site_unit_statement(
+        SimpleNamespace(privacy_unit=unit, patients=d.get("patients"), patient_cap=d.get("patient_cap")),
+        float(st["epsilon"]),
+        float(st["delta"]),
+        events,
+        str(st.get("accountant")),
+    )
     same = set(stated) == set(want) and all(
         math.isclose(float(stated[k]), float(v), rel_tol=EPS_REL_TOL, abs_tol=1e-12)
-        if isinstance(v, float) else stated[k] == v for k, v in want.items())
+        if isinstance(v, float)
+        else stated[k] == v
+        for k, v in want.items()
+    )
     if not same:
-        out.append(f"the stated unit of privacy {stated.get('unit')!r} (ε per unit) is not what the policy's "
-                   f"dataset.privacy_unit = {unit!r} and the events give")
+        out.append(
+            f"the stated unit of privacy {stated.get('unit')!r} (ε per unit) is not what the policy's "
+            f"dataset.privacy_unit = {unit!r} and the events give"
+        )
     return out
 
 
-def secure_assumption_violations(policy: dict[str, Any], st: dict[str, Any], events: list[Any], sites: Sequence[str],
-                                 config: dict[str, Any]) -> list[str]:
+def secure_assumption_violations(
+    policy: dict[str, Any],
+    st: dict[str, Any],
+    events: list[Any],
+    sites: Sequence[str],
+    config: dict[str, Any],
+) -> list[str]:
     """The attested trust assumption against the signed policy and job: ``max_colluders`` is the policy's (all
     other sites when it pins no peer keys), and each Skellam event counts ``honest_shares(n, t, colluders)``
     shares (mu / mu_worst), with n and the threshold t from the signed job."""
@@ -1064,8 +1394,10 @@ def secure_assumption_violations(policy: dict[str, Any], st: dict[str, Any], eve
     attested = (st.get("secure_aggregation") or {}).get("max_colluders")
     out: list[str] = []
     if attested != colluders:
-        out.append(f"the statement assumes {attested!r} colluding site(s), the policy {colluders} (of the {n - 1} "
-                   f"other sites; all of them when it pins no peers)")
+        out.append(
+            f"the statement assumes {attested!r} colluding site(s), the policy {colluders} (of the {n - 1} "
+            f"other sites; all of them when it pins no peers)"
+        )
     try:
         t = secagg_threshold((config.get("federation") or {}).get("secagg_threshold"), n)
     except FetaError as exc:
@@ -1073,8 +1405,10 @@ def secure_assumption_violations(policy: dict[str, Any], st: dict[str, Any], eve
     h = honest_shares(n, t, colluders)
     for e in events:
         if isinstance(e, SkellamEvent) and not math.isclose(e.mu, h * e.worst_mu, rel_tol=1e-9):
-            out.append(f"{e.stage}: the Skellam event counts {e.mu / e.worst_mu:.4g} noise shares; threshold {t} "
-                       f"of {n} sites with {colluders} colluder(s) allows {h}")
+            out.append(
+                f"{e.stage}: the Skellam event counts {e.mu / e.worst_mu:.4g} noise shares; threshold {t} "
+                f"of {n} sites with {colluders} colluder(s) allows {h}"
+            )
     return out
 
 
@@ -1093,8 +1427,11 @@ def merged_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ledger records one event per round); in first-seen order. Words only: composition is unchanged."""
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     for e in events:
-        k = ((e["stage"], float(e["sigma"]), float(e["q"])) if "sigma" in e else
-             (e["stage"], "skellam", float(e["q"]), float(e["mu"]), float(e["l2"])))
+        k = (
+            (e["stage"], float(e["sigma"]), float(e["q"]))
+            if "sigma" in e
+            else (e["stage"], "skellam", float(e["q"]), float(e["mu"]), float(e["l2"]))
+        )
         if k in merged:
             merged[k]["steps"] += int(e["steps"])
         else:
@@ -1114,8 +1451,11 @@ def describe_site(site: dict[str, Any]) -> str:
         unit = "round" if e["stage"] == "central" else "step"
         count = "once" if e["steps"] == 1 else f"{e['steps']} {unit}s"
         sampled = "every image" if e["q"] >= 1 else f"each image with probability {e['q']:.3g}"
-        noise = (f"noise σ = {e['sigma']:.3g}" if "sigma" in e else
-                 "summed with the other sites by secure aggregation, this site adding its share of the noise")
+        noise = (
+            f"noise σ = {e['sigma']:.3g}"
+            if "sigma" in e
+            else "summed with the other sites by secure aggregation, this site adding its share of the noise"
+        )
         stages.append(f"{word} ({noise}, {count}, {sampled})")
     n_stages = len({e["stage"] for e in events if e["steps"]})
     factor = math.exp(eps)
@@ -1138,13 +1478,17 @@ def _unit_words(site: dict[str, Any]) -> str:
         return ""
     if u.get("unit") == "patient":
         pe, pd = float(u["epsilon_per_patient"]), float(u["delta_per_patient"])
-        return (f" Unit of privacy at this site: the PATIENT (at most {u.get('images_per_patient_cap')} image(s) of "
-                f"each of about {u.get('public_patients')} patients used): whether or not any single patient, with all "
-                f"of their images, took part, the probability of any outcome changes by at most e^{pe:.3g} ≈ "
-                f"{math.exp(min(pe, 700.0)):.3g}, except with probability at most {pd:.3g} (ε per patient {pe:.3g}; "
-                f"{u.get('how', '')}).")
-    return (" Unit of privacy at this site: one image (the site declares no patient ids); a person with k images "
-            "here is protected only by group privacy, (k·ε, k·e^((k-1)ε)·δ).")
+        return (
+            f" Unit of privacy at this site: the PATIENT (at most {u.get('images_per_patient_cap')} image(s) "
+            f"of each of about {u.get('public_patients')} patients used): whether or not any single patient, "
+            "with all of their images, took part, the probability of any outcome changes by at most "
+            f"e^{pe:.3g} ≈ {math.exp(min(pe, 700.0)):.3g}, except with probability at most {pd:.3g} (ε per "
+            f"patient {pe:.3g}; {u.get('how', '')})."
+        )
+    return (
+        " Unit of privacy at this site: one image (the site declares no patient ids); a person with k images "
+        "here is protected only by group privacy, (k·ε, k·e^((k-1)ε)·δ)."
+    )
 
 
 def _secure_site_words(site: dict[str, Any], eps: float, delta: float) -> str:
@@ -1157,7 +1501,8 @@ def _secure_site_words(site: dict[str, Any], eps: float, delta: float) -> str:
 
 
 def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:
-    """The site's signed lifetime spend on this dataset (all its jobs), or None for a statement without one."""
+    """The site's signed lifetime spend on this dataset (all its jobs), or None for a statement without
+    one."""
     life = ((site.get("attestation") or {}).get("statement") or {}).get("lifetime")
     if not isinstance(life, dict):
         return None
@@ -1168,6 +1513,8 @@ def _lifetime_words(site: dict[str, Any], job_eps: float) -> str:
     life = lifetime_of(site)
     if life is None:
         return " The site states no lifetime spend for its data."
-    return (f" Lifetime: this site has spent ε = {life['epsilon']:.3g} at δ = {life['delta']:g} on the same images "
-            f"over all its jobs (this job: ε = {job_eps:.3g}); a release built on an earlier job's model depends "
-            "on both, so the lifetime figure is the one that bounds it.")
+    return (
+        f" Lifetime: this site has spent ε = {life['epsilon']:.3g} at δ = {life['delta']:g} on the same "
+        f"images over all its jobs (this job: ε = {job_eps:.3g}); a release built on an earlier job's model "
+        "depends on both, so the lifetime figure is the one that bounds it."
+    )

@@ -16,10 +16,28 @@ from .pretrain import PublicInputs, PublicPretraining
 from .spatial import SpatialWarmup
 from .synthesis import Synthesis
 
-# The frequency release runs first only for [central] cell_rule = "aux" (its prototypes come from the aux generator).
-# Public pretraining comes first: the model knows the public set before any private image.
-STAGES: tuple[Stage, ...] = (PublicPretraining(), FrequencyStage(early=True), CentralStage(), SpatialWarmup(),
-                             FrequencyStage(), FrequencyWarmup(), DpsgdTraining(), Synthesis())
+# The frequency release runs first only for [central] cell_rule = "aux" (its prototypes come from the aux
+# generator). Public pretraining comes first: the model knows the public set before any private image.
+STAGES: tuple[Stage, ...] = (
+    PublicPretraining(),
+    FrequencyStage(early=True),
+    CentralStage(),
+    SpatialWarmup(),
+    FrequencyStage(),
+    FrequencyWarmup(),
+    DpsgdTraining(),
+    Synthesis(),
+)
 
-__all__ = ["STAGES", "PublicInputs", "RunAccount", "RunContext", "RunDir", "SimulatedKill", "Stage", "mix_central", "run_budget",
-           "seed_from"]
+__all__ = [
+    "STAGES",
+    "PublicInputs",
+    "RunAccount",
+    "RunContext",
+    "RunDir",
+    "SimulatedKill",
+    "Stage",
+    "mix_central",
+    "run_budget",
+    "seed_from",
+]

@@ -19,13 +19,12 @@ import torch
 
 from ..config import JobConfig
 from ..data import ImageDataset
+from ..files import atomic_write_bytes, atomic_write_json, private_dir
 from ..models.auxgen import AuxModel
 from ..models.edm import EDMDenoiser, build_denoiser
 from ..planning import PrivacyPlan
-from ..files import private_dir
 from ..privacy_unit import PatientIndex
 from ..randomness import numpy_generator_from, torch_generator_from
-from ..files import atomic_write_bytes, atomic_write_json
 from ..training.checkpoint import load_torch_bytes, torch_bytes
 from ..training.progress import Reporter
 from .account import RunAccount
@@ -42,8 +41,8 @@ def private_key(secret: int, stage: str) -> bytes:
 
 
 def public_generator(cfg: JobConfig, name: str) -> torch.Generator:
-    """PUBLIC randomness of one named use (model init, warm-ups, sampling), from ``[job] seed``: the one seeding
-    rule of both drivers, so the coordinator's warm-up draws what a single-site run draws."""
+    """PUBLIC randomness of one named use (model init, warm-ups, sampling), from ``[job] seed``: the one
+    seeding rule of both drivers, so the coordinator's warm-up draws what a single-site run draws."""
     return torch.Generator().manual_seed(seed_from(cfg.job.seed, name))
 
 
@@ -54,8 +53,9 @@ def initial_denoiser(cfg: JobConfig, image_shape: tuple[int, int, int], n_classe
 
 
 def save_checkpoint(ctx: Any, name: str, obj: Any) -> None:
-    """``checkpoints/NAME``, its bytes' sha256 bound in the run's signed ledger FIRST (``ctx.account``): the run dir is
-    writable by local users, so a resume loads only bytes this run wrote (:func:`load_checkpoint`)."""
+    """``checkpoints/NAME``, its bytes' sha256 bound in the run's signed ledger FIRST (``ctx.account``): the
+    run dir is writable by local users, so a resume loads only bytes this run wrote
+    (:func:`load_checkpoint`)."""
     data = torch_bytes(obj)
     ctx.account.bind_checkpoint(name, data)
     private_dir(ctx.rd.ckpt(name).parent)
@@ -63,8 +63,8 @@ def save_checkpoint(ctx: Any, name: str, obj: Any) -> None:
 
 
 def load_checkpoint(ctx: Any, name: str) -> Any | None:
-    """A checkpoint :func:`save_checkpoint` wrote (None: there is none), refused before unpickling unless its bytes
-    hash to the ledger's record (``RunAccount.saved_checkpoint``)."""
+    """A checkpoint :func:`save_checkpoint` wrote (None: there is none), refused before unpickling unless its
+    bytes hash to the ledger's record (``RunAccount.saved_checkpoint``)."""
     path = ctx.rd.ckpt(name)
     if not path.exists():
         return None
@@ -72,8 +72,8 @@ def load_checkpoint(ctx: Any, name: str) -> Any | None:
 
 
 def resume_denoiser(ctx: Any, stage: str, what: str) -> bool:
-    """True when a warm-up stage already ran: its checkpoint ``after-STAGE.pt`` (:func:`save_denoiser`) is loaded
-    into ``ctx.denoiser`` in place of running it again."""
+    """True when a warm-up stage already ran: its checkpoint ``after-STAGE.pt`` (:func:`save_denoiser`) is
+    loaded into ``ctx.denoiser`` in place of running it again."""
     saved = load_checkpoint(ctx, f"after-{stage}.pt")
     if saved is None:
         return False
@@ -127,15 +127,19 @@ class RunContext:
     grid_per_class: int = 8
     n_synthetic: int | None = None
     kill_after_steps: int | None = None  # test hook: SimulatedKill after that many DP-SGD steps
-    patients: PatientIndex | None = None  # patient-level DP-SGD (private ids, public count and cap); None: images
-    public: Any = None  # stages.pretrain.PublicInputs: the public set / pretrained model ([public]); None: none
+    # patient-level DP-SGD (private ids, public count and cap); None: images
+    patients: PatientIndex | None = None
+    # stages.pretrain.PublicInputs: the public set / pretrained model ([public]); None: none
+    public: Any = None
     # products of the stages
-    central: tuple[np.ndarray, np.ndarray] | None = None  # released central images (post-processed) and labels
+    # released central images (post-processed) and labels
+    central: tuple[np.ndarray, np.ndarray] | None = None
     embedding: np.ndarray | None = None  # released frequency statistics
-    aux: AuxModel | None = None  # the aux generator fitted to them (post-processing; see freq_warmup.trained_aux)
+    # the aux generator fitted to them (post-processing; see freq_warmup.trained_aux)
+    aux: AuxModel | None = None
     final_model: EDMDenoiser | None = None  # EMA model after DP-SGD (else the warmed-up denoiser)
-    # sha256 of the aux pool's bytes as Synthesis wrote them: the ledger is closed with THIS, never a re-read of
-    # the file (a local user could swap the file between the write and the close)
+    # sha256 of the aux pool's bytes as Synthesis wrote them: the ledger is closed with THIS, never a re-read
+    # of the file (a local user could swap the file between the write and the close)
     aux_pool_sha256: str | None = None
     dpsgd_trained: int = 0
     grid_index: int = 0

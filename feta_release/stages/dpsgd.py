@@ -1,11 +1,12 @@
-"""Stage 5: DP-SGD on the site's images: ONE round of all the planned steps, charged once BEFORE its first step
-(the planner's local schedule, ``planning.dpsgd_rounds``: the events a federation of one charges for the same job).
+"""Stage 5: DP-SGD on the site's images: ONE round of all the planned steps, charged once BEFORE its first
+step (the planner's local schedule, ``planning.dpsgd_rounds``: the events a federation of one charges for the
+same job).
 
-The trainer state (model, EMA, Adam, the private generator) is checkpointed every ``checkpoint_every`` steps and
-the round's ledger request recorded when its last step is done. After a kill, the run continues from the checkpoint
-with the SAME generator state, so the steps after it are the same computation done again: nothing of the killed
-process was released (checkpoints are site-private), nothing is charged twice and no charged step is lost
-(docs/architecture.md, "resume inside a charged round").
+The trainer state (model, EMA, Adam, the private generator) is checkpointed every ``checkpoint_every`` steps
+and the round's ledger request recorded when its last step is done. After a kill, the run continues from the
+checkpoint with the SAME generator state, so the steps after it are the same computation done again: nothing
+of the killed process was released (checkpoints are site-private), nothing is charged twice and no charged
+step is lost (docs/architecture.md, "resume inside a charged round").
 """
 
 from __future__ import annotations
@@ -39,12 +40,19 @@ class DpsgdTraining:
         sgd = ctx.account.planned("dpsgd")
         assert sgd is not None, "DP-SGD is enabled but not planned"
         pat = ctx.patients  # patient-level: Poisson-sample patients, divide by q x the PUBLIC patient count
-        trainer = DPSGDTrainer(ctx.denoiser, ctx.cfg, sgd.sigma, sgd.q, ctx.private_gen("dpsgd"),
-                               image_shape=ctx.data.image_shape, n_classes=ctx.data.n_classes,
-                               n_public=ctx.n_public if pat is None else pat.n_public,
-                               patient_rows=None if pat is None else pat.rows,  # grouped once, at load
-                               images_per_patient=None if pat is None else pat.cap,
-                               public=_public_mix(ctx))
+        trainer = DPSGDTrainer(
+            ctx.denoiser,
+            ctx.cfg,
+            sgd.sigma,
+            sgd.q,
+            ctx.private_gen("dpsgd"),
+            image_shape=ctx.data.image_shape,
+            n_classes=ctx.data.n_classes,
+            n_public=ctx.n_public if pat is None else pat.n_public,
+            patient_rows=None if pat is None else pat.rows,  # grouped once, at load
+            images_per_patient=None if pat is None else pat.cap,
+            public=_public_mix(ctx),
+        )
         saved = load_checkpoint(ctx, "dpsgd.pt")
         if saved is not None:
             trainer.load_state_dict(saved)
@@ -60,8 +68,8 @@ class DpsgdTraining:
 
 
 def _public_mix(ctx: RunContext) -> PublicMix | None:
-    """``[dpsgd] public_batch`` copies of the run's released central images per step (``training.dpsgd.released_mix``:
-    post-processing of the central release, no privacy cost)."""
+    """``[dpsgd] public_batch`` copies of the run's released central images per step
+    (``training.dpsgd.released_mix``: post-processing of the central release, no privacy cost)."""
     return released_mix(ctx.cfg, ctx.central, ctx.public_gen("dpsgd-public"))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+
 import numpy as np
 
 from ..config import JobConfig
@@ -14,7 +15,8 @@ from .context import RunContext
 
 class FrequencyStage:
     """``early``: the instance placed before the central release, which runs instead of the later one when the
-    central cells need the aux generator's prototypes (``[central] cell_rule = "aux"``). Same charge either way."""
+    central cells need the aux generator's prototypes (``[central] cell_rule = "aux"``). Same charge either
+    way."""
 
     name = "frequency-release"
 
@@ -40,13 +42,27 @@ def _release(ctx: RunContext) -> np.ndarray:
     assert f.sigma is not None, "enabled only with [frequency] sigma"
     rid = ctx.account.charge("frequency", 1)
     release, event = frequency_statistics(
-        d.images, d.labels, d.n_classes, features=f.features, sigma=f.sigma, bandwidth2=f.bandwidth2, seed=f.seed,
-        chunk=f.chunk, n_public=ctx.n_public, rng=ctx.private_rng("frequency"), patch=f.patch, stride=f.stride,
+        d.images,
+        d.labels,
+        d.n_classes,
+        features=f.features,
+        sigma=f.sigma,
+        bandwidth2=f.bandwidth2,
+        seed=f.seed,
+        chunk=f.chunk,
+        n_public=ctx.n_public,
+        rng=ctx.private_rng("frequency"),
+        patch=f.patch,
+        stride=f.stride,
     )
     check_event(event, ctx.account.planned("frequency"))
     blob = npz_bytes(
-        embedding=release.embedding, n_public=np.int64(release.n_public), features=np.int64(release.features),
-        bandwidth2=np.float64(release.bandwidth2), seed=np.int64(release.seed), sigma=np.float64(release.sigma),
+        embedding=release.embedding,
+        n_public=np.int64(release.n_public),
+        features=np.int64(release.features),
+        bandwidth2=np.float64(release.bandwidth2),
+        seed=np.int64(release.seed),
+        sigma=np.float64(release.sigma),
         **({"patch": np.int64(release.patch), "stride": np.int64(release.stride)} if release.patch else {}),
     )
     atomic_write_bytes(ctx.rd.released("frequency.npz"), blob)

@@ -1,9 +1,10 @@
 """Public cell prototypes for ``[central] cell_rule = "aux"``: k-means centres of aux-generator images.
 
 The aux generator is fitted to the RELEASED frequency statistics only, and its images are drawn from the job's
-PUBLIC seed, so the prototypes are post-processing of that release: the central release may split each class by
-them (``mechanisms.central.prototype_cells``) at no privacy cost beyond its own event. Plain Lloyd iterations
-written here because they are a few lines over a few hundred public images (no library dependency for it).
+PUBLIC seed, so the prototypes are post-processing of that release: the central release may split each class
+by them (``mechanisms.central.prototype_cells``) at no privacy cost beyond its own event. Plain Lloyd
+iterations written here because they are a few lines over a few hundred public images (no library dependency
+for it).
 
 Measured (validation, epsilon = 10 central setting, 2 noise seeds, release-only classifier): 4 prototype cells
 0.859 vs 4 slant cells 0.834 (docs/evaluation.md).
@@ -45,5 +46,7 @@ def cell_prototypes(aux: AuxModel, cfg: JobConfig) -> np.ndarray:
     n, cells = aux.n_classes, cfg.central.cells
     labels = np.repeat(np.arange(n, dtype=np.int64), PER_CLASS)
     images = aux_draw(aux, labels, public_generator(cfg, "cell-prototypes")).reshape(n, PER_CLASS, -1)
-    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=public_generator(cfg, "kmeans"))))
+    rng = np.random.default_rng(
+        int(torch.randint(0, 2**31 - 1, (1,), generator=public_generator(cfg, "kmeans")))
+    )
     return np.stack([kmeans(images[k].numpy().astype(np.float64), cells, rng) for k in range(n)])

@@ -1,7 +1,8 @@
 """Stage 2: the spatial warm-up (post-processing of the released central images).
 
-:func:`spatial_stage` is the computation; both drivers run it: the local driver's :class:`SpatialWarmup` on the
-site's own released images, the coordinator (``feta_release.federation.warmup``) on the sites' combined ones.
+:func:`spatial_stage` is the computation; both drivers run it: the local driver's :class:`SpatialWarmup` on
+the site's own released images, the coordinator (``feta_release.federation.warmup``) on the sites' combined
+ones.
 """
 
 from __future__ import annotations
@@ -20,23 +21,33 @@ def spatial_enabled(cfg: JobConfig) -> bool:
     return cfg.central.rounds > 0 and cfg.warmup.spatial_iterations > 0
 
 
-def spatial_stage(model: EDMDenoiser, central: tuple[np.ndarray, np.ndarray], cfg: JobConfig,
-                  progress: Progress | None = None) -> WarmupResult:
+def spatial_stage(
+    model: EDMDenoiser,
+    central: tuple[np.ndarray, np.ndarray],
+    cfg: JobConfig,
+    progress: Progress | None = None,
+) -> WarmupResult:
     """Train ``model`` in place on released, post-processed central images (M, C, H, W) in [0, 1]."""
-    return spatial_warmup(model, central[0], central[1], cfg, generator=public_generator(cfg, "spatial"),
-                          progress=progress)
+    return spatial_warmup(
+        model, central[0], central[1], cfg, generator=public_generator(cfg, "spatial"), progress=progress
+    )
 
 
-def central_polish(model: EDMDenoiser, central: tuple[np.ndarray, np.ndarray], cfg: JobConfig,
-                   progress: Progress | None = None) -> WarmupResult | None:
+def central_polish(
+    model: EDMDenoiser,
+    central: tuple[np.ndarray, np.ndarray],
+    cfg: JobConfig,
+    progress: Progress | None = None,
+) -> WarmupResult | None:
     """``[warmup] polish_iterations`` low-lr steps on the released central images only, after the last warm-up
     stage (post-processing of the release); None when off."""
     w = cfg.warmup
     if w.polish_iterations == 0:
         return None
     pcfg = cfg.replace(warmup={"spatial_iterations": w.polish_iterations, "lr": w.polish_lr})
-    return spatial_warmup(model, central[0], central[1], pcfg, generator=public_generator(cfg, "polish"),
-                          progress=progress)
+    return spatial_warmup(
+        model, central[0], central[1], pcfg, generator=public_generator(cfg, "polish"), progress=progress
+    )
 
 
 def polish_stage(ctx: RunContext) -> None:
@@ -45,7 +56,9 @@ def polish_stage(ctx: RunContext) -> None:
     if n == 0 or ctx.central is None:
         return
     with ctx.rep.task("central polish", n) as adv:
-        res = central_polish(ctx.denoiser, ctx.central, ctx.cfg, progress=lambda i, t, loss: adv(1, info=f"loss {loss:.3f}"))
+        res = central_polish(
+            ctx.denoiser, ctx.central, ctx.cfg, progress=lambda i, t, loss: adv(1, info=f"loss {loss:.3f}")
+        )
     assert res is not None
     ctx.mark("polish", final_loss=res.final_loss, steps=res.steps)
 
@@ -60,8 +73,12 @@ class SpatialWarmup:
         assert ctx.central is not None, "the spatial warm-up runs after the central release"
         if not resume_denoiser(ctx, "spatial", "spatial warm-up"):
             with ctx.rep.task("spatial warm-up", ctx.cfg.warmup.spatial_iterations) as adv:
-                res = spatial_stage(ctx.denoiser, ctx.central, ctx.cfg,
-                                    progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"))
+                res = spatial_stage(
+                    ctx.denoiser,
+                    ctx.central,
+                    ctx.cfg,
+                    progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"),
+                )
             if ctx.cfg.frequency.sigma is None:  # no frequency warm-up follows: the polish ends this stage
                 polish_stage(ctx)
             save_denoiser(ctx, "spatial")

@@ -97,7 +97,10 @@ def op_contrast(x, f, s):
 
 def op_sharpness(x, f, s):
     c = x.shape[1]
-    k = torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]], dtype=x.dtype, device=x.device) / 13.0
+    k = (
+        torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]], dtype=x.dtype, device=x.device)
+        / 13.0
+    )
     smooth = F.conv2d(x, k.expand(c, 1, 3, 3), padding=1, groups=c)
     # As PIL/torchvision: the border keeps its original pixels.
     smooth[..., 0, :], smooth[..., -1, :] = x[..., 0, :], x[..., -1, :]

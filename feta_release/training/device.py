@@ -20,6 +20,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible to torch (torch.cuda.is_available() is False); "
-                          "use --device cpu or --device auto")
+        raise ConfigError(
+            "--device cuda: no CUDA device is visible to torch (torch.cuda.is_available() is False); "
+            "use --device cpu or --device auto"
+        )
     return torch.device(name)

@@ -1,38 +1,41 @@
-"""DP-SGD engine: Poisson sampling, per-example gradients (layer hooks or torch.func), clipping, Gaussian noise, Adam, EMA.
+"""DP-SGD engine: Poisson sampling, per-example gradients (layer hooks or torch.func), clipping, Gaussian
+noise, Adam, EMA.
 
 Per-example gradients come from one of two engines that compute the same vectors (``select_engine``, ``[dpsgd]
-per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then each
-layer's per-example weight gradient from its input and output gradient; 1.26x a non-private step in
+per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then
+each layer's per-example weight gradient from its input and output gradient; 1.26x a non-private step in
 ``bench/bench_dpsgd.py``, B = 64, K = 4), used when every trainable parameter sits in a layer it handles and a
 once-per-trainer cross-check on a public dummy batch agrees (``ghost_clip.cross_check``), and torch.func's
-``vmap(grad(...), chunk_size=...)`` (1.82x in the same run), which accepts any ``nn.Module``. Both have no trouble with noise
-multiplicity: the average over K noise draws BEFORE clipping is a mean inside the per-example loss (torch.func) or
-a sum over the example's K rows inside its gradient (hooks). Opacus is not used (``ghost_clip`` says why).
+``vmap(grad(...), chunk_size=...)`` (1.82x in the same run), which accepts any ``nn.Module``. Both have no
+trouble with noise multiplicity: the average over K noise draws BEFORE clipping is a mean inside the
+per-example loss (torch.func) or a sum over the example's K rows inside its gradient (hooks). Opacus is not
+used (``ghost_clip`` says why).
 
 The privacy argument the code keeps (unit = one image of one site; the patient-level variant follows):
 
-* each step draws its batch by Poisson sampling with rate ``q`` from the site's ``N`` examples (variable, possibly
-  empty batch) with the trainer's own ``torch.Generator``;
-* each sampled example contributes ONE gradient vector, the mean of its loss over the K noise draws, clipped to
-  L2 norm ``C`` over all trainable parameters together (sensitivity of the sum = C under add/remove);
-* the sum gets ``N(0, (sigma*C)^2)`` noise once per logical step — also when the batch is empty — and is divided by
-  the EXPECTED batch size ``q*N`` with N the PUBLIC size (``n_public``), never by the realised one;
-* so one step is one subsampled-Gaussian event ``(sigma, q, 1)``; the caller charges it in ``before_step`` before
-  the step runs (``run``), so a step whose result exists has always been accounted.
+* each step draws its batch by Poisson sampling with rate ``q`` from the site's ``N`` examples (variable,
+  possibly empty batch) with the trainer's own ``torch.Generator``;
+* each sampled example contributes ONE gradient vector, the mean of its loss over the K noise draws, clipped
+  to L2 norm ``C`` over all trainable parameters together (sensitivity of the sum = C under add/remove);
+* the sum gets ``N(0, (sigma*C)^2)`` noise once per logical step — also when the batch is empty — and is
+  divided by the EXPECTED batch size ``q*N`` with N the PUBLIC size (``n_public``), never by the realised one;
+* so one step is one subsampled-Gaussian event ``(sigma, q, 1)``; the caller charges it in ``before_step``
+  before the step runs (``run``), so a step whose result exists has always been accounted.
 
-Patient-level DP-SGD (unit = one PATIENT with all of their images; ``patient_rows`` given): each step Poisson-samples
-PATIENTS with rate ``q`` (each independently, from the site's patients), takes at most ``images_per_patient`` of each
-sampled patient's images (a public cap; a uniform draw without replacement when the patient has more), sums the
-per-image gradients of one patient and clips THAT sum to ``C``; the clipped per-patient sums are added, noised with
-``N(0, (sigma*C)^2)`` and divided by ``q * n_public`` with ``n_public`` the PUBLIC number of patients. Adding or
-removing one patient (however many images) adds or removes one clipped vector of norm <= C, so the step is the
-same subsampled-Gaussian event ``(sigma, q, 1)`` with the patient as the unit: no group-privacy conversion. The
-image cap is not what bounds the sensitivity (the per-patient clip does); it bounds a step's compute and memory
-(a patient with 500 slices would otherwise cost 500 per-example gradients in one step) and keeps a many-image
-patient's sum from being clipped far harder than a one-image patient's; being public, it reveals nothing.
-At a patient-level site these events compose with the image-level warm-up releases into ONE per-patient figure
-(``accounting.patient_epsilon``: the warm-up by group privacy over the loader's patient cap, these steps as they
-are), and the planner calibrates sigma so that figure meets the site's per-patient budget.
+Patient-level DP-SGD (unit = one PATIENT with all of their images; ``patient_rows`` given): each step
+Poisson-samples PATIENTS with rate ``q`` (each independently, from the site's patients), takes at most
+``images_per_patient`` of each sampled patient's images (a public cap; a uniform draw without replacement when
+the patient has more), sums the per-image gradients of one patient and clips THAT sum to ``C``; the clipped
+per-patient sums are added, noised with ``N(0, (sigma*C)^2)`` and divided by ``q * n_public`` with
+``n_public`` the PUBLIC number of patients. Adding or removing one patient (however many images) adds or
+removes one clipped vector of norm <= C, so the step is the same subsampled-Gaussian event ``(sigma, q, 1)``
+with the patient as the unit: no group-privacy conversion. The image cap is not what bounds the sensitivity
+(the per-patient clip does); it bounds a step's compute and memory (a patient with 500 slices would otherwise
+cost 500 per-example gradients in one step) and keeps a many-image patient's sum from being clipped far harder
+than a one-image patient's; being public, it reveals nothing. At a patient-level site these events compose
+with the image-level warm-up releases into ONE per-patient figure (``accounting.patient_epsilon``: the warm-up
+by group privacy over the loader's patient cap, these steps as they are), and the planner calibrates sigma so
+that figure meets the site's per-patient budget.
 
 All randomness the vectorised loss needs (noise levels, noise images, label-dropout masks) is drawn OUTSIDE
 ``vmap`` from the trainer's generator and passed in, so a step is reproducible from ``state_dict()``.
@@ -47,10 +50,10 @@ import copy
 import math
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
-from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -61,8 +64,8 @@ from ..config import JobConfig
 from ..errors import ConfigError, DataError
 from ..mechanisms._checks import check_clip
 from ..mechanisms.poisson import poisson_mask
-from ..models.trainable import set_trainable
 from ..models.edm import EDMLoss
+from ..models.trainable import set_trainable
 from .allocator import keep_freed_pages
 from .augment import rand_augment
 from .ema import EMA
@@ -88,15 +91,17 @@ __all__ = [
 class PerExampleLoss(Protocol):
     """A loss the engine can differentiate per example.
 
-    ``draw(n, generator)`` returns the randomness for ``n`` examples as a dict of tensors with leading dim ``n``
-    (drawn outside vmap); ``__call__(model, x, y, rand)`` gets ONE example (``x`` without batch dim, ``y`` a
-    0-d tensor, ``rand`` the example's slice) and ``model`` (a callable with the module's forward signature) and
-    returns a scalar: the example's loss averaged over its K noise draws.
+    ``draw(n, generator)`` returns the randomness for ``n`` examples as a dict of tensors with leading dim
+    ``n`` (drawn outside vmap); ``__call__(model, x, y, rand)`` gets ONE example (``x`` without batch dim,
+    ``y`` a 0-d tensor, ``rand`` the example's slice) and ``model`` (a callable with the module's forward
+    signature) and returns a scalar: the example's loss averaged over its K noise draws.
     """
 
     def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]: ...
 
-    def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor: ...
+    def __call__(
+        self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]
+    ) -> Tensor: ...
 
 
 ENGINES = ("auto", "hooks", "vmap")
@@ -106,25 +111,29 @@ _WARNED: set[str] = set()  # cross-check fall-backs already reported in this pro
 
 
 def select_engine(model: nn.Module, loss: PerExampleLoss, engine: str = "auto", check: bool = False) -> str:
-    """``"hooks"`` (``training.ghost_clip``: one batched backward) or ``"vmap"`` (torch.func) for this model/loss.
+    """``"hooks"`` (``training.ghost_clip``: one batched backward) or ``"vmap"`` (torch.func) for this
+    model/loss.
 
-    ``auto`` takes the hooks when every trainable parameter sits in a module they handle (``ghost_clip.unsupported``)
-    and the loss has a batched form, else torch.func (which accepts any module); ``hooks`` refuses rather than fall
-    back. Never is a parameter skipped: the hooks return a gradient for every trainable parameter or are not used.
+    ``auto`` takes the hooks when every trainable parameter sits in a module they handle
+    (``ghost_clip.unsupported``) and the loss has a batched form, else torch.func (which accepts any module);
+    ``hooks`` refuses rather than fall back. Never is a parameter skipped: the hooks return a gradient for
+    every trainable parameter or are not used.
 
     ``check`` (once per engine choice: the trainer's build, a FedSGD round): the hooks must also pass
-    ``ghost_clip.cross_check``, their per-example gradients against the true ones on a 2-example PUBLIC dummy batch
-    (it sees what the module tree does not: a parameter used outside its module, rows that are not the batch's);
-    ``auto`` then falls back to torch.func with a warning, ``hooks`` is refused. Cost on the cpu-eps1 denoiser,
-    one thread: 0.04-0.07 s (K = 1), 0.08-0.12 s (K = 4), 0.1-0.3 s the first time in a process (measured), against
-    ~0.9 s for one of its 60 DP-SGD steps (B ~ 250, K = 1)."""
+    ``ghost_clip.cross_check``, their per-example gradients against the true ones on a 2-example PUBLIC dummy
+    batch (it sees what the module tree does not: a parameter used outside its module, rows that are not the
+    batch's); ``auto`` then falls back to torch.func with a warning, ``hooks`` is refused. Cost on the
+    cpu-eps1 denoiser, one thread: 0.04-0.07 s (K = 1), 0.08-0.12 s (K = 4), 0.1-0.3 s the first time in a
+    process (measured), against ~0.9 s for one of its 60 DP-SGD steps (B ~ 250, K = 1)."""
     if engine not in ENGINES:
         raise ConfigError(f"[dpsgd] per_example must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine == "vmap":
         return "vmap"
     problems = unsupported(model)
     if not batched_form(loss):
-        problems.append(f"the loss {type(loss).__name__} has no batched form with K-major rows (ghost_clip.BatchedLoss)")
+        problems.append(
+            f"the loss {type(loss).__name__} has no batched form with K-major rows (ghost_clip.BatchedLoss)"
+        )
     failed = None
     if not problems and check:
         failed = cross_check(model, loss)
@@ -133,12 +142,18 @@ def select_engine(model: nn.Module, loss: PerExampleLoss, engine: str = "auto", 
     if not problems:
         return "hooks"
     if engine == "hooks":
-        raise ConfigError(f"[dpsgd] per_example = \"hooks\" cannot handle this model ({'; '.join(problems)}); "
-                          "set per_example = \"auto\" or \"vmap\"")
+        raise ConfigError(
+            f'[dpsgd] per_example = "hooks" cannot handle this model ({"; ".join(problems)}); '
+            'set per_example = "auto" or "vmap"'
+        )
     if failed is not None and failed not in _WARNED:
         _WARNED.add(failed)
-        warnings.warn(f"[dpsgd] per_example = \"auto\": per-example gradients by torch.func, not the layer hooks "
-                      f"({problems[-1]})", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f'[dpsgd] per_example = "auto": per-example gradients by torch.func, not the layer hooks '
+            f"({problems[-1]})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return "vmap"
 
 
@@ -155,11 +170,11 @@ class StepStats:
 def poisson_sample(n: int, q: float, generator: torch.Generator, rows: int | None = None) -> Tensor:
     """Indices of a Poisson sample: each of ``n`` examples joins independently with probability ``q``.
 
-    ``rows``: a PUBLIC count >= ``n`` (``training.padding.public_rows``) the draw is made over, the indices >= ``n``
-    then dropped: the same law over the real rows (independent uniforms, each below q), but the draw's work no
-    longer times the exact ``n``; the drop runs over the Binomial(rows, q) drawn indices, whose law
-    is public too. Each row joins with probability floor(q·2^53)/2^53 <= q (``mechanisms.poisson``: the float32
-    ``torch.rand(n) < q`` this replaced joined with probability up to 6e-8 above q)."""
+    ``rows``: a PUBLIC count >= ``n`` (``training.padding.public_rows``) the draw is made over, the indices >=
+    ``n`` then dropped: the same law over the real rows (independent uniforms, each below q), but the draw's
+    work no longer times the exact ``n``; the drop runs over the Binomial(rows, q) drawn indices, whose law
+    is public too. Each row joins with probability floor(q·2^53)/2^53 <= q (``mechanisms.poisson``: the
+    float32 ``torch.rand(n) < q`` this replaced joined with probability up to 6e-8 above q)."""
     drawn = torch.nonzero(poisson_mask(max(n, rows or 0), q, generator), as_tuple=False).flatten()
     return drawn if rows is None else drawn[drawn < n]
 
@@ -167,9 +182,9 @@ def poisson_sample(n: int, q: float, generator: torch.Generator, rows: int | Non
 def patient_batch(
     rows_of: Sequence[Tensor], q: float, cap: int, generator: torch.Generator, draw_rows: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """A patient-level Poisson batch: (image indices, owner) where owner[i] in [0, B) numbers the sampled patient
-    of image i. Each patient joins independently with probability ``q``; a sampled patient with more than ``cap``
-    images contributes a uniform draw of ``cap`` of them (without replacement)."""
+    """A patient-level Poisson batch: (image indices, owner) where owner[i] in [0, B) numbers the sampled
+    patient of image i. Each patient joins independently with probability ``q``; a sampled patient with more
+    than ``cap`` images contributes a uniform draw of ``cap`` of them (without replacement)."""
     chosen = poisson_sample(len(rows_of), q, generator, draw_rows)  # draw_rows: public (see poisson_sample)
     rows: list[Tensor] = []
     owners: list[Tensor] = []
@@ -185,8 +200,8 @@ def patient_batch(
 
 
 def group_sum(grads: dict[str, Tensor], owner: Tensor, n_groups: int) -> dict[str, Tensor]:
-    """Per-group sums of per-example gradients: (B, *shape) -> (n_groups, *shape), row g = sum over owner == g.
-    A non-finite image gradient makes its group's sum non-finite, and ``clip_and_sum`` then drops the whole
+    """Per-group sums of per-example gradients: (B, *shape) -> (n_groups, *shape), row g = sum over owner ==
+    g. A non-finite image gradient makes its group's sum non-finite, and ``clip_and_sum`` then drops the whole
     group (the patient contributes zero, never NaN)."""
     out = {}
     for n, g in grads.items():
@@ -204,16 +219,24 @@ def per_example_grads(
     chunk_size: int | None = None,
     engine: str = "auto",
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,), ``chunk_size`` examples at a
-    time: by layer hooks on one batched backward, or by vmap(grad) (``select_engine``); the same vectors either way."""
+    """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,), ``chunk_size`` examples
+    at a time: by layer hooks on one batched backward, or by vmap(grad) (``select_engine``); the same vectors
+    either way."""
     if x.shape[0] and select_engine(model, loss, engine) == "hooks":
         assert isinstance(loss, BatchedLoss)
         step = x.shape[0] if not chunk_size else int(chunk_size)
-        parts = [hook_grads(model, loss, x[s : s + step], y[s : s + step], {k: v[s : s + step] for k, v in rand.items()})
-                 for s in range(0, x.shape[0], max(step, 1))]
+        parts = [
+            hook_grads(
+                model, loss, x[s : s + step], y[s : s + step], {k: v[s : s + step] for k, v in rand.items()}
+            )
+            for s in range(0, x.shape[0], max(step, 1))
+        ]
         if len(parts) == 1:
             return parts[0]
-        return ({n: torch.cat([p[0][n] for p in parts]) for n in parts[0][0]}, torch.cat([p[1] for p in parts]))
+        return (
+            {n: torch.cat([p[0][n] for p in parts]) for n in parts[0][0]},
+            torch.cat([p[1] for p in parts]),
+        )
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = {n: b for n, b in model.named_buffers()}
 
@@ -232,13 +255,16 @@ def per_example_grads(
 
 
 def _clip_factors(norms: Tensor, clip: float) -> tuple[Tensor, Tensor]:
-    """(finite, factor): which examples' norms are finite, and each one's clip factor min(1, C / norm), 0 where the
-    norm is not finite (NaN/inf in an entry, or an overflowing norm: such an example contributes nothing)."""
+    """(finite, factor): which examples' norms are finite, and each one's clip factor min(1, C / norm), 0
+    where the norm is not finite (NaN/inf in an entry, or an overflowing norm: such an example contributes
+    nothing)."""
     finite = torch.isfinite(norms)
     return finite, torch.where(finite, (clip / (norms + 1e-12)).clamp(max=1.0), torch.zeros_like(norms))
 
 
-def clip_and_sum(grads: dict[str, Tensor], clip: float, *, in_place: bool = False) -> tuple[dict[str, Tensor], Tensor]:
+def clip_and_sum(
+    grads: dict[str, Tensor], clip: float, *, in_place: bool = False
+) -> tuple[dict[str, Tensor], Tensor]:
     """Clip each example's gradient (L2 over ALL parameters together) to ``clip`` and sum over examples.
 
     Returns the summed clipped gradient and the per-example norms before clipping (``inf`` for an example
@@ -251,10 +277,11 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float, *, in_place: bool = Fals
     were dropped is a function of the private batch: it is never released.
 
     ``in_place``: the caller hands ``grads`` over (fresh per-example gradients it never reads again): their
-    non-finite entries are set to 0 in place, instead of the rows being selected into a copy. Either way the same
-    operations run whatever the batch (no data-dependent branch), and a non-finite row's factor is 0. Measured at
-    the cpu-eps1 model, 32 examples, 2 threads: 3.0 vs 4.9 ms a chunk (with the norms by ``vector_norm`` rather than
-    ``pow(2).sum``: 6.1 ms before), the DP-SGD step's largest cost outside the backward.
+    non-finite entries are set to 0 in place, instead of the rows being selected into a copy. Either way the
+    same operations run whatever the batch (no data-dependent branch), and a non-finite row's factor is 0.
+    Measured at the cpu-eps1 model, 32 examples, 2 threads: 3.0 vs 4.9 ms a chunk (with the norms by
+    ``vector_norm`` rather than ``pow(2).sum``: 6.1 ms before), the DP-SGD step's largest cost outside the
+    backward.
     """
     clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself
     flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
@@ -264,17 +291,30 @@ def clip_and_sum(grads: dict[str, Tensor], clip: float, *, in_place: bool = Fals
     for (n, g), f in zip(grads.items(), flat, strict=True):
         # finite rows are left as they are; a non-finite row has factor 0, and its entries must be finite for
         # 0 * x to be 0 (a scalar where and mv instead of a zeros_like buffer and an einsum: measured faster)
-        f = torch.nan_to_num_(f, nan=0.0, posinf=0.0, neginf=0.0) if in_place else torch.where(finite[:, None], f, 0.0)
+        f = (
+            torch.nan_to_num_(f, nan=0.0, posinf=0.0, neginf=0.0)
+            if in_place
+            else torch.where(finite[:, None], f, 0.0)
+        )
         summed[n] = torch.mv(f.t(), factor).reshape(g.shape[1:])
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
-def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor, chunk: int,
-                    generator: torch.Generator, engine: str = "auto") -> Iterator[tuple[dict[str, Tensor], Tensor]]:
-    """Per-example gradients and losses of the examples ``idx``, one physical chunk at a time (virtual batches: the
-    logical Poisson batch is processed in chunks so memory is bounded by chunk x parameters whatever its size).
-    The loss randomness is drawn from ``generator`` chunk by chunk, in order (on the CPU: the same stream on any
-    device), so a step is reproducible from the generator's state. The model is in train mode while it runs."""
+def batch_gradients(
+    model: nn.Module,
+    loss: PerExampleLoss,
+    images: Tensor,
+    labels: Tensor,
+    idx: Tensor,
+    chunk: int,
+    generator: torch.Generator,
+    engine: str = "auto",
+) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
+    """Per-example gradients and losses of the examples ``idx``, one physical chunk at a time (virtual
+    batches: the logical Poisson batch is processed in chunks so memory is bounded by chunk x parameters
+    whatever its size). The loss randomness is drawn from ``generator`` chunk by chunk, in order (on the CPU:
+    the same stream on any device), so a step is reproducible from the generator's state. The model is in
+    train mode while it runs."""
     dev = next(model.parameters()).device
     was_training = model.training
     keep_freed_pages()  # each chunk's per-example gradients reuse the last chunk's pages (training.allocator)
@@ -289,13 +329,22 @@ def batch_gradients(model: nn.Module, loss: PerExampleLoss, images: Tensor, labe
         model.train(was_training)
 
 
-def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor, labels: Tensor, idx: Tensor,
-                         clip: float, chunk: int, generator: torch.Generator, engine: str = "auto"
-                         ) -> tuple[dict[str, Tensor], list[Tensor], int]:
-    """The sum over the batch ``idx`` of the per-example gradients clipped to ``clip`` (sensitivity ``clip`` under
-    add/remove of one example), no noise: (sum by parameter name, per-chunk losses, how many were clipped).
-    The one computation of a DP-SGD step's signal, for the local trainer and the federated (FedSGD) sites.
-    Losses and the clipped count are functions of the private batch: diagnostics that never leave a site."""
+def clipped_gradient_sum(
+    model: nn.Module,
+    loss: PerExampleLoss,
+    images: Tensor,
+    labels: Tensor,
+    idx: Tensor,
+    clip: float,
+    chunk: int,
+    generator: torch.Generator,
+    engine: str = "auto",
+) -> tuple[dict[str, Tensor], list[Tensor], int]:
+    """The sum over the batch ``idx`` of the per-example gradients clipped to ``clip`` (sensitivity ``clip``
+    under add/remove of one example), no noise: (sum by parameter name, per-chunk losses, how many were
+    clipped). The one computation of a DP-SGD step's signal, for the local trainer and the federated (FedSGD)
+    sites. Losses and the clipped count are functions of the private batch: diagnostics that never leave a
+    site."""
     total = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     losses: list[Tensor] = []
     n_clipped = 0
@@ -309,8 +358,8 @@ def clipped_gradient_sum(model: nn.Module, loss: PerExampleLoss, images: Tensor,
 
 
 def clipped_rows(grads: dict[str, Tensor], names: list[str], clip: float) -> Tensor:
-    """Each example's gradient clipped to L2 norm ``clip`` (over all parameters together) as one flat row (B, D),
-    the parameters in ``names`` order; an example with a non-finite gradient is a zero row (as in
+    """Each example's gradient clipped to L2 norm ``clip`` (over all parameters together) as one flat row (B,
+    D), the parameters in ``names`` order; an example with a non-finite gradient is a zero row (as in
     :func:`clip_and_sum`: its contribution never turns the release into NaN). For mechanisms that need the
     records one by one (per-record conditional rounding of the Skellam mechanism)."""
     flat = torch.cat([grads[n].reshape(grads[n].shape[0], -1) for n in names], dim=1)
@@ -319,10 +368,13 @@ def clipped_rows(grads: dict[str, Tensor], names: list[str], clip: float) -> Ten
 
 
 def _patient_cap(n_public: int | None, cap: int | None, default_cap: int) -> int:
-    """The per-step image cap of patient-level DP-SGD, checked (and that the public patient count is given)."""
+    """The per-step image cap of patient-level DP-SGD, checked (and that the public patient count is
+    given)."""
     if n_public is None:
-        raise ConfigError("patient-level DP-SGD needs the PUBLIC number of patients (n_public): dividing by the exact "
-                          "count would scale the released noise by a private number")
+        raise ConfigError(
+            "patient-level DP-SGD needs the PUBLIC number of patients (n_public): dividing by the exact "
+            "count would scale the released noise by a private number"
+        )
     cap = default_cap if cap is None else cap
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
         raise ConfigError(f"patient-level DP-SGD: images per patient must be an integer >= 1, got {cap!r}")
@@ -331,8 +383,8 @@ def _patient_cap(n_public: int | None, cap: int | None, default_cap: int) -> int
 
 def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor, Tensor, int, bool]]:
     """Split a patient batch into physical chunks of exactly ``size`` images (the last one: the rest), as the
-    image-level step does, so that the number and sizes of the real calls are ceil(rows / size) and ``size``: a
-    function of the row count alone, never of how the sampled patients' images fall into chunks (
+    image-level step does, so that the number and sizes of the real calls are ceil(rows / size) and ``size``:
+    a function of the row count alone, never of how the sampled patients' images fall into chunks (
     packing WHOLE patients took more calls the more their image counts wasted each chunk, a private layout
     seen in latency). A patient may now straddle chunks; the per-patient clip stays exact because a straddling
     patient's partial sum is carried into the next chunk (``_carry_patients``) and clipped only once complete.
@@ -349,16 +401,17 @@ def _patient_chunks(rows: Tensor, owner: Tensor, size: int) -> list[tuple[Tensor
     return out
 
 
-def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, last: int,
-                    continues: bool) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def _carry_patients(
+    sums: dict[str, Tensor], carry: dict[str, Tensor] | None, last: int, continues: bool
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Complete per-patient sums of one chunk (rows 0..``last`` hold its patients): the previous chunk's carry
-    added to row 0, and row ``last`` held back as the new carry (zeroed in the sums) when that patient goes on in
-    the next chunk (``continues``). Returns (the sums to clip now, the carry).
+    added to row 0, and row ``last`` held back as the new carry (zeroed in the sums) when that patient goes on
+    in the next chunk (``continues``). Returns (the sums to clip now, the carry).
 
     The same operations run whatever the layout (a branch per straddling patient made the work per
     step count the sampled patients' private image counts): the carry is ALWAYS added (zeros when the previous
-    chunk's last patient ended there, or for the first chunk) and row ``last`` ALWAYS selected into the carry or
-    left in place. Adding +0.0 is exact, so the sums are bit-identical to the branching form."""
+    chunk's last patient ended there, or for the first chunk) and row ``last`` ALWAYS selected into the carry
+    or left in place. Adding +0.0 is exact, so the sums are bit-identical to the branching form."""
     goes_on = torch.tensor(bool(continues))
     held = {}
     for name, g in sums.items():
@@ -374,13 +427,13 @@ def _carry_patients(sums: dict[str, Tensor], carry: dict[str, Tensor] | None, la
 class PublicMix:
     """Already-released examples added to every DP-SGD step (``[dpsgd] public_batch``), free in epsilon.
 
-    Why no privacy cost: ``draw(n, generator)`` returns ``n`` examples (images in [-1, 1], labels) built ONLY from
-    values the site has already released and paid for (the central images, RandAugment-ed with ``generator``, a
-    PUBLIC generator). Their clipped gradients are computed at the current weights (themselves a function of the
-    earlier noisy steps) and added to the noisy sum, the divisor growing by ``batch`` (public). So a step's output
-    is a function of (noisy private sum, released data, earlier outputs): post-processing of the same
-    subsampled-Gaussian event (sigma, q, 1), whose sensitivity stays C. Clipped like private examples so that one
-    public example weighs what a private one does.
+    Why no privacy cost: ``draw(n, generator)`` returns ``n`` examples (images in [-1, 1], labels) built ONLY
+    from values the site has already released and paid for (the central images, RandAugment-ed with
+    ``generator``, a PUBLIC generator). Their clipped gradients are computed at the current weights
+    (themselves a function of the earlier noisy steps) and added to the noisy sum, the divisor growing by
+    ``batch`` (public). So a step's output is a function of (noisy private sum, released data, earlier
+    outputs): post-processing of the same subsampled-Gaussian event (sigma, q, 1), whose sensitivity stays C.
+    Clipped like private examples so that one public example weighs what a private one does.
     """
 
     draw: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
@@ -388,16 +441,21 @@ class PublicMix:
     generator: torch.Generator
 
 
-def released_mix(cfg: JobConfig, central: tuple[Any, Any] | None, generator: torch.Generator) -> PublicMix | None:
-    """``[dpsgd] public_batch`` RandAugment-ed copies of the RELEASED, post-processed central images (images in
-    [0, 1], labels) per step, drawn with the PUBLIC ``generator`` (None when ``public_batch`` is 0): ``train``'s
-    stage and a site's DP-SGD round (which gets them from the coordinator with the round) build it here."""
+def released_mix(
+    cfg: JobConfig, central: tuple[Any, Any] | None, generator: torch.Generator
+) -> PublicMix | None:
+    """``[dpsgd] public_batch`` RandAugment-ed copies of the RELEASED, post-processed central images (images
+    in [0, 1], labels) per step, drawn with the PUBLIC ``generator`` (None when ``public_batch`` is 0):
+    ``train``'s stage and a site's DP-SGD round (which gets them from the coordinator with the round) build it
+    here."""
     n, w = cfg.dpsgd.public_batch, cfg.warmup
     if n == 0:
         return None
     if central is None or len(central[1]) == 0:
-        raise ConfigError("[dpsgd] public_batch > 0 needs released central images ([central] rounds > 0 and a method "
-                          "with a central release); set public_batch = 0")
+        raise ConfigError(
+            "[dpsgd] public_batch > 0 needs released central images ([central] rounds > 0 and a method "
+            "with a central release); set public_batch = 0"
+        )
     src = torch.from_numpy(np.asarray(central[0], np.float32))
     lab = torch.from_numpy(np.asarray(central[1], np.int64))
 
@@ -410,13 +468,13 @@ def released_mix(cfg: JobConfig, central: tuple[Any, Any] | None, generator: tor
 
 
 def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
-    """Seed torch's GLOBAL generator (the caller forks it: ``padding.fork_rng``) from the private ``generator``
-    when ``model`` has active dropout. ``nn.Dropout`` draws its masks there, which is public-seeded in the local
-    pipeline, fixed in a fresh per-message process and carried across requests in the warm worker; masks from it
-    were predictable and assigned by position in the batch, so one image more shifted every later image's mask.
-    Now they are a fresh secret draw per step (DP-SGD) or round (FedSGD), independent of the data:
-    coupled on the shared examples, each one still moves the sum by <= C. A model without dropout draws nothing
-    (its noise stream is unchanged)."""
+    """Seed torch's GLOBAL generator (the caller forks it: ``padding.fork_rng``) from the private
+    ``generator`` when ``model`` has active dropout. ``nn.Dropout`` draws its masks there, which is
+    public-seeded in the local pipeline, fixed in a fresh per-message process and carried across requests in
+    the warm worker; masks from it were predictable and assigned by position in the batch, so one image more
+    shifted every later image's mask. Now they are a fresh secret draw per step (DP-SGD) or round (FedSGD),
+    independent of the data: coupled on the shared examples, each one still moves the sum by <= C. A model
+    without dropout draws nothing (its noise stream is unchanged)."""
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
 
@@ -424,9 +482,10 @@ def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
 class DPSGDTrainer:
     """DP-SGD on one site's data. Reused unchanged by the federation for local rounds.
 
-    ``model``: the module to train (e.g. an ``EDMDenoiser``); ``loss``: a ``PerExampleLoss`` (default: ``EDMLoss``
-    built from ``image_shape``/``n_classes`` and the config). ``noise_multiplier`` and ``sample_rate`` come from
-    the plan (whole-history calibration), never from here. ``generator`` drives sampling and all noise.
+    ``model``: the module to train (e.g. an ``EDMDenoiser``); ``loss``: a ``PerExampleLoss`` (default:
+    ``EDMLoss`` built from ``image_shape``/``n_classes`` and the config). ``noise_multiplier`` and
+    ``sample_rate`` come from the plan (whole-history calibration), never from here. ``generator`` drives
+    sampling and all noise.
     """
 
     def __init__(
@@ -448,18 +507,18 @@ class DPSGDTrainer:
         draw_rows: int | None = None,
     ) -> None:
         """``patient_rows``: each patient's image indices, grouped ONCE when the site's data was opened
-        (``privacy_unit.PatientIndex.rows`` / ``group_patient_rows``; never regrouped per trainer, i.e. per request)
-        for patient-level DP-SGD; then ``n_public`` is the PUBLIC number of patients (required) and
-        ``images_per_patient`` the public cap on a sampled patient's images per step (default: the physical batch).
-        ``pad_to``: a PUBLIC row (image) count each step processes whatever its sample (``training.padding``: the
-        step's time does not count it). ``draw_rows``: a PUBLIC count of rows (images, or patients) the Poisson draw
-        is made over (``poisson_sample``)."""
+        (``privacy_unit.PatientIndex.rows`` / ``group_patient_rows``; never regrouped per trainer, i.e. per
+        request) for patient-level DP-SGD; then ``n_public`` is the PUBLIC number of patients (required) and
+        ``images_per_patient`` the public cap on a sampled patient's images per step (default: the physical
+        batch). ``pad_to``: a PUBLIC row (image) count each step processes whatever its sample
+        (``training.padding``: the step's time does not count it). ``draw_rows``: a PUBLIC count of rows
+        (images, or patients) the Poisson draw is made over (``poisson_sample``)."""
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ConfigError(f"DP-SGD noise multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
             raise DataError(
-                f"DP-SGD sampling rate q = batch / N = {sample_rate:.4g} is outside (0, 1]: the dataset has fewer "
-                f"examples than [dpsgd] batch; lower [dpsgd] batch or use more data"
+                f"DP-SGD sampling rate q = batch / N = {sample_rate:.4g} is outside (0, 1]: the dataset has "
+                f"fewer examples than [dpsgd] batch; lower [dpsgd] batch or use more data"
             )
         d = cfg.dpsgd
         self.model = model
@@ -469,8 +528,9 @@ class DPSGDTrainer:
         self.clip = float(d.clip)
         self.chunk = int(d.physical_batch)
         self.generator = generator
-        # The divisor q * n_public must be PUBLIC: dividing by q * (exact count) would scale the released noise
-        # by the private N. None keeps the old behaviour (q times the rows given) for callers that own the data.
+        # The divisor q * n_public must be PUBLIC: dividing by q * (exact count) would scale the released
+        # noise by the private N. None keeps the old behaviour (q times the rows given) for callers that own
+        # the data.
         if n_public is not None and (isinstance(n_public, bool) or int(n_public) < 1):
             raise ConfigError(f"DP-SGD public dataset size must be an integer >= 1, got {n_public!r}")
         self.n_public = None if n_public is None else int(n_public)
@@ -484,14 +544,21 @@ class DPSGDTrainer:
             image_shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
             n_classes = n_classes if n_classes is not None else getattr(model, "n_classes", None)
             if image_shape is None or n_classes is None:
-                raise ConfigError("DPSGDTrainer needs image_shape and n_classes (or a model that has them) to "
-                                  "build the default EDM loss")
-            loss = EDMLoss(image_shape, n_classes, d.noise_multiplicity, cfg.model.label_dropout,
-                           sigma_data=getattr(model, "sigma_data", None))
+                raise ConfigError(
+                    "DPSGDTrainer needs image_shape and n_classes (or a model that has them) to "
+                    "build the default EDM loss"
+                )
+            loss = EDMLoss(
+                image_shape,
+                n_classes,
+                d.noise_multiplicity,
+                cfg.model.label_dropout,
+                sigma_data=getattr(model, "sigma_data", None),
+            )
         self.loss = loss
-        # which per-example-gradient engine (hooks or torch.func) every call of this trainer uses, the padding's
-        # included (a padding row must cost what a real one does); resolved once, the hooks cross-checked against
-        # torch.func on a public dummy batch (select_engine), refused here if impossible
+        # which per-example-gradient engine (hooks or torch.func) every call of this trainer uses, the
+        # padding's included (a padding row must cost what a real one does); resolved once, the hooks
+        # cross-checked against torch.func on a public dummy batch (select_engine), refused here if impossible
         self.public = public if public is not None and public.batch > 0 else None
         self.pad_to = None if pad_to is None else int(pad_to)
         self.draw_rows = None if draw_rows is None else int(draw_rows)
@@ -501,14 +568,16 @@ class DPSGDTrainer:
         self.engine = select_engine(model, loss, d.per_example, check=True)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=d.lr)
-        # A fresh EMA: the caller copies the warm-up EMA weights into ``model`` before DP-SGD starts (method §2),
-        # and the EMA's own warm-up keeps a short CPU-scale run from being dominated by the starting weights.
+        # A fresh EMA: the caller copies the warm-up EMA weights into ``model`` before DP-SGD starts (method
+        # §2), and the EMA's own warm-up keeps a short CPU-scale run from being dominated by the starting
+        # weights.
         self.ema = EMA(model, d.ema)
         self.steps_done = 0
 
     # -- one logical step ---------------------------------------------------------------------
     def noisy_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
-        """Poisson-sample from (images, labels) and return the privatised mean gradient (no optimizer step)."""
+        """Poisson-sample from (images, labels) and return the privatised mean gradient (no optimizer
+        step)."""
         if self.rows_of is not None:
             return self._noisy_patient_gradient(images, labels)
         t0 = time.perf_counter()
@@ -517,20 +586,35 @@ class DPSGDTrainer:
         expected = self.q * (n if self.n_public is None else self.n_public)
         idx = poisson_sample(n, self.q, self.generator, self.draw_rows)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        total, losses, n_clipped = clipped_gradient_sum(self.model, self.loss, images, labels, idx, self.clip,
-                                                        self.chunk, self.generator, self.engine)
+        total, losses, n_clipped = clipped_gradient_sum(
+            self.model, self.loss, images, labels, idx, self.clip, self.chunk, self.generator, self.engine
+        )
         if self.pad_to is not None:  # dummy rows up to the public count, dropped: the update is unchanged
-            pad_step(self.model, self.loss, images, labels, padding_chunks(int(idx.numel()), self.pad_to, self.chunk),
-                     self.clip, self.chunk, partial(batch_gradients, engine=self.engine), clip_and_sum)
-        return self._noised(total, names, dev, expected), self._stats(int(idx.numel()), expected, losses, n_clipped, t0)
+            pad_step(
+                self.model,
+                self.loss,
+                images,
+                labels,
+                padding_chunks(int(idx.numel()), self.pad_to, self.chunk),
+                self.clip,
+                self.chunk,
+                partial(batch_gradients, engine=self.engine),
+                clip_and_sum,
+            )
+        return self._noised(total, names, dev, expected), self._stats(
+            int(idx.numel()), expected, losses, n_clipped, t0
+        )
 
     def _noisy_patient_gradient(self, images: Tensor, labels: Tensor) -> tuple[dict[str, Tensor], StepStats]:
-        """Patient-level step (see the module docstring): sampled patients' clipped per-patient sums, noised."""
+        """Patient-level step (see the module docstring): sampled patients' clipped per-patient sums,
+        noised."""
         t0 = time.perf_counter()
         assert self.rows_of is not None and self.n_public is not None
         if self.patient_images != images.shape[0]:
-            raise DataError(f"patient-level DP-SGD: the patient index covers {self.patient_images} "
-                            f"images but {images.shape[0]} were given")
+            raise DataError(
+                f"patient-level DP-SGD: the patient index covers {self.patient_images} "
+                f"images but {images.shape[0]} were given"
+            )
         dev = self.params[0].device
         expected = self.q * self.n_public  # public patients: the exact count never scales the released noise
         rows, owner = patient_batch(self.rows_of, self.q, self.patient_cap, self.generator, self.draw_rows)
@@ -544,28 +628,42 @@ class DPSGDTrainer:
         for part, own, k, continues in _patient_chunks(rows, owner, self.chunk):
             rand = {key: v.to(dev) for key, v in self.loss.draw(part.numel(), self.generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            grads, loss = per_example_grads(self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine)
-            # one group row per image of the call (the unused ones zero): the clip's rows, like the image-level
-            # step's, total the public bound whatever the number of sampled patients
+            grads, loss = per_example_grads(
+                self.model, self.loss, xs, ys, rand, self.chunk, engine=self.engine
+            )
+            # one group row per image of the call (the unused ones zero): the clip's rows, like the
+            # image-level step's, total the public bound whatever the number of sampled patients
             sums, carry = _carry_patients(group_sum(grads, own, int(part.numel())), carry, k - 1, continues)
-            # clip each COMPLETE patient's sum to C; in place, as the padding calls do (the carry is a separate tensor)
+            # clip each COMPLETE patient's sum to C; in place, as the padding calls do (the carry is a
+            # separate tensor)
             summed, norms = clip_and_sum(sums, self.clip, in_place=True)
             for name in total:
                 total[name] += summed[name]
             losses.append(loss.detach().cpu())
             n_clipped += int((norms > self.clip).sum())
         if self.pad_to is not None:  # dummy images up to the public count, dropped: the update is unchanged
-            # in calls of the same ``chunk`` as the real ones: calls = ceil(bound / chunk) + 1, rows = bound (public)
-            pad_step(self.model, self.loss, images, labels, padding_chunks(int(rows.numel()), self.pad_to, self.chunk),
-                     self.clip, self.chunk, partial(batch_gradients, engine=self.engine), clip_and_sum)
+            # in calls of the same ``chunk`` as the real ones: calls = ceil(bound / chunk) + 1, rows = bound
+            # (public)
+            pad_step(
+                self.model,
+                self.loss,
+                images,
+                labels,
+                padding_chunks(int(rows.numel()), self.pad_to, self.chunk),
+                self.clip,
+                self.chunk,
+                partial(batch_gradients, engine=self.engine),
+                clip_and_sum,
+            )
         self.model.train(was_training)
         b = int(owner.max()) + 1 if owner.numel() else 0
         return self._noised(total, names, dev, expected), self._stats(b, expected, losses, n_clipped, t0)
 
-    def _noised(self, total: dict[str, Tensor], names: list[str], dev: torch.device,
-                expected: float) -> dict[str, Tensor]:
-        """Add N(0, (sigma C)^2) to the clipped sum, then the public mix, and divide by the public divisor (one
-        tail for the image- and patient-level steps: the same noise draws in the same order)."""
+    def _noised(
+        self, total: dict[str, Tensor], names: list[str], dev: torch.device, expected: float
+    ) -> dict[str, Tensor]:
+        """Add N(0, (sigma C)^2) to the clipped sum, then the public mix, and divide by the public divisor
+        (one tail for the image- and patient-level steps: the same noise draws in the same order)."""
         std = self.sigma * self.clip
         for name, p in zip(names, self.params):
             noise = (torch.randn(p.shape, generator=self.generator, dtype=p.dtype) * std).to(dev)
@@ -577,14 +675,20 @@ class DPSGDTrainer:
         return {name: g / divisor for name, g in total.items()}
 
     def _stats(self, b: int, expected: float, losses: list[Tensor], n_clipped: int, t0: float) -> StepStats:
-        return StepStats(step=self.steps_done + 1, batch_size=b, expected_batch=expected,
-                         # an empty batch's stand-in keeps the same ops: a zero-row step is not cheaper (L3)
-                         loss=float(torch.cat(losses or [torch.full((1,), math.nan)]).mean()),
-                         clipped_fraction=n_clipped / b if b else float("nan"), seconds=time.perf_counter() - t0)
+        return StepStats(
+            step=self.steps_done + 1,
+            batch_size=b,
+            expected_batch=expected,
+            # an empty batch's stand-in keeps the same ops: a zero-row step is not cheaper (L3)
+            loss=float(torch.cat(losses or [torch.full((1,), math.nan)]).mean()),
+            clipped_fraction=n_clipped / b if b else float("nan"),
+            seconds=time.perf_counter() - t0,
+        )
 
     def _add_public(self, total: dict[str, Tensor], dev: torch.device) -> int:
-        """Add the clipped gradients of ``public.batch`` released examples to ``total``; returns how many (public).
-        All randomness comes from the public generator: the private stream is the same with or without it."""
+        """Add the clipped gradients of ``public.batch`` released examples to ``total``; returns how many
+        (public). All randomness comes from the public generator: the private stream is the same with or
+        without it."""
         if self.public is None:
             return 0
         pub = self.public
@@ -592,8 +696,9 @@ class DPSGDTrainer:
             m = min(self.chunk, pub.batch - start)
             xs, ys = pub.draw(m, pub.generator)
             rand = {k: v.to(dev) for k, v in self.loss.draw(m, pub.generator).items()}
-            grads, _ = per_example_grads(self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk,
-                                         engine=self.engine)
+            grads, _ = per_example_grads(
+                self.model, self.loss, xs.to(dev), ys.to(dev), rand, self.chunk, engine=self.engine
+            )
             summed, _ = clip_and_sum(grads, self.clip, in_place=True)
             for name in total:
                 total[name] += summed[name]
@@ -625,9 +730,9 @@ class DPSGDTrainer:
         before_step: Callable[[int], None] | None = None,
         after_step: Callable[[StepStats], None] | None = None,
     ) -> list[StepStats]:
-        """``n_steps`` steps. ``before_step(i)`` (i = lifetime step index, 1-based) runs BEFORE step i and is where
-        the caller charges (and persists) its privacy ledger; if it raises (e.g. budget exhausted), step i is not
-        taken. ``after_step(stats)`` is for progress bars and checkpoints."""
+        """``n_steps`` steps. ``before_step(i)`` (i = lifetime step index, 1-based) runs BEFORE step i and is
+        where the caller charges (and persists) its privacy ledger; if it raises (e.g. budget exhausted), step
+        i is not taken. ``after_step(stats)`` is for progress bars and checkpoints."""
         out = []
         for _ in range(n_steps):
             if before_step is not None:

@@ -24,9 +24,7 @@ class EMA:
         self.warmup = warmup
         self.num_updates = 0
         self.model = model
-        self.shadow: dict[str, torch.Tensor] = {
-            k: v.detach().clone() for k, v in model.state_dict().items()
-        }
+        self.shadow: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def current_decay(self) -> float:
         if not self.warmup:
@@ -53,8 +51,12 @@ class EMA:
         model.load_state_dict(self.shadow)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"decay": self.decay, "warmup": self.warmup, "num_updates": self.num_updates,
-                "shadow": {k: v.clone() for k, v in self.shadow.items()}}
+        return {
+            "decay": self.decay,
+            "warmup": self.warmup,
+            "num_updates": self.num_updates,
+            "shadow": {k: v.clone() for k, v in self.shadow.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.decay = float(state["decay"])

@@ -42,7 +42,8 @@ def _omega_tensor(omega, dim: int, device: torch.device) -> torch.Tensor:
     w = w.to(device=device, dtype=torch.float32)
     if w.dim() != 2 or w.shape[0] != dim:
         raise DataError(
-            f"frequency warm-up: omega has shape {tuple(w.shape)}, expected ({dim}, features/2) for these images"
+            f"frequency warm-up: omega has shape {tuple(w.shape)}, expected ({dim}, features/2) for these "
+            "images"
         )
     return w
 
@@ -78,7 +79,8 @@ def shuffled_balanced_labels(n: int, n_classes: int, generator: torch.Generator)
 
 
 def aux_iterations(cfg: JobConfig, n_public: int) -> int:
-    """Steps per epoch of one aux fit: ``[auxgen] iterations_per_epoch``, else the PUBLIC size over the batch."""
+    """Steps per epoch of one aux fit: ``[auxgen] iterations_per_epoch``, else the PUBLIC size over the
+    batch."""
     a = cfg.auxgen
     return a.iterations_per_epoch if a.iterations_per_epoch is not None else max(1, n_public // a.batch)
 
@@ -107,8 +109,8 @@ def fit_aux_generator(
     """Fit the auxiliary generator to ``embedding_noisy`` (features, n_classes); returns the generator
     in eval mode (or an :class:`AuxFitResult` with the loss curve when ``return_result``).
 
-    ``guide(images, labels)``: an extra loss term added each step (a function of released values only, so the fit
-    stays post-processing)."""
+    ``guide(images, labels)``: an extra loss term added each step (a function of released values only, so the
+    fit stays post-processing)."""
     a = cfg.auxgen
     c, h, w = (int(v) for v in image_shape)
     if h != w:
@@ -121,10 +123,15 @@ def fit_aux_generator(
         np.asarray(embedding_noisy) if not isinstance(embedding_noisy, torch.Tensor) else embedding_noisy
     ).to(device=dev, dtype=torch.float32)
     if e.dim() != 2 or e.shape[1] != n_classes:
-        raise DataError(f"frequency warm-up: released embedding has shape {tuple(e.shape)}, expected (features, {n_classes})")
+        raise DataError(
+            f"frequency warm-up: released embedding has shape {tuple(e.shape)}, expected (features, "
+            f"{n_classes})"
+        )
     phi_of = _feature_fn(omega, dim, dev)
     if e.shape[0] != phi_of.features:
-        raise DataError(f"frequency warm-up: embedding has {e.shape[0]} features but omega gives {phi_of.features}")
+        raise DataError(
+            f"frequency warm-up: embedding has {e.shape[0]} features but omega gives {phi_of.features}"
+        )
     iters = aux_iterations(cfg, n_public)
 
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
@@ -156,27 +163,49 @@ def fit_aux_generator(
     return result if return_result else gen
 
 
-def fit_aux_restarts(embedding_noisy, omega, image_shape: tuple[int, int, int], n_classes: int, cfg: JobConfig,
-                     n_public: int, *, generator: torch.Generator, progress: Progress | None = None,
-                     device: torch.device | str = "cpu") -> AuxModel:
-    """``[auxgen] restarts`` fits of the same release, each from the next start ``generator`` gives; the ``keep``
-    with the lowest final loss (mean over the last epoch) are returned, one generator or an :class:`AuxEnsemble`.
+def fit_aux_restarts(
+    embedding_noisy,
+    omega,
+    image_shape: tuple[int, int, int],
+    n_classes: int,
+    cfg: JobConfig,
+    n_public: int,
+    *,
+    generator: torch.Generator,
+    progress: Progress | None = None,
+    device: torch.device | str = "cpu",
+) -> AuxModel:
+    """``[auxgen] restarts`` fits of the same release, each from the next start ``generator`` gives; the
+    ``keep`` with the lowest final loss (mean over the last epoch) are returned, one generator or
+    an :class:`AuxEnsemble`.
 
-    Privacy: the losses, and so the choice, are functions of the released embedding and public randomness only:
-    post-processing. Why: the start alone moved the aux images' downstream accuracy by up to 0.085 on the same
-    release, and images mixed from four starts beat the single fit on every seed measured (docs/evaluation.md,
-    "an ensemble of aux-generator fits")."""
+    Privacy: the losses, and so the choice, are functions of the released embedding and public randomness
+    only: post-processing. Why: the start alone moved the aux images' downstream accuracy by up to 0.085 on
+    the same release, and images mixed from four starts beat the single fit on every seed measured
+    (docs/evaluation.md, "an ensemble of aux-generator fits")."""
     a = cfg.auxgen
     if a.restarts < 1 or not 1 <= a.keep <= a.restarts:
-        raise ConfigError(f"[auxgen] need restarts >= 1 and 1 <= keep <= restarts, got {a.restarts}, {a.keep}")
+        raise ConfigError(
+            f"[auxgen] need restarts >= 1 and 1 <= keep <= restarts, got {a.restarts}, {a.keep}"
+        )
     iters = aux_iterations(cfg, n_public)
     per_fit = a.epochs * iters
     fits: list[tuple[float, AuxGenerator]] = []
     for r in range(a.restarts):
-        res = fit_aux_generator(embedding_noisy, omega, image_shape, n_classes, cfg, n_public, generator=generator,
-                                device=device, return_result=True,
-                                progress=_offset(progress, r * per_fit, a.restarts * per_fit))
-        final = float(np.mean(res.losses[-iters:])) if res.losses else math.inf  # no epochs: all tie, first kept
+        res = fit_aux_generator(
+            embedding_noisy,
+            omega,
+            image_shape,
+            n_classes,
+            cfg,
+            n_public,
+            generator=generator,
+            device=device,
+            return_result=True,
+            progress=_offset(progress, r * per_fit, a.restarts * per_fit),
+        )
+        # no epochs: all tie, first kept
+        final = float(np.mean(res.losses[-iters:])) if res.losses else math.inf
         fits.append((final if math.isfinite(final) else math.inf, res.generator))  # a diverged fit sorts last
     kept = [g for _, g in sorted(fits, key=lambda f: f[0])[: a.keep]]  # stable: ties keep the earlier start
     return kept[0] if a.keep == 1 else AuxEnsemble(kept).eval()
@@ -190,9 +219,10 @@ def _offset(progress: Progress | None, done: int, total: int) -> Progress | None
 
 
 def aux_draw(gen: AuxModel, labels: np.ndarray | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Images of ``labels`` from the fitted generator, one latent per label drawn from ``generator``, in eval mode
-    (BatchNorm running statistics: an image does not depend on the others of its batch) and without gradients;
-    CPU float32 in [0, 1] (the generator's tanh is mapped there; the clamp only guards rounding)."""
+    """Images of ``labels`` from the fitted generator, one latent per label drawn from ``generator``, in eval
+    mode (BatchNorm running statistics: an image does not depend on the others of its batch) and without
+    gradients; CPU float32 in [0, 1] (the generator's tanh is mapped there; the clamp only guards
+    rounding)."""
     dev = next(gen.parameters()).device
     was_training = gen.training
     gen.eval()
@@ -210,7 +240,7 @@ def generate_aux_images(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode)."""
     labels = shuffled_balanced_labels(n, gen.n_classes, generator)
-    out = [aux_draw(gen, labels[start:start + batch], generator) for start in range(0, n, batch)]
+    out = [aux_draw(gen, labels[start : start + batch], generator) for start in range(0, n, batch)]
     images = torch.cat(out) if out else torch.zeros((0, gen.img_channels, gen.img_size, gen.img_size))
     # Quantise like stored images so the warm-up sees what a saved set would hold.
     return (images * 255.0).round() / 255.0, labels
@@ -221,7 +251,7 @@ def _epoch_batches(x: torch.Tensor, y: torch.Tensor, batch: int, generator: torc
     while True:
         perm = torch.randperm(n, generator=generator)
         for start in range(0, n, batch):
-            idx = perm[start:start + batch]
+            idx = perm[start : start + batch]
             yield to_model_range(x[idx]), y[idx]
 
 
@@ -235,17 +265,27 @@ def frequency_warmup(
     progress: Progress | None = None,
 ) -> WarmupResult:
     """Train ``denoiser`` in place on generator images (N, C, H, W) in [0, 1] for
-    ``cfg.warmup.frequency_epochs`` epochs of batch ``cfg.warmup.frequency_batch``; EMA weights end up in it."""
+    ``cfg.warmup.frequency_epochs`` epochs of batch ``cfg.warmup.frequency_batch``; EMA weights end up in
+    it."""
     wcfg = cfg.warmup
     if wcfg.frequency_batch < 1:
         raise ConfigError(f"[warmup] frequency_batch must be >= 1, got {wcfg.frequency_batch}")
     x, y = as_image_tensors(images, labels, denoiser.n_classes, "frequency warm-up (generator images)")
     if tuple(x.shape[1:]) != tuple(denoiser.image_shape):
-        raise ConfigError(f"frequency warm-up: images are {tuple(x.shape[1:])}, model expects {denoiser.image_shape}")
+        raise ConfigError(
+            f"frequency warm-up: images are {tuple(x.shape[1:])}, model expects {denoiser.image_shape}"
+        )
     steps = wcfg.frequency_epochs * math.ceil(x.shape[0] / wcfg.frequency_batch)
     return train_denoiser(
-        denoiser, _epoch_batches(x, y, wcfg.frequency_batch, generator), steps, stage="frequency", lr=wcfg.lr,
-        ema_decay=wcfg.ema, label_dropout=cfg.model.label_dropout, generator=generator, progress=progress,
+        denoiser,
+        _epoch_batches(x, y, wcfg.frequency_batch, generator),
+        steps,
+        stage="frequency",
+        lr=wcfg.lr,
+        ema_decay=wcfg.ema,
+        label_dropout=cfg.model.label_dropout,
+        generator=generator,
+        progress=progress,
     )
 
 
@@ -263,8 +303,15 @@ def run_frequency_stage(
     """Fit the generator, draw ``cfg.warmup.frequency_images`` images, warm the denoiser up on them."""
     dev = next(denoiser.parameters()).device
     gen = fit_aux_restarts(
-        embedding_noisy, omega, denoiser.image_shape, denoiser.n_classes, cfg, n_public,
-        generator=generator, progress=fit_progress, device=dev,
+        embedding_noisy,
+        omega,
+        denoiser.image_shape,
+        denoiser.n_classes,
+        cfg,
+        n_public,
+        generator=generator,
+        progress=fit_progress,
+        device=dev,
     )
     images, labels = generate_aux_images(gen, cfg.warmup.frequency_images, generator)
     result = frequency_warmup(denoiser, images, labels, cfg, generator=generator, progress=train_progress)
@@ -284,11 +331,20 @@ def frequency_warmup_from_release(
     federation's ``combine_frequency`` result): omega is rebuilt from the release's public seed."""
     c, h, w = denoiser.image_shape
     if release.image_shape is not None and tuple(release.image_shape) != (c, h, w):
-        raise DataError(f"frequency release is for images {tuple(release.image_shape)}, the model for {(c, h, w)}")
+        raise DataError(
+            f"frequency release is for images {tuple(release.image_shape)}, the model for {(c, h, w)}"
+        )
     if release.n_classes != denoiser.n_classes:
         raise DataError(f"frequency release has {release.n_classes} classes, the model {denoiser.n_classes}")
-    fmap = dataclasses.replace(release, image_shape=(c, h, w)).feature_map()  # the model's shape when unrecorded
+    # the model's shape when unrecorded
+    fmap = dataclasses.replace(release, image_shape=(c, h, w)).feature_map()
     return run_frequency_stage(
-        denoiser, release.embedding, fmap, cfg, release.n_public, generator=generator,
-        fit_progress=fit_progress, train_progress=train_progress,
+        denoiser,
+        release.embedding,
+        fmap,
+        cfg,
+        release.n_public,
+        generator=generator,
+        fit_progress=fit_progress,
+        train_progress=train_progress,
     )

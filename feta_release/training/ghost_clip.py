@@ -1,65 +1,70 @@
 """Per-example gradients from ONE ordinary batched forward/backward (layer hooks), for the DP-SGD engine.
 
-``training.dpsgd.per_example_grads`` computes, for each example of a chunk, the gradient of that example's loss
-(the MEAN of its loss over the K noise draws / augmented copies) with respect to every trainable parameter. The
-torch.func path does it with ``vmap(grad(...))``; this module does the same computation the way the book-keeping
-method of Bu et al. (2023) does: one batched forward over the B*K rows with forward hooks that keep each layer's
-input and put a tap (``_Tap``) on its output, one backward of the summed loss that computes the layers' OUTPUT
-gradients only (so autograd never computes the batch weight gradients, which the per-example ones replace), and,
-per layer, the per-example weight gradient from (input, output gradient), computed by the tap as soon as autograd
-has that output gradient:
+``training.dpsgd.per_example_grads`` computes, for each example of a chunk, the gradient of that example's
+loss (the MEAN of its loss over the K noise draws / augmented copies) with respect to every trainable
+parameter. The torch.func path does it with ``vmap(grad(...))``; this module does the same computation the way
+the book-keeping method of Bu et al. (2023) does: one batched forward over the B*K rows with forward hooks
+that keep each layer's input and put a tap (``_Tap``) on its output, one backward of the summed loss that
+computes the layers' OUTPUT gradients only (so autograd never computes the batch weight gradients, which the
+per-example ones replace), and, per layer, the per-example weight gradient from (input, output gradient),
+computed by the tap as soon as autograd has that output gradient:
 
 * ``Linear``: ``G_i = sum_t g_it a_it^T`` over the example's positions t (its K rows and any sequence axis);
-* ``Conv2d``: the same over the input patches, as one grouped-conv weight gradient (examples as groups); a conv
-  with at most 4 output channels by a loop over examples, a 1x1 conv by batched matmuls (``_conv_grads``);
+* ``Conv2d``: the same over the input patches, as one grouped-conv weight gradient (examples as groups); a
+  conv with at most 4 output channels by a loop over examples, a 1x1 conv by batched matmuls
+  (``_conv_grads``);
 * ``GroupNorm``: ``sum_t g_it * xhat_it``, bias ``sum_t g_it``, by the native GroupNorm backward with the
   forward's own mean and 1/std (``_group_norm``);
 * ``Embedding``: the output gradients scattered to the rows of the looked-up indices.
 
-Rows are K-major (``BatchedLoss``): row k*B + i is copy k of example i, so a layer's (B*K, ...) tensor reshapes
-to (K, B, ...) and, for a conv, to the (K, B*C, H, W) of the grouped weight gradient without a copy (example-major
-rows needed a transpose copy of every layer's input and output gradient, 10-20% of the conv rule).
+Rows are K-major (``BatchedLoss``): row k*B + i is copy k of example i, so a layer's (B*K, ...) tensor
+reshapes to (K, B, ...) and, for a conv, to the (K, B*C, H, W) of the grouped weight gradient without a copy
+(example-major rows needed a transpose copy of every layer's input and output gradient, 10-20% of the conv
+rule).
 
-The K copies of one example are treated as extra positions of that example (summed inside its gradient BEFORE the
-norm), which is exactly the torch.func semantic: one clipped vector per example, the gradient of its K-draw mean.
+The K copies of one example are treated as extra positions of that example (summed inside its gradient BEFORE
+the norm), which is exactly the torch.func semantic: one clipped vector per example, the gradient of its
+K-draw mean.
 
-Why instantiate and not the ghost norm: the ghost norm ``||G_i||^2 = sum_{t,s} (a_t.a_s)(g_t.g_s)`` costs ~2T^2
-per example against T*d_in*d_out for ``G_i`` itself (T positions), so it wins when 2T^2 < d_in*d_out (Bu et al.'s
-per-layer rule). On the cpu-eps1 UNet no conv qualifies: T = K*H*W >= 196 gives 2T^2 >= 76,832 against
-d_in*d_out <= 576*32 = 18,432. The embedding MLP's Linear layers (T = K, d_in*d_out <= 64*64) do qualify, but all of
-them together took ~2 ms of a ~500 ms step (measured, B = 16, K = 4): the ghost norm would save nothing measurable,
-and instantiating yields the per-example gradients that the rest of the engine already consumes (``clip_and_sum``,
-the patient ``group_sum``, FedSGD's per-record ``clipped_rows``, the padding): nothing downstream changes, and the
-norm is computed from the very same vectors. For a conv, instantiating costs the FLOPs of the weight gradient an
-ordinary backward computes (which the backward here skips).
+Why instantiate and not the ghost norm: the ghost norm ``||G_i||^2 = sum_{t,s} (a_t.a_s)(g_t.g_s)`` costs
+~2T^2 per example against T*d_in*d_out for ``G_i`` itself (T positions), so it wins when 2T^2 < d_in*d_out (Bu
+et al.'s per-layer rule). On the cpu-eps1 UNet no conv qualifies: T = K*H*W >= 196 gives 2T^2 >= 76,832
+against d_in*d_out <= 576*32 = 18,432. The embedding MLP's Linear layers (T = K, d_in*d_out <= 64*64) do
+qualify, but all of them together took ~2 ms of a ~500 ms step (measured, B = 16, K = 4): the ghost norm would
+save nothing measurable, and instantiating yields the per-example gradients that the rest of the engine
+already consumes (``clip_and_sum``, the patient ``group_sum``, FedSGD's per-record ``clipped_rows``, the
+padding): nothing downstream changes, and the norm is computed from the very same vectors. For a conv,
+instantiating costs the FLOPs of the weight gradient an ordinary backward computes (which the backward here
+skips).
 
-Why not Opacus (1.6 installed): its ghost mode (``grad_sample_mode="ghost"``) clips each ROW, and the norm of a K-row
-mean is not a function of the K row norms, so it cannot keep the K-multiplicity semantic; its ``GradSampleModule``
-hooks materialise one gradient per ROW (K times more) and measured 3.08x the non-private step in
-``bench/bench_dpsgd.py`` (this module's figure: docs/evaluation.md, "DP-SGD step cost").
+Why not Opacus (1.6 installed): its ghost mode (``grad_sample_mode="ghost"``) clips each ROW, and the norm of
+a K-row mean is not a function of the K row norms, so it cannot keep the K-multiplicity semantic; its
+``GradSampleModule`` hooks materialise one gradient per ROW (K times more) and measured 3.08x the non-private
+step in ``bench/bench_dpsgd.py`` (this module's figure: docs/evaluation.md, "DP-SGD step cost").
 
-Privacy argument (unchanged, see ``training.dpsgd``): each sampled example contributes one gradient vector, clipped
-to L2 norm C over all trainable parameters together; the clipped sum gets N(0, (sigma C)^2) noise once per step.
-This module only changes HOW the per-example vectors are computed, so it must compute the same vectors:
-``tests/training/test_ghost_clip.py`` checks them against the torch.func path on the real denoiser (K = 1 and 4, clipped and
-unclipped examples) and on random small layers. The decomposition ``per-example gradient = sum over the example's
-rows`` holds only when the model treats rows independently (no BatchNorm, no op across the batch axis): the
-modules that would mix rows are refused (``unsupported``) and the caller falls back to torch.func, never skipping a
-parameter. A model whose own code mixes rows by other means (e.g. ``x.mean(0)``) must not use this engine: the
-UNet keeps that constraint for vmap already (``models.unet``).
+Privacy argument (unchanged, see ``training.dpsgd``): each sampled example contributes one gradient vector,
+clipped to L2 norm C over all trainable parameters together; the clipped sum gets N(0, (sigma C)^2) noise once
+per step. This module only changes HOW the per-example vectors are computed, so it must compute the same
+vectors: ``tests/training/test_ghost_clip.py`` checks them against the torch.func path on the real denoiser (K
+= 1 and 4, clipped and unclipped examples) and on random small layers. The decomposition ``per-example
+gradient = sum over the example's rows`` holds only when the model treats rows independently (no BatchNorm, no
+op across the batch axis): the modules that would mix rows are refused (``unsupported``) and the caller falls
+back to torch.func, never skipping a parameter. A model whose own code mixes rows by other means (e.g.
+``x.mean(0)``) must not use this engine: the UNet keeps that constraint for vmap already (``models.unet``).
 
-The rules see a parameter only through its own module's forward (input, output gradient), so they also hold only
-when every use of the parameter IS that forward, the library's, with options the rule implements (the
+The rules see a parameter only through its own module's forward (input, output gradient), so they also hold
+only when every use of the parameter IS that forward, the library's, with options the rule implements (the
 former engine returned other vectors than torch.func, silently, for weight tying through ``F.linear(h,
-emb.weight)``, ``Embedding(scale_grad_by_freq=True)``, a subclass's own forward, a forward hook, an extra parameter
-such as the old ``weight_norm``'s, and a layer over rows that are not the batch's). What the module tree shows is
-refused by ``unsupported`` (shared parameters, options, subclasses, hooks, unknown parameters); the rest only shows
-when the model runs, so the engine's choice (``training.dpsgd.select_engine(check=True)``: the trainer's build,
-a FedSGD round) also runs ``cross_check`` once: uses of each parameter counted in the autograd graph against its
-module's calls, then the hooks' per-example gradients against each example's own backward, on a 2-example dummy
-batch from a fixed public generator and a scrambled copy of the model. Most of these errors leave each vector a
-function of its own example (wrong, still clipped: the sum's sensitivity stays C); rows that are not the batch's
-do not (an "example" gradient then sums other examples' rows, and the clip no longer bounds one example).
+emb.weight)``, ``Embedding(scale_grad_by_freq=True)``, a subclass's own forward, a forward hook, an extra
+parameter such as the old ``weight_norm``'s, and a layer over rows that are not the batch's). What the module
+tree shows is refused by ``unsupported`` (shared parameters, options, subclasses, hooks, unknown parameters);
+the rest only shows when the model runs, so the engine's choice (``training.dpsgd.select_engine(check=True)``:
+the trainer's build, a FedSGD round) also runs ``cross_check`` once: uses of each parameter counted in the
+autograd graph against its module's calls, then the hooks' per-example gradients against each example's own
+backward, on a 2-example dummy batch from a fixed public generator and a scrambled copy of the model. Most of
+these errors leave each vector a function of its own example (wrong, still clipped: the sum's sensitivity
+stays C); rows that are not the batch's do not (an "example" gradient then sums other examples' rows, and the
+clip no longer bounds one example).
 """
 
 from __future__ import annotations
@@ -83,45 +88,60 @@ K_MAJOR = "k-major"
 
 @runtime_checkable
 class BatchedLoss(Protocol):
-    """A per-example loss that also has a batched form: ``batched(model, x (B,...), y (B,), rand)`` returns the B
-    per-example losses from ONE call of ``model`` over R = B*r rows, row k*B + i holding copy k (0 <= k < r) of
-    example i (K-major: the B examples' first copies, then their second copies, ...), and equals
+    """A per-example loss that also has a batched form: ``batched(model, x (B,...), y (B,), rand)`` returns
+    the B per-example losses from ONE call of ``model`` over R = B*r rows, row k*B + i holding copy k (0 <= k
+    < r) of example i (K-major: the B examples' first copies, then their second copies, ...), and equals
     ``loss(model, x[i], y[i], rand_i)`` for each i.
 
-    ``row_order`` must be ``"k-major"`` (``K_MAJOR``): the declaration that ``batched`` lays its rows out that way.
-    The engine reads row k*B + i as example i's; a loss laid out otherwise (e.g. example-major, the layout before
-    this one) would have each "example" gradient sum rows of several examples, so one example could reach several
-    clipped vectors (sensitivity above C). A loss without the declaration is never given to these hooks
-    (``training.dpsgd.select_engine`` falls back to torch.func)."""
+    ``row_order`` must be ``"k-major"`` (``K_MAJOR``): the declaration that ``batched`` lays its rows out that
+    way. The engine reads row k*B + i as example i's; a loss laid out otherwise (e.g. example-major, the
+    layout before this one) would have each "example" gradient sum rows of several examples, so one example
+    could reach several clipped vectors (sensitivity above C). A loss without the declaration is never given
+    to these hooks (``training.dpsgd.select_engine`` falls back to torch.func)."""
 
     row_order: str
 
-    def batched(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor: ...
+    def batched(
+        self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]
+    ) -> Tensor: ...
 
 
 def batched_form(loss: object) -> bool:
-    """Whether ``loss`` has a batched form these hooks may use (``BatchedLoss`` with K-major rows declared)."""
+    """Whether ``loss`` has a batched form these hooks may use (``BatchedLoss`` with K-major rows
+    declared)."""
     return isinstance(loss, BatchedLoss) and getattr(loss, "row_order", None) == K_MAJOR
 
 
 def _options_problem(m: nn.Module) -> str | None:
-    """A module option no rule implements (None: the rule computes exactly what the module's backward would)."""
-    if isinstance(m, nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str)):
+    """A module option no rule implements (None: the rule computes exactly what the module's backward
+    would)."""
+    if isinstance(m, nn.Conv2d) and (
+        m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str)
+    ):
         return "Conv2d with groups, a padding mode or string padding"
     if isinstance(m, nn.Embedding):
-        # scale_grad_by_freq divides by each index's count in the WHOLE batch of rows: the rule would have to count
-        # per example (torch.func's semantic); max_norm renormalises the weight in the forward; sparse: no rule
-        bad = [o for o, on in (("max_norm", m.max_norm is not None), ("sparse", m.sparse),
-                               ("scale_grad_by_freq", m.scale_grad_by_freq)) if on]
+        # scale_grad_by_freq divides by each index's count in the WHOLE batch of rows: the rule would have to
+        # count per example (torch.func's semantic); max_norm renormalises the weight in the forward; sparse:
+        # no rule
+        bad = [
+            o
+            for o, on in (
+                ("max_norm", m.max_norm is not None),
+                ("sparse", m.sparse),
+                ("scale_grad_by_freq", m.scale_grad_by_freq),
+            )
+            if on
+        ]
         return f"Embedding with {' and '.join(bad)}" if bad else None
     return None
 
 
 def _module_problem(m: nn.Module) -> str | None:
-    """Why this module's own trainable parameters cannot be handled here (None: they can). The rules see a module
-    only through its forward's input and output, so they hold only for the library's own forward (a subclass's may
-    use the weight otherwise), with no forward hook (a hook's changed output is what the tap would differentiate),
-    for the parameters the rule knows (``weight``, ``bias``: not e.g. the old ``weight_norm``'s ``weight_g``)."""
+    """Why this module's own trainable parameters cannot be handled here (None: they can). The rules see a
+    module only through its forward's input and output, so they hold only for the library's own forward (a
+    subclass's may use the weight otherwise), with no forward hook (a hook's changed output is what the tap
+    would differentiate), for the parameters the rule knows (``weight``, ``bias``: not e.g. the old
+    ``weight_norm``'s ``weight_g``)."""
     base = next((cls for cls in _RULES if isinstance(m, cls)), None)
     if base is None:
         return f"no per-example rule for {type(m).__name__}"
@@ -132,29 +152,39 @@ def _module_problem(m: nn.Module) -> str | None:
     known = ("weight",) if base is nn.Embedding else ("weight", "bias")
     extra = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad and n not in known]
     if extra:
-        return f"parameter(s) {', '.join(extra)} that no rule computes (e.g. the old weight_norm's weight_g/weight_v)"
+        return (
+            f"parameter(s) {', '.join(extra)} that no rule computes (e.g. the old weight_norm's "
+            "weight_g/weight_v)"
+        )
     return _options_problem(m)
 
 
 def _shared(model: nn.Module) -> list[str]:
     """Trainable parameters registered in more than one place (weight tying between modules): refused, because
-    which uses reach a parameter is not something a module's rule can see (one module registered under two names is
-    one owner: its calls add up, as for any module called twice)."""
+    which uses reach a parameter is not something a module's rule can see (one module registered under two
+    names is one owner: its calls add up, as for any module called twice)."""
     owners: dict[int, list[str]] = {}
     for name, m in model.named_modules():
         for attr, p in m.named_parameters(recurse=False):
             if p.requires_grad:
                 owners.setdefault(id(p), []).append(f"{name}.{attr}" if name else attr)
-    return [f"{' = '.join(o)}: one parameter shared by several modules (weight tying); untie it or use "
-            "per_example = \"vmap\"" for o in owners.values() if len(o) > 1]
+    return [
+        f"{' = '.join(o)}: one parameter shared by several modules (weight tying); untie it or use "
+        'per_example = "vmap"'
+        for o in owners.values()
+        if len(o) > 1
+    ]
 
 
 def unsupported(model: nn.Module) -> list[str]:
-    """Reasons this engine cannot compute ``model``'s per-example gradients (empty: it can, as far as the module
-    tree shows; a parameter used outside its module's forward shows only when the model runs: ``cross_check``)."""
+    """Reasons this engine cannot compute ``model``'s per-example gradients (empty: it can, as far as the
+    module tree shows; a parameter used outside its module's forward shows only when the model runs:
+    ``cross_check``)."""
     out = _shared(model)
     if nn.modules.module._global_forward_hooks:
-        out.append("a global forward hook (nn.modules.module.register_module_forward_hook) changes layer outputs")
+        out.append(
+            "a global forward hook (nn.modules.module.register_module_forward_hook) changes layer outputs"
+        )
     for name, m in model.named_modules():
         if isinstance(m, _ROW_MIXING):
             out.append(f"{name or 'model'}: {type(m).__name__} mixes the rows of a batch")
@@ -167,10 +197,13 @@ def unsupported(model: nn.Module) -> list[str]:
 
 
 def _by_copy(t: Tensor, b: int) -> Tensor:
-    """(R, ...) rows -> (R/B, B, ...): K-major rows (row k*B + i = copy k of example i), so a view, never a copy."""
+    """(R, ...) rows -> (R/B, B, ...): K-major rows (row k*B + i = copy k of example i), so a view, never a
+    copy."""
     r = t.shape[0] // b
     if r * b != t.shape[0]:
-        raise ValueError(f"per-example hooks: a layer saw {t.shape[0]} rows, not a multiple of the {b} examples")
+        raise ValueError(
+            f"per-example hooks: a layer saw {t.shape[0]} rows, not a multiple of the {b} examples"
+        )
     return t.reshape(r, b, *t.shape[1:])
 
 
@@ -188,9 +221,10 @@ _LOOP_MAX_OUT = 4  # convs with at most this many output channels take the per-e
 
 
 def _pointwise_weight(a: Tensor, g: Tensor, b: int) -> Tensor:
-    """(B, C_out, C_in) per-example weight gradients of a 1x1 conv (stride 1, no padding): one batched matmul per
-    copy k, accumulated. A grouped 1x1 convolution_backward falls back to one small kernel per group on CPU:
-    0.85 vs 0.61 ms (the UNet's 32 -> 16 skip conv at 28x28, B = 16, K = 4), 0.37 vs 0.30 ms at B = 32, K = 1."""
+    """(B, C_out, C_in) per-example weight gradients of a 1x1 conv (stride 1, no padding): one batched matmul
+    per copy k, accumulated. A grouped 1x1 convolution_backward falls back to one small kernel per group
+    on CPU: 0.85 vs 0.61 ms (the UNet's 32 -> 16 skip conv at 28x28, B = 16, K = 4), 0.37 vs 0.30 ms at B =
+    32, K = 1."""
     r = a.shape[0] // b
     a3, g3 = a.reshape(r, b, a.shape[1], -1), g.reshape(r, b, g.shape[1], -1)  # (r, B, C, HW): views
     out = torch.bmm(g3[0], a3[0].transpose(1, 2))
@@ -200,7 +234,8 @@ def _pointwise_weight(a: Tensor, g: Tensor, b: int) -> Tensor:
 
 
 def _bias(m: nn.Conv2d, g: Tensor, b: int) -> Tensor | None:
-    """(B, C_out) per-example bias gradients (None without a bias): sums over each example's rows and pixels."""
+    """(B, C_out) per-example bias gradients (None without a bias): sums over each example's rows and
+    pixels."""
     if m.bias is None:
         return None
     r = g.shape[0] // b
@@ -208,35 +243,46 @@ def _bias(m: nn.Conv2d, g: Tensor, b: int) -> Tensor | None:
 
 
 def _conv_grads(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> tuple[Tensor, Tensor | None]:
-    """Each example's weight gradient (B, *weight.shape) and bias gradient (B, C_out) (None without a bias), summed
-    over its r = R/B rows."""
+    """Each example's weight gradient (B, *weight.shape) and bias gradient (B, C_out) (None without a bias),
+    summed over its r = R/B rows."""
     args = (list(m.stride), list(m.padding), list(m.dilation), False, [0, 0])
     r = a.shape[0] // b
     if m.out_channels <= _LOOP_MAX_OUT:
-        # The grouped kernel is at its worst with very few output channels per group: 16 -> 1, 2 or 4 channels,
-        # 3x3, 28x28 took 4.3-4.5 ms grouped vs 1.9-2.0 ms in this loop at B = 16, K = 4, and 2.1-2.2 vs 1.0-1.4 ms
-        # at B = 32, K = 1 (1 thread, best of 5 runs). From 8 output channels the loop's B small kernels lose (16 -> 8:
-        # 1.2 grouped vs 2.0 ms; the UNet's 16 -> 16: 1.2 vs 2.0 ms in place); a small C_in does not help the loop
-        # (the UNet's 1 -> 16 input conv: 0.65 grouped vs 0.84 ms).
+        # The grouped kernel is at its worst with very few output channels per group: 16 -> 1, 2 or 4
+        # channels, 3x3, 28x28 took 4.3-4.5 ms grouped vs 1.9-2.0 ms in this loop at B = 16, K = 4, and
+        # 2.1-2.2 vs 1.0-1.4 ms at B = 32, K = 1 (1 thread, best of 5 runs). From 8 output channels the loop's
+        # B small kernels lose (16 -> 8: 1.2 grouped vs 2.0 ms; the UNet's 16 -> 16: 1.2 vs 2.0 ms in place);
+        # a small C_in does not help the loop (the UNet's 1 -> 16 input conv: 0.65 grouped vs 0.84 ms).
         a5, g5 = _by_copy(a, b), _by_copy(g, b)
-        return torch.stack([torch.ops.aten.convolution_backward(g5[:, i], a5[:, i], m.weight.detach(), None, *args, 1,
-                                                                [False, True, False])[1] for i in range(b)]), _bias(m, g, b)
+        return torch.stack(
+            [
+                torch.ops.aten.convolution_backward(
+                    g5[:, i], a5[:, i], m.weight.detach(), None, *args, 1, [False, True, False]
+                )[1]
+                for i in range(b)
+            ]
+        ), _bias(m, g, b)
     if m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0):
         return _pointwise_weight(a, g, b).reshape(b, *m.weight.shape), _bias(m, g, b)
-    # The per-example weight gradient of a conv IS a weight gradient: that of a grouped conv with one group per
-    # example, over a "batch" of the example's r rows. K-major rows make (r, B*C, H, W) a view of the layer's
-    # own tensors (no copy), and one convolution_backward computes all B gradients in the native kernel:
-    # im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the input).
-    # The grouped weight's VALUES never enter a weight gradient (only its shape does): a zero buffer instead of B
-    # copies of the weight (a copy as large as the per-example gradients themselves); zeros, not uninitialised
-    # memory, so that a backend which did read it would give a wrong-but-deterministic result the cross-check
-    # against torch.func catches, never NaN bits the clip would silently drop. The bias
-    # gradient comes from the same call (per group = per example): 32.8 vs 34.3 ms for the UNet's grouped convs
-    # with a separate sum (B = 16, K = 4).
+    # The per-example weight gradient of a conv IS a weight gradient: that of a grouped conv with one group
+    # per example, over a "batch" of the example's r rows. K-major rows make (r, B*C, H, W) a view of the
+    # layer's own tensors (no copy), and one convolution_backward computes all B gradients in the native
+    # kernel: im2col + a batched GEMM measured 3x slower on CPU (the unfolded patches are kh*kw times the
+    # input). The grouped weight's VALUES never enter a weight gradient (only its shape does): a zero buffer
+    # instead of B copies of the weight (a copy as large as the per-example gradients themselves); zeros, not
+    # uninitialised memory, so that a backend which did read it would give a wrong-but-deterministic result
+    # the cross-check against torch.func catches, never NaN bits the clip would silently drop. The bias
+    # gradient comes from the same call (per group = per example): 32.8 vs 34.3 ms for the UNet's grouped
+    # convs with a separate sum (B = 16, K = 4).
     w, has_bias = m.weight.new_zeros((b * m.out_channels, *m.weight.shape[1:])), m.bias is not None
     _, gw, gb = torch.ops.aten.convolution_backward(
-        g.reshape(r, -1, *g.shape[2:]), a.reshape(r, -1, *a.shape[2:]), w,
-        [b * m.out_channels] if has_bias else None, *args, b, [False, True, has_bias],
+        g.reshape(r, -1, *g.shape[2:]),
+        a.reshape(r, -1, *a.shape[2:]),
+        w,
+        [b * m.out_channels] if has_bias else None,
+        *args,
+        b,
+        [False, True, has_bias],
     )
     return gw.reshape(b, *m.weight.shape), gb.reshape(b, -1) if has_bias else None
 
@@ -247,29 +293,41 @@ def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
 
 
 def _group_norm_stats(m: nn.GroupNorm, a: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
-    """The forward's own per-(row, group) mean and 1/std, (R, G) each, taken from the autograd node that saved them
-    for the backward (free, and exactly the values the forward normalised with); recomputed by the same native
-    op if that node is not there (another dispatch path)."""
+    """The forward's own per-(row, group) mean and 1/std, (R, G) each, taken from the autograd node that saved
+    them for the backward (free, and exactly the values the forward normalised with); recomputed by the same
+    native op if that node is not there (another dispatch path)."""
     fn = out.grad_fn
     if fn is not None and fn.name() == "NativeGroupNormBackward0":
         return fn._saved_result1.detach(), fn._saved_result2.detach()
     n, c = a.shape[:2]
-    _, mean, rstd = torch.ops.aten.native_group_norm(a, None, None, n, c, a[0, 0].numel(), m.num_groups, m.eps)
+    _, mean, rstd = torch.ops.aten.native_group_norm(
+        a, None, None, n, c, a[0, 0].numel(), m.num_groups, m.eps
+    )
     return mean, rstd
 
 
-def _group_norm(m: nn.GroupNorm, a: Tensor, g: Tensor, b: int, mean: Tensor, rstd: Tensor) -> dict[str, Tensor]:
-    # Each example's weight gradient sum_t g_t * xhat_t (bias: sum_t g_t) IS a GroupNorm weight gradient: that of
-    # the (r, B*C, HW) view of the K-major rows with B*G groups, whose per-(row, group) statistics are the forward's
-    # (R, G) ones reshaped. The native backward computes it from (g, input, mean, rstd) in one pass, without the
-    # normalised input (recomputing it with F.group_norm took ~4x as long, measured).
+def _group_norm(
+    m: nn.GroupNorm, a: Tensor, g: Tensor, b: int, mean: Tensor, rstd: Tensor
+) -> dict[str, Tensor]:
+    # Each example's weight gradient sum_t g_t * xhat_t (bias: sum_t g_t) IS a GroupNorm weight gradient: that
+    # of the (r, B*C, HW) view of the K-major rows with B*G groups, whose per-(row, group) statistics are the
+    # forward's (R, G) ones reshaped. The native backward computes it from (g, input, mean, rstd) in one pass,
+    # without the normalised input (recomputing it with F.group_norm took ~4x as long, measured).
     r, c, hw = a.shape[0] // b, a.shape[1], a[0, 0].numel()
     want = [False, m.weight is not None, m.bias is not None]
-    # the native kernel reads its inputs as contiguous rows (an output gradient can come strided: measured wrong)
+    # the native kernel reads its inputs as contiguous rows (an output gradient can come strided: measured
+    # wrong)
     _, gw, gb = torch.ops.aten.native_group_norm_backward(
-        g.contiguous().reshape(r, b * c, hw), a.contiguous().reshape(r, b * c, hw),
-        mean.contiguous().reshape(r, -1), rstd.contiguous().reshape(r, -1),
-        a.new_ones(b * c), r, b * c, hw, b * m.num_groups, want,
+        g.contiguous().reshape(r, b * c, hw),
+        a.contiguous().reshape(r, b * c, hw),
+        mean.contiguous().reshape(r, -1),
+        rstd.contiguous().reshape(r, -1),
+        a.new_ones(b * c),
+        r,
+        b * c,
+        hw,
+        b * m.num_groups,
+        want,
     )
     out = {}
     if want[1]:
@@ -283,14 +341,21 @@ def _embedding(m: nn.Embedding, idx: Tensor, g: Tensor, b: int) -> dict[str, Ten
     n, d = m.weight.shape
     idx = _by_copy(idx, b).reshape(-1, b, idx[0].numel())  # (r, B, positions): example i is column i
     flat = (idx + torch.arange(b, device=idx.device)[None, :, None] * n).flatten()
-    w = torch.zeros(b * n, d, dtype=g.dtype, device=g.device).index_add_(0, flat, g.reshape(-1, d)).reshape(b, n, d)
+    w = (
+        torch.zeros(b * n, d, dtype=g.dtype, device=g.device)
+        .index_add_(0, flat, g.reshape(-1, d))
+        .reshape(b, n, d)
+    )
     if m.padding_idx is not None:  # torch never updates the padding row
         w[:, m.padding_idx] = 0
     return {"weight": w}
 
 
 _RULES: dict[type[nn.Module], Callable[..., dict[str, Tensor]]] = {
-    nn.Linear: _linear, nn.Conv2d: _conv2d, nn.GroupNorm: _group_norm, nn.Embedding: _embedding,
+    nn.Linear: _linear,
+    nn.Conv2d: _conv2d,
+    nn.GroupNorm: _group_norm,
+    nn.Embedding: _embedding,
 }
 
 
@@ -299,21 +364,23 @@ def _rule(m: nn.Module) -> Callable[..., dict[str, Tensor]]:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity on a layer's output whose backward hands the output gradient to ``fn`` the moment autograd has it.
+    """Identity on a layer's output whose backward hands the output gradient to ``fn`` the moment autograd has
+    it.
 
-    Why: asking ``torch.autograd.grad`` for every layer output returns them all at once, ~150 MB alive together for
-    a 16-example chunk with K = 4; the allocator then gave those pages back to the OS and faulted them in again
-    every chunk (38,000 minor faults a chunk, as much system time as compute, measured). Consumed inside the
-    backward, each gradient is freed when its rule is done, as in an ordinary backward, and read while in cache.
-    The extra input ``root`` (a scalar leaf) is what the backward is taken with respect to: every tap leads to it,
-    so autograd runs every tap and every layer's input-gradient node, and still no weight gradient.
-    The output is a view made inside a custom Function, so torch refuses a model that changes it in place
-    (``F.silu(conv(x), inplace=True)``): asking autograd for the gradient of such an output (the former way) gave
-    that of the changed values, and silently wrong per-example gradients."""
+    Why: asking ``torch.autograd.grad`` for every layer output returns them all at once, ~150 MB alive
+    together for a 16-example chunk with K = 4; the allocator then gave those pages back to the OS and faulted
+    them in again every chunk (38,000 minor faults a chunk, as much system time as compute, measured).
+    Consumed inside the backward, each gradient is freed when its rule is done, as in an ordinary backward,
+    and read while in cache. The extra input ``root`` (a scalar leaf) is what the backward is taken with
+    respect to: every tap leads to it, so autograd runs every tap and every layer's input-gradient node, and
+    still no weight gradient. The output is a view made inside a custom Function, so torch refuses a model
+    that changes it in place (``F.silu(conv(x), inplace=True)``): asking autograd for the gradient of such an
+    output (the former way) gave that of the changed values, and silently wrong per-example gradients."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, root: Tensor,
-                fn: Callable[[Tensor], None]) -> Tensor:
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, out: Tensor, root: Tensor, fn: Callable[[Tensor], None]
+    ) -> Tensor:
         ctx.fn = fn  # type: ignore[attr-defined]
         return out.view_as(out)
 
@@ -324,10 +391,12 @@ class _Tap(torch.autograd.Function):
         return g, None, None
 
 
-def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
-               rand: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
-    """Per-example gradients (name -> (B, *shape), every trainable parameter) and per-example losses (B,), from one
-    batched forward and one backward to the layer outputs. The caller has checked ``unsupported(model) == []``."""
+def hook_grads(
+    model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Per-example gradients (name -> (B, *shape), every trainable parameter) and per-example losses (B,),
+    from one batched forward and one backward to the layer outputs. The caller has checked
+    ``unsupported(model) == []``."""
     b = x.shape[0]
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     grads: dict[str, Tensor] = {}
@@ -352,25 +421,31 @@ def hook_grads(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor,
     finally:
         for h in handles:
             h.remove()
-    if hooked:  # a tap the loss does not reach never runs: a zero contribution. Under no_grad this raises (loud,
+    # a tap the loss does not reach never runs: a zero contribution. Under no_grad this raises (loud,
+    if hooked:
         # as the former autograd.grad to the outputs did) rather than returning all-zero gradients
         torch.autograd.grad(values.sum(), root, allow_unused=True)
     params = dict(model.named_parameters())
-    full = {n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))
-            for n in names.values()}
+    full = {
+        n: grads.get(n, torch.zeros((b, *params[n].shape), dtype=params[n].dtype, device=params[n].device))
+        for n in names.values()
+    }
     return full, values.detach()
 
 
-# -- the cross-check (once, when an engine is chosen: training.dpsgd.select_engine) ---------------------------------
+# -- the cross-check (once, when an engine is chosen: training.dpsgd.select_engine)
+# ---------------------------------
 
-_CHECK_SEED = 20261124  # the dummy batch's and the scrambled weights' generator: fixed and public, never site data
-_RTOL, _ATOL = 1e-2, 1e-4  # per parameter, relative to its own norm / to the whole gradient's (rounding: ~1e-7)
+# the dummy batch's and the scrambled weights' generator: fixed and public, never site data
+_CHECK_SEED = 20261124
+# per parameter, relative to its own norm / to the whole gradient's (rounding: ~1e-7)
+_RTOL, _ATOL = 1e-2, 1e-4
 
 
 def _scrambled(model: nn.Module, gen: torch.Generator) -> nn.Module:
-    """A copy of ``model`` with every parameter redrawn from ``gen`` (fan-in scaled) and dropout off, in train mode:
-    the check then depends on the model's structure only (not its weights, not the site's data), no branch hides
-    behind a zero-initialised layer, and the two engines' dropout draws cannot differ."""
+    """A copy of ``model`` with every parameter redrawn from ``gen`` (fan-in scaled) and dropout off, in train
+    mode: the check then depends on the model's structure only (not its weights, not the site's data), no
+    branch hides behind a zero-initialised layer, and the two engines' dropout draws cannot differ."""
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for p in twin.parameters():
@@ -383,7 +458,8 @@ def _scrambled(model: nn.Module, gen: torch.Generator) -> nn.Module:
 
 
 def _graph_uses(out: Tensor) -> dict[int, int]:
-    """How many times each leaf tensor enters the autograd graph of ``out`` (edges into its AccumulateGrad node)."""
+    """How many times each leaf tensor enters the autograd graph of ``out`` (edges into its AccumulateGrad
+    node)."""
     uses: dict[int, int] = {}
     seen, todo = set(), [out.grad_fn]
     while todo:
@@ -399,12 +475,18 @@ def _graph_uses(out: Tensor) -> dict[int, int]:
     return uses
 
 
-def _outside_uses(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> str | None:
+def _outside_uses(
+    model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]
+) -> str | None:
     """A trainable parameter the forward uses more often than its module runs is also used OUTSIDE its module
-    (weight tying through ``F.linear(h, emb.weight)``): that use's gradient no rule sees. Each supported module's
-    forward uses each of its parameters once (one edge into the parameter's graph leaf per call)."""
-    owner = {id(p): (name, m) for name, m in model.named_modules() for p in m.parameters(recurse=False)
-             if p.requires_grad}
+    (weight tying through ``F.linear(h, emb.weight)``): that use's gradient no rule sees. Each supported
+    module's forward uses each of its parameters once (one edge into the parameter's graph leaf per call)."""
+    owner = {
+        id(p): (name, m)
+        for name, m in model.named_modules()
+        for p in m.parameters(recurse=False)
+        if p.requires_grad
+    }
     calls: dict[int, int] = {}
 
     def count(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
@@ -418,50 +500,68 @@ def _outside_uses(model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, ran
             h.remove()
     for name, p in model.named_parameters():
         if p.requires_grad and uses.get(id(p), 0) > calls.get(id(owner[id(p)][1]), 0):
-            return (f"{name} is used {uses[id(p)]} time(s) in the forward but its module ran "
-                    f"{calls.get(id(owner[id(p)][1]), 0)}: a use outside the module (weight tying, e.g. "
-                    "F.linear(h, emb.weight)) that no rule sees")
+            return (
+                f"{name} is used {uses[id(p)]} time(s) in the forward but its module ran "
+                f"{calls.get(id(owner[id(p)][1]), 0)}: a use outside the module (weight tying, e.g. "
+                "F.linear(h, emb.weight)) that no rule sees"
+            )
     return None
 
 
-def _one_by_one(model: nn.Module, loss: Callable[..., Tensor], x: Tensor, y: Tensor,
-                rand: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The definition the hooks must meet: each example's own loss (``PerExampleLoss.__call__``, the one torch.func
-    differentiates) through an ordinary backward, one example at a time. Not torch.func itself: its first call in a
-    process costs ~0.8 s of warm-up (measured), the check's whole budget ten times over."""
+def _one_by_one(
+    model: nn.Module, loss: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """The definition the hooks must meet: each example's own loss (``PerExampleLoss.__call__``, the one
+    torch.func differentiates) through an ordinary backward, one example at a time. Not torch.func itself: its
+    first call in a process costs ~0.8 s of warm-up (measured), the check's whole budget ten times over."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    rows = [torch.autograd.grad(loss(model, x[i], y[i], {k: v[i] for k, v in rand.items()}), [p for _, p in named],
-                                allow_unused=True) for i in range(x.shape[0])]
-    return {n: torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows])
-            for j, (n, p) in enumerate(named)}
+    rows = [
+        torch.autograd.grad(
+            loss(model, x[i], y[i], {k: v[i] for k, v in rand.items()}),
+            [p for _, p in named],
+            allow_unused=True,
+        )
+        for i in range(x.shape[0])
+    ]
+    return {
+        n: torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows])
+        for j, (n, p) in enumerate(named)
+    }
 
 
 def _mismatch(got: dict[str, Tensor], ref: dict[str, Tensor]) -> str | None:
-    """The first parameter whose per-example gradients differ from the reference's beyond rounding (None: none)."""
+    """The first parameter whose per-example gradients differ from the reference's beyond rounding (None:
+    none)."""
     if list(got) != list(ref):
         return f"the hooks gave gradients for {sorted(got)}, not for {sorted(ref)}"
     total = math.sqrt(sum(float(r.double().pow(2).sum()) for r in ref.values()))
     for n, r in ref.items():
         err, size = float((got[n].double() - r.double()).norm()), float(r.double().norm())
         if not err <= _RTOL * size + _ATOL * total:  # a NaN fails too
-            return f"{n}: the hooks' per-example gradient is {err / max(size, 1e-30):.3g} (relative) off the true one"
+            return (
+                f"{n}: the hooks' per-example gradient is {err / max(size, 1e-30):.3g} (relative) off the "
+                "true one"
+            )
     return None
 
 
 def cross_check(model: nn.Module, loss: object, n: int = 2) -> str | None:
-    """Why the hooks' per-example gradients of ``model`` are not the true ones (each example's loss through its own
-    ordinary backward: ``_one_by_one``) on an ``n``-example dummy batch (None: they are, within float rounding).
-    The batch is ``loss.example(n, generator)`` and
-    ``loss.draw`` from a fixed public generator, on a scrambled copy of the model (``_scrambled``): never site data,
-    never the model's own weights or generators, and the model itself is not touched.
+    """Why the hooks' per-example gradients of ``model`` are not the true ones (each example's loss through
+    its own ordinary backward: ``_one_by_one``) on an ``n``-example dummy batch (None: they are, within float
+    rounding). The batch is ``loss.example(n, generator)`` and
+    ``loss.draw`` from a fixed public generator, on a scrambled copy of the model (``_scrambled``): never site
+    data, never the model's own weights or generators, and the model itself is not touched.
 
-    What it catches that ``unsupported`` cannot: a parameter used outside its module (exactly, by counting uses in
-    the autograd graph), and a layer applied to rows that are not the batch's (e.g. positions folded into the row
-    axis: one example's "gradient" then sums other examples' rows, which the clip no longer bounds)."""
+    What it catches that ``unsupported`` cannot: a parameter used outside its module (exactly, by counting
+    uses in the autograd graph), and a layer applied to rows that are not the batch's (e.g. positions folded
+    into the row axis: one example's "gradient" then sums other examples' rows, which the clip no longer
+    bounds)."""
     example, draw = getattr(loss, "example", None), getattr(loss, "draw", None)
     if not batched_form(loss) or not callable(example) or not callable(draw) or not callable(loss):
-        return (f"the loss {type(loss).__name__} gives no public dummy example (example(n, generator)) to "
-                "cross-check the hooks on")
+        return (
+            f"the loss {type(loss).__name__} gives no public dummy example (example(n, generator)) to "
+            "cross-check the hooks on"
+        )
     assert isinstance(loss, BatchedLoss)
     gen = torch.Generator().manual_seed(_CHECK_SEED)
     try:

@@ -1,9 +1,11 @@
-"""The local driver's coordinator side: a finished ``feta-release train`` run directory becomes the job directory
-of a one-site job (``feta_release.release.jobdir``), written by the same code as a federated coordinator's.
+"""The local driver's coordinator side: a finished ``feta-release train`` run directory becomes the job
+directory of a one-site job (``feta_release.release.jobdir``), written by the same code as a federated
+coordinator's.
 
 Roles, as in a federation: the SITE key (the run's ledger key) signs the site's spend statement from its own
-ledger; the COORDINATOR key signs the one-site job and the release manifest. The statement's events are the ledger's
-(charged before every release by the same ``Ledger`` a node uses), so the release's epsilon is the run's.
+ledger; the COORDINATOR key signs the one-site job and the release manifest. The statement's events are the
+ledger's (charged before every release by the same ``Ledger`` a node uses), so the release's epsilon is the
+run's.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from ..release.manifest import MANIFEST_FILE
 from ..signing import generate_keypair, load_private_key
 
 COORDINATOR_KEY = "checkpoints/coordinator.key"
-# A run trained without --policy signs a one-site policy for itself with a run-local administrator key, so that its
-# release verifies like a federated one (``verify --trusted SITE=RUN/keys/policy-admin.pub``). It binds what the run
-# used (public size, class list, image shape, its budget) and is only as trustworthy as the run folder's owner.
+# A run trained without --policy signs a one-site policy for itself with a run-local administrator key, so
+# that its release verifies like a federated one (``verify --trusted SITE=RUN/keys/policy-admin.pub``). It
+# binds what the run used (public size, class list, image shape, its budget) and is only as trustworthy as the
+# run folder's owner.
 RUN_POLICY = "policy.signed.json"
 RUN_ADMIN_KEY = "keys/policy-admin.key"
 
 
 def run_coordinator_key(run_dir: Path) -> Ed25519PrivateKey:
-    """The run's own coordinator key when none is given (created once, owner-only, beside the run's site key)."""
+    """The run's own coordinator key when none is given (created once, owner-only, beside the run's site
+    key)."""
     path = Path(run_dir) / COORDINATOR_KEY
     if not path.exists():
         generate_keypair(path.parent, "coordinator")
@@ -42,17 +46,25 @@ def run_coordinator_key(run_dir: Path) -> Ed25519PrivateKey:
 
 
 def needs_site_policy(events: Sequence[Any]) -> bool:
-    """A patient-level run (its DP-SGD sampled patients) has no run-local policy: the public patient count and cap
-    are the administrator's to declare and sign (``train --policy``)."""
+    """A patient-level run (its DP-SGD sampled patients) has no run-local policy: the public patient count and
+    cap are the administrator's to declare and sign (``train --policy``)."""
     return any(getattr(e, "unit", "image") == "patient" for e in events)
 
 
-def run_policy(run_dir: str | Path, data: Any, *, site_key: Ed25519PrivateKey, coordinator_key: Ed25519PrivateKey,
-               site_id: str | None, cfg: Any, events: Sequence[Any]) -> dict[str, Any]:
+def run_policy(
+    run_dir: str | Path,
+    data: Any,
+    *,
+    site_key: Ed25519PrivateKey,
+    coordinator_key: Ed25519PrivateKey,
+    site_id: str | None,
+    cfg: Any,
+    events: Sequence[Any],
+) -> dict[str, Any]:
     """The run's own signed one-site policy (``RUN_DIR/policy.signed.json``, made once): its budget the job's
-    ``[privacy]`` target, its caps admitting the run's releases, its dataset the run's public size with a keyed
-    commitment to ``data`` (secret ``RUN_DIR/keys/data.secret``), its declared schema the data's classes and shape,
-    signed with ``RUN_DIR/keys/policy-admin.key`` (0600, made here)."""
+    ``[privacy]`` target, its caps admitting the run's releases, its dataset the run's public size with a
+    keyed commitment to ``data`` (secret ``RUN_DIR/keys/data.secret``), its declared schema the data's classes
+    and shape, signed with ``RUN_DIR/keys/policy-admin.key`` (0600, made here)."""
     rd = Path(run_dir)
     path = rd / RUN_POLICY
     if path.is_file():
@@ -62,11 +74,18 @@ def run_policy(run_dir: str | Path, data: Any, *, site_key: Ed25519PrivateKey, c
         generate_keypair(keys, "policy-admin")
     secret, _ = ensure_secret(keys / "data.secret")
     run = dict(read_json(rd / "run.json", "run record"))
-    doc = make_policy(site_id or "site", dataset_commitment(data, secret), int(run["dataset_size"]),
-                      [coordinator_key.public_key()], per_job=(float(cfg.privacy.epsilon), float(cfg.privacy.delta)),
-                      lifetime=(float(cfg.privacy.epsilon), float(cfg.privacy.delta)), accountant=cfg.privacy.accountant,
-                      mechanisms=_admitting(events, int(run["dataset_size"])), site_key=site_key.public_key(),
-                      declared=DataDeclaration.draft_from(data))
+    doc = make_policy(
+        site_id or "site",
+        dataset_commitment(data, secret),
+        int(run["dataset_size"]),
+        [coordinator_key.public_key()],
+        per_job=(float(cfg.privacy.epsilon), float(cfg.privacy.delta)),
+        lifetime=(float(cfg.privacy.epsilon), float(cfg.privacy.delta)),
+        accountant=cfg.privacy.accountant,
+        mechanisms=_admitting(events, int(run["dataset_size"])),
+        site_key=site_key.public_key(),
+        declared=DataDeclaration.draft_from(data),
+    )
     doc["description"] = "one-site policy of a `feta-release train` run, signed with the run's own key"
     signed = sign_policy(doc, load_private_key(rd / RUN_ADMIN_KEY))
     write_signed_policy(path, signed)
@@ -74,14 +93,17 @@ def run_policy(run_dir: str | Path, data: Any, *, site_key: Ed25519PrivateKey, c
 
 
 def _admitting(events: Sequence[Any], size: int) -> dict[str, dict[str, Any]]:
-    """Mechanism caps that admit the run's own releases (the research defaults, widened where the run went past
-    them): the policy records the run, it does not gate it (the run was gated by its [privacy] budget)."""
+    """Mechanism caps that admit the run's own releases (the research defaults, widened where the run went
+    past them): the policy records the run, it does not gate it (the run was gated by its [privacy]
+    budget)."""
     out: dict[str, dict[str, Any]] = {}
     for stage, cap in (("central", "max_rounds"), ("frequency", None), ("dpsgd", "max_steps")):
         evs = [e for e in events if e.stage == stage]
         if not evs:
             continue
-        rule: dict[str, Any] = {"min_sigma": min(1.0 if stage != "dpsgd" else 0.5, *(float(e.sigma) for e in evs))}
+        rule: dict[str, Any] = {
+            "min_sigma": min(1.0 if stage != "dpsgd" else 0.5, *(float(e.sigma) for e in evs))
+        }
         if cap is not None:
             rule[cap] = max(50 if stage == "central" else 100000, sum(int(e.steps) for e in evs))
         if stage != "frequency":
@@ -90,23 +112,49 @@ def _admitting(events: Sequence[Any], size: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def release_run(run_dir: str | Path, *, site_key: Ed25519PrivateKey, coordinator_key: Ed25519PrivateKey,
-                site_id: str | None = None, signed_policy: dict[str, Any] | None = None) -> Path:
-    """Write the job files, privacy report, sample grid and ``RUN_DIR/release`` of a complete run; a run already
-    released is left as it is (a rerun of ``train`` on a complete run changes nothing)."""
+def release_run(
+    run_dir: str | Path,
+    *,
+    site_key: Ed25519PrivateKey,
+    coordinator_key: Ed25519PrivateKey,
+    site_id: str | None = None,
+    signed_policy: dict[str, Any] | None = None,
+) -> Path:
+    """Write the job files, privacy report, sample grid and ``RUN_DIR/release`` of a complete run; a run
+    already released is left as it is (a rerun of ``train`` on a complete run changes nothing)."""
     rd = Path(run_dir)
     if (rd / RELEASE / MANIFEST_FILE).is_file():
         return rd / RELEASE
-    a = attest_run(rd, coordinator_key=coordinator_key, site_key=site_key, site_id=site_id,
-                   signed_policy=signed_policy)
+    a = attest_run(
+        rd, coordinator_key=coordinator_key, site_key=site_key, site_id=site_id, signed_policy=signed_policy
+    )
     sid = a.site_id
-    summary = job_summary(a.signed_job["job"]["job_id"], [sid], a.classes, list(a.denoiser.image_shape), a.rounds, {},
-                          {sid: a.attestation}, dict(a.run.get("stage_seconds", {})))
-    write_job_files(rd, signed_job=a.signed_job, summary=summary, attestations={sid: a.attestation},
-                    signed_policies={sid: signed_policy} if signed_policy is not None else {})
+    summary = job_summary(
+        a.signed_job["job"]["job_id"],
+        [sid],
+        a.classes,
+        list(a.denoiser.image_shape),
+        a.rounds,
+        {},
+        {sid: a.attestation},
+        dict(a.run.get("stage_seconds", {})),
+    )
+    write_job_files(
+        rd,
+        signed_job=a.signed_job,
+        summary=summary,
+        attestations={sid: a.attestation},
+        signed_policies={sid: signed_policy} if signed_policy is not None else {},
+    )
     privacy_report(rd)
-    # the model, central images and aux pool attest_run checked against the ledger, not a second read of the files
-    # (a swap in between)
+    # the model, central images and aux pool attest_run checked against the ledger, not a second read of the
+    # files (a swap in between)
     sample_grid(rd, checked=(a.denoiser, a.central, a.aux_pool))
-    return build_release(rd, coordinator_key, require_policies=signed_policy is not None, starts=a.central,
-                         aux_pool=a.aux_pool, denoiser=a.denoiser)
+    return build_release(
+        rd,
+        coordinator_key,
+        require_policies=signed_policy is not None,
+        starts=a.central,
+        aux_pool=a.aux_pool,
+        denoiser=a.denoiser,
+    )

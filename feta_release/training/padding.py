@@ -1,19 +1,20 @@
 """Work padded to a public size: the time a site takes must not count its private sample.
 
-A site's reply latency (seen by the coordinator per request), and the CPU time of its worker (seen by other local
-users in ``/proc``), grow with the rows it processes. For a DP-SGD step that is the realised Poisson batch |B|,
-an un-noised count: over many steps its mean gives the site's exact size N, which only the public nominal size
-may stand for. So the work of each step is padded to a PUBLIC row count, the same bound FedSGD uses
-(``edge.fedsgd.padded_sample``): whole physical chunks covering q·n_public + ``PAD_SIGMAS`` standard deviations
-of Binomial(n_public, q), where a site holding more images than its public size uses ``public_rows`` (the public
-size doubled until it covers them: the bucket its padded whole-dataset passes already reveal) in place of n_public.
-A sample above the bound (probability < 3e-7 per step, since N <= that n) is processed whole and takes longer.
+A site's reply latency (seen by the coordinator per request), and the CPU time of its worker (seen by other
+local users in ``/proc``), grow with the rows it processes. For a DP-SGD step that is the realised Poisson
+batch |B|, an un-noised count: over many steps its mean gives the site's exact size N, which only the public
+nominal size may stand for. So the work of each step is padded to a PUBLIC row count, the same bound FedSGD
+uses (``edge.fedsgd.padded_sample``): whole physical chunks covering q·n_public + ``PAD_SIGMAS`` standard
+deviations of Binomial(n_public, q), where a site holding more images than its public size uses
+``public_rows`` (the public size doubled until it covers them: the bucket its padded whole-dataset passes
+already reveal) in place of n_public. A sample above the bound (probability < 3e-7 per step, since N <= that
+n) is processed whole and takes longer.
 
-Padding rows are dummy rows (copies of row 0) processed in their own calls after the real ones, through the same
-per-example gradient and clip, with randomness from a fixed PUBLIC generator and the global RNG state restored;
-their clipped gradients are dropped (weight 0). The real rows' computation, the private generator's stream and
-so the released update are bit-identical to an unpadded step. The calls are split so that the number of calls,
-like the number of rows, is public (``padding_chunks``).
+Padding rows are dummy rows (copies of row 0) processed in their own calls after the real ones, through the
+same per-example gradient and clip, with randomness from a fixed PUBLIC generator and the global RNG state
+restored; their clipped gradients are dropped (weight 0). The real rows' computation, the private generator's
+stream and so the released update are bit-identical to an unpadded step. The calls are split so that the
+number of calls, like the number of rows, is public (``padding_chunks``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ PAD_SEED = 0  # the padding rows' loss randomness: public, and never the private
 
 
 def public_batch_bound(n_public: int, q: float, chunk: int) -> int:
-    """Rows a step processes whatever its sample: whole ``chunk``s covering q·n + 5 sd of Binomial(n, q), n PUBLIC."""
+    """Rows a step processes whatever its sample: whole ``chunk``s covering q·n + 5 sd of Binomial(n, q), n
+    PUBLIC."""
     mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
     return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
 
@@ -51,9 +53,10 @@ def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> 
 
 def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
     """The public row count of one step of a site's DP-SGD round: images (``public_batch_bound``) or, for a
-    patient-level site (``patients``: its ``PatientIndex``), images of sampled patients (``patient_rows_bound``
-    over the nominal image count ``n_public``, rounded to whole ``max(chunk, cap)``; the trainer runs it in calls of
-    ``chunk`` rows, a patient's partial sum carried across a call boundary)."""
+    patient-level site (``patients``: its ``PatientIndex``), images of sampled patients
+    (``patient_rows_bound`` over the nominal image count ``n_public``, rounded to whole ``max(chunk, cap)``;
+    the trainer runs it in calls of ``chunk`` rows, a patient's partial sum carried across a call
+    boundary)."""
     if patients is None:
         return public_batch_bound(n_public, q, chunk)
     cap = int(getattr(patients, "cap", None) or chunk)
@@ -63,8 +66,9 @@ def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> 
 def padding_chunks(real: int, bound: int, chunk: int) -> list[int]:
     """Sizes of the padding calls after ``real`` rows went through calls of ``chunk`` rows.
 
-    Rows: real + sum = ``bound``. Calls: ceil(real / chunk) + len = ceil(bound / chunk) + 1, both public, unless
-    fewer padding rows are left than calls (then one row per call) or ``real`` >= ``bound`` (no padding)."""
+    Rows: real + sum = ``bound``. Calls: ceil(real / chunk) + len = ceil(bound / chunk) + 1, both public,
+    unless fewer padding rows are left than calls (then one row per call) or ``real`` >= ``bound`` (no
+    padding)."""
     rest = bound - real
     if rest <= 0:
         return []
@@ -75,15 +79,26 @@ def padding_chunks(real: int, bound: int, chunk: int) -> list[int]:
 
 def fork_rng(model: nn.Module) -> AbstractContextManager[None]:
     """The global RNG(s) saved and restored around a block: the CPU's and, for a model on a GPU, that device's
-    (``torch.manual_seed`` seeds both, so a CPU-only fork would leave the GPU's seeded from the block's seed)."""
+    (``torch.manual_seed`` seeds both, so a CPU-only fork would leave the GPU's seeded from the block's
+    seed)."""
     dev = next(model.parameters()).device
     return torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
 
 
-def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, sizes: list[int], clip: float,
-             chunk: int, batch_gradients: Callable[..., Any], clip_and_sum: Callable[..., Any]) -> int:
-    """Run per-example gradients and the clip (the trainer's own ``batch_gradients`` / ``clip_and_sum``, passed in:
-    ``training.dpsgd`` imports this module) for the padding calls ``sizes`` (dummy rows), dropping the result.
+def pad_step(
+    model: nn.Module,
+    loss: object,
+    images: Tensor,
+    labels: Tensor,
+    sizes: list[int],
+    clip: float,
+    chunk: int,
+    batch_gradients: Callable[..., Any],
+    clip_and_sum: Callable[..., Any],
+) -> int:
+    """Run per-example gradients and the clip (the trainer's own ``batch_gradients`` / ``clip_and_sum``,
+    passed in: ``training.dpsgd`` imports this module) for the padding calls ``sizes`` (dummy rows), dropping
+    the result.
 
     Returns the rows processed. Nothing here touches the real sum or the private generator: the padding rows
     contribute exactly zero to the released update."""
@@ -91,8 +106,8 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
         return 0
     gen = torch.Generator().manual_seed(PAD_SEED)
     done = 0
-    # A real call also adds its clipped sum into the step's total, keeps its loss and counts its clipped rows: a
-    # padding call does the same into dropped values, so that it costs what a real call costs (else a
+    # A real call also adds its clipped sum into the step's total, keeps its loss and counts its clipped rows:
+    # a padding call does the same into dropped values, so that it costs what a real call costs (else a
     # step's time would still grow with its realised sample, i.e. with N).
     sink = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     dropped: list[Tensor] = []
@@ -100,7 +115,8 @@ def pad_step(model: nn.Module, loss: object, images: Tensor, labels: Tensor, siz
         for m in sizes:
             idx = torch.zeros(m, dtype=torch.int64)
             for grads, value in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):
-                summed, norms = clip_and_sum(grads, clip, in_place=True)  # as a real row's, weight 0: never added
+                # as a real row's, weight 0: never added
+                summed, norms = clip_and_sum(grads, clip, in_place=True)
                 for name in sink:
                     sink[name] += summed[name]
                 dropped.append(value.detach().cpu())
@@ -113,10 +129,10 @@ class ModelRangeRows:
     """The site's images as the model's float32 rows in [-1, 1], converted only when a batch is indexed.
 
     ``model_range`` converts the whole set once per round: a second float32 copy of the site (and, while
-    ``x * 2 - 1`` runs, a third), 3.2 GB more at 100,000 images of 64x64. Here a batch ``rows[idx]`` converts just
-    its rows with the same arithmetic (bit-identical). The rows converted are those a step indexes: the Poisson
-    batch plus the padding rows up to the step's public bound (``pad_step`` indexes this object too), so the
-    conversion's work is the padded step's, public; no pass over the N rows is left to time."""
+    ``x * 2 - 1`` runs, a third), 3.2 GB more at 100,000 images of 64x64. Here a batch ``rows[idx]`` converts
+    just its rows with the same arithmetic (bit-identical). The rows converted are those a step indexes: the
+    Poisson batch plus the padding rows up to the step's public bound (``pad_step`` indexes this object too),
+    so the conversion's work is the padded step's, public; no pass over the N rows is left to time."""
 
     def __init__(self, images: np.ndarray) -> None:
         self._images = images
@@ -129,14 +145,15 @@ class ModelRangeRows:
 
 
 def model_range_rows(images: np.ndarray) -> Tensor:
-    """``ModelRangeRows`` where the trainer takes a tensor (it only reads ``shape``, ``device`` and ``[idx]``)."""
+    """``ModelRangeRows`` where the trainer takes a tensor (it only reads ``shape``, ``device`` and
+    ``[idx]``)."""
     return ModelRangeRows(images)  # type: ignore[return-value]
 
 
 def model_range(images: np.ndarray, n_public: int) -> Tensor:
-    """The site's images in [0, 1] as the model's float32 tensor in [-1, 1], converted once per round, plus the
-    same conversion of blank rows up to ``public_rows`` (dropped): a pass over all N rows costs about 0.6 µs per
-    28x28 image, which over many rounds would time the exact N."""
+    """The site's images in [0, 1] as the model's float32 tensor in [-1, 1], converted once per round, plus
+    the same conversion of blank rows up to ``public_rows`` (dropped): a pass over all N rows costs about 0.6
+    µs per 28x28 image, which over many rounds would time the exact N."""
     out = torch.from_numpy(np.asarray(images, dtype=np.float32)) * 2.0 - 1.0
     extra = public_rows(int(out.shape[0]), n_public) - int(out.shape[0])
     # always, zero rows included: a site at exactly its bucket size must not skip a call the others make (L3)

@@ -32,7 +32,8 @@ class Reporter:
             self.console.print(message, highlight=False)
 
     def warn(self, message: str) -> None:
-        """A warning in plain text: its "[sampler]", "[central]" (job sections) are printed, not read as markup."""
+        """A warning in plain text: its "[sampler]", "[central]" (job sections) are printed, not read as
+        markup."""
         self.log(f"[yellow]warning[/]: {escape(message)}")
 
     @contextlib.contextmanager

@@ -19,7 +19,12 @@ from .warmup_loop import Progress, WarmupResult, as_image_tensors, train_denoise
 
 
 def augmented_batches(
-    images: torch.Tensor, labels: torch.Tensor, batch: int, *, n_ops: int, magnitude_max: int,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    batch: int,
+    *,
+    n_ops: int,
+    magnitude_max: int,
     generator: torch.Generator,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless epochs: augment every image afresh, shuffle, then batches of ``batch`` (last may be short)."""
@@ -29,7 +34,7 @@ def augmented_batches(
         x = to_model_range(aug)
         perm = torch.randperm(n, generator=generator)
         for start in range(0, n, batch):
-            idx = perm[start:start + batch]
+            idx = perm[start : start + batch]
             yield x[idx], labels[idx]
 
 
@@ -55,12 +60,20 @@ def spatial_warmup(
     x, y = as_image_tensors(images, labels, denoiser.n_classes, "spatial warm-up (central images)")
     if tuple(x.shape[1:]) != tuple(denoiser.image_shape):
         raise ConfigError(
-            f"spatial warm-up: central images are {tuple(x.shape[1:])} but the model is built for {denoiser.image_shape}"
+            f"spatial warm-up: central images are {tuple(x.shape[1:])} but the model is built for "
+            f"{denoiser.image_shape}"
         )
     batches = augmented_batches(
         x, y, w.spatial_batch, n_ops=w.augment_ops, magnitude_max=w.augment_magnitude, generator=generator
     )
     return train_denoiser(
-        denoiser, batches, w.spatial_iterations, stage="spatial", lr=w.lr, ema_decay=w.ema,
-        label_dropout=cfg.model.label_dropout, generator=generator, progress=progress,
+        denoiser,
+        batches,
+        w.spatial_iterations,
+        stage="spatial",
+        lr=w.lr,
+        ema_decay=w.ema,
+        label_dropout=cfg.model.label_dropout,
+        generator=generator,
+        progress=progress,
     )

@@ -34,7 +34,7 @@ class WarmupResult:
         """Mean loss over the last 10% of steps (a single step's loss is too noisy to compare)."""
         if not self.losses:
             return float("nan")
-        tail = self.losses[-max(1, len(self.losses) // 10):]
+        tail = self.losses[-max(1, len(self.losses) // 10) :]
         return float(np.mean(tail))
 
 
@@ -43,7 +43,9 @@ def as_image_tensors(images, labels, n_classes: int, where: str) -> tuple[torch.
     x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images)
     y = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
     if x.dim() != 4 or y.dim() != 1 or x.shape[0] != y.shape[0]:
-        raise DataError(f"{where}: need images (N, C, H, W) and labels (N,), got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise DataError(
+            f"{where}: need images (N, C, H, W) and labels (N,), got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
     if x.shape[0] == 0:
         raise DataError(f"{where}: no training images")
     x = x.to(torch.float32)
@@ -51,7 +53,9 @@ def as_image_tensors(images, labels, n_classes: int, where: str) -> tuple[torch.
         raise DataError(f"{where}: pixels must be finite and in [0, 1]")
     y = y.to(torch.long)
     if y.min() < 0 or y.max() >= n_classes:
-        raise DataError(f"{where}: labels must be in [0, {n_classes}), got range [{int(y.min())}, {int(y.max())}]")
+        raise DataError(
+            f"{where}: labels must be in [0, {n_classes}), got range [{int(y.min())}, {int(y.max())}]"
+        )
     return x, y
 
 
@@ -79,7 +83,9 @@ def train_denoiser(
         x, y = x.to(device), y.to(device)
         loss = edm_loss(denoiser, x, y, label_dropout=label_dropout, generator=generator).mean()
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"{stage} warm-up: loss became {loss.item()} at step {step + 1}; lower the lr")
+            raise FloatingPointError(
+                f"{stage} warm-up: loss became {loss.item()} at step {step + 1}; lower the lr"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

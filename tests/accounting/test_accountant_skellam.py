@@ -1,5 +1,6 @@
 """Skellam RDP: the paper's bound against an INDEPENDENT numerical Renyi divergence (direct summation over the
-support of the Skellam pmf e^-mu I_k(mu)), its Gaussian limit, Poisson subsampling, and the site's two epsilons."""
+support of the Skellam pmf e^-mu I_k(mu)), its Gaussian limit, Poisson subsampling, and the site's two
+epsilons."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def renyi_1d(alpha: float, mu: float, shift: int) -> float:
 
 
 def renyi_mixture(alpha: float, mu: float, shift: int, q: float) -> float:
-    """max over both directions of D_alpha between (1-q) Sk + q (Sk + shift) and Sk (Poisson subsampling, 1-d)."""
+    """max over both directions of D_alpha between (1-q) Sk + q (Sk + shift) and Sk (Poisson subsampling,
+    1-d)."""
     ks = support(mu, shift)
     lq = log_pmf(ks, mu)
     lmix = np.logaddexp(math.log1p(-q) + lq, math.log(q) + log_pmf(ks - shift, mu))
@@ -66,7 +68,8 @@ def test_rdp_bound_is_close_to_the_numerical_divergence_for_large_mu(mu: float) 
 
 
 def test_multidimensional_shift_uses_the_l1_and_l2_terms() -> None:
-    """A product distribution's divergence is the sum over coordinates; the bound with ||s||_2, ||s||_1 covers it."""
+    """A product distribution's divergence is the sum over coordinates; the bound with ||s||_2, ||s||_1 covers
+    it."""
     mu, shift = 50.0, (1, -2, 3)
     l2, l1 = math.sqrt(sum(s * s for s in shift)), float(sum(abs(s) for s in shift))
     for alpha in (1.5, 2.0, 10.0, 40.0):
@@ -146,8 +149,8 @@ def test_site_epsilons_assumed_and_worst_case() -> None:
 
 @given(n=st.integers(2, 12), data=st.data())
 def test_honest_shares_count_only_what_a_split_view_cannot_take(n: int, data: st.DataObject) -> None:
-    """The counting behind ``isolable``: the coordinator isolates a victim iff it can find two disjoint groups of
-    honest sites, A (the victim may be in it) and B (not the victim), each reaching the threshold with the
+    """The counting behind ``isolable``: the coordinator isolates a victim iff it can find two disjoint groups
+    of honest sites, A (the victim may be in it) and B (not the victim), each reaching the threshold with the
     colluders. Checked against a direct search over the group sizes."""
     t = data.draw(st.integers(1, n), label="threshold")
     c = data.draw(st.integers(0, n - 1), label="colluders")
@@ -194,10 +197,13 @@ def test_events_compose_with_the_gaussian_stages_and_round_trip() -> None:
     assert acc.SkellamEvent.from_dict(json.loads(json.dumps(ev.to_dict()))) == ev
     gauss = [PrivacyEvent("central", 5.0, 0.1, 10), PrivacyEvent("frequency", 20.0, 1.0, 1)]
     assert acc.composed_epsilon(gauss, [], 1e-5) == pytest.approx(epsilon(gauss, 1e-5), rel=1e-9)
-    assert acc.composed_epsilon([], [ev], 1e-5) == pytest.approx(acc.skellam_epsilon(p, 0.05, 200, 1e-5, 2), rel=1e-9)
+    assert acc.composed_epsilon([], [ev], 1e-5) == pytest.approx(
+        acc.skellam_epsilon(p, 0.05, 200, 1e-5, 2), rel=1e-9
+    )
     both = acc.composed_epsilon(gauss, [ev], 1e-5)
     assert max(epsilon(gauss, 1e-5), acc.composed_epsilon([], [ev], 1e-5)) < both
-    assert both < epsilon(gauss, 1e-5) + acc.composed_epsilon([], [ev], 1e-5)  # RDP composition is sub-additive
+    # RDP composition is sub-additive
+    assert both < epsilon(gauss, 1e-5) + acc.composed_epsilon([], [ev], 1e-5)
     with pytest.raises(PrivacyError, match="exactly kind, stage"):
         acc.SkellamEvent.from_dict({**ev.to_dict(), "sigma": 1.0})
     with pytest.raises(PrivacyError, match="mu must be"):

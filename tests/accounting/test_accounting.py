@@ -1,4 +1,5 @@
-"""Whole-history accounting: events, heterogeneous composition, cross-checks, calibration, torch-free import."""
+"""Whole-history accounting: events, heterogeneous composition, cross-checks, calibration, torch-free
+import."""
 
 from __future__ import annotations
 
@@ -28,10 +29,22 @@ from feta_release.errors import PrivacyError
 
 # Heterogeneous histories shaped like real jobs: central rounds, an unsampled frequency release, DP-SGD.
 HISTORIES = [
-    [PrivacyEvent("central", 5.0, 0.1, 5), PrivacyEvent("frequency", 26.6, 1.0, 1), PrivacyEvent("dpsgd", 3.5, 0.064, 157)],
+    [
+        PrivacyEvent("central", 5.0, 0.1, 5),
+        PrivacyEvent("frequency", 26.6, 1.0, 1),
+        PrivacyEvent("dpsgd", 3.5, 0.064, 157),
+    ],
     [PrivacyEvent("central", 5.0, 6000 / 55000, 50), PrivacyEvent("dpsgd", 13.2, 4096 / 55000, 1790)],
-    [PrivacyEvent("frequency", 7.4, 1.0, 1), PrivacyEvent("dpsgd", 1.2, 0.01, 500), PrivacyEvent("dpsgd", 2.0, 0.05, 40)],
-    [PrivacyEvent("central", 10.0, 0.05, 250), PrivacyEvent("frequency", 49.6, 1.0, 1), PrivacyEvent("dpsgd", 1.9, 0.02, 1500)],
+    [
+        PrivacyEvent("frequency", 7.4, 1.0, 1),
+        PrivacyEvent("dpsgd", 1.2, 0.01, 500),
+        PrivacyEvent("dpsgd", 2.0, 0.05, 40),
+    ],
+    [
+        PrivacyEvent("central", 10.0, 0.05, 250),
+        PrivacyEvent("frequency", 49.6, 1.0, 1),
+        PrivacyEvent("dpsgd", 1.9, 0.02, 1500),
+    ],
 ]
 
 
@@ -42,8 +55,17 @@ def test_event_round_trip_and_validation() -> None:
     assert events_from_list(events_to_list(HISTORIES[0])) == HISTORIES[0]
     np_ev = PrivacyEvent("dpsgd", np.float32(2.0), np.float64(0.5), np.int64(10))  # numpy scalars normalised
     assert np_ev == ev and type(np_ev.steps) is int and json.dumps(np_ev.to_dict())
-    for bad in [dict(sigma=0.0), dict(sigma=-1.0), dict(sigma=float("nan")), dict(q=0.0), dict(q=1.5),
-                dict(steps=-1), dict(steps=1.5), dict(stage=""), dict(sigma=True)]:
+    for bad in [
+        dict(sigma=0.0),
+        dict(sigma=-1.0),
+        dict(sigma=float("nan")),
+        dict(q=0.0),
+        dict(q=1.5),
+        dict(steps=-1),
+        dict(steps=1.5),
+        dict(stage=""),
+        dict(sigma=True),
+    ]:
         kwargs = {"stage": "dpsgd", "sigma": 1.0, "q": 0.1, "steps": 1, **bad}
         with pytest.raises(PrivacyError):
             PrivacyEvent(**kwargs)
@@ -103,7 +125,9 @@ def test_prv_matches_prv_accountant(history: list[PrivacyEvent]) -> None:
     prv_accountant = pytest.importorskip("prv_accountant")
     prvs = [prv_accountant.PoissonSubsampledGaussianMechanism(e.q, e.sigma) for e in history]
     counts = [e.steps for e in history]
-    acc = prv_accountant.PRVAccountant(prvs=prvs, max_self_compositions=counts, eps_error=0.01, delta_error=1e-8)
+    acc = prv_accountant.PRVAccountant(
+        prvs=prvs, max_self_compositions=counts, eps_error=0.01, delta_error=1e-8
+    )
     lower, _, upper = acc.compute_epsilon(delta=1e-5, num_self_compositions=counts)
     ours = epsilon(history, 1e-5, accountant="prv")
     assert lower - 0.02 <= ours <= upper + 0.02
@@ -117,15 +141,18 @@ def _opacus_notices_hidden() -> Iterator[None]:
     best order is an end of the grid (it is given RDP_ORDERS, the grid our accountant uses too)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "divide by zero encountered in log", RuntimeWarning, r"opacus\.")
-        warnings.filterwarnings("ignore", "Optimal order is the (smallest|largest) alpha", UserWarning,
-                                r"opacus\.")
+        warnings.filterwarnings(
+            "ignore", "Optimal order is the (smallest|largest) alpha", UserWarning, r"opacus\."
+        )
         yield
 
 
 def _opacus_rdp(history: list[PrivacyEvent], delta: float) -> float:
     from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-    rdp = sum(compute_rdp(q=e.q, noise_multiplier=e.sigma, steps=e.steps, orders=list(RDP_ORDERS)) for e in history)
+    rdp = sum(
+        compute_rdp(q=e.q, noise_multiplier=e.sigma, steps=e.steps, orders=list(RDP_ORDERS)) for e in history
+    )
     with _opacus_notices_hidden():
         return float(get_privacy_spent(orders=list(RDP_ORDERS), rdp=rdp, delta=delta)[0])
 
@@ -145,18 +172,23 @@ def test_same_numbers_as_opacus_accountants(history: list[PrivacyEvent]) -> None
 
 
 @settings(max_examples=30, deadline=None)
-@given(sigma=st.floats(0.5, 60.0), q=st.floats(1e-4, 1.0), steps=st.integers(1, 5000),
-       delta=st.sampled_from([1e-5, 1e-6, 1e-7]))
+@given(
+    sigma=st.floats(0.5, 60.0),
+    q=st.floats(1e-4, 1.0),
+    steps=st.integers(1, 5000),
+    delta=st.sampled_from([1e-5, 1e-6, 1e-7]),
+)
 def test_rdp_agrees_with_opacus_on_any_event(sigma: float, q: float, steps: int, delta: float) -> None:
-    """Any single event, q = 1 included: the figure a release states is the one Opacus gave before the move, to the
-    1e-6 that verify re-composes to (so releases made with Opacus' analysis still verify)."""
+    """Any single event, q = 1 included: the figure a release states is the one Opacus gave before the move,
+    to the 1e-6 that verify re-composes to (so releases made with Opacus' analysis still verify)."""
     pytest.importorskip("opacus")
     ev = [PrivacyEvent("dpsgd", sigma, q, steps)]
     assert epsilon(ev, delta) == pytest.approx(_opacus_rdp(ev, delta), rel=1e-6)
 
 
 def test_prv_falls_back_to_rdp_where_prv_accountant_cannot_discretise() -> None:
-    """sigma 0.8 at q 0.5 for 1,000 steps: prv-accountant refuses its discretisation; the figure is RDP's bound."""
+    """sigma 0.8 at q 0.5 for 1,000 steps: prv-accountant refuses its discretisation; the figure is RDP's
+    bound."""
     ev = [PrivacyEvent("dpsgd", 0.8, 0.5, 1000)]
     assert epsilon(ev, 1e-5, "prv") == epsilon(ev, 1e-5, "rdp") > 100
 
@@ -197,7 +229,8 @@ def test_calibration_refuses_infeasible() -> None:
 
 
 def test_importable_and_usable_without_torch() -> None:
-    """Offline verification runs where torch and opacus are absent: block both, compute epsilon in a fresh interpreter."""
+    """Offline verification runs where torch and opacus are absent: block both, compute epsilon in a fresh
+    interpreter."""
     code = textwrap.dedent(
         """
         import sys
@@ -213,10 +246,12 @@ def test_importable_and_usable_without_torch() -> None:
         h = [PrivacyEvent("central", 5.0, 0.1, 5), PrivacyEvent("dpsgd", 3.5, 0.064, 157)]
         print(epsilon(h, 1e-5), epsilon(h, 1e-5, "prv"))
         assert not [m for m in sys.modules if "opacus" in m or m.split(".")[0] == "torch"], "opacus/torch loaded"
-        """
+        """  # noqa: E501
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rdp, prv = map(float, out.stdout.split())
-    assert rdp == pytest.approx(epsilon([PrivacyEvent("central", 5.0, 0.1, 5), PrivacyEvent("dpsgd", 3.5, 0.064, 157)], 1e-5))
+    assert rdp == pytest.approx(
+        epsilon([PrivacyEvent("central", 5.0, 0.1, 5), PrivacyEvent("dpsgd", 3.5, 0.064, 157)], 1e-5)
+    )
     assert 0 < prv <= rdp + 0.02

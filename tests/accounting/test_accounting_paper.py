@@ -11,13 +11,13 @@ Findings (RDP, opacus orders, Balle et al. 2020 conversion; the paper states it 
 * The step count is not the 2.2K of Table 8: with q = 4096/55000, 2,200 steps need sigma = 14.2 and 150 epochs
   (2,014 steps, DPDM's setting) need 13.6.  sigma = 12.8 is reproduced by ~1,775-1,800 steps (~133 epochs);
   we document T = 1,790.
-* With that T the smallest warm-up (50 images) gives 13.09 against the published 13.2 (about one rounding unit);
-  larger warm-ups diverge when the central sampling rate is 6000/55000 (500 images: 16.9 vs 16.1; 1,250 images
-  alone spend eps 1.03 > 1, while the paper reports 40.0).
+* With that T the smallest warm-up (50 images) gives 13.09 against the published 13.2 (about one rounding
+  unit); larger warm-ups diverge when the central sampling rate is 6000/55000 (500 images: 16.9 vs 16.1; 1,250
+  images alone spend eps 1.03 > 1, while the paper reports 40.0).
 * The published large-warm-up figures are consistent with a central sampling rate of 6000/60000 (the batch
   taken over MNIST's full 60,000 training images): then every row is within 6 % of the paper.
-An opacus-style coarse search (``get_noise_multiplier``: doubling from 10, bisection until eps is within 0.01 of
-the target) on that rate lands exactly on 40.0 for 1,250 images, but gives 13.1 / 15.9 for 50 / 500.
+An opacus-style coarse search (``get_noise_multiplier``: doubling from 10, bisection until eps is within 0.01
+of the target) on that rate lands exactly on 40.0 for 1,250 images, but gives 13.1 / 15.9 for 50 / 500.
 No standard setting we tried (N in {55k, 60k} for either stage, Mironov or Balle conversion, integer or
 fractional orders, PRV) reproduces all six rows to the paper's rounding.
 """

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from feta_release.config import JobConfig
+from feta_release.errors import ConfigError, PrivacyError
 from feta_release.job_rules import (
     DPSGD_MARGIN,
     DPSGD_MAX_NOISE,
@@ -25,8 +27,6 @@ from feta_release.job_rules import (
     dpsgd_noise,
     job_dpsgd_noise,
 )
-from feta_release.config import JobConfig
-from feta_release.errors import ConfigError, PrivacyError
 from feta_release.model_size import denoiser_parameters
 from feta_release.planning import plan
 

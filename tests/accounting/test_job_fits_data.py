@@ -24,7 +24,6 @@ from feta_release.mechanisms.feature_map import check_feature_map
 from feta_release.model_size import denoiser_parameters
 from feta_release.planning import plan, stage_events
 from feta_release.policy.enforce import DEFAULT_RESOURCES
-
 from tests.support.cli import run_cli
 
 PRESETS = (

@@ -1,5 +1,6 @@
 """A job derived from public facts (feta_release.job_rules): valid, within its epsilon, above the noise floor,
-refused below it with the figure and the fix, and close to the tuned presets on the data they were tuned for."""
+refused below it with the figure and the fix, and close to the tuned presets on the data they were tuned
+for."""
 
 from __future__ import annotations
 
@@ -12,8 +13,19 @@ from hypothesis import strategies as st
 from feta_release.accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma
 from feta_release.config import JobConfig, load_job, load_preset
 from feta_release.errors import ConfigError
-from feta_release.job_rules import (FILL, DataFacts, central_clip, default_delta, default_time_budget, derivation_toml,
-                                    derive, derive_job, estimate, job_toml, query_factor)
+from feta_release.job_rules import (
+    FILL,
+    DataFacts,
+    central_clip,
+    default_delta,
+    default_time_budget,
+    derivation_toml,
+    derive,
+    derive_job,
+    estimate,
+    job_toml,
+    query_factor,
+)
 from feta_release.mechanisms.count import size_event
 from feta_release.mechanisms.feature_map import check_feature_map
 from feta_release.planning import MOSTLY_NOISE, plan, stage_events, stage_noise
@@ -25,10 +37,22 @@ def digits(eps: float, n: int = 4000, **kw: object) -> DataFacts:
 
 def test_derived_job_on_4000_digits_at_eps1_is_close_to_the_tuned_preset() -> None:
     got, want = derive_job(digits(1.0)), load_preset("cpu-eps1-nodpsgd")
-    for sec, key in [("central", "rounds"), ("central", "rate"), ("central", "downsample"), ("central", "clip"),
-                     ("central", "cells"), ("central", "stretch"), ("frequency", "features"), ("model", "channels"),
-                     ("model", "channel_mult"), ("warmup", "spatial_iterations"), ("warmup", "polish_iterations"),
-                     ("warmup", "frequency_images"), ("auxgen", "epochs"), ("sampler", "start_sigma")]:
+    for sec, key in [
+        ("central", "rounds"),
+        ("central", "rate"),
+        ("central", "downsample"),
+        ("central", "clip"),
+        ("central", "cells"),
+        ("central", "stretch"),
+        ("frequency", "features"),
+        ("model", "channels"),
+        ("model", "channel_mult"),
+        ("warmup", "spatial_iterations"),
+        ("warmup", "polish_iterations"),
+        ("warmup", "frequency_images"),
+        ("auxgen", "epochs"),
+        ("sampler", "start_sigma"),
+    ]:
         assert getattr(getattr(got, sec), key) == getattr(getattr(want, sec), key), (sec, key)
     assert got.central.sigma == pytest.approx(want.central.sigma, rel=0.05)
     assert got.frequency.sigma == pytest.approx(want.frequency.sigma, rel=0.05)
@@ -38,9 +62,18 @@ def test_derived_job_on_4000_digits_at_eps1_is_close_to_the_tuned_preset() -> No
 
 def test_derived_job_on_4000_digits_at_eps10_is_close_to_the_tuned_preset() -> None:
     got, want = derive_job(digits(10.0)), load_preset("cpu-eps10-nodpsgd")
-    for sec, key in [("central", "cells"), ("central", "clip"), ("central", "downsample"), ("frequency", "features"),
-                     ("frequency", "patch"), ("frequency", "stride"), ("auxgen", "epochs"), ("auxgen", "restarts"),
-                     ("sampler", "start_sigma"), ("sampler", "start_source")]:
+    for sec, key in [
+        ("central", "cells"),
+        ("central", "clip"),
+        ("central", "downsample"),
+        ("frequency", "features"),
+        ("frequency", "patch"),
+        ("frequency", "stride"),
+        ("auxgen", "epochs"),
+        ("auxgen", "restarts"),
+        ("sampler", "start_sigma"),
+        ("sampler", "start_source"),
+    ]:
         assert getattr(getattr(got, sec), key) == getattr(getattr(want, sec), key), (sec, key)
     assert got.central.sigma == pytest.approx(want.central.sigma, rel=0.05)
     assert got.dpsgd_steps(4000) == 0
@@ -111,27 +144,56 @@ def test_derived_job_toml_reads_back_to_the_same_job(tmp_path) -> None:
 
 
 def _whole_budget_central_noise(f: DataFacts) -> float:
-    """The floor's figure, recomputed from the planner: the central release at the whole budget, one cell, at the
-    rules' query resolution and clip."""
+    """The floor's figure, recomputed from the planner: the central release at the whole budget, one cell, at
+    the rules' query resolution and clip."""
     prior = [size_event()] if f.size_drawn else []
     sigma = smallest_fitting_sigma(
-        lambda s: epsilon(prior + [PrivacyEvent("central", s, 1.0, 1)], f.job_delta), FILL * f.epsilon, tol=0.005,
-        max_sigma=MAX_NOISE_MULTIPLIER, refusal="none")
+        lambda s: epsilon(prior + [PrivacyEvent("central", s, 1.0, 1)], f.job_delta),
+        FILL * f.epsilon,
+        tol=0.005,
+        max_sigma=MAX_NOISE_MULTIPLIER,
+        refusal="none",
+    )
     factor = query_factor(f.height)
     clip = central_clip(f.channels * int(f.height * factor) * int(f.width * factor))
-    central_only = JobConfig().replace(dpsgd={"steps": 0}, central={"sigma": sigma, "cells": 1, "rounds": 1, "batch": f.size,
-                                                              "clip": clip, "downsample": factor})
+    central_only = JobConfig().replace(
+        dpsgd={"steps": 0},
+        central={
+            "sigma": sigma,
+            "cells": 1,
+            "rounds": 1,
+            "batch": f.size,
+            "clip": clip,
+            "downsample": factor,
+        },
+    )
     r, _ = stage_noise(central_only, "central", f.size, f.shape, f.n_classes)
     assert r is not None
     return r
 
 
 facts = st.builds(
-    DataFacts, size=st.integers(300, 100_000), height=st.integers(28, 128), width=st.just(0),
-    channels=st.sampled_from([1, 3]), n_classes=st.integers(2, 100),
-    epsilon=st.floats(0.25, 20.0), federated=st.booleans(), size_drawn=st.booleans(),
-).map(lambda f: DataFacts(f.size, f.height, f.height, f.channels, f.n_classes, f.epsilon,
-                          federated=f.federated, size_drawn=f.size_drawn))
+    DataFacts,
+    size=st.integers(300, 100_000),
+    height=st.integers(28, 128),
+    width=st.just(0),
+    channels=st.sampled_from([1, 3]),
+    n_classes=st.integers(2, 100),
+    epsilon=st.floats(0.25, 20.0),
+    federated=st.booleans(),
+    size_drawn=st.booleans(),
+).map(
+    lambda f: DataFacts(
+        f.size,
+        f.height,
+        f.height,
+        f.channels,
+        f.n_classes,
+        f.epsilon,
+        federated=f.federated,
+        size_drawn=f.size_drawn,
+    )
+)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,12 +8,11 @@ import sqlite3
 
 import pytest
 from click.testing import CliRunner
-
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from feta_release.ledger import Budget, Ledger
 from feta_release.accounting import PrivacyEvent, epsilon
 from feta_release.errors import BudgetExceededError, PolicyError
+from feta_release.ledger import Budget, Ledger
 
 CENTRAL = [PrivacyEvent("central", 5.0, 0.1, 5)]
 FREQ = [PrivacyEvent("frequency", 26.6, 1.0, 1)]
@@ -117,7 +116,9 @@ def test_concurrent_charges_cannot_both_pass_the_check(tmp_path):
     Ledger(tmp_path / "l.db", key=load_private_key(key_path)).close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=_racer, args=(str(tmp_path / "l.db"), str(key_path), f"r{i}", q)) for i in range(2)]
+    ps = [
+        ctx.Process(target=_racer, args=(str(tmp_path / "l.db"), str(key_path), f"r{i}", q)) for i in range(2)
+    ]
     for p in ps:
         p.start()
     for p in ps:
@@ -134,6 +135,8 @@ def test_node_status_cli(tmp_path):
     res = CliRunner().invoke(node, ["status", "--ledger", str(tmp_path / "l.db"), "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
-    assert data["jobs"]["job1"]["mechanisms"]["central"]["epsilon_spent"] == pytest.approx(epsilon(CENTRAL, 1e-5))
+    assert data["jobs"]["job1"]["mechanisms"]["central"]["epsilon_spent"] == pytest.approx(
+        epsilon(CENTRAL, 1e-5)
+    )
     res = CliRunner().invoke(node, ["status", "--ledger", str(tmp_path / "l.db")])
     assert res.exit_code == 0 and "job1" in res.output and "central" in res.output

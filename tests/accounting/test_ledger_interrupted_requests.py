@@ -1,5 +1,5 @@
-"""A charged request the ledger calls interrupted (its process killed: never recorded, never failed) may be finished
-once without a second charge; one that failed after its charge never again (``Ledger.interrupted`` /
+"""A charged request the ledger calls interrupted (its process killed: never recorded, never failed) may be
+finished once without a second charge; one that failed after its charge never again (``Ledger.interrupted`` /
 ``mark_failed``, used by the node's release protocol for DP-SGD rounds)."""
 
 from __future__ import annotations
@@ -37,9 +37,15 @@ def test_a_charged_request_is_interrupted_until_it_is_recorded_or_failed(tmp_pat
 
 
 @settings(max_examples=25, deadline=None)
-@given(job=st.sampled_from(["job", "other"]), mechanism=st.sampled_from(["dpsgd", "central"]),
-       sigma=st.sampled_from([1.2, 1.3]), steps=st.sampled_from([5, 6]))
-def test_only_the_very_request_that_was_charged_is_interrupted(tmp_path_factory, job, mechanism, sigma, steps):
+@given(
+    job=st.sampled_from(["job", "other"]),
+    mechanism=st.sampled_from(["dpsgd", "central"]),
+    sigma=st.sampled_from([1.2, 1.3]),
+    steps=st.sampled_from([5, 6]),
+)
+def test_only_the_very_request_that_was_charged_is_interrupted(
+    tmp_path_factory, job, mechanism, sigma, steps
+):
     """Another job, mechanism or event under the same request id is not that request: it cannot be finished
     without a charge of its own."""
     led = Ledger(tmp_path_factory.mktemp("l") / "l.db", key=KEY)

@@ -1,5 +1,6 @@
-"""The ledger stores, replays and composes secure-aggregation (Skellam) events next to Gaussian ones; the per-job,
-lifetime and worst-case caps are checked over the mixed history by one function (accounting.epsilon)."""
+"""The ledger stores, replays and composes secure-aggregation (Skellam) events next to Gaussian ones; the
+per-job, lifetime and worst-case caps are checked over the mixed history by one function
+(accounting.epsilon)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,24 @@ positive = st.floats(min_value=1e-6, max_value=1e9, allow_nan=False, allow_infin
 @st.composite
 def skellam_events(draw: st.DrawFn) -> SkellamEvent:
     mu = draw(positive)
-    return SkellamEvent(draw(st.sampled_from(["central", "frequency", "dpsgd"])),
-                        draw(st.floats(min_value=1e-6, max_value=1.0)), draw(st.integers(0, 10**6)),
-                        draw(positive), draw(positive), mu, draw(st.floats(min_value=1e-9, max_value=1.0)) * mu)
+    return SkellamEvent(
+        draw(st.sampled_from(["central", "frequency", "dpsgd"])),
+        draw(st.floats(min_value=1e-6, max_value=1.0)),
+        draw(st.integers(0, 10**6)),
+        draw(positive),
+        draw(positive),
+        mu,
+        draw(st.floats(min_value=1e-9, max_value=1.0)) * mu,
+    )
 
 
-gaussian = st.builds(PrivacyEvent, st.sampled_from(["central", "frequency", "dpsgd"]), positive,
-                     st.floats(min_value=1e-6, max_value=1.0), st.integers(0, 10**6))
+gaussian = st.builds(
+    PrivacyEvent,
+    st.sampled_from(["central", "frequency", "dpsgd"]),
+    positive,
+    st.floats(min_value=1e-6, max_value=1.0),
+    st.integers(0, 10**6),
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -53,13 +65,19 @@ def test_event_format_round_trips_through_json(history: list[PrivacyEvent | Skel
     assert events_from_list(stored) == history
     # a Gaussian event keeps its four keys (old ledgers and releases read unchanged)
     for d, e in zip(stored, history, strict=True):
-        assert set(d) == ({"stage", "sigma", "q", "steps"} if isinstance(e, PrivacyEvent) else
-                          {"kind", "stage", "q", "steps", "l2", "l1", "mu", "mu_worst"})
+        assert set(d) == (
+            {"stage", "sigma", "q", "steps"}
+            if isinstance(e, PrivacyEvent)
+            else {"kind", "stage", "q", "steps", "l2", "l1", "mu", "mu_worst"}
+        )
 
 
 @settings(max_examples=60, deadline=None)
-@given(ev=skellam_events(), key=st.sampled_from(["mu", "l2", "q", "steps", "kind"]),
-       bad=st.sampled_from([None, -1.0, 0.0, float("nan"), "x", True]))
+@given(
+    ev=skellam_events(),
+    key=st.sampled_from(["mu", "l2", "q", "steps", "kind"]),
+    bad=st.sampled_from([None, -1.0, 0.0, float("nan"), "x", True]),
+)
 def test_a_malformed_skellam_event_is_refused(ev: SkellamEvent, key: str, bad: object) -> None:
     d = {**ev.to_dict(), key: bad}
     with pytest.raises(PrivacyError):
@@ -73,9 +91,15 @@ def test_the_own_share_cannot_exceed_the_counted_shares() -> None:
 
 def test_mixed_history_epsilon_is_one_function_and_matches_the_skellam_accountant() -> None:
     assert epsilon([CENTRAL], 1e-5) == pytest.approx(skellam_epsilon(PARAMS, 0.5, 2, 1e-5, 2), rel=1e-9)
-    assert worst_case_epsilon([CENTRAL], 1e-5) == pytest.approx(skellam_epsilon(PARAMS, 0.5, 2, 1e-5, 1), rel=1e-9)
+    assert worst_case_epsilon([CENTRAL], 1e-5) == pytest.approx(
+        skellam_epsilon(PARAMS, 0.5, 2, 1e-5, 1), rel=1e-9
+    )
     both = epsilon([FREQ, CENTRAL], 1e-5)
-    assert max(epsilon([FREQ], 1e-5), epsilon([CENTRAL], 1e-5)) < both < epsilon([FREQ], 1e-5) + epsilon([CENTRAL], 1e-5)
+    assert (
+        max(epsilon([FREQ], 1e-5), epsilon([CENTRAL], 1e-5))
+        < both
+        < epsilon([FREQ], 1e-5) + epsilon([CENTRAL], 1e-5)
+    )
     assert epsilon([FREQ, CENTRAL], 1e-5, "prv") == both  # no Skellam PLD: RDP composition, stated in the doc
     assert both < worst_case_epsilon([FREQ, CENTRAL], 1e-5)
     with pytest.raises(PrivacyError, match="secure-aggregation"):
@@ -95,7 +119,9 @@ def test_ledger_charges_replays_and_sums_skellam_events(tmp_path: Path) -> None:
     assert events_from_list(led.job_events("job1")) == [FREQ, CENTRAL]
     reopened = Ledger(tmp_path / "l.db", key=KEY)  # the chain verifies with the new row kind
     assert events_from_list(reopened.job_events("job1")) == [FREQ, CENTRAL]
-    other = SkellamEvent(CENTRAL.stage, CENTRAL.q, CENTRAL.steps, CENTRAL.l2, CENTRAL.l1, CENTRAL.mu * 2, CENTRAL.mu_worst)
+    other = SkellamEvent(
+        CENTRAL.stage, CENTRAL.q, CENTRAL.steps, CENTRAL.l2, CENTRAL.l1, CENTRAL.mu * 2, CENTRAL.mu_worst
+    )
     with pytest.raises(PolicyError, match="other parameters"):
         led.charge("job1", "job1:central:0", "central", [other], budget)
 
@@ -103,15 +129,21 @@ def test_ledger_charges_replays_and_sums_skellam_events(tmp_path: Path) -> None:
 def test_ledger_refuses_past_the_worst_case_cap_naming_the_rule(tmp_path: Path) -> None:
     assumed, worst = epsilon([CENTRAL], 1e-5), worst_case_epsilon([CENTRAL], 1e-5)
     led = Ledger(tmp_path / "l.db", key=KEY)
-    tight = Budget(job_epsilon=assumed + 0.01, lifetime_epsilon=10.0, delta=1e-5, worst_case_epsilon=worst - 0.01)
+    tight = Budget(
+        job_epsilon=assumed + 0.01, lifetime_epsilon=10.0, delta=1e-5, worst_case_epsilon=worst - 0.01
+    )
     with pytest.raises(PolicyBudgetExceeded) as exc:
         led.charge("job1", "r1", "central", [CENTRAL], tight)
     assert exc.value.rule == "secure_aggregation.max_worst_case_epsilon"
     assert led.requests() == []  # nothing charged
     with pytest.raises(PolicyBudgetExceeded) as exc:
-        led.charge("job1", "r1", "central", [CENTRAL], Budget(assumed - 0.01, 10.0, 1e-5, worst_case_epsilon=99.0))
+        led.charge(
+            "job1", "r1", "central", [CENTRAL], Budget(assumed - 0.01, 10.0, 1e-5, worst_case_epsilon=99.0)
+        )
     assert exc.value.rule == "budget.per_job.epsilon"
-    ok = led.charge("job1", "r1", "central", [CENTRAL], Budget(assumed + 0.01, 10.0, 1e-5, worst_case_epsilon=worst))
+    ok = led.charge(
+        "job1", "r1", "central", [CENTRAL], Budget(assumed + 0.01, 10.0, 1e-5, worst_case_epsilon=worst)
+    )
     assert not ok.replay
 
 
@@ -126,14 +158,17 @@ def test_budget_from_a_policy_brings_the_default_worst_case_cap() -> None:
 
 def test_a_later_gaussian_charge_cannot_push_the_worst_case_past_its_cap() -> None:
     """The worst-case cap was checked only when the NEW events held a
-    Skellam event, so DP-SGD charged after a secure warm-up took the job's worst case from 5.63 to 6.48 (cap 6)."""
+    Skellam event, so DP-SGD charged after a secure warm-up took the job's worst case from 5.63 to 6.48 (cap
+    6)."""
     from feta_release.accounting import epsilon, worst_case_epsilon
     from feta_release.ledger import check_spend
 
     b = Budget(job_epsilon=8.0, lifetime_epsilon=100.0, delta=1e-5, worst_case_epsilon=6.0)
     best = None
     for s in (20, 10, 6, 4, 3, 2.5, 2, 1.6, 1.3, 1.0):  # the least noise whose worst case fits the cap
-        sk = SkellamEvent("central", 1.0, 1, 1100.0, 1100.0 * 32, mu=(s * 1024) ** 2, mu_worst=(s * 1024) ** 2 / 3)
+        sk = SkellamEvent(
+            "central", 1.0, 1, 1100.0, 1100.0 * 32, mu=(s * 1024) ** 2, mu_worst=(s * 1024) ** 2 / 3
+        )
         if worst_case_epsilon([sk], 1e-5) < 6.0:
             best = sk
     assert best is not None

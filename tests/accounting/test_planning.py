@@ -98,12 +98,14 @@ def test_dataset_size_must_be_positive() -> None:
         plan(JobConfig(), 0)
 
 
-# -- CLI ------------------------------------------------------------------------------------------------------
+# -- CLI
+# ------------------------------------------------------------------------------------------------------
 
 
 def test_cli_plan_json() -> None:
-    res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_feta_pro.toml"), "--dataset-size", "4000",
-                                   "--json"])
+    res = CliRunner().invoke(
+        cli, ["privacy", "plan", str(JOBS / "valid_feta_pro.toml"), "--dataset-size", "4000", "--json"]
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert data["dataset_size"] == 4000 and data["dataset_size_assumed"] is False
@@ -122,15 +124,28 @@ def test_cli_plan_table_and_default_size() -> None:
     assert res.exit_code == 0, res.output
     assert "assumed N = 4000" in res.output
     assert "total epsilon" in res.output and "dpsgd" in res.output and "disabled" in res.output
-    res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_dpdm_no_warmup.toml"), "-n", "2000", "--json"])
+    res = CliRunner().invoke(
+        cli, ["privacy", "plan", str(JOBS / "valid_dpdm_no_warmup.toml"), "-n", "2000", "--json"]
+    )
     data = json.loads(res.stdout)
     assert data["dataset_size"] == 2000 and data["stages"][3]["q"] == 256 / 2000  # after the size row
-    res = CliRunner().invoke(cli, ["privacy", "plan", str(JOBS / "valid_dpdm_no_warmup.toml"), "-n", "2000", "--json",
-                                   "--declared-size"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "privacy",
+            "plan",
+            str(JOBS / "valid_dpdm_no_warmup.toml"),
+            "-n",
+            "2000",
+            "--json",
+            "--declared-size",
+        ],
+    )
     data = json.loads(res.stdout)
     assert [s["stage"] for s in data["stages"]] == ["central", "frequency", "dpsgd"]
-    assert data["noise_multiplier"] == pytest.approx(plan(load_job(JOBS / "valid_dpdm_no_warmup.toml"), 2000)
-                                                     .noise_multiplier)
+    assert data["noise_multiplier"] == pytest.approx(
+        plan(load_job(JOBS / "valid_dpdm_no_warmup.toml"), 2000).noise_multiplier
+    )
 
 
 def test_cli_errors_exit_with_codes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,6 +183,7 @@ def test_cli_account(tmp_path: Path) -> None:
 
 # -- sampling rates and noise-to-signal figures -------------------------------------------------------
 
+
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 200_000), rate=st.floats(1e-4, 1.0))
 def test_for_size_turns_a_rate_into_a_batch_within_the_data(n: int, rate: float) -> None:
@@ -189,14 +205,19 @@ def test_rate_presets_plan_on_any_size_and_keep_epsilon() -> None:
             assert p.epsilon <= cfg.privacy.epsilon + 1e-9
             assert p.stage("central").q == pytest.approx(cfg.central.rate, rel=0.01)
         # Same rates -> the same warm-up spend whatever the size; only the noise per pixel changes.
-        assert plans[500].stage("central").epsilon == pytest.approx(plans[60_000].stage("central").epsilon, rel=0.02)
+        assert plans[500].stage("central").epsilon == pytest.approx(
+            plans[60_000].stage("central").epsilon, rel=0.02
+        )
         nts = [plans[n].stage("central").noise_to_signal for n in (500, 1400, 4000, 60_000)]
         assert nts == sorted(nts, reverse=True)
 
 
 def test_plan_warns_when_a_release_is_mostly_noise() -> None:
-    cfg = JobConfig().replace(central={"rate": 0.5, "sigma": 8.0, "clip": 3.0, "rounds": 2},
-                              frequency={"sigma": 10.0, "features": 200}, dpsgd={"rate": 0.05, "steps": 5})
+    cfg = JobConfig().replace(
+        central={"rate": 0.5, "sigma": 8.0, "clip": 3.0, "rounds": 2},
+        frequency={"sigma": 10.0, "features": 200},
+        dpsgd={"rate": 0.05, "steps": 5},
+    )
     small, big = plan(cfg, 500), plan(cfg, 4000)
     # central: 8 * 3 / (250 / 10) = 0.96 per pixel at N = 500; 0.12 at N = 4000
     assert small.stage("central").noise_to_signal == pytest.approx(0.96)
@@ -204,14 +225,16 @@ def test_plan_warns_when_a_release_is_mostly_noise() -> None:
     assert any("[central]" in w and "mostly noise" in w for w in small.warnings)
     assert not any("[central]" in w for w in big.warnings)
     # frequency: 10 * sqrt(200) / N * 10 -> 2.83 at N = 500 (warned), 0.35 at N = 4000
-    assert small.stage("frequency").noise_to_signal == pytest.approx(10 * 200 ** 0.5 / 500 * 10)
+    assert small.stage("frequency").noise_to_signal == pytest.approx(10 * 200**0.5 / 500 * 10)
     assert any("[frequency]" in w for w in small.warnings)
     assert json.loads(json.dumps(small.to_dict()))["warnings"] == list(small.warnings)
 
 
 def test_privacy_plan_cli_prints_noise_warning(tmp_path: Path) -> None:
     job = tmp_path / "j.toml"
-    job.write_text("[central]\nrate = 0.5\nsigma = 8.0\nclip = 3.0\nrounds = 2\n[dpsgd]\nrate = 0.05\nsteps = 5\n")
+    job.write_text(
+        "[central]\nrate = 0.5\nsigma = 8.0\nclip = 3.0\nrounds = 2\n[dpsgd]\nrate = 0.05\nsteps = 5\n"
+    )
     res = CliRunner().invoke(cli, ["privacy", "plan", str(job), "-n", "500"])
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())  # rich wraps at the terminal width
@@ -226,14 +249,17 @@ def test_dpsgd_noise_figure_falls_with_the_batch_at_fixed_epsilon() -> None:
     p_small, p_big = plan(cfg, 20_000), plan(cfg.replace(dpsgd={"rate": 0.1}), 20_000)
     params = sum(t.numel() for t in build_denoiser(cfg.model, (1, 28, 28), 10).parameters())
     for p, batch in ((p_small, 200), (p_big, 2000)):
-        assert p.stage("dpsgd").noise_to_signal == pytest.approx(p.noise_multiplier * params ** 0.5 / batch)
+        assert p.stage("dpsgd").noise_to_signal == pytest.approx(p.noise_multiplier * params**0.5 / batch)
     assert p_big.stage("dpsgd").noise_to_signal < p_small.stage("dpsgd").noise_to_signal
     assert not any("[dpsgd]" in w for w in p_small.warnings)  # reported, never warned: steps average it down
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(500, 60_000), n_classes=st.integers(2, 20),
-       preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd", "paper-mnist"]))
+@given(
+    n=st.integers(500, 60_000),
+    n_classes=st.integers(2, 20),
+    preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd", "paper-mnist"]),
+)
 def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: str) -> None:
     """`train --preset cpu-eps1 --data` on 1,400 images refused ("fewer than [central] batch")."""
     import numpy as np
@@ -243,17 +269,24 @@ def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: st
     from feta_release.training.pipeline import check_data
 
     cfg = load_preset(preset).for_size(n)
-    ds = ImageDataset(np.zeros((n, 1, 2, 2), np.float32), np.arange(n) % n_classes,
-                      tuple(str(c) for c in range(n_classes)), source="toy")
+    ds = ImageDataset(
+        np.zeros((n, 1, 2, 2), np.float32),
+        np.arange(n) % n_classes,
+        tuple(str(c) for c in range(n_classes)),
+        source="toy",
+    )
     check_data(cfg, ds)  # no batch above the data
     assert cfg.central.batch <= n and cfg.dpsgd.batch <= n
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(500, 60_000), preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd", "paper-mnist"]))
+@given(
+    n=st.integers(500, 60_000),
+    preset=st.sampled_from(["cpu-eps1", "cpu-eps10", "cpu-eps10-nodpsgd", "paper-mnist"]),
+)
 def test_presets_accept_the_suggested_public_size_when_it_rounds_the_count_up(n: int, preset: str) -> None:
-    """Review: cpu-eps1's central rate 1 makes batch = public size; 3,251 images -> public size 3,300 was refused
-    ("fewer than [central] batch") although q = batch / public size = 1."""
+    """Review: cpu-eps1's central rate 1 makes batch = public size; 3,251 images -> public size 3,300 was
+    refused ("fewer than [central] batch") although q = batch / public size = 1."""
     import numpy as np
 
     from feta_release.config import load_preset
@@ -263,33 +296,45 @@ def test_presets_accept_the_suggested_public_size_when_it_rounds_the_count_up(n:
 
     n_pub = suggest_public_size(n)
     cfg = load_preset(preset).for_size(n_pub)
-    ds = ImageDataset(np.zeros((n, 1, 2, 2), np.float32), np.arange(n) % 10, tuple(map(str, range(10))), source="toy")
+    ds = ImageDataset(
+        np.zeros((n, 1, 2, 2), np.float32), np.arange(n) % 10, tuple(map(str, range(10))), source="toy"
+    )
     check_data(cfg, ds, n_pub)
     assert cfg.central.batch <= n_pub and cfg.dpsgd.batch <= n_pub
 
 
-# -- one planner for both drivers ---------------------------------------------------------------------------------
+# -- one planner for both drivers
+# ---------------------------------------------------------------------------------
 
 
 @settings(max_examples=6, deadline=None)
-@given(n=st.integers(800, 20_000), rounds=st.integers(1, 5), local=st.integers(1, 30),
-       central=st.booleans(), frequency=st.booleans())
-def test_single_site_and_federated_planning_give_identical_events(n: int, rounds: int, local: int, central: bool,
-                                                                 frequency: bool) -> None:
-    """A local run of rounds x local_steps DP-SGD steps and a federated site of the same public size plan the same
-    events: the same warm-up, the same calibrated sigma and q, the same steps (split into rounds) and epsilon."""
+@given(
+    n=st.integers(800, 20_000),
+    rounds=st.integers(1, 5),
+    local=st.integers(1, 30),
+    central=st.booleans(),
+    frequency=st.booleans(),
+)
+def test_single_site_and_federated_planning_give_identical_events(
+    n: int, rounds: int, local: int, central: bool, frequency: bool
+) -> None:
+    """A local run of rounds x local_steps DP-SGD steps and a federated site of the same public size plan the
+    same events: the same warm-up, the same calibrated sigma and q, the same steps (split into rounds) and
+    epsilon."""
     from feta_release.planning import merged
 
     cfg = JobConfig().replace(
         central={"rounds": 3 if central else 0, "batch": 200, "sigma": 5.0},
         frequency={"sigma": 30.0 if frequency else None},
-        dpsgd={"batch": 100, "steps": rounds * local}, federation={"rounds": rounds, "local_steps": local},
+        dpsgd={"batch": 100, "steps": rounds * local},
+        federation={"rounds": rounds, "local_steps": local},
     )
     local_events = stage_events(cfg, n)
     fed_events = stage_events(cfg, n, federated=True)
     assert merged(fed_events) == local_events
-    assert [e for e in fed_events if e.stage == "dpsgd"] == [PrivacyEvent("dpsgd", local_events[-1].sigma,
-                                                                        100 / n, local)] * rounds
+    assert [e for e in fed_events if e.stage == "dpsgd"] == [
+        PrivacyEvent("dpsgd", local_events[-1].sigma, 100 / n, local)
+    ] * rounds
     single, site = plan(cfg, n), plan(cfg, n, federated=True)
     assert single.events == site.events == local_events
     assert single.epsilon == pytest.approx(site.epsilon, rel=1e-9)
@@ -317,11 +362,15 @@ def test_calibrations_are_cached_on_disk_exactly(tmp_path: Path) -> None:
     cfg = load_job(JOBS / "valid_feta_pro.toml").replace(federation={"rounds": 2, "local_steps": 5})
     first = stage_events(cfg, 3000, federated=True, cache_dir=tmp_path)
     assert len(list((tmp_path / "calibrations").glob("*.json"))) == 1
-    assert stage_events(cfg, 3000, federated=True, cache_dir=tmp_path) == first == stage_events(cfg, 3000,
-                                                                                                federated=True)
+    assert (
+        stage_events(cfg, 3000, federated=True, cache_dir=tmp_path)
+        == first
+        == stage_events(cfg, 3000, federated=True)
+    )
 
 
-# -- DP-SGD round sizes: one schedule, one list of events, whichever driver ---------------------------------------
+# -- DP-SGD round sizes: one schedule, one list of events, whichever driver
+# ---------------------------------------
 
 
 @settings(max_examples=25, deadline=None)
@@ -336,17 +385,25 @@ def test_round_sizes_split_every_step_once(total: int, chunk: int) -> None:
 
 
 @settings(max_examples=8, deadline=None)
-@given(n=st.integers(800, 20_000), total=st.integers(1, 120), chunk=st.integers(1, 50), central=st.booleans(),
-       frequency=st.booleans())
-def test_local_and_federated_events_are_identical_for_the_same_round_sizes(n: int, total: int, chunk: int,
-                                                                          central: bool, frequency: bool) -> None:
-    """The same schedule (rounds of ``chunk`` steps, the last shorter) gives the same events in a local run and at
-    a federated site, and splitting never changes sigma, q or epsilon: only the one round of a local run is cut."""
+@given(
+    n=st.integers(800, 20_000),
+    total=st.integers(1, 120),
+    chunk=st.integers(1, 50),
+    central=st.booleans(),
+    frequency=st.booleans(),
+)
+def test_local_and_federated_events_are_identical_for_the_same_round_sizes(
+    n: int, total: int, chunk: int, central: bool, frequency: bool
+) -> None:
+    """The same schedule (rounds of ``chunk`` steps, the last shorter) gives the same events in a local run
+    and at a federated site, and splitting never changes sigma, q or epsilon: only the one round of a local
+    run is cut."""
     from feta_release.planning import merged, round_sizes
 
     cfg = JobConfig().replace(
         central={"rounds": 3 if central else 0, "batch": 200, "sigma": 5.0},
-        frequency={"sigma": 30.0 if frequency else None}, dpsgd={"batch": 100, "steps": total},
+        frequency={"sigma": 30.0 if frequency else None},
+        dpsgd={"batch": 100, "steps": total},
     )
     sizes = round_sizes(total, chunk)
     local = stage_events(cfg, n, rounds=sizes)
@@ -360,8 +417,12 @@ def test_local_and_federated_events_are_identical_for_the_same_round_sizes(n: in
 
 
 def test_round_sizes_must_be_positive_integers() -> None:
-    cfg = JobConfig().replace(central={"rounds": 3, "batch": 200, "sigma": 5.0}, dpsgd={"batch": 100, "steps": 10})
+    cfg = JobConfig().replace(
+        central={"rounds": 3, "batch": 200, "sigma": 5.0}, dpsgd={"batch": 100, "steps": 10}
+    )
     for bad in ([5, 0, 5], [5, -1], [2.5], [True]):
         with pytest.raises(PrivacyError, match="round sizes"):
             stage_events(cfg, 10_000, rounds=bad)
-    assert [e.stage for e in stage_events(cfg, 10_000, rounds=[])] == [e.stage for e in stage_events(cfg, 10_000)][:-1]
+    assert [e.stage for e in stage_events(cfg, 10_000, rounds=[])] == [
+        e.stage for e in stage_events(cfg, 10_000)
+    ][:-1]

@@ -44,9 +44,12 @@ def test_removing_a_patient_changes_at_most_k_records(patients: list[int], k: in
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(1, 20), min_size=2, max_size=12), k=st.integers(1, 5), seed=st.integers(0, 99))
+@given(
+    sizes=st.lists(st.integers(1, 20), min_size=2, max_size=12), k=st.integers(1, 5), seed=st.integers(0, 99)
+)
 def test_central_sum_sensitivity_under_whole_patient(sizes: list[int], k: int, seed: int) -> None:
-    """The central mean query's L2 change when a whole patient (worst case: many images) leaves is <= k * clip."""
+    """The central mean query's L2 change when a whole patient (worst case: many images) leaves is <= k *
+    clip."""
     from feta_release.mechanisms.central import central_query
 
     rng = np.random.default_rng(seed)
@@ -92,7 +95,9 @@ def test_unit_statements() -> None:
     pe = PrivacyUnit("patient", 5).statement(1.0, 1e-5, evs)
     assert pe["delta_per_patient"] == 1e-5 and pe["epsilon_per_patient"] == patient_epsilon(evs, 1e-5, 5)
     img = PrivacyUnit("image", 20).statement(1.0, 1e-5)
-    assert img["unit"] == "image" and img["epsilon_for_largest_group"] == 20.0 and "group privacy" in img["how"]
+    assert (
+        img["unit"] == "image" and img["epsilon_for_largest_group"] == 20.0 and "group privacy" in img["how"]
+    )
 
 
 def test_load_with_patient_cap_and_refusal_without_ids(tmp_path: Path) -> None:
@@ -129,8 +134,9 @@ def _eps20_job(tmp_path: Path) -> Path:
 
 
 def test_privacy_plan_two_thousand_patients(capsys, tmp_path: Path) -> None:  # noqa: ANN001
-    """2,000 patients with 1-20 images each: the cap sets N and the statement the unit; with a cap the job's budget
-    is a budget PER PATIENT (a cap of 5 cannot fit cpu-eps1's warm-up in ε 1 per patient: refused, naming it)."""
+    """2,000 patients with 1-20 images each: the cap sets N and the statement the unit; with a cap the job's
+    budget is a budget PER PATIENT (a cap of 5 cannot fit cpu-eps1's warm-up in ε 1 per patient: refused,
+    naming it)."""
     from feta_release.cli import main
 
     preset = Path(__file__).resolve().parents[2] / "feta_release" / "presets" / "cpu-eps1.toml"
@@ -156,8 +162,9 @@ def test_privacy_plan_two_thousand_patients(capsys, tmp_path: Path) -> None:  # 
 
 
 def test_privacy_plan_patient_level_dpsgd(capsys, tmp_path: Path) -> None:  # noqa: ANN001
-    """--patients: DP-SGD's ε is per patient directly, only the warm-up goes through group privacy, so at the same
-    per-patient budget patient-level DP-SGD needs less noise than image-level DP-SGD grouped over the cap."""
+    """--patients: DP-SGD's ε is per patient directly, only the warm-up goes through group privacy, so at the
+    same per-patient budget patient-level DP-SGD needs less noise than image-level DP-SGD grouped over the
+    cap."""
     job = str(_eps20_job(tmp_path))
     grouped = _plan([job, "-n", "9000", "--patient-cap", "5"], capsys)
     direct = _plan([job, "-n", "9000", "--patient-cap", "5", "--patients", "2000"], capsys)
@@ -167,7 +174,9 @@ def test_privacy_plan_patient_level_dpsgd(capsys, tmp_path: Path) -> None:  # no
     assert direct["noise_multiplier"] < grouped["noise_multiplier"]
     assert [e.get("unit", "image") for e in direct["history"]][-1] == "patient"
     u = direct["privacy_unit"]
-    assert u["epsilon_per_patient"] == pytest.approx(u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"])
+    assert u["epsilon_per_patient"] == pytest.approx(
+        u["epsilon_warmup_per_patient"] + u["epsilon_dpsgd_per_patient"]
+    )
     sgd = [e for e in direct["history"] if e["stage"] == "dpsgd"][0]
     assert u["expected_patients_per_step"] == pytest.approx(sgd["q"] * 2000)
 

@@ -1,5 +1,5 @@
-"""bench/dpsgd_classifier.py, the DP-SGD anchor of bench/generality.py: it trains on a tiny set, spends no more than
-its target ε by Opacus's own accountant, and uses no batch-mixing layer."""
+"""bench/dpsgd_classifier.py, the DP-SGD anchor of bench/generality.py: it trains on a tiny set, spends no
+more than its target ε by Opacus's own accountant, and uses no batch-mixing layer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""bench/bench_federated_vs_pooled.py: the federated arm runs the preset's job (rates, cells, no DP-SGD), and the
-script's --quick mode runs both arms end to end and writes its table."""
+"""bench/bench_federated_vs_pooled.py: the federated arm runs the preset's job (rates, cells, no DP-SGD), and
+the script's --quick mode runs both arms end to end and writes its table."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_fedpool", ROOT / "bench" / "bench_federated_vs_pooled.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_fedpool", ROOT / "bench" / "bench_federated_vs_pooled.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -30,8 +32,9 @@ def test_the_federated_arm_runs_the_same_job_as_the_pooled_arm() -> None:
     assert fed.federation.secure_aggregation and fed.federated_rounds == 0 and fed.job.seed == 2
     assert fed.central.batch == 1300 and fed.central.cells == 2  # q = 1 at every site, as the pooled run's
     same = ("privacy", "frequency", "model", "warmup", "auxgen", "sampler")
-    assert {k: v for k, v in fed.to_dict().items() if k in same} == \
-        {k: v for k, v in preset.to_dict().items() if k in same}
+    assert {k: v for k, v in fed.to_dict().items() if k in same} == {
+        k: v for k, v in preset.to_dict().items() if k in same
+    }
     assert not bench.federated_config(preset, 1300, 0, False, 3).federation.secure_aggregation
 
 
@@ -45,22 +48,36 @@ def test_quick_mode_runs_both_arms_with_both_samplers_and_writes_the_table(tmp_p
         assert 0 < rows[0]["epsilon"] <= 1.0
         assert all(0 <= rows[0][k] <= 1 for k in ("acc_noise", "acc_sdedit", "release_only")), arm
     fed = saved["rows"]["federated (3 sites, secure aggregation)"][0]
-    assert all(w > fed["epsilon"] for w in fed["worst_case_epsilon"].values())  # secure: both figures attested
+    # secure: both figures attested
+    assert all(w > fed["epsilon"] for w in fed["worst_case_epsilon"].values())
     # the bench's SDEdit sampler (the federated arm's) reproduces train's own synthetic set exactly
     assert saved["rows"]["pooled (1 site)"][0]["sdedit_check_max_abs_diff"] == 0.0
 
 
 def test_parallel_streams_merge_into_one_table(tmp_path: Path) -> None:
     bench = _bench()
-    row = {"seed": 0, "acc_noise": 0.5, "fd_noise": 10.0, "acc_sdedit": 0.6, "fd_sdedit": 9.0, "release_only": 0.4,
-           "epsilon": 0.99, "seconds": 60.0, "load": {"start": 1.0, "end": 2.0}}
+    row = {
+        "seed": 0,
+        "acc_noise": 0.5,
+        "fd_noise": 10.0,
+        "acc_sdedit": 0.6,
+        "fd_sdedit": 9.0,
+        "release_only": 0.4,
+        "epsilon": 0.99,
+        "seconds": 60.0,
+        "load": {"start": 1.0, "end": 2.0},
+    }
     base = {"preset": "p", "protocol": {"seeds": [0, 1]}}
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps({**base, "rows": {"pooled (1 site)": [row, {**row, "seed": 1, "acc_sdedit": 0.8}]}}))
+    a.write_text(
+        json.dumps({**base, "rows": {"pooled (1 site)": [row, {**row, "seed": 1, "acc_sdedit": 0.8}]}})
+    )
     fed = {**row, "worst_case_epsilon": {"site-a": 1.8}}
     b.write_text(json.dumps({**base, "rows": {"federated": [fed]}}))
     doc = bench.merge([str(a), str(b)], tmp_path / "m.json")
-    assert [r["seed"] for r in doc["rows"]["pooled (1 site)"]] == [0, 1] and len(doc["rows"]["federated"]) == 1
+    assert [r["seed"] for r in doc["rows"]["pooled (1 site)"]] == [0, 1] and len(
+        doc["rows"]["federated"]
+    ) == 1
     assert "0.700 ± 0.141" in doc["table"] and "0.990 (1.800)" in doc["table"]
     b.write_text(json.dumps({**base, "preset": "q", "rows": {}}))
     with pytest.raises(SystemExit):
@@ -68,16 +85,34 @@ def test_parallel_streams_merge_into_one_table(tmp_path: Path) -> None:
 
 
 def test_a_stream_that_ran_another_seed_merges_into_the_earlier_table(tmp_path: Path) -> None:
-    """A later stream (``--seeds 2``) of the same protocol adds its rows: seeds are the union, rows in seed order; a
-    different protocol (other than its seed list) is still refused."""
+    """A later stream (``--seeds 2``) of the same protocol adds its rows: seeds are the union, rows in seed
+    order; a different protocol (other than its seed list) is still refused."""
     bench = _bench()
-    row = {"seed": 0, "acc_noise": 0.5, "fd_noise": 10.0, "acc_sdedit": 0.6, "fd_sdedit": 9.0, "release_only": 0.4,
-           "epsilon": 0.99, "seconds": 60.0, "load": {"start": 1.0, "end": 2.0}}
+    row = {
+        "seed": 0,
+        "acc_noise": 0.5,
+        "fd_noise": 10.0,
+        "acc_sdedit": 0.6,
+        "fd_sdedit": 9.0,
+        "release_only": 0.4,
+        "epsilon": 0.99,
+        "seconds": 60.0,
+        "load": {"start": 1.0, "end": 2.0},
+    }
     proto = {"n_synthetic": 10, "seeds": [0, 1, 2]}
     early, late = tmp_path / "early.json", tmp_path / "late.json"
-    early.write_text(json.dumps({"preset": "p", "protocol": proto, "rows": {"pooled": [{**row, "seed": 1}, row]}}))
-    late.write_text(json.dumps({"preset": "p", "protocol": {**proto, "seeds": [2]},
-                                "rows": {"pooled": [{**row, "seed": 2, "acc_sdedit": 0.9}]}}))
+    early.write_text(
+        json.dumps({"preset": "p", "protocol": proto, "rows": {"pooled": [{**row, "seed": 1}, row]}})
+    )
+    late.write_text(
+        json.dumps(
+            {
+                "preset": "p",
+                "protocol": {**proto, "seeds": [2]},
+                "rows": {"pooled": [{**row, "seed": 2, "acc_sdedit": 0.9}]},
+            }
+        )
+    )
     doc = bench.merge([str(late), str(early)], tmp_path / "m.json")
     assert [r["seed"] for r in doc["rows"]["pooled"]] == [0, 1, 2] and doc["protocol"]["seeds"] == [0, 1, 2]
     assert "| **pooled, mean ± std** | 0,1,2 |" in doc["table"] and "0.700 ± 0.173" in doc["table"]

@@ -1,6 +1,7 @@
-"""bench/generality.py: the pipeline cell runs the job asked for at the row's ε (a preset or a job file rewritten
-with the row's ε, δ and seed; the derived job by --epsilon), the plan has one cell per method, kind, size, ε and seed
-(the ceiling once per ε pair, no digits beyond the 5,000 shipped), and the table shows every row."""
+"""bench/generality.py: the pipeline cell runs the job asked for at the row's ε (a preset or a job file
+rewritten with the row's ε, δ and seed; the derived job by --epsilon), the plan has one cell per method, kind,
+size, ε and seed (the ceiling once per ε pair, no digits beyond the 5,000 shipped), and the table shows every
+row."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def test_job_choice_derived_preset_template_and_auto(tmp_path: Path) -> None:
 
 def test_the_plan_has_every_cell_once_and_no_digits_beyond_the_shipped_set(tmp_path: Path) -> None:
     bench = _bench()
-    args = bench.parse_args(["--sizes", "500,20000", "--seeds", "0,1", "--job", "derived", "--work", str(tmp_path)])
+    args = bench.parse_args(
+        ["--sizes", "500,20000", "--seeds", "0,1", "--job", "derived", "--work", str(tmp_path)]
+    )
     cells = bench.plan_cells(args, derived=False)
     names = [bench._cell_name(c) for c in cells]
     assert len(names) == len(set(names))
@@ -79,15 +82,47 @@ def test_the_table_aggregates_seeds_and_names_failed_cells() -> None:
 
 def test_priority_runs_the_listed_rows_first_with_their_ceiling_and_seeds_in_order(tmp_path: Path) -> None:
     bench = _bench()
-    args = bench.parse_args(["--sizes", "4000", "--seeds", "0,1", "--methods", "ceiling,release", "--job",
-                             "derived", "--work", str(tmp_path), "--priority", "medical:10,digits:1"])
+    args = bench.parse_args(
+        [
+            "--sizes",
+            "4000",
+            "--seeds",
+            "0,1",
+            "--methods",
+            "ceiling,release",
+            "--job",
+            "derived",
+            "--work",
+            str(tmp_path),
+            "--priority",
+            "medical:10,digits:1",
+        ]
+    )
     names = [bench._cell_name(c) for c in bench.plan_cells(args, derived=False)]
-    assert names[:8] == ["ceiling-medical-n4000-seed0", "ceiling-medical-n4000-seed1",
-                         "release-medical-n4000-eps10-seed0", "release-medical-n4000-eps10-seed1",
-                         "ceiling-digits-n4000-seed0", "ceiling-digits-n4000-seed1",
-                         "release-digits-n4000-eps1-seed0", "release-digits-n4000-eps1-seed1"]
-    unlisted = bench.parse_args(["--sizes", "4000", "--seeds", "0,1", "--methods", "ceiling,release", "--job",
-                                 "derived", "--work", str(tmp_path)])
+    assert names[:8] == [
+        "ceiling-medical-n4000-seed0",
+        "ceiling-medical-n4000-seed1",
+        "release-medical-n4000-eps10-seed0",
+        "release-medical-n4000-eps10-seed1",
+        "ceiling-digits-n4000-seed0",
+        "ceiling-digits-n4000-seed1",
+        "release-digits-n4000-eps1-seed0",
+        "release-digits-n4000-eps1-seed1",
+    ]
+    unlisted = bench.parse_args(
+        [
+            "--sizes",
+            "4000",
+            "--seeds",
+            "0,1",
+            "--methods",
+            "ceiling,release",
+            "--job",
+            "derived",
+            "--work",
+            str(tmp_path),
+        ]
+    )
     assert sorted(names) == sorted(bench._cell_name(c) for c in bench.plan_cells(unlisted, derived=False))
 
 
@@ -96,11 +131,18 @@ def test_the_per_class_lines_put_the_release_beside_the_ceiling() -> None:
     args = bench.parse_args(["--kinds", "medical", "--sizes", "500", "--eps", "10", "--seeds", "0,1"])
     cell = {"seconds": 10.0, "rss_mib": 300}
     results = {
-        "ceiling-medical-n500-seed0": {**cell, "result": {"acc": 0.9, "per_class": {"normal": 0.9, "finding": 0.8}}},
-        "release-medical-n500-eps10-seed0": {**cell, "result": {"acc": 0.6, "per_class": {"normal": 0.9,
-                                                                                         "finding": 0.2}}},
-        "release-medical-n500-eps10-seed1": {**cell, "result": {"acc": 0.6, "per_class": {"normal": 0.7,
-                                                                                         "finding": 0.4}}},
+        "ceiling-medical-n500-seed0": {
+            **cell,
+            "result": {"acc": 0.9, "per_class": {"normal": 0.9, "finding": 0.8}},
+        },
+        "release-medical-n500-eps10-seed0": {
+            **cell,
+            "result": {"acc": 0.6, "per_class": {"normal": 0.9, "finding": 0.2}},
+        },
+        "release-medical-n500-eps10-seed1": {
+            **cell,
+            "result": {"acc": 0.6, "per_class": {"normal": 0.7, "finding": 0.4}},
+        },
     }
     assert "- medical, 500, ε = 10: normal 0.80 (0.90), finding 0.30 (0.80)" in bench.table(results, args)
 

@@ -38,11 +38,24 @@ def _visible_options(cmd: click.Command) -> list[click.Option]:
 
 def test_the_trusted_key_option_has_one_name_everywhere():
     """Every visible option naming a key to trust for the site-administrator role is spelled --trusted."""
-    spellings = {o for cmd in COMMANDS.values() for p in _visible_options(cmd) for o in p.opts if "trust" in o}
+    spellings = {
+        o for cmd in COMMANDS.values() for p in _visible_options(cmd) for o in p.opts if "trust" in o
+    }
     assert spellings == {"--trusted"}
-    users = sorted(name for name, cmd in COMMANDS.items() if any("--trusted" in p.opts for p in _visible_options(cmd)))
-    for name in ("node start", "node status", "policy check", "policy verify", "job verify", "verify", "report",
-                 "synthesize", "verify-synthetic"):
+    users = sorted(
+        name for name, cmd in COMMANDS.items() if any("--trusted" in p.opts for p in _visible_options(cmd))
+    )
+    for name in (
+        "node start",
+        "node status",
+        "policy check",
+        "policy verify",
+        "job verify",
+        "verify",
+        "report",
+        "synthesize",
+        "verify-synthetic",
+    ):
         assert name in users
 
 
@@ -51,14 +64,14 @@ def test_every_help_has_an_example_whose_options_exist(name: str):
     cmd = COMMANDS[name]
     text = cmd.help or ""
     assert "Example" in text, f"`feta-release {name} --help` has no example"
-    example = text[text.index("Example"):]
+    example = text[text.index("Example") :]
     known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
     lines = re.sub(r"\\\n\s*", " ", example).splitlines()
     runs = [ln.split("#")[0].strip() for ln in lines if ln.strip().startswith("feta-release ")]
     assert runs, f"{name}: the example shows no feta-release command"
     for run in runs:
         words = shlex.split(run)
-        assert " ".join(words[1:1 + len(name.split())]) == name, run
+        assert " ".join(words[1 : 1 + len(name.split())]) == name, run
         unknown = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in known]
         assert not unknown, f"{name}: the example uses {unknown}, which the command does not have"
 
@@ -84,7 +97,8 @@ def test_old_spellings_are_hidden_deprecated_aliases(tmp_path: Path):
     for cmd in ("node start", "node status", "job verify"):
         assert "--trusted-policy-key" not in COMMANDS[cmd].get_help(click.Context(COMMANDS[cmd]))
         assert "--policy-trusted" not in COMMANDS[cmd].get_help(click.Context(COMMANDS[cmd]))
-    # The old spelling still reaches the same check (here: node start's list of what is missing), with a warning.
+    # The old spelling still reaches the same check (here: node start's list of what is missing), with a
+    # warning.
     res = CliRunner().invoke(node, ["start", "--trusted-policy-key", str(admin)])
     assert "--trusted-policy-key is deprecated; use --trusted" in res.output
     assert "needs --data, --policy, --ledger" in str(res.exception) and "--trusted" not in str(res.exception)
@@ -95,8 +109,9 @@ def test_old_spellings_are_hidden_deprecated_aliases(tmp_path: Path):
 
 
 def test_job_verify_keeps_roles_apart(tmp_path: Path):
-    """--trusted once named COORDINATOR keys in `job verify`: now it is the site administrator's key (with --policy)
-    everywhere, so a coordinator key given the old way is refused with the fix, never trusted for another role."""
+    """--trusted once named COORDINATOR keys in `job verify`: now it is the site administrator's key (with
+    --policy) everywhere, so a coordinator key given the old way is refused with the fix, never trusted for
+    another role."""
     admin, coord = _keys(tmp_path)
     job = tmp_path / "job.signed.json"
     job.write_text("{}")
@@ -110,8 +125,8 @@ PROGRESS_WORDS = ("quiet", "progress", "silent", "verbose", "spinner")
 
 
 def test_the_progress_option_has_one_name_everywhere():
-    """Every visible option about progress output is click's --progress/--no-progress pair (on by default), and
-    every command that draws bars, spinners or streamed progress lines has it."""
+    """Every visible option about progress output is click's --progress/--no-progress pair (on by default),
+    and every command that draws bars, spinners or streamed progress lines has it."""
     found: dict[str, click.Option] = {}
     for name, cmd in COMMANDS.items():
         for p in _visible_options(cmd):
@@ -135,9 +150,20 @@ def test_progress_flag_reaches_the_command(name: str, monkeypatch: pytest.Monkey
     monkeypatch.setattr(cmd, "callback", spy)
     (tmp_path / "job.toml").write_text("")
     (tmp_path / "k").write_text("")
-    required = {"synthesize": ["--release", "r", "--out", "o"], "audit": ["--preset", "tiny", "--out", "a.json"],
-                "coordinator run": [str(tmp_path / "job.toml"), "--sites", "a", "--key", str(tmp_path / "k"),
-                                    "--out", "o"], "demo": []}[name]
+    required = {
+        "synthesize": ["--release", "r", "--out", "o"],
+        "audit": ["--preset", "tiny", "--out", "a.json"],
+        "coordinator run": [
+            str(tmp_path / "job.toml"),
+            "--sites",
+            "a",
+            "--key",
+            str(tmp_path / "k"),
+            "--out",
+            "o",
+        ],
+        "demo": [],
+    }[name]
     for flag, want in (([], True), (["--no-progress"], False), (["--progress"], True)):
         res = CliRunner().invoke(cmd, [*required, *flag])
         assert res.exit_code == 0, res.output
@@ -145,7 +171,8 @@ def test_progress_flag_reaches_the_command(name: str, monkeypatch: pytest.Monkey
 
 
 def test_train_no_progress_and_its_deprecated_quiet_alias(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """train's progress bars follow --progress/--no-progress; the old --quiet still works (hidden, with a warning)."""
+    """train's progress bars follow --progress/--no-progress; the old --quiet still works (hidden, with a
+    warning)."""
     import feta_release.training.pipeline as pipeline
 
     enabled: list[bool] = []
@@ -165,15 +192,19 @@ def test_train_no_progress_and_its_deprecated_quiet_alias(monkeypatch: pytest.Mo
 
 
 def test_the_device_option_has_one_form_everywhere():
-    """--device auto|cpu|cuda: the same choices, default (cpu) and help wherever the computation can move (the local
-    driver, the federated coordinator, a site node, the demo)."""
+    """--device auto|cpu|cuda: the same choices, default (cpu) and help wherever the computation can move (the
+    local driver, the federated coordinator, a site node, the demo)."""
     found: dict[str, click.Option] = {}
     for name, cmd in COMMANDS.items():
         for p in _visible_options(cmd):
             if "--device" in p.opts:
-                assert isinstance(p.type, click.Choice) and list(p.type.choices) == ["auto", "cpu", "cuda"], name
+                assert isinstance(p.type, click.Choice) and list(p.type.choices) == ["auto", "cpu", "cuda"], (
+                    name
+                )
                 assert p.default == "cpu" and p.show_default, name
-                assert p.help and p.help.startswith("Where ") and p.help.endswith("(auto: CUDA when visible)."), name
+                assert (
+                    p.help and p.help.startswith("Where ") and p.help.endswith("(auto: CUDA when visible).")
+                ), name
                 found[name] = p
     assert set(found) == {"train", "coordinator run", "node start", "demo"}
     from feta_release.training.device import DEVICES

@@ -1,5 +1,5 @@
-"""What the console prints is the text itself: job section names in brackets are not eaten as rich markup, and the
-demo's log lines carry no source location."""
+"""What the console prints is the text itself: job section names in brackets are not eaten as rich markup, and
+the demo's log lines carry no source location."""
 
 from __future__ import annotations
 

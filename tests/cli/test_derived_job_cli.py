@@ -54,12 +54,26 @@ def test_derived_job_options_are_refused_beside_a_preset(tmp_path: Path, capsys:
     assert code == 2 and "for the derived job" in err
 
 
-def test_train_with_a_declared_size_runs_the_job_derived_from_the_data(digits_npz: Path, tmp_path: Path,
-                                                                       capsys: Any, seen: dict[str, Any]) -> None:
+def test_train_with_a_declared_size_runs_the_job_derived_from_the_data(
+    digits_npz: Path, tmp_path: Path, capsys: Any, seen: dict[str, Any]
+) -> None:
     saved = tmp_path / "job.toml"
     with pytest.raises(Stop):
-        main(["train", "--data", str(digits_npz), "--epsilon", "10", "--public-size", "600", "--out",
-              str(tmp_path / "r"), "--save-job", str(saved)])
+        main(
+            [
+                "train",
+                "--data",
+                str(digits_npz),
+                "--epsilon",
+                "10",
+                "--public-size",
+                "600",
+                "--out",
+                str(tmp_path / "r"),
+                "--save-job",
+                str(saved),
+            ]
+        )
     out = capsys.readouterr().out
     want = derive_job(DataFacts(size=600, height=28, width=28, channels=1, n_classes=10, epsilon=10.0))
     assert seen["cfg"] == want and seen["job_for_size"] is None and seen["public_size"] == 600
@@ -68,31 +82,50 @@ def test_train_with_a_declared_size_runs_the_job_derived_from_the_data(digits_np
     assert "# facts: public size 600" in out and "not yet measured" in out
 
 
-def test_train_that_draws_its_size_derives_the_job_at_the_drawn_size(digits_npz: Path, tmp_path: Path,
-                                                                     capsys: Any, seen: dict[str, Any]) -> None:
+def test_train_that_draws_its_size_derives_the_job_at_the_drawn_size(
+    digits_npz: Path, tmp_path: Path, capsys: Any, seen: dict[str, Any]
+) -> None:
     with pytest.raises(Stop):
         main(["train", "--data", str(digits_npz), "--epsilon", "1", "--out", str(tmp_path / "r")])
     facts = DataFacts(size=1, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True)
     ref = sizing_size(facts)
     # drawn under a job that depends on public facts only (not on the 600 private images)
-    assert seen["cfg"] == derive_job(DataFacts(size=ref, height=28, width=28, channels=1, n_classes=10,
-                                               epsilon=1.0, size_drawn=True))
+    assert seen["cfg"] == derive_job(
+        DataFacts(size=ref, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True)
+    )
     job_at = seen["job_for_size"]
-    assert job_at(700) == derive_job(DataFacts(size=700, height=28, width=28, channels=1, n_classes=10,
-                                               epsilon=1.0, size_drawn=True))
+    assert job_at(700) == derive_job(
+        DataFacts(size=700, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True)
+    )
     assert "# facts: public size 700 (noisy count)" in capsys.readouterr().out
 
 
 def test_privacy_plan_shows_the_derived_job_from_public_facts(capsys: Any) -> None:
-    code, out, err = _run(["privacy", "plan", "--size", "300", "--shape", "64x64x3", "--classes", "10", "--epsilon",
-                           "10", "--declared-size", "--json"], capsys)
+    code, out, err = _run(
+        [
+            "privacy",
+            "plan",
+            "--size",
+            "300",
+            "--shape",
+            "64x64x3",
+            "--classes",
+            "10",
+            "--epsilon",
+            "10",
+            "--declared-size",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     data = json.loads(out)
     want = derive_job(DataFacts(size=300, height=64, width=64, channels=3, n_classes=10, epsilon=10.0))
     assert JobConfig.from_dict(data["derived_job"]) == want
     assert data["epsilon"] <= 10.0 and not data["warnings"]
-    code, _, err = _run(["privacy", "plan", "--size", "300", "--shape", "28x28", "--classes", "100", "--epsilon",
-                         "1"], capsys)
+    code, _, err = _run(
+        ["privacy", "plan", "--size", "300", "--shape", "28x28", "--classes", "100", "--epsilon", "1"], capsys
+    )
     assert code == 2 and "below the floor" in err
 
 
@@ -139,18 +172,41 @@ def two_digits_npz(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_derived_job_trains_end_to_end_within_its_epsilon(two_digits_npz: Path, tmp_path: Path,
-                                                            capsys: Any) -> None:
-    # 600 images of 2 classes at epsilon 3: both releases, aux-prototype cells, the shortest warm-up, 3 aux epochs
+def test_a_derived_job_trains_end_to_end_within_its_epsilon(
+    two_digits_npz: Path, tmp_path: Path, capsys: Any
+) -> None:
+    # 600 images of 2 classes at epsilon 3: both releases, aux-prototype cells, the shortest warm-up, 3 aux
+    # epochs
     out, saved = tmp_path / "run", tmp_path / "job.toml"
-    code, stdout, err = _run(["train", "--data", str(two_digits_npz), "--epsilon", "3", "--public-size", "600",
-                              "--time-budget", "1s", "--save-job", str(saved), "--out", str(out), "--synthetic", "10",
-                              "--no-release", "--no-progress", "--json"], capsys)
+    code, stdout, err = _run(
+        [
+            "train",
+            "--data",
+            str(two_digits_npz),
+            "--epsilon",
+            "3",
+            "--public-size",
+            "600",
+            "--time-budget",
+            "1s",
+            "--save-job",
+            str(saved),
+            "--out",
+            str(out),
+            "--synthetic",
+            "10",
+            "--no-release",
+            "--no-progress",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["epsilon"] <= 3.0
     job = load_job(saved)
-    assert job.central.cell_rule == "aux" and job.central.cells > 1  # the generic cells ran, prototypes and all
+    # the generic cells ran, prototypes and all
+    assert job.central.cell_rule == "aux" and job.central.cells > 1
     assert job.frequency.sigma is not None and job.auxgen.epochs == 3
     assert JobConfig.from_dict(json.loads((out / "job.json").read_text("utf-8"))) == job.for_size(600)
     assert (out / "COMPLETE").exists()

@@ -38,8 +38,22 @@ def _run(argv, capsys):
 @pytest.mark.slow
 def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     out = tmp_path / "run"
-    code, stdout, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
-                              "--synthetic", "10", "--no-progress", "--json"], capsys)
+    code, stdout, err = _run(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            str(small_npz),
+            "--out",
+            str(out),
+            "--synthetic",
+            "10",
+            "--no-progress",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["epsilon"] <= 10.0 and summary["delta"] == 1e-5
@@ -47,12 +61,39 @@ def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     assert (out / "COMPLETE").exists()
     assert np.load(out / "synthetic.npz")["images"].shape[0] == 10
     # the same command again: already complete, nothing re-spent
-    code, stdout, _ = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
-                            "--synthetic", "10", "--no-progress", "--json"], capsys)
+    code, stdout, _ = _run(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            str(small_npz),
+            "--out",
+            str(out),
+            "--synthetic",
+            "10",
+            "--no-progress",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0 and json.loads(stdout)["already_complete"] is True
     # a plain run's release verifies under the run's own one-site policy, with the key and commands it prints
-    code, stdout, _ = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(out),
-                            "--synthetic", "10", "--no-progress"], capsys)
+    code, stdout, _ = _run(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            str(small_npz),
+            "--out",
+            str(out),
+            "--synthetic",
+            "10",
+            "--no-progress",
+        ],
+        capsys,
+    )
     key = out / "keys" / "policy-admin.key"
     assert code == 0 and key.is_file() and key.stat().st_mode & 0o077 == 0
     line = f"feta-release verify {out / 'release'} --trusted site={out / 'keys' / 'policy-admin.pub'}"
@@ -71,8 +112,10 @@ def test_cli_errors_have_exit_codes(small_npz, tmp_path, capsys):
     assert code == 2 and "exactly one" in err
 
     job.write_text("[dpsgd]\nsteps = 2\nbatch = 1000\n")
-    code, _, err = _run(["train", str(job), "--data", str(small_npz), "--out", str(tmp_path / "c"),
-                         "--public-size", "400"], capsys)
+    code, _, err = _run(
+        ["train", str(job), "--data", str(small_npz), "--out", str(tmp_path / "c"), "--public-size", "400"],
+        capsys,
+    )
     assert code == 3 and "fewer than the DP-SGD batch" in err
     assert not (tmp_path / "c").exists()  # a declared size: refused before anything is written
 
@@ -91,16 +134,46 @@ def test_presets_load_and_plan():
         assert p.noise_multiplier is not None and p.noise_multiplier > 0
     e1, e10 = load_preset("cpu-eps1").dpsgd, load_preset("cpu-eps10").dpsgd
     # Same DP-SGD compute (examples per run = rate x steps x N); cpu-eps1 takes it in fewer, larger steps.
-    assert e1.rate is not None and e10.rate is not None and e1.rate * e1.steps == pytest.approx(e10.rate * e10.steps)
+    assert (
+        e1.rate is not None
+        and e10.rate is not None
+        and e1.rate * e1.steps == pytest.approx(e10.rate * e10.steps)
+    )
     assert replace(e1, rate=None, steps=None) == replace(e10, rate=None, steps=None)
     assert load_preset("cpu-eps1").model == load_preset("cpu-eps10").model
 
 
 def test_train_with_a_site_ledger_but_no_policy_is_refused_in_one_line(small_npz, tmp_path, capsys):
-    code, _, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "r"),
-                         "--ledger", str(tmp_path / "site.sqlite"), "--no-progress"], capsys)
+    code, _, err = _run(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            str(small_npz),
+            "--out",
+            str(tmp_path / "r"),
+            "--ledger",
+            str(tmp_path / "site.sqlite"),
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code != 0 and "--policy SITE.signed.json --trusted ADMIN.pub" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    code, _, err = _run(["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "s"),
-                         "--policy", str(small_npz), "--no-progress"], capsys)
+    code, _, err = _run(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            str(small_npz),
+            "--out",
+            str(tmp_path / "s"),
+            "--policy",
+            str(small_npz),
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code != 0 and "--trusted ADMIN.pub" in err

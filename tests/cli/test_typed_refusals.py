@@ -1,5 +1,5 @@
-"""Places where mypy (run over the whole library and both drivers, tests/house/test_lint.py) found a None that the
-code used as a number: each now either works or refuses in one clear line, and these tests pin that."""
+"""Places where mypy (run over the whole library and both drivers, tests/house/test_lint.py) found a None that
+the code used as a number: each now either works or refuses in one clear line, and these tests pin that."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from feta_release.errors import ConfigError
 
 
 def test_the_demo_adapts_a_preset_that_gives_dpsgd_in_epochs() -> None:
-    # paper-mnist sets [dpsgd] epochs, not steps: the demo compared steps (None) with 0 and crashed with TypeError.
+    # paper-mnist sets [dpsgd] epochs, not steps: the demo compared steps (None) with 0 and crashed with
+    # TypeError.
     assert load_preset("paper-mnist").dpsgd.steps is None
     cfg = demo_config("paper-mnist", 10.0, 1000, rounds=3, local_steps=5, quick=True)
     assert (cfg.dpsgd.steps, cfg.dpsgd.epochs) == (15, None)
@@ -23,9 +24,12 @@ def test_the_demo_keeps_a_preset_without_dpsgd_without_it() -> None:
     assert demo_config("cpu-eps1-nodpsgd", 1.0, 1000, rounds=3, local_steps=5, quick=True).dpsgd.steps == 0
 
 
-@pytest.mark.parametrize(("window", "needs"), [(Window("bits"), "bit depth"), (Window("linear", center=40.0), "width")])
+@pytest.mark.parametrize(
+    ("window", "needs"), [(Window("bits"), "bit depth"), (Window("linear", center=40.0), "width")]
+)
 def test_a_hand_built_window_without_its_numbers_is_refused_in_one_line(window: Window, needs: str) -> None:
-    # parse_window never builds these; a hand-built one used to fail deep in numpy (int(None), None arithmetic).
+    # parse_window never builds these; a hand-built one used to fail deep in numpy (int(None), None
+    # arithmetic).
     raw = np.arange(64, dtype=np.uint16).reshape(8, 8)
     with pytest.raises(ConfigError, match=needs):
         window_sixteen_bit(raw, window)

@@ -1,6 +1,6 @@
-"""A labels CSV lists images INSIDE its own folder: an absolute path, a '..' part or a symbolic link out of the folder
-is refused (each row named, with the fix), so a file supplier cannot make the node train on images from elsewhere
-(another study's, another department's) as this site's data."""
+"""A labels CSV lists images INSIDE its own folder: an absolute path, a '..' part or a symbolic link out of
+the folder is refused (each row named, with the fix), so a file supplier cannot make the node train on images
+from elsewhere (another study's, another department's) as this site's data."""
 
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ def test_labels_csv_refuses_a_symbolic_link_out_of_its_folder(layout) -> None:
     data, other = layout
     (data / "img" / "c.png").symlink_to(other)
     (data / "elsewhere").symlink_to(other.parent, target_is_directory=True)
-    csv = _csv(data / "labels.csv", [("img/a.png", "x"), ("img/b.png", "y"), ("img/c.png", "y"),
-                                     ("elsewhere/other.png", "x")])
+    csv = _csv(
+        data / "labels.csv",
+        [("img/a.png", "x"), ("img/b.png", "y"), ("img/c.png", "y"), ("elsewhere/other.png", "x")],
+    )
     with pytest.raises(DataError) as err:
         load_dataset(csv)
     msg = str(err.value)
@@ -76,14 +78,19 @@ def test_labels_csv_inside_its_folder_still_loads_links_included(layout) -> None
     assert ds.n == 2 and ds.class_names == ("x", "y")
 
 
-segments = st.lists(st.sampled_from(["..", ".", "img", "a.png", "b.png", "out", "sub"]), min_size=1, max_size=6)
+segments = st.lists(
+    st.sampled_from(["..", ".", "img", "a.png", "b.png", "out", "sub"]), min_size=1, max_size=6
+)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(parts=segments, absolute=st.booleans())
-def test_a_row_loads_iff_it_names_an_image_inside_the_folder_without_going_up(tmp_path: Path, parts, absolute) -> None:
-    """Any path built of names, '.' and '..' (relative or absolute): loaded exactly when it is relative, has no
-    '..' part and names an image inside the folder; otherwise refused naming its line, never read from outside."""
+def test_a_row_loads_iff_it_names_an_image_inside_the_folder_without_going_up(
+    tmp_path: Path, parts, absolute
+) -> None:
+    """Any path built of names, '.' and '..' (relative or absolute): loaded exactly when it is relative, has
+    no '..' part and names an image inside the folder; otherwise refused naming its line, never read from
+    outside."""
     root = tmp_path / "case"
     data = root / "data"
     if not data.exists():

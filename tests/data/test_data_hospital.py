@@ -15,7 +15,6 @@ from PIL import Image
 from feta_release.data import load_dataset
 from feta_release.data.dicom import Window, linear_window, parse_window
 from feta_release.errors import ConfigError, DataError
-
 from tests.support.dicom import PHI, write_dicom
 
 
@@ -70,8 +69,12 @@ def test_rescale_and_file_window(tmp_path: Path) -> None:
 def test_eight_bit_and_signed_dicom(tmp_path: Path) -> None:
     for c in ("a", "b"):
         write_dicom(tmp_path / "u8" / c / "x.dcm", ramp(top=255, dtype=np.uint8), bits_stored=8)
-        write_dicom(tmp_path / "s16" / c / "x.dcm", (ramp(top=4095).astype(np.int32) - 2048).astype(np.int16), bits_stored=12,
-                    signed=True)
+        write_dicom(
+            tmp_path / "s16" / c / "x.dcm",
+            (ramp(top=4095).astype(np.int32) - 2048).astype(np.int16),
+            bits_stored=12,
+            signed=True,
+        )
     u8, _ = load_dataset(tmp_path / "u8")
     assert u8.images.max() == pytest.approx(1.0) and u8.images.min() == 0.0
     s16, _ = load_dataset(tmp_path / "s16")
@@ -99,8 +102,9 @@ def test_extensionless_dicom_found(tmp_path: Path) -> None:
 
 def test_refused_dicom_layouts_named_with_reason(tmp_path: Path) -> None:
     write_dicom(tmp_path / "a" / "cine.dcm", np.stack([ramp(), ramp()]), frames=2)
-    write_dicom(tmp_path / "a" / "pal.dcm", ramp(top=255, dtype=np.uint8), bits_stored=8,
-                photometric="PALETTE COLOR")
+    write_dicom(
+        tmp_path / "a" / "pal.dcm", ramp(top=255, dtype=np.uint8), bits_stored=8, photometric="PALETTE COLOR"
+    )
     write_dicom(tmp_path / "b" / "ok.dcm", ramp())
     with pytest.raises(DataError) as err:
         load_dataset(tmp_path)
@@ -135,8 +139,9 @@ def test_mixed_depths_warned(tmp_path: Path) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(c=st.floats(-5000, 5000), w=st.floats(1, 10000),
-       x=st.lists(st.floats(-1e5, 1e5), min_size=2, max_size=20))
+@given(
+    c=st.floats(-5000, 5000), w=st.floats(1, 10000), x=st.lists(st.floats(-1e5, 1e5), min_size=2, max_size=20)
+)
 def test_linear_window_bounded_and_monotone(c: float, w: float, x: list[float]) -> None:
     xs = np.sort(np.array(x))
     y = linear_window(xs, c, w)
@@ -178,14 +183,17 @@ def test_csv_every_bad_row_listed_without_patient_id(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         load_dataset(tmp_path / "l.csv")
     msg = str(err.value)
-    assert "line 3:" in msg and "missing.png" in msg and "line 4:" in msg and "line 5: empty patient_id" in msg
+    assert (
+        "line 3:" in msg and "missing.png" in msg and "line 4:" in msg and "line 5: empty patient_id" in msg
+    )
     assert "SECRET" not in msg
 
 
 def test_dicom_patient_id_groups(tmp_path: Path) -> None:
     for i in range(4):
-        write_dicom(tmp_path / ("a" if i < 2 else "b") / f"{i}.dcm", ramp(top=100 * i + 5),
-                    patient_id=f"P{i % 3}")
+        write_dicom(
+            tmp_path / ("a" if i < 2 else "b") / f"{i}.dcm", ramp(top=100 * i + 5), patient_id=f"P{i % 3}"
+        )
     _, report = load_dataset(tmp_path)
     assert report.n_patients == 3 and report.patients.tolist() == [0, 1, 2, 0]
 
@@ -206,9 +214,14 @@ def _folder_with_every_problem(root: Path) -> dict[str, str]:
     Image.fromarray(np.zeros((12, 9), np.uint8)).save(root / "dog" / "odd_size.png")
     Image.new("L", (20, 20)).save(root / "cat" / "bomb.png")
     write_dicom(root / "cat" / "cine.dcm", np.stack([ramp(), ramp()]), frames=2)
-    return {"empty_class/": "class folders without any", "corrupt.png": "cannot be opened",
-            "truncated.png": "corrupt or truncated", "odd_size.png": "(12x9)", "bomb.png": "> limit 200",
-            "cine.dcm": "multi-frame"}
+    return {
+        "empty_class/": "class folders without any",
+        "corrupt.png": "cannot be opened",
+        "truncated.png": "corrupt or truncated",
+        "odd_size.png": "(12x9)",
+        "bomb.png": "> limit 200",
+        "cine.dcm": "multi-frame",
+    }
 
 
 def test_every_problem_reported_in_one_pass(tmp_path: Path) -> None:
@@ -263,8 +276,11 @@ def test_no_phi_in_inspect_or_errors(tmp_path: Path, capsys) -> None:
     p.write_bytes(p.read_bytes()[:-40])  # truncated pixel data
     (bad / "effusion" / "im1.dcm").write_bytes(b"\0" * 128 + b"DICM" + b"\x02\x00\x10\x00garbage" * 3)
     outputs = []
-    for args in (["data", "inspect", str(tmp_path / "good"), "--json"], ["data", "inspect", str(tmp_path / "good")],
-                 ["data", "inspect", str(bad)]):
+    for args in (
+        ["data", "inspect", str(tmp_path / "good"), "--json"],
+        ["data", "inspect", str(tmp_path / "good")],
+        ["data", "inspect", str(bad)],
+    ):
         try:
             main(args)
         except SystemExit:
@@ -300,15 +316,32 @@ def test_same_options_in_inspect_and_node(tmp_path: Path, capsys) -> None:
     assert info["n_resized"] == 2 and info["image_shape"] == [1, 8, 8]
     from feta_release.data import LoadOptions
 
-    s = NodeSettings(data=root, policy=tmp_path / "p", trusted_policy_key=tmp_path / "k", ledger=tmp_path / "l",
-                     site_key=tmp_path / "s", data_secret=tmp_path / "d", load=LoadOptions("crop", 8, "bits:12"))
+    s = NodeSettings(
+        data=root,
+        policy=tmp_path / "p",
+        trusted_policy_key=tmp_path / "k",
+        ledger=tmp_path / "l",
+        site_key=tmp_path / "s",
+        data_secret=tmp_path / "d",
+        load=LoadOptions("crop", 8, "bits:12"),
+    )
     cfg = s.node_config()
     assert load_options(cfg) == LoadOptions("crop", 8, "bits:12")
     assert load_site_data(root, load_options(cfg)).image_shape == (1, 8, 8)
     with pytest.raises(DataError, match="differ in size"):
-        load_site_data(root, load_options(NodeSettings(data=root, policy=root, trusted_policy_key=root,
-                                                       ledger=root / "l", site_key=root,
-                                                       data_secret=root).node_config()))
+        load_site_data(
+            root,
+            load_options(
+                NodeSettings(
+                    data=root,
+                    policy=root,
+                    trusted_policy_key=root,
+                    ledger=root / "l",
+                    site_key=root,
+                    data_secret=root,
+                ).node_config()
+            ),
+        )
 
 
 def test_job_window_and_crop_validated() -> None:

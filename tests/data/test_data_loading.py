@@ -86,7 +86,9 @@ def test_empty_class_folder(tmp_path: Path) -> None:
     two_class_folder(tmp_path)
     (tmp_path / "zebra").mkdir()
     (tmp_path / "zebra" / "notes.txt").write_text("no images here")
-    with pytest.raises(DataError, match=r"class folders without any PNG/JPEG/BMP/TIFF/DICOM image:\n  .*zebra/"):
+    with pytest.raises(
+        DataError, match=r"class folders without any PNG/JPEG/BMP/TIFF/DICOM image:\n  .*zebra/"
+    ):
         load_dataset(tmp_path)
 
 
@@ -126,7 +128,9 @@ def test_corrupt_and_truncated_files_listed(tmp_path: Path) -> None:
     assert "garbage.jpg: not a readable image" in msg and "truncated.png: corrupt or truncated" in msg
     # A truncated file alone is found while decoding (its header is intact).
     (tmp_path / "cat" / "garbage.jpg").unlink()
-    with pytest.raises(DataError, match=r"1 unreadable, corrupt .*:\n  .*truncated\.png: corrupt or truncated"):
+    with pytest.raises(
+        DataError, match=r"1 unreadable, corrupt .*:\n  .*truncated\.png: corrupt or truncated"
+    ):
         load_dataset(tmp_path, resize="resize")
 
 
@@ -225,7 +229,11 @@ def test_palette_images(tmp_path: Path) -> None:
         write(tmp_path / "grey" / c / "p.png", grey_pal)
     ds, report = load_dataset(tmp_path / "colour")
     assert ds.image_shape == (3, 4, 4) and report.conversions["palette converted"] == 4
-    assert ds.images[0, :, 0, 0].tolist() == [1.0, 0.0, 0.0] and ds.images[0, :, 1, 1].tolist() == [0.0, 0.0, 0.0]
+    assert ds.images[0, :, 0, 0].tolist() == [1.0, 0.0, 0.0] and ds.images[0, :, 1, 1].tolist() == [
+        0.0,
+        0.0,
+        0.0,
+    ]
     dg, _ = load_dataset(tmp_path / "grey")
     assert dg.image_shape == (1, 4, 4) and dg.images[0, 0, 1, 1] == pytest.approx(200 / 255)
 
@@ -246,7 +254,12 @@ def _png_header_only(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_decompression_bomb_refused(tmp_path: Path) -> None:

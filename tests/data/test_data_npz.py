@@ -39,7 +39,9 @@ def test_layouts(tmp_path: Path, shape, layout) -> None:
     ds, report = load_dataset(save(tmp_path / "d.npz", images=raw, labels=labels_for(4)))
     c = 1 if layout == "NHW" else (shape[3] if layout == "NHWC" else shape[1])
     assert ds.image_shape == (c, 6, 5)
-    expect = {"NHW": raw[:, None], "NHWC": raw.transpose(0, 3, 1, 2) if raw.ndim == 4 else None, "NCHW": raw}[layout]
+    expect = {"NHW": raw[:, None], "NHWC": raw.transpose(0, 3, 1, 2) if raw.ndim == 4 else None, "NCHW": raw}[
+        layout
+    ]
     assert np.array_equal(ds.images, expect / np.float32(255))
     assert ds.class_names == ("0", "1") and report.kind == "npz"
 
@@ -48,7 +50,9 @@ def test_dtypes(tmp_path: Path) -> None:
     lab = labels_for(2)
     u16 = np.array([[[0, 65535]], [[32768, 1]]], np.uint16)
     ds, report = load_dataset(save(tmp_path / "a.npz", images=u16, labels=lab))
-    assert ds.images[0, 0, 0].tolist() == [0.0, 1.0] and report.conversions["16-bit scaled from 0..65535"] == 2
+    assert (
+        ds.images[0, 0, 0].tolist() == [0.0, 1.0] and report.conversions["16-bit scaled from 0..65535"] == 2
+    )
     ds, _ = load_dataset(save(tmp_path / "b.npz", images=np.array([[[True, False]]] * 2), labels=lab))
     assert ds.images[:, 0, 0].tolist() == [[1.0, 0.0]] * 2
     f64 = np.array([[[0.0, 0.25]], [[1.0, 0.5]]])
@@ -61,7 +65,9 @@ def test_dtypes(tmp_path: Path) -> None:
 
 def test_class_names_and_string_labels(tmp_path: Path) -> None:
     imgs = np.zeros((4, 5, 5), np.uint8)
-    ds, _ = load_dataset(save(tmp_path / "a.npz", images=imgs, labels=[0, 1, 2, 1], class_names=["x", "y", "z"]))
+    ds, _ = load_dataset(
+        save(tmp_path / "a.npz", images=imgs, labels=[0, 1, 2, 1], class_names=["x", "y", "z"])
+    )
     assert ds.class_names == ("x", "y", "z") and ds.labels.tolist() == [0, 1, 2, 1]
     ds, _ = load_dataset(save(tmp_path / "b.npz", images=imgs, labels=np.array(["dog", "cat", "dog", "cat"])))
     assert ds.class_names == ("cat", "dog") and ds.labels.tolist() == [1, 0, 1, 0]
@@ -92,7 +98,10 @@ def test_image_size_policy(tmp_path: Path) -> None:
             {"images": np.full((2, 4, 4), np.nan), "labels": [0, 1]},
             r"32 NaN/inf pixel value\(s\) in 2 image\(s\), first at index 0",
         ),
-        ({"images": np.array([np.zeros((4, 4)), np.full((4, 4), np.inf)]), "labels": [0, 1]}, "first at index 1"),
+        (
+            {"images": np.array([np.zeros((4, 4)), np.full((4, 4), np.inf)]), "labels": [0, 1]},
+            "first at index 1",
+        ),
         ({"images": np.full((2, 4, 4), 255.0), "labels": [0, 1]}, r"\[0, 1\].*divide by 255"),
         ({"images": np.full((2, 4, 4), -1.0), "labels": [0, 1]}, r"\(x \+ 1\) / 2"),
         ({"images": np.full((2, 4, 4), 300, np.int32), "labels": [0, 1]}, "outside 0..255"),
@@ -103,7 +112,10 @@ def test_image_size_policy(tmp_path: Path) -> None:
         ({"images": np.zeros((2, 4, 4)), "labels": [0.0, 0.5]}, "must be integers"),
         ({"images": np.zeros((2, 4, 4)), "labels": [0, 3], "class_names": ["a", "b"]}, "label 3 but only 2"),
         ({"images": np.zeros((2, 4, 4)), "labels": [0, 1], "class_names": ["a", "a"]}, "duplicate"),
-        ({"images": np.zeros((2, 4, 4)), "labels": ["a", "q"], "class_names": ["a", "b"]}, r"\['q'\] are not in"),
+        (
+            {"images": np.zeros((2, 4, 4)), "labels": ["a", "q"], "class_names": ["a", "b"]},
+            r"\['q'\] are not in",
+        ),
         ({"images": np.zeros((2, 4, 4)), "labels": np.zeros((2, 2), int)}, "one-dimensional"),
     ],
 )
@@ -204,6 +216,8 @@ def test_a_set_over_the_memory_limit_is_refused_from_its_header_in_one_line(tmp_
     with pytest.raises(DataError) as err:
         load_dataset(path)
     line = str(err.value)
-    assert "\n" not in line and str(path) in line and "40 images of 256 values" in line and "N*C*H*W*4" in line
+    assert (
+        "\n" not in line and str(path) in line and "40 images of 256 values" in line and "N*C*H*W*4" in line
+    )
     monkeypatch.setenv(MEMORY_ENV, str(40 * 256 * 4 / 2**20))  # exactly the set: accepted
     assert load_dataset(path)[0].n == 40

@@ -1,5 +1,6 @@
-"""Procedural image sets (feta_release.data.procedural): deterministic, well-formed, balanced as declared, and with
-the class structure they exist to test (a finding invisible in the class mean, classes visible in it, colour)."""
+"""Procedural image sets (feta_release.data.procedural): deterministic, well-formed, balanced as declared, and
+with the class structure they exist to test (a finding invisible in the class mean, classes visible in it,
+colour)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _size(kind: str, data: st.DataObject) -> int:
 
 
 @FAST
-@given(kind=kinds, n=st.integers(1, 40), seed=st.integers(0, 2 ** 32 - 1), data=st.data())
+@given(kind=kinds, n=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_the_same_arguments_give_the_same_images_and_another_seed_other_images(kind, n, seed, data):
     size = _size(kind, data)
     a = P.generate(kind, n, size=size, seed=seed)
@@ -37,7 +38,8 @@ def test_the_same_arguments_give_the_same_images_and_another_seed_other_images(k
 @given(kind=kinds, n=st.integers(1, 40), seed=st.integers(0, 1000), data=st.data())
 def test_images_have_the_asked_shape_and_lie_in_the_unit_range(kind, n, seed, data):
     size = _size(kind, data)
-    ds = P.generate(kind, n, size=size, seed=seed)  # ImageDataset itself refuses NaN, inf and values off [0, 1]
+    # ImageDataset itself refuses NaN, inf and values off [0, 1]
+    ds = P.generate(kind, n, size=size, seed=seed)
     assert ds.images.shape == (n, P.CHANNELS[kind], size, size) and ds.images.dtype == np.float32
     assert ds.class_names == P.CLASSES[kind]
     assert float(ds.images.std()) > 0.05  # not a blank image set
@@ -75,7 +77,8 @@ def test_the_finding_class_mean_nearly_coincides_with_normal_while_visible_class
     ds = P.generate("medical", 8000, size=32, seed=11, population=population)
     mean = [ds.images[ds.labels == c].mean(0) for c in range(ds.n_classes)]
     normal, finding, effusion, opacity = (P.MEDICAL_CLASSES.index(k) for k in P.MEDICAL_CLASSES)
-    assert _rms(mean[finding], mean[normal]) < 0.008  # ~ the sampling noise of the means (~0.003 at 2,000/class)
+    # ~ the sampling noise of the means (~0.003 at 2,000/class)
+    assert _rms(mean[finding], mean[normal]) < 0.008
     assert _rms(mean[effusion], mean[normal]) > 0.018
     assert _rms(mean[opacity], mean[normal]) > 0.012
 
@@ -83,18 +86,20 @@ def test_the_finding_class_mean_nearly_coincides_with_normal_while_visible_class
 @pytest.mark.parametrize("size", [28, 64, 128])
 def test_a_finding_changes_only_a_few_pixels_of_the_same_patient_inside_a_lung(size):
     """The same seed with other labels gives the same anatomy, acquisition and noise: the finding is the only
-    difference, a compact bright spot of a few pixels (up to ~70 at 128x128, the same anatomical size), on the dark
-    lung field; an effusion or an opacity changes far more."""
+    difference, a compact bright spot of a few pixels (up to ~70 at 128x128, the same anatomical size), on the
+    dark lung field; an effusion or an opacity changes far more."""
     n = 60
     normal = P.medical(n, size=size, seed=3, labels=np.zeros(n, np.int64)).images[:, 0]
     finding = P.medical(n, size=size, seed=3, labels=np.ones(n, np.int64)).images[:, 0]
     diff = finding - normal
     changed = (np.abs(diff) > 0.03).sum(axis=(1, 2))
     assert changed.min() >= 3 and changed.max() <= max(16, 0.006 * size * size)
-    assert diff.min() > -0.03 and diff.max(axis=(1, 2)).min() > 0.1  # brighter, never darker (noise unchanged)
+    # brighter, never darker (noise unchanged)
+    assert diff.min() > -0.03 and diff.max(axis=(1, 2)).min() > 0.1
     spot = diff.reshape(n, -1).argmax(axis=1)
     at_spot = normal.reshape(n, -1)[np.arange(n), spot]
-    assert np.all(at_spot < np.percentile(normal.reshape(n, -1), 70, axis=1))  # on the dark lung, not on tissue
+    # on the dark lung, not on tissue
+    assert np.all(at_spot < np.percentile(normal.reshape(n, -1), 70, axis=1))
     for sign in (2, 3):
         other = P.medical(n, size=size, seed=3, labels=np.full(n, sign, np.int64)).images[:, 0]
         assert np.median((np.abs(other - normal) > 0.03).sum(axis=(1, 2))) > 2 * changed.max()
@@ -107,7 +112,8 @@ def test_population_b_is_rendered_differently_from_a():
     assert _rms(na.mean(0), nb.mean(0)) > 0.02  # other exposure and gamma
     assert nb.mean(0).std() < 0.9 * na.mean(0).std()  # flatter contrast
 
-    def corner_noise(x: np.ndarray) -> float:  # the 3x3 corner is background: its pixel steps are detector noise
+    # the 3x3 corner is background: its pixel steps are detector noise
+    def corner_noise(x: np.ndarray) -> float:
         return float(np.abs(np.diff(x[:, :3, :3], axis=-1)).mean())
 
     assert corner_noise(nb) > 1.5 * corner_noise(na)
@@ -132,8 +138,10 @@ def test_written_npz_and_folder_load_back_with_the_same_images(tmp_path):
     names = np.array(ds.class_names)[ds.labels]
     by_class = np.concatenate([np.flatnonzero(names == c) for c in sorted(ds.class_names)])
     # the CSV keeps the rows' order; the class folders are read class by class (both sort the class names)
-    for (loaded, _), order in ((load_dataset(csv_path), np.arange(ds.n)),
-                               (load_dataset(tmp_path / "folder" / "images"), by_class)):
+    for (loaded, _), order in (
+        (load_dataset(csv_path), np.arange(ds.n)),
+        (load_dataset(tmp_path / "folder" / "images"), by_class),
+    ):
         assert list(np.array(loaded.class_names)[loaded.labels]) == list(names[order])
         assert np.abs(loaded.images - ds.images[order]).max() <= 0.5 / 255 + 1e-6
 
@@ -146,15 +154,18 @@ def test_the_writer_refuses_to_write_into_a_folder_that_holds_files(tmp_path):
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize(("args", "match"), [
-    (("xray", 10, None, "A"), "unknown data kind"),
-    (("medical", 0, None, "A"), "n must be"),
-    (("medical", 10, 27, "A"), "28..128"),
-    (("medical", 10, 129, "A"), "28..128"),
-    (("rgb", 10, 8, "A"), "16..128"),
-    (("medical", 10, None, "C"), "population must be"),
-    (("rgb", 10, None, "B"), "medical kind only"),
-])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("xray", 10, None, "A"), "unknown data kind"),
+        (("medical", 0, None, "A"), "n must be"),
+        (("medical", 10, 27, "A"), "28..128"),
+        (("medical", 10, 129, "A"), "28..128"),
+        (("rgb", 10, 8, "A"), "16..128"),
+        (("medical", 10, None, "C"), "population must be"),
+        (("rgb", 10, None, "B"), "medical kind only"),
+    ],
+)
 def test_bad_arguments_are_refused_naming_the_argument(args, match):
     with pytest.raises(ConfigError, match=match):
         P.checked_size(*args)
@@ -162,16 +173,37 @@ def test_bad_arguments_are_refused_naming_the_argument(args, match):
 
 def test_cli_generates_a_loadable_set(tmp_path, capsys):
     out = tmp_path / "chest.npz"
-    main(["data", "generate", "medical", "--n", "40", "--size", "32", "--seed", "3", "--population", "B",
-          "--out", str(out)])
+    main(
+        [
+            "data",
+            "generate",
+            "medical",
+            "--n",
+            "40",
+            "--size",
+            "32",
+            "--seed",
+            "3",
+            "--population",
+            "B",
+            "--out",
+            str(out),
+        ]
+    )
     assert "40 medical images, 1x32x32, seed 3" in capsys.readouterr().out
     ds, _ = load_dataset(out)
     ref = P.generate("medical", 40, size=32, seed=3, population="B")
     assert np.array_equal(ds.labels, ref.labels) and ds.class_names == ref.class_names
 
 
-@pytest.mark.parametrize("argv", [["xray", "--out", "x.npz"], ["medical", "--size", "500", "--out", "x.npz"],
-                                  ["rgb", "--population", "B", "--out", "x.npz"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["xray", "--out", "x.npz"],
+        ["medical", "--size", "500", "--out", "x.npz"],
+        ["rgb", "--population", "B", "--out", "x.npz"],
+    ],
+)
 def test_cli_bad_input_is_one_line_with_the_config_exit_code(tmp_path, capsys, argv):
     with pytest.raises(SystemExit) as exc:
         main(["data", "generate", *argv[:-1], str(tmp_path / argv[-1])])

@@ -1,9 +1,9 @@
 """``files.read_npz``, the one bounded ``.npz`` reader (release start images, the node's ``.npz`` dataset).
 
-np.load trusts the archive: a 1.2 MB file of deflated zeros took the node's loader to 2.7 GB. Here a header is read
-before its data, its shape x dtype must be exactly the bytes its member declares, the total must fit the caller's
-limit, a large member may not inflate more than ``NPZ_MAX_RATIO`` times, and each array is read into a buffer of its
-declared size: whatever the bytes, the answer is the arrays or one error line.
+np.load trusts the archive: a 1.2 MB file of deflated zeros took the node's loader to 2.7 GB. Here a header is
+read before its data, its shape x dtype must be exactly the bytes its member declares, the total must fit the
+caller's limit, a large member may not inflate more than ``NPZ_MAX_RATIO`` times, and each array is read into
+a buffer of its declared size: whatever the bytes, the answer is the arrays or one error line.
 """
 
 from __future__ import annotations
@@ -51,8 +51,13 @@ shapes = st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple)
 
 
 @settings(max_examples=150, deadline=None)
-@given(shape=shapes, dtype=st.sampled_from(DTYPES), fortran=st.booleans(), compressed=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(DTYPES),
+    fortran=st.booleans(),
+    compressed=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_any_plain_array_round_trips_exactly(shape, dtype, fortran, compressed, seed) -> None:
     rng = np.random.default_rng(seed)
     arr = rng.integers(0, 200, size=shape).astype(dtype)
@@ -66,9 +71,11 @@ def test_any_plain_array_round_trips_exactly(shape, dtype, fortran, compressed, 
 
 @settings(max_examples=200, deadline=None)
 @given(shape=shapes, dtype=st.sampled_from(DTYPES), data_len=st.integers(0, 400))
-def test_a_header_is_accepted_iff_its_shape_and_dtype_are_exactly_the_members_data(shape, dtype, data_len) -> None:
-    """The declared shape x dtype against the bytes that follow the header: anything else is refused before any
-    buffer of the declared size is made."""
+def test_a_header_is_accepted_iff_its_shape_and_dtype_are_exactly_the_members_data(
+    shape, dtype, data_len
+) -> None:
+    """The declared shape x dtype against the bytes that follow the header: anything else is refused before
+    any buffer of the declared size is made."""
     declared = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     raw = _zip({"x.npy": _header(shape, dtype) + bytes(data_len)})
     if declared == data_len:
@@ -143,7 +150,9 @@ def test_the_nodes_npz_loader_refuses_a_deflate_bomb_without_inflating_it(tmp_pa
     np.savez_compressed(path, images=np.zeros((n, 28, 28), np.uint8), labels=np.arange(n) % 2)
     tracemalloc.start()
     try:
-        with pytest.raises(DataError, match=r"bomb\.npz: array 'images' inflates .* decompression bomb") as err:
+        with pytest.raises(
+            DataError, match=r"bomb\.npz: array 'images' inflates .* decompression bomb"
+        ) as err:
             load_dataset(path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:

@@ -5,10 +5,10 @@ the device resolution and refusals that need no GPU.
 Run on a GPU machine: ``python -m pytest tests/e2e/test_cuda_path.py tests/training/test_device.py -v``.
 
 What is checked: a whole ``train --device cuda`` job (every stage, DP-SGD included, the ONNX export run by
-onnxruntime on the CPU, the ledger and report); a federated job with ``coordinator run --device cuda`` and ``node
-start --device cuda`` (in process: warm-up, FedAvg and FedSGD steps, the sites' rounds, the release); that the
-arithmetic moved to the GPU computes the same function as on the CPU (DP-SGD's clipped per-example gradient sum,
-the sampler with SDEdit starts), since the randomness is drawn on the CPU on every device
+onnxruntime on the CPU, the ledger and report); a federated job with ``coordinator run --device cuda`` and
+``node start --device cuda`` (in process: warm-up, FedAvg and FedSGD steps, the sites' rounds, the release);
+that the arithmetic moved to the GPU computes the same function as on the CPU (DP-SGD's clipped per-example
+gradient sum, the sampler with SDEdit starts), since the randomness is drawn on the CPU on every device
 (``feta_release.training.device``).
 """
 
@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (CI is CPU-only; run this file on a GPU machine)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (CI is CPU-only; run this file on a GPU machine)"
+)
 
 SHAPE = (1, 12, 12)
 
@@ -52,7 +53,9 @@ def test_train_tiny_job_on_cuda_end_to_end(tmp_path: Path) -> None:
     _train(["train", "--preset", "tiny", "--device", "cuda", "--out", str(out), "--no-progress"])
     assert (out / "COMPLETE").exists()
     privacy = json.loads((out / "privacy.json").read_text())
-    assert privacy["complete"] and privacy["dpsgd_steps_trained"] == 4 and 0 < privacy["epsilon"] <= 10.0 + 1e-9
+    assert (
+        privacy["complete"] and privacy["dpsgd_steps_trained"] == 4 and 0 < privacy["epsilon"] <= 10.0 + 1e-9
+    )
     z = np.load(out / "synthetic.npz")
     assert z["images"].dtype == np.float32 and np.isfinite(z["images"]).all()
     assert z["images"].min() >= 0.0 and z["images"].max() <= 1.0
@@ -61,7 +64,8 @@ def test_train_tiny_job_on_cuda_end_to_end(tmp_path: Path) -> None:
 
 
 def test_train_with_sdedit_mix_starts_on_cuda(tmp_path: Path) -> None:
-    """The sampler's SDEdit starts (aux-generator + central images, made on the CPU) meet the model on the GPU."""
+    """The sampler's SDEdit starts (aux-generator + central images, made on the CPU) meet the model on the
+    GPU."""
     from feta_release.config import load_preset
     from feta_release.data import load_embedded
     from feta_release.training.pipeline import run_pipeline
@@ -69,9 +73,12 @@ def test_train_with_sdedit_mix_starts_on_cuda(tmp_path: Path) -> None:
 
     data = load_embedded()
     data = data.subset(np.arange(0, data.n, 10))
-    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.7, "start_source": "mix"},
-                                      warmup={"frequency_mix_central": True})
-    res = run_pipeline(cfg, data, tmp_path / "run", n_synthetic=60, reporter=Reporter(enabled=False), device="cuda")
+    cfg = load_preset("tiny").replace(
+        sampler={"start_sigma": 0.7, "start_source": "mix"}, warmup={"frequency_mix_central": True}
+    )
+    res = run_pipeline(
+        cfg, data, tmp_path / "run", n_synthetic=60, reporter=Reporter(enabled=False), device="cuda"
+    )
     z = np.load(tmp_path / "run" / "synthetic.npz")
     assert len(z["labels"]) == 60 and np.isfinite(z["images"]).all() and res.epsilon > 0
 
@@ -88,7 +95,9 @@ def test_dpsgd_clipped_sum_on_cuda_matches_cpu() -> None:
     loss = EDMLoss(SHAPE, 3, noise_multiplicity=2, label_dropout=0.1)
     got = {}
     for name, model in (("cpu", cpu), ("cuda", gpu)):
-        summed, _, clipped = clipped_gradient_sum(model, loss, x, y, idx, 0.5, 8, torch.Generator().manual_seed(9))
+        summed, _, clipped = clipped_gradient_sum(
+            model, loss, x, y, idx, 0.5, 8, torch.Generator().manual_seed(9)
+        )
         got[name] = ({k: v.detach().cpu().double() for k, v in summed.items()}, clipped)
     assert got["cpu"][1] == got["cuda"][1]
     for k, ref in got["cpu"][0].items():
@@ -131,29 +140,35 @@ def test_evaluation_classifier_trains_on_cuda_and_returns_a_cpu_network() -> Non
 
 @pytest.mark.parametrize("fedsgd", [False, True], ids=["fedavg", "fedsgd"])
 def test_federated_job_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fedsgd: bool) -> None:
-    """``coordinator run --device cuda`` and ``node start --device cuda``, in process: the coordinator's warm-up and
-    FedAvg / FedSGD steps and every site's DP-SGD or FedSGD gradients run on the GPU; the released model, its sample
-    grid and ONNX release come out as on the CPU, and the GPU-written checkpoints load on the CPU."""
+    """``coordinator run --device cuda`` and ``node start --device cuda``, in process: the coordinator's
+    warm-up and FedAvg / FedSGD steps and every site's DP-SGD or FedSGD gradients run on the GPU; the released
+    model, its sample grid and ONNX release come out as on the CPU, and the GPU-written checkpoints load on
+    the CPU."""
     import edge.fedsgd as node_fedsgd
     from coordinator.setup import prepare_federation, sign_job_file
     from feta_release.federation import checkpoint_io
     from feta_release.federation import fedsgd as coord_fedsgd
     from feta_release.federation import job as fjob
+    from feta_release.models.model_file import read_model_file
     from feta_release.release.jobdir import build_release, sample_grid
     from feta_release.release.verify import verify_release
     from feta_release.signing import load_public_key
     from feta_release.stages.context import initial_denoiser
     from feta_release.training import dpsgd
-    from feta_release.models.model_file import read_model_file
-
     from tests.support.federation import full_job, harness, run_harness_job, tiny_sites
 
     where: set[str] = set()
 
-    def spy(module: object, name: str, model_at: int) -> None:  # record the device of the model each call gets
+    # record the device of the model each call gets
+    def spy(module: object, name: str, model_at: int) -> None:
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, **kw: where.add(f"{name}:{next(a[model_at].parameters()).device.type}")
-                            or real(*a, **kw))
+        monkeypatch.setattr(
+            module,
+            name,
+            lambda *a, **kw: (
+                where.add(f"{name}:{next(a[model_at].parameters()).device.type}") or real(*a, **kw)
+            ),
+        )
 
     spy(fjob, "warm_up", 0)
     spy(coord_fedsgd, "coordinator_step", 0)
@@ -163,16 +178,23 @@ def test_federated_job_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     cfg = full_job(federation={"secure_aggregation": True, "fedsgd": True} if fedsgd else {})
     signed, _ = sign_job_file(fed, cfg, "job-cuda")
     out = tmp_path / "out"
-    res = run_harness_job(fed, harness(fed, devices={s.site_id: "cuda" for s in fed.sites}), signed, out, device="cuda")
+    res = run_harness_job(
+        fed, harness(fed, devices={s.site_id: "cuda" for s in fed.sites}), signed, out, device="cuda"
+    )
     assert res.rounds_done == cfg.federated_rounds and res.skipped == {}
-    assert where == {"warm_up:cuda", "batch_gradients:cuda", *(["coordinator_step:cuda"] if fedsgd else [])}, where
+    assert where == {
+        "warm_up:cuda",
+        "batch_gradients:cuda",
+        *(["coordinator_step:cuda"] if fedsgd else []),
+    }, where
     weights = read_model_file(out / "model.pt")["state_dict"]
     assert all(v.device.type == "cpu" and torch.isfinite(v).all() for v in weights.values())
     sample_grid(out, per_class=2, device="cuda")
     trust = {s.site_id: load_public_key(s.policy_pub) for s in fed.sites}
     res_v = verify_release(build_release(out, fed.coordinator_key), trust)
     assert res_v.ok, res_v.reason()
-    # the GPU-written checkpoints load where no GPU is (map_location cpu), into a CPU model (a resume on the CPU)
+    # the GPU-written checkpoints load where no GPU is (map_location cpu), into a CPU model (a resume on the
+    # CPU)
     ck = checkpoint_io.load_round(out / "state")
     assert ck is not None and ck["round"] == cfg.federated_rounds
     initial_denoiser(cfg, (1, 28, 28), 10).load_state_dict(ck["model"])

@@ -2,9 +2,9 @@
 ``feta-release`` command.
 
 In a working folder that holds a signed two-site release under secure aggregation (``release/``) and each site
-administrator's ``policy-admin.pub`` as received (``received/SITE/``), every command of the how-to's bash blocks
-runs unchanged: the keys are obtained and their fingerprints shown, then verify -> report -> synthesize ->
-verify-synthetic. Slow: real processes and the ONNX generator.
+administrator's ``policy-admin.pub`` as received (``received/SITE/``), every command of the how-to's bash
+blocks runs unchanged: the keys are obtained and their fingerprints shown, then verify -> report -> synthesize
+-> verify-synthetic. Slow: real processes and the ONNX generator.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ pytest.importorskip("torch")  # only to BUILD the test release
 
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.signing import fingerprint, public_key_pem  # noqa: E402
-
 from tests.support.release import IMAGE_SHAPE, secure_release, small_denoiser  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_one_thread")]
@@ -70,9 +69,12 @@ def test_dpo_runs_the_how_to_as_written_against_a_signed_two_site_release(tmp_pa
     assert lines[0].startswith("VERIFIED: ") and lines[1].strip().startswith("site st-mary: per image")
     assert "worst case (all other sites collude)" in lines[1] and "(cap 3)" in lines[1]
     shown_in_doc = re.search(r"```text\n(.*?)```", DOC.read_text("utf-8"), re.S)
-    assert shown_in_doc and shown_in_doc.group(1).splitlines()[:3] == lines[:3]  # the how-to shows the real output
+    # the how-to shows the real output
+    assert shown_in_doc and shown_in_doc.group(1).splitlines()[:3] == lines[:3]
     page = (tmp_path / "report.html").read_text("utf-8")
-    assert "Release VERIFIED" in page and page.index('id="at-a-glance"') < page.index('id="privacy-statement"')
+    assert "Release VERIFIED" in page and page.index('id="at-a-glance"') < page.index(
+        'id="privacy-statement"'
+    )
     assert len(list((tmp_path / "synthetic").rglob("*.png"))) == 1000
     checked = next(o for c, o in outputs.items() if c.startswith("feta-release verify-synthetic"))
     assert checked.splitlines()[0].startswith("VERIFIED: the synthetic folder")

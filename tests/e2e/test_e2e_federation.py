@@ -25,8 +25,8 @@ def _pids_of_group_alive(pgids: list[int]) -> list[int]:
 
 
 def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path, loopback):
-    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
+    from feta_release import job_rules
     from feta_release.ledger import Ledger
 
     # site-c's policy does not allow this app bundle: its node must refuse before running any of it.
@@ -56,11 +56,33 @@ def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path, loopba
 
 def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([*CLI, "demo", "--out", str(out), "--quick", "--rounds", "1", "--local-steps", "1",
-                        "--per-site", "40"], capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [
+            *CLI,
+            "demo",
+            "--out",
+            str(out),
+            "--quick",
+            "--rounds",
+            "1",
+            "--local-steps",
+            "1",
+            "--per-site",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    for f in ("samples.png", "privacy_report.txt", "privacy_report.json", "demo_summary.json", "budget.svg",
-              "report.html"):
+    for f in (
+        "samples.png",
+        "privacy_report.txt",
+        "privacy_report.json",
+        "demo_summary.json",
+        "budget.svg",
+        "report.html",
+    ):
         assert (out / f).exists(), f
     page = (out / "report.html").read_text("utf-8")
     assert "Release VERIFIED" in page  # the DPO's page, against the demo's role-bound keys
@@ -71,17 +93,25 @@ def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
     trusted = ["--coordinator", str(fed / "coordinator" / "coordinator.pub")]
     for s in ("site-a", "site-b", "site-c"):  # role-bound: each site's administrator (policy) key for its id
         trusted += ["--trusted", f"{s}={fed / 'sites' / s / 'keys' / 'policy-admin.pub'}"]
-    v = subprocess.run([*CLI, "verify", str(out / "release"), *trusted], capture_output=True, text=True, timeout=300)
+    v = subprocess.run(
+        [*CLI, "verify", str(out / "release"), *trusted], capture_output=True, text=True, timeout=300
+    )
     assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
 
 
 def test_demo_cleans_up_its_processes_on_ctrl_c(tmp_path):
     out = tmp_path / "demo"
     # As from a terminal: SIGINT at its default in the child, also when this suite itself was started in the
-    # background (`cmd &` from a script ignores SIGINT, children inherit that, and the demo then rightly ignores it).
-    p = subprocess.Popen([*CLI, "demo", "--out", str(out), "--quick", "--rounds", "3", "--per-site", "40"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # background (`cmd &` from a script ignores SIGINT, children inherit that, and the demo then rightly
+    # ignores it).
+    p = subprocess.Popen(
+        [*CLI, "demo", "--out", str(out), "--quick", "--rounds", "3", "--per-site", "40"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 300
     try:
         # Wait until the nodes run and the job has started, then interrupt like a terminal Ctrl-C.
@@ -102,13 +132,13 @@ def test_demo_cleans_up_its_processes_on_ctrl_c(tmp_path):
 
 
 def test_tls_and_node_authentication_real_processes(tmp_path):
-    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, register_node, start_superlink
     from coordinator.tls import make_certificates
-    from feta_release.signing import make_node_auth_key
     from edge.launch import NodeSettings, start_node
+    from feta_release import job_rules
     from feta_release.federation.procs import free_port
+    from feta_release.signing import make_node_auth_key
 
     fed = make_federation(tmp_path / "fed")
     certs = make_certificates(tmp_path / "certs")
@@ -122,20 +152,44 @@ def test_tls_and_node_authentication_real_processes(tmp_path):
     addr = f"127.0.0.1:{port}"
     procs = []
     try:
-        procs.append(start_superlink(SuperLinkSettings(
-            port=port, database=tmp_path / "coord" / "state.db", home=tmp_path / "coord",
-            ssl_certfile=certs["server_cert"], ssl_keyfile=certs["server_key"], ssl_ca_certfile=certs["ca_cert"],
-            enable_supernode_auth=True)))
+        procs.append(
+            start_superlink(
+                SuperLinkSettings(
+                    port=port,
+                    database=tmp_path / "coord" / "state.db",
+                    home=tmp_path / "coord",
+                    ssl_certfile=certs["server_cert"],
+                    ssl_keyfile=certs["server_key"],
+                    ssl_ca_certfile=certs["ca_cert"],
+                    enable_supernode_auth=True,
+                )
+            )
+        )
         for sid in ("site-a", "site-b"):  # site-c's key is NOT registered
-            register_node(keys[sid][1], sid, tmp_path / "coord" / "cli", addr, root_certificates=certs["ca_cert"])
+            register_node(
+                keys[sid][1], sid, tmp_path / "coord" / "cli", addr, root_certificates=certs["ca_cert"]
+            )
         for s in fed.sites:
-            procs.append(start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                                 ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret, superlink=addr,
-                                                 port=free_port(), root_certificates=certs["ca_cert"],
-                                                 auth_key=keys[s.site_id][0])))
+            procs.append(
+                start_node(
+                    NodeSettings(
+                        data=s.data,
+                        policy=s.policy,
+                        trusted_policy_key=s.policy_pub,
+                        ledger=s.ledger,
+                        site_key=s.site_key,
+                        data_secret=s.data_secret,
+                        superlink=addr,
+                        port=free_port(),
+                        root_certificates=certs["ca_cert"],
+                        auth_key=keys[s.site_id][0],
+                    )
+                )
+            )
         time.sleep(3)
-        summary = run_signed_job(signed, fed.coordinator_key, out, addr, insecure=False,
-                                 root_certificates=certs["ca_cert"])
+        summary = run_signed_job(
+            signed, fed.coordinator_key, out, addr, insecure=False, root_certificates=certs["ca_cert"]
+        )
         unregistered = procs[-1]
         deadline = time.monotonic() + 60
         while unregistered.alive() and time.monotonic() < deadline:

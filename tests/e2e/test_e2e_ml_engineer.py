@@ -1,5 +1,5 @@
-"""The ML engineer's path of docs/tutorials/own-images.md, run as written: every command of its bash blocks, in
-order, from an empty folder (generate a small set, inspect, train with a derived job, verify, synthesize,
+"""The ML engineer's path of docs/tutorials/own-images.md, run as written: every command of its bash blocks,
+in order, from an empty folder (generate a small set, inspect, train with a derived job, verify, synthesize,
 evaluate). Nothing is substituted: the commands use relative paths. Slow: a whole training run on the CPU."""
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def tutorial_commands() -> list[str]:
     text = (REPO / "docs" / "tutorials" / "own-images.md").read_text("utf-8")
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     joined = [re.sub(r"\\\n\s*", " ", b) for b in blocks]
-    return [ln.strip() for b in joined for ln in b.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return [
+        ln.strip() for b in joined for ln in b.splitlines() if ln.strip() and not ln.strip().startswith("#")
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -36,17 +38,29 @@ def _env() -> dict[str, str]:
 
 def test_the_tutorial_commands_run_as_written_and_end_in_a_verified_measured_release(tmp_path: Path) -> None:
     cmds = tutorial_commands()
-    assert [c.split()[1] for c in cmds] == ["data", "data", "data", "train", "verify", "synthesize", "evaluate"], cmds
+    assert [c.split()[1] for c in cmds] == [
+        "data",
+        "data",
+        "data",
+        "train",
+        "verify",
+        "synthesize",
+        "evaluate",
+    ], cmds
     outputs = {}
     for cmd in cmds:
-        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                              timeout=1500)
+        proc = subprocess.run(
+            ["bash", "-c", cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500
+        )
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         outputs[cmd.split()[1]] = proc.stdout + proc.stderr
     # train printed the very verify command the tutorial runs
     verify = next(c for c in cmds if c.split()[1] == "verify")
     assert verify.replace("feta-release ", "") in outputs["train"].replace(str(tmp_path) + "/", "")
     assert outputs["verify"].startswith("VERIFIED")  # the verdict comes first
-    ev = json.loads((tmp_path / "synthetic" / "evaluation" / "evaluation.json").read_text()) \
-        if (tmp_path / "synthetic" / "evaluation" / "evaluation.json").is_file() else None
+    ev = (
+        json.loads((tmp_path / "synthetic" / "evaluation" / "evaluation.json").read_text())
+        if (tmp_path / "synthetic" / "evaluation" / "evaluation.json").is_file()
+        else None
+    )
     assert "downstream accuracy" in outputs["evaluate"] or ev is not None

@@ -1,5 +1,5 @@
-"""End to end with REAL Flower processes on loopback (SuperLink + 3 SuperNodes): a small job whose central images
-and frequency embedding are summed by secure aggregation. Slow: minutes."""
+"""End to end with REAL Flower processes on loopback (SuperLink + 3 SuperNodes): a small job whose central
+images and frequency embedding are summed by secure aggregation. Slow: minutes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ pytestmark = pytest.mark.slow
 
 
 def _run_real_job(tmp_path, loopback, cfg, job_id):
-    """Sign ``cfg`` for the three sites and run it on the real SuperLink + nodes; (federation, out dir, sites, summary)."""
-    from feta_release import job_rules
+    """Sign ``cfg`` for the three sites and run it on the real SuperLink + nodes; (federation, out dir, sites,
+    summary)."""
     from coordinator.runner import run_signed_job, sign_or_resume
+    from feta_release import job_rules
 
     fed = make_federation(tmp_path / "fed")
     job_toml = tmp_path / "job.toml"
@@ -29,16 +30,25 @@ def _run_real_job(tmp_path, loopback, cfg, job_id):
 
 
 def test_real_processes_run_a_job_with_secure_aggregation_and_fedsgd_rounds(tmp_path, loopback):
-    """One job between real processes that uses every secure sum: the central images and the frequency embedding,
-    then two FedSGD rounds (one pooled DP-SGD step each, the sites' gradient sums + noise shares masked), with a
-    threshold below the site count. Each secure sum is charged once per site as a SkellamEvent; the round secrets
-    stay on the site, owner-only. (One job, not two: each real-process job costs minutes of the CI budget; the
-    per-site-noise DP-SGD rounds run between real processes in tests/e2e/test_e2e_federation.py.)"""
+    """One job between real processes that uses every secure sum: the central images and the frequency
+    embedding, then two FedSGD rounds (one pooled DP-SGD step each, the sites' gradient sums + noise shares
+    masked), with a threshold below the site count. Each secure sum is charged once per site as a
+    SkellamEvent; the round secrets stay on the site, owner-only. (One job, not two: each real-process job
+    costs minutes of the CI budget; the per-site-noise DP-SGD rounds run between real processes in
+    tests/e2e/test_e2e_federation.py.)"""
     from feta_release.accounting import SkellamEvent, epsilon, events_from_list
     from feta_release.ledger import Ledger
 
-    cfg = full_job(federation={"secure_aggregation": True, "secagg_threshold": 2, "fedsgd": True, "rounds": 2,
-                               "min_sites": 2, "round_timeout": 600.0})
+    cfg = full_job(
+        federation={
+            "secure_aggregation": True,
+            "secagg_threshold": 2,
+            "fedsgd": True,
+            "rounds": 2,
+            "min_sites": 2,
+            "round_timeout": 600.0,
+        }
+    )
     fed, out, sites, summary = _run_real_job(tmp_path, loopback, cfg, "job-e2e-secagg")
     assert summary["rounds"] == 2 and set(summary["site_epsilon"]) == set(sites)
     for sid in sites:

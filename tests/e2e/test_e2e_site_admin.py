@@ -1,9 +1,10 @@
 """The site administrator's path of docs/how-to/onboard-a-site.md, run as written, with real processes.
 
 From an empty folder, the commands of that how-to's first block (at most six) bring up a node that a
-real coordinator (Flower SuperLink with TLS and node authentication, on loopback) admits and whose job it serves;
-before the coordinator registers the node's key, the same node says it is refused and why.  Only what the environment dictates is
-substituted: the data path, the coordinator's address, the node's local port.  Slow: real Flower processes.
+real coordinator (Flower SuperLink with TLS and node authentication, on loopback) admits and whose job it
+serves; before the coordinator registers the node's key, the same node says it is refused and why.  Only what
+the environment dictates is substituted: the data path, the coordinator's address, the node's local port.
+Slow: real Flower processes.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ BIN = Path(sys.executable).parent
 
 
 def readme_commands() -> list[str]:
-    """The first bash block of the site administrator's how-to: one string per command (continuations joined)."""
+    """The first bash block of the site administrator's how-to: one string per command (continuations
+    joined)."""
     text = (REPO / "docs" / "how-to" / "onboard-a-site.md").read_text("utf-8")
-    section = text[text.index("## The five commands"):]
-    block = section[section.index("```bash") + len("```bash"):]
-    block = block[:block.index("```")]
+    section = text[text.index("## The five commands") :]
+    block = section[section.index("```bash") + len("```bash") :]
+    block = block[: block.index("```")]
     joined = re.sub(r"\\\n\s*", " ", block)
     return [ln.strip() for ln in joined.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
@@ -62,23 +64,37 @@ def _hospital_data(root: Path) -> Path:
 
 
 def _coordinator_material(d: Path, env: dict[str, str]) -> str:
-    """What the coordinator sends a site: its public key, its CA certificate, a signed job, its app bundle's hash."""
+    """What the coordinator sends a site: its public key, its CA certificate, a signed job, its app bundle's
+    hash."""
     from feta_release import job_rules
-
     from tests.support.federation import tiny_job
 
-    _run("feta-release keys generate --out coord-keys --name coordinator && cp coord-keys/coordinator.pub . && "
-         "feta-release coordinator certs --out certs && cp certs/ca.crt .", d, env)
+    _run(
+        "feta-release keys generate --out coord-keys --name coordinator && cp coord-keys/coordinator.pub . "
+        "&& feta-release coordinator certs --out certs && cp certs/ca.crt .",
+        d,
+        env,
+    )
     job = tiny_job(federation={"rounds": 1, "local_steps": 1, "min_sites": 1, "round_timeout": 60.0})
     (d / "job.toml").write_text(job_rules.job_toml(job))
-    _run("feta-release job sign job.toml --key coord-keys/coordinator.key --job-id job-1 --sites st-mary "
-         "--out job.signed.json", d, env)
+    _run(
+        "feta-release job sign job.toml --key coord-keys/coordinator.key --job-id job-1 --sites st-mary "
+        "--out job.signed.json",
+        d,
+        env,
+    )
     return _run("feta-release coordinator fab-hash", d, env).strip()
 
 
 def _status(site: Path, env: dict[str, str]) -> str:
-    proc = subprocess.run(["feta-release", "node", "status", "--config", str(site / "node.toml")], cwd=site.parent,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["feta-release", "node", "status", "--config", str(site / "node.toml")],
+        cwd=site.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc.stdout.splitlines()[0] if proc.stdout else proc.stderr
 
 
@@ -99,10 +115,18 @@ def _wait_state(site: Path, want: str, node: subprocess.Popen, timeout: float = 
 
 
 def _start(cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    # SIGINT at its default, as from a terminal, also when the suite runs in the background (`cmd &` ignores it)
-    return subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # SIGINT at its default, as from a terminal, also when the suite runs in the background (`cmd &` ignores
+    # it)
+    return subprocess.Popen(
+        ["bash", "-c", f"exec {cmd}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _stop(proc: subprocess.Popen) -> str:
@@ -135,9 +159,13 @@ def test_readme_site_admin_path_brings_up_a_node_the_coordinator_admits(tmp_path
             cmd = cmd.replace(a, b)
         return cmd + (f" --port {node_port}" if cmd.startswith("feta-release node start") else "")
 
-    coord = _start(f"feta-release coordinator start --host 127.0.0.1 --port {port} --database coord/state.db "
-                   "--ssl-certfile certs/server.pem --ssl-keyfile certs/server.key --ssl-ca-certfile certs/ca.crt "
-                   "--enable-supernode-auth --home coord", here, env)
+    coord = _start(
+        f"feta-release coordinator start --host 127.0.0.1 --port {port} --database coord/state.db "
+        "--ssl-certfile certs/server.pem --ssl-keyfile certs/server.key --ssl-ca-certfile certs/ca.crt "
+        "--enable-supernode-auth --home coord",
+        here,
+        env,
+    )
     node = None
     try:
         wait_for_port("127.0.0.1", port, 120)
@@ -152,15 +180,23 @@ def test_readme_site_admin_path_brings_up_a_node_the_coordinator_admits(tmp_path
         assert "node-auth key is not registered" in refused["detail"]
         first = _stop(node)
         assert "node refused: the coordinator refused this node" in first
-        _run(f"feta-release coordinator register st-mary/keys/node-auth.pub --name st-mary "
-             f"--superlink 127.0.0.1:{port} --root-certificates certs/ca.crt --home coord", here, env)
+        _run(
+            f"feta-release coordinator register st-mary/keys/node-auth.pub --name st-mary "
+            f"--superlink 127.0.0.1:{port} --root-certificates certs/ca.crt --home coord",
+            here,
+            env,
+        )
         node = _start(adapt(commands[-1]), here, env)
         state = _wait_state(site, "connected", node)
         assert state["node_id"] and "waiting for a job" in state["detail"]
         assert _status(site, env).startswith(f"node: connected: registered at 127.0.0.1:{port} as node")
         # The coordinator runs its job: the node serves it, says which, and is back to waiting afterwards.
-        _run(f"feta-release coordinator run job.toml --sites st-mary --key coord-keys/coordinator.key --out run1 "
-             f"--superlink 127.0.0.1:{port} --root-certificates certs/ca.crt --job-id job-1 --no-release", here, env)
+        _run(
+            f"feta-release coordinator run job.toml --sites st-mary --key coord-keys/coordinator.key --out "
+            f"run1 --superlink 127.0.0.1:{port} --root-certificates certs/ca.crt --job-id job-1 --no-release",
+            here,
+            env,
+        )
         served = _wait_state(site, "connected", node, timeout=60)
         assert served["detail"].startswith("served job job-1 (final attestation sent)"), served
     finally:

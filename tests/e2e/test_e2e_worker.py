@@ -1,4 +1,5 @@
-"""End to end with REAL Flower processes: a job's messages answered by the sites' warm workers. Slow: minutes."""
+"""End to end with REAL Flower processes: a job's messages answered by the sites' warm workers. Slow:
+minutes."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
-    from feta_release import job_rules
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, start_superlink
     from edge.launch import NodeSettings, start_node
+    from feta_release import job_rules
     from feta_release.federation.procs import free_port
     from feta_release.ledger import Ledger
 
@@ -32,12 +33,30 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
     procs, workers = [], {}
     port = free_port()
     try:
-        procs.append(start_superlink(SuperLinkSettings(port=port, database=tmp_path / "coord" / "state.db",
-                                                       insecure=True, home=tmp_path / "coord")))
+        procs.append(
+            start_superlink(
+                SuperLinkSettings(
+                    port=port,
+                    database=tmp_path / "coord" / "state.db",
+                    insecure=True,
+                    home=tmp_path / "coord",
+                )
+            )
+        )
         for s in fed.sites[:2]:
-            node = start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub,
-                                           ledger=s.ledger, site_key=s.site_key, data_secret=s.data_secret,
-                                           superlink=f"127.0.0.1:{port}", port=free_port(), insecure=True))
+            node = start_node(
+                NodeSettings(
+                    data=s.data,
+                    policy=s.policy,
+                    trusted_policy_key=s.policy_pub,
+                    ledger=s.ledger,
+                    site_key=s.site_key,
+                    data_secret=s.data_secret,
+                    superlink=f"127.0.0.1:{port}",
+                    port=free_port(),
+                    insecure=True,
+                )
+            )
             procs.append(node)
             workers[s.site_id] = node.companions[0]
         # site-b's worker dies before the job: its node answers in a fresh process per message instead
@@ -65,14 +84,16 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
     assert "in this process instead" not in (work_a / "supernode.log").read_text()
     assert "in this process instead" in (work_b / "supernode.log").read_text()
     # stopping the node stopped its worker; the socket is gone with it
-    assert not psutil.pid_exists(workers["site-a"].pid) or \
-        psutil.Process(workers["site-a"].pid).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(workers["site-a"].pid)
+        or psutil.Process(workers["site-a"].pid).status() == psutil.STATUS_ZOMBIE
+    )
     assert not (work_a / "worker" / "worker.sock").exists()
 
 
 class CommandLines:
-    """The command lines of every ``flwr-clientapp`` process of this test's nodes (their shim lies under ``root``)
-    seen while it runs (polled: each lives for seconds)."""
+    """The command lines of every ``flwr-clientapp`` process of this test's nodes (their shim lies under
+    ``root``) seen while it runs (polled: each lives for seconds)."""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -92,4 +113,3 @@ class CommandLines:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
-

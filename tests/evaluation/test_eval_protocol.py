@@ -8,17 +8,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feta_release.data import ImageDataset
-from feta_release.errors import ConfigError, DataError
 from feta_release.data.splits import balanced_labels
-from feta_release.eval_protocol import PROTOCOL, Protocol, format_row, mean_std, protocol_splits, \
-    release_only
+from feta_release.errors import ConfigError, DataError
+from feta_release.eval_protocol import PROTOCOL, Protocol, format_row, mean_std, protocol_splits, release_only
 
 
 def _ds(n_per_class: int = 20, n_classes: int = 4) -> ImageDataset:
     rng = np.random.default_rng(0)
     n = n_per_class * n_classes
-    return ImageDataset(rng.random((n, 1, 8, 8), dtype=np.float32), np.repeat(np.arange(n_classes), n_per_class),
-                        tuple(str(c) for c in range(n_classes)), source="toy")
+    return ImageDataset(
+        rng.random((n, 1, 8, 8), dtype=np.float32),
+        np.repeat(np.arange(n_classes), n_per_class),
+        tuple(str(c) for c in range(n_classes)),
+        source="toy",
+    )
 
 
 def _keys(ds: ImageDataset) -> set[bytes]:

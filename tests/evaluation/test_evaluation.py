@@ -1,5 +1,5 @@
-"""Evaluation: the classifier (local findings, early stopping), the real-data ceiling, FD (classifier features),
-precision/recall/density/coverage, evaluate(), the sample grid and the CLI."""
+"""Evaluation: the classifier (local findings, early stopping), the real-data ceiling, FD (classifier
+features), precision/recall/density/coverage, evaluate(), the sample grid and the CLI."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from feta_release.evaluation import (
     train_classifier,
 )
 from feta_release.viz import grid_array, save_grid
-
 from tests.support.finding_images import finding_images
 
 
@@ -73,7 +72,9 @@ def test_fd_agrees_with_scipy_sqrtm() -> None:
     s1, s2 = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
     ref = ((a.mean(0) - b.mean(0)) ** 2).sum() + np.trace(s1 + s2 - 2 * linalg.sqrtm(s1 @ s2).real)
     assert frechet_distance_from_features(a, b) == pytest.approx(ref, rel=1e-6)
-    assert frechet_distance_from_features(a, b) == pytest.approx(frechet_distance_from_features(b, a), rel=1e-9)
+    assert frechet_distance_from_features(a, b) == pytest.approx(
+        frechet_distance_from_features(b, a), rel=1e-9
+    )
     with pytest.raises(DataError, match="at least 2"):
         frechet_distance_from_features(a[:1], b)
 
@@ -95,7 +96,8 @@ def test_fd_real_vs_real_small_noise_large(split, feature_net) -> None:
     noisy = np.clip(other_real + rng.normal(0, 0.3, other_real.shape), 0, 1).astype(np.float32)
     ref = extract_features(feature_net, heldout.images)
     fd_real, fd_noisy, fd_noise = (
-        frechet_distance_from_features(ref, extract_features(feature_net, x)) for x in (other_real, noisy, noise)
+        frechet_distance_from_features(ref, extract_features(feature_net, x))
+        for x in (other_real, noisy, noise)
     )
     assert fd_real < fd_noisy < fd_noise
     assert fd_real < 0.05 * fd_noise, (fd_real, fd_noise)
@@ -134,7 +136,9 @@ def test_evaluate_report_and_grid(split, feature_net, tmp_path: Path) -> None:
     # No real training set given: the ceiling is cross-fitted on the two halves of the held-out set.
     assert "cross-fitted halves" in report.ceiling_protocol and report.n_ceiling_train == 500
     assert report.ceiling_accuracy is not None and report.ceiling_accuracy > 0.6
-    assert set(report.ceiling_per_class_accuracy) == set(heldout.class_names) and len(report.ceiling_fits) == 2
+    assert (
+        set(report.ceiling_per_class_accuracy) == set(heldout.class_names) and len(report.ceiling_fits) == 2
+    )
     assert report.precision > 0.5 and report.recall > 0.5 and report.coverage > 0.5, report
     # Every figure resting on too little says so: 500 images per side < 5 x the 128-d features, a 5-epoch
     # feature network, classifiers cut at 3 epochs.
@@ -143,7 +147,9 @@ def test_evaluate_report_and_grid(split, feature_net, tmp_path: Path) -> None:
     assert "stopped at its cap of 3 epochs" in said
     # Uniform noise labelled like the real data: chance-level accuracy, a far larger FD, no fidelity.
     rng = np.random.default_rng(1)
-    junk = ImageDataset(rng.random(synth.images.shape, dtype=np.float32), synth.labels, synth.class_names, "noise")
+    junk = ImageDataset(
+        rng.random(synth.images.shape, dtype=np.float32), synth.labels, synth.class_names, "noise"
+    )
     bad = evaluate(junk, heldout, seed=0, ceiling=False, **fast)
     assert report.accuracy > 0.6 and bad.accuracy < 0.3
     assert bad.fd > 10 * report.fd
@@ -203,8 +209,17 @@ def test_cli_evaluate_run_dir_and_real_npz(split, tmp_path: Path, capsys) -> Non
     save_npz(train.subset(np.arange(0, train.n, 20)), tmp_path / "run" / "synthetic.npz")
     save_npz(heldout.subset(np.arange(0, heldout.n, 5)), tmp_path / "real.npz")
     code, out, err = run_cli(
-        ["evaluate", str(tmp_path / "run"), "--real", str(tmp_path / "real.npz"), "--epochs", "1",
-         "--feature-epochs", "1", "--json"],
+        [
+            "evaluate",
+            str(tmp_path / "run"),
+            "--real",
+            str(tmp_path / "real.npz"),
+            "--epochs",
+            "1",
+            "--feature-epochs",
+            "1",
+            "--json",
+        ],
         capsys,
     )
     assert code == 0, err
@@ -215,15 +230,27 @@ def test_cli_evaluate_run_dir_and_real_npz(split, tmp_path: Path, capsys) -> Non
     assert (tmp_path / "run" / "evaluation" / "samples.png").is_file()
     shared = json.loads((tmp_path / "run" / "evaluation" / "evaluation.json").read_text())
     assert shared["fd"] == info["fd"] and "not differentially private" in shared["not_dp"]
-    for key in ("n_real", "n_fd", "real_class_counts", "per_class_accuracy", "real_fingerprint", "real_source"):
+    for key in (
+        "n_real",
+        "n_fd",
+        "real_class_counts",
+        "per_class_accuracy",
+        "real_fingerprint",
+        "real_source",
+    ):
         assert key not in shared, key  # the shareable file holds no held-out statistic but accuracy and FD
     private = tmp_path / "run" / "evaluation" / "evaluation-private.json"
     assert private.stat().st_mode & 0o077 == 0  # the evaluator's own record: owner-only
     full = json.loads(private.read_text())
-    assert full["n_real"] == 200 and full["real_fingerprint"] == heldout.subset(np.arange(0, heldout.n, 5)).fingerprint()
+    assert (
+        full["n_real"] == 200
+        and full["real_fingerprint"] == heldout.subset(np.arange(0, heldout.n, 5)).fingerprint()
+    )
     from feta_release.evaluation import heldout_commitment
 
-    assert shared["real_commitment"] == heldout_commitment(full["real_fingerprint"], bytes.fromhex(full["commitment_salt"]))
+    assert shared["real_commitment"] == heldout_commitment(
+        full["real_fingerprint"], bytes.fromhex(full["commitment_salt"])
+    )
 
 
 def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, capsys) -> None:
@@ -235,8 +262,10 @@ def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, cap
         (folder / str(i)).mkdir(parents=True)
         for j, img in enumerate(train.images[train.labels == i][:3]):
             Image.fromarray(np.rint(img[0] * 255).astype(np.uint8), "L").save(folder / str(i) / f"{j}.png")
-    code, out, err = run_cli(["evaluate", str(folder), "--epochs", "1", "--feature-epochs", "1",
-                              "--out", str(tmp_path / "ev")], capsys)
+    code, out, err = run_cli(
+        ["evaluate", str(folder), "--epochs", "1", "--feature-epochs", "1", "--out", str(tmp_path / "ev")],
+        capsys,
+    )
     assert code == 0, err
     assert "held-out split of the embedded data" in err and "FD (classifier features)" in out
     report = json.loads((tmp_path / "ev" / "evaluation-private.json").read_text())  # the evaluator's own copy
@@ -254,8 +283,8 @@ def test_cli_evaluate_default_real_says_so_and_errors(split, tmp_path: Path, cap
 @pytest.mark.slow
 def test_classifier_recognises_a_small_local_finding() -> None:
     """One class differs from "normal" only by a 2x2 bright spot at a random place on a noisy textured 48x48
-    background: an averaging classifier (the former SmallCNN: 63 % on it, 34 % on normal) cannot learn it; one with
-    global max pooling must, early-stopped on its own training images."""
+    background: an averaging classifier (the former SmallCNN: 63 % on it, 34 % on normal) cannot learn it; one
+    with global max pooling must, early-stopped on its own training images."""
     train, test = finding_images(200, 48, seed=0), finding_images(100, 48, seed=1)
     net = train_classifier(train, seed=0)
     per_class = per_class_accuracy(net, test)
@@ -265,10 +294,14 @@ def test_classifier_recognises_a_small_local_finding() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=8), fraction=st.sampled_from([0.1, 0.5]),
-       seed=st.integers(0, 1000))
-def test_validation_part_is_stratified_and_leaves_every_class_in_training(counts: list[int], fraction: float,
-                                                                           seed: int) -> None:
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    fraction=st.sampled_from([0.1, 0.5]),
+    seed=st.integers(0, 1000),
+)
+def test_validation_part_is_stratified_and_leaves_every_class_in_training(
+    counts: list[int], fraction: float, seed: int
+) -> None:
     shuffled = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(counts)), counts))
     mask = validation_split(shuffled, len(counts), fraction, seed)
     for c, n_c in enumerate(counts):
@@ -282,6 +315,7 @@ def test_validation_part_is_stratified_and_leaves_every_class_in_training(counts
 # -- precision / recall / density / coverage ----------------------------------------------------
 def _prdc_by_definition(real: np.ndarray, fake: np.ndarray, k: int) -> dict[str, float]:
     """The four figures straight from the papers' formulas, with explicit loops."""
+
     def radius(x: np.ndarray, i: int) -> float:
         return float(np.sort(np.linalg.norm(x - x[i], axis=1))[k])  # index k: the 0 to itself is index 0
 
@@ -318,11 +352,13 @@ def test_prdc_sees_identity_collapse_and_shift(seed: int, d: int, n_classes: int
     real, labels = _mixture(rng, 60, centres)
     same = prdc_from_features(real, real.copy())
     assert same["precision"] == same["recall"] == same["coverage"] == 1.0
-    # Collapsed to one prototype per class (a single exemplar of each class, repeated): every synthetic image is
-    # faithful, but a real image is covered only if the exemplar is among its k nearest neighbours.
+    # Collapsed to one prototype per class (a single exemplar of each class, repeated): every synthetic image
+    # is faithful, but a real image is covered only if the exemplar is among its k nearest neighbours.
     protos = np.stack([real[rng.choice(np.flatnonzero(labels == c))] for c in range(n_classes)])[labels]
     collapsed = prdc_from_features(real, protos)
-    assert collapsed["precision"] == 1.0 and collapsed["recall"] <= 0.05 and collapsed["coverage"] <= 0.4, collapsed
+    assert collapsed["precision"] == 1.0 and collapsed["recall"] <= 0.05 and collapsed["coverage"] <= 0.4, (
+        collapsed
+    )
     # Shifted far from the real data: no fidelity.
     shifted = prdc_from_features(real, _mixture(rng, 60, centres)[0] + 8.0)
     assert shifted["precision"] <= 0.05 and shifted["density"] <= 0.05, shifted
@@ -337,7 +373,11 @@ def test_prdc_does_not_depend_on_the_distance_block_size(monkeypatch: pytest.Mon
     real, fake = rng.standard_normal((300, 5)), rng.standard_normal((250, 5)) + 0.3
     whole = prdc_from_features(real, fake)
     monkeypatch.setattr(ev, "CHUNK", 7)  # blocks that do not divide either size
-    assert prdc_from_features(real, fake) == whole == pytest.approx(_prdc_by_definition(real, fake, 5), abs=1e-12)
+    assert (
+        prdc_from_features(real, fake)
+        == whole
+        == pytest.approx(_prdc_by_definition(real, fake, 5), abs=1e-12)
+    )
 
 
 def test_prdc_needs_more_than_k_samples() -> None:
@@ -345,14 +385,24 @@ def test_prdc_needs_more_than_k_samples() -> None:
         prdc_from_features(np.zeros((5, 2)), np.zeros((10, 2)))
 
 
-def test_cli_evaluate_writes_the_report_beside_an_npz_and_checks_the_real_training_set(split, tmp_path: Path,
-                                                                                        capsys) -> None:
+def test_cli_evaluate_writes_the_report_beside_an_npz_and_checks_the_real_training_set(
+    split, tmp_path: Path, capsys
+) -> None:
     train, heldout = split
     save_npz(train.subset(np.arange(0, train.n, 40)), tmp_path / "syn.npz")
     save_npz(heldout.subset(np.arange(0, heldout.n, 5)), tmp_path / "real.npz")
     save_npz(train.subset(np.arange(1, train.n, 40)), tmp_path / "real-train.npz")
-    base = ["evaluate", str(tmp_path / "syn.npz"), "--real", str(tmp_path / "real.npz"), "--epochs", "1",
-            "--feature-epochs", "1", "--no-progress"]
+    base = [
+        "evaluate",
+        str(tmp_path / "syn.npz"),
+        "--real",
+        str(tmp_path / "real.npz"),
+        "--epochs",
+        "1",
+        "--feature-epochs",
+        "1",
+        "--no-progress",
+    ]
     code, out, err = run_cli([*base, "--real-train", str(tmp_path / "real-train.npz")], capsys)
     assert code == 0, err
     report = json.loads((tmp_path / "syn-evaluation" / "evaluation-private.json").read_text())
@@ -368,14 +418,21 @@ def test_cli_evaluate_writes_the_report_beside_an_npz_and_checks_the_real_traini
 def test_cli_evaluate_help_names_the_protocol(capsys) -> None:
     code, out, _ = run_cli(["evaluate", "--help"], capsys)
     assert code == 0
-    for phrase in ("--real-train", "--progress / --no-progress", "cross-fitted", "Epoch cap", "precision/recall",
-                   "evaluation.json"):
+    for phrase in (
+        "--real-train",
+        "--progress / --no-progress",
+        "cross-fitted",
+        "Epoch cap",
+        "precision/recall",
+        "evaluation.json",
+    ):
         assert phrase in out, phrase
 
 
 # -- the real-data ceiling ----------------------------------------------------------------------
 class _Memoriser(torch.nn.Module):
-    """A "classifier" that knows the label of every image it was trained on and nothing else (class 0 otherwise)."""
+    """A "classifier" that knows the label of every image it was trained on and nothing else (class 0
+    otherwise)."""
 
     def __init__(self, ds: ImageDataset) -> None:
         super().__init__()
@@ -391,9 +448,9 @@ class _Memoriser(torch.nn.Module):
 
 
 def test_ceiling_never_scores_an_image_its_classifier_saw(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A memorising classifier gets credit only for images it was trained on; no held-out image has class 0, so
-    the ceiling must be exactly 0 both cross-fitted and with a real training set (and 1 if it were scored on its
-    own training images)."""
+    """A memorising classifier gets credit only for images it was trained on; no held-out image has class 0,
+    so the ceiling must be exactly 0 both cross-fitted and with a real training set (and 1 if it were scored
+    on its own training images)."""
     import feta_release.evaluation as ev
 
     monkeypatch.setattr(ev, "train_classifier", lambda ds, *a, **k: _Memoriser(ds))
@@ -402,16 +459,26 @@ def test_ceiling_never_scores_an_image_its_classifier_saw(monkeypatch: pytest.Mo
     real = ImageDataset(rng.random((120, 1, 8, 8), dtype=np.float32), labels, ("0", "1", "2", "3"), "real")
     crossed = ev.real_ceiling(real, seed=3)
     assert crossed.accuracy == 0.0 and crossed.n_train >= 55 and "cross-fitted" in crossed.protocol
-    other = ImageDataset(rng.random((50, 1, 8, 8), dtype=np.float32), rng.integers(1, 4, 50), real.class_names, "t")
+    other = ImageDataset(
+        rng.random((50, 1, 8, 8), dtype=np.float32), rng.integers(1, 4, 50), real.class_names, "t"
+    )
     assert ev.real_ceiling(real, other).accuracy == 0.0
     assert ev.real_ceiling(real, real).accuracy == 1.0  # the memoriser does score what it saw
 
 
-@pytest.mark.parametrize(("shape", "n_classes", "dim"), [((1, 28, 28), 10, 128), ((3, 32, 32), 2, 128),
-                                                         ((1, 64, 64), 4, 128), ((3, 128, 96), 100, 256),
-                                                         ((1, 48, 48), 30, 192)])
-def test_network_adapts_to_image_size_channels_and_classes(shape: tuple[int, int, int], n_classes: int,
-                                                           dim: int) -> None:
+@pytest.mark.parametrize(
+    ("shape", "n_classes", "dim"),
+    [
+        ((1, 28, 28), 10, 128),
+        ((3, 32, 32), 2, 128),
+        ((1, 64, 64), 4, 128),
+        ((3, 128, 96), 100, 256),
+        ((1, 48, 48), 30, 192),
+    ],
+)
+def test_network_adapts_to_image_size_channels_and_classes(
+    shape: tuple[int, int, int], n_classes: int, dim: int
+) -> None:
     from feta_release.eval_classifier import ResNetClassifier
 
     net = ResNetClassifier(shape[0], n_classes, shape[1:]).eval()

@@ -1,9 +1,9 @@
 """Faults: the disk under a site's ledger fills up while the ledger commits a charge.
 
 A small tmpfs is mounted for the ledger where this runs as root; elsewhere the same failure (SQLite's
-``database or disk is full``) is injected at the commit. Each case ends with: nothing charged by the failed write
-(ledger rows counted), the ledger's chain and signed head intact, the job stopped with the reason, and a re-run
-that resumes and charges every request exactly once."""
+``database or disk is full``) is injected at the commit. Each case ends with: nothing charged by the failed
+write (ledger rows counted), the ledger's chain and signed head intact, the job stopped with the reason, and a
+re-run that resumes and charges every request exactly once."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from feta_release.errors import PrivacyError
 from feta_release.federation.driver import SiteUnavailable
 from feta_release.ledger import Budget, Ledger
 from feta_release.signing import generate_keypair, load_private_key
-
 from tests.support.federation import harness, run_harness_job, tiny_job, tiny_sites
 
 pytestmark = pytest.mark.slow
@@ -59,8 +58,12 @@ class Disk:
 def disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Disk]:
     root = tmp_path / "small-disk"
     root.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(root)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(root)], capture_output=True
+        ).returncode
+        == 0
+    )
     d = Disk(root, mounted)
     if not mounted:  # no mount here: the ledger's commit fails as SQLite fails on a full disk
         real = sqlite3.Connection.execute
@@ -86,8 +89,11 @@ def test_a_full_disk_during_a_charge_records_nothing_and_the_same_request_charge
     led = Ledger(disk.root / "ledger.db", key=key)
     led.charge("job", "r0", "central", EVENT, BUDGET, response=b"first")
     disk.fill()
-    with pytest.raises(PrivacyError, match=r"could not record this request \(database or disk is full\); nothing "
-                                           r"was charged or released\. Fix: free disk space"):
+    with pytest.raises(
+        PrivacyError,
+        match=r"could not record this request \(database or disk is full\); nothing "
+        r"was charged or released\. Fix: free disk space",
+    ):
         led.charge("job", "r1", "central", EVENT, BUDGET, response=b"x" * 200_000)
     assert led.anchor()["rows"] == 1
     led.close()
@@ -100,8 +106,9 @@ def test_a_full_disk_during_a_charge_records_nothing_and_the_same_request_charge
     led.close()
 
 
-def test_a_job_whose_site_disk_fills_while_charging_stops_with_the_reason_and_a_rerun_resumes(disk, tmp_path,
-                                                                                               monkeypatch):
+def test_a_job_whose_site_disk_fills_while_charging_stops_with_the_reason_and_a_rerun_resumes(
+    disk, tmp_path, monkeypatch
+):
     fed = prepare_federation(tmp_path / "fed", tiny_sites(2))
     a = fed.site("site-a")
     a.ledger = disk.root / "ledger.db"  # site-a's ledger (and work directory) on the small disk
@@ -115,8 +122,11 @@ def test_a_job_whose_site_disk_fills_while_charging_stops_with_the_reason_and_a_
 
     monkeypatch.setattr(Ledger, "_assess", assess_then_fill)
     signed, _ = sign_job_file(fed, tiny_job(federation={"rounds": 2, "local_steps": 1}), "job-disk")
-    with pytest.raises(SiteUnavailable, match=r"round 1: only 1 site\(s\).*site-a.*could not record this request "
-                                              r"\(database or disk is full\); nothing was charged"):
+    with pytest.raises(
+        SiteUnavailable,
+        match=r"round 1: only 1 site\(s\).*site-a.*could not record this request "
+        r"\(database or disk is full\); nothing was charged",
+    ):
         run_harness_job(fed, harness(fed), signed, tmp_path / "out")
     with Ledger(a.ledger) as led:
         assert [r["request_id"] for r in led.requests()] == []
@@ -127,4 +137,5 @@ def test_a_job_whose_site_disk_fills_while_charging_stops_with_the_reason_and_a_
     for s in fed.sites:
         with Ledger(s.ledger) as led:
             ids = [r["request_id"] for r in led.requests()]
-        assert ids == ["job-disk:train:0", "job-disk:train:1"]  # each once: site-b's round 1 answered from its record
+        # each once: site-b's round 1 answered from its record
+        assert ids == ["job-disk:train:0", "job-disk:train:1"]

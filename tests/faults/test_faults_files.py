@@ -1,5 +1,5 @@
-"""Faults: a coordinator killed while it writes. Its progress log may end in a torn line; what it writes next and what
-``coordinator run`` reads back from it stay whole."""
+"""Faults: a coordinator killed while it writes. Its progress log may end in a torn line; what it writes next
+and what ``coordinator run`` reads back from it stay whole."""
 
 from __future__ import annotations
 

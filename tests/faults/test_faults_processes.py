@@ -1,24 +1,24 @@
 """Faults with REAL processes on loopback: SuperNodes, a node's worker and the coordinator killed mid-job.
 
-One secure-aggregation job between three sites (central images summed by secure aggregation, a spatial warm-up at
-the coordinator, two per-site DP-SGD rounds), run by the real ``feta-release coordinator run`` against a real
-SuperLink and three real ``node start`` processes, with these faults, each at a point read off the processes' own
-records (a worker's log, a ledger row, the job's progress log), never off a clock:
+One secure-aggregation job between three sites (central images summed by secure aggregation, a spatial warm-up
+at the coordinator, two per-site DP-SGD rounds), run by the real ``feta-release coordinator run`` against a
+real SuperLink and three real ``node start`` processes, with these faults, each at a point read off the
+processes' own records (a worker's log, a ledger row, the job's progress log), never off a clock:
 
-1. site-c's whole node is SIGKILLed during the secure sum, right after its worker computed its masked vector (charged):
-   the sum is decoded without it (its pairwise masks rebuilt from the others' shares, threshold 2 of 3), or with it
-   when its vector left before the kill;
+1. site-c's whole node is SIGKILLed during the secure sum, right after its worker computed its masked vector
+   (charged): the sum is decoded without it (its pairwise masks rebuilt from the others' shares, threshold 2
+   of 3), or with it when its vector left before the kill;
 2. the coordinator (SuperLink, ServerApp and ``coordinator run``) is SIGKILLed during the warm-up; it is
    started again, site-c's node too, and ``coordinator run`` with the same ``--out`` resumes;
 3. site-b's worker is SIGKILLed mid-request, after its ledger charged DP-SGD round 1 and before the answer was
    recorded: that round goes on without site-b (the site refuses to run a charged request twice);
 4. site-c's node is SIGKILLed during DP-SGD round 2 (charged, computing): the round goes on without it.
 
-The job completes without site-c's attestation (it was down); site-c's node comes back and the same command again
-resumes: nothing is trained or charged again, and site-c attests. Every site's ledger holds each release once (no
-request charged twice, no release charged under a second request id), every file of the job directory reads back
-whole, and each site's attested epsilon is at most what the plan said. Slow (real processes, minutes), bounded by
-timeouts at every wait."""
+The job completes without site-c's attestation (it was down); site-c's node comes back and the same command
+again resumes: nothing is trained or charged again, and site-c attests. Every site's ledger holds each release
+once (no request charged twice, no release charged under a second request id), every file of the job directory
+reads back whole, and each site's attested epsilon is at most what the plan said. Slow (real processes,
+minutes), bounded by timeouts at every wait."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ from tests.support.federation import make_federation, tiny_job
 
 pytestmark = pytest.mark.slow
 
-# Longer than a healthy site ever needs on a loaded machine; a killed node is not waited for this long: its SuperLink
-# stops waiting for it when its heartbeat lapses (Flower: 2 x 30 s) and answers its messages with an error.
+# Longer than a healthy site ever needs on a loaded machine; a killed node is not waited for this long: its
+# SuperLink stops waiting for it when its heartbeat lapses (Flower: 2 x 30 s) and answers its messages with an
+# error.
 ROUND_TIMEOUT = 300.0
 
 
@@ -76,7 +77,9 @@ def _answers(work: Path, kind: str) -> int:
 
 def _events(out: Path) -> list[dict[str, Any]]:
     p = out / "progress.jsonl"
-    return [json.loads(line) for line in p.read_text("utf-8").splitlines() if line.strip()] if p.exists() else []
+    return (
+        [json.loads(line) for line in p.read_text("utf-8").splitlines() if line.strip()] if p.exists() else []
+    )
 
 
 class Coordinator:
@@ -90,16 +93,45 @@ class Coordinator:
     def start_superlink(self) -> None:
         from coordinator.superlink import SuperLinkSettings, start_superlink
 
-        self.superlink = start_superlink(SuperLinkSettings(port=self.port, database=self.tmp / "coord" / "state.db",
-                                                           insecure=True, home=self.tmp / "coord"))
+        self.superlink = start_superlink(
+            SuperLinkSettings(
+                port=self.port,
+                database=self.tmp / "coord" / "state.db",
+                insecure=True,
+                home=self.tmp / "coord",
+            )
+        )
 
     def submit(self) -> None:
-        cmd = [sys.executable, "-m", "feta_release", "coordinator", "run", str(self.job_toml), "--sites",
-               "site-a,site-b,site-c", "--key", str(self.fed.coordinator_key), "--out", str(self.out),
-               "--superlink", f"127.0.0.1:{self.port}", "--insecure", "--job-id", "job-f", "--no-release"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "feta_release",
+            "coordinator",
+            "run",
+            str(self.job_toml),
+            "--sites",
+            "site-a,site-b,site-c",
+            "--key",
+            str(self.fed.coordinator_key),
+            "--out",
+            str(self.out),
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--insecure",
+            "--job-id",
+            "job-f",
+            "--no-release",
+        ]
         self.log = open(self.tmp / f"coordinator-run-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 - closed in wait
-        self.run = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        self.run = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
 
     def wait(self, timeout: float) -> tuple[int, str]:
         assert self.run is not None
@@ -121,19 +153,44 @@ class Coordinator:
 
 
 class Node:
-    """``feta-release node start`` as the site runs it (its SuperNode and warm worker as children; the worker is
-    restarted by the node when it dies)."""
+    """``feta-release node start`` as the site runs it (its SuperNode and warm worker as children; the worker
+    is restarted by the node when it dies)."""
 
     def __init__(self, s: Any, port: int, log: Path) -> None:
         from feta_release.federation.procs import free_port
 
-        cmd = [sys.executable, "-m", "feta_release", "node", "start", "--data", str(s.data), "--policy", str(s.policy),
-               "--trusted", str(s.policy_pub), "--ledger", str(s.ledger), "--site-key", str(s.site_key),
-               "--data-secret", str(s.data_secret), "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-               "--insecure"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "feta_release",
+            "node",
+            "start",
+            "--data",
+            str(s.data),
+            "--policy",
+            str(s.policy),
+            "--trusted",
+            str(s.policy_pub),
+            "--ledger",
+            str(s.ledger),
+            "--site-key",
+            str(s.site_key),
+            "--data-secret",
+            str(s.data_secret),
+            "--superlink",
+            f"127.0.0.1:{port}",
+            "--port",
+            str(free_port()),
+            "--insecure",
+        ]
         self.log = open(log, "a")  # noqa: SIM115 - closed in stop
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONPATH": os.getcwd()})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
 
     def worker_pid(self) -> int | None:
         try:
@@ -167,10 +224,18 @@ def _cmdline(p: psutil.Process) -> list[str]:
 def _job(tmp: Path) -> Path:
     from feta_release import job_rules
 
-    cfg = tiny_job(central={"rounds": 1, "batch": 10, "sigma": 5.0},
-                   warmup={"spatial_iterations": 30, "spatial_batch": 8},
-                   federation={"secure_aggregation": True, "secagg_threshold": 2, "rounds": 2, "local_steps": 4,
-                               "min_sites": 2, "round_timeout": ROUND_TIMEOUT})
+    cfg = tiny_job(
+        central={"rounds": 1, "batch": 10, "sigma": 5.0},
+        warmup={"spatial_iterations": 30, "spatial_batch": 8},
+        federation={
+            "secure_aggregation": True,
+            "secagg_threshold": 2,
+            "rounds": 2,
+            "local_steps": 4,
+            "min_sites": 2,
+            "round_timeout": ROUND_TIMEOUT,
+        },
+    )
     p = tmp / "job.toml"
     p.write_text(job_rules.job_toml(cfg))
     return p
@@ -189,15 +254,20 @@ def test_nodes_a_worker_and_the_coordinator_killed_mid_job_complete_it_without_a
         co.start_superlink()
         nodes = {s.site_id: Node(s, port, tmp_path / f"{s.site_id}.log") for s in fed.sites}
         co.submit()
-        # 1. site-c dies right after handing over its masked vector (setup, share_keys, collect_masked_vectors)
+        # 1. site-c dies right after handing over its masked vector (setup, share_keys,
+        #    collect_masked_vectors)
         _wait("site-c's masked vector", lambda: _answers(work["site-c"], "query.secagg") >= 3, 600)
         nodes.pop("site-c").kill()
         # 2. the coordinator dies during the warm-up, after the secure sum was decoded and kept
-        _wait("the warm-up", lambda: any(e["message"].startswith("spatial warm-up on") for e in _events(out)), 600)
+        _wait(
+            "the warm-up",
+            lambda: any(e["message"].startswith("spatial warm-up on") for e in _events(out)),
+            600,
+        )
         co.kill()
         decoded = [e for e in _events(out) if "decoded" in e["message"]]
-        # decoded: with site-c's vector when it arrived before the kill, else without it (its masks recovered from the
-        # others' shares either way)
+        # decoded: with site-c's vector when it arrived before the kill, else without it (its masks recovered
+        # from the others' shares either way)
         assert decoded and {"site-a", "site-b"} <= set(decoded[0]["sites"])
         _check_files(out)
         # ... and is started again, site-c's node too; the same command resumes the job
@@ -205,14 +275,22 @@ def test_nodes_a_worker_and_the_coordinator_killed_mid_job_complete_it_without_a
         nodes["site-c"] = Node(fed.site("site-c"), port, tmp_path / "site-c.log")
         co.submit()
         # 3. site-b's worker dies mid-request: round 1 charged at site-b, its answer not yet recorded
-        _wait("site-b's charge of round 1", lambda: _status(ledgers["site-b"], "job-f:train:0") == "charged", 900,
-              poll=0.005)
+        _wait(
+            "site-b's charge of round 1",
+            lambda: _status(ledgers["site-b"], "job-f:train:0") == "charged",
+            900,
+            poll=0.005,
+        )
         worker = nodes["site-b"].worker_pid()
         assert worker is not None, "site-b's node runs no worker"
         os.kill(worker, signal.SIGKILL)
         # 4. site-c's node dies during round 2 (charged, computing)
-        _wait("site-c's charge of round 2", lambda: _status(ledgers["site-c"], "job-f:train:1") == "charged", 900,
-              poll=0.005)
+        _wait(
+            "site-c's charge of round 2",
+            lambda: _status(ledgers["site-c"], "job-f:train:1") == "charged",
+            900,
+            poll=0.005,
+        )
         nodes.pop("site-c").kill()
         code, text = co.wait(900)
         assert code == 0, text[-3000:]
@@ -249,7 +327,8 @@ def _rows(fed: Any) -> dict[str, int]:
 
 
 def _check_files(out: Path) -> None:
-    """Nothing half-written: every JSON document and every array file of the job directory reads back whole."""
+    """Nothing half-written: every JSON document and every array file of the job directory reads back
+    whole."""
     for p in out.rglob("*.json"):
         json.loads(p.read_text("utf-8"))
     for p in out.rglob("*.npz"):
@@ -265,8 +344,10 @@ def _check_no_double_charge(fed: Any, out: Path, summary: dict[str, Any]) -> Non
     for s in fed.sites:
         with Ledger(s.ledger) as led:
             reqs = led.requests("job-f")
-        slots = [(r["mechanism"], r["request_id"].rsplit(":", 1)[-1] if r["mechanism"] == "dpsgd" else "")
-                 for r in reqs]
+        slots = [
+            (r["mechanism"], r["request_id"].rsplit(":", 1)[-1] if r["mechanism"] == "dpsgd" else "")
+            for r in reqs
+        ]
         assert len(slots) == len(set(slots)), f"{s.site_id} charged one release twice: {slots}"
         assert sorted(m for m, _ in slots) == ["central", "dpsgd", "dpsgd"], (s.site_id, slots)
         assert summary["site_epsilon"][s.site_id] <= plan[s.site_id]["planned_epsilon"] + 1e-9

@@ -1,5 +1,6 @@
-"""Faults: the coordinator killed after the sites charged part of a job; its re-run must resume, also at a site whose
-lifetime cap fits the job only once (the job's own charges are part of its plan, not an earlier spend)."""
+"""Faults: the coordinator killed after the sites charged part of a job; its re-run must resume, also at a
+site whose lifetime cap fits the job only once (the job's own charges are part of its plan, not an earlier
+spend)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from coordinator.setup import prepare_federation, sign_job_file
 from edge.site import forget_sites
 from feta_release.federation.driver import other_jobs
 from feta_release.ledger import Ledger
-
 from tests.support.federation import harness, run_harness_job, tiny_job, tiny_sites
 
 
@@ -17,8 +17,11 @@ from tests.support.federation import harness, run_harness_job, tiny_job, tiny_si
 def test_a_killed_job_resumes_at_a_site_whose_lifetime_cap_fits_it_once(tmp_path, monkeypatch):
     import feta_release.federation.checkpoint_io as ck
 
-    fed = prepare_federation(tmp_path / "fed", tiny_sites(2), policy_overrides={
-        s: {"lifetime": (1.05, 1e-5)} for s in ("site-a", "site-b")})
+    fed = prepare_federation(
+        tmp_path / "fed",
+        tiny_sites(2),
+        policy_overrides={s: {"lifetime": (1.05, 1e-5)} for s in ("site-a", "site-b")},
+    )
     signed, _ = sign_job_file(fed, tiny_job(federation={"rounds": 2, "local_steps": 1}), "job-r")
     real_save = ck.save_round
 
@@ -60,7 +63,9 @@ def test_a_site_down_when_the_others_attested_attests_when_the_finished_job_is_r
     assert {s.site_id: len(_requests(s)) for s in fed.sites} == rows  # nothing released or charged again
     assert not [m for m in grid.sent if m.metadata.message_type == fm.TRAIN]
     for sid in ("site-a", "site-b"):  # the closed sites signed the same history again
-        assert again.attestations[sid]["statement"]["events"] == first.attestations[sid]["statement"]["events"]
+        assert (
+            again.attestations[sid]["statement"]["events"] == first.attestations[sid]["statement"]["events"]
+        )
 
 
 def _requests(site):

@@ -1,8 +1,9 @@
-"""A node's DP-SGD round whose process is KILLED after its charge is finished when the same request comes again, from
-the round's own checkpoint, and answered once: nothing charged twice, no charged step lost (docs/architecture.md,
-"resume inside a charged round"). Before, such a request was refused for ever ("charged but its result was never
-recorded"), so a killed ``train`` could not go on over the node. A round that FAILED (an exception, whose cause may
-depend on the data) stays refused, and a checkpoint swapped into the work directory is never loaded."""
+"""A node's DP-SGD round whose process is KILLED after its charge is finished when the same request comes
+again, from the round's own checkpoint, and answered once: nothing charged twice, no charged step lost
+(docs/architecture.md, "resume inside a charged round"). Before, such a request was refused for ever ("charged
+but its result was never recorded"), so a killed ``train`` could not go on over the node. A round that FAILED
+(an exception, whose cause may depend on the data) stays refused, and a checkpoint swapped into the work
+directory is never loaded."""
 
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ from coordinator.setup import sign_job_file
 from feta_release.federation import messages as fm
 from feta_release.ledger import Ledger
 from feta_release.training.dpsgd import DPSGDTrainer
-
 from tests.support.federation import make_federation, tiny_job
-
 
 STEP = DPSGDTrainer.step  # the trainer's own step, before any test wraps it
 
@@ -91,7 +90,8 @@ def test_a_killed_round_is_finished_from_its_checkpoint_and_charged_once(fed, mo
     assert taken == [3, 4, 5]  # from the checkpoint at step 2: no charged step lost, none taken twice here
     (req,) = _requests(fed)
     assert req["status"] == "done" and req["events"][0]["steps"] == 5  # one charge, its one answer recorded
-    assert not list((fed.site("site-a").ledger.parent / "work" / "rounds").glob("*.pt"))  # not kept past the round
+    # not kept past the round
+    assert not list((fed.site("site-a").ledger.parent / "work" / "rounds").glob("*.pt"))
     again = _ask(_grid(fed, 2), signed, weights)  # a replay now gets the record
     assert fm.payload_bytes(again.content) == fm.payload_bytes(rep.content)
 
@@ -118,8 +118,9 @@ def test_a_round_that_failed_after_its_charge_is_not_run_again(fed, monkeypatch)
 
 
 def test_a_checkpoint_swapped_into_the_work_directory_is_not_loaded(fed, monkeypatch):
-    """Attack (the work directory is writable by the site's account): a round checkpoint replaced while the node
-    was down, e.g. weights trained on anything or a known noise stream, would reach the released weights."""
+    """Attack (the work directory is writable by the site's account): a round checkpoint replaced while the
+    node was down, e.g. weights trained on anything or a known noise stream, would reach the released
+    weights."""
     from feta_release.training.checkpoint import load_torch, save_torch
 
     signed, weights = _setup(fed)
@@ -137,7 +138,8 @@ def test_a_checkpoint_swapped_into_the_work_directory_is_not_loaded(fed, monkeyp
 
 
 def test_a_killed_central_release_is_still_refused(fed, monkeypatch):
-    """Only DP-SGD rounds are finished after a kill; a warm-up release charged and never recorded stays refused."""
+    """Only DP-SGD rounds are finished after a kill; a warm-up release charged and never recorded stays
+    refused."""
     import edge.clientapp as ca
 
     cfg = tiny_job(central={"rounds": 1, "batch": 10, "sigma": 5.0}, federation={"min_sites": 1})
@@ -153,5 +155,7 @@ def test_a_killed_central_release_is_still_refused(fed, monkeypatch):
         grid.send_and_receive([msg])
     monkeypatch.undo()
     grid = _grid(fed, 2)
-    (rep,) = grid.send_and_receive([grid.create_message(fm.make_payload({"job": signed}), fm.CENTRAL, 100, "c")])
+    (rep,) = grid.send_and_receive(
+        [grid.create_message(fm.make_payload({"job": signed}), fm.CENTRAL, 100, "c")]
+    )
     assert rep.has_error() and "never recorded" in rep.error.reason

@@ -1,1 +1,2 @@
-"""The coordinator and the federated protocol: the Grid harness, FedSGD, secure aggregation, Flower processes."""
+"""The coordinator and the federated protocol: the Grid harness, FedSGD, secure aggregation, Flower
+processes."""

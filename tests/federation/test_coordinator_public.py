@@ -13,7 +13,6 @@ from feta_release.data import save_npz
 from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError, DataError
 from feta_release.job_rules import job_toml
-
 from tests.support.cli import run_cli
 from tests.support.federation import tiny_job
 
@@ -67,7 +66,6 @@ def test_a_selection_job_without_a_public_set_is_refused_before_signing(tmp_path
 def test_a_public_set_of_another_shape_than_the_sites_is_refused_before_any_release(tmp_path):
     from coordinator.runner import PublicOption, sign_or_resume
     from feta_release.federation.job import save_public
-
     from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job
 
     fed = make_federation(tmp_path / "fed")
@@ -87,7 +85,6 @@ def test_the_serverapp_pretrains_on_the_set_coordinator_run_left_in_out(tmp_path
     with public pretraining."""
     from coordinator.runner import PublicOption, sign_or_resume
     from feta_release.federation.job import save_public
-
     from tests.support.federation import harness, make_federation, run_harness_job
 
     fed = make_federation(tmp_path / "fed")
@@ -113,21 +110,58 @@ def test_coordinator_run_takes_public_and_hands_it_to_the_serverapp(tmp_path, mo
 
     def submitted(signed_path, key_path, out_dir, superlink, **kw):
         seen["public"] = kw["public"]
-        runner.save_public(out_dir, kw["public"].path, kw["public"].description, kw["public"].pretrained,
-                           kw["public"].options(runner.load_job_of(signed_path)))
+        runner.save_public(
+            out_dir,
+            kw["public"].path,
+            kw["public"].description,
+            kw["public"].pretrained,
+            kw["public"].options(runner.load_job_of(signed_path)),
+        )
         return {"job_id": "j", "site_epsilon": {}, "rounds": 0, "skipped": {}, "timings": {}}
 
     monkeypatch.setattr(runner, "run_signed_job", submitted)
-    code, _, err = run_cli(["coordinator", "run", str(job), "--sites", "site-a,site-b", "--key", str(key),
-                            "--out", str(out), "--insecure", "--no-release", "--public", str(path),
-                            "--public-description", "pen strokes"], capsys)
+    code, _, err = run_cli(
+        [
+            "coordinator",
+            "run",
+            str(job),
+            "--sites",
+            "site-a,site-b",
+            "--key",
+            str(key),
+            "--out",
+            str(out),
+            "--insecure",
+            "--no-release",
+            "--public",
+            str(path),
+            "--public-description",
+            "pen strokes",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert seen["public"].path == str(path) and seen["public"].description == "pen strokes"
     signed = json.loads((out / "signed_job.json").read_text())
     assert signed["job"]["config"]["public"]["sha256"] == ds.fingerprint()  # type: ignore[attr-defined]
     saved = json.loads((out / "coordinator_public.json").read_text())
     assert saved["path"] == str(path.resolve()) and saved["load"]["resize"] == "refuse"
-    code, _, err = run_cli(["coordinator", "run", str(job), "--sites", "site-a,site-b", "--key", str(key),
-                            "--out", str(tmp_path / "o2"), "--insecure", "--no-release",
-                            "--public", str(tmp_path / "missing.npz")], capsys)
+    code, _, err = run_cli(
+        [
+            "coordinator",
+            "run",
+            str(job),
+            "--sites",
+            "site-a,site-b",
+            "--key",
+            str(key),
+            "--out",
+            str(tmp_path / "o2"),
+            "--insecure",
+            "--no-release",
+            "--public",
+            str(tmp_path / "missing.npz"),
+        ],
+        capsys,
+    )
     assert code != 0 and "missing.npz" in err and "Traceback" not in err

@@ -1,5 +1,6 @@
-"""``coordinator run`` into the same ``--out``: the signed job is resumed, not re-signed, when the job file is the
-same, including a job file that leaves ``[federation] secure_aggregation`` to its default (signing states it)."""
+"""``coordinator run`` into the same ``--out``: the signed job is resumed, not re-signed, when the job file is
+the same, including a job file that leaves ``[federation] secure_aggregation`` to its default (signing states
+it)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def test_the_same_job_file_resumes_when_secure_aggregation_is_left_to_its_defaul
     from coordinator.runner import sign_or_resume
 
     job = tmp_path / "job.toml"
-    job.write_text((ROOT / "feta_release" / "presets" / "tiny.toml").read_text("utf-8"))  # no secure_aggregation key
+    # no secure_aggregation key
+    job.write_text((ROOT / "feta_release" / "presets" / "tiny.toml").read_text("utf-8"))
     key, out = _key(tmp_path), tmp_path / "out"
     first = sign_or_resume(job, sites, key, out, "job-1")
     signed = first.read_bytes()

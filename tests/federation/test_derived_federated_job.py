@@ -23,13 +23,23 @@ from feta_release.policy import make_policy, open_signed_policy, sign_job, sign_
 DIGITS = DataDeclaration(tuple(str(c) for c in range(10)), (1, 28, 28))
 
 
-def _policies(tmp_path: Path, sizes: dict[str, int], coord: Ed25519PrivateKey,
-              declared: dict[str, DataDeclaration] | None = None) -> tuple[list[Path], dict[str, Any]]:
+def _policies(
+    tmp_path: Path,
+    sizes: dict[str, int],
+    coord: Ed25519PrivateKey,
+    declared: dict[str, DataDeclaration] | None = None,
+) -> tuple[list[Path], dict[str, Any]]:
     files, opened = [], {}
     for sid, n in sizes.items():
         site = Ed25519PrivateKey.generate()
-        doc = make_policy(sid, "ab" * 32, n, [coord.public_key()], app_bundles=["cd" * 32],
-                          declared=(declared or {}).get(sid, DIGITS))
+        doc = make_policy(
+            sid,
+            "ab" * 32,
+            n,
+            [coord.public_key()],
+            app_bundles=["cd" * 32],
+            declared=(declared or {}).get(sid, DIGITS),
+        )
         signed = sign_policy(doc, site)
         path = tmp_path / f"{sid}.signed.json"
         path.write_text(json.dumps(signed), "utf-8")

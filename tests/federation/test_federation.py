@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from coordinator.setup import sign_job_file
-from feta_release.ledger import Ledger
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.errors import PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.federation.driver import SiteUnavailable
 from feta_release.federation.job import run_job
-from feta_release.signing import generate_keypair, load_private_key
+from feta_release.ledger import Ledger
 from feta_release.models.model_file import read_model_file
+from feta_release.signing import generate_keypair, load_private_key
 from feta_release.training.checkpoint import load_torch
-
-from tests.support.federation import full_job, harness, make_federation, run_harness_job as _run, tiny_job
+from tests.support.federation import full_job, harness, make_federation, tiny_job
+from tests.support.federation import run_harness_job as _run
 
 
 @pytest.fixture()
@@ -52,8 +52,11 @@ def test_job_runs_and_every_site_is_charged_exactly_its_plan(fed, tmp_path):
     # THE model file (the format `train` writes), holding the EMA of the global model from the last round.
     model = read_model_file(tmp_path / "out" / "model.pt")
     ema = load_torch(tmp_path / "out" / "state" / "rounds.pt", weights_only=True)["ema"]
-    assert model["class_names"] == json.loads((tmp_path / "out" / "job_summary.json").read_text())["class_names"]
-    assert ema["num_updates"] == 2 * 2 and set(model["state_dict"]) == set(ema["shadow"])  # per step: 2 rounds x 2
+    assert (
+        model["class_names"] == json.loads((tmp_path / "out" / "job_summary.json").read_text())["class_names"]
+    )
+    # per step: 2 rounds x 2
+    assert ema["num_updates"] == 2 * 2 and set(model["state_dict"]) == set(ema["shadow"])
     assert all(torch.equal(model["state_dict"][k], v) for k, v in ema["shadow"].items())
 
 
@@ -129,8 +132,9 @@ def test_coordinator_restart_resumes_without_paying_twice(fed, tmp_path, monkeyp
 
 
 def test_replayed_request_returns_recorded_answer_and_is_not_charged_twice(fed, tmp_path):
-    """Before the job is closed by its attestation, a replayed round (even with other weights) gets the recorded
-    bytes back: no fresh noise draw, one charge only. (After the attestation it is refused: test_job_close.py.)"""
+    """Before the job is closed by its attestation, a replayed round (even with other weights) gets the
+    recorded bytes back: no fresh noise draw, one charge only. (After the attestation it is refused:
+    test_job_close.py.)"""
     cfg = tiny_job()
     signed, _ = sign_job_file(fed, cfg, "job-replay")
     grid = harness(fed)
@@ -163,7 +167,9 @@ def test_over_budget_request_is_refused_at_the_node_and_nothing_is_charged(fed, 
     # Bypass the coordinator's planner: ask rounds until the site refuses.
     reasons = []
     for r in range(20):
-        msg = grid.create_message(fm.make_payload({"job": signed, "round": r}, weights), fm.TRAIN, 100, f"r{r}")
+        msg = grid.create_message(
+            fm.make_payload({"job": signed, "round": r}, weights), fm.TRAIN, 100, f"r{r}"
+        )
         (rep,) = grid.send_and_receive([msg])
         if rep.has_error():
             reasons.append(rep.error.reason)
@@ -176,7 +182,9 @@ def test_over_budget_request_is_refused_at_the_node_and_nothing_is_charged(fed, 
 
 
 def test_planner_refuses_before_any_release_when_a_policy_cannot_fit(tmp_path):
-    fed = make_federation(tmp_path / "fed", policy_overrides={"site-b": {"mechanisms": {"dpsgd": {"min_sigma": 50.0}}}})
+    fed = make_federation(
+        tmp_path / "fed", policy_overrides={"site-b": {"mechanisms": {"dpsgd": {"min_sigma": 50.0}}}}
+    )
     signed, _ = sign_job_file(fed, tiny_job(), "job-nofit")
     from feta_release.policy.errors import JobDoesNotFit
 
@@ -187,8 +195,10 @@ def test_planner_refuses_before_any_release_when_a_policy_cannot_fit(tmp_path):
 
 
 def test_lifetime_budget_refuses_a_second_job_in_planning(tmp_path):
-    fed = make_federation(tmp_path / "fed", policy_overrides={s: {"lifetime": (1.2, 1e-5)} for s in
-                                                              ("site-a", "site-b", "site-c")})
+    fed = make_federation(
+        tmp_path / "fed",
+        policy_overrides={s: {"lifetime": (1.2, 1e-5)} for s in ("site-a", "site-b", "site-c")},
+    )
     signed, _ = sign_job_file(fed, tiny_job(), "job-1")
     _run(fed, harness(fed), signed, tmp_path / "out1")
     signed2, _ = sign_job_file(fed, tiny_job(), "job-2")
@@ -263,8 +273,9 @@ def test_full_pipeline_central_frequency_dpsgd_and_resume_replays(fed, tmp_path,
     assert _ledger_requests(fed, "site-b", "job-full") == before
     for s in fed.sites:
         assert res.attestations[s.site_id]["statement"]["epsilon"] <= 1.0 + 1e-9
-    # Attested: the job is closed at every site, a further run is refused before anything is released (a closed job
-    # still answers hello, so that a site down at attest time can attest later; every release is refused "closed").
+    # Attested: the job is closed at every site, a further run is refused before anything is released (a
+    # closed job still answers hello, so that a site down at attest time can attest later; every release is
+    # refused "closed").
     with pytest.raises(Exception, match=r"closed|only 0 site\(s\) released"):
         _run(fed, harness(fed), signed, tmp_path / "out2")
     assert _ledger_requests(fed, "site-b", "job-full") == before

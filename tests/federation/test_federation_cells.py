@@ -21,10 +21,9 @@ from feta_release.errors import FetaError
 from feta_release.federation.warmup import pooled_central
 from feta_release.mechanisms import skellam as sk
 from feta_release.mechanisms.central import CentralRelease, central_images, postprocess_central
+from feta_release.policy.document import SitePolicy
 from feta_release.policy.enforce import check_request, request_of
 from feta_release.policy.errors import PolicyViolation
-from feta_release.policy.document import SitePolicy
-
 from tests.support.federation import full_job, harness, ledger_requests, make_federation, run_harness_job
 
 CELLS = 2
@@ -38,11 +37,23 @@ class NoiselessGenerator(np.random.Generator):
 
 
 def cells_job(secure: bool, **central: Any) -> JobConfig:
-    """Central images only (q = 1: every image is in the sum), 2 slant cells, no frequency stage, no DP-SGD."""
-    return full_job(central={"rounds": 1, "batch": 40, "sigma": 5.0, "clip": 2.0, "cells": CELLS, "stretch": True,
-                             **central},
-                    frequency={"sigma": None}, warmup={"spatial_iterations": 0, "frequency_epochs": 0},
-                    dpsgd={"steps": 0}, federation={"secure_aggregation": secure, "rounds": 0})
+    """Central images only (q = 1: every image is in the sum), 2 slant cells, no frequency stage, no
+    DP-SGD."""
+    return full_job(
+        central={
+            "rounds": 1,
+            "batch": 40,
+            "sigma": 5.0,
+            "clip": 2.0,
+            "cells": CELLS,
+            "stretch": True,
+            **central,
+        },
+        frequency={"sigma": None},
+        warmup={"spatial_iterations": 0, "frequency_epochs": 0},
+        dpsgd={"steps": 0},
+        federation={"secure_aggregation": secure, "rounds": 0},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +65,11 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _union(fed: Any) -> Any:
     parts = [load_dataset(Path(s.data))[0] for s in fed.sites]
-    return (np.concatenate([p.images for p in parts]), np.concatenate([p.labels for p in parts]), parts[0].n_classes)
+    return (
+        np.concatenate([p.images for p in parts]),
+        np.concatenate([p.labels for p in parts]),
+        parts[0].n_classes,
+    )
 
 
 def _pooled(fed: Any, cfg: JobConfig) -> CentralRelease:
@@ -62,15 +77,26 @@ def _pooled(fed: Any, cfg: JobConfig) -> CentralRelease:
     images, labels, k = _union(fed)
     c = cfg.central
     n = sum(s.size for s in fed.sites)
-    rel, _ = central_images(images, labels, k, rounds=c.rounds, batch=c.batch * len(fed.sites), sigma=c.sigma,
-                            clip=c.clip, downsample=c.downsample, n_public=n, cells=c.cells,
-                            rng=NoiselessGenerator(np.random.PCG64(0)))
+    rel, _ = central_images(
+        images,
+        labels,
+        k,
+        rounds=c.rounds,
+        batch=c.batch * len(fed.sites),
+        sigma=c.sigma,
+        clip=c.clip,
+        downsample=c.downsample,
+        n_public=n,
+        cells=c.cells,
+        rng=NoiselessGenerator(np.random.PCG64(0)),
+    )
     return rel
 
 
 @pytest.mark.parametrize("secure", [True, False], ids=["secure", "per-site"])
-def test_noise_off_federated_cells_equal_the_pooled_single_site_release(fed: Any, tmp_path: Path, secure: bool,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_noise_off_federated_cells_equal_the_pooled_single_site_release(
+    fed: Any, tmp_path: Path, secure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if secure:  # each site's Skellam share set to zero; the quantization (1 / s per value) stays
         monkeypatch.setattr(sk, "skellam_noise", lambda dim, mu, rng: np.zeros(dim, dtype=np.int64))
     else:
@@ -95,7 +121,8 @@ def test_noise_off_federated_cells_equal_the_pooled_single_site_release(fed: Any
                 central[s.site_id] = {k: z[k] for k in z.files}
     combined = CentralRelease.from_arrays(next(iter(central.values())))
     assert combined.cells == CELLS and np.array_equal(combined.labels, pooled.labels)
-    if secure:  # one decoded sum: the pooled release's values up to the randomized rounding (< 1/s per record)
+    # one decoded sum: the pooled release's values up to the randomized rounding (< 1/s per record)
+    if secure:
         assert combined.denominator == pytest.approx(pooled.denominator)
         np.testing.assert_allclose(combined.values, pooled.values, atol=2e-3)
     # what the coordinator's warm-up trains on (the same post-processing as the single-site stage)
@@ -117,15 +144,18 @@ def test_cells_leave_the_charged_event_and_the_plan_unchanged(fed: Any, tmp_path
             run_harness_job(fed, harness(fed), signed, out)
             plan = json.loads((out / "plan.json").read_text())
             for s in fed.sites:
-                charged = events_from_list([e for r in ledger_requests(fed, s.site_id, job_id) for e in r["events"]])
+                charged = events_from_list(
+                    [e for r in ledger_requests(fed, s.site_id, job_id) for e in r["events"]]
+                )
                 assert [e.to_dict() for e in charged] == plan[s.site_id]["events"]
             plans[cells] = {sid: v["events"] for sid, v in plan.items()}
         assert plans[1] == plans[CELLS]
 
 
 def test_a_coordinator_cannot_change_the_cells_a_site_verified(fed: Any, tmp_path: Path) -> None:
-    """cells is in the SIGNED job: a coordinator editing it after signing is refused before any charge; a site whose
-    policy caps cells refuses a job asking more (before any charge), at the node and in the coordinator's plan."""
+    """cells is in the SIGNED job: a coordinator editing it after signing is refused before any charge; a site
+    whose policy caps cells refuses a job asking more (before any charge), at the node and in the
+    coordinator's plan."""
     signed, _ = sign_job_file(fed, cells_job(True), "job-cells-tampered")
     tampered = copy.deepcopy(signed)
     tampered["job"]["config"]["central"]["cells"] = 4
@@ -148,12 +178,13 @@ def test_a_coordinator_cannot_change_the_cells_a_site_verified(fed: Any, tmp_pat
 
 @pytest.mark.parametrize("secure", [True, False], ids=["secure", "per-site"])
 def test_a_federated_job_without_dpsgd_runs_end_to_end(fed: Any, tmp_path: Path, secure: bool) -> None:
-    """``[dpsgd] steps = 0`` (cpu-eps1-nodpsgd) in a federated job: no DP-SGD round is planned, asked or charged,
-    whatever ``[federation] rounds`` says; the model after the warm-ups is the released one."""
+    """``[dpsgd] steps = 0`` (cpu-eps1-nodpsgd) in a federated job: no DP-SGD round is planned, asked or
+    charged, whatever ``[federation] rounds`` says; the model after the warm-ups is the released one."""
     from feta_release.federation import messages as fm
 
-    cfg = full_job(central={"cells": CELLS}, dpsgd={"steps": 0},
-                   federation={"secure_aggregation": secure, "rounds": 3})
+    cfg = full_job(
+        central={"cells": CELLS}, dpsgd={"steps": 0}, federation={"secure_aggregation": secure, "rounds": 3}
+    )
     assert cfg.federated_rounds == 0
     job_id = f"job-nodpsgd-{int(secure)}"
     signed, _ = sign_job_file(fed, cfg, job_id)

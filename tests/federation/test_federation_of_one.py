@@ -1,10 +1,11 @@
 """``train`` and a federation of ONE site (the node's handlers and the coordinator's ``JobDriver`` over the
-in-process Grid, as ``demo`` runs them) account the same job identically: the same events in the ledger, the same
-merged privacy history and ε, and both are the planner's (``planning.stage_events`` / ``plan``).
+in-process Grid, as ``demo`` runs them) account the same job identically: the same events in the ledger, the
+same merged privacy history and ε, and both are the planner's (``planning.stage_events`` / ``plan``).
 
-The federated job is the local one as the local driver would sign it: the job sized for the site's public size,
-one site, and its DP-SGD as one round of all of its steps (``[federation] rounds = 1``, ``local_steps`` = the
-job's DP-SGD steps), the schedule of every ``train`` run (``--checkpoint-every`` only spaces its checkpoints).
+The federated job is the local one as the local driver would sign it: the job sized for the site's public
+size, one site, and its DP-SGD as one round of all of its steps (``[federation] rounds = 1``, ``local_steps``
+= the job's DP-SGD steps), the schedule of every ``train`` run (``--checkpoint-every`` only spaces its
+checkpoints).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from feta_release.data import ImageDataset, load_embedded
 from feta_release.ledger import Ledger
 from feta_release.planning import merged, plan, stage_events
 from feta_release.training.pipeline import run_pipeline
-
 from tests.support.federation import harness, run_harness_job
 
 
 def _data(n: int = 200) -> ImageDataset:
     full = load_embedded()
     rng = np.random.default_rng(3)
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    idx = np.concatenate(
+        [rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)]
+    )
     return full.subset(np.sort(idx), source="embedded subset")
 
 
@@ -47,16 +49,23 @@ def test_train_and_a_federation_of_one_charge_the_planners_events(tmp_path: Path
     cfg = load_preset("tiny")
     # train: DP-SGD one round of all its steps, charged once (checkpoints every 2 steps change nothing of it)
     steps = plan(cfg, n_pub).event("dpsgd").steps  # type: ignore[union-attr]
-    local = run_pipeline(cfg, data, tmp_path / "run", n_synthetic=0, grid_per_class=1, checkpoint_every=2,
-                         public_size=n_pub)
+    local = run_pipeline(
+        cfg, data, tmp_path / "run", n_synthetic=0, grid_per_class=1, checkpoint_every=2, public_size=n_pub
+    )
     run = json.loads((tmp_path / "run" / "run.json").read_text("utf-8"))
     with Ledger(tmp_path / "run" / run["ledger"]["path"]) as led:
-        local_charged = [e for r in led.requests(run["ledger"]["job_id"]) for e in events_from_list(r["events"])]
+        local_charged = [
+            e for r in led.requests(run["ledger"]["job_id"]) for e in events_from_list(r["events"])
+        ]
 
     # the same job, federated over one site: node handlers + JobDriver over the in-process Grid
     eps, delta = cfg.privacy.epsilon, cfg.privacy.delta
-    fed = prepare_federation(tmp_path / "fed", {"site-a": data}, public_sizes={"site-a": n_pub},
-                             policy_overrides={"site-a": {"per_job": (eps, delta), "lifetime": (2 * eps, delta)}})
+    fed = prepare_federation(
+        tmp_path / "fed",
+        {"site-a": data},
+        public_sizes={"site-a": n_pub},
+        policy_overrides={"site-a": {"per_job": (eps, delta), "lifetime": (2 * eps, delta)}},
+    )
     job = _one_site_job(cfg, n_pub)
     signed, _ = sign_job_file(fed, job, "job-one")
     res = run_harness_job(fed, harness(fed), signed, tmp_path / "out")

@@ -1,5 +1,6 @@
 """DP-SGD as FedSGD over secure aggregation: one pooled DP-SGD step per round, each site sending its
-clipped-gradient sum plus its Skellam noise share through the secure sum; the coordinator steps. In-process."""
+clipped-gradient sum plus its Skellam noise share through the secure sum; the coordinator steps.
+In-process."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation import secagg
 from feta_release.planning import fedsgd_shape, secure_stage_events
-
-from tests.support.federation import full_job, harness, make_federation
-from tests.support.federation import run_harness_job as _run, ledger_requests as _requests
-from tests.support.federation import fedsgd_job, site_and_job as _site_and_job
+from tests.support.federation import fedsgd_job, full_job, harness, make_federation
+from tests.support.federation import ledger_requests as _requests
+from tests.support.federation import run_harness_job as _run
+from tests.support.federation import site_and_job as _site_and_job
 
 
 def _doc(msg: Any) -> dict[str, Any]:
@@ -32,8 +33,9 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return make_federation(tmp_path_factory.mktemp("fedsgd") / "fed")
 
 
-def test_a_fedsgd_job_runs_rounds_as_secure_sums_and_charges_one_skellam_event_per_round(fed: Any, tmp_path: Path
-                                                                                          ) -> None:
+def test_a_fedsgd_job_runs_rounds_as_secure_sums_and_charges_one_skellam_event_per_round(
+    fed: Any, tmp_path: Path
+) -> None:
     signed, _ = sign_job_file(fed, fedsgd_job(), "job-fsgd")
     grid = harness(fed)
     res = _run(fed, grid, signed, tmp_path / "out")
@@ -50,13 +52,17 @@ def test_a_fedsgd_job_runs_rounds_as_secure_sums_and_charges_one_skellam_event_p
         assert eps <= 1.0 + 1e-9 < worst_case_epsilon(events, 1e-5)
         assert plan[s.site_id]["planned_epsilon"] == pytest.approx(eps)
         assert res.attestations[s.site_id]["statement"]["epsilon"] == pytest.approx(eps)
-        check_policy_check_judges_the_skellam_form(fed, s.site_id, signed, eps, worst_case_epsilon(events, 1e-5))
+        check_policy_check_judges_the_skellam_form(
+            fed, s.site_id, signed, eps, worst_case_epsilon(events, 1e-5)
+        )
 
 
-def check_policy_check_judges_the_skellam_form(fed: Any, site_id: str, signed: dict[str, Any], eps: float,
-                                               worst: float) -> None:
-    """`policy check --data` (edge.admission.admit with the data's shape) plans the FedSGD job as the node charged
-    it: the same epsilon, and the worst-case cap applied, which the Gaussian form (no shape) cannot see."""
+def check_policy_check_judges_the_skellam_form(
+    fed: Any, site_id: str, signed: dict[str, Any], eps: float, worst: float
+) -> None:
+    """`policy check --data` (edge.admission.admit with the data's shape) plans the FedSGD job as the node
+    charged it: the same epsilon, and the worst-case cap applied, which the Gaussian form (no shape) cannot
+    see."""
     from edge.admission import admit
     from feta_release.data import load_dataset
     from feta_release.policy import load_site_policy
@@ -79,8 +85,8 @@ def check_policy_check_judges_the_skellam_form(fed: Any, site_id: str, signed: d
 
 
 class Tap:
-    """Wraps the grid's delivery: records the sites' FedSGD contributions (before masking) and lets a test alter
-    what a message gets."""
+    """Wraps the grid's delivery: records the sites' FedSGD contributions (before masking) and lets a test
+    alter what a message gets."""
 
     def __init__(self, grid: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         import edge.fedsgd as node_fedsgd
@@ -89,8 +95,11 @@ class Tap:
         self.contributions: list[tuple[str, int, np.ndarray]] = []  # (site, round, int64 noisy sum)
         self.decoded: list[np.ndarray] = []  # residues the coordinator decoded, per round
         self.hook: Any = None  # (msg, deliver) -> reply
-        real_contribution, real_decode, deliver = (node_fedsgd.gradient_contribution, coord_fedsgd.decode_gradient,
-                                                   grid._deliver)
+        real_contribution, real_decode, deliver = (
+            node_fedsgd.gradient_contribution,
+            coord_fedsgd.decode_gradient,
+            grid._deliver,
+        )
 
         def contribution(site: Any, job: Any, req: Any, *args: Any) -> np.ndarray:
             out = real_contribution(site, job, req, *args)
@@ -111,11 +120,14 @@ def _is(msg: Any, stage: str, rnd: int | None = None) -> bool:
     if msg.metadata.message_type != fm.SECAGG:
         return False
     doc = _doc(msg)
-    return doc.get("phase") == "dpsgd" and doc.get("stage") == stage and (rnd is None or doc.get("round") == rnd)
+    return (
+        doc.get("phase") == "dpsgd" and doc.get("stage") == stage and (rnd is None or doc.get("round") == rnd)
+    )
 
 
-def test_the_coordinator_decodes_exactly_the_sum_of_the_sites_contributions(fed: Any, tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_coordinator_decodes_exactly_the_sum_of_the_sites_contributions(
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from feta_release.mechanisms.skellam import to_modular
 
     signed, _ = sign_job_file(fed, fedsgd_job(), "job-sum")
@@ -142,8 +154,9 @@ def test_the_coordinator_decodes_exactly_the_sum_of_the_sites_contributions(fed:
         assert stats.kstest(v.astype(np.float64) / 2.0**64, "uniform").pvalue > 1e-4
 
 
-def test_a_repeated_round_message_replays_without_a_second_charge(fed: Any, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_repeated_round_message_replays_without_a_second_charge(
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     signed, _ = sign_job_file(fed, fedsgd_job(rounds=1), "job-replay")
     grid = harness(fed)
     tap = Tap(grid, monkeypatch)
@@ -153,8 +166,12 @@ def test_a_repeated_round_message_replays_without_a_second_charge(fed: Any, tmp_
         rep = deliver(msg)
         if _is(msg, "collect_masked_vectors") and not twice:
             again = deliver(msg)  # the same request (same round, same key setup) delivered a second time
-            twice.append((fm.read_payload(rep.content)[1]["masked"].tobytes(),
-                          fm.read_payload(again.content)[1]["masked"].tobytes()))
+            twice.append(
+                (
+                    fm.read_payload(rep.content)[1]["masked"].tobytes(),
+                    fm.read_payload(again.content)[1]["masked"].tobytes(),
+                )
+            )
         return rep
 
     tap.hook = repeat
@@ -165,8 +182,9 @@ def test_a_repeated_round_message_replays_without_a_second_charge(fed: Any, tmp_
         assert [r["mechanism"] for r in _requests(fed, s.site_id, "job-replay")].count("dpsgd") == 1
 
 
-def test_a_site_dropping_before_masking_redoes_the_round_without_charging_twice(fed: Any, tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_site_dropping_before_masking_redoes_the_round_without_charging_twice(
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     signed, _ = sign_job_file(fed, fedsgd_job(), "job-redo")
     grid = harness(fed)
     tap = Tap(grid, monkeypatch)
@@ -191,8 +209,9 @@ def test_a_site_dropping_before_masking_redoes_the_round_without_charging_twice(
     assert sorted(rnd for _, rnd, _ in tap.contributions) == [0, 0, 0, 1, 1, 1]
 
 
-def test_an_out_of_modulus_vector_is_refused_and_left_out_of_the_step(fed: Any, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_out_of_modulus_vector_is_refused_and_left_out_of_the_step(
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from feta_release.federation import fedsgd as coord_fedsgd
     from feta_release.mechanisms import secure_sums
 
@@ -203,7 +222,9 @@ def test_an_out_of_modulus_vector_is_refused_and_left_out_of_the_step(fed: Any, 
     node_b = next(n for n, node in grid.nodes.items() if "site-b" in str(node.node_config))
     divisors: list[float] = []
     real_batch = coord_fedsgd.expected_batch
-    monkeypatch.setattr(coord_fedsgd, "expected_batch", lambda d, c: divisors.append(real_batch(d, c)) or divisors[-1])
+    monkeypatch.setattr(
+        coord_fedsgd, "expected_batch", lambda d, c: divisors.append(real_batch(d, c)) or divisors[-1]
+    )
 
     def tamper(msg: Any, deliver: Any) -> Any:
         rep = deliver(msg)
@@ -229,7 +250,8 @@ def test_fedsgd_needs_secure_aggregation() -> None:
         full_job(federation={"fedsgd": True})
 
 
-# -- the node's checks, one by one -------------------------------------------------------------------------------
+# -- the node's checks, one by one
+# -------------------------------------------------------------------------------
 
 
 def _weights(cfg: Any) -> dict[str, np.ndarray]:
@@ -238,13 +260,20 @@ def _weights(cfg: Any) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in build_denoiser(cfg.model, (1, 28, 28), 10).state_dict().items()}
 
 
-def _ask_node(grid: Any, site_id: str, fed: Any, message_type: str, doc: dict[str, Any],
-              arrays: dict[str, np.ndarray] | None = None) -> Any:
+def _ask_node(
+    grid: Any,
+    site_id: str,
+    fed: Any,
+    message_type: str,
+    doc: dict[str, Any],
+    arrays: dict[str, np.ndarray] | None = None,
+) -> Any:
     from flwr.app import Message
 
     node = next(n for n, h in grid.nodes.items() if site_id in str(h.node_config))
-    return grid._deliver(Message(fm.make_payload(doc, arrays), dst_node_id=node, message_type=message_type,
-                                 group_id="test"))
+    return grid._deliver(
+        Message(fm.make_payload(doc, arrays), dst_node_id=node, message_type=message_type, group_id="test")
+    )
 
 
 def test_a_fedsgd_job_refuses_a_per_site_round_and_a_per_site_job_refuses_a_fedsgd_round(fed: Any) -> None:
@@ -255,9 +284,19 @@ def test_a_fedsgd_job_refuses_a_per_site_round_and_a_per_site_job_refuses_a_feds
     assert rep.has_error() and "per-site round (full noise, unmasked) is refused" in rep.error.reason
     plain = full_job(federation={"secure_aggregation": True, "rounds": 2})
     signed, _ = sign_job_file(fed, plain, "job-mode2")
-    nodes = {s.site_id: n for n, h in grid.nodes.items() for s in fed.sites if s.site_id in str(h.node_config)}
-    doc = {"job": signed, "phase": "dpsgd", "stage": "collect_masked_vectors", "round": 0, "nodes": nodes,
-           "modulus_bits": 64, "round_id": "job-mode2:dpsgd:0:0", "shares": {}}
+    nodes = {
+        s.site_id: n for n, h in grid.nodes.items() for s in fed.sites if s.site_id in str(h.node_config)
+    }
+    doc = {
+        "job": signed,
+        "phase": "dpsgd",
+        "stage": "collect_masked_vectors",
+        "round": 0,
+        "nodes": nodes,
+        "modulus_bits": 64,
+        "round_id": "job-mode2:dpsgd:0:0",
+        "shares": {},
+    }
     rep = _ask_node(grid, "site-a", fed, fm.SECAGG, doc, _weights(plain))
     assert rep.has_error() and "a FedSGD secure-sum round is refused" in rep.error.reason
     for job_id in ("job-mode", "job-mode2"):
@@ -286,7 +325,9 @@ def test_the_node_releases_only_what_the_charged_event_states(fed: Any) -> None:
 
     site, job, _ = _site_and_job(fed, "job-params", fedsgd_job())
     event, req = planned(site, job, "dpsgd")
-    assert isinstance(event, SkellamEvent) and event.steps == 1 and event.q == pytest.approx(8 / site.n_public)
+    assert (
+        isinstance(event, SkellamEvent) and event.steps == 1 and event.q == pytest.approx(8 / site.n_public)
+    )
     params = round_params(site, job, event, 10377)
     assert params.site_mu == pytest.approx(event.mu_worst) and params.mu == pytest.approx(3 * event.mu_worst)
     assert req.sigma == pytest.approx(np.sqrt(event.mu_worst) / event.l2)  # min_sigma: the own share's
@@ -295,8 +336,9 @@ def test_the_node_releases_only_what_the_charged_event_states(fed: Any) -> None:
             round_params(site, job, bad, 10377)
 
 
-def test_non_finite_weights_are_refused_before_any_charge(fed: Any, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_non_finite_weights_are_refused_before_any_charge(
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from feta_release.errors import FetaError
 
     signed, _ = sign_job_file(fed, fedsgd_job(rounds=1), "job-nan")
@@ -332,7 +374,8 @@ def test_the_summed_noise_shares_have_the_pooled_variance(fed: Any) -> None:
     for sid in ("site-a", "site-b", "site-c"):
         site, job, _ = _site_and_job(fed, "job-noise", fedsgd_job(), sid)
         event, _ = planned(site, job, "dpsgd")
-        silent = dataclasses.replace(event, q=1e-12)  # no image joins: the contribution is the noise share only
+        # no image joins: the contribution is the noise share only
+        silent = dataclasses.replace(event, q=1e-12)
         req = Request("r", 0, silent, {}, _weights(job.config))
         shares.append(gradient_contribution(site, job, req, os_numpy_generator(), os_torch_generator()))
     params = round_params(site, job, event, 10377)
@@ -349,8 +392,9 @@ def test_the_summed_noise_shares_have_the_pooled_variance(fed: Any) -> None:
 
 
 def test_the_coordinator_step_equals_a_local_dpsgd_step_on_the_same_batch() -> None:
-    """Cross-check: one site, noise off: the FedSGD step (clipped sum -> public divisor -> Adam) is DPSGDTrainer's
-    step on the same Poisson batch, exactly; with the Skellam quantization it differs by the rounding only."""
+    """Cross-check: one site, noise off: the FedSGD step (clipped sum -> public divisor -> Adam) is
+    DPSGDTrainer's step on the same Poisson batch, exactly; with the Skellam quantization it differs by the
+    rounding only."""
     import torch
 
     from feta_release.data import load_embedded
@@ -388,9 +432,17 @@ def test_the_coordinator_step_equals_a_local_dpsgd_step_on_the_same_batch() -> N
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         if quantized:
             params = fedsgd_params(10377, cfg.dpsgd.clip, 1.0, 1)
-            flat = sum(quantize_records(clipped_rows(gr, names, cfg.dpsgd.clip).double().numpy(), params,
-                                        np.random.default_rng(0))
-                       for gr, _ in batch_gradients(model, loss, images, labels, idx, 16, g)) / params.scale
+            flat = (
+                sum(
+                    quantize_records(
+                        clipped_rows(gr, names, cfg.dpsgd.clip).double().numpy(),
+                        params,
+                        np.random.default_rng(0),
+                    )
+                    for gr, _ in batch_gradients(model, loss, images, labels, idx, 16, g)
+                )
+                / params.scale
+            )
         else:
             total, _, _ = clipped_gradient_sum(model, loss, images, labels, idx, cfg.dpsgd.clip, 16, g)
             flat = torch.cat([total[n].reshape(-1) for n in names]).double().numpy()
@@ -407,8 +459,9 @@ def test_the_coordinator_step_equals_a_local_dpsgd_step_on_the_same_batch() -> N
     assert np.linalg.norm(rounded - signal) < 0.1 * np.linalg.norm(signal)
 
 
-def test_a_restarted_coordinator_resumes_after_the_last_decoded_round(fed: Any, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_restarted_coordinator_resumes_after_the_last_decoded_round(
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
 
     from feta_release.federation import checkpoint_io
@@ -431,15 +484,17 @@ def test_a_restarted_coordinator_resumes_after_the_last_decoded_round(fed: Any, 
     res = _run(fed, harness(fed), signed, tmp_path / "out")
     assert res.rounds_done == 2
     last = checkpoint_io.load_round(tmp_path / "out" / "state")
-    assert last["round"] == 2 and not all(torch.equal(last["model"][k], first["model"][k]) for k in first["model"])
+    assert last["round"] == 2 and not all(
+        torch.equal(last["model"][k], first["model"][k]) for k in first["model"]
+    )
     for s in fed.sites:
         reqs = [r["request_id"] for r in _requests(fed, s.site_id, "job-resume") if r["mechanism"] == "dpsgd"]
         assert reqs == ["job-resume:train:0", "job-resume:train:1"]  # round 0 not asked (or charged) again
 
 
 def test_clipped_rows_are_the_records_whose_sum_clip_and_sum_releases() -> None:
-    """The per-record form the Skellam rounding needs is the local trainer's clipping, row by row: the same clip,
-    the same zero for a non-finite gradient (a crafted-weights membership channel otherwise)."""
+    """The per-record form the Skellam rounding needs is the local trainer's clipping, row by row: the same
+    clip, the same zero for a non-finite gradient (a crafted-weights membership channel otherwise)."""
     import torch
 
     from feta_release.training.dpsgd import clip_and_sum, clipped_rows
@@ -457,8 +512,8 @@ def test_clipped_rows_are_the_records_whose_sum_clip_and_sum_releases() -> None:
 
 def test_fedsgd_refuses_a_patient_level_site_plan() -> None:
     """FedSGD samples and clips per IMAGE; a site whose signed policy makes the patient the unit would be
-    charged an image-level event while it attests a per-patient epsilon. The planner refuses that plan (node and
-    coordinator both plan through it)."""
+    charged an image-level event while it attests a per-patient epsilon. The planner refuses that plan (node
+    and coordinator both plan through it)."""
     cfg = fedsgd_job()
     shape = fedsgd_shape(cfg, (1, 28, 28), 10, 3, 0)
     assert secure_stage_events(cfg, 1000, [], fedsgd=shape)  # image-level: planned
@@ -467,12 +522,13 @@ def test_fedsgd_refuses_a_patient_level_site_plan() -> None:
 
 
 def test_a_coordinator_stopped_between_masking_and_unmask_skips_that_round_and_finishes(
-        fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The sites masked (and were charged for) round 1, then the coordinator stopped before unmask. On
-    restart it asked for round 1 again under the same round id: each site's new key setup overwrote the secrets
-    that sum needed while its masked vector was replayed from the ledger, so every unmask was refused and the job
-    was stuck for good. Now the sites refuse a new setup for a released contribution and the coordinator skips the
-    round (no step; charged once) and finishes."""
+    restart it asked for round 1 again under the same round id: each site's new key setup overwrote the
+    secrets that sum needed while its masked vector was replayed from the ledger, so every unmask was refused
+    and the job was stuck for good. Now the sites refuse a new setup for a released contribution and the
+    coordinator skips the round (no step; charged once) and finishes."""
     signed, _ = sign_job_file(fed, fedsgd_job(), "job-midcrash")
     real = secagg.SecAggCoordinator.collect_masked
 
@@ -489,14 +545,19 @@ def test_a_coordinator_stopped_between_masking_and_unmask_skips_that_round_and_f
     assert res.rounds_done == 2
     assert res.skipped == {1: sorted(s.site_id for s in fed.sites)}
     for s in fed.sites:  # round 1 charged once, never twice
-        reqs = [r["request_id"] for r in _requests(fed, s.site_id, "job-midcrash") if r["mechanism"] == "dpsgd"]
+        reqs = [
+            r["request_id"] for r in _requests(fed, s.site_id, "job-midcrash") if r["mechanism"] == "dpsgd"
+        ]
         assert reqs == ["job-midcrash:train:0", "job-midcrash:train:1"]
 
 
-def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rounds_work_does_not_depend_on_the_realised_sample(
+    fed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The coordinator times each site's masked-vector reply every round; the per-example work tracked
     the realised Poisson batch |B| (an un-noised count). The site now pads the sample to a public size: the
-    gradient computation sees the same number of rows for |B| = 0, 3 or the bound, and the padding adds nothing."""
+    gradient computation sees the same number of rows for |B| = 0, 3 or the bound, and the padding adds
+    nothing."""
     import edge.fedsgd as node_fedsgd
     from edge.protocol import Request, planned
     from feta_release.randomness import os_numpy_generator, os_torch_generator
@@ -506,7 +567,9 @@ def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypa
     seen: list[int] = []
     real_batches = node_fedsgd.batch_gradients
 
-    def counting(model: Any, loss: Any, images: Any, labels: Any, idx: Any, chunk: int, g: Any, *engine: str) -> Any:
+    def counting(
+        model: Any, loss: Any, images: Any, labels: Any, idx: Any, chunk: int, g: Any, *engine: str
+    ) -> Any:
         seen.append(int(idx.numel()))
         return real_batches(model, loss, images, labels, idx, chunk, g, *engine)
 
@@ -519,14 +582,18 @@ def test_a_rounds_work_does_not_depend_on_the_realised_sample(fed: Any, monkeypa
         return engines[-1]
 
     monkeypatch.setattr(node_fedsgd, "select_engine", select)
-    padded, _ = node_fedsgd.padded_sample(torch.arange(0), site.n_public, event.q, int(job.config.dpsgd.physical_batch))
+    padded, _ = node_fedsgd.padded_sample(
+        torch.arange(0), site.n_public, event.q, int(job.config.dpsgd.physical_batch)
+    )
     for size in (0, 3, padded.numel()):
         monkeypatch.setattr(node_fedsgd, "poisson_sample", lambda n, q, g, rows=None, k=size: torch.arange(k))
         req = Request("r", 0, event, {}, _weights(job.config))
         node_fedsgd.gradient_contribution(site, job, req, os_numpy_generator(), os_torch_generator())
     assert len(set(seen)) == 1, seen
     assert engines == ["hooks"] * 3  # the denoiser passes its cross-check: the fast engine stays
-    bound = event.q * site.n_public + node_fedsgd.PAD_SIGMAS * np.sqrt(site.n_public * event.q * (1 - event.q))
+    bound = event.q * site.n_public + node_fedsgd.PAD_SIGMAS * np.sqrt(
+        site.n_public * event.q * (1 - event.q)
+    )
     assert seen[0] >= bound  # the public bound, in whole physical chunks
 
 

@@ -23,8 +23,13 @@ time.sleep(600)
 
 def test_stop_kills_a_descendant_in_another_session(tmp_path: Path) -> None:
     pids: list[int] = []
-    proc = ManagedProcess("parent", [sys.executable, "-c", _PARENT], dict(os.environ), tmp_path / "p.log",
-                          on_line=lambda line: pids.append(int(line)))
+    proc = ManagedProcess(
+        "parent",
+        [sys.executable, "-c", _PARENT],
+        dict(os.environ),
+        tmp_path / "p.log",
+        on_line=lambda line: pids.append(int(line)),
+    )
     deadline = time.monotonic() + 60
     while not pids and time.monotonic() < deadline:
         time.sleep(0.05)

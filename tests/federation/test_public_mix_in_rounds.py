@@ -1,7 +1,8 @@
-"""``[dpsgd] public_batch`` in a federated job: the coordinator sends the pooled, post-processed central images with
-every per-site DP-SGD round as PUBLIC input, and the site mixes RandAugment-ed copies of them into every step from the
-job's public seed, the stream ``train`` draws from (docs/architecture.md). Before, the config refused the knob for
-any federated job, so a federation of one could not run a ``train`` job that used it."""
+"""``[dpsgd] public_batch`` in a federated job: the coordinator sends the pooled, post-processed central
+images with every per-site DP-SGD round as PUBLIC input, and the site mixes RandAugment-ed copies of them into
+every step from the job's public seed, the stream ``train`` draws from (docs/architecture.md). Before, the
+config refused the knob for any federated job, so a federation of one could not run a ``train`` job that used
+it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from feta_release.federation.driver import JobDriver
 from feta_release.models import build_denoiser
 from feta_release.stages.context import public_generator
 from feta_release.training.dpsgd import DPSGDTrainer
-
 from tests.support.federation import tiny_job
 
 SHAPE = (1, 16, 16)
@@ -49,10 +49,20 @@ def test_a_sites_round_mixes_the_sent_central_images_from_the_jobs_public_stream
 
     monkeypatch.setattr(DPSGDTrainer, "__init__", capture)
     rng = np.random.default_rng(0)
-    ds = SimpleNamespace(images=rng.random((12, *SHAPE), dtype=np.float32), labels=rng.integers(0, 10, 12),
-                         image_shape=SHAPE, n_classes=10)
-    dpsgd_round(ds, cfg, fm.with_public(_weights(cfg), central), PrivacyEvent("dpsgd", 1.5, 4 / 12, 1),
-                torch.Generator().manual_seed(0), 12)
+    ds = SimpleNamespace(
+        images=rng.random((12, *SHAPE), dtype=np.float32),
+        labels=rng.integers(0, 10, 12),
+        image_shape=SHAPE,
+        n_classes=10,
+    )
+    dpsgd_round(
+        ds,
+        cfg,
+        fm.with_public(_weights(cfg), central),
+        PrivacyEvent("dpsgd", 1.5, 4 / 12, 1),
+        torch.Generator().manual_seed(0),
+        12,
+    )
     ((mix, state),) = mixes
     assert mix is not None and mix.batch == 3
     # drawn from the job's PUBLIC seed: the stream train's stage draws its mix from
@@ -73,8 +83,9 @@ BAD_PUBLIC = {
 
 @pytest.mark.parametrize("what", sorted(BAD_PUBLIC))
 def test_a_round_with_bad_public_input_is_refused_before_the_charge(what):
-    """Attack: the coordinator's public input is not images the job's step can mix (NaN would make the update NaN
-    or not depending on the private batch; out-of-range images or labels are not released central images)."""
+    """Attack: the coordinator's public input is not images the job's step can mix (NaN would make the update
+    NaN or not depending on the private batch; out-of-range images or labels are not released central
+    images)."""
     from edge.releases import check_round
 
     cfg = tiny_job(dpsgd={"public_batch": 3})
@@ -110,14 +121,20 @@ def test_the_coordinator_sends_the_pooled_central_images_with_each_round():
                 _, arrays = fm.read_payload(m.content)
                 seen.append(arrays)
                 reply = {k: v for k, v in arrays.items() if not k.startswith(fm.PUBLIC_PREFIX)}
-                out.append(SimpleNamespace(metadata=SimpleNamespace(src_node_id=m.metadata.dst_node_id),
-                                           has_error=lambda: False, content=fm.make_payload({}, reply)))
+                out.append(
+                    SimpleNamespace(
+                        metadata=SimpleNamespace(src_node_id=m.metadata.dst_node_id),
+                        has_error=lambda: False,
+                        content=fm.make_payload({}, reply),
+                    )
+                )
             return out
 
     drv = JobDriver.__new__(JobDriver)
     drv.grid, drv.signed_job, drv.query_timeout = Grid(), {}, 1.0
-    drv.cfg = SimpleNamespace(federation=SimpleNamespace(min_sites=1, local_steps=1),
-                              dpsgd=SimpleNamespace(ema=0.9, public_batch=3))
+    drv.cfg = SimpleNamespace(
+        federation=SimpleNamespace(min_sites=1, local_steps=1), dpsgd=SimpleNamespace(ema=0.9, public_batch=3)
+    )
     drv.sites = {"a": SimpleNamespace(node_id=1, size=100)}
     drv.planned_dpsgd, drv.skipped, drv.emit = {}, {}, lambda *a, **k: None
     drv.public_central = _central()

@@ -1,6 +1,6 @@
-"""Secure summation over Flower's secure-aggregation primitives, in process: the coordinator learns the modular sum
-only, dropouts within the threshold are recovered, below it the round is refused, and protocol violations are
-refused by sites and coordinator alike."""
+"""Secure summation over Flower's secure-aggregation primitives, in process: the coordinator learns the
+modular sum only, dropouts within the threshold are recovered, below it the round is refused, and protocol
+violations are refused by sites and coordinator alike."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from scipy import stats
 
 from feta_release.federation import secagg as sa
 from feta_release.mechanisms import skellam as sk
-
 
 SITE_KEYS: dict[int, Ed25519PrivateKey] = {}  # long-term site keys, made on first use (keygen is not free)
 
@@ -44,9 +43,13 @@ def new_round(cfg: sa.RoundConfig) -> tuple[dict[int, sa.SecAggSite], sa.SecAggC
     return {i: make_site(i, cfg) for i in cfg.node_ids}, sa.SecAggCoordinator(cfg)
 
 
-def run_round(cfg: sa.RoundConfig, vectors: dict[int, np.ndarray], drop_before_mask: frozenset[int] = frozenset(),
-              drop_before_unmask: frozenset[int] = frozenset(),
-              sites: dict[int, sa.SecAggSite] | None = None) -> tuple[np.ndarray, sa.SecAggCoordinator]:
+def run_round(
+    cfg: sa.RoundConfig,
+    vectors: dict[int, np.ndarray],
+    drop_before_mask: frozenset[int] = frozenset(),
+    drop_before_unmask: frozenset[int] = frozenset(),
+    sites: dict[int, sa.SecAggSite] | None = None,
+) -> tuple[np.ndarray, sa.SecAggCoordinator]:
     if sites is None:
         sites, co = new_round(cfg)
     else:
@@ -65,7 +68,9 @@ def modsum(vectors: list[np.ndarray], cfg: sa.RoundConfig) -> np.ndarray:
 
 def test_coordinator_learns_the_sum_of_skellam_contributions() -> None:
     p = sk.SkellamParams(dim=12, clip=1.0, scale=256.0, noise_multiplier=1.0, n_sites=3, modulus_bits=40)
-    cfg = sa.RoundConfig("job-1/central/0", (11, 22, 33), threshold=2, dim=p.padded_dim, modulus_bits=p.modulus_bits)
+    cfg = sa.RoundConfig(
+        "job-1/central/0", (11, 22, 33), threshold=2, dim=p.padded_dim, modulus_bits=p.modulus_bits
+    )
     g = np.random.default_rng(0)
     records = {i: g.uniform(0, 0.2, size=(20, 12)) for i in cfg.node_ids}
     contrib = {i: sk.site_contribution(records[i], p, g) for i in cfg.node_ids}
@@ -74,11 +79,14 @@ def test_coordinator_learns_the_sum_of_skellam_contributions() -> None:
     assert co.contributors == (11, 22, 33) and not co.refused
     decoded = sk.dequantize_sum(total, p)
     true = sum(r.sum(axis=0) for r in records.values())
-    assert np.abs(decoded - true).max() < 6 * p.noise_multiplier * p.clip  # noise std sigma * c per coordinate
+    # noise std sigma * c per coordinate
+    assert np.abs(decoded - true).max() < 6 * p.noise_multiplier * p.clip
 
 
 def test_the_sum_of_noise_shares_through_the_protocol_has_the_stated_variance() -> None:
-    p = sk.SkellamParams(dim=4096, clip=1.0, scale=8.0, noise_multiplier=2.0, n_sites=3, modulus_bits=24, rotate=False)
+    p = sk.SkellamParams(
+        dim=4096, clip=1.0, scale=8.0, noise_multiplier=2.0, n_sites=3, modulus_bits=24, rotate=False
+    )
     cfg = sa.RoundConfig("noise", (1, 2, 3), 2, p.padded_dim, p.modulus_bits)
     g = np.random.default_rng(1)
     contrib = {i: sk.site_contribution(np.zeros((0, p.dim)), p, g) for i in cfg.node_ids}
@@ -99,10 +107,16 @@ def test_dropouts_within_the_threshold_are_recovered_and_below_it_refused(data: 
     cfg = sa.RoundConfig(f"r{n}{t}", ids, t, 6, bits)
     before = frozenset(data.draw(st.sets(st.sampled_from(ids), max_size=n - 1), label="drop before masking"))
     rest = [i for i in ids if i not in before]
-    after = frozenset(data.draw(st.sets(st.sampled_from(rest), max_size=len(rest) - 1), label="drop before unmask"))
+    after = frozenset(
+        data.draw(st.sets(st.sampled_from(rest), max_size=len(rest) - 1), label="drop before unmask")
+    )
     g = np.random.default_rng(len(before) * 7 + len(after))
-    vectors = {i: g.integers(0, 2**bits, 6, dtype=np.uint64, endpoint=False) if bits < 64
-               else g.integers(0, 2**63, 6, dtype=np.uint64) * np.uint64(2) for i in ids}
+    vectors = {
+        i: g.integers(0, 2**bits, 6, dtype=np.uint64, endpoint=False)
+        if bits < 64
+        else g.integers(0, 2**63, 6, dtype=np.uint64) * np.uint64(2)
+        for i in ids
+    }
     if len(rest) < t or len(rest) - len(after) < t:
         with pytest.raises(sa.SecAggError, match="below the threshold"):
             run_round(cfg, vectors, before, after)
@@ -121,8 +135,9 @@ def test_a_masked_vector_is_uniform_whatever_the_input() -> None:
         keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
         routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
         masked = sites[1].masked_vector(routed[1], np.full(cfg.dim, value, dtype=np.uint64))
-        # fresh OS keys every run: at 1e-4 the four tests flaked about once in 2,500 runs (seen once, p 9.7e-5);
-        # at 1e-6 a uniform mask fails once in ~250,000 runs, while a biased one (e.g. a bit stuck) gives p ~ 0
+        # fresh OS keys every run: at 1e-4 the four tests flaked about once in 2,500 runs (seen once, p
+        # 9.7e-5); at 1e-6 a uniform mask fails once in ~250,000 runs, while a biased one (e.g. a bit stuck)
+        # gives p ~ 0
         counts = np.bincount((masked >> np.uint64(12)).astype(np.int64), minlength=16)  # the top 4 bits
         assert stats.chisquare(counts).pvalue > 1e-6
         low = np.bincount((masked & np.uint64(15)).astype(np.int64), minlength=16)  # and the low 4 bits
@@ -177,7 +192,8 @@ def test_signed_key_adverts_stop_a_key_substitution() -> None:
     sites, co = new_round(cfg)
     keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
     assert sites[1].share_keys(keys)  # genuine adverts pass
-    mallory_key = Ed25519PrivateKey.generate()  # the coordinator's own key pairs, signed with a key of its own
+    # the coordinator's own key pairs, signed with a key of its own
+    mallory_key = Ed25519PrivateKey.generate()
     mallory = sa.SecAggSite(2, cfg, sa.ed25519_signer(mallory_key), sa.ed25519_verifier({}))
     pk1, pk2, own_sig = mallory.setup()
     for forged_advert in ((pk1, pk2, keys[2][2]), (pk1, pk2, own_sig)):
@@ -190,7 +206,8 @@ def test_signed_key_adverts_stop_a_key_substitution() -> None:
 
 @pytest.mark.parametrize("signature", [None, b"", b"\x00" * 64])
 def test_unsigned_key_adverts_are_refused(signature: bytes | None) -> None:
-    """Signing is not optional: a site never uses keys whose advert is unsigned, and the coordinator drops them."""
+    """Signing is not optional: a site never uses keys whose advert is unsigned, and the coordinator drops
+    them."""
     cfg = sa.RoundConfig("unsigned", (1, 2, 3), 2, 4, 16)
     sites, co = new_round(cfg)
     adverts = {i: s.setup() for i, s in sites.items()}
@@ -217,7 +234,8 @@ def test_a_tampered_share_is_refused() -> None:
 
 
 def test_state_survives_a_fresh_process_per_stage() -> None:
-    """Each Flower message runs in a new ClientApp process: the site is rebuilt from its record at every stage."""
+    """Each Flower message runs in a new ClientApp process: the site is rebuilt from its record at every
+    stage."""
     cfg = sa.RoundConfig("state", (5, 6, 7), 2, 3, 20)
     vectors = {i: np.full(3, i, dtype=np.uint64) for i in cfg.node_ids}
     records = {i: make_site(i, cfg).to_record() for i in cfg.node_ids}
@@ -231,8 +249,12 @@ def test_state_survives_a_fresh_process_per_stage() -> None:
     co = sa.SecAggCoordinator(cfg)
     keys = co.collect_keys({i: step(i, lambda s: s.setup()) for i in cfg.node_ids})  # type: ignore[misc]
     routed = co.route_shares({i: step(i, lambda s: s.share_keys(keys)) for i in cfg.node_ids})  # type: ignore[misc]
-    requests = co.collect_masked({i: step(i, lambda s, i=i: s.masked_vector(routed[i], vectors[i]))  # type: ignore[misc]
-                                  for i in (5, 7)})
+    requests = co.collect_masked(
+        {
+            i: step(i, lambda s, i=i: s.masked_vector(routed[i], vectors[i]))  # type: ignore[misc]
+            for i in (5, 7)
+        }
+    )
     total = co.finish({i: step(i, lambda s, i=i: s.unmask(*requests[i])) for i in (5, 7)})  # type: ignore[misc]
     np.testing.assert_array_equal(total, np.full(3, 12, dtype=np.uint64))
     with pytest.raises(sa.SecAggError, match="lacks 'peer_ids'"):
@@ -284,7 +306,8 @@ def test_many_sums_on_one_key_setup_with_dropouts_along_the_way(data: st.DataObj
         np.testing.assert_array_equal(total, modsum([vectors[i] for i in masking], cfg))
         assert co.contributors == tuple(sorted(masking))
         gone |= drop
-        if drop:  # the first sum with a dropout is the last of the key setup, at every site and the coordinator
+        # the first sum with a dropout is the last of the key setup, at every site and the coordinator
+        if drop:
             break
     with pytest.raises(sa.SecAggError, match="this key setup is over"):
         co.collect_masked({})
@@ -293,8 +316,9 @@ def test_many_sums_on_one_key_setup_with_dropouts_along_the_way(data: st.DataObj
             sites[i].masked_vector(None, np.zeros(5, dtype=np.uint64))
 
 
-def session(rounds: int = 3) -> tuple[sa.RoundConfig, dict[int, sa.SecAggSite], sa.SecAggCoordinator,
-                                       dict[int, dict[int, bytes]]]:
+def session(
+    rounds: int = 3,
+) -> tuple[sa.RoundConfig, dict[int, sa.SecAggSite], sa.SecAggCoordinator, dict[int, dict[int, bytes]]]:
     cfg = sa.RoundConfig("s", (1, 2, 3, 4, 5), 3, 4096, 16, rounds=rounds)
     sites, co = new_round(cfg)
     keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
@@ -303,8 +327,9 @@ def session(rounds: int = 3) -> tuple[sa.RoundConfig, dict[int, sa.SecAggSite], 
 
 
 def test_a_dropout_ends_the_key_setup_at_every_site_and_the_coordinator() -> None:
-    """Site 5 drops in sum 0 (its mask key is rebuilt). Going on without it would leave each site masking against
-    fewer peers than the job's, a case ``honest_shares`` does not bound: the next sum needs a new key setup."""
+    """Site 5 drops in sum 0 (its mask key is rebuilt). Going on without it would leave each site masking
+    against fewer peers than the job's, a case ``honest_shares`` does not bound: the next sum needs a new key
+    setup."""
     cfg, sites, co, routed = session()
     zero = np.zeros(cfg.dim, dtype=np.uint64)
     requests = co.collect_masked({i: sites[i].masked_vector(routed[i], zero) for i in (1, 2, 3, 4)})
@@ -323,9 +348,9 @@ def test_a_dropout_ends_the_key_setup_at_every_site_and_the_coordinator() -> Non
 
 
 def test_a_site_alive_in_one_sum_is_never_called_dropped_later() -> None:
-    """The attack of the review: site 3 is alive in sum 0 (its seed share for sum 0 is revealed), then called dropped
-    in sum 1 (its mask key share would be revealed): key + seed unmask its sum-0 vector alone. Every honest site
-    refuses the second request; the old code answered it and the vector was recovered."""
+    """The attack of the review: site 3 is alive in sum 0 (its seed share for sum 0 is revealed), then called
+    dropped in sum 1 (its mask key share would be revealed): key + seed unmask its sum-0 vector alone. Every
+    honest site refuses the second request; the old code answered it and the vector was recovered."""
     cfg = sa.RoundConfig("job/train", (1, 2, 3), threshold=2, dim=8, modulus_bits=32, rounds=2)
     sites, co = new_round(cfg)
     keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
@@ -361,7 +386,9 @@ def test_shares_arrive_once_and_masks_differ_from_sum_to_sum() -> None:
         sites[1].masked_vector(routed[1], same)
     second = sites[2].masked_vector(None, same)
     assert (second != first[2]).mean() > 0.99  # a fresh seed and a fresh nonce for the pairwise keys
-    assert stats.chisquare(np.bincount((second >> np.uint64(12)).astype(np.int64), minlength=16)).pvalue > 1e-4
+    assert (
+        stats.chisquare(np.bincount((second >> np.uint64(12)).astype(np.int64), minlength=16)).pvalue > 1e-4
+    )
 
 
 def test_session_state_survives_a_fresh_process_per_request() -> None:
@@ -397,15 +424,17 @@ def test_a_refused_sum_is_redone_on_a_new_key_setup() -> None:
 
 
 @pytest.mark.parametrize(("n", "t", "c"), [(7, 4, 2), (7, 4, 1), (4, 3, 0), (7, 5, 1), (5, 4, 1), (4, 4, 1)])
-def test_a_split_view_isolates_a_vector_exactly_when_the_epsilon_counts_only_the_own_share(n: int, t: int, c: int) -> None:
-    """The review's split-view attack run through the protocol: the coordinator tells one group of honest sites
-    (with the victim) that the victim is alive and the other that it dropped; the colluders answer both. Each
-    honest request passes every check a site makes. The victim's vector comes out alone exactly when
+def test_a_split_view_isolates_a_vector_exactly_when_the_epsilon_counts_only_the_own_share(
+    n: int, t: int, c: int
+) -> None:
+    """The review's split-view attack run through the protocol: the coordinator tells one group of honest
+    sites (with the victim) that the victim is alive and the other that it dropped; the colluders answer both.
+    Each honest request passes every check a site makes. The victim's vector comes out alone exactly when
     ``site_epsilons`` says so (and then counts the victim's own noise share only)."""
     from feta_release.accountants.skellam import site_epsilons
 
     ids = tuple(range(1, n + 1))
-    colluders, victim = ids[n - c:], 1
+    colluders, victim = ids[n - c :], 1
     honest = [i for i in ids if i not in colluders]
     group_a = honest[: max(1, t - c)]  # the victim and the fewest others that reach t with the colluders
     group_b = [i for i in honest if i not in group_a]
@@ -430,23 +459,35 @@ def test_a_split_view_isolates_a_vector_exactly_when_the_epsilon_counts_only_the
     p = sk.SkellamParams(dim=8, clip=1.0, scale=64.0, noise_multiplier=1.0, n_sites=n)
     e = site_epsilons(p, 1.0, 1, 1e-5, threshold=t, colluders=c)
     assert isolated == e.isolable
-    assert (e.honest_shares == 1) == isolated and e.honest_shares <= t - c  # fewer when sums of 2+ sites decode
+    # fewer when sums of 2+ sites decode
+    assert (e.honest_shares == 1) == isolated and e.honest_shares <= t - c
 
 
 # -- a lying coordinator across the sums of one key setup ----------------------------------------------------
 
-# Sum-0 views of a coordinator that lies to each site (n = 5, t = 3; site 1 the victim). Each view passes every
-# check of one sum: the victim is not isolated in sum 0. But sites 3, 4, 5 call site 2 dropped and sites 2, 4, 5
-# call site 3 dropped: the mask keys of 2 and 3 are rebuilt, while the victim was told 4 and 5 dropped.
-LYING_VIEWS_SUM0 = {1: ([1, 2, 3], [4, 5]), 2: ([2, 4, 5], [3]), 3: ([3, 4, 5], [2]), 4: ([1, 4, 5], [2, 3]),
-                    5: ([1, 4, 5], [2, 3])}
+# Sum-0 views of a coordinator that lies to each site (n = 5, t = 3; site 1 the victim). Each view passes
+# every check of one sum: the victim is not isolated in sum 0. But sites 3, 4, 5 call site 2 dropped and sites
+# 2, 4, 5 call site 3 dropped: the mask keys of 2 and 3 are rebuilt, while the victim was told 4 and 5
+# dropped.
+LYING_VIEWS_SUM0 = {
+    1: ([1, 2, 3], [4, 5]),
+    2: ([2, 4, 5], [3]),
+    3: ([3, 4, 5], [2]),
+    4: ([1, 4, 5], [2, 3]),
+    5: ([1, 4, 5], [2, 3]),
+}
 LYING_VIEWS_SUM1 = {2: [1, 2, 4], 4: [1, 4, 5], 5: [1, 4, 5]}  # then the victim's sum-1 seed is called alive
 
 
-def _recover_victim_in_sum_1(sites: dict[int, sa.SecAggSite], keys: dict[int, sa.KeyAdvert], cfg: sa.RoundConfig,
-                             revealed: dict[int, dict[int, bytes]], x1: np.ndarray) -> np.ndarray | None:
-    """The coordinator's attack in sum 1: the victim's vector from its sum-1 seed and the keys of sites 2 and 3
-    rebuilt from the sum-0 replies (``revealed``), or None once an honest site refuses a step."""
+def _recover_victim_in_sum_1(
+    sites: dict[int, sa.SecAggSite],
+    keys: dict[int, sa.KeyAdvert],
+    cfg: sa.RoundConfig,
+    revealed: dict[int, dict[int, bytes]],
+    x1: np.ndarray,
+) -> np.ndarray | None:
+    """The coordinator's attack in sum 1: the victim's vector from its sum-1 seed and the keys of sites 2 and
+    3 rebuilt from the sum-0 replies (``revealed``), or None once an honest site refuses a step."""
     zero = np.zeros(cfg.dim, dtype=np.uint64)
     try:
         masked = sites[1].masked_vector(None, x1)
@@ -457,15 +498,18 @@ def _recover_victim_in_sum_1(sites: dict[int, sa.SecAggSite], keys: dict[int, sa
         return None
     v = (masked - sa.prg_mask(sa.combine_shares(seed_sh), cfg, 1)) & cfg.mask
     for peer in (2, 3):
-        sk1 = sa.combine_shares([revealed[i][peer] for i, (_, dead) in LYING_VIEWS_SUM0.items() if peer in dead])
+        sk1 = sa.combine_shares(
+            [revealed[i][peer] for i, (_, dead) in LYING_VIEWS_SUM0.items() if peer in dead]
+        )
         v = (v - sa.pairwise_mask(sa._pair_key(sk1, keys[1][0]), 1, peer, cfg, 1)) & cfg.mask
     return v
 
 
 def test_a_lying_coordinator_cannot_isolate_a_site_in_a_later_sum_of_one_key_setup() -> None:
     """Split views in sum 0 rebuild the mask keys of sites 2 and 3 and tell the victim that 4 and 5 dropped. A
-    site that went on masking against only the peers it still called alive (2 and 3) would hand its sum-1 vector
-    to the coordinator alone, with no colluder. A dropout in a site's view ends its key setup: refused."""
+    site that went on masking against only the peers it still called alive (2 and 3) would hand its sum-1
+    vector to the coordinator alone, with no colluder. A dropout in a site's view ends its key setup:
+    refused."""
     cfg = sa.RoundConfig("split-across-sums", (1, 2, 3, 4, 5), threshold=3, dim=8, modulus_bits=32, rounds=2)
     sites, co = new_round(cfg)
     keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
@@ -482,9 +526,12 @@ def test_a_lying_coordinator_cannot_isolate_a_site_in_a_later_sum_of_one_key_set
 
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_a_key_setup_goes_on_at_a_site_only_after_a_sum_that_called_every_site_alive(data: st.DataObject) -> None:
-    """Any view a coordinator sends in sum 0 (each one that passes the one-sum checks): the site masks again in
-    sum 1 of the same setup iff that view called every site of the job alive; else nothing of the setup is left."""
+def test_a_key_setup_goes_on_at_a_site_only_after_a_sum_that_called_every_site_alive(
+    data: st.DataObject,
+) -> None:
+    """Any view a coordinator sends in sum 0 (each one that passes the one-sum checks): the site masks again
+    in sum 1 of the same setup iff that view called every site of the job alive; else nothing of the setup is
+    left."""
     n = data.draw(st.integers(3, 5), label="sites")
     t = data.draw(st.integers(n // 2 + 1, n), label="threshold")
     cfg = sa.RoundConfig("views", tuple(range(1, n + 1)), t, 4, 16, rounds=3)
@@ -495,7 +542,9 @@ def test_a_key_setup_goes_on_at_a_site_only_after_a_sum_that_called_every_site_a
     for i in cfg.node_ids:
         others = [j for j in cfg.node_ids if j != i]
         alive = data.draw(st.sets(st.sampled_from(others), min_size=t - 1), label=f"alive at {i}")
-        dead = data.draw(st.sets(st.sampled_from(sorted(set(others) - alive) or [i])), label=f"dead at {i}") - {i}
+        dead = data.draw(
+            st.sets(st.sampled_from(sorted(set(others) - alive) or [i])), label=f"dead at {i}"
+        ) - {i}
         sites[i].masked_vector(routed[i], zero)
         sites[i].unmask(sorted(alive | {i}), sorted(dead))
         if len(alive) == n - 1:

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow  # a tiny run and a tiny federation
 def _data(n: int = 240) -> ImageDataset:
     full = load_embedded()
     rng = np.random.default_rng(0)
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False)
-                          for c in range(10)])
+    idx = np.concatenate(
+        [rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)]
+    )
     return full.subset(np.sort(idx))
 
 
@@ -53,15 +54,30 @@ def _order_recorder(monkeypatch) -> list[str]:
 
 
 def test_train_charges_the_selection_before_it_reads_an_image_and_pretrains_on_the_kept_part(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     public = generate_dataset("strokes", 64, size=28, seed=4)
-    cfg = load_preset("tiny").replace(public={
-        "pretrain_iterations": 3, "pretrain_batch": 16, "selection": True, "selection_groups": 4,
-        "selection_keep": 0.3})
+    cfg = load_preset("tiny").replace(
+        public={
+            "pretrain_iterations": 3,
+            "pretrain_batch": 16,
+            "selection": True,
+            "selection_groups": 4,
+            "selection_keep": 0.3,
+        }
+    )
     order = _order_recorder(monkeypatch)
     out = tmp_path / "r"
-    run_pipeline(cfg, _data(), out, n_synthetic=0, grid_per_class=1, noise_seed=1, public_size=240,
-                 public=PublicInputs(public, "pen strokes"))
+    run_pipeline(
+        cfg,
+        _data(),
+        out,
+        n_synthetic=0,
+        grid_per_class=1,
+        noise_seed=1,
+        public_size=240,
+        public=PublicInputs(public, "pen strokes"),
+    )
     assert order[:2] == ["charge:selection", "votes"]  # fails when the votes are counted before the charge
     run = json.loads((out / "run.json").read_text())
     key = load_private_key(out / "checkpoints" / "site.key")
@@ -81,14 +97,18 @@ def test_a_federated_selection_sends_centroids_only_and_each_site_charges_it_fir
     from coordinator.setup import sign_job_file
     from feta_release.federation import harness as h
     from feta_release.federation import messages as fm
-
     from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job, tiny_job
 
     fed = make_federation(tmp_path / "fed")
     public = generate_dataset("strokes", 48, size=28, seed=9)
     pub = PublicInputs(public, "pen strokes")
-    cfg = with_public(tiny_job(public={"pretrain_iterations": 2, "pretrain_batch": 8, "selection": True,
-                                       "selection_groups": 3}), pub, (1, 28, 28))
+    cfg = with_public(
+        tiny_job(
+            public={"pretrain_iterations": 2, "pretrain_batch": 8, "selection": True, "selection_groups": 3}
+        ),
+        pub,
+        (1, 28, 28),
+    )
     signed, _ = sign_job_file(fed, cfg, "job-sel")
     sent, selection_arrays = [], []
     wire = h._wire
@@ -110,7 +130,7 @@ def test_a_federated_selection_sends_centroids_only_and_each_site_charges_it_fir
     pixels = [np.rint(public.images[i] * 255).astype(np.uint8).tobytes() for i in range(public.n)]
     assert not any(img in m for m in sent for img in images + pixels)
     for i in range(len(fed.sites)):  # each site: its charge, then its votes (the harness asks sites in turn)
-        assert order[2 * i: 2 * i + 2] == ["charge:selection", "votes"]
+        assert order[2 * i : 2 * i + 2] == ["charge:selection", "votes"]
     for s in fed.sites:
         rows = ledger_requests(fed, s.site_id, "job-sel")
         assert rows[0]["mechanism"] == "selection"
@@ -122,15 +142,20 @@ def test_a_federated_selection_sends_centroids_only_and_each_site_charges_it_fir
 def test_a_selection_below_the_sites_min_sigma_is_refused_before_any_charge_or_vote(tmp_path, monkeypatch):
     from coordinator.setup import sign_job_file
     from feta_release.policy.errors import JobDoesNotFit
-
     from tests.support.federation import harness, make_federation, run_harness_job, tiny_job
 
-    fed = make_federation(tmp_path / "fed", policy_overrides={
-        s: {"per_job": (10.0, 1e-5), "lifetime": (20.0, 1e-5)} for s in ("site-a", "site-b", "site-c")})
+    fed = make_federation(
+        tmp_path / "fed",
+        policy_overrides={
+            s: {"per_job": (10.0, 1e-5), "lifetime": (20.0, 1e-5)} for s in ("site-a", "site-b", "site-c")
+        },
+    )
     public = generate_dataset("strokes", 48, size=28, seed=9)
     pub = PublicInputs(public)
-    job = tiny_job(privacy={"epsilon": 10.0}, public={
-        "pretrain_iterations": 2, "selection": True, "selection_groups": 3, "selection_sigma": 3.0})
+    job = tiny_job(
+        privacy={"epsilon": 10.0},
+        public={"pretrain_iterations": 2, "selection": True, "selection_groups": 3, "selection_sigma": 3.0},
+    )
     cfg = with_public(job, pub, (1, 28, 28))
     signed, _ = sign_job_file(fed, cfg, "job-sel-over")
     order = _order_recorder(monkeypatch)

@@ -25,17 +25,28 @@ def test_a_run_still_running_after_the_stream_broke_is_followed_to_its_end() -> 
         assert run_id == 42
         replayed.append([])
         # `flwr log --stream` replays the log from the start, then the new lines
-        for line in ["Successfully started run 42", "[feta] round 1/4", "[feta] round 2/4", "[feta] round 3/4",
-                     "[feta] round 4/4"]:
+        for line in [
+            "Successfully started run 42",
+            "[feta] round 1/4",
+            "[feta] round 2/4",
+            "[feta] round 3/4",
+            "[feta] round 4/4",
+        ]:
             on_line(line)
         return 0
 
-    st = follow_run(42, Path("."), lines, poll=0, status=_statuses(["running", "finished:completed"]),
-                    reattach=reattach)
+    st = follow_run(
+        42, Path("."), lines, poll=0, status=_statuses(["running", "finished:completed"]), reattach=reattach
+    )
     assert st == "finished:completed"
     assert len(replayed) == 1
-    assert got == ["Successfully started run 42", "[feta] round 1/4", "[feta] round 2/4", "[feta] round 3/4",
-                   "[feta] round 4/4"]  # each line once, nothing lost
+    assert got == [
+        "Successfully started run 42",
+        "[feta] round 1/4",
+        "[feta] round 2/4",
+        "[feta] round 3/4",
+        "[feta] round 4/4",
+    ]  # each line once, nothing lost
     assert lines.run_id == 42
 
 
@@ -43,13 +54,18 @@ def test_a_finished_run_returns_at_once_without_reattaching() -> None:
     def reattach(*a) -> int:  # noqa: ANN002
         raise AssertionError("must not re-attach to a finished run")
 
-    assert follow_run(7, Path("."), _Lines(None), poll=0, status=_statuses(["finished:failed"]),
-                      reattach=reattach) == "finished:failed"
+    assert (
+        follow_run(
+            7, Path("."), _Lines(None), poll=0, status=_statuses(["finished:failed"]), reattach=reattach
+        )
+        == "finished:failed"
+    )
 
 
 def test_an_unreachable_superlink_is_given_up_on() -> None:
-    assert follow_run(7, Path("."), _Lines(None), poll=0, give_up_after=0.0,
-                      status=lambda home, rid: "") == ""
+    assert (
+        follow_run(7, Path("."), _Lines(None), poll=0, give_up_after=0.0, status=lambda home, rid: "") == ""
+    )
 
 
 def test_the_run_id_is_read_from_flwr_runs_output() -> None:
@@ -72,5 +88,11 @@ def test_a_job_that_did_not_finish_says_what_to_do(tmp_path: Path, monkeypatch) 
     with pytest.raises(FetaError, match="run the same command again to resume"):
         runner.run_signed_job(signed, tmp_path / "k", tmp_path, "127.0.0.1:1", insecure=True)
     with pytest.raises(FetaError, match="run the demo again with a new --out"):
-        runner.run_signed_job(signed, tmp_path / "k", tmp_path, "127.0.0.1:1", insecure=True,
-                              retry_hint="run the demo again with a new --out")
+        runner.run_signed_job(
+            signed,
+            tmp_path / "k",
+            tmp_path,
+            "127.0.0.1:1",
+            insecure=True,
+            retry_hint="run the demo again with a new --out",
+        )

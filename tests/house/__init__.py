@@ -1,1 +1,2 @@
-"""House rules checked on the tree: lint, domain language, function length, layering, references, supply chain."""
+"""House rules checked on the tree: lint, domain language, function length, layering, references, supply
+chain."""

@@ -1,5 +1,5 @@
-"""The command reference in docs/ is generated from the CLI: a changed option or help text without a regenerated
-reference fails here (run ``python scripts/cli_reference.py``)."""
+"""The command reference in docs/ is generated from the CLI: a changed option or help text without a
+regenerated reference fails here (run ``python scripts/cli_reference.py``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cli_reference_is_current():
-    out = subprocess.run([sys.executable, "scripts/cli_reference.py", "--check"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "scripts/cli_reference.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

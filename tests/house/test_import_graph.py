@@ -1,11 +1,11 @@
-"""The import graph of the library and both drivers, built from the source with ``ast``: no import circle, and the
-layers of docs/architecture.md ("Who may import whom") hold through every path, lazy imports included.
+"""The import graph of the library and both drivers, built from the source with ``ast``: no import circle, and
+the layers of docs/architecture.md ("Who may import whom") hold through every path, lazy imports included.
 
-An edge is any import a module can execute: at module top or inside a function (a lazy import still runs, and a
-circle through it breaks as soon as the two modules load in the other order). Importing ``a.b.c`` from outside
-``a.b`` runs the package ``a.b`` (its ``__init__``) too, so that is an edge as well. Imports under
-``if TYPE_CHECKING:`` never run: they count for the layers (they are still a dependency of the design) but not for
-circles.
+An edge is any import a module can execute: at module top or inside a function (a lazy import still runs, and
+a circle through it breaks as soon as the two modules load in the other order). Importing ``a.b.c`` from
+outside ``a.b`` runs the package ``a.b`` (its ``__init__``) too, so that is an edge as well. Imports under
+``if TYPE_CHECKING:`` never run: they count for the layers (they are still a dependency of the design) but not
+for circles.
 """
 
 from __future__ import annotations
@@ -47,13 +47,19 @@ def _imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: 
         parts = parts[: len(parts) - (node.level - 1)]
         base = ".".join(parts + ([node.module] if node.module else []))
     # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod
-    return [f"{base}.{a.name}" if _resolve(f"{base}.{a.name}") == f"{base}.{a.name}" else base for a in node.names]
+    return [
+        f"{base}.{a.name}" if _resolve(f"{base}.{a.name}") == f"{base}.{a.name}" else base for a in node.names
+    ]
 
 
 def _guarded(tree: ast.Module) -> set[int]:
     """ids of the nodes under ``if TYPE_CHECKING:`` (never executed)."""
-    return {id(n) for top in ast.walk(tree) if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
-            for n in ast.walk(top)}
+    return {
+        id(n)
+        for top in ast.walk(tree)
+        if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
+        for n in ast.walk(top)
+    }
 
 
 def import_graph(*, type_checking: bool) -> dict[str, set[str]]:
@@ -70,8 +76,11 @@ def import_graph(*, type_checking: bool) -> dict[str, set[str]]:
                     if target is None or target == module:
                         continue
                     parts = target.split(".")
-                    out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)
-                            if ".".join(parts[:i]) in MODULES and not module.startswith(".".join(parts[:i]) + ".")}
+                    out |= {
+                        ".".join(parts[:i])
+                        for i in range(1, len(parts) + 1)
+                        if ".".join(parts[:i]) in MODULES and not module.startswith(".".join(parts[:i]) + ".")
+                    }
         graph[module] = out - {module}
     return graph
 
@@ -119,7 +128,8 @@ def _circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
-    """Every module ``start`` reaches -> the module that imports it on one path (to name the path in a failure)."""
+    """Every module ``start`` reaches -> the module that imports it on one path (to name the path in a
+    failure)."""
     seen: dict[str, str] = {}
     todo = [start]
     while todo:
@@ -142,7 +152,8 @@ def test_the_graph_builder_sees_a_circle_and_a_package_init() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [frozenset("abc")]
     assert _circles({"a": {"b"}, "b": set()}) == []
-    # the library itself: the stage package's __init__ imports its stages, a driver module reaches it through them
+    # the library itself: the stage package's __init__ imports its stages, a driver module reaches it through
+    # them
     g = import_graph(type_checking=False)
     assert "feta_release.stages.central" in g["feta_release.stages"]
     assert "feta_release.training" in g["feta_release.stages.context"]  # the package runs before its module

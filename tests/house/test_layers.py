@@ -1,5 +1,5 @@
-"""The layering of docs/architecture.md ("who may import whom"), checked on the source: one planner, one ledger,
-and no import from the library down into the node or coordinator packages."""
+"""The layering of docs/architecture.md ("who may import whom"), checked on the source: one planner, one
+ledger, and no import from the library down into the node or coordinator packages."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ PKG = ROOT / "feta_release"
 
 
 def _imports(path: Path) -> set[str]:
-    """Absolute module names a file imports (relative imports resolved against its package), anywhere in it."""
+    """Absolute module names a file imports (relative imports resolved against its package), anywhere in
+    it."""
     tree = ast.parse(path.read_text("utf-8"))
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     out: set[str] = set()
@@ -34,17 +35,30 @@ def _files(where: Path) -> list[Path]:
 
 
 def test_the_library_below_the_cli_never_imports_the_node_or_coordinator() -> None:
-    bad = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] in ("edge", "coordinator"))
-           for p in _files(PKG) if "cli" not in p.relative_to(PKG).parts}
+    bad = {
+        str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] in ("edge", "coordinator"))
+        for p in _files(PKG)
+        if "cli" not in p.relative_to(PKG).parts
+    }
     assert not {k: v for k, v in bad.items() if v}
 
 
 def test_the_ledger_and_the_planner_sit_below_policy_stages_and_drivers() -> None:
-    low = {"feta_release.ledger": ("errors", "accounting", "signing", "ledger_chain"),
-           "feta_release.ledger_chain": ("errors", "signing"),
-           # accountants / mechanisms: the Skellam accounting and parameters of FedSGD rounds (numpy only, below it)
-           # model_size: the denoiser's parameter count from its config (torch-free, nothing built); never models
-           "feta_release.planning": ("errors", "accounting", "accountants", "config", "mechanisms", "model_size")}
+    low = {
+        "feta_release.ledger": ("errors", "accounting", "signing", "ledger_chain"),
+        "feta_release.ledger_chain": ("errors", "signing"),
+        # accountants / mechanisms: the Skellam accounting and parameters of FedSGD rounds (numpy only, below
+        # it) model_size: the denoiser's parameter count from its config (torch-free, nothing built); never
+        # models
+        "feta_release.planning": (
+            "errors",
+            "accounting",
+            "accountants",
+            "config",
+            "mechanisms",
+            "model_size",
+        ),
+    }
     for mod, allowed in low.items():
         path = ROOT / (mod.replace(".", "/") + ".py")
         own = {m.split(".")[1] for m in _imports(path) if m.startswith("feta_release.") and m.count(".") >= 1}
@@ -53,9 +67,21 @@ def test_the_ledger_and_the_planner_sit_below_policy_stages_and_drivers() -> Non
 
 def test_one_planner_and_one_ledger_type() -> None:
     """The removed duplicates stay removed: no second event builder, run ledger or budget composition."""
-    src = {p: p.read_text("utf-8") for p in _files(PKG) + _files(ROOT / "edge") + _files(ROOT / "coordinator")}
-    for name in ("def plan_job(", "def plan_site(", "def site_plan(", "def site_sigma(", "def round_event(",
-                 "def central_event(", "def frequency_event(", "class RunLedger", "class PlannedRun", "def plan_run("):
+    src = {
+        p: p.read_text("utf-8") for p in _files(PKG) + _files(ROOT / "edge") + _files(ROOT / "coordinator")
+    }
+    for name in (
+        "def plan_job(",
+        "def plan_site(",
+        "def site_plan(",
+        "def site_sigma(",
+        "def round_event(",
+        "def central_event(",
+        "def frequency_event(",
+        "class RunLedger",
+        "class PlannedRun",
+        "def plan_run(",
+    ):
         assert not [p for p, text in src.items() if name in text], name
     ledgers = [p for p, text in src.items() if "CREATE TABLE IF NOT EXISTS requests" in text]
     assert [p.name for p in ledgers] == ["ledger.py"]

@@ -1,5 +1,5 @@
-"""Static checks as tests, so CI (which runs the README's test command) enforces them: ruff on the whole tree with
-the rules in pyproject.toml, mypy on what [tool.mypy] files lists: the whole library and both drivers
+"""Static checks as tests, so CI (which runs the README's test command) enforces them: ruff on the whole tree
+with the rules in pyproject.toml, mypy on what [tool.mypy] files lists: the whole library and both drivers
 (feta_release, edge, coordinator). No cache, so a stale one can never hide an error (about 5 s of CPU)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_ruff_finds_nothing():

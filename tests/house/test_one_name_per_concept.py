@@ -1,8 +1,9 @@
-"""One name per concept: a public top-level class or function name is defined in one module of the library and the
-drivers, so a reader who meets the name knows which thing it is and where it lives.
+"""One name per concept: a public top-level class or function name is defined in one module of the library and
+the drivers, so a reader who meets the name knows which thing it is and where it lives.
 
-Not counted: a click command's function (its name is the command's, the user's word: ``verify`` the command and
-``ledger_chain.verify`` the chain check are told apart by where they are called) and ``typing.overload`` stubs.
+Not counted: a click command's function (its name is the command's, the user's word: ``verify`` the command
+and ``ledger_chain.verify`` the chain check are told apart by where they are called) and ``typing.overload``
+stubs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ PACKAGES = ("feta_release", "edge", "coordinator")
 # Names defined in more than one module on purpose, each with the reason the things are different.
 ALLOWED = {
     "main": "each process's entry point (python -m, console script, Flower's SuperExec shim): the usual name",
-    "rand_augment": "the warm-up's (torch, on the training device) and the release's (numpy, no torch installed)",
+    "rand_augmen"
+    "t": "the warm-up's (torch, on the training device) and the release's (numpy, no torch installed)",
 }
 
 
@@ -33,10 +35,13 @@ def _decorator_names(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
 
 
 def public_definitions(source: str) -> list[str]:
-    """The public class and function names a module defines at top level (click commands and overloads aside)."""
+    """The public class and function names a module defines at top level (click commands and overloads
+    aside)."""
     names = []
     for node in ast.parse(source).body:
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+        if not isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ) or node.name.startswith("_"):
             continue
         if _decorator_names(node) & {"command", "group", "overload"}:
             continue
@@ -54,8 +59,10 @@ def _definitions() -> dict[str, list[str]]:
 
 
 def test_the_counter_sees_functions_and_classes_but_not_commands_or_overloads() -> None:
-    src = ("import click\nfrom typing import overload\n@click.command()\ndef verify(): ...\n@overload\ndef f(x: int): ...\n"
-           "def f(x): ...\nclass Release: ...\ndef _private(): ...\nasync def fetch(): ...\n")
+    src = (
+        "import click\nfrom typing import overload\n@click.command()\ndef verify(): ...\n@overload\ndef f(x: "
+        "int): ...\ndef f(x): ...\nclass Release: ...\ndef _private(): ...\nasync def fetch(): ...\n"
+    )
     assert public_definitions(src) == ["f", "Release", "fetch"]
 
 

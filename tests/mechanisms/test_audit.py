@@ -1,5 +1,5 @@
-"""Empirical privacy audit: the bound statistics (against scipy and closed forms), soundness (a correct mechanism
-never measures above its claim) and power (a deliberately broken one does)."""
+"""Empirical privacy audit: the bound statistics (against scipy and closed forms), soundness (a correct
+mechanism never measures above its claim) and power (a deliberately broken one does)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from feta_release.audit.stats import (
 
 DELTA = 1e-5
 
-# -- statistics -------------------------------------------------------------------------------------------------
+# -- statistics
+# -------------------------------------------------------------------------------------------------
 
 
 @settings(max_examples=150, deadline=None)
@@ -43,7 +44,8 @@ def test_clopper_pearson_matches_scipy_beta(n, data, alpha):
 @settings(max_examples=100, deadline=None)
 @given(n=st.integers(1, 300), data=st.data(), alpha=st.floats(0.001, 0.4))
 def test_clopper_pearson_exact_definition(n, data, alpha):
-    """Without scipy: the upper bound is where P[Bin(n, p) <= k] falls to alpha; closed forms at k = 0 and k = n."""
+    """Without scipy: the upper bound is where P[Bin(n, p) <= k] falls to alpha; closed forms at k = 0 and k =
+    n."""
     k = data.draw(st.integers(0, n - 1))
     hi = cp_upper(k, n, alpha, exact=True)
     assert binom_cdf_exact(k, n, hi) == pytest.approx(alpha, abs=1e-9)
@@ -74,7 +76,8 @@ def test_one_run_bound_closed_form_and_monotone():
         q = 0.05 ** (1 / r)
         assert one_run_epsilon(r, r, r, 0.0, 0.05) == pytest.approx(math.log(q / (1 - q)), abs=1e-6)
     ps = [one_run_p_value(1000, 100, 90, e, DELTA) for e in np.linspace(0, 4, 20)]
-    assert all(a <= b + 1e-12 for a, b in zip(ps, ps[1:]))  # the larger the claimed eps, the likelier the data
+    # the larger the claimed eps, the likelier the data
+    assert all(a <= b + 1e-12 for a, b in zip(ps, ps[1:]))
     assert one_run_epsilon(1000, 100, 50, DELTA) == 0.0  # chance-level guessing proves nothing
 
 
@@ -90,7 +93,8 @@ def test_one_run_bound_is_sound_on_randomized_response():
 
 def test_threshold_bound_is_sound_on_gaussians():
     rng = np.random.default_rng(2)
-    sigma = 1.0  # Gaussian mechanism, sensitivity 1: its true eps at delta 1e-5 is about 4.4 (< the RDP claim)
+    # Gaussian mechanism, sensitivity 1: its true eps at delta 1e-5 is about 4.4 (< the RDP claim)
+    sigma = 1.0
     from feta_release.accounting import PrivacyEvent, epsilon
 
     claim = epsilon([PrivacyEvent("central", sigma, 1.0, 1)], DELTA)
@@ -98,25 +102,35 @@ def test_threshold_bound_is_sound_on_gaussians():
     assert 1.0 < bound <= claim, info
 
 
-# -- audits of the real mechanisms ------------------------------------------------------------------------------
+# -- audits of the real mechanisms
+# ------------------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")
 
 from feta_release.audit.games import audit_dpsgd_one_run, audit_one_shot  # noqa: E402
 
 
-@pytest.mark.parametrize("mechanism,trials", [("central mean", 20000), ("central mode", 20000), ("frequency", 1000)])
+@pytest.mark.parametrize(
+    "mechanism,trials", [("central mean", 20000), ("central mode", 20000), ("frequency", 1000)]
+)
 def test_correct_one_shot_mechanism_never_measures_above_its_claim(mechanism, trials):
     res = audit_one_shot(mechanism, 2.0, trials=trials, delta=DELTA, seed=3)
     assert 0.0 <= res.lower_bound <= res.claimed_epsilon, res  # above it would be a privacy bug
 
 
-@pytest.mark.parametrize("mechanism,trials,broken", [
-    ("central mean", 20000, {"record_copies": 4}),  # one record adds 4 images: sensitivity ignored
-    ("frequency", 1000, {"record_copies": 4}),
-    ("central mode", 20000, {"record_copies": 4}),
-    ("central mode", 20000, {"noise_factor": 0.25}),  # the pilot moves the tail threshold to where it shows
-])
+@pytest.mark.parametrize(
+    "mechanism,trials,broken",
+    [
+        ("central mean", 20000, {"record_copies": 4}),  # one record adds 4 images: sensitivity ignored
+        ("frequency", 1000, {"record_copies": 4}),
+        ("central mode", 20000, {"record_copies": 4}),
+        (
+            "central mode",
+            20000,
+            {"noise_factor": 0.25},
+        ),  # the pilot moves the tail threshold to where it shows
+    ],
+)
 def test_broken_one_shot_mechanism_is_caught(mechanism, trials, broken):
     res = audit_one_shot(mechanism, 2.0, trials=trials, delta=DELTA, seed=4, **broken)
     assert res.lower_bound > res.claimed_epsilon, res
@@ -124,16 +138,19 @@ def test_broken_one_shot_mechanism_is_caught(mechanism, trials, broken):
 
 @pytest.mark.slow
 def test_mode_with_sensitivity_taken_as_one_is_caught():
-    """Noise for sensitivity 1 instead of sqrt(16 pixels). The mode releases only an argmax per pixel, so its audit
-    is the weakest: it needs a 4x noise cut and 60,000 runs, and the margin is small (2.5 vs 2.17 here)."""
-    res = audit_one_shot("central mode", 2.0, trials=60000, delta=DELTA, seed=6, noise_factor=0.25,
-                         mode_design="count")
+    """Noise for sensitivity 1 instead of sqrt(16 pixels). The mode releases only an argmax per pixel, so its
+    audit is the weakest: it needs a 4x noise cut and 60,000 runs, and the margin is small (2.5 vs 2.17
+    here)."""
+    res = audit_one_shot(
+        "central mode", 2.0, trials=60000, delta=DELTA, seed=6, noise_factor=0.25, mode_design="count"
+    )
     assert res.lower_bound > res.claimed_epsilon, res
 
 
 def test_mode_tail_pair_is_tighter_than_the_count_pair():
-    """The one-pixel tail test (a Gaussian of mu = 1/(sigma sqrt 2) thresholded where it shows most) measures more
-    than the 16-pixel count test (mu ~ 0.56/sigma) on the same number of runs; both stay below the claim."""
+    """The one-pixel tail test (a Gaussian of mu = 1/(sigma sqrt 2) thresholded where it shows most) measures
+    more than the 16-pixel count test (mu ~ 0.56/sigma) on the same number of runs; both stay below the
+    claim."""
     tail = audit_one_shot("central mode", 2.0, trials=50000, delta=DELTA, seed=9)
     count = audit_one_shot("central mode", 2.0, trials=50000, delta=DELTA, seed=9, mode_design="count")
     assert count.lower_bound + 0.1 < tail.lower_bound <= tail.claimed_epsilon, (tail, count)
@@ -161,7 +178,8 @@ def test_halved_noise_is_caught_in_the_central_mean():
 def test_dpsgd_one_run_audit_sound_and_has_power():
     ok = audit_dpsgd_one_run(2.0, 1.0, 1, canaries=1000, delta=DELTA, seed=6)
     assert 0.0 <= ok.lower_bound <= ok.claimed_epsilon, ok
-    sampled = audit_dpsgd_one_run(1.5, 0.25, 20, canaries=500, delta=DELTA, seed=6)  # Poisson sampling, many steps
+    # Poisson sampling, many steps
+    sampled = audit_dpsgd_one_run(1.5, 0.25, 20, canaries=500, delta=DELTA, seed=6)
     assert sampled.lower_bound <= sampled.claimed_epsilon, sampled
     for broken in ({"noise_factor": 0.25}, {"record_copies": 4}):
         bad = audit_dpsgd_one_run(2.0, 1.0, 1, canaries=1000, delta=DELTA, seed=6, **broken)
@@ -172,7 +190,9 @@ def test_cli_audit_writes_json_the_report_reads(tmp_path):
     from feta_release.cli import cli
 
     out = tmp_path / "audit.json"
-    r = CliRunner().invoke(cli, ["audit", "--preset", "tiny", "--trials", "400", "--canaries", "50", "--out", str(out)])
+    r = CliRunner().invoke(
+        cli, ["audit", "--preset", "tiny", "--trials", "400", "--canaries", "50", "--out", str(out)]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
     assert doc["kind"] == "feta-release/audit/1" and doc["audits"]
@@ -189,33 +209,43 @@ def test_cli_audit_writes_json_the_report_reads(tmp_path):
 
 @pytest.mark.parametrize("sigma,above", [(4.0, 0.1), (8.0, 0.0)])
 def test_mean_audit_shows_something_at_the_presets_sigma(sigma, above):
-    """The presets' central σ (cpu-eps10: 4, cpu-eps1: 8) with the default 20,000 runs: once measured 0 because the
-    threshold was fitted at confidence 0.5 (extreme tails, chance counts); fitted at the evaluation's 0.95 it shows."""
+    """The presets' central σ (cpu-eps10: 4, cpu-eps1: 8) with the default 20,000 runs: once measured 0
+    because the threshold was fitted at confidence 0.5 (extreme tails, chance counts); fitted at the
+    evaluation's 0.95 it shows."""
     res = audit_one_shot("central mean", sigma, trials=20000, delta=DELTA, seed=0)
     assert above < res.lower_bound <= res.claimed_epsilon, res
 
 
 def test_a_consistent_audit_states_its_scope_in_the_cli_the_file_and_the_report(tmp_path):
-    """"consistent" covers one unsampled Gaussian release or one DP-SGD run alone: the verdict must not read as a
-    check of secure sums, FedSGD, patient clipping or the job's composed epsilon."""
+    """ "consistent" covers one unsampled Gaussian release or one DP-SGD run alone: the verdict must not read
+    as a check of secure sums, FedSGD, patient clipping or the job's composed epsilon."""
     from feta_release.audit import not_audited
     from feta_release.cli import cli
     from feta_release.config import load_preset
     from feta_release.release.report import _audit
 
     out = tmp_path / "audit.json"
-    r = CliRunner().invoke(cli, ["audit", "--preset", "tiny", "--trials", "200", "--canaries", "20", "--out", str(out)])
+    r = CliRunner().invoke(
+        cli, ["audit", "--preset", "tiny", "--trials", "200", "--canaries", "20", "--out", str(out)]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
     html = _audit(doc, {"sites": []})
     for text in (r.output, doc["scope"], html):
-        for term in ("single unsampled Gaussian release", "one run of DP-SGD", "secure sums", "FedSGD",
-                     "patient-level", "composition"):
+        for term in (
+            "single unsampled Gaussian release",
+            "one run of DP-SGD",
+            "secure sums",
+            "FedSGD",
+            "patient-level",
+            "composition",
+        ):
             assert term in text, (term, text[:200])
     assert "consistent*" in r.output and "Not audited in this job" in r.output
     assert any("composition" in m for m in doc["not_audited"])
-    federated = load_preset("tiny").replace(federation={"sites": ("a", "b", "c"), "secure_aggregation": True,
-                                                         "fedsgd": True})
+    federated = load_preset("tiny").replace(
+        federation={"sites": ("a", "b", "c"), "secure_aggregation": True, "fedsgd": True}
+    )
     missing = " ".join(not_audited(federated))
     assert "secure sums" in missing and "FedSGD" in missing
     assert "secure sums" not in " ".join(not_audited(load_preset("tiny")))

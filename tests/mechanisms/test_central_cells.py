@@ -1,5 +1,5 @@
-"""Central images split into slant cells (``[central] cells``): sensitivity, noise scale, cell function, accounting,
-config refusals."""
+"""Central images split into slant cells (``[central] cells``): sensitivity, noise scale, cell function,
+accounting, config refusals."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def test_slant_of_a_sheared_stroke_has_its_sign_and_size() -> None:
 
 
 def test_slant_cells_use_the_fixed_public_edges() -> None:
-    imgs = np.stack([stroke(s, 28) for s in (-0.6, 0.08, 0.4, 0.8)])  # measured slants -0.60, 0.07, 0.40, 0.80
+    # measured slants -0.60, 0.07, 0.40, 0.80
+    imgs = np.stack([stroke(s, 28) for s in (-0.6, 0.08, 0.4, 0.8)])
     assert slant_cells(imgs, 1).tolist() == [0, 0, 0, 0]
     assert slant_cells(imgs, 2).tolist() == [0, 0, 1, 1]  # one edge at the middle of SLANT_RANGE (0.15)
     assert slant_cells(imgs, 3).tolist() == [0, 1, 2, 2]  # edges 0.017, 0.283
@@ -64,7 +65,7 @@ def test_a_cell_depends_on_its_own_image_only(x: np.ndarray, cells: int) -> None
     full = slant_cells(x, cells)
     assert full.min() >= 0 and full.max() < cells
     for i in range(len(x)):
-        assert slant_cells(x[i:i + 1], cells)[0] == full[i]
+        assert slant_cells(x[i : i + 1], cells)[0] == full[i]
         assert np.array_equal(np.delete(full, i), slant_cells(np.delete(x, i, axis=0), cells))
 
 
@@ -74,7 +75,11 @@ def test_sensitivity_worst_case_neighbours(cells: int) -> None:
     x, y = data()
     base, bound = central_query(x, y, K, clip=2.0, cells=cells)
     assert bound == 2.0 and base.shape == (K * cells, 36)
-    for extra, cls in [(np.ones((1, 1, 12, 12), np.float32), 0), (stroke(0.7)[None], 2), (stroke(-0.4)[None], 1)]:
+    for extra, cls in [
+        (np.ones((1, 1, 12, 12), np.float32), 0),
+        (stroke(0.7)[None], 2),
+        (stroke(-0.4)[None], 1),
+    ]:
         plus, _ = central_query(np.concatenate([x, extra]), np.append(y, cls), K, clip=2.0, cells=cells)
         moved = np.flatnonzero(np.abs(plus - base).sum(axis=1) > 0)
         assert len(moved) == 1 and moved[0] // cells == cls  # exactly one sum, in the image's own class
@@ -93,8 +98,18 @@ def test_noise_scale_and_public_denominator_with_cells() -> None:
     """q = 1: released x (B_c / cells) - query is exactly the noise, std sigma * C (same as one cell)."""
     x, y = data()
     sigma, cells = 2.0, 3
-    rel, ev = central_images(x, y, K, rounds=15, batch=120, sigma=sigma, clip=2.0, n_public=120,
-                             rng=np.random.default_rng(3), cells=cells)
+    rel, ev = central_images(
+        x,
+        y,
+        K,
+        rounds=15,
+        batch=120,
+        sigma=sigma,
+        clip=2.0,
+        n_public=120,
+        rng=np.random.default_rng(3),
+        cells=cells,
+    )
     assert ev == PrivacyEvent("central", sigma, 1.0, 15)  # the same event as cells = 1
     assert rel.denominator == pytest.approx(120 / (K * cells)) and rel.cells == cells
     assert rel.values.shape == (15 * K * cells, 1, 6, 6)
@@ -123,13 +138,15 @@ def test_refusals() -> None:
         cfg.replace(central={"cells": 0})
     with pytest.raises(ConfigError, match="kind"):
         cfg.replace(central={"cells": 2, "kind": "mode"})
-    # federated jobs split by the same public cells (tests/federation/test_federation_cells.py): no longer refused
+    # federated jobs split by the same public cells (tests/federation/test_federation_cells.py): no longer
+    # refused
     assert cfg.replace(central={"cells": 2}, federation={"sites": ("a", "b")}).central.cells == 2
 
 
 def test_plan_noise_figure_counts_the_cells() -> None:
-    cfg = load_preset("cpu-eps1").replace(central={"rounds": 1, "batch": 4000, "rate": None, "sigma": 5.0,
-                                                   "clip": 2.0})
+    cfg = load_preset("cpu-eps1").replace(
+        central={"rounds": 1, "batch": 4000, "rate": None, "sigma": 5.0, "clip": 2.0}
+    )
     r1, _ = stage_noise(cfg, "central", 4000)
     r3, text = stage_noise(cfg.replace(central={"cells": 3}), "central", 4000)
     assert r1 == pytest.approx(5.0 * 2.0 / 400) and r3 == pytest.approx(3 * r1)
@@ -137,7 +154,8 @@ def test_plan_noise_figure_counts_the_cells() -> None:
 
 
 def test_nodpsgd_preset_plans_the_whole_budget_on_the_releases() -> None:
-    """cpu-eps1-nodpsgd: central + frequency only, within epsilon 1 at any public size (rates, not batches)."""
+    """cpu-eps1-nodpsgd: central + frequency only, within epsilon 1 at any public size (rates, not
+    batches)."""
     from feta_release.planning import plan
 
     cfg = load_preset("cpu-eps1-nodpsgd")
@@ -150,18 +168,31 @@ def test_nodpsgd_preset_plans_the_whole_budget_on_the_releases() -> None:
 
 
 def test_nodpsgd_preset_is_the_measured_configuration() -> None:
-    """docs/evaluation.md row B was measured as cpu-eps1 with these overrides: the preset must stay that job."""
-    measured = load_preset("cpu-eps1").replace(
-        central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 5.0, "cells": 2, "stretch": True},
-        frequency={"sigma": 7.0}, warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
-        dpsgd={"steps": 0, "physical_batch": 32},  # as measured (inert without DP-SGD; cpu-eps1's is 84 since)
-        sampler={"start_sigma": 0.5}).to_dict()
+    """docs/evaluation.md row B was measured as cpu-eps1 with these overrides: the preset must stay that
+    job."""
+    measured = (
+        load_preset("cpu-eps1")
+        .replace(
+            central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 5.0, "cells": 2, "stretch": True},
+            frequency={"sigma": 7.0},
+            warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
+            dpsgd={
+                "steps": 0,
+                "physical_batch": 32,
+            },  # as measured (inert without DP-SGD; cpu-eps1's is 84 since)
+            sampler={"start_sigma": 0.5},
+        )
+        .to_dict()
+    )
     shipped = load_preset("cpu-eps1-nodpsgd").to_dict()
-    assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}
+    assert {k: v for k, v in shipped.items() if k != "job"} == {
+        k: v for k, v in measured.items() if k != "job"
+    }
 
 
 def test_eps10_nodpsgd_preset_plans_within_ten_on_the_releases_only() -> None:
-    """cpu-eps10-nodpsgd: central + frequency only, within epsilon 10 at any public size (rates, not batches)."""
+    """cpu-eps10-nodpsgd: central + frequency only, within epsilon 10 at any public size (rates, not
+    batches)."""
     from feta_release.planning import plan
 
     cfg = load_preset("cpu-eps10-nodpsgd")
@@ -175,13 +206,28 @@ def test_eps10_nodpsgd_preset_plans_within_ten_on_the_releases_only() -> None:
 
 def test_eps10_nodpsgd_preset_is_the_measured_configuration() -> None:
     """docs/evaluation.md (epsilon = 10 with polish + SDEdit) measured cpu-eps10 with these overrides."""
-    measured = load_preset("cpu-eps10").replace(
-        central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 0.65, "cells": 4, "stretch": True},
-        frequency={"sigma": 1.1}, warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
-        dpsgd={"steps": 0, "physical_batch": 32},  # as measured (inert without DP-SGD; cpu-eps10's is 84 since)
-        sampler={"start_sigma": 0.7, "start_source": "mix"},
-        auxgen={"epochs": 10}).replace(  # "A better-fitted aux generator"
-        frequency={"features": 2048, "patch": 7, "stride": 3}).replace(  # "A patch feature map"
-        auxgen={"restarts": 4, "keep": 4}).to_dict()  # "an ensemble of aux-generator fits"
+    measured = (
+        load_preset("cpu-eps10")
+        .replace(
+            central={"rounds": 1, "rate": 1.0, "clip": 2.0, "sigma": 0.65, "cells": 4, "stretch": True},
+            frequency={"sigma": 1.1},
+            warmup={"frequency_mix_central": True, "polish_iterations": 500, "polish_lr": 5e-4},
+            dpsgd={
+                "steps": 0,
+                "physical_batch": 32,
+            },  # as measured (inert without DP-SGD; cpu-eps10's is 84 since)
+            sampler={"start_sigma": 0.7, "start_source": "mix"},
+            auxgen={"epochs": 10},
+        )
+        .replace(  # "A better-fitted aux generator"
+            frequency={"features": 2048, "patch": 7, "stride": 3}
+        )
+        .replace(  # "A patch feature map"
+            auxgen={"restarts": 4, "keep": 4}
+        )
+        .to_dict()
+    )  # "an ensemble of aux-generator fits"
     shipped = load_preset("cpu-eps10-nodpsgd").to_dict()
-    assert {k: v for k, v in shipped.items() if k != "job"} == {k: v for k, v in measured.items() if k != "job"}
+    assert {k: v for k, v in shipped.items() if k != "job"} == {
+        k: v for k, v in measured.items() if k != "job"
+    }

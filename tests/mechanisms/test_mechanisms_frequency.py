@@ -26,7 +26,9 @@ from feta_release.mechanisms.frequency import (
 K = 3
 
 
-def data(n: int = 90, shape: tuple[int, int, int] = (1, 6, 6), seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def data(
+    n: int = 90, shape: tuple[int, int, int] = (1, 6, 6), seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     g = np.random.default_rng(seed)
     return g.random((n, *shape), dtype=np.float32), np.arange(n) % K
 
@@ -43,7 +45,9 @@ def test_frequencies_are_seeded_numpy_draws() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(arrays(np.float32, (4, 10), elements=st.floats(0, 1, width=32)), st.integers(1, 64), st.integers(0, 999))
+@given(
+    arrays(np.float32, (4, 10), elements=st.floats(0, 1, width=32)), st.integers(1, 64), st.integers(0, 999)
+)
 def test_features_have_unit_norm(x: np.ndarray, half: int, seed: int) -> None:
     phi = rff_features(torch.from_numpy(x), rff_frequencies(10, 2 * half, 105.0, seed))
     assert phi.shape == (4, 2 * half) and phi.dtype == torch.float32
@@ -72,7 +76,9 @@ def test_event_and_noise_scale() -> None:
     the sample std 0.9 %; tolerance 5 % (> 5 se), far from e.g. sigma alone or sigma / sqrt(N)."""
     x, y = data()
     sigma, n_public = 4.0, 90
-    rel, ev = frequency_statistics(x, y, K, features=2000, sigma=sigma, seed=2, n_public=n_public, rng=np.random.default_rng(42))
+    rel, ev = frequency_statistics(
+        x, y, K, features=2000, sigma=sigma, seed=2, n_public=n_public, rng=np.random.default_rng(42)
+    )
     assert ev == PrivacyEvent("frequency", sigma, 1.0, 1)
     assert rel.embedding.shape == (2000, K) and rel.embedding.dtype == np.float32
     clean = embedding_sum(x, y, K, rff_frequencies(36, 2000, 105.0, 2)) / n_public
@@ -112,11 +118,15 @@ def test_streams_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(fm, "_features_into", spy)
     x, y = data(n=90)
-    a, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), chunk=7)
+    a, _ = frequency_statistics(
+        x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), chunk=7
+    )
     assert max(r for r, _ in seen) == 7 and sum(r for r, _ in seen) == 90
     assert {buf for _, buf in seen} == {7}  # the feature buffer itself holds 7 rows
     seen.clear()
-    b, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), chunk=512)
+    b, _ = frequency_statistics(
+        x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), chunk=512
+    )
     assert seen == [(45, 45), (45, 45)]  # steps capped at half the public size (feature_map.release_chunk)
     assert np.allclose(a.embedding, b.embedding, atol=1e-6)  # chunking does not change the statistic
 
@@ -134,8 +144,16 @@ def test_per_class_columns_ignore_other_classes() -> None:
 def test_refuses_bad_parameters() -> None:
     x, y = data()
     ok = dict(features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(0))
-    for bad in [dict(sigma=0.0), dict(sigma=-2.0), dict(features=101), dict(features=0), dict(n_public=0),
-                dict(chunk=0), dict(rng="seed"), dict(bandwidth2=0.0)]:
+    for bad in [
+        dict(sigma=0.0),
+        dict(sigma=-2.0),
+        dict(features=101),
+        dict(features=0),
+        dict(n_public=0),
+        dict(chunk=0),
+        dict(rng="seed"),
+        dict(bandwidth2=0.0),
+    ]:
         with pytest.raises(PrivacyError):
             frequency_statistics(x, y, K, **{**ok, **bad})
     with pytest.raises(DataError, match="empty"):
@@ -150,15 +168,25 @@ def test_refuses_bad_parameters() -> None:
 
 def test_combine_weighted_by_public_sizes() -> None:
     x, y = data()
-    a, _ = frequency_statistics(x[:60], y[:60], K, features=100, sigma=1.0, n_public=60, rng=np.random.default_rng(1))
-    b, _ = frequency_statistics(x[60:], y[60:], K, features=100, sigma=1.0, n_public=30, rng=np.random.default_rng(2))
+    a, _ = frequency_statistics(
+        x[:60], y[:60], K, features=100, sigma=1.0, n_public=60, rng=np.random.default_rng(1)
+    )
+    b, _ = frequency_statistics(
+        x[60:], y[60:], K, features=100, sigma=1.0, n_public=30, rng=np.random.default_rng(2)
+    )
     c = combine_frequency([a, b])
     assert c.n_public == 90
     assert np.allclose(c.embedding, (60 * a.embedding + 30 * b.embedding) / 90, atol=1e-6)
     # Without noise, combining sites equals the statistic of the pooled data.
-    a0, _ = frequency_statistics(x[:60], y[:60], K, features=100, sigma=1e-9, n_public=60, rng=np.random.default_rng(1))
-    b0, _ = frequency_statistics(x[60:], y[60:], K, features=100, sigma=1e-9, n_public=30, rng=np.random.default_rng(2))
-    pooled, _ = frequency_statistics(x, y, K, features=100, sigma=1e-9, n_public=90, rng=np.random.default_rng(3))
+    a0, _ = frequency_statistics(
+        x[:60], y[:60], K, features=100, sigma=1e-9, n_public=60, rng=np.random.default_rng(1)
+    )
+    b0, _ = frequency_statistics(
+        x[60:], y[60:], K, features=100, sigma=1e-9, n_public=30, rng=np.random.default_rng(2)
+    )
+    pooled, _ = frequency_statistics(
+        x, y, K, features=100, sigma=1e-9, n_public=90, rng=np.random.default_rng(3)
+    )
     assert np.allclose(combine_frequency([a0, b0]).embedding, pooled.embedding, atol=1e-6)
     # Saved arrays (e.g. a loaded .npz) and explicit public sizes are accepted.
     d = combine_frequency([a.to_arrays(), b.to_arrays()], sizes=[1, 1])
@@ -166,9 +194,17 @@ def test_combine_weighted_by_public_sizes() -> None:
     back = FrequencyRelease.from_arrays({k: np.copy(v) for k, v in a.to_arrays().items()})
     assert np.array_equal(back.embedding, a.embedding)
     assert (back.n_public, back.features, back.bandwidth2, back.seed, back.sigma, back.image_shape) == (
-        a.n_public, a.features, a.bandwidth2, a.seed, a.sigma, a.image_shape)
+        a.n_public,
+        a.features,
+        a.bandwidth2,
+        a.seed,
+        a.sigma,
+        a.image_shape,
+    )
     assert torch.equal(back.omega(), a.omega())
-    other, _ = frequency_statistics(x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), seed=99)
+    other, _ = frequency_statistics(
+        x, y, K, features=100, sigma=1.0, n_public=90, rng=np.random.default_rng(1), seed=99
+    )
     with pytest.raises(DataError, match="same public frequencies"):
         combine_frequency([a, other])
     with pytest.raises(DataError):
@@ -179,10 +215,11 @@ def test_combine_weighted_by_public_sizes() -> None:
 @given(log_bw=st.floats(-300, 6), bright=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
 def test_every_record_row_is_finite_with_norm_at_most_one_for_any_bandwidth(log_bw, bright, seed) -> None:
     """Whatever bandwidth2 the coordinator signs, phi(x) is finite with ||phi(x)|| <= 1 for every image
-    alone (streamed sums and the differentiable features alike), so the sensitivity holds and no NaN flags a record."""
+    alone (streamed sums and the differentiable features alike), so the sensitivity holds and no NaN flags a
+    record."""
     x = np.full((4, 36), bright, dtype=np.float32)
     x[0] = 0.0
-    omega = rff_frequencies(36, 8, bandwidth2=10.0 ** log_bw, seed=seed)
+    omega = rff_frequencies(36, 8, bandwidth2=10.0**log_bw, seed=seed)
     phi = rff_features(torch.from_numpy(x), omega)
     assert torch.isfinite(phi).all() and (phi.norm(dim=1) <= 1 + 1e-5).all()
     labels = np.zeros(4, dtype=np.int64)

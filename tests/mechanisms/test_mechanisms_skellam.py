@@ -1,5 +1,5 @@
-"""Distributed Skellam mechanism: quantization round trip, conditional rounding's norm bound, exact modular sums,
-the noise shares' distribution, wrap-around bound, refusals."""
+"""Distributed Skellam mechanism: quantization round trip, conditional rounding's norm bound, exact modular
+sums, the noise shares' distribution, wrap-around bound, refusals."""
 
 from __future__ import annotations
 
@@ -16,15 +16,23 @@ from feta_release.mechanisms import skellam as sk
 
 
 def params(**over: object) -> sk.SkellamParams:
-    base: dict[str, object] = {"dim": 10, "clip": 1.0, "scale": 64.0, "noise_multiplier": 1.0, "n_sites": 3,
-                               "modulus_bits": 32}
+    base: dict[str, object] = {
+        "dim": 10,
+        "clip": 1.0,
+        "scale": 64.0,
+        "noise_multiplier": 1.0,
+        "n_sites": 3,
+        "modulus_bits": 32,
+    }
     base.update(over)
     return sk.SkellamParams(**base)  # type: ignore[arg-type]
 
 
 def records_strategy(max_rows: int = 6, dim: int = 10) -> st.SearchStrategy[np.ndarray]:
     row = st.lists(st.floats(-3, 3, allow_nan=False, width=32), min_size=dim, max_size=dim)
-    return st.lists(row, min_size=0, max_size=max_rows).map(lambda rows: np.array(rows, dtype=np.float64).reshape(-1, dim))
+    return st.lists(row, min_size=0, max_size=max_rows).map(
+        lambda rows: np.array(rows, dtype=np.float64).reshape(-1, dim)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -39,8 +47,12 @@ def test_rotation_is_orthogonal_and_inverted(x: list[float], rotate: bool) -> No
 
 
 @settings(max_examples=40, deadline=None)
-@given(recs=records_strategy(), scale=st.sampled_from([4.0, 64.0, 1024.0]), rotate=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    recs=records_strategy(),
+    scale=st.sampled_from([4.0, 64.0, 1024.0]),
+    rotate=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_quantize_dequantize_round_trip(recs: np.ndarray, scale: float, rotate: bool, seed: int) -> None:
     """Without noise the decoded sum is the sum of the CLIPPED records up to the rounding error: each rounded
     record is within 1 of its scaled value in every coordinate, so the error is <= R sqrt(d') / s in L2."""
@@ -54,8 +66,11 @@ def test_quantize_dequantize_round_trip(recs: np.ndarray, scale: float, rotate: 
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=st.lists(st.floats(-20, 20, allow_nan=False), min_size=1, max_size=30),
-       beta=st.sampled_from([0.0, 1e-6, 0.1, sk.DEFAULT_BETA, 0.9]), seed=st.integers(0, 2**32 - 1))
+@given(
+    x=st.lists(st.floats(-20, 20, allow_nan=False), min_size=1, max_size=30),
+    beta=st.sampled_from([0.0, 1e-6, 0.1, sk.DEFAULT_BETA, 0.9]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_conditional_rounding_respects_its_norm_bound(x: list[float], beta: float, seed: int) -> None:
     v = np.array([x] * 8)
     scaled_norm = float(np.linalg.norm(v[0]))
@@ -69,7 +84,8 @@ def test_conditional_rounding_respects_its_norm_bound(x: list[float], beta: floa
 def test_conditional_rounding_is_unbiased() -> None:
     v = np.full((20000, 4), 0.3)
     out = sk.conditional_round(v, sk.rounded_l2_bound(0.6, 0.0, 4), np.random.default_rng(1))
-    # 0.3 rounds to 1 w.p. 0.3; the sure bound (0.6 + sqrt(4) >= 2) rejects nothing, so the mean is 0.3 +- 4 sd
+    # 0.3 rounds to 1 w.p. 0.3; the sure bound (0.6 + sqrt(4) >= 2) rejects nothing, so the mean is 0.3 +- 4
+    # sd
     assert abs(out.mean() - 0.3) < 4 * math.sqrt(0.21 / out.size)
 
 
@@ -137,8 +153,8 @@ def test_wrap_probability_bounds_the_observed_wraps_and_modulus_choice() -> None
     for bits in (5, 6, 7):
         q = sk.SkellamParams(16, 1.0, 10.0, 1.0, 3, bits, rotate=False)
         bound = sk.wrap_probability(q, 1)
-        # with no records the signal is 0: a wrap is |noise_j| >= m/2 - Delta2 - 1 for some j (the bound's event
-        # contains the true wrap event, so observed wraps of the weaker event are a fair check)
+        # with no records the signal is 0: a wrap is |noise_j| >= m/2 - Delta2 - 1 for some j (the bound's
+        # event contains the true wrap event, so observed wraps of the weaker event are a fair check)
         noise = sk.skellam_noise((4000 * 16), q.mu, g).reshape(4000, 16)
         t = q.modulus / 2 - q.l2_sensitivity - 1
         observed = (np.abs(noise) >= t).any(axis=1).mean() if t > 0 else 1.0
@@ -185,7 +201,8 @@ def test_bad_parameters_and_inputs_are_refused() -> None:
 def test_chunked_quantization_sums_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
     p = params(dim=10, scale=2.0**16)
     recs = np.random.default_rng(2).normal(size=(37, 10))
-    monkeypatch.setattr(sk, "QUANTIZE_CHUNK_VALUES", 3 * p.padded_dim)  # 3 rows at a time, a partial last chunk
+    # 3 rows at a time, a partial last chunk
+    monkeypatch.setattr(sk, "QUANTIZE_CHUNK_VALUES", 3 * p.padded_dim)
     decoded = sk.dequantize_sum(sk.to_modular(sk.quantize_records(recs, p, np.random.default_rng(9)), 32), p)
     clipped = recs / np.maximum(1.0, np.linalg.norm(recs, axis=1, keepdims=True))
     assert np.linalg.norm(decoded - clipped.sum(axis=0)) <= len(recs) * math.sqrt(p.padded_dim) / p.scale
@@ -193,7 +210,8 @@ def test_chunked_quantization_sums_every_record(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("seed", [0, 12345, np.int64(7)])
 def test_integer_seeds_are_refused_everywhere(seed: object) -> None:
-    """A seed a coordinator could choose makes the noise share known and subtractable: only Generators pass."""
+    """A seed a coordinator could choose makes the noise share known and subtractable: only Generators
+    pass."""
     p = params()
     with pytest.raises(PrivacyError, match="numpy Generator"):
         sk.quantize_records(np.zeros((1, 10)), p, seed)  # type: ignore[arg-type]
@@ -203,7 +221,8 @@ def test_integer_seeds_are_refused_everywhere(seed: object) -> None:
         sk.site_contribution(np.zeros((1, 10)), p, seed)  # type: ignore[arg-type]
 
 
-# -- conditional rounding does the same work whatever the data ------------------------------------------------
+# -- conditional rounding does the same work whatever the data
+# ------------------------------------------------
 
 
 def _state_after_quantizing(recs: np.ndarray, p: sk.SkellamParams) -> object:
@@ -214,10 +233,12 @@ def _state_after_quantizing(recs: np.ndarray, p: sk.SkellamParams) -> object:
 
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 40), dim=st.sampled_from([7, 49, 196]), data=st.data())
-def test_rounding_draws_the_same_randomness_whatever_the_records(rows: int, dim: int, data: st.DataObject) -> None:
+def test_rounding_draws_the_same_randomness_whatever_the_records(
+    rows: int, dim: int, data: st.DataObject
+) -> None:
     """The reply latency of a secure sum must not follow how many records sit at the clip norm: records at the
-    norm (rejected ~10 % of the time by the norm bound) and records at a fraction of it (never rejected) consume
-    exactly the same random words from the same generator (the same final state)."""
+    norm (rejected ~10 % of the time by the norm bound) and records at a fraction of it (never rejected)
+    consume exactly the same random words from the same generator (the same final state)."""
     p = params(dim=dim, scale=1024.0)
     g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="records"))
     direction = g.standard_normal((rows, dim))
@@ -229,7 +250,8 @@ def test_rounding_draws_the_same_randomness_whatever_the_records(rows: int, dim:
 
 
 def test_rounding_draws_a_fixed_number_of_uniforms_per_value() -> None:
-    """K candidates per record, counted on a wrapped generator: the same count for clipped and small records."""
+    """K candidates per record, counted on a wrapped generator: the same count for clipped and small
+    records."""
 
     class Counting(np.random.Generator):
         def __init__(self) -> None:
@@ -251,9 +273,9 @@ def test_rounding_draws_a_fixed_number_of_uniforms_per_value() -> None:
 
 
 def test_constant_work_rounding_has_the_conditional_distribution_of_rejection_sampling() -> None:
-    """The first accepted of the K candidates is the unbiased rounding conditioned on the norm bound, exactly as
-    redrawing until accepted: chi-square against the exact conditional law of every outcome, with a bound that
-    rejects ~30 % of the draws (so the fallback batch is exercised too)."""
+    """The first accepted of the K candidates is the unbiased rounding conditioned on the norm bound, exactly
+    as redrawing until accepted: chi-square against the exact conditional law of every outcome, with a bound
+    that rejects ~30 % of the draws (so the fallback batch is exercised too)."""
     x = np.array([0.5, 0.7, 1.4])
     bound = 2.2
     floor, frac = np.floor(x), x - np.floor(x)

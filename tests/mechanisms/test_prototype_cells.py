@@ -1,5 +1,6 @@
-"""Central images split by public aux-generator prototypes (``[central] cell_rule = "aux"``): the cell function, the
-sensitivity, refusals, the k-means centres and the stage order that makes the prototypes public in time."""
+"""Central images split by public aux-generator prototypes (``[central] cell_rule = "aux"``): the cell
+function, the sensitivity, refusals, the k-means centres and the stage order that makes the prototypes public
+in time."""
 
 from __future__ import annotations
 
@@ -34,22 +35,41 @@ def test_each_image_goes_to_the_nearest_prototype_of_its_own_class() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(arrays(np.float32, (6, 1, SIDE, SIDE), elements=st.floats(0, 1, width=32)),
-       st.lists(st.integers(0, K - 1), min_size=6, max_size=6), st.integers(0, 3))
+@given(
+    arrays(np.float32, (6, 1, SIDE, SIDE), elements=st.floats(0, 1, width=32)),
+    st.lists(st.integers(0, K - 1), min_size=6, max_size=6),
+    st.integers(0, 3),
+)
 def test_a_prototype_cell_depends_on_its_own_image_only(x: np.ndarray, labels: list[int], seed: int) -> None:
-    """Adding or removing other images never moves an image's cell: what keeps the per-cell sums at sensitivity C."""
+    """Adding or removing other images never moves an image's cell: what keeps the per-cell sums at
+    sensitivity C."""
     y, p = np.array(labels), protos(seed)
     full = prototype_cells(x, y, p)
     assert full.min() >= 0 and full.max() < CELLS
     for i in range(len(x)):
-        assert prototype_cells(x[i:i + 1], y[i:i + 1], p)[0] == full[i]
-        assert np.array_equal(np.delete(full, i), prototype_cells(np.delete(x, i, axis=0), np.delete(y, i), p))
+        assert prototype_cells(x[i : i + 1], y[i : i + 1], p)[0] == full[i]
+        assert np.array_equal(
+            np.delete(full, i), prototype_cells(np.delete(x, i, axis=0), np.delete(y, i), p)
+        )
 
 
 def _sums(x: np.ndarray, y: np.ndarray, p: np.ndarray) -> np.ndarray:
     """The released cell sums with (practically) no noise, q = 1: the query itself."""
-    rel, _ = central_images(x, y, K, kind="mean", rounds=1, batch=len(x), sigma=1e-12, clip=2.0, downsample=0.5,
-                            n_public=len(x), rng=np.random.default_rng(0), cells=CELLS, prototypes=p)
+    rel, _ = central_images(
+        x,
+        y,
+        K,
+        kind="mean",
+        rounds=1,
+        batch=len(x),
+        sigma=1e-12,
+        clip=2.0,
+        downsample=0.5,
+        n_public=len(x),
+        rng=np.random.default_rng(0),
+        cells=CELLS,
+        prototypes=p,
+    )
     return rel.values.reshape(K * CELLS, -1) * (len(x) / (K * CELLS))
 
 
@@ -68,27 +88,53 @@ def test_one_more_image_moves_one_sum_of_its_class_by_at_most_the_clip() -> None
 def test_the_event_is_the_slant_rules_event() -> None:
     g = np.random.default_rng(2)
     x, y = g.random((30, 1, SIDE, SIDE), dtype=np.float32), np.arange(30) % K
-    kw = dict(kind="mean", rounds=1, batch=30, sigma=3.0, clip=2.0, downsample=0.5, n_public=30,
-              rng=np.random.default_rng(0), cells=CELLS)
+    kw = dict(
+        kind="mean",
+        rounds=1,
+        batch=30,
+        sigma=3.0,
+        clip=2.0,
+        downsample=0.5,
+        n_public=30,
+        rng=np.random.default_rng(0),
+        cells=CELLS,
+    )
     _, slant = central_images(x, y, K, **kw)
     _, aux = central_images(x, y, K, prototypes=protos(), **kw)
     assert aux == slant
 
 
-@pytest.mark.parametrize("bad", [np.zeros((K, CELLS + 1, SIDE * SIDE)), np.full((K, CELLS, SIDE * SIDE), np.nan),
-                                 np.zeros((K, CELLS, 10))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((K, CELLS + 1, SIDE * SIDE)),
+        np.full((K, CELLS, SIDE * SIDE), np.nan),
+        np.zeros((K, CELLS, 10)),
+    ],
+)
 def test_prototypes_of_the_wrong_shape_or_not_finite_are_refused(bad: np.ndarray) -> None:
     x, y = np.zeros((6, 1, SIDE, SIDE), np.float32), np.arange(6) % K
     with pytest.raises(PrivacyError, match="cell prototypes must be finite numbers of shape"):
-        central_images(x, y, K, kind="mean", rounds=1, batch=6, sigma=3.0, clip=2.0, n_public=6,
-                       rng=np.random.default_rng(0), cells=CELLS,
-                       prototypes=bad)
+        central_images(
+            x,
+            y,
+            K,
+            kind="mean",
+            rounds=1,
+            batch=6,
+            sigma=3.0,
+            clip=2.0,
+            n_public=6,
+            rng=np.random.default_rng(0),
+            cells=CELLS,
+            prototypes=bad,
+        )
 
 
 def test_config_refusals() -> None:
     cfg = load_preset("cpu-eps10-nodpsgd")
     assert cfg.replace(central={"cell_rule": "aux"}).central.cell_rule == "aux"
-    with pytest.raises(ConfigError, match="needs kind = \"mean\" and \\[frequency\\] sigma"):
+    with pytest.raises(ConfigError, match='needs kind = "mean" and \\[frequency\\] sigma'):
         cfg.replace(central={"cell_rule": "aux"}, frequency={"sigma": None})
     with pytest.raises(ConfigError, match="single-site only"):
         cfg.replace(central={"cell_rule": "aux"}, federation={"sites": ("a", "b")})
@@ -97,13 +143,16 @@ def test_config_refusals() -> None:
 
 
 def test_a_node_refuses_the_aux_rule_it_cannot_follow() -> None:
-    """A job without [federation] sites passes config validation; the node must still not fall back to slant."""
+    """A job without [federation] sites passes config validation; the node must still not fall back to
+    slant."""
     from types import SimpleNamespace
 
     from edge.releases import release_central
 
     cfg = load_preset("tiny").replace(central={"cell_rule": "aux", "cells": 2})
-    ds = SimpleNamespace(images=np.zeros((20, 1, 28, 28), np.float32), labels=np.arange(20) % 10, n_classes=10)
+    ds = SimpleNamespace(
+        images=np.zeros((20, 1, 28, 28), np.float32), labels=np.arange(20) % 10, n_classes=10
+    )
     with pytest.raises(PrivacyError, match="single-site only"):
         release_central(ds, cfg, 20, np.random.default_rng(0))
 

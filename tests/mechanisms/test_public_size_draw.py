@@ -1,6 +1,6 @@
-"""A run without a declared public size draws it from a charged Gaussian count (review finding: `train` used to
-round the EXACT count to 2 significant digits, a deterministic function of N: 3949 vs 3950 images gave 3900 vs
-4000, epsilon infinite for that bit)."""
+"""A run without a declared public size draws it from a charged Gaussian count (review finding: `train` used
+to round the EXACT count to 2 significant digits, a deterministic function of N: 3949 vs 3950 images gave 3900
+vs 4000, epsilon infinite for that bit)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from feta_release.training.progress import Reporter
 def _data(n: int = 240, seed: int = 0) -> ImageDataset:
     full = load_embedded()
     rng = np.random.default_rng(seed)
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    idx = np.concatenate(
+        [rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)]
+    )
     return full.subset(np.sort(idx))
 
 
@@ -37,8 +39,11 @@ def _ledger_rows(out):
 
 
 def test_neighbouring_counts_at_a_rounding_boundary_give_the_same_sizes_with_close_odds():
-    """3949 and 3950 images: each gives 3900 and 4000 (and neighbours) with close frequencies, not one each."""
-    draws = {n: [draw_public_size(n, np.random.default_rng([n, i])) for i in range(2000)] for n in (3949, 3950)}
+    """3949 and 3950 images: each gives 3900 and 4000 (and neighbours) with close frequencies, not one
+    each."""
+    draws = {
+        n: [draw_public_size(n, np.random.default_rng([n, i])) for i in range(2000)] for n in (3949, 3950)
+    }
     for n, vals in draws.items():
         assert {3900, 4000} <= set(vals), n
     for v in (3900, 4000):
@@ -77,8 +82,9 @@ def test_privacy_plan_cli_shows_the_size_event_unless_declared():
 
     job = "feta_release/presets/cpu-eps10-nodpsgd.toml"
     drawn = json.loads(CliRunner().invoke(cli, ["privacy", "plan", job, "-n", "4000", "--json"]).stdout)
-    declared = json.loads(CliRunner().invoke(cli, ["privacy", "plan", job, "-n", "4000", "--json",
-                                                   "--declared-size"]).stdout)
+    declared = json.loads(
+        CliRunner().invoke(cli, ["privacy", "plan", job, "-n", "4000", "--json", "--declared-size"]).stdout
+    )
     assert [s["stage"] for s in drawn["stages"]][0] == "size"
     assert "size" not in [s["stage"] for s in declared["stages"]]
     assert drawn["epsilon"] > declared["epsilon"]
@@ -88,8 +94,11 @@ def test_the_size_is_drawn_from_the_secret_charged_first_and_never_redrawn(tmp_p
     from feta_release.training.pipeline import _drawn_size
 
     cfg, data = load_preset("tiny"), _data()
+
     def draw(out, seed=None):
-        return _drawn_size(cfg, data, out, None, None, seed, Reporter(enabled=False), {"size": data.n})["size"]
+        return _drawn_size(cfg, data, out, None, None, seed, Reporter(enabled=False), {"size": data.n})[
+            "size"
+        ]
 
     sizes = {draw(tmp_path / f"r{s}", s) for s in range(8)}
     assert len(sizes) > 1  # not a function of the count alone
@@ -118,8 +127,11 @@ def test_a_run_without_a_declared_size_charges_it_before_any_other_release(drawn
     rows, events = _ledger_rows(out)
     assert rows[0]["mechanism"] == "size" and [e["stage"] for e in events][0] == "size"
     run = json.loads((out / "run.json").read_text())
-    assert run["dataset_size"] == run["public_size"]["counts"]["size"] == json.loads(
-        (out / "released" / "size.json").read_text())["counts"]["size"]
+    assert (
+        run["dataset_size"]
+        == run["public_size"]["counts"]["size"]
+        == json.loads((out / "released" / "size.json").read_text())["counts"]["size"]
+    )
     doc = json.loads((out / "privacy.json").read_text())
     evs = events_from_list(doc["events"])
     assert evs[0] == size_event() and evs == events_from_list(doc["planned"]) == res.events
@@ -138,15 +150,20 @@ def test_a_drawn_size_run_resumes_without_recharging_and_its_export_attests_it(d
     from feta_release.signing import generate_keypair
 
     coord = load_private_key(generate_keypair(tmp_path, "coordinator")[0])
-    rel = export_run(out, tmp_path / "release", coordinator_key=coord,
-                     site_key=load_private_key(out / "checkpoints" / "site.key"))
+    rel = export_run(
+        out,
+        tmp_path / "release",
+        coordinator_key=coord,
+        site_key=load_private_key(out / "checkpoints" / "site.key"),
+    )
     man = json.loads((rel / "manifest.json").read_text())
     (site,) = man["manifest"]["sites"]
     assert events_from_list(site["events"])[0] == size_event()
     assert site["attestation"]["statement"]["epsilon"] == pytest.approx(res.epsilon)
     st = site["attestation"]["statement"]  # verify recomputes the job's epsilon from the attested events
     assert epsilon(events_from_list(site["events"]), float(st["delta"]), st["accountant"]) == pytest.approx(
-        st["epsilon"])
+        st["epsilon"]
+    )
 
 
 def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
@@ -155,11 +172,15 @@ def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
     from feta_release.privacy_unit import PatientIndex
     from feta_release.training.pipeline import run_pipeline
 
-    cfg = load_preset("tiny").replace(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
-    pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=1, cap=3)  # 80 patients x 3 images; 1: a placeholder
+    cfg = load_preset("tiny").replace(
+        dpsgd={"steps": 2}, warmup={"spatial_iterations": 1}, frequency={"sigma": None}
+    )
+    # 80 patients x 3 images; 1: a placeholder
+    pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=1, cap=3)
     out = tmp_path / "r"
-    res = run_pipeline(cfg, _data(), out, n_synthetic=0, grid_per_class=1, noise_seed=2, patients=pats,
-                       draw_patients=True)
+    res = run_pipeline(
+        cfg, _data(), out, n_synthetic=0, grid_per_class=1, noise_seed=2, patients=pats, draw_patients=True
+    )
     assert [e.stage for e in res.events] == ["size", "patients", "central", "dpsgd"]
     assert res.events[:2] == [size_event(), patients_event()] and res.events[1].unit == "patient"
     rows, _ = _ledger_rows(out)
@@ -171,9 +192,10 @@ def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
 
 @pytest.mark.parametrize("n", [80, 90])
 def test_a_run_without_a_declared_size_refuses_only_at_the_drawn_size(tmp_path, n):
-    """Whether `train` refuses, and what it says, must not be a function of the exact count: the batch check and
-    the plan wait for the noisy draw (charged first) and name the drawn size. The check used to plan at the
-    rounded EXACT count before the draw: 80 images refused with "public size 80", uncharged, 90 with "90"."""
+    """Whether `train` refuses, and what it says, must not be a function of the exact count: the batch check
+    and the plan wait for the noisy draw (charged first) and name the drawn size. The check used to plan at
+    the rounded EXACT count before the draw: 80 images refused with "public size 80", uncharged, 90 with
+    "90"."""
     from feta_release.errors import DataError
     from feta_release.training.pipeline import run_pipeline
 

@@ -24,13 +24,17 @@ def strokes():
 
 
 def _cfg(public, **over) -> JobConfig:
-    base = with_public(load_preset("tiny").replace(public={"pretrain_iterations": 4, "pretrain_batch": 16}),
-                       PublicInputs(public), (1, 28, 28))
+    base = with_public(
+        load_preset("tiny").replace(public={"pretrain_iterations": 4, "pretrain_batch": 16}),
+        PublicInputs(public),
+        (1, 28, 28),
+    )
     return base.replace(public={"selection": True, "selection_groups": 4, **over})
 
 
-images = st.integers(1, 12).flatmap(lambda n: st.lists(
-    st.lists(st.floats(0, 1, width=32), min_size=16, max_size=16), min_size=n, max_size=n))
+images = st.integers(1, 12).flatmap(
+    lambda n: st.lists(st.lists(st.floats(0, 1, width=32), min_size=16, max_size=16), min_size=n, max_size=n)
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -147,7 +151,6 @@ def test_the_ledger_refuses_a_selection_over_the_budget_naming_the_rule(tmp_path
 def test_a_policy_without_a_selection_rule_refuses_it_naming_the_fix():
     from feta_release.policy import check_request
     from feta_release.policy.document import SitePolicy
-
     from tests.support.policy import keys, policy_doc
 
     k = keys()

@@ -1,7 +1,7 @@
 """The per-message process waited on the worker for a constant hour (``channel.CLIENT_TIMEOUT``), not for
-the job's own deadline. A worker hung on a message of a job with a 2-minute round timeout kept that process (and
-its Flower task) for an hour after the coordinator had stopped waiting. Now the wait is the signed job's round
-timeout plus ``edge.forward.ROUND_MARGIN``, with the constant as a ceiling."""
+the job's own deadline. A worker hung on a message of a job with a 2-minute round timeout kept that process
+(and its Flower task) for an hour after the coordinator had stopped waiting. Now the wait is the signed job's
+round timeout plus ``edge.forward.ROUND_MARGIN``, with the constant as a ceiling."""
 
 from __future__ import annotations
 
@@ -21,14 +21,18 @@ from edge import channel
 from edge import forward as fwd
 from feta_release.federation import messages as fm
 from feta_release.policy.jobs import sign_job
-
 from tests.support.federation import tiny_job
-from tests.support.flower import flower_message as _msg, node_context as _ctx
+from tests.support.flower import flower_message as _msg
+from tests.support.flower import node_context as _ctx
 
 
 def _job_msg(round_timeout: float) -> Any:
-    signed = sign_job(tiny_job(federation={"round_timeout": round_timeout}), Ed25519PrivateKey.generate(), "job-l4",
-                      ["site-a"])
+    signed = sign_job(
+        tiny_job(federation={"round_timeout": round_timeout}),
+        Ed25519PrivateKey.generate(),
+        "job-l4",
+        ["site-a"],
+    )
     return _msg({"job": signed}, fm.HELLO)
 
 
@@ -81,7 +85,8 @@ def test_a_hung_worker_call_ends_after_the_jobs_deadline_not_the_ceiling(hung_wo
 
 
 def test_a_stuck_worker_times_out_at_the_jobs_deadline_before_the_challenge(tmp_path, monkeypatch):
-    """A socket that takes the connection and never speaks: the connect/challenge deadline is the job's too."""
+    """A socket that takes the connection and never speaks: the connect/challenge deadline is the job's
+    too."""
     sock = tmp_path / "stuck.sock"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(sock))
@@ -103,17 +108,24 @@ def test_the_wait_is_the_round_timeout_plus_the_margin_capped_by_the_ceiling(rt)
     assert fwd.reply_timeout(_job_msg(rt)) == pytest.approx(want)
 
 
-@pytest.mark.parametrize("doc", [{}, {"job": "not a job"}, {"job": {"job": {"config": {}}}},
-                                 {"job": {"job": {"config": {"federation": {"round_timeout": "soon"}}}}},
-                                 {"job": {"job": {"config": {"federation": {"round_timeout": -5}}}}},
-                                 {"job": {"job": {"config": {"federation": {"round_timeout": True}}}}}])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {},
+        {"job": "not a job"},
+        {"job": {"job": {"config": {}}}},
+        {"job": {"job": {"config": {"federation": {"round_timeout": "soon"}}}}},
+        {"job": {"job": {"config": {"federation": {"round_timeout": -5}}}}},
+        {"job": {"job": {"config": {"federation": {"round_timeout": True}}}}},
+    ],
+)
 def test_a_message_without_a_readable_job_waits_the_ceiling(doc):
     assert fwd.reply_timeout(_msg(doc)) == channel.CLIENT_TIMEOUT
 
 
 def test_a_huge_round_timeout_waits_the_ceiling_instead_of_raising():
     # An int beyond float range made math.isfinite raise OverflowError out of the forwarder
-    doc = {"job": {"job": {"config": {"federation": {"round_timeout": 10 ** 400}}}}}
+    doc = {"job": {"job": {"config": {"federation": {"round_timeout": 10**400}}}}}
     assert fwd.reply_timeout(_msg(doc)) == channel.CLIENT_TIMEOUT
 
 

@@ -58,16 +58,18 @@ def test_untrusted_bundle_is_refused_before_unpacking(gate, monkeypatch, tmp_pat
 
 
 def test_allowed_bundle_installs(gate, monkeypatch, tmp_path):
-    from coordinator.setup import APP_DIR
-
     from types import SimpleNamespace
+
+    from coordinator.setup import APP_DIR
 
     fab = _fab(APP_DIR)
     h = hashlib.sha256(fab).hexdigest()
     monkeypatch.setenv(trust.ENV_ALLOWED, h)
     # What the SuperNode hands flwr-clientapp: the run's names and the bundle. The gate checks both first.
     run = SimpleNamespace(fab_id="feta-release/feta-release-app", fab_version="0.1.0")
-    monkeypatch.setattr(gate, "pull_task_input", lambda client: ("m", "c", run, SimpleNamespace(hash_str=h, content=fab)))
+    monkeypatch.setattr(
+        gate, "pull_task_input", lambda client: ("m", "c", run, SimpleNamespace(hash_str=h, content=fab))
+    )
     trust.install_gate()
     gate.pull_task_input(None)
     path = gate.install_from_fab(fab, skip_prompt=True)
@@ -91,8 +93,14 @@ def test_wrapper_script_runs_the_gate(tmp_path):
 def test_insecure_only_for_loopback(tmp_path):
     from edge.launch import NodeSettings, check_transport
 
-    base = dict(data=tmp_path, policy=tmp_path, trusted_policy_key=tmp_path, ledger=tmp_path / "l.db",
-                site_key=tmp_path, data_secret=tmp_path)
+    base = dict(
+        data=tmp_path,
+        policy=tmp_path,
+        trusted_policy_key=tmp_path,
+        ledger=tmp_path / "l.db",
+        site_key=tmp_path,
+        data_secret=tmp_path,
+    )
     check_transport(NodeSettings(**base, superlink="127.0.0.1:9092", insecure=True))
     with pytest.raises(ConfigError, match="non-loopback"):
         check_transport(NodeSettings(**base, superlink="10.1.2.3:9092", insecure=True))
@@ -119,18 +127,31 @@ def test_node_start_refuses_a_policy_signed_by_another_key(tmp_path):
 
     from edge.cli import node
     from feta_release.signing import generate_keypair
-
     from tests.support.federation import make_federation
 
     fed = make_federation(tmp_path / "fed")
     s = fed.site("site-a")
     _, other_pub = generate_keypair(tmp_path / "other", "other")
-    args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
-            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--superlink", "127.0.0.1:1",
-            "--insecure"]
+    args = [
+        "start",
+        "--data",
+        str(s.data),
+        "--policy",
+        str(s.policy),
+        "--ledger",
+        str(s.ledger),
+        "--site-key",
+        str(s.site_key),
+        "--data-secret",
+        str(s.data_secret),
+        "--superlink",
+        "127.0.0.1:1",
+        "--insecure",
+    ]
     res = CliRunner().invoke(node, [*args, "--trusted", str(other_pub)])
     assert isinstance(res.exception, PolicyError) and "signature.signer" in str(res.exception)
     # Non-loopback without TLS is refused before anything starts.
-    res = CliRunner().invoke(node, [*args[:-3], "--superlink", "10.0.0.1:9092", "--insecure",
-                                    "--trusted", str(s.policy_pub)])
+    res = CliRunner().invoke(
+        node, [*args[:-3], "--superlink", "10.0.0.1:9092", "--insecure", "--trusted", str(s.policy_pub)]
+    )
     assert isinstance(res.exception, ConfigError)

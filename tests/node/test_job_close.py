@@ -11,14 +11,14 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.setup import sign_job_file
-from feta_release.ledger import Budget, Ledger
 from feta_release.accounting import PrivacyEvent
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation.job import run_job
+from feta_release.ledger import Budget, Ledger
 from feta_release.signing import load_private_key
-
-from tests.support.federation import harness, ledger_requests as _requests, make_federation, tiny_job
+from tests.support.federation import harness, make_federation, tiny_job
+from tests.support.federation import ledger_requests as _requests
 
 
 @pytest.fixture()
@@ -42,8 +42,14 @@ def test_attesting_closes_the_job_at_the_node(fed, tmp_path):
     """Fails on 473f707: after the attestation the site still answered (and could charge) the job."""
     cfg = tiny_job()
     signed, _ = sign_job_file(fed, cfg, "job-close")
-    res = run_job(harness(fed), signed, tmp_path / "out", coordinator_key=load_private_key(fed.coordinator_key),
-                  wait_timeout=2, poll_interval=0.05)
+    res = run_job(
+        harness(fed),
+        signed,
+        tmp_path / "out",
+        coordinator_key=load_private_key(fed.coordinator_key),
+        wait_timeout=2,
+        poll_interval=0.05,
+    )
     st = res.attestations["site-a"]["statement"]
     assert st["final"] is True
     before = _requests(fed, "site-a", "job-close")
@@ -81,8 +87,9 @@ def test_same_job_id_with_another_signed_job_is_refused(fed, tmp_path):
     first, _ = sign_job_file(fed, cfg, "job-dup")
     grid = harness(fed)
     assert not _send(grid, fm.TRAIN, {"job": first, "round": 0}, _weights(cfg)).has_error()
-    second, _ = sign_job_file(fed, cfg.replace(sampler={"steps": cfg.sampler.steps + 1}), "job-dup",
-                              out=tmp_path / "second.json")
+    second, _ = sign_job_file(
+        fed, cfg.replace(sampler={"steps": cfg.sampler.steps + 1}), "job-dup", out=tmp_path / "second.json"
+    )
     assert second["job"] != first["job"]
     rep = _send(grid, fm.TRAIN, {"job": second, "round": 0}, _weights(cfg))
     assert rep.has_error() and "already bound at this site to another signed job" in rep.error.reason
@@ -111,9 +118,10 @@ def test_node_refuses_a_site_key_its_policy_does_not_name(fed, tmp_path):
 
 
 def test_binding_and_closing_a_job_keep_the_signed_head_valid(tmp_path):
-    """Merge regression (security's job records x node's signed head): bind_job/close_job wrote the ``meta`` table
-    outside the signing write, so the next open of the ledger (every node message) saw a head that no longer
-    covered ``meta`` and refused the ledger as tampered; the e2e demo then got no release from any site."""
+    """Merge regression (security's job records x node's signed head): bind_job/close_job wrote the ``meta``
+    table outside the signing write, so the next open of the ledger (every node message) saw a head that no
+    longer covered ``meta`` and refused the ledger as tampered; the e2e demo then got no release from any
+    site."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     key = Ed25519PrivateKey.generate()

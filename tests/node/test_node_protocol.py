@@ -11,9 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.setup import sign_job_file
-from feta_release.ledger import Ledger
 from feta_release.federation import messages as fm
-
+from feta_release.ledger import Ledger
 from tests.support.federation import full_job, harness, make_federation
 
 SECRET = "image-17-is-class-3"  # stands for anything data-dependent an exception text might carry
@@ -25,8 +24,9 @@ def fed(tmp_path_factory):
 
 
 def _send(grid, signed, mtype=fm.CENTRAL, doc=None, arrays=None):
-    (rep,) = grid.send_and_receive([grid.create_message(fm.make_payload({"job": signed, **(doc or {})}, arrays),
-                                                        mtype, 100, "t")])
+    (rep,) = grid.send_and_receive(
+        [grid.create_message(fm.make_payload({"job": signed, **(doc or {})}, arrays), mtype, 100, "t")]
+    )
     return rep
 
 
@@ -42,8 +42,9 @@ def _charged(fed, job_id):
 
 
 def test_a_compute_that_fails_after_the_charge_releases_nothing_and_is_not_charged_again(fed, monkeypatch):
-    """The charge commits before the images are read; a failure afterwards answers with no arrays, no cause (an
-    exception text may depend on the images), and a retry neither recomputes (fresh noise) nor charges again."""
+    """The charge commits before the images are read; a failure afterwards answers with no arrays, no cause
+    (an exception text may depend on the images), and a retry neither recomputes (fresh noise) nor charges
+    again."""
     import edge.clientapp as ca
 
     calls = []
@@ -87,7 +88,9 @@ def test_a_replay_is_answered_from_the_record_and_not_charged_twice(fed, monkeyp
     signed, _ = sign_job_file(fed, full_job(), "job-replay")
     grid = harness(fed)
     first = _send(grid, signed)
-    monkeypatch.setattr(ca, "release_central", lambda *a, **k: pytest.fail("a replay computed a fresh release"))
+    monkeypatch.setattr(
+        ca, "release_central", lambda *a, **k: pytest.fail("a replay computed a fresh release")
+    )
     second = _send(grid, signed)
     assert fm.payload_bytes(first.content) == fm.payload_bytes(second.content)
     assert len(_charged(fed, "job-replay")[0]) == 1
@@ -119,8 +122,9 @@ def test_two_requests_draw_independent_noise(fed):
 
 
 def test_no_coordinator_input_reaches_a_noise_seed(fed, monkeypatch):
-    """With the OS key pinned, jobs that differ in everything the coordinator controls (job id, job seed, request
-    id) draw the SAME noise: the OS key is the only seed. The factory takes no argument to seed from."""
+    """With the OS key pinned, jobs that differ in everything the coordinator controls (job id, job seed,
+    request id) draw the SAME noise: the OS key is the only seed. The factory takes no argument to seed
+    from."""
     import feta_release.randomness as rnd
     from edge.protocol import ReleaseRng
 

@@ -1,6 +1,6 @@
-"""What one signed job may make a node allocate: the policy's ``resources`` caps, refused from the job's config
-before anything is built, decoded or charged (feta_release/policy/enforce.py, feta_release/model_size.py,
-edge/resources.py)."""
+"""What one signed job may make a node allocate: the policy's ``resources`` caps, refused from the job's
+config before anything is built, decoded or charged (feta_release/policy/enforce.py,
+feta_release/model_size.py, edge/resources.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from feta_release.model_size import denoiser_parameters
 from feta_release.policy.enforce import DEFAULT_RESOURCES, check_resources
 from feta_release.policy.errors import PolicyViolation
 from feta_release.signing import canonical_json
-
 from tests.support.federation import harness, make_federation, tiny_job
 
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[2] / "feta_release" / "presets").glob("*.toml"))
@@ -45,13 +44,23 @@ def policy(fed):
     return site.policy
 
 
-# -- the count -------------------------------------------------------------------------------------------------
+# -- the count
+# -------------------------------------------------------------------------------------------------
 
 
 @settings(max_examples=40, deadline=None)
-@given(levels=st.integers(1, 3), side=st.integers(4, 12), img_ch=st.sampled_from([1, 3]), classes=st.integers(1, 5),
-       channels=st.sampled_from([4, 8, 12]), blocks=st.integers(0, 3), data=st.data())
-def test_the_count_equals_the_built_models_for_any_architecture(levels, side, img_ch, classes, channels, blocks, data):
+@given(
+    levels=st.integers(1, 3),
+    side=st.integers(4, 12),
+    img_ch=st.sampled_from([1, 3]),
+    classes=st.integers(1, 5),
+    channels=st.sampled_from([4, 8, 12]),
+    blocks=st.integers(0, 3),
+    data=st.data(),
+)
+def test_the_count_equals_the_built_models_for_any_architecture(
+    levels, side, img_ch, classes, channels, blocks, data
+):
     from feta_release.models import build_denoiser, count_parameters
 
     mult = tuple(data.draw(st.lists(st.integers(1, 3), min_size=levels, max_size=levels)))
@@ -77,14 +86,18 @@ def test_the_defaults_admit_every_shipped_preset_and_the_demos_job(policy):
     for name, cfg in jobs.items():
         side = cfg.job.image_size or 28
         declared = dataclasses.replace(policy.declared, image_shape=(3, side, side))
-        check_resources(dataclasses.replace(policy, declared=declared), SimpleNamespace(config=cfg, job_id=name))
+        check_resources(
+            dataclasses.replace(policy, declared=declared), SimpleNamespace(config=cfg, job_id=name)
+        )
 
 
-# -- the attack: a 2 KB signed job that makes the node allocate gigabytes -------------------------------------------
+# -- the attack: a 2 KB signed job that makes the node allocate gigabytes
+# -------------------------------------------
 
 
 def _refuses_building(monkeypatch):
-    """Any model built from here on fails the test (the old node built the job's model to check the weights)."""
+    """Any model built from here on fails the test (the old node built the job's model to check the
+    weights)."""
     import feta_release.models.unet as unet
 
     def refuse(*args, **kwargs):
@@ -95,13 +108,16 @@ def _refuses_building(monkeypatch):
 
 @pytest.mark.parametrize("mtype", [fm.HELLO, fm.TRAIN])
 def test_a_2kb_job_with_a_huge_model_is_refused_before_anything_is_built(fed, monkeypatch, mtype):
-    cfg = tiny_job(model={"channels": 1024, "channel_mult": [2, 2], "num_res_blocks": 2, "attn_resolutions": [14]})
+    cfg = tiny_job(
+        model={"channels": 1024, "channel_mult": [2, 2], "num_res_blocks": 2, "attn_resolutions": [14]}
+    )
     signed, _ = sign_job_file(fed, cfg, f"job-huge-{mtype}")
     assert len(canonical_json(signed)) < 4096
     _refuses_building(monkeypatch)
     grid = harness(fed)
-    (rep,) = grid.send_and_receive([grid.create_message(fm.make_payload({"job": signed, "round": 0}), mtype, 100,
-                                                        "t")])
+    (rep,) = grid.send_and_receive(
+        [grid.create_message(fm.make_payload({"job": signed, "round": 0}), mtype, 100, "t")]
+    )
     assert rep.has_error(), "the job was answered"
     reason = rep.error.reason
     assert "resources.max_model_parameters" in reason and "cap 20,000,000" in reason, reason
@@ -127,7 +143,9 @@ def test_the_physical_batch_and_the_rows_of_a_pass_are_capped(policy, physical, 
 
 
 def test_a_site_may_raise_its_caps_in_its_policy(policy):
-    cfg = tiny_job(model={"channels": 1024, "channel_mult": [2, 2], "num_res_blocks": 2, "attn_resolutions": [14]})
+    cfg = tiny_job(
+        model={"channels": 1024, "channel_mult": [2, 2], "num_res_blocks": 2, "attn_resolutions": [14]}
+    )
     job = SimpleNamespace(config=cfg, job_id="big")
     with pytest.raises(PolicyViolation, match="max_model_parameters"):
         check_resources(policy, job)
@@ -137,7 +155,9 @@ def test_a_site_may_raise_its_caps_in_its_policy(policy):
 def test_the_policy_check_names_the_rule(fed, policy):
     from edge.admission import admit
 
-    cfg = tiny_job(model={"channels": 1024, "channel_mult": [2, 2], "num_res_blocks": 2, "attn_resolutions": [14]})
+    cfg = tiny_job(
+        model={"channels": 1024, "channel_mult": [2, 2], "num_res_blocks": 2, "attn_resolutions": [14]}
+    )
     signed, _ = sign_job_file(fed, cfg, "job-huge-check")
     res = admit(policy, signed)
     assert [rule for rule, _ in res.failures] == ["resources.max_model_parameters"]
@@ -155,7 +175,8 @@ def test_a_policy_resources_section_is_schema_checked(fed):
         validate_policy({**doc, "resources": {"max_physical_batch": 0}})
 
 
-# -- one message, and the memory of the processes that compute --------------------------------------------------
+# -- one message, and the memory of the processes that compute
+# --------------------------------------------------
 
 
 def test_a_message_over_the_size_cap_is_refused_before_its_arrays_are_read(fed, monkeypatch):
@@ -169,9 +190,14 @@ def test_a_message_over_the_size_cap_is_refused_before_its_arrays_are_read(fed, 
     signed, _ = sign_job_file(fed, tiny_job(), "job-big-message")
     weights = {"w": np.zeros(2**18, dtype=np.float32)}  # 1 MiB
     grid = harness(fed)
-    (rep,) = grid.send_and_receive([grid.create_message(fm.make_payload({"job": signed}, weights), fm.HELLO, 100,
-                                                        "t")])
-    assert rep.has_error() and "resources.max_message_mb" in rep.error.reason and "cap 0.5 MiB" in rep.error.reason
+    (rep,) = grid.send_and_receive(
+        [grid.create_message(fm.make_payload({"job": signed}, weights), fm.HELLO, 100, "t")]
+    )
+    assert (
+        rep.has_error()
+        and "resources.max_message_mb" in rep.error.reason
+        and "cap 0.5 MiB" in rep.error.reason
+    )
     assert read == []
 
 
@@ -179,7 +205,9 @@ def test_the_in_process_harness_leaves_its_hosts_memory_limit_alone(fed):
     before = resource.getrlimit(resource.RLIMIT_DATA)
     signed, _ = sign_job_file(fed, tiny_job(), "job-hello")
     grid = harness(fed)
-    (rep,) = grid.send_and_receive([grid.create_message(fm.make_payload({"job": signed}), fm.HELLO, 100, "t")])
+    (rep,) = grid.send_and_receive(
+        [grid.create_message(fm.make_payload({"job": signed}), fm.HELLO, 100, "t")]
+    )
     assert not rep.has_error(), rep.error.reason
     assert resource.getrlimit(resource.RLIMIT_DATA) == before
 
@@ -203,8 +231,13 @@ print(json.dumps(got))
 
 
 def test_the_memory_limit_makes_an_allocation_past_it_fail_in_that_process():
-    out = subprocess.run([sys.executable, "-c", LIMITED, "1024"], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", LIMITED, "1024"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"limit": 1024 * 2**20, "big": "MemoryError"}

@@ -19,15 +19,19 @@ from edge import site_cache
 from edge.site import Site, forget_sites
 from feta_release.data.commitment import load_secret, public_rows
 from feta_release.errors import PolicyError
-
 from tests.support.federation import tiny_sites
-from tests.support.patients import CAP, PATIENT_SITE, patient_federation as _federation
-from tests.support.sites import BASE_LABELS, csv_site as _csv_site
+from tests.support.patients import CAP, PATIENT_SITE
+from tests.support.patients import patient_federation as _federation
+from tests.support.sites import BASE_LABELS
+from tests.support.sites import csv_site as _csv_site
 
 
 def _site_fed(tmp: Path, n: int) -> Any:
-    return prepare_federation(tmp / "fed", {"site-a": _csv_site(tmp / "data", BASE_LABELS[:n]),
-                                            "site-b": tiny_sites()["site-b"]}, public_sizes={"site-a": 20})
+    return prepare_federation(
+        tmp / "fed",
+        {"site-a": _csv_site(tmp / "data", BASE_LABELS[:n]), "site-b": tiny_sites()["site-b"]},
+        public_sizes={"site-a": 20},
+    )
 
 
 def _decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -51,7 +55,9 @@ def _open(cfg: dict[str, Any]) -> Site:
     return site
 
 
-def test_a_cached_open_is_the_site_a_decoding_open_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cached_open_is_the_site_a_decoding_open_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = _site_fed(tmp_path, 18).site("site-a").node_config()
     decoded = _decodes(monkeypatch)
     fresh = _open(cfg)  # node start: decodes and verifies, writes the cache
@@ -72,14 +78,20 @@ def test_the_cache_is_private_and_its_size_is_the_public_bucket(tmp_path: Path) 
         cfg = _site_fed(tmp_path / str(n), n).site("site-a").node_config()
         site = _open(cfg)
         path = site.work_dir / site_cache.CACHE_NAME
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(site.work_dir.stat().st_mode) == 0o700
-        cached = site_cache.load(site.work_dir, site_cache.cache_key(cfg, 20), load_secret(cfg["data-secret"]))
+        assert (
+            stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(site.work_dir.stat().st_mode) == 0o700
+        )
+        cached = site_cache.load(
+            site.work_dir, site_cache.cache_key(cfg, 20), load_secret(cfg["data-secret"])
+        )
         assert cached is not None and cached["images"].shape[0] == public_rows(n, 20) == 20
         sizes.append(path.stat().st_size)
     assert sizes[0] == sizes[1]
 
 
-def test_a_patient_sites_cached_open_has_the_same_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_patient_sites_cached_open_has_the_same_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fed, _ = _federation(tmp_path)
     cfg = fed.site(PATIENT_SITE).node_config()
     fresh = _open(cfg)
@@ -89,12 +101,14 @@ def test_a_patient_sites_cached_open_has_the_same_index(tmp_path: Path, monkeypa
     assert np.array_equal(cached.patients.ids, fresh.patients.ids) and cached.patients.cap == CAP
     assert cached.patients.n_public == fresh.patients.n_public
     assert len(cached.patients.rows) == len(fresh.patients.rows)
-    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(cached.patients.rows, fresh.patients.rows))
+    assert all(
+        np.array_equal(a.numpy(), b.numpy()) for a, b in zip(cached.patients.rows, fresh.patients.rows)
+    )
 
 
 def test_changed_data_is_verified_afresh_not_read_from_the_cache(tmp_path: Path) -> None:
-    """Another image written in place of one the policy committed to: the stamp changes, the cache is a miss, and
-    the open decodes the new file and refuses it (the policy's commitment no longer matches)."""
+    """Another image written in place of one the policy committed to: the stamp changes, the cache is a miss,
+    and the open decodes the new file and refuses it (the policy's commitment no longer matches)."""
     from PIL import Image
 
     cfg = _site_fed(tmp_path, 18).site("site-a").node_config()
@@ -108,10 +122,11 @@ def test_changed_data_is_verified_afresh_not_read_from_the_cache(tmp_path: Path)
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(where=st.floats(0, 1, exclude_max=True), how=st.sampled_from(["flip", "truncate", "other-key"]))
-def test_a_cache_not_written_for_these_files_is_a_miss(tmp_path_factory: pytest.TempPathFactory, where: float,
-                                                        how: str) -> None:
-    """Any byte changed, a truncated file, or a file MACed for another stamp: ``load`` returns None (the site is
-    decoded and verified again), never a parse of bytes this node did not write for exactly these files."""
+def test_a_cache_not_written_for_these_files_is_a_miss(
+    tmp_path_factory: pytest.TempPathFactory, where: float, how: str
+) -> None:
+    """Any byte changed, a truncated file, or a file MACed for another stamp: ``load`` returns None (the site
+    is decoded and verified again), never a parse of bytes this node did not write for exactly these files."""
     tmp = tmp_path_factory.mktemp("cache")
     ds = tiny_sites()["site-a"]
     secret = os.urandom(32)
@@ -142,19 +157,30 @@ def test_a_changed_loader_makes_the_cache_key_change(monkeypatch) -> None:
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(eight_bit=st.booleans(), n=st.integers(1, 5000), extra=st.integers(0, 3000), seed=st.integers(0, 2**31))
-def test_the_cache_gives_back_the_loader_bits_exactly(tmp_path_factory: pytest.TempPathFactory,
-                                                       monkeypatch: pytest.MonkeyPatch, eight_bit: bool,
-                                                       n: int, extra: int, seed: int) -> None:
-    """8-bit sources are cached one byte per pixel, anything else as float32; either way a cached open returns the
-    very float32 bits the loader gave (across the chunks the cache is written and read in), the labels and ids."""
+@given(
+    eight_bit=st.booleans(), n=st.integers(1, 5000), extra=st.integers(0, 3000), seed=st.integers(0, 2**31)
+)
+def test_the_cache_gives_back_the_loader_bits_exactly(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    eight_bit: bool,
+    n: int,
+    extra: int,
+    seed: int,
+) -> None:
+    """8-bit sources are cached one byte per pixel, anything else as float32; either way a cached open returns
+    the very float32 bits the loader gave (across the chunks the cache is written and read in), the labels and
+    ids."""
     from feta_release.data.dataset import ImageDataset
 
     tmp = tmp_path_factory.mktemp("bits")
-    monkeypatch.setattr(site_cache, "_CHUNK_BYTES", 48 * 7)  # 7 rows a chunk: chunk edges inside the real rows
+    # 7 rows a chunk: chunk edges inside the real rows
+    monkeypatch.setattr(site_cache, "_CHUNK_BYTES", 48 * 7)
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, 1, 4, 3), dtype=np.uint8)
-    images = raw.astype(np.float32) / np.float32(255) if eight_bit else rng.random((n, 1, 4, 3), dtype=np.float32)
+    images = (
+        raw.astype(np.float32) / np.float32(255) if eight_bit else rng.random((n, 1, 4, 3), dtype=np.float32)
+    )
     ds = ImageDataset(images=images, labels=rng.integers(0, 3, n), class_names=("a", "b", "c"), source="s")
     ids = rng.integers(0, 50, n)
     secret = os.urandom(32)
@@ -167,8 +193,9 @@ def test_the_cache_gives_back_the_loader_bits_exactly(tmp_path_factory: pytest.T
     assert np.array_equal(back_ids, ids) and commitment == "c" * 64 and back.class_names == ds.class_names
 
 
-def test_a_node_refuses_a_public_size_over_the_memory_limit_before_reading(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_node_refuses_a_public_size_over_the_memory_limit_before_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The node's open checks the policy's PUBLIC size x declared shape x 4 bytes against the limit before it
     decodes or reads the cache: one line naming the policy and the figure."""
     from feta_release.data.dataset import MEMORY_ENV

@@ -1,4 +1,5 @@
-"""Site onboarding: `site init` kit, node.toml, sign-time review, and `policy check` = the node's enforcement."""
+"""Site onboarding: `site init` kit, node.toml, sign-time review, and `policy check` = the node's
+enforcement."""
 
 from __future__ import annotations
 
@@ -8,19 +9,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from feta_release.errors import ConfigError
 
+from feta_release.errors import ConfigError
+from tests.support.cli import run_cli_merged as _invoke
 from tests.support.dicom import PHI, write_dicom
 from tests.support.policy import NOW, keys, policy_doc, signed_policy
-from tests.support.cli import run_cli_merged as _invoke
 
 
 def _dicom_site(root: Path) -> Path:
     rng = np.random.default_rng(0)
     for c in ("normal", "effusion"):
         for i in range(4):
-            write_dicom(root / c / f"{i}.dcm", rng.integers(0, 4096, (12, 12)).astype(np.uint16),
-                        patient_id=f"PID-{c}-{i // 2}")
+            write_dicom(
+                root / c / f"{i}.dcm",
+                rng.integers(0, 4096, (12, 12)).astype(np.uint16),
+                patient_id=f"PID-{c}-{i // 2}",
+            )
     return root
 
 
@@ -29,11 +33,30 @@ def kit(tmp_path: Path) -> Path:
     data = _dicom_site(tmp_path / "dicom")
     code, out = _invoke(["keys", "generate", "--out", str(tmp_path / "coord"), "--name", "coordinator"])
     assert code == 0, out
-    code, out = _invoke(["site", "init", str(tmp_path / "kit"), "--data", str(data), "--site-id", "st-mary",
-                         "--resize", "crop", "--image-size", "8", "--superlink", "coord.example:9092",
-                         "--patient-cap", "2"])
+    code, out = _invoke(
+        [
+            "site",
+            "init",
+            str(tmp_path / "kit"),
+            "--data",
+            str(data),
+            "--site-id",
+            "st-mary",
+            "--resize",
+            "crop",
+            "--image-size",
+            "8",
+            "--superlink",
+            "coord.example:9092",
+            "--patient-cap",
+            "2",
+        ]
+    )
     assert code == 0, out
-    assert "8 images, 4 patients (unit of privacy: the patient, at most 2 image(s) each)" in out and "node-auth.pub" in out
+    assert (
+        "8 images, 4 patients (unit of privacy: the patient, at most 2 image(s) each)" in out
+        and "node-auth.pub" in out
+    )
     return tmp_path
 
 
@@ -57,7 +80,9 @@ def test_node_toml_round_trip(kit: Path) -> None:
 
     s = NodeSettings(**read_node_toml(kit / "kit" / "node.toml"))
     assert s.superlink == "coord.example:9092" and s.port == 9101 and s.root_certificates is None
-    assert s.load == LoadOptions("crop", 8, "auto", patient_cap=2) and s.site_key == (kit / "kit" / "keys" / "site-signing.key")
+    assert s.load == LoadOptions("crop", 8, "auto", patient_cap=2) and s.site_key == (
+        kit / "kit" / "keys" / "site-signing.key"
+    )
     assert load_options(s.node_config()) == s.load
     bad = kit / "bad.toml"
     bad.write_text('[node]\ndata = "x"\nsuperlnk = "typo"\n')
@@ -71,7 +96,9 @@ def test_node_start_config_reaches_preflight(kit: Path) -> None:
     # An option on the command line overrides node.toml; the policy is not signed yet: refused, naming it.
     ca = kit / "ca.crt"
     ca.write_text("placeholder")
-    code, out = _invoke(["node", "start", "--config", str(kit / "kit" / "node.toml"), "--root-certificates", str(ca)])
+    code, out = _invoke(
+        ["node", "start", "--config", str(kit / "kit" / "node.toml"), "--root-certificates", str(ca)]
+    )
     assert code != 0 and "policy.signed.json" in out and "Traceback" not in out
 
 
@@ -80,11 +107,19 @@ def test_draft_refused_until_coordinator_then_signed_with_warnings(kit: Path) ->
     code, out = _invoke(["policy", "sign", str(k / "policy.toml"), "--key", str(k / "keys/policy-admin.key")])
     assert code != 0 and "coordinators: empty" in out and not (k / "policy.signed.json").exists()
     pem = (kit / "coord" / "coordinator.pub").read_text()
-    draft = (k / "policy.toml").read_text().replace(
-        "coordinators = []", f'coordinators = ["""{pem}"""]')
+    draft = (k / "policy.toml").read_text().replace("coordinators = []", f'coordinators = ["""{pem}"""]')
     (k / "policy.toml").write_text(draft)
-    code, out = _invoke(["policy", "sign", str(k / "policy.toml"), "--key", str(k / "keys/policy-admin.key"),
-                         "--out", str(k / "policy.signed.json")])
+    code, out = _invoke(
+        [
+            "policy",
+            "sign",
+            str(k / "policy.toml"),
+            "--key",
+            str(k / "keys/policy-admin.key"),
+            "--out",
+            str(k / "policy.signed.json"),
+        ]
+    )
     assert code == 0, out
     assert "app_bundles: empty" in out and (k / "policy.signed.json").exists()
 
@@ -98,11 +133,21 @@ def test_signing_review_examples_and_ceilings() -> None:
     root = Path(__file__).resolve().parents[2] / "policies"
     for name in ("strict-hospital.toml", "research.toml"):
         doc = tomllib.loads((root / name).read_text())
-        r = signing_review(json.loads(json.dumps(doc, default=lambda t: t.isoformat().replace("+00:00", "Z"))))
+        r = signing_review(
+            json.loads(json.dumps(doc, default=lambda t: t.isoformat().replace("+00:00", "Z")))
+        )
         assert any("EXAMPLE coordinator key" in e for e in r.errors), name
     k = keys()
-    doc = make_policy("s", "ab" * 32, 1000, [k["coord"].public_key()], lifetime=(1e8, 1e-2), per_job=(1e8, 1e-2),
-                      not_before="2020-01-01T00:00:00Z", valid_days=30)
+    doc = make_policy(
+        "s",
+        "ab" * 32,
+        1000,
+        [k["coord"].public_key()],
+        lifetime=(1e8, 1e-2),
+        per_job=(1e8, 1e-2),
+        not_before="2020-01-01T00:00:00Z",
+        valid_days=30,
+    )
     from edge.kit import RISKS
     from feta_release.errors import PolicyError
 
@@ -111,8 +156,13 @@ def test_signing_review_examples_and_ceilings() -> None:
     for risk in ("expired", "job-epsilon", "lifetime-epsilon", "delta"):
         assert f"--accept-risk {risk}" in str(exc.value), risk
     w = " | ".join(review_or_refuse(doc, "p", now=NOW, accept=set(RISKS)))
-    for needle in ("expires:", "budget.per_job.epsilon = 1e+08", "budget.lifetime.epsilon", "not below 1/N",
-                   "app_bundles: empty"):
+    for needle in (
+        "expires:",
+        "budget.per_job.epsilon = 1e+08",
+        "budget.lifetime.epsilon",
+        "not below 1/N",
+        "app_bundles: empty",
+    ):
         assert needle in w, needle
     ok = policy_doc(k)
     assert review_or_refuse(ok, "p", now=NOW) == []
@@ -129,15 +179,22 @@ def _files(tmp_path: Path, k, pol: dict, cfg_over: dict) -> tuple[Path, Path, Pa
     (tmp_path / "p.json").write_text(json.dumps(pol))
     (tmp_path / "j.json").write_text(json.dumps(sign_job(cfg, k["coord"], "job-1", ["site-a"])))
     pub = tmp_path / "site.pub"
-    pub.write_bytes(k["site"].public_key().public_bytes(serialization.Encoding.PEM,
-                                                       serialization.PublicFormat.SubjectPublicKeyInfo))
+    pub.write_bytes(
+        k["site"]
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     return tmp_path / "p.json", tmp_path / "j.json", pub
 
 
 def test_policy_check_lists_every_failing_rule(tmp_path: Path) -> None:
     k = keys()
-    pol, job, pub = _files(tmp_path, k, signed_policy(k), {"central": {"sigma": 1.0, "rounds": 9},
-                                                          "frequency": {"sigma": 2.0, "features": 5000}})
+    pol, job, pub = _files(
+        tmp_path,
+        k,
+        signed_policy(k),
+        {"central": {"sigma": 1.0, "rounds": 9}, "frequency": {"sigma": 2.0, "features": 5000}},
+    )
     code, out = _invoke(["policy", "check", str(pol), str(job), "--trusted", str(pub)])
     assert code != 0 and "REFUSED" in out
     for rule in ("mechanisms.central.min_sigma", "mechanisms.frequency.min_sigma"):
@@ -178,8 +235,17 @@ def test_shipped_presets_fit_the_site_init_draft(tmp_path: Path) -> None:
     from feta_release.signing import public_key_pem
 
     k = keys()
-    doc = _normalize(tomllib.loads(_policy_draft("site-a", "ab" * 32, 4000, public_key_pem(k["coord"].public_key()),
-                                              public_key_pem(k["site"].public_key()))))
+    doc = _normalize(
+        tomllib.loads(
+            _policy_draft(
+                "site-a",
+                "ab" * 32,
+                4000,
+                public_key_pem(k["coord"].public_key()),
+                public_key_pem(k["site"].public_key()),
+            )
+        )
+    )
     doc["app_bundles"] = ["cd" * 32]
     validate_policy(doc)
     pol = open_signed_policy(sign_policy(doc, k["site"]), [k["site"].public_key()])

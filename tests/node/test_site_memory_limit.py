@@ -13,21 +13,26 @@ import pytest
 
 from coordinator.setup import prepare_federation
 from edge.site import CFG_DEVICE, Site, forget_sites
-from feta_release.data.dataset import MEMORY_ENV, site_memory_bytes
-from feta_release.data.dataset import ImageDataset
+from feta_release.data.dataset import MEMORY_ENV, ImageDataset, site_memory_bytes
 from feta_release.errors import DataError
-
 from tests.support.federation import tiny_sites
 
 
 def _config(tmp: Path, size: int, side: int, resources: dict[str, Any] | None = None) -> dict[str, Any]:
     """A site of 18 grey images of ``side`` px whose signed policy declares ``size`` public images of it."""
     rng = np.random.default_rng(0)
-    data = ImageDataset(rng.random((18, 1, side, side), dtype=np.float32), np.arange(18, dtype=np.int64) % 2,
-                        ("benign", "malignant"))
+    data = ImageDataset(
+        rng.random((18, 1, side, side), dtype=np.float32),
+        np.arange(18, dtype=np.int64) % 2,
+        ("benign", "malignant"),
+    )
     over = {"site-a": {"resources": resources}} if resources is not None else None
-    fed = prepare_federation(tmp / "fed", {"site-a": data, "site-b": tiny_sites()["site-b"]},
-                             public_sizes={"site-a": size}, policy_overrides=over)
+    fed = prepare_federation(
+        tmp / "fed",
+        {"site-a": data, "site-b": tiny_sites()["site-b"]},
+        public_sizes={"site-a": size},
+        policy_overrides=over,
+    )
     return fed.site("site-a").node_config()
 
 

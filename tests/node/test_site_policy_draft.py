@@ -1,8 +1,10 @@
-"""The policy `site init` drafts admits the coordinator's standard multi-site job, and a refusal names its cause.
+"""The policy `site init` drafts admits the coordinator's standard multi-site job, and a refusal names its
+cause.
 
-A draft signed as written must accept the job a coordinator derives for the declared sites (secure aggregation,
-each site adding sigma / sqrt(n) of the noise). Without the other sites' keys pinned, no other noise share counts:
-the refusal must say so and how to fix it, not blame [privacy] epsilon or a min_sigma the admin never chose.
+A draft signed as written must accept the job a coordinator derives for the declared sites (secure
+aggregation, each site adding sigma / sqrt(n) of the noise). Without the other sites' keys pinned, no other
+noise share counts: the refusal must say so and how to fix it, not blame [privacy] epsilon or a min_sigma the
+admin never chose.
 """
 
 from __future__ import annotations
@@ -30,12 +32,34 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _kit(d: Path, name: str, *extra: str) -> Path:
-    code, out = _invoke(["site", "init", str(d / name), "--data", str(d / "data" / "labels.csv"), "--site-id",
-                         "st-mary", "--coordinator-key", str(d / "coord" / "coordinator.pub"), "--app-bundle",
-                         "ab" * 32, *extra])
+    code, out = _invoke(
+        [
+            "site",
+            "init",
+            str(d / name),
+            "--data",
+            str(d / "data" / "labels.csv"),
+            "--site-id",
+            "st-mary",
+            "--coordinator-key",
+            str(d / "coord" / "coordinator.pub"),
+            "--app-bundle",
+            "ab" * 32,
+            *extra,
+        ]
+    )
     assert code == 0, out
-    code, out = _invoke(["policy", "sign", str(d / name / "policy.toml"), "--key",
-                         str(d / name / "keys" / "policy-admin.key"), "--out", str(d / name / "policy.signed.json")])
+    code, out = _invoke(
+        [
+            "policy",
+            "sign",
+            str(d / name / "policy.toml"),
+            "--key",
+            str(d / name / "keys" / "policy-admin.key"),
+            "--out",
+            str(d / name / "policy.signed.json"),
+        ]
+    )
     assert code == 0, out
     return d / name
 
@@ -50,15 +74,38 @@ def _standard_job(d: Path, kit: Path) -> Path:
     job = d / f"{kit.name}-job.toml"
     code, out = _invoke(["coordinator", "derive-job", *drafts, "--epsilon", "1", "--out", str(job)])
     assert code == 0, out
-    code, out = _invoke(["job", "sign", str(job), "--key", str(d / "coord" / "coordinator.key"), "--job-id", "j-1",
-                         "--sites", ",".join(SITES), "--out", str(job.with_suffix(".signed.json"))])
+    code, out = _invoke(
+        [
+            "job",
+            "sign",
+            str(job),
+            "--key",
+            str(d / "coord" / "coordinator.key"),
+            "--job-id",
+            "j-1",
+            "--sites",
+            ",".join(SITES),
+            "--out",
+            str(job.with_suffix(".signed.json")),
+        ]
+    )
     assert code == 0, out
     return job.with_suffix(".signed.json")
 
 
 def _check(d: Path, kit: Path, job: Path) -> tuple[int, str]:
-    return _invoke(["policy", "check", str(kit / "policy.signed.json"), str(job), "--trusted",
-                    f"st-mary={kit / 'keys' / 'policy-admin.pub'}", "--data", str(d / "data" / "labels.csv")])
+    return _invoke(
+        [
+            "policy",
+            "check",
+            str(kit / "policy.signed.json"),
+            str(job),
+            "--trusted",
+            f"st-mary={kit / 'keys' / 'policy-admin.pub'}",
+            "--data",
+            str(d / "data" / "labels.csv"),
+        ]
+    )
 
 
 def test_signed_draft_with_pinned_peers_admits_the_derived_three_site_job(federation: Path) -> None:
@@ -81,15 +128,36 @@ def test_draft_without_peers_is_refused_naming_the_missing_peers_and_the_fix(fed
 
 def test_peer_naming_this_site_is_refused(federation: Path) -> None:
     d = federation
-    code, out = _invoke(["site", "init", str(d / "self"), "--data", str(d / "data" / "labels.csv"), "--site-id",
-                         "st-mary", "--peer", f"st-mary={d / 'st-luke' / 'site-signing.pub'}"])
+    code, out = _invoke(
+        [
+            "site",
+            "init",
+            str(d / "self"),
+            "--data",
+            str(d / "data" / "labels.csv"),
+            "--site-id",
+            "st-mary",
+            "--peer",
+            f"st-mary={d / 'st-luke' / 'site-signing.pub'}",
+        ]
+    )
     assert code != 0 and "--peer st-mary=" in out and "Traceback" not in out, out
 
 
 def test_admin_key_elsewhere_writes_no_admin_private_key_and_says_how_to_sign(federation: Path) -> None:
     d = federation
-    code, out = _invoke(["site", "init", str(d / "offline"), "--data", str(d / "data" / "labels.csv"), "--site-id",
-                         "st-mary", "--admin-key-elsewhere"])
+    code, out = _invoke(
+        [
+            "site",
+            "init",
+            str(d / "offline"),
+            "--data",
+            str(d / "data" / "labels.csv"),
+            "--site-id",
+            "st-mary",
+            "--admin-key-elsewhere",
+        ]
+    )
     assert code == 0, out
     assert not list((d / "offline").rglob("policy-admin*"))
     assert "--passphrase-prompt" in out and "bring back only policy.signed.json" in out, out
@@ -99,9 +167,23 @@ def test_admin_key_elsewhere_writes_no_admin_private_key_and_says_how_to_sign(fe
 def test_admin_key_made_on_the_node_with_a_passphrase_is_encrypted(federation: Path) -> None:
     d = federation
     (d / "pp.txt").write_text("correct horse battery\n")
-    code, out = _invoke(["site", "init", str(d / "encrypted"), "--data", str(d / "data" / "labels.csv"), "--site-id",
-                         "st-mary", "--coordinator-key", str(d / "coord" / "coordinator.pub"), "--app-bundle",
-                         "ab" * 32, "--admin-passphrase-file", str(d / "pp.txt")])
+    code, out = _invoke(
+        [
+            "site",
+            "init",
+            str(d / "encrypted"),
+            "--data",
+            str(d / "data" / "labels.csv"),
+            "--site-id",
+            "st-mary",
+            "--coordinator-key",
+            str(d / "coord" / "coordinator.pub"),
+            "--app-bundle",
+            "ab" * 32,
+            "--admin-passphrase-file",
+            str(d / "pp.txt"),
+        ]
+    )
     assert code == 0 and "--passphrase-prompt" in out, out
     key = d / "encrypted" / "keys" / "policy-admin.key"
     assert b"ENCRYPTED" in key.read_bytes()
@@ -115,9 +197,23 @@ def test_admin_key_made_on_the_node_with_a_passphrase_is_encrypted(federation: P
 def test_trusted_bound_to_another_site_is_refused(federation: Path) -> None:
     d = federation
     kit = d / "pinned" if (d / "pinned" / "policy.signed.json").exists() else _kit(d, "bound")
-    code, out = _invoke(["policy", "verify", str(kit / "policy.signed.json"), "--trusted",
-                         f"st-luke={kit / 'keys' / 'policy-admin.pub'}"])
+    code, out = _invoke(
+        [
+            "policy",
+            "verify",
+            str(kit / "policy.signed.json"),
+            "--trusted",
+            f"st-luke={kit / 'keys' / 'policy-admin.pub'}",
+        ]
+    )
     assert code != 0 and "bound to site 'st-luke'" in out, out
-    code, out = _invoke(["policy", "verify", str(kit / "policy.signed.json"), "--trusted",
-                         f"st-mary={kit / 'keys' / 'policy-admin.pub'}"])
+    code, out = _invoke(
+        [
+            "policy",
+            "verify",
+            str(kit / "policy.signed.json"),
+            "--trusted",
+            f"st-mary={kit / 'keys' / 'policy-admin.pub'}",
+        ]
+    )
     assert code == 0, out

@@ -18,7 +18,6 @@ from feta_release.job_rules import DRAFT_SHARE_SITES, DataFacts, default_delta, 
 from feta_release.policy import open_signed_policy, sign_job, sign_policy
 from feta_release.policy.document import _normalize, validate_policy
 from feta_release.signing import public_key_pem
-
 from tests.support.policy import keys
 
 SHAPES = st.tuples(st.sampled_from([1, 3]), st.integers(28, 128)).map(lambda t: (t[0], t[1], t[1]))

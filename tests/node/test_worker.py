@@ -1,4 +1,5 @@
-"""The warm per-site worker (edge/worker.py), its channel (edge/channel.py) and the thin ClientApp (edge/forward.py)."""
+"""The warm per-site worker (edge/worker.py), its channel (edge/channel.py) and the thin ClientApp
+(edge/forward.py)."""
 
 from __future__ import annotations
 
@@ -20,28 +21,32 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feta_release.files import private_dir
 from edge import channel
 from edge.forward import ForwardingApp, remote_error
 from feta_release.federation import messages as fm
-
+from feta_release.files import private_dir
 from tests.support.federation import make_federation, stop_serving, tiny_job
-from tests.support.flower import flower_message as _msg, node_context as _ctx
+from tests.support.flower import flower_message as _msg
+from tests.support.flower import node_context as _ctx
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# -- the thin side imports no torch -------------------------------------------------------------------------------------
+# -- the thin side imports no torch
+# -------------------------------------------------------------------------------------
 def test_the_per_message_clientapp_imports_no_torch():
-    code = ("import sys, edge.trust, edge.forward, edge.channel\n"
-            "edge.trust.install_gate()\n"
-            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n"
-            "assert 'edge.clientapp' not in sys.modules and 'edge.releases' not in sys.modules\n")
+    code = (
+        "import sys, edge.trust, edge.forward, edge.channel\n"
+        "edge.trust.install_gate()\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n"
+        "assert 'edge.clientapp' not in sys.modules and 'edge.releases' not in sys.modules\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-# -- the channel, with a stand-in worker --------------------------------------------------------------------------------
+# -- the channel, with a stand-in worker
+# --------------------------------------------------------------------------------
 class EchoWorker:
     def handle(self, doc: dict[str, Any], frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         if doc.get("kind") != "echo":
@@ -80,8 +85,8 @@ def test_a_wrong_key_is_refused_and_the_worker_serves_on(echo):
 
 
 def test_the_challenge_is_mutual_an_impostor_without_the_key_gets_nothing(tmp_path):
-    """A process that took the socket's place cannot pose as the worker: it waves the client's answer through, but
-    cannot answer the client's own challenge, so the client sends it nothing of the request."""
+    """A process that took the socket's place cannot pose as the worker: it waves the client's answer through,
+    but cannot answer the client's own challenge, so the client sends it nothing of the request."""
     from multiprocessing import connection as mpc
 
     sock = tmp_path / "impostor.sock"
@@ -122,7 +127,7 @@ def test_the_gate_hands_only_our_clientapp_to_the_worker(tmp_path, monkeypatch):
     flower_loaded = object()
     monkeypatch.setattr(rc, "install_from_fab", rc.install_from_fab)
     monkeypatch.setattr(rc, "pull_task_input", rc.pull_task_input)
-    monkeypatch.setattr(rc, "get_load_client_app_fn", lambda *a, **k: (lambda *x: flower_loaded))
+    monkeypatch.setattr(rc, "get_load_client_app_fn", lambda *a, **k: lambda *x: flower_loaded)
     trust.install_gate()
     from flwr.common.config import get_project_dir
 
@@ -141,7 +146,8 @@ def test_the_gate_hands_only_our_clientapp_to_the_worker(tmp_path, monkeypatch):
     monkeypatch.setenv(channel.ENV_KEY, str(tmp_path / "k"))
     assert load(*ident) is forward.app
     assert load(ident[0], "0.2.0", ident[2]) is flower_loaded  # not the directory the gate checked
-    (ours / "pyproject.toml").write_text((ping / "pyproject.toml").read_text())  # same place, another component
+    # same place, another component
+    (ours / "pyproject.toml").write_text((ping / "pyproject.toml").read_text())
     assert load(*ident) is flower_loaded
     monkeypatch.setattr(trust, "_current", {})  # the gate did not pass this message: never the forwarder
     assert load(*ident) is flower_loaded
@@ -175,14 +181,20 @@ def _raw(echo, frames: list[bytes]) -> dict[str, Any]:
         conn.close()
 
 
-@pytest.mark.parametrize("frames,why", [
-    ([b"not json"], "header is not JSON"),
-    ([b"[1, 2]"], "not a feta-worker/1 object"),
-    ([channel.encode_header({"protocol": "other/9", "frames": 0})], "not a feta-worker/1 object"),
-    ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": 99})], "announces 99 frames"),
-    ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": True})], "announces True frames"),
-    ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": 0, "kind": "rm -rf"})], "unknown kind"),
-])
+@pytest.mark.parametrize(
+    "frames,why",
+    [
+        ([b"not json"], "header is not JSON"),
+        ([b"[1, 2]"], "not a feta-worker/1 object"),
+        ([channel.encode_header({"protocol": "other/9", "frames": 0})], "not a feta-worker/1 object"),
+        ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": 99})], "announces 99 frames"),
+        ([channel.encode_header({"protocol": channel.PROTOCOL, "frames": True})], "announces True frames"),
+        (
+            [channel.encode_header({"protocol": channel.PROTOCOL, "frames": 0, "kind": "rm -rf"})],
+            "unknown kind",
+        ),
+    ],
+)
 def test_a_malformed_request_is_refused_in_one_line(echo, frames, why):
     head = _raw(echo, frames)
     assert head["ok"] is False and why in head["error"] and "\n" not in head["error"]
@@ -221,7 +233,8 @@ def test_remote_errors_read_as_the_handlers_own():
     assert str(type(odd)) == "<class 'edge.forward.WorkerRaised'>"
 
 
-# -- the real worker, serving one site ----------------------------------------------------------------------------------
+# -- the real worker, serving one site
+# ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("worker")
@@ -231,16 +244,39 @@ def served(tmp_path_factory):
     sock, key_file = channel.socket_path(state), state / "worker.key"
     channel.write_key(key_file)
     log = tmp / "worker.log"
-    proc = subprocess.Popen([sys.executable, "-m", "edge.worker", "--node-config", json.dumps(site.node_config()),
-                             "--socket", str(sock), "--key-file", str(key_file)], cwd=ROOT,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edge.worker",
+            "--node-config",
+            json.dumps(site.node_config()),
+            "--socket",
+            str(sock),
+            "--key-file",
+            str(key_file),
+        ],
+        cwd=ROOT,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 300
     while not sock.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
-    signed, _ = __import__("coordinator.setup", fromlist=["sign_job_file"]).sign_job_file(fed, tiny_job(), "job-w")
-    yield SimpleNamespace(fed=fed, site=site, sock=sock, key_file=key_file, proc=proc, log=log, signed=signed,
-                          app=ForwardingApp(str(sock), str(key_file)))
+    signed, _ = __import__("coordinator.setup", fromlist=["sign_job_file"]).sign_job_file(
+        fed, tiny_job(), "job-w"
+    )
+    yield SimpleNamespace(
+        fed=fed,
+        site=site,
+        sock=sock,
+        key_file=key_file,
+        proc=proc,
+        log=log,
+        signed=signed,
+        app=ForwardingApp(str(sock), str(key_file)),
+    )
     if proc.poll() is None:
         proc.terminate()
         proc.wait(30)
@@ -260,8 +296,11 @@ def test_a_refusal_in_the_worker_reaches_flower_as_the_same_error(served):
     with pytest.raises(Exception) as e:
         served.app(_msg({"no": "job"}), _ctx(served.site.node_config()))
     assert str(type(e.value)) == "<class 'feta_release.errors.PolicyError'>"
-    # the worker's own refusal line, plus the reference under which its log keeps the detail (edge.public_errors)
-    assert re.fullmatch(r"request carries no signed job; refused \[site error reference [0-9a-f]{12}\]", str(e.value))
+    # the worker's own refusal line, plus the reference under which its log keeps the detail
+    # (edge.public_errors)
+    assert re.fullmatch(
+        r"request carries no signed job; refused \[site error reference [0-9a-f]{12}\]", str(e.value)
+    )
 
 
 def test_a_request_for_another_node_config_is_refused(served):
@@ -272,7 +311,9 @@ def test_a_request_for_another_node_config_is_refused(served):
 
 def test_garbage_message_frames_are_refused_in_one_line(served):
     key = channel.read_key(served.key_file)
-    head, _ = channel.call(served.sock, key, {"kind": "message", "message_id": "m"}, [b"\xff\x00garbage", b"\x01"])
+    head, _ = channel.call(
+        served.sock, key, {"kind": "message", "message_id": "m"}, [b"\xff\x00garbage", b"\x01"]
+    )
     assert head["ok"] is False and "not Flower's encoding" in head["error"] and "\n" not in head["error"]
 
 
@@ -303,12 +344,17 @@ def test_sigterm_stops_the_worker_and_a_dead_worker_falls_back_in_process(served
     assert "in this process instead" in caplog.text
 
 
-# -- node start: companions stop with the node; a dead worker is restarted ---------------------------------------------
+# -- node start: companions stop with the node; a dead worker is restarted
+# ---------------------------------------------
 def _sleeper(tmp_path: Path, name: str):
     from feta_release.federation.procs import ManagedProcess
 
-    return ManagedProcess(name, [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ),
-                          tmp_path / f"{name}.log")
+    return ManagedProcess(
+        name,
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        dict(os.environ),
+        tmp_path / f"{name}.log",
+    )
 
 
 def test_stopping_the_node_stops_its_worker(tmp_path):
@@ -344,10 +390,14 @@ def test_node_start_restarts_a_dead_worker(tmp_path, capsys):
 
 
 def test_the_site_stamp_changes_with_every_file_the_site_is_opened_from(tmp_path):
-    """What the worker re-checks before each request: policy/keys/secret by content, data and ledger by identity."""
+    """What the worker re-checks before each request: policy/keys/secret by content, data and ledger by
+    identity."""
     from edge.worker import site_stamp
 
-    files = {k: tmp_path / k for k in ("policy-file", "trusted-policy-key", "site-key", "data-secret", "ledger-path")}
+    files = {
+        k: tmp_path / k
+        for k in ("policy-file", "trusted-policy-key", "site-key", "data-secret", "ledger-path")
+    }
     for p in files.values():
         p.write_bytes(b"v1")
     data = tmp_path / "images"
@@ -369,7 +419,8 @@ def test_the_site_stamp_changes_with_every_file_the_site_is_opened_from(tmp_path
     before = site_stamp(cfg)
     replaced = tmp_path / "restored.db"
     replaced.write_bytes(b"v1")
-    os.replace(replaced, files["ledger-path"])  # a ledger restored from a backup: a new file under the same name
+    # a ledger restored from a backup: a new file under the same name
+    os.replace(replaced, files["ledger-path"])
     assert site_stamp(cfg) != before
 
 
@@ -381,12 +432,21 @@ def test_an_edge_package_planted_in_the_nodes_cwd_is_not_imported_by_the_worker(
     shared = tmp_path / "shared"
     (shared / "edge").mkdir(parents=True)
     marker = tmp_path / "HIJACKED"
-    (shared / "edge" / "__init__.py").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).write_text('x')\n")
+    (shared / "edge" / "__init__.py").write_text(
+        f"import pathlib; pathlib.Path({str(marker)!r}).write_text('x')\n"
+    )
     (shared / "edge" / "worker.py").write_text("raise SystemExit(3)\n")
     work = tmp_path / "work"
     work.mkdir()
-    s = NodeSettings(data=work / "d", policy=work / "p", trusted_policy_key=work / "t", ledger=work / "l",
-                     site_key=work / "k", data_secret=work / "s", work_dir=work)
+    s = NodeSettings(
+        data=work / "d",
+        policy=work / "p",
+        trusted_policy_key=work / "t",
+        ledger=work / "l",
+        site_key=work / "k",
+        data_secret=work / "s",
+        work_dir=work,
+    )
     ch = WorkerChannel(work / "worker.sock", work / "worker.key")
     channel.write_key(ch.key_file)
     monkeypatch.chdir(shared)

@@ -8,8 +8,13 @@ import pytest
 
 from feta_release import signing
 from feta_release.errors import FetaError, PolicyError
-from feta_release.policy import PolicyViolation, open_signed_policy, sign_job, verify_job, verify_job_with_keys
-
+from feta_release.policy import (
+    PolicyViolation,
+    open_signed_policy,
+    sign_job,
+    verify_job,
+    verify_job_with_keys,
+)
 from tests.support.policy import job_config, keys, policy_doc, sign_policy, signed_job, tamper_cases
 
 K = keys()
@@ -22,15 +27,24 @@ def test_valid_job_accepted() -> None:
     job = verify_job(copy.deepcopy(SIGNED), POLICY)
     assert job.job_id == "job-1" and job.sites == ("site-a", "site-b")
     assert job.signer == job.coordinator == signing.fingerprint(K["coord"])
-    assert job.config == job_config().with_secure_default(2)  # the signed job states the mode (secure: 2 sites)
+    # the signed job states the mode (secure: 2 sites)
+    assert job.config == job_config().with_secure_default(2)
     assert job.config.federation.secure_aggregation is True
     assert job.created.isoformat() == "2026-05-01T12:00:00+00:00"
 
 
 def test_tamper_cases_cover_config_and_signature() -> None:
     described = " ".join(d for d, _ in CASES)
-    for field in ("job.job_id", "job.coordinator", "job.sites.0", "job.created", "job.config.dpsgd.steps",
-                  "job.config.privacy.epsilon", "job.config.central.sigma", "signature.signature"):
+    for field in (
+        "job.job_id",
+        "job.coordinator",
+        "job.sites.0",
+        "job.created",
+        "job.config.dpsgd.steps",
+        "job.config.privacy.epsilon",
+        "job.config.central.sigma",
+        "signature.signature",
+    ):
         assert f"alter {field} " in described, field
 
 
@@ -47,12 +61,15 @@ def test_unknown_coordinator_refused() -> None:
 
 
 def test_fingerprint_only_coordinator_entry() -> None:
-    """A policy may name a coordinator by the FULL sha256 of its raw key; the job's embedded key must hash to it."""
+    """A policy may name a coordinator by the FULL sha256 of its raw key; the job's embedded key must hash to
+    it."""
     doc = policy_doc(K)
     doc["coordinators"] = [signing.full_fingerprint(K["coord"])]
     pol = open_signed_policy(sign_policy(doc, K["site"]), [K["site"].public_key()])
     job = verify_job(signed_job(K), pol)
-    assert job.signer == signing.fingerprint(K["coord"]) and job.signer_sha256 == signing.full_fingerprint(K["coord"])
+    assert job.signer == signing.fingerprint(K["coord"]) and job.signer_sha256 == signing.full_fingerprint(
+        K["coord"]
+    )
     with pytest.raises(PolicyViolation) as exc:
         verify_job(signed_job(K, key="other"), pol)
     assert exc.value.rule == "coordinators"

@@ -49,8 +49,10 @@ def test_cli_generate_and_show(tmp_path) -> None:
     runner = CliRunner()
     pw = tmp_path / "pw.txt"
     pw.write_text("s3cret\n")
-    res = runner.invoke(cli, ["keys", "generate", "--out", str(tmp_path / "k"), "--name", "coord",
-                              "--passphrase-file", str(pw)])
+    res = runner.invoke(
+        cli,
+        ["keys", "generate", "--out", str(tmp_path / "k"), "--name", "coord", "--passphrase-file", str(pw)],
+    )
     assert res.exit_code == 0, res.output
     fp = res.stdout.strip().splitlines()[0]
     priv, pub = tmp_path / "k" / "coord.key", tmp_path / "k" / "coord.pub"
@@ -63,30 +65,40 @@ def test_cli_generate_and_show(tmp_path) -> None:
     bad = tmp_path / "bad.txt"
     bad.write_text("nope")
     res = runner.invoke(cli, ["keys", "show", str(priv), "--passphrase-file", str(bad)])
-    assert res.exit_code != 0 and isinstance(res.exception, PolicyError) and "wrong passphrase" in str(res.exception)
+    assert (
+        res.exit_code != 0
+        and isinstance(res.exception, PolicyError)
+        and "wrong passphrase" in str(res.exception)
+    )
 
 
 def test_cli_prompted_passphrase(tmp_path) -> None:
     runner = CliRunner()
-    res = runner.invoke(cli, ["keys", "generate", "--out", str(tmp_path), "--passphrase-prompt"], input="pw1\npw1\n")
+    res = runner.invoke(
+        cli, ["keys", "generate", "--out", str(tmp_path), "--passphrase-prompt"], input="pw1\npw1\n"
+    )
     assert res.exit_code == 0, res.output
     assert signing.load_private_key(tmp_path / "signing.key", b"pw1")
 
 
-# -- a secret that other accounts can read or change is refused where it is loaded -----------------------------
+# -- a secret that other accounts can read or change is refused where it is loaded
+# -----------------------------
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mode=st.integers(min_value=0o400, max_value=0o777))
 def test_a_private_key_open_to_group_or_others_is_refused(tmp_path, mode) -> None:
-    """Attack: a site key left 0644 (a copy, a restored backup, a umask of 022) lets every local account sign the
-    site's attestations; it was loaded and used."""
+    """Attack: a site key left 0644 (a copy, a restored backup, a umask of 022) lets every local account sign
+    the site's attestations; it was loaded and used."""
     d = tmp_path / f"k{mode:o}"
     priv, _ = signing.generate_keypair(d, "site")
     os.chmod(priv, mode)
     if mode & 0o077:
-        with pytest.raises(PolicyError, match=rf"^{priv}: the private key is (readable|writable) by other users "
-                                              rf"\(mode {mode:o}\); run `chmod 600 {priv}`$"):
+        with pytest.raises(
+            PolicyError,
+            match=rf"^{priv}: the private key is (readable|writable) by other users "
+            rf"\(mode {mode:o}\); run `chmod 600 {priv}`$",
+        ):
             signing.load_private_key(priv)
     else:
         assert signing.load_private_key(priv)
@@ -94,35 +106,50 @@ def test_a_private_key_open_to_group_or_others_is_refused(tmp_path, mode) -> Non
 
 def test_node_start_refuses_a_world_readable_site_key(tmp_path) -> None:
     from edge.launch import NodeSettings, preflight
-
     from tests.support.federation import make_federation
 
     s = make_federation(tmp_path / "fed").site("site-a")
     os.chmod(s.site_key, 0o644)
-    settings = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                            site_key=s.site_key, data_secret=s.data_secret, insecure=True)
+    settings = NodeSettings(
+        data=s.data,
+        policy=s.policy,
+        trusted_policy_key=s.policy_pub,
+        ledger=s.ledger,
+        site_key=s.site_key,
+        data_secret=s.data_secret,
+        insecure=True,
+    )
     with pytest.raises(PolicyError, match=f"{s.site_key}: the private key is readable by other users"):
         preflight(settings)
     assert not s.ledger.exists()  # refused before the ledger was opened
 
 
 def test_node_start_refuses_a_group_readable_node_authentication_key(tmp_path) -> None:
-    """Flower loads the node-auth key itself, with no mode check: whoever reads it can join the federation as this
-    site (the coordinator binds the site to that key)."""
+    """Flower loads the node-auth key itself, with no mode check: whoever reads it can join the federation as
+    this site (the coordinator binds the site to that key)."""
     from coordinator.tls import make_certificates
-    from feta_release.signing import make_node_auth_key
     from edge.launch import NodeSettings, preflight
-
+    from feta_release.signing import make_node_auth_key
     from tests.support.federation import make_federation
 
     s = make_federation(tmp_path / "fed").site("site-a")
     certs = make_certificates(tmp_path / "certs")
     auth, _ = make_node_auth_key(tmp_path / "nodes", "site-a")
     os.chmod(auth, 0o640)
-    settings = NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                            site_key=s.site_key, data_secret=s.data_secret, root_certificates=certs["ca_cert"],
-                            auth_key=auth)
-    with pytest.raises(PolicyError, match=f"{auth}: the node authentication key is readable by other users "
-                                          r"\(mode 640\); run `chmod 600"):
+    settings = NodeSettings(
+        data=s.data,
+        policy=s.policy,
+        trusted_policy_key=s.policy_pub,
+        ledger=s.ledger,
+        site_key=s.site_key,
+        data_secret=s.data_secret,
+        root_certificates=certs["ca_cert"],
+        auth_key=auth,
+    )
+    with pytest.raises(
+        PolicyError,
+        match=f"{auth}: the node authentication key is readable by other users "
+        r"\(mode 640\); run `chmod 600",
+    ):
         preflight(settings)
     assert not s.ledger.exists()

@@ -1,8 +1,8 @@
 """`policy check` lists every failing rule of a job in ONE pass, each once, with the fix that applies.
 
-A batch larger than the site's public size used to be printed once per release under three rule names, the budget
-refusal behind it appeared only after the batch was fixed, and the planner advised "raise [privacy] epsilon" where
-the site's own per-job cap was the limit.
+A batch larger than the site's public size used to be printed once per release under three rule names, the
+budget refusal behind it appeared only after the batch was fixed, and the planner advised "raise [privacy]
+epsilon" where the site's own per-job cap was the limit.
 """
 
 from __future__ import annotations
@@ -12,15 +12,20 @@ from typing import Any
 from edge.admission import admit
 from feta_release.config import load_preset
 from feta_release.policy import make_policy, open_signed_policy, sign_job, sign_policy
-
 from tests.support.policy import keys
 
 K = keys()
 
 
 def _admit(policy_epsilon: float, **job: Any) -> list[tuple[str, str]]:
-    doc = make_policy("site-a", "ab" * 32, 100, [K["coord"].public_key()], per_job=(policy_epsilon, 1e-5),
-                      app_bundles=["cd" * 32])
+    doc = make_policy(
+        "site-a",
+        "ab" * 32,
+        100,
+        [K["coord"].public_key()],
+        per_job=(policy_epsilon, 1e-5),
+        app_bundles=["cd" * 32],
+    )
     pol = open_signed_policy(sign_policy(doc, K["site"]), [K["site"].public_key()])
     cfg = load_preset("tiny").replace(privacy={"epsilon": 1.0}, **job)
     return admit(pol, sign_job(cfg, K["coord"], "j", ["site-a"])).failures

@@ -1,4 +1,5 @@
-"""Policy documents: schema errors name the field, examples validate, the shipped schema is the one in policies/."""
+"""Policy documents: schema errors name the field, examples validate, the shipped schema is the one in
+policies/."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 from feta_release.errors import PolicyError
 from feta_release.policy import PolicySchemaError, SitePolicy, read_policy_document, validate_policy
 from feta_release.policy.schema import load_schema
-
 from tests.support.policy import keys, policy_doc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,9 @@ DOC = policy_doc(K)
 @pytest.mark.parametrize("name", ["policy.schema.json", "job.schema.json"])
 def test_schema_copy_in_policies_is_identical(name: str) -> None:
     shipped = (ROOT / "feta_release" / "policy" / name).read_bytes()
-    assert (ROOT / "policies" / name).read_bytes() == shipped, f"policies/{name} differs from the packaged schema"
+    assert (ROOT / "policies" / name).read_bytes() == shipped, (
+        f"policies/{name} differs from the packaged schema"
+    )
     assert load_schema(name.split(".")[0]) == json.loads(shipped)
 
 
@@ -78,8 +80,14 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("path,value,field", MALFORMED, ids=[f"{'.'.join(map(str, p))}={v!r}" if v is not _DELETE
-                                                              else f"del {'.'.join(map(str, p))}" for p, v, _ in MALFORMED])
+@pytest.mark.parametrize(
+    "path,value,field",
+    MALFORMED,
+    ids=[
+        f"{'.'.join(map(str, p))}={v!r}" if v is not _DELETE else f"del {'.'.join(map(str, p))}"
+        for p, v, _ in MALFORMED
+    ],
+)
 def test_schema_errors_name_the_field(path, value, field: str) -> None:
     bad = _set(DOC, path, value)
     with pytest.raises(PolicySchemaError) as exc:
@@ -105,8 +113,11 @@ def test_toml_and_json_read_the_same(tmp_path) -> None:
 
 
 def test_toml_local_datetime_refused(tmp_path) -> None:
-    src = (ROOT / "policies" / "research.toml").read_text().replace("expires = 2028-01-01T00:00:00Z",
-                                                                   "expires = 2028-01-01T00:00:00")
+    src = (
+        (ROOT / "policies" / "research.toml")
+        .read_text()
+        .replace("expires = 2028-01-01T00:00:00Z", "expires = 2028-01-01T00:00:00")
+    )
     p = tmp_path / "p.toml"
     p.write_text(src)
     with pytest.raises(PolicyError, match="UTC offset"):

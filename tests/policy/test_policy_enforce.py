@@ -1,4 +1,5 @@
-"""Enforcement rules: every refusal of check_request names its rule; budgets compose with the site's accountant."""
+"""Enforcement rules: every refusal of check_request names its rule; budgets compose with the site's
+accountant."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from feta_release.policy import (
     verify_job,
     verify_job_with_keys,
 )
-
 from tests.support.policy import keys, policy_doc, signed_job
 
 K = keys()
@@ -180,7 +180,9 @@ def test_job_refused_names_site_and_rule() -> None:
     with pytest.raises(JobDoesNotFit) as exc:
         check_job_fits({"site-a": POL, "site-b": strict}, {"site-a": plan, "site-b": plan})
     assert exc.value.problems[0][:2] == ("site-b", "mechanisms.dpsgd.min_sigma")
-    assert exc.value.site == "site-b" and "site site-b" in str(exc.value) and "before anything" in str(exc.value)
+    assert (
+        exc.value.site == "site-b" and "site site-b" in str(exc.value) and "before anything" in str(exc.value)
+    )
 
 
 def test_job_refused_over_budget_and_missing_policy() -> None:
@@ -200,7 +202,8 @@ def test_job_refused_by_lifetime_spend_reported_by_site() -> None:
 
 def test_planning_takes_clip_and_features_from_the_job() -> None:
     pol = _policy(mechanisms={"dpsgd": {"max_clip": 0.5}})
-    check_job_fits({"site-a": pol}, {"site-a": [CENTRAL, DPSGD]})  # clip unknown without a job: node checks later
+    # clip unknown without a job: node checks later
+    check_job_fits({"site-a": pol}, {"site-a": [CENTRAL, DPSGD]})
     with pytest.raises(JobDoesNotFit) as exc:
         check_job_fits({"site-a": pol, "site-b": pol}, {"site-a": [CENTRAL, DPSGD]}, job=JOB)  # job clip 1.0
     assert ("site-a", "mechanisms.dpsgd.max_clip") in {(s, r) for s, r, _ in exc.value.problems}

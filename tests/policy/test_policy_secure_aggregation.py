@@ -1,5 +1,5 @@
-"""The secure-aggregation trust assumption in the signed policy: the field, its schema errors, and the two epsilons
-(under the assumption / every other site colluding) a site computes and caps."""
+"""The secure-aggregation trust assumption in the signed policy: the field, its schema errors, and the two
+epsilons (under the assumption / every other site colluding) a site computes and caps."""
 
 from __future__ import annotations
 
@@ -46,13 +46,16 @@ def test_signed_policy_carries_the_trust_assumption() -> None:
         open_signed_policy(signed, [k["site"].public_key()])
 
 
-@pytest.mark.parametrize("value,field", [
-    ({"max_colluders": -1}, "secure_aggregation.max_colluders"),
-    ({"max_colluders": 1.5}, "secure_aggregation.max_colluders"),
-    ({"max_worst_case_epsilon": 0}, "secure_aggregation.max_worst_case_epsilon"),
-    ({"max_colluderz": 1}, "secure_aggregation.max_colluderz"),
-    ({"peers": {"site-b": "not a key"}}, "secure_aggregation.peers.site-b"),
-])
+@pytest.mark.parametrize(
+    "value,field",
+    [
+        ({"max_colluders": -1}, "secure_aggregation.max_colluders"),
+        ({"max_colluders": 1.5}, "secure_aggregation.max_colluders"),
+        ({"max_worst_case_epsilon": 0}, "secure_aggregation.max_worst_case_epsilon"),
+        ({"max_colluderz": 1}, "secure_aggregation.max_colluderz"),
+        ({"peers": {"site-b": "not a key"}}, "secure_aggregation.peers.site-b"),
+    ],
+)
 def test_schema_errors_name_the_field(value: dict[str, object], field: str) -> None:
     doc = policy_doc(keys())
     doc["secure_aggregation"] = value
@@ -65,8 +68,12 @@ def test_assumed_epsilon_counts_the_honest_shares_and_worst_case_the_own_share()
     k = keys()
     pins = _pins()
     honest = SitePolicy.from_document(policy_doc(k, secure_aggregation={"peers": pins}), None)
-    wary = SitePolicy.from_document(policy_doc(k, secure_aggregation={"max_colluders": 1, "peers": pins}), None)
-    paranoid = SitePolicy.from_document(policy_doc(k, secure_aggregation={"max_colluders": 99, "peers": pins}), None)
+    wary = SitePolicy.from_document(
+        policy_doc(k, secure_aggregation={"max_colluders": 1, "peers": pins}), None
+    )
+    paranoid = SitePolicy.from_document(
+        policy_doc(k, secure_aggregation={"max_colluders": 99, "peers": pins}), None
+    )
     e0 = policy_site_epsilons(honest, PARAMS, 1.0, 10, threshold=3)
     e1 = policy_site_epsilons(wary, PARAMS, 1.0, 10, threshold=3)
     e_all = policy_site_epsilons(paranoid, PARAMS, 1.0, 10, threshold=3)
@@ -78,8 +85,12 @@ def test_assumed_epsilon_counts_the_honest_shares_and_worst_case_the_own_share()
 
 def test_caps_refuse_with_the_rule_named() -> None:
     k = keys()
-    pol = SitePolicy.from_document(policy_doc(k, per_job=(1.5, 1e-5),
-                                              secure_aggregation={"max_worst_case_epsilon": 2.0, "peers": _pins()}), None)
+    pol = SitePolicy.from_document(
+        policy_doc(
+            k, per_job=(1.5, 1e-5), secure_aggregation={"max_worst_case_epsilon": 2.0, "peers": _pins()}
+        ),
+        None,
+    )
     params = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=8.0, n_sites=4)
     fits = policy_site_epsilons(pol, params, 1.0, 2, threshold=4)
     assert fits.assumed <= 1.5 and fits.worst_case <= 2.0
@@ -96,11 +107,14 @@ def test_caps_refuse_with_the_rule_named() -> None:
 
 
 def test_default_worst_case_cap_is_three_times_the_per_job_cap() -> None:
-    """No max_worst_case_epsilon: the node still caps the worst case, at DEFAULT_WORST_CASE_FACTOR x per-job."""
+    """No max_worst_case_epsilon: the node still caps the worst case, at DEFAULT_WORST_CASE_FACTOR x
+    per-job."""
     from feta_release.policy.document import DEFAULT_WORST_CASE_FACTOR
 
     k = keys()
-    pol = SitePolicy.from_document(policy_doc(k, per_job=(1.5, 1e-5), secure_aggregation={"peers": _pins()}), None)
+    pol = SitePolicy.from_document(
+        policy_doc(k, per_job=(1.5, 1e-5), secure_aggregation={"peers": _pins()}), None
+    )
     assert pol.max_worst_case_epsilon is None and pol.worst_case_cap == DEFAULT_WORST_CASE_FACTOR * 1.5 == 4.5
     params = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=8.0, n_sites=4)
     # small-noise setting where the own share alone passes 4.5 while the assumed epsilon fits 1.5
@@ -109,7 +123,9 @@ def test_default_worst_case_cap_is_three_times_the_per_job_cap() -> None:
         if eps.assumed <= 1.5 < 4.5 < eps.worst_case:
             break
     else:
-        pytest.fail("no job found with the assumed epsilon in budget and the worst case above the default cap")
+        pytest.fail(
+            "no job found with the assumed epsilon in budget and the worst case above the default cap"
+        )
     with pytest.raises(PolicyViolation) as exc:
         check_secure_aggregation(pol, eps)
     assert exc.value.rule == "secure_aggregation.max_worst_case_epsilon" and "the default" in str(exc.value)
@@ -117,7 +133,8 @@ def test_default_worst_case_cap_is_three_times_the_per_job_cap() -> None:
 
 def test_pinned_peers_refuse_unpinned_sites_and_substituted_keys() -> None:
     """The coordinator supplied the keys that authenticate key adverts, so it could put its own
-    keys under invented (sybil) site ids or under a real site's id. Now the site's admin-signed policy pins them."""
+    keys under invented (sybil) site ids or under a real site's id. Now the site's admin-signed policy pins
+    them."""
     import dataclasses
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -129,7 +146,10 @@ def test_pinned_peers_refuse_unpinned_sites_and_substituted_keys() -> None:
     pol = _policy_for_pins()
     b, c, evil = (public_key_pem(Ed25519PrivateKey.generate().public_key()) for _ in range(3))
     pinned = dataclasses.replace(pol, peers={"site-b": b, "site-c": c})
-    assert check_pinned_peers(pinned, [pol.site_id, "site-b", "site-c"], {"site-b": b}) == {"site-b": b, "site-c": c}
+    assert check_pinned_peers(pinned, [pol.site_id, "site-b", "site-c"], {"site-b": b}) == {
+        "site-b": b,
+        "site-c": c,
+    }
     with pytest.raises(PolicyError, match=r"secure_aggregation\.peers.*sybil-1"):
         check_pinned_peers(pinned, [pol.site_id, "site-b", "sybil-1"])
     with pytest.raises(PolicyError, match=r"secure_aggregation\.peers.*differ"):
@@ -148,7 +168,10 @@ def test_verify_cross_checks_the_attested_colluders_and_shares_with_policy_and_j
 
     sites = ["a", "b", "c", "d", "e"]
     cfg = {"federation": {"secagg_threshold": 3}}
-    pinned = {"site_id": "a", "secure_aggregation": {"max_colluders": 0, "peers": {s: "pem" for s in sites[1:]}}}
+    pinned = {
+        "site_id": "a",
+        "secure_aggregation": {"max_colluders": 0, "peers": {s: "pem" for s in sites[1:]}},
+    }
 
     def ev(shares: float) -> SkellamEvent:
         return SkellamEvent("central", 1.0, 1, 10.0, 100.0, mu=shares * 50.0, mu_worst=50.0)
@@ -160,7 +183,12 @@ def test_verify_cross_checks_the_attested_colluders_and_shares_with_policy_and_j
     assert "policy 0" in " ".join(secure_assumption_violations(pinned, lax, [ev(2)], sites, cfg))
     unpinned = {"site_id": "a", "secure_aggregation": {"max_colluders": 0}}
     assert "policy 4" in " ".join(secure_assumption_violations(unpinned, ok, [ev(1)], sites, cfg))
-    assert secure_assumption_violations(unpinned, {"secure_aggregation": {"max_colluders": 4}}, [ev(1)], sites, cfg) == []
+    assert (
+        secure_assumption_violations(
+            unpinned, {"secure_aggregation": {"max_colluders": 4}}, [ev(1)], sites, cfg
+        )
+        == []
+    )
 
 
 def test_min_sigma_bounds_the_own_noise_share_of_a_secure_release() -> None:
@@ -172,10 +200,18 @@ def test_min_sigma_bounds_the_own_noise_share_of_a_secure_release() -> None:
 
     params = SkellamParams(dim=100, clip=1.0, scale=256.0, noise_multiplier=4.0, n_sites=3)
     ev = skellam_event(params, "central", 0.01, 5, noise_shares=3)
-    assert skellam_own_sigma(ev) == pytest.approx(4.0 / 3**0.5, rel=0.05) and skellam_own_sigma(ev) <= 4.0 / 3**0.5
+    assert (
+        skellam_own_sigma(ev) == pytest.approx(4.0 / 3**0.5, rel=0.05)
+        and skellam_own_sigma(ev) <= 4.0 / 3**0.5
+    )
     doc = policy_doc(keys())
     doc["mechanisms"]["central"]["min_sigma"] = 3.0
-    st = {"site_id": doc["site_id"], "epsilon": 0.1, "delta": 1e-6, "accountant": doc.get("accountant", "rdp")}
+    st = {
+        "site_id": doc["site_id"],
+        "epsilon": 0.1,
+        "delta": 1e-6,
+        "accountant": doc.get("accountant", "rdp"),
+    }
     assert any("own noise share" in p for p in policy_violations(doc, st, [ev]))
     doc["mechanisms"]["central"]["min_sigma"] = 2.0
     assert not any("min" in p for p in policy_violations(doc, st, [ev]))

@@ -14,7 +14,6 @@ from feta_release import signing
 from feta_release.errors import PolicyError
 from feta_release.policy import PolicyViolation, load_site_policy, open_signed_policy, sign_policy
 from feta_release.policy.envelope import write_json
-
 from tests.support.policy import FP, NOW, keys, policy_doc, signed_policy, tamper_cases
 
 K = keys()
@@ -31,11 +30,27 @@ def test_untampered_policy_verifies() -> None:
 
 def test_tamper_cases_cover_every_field() -> None:
     described = " ".join(d for d, _ in CASES)
-    for field in ("version", "site_id", "dataset.commitment", "dataset.size", "budget.per_job.epsilon",
-                  "budget.lifetime.delta", "accountant", "mechanisms.dpsgd.min_sigma", "mechanisms.central.max_rounds",
-                  "mechanisms.frequency.max_features", "mechanisms.dpsgd.max_clip", "coordinators.0", "app_bundles.0",
-                  "not_before", "expires", "signature.signature", "signature.public_key", "signature.signer",
-                  "signature.alg"):
+    for field in (
+        "version",
+        "site_id",
+        "dataset.commitment",
+        "dataset.size",
+        "budget.per_job.epsilon",
+        "budget.lifetime.delta",
+        "accountant",
+        "mechanisms.dpsgd.min_sigma",
+        "mechanisms.central.max_rounds",
+        "mechanisms.frequency.max_features",
+        "mechanisms.dpsgd.max_clip",
+        "coordinators.0",
+        "app_bundles.0",
+        "not_before",
+        "expires",
+        "signature.signature",
+        "signature.public_key",
+        "signature.signer",
+        "signature.alg",
+    ):
         assert f"alter policy.{field} " in described or f"alter {field} " in described, field
     assert len(CASES) > 100
 
@@ -82,7 +97,7 @@ def test_unsigned_policy_refused(tmp_path) -> None:
         load_site_policy(plain, [K["site"].public_key()], now=NOW)
     assert exc.value.rule == "signature.required"
     toml = tmp_path / "p.toml"
-    toml.write_text('version = 1\n')
+    toml.write_text("version = 1\n")
     with pytest.raises(PolicyViolation) as exc:
         load_site_policy(toml, [K["site"].public_key()], now=NOW)
     assert exc.value.rule == "signature.required"
@@ -90,7 +105,11 @@ def test_unsigned_policy_refused(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "now,rule",
-    [("2025-12-31T23:59:59Z", "not_before"), ("2027-01-01T00:00:00Z", "expires"), ("2027-06-01T00:00:00Z", "expires")],
+    [
+        ("2025-12-31T23:59:59Z", "not_before"),
+        ("2027-01-01T00:00:00Z", "expires"),
+        ("2027-06-01T00:00:00Z", "expires"),
+    ],
 )
 def test_validity_window(tmp_path, now: str, rule: str) -> None:
     path = _write(tmp_path, signed_policy(K, valid_days=365))
@@ -114,8 +133,13 @@ def test_replayed_old_version_refused(tmp_path) -> None:
 def test_same_version_with_other_content_refused(tmp_path) -> None:
     trusted = [K["site"].public_key()]
     first = load_site_policy(_write(tmp_path, signed_policy(K, version=3), "a.json"), trusted, now=NOW)
-    again = load_site_policy(_write(tmp_path, signed_policy(K, version=3), "b.json"), trusted, now=NOW,
-                             last_seen_version=3, last_seen_digest=first.digest)
+    again = load_site_policy(
+        _write(tmp_path, signed_policy(K, version=3), "b.json"),
+        trusted,
+        now=NOW,
+        last_seen_version=3,
+        last_seen_digest=first.digest,
+    )
     assert again.digest == first.digest
     looser = _write(tmp_path, signed_policy(K, version=3, per_job=(3.0, 1e-5)), "c.json")
     with pytest.raises(PolicyViolation) as exc:
@@ -150,12 +174,17 @@ def test_signed_file_is_not_json(tmp_path) -> None:
 # -- canonical JSON properties ---------------------------------------------------------------------
 
 json_scalars = (
-    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
 )
 json_docs = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -176,7 +205,8 @@ def test_canonical_json_stable_under_key_reordering(doc, rnd) -> None:
     a = signing.canonical_json(doc)
     b = signing.canonical_json(_reorder(doc, rnd))
     assert a == b
-    assert signing.canonical_json(json.loads(a.decode("utf-8"))) == a  # a fixed point: parse + re-canonicalize
+    # a fixed point: parse + re-canonicalize
+    assert signing.canonical_json(json.loads(a.decode("utf-8"))) == a
 
 
 SIGNER = Ed25519PrivateKey.generate()
@@ -208,23 +238,47 @@ def _sign_cli(tmp_path, over: dict, *accept: str):  # noqa: ANN001, ANN202
 
     doc = make_policy("s", "ab" * 32, 1000, [K["coord"].public_key()], app_bundles=["cd" * 32], **over)
     (tmp_path / "p.json").write_text(json.dumps(doc))
-    (tmp_path / "admin.key").write_bytes(K["site"].private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (tmp_path / "admin.key").write_bytes(
+        K["site"].private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     (tmp_path / "admin.key").chmod(0o600)
-    args = ["policy", "sign", str(tmp_path / "p.json"), "--key", str(tmp_path / "admin.key"), "--out",
-            str(tmp_path / "s.json")]
+    args = [
+        "policy",
+        "sign",
+        str(tmp_path / "p.json"),
+        "--key",
+        str(tmp_path / "admin.key"),
+        "--out",
+        str(tmp_path / "s.json"),
+    ]
     return CliRunner().invoke(cli, args + [a for r in accept for a in ("--accept-risk", r)])
 
 
-@pytest.mark.parametrize(("over", "risk"), [
-    ({"per_job": (1e9, 1e-6), "lifetime": (1e9, 1e-6)}, "job-epsilon"),
-    ({"per_job": (1.0, 1e-2), "lifetime": (4.0, 1e-2)}, "delta"),
-    ({"per_job": (1.0, 1e-6), "lifetime": (4.0, 1e-6), "not_before": "2020-01-01T00:00:00Z", "valid_days": 30},
-     "expired"),
-])
+@pytest.mark.parametrize(
+    ("over", "risk"),
+    [
+        ({"per_job": (1e9, 1e-6), "lifetime": (1e9, 1e-6)}, "job-epsilon"),
+        ({"per_job": (1.0, 1e-2), "lifetime": (4.0, 1e-2)}, "delta"),
+        (
+            {
+                "per_job": (1.0, 1e-6),
+                "lifetime": (4.0, 1e-6),
+                "not_before": "2020-01-01T00:00:00Z",
+                "valid_days": 30,
+            },
+            "expired",
+        ),
+    ],
+)
 def test_sign_refuses_a_nonsense_budget_unless_the_risk_is_accepted(tmp_path, over, risk) -> None:  # noqa: ANN001
     res = _sign_cli(tmp_path, over)
-    assert res.exit_code != 0 and f"--accept-risk {risk}" in str(res.exception) and not (tmp_path / "s.json").exists()
+    assert (
+        res.exit_code != 0
+        and f"--accept-risk {risk}" in str(res.exception)
+        and not (tmp_path / "s.json").exists()
+    )
     res = _sign_cli(tmp_path, over, risk, "lifetime-epsilon")
     assert res.exit_code == 0, res.output
     assert f"accepted: --accept-risk {risk}" in res.output and (tmp_path / "s.json").exists()

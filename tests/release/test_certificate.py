@@ -1,4 +1,5 @@
-"""A synthetic folder anyone can check: signed certificate, relative paths, PNG provenance, verify-synthetic."""
+"""A synthetic folder anyone can check: signed certificate, relative paths, PNG provenance,
+verify-synthetic."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import describe_site  # noqa: E402
 from feta_release.signing import public_key_pem, sign_document  # noqa: E402
-
 from tests.support.release import IMAGE_SHAPE, make_release, new_keys, signed_policy, small_denoiser  # noqa: E402
 
 
@@ -37,9 +37,21 @@ def synth_key():
 def pristine(tmp_path_factory, keys, synth_key):
     """A release and a synthetic folder made from it, side by side (certificate path is relative)."""
     root = tmp_path_factory.mktemp("cert")
-    rel = make_release(root / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, policy=signed_policy(keys))
-    synthesize(rel, root / "synthetic", keys.trust(), per_class=[2, 1, 2], seed=5, batch=5, progress=False,
-               threads=1, key=synth_key, signer_name="Dr. Example, DPO office")
+    rel = make_release(
+        root / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, policy=signed_policy(keys)
+    )
+    synthesize(
+        rel,
+        root / "synthetic",
+        keys.trust(),
+        per_class=[2, 1, 2],
+        seed=5,
+        batch=5,
+        progress=False,
+        threads=1,
+        key=synth_key,
+        signer_name="Dr. Example, DPO office",
+    )
     return root
 
 
@@ -52,7 +64,8 @@ def root(pristine, tmp_path):
 
 @pytest.fixture
 def trusted(keys, synth_key):
-    """Two roles: the release's role-bound roots (site a's administrator key) and the certificate signer's key."""
+    """Two roles: the release's role-bound roots (site a's administrator key) and the certificate signer's
+    key."""
     return keys.trust(), [synth_key.public_key()]
 
 
@@ -64,8 +77,14 @@ def test_pristine_folder_verifies(root, trusted):
     res = verify_synthetic(root / "synthetic", *trusted)
     assert res.ok, res.reason()
     names = {c.name for c in res.checks}
-    assert {"certificate signature", "images unchanged", "no added files", "no missing images", "release verifies",
-            "release is the certified one"} <= names
+    assert {
+        "certificate signature",
+        "images unchanged",
+        "no added files",
+        "no missing images",
+        "release verifies",
+        "release is the certified one",
+    } <= names
     sig = next(c for c in res.checks if c.name == "certificate signature")
     assert "Dr. Example, DPO office" in sig.detail
 
@@ -131,8 +150,9 @@ def test_edited_file_list_is_caught(root, trusted):
 
 
 def test_certificate_with_a_duplicate_key_is_refused(root, trusted):
-    """A second "certificate" object placed before the signed one: a lenient parser keeps the last (signed) one and
-    verifies, while another reader may show the first. Refused: the signed document must parse one way only."""
+    """A second "certificate" object placed before the signed one: a lenient parser keeps the last (signed)
+    one and verifies, while another reader may show the first. Refused: the signed document must parse one way
+    only."""
     path = root / "synthetic" / "certificate.json"
     doc = json.loads(path.read_text())
     fake = {**doc["certificate"], "statement": "forged"}
@@ -173,8 +193,12 @@ def test_release_changed_or_swapped_is_caught(root, trusted, keys, tmp_path):
     g.write_bytes(bytes(data))
     res = verify_synthetic(root / "synthetic", *trusted)
     assert {"release verifies", "release is the certified one"} <= _failed(res)
-    other = make_release(tmp_path / "other", export_denoiser(small_denoiser(seed=3), IMAGE_SHAPE), keys,
-                         policy=signed_policy(keys))
+    other = make_release(
+        tmp_path / "other",
+        export_denoiser(small_denoiser(seed=3), IMAGE_SHAPE),
+        keys,
+        policy=signed_policy(keys),
+    )
     res = verify_synthetic(root / "synthetic", *trusted, release_dir=other)
     assert _failed(res) == {"release is the certified one"}
 
@@ -188,9 +212,11 @@ def test_cli_verify_synthetic(root, keys, synth_key, tmp_path):
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["ok"] is True
-    r = CliRunner().invoke(cli, base + ["--trusted", f"a={admin_pub}"])  # no certificate signer: one clear line
+    # no certificate signer: one clear line
+    r = CliRunner().invoke(cli, base + ["--trusted", f"a={admin_pub}"])
     assert isinstance(r.exception, ConfigError) and "--certificate-key" in str(r.exception)
-    r = CliRunner().invoke(cli, base + ["--certificate-key", str(sp), "--trusted", str(sp)])  # a key with no role
+    # a key with no role
+    r = CliRunner().invoke(cli, base + ["--certificate-key", str(sp), "--trusted", str(sp)])
     assert isinstance(r.exception, ConfigError) and "SITE_ID=ADMIN_KEY.pub" in str(r.exception)
     next((root / "synthetic" / "zero").glob("*.png")).unlink()
     r = CliRunner().invoke(cli, args)
@@ -217,8 +243,13 @@ def test_certificate_signer_and_release_roots_are_separate_roles(root, keys, syn
 def test_describe_site_merges_repeated_rounds():
     """A federated ledger writes one DP-SGD event per round; the words name the stage once with the total."""
     ev = {"stage": "dpsgd", "sigma": 1.2, "q": 0.01, "steps": 25}
-    site = {"site_id": "a", "epsilon": 3.0, "delta": 1e-5, "accountant": "rdp",
-            "events": [{"stage": "central", "sigma": 5.0, "q": 1.0, "steps": 1}, ev, ev, ev, ev]}
+    site = {
+        "site_id": "a",
+        "epsilon": 3.0,
+        "delta": 1e-5,
+        "accountant": "rdp",
+        "events": [{"stage": "central", "sigma": 5.0, "q": 1.0, "steps": 1}, ev, ev, ev, ev],
+    }
     text = describe_site(site)
     assert text.count("DP-SGD") == 1 and "100 steps" in text
     assert "2 stage(s)" in text

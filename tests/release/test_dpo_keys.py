@@ -1,6 +1,6 @@
-"""The key a data-protection officer trusts for a site has ONE name everywhere (``policy-admin.pub``), the site
-administrator is told to hand it over with its fingerprint, and a demo folder can be moved or sent: each copy
-verifies its own release files, never the original's."""
+"""The key a data-protection officer trusts for a site has ONE name everywhere (``policy-admin.pub``), the
+site administrator is told to hand it over with its fingerprint, and a demo folder can be moved or sent: each
+copy verifies its own release files, never the original's."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ pytest.importorskip("torch")  # only to BUILD the test release
 
 from feta_release.cli import main  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
-
 from tests.support.release import make_release  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
@@ -33,16 +32,19 @@ def _invoke(args: list[str]) -> tuple[int, str]:
     return 0, buf.getvalue()
 
 
-def test_site_init_tells_the_admin_to_send_policy_admin_pub_to_the_dpo_with_its_fingerprint(tmp_path: Path) -> None:
-    from feta_release.data import load_embedded, save_npz
-
+def test_site_init_tells_the_admin_to_send_policy_admin_pub_to_the_dpo_with_its_fingerprint(
+    tmp_path: Path,
+) -> None:
     import numpy as np
+
+    from feta_release.data import load_embedded, save_npz
 
     full = load_embedded()
     idx = np.concatenate([np.flatnonzero(full.labels == c)[:6] for c in range(10)])
     save_npz(full.subset(np.sort(idx)), tmp_path / "data.npz")
-    code, out = _invoke(["site", "init", str(tmp_path / "kit"), "--data", str(tmp_path / "data.npz"),
-                         "--site-id", "st-mary"])
+    code, out = _invoke(
+        ["site", "init", str(tmp_path / "kit"), "--data", str(tmp_path / "data.npz"), "--site-id", "st-mary"]
+    )
     assert code == 0, out
     pub = tmp_path / "kit" / "keys" / "policy-admin.pub"
     assert pub.is_file()
@@ -69,7 +71,8 @@ def test_a_moved_demo_folder_verifies_its_own_copy_of_the_release(tmp_path: Path
     release = make_release(demo / "job" / "release", den_onnx, keys)
     link = link_release(demo, release)
     assert not os.path.isabs(os.readlink(link))
-    sent = shutil.copytree(demo, tmp_path / "sent" / "demo-out", symlinks=True)  # an archive keeps the link as is
+    # an archive keeps the link as is
+    sent = shutil.copytree(demo, tmp_path / "sent" / "demo-out", symlinks=True)
     moved = tmp_path / "moved"
     demo.rename(moved)
     assert verify_release(moved / "release", keys.trust()).ok

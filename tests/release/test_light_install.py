@@ -1,5 +1,5 @@
-"""A data-protection officer's machine has no training stack: verify, report, synthesize and verify-synthetic run in a
-process where torch, flwr, onnx and opacus cannot be imported (the README's light install)."""
+"""A data-protection officer's machine has no training stack: verify, report, synthesize and verify-synthetic
+run in a process where torch, flwr, onnx and opacus cannot be imported (the README's light install)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ pytest.importorskip("torch")  # only to BUILD the release under test
 
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.signing import generate_keypair  # noqa: E402
-
 from tests.support.release import IMAGE_SHAPE, make_release, new_keys, signed_policy, small_denoiser  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "flwr", "onnx", "opacus")  # opacus: accounting is prv-accountant's, no file of opacus is read
+# opacus: accounting is prv-accountant's, no file of opacus is read
+HEAVY = ("torch", "flwr", "onnx", "opacus")
 
 SCRIPT = """
 import sys
@@ -45,8 +45,9 @@ def _run(commands: list[list[str]], heavy: tuple[str, ...] = HEAVY) -> subproces
 
 def test_verify_report_synthesize_and_verify_synthetic_without_the_training_stack(tmp_path):
     keys = new_keys()
-    release = make_release(tmp_path / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys,
-                           policy=signed_policy(keys))
+    release = make_release(
+        tmp_path / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, policy=signed_policy(keys)
+    )
     coord_pub, _, admin_pub = keys.pub_files(tmp_path / "keys")
     me_priv, me_pub = generate_keypair(tmp_path / "me", "dpo")
     trusted = ["--trusted", f"a={admin_pub}", "--coordinator", coord_pub]  # role-bound, as in the README
@@ -54,8 +55,21 @@ def test_verify_report_synthesize_and_verify_synthetic_without_the_training_stac
     commands = [
         ["verify", str(release), "--json", *trusted],
         ["report", str(release), "--out", str(tmp_path / "report.html"), "--per-class", "2", *trusted],
-        ["synthesize", "--release", str(release), "--num", "6", "--out", str(synth), "--no-progress", "--threads", "1",
-         "--key", str(me_priv), *trusted],
+        [
+            "synthesize",
+            "--release",
+            str(release),
+            "--num",
+            "6",
+            "--out",
+            str(synth),
+            "--no-progress",
+            "--threads",
+            "1",
+            "--key",
+            str(me_priv),
+            *trusted,
+        ],
         ["verify-synthetic", str(synth), "--certificate-key", str(me_pub), *trusted],
     ]
     proc = _run(commands)
@@ -67,15 +81,21 @@ def test_verify_report_synthesize_and_verify_synthetic_without_the_training_stac
 
 def test_the_block_is_real():
     proc = _run([["export", "--help"]], heavy=("torch",))
-    blocked = subprocess.run([sys.executable, "-c", SCRIPT.format(heavy=("torch",), commands=[]) + "import torch"],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    blocked = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(heavy=("torch",), commands=[]) + "import torch"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert "blocked: light install" in blocked.stderr
     assert proc.returncode == 0  # --help of a torch command imports nothing heavy either
 
 
 def test_light_requirements_hold_the_accountant_and_no_training_stack():
-    """requirements-verify.txt is the light install: prv-accountant (the accountant, pinned as in pyproject) is in
-    it; torch, flwr, onnx and opacus are not, and the README's light install no longer installs opacus."""
+    """requirements-verify.txt is the light install: prv-accountant (the accountant, pinned as in pyproject)
+    is in it; torch, flwr, onnx and opacus are not, and the README's light install no longer installs
+    opacus."""
     import re
     import tomllib
 
@@ -85,5 +105,5 @@ def test_light_requirements_hold_the_accountant_and_no_training_stack():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert names["prv-accountant"] in deps
     readme = (REPO / "README.md").read_text("utf-8")
-    light = readme[readme.index("Light install for verifiers"):][:400]
+    light = readme[readme.index("Light install for verifiers") :][:400]
     assert "opacus==" not in light and "pip install -r requirements-verify.txt" in light

@@ -1,6 +1,6 @@
 """``feta-release train`` writes the job directory a federated coordinator writes (one-site job, the site's
-attestation from its ledger, privacy report, signed release), with the same code; its privacy accounting is the
-run's: the same events and epsilon as the plan, the ledger's DP-SGD requests the planner's round sizes."""
+attestation from its ledger, privacy report, signed release), with the same code; its privacy accounting is
+the run's: the same events and epsilon as the plan, the ledger's DP-SGD requests the planner's round sizes."""
 
 from __future__ import annotations
 
@@ -21,16 +21,39 @@ from feta_release.signing import generate_keypair, load_private_key
 from tests.support.cli import run_cli as _run
 
 ROOT = Path(__file__).resolve().parents[2]
-# What coordinator/finalize.py (now feta_release.release.jobdir) leaves in a federated job's --out, besides the
-# coordinator's own state (state/, plan.json, progress.jsonl).
+
+
+# What coordinator/finalize.py (now feta_release.release.jobdir) leaves in a federated job's --out, besides
+# the coordinator's own state (state/, plan.json, progress.jsonl).
 def job_layout(sites: list[str]) -> set[str]:
-    return {"signed_job.json", "job_summary.json", "attestations.json", "model.pt", "privacy_report.json",
-            "privacy_report.txt", "budget.svg", "samples.png", "release/manifest.json", "release/generator.onnx",
-            *(f"policies/{s}.signed.json" for s in sites), *(f"release/policies/{s}.signed.json" for s in sites)}
+    return {
+        "signed_job.json",
+        "job_summary.json",
+        "attestations.json",
+        "model.pt",
+        "privacy_report.json",
+        "privacy_report.txt",
+        "budget.svg",
+        "samples.png",
+        "release/manifest.json",
+        "release/generator.onnx",
+        *(f"policies/{s}.signed.json" for s in sites),
+        *(f"release/policies/{s}.signed.json" for s in sites),
+    }
 
 
-SUMMARY_KEYS = {"job_id", "sites", "class_names", "image_shape", "rounds", "skipped", "site_epsilon", "delta",
-                "histories", "timings"}
+SUMMARY_KEYS = {
+    "job_id",
+    "sites",
+    "class_names",
+    "image_shape",
+    "rounds",
+    "skipped",
+    "site_epsilon",
+    "delta",
+    "histories",
+    "timings",
+}
 
 
 def _files(root: Path) -> set[str]:
@@ -45,25 +68,63 @@ def kit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
     save_npz(full.subset(np.sort(idx)), tmp / "small.npz")
     keys = {n: generate_keypair(tmp / "keys", n) for n in ("coordinator", "site", "admin")}
-    doc = make_policy("hosp-a", "1" * 64, 200, [load_private_key(keys["coordinator"][0]).public_key()],
-                      per_job=(5.0, 1e-5), lifetime=(20.0, 1e-5),
-                      site_key=load_private_key(keys["site"][0]).public_key())
+    doc = make_policy(
+        "hosp-a",
+        "1" * 64,
+        200,
+        [load_private_key(keys["coordinator"][0]).public_key()],
+        per_job=(5.0, 1e-5),
+        lifetime=(20.0, 1e-5),
+        site_key=load_private_key(keys["site"][0]).public_key(),
+    )
     (tmp / "policy.signed.json").write_text(json.dumps(sign_policy(doc, load_private_key(keys["admin"][0]))))
-    job = (ROOT / "feta_release" / "presets" / "tiny.toml").read_text("utf-8").replace("epsilon = 10.0", "epsilon = 4.0")
+    job = (
+        (ROOT / "feta_release" / "presets" / "tiny.toml")
+        .read_text("utf-8")
+        .replace("epsilon = 10.0", "epsilon = 4.0")
+    )
     (tmp / "job.toml").write_text(job)
-    return {"tmp": tmp, "data": tmp / "small.npz", "policy": tmp / "policy.signed.json", "job": tmp / "job.toml",
-            "coordinator": keys["coordinator"][0], "site": keys["site"][0], "admin_pub": keys["admin"][1]}
+    return {
+        "tmp": tmp,
+        "data": tmp / "small.npz",
+        "policy": tmp / "policy.signed.json",
+        "job": tmp / "job.toml",
+        "coordinator": keys["coordinator"][0],
+        "site": keys["site"][0],
+        "admin_pub": keys["admin"][1],
+    }
 
 
 @pytest.mark.slow
-def test_train_writes_the_federated_job_layout_and_a_verifiable_release(kit: dict[str, Path],
-                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
+    kit: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     out = kit["tmp"] / "run"
-    code, stdout, err = _run(["train", str(kit["job"]), "--data", str(kit["data"]), "--out", str(out),
-                              "--synthetic", "10", "--checkpoint-every", "3", "--quiet", "--json",
-                              "--site-key", str(kit["site"]), "--policy", str(kit["policy"]),
-                              "--trusted", str(kit["admin_pub"]), "--coordinator-key", str(kit["coordinator"])],
-                             capsys)
+    code, stdout, err = _run(
+        [
+            "train",
+            str(kit["job"]),
+            "--data",
+            str(kit["data"]),
+            "--out",
+            str(out),
+            "--synthetic",
+            "10",
+            "--checkpoint-every",
+            "3",
+            "--quiet",
+            "--json",
+            "--site-key",
+            str(kit["site"]),
+            "--policy",
+            str(kit["policy"]),
+            "--trusted",
+            str(kit["admin_pub"]),
+            "--coordinator-key",
+            str(kit["coordinator"]),
+        ],
+        capsys,
+    )
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["release"] == str(out / "release")
@@ -78,7 +139,8 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(kit: dic
     assert events_from_list(att["events"]) == run_events == planned.events
     assert att["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)
     assert summary["epsilon"] == pytest.approx(epsilon(planned.events, 1e-5), rel=1e-12)
-    # ... and the ledger's requests are the planner's: DP-SGD one round of all its steps, whatever the checkpoints
+    # ... and the ledger's requests are the planner's: DP-SGD one round of all its steps, whatever the
+    # checkpoints
     run = json.loads((out / "run.json").read_text())
     with Ledger(out / run["ledger"]["path"]) as led:
         rows = [r for r in led.requests(run["ledger"]["job_id"])]
@@ -93,16 +155,50 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(kit: dic
     trusted = ["--trusted", f"hosp-a={kit['admin_pub']}"]
     code, stdout, err = _run(["verify", str(out / "release"), "--json", *trusted], capsys)
     assert code == 0 and json.loads(stdout)["ok"] is True, (stdout, err)
-    code, _, err = _run(["synthesize", "--release", str(out / "release"), "--num", "3", "--out",
-                         str(kit["tmp"] / "syn"), "--no-progress", *trusted], capsys)
+    code, _, err = _run(
+        [
+            "synthesize",
+            "--release",
+            str(out / "release"),
+            "--num",
+            "3",
+            "--out",
+            str(kit["tmp"] / "syn"),
+            "--no-progress",
+            *trusted,
+        ],
+        capsys,
+    )
     assert code == 0, err
-    code, _, err = _run(["report", str(out / "release"), "--out", str(kit["tmp"] / "r.html"), *trusted], capsys)
+    code, _, err = _run(
+        ["report", str(out / "release"), "--out", str(kit["tmp"] / "r.html"), *trusted], capsys
+    )
     assert code == 0, err
     # the same command again: already complete and already released, nothing re-spent or re-signed
     before = (out / "release" / "manifest.json").read_bytes()
-    code, stdout, _ = _run(["train", str(kit["job"]), "--data", str(kit["data"]), "--out", str(out), "--synthetic",
-                            "10", "--quiet", "--json", "--site-key", str(kit["site"]), "--policy", str(kit["policy"]),
-                            "--trusted", str(kit["admin_pub"]), "--coordinator-key", str(kit["coordinator"])], capsys)
+    code, stdout, _ = _run(
+        [
+            "train",
+            str(kit["job"]),
+            "--data",
+            str(kit["data"]),
+            "--out",
+            str(out),
+            "--synthetic",
+            "10",
+            "--quiet",
+            "--json",
+            "--site-key",
+            str(kit["site"]),
+            "--policy",
+            str(kit["policy"]),
+            "--trusted",
+            str(kit["admin_pub"]),
+            "--coordinator-key",
+            str(kit["coordinator"]),
+        ],
+        capsys,
+    )
     assert code == 0 and json.loads(stdout)["already_complete"] is True
     assert (out / "release" / "manifest.json").read_bytes() == before
 
@@ -113,20 +209,29 @@ def test_a_federated_job_directory_has_the_same_layout(tmp_path: Path) -> None:
     from coordinator.finalize import build_release, privacy_report, sample_grid
     from coordinator.setup import sign_job_file
     from feta_release.federation.job import run_job
-
     from tests.support.federation import harness, make_federation, tiny_job
 
     fed = make_federation(tmp_path / "fed")
     signed, _ = sign_job_file(fed, tiny_job(), "job-layout")
     out = tmp_path / "out"
-    run_job(harness(fed), signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
-            poll_interval=0.05)
+    run_job(
+        harness(fed),
+        signed,
+        out,
+        coordinator_key=load_private_key(fed.coordinator_key),
+        wait_timeout=2,
+        poll_interval=0.05,
+    )
     privacy_report(out)
     sample_grid(out)
     build_release(out, fed.coordinator_key)
     sites = [s.site_id for s in fed.sites]
     assert _files(out) >= job_layout(sites)
     # beyond the shared layout only the coordinator's own state and logs
-    assert {f.split("/")[0] for f in _files(out) - job_layout(sites)} <= {"state", "plan.json", "progress.jsonl"}
+    assert {f.split("/")[0] for f in _files(out) - job_layout(sites)} <= {
+        "state",
+        "plan.json",
+        "progress.jsonl",
+    }
     summary = json.loads((out / jobdir.SUMMARY).read_text())
     assert set(summary) == SUMMARY_KEYS

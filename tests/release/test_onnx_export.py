@@ -27,7 +27,6 @@ from feta_release.release.onnx_export import (  # noqa: E402
     export_denoiser,
     karras_schedule,
 )
-
 from tests.support.release import CLASSES, IMAGE_SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
@@ -39,7 +38,9 @@ def _session(model: onnx.ModelProto):
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1  # tiny model: threads only add contention on the shared CI cores
-    return ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"]
+    )
 
 
 def test_schedule_matches_torch_sampler():
@@ -73,8 +74,14 @@ def test_generator_matches_torch_sampler(den, den_onnx, solver, steps, guidance)
         noise = rng.standard_normal((batch, *IMAGE_SHAPE)).astype(np.float32)
         labels = (np.arange(batch) % len(CLASSES)).astype(np.int64)
         got = sess.run(["images"], {"noise": noise, "labels": labels})[0]
-        ref = sample(den, torch.from_numpy(labels), torch.from_numpy(noise), solver=solver, steps=steps,
-                     guidance=guidance).numpy()
+        ref = sample(
+            den,
+            torch.from_numpy(labels),
+            torch.from_numpy(noise),
+            solver=solver,
+            steps=steps,
+            guidance=guidance,
+        ).numpy()
         assert got.shape == (batch, *IMAGE_SHAPE)
         assert got.min() >= 0.0 and got.max() <= 1.0
         assert np.abs(got - ref).max() < BOUND
@@ -93,15 +100,20 @@ def test_wrong_step_count_is_detected(den, den_onnx):
 
 
 def test_generator_is_one_loop_and_denoiser_sized(den_onnx):
-    gen = build_generator(den_onnx, SamplerSettings(steps=18), CLASSES, IMAGE_SHAPE, statement_sha256="ab" * 32)
+    gen = build_generator(
+        den_onnx, SamplerSettings(steps=18), CLASSES, IMAGE_SHAPE, statement_sha256="ab" * 32
+    )
     ops = [n.op_type for n in gen.graph.node]
     assert ops.count("Loop") == 1
     loop = next(n for n in gen.graph.node if n.op_type == "Loop")
     trips = next(t for t in gen.graph.initializer if t.name == "trip_count")
     assert int(onnx.numpy_helper.to_array(trips)) == 17  # N-1 Heun steps, then the final Euler step
     body = loop.attribute[0].g
-    assert sum(1 for n in body.node if n.op_type == "Conv") == 2 * sum(1 for n in den_onnx.graph.node if n.op_type == "Conv")
-    # Weights are stored once (shared by every call of the denoiser), so the file is about the denoiser's size.
+    assert sum(1 for n in body.node if n.op_type == "Conv") == 2 * sum(
+        1 for n in den_onnx.graph.node if n.op_type == "Conv"
+    )
+    # Weights are stored once (shared by every call of the denoiser), so the file is about the denoiser's
+    # size.
     w_den = sum(t.ByteSize() for t in den_onnx.graph.initializer)
     w_gen = sum(t.ByteSize() for t in gen.graph.initializer)
     assert w_gen < w_den + 1024
@@ -131,28 +143,42 @@ def test_invalid_sampler_settings_refused():
         SamplerSettings(steps=0)
 
 
-# -- SDEdit from released central images (format 2: inputs start, from_release) ----------------------------------
+# -- SDEdit from released central images (format 2: inputs start, from_release)
+# ----------------------------------
 
 
 def _sdedit_feed(batch: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"noise": rng.standard_normal((batch, *IMAGE_SHAPE)).astype(np.float32),
-            "labels": (np.arange(batch) % len(CLASSES)).astype(np.int64),
-            "start": rng.random((batch, *IMAGE_SHAPE)).astype(np.float32)}
+    return {
+        "noise": rng.standard_normal((batch, *IMAGE_SHAPE)).astype(np.float32),
+        "labels": (np.arange(batch) % len(CLASSES)).astype(np.int64),
+        "start": rng.random((batch, *IMAGE_SHAPE)).astype(np.float32),
+    }
 
 
-@pytest.mark.parametrize("solver,steps,guidance,start_sigma", [("heun", 8, 0.0, 0.5), ("euler", 6, 0.0, 1.0),
-                                                               ("heun", 4, 1.0, 2.0)])
-def test_sdedit_generator_matches_torch_sdedit_on_the_same_starts_and_noise(den, den_onnx, solver, steps, guidance,
-                                                                            start_sigma):
+@pytest.mark.parametrize(
+    "solver,steps,guidance,start_sigma",
+    [("heun", 8, 0.0, 0.5), ("euler", 6, 0.0, 1.0), ("heun", 4, 1.0, 2.0)],
+)
+def test_sdedit_generator_matches_torch_sdedit_on_the_same_starts_and_noise(
+    den, den_onnx, solver, steps, guidance, start_sigma
+):
     settings = SamplerSettings(solver=solver, steps=steps, guidance=guidance, start_sigma=start_sigma)
     sess = _session(build_generator(den_onnx, settings, CLASSES, IMAGE_SHAPE))
     for batch in (1, 6):
         feed = _sdedit_feed(batch, batch)
         got = sess.run(["images"], {**feed, "from_release": np.array(True)})[0]
         lab, noise = torch.from_numpy(feed["labels"]), torch.from_numpy(feed["noise"])
-        ref = sample(den, lab, noise, solver=solver, steps=steps, guidance=guidance, sigma_max=start_sigma,
-                     init=torch.from_numpy(feed["start"])).numpy()
+        ref = sample(
+            den,
+            lab,
+            noise,
+            solver=solver,
+            steps=steps,
+            guidance=guidance,
+            sigma_max=start_sigma,
+            init=torch.from_numpy(feed["start"]),
+        ).numpy()
         assert np.abs(got - ref).max() < BOUND
         # ... and with from_release off, the same graph is the noise sampler (start ignored)
         off = sess.run(["images"], {**feed, "from_release": np.array(False)})[0]
@@ -166,10 +192,18 @@ def test_sdedit_start_is_not_ignored_and_a_wrong_start_level_is_detected(den, de
     sess = _session(build_generator(den_onnx, settings, CLASSES, IMAGE_SHAPE))
     feed = _sdedit_feed(4, 0)
     got = sess.run(["images"], {**feed, "from_release": np.array(True)})[0]
-    other = sess.run(["images"], {**feed, "start": feed["start"][::-1].copy(), "from_release": np.array(True)})[0]
+    other = sess.run(
+        ["images"], {**feed, "start": feed["start"][::-1].copy(), "from_release": np.array(True)}
+    )[0]
     assert np.abs(got - other).max() > 100 * BOUND
-    wrong = sample(den, torch.from_numpy(feed["labels"]), torch.from_numpy(feed["noise"]), steps=6, sigma_max=1.0,
-                   init=torch.from_numpy(feed["start"])).numpy()
+    wrong = sample(
+        den,
+        torch.from_numpy(feed["labels"]),
+        torch.from_numpy(feed["noise"]),
+        steps=6,
+        sigma_max=1.0,
+        init=torch.from_numpy(feed["start"]),
+    ).numpy()
     assert np.abs(got - wrong).max() > 10 * BOUND
 
 
@@ -179,7 +213,10 @@ def test_noise_only_generator_keeps_format_1_and_two_inputs(den_onnx):
     assert meta["feta.format"] == "feta-release-generator/1" and "start_sigma" not in meta["feta.sampler"]
     sd = build_generator(den_onnx, SamplerSettings(steps=8, start_sigma=0.5), CLASSES, IMAGE_SHAPE)
     meta = {p.key: p.value for p in sd.metadata_props}
-    assert meta["feta.format"] == "feta-release-generator/2" and json.loads(meta["feta.sampler"])["start_sigma"] == 0.5
+    assert (
+        meta["feta.format"] == "feta-release-generator/2"
+        and json.loads(meta["feta.sampler"])["start_sigma"] == 0.5
+    )
     assert [i.name for i in sd.graph.input] == ["noise", "labels", "start", "from_release"]
     with pytest.raises(Exception, match="start_sigma"):
         SamplerSettings(steps=8, start_sigma=100.0)
@@ -199,9 +236,9 @@ class _WarnsWhileTraced(torch.nn.Module):
 
 
 def test_export_hides_only_the_exporters_own_notices(den):
-    """The TorchScript exporter's per-export notices are expected (module docstring); every other warning raised
-    while exporting - a deprecated API our model calls, anything torch has to say about it - must still reach the
-    user and the test log."""
+    """The TorchScript exporter's per-export notices are expected (module docstring); every other warning
+    raised while exporting - a deprecated API our model calls, anything torch has to say about it - must still
+    reach the user and the test log."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         export_denoiser(_WarnsWhileTraced(den), IMAGE_SHAPE)

@@ -1,6 +1,7 @@
 """Both drivers ship the aux-generator pool of a ``[sampler] start_source = "mix"`` job: the federated
-coordinator the pool of the aux generator its warm-up fitted to the sites' combined frequency releases (bound to the
-job id), a ``train`` run the pool it wrote, which must hash to what its closed site-ledger record keeps."""
+coordinator the pool of the aux generator its warm-up fitted to the sites' combined frequency releases (bound
+to the job id), a ``train`` run the pool it wrote, which must hash to what its closed site-ledger record
+keeps."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ from feta_release.release.synthesize import synthesize
 from feta_release.release.verify import verify_release
 from feta_release.signing import load_public_key
 from feta_release.stages.freq_warmup import aux_pool
+from tests.support.federation import SignedTrain, harness, make_federation, tiny_job
+from tests.support.federation import run_harness_job as _run
 
-from tests.support.federation import SignedTrain, harness, make_federation, run_harness_job as _run, tiny_job
-
-MIX = {"central": {"rounds": 1, "batch": 10, "sigma": 5.0}, "frequency": {"sigma": 10.0, "features": 64, "chunk": 256},
-       "warmup": {"spatial_iterations": 2, "spatial_batch": 8, "frequency_images": 20, "frequency_epochs": 0},
-       "auxgen": {"z_dim": 8, "width": 8, "batch": 20, "epochs": 1, "iterations_per_epoch": 2},
-       "dpsgd": {"steps": 0}, "sampler": {"steps": 2, "start_sigma": 0.5, "start_source": "mix"}}
+MIX = {
+    "central": {"rounds": 1, "batch": 10, "sigma": 5.0},
+    "frequency": {"sigma": 10.0, "features": 64, "chunk": 256},
+    "warmup": {"spatial_iterations": 2, "spatial_batch": 8, "frequency_images": 20, "frequency_epochs": 0},
+    "auxgen": {"z_dim": 8, "width": 8, "batch": 20, "epochs": 1, "iterations_per_epoch": 2},
+    "dpsgd": {"steps": 0},
+    "sampler": {"steps": 2, "start_sigma": 0.5, "start_source": "mix"},
+}
 
 
 def test_a_federated_mix_release_ships_the_coordinators_aux_pool(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -42,7 +47,8 @@ def test_a_federated_mix_release_ships_the_coordinators_aux_pool(tmp_path: Path,
     signed, _ = sign_job_file(fed, cfg, "job-mix")
     out = tmp_path / "out"
     _run(fed, harness(fed), signed, out)
-    jobdir.sample_grid(out, per_class=2)  # draws as synthesize does (mix starts), the coordinator's finalize step
+    # draws as synthesize does (mix starts), the coordinator's finalize step
+    jobdir.sample_grid(out, per_class=2)
     rel = build_release(out, fed.coordinator_key)
     trust = {s.site_id: load_public_key(s.policy_pub) for s in fed.sites}
     res = verify_release(rel, trust)
@@ -74,7 +80,7 @@ def _rebuild(out: Path, key) -> Path:  # noqa: ANN001
 def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) -> None:
     from feta_release.config import load_preset
 
-    kit = SignedTrain(tmp_path, "start_sigma = 0.5\nstart_source = \"mix\"\n")
+    kit = SignedTrain(tmp_path, 'start_sigma = 0.5\nstart_source = "mix"\n')
     assert load_preset("tiny").sampler.start_source == "central"
     run = kit.run
     kit.train()
@@ -83,7 +89,10 @@ def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) ->
     assert res.ok, res.reason()
     with np.load(run / "release" / "aux_images.npz") as r, np.load(run / "released" / "aux_images.npz") as w:
         assert np.array_equal(r["images"], w["images"]) and np.array_equal(r["labels"], w["labels"])
-    assert synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source == "release"
+    assert (
+        synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source
+        == "release"
+    )
     # a run directory whose pool was swapped after the run (e.g. for private images) is refused
     with np.load(run / "released" / "aux_images.npz") as z:
         arrays = dict(z)
@@ -93,17 +102,24 @@ def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) ->
 
 
 @pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
-def test_train_grid_and_release_use_what_attestation_checked_not_a_later_swap(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """Review (aux pool, low): the sample grid re-read released/aux_images.npz (and model.pt) after attest_run had
-    hashed them against the ledger: a pool (or model) swapped in between was what the grid (release) used."""
+def test_train_grid_and_release_use_what_attestation_checked_not_a_later_swap(
+    tmp_path: Path, monkeypatch
+) -> None:  # noqa: ANN001
+    """Review (aux pool, low): the sample grid re-read released/aux_images.npz (and model.pt) after attest_run
+    had hashed them against the ledger: a pool (or model) swapped in between was what the grid (release)
+    used."""
     import torch
 
     from feta_release.release import jobdir
     from feta_release.training import local_job
 
-    kit = SignedTrain(tmp_path, "start_sigma = 0.5\nstart_source = \"mix\"\n")
+    kit = SignedTrain(tmp_path, 'start_sigma = 0.5\nstart_source = "mix"\n')
     seen: dict = {}
-    real_attest, real_mixed, real_assemble = local_job.attest_run, jobdir.mixed_start_images, jobdir.assemble_release
+    real_attest, real_mixed, real_assemble = (
+        local_job.attest_run,
+        jobdir.mixed_start_images,
+        jobdir.assemble_release,
+    )
 
     def attest_then_swap(*args, **kw):  # noqa: ANN002, ANN003, ANN202
         a = real_attest(*args, **kw)
@@ -113,8 +129,9 @@ def test_train_grid_and_release_use_what_attestation_checked_not_a_later_swap(tm
             arrays = dict(z)
         np.savez(path, **{**arrays, "images": np.ones_like(arrays["images"])})  # e.g. private images
         swapped = torch.load(kit.run / "model.pt", weights_only=True)
-        swapped["state_dict"] = {k: torch.zeros_like(v) if v.is_floating_point() else v
-                                 for k, v in swapped["state_dict"].items()}
+        swapped["state_dict"] = {
+            k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in swapped["state_dict"].items()
+        }
         torch.save(swapped, kit.run / "model.pt")
         return a
 

@@ -15,58 +15,82 @@ from click.testing import CliRunner  # noqa: E402
 
 from feta_release.accounting import epsilon, events_to_list  # noqa: E402
 from feta_release.cli import cli  # noqa: E402
-from feta_release.config import JobConfig  # noqa: E402
+from feta_release.config import JobConfig, config_hash  # noqa: E402
 from feta_release.errors import ReleaseError  # noqa: E402
+from feta_release.files import atomic_write_json  # noqa: E402
 from feta_release.ledger import Budget, Ledger  # noqa: E402
 from feta_release.models.edm import denoiser_spec  # noqa: E402
 from feta_release.policy import make_policy, sign_policy  # noqa: E402
-from feta_release.signing import generate_keypair, load_private_key  # noqa: E402
-from feta_release.signing import sha256_file  # noqa: E402
-from feta_release.config import config_hash  # noqa: E402
-from feta_release.files import atomic_write_json  # noqa: E402
+from feta_release.signing import (  # noqa: E402
+    generate_keypair,
+    load_private_key,
+    sha256_file,  # noqa: E402
+)
 from feta_release.training.checkpoint import save_torch  # noqa: E402
-
 from tests.support.release import CLASSES, EVENTS, IMAGE_SHAPE, small_denoiser  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 
 def _run_dir(root: Path, site_key: Path, events=EVENTS, complete: bool = True) -> Path:
-    """A finished run: its events charged in a site ledger signed by ``site_key`` (as `train` charges them)."""
-    cfg = JobConfig.from_dict({
-        "model": {"channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attn_resolutions": [4]},
-        "sampler": {"solver": "heun", "steps": 5},
-        "dpsgd": {"steps": 200},
-    })
+    """A finished run: its events charged in a site ledger signed by ``site_key`` (as `train` charges
+    them)."""
+    cfg = JobConfig.from_dict(
+        {
+            "model": {"channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attn_resolutions": [4]},
+            "sampler": {"solver": "heun", "steps": 5},
+            "dpsgd": {"steps": 200},
+        }
+    )
     den = small_denoiser()
     rd = root / "run"
     rd.mkdir()
-    save_torch(rd / "model.pt", {
-        "spec": denoiser_spec(cfg.model, IMAGE_SHAPE, len(CLASSES)),
-        "state_dict": den.state_dict(),
-        "class_names": CLASSES,
-        "job_hash": config_hash(cfg.to_dict()),
-        "sampler": cfg.to_dict()["sampler"],
-    })
+    save_torch(
+        rd / "model.pt",
+        {
+            "spec": denoiser_spec(cfg.model, IMAGE_SHAPE, len(CLASSES)),
+            "state_dict": den.state_dict(),
+            "class_names": CLASSES,
+            "job_hash": config_hash(cfg.to_dict()),
+            "sampler": cfg.to_dict()["sampler"],
+        },
+    )
     atomic_write_json(rd / "job.json", cfg.to_dict())
     budget = Budget(job_epsilon=100.0, lifetime_epsilon=100.0, delta=1e-5)
     with Ledger(rd / "ledger.sqlite", key=load_private_key(site_key)) as led:
         for i, e in enumerate(events):
             led.charge("local-run", f"local-run/{e.stage}/{i}", e.stage, [e], budget, response=b"released")
         if complete:  # as the run closes its job: the signed record names job.json's hash, model.pt, delta
-            led.close_job("local-run", config_hash(cfg.to_dict()),
-                          {"model_sha256": sha256_file(rd / "model.pt"), "delta": 1e-5, "accountant": "rdp"})
+            led.close_job(
+                "local-run",
+                config_hash(cfg.to_dict()),
+                {"model_sha256": sha256_file(rd / "model.pt"), "delta": 1e-5, "accountant": "rdp"},
+            )
         # Another site job in the same ledger, closed, spending far less (a cheaper statement to point at).
         cheap = EVENTS[0]
         led.charge("cheap-run", "cheap-run/0", cheap.stage, [cheap], budget, response=b"released")
-        led.close_job("cheap-run", config_hash(cfg.to_dict()),
-                      {"model_sha256": "c" * 64, "delta": 1e-5, "accountant": "rdp"})
-    atomic_write_json(rd / "privacy.json", {
-        "accountant": "rdp", "delta": 1e-5, "events": events_to_list(events),
-        "epsilon": epsilon(events, 1e-5),
-    })
-    atomic_write_json(rd / "run.json", {"status": "complete", "finished": "2026-11-22T01:00:00Z",
-                                         "ledger": {"path": "ledger.sqlite", "job_id": "local-run"}})
+        led.close_job(
+            "cheap-run",
+            config_hash(cfg.to_dict()),
+            {"model_sha256": "c" * 64, "delta": 1e-5, "accountant": "rdp"},
+        )
+    atomic_write_json(
+        rd / "privacy.json",
+        {
+            "accountant": "rdp",
+            "delta": 1e-5,
+            "events": events_to_list(events),
+            "epsilon": epsilon(events, 1e-5),
+        },
+    )
+    atomic_write_json(
+        rd / "run.json",
+        {
+            "status": "complete",
+            "finished": "2026-11-22T01:00:00Z",
+            "ledger": {"path": "ledger.sqlite", "job_id": "local-run"},
+        },
+    )
     if complete:
         (rd / "COMPLETE").write_text("")
     return rd
@@ -78,21 +102,32 @@ def setup(tmp_path):
     coord, coord_pub = generate_keypair(kd, "coordinator")
     site, site_pub = generate_keypair(kd, "site")
     pol_key, pol_pub = generate_keypair(kd, "policy")
-    return tmp_path, {"coord": coord, "site": site, "policy_key": pol_key,
-                      "pubs": [str(coord_pub), str(site_pub), str(pol_pub)]}
+    return tmp_path, {
+        "coord": coord,
+        "site": site,
+        "policy_key": pol_key,
+        "pubs": [str(coord_pub), str(site_pub), str(pol_pub)],
+    }
 
 
 def _policy_file(tmp: Path, k: dict, per_job_eps: float) -> Path:
-    doc = make_policy("hosp-a", "1" * 64, 5000, [load_private_key(k["coord"]).public_key()],
-                      per_job=(per_job_eps, 1e-5), lifetime=(20.0, 1e-5),
-                      site_key=load_private_key(k["site"]).public_key())
+    doc = make_policy(
+        "hosp-a",
+        "1" * 64,
+        5000,
+        [load_private_key(k["coord"]).public_key()],
+        per_job=(per_job_eps, 1e-5),
+        lifetime=(20.0, 1e-5),
+        site_key=load_private_key(k["site"]).public_key(),
+    )
     p = tmp / f"policy-{per_job_eps}.signed.json"
     p.write_text(json.dumps(sign_policy(doc, load_private_key(k["policy_key"]))))
     return p
 
 
 def _trusted(k: dict) -> list[str]:
-    """Role-bound trust: site hosp-a's administrator key (the coordinator and site keys follow from its policy)."""
+    """Role-bound trust: site hosp-a's administrator key (the coordinator and site keys follow from its
+    policy)."""
     return ["--trusted", f"hosp-a={k['pubs'][2]}"]
 
 
@@ -101,8 +136,23 @@ def test_export_verify_synthesize_cli(setup):
     rd = _run_dir(tmp, k["site"])
     pol = _policy_file(tmp, k, 5.0)
     rel = tmp / "release"
-    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
-                                 "--site-key", str(k["site"]), "--policy", str(pol), "--steps", "4"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(rd),
+            "--out",
+            str(rel),
+            "--coordinator-key",
+            str(k["coord"]),
+            "--site-key",
+            str(k["site"]),
+            "--policy",
+            str(pol),
+            "--steps",
+            "4",
+        ],
+    )
     assert r.exit_code == 0, (r.output, r.exception)
     man = json.loads((rel / "manifest.json").read_text())["manifest"]
     (site,) = man["sites"]
@@ -120,8 +170,10 @@ def test_export_verify_synthesize_cli(setup):
     assert man["sites"][0]["attestation"]["statement"]["history"] == "site-ledger"
 
     out = tmp / "synthetic"
-    r = CliRunner().invoke(cli, ["synthesize", "--release", str(rel), "--num", "4", "--out", str(out),
-                                 "--no-progress", *_trusted(k)])
+    r = CliRunner().invoke(
+        cli,
+        ["synthesize", "--release", str(rel), "--num", "4", "--out", str(out), "--no-progress", *_trusted(k)],
+    )
     assert r.exit_code == 0, (r.output, r.exception)
     assert len(json.loads((out / "certificate.json").read_text())["files"]) == 4
 
@@ -131,8 +183,21 @@ def test_export_refuses_over_policy_run_and_writes_nothing(setup):
     rd = _run_dir(tmp, k["site"])
     pol = _policy_file(tmp, k, 0.5)  # the run spends more than this
     rel = tmp / "release"
-    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
-                                 "--site-key", str(k["site"]), "--policy", str(pol)])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(rd),
+            "--out",
+            str(rel),
+            "--coordinator-key",
+            str(k["coord"]),
+            "--site-key",
+            str(k["site"]),
+            "--policy",
+            str(pol),
+        ],
+    )
     assert isinstance(r.exception, ReleaseError) and "outside site hosp-a's policy" in str(r.exception)
     assert not rel.exists()
     assert not [p for p in tmp.iterdir() if p.name.startswith(".release")]
@@ -141,8 +206,19 @@ def test_export_refuses_over_policy_run_and_writes_nothing(setup):
 def test_export_refuses_unfinished_run(setup):
     tmp, k = setup
     rd = _run_dir(tmp, k["site"], complete=False)
-    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / "rel"), "--coordinator-key", str(k["coord"]),
-                                 "--site-key", str(k["site"])])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(rd),
+            "--out",
+            str(tmp / "rel"),
+            "--coordinator-key",
+            str(k["coord"]),
+            "--site-key",
+            str(k["site"]),
+        ],
+    )
     assert isinstance(r.exception, ReleaseError) and "not complete" in str(r.exception)
     assert not (tmp / "rel").exists()
 
@@ -159,14 +235,28 @@ class _Payload:
 
 def test_export_does_not_unpickle_code_from_model_pt(setup):
     """Attack: whoever can write the run directory plants code in model.pt; `export` (run by the
-    site, with the site key) must load weights only. Fails on 473f707 (torch.load weights_only=False runs it)."""
+    site, with the site key) must load weights only. Fails on 473f707 (torch.load weights_only=False runs
+    it)."""
     tmp, k = setup
     rd = _run_dir(tmp, k["site"])
     marker = tmp / "pwned"
     ckpt = torch.load(rd / "model.pt", weights_only=True)
     save_torch(rd / "model.pt", {**ckpt, "extra": _Payload(marker)})
-    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / "rel"), "--coordinator-key", str(k["coord"]),
-                                 "--site-key", str(k["site"]), "--policy", str(_policy_file(tmp, k, 5.0))])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(rd),
+            "--out",
+            str(tmp / "rel"),
+            "--coordinator-key",
+            str(k["coord"]),
+            "--site-key",
+            str(k["site"]),
+            "--policy",
+            str(_policy_file(tmp, k, 5.0)),
+        ],
+    )
     assert not marker.exists(), "export ran code from model.pt"
     assert isinstance(r.exception, ReleaseError) and "weights-only" in str(r.exception)
     assert not (tmp / "rel").exists()
@@ -181,11 +271,26 @@ def test_editing_privacy_json_does_not_change_what_export_attests(setup):
     doc["events"] = [{**e, "sigma": e["sigma"] * 100} for e in doc["events"]]  # "spent almost nothing"
     (rd / "privacy.json").write_text(json.dumps(doc))
     rel = tmp / "release"
-    r = CliRunner().invoke(cli, ["export", str(rd), "--out", str(rel), "--coordinator-key", str(k["coord"]),
-                                 "--site-key", str(k["site"]), "--policy", str(_policy_file(tmp, k, 5.0))])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(rd),
+            "--out",
+            str(rel),
+            "--coordinator-key",
+            str(k["coord"]),
+            "--site-key",
+            str(k["site"]),
+            "--policy",
+            str(_policy_file(tmp, k, 5.0)),
+        ],
+    )
     assert r.exit_code == 0, (r.output, r.exception)
     (site,) = json.loads((rel / "manifest.json").read_text())["manifest"]["sites"]
-    assert site["events"] == events_to_list(EVENTS) and site["epsilon"] == pytest.approx(epsilon(EVENTS, 1e-5))
+    assert site["events"] == events_to_list(EVENTS) and site["epsilon"] == pytest.approx(
+        epsilon(EVENTS, 1e-5)
+    )
 
 
 def test_export_refuses_a_ledger_signed_by_another_key_or_edited(setup):
@@ -195,7 +300,11 @@ def test_export_refuses_a_ledger_signed_by_another_key_or_edited(setup):
     rd = _run_dir(tmp, k["site"])
     args = ["export", str(rd), "--coordinator-key", str(k["coord"])]
     r = CliRunner().invoke(cli, [*args, "--out", str(tmp / "r1"), "--site-key", str(k["coord"])])
-    assert isinstance(r.exception, ReleaseError) and "another key" in str(r.exception) and "--site-key" in str(r.exception)
+    assert (
+        isinstance(r.exception, ReleaseError)
+        and "another key" in str(r.exception)
+        and "--site-key" in str(r.exception)
+    )
     db = sqlite3.connect(rd / "ledger.sqlite")
     db.execute("UPDATE requests SET events = replace(events, '1.5', '150.0') WHERE mechanism = 'dpsgd'")
     db.commit()
@@ -206,8 +315,19 @@ def test_export_refuses_a_ledger_signed_by_another_key_or_edited(setup):
 
 
 def _export(tmp: Path, k: dict, rd: Path, out: str = "rel"):
-    return CliRunner().invoke(cli, ["export", str(rd), "--out", str(tmp / out), "--coordinator-key", str(k["coord"]),
-                                    "--site-key", str(k["site"])])
+    return CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(rd),
+            "--out",
+            str(tmp / out),
+            "--coordinator-key",
+            str(k["coord"]),
+            "--site-key",
+            str(k["site"]),
+        ],
+    )
 
 
 def test_export_refuses_run_json_pointing_at_another_closed_job(setup):

@@ -16,7 +16,6 @@ pytest.importorskip("torch")
 
 from feta_release.release.verify import verify_release  # noqa: E402
 from feta_release.signing import canonical_json, sha256_hex, sign_document  # noqa: E402
-
 from tests.support.release import (  # noqa: E402
     assemble,
     attest,
@@ -43,12 +42,17 @@ def _trust(fed: dict) -> dict:
     return {sid: k.policy.public_key() for sid, k in fed.items()}
 
 
-def _two_site_release(out: Path, den_onnx, fed, *, signers: dict | None = None, drop: str | None = None,
-                      job_sites=("a", "b")) -> Path:
+def _two_site_release(
+    out: Path, den_onnx, fed, *, signers: dict | None = None, drop: str | None = None, job_sites=("a", "b")
+) -> Path:
     coord = fed["a"].coordinator
     job = signed_job(coord, "job-2", list(job_sites))
     pols = {sid: signed_policy(fed[sid], sid) for sid in ("a", "b")}
-    atts = [attest(fed[sid], sid, job, pols[sid], signer=(signers or {}).get(sid)) for sid in ("a", "b") if sid != drop]
+    atts = [
+        attest(fed[sid], sid, job, pols[sid], signer=(signers or {}).get(sid))
+        for sid in ("a", "b")
+        if sid != drop
+    ]
     return assemble(out, den_onnx, coord, job, atts, pols)
 
 
@@ -60,8 +64,15 @@ def test_two_site_release_verifies(tmp_path, den_onnx, fed):
     res = verify_release(_two_site_release(tmp_path / "r", den_onnx, fed), _trust(fed))
     assert res.ok, res.reason()
     names = {c.name for c in res.checks if c.status == "pass"}
-    assert {"job", "job signature", "manifest signature", "site a attestation", "site b attestation",
-            "site a lifetime", "site b lifetime"} <= names
+    assert {
+        "job",
+        "job signature",
+        "manifest signature",
+        "site a attestation",
+        "site b attestation",
+        "site a lifetime",
+        "site b lifetime",
+    } <= names
 
 
 def test_coordinator_key_cannot_sign_a_site_attestation(tmp_path, den_onnx, fed):
@@ -84,8 +95,10 @@ def test_site_b_cannot_sign_for_site_a(tmp_path, den_onnx, fed):
     res = verify_release(rel, _trust(fed))
     assert _failed(res) == {"site a attestation"} and "unknown key" in res.reason()
     # Nor can site b's administrator vouch for site a's policy.
-    res = verify_release(_two_site_release(tmp_path / "r2", den_onnx, fed),
-                         {"a": fed["b"].policy.public_key(), "b": fed["b"].policy.public_key()})
+    res = verify_release(
+        _two_site_release(tmp_path / "r2", den_onnx, fed),
+        {"a": fed["b"].policy.public_key(), "b": fed["b"].policy.public_key()},
+    )
     assert "site a policy" in _failed(res)
 
 
@@ -142,17 +155,23 @@ def test_coordinator_must_be_allowed_by_every_site(tmp_path, den_onnx, fed):
     """Site b's policy allows another coordinator: the manifest signer is not allowed by every site."""
     coord = fed["a"].coordinator
     job = signed_job(coord, "job-2", ["a", "b"])
-    pols = {"a": signed_policy(fed["a"], "a"),
-            "b": signed_policy(fed["b"], "b", coordinators=[new_keys().coordinator.public_key()])}
+    pols = {
+        "a": signed_policy(fed["a"], "a"),
+        "b": signed_policy(fed["b"], "b", coordinators=[new_keys().coordinator.public_key()]),
+    }
     atts = [attest(fed[s], s, job, pols[s]) for s in ("a", "b")]
     rel = assemble(tmp_path / "r", den_onnx, coord, job, atts, pols)
     res = verify_release(rel, _trust(fed))
-    assert _failed(res) == {"manifest signature"} and "no coordinator key is allowed by every site" in res.reason()
+    assert (
+        _failed(res) == {"manifest signature"}
+        and "no coordinator key is allowed by every site" in res.reason()
+    )
 
 
 def test_short_fingerprint_coordinator_is_refused(tmp_path, den_onnx, fed):
-    """64 bits of a key's hash are not the key: a policy naming a coordinator by its 16-hex short fingerprint is
-    refused (fails on 473f707, which accepted it); the FULL sha256 of the raw key authorises the manifest signer."""
+    """64 bits of a key's hash are not the key: a policy naming a coordinator by its 16-hex short fingerprint
+    is refused (fails on 473f707, which accepted it); the FULL sha256 of the raw key authorises the manifest
+    signer."""
     from feta_release.policy.errors import PolicySchemaError
     from feta_release.signing import fingerprint, full_fingerprint
 
@@ -174,7 +193,9 @@ def test_policy_without_site_key_refused(tmp_path, den_onnx):
     from feta_release.policy import make_policy, sign_policy
 
     k = new_keys()
-    doc = make_policy("a", "0" * 64, 5000, [k.coordinator.public_key()], per_job=(5.0, 1e-5), lifetime=(20.0, 1e-5))
+    doc = make_policy(
+        "a", "0" * 64, 5000, [k.coordinator.public_key()], per_job=(5.0, 1e-5), lifetime=(20.0, 1e-5)
+    )
     rel = make_release(tmp_path / "r", den_onnx, k, policy=sign_policy(doc, k.policy))
     res = verify_release(rel, k.trust())
     assert _failed(res) == {"site a attestation"} and "names no site_key" in res.reason()
@@ -219,16 +240,24 @@ def test_lifetime_spend_shown_beside_the_job_in_verify_and_certificate(tmp_path,
     from feta_release.release.manifest import build_attestation
     from feta_release.release.synthesize import synthesize
     from feta_release.release.verify import describe_site
-
     from tests.support.release import EVENTS
 
     k = fed["a"]
     job = signed_job(k.coordinator, "job-3", ["a"])
     pol = signed_policy(k, "a")
     earlier = [PrivacyEvent("dpsgd", 1.2, 0.05, 300)]
-    att = build_attestation("a", "job-3", EVENTS, 1e-5, "rdp", SitePolicy.from_document(pol["policy"], None).digest,
-                            k.site, job_sha256=sha256_hex(canonical_json(job["job"])),
-                            lifetime_events=earlier + EVENTS, lifetime_delta=1e-5)
+    att = build_attestation(
+        "a",
+        "job-3",
+        EVENTS,
+        1e-5,
+        "rdp",
+        SitePolicy.from_document(pol["policy"], None).digest,
+        k.site,
+        job_sha256=sha256_hex(canonical_json(job["job"])),
+        lifetime_events=earlier + EVENTS,
+        lifetime_delta=1e-5,
+    )
     rel = assemble(tmp_path / "r", den_onnx, k.coordinator, job, [att], {"a": pol})
     res = verify_release(rel, k.trust())
     assert res.ok, res.reason()

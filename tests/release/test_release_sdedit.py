@@ -1,6 +1,7 @@
-"""SDEdit from the released central images inside a signed release (``[sampler] start_sigma``): the release ships
-the central images (hashed in the signed manifest), ``synthesize`` starts from augmented copies of them (numpy-only
-augmentation, deterministic given the seed), ``--from noise`` and old releases sample from noise."""
+"""SDEdit from the released central images inside a signed release (``[sampler] start_sigma``): the release
+ships the central images (hashed in the signed manifest), ``synthesize`` starts from augmented copies of them
+(numpy-only augmentation, deterministic given the seed), ``--from noise`` and old releases sample from
+noise."""
 
 from __future__ import annotations
 
@@ -24,25 +25,29 @@ from feta_release.release import starts as na  # noqa: E402
 from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
 from feta_release.training import augment as ta  # noqa: E402
-
 from tests.support.release import BLOCK_TORCH, IMAGE_SHAPE, REPO, make_release  # noqa: E402
-from tests.support.release import png_arrays as _arrays, png_hashes as _pngs, sdedit_central as _central  # noqa: E402
+from tests.support.release import png_arrays as _arrays  # noqa: E402
+from tests.support.release import png_hashes as _pngs  # noqa: E402
+from tests.support.release import sdedit_central as _central  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def sd_release(tmp_path_factory, den_onnx, keys):
-    return make_release(tmp_path_factory.mktemp("sd") / "rel", den_onnx, keys, start_sigma=0.5, starts=_central())
+    return make_release(
+        tmp_path_factory.mktemp("sd") / "rel", den_onnx, keys, start_sigma=0.5, starts=_central()
+    )
 
 
-# -- the numpy augmentation ------------------------------------------------------------------------------------
+# -- the numpy augmentation
+# ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("m", [1, 3, 10])
 def test_numpy_ops_are_the_torch_warmup_ops(m: int) -> None:
-    """Each op of the numpy port equals training.augment's on the same images, strength and signs (a 1/255 step
-    on under 0.1 % of pixels is float rounding of the sharpen kernel)."""
+    """Each op of the numpy port equals training.augment's on the same images, strength and signs (a 1/255
+    step on under 0.1 % of pixels is float rounding of the sharpen kernel)."""
     from feta_release.data import load_embedded
 
     x = na.quantize(load_embedded().images[:48].astype(np.float32))
@@ -63,8 +68,12 @@ def test_rand_augment_is_deterministic_and_batch_independent(seed: int, cut: int
     x = x[:10]
     whole = na.rand_augment(x, np.random.default_rng(seed), n_ops=ops, magnitude_max=mag)
     rng = np.random.default_rng(seed)
-    parts = np.concatenate([na.rand_augment(x[:cut], rng, n_ops=ops, magnitude_max=mag),
-                            na.rand_augment(x[cut:], rng, n_ops=ops, magnitude_max=mag)])
+    parts = np.concatenate(
+        [
+            na.rand_augment(x[:cut], rng, n_ops=ops, magnitude_max=mag),
+            na.rand_augment(x[cut:], rng, n_ops=ops, magnitude_max=mag),
+        ]
+    )
     assert np.array_equal(whole, parts)
     assert whole.dtype == np.float32 and whole.min() >= 0 and whole.max() <= 1
     assert np.array_equal(np.round(whole * 255) / 255, whole)  # uint8 steps, as the torch bag
@@ -73,15 +82,24 @@ def test_rand_augment_is_deterministic_and_batch_independent(seed: int, cut: int
 def test_start_images_cycle_over_the_class_and_refuse_a_missing_class() -> None:
     imgs, labels = _central(2)
     want = np.array([1, 1, 1, 0])
-    got = na.start_images(imgs, labels, want, np.array([0, 1, 2, 0]), np.random.default_rng(0), n_ops=0,
-                          magnitude_max=1)
+    got = na.start_images(
+        imgs, labels, want, np.array([0, 1, 2, 0]), np.random.default_rng(0), n_ops=0, magnitude_max=1
+    )
     assert np.array_equal(got, na.quantize(imgs[[2, 3, 2, 0]]))
     with pytest.raises(ReleaseError, match="no image of class 2"):
-        na.start_images(imgs[labels < 2], labels[labels < 2], np.array([2]), np.array([0]),
-                        np.random.default_rng(0), n_ops=0, magnitude_max=1)
+        na.start_images(
+            imgs[labels < 2],
+            labels[labels < 2],
+            np.array([2]),
+            np.array([0]),
+            np.random.default_rng(0),
+            n_ops=0,
+            magnitude_max=1,
+        )
 
 
-# -- the release -------------------------------------------------------------------------------------------------
+# -- the release
+# -------------------------------------------------------------------------------------------------
 
 
 def test_release_ships_hashed_central_images_and_says_what_they_are(sd_release, keys) -> None:
@@ -105,7 +123,8 @@ def test_tampered_central_images_are_refused_in_one_line(sd_release, keys, tmp_p
     rel = tmp_path / "rel"
     shutil.copytree(sd_release, rel)
     imgs, labels = _central()
-    np.savez(rel / "central_images.npz", images=np.ones_like(imgs), labels=labels)  # e.g. swapped for other images
+    # e.g. swapped for other images
+    np.savez(rel / "central_images.npz", images=np.ones_like(imgs), labels=labels)
     res = verify_release(rel, keys.trust())
     assert not res.ok and [c.name for c in res.failures] == ["central images"]
     assert "file changed" in res.reason()
@@ -114,8 +133,13 @@ def test_tampered_central_images_are_refused_in_one_line(sd_release, keys, tmp_p
     assert not (tmp_path / "out").exists()
     # through the CLI: exit code of ReleaseError, one line naming the file, no traceback
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "feta_release", "verify", str(rel),
-                           *keys.trusted_args(tmp_path / "keys")], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "feta_release", "verify", str(rel), *keys.trusted_args(tmp_path / "keys")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == ReleaseError.exit_code
     assert "Traceback" not in proc.stderr + proc.stdout
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -141,34 +165,54 @@ def test_sdedit_synthesis_is_deterministic_and_differs_from_noise(sd_release, ke
     cert_n = json.loads((tmp_path / "n" / "certificate.json").read_text())
     start = cert_a["certificate"]["generation"]["start"]
     assert start["from"] == "release" and start["start_sigma"] == 0.5
-    assert start["central_images"]["sha256"] == json.loads((sd_release / "manifest.json").read_text())[
-        "manifest"]["starts"]["sha256"]
+    assert (
+        start["central_images"]["sha256"]
+        == json.loads((sd_release / "manifest.json").read_text())["manifest"]["starts"]["sha256"]
+    )
     assert "already charged" in start["privacy"]
     assert cert_n["certificate"]["generation"]["start"]["from"] == "noise"
 
 
 def test_sdedit_synthesis_is_the_torch_sdedit_of_its_starts(sd_release, keys, tmp_path, den) -> None:
-    """The PNGs are torch's sample(init=starts) at sigma_max = start_sigma on the same noise and the same start
-    images (recomputed from the certificate's documented streams), up to the PNG's 8-bit rounding."""
-    synthesize(sd_release, tmp_path / "o", keys.trust(), per_class=[2, 2, 1], seed=5, batch=2, progress=False,
-               threads=1)
+    """The PNGs are torch's sample(init=starts) at sigma_max = start_sigma on the same noise and the same
+    start images (recomputed from the certificate's documented streams), up to the PNG's 8-bit rounding."""
+    synthesize(
+        sd_release,
+        tmp_path / "o",
+        keys.trust(),
+        per_class=[2, 2, 1],
+        seed=5,
+        batch=2,
+        progress=False,
+        threads=1,
+    )
     labels = np.array([0, 0, 1, 1, 2])
     noise = np.random.Generator(np.random.PCG64(5)).standard_normal((5, *IMAGE_SHAPE), dtype=np.float32)
     srng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(5, spawn_key=(1,))))
     imgs, rel_labels = _central()
-    starts = na.start_images(imgs, rel_labels, labels, np.array([0, 1, 0, 1, 0]), srng, n_ops=2, magnitude_max=3)
-    ref = sample(den, torch.from_numpy(labels), torch.from_numpy(noise), steps=6, sigma_max=0.5,
-                 init=torch.from_numpy(starts)).numpy()
+    starts = na.start_images(
+        imgs, rel_labels, labels, np.array([0, 1, 0, 1, 0]), srng, n_ops=2, magnitude_max=3
+    )
+    ref = sample(
+        den,
+        torch.from_numpy(labels),
+        torch.from_numpy(noise),
+        steps=6,
+        sigma_max=0.5,
+        init=torch.from_numpy(starts),
+    ).numpy()
     got = _arrays(tmp_path / "o")[:, None]
     assert np.abs(got - ref).max() <= 0.5 / 255 + 1e-4
 
 
 def test_old_release_without_central_images_samples_from_noise(release, keys, tmp_path, den) -> None:
-    """A release made before (or without) start_sigma: format-1 generator, two inputs, noise by default; asking
-    for --from release says why not."""
+    """A release made before (or without) start_sigma: format-1 generator, two inputs, noise by default;
+    asking for --from release says why not."""
     man = json.loads((release / "manifest.json").read_text())["manifest"]
     assert "starts" not in man and "start_sigma" not in man["generator"]["sampler"]
-    rep = synthesize(release, tmp_path / "o", keys.trust(), per_class=[1, 1, 1], seed=2, progress=False, threads=1)
+    rep = synthesize(
+        release, tmp_path / "o", keys.trust(), per_class=[1, 1, 1], seed=2, progress=False, threads=1
+    )
     assert rep.source == "noise"
     noise = np.random.Generator(np.random.PCG64(2)).standard_normal((3, *IMAGE_SHAPE), dtype=np.float32)
     ref = sample(den, torch.arange(3), torch.from_numpy(noise), steps=6).numpy()
@@ -177,7 +221,9 @@ def test_old_release_without_central_images_samples_from_noise(release, keys, tm
         synthesize(release, tmp_path / "r", keys.trust(), num=3, progress=False, source="release")
 
 
-def test_start_sigma_without_central_images_is_released_as_the_noise_sampler(den_onnx, keys, tmp_path) -> None:
+def test_start_sigma_without_central_images_is_released_as_the_noise_sampler(
+    den_onnx, keys, tmp_path
+) -> None:
     rel = make_release(tmp_path / "rel", den_onnx, keys, start_sigma=0.5, starts=None)
     man = json.loads((rel / "manifest.json").read_text())["manifest"]
     assert "starts" not in man and "start_sigma" not in man["generator"]["sampler"]
@@ -188,18 +234,47 @@ def test_cli_synthesize_from_release_without_torch(sd_release, keys, tmp_path) -
     out = tmp_path / "out"
     code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = ["synthesize", "--release", str(sd_release), "--num", "3", "--out", str(out), "--no-progress",
-            "--threads", "1", *keys.trusted_args(tmp_path / "keys")]
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
+    args = [
+        "synthesize",
+        "--release",
+        str(sd_release),
+        "--num",
+        "3",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--threads",
+        "1",
+        *keys.trusted_args(tmp_path / "keys"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "started from: the release's noisy central images" in proc.stdout
-    proc = subprocess.run([sys.executable, "-c", code, *args[:-2], "--from", "noise", "--out", str(tmp_path / "n"),
-                           *keys.trusted_args(tmp_path / "keys")], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            *args[:-2],
+            "--from",
+            "noise",
+            "--out",
+            str(tmp_path / "n"),
+            *keys.trusted_args(tmp_path / "keys"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "started from: pure noise" in proc.stdout, proc.stderr
 
 
-def test_dpo_report_says_the_release_contains_the_central_images_and_draws_as_synthesize(sd_release, keys,
-                                                                                       tmp_path) -> None:
+def test_dpo_report_says_the_release_contains_the_central_images_and_draws_as_synthesize(
+    sd_release, keys, tmp_path
+) -> None:
     from feta_release.release.report import write_report
 
     path, res = write_report(sd_release, tmp_path / "r.html", keys.trust(), per_class=2)
@@ -217,16 +292,21 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_sdedit_release_bumps_the_manifest_format_so_an_old_verifier_refuses_it(sd_release, release, keys,
-                                                                             tmp_path) -> None:
+def test_sdedit_release_bumps_the_manifest_format_so_an_old_verifier_refuses_it(
+    sd_release, release, keys, tmp_path
+) -> None:
     """S3: an old verifier (format 1 only) refuses a release it cannot fully check; the new one refuses a
     downgraded format string re-signed by the coordinator."""
     from tests.support.release import load_signed, resign
 
-    assert json.loads((sd_release / "manifest.json").read_text())["manifest"]["format_version"] == \
-        "feta-release/manifest/2"
-    assert json.loads((release / "manifest.json").read_text())["manifest"]["format_version"] == \
-        "feta-release/manifest/1"  # a noise release stays readable by old verifiers
+    assert (
+        json.loads((sd_release / "manifest.json").read_text())["manifest"]["format_version"]
+        == "feta-release/manifest/2"
+    )
+    assert (
+        json.loads((release / "manifest.json").read_text())["manifest"]["format_version"]
+        == "feta-release/manifest/1"
+    )  # a noise release stays readable by old verifiers
     rel = _copy(sd_release, tmp_path / "rel")
     signed = load_signed(rel)
     signed["manifest"]["format_version"] = "feta-release/manifest/1"
@@ -254,21 +334,25 @@ def test_verify_checks_the_generator_format_against_the_sampler(sd_release, keys
     assert not res.ok and "feta.format" in res.reason()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("central_epsilon_alone", {"a": 0.001}),
-    ("central_epsilon_alone", {}),
-    ("per_class", [1, 1, 5]),
-    ("images", 3000),
-    ("privacy", "These images carry epsilon 0.001."),
-    ("source", "the sites' raw images"),
-    ("augmentation", {"kind": "x", "ops": 0, "magnitude_max": 3}),
-    ("extra", "a field verify does not know"),
-])
-def test_a_coordinator_signed_starts_claim_that_the_signed_inputs_do_not_make_is_refused(sd_release, keys, tmp_path,
-                                                                                       field, value) -> None:
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("central_epsilon_alone", {"a": 0.001}),
+        ("central_epsilon_alone", {}),
+        ("per_class", [1, 1, 5]),
+        ("images", 3000),
+        ("privacy", "These images carry epsilon 0.001."),
+        ("source", "the sites' raw images"),
+        ("augmentation", {"kind": "x", "ops": 0, "magnitude_max": 3}),
+        ("extra", "a field verify does not know"),
+    ],
+)
+def test_a_coordinator_signed_starts_claim_that_the_signed_inputs_do_not_make_is_refused(
+    sd_release, keys, tmp_path, field, value
+) -> None:
     """S1: every claim of the starts record is recomputed from the signed job and the site-signed histories; a
-    forged one (re-signed by the trusted coordinator) fails verify in one line naming the field, and synthesize
-    refuses it."""
+    forged one (re-signed by the trusted coordinator) fails verify in one line naming the field, and
+    synthesize refuses it."""
     from tests.support.release import load_signed, resign
 
     rel = _copy(sd_release, tmp_path / "rel")
@@ -286,15 +370,20 @@ def test_certificate_takes_the_recomputed_central_epsilon(sd_release, keys, tmp_
     from feta_release.accounting import epsilon_breakdown, events_from_list
 
     synthesize(sd_release, tmp_path / "o", keys.trust(), num=3, progress=False, threads=1)
-    start = json.loads((tmp_path / "o" / "certificate.json").read_text())["certificate"]["generation"]["start"]
-    st = json.loads((sd_release / "manifest.json").read_text())["manifest"]["sites"][0]["attestation"]["statement"]
+    start = json.loads((tmp_path / "o" / "certificate.json").read_text())["certificate"]["generation"][
+        "start"
+    ]
+    st = json.loads((sd_release / "manifest.json").read_text())["manifest"]["sites"][0]["attestation"][
+        "statement"
+    ]
     want = epsilon_breakdown(events_from_list(st["events"]), st["delta"], st["accountant"])["central"]
     assert start["central_epsilon_alone"] == {"a": want}
     assert start["augmentation"]["ops"] == 2 and start["augmentation"]["magnitude_max"] == 3
 
 
-def test_central_images_without_a_central_event_in_the_site_history_are_refused(den_onnx, keys, tmp_path,
-                                                                               monkeypatch) -> None:
+def test_central_images_without_a_central_event_in_the_site_history_are_refused(
+    den_onnx, keys, tmp_path, monkeypatch
+) -> None:
     """S2: a release cannot ship central images that no site's signed history released: export refuses, and
     verify refuses one built anyway (here: a record computed from another history)."""
     from feta_release.accounting import PrivacyEvent
@@ -309,18 +398,21 @@ def test_central_images_without_a_central_event_in_the_site_history_are_refused(
         return [{**s, "events": [e.to_dict() for e in EVENTS]} for s in sites]
 
     real_rec, real_claims = export_run.starts_record, export_run.starts_claims
-    monkeypatch.setattr(export_run, "starts_record", lambda r, f, c, s, n: real_rec(r, f, c, with_central(s), n))
+    monkeypatch.setattr(
+        export_run, "starts_record", lambda r, f, c, s, n: real_rec(r, f, c, with_central(s), n)
+    )
     monkeypatch.setattr(export_run, "starts_claims", lambda c, s, n: real_claims(c, with_central(s), n))
     rel = make_release(tmp_path / "r2", den_onnx, keys, events=only_dpsgd, start_sigma=0.5, starts=_central())
     res = verify_release(rel, keys.trust())
     assert not res.ok and "no 'central' event" in res.reason()
 
 
-def test_central_image_counts_must_be_what_the_signed_job_releases(den_onnx, sd_release, keys, tmp_path) -> None:
-    """S2: rounds x cells images per class (tiny: 1); a file with other counts is refused at export and, swapped
-    in with a re-signed hash, at verify."""
+def test_central_image_counts_must_be_what_the_signed_job_releases(
+    den_onnx, sd_release, keys, tmp_path
+) -> None:
+    """S2: rounds x cells images per class (tiny: 1); a file with other counts is refused at export and,
+    swapped in with a re-signed hash, at verify."""
     from feta_release.release.starts import starts_bytes
-
     from tests.support.release import load_signed, rehash, resign
 
     with pytest.raises(ReleaseError, match="per class"):
@@ -335,8 +427,8 @@ def test_central_image_counts_must_be_what_the_signed_job_releases(den_onnx, sd_
 
 
 def test_a_stale_central_file_of_another_job_is_not_shipped(tmp_path) -> None:
-    """S2: the federated coordinator's released/central.npz is bound to its job id; a file of an earlier job in
-    the same --out (or one with no job id) is refused, not shipped under the new job."""
+    """S2: the federated coordinator's released/central.npz is bound to its job id; a file of an earlier job
+    in the same --out (or one with no job id) is refused, not shipped under the new job."""
     from feta_release.release.export_run import released_central
 
     imgs, labels = _central()
@@ -352,10 +444,10 @@ def test_a_stale_central_file_of_another_job_is_not_shipped(tmp_path) -> None:
 
 
 def test_augmentation_sizes_are_bounded_before_any_allocation() -> None:
-    """S6: a signed record (or job) with augmentation.ops = 10**9 is refused in one line, not a MemoryError."""
+    """S6: a signed record (or job) with augmentation.ops = 10**9 is refused in one line, not a
+    MemoryError."""
     from feta_release.config import load_preset
     from feta_release.release.manifest import starts_claims
-
     from tests.support.release import EVENTS
 
     x, _ = _central()
@@ -369,9 +461,9 @@ def test_augmentation_sizes_are_bounded_before_any_allocation() -> None:
 
 
 def test_dpo_wording_states_unit_scope_worst_case_and_lifetime() -> None:
-    """S4: the DPO reads the unit (per image; k x ε per patient by group privacy), that the figure is this job's
-    central stage under the collusion assumption, the worst case when secure aggregation was used, and where the
-    lifetime total is."""
+    """S4: the DPO reads the unit (per image; k x ε per patient by group privacy), that the figure is this
+    job's central stage under the collusion assumption, the worst case when secure aggregation was used, and
+    where the lifetime total is."""
     from feta_release.accounting import SkellamEvent, epsilon_breakdown
     from feta_release.config import load_preset
     from feta_release.release.manifest import starts_claims

@@ -1,6 +1,6 @@
-"""Both drivers ship the central images their warm-up used inside a ``[sampler] start_sigma`` release: a federation
-the sites' combined central images (post-processed as the coordinator's warm-up used them), a ``train`` run its own
-central release, which must be byte for byte the answer its site ledger recorded."""
+"""Both drivers ship the central images their warm-up used inside a ``[sampler] start_sigma`` release: a
+federation the sites' combined central images (post-processed as the coordinator's warm-up used them), a
+``train`` run its own central release, which must be byte for byte the answer its site ledger recorded."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ from feta_release.release.jobdir import build_release
 from feta_release.release.synthesize import synthesize
 from feta_release.release.verify import verify_release
 from feta_release.signing import load_public_key
+from tests.support.federation import SignedTrain, harness, make_federation, tiny_job
+from tests.support.federation import run_harness_job as _run
 
-from tests.support.federation import SignedTrain, harness, make_federation, run_harness_job as _run, tiny_job
-
-SDEDIT = {"central": {"rounds": 1, "batch": 10, "sigma": 5.0}, "warmup": {"spatial_iterations": 2, "spatial_batch": 8},
-          "dpsgd": {"steps": 0}, "sampler": {"steps": 2, "start_sigma": 0.5}}
+SDEDIT = {
+    "central": {"rounds": 1, "batch": 10, "sigma": 5.0},
+    "warmup": {"spatial_iterations": 2, "spatial_batch": 8},
+    "dpsgd": {"steps": 0},
+    "sampler": {"steps": 2, "start_sigma": 0.5},
+}
 
 
 def _trust(fed) -> dict:  # noqa: ANN001
@@ -47,7 +51,11 @@ def test_a_federated_release_ships_the_combined_central_images(tmp_path: Path, m
     res = verify_release(rel, _trust(fed))
     assert res.ok, res.reason()
     man = res.manifest
-    assert man is not None and man["starts"]["images"] == 10 and "3 sites' releases combined" in man["starts"]["source"]
+    assert (
+        man is not None
+        and man["starts"]["images"] == 10
+        and "3 sites' releases combined" in man["starts"]["source"]
+    )
     assert set(man["starts"]["central_epsilon_alone"]) == {s.site_id for s in fed.sites}
     with np.load(rel / "central_images.npz") as z:
         shipped = z["images"], z["labels"]
@@ -82,10 +90,16 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, 
     res = verify_release(run / "release", trust)
     assert res.ok, res.reason()
     with np.load(run / "release" / "central_images.npz") as r:  # the bytes checked, not the swapped file
-        assert np.array_equal(checked["images"], r["images"]) and np.array_equal(checked["labels"], r["labels"])
+        assert np.array_equal(checked["images"], r["images"]) and np.array_equal(
+            checked["labels"], r["labels"]
+        )
     assert not np.array_equal(checked["images"], np.ones_like(checked["images"]))
-    assert synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source == "release"
-    # a run directory whose central release was edited after the run is refused (it is not what the ledger recorded)
+    assert (
+        synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source
+        == "release"
+    )
+    # a run directory whose central release was edited after the run is refused (it is not what the ledger
+    # recorded)
     with np.load(run / "released" / "central.npz") as z:
         arrays = dict(z)
     arrays["images"] = np.clip(arrays["images"] * 1.5, 0, 1)
@@ -95,8 +109,9 @@ def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, 
 
 
 def test_the_job_directory_sample_grid_draws_as_the_release_does(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """samples.png of a start_sigma job: SDEdit from the released central images (the sampler gets start images at
-    sigma start_sigma), as `synthesize` draws by default; without central images, the noise sampler."""
+    """samples.png of a start_sigma job: SDEdit from the released central images (the sampler gets start
+    images at sigma start_sigma), as `synthesize` draws by default; without central images, the noise
+    sampler."""
     from feta_release.release import jobdir
 
     fed = make_federation(tmp_path / "fed")

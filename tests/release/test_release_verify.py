@@ -14,7 +14,6 @@ from feta_release.accounting import PrivacyEvent, epsilon  # noqa: E402
 from feta_release.release.manifest import build_attestation, site_record  # noqa: E402
 from feta_release.release.verify import describe_site, verify_release  # noqa: E402
 from feta_release.signing import sign_document  # noqa: E402
-
 from tests.support.release import (  # noqa: E402
     EVENTS,
     IMAGE_SHAPE,
@@ -37,8 +36,14 @@ def test_valid_release_verifies(release, keys):
     res = verify_release(release, keys.trust())
     assert res.ok, res.reason()
     names = {c.name for c in res.checks if c.status == "pass"}
-    assert {"manifest signature", "generator hash", "generator metadata", "site a attestation", "site a epsilon",
-            "site a policy"} <= names
+    assert {
+        "manifest signature",
+        "generator hash",
+        "generator metadata",
+        "site a attestation",
+        "site a epsilon",
+        "site a policy",
+    } <= names
     man = res.manifest
     site = man["sites"][0]
     assert site["epsilon"] == pytest.approx(epsilon(EVENTS, 1e-5, "rdp"), rel=1e-12)
@@ -48,7 +53,9 @@ def test_valid_release_verifies(release, keys):
     assert man["generator"]["sampler"]["solver"] == "heun"
     assert (release / "policies" / "a.signed.json").is_file()
     text = describe_site(site)
-    assert "Site a: ε = " in text and "δ = 1e-05" in text and "3 stage(s)" in text and "central images" in text
+    assert (
+        "Site a: ε = " in text and "δ = 1e-05" in text and "3 stage(s)" in text and "central images" in text
+    )
 
 
 def _leaves(obj, path=()):
@@ -131,7 +138,8 @@ def test_no_trusted_keys_refused(release, keys):
 
 
 def test_coordinator_cannot_change_site_figures(release, keys):
-    """A trusted coordinator re-signing a manifest with a smaller epsilon is caught by the site's signature."""
+    """A trusted coordinator re-signing a manifest with a smaller epsilon is caught by the site's
+    signature."""
     signed = load_signed(release)
     signed["manifest"]["sites"][0]["epsilon"] = 0.1
     resign(release, signed, keys.coordinator)
@@ -173,10 +181,18 @@ def test_assemble_refuses_over_policy(tmp_path, den_onnx, keys):
 
     att = build_attestation("a", "job-1", EVENTS, 1e-5, "rdp", None, keys.site)
     with pytest.raises(ReleaseError, match="outside its signed policy"):
-        assemble_release(tmp_path / "r", denoiser=den_onnx, classes=["a", "b", "c"], image_shape=IMAGE_SHAPE,
-                         sampler=SamplerSettings(steps=2), job_id="job-1", config=JobConfig().to_dict(),
-                         sites=[site_record(att)], coordinator_key=keys.coordinator,
-                         signed_policies={"a": signed_policy(keys, per_job_eps=0.5)})
+        assemble_release(
+            tmp_path / "r",
+            denoiser=den_onnx,
+            classes=["a", "b", "c"],
+            image_shape=IMAGE_SHAPE,
+            sampler=SamplerSettings(steps=2),
+            job_id="job-1",
+            config=JobConfig().to_dict(),
+            sites=[site_record(att)],
+            coordinator_key=keys.coordinator,
+            signed_policies={"a": signed_policy(keys, per_job_eps=0.5)},
+        )
     assert not (tmp_path / "r").exists()
 
 
@@ -208,7 +224,8 @@ def test_policy_swapped_or_untrusted_refused(release, keys, tmp_path):
 
 
 def test_release_without_policy_refused(tmp_path, den_onnx, keys):
-    """Without the site's signed policy neither its key nor its caps can be checked: refused, not a warning."""
+    """Without the site's signed policy neither its key nor its caps can be checked: refused, not a
+    warning."""
     rel = make_release(tmp_path / "r", den_onnx, keys, policy=None)
     res = verify_release(rel, keys.trust())
     assert not res.ok and "site a policy" in _failed(res) and "not in the release" in res.reason()
@@ -237,5 +254,7 @@ def test_cli_verify(release, keys, tmp_path):
     bad = CliRunner().invoke(cli, ["verify", str(release), "--trusted", f"a={pubs[0]}"])
     assert bad.exit_code != 0 and "unknown key" in str(bad.exception)
     # Pinning a coordinator that is not the manifest's signer.
-    bad = CliRunner().invoke(cli, ["verify", str(release), "--trusted", f"a={pubs[2]}", "--coordinator", pubs[1]])
+    bad = CliRunner().invoke(
+        cli, ["verify", str(release), "--trusted", f"a={pubs[2]}", "--coordinator", pubs[1]]
+    )
     assert bad.exit_code != 0 and "manifest signature" in str(bad.exception)

@@ -1,4 +1,5 @@
-"""``feta-release report``: one self-contained HTML page, checked as text and rendered in a REAL headless Chromium."""
+"""``feta-release report``: one self-contained HTML page, checked as text and rendered in a REAL headless
+Chromium."""
 
 from __future__ import annotations
 
@@ -18,17 +19,49 @@ from feta_release.cli import cli  # noqa: E402
 from feta_release.errors import ConfigError, ReleaseError  # noqa: E402
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.report import SECTIONS, write_report  # noqa: E402
+from tests.support.release import (  # noqa: E402
+    IMAGE_SHAPE,
+    load_signed,
+    make_release,
+    new_keys,
+    signed_policy,
+    small_denoiser,
+)
 
-from tests.support.release import IMAGE_SHAPE, load_signed, make_release, new_keys, signed_policy, small_denoiser  # noqa: E402
-
-AUDIT = {"kind": "feta-release/audit/1", "audits": [
-    {"mechanism": "central mean", "claimed_epsilon": 1.0, "lower_bound": 0.61, "confidence": 0.95, "trials": 2000,
-     "method": "Clopper-Pearson", "event": {"stage": "central", "sigma": 5.0, "q": 1.0, "steps": 1}},
-    {"mechanism": "broken central mean", "claimed_epsilon": 1.0, "lower_bound": 2.5, "confidence": 0.95,
-     "trials": 2000, "method": "Clopper-Pearson"}]}
-EVALUATION = {"accuracy": 0.8123, "fd": 12.5, "fd_name": "FD (classifier features)", "chance_accuracy": 0.1,
-              "n_synthetic": 600, "n_real": 500, "n_fd": 500, "classifier_epochs": 5, "feature_net_epochs": 3,
-              "synthetic_fingerprint": "ab" * 32}
+AUDIT = {
+    "kind": "feta-release/audit/1",
+    "audits": [
+        {
+            "mechanism": "central mean",
+            "claimed_epsilon": 1.0,
+            "lower_bound": 0.61,
+            "confidence": 0.95,
+            "trials": 2000,
+            "method": "Clopper-Pearson",
+            "event": {"stage": "central", "sigma": 5.0, "q": 1.0, "steps": 1},
+        },
+        {
+            "mechanism": "broken central mean",
+            "claimed_epsilon": 1.0,
+            "lower_bound": 2.5,
+            "confidence": 0.95,
+            "trials": 2000,
+            "method": "Clopper-Pearson",
+        },
+    ],
+}
+EVALUATION = {
+    "accuracy": 0.8123,
+    "fd": 12.5,
+    "fd_name": "FD (classifier features)",
+    "chance_accuracy": 0.1,
+    "n_synthetic": 600,
+    "n_real": 500,
+    "n_fd": 500,
+    "classifier_epochs": 5,
+    "feature_net_epochs": 3,
+    "synthetic_fingerprint": "ab" * 32,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +72,9 @@ def keys():
 @pytest.fixture(scope="module")
 def release(tmp_path_factory, keys):
     root = tmp_path_factory.mktemp("report")
-    return make_release(root / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, policy=signed_policy(keys))
+    return make_release(
+        root / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, policy=signed_policy(keys)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +133,23 @@ def test_page_states_privacy_per_site_caps_mechanisms_utility_and_audit(page, re
     site = load_signed(release)["manifest"]["sites"][0]
     assert f"{float(site['epsilon']):.4g}" in html and "1e-05" in html
     assert "add or remove one image of one site" in html
-    assert "ε ≤ 5, δ ≤ 1e-05" in html and "ε ≤ 20, δ ≤ 1e-05" in html  # per-job and lifetime caps of the policy
-    for word in ("central images", "frequency features", "DP-SGD fine-tuning", "L2 sensitivity", "clipped to L2 norm"):
+    # per-job and lifetime caps of the policy
+    assert "ε ≤ 5, δ ≤ 1e-05" in html and "ε ≤ 20, δ ≤ 1e-05" in html
+    for word in (
+        "central images",
+        "frequency features",
+        "DP-SGD fine-tuning",
+        "L2 sensitivity",
+        "clipped to L2 norm",
+    ):
         assert word in html
     assert "0.8123" in html and "FD (classifier features)" in html
     assert "CLAIM VIOLATED" in html and "consistent" in html and "LOWER bound" in html
     assert "σ = 5, q = 1, 1 step(s); the σ of this release" in html  # tests.support.release's central σ is 5
     for name in ("manifest.json", "generator.onnx", "policies/a.signed.json"):
         assert f"<code>{name}</code>" in html
-    assert str(release.parent) not in html.replace(str(release / "generator.onnx"), "")  # no other local paths
+    # no other local paths
+    assert str(release.parent) not in html.replace(str(release / "generator.onnx"), "")
 
 
 def test_refused_release_says_so_first_and_draws_no_samples(release, keys, tmp_path):
@@ -127,7 +170,16 @@ def test_cli_report_writes_the_page_and_fails_on_a_refused_release(release, keys
     coord_pub, site_pub, admin_pub = keys.pub_files(tmp_path / "keys")
     (tmp_path / "audit.json").write_text(json.dumps(AUDIT))
     out = tmp_path / "r.html"
-    args = ["report", str(release), "--out", str(out), "--audit", str(tmp_path / "audit.json"), "--per-class", "2"]
+    args = [
+        "report",
+        str(release),
+        "--out",
+        str(out),
+        "--audit",
+        str(tmp_path / "audit.json"),
+        "--per-class",
+        "2",
+    ]
     r = CliRunner().invoke(cli, args + ["--trusted", f"a={admin_pub}", "--coordinator", coord_pub])
     assert r.exit_code == 0, r.output
     assert "VERIFIED" in r.output and out.is_file()
@@ -156,41 +208,59 @@ def test_lifetime_spend_is_shown_beside_the_jobs(keys, tmp_path):
     from feta_release.policy.document import SitePolicy
     from feta_release.release.manifest import build_attestation
     from feta_release.signing import canonical_json, sha256_hex
-
     from tests.support.release import EVENTS, assemble, signed_job
 
     job, pol = signed_job(keys.coordinator, "job-life", ["a"]), signed_policy(keys, "a")
-    att = build_attestation("a", "job-life", EVENTS, 1e-5, "rdp", SitePolicy.from_document(pol["policy"], None).digest,
-                            keys.site, job_sha256=sha256_hex(canonical_json(job["job"])),
-                            lifetime_events=[PrivacyEvent("dpsgd", 1.2, 0.05, 300)] + EVENTS, lifetime_delta=1e-5)
-    rel = assemble(tmp_path / "r", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys.coordinator, job, [att],
-                   {"a": pol})
+    att = build_attestation(
+        "a",
+        "job-life",
+        EVENTS,
+        1e-5,
+        "rdp",
+        SitePolicy.from_document(pol["policy"], None).digest,
+        keys.site,
+        job_sha256=sha256_hex(canonical_json(job["job"])),
+        lifetime_events=[PrivacyEvent("dpsgd", 1.2, 0.05, 300)] + EVENTS,
+        lifetime_delta=1e-5,
+    )
+    rel = assemble(
+        tmp_path / "r",
+        export_denoiser(small_denoiser(), IMAGE_SHAPE),
+        keys.coordinator,
+        job,
+        [att],
+        {"a": pol},
+    )
     path, res = write_report(rel, tmp_path / "r.html", keys.trust(), per_class=1)
     assert res.ok, res.reason()
     html = path.read_text("utf-8")
     job_eps, life = att["statement"]["epsilon"], att["statement"]["lifetime"]["epsilon"]
     assert life > job_eps
-    section = html[html.index('id="privacy-statement"'):]
-    row = section[section.index("<td>a</td>"):]
-    row = row[:row.index("</tr>")]
+    section = html[html.index('id="privacy-statement"') :]
+    row = section[section.index("<td>a</td>") :]
+    row = row[: row.index("</tr>")]
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
     assert cells[1] == f"{job_eps:.4g}" and cells[3] == f"{life:.4g}"  # this job's ε, then the lifetime ε
     assert "ε lifetime (all jobs)" in html and "the site&#x27;s ledger" in html
     assert "this release attests this job's spend only" not in html  # the old, now false, sentence
-    # The budget chart draws the lifetime beside the job, per stage and in total, with the signed lifetime cap.
+    # The budget chart draws the lifetime beside the job, per stage and in total, with the signed lifetime
+    # cap.
     from feta_release.accounting import epsilon_breakdown
 
-    svg = html[html.index("<svg"):html.index("</svg>") + 6]
+    svg = html[html.index("<svg") : html.index("</svg>") + 6]
     titles = re.findall(r"<title>(.*?)</title>", svg)
     life_dpsgd = epsilon_breakdown([PrivacyEvent("dpsgd", 1.2, 0.05, 300)] + EVENTS, 1e-5)["dpsgd"]
     assert f"DP-SGD, lifetime: ε {life_dpsgd:.4g}" in titles
-    assert f"total (composed), lifetime: ε {life:.4g}" in titles and f"total (composed), this job: ε {job_eps:.4g}" in titles
+    assert (
+        f"total (composed), lifetime: ε {life:.4g}" in titles
+        and f"total (composed), this job: ε {job_eps:.4g}" in titles
+    )
     assert "lifetime cap 20" in svg and "per-job cap 5" in svg
 
 
 def test_page_shows_no_exact_count_and_no_plain_data_hash(page, release):
-    """Only the public nominal size and a keyed commitment ever leave a site; the page shows neither more nor the
-    commitment (a DPO has no use for it), and states the sensitivity in terms of the public size."""
+    """Only the public nominal size and a keyed commitment ever leave a site; the page shows neither more nor
+    the commitment (a DPO has no use for it), and states the sensitivity in terms of the public size."""
     html = page.read_text("utf-8")
     pol = json.loads((release / "policies" / "a.signed.json").read_text())["policy"]
     ds = pol["dataset"]
@@ -201,25 +271,43 @@ def test_page_shows_no_exact_count_and_no_plain_data_hash(page, release):
     assert "public nominal size" in html and "never the exact count" in html
 
 
-# -- a real browser ---------------------------------------------------------------------------------------------
+# -- a real browser
+# ---------------------------------------------------------------------------------------------
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
-NO_BROWSER = ("Chromium is not installed here (apt-get install -y chromium; .ci/run installs it): "
-              "the report cannot be rendered in a real browser")
+NO_BROWSER = (
+    "Chromium is not installed here (apt-get install -y chromium; .ci/run installs it): "
+    "the report cannot be rendered in a real browser"
+)
 
 
 def _chromium(url: str, tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """Run headless Chromium on ``url``; returns (process, URLs the PAGE asked for, from Chromium's net log)."""
+    """Run headless Chromium on ``url``; returns (process, URLs the PAGE asked for, from Chromium's net
+    log)."""
     log = tmp / f"net-{len(list(tmp.glob('net-*')))}.json"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-           "--disable-background-networking", "--disable-component-update", f"--user-data-dir={tmp / 'profile'}",
-           f"--log-net-log={log}", *extra, url]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+        f"--user-data-dir={tmp / 'profile'}",
+        f"--log-net-log={log}",
+        *extra,
+        url,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     doc = json.loads(log.read_text("utf-8"))
     start = doc["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
     # Chromium's own background fetches carry no initiator ("not an origin"); the page's requests do.
-    asked = [e["params"]["url"] for e in doc["events"]
-             if e["type"] == start and e.get("params", {}).get("initiator", "not an origin") != "not an origin"]
+    asked = [
+        e["params"]["url"]
+        for e in doc["events"]
+        if e["type"] == start and e.get("params", {}).get("initiator", "not an origin") != "not an origin"
+    ]
     return proc, [u for u in asked if not u.startswith(("data:", "file:"))]
 
 

@@ -17,11 +17,10 @@ pytest.importorskip("torch")
 
 from feta_release.errors import ConfigError, ReleaseError  # noqa: E402
 from feta_release.release.synthesize import class_counts, class_dirs, label_batches, synthesize  # noqa: E402
-
-from tests.support.release import CLASSES, IMAGE_SHAPE, signed_policy  # noqa: E402
-from tests.support.release import BLOCK_TORCH, REPO
+from tests.support.release import BLOCK_TORCH, CLASSES, IMAGE_SHAPE, REPO, signed_policy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
+
 
 def _only_children(parent: Path) -> set[str]:
     return {p.name for p in parent.iterdir()}
@@ -29,7 +28,9 @@ def _only_children(parent: Path) -> set[str]:
 
 def test_writes_per_class_pngs_and_certificate(release, keys, tmp_path):
     out = tmp_path / "synthetic"
-    rep = synthesize(release, out, keys.trust(), per_class=[3, 0, 5], seed=7, batch=4, progress=False, threads=1)
+    rep = synthesize(
+        release, out, keys.trust(), per_class=[3, 0, 5], seed=7, batch=4, progress=False, threads=1
+    )
     assert rep.n_images == 8
     assert sorted(p.name for p in out.iterdir()) == ["certificate.json", "one", "two", "zero"]
     assert len(list((out / "zero").glob("*.png"))) == 3
@@ -89,7 +90,9 @@ def test_refusal_writes_nothing(release, keys, tmp_path, damage):
         data[100] ^= 0xFF
         g.write_bytes(bytes(data))
     elif damage == "manifest":
-        (release / "manifest.json").write_text((release / "manifest.json").read_text().replace('"heun"', '"euler"'))
+        (release / "manifest.json").write_text(
+            (release / "manifest.json").read_text().replace('"heun"', '"euler"')
+        )
     elif damage == "signer":
         trusted = [keys.site.public_key(), keys.policy.public_key()]
     elif damage == "policy":
@@ -150,22 +153,48 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
     """The whole CLI path runs in a process where `import torch` fails."""
     out = tmp_path / "out"
     code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
-    args = ["synthesize", "--release", str(release), "--per-class", "2,1,1", "--out", str(out), "--seed", "1",
-            "--batch", "3", "--no-progress", "--threads", "1"] + keys.trusted_args(tmp_path / "keys")
+    args = [
+        "synthesize",
+        "--release",
+        str(release),
+        "--per-class",
+        "2,1,1",
+        "--out",
+        str(out),
+        "--seed",
+        "1",
+        "--batch",
+        "3",
+        "--no-progress",
+        "--threads",
+        "1",
+    ] + keys.trusted_args(tmp_path / "keys")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert proc.stdout.startswith("VERIFIED: ") and "site a: per image, δ = 1e-05: ε this job" in proc.stdout
     cert = json.loads((out / "certificate.json").read_text())
     assert len(cert["files"]) == 4
-    blocked = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import torch"], capture_output=True, text=True,
-                           env=env, timeout=60)
+    blocked = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH + "import torch"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert blocked.returncode != 0 and "blocked by the test" in blocked.stderr  # the block is real
     # And refusal through the CLI: exit code of ReleaseError, reason printed, nothing written.
     # The site key is not the administrator key: trusting it for site a's policy must fail.
     site_pub = keys.pub_files(tmp_path / "keys")[1]
-    bad = subprocess.run([sys.executable, "-c", code, *args[:-2], "--trusted", f"a={site_pub}"], capture_output=True,
-                         text=True, env=env, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-c", code, *args[:-2], "--trusted", f"a={site_pub}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert bad.returncode == ReleaseError.exit_code
     assert "unknown key" in bad.stderr + bad.stdout
 
@@ -188,8 +217,21 @@ def test_memory_does_not_grow_with_n(release, keys, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     peaks = []
     for n in (16, 400):
-        proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + MEM_CHECK, str(release), str(tmp_path / f"o{n}"),
-                               str(n), admin_pub], capture_output=True, text=True, env=env, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                BLOCK_TORCH + MEM_CHECK,
+                str(release),
+                str(tmp_path / f"o{n}"),
+                str(n),
+                admin_pub,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         peaks.append(int(proc.stdout.strip().splitlines()[-1]))
     assert peaks[1] - peaks[0] < 8 * 1024, peaks

@@ -1,6 +1,7 @@
-"""What `verify`, `synthesize` and `verify-synthetic` print for a data-protection officer: the verdict on the FIRST
-line, then one line per site (unit, ε this job and lifetime with their caps, worst case with its cap, the trust
-assumption), the details only with --explain, and a machine-readable --json. A caveat is a NOTE, never a PASS."""
+"""What `verify`, `synthesize` and `verify-synthetic` print for a data-protection officer: the verdict on the
+FIRST line, then one line per site (unit, ε this job and lifetime with their caps, worst case with its cap,
+the trust assumption), the details only with --explain, and a machine-readable --json. A caveat is a NOTE,
+never a PASS."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ pytest.importorskip("torch")  # only to BUILD the test release
 from feta_release.cli import cli  # noqa: E402
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.signing import public_key_pem  # noqa: E402
-
 from tests.support.release import IMAGE_SHAPE, secure_release, small_denoiser  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
@@ -41,8 +41,11 @@ def _run(args: list[str]) -> tuple[int, list[str]]:
     return r.exit_code, [ln for ln in r.output.splitlines() if ln.strip()]
 
 
-SITE_LINE = ("site st-mary: per image, δ = 1e-05: ε this job 1.07 (cap 2), lifetime 1.07 (cap 8); worst case (all other "
-             "sites collude) 1.46 (cap 3), lifetime 1.46 (cap 24); holds if no other site colludes with the coordinator")
+SITE_LINE = (
+    "site st-mary: per image, δ = 1e-05: ε this job 1.07 (cap 2), lifetime 1.07 (cap 8); worst case (all "
+    "other sites collude) 1.46 (cap 3), lifetime 1.46 (cap 24); holds if no other site colludes with the "
+    "coordinator"
+)
 
 
 def test_verify_prints_the_verdict_first_then_one_line_per_site_with_caps_and_assumption(secure):
@@ -74,7 +77,11 @@ def test_json_gives_verdict_separate_counts_and_per_site_figures_with_caps(secur
     assert doc["counts"] == {"passed": 19, "warned": 0, "failed": 0, "notes": 2}
     mary = next(s for s in doc["sites"] if s["site_id"] == "st-mary")
     assert mary["unit"] == "image" and mary["assumed_colluders"] == 0
-    assert mary["job"]["cap"] == 2.0 and mary["worst_case"]["cap"] == 3.0 and mary["lifetime_worst_case"]["cap"] == 24
+    assert (
+        mary["job"]["cap"] == 2.0
+        and mary["worst_case"]["cap"] == 3.0
+        and mary["lifetime_worst_case"]["cap"] == 24
+    )
     assert mary["worst_case"]["epsilon"] > mary["job"]["epsilon"]
 
 
@@ -91,16 +98,41 @@ def test_refused_release_says_refused_and_why_on_the_first_line(secure, tmp_path
 def test_synthesize_and_verify_synthetic_print_the_verdict_first(secure, tmp_path):
     release, trusted, root = secure
     out = tmp_path / "synthetic"
-    code, lines = _run(["synthesize", "--release", str(release), "--num", "3", "--out", str(out), "--no-progress",
-                        "--threads", "1", *trusted, "--key", str(root / "dpo.key"), "--signer", "DPO office"])
+    code, lines = _run(
+        [
+            "synthesize",
+            "--release",
+            str(release),
+            "--num",
+            "3",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--threads",
+            "1",
+            *trusted,
+            "--key",
+            str(root / "dpo.key"),
+            "--signer",
+            "DPO office",
+        ]
+    )
     assert code == 0, lines
-    assert lines[0].startswith("VERIFIED: the release") and lines[1].strip().startswith("site st-mary: per image")
+    assert lines[0].startswith("VERIFIED: the release") and lines[1].strip().startswith(
+        "site st-mary: per image"
+    )
     code, lines = _run(["verify-synthetic", str(out), "--certificate-key", str(root / "dpo.pub"), *trusted])
     assert code == 0, lines
     assert lines[0].startswith("VERIFIED: the synthetic folder") and "failed" in lines[0]
     assert lines[1].strip() == SITE_LINE
-    doc = json.loads(CliRunner().invoke(cli, ["verify-synthetic", str(out), "--certificate-key",
-                                              str(root / "dpo.pub"), *trusted, "--json"]).output)
+    doc = json.loads(
+        CliRunner()
+        .invoke(
+            cli,
+            ["verify-synthetic", str(out), "--certificate-key", str(root / "dpo.pub"), *trusted, "--json"],
+        )
+        .output
+    )
     assert doc["verdict"] == "VERIFIED" and doc["counts"]["notes"] == 2 and len(doc["sites"]) == 2
 
 
@@ -112,11 +144,21 @@ def test_a_patient_level_site_is_summarised_per_patient_against_its_caps() -> No
 
     events = [PrivacyEvent("central", 5.0, 1.0, 2), PrivacyEvent("dpsgd", 1.5, 0.05, 100, unit="patient")]
     rows = [e.to_dict() for e in events]
-    site = {"site_id": "st-anne", "delta": 1e-5, "epsilon": epsilon(events, 1e-5), "accountant": "rdp", "events": rows,
-            "attestation": {"statement": {"lifetime": {"events": rows, "delta": 1e-5,
-                                                       "epsilon": epsilon(events, 1e-5)}}}}
-    policy = {"budget": {"per_job": {"epsilon": 4.0, "delta": 1e-5}, "lifetime": {"epsilon": 9.0, "delta": 1e-5}},
-              "accountant": "rdp", "dataset": {"privacy_unit": "patient", "patient_cap": 3, "patients": 100}}
+    site = {
+        "site_id": "st-anne",
+        "delta": 1e-5,
+        "epsilon": epsilon(events, 1e-5),
+        "accountant": "rdp",
+        "events": rows,
+        "attestation": {
+            "statement": {"lifetime": {"events": rows, "delta": 1e-5, "epsilon": epsilon(events, 1e-5)}}
+        },
+    }
+    policy = {
+        "budget": {"per_job": {"epsilon": 4.0, "delta": 1e-5}, "lifetime": {"epsilon": 9.0, "delta": 1e-5}},
+        "accountant": "rdp",
+        "dataset": {"privacy_unit": "patient", "patient_cap": 3, "patients": 100},
+    }
     s = site_summary(site, policy)
     per_patient = patient_epsilon(events, 1e-5, 3, "rdp")
     assert s.unit == "patient" and s.job.epsilon == pytest.approx(per_patient) and s.job.cap == 4.0

@@ -19,9 +19,14 @@ from feta_release.errors import PolicyError
 from feta_release.release.verify import SITE_ID_RE, VerificationResult, _sites_against_job
 from feta_release.signing import DuplicateKeyError, loads_strict
 
-KEYS = st.text(alphabet="abcdeε_\"\\", min_size=0, max_size=4)
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=False, allow_infinity=False),
-                    st.text(max_size=5))
+KEYS = st.text(alphabet='abcdeε_"\\', min_size=0, max_size=4)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=5),
+)
 
 
 def _obj(pairs: list[tuple[str, object]]) -> str:

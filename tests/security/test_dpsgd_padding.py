@@ -23,10 +23,10 @@ import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
 from feta_release.privacy_unit import group_patient_rows
 from feta_release.training.padding import padding_chunks, public_batch_bound
-
+from tests.support.dpsgd import SHAPE, TinyDenoiser, patient_layout_bound, patient_layouts_work
+from tests.support.dpsgd import dpsgd_batch as _data
+from tests.support.dpsgd import dpsgd_job as _cfg
 from tests.support.federation import tiny_job
-from tests.support.dpsgd import SHAPE, TinyDenoiser, dpsgd_batch as _data, dpsgd_job as _cfg
-from tests.support.dpsgd import patient_layout_bound, patient_layouts_work
 
 
 class DropoutDenoiser(TinyDenoiser):
@@ -58,8 +58,17 @@ def _train(model_cls: type[nn.Module], seed: int, n: int, steps: int, pad_to: in
     model = model_cls()
     x, y = _data(n, seed=seed)
     cfg = _cfg(batch=4, physical_batch=3)
-    tr = dp.DPSGDTrainer(model, cfg, 1.3, 4 / 12, torch.Generator().manual_seed(seed), image_shape=SHAPE,
-                         n_classes=3, n_public=12, pad_to=pad_to)
+    tr = dp.DPSGDTrainer(
+        model,
+        cfg,
+        1.3,
+        4 / 12,
+        torch.Generator().manual_seed(seed),
+        image_shape=SHAPE,
+        n_classes=3,
+        n_public=12,
+        pad_to=pad_to,
+    )
     tr.run(x, y, steps)
     return tr.ema_model()
 
@@ -98,8 +107,9 @@ def test_without_padding_the_rows_counted_the_sample(monkeypatch):
     assert len(sizes) > 1
 
 
-@given(real=st.integers(0, 400), chunk=st.integers(1, 64), n_public=st.integers(1, 2000),
-       q=st.floats(1e-3, 1.0))
+@given(
+    real=st.integers(0, 400), chunk=st.integers(1, 64), n_public=st.integers(1, 2000), q=st.floats(1e-3, 1.0)
+)
 def test_padding_chunks_fill_the_public_bound_in_a_public_number_of_calls(real, chunk, n_public, q):
     bound = public_batch_bound(n_public, q, chunk)
     assert bound % chunk == 0 and bound >= q * n_public
@@ -143,9 +153,15 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
     rows = set()
     for n, seed in ((10, 0), (17, 2)):
         rng = np.random.default_rng(seed)
-        ds = SimpleNamespace(images=rng.random((n, 1, 16, 16), dtype=np.float32), labels=rng.integers(0, 10, n),
-                             image_shape=(1, 16, 16), n_classes=10)
-        weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
+        ds = SimpleNamespace(
+            images=rng.random((n, 1, 16, 16), dtype=np.float32),
+            labels=rng.integers(0, 10, n),
+            image_shape=(1, 16, 16),
+            n_classes=10,
+        )
+        weights = {
+            k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()
+        }
         seen.clear()
         converted.clear()
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
@@ -159,7 +175,8 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
 def test_a_site_above_its_public_size_pads_to_its_bucket_not_to_the_public_size(monkeypatch):
     """The step bound came from the public size even for a site holding more images; its samples then
     exceeded the bound about half the time, were processed whole, and their time counted |B| (so N). The bound
-    now comes from ``public_rows`` (the bucket the padded whole-dataset passes already reveal): constant rows."""
+    now comes from ``public_rows`` (the bucket the padded whole-dataset passes already reveal): constant
+    rows."""
     from edge.releases import dpsgd_round
     from feta_release.models import build_denoiser
     from feta_release.training.padding import public_rows
@@ -170,9 +187,15 @@ def test_a_site_above_its_public_size_pads_to_its_bucket_not_to_the_public_size(
     totals = set()
     for n, seed in ((75, 0), (80, 1), (78, 2)):
         rng = np.random.default_rng(seed)
-        ds = SimpleNamespace(images=rng.random((n, 1, 16, 16), dtype=np.float32), labels=rng.integers(0, 10, n),
-                             image_shape=(1, 16, 16), n_classes=10)
-        weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
+        ds = SimpleNamespace(
+            images=rng.random((n, 1, 16, 16), dtype=np.float32),
+            labels=rng.integers(0, 10, n),
+            image_shape=(1, 16, 16),
+            n_classes=10,
+        )
+        weights = {
+            k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()
+        }
         seen.clear()
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
         totals.add(sum(seen))
@@ -186,9 +209,19 @@ def _train_patients(seed: int, n: int, pad_to: int | None) -> tuple[nn.Module, i
     sizes = (torch.randint(1, 4, (n,), generator=g)).tolist()
     ids = torch.repeat_interleave(torch.arange(n), torch.tensor(sizes))
     x, y = _data(int(ids.numel()), seed=seed)
-    tr = dp.DPSGDTrainer(TinyDenoiser(), _cfg(batch=2, physical_batch=3), 1.3, 2 / 6, torch.Generator().manual_seed(seed),
-                         image_shape=SHAPE, n_classes=3, n_public=6,
-                         patient_rows=group_patient_rows(ids.numpy()), images_per_patient=3, pad_to=pad_to)
+    tr = dp.DPSGDTrainer(
+        TinyDenoiser(),
+        _cfg(batch=2, physical_batch=3),
+        1.3,
+        2 / 6,
+        torch.Generator().manual_seed(seed),
+        image_shape=SHAPE,
+        n_classes=3,
+        n_public=6,
+        patient_rows=group_patient_rows(ids.numpy()),
+        images_per_patient=3,
+        pad_to=pad_to,
+    )
     tr.run(x, y, 2)
     return tr.ema_model(), int(ids.numel())
 
@@ -212,7 +245,8 @@ def test_a_patient_level_step_is_padded_to_a_public_image_count_and_releases_the
 def test_a_patient_level_steps_clip_work_is_the_public_bound_whatever_the_patients(monkeypatch):
     """The clip: each real call clips one group row per image (its patients' sums, the rest zero), the
     padding calls one per dummy row, so the rows clipped per step total the public bound, not a count of the
-    sampled patients (whose number is an un-noised function of the data), for any layout of the same images."""
+    sampled patients (whose number is an un-noised function of the data), for any layout of the same
+    images."""
     clipped: list[int] = []
     real = dp.clip_and_sum
 
@@ -228,9 +262,17 @@ def test_a_patient_level_steps_clip_work_is_the_public_bound_whatever_the_patien
 
 def _train_from(images: Any, labels: torch.Tensor, seed: int, pad_to: int) -> nn.Module:
     torch.manual_seed(1234)
-    tr = dp.DPSGDTrainer(TinyDenoiser(), _cfg(batch=4, physical_batch=3), 1.3, 4 / 12,
-                         torch.Generator().manual_seed(seed), image_shape=SHAPE, n_classes=3, n_public=12,
-                         pad_to=pad_to)
+    tr = dp.DPSGDTrainer(
+        TinyDenoiser(),
+        _cfg(batch=4, physical_batch=3),
+        1.3,
+        4 / 12,
+        torch.Generator().manual_seed(seed),
+        image_shape=SHAPE,
+        n_classes=3,
+        n_public=12,
+        pad_to=pad_to,
+    )
     tr.run(images, labels, 3)
     return tr.ema_model()
 
@@ -253,8 +295,8 @@ def test_rows_converted_per_batch_train_bit_identically_to_the_whole_set_convert
 
 
 def test_the_rows_converted_in_a_step_are_the_public_bound_whatever_the_site_size(monkeypatch):
-    """Conversion happens only for indexed rows: the Poisson batch plus the padding rows, i.e. the step's public
-    bound, for a site of 6 or of 20 images (no pass over the N rows left to time)."""
+    """Conversion happens only for indexed rows: the Poisson batch plus the padding rows, i.e. the step's
+    public bound, for a site of 6 or of 20 images (no pass over the N rows left to time)."""
     from feta_release.training import padding
 
     bound = public_batch_bound(12, 4 / 12, 3)
@@ -263,8 +305,11 @@ def test_the_rows_converted_in_a_step_are_the_public_bound_whatever_the_site_siz
         seen: list[int] = []
         rows = padding.model_range_rows(np.zeros((n, *SHAPE), dtype=np.float32))
         real = padding.ModelRangeRows.__getitem__
-        monkeypatch.setattr(padding.ModelRangeRows, "__getitem__",
-                            lambda self, idx, real=real, seen=seen: (seen.append(int(idx.numel())), real(self, idx))[1])
+        monkeypatch.setattr(
+            padding.ModelRangeRows,
+            "__getitem__",
+            lambda self, idx, real=real, seen=seen: (seen.append(int(idx.numel())), real(self, idx))[1],
+        )
         _train_from(rows, torch.arange(n) % 3, 7, bound)
         counts.append(sum(seen))
     assert counts[0] == counts[1] == 3 * bound

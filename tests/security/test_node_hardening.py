@@ -17,9 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feta_release.ledger import Budget, Ledger
 from feta_release.accounting import PrivacyEvent
 from feta_release.errors import PolicyError, PrivacyError
+from feta_release.ledger import Budget, Ledger
 
 KEY = Ed25519PrivateKey.generate()
 BUDGET = Budget(job_epsilon=50.0, lifetime_epsilon=100.0, delta=1e-5)
@@ -54,7 +54,11 @@ def test_lowering_a_recorded_spend_is_detected(tmp_path):
     """Attack: a local user rewrites a row's events to a tiny spend, to free budget. Detected at open."""
     p = tmp_path / "l.db"
     _ledger_with_rows(p)
-    _tamper(p, "UPDATE requests SET events=? WHERE request_id='r1'", '[{"stage":"dpsgd","sigma":90.0,"q":0.05,"steps":2}]')
+    _tamper(
+        p,
+        "UPDATE requests SET events=? WHERE request_id='r1'",
+        '[{"stage":"dpsgd","sigma":90.0,"q":0.05,"steps":2}]',
+    )
     assert "row 2 (request 'r1') was changed" in _tampered(p)
 
 
@@ -90,7 +94,8 @@ def test_rehashing_the_chain_without_the_site_key_is_detected(tmp_path):
 
 
 def test_lowering_the_policy_version_seen_is_detected(tmp_path):
-    """Attack: roll back the highest policy version seen, so an old (laxer) signed policy is accepted again."""
+    """Attack: roll back the highest policy version seen, so an old (laxer) signed policy is accepted
+    again."""
     p = tmp_path / "l.db"
     _ledger_with_rows(p)
     _tamper(p, "UPDATE meta SET value='1' WHERE key='policy_version'")
@@ -118,7 +123,7 @@ def test_replacing_the_file_with_an_unchained_one_is_refused_with_the_fix(tmp_pa
         lifetime_epsilon REAL NOT NULL, created_at REAL NOT NULL, completed_at REAL);
         CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
         INSERT INTO requests VALUES ('a', 'j', 'dpsgd', '[{"stage":"dpsgd","sigma":2.0,"q":0.05,"steps":2}]', 'done',
-            x'00', '6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d', 0.1, 0.1, 1.0, 1.0);""")
+            x'00', '6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d', 0.1, 0.1, 1.0, 1.0);""")  # noqa: E501
     db.close()
     with pytest.raises(LedgerNotChainedError, match="feta-release node migrate-ledger"):
         Ledger(p, key=KEY)
@@ -203,8 +208,18 @@ def test_node_status_checks_the_chain_and_signature(tmp_path):
     assert bad.exit_code != 0 and "was changed after it was recorded" in str(bad.exception)
 
 
-_COLUMNS = ["request_id", "job_id", "mechanism", "events", "status", "response_sha256", "job_epsilon",
-            "lifetime_epsilon", "created_at", "completed_at"]
+_COLUMNS = [
+    "request_id",
+    "job_id",
+    "mechanism",
+    "events",
+    "status",
+    "response_sha256",
+    "job_epsilon",
+    "lifetime_epsilon",
+    "created_at",
+    "completed_at",
+]
 
 
 @st.composite
@@ -220,14 +235,20 @@ def _attack(draw):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(attack=_attack())
 def test_any_edit_delete_or_reorder_is_detected(tmp_path_factory, attack):
-    """Property: whatever single edit, deletion, reordering or truncation is made, opening the ledger refuses."""
+    """Property: whatever single edit, deletion, reordering or truncation is made, opening the ledger
+    refuses."""
     kind, a, b, col = attack
     p = tmp_path_factory.mktemp("led") / "l.db"
     _ledger_with_rows(p, 5)
     db = sqlite3.connect(p, isolation_level=None)
     if kind == "edit":
-        new = {"job_epsilon": 0.0, "lifetime_epsilon": 0.0, "created_at": 1.0, "completed_at": 2.0,
-               "events": '[{"stage":"dpsgd","sigma":9.0,"q":0.05,"steps":2}]'}.get(col, "tampered")
+        new = {
+            "job_epsilon": 0.0,
+            "lifetime_epsilon": 0.0,
+            "created_at": 1.0,
+            "completed_at": 2.0,
+            "events": '[{"stage":"dpsgd","sigma":9.0,"q":0.05,"steps":2}]',
+        }.get(col, "tampered")
         db.execute(f"UPDATE requests SET {col}=? WHERE seq=?", (new, a))
     elif kind == "delete":
         db.execute("DELETE FROM requests WHERE seq=?", (a,))
@@ -258,15 +279,25 @@ def test_untampered_ledger_survives_reopen_and_writes(tmp_path):
 def _capped_policy(max_steps: int, max_rounds: int):
     from feta_release.policy.document import SitePolicy, make_policy
 
-    doc = make_policy("site-a", "ab" * 32, 1000, [KEY.public_key()], per_job=(50.0, 1e-5), lifetime=(100.0, 1e-5),
-                      mechanisms={"dpsgd": {"max_steps": max_steps}, "central": {"max_rounds": max_rounds}})
+    doc = make_policy(
+        "site-a",
+        "ab" * 32,
+        1000,
+        [KEY.public_key()],
+        per_job=(50.0, 1e-5),
+        lifetime=(100.0, 1e-5),
+        mechanisms={"dpsgd": {"max_steps": max_steps}, "central": {"max_rounds": max_rounds}},
+    )
     return SitePolicy.from_document(doc, signer="test")
 
 
-@pytest.mark.parametrize("mechanism,event,cap", [
-    ("dpsgd", PrivacyEvent("dpsgd", 2.0, 0.05, 2), {"max_steps": 3, "max_rounds": 50}),
-    ("central", PrivacyEvent("central", 5.0, 0.01, 2), {"max_steps": 1000, "max_rounds": 3}),
-])
+@pytest.mark.parametrize(
+    "mechanism,event,cap",
+    [
+        ("dpsgd", PrivacyEvent("dpsgd", 2.0, 0.05, 2), {"max_steps": 3, "max_rounds": 50}),
+        ("central", PrivacyEvent("central", 5.0, 0.01, 2), {"max_steps": 1000, "max_rounds": 3}),
+    ],
+)
 def test_concurrent_requests_cannot_pass_the_step_caps(tmp_path, mechanism, event, cap):
     """Attack: a coordinator sends two requests of one job at once (rounds 0 and 1). Both pass the pre-check
     against the same empty history; within the ε budget, only the step/round cap stops the second, so it
@@ -283,7 +314,8 @@ def test_concurrent_requests_cannot_pass_the_step_caps(tmp_path, mechanism, even
     def handler(rid: str) -> None:
         with Ledger(p, key=KEY) as led:  # one connection per handler, as in separate processes
             hist = [PrivacyEvent(**e) for e in led.job_events("job")]
-            check_request(policy, event, job_events=hist, require_job=False)  # both pass: nothing recorded yet
+            # both pass: nothing recorded yet
+            check_request(policy, event, job_events=hist, require_job=False)
             led.check("job", rid, mechanism, [event], policy)
             barrier.wait()
             try:
@@ -328,7 +360,6 @@ def _driver(tmp_path, nodes):
     from coordinator.setup import sign_job_file
     from feta_release.federation.driver import JobDriver
     from feta_release.federation.harness import InProcessGrid
-
     from tests.support.federation import tiny_job
 
     fed = nodes(tmp_path)
@@ -339,16 +370,19 @@ def _driver(tmp_path, nodes):
 
 def _nodes(specs):
     """specs: [(site whose config the node runs, registered name, app wrapper or None)]."""
+
     def build(tmp_path):
         from edge.clientapp import app
         from feta_release.federation.harness import HarnessNode
-
         from tests.support.federation import make_federation
 
         fed = make_federation(tmp_path / "fed")
-        nodes = {100 + i: HarnessNode(wrap(app) if wrap else app, fed.site(site).node_config(), name=name)
-                 for i, (site, name, wrap) in enumerate(specs)}
+        nodes = {
+            100 + i: HarnessNode(wrap(app) if wrap else app, fed.site(site).node_config(), name=name)
+            for i, (site, name, wrap) in enumerate(specs)
+        }
         return fed, nodes
+
     return build
 
 
@@ -366,7 +400,8 @@ def test_fedavg_weights_come_from_the_signed_policy_not_from_a_reply(tmp_path):
 
 
 def test_a_second_node_claiming_a_joined_site_is_refused(tmp_path):
-    """Attack: an impostor node answers hello as site-a (with site-a's public signed policy) next to the real one."""
+    """Attack: an impostor node answers hello as site-a (with site-a's public signed policy) next to the real
+    one."""
     _, drv = _driver(tmp_path, _nodes([("site-a", "", None), ("site-a", "", None), ("site-b", "", None)]))
     with pytest.raises(PolicyError, match="already holds"):
         drv.wait_for_sites()
@@ -390,8 +425,12 @@ def test_superlink_turns_node_authentication_on_outside_loopback(tmp_path):
     from coordinator.superlink import SuperLinkSettings, superlink_command
     from feta_release.errors import ConfigError
 
-    tls = dict(ssl_certfile=tmp_path / "c", ssl_keyfile=tmp_path / "k", ssl_ca_certfile=tmp_path / "ca",
-               database=tmp_path / "s.db")
+    tls = dict(
+        ssl_certfile=tmp_path / "c",
+        ssl_keyfile=tmp_path / "k",
+        ssl_ca_certfile=tmp_path / "ca",
+        database=tmp_path / "s.db",
+    )
     assert "--enable-supernode-auth" in superlink_command(SuperLinkSettings(host="0.0.0.0", **tls))
     assert "--enable-supernode-auth" in superlink_command(SuperLinkSettings(host="10.0.0.5", **tls))
     assert "--enable-supernode-auth" not in superlink_command(SuperLinkSettings(host="127.0.0.1", **tls))
@@ -404,8 +443,15 @@ def test_node_refuses_a_remote_superlink_without_an_auth_key(tmp_path):
     from edge.launch import NodeSettings, check_transport
     from feta_release.errors import ConfigError
 
-    base = dict(data=tmp_path, policy=tmp_path, trusted_policy_key=tmp_path, ledger=tmp_path / "l.db",
-                site_key=tmp_path, data_secret=tmp_path, root_certificates=tmp_path / "ca.crt")
+    base = dict(
+        data=tmp_path,
+        policy=tmp_path,
+        trusted_policy_key=tmp_path,
+        ledger=tmp_path / "l.db",
+        site_key=tmp_path,
+        data_secret=tmp_path,
+        root_certificates=tmp_path / "ca.crt",
+    )
     with pytest.raises(ConfigError, match="--auth-key"):
         check_transport(NodeSettings(**base, superlink="10.1.2.3:9092"))
     check_transport(NodeSettings(**base, superlink="10.1.2.3:9092", auth_key=tmp_path / "node"))
@@ -413,10 +459,11 @@ def test_node_refuses_a_remote_superlink_without_an_auth_key(tmp_path):
 
 
 def test_tls_and_node_keys_are_0600_and_never_overwritten(tmp_path):
-    """Attack: a planted file/link at a key path, or a re-run that silently replaces the coordinator's CA key."""
+    """Attack: a planted file/link at a key path, or a re-run that silently replaces the coordinator's CA
+    key."""
     from coordinator.tls import make_certificates
-    from feta_release.signing import make_node_auth_key
     from feta_release.errors import ConfigError
+    from feta_release.signing import make_node_auth_key
 
     paths = make_certificates(tmp_path / "certs")
     priv, _ = make_node_auth_key(tmp_path / "certs" / "nodes", "site-a")
@@ -453,11 +500,14 @@ def real_fab():
 def _run_fab(fab_id="feta-release/feta-release-app", version="0.1.0", hash_=None, content=b""):
     from types import SimpleNamespace
 
-    return SimpleNamespace(fab_id=fab_id, fab_version=version), SimpleNamespace(hash_str=hash_, content=content)
+    return SimpleNamespace(fab_id=fab_id, fab_version=version), SimpleNamespace(
+        hash_str=hash_, content=content
+    )
 
 
 def _gated(monkeypatch, tmp_path, run, fab, allowed):
-    """Install the node's gate on Flower's real run_clientapp module around a task input the SuperLink sent."""
+    """Install the node's gate on Flower's real run_clientapp module around a task input the SuperLink
+    sent."""
     from flwr.supernode.runtime import run_clientapp as rc
 
     from edge import trust
@@ -510,8 +560,10 @@ def test_a_planted_or_changed_app_directory_is_refused(monkeypatch, tmp_path, re
     rc = _gated(monkeypatch, tmp_path, *_run_fab(hash_=h, content=data), {h})
     rc.pull_task_input(None)
     app_dir = rc.install_from_fab(data, skip_prompt=True)  # first install: exactly the bundle, accepted
-    assert app_dir.parent == (tmp_path / "flwr_home" / "apps").resolve() or \
-        app_dir.parent == tmp_path / "flwr_home" / "apps"
+    assert (
+        app_dir.parent == (tmp_path / "flwr_home" / "apps").resolve()
+        or app_dir.parent == tmp_path / "flwr_home" / "apps"
+    )
     (app_dir / "numpy.py").write_text("import os  # planted\n")
     rc.pull_task_input(None)
     with pytest.raises(UntrustedAppError, match="differs from the allowed bundle"):
@@ -544,8 +596,9 @@ _PATHISH = st.lists(st.sampled_from(_TOKENS), min_size=1, max_size=6).map("".joi
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(publisher=_PATHISH, name=_PATHISH, version=_PATHISH)
-def test_whatever_names_the_superlink_sends_the_app_dir_stays_a_child_of_apps(tmp_path, monkeypatch, real_fab,
-                                                                            publisher, name, version):
+def test_whatever_names_the_superlink_sends_the_app_dir_stays_a_child_of_apps(
+    tmp_path, monkeypatch, real_fab, publisher, name, version
+):
     """Property: for any fab_id/fab_version either the check refuses, or Flower's own get_project_dir
     lands directly in FLWR_HOME/apps and the names are the bundle's own."""
     from flwr.common.config import get_project_dir
@@ -578,9 +631,8 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     from click.testing import CliRunner
 
     from edge.cli import node
-    from feta_release.ledger import LedgerTamperedError
     from edge.site import Site
-
+    from feta_release.ledger import LedgerTamperedError
     from tests.support.federation import make_federation
 
     fed = make_federation(tmp_path / "fed")
@@ -590,10 +642,24 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     site.ledger.close()
     assert stat.S_IMODE(s.ledger.stat().st_mode) == 0o600
     _tamper(s.ledger, "UPDATE requests SET lifetime_epsilon=0.0")
-    args = ["start", "--data", str(s.data), "--policy", str(s.policy), "--ledger", str(s.ledger),
-            "--site-key", str(s.site_key), "--data-secret", str(s.data_secret), "--trusted",
-            str(s.policy_pub), "--superlink", "127.0.0.1:1",
-            "--insecure"]
+    args = [
+        "start",
+        "--data",
+        str(s.data),
+        "--policy",
+        str(s.policy),
+        "--ledger",
+        str(s.ledger),
+        "--site-key",
+        str(s.site_key),
+        "--data-secret",
+        str(s.data_secret),
+        "--trusted",
+        str(s.policy_pub),
+        "--superlink",
+        "127.0.0.1:1",
+        "--insecure",
+    ]
     res = CliRunner().invoke(node, args)
     assert isinstance(res.exception, LedgerTamperedError), res.output
     msg = str(res.exception)

@@ -1,6 +1,6 @@
-"""Another local account cannot take over the node's Flower tasks: the SuperNode's Runtime API (acquire-task hands
-out the pending task and its token) is a Unix socket in a 0700 directory, nothing of the node listens on TCP, and the
-task token never appears on a command line (edge/runtime_api.py)."""
+"""Another local account cannot take over the node's Flower tasks: the SuperNode's Runtime API (acquire-task
+hands out the pending task and its token) is a Unix socket in a 0700 directory, nothing of the node listens on
+TCP, and the task token never appears on a command line (edge/runtime_api.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from tests.support.federation import make_federation
 
 OTHER_UID = 65534  # nobody
 
+
 def acquire_task(targets: list[tuple[str, str]]) -> dict[str, str]:
-    """What a local account would run: Flower's own SuperExec request (acquire-task, with Flower's version headers)
-    against every address of the node's Runtime API it can find (the TCP ports and the sockets of the work dir)."""
+    """What a local account would run: Flower's own SuperExec request (acquire-task, with Flower's version
+    headers) against every address of the node's Runtime API it can find (the TCP ports and the sockets of the
+    work dir)."""
     import httpx
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
@@ -33,8 +35,11 @@ def acquire_task(targets: list[tuple[str, str]]) -> dict[str, str]:
     out = {}
     for kind, where in targets:
         client = RuntimeHttpClient.from_server_address(
-            where if kind == "tcp" else "127.0.0.1:1", insecure=True, root_certificates=None,
-            interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")])
+            where if kind == "tcp" else "127.0.0.1:1",
+            insecure=True,
+            root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+        )
         if kind == "unix":
             client._client = httpx.Client(transport=httpx.HTTPTransport(uds=where), timeout=10)
         try:
@@ -48,9 +53,9 @@ def acquire_task(targets: list[tuple[str, str]]) -> dict[str, str]:
 
 
 def run_attack(targets: list[tuple[str, str]], uid: int | None) -> dict[str, str]:
-    """``acquire_task`` as ``uid`` (None: this account), in a forked child that drops to that uid (no exec: the
-    interpreter need not be reachable by it). The child must report on every address: one that could not even run
-    would otherwise pass for a refusal."""
+    """``acquire_task`` as ``uid`` (None: this account), in a forked child that drops to that uid (no exec:
+    the interpreter need not be reachable by it). The child must report on every address: one that could not
+    even run would otherwise pass for a refusal."""
     acquire_task([])  # the imports, before the fork
     if uid is None:
         return acquire_task(targets)
@@ -79,8 +84,13 @@ def tcp_listeners(pid: int) -> list[str]:
     """host:port of every TCP socket that a process of the node's tree listens on."""
     procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     pids = {p.pid for p in procs}
-    return sorted({f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.net_connections(kind="tcp")
-                   if c.pid in pids and c.status == psutil.CONN_LISTEN})
+    return sorted(
+        {
+            f"{c.laddr.ip}:{c.laddr.port}"
+            for c in psutil.net_connections(kind="tcp")
+            if c.pid in pids and c.status == psutil.CONN_LISTEN
+        }
+    )
 
 
 def unix_sockets(root: Path) -> list[str]:
@@ -89,8 +99,9 @@ def unix_sockets(root: Path) -> list[str]:
 
 @pytest.fixture()
 def open_node(tmp_path):
-    """A started node (no worker: the Runtime API is the SuperNode's) whose work dir every account may traverse, as
-    a shared /srv or /opt tree would be: only the node's own directory modes stand between it and other accounts."""
+    """A started node (no worker: the Runtime API is the SuperNode's) whose work dir every account may
+    traverse, as a shared /srv or /opt tree would be: only the node's own directory modes stand between it and
+    other accounts."""
     from edge.launch import NodeSettings, start_node
     from feta_release.federation.procs import free_port
 
@@ -99,9 +110,21 @@ def open_node(tmp_path):
     shared = Path(tempfile.mkdtemp(prefix="feta-node-"))
     shared.chmod(0o755)
     port = free_port()
-    node = start_node(NodeSettings(data=s.data, policy=s.policy, trusted_policy_key=s.policy_pub, ledger=s.ledger,
-                                   site_key=s.site_key, data_secret=s.data_secret, insecure=True, worker=False,
-                                   superlink=f"127.0.0.1:{free_port()}", port=port, work_dir=shared / "work"))
+    node = start_node(
+        NodeSettings(
+            data=s.data,
+            policy=s.policy,
+            trusted_policy_key=s.policy_pub,
+            ledger=s.ledger,
+            site_key=s.site_key,
+            data_secret=s.data_secret,
+            insecure=True,
+            worker=False,
+            superlink=f"127.0.0.1:{free_port()}",
+            port=port,
+            work_dir=shared / "work",
+        )
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tcp_listeners(node.pid) or unix_sockets(shared)):
@@ -114,7 +137,9 @@ def open_node(tmp_path):
         shutil.rmtree(shared, ignore_errors=True)
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="switching to another uid needs root")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="switching to another uid needs root"
+)
 def test_another_local_account_cannot_acquire_the_nodes_flower_task(open_node):
     node, shared = open_node
     targets = [("tcp", a) for a in tcp_listeners(node.pid)] + [("unix", p) for p in unix_sockets(shared)]
@@ -148,9 +173,17 @@ def test_the_task_token_goes_to_the_clientapp_in_its_environment_not_its_command
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     token = "ab" * 32
-    spec = ExecutionSpec(task_type=TaskType.CLIENT_APP, runtime_api_address="127.0.0.1:9094", token=token,
-                         insecure=True, root_certificates_path=None, runtime_dependency_install=False,
-                         parent_pid=None, suppress_output=True, task_id=7)
+    spec = ExecutionSpec(
+        task_type=TaskType.CLIENT_APP,
+        runtime_api_address="127.0.0.1:9094",
+        token=token,
+        insecure=True,
+        root_certificates_path=None,
+        runtime_dependency_install=False,
+        parent_pid=None,
+        suppress_output=True,
+        task_id=7,
+    )
     assert launch_with_token_in_env(None, spec).status == LaunchResultStatus.ACCEPTED
     deadline = time.monotonic() + 30
     while not Path(f"{seen}.env").exists() and time.monotonic() < deadline:
@@ -167,16 +200,26 @@ def test_a_site_node_launches_clientapp_tasks_only():
 
     from edge.runtime_api import launch_with_token_in_env
 
-    spec = ExecutionSpec(task_type=TaskType.SERVER_APP, runtime_api_address="127.0.0.1:9094", token="ab" * 32,
-                         insecure=True, root_certificates_path=None, runtime_dependency_install=False,
-                         parent_pid=None, suppress_output=True, task_id=7)
+    spec = ExecutionSpec(
+        task_type=TaskType.SERVER_APP,
+        runtime_api_address="127.0.0.1:9094",
+        token="ab" * 32,
+        insecure=True,
+        root_certificates_path=None,
+        runtime_dependency_install=False,
+        parent_pid=None,
+        suppress_output=True,
+        task_id=7,
+    )
     assert launch_with_token_in_env(None, spec).status == LaunchResultStatus.FAILED
 
 
 def test_the_clientapp_takes_the_token_from_its_environment_and_drops_it(monkeypatch):
     from edge.runtime_api import ENV_TOKEN, take_token_from_env
 
-    monkeypatch.setattr(sys, "argv", ["flwr-clientapp", "--runtime-api-address", "127.0.0.1:9094", "--insecure"])
+    monkeypatch.setattr(
+        sys, "argv", ["flwr-clientapp", "--runtime-api-address", "127.0.0.1:9094", "--insecure"]
+    )
     monkeypatch.setenv(ENV_TOKEN, "cd" * 32)
     take_token_from_env()
     assert sys.argv[-2:] == ["--token", "cd" * 32] and ENV_TOKEN not in os.environ

@@ -1,7 +1,7 @@
 """Patient-level DP-SGD grouped the site's PRIVATE patient ids (a stable sort, a count, a split; and a
-``np.unique`` for the draw's size) in every request's trainer, so that work, and its time, depending on the exact
-number and layout of the patients, ran once per DP-SGD round request. The ids are now grouped ONCE, when the site's
-data is opened (``PatientIndex``), and every request reuses the grouped rows."""
+``np.unique`` for the draw's size) in every request's trainer, so that work, and its time, depending on the
+exact number and layout of the patients, ran once per DP-SGD round request. The ids are now grouped ONCE, when
+the site's data is opened (``PatientIndex``), and every request reuses the grouped rows."""
 
 from __future__ import annotations
 
@@ -17,14 +17,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feta_release.accounting import PrivacyEvent
-from feta_release.data.loading import LoadReport
-from feta_release.data.loading import policy_data
-
+from feta_release.data.loading import LoadReport, policy_data
 from tests.support.federation import tiny_job
 
 CAP = 3
-SORTS = ((np, "argsort"), (np, "unique"), (np, "bincount"), (torch, "argsort"), (torch, "unique"),
-         (torch, "bincount"))
+SORTS = (
+    (np, "argsort"),
+    (np, "unique"),
+    (np, "bincount"),
+    (torch, "argsort"),
+    (torch, "unique"),
+    (torch, "bincount"),
+)
 
 
 def _spy_sorts(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
@@ -47,8 +51,13 @@ def _site(seed: int) -> tuple[Any, Any]:
     sizes = rng.integers(1, CAP + 1, 9)
     ids = np.repeat(np.arange(len(sizes)), sizes)
     n = len(ids)
-    ds = SimpleNamespace(images=rng.random((n, 1, 16, 16), dtype=np.float32), labels=rng.integers(0, 10, n),
-                         image_shape=(1, 16, 16), n_classes=10, n=n)
+    ds = SimpleNamespace(
+        images=rng.random((n, 1, 16, 16), dtype=np.float32),
+        labels=rng.integers(0, 10, n),
+        image_shape=(1, 16, 16),
+        n_classes=10,
+        n=n,
+    )
     pol = SimpleNamespace(privacy_unit="patient", patients=10, patient_cap=CAP)
     report = LoadReport(source="csv", kind="csv", n_images=n, patients=ids, patient_cap=CAP)
     return policy_data(pol, ds, report, data_source="labels.csv", policy_source="policy.toml")
@@ -67,8 +76,15 @@ def test_two_dpsgd_requests_on_one_opened_site_group_the_ids_once(monkeypatch: p
     weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
     calls.clear()
     for seed in (1, 2):  # two DP-SGD round requests on the same opened site
-        dpsgd_round(ds, cfg, copy.deepcopy(weights), PrivacyEvent("dpsgd", 1.5, 4 / 10, 1, "patient"),
-                    torch.Generator().manual_seed(seed), 20, index)
+        dpsgd_round(
+            ds,
+            cfg,
+            copy.deepcopy(weights),
+            PrivacyEvent("dpsgd", 1.5, 4 / 10, 1, "patient"),
+            torch.Generator().manual_seed(seed),
+            20,
+            index,
+        )
     assert sum(calls.values()) == 0, f"the requests regrouped the private patient ids: {dict(calls)}"
 
 
@@ -94,10 +110,10 @@ def test_the_grouping_at_open_is_the_old_per_request_grouping(ids: list[int]) ->
 
 
 def test_a_trainer_from_the_index_does_not_regroup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local ``train`` path builds its trainer from the same grouped rows (``stages.dpsgd``): no sort either."""
+    """The local ``train`` path builds its trainer from the same grouped rows (``stages.dpsgd``): no sort
+    either."""
     from feta_release.config import JobConfig
     from feta_release.training.dpsgd import DPSGDTrainer
-
     from tests.support.dpsgd import DotLoss, Weights
 
     _, index = _site(3)
@@ -105,8 +121,9 @@ def test_a_trainer_from_the_index_does_not_regroup(monkeypatch: pytest.MonkeyPat
     calls = _spy_sorts(monkeypatch)
     cfg = JobConfig().replace(dpsgd={"batch": 2, "steps": 1, "physical_batch": 4, "clip": 1.0})
     n = len(index.ids)
-    tr = DPSGDTrainer(Weights(4), cfg, 1.0, 0.5, torch.Generator().manual_seed(0), loss=DotLoss(),
-                      **index.trainer_kwargs())
+    tr = DPSGDTrainer(
+        Weights(4), cfg, 1.0, 0.5, torch.Generator().manual_seed(0), loss=DotLoss(), **index.trainer_kwargs()
+    )
     tr.noisy_gradient(torch.randn(n, 4), torch.zeros(n, dtype=torch.int64))
     assert sum(calls.values()) == 0, dict(calls)
 

@@ -1,12 +1,13 @@
 """The per-site DP-SGD round's remaining work that depended on the site's exact count N.
 
-Attack: the coordinator times the per-site round's reply (another local user reads the worker's CPU time). After
-the step padding, three pieces still varied with N: the Poisson draw (``torch.rand(N)``, ~20 µs per 1,333 rows),
-the padded float conversion (skipped at N = n_public·2^k, one call fewer) and the padding calls themselves (a
-padding call skipped the adds, loss copy and clip count of a real one, so a step's time grew with its realised
-sample, whose mean is q·N). Now the draw is made over the PUBLIC bucket ``public_rows(N, n_public)`` and the rows
->= N dropped (the law over the real rows is still independent Bernoulli(q): checked exactly and statistically),
-the conversion always runs, and a padding call does a real call's bookkeeping into dropped values."""
+Attack: the coordinator times the per-site round's reply (another local user reads the worker's CPU time).
+After the step padding, three pieces still varied with N: the Poisson draw (``torch.rand(N)``, ~20 µs per
+1,333 rows), the padded float conversion (skipped at N = n_public·2^k, one call fewer) and the padding calls
+themselves (a padding call skipped the adds, loss copy and clip count of a real one, so a step's time grew
+with its realised sample, whose mean is q·N). Now the draw is made over the PUBLIC bucket ``public_rows(N,
+n_public)`` and the rows >= N dropped (the law over the real rows is still independent Bernoulli(q): checked
+exactly and statistically), the conversion always runs, and a padding call does a real call's bookkeeping into
+dropped values."""
 
 from __future__ import annotations
 
@@ -26,15 +27,14 @@ import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
 from feta_release.mechanisms.poisson import inclusion_threshold
 from feta_release.training.padding import public_rows, step_bound
-
 from tests.support.federation import tiny_job
 
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 60), extra=st.integers(0, 60), q=st.floats(0.01, 1.0), seed=st.integers(0, 2**31 - 1))
 def test_the_draw_over_a_public_bucket_is_the_poisson_sample_of_the_real_rows(n, extra, q, seed):
-    """Exactly: real row i joins iff its own float64 uniform is below floor(q·2^53)/2^53 (independent Bernoulli,
-    rate <= q: finding F2); rows >= n never do."""
+    """Exactly: real row i joins iff its own float64 uniform is below floor(q·2^53)/2^53 (independent
+    Bernoulli, rate <= q: finding F2); rows >= n never do."""
     rows = n + extra
     idx = dp.poisson_sample(n, q, torch.Generator().manual_seed(seed), rows)
     u = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -60,9 +60,9 @@ _WORK: dict[tuple[int, int], dict[str, Any]] = {}
 
 
 def _round_work(n: int, seed: int, n_public: int = 20) -> dict[str, Any]:
-    """Run ``edge.releases.dpsgd_round`` on ``n`` images (public size ``n_public``) and count its N-timing work:
-    the Poisson draws' sizes, the image conversions (calls and rows), and how each clipped sum is used (cached:
-    the rounds take seconds)."""
+    """Run ``edge.releases.dpsgd_round`` on ``n`` images (public size ``n_public``) and count its N-timing
+    work: the Poisson draws' sizes, the image conversions (calls and rows), and how each clipped sum is used
+    (cached: the rounds take seconds)."""
     if (n, seed) not in _WORK:
         with pytest.MonkeyPatch.context() as mp:
             _WORK[(n, seed)] = _counted_round(mp, n, seed, n_public)
@@ -77,8 +77,8 @@ def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public:
     rand, from_numpy, clip_and_sum = torch.rand, torch.from_numpy, dp.clip_and_sum
 
     def counted_rand(*a: Any, **k: Any) -> torch.Tensor:
-        # the Poisson draw: one int size (the loss draws pass a shape tuple; the engine's build-time cross-check
-        # draws its 2 public dummy images as rand(2, C, H, W))
+        # the Poisson draw: one int size (the loss draws pass a shape tuple; the engine's build-time
+        # cross-check draws its 2 public dummy images as rand(2, C, H, W))
         if len(a) == 1 and isinstance(a[0], int):
             work["draws"].append(a[0])
         return rand(*a, **k)
@@ -106,11 +106,21 @@ def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public:
     monkeypatch.setattr(dp, "clip_and_sum", counted_clip_and_sum)
     cfg = tiny_job(dpsgd={"batch": 4, "physical_batch": 4})
     rng = np.random.default_rng(seed)
-    ds = SimpleNamespace(images=rng.random((n, 1, 16, 16), dtype=np.float32), labels=rng.integers(0, 10, n),
-                         image_shape=(1, 16, 16), n_classes=10)
+    ds = SimpleNamespace(
+        images=rng.random((n, 1, 16, 16), dtype=np.float32),
+        labels=rng.integers(0, 10, n),
+        image_shape=(1, 16, 16),
+        n_classes=10,
+    )
     weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
-    dpsgd_round(ds, cfg, copy.deepcopy(weights), PrivacyEvent("dpsgd", 1.5, 4 / n_public, 2),
-                torch.Generator().manual_seed(seed), n_public)
+    dpsgd_round(
+        ds,
+        cfg,
+        copy.deepcopy(weights),
+        PrivacyEvent("dpsgd", 1.5, 4 / n_public, 2),
+        torch.Generator().manual_seed(seed),
+        n_public,
+    )
     work["sum_reads"] = sorted({r.reads for r in work["sum_reads"]})
     return work
 

@@ -2,12 +2,13 @@
 
 Attack (on the accounting): every site-side draw was ``uniform < q`` on a float grid. torch.rand's float32 is
 k / 2^24, so P(join) = ceil(q·2^24) / 2^24, up to 6e-8 above q (1.3 % above at q = 1e-6); numpy's random() is
-k / 2^53, so P(join) = ceil(q·2^53) / 2^53 > q off the grid. The accountant charges q, which then under-counts.
-Now every draw goes through ``mechanisms.poisson.poisson_mask``: float64 uniforms on the 2^-53 grid (checked here
-for numpy and torch), joined iff u < floor(q·2^53) / 2^53, so P(join) = floor(q·2^53) / 2^53 <= q exactly.
+k / 2^53, so P(join) = ceil(q·2^53) / 2^53 > q off the grid. The accountant charges q, which then
+under-counts. Now every draw goes through ``mechanisms.poisson.poisson_mask``: float64 uniforms on the 2^-53
+grid (checked here for numpy and torch), joined iff u < floor(q·2^53) / 2^53, so P(join) = floor(q·2^53) /
+2^53 <= q exactly.
 
-The exact tests feed grid points (stubbed uniforms of the dtype each draw asks for) either side of q: a draw that
-includes the grid point k makes P(join) >= (k + 1) / 2^bits, which must not exceed q."""
+The exact tests feed grid points (stubbed uniforms of the dtype each draw asks for) either side of q: a draw
+that includes the grid point k makes P(join) >= (k + 1) / 2^bits, which must not exceed q."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ ON_GRID = [0.5, 0.75, 1.0, 2**-53, 3 * 2**-20]
 
 
 def _bits(dtype: torch.dtype | None) -> int:
-    return {torch.float32: 24, torch.float64: 53}[dtype or torch.get_default_dtype()]  # mantissa bits, implicit 1 in
+    # mantissa bits, implicit 1 in
+    return {torch.float32: 24, torch.float64: 53}[dtype or torch.get_default_dtype()]
 
 
 def _last_below(q: float, bits: int) -> int:
@@ -55,18 +57,22 @@ class GridGenerator(np.random.Generator):
 
     def random(self, size: Any = None, dtype: Any = np.float64, out: Any = None) -> Any:
         n = int(np.prod(size))
-        return np.array([self.ks[i % len(self.ks)] / 2.0**53 for i in range(n)], dtype=np.float64).reshape(size)
+        return np.array([self.ks[i % len(self.ks)] / 2.0**53 for i in range(n)], dtype=np.float64).reshape(
+            size
+        )
 
     def normal(self, loc: Any = 0.0, scale: Any = 1.0, size: Any = None) -> Any:
         return np.zeros(size)
 
 
 def _torch_grid_rand(q: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.rand returns, for the dtype asked, the last grid point below q (k / 2^24 for float32, k / 2^53 for
-    float64): the old float32 draw then joined with probability ceil(q·2^24) / 2^24."""
+    """torch.rand returns, for the dtype asked, the last grid point below q (k / 2^24 for float32, k / 2^53
+    for float64): the old float32 draw then joined with probability ceil(q·2^24) / 2^24."""
+
     def rand(*size: Any, generator: Any = None, dtype: torch.dtype | None = None, **_: Any) -> torch.Tensor:
         bits = _bits(dtype)
         return torch.full(size, _last_below(q, bits) / 2.0**bits, dtype=dtype or torch.get_default_dtype())
+
     monkeypatch.setattr(torch, "rand", rand)
 
 
@@ -75,7 +81,8 @@ def _implied_rate_ok(included: bool, q: float, bits: int) -> bool:
     return not included or Fraction(_last_below(q, bits) + 1, 2**bits) <= Fraction(q)
 
 
-# -- the uniforms really are on the 2^-53 grid, using all 53 bits ----------------------------------------------
+# -- the uniforms really are on the 2^-53 grid, using all 53 bits
+# ----------------------------------------------
 
 
 @pytest.mark.parametrize("source", ["numpy", "torch"])
@@ -90,7 +97,8 @@ def test_float64_uniforms_are_k_over_2_to_the_53(source):
     assert 0.49 < odd < 0.51 and u.max() > 1 - 1e-4
 
 
-# -- the exact threshold ---------------------------------------------------------------------------------------
+# -- the exact threshold
+# ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("q", OFF_GRID + ON_GRID)
@@ -108,6 +116,7 @@ def test_torch_draw_is_float64_and_joins_exactly_below_floor_q(q, monkeypatch):
     def rand(*size: Any, generator: Any = None, dtype: Any = None, **_: Any) -> torch.Tensor:
         seen.append(dtype)
         return torch.tensor([(m - 1) / 2.0**53, m / 2.0**53], dtype=torch.float64)
+
     monkeypatch.setattr(torch, "rand", rand)
     assert poisson_mask(2, q, torch.Generator()).tolist() == [True, False] and seen == [torch.float64]
 
@@ -132,16 +141,25 @@ def test_patient_batch_joins_each_patient_at_most_q(q, monkeypatch):
 @pytest.mark.parametrize("kind", ["mean", "mode"])
 @pytest.mark.parametrize("n_public", [3, 10])
 def test_central_images_join_at_most_q(kind, n_public, monkeypatch):
-    """q = 1 / n_public (1/3, 1/10: off the grid); each uniform is the last grid point below q. Fails on the old
-    ``gen.random(n) < q``, which included it (P(join) = ceil(q·2^53) / 2^53 > q)."""
+    """q = 1 / n_public (1/3, 1/10: off the grid); each uniform is the last grid point below q. Fails on the
+    old ``gen.random(n) < q``, which included it (P(join) = ceil(q·2^53) / 2^53 > q)."""
     q = 1 / n_public
     seen: list[int] = []
     for name in ("_class_sums", "_class_histograms"):
         real = getattr(central, name)
         monkeypatch.setattr(central, name, lambda v, *a, _r=real: (seen.append(len(v)), _r(v, *a))[1])
     x, y = np.ones((4, 1, 4, 4), np.float32), np.zeros(4, np.int64)
-    central.central_images(x, y, 1, kind=kind, rounds=1, batch=1, sigma=1.0, n_public=n_public,
-                           rng=GridGenerator([_last_below(q, 53)]))
+    central.central_images(
+        x,
+        y,
+        1,
+        kind=kind,
+        rounds=1,
+        batch=1,
+        sigma=1.0,
+        n_public=n_public,
+        rng=GridGenerator([_last_below(q, 53)]),
+    )
     assert seen and _implied_rate_ok(sum(seen) > 0, q, 53)
 
 
@@ -150,19 +168,36 @@ def test_secure_central_contribution_joins_at_most_q(monkeypatch):
     real = sk.quantize_records
     monkeypatch.setattr(sk, "quantize_records", lambda recs, *a: (seen.append(len(recs)), real(recs, *a))[1])
     x, y = np.ones((4, 1, 4, 4), np.float32), np.zeros(4, np.int64)
-    central_contribution(x, y, 1, rounds=1, batch=1, sigma=1.0, clip=None, downsample=0.5, n_public=3, n_sites=2,
-                         modulus_bits=32, rng=GridGenerator([_last_below(q, 53)]))
+    central_contribution(
+        x,
+        y,
+        1,
+        rounds=1,
+        batch=1,
+        sigma=1.0,
+        clip=None,
+        downsample=0.5,
+        n_public=3,
+        n_sites=2,
+        modulus_bits=32,
+        rng=GridGenerator([_last_below(q, 53)]),
+    )
     assert _implied_rate_ok(sum(seen) > 0, q, 53)
 
 
 # -- every site-side draw goes through poisson_mask ----------------------------------------------------------
 
-# Uniform comparisons that are not a charged subsample: conditional rounding (its bias is covered by the rounded
-# norm bound), an audit game's canary coin, the label dropout of the loss.
-# Uniform draws that are not a subsample of private data: rounding, canaries, the loss's noise levels, the rule
-# itself, and the generator of public procedural images (it draws shapes, never private records).
-NOT_SUBSAMPLES = {"feta_release/mechanisms/skellam.py", "feta_release/audit/games.py", "feta_release/models/edm.py",
-                  "feta_release/mechanisms/poisson.py", "feta_release/data/procedural.py"}
+# Uniform comparisons that are not a charged subsample: conditional rounding (its bias is covered by the
+# rounded norm bound), an audit game's canary coin, the label dropout of the loss.
+# Uniform draws that are not a subsample of private data: rounding, canaries, the loss's noise levels, the
+# rule itself, and the generator of public procedural images (it draws shapes, never private records).
+NOT_SUBSAMPLES = {
+    "feta_release/mechanisms/skellam.py",
+    "feta_release/audit/games.py",
+    "feta_release/models/edm.py",
+    "feta_release/mechanisms/poisson.py",
+    "feta_release/data/procedural.py",
+}
 
 
 def _uniform_comparisons(path: Path) -> list[int]:
@@ -178,12 +213,17 @@ def _uniform_comparisons(path: Path) -> list[int]:
 
 def test_no_other_module_compares_a_uniform_draw_with_a_rate():
     files = [p for d in ("feta_release", "edge", "coordinator") for p in (ROOT / d).rglob("*.py")]
-    found = {f"{p.relative_to(ROOT)}:{line}" for p in files if str(p.relative_to(ROOT)) not in NOT_SUBSAMPLES
-             for line in _uniform_comparisons(p)}
+    found = {
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in files
+        if str(p.relative_to(ROOT)) not in NOT_SUBSAMPLES
+        for line in _uniform_comparisons(p)
+    }
     assert not found, f"Poisson draws outside mechanisms.poisson.poisson_mask: {sorted(found)}"
 
 
-# -- the law -----------------------------------------------------------------------------------------------------
+# -- the law
+# -----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("source", ["numpy", "torch"])
@@ -196,8 +236,13 @@ def test_the_rate_is_q_binomial_test(source):
 
 
 @settings(max_examples=300, deadline=None)
-@given(q=st.one_of(st.floats(0.0, 1.0), st.integers(0, 2**53).map(lambda k: k / 2.0**53),
-                   st.integers(1, 10**6).flatmap(lambda n: st.integers(1, n).map(lambda b: b / n))))
+@given(
+    q=st.one_of(
+        st.floats(0.0, 1.0),
+        st.integers(0, 2**53).map(lambda k: k / 2.0**53),
+        st.integers(1, 10**6).flatmap(lambda n: st.integers(1, n).map(lambda b: b / n)),
+    )
+)
 def test_threshold_is_the_largest_grid_point_at_most_q(q):
     t = inclusion_threshold(q)
     m = t * 2.0**53

@@ -11,11 +11,10 @@ from hypothesis import strategies as st
 
 from coordinator.setup import sign_job_file
 from feta_release.federation import messages as fm
-
 from tests.support.federation import full_job, harness, make_federation, tiny_job
 
-# What a site may put beside its released arrays: public values fixed by the signed job and policy, ids, and the
-# privacy events (σ, q, steps: public too). Anything else is a new channel that must be reviewed first.
+# What a site may put beside its released arrays: public values fixed by the signed job and policy, ids, and
+# the privacy events (σ, q, steps: public too). Anything else is a new channel that must be reviewed first.
 PUBLIC_REPLY_FIELDS = {
     fm.TRAIN: {"round", "num_examples", "sigma", "q", "site_id", "request_id", "events"},
     fm.CENTRAL: {"site_id", "request_id", "events"},
@@ -101,7 +100,8 @@ def test_crafted_weights_overflowing_one_image_do_not_reveal_its_membership():
 
 
 class _ExpOfDot:
-    """loss = exp(<w, x>): crafted w makes it overflow for one chosen x only (a stand-in for crafted weights)."""
+    """loss = exp(<w, x>): crafted w makes it overflow for one chosen x only (a stand-in for crafted
+    weights)."""
 
     def draw(self, n, generator):
         import torch
@@ -114,17 +114,20 @@ class _ExpOfDot:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_overflowing_example_acts_exactly_like_a_zero_gradient_example(seed):
-    """Attack (NaN/Inf channel), statistical form: with Poisson rate 1/2, the old engine returned NaN in about half
-    of the steps (exactly those that sampled the target). Now the target's contribution is replaced by zero, so the
-    released noisy gradient is bit-identical to the one for a dataset holding a zero-gradient image in its place:
-    its distribution is that of the neighbouring dataset plus a harmless example, whatever the weights."""
+    """Attack (NaN/Inf channel), statistical form: with Poisson rate 1/2, the old engine returned NaN in about
+    half of the steps (exactly those that sampled the target). Now the target's contribution is replaced by
+    zero, so the released noisy gradient is bit-identical to the one for a dataset holding a zero-gradient
+    image in its place: its distribution is that of the neighbouring dataset plus a harmless example, whatever
+    the weights."""
     import torch
     from torch import nn
 
     from feta_release.config import JobConfig
     from feta_release.training.dpsgd import DPSGDTrainer
 
-    cfg = JobConfig().replace(dpsgd={"batch": 4, "steps": 1, "physical_batch": 3, "noise_multiplicity": 1, "clip": 1.0})
+    cfg = JobConfig().replace(
+        dpsgd={"batch": 4, "steps": 1, "physical_batch": 3, "noise_multiplicity": 1, "clip": 1.0}
+    )
     g = torch.Generator().manual_seed(100 + seed)
     others = torch.cat([torch.zeros(9, 1), torch.rand(9, 2, generator=g)], 1)  # <w, x> = 0 for these
     target = torch.tensor([[1.0, 0.0, 0.0]])  # <w, x> = 1000: exp overflows to inf, its gradient is inf/NaN
@@ -169,8 +172,9 @@ def _poisoned_grads(case):  # noqa: ANN001, ANN202 - a _grads_with_poison draw
 @given(_grads_with_poison(), st.floats(0.01, 10.0))
 @settings(max_examples=60, deadline=None)
 def test_clip_and_sum_drops_non_finite_examples_and_keeps_the_bound(case, clip):
-    """Property: whatever NaN/inf some examples' gradients hold, the clipped sum is finite, equals the clipped sum of
-    the finite examples alone, and each example contributes at most C (the sensitivity under add/remove)."""
+    """Property: whatever NaN/inf some examples' gradients hold, the clipped sum is finite, equals the clipped
+    sum of the finite examples alone, and each example contributes at most C (the sensitivity under
+    add/remove)."""
     import torch
 
     from feta_release.training.dpsgd import clip_and_sum
@@ -186,7 +190,7 @@ def test_clip_and_sum_drops_non_finite_examples_and_keeps_the_bound(case, clip):
     else:
         assert all(float(v.abs().max()) == 0.0 for v in summed.values())
     for i in range(len(poisoned)):
-        one, _ = clip_and_sum({k: v[i:i + 1] for k, v in grads.items()}, clip)
+        one, _ = clip_and_sum({k: v[i : i + 1] for k, v in grads.items()}, clip)
         assert math.sqrt(sum(float(v.double().pow(2).sum()) for v in one.values())) <= clip * (1 + 1e-5)
     assert all(math.isinf(float(norms[i])) for i, p in enumerate(poisoned) if p)
 
@@ -195,8 +199,8 @@ def test_clip_and_sum_drops_non_finite_examples_and_keeps_the_bound(case, clip):
 @settings(max_examples=60, deadline=None)
 def test_clip_and_sum_in_place_equals_the_copying_form(case, clip):
     """Property: ``in_place=True`` (the DP-SGD step's hot path: non-finite entries zeroed in the handed-over
-    gradients, no copy) returns the same sum and norms as the copying form, poisoned rows and all, and leaves every
-    finite row as it was."""
+    gradients, no copy) returns the same sum and norms as the copying form, poisoned rows and all, and leaves
+    every finite row as it was."""
     import torch
 
     from feta_release.training.dpsgd import clip_and_sum
@@ -217,7 +221,8 @@ def test_clip_and_sum_in_place_equals_the_copying_form(case, clip):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_incoming_weights_are_refused(bad):
-    """Attack (NaN/Inf channel): the old node checked only names and shapes, and trained on NaN/inf weights."""
+    """Attack (NaN/Inf channel): the old node checked only names and shapes, and trained on NaN/inf
+    weights."""
     import torch
 
     from edge.releases import dpsgd_round
@@ -233,7 +238,8 @@ def test_non_finite_incoming_weights_are_refused(bad):
 
 
 def test_node_refuses_non_finite_weights_before_charging(fed):
-    """The same attack through the node: an error reply naming the problem, and nothing charged to the ledger."""
+    """The same attack through the node: an error reply naming the problem, and nothing charged to the
+    ledger."""
     cfg = tiny_job()
     signed, _ = sign_job_file(fed, cfg, "job-nan")
     w = _weights(cfg)
@@ -270,8 +276,8 @@ def test_hello_and_policy_carry_no_plain_data_hash(fed):
 
 
 def test_commitment_is_keyed_binding_and_needs_the_secret(tmp_path):
-    """Without the secret the commitment cannot be recomputed for a candidate dataset (it differs under any other
-    key), with it any change of one pixel or label is detected."""
+    """Without the secret the commitment cannot be recomputed for a candidate dataset (it differs under any
+    other key), with it any change of one pixel or label is detected."""
     from feta_release.data.commitment import create_secret, dataset_commitment, load_secret
     from feta_release.data.dataset import ImageDataset
 
@@ -322,9 +328,12 @@ def test_policy_data_commitment_cli_creates_secret_and_suggests_a_round_public_s
     from feta_release.cli import cli
 
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "d.npz", images=rng.random((1234, 1, 4, 4)).astype(np.float32), labels=np.arange(1234) % 3)
-    res = CliRunner().invoke(cli, ["policy", "data-commitment", str(tmp_path / "d.npz"), "--secret",
-                                   str(tmp_path / "data.secret")])
+    np.savez(
+        tmp_path / "d.npz", images=rng.random((1234, 1, 4, 4)).astype(np.float32), labels=np.arange(1234) % 3
+    )
+    res = CliRunner().invoke(
+        cli, ["policy", "data-commitment", str(tmp_path / "d.npz"), "--secret", str(tmp_path / "data.secret")]
+    )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "data.secret").stat().st_mode & 0o077 == 0
     assert "size = 1200" in res.output and 'commitment = "' in res.output
@@ -332,7 +341,8 @@ def test_policy_data_commitment_cli_creates_secret_and_suggests_a_round_public_s
 
 # -- the exact count N never leaves the site ---------------------------------------------------------------
 # Neighbouring relation: add/remove ONE image of one site. Every rate and denominator that leaves a site comes
-# from the PUBLIC nominal size of its signed policy, so a release is a function of (public values, noisy sums).
+# from the PUBLIC nominal size of its signed policy, so a release is a function of (public values, noisy
+# sums).
 
 
 @pytest.fixture()
@@ -350,8 +360,9 @@ def make_federation_sizes(root, datasets, sizes):
 
 
 def test_no_reply_reveals_the_exact_count(fed_nominal):
-    """Attack (exact N published): `hello` said `dataset_size` = N, every event carried q = batch / N, the frequency
-    release carried `n_public` = N and DP-SGD replies `num_examples` = N. Now each is the policy's nominal size."""
+    """Attack (exact N published): `hello` said `dataset_size` = N, every event carried q = batch / N, the
+    frequency release carried `n_public` = N and DP-SGD replies `num_examples` = N. Now each is the policy's
+    nominal size."""
     cfg = full_job()
     signed, _ = sign_job_file(fed_nominal, cfg, "job-n")
     grid = harness(fed_nominal)
@@ -365,14 +376,19 @@ def test_no_reply_reveals_the_exact_count(fed_nominal):
     assert int(arrays["n_public"]) == n_pub
     train, _ = _ask(grid, signed, fm.TRAIN, {"round": 0}, _weights(cfg))
     assert train["num_examples"] == n_pub and train["q"] == pytest.approx(cfg.dpsgd.batch / n_pub)
-    assert train["events"][0]["q"] * n_true != cfg.dpsgd.batch and central["events"][0]["q"] * n_true != cfg.central.batch
+    assert (
+        train["events"][0]["q"] * n_true != cfg.dpsgd.batch
+        and central["events"][0]["q"] * n_true != cfg.central.batch
+    )
 
 
-@given(n=st.integers(5, 60), n_public=st.integers(5, 200), sigma=st.floats(0.5, 4.0), clip=st.floats(0.1, 2.0))
+@given(
+    n=st.integers(5, 60), n_public=st.integers(5, 200), sigma=st.floats(0.5, 4.0), clip=st.floats(0.1, 2.0)
+)
 @settings(max_examples=25, deadline=None)
 def test_dpsgd_divisor_and_noise_depend_on_the_public_size_only(n, n_public, sigma, clip):
-    """The old trainer divided the noisy sum by q * (exact N): with zero gradients the released update is pure noise
-    of std sigma C / (q N), which reveals N. Now the std is sigma C / (q n_public) for every true N."""
+    """The old trainer divided the noisy sum by q * (exact N): with zero gradients the released update is pure
+    noise of std sigma C / (q N), which reveals N. Now the std is sigma C / (q n_public) for every true N."""
     import torch
     from torch import nn
 
@@ -380,10 +396,13 @@ def test_dpsgd_divisor_and_noise_depend_on_the_public_size_only(n, n_public, sig
     from feta_release.training.dpsgd import DPSGDTrainer
 
     q = min(1.0, 4 / n_public)
-    cfg = JobConfig().replace(dpsgd={"batch": 4, "steps": 1, "physical_batch": 8, "noise_multiplicity": 1,
-                                     "clip": clip})
+    cfg = JobConfig().replace(
+        dpsgd={"batch": 4, "steps": 1, "physical_batch": 8, "noise_multiplicity": 1, "clip": clip}
+    )
     model = nn.Linear(60, 100)  # 6,100 parameters, zero gradient
-    tr = DPSGDTrainer(model, cfg, sigma, q, torch.Generator().manual_seed(n), loss=_ZeroGrad(), n_public=n_public)
+    tr = DPSGDTrainer(
+        model, cfg, sigma, q, torch.Generator().manual_seed(n), loss=_ZeroGrad(), n_public=n_public
+    )
     noisy, stats = tr.noisy_gradient(torch.randn(n, 60), torch.zeros(n, dtype=torch.long))
     values = torch.cat([v.flatten() for v in noisy.values()])
     assert stats.expected_batch == pytest.approx(q * n_public)
@@ -406,12 +425,17 @@ def _digits(n, seed):
     return rng.random((n, 1, 6, 6)).astype(np.float32), rng.integers(0, 3, n)
 
 
-@given(n=st.integers(2, 30), n_public=st.integers(1, 500), seed=st.integers(0, 10_000), kind=st.sampled_from(["mean", "mode"]),
-       clip=st.floats(0.05, 3.0))
+@given(
+    n=st.integers(2, 30),
+    n_public=st.integers(1, 500),
+    seed=st.integers(0, 10_000),
+    kind=st.sampled_from(["mean", "mode"]),
+    clip=st.floats(0.05, 3.0),
+)
 @settings(max_examples=40, deadline=None)
 def test_central_images_sensitivity_under_add_remove_with_public_denominator(n, n_public, seed, kind, clip):
-    """Central images: adding one image changes the pre-noise query by at most C (mean) or sqrt(#pixels) (mode),
-    whatever the true count; the released rate and denominator are functions of public values only."""
+    """Central images: adding one image changes the pre-noise query by at most C (mean) or sqrt(#pixels)
+    (mode), whatever the true count; the released rate and denominator are functions of public values only."""
     from feta_release.mechanisms.central import central_images, central_query
 
     images, labels = _digits(n + 1, seed)
@@ -420,8 +444,18 @@ def test_central_images_sensitivity_under_add_remove_with_public_denominator(n, 
     s_big, sens2 = central_query(images, labels, 3, kind=kind, clip=clip)
     assert sens == sens2
     assert float(np.linalg.norm((s_big - s_small).ravel())) <= sens * (1 + 1e-6)
-    rel, ev = central_images(images[:n], labels[:n], 3, kind=kind, rounds=1, batch=batch, sigma=1.0, clip=clip,
-                             n_public=n_public, rng=np.random.default_rng(seed))
+    rel, ev = central_images(
+        images[:n],
+        labels[:n],
+        3,
+        kind=kind,
+        rounds=1,
+        batch=batch,
+        sigma=1.0,
+        clip=clip,
+        n_public=n_public,
+        rng=np.random.default_rng(seed),
+    )
     assert ev.q == batch / n_public
     assert rel.denominator == (batch / 3 if kind == "mean" else 1.0)
 
@@ -434,8 +468,18 @@ def test_central_mean_noise_is_sigma_c_over_the_public_denominator():
     for n in (20, 200):
         images, labels = _digits(n, 1)
         labels[:] = 0  # classes 1 and 2 are empty: their rows are pure noise
-        rel, _ = central_images(images, labels, 3, kind="mean", rounds=40, batch=30, sigma=2.0, clip=0.5,
-                                n_public=300, rng=np.random.default_rng(7))
+        rel, _ = central_images(
+            images,
+            labels,
+            3,
+            kind="mean",
+            rounds=40,
+            batch=30,
+            sigma=2.0,
+            clip=0.5,
+            n_public=300,
+            rng=np.random.default_rng(7),
+        )
         noise = rel.values[rel.labels != 0].ravel()  # 2 classes x 40 rounds x 9 pixels = 720 draws
         assert float(noise.std()) == pytest.approx(2.0 * 0.5 / 10.0, rel=0.12)
 
@@ -443,19 +487,30 @@ def test_central_mean_noise_is_sigma_c_over_the_public_denominator():
 @given(n=st.integers(1, 20), n_public=st.integers(1, 1000), seed=st.integers(0, 10_000))
 @settings(max_examples=30, deadline=None)
 def test_frequency_sensitivity_is_one_over_the_public_size(n, n_public, seed):
-    """RFF frequency release: adding one image changes E = sum phi(x) e_y^T / n_public by exactly 1 / n_public in
-    Frobenius norm (||phi|| = 1), whatever the true count; the noise is N(0, (σ / n_public)²) and the release
-    carries n_public, never n."""
+    """RFF frequency release: adding one image changes E = sum phi(x) e_y^T / n_public by exactly 1 / n_public
+    in Frobenius norm (||phi|| = 1), whatever the true count; the noise is N(0, (σ / n_public)²) and the
+    release carries n_public, never n."""
     import torch
 
     from feta_release.mechanisms.frequency import embedding_sum, frequency_statistics, rff_frequencies
 
     images, labels = _digits(n + 1, seed)
     omega = rff_frequencies(36, 64, 10.0, 3)
-    diff = (embedding_sum(images, labels, 3, omega) - embedding_sum(images[:n], labels[:n], 3, omega)) / n_public
+    diff = (
+        embedding_sum(images, labels, 3, omega) - embedding_sum(images[:n], labels[:n], 3, omega)
+    ) / n_public
     assert float(np.linalg.norm(diff)) == pytest.approx(1.0 / n_public, rel=1e-4)
-    rel, ev = frequency_statistics(images[:n], labels[:n], 3, features=64, sigma=1.0, bandwidth2=10.0, seed=3,
-                                   n_public=n_public, rng=np.random.default_rng(seed))
+    rel, ev = frequency_statistics(
+        images[:n],
+        labels[:n],
+        3,
+        features=64,
+        sigma=1.0,
+        bandwidth2=10.0,
+        seed=3,
+        n_public=n_public,
+        rng=np.random.default_rng(seed),
+    )
     assert rel.n_public == n_public and ev.q == 1.0
     del torch
 
@@ -466,15 +521,25 @@ def test_frequency_noise_std_is_sigma_over_the_public_size():
     images, labels = _digits(30, 2)
     omega = rff_frequencies(36, 2000, 10.0, 3)
     clean = embedding_sum(images, labels, 3, omega) / 500
-    rel, _ = frequency_statistics(images, labels, 3, features=2000, sigma=3.0, bandwidth2=10.0, seed=3,
-                                  n_public=500, rng=np.random.default_rng(0))
+    rel, _ = frequency_statistics(
+        images,
+        labels,
+        3,
+        features=2000,
+        sigma=3.0,
+        bandwidth2=10.0,
+        seed=3,
+        n_public=500,
+        rng=np.random.default_rng(0),
+    )
     noise = rel.embedding.astype(np.float64) - clean  # 6,000 draws
     assert float(noise.std()) == pytest.approx(3.0 / 500, rel=0.05)
 
 
 def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
-    """Attack (exact N published), single site: `feta-release train` wrote N into run.json and q = batch / N into
-    privacy.json (which `export` turns into the release's statement), and made N synthetic images by default."""
+    """Attack (exact N published), single site: `feta-release train` wrote N into run.json and q = batch / N
+    into privacy.json (which `export` turns into the release's statement), and made N synthetic images by
+    default."""
     import json
 
     from feta_release.config import load_preset
@@ -484,10 +549,14 @@ def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
     full = load_embedded()
     rng = np.random.default_rng(3)
     idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 13, replace=False) for c in range(10)])
-    data = full.subset(np.sort(idx[:-7]))  # 123 images: the public size is a noisy count's rounding, never 123
+    # 123 images: the public size is a noisy count's rounding, never 123
+    data = full.subset(np.sort(idx[:-7]))
     # batches of 8 < the smallest size a draw gives (10): the run never depends on where the draw falls
-    cfg = load_preset("tiny").replace(warmup={"spatial_iterations": 1, "frequency_epochs": 0}, central={"batch": 8},
-                                      dpsgd={"steps": 1, "batch": 8, "physical_batch": 8})
+    cfg = load_preset("tiny").replace(
+        warmup={"spatial_iterations": 1, "frequency_epochs": 0},
+        central={"batch": 8},
+        dpsgd={"steps": 1, "batch": 8, "physical_batch": 8},
+    )
     out = tmp_path / "run"
     import feta_release.training.pipeline as pipeline
 
@@ -500,7 +569,8 @@ def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
     assert (out / "checkpoints" / "noise_seed.txt").stat().st_mode & 0o077 == 0
     run = json.loads((out / "run.json").read_text())
     privacy = json.loads((out / "privacy.json").read_text())
-    n = run["dataset_size"]  # drawn from a noisy count charged first (review: the exact count's rounding was not DP)
+    # drawn from a noisy count charged first (review: the exact count's rounding was not DP)
+    n = run["dataset_size"]
     assert n == run["public_size"]["counts"]["size"] and n != data.n and n % 10 == 0
     assert privacy["events"][0]["stage"] == "size"
     qs = {e["stage"]: e["q"] for e in privacy["events"]}
@@ -513,8 +583,8 @@ def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
 
 
 def test_node_noise_generators_draw_at_least_128_bits_from_the_os(monkeypatch):
-    """Attack (seed search): the node seeded its DP-SGD noise with `manual_seed(secrets.randbits(63))`; 2^63 seeds
-    can be searched (with the public weights in hand, a seed that reproduces the noise removes it)."""
+    """Attack (seed search): the node seeded its DP-SGD noise with `manual_seed(secrets.randbits(63))`; 2^63
+    seeds can be searched (with the public weights in hand, a seed that reproduces the noise removes it)."""
     import random
 
     from edge.protocol import ReleaseRng
@@ -530,8 +600,8 @@ def test_node_noise_generators_draw_at_least_128_bits_from_the_os(monkeypatch):
 
 
 def test_torch_generator_uses_the_whole_key():
-    """Keys that agree on their first 64 bits still give different streams (no truncation to manual_seed's 64 bits),
-    equal keys give equal streams (a run can resume), and two OS generators differ."""
+    """Keys that agree on their first 64 bits still give different streams (no truncation to manual_seed's 64
+    bits), equal keys give equal streams (a run can resume), and two OS generators differ."""
     import torch
 
     from feta_release.randomness import os_torch_generator, torch_generator_from

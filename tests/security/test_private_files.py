@@ -1,6 +1,7 @@
-"""Run files a local user must not read: the noise secret and the checkpoints (``dpsgd.pt`` holds the DP-SGD noise
-generator's state). Review findings H1/H2: they were written through a predictable ``.NAME.tmp-PID`` file opened
-with plain ``open`` (a planted link received the bytes) at the umask's 0644, in a 0755 ``checkpoints/``."""
+"""Run files a local user must not read: the noise secret and the checkpoints (``dpsgd.pt`` holds the DP-SGD
+noise generator's state). Review findings H1/H2: they were written through a predictable ``.NAME.tmp-PID``
+file opened with plain ``open`` (a planted link received the bytes) at the umask's 0644, in a 0755
+``checkpoints/``."""
 
 from __future__ import annotations
 
@@ -73,20 +74,28 @@ def test_private_dir_tightens_a_loose_directory(tmp_path: Path) -> None:
 def test_a_checkpoint_with_the_noise_stream_is_owner_only(tmp_path: Path, umask_022) -> None:
     import torch
 
+    from feta_release.config import load_preset
     from feta_release.ledger import Ledger
     from feta_release.planning import plan
-    from feta_release.config import load_preset
     from feta_release.signing import generate_keypair, load_private_key
     from feta_release.stages import RunAccount, run_budget
     from feta_release.stages.context import RunDir, save_checkpoint
 
     cfg = load_preset("tiny")
     key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0])
-    account = RunAccount(Ledger(tmp_path / "ledger.sqlite", key=key), "job", plan(cfg, 60000), run_budget(cfg),
-                         tmp_path / "privacy.json")
+    account = RunAccount(
+        Ledger(tmp_path / "ledger.sqlite", key=key),
+        "job",
+        plan(cfg, 60000),
+        run_budget(cfg),
+        tmp_path / "privacy.json",
+    )
     (tmp_path / "run" / "checkpoints").mkdir(parents=True, mode=0o755)
     rd = RunDir(tmp_path / "run")
-    save_checkpoint(SimpleNamespace(rd=rd, account=account), "dpsgd.pt",
-                    {"noise": torch.Generator().manual_seed(5).get_state()})
+    save_checkpoint(
+        SimpleNamespace(rd=rd, account=account),
+        "dpsgd.pt",
+        {"noise": torch.Generator().manual_seed(5).get_state()},
+    )
     assert rd.ckpt("dpsgd.pt").stat().st_mode & 0o077 == 0
     assert rd.ckpt("dpsgd.pt").parent.stat().st_mode & 0o777 == 0o700

@@ -1,8 +1,9 @@
 """Attacks on a release that verify / synthesize / verify-synthetic let through before.
 
 A generator whose tensors name EXTERNAL data files: onnxruntime, given the model's bytes, reads them from the
-current directory of whoever runs synthesize (a site key, patient files under it) and the "synthetic" images carry
-them out, under a certificate that says differentially private. A coordinator the sites allow can sign such a file.
+current directory of whoever runs synthesize (a site key, patient files under it) and the "synthetic" images
+carry them out, under a certificate that says differentially private. A coordinator the sites allow can sign
+such a file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from onnx import TensorProto, helper  # noqa: E402
 from feta_release.errors import ReleaseError  # noqa: E402
 from feta_release.release.synthesize import make_session  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
-
 from tests.support.release import load_signed, rehash, resign  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
@@ -40,7 +40,9 @@ def _reader_model() -> bytes:
     """y = x + W, W read from ``secret.bin`` beside wherever the model is run."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [16])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])
-    g = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "g", [x], [y], [_external("W", "secret.bin")])
+    g = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["y"])], "g", [x], [y], [_external("W", "secret.bin")]
+    )
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
@@ -73,19 +75,29 @@ def test_verify_refuses_a_generator_with_external_data(release, keys):
 def test_a_subgraph_with_external_data_is_refused_too():
     from feta_release.release.verify import refuse_external_data
 
-    body = helper.make_graph([helper.make_node("Identity", ["W"], ["o"])], "body", [],
-                             [helper.make_tensor_value_info("o", TensorProto.FLOAT, [16])], [_external("W", "a.bin")])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["W"], ["o"])],
+        "body",
+        [],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [16])],
+        [_external("W", "a.bin")],
+    )
     node = helper.make_node("If", ["c"], ["y"], then_branch=body, else_branch=body)
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])])
+    g = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])],
+    )
     with pytest.raises(ReleaseError, match="external"):
         refuse_external_data(helper.make_model(g), "generator.onnx")
 
 
 # -- the certificate's privacy figures -----------------------------------------------------------------------
-# Attack: whoever ran synthesize (a trusted certificate signer, or anyone holding that key) signs a certificate whose
-# privacy section (and PNG text) says ε = 0.01 for a release whose sites attested far more. verify-synthetic checked
-# the signature, the images and the release, but not that the certificate's figures are the release's: it said OK.
+# Attack: whoever ran synthesize (a trusted certificate signer, or anyone holding that key) signs a
+# certificate whose privacy section (and PNG text) says ε = 0.01 for a release whose sites attested far more.
+# verify-synthetic checked the signature, the images and the release, but not that the certificate's figures
+# are the release's: it said OK.
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +108,18 @@ def synthetic(tmp_path_factory, pristine, keys):
 
     signer = Ed25519PrivateKey.generate()
     out = tmp_path_factory.mktemp("m3") / "synthetic"
-    synthesize(pristine, out, keys.trust(), per_class=[1, 1, 1], seed=1, batch=3, progress=False, threads=1,
-               key=signer, signer_name="DPO")
+    synthesize(
+        pristine,
+        out,
+        keys.trust(),
+        per_class=[1, 1, 1],
+        seed=1,
+        batch=3,
+        progress=False,
+        threads=1,
+        key=signer,
+        signer_name="DPO",
+    )
     return out, signer
 
 
@@ -142,27 +164,43 @@ def test_a_function_constant_with_external_data_is_refused():
     from feta_release.release.verify import refuse_external_data
 
     const = helper.make_node("Constant", [], ["o"], value=_external("W", "a.bin"))
-    fn = FunctionProto(name="leak", domain="local", input=[], output=["o"], node=[const],
-                       opset_import=[helper.make_opsetid("", 17)])
-    g = helper.make_graph([helper.make_node("leak", [], ["y"], domain="local")], "g", [],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])])
-    model = helper.make_model(g, functions=[fn], opset_imports=[helper.make_opsetid("", 17),
-                                                                helper.make_opsetid("local", 1)])
+    fn = FunctionProto(
+        name="leak",
+        domain="local",
+        input=[],
+        output=["o"],
+        node=[const],
+        opset_import=[helper.make_opsetid("", 17)],
+    )
+    g = helper.make_graph(
+        [helper.make_node("leak", [], ["y"], domain="local")],
+        "g",
+        [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])],
+    )
+    model = helper.make_model(
+        g, functions=[fn], opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    )
     with pytest.raises(ReleaseError, match="external"):
         refuse_external_data(model, "generator.onnx")
 
 
 def test_a_light_install_without_onnx_refuses_it_too(release, keys, tmp_path, monkeypatch):
-    """Where only onnxruntime is installed, verify reads the metadata through a session: that session is sealed, so
-    a generator whose external file sits in the current directory does not load (before: it loaded and verified)."""
+    """Where only onnxruntime is installed, verify reads the metadata through a session: that session is
+    sealed, so a generator whose external file sits in the current directory does not load (before: it loaded
+    and verified)."""
     import sys
 
     gen = release / "generator.onnx"
     model = onnx.load_model_from_string(gen.read_bytes())
     w = next(t for t in model.graph.initializer if len(t.raw_data) >= 64)  # a weight the graph uses
     (tmp_path / "w.bin").write_bytes(w.raw_data)  # its bytes, in the directory synthesize runs from
-    w.external_data.extend([onnx.StringStringEntryProto(key="location", value="w.bin"),
-                            onnx.StringStringEntryProto(key="length", value=str(len(w.raw_data)))])
+    w.external_data.extend(
+        [
+            onnx.StringStringEntryProto(key="location", value="w.bin"),
+            onnx.StringStringEntryProto(key="length", value=str(len(w.raw_data))),
+        ]
+    )
     w.data_location, w.raw_data = TensorProto.EXTERNAL, b""
     data = model.SerializeToString()
     gen.write_bytes(data)

@@ -1,9 +1,10 @@
 """The one-shot releases' work is padded to the site's public size (latency side channel).
 
-Attack: the coordinator times a site's central-images or frequency reply (another local user reads the worker's
-CPU time). Every image is prepared (central) or mapped to its random features (frequency), and the central
-rounds sum a Poisson sample: the time counted the exact N and the realised samples. Padded, the rows processed
-are the public size P and the sampled rows are Binomial(P, q) whatever N is; the release is unchanged."""
+Attack: the coordinator times a site's central-images or frequency reply (another local user reads the
+worker's CPU time). Every image is prepared (central) or mapped to its random features (frequency), and the
+central rounds sum a Poisson sample: the time counted the exact N and the realised samples. Padded, the rows
+processed are the public size P and the sampled rows are Binomial(P, q) whatever N is; the release is
+unchanged."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import feta_release.mechanisms.secure_sums as ss
 from edge.padded_releases import pad_secure, padded, public_rows
 from edge.protocol import ReleaseRng
 from edge.releases import release_central, release_frequency
-
 from tests.support.federation import full_job
 
 N_PUBLIC = 40
@@ -30,8 +30,14 @@ N_PUBLIC = 40
 
 def _ds(n: int, seed: int = 0) -> SimpleNamespace:
     rng = np.random.default_rng(seed)
-    return SimpleNamespace(images=rng.random((n, 1, 28, 28), dtype=np.float32), labels=np.arange(n) % 10,
-                           n_classes=10, image_shape=(1, 28, 28), n=n, class_names=[str(i) for i in range(10)])
+    return SimpleNamespace(
+        images=rng.random((n, 1, 28, 28), dtype=np.float32),
+        labels=np.arange(n) % 10,
+        n_classes=10,
+        image_shape=(1, 28, 28),
+        n=n,
+        class_names=[str(i) for i in range(10)],
+    )
 
 
 def _site(n: int) -> SimpleNamespace:
@@ -97,12 +103,22 @@ def test_padding_leaves_the_release_bit_identical(release):
 @pytest.mark.parametrize("phase,fn", [("central", "_prepare"), ("frequency", "rff_features")])
 def test_a_secure_contribution_processes_the_public_number_of_rows(monkeypatch, phase, fn):
     """The masked handlers (secure aggregation): the contribution's rows plus the padding's are P."""
-    seen = _rows(monkeypatch, ss, fn) if phase == "central" else _rows(monkeypatch, fmap_mod, fn)  # the map's own
+    # the map's own
+    seen = _rows(monkeypatch, ss, fn) if phase == "central" else _rows(monkeypatch, fmap_mod, fn)
 
     def contribution(site: Any, job: Any, doc: Any, rng: Any) -> np.ndarray:  # what edge.secure computes
         d = site.data
-        return ss.job_contribution(phase, d.images, d.labels, 10, job.config, n_public=site.n_public, n_sites=3,
-                                   modulus_bits=64, rng=rng)
+        return ss.job_contribution(
+            phase,
+            d.images,
+            d.labels,
+            10,
+            job.config,
+            n_public=site.n_public,
+            n_sites=3,
+            modulus_bits=64,
+            rng=rng,
+        )
 
     monkeypatch.setattr(ca, "masked_contribution", contribution)
     handler = ca.central_masked if phase == "central" else ca.frequency_masked
@@ -115,12 +131,23 @@ def test_the_secure_central_padding_prepares_the_slant_cells_of_the_public_numbe
     """With ``[central] cells > 1`` the real contribution computes each image's slant cell; the padding
     ran the contribution WITHOUT cells, so the dummy rows skipped that work and the time still counted N."""
     seen = _rows(monkeypatch, central_mod, "image_slant")  # only computed for cells > 1
-    job = SimpleNamespace(config=full_job(central={"cells": 4, "kind": "mean"}), sites=["site-a", "site-b", "site-c"])
+    job = SimpleNamespace(
+        config=full_job(central={"cells": 4, "kind": "mean"}), sites=["site-a", "site-b", "site-c"]
+    )
 
     def contribution(site: Any, job: Any, doc: Any, rng: Any) -> np.ndarray:  # what edge.secure computes
         d = site.data
-        return ss.job_contribution("central", d.images, d.labels, 10, job.config, n_public=site.n_public,
-                                   n_sites=3, modulus_bits=64, rng=rng)
+        return ss.job_contribution(
+            "central",
+            d.images,
+            d.labels,
+            10,
+            job.config,
+            n_public=site.n_public,
+            n_sites=3,
+            modulus_bits=64,
+            rng=rng,
+        )
 
     monkeypatch.setattr(ca, "masked_contribution", contribution)
     ca.central_masked.__wrapped__(_site(13), job, SimpleNamespace(doc={}, event=None), ReleaseRng())

@@ -12,8 +12,9 @@ from feta_release.release.report import _files
 
 
 def test_symlink_in_a_release_is_not_followed_into_the_verifiers_machine(tmp_path: Path) -> None:
-    """A release unpacked from a tar may hold symlinks: ``notes.txt -> ~/.feta/site-secret`` put the size and sha256
-    of a file of the verifier's own machine into a page meant to be shared (a short secret's hash is guessable)."""
+    """A release unpacked from a tar may hold symlinks: ``notes.txt -> ~/.feta/site-secret`` put the size and
+    sha256 of a file of the verifier's own machine into a page meant to be shared (a short secret's hash is
+    guessable)."""
     outside = tmp_path / "private.txt"
     outside.write_text("patients=1234\n")
     rd = tmp_path / "release"

@@ -28,8 +28,8 @@ def _x(i: int) -> np.ndarray:
 @pytest.mark.parametrize(("n", "t"), [(5, 3), (7, 4), (9, 5)])
 def test_a_victim_given_the_shares_of_only_t_minus_1_peers_refuses_to_mask(n: int, t: int) -> None:
     """0 colluders: the victim gets the shares of t - 1 peers P only, every other site
-    is told 'victim alive, P dropped'; on the old code the victim masked against P alone and its vector came out
-    with only its own noise share (t seed shares of it, t key shares of each peer in P)."""
+    is told 'victim alive, P dropped'; on the old code the victim masked against P alone and its vector came
+    out with only its own noise share (t seed shares of it, t key shares of each peer in P)."""
     cfg, sites = _round(n, t, f"route{n}")
     adverts = {i: s.setup() for i, s in sites.items()}
     cts = {i: s.share_keys(adverts) for i, s in sites.items()}
@@ -50,8 +50,8 @@ def test_a_victim_given_a_key_broadcast_of_only_t_sites_refuses_it() -> None:
 
 
 def test_the_coordinator_redoes_a_setup_a_site_left_without_charging() -> None:
-    """A site that sends no key advert, or not a share for every other site, ends the round before any masking:
-    the coordinator raises SetupIncomplete (secure_collect redoes the round under a new round id)."""
+    """A site that sends no key advert, or not a share for every other site, ends the round before any
+    masking: the coordinator raises SetupIncomplete (secure_collect redoes the round under a new round id)."""
     cfg, sites = _round(3, 2, "incomplete")
     co = sa.SecAggCoordinator(cfg)
     adverts = {i: s.setup() for i, s in sites.items()}
@@ -65,15 +65,22 @@ def test_the_coordinator_redoes_a_setup_a_site_left_without_charging() -> None:
 
 
 def test_a_split_view_decodes_two_sites_of_five_at_threshold_three() -> None:
-    """Unmask-stage split view, 0 colluders, (n, t) = (5, 3), every site masking against all: the coordinator gets
-    x1 + x2 (two noise shares, not t = 3) from requests that each pass every check. ``honest_shares`` must not
-    count more than 2 (it counted 3 before)."""
+    """Unmask-stage split view, 0 colluders, (n, t) = (5, 3), every site masking against all: the coordinator
+    gets x1 + x2 (two noise shares, not t = 3) from requests that each pass every check. ``honest_shares``
+    must not count more than 2 (it counted 3 before)."""
     cfg, sites = _round(5, 3, "split2")
     adverts = {i: s.setup() for i, s in sites.items()}
     cts = {i: s.share_keys(adverts) for i, s in sites.items()}
-    masked = {i: s.masked_vector({j: cts[j][i] for j in cfg.node_ids if j != i}, _x(i)) for i, s in sites.items()}
-    views = {1: ([1, 2, 3], [4, 5]), 2: ([1, 2, 4], [3, 5]), 3: ([3, 1, 2], [4, 5]), 4: ([4, 1, 2], [3, 5]),
-             5: ([5, 1, 2], [3, 4])}
+    masked = {
+        i: s.masked_vector({j: cts[j][i] for j in cfg.node_ids if j != i}, _x(i)) for i, s in sites.items()
+    }
+    views = {
+        1: ([1, 2, 3], [4, 5]),
+        2: ([1, 2, 4], [3, 5]),
+        3: ([3, 1, 2], [4, 5]),
+        4: ([4, 1, 2], [3, 5]),
+        5: ([5, 1, 2], [3, 4]),
+    }
     out = {i: sites[i].unmask(*views[i]) for i in cfg.node_ids}
     total = (masked[1] + masked[2]) & cfg.mask
     for s in (1, 2):
@@ -87,8 +94,9 @@ def test_a_split_view_decodes_two_sites_of_five_at_threshold_three() -> None:
     assert honest_shares(5, 3, 0) <= 2
 
 
-@pytest.mark.parametrize(("n", "t", "c"), [(n, t, c) for n in range(2, 10) for t in range(n // 2 + 1, n + 1)
-                                             for c in range(n)])
+@pytest.mark.parametrize(
+    ("n", "t", "c"), [(n, t, c) for n in range(2, 10) for t in range(n // 2 + 1, n + 1) for c in range(n)]
+)
 def test_honest_shares_is_between_one_and_threshold_minus_colluders(n: int, t: int, c: int) -> None:
     h = honest_shares(n, t, c)
     assert 1 <= h <= max(1, t - c)
@@ -120,7 +128,10 @@ def test_the_node_checks_key_adverts_against_its_pinned_peers_not_the_relay() ->
         _advert_keys(site, job, {"site_keys": relay, "nodes": nodes}, 1)  # type: ignore[arg-type]
     relay.pop("3")  # no relayed key: the pinned one is used anyway
     assert _advert_keys(site, job, {"site_keys": relay, "nodes": nodes}, 1) == {  # type: ignore[arg-type]
-        "1": public_key_pem(own), "2": pins["site-b"], "3": pins["site-c"]}
+        "1": public_key_pem(own),
+        "2": pins["site-b"],
+        "3": pins["site-c"],
+    }
     sybil = SimpleNamespace(sites=[pol.site_id, "site-b", "site-c", "sybil-1"])
     with pytest.raises(PolicyError, match=r"secure_aggregation\.peers.*sybil-1"):
         _advert_keys(site, sybil, {"site_keys": relay, "nodes": {**nodes, "sybil-1": 4}}, 1)  # type: ignore[arg-type]

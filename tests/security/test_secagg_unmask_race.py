@@ -4,6 +4,7 @@ save_state unguarded, both processes read the state before either saved, and the
 BOTH other sites for the same sum; with the others' honest answers the coordinator could unmask the victim's
 vector alone (its own noise share only). load_state is slowed by 2 s to make the window deterministic; the two
 requests run in two forked processes, as two flwr-clientapp processes would."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ import edge.secure as node_secure
 import edge.site as node_site
 from coordinator.setup import sign_job_file
 from feta_release.federation import messages as fm
-
-from tests.support.federation import fedsgd_job, harness, make_federation, run_harness_job as _run
+from tests.support.federation import fedsgd_job, harness, make_federation
+from tests.support.federation import run_harness_job as _run
 
 
 class Stop(Exception):
@@ -32,7 +33,9 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return make_federation(tmp_path_factory.mktemp("race") / "fed")
 
 
-def test_two_racing_unmask_views_are_not_both_answered(fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_racing_unmask_views_are_not_both_answered(
+    fed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     signed, _ = sign_job_file(fed, fedsgd_job(secagg_threshold=2), "job-race")
     grid = harness(fed)
     deliver = grid._deliver
@@ -60,10 +63,15 @@ def test_two_racing_unmask_views_are_not_both_answered(fed: Any, tmp_path: Path,
                         try:
                             node_site._cached.cache_clear()  # each process opens the site itself
                             d = {**doc, "active": views[i][0], "dead": views[i][1]}
-                            m = Message(fm.make_payload(d, arrays), dst_node_id=victim, message_type=fm.SECAGG)
+                            m = Message(
+                                fm.make_payload(d, arrays), dst_node_id=victim, message_type=fm.SECAGG
+                            )
                             rep = deliver(m)
-                            res = {"error": rep.error.reason[:300]} if rep.has_error() else \
-                                {"shares": sorted(fm.read_payload(rep.content)[0].get("shares", {}))}
+                            res = (
+                                {"error": rep.error.reason[:300]}
+                                if rep.has_error()
+                                else {"shares": sorted(fm.read_payload(rep.content)[0].get("shares", {}))}
+                            )
                         except BaseException as exc:  # noqa: BLE001 - the child must always write its answer
                             res = {"error": repr(exc)[:300]}
                         files[i].write_text(json.dumps(res))

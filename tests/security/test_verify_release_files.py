@@ -1,9 +1,10 @@
 """What ``verify``, ``synthesize`` and ``report`` read of a release directory that someone else supplied.
 
-A release is unpacked from a coordinator's archive or a share. Its manifest's signature is checked FIRST (after the
-site policies that name the allowed coordinator keys, read capped); only then are the files it names read, each a
-regular file reached through no symbolic link, of the size its signed record states and under a hard cap; an
-``.npz`` is never inflated past the images its signed record releases. Every refusal is one line.
+A release is unpacked from a coordinator's archive or a share. Its manifest's signature is checked FIRST
+(after the site policies that name the allowed coordinator keys, read capped); only then are the files it
+names read, each a regular file reached through no symbolic link, of the size its signed record states and
+under a hard cap; an ``.npz`` is never inflated past the images its signed record releases. Every refusal is
+one line.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ pytest.importorskip("torch")
 
 from feta_release.errors import ReleaseError  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
-
 from tests.support.release import CLASSES, IMAGE_SHAPE, load_signed, make_release, rehash, resign  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
@@ -42,7 +42,9 @@ def _central() -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def sd_pristine(tmp_path_factory, den_onnx, keys):
-    return make_release(tmp_path_factory.mktemp("sd") / "rel", den_onnx, keys, start_sigma=0.5, starts=_central())
+    return make_release(
+        tmp_path_factory.mktemp("sd") / "rel", den_onnx, keys, start_sigma=0.5, starts=_central()
+    )
 
 
 @pytest.fixture
@@ -55,8 +57,9 @@ def sd_release(sd_pristine, tmp_path):
 def _bomb(n_images: int) -> bytes:
     """A central-images file whose deflated zeros inflate to n_images x 256 bytes (about 1000x)."""
     buf = io.BytesIO()
-    np.savez_compressed(buf, images=np.zeros((n_images, *IMAGE_SHAPE), np.float32),
-                        labels=np.zeros(n_images, np.int64))
+    np.savez_compressed(
+        buf, images=np.zeros((n_images, *IMAGE_SHAPE), np.float32), labels=np.zeros(n_images, np.int64)
+    )
     return buf.getvalue()
 
 
@@ -69,9 +72,11 @@ def _peak_bytes(fn) -> tuple[object, int]:
         tracemalloc.stop()
 
 
-def test_an_unsigned_manifest_naming_a_decompression_bomb_is_refused_before_the_bomb_is_read(sd_release, keys):
-    """Anyone (no key) swaps in a deflate bomb and writes its hash into the manifest: the signature fails first,
-    and the bomb is never inflated (it took verify to 1.57 GB)."""
+def test_an_unsigned_manifest_naming_a_decompression_bomb_is_refused_before_the_bomb_is_read(
+    sd_release, keys
+):
+    """Anyone (no key) swaps in a deflate bomb and writes its hash into the manifest: the signature fails
+    first, and the bomb is never inflated (it took verify to 1.57 GB)."""
     bomb = _bomb(400_000)  # ~0.1 GB of arrays in ~0.1 MB
     (sd_release / "central_images.npz").write_bytes(bomb)
     signed = load_signed(sd_release)
@@ -97,10 +102,11 @@ def test_a_signed_bomb_is_refused_from_its_array_headers_before_inflating(sd_rel
     assert peak < 30e6, f"verify took {peak / 1e6:.0f} MB for a bomb the signed record excludes"
 
 
-def test_verify_refuses_a_release_file_that_is_a_symbolic_link_and_shows_no_hash_of_its_target(release, keys,
-                                                                                               tmp_path):
-    """A link to a file of the verifier's machine: never followed, so its hash (prefix) is in no check, and the
-    shareable report holds nothing of it."""
+def test_verify_refuses_a_release_file_that_is_a_symbolic_link_and_shows_no_hash_of_its_target(
+    release, keys, tmp_path
+):
+    """A link to a file of the verifier's machine: never followed, so its hash (prefix) is in no check, and
+    the shareable report holds nothing of it."""
     from feta_release.release.report import render_report
     from feta_release.signing import sha256_file
 
@@ -118,8 +124,8 @@ def test_verify_refuses_a_release_file_that_is_a_symbolic_link_and_shows_no_hash
 
 
 def test_verify_refuses_a_link_to_dev_zero_in_one_line_without_reading_it(release, keys, tmp_path):
-    """It crashed with a MemoryError traceback. Run as the CLI under an address-space limit, so that reading the
-    link could never take this machine's memory."""
+    """It crashed with a MemoryError traceback. Run as the CLI under an address-space limit, so that reading
+    the link could never take this machine's memory."""
     (release / "generator.onnx").unlink()
     (release / "generator.onnx").symlink_to("/dev/zero")
     limit = 3 << 30
@@ -128,9 +134,14 @@ def test_verify_refuses_a_link_to_dev_zero_in_one_line_without_reading_it(releas
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "feta_release", "verify", str(release),
-                           *keys.trusted_args(tmp_path / "keys")], capture_output=True, text=True, env=env,
-                          timeout=300, preexec_fn=cap)
+    proc = subprocess.run(
+        [sys.executable, "-m", "feta_release", "verify", str(release), *keys.trusted_args(tmp_path / "keys")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        preexec_fn=cap,
+    )
     assert proc.returncode == ReleaseError.exit_code, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr + proc.stdout and "MemoryError" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

@@ -2,8 +2,9 @@
 
 Every error reply reaches the coordinator: it must name no local path and carry no internal exception text,
 only a protocol refusal's one line (or one generic line) and a reference the site's administrator finds in the
-node's LOCAL log with the detail. The channel must not let one hung client block the one-at-a-time worker, and a
-stuck worker must not hang the per-message process for ever (it falls back in process, as for a dead one)."""
+node's LOCAL log with the detail. The channel must not let one hung client block the one-at-a-time worker, and
+a stuck worker must not hang the per-message process for ever (it falls back in process, as for a dead
+one)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,15 @@ from flwr.app import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feta_release.files import private_dir
 from edge import channel, public_errors
 from edge.forward import ForwardingApp
 from edge.site import forget_sites
 from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
-
+from feta_release.files import private_dir
 from tests.support.federation import make_federation, stop_serving, tiny_job
-from tests.support.flower import flower_message as _msg, node_context as _ctx
+from tests.support.flower import flower_message as _msg
+from tests.support.flower import node_context as _ctx
 
 REF = re.compile(r"reference ([0-9a-f]{12})")
 
@@ -44,7 +45,9 @@ def _reason(exc: BaseException) -> str:
 def fed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("harden")
     f = make_federation(tmp / "fed")
-    signed, _ = __import__("coordinator.setup", fromlist=["sign_job_file"]).sign_job_file(f, tiny_job(), "job-h")
+    signed, _ = __import__("coordinator.setup", fromlist=["sign_job_file"]).sign_job_file(
+        f, tiny_job(), "job-h"
+    )
     return SimpleNamespace(fed=f, site=f.sites[0], signed=signed, tmp=tmp)
 
 
@@ -52,10 +55,12 @@ def _local_paths(node_config: dict[str, Any]) -> list[str]:
     return [str(v) for k, v in node_config.items() if k in public_errors.PATH_KEYS] + [str(Path.home())]
 
 
-# -- error replies -----------------------------------------------------------------------------------------------------
+# -- error replies
+# -----------------------------------------------------------------------------------------------------
 def test_a_refusal_naming_a_local_file_leaves_without_the_path_and_with_a_reference(fed, caplog, tmp_path):
-    """A policy file that fails verification: the refusal (a PolicyError naming the file) reaches the coordinator
-    with its rule but not the site's path; the path and the same reference are in the node's local log."""
+    """A policy file that fails verification: the refusal (a PolicyError naming the file) reaches the
+    coordinator with its rule but not the site's path; the path and the same reference are in the node's local
+    log."""
     cfg = dict(fed.site.node_config())
     bad = tmp_path / "hospital-secret-dir" / "policy.signed.json"
     bad.parent.mkdir()
@@ -128,10 +133,15 @@ def test_a_channel_failure_in_the_per_message_process_names_no_local_path(fed, t
 
 
 @settings(max_examples=200, deadline=None)
-@given(head=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40),
-       parts=st.lists(st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._-", min_size=1, max_size=12),
-                      min_size=1, max_size=5),
-       tail=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
+@given(
+    head=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40),
+    parts=st.lists(
+        st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._-", min_size=1, max_size=12),
+        min_size=1,
+        max_size=5,
+    ),
+    tail=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40),
+)
 def test_redact_removes_any_absolute_path(head, parts, tail):
     path = "/" + "/".join(parts)
     text = f"{head} {path} {tail}"
@@ -157,7 +167,8 @@ def test_a_data_check_refusal_leaves_without_the_sites_counts(caplog):
     assert "1333" in caplog.text
 
 
-# -- channel deadlines ---------------------------------------------------------------------------------------------------
+# -- channel deadlines
+# ---------------------------------------------------------------------------------------------------
 class _Echo:
     def handle(self, doc: dict[str, Any], frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         return {"ok": True}, [f[::-1] for f in frames]
@@ -165,7 +176,8 @@ class _Echo:
 
 @pytest.fixture()
 def short_worker(tmp_path, monkeypatch):
-    """An echo worker whose clients get 0.5 s per read/write (SERVE_TIMEOUT is read when the socket is bound)."""
+    """An echo worker whose clients get 0.5 s per read/write (SERVE_TIMEOUT is read when the socket is
+    bound)."""
     from edge.worker import _Stop, serve
 
     monkeypatch.setattr(channel, "SERVE_TIMEOUT", 0.5, raising=False)
@@ -201,7 +213,9 @@ def test_a_client_hung_in_the_challenge_does_not_block_the_worker(short_worker):
     hung.connect(str(short_worker.sock))  # connects, never answers the challenge
     try:
         time.sleep(0.2)  # the worker has accepted it and waits for its answer
-        got = _in_thread(lambda: channel.call(short_worker.sock, short_worker.key, {"kind": "echo"}, [b"ab"]), 20)
+        got = _in_thread(
+            lambda: channel.call(short_worker.sock, short_worker.key, {"kind": "echo"}, [b"ab"]), 20
+        )
         assert got is not None, "the worker is still blocked by the hung client"
         assert got[0] == "ok" and got[1][1] == [b"ba"]
     finally:
@@ -215,7 +229,9 @@ def test_a_client_hung_after_the_challenge_does_not_block_the_worker(short_worke
     answer_challenge(conn, short_worker.key)
     deliver_challenge(conn, short_worker.key)  # authenticated, then it sends no request
     try:
-        got = _in_thread(lambda: channel.call(short_worker.sock, short_worker.key, {"kind": "echo"}, [b"xy"]), 20)
+        got = _in_thread(
+            lambda: channel.call(short_worker.sock, short_worker.key, {"kind": "echo"}, [b"xy"]), 20
+        )
         assert got is not None and got[0] == "ok" and got[1][1] == [b"yx"]
     finally:
         conn.close()
@@ -275,12 +291,15 @@ def test_a_stuck_worker_falls_back_in_process(fed, stuck_worker, monkeypatch, ca
     assert "in this process instead" in caplog.text
 
 
-# -- the worker's per-request staleness check ---------------------------------------------------------------------------
+# -- the worker's per-request staleness check
+# ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n_files", [5, 13, 19])
 def test_the_per_request_data_check_stats_a_public_number_of_entries(tmp_path, monkeypatch, n_files):
-    """Before every request the worker stats every file of a folder dataset (~0.1 ms each): unpadded, each reply's
-    latency timed the exact file count. With the public size known, the entries checked are ``public_rows``."""
-    import edge.site_cache as w  # site_stamp and its _file_id live there (moved from edge.worker: the site cache keys on it)
+    """Before every request the worker stats every file of a folder dataset (~0.1 ms each): unpadded, each
+    reply's latency timed the exact file count. With the public size known, the entries checked are
+    ``public_rows``."""
+    # site_stamp and its _file_id live there (moved from edge.worker: the site cache keys on it)
+    import edge.site_cache as w
 
     data = tmp_path / "data" / "class0"
     data.mkdir(parents=True)

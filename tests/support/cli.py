@@ -6,7 +6,8 @@ from typing import Any
 
 
 def run_cli(args: list[str], capsys: Any) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``feta-release ARGS`` run in this process (``capsys`` captures the output)."""
+    """(exit code, stdout, stderr) of ``feta-release ARGS`` run in this process (``capsys`` captures the
+    output)."""
     from feta_release.cli import main
 
     try:

@@ -62,7 +62,8 @@ class DotLoss:
 
 
 def patient_layout_bound() -> int:
-    """The public row bound of the step :func:`patient_layouts_work` runs (12 images, 6 patients, cap 3, q 2/6)."""
+    """The public row bound of the step :func:`patient_layouts_work` runs (12 images, 6 patients, cap 3, q
+    2/6)."""
     from feta_release.training.padding import step_bound
 
     return step_bound(12, 2 / 6, 3, SimpleNamespace(cap=3))
@@ -80,9 +81,19 @@ def patient_layouts_work(counted: list[int], seeds: int) -> set[tuple[int, int]]
             ids = np.repeat(np.arange(len(sizes)), sizes)
             x, y = dpsgd_batch(len(ids), seed=seed)
             torch.manual_seed(0)
-            tr = dp.DPSGDTrainer(TinyDenoiser(), dpsgd_job(batch=2, physical_batch=3), 1.3, 2 / 6,
-                                 torch.Generator().manual_seed(seed), image_shape=SHAPE, n_classes=3, n_public=6,
-                                 patient_rows=group_patient_rows(ids), images_per_patient=3, pad_to=bound)
+            tr = dp.DPSGDTrainer(
+                TinyDenoiser(),
+                dpsgd_job(batch=2, physical_batch=3),
+                1.3,
+                2 / 6,
+                torch.Generator().manual_seed(seed),
+                image_shape=SHAPE,
+                n_classes=3,
+                n_public=6,
+                patient_rows=group_patient_rows(ids),
+                images_per_patient=3,
+                pad_to=bound,
+            )
             counted.clear()
             tr.noisy_gradient(x, y)
             seen.add((sum(counted), len(counted)))
@@ -90,8 +101,9 @@ def patient_layouts_work(counted: list[int], seeds: int) -> set[tuple[int, int]]
 
 
 def assert_same_gradients(a: dict[str, Tensor], b: dict[str, Tensor], rtol: float = 1e-4) -> None:
-    """Equal up to float32 rounding, relative to the largest entry of the whole gradient (a parameter whose exact
-    gradient is 0, e.g. a conv bias a GroupNorm cancels, holds rounding noise of that size in both paths)."""
+    """Equal up to float32 rounding, relative to the largest entry of the whole gradient (a parameter whose
+    exact gradient is 0, e.g. a conv bias a GroupNorm cancels, holds rounding noise of that size in both
+    paths)."""
     assert list(a) == list(b)
     scale = max(float(v.abs().max()) for v in b.values()) + 1e-8
     for n in b:
@@ -100,10 +112,20 @@ def assert_same_gradients(a: dict[str, Tensor], b: dict[str, Tensor], rtol: floa
 
 
 class LayerStack(nn.Module):
-    """Conv2d -> GroupNorm -> tanh -> Linear over a sequence axis, plus an Embedding of the label: every rule."""
+    """Conv2d -> GroupNorm -> tanh -> Linear over a sequence axis, plus an Embedding of the label: every
+    rule."""
 
-    def __init__(self, c: int, kernel: int, stride: int, padding: int, dilation: int, bias: bool, groups: int,
-                 padding_idx: int | None) -> None:
+    def __init__(
+        self,
+        c: int,
+        kernel: int,
+        stride: int,
+        padding: int,
+        dilation: int,
+        bias: bool,
+        groups: int,
+        padding_idx: int | None,
+    ) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, c, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias)
         self.norm = nn.GroupNorm(groups, c, affine=True)
@@ -128,8 +150,10 @@ class RowLoss:
         self.k = k
 
     def draw(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
-        return {"noise": torch.randn(n, self.k, 2, 7, 7, generator=generator),
-                "sigma": torch.rand(n, self.k, generator=generator) + 0.5}
+        return {
+            "noise": torch.randn(n, self.k, 2, 7, 7, generator=generator),
+            "sigma": torch.rand(n, self.k, generator=generator) + 0.5,
+        }
 
     def __call__(self, model: Callable[..., Tensor], x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
         out = model(x.unsqueeze(0) + rand["noise"], rand["sigma"], y.reshape(1).expand(self.k))

@@ -21,8 +21,12 @@ def tiny_sites(n_sites: int = 3, per_site: int = 40, seed: int = 0) -> dict[str,
 
     ds = load_embedded()
     rng = np.random.default_rng(seed)
-    idx = np.concatenate([rng.choice(np.flatnonzero(ds.labels == c), per_site * n_sites // 10, replace=False)
-                          for c in range(10)])
+    idx = np.concatenate(
+        [
+            rng.choice(np.flatnonzero(ds.labels == c), per_site * n_sites // 10, replace=False)
+            for c in range(10)
+        ]
+    )
     small = ds.subset(np.sort(idx), source="embedded subset")
     parts = split_sites(small, n_sites, seed=seed)
     return {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
@@ -37,10 +41,16 @@ def tiny_job(**sections: dict[str, Any]) -> JobConfig:
         "model": TINY_MODEL,
         "warmup": {"spatial_iterations": 0, "frequency_epochs": 0},
         "dpsgd": {"batch": 8, "steps": 1, "noise_multiplicity": 1, "physical_batch": 16},
-        # per-site noise, explicitly: these jobs test that mode (secure aggregation, the default for >= 2 sites, is
-        # asked for with secure_aggregation = True; tests/federation/test_secure_default.py checks the default itself)
-        "federation": {"min_sites": 2, "rounds": 2, "local_steps": 2, "round_timeout": 30.0,
-                       "secure_aggregation": False},
+        # per-site noise, explicitly: these jobs test that mode (secure aggregation, the default for >= 2
+        # sites, is asked for with secure_aggregation = True; tests/federation/test_secure_default.py checks
+        # the default itself)
+        "federation": {
+            "min_sites": 2,
+            "rounds": 2,
+            "local_steps": 2,
+            "round_timeout": 30.0,
+            "secure_aggregation": False,
+        },
     }
     for name, over in sections.items():
         base[name] = {**base.get(name, {}), **over}
@@ -52,8 +62,13 @@ def full_job(**sections: dict[str, Any]) -> JobConfig:
     over: dict[str, Any] = {
         "central": {"rounds": 1, "batch": 10, "sigma": 5.0},
         "frequency": {"sigma": 26.6, "features": 200, "chunk": 64},
-        "warmup": {"spatial_iterations": 4, "spatial_batch": 8, "frequency_epochs": 1, "frequency_images": 40,
-                   "frequency_batch": 20},
+        "warmup": {
+            "spatial_iterations": 4,
+            "spatial_batch": 8,
+            "frequency_epochs": 1,
+            "frequency_images": 40,
+            "frequency_batch": 20,
+        },
         "auxgen": {"epochs": 1, "iterations_per_epoch": 2, "batch": 20, "width": 8},
     }
     for name, more in sections.items():
@@ -66,7 +81,8 @@ def fedsgd_job(**fed: Any) -> JobConfig:
 
 
 def site_and_job(fed: Any, job_id: str, cfg: Any, site_id: str = "site-a") -> tuple[Any, Any, dict[str, Any]]:
-    """A site as its node opens it, and a job signed for ``fed`` as that site verifies it (with the signed job)."""
+    """A site as its node opens it, and a job signed for ``fed`` as that site verifies it (with the signed
+    job)."""
     from coordinator.setup import sign_job_file
     from edge.site import site_for
     from feta_release.policy.jobs import verify_job
@@ -76,16 +92,24 @@ def site_and_job(fed: Any, job_id: str, cfg: Any, site_id: str = "site-a") -> tu
     return site, verify_job(signed, site.policy, source="test"), signed
 
 
-def harness(fed: Any, down: set[str] = frozenset(), fail_on: dict[str, Any] | None = None,
-            devices: dict[str, str] | None = None):
-    """``devices``: {site: its node config's device (``node start --device``)}; a site not named has none (cpu)."""
+def harness(
+    fed: Any,
+    down: set[str] = frozenset(),
+    fail_on: dict[str, Any] | None = None,
+    devices: dict[str, str] | None = None,
+):
+    """``devices``: {site: its node config's device (``node start --device``)}; a site not named has none
+    (cpu)."""
     from edge.clientapp import app
     from edge.site import CFG_DEVICE
     from feta_release.federation.harness import HarnessNode, InProcessGrid
 
     nodes = {}
     for i, s in enumerate(fed.sites):
-        cfg = {**s.node_config(), **({CFG_DEVICE: devices[s.site_id]} if s.site_id in (devices or {}) else {})}
+        cfg = {
+            **s.node_config(),
+            **({CFG_DEVICE: devices[s.site_id]} if s.site_id in (devices or {}) else {}),
+        }
         nodes[100 + i] = HarnessNode(app, cfg, down=s.site_id in down, fail_on=(fail_on or {}).get(s.site_id))
     return InProcessGrid(nodes)
 
@@ -97,16 +121,25 @@ def make_federation(tmp: Path, **kw: Any):
 
 
 def run_harness_job(fed: Any, grid: Any, signed: dict[str, Any], out: Path, **kw: Any) -> Any:
-    """Run a signed job over an in-process grid with the federation's coordinator key and short test timeouts."""
+    """Run a signed job over an in-process grid with the federation's coordinator key and short test
+    timeouts."""
     from feta_release.federation.job import run_job
     from feta_release.signing import load_private_key
 
-    return run_job(grid, signed, out, coordinator_key=load_private_key(fed.coordinator_key), wait_timeout=2,
-                   poll_interval=0.05, **kw)
+    return run_job(
+        grid,
+        signed,
+        out,
+        coordinator_key=load_private_key(fed.coordinator_key),
+        wait_timeout=2,
+        poll_interval=0.05,
+        **kw,
+    )
 
 
 def ledger_requests(fed: Any, site_id: str, job_id: str) -> list[dict[str, Any]]:
-    """The requests a site's ledger recorded for a job (none when the site's node never started: no ledger yet)."""
+    """The requests a site's ledger recorded for a job (none when the site's node never started: no ledger
+    yet)."""
     from feta_release.ledger import Ledger
 
     if not Path(fed.site(site_id).ledger).exists():
@@ -120,7 +153,8 @@ def stop_serving(stop: Any, sock: Any, thread: Any, listener: Any) -> None:
     connection that never waits for an answer, join, close.
 
     Not a channel call: when the loop saw the stop between two requests it has already left ``accept()``, the
-    connection lands in the listener's backlog, and a call would wait for a challenge nobody sends (a hang)."""
+    connection lands in the listener's backlog, and a call would wait for a challenge nobody sends (a
+    hang)."""
     stop.requested = True
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
@@ -132,8 +166,9 @@ def stop_serving(stop: Any, sock: Any, thread: Any, listener: Any) -> None:
 
 
 class SignedTrain:
-    """A `train --policy` run of the tiny preset on 200 embedded digits, as a site would run it: coordinator, site
-    and policy-admin keys, a signed one-site policy, and ``sampler_lines`` added to the preset's [sampler]."""
+    """A `train --policy` run of the tiny preset on 200 embedded digits, as a site would run it: coordinator,
+    site and policy-admin keys, a signed one-site policy, and ``sampler_lines`` added to the preset's
+    [sampler]."""
 
     def __init__(self, tmp: Path, sampler_lines: str) -> None:
         from feta_release.data import load_embedded, save_npz
@@ -143,14 +178,26 @@ class SignedTrain:
         self.tmp, self.run = tmp, tmp / "run"
         full = load_embedded()
         rng = np.random.default_rng(3)
-        idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
+        idx = np.concatenate(
+            [rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)]
+        )
         save_npz(full.subset(np.sort(idx)), tmp / "small.npz")
         self.keys = {n: generate_keypair(tmp / "keys", n) for n in ("coordinator", "site", "admin")}
-        doc = make_policy("hosp-a", "1" * 64, 200, [load_private_key(self.keys["coordinator"][0]).public_key()],
-                          per_job=(10.0, 1e-5), lifetime=(20.0, 1e-5),
-                          site_key=load_private_key(self.keys["site"][0]).public_key())
-        (tmp / "policy.json").write_text(json.dumps(sign_policy(doc, load_private_key(self.keys["admin"][0]))))
-        job = (Path(__file__).resolve().parents[2] / "feta_release" / "presets" / "tiny.toml").read_text("utf-8")
+        doc = make_policy(
+            "hosp-a",
+            "1" * 64,
+            200,
+            [load_private_key(self.keys["coordinator"][0]).public_key()],
+            per_job=(10.0, 1e-5),
+            lifetime=(20.0, 1e-5),
+            site_key=load_private_key(self.keys["site"][0]).public_key(),
+        )
+        (tmp / "policy.json").write_text(
+            json.dumps(sign_policy(doc, load_private_key(self.keys["admin"][0])))
+        )
+        job = (Path(__file__).resolve().parents[2] / "feta_release" / "presets" / "tiny.toml").read_text(
+            "utf-8"
+        )
         (tmp / "job.toml").write_text(job.replace("[sampler]\n", "[sampler]\n" + sampler_lines))
 
     def train(self) -> None:
@@ -158,9 +205,27 @@ class SignedTrain:
 
         k, t = self.keys, self.tmp
         try:
-            main(["train", str(t / "job.toml"), "--data", str(t / "small.npz"), "--out", str(self.run),
-                  "--synthetic", "10", "--no-progress", "--site-key", str(k["site"][0]), "--policy",
-                  str(t / "policy.json"), "--trusted", str(k["admin"][1]), "--coordinator-key", str(k["coordinator"][0])])
+            main(
+                [
+                    "train",
+                    str(t / "job.toml"),
+                    "--data",
+                    str(t / "small.npz"),
+                    "--out",
+                    str(self.run),
+                    "--synthetic",
+                    "10",
+                    "--no-progress",
+                    "--site-key",
+                    str(k["site"][0]),
+                    "--policy",
+                    str(t / "policy.json"),
+                    "--trusted",
+                    str(k["admin"][1]),
+                    "--coordinator-key",
+                    str(k["coordinator"][0]),
+                ]
+            )
         except SystemExit as exc:
             assert not exc.code
 
@@ -173,6 +238,10 @@ class SignedTrain:
         from feta_release.release.export_run import export_run
         from feta_release.signing import load_private_key
 
-        return export_run(self.run, out, coordinator_key=load_private_key(self.keys["coordinator"][0]),
-                          site_key=load_private_key(self.keys["site"][0]),
-                          signed_policy=json.loads((self.tmp / "policy.json").read_text()))
+        return export_run(
+            self.run,
+            out,
+            coordinator_key=load_private_key(self.keys["coordinator"][0]),
+            site_key=load_private_key(self.keys["site"][0]),
+            signed_policy=json.loads((self.tmp / "policy.json").read_text()),
+        )

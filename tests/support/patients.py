@@ -1,4 +1,5 @@
-"""A federation whose site "site-c" holds patients (a ``path,label,patient_id`` CSV) and a patient-level policy."""
+"""A federation whose site "site-c" holds patients (a ``path,label,patient_id`` CSV) and a patient-level
+policy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import numpy as np
 from PIL import Image
 
 from coordinator.setup import prepare_federation
-
 from tests.support.federation import tiny_sites
 
 PATIENT_SITE = "site-c"
@@ -25,7 +25,8 @@ def patient_sizes(n: int, seed: int) -> list[int]:
 
 
 def write_patient_csv(ds: Any, folder: Path, sizes: list[int]) -> Path:
-    """The dataset as PNG files and a ``path,label,patient_id`` CSV (patient ids as a hospital would write them)."""
+    """The dataset as PNG files and a ``path,label,patient_id`` CSV (patient ids as a hospital would write
+    them)."""
     folder.mkdir(parents=True)
     owner = np.repeat(np.arange(len(sizes)), sizes)
     lines = ["path,label,patient_id"]
@@ -37,8 +38,8 @@ def write_patient_csv(ds: Any, folder: Path, sizes: list[int]) -> Path:
 
 
 def patient_federation(tmp: Path, public_patients: int | None = None, **budget: Any) -> tuple[Any, int]:
-    """``budget``: the patient site's ``per_job`` / ``lifetime`` (make_policy's), when the job needs more than 1 per
-    patient (a warm-up per image counts up to CAP times per patient)."""
+    """``budget``: the patient site's ``per_job`` / ``lifetime`` (make_policy's), when the job needs more than
+    1 per patient (a warm-up per image counts up to CAP times per patient)."""
     sites: dict[str, Any] = tiny_sites()
     sizes = patient_sizes(sites[PATIENT_SITE].n, seed=3)
     sites[PATIENT_SITE] = write_patient_csv(sites[PATIENT_SITE], tmp / "csv", sizes)

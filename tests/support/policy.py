@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-from typing import Any
 from collections.abc import Iterator
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -42,11 +42,17 @@ def signed_policy(k: dict[str, Ed25519PrivateKey], **over: Any) -> dict[str, Any
 
 
 def job_config() -> JobConfig:
-    return JobConfig.from_dict({"dpsgd": {"steps": 50, "batch": 128}, "federation": {"sites": ["site-a", "site-b"]}})
+    return JobConfig.from_dict(
+        {"dpsgd": {"steps": 50, "batch": 128}, "federation": {"sites": ["site-a", "site-b"]}}
+    )
 
 
-def signed_job(k: dict[str, Ed25519PrivateKey], key: str = "coord", sites: tuple[str, ...] = ("site-a", "site-b"),
-               job_id: str = "job-1") -> dict[str, Any]:
+def signed_job(
+    k: dict[str, Ed25519PrivateKey],
+    key: str = "coord",
+    sites: tuple[str, ...] = ("site-a", "site-b"),
+    job_id: str = "job-1",
+) -> dict[str, Any]:
     return sign_job(job_config(), k[key], job_id, sites, created="2026-05-01T12:00:00Z")
 
 
@@ -95,7 +101,7 @@ def alterations(value: Any) -> list[Any]:
         out = []
         for i in sorted({0, len(value) // 2, len(value) - 1}):
             c = value[i]
-            out.append(value[:i] + ("B" if c != "B" else "C") + value[i + 1:])
+            out.append(value[:i] + ("B" if c != "B" else "C") + value[i + 1 :])
         return out
     if value is None:
         return [0]
@@ -114,7 +120,8 @@ def tampered(doc: dict[str, Any], path: tuple, new: Any) -> dict[str, Any]:
 
 
 def tamper_cases(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(description, tampered copy) for every leaf alteration, every key deletion and an added key per object."""
+    """(description, tampered copy) for every leaf alteration, every key deletion and an added key per
+    object."""
     cases = []
     for path in leaf_paths(doc):
         if not path:

@@ -47,7 +47,9 @@ def small_denoiser(seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     den = build_denoiser(
-        ModelSection(channels=8, channel_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,)), IMAGE_SHAPE, len(CLASSES)
+        ModelSection(channels=8, channel_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,)),
+        IMAGE_SHAPE,
+        len(CLASSES),
     )
     with torch.no_grad():
         for p in den.parameters():
@@ -86,20 +88,33 @@ def new_keys() -> Keys:
     return Keys(Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate())
 
 
-def signed_policy(keys: Keys, site_id: str = "a", per_job_eps: float = 5.0, dpsgd_min_sigma: float = 0.5,
-                  coordinators: list[Any] | None = None) -> dict:
+def signed_policy(
+    keys: Keys,
+    site_id: str = "a",
+    per_job_eps: float = 5.0,
+    dpsgd_min_sigma: float = 0.5,
+    coordinators: list[Any] | None = None,
+) -> dict:
     from feta_release.policy import make_policy, sign_policy
 
     doc = make_policy(
-        site_id, "0" * 64, 5000, coordinators or [keys.coordinator.public_key()], per_job=(per_job_eps, 1e-5),
-        lifetime=(20.0, 1e-5), mechanisms={"dpsgd": {"min_sigma": dpsgd_min_sigma}}, site_key=keys.site.public_key(),
+        site_id,
+        "0" * 64,
+        5000,
+        coordinators or [keys.coordinator.public_key()],
+        per_job=(per_job_eps, 1e-5),
+        lifetime=(20.0, 1e-5),
+        mechanisms={"dpsgd": {"min_sigma": dpsgd_min_sigma}},
+        site_key=keys.site.public_key(),
     )
     return sign_policy(doc, keys.policy)
 
 
-def signed_job(coordinator: Ed25519PrivateKey, job_id: str, sites: list[str], sampler: dict | None = None) -> dict:
-    """The tiny preset signed for ``sites``; ``sampler``: its [sampler] overrides (a release's sampler must be the
-    signed job's, ``export --solver/--steps`` aside)."""
+def signed_job(
+    coordinator: Ed25519PrivateKey, job_id: str, sites: list[str], sampler: dict | None = None
+) -> dict:
+    """The tiny preset signed for ``sites``; ``sampler``: its [sampler] overrides (a release's sampler must be
+    the signed job's, ``export --solver/--steps`` aside)."""
     from feta_release.config import load_preset
     from feta_release.policy.jobs import sign_job
 
@@ -107,16 +122,30 @@ def signed_job(coordinator: Ed25519PrivateKey, job_id: str, sites: list[str], sa
     return sign_job(cfg.replace(sampler=sampler) if sampler else cfg, coordinator, job_id, sites)
 
 
-def attest(keys: Keys, site_id: str, job: dict, policy: dict | None, events: list[PrivacyEvent] | None = None,
-           signer: Ed25519PrivateKey | None = None) -> dict:
+def attest(
+    keys: Keys,
+    site_id: str,
+    job: dict,
+    policy: dict | None,
+    events: list[PrivacyEvent] | None = None,
+    signer: Ed25519PrivateKey | None = None,
+) -> dict:
     """A final attestation for ``job`` (signed by ``signer``, default the site's own key)."""
     from feta_release.policy.document import SitePolicy
     from feta_release.release.manifest import build_attestation
     from feta_release.signing import canonical_json, sha256_hex
 
     pol_sha = SitePolicy.from_document(policy["policy"], None).digest if policy else None
-    return build_attestation(site_id, job["job"]["job_id"], events or EVENTS, 1e-5, "rdp", pol_sha,
-                             signer or keys.site, job_sha256=sha256_hex(canonical_json(job["job"])))
+    return build_attestation(
+        site_id,
+        job["job"]["job_id"],
+        events or EVENTS,
+        1e-5,
+        "rdp",
+        pol_sha,
+        signer or keys.site,
+        job_sha256=sha256_hex(canonical_json(job["job"])),
+    )
 
 
 def make_release(
@@ -137,15 +166,37 @@ def make_release(
     ``start_sigma`` + ``starts`` (images, labels): an SDEdit release carrying those central images."""
     if policy is True:
         policy = signed_policy(keys, site_id)
-    job = signed_job(keys.coordinator, job_id, [site_id], {"start_sigma": start_sigma} if start_sigma else None)
+    job = signed_job(
+        keys.coordinator, job_id, [site_id], {"start_sigma": start_sigma} if start_sigma else None
+    )
     att = attest(keys, site_id, job, policy or None, events)
-    return assemble(out, den_onnx, keys.coordinator, job, [att], {site_id: policy} if policy else {},
-                    solver=solver, steps=steps, start_sigma=start_sigma, starts=starts)
+    return assemble(
+        out,
+        den_onnx,
+        keys.coordinator,
+        job,
+        [att],
+        {site_id: policy} if policy else {},
+        solver=solver,
+        steps=steps,
+        start_sigma=start_sigma,
+        starts=starts,
+    )
 
 
-def assemble(out: Path, den_onnx: Any, coordinator: Ed25519PrivateKey, job: dict, attestations: list[dict],
-             policies: dict[str, dict], *, solver: str = "heun", steps: int = 6, start_sigma: float | None = None,
-             starts: Any = None) -> Path:
+def assemble(
+    out: Path,
+    den_onnx: Any,
+    coordinator: Ed25519PrivateKey,
+    job: dict,
+    attestations: list[dict],
+    policies: dict[str, dict],
+    *,
+    solver: str = "heun",
+    steps: int = 6,
+    start_sigma: float | None = None,
+    starts: Any = None,
+) -> Path:
     from feta_release.release.export_run import assemble_release
     from feta_release.release.manifest import site_record
     from feta_release.release.onnx_export import SamplerSettings
@@ -172,7 +223,8 @@ def load_signed(release: Path) -> dict:
 
 
 def rehash(record: dict, path: Path) -> None:
-    """Point a manifest file record at the file as it is now (sha256 and size), as a coordinator re-signing it would."""
+    """Point a manifest file record at the file as it is now (sha256 and size), as a coordinator re-signing it
+    would."""
     import hashlib
 
     data = path.read_bytes()
@@ -180,39 +232,55 @@ def rehash(record: dict, path: Path) -> None:
 
 
 def resign(release: Path, signed: dict, key: Ed25519PrivateKey) -> None:
-    """Write a modified manifest signed by ``key`` (a coordinator that is trusted, or an attacker that is not)."""
+    """Write a modified manifest signed by ``key`` (a coordinator that is trusted, or an attacker that is
+    not)."""
     doc = copy.deepcopy(signed)
     doc["signature"] = sign_document(doc["manifest"], key)
     (release / "manifest.json").write_text(json.dumps(doc))
 
 
-SECURE_EVENTS_WORST_MU = 3e4  # the site's own Skellam noise share; a second honest site doubles what it counts on
+# the site's own Skellam noise share; a second honest site doubles what it counts on
+SECURE_EVENTS_WORST_MU = 3e4
 
 
 def secure_events(honest: int = 2) -> list[Any]:
-    """A secure-aggregation history: central sums under Skellam noise (``honest`` shares counted), DP-SGD steps."""
+    """A secure-aggregation history: central sums under Skellam noise (``honest`` shares counted), DP-SGD
+    steps."""
     from feta_release.accounting import SkellamEvent
 
     mw = SECURE_EVENTS_WORST_MU
-    return [SkellamEvent("central", 1.0, 2, l2=40.0, l1=1600.0, mu=honest * mw, mu_worst=mw),
-            PrivacyEvent("dpsgd", 3.0, 0.05, 50)]
+    return [
+        SkellamEvent("central", 1.0, 2, l2=40.0, l1=1600.0, mu=honest * mw, mu_worst=mw),
+        PrivacyEvent("dpsgd", 3.0, 0.05, 50),
+    ]
 
 
-def secure_release(out: Path, den_onnx: Any, site_ids: tuple[str, ...] = ("st-mary", "st-luke")) -> dict[str, Keys]:
+def secure_release(
+    out: Path, den_onnx: Any, site_ids: tuple[str, ...] = ("st-mary", "st-luke")
+) -> dict[str, Keys]:
     """A signed multi-site release under secure aggregation: each site's policy pins the other sites' keys and
-    assumes no other site colludes with the coordinator (max_colluders 0), so its job ε counts every site's noise
-    share while the worst case (all others colluding) counts its own only. Returns each site's keys (one shared
-    coordinator key)."""
+    assumes no other site colludes with the coordinator (max_colluders 0), so its job ε counts every site's
+    noise share while the worst case (all others colluding) counts its own only. Returns each site's keys (one
+    shared coordinator key)."""
     from feta_release.policy import make_policy, sign_policy
 
     coordinator = Ed25519PrivateKey.generate()
-    keys = {s: Keys(coordinator, Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()) for s in site_ids}
+    keys = {
+        s: Keys(coordinator, Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()) for s in site_ids
+    }
     policies = {}
     for sid, k in keys.items():
         peers = {o: public_key_pem(keys[o].site) for o in site_ids if o != sid}
-        doc = make_policy(sid, "0" * 64, 5000, [coordinator.public_key()], per_job=(2.0, 1e-5), lifetime=(8.0, 1e-5),
-                          site_key=k.site.public_key(),
-                          secure_aggregation={"max_colluders": 0, "peers": peers, "max_worst_case_epsilon": 3.0})
+        doc = make_policy(
+            sid,
+            "0" * 64,
+            5000,
+            [coordinator.public_key()],
+            per_job=(2.0, 1e-5),
+            lifetime=(8.0, 1e-5),
+            site_key=k.site.public_key(),
+            secure_aggregation={"max_colluders": 0, "peers": peers, "max_worst_case_epsilon": 3.0},
+        )
         policies[sid] = sign_policy(doc, k.policy)
     job = signed_job(coordinator, "job-secure", list(site_ids))
     atts = [_secure_attestation(k, sid, job, policies[sid], len(site_ids)) for sid, k in keys.items()]
@@ -226,8 +294,17 @@ def _secure_attestation(k: Keys, sid: str, job: dict, policy: dict, n_sites: int
     from feta_release.signing import canonical_json, sha256_hex
 
     pol_sha = SitePolicy.from_document(policy["policy"], None).digest
-    return build_attestation(sid, job["job"]["job_id"], secure_events(n_sites), 1e-5, "rdp", pol_sha, k.site,
-                             job_sha256=sha256_hex(canonical_json(job["job"])), max_colluders=0)
+    return build_attestation(
+        sid,
+        job["job"]["job_id"],
+        secure_events(n_sites),
+        1e-5,
+        "rdp",
+        pol_sha,
+        k.site,
+        job_sha256=sha256_hex(canonical_json(job["job"])),
+        max_colluders=0,
+    )
 
 
 def sdedit_central(per_class: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -250,7 +327,10 @@ def sdedit_central(per_class: int = 1, seed: int = 0) -> tuple[np.ndarray, np.nd
 
 def png_hashes(out: Path) -> dict[str, str]:
     """sha256 of every PNG under ``out``, by its path relative to ``out``."""
-    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*.png"))}
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*.png"))
+    }
 
 
 def png_arrays(out: Path) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""A site's data as a hospital supplies it (PNG files listed in a labels CSV) and coordinator-chosen weights."""
+"""A site's data as a hospital supplies it (PNG files listed in a labels CSV) and coordinator-chosen
+weights."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def csv_site(root, labels: list[str], colour: list[bool] | None = None):
 
 
 def perturbed_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
-    """Coordinator-chosen finite weights (the zero-initialised output convs make dropout invisible at init)."""
+    """Coordinator-chosen finite weights (the zero-initialised output convs make dropout invisible at
+    init)."""
     import torch
 
     from feta_release.models import build_denoiser

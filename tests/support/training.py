@@ -29,7 +29,9 @@ def embedded_subset(n: int = 240, seed: int = 0) -> ImageDataset:
     full = load_embedded()
     rng = np.random.default_rng(seed)
     # stratified so every class is present
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    idx = np.concatenate(
+        [rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)]
+    )
     return full.subset(np.sort(idx))
 
 
@@ -41,9 +43,9 @@ def bars(n_per_class: int = 3, size: int = 16) -> tuple[torch.Tensor, torch.Tens
             x = torch.zeros(1, size, size)
             p = 4 + 3 * i
             if c == 0:
-                x[:, p:p + 2, 2:-2] = 1.0
+                x[:, p : p + 2, 2:-2] = 1.0
             else:
-                x[:, 2:-2, p:p + 2] = 1.0
+                x[:, 2:-2, p : p + 2] = 1.0
             imgs.append(x)
             labels.append(c)
     return torch.stack(imgs), torch.tensor(labels)
@@ -55,8 +57,13 @@ def job(**sections) -> JobConfig:
 
 
 def fixed_noise_loss(d, x01: torch.Tensor, y: torch.Tensor) -> float:
-    rnd = draw_loss_randomness(x01.shape[0], tuple(x01.shape[1:]), noise_multiplicity=16,
-                               label_dropout=0.0, generator=torch.Generator().manual_seed(123))
+    rnd = draw_loss_randomness(
+        x01.shape[0],
+        tuple(x01.shape[1:]),
+        noise_multiplicity=16,
+        label_dropout=0.0,
+        generator=torch.Generator().manual_seed(123),
+    )
     with torch.no_grad():
         return edm_loss_from_randomness(d, x01 * 2 - 1, y, rnd).mean().item()
 
@@ -64,6 +71,15 @@ def fixed_noise_loss(d, x01: torch.Tensor, y: torch.Tensor) -> float:
 def frequency_release(sigma: float = 0.01):
     """A frequency release of ``bars(3, size=8)``, with those bars."""
     x, y = bars(3, size=8)
-    rel, _ = frequency_statistics(x.numpy(), y.numpy(), 2, features=400, sigma=sigma, bandwidth2=8.0, seed=1,
-                                  n_public=len(y), rng=np.random.default_rng(0))
+    rel, _ = frequency_statistics(
+        x.numpy(),
+        y.numpy(),
+        2,
+        features=400,
+        sigma=sigma,
+        bandwidth2=8.0,
+        seed=1,
+        n_public=len(y),
+        rng=np.random.default_rng(0),
+    )
     return rel, x, y

@@ -38,7 +38,9 @@ _STEP = textwrap.dedent("""
 
 
 def _step_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _STEP, mode], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _STEP, mode], capture_output=True, text=True, timeout=300, check=True
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.errors import ConfigError
 from feta_release.training.augment import OPS, rand_augment, to_model_range
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 
 
 def _images(n: int = 12, c: int = 1, size: int = 12, seed: int = 0) -> torch.Tensor:

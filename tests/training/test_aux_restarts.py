@@ -1,4 +1,5 @@
-"""``[auxgen] restarts`` / ``keep``: several fits of the same release, the lowest-loss ones kept (post-processing)."""
+"""``[auxgen] restarts`` / ``keep``: several fits of the same release, the lowest-loss ones kept
+(post-processing)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError
 from feta_release.models.auxgen import AuxEnsemble, AuxGenerator, new_aux_model
 from feta_release.training.frequency import aux_draw, fit_aux_generator, fit_aux_restarts
-from tests.support.training import AUX, frequency_release as _release, job
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from tests.support.training import AUX, job
+from tests.support.training import frequency_release as _release
 
 SMALL = {**AUX, "epochs": 2, "iterations_per_epoch": 6}
 
@@ -51,12 +53,22 @@ def test_the_kept_fits_are_the_lowest_final_losses_in_order() -> None:
     emb, omega = _fit_inputs()
     cfg = job(auxgen={**SMALL, "restarts": 3, "keep": 2})
     g = torch.Generator().manual_seed(5)
-    fits = [fit_aux_generator(emb, omega, (1, 8, 8), 2, cfg, 6, generator=g, return_result=True) for _ in range(3)]
+    fits = [
+        fit_aux_generator(emb, omega, (1, 8, 8), 2, cfg, 6, generator=g, return_result=True) for _ in range(3)
+    ]
     losses = [float(np.mean(f.losses[-6:])) for f in fits]
     want = [fits[i].generator for i in np.argsort(losses, kind="stable")[:2]]
     steps: list[tuple[int, int]] = []
-    got = fit_aux_restarts(emb, omega, (1, 8, 8), 2, cfg, 6, generator=torch.Generator().manual_seed(5),
-                           progress=lambda i, n, loss: steps.append((i, n)))
+    got = fit_aux_restarts(
+        emb,
+        omega,
+        (1, 8, 8),
+        2,
+        cfg,
+        6,
+        generator=torch.Generator().manual_seed(5),
+        progress=lambda i, n, loss: steps.append((i, n)),
+    )
     assert isinstance(got, AuxEnsemble) and len(got.members) == 2 and not got.training
     for member, ref in zip(got.members, want, strict=True):
         for a, b in zip(member.state_dict().values(), ref.state_dict().values(), strict=True):
@@ -76,7 +88,7 @@ def test_an_ensemble_draws_the_jth_row_of_a_class_from_member_j_mod_k(k: int, n:
         out = ens(z, y)
         for i in range(n):
             c = int(y[i])
-            assert torch.allclose(out[i], members[seen[c] % k](z[i:i + 1], y[i:i + 1])[0], atol=1e-6)
+            assert torch.allclose(out[i], members[seen[c] % k](z[i : i + 1], y[i : i + 1])[0], atol=1e-6)
             seen[c] += 1
     x = aux_draw(ens, y.numpy(), torch.Generator().manual_seed(seed))
     assert x.shape == (n, 1, 8, 8) and 0 <= float(x.min()) and float(x.max()) <= 1
@@ -102,7 +114,8 @@ def test_an_ensemble_of_other_shapes_is_refused() -> None:
 
 
 def test_a_checkpointed_ensemble_loads_into_the_model_the_job_builds() -> None:
-    """What ``stages.freq_warmup`` does on resume: the saved state dict into ``new_aux_model(members=keep)``."""
+    """What ``stages.freq_warmup`` does on resume: the saved state dict into
+    ``new_aux_model(members=keep)``."""
     saved = AuxEnsemble([AuxGenerator(1, 8, 3, z_dim=4, width=4) for _ in range(3)]).state_dict()
     fresh = new_aux_model(1, 8, 3, z_dim=4, width=4, members=3)
     fresh.load_state_dict(saved)

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.config import load_preset
 from feta_release.errors import ConfigError
 from feta_release.models import build_denoiser
 from feta_release.stages.spatial import central_polish
 from feta_release.training.pipeline import run_pipeline
-from tests.support.training import TINY, bars, embedded_subset as _data, fixed_noise_loss, job
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from tests.support.training import TINY, bars, fixed_noise_loss, job
+from tests.support.training import embedded_subset as _data
 
 
 def _central() -> tuple[np.ndarray, np.ndarray]:
@@ -35,8 +36,15 @@ def test_polish_runs_its_steps_at_its_own_lr_and_lowers_the_loss() -> None:
     torch.manual_seed(0)
     d = build_denoiser(TINY, (1, 16, 16), 2)
     x, y = bars()
-    cfg = job(warmup={"spatial_iterations": 7, "spatial_batch": 4, "polish_iterations": 80, "polish_lr": 2e-3,
-                      "ema": 0.9})
+    cfg = job(
+        warmup={
+            "spatial_iterations": 7,
+            "spatial_batch": 4,
+            "polish_iterations": 80,
+            "polish_lr": 2e-3,
+            "ema": 0.9,
+        }
+    )
     before = fixed_noise_loss(d, x, y)
     res = central_polish(d, _central(), cfg)
     assert res is not None and res.steps == 80  # the polish count, not spatial_iterations
@@ -48,7 +56,9 @@ def test_polish_lr_matters() -> None:
     for lr in (1e-4, 2e-3):
         torch.manual_seed(1)
         d = build_denoiser(TINY, (1, 16, 16), 2)
-        central_polish(d, _central(), job(warmup={"polish_iterations": 3, "polish_lr": lr, "spatial_batch": 4}))
+        central_polish(
+            d, _central(), job(warmup={"polish_iterations": 3, "polish_lr": lr, "spatial_batch": 4})
+        )
         outs.append(torch.cat([p.flatten() for p in d.parameters()]))
     assert not torch.equal(outs[0], outs[1])
 
@@ -60,8 +70,9 @@ def test_bad_polish_values_are_refused(over: dict) -> None:
 
 
 def test_polish_is_allowed_in_federated_jobs() -> None:
-    """The coordinator's warm-up polishes on the combined central images (tests/training/test_warmup_shared.py: a
-    federation of one reaches the local driver's weights bit for bit, polish included)."""
+    """The coordinator's warm-up polishes on the combined central images
+    (tests/training/test_warmup_shared.py: a federation of one reaches the local driver's weights bit for bit,
+    polish included)."""
     cfg = load_preset("tiny").replace(warmup={"polish_iterations": 5}, federation={"sites": ("a", "b")})
     assert cfg.warmup.polish_iterations == 5
 

@@ -1,4 +1,5 @@
-"""``--device auto|cpu|cuda`` resolution (CI is CPU-only: the CUDA path itself is exercised on a GPU machine)."""
+"""``--device auto|cpu|cuda`` resolution (CI is CPU-only: the CUDA path itself is exercised on a GPU
+machine)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,10 @@ from feta_release.training.dpsgd import (
     per_example_grads,
     poisson_sample,
 )
-from tests.support.dpsgd import SHAPE, TinyDenoiser, dpsgd_batch as _data, dpsgd_job as _cfg
+from tests.support.dpsgd import SHAPE, TinyDenoiser
+from tests.support.dpsgd import dpsgd_batch as _data
+from tests.support.dpsgd import dpsgd_job as _cfg
+
 
 def _naive_grads(model, loss, x, y, rand):
     out = []
@@ -74,7 +77,9 @@ def test_clipping_bound_through_trainer_with_huge_gradient_example():
     x = torch.tensor([[1e6, 1e6, 1e6]])
     y = torch.zeros(1, dtype=torch.long)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tr = DPSGDTrainer(model, _cfg(batch=1, clip=0.7), 1e-9, 1.0, torch.Generator().manual_seed(0), loss=HugeLoss())
+    tr = DPSGDTrainer(
+        model, _cfg(batch=1, clip=0.7), 1e-9, 1.0, torch.Generator().manual_seed(0), loss=HugeLoss()
+    )
     noisy, stats = tr.noisy_gradient(x, y)
     assert stats.batch_size == 1 and stats.clipped_fraction == 1.0
     norm = math.sqrt(sum(float(v.pow(2).sum()) for v in noisy.values()))
@@ -127,8 +132,14 @@ def test_noise_multiplicity_averages_before_clipping():
     model = nn.Linear(5, 2)
     x, y = torch.randn(1, 5), torch.zeros(1, dtype=torch.long)
     loss = DirectionalLoss(k)
-    tr = DPSGDTrainer(model, _cfg(batch=1, clip=clip, noise_multiplicity=k), 1e-9, 1.0,
-                      torch.Generator().manual_seed(0), loss=loss)
+    tr = DPSGDTrainer(
+        model,
+        _cfg(batch=1, clip=clip, noise_multiplicity=k),
+        1e-9,
+        1.0,
+        torch.Generator().manual_seed(0),
+        loss=loss,
+    )
     noisy, _ = tr.noisy_gradient(x, y)
     # reference: per-draw gradients by hand, averaged, THEN clipped
     per_draw = []
@@ -170,8 +181,13 @@ def test_before_step_failure_prevents_the_step():
 
     before_third = {}
     with pytest.raises(RuntimeError):
-        tr.run(x, y, 5, before_step=charge, after_step=lambda s: before_third.update(
-            {k: v.clone() for k, v in model.state_dict().items()}))
+        tr.run(
+            x,
+            y,
+            5,
+            before_step=charge,
+            after_step=lambda s: before_third.update({k: v.clone() for k, v in model.state_dict().items()}),
+        )
     assert tr.steps_done == 2
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before_third.items())
 
@@ -217,9 +233,15 @@ def test_edm_training_reduces_loss_with_weak_noise():
     tr = DPSGDTrainer(m, cfg, 0.01, 0.5, torch.Generator().manual_seed(0), image_shape=SHAPE, n_classes=3)
     loss = EDMLoss(SHAPE, 3, 8, 0.0)
     rand = loss.draw(32, torch.Generator().manual_seed(5))
+
     def full_loss():
         with torch.no_grad():
-            return float(torch.stack([loss(m, x[i], y[i], {k: v[i] for k, v in rand.items()}) for i in range(32)]).mean())
+            return float(
+                torch.stack(
+                    [loss(m, x[i], y[i], {k: v[i] for k, v in rand.items()}) for i in range(32)]
+                ).mean()
+            )
+
     start = full_loss()
     tr.run(x, y, 25)
     assert full_loss() < 0.8 * start

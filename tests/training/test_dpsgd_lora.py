@@ -25,8 +25,16 @@ MODEL = {"channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attn_resol
 
 
 def _job(**dpsgd) -> JobConfig:
-    base = {"batch": 4, "steps": 3, "physical_batch": 4, "noise_multiplicity": 1, "clip": 1.0, "lr": 1e-2,
-            "trainable": "lora", "lora_rank": 2}
+    base = {
+        "batch": 4,
+        "steps": 3,
+        "physical_batch": 4,
+        "noise_multiplicity": 1,
+        "clip": 1.0,
+        "lr": 1e-2,
+        "trainable": "lora",
+        "lora_rank": 2,
+    }
     return JobConfig().replace(model=MODEL, dpsgd={**base, **dpsgd})
 
 
@@ -111,16 +119,17 @@ def test_the_layer_hooks_take_the_adapters_and_agree_with_torch_func():
 def test_a_federated_round_returns_the_plain_models_tensors_with_the_adapters_merged():
     from edge.releases import dpsgd_round
     from feta_release.accounting import PrivacyEvent
-    from feta_release.federation.messages import split_ema
     from feta_release.data import ImageDataset
+    from feta_release.federation.messages import split_ema
 
     cfg = _job()
     m = _model(cfg)
     weights = {k: v.numpy().copy() for k, v in m.state_dict().items()}
     x, y = _data()
     ds = ImageDataset(images=((x + 1) / 2).numpy(), labels=y.numpy(), class_names=("a", "b", "c"))
-    out = dpsgd_round(ds, cfg, weights, PrivacyEvent("dpsgd", 2.0, 0.5, 2), torch.Generator().manual_seed(4),
-                      n_public=12)
+    out = dpsgd_round(
+        ds, cfg, weights, PrivacyEvent("dpsgd", 2.0, 0.5, 2), torch.Generator().manual_seed(4), n_public=12
+    )
     out, ema = split_ema(out)
     assert set(out) == set(weights) == set(ema)  # the plain model's tensors, of the weights and of their EMA
     assert all(out[k].shape == weights[k].shape and np.isfinite(out[k]).all() for k in out)
@@ -152,5 +161,5 @@ def test_the_config_names_lora_and_its_rank_and_hashes_as_before_without_it():
     assert _job().to_dict()["dpsgd"]["lora_rank"] == 2
     with pytest.raises(ConfigError, match="lora_rank must be >= 1"):
         _job(lora_rank=0)
-    with pytest.raises(ConfigError, match="\"lora\" is not wired into FedSGD"):
+    with pytest.raises(ConfigError, match='"lora" is not wired into FedSGD'):
         _job().replace(federation={"fedsgd": True, "secure_aggregation": True, "sites": ["a", "b"]})

@@ -1,6 +1,6 @@
-"""Patient-level DP-SGD: patients Poisson-sampled, each patient's summed gradient clipped to C, noise sigma*C on
-the sum, divided by q x the PUBLIC number of patients; the event's unit is the patient (no group conversion) and
-image-level runs are unchanged."""
+"""Patient-level DP-SGD: patients Poisson-sampled, each patient's summed gradient clipped to C, noise sigma*C
+on the sum, divided by q x the PUBLIC number of patients; the event's unit is the patient (no group
+conversion) and image-level runs are unchanged."""
 
 from __future__ import annotations
 
@@ -30,11 +30,28 @@ def _cfg(clip: float = 1.0, physical_batch: int = 4) -> JobConfig:
     return JobConfig().replace(dpsgd={"batch": 4, "steps": 3, "physical_batch": physical_batch, "clip": clip})
 
 
-def _trainer(d: int, sigma: float, q: float, ids: np.ndarray, n_public: int, cap: int, seed: int = 0,
-             loss: object | None = None, clip: float = 1.0) -> DPSGDTrainer:
-    return DPSGDTrainer(Weights(d), _cfg(clip), sigma, q, torch.Generator().manual_seed(seed),
-                        loss=loss or DotLoss(), n_public=n_public, patient_rows=group_patient_rows(ids),
-                        images_per_patient=cap)
+def _trainer(
+    d: int,
+    sigma: float,
+    q: float,
+    ids: np.ndarray,
+    n_public: int,
+    cap: int,
+    seed: int = 0,
+    loss: object | None = None,
+    clip: float = 1.0,
+) -> DPSGDTrainer:
+    return DPSGDTrainer(
+        Weights(d),
+        _cfg(clip),
+        sigma,
+        q,
+        torch.Generator().manual_seed(seed),
+        loss=loss or DotLoss(),
+        n_public=n_public,
+        patient_rows=group_patient_rows(ids),
+        images_per_patient=cap,
+    )
 
 
 def test_noise_std_on_the_patient_sum_is_sigma_c_over_public_expected_batch() -> None:
@@ -51,10 +68,15 @@ def test_noise_std_on_the_patient_sum_is_sigma_c_over_public_expected_batch() ->
 
 
 @settings(max_examples=25, deadline=None)
-@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8), many=st.integers(1, 40),
-       scale=st.floats(0.5, 50.0), seed=st.integers(0, 10_000))
-def test_adding_a_patient_with_many_images_moves_the_sum_by_at_most_c(sizes: list[int], many: int, scale: float,
-                                                                     seed: int) -> None:
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    many=st.integers(1, 40),
+    scale=st.floats(0.5, 50.0),
+    seed=st.integers(0, 10_000),
+)
+def test_adding_a_patient_with_many_images_moves_the_sum_by_at_most_c(
+    sizes: list[int], many: int, scale: float, seed: int
+) -> None:
     """q = 1 and (almost) no noise: the released sum x expected batch is the clipped sum itself."""
     d, clip = 12, 1.0
     rng = np.random.default_rng(seed)
@@ -73,22 +95,37 @@ def test_adding_a_patient_with_many_images_moves_the_sum_by_at_most_c(sizes: lis
     assert float((outs[1] - outs[0]).norm()) <= clip * (1 + 1e-5)
     # and an image-level trainer on the same data moves by up to ``many`` x C: why the unit matters
     if many > 1:
-        img = [DPSGDTrainer(Weights(d), _cfg(clip), 1e-9, 1.0, torch.Generator().manual_seed(0), loss=DotLoss(),
-                            n_public=1).noisy_gradient(xx, torch.zeros(len(xx), dtype=torch.int64))[0]["w"]
-               for xx in (x, x2)]
+        img = [
+            DPSGDTrainer(
+                Weights(d),
+                _cfg(clip),
+                1e-9,
+                1.0,
+                torch.Generator().manual_seed(0),
+                loss=DotLoss(),
+                n_public=1,
+            ).noisy_gradient(xx, torch.zeros(len(xx), dtype=torch.int64))[0]["w"]
+            for xx in (x, x2)
+        ]
         assert float((img[1] - img[0]).norm()) == pytest.approx(many * clip, rel=1e-4)
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=30), cap=st.integers(1, 5),
-       q=st.floats(0.05, 1.0), seed=st.integers(0, 2**31 - 1))
+@given(
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=30),
+    cap=st.integers(1, 5),
+    q=st.floats(0.05, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_patient_sampler_takes_whole_capped_patients(sizes: list[int], cap: int, q: float, seed: int) -> None:
     ids = np.repeat(np.arange(len(sizes)), sizes)
     rows_of = [torch.from_numpy(np.flatnonzero(ids == p)) for p in range(len(sizes))]
     rows, owner = patient_batch(rows_of, q, cap, torch.Generator().manual_seed(seed))
     assert rows.numel() == owner.numel()
     if owner.numel():
-        assert owner.tolist() == sorted(owner.tolist()) and set(owner.tolist()) == set(range(int(owner.max()) + 1))
+        assert owner.tolist() == sorted(owner.tolist()) and set(owner.tolist()) == set(
+            range(int(owner.max()) + 1)
+        )
     for j in owner.unique().tolist():
         mine = rows[owner == j].numpy()
         patient = set(ids[mine].tolist())
@@ -105,7 +142,8 @@ def test_patient_sampling_rate_is_q() -> None:
     mean = float(np.mean(counts))
     se = math.sqrt(n * q * (1 - q) / draws)  # binomial: each patient independently with probability q
     assert abs(mean - n * q) < 5 * se
-    assert float(np.std(counts)) == pytest.approx(math.sqrt(n * q * (1 - q)), rel=0.2)  # Poisson, not a fixed size
+    # Poisson, not a fixed size
+    assert float(np.std(counts)) == pytest.approx(math.sqrt(n * q * (1 - q)), rel=0.2)
 
 
 @settings(max_examples=20, deadline=None)
@@ -117,8 +155,15 @@ def test_only_public_counts_leave(exact: int, public: int, q: float) -> None:
     _, stats = tr.noisy_gradient(torch.zeros(exact, 3), torch.zeros(exact, dtype=torch.int64))
     assert stats.expected_batch == pytest.approx(q * public)
     with pytest.raises(ConfigError, match="PUBLIC number of patients"):
-        DPSGDTrainer(Weights(3), _cfg(), 1.0, q, torch.Generator(), loss=DotLoss(),
-                     patient_rows=group_patient_rows(ids))
+        DPSGDTrainer(
+            Weights(3),
+            _cfg(),
+            1.0,
+            q,
+            torch.Generator(),
+            loss=DotLoss(),
+            patient_rows=group_patient_rows(ids),
+        )
     with pytest.raises(PrivacyError):
         PatientIndex(ids, 0, 2)
 
@@ -128,17 +173,27 @@ def test_physical_chunks_never_split_a_patient() -> None:
     d = 5
     ids = np.repeat(np.arange(3), [3, 3, 3])
     x = torch.zeros(9, d)
-    x[:, 0] = 1.0  # each image 1 along e_0: a patient's sum is 3, clipped to 1; halves would give 2 (e.g. 2 + 1)
-    tr = DPSGDTrainer(Weights(d), _cfg(1.0, physical_batch=2), 1e-9, 1.0, torch.Generator().manual_seed(0),
-                      loss=DotLoss(), n_public=1, patient_rows=group_patient_rows(ids), images_per_patient=3)
+    # each image 1 along e_0: a patient's sum is 3, clipped to 1; halves would give 2 (e.g. 2 + 1)
+    x[:, 0] = 1.0
+    tr = DPSGDTrainer(
+        Weights(d),
+        _cfg(1.0, physical_batch=2),
+        1e-9,
+        1.0,
+        torch.Generator().manual_seed(0),
+        loss=DotLoss(),
+        n_public=1,
+        patient_rows=group_patient_rows(ids),
+        images_per_patient=3,
+    )
     g, stats = tr.noisy_gradient(x, torch.zeros(9, dtype=torch.int64))
     assert float(g["w"][0]) == pytest.approx(3.0, rel=1e-6) and stats.batch_size == 3
     assert stats.clipped_fraction == 1.0
 
 
 def test_image_level_events_and_epsilon_are_unchanged() -> None:
-    """Image-level events serialise without a unit (as before) and the patient plan has the same sigma, q, steps
-    and epsilon, only the unit differs."""
+    """Image-level events serialise without a unit (as before) and the patient plan has the same sigma, q,
+    steps and epsilon, only the unit differs."""
     cfg = load_preset("cpu-eps1")  # central + frequency warm-up, calibrated DP-SGD
     img = stage_events(cfg, 2000)
     pat = stage_events(cfg, 2000, dpsgd_unit="patient")
@@ -161,40 +216,63 @@ def test_patient_statement_does_not_group_convert_dpsgd() -> None:
     mixed = PrivacyUnit("patient", 5).statement(p.epsilon, p.delta, p.events)
     warm = [e for e in p.events if e.unit == "image"]
     assert warm  # the preset has a warm-up: group 5 for it, DP-SGD direct, basic composition
-    if warm:  # the warm-up's group figure at δ/2 (per-record δ chosen so the patient's δ is δ/2), DP-SGD's at δ/2
+    # the warm-up's group figure at δ/2 (per-record δ chosen so the patient's δ is δ/2), DP-SGD's at δ/2
+    if warm:
         want = group_epsilon(warm, p.delta / 2, 5) + epsilon(only_sgd, p.delta / 2)
         assert mixed["epsilon_per_patient"] == pytest.approx(want) and mixed["delta_per_patient"] == p.delta
-        assert mixed["epsilon_per_patient"] < PrivacyUnit("patient", 5).statement(p.epsilon, p.delta)[
-            "epsilon_per_patient"]
+        assert (
+            mixed["epsilon_per_patient"]
+            < PrivacyUnit("patient", 5).statement(p.epsilon, p.delta)["epsilon_per_patient"]
+        )
 
 
 def test_release_statements_name_the_unit() -> None:
-    """The certificate's PNG text and the report's paragraph say "patient" only for patient-level DP-SGD events."""
+    """The certificate's PNG text and the report's paragraph say "patient" only for patient-level DP-SGD
+    events."""
     from feta_release.release.certificate import epsilon_line
     from feta_release.release.report import _unit_paragraph
 
-    img = [{"stage": "central", "sigma": 8.0, "q": 0.1, "steps": 1}, {"stage": "dpsgd", "sigma": 2.0, "q": 0.01,
-                                                                      "steps": 100}]
+    img = [
+        {"stage": "central", "sigma": 8.0, "q": 0.1, "steps": 1},
+        {"stage": "dpsgd", "sigma": 2.0, "q": 0.01, "steps": 100},
+    ]
     pat = [img[0], {**img[1], "unit": "patient"}]
     site = {"site_id": "a", "epsilon": 1.0, "delta": 1e-5, "accountant": "rdp"}
     line_img, line_pat = epsilon_line([{**site, "events": img}]), epsilon_line([{**site, "events": pat}])
     assert "unit = one image of that site" in line_img and "patient" not in line_img
     assert "one patient of that site for DP-SGD" in line_pat and line_pat.isascii()
-    assert "PATIENT" in _unit_paragraph([{"events": pat}]) and "PATIENT" not in _unit_paragraph([{"events": img}])
+    assert "PATIENT" in _unit_paragraph([{"events": pat}]) and "PATIENT" not in _unit_paragraph(
+        [{"events": img}]
+    )
 
 
 @settings(max_examples=30, deadline=None)
-@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8), physical=st.integers(1, 7),
-       seed=st.integers(0, 2**16))
-def test_a_patient_straddling_physical_calls_is_clipped_once_whole(sizes: list[int], physical: int, seed: int) -> None:
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    physical=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_a_patient_straddling_physical_calls_is_clipped_once_whole(
+    sizes: list[int], physical: int, seed: int
+) -> None:
     """The real images go through calls of exactly ``physical_batch`` rows, so a patient may straddle
-    calls (one, two or many); its partial sums are carried and the clip applies to the WHOLE patient's sum: the
-    step equals the sum over patients of clip(sum of their gradients), whatever the layout and call size."""
+    calls (one, two or many); its partial sums are carried and the clip applies to the WHOLE patient's sum:
+    the step equals the sum over patients of clip(sum of their gradients), whatever the layout and call
+    size."""
     d, clip = 3, 1.0
     ids = np.repeat(np.arange(len(sizes)), sizes)
     x = torch.randn(len(ids), d, generator=torch.Generator().manual_seed(seed)) * 0.8
-    tr = DPSGDTrainer(Weights(d), _cfg(clip, physical_batch=physical), 1e-9, 1.0, torch.Generator().manual_seed(0),
-                      loss=DotLoss(), n_public=len(sizes), patient_rows=group_patient_rows(ids), images_per_patient=6)
+    tr = DPSGDTrainer(
+        Weights(d),
+        _cfg(clip, physical_batch=physical),
+        1e-9,
+        1.0,
+        torch.Generator().manual_seed(0),
+        loss=DotLoss(),
+        n_public=len(sizes),
+        patient_rows=group_patient_rows(ids),
+        images_per_patient=6,
+    )
     g, stats = tr.noisy_gradient(x, torch.zeros(len(ids), dtype=torch.int64))
     want = torch.zeros(d)
     for p in range(len(sizes)):
@@ -230,8 +308,8 @@ def test_the_carry_does_the_same_work_whatever_the_patient_layout() -> None:
 
 
 def test_a_non_finite_patient_that_ends_in_a_chunk_does_not_reach_the_next_patient() -> None:
-    """A patient whose partial sum is NaN is dropped at its own clip; its NaN must not be carried (0 * NaN) into
-    the next chunk's first patient, which would then be dropped too: one patient moving the sum by 2C."""
+    """A patient whose partial sum is NaN is dropped at its own clip; its NaN must not be carried (0 * NaN)
+    into the next chunk's first patient, which would then be dropped too: one patient moving the sum by 2C."""
     from feta_release.training.dpsgd import _carry_patients
 
     sums = {"w": torch.ones(4, 3)}

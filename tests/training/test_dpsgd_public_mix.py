@@ -57,11 +57,19 @@ def test_private_noise_stream_unchanged_and_divisor_grows_by_public_batch():
     outs = []
     for public in (None, _public(b_pub, dim=30)):
         model = nn.Linear(30, 50)
-        tr = DPSGDTrainer(model, _cfg(clip=clip), sigma, q, torch.Generator().manual_seed(3), loss=ZeroGradLoss(),
-                          public=public)
+        tr = DPSGDTrainer(
+            model,
+            _cfg(clip=clip),
+            sigma,
+            q,
+            torch.Generator().manual_seed(3),
+            loss=ZeroGradLoss(),
+            public=public,
+        )
         outs.append(tr.noisy_gradient(x, y)[0])
     expected = q * n
-    for name in outs[0]:  # zero gradients everywhere: only the (same) noise, divided by a larger public divisor
+    # zero gradients everywhere: only the (same) noise, divided by a larger public divisor
+    for name in outs[0]:
         torch.testing.assert_close(outs[1][name] * (expected + b_pub) / expected, outs[0][name])
 
 
@@ -71,8 +79,15 @@ def test_public_part_is_clipped_like_a_private_example():
     b_pub, clip = 5, 0.3
     x, y = torch.randn(10, 3), torch.zeros(10, dtype=torch.long)
     # q tiny: the private batch is empty; sigma tiny: no noise; all that is left is the public sum / divisor
-    tr = DPSGDTrainer(model, _cfg(clip=clip), 1e-12, 1e-9, torch.Generator().manual_seed(0), loss=LinearLoss(),
-                      public=_public(b_pub, scale=1e3))
+    tr = DPSGDTrainer(
+        model,
+        _cfg(clip=clip),
+        1e-12,
+        1e-9,
+        torch.Generator().manual_seed(0),
+        loss=LinearLoss(),
+        public=_public(b_pub, scale=1e3),
+    )
     g, stats = tr.noisy_gradient(x, y)
     assert stats.batch_size == 0
     norm = math.sqrt(sum(float(v.pow(2).sum()) for v in g.values()))
@@ -93,8 +108,16 @@ def test_one_private_example_moves_the_gradient_by_at_most_c_over_divisor(n, b_p
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape))
-        tr = DPSGDTrainer(model, _cfg(clip=clip), 1e-12, 1.0, torch.Generator().manual_seed(1), loss=LinearLoss(),
-                          n_public=n, public=_public(b_pub, seed=seed))
+        tr = DPSGDTrainer(
+            model,
+            _cfg(clip=clip),
+            1e-12,
+            1.0,
+            torch.Generator().manual_seed(1),
+            loss=LinearLoss(),
+            n_public=n,
+            public=_public(b_pub, seed=seed),
+        )
         outs.append(tr.noisy_gradient(x[:m], y[:m])[0])
     diff = math.sqrt(sum(float((outs[0][k] - outs[1][k]).pow(2).sum()) for k in outs[0]))
     assert diff <= clip / (n + b_pub) + 1e-5
@@ -107,8 +130,15 @@ def test_checkpoint_restores_the_public_generator():
         model = nn.Linear(3, 2)
         torch.nn.init.constant_(model.weight, 0.1)
         torch.nn.init.zeros_(model.bias)
-        return DPSGDTrainer(model, _cfg(), 1.0, 0.5, torch.Generator().manual_seed(0), loss=LinearLoss(),
-                            public=_public(3, seed=seed))
+        return DPSGDTrainer(
+            model,
+            _cfg(),
+            1.0,
+            0.5,
+            torch.Generator().manual_seed(0),
+            loss=LinearLoss(),
+            public=_public(3, seed=seed),
+        )
 
     a = trainer(5)
     a.step(x, y)

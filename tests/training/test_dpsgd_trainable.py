@@ -1,4 +1,5 @@
-"""Parameter-efficient DP-SGD (``[dpsgd] trainable``): frozen parameters take no clip share, no noise, no update."""
+"""Parameter-efficient DP-SGD (``[dpsgd] trainable``): frozen parameters take no clip share, no noise, no
+update."""
 
 from __future__ import annotations
 
@@ -17,15 +18,24 @@ SHAPE = (1, 8, 8)
 
 
 def _job(**dpsgd) -> JobConfig:
-    base = {"batch": 4, "steps": 3, "physical_batch": 4, "noise_multiplicity": 1, "clip": 1.0, "lr": 1e-2,
-            "trainable": "norm_attention"}
-    return JobConfig().replace(model={"channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1,
-                                      "attn_resolutions": [4]}, dpsgd={**base, **dpsgd})
+    base = {
+        "batch": 4,
+        "steps": 3,
+        "physical_batch": 4,
+        "noise_multiplicity": 1,
+        "clip": 1.0,
+        "lr": 1e-2,
+        "trainable": "norm_attention",
+    }
+    return JobConfig().replace(
+        model={"channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attn_resolutions": [4]},
+        dpsgd={**base, **dpsgd},
+    )
 
 
 def _model(cfg: JobConfig) -> nn.Module:
-    """A denoiser whose zero-initialised output layers are moved off zero (as pretraining leaves them): at init
-    only the output convolution has a gradient."""
+    """A denoiser whose zero-initialised output layers are moved off zero (as pretraining leaves them): at
+    init only the output convolution has a gradient."""
     torch.manual_seed(0)
     m = build_denoiser(cfg.model, SHAPE, 3)
     with torch.no_grad():
@@ -46,8 +56,11 @@ def test_norm_attention_trains_norms_attention_and_conditioning_only():
     assert attention, "the test model has an attention block"
     for n, _ in m.named_parameters():
         leaf = n.rsplit(".", 2)[-2]
-        want = (leaf.startswith("norm") or leaf in ("map0", "map1", "class_embed", "affine")
-                or any(n.startswith(a + ".") for a in attention))
+        want = (
+            leaf.startswith("norm")
+            or leaf in ("map0", "map1", "class_embed", "affine")
+            or any(n.startswith(a + ".") for a in attention)
+        )
         assert (n in names) == want, n
     assert trainable_names(m, "all") == [n for n, _ in m.named_parameters()]
 
@@ -64,7 +77,8 @@ def test_noise_dimension_is_the_trainable_parameter_count():
     assert set(noisy) == trainable  # no noise (and no gradient) for a frozen parameter
     values = torch.cat([v.flatten() for v in noisy.values()])
     assert values.numel() == tr.noise_dimension
-    # the signal (<= q*N clipped vectors of norm C, divided by q*N) is tiny next to sigma*C/(q*N) per coordinate
+    # the signal (<= q*N clipped vectors of norm C, divided by q*N) is tiny next to sigma*C/(q*N) per
+    # coordinate
     assert float(values.std()) == pytest.approx(sigma * cfg.dpsgd.clip / (q * n), rel=0.1)
 
 
@@ -85,13 +99,14 @@ def test_a_frozen_parameter_never_changes_during_dpsgd():
 
 
 def test_the_clip_bounds_the_trainable_vector_alone():
-    """One example, q = 1, no noise to speak of: the update is that example's TRAINABLE gradient clipped to C. Had
-    the frozen gradient counted in the norm, the trainable part would be clipped below C."""
+    """One example, q = 1, no noise to speak of: the update is that example's TRAINABLE gradient clipped to C.
+    Had the frozen gradient counted in the norm, the trainable part would be clipped below C."""
     clip = 1e-3  # far below any gradient's norm: every example is clipped
     cfg = _job(clip=clip, batch=1)
     m = _model(cfg)
-    tr = DPSGDTrainer(m, cfg, 1e-9, 1.0, torch.Generator().manual_seed(4), image_shape=SHAPE, n_classes=3,
-                      n_public=1)
+    tr = DPSGDTrainer(
+        m, cfg, 1e-9, 1.0, torch.Generator().manual_seed(4), image_shape=SHAPE, n_classes=3, n_public=1
+    )
     x, y = _data(1)
     noisy, stats = tr.noisy_gradient(x, y)
     assert stats.batch_size == 1 and stats.clipped_fraction == 1.0
@@ -103,10 +118,12 @@ def test_the_clip_bounds_the_trainable_vector_alone():
 def test_both_engines_give_the_same_trainable_gradients(engine):
     cfg = _job(per_example=engine, noise_multiplicity=2)
     ref_cfg = _job(per_example="vmap", noise_multiplicity=2)
-    got, _ = DPSGDTrainer(_model(cfg), cfg, 1e-9, 1.0, torch.Generator().manual_seed(5), image_shape=SHAPE,
-                          n_classes=3).noisy_gradient(*_data(4))
-    ref, _ = DPSGDTrainer(_model(ref_cfg), ref_cfg, 1e-9, 1.0, torch.Generator().manual_seed(5), image_shape=SHAPE,
-                          n_classes=3).noisy_gradient(*_data(4))
+    got, _ = DPSGDTrainer(
+        _model(cfg), cfg, 1e-9, 1.0, torch.Generator().manual_seed(5), image_shape=SHAPE, n_classes=3
+    ).noisy_gradient(*_data(4))
+    ref, _ = DPSGDTrainer(
+        _model(ref_cfg), ref_cfg, 1e-9, 1.0, torch.Generator().manual_seed(5), image_shape=SHAPE, n_classes=3
+    ).noisy_gradient(*_data(4))
     assert set(got) == set(ref)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-7)
@@ -121,5 +138,7 @@ def test_all_leaves_the_model_alone_and_unknown_modes_are_refused():
     with pytest.raises(ConfigError, match="trainable"):
         JobConfig().replace(dpsgd={"trainable": "some"})
     with pytest.raises(ConfigError, match="FedSGD"):
-        JobConfig().replace(dpsgd={"trainable": "norm_attention", "steps": 5},
-                            federation={"fedsgd": True, "secure_aggregation": True, "sites": ["a", "b"]})
+        JobConfig().replace(
+            dpsgd={"trainable": "norm_attention", "steps": 5},
+            federation={"fedsgd": True, "secure_aggregation": True, "sites": ["a", "b"]},
+        )

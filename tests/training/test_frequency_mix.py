@@ -1,4 +1,5 @@
-"""``[warmup] frequency_mix_central``: the frequency warm-up set also holds augmented released central images."""
+"""``[warmup] frequency_mix_central``: the frequency warm-up set also holds augmented released central
+images."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""The layer-hook per-example gradients (training.ghost_clip) are the torch.func ones: same vectors, same clipped sum.
+"""The layer-hook per-example gradients (training.ghost_clip) are the torch.func ones: same vectors, same
+clipped sum.
 
-The DP-SGD privacy argument needs each example's gradient (of its K-draw mean loss) clipped to C before the noise;
-the hook engine must compute exactly the vectors the torch.func path computes, on the real denoiser and on random
-small layers, and must never skip a trainable parameter (unsupported layers fall back or are refused)."""
+The DP-SGD privacy argument needs each example's gradient (of its K-draw mean loss) clipped to C before the
+noise; the hook engine must compute exactly the vectors the torch.func path computes, on the real denoiser and
+on random small layers, and must never skip a trainable parameter (unsupported layers fall back or are
+refused)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ from torch import Tensor, nn
 
 from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError
-from feta_release.models.edm import build_denoiser
-from feta_release.models.edm import EDMLoss
+from feta_release.models.edm import EDMLoss, build_denoiser
 from feta_release.training.dpsgd import (
     DPSGDTrainer,
     clip_and_sum,
@@ -26,17 +27,20 @@ from feta_release.training.dpsgd import (
     select_engine,
 )
 from feta_release.training.ghost_clip import _group_norm_stats, hook_grads, unsupported
-
-from tests.support.dpsgd import SHAPE, TinyDenoiser, dpsgd_batch as _data, dpsgd_job as _cfg
-from tests.support.dpsgd import InPlaceAfterLinear as _InPlaceAfterLinear, LayerStack as _Stack, RowLoss as _RowLoss
+from tests.support.dpsgd import SHAPE, TinyDenoiser
+from tests.support.dpsgd import InPlaceAfterLinear as _InPlaceAfterLinear
+from tests.support.dpsgd import LayerStack as _Stack
+from tests.support.dpsgd import RowLoss as _RowLoss
 from tests.support.dpsgd import assert_same_gradients as _assert_same
+from tests.support.dpsgd import dpsgd_batch as _data
+from tests.support.dpsgd import dpsgd_job as _cfg
 
 IMG = (1, 28, 28)
 
 
 def _denoiser(seed: int = 0) -> nn.Module:
-    """The cpu-eps1 denoiser with every weight perturbed: the zero-initialised output convs would otherwise leave
-    whole residual branches with zero gradient, and a comparison of zeros proves nothing."""
+    """The cpu-eps1 denoiser with every weight perturbed: the zero-initialised output convs would otherwise
+    leave whole residual branches with zero gradient, and a comparison of zeros proves nothing."""
     torch.manual_seed(seed)
     model = build_denoiser(load_preset("cpu-eps1").model, IMG, 10)
     with torch.no_grad():
@@ -85,8 +89,16 @@ def test_the_trainers_step_is_the_same_with_either_engine():
     for engine in ("hooks", "vmap"):
         torch.manual_seed(0)
         model = TinyDenoiser()
-        tr = DPSGDTrainer(model, _cfg(per_example=engine), 1.1, 0.5, torch.Generator().manual_seed(7),
-                          image_shape=SHAPE, n_classes=3, n_public=12)
+        tr = DPSGDTrainer(
+            model,
+            _cfg(per_example=engine),
+            1.1,
+            0.5,
+            torch.Generator().manual_seed(7),
+            image_shape=SHAPE,
+            n_classes=3,
+            n_public=12,
+        )
         assert tr.engine == engine
         tr.run(x, y, 3)
         out.append(tr.ema_model().state_dict())
@@ -98,7 +110,9 @@ def test_clipped_gradient_sum_with_either_engine_draws_the_same_stream():
     model, loss = TinyDenoiser(), EDMLoss(SHAPE, 3, 3)
     x, y = _data(9, seed=2)
     idx = torch.arange(9)
-    a, _, ca = clipped_gradient_sum(model, loss, x, y, idx, 0.05, 4, torch.Generator().manual_seed(1), "hooks")
+    a, _, ca = clipped_gradient_sum(
+        model, loss, x, y, idx, 0.05, 4, torch.Generator().manual_seed(1), "hooks"
+    )
     b, _, cb = clipped_gradient_sum(model, loss, x, y, idx, 0.05, 4, torch.Generator().manual_seed(1), "vmap")
     assert ca == cb
     _assert_same(a, b)
@@ -116,7 +130,8 @@ class _LayerNormed(TinyDenoiser):
 class _BatchNormed(TinyDenoiser):
     def __init__(self) -> None:
         super().__init__()
-        self.bn = nn.BatchNorm2d(1, affine=False, track_running_stats=False)  # no parameter, but mixes the rows
+        # no parameter, but mixes the rows
+        self.bn = nn.BatchNorm2d(1, affine=False, track_running_stats=False)
 
     def forward(self, x: Tensor, sigma: Tensor, labels: Tensor) -> Tensor:
         return self.bn(super().forward(x, sigma, labels))
@@ -143,7 +158,9 @@ def test_unsupported_layers_fall_back_to_torch_func_or_are_refused(model_cls):
     with pytest.raises(ConfigError, match="per_example"):
         select_engine(model, loss, "hooks")
     with pytest.raises(ConfigError, match="per_example"):
-        DPSGDTrainer(model, _cfg(per_example="hooks"), 1.0, 0.5, torch.Generator(), image_shape=SHAPE, n_classes=3)
+        DPSGDTrainer(
+            model, _cfg(per_example="hooks"), 1.0, 0.5, torch.Generator(), image_shape=SHAPE, n_classes=3
+        )
     tr = DPSGDTrainer(model, _cfg(), 1.0, 0.5, torch.Generator(), image_shape=SHAPE, n_classes=3)
     assert tr.engine == "vmap"
     x, y = _data(4)
@@ -162,12 +179,13 @@ def test_a_loss_without_a_batched_form_uses_torch_func_and_the_engine_name_is_ch
         JobConfig().replace(dpsgd={"per_example": "fast"})
 
 
-# -- property: random small layers ------------------------------------------------------------------------------
+# -- property: random small layers
+# ------------------------------------------------------------------------------
 
 
 class _ExampleMajorRows(_RowLoss):
-    """The row layout before K-major (rows of example i are i*K .. i*K+K-1): read K-major, an "example" gradient
-    would sum rows of several examples (one example reaching several clipped vectors)."""
+    """The row layout before K-major (rows of example i are i*K .. i*K+K-1): read K-major, an "example"
+    gradient would sum rows of several examples (one example reaching several clipped vectors)."""
 
     row_order = "example-major"
 
@@ -198,14 +216,15 @@ def test_the_group_norm_rule_without_the_forwards_saved_statistics_recomputes_th
 
 
 def test_a_model_that_changes_a_layer_output_in_place_is_refused_not_given_wrong_gradients():
-    # asking autograd for the gradient of an output changed in place gives that of the changed values: the former
-    # hooks returned such wrong per-example gradients without a word
+    # asking autograd for the gradient of an output changed in place gives that of the changed values: the
+    # former hooks returned such wrong per-example gradients without a word
     model, loss = _InPlaceAfterLinear(), _RowLoss(2)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(3, 2, 7, 7, generator=g), torch.randint(0, 4, (3,), generator=g)
     with pytest.raises(RuntimeError, match="modified inplace"):
         hook_grads(model, loss, x, y, loss.draw(3, g))
-    per_example_grads(model, loss, x, y, loss.draw(3, g), engine="vmap")  # the torch.func path still serves it
+    # the torch.func path still serves it
+    per_example_grads(model, loss, x, y, loss.draw(3, g), engine="vmap")
 
 
 def test_hook_gradients_under_no_grad_raise_rather_than_return_zeros():
@@ -217,13 +236,28 @@ def test_hook_gradients_under_no_grad_raise_rather_than_return_zeros():
 
 
 @settings(max_examples=25, deadline=None)
-@example(b=3, k=3, c=6, kernel=1, stride=1, padding=0, dilation=1, bias=True, padding_idx=None, seed=1, clip_q=0.5)
-@example(b=4, k=2, c=1, kernel=3, stride=1, padding=1, dilation=1, bias=True, padding_idx=0, seed=2, clip_q=0.5)
-@given(b=st.integers(1, 5), k=st.integers(1, 3), c=st.sampled_from([1, 2, 4, 6]), kernel=st.integers(1, 3),
-       stride=st.integers(1, 2), padding=st.integers(0, 1), dilation=st.integers(1, 2), bias=st.booleans(),
-       padding_idx=st.sampled_from([None, 0]), seed=st.integers(0, 2**16), clip_q=st.floats(0.1, 0.9))
-def test_hook_gradients_equal_torch_func_on_random_layers(b, k, c, kernel, stride, padding, dilation, bias,
-                                                           padding_idx, seed, clip_q):
+@example(
+    b=3, k=3, c=6, kernel=1, stride=1, padding=0, dilation=1, bias=True, padding_idx=None, seed=1, clip_q=0.5
+)
+@example(
+    b=4, k=2, c=1, kernel=3, stride=1, padding=1, dilation=1, bias=True, padding_idx=0, seed=2, clip_q=0.5
+)
+@given(
+    b=st.integers(1, 5),
+    k=st.integers(1, 3),
+    c=st.sampled_from([1, 2, 4, 6]),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    padding=st.integers(0, 1),
+    dilation=st.integers(1, 2),
+    bias=st.booleans(),
+    padding_idx=st.sampled_from([None, 0]),
+    seed=st.integers(0, 2**16),
+    clip_q=st.floats(0.1, 0.9),
+)
+def test_hook_gradients_equal_torch_func_on_random_layers(
+    b, k, c, kernel, stride, padding, dilation, bias, padding_idx, seed, clip_q
+):
     torch.manual_seed(seed)
     model = _Stack(c, kernel, stride, padding, dilation, bias, 2 if c % 2 == 0 else 1, padding_idx)
     loss = _RowLoss(k)

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
-from tests.support.training import TINY, tiny_denoiser
 from feta_release.config import ModelSection
 from feta_release.errors import ConfigError
 from feta_release.models import (
@@ -24,6 +22,9 @@ from feta_release.models import (
     edm_loss_from_randomness,
     edm_loss_single,
 )
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from tests.support.training import TINY, tiny_denoiser
+
 
 def test_default_unet_size_and_shapes() -> None:
     d = build_denoiser(ModelSection(), (1, 28, 28), 10)
@@ -41,7 +42,10 @@ def test_default_unet_size_and_shapes() -> None:
     [
         (ModelSection(channel_mult=(2, 4), attn_resolutions=(16,)), (3, 32, 32)),
         (ModelSection(channels=16, channel_mult=(1, 2), num_res_blocks=1, attn_resolutions=()), (1, 28, 28)),
-        (ModelSection(channels=16, channel_mult=(1, 2, 2), num_res_blocks=1, attn_resolutions=(7,)), (1, 28, 28)),
+        (
+            ModelSection(channels=16, channel_mult=(1, 2, 2), num_res_blocks=1, attn_resolutions=(7,)),
+            (1, 28, 28),
+        ),
     ],
 )
 def test_other_configs_work(cfg: ModelSection, shape: tuple[int, int, int]) -> None:
@@ -79,7 +83,9 @@ def test_preconditioning_limits() -> None:
 def test_loss_randomness_distribution_and_label_dropout_rate() -> None:
     g = torch.Generator().manual_seed(0)
     rnd = draw_loss_randomness(4000, (1, 2, 2), noise_multiplicity=5, label_dropout=0.1, generator=g)
-    assert rnd.noise.shape == (4000, 5, 1, 2, 2) and rnd.sigma.shape == (4000, 5) and rnd.drop.shape == (4000, 5)
+    assert (
+        rnd.noise.shape == (4000, 5, 1, 2, 2) and rnd.sigma.shape == (4000, 5) and rnd.drop.shape == (4000, 5)
+    )
     rate = rnd.drop.float().mean().item()
     assert abs(rate - 0.1) < 0.01, rate  # 20000 draws: std of the rate ~0.002
     ln = rnd.sigma.log()
@@ -110,7 +116,9 @@ def test_loss_finite_and_decreases_when_overfitting() -> None:
     y = torch.tensor([0, 1, 0, 1])
     opt = torch.optim.Adam(d.parameters(), lr=3e-3)
     # Fixed randomness: an exact measure of progress on the same draws.
-    rand = draw_loss_randomness(4, (1, 8, 8), noise_multiplicity=8, generator=torch.Generator().manual_seed(9))
+    rand = draw_loss_randomness(
+        4, (1, 8, 8), noise_multiplicity=8, generator=torch.Generator().manual_seed(9)
+    )
     with torch.no_grad():
         before = edm_loss_from_randomness(d, x0, y, rand).mean().item()
     g = torch.Generator().manual_seed(1)
@@ -129,11 +137,16 @@ def test_single_loss_matches_batched_loss() -> None:
     d = tiny_denoiser()
     x0 = torch.rand(3, 1, 16, 16) * 2 - 1
     y = torch.tensor([0, 1, 2])
-    rnd = draw_loss_randomness(3, (1, 16, 16), noise_multiplicity=4, generator=torch.Generator().manual_seed(2))
+    rnd = draw_loss_randomness(
+        3, (1, 16, 16), noise_multiplicity=4, generator=torch.Generator().manual_seed(2)
+    )
     batched = edm_loss_from_randomness(d, x0, y, rnd)
-    singles = torch.stack([
-        edm_loss_single(d, x0[i], y[i], rnd.noise[i], rnd.sigma[i], rnd.drop[i], null_label=3) for i in range(3)
-    ])
+    singles = torch.stack(
+        [
+            edm_loss_single(d, x0[i], y[i], rnd.noise[i], rnd.sigma[i], rnd.drop[i], null_label=3)
+            for i in range(3)
+        ]
+    )
     assert torch.allclose(batched, singles, atol=1e-5)
 
 
@@ -142,7 +155,9 @@ def test_torch_func_per_example_grads_match_loop() -> None:
     params = {k: v.detach() for k, v in d.named_parameters()}
     x0 = torch.rand(3, 1, 16, 16) * 2 - 1
     y = torch.tensor([0, 2, 1])
-    rnd = draw_loss_randomness(3, (1, 16, 16), noise_multiplicity=2, generator=torch.Generator().manual_seed(3))
+    rnd = draw_loss_randomness(
+        3, (1, 16, 16), noise_multiplicity=2, generator=torch.Generator().manual_seed(3)
+    )
 
     def loss_one(p, x, yy, noise, sigma, drop):
         fn = lambda a, s, lab: torch.func.functional_call(d, p, (a, s, lab))  # noqa: E731

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.config import SamplerSection
 from feta_release.errors import ConfigError
 from feta_release.models import generate, karras_sigmas, sample, sampler_step
 from feta_release.models.sampler import guided_denoise
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from tests.support.training import tiny_denoiser
 
 
@@ -49,7 +49,8 @@ def test_solvers_converge_to_the_exact_ode_solution() -> None:
     d = GaussianDenoiser(s)
     noise = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     labels = torch.zeros(4, dtype=torch.long)
-    # Probability-flow ODE for Gaussian data: x(sigma) = x(sigma_max) * sqrt((s^2 + sigma^2) / (s^2 + sigma_max^2)).
+    # Probability-flow ODE for Gaussian data: x(sigma) = x(sigma_max) * sqrt((s^2 + sigma^2) / (s^2 +
+    # sigma_max^2)).
     exact_x = noise * 80.0 * math.sqrt(s**2 / (s**2 + 80.0**2))
     exact = ((exact_x + 1) / 2).clamp(0, 1)
 
@@ -63,7 +64,9 @@ def test_solvers_converge_to_the_exact_ode_solution() -> None:
     assert e_heun[1] < e_euler[1]  # second order beats first order at the same step count
     euler_vs_heun = [
         (sample(d, labels, noise, solver="euler", steps=n) - sample(d, labels, noise, solver="heun", steps=n))
-        .abs().max().item()
+        .abs()
+        .max()
+        .item()
         for n in (8, 128)
     ]
     assert euler_vs_heun[1] < euler_vs_heun[0] and euler_vs_heun[1] < 0.02

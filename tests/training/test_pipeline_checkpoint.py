@@ -7,9 +7,8 @@ import os
 import pytest
 import torch
 
-from feta_release.config import load_preset
+from feta_release.config import config_hash, load_preset
 from feta_release.errors import FetaError
-from feta_release.config import config_hash
 from feta_release.files import atomic_write_bytes, atomic_write_json
 from feta_release.files import read_run_json as read_json
 from feta_release.training.checkpoint import load_torch, save_torch
@@ -68,14 +67,18 @@ def test_one_model_file_format_written_atomically_and_read_weights_only(tmp_path
     from feta_release.models.model_file import read_model_file, write_model_file
 
     state = {"w": torch.arange(4.0), "n": torch.tensor(3)}
-    p = write_model_file(tmp_path / "model.pt", spec={"kind": "x"}, state_dict=state, class_names=["a", 1],
-                         job_hash="ab")
+    p = write_model_file(
+        tmp_path / "model.pt", spec={"kind": "x"}, state_dict=state, class_names=["a", 1], job_hash="ab"
+    )
     doc = read_model_file(p)
     assert doc["class_names"] == ["a", "1"] and doc["job_hash"] == "ab" and doc["spec"] == {"kind": "x"}
     assert torch.equal(doc["state_dict"]["w"], state["w"])
     assert [q.name for q in tmp_path.iterdir()] == ["model.pt"]  # no temporary left behind
-    save_torch(tmp_path / "old.pt", {"model": state, "spec": {"kind": "x"}})  # the coordinator's former format
-    with pytest.raises(ReleaseError, match=r"old\.pt: not a feta-release model file \(no state_dict, class_names\)"):
+    # the coordinator's former format
+    save_torch(tmp_path / "old.pt", {"model": state, "spec": {"kind": "x"}})
+    with pytest.raises(
+        ReleaseError, match=r"old\.pt: not a feta-release model file \(no state_dict, class_names\)"
+    ):
         read_model_file(tmp_path / "old.pt")
 
 
@@ -84,7 +87,11 @@ def test_no_model_or_checkpoint_is_read_or_written_beside_the_one_writer_and_rea
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    hits = [f"{p.relative_to(root)}" for d in ("feta_release", "edge", "coordinator", "bench") for p in (root / d).rglob("*.py")
-            if p.name not in ("checkpoint.py", "model_file.py")
-            and ("torch.save(" in p.read_text("utf-8") or "torch.load(" in p.read_text("utf-8"))]
+    hits = [
+        f"{p.relative_to(root)}"
+        for d in ("feta_release", "edge", "coordinator", "bench")
+        for p in (root / d).rglob("*.py")
+        if p.name not in ("checkpoint.py", "model_file.py")
+        and ("torch.save(" in p.read_text("utf-8") or "torch.load(" in p.read_text("utf-8"))
+    ]
     assert hits == []

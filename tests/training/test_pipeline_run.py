@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,21 +12,20 @@ import torch
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import JobConfig, load_job, load_preset
 from feta_release.errors import BudgetExceededError, ConfigError, DataError, PrivacyError
-from feta_release.planning import plan as plan_run
 from feta_release.ledger import Budget, Ledger
+from feta_release.models.model_file import read_model_file
+from feta_release.planning import plan as plan_run
 from feta_release.signing import generate_keypair, load_private_key
 from feta_release.stages import RunAccount, run_budget
-from feta_release.models.model_file import read_model_file
 from feta_release.training.pipeline import (
     SimulatedKill,
     run_pipeline,
 )
 from tests.support.training import embedded_subset as _data
 
-
 # Tests whose run DRAWS its public size (no public_size, no fixed noise seed): the draw has noise std 50
-# (mechanisms.count.SIZE_SIGMA) and the tiny preset's central batch is 100, so at 240 images a 3-sigma-low draw
-# (0.2 % of runs; seen once) refuses the job, correctly. At 400 that takes a 6-sigma draw.
+# (mechanisms.count.SIZE_SIGMA) and the tiny preset's central batch is 100, so at 240 images a 3-sigma-low
+# draw (0.2 % of runs; seen once) refuses the job, correctly. At 400 that takes a 6-sigma draw.
 DRAWN_N = 400
 
 
@@ -39,19 +37,34 @@ def _cfg(**over) -> JobConfig:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "r"
-    # a declared public size (the site policy's in test_a_trained_run_exports...); a drawn one: test_public_size_draw
+    # a declared public size (the site policy's in test_a_trained_run_exports...); a drawn one:
+    # test_public_size_draw
     res = run_pipeline(_cfg(), _data(), out, n_synthetic=30, grid_per_class=2, noise_seed=1, public_size=240)
     return out, res
 
 
 def test_tiny_run_writes_a_complete_run_dir(tiny_run):
     out, res = tiny_run
-    for name in ["COMPLETE", "run.json", "job.json", "privacy.json", "privacy-budget.png", "synthetic.npz",
-                 "model.pt", "released/central.npz", "released/frequency.npz", "checkpoints/dpsgd.pt"]:
+    for name in [
+        "COMPLETE",
+        "run.json",
+        "job.json",
+        "privacy.json",
+        "privacy-budget.png",
+        "synthetic.npz",
+        "model.pt",
+        "released/central.npz",
+        "released/frequency.npz",
+        "checkpoints/dpsgd.pt",
+    ]:
         assert (out / name).is_file(), name
     grids = sorted(p.name for p in (out / "grids").glob("*.png"))
-    assert grids[:4] == ["01-central-images.png", "02-after-spatial.png", "03-after-frequency.png",
-                         "04-after-dpsgd.png"]
+    assert grids[:4] == [
+        "01-central-images.png",
+        "02-after-spatial.png",
+        "03-after-frequency.png",
+        "04-after-dpsgd.png",
+    ]
     assert json.loads((out / "run.json").read_text())["status"] == "complete"
     z = np.load(out / "synthetic.npz")
     assert z["images"].shape == (30, 1, 28, 28) and z["images"].dtype == np.float32
@@ -93,33 +106,45 @@ def test_rerun_of_complete_run_does_nothing(tiny_run):
 
 @pytest.mark.slow
 def test_a_killed_run_finishes_its_charged_dpsgd_round_from_the_checkpoint_charging_nothing_twice(tmp_path):
-    """DP-SGD is one round of all its steps, charged once before its first step. A run killed inside it resumes from
-    its last checkpoint with the same generator state: the steps after it are the same computation done again (the
-    model is the uninterrupted run's), nothing is charged twice and no charged step is lost."""
+    """DP-SGD is one round of all its steps, charged once before its first step. A run killed inside it
+    resumes from its last checkpoint with the same generator state: the steps after it are the same
+    computation done again (the model is the uninterrupted run's), nothing is charged twice and no charged
+    step is lost."""
     cfg = _cfg(dpsgd={"steps": 6}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
     data = _data()
     out = tmp_path / "r"
     with pytest.raises(SimulatedKill):
-        run_pipeline(cfg, data, out, n_synthetic=10, grid_per_class=1, checkpoint_every=2, kill_after_steps=3,
-                     noise_seed=5)
+        run_pipeline(
+            cfg,
+            data,
+            out,
+            n_synthetic=10,
+            grid_per_class=1,
+            checkpoint_every=2,
+            kill_after_steps=3,
+            noise_seed=5,
+        )
     assert not (out / "COMPLETE").exists()
     assert json.loads((out / "run.json").read_text())["status"] == "running"
     doc = json.loads((out / "privacy.json").read_text())
     assert doc["complete"] is False
     charged = {e.stage: e.steps for e in events_from_list(doc["events"])}
     # the whole round charged before its first step
-    assert charged == {"size": 1, "central": 1, "dpsgd": 6}  # size: the drawn public size, charged once, first
+    # size: the drawn public size, charged once, first
+    assert charged == {"size": 1, "central": 1, "dpsgd": 6}
     central_bytes = (out / "released" / "central.npz").read_bytes()
 
     res = run_pipeline(cfg, data, out, n_synthetic=10, grid_per_class=1, checkpoint_every=2)
     assert res.resumed and (out / "COMPLETE").exists()
     doc = json.loads((out / "privacy.json").read_text())
     assert events_from_list(doc["events"]) == events_from_list(doc["planned"])  # == plan, no double count
-    assert {e.stage: e.steps for e in res.events} == {"size": 1, "central": 1, "dpsgd": 6}  # size not re-drawn
+    # size not re-drawn
+    assert {e.stage: e.steps for e in res.events} == {"size": 1, "central": 1, "dpsgd": 6}
     assert res.dpsgd_steps_trained == 6  # steps 3-6 trained from the checkpoint at step 2: none lost
     assert (out / "released" / "central.npz").read_bytes() == central_bytes  # not re-queried
-    whole = run_pipeline(cfg, data, tmp_path / "whole", n_synthetic=10, grid_per_class=1, checkpoint_every=2,
-                         noise_seed=5)
+    whole = run_pipeline(
+        cfg, data, tmp_path / "whole", n_synthetic=10, grid_per_class=1, checkpoint_every=2, noise_seed=5
+    )
     resumed, uninterrupted = (read_model_file(d / "model.pt")["state_dict"] for d in (out, whole.run_dir))
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
@@ -146,9 +171,9 @@ def test_dpdm_method_runs_dpsgd_only(tmp_path):
 
 
 def test_the_method_switch_is_part_of_the_config_every_driver_reads():
-    """``[job] method`` is applied when the config is built: the planner, ``train``, the coordinator and the nodes
-    (which read the signed job's config) all see the same stages. Before, only ``train`` applied it: a federated
-    ``dpdm`` job still planned and released central images and frequency statistics."""
+    """``[job] method`` is applied when the config is built: the planner, ``train``, the coordinator and the
+    nodes (which read the signed job's config) all see the same stages. Before, only ``train`` applied it: a
+    federated ``dpdm`` job still planned and released central images and frequency statistics."""
     from feta_release.planning import stage_events
 
     cfg = _cfg()
@@ -178,8 +203,8 @@ def test_other_job_into_existing_run_dir_is_refused(tiny_run, tmp_path):
 
 
 def test_budget_exhausted_by_warmup_leaves_nothing(tmp_path):
-    """With a declared public size the plan is checked before anything is written (a run that draws its size is
-    refused only after the draw: tests/mechanisms/test_public_size_draw.py)."""
+    """With a declared public size the plan is checked before anything is written (a run that draws its size
+    is refused only after the draw: tests/mechanisms/test_public_size_draw.py)."""
     cfg = _cfg(central={"sigma": 0.3, "rounds": 5})
     with pytest.raises(PrivacyError, match="warm-up"):
         run_pipeline(cfg, _data(), tmp_path / "r", public_size=240)
@@ -215,11 +240,19 @@ def test_unknown_and_impossible_config_values(tmp_path):
 
 
 def _account(tmp_path, cfg, budget=None) -> RunAccount:
-    key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0]) if not (tmp_path / "keys").exists() \
+    key = (
+        load_private_key(generate_keypair(tmp_path / "keys", "site")[0])
+        if not (tmp_path / "keys").exists()
         else load_private_key(tmp_path / "keys" / "site.key")
+    )
     plan = plan_run(cfg, 240)
-    return RunAccount(Ledger(tmp_path / "ledger.sqlite", key=key), "local-test", plan, budget or run_budget(cfg),
-                      tmp_path / "privacy.json")
+    return RunAccount(
+        Ledger(tmp_path / "ledger.sqlite", key=key),
+        "local-test",
+        plan,
+        budget or run_budget(cfg),
+        tmp_path / "privacy.json",
+    )
 
 
 def test_ledger_refuses_beyond_plan_and_keeps_file(tmp_path):
@@ -269,8 +302,9 @@ def test_run_charges_the_site_ledger_and_privacy_json_is_only_a_copy(tiny_run):
 
 
 def test_a_trained_run_exports_to_a_release_that_verifies(tiny_run, tmp_path):
-    """The local driver's ledger is the real site ledger: a run trained with no key of its own exports (with the
-    key `train` created) to a release `verify` passes, its statement's events the ledger's, history site-ledger."""
+    """The local driver's ledger is the real site ledger: a run trained with no key of its own exports (with
+    the key `train` created) to a release `verify` passes, its statement's events the ledger's, history
+    site-ledger."""
     from click.testing import CliRunner
 
     from feta_release.cli import cli
@@ -281,9 +315,19 @@ def test_a_trained_run_exports_to_a_release_that_verifies(tiny_run, tmp_path):
     site = load_private_key(out / "checkpoints" / "site.key")
     coord = load_private_key(generate_keypair(tmp_path, "coordinator")[0])
     admin_key, admin_pub = generate_keypair(tmp_path, "admin")
-    policy = sign_policy(make_policy("site-a", "1" * 64, 240, [coord.public_key()], per_job=(10.0, 1e-5),
-                                     lifetime=(20.0, 1e-5), site_key=site.public_key(),
-                                     mechanisms={"dpsgd": {"min_sigma": 0.1}}), load_private_key(admin_key))
+    policy = sign_policy(
+        make_policy(
+            "site-a",
+            "1" * 64,
+            240,
+            [coord.public_key()],
+            per_job=(10.0, 1e-5),
+            lifetime=(20.0, 1e-5),
+            site_key=site.public_key(),
+            mechanisms={"dpsgd": {"min_sigma": 0.1}},
+        ),
+        load_private_key(admin_key),
+    )
     rel = export_run(out, tmp_path / "release", coordinator_key=coord, site_key=site, signed_policy=policy)
     (entry,) = json.loads((rel / "manifest.json").read_text())["manifest"]["sites"]
     assert events_from_list(entry["events"]) == res.events
@@ -299,8 +343,15 @@ def _signed_site_policy(tmp_path, lifetime_eps: float, per_job_eps: float, mecha
 
     admin, admin_pub = generate_keypair(tmp_path / "admin", "admin")
     coord = load_private_key(generate_keypair(tmp_path / "coord", "coordinator")[0]).public_key()
-    doc = make_policy("hosp-a", "1" * 64, 240, [coord], per_job=(per_job_eps, 1e-5), lifetime=(lifetime_eps, 1e-5),
-                      mechanisms=mechanisms)
+    doc = make_policy(
+        "hosp-a",
+        "1" * 64,
+        240,
+        [coord],
+        per_job=(per_job_eps, 1e-5),
+        lifetime=(lifetime_eps, 1e-5),
+        mechanisms=mechanisms,
+    )
     path = tmp_path / "site.signed.json"
     path.write_text(json.dumps(sign_policy(doc, load_private_key(admin))))
     return load_site_policy(path, [admin_pub]), path, admin_pub
@@ -308,7 +359,8 @@ def _signed_site_policy(tmp_path, lifetime_eps: float, per_job_eps: float, mecha
 
 def test_local_run_on_a_site_ledger_is_held_to_the_signed_lifetime_cap(tmp_path):
     """Attack: `train --ledger SITE` charged with the job's own budget (no lifetime cap), so local runs
-    could push a site's shared ledger past its signed lifetime budget. With the site policy: refused, naming the rule."""
+    could push a site's shared ledger past its signed lifetime budget. With the site policy: refused, naming
+    the rule."""
     from feta_release.policy import PolicyBudgetExceeded
 
     cfg = _cfg()
@@ -352,8 +404,9 @@ def test_local_run_on_a_site_ledger_is_held_to_the_policys_min_sigma(tmp_path):
 
 
 def test_patient_level_run_charges_patient_events_and_resumes(tmp_path):
-    """With patient ids the DP-SGD events carry unit = patient in the ledger, privacy.json and run.json; a killed
-    run resumes onto the same patient-level plan, and an image-level plan into the same directory is refused."""
+    """With patient ids the DP-SGD events carry unit = patient in the ledger, privacy.json and run.json; a
+    killed run resumes onto the same patient-level plan, and an image-level plan into the same directory is
+    refused."""
     from feta_release.privacy_unit import PatientIndex
 
     cfg = _cfg(dpsgd={"steps": 4}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
@@ -361,23 +414,42 @@ def test_patient_level_run_charges_patient_events_and_resumes(tmp_path):
     pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=80, cap=3)  # 80 patients x 3 images
     out = tmp_path / "r"
     with pytest.raises(SimulatedKill):
-        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, kill_after_steps=1,
-                     noise_seed=3, patients=pats, public_size=240)
+        run_pipeline(
+            cfg,
+            data,
+            out,
+            n_synthetic=0,
+            grid_per_class=1,
+            checkpoint_every=2,
+            kill_after_steps=1,
+            noise_seed=3,
+            patients=pats,
+            public_size=240,
+        )
     with pytest.raises(PrivacyError, match="differs from this job's plan"):
-        run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2,  # image-level now
-                     public_size=240)
-    res = run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, patients=pats,
-                       public_size=240)
+        run_pipeline(
+            cfg,
+            data,
+            out,
+            n_synthetic=0,
+            grid_per_class=1,
+            checkpoint_every=2,  # image-level now
+            public_size=240,
+        )
+    res = run_pipeline(
+        cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=2, patients=pats, public_size=240
+    )
     sgd = [e for e in res.events if e.stage == "dpsgd"]
     assert [e.unit for e in sgd] == ["patient"] and sgd[0].steps == 4
     assert all(e.unit == "image" for e in res.events if e.stage != "dpsgd")
     doc = json.loads((out / "privacy.json").read_text())
     assert "PATIENT" in doc["unit"] and events_from_list(doc["events"]) == res.events
-    ledger_rows = Ledger(out / "ledger.sqlite", verify_key=load_private_key(out / "checkpoints" / "site.key")
-                         .public_key()).job_events(json.loads((out / "run.json").read_text())["ledger"]["job_id"])
+    ledger_rows = Ledger(
+        out / "ledger.sqlite", verify_key=load_private_key(out / "checkpoints" / "site.key").public_key()
+    ).job_events(json.loads((out / "run.json").read_text())["ledger"]["job_id"])
     assert {r.get("unit", "image") for r in ledger_rows if r["stage"] == "dpsgd"} == {"patient"}
-    # the budget is per patient: the image-level central release counts 3x (group privacy over the cap), so DP-SGD
-    # gets less of it than in the image-level plan, and the per-patient total meets [privacy] epsilon
+    # the budget is per patient: the image-level central release counts 3x (group privacy over the cap), so
+    # DP-SGD gets less of it than in the image-level plan, and the per-patient total meets [privacy] epsilon
     from feta_release.accounting import patient_epsilon
 
     image_level = plan_run(cfg, 240)
@@ -388,9 +460,10 @@ def test_patient_level_run_charges_patient_events_and_resumes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["central", "frequency"])
 def test_a_release_file_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp_path, stage):
-    """Review (aux pool, medium, resume path): a resumed run read released/<stage>.npz back unchecked, so a local user
-    could replace it (e.g. with an un-noised embedding or private images) and the model, the aux generator and the
-    release were then fitted to it. Now the file must hash to the answer the ledger recorded."""
+    """Review (aux pool, medium, resume path): a resumed run read released/<stage>.npz back unchecked, so a
+    local user could replace it (e.g. with an un-noised embedding or private images) and the model, the aux
+    generator and the release were then fitted to it. Now the file must hash to the answer the ledger
+    recorded."""
     cfg = _cfg(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1})
     data, out = _data(DRAWN_N), tmp_path / "r"
     with pytest.raises(SimulatedKill):
@@ -419,15 +492,23 @@ def _perturb_first_float(obj) -> bool:  # noqa: ANN001
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["untouched", "after-spatial.pt", "auxgen.pt", "after-frequency.pt", "dpsgd.pt"])
+@pytest.mark.parametrize(
+    "name", ["untouched", "after-spatial.pt", "auxgen.pt", "after-frequency.pt", "dpsgd.pt"]
+)
 def test_a_checkpoint_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp_path, name):
-    """Review (aux pool, low): checkpoints/*.pt were loaded back on resume unchecked (and unpickled), so a local user
-    could swap in a denoiser or aux generator trained on anything and it reached the signed release. Now each one's
-    sha256 is recorded in the run's signed ledger when it is written, and a resume refuses other bytes."""
+    """Review (aux pool, low): checkpoints/*.pt were loaded back on resume unchecked (and unpickled), so a
+    local user could swap in a denoiser or aux generator trained on anything and it reached the signed
+    release. Now each one's sha256 is recorded in the run's signed ledger when it is written, and a resume
+    refuses other bytes."""
     from feta_release.training.checkpoint import load_torch, save_torch
 
-    # start_source mix: the resumed run's synthesis loads auxgen.pt too (the frequency stage loads its own checkpoint)
-    cfg = _cfg(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1}, sampler={"start_sigma": 0.5, "start_source": "mix"})
+    # start_source mix: the resumed run's synthesis loads auxgen.pt too (the frequency stage loads its own
+    # checkpoint)
+    cfg = _cfg(
+        dpsgd={"steps": 2},
+        warmup={"spatial_iterations": 1},
+        sampler={"start_sigma": 0.5, "start_source": "mix"},
+    )
     data, out = _data(DRAWN_N), tmp_path / "r"
     with pytest.raises(SimulatedKill):
         run_pipeline(cfg, data, out, n_synthetic=0, grid_per_class=1, checkpoint_every=1, kill_after_steps=1)
@@ -449,9 +530,9 @@ def test_a_checkpoint_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp
 
 @pytest.mark.slow
 def test_a_noise_secret_swapped_while_the_run_was_stopped_is_refused_on_resume(tmp_path):
-    """A local user who replaces checkpoints/noise_seed.txt while a run is stopped chooses the noise of every later
-    release (and so can subtract it): the secret is bound in the run's signed ledger like a checkpoint, and a resume
-    refuses another one, saying how to go on with a fresh secret."""
+    """A local user who replaces checkpoints/noise_seed.txt while a run is stopped chooses the noise of every
+    later release (and so can subtract it): the secret is bound in the run's signed ledger like a checkpoint,
+    and a resume refuses another one, saying how to go on with a fresh secret."""
     cfg = _cfg(dpsgd={"steps": 2}, warmup={"spatial_iterations": 1})
     data, out = _data(DRAWN_N), tmp_path / "r"
     with pytest.raises(SimulatedKill):

@@ -16,7 +16,9 @@ names = st.lists(st.sampled_from(["a", "b", "c", "d", "e", "f"]), min_size=1, ma
 @settings(max_examples=60, deadline=None)
 @given(public=names, private=names, data=st.data())
 def test_a_public_image_gets_its_mapped_private_class_or_the_null_label(public, private, data):
-    pairs = data.draw(st.dictionaries(st.sampled_from(public), st.sampled_from(private), max_size=len(public)))
+    pairs = data.draw(
+        st.dictionaries(st.sampled_from(public), st.sampled_from(private), max_size=len(public))
+    )
     labels = np.array(data.draw(st.lists(st.integers(0, len(public) - 1), min_size=1, max_size=12)), np.int64)
     ds = ImageDataset(np.zeros((len(labels), 1, 4, 4), np.float32), labels, tuple(public))
     got = mapped_labels(ds, tuple(private), tuple(f"{k}={v}" for k, v in pairs.items()))

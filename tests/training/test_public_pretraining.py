@@ -1,4 +1,5 @@
-"""Public pretraining ([public], train --public / --pretrained): named in the job, free in the ledger, first."""
+"""Public pretraining ([public], train --public / --pretrained): named in the job, free in the ledger,
+first."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from feta_release.data import ImageDataset, load_embedded
 from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError, DataError
 from feta_release.ledger import Ledger
+from feta_release.models.model_file import read_model_file
 from feta_release.planning import plan, stage_events
 from feta_release.signing import load_private_key
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import PRETRAINED_FILE, mapped_labels, with_public
-from feta_release.models.model_file import read_model_file
 from feta_release.training.pipeline import run_pipeline
 
 pytestmark = pytest.mark.slow  # two tiny runs
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.slow  # two tiny runs
 def _data(n: int = 240) -> ImageDataset:
     full = load_embedded()
     rng = np.random.default_rng(0)
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    idx = np.concatenate(
+        [rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)]
+    )
     return full.subset(np.sort(idx))
 
 
@@ -43,8 +46,16 @@ def strokes() -> ImageDataset:
 @pytest.fixture(scope="module")
 def public_run(tmp_path_factory, strokes):
     out = tmp_path_factory.mktemp("pub") / "r"
-    res = run_pipeline(_cfg(), _data(), out, n_synthetic=10, grid_per_class=1, noise_seed=1, public_size=240,
-                       public=PublicInputs(strokes, "procedural pen strokes, seed 4"))
+    res = run_pipeline(
+        _cfg(),
+        _data(),
+        out,
+        n_synthetic=10,
+        grid_per_class=1,
+        noise_seed=1,
+        public_size=240,
+        public=PublicInputs(strokes, "procedural pen strokes, seed 4"),
+    )
     return out, res
 
 
@@ -63,7 +74,10 @@ def test_the_job_names_the_public_set_by_hash_count_shape_and_description(public
 def test_pretraining_costs_nothing_in_the_ledger(public_run):
     out, res = public_run
     plain = stage_events(load_preset("tiny"), 240)
-    assert stage_events(_cfg().replace(public={"sha256": "0" * 64, "count": 64, "shape": [1, 28, 28]}), 240) == plain
+    assert (
+        stage_events(_cfg().replace(public={"sha256": "0" * 64, "count": 64, "shape": [1, 28, 28]}), 240)
+        == plain
+    )
     run = json.loads((out / "run.json").read_text())
     key = load_private_key(out / "checkpoints" / "site.key")
     with Ledger(out / run["ledger"]["path"], verify_key=key.public_key()) as led:
@@ -78,8 +92,16 @@ def test_a_pretrained_file_is_reused_by_hash_and_gives_the_same_start(public_run
     doc = read_model_file(f)
     assert doc["public"]["sha256"] == strokes.fingerprint()
     cfg = _cfg(public={"pretrain_iterations": 0})
-    res = run_pipeline(cfg, _data(), tmp_path / "again", n_synthetic=0, grid_per_class=1, noise_seed=1,
-                       public_size=240, public=PublicInputs(pretrained=f))
+    res = run_pipeline(
+        cfg,
+        _data(),
+        tmp_path / "again",
+        n_synthetic=0,
+        grid_per_class=1,
+        noise_seed=1,
+        public_size=240,
+        public=PublicInputs(pretrained=f),
+    )
     job = json.loads((tmp_path / "again" / "job.json").read_text())
     assert job["public"]["pretrained_sha256"] and job["public"].get("sha256") is None
     again = read_model_file(tmp_path / "again" / PRETRAINED_FILE)["state_dict"]
@@ -122,14 +144,13 @@ def test_public_section_is_strict_and_absent_jobs_hash_as_before():
 
 
 def test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images(tmp_path, monkeypatch):
-    """The coordinator pretrains; every message to a site (encoded as on the wire) holds the job's [public] hash
-    and none of the public images' bytes, and each site's ledger charges the plan of the same job without
+    """The coordinator pretrains; every message to a site (encoded as on the wire) holds the job's [public]
+    hash and none of the public images' bytes, and each site's ledger charges the plan of the same job without
     [public]."""
     from flwr.common.serde import message_to_proto
 
     from coordinator.setup import sign_job_file
     from feta_release.federation import harness as h
-
     from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job, tiny_job
 
     fed = make_federation(tmp_path / "fed")
@@ -178,7 +199,9 @@ def test_verify_shows_the_public_set_and_checks_its_hash_when_given(public_run, 
         return next(c for c in res.checks if c.name == "public data")
 
     shown = public_check()
-    assert shown.status == "pass" and strokes.fingerprint()[:16] in shown.detail and "64 images" in shown.detail
+    assert (
+        shown.status == "pass" and strokes.fingerprint()[:16] in shown.detail and "64 images" in shown.detail
+    )
     save_npz(strokes, tmp_path / "same.npz")
     assert public_check(tmp_path / "same.npz").status == "pass"
     save_npz(generate_dataset("strokes", 64, size=28, seed=5), tmp_path / "other.npz")

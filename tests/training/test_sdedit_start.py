@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.config import load_preset
 from feta_release.errors import ConfigError, DataError
 from feta_release.models import build_denoiser
 from feta_release.models.sampler import sample
 from feta_release.stages.synthesis import sdedit_starts
 from feta_release.training.pipeline import run_pipeline
-from tests.support.training import TINY, bars, embedded_subset as _data, job
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from tests.support.training import TINY, bars, job
+from tests.support.training import embedded_subset as _data
 
 
 def test_no_init_is_the_noise_sampler_and_tiny_start_sigma_keeps_the_start_images() -> None:
@@ -44,7 +45,8 @@ def test_release_starts_are_augmented_images_of_the_asked_class() -> None:
     cfg = job(warmup={"augment_magnitude": 1})
     starts = sdedit_starts((x.numpy(), y.numpy()), labels, cfg, torch.Generator().manual_seed(0))
     assert starts.shape == (8, 1, 16, 16) and starts.min() >= 0 and starts.max() <= 1
-    # class 0 is a horizontal bar, class 1 a vertical one: row vs column mass tells them apart after light jitter
+    # class 0 is a horizontal bar, class 1 a vertical one: row vs column mass tells them apart after light
+    # jitter
     rows, cols = starts.sum(3).amax(2).squeeze(1), starts.sum(2).amax(2).squeeze(1)
     assert torch.equal((cols > rows).long(), torch.from_numpy(labels))
     with pytest.raises(DataError, match="class 2"):

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.config import load_preset
 from feta_release.errors import ConfigError, DataError
 from feta_release.models.auxgen import AuxGenerator
@@ -16,7 +15,9 @@ from feta_release.stages import freq_warmup, synthesis
 from feta_release.stages.freq_warmup import AUX_POOL_PER_CLASS, aux_draw, aux_pool
 from feta_release.stages.synthesis import aux_starts, aux_taken, sdedit_starts
 from feta_release.training.pipeline import run_pipeline
-from tests.support.training import bars, embedded_subset as _data, job
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from tests.support.training import bars, job
+from tests.support.training import embedded_subset as _data
 
 FREQ = {"sigma": 10.0, "features": 64}
 
@@ -26,7 +27,8 @@ def _aux(n_classes: int = 2, size: int = 16) -> AuxGenerator:
     return AuxGenerator(1, size, n_classes, z_dim=4, width=4).eval()
 
 
-# -- config ---------------------------------------------------------------------------------------------------
+# -- config
+# ---------------------------------------------------------------------------------------------------
 
 
 def test_default_is_central_and_presets_keep_it() -> None:
@@ -35,8 +37,9 @@ def test_default_is_central_and_presets_keep_it() -> None:
 
 
 def test_a_default_job_hashes_as_before_the_option_existed() -> None:
-    """The default is left out of the job's dict: job hashes, signed jobs, ledgers and model.pt of every job that
-    does not use the option stay byte for byte what they were (a run directory of the older code resumes)."""
+    """The default is left out of the job's dict: job hashes, signed jobs, ledgers and model.pt of every job
+    that does not use the option stay byte for byte what they were (a run directory of the older code
+    resumes)."""
     from feta_release.config import JobConfig
 
     tiny = load_preset("tiny")
@@ -71,7 +74,8 @@ def test_mix_needs_central_images_but_aux_does_not() -> None:
     assert cfg.sampler.start_source == "aux"
 
 
-# -- the starts -----------------------------------------------------------------------------------------------
+# -- the starts
+# -----------------------------------------------------------------------------------------------
 
 
 def test_mix_alternates_within_each_class() -> None:
@@ -99,7 +103,8 @@ def test_mix_takes_aux_generator_images_where_taken_and_central_starts_elsewhere
 
     aux.forward = spy  # type: ignore[method-assign]
     got = aux_starts(aux, labels, take, central, torch.Generator().manual_seed(5))
-    assert torch.equal(seen[0], torch.from_numpy(labels[take]))  # the aux generator drew the taken starts' labels
+    # the aux generator drew the taken starts' labels
+    assert torch.equal(seen[0], torch.from_numpy(labels[take]))
     assert torch.equal(got[~torch.from_numpy(take)], central[~torch.from_numpy(take)])
     want = aux_draw(aux, labels[take], torch.Generator().manual_seed(5))
     assert torch.equal(got[torch.from_numpy(take)], want) and got.min() >= 0 and got.max() <= 1
@@ -141,13 +146,16 @@ def _spied_run(tmp_path, monkeypatch, cfg, name: str) -> tuple[list, list, np.li
 
 
 @pytest.mark.slow  # two tiny runs
-def test_a_mix_run_starts_even_positions_from_the_aux_generator_and_writes_its_pool(tmp_path, monkeypatch) -> None:
+def test_a_mix_run_starts_even_positions_from_the_aux_generator_and_writes_its_pool(
+    tmp_path, monkeypatch
+) -> None:
     cfg = load_preset("tiny").replace(sampler={"start_sigma": 1.0, "start_source": "mix"})
     inits, drawn, z = _spied_run(tmp_path, monkeypatch, cfg, "mix")
     labels, sigma_max, init = inits[-1]
     assert sigma_max == 1.0 and init is not None and tuple(init.shape) == (30, 1, 28, 28)
     take = torch.from_numpy(aux_taken(labels, "mix"))
-    assert take.sum() == 20 and np.array_equal(drawn[0][0], labels[take.numpy()])  # the aux generator's labels
+    # the aux generator's labels
+    assert take.sum() == 20 and np.array_equal(drawn[0][0], labels[take.numpy()])
     assert torch.equal(init[take], drawn[0][1])
     assert np.bincount(z["labels"]).tolist() == [3] * 10
     with np.load(tmp_path / "mix" / "released" / "aux_images.npz") as pool:
@@ -172,22 +180,38 @@ def test_trained_aux_loads_the_checkpoint_when_the_stage_was_skipped(tmp_path) -
     cfg = job(auxgen={"z_dim": 4, "width": 4})
     rd = RunDir(tmp_path)
     key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0])
-    account = RunAccount(Ledger(tmp_path / "ledger.sqlite", key=key), "job", plan(cfg, 60000), run_budget(cfg),
-                         tmp_path / "privacy.json")
+    account = RunAccount(
+        Ledger(tmp_path / "ledger.sqlite", key=key),
+        "job",
+        plan(cfg, 60000),
+        run_budget(cfg),
+        tmp_path / "privacy.json",
+    )
     save_checkpoint(SimpleNamespace(rd=rd, account=account), "auxgen.pt", {"model": aux.state_dict()})
-    ctx = SimpleNamespace(aux=None, rd=rd, cfg=cfg, data=SimpleNamespace(image_shape=(1, 28, 28), n_classes=10),
-                          device=torch.device("cpu"), account=account)
+    ctx = SimpleNamespace(
+        aux=None,
+        rd=rd,
+        cfg=cfg,
+        data=SimpleNamespace(image_shape=(1, 28, 28), n_classes=10),
+        device=torch.device("cpu"),
+        account=account,
+    )
     got = freq_warmup.trained_aux(ctx)  # type: ignore[arg-type]
     assert ctx.aux is got
     lab = np.arange(10)
-    assert torch.equal(aux_draw(got, lab, torch.Generator().manual_seed(1)),
-                       aux_draw(aux, lab, torch.Generator().manual_seed(1)))
+    assert torch.equal(
+        aux_draw(got, lab, torch.Generator().manual_seed(1)),
+        aux_draw(aux, lab, torch.Generator().manual_seed(1)),
+    )
 
 
-def test_the_ledger_binds_the_pool_synthesis_drew_not_a_file_swapped_before_the_close(tmp_path, monkeypatch) -> None:
-    """Review (aux pool, medium): the closed ledger record's pool hash was a RE-READ of released/aux_images.npz after
-    model.pt, privacy.json and the chart were written, so a local user who swapped the file in that window (e.g. for
-    private images) got it into the signed release. Now it is the hash of the bytes Synthesis wrote."""
+def test_the_ledger_binds_the_pool_synthesis_drew_not_a_file_swapped_before_the_close(
+    tmp_path, monkeypatch
+) -> None:
+    """Review (aux pool, medium): the closed ledger record's pool hash was a RE-READ of
+    released/aux_images.npz after model.pt, privacy.json and the chart were written, so a local user who
+    swapped the file in that window (e.g. for private images) got it into the signed release. Now it is the
+    hash of the bytes Synthesis wrote."""
     import hashlib
 
     from feta_release.stages.account import RunAccount

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.errors import ConfigError, DataError
 from feta_release.models import build_denoiser
 from feta_release.training.ema import EMA
 from feta_release.training.spatial import spatial_warmup
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from tests.support.training import TINY, bars, fixed_noise_loss, job
 
 
@@ -44,11 +44,18 @@ def test_spatial_warmup_reduces_loss_and_carries_ema() -> None:
     cfg = job(warmup={"spatial_iterations": 120, "spatial_batch": 4, "lr": 2e-3, "ema": 0.99})
     before = fixed_noise_loss(d, x, y)
     calls: list[tuple[int, int, float]] = []
-    res = spatial_warmup(d, x, y, cfg, generator=torch.Generator().manual_seed(0),
-                         progress=lambda s, t, loss: calls.append((s, t, loss)))
+    res = spatial_warmup(
+        d,
+        x,
+        y,
+        cfg,
+        generator=torch.Generator().manual_seed(0),
+        progress=lambda s, t, loss: calls.append((s, t, loss)),
+    )
     after = fixed_noise_loss(d, x, y)
     assert after < 0.7 * before, (before, after)
-    assert res.steps == 120 and len(res.losses) == 120 and res.examples == 60 * 4 + 60 * 2  # 6 images: batches of 4 then 2
+    # 6 images: batches of 4 then 2
+    assert res.steps == 120 and len(res.losses) == 120 and res.examples == 60 * 4 + 60 * 2
     assert [c[0] for c in calls] == list(range(1, 121)) and all(c[1] == 120 for c in calls)
     assert res.final_loss < sum(res.losses[:12]) / 12
 
@@ -69,8 +76,7 @@ def test_spatial_warmup_zero_iterations_leaves_model_unchanged() -> None:
     x, y = bars(1)
     d = build_denoiser(TINY, (1, 16, 16), 2)
     before = {k: v.clone() for k, v in d.state_dict().items()}
-    res = spatial_warmup(d, x, y, job(warmup={"spatial_iterations": 0}),
-                         generator=torch.Generator())
+    res = spatial_warmup(d, x, y, job(warmup={"spatial_iterations": 0}), generator=torch.Generator())
     assert res.steps == 0
     assert all(torch.equal(before[k], v) for k, v in d.state_dict().items())
 

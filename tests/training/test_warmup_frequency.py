@@ -6,19 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from feta_release.errors import ConfigError, DataError
 from feta_release.mechanisms.frequency import rff_features
 from feta_release.models import AuxGenerator, build_denoiser
 from feta_release.training.frequency import (
-    shuffled_balanced_labels,
     embedding_of_batch,
     fit_aux_generator,
     frequency_warmup,
     generate_aux_images,
     run_frequency_stage,
+    shuffled_balanced_labels,
 )
-from tests.support.training import AUX, TINY, bars, fixed_noise_loss, frequency_release as _release, job
+from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
+from tests.support.training import AUX, TINY, bars, fixed_noise_loss, job
+from tests.support.training import frequency_release as _release
+
 
 def _mmd(emb: torch.Tensor, omega: torch.Tensor, images: torch.Tensor, labels: torch.Tensor) -> float:
     phi = rff_features(images.reshape(len(images), -1), omega)
@@ -42,8 +44,9 @@ def test_fit_reduces_mmd_and_eval_images_match() -> None:
     rel, x, y = _release()
     emb, omega = torch.from_numpy(rel.embedding), rel.omega()
     cfg = job(auxgen=AUX)
-    res = fit_aux_generator(emb, omega, (1, 8, 8), 2, cfg, 6, generator=torch.Generator().manual_seed(0),
-                            return_result=True)
+    res = fit_aux_generator(
+        emb, omega, (1, 8, 8), 2, cfg, 6, generator=torch.Generator().manual_seed(0), return_result=True
+    )
     assert res.steps == 90 and len(res.losses) == 90
     assert np.mean(res.losses[-10:]) < 0.3 * res.losses[0]
     # Fresh images from the fitted generator (eval mode, what the warm-up uses) match the statistic too.
@@ -63,22 +66,31 @@ def test_fit_is_deterministic_given_generator() -> None:
     cfg = job(auxgen={**AUX, "epochs": 1, "iterations_per_epoch": 3})
     outs = []
     for _ in range(2):
-        gen = fit_aux_generator(rel.embedding, rel.omega(), (1, 8, 8), 2, cfg, 6,
-                                generator=torch.Generator().manual_seed(3))
+        gen = fit_aux_generator(
+            rel.embedding, rel.omega(), (1, 8, 8), 2, cfg, 6, generator=torch.Generator().manual_seed(3)
+        )
         outs.append(generate_aux_images(gen, 10, torch.Generator().manual_seed(4))[0])
     assert torch.equal(outs[0], outs[1])
 
 
 def test_the_fit_adds_a_guide_term_each_step_and_without_one_is_unchanged() -> None:
-    """``guide(images, labels)`` is added to every step's loss: a zero guide leaves the fit bit-identical, and a
-    guide that rewards bright pixels makes the generator's images brighter."""
+    """``guide(images, labels)`` is added to every step's loss: a zero guide leaves the fit bit-identical, and
+    a guide that rewards bright pixels makes the generator's images brighter."""
     rel, _, _ = _release()
     cfg = job(auxgen={**AUX, "epochs": 1, "iterations_per_epoch": 20})
     calls: list[tuple[int, ...]] = []
 
     def fit(guide):  # noqa: ANN001, ANN202
-        gen = fit_aux_generator(rel.embedding, rel.omega(), (1, 8, 8), 2, cfg, 6,
-                                generator=torch.Generator().manual_seed(3), guide=guide)
+        gen = fit_aux_generator(
+            rel.embedding,
+            rel.omega(),
+            (1, 8, 8),
+            2,
+            cfg,
+            6,
+            generator=torch.Generator().manual_seed(3),
+            guide=guide,
+        )
         return generate_aux_images(gen, 50, torch.Generator().manual_seed(4))[0]
 
     plain = fit(None)
@@ -118,11 +130,20 @@ def test_frequency_warmup_trains_denoiser() -> None:
 def test_run_frequency_stage_end_to_end() -> None:
     rel, _, _ = _release()
     d = build_denoiser(TINY, (1, 8, 8), 2)
-    cfg = job(auxgen={**AUX, "epochs": 1, "iterations_per_epoch": 5},
-              warmup={"frequency_images": 40, "frequency_epochs": 1, "frequency_batch": 20})
+    cfg = job(
+        auxgen={**AUX, "epochs": 1, "iterations_per_epoch": 5},
+        warmup={"frequency_images": 40, "frequency_epochs": 1, "frequency_batch": 20},
+    )
     fit_calls: list[int] = []
-    res, gen = run_frequency_stage(d, rel.embedding, rel.omega(), cfg, 6, generator=torch.Generator().manual_seed(0),
-                                   fit_progress=lambda s, t, loss: fit_calls.append(t))
+    res, gen = run_frequency_stage(
+        d,
+        rel.embedding,
+        rel.omega(),
+        cfg,
+        6,
+        generator=torch.Generator().manual_seed(0),
+        fit_progress=lambda s, t, loss: fit_calls.append(t),
+    )
     assert fit_calls == [5] * 5 and res.steps == 2 and isinstance(gen, AuxGenerator)
 
 
@@ -131,9 +152,13 @@ def test_frequency_warmup_from_release() -> None:
 
     rel, _, _ = _release()
     d = build_denoiser(TINY, (1, 8, 8), 2)
-    cfg = job(auxgen={**AUX, "epochs": 1, "iterations_per_epoch": 2},
-              warmup={"frequency_images": 20, "frequency_epochs": 1, "frequency_batch": 20})
+    cfg = job(
+        auxgen={**AUX, "epochs": 1, "iterations_per_epoch": 2},
+        warmup={"frequency_images": 20, "frequency_epochs": 1, "frequency_batch": 20},
+    )
     res, _ = frequency_warmup_from_release(d, rel, cfg, generator=torch.Generator().manual_seed(0))
     assert res.steps == 1
     with pytest.raises(DataError, match="images"):
-        frequency_warmup_from_release(build_denoiser(TINY, (1, 16, 16), 2), rel, cfg, generator=torch.Generator())
+        frequency_warmup_from_release(
+            build_denoiser(TINY, (1, 16, 16), 2), rel, cfg, generator=torch.Generator()
+        )

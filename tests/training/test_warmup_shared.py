@@ -22,12 +22,15 @@ from feta_release.training.pipeline import run_pipeline
 def _data(n: int = 200) -> ImageDataset:
     full = load_embedded()
     rng = np.random.default_rng(3)
-    idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)])
+    idx = np.concatenate(
+        [rng.choice(np.flatnonzero(full.labels == c), n // 10, replace=False) for c in range(10)]
+    )
     return full.subset(np.sort(idx))
 
 
 def _released(run: Path) -> tuple[JobConfig, dict[str, np.ndarray], dict[str, np.ndarray], int]:
-    """What the local run released, as a node would send it (the raw central release, the frequency release)."""
+    """What the local run released, as a node would send it (the raw central release, the frequency
+    release)."""
     cfg = JobConfig.from_dict(json.loads((run / "job.json").read_text("utf-8")))
     with np.load(run / "released" / "central.npz") as z:
         central = {k.removeprefix("raw_"): z[k] for k in z.files if k.startswith("raw_")}
@@ -38,9 +41,14 @@ def _released(run: Path) -> tuple[JobConfig, dict[str, np.ndarray], dict[str, np
 
 
 @pytest.mark.parametrize("mix,polish", [(False, 0), (True, 0), (True, 6)], ids=["aux", "mix", "mix+polish"])
-def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(tmp_path: Path, mix: bool, polish: int) -> None:
-    cfg = load_preset("tiny").replace(dpsgd={"steps": 0}, central={"stretch": True},
-                                      warmup={"frequency_mix_central": mix, "polish_iterations": polish})
+def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(
+    tmp_path: Path, mix: bool, polish: int
+) -> None:
+    cfg = load_preset("tiny").replace(
+        dpsgd={"steps": 0},
+        central={"stretch": True},
+        warmup={"frequency_mix_central": mix, "polish_iterations": polish},
+    )
     run = tmp_path / "run"
     run_pipeline(cfg, _data(), run, n_synthetic=10, grid_per_class=1, noise_seed=5)
     local = load_torch(run / "checkpoints" / "after-frequency.pt")["model"]
@@ -63,8 +71,13 @@ def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(tmp_path: Path
 
 def test_a_frequency_release_for_other_features_is_refused() -> None:
     cfg = load_preset("tiny")
-    arrays = {"embedding": np.zeros((64, 10), np.float32), "n_public": np.int64(100), "features": np.int64(64),
-              "bandwidth2": np.float64(cfg.frequency.bandwidth2), "seed": np.int64(cfg.frequency.seed + 1),
-              "sigma": np.float64(10.0)}
+    arrays = {
+        "embedding": np.zeros((64, 10), np.float32),
+        "n_public": np.int64(100),
+        "features": np.int64(64),
+        "bandwidth2": np.float64(cfg.frequency.bandwidth2),
+        "seed": np.int64(cfg.frequency.seed + 1),
+        "sigma": np.float64(10.0),
+    }
     with pytest.raises(DataError, match="not made for this job"):
         pooled_frequency({"a": arrays}, {"a": 100}, cfg)

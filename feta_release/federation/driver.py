@@ -640,7 +640,7 @@ class JobDriver:
                 f"job {self.job.job_id}: [dpsgd] public_batch mixes released central images, but no site "
                 "released any; set [central] rounds > 0 or public_batch = 0"
             )
-        return fm.with_public(arrays, self.public_central)
+        return fm.with_round_public(arrays, self.public_central)
 
     def attestations(self) -> dict[str, Any]:
         ok, failed = self._ask("attest", "query.attest", {sid: {} for sid in self.sites})

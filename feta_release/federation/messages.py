@@ -182,7 +182,7 @@ PUBLIC_PREFIX = "public:"
 PUBLIC_IMAGES, PUBLIC_LABELS = PUBLIC_PREFIX + "images", PUBLIC_PREFIX + "labels"
 
 
-def with_public(
+def with_round_public(
     arrays: dict[str, np.ndarray], central: tuple[np.ndarray, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """A round message's arrays with the released central images (images in [0, 1], labels) as public

@@ -27,10 +27,10 @@ def _size(kind: str, data: st.DataObject) -> int:
 @given(kind=kinds, n=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_the_same_arguments_give_the_same_images_and_another_seed_other_images(kind, n, seed, data):
     size = _size(kind, data)
-    a = P.generate(kind, n, size=size, seed=seed)
-    b = P.generate(kind, n, size=size, seed=seed)
+    a = P.generate_dataset(kind, n, size=size, seed=seed)
+    b = P.generate_dataset(kind, n, size=size, seed=seed)
     assert a.fingerprint() == b.fingerprint()
-    c = P.generate(kind, n, size=size, seed=seed + 1)
+    c = P.generate_dataset(kind, n, size=size, seed=seed + 1)
     assert not np.array_equal(a.images, c.images)
 
 
@@ -39,14 +39,14 @@ def test_the_same_arguments_give_the_same_images_and_another_seed_other_images(k
 def test_images_have_the_asked_shape_and_lie_in_the_unit_range(kind, n, seed, data):
     size = _size(kind, data)
     # ImageDataset itself refuses NaN, inf and values off [0, 1]
-    ds = P.generate(kind, n, size=size, seed=seed)
+    ds = P.generate_dataset(kind, n, size=size, seed=seed)
     assert ds.images.shape == (n, P.CHANNELS[kind], size, size) and ds.images.dtype == np.float32
     assert ds.class_names == P.CLASSES[kind]
     assert float(ds.images.std()) > 0.05  # not a blank image set
 
 
 def test_generation_spans_several_blocks_without_repeating_a_block():
-    ds = P.generate("medical", 2 * P.BLOCK + 7, size=28, seed=5)
+    ds = P.generate_dataset("medical", 2 * P.BLOCK + 7, size=28, seed=5)
     first, second = ds.images[: P.BLOCK], ds.images[P.BLOCK : 2 * P.BLOCK]
     assert not np.allclose(first, second)
     assert len({ds.images[i].tobytes() for i in range(ds.n)}) == ds.n
@@ -55,14 +55,14 @@ def test_generation_spans_several_blocks_without_repeating_a_block():
 @FAST
 @given(kind=kinds, n=st.integers(1, 3000), seed=st.integers(0, 1000))
 def test_population_a_and_rgb_are_balanced_to_one_image(kind, n, seed):
-    counts = P.generate(kind, n, size=P.SIZE_RANGE[kind][0], seed=seed).class_counts()
+    counts = P.generate_dataset(kind, n, size=P.SIZE_RANGE[kind][0], seed=seed).class_counts()
     assert counts.sum() == n and counts.max() - counts.min() <= 1
 
 
 @FAST
 @given(n=st.integers(1, 3000), seed=st.integers(0, 1000))
 def test_population_b_follows_its_own_class_balance(n, seed):
-    counts = P.generate("medical", n, size=28, seed=seed, population="B").class_counts()
+    counts = P.generate_dataset("medical", n, size=28, seed=seed, population="B").class_counts()
     shares = np.asarray(P.ACQUISITION["B"].class_shares)
     assert counts.sum() == n
     assert np.all(np.abs(counts - n * shares / shares.sum()) < 1.0)
@@ -74,7 +74,7 @@ def _rms(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.parametrize("population", ["A", "B"])
 def test_the_finding_class_mean_nearly_coincides_with_normal_while_visible_classes_do_not(population):
-    ds = P.generate("medical", 8000, size=32, seed=11, population=population)
+    ds = P.generate_dataset("medical", 8000, size=32, seed=11, population=population)
     mean = [ds.images[ds.labels == c].mean(0) for c in range(ds.n_classes)]
     normal, finding, effusion, opacity = (P.MEDICAL_CLASSES.index(k) for k in P.MEDICAL_CLASSES)
     # ~ the sampling noise of the means (~0.003 at 2,000/class)
@@ -106,8 +106,8 @@ def test_a_finding_changes_only_a_few_pixels_of_the_same_patient_inside_a_lung(s
 
 
 def test_population_b_is_rendered_differently_from_a():
-    a = P.generate("medical", 2000, size=32, seed=1, population="A")
-    b = P.generate("medical", 2000, size=32, seed=1, population="B")
+    a = P.generate_dataset("medical", 2000, size=32, seed=1, population="A")
+    b = P.generate_dataset("medical", 2000, size=32, seed=1, population="B")
     na, nb = a.images[a.labels == 0, 0], b.images[b.labels == 0, 0]
     assert _rms(na.mean(0), nb.mean(0)) > 0.02  # other exposure and gamma
     assert nb.mean(0).std() < 0.9 * na.mean(0).std()  # flatter contrast
@@ -120,7 +120,7 @@ def test_population_b_is_rendered_differently_from_a():
 
 
 def test_rgb_colour_family_is_in_the_object_colour():
-    ds = P.generate("rgb", 4000, size=32, seed=2)
+    ds = P.generate_dataset("rgb", 4000, size=32, seed=2)
     centre = ds.images[:, :, 14:18, 14:18].mean(axis=(2, 3))  # disks and squares always cover the centre
     warm_minus_blue = centre[:, 0] - centre[:, 2]
     for shape in ("disk", "square"):
@@ -130,7 +130,7 @@ def test_rgb_colour_family_is_in_the_object_colour():
 
 
 def test_written_npz_and_folder_load_back_with_the_same_images(tmp_path):
-    ds = P.generate("rgb", 30, size=16, seed=4)
+    ds = P.generate_dataset("rgb", 30, size=16, seed=4)
     z, _ = load_dataset(P.write_dataset(ds, tmp_path / "s.npz"))
     assert z.class_names == ds.class_names and np.array_equal(z.labels, ds.labels)
     assert np.abs(z.images - ds.images).max() <= 0.5 / 255 + 1e-6
@@ -150,7 +150,7 @@ def test_the_writer_refuses_to_write_into_a_folder_that_holds_files(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep.txt").write_text("mine")
     with pytest.raises(DataError, match="not an empty folder"):
-        P.write_dataset(P.generate("rgb", 3, size=16), tmp_path / "x")
+        P.write_dataset(P.generate_dataset("rgb", 3, size=16), tmp_path / "x")
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
 
@@ -192,7 +192,7 @@ def test_cli_generates_a_loadable_set(tmp_path, capsys):
     )
     assert "40 medical images, 1x32x32, seed 3" in capsys.readouterr().out
     ds, _ = load_dataset(out)
-    ref = P.generate("medical", 40, size=32, seed=3, population="B")
+    ref = P.generate_dataset("medical", 40, size=32, seed=3, population="B")
     assert np.array_equal(ds.labels, ref.labels) and ds.class_names == ref.class_names
 
 
@@ -214,7 +214,7 @@ def test_cli_bad_input_is_one_line_with_the_config_exit_code(tmp_path, capsys, a
 
 
 def test_strokes_are_thin_bright_ink_on_a_dark_ground_and_name_no_digit():
-    ds = P.generate("strokes", 400, seed=3)
+    ds = P.generate_dataset("strokes", 400, seed=3)
     assert ds.images.shape == (400, 1, 28, 28)
     ink = ds.images > 0.5
     share = ink.mean(axis=(1, 2, 3))

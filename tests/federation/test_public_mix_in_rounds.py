@@ -58,7 +58,7 @@ def test_a_sites_round_mixes_the_sent_central_images_from_the_jobs_public_stream
     dpsgd_round(
         ds,
         cfg,
-        fm.with_public(_weights(cfg), central),
+        fm.with_round_public(_weights(cfg), central),
         PrivacyEvent("dpsgd", 1.5, 4 / 12, 1),
         torch.Generator().manual_seed(0),
         12,
@@ -90,9 +90,9 @@ def test_a_round_with_bad_public_input_is_refused_before_the_charge(what):
 
     cfg = tiny_job(dpsgd={"public_batch": 3})
     w = _weights(cfg)
-    check_round(cfg, SHAPE, 10, fm.with_public(w, _central()))
+    check_round(cfg, SHAPE, 10, fm.with_round_public(w, _central()))
     with pytest.raises(PrivacyError, match="round refused"):
-        check_round(cfg, SHAPE, 10, fm.with_public(w, BAD_PUBLIC[what](_central())))
+        check_round(cfg, SHAPE, 10, fm.with_round_public(w, BAD_PUBLIC[what](_central())))
 
 
 def test_public_input_is_sent_exactly_when_the_job_mixes_it():
@@ -102,7 +102,7 @@ def test_public_input_is_sent_exactly_when_the_job_mixes_it():
     with pytest.raises(PrivacyError, match="carries no central images"):
         check_round(tiny_job(dpsgd={"public_batch": 3}), SHAPE, 10, w)
     with pytest.raises(PrivacyError, match="carries central images"):
-        check_round(tiny_job(), SHAPE, 10, fm.with_public(w, _central()))
+        check_round(tiny_job(), SHAPE, 10, fm.with_round_public(w, _central()))
     with pytest.raises(PolicyError, match="public input"):
         check_round(tiny_job(dpsgd={"public_batch": 3}), SHAPE, 10, {**w, fm.PUBLIC_IMAGES: _central()[0]})
 

@@ -4,6 +4,7 @@ SuperLink's SQLite state was locked and the demo stopped a healthy job in DP-SGD
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from coordinator.superlink import _Lines, follow_run
@@ -80,11 +81,12 @@ def test_a_job_that_did_not_finish_says_what_to_do(tmp_path: Path, monkeypatch) 
     import pytest
 
     import coordinator.runner as runner
+    from feta_release.config import load_preset
     from feta_release.errors import FetaError
 
     monkeypatch.setattr(runner, "submit", lambda *a, **k: 0)  # exit 0, no job summary: the job did not finish
     signed = tmp_path / "signed_job.json"
-    signed.write_text("{}", "utf-8")
+    signed.write_text(json.dumps({"job": {"config": load_preset("tiny").to_dict()}}), "utf-8")  # as signed
     with pytest.raises(FetaError, match="run the same command again to resume"):
         runner.run_signed_job(signed, tmp_path / "k", tmp_path, "127.0.0.1:1", insecure=True)
     with pytest.raises(FetaError, match="run the demo again with a new --out"):

@@ -60,9 +60,9 @@ def test_a_compute_that_fails_after_the_charge_releases_nothing_and_is_not_charg
     assert rep.has_error() and not rep.has_content()
     assert "after its privacy cost was charged" in rep.error.reason and SECRET not in rep.error.reason
     events, rows = _charged(fed, "job-fails")
-    assert [e["stage"] for e in events] == ["central"] and rows[0]["status"] == "charged"
+    assert [e["stage"] for e in events] == ["central"] and rows[0]["status"] == "failed"
     again = _send(grid, signed)
-    assert again.has_error() and "never recorded" in again.error.reason
+    assert again.has_error() and "it is not run again" in again.error.reason
     assert len(calls) == 1 and len(_charged(fed, "job-fails")[0]) == 1
 
 

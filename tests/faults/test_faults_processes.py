@@ -296,7 +296,9 @@ def test_nodes_a_worker_and_the_coordinator_killed_mid_job_complete_it_without_a
         assert code == 0, text[-3000:]
         first = json.loads((out / "job_summary.json").read_text())
         # the job is done, but site-c was down when the sites attested: no statement of its spend yet
-        assert first["rounds"] == 2 and first["skipped"] == {"0": ["site-b"], "1": ["site-c"]}
+        # site-b finished its charged round 0 after its worker died (once, from the start or its checkpoint);
+        # site-c was down for round 1
+        assert first["rounds"] == 2 and first["skipped"] == {"1": ["site-c"]}
         assert set(first["site_epsilon"]) == {"site-a", "site-b"}
         assert any(e.get("site") == "site-c" and e["phase"] == "attest" for e in _events(out))
         # site-c comes back; the same command again: nothing is trained or charged again, site-c attests

@@ -57,6 +57,9 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script, sys.path[0] is bench/: the checkout's packages, bench.* too
+from bench.generality import child_env  # noqa: E402  # the children's path, the caller's kept after it
+
 ROUTES = ("scratch", "public", "public-dpsgd")
 # Comparison routes, not in the default set: a job edit the command line does not make (the synthetic set
 # drawn from pure noise instead of the derived SDEdit start), to see whether the start carries or hides the
@@ -337,7 +340,7 @@ def spawn(task: dict, deadline: float) -> dict:
             stdout=out,
             stderr=err,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env=child_env(),
         )
         try:
             code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -142,7 +142,7 @@ def _cell_release(cell: dict) -> dict:
         cell["device"],
     ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
     train_s = time.perf_counter() - t0
@@ -169,7 +169,7 @@ def _cell_release(cell: dict) -> dict:
     return out
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """This tree first on the children's path, the caller's path after it (e.g. wheels installed beside a
     machine's own packages with ``pip install --target``)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -203,7 +203,7 @@ def _spawn(cell: dict) -> tuple[dict, float, float]:
             stdout=out,
             stderr=err,
             text=True,
-            env=_child_env(),
+            env=child_env(),
         )
         # wait4, not Popen.wait: it also returns the child's resource usage (output goes to files, so no pipe
         # fills)
@@ -224,7 +224,7 @@ def train_has_epsilon() -> bool:
         [sys.executable, "-m", "feta_release", "train", "--help"],
         capture_output=True,
         text=True,
-        env=_child_env(),
+        env=child_env(),
     )
     return "--epsilon" in proc.stdout
 

@@ -127,3 +127,23 @@ def test_the_nocentral_routes_drop_only_the_training_on_central_images(tmp_path:
     assert edit == base.replace(
         warmup={"spatial_iterations": 0, "polish_iterations": 0, "frequency_mix_central": False}
     )
+
+
+def test_rows_run_with_this_tree_first_and_the_callers_path_kept(monkeypatch) -> None:  # noqa: ANN001
+    """A row's child process finds this checkout first and then the caller's path (wheels installed beside a
+    machine's own packages): replacing the path left every row of a GPU machine without its carried wheels."""
+    bench = _bench()
+    seen: dict = {}
+
+    class _Proc:
+        def __init__(self, *args, env=None, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+            seen.update(env)
+
+        def wait(self, timeout=None) -> int:  # noqa: ANN001
+            return 1
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/wheels")
+    monkeypatch.setattr(bench.subprocess, "Popen", _Proc)
+    task = {k: "x" for k in ("route", "eps", "seed", "mode", "device", "settings", "name")}
+    bench.spawn(task, deadline=float("inf"))
+    assert seen["PYTHONPATH"].split(":") == [str(ROOT), "/opt/wheels"]

@@ -150,4 +150,4 @@ def test_the_per_class_lines_put_the_release_beside_the_ceiling() -> None:
 def test_cells_keep_the_callers_python_path_after_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = _bench()
     monkeypatch.setenv("PYTHONPATH", "/opt/wheels")
-    assert bench._child_env()["PYTHONPATH"].split(":") == [str(ROOT), "/opt/wheels"]
+    assert bench.child_env()["PYTHONPATH"].split(":") == [str(ROOT), "/opt/wheels"]

@@ -115,7 +115,8 @@ def run_signed_job(
     home = out_dir / "flwr_cli_home"
     write_flwr_config(home, superlink, insecure=insecure, root_certificates=root_certificates)
     save_device(out_dir, device)  # every submit: a resume with another --device must not find the last one's
-    opts = public.options(load_job_of(signed_path))
+    given = public.path is not None or public.pretrained is not None  # else the job is not read for options
+    opts = public.options(load_job_of(signed_path)) if given else LoadOptions()
     save_public(out_dir, public.path, public.description, public.pretrained, opts)  # likewise
     summary_path = out_dir / "job_summary.json"
     if summary_path.exists():

@@ -6,36 +6,15 @@ user): this module imports nothing heavy at import time, and only ``export`` rea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..errors import ConfigError, ReleaseError
 from .progress_option import progress_option
-
-
-def _trust_roots(entries: tuple[str, ...], coordinators: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
-    """``--trusted SITE_ID=ADMIN_KEY.pub`` (repeatable) and optional ``--coordinator KEY.pub`` pins."""
-    from ..release.verify import SITE_ID_RE, TrustRoots
-    from ..signing import load_public_key
-
-    if not entries:
-        raise ConfigError(
-            "give --trusted SITE_ID=ADMIN_KEY.pub for each site (the key that signs its policy)"
-        )
-    admins: dict[str, list] = {}
-    for e in entries:
-        sid, sep, path = e.partition("=")
-        if not sep or not SITE_ID_RE.fullmatch(sid) or not path:
-            raise ConfigError(
-                f"--trusted {e!r}: say whose key it is, as SITE_ID=ADMIN_KEY.pub (a key trusted for "
-                "every role would let a coordinator or another site sign for a site); the coordinator "
-                "key comes from the sites' signed policies, or pin it with --coordinator KEY.pub"
-            )
-        admins.setdefault(sid, []).append(load_public_key(path))
-    return TrustRoots(
-        {k: tuple(v) for k, v in admins.items()}, tuple(load_public_key(p) for p in coordinators)
-    )
+from .trust_options import release_trust_options, release_trust_roots
 
 
 def _print_verification(res, explain: bool = False, what: str = "release") -> None:  # type: ignore[no-untyped-def]
@@ -66,12 +45,24 @@ def _print_verification(res, explain: bool = False, what: str = "release") -> No
             click.echo("\n" + describe_site(s))
 
 
-def _explain_option(f):  # type: ignore[no-untyped-def]
-    return click.option(
-        "--explain",
-        is_flag=True,
-        help="After the verdict and the per-site lines, print every check and what each figure means.",
-    )(f)
+VERIFICATION_JSON_HELP = (
+    "Print the result as JSON: verdict, check counts, per-site figures and caps, every check."
+)
+
+
+def _verdict_options(json_help: str = VERIFICATION_JSON_HELP) -> Callable[[Callable[..., Any]], Any]:
+    """``--json`` and ``--explain``: how a command that verifies prints its verdict
+    (:func:`_show_verification`)."""
+
+    def deco(f: Callable[..., Any]) -> Any:
+        f = click.option(
+            "--explain",
+            is_flag=True,
+            help="After the verdict and the per-site lines, print every check and what each figure means.",
+        )(f)
+        return click.option("--json", "as_json", is_flag=True, help=json_help)(f)
+
+    return deco
 
 
 @click.command("export")
@@ -161,27 +152,8 @@ def export(
 
 @click.command("verify")
 @click.argument("release_dir", type=click.Path(path_type=Path))
-@click.option(
-    "--trusted",
-    "trusted",
-    multiple=True,
-    metavar="SITE_ID=KEY.pub",
-    help="A site's administrator public key (signs its policy); repeat for each site.",
-)
-@click.option(
-    "--coordinator",
-    "coordinators",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="Optional: pin the coordinator key (it must also be allowed by every site's policy).",
-)
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.",
-)
-@_explain_option
+@release_trust_options()
+@_verdict_options()
 @click.option(
     "--public",
     "public_path",
@@ -204,7 +176,7 @@ def verify(
     """
     from ..release.verify import verify_release
 
-    res = verify_release(release_dir, _trust_roots(trusted, coordinators), public=public_path)
+    res = verify_release(release_dir, release_trust_roots(trusted, coordinators), public=public_path)
     _report_verification(res, as_json, explain, f"release {release_dir}")
 
 
@@ -260,20 +232,7 @@ def _parse_counts(text: str | None) -> list[int] | None:
 @click.option(
     "--threads", type=int, default=None, help="onnxruntime intra-op threads (default: available cores)."
 )
-@click.option(
-    "--trusted",
-    "trusted",
-    multiple=True,
-    metavar="SITE_ID=KEY.pub",
-    help="A site's administrator public key (signs its policy); repeat for each site.",
-)
-@click.option(
-    "--coordinator",
-    "coordinators",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="Optional: pin the coordinator key (it must also be allowed by every site's policy).",
-)
+@release_trust_options()
 @progress_option("a progress bar while generating")
 @click.option(
     "--key",
@@ -293,13 +252,9 @@ def _parse_counts(text: str | None) -> list[int] | None:
     help="Start each image from pure noise, or (SDEdit) from an augmented released central image of its "
     "class shipped in the release. Default: what the signed release's sampler says.",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print the result as JSON: the release's verdict, per-site figures and caps, and what was written.",
+@_verdict_options(
+    "Print the result as JSON: the release's verdict, per-site figures and caps, and what was written."
 )
-@_explain_option
 def synthesize(
     release_dir: Path,
     num: int | None,
@@ -328,7 +283,7 @@ def synthesize(
     from ..release.verify import verify_release
     from ..signing import load_private_key
 
-    keys = _trust_roots(trusted, coordinators)
+    keys = release_trust_roots(trusted, coordinators)
     priv = load_private_key(key) if key else None
     res = verify_release(release_dir, keys)
     if not res.ok:
@@ -405,19 +360,9 @@ def _print_synthesized(res, report, signed: bool, as_json: bool, explain: bool) 
     metavar="KEY.pub",
     help="Public key of whoever ran synthesize (signs certificate.json); repeatable.",
 )
-@click.option(
-    "--trusted",
-    "trusted",
-    multiple=True,
-    metavar="SITE_ID=KEY.pub",
-    help="A site's administrator public key (signs its policy), to re-verify the release; repeat per site.",
-)
-@click.option(
-    "--coordinator",
-    "coordinators",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="Optional: pin the release's coordinator key.",
+@release_trust_options(
+    "A site's administrator public key (signs its policy), to re-verify the release; repeat per site.",
+    "Optional: pin the release's coordinator key.",
 )
 @click.option(
     "--release",
@@ -426,13 +371,7 @@ def _print_synthesized(res, report, signed: bool, as_json: bool, explain: bool) 
     type=click.Path(path_type=Path),
     help="The release the images came from (default: the path recorded in the certificate).",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print the result as JSON: verdict, check counts, per-site figures and caps, every check.",
-)
-@_explain_option
+@_verdict_options()
 def verify_synthetic(
     synthetic_dir: Path,
     cert_keys: tuple[str, ...],
@@ -459,7 +398,7 @@ def verify_synthetic(
         )
     res = check(
         synthetic_dir,
-        _trust_roots(trusted, coordinators),
+        release_trust_roots(trusted, coordinators),
         [load_public_key(p) for p in cert_keys],
         release_dir,
     )

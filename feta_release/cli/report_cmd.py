@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError, ReleaseError
+from .trust_options import release_trust_options, release_trust_roots
 
 
 def _read_json(path: Path | None, what: str, kind_hint: str) -> dict[str, Any] | None:
@@ -34,20 +35,7 @@ def _read_json(path: Path | None, what: str, kind_hint: str) -> dict[str, Any] |
 @click.option(
     "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="HTML file to write."
 )
-@click.option(
-    "--trusted",
-    "trusted",
-    multiple=True,
-    metavar="SITE_ID=KEY.pub",
-    help="A site's administrator public key (signs its policy); repeat for each site.",
-)
-@click.option(
-    "--coordinator",
-    "coordinators",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="Optional: pin the coordinator key (it must also be allowed by every site's policy).",
-)
+@release_trust_options()
 @click.option(
     "--evaluation",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -83,7 +71,6 @@ def report(
           --coordinator coordinator.pub --audit audit.json
     """
     from ..release.report import write_report
-    from .release_cmd import _trust_roots
 
     if not 1 <= per_class <= 64:
         raise ConfigError(f"--per-class must be between 1 and 64, got {per_class}")
@@ -94,7 +81,7 @@ def report(
     path, res = write_report(
         release_dir,
         out,
-        _trust_roots(trusted, coordinators),
+        release_trust_roots(trusted, coordinators),
         evaluation=ev,
         audit=au,
         per_class=per_class,

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from ..release.verify import TrustRoots
 
 
 def deprecated_alias(old: str, new: str, **kw: Any) -> Callable[[Any], Any]:
@@ -96,3 +99,58 @@ def policy_site_id(signed_policy: Path) -> str:
 def trusted_for_policy(values: Any, signed_policy: Path) -> list[Path]:
     """``trusted_for_site`` for the site that ``signed_policy`` names."""
     return trusted_for_site(values, policy_site_id(signed_policy))
+
+
+# A release's trust roots, on every command that verifies one (verify, synthesize, verify-synthetic,
+# report): a key given here is trusted for one role only, bound to the site it names (``TrustRoots``).
+RELEASE_TRUSTED_HELP = "A site's administrator public key (signs its policy); repeat for each site."
+RELEASE_COORDINATOR_HELP = (
+    "Optional: pin the coordinator key (it must also be allowed by every site's policy)."
+)
+
+
+def release_trust_options(
+    trusted_help: str = RELEASE_TRUSTED_HELP, coordinator_help: str = RELEASE_COORDINATOR_HELP
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the repeatable ``--trusted SITE_ID=KEY.pub`` and ``--coordinator KEY.pub`` (the function gets
+    ``trusted`` and ``coordinators``, tuples that :func:`release_trust_roots` reads)."""
+
+    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = click.option(
+            "--coordinator",
+            "coordinators",
+            multiple=True,
+            type=click.Path(dir_okay=False),
+            help=coordinator_help,
+        )(f)
+        return click.option(
+            "--trusted", "trusted", multiple=True, metavar="SITE_ID=KEY.pub", help=trusted_help
+        )(f)
+
+    return deco
+
+
+def release_trust_roots(entries: tuple[str, ...], coordinators: tuple[str, ...] = ()) -> TrustRoots:
+    """``--trusted SITE_ID=ADMIN_KEY.pub`` (repeatable) and optional ``--coordinator KEY.pub`` pins as the
+    release's ``TrustRoots``."""
+    from ..errors import ConfigError
+    from ..release.verify import SITE_ID_RE, TrustRoots
+    from ..signing import load_public_key
+
+    if not entries:
+        raise ConfigError(
+            "give --trusted SITE_ID=ADMIN_KEY.pub for each site (the key that signs its policy)"
+        )
+    admins: dict[str, list[Any]] = {}
+    for e in entries:
+        sid, sep, path = e.partition("=")
+        if not sep or not SITE_ID_RE.fullmatch(sid) or not path:
+            raise ConfigError(
+                f"--trusted {e!r}: say whose key it is, as SITE_ID=ADMIN_KEY.pub (a key trusted for "
+                "every role would let a coordinator or another site sign for a site); the coordinator "
+                "key comes from the sites' signed policies, or pin it with --coordinator KEY.pub"
+            )
+        admins.setdefault(sid, []).append(load_public_key(path))
+    return TrustRoots(
+        {k: tuple(v) for k, v in admins.items()}, tuple(load_public_key(p) for p in coordinators)
+    )

@@ -36,7 +36,14 @@ from ..files import hash_regular, read_regular
 from ..privacy_unit import unit_phrase
 from ..signing import canonical_json, fingerprint, loads_strict, sha256_hex, sign_document, verify_document
 from .manifest import MANIFEST_FILE
-from .verify import TrustRoots, VerificationResult, describe_site, lifetime_of, verify_release
+from .verify import (
+    TrustRoots,
+    VerificationResult,
+    describe_site,
+    lifetime_of,
+    role_bound_roots,
+    verify_release,
+)
 
 CERTIFICATE_FILE = "certificate.json"
 CERTIFICATE_VERSION = "feta-release/certificate/2"
@@ -188,15 +195,14 @@ def verify_synthetic(
     """
     od = Path(out_dir)
     res = VerificationResult(release_dir=str(od))
-    if not isinstance(trust, (TrustRoots, Mapping)):
-        res.add(
-            "trusted keys",
-            False,
-            "the release's trusted keys must be bound to roles (SITE_ID=ADMIN_KEY.pub); "
-            "the certificate signer's key goes in --certificate-key",
-        )
+    roots = role_bound_roots(
+        res,
+        trust,
+        "the release's trusted keys must be bound to roles (SITE_ID=ADMIN_KEY.pub); "
+        "the certificate signer's key goes in --certificate-key",
+    )
+    if roots is None:
         return res
-    roots = TrustRoots.of(trust)
     res.trusted = [f"certificate signer {fingerprint(k)}" for k in certificate_keys] + roots.describe()
     try:
         doc = read_certificate(od)

@@ -225,6 +225,15 @@ class TrustRoots:
         return out + [f"coordinator {fingerprint(k)}" for k in self.coordinators]
 
 
+def role_bound_roots(res: VerificationResult, trust: Any, refusal: str) -> TrustRoots | None:
+    """``trust`` as :class:`TrustRoots`; a flat list of keys (one key trusted for every role) fails the check
+    "trusted keys" with ``refusal``, the line that tells how to bind them."""
+    if isinstance(trust, (TrustRoots, Mapping)):
+        return TrustRoots.of(trust)
+    res.add("trusted keys", False, refusal)
+    return None
+
+
 def verify_release(
     release_dir: str | Path, trust: TrustRoots | Mapping[str, Any], public: str | Path | None = None
 ) -> VerificationResult:
@@ -239,15 +248,14 @@ def verify_release(
     """
     rd = Path(release_dir)
     res = VerificationResult(release_dir=str(rd))
-    if not isinstance(trust, (TrustRoots, Mapping)):
-        res.add(
-            "trusted keys",
-            False,
-            "trusted keys must be bound to roles: give each site's administrator key "
-            "as SITE_ID=KEY.pub (the coordinator key then comes from the sites' signed policies)",
-        )
+    roots = role_bound_roots(
+        res,
+        trust,
+        "trusted keys must be bound to roles: give each site's administrator key "
+        "as SITE_ID=KEY.pub (the coordinator key then comes from the sites' signed policies)",
+    )
+    if roots is None:
         return res
-    roots = TrustRoots.of(trust)
     res.trusted = roots.describe()
     if not roots.site_admins:
         res.add("trusted keys", False, "no site administrator keys given (--trusted SITE_ID=ADMIN_KEY.pub)")
@@ -546,6 +554,30 @@ def _read_release_file(
         return None
 
 
+def _hash_agrees(res: VerificationResult, check: str, path: Path, digest: str, signed: Any) -> bool:
+    """The file's sha256 is the one its signed record states; a changed file fails ``check``."""
+    if digest == signed:
+        return True
+    res.add(
+        check,
+        False,
+        f"{path}: sha256 {digest[:16]}… != manifest {str(signed)[:16]}… "
+        "(file changed); take the release as it was published",
+    )
+    return False
+
+
+def _read_signed_file(
+    res: VerificationResult, rd: Path, rec: dict[str, Any], check: str, what: str, *, limit: int
+) -> tuple[Path, bytes] | None:
+    """The bytes of the file a manifest record (``file``, ``size``, ``sha256``) names, read as
+    :func:`_read_release_file` reads them and of the signed hash; a failure is recorded under ``check``."""
+    read = _read_release_file(res, rd, rec.get("file"), check, what, limit=limit, size=rec.get("size"))
+    if read is None or not _hash_agrees(res, check, read[0], sha256_hex(read[1]), rec.get("sha256")):
+        return None
+    return read
+
+
 def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
     gen = man["generator"]
     read = _read_release_file(
@@ -562,17 +594,9 @@ def _check_generator(res: VerificationResult, rd: Path, man: dict[str, Any]) -> 
     gpath, data = read
     digest = sha256_hex(data)
     res.generator_sha256 = digest
-    if not res.add(
-        "generator hash",
-        digest == gen["sha256"],
-        f"{gpath}: sha256 {digest[:16]}… "
-        + (
-            "matches the manifest"
-            if digest == gen["sha256"]
-            else f"!= manifest {str(gen['sha256'])[:16]}… (file changed)"
-        ),
-    ):
+    if not _hash_agrees(res, "generator hash", gpath, digest, gen["sha256"]):
         return
+    res.add("generator hash", True, f"{gpath}: sha256 {digest[:16]}… matches the manifest")
     res.generator_bytes = data
     meta = _generator_metadata(data, gpath)
     want = {
@@ -617,27 +641,10 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
                 "(starts): the release is incomplete",
             )
         return
-    read = _read_release_file(
-        res,
-        rd,
-        rec["file"],
-        "central images",
-        "central images file",
-        limit=MAX_IMAGES_BYTES,
-        size=rec.get("size"),
-    )
+    read = _read_signed_file(res, rd, rec, "central images", "central images file", limit=MAX_IMAGES_BYTES)
     if read is None:
         return
     path, data = read
-    digest = sha256_hex(data)
-    if digest != rec["sha256"]:
-        res.add(
-            "central images",
-            False,
-            f"{path}: sha256 {digest[:16]}… != manifest {str(rec['sha256'])[:16]}… "
-            "(file changed); take the release as it was published",
-        )
-        return
     gen = man["generator"]
     claims = _starts_claims_match(res, man, rec)  # first: its count bounds what the file may inflate to
     if claims is None:
@@ -683,27 +690,10 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
             f"{src!r}: the release is inconsistent; do not use it",
         )
         return
-    read = _read_release_file(
-        res,
-        rd,
-        rec.get("file"),
-        "aux images",
-        "aux-generator images file",
-        limit=MAX_IMAGES_BYTES,
-        size=rec.get("size"),
-    )
+    read = _read_signed_file(res, rd, rec, "aux images", "aux-generator images file", limit=MAX_IMAGES_BYTES)
     if read is None:
         return
     path, data = read
-    digest = sha256_hex(data)
-    if digest != rec.get("sha256"):
-        res.add(
-            "aux images",
-            False,
-            f"{path}: sha256 {digest[:16]}… != manifest {str(rec.get('sha256'))[:16]}… "
-            "(file changed); take the release as it was published",
-        )
-        return
     gen = man["generator"]
     statements = [s["attestation"]["statement"] for s in man["sites"]]
     want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))

@@ -215,32 +215,27 @@ def check_spend(
             return float(accountant(events, delta, budget.accountant)) if events else 0.0
         return budget.spent(events, delta)
 
-    job_after = eps(job_ev + new_ev, budget.delta)
-    if job_after > budget.job_epsilon + 1e-9:
-        raise PolicyBudgetExceeded(
-            "budget.per_job.epsilon",
-            spent=eps(job_ev, budget.delta),
-            after=job_after,
-            cap=budget.job_epsilon,
-            delta=budget.delta,
-            accountant=budget.accountant,
-            scope=job_scope,
-            site=site,
-            per=budget.per,
-        )
-    life_after = eps(life_ev + new_ev, budget.life_delta)
-    if life_after > budget.lifetime_epsilon + 1e-9:
-        raise PolicyBudgetExceeded(
-            "budget.lifetime.epsilon",
-            spent=eps(life_ev, budget.life_delta),
-            after=life_after,
-            cap=budget.lifetime_epsilon,
-            delta=budget.life_delta,
-            accountant=budget.accountant,
-            scope="the site's lifetime",
-            site=site,
-            per=budget.per,
-        )
+    def capped(cap_name: str, prior: list[Any], delta: float, cap: float, scope: str) -> float:
+        """ε of ``prior`` and the new events at ``delta``; refused over ``cap`` (policy field cap_name)."""
+        after = eps(prior + new_ev, delta)
+        if after > cap + 1e-9:
+            raise PolicyBudgetExceeded(
+                cap_name,
+                spent=eps(prior, delta),
+                after=after,
+                cap=cap,
+                delta=delta,
+                accountant=budget.accountant,
+                scope=scope,
+                site=site,
+                per=budget.per,
+            )
+        return after
+
+    job_after = capped("budget.per_job.epsilon", job_ev, budget.delta, budget.job_epsilon, job_scope)
+    life_after = capped(
+        "budget.lifetime.epsilon", life_ev, budget.life_delta, budget.lifetime_epsilon, "the site's lifetime"
+    )
     _check_worst_case(
         budget,
         job_ev,
@@ -770,17 +765,8 @@ class Ledger:
         return self._history(job_id)
 
     def requests(self, job_id: str | None = None) -> list[dict[str, Any]]:
-        keys = (
-            "request_id",
-            "job_id",
-            "mechanism",
-            "events",
-            "status",
-            "response_sha256",
-            "job_epsilon",
-            "lifetime_epsilon",
-            "created_at",
-        )
+        # the chained columns of a request, less its position in the chain and when its answer was recorded
+        keys = tuple(k for k in chain.ROW_FIELDS if k not in ("seq", "completed_at"))
         q = f"SELECT {', '.join(keys)} FROM requests"
         args: tuple[Any, ...] = ()
         if job_id is not None:

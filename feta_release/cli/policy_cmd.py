@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -59,6 +60,30 @@ def _load_signing_key(path: Path, pp_file: Path | None, pp_prompt: bool):  # typ
             err=True,
         )
     return signing.load_private_key(path, _passphrase(pp_file, pp_prompt))
+
+
+# -- sign commands (policy sign, job sign) ----------------------------------------------------------
+
+
+def _signing_key_option(help: str) -> Callable[[Callable[..., Any]], Any]:
+    """``--key``: the private key a sign command signs with (read by :func:`_load_signing_key`)."""
+    return click.option(
+        "--key", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help=help
+    )
+
+
+def _signed_out_option(what: str, source: str) -> Callable[[Callable[..., Any]], Any]:
+    """``--out``: the file a sign command writes, by default :func:`_signed_target`'s."""
+    return click.option(
+        "--out",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help=f"Signed {what} file (default: {source} with suffix .signed.json).",
+    )
+
+
+def _signed_target(out: Path | None, source: Path) -> Path:
+    """Where a sign command writes: ``--out``, else the source file with suffix .signed.json."""
+    return out or source.with_suffix(".signed.json")
 
 
 # -- keys ------------------------------------------------------------------------------------------
@@ -142,17 +167,8 @@ def policy() -> None:
 
 @policy.command("sign")
 @click.argument("policy_file", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--key",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The site's private policy key.",
-)
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Signed policy file (default: POLICY with suffix .signed.json).",
-)
+@_signing_key_option("The site's private policy key.")
+@_signed_out_option("policy", "POLICY")
 @click.option(
     "--accept-risk",
     "accept_risk",
@@ -186,7 +202,7 @@ def policy_sign(
     for w in review_or_refuse(doc, str(policy_file), accept=set(accept_risk)):
         click.secho(f"warning: {w}", fg="yellow", err=True)
     k = _load_signing_key(key, passphrase_file, passphrase_prompt)
-    target = out or policy_file.with_suffix(".signed.json")
+    target = _signed_target(out, policy_file)
     write_signed_policy(target, sign_policy(doc, k))
     click.echo(f"signed policy {doc['site_id']} v{doc['version']} by {signing.fingerprint(k)} -> {target}")
 
@@ -457,21 +473,12 @@ def job() -> None:
 
 @job.command("sign")
 @click.argument("job_file", metavar="JOB.toml", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--key",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The coordinator's private key.",
-)
+@_signing_key_option("The coordinator's private key.")
 @click.option("--job-id", required=True, help="Unique job id (letters, digits, . _ -).")
 @click.option(
     "--sites", help="Comma-separated site ids the job runs on (default: [federation] sites of JOB.toml)."
 )
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Signed job file (default: JOB with suffix .signed.json).",
-)
+@_signed_out_option("job", "JOB")
 @_passphrase_options
 def job_sign(
     job_file: Path,
@@ -498,7 +505,7 @@ def job_sign(
         raise click.UsageError(f"{job_file} has no [federation] sites; give --sites a,b,c")
     k = _load_signing_key(key, passphrase_file, passphrase_prompt)
     signed = sign_job(cfg, k, job_id, site_list)
-    target = out or job_file.with_suffix(".signed.json")
+    target = _signed_target(out, job_file)
     write_json(target, signed)
     click.echo(
         f"signed job {job_id} for sites {', '.join(site_list)} by {signed['job']['coordinator']} -> {target}"

@@ -507,23 +507,7 @@ patient_cap = {opts.patient_cap or 0}
 """
 
 
-NODE_KEYS = {
-    "data",
-    "policy",
-    "trusted_policy_key",
-    "site_key",
-    "data_secret",
-    "auth_key",
-    "ledger",
-    "work_dir",
-    "superlink",
-    "port",
-    "root_certificates",
-    "insecure",
-    "force_insecure",
-    "worker",
-    "device",
-}
+# node.toml's [node] keys whose values are files or folders (resolved against the file's own folder)
 PATH_KEYS = {
     "data",
     "policy",
@@ -535,6 +519,7 @@ PATH_KEYS = {
     "work_dir",
     "root_certificates",
 }
+NODE_KEYS = PATH_KEYS | {"superlink", "port", "insecure", "force_insecure", "worker", "device"}
 
 
 def read_node_toml(path: Path) -> dict[str, Any]:

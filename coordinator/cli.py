@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,34 @@ from feta_release.signing import make_node_auth_key
 from .derive import derive_federated
 from .superlink import SuperLinkSettings, register_node, start_superlink
 from .tls import make_certificates
+
+
+def _home_option(help: str) -> Callable[[Callable[..., Any]], Any]:
+    """``--home``: the coordinator's folder that ``coordinator start`` fills (logs, Flower's FLWR_HOME)."""
+    return click.option(
+        "--home",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=Path(".feta-coordinator"),
+        show_default=True,
+        help=help,
+    )
+
+
+def _superlink_options(certificates_required: bool = False) -> Callable[[Callable[..., Any]], Any]:
+    """``--superlink HOST:PORT`` and ``--root-certificates``: how a command reaches the SuperLink."""
+
+    def deco(f: Callable[..., Any]) -> Any:
+        f = click.option(
+            "--root-certificates",
+            required=certificates_required,
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            help="The CA certificate of the SuperLink (TLS).",
+        )(f)
+        return click.option(
+            "--superlink", default="127.0.0.1:9092", show_default=True, help="The SuperLink's host:port."
+        )(f)
+
+    return deco
 
 
 @click.group()
@@ -65,13 +94,7 @@ def coordinator() -> None:
     default=None,
     help="Accept only registered node keys (needs TLS). Default: on unless --host is loopback.",
 )
-@click.option(
-    "--home",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".feta-coordinator"),
-    show_default=True,
-    help="Logs and Flower's FLWR_HOME for the SuperLink.",
-)
+@_home_option("Logs and Flower's FLWR_HOME for the SuperLink.")
 def start(
     host: str,
     port: int,
@@ -280,12 +303,7 @@ def derive_job_cmd(
     type=click.Path(file_okay=False, path_type=Path),
     help="Output + checkpoint directory; running again with the same --out resumes the job.",
 )
-@click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="The SuperLink's host:port.")
-@click.option(
-    "--root-certificates",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The CA certificate of the SuperLink (TLS).",
-)
+@_superlink_options()
 @click.option("--insecure", is_flag=True, help="No TLS (loopback demos only).")
 @click.option("--job-id", default=None, help="Default: JOB name + UTC time (kept in --out for resumes).")
 @click.option(
@@ -416,20 +434,8 @@ def certs(out_dir: Path, hosts: tuple[str, ...], nodes: tuple[str, ...]) -> None
 @coordinator.command()
 @click.argument("public_key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--name", required=True, help="Site id of the node.")
-@click.option("--superlink", default="127.0.0.1:9092", show_default=True, help="The SuperLink's host:port.")
-@click.option(
-    "--root-certificates",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The CA certificate of the SuperLink (TLS).",
-)
-@click.option(
-    "--home",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".feta-coordinator"),
-    show_default=True,
-    help="The coordinator's home (as given to `coordinator start`).",
-)
+@_superlink_options(certificates_required=True)
+@_home_option("The coordinator's home (as given to `coordinator start`).")
 def register(public_key: Path, name: str, superlink: str, root_certificates: Path, home: Path) -> None:
     """Register a site's node-auth public key with the SuperLink (needs --enable-supernode-auth).
 

@@ -97,6 +97,15 @@ def _signed_policy(rd: Path, sid: str, res: VerificationResult) -> dict[str, Any
 # -- sections ------------------------------------------------------------------------------------------------
 
 
+def _shipped_images_row(what: str, record: Any, claims: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The row of images the release also ships (``record``, its manifest entry): their privacy words, or that
+    they did not pass verify; none when the manifest names none."""
+    if not record:
+        return []
+    words = claims["privacy"] if claims else f"the release names {what} that did NOT pass verify"
+    return [(f"{what} (also released)", _h(words))]
+
+
 def _released(man: dict[str, Any], res: VerificationResult) -> str:
     gen, job = man["generator"], man["job"]
     signer = next(
@@ -119,34 +128,8 @@ def _released(man: dict[str, Any], res: VerificationResult) -> str:
             f"synthetic image of shape {_h(' x '.join(map(str, gen['image_shape'])))}; "
             f"classes: {_h(', '.join(map(str, gen['classes'])))}",
         ),
-        *(
-            [
-                (
-                    "central images (also released)",
-                    _h(
-                        res.starts_claims["privacy"]
-                        if res.starts_claims
-                        else "the release names central images that did NOT pass verify"
-                    ),
-                )
-            ]
-            if man.get("starts")
-            else []
-        ),
-        *(
-            [
-                (
-                    "aux-generator images (also released)",
-                    _h(
-                        res.aux_claims["privacy"]
-                        if res.aux_claims
-                        else "the release names aux-generator images that did NOT pass verify"
-                    ),
-                )
-            ]
-            if man.get("aux_starts")
-            else []
-        ),
+        *_shipped_images_row("central images", man.get("starts"), res.starts_claims),
+        *_shipped_images_row("aux-generator images", man.get("aux_starts"), res.aux_claims),
         ("released by", _h(f"the coordinator: manifest {signer}")),
         ("manifest sha256", f'<span class="hash">{_h(res.manifest_sha256)}</span>'),
         ("generator sha256", f'<span class="hash">{_h(gen["sha256"])}</span>'),

@@ -76,6 +76,14 @@ UNITS = ("image", "patient")
 # leave this site nearly unprotected. A stricter site sets the field.
 DEFAULT_WORST_CASE_FACTOR = 3.0
 
+
+def worst_case_epsilon_cap(explicit: Any, epsilon: Any) -> float:
+    """A site's cap on its worst-case ε (every other site colludes): the policy's explicit
+    ``secure_aggregation`` cap, else DEFAULT_WORST_CASE_FACTOR x the ε cap it stands beside (per job or
+    lifetime). The one rule of the node's ledger, its policy and the verifier."""
+    return float(explicit) if explicit is not None else DEFAULT_WORST_CASE_FACTOR * float(epsilon)
+
+
 # Calibration refuses noise multipliers above this: with sigma that large DP-SGD learns nothing useful, so the
 # plan is treated as infeasible and the user is told which warm-up stage to shrink.
 MAX_NOISE_MULTIPLIER = 1000.0

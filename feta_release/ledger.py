@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any, cast
 
 from . import ledger_chain as chain
+from .accounting import Accountant as AccountantName
 from .accounting import (
-    DEFAULT_WORST_CASE_FACTOR,
     epsilon,
     event_to_dict,
     events_from_list,
     has_secure_aggregation,
     unit_epsilon,
+    worst_case_epsilon_cap,
 )
-from .accounting import Accountant as AccountantName
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
 from .ledger_chain import LedgerNotChainedError, LedgerTamperedError  # noqa: F401 - re-exported
 
@@ -114,16 +114,20 @@ class Budget:
     @classmethod
     def from_policy(cls, policy: dict[str, Any]) -> Budget:
         """From a (verified) policy document: its ``budget`` and ``accountant`` fields."""
-        b = policy["budget"]
+        b, sa = policy["budget"], policy.get("secure_aggregation", {})
         return cls(
             job_epsilon=float(b["per_job"]["epsilon"]),
             lifetime_epsilon=float(b["lifetime"]["epsilon"]),
             delta=float(b["per_job"]["delta"]),
             accountant=cast(AccountantName, str(policy.get("accountant", "rdp"))),
             lifetime_delta=float(b["lifetime"]["delta"]),
-            worst_case_epsilon=_worst_case_cap(policy),
+            worst_case_epsilon=worst_case_epsilon_cap(
+                sa.get("max_worst_case_epsilon"), b["per_job"]["epsilon"]
+            ),
             patient_cap=_patient_cap(policy),
-            lifetime_worst_case_epsilon=_lifetime_worst_case_cap(policy),
+            lifetime_worst_case_epsilon=worst_case_epsilon_cap(
+                sa.get("max_lifetime_worst_case_epsilon"), b["lifetime"]["epsilon"]
+            ),
         )
 
 
@@ -134,26 +138,6 @@ class ChargeResult:
     response: bytes | None  # the recorded answer of a replay (None for a fresh charge)
     job_epsilon: float
     lifetime_epsilon: float
-
-
-def _worst_case_cap(policy: dict[str, Any]) -> float:
-    # the same rule as SitePolicy.worst_case_cap (policy.document, which this module must not import)
-    cap = policy.get("secure_aggregation", {}).get("max_worst_case_epsilon")
-    return (
-        float(cap)
-        if cap is not None
-        else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["per_job"]["epsilon"])
-    )
-
-
-def _lifetime_worst_case_cap(policy: dict[str, Any]) -> float:
-    # the same rule as SitePolicy.lifetime_worst_case_cap
-    cap = policy.get("secure_aggregation", {}).get("max_lifetime_worst_case_epsilon")
-    return (
-        float(cap)
-        if cap is not None
-        else DEFAULT_WORST_CASE_FACTOR * float(policy["budget"]["lifetime"]["epsilon"])
-    )
 
 
 def _patient_cap(policy: dict[str, Any]) -> int | None:

@@ -20,7 +20,10 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .. import signing
-from ..accounting import DEFAULT_WORST_CASE_FACTOR
+from ..accounting import (
+    DEFAULT_WORST_CASE_FACTOR,  # noqa: F401 - re-exported (policy.secure_aggregation)
+    worst_case_epsilon_cap,
+)
 from ..data.declared import DataDeclaration
 from ..errors import PolicyError
 from . import schema
@@ -135,9 +138,7 @@ class SitePolicy:
     def worst_case_cap(self) -> float:
         """The per-job cap on the worst-case (every other site colludes) epsilon: the policy's
         ``secure_aggregation.max_worst_case_epsilon``, or DEFAULT_WORST_CASE_FACTOR x the per-job epsilon."""
-        if self.max_worst_case_epsilon is not None:
-            return float(self.max_worst_case_epsilon)
-        return DEFAULT_WORST_CASE_FACTOR * self.job_epsilon
+        return worst_case_epsilon_cap(self.max_worst_case_epsilon, self.job_epsilon)
 
     @property
     def lifetime_worst_case_cap(self) -> float:
@@ -145,9 +146,7 @@ class SitePolicy:
         coalition of all other sites with the coordinator):
         ``secure_aggregation.max_lifetime_worst_case_epsilon``, or DEFAULT_WORST_CASE_FACTOR x the lifetime
         epsilon."""
-        if self.max_lifetime_worst_case_epsilon is not None:
-            return float(self.max_lifetime_worst_case_epsilon)
-        return DEFAULT_WORST_CASE_FACTOR * self.lifetime_epsilon
+        return worst_case_epsilon_cap(self.max_lifetime_worst_case_epsilon, self.lifetime_epsilon)
 
     @property
     def unit_cap(self) -> int | None:

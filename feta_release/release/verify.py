@@ -48,11 +48,11 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..accounting import (
-    DEFAULT_WORST_CASE_FACTOR,
     SkellamEvent,
     events_from_list,
     has_secure_aggregation,
     worst_case_epsilon,
+    worst_case_epsilon_cap,
 )
 from ..accounting import epsilon as compose_epsilon
 from ..errors import FetaError, ReleaseError
@@ -1209,7 +1209,7 @@ def policy_violations(policy: dict[str, Any], st: dict[str, Any], events: list[A
             )
     if has_secure_aggregation(events):
         sa = policy.get("secure_aggregation", {})
-        cap_w = sa.get("max_worst_case_epsilon", DEFAULT_WORST_CASE_FACTOR * float(cap["epsilon"]))
+        cap_w = worst_case_epsilon_cap(sa.get("max_worst_case_epsilon"), cap["epsilon"])
         worst = worst_case_epsilon(events, delta)
         if worst > float(cap_w) * (1 + EPS_REL_TOL):
             out.append(

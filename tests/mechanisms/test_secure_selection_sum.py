@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feta_release.accountants.skellam import honest_shares, skellam_epsilon, skellam_event
-from feta_release.accounting import SkellamEvent, epsilon, worst_case_epsilon
+from feta_release.accounting import (
+    SkellamEvent,
+    epsilon,
+    group_epsilon,
+    patient_epsilon,
+    worst_case_epsilon,
+)
 from feta_release.config import JobConfig, load_preset
 from feta_release.data.procedural import generate_dataset
 from feta_release.errors import PrivacyError
@@ -119,6 +125,9 @@ def test_a_secure_jobs_selection_event_is_the_skellam_sum_of_the_sites_shares(co
     # the distributed-noise accountant: the same figure accountants.skellam computes from the parameters
     assert epsilon([ev], 1e-5) == pytest.approx(skellam_epsilon(params, 1.0, 1, 1e-5, h), rel=1e-9)
     assert worst_case_epsilon([ev], 1e-5) == pytest.approx(skellam_epsilon(params, 1.0, 1, 1e-5, 1), rel=1e-9)
+    # an image-level release: a patient-level site counts it by group privacy over its patient cap
+    per_patient = patient_epsilon([ev], 1e-5, 4)
+    assert per_patient == pytest.approx(group_epsilon([ev], 1e-5, 4)) and per_patient > epsilon([ev], 1e-5)
     events = secure_stage_events(cfg, 240, warm)
     assert events[0] == ev and stage_event(events, "dpsgd") is not None
     # DP-SGD is calibrated over the history the ledger holds, the Skellam selection included

@@ -22,6 +22,7 @@ from feta_release.ledger import Ledger
 from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms import selection as sel
 from feta_release.mechanisms import skellam as sk
+from feta_release.release.verify import policy_violations
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import with_public
 from tests.support.federation import harness, ledger_requests, make_federation, run_harness_job, tiny_job
@@ -180,6 +181,14 @@ def test_each_site_charges_the_planned_skellam_event_before_it_counts_a_vote(
         assert st["events"][0] == ev.to_dict()
         assert st["secure_aggregation"]["worst_case_epsilon"] == pytest.approx(
             worst_case_epsilon(charged, st["delta"])
+        )
+        # verify judges the attested selection against the policy's min_sigma with its OWN share (20/sqrt 3)
+        policy = json.loads(fed.site(s.site_id).policy.read_text())["policy"]
+        assert policy_violations(policy, st, charged) == []
+        policy["mechanisms"]["selection"]["min_sigma"] = 15.0
+        assert any(
+            v.startswith("selection:") and "own noise share" in v
+            for v in policy_violations(policy, st, charged)
         )
 
 

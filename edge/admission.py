@@ -67,7 +67,7 @@ def request_for(
         raise PolicyError(f"unknown mechanism {mechanism!r}")
     # The warm-up releases need no DP-SGD calibration (seconds, and a job whose DP-SGD cannot fit is the
     # coordinator's refusal to make); the DP-SGD round is the planner's calibrated one.
-    if mechanism != "dpsgd":  # the selection query is per-site Gaussian in every job (never a secure sum)
+    if mechanism != "dpsgd":  # the Gaussian form (a secure job's charged form: the node's SkellamEvent)
         events: list[Event] = [*selection_events(cfg), *warmup_events(cfg, n)]
     elif secure_warmup is not None:
         events = secure_stage_events(
@@ -85,7 +85,7 @@ def request_for(
     if not isinstance(ev, PrivacyEvent):
         raise PrivacyError(f"{mechanism}: the planner returned a {type(ev).__name__}, not a Gaussian request")
     req = request_of(ev, cfg, job)
-    summed = mechanism not in ("dpsgd", "selection") and cfg.federation.secure_aggregation
+    summed = mechanism != "dpsgd" and cfg.federation.secure_aggregation
     if summed and secure_warmup is None:
         # no data at hand (policy check): the own share's sigma / sqrt(n); the node checks the exact Skellam
         # share

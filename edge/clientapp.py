@@ -36,6 +36,7 @@ from .releases import (
     release_frequency,
     release_selection,
     round_checkpoint,
+    selection_share,
 )
 from .resources import resources_mod
 from .secure import admit_masked, handle, masked_contribution
@@ -164,6 +165,24 @@ def frequency_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tup
     return out, [req.event]
 
 
+def _secure_selection_fits(site: Site, job: Job, req: Request) -> None:
+    admit_masked(site, job, req.doc)
+    _selection_fits(site, job, req)
+
+
+@release("selection", admit=_secure_selection_fits, public=_secure_info, secure=True)
+def selection_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
+    """The semantic selection histogram as this site's masked Skellam contribution to the secure sum (a
+    secure-aggregation job): the coordinator decodes the noisy sum of the sites' histograms, never one."""
+    centroids, n_sites = req.arrays["centroids"], len(job.sites)
+
+    def share(ds: Any, cfg: Any, n_public: int, r: Any) -> Any:
+        return selection_share(ds, cfg, centroids, n_sites, r)
+
+    noisy = padded(share, site.data, job.config, site.n_public, rng.numpy())  # + public work
+    return {"masked": masked_contribution(site, job, req.doc, rng.numpy(), noisy)}, [req.event]
+
+
 def _fedsgd_fits(site: Site, job: Job, req: Request) -> None:
     admit_masked(site, job, req.doc)
     check_round_weights(site, job, req)
@@ -181,7 +200,14 @@ def dpsgd_masked(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[A
 def secagg(msg: Message, context: Context) -> Message:
     """One stage of a secure sum (setup, share_keys, collect_masked_vectors, unmask): see edge/secure.py."""
     return handle(
-        msg, context, {"central": central_masked, "frequency": frequency_masked, "dpsgd": dpsgd_masked}
+        msg,
+        context,
+        {
+            "selection": selection_masked,
+            "central": central_masked,
+            "frequency": frequency_masked,
+            "dpsgd": dpsgd_masked,
+        },
     )
 
 

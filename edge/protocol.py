@@ -119,9 +119,9 @@ def job_events(site: Site, job: Job) -> list[Event]:
 
 
 def secure_warmup(site: Site, job: Job) -> list[Event] | None:
-    """The site's SkellamEvents of the job's warm-up releases when the job sums them by secure aggregation
-    (its own trust assumption, ``secure_aggregation.max_colluders``, decides the noise shares counted), else
-    None."""
+    """The site's SkellamEvents of the job's one-shot releases (the selection, the warm-up statistics) when
+    the job sums them by secure aggregation (its own trust assumption, ``secure_aggregation.max_colluders``,
+    decides the noise shares counted), else None."""
     cfg = job.config
     if not cfg.federation.secure_aggregation:
         return None
@@ -144,7 +144,7 @@ def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismReque
     event, mreq = request_for(
         mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir, secure_warmup=secure
     )
-    if secure is not None and mechanism not in ("dpsgd", "selection"):  # selection: per-site in any job
+    if secure is not None and mechanism != "dpsgd":  # the selection and warm-up releases: secure sums
         charged = stage_event(secure, mechanism)
         if charged is None:
             raise PrivacyError(f"the job has no secure {mechanism} release; nothing to release")
@@ -179,16 +179,10 @@ def _fedsgd_round(site: Site, job: Job, secure: list[Event]) -> tuple[Event, Mec
 
 
 def _check_mode(mechanism: str, job: Job, secure: bool) -> None:
-    """A job's warm-up releases go EITHER through secure aggregation OR out with per-site noise, never both;
-    its DP-SGD rounds EITHER as FedSGD noise shares (``[federation] fedsgd``) OR as per-site-noise rounds."""
+    """A job's one-shot releases (the selection, the warm-up statistics) go EITHER through secure aggregation
+    OR out with per-site noise, never both; its DP-SGD rounds EITHER as FedSGD noise shares (``[federation]
+    fedsgd``) OR as per-site-noise rounds."""
     fed = job.config.federation
-    if mechanism == "selection":  # one small per-site Gaussian histogram in every job, never a secure sum
-        if secure:
-            raise PolicyError(
-                f"job {job.job_id}: the selection query is a per-site release; a secure-sum "
-                "request for it is refused"
-            )
-        return
     if mechanism == "dpsgd":
         if bool(fed.secure_aggregation and fed.fedsgd) != secure:
             raise PolicyError(

@@ -19,6 +19,7 @@ from feta_release.accounting import PrivacyEvent
 from feta_release.config import JobConfig
 from feta_release.errors import PrivacyError
 from feta_release.federation.messages import round_public, split_ema, with_ema
+from feta_release.mechanisms import secure_sums as ss
 from feta_release.mechanisms.central import central_images
 from feta_release.mechanisms.frequency import frequency_statistics
 from feta_release.mechanisms.selection import check_centroids, selection_histogram
@@ -124,6 +125,20 @@ def release_selection(
     noisy, event = selection_histogram(ds.images, c, cfg.public.selection_sigma, rng)
     _same([planned], [event], "semantic selection")
     return {"histogram": noisy}, [planned]
+
+
+def selection_share(
+    ds: Any, cfg: JobConfig, centroids: np.ndarray, n_sites: int, rng: np.random.Generator
+) -> np.ndarray:
+    """A secure-aggregation job's semantic selection at this site (``mechanisms.secure_sums``): 2^10 x the
+    vote counts over the coordinator's ``centroids`` plus this site's Skellam noise share, not yet reduced or
+    masked (``edge.secure.masked_contribution`` does both). Only the masked vector leaves."""
+    if not cfg.public.selection:
+        raise PrivacyError(
+            "the job asks no semantic selection ([public] selection = false); nothing to release"
+        )
+    c = check_centroids(centroids, cfg.public.selection_groups, tuple(ds.image_shape))
+    return ss.selection_contribution(ds.images, c, sigma=cfg.public.selection_sigma, n_sites=n_sites, rng=rng)
 
 
 def _refuse_non_finite(weights: dict[str, np.ndarray]) -> None:

@@ -1,8 +1,8 @@
 """The node's side of secure aggregation (docs/secure-aggregation.md): the four SecAgg+ stages of one secure
 sum, for a job with ``[federation] secure_aggregation = true``.
 
-One message type (``query.secagg``); the request names the release (``phase``: central | frequency) and the
-stage:
+One message type (``query.secagg``); the request names the release (``phase``: selection | central |
+frequency | dpsgd) and the stage:
 
   setup                   fresh ECDH keys, the advert signed by the site key (nothing about the data: not
                           charged);
@@ -61,7 +61,9 @@ from feta_release.signing import load_public_key, public_key_pem
 from .protocol import PHASES, Handler, planned, verified_job
 from .site import Site, site_for
 
-PHASE_NAMES = ("central", "frequency", "dpsgd")  # dpsgd: one FedSGD round per sum (edge/fedsgd.py)
+# selection: the semantic selection histogram (its centroids come with the masking stage); dpsgd: one FedSGD
+# round per sum (edge/fedsgd.py)
+PHASE_NAMES = ("selection", "central", "frequency", "dpsgd")
 MIN_MODULUS_BITS = 16  # the modulus is the coordinator's choice (utility only: decoding is post-processing)
 
 
@@ -99,6 +101,8 @@ def layout(job: Job, phase: str, image_shape: tuple[int, ...], n_classes: int) -
         return ss.central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample, c.cells)
     if phase == "dpsgd":
         return ss.fedsgd_layout(ss.model_dim(job.config.model, image_shape, n_classes), job.config.dpsgd.clip)
+    if phase == "selection":
+        return ss.selection_layout(job.config.public.selection_groups)
     return ss.frequency_layout(n_classes, f.features)
 
 
@@ -273,7 +277,8 @@ def masked_contribution(
 ) -> np.ndarray:
     """The site's Skellam contribution for the request's sum, masked (called by the charged release only).
     ``noisy_sum``: the contribution as the caller computed it (integer records' sum + noise share, not
-    reduced; a FedSGD round, edge/fedsgd.py), reduced here mod the key setup's modulus."""
+    reduced; a FedSGD round, edge/fedsgd.py; the selection, from the request's centroids), reduced here mod
+    the key setup's modulus."""
     st, keys = load_state(site, job, doc)
     phase, cfg, d = str(doc["phase"]), job.config, site.data
     n_sites, bits = len(job.sites), st.config.modulus_bits

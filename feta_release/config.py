@@ -188,7 +188,8 @@ class PublicSection:
     pretrained_sha256: str | None = None
     # Semantic selection (PrivImage; mechanisms/selection.py): each site releases a noisy histogram of which
     # of `selection_groups` k-means groups of the public set its images are nearest to (sensitivity 1 image,
-    # noise multiplier `selection_sigma`, charged as the event "selection"); pretraining then uses the groups
+    # noise multiplier `selection_sigma`, charged as the event "selection"; a secure-aggregation job sums the
+    # sites' histograms securely, each site adding its share of the noise); pretraining then uses the groups
     # with the highest noisy counts, at least `selection_keep` of the public set. Off by default (costs ε).
     selection: bool = False
     selection_groups: int = 16

@@ -263,14 +263,22 @@ def secure_stage_events(
     dpsgd_size: int | None = None,
     patient_cap: int | None = None,
 ) -> list[Event]:
-    """:func:`stage_events` of a federated site whose warm-up releases go through secure aggregation:
-    ``warmup`` are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``), so DP-SGD is
-    calibrated over the history the ledger will hold. With ``[federation] fedsgd`` (``fedsgd`` then required)
+    """:func:`stage_events` of a federated site whose one-shot releases go through secure aggregation:
+    ``warmup`` are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``: the semantic
+    selection's first, then the warm-up releases'), so DP-SGD is calibrated over the history the ledger will
+    hold. With ``[federation] fedsgd`` (``fedsgd`` then required)
     DP-SGD is one ``SkellamEvent`` per round (q, one step, the gradient's integer-domain sensitivities), its
     sigma calibrated so that the whole history counted over ``fedsgd.shares`` noise shares meets the
     budget."""
     n = _size(public_size)
-    warmup = selection_events(cfg) + list(warmup)  # the selection: a per-site Gaussian release in any job
+    warmup = list(warmup)
+    if cfg.public.selection and stage_event(warmup, "selection") is None:
+        # the selection is a secure sum too: a history without its event would calibrate DP-SGD for less
+        # than the ledger charges
+        raise PrivacyError(
+            "[public] selection under secure aggregation: the secure history given holds no selection "
+            "event (mechanisms.secure_sums.secagg_warmup_events makes it); nothing planned"
+        )
     if not cfg.federation.fedsgd:
         return _with_dpsgd(
             cfg,

@@ -502,10 +502,12 @@ class JobDriver:
         self.timings[phase] = time.monotonic() - t0
         return have
 
-    def _collect_secure(self, phase: str) -> dict[str, dict[str, np.ndarray]]:
+    def _collect_secure(
+        self, phase: str, arrays: dict[str, np.ndarray] | None = None
+    ) -> dict[str, dict[str, np.ndarray]]:
         """One secure sum (``secure_collect``), cached on disk like ``_collect``. Every contributing site maps
         to the SAME decoded release, so the warm-up's public-size-weighted combination of them is that sum
-        itself."""
+        itself. ``arrays``: the public input every site gets with the masking stage (the centroids)."""
         t0 = time.monotonic()
         p, meta = self.state / f"{phase}_secure.npz", self.state / f"{phase}_secure.json"
         if p.exists() and meta.exists():
@@ -514,7 +516,7 @@ class JobDriver:
             contributors = list(json.loads(meta.read_text("utf-8"))["sites"])
         else:
             self.emit(phase, f"secure sum of the {phase} releases of {len(self.sites)} site(s)")
-            arrays, contributors = collect_secure(self, phase)
+            arrays, contributors = collect_secure(self, phase, arrays)
             atomic_write_bytes(p, npz_bytes(**arrays))
             atomic_write_bytes(meta, json.dumps({"sites": contributors}).encode("utf-8"))
         if len(contributors) < self.cfg.federation.min_sites:
@@ -526,20 +528,29 @@ class JobDriver:
         return {sid: arrays for sid in contributors}
 
     def collect_selection(self, centroids: np.ndarray) -> np.ndarray | None:
-        """The semantic selection query (``[public] selection``): each site's noisy histogram over the public
+        """The semantic selection query (``[public] selection``): the sites' noisy histograms over the public
         groups (``centroids``: means of public thumbnails, the only thing sent; never a public image), summed.
-        Each site adds its own full Gaussian noise (a per-site release in every job), so the sum is
-        post-processing of DP releases. None when the job asks no selection."""
+        A secure-aggregation job sums them by a secure sum: each site adds its Skellam noise share, masks,
+        and only the noisy SUM is decoded (``secure_collect``); otherwise each site adds its own full
+        Gaussian noise and the released histograms are summed here. Either way post-processing of DP
+        releases. None when the job asks no selection."""
         if not self.cfg.public.selection:
             return None
-        got = self._collect("selection", fm.SELECTION, {"centroids": np.asarray(centroids, dtype=np.float32)})
+        public = {"centroids": np.asarray(centroids, dtype=np.float32)}
+        if self.cfg.federation.secure_aggregation:
+            got = self._collect_secure("selection", public)
+            summed = got[min(got)]  # every contributor maps to the one decoded sum
+            self._check_histograms({"the decoded secure sum": summed})
+            return summed["histogram"].astype(np.float64)
+        got = self._collect("selection", fm.SELECTION, public)
+        self._check_histograms({f"site {sid}": a for sid, a in got.items()})
+        return np.sum([got[sid]["histogram"].astype(np.float64) for sid in sorted(got)], axis=0)
+
+    def _check_histograms(self, got: dict[str, dict[str, np.ndarray]]) -> None:
         want = (int(self.cfg.public.selection_groups),)
         bad = sorted(sid for sid, a in got.items() if "histogram" not in a or a["histogram"].shape != want)
         if bad:
-            raise PolicyError(
-                f"selection: site(s) {', '.join(bad)} sent a histogram that is not {want[0]} counts"
-            )
-        return np.sum([got[sid]["histogram"].astype(np.float64) for sid in sorted(got)], axis=0)
+            raise PolicyError(f"selection: {', '.join(bad)} holds a histogram that is not {want[0]} counts")
 
     def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.central.rounds <= 0:

@@ -16,7 +16,14 @@ import numpy as np
 from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
 from ..mechanisms import secure_sums as ss
-from ..planning import fedsgd_shape, secure_stage_events, site_dpsgd, target, warmup_events
+from ..planning import (
+    fedsgd_shape,
+    secure_stage_events,
+    selection_events,
+    site_dpsgd,
+    target,
+    warmup_events,
+)
 from ..policy.enforce import own_share_request, request_of, skellam_own_sigma, skellam_request
 from . import messages as fm
 from .secagg import (
@@ -52,9 +59,9 @@ class Driver(Protocol):
 
 
 def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
-    """(the requests its policy checks, the events it will charge) of one site of a secure job: the warm-up
-    releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as the node
-    does."""
+    """(the requests its policy checks, the events it will charge) of one site of a secure job: the selection
+    and warm-up releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as
+    the node does."""
     cfg, n = d.cfg, len(d.job.sites)
     colluders = site.policy.counted_colluders(n)
     warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, n, colluders)
@@ -72,7 +79,11 @@ def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
         **site_dpsgd(site.policy),
     )
     skellam = {e.stage: e for e in warm if isinstance(e, SkellamEvent)}
-    gaussian = warmup_events(cfg, site.size) + [e for e in charged if isinstance(e, PrivacyEvent)]
+    gaussian = (
+        selection_events(cfg)
+        + warmup_events(cfg, site.size)
+        + [e for e in charged if isinstance(e, PrivacyEvent)]
+    )
     # min_sigma is the site's rule on its OWN noise share, as the node checks it
     requests = [
         own_share_request(request_of(e, cfg), skellam_own_sigma(skellam[e.stage]))
@@ -103,6 +114,8 @@ def phase_layout(d: Driver, phase: str) -> ss.Layout:
         return ss.central_layout(info.image_shape, info.n_classes, c.rounds, c.clip, c.downsample, c.cells)
     if phase == "dpsgd":
         return ss.fedsgd_layout(ss.model_dim(d.cfg.model, info.image_shape, info.n_classes), d.cfg.dpsgd.clip)
+    if phase == "selection":
+        return ss.selection_layout(d.cfg.public.selection_groups)
     return ss.frequency_layout(info.n_classes, f.features)
 
 
@@ -136,7 +149,8 @@ def secure_sum(
 ) -> tuple[np.ndarray, list[str]]:
     """The modular sum (uint64 residues mod 2^b) of the sites' Skellam contributions, and who is in it.
     ``round_no`` / ``weights``: a FedSGD round (its number in the round id and the requests, the global
-    weights sent with the masking stage)."""
+    weights sent with the masking stage); ``weights`` is any public input of the masking stage (the
+    selection's centroids)."""
     sites = sorted(d.sites)
     nodes = {sid: int(d.sites[sid].node_id) for sid in sites}
     by_node = {n: sid for sid, n in nodes.items()}
@@ -232,10 +246,24 @@ def sum_with_redo(d: Driver, phase: str, **round_args: Any) -> tuple[np.ndarray,
     )
 
 
-def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The decoded ``phase`` release (arrays of one ``CentralRelease`` / ``FrequencyRelease``) and its
-    sites."""
-    residues, contributors = sum_with_redo(d, phase)
+def collect_secure(
+    d: Driver, phase: str, public: dict[str, np.ndarray] | None = None
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The decoded ``phase`` release (arrays of one ``CentralRelease`` / ``FrequencyRelease``; the selection's
+    summed ``histogram``) and its sites. ``public``: the public arrays every site gets with the masking stage
+    (the selection's centroids)."""
+    residues, contributors = sum_with_redo(d, phase, weights=public)
+    if phase == "selection":
+        pb = d.cfg.public
+        total = ss.decode_selection(residues, pb.selection_groups, pb.selection_sigma, len(d.job.sites))
+        return {"histogram": total}, contributors
+    return _decode_warmup(d, phase, residues, contributors), contributors
+
+
+def _decode_warmup(
+    d: Driver, phase: str, residues: np.ndarray, contributors: list[str]
+) -> dict[str, np.ndarray]:
+    """The decoded central / frequency sum as the arrays of one site's release (PUBLIC denominators)."""
     lay, info, cfg = phase_layout(d, phase), next(iter(d.sites.values())), d.cfg
     sizes = {sid: int(d.sites[sid].size) for sid in contributors}
     n = len(d.job.sites)
@@ -273,4 +301,4 @@ def collect_secure(d: Driver, phase: str) -> tuple[dict[str, np.ndarray], list[s
             stride=f.stride,
         )
         arrays = {k: np.asarray(v) for k, v in freq.to_arrays().items()}  # type: ignore[attr-defined]
-    return arrays, contributors
+    return arrays

@@ -1,10 +1,11 @@
-"""The one-shot releases (mean central images, frequency embedding) as Skellam contributions to a secure sum.
+"""The one-shot releases (semantic selection, mean central images, frequency embedding) as Skellam
+contributions to a secure sum.
 
 Each site turns its images into ONE integer vector per release: its records (one per image) clipped, scaled by
 s = 2^SCALE_BITS / c and conditionally rounded ONE RECORD AT A TIME (:func:`skellam.quantize_records`), summed
 in place, plus its noise share Sk(mu / n), reduced mod 2^b. The coordinator decodes the modular sum of the
 sites' vectors and divides by a PUBLIC denominator (post-processing), giving a ``CentralRelease`` /
-``FrequencyRelease`` that the warm-up stages read as today.
+``FrequencyRelease`` that the warm-up stages read as today (the selection: the summed noisy histogram).
 
 Sensitivity (add/remove one image of one site), in integer units:
   * central mean images: vector = rounds x classes x cells blocks of d = C h w (downsampled) values; in one
@@ -15,7 +16,17 @@ Sensitivity (add/remove one image of one site), in integer units:
     one block by one record: the sensitivity and the event do not depend on ``cells``; only the number of
     blocks does;
   * frequency embedding: vector = classes blocks of F random features; phi(x) has norm 1 exactly (c = 1), one
-    record in one block: one unsampled release (q = 1) with Delta2(s, F).
+    record in one block: one unsampled release (q = 1) with Delta2(s, F);
+  * semantic selection (``mechanisms.selection``): vector = the G = ``[public] selection_groups`` vote
+    counts. One image's record is the one-hot e_g of its nearest centroid (norm 1 exactly: c = 1), scaled to
+    s e_g with s = 2^SCALE_BITS, an integer vector already: the conditional rounding is the identity on it,
+    so the site's integer sum is exactly s x its vote counts (:func:`selection_contribution`, which computes
+    it so). Adding or removing one image moves ONE count by s, whatever the centroids: exact sensitivities
+    Delta2 = Delta1 = s = 2^10. The event charges the bounds every secure sum charges, Delta2(s, G) =
+    sqrt(s^2 + G/4 + sqrt(2 ln 1/beta) (s + sqrt(G)/2)) >= s (1024.503 for G = 16) and Delta1 = Delta2
+    min(sqrt(G), Delta2) >= s: upper bounds, so conservative. One unsampled release (q = 1), ``(selection,
+    q = 1, 1)``; the total noise Sk((sigma s)^2) decodes to std sigma votes per group, the per-site Gaussian
+    query's sigma.
 The noise multiplier sigma is the job's stage sigma: the n shares sum to Sk(mu), mu = (sigma c s)^2, i.e.
 noise std sigma c in real units, the POOLED mechanism's. Modulus 2^64 by default (vectors travel as uint64
 anyway): the wrap-around probability, :func:`skellam.wrap_probability`, is stated per release.
@@ -29,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DataError, PrivacyError
+from . import selection as sel
 from . import skellam as sk
 from ._checks import check_images, check_positive_int, check_sigma, require_generator, sampling_rate
 from .central import CentralRelease, _prepare, slant_cells
@@ -123,6 +135,40 @@ def small_shape(image_shape: tuple[int, ...], downsample: float) -> tuple[int, i
 
 def frequency_layout(n_classes: int, features: int) -> Layout:
     return Layout(int(n_classes), int(features), 1.0)
+
+
+def selection_layout(groups: int) -> Layout:
+    """One block of the ``groups`` vote counts (each record a one-hot of norm 1)."""
+    return Layout(1, check_positive_int(groups, "[public] selection_groups", "semantic selection"), 1.0)
+
+
+def selection_params(
+    groups: int, sigma: float, n_sites: int, modulus_bits: int = DEFAULT_MODULUS_BITS
+) -> sk.SkellamParams:
+    """Skellam parameters of the secure selection sum: c = 1, s = 2^SCALE_BITS (an integer, so s e_g needs no
+    rounding), the n shares summing to Sk((sigma s)^2)."""
+    return block_params(selection_layout(groups).block_dim, 1.0, sigma, n_sites, modulus_bits)
+
+
+def selection_contribution(
+    images: np.ndarray, centroids: np.ndarray, *, sigma: float, n_sites: int, rng: np.random.Generator
+) -> np.ndarray:
+    """This site's integer input to the secure selection sum, not yet reduced mod 2^b: s x its exact vote
+    counts (the sum of its records s e_g, each exactly its conditionally rounded self: module docstring) plus
+    its noise share Sk(mu / n). The vote counts never leave this function unnoised."""
+    where = "semantic selection (secure sum)"
+    gen = require_generator(rng, where)
+    c = np.asarray(centroids, dtype=np.float64)
+    params = selection_params(len(c), check_sigma(sigma, where), n_sites)
+    scaled = sel.vote_counts(images, c) * np.int64(params.scale)  # s = 2^SCALE_BITS exactly (c = 1)
+    return scaled + sk.skellam_noise(len(c), params.site_mu, gen)
+
+
+def decode_selection(residues: np.ndarray, groups: int, sigma: float, n_sites: int) -> np.ndarray:
+    """The modular sum of the sites' selection contributions -> the summed noisy histogram in votes (float64,
+    one count per group): the total vote counts plus noise of std sigma per group (post-processing)."""
+    params = selection_params(groups, sigma, n_sites)
+    return decode(residues, selection_layout(groups), params).reshape(-1)
 
 
 def _finish(total: np.ndarray, params: sk.SkellamParams, rng: np.random.Generator) -> np.ndarray:
@@ -378,14 +424,18 @@ def secagg_threshold(threshold: int | None, n_sites: int) -> int:
 def secagg_warmup_events(
     cfg: object, n_public: int, image_shape: tuple[int, ...], n_classes: int, n_sites: int, colluders: int
 ) -> list[object]:
-    """The ``SkellamEvent`` of each one-shot release of a job under secure aggregation at one site: ``mu``
-    counts the honest shares under its assumption (``colluders`` other sites), ``mu_worst`` its own share."""
+    """The ``SkellamEvent`` of each one-shot release of a job under secure aggregation at one site, in the
+    order they are released (the semantic selection first, then central, frequency): ``mu`` counts the honest
+    shares under its assumption (``colluders`` other sites), ``mu_worst`` its own share."""
     from ..accountants.skellam import honest_shares, skellam_event
 
-    c, f, fed = cfg.central, cfg.frequency, cfg.federation  # type: ignore[attr-defined]
+    c, f, fed, pb = cfg.central, cfg.frequency, cfg.federation, cfg.public  # type: ignore[attr-defined]
     t = secagg_threshold(fed.secagg_threshold, n_sites)
     h = honest_shares(n_sites, t, min(int(colluders), n_sites - 1))
     out: list[object] = []
+    if pb.selection:
+        p_sel = selection_params(pb.selection_groups, pb.selection_sigma, n_sites)
+        out.append(skellam_event(p_sel, "selection", 1.0, 1, h))
     if c.rounds > 0:
         lay = central_layout(image_shape, n_classes, c.rounds, c.clip, c.downsample, c.cells)
         p = block_params(lay.block_dim, lay.clip, c.sigma, n_sites)

@@ -15,12 +15,30 @@ Two parts, only the second reads private data:
    of that image and the public centroids alone). The release is the Gaussian mechanism with noise
    multiplier sigma: the event ``(selection, sigma, q = 1, 1)`` (:func:`selection_event`), charged in the
    site's ledger before the computation runs. A patient-level site counts it by group privacy over its
-   patient cap (``accounting.patient_epsilon``), as every image-level release.
+   patient cap (``accounting.patient_epsilon``), as every image-level release (the secure sum's
+   ``SkellamEvent`` below included).
 
-The coordinator then keeps the public images of the groups whose noisy count is highest
-(:func:`select_groups`, a rule fixed by the signed job): a function of the noisy histograms and public
-values only, i.e. post-processing, and pretraining on the kept images is post-processing of that (it reads
-no private image).
+How the query is released depends on the job:
+
+* ``train`` and a federated job with per-site noise (``[federation] secure_aggregation = false``): each site
+  releases its own histogram with the FULL noise N(0, sigma^2) per group (:func:`selection_histogram`, the
+  event above); the coordinator sums the sites' released histograms.
+* a federated job summed by secure aggregation (``[federation] secure_aggregation``, the default for >= 2
+  sites): each site turns its votes into 2^10 x the counts, adds only its SHARE of distributed Skellam noise,
+  Sk((sigma 2^10)^2 / n), and masks the vector (``secure_sums.selection_contribution``,
+  ``edge/secure.py``); the coordinator unmasks only the SUM of the sites' vectors, with the threshold and
+  dropout rules of every secure sum, and decodes it to the summed histogram plus noise of std sigma per
+  group (``secure_sums.decode_selection``). Sensitivity after the integer scaling: one image moves one count
+  by exactly 2^10 (L2 = L1, the one-hot needs no rounding; ``secure_sums``' docstring states it and the
+  bound charged). The event is then a ``SkellamEvent`` ``(selection, q = 1, 1)`` counting the honest
+  sites' shares (``secure_sums.secagg_warmup_events``); a site's ``mechanisms.selection.min_sigma`` is
+  checked against its OWN share, about sigma / sqrt(n), so a coordinator cannot make it small by summing
+  over many sites.
+
+Either way the coordinator then keeps the public images of the groups whose noisy count is highest
+(:func:`select_groups`, a rule fixed by the signed job): a function of the noisy (summed) histogram and
+public values only, i.e. post-processing, and pretraining on the kept images is post-processing of that (it
+reads no private image).
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str
         "nominal size fixed by its signed policy, never the exact count; every feature vector has "
         "norm 1)",
         "selection": "noisy histogram of the public groups the site's images are nearest to (which public "
-        "images pretraining uses); L2 sensitivity 1 image",
+        "images pretraining uses); L2 sensitivity 1 image (2^10 integer units when summed by secure "
+        "aggregation)",
         "dpsgd": f"DP-SGD model updates; per-example gradients clipped to L2 norm C = {d.get('clip', '?')} "
         "(the sensitivity), Poisson-sampled batches",
     }

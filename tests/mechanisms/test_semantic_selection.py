@@ -14,6 +14,7 @@ from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError, PolicyError, PrivacyError
 from feta_release.ledger import Budget, Ledger
 from feta_release.mechanisms import selection as sel
+from feta_release.mechanisms.secure_sums import secagg_warmup_events
 from feta_release.planning import plan, secure_stage_events, stage_events
 from feta_release.stages.pretrain import PublicInputs, selected, selection_groups, with_public
 
@@ -130,8 +131,11 @@ def test_the_planner_charges_the_selection_first_and_it_composes_into_the_one_ep
     assert p.stage("selection").epsilon > 0 and p.stage("selection").sigma == 3.0
     assert p.epsilon > plan(plain.replace(dpsgd={"noise_multiplier": 2.0}), 240).epsilon
     assert "4 public groups" in p.stage("selection").note
-    secure = secure_stage_events(cfg.replace(federation={"sites": ["a", "b"]}), 240, [])
-    assert secure[0] == sel.selection_event(3.0)
+    # a secure-aggregation job charges the selection as its Skellam secure sum, first as well
+    secure = cfg.replace(federation={"sites": ["a", "b"], "secure_aggregation": True})
+    warm = secagg_warmup_events(secure, 240, (1, 28, 28), 10, 2, 0)
+    assert secure_stage_events(secure, 240, warm)[0] == warm[0] != sel.selection_event(3.0)
+    assert warm[0].stage == "selection"
 
 
 def test_the_ledger_refuses_a_selection_over_the_budget_naming_the_rule(tmp_path):

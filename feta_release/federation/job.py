@@ -27,7 +27,7 @@ from ..training.device import resolve_device
 from . import checkpoint_io
 from .anchors import AnchorStore
 from .driver import JobDriver, JobResult, Progress, global_ema
-from .warmup import pooled_central, warm_up
+from .warmup import Observer, pooled_central, warm_up
 
 # ``coordinator run --device``, for the ServerApp: the SuperLink starts that process with the FAB's run config
 # only, and a new run-config key would change the FAB's hash that every site's signed policy lists
@@ -126,6 +126,7 @@ def run_job(
     device: str | None = None,
     anchors: str | Path | None = None,
     public: PublicInputs | None = None,
+    observe: Observer | None = None,
 ) -> JobResult:
     """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event.
 
@@ -137,7 +138,8 @@ def run_job(
     one is refused at its hello. ``public``: the public set / pretrained file the signed job's ``[public]``
     names (``stages.pretrain``): only the coordinator reads it; the sites get the job (hashes only) and, in
     DP-SGD rounds, the weights trained from it. None: the ones ``coordinator run --public`` left in
-    ``out_dir`` (:func:`saved_public`), if any."""
+    ``out_dir`` (:func:`saved_public`), if any. ``observe``: called at each stage boundary with the stage's
+    name and the released central images or the model after it (``train``'s sample grids)."""
     d = JobDriver(
         grid,
         signed_job,
@@ -153,6 +155,7 @@ def run_job(
         # see is then an `error` event in progress.jsonl, which `coordinator run` prints, before any site is
         # asked
         dev = resolve_device(saved_device(out_dir) if device is None else device)
+        d.observe = observe or (lambda stage, what: None)
         return _run(d, signed_job, dev, public if public is not None else saved_public(out_dir))
     except Exception as exc:
         d.emit("error", f"{type(exc).__name__}: {exc}")
@@ -178,6 +181,7 @@ def _run(
     atts = d.attestations()
     if rounds_done:
         ema.copy_to(model)  # the released weights are the EMA of the global model
+        d.observe("after-dpsgd", model)
     info = next(iter(d.sites.values()))
     write_model_file(
         d.out / MODEL_FILE,
@@ -245,6 +249,7 @@ def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
     if central:
         images, labels = pooled_central(central, {sid: s.size for sid, s in d.sites.items()}, d.cfg)
         d.public_central = (images, labels)  # the rounds' public input with [dpsgd] public_batch
+        d.observe("central-images", (images, labels))
         # bound to the job: build_release refuses a file of another job (a stale one in a reused --out)
         atomic_write_bytes(
             d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id))
@@ -309,6 +314,7 @@ def _warm_model(
             d.cfg,
             {sid: s.size for sid, s in d.sites.items()},
             lambda msg: d.emit("warmup", msg),
+            d.observe,
         )
         _save_aux_pool(d, aux)  # before the checkpoint: a restarted coordinator that skips the warm-up has it
         checkpoint_io.save_warmup(d.state, {"model": model.state_dict()})

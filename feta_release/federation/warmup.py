@@ -13,6 +13,7 @@ federation of one site therefore warms up exactly as ``train`` does on the same 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from ..stages.freq_warmup import aux_images, fit_aux, frequency_enabled, frequen
 from ..stages.spatial import central_polish, spatial_enabled, spatial_stage
 
 Log = Callable[[str], None]
+# a stage boundary: (stage name, the model after it, or the released central images (images, labels))
+Observer = Callable[[str, Any], None]
 
 
 def warm_up(
@@ -35,10 +38,13 @@ def warm_up(
     cfg: JobConfig,
     sizes: dict[str, int],
     log: Log,
+    observe: Observer | None = None,
 ) -> AuxModel | None:
     """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``);
     returns the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source``
-    aux/mix."""
+    aux/mix. ``observe``: called with ``("after-spatial" | "after-frequency", model)`` at each stage's end (a
+    ``train`` run draws its sample grids there; post-processing)."""
+    observe = observe or (lambda stage, what: None)
     pooled = pooled_central(central, sizes, cfg) if central else None
     aux = None
     if pooled is not None and spatial_enabled(cfg):
@@ -54,13 +60,24 @@ def warm_up(
             progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}") if i % every == 0 else None,
         )
         log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
+        if not (freq and frequency_enabled(cfg)):
+            _polish(model, pooled, cfg, log)
+        observe("after-spatial", model)
     if freq and frequency_enabled(cfg):
         aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
-    if pooled is not None:  # as the local stages: the last warm-up stage ends with the central polish (if on)
-        polished = central_polish(model, pooled, cfg)
-        if polished is not None:
-            log(f"central polish done in {polished.seconds:.1f} s (final loss {polished.final_loss:.4f})")
+        if pooled is not None:
+            _polish(model, pooled, cfg, log)
+        observe("after-frequency", model)
+    elif pooled is not None and not spatial_enabled(cfg):
+        _polish(model, pooled, cfg, log)
     return aux
+
+
+def _polish(model: EDMDenoiser, pooled: tuple[np.ndarray, np.ndarray], cfg: JobConfig, log: Log) -> None:
+    """As the local stages: the last warm-up stage ends with the central polish (if on)."""
+    polished = central_polish(model, pooled, cfg)
+    if polished is not None:
+        log(f"central polish done in {polished.seconds:.1f} s (final loss {polished.final_loss:.4f})")
 
 
 def _frequency(

@@ -33,6 +33,7 @@ release module from the event histories (never a number the coordinator made up)
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..accounting import epsilon_breakdown, events_from_list
 from ..config import JobConfig
 from ..errors import FetaError
+from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
 from ..signing import load_private_key
@@ -74,6 +76,7 @@ __all__ = [
     "load_model",
     "privacy_report",
     "sample_grid",
+    "synthetic_set",
     "write_job_files",
 ]
 
@@ -304,3 +307,46 @@ def build_release(
         starts=starts,
         aux_pool=aux_pool,
     )
+
+
+def synthetic_set(out_dir: Path, n: int, seed: int = 0, device: str | torch.device = "cpu") -> Path:
+    """``synthetic.npz``: ``n`` images of the released model (balanced labels, interleaved so a prefix is
+    balanced too), drawn as ``synthesize`` draws by default (SDEdit from the job's released central images /
+    aux pool when the job says start_sigma). Post-processing of the release: images float32 (N, C, H, W) in
+    [0, 1], labels int64, class_names."""
+    signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
+    cfg, job_id = JobConfig.from_dict(signed["job"]["config"]), signed["job"]["job_id"]
+    model = load_model(out_dir).to(device)
+    k = int(model.n_classes)
+    labels = np.tile(np.arange(k, dtype=np.int64), -(-n // k))[:n]
+    first = np.arange(n, dtype=np.int64) // k  # image j of its class
+    central = released_central(out_dir, job_id)
+    aux = (
+        released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images")
+        if cfg.sampler.uses_aux
+        else None
+    )
+    src = cfg.sampler.start_source if aux is not None else "central"
+    scfg, init = cfg.sampler, None
+    if n and scfg.start_sigma is not None and (src == "aux" or central is not None):
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(2,))))
+        starts = mixed_start_images(
+            central,
+            aux,
+            src,
+            labels,
+            first,
+            rng,
+            n_ops=cfg.warmup.augment_ops,
+            magnitude_max=cfg.warmup.augment_magnitude,
+        )
+        scfg, init = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), torch.from_numpy(starts)
+    images, _ = (
+        generate(model, labels, seed, scfg, init=init) if n else (torch.zeros((0, *model.image_shape)), None)
+    )
+    names = json.loads((out_dir / "job_summary.json").read_text("utf-8"))["class_names"]
+    buf = io.BytesIO()
+    np.savez_compressed(
+        buf, images=images.numpy().astype(np.float32), labels=labels, class_names=np.array(names)
+    )
+    return atomic_write_bytes(out_dir / "synthetic.npz", buf.getvalue())

@@ -169,7 +169,7 @@ def run_train(cfg: JobConfig, data: ImageDataset, out_dir: str | Path, opts: Tra
     t0 = time.perf_counter()
     resolve_device(opts.device)  # refuse an absent GPU before anything is written
     rep = opts.reporter or Reporter(enabled=False)
-    root = _run_dir(Path(out_dir))
+    root = _run_dir(Path(out_dir))  # checked; made once the job is known to run (or to draw its size)
     resumed = (root / SIGNED_JOB).is_file()
     if (root / COMPLETE).is_file():
         rep.log(f"[green]{escape(str(root))} is already complete[/]; nothing to do")
@@ -183,6 +183,7 @@ def run_train(cfg: JobConfig, data: ImageDataset, out_dir: str | Path, opts: Tra
     plan = _plan(cfg, data, n_pub, patients, counted, declared=opts.policy is not None)
     for w in plan.warnings:
         rep.warn(w)
+    _make_site(files)  # (a drawn size made it already)
     ckey = _coordinator_key(root, opts)
     if opts.policy is None:  # made BEFORE the first release of the job, committing to these images
         _run_policy(root, files, data, cfg, plan, ckey, opts.site_id, patients)
@@ -222,26 +223,21 @@ def _run_dir(root: Path) -> Path:
             f"{root}: directory is not empty and holds no run (no {SITE_DIR}/): not a feta-release run; "
             "choose an empty or new --out directory"
         )
-    root.mkdir(parents=True, exist_ok=True)
     return root
 
 
 def _site_files(root: Path, opts: TrainOptions) -> _SiteFiles:
-    """The site's private side under ``RUN_DIR/site/`` (0700), its key (given or made once), its ledger
-    (``--ledger`` a site's own, shared one: only under the site's signed policy) and the policy's files."""
-    site = private_dir(root / SITE_DIR)
+    """Where the site's private side lies (``RUN_DIR/site/``), its key (given, or the run's own), its ledger
+    (``--ledger`` a site's own, shared one: only under the site's signed policy) and the policy's files.
+    Nothing is written here (:func:`_make_site`)."""
+    site = root / SITE_DIR
     if opts.ledger is not None and opts.policy is None and not _inside(opts.ledger, root):
         raise ConfigError(
             f"{opts.ledger}: a site ledger outside the run directory is charged under the site's signed "
             "policy; give --policy SITE.signed.json --trusted ADMIN.pub --data-secret SECRET (or omit "
             "--ledger)"
         )
-    key = opts.site_key
-    if key is None:
-        key = site / "keys" / "site.key"
-        if not key.exists():
-            private_dir(key.parent)
-            generate_keypair(key.parent, "site")
+    key = opts.site_key if opts.site_key is not None else site / "keys" / "site.key"
     if opts.policy is not None:
         if opts.trusted is None or opts.data_secret is None:
             raise ConfigError(
@@ -257,6 +253,14 @@ def _site_files(root: Path, opts: TrainOptions) -> _SiteFiles:
         )
     ledger = opts.ledger if opts.ledger is not None else site / "ledger.sqlite"
     return _SiteFiles(site, Path(key), Path(ledger), site / "work", Path(policy), Path(trusted), Path(secret))
+
+
+def _make_site(files: _SiteFiles) -> None:
+    """The site's private side (0700, for the run's account only: its ledger, key and round checkpoints)
+    and the run's own site key (made once, when none is given)."""
+    private_dir(files.root)
+    if files.key == files.root / "keys" / "site.key" and not files.key.exists():
+        generate_keypair(private_dir(files.key.parent), "site")
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -302,6 +306,7 @@ def _public_counts(
     # only what does not read the exact count is checked before the draw (a refusal at the exact count would
     # be an un-noised function of it)
     check_data_content(cfg, data)
+    _make_site(files)
     job_id, drawn = _drawn(cfg, files, exact, rep)
     if patients is not None and PATIENTS_STAGE in drawn:
         patients = dataclasses.replace(patients, n_public=drawn[PATIENTS_STAGE])

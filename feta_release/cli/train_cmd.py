@@ -1,4 +1,6 @@
-"""``feta-release train``: the whole single-site pipeline (plan, releases, warm-ups, DP-SGD, samples)."""
+"""``feta-release train``: one site's whole job as a federation of one (``coordinator.local_run``): the node's
+handlers answer the coordinator's ``JobDriver`` in one process (plan, releases, warm-ups, DP-SGD, samples,
+release)."""
 
 from __future__ import annotations
 
@@ -184,7 +186,7 @@ def train(
     progress: bool,
     as_json: bool,
 ) -> None:
-    """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
+    """Train a synthesizer on one site's data and write RUN_DIR, the job directory (coordinator.local_run).
 
     Recommended: give no JOB and no --preset, only --epsilon: the job is DERIVED from the data's public facts
     (size, image shape, classes, epsilon, device, --time-budget; feta_release.job_rules, docs/derived-job.md),
@@ -192,12 +194,15 @@ def train(
     measured are cpu-eps1-nodpsgd (0.80 held-out at eps 1) and cpu-eps10-nodpsgd (0.90 at eps 10);
     `feta-release preset list` shows them all with their figures.
 
-    Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
-    naming the rule. Re-running the same command after an interruption resumes from the last checkpoint
-    without spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run. A
-    finished run is then written up as a one-site job, the layout a federated coordinator writes
-    (signed_job.json, the site's attestation from its ledger, privacy_report.*, samples.png and the signed
-    RUN_DIR/release for `verify`, `synthesize` and `report`).
+    The run is a federation of one: the site is opened as a node opens one (its signed policy: --policy
+    --trusted --data-secret, or the run's own, made before the first release and committed to the data), and
+    answers the coordinator's requests with the node's handlers; every release is charged in the site ledger
+    (RUN_DIR/site/, or --ledger) before it runs, and a charge over the budget is refused naming the rule.
+    Re-running the same command after an interruption resumes without spending privacy again for what was
+    already charged (a DP-SGD round killed inside continues from the site's last checkpoint).
+    RUN_DIR is the coordinator's job directory (signed_job.json, the site's attestation, privacy_report.*,
+    budget.svg, samples.png, grids/, synthetic.npz and the signed RUN_DIR/release for `verify`, `synthesize`
+    and `report`); RUN_DIR/COMPLETE marks a finished run.
     --resize/--image-size/--window override the job's [job] resize/image_size/window.
 
     \b
@@ -446,8 +451,9 @@ def _patient_index(report: Any, public_patients: int | None) -> Any:
         return None
     from ..privacy_unit import PatientIndex
 
-    # no declared count: 1 is a placeholder, `run_pipeline(draw_patients=True)` draws the public count from a
-    # noisy patient count charged first (the exact count, or a rounding of it, would be an un-noised release)
+    # no declared count: 1 is a placeholder, the run (`TrainOptions(draw_patients=True)`) draws the public
+    # count from a noisy patient count charged first (the exact count, or a rounding of it, would be an
+    # un-noised release)
     n_pub = public_patients if public_patients is not None else 1
     return PatientIndex(report.patients, int(n_pub), int(report.patient_cap))
 

@@ -549,12 +549,15 @@ class JobDriver:
             )
         return np.sum([got[sid]["histogram"].astype(np.float64) for sid in sorted(got)], axis=0)
 
-    def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
+    def collect_central(self, prototypes: np.ndarray | None = None) -> dict[str, dict[str, np.ndarray]]:
+        """Each site's central images; ``prototypes``: the public cell prototypes every site gets with the
+        request (``[central] cell_rule = "aux"``: k-means centres of the aux generator's images)."""
         if self.cfg.central.rounds <= 0:
             return {}
         if self.cfg.federation.secure_aggregation:
             return self._collect_secure("central")
-        return self._collect("central", fm.CENTRAL)
+        arrays = None if prototypes is None else {"prototypes": np.asarray(prototypes, dtype=np.float64)}
+        return self._collect("central", fm.CENTRAL, arrays)
 
     def collect_frequency(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.frequency.sigma is None:

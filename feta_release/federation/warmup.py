@@ -39,14 +39,15 @@ def warm_up(
     sizes: dict[str, int],
     log: Log,
     observe: Observer | None = None,
+    aux: AuxModel | None = None,
 ) -> AuxModel | None:
     """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``);
     returns the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source``
     aux/mix. ``observe``: called with ``("after-spatial" | "after-frequency", model)`` at each stage's end (a
-    ``train`` run draws its sample grids there; post-processing)."""
+    ``train`` run draws its sample grids there; post-processing). ``aux``: the generator already fitted to
+    these frequency releases (:func:`fitted_aux`; ``[central] cell_rule = "aux"`` needed it first)."""
     observe = observe or (lambda stage, what: None)
     pooled = pooled_central(central, sizes, cfg) if central else None
-    aux = None
     if pooled is not None and spatial_enabled(cfg):
         log(
             f"spatial warm-up on {len(pooled[1])} central images (combined from {len(central)} site(s)), "
@@ -64,7 +65,7 @@ def warm_up(
             _polish(model, pooled, cfg, log)
         observe("after-spatial", model)
     if freq and frequency_enabled(cfg):
-        aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
+        aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log, aux)
         if pooled is not None:
             _polish(model, pooled, cfg, log)
         observe("after-frequency", model)
@@ -86,13 +87,15 @@ def _frequency(
     central: tuple[np.ndarray, np.ndarray] | None,
     cfg: JobConfig,
     log: Log,
+    aux: AuxModel | None = None,
 ) -> AuxModel:
     log(
         f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), "
         f"then {cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs"
     )
     device = next(model.parameters()).device
-    aux = fit_aux(release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device)
+    if aux is None:
+        aux = fit_aux(release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device)
     images, labels = warmup_set(*aux_images(aux, cfg), central, cfg)
     res = frequency_train(model, images, labels, cfg)
     if res is not None:
@@ -129,3 +132,18 @@ def pooled_frequency(
             f"{'/'.join(map(str, got))}, the job {'/'.join(map(str, want))}: they were not made for this job"
         )
     return release
+
+
+def fitted_aux(
+    freq: dict[str, dict[str, np.ndarray]],
+    sizes: dict[str, int],
+    cfg: JobConfig,
+    image_shape: tuple[int, int, int],
+    n_classes: int,
+    device: Any,
+) -> AuxModel:
+    """The aux generator fitted to the sites' combined frequency releases (post-processing), as the frequency
+    warm-up fits it: ``[central] cell_rule = "aux"`` draws its public cell prototypes from it before the
+    central release."""
+    release = pooled_frequency(freq, sizes, cfg)
+    return fit_aux(release.embedding, cfg, image_shape, n_classes, release.n_public, device)

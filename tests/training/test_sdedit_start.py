@@ -12,9 +12,8 @@ from feta_release.errors import ConfigError, DataError
 from feta_release.models import build_denoiser
 from feta_release.models.sampler import sample
 from feta_release.stages.synthesis import sdedit_starts
-from feta_release.training.pipeline import run_pipeline
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
-from tests.support.training import TINY, bars, job
+from tests.support.training import TINY, bars, job, train_run
 from tests.support.training import embedded_subset as _data
 
 
@@ -53,9 +52,9 @@ def test_release_starts_are_augmented_images_of_the_asked_class() -> None:
         sdedit_starts((x.numpy(), y.numpy()), np.array([2]), cfg, torch.Generator())
 
 
-def test_pipeline_writes_a_balanced_synthetic_set_from_release_starts(tmp_path) -> None:
-    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5})
-    run_pipeline(cfg, _data(), tmp_path / "r", n_synthetic=30, grid_per_class=1, noise_seed=1)
+def test_train_writes_a_balanced_synthetic_set_from_release_starts(tmp_path) -> None:
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5}, dpsgd={"steps": 0})
+    train_run(cfg, _data(), tmp_path / "r", n_synthetic=30, public_size=240, release=False)
     z = np.load(tmp_path / "r" / "synthetic.npz")
     assert np.bincount(z["labels"]).tolist() == [3] * 10
     assert z["images"].min() >= 0 and z["images"].max() <= 1 and np.isfinite(z["images"]).all()

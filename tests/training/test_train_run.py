@@ -211,3 +211,39 @@ def test_fewer_images_than_the_batch_and_an_empty_class_are_refused(tmp_path):
     keep = data.labels != 3
     with pytest.raises(DataError, match="no images"):
         train_run(_cfg(), data.subset(np.flatnonzero(keep)), tmp_path / "b", public_size=216)
+
+
+def test_the_method_switch_is_part_of_the_config_every_driver_reads():
+    """``[job] method`` is applied when the config is built: the planner, ``train``, the coordinator and the
+    nodes (which read the signed job's config) all see the same stages."""
+    cfg = _cfg()
+    assert cfg.replace(job={"method": "dp-feta"}).frequency.sigma is None
+    assert cfg.replace(job={"method": "dp-feta"}).central.rounds == 1
+    assert cfg.replace(job={"method": "feta-pro-freq"}).central.rounds == 0
+    assert cfg.replace(job={"method": "feta-pro-freq"}).frequency.sigma == 10.0
+    dpdm = cfg.replace(job={"method": "dpdm"})
+    assert (dpdm.central.rounds, dpdm.frequency.sigma) == (0, None)
+    assert JobConfig.from_dict(dpdm.to_dict()) == dpdm  # a signed job's config carries the switch
+    for federated in (False, True):
+        assert {e.stage for e in stage_events(dpdm, 200, federated=federated)} == {"dpsgd"}
+    assert cfg.replace(job={"method": "feta-pro"}) == cfg
+
+
+@pytest.mark.slow
+def test_a_patient_level_train_charges_patient_events_under_its_own_patient_policy(tmp_path):
+    """With patient ids DP-SGD samples whole patients: the run's own policy is patient-level (the public
+    patient count and cap), its DP-SGD event carries unit = patient in the site's ledger, and the per-patient
+    total meets [privacy] epsilon (the image-level central release counted over the cap)."""
+    from feta_release.accounting import patient_epsilon
+    from feta_release.privacy_unit import PatientIndex
+
+    cfg = _cfg(dpsgd={"steps": 4}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
+    pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=80, cap=3)  # 80 patients x 3 images
+    out = tmp_path / "r"
+    res = train_run(cfg, _data(), out, public_size=240, patients=pats, release=False)
+    policy = json.loads((out / "policy.signed.json").read_text())["policy"]["dataset"]
+    assert (policy["privacy_unit"], policy["patients"], policy["patient_cap"]) == ("patient", 80, 3)
+    sgd = [e for r in site_requests(out) for e in events_from_list(r["events"]) if e.stage == "dpsgd"]
+    assert [e.unit for e in sgd] == ["patient"] and sgd[0].steps == 4
+    assert patient_epsilon(res.events, cfg.privacy.delta, 3) <= cfg.privacy.epsilon + 1e-9
+    assert sgd[0].sigma > plan_run(cfg, 240).noise_multiplier

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from feta_release.config import load_preset
-from feta_release.errors import ConfigError, DataError
+from feta_release.errors import ConfigError
 from feta_release.models import build_denoiser
 from feta_release.models.sampler import sample
-from feta_release.stages.synthesis import sdedit_starts
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from tests.support.training import TINY, bars, job, train_run
 from tests.support.training import embedded_subset as _data
@@ -36,20 +35,6 @@ def test_no_init_is_the_noise_sampler_and_tiny_start_sigma_keeps_the_start_image
 def test_start_sigma_outside_the_schedule_is_refused(bad: float) -> None:
     with pytest.raises(ConfigError, match="start_sigma"):
         job(sampler={"start_sigma": bad})
-
-
-def test_release_starts_are_augmented_images_of_the_asked_class() -> None:
-    x, y = bars(3)
-    labels = np.array([0, 1, 1, 0, 1, 1, 1, 1])
-    cfg = job(warmup={"augment_magnitude": 1})
-    starts = sdedit_starts((x.numpy(), y.numpy()), labels, cfg, torch.Generator().manual_seed(0))
-    assert starts.shape == (8, 1, 16, 16) and starts.min() >= 0 and starts.max() <= 1
-    # class 0 is a horizontal bar, class 1 a vertical one: row vs column mass tells them apart after light
-    # jitter
-    rows, cols = starts.sum(3).amax(2).squeeze(1), starts.sum(2).amax(2).squeeze(1)
-    assert torch.equal((cols > rows).long(), torch.from_numpy(labels))
-    with pytest.raises(DataError, match="class 2"):
-        sdedit_starts((x.numpy(), y.numpy()), np.array([2]), cfg, torch.Generator())
 
 
 def test_train_writes_a_balanced_synthetic_set_from_release_starts(tmp_path) -> None:

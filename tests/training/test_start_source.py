@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from feta_release.config import load_preset
-from feta_release.errors import ConfigError, DataError
+from feta_release.errors import ConfigError
 from feta_release.models.auxgen import AuxGenerator
-from feta_release.stages.freq_warmup import AUX_POOL_PER_CLASS, aux_draw, aux_pool
-from feta_release.stages.synthesis import aux_starts, aux_taken, sdedit_starts
+from feta_release.release.starts import aux_mask, index_within_class
+from feta_release.stages.freq_warmup import AUX_POOL_PER_CLASS, aux_pool
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
-from tests.support.training import bars, job, train_run
 from tests.support.training import embedded_subset as _data
+from tests.support.training import job, train_run
 
 FREQ = {"sigma": 10.0, "features": 64}
 
@@ -80,36 +80,10 @@ def test_mix_alternates_within_each_class() -> None:
     """Even index within its class: aux (the set's labels are interleaved, so position parity would give whole
     classes to one source when the class count is even)."""
     labels = np.tile(np.arange(10), 3)
-    take = aux_taken(labels, "mix")
+    take = aux_mask("mix", index_within_class(labels))
     for c in range(10):
         assert take[labels == c].tolist() == [True, False, True]
-    assert aux_taken(labels, "aux").all()
-
-
-def test_mix_takes_aux_generator_images_where_taken_and_central_starts_elsewhere() -> None:
-    aux, (x, y) = _aux(), bars(3)
-    labels = np.array([0, 1, 1, 0, 1, 0, 0])
-    take = aux_taken(labels, "mix")
-    cfg = job(warmup={"augment_magnitude": 1})
-    central = sdedit_starts((x.numpy(), y.numpy()), labels, cfg, torch.Generator().manual_seed(0))
-    seen: list = []
-    real = aux.forward
-
-    def spy(z: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
-        seen.append(lab.clone())
-        return real(z, lab)
-
-    aux.forward = spy  # type: ignore[method-assign]
-    got = aux_starts(aux, labels, take, central, torch.Generator().manual_seed(5))
-    # the aux generator drew the taken starts' labels
-    assert torch.equal(seen[0], torch.from_numpy(labels[take]))
-    assert torch.equal(got[~torch.from_numpy(take)], central[~torch.from_numpy(take)])
-    want = aux_draw(aux, labels[take], torch.Generator().manual_seed(5))
-    assert torch.equal(got[torch.from_numpy(take)], want) and got.min() >= 0 and got.max() <= 1
-    only = aux_starts(aux, labels, aux_taken(labels, "aux"), None, torch.Generator().manual_seed(5))
-    assert torch.equal(seen[-1], torch.from_numpy(labels)) and only.shape == (7, 1, 16, 16)
-    with pytest.raises(DataError, match="no released central images for the other half"):
-        aux_starts(aux, labels, take, None, torch.Generator())
+    assert aux_mask("aux", index_within_class(labels)).all()
 
 
 def test_the_pool_is_public_count_per_class_and_seeded_by_the_job() -> None:

@@ -336,7 +336,7 @@ def _warm_model(
     its checkpoint when a restarted coordinator already has it (checkpoints load to the CPU, then onto
     ``device``)."""
     info = next(iter(d.sites.values()))
-    # the local driver's init, same seed rule, made on the CPU and then moved: the same weights on any device
+    # the public init (one seed rule), made on the CPU and then moved: the same weights on any device
     model = initial_denoiser(d.cfg, info.image_shape, info.n_classes).to(device)
     ck = checkpoint_io.load_warmup(d.state)
     t0 = time.monotonic()

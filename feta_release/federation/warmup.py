@@ -1,6 +1,6 @@
 """The coordinator's warm-up on released statistics only (post-processing: no privacy cost): the SAME stage
-computations the local driver runs (``feta_release.stages.spatial`` / ``freq_warmup``), on the sites' releases
-combined with public-size weights, so a fix to a warm-up stage lands in both drivers.
+computations (``feta_release.stages.spatial`` / ``freq_warmup``), on the sites' releases combined with
+public-size weights.
 
 Central images: the sites' released images are averaged (``combine_central``), post-processed as a single
 site's are, and the spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are

@@ -94,9 +94,8 @@ def frequency_train(
 
 def aux_pool(aux: AuxModel, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
     """The release's fixed pool of aux-generator images: :data:`AUX_POOL_PER_CLASS` per class in class order,
-    float32 in [0, 1] and int64 labels, from the PUBLIC generator ``aux-pool`` (both drivers draw it
-    so). Privacy: the generator is a function of the noised frequency release and public randomness only:
-    post-processing."""
+    float32 in [0, 1] and int64 labels, from the PUBLIC generator ``aux-pool``. Privacy: the generator is a
+    function of the noised frequency release and public randomness only: post-processing."""
     labels = np.repeat(np.arange(aux.n_classes, dtype=np.int64), AUX_POOL_PER_CLASS)
     return aux_draw(aux, labels, public_generator(cfg, "aux-pool")).numpy(), labels
 

@@ -41,7 +41,7 @@ PRETRAINED_FILE = "pretrained.pt"  # RUN_DIR/pretrained.pt: the public model, re
 
 @dataclass(frozen=True)
 class PublicInputs:
-    """What only the coordinator (or the local run) holds: the public set and/or a pretrained model file."""
+    """What only the coordinator holds (a ``train`` run's too): the public set and/or a pretrained model."""
 
     data: ImageDataset | None = None
     description: str = ""
@@ -104,7 +104,7 @@ def with_public(cfg: JobConfig, public: PublicInputs | None, image_shape: tuple[
 
 def selection_groups(public: PublicInputs, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
     """(centroids, each public image's group) of the job's semantic selection: k-means of the public set
-    from the job's PUBLIC seed (``mechanisms.selection.public_groups``), the same in both drivers. Public:
+    from the job's PUBLIC seed (``mechanisms.selection.public_groups``), the same in every job. Public:
     costs nothing."""
     if public.data is None:
         raise ConfigError("[public] selection needs the public set: give --public PATH")
@@ -198,7 +198,7 @@ def public_start(
     class_names: tuple[str, ...],
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """The denoiser's PUBLIC start, in both drivers: the pretrained file's weights (when the job names one),
+    """The denoiser's PUBLIC start: the pretrained file's weights (when the job names one),
     then ``[public] pretrain_iterations`` steps on the public set (when it names one). Returns what was
     done."""
     info: dict[str, Any] = {"pretrained_sha256": cfg.public.pretrained_sha256}

@@ -22,7 +22,7 @@ from ..files import atomic_write_bytes
 
 def npz_bytes(**arrays: Any) -> bytes:
     """The bytes of an ``.npz`` of ``arrays`` (compressed, never pickled): a released file of a run, a
-    coordinator's cached release; the one writer of both drivers."""
+    coordinator's cached release; the one writer of every job directory."""
     buf = io.BytesIO()
     np.savez_compressed(buf, allow_pickle=False, **arrays)
     return buf.getvalue()

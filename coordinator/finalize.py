@@ -1,7 +1,7 @@
 """After a federated job: sample grid, privacy report, and the signed release (ONNX generator + manifest).
 
-The code is the job directory's (``feta_release.release.jobdir``): a single-site ``train`` run writes the same
-layout with the same functions, so both drivers' releases are one format.
+The code is the job directory's (``feta_release.release.jobdir``): a ``train`` run (a federation of one) is
+finished by the same functions, so every release is one format.
 """
 
 from __future__ import annotations

@@ -57,11 +57,14 @@ def request_for(
     n: int,
     cache_dir: Path | None = None,
     secure_warmup: Sequence[Event] | None = None,
+    counted: Sequence[PrivacyEvent] = (),
 ) -> tuple[PrivacyEvent, MechanismRequest]:
     """The privacy event a handler will release (the planner's, ``feta_release.planning``) and the request it
     checks against the policy. ``secure_warmup``: the site's ``SkellamEvent``s when the job sums its warm-up
     releases by secure aggregation (DP-SGD is then calibrated over them; the warm-up requests keep their
-    Gaussian form for the policy's sigma and cap rules, the charged event is the Skellam one)."""
+    Gaussian form for the policy's sigma and cap rules, the charged event is the Skellam one). ``counted``:
+    the noisy counts this site already charged for the job (``mechanisms.count``: a ``train`` run's drawn
+    public size), first in its history, so DP-SGD is calibrated over them too."""
     cfg = job.config
     if mechanism not in _DISABLED:
         raise PolicyError(f"unknown mechanism {mechanism!r}")
@@ -76,7 +79,13 @@ def request_for(
     else:  # the unit and the DP-SGD population (public patients or images) come from the signed policy only
         events = list(
             stage_events(
-                cfg, n, federated=True, budget=target(cfg, policy), cache_dir=cache_dir, **site_dpsgd(policy)
+                cfg,
+                n,
+                federated=True,
+                budget=target(cfg, policy),
+                cache_dir=cache_dir,
+                size=list(counted) or None,
+                **site_dpsgd(policy),
             )
         )
     ev = stage_event(events, mechanism)

@@ -19,6 +19,7 @@ from flwr.clientapp import ClientApp
 from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import ConfigError, PolicyError, PrivacyError
 from feta_release.federation import messages as fm
+from feta_release.mechanisms.central import check_prototypes
 from feta_release.mechanisms.selection import check_centroids
 from feta_release.policy.jobs import Job
 from feta_release.signing import public_key_pem
@@ -119,10 +120,35 @@ def selection(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arra
     return arrays, [*events]
 
 
+def _central_fits(site: Site, job: Job, req: Request) -> None:
+    """Public input only, before the charge: with ``[central] cell_rule = "aux"`` exactly the array
+    ``prototypes`` (classes x cells x pixels of the declared schema, finite, in [0, 1]); otherwise none."""
+    c, declared = job.config.central, site.policy.declared
+    if c.cell_rule != "aux":
+        if req.arrays:
+            raise PolicyError(f"central request carries arrays {sorted(req.arrays)}; it takes none")
+        return
+    if set(req.arrays) != {"prototypes"}:
+        raise PolicyError(
+            f'central request carries arrays {sorted(req.arrays)}; [central] cell_rule = "aux" takes only '
+            "'prototypes'"
+        )
+    p = check_prototypes(
+        req.arrays["prototypes"], declared.n_classes, c.cells, tuple(declared.image_shape), "central request"
+    )
+    if p.min() < 0 or p.max() > 1:
+        raise PolicyError("central request: cell prototypes outside [0, 1] are not images; refused")
+
+
 @app.query("central")
-@release("central")
+@release("central", admit=_central_fits)
 def central(site: Site, job: Job, req: Request, rng: ReleaseRng) -> tuple[Arrays, list[Event]]:
-    arrays, events = padded(release_central, site.data, job.config, site.n_public, rng.numpy())  # public work
+    prototypes = req.arrays.get("prototypes")
+
+    def release(ds: Any, cfg: Any, n_public: int, r: Any) -> tuple[Arrays, list[PrivacyEvent]]:
+        return release_central(ds, cfg, n_public, r, prototypes)
+
+    arrays, events = padded(release, site.data, job.config, site.n_public, rng.numpy())  # public work
     return arrays, [*events]
 
 

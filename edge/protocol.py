@@ -38,6 +38,7 @@ from feta_release.accounting import Event, SkellamEvent, events_from_list, event
 from feta_release.errors import ConfigError, PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.federation.plan import check_requested
+from feta_release.mechanisms.count import counted_events
 from feta_release.mechanisms.feature_map import check_feature_map
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
 from feta_release.planning import fedsgd_shape, secure_stage_events, site_dpsgd, stage_event, target
@@ -142,7 +143,13 @@ def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismReque
     if mechanism == "dpsgd" and secure is not None and job.config.federation.fedsgd:
         return _fedsgd_round(site, job, secure)
     event, mreq = request_for(
-        mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir, secure_warmup=secure
+        mechanism,
+        job,
+        site.policy,
+        site.n_public,
+        cache_dir=site.work_dir,
+        secure_warmup=secure,
+        counted=counted_events(job_events(site, job)),
     )
     if secure is not None and mechanism != "dpsgd":  # the selection and warm-up releases: secure sums
         charged = stage_event(secure, mechanism)

@@ -53,15 +53,28 @@ def _same(planned: list[PrivacyEvent], reported: list[PrivacyEvent], what: str) 
 
 
 def release_central(
-    ds: Any, cfg: JobConfig, n_public: int, rng: np.random.Generator
+    ds: Any,
+    cfg: JobConfig,
+    n_public: int,
+    rng: np.random.Generator,
+    prototypes: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], list[PrivacyEvent]]:
     """Central images at Poisson rate q = batch / ``n_public`` (the policy's public size, not ``ds.n``);
-    ``rng``: the request's fresh OS-seeded generator (``edge.protocol.ReleaseRng``)."""
+    ``rng``: the request's fresh OS-seeded generator (``edge.protocol.ReleaseRng``). ``prototypes``: with
+    ``[central] cell_rule = "aux"``, the public cell prototypes the coordinator sent (k-means centres of its
+    aux generator's images, fitted to the released frequency statistics: post-processing), checked by the
+    handler before the charge; each image's cell is then its nearest prototype of its class (a function of
+    that image alone: the sensitivity stays C)."""
     c = cfg.central
-    if c.cell_rule != "slant":  # config validation refuses it with [federation] sites; a job without them too
+    if (c.cell_rule == "aux") != (prototypes is not None):
         raise PrivacyError(
-            f"central images: [central] cell_rule = {c.cell_rule!r} is single-site only (a node has no "
-            'public prototypes); nothing released; sign the job with cell_rule = "slant"'
+            f"central images: [central] cell_rule = {c.cell_rule!r} "
+            + (
+                "needs the coordinator's public cell prototypes"
+                if prototypes is None
+                else "takes no prototypes"
+            )
+            + "; nothing released"
         )
     planned = _planned(cfg, n_public, "central", "central images ([central] rounds = 0)")
     release, event = central_images(
@@ -78,6 +91,7 @@ def release_central(
         n_public=n_public,
         rng=rng,
         cells=c.cells,
+        prototypes=prototypes,
     )  # cells: from the signed job; event unchanged (one cell
     # per image, a function of that image alone: sensitivity C, mechanisms.central)
     _same([planned], [event], "central images")

@@ -50,6 +50,8 @@ CFG_DEVICE = "device"
 # 0 (none) when absent: a round whose process was killed is then computed again from its start, not charged
 # again.
 CFG_ROUND_CHECKPOINT = "round-checkpoint-every"
+# The name of a site opened in this process over images in memory (``hold_site``): ``feta-release train``.
+CFG_HELD = "held-site"
 REQUIRED = (CFG_DATA, CFG_POLICY, CFG_TRUSTED, CFG_LEDGER, CFG_SITE_KEY, CFG_SECRET)
 
 
@@ -157,18 +159,50 @@ class Site:
         secret = load_secret(node_config[CFG_SECRET])
         key = load_private_key(node_config[CFG_SITE_KEY])
         work_path = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
-        # never a fresh ledger where this node ran on one (deleted: the spent budget would come back)
-        ledger_anchor.refuse_missing(node_config[CFG_LEDGER], work_path)
-        # Opening verifies the ledger's hash chain and its head's signature by this site key.
-        ledger = Ledger(node_config[CFG_LEDGER], key=key)
+        ledger = _opened_ledger(node_config[CFG_LEDGER], key, work_path)
         try:
-            # nor an older copy of it (restored from a backup)
-            ledger_anchor.refuse_regression(ledger, work_path)
+            work = owner_only_dir(work_path)
+            data, patients, commitment = _opened_data(node_config, secret, work)
+            return cls._verified(node_config, ledger, key, work, data, patients, commitment)
         except BaseException:
             ledger.close()
             raise
-        work = owner_only_dir(work_path)
-        data, patients, commitment = _opened_data(node_config, secret, work)
+
+    @classmethod
+    def in_memory(cls, node_config: dict[str, Any], data: Any, patients: Any = None) -> Site:
+        """A site over images already loaded in this process (``feta-release train``: its data are never
+        copied onto disk), opened as :meth:`open` opens one: the ledger's chain, anchor and key, then the
+        policy's signature, validity and version and its keyed commitment to ``data`` (``patients``: their
+        patient index, whose grouping a patient-level commitment binds)."""
+        missing = [k for k in REQUIRED if k != CFG_DATA and not node_config.get(k)]
+        if missing:
+            raise ConfigError(f"site config lacks {', '.join(missing)}")
+        secret = load_secret(node_config[CFG_SECRET])
+        key = load_private_key(node_config[CFG_SITE_KEY])
+        work_path = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
+        ledger = _opened_ledger(node_config[CFG_LEDGER], key, work_path)
+        try:
+            work = owner_only_dir(work_path)
+            ids = None if patients is None else patients.ids
+            commitment = dataset_commitment(data, secret, patients=ids)
+            return cls._verified(node_config, ledger, key, work, data, patients, commitment)
+        except BaseException:
+            ledger.close()
+            raise
+
+    @classmethod
+    def _verified(
+        cls,
+        node_config: dict[str, Any],
+        ledger: Ledger,
+        key: Any,
+        work: Path,
+        data: Any,
+        patients: Any,
+        commitment: str,
+    ) -> Site:
+        """The site, once its policy verifies (signature by the trusted key, validity, a version this ledger
+        has not seen superseded, the keyed commitment to ``data``) and names this site key."""
         policy = verify_policy_file(
             node_config[CFG_POLICY],
             node_config[CFG_TRUSTED],
@@ -201,6 +235,19 @@ class Site:
             device=str(node_config.get(CFG_DEVICE) or "cpu"),
             round_checkpoint_every=_steps(node_config.get(CFG_ROUND_CHECKPOINT)),
         )
+
+
+def _opened_ledger(path: str | Path, key: Any, work_path: Path) -> Ledger:
+    """The site's ledger, its hash chain and head signature checked against ``key``; never a fresh one where
+    this site ran on one (deleted: the spent budget would come back), nor an older copy (a backup)."""
+    ledger_anchor.refuse_missing(path, work_path)
+    ledger = Ledger(path, key=key)
+    try:
+        ledger_anchor.refuse_regression(ledger, work_path)
+    except BaseException:
+        ledger.close()
+        raise
+    return ledger
 
 
 def _steps(value: Any) -> int:
@@ -297,8 +344,30 @@ def _cached(items: tuple[tuple[str, Any], ...]) -> Site:
 
 def site_for(node_config: dict[str, Any]) -> Site:
     """One ``Site`` per node config per process (the in-process harness calls handlers many times;
-    behind a real SuperNode each message is a fresh process anyway)."""
+    behind a real SuperNode each message is a fresh process anyway). A config naming a site held in this
+    process (:func:`hold_site`, ``CFG_HELD``) answers with that one."""
+    held = node_config.get(CFG_HELD)
+    if held:
+        if held not in _held:
+            raise ConfigError(f"no site {held!r} is open in this process")
+        return _held[held]
     return _cached(tuple(sorted((str(k), v) for k, v in node_config.items())))
+
+
+_held: dict[str, Site] = {}
+
+
+def hold_site(name: str, site: Site) -> None:
+    """Serve ``site`` to every handler whose node config names ``name`` under ``CFG_HELD`` (a site opened
+    over images in memory by :meth:`Site.in_memory`)."""
+    _held[name] = site
+
+
+def release_site(name: str) -> None:
+    """Stop serving the held site ``name`` and close its ledger."""
+    site = _held.pop(name, None)
+    if site is not None:
+        site.ledger.close()
 
 
 def forget_sites() -> None:

@@ -70,7 +70,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = 
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """A run directory's record (``run.json``, ``privacy.json``, ...) as sorted, indented JSON, atomically."""
+    """A JSON record (a coordinator's device or public-inputs file, ...), sorted and indented, atomically."""
     return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 

@@ -110,47 +110,6 @@ def _write_png(img: Image.Image, out: Path) -> Path:
     return out
 
 
-def save_budget_chart(
-    per_stage: dict[str, float],
-    path: str | os.PathLike,
-    *,
-    target: float | None = None,
-    delta: float | None = None,
-    width: int = 560,
-) -> Path:
-    """PNG bar chart of the privacy budget: one bar per stage (epsilon of that stage ALONE) and the total.
-
-    Composition is sub-additive, so the stage bars need not add up to the total; the total is what counts
-    and is drawn last (dark). ``target`` draws a vertical line at the budget. Pillow's default font only.
-    """
-    rows = [(k, float(v)) for k, v in per_stage.items() if k != "total"]
-    if "total" in per_stage:
-        rows.append(("total", float(per_stage["total"])))
-    if not rows:
-        raise DataError("save_budget_chart: no stages to draw")
-    top = max([v for _, v in rows] + ([target] if target else [])) or 1.0
-    left, right, bar_h, gap, head = 90, 70, 22, 10, 30
-    height = head + len(rows) * (bar_h + gap) + 20
-    img = Image.new("RGB", (width, height), "white")
-    d = ImageDraw.Draw(img)
-    title = "privacy budget (epsilon per stage alone; total composed)"
-    if delta is not None:
-        title += f", delta={delta:g}"
-    d.text((8, 8), title, fill="black")
-    span = width - left - right
-    for i, (name, v) in enumerate(rows):
-        y = head + i * (bar_h + gap)
-        colour = (40, 40, 110) if name == "total" else (110, 150, 210)
-        d.rectangle([left, y, left + max(1, int(span * v / top)), y + bar_h], fill=colour)
-        d.text((8, y + 5), name, fill="black")
-        d.text((left + int(span * v / top) + 6, y + 5), f"{v:.3f}", fill="black")
-    if target:
-        x = left + int(span * target / top)
-        d.line([x, head - 6, x, height - 12], fill=(200, 30, 30), width=2)
-        d.text((min(x + 4, width - 60), height - 16), f"target {target:g}", fill=(200, 30, 30))
-    return _write_png(img, Path(path))
-
-
 # -- labelled figures ---------------------------------------------------------------------------------------
 
 

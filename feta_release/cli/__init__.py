@@ -48,7 +48,7 @@ HELP = {
     "site": "Create a hospital site's onboarding kit (keys, node.toml, policy draft).",
     "coordinator": "Run the coordinator (Flower SuperLink + ServerApp).",
     "demo": "Run the whole federated release on the embedded data.",
-    "export": "Export a trained run as an ONNX generator release.",
+    "export": "Build the signed ONNX generator release of a job directory (a train run).",
     "verify": "Verify a release directory offline.",
     "synthesize": "Generate a synthetic dataset from a release with onnxruntime only.",
     "verify-synthetic": "Check a synthetic folder against its signed certificate and its release.",

@@ -434,7 +434,7 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
 
     \b
     Example:
-      feta-release privacy account runs/cpu-eps1/privacy.json --accountant prv
+      feta-release privacy account history.json --delta 1e-5 --accountant prv
     """
     from ..accounting import epsilon, epsilon_breakdown, events_from_list
 

@@ -67,29 +67,11 @@ def _verdict_options(json_help: str = VERIFICATION_JSON_HELP) -> Callable[[Calla
 
 @click.command("export")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="New release directory.")
 @click.option(
     "--coordinator-key",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False),
-    help="Private key that signs the manifest.",
-)
-@click.option(
-    "--site-key",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False),
-    help="The site's private key: signs its spend statement (attestation).",
-)
-@click.option("--site-id", default=None, help="Site id (default: the policy's site_id, else 'site').")
-@click.option(
-    "--policy",
-    "policy",
     default=None,
     type=click.Path(exists=True, dir_okay=False),
-    help="The site's signed policy (JSON); copied into the release so verify can check the caps.",
-)
-@click.option(
-    "--job-id", default=None, help="Job id recorded in the manifest (default: job name + run folder)."
+    help="Private key that signs the manifest (default: RUN_DIR/keys/coordinator.key, the one `train` made).",
 )
 @click.option(
     "--solver",
@@ -97,56 +79,31 @@ def _verdict_options(json_help: str = VERIFICATION_JSON_HELP) -> Callable[[Calla
     default=None,
     help="Override the job's [sampler] solver.",
 )
-@click.option("--steps", type=int, default=None, help="Override the job's [sampler] steps.")
-def export(
-    run_dir: Path,
-    out: Path,
-    coordinator_key: str,
-    site_key: str,
-    site_id: str | None,
-    policy: str | None,
-    job_id: str | None,
-    solver: str | None,
-    steps: int | None,
-) -> None:
-    """Export a single-site training run RUN_DIR as a signed ONNX generator release.
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Override the job's [sampler] steps.")
+def export(run_dir: Path, coordinator_key: str | None, solver: str | None, steps: int | None) -> None:
+    """Build RUN_DIR/release, the signed ONNX generator release, from the job directory RUN_DIR (a `train` run
+    or a coordinator's job: its signed job, the sites' attestations and policies, model.pt).
 
     \b
     Example:
-      feta-release export runs/cpu-eps1 --out release --coordinator-key coordinator.key \\
-          --site-key keys/site-signing.key --policy policy.signed.json
+      feta-release export runs/cpu-eps1 --steps 18 --solver heun
+      feta-release export demo-out/job --coordinator-key coordinator/coordinator.key
     """
-    from ..policy.envelope import read_json
-    from ..release.export_run import export_run, read_run
-    from ..release.onnx_export import SamplerSettings
-    from ..signing import load_private_key, sha256_file
+    from ..release.jobdir import build_release
+    from ..signing import sha256_file
 
-    sampler = None
-    if solver or steps:
-        base = read_run(run_dir)["config"].sampler
-        sampler = SamplerSettings.from_config(base)
-        sampler = SamplerSettings(
-            **{
-                **sampler.to_dict(),
-                **({"solver": solver} if solver else {}),
-                **({"steps": steps} if steps else {}),
-            }
-        )
-    signed = read_json(policy, "signed policy") if policy else None
-    if signed is not None and not (isinstance(signed, dict) and "policy" in signed and "signature" in signed):
+    key = Path(coordinator_key) if coordinator_key else run_dir / "keys" / "coordinator.key"
+    if not key.is_file():
         raise ReleaseError(
-            f'{policy}: not a signed policy ({{"policy": ..., "signature": ...}}); sign it first'
+            f"{key}: no coordinator key; give --coordinator-key KEY (the key that signed the job)"
         )
-    path = export_run(
-        run_dir,
-        out,
-        coordinator_key=load_private_key(coordinator_key),
-        site_key=load_private_key(site_key),
-        site_id=site_id,
-        signed_policy=signed,
-        job_id=job_id,
-        sampler=sampler,
-    )
+    if not (run_dir / "signed_job.json").is_file() or not (run_dir / "attestations.json").is_file():
+        raise ReleaseError(
+            f"{run_dir}: not a finished job directory (no signed_job.json / attestations.json); finish the "
+            "run first (`feta-release train` with the same options resumes it)"
+        )
+    over = {k: v for k, v in (("solver", solver), ("steps", steps)) if v is not None}
+    path = build_release(run_dir, key, sampler=over)
     click.echo(f"release written to {path} (generator sha256 {sha256_file(path / 'generator.onnx')[:16]}…)")
 
 

@@ -1,4 +1,6 @@
-"""``feta-release train``: the whole single-site pipeline (plan, releases, warm-ups, DP-SGD, samples)."""
+"""``feta-release train``: one site's whole job as a federation of one (``coordinator.local_run``): the node's
+handlers answer the coordinator's ``JobDriver`` in one process (plan, releases, warm-ups, DP-SGD, samples,
+release)."""
 
 from __future__ import annotations
 
@@ -83,7 +85,8 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
     "ledger",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Site ledger (SQLite) charged before every release; default RUN_DIR/ledger.sqlite. Give the site's "
+    help="Site ledger (SQLite) charged before every release; default RUN_DIR/site/ledger.sqlite. Give the "
+    "site's "
     "own to compose this run with its earlier ones.",
 )
 @click.option(
@@ -91,7 +94,7 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
     "site_key",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="The site's private key: signs the ledger (default: RUN_DIR/checkpoints/site.key, created once); "
+    help="The site's private key: signs the ledger (default: RUN_DIR/site/keys/site.key, created once); "
     "`export --site-key` must be the same key.",
 )
 @click.option(
@@ -115,7 +118,7 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
     help="The key that signs the one-site job and RUN_DIR/release's manifest, as a "
-    "federation's coordinator (default: RUN_DIR/checkpoints/coordinator.key, created once).",
+    "federation's coordinator (default: RUN_DIR/keys/coordinator.key, created once).",
 )
 @click.option(
     "--site-id", default=None, help="The site's id in the release (default: the policy's, else 'site')."
@@ -141,6 +144,14 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
 )
 @click.option(
     "--no-release", is_flag=True, help="Stop after training: no RUN_DIR/release (`export` can make one)."
+)
+@click.option(
+    "--data-secret",
+    "data_secret",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="With --policy: the site's data secret, the key of the policy's data commitment (as `node start` "
+    "takes it); the images loaded are checked against the commitment before anything is released.",
 )
 @progress_option("progress bars per stage", old_quiet=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
@@ -171,10 +182,11 @@ def train(
     public_description: str,
     pretrained: Path | None,
     no_release: bool,
+    data_secret: Path | None,
     progress: bool,
     as_json: bool,
 ) -> None:
-    """Train a synthesizer on one site's data and write RUN_DIR (see feta_release.training.pipeline).
+    """Train a synthesizer on one site's data and write RUN_DIR, the job directory (coordinator.local_run).
 
     Recommended: give no JOB and no --preset, only --epsilon: the job is DERIVED from the data's public facts
     (size, image shape, classes, epsilon, device, --time-budget; feta_release.job_rules, docs/derived-job.md),
@@ -182,12 +194,15 @@ def train(
     measured are cpu-eps1-nodpsgd (0.80 held-out at eps 1) and cpu-eps10-nodpsgd (0.90 at eps 10);
     `feta-release preset list` shows them all with their figures.
 
-    Every release is charged in the site ledger (--ledger) before it runs; a charge over the budget is refused
-    naming the rule. Re-running the same command after an interruption resumes from the last checkpoint
-    without spending privacy again for what was already charged. RUN_DIR/COMPLETE marks a finished run. A
-    finished run is then written up as a one-site job, the layout a federated coordinator writes
-    (signed_job.json, the site's attestation from its ledger, privacy_report.*, samples.png and the signed
-    RUN_DIR/release for `verify`, `synthesize` and `report`).
+    The run is a federation of one: the site is opened as a node opens one (its signed policy: --policy
+    --trusted --data-secret, or the run's own, made before the first release and committed to the data), and
+    answers the coordinator's requests with the node's handlers; every release is charged in the site ledger
+    (RUN_DIR/site/, or --ledger) before it runs, and a charge over the budget is refused naming the rule.
+    Re-running the same command after an interruption resumes without spending privacy again for what was
+    already charged (a DP-SGD round killed inside continues from the site's last checkpoint).
+    RUN_DIR is the coordinator's job directory (signed_job.json, the site's attestation, privacy_report.*,
+    budget.svg, samples.png, grids/, synthetic.npz and the signed RUN_DIR/release for `verify`, `synthesize`
+    and `report`); RUN_DIR/COMPLETE marks a finished run.
     --resize/--image-size/--window override the job's [job] resize/image_size/window.
 
     \b
@@ -198,9 +213,9 @@ def train(
     """
     import torch
 
-    from ..signing import load_private_key
+    from coordinator.local_run import TrainOptions, run_train
+
     from ..training.device import resolve_device
-    from ..training.pipeline import run_pipeline
     from ..training.progress import Reporter
 
     req = DeriveRequest(epsilon, delta, time_budget, save_job, dpsgd)
@@ -235,24 +250,26 @@ def train(
             public=public.data if public is not None else None,
         )
     rep = Reporter(enabled=progress)
-    skey = load_private_key(site_key) if site_key is not None else None
-    res = run_pipeline(
-        cfg,
-        data,
-        out_dir,
+    opts = TrainOptions(
         n_synthetic=n_synthetic,
         checkpoint_every=checkpoint_every,
         reporter=rep,
         public_size=public_size,
         device=device,
         ledger=ledger,
-        site_key=skey,
-        site_policy=site_policy,
+        site_key=site_key,
+        policy=policy_path,
+        trusted=trusted_for_policy(trusted, policy_path)[0] if policy_path and trusted else None,
+        data_secret=data_secret,
+        coordinator_key=coordinator_key,
+        site_id=site_id,
         patients=patients,
         draw_patients=patients is not None and public_patients is None,
         job_for_size=job_for_size,
         public=public,
+        release=not no_release,
     )
+    res = run_train(cfg, data, out_dir, opts)
     if data_path is not None and (site_policy is None or site_policy.declared is None):
         click.echo(
             f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
@@ -260,67 +277,27 @@ def train(
             "give --policy with dataset.classes and dataset.image_shape",
             err=True,
         )
-    release, signed = None, None
-    if not no_release:
-        release, signed = _release(res, data, cfg, policy_path, skey, coordinator_key, site_id)
-    _print_summary(res, cfg.privacy.accountant, release, as_json)
-    if release is not None and not as_json:
-        _print_next(release, signed, policy_path, trusted)
+    _print_summary(res, cfg.privacy.accountant, res.release, as_json)
+    if res.release is not None and not as_json:
+        _print_next(res.release, res.run_dir, policy_path, trusted)
 
 
-def _release(
-    res: Any,
-    data: Any,
-    cfg: Any,
-    policy_path: Path | None,
-    skey: Any,
-    coordinator_key: Path | None,
-    site_id: str | None,
-) -> tuple[Path, dict[str, Any] | None]:
-    """RUN_DIR/release, signed under --policy or, without one, under the run's own one-site policy."""
-    from ..policy.envelope import read_json
-    from ..signing import load_private_key
-    from ..training.local_job import needs_site_policy, release_run, run_coordinator_key, run_policy
-    from ..training.pipeline import run_site_key
-
-    skey = skey or run_site_key(res.run_dir)
-    ckey = load_private_key(coordinator_key) if coordinator_key else run_coordinator_key(res.run_dir)
-    signed = read_json(policy_path, "signed policy") if policy_path else None
-    if signed is None and not needs_site_policy(res.events):
-        signed = run_policy(
-            res.run_dir,
-            data,
-            site_key=skey,
-            coordinator_key=ckey,
-            site_id=site_id,
-            cfg=cfg,
-            events=res.events,
-        )
-    return release_run(
-        res.run_dir, site_key=skey, coordinator_key=ckey, site_id=site_id, signed_policy=signed
-    ), signed
-
-
-def _print_next(
-    release: Path, signed: dict[str, Any] | None, policy_path: Path | None, trusted: str | None
-) -> None:
+def _print_next(release: Path, run_dir: Path, policy_path: Path | None, trusted: str | None) -> None:
     """The exact commands that check and use the release (the trusted key is the run's own without
     --policy)."""
-    if signed is None:
-        click.echo(
-            f"note: {release} has no signed policy (a patient-level run: give --policy); `verify` says so"
-        )
-        return
+    from ..policy.envelope import read_json
+
+    signed = read_json(policy_path or run_dir / "policy.signed.json", "signed policy")
     sid = signed["policy"]["site_id"]
     key = (
         Path(trusted.partition("=")[2] or trusted)
         if policy_path and trusted
-        else release.parent / "keys" / "policy-admin.pub"
+        else run_dir / "keys" / "policy-admin.pub"
     )
     if not policy_path:
         click.echo(
             "the release is signed under the run's own one-site policy "
-            f"({release.parent / 'policy.signed.json'}, key {key}: trust it only as far as you trust this "
+            f"({run_dir / 'policy.signed.json'}, key {key}: trust it only as far as you trust this "
             "run folder)"
         )
     click.echo(
@@ -474,8 +451,9 @@ def _patient_index(report: Any, public_patients: int | None) -> Any:
         return None
     from ..privacy_unit import PatientIndex
 
-    # no declared count: 1 is a placeholder, `run_pipeline(draw_patients=True)` draws the public count from a
-    # noisy patient count charged first (the exact count, or a rounding of it, would be an un-noised release)
+    # no declared count: 1 is a placeholder, the run (`TrainOptions(draw_patients=True)`) draws the public
+    # count from a noisy patient count charged first (the exact count, or a rounding of it, would be an
+    # un-noised release)
     n_pub = public_patients if public_patients is not None else 1
     return PatientIndex(report.patients, int(n_pub), int(report.patient_cap))
 

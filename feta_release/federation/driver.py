@@ -29,6 +29,7 @@ from torch import nn
 from ..accounting import events_from_list
 from ..config import JobConfig
 from ..errors import FetaError, PolicyError
+from ..mechanisms.count import counted_events
 from ..planning import site_dpsgd, stage_events, target
 from ..policy.document import open_signed_policy
 from ..policy.enforce import check_job_fits, request_of
@@ -271,6 +272,8 @@ class JobDriver:
         # the pooled central images the warm-up used (federation/job.py): with [dpsgd] public_batch, sent with
         # every per-site round as public input (post-processing of the releases)
         self.public_central: tuple[np.ndarray, np.ndarray] | None = None
+        # stage boundaries (federation/job.py): (stage, central images or the model after it)
+        self.observe: Callable[[str, Any], None] = lambda stage, what: None
 
     # -- plumbing --------------------------------------------------------------------------------
     def emit(self, phase: str, message: str, **fields: Any) -> None:
@@ -412,6 +415,9 @@ class JobDriver:
     def plan_sites(self) -> dict[str, Any]:
         planned, policies, life, charged = {}, {}, {}, {}
         for sid, s in self.sites.items():
+            # noisy counts the site charged for this job before it was opened (a `train` run's drawn public
+            # size): first in its history, as the node plans; spent already, so counted with its lifetime
+            counted = counted_events(events_from_list(s.job_events))
             if self.cfg.federation.secure_aggregation:  # the sites charge SkellamEvents for the warm-up sums
                 planned[sid], charged[sid] = secure_plan(self, s)
             else:
@@ -422,13 +428,15 @@ class JobDriver:
                     s.size,
                     federated=True,
                     budget=target(self.cfg, s.policy),
+                    size=counted or None,
                     **site_dpsgd(s.policy),
                 )
-                planned[sid] = [request_of(e, self.cfg) for e in evs]
+                planned[sid] = [request_of(e, self.cfg) for e in evs if e not in counted]
             policies[sid] = s.policy
             # what the site spent on OTHER jobs: this job's own charges are part of its plan already (a
             # resumed job counted them twice and was refused at a site whose lifetime cap fits the job once)
-            life[sid] = events_from_list(other_jobs(s.lifetime_events, s.job_events))
+            own = [e.to_dict() for e in events_from_list(s.job_events) if e not in counted]
+            life[sid] = events_from_list(other_jobs(s.lifetime_events, own))
         try:
             job_eps = check_job_fits(
                 policies,
@@ -552,12 +560,15 @@ class JobDriver:
         if bad:
             raise PolicyError(f"selection: {', '.join(bad)} holds a histogram that is not {want[0]} counts")
 
-    def collect_central(self) -> dict[str, dict[str, np.ndarray]]:
+    def collect_central(self, prototypes: np.ndarray | None = None) -> dict[str, dict[str, np.ndarray]]:
+        """Each site's central images; ``prototypes``: the public cell prototypes every site gets with the
+        request (``[central] cell_rule = "aux"``: k-means centres of the aux generator's images)."""
         if self.cfg.central.rounds <= 0:
             return {}
         if self.cfg.federation.secure_aggregation:
             return self._collect_secure("central")
-        return self._collect("central", fm.CENTRAL)
+        arrays = None if prototypes is None else {"prototypes": np.asarray(prototypes, dtype=np.float64)}
+        return self._collect("central", fm.CENTRAL, arrays)
 
     def collect_frequency(self) -> dict[str, dict[str, np.ndarray]]:
         if self.cfg.frequency.sigma is None:

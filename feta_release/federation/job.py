@@ -21,13 +21,21 @@ from ..models.model_file import MODEL_FILE, write_model_file
 from ..release.jobfiles import RELEASED_AUX, RELEASED_CENTRAL, job_summary, write_job_files
 from ..stages.context import initial_denoiser
 from ..stages.freq_warmup import aux_pool
-from ..stages.pretrain import PublicInputs, public_start, selected, selection_groups, with_public
+from ..stages.pretrain import (
+    PRETRAINED_FILE,
+    PublicInputs,
+    public_start,
+    selected,
+    selection_groups,
+    with_public,
+)
+from ..stages.prototypes import cell_prototypes
 from ..training.checkpoint import npz_bytes
 from ..training.device import resolve_device
 from . import checkpoint_io
 from .anchors import AnchorStore
 from .driver import JobDriver, JobResult, Progress, global_ema
-from .warmup import pooled_central, warm_up
+from .warmup import Observer, fitted_aux, pooled_central, warm_up
 
 # ``coordinator run --device``, for the ServerApp: the SuperLink starts that process with the FAB's run config
 # only, and a new run-config key would change the FAB's hash that every site's signed policy lists
@@ -126,6 +134,7 @@ def run_job(
     device: str | None = None,
     anchors: str | Path | None = None,
     public: PublicInputs | None = None,
+    observe: Observer | None = None,
 ) -> JobResult:
     """Run (or resume, with the same ``out_dir``) the signed job; failures are logged as an ``error`` event.
 
@@ -137,7 +146,8 @@ def run_job(
     one is refused at its hello. ``public``: the public set / pretrained file the signed job's ``[public]``
     names (``stages.pretrain``): only the coordinator reads it; the sites get the job (hashes only) and, in
     DP-SGD rounds, the weights trained from it. None: the ones ``coordinator run --public`` left in
-    ``out_dir`` (:func:`saved_public`), if any."""
+    ``out_dir`` (:func:`saved_public`), if any. ``observe``: called at each stage boundary with the stage's
+    name and the released central images or the model after it (``train``'s sample grids)."""
     d = JobDriver(
         grid,
         signed_job,
@@ -153,6 +163,7 @@ def run_job(
         # see is then an `error` event in progress.jsonl, which `coordinator run` prints, before any site is
         # asked
         dev = resolve_device(saved_device(out_dir) if device is None else device)
+        d.observe = observe or (lambda stage, what: None)
         return _run(d, signed_job, dev, public if public is not None else saved_public(out_dir))
     except Exception as exc:
         d.emit("error", f"{type(exc).__name__}: {exc}")
@@ -170,14 +181,15 @@ def _run(
     # Refuse BEFORE any release if the job cannot fit every site's policy.
     d.plan_sites()
     public = _select_public(d, public)
-    central = d.collect_central()
+    central, freq, aux = _releases(d, device)
     _save_central(d, central)
-    model = _warm_model(d, central, d.collect_frequency(), device, public)
+    model = _warm_model(d, central, freq, device, public, aux)
     ema = global_ema(model, cfg)
     rounds_done = d.rounds(model, ema)
     atts = d.attestations()
     if rounds_done:
         ema.copy_to(model)  # the released weights are the EMA of the global model
+        d.observe("after-dpsgd", model)
     info = next(iter(d.sites.values()))
     write_model_file(
         d.out / MODEL_FILE,
@@ -209,6 +221,21 @@ def _run(
         timings=summary["timings"],
     )
     return JobResult(d.out, sorted(d.sites), rounds_done, d.skipped, summary["timings"], atts)
+
+
+def _releases(d: JobDriver, device: torch.device) -> tuple[dict[str, Any], dict[str, Any], AuxModel | None]:
+    """(central, frequency releases of the sites, the aux generator when fitted already). With ``[central]
+    cell_rule = "aux"`` the frequency releases come first: the aux generator fitted to them gives the public
+    cell prototypes (``stages.prototypes.cell_prototypes``) sent with the central request."""
+    if d.cfg.central.cell_rule != "aux" or d.cfg.central.rounds <= 0:
+        central = d.collect_central()
+        return central, d.collect_frequency(), None
+    freq = d.collect_frequency()
+    info = next(iter(d.sites.values()))
+    sizes = {sid: s.size for sid, s in d.sites.items()}
+    aux = fitted_aux(freq, sizes, d.cfg, info.image_shape, info.n_classes, device)
+    d.emit("central", f"cell prototypes from the aux generator ({d.cfg.central.cells} per class)")
+    return d.collect_central(cell_prototypes(aux, d.cfg)), freq, aux
 
 
 def _select_public(d: JobDriver, public: PublicInputs | None) -> PublicInputs | None:
@@ -245,6 +272,7 @@ def _save_central(d: JobDriver, central: dict[str, Any]) -> None:
     if central:
         images, labels = pooled_central(central, {sid: s.size for sid, s in d.sites.items()}, d.cfg)
         d.public_central = (images, labels)  # the rounds' public input with [dpsgd] public_batch
+        d.observe("central-images", (images, labels))
         # bound to the job: build_release refuses a file of another job (a stale one in a reused --out)
         atomic_write_bytes(
             d.out / RELEASED_CENTRAL, npz_bytes(images=images, labels=labels, job_id=np.array(d.job.job_id))
@@ -280,18 +308,35 @@ def _check_public(d: JobDriver, public: PublicInputs | None) -> None:
         )
 
 
+def _save_public_model(d: JobDriver, model: nn.Module) -> None:
+    """``pretrained.pt``: the model after public pretraining, reusable by ``--pretrained`` (named by its
+    sha256 in the next job). Only when nothing private chose its data: with ``[public] selection`` the kept
+    part is a function of the sites' charged histograms, so those weights are not offered as public."""
+    if d.cfg.public.selection:
+        return
+    info = next(iter(d.sites.values()))
+    write_model_file(
+        d.out / PRETRAINED_FILE,
+        spec=denoiser_spec(d.cfg.model, info.image_shape, info.n_classes),
+        state_dict={k: v.detach().cpu() for k, v in model.state_dict().items()},
+        class_names=info.class_names,
+        public=dict(d.cfg.to_dict()["public"]),
+    )
+
+
 def _warm_model(
     d: JobDriver,
     central: dict[str, Any],
     freq: dict[str, Any],
     device: torch.device,
     public: PublicInputs | None = None,
+    aux: AuxModel | None = None,
 ) -> nn.Module:
     """The global model on ``device`` after the warm-up stages (on released statistics only), restored from
     its checkpoint when a restarted coordinator already has it (checkpoints load to the CPU, then onto
     ``device``)."""
     info = next(iter(d.sites.values()))
-    # the local driver's init, same seed rule, made on the CPU and then moved: the same weights on any device
+    # the public init (one seed rule), made on the CPU and then moved: the same weights on any device
     model = initial_denoiser(d.cfg, info.image_shape, info.n_classes).to(device)
     ck = checkpoint_io.load_warmup(d.state)
     t0 = time.monotonic()
@@ -299,9 +344,11 @@ def _warm_model(
         model.load_state_dict(ck["model"])
         d.emit("warmup", "warm-up restored from checkpoint")
     else:
-        if public is not None:  # public pretraining first, as `train` does (stages.pretrain)
+        if public is not None:  # public pretraining first, before any private release is used
             info_pre = public_start(model, public, d.cfg, info.image_shape, tuple(info.class_names))
             d.emit("warmup", f"public pretraining: {info_pre.get('steps', 0)} steps")
+            _save_public_model(d, model)
+            d.observe("after-pretrain", model)
         aux = warm_up(
             model,
             central,
@@ -309,6 +356,8 @@ def _warm_model(
             d.cfg,
             {sid: s.size for sid, s in d.sites.items()},
             lambda msg: d.emit("warmup", msg),
+            d.observe,
+            aux,
         )
         _save_aux_pool(d, aux)  # before the checkpoint: a restarted coordinator that skips the warm-up has it
         checkpoint_io.save_warmup(d.state, {"model": model.state_dict()})

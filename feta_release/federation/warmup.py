@@ -1,6 +1,6 @@
 """The coordinator's warm-up on released statistics only (post-processing: no privacy cost): the SAME stage
-computations the local driver runs (``feta_release.stages.spatial`` / ``freq_warmup``), on the sites' releases
-combined with public-size weights, so a fix to a warm-up stage lands in both drivers.
+computations (``feta_release.stages.spatial`` / ``freq_warmup``), on the sites' releases combined with
+public-size weights.
 
 Central images: the sites' released images are averaged (``combine_central``), post-processed as a single
 site's are, and the spatial stage trains on them. Frequency statistics: the sites' noisy embeddings are
@@ -13,6 +13,7 @@ federation of one site therefore warms up exactly as ``train`` does on the same 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from ..stages.freq_warmup import aux_images, fit_aux, frequency_enabled, frequen
 from ..stages.spatial import central_polish, spatial_enabled, spatial_stage
 
 Log = Callable[[str], None]
+# a stage boundary: (stage name, the model after it, or the released central images (images, labels))
+Observer = Callable[[str, Any], None]
 
 
 def warm_up(
@@ -35,12 +38,16 @@ def warm_up(
     cfg: JobConfig,
     sizes: dict[str, int],
     log: Log,
+    observe: Observer | None = None,
+    aux: AuxModel | None = None,
 ) -> AuxModel | None:
     """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``);
     returns the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source``
-    aux/mix."""
+    aux/mix. ``observe``: called with ``("after-spatial" | "after-frequency", model)`` at each stage's end (a
+    ``train`` run draws its sample grids there; post-processing). ``aux``: the generator already fitted to
+    these frequency releases (:func:`fitted_aux`; ``[central] cell_rule = "aux"`` needed it first)."""
+    observe = observe or (lambda stage, what: None)
     pooled = pooled_central(central, sizes, cfg) if central else None
-    aux = None
     if pooled is not None and spatial_enabled(cfg):
         log(
             f"spatial warm-up on {len(pooled[1])} central images (combined from {len(central)} site(s)), "
@@ -54,13 +61,24 @@ def warm_up(
             progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}") if i % every == 0 else None,
         )
         log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
+        if not (freq and frequency_enabled(cfg)):
+            _polish(model, pooled, cfg, log)
+        observe("after-spatial", model)
     if freq and frequency_enabled(cfg):
-        aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log)
-    if pooled is not None:  # as the local stages: the last warm-up stage ends with the central polish (if on)
-        polished = central_polish(model, pooled, cfg)
-        if polished is not None:
-            log(f"central polish done in {polished.seconds:.1f} s (final loss {polished.final_loss:.4f})")
+        aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log, aux)
+        if pooled is not None:
+            _polish(model, pooled, cfg, log)
+        observe("after-frequency", model)
+    elif pooled is not None and not spatial_enabled(cfg):
+        _polish(model, pooled, cfg, log)
     return aux
+
+
+def _polish(model: EDMDenoiser, pooled: tuple[np.ndarray, np.ndarray], cfg: JobConfig, log: Log) -> None:
+    """As the local stages: the last warm-up stage ends with the central polish (if on)."""
+    polished = central_polish(model, pooled, cfg)
+    if polished is not None:
+        log(f"central polish done in {polished.seconds:.1f} s (final loss {polished.final_loss:.4f})")
 
 
 def _frequency(
@@ -69,13 +87,15 @@ def _frequency(
     central: tuple[np.ndarray, np.ndarray] | None,
     cfg: JobConfig,
     log: Log,
+    aux: AuxModel | None = None,
 ) -> AuxModel:
     log(
         f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), "
         f"then {cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs"
     )
     device = next(model.parameters()).device
-    aux = fit_aux(release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device)
+    if aux is None:
+        aux = fit_aux(release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device)
     images, labels = warmup_set(*aux_images(aux, cfg), central, cfg)
     res = frequency_train(model, images, labels, cfg)
     if res is not None:
@@ -112,3 +132,18 @@ def pooled_frequency(
             f"{'/'.join(map(str, got))}, the job {'/'.join(map(str, want))}: they were not made for this job"
         )
     return release
+
+
+def fitted_aux(
+    freq: dict[str, dict[str, np.ndarray]],
+    sizes: dict[str, int],
+    cfg: JobConfig,
+    image_shape: tuple[int, int, int],
+    n_classes: int,
+    device: Any,
+) -> AuxModel:
+    """The aux generator fitted to the sites' combined frequency releases (post-processing), as the frequency
+    warm-up fits it: ``[central] cell_rule = "aux"`` draws its public cell prototypes from it before the
+    central release."""
+    release = pooled_frequency(freq, sizes, cfg)
+    return fit_aux(release.embedding, cfg, image_shape, n_classes, release.n_public, device)

@@ -218,7 +218,7 @@ def prototype_cells(images: np.ndarray, labels: np.ndarray, prototypes: np.ndarr
     return out
 
 
-def _check_prototypes(
+def check_prototypes(
     prototypes: np.ndarray, n_classes: int, cells: int, image_shape: tuple[int, ...], where: str
 ) -> np.ndarray:
     want = (int(n_classes), int(cells), int(np.prod(image_shape)))
@@ -355,7 +355,7 @@ def central_images(
     cells = _check_cells(cells, kind, where)
     image_shape = tuple(int(s) for s in images.shape[1:])
     if prototypes is not None:
-        prototypes = _check_prototypes(prototypes, n_classes, cells, image_shape, where)
+        prototypes = check_prototypes(prototypes, n_classes, cells, image_shape, where)
     vec, (c, h, w), param = _prepare(images, kind, clip, downsample, bins, where)
     n, d = vec.shape
     k = int(n_classes)

@@ -17,6 +17,8 @@ images.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -65,3 +67,10 @@ def draw_public_size(n: int, rng: np.random.Generator, sigma: float = SIZE_SIGMA
     """The public size released for a dataset of ``n`` images: rounded noisy count (charge ``size_event``
     first)."""
     return public_size_from(noisy_count(n, rng, sigma))
+
+
+def counted_events(events: Iterable[Any]) -> list[PrivacyEvent]:
+    """The noisy counts among a job's charged ``events`` (stages ``size`` / ``patients``): a site that drew
+    its public size for a job (``feta-release train`` without a declared size) charged them first, under the
+    job's id; the planner counts them first in that job's history (``planning.stage_events(size=...)``)."""
+    return [e for e in events if isinstance(e, PrivacyEvent) and e.stage in (SIZE_STAGE, PATIENTS_STAGE)]

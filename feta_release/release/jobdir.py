@@ -21,9 +21,9 @@ Layout (``OUT``; the coordinator's ``--out``/``demo-out/job``, or a ``feta-relea
     release/                    generator.onnx + manifest.json signed by the coordinator (+ policies/,
                                 + central_images.npz for a start_sigma job)
 
-The federated coordinator (``coordinator/finalize.py``) and the local driver
-(``feta_release.training.local_job``) both write it and both call these functions, so
-``verify``/``synthesize``/``report`` meet one release layout.
+Every job writes it through ``federation.job.run_job`` (a coordinator's, and ``train``'s federation of one),
+and these functions make its report, grid, synthetic set and release, so ``verify``/``synthesize``/``report``
+meet one release layout.
 
 Everything here is post-processing of the trained model and of the sites' SIGNED attestations: the
 privacy figures in the report are the ones each site computed from its own ledger, re-derived by the
@@ -33,6 +33,7 @@ release module from the event histories (never a number the coordinator made up)
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..accounting import epsilon_breakdown, events_from_list
 from ..config import JobConfig
 from ..errors import FetaError
+from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
 from ..signing import load_private_key
@@ -74,6 +76,7 @@ __all__ = [
     "load_model",
     "privacy_report",
     "sample_grid",
+    "synthetic_set",
     "write_job_files",
 ]
 
@@ -174,36 +177,20 @@ def load_model(out_dir: Path) -> Any:
 
 
 def sample_grid(
-    out_dir: Path,
-    per_class: int = 10,
-    seed: int = 0,
-    *,
-    checked: tuple[Any, tuple[np.ndarray, np.ndarray] | None, tuple[np.ndarray, np.ndarray] | None]
-    | None = None,
-    device: str | torch.device = "cpu",
+    out_dir: Path, per_class: int = 10, seed: int = 0, *, device: str | torch.device = "cpu"
 ) -> Path:
-    """``samples.png``: a grid of the released model, drawn as ``synthesize`` draws by default.
-
-    ``checked``: (denoiser, central images, aux pool) as the caller CHECKED them (a ``train`` run: what
-    ``attest_run`` hashed against the site ledger), drawn from as they are, never re-read from the run dir (a
-    file swapped after the check, e.g. private images as the aux pool, must not be what the grid shows); None:
-    the job directory's files, the central images and pool bound to this job's id as :func:`build_release`
-    reads them (the federated coordinator's). ``device``: where the model read from ``model.pt`` samples
-    (``coordinator run --device``; the noise is drawn on the CPU, so the grid is the same function of the
-    weights on any device)."""
+    """``samples.png``: a grid of the released model, drawn as ``synthesize`` draws by default, from the job
+    directory's files (the central images and pool bound to this job's id as :func:`build_release` reads
+    them). ``device``: where the model read from ``model.pt`` samples (the noise is drawn on the CPU, so the
+    grid is the same function of the weights on any device)."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
     n_sites = len(signed["job"]["sites"])  # titled by what made it: one site's run, or a federation's job
     scfg, init = cfg.sampler, None
     what = "single-site model samples" if n_sites == 1 else f"federated model samples ({n_sites} sites)"
-    if checked is None:
-        job_id = signed["job"]["job_id"]
-        model, central = load_model(out_dir).to(device), released_central(out_dir, job_id)
-        aux = (
-            released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
-        )
-    else:
-        model, central, aux = checked
+    job_id = signed["job"]["job_id"]
+    model, central = load_model(out_dir).to(device), released_central(out_dir, job_id)
+    aux = released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images") if scfg.uses_aux else None
     src = scfg.start_source if aux is not None else "central"
     # as synthesize draws by default
     if scfg.start_sigma is not None and (src == "aux" or central is not None):
@@ -249,20 +236,16 @@ def build_release(
     coordinator_key: Path | str | Ed25519PrivateKey,
     *,
     require_policies: bool = True,
-    starts: tuple[np.ndarray, np.ndarray] | None = None,
-    aux_pool: tuple[np.ndarray, np.ndarray] | None = None,
-    denoiser: Any = None,
+    sampler: dict[str, Any] | None = None,
 ) -> Path:
     """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside.
 
-    ``require_policies``: every site must have its signed policy in ``policies/`` (a federation's sites always
-    do); a single-site run without a policy is released without one (``verify`` then says so).
-    ``starts``: the central images as the caller CHECKED them (a ``train`` run: the arrays ``attest_run``
-    hashed against the ledger), shipped as they are, never re-read from the path; None: the federated
-    coordinator's ``released/central.npz``. ``aux_pool``: likewise the aux-generator pool (``[sampler]
-    start_source`` aux/mix; a ``train`` run's as ``attest_run`` checked it); None: the coordinator's
-    ``released/aux_images.npz``, which must name this job. ``denoiser``: likewise the model (a ``train`` run's
-    as ``attest_run`` hashed it against the ledger); None: ``model.pt``."""
+    ``require_policies``: every site must have its signed policy in ``policies/`` (every site of a job does:
+    a node, and ``train``'s site, is opened under one). The central images (``released/central.npz``, shipped
+    for SDEdit when the job says start_sigma) and the aux pool (``released/aux_images.npz``) must name this
+    job (a stale file of an earlier job in the same directory is never shipped). ``sampler``: the released
+    sampler's ``solver`` / ``steps`` in place of the signed job's (``export --solver/--steps``; verify allows
+    these two, ``manifest.EXPORT_SAMPLER_OVERRIDES``)."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     job = signed["job"]
     cfg = JobConfig.from_dict(job["config"])
@@ -283,18 +266,18 @@ def build_release(
         if isinstance(coordinator_key, Ed25519PrivateKey)
         else load_private_key(coordinator_key)
     )
-    # The central images the warm-up used (a run's own release, checked against its ledger by
-    # training.local_job and passed in; a federation's combination of the sites' releases), shipped for SDEdit
-    # (start_sigma).
-    starts = released_central(out_dir, job["job_id"]) if starts is None else starts
-    if aux_pool is None and cfg.sampler.uses_aux:  # post-processing of the frequency release (see aux_pool)
+    # The central images the warm-up used (the sites' releases combined), shipped for SDEdit (start_sigma),
+    # and the aux pool (post-processing of the frequency release)
+    starts = released_central(out_dir, job["job_id"])
+    aux_pool = None
+    if cfg.sampler.uses_aux:
         aux_pool = released_central(out_dir, job["job_id"], RELEASED_AUX, "aux-generator images")
     return assemble_release(
         out_dir / RELEASE,
-        denoiser=load_model(out_dir) if denoiser is None else denoiser,
+        denoiser=load_model(out_dir),
         classes=summary["class_names"],
         image_shape=summary["image_shape"],
-        sampler=SamplerSettings.from_config(cfg.sampler),
+        sampler=SamplerSettings(**{**SamplerSettings.from_config(cfg.sampler).to_dict(), **(sampler or {})}),
         job_id=job["job_id"],
         config=job["config"],
         sites=[site_record(atts[s]) for s in sorted(atts)],
@@ -304,3 +287,46 @@ def build_release(
         starts=starts,
         aux_pool=aux_pool,
     )
+
+
+def synthetic_set(out_dir: Path, n: int, seed: int = 0, device: str | torch.device = "cpu") -> Path:
+    """``synthetic.npz``: ``n`` images of the released model (balanced labels, interleaved so a prefix is
+    balanced too), drawn as ``synthesize`` draws by default (SDEdit from the job's released central images /
+    aux pool when the job says start_sigma). Post-processing of the release: images float32 (N, C, H, W) in
+    [0, 1], labels int64, class_names."""
+    signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
+    cfg, job_id = JobConfig.from_dict(signed["job"]["config"]), signed["job"]["job_id"]
+    model = load_model(out_dir).to(device)
+    k = int(model.n_classes)
+    labels = np.tile(np.arange(k, dtype=np.int64), -(-n // k))[:n]
+    first = np.arange(n, dtype=np.int64) // k  # image j of its class
+    central = released_central(out_dir, job_id)
+    aux = (
+        released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images")
+        if cfg.sampler.uses_aux
+        else None
+    )
+    src = cfg.sampler.start_source if aux is not None else "central"
+    scfg, init = cfg.sampler, None
+    if n and scfg.start_sigma is not None and (src == "aux" or central is not None):
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(2,))))
+        starts = mixed_start_images(
+            central,
+            aux,
+            src,
+            labels,
+            first,
+            rng,
+            n_ops=cfg.warmup.augment_ops,
+            magnitude_max=cfg.warmup.augment_magnitude,
+        )
+        scfg, init = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), torch.from_numpy(starts)
+    images, _ = (
+        generate(model, labels, seed, scfg, init=init) if n else (torch.zeros((0, *model.image_shape)), None)
+    )
+    names = json.loads((out_dir / "job_summary.json").read_text("utf-8"))["class_names"]
+    buf = io.BytesIO()
+    np.savez_compressed(
+        buf, images=images.numpy().astype(np.float32), labels=labels, class_names=np.array(names)
+    )
+    return atomic_write_bytes(out_dir / "synthetic.npz", buf.getvalue())

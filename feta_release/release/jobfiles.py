@@ -1,4 +1,4 @@
-"""The records of a job directory (signed job, summary, attestations, policies) as both drivers write them:
+"""The records of a job directory (signed job, summary, attestations, policies) as every job writes them:
 json only, so the coordinator's ServerApp writes them without loading the release's ONNX code
 (``release.jobdir`` re-exports them beside the release builder)."""
 

@@ -5,7 +5,7 @@ sites RELEASED (the DP-FETA central-image stage, already charged in every site's
 manifest's event histories), post-processed as the warm-up used them. Shipping them is post-processing: they
 cost no further epsilon. ``synthesize`` then draws each image by denoising an augmented released image of its
 class plus N(0, start_sigma^2) noise (SDEdit), as ``train``'s own synthetic set is drawn
-(``stages.synthesis.sdedit_starts``).
+(``release.jobdir.synthetic_set``).
 
 The augmentation is a numpy port of the warm-up's RandAugment bag (``training.augment``, which is torch): the
 same ops, strengths and uint8 quantisation; nearest-neighbour affine ops follow ``grid_sample``'s pixel
@@ -245,8 +245,9 @@ def start_images(
 
 
 def aux_mask(source: str, within: np.ndarray) -> np.ndarray:
-    """THE mix rule, one copy for ``train`` (``stages.synthesis``) and ``synthesize``: which starts come from
-    the aux generator / its pool. ``within[i]``: image i's index among the set's images of its class (k).
+    """THE mix rule, one copy for ``train``'s synthetic set (``release.jobdir``) and ``synthesize``: which
+    starts come from the aux generator / its pool. ``within[i]``: image i's index among the set's images of
+    its class (k).
     "aux": all; "mix": those with k even, so each class alternates aux, central, aux, ... (as the bench's
     class-sorted mix did; not position parity: the set's labels are interleaved, and with an even class count
     position parity gives whole classes to one source)."""

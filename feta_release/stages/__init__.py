@@ -1,43 +1,14 @@
-"""The stage layer: a run is these stages in order, each a small object with ``enabled(cfg)`` and ``run(ctx)``
-over one typed :class:`RunContext`. Drivers (``feta_release.training.pipeline`` for ``train``) build the
-context and loop; the privacy events every stage charges come from ``feta_release.planning``.
+"""The computations on released statistics and public inputs that the coordinator runs for every job
+(``feta_release.federation.job`` / ``warmup``): public pretraining (``pretrain``), the spatial warm-up
+(``spatial``), the aux generator and frequency warm-up (``freq_warmup``), the public cell prototypes
+(``prototypes``), and the one public seeding rule (``context``). Nothing here reads a site's images; the
+releases they start from were charged at the sites (``edge.protocol``).
 """
 
 from __future__ import annotations
 
-from .account import RunAccount, run_budget
-from .base import Stage
-from .central import CentralStage
-from .context import RunContext, RunDir, seed_from
-from .dpsgd import DpsgdTraining, SimulatedKill
-from .freq_warmup import FrequencyWarmup, mix_central
-from .frequency import FrequencyStage
-from .pretrain import PublicInputs, PublicPretraining
-from .spatial import SpatialWarmup
-from .synthesis import Synthesis
+from .context import seed_from
+from .freq_warmup import mix_central
+from .pretrain import PublicInputs
 
-# The frequency release runs first only for [central] cell_rule = "aux" (its prototypes come from the aux
-# generator). Public pretraining comes first: the model knows the public set before any private image.
-STAGES: tuple[Stage, ...] = (
-    PublicPretraining(),
-    FrequencyStage(early=True),
-    CentralStage(),
-    SpatialWarmup(),
-    FrequencyStage(),
-    FrequencyWarmup(),
-    DpsgdTraining(),
-    Synthesis(),
-)
-
-__all__ = [
-    "STAGES",
-    "PublicInputs",
-    "RunAccount",
-    "RunContext",
-    "RunDir",
-    "SimulatedKill",
-    "Stage",
-    "mix_central",
-    "run_budget",
-    "seed_from",
-]
+__all__ = ["PublicInputs", "mix_central", "seed_from"]

@@ -1,8 +1,8 @@
-"""Stage 4: the aux generator fitted to the released embedding, and the frequency warm-up on its images
-(+ RandAugment-ed released central images when ``[warmup] frequency_mix_central``): post-processing only.
+"""The aux generator fitted to the released embedding, and the frequency warm-up on its images (+
+RandAugment-ed released central images when ``[warmup] frequency_mix_central``): post-processing only.
 
-The computation is :func:`fit_aux` -> :func:`aux_images` -> :func:`warmup_set` -> :func:`frequency_train`;
-both drivers run it (the coordinator on the sites' combined embedding, ``feta_release.federation.warmup``).
+The computation is :func:`fit_aux` -> :func:`aux_images` -> :func:`warmup_set` -> :func:`frequency_train`,
+run by the coordinator on the sites' combined embedding (``feta_release.federation.warmup``).
 """
 
 from __future__ import annotations
@@ -14,29 +14,18 @@ import torch
 
 from ..config import JobConfig
 from ..mechanisms.feature_map import job_feature_map
-from ..models.auxgen import AuxModel, new_aux_model
+from ..models.auxgen import AuxModel
 from ..models.edm import EDMDenoiser
 from ..release.jobfiles import AUX_POOL_PER_CLASS
 from ..training.augment import rand_augment
 from ..training.frequency import (
     aux_draw,
-    aux_iterations,
     fit_aux_restarts,
     frequency_warmup,
     generate_aux_images,
 )
 from ..training.warmup_loop import Progress, WarmupResult
-from ..viz import save_grid
-from .base import stage_grid
-from .context import (
-    RunContext,
-    load_checkpoint,
-    public_generator,
-    resume_denoiser,
-    save_checkpoint,
-    save_denoiser,
-)
-from .spatial import polish_stage
+from .context import public_generator
 
 
 def frequency_enabled(cfg: JobConfig) -> bool:
@@ -103,86 +92,12 @@ def frequency_train(
     )
 
 
-class FrequencyWarmup:
-    name = "frequency-warmup"
-
-    def enabled(self, cfg: JobConfig) -> bool:
-        return frequency_enabled(cfg)
-
-    def run(self, ctx: RunContext) -> None:
-        if not resume_denoiser(ctx, "frequency", "frequency warm-up"):
-            ctx.aux = _aux_generator(ctx)
-            _warm_up(ctx, ctx.aux)
-            save_denoiser(ctx, "frequency")
-        stage_grid(ctx, "after-frequency", ctx.denoiser)
-
-
-def trained_aux(ctx: RunContext) -> AuxModel:
-    """The run's fitted aux generator: the frequency stage's, or its checkpoint when a resumed run skipped the
-    stage (``auxgen.pt`` is saved before ``after-frequency.pt``, so a finished stage always left it)."""
-    if ctx.aux is None:
-        ctx.aux = _aux_generator(ctx)
-    return ctx.aux
-
-
 def aux_pool(aux: AuxModel, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
     """The release's fixed pool of aux-generator images: :data:`AUX_POOL_PER_CLASS` per class in class order,
-    float32 in [0, 1] and int64 labels, from the PUBLIC generator ``aux-pool`` (both drivers draw it
-    so). Privacy: the generator is a function of the noised frequency release and public randomness only:
-    post-processing."""
+    float32 in [0, 1] and int64 labels, from the PUBLIC generator ``aux-pool``. Privacy: the generator is a
+    function of the noised frequency release and public randomness only: post-processing."""
     labels = np.repeat(np.arange(aux.n_classes, dtype=np.int64), AUX_POOL_PER_CLASS)
     return aux_draw(aux, labels, public_generator(cfg, "aux-pool")).numpy(), labels
-
-
-def _aux_generator(ctx: RunContext) -> AuxModel:
-    """Fitted to the released embedding (checkpointed: a resume does not fit it again)."""
-    c, h, w = ctx.data.image_shape
-    a = ctx.cfg.auxgen
-    saved = load_checkpoint(ctx, "auxgen.pt")
-    if saved is not None:
-        aux = new_aux_model(c, h, ctx.data.n_classes, z_dim=a.z_dim, width=a.width, members=a.keep)
-        aux.load_state_dict(saved["model"])
-        return aux.to(ctx.device).eval()
-    assert ctx.embedding is not None, "the aux generator is fitted after the frequency release"
-    with ctx.rep.task("aux generator", a.restarts * a.epochs * aux_iterations(ctx.cfg, ctx.n_public)) as adv:
-        aux = fit_aux(
-            ctx.embedding,
-            ctx.cfg,
-            ctx.data.image_shape,
-            ctx.data.n_classes,
-            ctx.n_public,
-            ctx.device,
-            progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3g}"),
-        )
-    save_checkpoint(ctx, "auxgen.pt", {"model": aux.state_dict()})
-    return aux
-
-
-def _warm_up(ctx: RunContext, aux: AuxModel) -> None:
-    d = ctx.data
-    images, labels = aux_images(aux, ctx.cfg)
-    save_grid(
-        images.numpy(),
-        labels.numpy(),
-        ctx.rd.root / "grids" / "auxgen-images.png",
-        n_classes=d.n_classes,
-        class_names=d.class_names,
-        title="auxiliary generator images (post-processing of released statistics)",
-    )
-    images, labels = warmup_set(images, labels, ctx.central, ctx.cfg)
-    steps = frequency_steps(len(labels), ctx.cfg)
-    if steps > 0:
-        with ctx.rep.task("frequency warm-up", steps) as adv:
-            res = frequency_train(
-                ctx.denoiser,
-                images,
-                labels,
-                ctx.cfg,
-                progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"),
-            )
-        assert res is not None
-        ctx.mark("frequency", final_loss=res.final_loss, steps=res.steps)
-    polish_stage(ctx)  # the last warm-up stage ends with the central polish ([warmup] polish_iterations)
 
 
 def mix_central(

@@ -1,4 +1,4 @@
-"""Stage 0: public pretraining. The denoiser learns from a PUBLIC image set (``[public]``) before any private
+"""Public pretraining. The denoiser learns from a PUBLIC image set (``[public]``) before any private
 image, or starts from a reused pretrained model file (``[public] pretrained_sha256``); the warm-ups and DP-SGD
 then fine-tune it.
 
@@ -17,7 +17,6 @@ DP-SGD.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +29,19 @@ from ..config import JobConfig
 from ..data import ImageDataset
 from ..data.public import public_problem, public_record
 from ..errors import ConfigError, DataError
-from ..files import atomic_write_bytes
-from ..mechanisms.selection import public_groups, select_groups, selection_histogram
+from ..mechanisms.selection import public_groups, select_groups
 from ..models.edm import EDMDenoiser, denoiser_spec
-from ..models.model_file import read_model_file, write_model_file
+from ..models.model_file import read_model_file
 from ..signing import sha256_file
-from ..training.checkpoint import npz_bytes
 from ..training.warmup_loop import Progress, WarmupResult, train_denoiser
-from .base import check_event, refuse_requery, stage_grid
-from .context import RunContext, public_generator, resume_denoiser, save_denoiser
+from .context import public_generator
 
 PRETRAINED_FILE = "pretrained.pt"  # RUN_DIR/pretrained.pt: the public model, reusable by `train --pretrained`
 
 
 @dataclass(frozen=True)
 class PublicInputs:
-    """What only the coordinator (or the local run) holds: the public set and/or a pretrained model file."""
+    """What only the coordinator holds (a ``train`` run's too): the public set and/or a pretrained model."""
 
     data: ImageDataset | None = None
     description: str = ""
@@ -108,7 +104,7 @@ def with_public(cfg: JobConfig, public: PublicInputs | None, image_shape: tuple[
 
 def selection_groups(public: PublicInputs, cfg: JobConfig) -> tuple[np.ndarray, np.ndarray]:
     """(centroids, each public image's group) of the job's semantic selection: k-means of the public set
-    from the job's PUBLIC seed (``mechanisms.selection.public_groups``), the same in both drivers. Public:
+    from the job's PUBLIC seed (``mechanisms.selection.public_groups``), the same in every job. Public:
     costs nothing."""
     if public.data is None:
         raise ConfigError("[public] selection needs the public set: give --public PATH")
@@ -202,7 +198,7 @@ def public_start(
     class_names: tuple[str, ...],
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """The denoiser's PUBLIC start, in both drivers: the pretrained file's weights (when the job names one),
+    """The denoiser's PUBLIC start: the pretrained file's weights (when the job names one),
     then ``[public] pretrain_iterations`` steps on the public set (when it names one). Returns what was
     done."""
     info: dict[str, Any] = {"pretrained_sha256": cfg.public.pretrained_sha256}
@@ -212,67 +208,3 @@ def public_start(
         res = pretrain(model, public.data, class_names, cfg, progress=progress)
         info.update(final_loss=res.final_loss, steps=res.steps)
     return info
-
-
-def local_selection(ctx: RunContext) -> PublicInputs:
-    """The local run's semantic selection: charge the planned ``selection`` event in the run's ledger, THEN
-    compute the noisy histogram from the run's secret noise, save and record it; the public set cut by it. A
-    resumed run reads the recorded release back (never a second draw)."""
-    public = ctx.public or PublicInputs()
-    centroids, groups = selection_groups(public, ctx.cfg)
-    path = ctx.rd.released("selection.npz")
-    if path.exists():
-        histogram = np.load(io.BytesIO(ctx.account.saved_release("selection", path)))["histogram"]
-    else:
-        refuse_requery(ctx, "selection", path)
-        rid = ctx.account.charge("selection", 1)  # committed before any private image is read
-        histogram, event = selection_histogram(
-            ctx.data.images, centroids, ctx.cfg.public.selection_sigma, ctx.private_rng("selection")
-        )
-        check_event(event, ctx.account.planned("selection"))
-        blob = npz_bytes(histogram=histogram)
-        atomic_write_bytes(path, blob)
-        ctx.account.record(rid, blob)
-    out = selected(public, ctx.cfg, histogram, groups)
-    ctx.rep.log(
-        f"semantic selection: pretraining on {out.data.n if out.data else 0} of "
-        f"{public.data.n if public.data else 0} public images ({len(histogram)} groups)"
-    )
-    return out
-
-
-class PublicPretraining:
-    name = "pretrain"
-
-    def enabled(self, cfg: JobConfig) -> bool:
-        return cfg.public.enabled
-
-    def run(self, ctx: RunContext) -> None:
-        if not resume_denoiser(ctx, "pretrain", "public pretraining"):
-            public = local_selection(ctx) if ctx.cfg.public.selection else (ctx.public or PublicInputs())
-            with ctx.rep.task("public pretraining", ctx.cfg.public.pretrain_iterations) as adv:
-                info = public_start(
-                    ctx.denoiser,
-                    public,
-                    ctx.cfg,
-                    ctx.data.image_shape,
-                    ctx.data.class_names,
-                    progress=lambda i, n, loss: adv(1, info=f"loss {loss:.3f}"),
-                )
-            save_denoiser(ctx, "pretrain")
-            if ctx.cfg.public.selection:  # weights after a charged selection: not public, not for reuse
-                ctx.mark("pretrain", selected=public.data.n if public.data else 0, **info)
-            else:
-                self._write_public_model(ctx)
-                ctx.mark("pretrain", **info)
-        stage_grid(ctx, "after-pretrain", ctx.denoiser)
-
-    @staticmethod
-    def _write_public_model(ctx: RunContext) -> None:
-        write_model_file(
-            ctx.rd.root / PRETRAINED_FILE,
-            spec=denoiser_spec(ctx.cfg.model, ctx.data.image_shape, ctx.data.n_classes),
-            state_dict=ctx.denoiser.state_dict(),
-            class_names=list(ctx.data.class_names),
-            public=dict(ctx.cfg.to_dict()["public"]),
-        )

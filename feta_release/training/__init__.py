@@ -1,4 +1,4 @@
-"""Training stages: warm-ups (spatial, frequency), DP-SGD, the single-site pipeline, checkpoints.
+"""Training engines: warm-ups (spatial, frequency), DP-SGD, checkpoints, progress.
 
 Each stage is a function of (model, released statistics, config) so the federation reuses it unchanged.
 """

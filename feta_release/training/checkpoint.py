@@ -1,9 +1,9 @@
-"""A run directory's torch checkpoints and released arrays, written crash-safe.
+"""Torch checkpoints and released arrays, written crash-safe.
 
 Every file a resume depends on is written to a temporary file in the same directory, flushed, fsynced, then
 moved over the old one with ``os.replace`` and the directory fsynced, so a kill at any instant leaves either
-the old or the new version, never a torn one. This matters most for ``privacy.json``: it is the record of what
-has been spent, and it is written (and on disk) BEFORE the step it pays for runs.
+the old or the new version, never a torn one (a round checkpoint the site's ledger binds, a coordinator's
+state).
 """
 
 from __future__ import annotations
@@ -16,17 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-# Names the local driver (training/pipeline.py) and the run account (stages/account.py) import from here;
-# their homes are the torch-free layers below, where the release side reads them too.
-from ..config import config_hash  # noqa: F401
-from ..files import atomic_write_bytes, atomic_write_json  # noqa: F401
-from ..files import read_run_json as read_json  # noqa: F401
-from ..models.model_file import MODEL_FILE  # noqa: F401
+# the one atomic writer (torch-free, in files.py); the drivers' state writers import it from here too
+from ..files import atomic_write_bytes
 
 
 def npz_bytes(**arrays: Any) -> bytes:
     """The bytes of an ``.npz`` of ``arrays`` (compressed, never pickled): a released file of a run, a
-    coordinator's cached release; the one writer of both drivers."""
+    coordinator's cached release; the one writer of every job directory."""
     buf = io.BytesIO()
     np.savez_compressed(buf, allow_pickle=False, **arrays)
     return buf.getvalue()

@@ -173,15 +173,15 @@ def test_progress_flag_reaches_the_command(name: str, monkeypatch: pytest.Monkey
 def test_train_no_progress_and_its_deprecated_quiet_alias(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """train's progress bars follow --progress/--no-progress; the old --quiet still works (hidden, with a
     warning)."""
-    import feta_release.training.pipeline as pipeline
+    import coordinator.local_run as local_run
 
     enabled: list[bool] = []
 
-    def fake_run(*args, reporter, **kw):  # noqa: ANN002, ANN003, ANN001, ANN202
-        enabled.append(reporter.enabled)
+    def fake_run(cfg, data, out, opts):  # noqa: ANN001, ANN202
+        enabled.append(opts.reporter.enabled)
         raise click.exceptions.Exit(0)
 
-    monkeypatch.setattr(pipeline, "run_pipeline", fake_run)
+    monkeypatch.setattr(local_run, "run_train", fake_run)
     cmd = COMMANDS["train"]
     for flag, want in (([], True), (["--no-progress"], False), (["--progress"], True), (["--quiet"], False)):
         res = CliRunner().invoke(cmd, ["--preset", "tiny", "--out", str(tmp_path / "r"), *flag])

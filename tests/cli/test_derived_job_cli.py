@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from coordinator.local_run import one_site_job
 from feta_release.cli import main
 from feta_release.config import JobConfig, load_job, load_preset, preset_names, preset_text
 from feta_release.data import ImageDataset, load_embedded, save_npz
@@ -20,7 +21,7 @@ from tests.support.cli import run_cli as _run
 
 
 class Stop(Exception):
-    """Raised by the stand-in pipeline once it has seen what `train` would run."""
+    """Raised by the stand-in run once it has seen what `train` would run."""
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,11 @@ def digits_npz(tmp_path_factory):
 def seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     got: dict[str, Any] = {}
 
-    def fake_pipeline(cfg: JobConfig, data: Any, out_dir: Any, **kw: Any) -> None:
-        got.update(cfg=cfg, data=data, **kw)
+    def fake_run(cfg: JobConfig, data: Any, out_dir: Any, opts: Any) -> None:
+        got.update(cfg=cfg, data=data, job_for_size=opts.job_for_size, public_size=opts.public_size)
         raise Stop
 
-    monkeypatch.setattr("feta_release.training.pipeline.run_pipeline", fake_pipeline)
+    monkeypatch.setattr("coordinator.local_run.run_train", fake_run)
     return got
 
 
@@ -208,5 +209,6 @@ def test_a_derived_job_trains_end_to_end_within_its_epsilon(
     # the generic cells ran, prototypes and all
     assert job.central.cell_rule == "aux" and job.central.cells > 1
     assert job.frequency.sigma is not None and job.auxgen.epochs == 3
-    assert JobConfig.from_dict(json.loads((out / "job.json").read_text("utf-8"))) == job.for_size(600)
+    signed = json.loads((out / "signed_job.json").read_text("utf-8"))["job"]["config"]
+    assert JobConfig.from_dict(signed) == one_site_job(job.for_size(600), 600).with_secure_default(1)
     assert (out / "COMPLETE").exists()

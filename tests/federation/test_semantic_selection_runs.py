@@ -1,4 +1,4 @@
-"""Semantic selection in both drivers: `train`'s stage and the node's request + the coordinator's step. The
+"""Semantic selection: the node's request + the coordinator's step, in `train` and in a federation. The
 charge is committed before any private image is read, the ledgers hold the planner's events, and a site
 receives the public groups' centroids, never a public image."""
 
@@ -16,10 +16,9 @@ from feta_release.errors import PrivacyError
 from feta_release.ledger import Ledger
 from feta_release.mechanisms import selection as sel
 from feta_release.planning import stage_events
-from feta_release.signing import load_private_key
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import with_public
-from feta_release.training.pipeline import run_pipeline
+from tests.support.training import site_requests, train_run
 
 pytestmark = pytest.mark.slow  # a tiny run and a tiny federation
 
@@ -68,25 +67,13 @@ def test_train_charges_the_selection_before_it_reads_an_image_and_pretrains_on_t
     )
     order = _order_recorder(monkeypatch)
     out = tmp_path / "r"
-    run_pipeline(
-        cfg,
-        _data(),
-        out,
-        n_synthetic=0,
-        grid_per_class=1,
-        noise_seed=1,
-        public_size=240,
-        public=PublicInputs(public, "pen strokes"),
-    )
+    train_run(cfg, _data(), out, public_size=240, public=PublicInputs(public, "pen strokes"), release=False)
     assert order[:2] == ["charge:selection", "votes"]  # fails when the votes are counted before the charge
-    run = json.loads((out / "run.json").read_text())
-    key = load_private_key(out / "checkpoints" / "site.key")
-    with Ledger(out / run["ledger"]["path"], verify_key=key.public_key()) as led:
-        rows = led.requests(run["ledger"]["job_id"])
+    rows = site_requests(out)
     assert [r["mechanism"] for r in rows] == ["selection", "central", "frequency", "dpsgd"]
     signed = with_public(cfg, PublicInputs(public, "pen strokes"), (1, 28, 28))
     assert [e["stage"] for r in rows for e in r["events"]] == [e.stage for e in stage_events(signed, 240)]
-    kept = run["stages"]["pretrain"]["selected"]
+    kept = json.loads((out / "selection.json").read_text())["kept"]
     assert 0.3 * 64 <= kept < 64
     assert not (out / "pretrained.pt").exists()  # a charged selection's weights are not offered as public
 

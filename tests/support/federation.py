@@ -171,7 +171,9 @@ class SignedTrain:
     [sampler]."""
 
     def __init__(self, tmp: Path, sampler_lines: str) -> None:
-        from feta_release.data import load_embedded, save_npz
+        from feta_release.data import load_dataset, load_embedded, save_npz
+        from feta_release.data.commitment import create_secret, dataset_commitment, load_secret
+        from feta_release.data.declared import DataDeclaration
         from feta_release.policy import make_policy, sign_policy
         from feta_release.signing import generate_keypair, load_private_key
 
@@ -183,14 +185,19 @@ class SignedTrain:
         )
         save_npz(full.subset(np.sort(idx)), tmp / "small.npz")
         self.keys = {n: generate_keypair(tmp / "keys", n) for n in ("coordinator", "site", "admin")}
+        self.secret = create_secret(tmp / "keys" / "data.secret")
+        data, _ = load_dataset(tmp / "small.npz")
+        declared = DataDeclaration.draft_from(data)
+        data, _ = load_dataset(tmp / "small.npz", declared=declared)  # as train maps it under the policy
         doc = make_policy(
             "hosp-a",
-            "1" * 64,
+            dataset_commitment(data, load_secret(self.secret)),
             200,
             [load_private_key(self.keys["coordinator"][0]).public_key()],
             per_job=(10.0, 1e-5),
             lifetime=(20.0, 1e-5),
             site_key=load_private_key(self.keys["site"][0]).public_key(),
+            declared=declared,
         )
         (tmp / "policy.json").write_text(
             json.dumps(sign_policy(doc, load_private_key(self.keys["admin"][0])))
@@ -222,6 +229,8 @@ class SignedTrain:
                     str(t / "policy.json"),
                     "--trusted",
                     str(k["admin"][1]),
+                    "--data-secret",
+                    str(self.secret),
                     "--coordinator-key",
                     str(k["coordinator"][0]),
                 ]
@@ -235,13 +244,11 @@ class SignedTrain:
         return {"hosp-a": load_public_key(self.keys["admin"][1])}
 
     def export_again(self, out: Path) -> Any:
-        from feta_release.release.export_run import export_run
-        from feta_release.signing import load_private_key
+        """The release built again from a copy of the run's job directory at ``out`` (``export``'s
+        builder); returns ``out/release``."""
+        import shutil
 
-        return export_run(
-            self.run,
-            out,
-            coordinator_key=load_private_key(self.keys["coordinator"][0]),
-            site_key=load_private_key(self.keys["site"][0]),
-            signed_policy=json.loads((self.tmp / "policy.json").read_text()),
-        )
+        from feta_release.release.jobdir import build_release
+
+        shutil.copytree(self.run, out, ignore=shutil.ignore_patterns("release"))
+        return build_release(out, self.keys["coordinator"][0])

@@ -13,9 +13,8 @@ from feta_release.config import load_preset
 from feta_release.errors import ConfigError
 from feta_release.models import build_denoiser
 from feta_release.stages.spatial import central_polish
-from feta_release.training.pipeline import run_pipeline
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
-from tests.support.training import TINY, bars, fixed_noise_loss, job
+from tests.support.training import TINY, bars, fixed_noise_loss, job, train_run
 from tests.support.training import embedded_subset as _data
 
 
@@ -78,11 +77,14 @@ def test_polish_is_allowed_in_federated_jobs() -> None:
 
 
 @pytest.mark.parametrize("frequency", [True, False])
-def test_pipeline_runs_the_polish_once_after_the_last_warmup(tmp_path, frequency: bool) -> None:
-    cfg = load_preset("tiny").replace(warmup={"polish_iterations": 4})
+def test_train_runs_the_polish_once_after_the_last_warmup(tmp_path, frequency: bool) -> None:
+    cfg = load_preset("tiny").replace(warmup={"polish_iterations": 4}, dpsgd={"steps": 0})
     if not frequency:  # no frequency warm-up: the polish ends the spatial stage instead
         cfg = cfg.replace(frequency={"sigma": None})
-    run_pipeline(cfg, _data(), tmp_path / "r", n_synthetic=20, grid_per_class=1, noise_seed=1)
-    stages = json.loads((tmp_path / "r" / "run.json").read_text())["stages"]
-    assert stages["polish"]["steps"] == 4
-    assert ("frequency" in stages) == frequency
+    train_run(cfg, _data(), tmp_path / "r", public_size=240, release=False)
+    lines = (tmp_path / "r" / "progress.jsonl").read_text().splitlines()
+    said = [json.loads(line)["message"] for line in lines if json.loads(line)["phase"] == "warmup"]
+    polish = [i for i, m in enumerate(said) if m.startswith("central polish done")]
+    last = max(i for i, m in enumerate(said) if " warm-up done" in m)
+    assert len(polish) == 1 and polish[0] > last  # once, after the last warm-up stage
+    assert any(m.startswith("frequency warm-up done") for m in said) == frequency

@@ -50,11 +50,11 @@ def medical_sets(tmp_path_factory: Any) -> tuple[Path, Path, Any]:
 def seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     got: dict[str, Any] = {}
 
-    def fake_pipeline(cfg: JobConfig, data: Any, out_dir: Any, **kw: Any) -> None:
-        got.update(cfg=cfg, data=data, **kw)
+    def fake_run(cfg: JobConfig, data: Any, out_dir: Any, opts: Any) -> None:
+        got.update(cfg=cfg, data=data, **vars(opts))
         raise Stop
 
-    monkeypatch.setattr("feta_release.training.pipeline.run_pipeline", fake_pipeline)
+    monkeypatch.setattr("coordinator.local_run.run_train", fake_run)
     return got
 
 

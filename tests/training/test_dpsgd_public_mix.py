@@ -9,7 +9,6 @@ cannot apply.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,8 +19,7 @@ from torch import nn
 
 from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError
-from feta_release.stages.dpsgd import _public_mix
-from feta_release.training.dpsgd import DPSGDTrainer, PublicMix
+from feta_release.training.dpsgd import DPSGDTrainer, PublicMix, released_mix
 
 
 def _cfg(**dpsgd) -> JobConfig:
@@ -163,23 +161,23 @@ def test_config_public_batch_typed_and_checked():
         JobConfig.from_dict({"dpsgd": {"steps": 1, "public_batches": 4}})
 
 
-def _ctx(public_batch: int, central):
+def _mix(public_batch: int, central):
     cfg = load_preset("cpu-eps1").replace(dpsgd={"public_batch": public_batch})
-    return SimpleNamespace(cfg=cfg, central=central, public_gen=lambda name: torch.Generator().manual_seed(7))
+    return released_mix(cfg, central, torch.Generator().manual_seed(7))
 
 
-def test_stage_draws_augmented_released_central_images_in_model_range():
+def test_a_round_draws_augmented_released_central_images_in_model_range():
     imgs = np.random.default_rng(0).random((20, 1, 28, 28)).astype(np.float32)
     labels = np.repeat(np.arange(10), 2)
-    mix = _public_mix(_ctx(16, (imgs, labels)))
+    mix = _mix(16, (imgs, labels))
     assert mix is not None and mix.batch == 16
     x, y = mix.draw(16, mix.generator)
     assert x.shape == (16, 1, 28, 28) and y.dtype == torch.int64
     assert float(x.min()) >= -1 - 1e-6 and float(x.max()) <= 1 + 1e-6
     assert set(y.tolist()) <= set(labels.tolist())
-    assert _public_mix(_ctx(0, (imgs, labels))) is None
+    assert _mix(0, (imgs, labels)) is None
 
 
-def test_stage_refuses_public_batch_without_central_release():
+def test_a_round_refuses_public_batch_without_central_release():
     with pytest.raises(ConfigError, match="needs released central images"):
-        _public_mix(_ctx(8, None))
+        _mix(8, None)

@@ -15,11 +15,11 @@ from feta_release.training.checkpoint import load_torch, save_torch
 
 
 def test_atomic_write_replaces_and_leaves_no_temporaries(tmp_path):
-    p = tmp_path / "sub" / "privacy.json"
+    p = tmp_path / "sub" / "plan.json"
     atomic_write_json(p, {"a": 1})
     atomic_write_json(p, {"a": 2})
     assert read_json(p) == {"a": 2}
-    assert sorted(os.listdir(p.parent)) == ["privacy.json"]
+    assert sorted(os.listdir(p.parent)) == ["plan.json"]
 
 
 def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
@@ -37,7 +37,7 @@ def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
 
 
 def test_corrupt_json_is_a_clear_error(tmp_path):
-    p = tmp_path / "run.json"
+    p = tmp_path / "job_summary.json"
     p.write_text("{not json")
     with pytest.raises(FetaError, match="corrupt"):
         read_json(p)

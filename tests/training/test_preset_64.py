@@ -27,7 +27,7 @@ def _xray_like(root: Path, n: int = 60) -> Path:
 
 @pytest.mark.slow  # ~65 s of CPU (minutes on a loaded machine): a 3-level UNet at 64x64
 def test_xray64_preset_trains_and_samples_64px(tmp_path: Path) -> None:
-    from feta_release.training.pipeline import run_pipeline
+    from tests.support.training import train_run
 
     cfg = load_preset("xray64-eps10")
     assert (cfg.job.image_size, cfg.job.resize) == (64, "crop")
@@ -56,7 +56,7 @@ def test_xray64_preset_trains_and_samples_64px(tmp_path: Path) -> None:
     )
     # a declared size: a noisy count of 40 images (std 50) could fall below the central batch (sizing is
     # tested in test_public_size_draw)
-    res = run_pipeline(small, data, tmp_path / "run", n_synthetic=4, grid_per_class=1, public_size=40)
+    res = train_run(small, data, tmp_path / "run", n_synthetic=4, public_size=40, release=False)
     with np.load(tmp_path / "run" / "synthetic.npz") as z:
         assert z["images"].shape[1:] in ((64, 64), (1, 64, 64), (64, 64, 1))
     assert res.epsilon <= 10.0

@@ -13,13 +13,11 @@ from feta_release.config import JobConfig, load_preset
 from feta_release.data import ImageDataset, load_embedded
 from feta_release.data.procedural import generate_dataset
 from feta_release.errors import ConfigError, DataError
-from feta_release.ledger import Ledger
 from feta_release.models.model_file import read_model_file
 from feta_release.planning import plan, stage_events
-from feta_release.signing import load_private_key
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import PRETRAINED_FILE, mapped_labels, with_public
-from feta_release.training.pipeline import run_pipeline
+from tests.support.training import site_requests, train_run
 
 pytestmark = pytest.mark.slow  # two tiny runs
 
@@ -46,13 +44,11 @@ def strokes() -> ImageDataset:
 @pytest.fixture(scope="module")
 def public_run(tmp_path_factory, strokes):
     out = tmp_path_factory.mktemp("pub") / "r"
-    res = run_pipeline(
+    res = train_run(
         _cfg(),
         _data(),
         out,
         n_synthetic=10,
-        grid_per_class=1,
-        noise_seed=1,
         public_size=240,
         public=PublicInputs(strokes, "procedural pen strokes, seed 4"),
     )
@@ -61,14 +57,14 @@ def public_run(tmp_path_factory, strokes):
 
 def test_the_job_names_the_public_set_by_hash_count_shape_and_description(public_run, strokes):
     out, _ = public_run
-    job = json.loads((out / "job.json").read_text())
+    job = json.loads((out / "signed_job.json").read_text())["job"]["config"]
     assert job["public"]["sha256"] == strokes.fingerprint()
     assert job["public"]["count"] == 64 and job["public"]["shape"] == [1, 28, 28]
     assert job["public"]["description"] == "procedural pen strokes, seed 4"
     assert job["public"]["class_names"] == list(strokes.class_names)
-    state = json.loads((out / "run.json").read_text())
-    assert state["stages"]["pretrain"]["steps"] == 6
-    assert (out / "grids" / "01-after-pretrain.png").exists()  # the first thing the run shows
+    said = [json.loads(line)["message"] for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert "public pretraining: 6 steps" in said
+    assert list((out / "grids").glob("*-after-pretrain.png"))
 
 
 def test_pretraining_costs_nothing_in_the_ledger(public_run):
@@ -78,10 +74,7 @@ def test_pretraining_costs_nothing_in_the_ledger(public_run):
         stage_events(_cfg().replace(public={"sha256": "0" * 64, "count": 64, "shape": [1, 28, 28]}), 240)
         == plain
     )
-    run = json.loads((out / "run.json").read_text())
-    key = load_private_key(out / "checkpoints" / "site.key")
-    with Ledger(out / run["ledger"]["path"], verify_key=key.public_key()) as led:
-        rows = led.requests(run["ledger"]["job_id"])
+    rows = site_requests(out)
     assert [r["mechanism"] for r in rows] == ["central", "frequency", "dpsgd"]  # nothing for the public set
     assert res.epsilon == pytest.approx(plan(load_preset("tiny"), 240).epsilon, rel=1e-9)
 
@@ -92,17 +85,10 @@ def test_a_pretrained_file_is_reused_by_hash_and_gives_the_same_start(public_run
     doc = read_model_file(f)
     assert doc["public"]["sha256"] == strokes.fingerprint()
     cfg = _cfg(public={"pretrain_iterations": 0})
-    res = run_pipeline(
-        cfg,
-        _data(),
-        tmp_path / "again",
-        n_synthetic=0,
-        grid_per_class=1,
-        noise_seed=1,
-        public_size=240,
-        public=PublicInputs(pretrained=f),
+    res = train_run(
+        cfg, _data(), tmp_path / "again", public_size=240, public=PublicInputs(pretrained=f), release=False
     )
-    job = json.loads((tmp_path / "again" / "job.json").read_text())
+    job = json.loads((tmp_path / "again" / "signed_job.json").read_text())["job"]["config"]
     assert job["public"]["pretrained_sha256"] and job["public"].get("sha256") is None
     again = read_model_file(tmp_path / "again" / PRETRAINED_FILE)["state_dict"]
     for k, v in doc["state_dict"].items():
@@ -187,12 +173,11 @@ def test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images
 def test_verify_shows_the_public_set_and_checks_its_hash_when_given(public_run, strokes, tmp_path):
     from feta_release.data import save_npz
     from feta_release.release.verify import verify_release
-    from feta_release.training.local_job import release_run, run_coordinator_key
-    from feta_release.training.pipeline import run_site_key
+    from feta_release.signing import load_public_key
 
     out, _ = public_run
-    rel = release_run(out, site_key=run_site_key(out), coordinator_key=run_coordinator_key(out))
-    trust = {"site": [run_site_key(out).public_key()]}
+    rel = out / "release"
+    trust = {"site": [load_public_key(out / "keys" / "policy-admin.pub")]}
 
     def public_check(path=None):
         res = verify_release(rel, trust, public=path)

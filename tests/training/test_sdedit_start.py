@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from feta_release.config import load_preset
-from feta_release.errors import ConfigError, DataError
+from feta_release.errors import ConfigError
 from feta_release.models import build_denoiser
 from feta_release.models.sampler import sample
-from feta_release.stages.synthesis import sdedit_starts
-from feta_release.training.pipeline import run_pipeline
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
-from tests.support.training import TINY, bars, job
+from tests.support.training import TINY, bars, job, train_run
 from tests.support.training import embedded_subset as _data
 
 
@@ -39,23 +37,9 @@ def test_start_sigma_outside_the_schedule_is_refused(bad: float) -> None:
         job(sampler={"start_sigma": bad})
 
 
-def test_release_starts_are_augmented_images_of_the_asked_class() -> None:
-    x, y = bars(3)
-    labels = np.array([0, 1, 1, 0, 1, 1, 1, 1])
-    cfg = job(warmup={"augment_magnitude": 1})
-    starts = sdedit_starts((x.numpy(), y.numpy()), labels, cfg, torch.Generator().manual_seed(0))
-    assert starts.shape == (8, 1, 16, 16) and starts.min() >= 0 and starts.max() <= 1
-    # class 0 is a horizontal bar, class 1 a vertical one: row vs column mass tells them apart after light
-    # jitter
-    rows, cols = starts.sum(3).amax(2).squeeze(1), starts.sum(2).amax(2).squeeze(1)
-    assert torch.equal((cols > rows).long(), torch.from_numpy(labels))
-    with pytest.raises(DataError, match="class 2"):
-        sdedit_starts((x.numpy(), y.numpy()), np.array([2]), cfg, torch.Generator())
-
-
-def test_pipeline_writes_a_balanced_synthetic_set_from_release_starts(tmp_path) -> None:
-    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5})
-    run_pipeline(cfg, _data(), tmp_path / "r", n_synthetic=30, grid_per_class=1, noise_seed=1)
+def test_train_writes_a_balanced_synthetic_set_from_release_starts(tmp_path) -> None:
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5}, dpsgd={"steps": 0})
+    train_run(cfg, _data(), tmp_path / "r", n_synthetic=30, public_size=240, release=False)
     z = np.load(tmp_path / "r" / "synthetic.npz")
     assert np.bincount(z["labels"]).tolist() == [3] * 10
     assert z["images"].min() >= 0 and z["images"].max() <= 1 and np.isfinite(z["images"]).all()

@@ -1,5 +1,6 @@
-"""The coordinator's warm-up and the local driver's warm-up stages are one code path: on the same released
-statistics and seed, a federation of one site warms the model up to exactly the weights ``train`` reaches."""
+"""The warm-up is post-processing of the released statistics with public seeds only: from a ``train`` run's
+job directory (the site's releases as the coordinator collected them), the coordinator's warm-up reaches
+exactly the weights the run warmed up to, bit for bit."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import torch
 from feta_release.config import JobConfig, load_preset
 from feta_release.data import ImageDataset, load_embedded
 from feta_release.errors import DataError
+from feta_release.federation import checkpoint_io
 from feta_release.federation.warmup import pooled_central, pooled_frequency, warm_up
 from feta_release.stages.context import initial_denoiser
-from feta_release.training.checkpoint import load_torch
-from feta_release.training.pipeline import run_pipeline
+from tests.support.training import train_run
 
 
 def _data(n: int = 200) -> ImageDataset:
@@ -29,19 +30,20 @@ def _data(n: int = 200) -> ImageDataset:
 
 
 def _released(run: Path) -> tuple[JobConfig, dict[str, np.ndarray], dict[str, np.ndarray], int]:
-    """What the local run released, as a node would send it (the raw central release, the frequency
-    release)."""
-    cfg = JobConfig.from_dict(json.loads((run / "job.json").read_text("utf-8")))
-    with np.load(run / "released" / "central.npz") as z:
-        central = {k.removeprefix("raw_"): z[k] for k in z.files if k.startswith("raw_")}
-    with np.load(run / "released" / "frequency.npz") as z:
+    """What the run's site released, as the coordinator collected it (the raw central release, the frequency
+    release), the signed job and the public size."""
+    cfg = JobConfig.from_dict(json.loads((run / "signed_job.json").read_text("utf-8"))["job"]["config"])
+    sid = json.loads((run / "signed_job.json").read_text("utf-8"))["job"]["sites"][0]
+    with np.load(run / "state" / f"central_{sid}.npz") as z:
+        central = {k: z[k] for k in z.files}
+    with np.load(run / "state" / f"frequency_{sid}.npz") as z:
         freq = {k: z[k] for k in z.files}
-    n_public = int(json.loads((run / "run.json").read_text("utf-8"))["dataset_size"])
+    n_public = int(json.loads((run / "plan.json").read_text("utf-8"))[sid]["size"])
     return cfg, central, freq, n_public
 
 
 @pytest.mark.parametrize("mix,polish", [(False, 0), (True, 0), (True, 6)], ids=["aux", "mix", "mix+polish"])
-def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(
+def test_the_warm_up_of_a_train_run_is_a_public_function_of_its_releases(
     tmp_path: Path, mix: bool, polish: int
 ) -> None:
     cfg = load_preset("tiny").replace(
@@ -50,8 +52,10 @@ def test_a_federation_of_one_warms_up_exactly_as_the_local_driver(
         warmup={"frequency_mix_central": mix, "polish_iterations": polish},
     )
     run = tmp_path / "run"
-    run_pipeline(cfg, _data(), run, n_synthetic=10, grid_per_class=1, noise_seed=5)
-    local = load_torch(run / "checkpoints" / "after-frequency.pt")["model"]
+    train_run(cfg, _data(), run, public_size=200, release=False)
+    ck = checkpoint_io.load_warmup(run / "state")
+    assert ck is not None
+    local = ck["model"]
     eff, central, freq, n_pub = _released(run)
 
     model = initial_denoiser(eff, (1, 28, 28), 10)

@@ -321,7 +321,7 @@ def test_train_maps_its_data_onto_the_policy_declaration(tmp_path: Path) -> None
     them, and a declared class without images is not refused there either."""
     from feta_release.cli.train_cmd import _training_data
     from feta_release.config import load_preset
-    from feta_release.training.pipeline import check_data
+    from feta_release.training.data_checks import check_data
 
     cfg = load_preset("tiny")
     grey = np.full((8, 8), 9, np.uint8)

@@ -3,6 +3,9 @@ digits and a frequency release of the bars."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -83,3 +86,25 @@ def frequency_release(sigma: float = 0.01):
         rng=np.random.default_rng(0),
     )
     return rel, x, y
+
+
+def train_run(cfg: JobConfig, data: ImageDataset, out: Any, **options: Any) -> Any:
+    """``feta-release train``'s run (``coordinator.local_run.run_train``) with ``TrainOptions`` fields as
+    keywords; small grids and no synthetic set unless asked."""
+    from coordinator.local_run import TrainOptions, run_train
+
+    opts = {"grid_per_class": 1, "n_synthetic": 0, **options}
+    return run_train(cfg, data, Path(out), TrainOptions(**opts))
+
+
+def site_requests(run_dir: Any, job_id: str | None = None) -> list[dict[str, Any]]:
+    """The requests a ``train`` run's site ledger holds (its own job's, or ``job_id``'s)."""
+    import json
+
+    from feta_release.ledger import Ledger
+
+    root = Path(run_dir)
+    if job_id is None:
+        job_id = json.loads((root / "signed_job.json").read_text("utf-8"))["job"]["job_id"]
+    with Ledger(root / "site" / "ledger.sqlite") as led:
+        return led.requests(job_id)

@@ -167,11 +167,13 @@ def stop_serving(stop: Any, sock: Any, thread: Any, listener: Any) -> None:
 
 class SignedTrain:
     """A `train --policy` run of the tiny preset on 200 embedded digits, as a site would run it: coordinator,
-    site and policy-admin keys, a signed one-site policy, and ``sampler_lines`` added to the preset's
-    [sampler]."""
+    site and policy-admin keys, the site's data secret, a signed one-site policy committing to the images and
+    declaring their classes and shape, and ``sampler_lines`` added to the preset's [sampler]."""
 
     def __init__(self, tmp: Path, sampler_lines: str) -> None:
         from feta_release.data import load_embedded, save_npz
+        from feta_release.data.commitment import create_secret, dataset_commitment, load_secret
+        from feta_release.data.declared import DataDeclaration
         from feta_release.policy import make_policy, sign_policy
         from feta_release.signing import generate_keypair, load_private_key
 
@@ -181,16 +183,19 @@ class SignedTrain:
         idx = np.concatenate(
             [rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)]
         )
-        save_npz(full.subset(np.sort(idx)), tmp / "small.npz")
+        data = full.subset(np.sort(idx))
+        save_npz(data, tmp / "small.npz")
         self.keys = {n: generate_keypair(tmp / "keys", n) for n in ("coordinator", "site", "admin")}
+        self.secret = create_secret(tmp / "keys" / "data.secret")
         doc = make_policy(
             "hosp-a",
-            "1" * 64,
+            dataset_commitment(data, load_secret(self.secret)),
             200,
             [load_private_key(self.keys["coordinator"][0]).public_key()],
             per_job=(10.0, 1e-5),
             lifetime=(20.0, 1e-5),
             site_key=load_private_key(self.keys["site"][0]).public_key(),
+            declared=DataDeclaration.draft_from(data),  # a node reads the declared classes and shape
         )
         (tmp / "policy.json").write_text(
             json.dumps(sign_policy(doc, load_private_key(self.keys["admin"][0])))
@@ -222,6 +227,8 @@ class SignedTrain:
                     str(t / "policy.json"),
                     "--trusted",
                     str(k["admin"][1]),
+                    "--data-secret",
+                    str(self.secret),
                     "--coordinator-key",
                     str(k["coordinator"][0]),
                 ]
@@ -233,15 +240,3 @@ class SignedTrain:
         from feta_release.signing import load_public_key
 
         return {"hosp-a": load_public_key(self.keys["admin"][1])}
-
-    def export_again(self, out: Path) -> Any:
-        from feta_release.release.export_run import export_run
-        from feta_release.signing import load_private_key
-
-        return export_run(
-            self.run,
-            out,
-            coordinator_key=load_private_key(self.keys["coordinator"][0]),
-            site_key=load_private_key(self.keys["site"][0]),
-            signed_policy=json.loads((self.tmp / "policy.json").read_text()),
-        )

@@ -164,7 +164,7 @@ def test_cli_errors_exit_with_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_account(tmp_path: Path) -> None:
     p = plan(load_job(JOBS / "valid_feta_pro.toml"), 4000)
-    path = tmp_path / "privacy.json"
+    path = tmp_path / "plan.json"
     path.write_text(json.dumps(p.to_dict()))
     res = CliRunner().invoke(cli, ["privacy", "account", str(path), "--json"])
     assert res.exit_code == 0, res.output

@@ -7,25 +7,24 @@ Same split as the evaluation protocol (feta_release/eval_protocol.py, ``test`` m
 training images, the 1,000 held-out images scored once. Same job config (``--preset``, default
 ``cpu-eps1-nodpsgd``: the whole epsilon on the central + frequency releases, no DP-SGD), same epsilon.
 
-- pooled: the single-site ``train`` pipeline (``run_pipeline``) on all 4,000 images (benchmark noise seed
-  10,000 + seed, as bench/eval_protocol.py);
+- pooled: ``train`` (``coordinator.local_run.run_train``: the node's handlers and the coordinator's driver,
+  one site) on all 4,000 images;
 - federated: the in-process harness (feta_release/federation/harness.py: every message through Flower's wire
   encoding, the node's full release protocol, signed policies and ledgers) with 3 sites over the demo's split
   of the same 4,000 (``split_sites(train, 3, seed=0)``, public sizes by the demo's rule), the preset adapted
   by ``coordinator.demo.demo_config`` (rates kept, so q is the preset's), secure aggregation
-  (``--per-site-noise``: the old mode). Site noise is fresh OS randomness (a node takes no seed).
+  (``--per-site-noise``: the old mode). Site noise is fresh OS randomness in both arms (a node takes no seed).
 
-Both arms draw ``n_synthetic`` balanced images from their final model with BOTH samplers, same seed rule
-(``seed_from(job seed, "synthetic", start)``, batches of 256) -- the primary comparison is sampler against
-sampler:
+Both arms draw ``n_synthetic`` balanced images from their final model with BOTH samplers -- the primary
+comparison is sampler against sampler:
 
-- ``noise``: pure-noise sampling (the model file's sampler, from ``[sampler] sigma_max``);
-- ``sdedit``: SDEdit (``[sampler] start_sigma``) from the arm's RELEASED central images through the synthesis
-  stage's own ``sdedit_starts`` (public generator ``synthetic-starts``): the pooled run's released central
-  images, the coordinator's combined (securely summed) central images for the federated arm -- post-processing
-  of released values, no privacy cost. For the pooled arm this is train's ``synthetic.npz`` itself (the scored
-  set), and the bench checks that its own SDEdit sampling reproduces the first batch of it
-  (``sdedit_check_max_abs_diff``).
+- ``noise``: pure-noise sampling (the model file's sampler, from ``[sampler] sigma_max``; seeds
+  ``seed_from(job seed, "synthetic", start)``, batches of 256);
+- ``sdedit``: SDEdit (``[sampler] start_sigma``) from the arm's RELEASED central images
+  (``released/central.npz`` of its job directory: the site's own, or the coordinator's combination of the
+  sites', securely summed), drawn by ``release.jobdir.synthetic_set`` with the job seed -- post-processing of
+  released values, no privacy cost. For the pooled arm this is train's ``synthetic.npz`` itself; for the
+  federated arm the same function on the coordinator's job directory.
 
 Each is scored with the protocol's classifier (SmallCNN, 5 epochs, seed = run seed) and FD (classifier
 features) on the held-out images, plus the release-only baseline (augmented copies of the released/combined
@@ -40,7 +39,6 @@ std (ddof 1). Two streams in parallel (one per arm, separate ``--out``), then on
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -73,29 +71,16 @@ def job_config(preset: str, quick: bool) -> Any:
 
 
 def pooled_run(cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int) -> tuple[Any, dict[str, Any]]:
-    """The single-site pipeline on all training images: (synthetic set, info)."""
-    from feta_release.data import ImageDataset
-    from feta_release.models.model_file import MODEL_FILE
-    from feta_release.training.pipeline import run_pipeline
+    """``train`` on all training images: (synthetic sets, info)."""
+    from coordinator.local_run import TrainOptions, run_train
     from feta_release.training.progress import Reporter
 
     rcfg = cfg.replace(job={"seed": seed})
-    res = run_pipeline(
-        rcfg, train, out, n_synthetic=n_synthetic, reporter=Reporter(enabled=False), noise_seed=10_000 + seed
-    )  # benchmark only
-    with np.load(out / "released" / "central.npz") as c:
-        central = (c["images"], c["labels"])
-    with np.load(out / "synthetic.npz") as z:
-        images, labels = z["images"], z["labels"]
-    info: dict[str, Any] = {"epsilon": res.epsilon, "central": central}
-    syn = {"noise": sample_model(out / MODEL_FILE, rcfg, train, n_synthetic)}
-    if rcfg.sampler.start_sigma is not None:
-        # train's synthetic.npz IS the SDEdit set (what bench/eval_protocol.py --mode test scores); check that
-        # this bench's SDEdit sampling (used for the federated arm) reproduces it, on its first batch.
-        first = sample_model(out / MODEL_FILE, rcfg, train, min(256, n_synthetic), central)
-        info["sdedit_check_max_abs_diff"] = float(np.abs(first.images - images[: first.n]).max())
-        syn["sdedit"] = ImageDataset(images, labels, train.class_names, source=str(out))
-    return syn, info
+    res = run_train(rcfg, train, out, TrainOptions(n_synthetic=n_synthetic, reporter=Reporter(enabled=False)))
+    syn = {"noise": sample_model(out, rcfg, train, n_synthetic)}
+    if rcfg.sampler.start_sigma is not None:  # train's synthetic.npz IS the SDEdit set (jobdir.synthetic_set)
+        syn["sdedit"] = _synthetic(out, train)
+    return syn, {"epsilon": res.epsilon, "central": _released_central(out)}
 
 
 def federated_config(cfg: Any, site_size: int, seed: int, secure: bool, n_sites: int) -> Any:
@@ -127,8 +112,8 @@ def federated_config(cfg: Any, site_size: int, seed: int, secure: bool, n_sites:
 def federated_run(
     cfg: Any, train: Any, out: Path, n_synthetic: int, seed: int, secure: bool, n_sites: int = 3
 ) -> tuple[Any, dict[str, Any]]:
-    """The federated job over the in-process harness, then sampling as the single-site synthesis stage
-    does."""
+    """The federated job over the in-process harness, then sampling as the pooled arm does (``train``'s
+    ``synthetic.npz`` is ``release.jobdir.synthetic_set`` of its job directory)."""
     import shutil
 
     from coordinator.setup import prepare_federation, sign_job_file
@@ -136,7 +121,7 @@ def federated_run(
     from feta_release.data.splits import split_sites
     from feta_release.federation.harness import HarnessNode, InProcessGrid
     from feta_release.federation.job import run_job
-    from feta_release.federation.warmup import pooled_central
+    from feta_release.release.jobdir import synthetic_set
     from feta_release.signing import load_private_key
 
     shutil.rmtree(out, ignore_errors=True)  # fresh keys, policies and ledgers for every run
@@ -155,12 +140,10 @@ def federated_run(
         wait_timeout=30,
         poll_interval=0.05,
     )
-    central = _combined_central(out / "job", fcfg, {s.site_id: s.size for s in fed.sites}, pooled_central)
-    from feta_release.models.model_file import MODEL_FILE
-
-    syn = {"noise": sample_model(out / "job" / MODEL_FILE, fcfg, train, n_synthetic)}
-    if fcfg.sampler.start_sigma is not None:
-        syn["sdedit"] = sample_model(out / "job" / MODEL_FILE, fcfg, train, n_synthetic, central)
+    syn = {"noise": sample_model(out / "job", fcfg, train, n_synthetic)}
+    if fcfg.sampler.start_sigma is not None:  # as train draws its synthetic.npz
+        synthetic_set(out / "job", n_synthetic, fcfg.job.seed)
+        syn["sdedit"] = _synthetic(out / "job", train)
     eps = {sid: att["statement"]["epsilon"] for sid, att in res.attestations.items()}
     worst = {
         sid: (att["statement"].get("secure_aggregation") or {}).get("worst_case_epsilon")
@@ -172,54 +155,45 @@ def federated_run(
         "worst_case_epsilon": worst,
         "public_sizes": [s.size for s in fed.sites],
         "timings": res.timings,
-        "central": central,
+        "central": _released_central(out / "job"),
     }
 
 
-def _combined_central(job: Path, cfg: Any, sizes: dict[str, int], pooled_central: Any) -> tuple[Any, Any]:
-    state = job / "state"
-    files = (
-        [state / "central_secure.npz"]
-        if (state / "central_secure.npz").exists()
-        else [state / f"central_{sid}.npz" for sid in sorted(sizes)]
-    )
-    arrays = {}
-    for sid, f in zip(sorted(sizes), files * len(sizes) if len(files) == 1 else files):
-        with np.load(f) as z:
-            arrays[sid] = {k: z[k] for k in z.files}
-    return pooled_central(arrays, sizes, cfg)
+def _released_central(job: Path) -> tuple[Any, Any]:
+    """The central images a job directory released (the site's own, or the coordinator's combination)."""
+    with np.load(job / "released" / "central.npz") as c:
+        return c["images"], c["labels"]
 
 
-def sample_model(
-    model_file: Path, cfg: Any, train: Any, n: int, central: tuple[np.ndarray, np.ndarray] | None = None
-) -> Any:
-    """``n`` balanced samples of the model with the single-site synthesis stage's labels, seeds and sampler:
-    from pure noise (``central`` None), or SDEdit from ``central`` (released images) as ``stages.synthesis``
-    draws them (its ``sdedit_starts`` and public generator; ``sigma_max`` = ``start_sigma``)."""
+def _synthetic(job: Path, train: Any) -> Any:
+    """A job directory's ``synthetic.npz`` (``release.jobdir.synthetic_set``) as a data set."""
+    from feta_release.data import ImageDataset
+
+    with np.load(job / "synthetic.npz") as z:
+        return ImageDataset(z["images"], z["labels"], train.class_names, source=str(job))
+
+
+def sample_model(job: Path, cfg: Any, train: Any, n: int) -> Any:
+    """``n`` balanced samples of a job directory's model from pure noise (the model file's sampler), seeds
+    ``seed_from(job seed, "synthetic", start)`` in batches of 256, the same rule for both arms."""
     import torch
 
     from feta_release.data import ImageDataset
-    from feta_release.models.model_file import read_model_file
     from feta_release.models.sampler import generate
-    from feta_release.stages.context import initial_denoiser, public_generator, seed_from
-    from feta_release.stages.synthesis import sdedit_starts
+    from feta_release.release.jobdir import load_model
+    from feta_release.stages.context import seed_from
 
-    model = initial_denoiser(cfg, train.image_shape, train.n_classes)
-    model.load_state_dict(read_model_file(model_file)["state_dict"])
+    model = load_model(job)
     model.eval()
     k = train.n_classes
     labels = np.tile(np.arange(k, dtype=np.int64), math.ceil(n / k))[:n]
-    scfg, gen = cfg.sampler, public_generator(cfg, "synthetic-starts")
-    if central is not None:
-        scfg = dataclasses.replace(scfg, sigma_max=scfg.start_sigma)
     out = []
     with torch.no_grad():
         for start in range(0, n, 256):
             part = labels[start : start + 256]
-            init = None if central is None else sdedit_starts(central, part, cfg, gen)
-            imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), scfg, init=init)
+            imgs, _ = generate(model, part, seed_from(cfg.job.seed, "synthetic", start), cfg.sampler)
             out.append(imgs.numpy().astype(np.float32))
-    return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(model_file))
+    return ImageDataset(np.concatenate(out), labels, train.class_names, source=str(job))
 
 
 def score(

@@ -85,12 +85,12 @@ def get_model(args):
     from feta_release.data import load_embedded
     from feta_release.models.edm import build_denoiser, edm_loss
 
-    if args.run:
-        from feta_release.release.export_run import denoiser_from_checkpoint, read_run
+    if args.run:  # a job directory (a `train` RUN_DIR or a coordinator's --out): its released model
+        from feta_release.release.jobdir import load_model
 
-        run = read_run(args.run)
-        den = denoiser_from_checkpoint(run["checkpoint"], args.run)
-        return den, [str(c) for c in run["checkpoint"]["class_names"]], f"trained run {args.run}"
+        den = load_model(Path(args.run))
+        names = json.loads((Path(args.run) / "job_summary.json").read_text("utf-8"))["class_names"]
+        return den, [str(c) for c in names], f"trained run {args.run}"
     data = load_embedded()
     den = build_denoiser(ModelSection(channels=args.channels), data.image_shape, data.n_classes)
     if args.pretrain_steps:
@@ -254,7 +254,7 @@ def memory_run(den_onnx, classes, shape, ns, batch, steps):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", help="trained run directory (model.pt, job.json, ...)")
+    ap.add_argument("--run", help="trained run directory (model.pt, job_summary.json, ...)")
     ap.add_argument(
         "--channels", type=int, default=32, help="UNet width without --run (32: the 1.4M default)"
     )

@@ -67,22 +67,19 @@ def _train_one(spec: tuple) -> tuple[float, float | None, int]:
     """Train (or reuse, when complete) one run; returns (seconds, DP-SGD sigma, DP-SGD steps trained)."""
     import torch
 
+    from coordinator.local_run import TrainOptions, run_train
     from feta_release.config import JobConfig
-    from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
-    cfg_dict, run_dir, n_syn, seed, threads = spec
+    cfg_dict, run_dir, n_syn, _seed, threads = spec
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    res = run_pipeline(
+    res = run_train(
         JobConfig.from_dict(cfg_dict),
         _TRAIN,
         run_dir,
-        n_synthetic=n_syn,
-        grid_per_class=4,
-        reporter=Reporter(enabled=False),
-        noise_seed=10_000 + seed,
-    )  # benchmark only: reproducible secret noise
+        TrainOptions(n_synthetic=n_syn, grid_per_class=4, reporter=Reporter(enabled=False)),
+    )  # the site's noise: fresh OS randomness, as every site's (the job seed fixes the public draws)
     return time.perf_counter() - t0, res.dpsgd_sigma, res.dpsgd_steps_trained
 
 
@@ -188,7 +185,8 @@ def main() -> None:
             record(i, _train_one(spec(i)))
     for i, (eps, method, seed, _cfg, run_dir) in enumerate(jobs):
         seconds, dpsgd_sigma, dpsgd_steps = trained[i]
-        privacy = json.loads((run_dir / "privacy.json").read_text())
+        # the site's signed spend, as the run's privacy report states it
+        (privacy,) = json.loads((run_dir / "privacy_report.json").read_text())["sites"].values()
         z = np.load(run_dir / "synthetic.npz")
         syn = ImageDataset(
             z["images"], z["labels"], tuple(str(c) for c in z["class_names"]), source=str(run_dir)
@@ -202,7 +200,7 @@ def main() -> None:
             feature_net=feature_net,
             ceiling=ceiling,
         )
-        run_json = json.loads((run_dir / "run.json").read_text())
+        summary = json.loads((run_dir / "job_summary.json").read_text())
         row = {
             "epsilon_target": eps,
             "method": method,
@@ -214,17 +212,17 @@ def main() -> None:
             "recall": ev.recall,
             "density": ev.density,
             "coverage": ev.coverage,
-            "epsilon": privacy["epsilon"],
-            "per_stage_epsilon": privacy["per_stage_epsilon"],
+            "epsilon": privacy["epsilon_total"],
+            "per_stage_epsilon": privacy["epsilon_by_stage_alone"],
             "dpsgd_sigma": dpsgd_sigma,
             "dpsgd_steps": dpsgd_steps,
-            "stage_seconds": run_json.get("stage_seconds", {}),
+            "stage_seconds": summary.get("timings", {}),
             "train_seconds": seconds,
         }
         rows.append(row)
         print(
             f"  eps {eps:g} {method:<14} seed {seed}: acc {ev.accuracy:.3f}  FD {ev.fd:.1f}  "
-            f"eps {privacy['epsilon']:.3f}",
+            f"eps {privacy['epsilon_total']:.3f}",
             flush=True,
         )
 

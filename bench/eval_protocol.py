@@ -6,12 +6,12 @@
     python bench/eval_protocol.py --mode test --preset cpu-eps1,cpu-eps10 --out runs/protocol
     python bench/eval_protocol.py --quick   # 1-minute smoke run of the script itself (tiny preset)
 
-Per preset and seed: train the whole pipeline on the mode's training part (job seed = seed, benchmark-only
-fixed noise seed), draw ``--n-synthetic`` balanced images, score accuracy + FD (classifier features) on the
-mode's real evaluation images. Also per seed: the release-only baseline (the protocol classifier on augmented
-copies of that run's released central images) and the real-data ceiling (the same classifier on the REAL
-training part). Writes ``results.md`` / ``results.json`` (mean ± std over seeds); finished runs are reused
-when rerun.
+Per preset and seed: run ``train`` (``coordinator.local_run.run_train``) on the mode's training part (job seed
+= seed; the site's noise is fresh OS randomness, as every site's), draw ``--n-synthetic`` balanced images,
+score accuracy + FD (classifier features) on the mode's real evaluation images. Also per seed: the
+release-only baseline (the protocol classifier on augmented copies of that run's released central images) and
+the real-data ceiling (the same classifier on the REAL training part). Writes ``results.md`` /
+``results.json`` (mean ± std over seeds); finished runs are reused when rerun.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ def main() -> None:
 
     import torch
 
+    from coordinator.local_run import TrainOptions, run_train
     from feta_release.config import load_preset
     from feta_release.data import ImageDataset, load_embedded
     from feta_release.data.splits import balanced_labels
     from feta_release.eval_protocol import PROTOCOL, format_row, mean_std, protocol_splits, release_only
     from feta_release.evaluation import FD_NAME, accuracy, evaluate, real_ceiling, train_classifier
-    from feta_release.training.pipeline import run_pipeline
     from feta_release.training.progress import Reporter
 
     torch.set_num_threads(args.threads)
@@ -115,14 +115,13 @@ def main() -> None:
         for seed in proto.seeds:
             run_dir = out / label.replace(" ", "_").replace("[", "").replace("]", "") / f"seed{seed}"
             t0 = time.perf_counter()
-            res = run_pipeline(
+            res = run_train(
                 cfg.replace(job={"seed": seed}),
                 train,
                 run_dir,
-                n_synthetic=proto.n_synthetic,
-                reporter=Reporter(enabled=False),
-                noise_seed=10_000 + seed,  # benchmark only
-                device=args.device,
+                TrainOptions(
+                    n_synthetic=proto.n_synthetic, reporter=Reporter(enabled=False), device=args.device
+                ),
             )
             z = np.load(run_dir / "synthetic.npz")
             syn = ImageDataset(z["images"], z["labels"], train.class_names, source=str(run_dir))

@@ -152,8 +152,8 @@ def _cell_release(cell: dict) -> dict:
         z["images"].astype(np.float32), z["labels"].astype(np.int64), train.class_names, source=str(run_dir)
     )
     acc, per_class = _classifier_scores(syn, test, cell)
-    run_json = run_dir / "run.json"  # the job's own per-stage wall times
-    stages = json.loads(run_json.read_text()).get("stage_seconds", {}) if run_json.exists() else {}
+    summary_file = run_dir / "job_summary.json"  # the job's own per-stage wall times
+    stages = json.loads(summary_file.read_text()).get("timings", {}) if summary_file.exists() else {}
     out = {
         "acc": acc,
         "per_class": per_class,

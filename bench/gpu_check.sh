@@ -96,8 +96,8 @@ EOF
   echo "[c] derived job, $N_CPU2 digits 28 px, eps 1, $SYN_CPU2 synthetic, 2 CPU cores: rc=$rc in" \
        "$(( $(date +%s) - t )) s"
   tail -c 1500 "$WORK/cpu2.json"; echo
-  [ -f "$WORK/cpu2/run.json" ] && "$PY" -c "import json, sys
-print('stage_seconds', json.load(open(sys.argv[1])).get('stage_seconds'))" "$WORK/cpu2/run.json"
+  [ -f "$WORK/cpu2/job_summary.json" ] && "$PY" -c "import json, sys
+print('stage_seconds', json.load(open(sys.argv[1])).get('timings'))" "$WORK/cpu2/job_summary.json"
   timeout -k 5 "$(left 8)" "${PIN01[@]}" "$PY" bench/pretraining.py --pretrain-only "${PRE_CPU[@]}" \
       --datasets medical --threads 2 --device cpu --out "$WORK/pretrain-cpu2" 2>&1 | tail -3
   echo "[c] 2-core pretraining rc=${PIPESTATUS[0]}" ) >"$OUT/cpu2.log" 2>&1 &

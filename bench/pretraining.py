@@ -162,10 +162,10 @@ def _cell(
     data: tuple[Any, Any, Any, Path],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
+    from coordinator.local_run import TrainOptions, run_train
     from feta_release.data import ImageDataset
     from feta_release.errors import PrivacyError
     from feta_release.evaluation import evaluate
-    from feta_release.training.pipeline import run_pipeline
 
     private, real_eval, public, pretrained = data
     name = f"{kind}-eps{eps}-{start}-{dpsgd}"
@@ -175,17 +175,14 @@ def _cell(
     cfg = _job(eps, dpsgd, start, args)
     t0 = time.perf_counter()
     try:
-        res = run_pipeline(
-            cfg,
-            private,
-            out / name,
+        opts = TrainOptions(
             n_synthetic=args.n_synthetic,
             grid_per_class=2,
-            noise_seed=0,
             public_size=private.n,
             public=_inputs(start, public, pretrained),
             device=args.device,
         )
+        res = run_train(cfg, private, out / name, opts)
     except PrivacyError as exc:  # a selection beside a warm-up that spends the whole budget
         row = {"dataset": kind, "epsilon": eps, "start": start, "dpsgd": dpsgd, "refused": str(exc)}
         print(json.dumps(row), flush=True)

@@ -164,7 +164,7 @@ def test_cli_errors_exit_with_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_account(tmp_path: Path) -> None:
     p = plan(load_job(JOBS / "valid_feta_pro.toml"), 4000)
-    path = tmp_path / "privacy.json"
+    path = tmp_path / "plan.json"
     path.write_text(json.dumps(p.to_dict()))
     res = CliRunner().invoke(cli, ["privacy", "account", str(path), "--json"])
     assert res.exit_code == 0, res.output
@@ -266,7 +266,7 @@ def test_rate_presets_accept_any_dataset_size(n: int, n_classes: int, preset: st
 
     from feta_release.config import load_preset
     from feta_release.data import ImageDataset
-    from feta_release.training.pipeline import check_data
+    from feta_release.training.data_checks import check_data
 
     cfg = load_preset(preset).for_size(n)
     ds = ImageDataset(
@@ -292,7 +292,7 @@ def test_presets_accept_the_suggested_public_size_when_it_rounds_the_count_up(n:
     from feta_release.config import load_preset
     from feta_release.data import ImageDataset
     from feta_release.data.commitment import suggest_public_size
-    from feta_release.training.pipeline import check_data
+    from feta_release.training.data_checks import check_data
 
     n_pub = suggest_public_size(n)
     cfg = load_preset(preset).for_size(n_pub)

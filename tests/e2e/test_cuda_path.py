@@ -5,11 +5,11 @@ the device resolution and refusals that need no GPU.
 Run on a GPU machine: ``python -m pytest tests/e2e/test_cuda_path.py tests/training/test_device.py -v``.
 
 What is checked: a whole ``train --device cuda`` job (every stage, DP-SGD included, the ONNX export run by
-onnxruntime on the CPU, the ledger and report); a federated job with ``coordinator run --device cuda`` and
-``node start --device cuda`` (in process: warm-up, FedAvg and FedSGD steps, the sites' rounds, the release);
-that the arithmetic moved to the GPU computes the same function as on the CPU (DP-SGD's clipped per-example
-gradient sum, the sampler with SDEdit starts), since the randomness is drawn on the CPU on every device
-(``feta_release.training.device``).
+onnxruntime on the CPU, the site's ledger and the privacy report); a federated job with ``coordinator run
+--device cuda`` and ``node start --device cuda`` (in process: warm-up, FedAvg and FedSGD steps, the sites'
+rounds, the release); that the arithmetic moved to the GPU computes the same function as on the CPU (DP-SGD's
+clipped per-example gradient sum, the sampler with SDEdit starts), since the randomness is drawn on the CPU on
+every device (``feta_release.training.device``).
 """
 
 from __future__ import annotations
@@ -52,10 +52,9 @@ def test_train_tiny_job_on_cuda_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _train(["train", "--preset", "tiny", "--device", "cuda", "--out", str(out), "--no-progress"])
     assert (out / "COMPLETE").exists()
-    privacy = json.loads((out / "privacy.json").read_text())
-    assert (
-        privacy["complete"] and privacy["dpsgd_steps_trained"] == 4 and 0 < privacy["epsilon"] <= 10.0 + 1e-9
-    )
+    (site,) = json.loads((out / "privacy_report.json").read_text())["sites"].values()
+    steps = {e["stage"]: e["steps"] for e in site["events"]}
+    assert steps["dpsgd"] == 4 and 0 < site["epsilon_total"] <= 10.0 + 1e-9
     z = np.load(out / "synthetic.npz")
     assert z["images"].dtype == np.float32 and np.isfinite(z["images"]).all()
     assert z["images"].min() >= 0.0 and z["images"].max() <= 1.0
@@ -68,17 +67,14 @@ def test_train_with_sdedit_mix_starts_on_cuda(tmp_path: Path) -> None:
     GPU."""
     from feta_release.config import load_preset
     from feta_release.data import load_embedded
-    from feta_release.training.pipeline import run_pipeline
-    from feta_release.training.progress import Reporter
+    from tests.support.training import train_run
 
     data = load_embedded()
     data = data.subset(np.arange(0, data.n, 10))
     cfg = load_preset("tiny").replace(
         sampler={"start_sigma": 0.7, "start_source": "mix"}, warmup={"frequency_mix_central": True}
     )
-    res = run_pipeline(
-        cfg, data, tmp_path / "run", n_synthetic=60, reporter=Reporter(enabled=False), device="cuda"
-    )
+    res = train_run(cfg, data, tmp_path / "run", n_synthetic=60, device="cuda")
     z = np.load(tmp_path / "run" / "synthetic.npz")
     assert len(z["labels"]) == 60 and np.isfinite(z["images"]).all() and res.epsilon > 0
 

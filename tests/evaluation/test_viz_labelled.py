@@ -1,4 +1,4 @@
-"""Labelled sample grids (class names, a title with ε) and the SVG privacy-budget chart."""
+"""Labelled sample grids (class names, a title with ε) and the SVG privacy budget chart (budget.svg)."""
 
 from __future__ import annotations
 

@@ -271,14 +271,16 @@ def test_pooled_frequency_refuses_releases_of_another_map() -> None:
 
 def test_train_refuses_a_map_too_big_for_the_images_before_writing(tmp_path) -> None:
     from feta_release.data import load_embedded
-    from feta_release.training.pipeline import run_pipeline
-    from feta_release.training.progress import Reporter
+    from tests.support.training import train_run
 
     data = load_embedded().subset(np.arange(0, 5000, 25))
     cfg = load_preset("tiny").replace(frequency={"features": 64, "patch": 3, "stride": 1})  # 676 positions
     with pytest.raises(ConfigError, match="too few for 676 patch positions"):
-        run_pipeline(cfg, data, tmp_path / "run", n_synthetic=10, reporter=Reporter(enabled=False))
-    assert not (tmp_path / "run" / "ledger.sqlite").exists()
+        train_run(cfg, data, tmp_path / "run", n_synthetic=10)
+    assert not (tmp_path / "run" / "site" / "ledger.sqlite").exists()
+    with pytest.raises(ConfigError, match="too few for 676 patch positions"):  # a declared size: the same
+        train_run(cfg, data, tmp_path / "declared", n_synthetic=10, public_size=200)
+    assert not (tmp_path / "declared" / "site" / "ledger.sqlite").exists()
 
 
 def test_node_refuses_a_map_too_big_for_its_declared_shape_before_charging(tmp_path) -> None:

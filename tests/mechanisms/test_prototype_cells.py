@@ -1,6 +1,6 @@
 """Central images split by public aux-generator prototypes (``[central] cell_rule = "aux"``): the cell
-function, the sensitivity, refusals, the k-means centres and the stage order that makes the prototypes public
-in time."""
+function, the sensitivity, refusals, the k-means centres and the order of the site's releases that makes the
+prototypes public in time."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from feta_release.config import load_preset
 from feta_release.errors import ConfigError, PrivacyError
 from feta_release.mechanisms.central import central_images, prototype_cells
 from feta_release.models.auxgen import AuxGenerator
-from feta_release.stages import STAGES
 from feta_release.stages.prototypes import cell_prototypes, kmeans
 
 K, CELLS, SIDE = 3, 2, 8
@@ -142,9 +141,9 @@ def test_config_refusals() -> None:
         cfg.replace(central={"cell_rule": "width"})
 
 
-def test_a_node_refuses_the_aux_rule_it_cannot_follow() -> None:
+def test_a_node_refuses_the_aux_rule_without_the_coordinators_prototypes() -> None:
     """A job without [federation] sites passes config validation; the node must still not fall back to
-    slant."""
+    slant, nor split by prototypes a job does not name."""
     from types import SimpleNamespace
 
     from edge.releases import release_central
@@ -153,17 +152,28 @@ def test_a_node_refuses_the_aux_rule_it_cannot_follow() -> None:
     ds = SimpleNamespace(
         images=np.zeros((20, 1, 28, 28), np.float32), labels=np.arange(20) % 10, n_classes=10
     )
-    with pytest.raises(PrivacyError, match="single-site only"):
+    with pytest.raises(PrivacyError, match="needs the coordinator's public cell prototypes"):
         release_central(ds, cfg, 20, np.random.default_rng(0))
+    slant = cfg.replace(central={"cell_rule": "slant"})
+    with pytest.raises(PrivacyError, match="takes no prototypes"):
+        release_central(ds, slant, 20, np.random.default_rng(0), np.zeros((10, 2, 784)))
 
 
-def test_the_frequency_release_runs_first_only_for_the_aux_rule() -> None:
-    cfg = load_preset("cpu-eps10-nodpsgd")
-    names = lambda c: [s.name for s in STAGES if s.enabled(c)]  # noqa: E731
-    assert names(cfg)[:3] == ["central", "spatial", "frequency-release"]
-    assert names(cfg.replace(central={"cell_rule": "aux"}))[:3] == ["frequency-release", "central", "spatial"]
-    assert names(cfg).count("frequency-release") == 1
-    assert names(cfg.replace(central={"cell_rule": "aux"})).count("frequency-release") == 1
+@pytest.mark.slow  # two tiny `train` runs without DP-SGD
+@pytest.mark.parametrize("rule", ["aux", "slant"])
+def test_the_frequency_release_runs_first_only_for_the_aux_rule(tmp_path, rule: str) -> None:
+    """The order the site is asked in (its ledger's requests): the aux rule's prototypes come from the aux
+    generator fitted to the frequency release, so that release is asked for first; otherwise central first."""
+    from tests.support.training import embedded_subset, site_requests, train_run
+
+    cfg = load_preset("tiny").replace(
+        central={"cell_rule": rule, "cells": 2},
+        dpsgd={"steps": 0},
+        warmup={"spatial_iterations": 1, "frequency_epochs": 0},
+    )
+    train_run(cfg, embedded_subset(), tmp_path / "r", public_size=240)
+    asked = [r["mechanism"] for r in site_requests(tmp_path / "r")]
+    assert asked == (["frequency", "central"] if rule == "aux" else ["central", "frequency"])
 
 
 def test_kmeans_finds_separated_clusters_and_is_deterministic() -> None:

@@ -5,6 +5,8 @@ vs 4000, epsilon infinite for that bit)."""
 from __future__ import annotations
 
 import json
+import math
+import sqlite3
 
 import numpy as np
 import pytest
@@ -14,12 +16,18 @@ from hypothesis import strategies as st
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import load_preset
 from feta_release.data import ImageDataset, load_embedded
-from feta_release.errors import PrivacyError
-from feta_release.ledger import Ledger
-from feta_release.mechanisms.count import SIZE_SIGMA, draw_public_size, noisy_count, size_event
+from feta_release.errors import DataError, PolicyError, PrivacyError
+from feta_release.ledger import Budget, Ledger, LedgerTamperedError
+from feta_release.mechanisms.count import (
+    SIZE_SIGMA,
+    draw_public_size,
+    noisy_count,
+    patients_event,
+    size_event,
+)
 from feta_release.planning import plan as plan_run
 from feta_release.signing import load_private_key
-from feta_release.training.progress import Reporter
+from tests.support.training import train_run
 
 
 def _data(n: int = 240, seed: int = 0) -> ImageDataset:
@@ -31,11 +39,33 @@ def _data(n: int = 240, seed: int = 0) -> ImageDataset:
     return full.subset(np.sort(idx))
 
 
+class Killed(BaseException):
+    """The process dies (not an exception a handler catches)."""
+
+
+def _ledger(out):
+    """The run's site ledger, its head checked with the site's key."""
+    key = load_private_key(out / "site" / "keys" / "site.key")
+    return Ledger(out / "site" / "ledger.sqlite", verify_key=key.public_key())
+
+
 def _ledger_rows(out):
-    run = json.loads((out / "run.json").read_text())
-    key = load_private_key(out / "checkpoints" / "site.key")
-    with Ledger(out / run["ledger"]["path"], verify_key=key.public_key()) as led:
-        return led.requests(run["ledger"]["job_id"]), led.job_events(run["ledger"]["job_id"])
+    """(requests, events) of the run's one job in its site ledger."""
+    with _ledger(out) as led:
+        rows = led.requests()
+        (job_id,) = {r["job_id"] for r in rows}
+        return rows, led.job_events(job_id)
+
+
+def _recorded_count(out, stage: str = "size") -> int:
+    """The noisy count the site's ledger recorded as the answer of the run's ``stage`` request."""
+    events = {"size": [size_event()], "patients": [patients_event()]}[stage]
+    with _ledger(out) as led:
+        (row,) = [r for r in led.requests() if r["mechanism"] == stage]
+        budget = Budget(job_epsilon=math.inf, lifetime_epsilon=math.inf, delta=1e-5)
+        prior = led.check(row["job_id"], row["request_id"], stage, events, budget)
+    assert prior is not None and prior.response is not None
+    return int(json.loads(prior.response)["count"])
 
 
 def test_neighbouring_counts_at_a_rounding_boundary_give_the_same_sizes_with_close_odds():
@@ -90,35 +120,62 @@ def test_privacy_plan_cli_shows_the_size_event_unless_declared():
     assert drawn["epsilon"] > declared["epsilon"]
 
 
-def test_the_size_is_drawn_from_the_secret_charged_first_and_never_redrawn(tmp_path):
-    from feta_release.training.pipeline import _drawn_size
+# a [central] batch above any size these counts can draw: the run is refused right after the draw
+REFUSED_AFTER_DRAW = {"central": {"batch": 5000}}
 
-    cfg, data = load_preset("tiny"), _data()
 
-    def draw(out, seed=None):
-        return _drawn_size(cfg, data, out, None, None, seed, Reporter(enabled=False), {"size": data.n})[
-            "size"
-        ]
+def _refused_size(out, n: int = 240) -> int:
+    """The public size a run drew before it was refused, as its refusal names it."""
+    cfg = load_preset("tiny").replace(**REFUSED_AFTER_DRAW)
+    with pytest.raises(DataError, match="fewer than \\[central\\] batch") as refused:
+        train_run(cfg, _data(n), out, n_synthetic=0)
+    drawn = _recorded_count(out)
+    assert f"public size {drawn}," in str(refused.value)
+    return drawn
 
-    sizes = {draw(tmp_path / f"r{s}", s) for s in range(8)}
+
+def test_the_size_is_drawn_from_fresh_os_noise_charged_first_and_never_redrawn(tmp_path):
+    sizes = {_refused_size(tmp_path / f"r{s}") for s in range(6)}
     assert len(sizes) > 1  # not a function of the count alone
     out = tmp_path / "r0"
     rows, events = _ledger_rows(out)
     assert [r["mechanism"] for r in rows] == ["size"] and [e["stage"] for e in events] == ["size"]
-    first = draw(out)
-    assert draw(out) == first
-    assert len(_ledger_rows(out)[1]) == 1  # a resume reads it back: no second charge or draw
-    (out / "released" / "size.json").write_text(json.dumps({"counts": {"size": 10**6}}))
-    with pytest.raises(PrivacyError, match="not the size release"):
-        draw(out)
+    first = _recorded_count(out)
+    assert _refused_size(out) == first  # a re-run reads the recorded answer back: no second charge or draw
+    assert len(_ledger_rows(out)[1]) == 1
+    # the answer is the ledger's: an edited one is not replayed
+    with sqlite3.connect(out / "site" / "ledger.sqlite") as db:
+        db.execute(
+            "UPDATE requests SET response=? WHERE mechanism='size'",
+            (json.dumps({"count": 10**6, "sigma": SIZE_SIGMA}).encode(),),
+        )
+    with pytest.raises(LedgerTamperedError):
+        train_run(load_preset("tiny"), _data(), out, n_synthetic=0)
+
+
+def test_a_size_charged_and_never_recorded_is_not_drawn_again(tmp_path, monkeypatch):
+    """A run killed between the size's charge and its recorded answer: a second draw would spend the size's
+    budget twice, so the same run is refused and nothing is charged again."""
+    import coordinator.local_run as local_run
+
+    def killed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise Killed
+
+    out = tmp_path / "r"
+    monkeypatch.setattr(local_run, "draw_public_size", killed)
+    with pytest.raises(Killed):
+        train_run(load_preset("tiny"), _data(), out, n_synthetic=0)
+    monkeypatch.undo()
+    with pytest.raises(PolicyError, match="never recorded"):
+        train_run(load_preset("tiny"), _data(), out, n_synthetic=0)
+    rows, events = _ledger_rows(out)
+    assert [(r["mechanism"], r["status"]) for r in rows] == [("size", "charged")] and len(events) == 1
 
 
 @pytest.fixture(scope="module")
 def drawn_run(tmp_path_factory):
-    from feta_release.training.pipeline import run_pipeline
-
     out = tmp_path_factory.mktemp("drawn") / "r"
-    res = run_pipeline(load_preset("tiny"), _data(), out, n_synthetic=10, grid_per_class=1, noise_seed=4)
+    res = train_run(load_preset("tiny"), _data(), out, n_synthetic=10)
     return out, res
 
 
@@ -126,37 +183,27 @@ def test_a_run_without_a_declared_size_charges_it_before_any_other_release(drawn
     out, res = drawn_run
     rows, events = _ledger_rows(out)
     assert rows[0]["mechanism"] == "size" and [e["stage"] for e in events][0] == "size"
-    run = json.loads((out / "run.json").read_text())
-    assert (
-        run["dataset_size"]
-        == run["public_size"]["counts"]["size"]
-        == json.loads((out / "released" / "size.json").read_text())["counts"]["size"]
-    )
-    doc = json.loads((out / "privacy.json").read_text())
-    evs = events_from_list(doc["events"])
-    assert evs[0] == size_event() and evs == events_from_list(doc["planned"]) == res.events
-    without = epsilon(evs[1:], doc["delta"], "rdp")
-    assert doc["epsilon"] == pytest.approx(res.epsilon) and res.epsilon > without  # the total includes it
-    assert "size" in doc["per_stage_epsilon"]
+    plan = json.loads((out / "plan.json").read_text())["site"]
+    policy = json.loads((out / "policy.signed.json").read_text())["policy"]
+    assert plan["size"] == policy["dataset"]["size"] == _recorded_count(out)  # the run's one public size
+    report = json.loads((out / "privacy_report.json").read_text())["sites"]["site"]
+    evs = events_from_list(report["events"])
+    # the planner's job at the drawn size, the size counted first: what the site charged and attested, DP-SGD
+    # calibrated with it composed in
+    planned = plan_run(load_preset("tiny").for_size(plan["size"]), plan["size"], size=size_event())
+    assert evs[0] == size_event() and evs == planned.events == res.events
+    assert report["epsilon_total"] == pytest.approx(planned.epsilon, rel=1e-12)
+    assert plan["dpsgd_sigma"] == planned.noise_multiplier
+    without = epsilon(evs[1:], report["delta"], "rdp")
+    assert report["epsilon_total"] == pytest.approx(res.epsilon) and res.epsilon > without  # it counts
+    assert "size" in report["epsilon_by_stage_alone"]
 
 
-def test_a_drawn_size_run_resumes_without_recharging_and_its_export_attests_it(drawn_run, tmp_path):
-    from feta_release.training.pipeline import run_pipeline
-
+def test_a_drawn_size_run_resumes_without_recharging_and_its_release_attests_it(drawn_run):
     out, res = drawn_run
-    again = run_pipeline(load_preset("tiny"), _data(), out, n_synthetic=10)
+    again = train_run(load_preset("tiny"), _data(), out, n_synthetic=10)
     assert again.already_complete and [e["stage"] for e in _ledger_rows(out)[1]].count("size") == 1
-    from feta_release.release.export_run import export_run
-    from feta_release.signing import generate_keypair
-
-    coord = load_private_key(generate_keypair(tmp_path, "coordinator")[0])
-    rel = export_run(
-        out,
-        tmp_path / "release",
-        coordinator_key=coord,
-        site_key=load_private_key(out / "checkpoints" / "site.key"),
-    )
-    man = json.loads((rel / "manifest.json").read_text())
+    man = json.loads((out / "release" / "manifest.json").read_text())
     (site,) = man["manifest"]["sites"]
     assert events_from_list(site["events"])[0] == size_event()
     assert site["attestation"]["statement"]["epsilon"] == pytest.approx(res.epsilon)
@@ -168,9 +215,7 @@ def test_a_drawn_size_run_resumes_without_recharging_and_its_export_attests_it(d
 
 def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
     """`train --patient-cap K` without --public-patients used to round the EXACT patient count too."""
-    from feta_release.mechanisms.count import patients_event
     from feta_release.privacy_unit import PatientIndex
-    from feta_release.training.pipeline import run_pipeline
 
     cfg = load_preset("tiny").replace(
         dpsgd={"steps": 2}, warmup={"spatial_iterations": 1}, frequency={"sigma": None}
@@ -178,15 +223,15 @@ def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
     # 80 patients x 3 images; 1: a placeholder
     pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=1, cap=3)
     out = tmp_path / "r"
-    res = run_pipeline(
-        cfg, _data(), out, n_synthetic=0, grid_per_class=1, noise_seed=2, patients=pats, draw_patients=True
-    )
+    res = train_run(cfg, _data(), out, n_synthetic=0, patients=pats, draw_patients=True)
     assert [e.stage for e in res.events] == ["size", "patients", "central", "dpsgd"]
     assert res.events[:2] == [size_event(), patients_event()] and res.events[1].unit == "patient"
     rows, _ = _ledger_rows(out)
     assert [r["mechanism"] for r in rows][:2] == ["size", "patients"]
-    counts = json.loads((out / "run.json").read_text())["public_size"]["counts"]
-    assert set(counts) == {"size", "patients"} and counts["patients"] >= 10
+    n_patients = _recorded_count(out, "patients")
+    assert n_patients >= 10
+    policy = json.loads((out / "policy.signed.json").read_text())["policy"]
+    assert policy["dataset"]["size"] == _recorded_count(out)
     assert res.epsilon > epsilon(res.events[2:], res.delta, "rdp")
 
 
@@ -196,14 +241,7 @@ def test_a_run_without_a_declared_size_refuses_only_at_the_drawn_size(tmp_path, 
     and the plan wait for the noisy draw (charged first) and name the drawn size. The check used to plan at
     the rounded EXACT count before the draw: 80 images refused with "public size 80", uncharged, 90 with
     "90"."""
-    from feta_release.errors import DataError
-    from feta_release.training.pipeline import run_pipeline
-
-    cfg = load_preset("tiny").replace(central={"batch": 5000})  # above any size these counts can draw
     out = tmp_path / "r"
-    with pytest.raises(DataError, match="fewer than \\[central\\] batch") as refused:
-        run_pipeline(cfg, _data(n), out, n_synthetic=0, grid_per_class=1, noise_seed=3)
+    _refused_size(out, n)
     rows, events = _ledger_rows(out)
     assert [r["mechanism"] for r in rows] == ["size"] and [e["stage"] for e in events] == ["size"]
-    drawn = json.loads((out / "released" / "size.json").read_text())["counts"]["size"]
-    assert f"public size {drawn}," in str(refused.value)

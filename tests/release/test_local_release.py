@@ -13,6 +13,8 @@ import pytest
 from feta_release.accounting import epsilon, events_from_list
 from feta_release.config import load_job
 from feta_release.data import load_embedded, save_npz
+from feta_release.data.commitment import create_secret, dataset_commitment, load_secret
+from feta_release.data.declared import DataDeclaration
 from feta_release.ledger import Ledger
 from feta_release.planning import merged, plan, stage_events
 from feta_release.policy import make_policy, sign_policy
@@ -66,16 +68,19 @@ def kit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     full = load_embedded()
     rng = np.random.default_rng(3)
     idx = np.concatenate([rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)])
-    save_npz(full.subset(np.sort(idx)), tmp / "small.npz")
+    data = full.subset(np.sort(idx))
+    save_npz(data, tmp / "small.npz")
     keys = {n: generate_keypair(tmp / "keys", n) for n in ("coordinator", "site", "admin")}
+    secret = create_secret(tmp / "keys" / "data.secret")
     doc = make_policy(
         "hosp-a",
-        "1" * 64,
+        dataset_commitment(data, load_secret(secret)),
         200,
         [load_private_key(keys["coordinator"][0]).public_key()],
         per_job=(5.0, 1e-5),
         lifetime=(20.0, 1e-5),
         site_key=load_private_key(keys["site"][0]).public_key(),
+        declared=DataDeclaration.draft_from(data),
     )
     (tmp / "policy.signed.json").write_text(json.dumps(sign_policy(doc, load_private_key(keys["admin"][0]))))
     job = (
@@ -92,6 +97,7 @@ def kit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "coordinator": keys["coordinator"][0],
         "site": keys["site"][0],
         "admin_pub": keys["admin"][1],
+        "secret": secret,
     }
 
 
@@ -120,6 +126,8 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
             str(kit["policy"]),
             "--trusted",
             str(kit["admin_pub"]),
+            "--data-secret",
+            str(kit["secret"]),
             "--coordinator-key",
             str(kit["coordinator"]),
         ],
@@ -132,7 +140,8 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
 
     # privacy accounting unchanged: the attested events are the run's, which are the plan's
     cfg = load_job(kit["job"])
-    n = json.loads((out / "run.json").read_text())["dataset_size"]
+    n = json.loads((out / "plan.json").read_text())["hosp-a"]["size"]
+    assert n == 200  # the policy's declared size
     planned = plan(cfg, n)
     att = json.loads((out / jobdir.ATTESTATIONS).read_text())["hosp-a"]["statement"]
     run_events = events_from_list(summary["events"])
@@ -141,9 +150,9 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
     assert summary["epsilon"] == pytest.approx(epsilon(planned.events, 1e-5), rel=1e-12)
     # ... and the ledger's requests are the planner's: DP-SGD one round of all its steps, whatever the
     # checkpoints
-    run = json.loads((out / "run.json").read_text())
-    with Ledger(out / run["ledger"]["path"]) as led:
-        rows = [r for r in led.requests(run["ledger"]["job_id"])]
+    job_id = json.loads((out / jobdir.SIGNED_JOB).read_text())["job"]["job_id"]
+    with Ledger(out / "site" / "ledger.sqlite") as led:
+        rows = led.requests(job_id)
     steps = planned.event("dpsgd").steps
     charged = [e for r in rows for e in events_from_list(r["events"])]
     assert charged == stage_events(cfg, n, rounds=[steps]) == stage_events(cfg, n)
@@ -194,6 +203,8 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
             str(kit["policy"]),
             "--trusted",
             str(kit["admin_pub"]),
+            "--data-secret",
+            str(kit["secret"]),
             "--coordinator-key",
             str(kit["coordinator"]),
         ],

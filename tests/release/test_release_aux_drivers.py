@@ -1,7 +1,7 @@
 """Both drivers ship the aux-generator pool of a ``[sampler] start_source = "mix"`` job: the federated
 coordinator the pool of the aux generator its warm-up fitted to the sites' combined frequency releases (bound
-to the job id), a ``train`` run the pool it wrote, which must hash to what its closed site-ledger record
-keeps."""
+to the job id), and a ``train`` run, a federation of one, the pool of the aux generator fitted the same way to
+its site's frequency release."""
 
 from __future__ import annotations
 
@@ -77,9 +77,22 @@ def _rebuild(out: Path, key) -> Path:  # noqa: ANN001
 
 
 @pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
-def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) -> None:
-    from feta_release.config import load_preset
+def test_train_mix_release_ships_the_aux_pool_its_warm_up_fitted(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`train` is a federation of one: its mix release ships the public draw of the aux generator the
+    coordinator's warm-up fitted to the site's frequency release, bound to the job's id."""
+    import json
 
+    from feta_release.config import JobConfig, load_preset
+    from feta_release.federation import job as fjob
+
+    seen: dict = {}
+    real = fjob.warm_up
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        seen["aux"] = real(*args, **kw)
+        return seen["aux"]
+
+    monkeypatch.setattr(fjob, "warm_up", spy)
     kit = SignedTrain(tmp_path, 'start_sigma = 0.5\nstart_source = "mix"\n')
     assert load_preset("tiny").sampler.start_source == "central"
     run = kit.run
@@ -87,70 +100,17 @@ def test_train_mix_release_ships_its_ledger_recorded_aux_pool(tmp_path: Path) ->
     trust = kit.trust()
     res = verify_release(run / "release", trust)
     assert res.ok, res.reason()
-    with np.load(run / "release" / "aux_images.npz") as r, np.load(run / "released" / "aux_images.npz") as w:
-        assert np.array_equal(r["images"], w["images"]) and np.array_equal(r["labels"], w["labels"])
+    cfg = JobConfig.from_dict(json.loads((run / "signed_job.json").read_text())["job"]["config"])
+    want = aux_pool(seen["aux"], cfg)
+    with np.load(run / "release" / "aux_images.npz") as r:
+        assert np.array_equal(r["images"], want[0]) and np.array_equal(r["labels"], want[1])
     assert (
         synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source
         == "release"
     )
-    # a run directory whose pool was swapped after the run (e.g. for private images) is refused
+    # a stale pool of another job in the run directory is never shipped under this one
     with np.load(run / "released" / "aux_images.npz") as z:
         arrays = dict(z)
-    np.savez(run / "released" / "aux_images.npz", **{**arrays, "images": np.ones_like(arrays["images"])})
-    with pytest.raises(ReleaseError, match="not the aux-image pool the site ledger recorded"):
-        kit.export_again(tmp_path / "rel2")
-
-
-@pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
-def test_train_grid_and_release_use_what_attestation_checked_not_a_later_swap(
-    tmp_path: Path, monkeypatch
-) -> None:  # noqa: ANN001
-    """Review (aux pool, low): the sample grid re-read released/aux_images.npz (and model.pt) after attest_run
-    had hashed them against the ledger: a pool (or model) swapped in between was what the grid (release)
-    used."""
-    import torch
-
-    from feta_release.release import jobdir
-    from feta_release.training import local_job
-
-    kit = SignedTrain(tmp_path, 'start_sigma = 0.5\nstart_source = "mix"\n')
-    seen: dict = {}
-    real_attest, real_mixed, real_assemble = (
-        local_job.attest_run,
-        jobdir.mixed_start_images,
-        jobdir.assemble_release,
-    )
-
-    def attest_then_swap(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        a = real_attest(*args, **kw)
-        seen["pool"], seen["model"] = a.aux_pool, a.denoiser
-        path = kit.run / "released" / "aux_images.npz"
-        with np.load(path) as z:
-            arrays = dict(z)
-        np.savez(path, **{**arrays, "images": np.ones_like(arrays["images"])})  # e.g. private images
-        swapped = torch.load(kit.run / "model.pt", weights_only=True)
-        swapped["state_dict"] = {
-            k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in swapped["state_dict"].items()
-        }
-        torch.save(swapped, kit.run / "model.pt")
-        return a
-
-    def mixed_spy(central, aux, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        seen["grid_aux"] = aux
-        return real_mixed(central, aux, *args, **kw)
-
-    def assemble_spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        seen["released_model"] = kw["denoiser"]
-        return real_assemble(*args, **kw)
-
-    monkeypatch.setattr(local_job, "attest_run", attest_then_swap)
-    monkeypatch.setattr(jobdir, "mixed_start_images", mixed_spy)
-    monkeypatch.setattr(jobdir, "assemble_release", assemble_spy)
-    kit.train()
-    assert seen["pool"] is not None and seen["grid_aux"] is seen["pool"]
-    assert not np.array_equal(seen["grid_aux"][0], np.ones_like(seen["grid_aux"][0]))
-    assert seen["released_model"] is seen["model"]
-    with np.load(kit.run / "release" / "aux_images.npz") as z:
-        assert np.array_equal(z["images"], seen["pool"][0])
-    res = verify_release(kit.run / "release", kit.trust())
-    assert res.ok, res.reason()
+    np.savez(run / "released" / "aux_images.npz", **{**arrays, "job_id": np.array("job-other")})
+    with pytest.raises(ReleaseError, match="job-other"):
+        _rebuild(run, kit.keys["coordinator"][0])

@@ -1,9 +1,12 @@
 """Both drivers ship the central images their warm-up used inside a ``[sampler] start_sigma`` release: a
-federation the sites' combined central images (post-processed as the coordinator's warm-up used them), a
-``train`` run its own central release, which must be byte for byte the answer its site ledger recorded."""
+federation the sites' combined central images (post-processed as the coordinator's warm-up used them), and a
+``train`` run, a federation of one, its site's central release post-processed the same way; either bound to
+its job's id."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -67,45 +70,45 @@ def test_a_federated_release_ships_the_combined_central_images(tmp_path: Path, m
 
 
 @pytest.mark.slow  # a whole tiny `train` run and its release: about a minute on a loaded machine
-def test_train_release_ships_its_ledger_recorded_central_images(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    from feta_release.config import load_preset
-    from feta_release.training import local_job
+def test_train_release_ships_the_central_images_its_warm_up_trained_on(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`train` is a federation of one: its release ships what the coordinator's warm-up trained on, the
+    site's central release post-processed (``pooled_central`` of one site), bound to the job's id."""
+    from feta_release.config import JobConfig, load_preset
+    from feta_release.federation import job as fjob
 
+    seen: dict = {}
+    real = fjob.warm_up
+
+    def spy(model, central, *args, **kw):  # noqa: ANN001, ANN202
+        seen["central"], seen["sizes"] = central, args[2]
+        return real(model, central, *args, **kw)
+
+    monkeypatch.setattr(fjob, "warm_up", spy)
     kit = SignedTrain(tmp_path, "start_sigma = 0.5\n")
     assert load_preset("tiny").sampler.start_sigma is None
     run = kit.run
-    checked: dict = {}
-    real_build = local_job.build_release
-
-    def swap_then_build(rd, *args, **kw):  # noqa: ANN001, ANN202
-        """S5: a local user swaps the file after attest_run checked it against the ledger."""
-        with np.load(rd / "released" / "central.npz") as z:
-            checked.update(z)
-        np.savez(rd / "released" / "central.npz", **{**checked, "images": np.ones_like(checked["images"])})
-        return real_build(rd, *args, **kw)
-
-    monkeypatch.setattr(local_job, "build_release", swap_then_build)
     kit.train()
     trust = kit.trust()
     res = verify_release(run / "release", trust)
     assert res.ok, res.reason()
-    with np.load(run / "release" / "central_images.npz") as r:  # the bytes checked, not the swapped file
-        assert np.array_equal(checked["images"], r["images"]) and np.array_equal(
-            checked["labels"], r["labels"]
-        )
-    assert not np.array_equal(checked["images"], np.ones_like(checked["images"]))
+    assert res.manifest is not None and res.manifest["starts"]["images"] == 10
+    assert set(res.manifest["starts"]["central_epsilon_alone"]) == {"hosp-a"}
+    cfg = JobConfig.from_dict(json.loads((run / "signed_job.json").read_text())["job"]["config"])
+    pooled = pooled_central(seen["central"], seen["sizes"], cfg)
+    assert set(seen["sizes"]) == {"hosp-a"}
+    with np.load(run / "release" / "central_images.npz") as r:
+        assert np.array_equal(pooled[0], r["images"]) and np.array_equal(pooled[1], r["labels"])
     assert (
         synthesize(run / "release", tmp_path / "syn", trust, num=10, progress=False, threads=1).source
         == "release"
     )
-    # a run directory whose central release was edited after the run is refused (it is not what the ledger
-    # recorded)
+    # a stale central release of another job in the run directory is never shipped under this one
     with np.load(run / "released" / "central.npz") as z:
         arrays = dict(z)
-    arrays["images"] = np.clip(arrays["images"] * 1.5, 0, 1)
-    np.savez(run / "released" / "central.npz", **arrays)
-    with pytest.raises(ReleaseError, match="not the central release the site ledger recorded"):
-        kit.export_again(tmp_path / "rel2")
+    np.savez(run / "released" / "central.npz", **{**arrays, "job_id": np.array("job-other")})
+    shutil.rmtree(run / "release")
+    with pytest.raises(ReleaseError, match="job-other"):
+        build_release(run, kit.keys["coordinator"][0])
 
 
 def test_the_job_directory_sample_grid_draws_as_the_release_does(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001

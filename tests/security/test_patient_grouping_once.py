@@ -110,8 +110,8 @@ def test_the_grouping_at_open_is_the_old_per_request_grouping(ids: list[int]) ->
 
 
 def test_a_trainer_from_the_index_does_not_regroup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local ``train`` path builds its trainer from the same grouped rows (``stages.dpsgd``): no sort
-    either."""
+    """A site's DP-SGD round builds its trainer from the same grouped rows
+    (``edge.releases``, ``PatientIndex.trainer_kwargs``): no sort either."""
     from feta_release.config import JobConfig
     from feta_release.training.dpsgd import DPSGDTrainer
     from tests.support.dpsgd import DotLoss, Weights

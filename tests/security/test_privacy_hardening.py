@@ -538,13 +538,14 @@ def test_frequency_noise_std_is_sigma_over_the_public_size():
 
 def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
     """Attack (exact N published), single site: `feta-release train` wrote N into run.json and q = batch / N
-    into privacy.json (which `export` turns into the release's statement), and made N synthetic images by
-    default."""
+    into privacy.json (which `export` turned into the release's statement), and made N synthetic images by
+    default. Its site's noise is the node's: fresh OS keys of >= 128 bits per release, never stored."""
     import json
 
+    import feta_release.randomness as rnd
     from feta_release.config import load_preset
     from feta_release.data import load_embedded
-    from feta_release.training.pipeline import run_pipeline
+    from tests.support.training import train_run
 
     full = load_embedded()
     rng = np.random.default_rng(3)
@@ -558,28 +559,26 @@ def test_local_train_writes_only_the_public_size(tmp_path, monkeypatch):
         dpsgd={"steps": 1, "batch": 8, "physical_batch": 8},
     )
     out = tmp_path / "run"
-    import feta_release.training.pipeline as pipeline
-
-    asked = []
-    real = pipeline.secrets.randbits
-    monkeypatch.setattr(pipeline.secrets, "randbits", lambda k: asked.append(k) or real(k))
-    run_pipeline(cfg, data, out, grid_per_class=1)
-    # the run's noise secret (seeds of central, frequency and DP-SGD noise): >= 128 OS bits, owner-only file
-    assert asked and min(asked) >= 128
-    assert (out / "checkpoints" / "noise_seed.txt").stat().st_mode & 0o077 == 0
-    run = json.loads((out / "run.json").read_text())
-    privacy = json.loads((out / "privacy.json").read_text())
+    keys: list[bytes] = []
+    real = rnd.os_key
+    monkeypatch.setattr(rnd, "os_key", lambda: keys.append(real()) or keys[-1])
+    train_run(cfg, data, out, n_synthetic=None)
+    # the noise of the size, central, frequency and DP-SGD releases: a fresh >= 128-bit OS key each, kept in
+    # no file of the run
+    assert len(keys) >= 4 and min(len(k) for k in keys) * 8 >= 128 and len(set(keys)) == len(keys)
+    stored = [p.read_bytes() for p in out.rglob("*") if p.is_file()]
+    assert not any(k.hex().encode() in b or k in b for k in keys for b in stored)
+    plan = json.loads((out / "plan.json").read_text())["site"]
+    report = json.loads((out / "privacy_report.json").read_text())["sites"]["site"]
     # drawn from a noisy count charged first (review: the exact count's rounding was not DP)
-    n = run["dataset_size"]
-    assert n == run["public_size"]["counts"]["size"] and n != data.n and n % 10 == 0
-    assert privacy["events"][0]["stage"] == "size"
-    qs = {e["stage"]: e["q"] for e in privacy["events"]}
+    n = plan["size"]
+    assert n == json.loads((out / "policy.signed.json").read_text())["policy"]["dataset"]["size"]
+    assert n != data.n and n % 10 == 0
+    assert report["events"][0]["stage"] == "size"
+    qs = {e["stage"]: e["q"] for e in report["events"]}
     assert qs["central"] == pytest.approx(8 / n) and qs["dpsgd"] == pytest.approx(8 / n)
     assert len(np.load(out / "synthetic.npz")["labels"]) == n
-    assert int(np.load(out / "released" / "frequency.npz")["n_public"]) == n
-
-
-# -- randomness ---------------------------------------------------------------------------------------------
+    assert int(np.load(out / "state" / "frequency_site.npz")["n_public"]) == n
 
 
 def test_node_noise_generators_draw_at_least_128_bits_from_the_os(monkeypatch):

@@ -1,4 +1,4 @@
-"""Run files a local user must not read: the noise secret and the checkpoints (``dpsgd.pt`` holds the DP-SGD
+"""Run files a local user must not read: secrets and the checkpoints (a DP-SGD round's checkpoint holds its
 noise generator's state). Review findings H1/H2: they were written through a predictable ``.NAME.tmp-PID``
 file opened with plain ``open`` (a planted link received the bytes) at the umask's 0644, in a 0755
 ``checkpoints/``."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -37,7 +36,7 @@ def _spy_replace(monkeypatch) -> list[int]:
 
 def test_a_private_write_is_never_readable_by_others(tmp_path: Path, umask_022, monkeypatch) -> None:
     modes = _spy_replace(monkeypatch)
-    p = atomic_write_bytes(tmp_path / "noise_seed.txt", b"123\n", private=True)
+    p = atomic_write_bytes(tmp_path / "data.secret", b"123\n", private=True)
     assert modes and all(m & 0o077 == 0 for m in modes)
     assert p.stat().st_mode & 0o077 == 0 and p.read_bytes() == b"123\n"
 
@@ -50,11 +49,11 @@ def test_an_ordinary_write_keeps_the_umask_mode(tmp_path: Path, umask_022) -> No
 def test_a_planted_link_at_the_old_temporary_name_receives_nothing(tmp_path: Path) -> None:
     stolen = tmp_path / "attacker-file"
     stolen.write_bytes(b"")
-    (tmp_path / f".noise_seed.txt.tmp-{os.getpid()}").symlink_to(stolen)
-    atomic_write_bytes(tmp_path / "noise_seed.txt", b"424242\n", private=True)
+    (tmp_path / f".data.secret.tmp-{os.getpid()}").symlink_to(stolen)
+    atomic_write_bytes(tmp_path / "data.secret", b"424242\n", private=True)
     assert stolen.read_bytes() == b""
-    assert (tmp_path / "noise_seed.txt").read_bytes() == b"424242\n"
-    assert not (tmp_path / "noise_seed.txt").is_symlink()
+    assert (tmp_path / "data.secret").read_bytes() == b"424242\n"
+    assert not (tmp_path / "data.secret").is_symlink()
 
 
 def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
@@ -71,31 +70,37 @@ def test_private_dir_tightens_a_loose_directory(tmp_path: Path) -> None:
     assert private_dir(d).stat().st_mode & 0o777 == 0o700
 
 
-def test_a_checkpoint_with_the_noise_stream_is_owner_only(tmp_path: Path, umask_022) -> None:
-    import torch
+class Killed(BaseException):
+    """The process dies (not an exception a handler catches)."""
 
+
+@pytest.mark.slow  # a tiny `train` run up to its second DP-SGD step
+def test_a_round_checkpoint_with_the_noise_stream_is_owner_only(
+    tmp_path: Path, umask_022, monkeypatch
+) -> None:
+    """The site's DP-SGD round checkpoint (the round's noise generator among its state) of a `train` run
+    killed inside the round: owner-only, inside the site's owner-only side of the run, loose folders planted
+    there beforehand tightened."""
     from feta_release.config import load_preset
-    from feta_release.ledger import Ledger
-    from feta_release.planning import plan
-    from feta_release.signing import generate_keypair, load_private_key
-    from feta_release.stages import RunAccount, run_budget
-    from feta_release.stages.context import RunDir, save_checkpoint
+    from feta_release.training.dpsgd import DPSGDTrainer
+    from tests.support.training import embedded_subset, train_run
 
-    cfg = load_preset("tiny")
-    key = load_private_key(generate_keypair(tmp_path / "keys", "site")[0])
-    account = RunAccount(
-        Ledger(tmp_path / "ledger.sqlite", key=key),
-        "job",
-        plan(cfg, 60000),
-        run_budget(cfg),
-        tmp_path / "privacy.json",
-    )
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True, mode=0o755)
-    rd = RunDir(tmp_path / "run")
-    save_checkpoint(
-        SimpleNamespace(rd=rd, account=account),
-        "dpsgd.pt",
-        {"noise": torch.Generator().manual_seed(5).get_state()},
-    )
-    assert rd.ckpt("dpsgd.pt").stat().st_mode & 0o077 == 0
-    assert rd.ckpt("dpsgd.pt").parent.stat().st_mode & 0o777 == 0o700
+    real_step = DPSGDTrainer.step
+
+    def step(self: DPSGDTrainer, *args: object) -> object:
+        if self.steps_done == 2:
+            raise Killed
+        return real_step(self, *args)
+
+    monkeypatch.setattr(DPSGDTrainer, "step", step)
+    out = tmp_path / "run"
+    (out / "site" / "work").mkdir(parents=True, mode=0o755)
+    for d in (out, out / "site", out / "site" / "work"):
+        os.chmod(d, 0o755)
+    cfg = load_preset("tiny").replace(warmup={"spatial_iterations": 1}, frequency={"sigma": None})
+    with pytest.raises(Killed):
+        train_run(cfg, embedded_subset(), out, public_size=240, checkpoint_every=1)
+    (ck,) = (out / "site" / "work").rglob("round-*.pt")
+    assert ck.stat().st_mode & 0o077 == 0
+    assert (out / "site").stat().st_mode & 0o777 == 0o700
+    assert (out / "site" / "work").stat().st_mode & 0o777 == 0o700

@@ -167,11 +167,11 @@ def stop_serving(stop: Any, sock: Any, thread: Any, listener: Any) -> None:
 
 class SignedTrain:
     """A `train --policy` run of the tiny preset on 200 embedded digits, as a site would run it: coordinator,
-    site and policy-admin keys, the site's data secret, a signed one-site policy committing to the images and
-    declaring their classes and shape, and ``sampler_lines`` added to the preset's [sampler]."""
+    site and policy-admin keys, a signed one-site policy, and ``sampler_lines`` added to the preset's
+    [sampler]."""
 
     def __init__(self, tmp: Path, sampler_lines: str) -> None:
-        from feta_release.data import load_embedded, save_npz
+        from feta_release.data import load_dataset, load_embedded, save_npz
         from feta_release.data.commitment import create_secret, dataset_commitment, load_secret
         from feta_release.data.declared import DataDeclaration
         from feta_release.policy import make_policy, sign_policy
@@ -183,10 +183,12 @@ class SignedTrain:
         idx = np.concatenate(
             [rng.choice(np.flatnonzero(full.labels == c), 20, replace=False) for c in range(10)]
         )
-        data = full.subset(np.sort(idx))
-        save_npz(data, tmp / "small.npz")
+        save_npz(full.subset(np.sort(idx)), tmp / "small.npz")
         self.keys = {n: generate_keypair(tmp / "keys", n) for n in ("coordinator", "site", "admin")}
         self.secret = create_secret(tmp / "keys" / "data.secret")
+        data, _ = load_dataset(tmp / "small.npz")
+        declared = DataDeclaration.draft_from(data)
+        data, _ = load_dataset(tmp / "small.npz", declared=declared)  # as train maps it under the policy
         doc = make_policy(
             "hosp-a",
             dataset_commitment(data, load_secret(self.secret)),
@@ -195,7 +197,7 @@ class SignedTrain:
             per_job=(10.0, 1e-5),
             lifetime=(20.0, 1e-5),
             site_key=load_private_key(self.keys["site"][0]).public_key(),
-            declared=DataDeclaration.draft_from(data),  # a node reads the declared classes and shape
+            declared=declared,
         )
         (tmp / "policy.json").write_text(
             json.dumps(sign_policy(doc, load_private_key(self.keys["admin"][0])))
@@ -240,3 +242,13 @@ class SignedTrain:
         from feta_release.signing import load_public_key
 
         return {"hosp-a": load_public_key(self.keys["admin"][1])}
+
+    def export_again(self, out: Path) -> Any:
+        """The release built again from a copy of the run's job directory at ``out`` (``export``'s
+        builder); returns ``out/release``."""
+        import shutil
+
+        from feta_release.release.jobdir import build_release
+
+        shutil.copytree(self.run, out, ignore=shutil.ignore_patterns("release"))
+        return build_release(out, self.keys["coordinator"][0])

@@ -120,8 +120,9 @@ def test_privacy_plan_cli_shows_the_size_event_unless_declared():
     assert drawn["epsilon"] > declared["epsilon"]
 
 
-# a [central] batch above any size these counts can draw: the run is refused right after the draw
-REFUSED_AFTER_DRAW = {"central": {"batch": 5000}}
+# a [central] batch above any size these counts can draw: the run is refused right after the draw (a DP-SGD
+# batch below the smallest size a draw gives, so that this is the refusal whatever the draw)
+REFUSED_AFTER_DRAW = {"central": {"batch": 5000}, "dpsgd": {"batch": 8, "physical_batch": 8}}
 
 
 def _refused_size(out, n: int = 240) -> int:
@@ -172,10 +173,15 @@ def test_a_size_charged_and_never_recorded_is_not_drawn_again(tmp_path, monkeypa
     assert [(r["mechanism"], r["status"]) for r in rows] == [("size", "charged")] and len(events) == 1
 
 
+# the tiny preset's central batch is 100 and a draw has noise std 50: at 400 images a refusal at the drawn
+# size takes a 6-sigma draw
+DRAWN_N = 400
+
+
 @pytest.fixture(scope="module")
 def drawn_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("drawn") / "r"
-    res = train_run(load_preset("tiny"), _data(), out, n_synthetic=10)
+    res = train_run(load_preset("tiny"), _data(DRAWN_N), out, n_synthetic=10)
     return out, res
 
 
@@ -201,7 +207,7 @@ def test_a_run_without_a_declared_size_charges_it_before_any_other_release(drawn
 
 def test_a_drawn_size_run_resumes_without_recharging_and_its_release_attests_it(drawn_run):
     out, res = drawn_run
-    again = train_run(load_preset("tiny"), _data(), out, n_synthetic=10)
+    again = train_run(load_preset("tiny"), _data(DRAWN_N), out, n_synthetic=10)
     assert again.already_complete and [e["stage"] for e in _ledger_rows(out)[1]].count("size") == 1
     man = json.loads((out / "release" / "manifest.json").read_text())
     (site,) = man["manifest"]["sites"]
@@ -217,13 +223,16 @@ def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
     """`train --patient-cap K` without --public-patients used to round the EXACT patient count too."""
     from feta_release.privacy_unit import PatientIndex
 
+    # a DP-SGD batch below the smallest count a draw gives: the run never depends on where the draw falls
     cfg = load_preset("tiny").replace(
-        dpsgd={"steps": 2}, warmup={"spatial_iterations": 1}, frequency={"sigma": None}
+        dpsgd={"steps": 2, "batch": 8, "physical_batch": 8},
+        warmup={"spatial_iterations": 1},
+        frequency={"sigma": None},
     )
-    # 80 patients x 3 images; 1: a placeholder
-    pats = PatientIndex(np.repeat(np.arange(80), 3), n_public=1, cap=3)
+    # 80 patients x 5 images; 1: a placeholder
+    pats = PatientIndex(np.repeat(np.arange(80), 5), n_public=1, cap=3)
     out = tmp_path / "r"
-    res = train_run(cfg, _data(), out, n_synthetic=0, patients=pats, draw_patients=True)
+    res = train_run(cfg, _data(DRAWN_N), out, n_synthetic=0, patients=pats, draw_patients=True)
     assert [e.stage for e in res.events] == ["size", "patients", "central", "dpsgd"]
     assert res.events[:2] == [size_event(), patients_event()] and res.events[1].unit == "patient"
     rows, _ = _ledger_rows(out)

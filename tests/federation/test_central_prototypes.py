@@ -67,7 +67,7 @@ def test_the_release_follows_the_job_s_rule_never_a_missing_or_stray_prototype()
     with pytest.raises(PrivacyError, match="needs the coordinator's public cell prototypes"):
         release_central(data, cfg, 100, np.random.default_rng(0))
     slant = _job("slant", 2).config.for_size(100)
-    with pytest.raises(PrivacyError, match="takes none"):
+    with pytest.raises(PrivacyError, match="takes no prototypes"):
         release_central(data, slant, 100, np.random.default_rng(0), np.full((10, 2, 784), 0.5))
     arrays, events = release_central(data, cfg, 100, np.random.default_rng(0), np.full((10, 2, 784), 0.5))
     assert [e.stage for e in events] == ["central"] and arrays

@@ -28,6 +28,15 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the slow tests first (each worker collects, in the same order). They are the
+    longest and mostly wait on real processes: started first they overlap the other worker's computing, where
+    started last one of them ran alone at the end for minutes. The sort is stable: a file's tests keep their
+    order."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="module")
 def torch_one_thread() -> Iterator[None]:
     """Tiny models: with 2 threads on the shared, oversubscribed CI cores torch's sampler ran 70x slower.

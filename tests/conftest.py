@@ -1,12 +1,19 @@
 import os
 
-# Two cores in CI: more threads than cores only adds contention.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Two cores in CI: more threads than cores only adds contention. Under pytest-xdist (`-n N`) the cores are
+# shared by N workers, each computing in its own process: each gets its share, at least one thread.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # a worker inherits the controller's value: its own share instead (also for the processes its tests start)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 try:
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(_THREADS)
 except ImportError:  # the torch-free synthesis test runs without it
     pass
 
@@ -19,6 +26,15 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the slow tests first (each worker collects, in the same order). They are the
+    longest and mostly wait on real processes: started first they overlap the other worker's computing, where
+    started last one of them ran alone at the end for minutes. The sort is stable: a file's tests keep their
+    order."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from scipy import stats
 
 from feta_release.federation import secagg as sa
 from feta_release.mechanisms import skellam as sk
+from tests.support.uniformity import assert_uniform_mod_2_64, uniform_p_values
 
 SITE_KEYS: dict[int, Ed25519PrivateKey] = {}  # long-term site keys, made on first use (keygen is not free)
 
@@ -143,6 +144,50 @@ def test_a_masked_vector_is_uniform_whatever_the_input() -> None:
         low = np.bincount((masked & np.uint64(15)).astype(np.int64), minlength=16)  # and the low 4 bits
         assert stats.chisquare(low).pvalue > 1e-6
         assert (masked != value).mean() > 0.99
+
+
+REAL_PRG = sa.prg_mask
+
+
+def _only_48_random_bits(key: bytes, config: sa.RoundConfig, round_index: int = 0) -> np.ndarray:
+    return REAL_PRG(key, config, round_index) >> np.uint64(16)
+
+
+def _a_tenth_unmasked(key: bytes, config: sa.RoundConfig, round_index: int = 0) -> np.ndarray:
+    m = REAL_PRG(key, config, round_index).copy()
+    m[: config.dim // 10] = 0
+    return m
+
+
+def _six_masked_vectors(dim: int) -> list[np.ndarray]:
+    """What the coordinator receives in two secure sums of a three-site job (the same constant data at every
+    site), as tests/federation/test_secure_federation.py checks it."""
+    out: list[np.ndarray] = []
+    for sum_id in ("central", "frequency"):
+        cfg = sa.RoundConfig(sum_id, (1, 2, 3), 2, dim, 64)
+        sites, co = new_round(cfg)
+        keys = co.collect_keys({i: s.setup() for i, s in sites.items()})
+        routed = co.route_shares({i: s.share_keys(keys) for i, s in sites.items()})
+        out += [s.masked_vector(routed[i], np.full(dim, 7, dtype=np.uint64)) for i, s in sites.items()]
+    return out
+
+
+# The smallest masked vector the job-level checks see (the central images of the tiny job: 10 x 14 x 14).
+CHECKED_DIM = 1960
+
+
+@pytest.mark.parametrize("broken", [_only_48_random_bits, _a_tenth_unmasked])
+def test_the_uniformity_check_of_masked_vectors_refuses_a_broken_mask(
+    broken: Callable[..., np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The family-wise KS check (tests/support/uniformity.py, at a false-failure rate of 1e-6) still catches
+    a mask that leaves structure, at the job's vector size: it is not a check that cannot fail."""
+    assert_uniform_mod_2_64(_six_masked_vectors(CHECKED_DIM))  # the real mask passes
+    monkeypatch.setattr(sa, "prg_mask", broken)
+    vectors = _six_masked_vectors(CHECKED_DIM)
+    assert max(uniform_p_values(vectors)) < 1e-12
+    with pytest.raises(AssertionError, match="not uniform mod 2"):
+        assert_uniform_mod_2_64(vectors)
 
 
 def test_a_vector_outside_the_modulus_is_refused() -> None:
@@ -386,8 +431,9 @@ def test_shares_arrive_once_and_masks_differ_from_sum_to_sum() -> None:
         sites[1].masked_vector(routed[1], same)
     second = sites[2].masked_vector(None, same)
     assert (second != first[2]).mean() > 0.99  # a fresh seed and a fresh nonce for the pairwise keys
+    # fresh OS keys every run: at 1e-6, as the test of uniformity above
     assert (
-        stats.chisquare(np.bincount((second >> np.uint64(12)).astype(np.int64), minlength=16)).pvalue > 1e-4
+        stats.chisquare(np.bincount((second >> np.uint64(12)).astype(np.int64), minlength=16)).pvalue > 1e-6
     )
 
 

@@ -160,6 +160,10 @@ def test_a_drawn_public_size_is_charged_first_under_the_job_and_counted_in_its_p
     charged = [e for r in reqs for e in events_from_list(r["events"])]
     assert charged == stage_events(sized, n, rounds=[steps], size=size_event())
     assert res.epsilon <= cfg.privacy.epsilon + 1e-9
+    # every ε the run shows is the total: the plan's counts the drawn size as the attestation does
+    planned = json.loads((tmp_path / "r" / "plan.json").read_text())["site"]
+    assert planned["events"][0]["stage"] == "size"
+    assert planned["planned_epsilon"] == pytest.approx(res.epsilon, rel=1e-12)
 
 
 def test_another_job_data_or_folder_is_refused(tiny_run, tmp_path):

@@ -201,6 +201,33 @@ def test_a_policy_without_its_data_secret_is_refused_before_any_charge(tmp_path)
     assert not (tmp_path / "r" / "site" / "ledger.sqlite").exists()
 
 
+def test_a_policy_without_a_declared_schema_is_refused_in_one_line_before_any_charge(tmp_path):
+    """A site's policy that declares no classes and image shape: ``train`` refuses it as ``node start`` does
+    (``edge.site.declared_schema``), naming the policy file and the fix, before its site is opened or its
+    ledger charged; never a node that "did not join"."""
+    from feta_release.data.commitment import dataset_commitment, ensure_secret
+    from feta_release.policy import make_policy, sign_policy, write_signed_policy
+    from feta_release.signing import generate_keypair, load_private_key
+
+    data = _data()
+    admin, admin_pub = generate_keypair(tmp_path / "k", "admin")
+    coord, _ = generate_keypair(tmp_path / "k", "coordinator")
+    secret, _ = ensure_secret(tmp_path / "k" / "data.secret")
+    doc = make_policy("hosp", dataset_commitment(data, secret), 240, [load_private_key(coord).public_key()])
+    pol = write_signed_policy(tmp_path / "p.json", sign_policy(doc, load_private_key(admin)))
+    with pytest.raises(PolicyError, match=r"p\.json: the policy declares no public data schema.*re-sign"):
+        train_run(
+            _cfg(),
+            data,
+            tmp_path / "r",
+            policy=pol,
+            trusted=admin_pub,
+            data_secret=tmp_path / "k" / "data.secret",
+            coordinator_key=coord,
+        )
+    assert not (tmp_path / "r" / "site" / "ledger.sqlite").exists()
+
+
 def test_budget_exhausted_by_the_warm_up_is_refused_before_any_release(tmp_path):
     cfg = _cfg(privacy={"epsilon": 0.05})
     with pytest.raises(FetaError):

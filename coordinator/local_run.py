@@ -51,8 +51,10 @@ from edge.site import (
     CFG_TRUSTED,
     CFG_WORK,
     Site,
+    declared_schema,
     hold_site,
     release_site,
+    verify_policy_file,
 )
 from feta_release.accounting import PrivacyEvent, epsilon, events_from_list
 from feta_release.config import JobConfig
@@ -244,6 +246,9 @@ def _site_files(root: Path, opts: TrainOptions) -> _SiteFiles:
                 f"{opts.policy}: a site's policy needs --trusted ADMIN.pub (the key that signed it) and "
                 "--data-secret SECRET (the key of its data commitment), as `node start` does"
             )
+        # refused as `node start` refuses it (its public classes and shape are what every release states),
+        # before the run directory is written or anything charged
+        declared_schema(verify_policy_file(opts.policy, opts.trusted), str(opts.policy))
         policy, trusted, secret = opts.policy, opts.trusted, opts.data_secret
     else:
         policy, trusted, secret = (

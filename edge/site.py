@@ -209,6 +209,8 @@ class Site:
             dataset_commitment=commitment,
             last_seen_version=ledger.highest_policy_version(),
         )
+        # a site held in memory (`train`) refuses a policy without a public schema as an opened one does
+        declared_schema(policy, str(node_config[CFG_POLICY]))
         if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
             # Local log only (never sent): the public nominal size drives every rate and denominator, so a
             # far-off value costs utility (noise is scaled for it), not privacy.

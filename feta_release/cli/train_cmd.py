@@ -270,7 +270,7 @@ def train(
         release=not no_release,
     )
     res = run_train(cfg, data, out_dir, opts)
-    if data_path is not None and (site_policy is None or site_policy.declared is None):
+    if data_path is not None and site_policy is None:  # a site's policy declares them (_site_policy)
         click.echo(
             f"note: the classes {list(data.class_names)} and image shape {list(data.image_shape)} were read "
             f"off {data_path} and are released as they are (un-noised); to make them a public declaration, "
@@ -459,13 +459,20 @@ def _patient_index(report: Any, public_patients: int | None) -> Any:
 
 
 def _site_policy(policy_path: Path | None, trusted: str | None) -> Any:
-    """The verified ``SitePolicy`` (signature by the trusted administrator key, validity window) or None."""
+    """The verified ``SitePolicy`` (signature by the trusted administrator key, validity window, a declared
+    public data schema) or None."""
     if policy_path is None:
         if trusted is not None:
             raise ConfigError("--trusted is the key that signed --policy; give --policy SITE.signed.json too")
         return None
     if trusted is None:
         raise ConfigError(f"{policy_path}: give --trusted ADMIN.pub, the administrator key that signed it")
+    from edge.site import declared_schema
+
     from ..policy import load_site_policy
 
-    return load_site_policy(policy_path, trusted_for_policy(trusted, policy_path))
+    policy = load_site_policy(policy_path, trusted_for_policy(trusted, policy_path))
+    # refused as `node start` refuses it, before the data are read: the classes and shape every release states
+    # are the policy's public declaration, never the data's
+    declared_schema(policy, str(policy_path))
+    return policy

@@ -413,11 +413,12 @@ class JobDriver:
         self.emit("wait", f"site {sid} joined (node {node}, public size {size})", site=sid)
 
     def plan_sites(self) -> dict[str, Any]:
-        planned, policies, life, charged = {}, {}, {}, {}
+        planned, policies, life, charged, counts = {}, {}, {}, {}, {}
         for sid, s in self.sites.items():
             # noisy counts the site charged for this job before it was opened (a `train` run's drawn public
-            # size): first in its history, as the node plans; spent already, so counted with its lifetime
-            counted = counted_events(events_from_list(s.job_events))
+            # size): first in its history, as the node plans and its ledger counts them (so in the job's
+            # planned ε and events); spent already, so counted with its lifetime
+            counted = counts[sid] = counted_events(events_from_list(s.job_events))
             if self.cfg.federation.secure_aggregation:  # the sites charge SkellamEvents for the warm-up sums
                 planned[sid], charged[sid] = secure_plan(self, s)
             else:
@@ -444,6 +445,7 @@ class JobDriver:
                 job=self.job,
                 lifetime_events=life,
                 charged=charged if self.cfg.federation.secure_aggregation else None,
+                counted=counts,
             )
         except JobDoesNotFit as exc:
             raise (
@@ -456,9 +458,12 @@ class JobDriver:
                 "size": self.sites[sid].size,
                 "planned_epsilon": job_eps[sid],
                 "dpsgd_sigma": next((r.sigma for r in planned[sid] if r.mechanism == "dpsgd"), None),
-                "events": [e.to_dict() for e in charged[sid]]
-                if sid in charged
-                else [r.event().to_dict() for r in planned[sid]],
+                "events": [e.to_dict() for e in counts[sid]]
+                + (
+                    [e.to_dict() for e in charged[sid]]
+                    if sid in charged
+                    else [r.event().to_dict() for r in planned[sid]]
+                ),
             }
             for sid in planned
         }

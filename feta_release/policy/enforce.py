@@ -435,11 +435,16 @@ def check_job_fits(
     lifetime_events: Mapping[str, Sequence[Event]] | None = None,
     now: dt.datetime | str | None = None,
     charged: Mapping[str, Sequence[Event]] | None = None,
+    counted: Mapping[str, Sequence[Event]] | None = None,
 ) -> dict[str, float]:
     """Coordinator side, before anything is released: every site's planned requests must pass its policy.
 
     ``charged[site]`` (optional): the events the site will charge when they are not the requests' Gaussian
     ones (secure aggregation: SkellamEvents); the budget (and worst-case) check then runs on them.
+    ``counted[site]`` (optional): what the site charged under this job before it was opened (a ``train``
+    run's drawn public size, ``mechanisms.count.counted_events``): first in the job's history, as the site's
+    ledger counts it, so every request is checked over it and the returned ε is the job's total. They are part
+    of ``lifetime_events[site]`` already (spent).
 
     ``planned[site]``: the whole job's requests at that site, in order (PrivacyEvents are fine: clip and
     features come from ``job.config`` when a job is given; batch is q * the site's public size).
@@ -459,7 +464,8 @@ def check_job_fits(
         if pol.site_id != site:
             problems.append((site, "site_id", f"site {site}: its policy is for site {pol.site_id}"))
             continue
-        history: list[PrivacyEvent] = []
+        first = list((counted or {}).get(site, ()))
+        history: list[Any] = list(first)
         ok = True
         for item in planned.get(site, ()):
             try:
@@ -478,8 +484,8 @@ def check_job_fits(
             continue
         try:
             prior = list((lifetime_events or {}).get(site, ()))
-            spend = list(charged[site]) if charged is not None and site in charged else history
-            job_eps, _ = check_budget(pol, [], prior, spend, job_scope="the planned job")
+            spend = list(charged[site]) if charged is not None and site in charged else history[len(first) :]
+            job_eps, _ = check_budget(pol, first, prior, spend, job_scope="the planned job")
             result[site] = job_eps
         except PolicyBudgetExceeded as exc:
             problems.append((site, exc.rule, str(exc)))

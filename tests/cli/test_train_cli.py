@@ -177,3 +177,29 @@ def test_train_with_a_site_ledger_but_no_policy_is_refused_in_one_line(small_npz
         capsys,
     )
     assert code != 0 and "--trusted ADMIN.pub" in err
+
+
+def test_train_with_a_policy_that_declares_no_schema_is_refused_in_one_line(small_npz, tmp_path, capsys):
+    """As ``node start`` refuses it: exit code 6 (PolicyError) naming the policy file and the fix, before the
+    data are read or a ledger written; never a node that "did not join"."""
+    from feta_release.policy import make_policy, sign_policy, write_signed_policy
+    from feta_release.signing import generate_keypair, load_private_key
+
+    admin, admin_pub = generate_keypair(tmp_path / "k", "admin")
+    coord, _ = generate_keypair(tmp_path / "k", "coordinator")
+    (tmp_path / "k" / "data.secret").write_bytes(b"s" * 32)
+    doc = make_policy("hosp", "1" * 64, 400, [load_private_key(coord).public_key()])
+    pol = write_signed_policy(tmp_path / "site.signed.json", sign_policy(doc, load_private_key(admin)))
+    argv = ["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "r")]
+    argv += [
+        "--policy",
+        str(pol),
+        "--trusted",
+        str(admin_pub),
+        "--data-secret",
+        str(tmp_path / "k" / "data.secret"),
+    ]
+    code, _, err = _run([*argv, "--coordinator-key", str(coord), "--no-progress"], capsys)
+    assert code == 6 and f"{pol}: the policy declares no public data schema" in err
+    assert "policy sign" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r" / "site").exists()

@@ -160,6 +160,10 @@ def test_a_drawn_public_size_is_charged_first_under_the_job_and_counted_in_its_p
     charged = [e for r in reqs for e in events_from_list(r["events"])]
     assert charged == stage_events(sized, n, rounds=[steps], size=size_event())
     assert res.epsilon <= cfg.privacy.epsilon + 1e-9
+    # every ε the run shows is the total: the plan's counts the drawn size as the attestation does
+    planned = json.loads((tmp_path / "r" / "plan.json").read_text())["site"]
+    assert planned["events"][0]["stage"] == "size"
+    assert planned["planned_epsilon"] == pytest.approx(res.epsilon, rel=1e-12)
 
 
 def test_another_job_data_or_folder_is_refused(tiny_run, tmp_path):
@@ -194,6 +198,33 @@ def test_a_policy_without_its_data_secret_is_refused_before_any_charge(tmp_path)
     pol = write_signed_policy(tmp_path / "p.json", sign_policy(doc, load_private_key(admin)))
     with pytest.raises(ConfigError, match="--data-secret"):
         train_run(_cfg(), _data(), tmp_path / "r", policy=pol, trusted=admin_pub)
+    assert not (tmp_path / "r" / "site" / "ledger.sqlite").exists()
+
+
+def test_a_policy_without_a_declared_schema_is_refused_in_one_line_before_any_charge(tmp_path):
+    """A site's policy that declares no classes and image shape: ``train`` refuses it as ``node start`` does
+    (``edge.site.declared_schema``), naming the policy file and the fix, before its site is opened or its
+    ledger charged; never a node that "did not join"."""
+    from feta_release.data.commitment import dataset_commitment, ensure_secret
+    from feta_release.policy import make_policy, sign_policy, write_signed_policy
+    from feta_release.signing import generate_keypair, load_private_key
+
+    data = _data()
+    admin, admin_pub = generate_keypair(tmp_path / "k", "admin")
+    coord, _ = generate_keypair(tmp_path / "k", "coordinator")
+    secret, _ = ensure_secret(tmp_path / "k" / "data.secret")
+    doc = make_policy("hosp", dataset_commitment(data, secret), 240, [load_private_key(coord).public_key()])
+    pol = write_signed_policy(tmp_path / "p.json", sign_policy(doc, load_private_key(admin)))
+    with pytest.raises(PolicyError, match=r"p\.json: the policy declares no public data schema.*re-sign"):
+        train_run(
+            _cfg(),
+            data,
+            tmp_path / "r",
+            policy=pol,
+            trusted=admin_pub,
+            data_secret=tmp_path / "k" / "data.secret",
+            coordinator_key=coord,
+        )
     assert not (tmp_path / "r" / "site" / "ledger.sqlite").exists()
 
 

@@ -1,0 +1,47 @@
+"""A site that drew its public size for a job (``feta-release train`` without a declared size:
+``mechanisms.count``) charged that noisy count first, under the job's id. The coordinator's plan
+(``plan.json``) and its per-job check count it as the site's ledger does: first in the job's history, so the
+planned ε is the total the site attests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from coordinator.setup import prepare_federation, sign_job_file
+from feta_release.accounting import epsilon, events_from_list
+from feta_release.ledger import Budget, Ledger
+from feta_release.mechanisms.count import SIZE_SIGMA, SIZE_STAGE, size_event
+from feta_release.signing import load_private_key
+from tests.support.federation import harness, run_harness_job, tiny_job, tiny_sites
+
+SITE = "site-a"
+
+
+def _one_site(tmp_path: Path, job_id: str):
+    """A one-site federation whose site charged its drawn size under ``job_id`` before the job is run."""
+    fed = prepare_federation(tmp_path / "fed", {SITE: tiny_sites(1, per_site=40)[SITE]})
+    cfg = tiny_job(federation={"min_sites": 1, "rounds": 1})
+    signed, _ = sign_job_file(fed, cfg, job_id)
+    site = fed.site(SITE)
+    budget = Budget(job_epsilon=math.inf, lifetime_epsilon=math.inf, delta=float(cfg.privacy.delta))
+    with Ledger(site.ledger, key=load_private_key(site.site_key)) as led:
+        rid = f"{job_id}:{SIZE_STAGE}:0"
+        led.charge(job_id, rid, SIZE_STAGE, [size_event()], budget)
+        led.record_response(rid, json.dumps({"count": site.size, "sigma": SIZE_SIGMA}).encode())
+    return fed, signed
+
+
+def test_the_plan_counts_the_drawn_size_so_its_epsilon_is_the_attested_total(tmp_path: Path) -> None:
+    fed, signed = _one_site(tmp_path, "job-drawn")
+    res = run_harness_job(fed, harness(fed), signed, tmp_path / "out")
+    planned = json.loads((tmp_path / "out" / "plan.json").read_text("utf-8"))[SITE]
+    att = res.attestations[SITE]["statement"]
+    assert planned["events"][0] == size_event().to_dict()
+    assert planned["events"] == att["events"]
+    assert planned["planned_epsilon"] == pytest.approx(att["epsilon"], rel=1e-12)
+    assert att["epsilon"] == pytest.approx(epsilon(events_from_list(att["events"]), att["delta"]), rel=1e-12)

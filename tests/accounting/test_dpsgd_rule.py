@@ -19,6 +19,7 @@ from feta_release.job_rules import (
     DPSGD_MIN_STEPS,
     DPSGD_TIE_NOISE,
     DataFacts,
+    _dpsgd_seconds,
     _dpsgd_steps,
     _fit_budget,
     _split,
@@ -32,8 +33,9 @@ from feta_release.planning import plan
 
 
 def _forced(f: DataFacts) -> dict:
-    """The rules' job for ``f`` with DP-SGD on (the releases at 75 %, its steps from the time budget)."""
-    d, est = _fit_budget(f, _split(f, True))
+    """The rules' job for ``f`` with DP-SGD on (the releases at 75 %, the warm-up leaving DP-SGD's minimum
+    steps their time, its steps from the time budget)."""
+    d, est = _fit_budget(f, _split(f, True), reserve=_dpsgd_seconds(f, DPSGD_MIN_STEPS + 1))
     return _with_steps(d, _dpsgd_steps(f, d, est), f.federated)
 
 

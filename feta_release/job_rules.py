@@ -24,7 +24,7 @@ recipe by the public facts, and drop what was digit knowledge:
   the planner's frequency figure under :data:`FEATURE_NOISE`; at the cap the patch map of the eps = 10 preset
   (7x7 patches at stride 3 on 28 px, scaled with the image); switched off when even 32 features would be
   mostly noise (its budget then goes to the central release).
-- model: 16 channels on the CPU (32 on a GPU), one UNet level more per doubling of the side above 28 px.
+- model: 16 channels on every device, one UNet level more per doubling of the side above 28 px.
 - DP-SGD: on only where its noise-to-signal over the job (:func:`dpsgd_noise`: sigma sqrt(P) / (B
   sqrt(T)), the noise of T averaged clipped-gradient steps against the clip) is at most
   :data:`DPSGD_MAX_NOISE`, a fifth of the figure at the one point where a DP-SGD stage was measured to tie
@@ -392,11 +392,12 @@ def _frequency_section(f: DataFacts, sigma: float, features: int) -> dict[str, A
 
 
 def model_section(f: DataFacts) -> dict[str, Any]:
-    """16 channels on the CPU, 32 on a GPU; 2 levels at 28 px, one more per doubling of the side (at most
-    4)."""
+    """16 channels on every device (the device buys time, not a wider model: 16 is the width whose quality
+    was measured, docs/derived-job.md "Measured quality"); 2 levels at 28 px, one more per doubling of the
+    side (at most 4)."""
     levels = max(2, min(4, 2 + round(math.log2(max(f.height, f.width) / 28))))
     return {
-        "channels": 16 if f.device == "cpu" else 32,
+        "channels": 16,
         "channel_mult": [1] + [2] * (levels - 1),
         "num_res_blocks": 1,
         "attn_resolutions": [],

@@ -28,6 +28,9 @@ from tests.support.federation import full_job
 N_PUBLIC = 40
 
 
+_NO_ARRAYS = SimpleNamespace(arrays={})  # a central request without cell prototypes (the slant rule)
+
+
 def _ds(n: int, seed: int = 0) -> SimpleNamespace:
     rng = np.random.default_rng(seed)
     return SimpleNamespace(
@@ -64,7 +67,7 @@ def _rows(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
 @pytest.mark.parametrize("n", [12, 25, 40])
 def test_the_central_release_prepares_the_public_number_of_rows(monkeypatch, n):
     seen = _rows(monkeypatch, central_mod, "_prepare")
-    ca.central.__wrapped__(_site(n), _job(), None, ReleaseRng())
+    ca.central.__wrapped__(_site(n), _job(), _NO_ARRAYS, ReleaseRng())
     assert sum(seen) == N_PUBLIC
 
 
@@ -83,7 +86,7 @@ def test_the_central_samples_sum_to_a_binomial_of_the_public_size(monkeypatch):
     totals = []
     for _ in range(runs):
         seen.clear()
-        ca.central.__wrapped__(_site(n), _job(), None, ReleaseRng())
+        ca.central.__wrapped__(_site(n), _job(), _NO_ARRAYS, ReleaseRng())
         totals.append(sum(seen))
     mean, want = float(np.mean(totals)), cfg.rounds * q * N_PUBLIC
     sd = math.sqrt(cfg.rounds * N_PUBLIC * q * (1 - q) / runs)

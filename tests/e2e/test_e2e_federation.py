@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.federation import tiny_job, tiny_sites
+from tests.support.federation import make_federation, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,36 @@ def _pids_of_group_alive(pgids: list[int]) -> list[int]:
     from feta_release.federation.procs import group_alive
 
     return [g for g in pgids if group_alive(g)]
+
+
+def test_real_processes_run_a_job_and_an_untrusted_node_refuses(tmp_path, loopback):
+    from coordinator.runner import run_signed_job, sign_or_resume
+    from feta_release import job_rules
+    from feta_release.ledger import Ledger
+
+    # site-c's policy does not allow this app bundle: its node must refuse before running any of it.
+    fed = make_federation(tmp_path / "fed", policy_overrides={"site-c": {"app_bundles": ["0" * 64]}})
+    cfg = tiny_job(federation={"rounds": 1, "local_steps": 1, "min_sites": 2, "round_timeout": 600.0})
+    job_toml = tmp_path / "job.toml"
+    job_toml.write_text(job_rules.job_toml(cfg))
+    out = tmp_path / "out"
+    signed = sign_or_resume(job_toml, ["site-a", "site-b"], fed.coordinator_key, out, "job-e2e")
+    try:
+        summary = run_signed_job(signed, fed.coordinator_key, out, loopback.start(fed), insecure=True)
+    finally:
+        pgids = loopback.stop()
+    assert _pids_of_group_alive(pgids) == []
+    assert summary["rounds"] == 1 and set(summary["site_epsilon"]) == {"site-a", "site-b"}
+    for sid in ("site-a", "site-b"):
+        with Ledger(fed.site(sid).ledger) as led:
+            assert [r["request_id"] for r in led.requests()] == ["job-e2e:train:0"]
+    # The untrusted-bundle refusal: logged at the site, reported to the coordinator, nothing charged.
+    trust_log = fed.site("site-c").ledger.parent / "work" / "trust.log"
+    assert "refused app bundle" in trust_log.read_text()
+    events = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert any("refused" in e["message"] and "allow-list" in e["message"] for e in events)
+    with Ledger(fed.site("site-c").ledger) as led:
+        assert led.requests() == []
 
 
 def test_demo_quick_end_to_end_and_release_verifies(tmp_path):
@@ -101,25 +131,16 @@ def test_demo_cleans_up_its_processes_on_ctrl_c(tmp_path):
     assert p.returncode == 130
 
 
-def test_a_job_over_tls_with_node_authentication_while_an_unregistered_and_an_untrusting_node_are_refused(
-    tmp_path,
-):
-    """One real federation over TLS with node authentication (one job: each real-process job costs a minute
-    of the CI budget): site-a and site-b run it; site-c's node is registered, but its policy does not allow
-    this app bundle, so it refuses before running any of it; site-d's node key was never registered, so the
-    SuperLink refuses the node itself. Every process is gone after the stop."""
+def test_tls_and_node_authentication_real_processes(tmp_path):
     from coordinator.runner import run_signed_job, sign_or_resume
-    from coordinator.setup import prepare_federation
     from coordinator.superlink import SuperLinkSettings, register_node, start_superlink
     from coordinator.tls import make_certificates
+    from edge.launch import NodeSettings, start_node
     from feta_release import job_rules
     from feta_release.federation.procs import free_port
-    from feta_release.ledger import Ledger
     from feta_release.signing import make_node_auth_key
 
-    fed = prepare_federation(
-        tmp_path / "fed", tiny_sites(n_sites=4), policy_overrides={"site-c": {"app_bundles": ["0" * 64]}}
-    )
+    fed = make_federation(tmp_path / "fed")
     certs = make_certificates(tmp_path / "certs")
     keys = {s.site_id: make_node_auth_key(tmp_path / "certs" / "nodes", s.site_id) for s in fed.sites}
     cfg = tiny_job(federation={"rounds": 1, "local_steps": 1, "min_sites": 2, "round_timeout": 600.0})
@@ -144,11 +165,27 @@ def test_a_job_over_tls_with_node_authentication_while_an_unregistered_and_an_un
                 )
             )
         )
-        for sid in ("site-a", "site-b", "site-c"):  # site-d's key is NOT registered
+        for sid in ("site-a", "site-b"):  # site-c's key is NOT registered
             register_node(
                 keys[sid][1], sid, tmp_path / "coord" / "cli", addr, root_certificates=certs["ca_cert"]
             )
-        procs += [_tls_node(s, addr, certs["ca_cert"], keys[s.site_id][0]) for s in fed.sites]
+        for s in fed.sites:
+            procs.append(
+                start_node(
+                    NodeSettings(
+                        data=s.data,
+                        policy=s.policy,
+                        trusted_policy_key=s.policy_pub,
+                        ledger=s.ledger,
+                        site_key=s.site_key,
+                        data_secret=s.data_secret,
+                        superlink=addr,
+                        port=free_port(),
+                        root_certificates=certs["ca_cert"],
+                        auth_key=keys[s.site_id][0],
+                    )
+                )
+            )
         time.sleep(3)
         summary = run_signed_job(
             signed, fed.coordinator_key, out, addr, insecure=False, root_certificates=certs["ca_cert"]
@@ -159,38 +196,6 @@ def test_a_job_over_tls_with_node_authentication_while_an_unregistered_and_an_un
             time.sleep(1)
         assert not unregistered.alive(), "an unregistered node key was not refused"
     finally:
-        pgids = [p.pid for p in procs]
         for p in procs:
             p.stop()
-    assert _pids_of_group_alive(pgids) == []
-    assert summary["rounds"] == 1 and set(summary["site_epsilon"]) == {"site-a", "site-b"}
-    for sid in ("site-a", "site-b"):
-        with Ledger(fed.site(sid).ledger) as led:
-            assert [r["request_id"] for r in led.requests()] == ["job-tls:train:0"]
-    # The untrusted-bundle refusal: logged at the site, reported to the coordinator, nothing charged.
-    trust_log = fed.site("site-c").ledger.parent / "work" / "trust.log"
-    assert "refused app bundle" in trust_log.read_text()
-    events = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
-    assert any("refused" in e["message"] and "allow-list" in e["message"] for e in events)
-    with Ledger(fed.site("site-c").ledger) as led:
-        assert led.requests() == []
-
-
-def _tls_node(s, addr, ca_cert, auth_key):
-    from edge.launch import NodeSettings, start_node
-    from feta_release.federation.procs import free_port
-
-    return start_node(
-        NodeSettings(
-            data=s.data,
-            policy=s.policy,
-            trusted_policy_key=s.policy_pub,
-            ledger=s.ledger,
-            site_key=s.site_key,
-            data_secret=s.data_secret,
-            superlink=addr,
-            port=free_port(),
-            root_certificates=ca_cert,
-            auth_key=auth_key,
-        )
-    )
+    assert set(summary["site_epsilon"]) == {"site-a", "site-b"}

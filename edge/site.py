@@ -10,6 +10,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,17 +157,7 @@ class Site:
             raise ConfigError(
                 f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`"
             )
-        secret = load_secret(node_config[CFG_SECRET])
-        key = load_private_key(node_config[CFG_SITE_KEY])
-        work_path = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
-        ledger = _opened_ledger(node_config[CFG_LEDGER], key, work_path)
-        try:
-            work = owner_only_dir(work_path)
-            data, patients, commitment = _opened_data(node_config, secret, work)
-            return cls._verified(node_config, ledger, key, work, data, patients, commitment)
-        except BaseException:
-            ledger.close()
-            raise
+        return cls._opened(node_config, lambda secret, work: _opened_data(node_config, secret, work))
 
     @classmethod
     def in_memory(cls, node_config: dict[str, Any], data: Any, patients: Any = None) -> Site:
@@ -177,14 +168,25 @@ class Site:
         missing = [k for k in REQUIRED if k != CFG_DATA and not node_config.get(k)]
         if missing:
             raise ConfigError(f"site config lacks {', '.join(missing)}")
+        ids = None if patients is None else patients.ids
+        return cls._opened(
+            node_config, lambda secret, work: (data, patients, dataset_commitment(data, secret, patients=ids))
+        )
+
+    @classmethod
+    def _opened(
+        cls, node_config: dict[str, Any], data_of: Callable[[bytes, Path], tuple[Any, Any, str]]
+    ) -> Site:
+        """The one way a site opens: its secret and key, its ledger (chain, anchor, head signature), its
+        owner-only work directory, then ``data_of(secret, work)`` (the images, their patient index and the
+        keyed commitment recomputed over them) verified against the policy; the ledger closed on failure."""
         secret = load_secret(node_config[CFG_SECRET])
         key = load_private_key(node_config[CFG_SITE_KEY])
         work_path = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
         ledger = _opened_ledger(node_config[CFG_LEDGER], key, work_path)
         try:
             work = owner_only_dir(work_path)
-            ids = None if patients is None else patients.ids
-            commitment = dataset_commitment(data, secret, patients=ids)
+            data, patients, commitment = data_of(secret, work)
             return cls._verified(node_config, ledger, key, work, data, patients, commitment)
         except BaseException:
             ledger.close()

@@ -21,6 +21,15 @@ its held-out 20 % (seed 0) is scored once; ``--mode validation`` scores the vali
 instead (for tuning; the held-out part is then never read). δ is the project's job default (1e-5) unless
 ``--delta``. The digits hold 5,000 images, so their 20,000 row is marked n/a.
 
+``--public KIND:N`` pretrains every release on a generated PUBLIC set (``data generate KIND``, N images at the
+kind's image size, seed 7: ``strokes`` for the digits, ``medical`` population B for the medical-like set; it is
+never the data scored) through ``train --public``; ``--dpsgd on|off`` asks the derived job for or against its
+DP-SGD stage (``train --dpsgd``). Both change the cells' names, so their rows sit beside the plain ones in the
+same ``--out``:
+
+    python bench/generality.py --kinds digits --sizes 4000 --eps 1 --methods release --job derived \
+        --public strokes:10000 --dpsgd on --mode validation     # public pretraining, then DP-SGD
+
 ``--job`` picks the pipeline's job: ``auto`` (default: ``train --data PATH --epsilon E`` when the installed
 ``train`` has ``--epsilon``, else the shipped preset ``cpu-eps1`` / ``cpu-eps10`` nearest the row's ε, with
 [privacy] epsilon/delta set to the row's), ``derived`` (always ``--epsilon E``), ``preset:NAME`` (NAME may
@@ -121,6 +130,7 @@ def _cell_release(cell: dict) -> dict:
     train, test = _splits(cell)
     run_dir = Path(cell["work"]) / "runs" / _cell_name(cell)
     data = save_npz(train, run_dir.parent / f"{_cell_name(cell)}-train.npz")
+    route = _route_args(cell, train)
     cmd = [
         sys.executable,
         "-m",
@@ -129,6 +139,7 @@ def _cell_release(cell: dict) -> dict:
         *cell["job_args"],
         "--data",
         str(data),
+        *route,
         "--out",
         str(run_dir),
         "--synthetic",
@@ -169,6 +180,24 @@ def _cell_release(cell: dict) -> dict:
     return out
 
 
+def _route_args(cell: dict, train: Any) -> list[str]:
+    """``train``'s arguments for the cell's route: ``--dpsgd`` and a generated public set (``--public``)."""
+    args = ["--dpsgd", cell["dpsgd"]] if cell.get("dpsgd") else []
+    if not cell.get("public"):
+        return args
+    from feta_release.data import save_npz
+    from feta_release.data.procedural import generate_dataset
+
+    kind, n = cell["public"].split(":")
+    side = int(train.image_shape[-1])
+    path = Path(cell["work"]) / "public" / f"{kind}-{n}-{side}px.npz"
+    if not path.exists():  # a function of kind, size and the public seed only: one file for every cell
+        extra = {"population": "B"} if kind == "medical" else {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_npz(generate_dataset(kind, int(n), size=side, seed=7, **extra), path)
+    return [*args, "--public", str(path), "--public-description", f"generated {kind} images ({n}, seed 7)"]
+
+
 def child_env() -> dict[str, str]:
     """This tree first on the children's path, the caller's path after it (e.g. wheels installed beside a
     machine's own packages with ``pip install --target``)."""
@@ -187,7 +216,14 @@ def run_cell(cell: dict) -> dict:
 
 def _cell_name(cell: dict) -> str:
     eps = "" if cell["method"] == "ceiling" else f"-eps{cell['eps']:g}"
-    return f"{cell['method']}-{cell['kind']}-n{cell['size']}{eps}-seed{cell['seed']}"
+    route = route_suffix(cell.get("public"), cell.get("dpsgd")) if cell["method"] == "release" else ""
+    return f"{cell['method']}-{cell['kind']}-n{cell['size']}{eps}{route}-seed{cell['seed']}"
+
+
+def route_suffix(public: str | None, dpsgd: str | None) -> str:
+    """The part of a release cell's name that says its route (``--public``, ``--dpsgd``); empty for the
+    plain derived or preset job."""
+    return (f"-public-{public.replace(':', '')}" if public else "") + (f"-dpsgd-{dpsgd}" if dpsgd else "")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,6 +297,8 @@ def plan_cells(args: argparse.Namespace, derived: bool) -> list[dict]:
         "classifier_epochs": args.classifier_epochs,
         "dpsgd_epochs": args.dpsgd_epochs,
         "classifier_device": args.classifier_device,
+        "public": args.public,
+        "dpsgd": args.dpsgd,
     }
     cells = []
     for kind in args.kinds:
@@ -322,7 +360,10 @@ def table(results: dict, args: argparse.Namespace) -> str:
     ]
     lines = [
         f"Accuracy on real {'held-out' if args.mode == 'test' else 'validation'} images, mean ± std (seeds); "
-        f"δ = {args.delta:g}; job {args.job}; {args.n_synthetic} synthetic images per run.",
+        f"δ = {args.delta:g}; job {args.job}; {args.n_synthetic} synthetic images per run"
+        + (f"; public pretraining on {args.public}" if args.public else "")
+        + (f"; train --dpsgd {args.dpsgd}" if args.dpsgd else "")
+        + ".",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -336,7 +377,7 @@ def table(results: dict, args: argparse.Namespace) -> str:
                         + " |" * (len(head) - 4)
                     )
                     continue
-                lines.append(_row(results, kind, size, eps, args.eps[0]))
+                lines.append(_row(results, kind, size, eps, args))
     lines += _per_class_lines(results, args)
     errors = [f"- {name}: {r['result']['error']}" for name, r in results.items() if "error" in r["result"]]
     return (
@@ -356,7 +397,8 @@ def _per_class_lines(results: dict, args: argparse.Namespace) -> list[str]:
         for size in args.sizes:
             ceil = _class_means(results, f"ceiling-{kind}-n{size}-seed")
             for eps in args.eps:
-                rel = _class_means(results, f"release-{kind}-n{size}-eps{eps:g}-seed")
+                route = route_suffix(args.public, args.dpsgd)
+                rel = _class_means(results, f"release-{kind}-n{size}-eps{eps:g}{route}-seed")
                 if rel:
                     parts = [
                         f"{c} {m:.2f}" + (f" ({ceil[c]:.2f})" if c in ceil else "") for c, m in rel.items()
@@ -375,9 +417,12 @@ def _class_means(results: dict, prefix: str) -> dict[str, float]:
     return {c: float(np.nanmean([row[c] for row in rows])) for c in rows[0]} if rows else {}
 
 
-def _row(results: dict, kind: str, size: int, eps: float, first_eps: float) -> str:
+def _row(results: dict, kind: str, size: int, eps: float, args: argparse.Namespace) -> str:
+    first_eps = args.eps[0]
+
     def cells(method: str, e: float) -> list[dict]:
-        prefix = f"{method}-{kind}-n{size}" + ("" if method == "ceiling" else f"-eps{e:g}") + "-seed"
+        route = route_suffix(args.public, args.dpsgd) if method == "release" else ""
+        prefix = f"{method}-{kind}-n{size}" + ("" if method == "ceiling" else f"-eps{e:g}") + route + "-seed"
         return [r for k, r in results.items() if k.startswith(prefix) and "error" not in r["result"]]
 
     ceiling, dpsgd, release = cells("ceiling", first_eps), cells("dpsgd", eps), cells("release", eps)
@@ -437,6 +482,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cells run at once (each its own process; on a GPU "
         "machine several share the GPU); their times then include the others' load",
     )
+    ap.add_argument(
+        "--public", default=None, help="KIND:N: pretrain on N generated public images (strokes, medical)"
+    )
+    ap.add_argument("--dpsgd", choices=["auto", "on", "off"], default=None, help="train --dpsgd (derived)")
     ap.add_argument("--priority", default="", help="rows to run first, in order, e.g. medical:10,digits:1")
     ap.add_argument("--out", default=None, help="result files' stem (default bench/results/generality)")
     ap.add_argument("--work", default="runs/generality", help="data and run directories")

@@ -151,3 +151,44 @@ def test_cells_keep_the_callers_python_path_after_the_tree(monkeypatch: pytest.M
     bench = _bench()
     monkeypatch.setenv("PYTHONPATH", "/opt/wheels")
     assert bench.child_env()["PYTHONPATH"].split(":") == [str(ROOT), "/opt/wheels"]
+
+
+def test_a_route_names_its_cells_apart_and_the_table_shows_only_its_own(tmp_path: Path) -> None:
+    bench = _bench()
+    argv = ["--kinds", "digits", "--sizes", "500", "--eps", "1", "--seeds", "0", "--methods", "release"]
+    plain = bench.parse_args([*argv, "--job", "derived", "--work", str(tmp_path)])
+    routed = bench.parse_args(
+        [*argv, "--job", "derived", "--work", str(tmp_path), "--public", "strokes:50", "--dpsgd", "on"]
+    )
+    (p,) = bench.plan_cells(plain, derived=False)
+    (r,) = bench.plan_cells(routed, derived=False)
+    assert bench._cell_name(p) == "release-digits-n500-eps1-seed0"
+    assert bench._cell_name(r) == "release-digits-n500-eps1-public-strokes50-dpsgd-on-seed0"
+    cell = {"seconds": 10.0, "rss_mib": 300}
+    results = {
+        bench._cell_name(p): {**cell, "result": {"acc": 0.25, "epsilon": 1.0}},
+        bench._cell_name(r): {**cell, "result": {"acc": 0.75, "epsilon": 1.0}},
+    }
+    plain_row = next(ln for ln in bench.table(results, plain).splitlines() if ln.startswith("| digits"))
+    routed_md = bench.table(results, routed)
+    routed_row = next(ln for ln in routed_md.splitlines() if ln.startswith("| digits"))
+    assert "0.250 ± 0.000 (1)" in plain_row and "0.750" not in plain_row
+    assert "0.750 ± 0.000 (1)" in routed_row and "0.250" not in routed_row
+    assert "public pretraining on strokes:50" in routed_md and "train --dpsgd on" in routed_md
+
+
+def test_a_routes_public_set_is_generated_once_at_the_datas_side_and_named(tmp_path: Path) -> None:
+    import numpy as np
+
+    from feta_release.data import ImageDataset, load_dataset
+
+    bench = _bench()
+    train = ImageDataset(np.zeros((4, 1, 28, 28), np.float32), np.arange(4) % 2, ("a", "b"), source="t")
+    cell = {"work": str(tmp_path), "public": "strokes:40", "dpsgd": "on"}
+    args = bench._route_args(cell, train)
+    assert args[:2] == ["--dpsgd", "on"] and args[2] == "--public"
+    public, _ = load_dataset(args[3])
+    assert public.n == 40 and public.image_shape == (1, 28, 28)
+    stamp = Path(args[3]).stat().st_mtime_ns
+    assert bench._route_args(cell, train)[3] == args[3] and Path(args[3]).stat().st_mtime_ns == stamp
+    assert bench._route_args({"work": str(tmp_path)}, train) == []

@@ -31,7 +31,7 @@ from feta_release.signing import sha256_hex
 from feta_release.stages.context import public_generator
 from feta_release.training.checkpoint import atomic_write_bytes, load_torch_bytes, torch_bytes
 from feta_release.training.dpsgd import DPSGDTrainer, StepStats, released_mix
-from feta_release.training.padding import model_range_rows, public_rows, step_bound
+from feta_release.training.padding import model_range_rows, public_rows, site_step_rows
 
 
 def _planned(cfg: JobConfig, n_public: int, stage: str, what: str) -> PrivacyEvent:
@@ -338,12 +338,8 @@ def _round_trainer(
         image_shape=ds.image_shape,
         n_classes=ds.n_classes,
         **unit,
-        pad_to=step_bound(
-            public_rows(len(ds.images), n_public),
-            event.q,  # public work (a site above
-            cfg.dpsgd.physical_batch,
-            patients,
-        ),  # its size: its bucket)
+        # public work (a site above its size: its bucket); the job rules' cost model charges the same count
+        pad_to=site_step_rows(len(ds.images), n_public, event.q, cfg.dpsgd.physical_batch, patients),
         draw_rows=public_rows(units, unit["n_public"]),  # the Poisson draw's size: public too (L3)
         public=public,
     )

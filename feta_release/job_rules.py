@@ -44,9 +44,11 @@ of its warning). Above the floor every derived job plans with no "mostly noise" 
 
 COST MODEL (:func:`estimate`): seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up
 image passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes + ``SAMPLING_PASSES`` x synthetic images) +
-aux-generator epochs + the releases. ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core
-CPU, 2 threads, idle machine (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1
---threads 2 --methods nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
+aux-generator epochs + the releases. A DP-SGD step passes its PADDED rows (:func:`dpsgd_step_rows`: the public
+bound every step is padded to, from the node's own ``training.step_rows.site_step_rows``), not q·N.
+``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads, idle machine
+(``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
+nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
 value; at 64 px, B = 32, 0.214 s = 1.63e-6; the hooks step 1.35x / 1.15x of it). It predicts 8.0 min for
 ``cpu-eps10-nodpsgd`` (measured: 8 min 8 s alone on 2 threads). On a GPU it is divided by ``CUDA_SPEEDUP``
 (20: the whole eps = 10 job took 47 s on one H100 against ~15 min on the 2-core CPU; not measured for other
@@ -64,7 +66,8 @@ from .config import JobConfig
 from .data.dataset import check_site_memory
 from .errors import ConfigError, DataError, FetaError, PrivacyError
 from .mechanisms.count import size_event
-from .planning import MOSTLY_NOISE
+from .planning import MOSTLY_NOISE, stage_sampling_rate
+from .training.step_rows import site_step_rows
 
 __all__ = [
     "DataFacts",
@@ -442,6 +445,20 @@ def _physical(values: int) -> int:
     return max(4, min(32, 4 * round(8 * 784 / values)))
 
 
+def _dpsgd_section(f: DataFacts) -> dict[str, Any]:
+    """The derived job's ``[dpsgd]`` section, steps 0 (set from the time budget by ``_dpsgd_steps``)."""
+    return {
+        "rate": round(_dpsgd_batch(f.size) / f.size, 6),
+        "steps": 0,
+        "clip": 1.0,
+        "noise_multiplicity": 1,
+        "physical_batch": _physical(f.values),
+        "lr": 1e-3,
+        "ema": 0.9,
+        "trainable": "norm_attention" if f.public is not None else "all",
+    }
+
+
 def _sampler(strong: bool, frequency_on: bool) -> dict[str, Any]:
     if strong and frequency_on:
         return {"solver": "heun", "steps": 8, "start_sigma": 0.7, "start_source": "mix"}
@@ -490,6 +507,21 @@ def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
     return per / CUDA_SPEEDUP if facts.device == "cuda" else per
 
 
+def dpsgd_step_rows(cfg: JobConfig, facts: DataFacts) -> int:
+    """Rows one DP-SGD step of ``cfg`` processes on data of these facts: not the expected Poisson batch q·N
+    but the PUBLIC bound every step is padded to (``training.step_rows.site_step_rows``, the count the node's
+    trainer pads to), at q = batch / N as the planner charges it. A federated job counts as one site of the
+    summed size N (a site pads over its own, smaller, size: fewer rows, in parallel with the others)."""
+    sized = cfg.for_size(facts.size)
+    q = stage_sampling_rate(sized.dpsgd.batch, facts.size, "dpsgd")
+    return site_step_rows(facts.size, facts.size, q, sized.dpsgd.physical_batch)
+
+
+def dpsgd_step_seconds(cfg: JobConfig, facts: DataFacts) -> float:
+    """Estimated seconds of one DP-SGD step: a per-example-gradient pass of each of its padded rows."""
+    return seconds_per_pass(cfg, facts) * DPSGD_OVERHEAD * dpsgd_step_rows(cfg, facts)
+
+
 def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -> Estimate:
     """Estimated seconds of ``cfg`` on data of these facts, by stage (``n_synthetic``: default the public
     size)."""
@@ -512,7 +544,8 @@ def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -
     out["polish"] = per * w.polish_iterations * w.spatial_batch
     if facts.public is not None:
         out["pretraining"] = per * cfg.public.pretrain_iterations * cfg.public.pretrain_batch
-    out["dpsgd"] = per * DPSGD_OVERHEAD * cfg.dpsgd_steps(facts.size) * cfg.dpsgd.batch
+    steps = cfg.dpsgd_steps(facts.size)
+    out["dpsgd"] = steps * dpsgd_step_seconds(cfg, facts) if steps else 0.0
     out["sampling"] = per * SAMPLING_PASSES * (facts.size if n_synthetic is None else n_synthetic)
     return Estimate({k: round(v, 1) for k, v in out.items()})
 
@@ -572,16 +605,7 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
         "model": model_section(f),
         "warmup": _warmup(scale),
         "auxgen": _auxgen(strong, restarts if s.frequency is not None else 1),
-        "dpsgd": {
-            "rate": round(_dpsgd_batch(f.size) / f.size, 6),
-            "steps": 0,
-            "clip": 1.0,
-            "noise_multiplicity": 1,
-            "physical_batch": _physical(f.values),
-            "lr": 1e-3,
-            "ema": 0.9,
-            "trainable": "norm_attention" if f.public is not None else "all",
-        },
+        "dpsgd": _dpsgd_section(f),
         "sampler": _sampler(strong, s.frequency is not None),
     }
     if f.public is not None:
@@ -621,17 +645,17 @@ def _fit_budget(f: DataFacts, s: _Split, reserve: float = 0.0) -> tuple[dict[str
 
 
 def _dpsgd_seconds(f: DataFacts, steps: int) -> float:
-    """Estimated seconds of ``steps`` DP-SGD steps of the derived model at the derived batch."""
-    model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job")
-    return seconds_per_pass(model, f) * DPSGD_OVERHEAD * _dpsgd_batch(f.size) * steps
+    """Estimated seconds of ``steps`` DP-SGD steps of the derived model at the derived batch, padded."""
+    cfg = JobConfig.from_dict({"model": model_section(f), "dpsgd": _dpsgd_section(f)}, "derived job")
+    return dpsgd_step_seconds(cfg, f) * steps
 
 
 def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
+    """The DP-SGD steps whose padded time (``dpsgd_step_seconds``) fits what the time budget leaves after
+    ``est`` (the job without DP-SGD), at most 20 epochs."""
     cfg = JobConfig.from_dict(d, "derived job")
-    batch = _dpsgd_batch(f.size)
-    per_step = seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * batch
-    steps = int(max(0.0, f.budget - est.training) // per_step)
-    return min(steps, math.ceil(20 * f.size / batch))  # at most 20 epochs
+    steps = int(max(0.0, f.budget - est.training) // dpsgd_step_seconds(cfg, f))
+    return min(steps, math.ceil(20 * f.size / _dpsgd_batch(f.size)))  # at most 20 epochs
 
 
 def derive(facts: DataFacts) -> Derivation:

@@ -7,8 +7,9 @@ nominal size may stand for. So the work of each step is padded to a PUBLIC row c
 uses (``edge.fedsgd.padded_sample``): whole physical chunks covering q·n_public + ``PAD_SIGMAS`` standard
 deviations of Binomial(n_public, q), where a site holding more images than its public size uses
 ``public_rows`` (the public size doubled until it covers them: the bucket its padded whole-dataset passes
-already reveal) in place of n_public. A sample above the bound (probability < 3e-7 per step, since N <= that
-n) is processed whole and takes longer.
+already reveal) in place of n_public (``training.step_rows.site_step_rows``: torch-free, so the job rules'
+cost model charges a step this very count). A sample above the bound (probability < 3e-7 per step, since
+N <= that n) is processed whole and takes longer.
 
 Padding rows are dummy rows (copies of row 0) processed in their own calls after the real ones, through the
 same per-example gradient and clip, with randomness from a fixed PUBLIC generator and the global RNG state
@@ -19,7 +20,6 @@ number of calls, like the number of rows, is public (``padding_chunks``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -29,38 +29,11 @@ import torch
 from torch import Tensor, nn
 
 from ..data.commitment import public_rows  # torch-free (the node's site cache uses it); re-exported here
+from .step_rows import public_batch_bound as public_batch_bound
+from .step_rows import site_step_rows as site_step_rows
+from .step_rows import step_bound as step_bound  # the bound: torch-free, read by the job rules' cost model
 
-PAD_SIGMAS = 5.0  # as edge.fedsgd: P(Binomial(n_public, q) > bound) < 3e-7
 PAD_SEED = 0  # the padding rows' loss randomness: public, and never the private stream
-
-
-def public_batch_bound(n_public: int, q: float, chunk: int) -> int:
-    """Rows a step processes whatever its sample: whole ``chunk``s covering q·n + 5 sd of Binomial(n, q), n
-    PUBLIC."""
-    mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
-    return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
-
-
-def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> int:
-    """Images a PATIENT-level step processes whatever its sample, in whole ``chunk``s: q·n + 5·sqrt(q·cap·n).
-
-    Each patient joins with probability q and brings m_p <= ``cap`` images, so the sampled images have mean
-    q·Σm_p and variance q(1-q)·Σm_p² <= q·cap·Σm_p; n (for Σm_p) is the PUBLIC nominal image count."""
-    mean = q * n_images_public
-    sd = math.sqrt(max(q * (1.0 - q) * cap * n_images_public, 0.0))
-    return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
-
-
-def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
-    """The public row count of one step of a site's DP-SGD round: images (``public_batch_bound``) or, for a
-    patient-level site (``patients``: its ``PatientIndex``), images of sampled patients
-    (``patient_rows_bound`` over the nominal image count ``n_public``, rounded to whole ``max(chunk, cap)``;
-    the trainer runs it in calls of ``chunk`` rows, a patient's partial sum carried across a call
-    boundary)."""
-    if patients is None:
-        return public_batch_bound(n_public, q, chunk)
-    cap = int(getattr(patients, "cap", None) or chunk)
-    return patient_rows_bound(n_public, q, cap, max(chunk, cap))
 
 
 def padding_chunks(real: int, bound: int, chunk: int) -> list[int]:

@@ -1,0 +1,156 @@
+"""The derived job's time model charges each DP-SGD step the rows a site's node really processes.
+
+Every DP-SGD step is padded to the PUBLIC bound on its Poisson batch (``training.padding``: constant work, so
+the step's time does not count the sample), so a step costs the padded row count, not the expected batch
+q·N (the ``tiny`` preset: 40 rows against 16). A cost model charging q·N printed an optimistic estimate and
+derived more steps than the time budget holds. Here the padded count is recomputed from the node's own
+bound (``step_bound`` over ``public_rows``, as ``edge.releases`` pads a round)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import feta_release.training.dpsgd as dp
+from feta_release.accounting import PrivacyEvent
+from feta_release.config import JobConfig
+from feta_release.errors import ConfigError
+from feta_release.job_rules import (
+    DPSGD_OVERHEAD,
+    DataFacts,
+    _dpsgd_batch,
+    derive,
+    dpsgd_step_rows,
+    estimate,
+    seconds_per_pass,
+)
+from feta_release.planning import stage_sampling_rate
+from feta_release.training.padding import public_rows, step_bound
+from tests.support.federation import tiny_job
+
+ROUNDING = 0.05  # an Estimate keeps each stage to 0.1 s
+
+
+def padded_rows(cfg: JobConfig, n: int) -> int:
+    """The rows the node pads every step to on a site of public size ``n`` (``edge.releases``'s bound)."""
+    sized = cfg.for_size(n)
+    q = stage_sampling_rate(sized.dpsgd.batch, n, "dpsgd")
+    return step_bound(public_rows(n, n), q, sized.dpsgd.physical_batch)
+
+
+def padded_step_seconds(cfg: JobConfig, f: DataFacts) -> float:
+    return seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * padded_rows(cfg, f.size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(50, 200_000),
+    batch_share=st.floats(0.001, 1.0),
+    physical=st.integers(1, 64),
+    steps=st.integers(1, 5000),
+    side=st.sampled_from([28, 32, 64]),
+    channels=st.sampled_from([1, 3]),
+    device=st.sampled_from(["cpu", "cuda"]),
+)
+def test_a_dpsgd_job_is_estimated_at_its_padded_rows_per_step(
+    n: int, batch_share: float, physical: int, steps: int, side: int, channels: int, device: Any
+) -> None:
+    """The estimate of a DP-SGD job = the same job without DP-SGD + per-row cost x padded rows x steps."""
+    batch = max(1, round(batch_share * n))
+    cfg = JobConfig().replace(dpsgd={"batch": batch, "steps": steps, "physical_batch": physical})
+    f = DataFacts(
+        size=n, height=side, width=side, channels=channels, n_classes=10, epsilon=1.0, device=device
+    )
+    rows = padded_rows(cfg, n)
+    assert rows >= batch  # the bound covers the expected batch, and more
+    assert dpsgd_step_rows(cfg, f) == rows
+    est, rest = estimate(cfg, f), estimate(cfg.replace(dpsgd={"steps": 0}), f)
+    want = seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * rows * steps
+    assert est.seconds["dpsgd"] == pytest.approx(want, abs=ROUNDING)
+    assert est.total == pytest.approx(rest.total + want, abs=ROUNDING * len(est.seconds))
+
+
+derived_facts = st.builds(
+    lambda n, side, channels, classes, eps, budget, device: DataFacts(
+        n, side, side, channels, classes, eps, device=device, time_budget=budget, dpsgd="on"
+    ),
+    n=st.integers(300, 100_000),
+    side=st.sampled_from([28, 32]),
+    channels=st.sampled_from([1, 3]),
+    classes=st.integers(2, 10),
+    eps=st.floats(2.0, 20.0),
+    budget=st.floats(300.0, 8000.0),
+    device=st.sampled_from(["cpu", "cpu", "cuda"]),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(f=derived_facts)
+@example(f=DataFacts(100_000, 28, 28, 1, 10, 10.0, time_budget=3000.0))  # the budget binds, not 20 epochs
+@example(f=DataFacts(4000, 28, 28, 1, 10, 10.0, time_budget=560.0, dpsgd="on"))
+@example(f=DataFacts(20_000, 32, 32, 3, 10, 8.0, device="cuda", time_budget=60.0, dpsgd="on"))
+def test_dpsgd_steps_from_the_time_budget_fit_it_padded(f: DataFacts) -> None:
+    """The derived steps x the padded step cost + the rest of the job fit the budget, and one step more
+    would not (unless 20 epochs cap the steps first); the printed estimate is that padded time."""
+    try:
+        d = derive(f)
+    except ConfigError:  # below the floor: no job, nothing to time
+        return
+    steps = d.cfg.dpsgd_steps(f.size)
+    if steps == 0:
+        return
+    rest = estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training
+    cost = padded_step_seconds(d.cfg, f)
+    assert rest + steps * cost <= f.budget
+    epochs_cap = -(-20 * f.size // _dpsgd_batch(f.size))  # the rule's at most 20 epochs
+    assert steps == epochs_cap or rest + (steps + 1) * cost > f.budget
+    assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * cost, abs=ROUNDING)
+    assert d.estimate.training <= f.budget + ROUNDING * len(d.estimate.seconds)
+
+
+def _rows_a_node_round_processes(
+    monkeypatch: pytest.MonkeyPatch, cfg: JobConfig, n: int, n_public: int
+) -> int:
+    """Rows through the per-example clip (real and padding alike) in ``edge.releases.dpsgd_round``."""
+    from edge.releases import dpsgd_round
+    from feta_release.models import build_denoiser
+
+    rows = 0
+    clip_and_sum = dp.clip_and_sum
+
+    def counted(grads: Any, clip: float, **kw: Any) -> Any:
+        nonlocal rows
+        summed, norms = clip_and_sum(grads, clip, **kw)
+        rows += int(norms.shape[0])
+        return summed, norms
+
+    monkeypatch.setattr(dp, "clip_and_sum", counted)
+    rng = np.random.default_rng(0)
+    ds = SimpleNamespace(
+        images=rng.random((n, 1, 16, 16), dtype=np.float32),
+        labels=rng.integers(0, 10, n),
+        image_shape=(1, 16, 16),
+        n_classes=10,
+    )
+    weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
+    q = stage_sampling_rate(cfg.dpsgd.batch, n_public, "dpsgd")
+    event = PrivacyEvent("dpsgd", 1.5, q, cfg.dpsgd_steps(n_public))
+    dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(0), n_public)
+    return rows
+
+
+def test_the_cost_model_charges_the_rows_a_node_round_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """13 images of public size 20: each of the round's 3 steps runs its public bound of rows through the
+    per-example clip, whatever its sample, and the job rules charge exactly that count per step."""
+    cfg = tiny_job(dpsgd={"batch": 4, "physical_batch": 4, "steps": 3})
+    f = DataFacts(size=20, height=16, width=16, channels=1, n_classes=10, epsilon=1.0)
+    rows = _rows_a_node_round_processes(monkeypatch, cfg, 13, 20)
+    assert rows == 3 * dpsgd_step_rows(cfg, f) == 3 * padded_rows(cfg, 20)
+    assert dpsgd_step_rows(cfg, f) > cfg.dpsgd.batch  # 16 rows a step against the expected 4

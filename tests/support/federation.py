@@ -123,6 +123,22 @@ def make_federation(tmp: Path, **kw: Any):
     return prepare_federation(tmp, tiny_sites(), **kw)
 
 
+def node_settings(site: Any, **more: Any) -> Any:
+    """``edge.launch.NodeSettings`` of a federation site's node (``fed.site(...)``: its data, signed policy,
+    trusted policy key, ledger, site key and data secret) with ``more`` settings."""
+    from edge.launch import NodeSettings
+
+    return NodeSettings(
+        data=site.data,
+        policy=site.policy,
+        trusted_policy_key=site.policy_pub,
+        ledger=site.ledger,
+        site_key=site.site_key,
+        data_secret=site.data_secret,
+        **more,
+    )
+
+
 def run_harness_job(fed: Any, grid: Any, signed: dict[str, Any], out: Path, **kw: Any) -> Any:
     """Run a signed job over an in-process grid with the federation's coordinator key and short test
     timeouts."""

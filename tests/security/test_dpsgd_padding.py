@@ -23,7 +23,7 @@ import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
 from feta_release.privacy_unit import group_patient_rows
 from feta_release.training.padding import padding_chunks, public_batch_bound
-from tests.support.dpsgd import SHAPE, TinyDenoiser, patient_layout_bound, patient_layouts_work
+from tests.support.dpsgd import SHAPE, TinyDenoiser, patient_layout_bound, patient_layouts_work, random_site
 from tests.support.dpsgd import dpsgd_batch as _data
 from tests.support.dpsgd import dpsgd_job as _cfg
 from tests.support.federation import tiny_job
@@ -51,22 +51,6 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(dp, "per_example_grads", counted)
     return seen
-
-
-def _random_site(n: int, seed: int, cfg: Any) -> tuple[SimpleNamespace, dict[str, np.ndarray]]:
-    """A site of ``n`` random 1x16x16 images of 10 classes (the fields ``dpsgd_round`` reads), and the
-    initial weights of ``cfg``'s model for it."""
-    from feta_release.models import build_denoiser
-
-    rng = np.random.default_rng(seed)
-    ds = SimpleNamespace(
-        images=rng.random((n, 1, 16, 16), dtype=np.float32),
-        labels=rng.integers(0, 10, n),
-        image_shape=(1, 16, 16),
-        n_classes=10,
-    )
-    weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
-    return ds, weights
 
 
 def _train(model_cls: type[nn.Module], seed: int, n: int, steps: int, pad_to: int | None) -> nn.Module:
@@ -167,7 +151,7 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
     event = PrivacyEvent("dpsgd", 1.5, 4 / 20, 1)
     rows = set()
     for n, seed in ((10, 0), (17, 2)):
-        ds, weights = _random_site(n, seed, cfg)
+        ds, weights = random_site(n, seed, cfg)
         seen.clear()
         converted.clear()
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
@@ -191,7 +175,7 @@ def test_a_site_above_its_public_size_pads_to_its_bucket_not_to_the_public_size(
     event = PrivacyEvent("dpsgd", 1.5, 4 / 20, 12)
     totals = set()
     for n, seed in ((75, 0), (80, 1), (78, 2)):
-        ds, weights = _random_site(n, seed, cfg)
+        ds, weights = random_site(n, seed, cfg)
         seen.clear()
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
         totals.add(sum(seen))

@@ -139,6 +139,23 @@ def node_settings(site: Any, **more: Any) -> Any:
     )
 
 
+def node_file_options(site: Any) -> list[str]:
+    """``node start``'s options naming a federation site's files (data, signed policy, ledger, site key, data
+    secret); the trusted policy key is left to the caller."""
+    return [
+        "--data",
+        str(site.data),
+        "--policy",
+        str(site.policy),
+        "--ledger",
+        str(site.ledger),
+        "--site-key",
+        str(site.site_key),
+        "--data-secret",
+        str(site.data_secret),
+    ]
+
+
 def run_harness_job(fed: Any, grid: Any, signed: dict[str, Any], out: Path, **kw: Any) -> Any:
     """Run a signed job over an in-process grid with the federation's coordinator key and short test
     timeouts."""

@@ -149,7 +149,7 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
     job_id = json.loads((out / jobdir.SIGNED_JOB).read_text())["job"]["job_id"]
     with Ledger(out / "site" / "ledger.sqlite") as led:
         rows = led.requests(job_id)
-    steps = planned.event("dpsgd").steps
+    steps = planned.event("dpsgd").steps  # type: ignore[union-attr]
     charged = [e for r in rows for e in events_from_list(r["events"])]
     assert charged == stage_events(cfg, n, rounds=[steps]) == stage_events(cfg, n)
     assert merged(charged) == planned.events

@@ -109,8 +109,9 @@ class LoopbackFederation:
         import time
 
         from coordinator.superlink import SuperLinkSettings, start_superlink
-        from edge.launch import NodeSettings, start_node
+        from edge.launch import start_node
         from feta_release.federation.procs import free_port
+        from tests.support.federation import node_settings
 
         port = free_port()
         self.procs.append(
@@ -126,13 +127,8 @@ class LoopbackFederation:
         for s in fed.sites:
             self.procs.append(
                 start_node(
-                    NodeSettings(
-                        data=s.data,
-                        policy=s.policy,
-                        trusted_policy_key=s.policy_pub,
-                        ledger=s.ledger,
-                        site_key=s.site_key,
-                        data_secret=s.data_secret,
+                    node_settings(
+                        s,
                         superlink=f"127.0.0.1:{port}",
                         port=free_port(),
                         insecure=True,

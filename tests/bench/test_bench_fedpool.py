@@ -58,19 +58,23 @@ def test_quick_mode_runs_both_arms_with_both_samplers_and_writes_the_table(tmp_p
             assert len(z["labels"]) == 200 and np.isfinite(z["images"]).all(), job
 
 
+# one seed's row of a stream's table (its fields as the bench writes them)
+ROW = {
+    "seed": 0,
+    "acc_noise": 0.5,
+    "fd_noise": 10.0,
+    "acc_sdedit": 0.6,
+    "fd_sdedit": 9.0,
+    "release_only": 0.4,
+    "epsilon": 0.99,
+    "seconds": 60.0,
+    "load": {"start": 1.0, "end": 2.0},
+}
+
+
 def test_parallel_streams_merge_into_one_table(tmp_path: Path) -> None:
     bench = _bench()
-    row = {
-        "seed": 0,
-        "acc_noise": 0.5,
-        "fd_noise": 10.0,
-        "acc_sdedit": 0.6,
-        "fd_sdedit": 9.0,
-        "release_only": 0.4,
-        "epsilon": 0.99,
-        "seconds": 60.0,
-        "load": {"start": 1.0, "end": 2.0},
-    }
+    row = dict(ROW)
     base = {"preset": "p", "protocol": {"seeds": [0, 1]}}
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(
@@ -92,17 +96,7 @@ def test_a_stream_that_ran_another_seed_merges_into_the_earlier_table(tmp_path: 
     """A later stream (``--seeds 2``) of the same protocol adds its rows: seeds are the union, rows in seed
     order; a different protocol (other than its seed list) is still refused."""
     bench = _bench()
-    row = {
-        "seed": 0,
-        "acc_noise": 0.5,
-        "fd_noise": 10.0,
-        "acc_sdedit": 0.6,
-        "fd_sdedit": 9.0,
-        "release_only": 0.4,
-        "epsilon": 0.99,
-        "seconds": 60.0,
-        "load": {"start": 1.0, "end": 2.0},
-    }
+    row = dict(ROW)
     proto = {"n_synthetic": 10, "seeds": [0, 1, 2]}
     early, late = tmp_path / "early.json", tmp_path / "late.json"
     early.write_text(

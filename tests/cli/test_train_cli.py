@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from feta_release.cli import main
 from feta_release.data import load_embedded, save_npz
+from tests.support.cli import run_cli as _run
 
 
 @pytest.fixture(scope="module")
@@ -25,35 +26,16 @@ def small_npz(tmp_path_factory):
     return path
 
 
-def _run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+def _tiny(data: Path, out: Path, *more: str) -> list[str]:
+    """``train --preset tiny`` on ``data`` into ``out``, with ``more`` options."""
+    return ["train", "--preset", "tiny", "--data", str(data), "--out", str(out), *more]
 
 
 @pytest.mark.slow
 def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     out = tmp_path / "run"
-    code, stdout, err = _run(
-        [
-            "train",
-            "--preset",
-            "tiny",
-            "--data",
-            str(small_npz),
-            "--out",
-            str(out),
-            "--synthetic",
-            "10",
-            "--no-progress",
-            "--json",
-        ],
-        capsys,
-    )
+    argv = _tiny(small_npz, out, "--synthetic", "10", "--no-progress")
+    code, stdout, err = _run([*argv, "--json"], capsys)
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["epsilon"] <= 10.0 and summary["delta"] == 1e-5
@@ -61,39 +43,10 @@ def test_train_tiny_preset_from_the_cli(small_npz, tmp_path, capsys):
     assert (out / "COMPLETE").exists()
     assert np.load(out / "synthetic.npz")["images"].shape[0] == 10
     # the same command again: already complete, nothing re-spent
-    code, stdout, _ = _run(
-        [
-            "train",
-            "--preset",
-            "tiny",
-            "--data",
-            str(small_npz),
-            "--out",
-            str(out),
-            "--synthetic",
-            "10",
-            "--no-progress",
-            "--json",
-        ],
-        capsys,
-    )
+    code, stdout, _ = _run([*argv, "--json"], capsys)
     assert code == 0 and json.loads(stdout)["already_complete"] is True
     # a plain run's release verifies under the run's own one-site policy, with the key and commands it prints
-    code, stdout, _ = _run(
-        [
-            "train",
-            "--preset",
-            "tiny",
-            "--data",
-            str(small_npz),
-            "--out",
-            str(out),
-            "--synthetic",
-            "10",
-            "--no-progress",
-        ],
-        capsys,
-    )
+    code, stdout, _ = _run(argv, capsys)
     key = out / "keys" / "policy-admin.key"
     assert code == 0 and key.is_file() and key.stat().st_mode & 0o077 == 0
     line = f"feta-release verify {out / 'release'} --trusted site={out / 'keys' / 'policy-admin.pub'}"
@@ -145,37 +98,11 @@ def test_presets_load_and_plan():
 
 def test_train_with_a_site_ledger_but_no_policy_is_refused_in_one_line(small_npz, tmp_path, capsys):
     code, _, err = _run(
-        [
-            "train",
-            "--preset",
-            "tiny",
-            "--data",
-            str(small_npz),
-            "--out",
-            str(tmp_path / "r"),
-            "--ledger",
-            str(tmp_path / "site.sqlite"),
-            "--no-progress",
-        ],
-        capsys,
+        _tiny(small_npz, tmp_path / "r", "--ledger", str(tmp_path / "site.sqlite"), "--no-progress"), capsys
     )
     assert code != 0 and "--policy SITE.signed.json --trusted ADMIN.pub" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    code, _, err = _run(
-        [
-            "train",
-            "--preset",
-            "tiny",
-            "--data",
-            str(small_npz),
-            "--out",
-            str(tmp_path / "s"),
-            "--policy",
-            str(small_npz),
-            "--no-progress",
-        ],
-        capsys,
-    )
+    code, _, err = _run(_tiny(small_npz, tmp_path / "s", "--policy", str(small_npz), "--no-progress"), capsys)
     assert code != 0 and "--trusted ADMIN.pub" in err
 
 
@@ -190,7 +117,7 @@ def test_train_with_a_policy_that_declares_no_schema_is_refused_in_one_line(smal
     (tmp_path / "k" / "data.secret").write_bytes(b"s" * 32)
     doc = make_policy("hosp", "1" * 64, 400, [load_private_key(coord).public_key()])
     pol = write_signed_policy(tmp_path / "site.signed.json", sign_policy(doc, load_private_key(admin)))
-    argv = ["train", "--preset", "tiny", "--data", str(small_npz), "--out", str(tmp_path / "r")]
+    argv = _tiny(small_npz, tmp_path / "r")
     argv += [
         "--policy",
         str(pol),

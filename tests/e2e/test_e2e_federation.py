@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.federation import make_federation, tiny_job
+from tests.support.federation import make_federation, node_settings, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def test_tls_and_node_authentication_real_processes(tmp_path):
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, register_node, start_superlink
     from coordinator.tls import make_certificates
-    from edge.launch import NodeSettings, start_node
+    from edge.launch import start_node
     from feta_release import job_rules
     from feta_release.federation.procs import free_port
     from feta_release.signing import make_node_auth_key
@@ -172,13 +172,8 @@ def test_tls_and_node_authentication_real_processes(tmp_path):
         for s in fed.sites:
             procs.append(
                 start_node(
-                    NodeSettings(
-                        data=s.data,
-                        policy=s.policy,
-                        trusted_policy_key=s.policy_pub,
-                        ledger=s.ledger,
-                        site_key=s.site_key,
-                        data_secret=s.data_secret,
+                    node_settings(
+                        s,
                         superlink=addr,
                         port=free_port(),
                         root_certificates=certs["ca_cert"],

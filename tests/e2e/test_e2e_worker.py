@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tests.support.federation import make_federation, tiny_job
+from tests.support.federation import make_federation, node_settings, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
     from coordinator.runner import run_signed_job, sign_or_resume
     from coordinator.superlink import SuperLinkSettings, start_superlink
-    from edge.launch import NodeSettings, start_node
+    from edge.launch import start_node
     from feta_release import job_rules
     from feta_release.federation.procs import free_port
     from feta_release.ledger import Ledger
@@ -45,13 +45,8 @@ def test_a_job_runs_through_the_workers_and_a_dead_worker_falls_back(tmp_path):
         )
         for s in fed.sites[:2]:
             node = start_node(
-                NodeSettings(
-                    data=s.data,
-                    policy=s.policy,
-                    trusted_policy_key=s.policy_pub,
-                    ledger=s.ledger,
-                    site_key=s.site_key,
-                    data_secret=s.data_secret,
+                node_settings(
+                    s,
                     superlink=f"127.0.0.1:{port}",
                     port=free_port(),
                     insecure=True,

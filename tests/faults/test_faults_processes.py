@@ -38,7 +38,7 @@ import psutil
 import pytest
 
 from feta_release.federation.procs import kill_tree
-from tests.support.federation import make_federation, tiny_job
+from tests.support.federation import make_federation, node_file_options, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -165,18 +165,9 @@ class Node:
             "feta_release",
             "node",
             "start",
-            "--data",
-            str(s.data),
-            "--policy",
-            str(s.policy),
+            *node_file_options(s),
             "--trusted",
             str(s.policy_pub),
-            "--ledger",
-            str(s.ledger),
-            "--site-key",
-            str(s.site_key),
-            "--data-secret",
-            str(s.data_secret),
             "--superlink",
             f"127.0.0.1:{port}",
             "--port",

@@ -15,14 +15,8 @@ import pytest
 from coordinator.setup import sign_job_file
 from feta_release.federation import messages as fm
 from feta_release.ledger import Ledger
-from feta_release.training.dpsgd import DPSGDTrainer
 from tests.support.federation import make_federation, tiny_job
-
-STEP = DPSGDTrainer.step  # the trainer's own step, before any test wraps it
-
-
-class Killed(BaseException):
-    """The process dies (not an exception a handler catches)."""
+from tests.support.killed_steps import Killed, count_steps
 
 
 @pytest.fixture
@@ -38,23 +32,6 @@ def _grid(fed: Any, every: int) -> Any:
     forget_sites()  # a fresh open of the site, as a restarted node
     s = fed.sites[0]
     return InProcessGrid({100: HarnessNode(app, {**s.node_config(), CFG_ROUND_CHECKPOINT: str(every)})})
-
-
-def _steps(monkeypatch: pytest.MonkeyPatch, die_at: int | None = None, error: bool = False) -> list[int]:
-    """Count the DP-SGD steps taken; the process dies (or the step raises) when ``die_at`` steps are done."""
-    taken: list[int] = []
-
-    def counted(self: DPSGDTrainer, images: Any, labels: Any) -> Any:
-        if die_at is not None and len(taken) == die_at:
-            if error:
-                raise RuntimeError("a failure inside the computation")
-            raise Killed
-        out = STEP(self, images, labels)
-        taken.append(self.steps_done)
-        return out
-
-    monkeypatch.setattr(DPSGDTrainer, "step", counted)
-    return taken
 
 
 def _ask(grid: Any, signed: dict[str, Any], weights: dict[str, np.ndarray]) -> Any:
@@ -79,12 +56,12 @@ def _requests(fed: Any) -> list[dict[str, Any]]:
 
 def test_a_killed_round_is_finished_from_its_checkpoint_and_charged_once(fed, monkeypatch):
     signed, weights = _setup(fed)
-    _steps(monkeypatch, die_at=3)
+    count_steps(monkeypatch, die_at=3)
     with pytest.raises(Killed):
         _ask(_grid(fed, 2), signed, weights)
     (req,) = _requests(fed)
     assert req["status"] == "charged"  # spent, nothing recorded, nothing left the site
-    taken = _steps(monkeypatch)
+    taken = count_steps(monkeypatch)
     rep = _ask(_grid(fed, 2), signed, weights)
     assert not rep.has_error(), rep.error.reason if rep.has_error() else ""
     assert taken == [3, 4, 5]  # from the checkpoint at step 2: no charged step lost, none taken twice here
@@ -98,21 +75,21 @@ def test_a_killed_round_is_finished_from_its_checkpoint_and_charged_once(fed, mo
 
 def test_a_killed_round_without_a_checkpoint_is_computed_again_from_its_start(fed, monkeypatch):
     signed, weights = _setup(fed)
-    _steps(monkeypatch, die_at=3)
+    count_steps(monkeypatch, die_at=3)
     with pytest.raises(Killed):
         _ask(_grid(fed, 0), signed, weights)
-    taken = _steps(monkeypatch)
+    taken = count_steps(monkeypatch)
     assert not _ask(_grid(fed, 0), signed, weights).has_error()
     assert taken == [1, 2, 3, 4, 5] and len(_requests(fed)) == 1
 
 
 def test_a_round_that_failed_after_its_charge_is_not_run_again(fed, monkeypatch):
     signed, weights = _setup(fed)
-    _steps(monkeypatch, die_at=3, error=True)
+    count_steps(monkeypatch, die_at=3, error=True)
     rep = _ask(_grid(fed, 2), signed, weights)
     assert rep.has_error() and "nothing was released" in rep.error.reason
     assert _requests(fed)[0]["status"] == "failed"
-    taken = _steps(monkeypatch)
+    taken = count_steps(monkeypatch)
     rep = _ask(_grid(fed, 2), signed, weights)
     assert rep.has_error() and "failed after its charge" in rep.error.reason and taken == []
 
@@ -124,14 +101,14 @@ def test_a_checkpoint_swapped_into_the_work_directory_is_not_loaded(fed, monkeyp
     from feta_release.training.checkpoint import load_torch, save_torch
 
     signed, weights = _setup(fed)
-    _steps(monkeypatch, die_at=3)
+    count_steps(monkeypatch, die_at=3)
     with pytest.raises(Killed):
         _ask(_grid(fed, 2), signed, weights)
     (path,) = (fed.site("site-a").ledger.parent / "work" / "rounds").glob("*.pt")
     state = load_torch(path)
     state["steps_done"] = 4
     save_torch(path, state)
-    taken = _steps(monkeypatch)
+    taken = count_steps(monkeypatch)
     rep = _ask(_grid(fed, 2), signed, weights)
     assert rep.has_error() and taken == []
     assert _requests(fed)[0]["status"] == "failed"

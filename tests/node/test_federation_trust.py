@@ -127,23 +127,14 @@ def test_node_start_refuses_a_policy_signed_by_another_key(tmp_path):
 
     from edge.cli import node
     from feta_release.signing import generate_keypair
-    from tests.support.federation import make_federation
+    from tests.support.federation import make_federation, node_file_options
 
     fed = make_federation(tmp_path / "fed")
     s = fed.site("site-a")
     _, other_pub = generate_keypair(tmp_path / "other", "other")
     args = [
         "start",
-        "--data",
-        str(s.data),
-        "--policy",
-        str(s.policy),
-        "--ledger",
-        str(s.ledger),
-        "--site-key",
-        str(s.site_key),
-        "--data-secret",
-        str(s.data_secret),
+        *node_file_options(s),
         "--superlink",
         "127.0.0.1:1",
         "--insecure",

@@ -105,20 +105,12 @@ def test_a_private_key_open_to_group_or_others_is_refused(tmp_path, mode) -> Non
 
 
 def test_node_start_refuses_a_world_readable_site_key(tmp_path) -> None:
-    from edge.launch import NodeSettings, preflight
-    from tests.support.federation import make_federation
+    from edge.launch import preflight
+    from tests.support.federation import make_federation, node_settings
 
     s = make_federation(tmp_path / "fed").site("site-a")
     os.chmod(s.site_key, 0o644)
-    settings = NodeSettings(
-        data=s.data,
-        policy=s.policy,
-        trusted_policy_key=s.policy_pub,
-        ledger=s.ledger,
-        site_key=s.site_key,
-        data_secret=s.data_secret,
-        insecure=True,
-    )
+    settings = node_settings(s, insecure=True)
     with pytest.raises(PolicyError, match=f"{s.site_key}: the private key is readable by other users"):
         preflight(settings)
     assert not s.ledger.exists()  # refused before the ledger was opened
@@ -128,24 +120,15 @@ def test_node_start_refuses_a_group_readable_node_authentication_key(tmp_path) -
     """Flower loads the node-auth key itself, with no mode check: whoever reads it can join the federation as
     this site (the coordinator binds the site to that key)."""
     from coordinator.tls import make_certificates
-    from edge.launch import NodeSettings, preflight
+    from edge.launch import preflight
     from feta_release.signing import make_node_auth_key
-    from tests.support.federation import make_federation
+    from tests.support.federation import make_federation, node_settings
 
     s = make_federation(tmp_path / "fed").site("site-a")
     certs = make_certificates(tmp_path / "certs")
     auth, _ = make_node_auth_key(tmp_path / "nodes", "site-a")
     os.chmod(auth, 0o640)
-    settings = NodeSettings(
-        data=s.data,
-        policy=s.policy,
-        trusted_policy_key=s.policy_pub,
-        ledger=s.ledger,
-        site_key=s.site_key,
-        data_secret=s.data_secret,
-        root_certificates=certs["ca_cert"],
-        auth_key=auth,
-    )
+    settings = node_settings(s, root_certificates=certs["ca_cert"], auth_key=auth)
     with pytest.raises(
         PolicyError,
         match=f"{auth}: the node authentication key is readable by other users "

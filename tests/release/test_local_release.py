@@ -106,33 +106,29 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
     kit: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = kit["tmp"] / "run"
-    code, stdout, err = _run(
-        [
-            "train",
-            str(kit["job"]),
-            "--data",
-            str(kit["data"]),
-            "--out",
-            str(out),
-            "--synthetic",
-            "10",
-            "--checkpoint-every",
-            "3",
-            "--quiet",
-            "--json",
-            "--site-key",
-            str(kit["site"]),
-            "--policy",
-            str(kit["policy"]),
-            "--trusted",
-            str(kit["admin_pub"]),
-            "--data-secret",
-            str(kit["secret"]),
-            "--coordinator-key",
-            str(kit["coordinator"]),
-        ],
-        capsys,
-    )
+    train = [
+        "train",
+        str(kit["job"]),
+        "--data",
+        str(kit["data"]),
+        "--out",
+        str(out),
+        "--synthetic",
+        "10",
+        "--quiet",
+        "--json",
+        "--site-key",
+        str(kit["site"]),
+        "--policy",
+        str(kit["policy"]),
+        "--trusted",
+        str(kit["admin_pub"]),
+        "--data-secret",
+        str(kit["secret"]),
+        "--coordinator-key",
+        str(kit["coordinator"]),
+    ]
+    code, stdout, err = _run([*train, "--checkpoint-every", "3"], capsys)
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["release"] == str(out / "release")
@@ -153,7 +149,7 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
     job_id = json.loads((out / jobdir.SIGNED_JOB).read_text())["job"]["job_id"]
     with Ledger(out / "site" / "ledger.sqlite") as led:
         rows = led.requests(job_id)
-    steps = planned.event("dpsgd").steps
+    steps = planned.event("dpsgd").steps  # type: ignore[union-attr]
     charged = [e for r in rows for e in events_from_list(r["events"])]
     assert charged == stage_events(cfg, n, rounds=[steps]) == stage_events(cfg, n)
     assert merged(charged) == planned.events
@@ -185,31 +181,7 @@ def test_train_writes_the_federated_job_layout_and_a_verifiable_release(
     assert code == 0, err
     # the same command again: already complete and already released, nothing re-spent or re-signed
     before = (out / "release" / "manifest.json").read_bytes()
-    code, stdout, _ = _run(
-        [
-            "train",
-            str(kit["job"]),
-            "--data",
-            str(kit["data"]),
-            "--out",
-            str(out),
-            "--synthetic",
-            "10",
-            "--quiet",
-            "--json",
-            "--site-key",
-            str(kit["site"]),
-            "--policy",
-            str(kit["policy"]),
-            "--trusted",
-            str(kit["admin_pub"]),
-            "--data-secret",
-            str(kit["secret"]),
-            "--coordinator-key",
-            str(kit["coordinator"]),
-        ],
-        capsys,
-    )
+    code, stdout, _ = _run(train, capsys)
     assert code == 0 and json.loads(stdout)["already_complete"] is True
     assert (out / "release" / "manifest.json").read_bytes() == before
 

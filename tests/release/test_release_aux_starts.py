@@ -6,10 +6,7 @@ augmented copies of it (mix: even index within its class from the pool, odd from
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +28,8 @@ from feta_release.release.verify import verify_release  # noqa: E402
 from tests.support.release import (  # noqa: E402
     CLASSES,
     IMAGE_SHAPE,
-    REPO,  # noqa: E402
     attest,
+    cli_process,
     load_signed,
     rehash,
     resign,
@@ -227,14 +224,7 @@ def test_the_cli_refuses_a_changed_pool_in_one_line(mix_release, keys, tmp_path)
     rel = _copy(mix_release, tmp_path / "rel")
     images, labels = _pool()
     np.savez(rel / "aux_images.npz", images=np.zeros_like(images), labels=labels)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "feta_release", "verify", str(rel), *keys.trusted_args(tmp_path / "keys")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = cli_process(["verify", str(rel), *keys.trusted_args(tmp_path / "keys")])
     assert proc.returncode == ReleaseError.exit_code and "Traceback" not in proc.stderr + proc.stdout
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(errors) == 1 and "aux_images.npz" in errors[0] and "file changed" in errors[0]
@@ -313,10 +303,6 @@ def test_the_dpo_report_names_the_aux_images_and_draws_as_synthesize(
 
 
 def test_cli_synthesizes_a_mix_release_without_torch(mix_release, keys, tmp_path) -> None:  # noqa: ANN001
-    from tests.support.release import BLOCK_TORCH
-
-    code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = [
         "synthesize",
         "--release",
@@ -330,9 +316,7 @@ def test_cli_synthesizes_a_mix_release_without_torch(mix_release, keys, tmp_path
         "1",
         *keys.trusted_args(tmp_path / "keys"),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = cli_process(args, without_torch=True)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "started from: the release's aux-generator and noisy central images, alternating" in proc.stdout
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +22,7 @@ from feta_release.release import starts as na  # noqa: E402
 from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
 from feta_release.training import augment as ta  # noqa: E402
-from tests.support.release import BLOCK_TORCH, IMAGE_SHAPE, REPO, make_release  # noqa: E402
+from tests.support.release import IMAGE_SHAPE, cli_process, make_release  # noqa: E402
 from tests.support.release import png_arrays as _arrays  # noqa: E402
 from tests.support.release import png_hashes as _pngs  # noqa: E402
 from tests.support.release import sdedit_central as _central  # noqa: E402
@@ -132,14 +129,7 @@ def test_tampered_central_images_are_refused_in_one_line(sd_release, keys, tmp_p
         synthesize(rel, tmp_path / "out", keys.trust(), num=3, progress=False)
     assert not (tmp_path / "out").exists()
     # through the CLI: exit code of ReleaseError, one line naming the file, no traceback
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "feta_release", "verify", str(rel), *keys.trusted_args(tmp_path / "keys")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = cli_process(["verify", str(rel), *keys.trusted_args(tmp_path / "keys")])
     assert proc.returncode == ReleaseError.exit_code
     assert "Traceback" not in proc.stderr + proc.stdout
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -232,8 +222,6 @@ def test_start_sigma_without_central_images_is_released_as_the_noise_sampler(
 
 def test_cli_synthesize_from_release_without_torch(sd_release, keys, tmp_path) -> None:
     out = tmp_path / "out"
-    code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = [
         "synthesize",
         "--release",
@@ -247,27 +235,12 @@ def test_cli_synthesize_from_release_without_torch(sd_release, keys, tmp_path) -
         "1",
         *keys.trusted_args(tmp_path / "keys"),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = cli_process(args, without_torch=True)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "started from: the release's noisy central images" in proc.stdout
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            *args[:-2],
-            "--from",
-            "noise",
-            "--out",
-            str(tmp_path / "n"),
-            *keys.trusted_args(tmp_path / "keys"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
+    proc = cli_process(
+        [*args[:-2], "--from", "noise", "--out", str(tmp_path / "n"), *keys.trusted_args(tmp_path / "keys")],
+        without_torch=True,
     )
     assert proc.returncode == 0 and "started from: pure noise" in proc.stdout, proc.stderr
 

@@ -5,24 +5,27 @@ its job's id."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from coordinator.setup import sign_job_file
 from feta_release.errors import ReleaseError
 from feta_release.federation.warmup import pooled_central
 from feta_release.release.jobdir import build_release
 from feta_release.release.synthesize import synthesize
 from feta_release.release.verify import verify_release
-from feta_release.signing import load_public_key
-from tests.support.federation import SignedTrain, harness, make_federation, tiny_job
-from tests.support.federation import run_harness_job as _run
+from tests.support.federation import (
+    FederatedRun,
+    SignedTrain,
+    federated_run,
+    released_by_another_job,
+    spy_warm_up,
+    tiny_job,
+)
 
-SDEDIT = {
+SDEDIT: dict[str, dict[str, Any]] = {
     "central": {"rounds": 1, "batch": 10, "sigma": 5.0},
     "warmup": {"spatial_iterations": 2, "spatial_batch": 8},
     "dpsgd": {"steps": 0},
@@ -30,28 +33,20 @@ SDEDIT = {
 }
 
 
-def _trust(fed) -> dict:  # noqa: ANN001
-    return {s.site_id: load_public_key(s.policy_pub) for s in fed.sites}
+@pytest.fixture(scope="module")
+def sdedit_run(tmp_path_factory: pytest.TempPathFactory) -> FederatedRun:
+    """One federated start_sigma job for the module's tests; a test that writes into its job directory works
+    on a copy."""
+    return federated_run(tmp_path_factory.mktemp("sdedit"), tiny_job(**SDEDIT), "job-sd")
 
 
-def test_a_federated_release_ships_the_combined_central_images(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    from feta_release.federation import job as fjob
-
-    seen: dict = {}
-    real = fjob.warm_up
-
-    def spy(model, central, *args, **kw):  # noqa: ANN001, ANN202
-        seen["central"], seen["sizes"] = central, args[2]
-        return real(model, central, *args, **kw)
-
-    monkeypatch.setattr(fjob, "warm_up", spy)
-    fed = make_federation(tmp_path / "fed")
-    cfg = tiny_job(**SDEDIT)
-    signed, _ = sign_job_file(fed, cfg, "job-sd")
-    out = tmp_path / "out"
-    _run(fed, harness(fed), signed, out)
+def test_a_federated_release_ships_the_combined_central_images(
+    tmp_path: Path, sdedit_run: FederatedRun
+) -> None:
+    fed, seen = sdedit_run.fed, sdedit_run.warm_up
+    out = sdedit_run.copy(tmp_path / "out")
     rel = build_release(out, fed.coordinator_key)
-    res = verify_release(rel, _trust(fed))
+    res = verify_release(rel, sdedit_run.trust())
     assert res.ok, res.reason()
     man = res.manifest
     assert (
@@ -63,9 +58,9 @@ def test_a_federated_release_ships_the_combined_central_images(tmp_path: Path, m
     with np.load(rel / "central_images.npz") as z:
         shipped = z["images"], z["labels"]
     # exactly the images the coordinator's warm-up trained on: the sites' releases it received, combined
-    pooled = pooled_central(seen["central"], seen["sizes"], cfg)
+    pooled = pooled_central(seen["central"], seen["sizes"], sdedit_run.cfg)
     assert np.array_equal(shipped[0], pooled[0]) and np.array_equal(shipped[1], pooled[1])
-    rep = synthesize(rel, tmp_path / "syn", _trust(fed), num=10, progress=False, threads=1)
+    rep = synthesize(rel, tmp_path / "syn", sdedit_run.trust(), num=10, progress=False, threads=1)
     assert rep.source == "release"
 
 
@@ -73,17 +68,9 @@ def test_a_federated_release_ships_the_combined_central_images(tmp_path: Path, m
 def test_train_release_ships_the_central_images_its_warm_up_trained_on(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """`train` is a federation of one: its release ships what the coordinator's warm-up trained on, the
     site's central release post-processed (``pooled_central`` of one site), bound to the job's id."""
-    from feta_release.config import JobConfig, load_preset
-    from feta_release.federation import job as fjob
+    from feta_release.config import load_preset
 
-    seen: dict = {}
-    real = fjob.warm_up
-
-    def spy(model, central, *args, **kw):  # noqa: ANN001, ANN202
-        seen["central"], seen["sizes"] = central, args[2]
-        return real(model, central, *args, **kw)
-
-    monkeypatch.setattr(fjob, "warm_up", spy)
+    seen = spy_warm_up(monkeypatch)
     kit = SignedTrain(tmp_path, "start_sigma = 0.5\n")
     assert load_preset("tiny").sampler.start_sigma is None
     run = kit.run
@@ -93,8 +80,7 @@ def test_train_release_ships_the_central_images_its_warm_up_trained_on(tmp_path:
     assert res.ok, res.reason()
     assert res.manifest is not None and res.manifest["starts"]["images"] == 10
     assert set(res.manifest["starts"]["central_epsilon_alone"]) == {"hosp-a"}
-    cfg = JobConfig.from_dict(json.loads((run / "signed_job.json").read_text())["job"]["config"])
-    pooled = pooled_central(seen["central"], seen["sizes"], cfg)
+    pooled = pooled_central(seen["central"], seen["sizes"], kit.signed_config())
     assert set(seen["sizes"]) == {"hosp-a"}
     with np.load(run / "release" / "central_images.npz") as r:
         assert np.array_equal(pooled[0], r["images"]) and np.array_equal(pooled[1], r["labels"])
@@ -103,24 +89,22 @@ def test_train_release_ships_the_central_images_its_warm_up_trained_on(tmp_path:
         == "release"
     )
     # a stale central release of another job in the run directory is never shipped under this one
-    with np.load(run / "released" / "central.npz") as z:
-        arrays = dict(z)
-    np.savez(run / "released" / "central.npz", **{**arrays, "job_id": np.array("job-other")})
-    shutil.rmtree(run / "release")
+    released_by_another_job(run, "central.npz")
     with pytest.raises(ReleaseError, match="job-other"):
         build_release(run, kit.keys["coordinator"][0])
 
 
-def test_the_job_directory_sample_grid_draws_as_the_release_does(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_the_job_directory_sample_grid_draws_as_the_release_does(
+    tmp_path: Path,
+    monkeypatch,  # noqa: ANN001
+    sdedit_run: FederatedRun,
+) -> None:
     """samples.png of a start_sigma job: SDEdit from the released central images (the sampler gets start
     images at sigma start_sigma), as `synthesize` draws by default; without central images, the noise
     sampler."""
     from feta_release.release import jobdir
 
-    fed = make_federation(tmp_path / "fed")
-    signed, _ = sign_job_file(fed, tiny_job(**SDEDIT), "job-grid")
-    out = tmp_path / "out"
-    _run(fed, harness(fed), signed, out)
+    out = sdedit_run.copy(tmp_path / "out")
     calls: list = []
     real = jobdir.generate
 

@@ -17,7 +17,14 @@ pytest.importorskip("torch")
 
 from feta_release.errors import ConfigError, ReleaseError  # noqa: E402
 from feta_release.release.synthesize import class_counts, class_dirs, label_batches, synthesize  # noqa: E402
-from tests.support.release import BLOCK_TORCH, CLASSES, IMAGE_SHAPE, REPO, signed_policy  # noqa: E402
+from tests.support.release import (  # noqa: E402
+    BLOCK_TORCH,
+    CLASSES,
+    IMAGE_SHAPE,
+    REPO,
+    cli_process,
+    signed_policy,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
 
@@ -152,7 +159,6 @@ def test_counts_and_labels():
 def test_cli_synthesize_without_torch(release, keys, tmp_path):
     """The whole CLI path runs in a process where `import torch` fails."""
     out = tmp_path / "out"
-    code = BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"
     args = [
         "synthesize",
         "--release",
@@ -169,10 +175,7 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
         "--threads",
         "1",
     ] + keys.trusted_args(tmp_path / "keys")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = cli_process(args, without_torch=True)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert proc.stdout.startswith("VERIFIED: ") and "site a: per image, δ = 1e-05: ε this job" in proc.stdout
     cert = json.loads((out / "certificate.json").read_text())
@@ -181,20 +184,14 @@ def test_cli_synthesize_without_torch(release, keys, tmp_path):
         [sys.executable, "-c", BLOCK_TORCH + "import torch"],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=60,
     )
     assert blocked.returncode != 0 and "blocked by the test" in blocked.stderr  # the block is real
     # And refusal through the CLI: exit code of ReleaseError, reason printed, nothing written.
     # The site key is not the administrator key: trusting it for site a's policy must fail.
     site_pub = keys.pub_files(tmp_path / "keys")[1]
-    bad = subprocess.run(
-        [sys.executable, "-c", code, *args[:-2], "--trusted", f"a={site_pub}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    bad = cli_process([*args[:-2], "--trusted", f"a={site_pub}"], without_torch=True)
     assert bad.returncode == ReleaseError.exit_code
     assert "unknown key" in bad.stderr + bad.stdout
 

@@ -23,7 +23,7 @@ import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
 from feta_release.privacy_unit import group_patient_rows
 from feta_release.training.padding import padding_chunks, public_batch_bound
-from tests.support.dpsgd import SHAPE, TinyDenoiser, patient_layout_bound, patient_layouts_work
+from tests.support.dpsgd import SHAPE, TinyDenoiser, patient_layout_bound, patient_layouts_work, random_site
 from tests.support.dpsgd import dpsgd_batch as _data
 from tests.support.dpsgd import dpsgd_job as _cfg
 from tests.support.federation import tiny_job
@@ -136,7 +136,6 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
     """``edge.releases.dpsgd_round`` (the per-site round the coordinator times): the same rows whatever the
     site's exact count, for a fixed public size and plan."""
     from edge.releases import dpsgd_round
-    from feta_release.models import build_denoiser
 
     seen = _counting(monkeypatch)
     converted: list[int] = []
@@ -152,16 +151,7 @@ def test_the_nodes_dpsgd_round_processes_a_public_number_of_rows(monkeypatch):
     event = PrivacyEvent("dpsgd", 1.5, 4 / 20, 1)
     rows = set()
     for n, seed in ((10, 0), (17, 2)):
-        rng = np.random.default_rng(seed)
-        ds = SimpleNamespace(
-            images=rng.random((n, 1, 16, 16), dtype=np.float32),
-            labels=rng.integers(0, 10, n),
-            image_shape=(1, 16, 16),
-            n_classes=10,
-        )
-        weights = {
-            k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()
-        }
+        ds, weights = random_site(n, seed, cfg)
         seen.clear()
         converted.clear()
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
@@ -178,7 +168,6 @@ def test_a_site_above_its_public_size_pads_to_its_bucket_not_to_the_public_size(
     now comes from ``public_rows`` (the bucket the padded whole-dataset passes already reveal): constant
     rows."""
     from edge.releases import dpsgd_round
-    from feta_release.models import build_denoiser
     from feta_release.training.padding import public_rows
 
     seen = _counting(monkeypatch)
@@ -186,16 +175,7 @@ def test_a_site_above_its_public_size_pads_to_its_bucket_not_to_the_public_size(
     event = PrivacyEvent("dpsgd", 1.5, 4 / 20, 12)
     totals = set()
     for n, seed in ((75, 0), (80, 1), (78, 2)):
-        rng = np.random.default_rng(seed)
-        ds = SimpleNamespace(
-            images=rng.random((n, 1, 16, 16), dtype=np.float32),
-            labels=rng.integers(0, 10, n),
-            image_shape=(1, 16, 16),
-            n_classes=10,
-        )
-        weights = {
-            k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()
-        }
+        ds, weights = random_site(n, seed, cfg)
         seen.clear()
         dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(seed), 20)
         totals.add(sum(seen))

@@ -20,7 +20,7 @@ from feta_release.federation.anchors import AnchorStore, LedgerRegressed, anchor
 from feta_release.ledger import Budget, Ledger
 from feta_release.policy.errors import JobDoesNotFit
 from feta_release.signing import load_private_key
-from tests.support.federation import harness, run_harness_job, tiny_job, tiny_sites
+from tests.support.federation import harness, node_settings, run_harness_job, tiny_job, tiny_sites
 
 JOB = {"federation": {"rounds": 1, "local_steps": 1}}
 
@@ -152,7 +152,7 @@ def _charge(ledger, n):
 
 
 def test_node_refuses_to_open_a_deleted_ledger_it_ran_on_and_new_ledger_is_explicit_and_logged(tmp_path):
-    from edge.launch import NodeSettings, preflight
+    from edge.launch import preflight
 
     fed, s, site = _node(tmp_path)
     _charge(site.ledger, 2)
@@ -168,16 +168,7 @@ def test_node_refuses_to_open_a_deleted_ledger_it_ran_on_and_new_ledger_is_expli
     ):
         Site.open(s.node_config())
     assert not s.ledger.exists()  # refused BEFORE a fresh ledger was created
-    settings = NodeSettings(
-        data=s.data,
-        policy=s.policy,
-        trusted_policy_key=s.policy_pub,
-        ledger=s.ledger,
-        site_key=s.site_key,
-        data_secret=s.data_secret,
-        insecure=True,
-        new_ledger=True,
-    )
+    settings = node_settings(s, insecure=True, new_ledger=True)
     preflight(settings).ledger.close()
     rec = ledger_anchor.read(site.work_dir)
     with Ledger(s.ledger) as led:

@@ -633,7 +633,7 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     from edge.cli import node
     from edge.site import Site
     from feta_release.ledger import LedgerTamperedError
-    from tests.support.federation import make_federation
+    from tests.support.federation import make_federation, node_file_options
 
     fed = make_federation(tmp_path / "fed")
     s = fed.site("site-a")
@@ -644,16 +644,7 @@ def test_node_start_refuses_a_tampered_ledger_with_one_line(tmp_path):
     _tamper(s.ledger, "UPDATE requests SET lifetime_epsilon=0.0")
     args = [
         "start",
-        "--data",
-        str(s.data),
-        "--policy",
-        str(s.policy),
-        "--ledger",
-        str(s.ledger),
-        "--site-key",
-        str(s.site_key),
-        "--data-secret",
-        str(s.data_secret),
+        *node_file_options(s),
         "--trusted",
         str(s.policy_pub),
         "--superlink",

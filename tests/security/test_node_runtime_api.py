@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.federation import make_federation
+from tests.support.federation import make_federation, node_settings
 
 OTHER_UID = 65534  # nobody
 
@@ -102,7 +102,7 @@ def open_node(tmp_path):
     """A started node (no worker: the Runtime API is the SuperNode's) whose work dir every account may
     traverse, as a shared /srv or /opt tree would be: only the node's own directory modes stand between it and
     other accounts."""
-    from edge.launch import NodeSettings, start_node
+    from edge.launch import start_node
     from feta_release.federation.procs import free_port
 
     fed = make_federation(tmp_path / "fed")
@@ -111,13 +111,8 @@ def open_node(tmp_path):
     shared.chmod(0o755)
     port = free_port()
     node = start_node(
-        NodeSettings(
-            data=s.data,
-            policy=s.policy,
-            trusted_policy_key=s.policy_pub,
-            ledger=s.ledger,
-            site_key=s.site_key,
-            data_secret=s.data_secret,
+        node_settings(
+            s,
             insecure=True,
             worker=False,
             superlink=f"127.0.0.1:{free_port()}",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ import feta_release.training.dpsgd as dp
 from feta_release.accounting import PrivacyEvent
 from feta_release.mechanisms.poisson import inclusion_threshold
 from feta_release.training.padding import public_rows, step_bound
+from tests.support.dpsgd import random_site
 from tests.support.federation import tiny_job
 
 
@@ -71,7 +71,6 @@ def _round_work(n: int, seed: int, n_public: int = 20) -> dict[str, Any]:
 
 def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public: int) -> dict[str, Any]:
     from edge.releases import dpsgd_round
-    from feta_release.models import build_denoiser
 
     work: dict[str, Any] = {"draws": [], "convert_calls": 0, "convert_rows": 0, "sum_reads": []}
     rand, from_numpy, clip_and_sum = torch.rand, torch.from_numpy, dp.clip_and_sum
@@ -90,6 +89,8 @@ def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public:
         return from_numpy(a)
 
     class Reads(dict):
+        reads: int
+
         def __getitem__(self, key: str) -> torch.Tensor:
             self.reads += 1
             return super().__getitem__(key)
@@ -105,14 +106,7 @@ def _counted_round(monkeypatch: pytest.MonkeyPatch, n: int, seed: int, n_public:
     monkeypatch.setattr(torch, "from_numpy", counted_from_numpy)
     monkeypatch.setattr(dp, "clip_and_sum", counted_clip_and_sum)
     cfg = tiny_job(dpsgd={"batch": 4, "physical_batch": 4})
-    rng = np.random.default_rng(seed)
-    ds = SimpleNamespace(
-        images=rng.random((n, 1, 16, 16), dtype=np.float32),
-        labels=rng.integers(0, 10, n),
-        image_shape=(1, 16, 16),
-        n_classes=10,
-    )
-    weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
+    ds, weights = random_site(n, seed, cfg)
     dpsgd_round(
         ds,
         cfg,

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import resource
 import shutil
-import subprocess
-import sys
 import tracemalloc
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,10 +23,17 @@ pytest.importorskip("torch")
 
 from feta_release.errors import ReleaseError  # noqa: E402
 from feta_release.release.verify import verify_release  # noqa: E402
-from tests.support.release import CLASSES, IMAGE_SHAPE, load_signed, make_release, rehash, resign  # noqa: E402
+from tests.support.release import (  # noqa: E402
+    CLASSES,
+    IMAGE_SHAPE,
+    cli_process,
+    load_signed,
+    make_release,
+    rehash,
+    resign,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # fixtures: tests/conftest.py
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _central() -> tuple[np.ndarray, np.ndarray]:
@@ -133,14 +136,8 @@ def test_verify_refuses_a_link_to_dev_zero_in_one_line_without_reading_it(releas
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "feta_release", "verify", str(release), *keys.trusted_args(tmp_path / "keys")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        preexec_fn=cap,
+    proc = cli_process(
+        ["verify", str(release), *keys.trusted_args(tmp_path / "keys")], timeout=300, preexec_fn=cap
     )
     assert proc.returncode == ReleaseError.exit_code, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr + proc.stdout and "MemoryError" not in proc.stderr

@@ -42,6 +42,22 @@ def dpsgd_batch(n: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return torch.rand(n, *SHAPE, generator=g) * 2 - 1, torch.randint(0, 3, (n,), generator=g)
 
 
+def random_site(n: int, seed: int, cfg: JobConfig) -> tuple[SimpleNamespace, dict[str, np.ndarray]]:
+    """A site of ``n`` random 1x16x16 images of 10 classes (the fields ``edge.releases.dpsgd_round`` reads),
+    and the initial weights of ``cfg``'s model for it."""
+    from feta_release.models import build_denoiser
+
+    rng = np.random.default_rng(seed)
+    ds = SimpleNamespace(
+        images=rng.random((n, 1, 16, 16), dtype=np.float32),
+        labels=rng.integers(0, 10, n),
+        image_shape=(1, 16, 16),
+        n_classes=10,
+    )
+    weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
+    return ds, weights
+
+
 class Weights(nn.Module):
     """Only parameter w in R^d; with DotLoss an example x has gradient exactly x."""
 

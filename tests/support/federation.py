@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from feta_release.config import JobConfig
 
@@ -94,7 +97,7 @@ def site_and_job(fed: Any, job_id: str, cfg: Any, site_id: str = "site-a") -> tu
 
 def harness(
     fed: Any,
-    down: set[str] = frozenset(),
+    down: set[str] | frozenset[str] = frozenset(),
     fail_on: dict[str, Any] | None = None,
     devices: dict[str, str] | None = None,
 ):
@@ -104,11 +107,11 @@ def harness(
     from edge.site import CFG_DEVICE
     from feta_release.federation.harness import HarnessNode, InProcessGrid
 
-    nodes = {}
+    nodes, devices = {}, devices or {}
     for i, s in enumerate(fed.sites):
         cfg = {
             **s.node_config(),
-            **({CFG_DEVICE: devices[s.site_id]} if s.site_id in (devices or {}) else {}),
+            **({CFG_DEVICE: devices[s.site_id]} if s.site_id in devices else {}),
         }
         nodes[100 + i] = HarnessNode(app, cfg, down=s.site_id in down, fail_on=(fail_on or {}).get(s.site_id))
     return InProcessGrid(nodes)
@@ -118,6 +121,39 @@ def make_federation(tmp: Path, **kw: Any):
     from coordinator.setup import prepare_federation
 
     return prepare_federation(tmp, tiny_sites(), **kw)
+
+
+def node_settings(site: Any, **more: Any) -> Any:
+    """``edge.launch.NodeSettings`` of a federation site's node (``fed.site(...)``: its data, signed policy,
+    trusted policy key, ledger, site key and data secret) with ``more`` settings."""
+    from edge.launch import NodeSettings
+
+    return NodeSettings(
+        data=site.data,
+        policy=site.policy,
+        trusted_policy_key=site.policy_pub,
+        ledger=site.ledger,
+        site_key=site.site_key,
+        data_secret=site.data_secret,
+        **more,
+    )
+
+
+def node_file_options(site: Any) -> list[str]:
+    """``node start``'s options naming a federation site's files (data, signed policy, ledger, site key, data
+    secret); the trusted policy key is left to the caller."""
+    return [
+        "--data",
+        str(site.data),
+        "--policy",
+        str(site.policy),
+        "--ledger",
+        str(site.ledger),
+        "--site-key",
+        str(site.site_key),
+        "--data-secret",
+        str(site.data_secret),
+    ]
 
 
 def run_harness_job(fed: Any, grid: Any, signed: dict[str, Any], out: Path, **kw: Any) -> Any:
@@ -163,6 +199,67 @@ def stop_serving(stop: Any, sock: Any, thread: Any, listener: Any) -> None:
             pass
     thread.join(5)
     listener.close()
+
+
+def spy_warm_up(mp: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Record the coordinator's warm-up (``federation.job.warm_up``) as ``mp`` wraps it: its last call's
+    arguments by name (``central``, ``sizes``...) and the aux generator it returned (``"fitted"``)."""
+    import inspect
+
+    from feta_release.federation import job as fjob
+
+    real, seen = fjob.warm_up, {}
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        seen.update(inspect.signature(real).bind(*args, **kw).arguments)
+        seen["fitted"] = real(*args, **kw)
+        return seen["fitted"]
+
+    mp.setattr(fjob, "warm_up", spy)
+    return seen
+
+
+@dataclass(frozen=True)
+class FederatedRun:
+    """A job run over the in-process federation of :func:`make_federation`: its job directory ``out`` and
+    what its warm-up was called with (:func:`spy_warm_up`)."""
+
+    fed: Any
+    cfg: JobConfig
+    out: Path
+    warm_up: dict[str, Any]
+
+    def copy(self, to: Path) -> Path:
+        """A copy of the job directory at ``to``, for a test that writes into it."""
+        shutil.copytree(self.out, to)
+        return to
+
+    def trust(self) -> dict[str, Any]:
+        from feta_release.signing import load_public_key
+
+        return {s.site_id: load_public_key(s.policy_pub) for s in self.fed.sites}
+
+
+def federated_run(tmp: Path, cfg: JobConfig, job_id: str) -> FederatedRun:
+    """``cfg`` signed as ``job_id`` for a fresh three-site federation under ``tmp`` and run over an in-process
+    grid, its warm-up recorded."""
+    from coordinator.setup import sign_job_file
+
+    with pytest.MonkeyPatch.context() as mp:
+        seen = spy_warm_up(mp)
+        fed = make_federation(tmp / "fed")
+        signed, _ = sign_job_file(fed, cfg, job_id)
+        run_harness_job(fed, harness(fed), signed, tmp / "out")
+    return FederatedRun(fed, cfg, tmp / "out", seen)
+
+
+def released_by_another_job(out: Path, name: str) -> None:
+    """Stamp the release ``out/released/name`` of a job directory as job ``job-other``'s (a stale file of
+    another job left in the directory) and remove the release built from it, so that it is built again."""
+    with np.load(out / "released" / name) as z:
+        arrays = dict(z)
+    np.savez(out / "released" / name, **{**arrays, "job_id": np.array("job-other")})
+    shutil.rmtree(out / "release")
 
 
 class SignedTrain:
@@ -243,11 +340,13 @@ class SignedTrain:
 
         return {"hosp-a": load_public_key(self.keys["admin"][1])}
 
+    def signed_config(self) -> JobConfig:
+        """The config of the job the run signed."""
+        return JobConfig.from_dict(json.loads((self.run / "signed_job.json").read_text())["job"]["config"])
+
     def export_again(self, out: Path) -> Any:
         """The release built again from a copy of the run's job directory at ``out`` (``export``'s
         builder); returns ``out/release``."""
-        import shutil
-
         from feta_release.release.jobdir import build_release
 
         shutil.copytree(self.run, out, ignore=shutil.ignore_patterns("release"))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,27 @@ class _NoTorch:
         return None
 sys.meta_path.insert(0, _NoTorch())
 """
+
+
+def cli_process(
+    args: list[str], *, without_torch: bool = False, **run: Any
+) -> subprocess.CompletedProcess[str]:
+    """``feta-release ARGS`` in a fresh process of this checkout's code: its exit code and text output.
+    ``without_torch``: a process where ``import torch`` fails (:data:`BLOCK_TORCH`); ``run``: more
+    ``subprocess.run`` keywords (``timeout``, 120 s unless given; ``preexec_fn``)."""
+    entry = (
+        ["-c", BLOCK_TORCH + "from feta_release.cli import main\nmain(sys.argv[1:])\n"]
+        if without_torch
+        else ["-m", "feta_release"]
+    )
+    return subprocess.run(
+        [sys.executable, *entry, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        **{"timeout": 120, **run},
+    )
+
 
 CLASSES = ["zero", "one", "two"]
 IMAGE_SHAPE = (1, 8, 8)

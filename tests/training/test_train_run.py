@@ -19,11 +19,10 @@ from feta_release.mechanisms.count import size_event
 from feta_release.models.model_file import read_model_file
 from feta_release.planning import plan as plan_run
 from feta_release.planning import stage_events
-from feta_release.training.dpsgd import DPSGDTrainer
+from tests.support.killed_steps import Killed, count_steps
 from tests.support.training import embedded_subset as _data
 from tests.support.training import site_requests, train_run
 
-STEP = DPSGDTrainer.step  # the trainer's own step, before a test wraps it
 # a drawn public size has noise std 50 and the tiny preset's central batch is 100: at 400 images a refusal
 # of the job at the drawn size takes a 6-sigma draw
 DRAWN_N = 400
@@ -32,10 +31,6 @@ DRAWN_N = 400
 def _cfg(**over: Any) -> JobConfig:
     base = load_preset("tiny")
     return base.replace(**over) if over else base
-
-
-class Killed(BaseException):
-    """The process dies (not an exception a handler catches)."""
 
 
 @pytest.fixture(scope="module")
@@ -103,20 +98,6 @@ def test_rerun_of_a_complete_run_does_nothing(tiny_run):
     assert [(p, p.stat().st_mtime_ns) for p in sorted(out.rglob("*")) if p.is_file()] == before
 
 
-def _steps(monkeypatch: pytest.MonkeyPatch, die_at: int | None) -> list[int]:
-    taken: list[int] = []
-
-    def counted(self: DPSGDTrainer, images: Any, labels: Any) -> Any:
-        if die_at is not None and len(taken) == die_at:
-            raise Killed
-        out = STEP(self, images, labels)
-        taken.append(self.steps_done)
-        return out
-
-    monkeypatch.setattr(DPSGDTrainer, "step", counted)
-    return taken
-
-
 @pytest.mark.slow
 def test_a_killed_train_finishes_its_charged_round_from_the_sites_checkpoint_charging_nothing_twice(
     tmp_path, monkeypatch
@@ -126,7 +107,7 @@ def test_a_killed_train_finishes_its_charged_round_from_the_sites_checkpoint_cha
     step lost, the drawn size and the warm-up releases not asked again."""
     cfg = _cfg(dpsgd={"steps": 6}, warmup={"spatial_iterations": 1}, frequency={"sigma": None})
     data, out = _data(DRAWN_N), tmp_path / "r"
-    _steps(monkeypatch, die_at=3)
+    count_steps(monkeypatch, die_at=3)
     with pytest.raises(Killed):
         train_run(cfg, data, out, checkpoint_every=2)
     assert not (out / "COMPLETE").exists()
@@ -137,7 +118,7 @@ def test_a_killed_train_finishes_its_charged_round_from_the_sites_checkpoint_cha
         ("dpsgd", "charged"),
     ]
     central = (out / "released" / "central.npz").read_bytes()
-    taken = _steps(monkeypatch, die_at=None)
+    taken = count_steps(monkeypatch)
     res = train_run(cfg, data, out, checkpoint_every=2)
     assert res.resumed and (out / "COMPLETE").is_file()
     assert taken == [3, 4, 5, 6]  # from the checkpoint at step 2: steps 3-6 once more, none lost

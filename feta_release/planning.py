@@ -4,7 +4,9 @@ epsilon.
 :func:`stage_events` is the only source of a site's events: the single-site ``train`` run, the federation's
 coordinator (which plans with them and refuses a job that cannot fit) and every site's node (which enforces
 them) call it. :func:`plan` reports on the same events (epsilon per stage, noise figures, warnings) for
-``privacy plan`` and the runs. A plan is made before any data is touched.
+``privacy plan`` and the runs. A plan is made before any data is touched. A site of a secure-aggregation job
+charges SkellamEvents for its secure sums: :func:`secure_site_events` is the one source of its history (the
+node, the coordinator, ``policy check --data`` and ``privacy plan --policy`` call it).
 
 The stages of a job are, in order: central images (DP-FETA warm-up), frequency statistics (FETA-Pro warm-up),
 DP-SGD fine-tuning. The warm-up stages have fixed noise; the DP-SGD noise multiplier is calibrated so that the
@@ -12,6 +14,9 @@ WHOLE history (prior spending + warm-up + every DP-SGD step) meets the target (e
 job fixes ``[dpsgd] noise_multiplier``, that value is used and checked against the budget. In a federation
 each site calibrates for ITS public size and for min(job budget, its per-job budget); the warm-up events are
 the PLANNED ones, so the sigma a site uses in round r does not depend on which requests were actually made.
+The noisy counts a site charged for the job before it was opened (a drawn public size) are spent: they come
+first in the history DP-SGD is calibrated over, with or without secure aggregation, so the job's total is the
+budget, not the budget plus the counts.
 """
 
 from __future__ import annotations

@@ -65,9 +65,14 @@ def test_a_secure_job_calibrates_dpsgd_over_the_drawn_size_so_the_site_spends_th
     fed = prepare_federation(
         tmp_path / "fed", sites, policy_overrides={s: {"per_job": (2.0, 1e-5)} for s in sites}
     )
+    # one secure sum (frequency statistics, a tiny warm-up on them) before the per-site DP-SGD round; at
+    # epsilon 0.5 the drawn size's cost (about 0.005 here) is more than the calibration's slack
     cfg = tiny_job(
+        privacy={"epsilon": 0.5},
         frequency={"sigma": 26.6, "features": 200, "chunk": 64},
-        federation={"min_sites": 2, "rounds": 1, "secure_aggregation": True},
+        warmup={"frequency_images": 20, "frequency_batch": 10},
+        auxgen={"epochs": 1, "iterations_per_epoch": 1, "batch": 10, "width": 8},
+        federation={"min_sites": 2, "rounds": 1, "local_steps": 1, "secure_aggregation": True},
     )
     signed, _ = sign_job_file(fed, cfg, "job-secure-drawn")
     _drawn_size_charged(fed.site(SITE), "job-secure-drawn", float(cfg.privacy.delta))

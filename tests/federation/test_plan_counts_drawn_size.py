@@ -9,16 +9,19 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from coordinator.setup import prepare_federation, sign_job_file
 from feta_release.accounting import epsilon, events_from_list
+from feta_release.federation.secure_collect import secure_plan
 from feta_release.ledger import Budget, Ledger
 from feta_release.mechanisms.count import SIZE_SIGMA, SIZE_STAGE, size_event
+from feta_release.planning import stage_event
 from feta_release.signing import load_private_key
-from tests.support.federation import harness, run_harness_job, tiny_job, tiny_sites
+from tests.support.federation import fedsgd_job, harness, run_harness_job, site_and_job, tiny_job, tiny_sites
 
 SITE = "site-a"
 
@@ -96,3 +99,29 @@ def test_a_secure_job_calibrates_dpsgd_over_the_drawn_size_so_the_site_spends_th
 
 def att_stages(res: Any, sid: str) -> list[str]:
     return [e["stage"] for e in res.attestations[sid]["statement"]["events"]]
+
+
+def test_a_fedsgd_node_calibrates_its_rounds_over_the_drawn_size_as_the_coordinator_plans(
+    tmp_path: Path,
+) -> None:
+    from edge.protocol import planned, secure_warmup
+
+    sites = tiny_sites(3, per_site=40)
+    fed = prepare_federation(
+        tmp_path / "fed", sites, policy_overrides={s: {"per_job": (2.0, 1e-5)} for s in sites}
+    )
+    cfg = fedsgd_job()
+    _drawn_size_charged(fed.site(SITE), "job-fedsgd-drawn", float(cfg.privacy.delta))
+    site, job, _ = site_and_job(fed, "job-fedsgd-drawn", cfg)
+    event, _ = planned(site, job, "dpsgd")
+    history = [size_event(), *(secure_warmup(site, job) or []), *[event] * cfg.federated_rounds]
+    # the rounds' sigma leaves room for the size the ledger charged first: the job's epsilon, not more
+    assert epsilon(history, cfg.privacy.delta) <= cfg.privacy.epsilon + 1e-9
+    driver = SimpleNamespace(cfg=job.config, job=job)
+    shape = SimpleNamespace(
+        policy=site.policy,
+        size=site.n_public,
+        image_shape=site.data.image_shape,
+        n_classes=site.data.n_classes,
+    )
+    assert stage_event(secure_plan(driver, shape, [size_event()])[1], "dpsgd") == event  # type: ignore[arg-type]

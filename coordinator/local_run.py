@@ -493,7 +493,7 @@ def _log_start(
     rep.log(
         f"[bold]{escape(cfg.job.name)}[/] ({cfg.job.method}) on {data.n} images, {data.n_classes} classes: "
         f"planned epsilon {plan.epsilon:.3f} at delta {cfg.privacy.delta:g}"
-        + (f"; DP-SGD sigma {sgd.sigma:.3f}, q {sgd.q:.4f}, {sgd.steps} steps" if sgd else "")
+        + (f"; DP-SGD sigma {plan.noise_multiplier:.3f}, q {sgd.q:.4f}, {sgd.steps} steps" if sgd else "")
         + escape(f"; ledger {files.ledger}" + (" [resuming]" if resumed else ""))
     )
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from feta_release.accounting import Event, PrivacyEvent
 from feta_release.errors import FetaError, PolicyError, PrivacyError
+from feta_release.mechanisms.count import counted_events
 from feta_release.planning import (
-    secure_stage_events,
     selection_events,
     site_dpsgd,
     stage_event,
@@ -56,46 +56,39 @@ def request_for(
     policy: Any,
     n: int,
     cache_dir: Path | None = None,
-    secure_warmup: Sequence[Event] | None = None,
     counted: Sequence[PrivacyEvent] = (),
+    exact_share: bool = False,
 ) -> tuple[PrivacyEvent, MechanismRequest]:
     """The privacy event a handler will release (the planner's, ``feta_release.planning``) and the request it
-    checks against the policy. ``secure_warmup``: the site's ``SkellamEvent``s when the job sums its warm-up
-    releases by secure aggregation (DP-SGD is then calibrated over them; the warm-up requests keep their
-    Gaussian form for the policy's sigma and cap rules, the charged event is the Skellam one). ``counted``:
-    the noisy counts this site already charged for the job (``mechanisms.count``: a ``train`` run's drawn
-    public size), first in its history, so DP-SGD is calibrated over them too."""
+    checks against the policy: the Gaussian form (a secure job's charged events are the SkellamEvents of
+    ``planning.secure_site_events``; its warm-up requests keep this form for the policy's sigma and cap
+    rules). ``counted``: the noisy counts this site already charged for the job (``mechanisms.count``: a
+    ``train`` run's drawn public size), first in its history, so DP-SGD is calibrated over them too.
+    ``exact_share``: the caller checks a secure release's ``min_sigma`` against its exact Skellam own share
+    (the node, which knows its data's shape); otherwise it is checked against sigma / sqrt(sites)."""
     cfg = job.config
     if mechanism not in _DISABLED:
         raise PolicyError(f"unknown mechanism {mechanism!r}")
     # The warm-up releases need no DP-SGD calibration (seconds, and a job whose DP-SGD cannot fit is the
     # coordinator's refusal to make); the DP-SGD round is the planner's calibrated one.
-    if mechanism != "dpsgd":  # the Gaussian form (a secure job's charged form: the node's SkellamEvent)
-        events: list[Event] = [*selection_events(cfg), *warmup_events(cfg, n)]
-    elif secure_warmup is not None:
-        events = secure_stage_events(
-            cfg, n, secure_warmup, budget=target(cfg, policy), cache_dir=cache_dir, **site_dpsgd(policy)
-        )
+    if mechanism != "dpsgd":
+        events: list[PrivacyEvent] = [*selection_events(cfg), *warmup_events(cfg, n)]
     else:  # the unit and the DP-SGD population (public patients or images) come from the signed policy only
-        events = list(
-            stage_events(
-                cfg,
-                n,
-                federated=True,
-                budget=target(cfg, policy),
-                cache_dir=cache_dir,
-                size=list(counted) or None,
-                **site_dpsgd(policy),
-            )
+        events = stage_events(
+            cfg,
+            n,
+            federated=True,
+            budget=target(cfg, policy),
+            cache_dir=cache_dir,
+            size=list(counted) or None,
+            **site_dpsgd(policy),
         )
     ev = stage_event(events, mechanism)
     if ev is None:
         raise PrivacyError(_DISABLED[mechanism])
-    if not isinstance(ev, PrivacyEvent):
-        raise PrivacyError(f"{mechanism}: the planner returned a {type(ev).__name__}, not a Gaussian request")
     req = request_of(ev, cfg, job)
     summed = mechanism != "dpsgd" and cfg.federation.secure_aggregation
-    if summed and secure_warmup is None:
+    if summed and not exact_share:
         # no data at hand (policy check): the own share's sigma / sqrt(n); the node checks the exact Skellam
         # share
         req = own_share_request(req, ev.sigma / math.sqrt(max(len(job.sites), 1)))
@@ -317,8 +310,10 @@ def secure_admit(
 
     # the public size as the coordinator reads it from the signed policy (plan.public_size)
     site = _SiteShape(policy, public_size(policy), tuple(data_shape[0]), int(data_shape[1]))  # type: ignore[arg-type]
+    # the noisy counts the site charged for the job first (its ledger's job events), as the node counts them
+    counted = counted_events(job_events)
     try:
-        requests, charged = secure_plan(_JobView(job.config, job), site)  # type: ignore[arg-type]
+        requests, charged = secure_plan(_JobView(job.config, job), site, counted)  # type: ignore[arg-type]
     except FetaError as exc:
         res.failures.append(("plan", str(exc)))
         return res

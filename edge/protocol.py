@@ -34,19 +34,20 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from feta_release.accounting import Event, SkellamEvent, events_from_list, events_to_list
+from feta_release.accounting import Event, PrivacyEvent, SkellamEvent, events_from_list, events_to_list
 from feta_release.errors import ConfigError, PolicyError, PrivacyError
 from feta_release.federation import messages as fm
 from feta_release.federation.plan import check_requested
 from feta_release.mechanisms.count import counted_events
 from feta_release.mechanisms.feature_map import check_feature_map
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
-from feta_release.planning import fedsgd_shape, secure_stage_events, site_dpsgd, stage_event, target
+from feta_release.planning import secure_site_events, stage_event
 from feta_release.policy.enforce import (
     MechanismRequest,
     check_request,
     check_resources,
     own_share_request,
+    request_of,
     skellam_own_sigma,
     skellam_request,
 )
@@ -139,19 +140,14 @@ def secure_warmup(site: Site, job: Job) -> list[Event] | None:
 
 def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismRequest]:
     """The event this site charges for ``mechanism`` in ``job`` and the request its policy checks."""
+    counted = counted_events(job_events(site, job))
     secure = secure_warmup(site, job)
-    if mechanism == "dpsgd" and secure is not None and job.config.federation.fedsgd:
-        return _fedsgd_round(site, job, secure)
+    if secure is not None and mechanism == "dpsgd":
+        return _secure_dpsgd(site, job, counted)
     event, mreq = request_for(
-        mechanism,
-        job,
-        site.policy,
-        site.n_public,
-        cache_dir=site.work_dir,
-        secure_warmup=secure,
-        counted=counted_events(job_events(site, job)),
+        mechanism, job, site.policy, site.n_public, cache_dir=site.work_dir, counted=counted, exact_share=True
     )
-    if secure is not None and mechanism != "dpsgd":  # the selection and warm-up releases: secure sums
+    if secure is not None:  # the selection and warm-up releases: secure sums
         charged = stage_event(secure, mechanism)
         if charged is None:
             raise PrivacyError(f"the job has no secure {mechanism} release; nothing to release")
@@ -159,30 +155,31 @@ def planned(site: Site, job: Job, mechanism: str) -> tuple[Event, MechanismReque
     return event, mreq
 
 
-def _fedsgd_round(site: Site, job: Job, secure: list[Event]) -> tuple[Event, MechanismRequest]:
-    """One FedSGD round's SkellamEvent (the planner's, calibrated over the whole secure history with the noise
-    shares this site counts on) and its Gaussian-form request (``min_sigma`` against the site's own share)."""
+def _secure_dpsgd(site: Site, job: Job, counted: list[PrivacyEvent]) -> tuple[Event, MechanismRequest]:
+    """One DP-SGD round's event in a secure job, from THE planner's history of the site
+    (``planning.secure_site_events``: the coordinator's plan is the same call), and its request: a per-site
+    round's Gaussian form, or a FedSGD round's (``min_sigma`` against the site's own share)."""
     cfg, n_sites = job.config, len(job.sites)
-    shape = fedsgd_shape(
+    events = secure_site_events(
         cfg,
+        site.n_public,
         tuple(site.data.image_shape),
         int(site.data.n_classes),
         n_sites,
-        site.policy.counted_colluders(n_sites),
-    )
-    events = secure_stage_events(
-        cfg,
-        site.n_public,
-        secure,
-        budget=target(cfg, site.policy),
+        site.policy,
+        counted=counted,
         cache_dir=site.work_dir,
-        fedsgd=shape,
-        **site_dpsgd(site.policy),
     )
     event = stage_event(events, "dpsgd")
     if event is None:
-        raise PrivacyError("the job has no FedSGD rounds ([federation] rounds = 0); nothing to train")
-    return event, skellam_request(event, cfg, job, n_sites)
+        raise PrivacyError(
+            "the job has no DP-SGD ([federation] rounds x local_steps = 0); nothing to train"
+            if not cfg.federation.fedsgd
+            else "the job has no FedSGD rounds ([federation] rounds = 0); nothing to train"
+        )
+    if isinstance(event, SkellamEvent):
+        return event, skellam_request(event, cfg, job, n_sites)
+    return event, request_of(event, cfg, job)
 
 
 def _check_mode(mechanism: str, job: Job, secure: bool) -> None:

@@ -4,7 +4,9 @@ epsilon.
 :func:`stage_events` is the only source of a site's events: the single-site ``train`` run, the federation's
 coordinator (which plans with them and refuses a job that cannot fit) and every site's node (which enforces
 them) call it. :func:`plan` reports on the same events (epsilon per stage, noise figures, warnings) for
-``privacy plan`` and the runs. A plan is made before any data is touched.
+``privacy plan`` and the runs. A plan is made before any data is touched. A site of a secure-aggregation job
+charges SkellamEvents for its secure sums: :func:`secure_site_events` is the one source of its history (the
+node, the coordinator, ``policy check --data`` and ``privacy plan --policy`` call it).
 
 The stages of a job are, in order: central images (DP-FETA warm-up), frequency statistics (FETA-Pro warm-up),
 DP-SGD fine-tuning. The warm-up stages have fixed noise; the DP-SGD noise multiplier is calibrated so that the
@@ -12,6 +14,9 @@ WHOLE history (prior spending + warm-up + every DP-SGD step) meets the target (e
 job fixes ``[dpsgd] noise_multiplier``, that value is used and checked against the budget. In a federation
 each site calibrates for ITS public size and for min(job budget, its per-job budget); the warm-up events are
 the PLANNED ones, so the sigma a site uses in round r does not depend on which requests were actually made.
+The noisy counts a site charged for the job before it was opened (a drawn public size) are spent: they come
+first in the history DP-SGD is calibrated over, with or without secure aggregation, so the job's total is the
+budget, not the budget plus the counts.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from .accounting import (
     Accountant,
     Event,
     PrivacyEvent,
+    SkellamEvent,
     calibrate_noise_multiplier,
     epsilon,
     gaussian_only,
+    has_secure_aggregation,
     smallest_fitting_sigma,
     unit_epsilon,
 )
@@ -43,7 +50,7 @@ from .config import JobConfig
 from .errors import FetaError, PolicyError, PrivacyError
 from .mechanisms._checks import sampling_rate as mechanism_rate
 from .mechanisms.count import SIZE_SIGMA
-from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold
+from .mechanisms.secure_sums import fedsgd_params, model_dim, secagg_threshold, secagg_warmup_events
 from .mechanisms.selection import selection_event
 
 __all__ = [
@@ -58,6 +65,7 @@ __all__ = [
     "plan",
     "round_sizes",
     "stage_sampling_rate",
+    "secure_site_events",
     "secure_stage_events",
     "stage_event",
     "stage_events",
@@ -262,6 +270,7 @@ def secure_stage_events(
     dpsgd_unit: str = "image",
     dpsgd_size: int | None = None,
     patient_cap: int | None = None,
+    size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
 ) -> list[Event]:
     """:func:`stage_events` of a federated site whose one-shot releases go through secure aggregation:
     ``warmup`` are its ``SkellamEvent``s (``mechanisms.secure_sums.secagg_warmup_events``: the semantic
@@ -269,9 +278,11 @@ def secure_stage_events(
     hold. With ``[federation] fedsgd`` (``fedsgd`` then required)
     DP-SGD is one ``SkellamEvent`` per round (q, one step, the gradient's integer-domain sensitivities), its
     sigma calibrated so that the whole history counted over ``fedsgd.shares`` noise shares meets the
-    budget."""
+    budget. ``size``: the noisy counts the site charged for the job before it was opened (as in
+    :func:`stage_events`): the history's FIRST events, returned first and calibrated over, so what the ledger
+    holds meets the budget. :func:`secure_site_events` makes every argument from a site's public facts."""
     n = _size(public_size)
-    warmup = list(warmup)
+    warmup = count_events(size) + list(warmup)
     if cfg.public.selection and stage_event(warmup, "selection") is None:
         # the selection is a secure sum too: a history without its event would calibrate DP-SGD for less
         # than the ledger charges
@@ -305,6 +316,43 @@ def secure_stage_events(
             "shares (FedSGDShape); none given"
         )
     return _with_fedsgd(cfg, n, list(warmup), fedsgd, budget or target(cfg), cache_dir)
+
+
+def secure_site_events(
+    cfg: JobConfig,
+    public_size: int,
+    image_shape: tuple[int, ...],
+    n_classes: int,
+    n_sites: int,
+    policy: Any,
+    *,
+    counted: Sequence[PrivacyEvent] = (),
+    cache_dir: Path | None = None,
+) -> list[Event]:
+    """THE history a site of a secure-aggregation job charges, in order: the noisy counts it charged for the
+    job before it was opened (``counted``: ``mechanisms.count.counted_events`` of its job events), the
+    ``SkellamEvent``s of its secure sums (selection, central, frequency), then DP-SGD (per-site rounds, or
+    FedSGD's ``SkellamEvent``s) calibrated over all of them for min(the job's budget, the policy's per-job
+    budget). From public values and the site's signed ``policy`` only (its trust assumption
+    ``counted_colluders``, budget and unit of privacy), so the node (``edge.protocol.planned``), the
+    coordinator (``federation.secure_collect.secure_plan``: ``plan.json`` and its per-job check),
+    ``policy check --data`` and ``privacy plan --policy`` all plan this one history. Why one function: a
+    caller that assembled the history itself left the counted size out, so DP-SGD was calibrated for less than
+    the ledger charged and the site spent more than the job's epsilon."""
+    colluders = policy.counted_colluders(n_sites)
+    warm = secagg_warmup_events(cfg, public_size, image_shape, n_classes, n_sites, colluders)
+    return secure_stage_events(
+        cfg,
+        public_size,
+        [e for e in warm if isinstance(e, SkellamEvent)],
+        budget=target(cfg, policy),
+        cache_dir=cache_dir,
+        fedsgd=fedsgd_shape(cfg, image_shape, n_classes, n_sites, colluders)
+        if cfg.federation.fedsgd
+        else None,
+        size=list(counted) or None,
+        **site_dpsgd(policy),
+    )
 
 
 def fedsgd_event(cfg: JobConfig, n: int, shape: FedSGDShape, sigma: float, steps: int = 1) -> Event:
@@ -633,10 +681,12 @@ class PrivacyPlan:
     noise_multiplier: float | None  # DP-SGD sigma (calibrated or configured); None when DP-SGD has 0 steps
     calibrated: bool
     stages: tuple[StagePlan, ...]
-    history: tuple[PrivacyEvent, ...]  # prior + this job's events (stage_events), in order
+    history: tuple[Event, ...]  # prior + this job's events (stage_events / secure_site_events), in order
     prior: tuple[PrivacyEvent, ...] = field(default=())
     warnings: tuple[str, ...] = field(default=())
     patient_cap: int | None = None  # the patient cap of a per-patient budget (None: the budget is per image)
+    # a secure-aggregation plan: the total if every other site colluded (own noise share only); else None
+    worst_case_epsilon: float | None = None
 
     def stage(self, name: str) -> StagePlan:
         """The row of stage ``name``; KeyError for a stage the plan does not have."""
@@ -646,11 +696,11 @@ class PrivacyPlan:
         raise KeyError(name)
 
     @property
-    def events(self) -> list[PrivacyEvent]:
+    def events(self) -> list[Event]:
         """This job's events, one per stage (DP-SGD steps summed): what a single run's ledger charges."""
         return merged(self.history[len(self.prior) :])
 
-    def event(self, stage: str) -> PrivacyEvent | None:
+    def event(self, stage: str) -> Event | None:
         """This job's merged event of ``stage``, None when the stage does not run."""
         return stage_event(self.events, stage)
 
@@ -667,12 +717,22 @@ class PrivacyPlan:
             "stages": [s.to_dict() for s in self.stages],
             "history": [e.to_dict() for e in self.history],
             "warnings": list(self.warnings),
+            **({} if self.worst_case_epsilon is None else {"worst_case_epsilon": self.worst_case_epsilon}),
             **(
                 {}
                 if self.patient_cap is None
                 else {"epsilon_unit": "patient", "patient_cap": self.patient_cap}
             ),
         }
+
+
+@dataclass(frozen=True)
+class SecureSite:
+    """A site of a secure-aggregation job, for :func:`plan`: the job's number of sites and the site's signed
+    ``policy`` (its trust assumption, budget and unit of privacy: :func:`secure_site_events`)."""
+
+    n_sites: int
+    policy: Any
 
 
 def plan(
@@ -689,43 +749,50 @@ def plan(
     dpsgd_size: int | None = None,
     size: PrivacyEvent | Sequence[PrivacyEvent] | None = None,
     patient_cap: int | None = None,
+    secure: SecureSite | None = None,
 ) -> PrivacyPlan:
     """The plan of a job at a site of PUBLIC size ``public_size``: :func:`stage_events` plus what they cost.
 
     ``rounds``, ``dpsgd_unit``, ``dpsgd_size``, ``size``, ``patient_cap`` (the total then PER PATIENT): see
     :func:`stage_events`; ``image_shape``/``n_classes``
     (public) only feed the noise-to-signal figures (default: the embedded data).
+    ``secure``: the job sums its releases by secure aggregation at this federated site: the history is
+    :func:`secure_site_events`' (the SkellamEvents the node charges and the coordinator plans, ``size``
+    first), its budget, unit and patient cap the policy's (``budget``, ``dpsgd_unit``, ``dpsgd_size``,
+    ``patient_cap`` and ``prior`` are then not given), and the plan states the worst case too.
     Raises PrivacyError naming the stage to shrink when the plan cannot meet the budget.
     """
     n = _size(public_size)
-    cfg = cfg if federated else cfg.for_size(n)
-    tgt = budget or target(cfg)
-    prior = list(prior)
-    check_warmup(prior + count_events(size) + selection_events(cfg) + warmup_events(cfg, n), tgt, patient_cap)
-    events = stage_events(
-        cfg,
-        n,
-        federated=federated,
-        rounds=rounds,
-        budget=tgt,
-        prior=prior,
-        dpsgd_unit=dpsgd_unit,
-        dpsgd_size=dpsgd_size,
-        size=size,
-        patient_cap=patient_cap,
-    )
-    history = prior + events
-    sgd = stage_event(events, "dpsgd")
-    total = unit_epsilon(history, tgt.delta, tgt.accountant, patient_cap=patient_cap)
-    if total > tgt.epsilon + 1e-9:
-        steps = sum(e.steps for e in events if e.stage == "dpsgd")
-        raise PrivacyError(
-            f"[dpsgd] noise_multiplier {sgd.sigma if sgd else None} gives a total epsilon"
-            f"{'' if patient_cap is None else ' per patient'} {total:.3f} above the "
-            f"budget {tgt.epsilon}: raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer "
-            f"steps than {steps}"
+    if secure is not None:
+        events, tgt, patient_cap = _secure_plan_events(
+            cfg, n, image_shape, n_classes, secure, size, (budget, prior, dpsgd_size, patient_cap)
         )
-    stages = _stage_rows(cfg, n, prior, merged(events), tgt, image_shape, n_classes)
+        prior = ()
+    else:
+        cfg = cfg if federated else cfg.for_size(n)
+        tgt = budget or target(cfg)
+        prior = list(prior)
+        check_warmup(
+            prior + count_events(size) + selection_events(cfg) + warmup_events(cfg, n), tgt, patient_cap
+        )
+        events = list(
+            stage_events(
+                cfg,
+                n,
+                federated=federated,
+                rounds=rounds,
+                budget=tgt,
+                prior=prior,
+                dpsgd_unit=dpsgd_unit,
+                dpsgd_size=dpsgd_size,
+                size=size,
+                patient_cap=patient_cap,
+            )
+        )
+    history = list(prior) + events
+    total = unit_epsilon(history, tgt.delta, tgt.accountant, patient_cap=patient_cap)
+    _check_total(events, total, tgt, patient_cap)
+    stages = _stage_rows(cfg, n, list(prior), events, tgt, image_shape, n_classes)
     warnings = tuple(
         f"[{s.stage}] at N = {n}: {s.noise_note}: the release would be mostly noise (noise-to-signal "
         f"{s.noise_to_signal:.2f} > {MOSTLY_NOISE}); {_FIXES.get(s.stage, 'spend more epsilon on it')}"
@@ -733,6 +800,7 @@ def plan(
         # DP-SGD's per-step figure is averaged down by the steps: reported, not warned about
         if s.stage != "dpsgd" and s.noise_to_signal is not None and s.noise_to_signal > MOSTLY_NOISE
     )
+    sgd = next((s for s in stages if s.stage == "dpsgd" and s.enabled), None)
     return PrivacyPlan(
         dataset_size=n,
         target_epsilon=tgt.epsilon,
@@ -746,22 +814,79 @@ def plan(
         prior=tuple(prior),
         warnings=warnings,
         patient_cap=patient_cap,
+        worst_case_epsilon=(
+            unit_epsilon(history, tgt.delta, tgt.accountant, patient_cap=patient_cap, view="worst_case")
+            if has_secure_aggregation(history)
+            else None
+        ),
     )
 
 
-def _stage_rows(
+def _secure_plan_events(
     cfg: JobConfig,
     n: int,
-    prior: list[PrivacyEvent],
-    events: list[PrivacyEvent],
-    tgt: Target,
     image_shape: tuple[int, int, int],
     n_classes: int,
-) -> tuple[StagePlan, ...]:
-    by_stage = {e.stage: e for e in events}
+    secure: SecureSite,
+    size: PrivacyEvent | Sequence[PrivacyEvent] | None,
+    given: tuple[Any, ...],
+) -> tuple[list[Event], Target, int | None]:
+    """(events, budget, patient cap) of :func:`plan` at a site of a secure job: :func:`secure_site_events`,
+    the one history the node charges and the coordinator plans, under the site's policy."""
+    if any(v for v in given):
+        raise PrivacyError(
+            "a secure-aggregation plan takes its budget, unit of privacy and patient cap from the site's "
+            "policy, and plans no prior spending: give the policy only"
+        )
+    pol = secure.policy
+    events = secure_site_events(
+        cfg, n, image_shape, n_classes, secure.n_sites, pol, counted=count_events(size)
+    )
+    return events, target(cfg, pol), site_dpsgd(pol)["patient_cap"]
+
+
+def _check_total(events: Sequence[Event], total: float, tgt: Target, patient_cap: int | None) -> None:
+    """A configured ``[dpsgd] noise_multiplier`` may leave the total above the budget: refused."""
+    if total <= tgt.epsilon + 1e-9:
+        return
+    sgd = stage_event(events, "dpsgd")
+    steps = sum(e.steps for e in events if e.stage == "dpsgd")
+    raise PrivacyError(
+        f"[dpsgd] noise_multiplier {_row_sigma(sgd) if sgd else None} gives a total epsilon"
+        f"{'' if patient_cap is None else ' per patient'} {total:.3f} above the "
+        f"budget {tgt.epsilon}: raise [dpsgd] noise_multiplier (or remove it to calibrate), or use fewer "
+        f"steps than {steps}"
+    )
+
+
+def _row_sigma(e: Event) -> float:
+    """The noise multiplier a plan row shows: a Gaussian event's sigma; for a secure sum's SkellamEvent, that
+    of the noise shares the site counts on, sqrt(mu) / its L2 sensitivity (the integer domain's, so a little
+    below the pooled sigma for the rounding's inflation of the clip)."""
+    return e.sigma if isinstance(e, PrivacyEvent) else math.sqrt(e.mu) / e.l2
+
+
+def _by_stage(events: Sequence[Event]) -> dict[str, Event]:
+    """One event per stage, its steps summed (a stage's releases, DP-SGD rounds or FedSGD's per-round
+    SkellamEvents, share one noise and rate: the summed event composes to the same epsilon)."""
+    out: dict[str, Event] = {}
+    for e in merged(events):
+        prev = out.get(e.stage)
+        out[e.stage] = e if prev is None else dataclasses.replace(prev, steps=prev.steps + e.steps)
+    return out
+
+
+def _secure_note(e: Event, tgt: Target) -> str:
+    if not isinstance(e, SkellamEvent):
+        return ""
+    own = epsilon([e], tgt.delta, view="worst_case")
+    return f"; secure sum (Skellam), sigma of the counted noise shares; own share alone: epsilon {own:.3f}"
+
+
+def _stage_notes(cfg: JobConfig, by_stage: dict[str, Event]) -> dict[str, str]:
     c, f = cfg.central, cfg.frequency
     sgd = by_stage.get("dpsgd")
-    notes = {
+    return {
         "central": (
             f"{c.kind} images, {c.rounds} round(s)"
             + (f" x {c.cells} {c.cell_rule} cells" if c.cells > 1 else "")
@@ -777,41 +902,58 @@ def _stage_rows(
         "dpsgd": (
             ("configured" if cfg.dpsgd.noise_multiplier is not None else "calibrated")
             + (
+                ", FedSGD: one pooled step a round"
+                if cfg.federation.fedsgd and cfg.federation.secure_aggregation
+                else ""
+            )
+            + (
                 "; unit: the PATIENT (patients sampled, per-patient clip; no group conversion)"
-                if sgd.unit == "patient"
+                if getattr(sgd, "unit", "image") == "patient"
                 else ""
             )
             if sgd
             else "disabled (0 steps)"
         ),
-    }
-    rows: list[tuple[str, PrivacyEvent | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
-    counts = {
         "size": "noisy image count -> public size",
         "patients": "noisy patient count -> public patients",
         "selection": f"noisy histogram over {cfg.public.selection_groups} public groups -> pretrain on "
         f">= {cfg.public.selection_keep:.0%} of the public set",
     }
-    # noisy counts drew undeclared sizes
-    for name in reversed([e.stage for e in events if e.stage in counts]):
-        rows.insert(0, (name, by_stage[name], counts[name]))
+
+
+def _stage_rows(
+    cfg: JobConfig,
+    n: int,
+    prior: list[PrivacyEvent],
+    events: list[Event],
+    tgt: Target,
+    image_shape: tuple[int, int, int],
+    n_classes: int,
+) -> tuple[StagePlan, ...]:
+    by_stage = _by_stage(events)
+    notes = _stage_notes(cfg, by_stage)
+    rows: list[tuple[str, Event | None, str]] = [(s, by_stage.get(s), notes[s]) for s in STAGES]
+    # noisy counts drew undeclared sizes; the selection is released first
+    for name in reversed([s for s in by_stage if s in ("size", "patients", "selection")]):
+        rows.insert(0, (name, by_stage[name], notes[name]))
     alone = {name: (epsilon([ev], tgt.delta, tgt.accountant) if ev else 0.0) for name, ev, _ in rows}
     if prior:
         rows.insert(0, ("prior", None, f"{len(prior)} event(s) already spent"))
         alone["prior"] = epsilon(prior, tgt.delta, tgt.accountant)
     summed = sum(alone.values()) or 1.0
-    sgd_sigma = sgd.sigma if sgd else None
+    sgd = by_stage.get("dpsgd")
+    sgd_sigma = _row_sigma(sgd) if sgd else None
     noise = {name: stage_noise(cfg, name, n, image_shape, n_classes, sgd_sigma) for name, _, _ in rows}
     return tuple(
         StagePlan(
             stage=name,
             enabled=ev is not None or name == "prior",
-            sigma=ev.sigma if ev else None,
+            sigma=_row_sigma(ev) if ev else None,
             q=ev.q if ev else None,
             steps=ev.steps if ev else (sum(e.steps for e in prior) if name == "prior" else 0),
             epsilon=alone[name],
             share=alone[name] / summed,
-            note=note,
+            note=note + (_secure_note(ev, tgt) if ev else ""),
             noise_to_signal=noise[name][0],
             noise_note=noise[name][1],
         )

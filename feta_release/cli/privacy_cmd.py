@@ -61,6 +61,16 @@ def privacy() -> None:
     "DP-SGD samples its public patients at q = batch / patients). Replaces -n and the patient options.",
 )
 @click.option(
+    "--sites",
+    "n_sites",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="With --policy: the number of sites the coordinator signs the job for. Default: this site and the "
+    "peers its policy pins. A job of 2 or more sites sums its releases by secure aggregation unless it sets "
+    "[federation] secure_aggregation = false: the plan is then the SkellamEvents the node charges.",
+)
+@click.option(
     "--declared-size",
     is_flag=True,
     help="-n is a DECLARED public size (`train --public-size N`): no noisy count is planned. Default: as "
@@ -110,6 +120,7 @@ def plan(
     public_patients: int | None,
     max_images_per_person: int | None,
     policy_path: Path | None,
+    n_sites: int | None,
     declared_size: bool,
     shape: str | None,
     classes: int | None,
@@ -156,8 +167,10 @@ def plan(
             )
         # (a policy's size is its administrator's declaration: nothing is drawn, --declared-size changes
         # nothing)
-        _plan_for_policy(job_file, policy_path, as_json)
+        _plan_for_policy(job_file, policy_path, n_sites, as_json)
         return
+    if n_sites is not None:
+        raise click.UsageError("--sites plans a federated job at a site: give --policy too")
     if patient_cap is not None and max_images_per_person is not None:
         raise click.UsageError(
             "give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both"
@@ -296,26 +309,39 @@ def _read_policy(path: Path) -> Any:
     return SitePolicy.from_document(read_policy_document(path), None, str(path))
 
 
-def _plan_for_policy(job_file: Path, policy_path: Path, as_json: bool) -> None:
-    """The federated plan of JOB_FILE at one site, as its node makes it (``edge.admission.request_for``)."""
+def _plan_for_policy(job_file: Path, policy_path: Path, n_sites: int | None, as_json: bool) -> None:
+    """The federated plan of JOB_FILE at one site, as its node makes it (``edge.admission.request_for``; a
+    secure job: ``planning.secure_site_events``, the history the node charges and the coordinator plans)."""
     from ..config import load_job
+    from ..planning import SecureSite, site_dpsgd, target
     from ..planning import plan as plan_privacy
-    from ..planning import site_dpsgd, target
     from ..privacy_unit import site_unit_statement
 
     pol = _read_policy(policy_path)
-    cfg = load_job(job_file)
+    n_sites = n_sites if n_sites is not None else 1 + len(pol.peers)
+    # the secure default the coordinator's signed job resolves (>= 2 sites: secure unless the job says not)
+    cfg = load_job(job_file).with_secure_default(n_sites)
     # a job written with sampling rates: the coordinator sizes each site's batches (central over the public
     # images, DP-SGD over the public population DP-SGD samples: the patients of a patient-level site)
     if cfg.central.rate is not None:
         cfg = cfg.replace(central={"batch": max(1, round(cfg.central.rate * pol.dataset_size))})
     if cfg.dpsgd.rate is not None:
         cfg = cfg.replace(dpsgd={"batch": max(1, round(cfg.dpsgd.rate * pol.dpsgd_population))})
-    result = plan_privacy(
-        cfg, int(pol.dataset_size), federated=True, budget=target(cfg, pol), **site_dpsgd(pol)
-    )
+    if cfg.federation.secure_aggregation:
+        shape, classes = _declared_shape(pol, policy_path)
+        result = plan_privacy(
+            cfg,
+            int(pol.dataset_size),
+            federated=True,
+            image_shape=shape,
+            n_classes=classes,
+            secure=SecureSite(n_sites, pol),
+        )
+    else:
+        result = plan_privacy(
+            cfg, int(pol.dataset_size), federated=True, budget=target(cfg, pol), **site_dpsgd(pol)
+        )
     st = site_unit_statement(pol, result.epsilon, result.delta, result.events, result.accountant)
-    sgd = result.event("dpsgd")
     if as_json:
         data = {
             **result.to_dict(),
@@ -323,21 +349,54 @@ def _plan_for_policy(job_file: Path, policy_path: Path, as_json: bool) -> None:
             "policy": str(policy_path),
             "site_id": pol.site_id,
             "federated": True,
+            "sites": n_sites,
+            "secure_aggregation": bool(cfg.federation.secure_aggregation),
             "privacy_unit": st,
         }
         click.echo(json.dumps(data, indent=2))
         return
     _print_plan(result, job_file, False)
-    click.echo(
-        f"site {pol.site_id} (policy {policy_path}): federated plan, {cfg.federation.rounds} round(s) x "
-        f"{cfg.federation.local_steps} local step(s)"
+    _print_site_lines(cfg, pol, policy_path, n_sites, result)
+    click.echo(unit_line(st))
+
+
+def _declared_shape(pol: Any, policy_path: Path) -> tuple[tuple[int, int, int], int]:
+    """(image shape, classes) of a policy's declared data: a secure sum's sensitivities depend on them."""
+    d = pol.declared
+    if d is None:
+        raise ConfigError(
+            f"{policy_path}: the policy declares no dataset.classes / dataset.image_shape; a secure-"
+            "aggregation job's events depend on them: add them (`site init` drafts them from the data)"
+        )
+    c, h, w = (int(v) for v in d.image_shape)
+    return (c, h, w), len(d.class_names)
+
+
+def _print_site_lines(cfg: Any, pol: Any, policy_path: Path, n_sites: int, result: Any) -> None:
+    fed = cfg.federation
+    mode = (
+        f"secure aggregation over {n_sites} sites (Skellam noise shares; "
+        f"{pol.counted_colluders(n_sites)} colluder(s) assumed)"
+        if fed.secure_aggregation
+        else f"per-site noise, {n_sites} site(s)"
     )
+    rounds = (
+        f"{fed.rounds} FedSGD round(s)"
+        if fed.secure_aggregation and fed.fedsgd
+        else (f"{fed.rounds} round(s) x {fed.local_steps} local step(s)")
+    )
+    click.echo(f"site {pol.site_id} (policy {policy_path}): federated plan, {mode}, {rounds}")
+    if result.worst_case_epsilon is not None:
+        click.echo(
+            f"worst case (every other site colluding: own noise share only): epsilon "
+            f"{result.worst_case_epsilon:.3f} (cap {pol.worst_case_cap:g})"
+        )
+    sgd = result.event("dpsgd")
     if pol.privacy_unit == "patient" and sgd is not None:
         click.echo(
             f"patient-level DP-SGD: q = batch / public patients = {cfg.dpsgd.batch} / {pol.patients} = "
             f"{sgd.q:.4g}; each step's noisy sum is divided by q x {pol.patients}"
         )
-    click.echo(unit_line(st))
 
 
 def unit_line(st: dict[str, Any]) -> str:

@@ -420,7 +420,7 @@ class JobDriver:
             # planned ε and events); spent already, so counted with its lifetime
             counted = counts[sid] = counted_events(events_from_list(s.job_events))
             if self.cfg.federation.secure_aggregation:  # the sites charge SkellamEvents for the warm-up sums
-                planned[sid], charged[sid] = secure_plan(self, s)
+                planned[sid], charged[sid] = secure_plan(self, s, counted)
             else:
                 # the site's unit and public patient count come from its SIGNED policy (hello), as the node
                 # plans

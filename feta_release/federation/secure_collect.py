@@ -9,6 +9,7 @@ nothing decoded.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -16,14 +17,7 @@ import numpy as np
 from ..accounting import PrivacyEvent, SkellamEvent
 from ..errors import PolicyError
 from ..mechanisms import secure_sums as ss
-from ..planning import (
-    fedsgd_shape,
-    secure_stage_events,
-    selection_events,
-    site_dpsgd,
-    target,
-    warmup_events,
-)
+from ..planning import secure_site_events, selection_events, warmup_events
 from ..policy.enforce import own_share_request, request_of, skellam_own_sigma, skellam_request
 from . import messages as fm
 from .secagg import (
@@ -58,27 +52,18 @@ class Driver(Protocol):
     def emit(self, phase: str, message: str, **fields: Any) -> None: ...
 
 
-def secure_plan(d: Driver, site: Any) -> tuple[list[Any], list[Any]]:
-    """(the requests its policy checks, the events it will charge) of one site of a secure job: the selection
-    and warm-up releases as the site's SkellamEvents (its own max_colluders), DP-SGD calibrated over them, as
-    the node does."""
+def secure_plan(d: Driver, site: Any, counted: Sequence[PrivacyEvent] = ()) -> tuple[list[Any], list[Any]]:
+    """(the requests its policy checks, the events it will charge) of one site of a secure job: THE planner's
+    history of the site (``planning.secure_site_events``, the node's call), the selection and warm-up
+    releases as its SkellamEvents (its own max_colluders), DP-SGD calibrated over them and over ``counted``
+    (the noisy counts the site charged for the job before it was opened: spent already, so neither requested
+    nor in the returned events)."""
     cfg, n = d.cfg, len(d.job.sites)
-    colluders = site.policy.counted_colluders(n)
-    warm = ss.secagg_warmup_events(cfg, site.size, tuple(site.image_shape), site.n_classes, n, colluders)
-    shape = (
-        fedsgd_shape(cfg, tuple(site.image_shape), site.n_classes, n, colluders)
-        if cfg.federation.fedsgd
-        else None
+    history = secure_site_events(
+        cfg, site.size, tuple(site.image_shape), site.n_classes, n, site.policy, counted=counted
     )
-    charged = secure_stage_events(
-        cfg,
-        site.size,
-        [e for e in warm if isinstance(e, SkellamEvent)],
-        budget=target(cfg, site.policy),
-        fedsgd=shape,
-        **site_dpsgd(site.policy),
-    )
-    skellam = {e.stage: e for e in warm if isinstance(e, SkellamEvent)}
+    charged = history[len(counted) :]
+    skellam = {e.stage: e for e in charged if isinstance(e, SkellamEvent) and e.stage != "dpsgd"}
     gaussian = (
         selection_events(cfg)
         + warmup_events(cfg, site.size)

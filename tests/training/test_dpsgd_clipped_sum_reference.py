@@ -89,5 +89,6 @@ def test_the_hooks_clipped_sum_equals_a_per_example_reference_on_an_attention_de
     got, _, n_clipped = clipped_gradient_sum(
         model, loss, x, y, torch.arange(b), clip, chunk, torch.Generator().manual_seed(seed), engine="hooks"
     )
-    assert n_clipped == int((norms > clip).sum())
+    # an example whose norm is the clip within rounding may be counted either way
+    assert int((norms > clip * (1 + 1e-4)).sum()) <= n_clipped <= int((norms > clip * (1 - 1e-4)).sum())
     assert_same_gradients(got, _clipped_sum(per_example, clip))

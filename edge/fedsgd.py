@@ -38,6 +38,7 @@ from feta_release.training.dpsgd import (
     select_engine,
 )
 from feta_release.training.padding import fork_rng, model_range_rows, public_rows
+from feta_release.training.step_rows import public_batch_bound
 
 from .protocol import Request
 from .releases import check_weights
@@ -121,19 +122,15 @@ def gradient_contribution(
     return total + sk.skellam_noise(dim, params.site_mu, np_rng)
 
 
-PAD_SIGMAS = 5.0  # P(a Poisson batch exceeds its padded size) < 3e-7 per round at the public size
-
-
 def padded_sample(idx: torch.Tensor, n_public: int, q: float, chunk: int) -> tuple[torch.Tensor, int]:
     """The sampled indices padded to a PUBLIC size, and how many are real.
 
     The work of a round (and so the reply's latency, which the coordinator sees per site per round) would
     otherwise track the realised Poisson batch |B|, an un-noised count. It is padded to whole chunks
-    covering q·n_public + 5 sd of Binomial(n_public, q); only a batch above that (probability < 3e-7 at the
-    public size) takes longer. Padding rows repeat image 0 and are zeroed after clipping: the released sum is
-    unchanged."""
-    mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
-    bound = -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk
+    covering q·n_public + 5 sd of Binomial(n_public, q) (``training.step_rows.public_batch_bound``, the bound
+    a site's per-site rounds pad to); only a batch above that takes longer. Padding rows repeat image 0 and
+    are zeroed after clipping: the released sum is unchanged."""
+    bound = public_batch_bound(n_public, q, chunk)
     real = int(idx.numel())
     if real >= bound:
         return idx, real

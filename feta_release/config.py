@@ -143,7 +143,7 @@ class DPSGDSection:
     lr: float = 3e-4
     ema: float = 0.999
     physical_batch: int = 32  # rows per vectorised per-example-gradient chunk (memory bound)
-    # per-example gradients: "hooks" (training.ghost_clip: one batched backward, 1.26x a non-private step),
+    # per-example gradients: "hooks" (training.ghost_clip: one batched backward, 1.1-1.3x non-private),
     # "vmap" (torch.func, any module), "auto" = hooks when the model's layers allow it and the hooks pass
     # their cross-check on a public dummy batch (training.dpsgd.select_engine), else vmap. Same vectors either
     # way.

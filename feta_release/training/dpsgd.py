@@ -3,13 +3,13 @@ noise, Adam, EMA.
 
 Per-example gradients come from one of two engines that compute the same vectors (``select_engine``, ``[dpsgd]
 per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then
-each layer's per-example weight gradient from its input and output gradient; 1.26x a non-private step in
-``bench/bench_dpsgd.py``, B = 64, K = 4), used when every trainable parameter sits in a layer it handles and a
-once-per-trainer cross-check on a public dummy batch agrees (``ghost_clip.cross_check``), and torch.func's
-``vmap(grad(...), chunk_size=...)`` (1.82x in the same run), which accepts any ``nn.Module``. Both have no
-trouble with noise multiplicity: the average over K noise draws BEFORE clipping is a mean inside the
-per-example loss (torch.func) or a sum over the example's K rows inside its gradient (hooks). Opacus is not
-used (``ghost_clip`` says why).
+each layer's per-example weight gradient from its input and output gradient; 1.12-1.28x a non-private step
+in ``bench/bench_dpsgd.py``, docs/evaluation.md "DP-SGD step cost"), used when every trainable parameter
+sits in a layer it handles and a once-per-trainer cross-check on a public dummy batch agrees
+(``ghost_clip.cross_check``), and torch.func's ``vmap(grad(...), chunk_size=...)`` (1.82x in an earlier run
+at B = 64, K = 4), which accepts any ``nn.Module``. Both have no trouble with noise multiplicity: the
+average over K noise draws BEFORE clipping is a mean inside the per-example loss (torch.func) or a sum over
+the example's K rows inside its gradient (hooks). Opacus is not used (``ghost_clip`` says why).
 
 The privacy argument the code keeps (unit = one image of one site; the patient-level variant follows):
 

@@ -11,7 +11,10 @@ import math
 
 from ..data.commitment import public_rows
 
-PAD_SIGMAS = 5.0  # as edge.fedsgd: P(Binomial(n_public, q) > bound) < 3e-7
+# q·n + 5 sd: about 3e-7 of the steps exceed it where the normal approximation holds (large q·n); at small
+# means the binomial tail is heavier (about 5e-6 at q·n = 16 before the rounding to whole chunks, which
+# adds slack). A step above the bound only takes longer: the bound is about time, never about the noise.
+PAD_SIGMAS = 5.0
 
 
 def public_batch_bound(n_public: int, q: float, chunk: int) -> int:

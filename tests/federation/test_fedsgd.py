@@ -18,6 +18,7 @@ from feta_release.errors import PolicyError
 from feta_release.federation import messages as fm
 from feta_release.federation import secagg
 from feta_release.planning import fedsgd_shape, secure_stage_events
+from feta_release.training.step_rows import PAD_SIGMAS
 from tests.support.federation import fedsgd_job, full_job, harness, make_federation
 from tests.support.federation import ledger_requests as _requests
 from tests.support.federation import run_harness_job as _run
@@ -590,9 +591,7 @@ def test_a_rounds_work_does_not_depend_on_the_realised_sample(
         node_fedsgd.gradient_contribution(site, job, req, os_numpy_generator(), os_torch_generator())
     assert len(set(seen)) == 1, seen
     assert engines == ["hooks"] * 3  # the denoiser passes its cross-check: the fast engine stays
-    bound = event.q * site.n_public + node_fedsgd.PAD_SIGMAS * np.sqrt(
-        site.n_public * event.q * (1 - event.q)
-    )
+    bound = event.q * site.n_public + PAD_SIGMAS * np.sqrt(site.n_public * event.q * (1 - event.q))
     assert seen[0] >= bound  # the public bound, in whole physical chunks
 
 

@@ -493,8 +493,8 @@ def postprocess_central(release: CentralRelease, stretch: bool = False) -> tuple
 
 
 def cell_noise_figures(release: CentralRelease) -> np.ndarray:
-    """Noise-to-signal figure of each released row (mean kind), from released values and PUBLIC parameters
-    only (post-processing): sqrt(d s^2 / e) with s = sigma * clip / denominator, the noise std per value the
+    """Noise-to-signal figure of each released row (mean kind), from released values and PUBLIC parameters only
+    (post-processing): sqrt(d s^2 / e) with s = sigma * clip / denominator, the noise std per value the
     mechanism added (``central_images``: N(0, (sigma C)^2) on the sum, divided by the public per-cell
     denominator), and e = ||v||^2 - d s^2 the unbiased estimate of the row's signal energy (the noise is
     independent of the signal, E||v||^2 = ||signal||^2 + d s^2). A row of pure noise has e near 0: its

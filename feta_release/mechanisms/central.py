@@ -70,8 +70,6 @@ __all__ = [
     "Kind",
     "central_images",
     "central_query",
-    "cell_noise_figures",
-    "kept_cells",
     "combine_central",
     "postprocess_central",
 ]
@@ -490,36 +488,6 @@ def postprocess_central(release: CentralRelease, stretch: bool = False) -> tuple
     if stretch:
         x = stretch_contrast(x)
     return x.astype(np.float32), release.labels.copy()
-
-
-def cell_noise_figures(release: CentralRelease) -> np.ndarray:
-    """Noise-to-signal figure of each released row (mean kind), from released values and PUBLIC parameters only
-    (post-processing): sqrt(d s^2 / e) with s = sigma * clip / denominator, the noise std per value the
-    mechanism added (``central_images``: N(0, (sigma C)^2) on the sum, divided by the public per-cell
-    denominator), and e = ||v||^2 - d s^2 the unbiased estimate of the row's signal energy (the noise is
-    independent of the signal, E||v||^2 = ||signal||^2 + d s^2). A row of pure noise has e near 0: its
-    figure is large. For a weighted combination of sites (``combine_central``) s is an upper bound (the
-    averaged noise is smaller), so the figure errs towards calling a row noise."""
-    if release.kind != "mean" or release.clip is None:
-        raise DataError("cell noise figures: defined for mean central images (a clip and a denominator)")
-    v = release.values.reshape(len(release.values), -1).astype(np.float64)
-    d = v.shape[1]
-    s2 = (release.sigma * release.clip / release.denominator) ** 2
-    energy = np.einsum("ij,ij->i", v, v) - d * s2
-    return np.asarray(np.sqrt(d * s2 / np.maximum(energy, np.finfo(np.float64).tiny)), np.float64)
-
-
-def kept_cells(release: CentralRelease, line: float) -> np.ndarray:
-    """Which released rows to keep as start images: those whose :func:`cell_noise_figures` figure is at most
-    ``line`` (the planner's ``planning.MOSTLY_NOISE``), and in every (round, class) at least its best cell,
-    so each class keeps an image. Why: a cell few images fell into is mostly noise, and the SDEdit sampler
-    cycles over a class's rows equally. Post-processing: released values and public parameters only."""
-    fig = cell_noise_figures(release)
-    keep = fig <= line
-    groups = fig.reshape(-1, max(1, release.cells))
-    best = np.zeros_like(groups, dtype=bool)
-    best[np.arange(len(groups)), groups.argmin(axis=1)] = True
-    return np.asarray(keep | best.reshape(-1), bool)
 
 
 def combine_central(releases: Sequence[CentralRelease], weights: Sequence[float]) -> CentralRelease:

@@ -179,6 +179,7 @@ def _cell(
     if done.exists():
         return json.loads(done.read_text())
     cfg = _job(eps, dpsgd, start, args, seed)
+    cell = {"dataset": kind, "epsilon": eps, "start": start, "dpsgd": dpsgd, "seed": seed}  # the row's key
     t0 = time.perf_counter()
     try:
         opts = TrainOptions(
@@ -190,14 +191,7 @@ def _cell(
         )
         res = run_train(cfg, private, out / name, opts)
     except PrivacyError as exc:  # a selection beside a warm-up that spends the whole budget
-        row = {
-            "dataset": kind,
-            "epsilon": eps,
-            "start": start,
-            "dpsgd": dpsgd,
-            "seed": seed,
-            "refused": str(exc),
-        }
+        row = {**cell, "refused": str(exc)}
         print(json.dumps(row), flush=True)
         return row
     seconds = time.perf_counter() - t0
@@ -205,11 +199,7 @@ def _cell(
         syn = ImageDataset(z["images"], z["labels"], tuple(private.class_names), source=name)
     rep = evaluate(syn, real_eval, seed, classifier_epochs=args.epochs, feature_epochs=args.epochs)
     row = {
-        "dataset": kind,
-        "epsilon": eps,
-        "start": start,
-        "dpsgd": dpsgd,
-        "seed": seed,
+        **cell,
         "accuracy": rep.accuracy,
         "per_class": rep.per_class_accuracy,
         "recall": rep.recall,

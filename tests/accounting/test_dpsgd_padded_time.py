@@ -9,10 +9,8 @@ bound (``step_bound`` over ``public_rows``, as ``edge.releases`` pads a round)."
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -33,6 +31,7 @@ from feta_release.job_rules import (
 )
 from feta_release.planning import stage_sampling_rate
 from feta_release.training.padding import public_rows, step_bound
+from tests.support.dpsgd import random_site
 from tests.support.federation import tiny_job
 
 ROUNDING = 0.05  # an Estimate keeps each stage to 0.1 s
@@ -120,7 +119,6 @@ def _rows_a_node_round_processes(
 ) -> int:
     """Rows through the per-example clip (real and padding alike) in ``edge.releases.dpsgd_round``."""
     from edge.releases import dpsgd_round
-    from feta_release.models import build_denoiser
 
     rows = 0
     clip_and_sum = dp.clip_and_sum
@@ -132,14 +130,7 @@ def _rows_a_node_round_processes(
         return summed, norms
 
     monkeypatch.setattr(dp, "clip_and_sum", counted)
-    rng = np.random.default_rng(0)
-    ds = SimpleNamespace(
-        images=rng.random((n, 1, 16, 16), dtype=np.float32),
-        labels=rng.integers(0, 10, n),
-        image_shape=(1, 16, 16),
-        n_classes=10,
-    )
-    weights = {k: v.numpy() for k, v in build_denoiser(cfg.model, ds.image_shape, 10).state_dict().items()}
+    ds, weights = random_site(n, 0, cfg)
     q = stage_sampling_rate(cfg.dpsgd.batch, n_public, "dpsgd")
     event = PrivacyEvent("dpsgd", 1.5, q, cfg.dpsgd_steps(n_public))
     dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(0), n_public)

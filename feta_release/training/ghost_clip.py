@@ -329,8 +329,8 @@ def _conv_grads(
     r = a.shape[0] // b
     if m.out_channels <= _SHIFT_MAX_OUT and m.stride == (1, 1):
         return _shifted_weight(m, a, g, b), _bias(m, g, b)
-    if m.in_channels * m.kernel_size[0] * m.kernel_size[1] <= _UNFOLD_MAX_TAPS:
-        return _unfolded_weight(m, a, g, b), _bias(m, g, b)
+    if m.in_channels * m.kernel_size[0] * m.kernel_size[1] <= _UNFOLD_MAX_TAPS and m.kernel_size != (1, 1):
+        return _unfolded_weight(m, a, g, b), _bias(m, g, b)  # (a 1x1 conv's patches are its input: below)
     if m.out_channels <= _LOOP_MAX_OUT:
         # The grouped kernel is at its worst with very few output channels per group: 16 -> 1, 2 or 4
         # channels, 3x3, 28x28 took 4.3-4.5 ms grouped vs 1.9-2.0 ms in this loop at B = 16, K = 4, and

@@ -393,32 +393,20 @@ def _group_norm_stats(m: nn.GroupNorm, a: Tensor, out: Tensor) -> tuple[Tensor, 
 def _group_norm(
     m: nn.GroupNorm, a: Tensor, g: Tensor, b: int, mean: Tensor, rstd: Tensor
 ) -> dict[str, Tensor]:
-    return _group_norm_both(m, a, g, b, mean, rstd, input_grad=False)[1]
-
-
-def _group_norm_both(
-    m: nn.GroupNorm, a: Tensor, g: Tensor, b: int, mean: Tensor, rstd: Tensor, input_grad: bool
-) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """(the input gradient if ``input_grad``, else None; the per-example parameter gradients).
-
-    Each example's weight gradient sum_t g_t * xhat_t (bias: sum_t g_t) IS a GroupNorm weight gradient: that
-    of the (r, B*C, HW) view of the K-major rows with B*G groups, whose per-(row, group) statistics are the
-    forward's (R, G) ones reshaped. The native backward computes it from (g, input, mean, rstd) in one pass,
-    without the normalised input (recomputing it with F.group_norm took ~4x as long, measured). The input
-    gradient of that view, with the weight repeated per example, is the layer's own: each (row, group) is
-    normalised alone either way, so the same call gives both (``_GroupNormTap``)."""
+    # Each example's weight gradient sum_t g_t * xhat_t (bias: sum_t g_t) IS a GroupNorm weight gradient: that
+    # of the (r, B*C, HW) view of the K-major rows with B*G groups, whose per-(row, group) statistics are the
+    # forward's (R, G) ones reshaped. The native backward computes it from (g, input, mean, rstd) in one pass,
+    # without the normalised input (recomputing it with F.group_norm took ~4x as long, measured).
     r, c, hw = a.shape[0] // b, a.shape[1], a[0, 0].numel()
-    want = [input_grad, m.weight is not None, m.bias is not None]
-    # the weight's values enter the input gradient only (the kernel wants a weight tensor: ones otherwise)
-    gamma = m.weight.detach().repeat(b) if input_grad and m.weight is not None else a.new_ones(b * c)
+    want = [False, m.weight is not None, m.bias is not None]
     # the native kernel reads its inputs as contiguous rows (an output gradient can come strided: measured
     # wrong)
-    ga, gw, gb = torch.ops.aten.native_group_norm_backward(
+    _, gw, gb = torch.ops.aten.native_group_norm_backward(
         g.contiguous().reshape(r, b * c, hw),
         a.contiguous().reshape(r, b * c, hw),
         mean.contiguous().reshape(r, -1),
         rstd.contiguous().reshape(r, -1),
-        gamma,
+        a.new_ones(b * c),
         r,
         b * c,
         hw,
@@ -430,7 +418,7 @@ def _group_norm_both(
         out["weight"] = gw.reshape(b, c)
     if want[2]:
         out["bias"] = gb.reshape(b, c)
-    return (ga.reshape(a.shape) if input_grad else None), out
+    return out
 
 
 def _embedding(m: nn.Embedding, idx: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
@@ -487,39 +475,6 @@ class _Tap(torch.autograd.Function):
         return g, None, None
 
 
-class _GroupNormTap(torch.autograd.Function):
-    """A GroupNorm's output, re-rooted: its backward computes the layer's input gradient AND the per-example
-    weight and bias gradients in ONE native call (``_group_norm_both``), in place of the layer's own
-    backward node (detached away) plus a second pass of the rule over the same input and output gradient
-    (17 GroupNorms of the cpu-eps1 UNet: ~1/10 of the hooks' extra time at 1 thread, measured). The input is
-    saved for backward, so a change to it in place is refused as the layer's own node would refuse it; the
-    output is a view made inside a custom Function, so a change to it in place is refused (as ``_Tap``)."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        out: Tensor,
-        a: Tensor,
-        root: Tensor,
-        m: nn.GroupNorm,
-        stats: tuple[int, Tensor, Tensor],
-        sink: Callable[[dict[str, Tensor]], None],
-    ) -> Tensor:
-        ctx.save_for_backward(a)
-        ctx.m, ctx.stats, ctx.sink = m, stats, sink  # type: ignore[attr-defined]
-        return out.view_as(out)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> tuple[Tensor | None, ...]:
-        (a,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        b, mean, rstd = ctx.stats  # type: ignore[attr-defined]
-        need = ctx.needs_input_grad[1]  # type: ignore[attr-defined]
-        ga, per_example = _group_norm_both(ctx.m, a, g, b, mean, rstd, need)  # type: ignore[attr-defined]
-        ctx.sink(per_example)  # type: ignore[attr-defined]
-        return None, ga, None, None, None, None
-
-
 class _HookPass:
     """One batched forward and backward of a chunk with the layer taps: per-example gradients, per-example
     losses, and (``zero_non_finite``) each example's norm with the non-finite entries zeroed."""
@@ -551,11 +506,8 @@ class _HookPass:
         extra: tuple[object, ...],
         g: Tensor,
     ) -> None:
-        self.collect(m, f(m, a, g, self.b, *extra))
-
-    def collect(self, m: nn.Module, per_example: dict[str, Tensor]) -> None:
         done = []
-        for attr, gi in per_example.items():
+        for attr, gi in f(m, a, g, self.b, *extra).items():
             p = getattr(m, attr)
             if id(p) in self.names:  # a module called twice (shared) adds its calls' contributions
                 n = self.names[id(p)]
@@ -568,12 +520,12 @@ class _HookPass:
 
     def tap(self, m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
         a = inputs[0].detach()
-        self.pending[id(m)] = self.pending.get(id(m), 0) + 1
+        extra: tuple[object, ...] = ()
         if isinstance(m, nn.GroupNorm):
-            stats = (self.b, *_group_norm_stats(m, a, output))
-            sink = partial(self.collect, m)
-            return _GroupNormTap.apply(output.detach(), inputs[0], self.root, m, stats, sink)
-        extra: tuple[object, ...] = (self.pool,) if isinstance(m, nn.Conv2d) else ()
+            extra = _group_norm_stats(m, a, output)
+        elif isinstance(m, nn.Conv2d):
+            extra = (self.pool,)
+        self.pending[id(m)] = self.pending.get(id(m), 0) + 1
         return _Tap.apply(output, self.root, partial(self.rule, m, _rule(m), a, extra))
 
     def run(self, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:

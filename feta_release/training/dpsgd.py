@@ -69,7 +69,7 @@ from ..models.trainable import set_trainable
 from .allocator import keep_freed_pages
 from .augment import rand_augment
 from .ema import EMA
-from .ghost_clip import BatchedLoss, batched_form, cross_check, hook_grads, hook_grads_zeroed, unsupported
+from .ghost_clip import BatchedLoss, batched_form, cross_check, hook_grads, unsupported
 from .padding import fork_rng, pad_step, padding_chunks
 
 __all__ = [
@@ -283,61 +283,21 @@ def clip_and_sum(
     ``vector_norm`` rather than ``pow(2).sum``: 6.1 ms before), the DP-SGD step's largest cost outside the
     backward.
     """
-    clip = check_clip(clip, "DP-SGD clip_and_sum")  # before any row is touched
-    flat = {n: g.reshape(g.shape[0], -1) for n, g in grads.items()}
-    norms = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat.values()]), dim=0
-    )
-    finite = torch.isfinite(norms)
-    # finite rows are left as they are; a non-finite row gets factor 0, and its entries must be finite for
-    # 0 * x to be 0 (a scalar where instead of a zeros_like buffer: measured faster)
-    zeroed = {
-        n: (
+    clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself
+    flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
+    norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
+    finite, factor = _clip_factors(norms, clip)
+    summed = {}
+    for (n, g), f in zip(grads.items(), flat, strict=True):
+        # finite rows are left as they are; a non-finite row has factor 0, and its entries must be finite for
+        # 0 * x to be 0 (a scalar where and mv instead of a zeros_like buffer and an einsum: measured faster)
+        f = (
             torch.nan_to_num_(f, nan=0.0, posinf=0.0, neginf=0.0)
             if in_place
             else torch.where(finite[:, None], f, 0.0)
-        ).reshape(grads[n].shape)
-        for n, f in flat.items()
-    }
-    return _sum_clipped(zeroed, norms, clip)
-
-
-def _sum_clipped(zeroed: dict[str, Tensor], norms: Tensor, clip: float) -> tuple[dict[str, Tensor], Tensor]:
-    """sum_i factor_i * row_i over rows whose non-finite entries are already 0 (name -> (B, ...)), with
-    ``norms`` the rows' norms over all parameters BEFORE that zeroing (non-finite: factor 0, the row drops
-    out); returns the sums and the norms with ``inf`` for a non-finite one. The one place the clip factors
-    meet the rows: ``clip_and_sum`` and the hooks' own zeroed rows (``clipped_gradient_sum``)."""
-    clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself
-    finite, factor = _clip_factors(norms, clip)
-    # one matrix-vector product a parameter (an einsum over a weighted copy: measured slower)
-    summed = {
-        n: torch.mv(g.reshape(g.shape[0], -1).t(), factor).reshape(g.shape[1:]) for n, g in zeroed.items()
-    }
+        )
+        summed[n] = torch.mv(f.t(), factor).reshape(g.shape[1:])
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
-
-
-def clipped_chunk(
-    model: nn.Module,
-    loss: PerExampleLoss,
-    x: Tensor,
-    y: Tensor,
-    rand: dict[str, Tensor],
-    clip: float,
-    engine: str = "auto",
-) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-    """``clip_and_sum`` of the chunk's per-example gradients (``per_example_grads``), with the per-example
-    losses: (sum by parameter name, norms before clipping, losses). With the hooks, each layer's norms and
-    zeroing happen as its rule makes its gradients (``ghost_clip.hook_grads_zeroed``: 5.5 of the chunk's
-    ~100 ms were the clip's passes over cold gradients at the cpu-eps1 preset, 84 examples, 2 threads); the
-    same vectors, norms and factors either way."""
-    if x.shape[0] and select_engine(model, loss, engine) == "hooks":
-        assert isinstance(loss, BatchedLoss)
-        grads, values, norms = hook_grads_zeroed(model, loss, x, y, rand)
-        summed, norms = _sum_clipped(grads, norms, clip)
-        return summed, norms, values
-    grads, values = per_example_grads(model, loss, x, y, rand, x.shape[0] or None, engine=engine)
-    summed, norms = clip_and_sum(grads, clip, in_place=True)  # fresh, never read again
-    return summed, norms, values
 
 
 def batch_gradients(
@@ -355,22 +315,6 @@ def batch_gradients(
     whatever its size). The loss randomness is drawn from ``generator`` chunk by chunk, in order (on the CPU:
     the same stream on any device), so a step is reproducible from the generator's state. The model is in
     train mode while it runs."""
-    for xs, ys, rand in _chunk_inputs(model, loss, images, labels, idx, chunk, generator):
-        yield per_example_grads(model, loss, xs, ys, rand, chunk, engine=engine)
-
-
-def _chunk_inputs(
-    model: nn.Module,
-    loss: PerExampleLoss,
-    images: Tensor,
-    labels: Tensor,
-    idx: Tensor,
-    chunk: int,
-    generator: torch.Generator,
-) -> Iterator[tuple[Tensor, Tensor, dict[str, Tensor]]]:
-    """The examples ``idx`` one physical chunk at a time, with their loss randomness drawn from
-    ``generator`` chunk by chunk, in order (on the CPU: the same stream on any device); the model in train
-    mode meanwhile."""
     dev = next(model.parameters()).device
     was_training = model.training
     keep_freed_pages()  # each chunk's per-example gradients reuse the last chunk's pages (training.allocator)
@@ -380,7 +324,7 @@ def _chunk_inputs(
             part = idx[start : start + chunk]
             rand = {k: v.to(dev) for k, v in loss.draw(part.numel(), generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            yield xs, ys, rand
+            yield per_example_grads(model, loss, xs, ys, rand, chunk, engine=engine)
     finally:
         model.train(was_training)
 
@@ -404,8 +348,8 @@ def clipped_gradient_sum(
     total = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     losses: list[Tensor] = []
     n_clipped = 0
-    for xs, ys, rand in _chunk_inputs(model, loss, images, labels, idx, chunk, generator):
-        summed, norms, value = clipped_chunk(model, loss, xs, ys, rand, clip, engine)
+    for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
+        summed, norms = clip_and_sum(grads, clip, in_place=True)  # fresh per chunk, never read again
         for name in total:
             total[name] += summed[name]
         losses.append(value.detach().cpu())

@@ -80,15 +80,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-__all__ = [
-    "BatchedLoss",
-    "K_MAJOR",
-    "batched_form",
-    "unsupported",
-    "hook_grads",
-    "hook_grads_zeroed",
-    "cross_check",
-]
+__all__ = ["BatchedLoss", "K_MAJOR", "batched_form", "unsupported", "hook_grads", "cross_check"]
 
 _ROW_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
 
@@ -475,109 +467,57 @@ class _Tap(torch.autograd.Function):
         return g, None, None
 
 
-class _HookPass:
-    """One batched forward and backward of a chunk with the layer taps: per-example gradients, per-example
-    losses, and (``zero_non_finite``) each example's norm with the non-finite entries zeroed."""
-
-    def __init__(self, model: nn.Module, b: int, device: torch.device, zero_non_finite: bool) -> None:
-        self.model, self.b, self.zero = model, b, zero_non_finite
-        self.trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = {id(p): n for n, p in self.trained}
-        self.grads: dict[str, Tensor] = {}
-        self.norms: dict[str, Tensor] = {}  # name -> (B,) L2 norms, taken before any entry was zeroed
-        self.pending: dict[int, int] = {}  # module -> its calls whose rule has not run yet
-        self.root = torch.zeros((), device=device, requires_grad=True)
-        self.pool = ZeroPool()  # the grouped convs' zero weights, one buffer for the chunk
-
-    def finish(self, n: str) -> None:
-        """Parameter ``n``'s per-example gradients are complete: take their norms, then zero their non-finite
-        entries in place, while they are still in cache (the clip's two passes over the chunk's gradients,
-        cold by then, measured ~1/2 of its cost). The norm sees the entries as they came: a NaN or inf
-        makes it non-finite, and the clip then gives the example factor 0 (``training.dpsgd``)."""
-        g = self.grads[n]
-        self.norms[n] = torch.linalg.vector_norm(g.flatten(1), dim=1)
-        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
-
-    def rule(
-        self,
-        m: nn.Module,
-        f: Callable[..., dict[str, Tensor]],
-        a: Tensor,
-        extra: tuple[object, ...],
-        g: Tensor,
-    ) -> None:
-        done = []
-        for attr, gi in f(m, a, g, self.b, *extra).items():
-            p = getattr(m, attr)
-            if id(p) in self.names:  # a module called twice (shared) adds its calls' contributions
-                n = self.names[id(p)]
-                self.grads[n] = self.grads[n] + gi if n in self.grads else gi
-                done.append(n)
-        self.pending[id(m)] -= 1
-        if self.zero and self.pending[id(m)] == 0:  # the module's last call: its gradients are complete
-            for n in done:
-                self.finish(n)
-
-    def tap(self, m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
-        a = inputs[0].detach()
-        extra: tuple[object, ...] = ()
-        if isinstance(m, nn.GroupNorm):
-            extra = _group_norm_stats(m, a, output)
-        elif isinstance(m, nn.Conv2d):
-            extra = (self.pool,)
-        self.pending[id(m)] = self.pending.get(id(m), 0) + 1
-        return _Tap.apply(output, self.root, partial(self.rule, m, _rule(m), a, extra))
-
-    def run(self, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]) -> Tensor:
-        # the modules' own parameter dicts, not parameters(recurse=False): a generator over the module tree
-        # per module, ~1 ms of a chunk's fixed cost at the UNet's 53 layers
-        hooked = [m for m in self.model.modules() if any(id(p) in self.names for p in m._parameters.values())]
-        handles = [m.register_forward_hook(self.tap) for m in hooked]
-        try:
-            values = loss.batched(self.model, x, y, rand)
-        finally:
-            for h in handles:
-                h.remove()
-        # a tap the loss does not reach never runs: a zero contribution. Under no_grad this raises (loud, as
-        # the former autograd.grad to the outputs did) rather than returning all-zero gradients
-        if hooked:
-            torch.autograd.grad(values.sum(), self.root, allow_unused=True)
-        # the zeros only for a parameter no tap reached (``grads.get(n, zeros)`` would fill a B-row buffer
-        # for every parameter, ~1/3 of the clip's cost, and drop it)
-        for n, p in self.trained:
-            if n not in self.grads:
-                self.grads[n] = torch.zeros((self.b, *p.shape), dtype=p.dtype, device=p.device)
-            if self.zero and n not in self.norms:  # unreached, or a call whose output the loss never used
-                self.finish(n)
-        self.grads = {n: self.grads[n] for n, _ in self.trained}  # the parameters' order
-        return values.detach()
-
-
 def hook_grads(
     model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Per-example gradients (name -> (B, *shape), every trainable parameter) and per-example losses (B,),
     from one batched forward and one backward to the layer outputs. The caller has checked
     ``unsupported(model) == []``."""
-    run = _HookPass(model, x.shape[0], x.device, zero_non_finite=False)
-    values = run.run(loss, x, y, rand)
-    return run.grads, values
+    b = x.shape[0]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = {id(p): n for n, p in trained}
+    grads: dict[str, Tensor] = {}
+    root = torch.zeros((), device=x.device, requires_grad=True)
+    pool = ZeroPool()  # the grouped convs' zero weights, one buffer for the chunk
 
+    def rule(
+        m: nn.Module, f: Callable[..., dict[str, Tensor]], a: Tensor, extra: tuple[object, ...], g: Tensor
+    ) -> None:
+        for attr, gi in f(m, a, g, b, *extra).items():
+            p = getattr(m, attr)
+            if id(p) in names:  # a module called twice (shared) adds its calls' contributions
+                n = names[id(p)]
+                grads[n] = grads[n] + gi if n in grads else gi
 
-def hook_grads_zeroed(
-    model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]
-) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-    """``hook_grads``'s per-example gradients with every non-finite entry set to 0, the per-example losses,
-    and each example's L2 norm over all trainable parameters together as its gradient CAME (inf or NaN where
-    it had a non-finite entry or overflowed): what ``training.dpsgd``'s clip needs, computed layer by layer
-    while each layer's gradients are in cache. Only for a caller that clips these rows as they are (a
-    patient's group sum must see the NaN of one of its images: ``hook_grads``)."""
-    run = _HookPass(model, x.shape[0], x.device, zero_non_finite=True)
-    values = run.run(loss, x, y, rand)
-    # the norms of the per-parameter norms, in the parameters' order: clip_and_sum's own arithmetic
-    per_parameter = [run.norms[n] for n in run.grads] or [x.new_zeros(x.shape[0])]
-    norms = torch.linalg.vector_norm(torch.stack(per_parameter), dim=0)
-    return run.grads, values, norms
+    def tap(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        a = inputs[0].detach()
+        extra: tuple[object, ...] = ()
+        if isinstance(m, nn.GroupNorm):
+            extra = _group_norm_stats(m, a, output)
+        elif isinstance(m, nn.Conv2d):
+            extra = (pool,)
+        return _Tap.apply(output, root, partial(rule, m, _rule(m), a, extra))
+
+    # the modules' own parameter dicts, not parameters(recurse=False): a generator over the module tree per
+    # module, ~1 ms of a chunk's fixed cost at the UNet's 53 layers
+    hooked = [m for m in model.modules() if any(id(p) in names for p in m._parameters.values())]
+    handles = [m.register_forward_hook(tap) for m in hooked]
+    try:
+        values = loss.batched(model, x, y, rand)
+    finally:
+        for h in handles:
+            h.remove()
+    # a tap the loss does not reach never runs: a zero contribution. Under no_grad this raises (loud,
+    if hooked:
+        # as the former autograd.grad to the outputs did) rather than returning all-zero gradients
+        torch.autograd.grad(values.sum(), root, allow_unused=True)
+    # the zeros only for a parameter no tap reached (``grads.get(n, zeros)`` would fill a B-row buffer for
+    # every parameter, ~1/3 of the clip's cost, and drop it)
+    full = {
+        n: grads[n] if n in grads else torch.zeros((b, *p.shape), dtype=p.dtype, device=p.device)
+        for n, p in trained
+    }
+    return full, values.detach()
 
 
 # -- the cross-check (once, when an engine is chosen: training.dpsgd.select_engine)

@@ -293,7 +293,7 @@ def _bias(m: nn.Conv2d, g: Tensor, b: int) -> Tensor | None:
     return g.reshape(r, b * m.out_channels, -1).sum(2).reshape(r, b, -1).sum(0)
 
 
-class ZeroPool:
+class _ZeroPool:
     """One zero-filled buffer whose leading part stands in, as a contiguous view, for any grouped weight whose
     values the kernel never reads (``_conv_grads``): one fill per chunk of the largest such weight, instead
     of one per layer (the UNet's 19 grouped convs at B = 84: ~54 MB of zeros a chunk). Nothing ever writes to
@@ -312,7 +312,7 @@ class ZeroPool:
 
 
 def _conv_grads(
-    m: nn.Conv2d, a: Tensor, g: Tensor, b: int, pool: ZeroPool | None = None
+    m: nn.Conv2d, a: Tensor, g: Tensor, b: int, pool: _ZeroPool | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Each example's weight gradient (B, *weight.shape) and bias gradient (B, C_out) (None without a bias),
     summed over its r = R/B rows. ``pool``: where the grouped kernel's zero weight comes from (a fresh
@@ -350,7 +350,10 @@ def _conv_grads(
     # the cross-check against torch.func catches, never NaN bits the clip would silently drop. The bias
     # gradient comes from the same call (per group = per example): 32.8 vs 34.3 ms for the UNet's grouped
     # convs with a separate sum (B = 16, K = 4).
-    w, has_bias = (pool or ZeroPool()).zeros((b * m.out_channels, *m.weight.shape[1:]), a), m.bias is not None
+    w, has_bias = (
+        (pool or _ZeroPool()).zeros((b * m.out_channels, *m.weight.shape[1:]), a),
+        m.bias is not None,
+    )
     _, gw, gb = torch.ops.aten.convolution_backward(
         g.reshape(r, -1, *g.shape[2:]),
         a.reshape(r, -1, *a.shape[2:]),
@@ -363,7 +366,7 @@ def _conv_grads(
     return gw.reshape(b, *m.weight.shape), gb.reshape(b, -1) if has_bias else None
 
 
-def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int, pool: ZeroPool) -> dict[str, Tensor]:
+def _conv2d(m: nn.Conv2d, a: Tensor, g: Tensor, b: int, pool: _ZeroPool) -> dict[str, Tensor]:
     weight, bias = _conv_grads(m, a, g, b, pool)
     return {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
 
@@ -478,7 +481,7 @@ def hook_grads(
     names = {id(p): n for n, p in trained}
     grads: dict[str, Tensor] = {}
     root = torch.zeros((), device=x.device, requires_grad=True)
-    pool = ZeroPool()  # the grouped convs' zero weights, one buffer for the chunk
+    pool = _ZeroPool()  # the grouped convs' zero weights, one buffer for the chunk
 
     def rule(
         m: nn.Module, f: Callable[..., dict[str, Tensor]], a: Tensor, extra: tuple[object, ...], g: Tensor

@@ -3,8 +3,9 @@ noise, Adam, EMA.
 
 Per-example gradients come from one of two engines that compute the same vectors (``select_engine``, ``[dpsgd]
 per_example``): ``training.ghost_clip``'s layer hooks (one batched forward/backward over the B*K rows, then
-each layer's per-example weight gradient from its input and output gradient; 1.12-1.28x a non-private step
-in ``bench/bench_dpsgd.py``, docs/evaluation.md "DP-SGD step cost"), used when every trainable parameter
+each layer's per-example weight gradient from its input and output gradient; 1.23x a non-private step of
+the cpu-eps1 model at 2 threads, 1.10x for the norm_attention subset, ``bench/bench_dpsgd.py``,
+docs/evaluation.md "DP-SGD step cost"), used when every trainable parameter
 sits in a layer it handles and a once-per-trainer cross-check on a public dummy batch agrees
 (``ghost_clip.cross_check``), and torch.func's ``vmap(grad(...), chunk_size=...)`` (1.82x in an earlier run
 at B = 64, K = 4), which accepts any ``nn.Module``. Both have no trouble with noise multiplicity: the

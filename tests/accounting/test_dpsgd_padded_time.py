@@ -171,8 +171,8 @@ def test_a_step_is_never_padded_beyond_whole_chunks_of_the_sites_public_rows(
     """A step's sample is a subset of the site's rows (of its sampled patients' images, a subset of its
     images), so it never holds more than the site's ``public_rows`` (its public size, or the bucket of a site
     above it): padding beyond whole chunks of that count is time spent, and charged, for no sample. The bound
-    still covers every sample the cap could cut: whenever it is below the 5 sd tail, it is above all the site's
-    rows."""
+    still covers every sample the cap could cut: wherever it is below the 5 sd tail, it is above all the
+    site's rows."""
     rows = public_rows(n_rows, n_public)
     patients = None if cap is None else SimpleNamespace(cap=cap)
     unit = chunk if cap is None else max(chunk, cap)

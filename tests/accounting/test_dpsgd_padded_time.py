@@ -194,3 +194,79 @@ def test_a_node_round_near_q_one_pushes_whole_chunks_of_the_public_size_through_
     assert dpsgd_step_rows(cfg, f) == 20
     for n in (13, 20):
         assert _rows_a_node_round_processes(monkeypatch, cfg, n, 20) == 3 * 20
+
+
+def federated_step_seconds(cfg: JobConfig, f: DataFacts) -> float:
+    """A federated step's time: the slowest site's padded rows, each site sampling the one signed batch
+    (the rate at the smallest site, as ``coordinator.derive.federated_job`` signs it) over its own size;
+    sites unknown: one site of the summed size."""
+    if not f.site_sizes:
+        return padded_step_seconds(cfg, f)
+    batch = max(1, round(cfg.dpsgd.rate * min(f.site_sizes))) if cfg.dpsgd.rate else cfg.dpsgd.batch
+    rows = max(
+        step_bound(public_rows(n, n), stage_sampling_rate(batch, n, "dpsgd"), cfg.dpsgd.physical_batch)
+        for n in f.site_sizes
+    )
+    return seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * rows
+
+
+federated_facts = st.builds(
+    lambda sites, known, side, eps, budget, device: DataFacts(
+        len(sites) * min(sites),
+        side,
+        side,
+        1,
+        10,
+        eps,
+        device=device,
+        time_budget=budget,
+        dpsgd="on",
+        federated=True,
+        site_sizes=tuple(sites) if known else (),
+    ),
+    sites=st.lists(st.integers(300, 30_000), min_size=1, max_size=5),
+    known=st.booleans(),
+    side=st.sampled_from([28, 32]),
+    eps=st.floats(2.0, 20.0),
+    budget=st.floats(300.0, 8000.0),
+    device=st.sampled_from(["cpu", "cpu", "cuda"]),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(f=federated_facts)
+@example(f=DataFacts(20_000, 28, 28, 1, 10, 10.0, time_budget=700.0, dpsgd="on", federated=True))
+@example(
+    f=DataFacts(
+        12_000,
+        28,
+        28,
+        1,
+        10,
+        10.0,
+        time_budget=600.0,
+        dpsgd="on",
+        federated=True,
+        site_sizes=(4000, 6000, 10_000),
+    )
+)
+def test_federated_dpsgd_steps_are_the_whole_rounds_that_fit_the_budget(f: DataFacts) -> None:
+    """A federated job runs whole rounds of 5 local steps: the derived steps are whole rounds whose padded
+    time (the slowest site's) + the rest of the job fit the budget, and one round more would not (unless 20
+    epochs cap the steps first). Rounding the steps UP to whole rounds ran up to 4 steps past the budget."""
+    try:
+        d = derive(f)
+    except ConfigError:  # below the floor: no job, nothing to time
+        return
+    steps = d.cfg.dpsgd_steps(f.size)
+    if steps == 0:
+        return
+    assert steps % 5 == 0 and d.cfg.federation.rounds * d.cfg.federation.local_steps == steps
+    assert steps >= 20  # the rules' minimum: 4 whole rounds (below it DP-SGD is off, and the note says so)
+    rest = estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training
+    cost = federated_step_seconds(d.cfg, f)
+    assert rest + steps * cost <= f.budget
+    epochs_cap = -(-20 * f.size // _dpsgd_batch(f.size))
+    assert steps + 5 > epochs_cap or rest + (steps + 5) * cost > f.budget
+    assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * cost, abs=ROUNDING)
+    assert d.estimate.training <= f.budget + ROUNDING * len(d.estimate.seconds)

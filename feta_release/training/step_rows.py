@@ -28,14 +28,13 @@ def public_batch_bound(n_public: int, q: float, chunk: int) -> int:
 
     At most whole chunks covering n itself: a Poisson sample of n rows never holds more than n, so rows
     beyond would be padding no sample needs, time the step spends and the job rules charge for nothing (q
-    near 1: 308 rows for a site of 300 at q = 0.97 in chunks of 4). The cap is whole chunks, not n itself: a
-    sample that fills the bound leaves no padding call, so its step runs one call fewer (``padding_chunks``);
-    at a bound of exactly n that would time a site holding exactly n rows that drew them all (every step at
-    q = 1). Above n (n not a whole number of chunks) no sample fills the bound, and the bound stays whole
-    chunks, as every bound was."""
+    near 1: 308 rows for a site of 300 at q = 0.97 in chunks of 4). The cap is whole chunks covering n + 1,
+    not n: a sample that fills the bound leaves no padding call, so its step would run one call fewer
+    (``padding_chunks``) and time a site holding exactly n rows that drew them all (every step at q = 1).
+    Above n no sample fills the bound, so every step runs the same public number of calls."""
     mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
     tail = _whole_chunks(math.ceil(mean + PAD_SIGMAS * sd), chunk)
-    return max(chunk, min(tail, _whole_chunks(n_public, chunk)))
+    return max(chunk, min(tail, _whole_chunks(n_public + 1, chunk)))
 
 
 def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> int:
@@ -76,11 +75,12 @@ def site_step_rows(n_rows: int, n_public: int, q: float, chunk: int, patients: o
 
     A patient-level step is also capped at whole ``max(chunk, cap)`` units covering that bucket: its images
     are the sampled patients' (at most ``cap`` each), a subset of the site's ``n_rows`` images, and the
-    bucket is never below ``n_rows``, so no step can hold more. (``patient_rows_bound`` itself takes the
+    bucket is never below ``n_rows``, so no step can hold more (whole units covering bucket + 1, so that no
+    sample fills the bound and every step runs the same number of calls, as in ``public_batch_bound``). (``patient_rows_bound`` itself takes the
     nominal image count, which a site may exceed: capped there, a larger site's steps would overrun it and
     their time would count the sample.) The cap is a function of the public bucket only."""
     rows = public_rows(n_rows, n_public)
     bound = step_bound(rows, q, chunk, patients)
     if patients is None:
         return bound  # public_batch_bound caps at whole chunks of ``rows`` already
-    return min(bound, _whole_chunks(rows, _patient_unit(chunk, patients)))
+    return min(bound, _whole_chunks(rows + 1, _patient_unit(chunk, patients)))

@@ -172,14 +172,15 @@ def test_a_step_is_never_padded_beyond_whole_chunks_of_the_sites_public_rows(
     images), so it never holds more than the site's ``public_rows`` (its public size, or the bucket of a site
     above it): padding beyond whole chunks of that count is time spent, and charged, for no sample. The bound
     still covers every sample the cap could cut: wherever it is below the 5 sd tail, it is above all the
-    site's rows."""
+    site's rows, and no sample fills it (a sample that did would leave no padding call, a step one call
+    shorter than the others)."""
     rows = public_rows(n_rows, n_public)
     patients = None if cap is None else SimpleNamespace(cap=cap)
     unit = chunk if cap is None else max(chunk, cap)
     var = rows * q * (1 - q) if cap is None else q * (1 - q) * cap * rows
     bound = site_step_rows(n_rows, n_public, q, chunk, patients)
-    assert bound <= -(-rows // unit) * unit
-    assert bound >= n_rows or bound == _tail(rows, q, var, unit)  # never below a sample the site can draw
+    assert bound <= -(-(rows + 1) // unit) * unit
+    assert bound > n_rows or bound == _tail(rows, q, var, unit)  # above every sample the site can draw
     assert bound % unit == 0 and bound >= q * rows
 
 
@@ -187,13 +188,14 @@ def test_a_node_round_near_q_one_pushes_whole_chunks_of_the_public_size_through_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """19 of 20 public rows a step (q = 0.95): the 5 sd tail is 24 rows, above the 20 a sample of the site
-    can ever hold; each of the round's 3 steps runs 20 rows through the per-example clip (a site of 13 images,
-    or one of exactly 20), and the job rules charge those 20."""
+    can ever hold; each of the round's 3 steps runs whole chunks covering 21 rows, 24, through the per-example
+    clip (a site of 13 images, or one of exactly 20 that may draw them all), and the job rules charge those
+    24."""
     cfg = tiny_job(dpsgd={"batch": 19, "physical_batch": 4, "steps": 3})
     f = DataFacts(size=20, height=16, width=16, channels=1, n_classes=10, epsilon=1.0)
-    assert dpsgd_step_rows(cfg, f) == 20
+    assert dpsgd_step_rows(cfg, f) == 24
     for n in (13, 20):
-        assert _rows_a_node_round_processes(monkeypatch, cfg, n, 20) == 3 * 20
+        assert _rows_a_node_round_processes(monkeypatch, cfg, n, 20) == 3 * 24
 
 
 def federated_step_seconds(cfg: JobConfig, f: DataFacts) -> float:

@@ -75,6 +75,8 @@ def facts_from_policies(
         device="cuda" if device == "cuda" else "cpu",
         time_budget=time_budget,
         federated=True,
+        # each site pads its DP-SGD steps over its own size: the time rules charge the slowest site's rows
+        site_sizes=tuple(int(p.dataset_size) for p in policies),
     )
 
 

@@ -45,7 +45,9 @@ of its warning). Above the floor every derived job plans with no "mostly noise" 
 COST MODEL (:func:`estimate`): seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up
 image passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes + ``SAMPLING_PASSES`` x synthetic images) +
 aux-generator epochs + the releases. A DP-SGD step passes its PADDED rows (:func:`dpsgd_step_rows`: the public
-bound every step is padded to, from the node's own ``training.step_rows.site_step_rows``), not q·N.
+bound every step is padded to, from the node's own ``training.step_rows.site_step_rows``), not q·N; a
+federated step the slowest site's (each pads over its own declared size, in parallel), in whole rounds of
+:data:`LOCAL_STEPS` steps.
 ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads, idle machine
 (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
 nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
@@ -106,6 +108,7 @@ DPSGD_TIE_NOISE = 0.0936
 DPSGD_MARGIN = 5.0  # the former rule's margin over the tie (eps x N >= 200,000 = 5 x 40,000): NOT measured
 DPSGD_MAX_NOISE = DPSGD_TIE_NOISE / DPSGD_MARGIN
 DPSGD_MIN_STEPS = 20  # fewer steps than this are not worth the budget they take from the releases
+LOCAL_STEPS = 5  # a derived federated job's DP-SGD steps per site per round (its steps: whole rounds)
 DELTA_PRESETS = 1e-5  # every preset's delta (N ~ 4,000)
 # cost model (see the module docstring)
 SECONDS_PER_PIXEL_PASS = 1.7e-6
@@ -162,6 +165,9 @@ class DataFacts:
     # "auto": DP-SGD by the eps x N rule; "on" / "off": asked for (a benchmark's route, a site's choice)
     dpsgd: Literal["auto", "on", "off"] = "auto"
     class_names: tuple[str, ...] = ()  # the private classes' names (public: declared or read off the data)
+    # a federation's sites' declared (PUBLIC) sizes: each samples the one signed DP-SGD batch (sized at the
+    # smallest) at q = batch / its own size, all in parallel; () where unknown: costed as one site of ``size``
+    site_sizes: tuple[int, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -246,6 +252,10 @@ def check_facts(f: DataFacts) -> None:
         f"the time budget must be > 0 seconds, got {f.time_budget}",
     )
     need(f.dpsgd in ("auto", "on", "off"), f"dpsgd must be auto, on or off, got {f.dpsgd!r}")
+    need(
+        all(isinstance(n, int) and n >= 1 for n in f.site_sizes) and (f.federated or not f.site_sizes),
+        f"site sizes are a federation's positive declared sizes, got {list(f.site_sizes)}",
+    )
     if f.public is not None:
         need(
             isinstance(f.public.size, int) and f.public.size >= 1,
@@ -510,11 +520,23 @@ def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
 def dpsgd_step_rows(cfg: JobConfig, facts: DataFacts) -> int:
     """Rows one DP-SGD step of ``cfg`` processes on data of these facts: not the expected Poisson batch q·N
     but the PUBLIC bound every step is padded to (``training.step_rows.site_step_rows``, the count the node's
-    trainer pads to), at q = batch / N as the planner charges it. A federated job counts as one site of the
-    summed size N (a site pads over its own, smaller, size: fewer rows, in parallel with the others)."""
-    sized = cfg.for_size(facts.size)
-    q = stage_sampling_rate(sized.dpsgd.batch, facts.size, "dpsgd")
-    return site_step_rows(facts.size, facts.size, q, sized.dpsgd.physical_batch)
+    trainer pads to), at q = batch / N as the planner charges it.
+
+    A federation with known ``site_sizes``: every site is signed for one batch (``cfg``'s rate at the
+    smallest site, ``coordinator.derive.federated_job``) and pads each step over its OWN size at q = batch /
+    that size; the sites step in parallel, so a step takes the slowest site's time: the most padded rows of
+    any site. Unknown sites: one site of the summed size N (an upper bound on any split of N)."""
+    if facts.federated and facts.site_sizes:
+        signed_at = min(facts.site_sizes)
+        return max(_site_step_rows(cfg, n, signed_at) for n in set(facts.site_sizes))
+    return _site_step_rows(cfg, facts.size, facts.size)
+
+
+def _site_step_rows(cfg: JobConfig, n: int, signed_at: int) -> int:
+    """The padded rows of a site of public size ``n`` sampling ``cfg``'s batch, sized at ``signed_at``."""
+    batch = cfg.for_size(signed_at).dpsgd.batch
+    q = stage_sampling_rate(batch, n, "dpsgd")
+    return site_step_rows(n, n, q, cfg.dpsgd.physical_batch)
 
 
 def dpsgd_step_seconds(cfg: JobConfig, facts: DataFacts) -> float:
@@ -616,12 +638,12 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
 
 
 def _with_steps(d: dict[str, Any], steps: int, federated: bool) -> dict[str, Any]:
-    if federated and steps > 0:  # rounds of 5 local steps (every site its own q over its declared size)
-        rounds = math.ceil(steps / 5)
+    if federated and steps > 0:  # rounds of LOCAL_STEPS (every site its own q over its declared size)
+        rounds = steps // LOCAL_STEPS  # whole rounds, never more steps than the time rule chose
         return {
             **d,
-            "dpsgd": {**d["dpsgd"], "steps": rounds * 5},
-            "federation": {"rounds": rounds, "local_steps": 5},
+            "dpsgd": {**d["dpsgd"], "steps": rounds * LOCAL_STEPS},
+            "federation": {"rounds": rounds, "local_steps": LOCAL_STEPS},
         }
     return {**d, "dpsgd": {**d["dpsgd"], "steps": steps}}
 
@@ -652,10 +674,12 @@ def _dpsgd_seconds(f: DataFacts, steps: int) -> float:
 
 def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
     """The DP-SGD steps whose padded time (``dpsgd_step_seconds``) fits what the time budget leaves after
-    ``est`` (the job without DP-SGD), at most 20 epochs."""
+    ``est`` (the job without DP-SGD), at most 20 epochs; a federated job's in whole rounds of
+    :data:`LOCAL_STEPS`, rounded DOWN (rounded up, its last round ran past the budget by up to 4 steps)."""
     cfg = JobConfig.from_dict(d, "derived job")
     steps = int(max(0.0, f.budget - est.training) // dpsgd_step_seconds(cfg, f))
-    return min(steps, math.ceil(20 * f.size / _dpsgd_batch(f.size)))  # at most 20 epochs
+    steps = min(steps, math.ceil(20 * f.size / _dpsgd_batch(f.size)))  # at most 20 epochs
+    return steps - steps % LOCAL_STEPS if f.federated else steps
 
 
 def derive(facts: DataFacts) -> Derivation:
@@ -752,22 +776,7 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
         f"{cfg.warmup.frequency_images} aux images, {cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} "
         "epochs",
         *_public_notes(f, cfg),
-        (
-            f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget ("
-            + (
-                "asked for"
-                if f.dpsgd == "on"
-                else f"noise-to-signal over the job <= {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied on "
-                "digits; its gain not yet measured"
-            )
-            + ")"
-            if steps
-            else "dpsgd: off (asked for)"
-            if f.dpsgd == "off"
-            else f"dpsgd: off (fewer than {DPSGD_MIN_STEPS} steps fit the budget, or its noise-to-signal "
-            f"over the job sigma sqrt(P) / (B sqrt(T)) is above {DPSGD_MAX_NOISE:.4f}, a fifth of where it "
-            "tied)"
-        ),
+        _dpsgd_note(f, cfg, steps),
     ]
     est = estimate(cfg, f)
     parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items() if v >= 1)
@@ -779,6 +788,27 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
     )
     lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")
     return tuple(lines)
+
+
+def _dpsgd_note(f: DataFacts, cfg: JobConfig, steps: int) -> str:
+    if f.dpsgd == "off":
+        return "dpsgd: off (asked for)"
+    rounds = f" ({DPSGD_MIN_STEPS / LOCAL_STEPS:g} whole rounds of {LOCAL_STEPS})" if f.federated else ""
+    if not steps:
+        return (
+            f"dpsgd: off (fewer than {DPSGD_MIN_STEPS} steps{rounds} fit the budget, or its noise-to-signal "
+            f"over the job sigma sqrt(P) / (B sqrt(T)) is above {DPSGD_MAX_NOISE:.4f}, a fifth of where it "
+            "tied)"
+        )
+    why = (
+        "asked for"
+        if f.dpsgd == "on"
+        else f"noise-to-signal over the job <= {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied on digits; "
+        "its gain not yet measured"
+    )
+    if f.federated:  # whole rounds, rounded down: a round more would not fit
+        why += f"; {steps // LOCAL_STEPS} rounds of {LOCAL_STEPS}, the whole rounds that fit"
+    return f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget ({why})"
 
 
 def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:

@@ -17,11 +17,24 @@ from ..data.commitment import public_rows
 PAD_SIGMAS = 5.0
 
 
+def _whole_chunks(rows: int, chunk: int) -> int:
+    """``rows`` rounded UP to whole ``chunk``s (the trainer runs a step in calls of ``chunk`` rows)."""
+    return -(-int(rows) // int(chunk)) * int(chunk)
+
+
 def public_batch_bound(n_public: int, q: float, chunk: int) -> int:
     """Rows a step processes whatever its sample: whole ``chunk``s covering q·n + 5 sd of Binomial(n, q), n
-    PUBLIC."""
+    PUBLIC: the rows the sample is drawn from (a site's ``public_rows``, never below its real rows).
+
+    At most whole chunks covering n itself: a Poisson sample of n rows never holds more than n, so rows
+    beyond would be padding no sample needs, time the step spends and the job rules charge for nothing (q
+    near 1: 308 rows for a site of 300 at q = 0.97 in chunks of 4). The cap is whole chunks covering n + 1,
+    not n: a sample that fills the bound leaves no padding call, so its step would run one call fewer
+    (``padding_chunks``) and time a site holding exactly n rows that drew them all (every step at q = 1).
+    Above n no sample fills the bound, so every step runs the same public number of calls."""
     mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
-    return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
+    tail = _whole_chunks(math.ceil(mean + PAD_SIGMAS * sd), chunk)
+    return max(chunk, min(tail, _whole_chunks(n_public + 1, chunk)))
 
 
 def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> int:
@@ -31,7 +44,7 @@ def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> 
     q·Σm_p and variance q(1-q)·Σm_p² <= q·cap·Σm_p; n (for Σm_p) is the PUBLIC nominal image count."""
     mean = q * n_images_public
     sd = math.sqrt(max(q * (1.0 - q) * cap * n_images_public, 0.0))
-    return max(chunk, -(-math.ceil(mean + PAD_SIGMAS * sd) // chunk) * chunk)
+    return max(chunk, _whole_chunks(math.ceil(mean + PAD_SIGMAS * sd), chunk))
 
 
 def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
@@ -42,13 +55,32 @@ def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> 
     boundary)."""
     if patients is None:
         return public_batch_bound(n_public, q, chunk)
-    cap = int(getattr(patients, "cap", None) or chunk)
-    return patient_rows_bound(n_public, q, cap, max(chunk, cap))
+    return patient_rows_bound(n_public, q, _patient_cap(chunk, patients), _patient_unit(chunk, patients))
+
+
+def _patient_cap(chunk: int, patients: object) -> int:
+    return int(getattr(patients, "cap", None) or chunk)
+
+
+def _patient_unit(chunk: int, patients: object) -> int:
+    """The rounding unit of a patient-level step: whole ``max(chunk, cap)`` images."""
+    return max(chunk, _patient_cap(chunk, patients))
 
 
 def site_step_rows(n_rows: int, n_public: int, q: float, chunk: int, patients: object = None) -> int:
     """Rows every DP-SGD step of a site holding ``n_rows`` images of PUBLIC size ``n_public`` processes:
     ``step_bound`` over ``public_rows(n_rows, n_public)`` (a site above its public size pads to its bucket,
     which its padded whole-dataset passes already reveal; at or below it, to ``n_public`` itself). The node's
-    trainer pads to it, and the job rules charge its time."""
-    return step_bound(public_rows(n_rows, n_public), q, chunk, patients)
+    trainer pads to it, and the job rules charge its time.
+
+    A patient-level step is also capped at whole ``max(chunk, cap)`` units covering that bucket: its images
+    are the sampled patients' (at most ``cap`` each), a subset of the site's ``n_rows`` images, and the
+    bucket is never below ``n_rows``, so no step can hold more (whole units covering bucket + 1, so that no
+    sample fills the bound and every step runs the same number of calls, as in ``public_batch_bound``). (``patient_rows_bound`` itself takes the
+    nominal image count, which a site may exceed: capped there, a larger site's steps would overrun it and
+    their time would count the sample.) The cap is a function of the public bucket only."""
+    rows = public_rows(n_rows, n_public)
+    bound = step_bound(rows, q, chunk, patients)
+    if patients is None:
+        return bound  # public_batch_bound caps at whole chunks of ``rows`` already
+    return min(bound, _whole_chunks(rows + 1, _patient_unit(chunk, patients)))

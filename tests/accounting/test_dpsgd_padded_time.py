@@ -9,6 +9,8 @@ bound (``step_bound`` over ``public_rows``, as ``edge.releases`` pads a round)."
 from __future__ import annotations
 
 import copy
+import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,7 +32,7 @@ from feta_release.job_rules import (
     seconds_per_pass,
 )
 from feta_release.planning import stage_sampling_rate
-from feta_release.training.padding import public_rows, step_bound
+from feta_release.training.padding import public_rows, site_step_rows, step_bound
 from tests.support.dpsgd import random_site
 from tests.support.federation import tiny_job
 
@@ -145,3 +147,128 @@ def test_the_cost_model_charges_the_rows_a_node_round_processes(monkeypatch: pyt
     rows = _rows_a_node_round_processes(monkeypatch, cfg, 13, 20)
     assert rows == 3 * dpsgd_step_rows(cfg, f) == 3 * padded_rows(cfg, 20)
     assert dpsgd_step_rows(cfg, f) > cfg.dpsgd.batch  # 16 rows a step against the expected 4
+
+
+def _tail(rows: int, q: float, var: float, unit: int) -> int:
+    """Whole ``unit``s covering q·rows + 5 sd (``var``: the sample's variance bound): the bound before any
+    cap."""
+    return max(unit, -(-math.ceil(q * rows + 5 * math.sqrt(max(var, 0.0))) // unit) * unit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n_rows=st.integers(1, 5000),
+    n_public=st.integers(1, 5000),
+    q=st.floats(1e-4, 1.0),
+    chunk=st.integers(1, 64),
+    cap=st.one_of(st.none(), st.integers(1, 8)),
+)
+@example(n_rows=300, n_public=300, q=0.97, chunk=4, cap=None)  # 308 rows for a site of 300
+@example(n_rows=12, n_public=12, q=1 / 3, chunk=3, cap=3)  # 21 images for a site of 12
+def test_a_step_is_never_padded_beyond_whole_chunks_of_the_sites_public_rows(
+    n_rows: int, n_public: int, q: float, chunk: int, cap: int | None
+) -> None:
+    """A step's sample is a subset of the site's rows (of its sampled patients' images, a subset of its
+    images), so it never holds more than the site's ``public_rows`` (its public size, or the bucket of a site
+    above it): padding beyond whole chunks of that count is time spent, and charged, for no sample. The bound
+    still covers every sample the cap could cut: wherever it is below the 5 sd tail, it is above all the
+    site's rows, and no sample fills it (a sample that did would leave no padding call, a step one call
+    shorter than the others)."""
+    rows = public_rows(n_rows, n_public)
+    patients = None if cap is None else SimpleNamespace(cap=cap)
+    unit = chunk if cap is None else max(chunk, cap)
+    var = rows * q * (1 - q) if cap is None else q * (1 - q) * cap * rows
+    bound = site_step_rows(n_rows, n_public, q, chunk, patients)
+    assert bound <= -(-(rows + 1) // unit) * unit
+    assert bound > n_rows or bound == _tail(rows, q, var, unit)  # above every sample the site can draw
+    assert bound % unit == 0 and bound >= q * rows
+
+
+def test_a_node_round_near_q_one_pushes_whole_chunks_of_the_public_size_through_the_clip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """19 of 20 public rows a step (q = 0.95): the 5 sd tail is 24 rows, above the 20 a sample of the site
+    can ever hold; each of the round's 3 steps runs whole chunks covering 21 rows, 24, through the per-example
+    clip (a site of 13 images, or one of exactly 20 that may draw them all), and the job rules charge those
+    24."""
+    cfg = tiny_job(dpsgd={"batch": 19, "physical_batch": 4, "steps": 3})
+    f = DataFacts(size=20, height=16, width=16, channels=1, n_classes=10, epsilon=1.0)
+    assert dpsgd_step_rows(cfg, f) == 24
+    for n in (13, 20):
+        assert _rows_a_node_round_processes(monkeypatch, cfg, n, 20) == 3 * 24
+
+
+def federated_step_seconds(cfg: JobConfig, f: DataFacts) -> float:
+    """A federated step's time: the slowest site's padded rows, each site sampling the one signed batch
+    (the rate at the smallest site, as ``coordinator.derive.federated_job`` signs it) over its own size;
+    sites unknown: one site of the summed size."""
+    if not f.site_sizes:
+        return padded_step_seconds(cfg, f)
+    batch = max(1, round(cfg.dpsgd.rate * min(f.site_sizes))) if cfg.dpsgd.rate else cfg.dpsgd.batch
+    rows = max(
+        step_bound(public_rows(n, n), stage_sampling_rate(batch, n, "dpsgd"), cfg.dpsgd.physical_batch)
+        for n in f.site_sizes
+    )
+    return seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * rows
+
+
+federated_facts = st.builds(
+    lambda sites, known, side, eps, budget, device: DataFacts(
+        len(sites) * min(sites),
+        side,
+        side,
+        1,
+        10,
+        eps,
+        device=device,
+        time_budget=budget,
+        dpsgd="on",
+        federated=True,
+        site_sizes=tuple(sites) if known else (),
+    ),
+    sites=st.lists(st.integers(300, 30_000), min_size=1, max_size=5),
+    known=st.booleans(),
+    side=st.sampled_from([28, 32]),
+    eps=st.floats(2.0, 20.0),
+    budget=st.floats(300.0, 8000.0),
+    device=st.sampled_from(["cpu", "cpu", "cuda"]),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(f=federated_facts)
+@example(f=DataFacts(20_000, 28, 28, 1, 10, 10.0, time_budget=700.0, dpsgd="on", federated=True))
+@example(
+    f=DataFacts(
+        12_000,
+        28,
+        28,
+        1,
+        10,
+        10.0,
+        time_budget=600.0,
+        dpsgd="on",
+        federated=True,
+        site_sizes=(4000, 6000, 10_000),
+    )
+)
+def test_federated_dpsgd_steps_are_the_whole_rounds_that_fit_the_budget(f: DataFacts) -> None:
+    """A federated job runs whole rounds of 5 local steps: the derived steps are whole rounds whose padded
+    time (the slowest site's) + the rest of the job fit the budget, and one round more would not (unless 20
+    epochs cap the steps first). Rounding the steps UP to whole rounds ran up to 4 steps past the budget."""
+    try:
+        d = derive(f)
+    except ConfigError:  # below the floor: no job, nothing to time
+        return
+    steps = d.cfg.dpsgd_steps(f.size)
+    if steps == 0:
+        return
+    assert steps % 5 == 0 and d.cfg.federation.rounds * d.cfg.federation.local_steps == steps
+    assert steps >= 20  # the rules' minimum: 4 whole rounds (below it DP-SGD is off, and the note says so)
+    rest = estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training
+    cost = federated_step_seconds(d.cfg, f)
+    assert rest + steps * cost <= f.budget
+    epochs_cap = -(-20 * f.size // _dpsgd_batch(f.size))
+    assert steps + 5 > epochs_cap or rest + (steps + 5) * cost > f.budget
+    assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * cost, abs=ROUNDING)
+    assert d.estimate.training <= f.budget + ROUNDING * len(d.estimate.seconds)

@@ -65,9 +65,8 @@ def _batches_follow_the_size(cfg: JobConfig, f: DataFacts) -> None:
     assert sized.dpsgd.batch == _dpsgd_batch(f.size) <= f.size
     steps = cfg.dpsgd_steps(f.size)
     if steps:
-        assert (
-            DPSGD_MIN_STEPS <= steps <= math.ceil(20 * f.size / sized.dpsgd.batch) + 5
-        )  # 20 epochs (+ a round)
+        # at most 20 epochs: a federated job's whole rounds are rounded down, never past the cap
+        assert DPSGD_MIN_STEPS <= steps <= math.ceil(20 * f.size / sized.dpsgd.batch)
         if f.federated:
             assert steps == cfg.federation.rounds * cfg.federation.local_steps
     assert not f.federated or cfg.central.cells == 1

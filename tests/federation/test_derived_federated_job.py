@@ -28,6 +28,7 @@ def _policies(
     sizes: dict[str, int],
     coord: Ed25519PrivateKey,
     declared: dict[str, DataDeclaration] | None = None,
+    per_job: tuple[float, float] = (1.0, 1e-5),
 ) -> tuple[list[Path], dict[str, Any]]:
     files, opened = [], {}
     for sid, n in sizes.items():
@@ -39,6 +40,8 @@ def _policies(
             [coord.public_key()],
             app_bundles=["cd" * 32],
             declared=(declared or {}).get(sid, DIGITS),
+            lifetime=(max(4.0, 2 * per_job[0]), 1e-5),
+            per_job=per_job,
         )
         signed = sign_policy(doc, site)
         path = tmp_path / f"{sid}.signed.json"
@@ -102,3 +105,28 @@ def test_coordinator_run_without_a_job_file_derives_it_into_the_output(tmp_path:
         _job_and_sites(None, "a,c", tuple(files), 1.0, None, None, "cpu", tmp_path / "out")
     with pytest.raises(UsageError, match="JOB_FILE"):
         _job_and_sites(path, "a,b", tuple(files), 1.0, None, None, "cpu", tmp_path / "out")
+
+
+def test_a_derived_federated_step_is_charged_the_slowest_sites_padded_rows(tmp_path: Path) -> None:
+    """Each site samples the one signed DP-SGD batch over its OWN declared size and pads every step to its
+    own public bound (``site_step_rows``, as its node does); the sites step in parallel. The time rules
+    charge a step the most padded rows of any site: charged as one site of the summed size (3 sites' batch
+    at once), the derived job bought a third of the steps its time budget holds."""
+    from feta_release.job_rules import dpsgd_step_rows, dpsgd_step_seconds
+    from feta_release.planning import stage_sampling_rate
+    from feta_release.training.step_rows import site_step_rows
+
+    coord = Ed25519PrivateKey.generate()
+    sizes = {"st-mary": 20_000, "st-luke": 30_000, "st-john": 50_000}
+    files, _ = _policies(tmp_path, sizes, coord, per_job=(10.0, 1e-5))
+    d, _ = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    cfg, chunk = d.cfg, d.cfg.dpsgd.physical_batch
+    padded = {
+        sid: site_step_rows(n, n, stage_sampling_rate(cfg.dpsgd.batch, n, "dpsgd"), chunk)
+        for sid, n in sizes.items()
+    }
+    assert dpsgd_step_rows(cfg, d.facts) == max(padded.values()) < cfg.dpsgd.batch * len(sizes)
+    steps = cfg.dpsgd_steps(d.facts.size)
+    assert steps >= 20 and steps % 5 == 0
+    assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * dpsgd_step_seconds(cfg, d.facts), abs=0.05)
+    assert d.estimate.training <= 1200.0

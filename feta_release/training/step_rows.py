@@ -73,14 +73,14 @@ def site_step_rows(n_rows: int, n_public: int, q: float, chunk: int, patients: o
     which its padded whole-dataset passes already reveal; at or below it, to ``n_public`` itself). The node's
     trainer pads to it, and the job rules charge its time.
 
-    A patient-level step is also capped at whole ``max(chunk, cap)`` units covering that bucket: its images
-    are the sampled patients' (at most ``cap`` each), a subset of the site's ``n_rows`` images, and the
-    bucket is never below ``n_rows``, so no step can hold more (whole units covering bucket + 1, so that no
-    sample fills the bound and every step runs the same number of calls, as in ``public_batch_bound``). (``patient_rows_bound`` itself takes the
-    nominal image count, which a site may exceed: capped there, a larger site's steps would overrun it and
-    their time would count the sample.) The cap is a function of the public bucket only."""
+    A patient-level step is also capped at whole ``max(chunk, cap)`` units covering that bucket + 1: its
+    images are the sampled patients' (at most ``cap`` each), a subset of the site's ``n_rows`` images, and
+    the bucket is never below ``n_rows``, so no step can hold more, and none fills the bound (every step runs
+    the same number of calls, as in ``public_batch_bound``). ``patient_rows_bound`` itself takes the nominal
+    image count, which a site may exceed: capped there, a larger site's steps would overrun it and their
+    time would count the sample. The cap is a function of the public bucket only."""
     rows = public_rows(n_rows, n_public)
     bound = step_bound(rows, q, chunk, patients)
     if patients is None:
-        return bound  # public_batch_bound caps at whole chunks of ``rows`` already
+        return bound  # public_batch_bound caps at whole chunks of ``rows`` + 1 already
     return min(bound, _whole_chunks(rows + 1, _patient_unit(chunk, patients)))

@@ -25,7 +25,6 @@ from feta_release.data.procedural import checked_size, generate_dataset, write_d
 from feta_release.data.public import public_record, read_public
 from feta_release.errors import ConfigError, DataError
 from feta_release.job_rules import DataFacts, PublicFacts, public_facts, public_section
-from feta_release.release.verify import public_words
 
 STROKES = "strokes"
 STROKES_N = 10_000  # the size the digits' measurement pretrained on
@@ -51,10 +50,12 @@ class DemoPublic:
         return public_record(self.data, self.description)
 
     def words(self) -> str:
-        """The demo's closing line on it."""
+        """The demo's closing line on it: what it is (description, count, sha256 prefix) and what it cost."""
+        c, h, w = self.data.image_shape
         return (
-            f"public pretraining: {public_words(self.record())}; read by the coordinator only, charged in no "
-            "site's ledger (it cost no epsilon), no site received an image of it"
+            f"public pretraining on {self.data.n} images {c}x{h}x{w} ({self.description}), sha256 "
+            f"{self.data.fingerprint()[:16]}…: read by the coordinator only, it cost no epsilon (in no "
+            "site's ledger) and no site received an image of it"
         )
 
 
@@ -94,8 +95,8 @@ def demo_public(
         ds = generate_dataset(STROKES, n, size=shape[-1], seed=STROKES_SEED)
         path = write_dataset(ds, out_dir / "public" / f"strokes-{n}.npz")
         description = description or (
-            f"{n} generated pen strokes (feta-release data generate strokes --n {n} --size {shape[-1]} "
-            f"--seed {STROKES_SEED}); no digit set is their source"
+            f"{n} generated pen strokes, `feta-release data generate strokes --n {n} --size {shape[-1]} "
+            f"--seed {STROKES_SEED}`; no digit set is their source"
         )
     else:
         path = Path(spec)

@@ -66,7 +66,15 @@ def test_demo_public_strokes_are_signed_released_reported_and_never_reach_a_site
     for s in ("site-a", "site-b", "site-c"):
         trusted += ["--trusted", f"{s}={fed / 'sites' / s / 'keys' / 'policy-admin.pub'}"]
     v = subprocess.run(
-        [*CLI, "verify", str(out / "release"), *trusted, "--public", str(out / "public" / "strokes-48.npz")],
+        [
+            *CLI,
+            "verify",
+            str(out / "release"),
+            *trusted,
+            "--public",
+            str(out / "public" / "strokes-48.npz"),
+            "--explain",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -75,7 +83,8 @@ def test_demo_public_strokes_are_signed_released_reported_and_never_reach_a_site
 
     # Nothing of the public set in any site's folder (data, ledger, work files, logs): neither an image's
     # pixels (as generated or as floats) nor the path the coordinator reads it from. The messages themselves:
-    # tests/training/test_public_pretraining.py::test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images
+    # test_a_federated_job_sends_the_sites_the_public_hash_never_the_public_images
+    # (tests/training/test_public_pretraining.py)
     pixels = np.rint(public.images * 255).astype(np.uint8)
     needles = [pixels[i].tobytes() for i in range(public.n)]
     needles += [np.ascontiguousarray(public.images[i], "<f4").tobytes() for i in range(public.n)]

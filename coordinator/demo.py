@@ -157,12 +157,12 @@ def demo_config(
     "public_spec",
     default=None,
     metavar="strokes[:N]|PATH",
-    help="Pretrain the coordinator's model on a PUBLIC image set before any site's release: strokes[:N] "
-    "generates N pen strokes offline (default 10,000, 200 with --quick; no digit set is their source), PATH "
-    "reads an existing set of 1x28x28 images (folder, labels .csv or .npz). The signed job names it by "
-    "sha256, count and shape; it costs no epsilon and no site receives it. Off by default: 10,000 strokes "
-    "did not raise the digits' accuracy at ε = 1 (0.714 with, 0.773 without, one seed; "
-    "docs/explanation/public-pretraining.md).",
+    help="Pretrain the coordinator's model on a PUBLIC image set before it learns from the sites: "
+    "strokes[:N] generates N pen strokes offline (default 10,000, 200 with --quick; no digit set is "
+    "their source), PATH reads an existing set of 1x28x28 images (folder, labels .csv or .npz). The "
+    "signed job names it by sha256, count and shape; it costs no epsilon and no site receives it. "
+    "Off by default: 10,000 strokes did not raise the digits' accuracy at ε = 1 (0.714 with, 0.773 "
+    "without, one seed; docs/explanation/public-pretraining.md).",
 )
 @click.option(
     "--public-description",
@@ -297,8 +297,8 @@ def _log_ready(console: Any, fed: Any, cfg: Any, public: DemoPublic | None) -> N
         console.log(
             escape(
                 f"public set {public.path} ({public.data.n} images): the coordinator pretrains "
-                f"{cfg.public.pretrain_iterations} steps of {cfg.public.pretrain_batch} on it before any "
-                "site's release; no site receives it"
+                f"{cfg.public.pretrain_iterations} steps of {cfg.public.pretrain_batch} on it before it "
+                "trains on the sites' releases; no site receives it"
             )
         )
 

@@ -1,5 +1,5 @@
-"""``feta-release demo --public``: the public set the demo's coordinator pretrains on before any site's
-release (docs/explanation/public-pretraining.md).
+"""``feta-release demo --public``: the public set the demo's coordinator pretrains on before its model learns
+from the sites' releases (docs/explanation/public-pretraining.md).
 
 ``strokes[:N]`` generates N pen-stroke images offline with the generator of ``data generate strokes``
 (``data.procedural``: no digit set is their source, so the pretraining is unconditional) into OUT/public/;

@@ -1,7 +1,7 @@
 """``feta-release demo --quick --public strokes:N`` with REAL Flower processes on loopback (SuperLink + 3
 SuperNodes): the coordinator pretrains on generated pen strokes, the signed job, the release manifest, the
-privacy report and the DPO's page name them by the generated set's sha256, ``verify --public`` checks that
-hash, and nothing of the public set reaches a site. Slow: minutes."""
+privacy report, the DPO's page and the synthesis certificate name them by the generated set's sha256,
+``verify --public`` checks that hash, and nothing of the public set reaches a site. Slow: minutes."""
 
 from __future__ import annotations
 
@@ -80,6 +80,15 @@ def test_demo_public_strokes_are_signed_released_reported_and_never_reach_a_site
         timeout=300,
     )
     assert v.returncode == 0 and "hash checked" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
+    synth = tmp_path / "synthetic"
+    g = subprocess.run(
+        [*CLI, "synthesize", "--release", str(out / "release"), "--num", "10", "--out", str(synth), *trusted],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert g.returncode == 0, g.stdout[-2000:] + g.stderr[-2000:]
+    assert sha[:16] in (synth / "certificate.json").read_text("utf-8")  # the certificate's release checks
 
     # Nothing of the public set in any site's folder (data, ledger, work files, logs): neither an image's
     # pixels (as generated or as floats) nor the path the coordinator reads it from. The messages themselves:

@@ -496,7 +496,9 @@ def pretrain_iterations(f: DataFacts) -> int:
     return max(PRETRAIN_MIN, min(want, int(PRETRAIN_SHARE * f.budget // per_step)))
 
 
-def _public_section(f: DataFacts) -> dict[str, Any]:
+def public_section(f: DataFacts) -> dict[str, Any]:
+    """The ``[public]`` pretraining settings for a public set of ``f.public``'s facts (the set itself is named
+    by ``stages.pretrain.with_public`` when the job is signed)."""
     return {
         "pretrain_iterations": pretrain_iterations(f),
         "pretrain_batch": PRETRAIN_BATCH,
@@ -631,7 +633,7 @@ def _sections(f: DataFacts, s: _Split, scale: float, restarts: int) -> dict[str,
         "sampler": _sampler(strong, s.frequency is not None),
     }
     if f.public is not None:
-        d["public"] = _public_section(f)
+        d["public"] = public_section(f)
     if s.frequency is not None and s.features is not None:
         d["frequency"] = _frequency_section(f, s.frequency, s.features)
     return d

@@ -64,6 +64,7 @@ from .jobfiles import (
 from .manifest import site_record
 from .onnx_export import SamplerSettings
 from .starts import mixed_start_images
+from .verify import public_words
 
 __all__ = [
     "ATTESTATIONS",
@@ -118,6 +119,9 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
         "skipped": summary["skipped"],
         "timings_s": summary["timings"],
     }
+    public = _signed_public(out_dir)
+    if public:
+        report["public_pretraining"] = public
     (out_dir / "privacy_report.json").write_text(json.dumps(report, indent=2), "utf-8")
     _budget_chart(out_dir, sites)
     lines = [f"Privacy report for job {report['job_id']} (unit of privacy: one image of one site)", ""]
@@ -147,8 +151,23 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
         "Stage figures are each stage alone; composition is sub-additive, the total is what counts.",
         "Each site's data never left it: only the noisy releases above did.",
     ]
+    if public:
+        lines.append(f"Public pretraining (in no site's ledger): {public_words(public)}.")
     (out_dir / "privacy_report.txt").write_text("\n".join(lines) + "\n", "utf-8")
     return report
+
+
+def _signed_public(out_dir: Path) -> dict[str, Any]:
+    """What the signed job names as seen before any private image (its ``[public]`` set or model file; {}:
+    none): public, so the report repeats it beside the spend it does not add to."""
+    path = out_dir / SIGNED_JOB
+    if not path.is_file():
+        return {}
+    section = json.loads(path.read_text("utf-8"))["job"]["config"].get("public") or {}
+    if not (section.get("sha256") or section.get("pretrained_sha256")):
+        return {}  # pretraining settings alone name nothing seen
+    keys = ("sha256", "count", "shape", "description", "pretrained_sha256")
+    return {k: section[k] for k in keys if section.get(k)}
 
 
 def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:

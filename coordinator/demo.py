@@ -227,7 +227,7 @@ def demo(
             timings["start_processes"] = time.monotonic() - t0
             status.update("[bold]running the federated job")
             t0 = time.monotonic()
-            summary = _run_job(out_dir, fed, cfg, address, console, status, device, public)
+            summary = _run_job(out_dir, fed, cfg, address, console, status, device, public=public)
             timings["job"] = time.monotonic() - t0
         _stop_all(procs)
         with _status(console, progress, "[bold]writing samples, privacy report and release"):

@@ -401,7 +401,7 @@ def test_demo_hands_its_device_to_the_nodes_the_coordinator_and_the_sample_grid(
     monkeypatch.setattr(
         demo, "_start_processes", lambda out, fed, procs, console, device: seen["node"].append(device)
     )
-    monkeypatch.setattr(demo, "_run_job", lambda *a: seen["job"].append(a[-1]) or {})
+    monkeypatch.setattr(demo, "_run_job", lambda *a, **k: seen["job"].append(a[-1]) or {})
     monkeypatch.setattr(finalize, "sample_grid", lambda out, device: seen["grid"].append(device) or Path("x"))
     monkeypatch.setattr(finalize, "privacy_report", lambda out: None)
     # stop there

@@ -31,10 +31,17 @@ def public_batch_bound(n_public: int, q: float, chunk: int) -> int:
     near 1: 308 rows for a site of 300 at q = 0.97 in chunks of 4). The cap is whole chunks covering n + 1,
     not n: a sample that fills the bound leaves no padding call, so its step would run one call fewer
     (``padding_chunks``) and time a site holding exactly n rows that drew them all (every step at q = 1).
-    Above n no sample fills the bound, so every step runs the same public number of calls."""
+    Above n no sample fills the bound, so every step runs the same public number of calls. The same holds
+    wherever the tail itself reaches n (q = 1: sd 0, the tail is n, whole chunks of it n when the chunk
+    divides n): the bound is then whole chunks covering n + 1 too."""
     mean, sd = q * n_public, math.sqrt(max(n_public * q * (1.0 - q), 0.0))
-    tail = _whole_chunks(math.ceil(mean + PAD_SIGMAS * sd), chunk)
-    return max(chunk, min(tail, _whole_chunks(n_public + 1, chunk)))
+    return max(chunk, _whole_chunks(_above_all_at_n(math.ceil(mean + PAD_SIGMAS * sd), n_public), chunk))
+
+
+def _above_all_at_n(tail: int, n: int) -> int:
+    """``tail`` rows, or n + 1 where the tail reaches the n rows a sample is drawn from: a bound no sample
+    of at most n rows can fill."""
+    return n + 1 if tail >= n else tail
 
 
 def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> int:
@@ -44,7 +51,8 @@ def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> 
     q·Σm_p and variance q(1-q)·Σm_p² <= q·cap·Σm_p; n (for Σm_p) is the PUBLIC nominal image count."""
     mean = q * n_images_public
     sd = math.sqrt(max(q * (1.0 - q) * cap * n_images_public, 0.0))
-    return max(chunk, _whole_chunks(math.ceil(mean + PAD_SIGMAS * sd), chunk))
+    tail = _above_all_at_n(math.ceil(mean + PAD_SIGMAS * sd), n_images_public)
+    return max(chunk, _whole_chunks(tail, chunk))
 
 
 def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
@@ -83,4 +91,6 @@ def site_step_rows(n_rows: int, n_public: int, q: float, chunk: int, patients: o
     bound = step_bound(rows, q, chunk, patients)
     if patients is None:
         return bound  # public_batch_bound caps at whole chunks of ``rows`` + 1 already
-    return min(bound, _whole_chunks(rows + 1, _patient_unit(chunk, patients)))
+    # whole CHUNKS at the end: padding runs in calls of ``chunk`` rows, and a bound that is not a whole number
+    # of them (cap > chunk, not a multiple) lets a sample one row short of it leave a call out
+    return _whole_chunks(min(bound, _whole_chunks(rows + 1, _patient_unit(chunk, patients))), chunk)

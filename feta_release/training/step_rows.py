@@ -58,7 +58,7 @@ def patient_rows_bound(n_images_public: int, q: float, cap: int, chunk: int) -> 
 def step_bound(n_public: int, q: float, chunk: int, patients: object = None) -> int:
     """The public row count of one step of a site's DP-SGD round: images (``public_batch_bound``) or, for a
     patient-level site (``patients``: its ``PatientIndex``), images of sampled patients
-    (``patient_rows_bound`` over the nominal image count ``n_public``, rounded to whole ``max(chunk, cap)``;
+    (``patient_rows_bound`` over the nominal image count ``n_public``, rounded to whole ``_patient_unit``s;
     the trainer runs it in calls of ``chunk`` rows, a patient's partial sum carried across a call
     boundary)."""
     if patients is None:
@@ -71,8 +71,10 @@ def _patient_cap(chunk: int, patients: object) -> int:
 
 
 def _patient_unit(chunk: int, patients: object) -> int:
-    """The rounding unit of a patient-level step: whole ``max(chunk, cap)`` images."""
-    return max(chunk, _patient_cap(chunk, patients))
+    """The rounding unit of a patient-level step: whole chunks covering ``max(chunk, cap)`` images. Whole
+    chunks, because padding runs in calls of ``chunk`` rows: a bound that is not a whole number of them lets
+    a sample one row short of it leave a call out (one call fewer: a timing channel)."""
+    return _whole_chunks(max(chunk, _patient_cap(chunk, patients)), chunk)
 
 
 def site_step_rows(n_rows: int, n_public: int, q: float, chunk: int, patients: object = None) -> int:
@@ -81,7 +83,7 @@ def site_step_rows(n_rows: int, n_public: int, q: float, chunk: int, patients: o
     which its padded whole-dataset passes already reveal; at or below it, to ``n_public`` itself). The node's
     trainer pads to it, and the job rules charge its time.
 
-    A patient-level step is also capped at whole ``max(chunk, cap)`` units covering that bucket + 1: its
+    A patient-level step is also capped at whole ``_patient_unit``s covering that bucket + 1: its
     images are the sampled patients' (at most ``cap`` each), a subset of the site's ``n_rows`` images, and
     the bucket is never below ``n_rows``, so no step can hold more, and none fills the bound (every step runs
     the same number of calls, as in ``public_batch_bound``). ``patient_rows_bound`` itself takes the nominal
@@ -91,6 +93,4 @@ def site_step_rows(n_rows: int, n_public: int, q: float, chunk: int, patients: o
     bound = step_bound(rows, q, chunk, patients)
     if patients is None:
         return bound  # public_batch_bound caps at whole chunks of ``rows`` + 1 already
-    # whole CHUNKS at the end: padding runs in calls of ``chunk`` rows, and a bound that is not a whole number
-    # of them (cap > chunk, not a multiple) lets a sample one row short of it leave a call out
-    return _whole_chunks(min(bound, _whole_chunks(rows + 1, _patient_unit(chunk, patients))), chunk)
+    return min(bound, _whole_chunks(rows + 1, _patient_unit(chunk, patients)))

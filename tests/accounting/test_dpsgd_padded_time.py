@@ -165,6 +165,9 @@ def _tail(rows: int, q: float, var: float, unit: int) -> int:
 )
 @example(n_rows=300, n_public=300, q=0.97, chunk=4, cap=None)  # 308 rows for a site of 300
 @example(n_rows=12, n_public=12, q=1 / 3, chunk=3, cap=3)  # 21 images for a site of 12
+@example(n_rows=386, n_public=1, q=0.5, chunk=2, cap=5)  # patient units of whole chunks: 6, not 5
+@example(n_rows=1, n_public=135, q=0.5, chunk=2, cap=5)
+@example(n_rows=1, n_public=1, q=1.0, chunk=2, cap=3)
 def test_a_step_is_never_padded_beyond_whole_chunks_of_the_sites_public_rows(
     n_rows: int, n_public: int, q: float, chunk: int, cap: int | None
 ) -> None:
@@ -176,7 +179,7 @@ def test_a_step_is_never_padded_beyond_whole_chunks_of_the_sites_public_rows(
     shorter than the others)."""
     rows = public_rows(n_rows, n_public)
     patients = None if cap is None else SimpleNamespace(cap=cap)
-    unit = chunk if cap is None else max(chunk, cap)
+    unit = chunk if cap is None else -(-max(chunk, cap) // chunk) * chunk  # whole chunks covering the cap
     var = rows * q * (1 - q) if cap is None else q * (1 - q) * cap * rows
     bound = site_step_rows(n_rows, n_public, q, chunk, patients)
     assert bound <= -(-(rows + 1) // unit) * unit

@@ -25,6 +25,7 @@ from feta_release.errors import ConfigError
 from feta_release.job_rules import (
     DPSGD_OVERHEAD,
     DataFacts,
+    Derivation,
     _dpsgd_batch,
     derive,
     dpsgd_step_rows,
@@ -92,6 +93,19 @@ derived_facts = st.builds(
 )
 
 
+def _derived_dpsgd(f: DataFacts) -> tuple[Derivation, int, float] | None:
+    """(the derived job, its DP-SGD steps, the seconds of the rest of its training), or None where no job
+    is derived (below the floor: nothing to time) or it runs no DP-SGD."""
+    try:
+        d = derive(f)
+    except ConfigError:
+        return None
+    steps = d.cfg.dpsgd_steps(f.size)
+    if steps == 0:
+        return None
+    return d, steps, estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(f=derived_facts)
 @example(f=DataFacts(100_000, 28, 28, 1, 10, 10.0, time_budget=3000.0))  # the budget binds, not 20 epochs
@@ -100,14 +114,10 @@ derived_facts = st.builds(
 def test_dpsgd_steps_from_the_time_budget_fit_it_padded(f: DataFacts) -> None:
     """The derived steps x the padded step cost + the rest of the job fit the budget, and one step more
     would not (unless 20 epochs cap the steps first); the printed estimate is that padded time."""
-    try:
-        d = derive(f)
-    except ConfigError:  # below the floor: no job, nothing to time
+    derived = _derived_dpsgd(f)
+    if derived is None:
         return
-    steps = d.cfg.dpsgd_steps(f.size)
-    if steps == 0:
-        return
-    rest = estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training
+    d, steps, rest = derived
     cost = padded_step_seconds(d.cfg, f)
     assert rest + steps * cost <= f.budget
     epochs_cap = -(-20 * f.size // _dpsgd_batch(f.size))  # the rule's at most 20 epochs
@@ -259,16 +269,12 @@ def test_federated_dpsgd_steps_are_the_whole_rounds_that_fit_the_budget(f: DataF
     """A federated job runs whole rounds of 5 local steps: the derived steps are whole rounds whose padded
     time (the slowest site's) + the rest of the job fit the budget, and one round more would not (unless 20
     epochs cap the steps first). Rounding the steps UP to whole rounds ran up to 4 steps past the budget."""
-    try:
-        d = derive(f)
-    except ConfigError:  # below the floor: no job, nothing to time
+    derived = _derived_dpsgd(f)
+    if derived is None:
         return
-    steps = d.cfg.dpsgd_steps(f.size)
-    if steps == 0:
-        return
+    d, steps, rest = derived
     assert steps % 5 == 0 and d.cfg.federation.rounds * d.cfg.federation.local_steps == steps
     assert steps >= 20  # the rules' minimum: 4 whole rounds (below it DP-SGD is off, and the note says so)
-    rest = estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training
     cost = federated_step_seconds(d.cfg, f)
     assert rest + steps * cost <= f.budget
     epochs_cap = -(-20 * f.size // _dpsgd_batch(f.size))

@@ -29,7 +29,8 @@ from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.config import load_preset
 from feta_release.data import load_embedded
-from feta_release.data.dataset import save_npz
+from feta_release.data.dataset import ImageDataset, save_npz
+from feta_release.data.public import refuse_private_copies
 from feta_release.data.splits import split_sites, train_heldout_split
 from feta_release.federation.procs import free_port
 from feta_release.job_rules import PublicFacts, job_toml
@@ -214,6 +215,8 @@ def demo(
             public = demo_public(
                 public_spec, public_description, out_dir, load_preset(preset), DIGITS_SHAPE, quick
             )  # read (a PATH: checked) before the federation is written
+            if public is not None:
+                refuse_site_images(public, per_site)
             fed, cfg = _prepare(
                 out_dir, epsilon, preset, rounds, local_steps, per_site, quick, secure, public
             )
@@ -337,6 +340,29 @@ def _copy(src: Path, dst: Path) -> None:
     dst.write_bytes(src.read_bytes())
 
 
+def site_datasets(per_site: int | None) -> tuple[dict[str, ImageDataset], ImageDataset]:
+    """({site id: its private digits}, the held-out digits): the embedded data split as the demo splits it."""
+    train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
+    parts = split_sites(train, N_SITES, seed=0)
+    if per_site is not None:
+        parts = [
+            p.subset(np.sort(np.random.default_rng(i).permutation(p.n)[:per_site]))
+            for i, p in enumerate(parts)
+        ]
+    return {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}, heldout
+
+
+def refuse_site_images(public: DemoPublic, per_site: int | None) -> None:
+    """Refuse a --public set holding any of the demo's sites' digits (``data.public.refuse_private_copies``),
+    before the federation is written. The demo may: it split those digits itself, so it learns nothing a
+    site would not want told. A real coordinator or site node must not (the argument beside that function):
+    there the signed job's public hash is the coordinator operator's declaration."""
+    sites, _ = site_datasets(per_site)
+    private = np.concatenate([d.images for d in sites.values()])
+    merged = ImageDataset(private, np.zeros(len(private), np.int64), ("digit",), "the demo's sites' digits")
+    refuse_private_copies(public.data, merged, public.path, f"the {len(private)} digits of the demo's sites")
+
+
 def _prepare(
     out_dir: Path,
     epsilon: float,
@@ -350,14 +376,7 @@ def _prepare(
 ) -> tuple[Any, Any]:
     from .setup import prepare_federation
 
-    train, heldout = train_heldout_split(load_embedded(), 0.2, seed=0)
-    parts = split_sites(train, N_SITES, seed=0)
-    if per_site is not None:
-        parts = [
-            p.subset(np.sort(np.random.default_rng(i).permutation(p.n)[:per_site]))
-            for i, p in enumerate(parts)
-        ]
-    datasets = {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}
+    datasets, heldout = site_datasets(per_site)
     fed = prepare_federation(out_dir / "federation", datasets)
     save_npz(heldout, out_dir / "federation" / "heldout.npz")
     # the job is planned from the sites' PUBLIC sizes (their policies), as a real coordinator must

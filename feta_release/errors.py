@@ -11,6 +11,7 @@ __all__ = [
     "PolicyError",
     "PolicyViolation",
     "PrivacyError",
+    "PrivateImagesInPublicSet",
     "ReleaseError",
 ]
 
@@ -31,6 +32,11 @@ class DataError(FetaError):
     """Input images or arrays cannot be used as given."""
 
     exit_code = 3
+
+
+class PrivateImagesInPublicSet(DataError):
+    """A public pretraining set holds copies of the private images (``data.public.refuse_private_copies``):
+    pretraining costs no epsilon, so those images would reach the release unprotected."""
 
 
 class PrivacyError(FetaError):

@@ -237,9 +237,7 @@ def train(
     job_for_size = None
     if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
         cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
-    public = _public_inputs(
-        cfg or base_job(), public_path, public_description, pretrained, load, data.image_shape
-    )
+    public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load, data)
     if cfg is None:  # the job derived from the data's public facts (and the --public set's)
         cfg, job_for_size = derived_jobs(
             req,
@@ -405,19 +403,23 @@ def _public_inputs(
     description: str,
     pretrained: Path | None,
     load: LoadOptions | None,
-    shape: tuple[int, int, int],
+    private: Any,
 ) -> Any:
     """--public / --pretrained as ``stages.pretrain.PublicInputs`` (None: neither), the set loaded as --data
-    is."""
+    is, and refused when it holds copies of the ``private`` images (both are read here: before the job is
+    derived, anything charged or written)."""
     if path is None and pretrained is None:
         if description:
             raise ConfigError("--public-description describes a --public set: give --public PATH too")
         return None
-    from ..data.public import load_public
+    from ..data.public import load_public, refuse_private_copies
     from ..stages.pretrain import PublicInputs
 
     job = LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
-    data = load_public(path, load.over(job) if load is not None else job, shape) if path is not None else None
+    opts = load.over(job) if load is not None else job
+    data = load_public(path, opts, private.image_shape) if path is not None else None
+    if data is not None:
+        refuse_private_copies(data, private, str(path), f"the private data {private.source}")
     return PublicInputs(data, description, pretrained)
 
 

@@ -8,14 +8,22 @@ loader's path is not hashed), its count, image shape, classes and a description,
 files can check what the model saw before any private image (``verify --public PATH``). Unlike a site's data,
 whose fingerprint is never published (``data.commitment``), a public set's hash is published on purpose: it is
 public.
+
+A public set must not hold the private images themselves: pretraining on it costs no epsilon, so a copy of a
+private image in it reaches the model, and so the release, with no noise at all. Where one process holds both
+(``train``, the demo) :func:`refuse_private_copies` refuses such a set before anything is charged or trained.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
-from ..errors import DataError
+import numpy as np
+
+from ..errors import DataError, PrivateImagesInPublicSet
 from .dataset import ImageDataset
 from .loading import LoadOptions, load_dataset
 
@@ -73,3 +81,63 @@ def public_problem(named: dict[str, Any], ds: ImageDataset) -> str | None:
         if want != rec[key]:
             return f"its {key} is {rec[key]} but the job names {want}: not the public set this job names"
     return None
+
+
+# -- copies of private images in a public set ------------------------------------------------------------
+
+_DIGEST_BYTES = 16  # blake2b-128: a chance collision among millions of images is ~1e-26, never a false count
+_CHUNK = 1024  # images quantised at once: bounded memory for large sets
+
+
+def _quantised(images: np.ndarray) -> Iterator[np.ndarray]:
+    """``images`` (N, ...) in their canonical comparison form, in chunks: uint8 as they are, floats in [0, 1]
+    rounded to the nearest of 256 levels, so an image stored as uint8 and the same image round-tripped
+    through float32 (k / 255, as the loaders return it) come out equal."""
+    for start in range(0, len(images), _CHUNK):
+        part = np.asarray(images[start : start + _CHUNK])
+        if part.dtype != np.uint8:
+            # float32 arithmetic, as ``save_npz(dtype="uint8")`` stores a set: its stored copy matches exactly
+            part = np.rint(np.clip(part.astype(np.float32), 0, 1) * np.float32(255)).astype(np.uint8)
+        yield np.ascontiguousarray(part)
+
+
+def image_digests(images: np.ndarray) -> list[bytes]:
+    """One blake2b digest per image of its quantised pixels and shape (:func:`_quantised`): equal images,
+    equal digests, compared in O(N + M) instead of pixel by pixel."""
+    shape = np.asarray(images.shape[1:], dtype="<i8").tobytes()
+    out = []
+    for part in _quantised(images):
+        for row in part:
+            out.append(hashlib.blake2b(shape + row.tobytes(), digest_size=_DIGEST_BYTES).digest())
+    return out
+
+
+def private_copies(public: np.ndarray, private: np.ndarray) -> int:
+    """How many of the ``public`` images are exact copies (after quantising to uint8) of some ``private``
+    image; a public image repeated k times counts k times, whatever the order of either set."""
+    if not len(public) or not len(private) or public.shape[1:] != private.shape[1:]:
+        return 0
+    seen = set(image_digests(private))
+    return sum(d in seen for d in image_digests(public))
+
+
+def refuse_private_copies(
+    public: ImageDataset, private: ImageDataset, path: str | os.PathLike, private_name: str
+) -> None:
+    """Refuse (one line: the public file, how many of its images are copies, the fix) a public set that holds
+    images of the private data, BEFORE anything is charged or trained.
+
+    Only where the process that reads the public set holds the private data anyway: ``train`` (``--data``
+    and ``--public`` are both read there) and ``demo`` (its sites' data are the embedded digits it split).
+    Never at a federation site or against site data: a node that refused a job because its public set holds
+    one of the node's images would tell the coordinator, who chose the public set, that this image is in the
+    site's data - membership disclosed with no noise, the very thing the release is protecting. In a
+    federation the signed job names the public set by its sha256, and that it holds no site's data is the
+    coordinator operator's declaration, as is everything else the job says is public."""
+    n = private_copies(public.images, private.images)
+    if n:
+        raise PrivateImagesInPublicSet(
+            f"{path}: {n} of its {public.n} images are exact copies of images in {private_name}, and a "
+            "public set must hold none of the private images (it costs no epsilon: pretraining on them "
+            "would release them unprotected); use a public set from another source"
+        )

@@ -32,6 +32,7 @@ from ..stages.pretrain import (
 from ..stages.prototypes import cell_prototypes
 from ..training.checkpoint import npz_bytes
 from ..training.device import resolve_device
+from ..training.warmup_loop import Progress as StepProgress
 from . import checkpoint_io
 from .anchors import AnchorStore
 from .driver import JobDriver, JobResult, Progress, global_ema
@@ -308,6 +309,26 @@ def _check_public(d: JobDriver, public: PublicInputs | None) -> None:
         )
 
 
+def _pretrain_progress(d: JobDriver, public: PublicInputs) -> StepProgress:
+    """The pretraining's ``pretrain`` events, as the spatial warm-up reports itself: what it trains on, then
+    the step and loss at every tenth of its steps (``progress.jsonl``; ``train``'s progress lines, the demo's
+    status line). Public values only: the step count and the loss on public images."""
+    pb = d.cfg.public
+    if public.data is not None and pb.pretrain_iterations > 0:
+        d.emit(
+            "pretrain",
+            f"public pretraining on {public.data.n} public images, {pb.pretrain_iterations} steps of "
+            f"{min(pb.pretrain_batch, public.data.n)}",
+        )
+    every = max(1, pb.pretrain_iterations // 10)
+
+    def progress(step: int, total: int, loss: float) -> None:
+        if step % every == 0:
+            d.emit("pretrain", f"pretrain {step}/{total} loss {loss:.4f}")
+
+    return progress
+
+
 def _save_public_model(d: JobDriver, model: nn.Module) -> None:
     """``pretrained.pt``: the model after public pretraining, reusable by ``--pretrained`` (named by its
     sha256 in the next job). Only when nothing private chose its data: with ``[public] selection`` the kept
@@ -345,8 +366,9 @@ def _warm_model(
         d.emit("warmup", "warm-up restored from checkpoint")
     else:
         if public is not None:  # public pretraining first, before any private release is used
-            info_pre = public_start(model, public, d.cfg, info.image_shape, tuple(info.class_names))
-            d.emit("warmup", f"public pretraining: {info_pre.get('steps', 0)} steps")
+            progress = _pretrain_progress(d, public)
+            info_pre = public_start(model, public, d.cfg, info.image_shape, tuple(info.class_names), progress)
+            d.emit("pretrain", f"public pretraining: {info_pre.get('steps', 0)} steps")
             _save_public_model(d, model)
             d.observe("after-pretrain", model)
         aux = warm_up(

@@ -3,11 +3,13 @@ first."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 
 from feta_release.config import JobConfig, load_preset
 from feta_release.data import ImageDataset, load_embedded
@@ -17,6 +19,7 @@ from feta_release.models.model_file import read_model_file
 from feta_release.planning import plan, stage_events
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import PRETRAINED_FILE, mapped_labels, with_public
+from feta_release.training.progress import Reporter
 from tests.support.training import site_requests, train_run
 
 pytestmark = pytest.mark.slow  # two tiny runs
@@ -42,7 +45,13 @@ def strokes() -> ImageDataset:
 
 
 @pytest.fixture(scope="module")
-def public_run(tmp_path_factory, strokes):
+def shown() -> io.StringIO:
+    """What ``train``'s progress lines (``--progress``, the default) showed of the public run."""
+    return io.StringIO()
+
+
+@pytest.fixture(scope="module")
+def public_run(tmp_path_factory, strokes, shown):
     out = tmp_path_factory.mktemp("pub") / "r"
     res = train_run(
         _cfg(),
@@ -51,6 +60,7 @@ def public_run(tmp_path_factory, strokes):
         n_synthetic=10,
         public_size=240,
         public=PublicInputs(strokes, "procedural pen strokes, seed 4"),
+        reporter=Reporter(enabled=True, console=Console(file=shown, width=200)),
     )
     return out, res
 
@@ -65,6 +75,19 @@ def test_the_job_names_the_public_set_by_hash_count_shape_and_description(public
     said = [json.loads(line)["message"] for line in (out / "progress.jsonl").read_text().splitlines()]
     assert "public pretraining: 6 steps" in said
     assert list((out / "grids").glob("*-after-pretrain.png"))
+
+
+def test_pretraining_reports_its_progress_as_the_warm_ups_do(public_run, shown):
+    out, _ = public_run
+    events = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    said = [e["message"] for e in events if e["phase"] == "pretrain"]
+    assert said[0] == "public pretraining on 64 public images, 6 steps of 16"
+    assert [m.split(" loss ")[0] for m in said[1:-1]] == [f"pretrain {i}/6" for i in range(1, 7)]
+    assert said[-1] == "public pretraining: 6 steps"
+    phases = [e["phase"] for e in events]
+    first_warmup = phases.index("warmup")
+    assert max(i for i, p in enumerate(phases) if p == "pretrain") < first_warmup  # before the warm-ups
+    assert "pretrain: pretrain 6/6 loss" in shown.getvalue()  # train's progress lines show it
 
 
 def test_pretraining_costs_nothing_in_the_ledger(public_run):
@@ -199,10 +222,12 @@ def test_train_reads_public_through_the_private_loader_and_refuses_a_stray_descr
     from feta_release.data import save_npz
 
     save_npz(strokes, tmp_path / "public.npz", dtype="uint8")
-    got = _public_inputs(_cfg(), str(tmp_path / "public.npz"), "strokes", None, None, (1, 28, 28))
+    private = _data(20)
+    got = _public_inputs(_cfg(), str(tmp_path / "public.npz"), "strokes", None, None, private)
     assert got.data.n == 64 and got.description == "strokes" and got.data.image_shape == (1, 28, 28)
+    private32 = generate_dataset("strokes", 4, size=32, seed=0)
     with pytest.raises(DataError, match="private data's"):
-        _public_inputs(_cfg(), str(tmp_path / "public.npz"), "", None, None, (1, 32, 32))
+        _public_inputs(_cfg(), str(tmp_path / "public.npz"), "", None, None, private32)
     with pytest.raises(ConfigError, match="--public PATH"):
-        _public_inputs(_cfg(), None, "a description without a set", None, None, (1, 28, 28))
-    assert _public_inputs(_cfg(), None, "", None, None, (1, 28, 28)) is None
+        _public_inputs(_cfg(), None, "a description without a set", None, None, private)
+    assert _public_inputs(_cfg(), None, "", None, None, private) is None

@@ -35,8 +35,10 @@ class DataError(FetaError):
 
 
 class PrivateImagesInPublicSet(DataError):
-    """A public pretraining set holds copies of the private images (``data.public.refuse_private_copies``):
-    pretraining costs no epsilon, so those images would reach the release unprotected."""
+    """A public pretraining set holds copies of the private images, which would be released unprotected.
+
+    Pretraining costs no epsilon; ``data.public.refuse_private_copies`` refuses such a set where one process
+    reads both."""
 
 
 class PrivacyError(FetaError):

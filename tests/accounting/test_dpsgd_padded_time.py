@@ -189,7 +189,7 @@ def _site_rounds(draw: st.DrawFn) -> tuple[JobConfig, DataFacts, int, PatientInd
     chunk, steps, share = draw(st.integers(1, 8)), draw(st.integers(1, 2)), draw(st.floats(0.05, 1.0))
     patients, pf, population = None, None, n_public
     if draw(st.booleans()):
-        cap, sizes = draw(st.integers(1, 4)), []
+        cap, sizes = draw(st.integers(1, 4)), list[int]()
         while sum(sizes) < n_rows:
             sizes.append(min(draw(st.integers(1, cap)), n_rows - sum(sizes)))
         population = draw(st.integers(1, n_public))  # the policy's nominal patients, not the exact count
@@ -203,7 +203,7 @@ def _site_rounds(draw: st.DrawFn) -> tuple[JobConfig, DataFacts, int, PatientInd
     return cfg, facts, n_rows, patients
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=_site_rounds())
 @example(
     case=(
@@ -223,7 +223,7 @@ def test_the_rules_charge_each_step_the_rows_a_node_round_pushes_through_the_cli
     cfg, facts, n_rows, patients = case
     with pytest.MonkeyPatch.context() as mp:
         rows = _rows_a_node_round_processes(mp, cfg, n_rows, facts.size, patients)
-    assert rows == cfg.dpsgd.steps * dpsgd_step_rows(cfg, facts)
+    assert rows == cfg.dpsgd_steps(facts.size) * dpsgd_step_rows(cfg, facts)
 
 
 def _tail(rows: int, q: float, var: float, unit: int) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from feta_release.errors import ConfigError
-from feta_release.job_rules import DataFacts, Derivation, default_delta, derive
+from feta_release.job_rules import DataFacts, Derivation, default_delta, derive, policy_patient_facts
 from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
 from feta_release.policy.envelope import read_json
 
@@ -77,6 +77,8 @@ def facts_from_policies(
         federated=True,
         # each site pads its DP-SGD steps over its own size: the time rules charge the slowest site's rows
         site_sizes=tuple(int(p.dataset_size) for p in policies),
+        # a patient-level site samples its public patients and pads whole patients' images: charged so
+        site_patients=tuple(policy_patient_facts(p) for p in policies),
     )
 
 

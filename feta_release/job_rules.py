@@ -74,6 +74,8 @@ from .training.step_rows import site_step_rows
 __all__ = [
     "DataFacts",
     "Derivation",
+    "PatientFacts",
+    "policy_patient_facts",
     "Estimate",
     "check_facts",
     "default_delta",
@@ -147,6 +149,27 @@ def public_facts(ds: Any) -> PublicFacts:
 
 
 @dataclass(frozen=True)
+class PatientFacts:
+    """A PATIENT-level site's public patient facts (its signed policy's ``dataset.patients`` and
+    ``dataset.patient_cap``): its DP-SGD samples whole patients at q = batch / ``patients`` and pads each step
+    in whole chunks covering ``max(chunk, cap)`` images (``training.step_rows.site_step_rows``, which reads
+    ``cap`` as it reads a node's ``PatientIndex``)."""
+
+    patients: int
+    cap: int
+
+
+def policy_patient_facts(policy: Any) -> PatientFacts | None:
+    """A site policy's public patient facts (``dataset.patients``, ``dataset.patient_cap``) where its unit of
+    privacy is the patient, as its node reads them into its ``PatientIndex`` (``edge.site``); None where the
+    unit is the image."""
+    cap = policy.unit_cap
+    if cap is None or not policy.patients:
+        return None
+    return PatientFacts(int(policy.patients), int(cap))
+
+
+@dataclass(frozen=True)
 class DataFacts:
     """The public facts a job is derived from. ``size``: declared or noisy-drawn, never an exact private
     count; ``size_drawn``: it comes from the run's noisy count (its event is charged first, so the rules leave
@@ -171,6 +194,10 @@ class DataFacts:
     # a federation's sites' declared (PUBLIC) sizes: each samples the one signed DP-SGD batch (sized at the
     # smallest) at q = batch / its own size, all in parallel; () where unknown: costed as one site of ``size``
     site_sizes: tuple[int, ...] = ()
+    # each site's patient facts, aligned with ``site_sizes`` (None: an image-level site; (): every site is)
+    site_patients: tuple[PatientFacts | None, ...] = ()
+    # the one site's patient facts (a local run or ``privacy plan`` of a patient-level site); None: images
+    patients: PatientFacts | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -259,6 +286,16 @@ def check_facts(f: DataFacts) -> None:
         all(isinstance(n, int) and n >= 1 for n in f.site_sizes) and (f.federated or not f.site_sizes),
         f"site sizes are a federation's positive declared sizes, got {list(f.site_sizes)}",
     )
+    need(
+        not f.site_patients or len(f.site_patients) == len(f.site_sizes),
+        f"site patients are one entry per site size, got {len(f.site_patients)} for {len(f.site_sizes)}",
+    )
+    for p in (f.patients, *f.site_patients):
+        need(
+            p is None
+            or (isinstance(p.patients, int) and isinstance(p.cap, int) and min(p.patients, p.cap) >= 1),
+            f"a patient-level site's public patients and patient cap must be positive integers, got {p}",
+        )
     if f.public is not None:
         need(
             isinstance(f.public.size, int) and f.public.size >= 1,
@@ -530,18 +567,24 @@ def dpsgd_step_rows(cfg: JobConfig, facts: DataFacts) -> int:
     A federation with known ``site_sizes``: every site is signed for one batch (``cfg``'s rate at the
     smallest site, ``coordinator.derive.federated_job``) and pads each step over its OWN size at q = batch /
     that size; the sites step in parallel, so a step takes the slowest site's time: the most padded rows of
-    any site. Unknown sites: one site of the summed size N (an upper bound on any split of N)."""
+    any site. Unknown sites: one site of the summed size N (an upper bound on any split of N). A
+    patient-level site (``site_patients``, ``patients``) samples its public patients and pads as its node does
+    (:func:`_site_step_rows`)."""
     if facts.federated and facts.site_sizes:
         signed_at = min(facts.site_sizes)
-        return max(_site_step_rows(cfg, n, signed_at) for n in set(facts.site_sizes))
-    return _site_step_rows(cfg, facts.size, facts.size)
+        units = facts.site_patients or (None,) * len(facts.site_sizes)
+        return max(_site_step_rows(cfg, n, signed_at, p) for n, p in set(zip(facts.site_sizes, units)))
+    return _site_step_rows(cfg, facts.size, facts.size, facts.patients)
 
 
-def _site_step_rows(cfg: JobConfig, n: int, signed_at: int) -> int:
-    """The padded rows of a site of public size ``n`` sampling ``cfg``'s batch, sized at ``signed_at``."""
+def _site_step_rows(cfg: JobConfig, n: int, signed_at: int, patients: PatientFacts | None = None) -> int:
+    """The padded rows of a site of public size ``n`` sampling ``cfg``'s batch, sized at ``signed_at``: over
+    its images, or (``patients``) over its public patients at q = batch / patients, as the planner's event
+    (``planning.site_dpsgd``) and the node's pad (``edge.releases``: ``site_step_rows`` with its
+    ``PatientIndex``, whose public ``cap`` sets the padding unit and the sample's variance bound)."""
     batch = cfg.for_size(signed_at).dpsgd.batch
-    q = stage_sampling_rate(batch, n, "dpsgd")
-    return site_step_rows(n, n, q, cfg.dpsgd.physical_batch)
+    q = stage_sampling_rate(batch, n if patients is None else patients.patients, "dpsgd")
+    return site_step_rows(n, n, q, cfg.dpsgd.physical_batch, patients)
 
 
 def dpsgd_step_seconds(cfg: JobConfig, facts: DataFacts) -> float:

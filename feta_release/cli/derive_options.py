@@ -100,11 +100,14 @@ def derived_jobs(
     load: Any,
     emit: Callable[[str], None],
     public: Any = None,
+    patients: Any = None,
 ) -> tuple[JobConfig, Callable[[int], JobConfig] | None]:
     """(the job to run or to draw the size under, the job as a function of the drawn size or None): derived
     from the data's public facts (shape, classes) and the declared size (``public_size``, the policy's), else
     from the size the run draws; ``public`` (a loaded --public set, or None) adds its pretraining
-    (``job_rules.PublicFacts``). ``emit`` gets the derived job's TOML."""
+    (``job_rules.PublicFacts``); ``patients`` (a patient-level site's ``job_rules.PatientFacts``, its DECLARED
+    public patients and cap, or None) times DP-SGD as its node pads whole patients. ``emit`` gets the derived
+    job's TOML."""
     from ..job_rules import DataFacts, derivation_toml, derive, facts_at, public_facts, sizing_size
 
     assert req.epsilon is not None
@@ -131,6 +134,7 @@ def derived_jobs(
         public=public_facts(public) if public is not None else None,
         dpsgd=req.dpsgd or "auto",  # type: ignore[arg-type]  # click.Choice checked it
         class_names=tuple(data.class_names),
+        patients=patients,
     )
 
     def job_at(n: int) -> JobConfig:

@@ -143,9 +143,27 @@ def plan(
     from ..privacy_unit import PrivacyUnit
 
     derived = (shape, classes, epsilon, delta, time_budget)
+    if public_patients is not None and patient_cap is None:
+        raise click.UsageError(
+            "--patients plans patient-level DP-SGD, which needs patient ids: give --patient-cap K"
+        )
     if job_file is None:
+        if policy_path is not None or n_sites is not None or max_images_per_person is not None:
+            raise click.UsageError(
+                "--policy, --sites and --max-images-per-person plan JOB_FILE: give it, or drop them"
+            )
         _plan_derived(
-            dataset_size, shape, classes, epsilon, delta, time_budget, for_device, declared_size, as_json
+            dataset_size,
+            shape,
+            classes,
+            epsilon,
+            delta,
+            time_budget,
+            for_device,
+            declared_size,
+            as_json,
+            patient_cap=patient_cap,
+            public_patients=public_patients,
         )
         return
     if any(v is not None for v in derived):
@@ -174,10 +192,6 @@ def plan(
     if patient_cap is not None and max_images_per_person is not None:
         raise click.UsageError(
             "give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both"
-        )
-    if public_patients is not None and patient_cap is None:
-        raise click.UsageError(
-            "--patients plans patient-level DP-SGD, which needs patient ids: give --patient-cap K"
         )
     unit = (
         PrivacyUnit("patient", patient_cap)
@@ -245,14 +259,20 @@ def _plan_derived(
     device: str,
     declared: bool,
     as_json: bool,
+    *,
+    patient_cap: int | None = None,
+    public_patients: int | None = None,
 ) -> None:
-    """The job derived from public facts (feta_release.job_rules), as TOML, and its plan."""
+    """The job derived from public facts (feta_release.job_rules), as TOML, and its plan: per patient with
+    ``patient_cap``; with ``public_patients`` too, planned and timed as ``train`` runs it at a patient-level
+    site (DP-SGD samples whole patients at q = batch / patients, each step padded to whole patients' images:
+    ``job_rules.PatientFacts``)."""
     if shape is None or classes is None or eps is None:
         raise click.UsageError(
             "give JOB_FILE, or --shape, --classes and --epsilon (and --size) to plan the job "
             "`train` derives from them"
         )
-    from ..job_rules import DataFacts, derivation_toml, derive
+    from ..job_rules import DataFacts, PatientFacts, derivation_toml, derive
     from ..mechanisms.count import size_event
     from ..planning import DEFAULT_DATASET_SIZE
     from ..planning import plan as plan_privacy
@@ -271,10 +291,18 @@ def _plan_derived(
         device=device,  # type: ignore[arg-type]  # click.Choice: "cpu" or "cuda", typed str
         time_budget=parse_duration(time_budget) if time_budget else None,
         size_drawn=not declared,
+        patients=None if public_patients is None else PatientFacts(public_patients, int(patient_cap or 1)),
     )
     d = derive(facts)
     result = plan_privacy(
-        d.cfg, n, image_shape=(c, h, w), n_classes=classes, size=None if declared else size_event()
+        d.cfg,
+        n,
+        image_shape=(c, h, w),
+        n_classes=classes,
+        size=None if declared else size_event(),
+        dpsgd_unit="image" if public_patients is None else "patient",
+        dpsgd_size=public_patients,
+        patient_cap=patient_cap,
     )
     if as_json:
         click.echo(

@@ -248,6 +248,7 @@ def train(
             load,
             lambda text: click.echo(text, err=as_json),
             public=public.data if public is not None else None,
+            patients=_declared_patients(patients, public_patients),
         )
     rep = Reporter(enabled=progress)
     opts = TrainOptions(
@@ -325,6 +326,17 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
             "job: drop them, or drop JOB / --preset to derive the job from the data"
         )
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
+
+
+def _declared_patients(patients: Any, public_patients: int | None) -> Any:
+    """The patient facts the derived job's time model reads (``job_rules.PatientFacts``): the DECLARED public
+    patients (--public-patients, the policy's) and the cap; None at an image-level run, or where the run draws
+    its patient count (the job is then timed as image-level)."""
+    from ..job_rules import PatientFacts
+
+    if patients is None or public_patients is None:
+        return None
+    return PatientFacts(int(public_patients), int(patients.cap))
 
 
 def _fit_preset(cfg: Any, name: str, data: Any, public_size: int | None, policy: Any) -> Any:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -26,6 +28,7 @@ from feta_release.job_rules import (
     DPSGD_OVERHEAD,
     DataFacts,
     Derivation,
+    PatientFacts,
     _dpsgd_batch,
     derive,
     dpsgd_step_rows,
@@ -33,6 +36,7 @@ from feta_release.job_rules import (
     seconds_per_pass,
 )
 from feta_release.planning import stage_sampling_rate
+from feta_release.privacy_unit import PatientIndex
 from feta_release.training.padding import public_rows, site_step_rows, step_bound
 from tests.support.dpsgd import random_site
 from tests.support.federation import tiny_job
@@ -127,9 +131,15 @@ def test_dpsgd_steps_from_the_time_budget_fit_it_padded(f: DataFacts) -> None:
 
 
 def _rows_a_node_round_processes(
-    monkeypatch: pytest.MonkeyPatch, cfg: JobConfig, n: int, n_public: int
+    monkeypatch: pytest.MonkeyPatch,
+    cfg: JobConfig,
+    n: int,
+    n_public: int,
+    patients: PatientIndex | None = None,
 ) -> int:
-    """Rows through the per-example clip (real and padding alike) in ``edge.releases.dpsgd_round``."""
+    """Rows through the per-example clip (real and padding alike) in ``edge.releases.dpsgd_round``; with
+    ``patients`` (the index a patient-level site's node builds from its policy) a patient-level round, at
+    q = batch / the public patients, as the planner's event for that site."""
     from edge.releases import dpsgd_round
 
     rows = 0
@@ -143,9 +153,11 @@ def _rows_a_node_round_processes(
 
     monkeypatch.setattr(dp, "clip_and_sum", counted)
     ds, weights = random_site(n, 0, cfg)
-    q = stage_sampling_rate(cfg.dpsgd.batch, n_public, "dpsgd")
-    event = PrivacyEvent("dpsgd", 1.5, q, cfg.dpsgd_steps(n_public))
-    dpsgd_round(ds, cfg, copy.deepcopy(weights), event, torch.Generator().manual_seed(0), n_public)
+    unit, population = ("image", n_public) if patients is None else ("patient", patients.n_public)
+    q = stage_sampling_rate(cfg.dpsgd.batch, population, "dpsgd")
+    event = PrivacyEvent("dpsgd", 1.5, q, cfg.dpsgd_steps(n_public), unit=unit)
+    gen = torch.Generator().manual_seed(0)
+    dpsgd_round(ds, cfg, copy.deepcopy(weights), event, gen, n_public, patients)
     return rows
 
 
@@ -157,6 +169,61 @@ def test_the_cost_model_charges_the_rows_a_node_round_processes(monkeypatch: pyt
     rows = _rows_a_node_round_processes(monkeypatch, cfg, 13, 20)
     assert rows == 3 * dpsgd_step_rows(cfg, f) == 3 * padded_rows(cfg, 20)
     assert dpsgd_step_rows(cfg, f) > cfg.dpsgd.batch  # 16 rows a step against the expected 4
+
+
+def _patient_ids(sizes: list[int]) -> np.ndarray:
+    """Per-image patient ids (0..P-1) of patients holding ``sizes`` images each, interleaved (a patient's
+    images need not be adjacent in the site's files)."""
+    ids = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    return np.random.default_rng(len(sizes)).permutation(ids)
+
+
+@st.composite
+def _site_rounds(draw: st.DrawFn) -> tuple[JobConfig, DataFacts, int, PatientIndex | None]:
+    """(a job of 1-2 DP-SGD steps, the PUBLIC facts the rules read, the site's real image count, the
+    ``PatientIndex`` its node builds from its policy or None): a site at or below its public size, image- or
+    patient-level (at most ``cap`` images a patient, as the loader caps them), alone or a federation of
+    one."""
+    n_public = draw(st.integers(2, 48))
+    n_rows = n_public - draw(st.integers(0, min(3, n_public - 1)))
+    chunk, steps, share = draw(st.integers(1, 8)), draw(st.integers(1, 2)), draw(st.floats(0.05, 1.0))
+    patients, pf, population = None, None, n_public
+    if draw(st.booleans()):
+        cap, sizes = draw(st.integers(1, 4)), list[int]()
+        while sum(sizes) < n_rows:
+            sizes.append(min(draw(st.integers(1, cap)), n_rows - sum(sizes)))
+        population = draw(st.integers(1, n_public))  # the policy's nominal patients, not the exact count
+        patients = PatientIndex(_patient_ids(sizes), population, cap)
+        pf = PatientFacts(population, cap)
+    batch = max(1, min(population, round(share * population)))
+    cfg = tiny_job(dpsgd={"batch": batch, "physical_batch": chunk, "steps": steps})
+    facts = DataFacts(n_public, 16, 16, 1, 10, 1.0, patients=pf)
+    if draw(st.booleans()):  # a federation of one: the rules read the site's policy facts per site
+        facts = replace(facts, patients=None, federated=True, site_sizes=(n_public,), site_patients=(pf,))
+    return cfg, facts, n_rows, patients
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_site_rounds())
+@example(
+    case=(
+        tiny_job(dpsgd={"batch": 5, "physical_batch": 4, "steps": 2}),
+        DataFacts(24, 16, 16, 1, 10, 1.0, patients=PatientFacts(8, 3)),
+        24,
+        PatientIndex(_patient_ids([3] * 8), 8, 3),
+    )
+)
+def test_the_rules_charge_each_step_the_rows_a_node_round_pushes_through_the_clip(
+    case: tuple[JobConfig, DataFacts, int, PatientIndex | None],
+) -> None:
+    """Image- or patient-level, the rules' padded rows per step (``dpsgd_step_rows``, from public facts only)
+    are the rows every step of the site's real node round runs through the per-example clip. A patient-level
+    site charged as an image-level one (q = batch / images, no cap in the variance, chunk units) was charged
+    16 rows a step where its node runs 28 (24 images of 8 patients, 3 each; 5 patients sampled a step)."""
+    cfg, facts, n_rows, patients = case
+    with pytest.MonkeyPatch.context() as mp:
+        rows = _rows_a_node_round_processes(mp, cfg, n_rows, facts.size, patients)
+    assert rows == cfg.dpsgd_steps(facts.size) * dpsgd_step_rows(cfg, facts)
 
 
 def _tail(rows: int, q: float, var: float, unit: int) -> int:

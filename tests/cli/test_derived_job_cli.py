@@ -130,6 +130,33 @@ def test_privacy_plan_shows_the_derived_job_from_public_facts(capsys: Any) -> No
     assert code == 2 and "below the floor" in err
 
 
+def test_privacy_plan_plans_the_derived_job_per_patient_as_train_runs_it(capsys: Any) -> None:
+    """--patients and --patient-cap beside the public facts: the derived job is planned as `train` runs it at
+    a patient-level site (DP-SGD samples whole patients at q = batch / patients, events of unit "patient", the
+    budget per patient), where they were silently dropped and an image-level plan printed. Its warm-up over a
+    cap of 3 spends 3 times its epsilon per patient: refused, naming that figure, not planned per image."""
+    facts = [
+        "--size",
+        "100000",
+        "--shape",
+        "28x28x1",
+        "--classes",
+        "10",
+        "--epsilon",
+        "10",
+        "--declared-size",
+    ]
+    facts += ["--time-budget", "50m", "--json"]
+    code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "1", "--patients", "100000"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    sgd = [e for e in data["history"] if e["stage"] == "dpsgd"]
+    assert sgd and sgd[0].get("unit") == "patient"
+    assert sgd[0]["q"] == pytest.approx(data["derived_job"]["dpsgd"]["batch"] / 100_000)
+    code, _, err = _run(["privacy", "plan", *facts, "--patient-cap", "3", "--patients", "40000"], capsys)
+    assert code != 0 and "PER PATIENT" in err and "group privacy over 3" in err
+
+
 def test_privacy_plan_refuses_a_bad_shape(capsys: Any) -> None:
     code, _, err = _run(["privacy", "plan", "--shape", "28by28", "--classes", "10", "--epsilon", "1"], capsys)
     assert code == 2 and "HxWxC" in err

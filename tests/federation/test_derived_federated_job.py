@@ -29,6 +29,7 @@ def _policies(
     coord: Ed25519PrivateKey,
     declared: dict[str, DataDeclaration] | None = None,
     per_job: tuple[float, float] = (1.0, 1e-5),
+    patient_level: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[list[Path], dict[str, Any]]:
     files, opened = [], {}
     for sid, n in sizes.items():
@@ -42,6 +43,7 @@ def _policies(
             declared=(declared or {}).get(sid, DIGITS),
             lifetime=(max(4.0, 2 * per_job[0]), 1e-5),
             per_job=per_job,
+            patient_level=(patient_level or {}).get(sid),
         )
         signed = sign_policy(doc, site)
         path = tmp_path / f"{sid}.signed.json"
@@ -128,5 +130,38 @@ def test_a_derived_federated_step_is_charged_the_slowest_sites_padded_rows(tmp_p
     assert dpsgd_step_rows(cfg, d.facts) == max(padded.values()) < cfg.dpsgd.batch * len(sizes)
     steps = cfg.dpsgd_steps(d.facts.size)
     assert steps >= 20 and steps % 5 == 0
+    assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * dpsgd_step_seconds(cfg, d.facts), abs=0.05)
+    assert d.estimate.training <= 1200.0
+
+
+def test_a_patient_level_site_is_charged_the_whole_patients_its_node_pads_to(tmp_path: Path) -> None:
+    """A patient-level site (its policy: 8,000 public patients, at most 4 images each) samples whole patients
+    at q = batch / patients and pads each step to the images of q·P patients + 5 sd (variance bound q·cap·N),
+    in whole chunks covering its cap: ``site_step_rows`` with the ``PatientIndex`` its node builds from the
+    policy. Charged as an image-level site of its 20,000 images (q = batch / images), its step cost 2,272 rows
+    against the 5,760 its node runs, and the derived job bought 180 steps where its time budget holds 70."""
+    import numpy as np
+
+    from feta_release.job_rules import dpsgd_step_rows, dpsgd_step_seconds
+    from feta_release.planning import stage_sampling_rate
+    from feta_release.privacy_unit import PatientIndex
+    from feta_release.training.step_rows import site_step_rows
+
+    coord = Ed25519PrivateKey.generate()
+    sizes = {"st-mary": 20_000, "st-luke": 20_000}
+    files, pols = _policies(
+        tmp_path, sizes, coord, per_job=(10.0, 1e-5), patient_level={"st-luke": (8000, 4)}
+    )
+    d, _ = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    cfg, chunk, batch = d.cfg, d.cfg.dpsgd.physical_batch, d.cfg.dpsgd.batch
+    luke = pols["st-luke"]
+    node_index = PatientIndex(np.zeros(1, dtype=np.int64), int(luke.patients), int(luke.patient_cap))
+    as_images = site_step_rows(20_000, 20_000, stage_sampling_rate(batch, 20_000, "dpsgd"), chunk)
+    q_patients = stage_sampling_rate(batch, node_index.n_public, "dpsgd")
+    as_patients = site_step_rows(20_000, 20_000, q_patients, chunk, node_index)
+    assert (batch, chunk, as_images, as_patients) == (2048, 32, 2272, 5760)
+    assert dpsgd_step_rows(cfg, d.facts) == as_patients  # the slowest site: the patient-level one
+    steps = cfg.dpsgd_steps(d.facts.size)
+    assert steps >= 20 and steps == 5 * cfg.federation.rounds
     assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * dpsgd_step_seconds(cfg, d.facts), abs=0.05)
     assert d.estimate.training <= 1200.0

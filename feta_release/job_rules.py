@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from .accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma
+from .accounting import MAX_NOISE_MULTIPLIER, PrivacyEvent, epsilon, smallest_fitting_sigma, unit_epsilon
 from .config import JobConfig
 from .data.dataset import check_site_memory
 from .errors import ConfigError, DataError, FetaError, PrivacyError
@@ -321,11 +321,26 @@ def _first(f: DataFacts) -> list[PrivacyEvent]:
     return [size_event()] if f.size_drawn else []
 
 
+def job_patient_cap(f: DataFacts) -> int | None:
+    """The patient cap the job's budget is counted over: a patient-level site's, or in a federation the
+    largest of its patient-level sites' (the warm-up releases are one signed job, so the most constrained
+    site decides their noise); None where every site's unit is the image."""
+    caps = [p.cap for p in (f.patients, *f.site_patients) if p is not None]
+    return max(caps) if caps else None
+
+
+def _spent(f: DataFacts, events: list[PrivacyEvent]) -> float:
+    """The job's epsilon of ``events`` as the planner and the ledger count it: per patient at a patient-level
+    site (``accounting.patient_epsilon``: image-level releases by group privacy over the cap), else per
+    image."""
+    return unit_epsilon(events, f.job_delta, patient_cap=job_patient_cap(f))
+
+
 def _fit_sigma(f: DataFacts, prior: list[PrivacyEvent], stage: str, target: float) -> float:
-    """Smallest sigma of one q = 1 release of ``stage`` that keeps prior + it within ``target``."""
-    delta = f.job_delta
+    """Smallest sigma of one q = 1 release of ``stage`` that keeps prior + it within ``target`` (per patient
+    at a patient-level site)."""
     return smallest_fitting_sigma(
-        lambda s: epsilon(prior + [PrivacyEvent(stage, s, 1.0, 1)], delta),
+        lambda s: _spent(f, prior + [PrivacyEvent(stage, s, 1.0, 1)]),
         target,
         tol=0.005,
         max_sigma=MAX_NOISE_MULTIPLIER,
@@ -342,7 +357,7 @@ def _up(sigma: float) -> float:
 def _check_size_event(f: DataFacts) -> None:
     if not f.size_drawn:
         return
-    spent = epsilon(_first(f), f.job_delta)
+    spent = _spent(f, _first(f))
     if spent >= 0.5 * f.epsilon:
         raise ConfigError(
             f"derived job: epsilon {f.epsilon:g} is too small to draw the public size too: the noisy count "
@@ -386,7 +401,7 @@ def _floor(f: DataFacts, sigma_all: float, clip: float, values: int) -> None:
         return
     n_min = math.ceil(f.size * r / MOSTLY_NOISE)
     need_sigma = MOSTLY_NOISE * f.size / (f.n_classes * clip)
-    eps_min = epsilon(_first(f) + [PrivacyEvent("central", need_sigma, 1.0, 1)], f.job_delta) / FILL
+    eps_min = _spent(f, _first(f) + [PrivacyEvent("central", need_sigma, 1.0, 1)]) / FILL
     raise ConfigError(
         f"derived job: below the floor: {f.size} images in {f.n_classes} classes at epsilon {f.epsilon:g} - "
         f"even the strongest release (central images, the whole budget, one pass, one image per class) would "
@@ -491,6 +506,19 @@ def _dpsgd_batch(n: int) -> int:
     return max(1, min(n, max(256, min(4096, round(0.25 * n)))))
 
 
+def _dpsgd_units(f: DataFacts) -> int:
+    """What DP-SGD samples from: a patient-level site's public patients (its batch is at most them, as its
+    node requires), else the images."""
+    return f.size if f.patients is None else min(f.size, f.patients.patients)
+
+
+def _dpsgd_rate(f: DataFacts) -> float:
+    """The ``[dpsgd]`` rate of the rules' batch over the images; at a patient-level site rounded DOWN, so that
+    the batch it gives (rate x images) is never above the public patients."""
+    r = _dpsgd_batch(_dpsgd_units(f)) / f.size
+    return round(r, 6) if f.patients is None else math.floor(r * 1e6) / 1e6
+
+
 def _physical(values: int) -> int:
     return max(4, min(32, 4 * round(8 * 784 / values)))
 
@@ -498,7 +526,7 @@ def _physical(values: int) -> int:
 def _dpsgd_section(f: DataFacts) -> dict[str, Any]:
     """The derived job's ``[dpsgd]`` section, steps 0 (set from the time budget by ``_dpsgd_steps``)."""
     return {
-        "rate": round(_dpsgd_batch(f.size) / f.size, 6),
+        "rate": _dpsgd_rate(f),
         "steps": 0,
         "clip": 1.0,
         "noise_multiplicity": 1,
@@ -726,7 +754,8 @@ def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
     :data:`LOCAL_STEPS`, rounded DOWN (rounded up, its last round ran past the budget by up to 4 steps)."""
     cfg = JobConfig.from_dict(d, "derived job")
     steps = int(max(0.0, f.budget - est.training) // dpsgd_step_seconds(cfg, f))
-    steps = min(steps, math.ceil(20 * f.size / _dpsgd_batch(f.size)))  # at most 20 epochs
+    units = _dpsgd_units(f)
+    steps = min(steps, math.ceil(20 * units / _dpsgd_batch(units)))  # at most 20 epochs (of patients)
     return steps - steps % LOCAL_STEPS if f.federated else steps
 
 
@@ -740,34 +769,55 @@ def derive(facts: DataFacts) -> Derivation:
     _floor(
         facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values
     )
-    steps = 0
-    if facts.dpsgd != "off":
-        try:  # the warm-up leaves room for at least DP-SGD's minimum steps (one more for the rounding)
-            d, est = _fit_budget(
-                facts, _split(facts, True), reserve=_dpsgd_seconds(facts, DPSGD_MIN_STEPS + 1)
-            )
-            steps = _dpsgd_steps(facts, d, est)
-        except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
-            steps = 0
-    with_dpsgd = steps >= DPSGD_MIN_STEPS
-    if (
-        with_dpsgd
-        and facts.dpsgd == "auto"
-        and job_dpsgd_noise(facts, _with_steps(d, steps, facts.federated)) > DPSGD_MAX_NOISE
-    ):
-        with_dpsgd = False
-    if not with_dpsgd:
-        steps = 0
+    d, est, steps, why_off = _try_dpsgd(facts)
+    if not steps:
         d, est = _fit_budget(facts, _split(facts, False))
     d = _with_steps(d, steps, facts.federated)
     cfg = JobConfig.from_dict(d, "derived job")
     try:
-        from .planning import plan
-
-        plan(cfg, facts.size, size=_first(facts) or None, image_shape=facts.shape, n_classes=facts.n_classes)
+        plan_of(facts, cfg)
     except PrivacyError as exc:  # the split above always leaves room: this would be a rule bug, said plainly
         raise ConfigError(f"derived job does not plan: {exc}") from None
-    return Derivation(cfg, facts, estimate(cfg, facts), _notes(facts, cfg, steps))
+    return Derivation(cfg, facts, estimate(cfg, facts), _notes(facts, cfg, steps, why_off))
+
+
+def _try_dpsgd(f: DataFacts) -> tuple[dict[str, Any], Estimate, int, str]:
+    """(sections, estimate, DP-SGD steps, why DP-SGD is off) of the job with DP-SGD; where it cannot run:
+    empty sections, 0 steps and the reason the job's header gives."""
+    if f.dpsgd == "off":
+        return {}, Estimate({}), 0, "asked for"
+    try:  # the warm-up leaves room for at least DP-SGD's minimum steps (one more for the rounding)
+        d, est = _fit_budget(f, _split(f, True), reserve=_dpsgd_seconds(f, DPSGD_MIN_STEPS + 1))
+    except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
+        cap = job_patient_cap(f)
+        per = "" if cap is None else f" per patient (the releases by group privacy over the cap {cap})"
+        return (
+            {},
+            Estimate({}),
+            0,
+            (f"with DP-SGD's share taken, no release noise fits the rest of epsilon {f.epsilon:g}{per}"),
+        )
+    steps = _dpsgd_steps(f, d, est)
+    rounds = f" ({DPSGD_MIN_STEPS / LOCAL_STEPS:g} whole rounds of {LOCAL_STEPS})" if f.federated else ""
+    if steps < DPSGD_MIN_STEPS:
+        return (
+            {},
+            Estimate({}),
+            0,
+            (f"{steps} steps fit the time budget, fewer than {DPSGD_MIN_STEPS}{rounds}"),
+        )
+    noise = job_dpsgd_noise(f, _with_steps(d, steps, f.federated)) if f.dpsgd == "auto" else 0.0
+    if noise > DPSGD_MAX_NOISE:
+        return (
+            {},
+            Estimate({}),
+            0,
+            (
+                f"its noise-to-signal over the job sigma sqrt(P) / (B sqrt(T)) is {noise:.4f}, above "
+                f"{DPSGD_MAX_NOISE:.4f}, a fifth of where it tied"
+            ),
+        )
+    return d, est, steps, ""
 
 
 def dpsgd_noise(sigma: float, params: int, batch: int, steps: int) -> float:
@@ -781,14 +831,33 @@ def dpsgd_noise(sigma: float, params: int, batch: int, steps: int) -> float:
 def job_dpsgd_noise(f: DataFacts, sections: dict[str, Any]) -> float:
     """:func:`dpsgd_noise` of the job ``sections`` on these facts, its sigma calibrated by the planner."""
     from .model_size import denoiser_parameters
-    from .planning import plan
 
     cfg = JobConfig.from_dict(sections, "derived job")
-    p = plan(cfg, f.size, size=_first(f) or None, image_shape=f.shape, n_classes=f.n_classes)
+    p = plan_of(f, cfg)
     if p.noise_multiplier is None:
         return math.inf
     params = denoiser_parameters(cfg.model, f.shape, f.n_classes)
     return dpsgd_noise(p.noise_multiplier, params, cfg.for_size(f.size).dpsgd.batch, cfg.dpsgd_steps(f.size))
+
+
+def plan_of(f: DataFacts, cfg: JobConfig) -> Any:
+    """The planner's plan (``planning.plan``) of ``cfg`` as the facts' site runs it: a patient-level site's
+    DP-SGD samples its public patients (unit "patient") and its total is counted PER PATIENT over its cap.
+    A federation's job is planned as one site of the summed size (each site's own plan:
+    ``coordinator.derive``)."""
+    from .planning import plan
+
+    p = f.patients
+    return plan(
+        cfg,
+        f.size,
+        size=_first(f) or None,
+        image_shape=f.shape,
+        n_classes=f.n_classes,
+        dpsgd_unit="image" if p is None else "patient",
+        dpsgd_size=None if p is None else p.patients,
+        patient_cap=None if p is None else p.cap,
+    )
 
 
 def derive_job(facts: DataFacts) -> JobConfig:
@@ -796,7 +865,7 @@ def derive_job(facts: DataFacts) -> JobConfig:
     return derive(facts).cfg
 
 
-def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
+def _notes(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> tuple[str, ...]:
     c, fr, m = cfg.central, cfg.frequency, cfg.model
     side = max(1, int(f.height * c.downsample))
     delta = (
@@ -810,7 +879,7 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
         f"{f.job_delta:g} ({delta}), {f.device}, time budget {f.budget:.0f} "
         f"s{' (default)' if f.time_budget is None else ''}" + (", federated" if f.federated else ""),
         f"central: one pass over all images (rate 1), sigma {c.sigma:g} "
-        f"(epsilon {epsilon([PrivacyEvent('central', c.sigma, 1.0, 1)], f.job_delta):.3f} alone), "
+        f"(epsilon {_spent(f, [PrivacyEvent('central', c.sigma, 1.0, 1)]):.3f} alone{_per(f)}), "
         f"{side}x{side} query (downsample {c.downsample:g}), clip {c.clip:g} = sqrt(values) / 7, {c.cells} "
         "cell(s)" + (" by public aux-generator prototypes" if c.cell_rule == "aux" else ""),
         (
@@ -824,7 +893,7 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
         f"{cfg.warmup.frequency_images} aux images, {cfg.auxgen.restarts} aux fit(s) of {cfg.auxgen.epochs} "
         "epochs",
         *_public_notes(f, cfg),
-        _dpsgd_note(f, cfg, steps),
+        _dpsgd_note(f, cfg, steps, why_off),
     ]
     est = estimate(cfg, f)
     parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items() if v >= 1)
@@ -838,16 +907,14 @@ def _notes(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _dpsgd_note(f: DataFacts, cfg: JobConfig, steps: int) -> str:
-    if f.dpsgd == "off":
-        return "dpsgd: off (asked for)"
-    rounds = f" ({DPSGD_MIN_STEPS / LOCAL_STEPS:g} whole rounds of {LOCAL_STEPS})" if f.federated else ""
+def _per(f: DataFacts) -> str:
+    cap = job_patient_cap(f)
+    return "" if cap is None else f" per patient of at most {cap} images"
+
+
+def _dpsgd_note(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> str:
     if not steps:
-        return (
-            f"dpsgd: off (fewer than {DPSGD_MIN_STEPS} steps{rounds} fit the budget, or its noise-to-signal "
-            f"over the job sigma sqrt(P) / (B sqrt(T)) is above {DPSGD_MAX_NOISE:.4f}, a fifth of where it "
-            "tied)"
-        )
+        return f"dpsgd: off ({why_off or 'asked for'})"
     why = (
         "asked for"
         if f.dpsgd == "on"

@@ -94,24 +94,74 @@ def derive_federated(
     ids = [p.site_id for p in policies]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"derived federated job: a site's policy was given twice ({', '.join(ids)})")
-    return federated_job(
-        facts_from_policies(policies, epsilon, delta, time_budget, device),
-        min(int(p.dataset_size) for p in policies),
-    ), ids
+    facts = facts_from_policies(policies, epsilon, delta, time_budget, device)
+    d = federated_job(facts, min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies))
+    refusal = site_plan_refusal(d.cfg, facts, policies)
+    if refusal and d.cfg.dpsgd_steps(facts.size) > 0:  # the warm-up alone fits every site: DP-SGD is off
+        d = federated_job(replace(facts, dpsgd="off"), min(int(p.dataset_size) for p in policies))
+        d = replace(
+            d, notes=tuple(f"dpsgd: off ({refusal})" if n.startswith("dpsgd:") else n for n in d.notes)
+        )
+        refusal = site_plan_refusal(d.cfg, facts, policies)
+    if refusal:
+        raise ConfigError(f"derived federated job: {refusal}")
+    return d, ids
 
 
-def federated_job(facts: DataFacts, site_size: int) -> Derivation:
+def dpsgd_batch_cap(policies: Sequence[Any]) -> int:
+    """The largest DP-SGD batch every site's signed policy admits (public values only): at most its
+    ``dpsgd_population`` (a patient-level site's public patients: patient-level DP-SGD samples patients,
+    q = batch / patients) and its ``mechanisms.dpsgd.max_batch``."""
+    caps = []
+    for p in policies:
+        rule = p.mechanisms.get("dpsgd")
+        max_batch = rule.caps.get("max_batch") if rule is not None else None
+        caps.append(min(int(p.dpsgd_population), int(max_batch) if max_batch else int(p.dpsgd_population)))
+    return max(1, min(caps))
+
+
+def site_plan_refusal(cfg: Any, facts: DataFacts, policies: Sequence[Any]) -> str:
+    """Why a site's own plan (``planning.plan`` as its node plans it: its public size, per-job budget, unit of
+    privacy and patient cap from its policy) refuses the signed job; "" when every site plans it."""
+    from feta_release.errors import PrivacyError
+    from feta_release.planning import plan, site_dpsgd, target
+
+    for p in policies:
+        try:
+            plan(
+                cfg,
+                int(p.dataset_size),
+                federated=True,
+                budget=target(cfg, p),
+                image_shape=facts.shape,
+                n_classes=facts.n_classes,
+                **site_dpsgd(p),
+            )
+        except PrivacyError as exc:
+            return f"site {p.site_id}'s plan refuses it: {exc}"
+    return ""
+
+
+def federated_job(facts: DataFacts, site_size: int, batch_cap: int | None = None) -> Derivation:
     """The job derived from a federation's ``facts`` with its sampling rates turned into the one batch every
     site is signed for (a signed federated job carries batches, not rates: each site's q = batch / its own
-    size)."""
+    size); ``batch_cap``: the largest DP-SGD batch every site's policy admits (:func:`dpsgd_batch_cap`)."""
     d = derive(facts)
     c, s = d.cfg.central, d.cfg.dpsgd
+    batch = max(1, min(site_size, round((s.rate or 0.0) * site_size)))
+    capped = batch_cap is not None and batch > batch_cap
     cfg = d.cfg.replace(
         central={"rate": None, "batch": max(1, round((c.rate or 1.0) * site_size))},
-        dpsgd={"rate": None, "batch": max(1, min(site_size, round((s.rate or 0.0) * site_size)))},
+        dpsgd={"rate": None, "batch": min(batch, batch_cap) if batch_cap is not None else batch},
     )
     note = (
         f"federation: {facts.size // site_size} site(s); one signed batch for all of them, sized at the "
         f"smallest declared site ({site_size} images): central {cfg.central.batch}, DP-SGD {cfg.dpsgd.batch}"
+        + (
+            f" (cut from {batch} to what every site's policy admits: its public patients or images and "
+            "its mechanisms.dpsgd.max_batch)"
+            if capped
+            else ""
+        )
     )
     return replace(d, cfg=cfg, notes=d.notes[:-1] + (note,) + d.notes[-1:])

@@ -513,10 +513,16 @@ def _dpsgd_units(f: DataFacts) -> int:
 
 
 def _dpsgd_rate(f: DataFacts) -> float:
-    """The ``[dpsgd]`` rate of the rules' batch over the images; at a patient-level site rounded DOWN, so that
-    the batch it gives (rate x images) is never above the public patients."""
-    r = _dpsgd_batch(_dpsgd_units(f)) / f.size
-    return round(r, 6) if f.patients is None else math.floor(r * 1e6) / 1e6
+    """The ``[dpsgd]`` rate of the rules' batch over the images. Where a site's unit is the patient, the
+    signed batch (rate x the images it is signed at: the smallest site's in a federation) is at most the
+    rules' batch for its public patients (what its drafted policy's ``max_batch`` admits, and never above
+    them), the rate rounded DOWN so that rounding never lifts the batch over it."""
+    r = _dpsgd_batch(f.size) / f.size
+    bounds = [_dpsgd_batch(p.patients) for p in (f.patients, *f.site_patients) if p is not None]
+    if not bounds:
+        return round(r, 6)
+    at = min(f.site_sizes) if f.federated and f.site_sizes else f.size
+    return math.floor(min(r, min(bounds) / at) * 1e6) / 1e6
 
 
 def _physical(values: int) -> int:

@@ -30,6 +30,7 @@ def _policies(
     declared: dict[str, DataDeclaration] | None = None,
     per_job: tuple[float, float] = (1.0, 1e-5),
     patient_level: dict[str, tuple[int, int]] | None = None,
+    mechanisms: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[list[Path], dict[str, Any]]:
     files, opened = [], {}
     for sid, n in sizes.items():
@@ -44,6 +45,7 @@ def _policies(
             lifetime=(max(4.0, 2 * per_job[0]), 1e-5),
             per_job=per_job,
             patient_level=(patient_level or {}).get(sid),
+            mechanisms=(mechanisms or {}).get(sid),
         )
         signed = sign_policy(doc, site)
         path = tmp_path / f"{sid}.signed.json"
@@ -138,8 +140,9 @@ def test_a_patient_level_site_is_charged_the_whole_patients_its_node_pads_to(tmp
     """A patient-level site (its policy: 8,000 public patients, at most 4 images each) samples whole patients
     at q = batch / patients and pads each step to the images of q·P patients + 5 sd (variance bound q·cap·N),
     in whole chunks covering its cap: ``site_step_rows`` with the ``PatientIndex`` its node builds from the
-    policy. Charged as an image-level site of its 20,000 images (q = batch / images), its step cost 2,272 rows
-    against the 5,760 its node runs, and the derived job bought 180 steps where its time budget holds 70."""
+    policy. The signed batch is the rules' batch for its 8,000 patients (2,000, what its drafted policy's
+    max_batch admits). Charged as an image-level site of its 20,000 images (q = batch / images), its step
+    cost 2,240 rows against the 5,632 its node runs."""
     import numpy as np
 
     from feta_release.job_rules import dpsgd_step_rows, dpsgd_step_seconds
@@ -159,9 +162,64 @@ def test_a_patient_level_site_is_charged_the_whole_patients_its_node_pads_to(tmp
     as_images = site_step_rows(20_000, 20_000, stage_sampling_rate(batch, 20_000, "dpsgd"), chunk)
     q_patients = stage_sampling_rate(batch, node_index.n_public, "dpsgd")
     as_patients = site_step_rows(20_000, 20_000, q_patients, chunk, node_index)
-    assert (batch, chunk, as_images, as_patients) == (2048, 32, 2272, 5760)
+    assert (batch, chunk, as_images, as_patients) == (2000, 32, 2240, 5632)
     assert dpsgd_step_rows(cfg, d.facts) == as_patients  # the slowest site: the patient-level one
     steps = cfg.dpsgd_steps(d.facts.size)
     assert steps >= 20 and steps == 5 * cfg.federation.rounds
     assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * dpsgd_step_seconds(cfg, d.facts), abs=0.05)
     assert d.estimate.training <= 1200.0
+
+
+def _dpsgd_rule(max_batch: int) -> dict[str, Any]:
+    return {"allowed": True, "min_sigma": 0.5, "max_steps": 100_000, "max_batch": max_batch}
+
+
+@pytest.mark.parametrize(("patients", "cap"), [(8000, 4), (1500, 2)])
+def test_a_patient_level_site_admits_the_derived_federated_job(
+    tmp_path: Path, patients: int, cap: int
+) -> None:
+    """A federation with a patient-level site (P public patients, at most ``cap`` images each; its DP-SGD
+    max_batch drafted at a quarter of its patients): the shared warm-up is fitted to the budget PER PATIENT
+    over the largest cap and the one signed DP-SGD batch to what every policy admits, so each site's node
+    admits the job and spends at most its budget. With the split per image the patient-level site refused
+    it (its warm-up alone 63.8 per patient at cap 4), and with 1,500 patients the batch (2,048) was above
+    them."""
+    from edge.admission import admit
+
+    coord = Ed25519PrivateKey.generate()
+    sizes = {"st-mary": 20_000, "st-luke": 20_000}
+    files, pols = _policies(
+        tmp_path,
+        sizes,
+        coord,
+        per_job=(10.0, 1e-5),
+        patient_level={"st-luke": (patients, cap)},
+        mechanisms={"st-luke": {"dpsgd": _dpsgd_rule(patients // 4)}},
+    )
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.dpsgd.batch <= patients // 4
+    signed = sign_job(d.cfg, coord, "j", ids)
+    for sid in ids:
+        res = admit(pols[sid], signed)
+        assert res.accepted, (sid, res.failures)
+        assert res.job_epsilon is not None and res.job_epsilon <= 10.0
+    luke = admit(pols["st-luke"], signed).job_epsilon
+    assert luke is not None and luke >= 9.0  # the budget per patient is spent, not left idle
+
+
+def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tmp_path: Path) -> None:
+    """An image-level site whose policy caps DP-SGD's batch below the rules' batch: the one signed batch is
+    cut to that cap (every site samples it), and the job's header names the cut."""
+    from edge.admission import admit
+
+    coord = Ed25519PrivateKey.generate()
+    sizes = {"st-mary": 20_000, "st-luke": 20_000}
+    files, pols = _policies(
+        tmp_path, sizes, coord, per_job=(10.0, 1e-5), mechanisms={"st-mary": {"dpsgd": _dpsgd_rule(700)}}
+    )
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.dpsgd.batch == 700
+    assert any("DP-SGD 700 (cut from" in n for n in d.notes)
+    signed = sign_job(d.cfg, coord, "j", ids)
+    for sid in ids:  # (the policies' default min_sigma of 1 is their own matter at epsilon 10)
+        assert not [r for r, _ in admit(pols[sid], signed).failures if r.startswith("mechanisms.dpsgd")]

@@ -344,7 +344,7 @@ def _fit_sigma(f: DataFacts, prior: list[PrivacyEvent], stage: str, target: floa
         target,
         tol=0.005,
         max_sigma=MAX_NOISE_MULTIPLIER,
-        refusal=f"derived job: no [{stage}] noise fits epsilon {target:.3g}",
+        refusal=f"derived job: no [{stage}] noise fits epsilon {target:.3g}{_per(f)}",
     )
 
 
@@ -676,10 +676,12 @@ def _split(f: DataFacts, dpsgd: bool) -> _Split:
     factor = query_factor(f.height)
     values = _query_values(f, factor)
     clip = central_clip(values)
-    sigma_c = _fit_sigma(f, prior, "central", share * eps)
-    sigma_f: float | None = _fit_sigma(
-        f, prior + [PrivacyEvent("central", sigma_c, 1.0, 1)], "frequency", fill * eps
-    )
+    sigma_f: float | None = None
+    try:
+        sigma_c = _fit_sigma(f, prior, "central", share * eps)
+        sigma_f = _fit_sigma(f, prior + [PrivacyEvent("central", sigma_c, 1.0, 1)], "frequency", fill * eps)
+    except PrivacyError:  # per patient, a share below group privacy's floor: all on the central (below)
+        sigma_c = 0.0
     feats = _features(f, sigma_f) if sigma_f is not None else None
     if feats is None or central_noise(sigma_c, clip, values, f.size, f.n_classes, 1) > MOSTLY_NOISE:
         # all on the central
@@ -772,12 +774,26 @@ def derive(facts: DataFacts) -> Derivation:
     _check_size_event(facts)
     factor = query_factor(facts.height)
     values = _query_values(facts, factor)
-    _floor(
-        facts, _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon), central_clip(values), values
-    )
-    d, est, steps, why_off = _try_dpsgd(facts)
-    if not steps:
-        d, est = _fit_budget(facts, _split(facts, False))
+    try:
+        _floor(
+            facts,
+            _fit_sigma(facts, _first(facts), "central", FILL * facts.epsilon),
+            central_clip(values),
+            values,
+        )
+        d, est, steps, why_off = _try_dpsgd(facts)
+        if not steps:
+            d, est = _fit_budget(facts, _split(facts, False))
+    except PrivacyError as exc:  # per patient, group privacy over the cap has an epsilon no noise goes below
+        cap = job_patient_cap(facts)
+        raise ConfigError(
+            f"{exc}: even noise multiplier {MAX_NOISE_MULTIPLIER:g} spends more; raise --epsilon"
+            + (
+                ""
+                if cap is None
+                else f", or lower the patient cap {cap} (group privacy over it sets that floor)"
+            )
+        ) from None
     d = _with_steps(d, steps, facts.federated)
     cfg = JobConfig.from_dict(d, "derived job")
     try:
@@ -795,25 +811,26 @@ def _try_dpsgd(f: DataFacts) -> tuple[dict[str, Any], Estimate, int, str]:
     try:  # the warm-up leaves room for at least DP-SGD's minimum steps (one more for the rounding)
         d, est = _fit_budget(f, _split(f, True), reserve=_dpsgd_seconds(f, DPSGD_MIN_STEPS + 1))
     except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
-        cap = job_patient_cap(f)
-        per = "" if cap is None else f" per patient (the releases by group privacy over the cap {cap})"
         return (
             {},
             Estimate({}),
             0,
-            (f"with DP-SGD's share taken, no release noise fits the rest of epsilon {f.epsilon:g}{per}"),
+            f"with DP-SGD's share taken, no release noise fits epsilon {f.epsilon:g}{_per(f)}",
         )
     steps = _dpsgd_steps(f, d, est)
-    rounds = f" ({DPSGD_MIN_STEPS / LOCAL_STEPS:g} whole rounds of {LOCAL_STEPS})" if f.federated else ""
     if steps < DPSGD_MIN_STEPS:
+        rounds = f" ({DPSGD_MIN_STEPS / LOCAL_STEPS:g} whole rounds of {LOCAL_STEPS})" if f.federated else ""
+        return {}, Estimate({}), 0, f"{steps} steps fit the time budget, fewer than {DPSGD_MIN_STEPS}{rounds}"
+    try:  # the planner calibrates DP-SGD for what the warm-up leaves (per patient: composed at delta / 2)
+        noise = job_dpsgd_noise(f, _with_steps(d, steps, f.federated))
+    except PrivacyError:
         return (
             {},
             Estimate({}),
             0,
-            (f"{steps} steps fit the time budget, fewer than {DPSGD_MIN_STEPS}{rounds}"),
+            f"no DP-SGD noise fits what the warm-up leaves of epsilon {f.epsilon:g}{_per(f)}",
         )
-    noise = job_dpsgd_noise(f, _with_steps(d, steps, f.federated)) if f.dpsgd == "auto" else 0.0
-    if noise > DPSGD_MAX_NOISE:
+    if f.dpsgd == "auto" and noise > DPSGD_MAX_NOISE:
         return (
             {},
             Estimate({}),

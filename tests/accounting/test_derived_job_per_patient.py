@@ -54,8 +54,8 @@ def test_the_derived_job_meets_epsilon_per_patient_at_a_patient_level_site(
     )
     try:
         d = derive(facts)
-    except ConfigError as exc:  # too little data for this epsilon per patient: refused, naming the floor
-        assert "below the floor" in str(exc)
+    except ConfigError as exc:  # too little data, or an epsilon below group privacy's floor: refused so
+        assert "below the floor" in str(exc) or "lower the patient cap" in str(exc)
         assume(False)
     p = _site_plan(facts, d.cfg)
     total = unit_epsilon(p.history, p.delta, patient_cap=cap)  # type: ignore[attr-defined]

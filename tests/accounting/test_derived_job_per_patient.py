@@ -31,16 +31,17 @@ def _site_plan(facts: DataFacts, cfg: object) -> object:
     )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(
     cap=st.integers(1, 8),
     size=st.sampled_from([4000, 12_000, 30_000, 60_000]),
     per_patient=st.sampled_from([1.5, 2.5, 4.0]),
     eps=st.floats(0.5, 20.0),
     budget=st.sampled_from([600.0, 3600.0]),
+    dpsgd=st.sampled_from(["auto", "on"]),
 )
 def test_the_derived_job_meets_epsilon_per_patient_at_a_patient_level_site(
-    cap: int, size: int, per_patient: float, eps: float, budget: float
+    cap: int, size: int, per_patient: float, eps: float, budget: float, dpsgd: str
 ) -> None:
     facts = DataFacts(
         size=size,
@@ -50,6 +51,7 @@ def test_the_derived_job_meets_epsilon_per_patient_at_a_patient_level_site(
         n_classes=10,
         epsilon=eps,
         time_budget=budget,
+        dpsgd=dpsgd,  # type: ignore[arg-type]
         patients=PatientFacts(max(1, round(size / per_patient)), cap),
     )
     try:

@@ -10,18 +10,19 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from feta_release.accounting import unit_epsilon
+from feta_release.config import JobConfig
 from feta_release.errors import ConfigError
 from feta_release.job_rules import DataFacts, PatientFacts, derive
-from feta_release.planning import plan
+from feta_release.planning import PrivacyPlan, plan
 
 
-def _site_plan(facts: DataFacts, cfg: object) -> object:
+def _site_plan(facts: DataFacts, cfg: JobConfig) -> PrivacyPlan:
     """The job's plan as a patient-level site plans it: its public size, patient-level DP-SGD over its public
     patients, the total per patient over its cap."""
     p = facts.patients
     assert p is not None
     return plan(
-        cfg,  # type: ignore[arg-type]
+        cfg,
         facts.size,
         image_shape=facts.shape,
         n_classes=facts.n_classes,
@@ -60,8 +61,8 @@ def test_the_derived_job_meets_epsilon_per_patient_at_a_patient_level_site(
         assert "below the floor" in str(exc) or "lower the patient cap" in str(exc)
         assume(False)
     p = _site_plan(facts, d.cfg)
-    total = unit_epsilon(p.history, p.delta, patient_cap=cap)  # type: ignore[attr-defined]
-    assert total == pytest.approx(p.epsilon)  # type: ignore[attr-defined]
+    total = unit_epsilon(p.history, p.delta, patient_cap=cap)
+    assert total == pytest.approx(p.epsilon)
     assert 0.97 * eps <= total <= eps
     if d.cfg.dpsgd_steps(size):
         assert d.cfg.for_size(size).dpsgd.batch <= facts.patients.patients  # type: ignore[union-attr]
@@ -72,7 +73,7 @@ def test_a_cap_of_four_at_eight_thousand_patients_plans_within_epsilon_ten() -> 
     (97.1 per patient, refused); now the plan spends at most 10 per patient, and the header says so."""
     facts = DataFacts(20_000, 28, 28, 1, 10, 10.0, patients=PatientFacts(8000, 4))
     d = derive(facts)
-    total = _site_plan(facts, d.cfg).epsilon  # type: ignore[attr-defined]
+    total = _site_plan(facts, d.cfg).epsilon
     assert 9.7 <= total <= 10.0
     assert any("per patient of at most 4 images" in n for n in d.notes if n.startswith("central:"))
     assert any(n.startswith("dpsgd: off (") and "asked for" not in n for n in d.notes)

@@ -12,8 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from feta_release.errors import ConfigError
+from feta_release.errors import ConfigError, PrivacyError
 from feta_release.job_rules import DataFacts, Derivation, default_delta, derive, policy_patient_facts
+from feta_release.planning import plan, site_dpsgd, target
 from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
 from feta_release.policy.envelope import read_json
 
@@ -123,9 +124,6 @@ def dpsgd_batch_cap(policies: Sequence[Any]) -> int:
 def site_plan_refusal(cfg: Any, facts: DataFacts, policies: Sequence[Any]) -> str:
     """Why a site's own plan (``planning.plan`` as its node plans it: its public size, per-job budget, unit of
     privacy and patient cap from its policy) refuses the signed job; "" when every site plans it."""
-    from feta_release.errors import PrivacyError
-    from feta_release.planning import plan, site_dpsgd, target
-
     for p in policies:
         try:
             plan(

@@ -96,10 +96,11 @@ def derive_federated(
     if len(set(ids)) != len(ids):
         raise ConfigError(f"derived federated job: a site's policy was given twice ({', '.join(ids)})")
     facts = facts_from_policies(policies, epsilon, delta, time_budget, device)
-    d = federated_job(facts, min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies))
+    smallest, cap = min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies)
+    d = federated_job(facts, smallest, cap)
     refusal = site_plan_refusal(d.cfg, facts, policies)
-    if refusal and d.cfg.dpsgd_steps(facts.size) > 0:  # the warm-up alone fits every site: DP-SGD is off
-        d = federated_job(replace(facts, dpsgd="off"), min(int(p.dataset_size) for p in policies))
+    if refusal and d.cfg.dpsgd_steps(facts.size) > 0:  # a site's plan refuses DP-SGD: the job without it
+        d = federated_job(replace(facts, dpsgd="off"), smallest, cap)
         d = replace(
             d, notes=tuple(f"dpsgd: off ({refusal})" if n.startswith("dpsgd:") else n for n in d.notes)
         )

@@ -308,13 +308,24 @@ def build_release(
     )
 
 
-def synthetic_set(out_dir: Path, n: int, seed: int = 0, device: str | torch.device = "cpu") -> Path:
+def synthetic_set(
+    out_dir: Path,
+    n: int,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    *,
+    sampler: dict[str, Any] | None = None,
+    name: str = "synthetic.npz",
+) -> Path:
     """``synthetic.npz``: ``n`` images of the released model (balanced labels, interleaved so a prefix is
     balanced too), drawn as ``synthesize`` draws by default (SDEdit from the job's released central images /
     aux pool when the job says start_sigma). Post-processing of the release: images float32 (N, C, H, W) in
-    [0, 1], labels int64, class_names."""
+    [0, 1], labels int64, class_names. ``sampler``: ``[sampler]`` fields drawn with instead of the signed
+    job's (``bench/resample.py`` compares sampler settings on one trained model), written to ``name``."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg, job_id = JobConfig.from_dict(signed["job"]["config"]), signed["job"]["job_id"]
+    if sampler:
+        cfg = cfg.replace(sampler=sampler)
     model = load_model(out_dir).to(device)
     k = int(model.n_classes)
     labels = np.tile(np.arange(k, dtype=np.int64), -(-n // k))[:n]
@@ -348,4 +359,4 @@ def synthetic_set(out_dir: Path, n: int, seed: int = 0, device: str | torch.devi
     np.savez_compressed(
         buf, images=images.numpy().astype(np.float32), labels=labels, class_names=np.array(names)
     )
-    return atomic_write_bytes(out_dir / "synthetic.npz", buf.getvalue())
+    return atomic_write_bytes(out_dir / name, buf.getvalue())

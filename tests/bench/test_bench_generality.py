@@ -192,3 +192,17 @@ def test_a_routes_public_set_is_generated_once_at_the_datas_side_and_named(tmp_p
     stamp = Path(args[3]).stat().st_mtime_ns
     assert bench._route_args(cell, train)[3] == args[3] and Path(args[3]).stat().st_mtime_ns == stamp
     assert bench._route_args({"work": str(tmp_path)}, train) == []
+
+
+def test_resample_reads_each_sampler_setting_as_json_or_a_word() -> None:
+    spec = importlib.util.spec_from_file_location("resample", ROOT / "bench" / "resample.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    parse_setting = mod.parse_setting
+
+    assert parse_setting("guidance=1.5") == {"guidance": 1.5}
+    assert parse_setting("start_sigma=null") == {"start_sigma": None}
+    assert parse_setting("start_source=mix") == {"start_source": "mix"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        parse_setting("guidance")

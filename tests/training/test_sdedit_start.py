@@ -11,6 +11,7 @@ from feta_release.config import load_preset
 from feta_release.errors import ConfigError
 from feta_release.models import build_denoiser
 from feta_release.models.sampler import sample
+from feta_release.release.jobdir import synthetic_set
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from tests.support.training import TINY, bars, job, train_run
 from tests.support.training import embedded_subset as _data
@@ -43,3 +44,20 @@ def test_train_writes_a_balanced_synthetic_set_from_release_starts(tmp_path) -> 
     z = np.load(tmp_path / "r" / "synthetic.npz")
     assert np.bincount(z["labels"]).tolist() == [3] * 10
     assert z["images"].min() >= 0 and z["images"].max() <= 1 and np.isfinite(z["images"]).all()
+
+
+def test_a_run_redrawn_under_other_sampler_settings_changes_only_the_named_set(tmp_path) -> None:
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5}, dpsgd={"steps": 0})
+    run = tmp_path / "r"
+    train_run(cfg, _data(), run, n_synthetic=20, public_size=240, release=False)
+    first = (run / "synthetic.npz").read_bytes()
+    with (
+        np.load(synthetic_set(run, 20, cfg.job.seed, name="again.npz")) as again,
+        np.load(run / "synthetic.npz") as kept,
+    ):
+        # the signed job's own setting redraws train's set exactly: the bench's baseline is the real one
+        assert np.array_equal(again["images"], kept["images"])
+    with np.load(synthetic_set(run, 20, cfg.job.seed, sampler={"guidance": 2.0}, name="g.npz")) as guided:
+        with np.load(run / "synthetic.npz") as kept:
+            assert not np.allclose(guided["images"], kept["images"])
+    assert (run / "synthetic.npz").read_bytes() == first

@@ -160,6 +160,27 @@ def test_privacy_plan_plans_the_derived_job_per_patient_as_train_runs_it(capsys:
     assert data["patient_cap"] == 3 and 9.5 <= data["epsilon"] <= 10.0
 
 
+def test_privacy_plan_refuses_a_derived_patient_cap_whose_patient_count_train_would_draw(capsys: Any) -> None:
+    """`train --patient-cap K` without --public-patients draws the patient count (event 'patients', charged
+    first) and samples patients at q = batch / the drawn count; the derived plan printed image-level DP-SGD
+    without that event instead. It is refused in one usage line asking for --patients."""
+    facts = [
+        "--size",
+        "100000",
+        "--shape",
+        "28x28x1",
+        "--classes",
+        "10",
+        "--epsilon",
+        "10",
+        "--declared-size",
+    ]
+    code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "1", "--json"], capsys)
+    assert code == 2 and out == "", out
+    assert "draws the patient count" in err and "give --patients P" in err, err
+    assert "Traceback" not in err
+
+
 def test_privacy_plan_refuses_a_bad_shape(capsys: Any) -> None:
     code, _, err = _run(["privacy", "plan", "--shape", "28by28", "--classes", "10", "--epsilon", "1"], capsys)
     assert code == 2 and "HxWxC" in err

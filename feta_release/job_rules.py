@@ -946,7 +946,10 @@ def _dpsgd_note(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> 
     )
     if f.federated:  # whole rounds, rounded down: a round more would not fit
         why += f"; {steps // LOCAL_STEPS} rounds of {LOCAL_STEPS}, the whole rounds that fit"
-    return f"dpsgd: {steps} steps at q = {cfg.dpsgd.rate} from the time budget ({why})"
+    q = cfg.dpsgd.rate
+    if f.patients is not None and not f.federated:  # whole patients sampled: q over the public patients
+        q = stage_sampling_rate(cfg.for_size(f.size).dpsgd.batch, f.patients.patients, "dpsgd")
+    return f"dpsgd: {steps} steps at q = {q} from the time budget ({why})"
 
 
 def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:

@@ -152,6 +152,12 @@ def plan(
             raise click.UsageError(
                 "--policy, --sites and --max-images-per-person plan JOB_FILE: give it, or drop them"
             )
+        if patient_cap is not None and public_patients is None:
+            raise click.UsageError(
+                "--patient-cap without --patients: `train` then draws the patient count (a noisy count, the "
+                "event 'patients', charged first) and samples patients at q = batch / that count, which no "
+                "plan knows before the draw; give --patients P (the public count: train --public-patients P)"
+            )
         _plan_derived(
             dataset_size,
             shape,

@@ -227,17 +227,14 @@ def train(
         public_patients = int(site_policy.patients)  # the administrator's signed declaration
     if threads:
         torch.set_num_threads(threads)
-    data, patients = _training_data(
-        cfg or base_job(),
-        data_path,
-        load,
-        public_patients,
-        site_policy.declared if site_policy is not None else None,
-    )
+    declared = site_policy.declared if site_policy is not None else None
+    data, patients = _training_data(cfg or base_job(), data_path, load, public_patients, declared)
     job_for_size = None
     if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
         cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
-    public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load, data)
+    public = _public_inputs(
+        cfg or base_job(), public_path, public_description, pretrained, load, data, data_path, declared
+    )
     if cfg is None:  # the job derived from the data's public facts (and the --public set's)
         cfg, job_for_size = derived_jobs(
             req,
@@ -416,10 +413,16 @@ def _public_inputs(
     pretrained: Path | None,
     load: LoadOptions | None,
     private: Any,
+    data_path: str | None = None,
+    declared: Any = None,
 ) -> Any:
     """--public / --pretrained as ``stages.pretrain.PublicInputs`` (None: neither), the set loaded as --data
-    is, and refused when it holds copies of the ``private`` images (both are read here: before the job is
-    derived, anything charged or written)."""
+    is, and refused when it holds copies of the private images (both are read here: before the job is
+    derived, anything charged or written).
+
+    The private images are ``private`` as read from ``data_path``, BEFORE --patient-cap drops any: the images
+    the cap drops are still their patients' private images, and a public set made of them would release them
+    with no noise (``_private_as_read``)."""
     if path is None and pretrained is None:
         if description:
             raise ConfigError("--public-description describes a --public set: give --public PATH too")
@@ -431,8 +434,22 @@ def _public_inputs(
     opts = load.over(job) if load is not None else job
     data = load_public(path, opts, private.image_shape) if path is not None else None
     if data is not None:
+        private = _private_as_read(private, data_path, opts, declared)
         refuse_private_copies(data, private, str(path), f"the private data {private.source}")
     return PublicInputs(data, description, pretrained)
+
+
+def _private_as_read(capped: Any, data_path: str | None, opts: LoadOptions, declared: Any) -> Any:
+    """The private data at ``data_path`` with every image read, ``capped`` when the options cap no patient
+    (read again without the cap otherwise: the loader keeps only the first images of each patient, and the
+    ones it drops are private all the same)."""
+    if data_path is None or opts.patient_cap is None:
+        return capped
+    from ..data import load_dataset
+
+    kw = opts.kwargs()
+    kw["patient_cap"] = None
+    return load_dataset(data_path, **kw, declared=declared)[0]
 
 
 def _print_summary(res: Any, accountant: str, release: Path | None, as_json: bool) -> None:

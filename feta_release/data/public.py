@@ -101,24 +101,32 @@ def _quantised(images: np.ndarray) -> Iterator[np.ndarray]:
         yield np.ascontiguousarray(part)
 
 
-def image_digests(images: np.ndarray) -> list[bytes]:
+def image_digests(images: np.ndarray, skip_constant: bool = False) -> list[bytes]:
     """One blake2b digest per image of its quantised pixels and shape (:func:`_quantised`): equal images,
-    equal digests, compared in O(N + M) instead of pixel by pixel."""
+    equal digests, compared in O(N + M) instead of pixel by pixel. ``skip_constant``: none for the images
+    whose quantised pixels are all one value."""
     shape = np.asarray(images.shape[1:], dtype="<i8").tobytes()
     out = []
     for part in _quantised(images):
-        for row in part:
-            out.append(hashlib.blake2b(shape + row.tobytes(), digest_size=_DIGEST_BYTES).digest())
+        flat = part.reshape(len(part), -1)
+        constant = (flat == flat[:, :1]).all(axis=1) if skip_constant else np.zeros(len(part), bool)
+        for row, blank in zip(part, constant, strict=True):
+            if not blank:
+                out.append(hashlib.blake2b(shape + row.tobytes(), digest_size=_DIGEST_BYTES).digest())
     return out
 
 
 def private_copies(public: np.ndarray, private: np.ndarray) -> int:
     """How many of the ``public`` images are exact copies (after quantising to uint8) of some ``private``
-    image; a public image repeated k times counts k times, whatever the order of either set."""
+    image; a public image repeated k times counts k times, whatever the order of either set.
+
+    Constant images (every quantised pixel one value: a blank or saturated frame) are left out of the count:
+    one carries nothing about anyone (every scanner writes the same blank slice), so a blank frame in both
+    sets discloses no one's image, and counting it refused ordinary public sets as holding private ones."""
     if not len(public) or not len(private) or public.shape[1:] != private.shape[1:]:
         return 0
-    seen = set(image_digests(private))
-    return sum(d in seen for d in image_digests(public))
+    seen = set(image_digests(private, skip_constant=True))
+    return sum(d in seen for d in image_digests(public, skip_constant=True))
 
 
 def refuse_private_copies(

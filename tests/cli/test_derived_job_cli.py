@@ -160,6 +160,54 @@ def test_privacy_plan_plans_the_derived_job_per_patient_as_train_runs_it(capsys:
     assert data["patient_cap"] == 3 and 9.5 <= data["epsilon"] <= 10.0
 
 
+def test_privacy_plan_refuses_a_derived_patient_cap_whose_patient_count_train_would_draw(capsys: Any) -> None:
+    """`train --patient-cap K` without --public-patients draws the patient count (event 'patients', charged
+    first) and samples patients at q = batch / the drawn count; the derived plan printed image-level DP-SGD
+    without that event instead. It is refused in one usage line asking for --patients."""
+    facts = [
+        "--size",
+        "100000",
+        "--shape",
+        "28x28x1",
+        "--classes",
+        "10",
+        "--epsilon",
+        "10",
+        "--declared-size",
+    ]
+    code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "1", "--json"], capsys)
+    assert code == 2 and out == "", out
+    assert "draws the patient count" in err and "give --patients P" in err, err
+    assert "Traceback" not in err
+
+
+def test_the_derived_plan_note_states_the_q_its_patient_level_dpsgd_samples_at(capsys: Any) -> None:
+    """At a patient-level site DP-SGD samples whole patients at q = batch / patients; the note printed
+    batch / images (half of it with 50,000 patients of 100,000 images) beside a table stating the other."""
+    facts = [
+        "--size",
+        "100000",
+        "--shape",
+        "28x28x1",
+        "--classes",
+        "10",
+        "--epsilon",
+        "10",
+        "--declared-size",
+    ]
+    argv = ["privacy", "plan", *facts, "--patient-cap", "1", "--patients", "50000", "--json"]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    sgd = [e for e in data["history"] if e["stage"] == "dpsgd"]
+    note = [n for n in data["notes"] if n.startswith("dpsgd:")]
+    assert sgd and len(note) == 1, note
+    stated = float(re.search(r"at q = ([0-9.e-]+) ", note[0]).group(1))  # type: ignore[union-attr]
+    assert (
+        stated == pytest.approx(sgd[0]["q"]) == pytest.approx(data["derived_job"]["dpsgd"]["batch"] / 50_000)
+    )
+
+
 def test_privacy_plan_refuses_a_bad_shape(capsys: Any) -> None:
     code, _, err = _run(["privacy", "plan", "--shape", "28by28", "--classes", "10", "--epsilon", "1"], capsys)
     assert code == 2 and "HxWxC" in err

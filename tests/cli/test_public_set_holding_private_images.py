@@ -132,3 +132,34 @@ def _load(path: Path) -> ImageDataset:
     from feta_release.data import load_dataset
 
     return load_dataset(path)[0]
+
+
+def _two_scans_per_patient(root: Path) -> tuple[Path, np.ndarray]:
+    """30 patients with two scans each (CSV path,label,patient_id) and the second scans: the ones a cap of 1
+    drops."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rows, second = ["path,label,patient_id"], []
+    for p in range(30):
+        for j in range(2):
+            pixels = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"p{p}_{j}.png")
+            rows.append(f"p{p}_{j}.png,{'ab'[p % 2]},pat{p}")
+            if j == 1:
+                second.append(pixels)
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    return root / "labels.csv", np.stack(second)[:, None].astype(np.float32) / 255
+
+
+def test_train_refuses_a_public_set_of_the_scans_the_patient_cap_drops(tmp_path, trainer, capsys):
+    """``--patient-cap 1`` trains on one scan a patient; the others are still that patient's private images,
+    so a public set made of them is refused as copies."""
+    data, dropped = _two_scans_per_patient(tmp_path)
+    public = tmp_path / "dropped.npz"
+    save_npz(ImageDataset(dropped, np.arange(30) % 2, ("a", "b")), public, dtype="uint8")
+    out = tmp_path / "run"
+    argv = [*_train(data, public, out), "--patient-cap", "1", "--public-patients", "30", "--no-progress"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 3 and f"{public}: 30 of its 30 images are exact copies" in err, err
+    assert trainer == [] and not out.exists()

@@ -22,7 +22,8 @@ def _sets(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     fresh = np.array(draw(st.lists(pixels, max_size=12)), np.uint8).reshape(-1, *SHAPE)
     picks = draw(st.lists(st.integers(0, len(private) - 1), max_size=8))  # copies, repeats allowed
     public = np.concatenate([fresh, private[picks]])
-    truth = sum(any(np.array_equal(p, q) for q in private) for p in public)  # the O(N*M) definition
+    # the O(N*M) definition: a non-constant public image equal to some private one
+    truth = sum(len(np.unique(p)) > 1 and any(np.array_equal(p, q) for q in private) for p in public)
     order = np.array(draw(st.permutations(range(len(public)))), np.int64)
     return private, public, order, truth
 
@@ -48,8 +49,20 @@ def test_a_float_image_and_its_uint8_storage_have_one_digest(values):
 
 
 def test_a_pixel_off_by_one_level_is_no_copy():
-    private = np.full((1, *SHAPE), 100, np.uint8)
+    private = np.arange(9, dtype=np.uint8).reshape(1, *SHAPE) + 100
     moved = private.copy()
     moved[0, 0, 1, 1] = 101
     assert private_copies(moved, private) == 0 and private_copies(private, private) == 1
     assert private_copies(np.zeros((0, *SHAPE), np.uint8), private) == 0
+
+
+def test_blank_frames_in_both_sets_are_no_copies_but_a_real_image_beside_them_is():
+    """A constant image (a blank or saturated slice) in both sets carries nothing about anyone: it is not
+    counted, whatever its level or form; a non-constant private image beside it still is."""
+    scan = np.arange(9, dtype=np.uint8).reshape(1, *SHAPE) * 20
+    for level in (0, 37, 255):
+        blank = np.full((1, *SHAPE), level, np.uint8)
+        private = np.concatenate([blank, scan])
+        assert private_copies(blank, private) == 0
+        assert private_copies(blank.astype(np.float32) / 255, private) == 0
+        assert private_copies(np.concatenate([blank, blank, scan]), private) == 1

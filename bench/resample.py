@@ -6,11 +6,12 @@ here spends no epsilon; the choice must still be made on the protocol's VALIDATI
 (``--mode validation``), the held-out part scored once with the setting chosen.
 
     PYTHONPATH=. python bench/resample.py --run RUN --kind digits --size 4000 --mode validation \\
-        --set guidance=1.0 --set start_sigma=0.8 --num 10000 --out results.jsonl
+        --set guidance=1.0 --set start_sigma=0.8 --set start_source=mix,start_sigma=0.7 --out results.jsonl
 
 ``RUN`` is a ``train`` output folder (``bench/generality.py`` keeps one per cell under ``--work``); each
-``--set`` is drawn alone, after the signed job's own setting, and one JSON line per setting is appended to
-``--out``: accuracy and per-class accuracy of the evaluation classifier trained on the drawn set.
+``--set`` (``KEY=VALUE[,KEY=VALUE]`` of ``[sampler]``) is drawn alone, after the signed job's own setting, and
+one JSON line per setting is appended to ``--out``: accuracy and per-class accuracy of the evaluation
+classifier trained on the drawn set.
 """
 
 from __future__ import annotations
@@ -28,16 +29,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_setting(text: str) -> dict[str, Any]:
-    """``key=value`` of ``[sampler]`` -> {key: value}, the value read as JSON where it parses (numbers, null),
-    else as a string (``start_source=central``)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--set {text!r}: expected KEY=VALUE of [sampler], e.g. guidance=1.0")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return {key: value}
+    """``key=value[,key=value...]`` of ``[sampler]`` -> one setting {key: value, ...}, each value read as JSON
+    where it parses (numbers, null), else as a string (``start_source=mix``)."""
+    setting: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {text!r}: expected KEY=VALUE[,KEY=VALUE] of [sampler], e.g. guidance=1")
+        try:
+            setting[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            setting[key] = raw
+    return setting
+
+
+def ensure_aux_pool(run: Path, setting: dict[str, Any]) -> None:
+    """A setting that starts from the aux generator's pool (``start_source`` aux or mix) on a run that shipped
+    none: the pool the job would have shipped, from the run's own frequency release (the aux generator is
+    fitted to the NOISED release with public randomness: post-processing), bound to the run's job id."""
+    from feta_release.config import JobConfig
+    from feta_release.federation.warmup import fitted_aux
+    from feta_release.release.jobdir import load_model
+    from feta_release.release.jobfiles import RELEASED_AUX
+    from feta_release.stages.freq_warmup import aux_pool
+    from feta_release.training.checkpoint import npz_bytes
+
+    if setting.get("start_source") not in ("aux", "mix") or (run / RELEASED_AUX).exists():
+        return
+    state = run / "state" / "frequency_site.npz"
+    if not state.exists():
+        raise SystemExit(
+            f"{run}: start_source {setting['start_source']!r} needs the aux generator's pool, and the run "
+            f"has neither {RELEASED_AUX} nor a one-site frequency release ({state}); use a run that "
+            "shipped the pool"
+        )
+    signed = json.loads((run / "signed_job.json").read_text("utf-8"))["job"]
+    cfg, model = JobConfig.from_dict(signed["config"]), load_model(run)
+    with np.load(state) as z:
+        freq = {"site": {k: z[k] for k in z.files}}
+    aux = fitted_aux(freq, {"site": 1}, cfg, tuple(model.image_shape), int(model.n_classes), "cpu")
+    images, labels = aux_pool(aux, cfg)
+    data = npz_bytes(images=images, labels=labels, job_id=np.array(signed["job_id"]))
+    (run / RELEASED_AUX).write_bytes(data)
 
 
 def score_setting(run: Path, setting: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -46,6 +79,7 @@ def score_setting(run: Path, setting: dict[str, Any], args: argparse.Namespace) 
     from feta_release.data import ImageDataset
     from feta_release.release.jobdir import synthetic_set
 
+    ensure_aux_pool(run, setting)
     t0 = time.perf_counter()
     path = synthetic_set(run, args.num, args.sample_seed, sampler=setting, name="resampled.npz")
     drawn_s = time.perf_counter() - t0
@@ -67,9 +101,7 @@ def score_setting(run: Path, setting: dict[str, Any], args: argparse.Namespace) 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", type=Path, required=True, help="a train output folder")
-    p.add_argument(
-        "--kind", default="digits", help="the run's data kind (bench/generality.py)"
-    )
+    p.add_argument("--kind", default="digits", help="the run's data kind (bench/generality.py)")
     p.add_argument("--size", type=int, default=4000)
     p.add_argument("--mode", choices=("validation", "test"), default="validation")
     p.add_argument("--seed", type=int, default=0, help="the evaluation classifier's seed (the cell's seed)")

@@ -204,5 +204,6 @@ def test_resample_reads_each_sampler_setting_as_json_or_a_word() -> None:
     assert parse_setting("guidance=1.5") == {"guidance": 1.5}
     assert parse_setting("start_sigma=null") == {"start_sigma": None}
     assert parse_setting("start_source=mix") == {"start_source": "mix"}
+    assert parse_setting("start_source=mix,start_sigma=0.7") == {"start_source": "mix", "start_sigma": 0.7}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         parse_setting("guidance")

@@ -225,6 +225,8 @@ def train(
     site_policy = _site_policy(policy_path, trusted)
     if public_patients is None and site_policy is not None and site_policy.patients:
         public_patients = int(site_policy.patients)  # the administrator's signed declaration
+    if cfg is None:
+        _refuse_drawn_patients_for_a_derived_job(load, public_patients)
     if threads:
         torch.set_num_threads(threads)
     declared = site_policy.declared if site_policy is not None else None
@@ -323,6 +325,20 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
             "job: drop them, or drop JOB / --preset to derive the job from the data"
         )
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
+
+
+def _refuse_drawn_patients_for_a_derived_job(load: LoadOptions | None, public_patients: int | None) -> None:
+    """A derived job over a cap of K >= 2 fits its noise per patient over the cap and samples patients at q =
+    batch / P: P must be public before the job is derived. Drawing it (a noisy count charged in the site
+    ledger) would derive the job per image, which the per-patient plan then refuses after the charge."""
+    cap = load.patient_cap if load is not None else None
+    if cap is None or cap < 2 or public_patients is not None:
+        return
+    raise ConfigError(
+        f"--patient-cap {cap} derives a job that fits its noise per patient over the cap and samples "
+        "patients at batch / P, so the number of patients P must be public before the job is derived: give "
+        "--public-patients P (the public number of patients), or a --policy that declares it"
+    )
 
 
 def _declared_patients(patients: Any, public_patients: int | None) -> Any:

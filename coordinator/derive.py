@@ -14,7 +14,7 @@ from typing import Any
 
 from feta_release.errors import ConfigError, PrivacyError
 from feta_release.job_rules import DataFacts, Derivation, default_delta, derive, policy_patient_facts
-from feta_release.planning import plan, site_dpsgd, target
+from feta_release.planning import SecureSite, plan, site_dpsgd, target
 from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
 from feta_release.policy.envelope import read_json
 
@@ -97,17 +97,38 @@ def derive_federated(
         raise ConfigError(f"derived federated job: a site's policy was given twice ({', '.join(ids)})")
     facts = facts_from_policies(policies, epsilon, delta, time_budget, device)
     smallest, cap = min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies)
-    d = federated_job(facts, smallest, cap)
-    refusal = site_plan_refusal(d.cfg, facts, policies)
+    d, refusal = summed_as_every_site_plans(federated_job(facts, smallest, cap), facts, policies)
     if refusal and d.cfg.dpsgd_steps(facts.size) > 0:  # a site's plan refuses DP-SGD: the job without it
         d = federated_job(replace(facts, dpsgd="off"), smallest, cap)
         d = replace(
             d, notes=tuple(f"dpsgd: off ({refusal})" if n.startswith("dpsgd:") else n for n in d.notes)
         )
-        refusal = site_plan_refusal(d.cfg, facts, policies)
+        d, refusal = summed_as_every_site_plans(d, facts, policies)
     if refusal:
         raise ConfigError(f"derived federated job: {refusal}")
     return d, ids
+
+
+def summed_as_every_site_plans(
+    d: Derivation, facts: DataFacts, policies: Sequence[Any]
+) -> tuple[Derivation, str]:
+    """(the job in a form every site's plan admits, "") or (the job, why a site refuses it). Signed for 2+
+    sites a job sums by secure aggregation, where a site counts only the noise shares of the peers it pins: a
+    site pinning none counts its own share alone and refuses the warm-up the rules fitted to the whole noise.
+    Each site then adds the whole noise itself (``[federation] secure_aggregation = false``), the form the
+    rules fitted, named in a note; the job is never signed in a form a site's plan refuses."""
+    refusal = site_plan_refusal(d.cfg, facts, policies)
+    if not refusal or len(policies) < 2 or d.cfg.federation.secure_aggregation is not None:
+        return d, refusal
+    per_site = d.cfg.replace(federation={"secure_aggregation": False})
+    if site_plan_refusal(per_site, facts, policies):
+        return d, refusal
+    note = (
+        "federation: secure_aggregation = false, each site adds the whole noise: summed securely, "
+        f"{refusal} (a site counts only the noise shares of the peers it pins: pin the sites' keys, "
+        "[secure_aggregation] peers, to sum securely)"
+    )
+    return replace(d, cfg=per_site, notes=(*d.notes, note)), ""
 
 
 def dpsgd_batch_cap(policies: Sequence[Any]) -> int:
@@ -124,17 +145,23 @@ def dpsgd_batch_cap(policies: Sequence[Any]) -> int:
 
 def site_plan_refusal(cfg: Any, facts: DataFacts, policies: Sequence[Any]) -> str:
     """Why a site's own plan (``planning.plan`` as its node plans it: its public size, per-job budget, unit of
-    privacy and patient cap from its policy) refuses the signed job; "" when every site plans it."""
+    privacy and patient cap from its policy) refuses the signed job; "" when every site plans it. The job is
+    planned in the form it is signed in (``JobConfig.with_secure_default``: secure aggregation for 2+ sites),
+    where a site counts only the noise shares of the peers it pins (``planning.SecureSite``)."""
+    cfg = cfg.with_secure_default(len(policies))
     for p in policies:
+        if cfg.federation.secure_aggregation:
+            form: dict[str, Any] = {"secure": SecureSite(len(policies), p)}
+        else:
+            form = {"budget": target(cfg, p), **site_dpsgd(p)}
         try:
             plan(
                 cfg,
                 int(p.dataset_size),
                 federated=True,
-                budget=target(cfg, p),
                 image_shape=facts.shape,
                 n_classes=facts.n_classes,
-                **site_dpsgd(p),
+                **form,
             )
         except PrivacyError as exc:
             return f"site {p.site_id}'s plan refuses it: {exc}"

@@ -23,6 +23,13 @@ from feta_release.policy import make_policy, open_signed_policy, sign_job, sign_
 DIGITS = DataDeclaration(tuple(str(c) for c in range(10)), (1, 28, 28))
 
 
+def _pem(key: Ed25519PrivateKey) -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    return key.public_key().public_bytes(serialization.Encoding.PEM, spki).decode()
+
+
 def _policies(
     tmp_path: Path,
     sizes: dict[str, int],
@@ -31,10 +38,15 @@ def _policies(
     per_job: tuple[float, float] = (1.0, 1e-5),
     patient_level: dict[str, tuple[int, int]] | None = None,
     mechanisms: dict[str, dict[str, Any]] | None = None,
+    pin_peers: bool = False,
 ) -> tuple[list[Path], dict[str, Any]]:
+    """The sites' signed policy files and opened policies; ``pin_peers``: each site pins the others' keys
+    (secure aggregation then counts their noise shares too)."""
     files, opened = [], {}
+    keys = {sid: Ed25519PrivateKey.generate() for sid in sizes}
     for sid, n in sizes.items():
-        site = Ed25519PrivateKey.generate()
+        site = keys[sid]
+        peers = {o: _pem(k) for o, k in keys.items() if o != sid}
         doc = make_policy(
             sid,
             "ab" * 32,
@@ -46,6 +58,8 @@ def _policies(
             per_job=per_job,
             patient_level=(patient_level or {}).get(sid),
             mechanisms=(mechanisms or {}).get(sid),
+            site_key=_pem(site) if pin_peers else None,
+            secure_aggregation={"peers": peers} if pin_peers else None,
         )
         signed = sign_policy(doc, site)
         path = tmp_path / f"{sid}.signed.json"
@@ -70,7 +84,7 @@ def test_derived_federated_job_fits_every_sites_plan_and_policy(tmp_path: Path) 
         assert epsilon(stage_events(cfg, n, federated=True), cfg.privacy.delta) <= 1.0
         secure = secagg_warmup_events(cfg.with_secure_default(3), n, (1, 28, 28), 10, 3, 0)
         assert epsilon(secure, cfg.privacy.delta) <= 1.0  # type: ignore[arg-type]
-        res = admit(pols[sid], signed)
+        res = admit(pols[sid], signed, data_shape=((1, 28, 28), 10))  # the form the node judges
         assert res.accepted, (sid, res.failures)
 
 
@@ -174,37 +188,62 @@ def _dpsgd_rule(max_batch: int) -> dict[str, Any]:
     return {"allowed": True, "min_sigma": 0.5, "max_steps": 100_000, "max_batch": max_batch}
 
 
+def _patient_federation(tmp_path: Path, patients: int, cap: int, pin_peers: bool) -> Any:
+    coord = Ed25519PrivateKey.generate()
+    files, pols = _policies(
+        tmp_path,
+        {"st-mary": 20_000, "st-luke": 20_000},
+        coord,
+        per_job=(10.0, 1e-5),
+        patient_level={"st-luke": (patients, cap)},
+        mechanisms={"st-luke": {"dpsgd": _dpsgd_rule(patients // 4)}},
+        pin_peers=pin_peers,
+    )
+    return coord, files, pols
+
+
 @pytest.mark.parametrize(("patients", "cap"), [(8000, 4), (1500, 2)])
 def test_a_patient_level_site_admits_the_derived_federated_job(
     tmp_path: Path, patients: int, cap: int
 ) -> None:
     """A federation with a patient-level site (P public patients, at most ``cap`` images each; its DP-SGD
-    max_batch drafted at a quarter of its patients): the shared warm-up is fitted to the budget PER PATIENT
-    over the largest cap and the one signed DP-SGD batch to what every policy admits, so each site's node
-    admits the job and spends at most its budget. With the split per image the patient-level site refused
-    it (its warm-up alone 63.8 per patient at cap 4), and with 1,500 patients the batch (2,048) was above
-    them."""
+    max_batch drafted at a quarter of its patients; each site pins the other's key): the shared warm-up is
+    fitted to the budget PER PATIENT over the largest cap and the one signed DP-SGD batch to what every
+    policy admits, so each site's node admits the secure job (judged with its data's shape, as the node
+    does) and spends at most its budget. A split per image would spend 63.8 per patient on the warm-up alone
+    at cap 4, and with 1,500 patients the rules' batch (2,048) would be above them."""
     from edge.admission import admit
 
-    coord = Ed25519PrivateKey.generate()
-    sizes = {"st-mary": 20_000, "st-luke": 20_000}
-    files, pols = _policies(
-        tmp_path,
-        sizes,
-        coord,
-        per_job=(10.0, 1e-5),
-        patient_level={"st-luke": (patients, cap)},
-        mechanisms={"st-luke": {"dpsgd": _dpsgd_rule(patients // 4)}},
-    )
+    coord, files, pols = _patient_federation(tmp_path, patients, cap, pin_peers=True)
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     assert d.cfg.dpsgd.batch <= patients // 4
     signed = sign_job(d.cfg, coord, "j", ids)
+    assert signed["job"]["config"]["federation"]["secure_aggregation"] is True
     for sid in ids:
-        res = admit(pols[sid], signed)
+        res = admit(pols[sid], signed, data_shape=((1, 28, 28), 10))
         assert res.accepted, (sid, res.failures)
         assert res.job_epsilon is not None and res.job_epsilon <= 10.0
-    luke = admit(pols["st-luke"], signed).job_epsilon
+    luke = admit(pols["st-luke"], signed, data_shape=((1, 28, 28), 10)).job_epsilon
     assert luke is not None and luke >= 9.0  # the budget per patient is spent, not left idle
+
+
+def test_sites_pinning_no_peers_get_a_job_with_per_site_noise_their_nodes_admit(tmp_path: Path) -> None:
+    """Signed for 2 sites a job sums by secure aggregation, and a site that pins no peer counts only its own
+    noise share: its node (judging the secure form with its data's shape) refuses the warm-up fitted to the
+    whole noise (11.7 per patient over a budget of 10). The derivation plans the form the node judges, so the
+    job is signed with each site adding the whole noise (secure_aggregation = false, named in the header),
+    which every node admits."""
+    from edge.admission import admit
+
+    coord, files, pols = _patient_federation(tmp_path, 8000, 4, pin_peers=False)
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.federation.secure_aggregation is False
+    assert any(n.startswith("federation: secure_aggregation = false") for n in d.notes), d.notes
+    signed = sign_job(d.cfg, coord, "j", ids)
+    for sid in ids:
+        res = admit(pols[sid], signed, data_shape=((1, 28, 28), 10))
+        assert res.accepted, (sid, res.failures)
+        assert res.job_epsilon is not None and res.job_epsilon <= 10.0
 
 
 def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 cause.
 
 A draft signed as written must accept the job a coordinator derives for the declared sites (secure
-aggregation, each site adding sigma / sqrt(n) of the noise). Without the other sites' keys pinned, no other
-noise share counts: the refusal must say so and how to fix it, not blame [privacy] epsilon or a min_sigma the
+aggregation, each site adding sigma / sqrt(n) of the noise, where the drafts pin each other; each site adding
+the whole noise where they pin no peer). Without the other sites' keys pinned, no other noise share of a
+secure job counts: its refusal must say so and how to fix it, not blame [privacy] epsilon or a min_sigma the
 admin never chose.
 """
 
@@ -64,8 +65,9 @@ def _kit(d: Path, name: str, *extra: str) -> Path:
     return d / name
 
 
-def _standard_job(d: Path, kit: Path) -> Path:
-    """The coordinator's derived job for three sites declaring what st-mary declares, signed."""
+def _standard_job(d: Path, kit: Path, secure: bool = False) -> Path:
+    """The coordinator's derived job for three sites declaring what st-mary declares, signed; ``secure``: with
+    ``[federation] secure_aggregation = true`` set by the coordinator, whatever the sites pin."""
     drafts = []
     for s in SITES:
         p = d / f"{kit.name}-{s}.toml"
@@ -74,6 +76,10 @@ def _standard_job(d: Path, kit: Path) -> Path:
     job = d / f"{kit.name}-job.toml"
     code, out = _invoke(["coordinator", "derive-job", *drafts, "--epsilon", "1", "--out", str(job)])
     assert code == 0, out
+    if secure:
+        text = job.read_text()
+        assert "secure_aggregation = false" in text, text  # drafts pinning no peers: each site adds the noise
+        job.write_text(text.replace("secure_aggregation = false", "secure_aggregation = true"))
     code, out = _invoke(
         [
             "job",
@@ -120,6 +126,8 @@ def test_draft_without_peers_is_refused_naming_the_missing_peers_and_the_fix(fed
     d = federation
     kit = _kit(d, "alone")
     code, out = _check(d, kit, _standard_job(d, kit))
+    assert code == 0, out  # the derived job: each site adds the whole noise, which the draft admits
+    code, out = _check(d, kit, _standard_job(d, kit, secure=True))
     assert code == 6, out
     assert "no peers pinned" in out and "--peer SITE_ID=FILE" in out, out
     assert "min_sigma" not in out and "raise [privacy] epsilon" not in out, out

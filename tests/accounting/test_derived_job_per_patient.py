@@ -69,8 +69,8 @@ def test_the_derived_job_meets_epsilon_per_patient_at_a_patient_level_site(
 
 
 def test_a_cap_of_four_at_eight_thousand_patients_plans_within_epsilon_ten() -> None:
-    """20,000 images of 8,000 patients, at most 4 each, epsilon 10: the warm-up was fitted for 10 per image
-    (97.1 per patient, refused); now the plan spends at most 10 per patient, and the header says so."""
+    """20,000 images of 8,000 patients, at most 4 each, epsilon 10: a warm-up fitted for 10 per image would
+    spend 97.1 per patient (refused); the plan spends at most 10 per patient, and the header says so."""
     facts = DataFacts(20_000, 28, 28, 1, 10, 10.0, patients=PatientFacts(8000, 4))
     d = derive(facts)
     total = _site_plan(facts, d.cfg).epsilon

@@ -218,8 +218,9 @@ def test_the_rules_charge_each_step_the_rows_a_node_round_pushes_through_the_cli
 ) -> None:
     """Image- or patient-level, the rules' padded rows per step (``dpsgd_step_rows``, from public facts only)
     are the rows every step of the site's real node round runs through the per-example clip. A patient-level
-    site charged as an image-level one (q = batch / images, no cap in the variance, chunk units) was charged
-    16 rows a step where its node runs 28 (24 images of 8 patients, 3 each; 5 patients sampled a step)."""
+    site charged as an image-level one (q = batch / images, no cap in the variance, chunk units) would be
+    charged 16 rows a step where its node runs 28 (24 images of 8 patients, 3 each; 5 patients sampled a
+    step)."""
     cfg, facts, n_rows, patients = case
     with pytest.MonkeyPatch.context() as mp:
         rows = _rows_a_node_round_processes(mp, cfg, n_rows, facts.size, patients)

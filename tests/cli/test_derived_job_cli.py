@@ -133,9 +133,9 @@ def test_privacy_plan_shows_the_derived_job_from_public_facts(capsys: Any) -> No
 def test_privacy_plan_plans_the_derived_job_per_patient_as_train_runs_it(capsys: Any) -> None:
     """--patients and --patient-cap beside the public facts: the derived job is planned as `train` runs it at
     a patient-level site (DP-SGD samples whole patients at q = batch / patients, events of unit "patient", the
-    budget per patient), where they were silently dropped and an image-level plan printed. Over a cap of 3 the
-    rules fit every stage to the budget PER PATIENT, so the plan meets it (a split per image spent about 3
-    times it and was refused)."""
+    budget per patient), not dropped for an image-level plan. Over a cap of 3 the rules fit every stage to the
+    budget PER PATIENT, so the plan meets it (a split per image would spend about 3 times it and be
+    refused)."""
     facts = [
         "--size",
         "100000",

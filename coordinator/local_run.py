@@ -75,7 +75,7 @@ from feta_release.mechanisms.count import (
     size_event,
 )
 from feta_release.models import generate
-from feta_release.planning import PrivacyPlan, merged
+from feta_release.planning import PrivacyPlan, merged, patient_dpsgd
 from feta_release.planning import plan as privacy_plan
 from feta_release.policy import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.envelope import read_json
@@ -378,10 +378,8 @@ def _plan(
         n_pub,
         image_shape=data.image_shape,
         n_classes=data.n_classes,
-        dpsgd_unit="image" if patients is None else "patient",
-        dpsgd_size=None if patients is None else patients.n_public,
         size=counted or None,
-        patient_cap=None if patients is None else patients.cap,
+        **(patient_dpsgd(None, None) if patients is None else patient_dpsgd(patients.n_public, patients.cap)),
     )
 
 

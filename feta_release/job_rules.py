@@ -868,7 +868,7 @@ def plan_of(f: DataFacts, cfg: JobConfig) -> Any:
     DP-SGD samples its public patients (unit "patient") and its total is counted PER PATIENT over its cap.
     A federation's job is planned as one site of the summed size (each site's own plan:
     ``coordinator.derive``)."""
-    from .planning import plan
+    from .planning import patient_dpsgd, plan
 
     p = f.patients
     return plan(
@@ -877,9 +877,7 @@ def plan_of(f: DataFacts, cfg: JobConfig) -> Any:
         size=_first(f) or None,
         image_shape=f.shape,
         n_classes=f.n_classes,
-        dpsgd_unit="image" if p is None else "patient",
-        dpsgd_size=None if p is None else p.patients,
-        patient_cap=None if p is None else p.cap,
+        **(patient_dpsgd(None, None) if p is None else patient_dpsgd(p.patients, p.cap)),
     )
 
 

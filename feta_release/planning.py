@@ -168,12 +168,23 @@ def site_dpsgd(policy: Any | None) -> dict[str, Any]:
     ``patient_cap``: the policy's patient cap, so DP-SGD is calibrated for the budget PER PATIENT
     (``accounting.patient_epsilon``), the figure the site's ledger caps."""
     if policy is not None and getattr(policy, "privacy_unit", "image") == "patient":
-        return {
-            "dpsgd_unit": "patient",
-            "dpsgd_size": int(policy.patients),
-            "patient_cap": int(policy.patient_cap),
-        }
-    return {"dpsgd_unit": "image", "dpsgd_size": None, "patient_cap": None}
+        return patient_dpsgd(int(policy.patients), int(policy.patient_cap))
+    return patient_dpsgd(None, None)
+
+
+def patient_dpsgd(public_patients: int | None, patient_cap: int | None) -> dict[str, Any]:
+    """How DP-SGD samples given the PUBLIC patient count (keyword arguments of :func:`plan`): with
+    ``public_patients`` whole patients at q = batch / patients, events of unit "patient" (what ``train``, a
+    patient-level node and its ledger charge); without, images at q = batch / images, ``patient_cap`` (if
+    any) then turning the total into a per-patient one by group privacy. The one form every planner uses,
+    so a printed plan is the history the ledger holds."""
+    if public_patients is None:
+        return {"dpsgd_unit": "image", "dpsgd_size": None, "patient_cap": patient_cap}
+    return {
+        "dpsgd_unit": "patient",
+        "dpsgd_size": int(public_patients),
+        "patient_cap": None if patient_cap is None else int(patient_cap),
+    }
 
 
 def stage_events(

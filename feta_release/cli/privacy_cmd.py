@@ -205,7 +205,7 @@ def plan(
         else PrivacyUnit("image", max_images_per_person)
     )
     from ..config import load_job
-    from ..planning import DEFAULT_DATASET_SIZE
+    from ..planning import DEFAULT_DATASET_SIZE, patient_dpsgd
     from ..planning import plan as plan_privacy
 
     cfg = load_job(job_file)
@@ -217,9 +217,9 @@ def plan(
     result = plan_privacy(
         cfg,
         n,
-        dpsgd_unit="image" if public_patients is None else "patient",
         size=None if declared_size else size_event(),
-        patient_cap=patient_cap,
+        # DP-SGD sampled as `train` and a patient-level node sample it: whole patients at q = batch / P
+        **patient_dpsgd(public_patients, patient_cap),
     )
     if as_json:
         data = result.to_dict()
@@ -280,7 +280,7 @@ def _plan_derived(
         )
     from ..job_rules import DataFacts, PatientFacts, derivation_toml, derive
     from ..mechanisms.count import size_event
-    from ..planning import DEFAULT_DATASET_SIZE
+    from ..planning import DEFAULT_DATASET_SIZE, patient_dpsgd
     from ..planning import plan as plan_privacy
     from .derive_options import parse_duration
 
@@ -306,9 +306,7 @@ def _plan_derived(
         image_shape=(c, h, w),
         n_classes=classes,
         size=None if declared else size_event(),
-        dpsgd_unit="image" if public_patients is None else "patient",
-        dpsgd_size=public_patients,
-        patient_cap=patient_cap,
+        **patient_dpsgd(public_patients, patient_cap),
     )
     if as_json:
         click.echo(

@@ -181,6 +181,31 @@ def test_privacy_plan_patient_level_dpsgd(capsys, tmp_path: Path) -> None:  # no
     assert u["expected_patients_per_step"] == pytest.approx(sgd["q"] * 2000)
 
 
+def test_privacy_plan_of_a_job_file_samples_patients_as_the_node_and_train_do(
+    capsys,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    """`privacy plan JOB --patients P --patient-cap K` planned DP-SGD at q = batch / images while `train`
+    and a patient-level node sample whole patients at q = batch / P: its σ and ε were not what the ledger
+    charges. The plan's DP-SGD q, σ and total must be the planner's for the same public facts."""
+    from types import SimpleNamespace
+
+    from feta_release.config import load_job
+    from feta_release.mechanisms.count import size_event
+    from feta_release.planning import plan, site_dpsgd
+
+    job = _eps20_job(tmp_path)
+    printed = _plan([str(job), "-n", "9000", "--patient-cap", "5", "--patients", "2000"], capsys)
+    cfg = load_job(job)
+    site = SimpleNamespace(privacy_unit="patient", patients=2000, patient_cap=5)
+    ledger = plan(cfg, 9000, size=size_event(), **site_dpsgd(site))
+    sgd = [e for e in printed["history"] if e["stage"] == "dpsgd"][0]
+    assert sgd["q"] == pytest.approx(cfg.for_size(9000).dpsgd.batch / 2000)
+    assert sgd["q"] == pytest.approx(ledger.event("dpsgd").q)  # type: ignore[union-attr]
+    assert printed["noise_multiplier"] == pytest.approx(ledger.to_dict()["noise_multiplier"])
+    assert printed["epsilon"] == pytest.approx(ledger.epsilon)
+
+
 def test_the_release_text_of_an_image_level_site_states_group_privacy_with_delta() -> None:
     """The image-unit text said "(a patient-level site with patient cap k: k·ε per patient)": read as a
     patient bound an image-level site does not give, and silent on δ, which grows to k·e^((k−1)ε)·δ."""

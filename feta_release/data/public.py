@@ -103,26 +103,36 @@ def _quantised(images: np.ndarray) -> Iterator[np.ndarray]:
 
 def image_digests(images: np.ndarray, skip_constant: bool = False) -> list[bytes]:
     """One blake2b digest per image of its quantised pixels and shape (:func:`_quantised`): equal images,
-    equal digests, compared in O(N + M) instead of pixel by pixel. ``skip_constant``: none for the images
-    whose quantised pixels are all one value."""
+    equal digests, compared in O(N + M) instead of pixel by pixel. ``skip_constant``: none for the solid
+    images (:func:`_solid`)."""
     shape = np.asarray(images.shape[1:], dtype="<i8").tobytes()
     out = []
     for part in _quantised(images):
-        flat = part.reshape(len(part), -1)
-        constant = (flat == flat[:, :1]).all(axis=1) if skip_constant else np.zeros(len(part), bool)
+        constant = _solid(part) if skip_constant else np.zeros(len(part), bool)
         for row, blank in zip(part, constant, strict=True):
             if not blank:
                 out.append(hashlib.blake2b(shape + row.tobytes(), digest_size=_DIGEST_BYTES).digest())
     return out
 
 
+def _solid(part: np.ndarray) -> np.ndarray:
+    """Per image of ``part`` ((N, C, H, W), or (N, H, W): one channel), whether it holds no spatial
+    information: in EVERY channel, every quantised pixel equals that channel's value at every other position
+    (a blank slice, or a solid colour whose channels differ, as a solid red frame)."""
+    channels = part.shape[1] if part.ndim == 4 else 1
+    per_channel = part.reshape(len(part), channels, -1)
+    return np.asarray((per_channel == per_channel[:, :, :1]).all(axis=(1, 2)))
+
+
 def private_copies(public: np.ndarray, private: np.ndarray) -> int:
     """How many of the ``public`` images are exact copies (after quantising to uint8) of some ``private``
     image; a public image repeated k times counts k times, whatever the order of either set.
 
-    Constant images (every quantised pixel one value: a blank or saturated frame) are left out of the count:
-    one carries nothing about anyone (every scanner writes the same blank slice), so a blank frame in both
-    sets discloses no one's image, and counting it refused ordinary public sets as holding private ones."""
+    Solid images are left out of the count: those whose every quantised pixel, in every channel, equals that
+    channel's value at every other spatial position (a blank or saturated slice, or a solid colour such as a
+    red frame, each channel constant though the channels differ; :func:`_solid`). One carries nothing about
+    anyone (every scanner writes the same blank slice), so a solid frame in both sets discloses no one's
+    image, and counting it refused ordinary public sets as holding private ones."""
     if not len(public) or not len(private) or public.shape[1:] != private.shape[1:]:
         return 0
     seen = set(image_digests(private, skip_constant=True))

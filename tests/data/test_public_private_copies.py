@@ -11,19 +11,29 @@ from feta_release.data.dataset import _to_uint8
 from feta_release.data.public import image_digests, private_copies
 
 SHAPE = (1, 3, 3)  # small images: collisions between random ones are likely, so "exactly" is tested
+RGB = (3, 3, 3)
 
 
 @st.composite
 def _sets(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(private uint8 images, public uint8 images, a permutation of the public set, the true copy count by
     pixel-by-pixel comparison)."""
-    pixels = st.lists(st.sampled_from([0, 1, 128, 254, 255]), min_size=9, max_size=9)
-    private = np.array(draw(st.lists(pixels, min_size=1, max_size=12)), np.uint8).reshape(-1, *SHAPE)
-    fresh = np.array(draw(st.lists(pixels, max_size=12)), np.uint8).reshape(-1, *SHAPE)
+    shape = draw(st.sampled_from([SHAPE, RGB]))
+    # channels drawn whole from few levels: solid colours (each channel constant, channels differing) occur
+    channel = st.one_of(
+        st.sampled_from([0, 1, 128, 254, 255]).map(lambda v: [v] * 9),
+        st.lists(st.sampled_from([0, 1, 128, 254, 255]), min_size=9, max_size=9),
+    )
+    pixels = st.lists(channel, min_size=shape[0], max_size=shape[0]).map(lambda cs: sum(cs, []))
+    private = np.array(draw(st.lists(pixels, min_size=1, max_size=12)), np.uint8).reshape(-1, *shape)
+    fresh = np.array(draw(st.lists(pixels, max_size=12)), np.uint8).reshape(-1, *shape)
     picks = draw(st.lists(st.integers(0, len(private) - 1), max_size=8))  # copies, repeats allowed
     public = np.concatenate([fresh, private[picks]])
-    # the O(N*M) definition: a non-constant public image equal to some private one
-    truth = sum(len(np.unique(p)) > 1 and any(np.array_equal(p, q) for q in private) for p in public)
+    # the O(N*M) definition: a public image with spatial information (some channel not one value) equal to
+    # some private one
+    truth = sum(
+        any(len(np.unique(c)) > 1 for c in p) and any(np.array_equal(p, q) for q in private) for p in public
+    )
     order = np.array(draw(st.permutations(range(len(public)))), np.int64)
     return private, public, order, truth
 
@@ -66,3 +76,18 @@ def test_blank_frames_in_both_sets_are_no_copies_but_a_real_image_beside_them_is
         assert private_copies(blank, private) == 0
         assert private_copies(blank.astype(np.float32) / 255, private) == 0
         assert private_copies(np.concatenate([blank, blank, scan]), private) == 1
+
+
+def test_a_solid_colour_frame_in_both_sets_is_no_copy():
+    """A solid red frame (each channel one value, the channels different) holds no spatial information, as a
+    blank slice does: in both sets it is not counted; an RGB image with spatial detail beside it still is."""
+    red = np.zeros((1, *RGB), np.uint8)
+    red[0, 0] = 255
+    scan = np.arange(27, dtype=np.uint8).reshape(1, *RGB)
+    private = np.concatenate([red, scan])
+    assert private_copies(red, private) == 0
+    assert private_copies(red.astype(np.float32) / 255, private) == 0
+    assert private_copies(np.concatenate([red, red, scan]), private) == 1
+    one_spot = red.copy()
+    one_spot[0, 2, 1, 1] = 9  # one pixel differs in one channel: spatial information, counted
+    assert private_copies(one_spot, np.concatenate([one_spot, scan])) == 1

@@ -43,34 +43,35 @@ def parse_setting(text: str) -> dict[str, Any]:
     return setting
 
 
-def ensure_aux_pool(run: Path, setting: dict[str, Any]) -> None:
+def aux_pool_for(run: Path, setting: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
     """A setting that starts from the aux generator's pool (``start_source`` aux or mix) on a run that shipped
-    none: the pool the job would have shipped, from the run's own frequency release (the aux generator is
-    fitted to the NOISED release with public randomness: post-processing), bound to the run's job id."""
+    none: the pool the job would have shipped (images, labels), from the run's own frequency release (the aux
+    generator is fitted to the NOISED release with public randomness: post-processing). Kept in memory and
+    handed to ``synthetic_set``: nothing is written into the run's ``released/`` folder, which a later
+    release build reads. None where the setting needs no pool or the run shipped one."""
     from feta_release.config import JobConfig
     from feta_release.federation.warmup import fitted_aux
     from feta_release.release.jobdir import load_model
     from feta_release.release.jobfiles import RELEASED_AUX
     from feta_release.stages.freq_warmup import aux_pool
-    from feta_release.training.checkpoint import npz_bytes
 
     if setting.get("start_source") not in ("aux", "mix") or (run / RELEASED_AUX).exists():
-        return
-    state = run / "state" / "frequency_site.npz"
-    if not state.exists():
+        return None
+    states = sorted((run / "state").glob("frequency_*.npz"))
+    if len(states) != 1:
         raise SystemExit(
             f"{run}: start_source {setting['start_source']!r} needs the aux generator's pool, and the run "
-            f"has neither {RELEASED_AUX} nor a one-site frequency release ({state}); use a run that "
-            "shipped the pool"
+            f"has no {RELEASED_AUX} and {len(states)} frequency releases in {run / 'state'} (one site's "
+            "frequency_<site>.npz is needed); use a one-site run or one that shipped the pool"
         )
-    signed = json.loads((run / "signed_job.json").read_text("utf-8"))["job"]
-    cfg, model = JobConfig.from_dict(signed["config"]), load_model(run)
-    with np.load(state) as z:
-        freq = {"site": {k: z[k] for k in z.files}}
-    aux = fitted_aux(freq, {"site": 1}, cfg, tuple(model.image_shape), int(model.n_classes), "cpu")
+    site = states[0].stem.removeprefix("frequency_")
+    cfg = JobConfig.from_dict(json.loads((run / "signed_job.json").read_text("utf-8"))["job"]["config"])
+    model = load_model(run)
+    with np.load(states[0]) as z:
+        freq = {site: {k: z[k] for k in z.files}}
+    aux = fitted_aux(freq, {site: 1}, cfg, tuple(model.image_shape), int(model.n_classes), "cpu")
     images, labels = aux_pool(aux, cfg)
-    data = npz_bytes(images=images, labels=labels, job_id=np.array(signed["job_id"]))
-    (run / RELEASED_AUX).write_bytes(data)
+    return np.asarray(images, np.float32), np.asarray(labels, np.int64)
 
 
 def score_setting(run: Path, setting: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -79,9 +80,9 @@ def score_setting(run: Path, setting: dict[str, Any], args: argparse.Namespace) 
     from feta_release.data import ImageDataset
     from feta_release.release.jobdir import synthetic_set
 
-    ensure_aux_pool(run, setting)
+    pool = aux_pool_for(run, setting)
     t0 = time.perf_counter()
-    path = synthetic_set(run, args.num, args.sample_seed, sampler=setting, name="resampled.npz")
+    path = synthetic_set(run, args.num, args.sample_seed, sampler=setting, name="resampled.npz", aux=pool)
     drawn_s = time.perf_counter() - t0
     cell = {"kind": args.kind, "size": args.size, "mode": args.mode, "seed": args.seed}
     train, test = _splits(cell)

@@ -316,12 +316,15 @@ def synthetic_set(
     *,
     sampler: dict[str, Any] | None = None,
     name: str = "synthetic.npz",
+    aux: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Path:
     """``synthetic.npz``: ``n`` images of the released model (balanced labels, interleaved so a prefix is
     balanced too), drawn as ``synthesize`` draws by default (SDEdit from the job's released central images /
     aux pool when the job says start_sigma). Post-processing of the release: images float32 (N, C, H, W) in
     [0, 1], labels int64, class_names. ``sampler``: ``[sampler]`` fields drawn with instead of the signed
-    job's (``bench/resample.py`` compares sampler settings on one trained model), written to ``name``."""
+    job's (``bench/resample.py`` compares sampler settings on one trained model), written to ``name``.
+    ``aux``: the aux generator's pool (images, labels) drawn from instead of the released file, for a run
+    that shipped none; it stays out of ``released/``, so no later release build can pick it up."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg, job_id = JobConfig.from_dict(signed["job"]["config"]), signed["job"]["job_id"]
     if sampler:
@@ -331,11 +334,10 @@ def synthetic_set(
     labels = np.tile(np.arange(k, dtype=np.int64), -(-n // k))[:n]
     first = np.arange(n, dtype=np.int64) // k  # image j of its class
     central = released_central(out_dir, job_id)
-    aux = (
-        released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images")
-        if cfg.sampler.uses_aux
-        else None
-    )
+    if not cfg.sampler.uses_aux:
+        aux = None
+    elif aux is None:
+        aux = released_central(out_dir, job_id, RELEASED_AUX, "aux-generator images")
     src = cfg.sampler.start_source if aux is not None else "central"
     scfg, init = cfg.sampler, None
     if n and scfg.start_sigma is not None and (src == "aux" or central is not None):

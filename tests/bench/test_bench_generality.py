@@ -194,12 +194,16 @@ def test_a_routes_public_set_is_generated_once_at_the_datas_side_and_named(tmp_p
     assert bench._route_args({"work": str(tmp_path)}, train) == []
 
 
-def test_resample_reads_each_sampler_setting_as_json_or_a_word() -> None:
+def _resample() -> ModuleType:
     spec = importlib.util.spec_from_file_location("resample", ROOT / "bench" / "resample.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    parse_setting = mod.parse_setting
+    return mod
+
+
+def test_resample_reads_each_sampler_setting_as_json_or_a_word() -> None:
+    parse_setting = _resample().parse_setting
 
     assert parse_setting("guidance=1.5") == {"guidance": 1.5}
     assert parse_setting("start_sigma=null") == {"start_sigma": None}
@@ -207,3 +211,32 @@ def test_resample_reads_each_sampler_setting_as_json_or_a_word() -> None:
     assert parse_setting("start_source=mix,start_sigma=0.7") == {"start_source": "mix", "start_sigma": 0.7}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         parse_setting("guidance")
+
+
+def test_resample_builds_a_missing_aux_pool_without_writing_into_the_release(tmp_path: Path) -> None:
+    """A run that shipped no aux pool, redrawn from one: the pool is rebuilt from the run's one frequency
+    release and handed over, and ``released/`` (which a later release build reads) is left as it was; two
+    frequency releases are refused in one line naming them."""
+    import numpy as np
+
+    from feta_release.release.jobdir import synthetic_set
+    from tests.support.training import embedded_subset, train_run
+
+    resample = _resample()
+    run = tmp_path / "r"
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5}, dpsgd={"steps": 0})
+    train_run(cfg, embedded_subset(), run, n_synthetic=10, public_size=240, release=False)
+    before = {p: p.read_bytes() for p in (run / "released").rglob("*") if p.is_file()}
+    setting = {"start_sigma": 0.5, "start_source": "aux"}
+    assert resample.aux_pool_for(run, {"guidance": 2.0}) is None  # no pool needed
+    images, labels = resample.aux_pool_for(run, setting)
+    assert images.dtype == np.float32 and len(images) == len(labels) and images.shape[1:] == (1, 28, 28)
+    assert 0 <= images.min() and images.max() <= 1 and set(labels.tolist()) == set(range(10))
+    with np.load(synthetic_set(run, 10, 0, sampler=setting, name="aux.npz", aux=(images, labels))) as z:
+        assert z["images"].shape == (10, 1, 28, 28)
+    assert {p: p.read_bytes() for p in (run / "released").rglob("*") if p.is_file()} == before
+    (run / "state" / "frequency_site.npz").rename(run / "state" / "frequency_other.npz")
+    assert resample.aux_pool_for(run, setting)[0].shape == images.shape  # found by its pattern, any site
+    (run / "state" / "frequency_b.npz").write_bytes((run / "state" / "frequency_other.npz").read_bytes())
+    with pytest.raises(SystemExit, match="2 frequency releases"):
+        resample.aux_pool_for(run, setting)

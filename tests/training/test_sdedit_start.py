@@ -61,3 +61,23 @@ def test_a_run_redrawn_under_other_sampler_settings_changes_only_the_named_set(t
         with np.load(run / "synthetic.npz") as kept:
             assert not np.allclose(guided["images"], kept["images"])
     assert (run / "synthetic.npz").read_bytes() == first
+
+
+def test_an_aux_pool_handed_to_the_redraw_is_the_one_its_starts_are_drawn_from(tmp_path) -> None:
+    """A sampler setting starting from the aux generator's pool, tried on a run that shipped none
+    (``bench/resample.py``): the pool handed in, not a file in ``released/``, is what the starts come from."""
+    from feta_release.release.jobdir import load_model
+
+    cfg = load_preset("tiny").replace(sampler={"start_sigma": 0.5}, dpsgd={"steps": 0})
+    run = tmp_path / "r"
+    train_run(cfg, _data(), run, n_synthetic=10, public_size=240, release=False)
+    model = load_model(run)
+    labels = np.repeat(np.arange(model.n_classes, dtype=np.int64), 2)
+    dark = (np.zeros((len(labels), *model.image_shape), np.float32), labels)
+    light = (np.ones((len(labels), *model.image_shape), np.float32), labels)
+    setting = {"start_sigma": 0.5, "start_source": "aux"}
+    with (
+        np.load(synthetic_set(run, 10, 0, sampler=setting, name="a.npz", aux=dark)) as a,
+        np.load(synthetic_set(run, 10, 0, sampler=setting, name="b.npz", aux=light)) as b,
+    ):
+        assert a["images"].mean() < b["images"].mean()

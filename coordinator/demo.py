@@ -215,11 +215,10 @@ def demo(
             public = demo_public(
                 public_spec, public_description, out_dir, load_preset(preset), DIGITS_SHAPE, quick
             )  # read (a PATH: checked) before the federation is written
+            split = site_datasets(per_site)  # the sites' digits: checked against --public, then written
             if public is not None:
-                refuse_site_images(public, per_site)
-            fed, cfg = _prepare(
-                out_dir, epsilon, preset, rounds, local_steps, per_site, quick, secure, public
-            )
+                refuse_site_images(public, split[0])
+            fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, split, quick, secure, public)
             timings["prepare"] = time.monotonic() - t0
             _log_ready(console, fed, cfg, public)
             status.update(
@@ -352,12 +351,12 @@ def site_datasets(per_site: int | None) -> tuple[dict[str, ImageDataset], ImageD
     return {f"site-{chr(ord('a') + i)}": p for i, p in enumerate(parts)}, heldout
 
 
-def refuse_site_images(public: DemoPublic, per_site: int | None) -> None:
+def refuse_site_images(public: DemoPublic, sites: dict[str, ImageDataset]) -> None:
     """Refuse a --public set holding any of the demo's sites' digits (``data.public.refuse_private_copies``),
     before the federation is written. The demo may: it split those digits itself, so it learns nothing a
     site would not want told. A real coordinator or site node must not (the argument beside that function):
-    there the signed job's public hash is the coordinator operator's declaration."""
-    sites, _ = site_datasets(per_site)
+    there the signed job's public hash is the coordinator operator's declaration. ``sites``: the digits
+    :func:`site_datasets` gives each site."""
     private = np.concatenate([d.images for d in sites.values()])
     merged = ImageDataset(private, np.zeros(len(private), np.int64), ("digit",), "the demo's sites' digits")
     refuse_private_copies(public.data, merged, public.path, f"the {len(private)} digits of the demo's sites")
@@ -369,14 +368,16 @@ def _prepare(
     preset: str,
     rounds: int,
     local_steps: int,
-    per_site: int | None,
+    split: tuple[dict[str, ImageDataset], ImageDataset],
     quick: bool,
     secure: bool = True,
     public: DemoPublic | None = None,
 ) -> tuple[Any, Any]:
+    """The federation written under OUT from ``split`` (:func:`site_datasets`: the sites' digits and the
+    held-out ones) and the job planned from the sites' public sizes."""
     from .setup import prepare_federation
 
-    datasets, heldout = site_datasets(per_site)
+    datasets, heldout = split
     fed = prepare_federation(out_dir / "federation", datasets)
     save_npz(heldout, out_dir / "federation" / "heldout.npz")
     # the job is planned from the sites' PUBLIC sizes (their policies), as a real coordinator must

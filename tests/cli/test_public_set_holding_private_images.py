@@ -122,10 +122,10 @@ def test_demo_refuses_a_public_path_holding_its_sites_digits_before_anything_is_
 def test_the_demo_check_counts_only_the_sites_digits(tmp_path):
     sites, heldout = site_datasets(50)
     fine = _strokes_with(heldout.images[:3], tmp_path / "heldout.npz")  # not a site's: no privacy at stake
-    refuse_site_images(DemoPublic(fine, "", _load(fine)), 50)
+    refuse_site_images(DemoPublic(fine, "", _load(fine)), sites)
     copied = _strokes_with(sites["site-c"].images[-2:], tmp_path / "site-c.npz")
     with pytest.raises(PrivateImagesInPublicSet, match="2 of its 42 images"):
-        refuse_site_images(DemoPublic(copied, "", _load(copied)), 50)
+        refuse_site_images(DemoPublic(copied, "", _load(copied)), sites)
 
 
 def _load(path: Path) -> ImageDataset:

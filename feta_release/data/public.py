@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DataError, PrivateImagesInPublicSet
-from .dataset import ImageDataset
+from .dataset import ImageDataset, _to_uint8
 from .loading import LoadOptions, load_dataset
 
 MAX_DESCRIPTION = 500
@@ -96,8 +96,8 @@ def _quantised(images: np.ndarray) -> Iterator[np.ndarray]:
     for start in range(0, len(images), _CHUNK):
         part = np.asarray(images[start : start + _CHUNK])
         if part.dtype != np.uint8:
-            # float32 arithmetic, as ``save_npz(dtype="uint8")`` stores a set: its stored copy matches exactly
-            part = np.rint(np.clip(part.astype(np.float32), 0, 1) * np.float32(255)).astype(np.uint8)
+            # the conversion ``save_npz(dtype="uint8")`` stores a set with: its stored copy matches exactly
+            part = _to_uint8(np.clip(part.astype(np.float32), 0, 1))
         yield np.ascontiguousarray(part)
 
 

@@ -807,40 +807,30 @@ def _try_dpsgd(f: DataFacts) -> tuple[dict[str, Any], Estimate, int, str]:
     """(sections, estimate, DP-SGD steps, why DP-SGD is off) of the job with DP-SGD; where it cannot run:
     empty sections, 0 steps and the reason the job's header gives."""
     if f.dpsgd == "off":
-        return {}, Estimate({}), 0, "asked for"
+        return _off("asked for")
     try:  # the warm-up leaves room for at least DP-SGD's minimum steps (one more for the rounding)
         d, est = _fit_budget(f, _split(f, True), reserve=_dpsgd_seconds(f, DPSGD_MIN_STEPS + 1))
     except PrivacyError:  # the releases' smaller share leaves them no noise within the budget: no DP-SGD
-        return (
-            {},
-            Estimate({}),
-            0,
-            f"with DP-SGD's share taken, no release noise fits epsilon {f.epsilon:g}{_per(f)}",
-        )
+        return _off(f"with DP-SGD's share taken, no release noise fits epsilon {f.epsilon:g}{_per(f)}")
     steps = _dpsgd_steps(f, d, est)
     if steps < DPSGD_MIN_STEPS:
         rounds = f" ({DPSGD_MIN_STEPS / LOCAL_STEPS:g} whole rounds of {LOCAL_STEPS})" if f.federated else ""
-        return {}, Estimate({}), 0, f"{steps} steps fit the time budget, fewer than {DPSGD_MIN_STEPS}{rounds}"
+        return _off(f"{steps} steps fit the time budget, fewer than {DPSGD_MIN_STEPS}{rounds}")
     try:  # the planner calibrates DP-SGD for what the warm-up leaves (per patient: composed at delta / 2)
         noise = job_dpsgd_noise(f, _with_steps(d, steps, f.federated))
     except PrivacyError:
-        return (
-            {},
-            Estimate({}),
-            0,
-            f"no DP-SGD noise fits what the warm-up leaves of epsilon {f.epsilon:g}{_per(f)}",
-        )
+        return _off(f"no DP-SGD noise fits what the warm-up leaves of epsilon {f.epsilon:g}{_per(f)}")
     if f.dpsgd == "auto" and noise > DPSGD_MAX_NOISE:
-        return (
-            {},
-            Estimate({}),
-            0,
-            (
-                f"its noise-to-signal over the job sigma sqrt(P) / (B sqrt(T)) is {noise:.4f}, above "
-                f"{DPSGD_MAX_NOISE:.4f}, a fifth of where it tied"
-            ),
+        return _off(
+            f"its noise-to-signal over the job sigma sqrt(P) / (B sqrt(T)) is {noise:.4f}, above "
+            f"{DPSGD_MAX_NOISE:.4f}, a fifth of where it tied"
         )
     return d, est, steps, ""
+
+
+def _off(why: str) -> tuple[dict[str, Any], Estimate, int, str]:
+    """:func:`_try_dpsgd`'s answer where DP-SGD cannot run: no sections, no steps, the header's reason."""
+    return {}, Estimate({}), 0, why
 
 
 def dpsgd_noise(sigma: float, params: int, batch: int, steps: int) -> float:

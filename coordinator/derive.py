@@ -14,7 +14,7 @@ from typing import Any
 
 from feta_release.errors import ConfigError, PrivacyError
 from feta_release.job_rules import DataFacts, Derivation, default_delta, derive, policy_patient_facts
-from feta_release.planning import SecureSite, plan, site_dpsgd, target
+from feta_release.planning import plan, site_form
 from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
 from feta_release.policy.envelope import read_json
 
@@ -150,10 +150,6 @@ def site_plan_refusal(cfg: Any, facts: DataFacts, policies: Sequence[Any]) -> st
     where a site counts only the noise shares of the peers it pins (``planning.SecureSite``)."""
     cfg = cfg.with_secure_default(len(policies))
     for p in policies:
-        if cfg.federation.secure_aggregation:
-            form: dict[str, Any] = {"secure": SecureSite(len(policies), p)}
-        else:
-            form = {"budget": target(cfg, p), **site_dpsgd(p)}
         try:
             plan(
                 cfg,
@@ -161,7 +157,7 @@ def site_plan_refusal(cfg: Any, facts: DataFacts, policies: Sequence[Any]) -> st
                 federated=True,
                 image_shape=facts.shape,
                 n_classes=facts.n_classes,
-                **form,
+                **site_form(cfg, p, len(policies)),
             )
         except PrivacyError as exc:
             return f"site {p.site_id}'s plan refuses it: {exc}"

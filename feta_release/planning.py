@@ -746,6 +746,16 @@ class SecureSite:
     policy: Any
 
 
+def site_form(cfg: JobConfig, policy: Any, n_sites: int) -> dict[str, Any]:
+    """How a federated site's node plans ``cfg`` (keyword arguments of :func:`plan`; ``cfg`` as signed,
+    ``JobConfig.with_secure_default`` resolved): a secure-aggregation job as :class:`SecureSite`, where the
+    site counts only the noise shares of the peers it pins; otherwise at its own per-job budget and DP-SGD
+    sampling (:func:`target`, :func:`site_dpsgd`)."""
+    if cfg.federation.secure_aggregation:
+        return {"secure": SecureSite(n_sites, policy)}
+    return {"budget": target(cfg, policy), **site_dpsgd(policy)}
+
+
 def plan(
     cfg: JobConfig,
     public_size: int,

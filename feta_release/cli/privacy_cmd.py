@@ -345,8 +345,8 @@ def _plan_for_policy(job_file: Path, policy_path: Path, n_sites: int | None, as_
     """The federated plan of JOB_FILE at one site, as its node makes it (``edge.admission.request_for``; a
     secure job: ``planning.secure_site_events``, the history the node charges and the coordinator plans)."""
     from ..config import load_job
-    from ..planning import SecureSite, site_dpsgd, target
     from ..planning import plan as plan_privacy
+    from ..planning import site_form
     from ..privacy_unit import site_unit_statement
 
     pol = _read_policy(policy_path)
@@ -359,20 +359,14 @@ def _plan_for_policy(job_file: Path, policy_path: Path, n_sites: int | None, as_
         cfg = cfg.replace(central={"batch": max(1, round(cfg.central.rate * pol.dataset_size))})
     if cfg.dpsgd.rate is not None:
         cfg = cfg.replace(dpsgd={"batch": max(1, round(cfg.dpsgd.rate * pol.dpsgd_population))})
+    form = site_form(cfg, pol, n_sites)
     if cfg.federation.secure_aggregation:
         shape, classes = _declared_shape(pol, policy_path)
         result = plan_privacy(
-            cfg,
-            int(pol.dataset_size),
-            federated=True,
-            image_shape=shape,
-            n_classes=classes,
-            secure=SecureSite(n_sites, pol),
+            cfg, int(pol.dataset_size), federated=True, image_shape=shape, n_classes=classes, **form
         )
     else:
-        result = plan_privacy(
-            cfg, int(pol.dataset_size), federated=True, budget=target(cfg, pol), **site_dpsgd(pol)
-        )
+        result = plan_privacy(cfg, int(pol.dataset_size), federated=True, **form)
     st = site_unit_statement(pol, result.epsilon, result.delta, result.events, result.accountant)
     if as_json:
         data = {

@@ -130,24 +130,27 @@ def test_privacy_plan_shows_the_derived_job_from_public_facts(capsys: Any) -> No
     assert code == 2 and "below the floor" in err
 
 
+# the public facts of a site of 100,000 digits at epsilon 10, its size declared
+PATIENT_SITE_FACTS = (
+    "--size",
+    "100000",
+    "--shape",
+    "28x28x1",
+    "--classes",
+    "10",
+    "--epsilon",
+    "10",
+    "--declared-size",
+)
+
+
 def test_privacy_plan_plans_the_derived_job_per_patient_as_train_runs_it(capsys: Any) -> None:
     """--patients and --patient-cap beside the public facts: the derived job is planned as `train` runs it at
     a patient-level site (DP-SGD samples whole patients at q = batch / patients, events of unit "patient", the
     budget per patient), not dropped for an image-level plan. Over a cap of 3 the rules fit every stage to the
     budget PER PATIENT, so the plan meets it (a split per image would spend about 3 times it and be
     refused)."""
-    facts = [
-        "--size",
-        "100000",
-        "--shape",
-        "28x28x1",
-        "--classes",
-        "10",
-        "--epsilon",
-        "10",
-        "--declared-size",
-    ]
-    facts += ["--time-budget", "50m", "--json"]
+    facts = [*PATIENT_SITE_FACTS, "--time-budget", "50m", "--json"]
     code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "1", "--patients", "100000"], capsys)
     assert code == 0, err
     data = json.loads(out)
@@ -164,17 +167,7 @@ def test_privacy_plan_refuses_a_derived_patient_cap_whose_patient_count_train_wo
     """`train --patient-cap K` without --public-patients draws the patient count (event 'patients', charged
     first) and samples patients at q = batch / the drawn count; the derived plan printed image-level DP-SGD
     without that event instead. It is refused in one usage line asking for --patients."""
-    facts = [
-        "--size",
-        "100000",
-        "--shape",
-        "28x28x1",
-        "--classes",
-        "10",
-        "--epsilon",
-        "10",
-        "--declared-size",
-    ]
+    facts = PATIENT_SITE_FACTS
     code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "1", "--json"], capsys)
     assert code == 2 and out == "", out
     assert "draws the patient count" in err and "give --patients P" in err, err
@@ -184,17 +177,7 @@ def test_privacy_plan_refuses_a_derived_patient_cap_whose_patient_count_train_wo
 def test_the_derived_plan_note_states_the_q_its_patient_level_dpsgd_samples_at(capsys: Any) -> None:
     """At a patient-level site DP-SGD samples whole patients at q = batch / patients; the note printed
     batch / images (half of it with 50,000 patients of 100,000 images) beside a table stating the other."""
-    facts = [
-        "--size",
-        "100000",
-        "--shape",
-        "28x28x1",
-        "--classes",
-        "10",
-        "--epsilon",
-        "10",
-        "--declared-size",
-    ]
+    facts = PATIENT_SITE_FACTS
     argv = ["privacy", "plan", *facts, "--patient-cap", "1", "--patients", "50000", "--json"]
     code, out, err = _run(argv, capsys)
     assert code == 0, err

@@ -47,7 +47,7 @@ def test_the_derived_jobs_model_trains_fewer_parameters_in_the_parameter_efficie
     for mode in ("norm_attention", "lora"):
         d = dpsgd_dimension(cfg, shape, 10, mode, 4)
         assert d == set_trainable(build_denoiser(cfg, shape, 10), mode, 4)
-        assert d < every / 4  # the figure the rules weigh would be off by more than sqrt(4) in sqrt(P)
+        assert d < every / 4  # a small share of the model: the whole count would overstate the noise
 
 
 def test_the_dimension_does_not_walk_the_blocks_a_job_names():

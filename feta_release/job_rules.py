@@ -26,7 +26,8 @@ recipe by the public facts, and drop what was digit knowledge:
   mostly noise (its budget then goes to the central release).
 - model: 16 channels on every device, one UNet level more per doubling of the side above 28 px.
 - DP-SGD: on only where its noise-to-signal over the job (:func:`dpsgd_noise`: sigma sqrt(P) / (B
-  sqrt(T)), the noise of T averaged clipped-gradient steps against the clip) is at most
+  sqrt(T)), the noise of T averaged clipped-gradient steps against the clip, P the parameters DP-SGD trains:
+  :func:`job_dpsgd_dimension`) is at most
   :data:`DPSGD_MAX_NOISE`, a fifth of the figure at the one point where a DP-SGD stage was measured to tie
   (4,000 digits, eps = 10); its steps from the time budget by the cost model below.
 - public pretraining (``train --public``; docs/explanation/public-pretraining.md), from the public set's facts
@@ -821,9 +822,11 @@ def _try_dpsgd(f: DataFacts) -> tuple[dict[str, Any], Estimate, int, str]:
     except PrivacyError:
         return _off(f"no DP-SGD noise fits what the warm-up leaves of epsilon {f.epsilon:g}{_per(f)}")
     if f.dpsgd == "auto" and noise > DPSGD_MAX_NOISE:
+        cfg = JobConfig.from_dict(d, "derived job")
         return _off(
-            f"its noise-to-signal over the job sigma sqrt(P) / (B sqrt(T)) is {noise:.4f}, above "
-            f"{DPSGD_MAX_NOISE:.4f}, a fifth of where it tied"
+            f"its noise-to-signal over the job sigma sqrt(P) / (B sqrt(T)) over the "
+            f"{job_dpsgd_dimension(f, cfg):,} parameters it trains ({cfg.dpsgd.trainable}) is {noise:.4f}, "
+            f"above {DPSGD_MAX_NOISE:.4f}, a fifth of where it tied"
         )
     return d, est, steps, ""
 
@@ -842,15 +845,22 @@ def dpsgd_noise(sigma: float, params: int, batch: int, steps: int) -> float:
 
 
 def job_dpsgd_noise(f: DataFacts, sections: dict[str, Any]) -> float:
-    """:func:`dpsgd_noise` of the job ``sections`` on these facts, its sigma calibrated by the planner."""
-    from .model_size import denoiser_parameters
-
+    """:func:`dpsgd_noise` of the job ``sections`` on these facts, its sigma calibrated by the planner, in the
+    dimension DP-SGD trains (:func:`job_dpsgd_dimension`)."""
     cfg = JobConfig.from_dict(sections, "derived job")
     p = plan_of(f, cfg)
     if p.noise_multiplier is None:
         return math.inf
-    params = denoiser_parameters(cfg.model, f.shape, f.n_classes)
+    params = job_dpsgd_dimension(f, cfg)
     return dpsgd_noise(p.noise_multiplier, params, cfg.for_size(f.size).dpsgd.batch, cfg.dpsgd_steps(f.size))
+
+
+def job_dpsgd_dimension(f: DataFacts, cfg: JobConfig) -> int:
+    """How many parameters the job's DP-SGD trains on these facts (``[dpsgd] trainable``): its noise has one
+    draw per trained coordinate, the frozen ones keep public values and get none."""
+    from .model_size import dpsgd_dimension
+
+    return dpsgd_dimension(cfg.model, f.shape, f.n_classes, cfg.dpsgd.trainable, cfg.dpsgd.lora_rank)
 
 
 def plan_of(f: DataFacts, cfg: JobConfig) -> Any:

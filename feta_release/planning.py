@@ -600,8 +600,8 @@ def stage_noise(
     against the expected per-class batch.  frequency: norm of a class column's noise, sigma * sqrt(features) /
     n, against the column's largest possible norm 1 / n_classes (||phi|| = 1, balanced classes): a lower bound
     on the true ratio. dpsgd: norm of the noise on the mean clipped gradient of ONE step, sigma * C *
-    sqrt(params) / batch, against its largest possible norm C; steps average it down, so it is reported, not
-    warned about.
+    sqrt(params) / batch (params: the parameters ``[dpsgd] trainable`` trains, one noise draw each), against
+    its largest possible norm C; steps average it down, so it is reported, not warned about.
     """
     c_, h, w = image_shape
     if stage == "central" and cfg.central.rounds > 0:
@@ -629,17 +629,19 @@ def stage_noise(
             return None, ""
         r = sgd_sigma * math.sqrt(params) / cfg.dpsgd.batch
         return r, (
-            f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters, "
-            f"batch {cfg.dpsgd.batch}); a larger batch at the same epsilon lowers it"
+            f"one step's noise norm {r:.2f} x the largest mean clipped gradient ({params:,} parameters "
+            f"trained, {cfg.dpsgd.trainable}; batch {cfg.dpsgd.batch}); a larger batch at the same epsilon "
+            "lowers it"
         )
     return None, ""
 
 
 def _param_count(cfg: JobConfig, image_shape: tuple[int, int, int], n_classes: int) -> int | None:
-    from .model_size import denoiser_parameters
+    """The parameters DP-SGD trains ([dpsgd] trainable): its noise is drawn in these coordinates only."""
+    from .model_size import dpsgd_dimension
 
     try:
-        return denoiser_parameters(cfg.model, image_shape, n_classes)
+        return dpsgd_dimension(cfg.model, image_shape, n_classes, cfg.dpsgd.trainable, cfg.dpsgd.lora_rank)
     except FetaError:
         return None  # a model that cannot be built is reported by training, not by the plan
 

@@ -6,6 +6,7 @@ eps 10)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +20,7 @@ from feta_release.job_rules import (
     DPSGD_MIN_STEPS,
     DPSGD_TIE_NOISE,
     DataFacts,
+    PublicFacts,
     _dpsgd_seconds,
     _dpsgd_steps,
     _fit_budget,
@@ -27,6 +29,7 @@ from feta_release.job_rules import (
     derive,
     dpsgd_noise,
     job_dpsgd_noise,
+    plan_of,
 )
 from feta_release.model_size import denoiser_parameters
 from feta_release.planning import plan
@@ -56,6 +59,46 @@ def test_dpsgd_figure_is_the_planners_per_step_figure_averaged_over_the_steps() 
     assert job_dpsgd_noise(f, sections) == pytest.approx(per_step / math.sqrt(steps))
     params = denoiser_parameters(cfg.model, f.shape, f.n_classes)
     assert dpsgd_noise(2.0, params, 400, 100) == pytest.approx(2.0 * math.sqrt(params) / 400 / 10)
+
+
+def _trained_on_the_built_model(f: DataFacts, cfg: JobConfig) -> int:
+    """The scalars DP-SGD trains, counted as training counts them: set_trainable on the model it builds."""
+    from feta_release.models import build_denoiser
+    from feta_release.models.trainable import set_trainable
+
+    model = build_denoiser(cfg.model, f.shape, f.n_classes)
+    return set_trainable(model, cfg.dpsgd.trainable, cfg.dpsgd.lora_rank)
+
+
+def _with_public(f: DataFacts) -> DataFacts:
+    return DataFacts(**{**f.__dict__, "public": PublicFacts(2000, f.shape)})
+
+
+@pytest.mark.parametrize("trainable", ["norm_attention", "lora"])
+def test_dpsgd_figure_weighs_the_noise_in_the_parameters_dpsgd_trains(trainable: str) -> None:
+    f = _with_public(DataFacts(100_000, 28, 28, 1, 10, 10.0))
+    forced = _forced(f)
+    sections = {**forced, "dpsgd": {**forced["dpsgd"], "trainable": trainable, "lora_rank": 3}}
+    cfg = JobConfig.from_dict(sections)
+    sigma = plan_of(f, cfg).noise_multiplier
+    batch, steps = cfg.for_size(f.size).dpsgd.batch, cfg.dpsgd_steps(f.size)
+    d = _trained_on_the_built_model(f, cfg)
+    assert d < denoiser_parameters(cfg.model, f.shape, f.n_classes) / 4  # far from the whole model's count
+    assert job_dpsgd_noise(f, sections) == pytest.approx(sigma * math.sqrt(d) / (batch * math.sqrt(steps)))
+    per_step = plan(cfg, f.size, image_shape=f.shape, n_classes=f.n_classes).stage("dpsgd")
+    assert per_step.noise_to_signal == pytest.approx(sigma * math.sqrt(d) / batch)
+    assert f"{d:,} parameters trained, {trainable}" in per_step.noise_note
+
+
+def test_dpsgd_off_line_names_the_parameters_it_trains_and_their_figure() -> None:
+    f = _with_public(DataFacts(4000, 28, 28, 1, 10, 1.0))  # digits at eps 1 with a public set: DP-SGD off
+    job = derive(f)
+    assert job.cfg.dpsgd_steps(f.size) == 0 and job.cfg.dpsgd.trainable == "norm_attention"
+    line = next(n for n in job.notes if n.startswith("dpsgd: off"))
+    said = re.search(r"over the ([\d,]+) parameters it trains \(norm_attention\) is ([\d.]+)", line)
+    assert said is not None, line
+    assert int(said[1].replace(",", "")) == _trained_on_the_built_model(f, job.cfg)
+    assert float(said[2]) == pytest.approx(job_dpsgd_noise(f, _forced(f)), abs=5e-5)
 
 
 def test_dpsgd_stays_off_where_it_was_measured_not_to_help() -> None:

@@ -76,6 +76,7 @@ __all__ = [
     "Derivation",
     "PatientFacts",
     "policy_patient_facts",
+    "with_physical_caps",
     "Estimate",
     "check_facts",
     "default_delta",
@@ -186,18 +187,6 @@ def policy_patient_facts(policy: Any) -> PatientFacts | None:
     if cap is None or not policy.patients:
         return None
     return PatientFacts(int(policy.patients), int(cap))
-
-
-def policy_physical_caps(policies: Any) -> dict[str, int]:
-    """The ``DataFacts`` physical-batch caps of site policies: the smallest ``resources.max_physical_batch``
-    and ``resources.max_pass_rows`` (each its default where unset) of all of them, so that every site admits
-    the job (``policy.enforce.check_resources``)."""
-    from .policy.enforce import resource_cap
-
-    return {
-        name: int(min(resource_cap(p, name) for p in policies))
-        for name in ("max_physical_batch", "max_pass_rows")
-    }
 
 
 @dataclass(frozen=True)
@@ -349,6 +338,19 @@ def check_facts(f: DataFacts) -> None:
             check_site_memory(f.size, f.shape, f.memory_mb, "derived job", "resources.max_worker_memory_mb")
         except DataError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def with_physical_caps(facts: DataFacts, policies: Any) -> DataFacts:
+    """``facts`` with the smallest ``resources.max_physical_batch`` and ``resources.max_pass_rows`` (each
+    its default where unset) of the site ``policies``, so that every site admits the derived job's physical
+    batch (``policy.enforce.check_resources``)."""
+    from .policy.enforce import resource_cap
+
+    return replace(
+        facts,
+        max_physical_batch=int(min(resource_cap(p, "max_physical_batch") for p in policies)),
+        max_pass_rows=int(min(resource_cap(p, "max_pass_rows") for p in policies)),
+    )
 
 
 # -- privacy: the budget split

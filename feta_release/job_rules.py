@@ -28,7 +28,10 @@ recipe by the public facts, and drop what was digit knowledge:
 - DP-SGD: on only where its noise-to-signal over the job (:func:`dpsgd_noise`: sigma sqrt(P) / (B
   sqrt(T)), the noise of T averaged clipped-gradient steps against the clip) is at most
   :data:`DPSGD_MAX_NOISE`, a fifth of the figure at the one point where a DP-SGD stage was measured to tie
-  (4,000 digits, eps = 10); its steps from the time budget by the cost model below.
+  (4,000 digits, eps = 10); its steps from the time budget by the cost model below. Its physical batch
+  (rows per per-example-gradient call): on the CPU ``_physical`` (memory: rows x values); on a GPU the fewest
+  calls that cover a step's padded rows, split evenly, within the site policies' ``resources`` caps and a GPU
+  memory bound (``_physical_batch``).
 - public pretraining (``train --public``; docs/explanation/public-pretraining.md), from the public set's facts
   (:class:`PublicFacts`: size, shape, class names): about :data:`PRETRAIN_EPOCHS` passes over it, within
   [:data:`PRETRAIN_MIN`, :data:`PRETRAIN_MAX`] steps and at most :data:`PRETRAIN_SHARE` of the time budget;
@@ -54,7 +57,9 @@ nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s p
 value; at 64 px, B = 32, 0.214 s = 1.63e-6; the hooks step 1.35x / 1.15x of it). It predicts 8.0 min for
 ``cpu-eps10-nodpsgd`` (measured: 8 min 8 s alone on 2 threads). On a GPU it is divided by ``CUDA_SPEEDUP``
 (20: the whole eps = 10 job took 47 s on one H100 against ~15 min on the 2-core CPU; not measured for other
-jobs).
+jobs), except a DP-SGD step: on a GPU it is :data:`CUDA_CALL_SECONDS` per call of ``physical_batch`` rows plus
+:data:`CUDA_DPSGD_SECONDS_PER_VALUE` per padded row, image value and width (one H100, 64 px, 16 channels: 0.26
+s a step of ~800 rows at physical batch 256).
 """
 
 from __future__ import annotations

@@ -134,17 +134,16 @@ CUDA_SPEEDUP = 20.0
 # physical batch 256), one other process on the GPU: 0.26 s a step, peak 3.5 GB of GPU memory. A call's
 # fixed cost is taken as a whole small training step's there (kernel launches, not rows): 27 ms, a
 # public-pretraining step of 64 images at 64 px on that GPU; the rest of the 0.26 s is per row. At physical
-# batch 8 that predicts 3.3 s a step (116 calls), which matches the same job there not getting through 20
-# steps in 5 min with 10 jobs sharing the GPU (the CPU rate / CUDA_SPEEDUP had said 0.55 s).
+# batch 8 that predicts 3.3 s a step alone (116 calls), consistent with the same job there not getting
+# through 20 steps in 5 min with 10 jobs sharing the GPU (the CPU rate / CUDA_SPEEDUP had said 0.55 s).
 CUDA_CALL_SECONDS = 0.027
-CUDA_DPSGD_SECONDS_PER_VALUE = (0.26 - 4 * CUDA_CALL_SECONDS) / (
-    1024 * 64 * 64 * 1.25
-)  # x rows x values x width
+# per padded row, image value and width factor: the rest of the 0.26 s over 1,024 rows of 64x64 at 1.25
+CUDA_DPSGD_SECONDS_PER_VALUE = (0.26 - 4 * CUDA_CALL_SECONDS) / (1024 * 64 * 64 * 1.25)
 # the GPU memory one call may take: a few GB, so that several jobs share a GPU (10 ran on one 80 GB H100)
 GPU_CALL_BYTES = 6 * 2**30
 # a row's activations per image value per model channel: 209 measured (3.5 GB / (256 rows x 4,096 values x 16
-# channels) on that H100), rounded up; the per-example gradient of every parameter (float32) and a copy in the
-# clip, though norm_attention keeps few of them trainable
+# channels) on that H100), rounded up; per parameter a float32 per-example gradient, doubled for the clip's
+# working copies (assumed, not measured: norm_attention, the measured job, trains few parameters)
 GPU_ACTIVATION_BYTES = 256
 GPU_GRADIENT_BYTES = 8
 GPU_ROW_MULTIPLE = 8  # a GPU call takes a multiple of 8 rows where it can (the matrix units' tile)

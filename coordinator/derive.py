@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from feta_release.errors import ConfigError, PrivacyError
-from feta_release.job_rules import DataFacts, Derivation, default_delta, derive, policy_patient_facts
+from feta_release.job_rules import (
+    DataFacts,
+    Derivation,
+    default_delta,
+    derive,
+    policy_patient_facts,
+    with_physical_caps,
+)
 from feta_release.planning import plan, site_form
 from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
 from feta_release.policy.envelope import read_json
@@ -38,7 +45,8 @@ def facts_from_policies(
     device: str = "cpu",
 ) -> DataFacts:
     """The public facts of a federation: summed declared sizes, the one declared shape and class list (refused
-    when the sites disagree or one declares none), epsilon and delta capped by every site's per-job budget."""
+    when the sites disagree or one declares none), epsilon and delta capped by every site's per-job budget,
+    the physical batch by every site's resource caps."""
     if not policies:
         raise ConfigError("derived federated job: give each site's policy (--policy FILE, once per site)")
     decls = []
@@ -65,7 +73,7 @@ def facts_from_policies(
     c, h, w = decls[0].image_shape
     eps = min([float(epsilon)] + [float(p.job_epsilon) for p in policies])
     cap = min(float(p.job_delta) for p in policies)
-    return DataFacts(
+    facts = DataFacts(
         size=size,
         height=int(h),
         width=int(w),
@@ -81,6 +89,9 @@ def facts_from_policies(
         # a patient-level site samples its public patients and pads whole patients' images: charged so
         site_patients=tuple(policy_patient_facts(p) for p in policies),
     )
+    # one physical batch for every site: within the smallest resources.max_physical_batch and max_pass_rows
+    # of their policies (a larger one, a GPU's, would be refused by that site's node)
+    return with_physical_caps(facts, policies)
 
 
 def derive_federated(

@@ -29,7 +29,10 @@ recipe by the public facts, and drop what was digit knowledge:
   sqrt(T)), the noise of T averaged clipped-gradient steps against the clip, P the parameters DP-SGD trains:
   :func:`job_dpsgd_dimension`) is at most
   :data:`DPSGD_MAX_NOISE`, a fifth of the figure at the one point where a DP-SGD stage was measured to tie
-  (4,000 digits, eps = 10); its steps from the time budget by the cost model below.
+  (4,000 digits, eps = 10); its steps from the time budget by the cost model below. Its physical batch
+  (rows per per-example-gradient call): on the CPU ``_physical`` (memory: rows x values); on a GPU the fewest
+  calls that cover a step's padded rows, split evenly, within the site policies' ``resources`` caps and a GPU
+  memory bound (``_physical_batch``).
 - public pretraining (``train --public``; docs/explanation/public-pretraining.md), from the public set's facts
   (:class:`PublicFacts`: size, shape, class names): about :data:`PRETRAIN_EPOCHS` passes over it, within
   [:data:`PRETRAIN_MIN`, :data:`PRETRAIN_MAX`] steps and at most :data:`PRETRAIN_SHARE` of the time budget;
@@ -55,7 +58,9 @@ nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s p
 value; at 64 px, B = 32, 0.214 s = 1.63e-6; the hooks step 1.35x / 1.15x of it). It predicts 8.0 min for
 ``cpu-eps10-nodpsgd`` (measured: 8 min 8 s alone on 2 threads). On a GPU it is divided by ``CUDA_SPEEDUP``
 (20: the whole eps = 10 job took 47 s on one H100 against ~15 min on the 2-core CPU; not measured for other
-jobs).
+jobs), except a DP-SGD step: on a GPU it is :data:`CUDA_CALL_SECONDS` per call of ``physical_batch`` rows plus
+:data:`CUDA_DPSGD_SECONDS_PER_VALUE` per padded row, image value and width (one H100, 64 px, 16 channels: 0.26
+s a step of ~800 rows at physical batch 256).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ __all__ = [
     "Derivation",
     "PatientFacts",
     "policy_patient_facts",
+    "with_physical_caps",
     "Estimate",
     "check_facts",
     "default_delta",
@@ -124,6 +130,24 @@ AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images)
 #                          preset's header (+1 CPU-minute for 7 more epochs)
 RELEASE_FLOPS = 2e10  # assumed CPU rate of the feature map (a matrix product), not measured
 CUDA_SPEEDUP = 20.0
+# DP-SGD on a GPU, measured on one NVIDIA H100: a derived job on 3,200 64x64x1 images (16 channels, 3 levels,
+# width factor 1.25, trainable norm_attention), q = 0.25 (~800 expected rows, padded to 1,024: 4 calls of
+# physical batch 256), one other process on the GPU: 0.26 s a step, peak 3.5 GB of GPU memory. A call's
+# fixed cost is taken as a whole small training step's there (kernel launches, not rows): 27 ms, a
+# public-pretraining step of 64 images at 64 px on that GPU; the rest of the 0.26 s is per row. At physical
+# batch 8 that predicts 3.3 s a step alone (116 calls), consistent with the same job there not getting
+# through 20 steps in 5 min with 10 jobs sharing the GPU (the CPU rate / CUDA_SPEEDUP had said 0.55 s).
+CUDA_CALL_SECONDS = 0.027
+# per padded row, image value and width factor: the rest of the 0.26 s over 1,024 rows of 64x64 at 1.25
+CUDA_DPSGD_SECONDS_PER_VALUE = (0.26 - 4 * CUDA_CALL_SECONDS) / (1024 * 64 * 64 * 1.25)
+# the GPU memory one call may take: a few GB, so that several jobs share a GPU (10 ran on one 80 GB H100)
+GPU_CALL_BYTES = 6 * 2**30
+# a row's activations per image value per model channel: 209 measured (3.5 GB / (256 rows x 4,096 values x 16
+# channels) on that H100), rounded up; per parameter a float32 per-example gradient, doubled for the clip's
+# working copies (assumed, not measured: norm_attention, the measured job, trains few parameters)
+GPU_ACTIVATION_BYTES = 256
+GPU_GRADIENT_BYTES = 8
+GPU_ROW_MULTIPLE = 8  # a GPU call takes a multiple of 8 rows where it can (the matrix units' tile)
 BASE_BUDGET = 900.0  # seconds: 4,000 images at 28 px within 15 minutes on 2 CPU cores
 # public pretraining: bench/pretraining.py's full size is 4,000 steps of 64 on 10,000 images (~25 passes); the
 # [public] default 2,000 steps; fewer than a few hundred steps leave the fresh model's loss far from converged
@@ -199,6 +223,10 @@ class DataFacts:
     site_patients: tuple[PatientFacts | None, ...] = ()
     # the one site's patient facts (a local run or ``privacy plan`` of a patient-level site); None: images
     patients: PatientFacts | None = None
+    # the site policies' resources.max_physical_batch and max_pass_rows (the smallest of a federation's
+    # sites': one signed job runs at every site); None: the policy's default (``DEFAULT_RESOURCES``)
+    max_physical_batch: int | None = None
+    max_pass_rows: int | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -283,6 +311,9 @@ def check_facts(f: DataFacts) -> None:
         f"the time budget must be > 0 seconds, got {f.time_budget}",
     )
     need(f.dpsgd in ("auto", "on", "off"), f"dpsgd must be auto, on or off, got {f.dpsgd!r}")
+    for name in ("max_physical_batch", "max_pass_rows"):
+        cap = getattr(f, name)
+        need(cap is None or (isinstance(cap, int) and cap >= 1), f"{name} must be >= 1, got {cap!r}")
     need(
         all(isinstance(n, int) and n >= 1 for n in f.site_sizes) and (f.federated or not f.site_sizes),
         f"site sizes are a federation's positive declared sizes, got {list(f.site_sizes)}",
@@ -312,6 +343,19 @@ def check_facts(f: DataFacts) -> None:
             check_site_memory(f.size, f.shape, f.memory_mb, "derived job", "resources.max_worker_memory_mb")
         except DataError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def with_physical_caps(facts: DataFacts, policies: Any) -> DataFacts:
+    """``facts`` with the smallest ``resources.max_physical_batch`` and ``resources.max_pass_rows`` (each
+    its default where unset) of the site ``policies``, so that every site admits the derived job's physical
+    batch (``policy.enforce.check_resources``)."""
+    from .policy.enforce import resource_cap
+
+    return replace(
+        facts,
+        max_physical_batch=int(min(resource_cap(p, "max_physical_batch") for p in policies)),
+        max_pass_rows=int(min(resource_cap(p, "max_pass_rows") for p in policies)),
+    )
 
 
 # -- privacy: the budget split
@@ -530,14 +574,57 @@ def _physical(values: int) -> int:
     return max(4, min(32, 4 * round(8 * 784 / values)))
 
 
+def _physical_batch(f: DataFacts, multiplicity: int) -> int:
+    """Rows per per-example-gradient call, within the sites' caps (``resources.max_physical_batch`` and
+    ``max_pass_rows`` over the ``multiplicity`` noise draws of each row). CPU: :func:`_physical` (its memory
+    is rows x values). GPU: a call costs about as much at 8 rows as at 256 (kernel launches, not arithmetic:
+    :data:`CUDA_CALL_SECONDS`), so the fewest calls that cover a step's padded rows within the caps and
+    :func:`_gpu_rows`, split evenly in multiples of :data:`GPU_ROW_MULTIPLE` (so no call is mostly
+    padding): never more than a step pads to."""
+    from .policy.enforce import DEFAULT_RESOURCES
+
+    cap = min(
+        f.max_physical_batch or int(DEFAULT_RESOURCES["max_physical_batch"]),
+        (f.max_pass_rows or int(DEFAULT_RESOURCES["max_pass_rows"])) // multiplicity,
+    )
+    if f.device != "cuda":
+        return max(1, min(cap, _physical(f.values)))
+    most = max(1, min(cap, _gpu_rows(f, multiplicity)))
+    rows = _step_tail(f)
+    even = -(-rows // -(-rows // most))  # rows / the fewest calls of at most ``most``, rounded up
+    return min(most, -(-even // GPU_ROW_MULTIPLE) * GPU_ROW_MULTIPLE)
+
+
+def _gpu_rows(f: DataFacts, multiplicity: int) -> int:
+    """The most rows one call may take on a GPU: :data:`GPU_CALL_BYTES` over a row's activations
+    (:data:`GPU_ACTIVATION_BYTES` per image value per model channel) and its per-example gradient
+    (:data:`GPU_GRADIENT_BYTES` per parameter), ``multiplicity`` noise draws a row; whole multiples of
+    :data:`GPU_ROW_MULTIPLE` where that leaves any."""
+    from .model_size import denoiser_parameters
+
+    model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job").model
+    params = denoiser_parameters(model, f.shape, f.n_classes)
+    per_row = GPU_ACTIVATION_BYTES * f.values * model.channels + GPU_GRADIENT_BYTES * params
+    rows = GPU_CALL_BYTES // (per_row * multiplicity)
+    return rows - rows % GPU_ROW_MULTIPLE if rows >= GPU_ROW_MULTIPLE else max(1, rows)
+
+
+def _step_tail(f: DataFacts) -> int:
+    """The rows a derived DP-SGD step pads to before whole calls round them up (its padded rows in calls of
+    one row: ``dpsgd_step_rows``, the slowest site's in a federation)."""
+    one = {"rate": _dpsgd_rate(f), "steps": 0, "physical_batch": 1}
+    return dpsgd_step_rows(JobConfig.from_dict({"dpsgd": one}, "derived job"), f)
+
+
 def _dpsgd_section(f: DataFacts) -> dict[str, Any]:
     """The derived job's ``[dpsgd]`` section, steps 0 (set from the time budget by ``_dpsgd_steps``)."""
+    multiplicity = 1
     return {
         "rate": _dpsgd_rate(f),
         "steps": 0,
         "clip": 1.0,
-        "noise_multiplicity": 1,
-        "physical_batch": _physical(f.values),
+        "noise_multiplicity": multiplicity,
+        "physical_batch": _physical_batch(f, multiplicity),
         "lr": 1e-3,
         "ema": 0.9,
         "trainable": "norm_attention" if f.public is not None else "all",
@@ -585,12 +672,16 @@ def public_section(f: DataFacts) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _width(cfg: JobConfig) -> float:
+    """The model's cost per image value against the 16-channel 2-level UNet the constants were measured on."""
+    m = cfg.model
+    return (m.channels / 16) ** 2 * (1 + 0.25 * (len(m.channel_mult) - 2)) * m.num_res_blocks
+
+
 def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
     """Estimated seconds of one training pass of one image through the job's model (see the module
     docstring)."""
-    m = cfg.model
-    width = (m.channels / 16) ** 2 * (1 + 0.25 * (len(m.channel_mult) - 2)) * m.num_res_blocks
-    per = SECONDS_PER_PIXEL_PASS * facts.values * width
+    per = SECONDS_PER_PIXEL_PASS * facts.values * _width(cfg)
     return per / CUDA_SPEEDUP if facts.device == "cuda" else per
 
 
@@ -623,8 +714,14 @@ def _site_step_rows(cfg: JobConfig, n: int, signed_at: int, patients: PatientFac
 
 
 def dpsgd_step_seconds(cfg: JobConfig, facts: DataFacts) -> float:
-    """Estimated seconds of one DP-SGD step: a per-example-gradient pass of each of its padded rows."""
-    return seconds_per_pass(cfg, facts) * DPSGD_OVERHEAD * dpsgd_step_rows(cfg, facts)
+    """Estimated seconds of one DP-SGD step: a per-example-gradient pass of each of its padded rows; on a
+    GPU, where a call's fixed cost outweighs its rows at a small physical batch, also
+    :data:`CUDA_CALL_SECONDS` for each call of ``physical_batch`` rows."""
+    rows = dpsgd_step_rows(cfg, facts)
+    if facts.device != "cuda":
+        return seconds_per_pass(cfg, facts) * DPSGD_OVERHEAD * rows
+    calls = -(-rows // cfg.dpsgd.physical_batch)
+    return calls * CUDA_CALL_SECONDS + rows * CUDA_DPSGD_SECONDS_PER_VALUE * facts.values * _width(cfg)
 
 
 def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -> Estimate:

@@ -108,7 +108,15 @@ def derived_jobs(
     (``job_rules.PublicFacts``); ``patients`` (a patient-level site's ``job_rules.PatientFacts``, its DECLARED
     public patients and cap, or None) times DP-SGD as its node pads whole patients. ``emit`` gets the derived
     job's TOML."""
-    from ..job_rules import DataFacts, derivation_toml, derive, facts_at, public_facts, sizing_size
+    from ..job_rules import (
+        DataFacts,
+        derivation_toml,
+        derive,
+        facts_at,
+        public_facts,
+        sizing_size,
+        with_physical_caps,
+    )
 
     assert req.epsilon is not None
     c, h, w = data.image_shape
@@ -136,6 +144,8 @@ def derived_jobs(
         class_names=tuple(data.class_names),
         patients=patients,
     )
+    if policy is not None:  # the site's resource caps bound the physical batch (a GPU's may pass them)
+        facts = with_physical_caps(facts, [policy])
 
     def job_at(n: int) -> JobConfig:
         d = derive(facts_at(facts, n))

@@ -25,7 +25,10 @@ from feta_release.accounting import PrivacyEvent
 from feta_release.config import JobConfig
 from feta_release.errors import ConfigError
 from feta_release.job_rules import (
+    CUDA_CALL_SECONDS,
+    CUDA_DPSGD_SECONDS_PER_VALUE,
     DPSGD_OVERHEAD,
+    SECONDS_PER_PIXEL_PASS,
     DataFacts,
     Derivation,
     PatientFacts,
@@ -51,8 +54,18 @@ def padded_rows(cfg: JobConfig, n: int) -> int:
     return step_bound(public_rows(n, n), q, sized.dpsgd.physical_batch)
 
 
+def step_seconds(cfg: JobConfig, f: DataFacts, rows: int) -> float:
+    """A DP-SGD step of ``rows`` padded rows: a per-example pass of each on the CPU; on a GPU a per-row cost
+    (the H100's, per image value and model width) and a fixed cost per call of ``physical_batch`` rows."""
+    if f.device != "cuda":
+        return seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * rows
+    values_width = seconds_per_pass(cfg, replace(f, device="cpu")) / SECONDS_PER_PIXEL_PASS
+    calls = -(-rows // cfg.dpsgd.physical_batch)
+    return calls * CUDA_CALL_SECONDS + rows * CUDA_DPSGD_SECONDS_PER_VALUE * values_width
+
+
 def padded_step_seconds(cfg: JobConfig, f: DataFacts) -> float:
-    return seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * padded_rows(cfg, f.size)
+    return step_seconds(cfg, f, padded_rows(cfg, f.size))
 
 
 @settings(max_examples=60, deadline=None)
@@ -68,7 +81,8 @@ def padded_step_seconds(cfg: JobConfig, f: DataFacts) -> float:
 def test_a_dpsgd_job_is_estimated_at_its_padded_rows_per_step(
     n: int, batch_share: float, physical: int, steps: int, side: int, channels: int, device: Any
 ) -> None:
-    """The estimate of a DP-SGD job = the same job without DP-SGD + per-row cost x padded rows x steps."""
+    """The estimate of a DP-SGD job = the same job without DP-SGD + the padded step's cost x steps (per row;
+    on a GPU also per call of ``physical_batch`` rows)."""
     batch = max(1, round(batch_share * n))
     cfg = JobConfig().replace(dpsgd={"batch": batch, "steps": steps, "physical_batch": physical})
     f = DataFacts(
@@ -78,7 +92,7 @@ def test_a_dpsgd_job_is_estimated_at_its_padded_rows_per_step(
     assert rows >= batch  # the bound covers the expected batch, and more
     assert dpsgd_step_rows(cfg, f) == rows
     est, rest = estimate(cfg, f), estimate(cfg.replace(dpsgd={"steps": 0}), f)
-    want = seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * rows * steps
+    want = step_seconds(cfg, f, rows) * steps
     assert est.seconds["dpsgd"] == pytest.approx(want, abs=ROUNDING)
     assert est.total == pytest.approx(rest.total + want, abs=ROUNDING * len(est.seconds))
 
@@ -290,7 +304,7 @@ def federated_step_seconds(cfg: JobConfig, f: DataFacts) -> float:
         step_bound(public_rows(n, n), stage_sampling_rate(batch, n, "dpsgd"), cfg.dpsgd.physical_batch)
         for n in f.site_sizes
     )
-    return seconds_per_pass(cfg, f) * DPSGD_OVERHEAD * rows
+    return step_seconds(cfg, f, rows)
 
 
 federated_facts = st.builds(

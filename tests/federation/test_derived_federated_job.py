@@ -39,6 +39,7 @@ def _policies(
     patient_level: dict[str, tuple[int, int]] | None = None,
     mechanisms: dict[str, dict[str, Any]] | None = None,
     pin_peers: bool = False,
+    resources: dict[str, dict[str, int]] | None = None,
 ) -> tuple[list[Path], dict[str, Any]]:
     """The sites' signed policy files and opened policies; ``pin_peers``: each site pins the others' keys
     (secure aggregation then counts their noise shares too)."""
@@ -60,6 +61,7 @@ def _policies(
             mechanisms=(mechanisms or {}).get(sid),
             site_key=_pem(site) if pin_peers else None,
             secure_aggregation={"peers": peers} if pin_peers else None,
+            resources=(resources or {}).get(sid),
         )
         signed = sign_policy(doc, site)
         path = tmp_path / f"{sid}.signed.json"
@@ -262,3 +264,32 @@ def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tm
     signed = sign_job(d.cfg, coord, "j", ids)
     for sid in ids:  # (the policies' default min_sigma of 1 is their own matter at epsilon 10)
         assert not [r for r, _ in admit(pols[sid], signed).failures if r.startswith("mechanisms.dpsgd")]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_physical_batch_is_cut_to_every_sites_resource_caps(tmp_path: Path, device: str) -> None:
+    """One signed physical batch runs at every site: a site whose policy caps ``resources.max_pass_rows`` at
+    16 (below the CPU rule's 32 at 28 px and the GPU's ~232) gets a job within it, costed at that physical
+    batch, and no site's node refuses the job's work (``check_resources`` inside ``admit``). Without the cut
+    the job carried the rules' physical batch and that site refused it."""
+    from edge.admission import admit
+    from feta_release.job_rules import dpsgd_step_seconds
+
+    coord = Ed25519PrivateKey.generate()
+    sizes = {"st-mary": 20_000, "st-luke": 20_000}
+    caps = {"st-mary": {"max_physical_batch": 200}, "st-luke": {"max_pass_rows": 16}}
+    files, pols = _policies(tmp_path, sizes, coord, per_job=(10.0, 1e-5), resources=caps)
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0, device=device)
+    assert d.facts.max_physical_batch == 200 and d.facts.max_pass_rows == 16
+    assert 1 <= d.cfg.dpsgd.physical_batch <= 16
+    steps = d.cfg.dpsgd_steps(d.facts.size)
+    assert steps > 0
+    assert d.estimate.seconds["dpsgd"] == pytest.approx(steps * dpsgd_step_seconds(d.cfg, d.facts), abs=0.05)
+    signed = sign_job(d.cfg.with_secure_default(2), coord, "j", ids)
+    for sid in ids:
+        res = admit(pols[sid], signed, data_shape=((1, 28, 28), 10))
+        assert res.job_id == "j" and not [r for r, _ in res.failures if r.startswith("resources.")], sid
+    (tmp_path / "defaults").mkdir()
+    files, _ = _policies(tmp_path / "defaults", sizes, coord, per_job=(10.0, 1e-5))
+    uncapped, _ = derive_federated(files, epsilon=10.0, time_budget=1200.0, device=device)
+    assert uncapped.cfg.dpsgd.physical_batch > 16

@@ -35,7 +35,10 @@ recipe by the public facts, and drop what was digit knowledge:
   class-conditional when its classes name private classes (equal names, ``stages.pretrain.mapped_labels``),
   else unconditional (the null label); DP-SGD, where it runs, then trains only the normalisation, attention
   and conditioning parameters (``trainable = "norm_attention"``): the convolutions keep what the public set
-  taught.
+  taught. Where the public classes name EVERY private class (:func:`every_class_public`) the pretrained
+  denoiser is kept away from the released central images (:func:`keep_pretrained`: no spatial warm-up, no
+  polish, no central images in the frequency warm-up, their time given to pretraining); the central release
+  is unchanged and still seeds the sampler's starts and the cells.
 
 FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest
 release any job can make here (the central images, whole budget, one pass, one image per class) would be
@@ -992,11 +995,12 @@ def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
 
 def _central_warmup_note(f: DataFacts, cfg: JobConfig, kept: bool, shared: int) -> str:
     if not kept:
-        why = f"public classes name {shared} of {f.n_classes} private classes" if shared else "unconditional"
-        return (
-            f"warm-up on the central images: kept (the pretraining is {why}, so the releases teach the "
-            "classes it does not draw)"
+        why = (
+            f"public classes name only {shared} of {f.n_classes} private classes"
+            if shared
+            else "the pretraining is unconditional"
         )
+        return f"warm-up on the central images: kept ({why}: the releases teach the classes it does not draw)"
     return (
         "warm-up on the central images: off (0 spatial + 0 polish steps, no central images in the frequency "
         "warm-up): every private class has a public class of its name, so the pretrained denoiser is kept "

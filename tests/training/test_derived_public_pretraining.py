@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -37,7 +37,7 @@ from feta_release.job_rules import (
     public_facts,
     seconds_per_pass,
 )
-from feta_release.planning import plan, stage_events
+from feta_release.planning import plan
 from feta_release.stages import PublicInputs
 from feta_release.stages.pretrain import mapped_labels
 from tests.support.cli import run_cli
@@ -357,7 +357,14 @@ def test_public_classes_naming_some_private_classes_keep_the_central_warm_up() -
     n_public=st.integers(200, 20_000),
 )
 def test_the_rule_changes_no_release_no_dpsgd_step_and_no_epsilon_and_gives_the_freed_time_to_pretraining(
-    n: int, side: int, k: int, eps: float, device: str, dpsgd: str, budget: float | None, n_public: int
+    n: int,
+    side: int,
+    k: int,
+    eps: float,
+    device: Literal["cpu", "cuda"],
+    dpsgd: Literal["auto", "on", "off"],
+    budget: float | None,
+    n_public: int,
 ) -> None:
     f = DataFacts(
         n,
@@ -368,7 +375,7 @@ def test_the_rule_changes_no_release_no_dpsgd_step_and_no_epsilon_and_gives_the_
         eps,
         device=device,
         time_budget=budget,
-        dpsgd=dpsgd,  # type: ignore[arg-type]
+        dpsgd=dpsgd,
         public=PublicFacts(n_public, (1, side, side), NAMES[:k]),
         class_names=NAMES[:k],
     )
@@ -415,6 +422,7 @@ def _toy(cfg: JobConfig) -> JobConfig:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("torch_one_thread")
 def test_the_job_keeping_the_pretrained_denoiser_trains_end_to_end_spending_the_plain_jobs_epsilon(
     medical_sets: tuple[Path, Path, Any], tmp_path: Path
 ) -> None:
@@ -437,8 +445,7 @@ def test_the_job_keeping_the_pretrained_denoiser_trains_end_to_end_spending_the_
     assert any(m.startswith("frequency warm-up done") for m in said)
     assert not [m for m in said if "spatial" in m or "polish" in m]  # never trained on the central images
     assert (out / "COMPLETE").exists() and (out / "released" / "central.npz").exists()  # still released
-    assert [r["mechanism"] for r in site_requests(out)] == ["central", "frequency"]
-    assert res.events == stage_events(without, 200)
-    assert res.epsilon == pytest.approx(
-        plan(without, 200, image_shape=(1, 28, 28), n_classes=4).epsilon, rel=1e-12
-    )
+    assert sorted(r["mechanism"] for r in site_requests(out)) == ["central", "frequency"]
+    planned = plan(without, 200, image_shape=(1, 28, 28), n_classes=4)
+    assert sorted(res.events, key=str) == sorted(planned.events, key=str)  # charged as the plain job plans
+    assert res.epsilon == pytest.approx(planned.epsilon, rel=1e-12)

@@ -983,18 +983,20 @@ def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
         if shared
         else "unconditional (no public class names a private class)"
     )
-    kept = every_class_public(f)
+    no_central = every_class_public(f)
+    freed = " + the warm-up time freed below" if no_central else ""
     return [
         f"public: {cfg.public.pretrain_iterations} pretraining steps of {cfg.public.pretrain_batch} on "
         f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the "
-        f"time budget{' + the warm-up time freed below' if kept else ''}), {how}; DP-SGD, where it runs, "
-        "trains the norms, attention and conditioning only",
-        _central_warmup_note(f, cfg, kept, len(shared)),
+        f"time budget{freed}), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning "
+        "only",
+        _central_warmup_note(f, cfg, no_central, len(shared)),
     ]
 
 
-def _central_warmup_note(f: DataFacts, cfg: JobConfig, kept: bool, shared: int) -> str:
-    if not kept:
+def _central_warmup_note(f: DataFacts, cfg: JobConfig, no_central: bool, shared: int) -> str:
+    """The header's line for :func:`keep_pretrained`: what it chose and why."""
+    if not no_central:
         why = (
             f"public classes name only {shared} of {f.n_classes} private classes"
             if shared

@@ -39,7 +39,10 @@ recipe by the public facts, and drop what was digit knowledge:
   class-conditional when its classes name private classes (equal names, ``stages.pretrain.mapped_labels``),
   else unconditional (the null label); DP-SGD, where it runs, then trains only the normalisation, attention
   and conditioning parameters (``trainable = "norm_attention"``): the convolutions keep what the public set
-  taught.
+  taught. Where the public classes name EVERY private class (:func:`every_class_public`) the pretrained
+  denoiser is kept away from the released central images (:func:`keep_pretrained`: no spatial warm-up, no
+  polish, no central images in the frequency warm-up, their time given to pretraining); the central release
+  is unchanged and still seeds the sampler's starts and the cells.
 
 FLOOR (:func:`derive` refuses below it, naming the figure): a job is refused only when even the strongest
 release any job can make here (the central images, whole budget, one pass, one image per class) would be
@@ -648,24 +651,53 @@ def shared_classes(f: DataFacts) -> tuple[str, ...]:
     return tuple(c for c in f.class_names if c in set(f.public.class_names))
 
 
-def pretrain_iterations(f: DataFacts) -> int:
+def every_class_public(f: DataFacts) -> bool:
+    """Every private class has a public class of its name: the pretraining is class-conditional for ALL of
+    them (:func:`shared_classes`), so the pretrained denoiser already draws each private class and the derived
+    job keeps it away from the released central images (:func:`keep_pretrained`). False without a public set,
+    without the private classes' names, or where one private class has no public counterpart."""
+    names = set(f.class_names)
+    return len(names) == f.n_classes and names <= set(shared_classes(f))
+
+
+def pretrain_iterations(f: DataFacts, freed: float = 0.0) -> int:
     """About :data:`PRETRAIN_EPOCHS` passes over the public set, clamped to [PRETRAIN_MIN, PRETRAIN_MAX]
-    steps, and no more than :data:`PRETRAIN_SHARE` of the time budget buys (never below PRETRAIN_MIN)."""
+    steps, and no more than :data:`PRETRAIN_SHARE` of the time budget buys, plus ``freed`` seconds (the
+    warm-up :func:`keep_pretrained` dropped); never below PRETRAIN_MIN."""
     assert f.public is not None
     want = min(PRETRAIN_MAX, max(PRETRAIN_MIN, math.ceil(PRETRAIN_EPOCHS * f.public.size / PRETRAIN_BATCH)))
     model = JobConfig.from_dict({"model": model_section(f), "dpsgd": {"steps": 0}}, "derived job")
     per_step = seconds_per_pass(model, f) * PRETRAIN_BATCH
-    return max(PRETRAIN_MIN, min(want, int(PRETRAIN_SHARE * f.budget // per_step)))
+    return max(PRETRAIN_MIN, min(want, int((PRETRAIN_SHARE * f.budget + freed) // per_step)))
 
 
-def public_section(f: DataFacts) -> dict[str, Any]:
+def public_section(f: DataFacts, freed: float = 0.0) -> dict[str, Any]:
     """The ``[public]`` pretraining settings for a public set of ``f.public``'s facts (the set itself is named
-    by ``stages.pretrain.with_public`` when the job is signed)."""
+    by ``stages.pretrain.with_public`` when the job is signed); ``freed``: seconds of dropped warm-up that
+    pretraining may take beside its share (:func:`keep_pretrained`)."""
     return {
-        "pretrain_iterations": pretrain_iterations(f),
+        "pretrain_iterations": pretrain_iterations(f, freed),
         "pretrain_batch": PRETRAIN_BATCH,
         "pretrain_lr": 2e-3,
     }
+
+
+def keep_pretrained(f: DataFacts, d: dict[str, Any], est: Estimate) -> dict[str, Any]:
+    """The sections ``d`` (estimated ``est``) with the pretrained denoiser kept away from the released central
+    images where :func:`every_class_public`: no spatial warm-up, no polish, no central images mixed into the
+    frequency warm-up, their estimated seconds given to public pretraining (its pass and step caps kept).
+    Why: on the medical-like set the spatial warm-up's steps on the noised, contrast-stretched central images
+    turned the pretrained anatomy back into their speckled prototypes (docs/derived-job.md). The releases
+    are untouched: the central images still seed the sampler's SDEdit starts and the cells, so the job plans
+    the same events and epsilon. Elsewhere ``d`` as it is."""
+    if not every_class_public(f):
+        return d
+    w = d["warmup"]
+    freed = est.seconds.get("spatial warm-up", 0.0) + est.seconds.get("polish", 0.0)
+    if w["frequency_mix_central"]:  # the estimate's frequency warm-up is half aux, half central images
+        freed += est.seconds.get("frequency warm-up", 0.0) / 2
+    off = {"spatial_iterations": 0, "polish_iterations": 0, "frequency_mix_central": False}
+    return {**d, "warmup": {**w, **off}, "public": public_section(f, freed)}
 
 
 # -- the cost model
@@ -892,7 +924,8 @@ def derive(facts: DataFacts) -> Derivation:
                 else f", or lower the patient cap {cap} (group privacy over it sets that floor)"
             )
         ) from None
-    d = _with_steps(d, steps, facts.federated)
+    # the DP-SGD steps were sized beside the warm-up; the time it frees goes to pretraining, not to DP-SGD
+    d = _with_steps(keep_pretrained(facts, d, est), steps, facts.federated)
     cfg = JobConfig.from_dict(d, "derived job")
     try:
         plan_of(facts, cfg)
@@ -1057,11 +1090,33 @@ def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
         if shared
         else "unconditional (no public class names a private class)"
     )
+    no_central = every_class_public(f)
+    freed = " + the warm-up time freed below" if no_central else ""
     return [
         f"public: {cfg.public.pretrain_iterations} pretraining steps of {cfg.public.pretrain_batch} on "
         f"{f.public.size} public images (~{PRETRAIN_EPOCHS} passes, at most {PRETRAIN_SHARE:.0%} of the "
-        f"time budget), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning only"
+        f"time budget{freed}), {how}; DP-SGD, where it runs, trains the norms, attention and conditioning "
+        "only",
+        _central_warmup_note(f, cfg, no_central, len(shared)),
     ]
+
+
+def _central_warmup_note(f: DataFacts, cfg: JobConfig, no_central: bool, shared: int) -> str:
+    """The header's line for :func:`keep_pretrained`: what it chose and why."""
+    if not no_central:
+        why = (
+            f"public classes name only {shared} of {f.n_classes} private classes"
+            if shared
+            else "the pretraining is unconditional"
+        )
+        return f"warm-up on the central images: kept ({why}: the releases teach the classes it does not draw)"
+    return (
+        "warm-up on the central images: off (0 spatial + 0 polish steps, no central images in the frequency "
+        "warm-up): every private class has a public class of its name, so the pretrained denoiser is kept "
+        "(training on the noised central images turned its anatomy back into their speckled prototypes; "
+        f"docs/derived-job.md); their time went to pretraining ({cfg.public.pretrain_iterations} steps, "
+        f"{pretrain_iterations(f)} without it); the central images still seed the sampler's starts"
+    )
 
 
 def _toml_value(v: Any) -> str:

@@ -580,8 +580,9 @@ def _physical(values: int) -> int:
 def _physical_batch(f: DataFacts, multiplicity: int) -> int:
     """Rows per per-example-gradient call, within the sites' caps (``resources.max_physical_batch`` and
     ``max_pass_rows`` over the ``multiplicity`` noise draws of each row). CPU: :func:`_physical` (its memory
-    is rows x values). GPU: a call costs about as much at 8 rows as at 256 (kernel launches, not arithmetic:
-    :data:`CUDA_CALL_SECONDS`), so the fewest calls that cover a step's padded rows within the caps and
+    is rows x values). GPU: at small batches a call's fixed cost (kernel launches) outweighs its rows (the
+    split :data:`CUDA_CALL_SECONDS` / per row is assumed from one measured point, 256 rows), so the fewest
+    calls that cover a step's padded rows within the caps and
     :func:`_gpu_rows`, split evenly in multiples of :data:`GPU_ROW_MULTIPLE` (so no call is mostly
     padding): never more than a step pads to."""
     from .policy.enforce import DEFAULT_RESOURCES
@@ -1113,8 +1114,9 @@ def _central_warmup_note(f: DataFacts, cfg: JobConfig, no_central: bool, shared:
     return (
         "warm-up on the central images: off (0 spatial + 0 polish steps, no central images in the frequency "
         "warm-up): every private class has a public class of its name, so the pretrained denoiser is kept "
-        "(training on the noised central images turned its anatomy back into their speckled prototypes; "
-        f"docs/derived-job.md); their time went to pretraining ({cfg.public.pretrain_iterations} steps, "
+        "(measured on the medical-like set only: training on the noised central images turned its anatomy "
+        "back into their speckled prototypes; docs/derived-job.md); their time went to pretraining "
+        f"({cfg.public.pretrain_iterations} steps, "
         f"{pretrain_iterations(f)} without it); the central images still seed the sampler's starts"
     )
 

@@ -1,5 +1,5 @@
 """The derived job's physical batch (rows per per-example-gradient call): on the CPU the rule it always was
-(its memory is rows x values); on a GPU, where a call costs about as much at 8 rows as at 256, the fewest
+(its memory is rows x values); on a GPU, where a small call's fixed cost outweighs its rows, the fewest
 calls that cover a step's padded rows, within the site policy's resource caps and a GPU memory bound, so that
 the node's own checks admit the job; and the time model charges a GPU step per call as well as per row."""
 
@@ -191,3 +191,20 @@ def test_the_derived_physical_batch_is_within_the_sites_caps_and_admitted(
         tail = dpsgd_step_rows(cfg.replace(dpsgd={"physical_batch": 1}), f)
         calls = -(-dpsgd_step_rows(cfg, f) // physical)
         assert dpsgd_step_rows(cfg, f) < tail + 8 * calls
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_train_with_a_policy_derives_a_physical_batch_within_its_caps(device: str) -> None:
+    """``train --policy`` (``cli.derive_options.derived_jobs`` with the site's policy): the policy's own
+    ``max_physical_batch`` bounds the derived job's physical batch, as the node that checks the job will."""
+    from feta_release.cli.derive_options import DeriveRequest, derived_jobs
+    from feta_release.data.procedural import generate_dataset
+
+    data = generate_dataset("medical", 400, size=28, seed=0)
+    f = DataFacts(4000, 28, 28, 1, data.n_classes, 10.0, device=device, dpsgd="on")  # type: ignore[arg-type]
+    policy, _ = _site(f, {"max_physical_batch": 3, "max_pass_rows": 4096})
+    req = DeriveRequest(10.0, None, None, None, "on")
+    cfg, _ = derived_jobs(req, data, device, None, policy, None, lambda _text: None)
+    assert cfg.dpsgd.physical_batch <= 3
+    free, _ = derived_jobs(req, data, device, None, None, None, lambda _text: None)
+    assert free.dpsgd.physical_batch > 3  # the cap, not the rule, chose it

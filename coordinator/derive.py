@@ -3,7 +3,8 @@ declared sizes, their common declared image shape and classes, the smallest of t
 
 The declarations are read from the sites' policies (signed, or drafts) as ``privacy plan --policy`` reads
 them: planning trusts nothing, every node checks the signed job against its own signed policy when the job
-runs."""
+runs. The derived job is judged by each site's whole policy as its node judges it (``edge.admission.admit``)
+before it is written, so no site refuses it after others have spent budget on it."""
 
 from __future__ import annotations
 
@@ -12,18 +13,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from feta_release.errors import ConfigError, PrivacyError
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from edge.admission import admit
+from feta_release.errors import ConfigError, PolicyViolation, PrivacyError
 from feta_release.job_rules import (
+    DPSGD_MIN_STEPS,
+    LOCAL_STEPS,
     DataFacts,
     Derivation,
     default_delta,
     derive,
+    estimate,
     policy_patient_facts,
     with_physical_caps,
 )
 from feta_release.planning import plan, site_form
 from feta_release.policy.document import SitePolicy, read_policy_document, read_signed_policy_unverified
 from feta_release.policy.envelope import read_json
+from feta_release.policy.jobs import sign_job
+from feta_release.signing import public_key_pem
 
 
 def read_site_policy(path: Path) -> Any:
@@ -110,14 +119,121 @@ def derive_federated(
     smallest, cap = min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies)
     d, refusal = summed_as_every_site_plans(federated_job(facts, smallest, cap), facts, policies)
     if refusal and d.cfg.dpsgd_steps(facts.size) > 0:  # a site's plan refuses DP-SGD: the job without it
-        d = federated_job(replace(facts, dpsgd="off"), smallest, cap)
-        d = replace(
-            d, notes=tuple(f"dpsgd: off ({refusal})" if n.startswith("dpsgd:") else n for n in d.notes)
-        )
-        d, refusal = summed_as_every_site_plans(d, facts, policies)
+        d, refusal = without_dpsgd(facts, policies, smallest, cap, refusal)
     if refusal:
         raise ConfigError(f"derived federated job: {refusal}")
-    return d, ids
+    return admitted_by_every_site(d, facts, policies, smallest, cap), ids
+
+
+def without_dpsgd(
+    facts: DataFacts, policies: Sequence[Any], smallest: int, cap: int, why: str
+) -> tuple[Derivation, str]:
+    """The job derived again with DP-SGD off (the warm-up releases then take the whole budget), its header
+    saying ``why``; with why a site's plan refuses it ("" when every site plans it)."""
+    d = federated_job(replace(facts, dpsgd="off"), smallest, cap)
+    d = replace(d, notes=tuple(f"dpsgd: off ({why})" if n.startswith("dpsgd:") else n for n in d.notes))
+    return summed_as_every_site_plans(d, facts, policies)
+
+
+# the refusals a derived job has a remedy for: DP-SGD off, or its steps cut to the sites' smallest cap
+DPSGD_REMEDIES = ("mechanisms.dpsgd.allowed", "mechanisms.dpsgd.max_steps")
+
+
+def admitted_by_every_site(
+    d: Derivation, facts: DataFacts, policies: Sequence[Any], smallest: int, cap: int
+) -> Derivation:
+    """``d`` in a form every site's node admits (:func:`site_refusals`): a site that allows no DP-SGD, or caps
+    its steps below the derived ones, gets DP-SGD off or cut (named in the header) and the job is planned
+    again; any other refusal raises :class:`PolicyViolation` naming the site, its rule and the fix."""
+    failures = site_refusals(d.cfg, policies)
+    if d.cfg.federated_rounds > 0 and any(rule in DPSGD_REMEDIES for _, rule, _ in failures):
+        d = dpsgd_within_policies(d, facts, policies, smallest, cap, failures)
+        failures = site_refusals(d.cfg, policies)
+    if failures:
+        raise refused(*failures[0])
+    return d
+
+
+def dpsgd_within_policies(
+    d: Derivation,
+    facts: DataFacts,
+    policies: Sequence[Any],
+    smallest: int,
+    cap: int,
+    failures: Sequence[tuple[str, str, str]],
+) -> Derivation:
+    """``d`` with DP-SGD off where a site allows none, else with its steps cut to the smallest
+    ``mechanisms.dpsgd.max_steps`` of the sites (whole rounds; off below the rules' minimum of steps)."""
+    rules = {rule: site for site, rule, _ in reversed(failures)}  # each rule's first site
+    if "mechanisms.dpsgd.allowed" in rules:
+        why = f"site {rules['mechanisms.dpsgd.allowed']}'s policy allows no DP-SGD: mechanisms.dpsgd.allowed"
+    else:
+        site, most = min(
+            ((p.site_id, int(p.mechanisms["dpsgd"].caps["max_steps"])) for p in policies if _steps_cap(p)),
+            key=lambda s: s[1],
+        )
+        rounds = most // LOCAL_STEPS
+        if rounds * LOCAL_STEPS >= DPSGD_MIN_STEPS:
+            return with_rounds(
+                d, facts, policies, rounds, f"site {site}'s mechanisms.dpsgd.max_steps = {most}"
+            )
+        why = f"site {site}'s mechanisms.dpsgd.max_steps = {most}, under the {DPSGD_MIN_STEPS} steps it needs"
+    d, refusal = without_dpsgd(facts, policies, smallest, cap, why)
+    if refusal:
+        raise ConfigError(f"derived federated job: {refusal}")
+    return d
+
+
+def _steps_cap(policy: Any) -> bool:
+    rule = policy.mechanisms.get("dpsgd")
+    return rule is not None and "max_steps" in rule.caps
+
+
+def with_rounds(
+    d: Derivation, facts: DataFacts, policies: Sequence[Any], rounds: int, why: str
+) -> Derivation:
+    """``d`` with ``rounds`` federated DP-SGD rounds of :data:`LOCAL_STEPS` (fewer steps: the planner
+    calibrates DP-SGD's noise to the same remaining budget), costed again and planned by every site."""
+    old, steps = d.cfg.dpsgd_steps(facts.size), rounds * LOCAL_STEPS
+    cfg = d.cfg.replace(dpsgd={"steps": steps}, federation={"rounds": rounds})
+    note = f"; cut from {old} to {steps} steps ({rounds} rounds of {LOCAL_STEPS}): {why}"
+    notes = tuple(n + note if n.startswith("dpsgd:") else n for n in d.notes)
+    d, refusal = summed_as_every_site_plans(
+        replace(d, cfg=cfg, estimate=estimate(cfg, d.facts), notes=notes), facts, policies
+    )
+    if refusal:
+        raise ConfigError(f"derived federated job: {refusal}")
+    return d
+
+
+def site_refusals(cfg: Any, policies: Sequence[Any]) -> list[tuple[str, str, str]]:
+    """Every (site, rule, message) by which a site's node would refuse ``cfg`` signed for all the sites: the
+    node's own admission (``edge.admission.admit``: resources, every mechanism's allowed, min_sigma and caps,
+    the budget), the job judged in the form the node charges it (its declared image shape and classes). Who
+    signs is checked when the job is signed: here it is signed by a throw-away key each site is told to
+    allow, so every other rule is judged as the node judges it."""
+    key = Ed25519PrivateKey.generate()
+    signed = sign_job(cfg, key, "derived", [p.site_id for p in policies])
+    trusted = (public_key_pem(key.public_key()),)
+    out = []
+    for p in policies:
+        shape = (tuple(p.declared.image_shape), int(p.declared.n_classes))
+        res = admit(replace(p, coordinators=trusted), signed, source="the derived job", data_shape=shape)
+        out += [(p.site_id, rule, msg) for rule, msg in res.failures]
+    return out
+
+
+def refused(site: str, rule: str, message: str) -> PolicyViolation:
+    """A site's refusal of the derived job in one line: its rule, why, and who fixes it."""
+    for head in (f"site {site}: policy rule {rule}: ", f"site {site}: "):
+        message = message.removeprefix(head)
+    return PolicyViolation(
+        rule,
+        f"the derived federated job would be refused by this site's node: {' '.join(message.split())}; fix: "
+        f"the site raises its cap ({rule} in its POLICY, raise version, re-sign), or the coordinator derives "
+        "with other options (--epsilon, --time-budget, --for-device)",
+        site=site,
+    )
 
 
 def summed_as_every_site_plans(

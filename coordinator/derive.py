@@ -145,12 +145,13 @@ def admitted_by_every_site(
     """``d`` in a form every site's node admits (:func:`site_refusals`): a site that allows no DP-SGD, or caps
     its steps below the derived ones, gets DP-SGD off or cut (named in the header) and the job is planned
     again; any other refusal raises :class:`PolicyViolation` naming the site, its rule and the fix."""
-    failures = site_refusals(d.cfg, policies)
+    failures, remedy = site_refusals(d.cfg, policies), ""
     if d.cfg.federated_rounds > 0 and any(rule in DPSGD_REMEDIES for _, rule, _ in failures):
         d = dpsgd_within_policies(d, facts, policies, smallest, cap, failures)
         failures = site_refusals(d.cfg, policies)
+        remedy = next(n for n in d.notes if n.startswith("dpsgd:"))
     if failures:
-        raise refused(*failures[0])
+        raise refused(*failures[0], remedy)
     return d
 
 
@@ -196,11 +197,13 @@ def with_rounds(
     calibrates DP-SGD's noise to the same remaining budget), costed again and planned by every site."""
     old, steps = d.cfg.dpsgd_steps(facts.size), rounds * LOCAL_STEPS
     cfg = d.cfg.replace(dpsgd={"steps": steps}, federation={"rounds": rounds})
-    note = f"; cut from {old} to {steps} steps ({rounds} rounds of {LOCAL_STEPS}): {why}"
-    notes = tuple(n + note if n.startswith("dpsgd:") else n for n in d.notes)
-    d, refusal = summed_as_every_site_plans(
-        replace(d, cfg=cfg, estimate=estimate(cfg, d.facts), notes=notes), facts, policies
+    est = estimate(cfg, d.facts)
+    note = (
+        f"; cut from {old} to {steps} steps ({rounds} rounds of {LOCAL_STEPS}): {why} (training then "
+        f"{est.training / 60:.1f} min, dpsgd {est.seconds.get('dpsgd', 0.0):.0f} s)"
     )
+    notes = tuple(n + note if n.startswith("dpsgd:") else n for n in d.notes)
+    d, refusal = summed_as_every_site_plans(replace(d, cfg=cfg, estimate=est, notes=notes), facts, policies)
     if refusal:
         raise ConfigError(f"derived federated job: {refusal}")
     return d
@@ -223,13 +226,16 @@ def site_refusals(cfg: Any, policies: Sequence[Any]) -> list[tuple[str, str, str
     return out
 
 
-def refused(site: str, rule: str, message: str) -> PolicyViolation:
-    """A site's refusal of the derived job in one line: its rule, why, and who fixes it."""
+def refused(site: str, rule: str, message: str, remedy: str = "") -> PolicyViolation:
+    """A site's refusal of the derived job in one line: its rule, why, and who fixes it; ``remedy``: the
+    header's note of what was already changed to fit the sites' DP-SGD rules."""
     for head in (f"site {site}: policy rule {rule}: ", f"site {site}: "):
         message = message.removeprefix(head)
+    after = f" ({remedy})" if remedy else ""
     return PolicyViolation(
         rule,
-        f"the derived federated job would be refused by this site's node: {' '.join(message.split())}; fix: "
+        f"the derived federated job{after} would be refused by this site's node: "
+        f"{' '.join(message.split())}; fix: "
         f"the site raises its cap ({rule} in its POLICY, raise version, re-sign), or the coordinator derives "
         "with other options (--epsilon, --time-budget, --for-device)",
         site=site,

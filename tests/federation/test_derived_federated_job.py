@@ -293,3 +293,111 @@ def test_the_physical_batch_is_cut_to_every_sites_resource_caps(tmp_path: Path, 
     files, _ = _policies(tmp_path / "defaults", sizes, coord, per_job=(10.0, 1e-5))
     uncapped, _ = derive_federated(files, epsilon=10.0, time_budget=1200.0, device=device)
     assert uncapped.cfg.dpsgd.physical_batch > 16
+
+
+def _signed_and_admitted(d: Any, coord: Ed25519PrivateKey, ids: list[str], pols: dict[str, Any]) -> None:
+    """Every site's node (``admit``, judging the signed job with its declared data's shape) serves the job."""
+    from edge.admission import admit
+
+    signed = sign_job(d.cfg, coord, "j", ids)
+    for sid in ids:
+        res = admit(pols[sid], signed, data_shape=((1, 28, 28), 10))
+        assert res.accepted, (sid, res.failures)
+
+
+# the warm-up's sigma floors both sites accept, so that the whole budget may go to the warm-up releases
+_LOW_FLOORS = {"central": {"min_sigma": 0.5}, "frequency": {"min_sigma": 0.5}}
+
+
+def test_a_site_allowing_no_dpsgd_gets_a_job_without_it_that_every_node_admits(tmp_path: Path) -> None:
+    """St Luke's policy allows no DP-SGD (``mechanisms.dpsgd.allowed = false``): the rules' job trains 180
+    DP-SGD steps, which its node refuses after St Mary's may have spent budget on the warm-up. The derived job
+    has DP-SGD off, its budget split planned again without it, the header says which site's rule, and every
+    node admits it."""
+    coord = Ed25519PrivateKey.generate()
+    mechs = {"st-mary": _LOW_FLOORS, "st-luke": {**_LOW_FLOORS, "dpsgd": {"allowed": False}}}
+    files, pols = _policies(
+        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
+    )
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.federated_rounds == 0
+    assert "dpsgd: off (site st-luke's policy allows no DP-SGD: mechanisms.dpsgd.allowed)" in d.notes
+    _signed_and_admitted(d, coord, ids, pols)
+
+
+@pytest.mark.parametrize(("max_steps", "steps"), [(30, 30), (12, 0)])
+def test_the_dpsgd_steps_are_cut_to_every_sites_step_cap(tmp_path: Path, max_steps: int, steps: int) -> None:
+    """St Luke caps DP-SGD at ``max_steps`` per job, under the 180 steps the time budget buys: the job is cut
+    to the whole rounds within the cap (30: 6 rounds of 5), or has DP-SGD off where fewer than the rules'
+    20 steps would remain (12); the header says so and every node admits it."""
+    from feta_release.job_rules import dpsgd_step_seconds
+
+    coord = Ed25519PrivateKey.generate()
+    mechs = {
+        "st-mary": _LOW_FLOORS,
+        "st-luke": {**_LOW_FLOORS, "dpsgd": {"max_steps": max_steps}},
+    }
+    files, pols = _policies(
+        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
+    )
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.dpsgd_steps(d.facts.size) * (d.cfg.federated_rounds > 0) == steps
+    said = f"site st-luke's mechanisms.dpsgd.max_steps = {max_steps}"
+    assert any(n.startswith("dpsgd:") and said in n for n in d.notes), d.notes
+    if steps:
+        assert d.estimate.seconds["dpsgd"] == pytest.approx(
+            steps * dpsgd_step_seconds(d.cfg, d.facts), abs=0.05
+        )
+    _signed_and_admitted(d, coord, ids, pols)
+
+
+@pytest.mark.parametrize("mechanism", ["frequency", "central"])
+def test_a_site_whose_sigma_floor_is_above_the_fitted_sigma_refuses_in_one_line(
+    tmp_path: Path, mechanism: str
+) -> None:
+    """St Luke's floor on the frequency (or central) release's sigma is 50, far above the sigma the rules fit
+    to a budget of 10: its node would refuse the job, so it is not derived. One line names the site, the rule
+    and the fix."""
+    from feta_release.errors import PolicyViolation
+
+    coord = Ed25519PrivateKey.generate()
+    files, _ = _policies(
+        tmp_path,
+        {"st-mary": 20_000, "st-luke": 20_000},
+        coord,
+        per_job=(10.0, 1e-5),
+        mechanisms={"st-luke": {mechanism: {"min_sigma": 50.0}}},
+    )
+    with pytest.raises(PolicyViolation) as exc:
+        derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    rule = f"mechanisms.{mechanism}.min_sigma"
+    assert exc.value.rule == rule and exc.value.site == "st-luke"
+    msg = str(exc.value)
+    assert msg.startswith(f"site st-luke: policy rule {rule}:") and "\n" not in msg
+    assert "< minimum 50" in msg and "fix: the site raises its cap" in msg
+
+
+def test_coordinator_derive_job_refuses_a_job_a_site_would_refuse(tmp_path: Path, capsys: Any) -> None:
+    """The CLI: the refusal is one line naming the site and rule, with the exit code of a policy refusal; no
+    job file is written."""
+    from feta_release.errors import PolicyViolation
+
+    coord = Ed25519PrivateKey.generate()
+    files, _ = _policies(
+        tmp_path,
+        {"st-mary": 20_000, "st-luke": 20_000},
+        coord,
+        per_job=(10.0, 1e-5),
+        mechanisms={"st-luke": {"frequency": {"min_sigma": 50.0}}},
+    )
+    out = tmp_path / "job.toml"
+    argv = ["coordinator", "derive-job", "--epsilon", "10", "--time-budget", "20m", "--out", str(out)]
+    for f in files:
+        argv += ["--policy", str(f)]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == PolicyViolation.exit_code
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith("error: site st-luke: policy rule mechanisms.frequency.min_sigma:"), line
+    assert not out.exists()

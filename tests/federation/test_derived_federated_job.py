@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from coordinator.derive import derive_federated
 from feta_release.accounting import epsilon
@@ -401,3 +403,66 @@ def test_coordinator_derive_job_refuses_a_job_a_site_would_refuse(tmp_path: Path
     assert "\n" not in line and "Traceback" not in line
     assert line.startswith("error: site st-luke: policy rule mechanisms.frequency.min_sigma:"), line
     assert not out.exists()
+
+
+_SITE_RULES = st.fixed_dictionaries(
+    {
+        "dpsgd": st.fixed_dictionaries(
+            {
+                "allowed": st.sampled_from([True, True, True, False]),
+                "max_steps": st.integers(5, 400),
+                "min_sigma": st.floats(0.3, 1.2),
+            }
+        ),
+        "central": st.fixed_dictionaries({"min_sigma": st.floats(0.3, 1.2), "max_rounds": st.integers(1, 3)}),
+        "frequency": st.fixed_dictionaries({"min_sigma": st.floats(0.3, 1.2)}),
+    }
+)
+_SITE_RESOURCES = st.fixed_dictionaries(
+    {
+        "max_model_parameters": st.sampled_from([20_000_000, 20_000_000, 1_000_000, 100_000]),
+        "max_physical_batch": st.integers(4, 256),
+        "max_pass_rows": st.integers(8, 4096),
+    }
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rules=st.lists(_SITE_RULES, min_size=2, max_size=2),
+    resources=st.lists(_SITE_RESOURCES, min_size=2, max_size=2),
+    eps=st.sampled_from([10.0, 4.0, 1.0]),
+)
+def test_whatever_derive_job_returns_every_sites_node_admits(
+    rules: list[dict[str, Any]], resources: list[dict[str, int]], eps: float
+) -> None:
+    """Over random policies (DP-SGD allowed or not, step and round caps, sigma floors, resource caps): the
+    derived job is admitted by every site's node, or it is refused in one line naming a site and its rule."""
+    import tempfile
+
+    from feta_release.errors import PolicyViolation
+
+    coord = Ed25519PrivateKey.generate()
+    ids = ["st-mary", "st-luke"]
+    with tempfile.TemporaryDirectory() as tmp:
+        files, pols = _policies(
+            Path(tmp),
+            dict.fromkeys(ids, 20_000),
+            coord,
+            per_job=(eps, 1e-5),
+            mechanisms=dict(zip(ids, rules)),
+            resources=dict(zip(ids, resources)),
+        )
+        try:
+            d, _ = derive_federated(files, epsilon=eps, time_budget=1200.0)
+        except PolicyViolation as exc:
+            assert exc.site in ids and str(exc).startswith(f"site {exc.site}: policy rule {exc.rule}:")
+            assert exc.rule.startswith(("mechanisms.", "resources.", "budget.")) and "\n" not in str(exc)
+            event(f"refused: {exc.rule}")
+            return
+        except ConfigError as exc:  # the sites' plans (budget, public sizes) refuse every form of the job
+            assert str(exc).startswith("derived federated job") and "\n" not in str(exc), exc
+            event("refused by a site's plan")
+            return
+        _signed_and_admitted(d, coord, ids, pols)
+        event(f"admitted, {d.cfg.dpsgd_steps(d.facts.size) * (d.cfg.federated_rounds > 0)} DP-SGD steps")

@@ -232,12 +232,18 @@ def refused(site: str, rule: str, message: str, remedy: str = "") -> PolicyViola
     for head in (f"site {site}: policy rule {rule}: ", f"site {site}: "):
         message = message.removeprefix(head)
     after = f" ({remedy})" if remedy else ""
+    # a budget refusal names its own fix (whose number is the limit: edge.admission explains it)
+    fix = (
+        ""
+        if "fix:" in message
+        else f"; fix: the site changes {rule} in its POLICY (raise version, re-sign) if its administrator "
+        "accepts such a job, or the coordinator derives with other options (--epsilon, --time-budget, "
+        "--for-device)"
+    )
     return PolicyViolation(
         rule,
-        f"the derived federated job{after} would be refused by this site's node: "
-        f"{' '.join(message.split())}; fix: "
-        f"the site raises its cap ({rule} in its POLICY, raise version, re-sign), or the coordinator derives "
-        "with other options (--epsilon, --time-budget, --for-device)",
+        f"the derived federated job{after} would be refused by this site's node: {' '.join(message.split())}"
+        + fix,
         site=site,
     )
 

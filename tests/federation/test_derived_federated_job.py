@@ -308,7 +308,7 @@ def _signed_and_admitted(d: Any, coord: Ed25519PrivateKey, ids: list[str], pols:
 
 
 # the warm-up's sigma floors both sites accept, so that the whole budget may go to the warm-up releases
-_LOW_FLOORS = {"central": {"min_sigma": 0.5}, "frequency": {"min_sigma": 0.5}}
+_LOW_FLOORS: dict[str, Any] = {"central": {"min_sigma": 0.5}, "frequency": {"min_sigma": 0.5}}
 
 
 def test_a_site_allowing_no_dpsgd_gets_a_job_without_it_that_every_node_admits(tmp_path: Path) -> None:
@@ -317,7 +317,10 @@ def test_a_site_allowing_no_dpsgd_gets_a_job_without_it_that_every_node_admits(t
     has DP-SGD off, its budget split planned again without it, the header says which site's rule, and every
     node admits it."""
     coord = Ed25519PrivateKey.generate()
-    mechs = {"st-mary": _LOW_FLOORS, "st-luke": {**_LOW_FLOORS, "dpsgd": {"allowed": False}}}
+    mechs: dict[str, dict[str, Any]] = {
+        "st-mary": _LOW_FLOORS,
+        "st-luke": {**_LOW_FLOORS, "dpsgd": {"allowed": False}},
+    }
     files, pols = _policies(
         tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
     )
@@ -335,7 +338,7 @@ def test_the_dpsgd_steps_are_cut_to_every_sites_step_cap(tmp_path: Path, max_ste
     from feta_release.job_rules import dpsgd_step_seconds
 
     coord = Ed25519PrivateKey.generate()
-    mechs = {
+    mechs: dict[str, dict[str, Any]] = {
         "st-mary": _LOW_FLOORS,
         "st-luke": {**_LOW_FLOORS, "dpsgd": {"max_steps": max_steps}},
     }
@@ -376,7 +379,7 @@ def test_a_site_whose_sigma_floor_is_above_the_fitted_sigma_refuses_in_one_line(
     assert exc.value.rule == rule and exc.value.site == "st-luke"
     msg = str(exc.value)
     assert msg.startswith(f"site st-luke: policy rule {rule}:") and "\n" not in msg
-    assert "< minimum 50" in msg and "fix: the site raises its cap" in msg
+    assert "< minimum 50" in msg and f"fix: the site changes {rule} in its POLICY" in msg
 
 
 def test_coordinator_derive_job_refuses_a_job_a_site_would_refuse(tmp_path: Path, capsys: Any) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from coordinator.derive import derive_federated
@@ -500,17 +500,28 @@ _SITE_RESOURCES = st.fixed_dictionaries(
 )
 
 
+_DEFAULT_RESOURCES = {"max_model_parameters": 20_000_000, "max_physical_batch": 256, "max_pass_rows": 4096}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rules=st.lists(_SITE_RULES, min_size=2, max_size=2),
     resources=st.lists(_SITE_RESOURCES, min_size=2, max_size=2),
     eps=st.sampled_from([10.0, 4.0, 1.0]),
+    pin=st.booleans(),
+)
+@example(
+    rules=[{"dpsgd": {"allowed": True, "max_steps": 400, "min_sigma": 0.3}}] * 2,
+    resources=[_DEFAULT_RESOURCES] * 2,
+    eps=10.0,
+    pin=True,
 )
 def test_whatever_derive_job_returns_every_sites_node_admits(
-    rules: list[dict[str, Any]], resources: list[dict[str, int]], eps: float
+    rules: list[dict[str, Any]], resources: list[dict[str, int]], eps: float, pin: bool
 ) -> None:
-    """Over random policies (DP-SGD allowed or not, step and round caps, sigma floors, resource caps): the
-    derived job is admitted by every site's node, or it is refused in one line naming a site and its rule."""
+    """Over random policies (DP-SGD allowed or not, step and round caps, sigma floors, resource caps, peers
+    pinned or not): the derived job is admitted by every site's node, or it is refused in one line naming a
+    site and its rule; never on a DP-SGD rule while the job without DP-SGD would be admitted."""
     import tempfile
 
     from feta_release.errors import PolicyViolation
@@ -525,12 +536,18 @@ def test_whatever_derive_job_returns_every_sites_node_admits(
             per_job=(eps, 1e-5),
             mechanisms=dict(zip(ids, rules)),
             resources=dict(zip(ids, resources)),
+            pin_peers=pin,
         )
         try:
             d, _ = derive_federated(files, epsilon=eps, time_budget=1200.0)
         except PolicyViolation as exc:
             assert exc.site in ids and str(exc).startswith(f"site {exc.site}: policy rule {exc.rule}:")
             assert exc.rule.startswith(("mechanisms.", "resources.", "budget.")) and "\n" not in str(exc)
+            # no refusal where a remedy exists: DP-SGD off, or each site adding the whole noise
+            if exc.rule.startswith("mechanisms.dpsgd."):
+                assert _refused_in_every_form(files, eps, "off"), exc
+            if "own noise share under secure aggregation" in str(exc):
+                assert _refused_in_every_form(files, eps, "auto"), exc
             event(f"refused: {exc.rule}")
             return
         except ConfigError as exc:  # the sites' plans (budget, public sizes) refuse every form of the job
@@ -539,3 +556,26 @@ def test_whatever_derive_job_returns_every_sites_node_admits(
             return
         _signed_and_admitted(d, coord, ids, pols)
         event(f"admitted, {d.cfg.dpsgd_steps(d.facts.size) * (d.cfg.federated_rounds > 0)} DP-SGD steps")
+
+
+def _refused_in_every_form(files: list[Path], eps: float, dpsgd: str) -> bool:
+    """Whether some site's node refuses the job the rules derive (DP-SGD ``dpsgd``) summed securely and some
+    site's node refuses it with each site adding the whole noise (a site's plan refusing it counts too)."""
+    from dataclasses import replace
+
+    from coordinator.derive import (
+        dpsgd_batch_cap,
+        facts_from_policies,
+        federated_job,
+        read_site_policy,
+        site_refusals,
+    )
+
+    policies = [read_site_policy(f) for f in files]
+    facts = replace(facts_from_policies(policies, eps, time_budget=1200.0), dpsgd=dpsgd)
+    try:
+        d = federated_job(facts, min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies))
+    except ConfigError:
+        return True
+    per_site = d.cfg.replace(federation={"secure_aggregation": False})  # the form derive-job falls back to
+    return bool(site_refusals(d.cfg, policies)) and bool(site_refusals(per_site, policies))

@@ -157,10 +157,9 @@ def admitted_by_every_site(
         d, failures = with_per_site_noise(d, facts, policies, failures)
     if failures:
         site, rule, message = failures[0]
-        if rule in ("job", "plan"):  # the planner's refusal: as the plan path says it
-            raise ConfigError(
-                f"derived federated job: site {site}'s node refuses it: {' '.join(message.split())}"
-            )
+        if rule in ("job", "plan"):  # the planner's refusal, not a policy rule: as the plan path says it
+            said = " ".join(message.removeprefix(f"site {site}: ").split())
+            raise ConfigError(f"derived federated job: site {site}'s plan refuses it: {said}")
         raise refused(site, rule, message, remedy)
     return d
 

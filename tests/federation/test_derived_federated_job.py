@@ -409,6 +409,24 @@ def test_sites_pinning_each_others_keys_get_a_job_their_nodes_admit(tmp_path: Pa
     _signed_and_admitted(d, coord, ids, pols)
 
 
+@pytest.mark.parametrize("rule", ["job", "plan"])
+def test_a_node_planner_refusal_of_the_derived_job_reads_as_the_plan_path_says_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str
+) -> None:
+    """Where a site's node refuses the job by its planner (admission's rule ``job`` or ``plan``: no policy
+    rule the site could change), the refusal is the plan path's one line, not a fix naming a POLICY rule."""
+    import coordinator.derive as derive
+
+    coord = Ed25519PrivateKey.generate()
+    files, _ = _policies(tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5))
+    said = "site st-luke: job needs epsilon 11.2 > budget 10 at delta 1e-06"
+    monkeypatch.setattr(derive, "site_refusals", lambda cfg, policies: [("st-luke", rule, said)])
+    with pytest.raises(ConfigError) as exc:
+        derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    head = "derived federated job: site st-luke's plan refuses it: "
+    assert str(exc.value) == head + "job needs epsilon 11.2 > budget 10 at delta 1e-06"
+
+
 def test_a_refusal_after_dpsgd_is_turned_off_names_the_remedy_in_short(tmp_path: Path) -> None:
     """St Luke allows no DP-SGD and floors the frequency sigma at 50: the job without DP-SGD is still refused,
     in one line whose parentheses name only what was changed and by which site's rule."""

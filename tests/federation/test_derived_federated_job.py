@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -576,7 +576,7 @@ def test_whatever_derive_job_returns_every_sites_node_admits(
         event(f"admitted, {d.cfg.dpsgd_steps(d.facts.size) * (d.cfg.federated_rounds > 0)} DP-SGD steps")
 
 
-def _refused_in_every_form(files: list[Path], eps: float, dpsgd: str) -> bool:
+def _refused_in_every_form(files: list[Path], eps: float, dpsgd: Literal["auto", "off"]) -> bool:
     """Whether some site's node refuses the job the rules derive (DP-SGD ``dpsgd``) summed securely and some
     site's node refuses it with each site adding the whole noise (a site's plan refusing it counts too)."""
     from dataclasses import replace

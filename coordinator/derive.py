@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from edge.admission import admit
 from feta_release.errors import ConfigError, PolicyViolation, PrivacyError
 from feta_release.job_rules import (
+    DPSGD_MAX_NOISE,
     DPSGD_MIN_STEPS,
     LOCAL_STEPS,
     DataFacts,
@@ -25,6 +26,8 @@ from feta_release.job_rules import (
     default_delta,
     derive,
     estimate,
+    job_dpsgd_noise,
+    notes_of,
     policy_patient_facts,
     with_physical_caps,
 )
@@ -135,24 +138,51 @@ def without_dpsgd(
     return summed_as_every_site_plans(d, facts, policies)
 
 
-# the refusals a derived job has a remedy for: DP-SGD off, or its steps cut to the sites' smallest cap
-DPSGD_REMEDIES = ("mechanisms.dpsgd.allowed", "mechanisms.dpsgd.max_steps")
+# the refusals a derived job has a remedy for: every DP-SGD rule (its steps cut, or DP-SGD off)
+DPSGD_RULES = "mechanisms.dpsgd."
 
 
 def admitted_by_every_site(
     d: Derivation, facts: DataFacts, policies: Sequence[Any], smallest: int, cap: int
 ) -> Derivation:
-    """``d`` in a form every site's node admits (:func:`site_refusals`): a site that allows no DP-SGD, or caps
-    its steps below the derived ones, gets DP-SGD off or cut (named in the header) and the job is planned
-    again; any other refusal raises :class:`PolicyViolation` naming the site, its rule and the fix."""
+    """``d`` in a form every site's node admits (:func:`site_refusals`): a site whose DP-SGD rules refuse it
+    gets its steps cut or DP-SGD off (named in the header); a secure job whose warm-up a site refuses on its
+    own noise share gets each site adding the whole noise; any other refusal raises
+    :class:`PolicyViolation` naming the site, its rule and the fix."""
     failures, remedy = site_refusals(d.cfg, policies), ""
-    if d.cfg.federated_rounds > 0 and any(rule in DPSGD_REMEDIES for _, rule, _ in failures):
-        d = dpsgd_within_policies(d, facts, policies, smallest, cap, failures)
+    if d.cfg.federated_rounds > 0 and any(rule.startswith(DPSGD_RULES) for _, rule, _ in failures):
+        d, remedy = dpsgd_within_policies(d, facts, policies, smallest, cap, failures)
         failures = site_refusals(d.cfg, policies)
-        remedy = next(n for n in d.notes if n.startswith("dpsgd:"))
+    if any(_own_share(d.cfg, rule, len(policies)) for _, rule, _ in failures):
+        d, failures = with_per_site_noise(d, facts, policies, failures)
     if failures:
-        raise refused(*failures[0], remedy)
+        site, rule, message = failures[0]
+        if rule in ("job", "plan"):  # the planner's refusal, not a policy rule: as the plan path says it
+            said = " ".join(message.removeprefix(f"site {site}: ").split())
+            raise ConfigError(f"derived federated job: site {site}'s plan refuses it: {said}")
+        raise refused(site, rule, message, remedy)
     return d
+
+
+def _own_share(cfg: Any, rule: str, n_sites: int) -> bool:
+    """Whether ``rule`` is a warm-up release's sigma floor judged on a site's own share of securely summed
+    noise (the form signed for 2+ sites unless ``secure_aggregation = false``)."""
+    secure = n_sites >= 2 and cfg.federation.secure_aggregation is not False
+    return secure and rule.endswith(".min_sigma") and not rule.startswith(DPSGD_RULES)
+
+
+def with_per_site_noise(
+    d: Derivation, facts: DataFacts, policies: Sequence[Any], failures: list[tuple[str, str, str]]
+) -> tuple[Derivation, list[tuple[str, str, str]]]:
+    """``d`` with each site adding the whole noise (``secure_aggregation = false``, the note
+    :func:`summed_as_every_site_plans` adds) where a site's node refuses the secure form's warm-up on its own
+    share and the per-site form is planned by every site; else ``d`` and its ``failures`` unchanged."""
+    per_site = d.cfg.replace(federation={"secure_aggregation": False})
+    if site_plan_refusal(per_site, facts, policies):
+        return d, failures
+    site, rule, _ = next(f for f in failures if _own_share(d.cfg, f[1], len(policies)))
+    why = f"site {site}'s node refuses it on its own share: {rule}"
+    return replace(d, cfg=per_site, notes=(*d.notes, per_site_note(why))), site_refusals(per_site, policies)
 
 
 def dpsgd_within_policies(
@@ -162,27 +192,49 @@ def dpsgd_within_policies(
     smallest: int,
     cap: int,
     failures: Sequence[tuple[str, str, str]],
-) -> Derivation:
-    """``d`` with DP-SGD off where a site allows none, else with its steps cut to the smallest
-    ``mechanisms.dpsgd.max_steps`` of the sites (whole rounds; off below the rules' minimum of steps)."""
+) -> tuple[Derivation, str]:
+    """(``d`` within every site's DP-SGD rules, the short remedy the refusal names): its steps cut to the
+    smallest ``mechanisms.dpsgd.max_steps`` of the sites (whole rounds) where that cap refuses it, judged
+    again; DP-SGD off where a site allows none, the cut leaves under the rules' minimum of steps or a
+    DP-SGD rule (its sigma floor: fewer steps, less sigma) still refuses."""
     rules = {rule: site for site, rule, _ in reversed(failures)}  # each rule's first site
-    if "mechanisms.dpsgd.allowed" in rules:
-        why = f"site {rules['mechanisms.dpsgd.allowed']}'s policy allows no DP-SGD: mechanisms.dpsgd.allowed"
-    else:
+    if "mechanisms.dpsgd.max_steps" in rules and "mechanisms.dpsgd.allowed" not in rules:
         site, most = min(
             ((p.site_id, int(p.mechanisms["dpsgd"].caps["max_steps"])) for p in policies if _steps_cap(p)),
             key=lambda s: s[1],
         )
-        rounds = most // LOCAL_STEPS
-        if rounds * LOCAL_STEPS >= DPSGD_MIN_STEPS:
-            return with_rounds(
-                d, facts, policies, rounds, f"site {site}'s mechanisms.dpsgd.max_steps = {most}"
+        rounds, why = most // LOCAL_STEPS, f"site {site}'s mechanisms.dpsgd.max_steps = {most}"
+        if rounds * LOCAL_STEPS < DPSGD_MIN_STEPS:
+            return _dpsgd_off(
+                facts, policies, smallest, cap, f"{why}, under the {DPSGD_MIN_STEPS} steps it needs"
             )
-        why = f"site {site}'s mechanisms.dpsgd.max_steps = {most}, under the {DPSGD_MIN_STEPS} steps it needs"
+        cut = with_rounds(d, facts, policies, rounds, why, (smallest, cap))
+        if cut.cfg.federated_rounds == 0:  # too noisy in fewer steps: with_rounds turned it off
+            return cut, f"DP-SGD off: {why}"
+        left = [f for f in site_refusals(cut.cfg, policies) if f[1].startswith(DPSGD_RULES)]
+        if not left:
+            return (
+                cut,
+                f"DP-SGD cut to {rounds * LOCAL_STEPS} steps: site {site}'s mechanisms.dpsgd.max_steps",
+            )
+        rules = {rule: site for site, rule, _ in reversed(left)}
+    if "mechanisms.dpsgd.allowed" in rules:
+        why = f"site {rules['mechanisms.dpsgd.allowed']}'s policy allows no DP-SGD: mechanisms.dpsgd.allowed"
+    else:
+        rule, site = next(iter(rules.items()))
+        why = f"site {site}'s policy refuses its DP-SGD: {rule}"
+    return _dpsgd_off(facts, policies, smallest, cap, why)
+
+
+def _dpsgd_off(
+    facts: DataFacts, policies: Sequence[Any], smallest: int, cap: int, why: str
+) -> tuple[Derivation, str]:
+    """(the job with DP-SGD off, its header saying ``why``; the short remedy); a site's plan refusing even it
+    raises the plan path's ConfigError."""
     d, refusal = without_dpsgd(facts, policies, smallest, cap, why)
     if refusal:
         raise ConfigError(f"derived federated job: {refusal}")
-    return d
+    return d, f"DP-SGD off: {why.split(': ')[0]}"
 
 
 def _steps_cap(policy: Any) -> bool:
@@ -191,19 +243,39 @@ def _steps_cap(policy: Any) -> bool:
 
 
 def with_rounds(
-    d: Derivation, facts: DataFacts, policies: Sequence[Any], rounds: int, why: str
+    d: Derivation,
+    facts: DataFacts,
+    policies: Sequence[Any],
+    rounds: int,
+    why: str,
+    sizes: tuple[int, int],
 ) -> Derivation:
     """``d`` with ``rounds`` federated DP-SGD rounds of :data:`LOCAL_STEPS` (fewer steps: the planner
-    calibrates DP-SGD's noise to the same remaining budget), costed again and planned by every site."""
+    calibrates DP-SGD's noise to the same remaining budget, so its sigma and noise-to-signal change), costed
+    again, its header stating the cut job and planned by every site; DP-SGD off where the rules chose it
+    ("auto") and its noise-to-signal over the cut job is above :data:`DPSGD_MAX_NOISE`. ``sizes``: the
+    smallest site's size and the DP-SGD batch cap (:func:`without_dpsgd`)."""
     old, steps = d.cfg.dpsgd_steps(facts.size), rounds * LOCAL_STEPS
     cfg = d.cfg.replace(dpsgd={"steps": steps}, federation={"rounds": rounds})
-    est = estimate(cfg, d.facts)
-    note = (
-        f"; cut from {old} to {steps} steps ({rounds} rounds of {LOCAL_STEPS}): {why} (training then "
-        f"{est.training / 60:.1f} min, dpsgd {est.seconds.get('dpsgd', 0.0):.0f} s)"
+    noise = job_dpsgd_noise(d.facts, cfg.to_dict())
+    if d.facts.dpsgd == "auto" and noise > DPSGD_MAX_NOISE:
+        off = (
+            f"{why}: cut to {steps} steps its noise-to-signal over the job is {noise:.4f}, above "
+            f"{DPSGD_MAX_NOISE:.4f}"
+        )
+        return _dpsgd_off(facts, policies, *sizes, off)[0]
+    fresh = notes_of(d.facts, cfg, steps)
+    cut = f"; cut from {old} to {steps} steps: {why}"
+    # a federated job signs one batch, not a rate: each site's q is that batch over its own size
+    q = f"q = {cfg.dpsgd.batch / sizes[0]:.4g} (batch {cfg.dpsgd.batch} of the smallest site)"
+    fresh = tuple(n.replace("q = None", q) for n in fresh)
+    stated = {k: next(n for n in fresh if n.startswith(k)) for k in ("dpsgd:", "estimated ")}
+    notes = tuple(
+        next((v + cut * (k == "dpsgd:") for k, v in stated.items() if n.startswith(k)), n) for n in d.notes
     )
-    notes = tuple(n + note if n.startswith("dpsgd:") else n for n in d.notes)
-    d, refusal = summed_as_every_site_plans(replace(d, cfg=cfg, estimate=est, notes=notes), facts, policies)
+    d, refusal = summed_as_every_site_plans(
+        replace(d, cfg=cfg, estimate=estimate(cfg, d.facts), notes=notes), facts, policies
+    )
     if refusal:
         raise ConfigError(f"derived federated job: {refusal}")
     return d
@@ -262,12 +334,16 @@ def summed_as_every_site_plans(
     per_site = d.cfg.replace(federation={"secure_aggregation": False})
     if site_plan_refusal(per_site, facts, policies):
         return d, refusal
-    note = (
+    return replace(d, cfg=per_site, notes=(*d.notes, per_site_note(refusal))), ""
+
+
+def per_site_note(refusal: str) -> str:
+    """The header's note of a job whose every site adds the whole noise: why the secure form was refused."""
+    return (
         "federation: secure_aggregation = false, each site adds the whole noise: summed securely, "
         f"{refusal} (a site counts only the noise shares of the peers it pins: pin the sites' keys, "
         "[secure_aggregation] peers, to sum securely)"
     )
-    return replace(d, cfg=per_site, notes=(*d.notes, note)), ""
 
 
 def dpsgd_batch_cap(policies: Sequence[Any]) -> int:

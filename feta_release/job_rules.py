@@ -1374,3 +1374,9 @@ def site_caps(
         job=job,
         floor=floor,
     )
+
+
+def notes_of(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
+    """The header lines of ``cfg`` on ``f`` with ``steps`` DP-SGD steps: a job changed after its derivation
+    (its DP-SGD steps cut) states the job it became, not the one derived."""
+    return _notes(f, cfg, steps)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from coordinator.derive import derive_federated
@@ -18,6 +18,7 @@ from feta_release.cli import main
 from feta_release.config import load_job
 from feta_release.data.declared import DataDeclaration
 from feta_release.errors import ConfigError
+from feta_release.job_rules import DPSGD_MAX_NOISE
 from feta_release.mechanisms.secure_sums import secagg_warmup_events
 from feta_release.planning import stage_events
 from feta_release.policy import make_policy, open_signed_policy, sign_job, sign_policy
@@ -330,11 +331,15 @@ def test_a_site_allowing_no_dpsgd_gets_a_job_without_it_that_every_node_admits(t
     _signed_and_admitted(d, coord, ids, pols)
 
 
-@pytest.mark.parametrize(("max_steps", "steps"), [(30, 30), (12, 0)])
+@pytest.mark.parametrize(
+    ("max_steps", "steps"), [(150, 150), (100, 100), (40, 0), (30, 0), (25, 0), (20, 0), (12, 0)]
+)
 def test_the_dpsgd_steps_are_cut_to_every_sites_step_cap(tmp_path: Path, max_steps: int, steps: int) -> None:
     """St Luke caps DP-SGD at ``max_steps`` per job, under the 180 steps the time budget buys: the job is cut
-    to the whole rounds within the cap (30: 6 rounds of 5), or has DP-SGD off where fewer than the rules'
-    20 steps would remain (12); the header says so and every node admits it."""
+    to the whole rounds within the cap (100: 20 rounds of 5), or has DP-SGD off where fewer than the rules'
+    20 steps would remain (12) or where the fewer steps' noise-to-signal over the job (sigma calibrated to the
+    same budget) is above the rules' line (20 to 40 steps); the header states the cut job (its steps and
+    estimate, not the derived ones) and every node admits it."""
     from feta_release.job_rules import dpsgd_step_seconds
 
     coord = Ed25519PrivateKey.generate()
@@ -353,7 +358,90 @@ def test_the_dpsgd_steps_are_cut_to_every_sites_step_cap(tmp_path: Path, max_ste
         assert d.estimate.seconds["dpsgd"] == pytest.approx(
             steps * dpsgd_step_seconds(d.cfg, d.facts), abs=0.05
         )
+        said = next(n for n in d.notes if n.startswith("dpsgd:"))
+        assert said.startswith(f"dpsgd: {steps} steps at q = ") and "q = None" not in said, said
+        assert said.count("cut from") == 1, said
+        assert noise(d) <= DPSGD_MAX_NOISE
+    else:
+        assert max_steps < 20 or f"above {DPSGD_MAX_NOISE:.4f}" in next(n for n in d.notes if "dpsgd:" in n)
+    est = [n for n in d.notes if n.startswith("estimated ")]
+    assert len(est) == 1 and est[0].startswith(f"estimated {d.estimate.training / 60:.1f} min"), est
     _signed_and_admitted(d, coord, ids, pols)
+
+
+def noise(d: Any) -> float:
+    """The job's DP-SGD noise-to-signal over the job as the rules judge it (the planner's sigma)."""
+    from feta_release.job_rules import job_dpsgd_noise
+
+    return job_dpsgd_noise(d.facts, d.cfg.to_dict())
+
+
+@pytest.mark.parametrize("dpsgd", [{"min_sigma": 3.0}, {"max_steps": 100, "min_sigma": 1.45}])
+def test_a_site_whose_dpsgd_sigma_floor_refuses_gets_a_job_without_dpsgd(
+    tmp_path: Path, dpsgd: dict[str, Any]
+) -> None:
+    """St Luke's DP-SGD sigma floor is above the sigma the planner calibrates: 3 over the 180 steps' 1.49, or
+    1.45 once its step cap cuts the job to 100 steps (fewer steps for the same budget: less sigma). The job
+    without DP-SGD is admitted, so it is derived, the header naming the rule, rather than refused."""
+    coord = Ed25519PrivateKey.generate()
+    mechs = {"st-mary": _LOW_FLOORS, "st-luke": {**_LOW_FLOORS, "dpsgd": dpsgd}}
+    files, pols = _policies(
+        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
+    )
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.federated_rounds == 0
+    said = "dpsgd: off (site st-luke's policy refuses its DP-SGD: mechanisms.dpsgd.min_sigma)"
+    assert said in d.notes, d.notes
+    _signed_and_admitted(d, coord, ids, pols)
+
+
+def test_sites_pinning_each_others_keys_get_a_job_their_nodes_admit(tmp_path: Path) -> None:
+    """Sites pinning each other's keys plan the securely summed job, but each node judges a warm-up's sigma
+    floor on its own noise share (sigma / sqrt(2)), under the default floors: the job is derived with each
+    site adding the whole noise (secure_aggregation = false, named in the header), which every node admits."""
+    coord = Ed25519PrivateKey.generate()
+    files, pols = _policies(
+        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), pin_peers=True
+    )
+    d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.federation.secure_aggregation is False
+    assert any(n.startswith("federation: secure_aggregation = false") for n in d.notes), d.notes
+    _signed_and_admitted(d, coord, ids, pols)
+
+
+@pytest.mark.parametrize("rule", ["job", "plan"])
+def test_a_node_planner_refusal_of_the_derived_job_reads_as_the_plan_path_says_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str
+) -> None:
+    """Where a site's node refuses the job by its planner (admission's rule ``job`` or ``plan``: no policy
+    rule the site could change), the refusal is the plan path's one line, not a fix naming a POLICY rule."""
+    import coordinator.derive as derive
+
+    coord = Ed25519PrivateKey.generate()
+    files, _ = _policies(tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5))
+    said = "site st-luke: job needs epsilon 11.2 > budget 10 at delta 1e-06"
+    monkeypatch.setattr(derive, "site_refusals", lambda cfg, policies: [("st-luke", rule, said)])
+    with pytest.raises(ConfigError) as exc:
+        derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    head = "derived federated job: site st-luke's plan refuses it: "
+    assert str(exc.value) == head + "job needs epsilon 11.2 > budget 10 at delta 1e-06"
+
+
+def test_a_refusal_after_dpsgd_is_turned_off_names_the_remedy_in_short(tmp_path: Path) -> None:
+    """St Luke allows no DP-SGD and floors the frequency sigma at 50: the job without DP-SGD is still refused,
+    in one line whose parentheses name only what was changed and by which site's rule."""
+    from feta_release.errors import PolicyViolation
+
+    coord = Ed25519PrivateKey.generate()
+    mechs = {"st-luke": {"dpsgd": {"allowed": False}, "frequency": {"min_sigma": 50.0}}}
+    files, _ = _policies(
+        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
+    )
+    with pytest.raises(PolicyViolation) as exc:
+        derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    msg = str(exc.value)
+    assert "the derived federated job (DP-SGD off: site st-luke's policy allows no DP-SGD) would be" in msg
+    assert "dpsgd: off (" not in msg
 
 
 @pytest.mark.parametrize("mechanism", ["frequency", "central"])
@@ -430,17 +518,28 @@ _SITE_RESOURCES = st.fixed_dictionaries(
 )
 
 
+_DEFAULT_RESOURCES = {"max_model_parameters": 20_000_000, "max_physical_batch": 256, "max_pass_rows": 4096}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rules=st.lists(_SITE_RULES, min_size=2, max_size=2),
     resources=st.lists(_SITE_RESOURCES, min_size=2, max_size=2),
     eps=st.sampled_from([10.0, 4.0, 1.0]),
+    pin=st.booleans(),
+)
+@example(
+    rules=[{"dpsgd": {"allowed": True, "max_steps": 400, "min_sigma": 0.3}}] * 2,
+    resources=[_DEFAULT_RESOURCES] * 2,
+    eps=10.0,
+    pin=True,
 )
 def test_whatever_derive_job_returns_every_sites_node_admits(
-    rules: list[dict[str, Any]], resources: list[dict[str, int]], eps: float
+    rules: list[dict[str, Any]], resources: list[dict[str, int]], eps: float, pin: bool
 ) -> None:
-    """Over random policies (DP-SGD allowed or not, step and round caps, sigma floors, resource caps): the
-    derived job is admitted by every site's node, or it is refused in one line naming a site and its rule."""
+    """Over random policies (DP-SGD allowed or not, step and round caps, sigma floors, resource caps, peers
+    pinned or not): the derived job is admitted by every site's node, or it is refused in one line naming a
+    site and its rule; never on a DP-SGD rule while the job without DP-SGD would be admitted."""
     import tempfile
 
     from feta_release.errors import PolicyViolation
@@ -455,12 +554,18 @@ def test_whatever_derive_job_returns_every_sites_node_admits(
             per_job=(eps, 1e-5),
             mechanisms=dict(zip(ids, rules)),
             resources=dict(zip(ids, resources)),
+            pin_peers=pin,
         )
         try:
             d, _ = derive_federated(files, epsilon=eps, time_budget=1200.0)
         except PolicyViolation as exc:
             assert exc.site in ids and str(exc).startswith(f"site {exc.site}: policy rule {exc.rule}:")
             assert exc.rule.startswith(("mechanisms.", "resources.", "budget.")) and "\n" not in str(exc)
+            # no refusal where a remedy exists: DP-SGD off, or each site adding the whole noise
+            if exc.rule.startswith("mechanisms.dpsgd."):
+                assert _refused_in_every_form(files, eps, "off"), exc
+            if "own noise share under secure aggregation" in str(exc):
+                assert _refused_in_every_form(files, eps, "auto"), exc
             event(f"refused: {exc.rule}")
             return
         except ConfigError as exc:  # the sites' plans (budget, public sizes) refuse every form of the job
@@ -469,3 +574,26 @@ def test_whatever_derive_job_returns_every_sites_node_admits(
             return
         _signed_and_admitted(d, coord, ids, pols)
         event(f"admitted, {d.cfg.dpsgd_steps(d.facts.size) * (d.cfg.federated_rounds > 0)} DP-SGD steps")
+
+
+def _refused_in_every_form(files: list[Path], eps: float, dpsgd: Literal["auto", "off"]) -> bool:
+    """Whether some site's node refuses the job the rules derive (DP-SGD ``dpsgd``) summed securely and some
+    site's node refuses it with each site adding the whole noise (a site's plan refusing it counts too)."""
+    from dataclasses import replace
+
+    from coordinator.derive import (
+        dpsgd_batch_cap,
+        facts_from_policies,
+        federated_job,
+        read_site_policy,
+        site_refusals,
+    )
+
+    policies = [read_site_policy(f) for f in files]
+    facts = replace(facts_from_policies(policies, eps, time_budget=1200.0), dpsgd=dpsgd)
+    try:
+        d = federated_job(facts, min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies))
+    except ConfigError:
+        return True
+    per_site = d.cfg.replace(federation={"secure_aggregation": False})  # the form derive-job falls back to
+    return bool(site_refusals(d.cfg, policies)) and bool(site_refusals(per_site, policies))

@@ -74,6 +74,11 @@ def _policies(
     return files, opened
 
 
+def _two_sites(tmp_path: Path, coord: Ed25519PrivateKey, **kw: Any) -> tuple[list[Path], dict[str, Any]]:
+    """:func:`_policies` of two sites of 20,000 images each, a per-job epsilon of 10 (``kw``: the rest)."""
+    return _policies(tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), **kw)
+
+
 def test_derived_federated_job_fits_every_sites_plan_and_policy(tmp_path: Path) -> None:
     from edge.admission import admit
 
@@ -170,10 +175,7 @@ def test_a_patient_level_site_is_charged_the_whole_patients_its_node_pads_to(tmp
     from feta_release.training.step_rows import site_step_rows
 
     coord = Ed25519PrivateKey.generate()
-    sizes = {"st-mary": 20_000, "st-luke": 20_000}
-    files, pols = _policies(
-        tmp_path, sizes, coord, per_job=(10.0, 1e-5), patient_level={"st-luke": (8000, 4)}
-    )
+    files, pols = _two_sites(tmp_path, coord, patient_level={"st-luke": (8000, 4)})
     d, _ = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     cfg, chunk, batch = d.cfg, d.cfg.dpsgd.physical_batch, d.cfg.dpsgd.batch
     luke = pols["st-luke"]
@@ -195,11 +197,9 @@ def _dpsgd_rule(max_batch: int) -> dict[str, Any]:
 
 def _patient_federation(tmp_path: Path, patients: int, cap: int, pin_peers: bool) -> Any:
     coord = Ed25519PrivateKey.generate()
-    files, pols = _policies(
+    files, pols = _two_sites(
         tmp_path,
-        {"st-mary": 20_000, "st-luke": 20_000},
         coord,
-        per_job=(10.0, 1e-5),
         patient_level={"st-luke": (patients, cap)},
         mechanisms={"st-luke": {"dpsgd": _dpsgd_rule(patients // 4)}},
         pin_peers=pin_peers,
@@ -257,10 +257,7 @@ def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tm
     from edge.admission import admit
 
     coord = Ed25519PrivateKey.generate()
-    sizes = {"st-mary": 20_000, "st-luke": 20_000}
-    files, pols = _policies(
-        tmp_path, sizes, coord, per_job=(10.0, 1e-5), mechanisms={"st-mary": {"dpsgd": _dpsgd_rule(700)}}
-    )
+    files, pols = _two_sites(tmp_path, coord, mechanisms={"st-mary": {"dpsgd": _dpsgd_rule(700)}})
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     assert d.cfg.dpsgd.batch == 700
     assert any("DP-SGD 700 (cut from" in n for n in d.notes)
@@ -279,9 +276,8 @@ def test_the_physical_batch_is_cut_to_every_sites_resource_caps(tmp_path: Path, 
     from feta_release.job_rules import dpsgd_step_seconds
 
     coord = Ed25519PrivateKey.generate()
-    sizes = {"st-mary": 20_000, "st-luke": 20_000}
     caps = {"st-mary": {"max_physical_batch": 200}, "st-luke": {"max_pass_rows": 16}}
-    files, pols = _policies(tmp_path, sizes, coord, per_job=(10.0, 1e-5), resources=caps)
+    files, pols = _two_sites(tmp_path, coord, resources=caps)
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0, device=device)
     assert d.facts.max_physical_batch == 200 and d.facts.max_pass_rows == 16
     assert 1 <= d.cfg.dpsgd.physical_batch <= 16
@@ -293,7 +289,7 @@ def test_the_physical_batch_is_cut_to_every_sites_resource_caps(tmp_path: Path, 
         res = admit(pols[sid], signed, data_shape=((1, 28, 28), 10))
         assert res.job_id == "j" and not [r for r, _ in res.failures if r.startswith("resources.")], sid
     (tmp_path / "defaults").mkdir()
-    files, _ = _policies(tmp_path / "defaults", sizes, coord, per_job=(10.0, 1e-5))
+    files, _ = _two_sites(tmp_path / "defaults", coord)
     uncapped, _ = derive_federated(files, epsilon=10.0, time_budget=1200.0, device=device)
     assert uncapped.cfg.dpsgd.physical_batch > 16
 
@@ -322,9 +318,7 @@ def test_a_site_allowing_no_dpsgd_gets_a_job_without_it_that_every_node_admits(t
         "st-mary": _LOW_FLOORS,
         "st-luke": {**_LOW_FLOORS, "dpsgd": {"allowed": False}},
     }
-    files, pols = _policies(
-        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
-    )
+    files, pols = _two_sites(tmp_path, coord, mechanisms=mechs)
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     assert d.cfg.federated_rounds == 0
     assert "dpsgd: off (site st-luke's policy allows no DP-SGD: mechanisms.dpsgd.allowed)" in d.notes
@@ -347,9 +341,7 @@ def test_the_dpsgd_steps_are_cut_to_every_sites_step_cap(tmp_path: Path, max_ste
         "st-mary": _LOW_FLOORS,
         "st-luke": {**_LOW_FLOORS, "dpsgd": {"max_steps": max_steps}},
     }
-    files, pols = _policies(
-        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
-    )
+    files, pols = _two_sites(tmp_path, coord, mechanisms=mechs)
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     assert d.cfg.dpsgd_steps(d.facts.size) * (d.cfg.federated_rounds > 0) == steps
     said = f"site st-luke's mechanisms.dpsgd.max_steps = {max_steps}"
@@ -385,9 +377,7 @@ def test_a_site_whose_dpsgd_sigma_floor_refuses_gets_a_job_without_dpsgd(
     without DP-SGD is admitted, so it is derived, the header naming the rule, rather than refused."""
     coord = Ed25519PrivateKey.generate()
     mechs = {"st-mary": _LOW_FLOORS, "st-luke": {**_LOW_FLOORS, "dpsgd": dpsgd}}
-    files, pols = _policies(
-        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
-    )
+    files, pols = _two_sites(tmp_path, coord, mechanisms=mechs)
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     assert d.cfg.federated_rounds == 0
     said = "dpsgd: off (site st-luke's policy refuses its DP-SGD: mechanisms.dpsgd.min_sigma)"
@@ -400,9 +390,7 @@ def test_sites_pinning_each_others_keys_get_a_job_their_nodes_admit(tmp_path: Pa
     floor on its own noise share (sigma / sqrt(2)), under the default floors: the job is derived with each
     site adding the whole noise (secure_aggregation = false, named in the header), which every node admits."""
     coord = Ed25519PrivateKey.generate()
-    files, pols = _policies(
-        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), pin_peers=True
-    )
+    files, pols = _two_sites(tmp_path, coord, pin_peers=True)
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     assert d.cfg.federation.secure_aggregation is False
     assert any(n.startswith("federation: secure_aggregation = false") for n in d.notes), d.notes
@@ -418,7 +406,7 @@ def test_a_node_planner_refusal_of_the_derived_job_reads_as_the_plan_path_says_i
     import coordinator.derive as derive
 
     coord = Ed25519PrivateKey.generate()
-    files, _ = _policies(tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5))
+    files, _ = _two_sites(tmp_path, coord)
     said = "site st-luke: job needs epsilon 11.2 > budget 10 at delta 1e-06"
     monkeypatch.setattr(derive, "site_refusals", lambda cfg, policies: [("st-luke", rule, said)])
     with pytest.raises(ConfigError) as exc:
@@ -434,9 +422,7 @@ def test_a_refusal_after_dpsgd_is_turned_off_names_the_remedy_in_short(tmp_path:
 
     coord = Ed25519PrivateKey.generate()
     mechs = {"st-luke": {"dpsgd": {"allowed": False}, "frequency": {"min_sigma": 50.0}}}
-    files, _ = _policies(
-        tmp_path, {"st-mary": 20_000, "st-luke": 20_000}, coord, per_job=(10.0, 1e-5), mechanisms=mechs
-    )
+    files, _ = _two_sites(tmp_path, coord, mechanisms=mechs)
     with pytest.raises(PolicyViolation) as exc:
         derive_federated(files, epsilon=10.0, time_budget=1200.0)
     msg = str(exc.value)
@@ -454,11 +440,9 @@ def test_a_site_whose_sigma_floor_is_above_the_fitted_sigma_refuses_in_one_line(
     from feta_release.errors import PolicyViolation
 
     coord = Ed25519PrivateKey.generate()
-    files, _ = _policies(
+    files, _ = _two_sites(
         tmp_path,
-        {"st-mary": 20_000, "st-luke": 20_000},
         coord,
-        per_job=(10.0, 1e-5),
         mechanisms={"st-luke": {mechanism: {"min_sigma": 50.0}}},
     )
     with pytest.raises(PolicyViolation) as exc:
@@ -476,11 +460,9 @@ def test_coordinator_derive_job_refuses_a_job_a_site_would_refuse(tmp_path: Path
     from feta_release.errors import PolicyViolation
 
     coord = Ed25519PrivateKey.generate()
-    files, _ = _policies(
+    files, _ = _two_sites(
         tmp_path,
-        {"st-mary": 20_000, "st-luke": 20_000},
         coord,
-        per_job=(10.0, 1e-5),
         mechanisms={"st-luke": {"frequency": {"min_sigma": 50.0}}},
     )
     out = tmp_path / "job.toml"

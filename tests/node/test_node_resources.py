@@ -25,6 +25,7 @@ from feta_release.model_size import denoiser_parameters
 from feta_release.policy.enforce import DEFAULT_RESOURCES, check_resources
 from feta_release.policy.errors import PolicyViolation
 from feta_release.signing import canonical_json
+from tests.support.architectures import denoiser_architectures
 from tests.support.federation import harness, make_federation, tiny_job
 
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[2] / "feta_release" / "presets").glob("*.toml"))
@@ -49,24 +50,11 @@ def policy(fed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    levels=st.integers(1, 3),
-    side=st.integers(4, 12),
-    img_ch=st.sampled_from([1, 3]),
-    classes=st.integers(1, 5),
-    channels=st.sampled_from([4, 8, 12]),
-    blocks=st.integers(0, 3),
-    data=st.data(),
-)
-def test_the_count_equals_the_built_models_for_any_architecture(
-    levels, side, img_ch, classes, channels, blocks, data
-):
+@given(arch=denoiser_architectures())
+def test_the_count_equals_the_built_models_for_any_architecture(arch):
     from feta_release.models import build_denoiser, count_parameters
 
-    mult = tuple(data.draw(st.lists(st.integers(1, 3), min_size=levels, max_size=levels)))
-    attn = tuple(data.draw(st.sets(st.integers(1, 12), max_size=3)))
-    cfg = ModelSection(channels=channels, channel_mult=mult, num_res_blocks=blocks, attn_resolutions=attn)
-    shape = (img_ch, side, side)
+    cfg, shape, classes = arch
     assert denoiser_parameters(cfg, shape, classes) == count_parameters(build_denoiser(cfg, shape, classes))
 
 

@@ -14,26 +14,13 @@ from feta_release.errors import ConfigError
 from feta_release.model_size import denoiser_parameters, dpsgd_dimension
 from feta_release.models import build_denoiser
 from feta_release.models.trainable import MODES, set_trainable
+from tests.support.architectures import denoiser_architectures
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    levels=st.integers(1, 3),
-    side=st.integers(4, 12),
-    img_ch=st.sampled_from([1, 3]),
-    classes=st.integers(1, 5),
-    channels=st.sampled_from([4, 8, 12]),
-    blocks=st.integers(0, 3),
-    rank=st.integers(1, 6),
-    data=st.data(),
-)
-def test_the_counted_dimension_is_what_set_trainable_leaves_trainable(
-    levels, side, img_ch, classes, channels, blocks, rank, data
-):
-    mult = tuple(data.draw(st.lists(st.integers(1, 3), min_size=levels, max_size=levels)))
-    attn = tuple(data.draw(st.sets(st.integers(1, 12), max_size=3)))
-    cfg = ModelSection(channels=channels, channel_mult=mult, num_res_blocks=blocks, attn_resolutions=attn)
-    shape = (img_ch, side, side)
+@given(arch=denoiser_architectures(), rank=st.integers(1, 6))
+def test_the_counted_dimension_is_what_set_trainable_leaves_trainable(arch, rank):
+    cfg, shape, classes = arch
     for mode in MODES:
         trained = set_trainable(build_denoiser(cfg, shape, classes), mode, rank)
         assert dpsgd_dimension(cfg, shape, classes, mode, rank) == trained, mode

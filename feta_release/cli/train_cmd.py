@@ -230,13 +230,12 @@ def train(
     if threads:
         torch.set_num_threads(threads)
     declared = site_policy.declared if site_policy is not None else None
-    data, patients = _training_data(cfg or base_job(), data_path, load, public_patients, declared)
+    data, patients, as_read = _training_data(cfg or base_job(), data_path, load, public_patients, declared)
     job_for_size = None
     if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
         cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
-    public = _public_inputs(
-        cfg or base_job(), public_path, public_description, pretrained, load, data, data_path, declared
-    )
+    public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load, as_read)
+    del as_read  # every image as read, the capped ones too: needed only to check the public set
     if cfg is None:  # the job derived from the data's public facts (and the --public set's)
         cfg, job_for_size = derived_jobs(
             req,
@@ -395,22 +394,32 @@ def _training_data(
     load: LoadOptions | None,
     public_patients: int | None,
     declared: Any = None,
-) -> tuple[Any, Any]:
-    """(the site's dataset, its patient index or None): --data loaded with the job's (or the options') resize,
-    or the embedded MNIST training split (its held-out 20 % is left for `evaluate`).
+) -> tuple[Any, Any, Any]:
+    """(the site's dataset, its patient index or None, every image as read): --data loaded with the job's (or
+    the options') resize, or the embedded MNIST training split (its held-out 20 % is left for `evaluate`).
+
+    The file is read ONCE. A --patient-cap is applied to the images in memory (``data.loading.cap_loaded``,
+    the loader's own cap), so the third value holds the images the cap drops too: they are their patients'
+    private images all the same, and a --public set made of them would release them with no noise
+    (``_public_inputs`` checks against it). A second read for that check would judge bytes the run does not
+    train on: a file changed between the reads (swapped, rewritten) would hide copies of the images trained
+    on from the check.
 
     ``declared``: the --policy's public class list and image shape, which the data are mapped onto as a node
     maps them. Without one the classes present and the majority shape of --data are used, and the release
     (synthetic labels, model, manifest) shows them as they are: ``train`` notes it after the run."""
     from ..data import load_dataset, load_embedded, train_heldout_split
+    from ..data.loading import cap_loaded
 
     patients = None
     if data_path is None:
-        data = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
+        data = as_read = train_heldout_split(load_embedded(), 0.2, seed=0)[0]
     else:
         job = LoadOptions(resize=cfg.job.resize, image_size=cfg.job.image_size, window=cfg.job.window)
-        opts = load.over(job) if load is not None else job
-        data, report = load_dataset(data_path, **opts.kwargs(), declared=declared)
+        kw = (load.over(job) if load is not None else job).kwargs()
+        cap = kw.pop("patient_cap")
+        as_read, report = load_dataset(data_path, **kw, declared=declared)
+        data = as_read if cap is None else cap_loaded(as_read, report, int(cap))
         if report.n_skipped:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
         patients = _patient_index(report, public_patients)
@@ -419,7 +428,7 @@ def _training_data(
             "--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "
             "patient ids (a CSV patient_id column or DICOM PatientID)"
         )
-    return data, patients
+    return data, patients, as_read
 
 
 def _public_inputs(
@@ -429,16 +438,13 @@ def _public_inputs(
     pretrained: Path | None,
     load: LoadOptions | None,
     private: Any,
-    data_path: str | None = None,
-    declared: Any = None,
 ) -> Any:
     """--public / --pretrained as ``stages.pretrain.PublicInputs`` (None: neither), the set loaded as --data
     is, and refused when it holds copies of the private images (both are read here: before the job is
     derived, anything charged or written).
 
-    The private images are ``private`` as read from ``data_path``, BEFORE --patient-cap drops any: the images
-    the cap drops are still their patients' private images, and a public set made of them would release them
-    with no noise (``_private_as_read``)."""
+    ``private``: every private image of the ONE read of --data, those a --patient-cap drops included
+    (``_training_data``)."""
     if path is None and pretrained is None:
         if description:
             raise ConfigError("--public-description describes a --public set: give --public PATH too")
@@ -450,22 +456,8 @@ def _public_inputs(
     opts = load.over(job) if load is not None else job
     data = load_public(path, opts, private.image_shape) if path is not None else None
     if data is not None:
-        private = _private_as_read(private, data_path, opts, declared)
         refuse_private_copies(data, private, str(path), f"the private data {private.source}")
     return PublicInputs(data, description, pretrained)
-
-
-def _private_as_read(capped: Any, data_path: str | None, opts: LoadOptions, declared: Any) -> Any:
-    """The private data at ``data_path`` with every image read, ``capped`` when the options cap no patient
-    (read again without the cap otherwise: the loader keeps only the first images of each patient, and the
-    ones it drops are private all the same)."""
-    if data_path is None or opts.patient_cap is None:
-        return capped
-    from ..data import load_dataset
-
-    kw = opts.kwargs()
-    kw["patient_cap"] = None
-    return load_dataset(data_path, **kw, declared=declared)[0]
 
 
 def _print_summary(res: Any, accountant: str, release: Path | None, as_json: bool) -> None:

@@ -163,3 +163,44 @@ def test_train_refuses_a_public_set_of_the_scans_the_patient_cap_drops(tmp_path,
     code, _, err = run_cli(argv, capsys)
     assert code == 3 and f"{public}: 30 of its 30 images are exact copies" in err, err
     assert trainer == [] and not out.exists()
+
+
+def test_a_data_file_rewritten_after_it_is_read_cannot_hide_copies_of_the_scans_trained_on(
+    tmp_path, trainer, capsys, monkeypatch
+):
+    """``--patient-cap`` with ``--public``: the scans trained on and the scans the public set is checked
+    against come from ONE read of --data. Read twice (capped to train, uncapped to check), a labels file
+    rewritten between the reads to name other scans hid a public set made of the very scans trained on: the
+    check judged bytes the run never trained on, and the set was accepted."""
+    from PIL import Image
+
+    import feta_release.data as data_pkg
+
+    data, _ = _two_scans_per_patient(tmp_path)
+    first = np.stack([np.asarray(Image.open(tmp_path / f"p{p}_0.png")) for p in range(30)])
+    public = tmp_path / "first-scans.npz"
+    save_npz(ImageDataset(first[:, None].astype(np.float32) / 255, np.arange(30) % 2, ("a", "b")), public)
+    read = data_pkg.load_dataset
+    reads: list[str] = []
+
+    def read_then_rewrite(path, **kw):  # noqa: ANN001, ANN202
+        out = read(path, **kw)
+        if str(path) == str(data):
+            reads.append(str(path))
+            other = ["path,label,patient_id"]
+            rng = np.random.default_rng(7)
+            for p in range(30):
+                for j in range(2):
+                    pixels = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+                    Image.fromarray(pixels).save(tmp_path / f"other{p}_{j}.png")
+                    other.append(f"other{p}_{j}.png,{'ab'[p % 2]},pat{p}")
+            data.write_text("\n".join(other) + "\n")
+        return out
+
+    monkeypatch.setattr(data_pkg, "load_dataset", read_then_rewrite)
+    out = tmp_path / "run"
+    argv = [*_train(data, public, out), "--patient-cap", "1", "--public-patients", "30", "--no-progress"]
+    code, _, err = run_cli(argv, capsys)
+    assert reads == [str(data)], "the private data were read more than once"
+    assert code == 3 and f"{public}: 30 of its 30 images are exact copies" in err, err
+    assert trainer == [] and not out.exists()

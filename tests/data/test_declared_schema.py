@@ -325,7 +325,7 @@ def test_train_maps_its_data_onto_the_policy_declaration(tmp_path: Path) -> None
 
     cfg = load_preset("tiny")
     grey = np.full((8, 8), 9, np.uint8)
-    data, _ = _training_data(
+    data, _, _ = _training_data(
         cfg, str(_csv(tmp_path, [("benign", grey)] * 3 + [("malignant", grey)] * 3)), None, None, DECL
     )
     assert data.class_names == DECL.class_names and data.image_shape == (1, 8, 8)

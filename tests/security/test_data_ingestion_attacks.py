@@ -202,6 +202,7 @@ def test_train_patient_cap_flag_keeps_the_jobs_window_and_size(monkeypatch: pyte
     from types import SimpleNamespace
 
     import feta_release.data as data_pkg
+    import feta_release.data.loading as loading
     from feta_release.cli.train_cmd import _training_data
 
     seen: dict = {}
@@ -210,7 +211,12 @@ def test_train_patient_cap_flag_keeps_the_jobs_window_and_size(monkeypatch: pyte
         seen.update(kw)
         return object(), SimpleNamespace(n_skipped=0, patient_cap=None, patients=None)
 
+    def fake_cap(ds, report, k):  # noqa: ANN001, ANN202
+        seen["patient_cap"] = k  # the cap, applied in memory to the one read
+        return ds
+
     monkeypatch.setattr(data_pkg, "load_dataset", fake_load)
+    monkeypatch.setattr(loading, "cap_loaded", fake_cap)
     cfg = SimpleNamespace(job=SimpleNamespace(resize="crop", image_size=64, window="bits:12"))
     _training_data(cfg, "some/data", _cli_load(["--patient-cap", "1"]), None)
     assert seen == {

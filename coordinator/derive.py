@@ -264,11 +264,9 @@ def with_rounds(
             f"{DPSGD_MAX_NOISE:.4f}"
         )
         return _dpsgd_off(facts, policies, *sizes, off)[0]
+    # the cut job's header, its q read off the facts (the signed batch over the smallest site)
     fresh = notes_of(d.facts, cfg, steps)
     cut = f"; cut from {old} to {steps} steps: {why}"
-    # a federated job signs one batch, not a rate: each site's q is that batch over its own size
-    q = f"q = {cfg.dpsgd.batch / sizes[0]:.4g} (batch {cfg.dpsgd.batch} of the smallest site)"
-    fresh = tuple(n.replace("q = None", q) for n in fresh)
     stated = {k: next(n for n in fresh if n.startswith(k)) for k in ("dpsgd:", "estimated ")}
     notes = tuple(
         next((v + cut * (k == "dpsgd:") for k, v in stated.items() if n.startswith(k)), n) for n in d.notes
@@ -401,4 +399,8 @@ def federated_job(facts: DataFacts, site_size: int, batch_cap: int | None = None
             else ""
         )
     )
-    return replace(d, cfg=cfg, notes=d.notes[:-1] + (note,) + d.notes[-1:])
+    # the dpsgd line restated for the signed batch (its q over the smallest site, after any cut)
+    steps = cfg.dpsgd_steps(facts.size) if cfg.federated_rounds > 0 else 0
+    said = {n for n in notes_of(facts, cfg, steps) if n.startswith("dpsgd:")} if steps else set()
+    notes = tuple(next(iter(said)) if said and n.startswith("dpsgd:") else n for n in d.notes)
+    return replace(d, cfg=cfg, notes=notes[:-1] + (note,) + notes[-1:])

@@ -932,7 +932,7 @@ def derive(facts: DataFacts) -> Derivation:
         plan_of(facts, cfg)
     except PrivacyError as exc:  # the split above always leaves room: this would be a rule bug, said plainly
         raise ConfigError(f"derived job does not plan: {exc}") from None
-    return Derivation(cfg, facts, estimate(cfg, facts), _notes(facts, cfg, steps, why_off))
+    return Derivation(cfg, facts, estimate(cfg, facts), notes_of(facts, cfg, steps, why_off))
 
 
 def _try_dpsgd(f: DataFacts) -> tuple[dict[str, Any], Estimate, int, str]:
@@ -1017,7 +1017,10 @@ def derive_job(facts: DataFacts) -> JobConfig:
     return derive(facts).cfg
 
 
-def _notes(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> tuple[str, ...]:
+def notes_of(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> tuple[str, ...]:
+    """The header lines of ``cfg`` on ``f`` with ``steps`` DP-SGD steps (``why_off``: why DP-SGD is off): one
+    per rule and what it chose. A job changed after its derivation (a federation's signed batch, its DP-SGD
+    steps cut) states the job it became, not the one derived."""
     c, fr, m = cfg.central, cfg.frequency, cfg.model
     side = max(1, int(f.height * c.downsample))
     delta = (
@@ -1075,10 +1078,29 @@ def _dpsgd_note(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> 
     )
     if f.federated:  # whole rounds, rounded down: a round more would not fit
         why += f"; {steps // LOCAL_STEPS} rounds of {LOCAL_STEPS}, the whole rounds that fit"
-    q = cfg.dpsgd.rate
-    if f.patients is not None and not f.federated:  # whole patients sampled: q over the public patients
-        q = stage_sampling_rate(cfg.for_size(f.size).dpsgd.batch, f.patients.patients, "dpsgd")
-    return f"dpsgd: {steps} steps at q = {q} from the time budget ({why})"
+    return f"dpsgd: {steps} steps at {_stated_q(f, cfg)} from the time budget ({why})"
+
+
+def _stated_q(f: DataFacts, cfg: JobConfig) -> str:
+    """The DP-SGD sampling rate the header states, as the planner charges it (``planning.stage_events``: q =
+    batch / the population DP-SGD samples, whole patients at a patient-level site).
+
+    A federated job signs one BATCH, not a rate (``coordinator.derive.federated_job``: sized at the smallest
+    declared site, cut to the sites' caps), and each site samples it over its own population: the header
+    states the largest q, the smallest population's, read off the facts (``site_sizes``,
+    ``site_patients``). A local job samples its one site's images at its rate, or its public patients."""
+    if f.federated and f.site_sizes:
+        batch = cfg.for_size(min(f.site_sizes)).dpsgd.batch
+        units = f.site_patients or (None,) * len(f.site_sizes)
+        n, what = min(
+            ((n, "images") if p is None else (p.patients, "patients") for n, p in zip(f.site_sizes, units)),
+            key=lambda u: u[0],
+        )
+        q = stage_sampling_rate(batch, n, "dpsgd")
+        return f"q = {q:.4g} (batch {batch} over the smallest site's {n} {what})"
+    if f.patients is not None:  # whole patients sampled: q over the public patients
+        return f"q = {stage_sampling_rate(cfg.for_size(f.size).dpsgd.batch, f.patients.patients, 'dpsgd')}"
+    return f"q = {cfg.dpsgd.rate if cfg.dpsgd.rate is not None else cfg.dpsgd.batch / f.size}"
 
 
 def _public_notes(f: DataFacts, cfg: JobConfig) -> list[str]:
@@ -1374,9 +1396,3 @@ def site_caps(
         job=job,
         floor=floor,
     )
-
-
-def notes_of(f: DataFacts, cfg: JobConfig, steps: int) -> tuple[str, ...]:
-    """The header lines of ``cfg`` on ``f`` with ``steps`` DP-SGD steps: a job changed after its derivation
-    (its DP-SGD steps cut) states the job it became, not the one derived."""
-    return _notes(f, cfg, steps)

@@ -253,7 +253,8 @@ def test_sites_pinning_no_peers_get_a_job_with_per_site_noise_their_nodes_admit(
 
 def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tmp_path: Path) -> None:
     """An image-level site whose policy caps DP-SGD's batch below the rules' batch: the one signed batch is
-    cut to that cap (every site samples it), and the job's header names the cut."""
+    cut to that cap (every site samples it), and the job's header names the cut and states the q the sites
+    are charged for the cut batch (700 over 20,000 images), not the rules' rate before it."""
     from edge.admission import admit
 
     coord = Ed25519PrivateKey.generate()
@@ -261,6 +262,8 @@ def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tm
     d, ids = derive_federated(files, epsilon=10.0, time_budget=1200.0)
     assert d.cfg.dpsgd.batch == 700
     assert any("DP-SGD 700 (cut from" in n for n in d.notes)
+    said = next(n for n in d.notes if n.startswith("dpsgd:"))
+    assert " at q = 0.035 (batch 700 over the smallest site's 20000 images) " in said, said
     signed = sign_job(d.cfg, coord, "j", ids)
     for sid in ids:  # (the policies' default min_sigma of 1 is their own matter at epsilon 10)
         assert not [r for r, _ in admit(pols[sid], signed).failures if r.startswith("mechanisms.dpsgd")]

@@ -145,16 +145,29 @@ DPSGD_RULES = "mechanisms.dpsgd."
 def admitted_by_every_site(
     d: Derivation, facts: DataFacts, policies: Sequence[Any], smallest: int, cap: int
 ) -> Derivation:
-    """``d`` in a form every site's node admits (:func:`site_refusals`): a site whose DP-SGD rules refuse it
-    gets its steps cut or DP-SGD off (named in the header); a secure job whose warm-up a site refuses on its
-    own noise share gets each site adding the whole noise; any other refusal raises
+    """``d`` in a form every site's node admits (:func:`site_refusals`), by the derived remedies, each tried
+    only while a site still refuses, in this order (the least change to what the job trains first):
+
+    1. each site adding the whole noise (:func:`with_per_site_noise`), where the secure form is refused by a
+       rule the per-site form passes: the form the rules fitted (each site's spend is the one they fitted;
+       only the pooled warm-up release is noisier), and DP-SGD, its steps and its sigma stay as derived;
+    2. DP-SGD's steps cut to the sites' smallest ``mechanisms.dpsgd.max_steps`` (DP-SGD kept, fewer steps);
+    3. DP-SGD off, its budget split planned again (:func:`dpsgd_within_policies`);
+    4. step 1 again for a job step 2 or 3 derived anew (without DP-SGD the warm-up takes the whole budget:
+       a smaller sigma, which a site may refuse on its own share).
+
+    Why this order: a site's refusal of the secure form on its own share says nothing about DP-SGD, and
+    the per-site form charges each site's DP-SGD over the warm-up as the rules fitted it. Judged the other way
+    round, a DP-SGD refusal of the per-site form (its warm-up is cheaper than a site's own-share view of the
+    secure one, so its DP-SGD sigma is smaller) came after the DP-SGD remedy had run, and the job was
+    refused naming a DP-SGD rule although the job without DP-SGD was admitted; and a DP-SGD refusal of the
+    secure form alone would have cost DP-SGD where the per-site form admits it. Any other refusal raises
     :class:`PolicyViolation` naming the site, its rule and the fix."""
-    failures, remedy = site_refusals(d.cfg, policies), ""
+    d, failures = with_per_site_noise(d, facts, policies, site_refusals(d.cfg, policies))
+    remedy = ""
     if d.cfg.federated_rounds > 0 and any(rule.startswith(DPSGD_RULES) for _, rule, _ in failures):
         d, remedy = dpsgd_within_policies(d, facts, policies, smallest, cap, failures)
-        failures = site_refusals(d.cfg, policies)
-    if any(_own_share(d.cfg, rule, len(policies)) for _, rule, _ in failures):
-        d, failures = with_per_site_noise(d, facts, policies, failures)
+        d, failures = with_per_site_noise(d, facts, policies, site_refusals(d.cfg, policies))
     if failures:
         site, rule, message = failures[0]
         if rule in ("job", "plan"):  # the planner's refusal, not a policy rule: as the plan path says it
@@ -164,25 +177,25 @@ def admitted_by_every_site(
     return d
 
 
-def _own_share(cfg: Any, rule: str, n_sites: int) -> bool:
-    """Whether ``rule`` is a warm-up release's sigma floor judged on a site's own share of securely summed
-    noise (the form signed for 2+ sites unless ``secure_aggregation = false``)."""
-    secure = n_sites >= 2 and cfg.federation.secure_aggregation is not False
-    return secure and rule.endswith(".min_sigma") and not rule.startswith(DPSGD_RULES)
-
-
 def with_per_site_noise(
     d: Derivation, facts: DataFacts, policies: Sequence[Any], failures: list[tuple[str, str, str]]
 ) -> tuple[Derivation, list[tuple[str, str, str]]]:
-    """``d`` with each site adding the whole noise (``secure_aggregation = false``, the note
-    :func:`summed_as_every_site_plans` adds) where a site's node refuses the secure form's warm-up on its own
-    share and the per-site form is planned by every site; else ``d`` and its ``failures`` unchanged."""
-    per_site = d.cfg.replace(federation={"secure_aggregation": False})
-    if site_plan_refusal(per_site, facts, policies):
+    """``d`` with each site adding the whole noise (``secure_aggregation = false``, named in a note) where it
+    is signed to sum securely, a site's node refuses that form by a rule (``failures``: :func:`site_refusals`
+    of ``d``) that it does not refuse the per-site form by, and every site plans the per-site form; else ``d``
+    and its ``failures`` unchanged. The secure form is kept wherever it fares no worse: its pooled noise is
+    the smaller."""
+    secure = len(policies) >= 2 and d.cfg.federation.secure_aggregation is not False
+    if not secure or not failures:
         return d, failures
-    site, rule, _ = next(f for f in failures if _own_share(d.cfg, f[1], len(policies)))
+    per_site = d.cfg.replace(federation={"secure_aggregation": False})
+    left = site_refusals(per_site, policies)
+    gone = [f for f in failures if (f[0], f[1]) not in {(s, r) for s, r, _ in left}]
+    if not gone or site_plan_refusal(per_site, facts, policies):
+        return d, failures
+    site, rule, _ = gone[0]
     why = f"site {site}'s node refuses it on its own share: {rule}"
-    return replace(d, cfg=per_site, notes=(*d.notes, per_site_note(why))), site_refusals(per_site, policies)
+    return replace(d, cfg=per_site, notes=(*d.notes, per_site_note(why))), left
 
 
 def dpsgd_within_policies(

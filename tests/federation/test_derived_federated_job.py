@@ -43,9 +43,10 @@ def _policies(
     mechanisms: dict[str, dict[str, Any]] | None = None,
     pin_peers: bool = False,
     resources: dict[str, dict[str, int]] | None = None,
+    max_colluders: int = 0,
 ) -> tuple[list[Path], dict[str, Any]]:
     """The sites' signed policy files and opened policies; ``pin_peers``: each site pins the others' keys
-    (secure aggregation then counts their noise shares too)."""
+    (secure aggregation then counts their noise shares too, but for ``max_colluders`` of them)."""
     files, opened = [], {}
     keys = {sid: Ed25519PrivateKey.generate() for sid in sizes}
     for sid, n in sizes.items():
@@ -63,7 +64,7 @@ def _policies(
             patient_level=(patient_level or {}).get(sid),
             mechanisms=(mechanisms or {}).get(sid),
             site_key=_pem(site) if pin_peers else None,
-            secure_aggregation={"peers": peers} if pin_peers else None,
+            secure_aggregation={"peers": peers, "max_colluders": max_colluders} if pin_peers else None,
             resources=(resources or {}).get(sid),
         )
         signed = sign_policy(doc, site)
@@ -400,6 +401,63 @@ def test_sites_pinning_each_others_keys_get_a_job_their_nodes_admit(tmp_path: Pa
     _signed_and_admitted(d, coord, ids, pols)
 
 
+def test_a_dpsgd_floor_the_per_site_form_breaks_turns_dpsgd_off_rather_than_refusing_the_job(
+    tmp_path: Path,
+) -> None:
+    """Three sites pinning each other's keys, each counting one of the two others as a colluder: a site sees
+    two of the three noise shares of a secure sum, so its warm-up costs it more and its DP-SGD is calibrated
+    to sigma 2.33, while with each site adding the whole noise DP-SGD gets sigma 1.27. The warm-up floors
+    (0.65) refuse the secure form on a site's own share (central 1.04 / sqrt(3)), so the job must be signed
+    per site, where St Luke's DP-SGD floor (1.8) refuses DP-SGD. The per-site form was tried after the
+    DP-SGD remedy, and the job was refused naming mechanisms.dpsgd.min_sigma although the job without DP-SGD
+    is admitted: it is derived, DP-SGD off and each site adding the whole noise."""
+    coord = Ed25519PrivateKey.generate()
+    ids = ["st-mary", "st-luke", "st-john"]
+    floors: dict[str, Any] = {"central": {"min_sigma": 0.65}, "frequency": {"min_sigma": 0.65}}
+    mechs = {sid: {**floors, **({"dpsgd": {"min_sigma": 1.8}} if sid == "st-luke" else {})} for sid in ids}
+    files, pols = _policies(
+        tmp_path,
+        dict.fromkeys(ids, 20_000),
+        coord,
+        per_job=(10.0, 1e-5),
+        mechanisms=mechs,
+        pin_peers=True,
+        max_colluders=1,
+    )
+    d, got = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.federated_rounds == 0 and d.cfg.federation.secure_aggregation is False
+    assert "dpsgd: off (site st-luke's policy refuses its DP-SGD: mechanisms.dpsgd.min_sigma)" in d.notes
+    assert any(n.startswith("federation: secure_aggregation = false") for n in d.notes), d.notes
+    _signed_and_admitted(d, coord, got, pols)
+
+
+def test_a_dpsgd_refusal_of_the_secure_form_alone_keeps_dpsgd_with_per_site_noise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a site's node refuses DP-SGD only in the secure form (its own-share view of the warm-up leaves
+    DP-SGD a sigma under its floor) and admits the job with each site adding the whole noise, the job keeps
+    DP-SGD as derived and is signed per site: the DP-SGD remedy (steps cut, DP-SGD off) ran first and turned
+    DP-SGD off. The node's verdict is stood in for (with per-site DP-SGD rounds a secure form's DP-SGD sigma
+    was never measured below the per-site one); the order of the remedies is what is pinned."""
+    import coordinator.derive as derive
+
+    coord = Ed25519PrivateKey.generate()
+    lows = dict.fromkeys(["st-mary", "st-luke"], _LOW_FLOORS)
+    files, _ = _two_sites(tmp_path, coord, mechanisms=lows, pin_peers=True)  # the secure form planned
+    said = "site st-luke: policy rule mechanisms.dpsgd.min_sigma: requested σ=1.2 < minimum 1.4"
+
+    def refusals(cfg: Any, policies: Any) -> list[tuple[str, str, str]]:
+        secure = cfg.federation.secure_aggregation is not False
+        return [("st-luke", "mechanisms.dpsgd.min_sigma", said)] if secure and cfg.federated_rounds else []
+
+    monkeypatch.setattr(derive, "site_refusals", refusals)
+    d, _ = derive_federated(files, epsilon=10.0, time_budget=1200.0)
+    assert d.cfg.federated_rounds > 0 and d.cfg.federation.secure_aggregation is False
+    assert not any("cut from" in n or n.startswith("dpsgd: off") for n in d.notes), d.notes
+    why = "site st-luke's node refuses it on its own share: mechanisms.dpsgd.min_sigma"
+    assert any(n.startswith("federation: secure_aggregation = false") and why in n for n in d.notes), d.notes
+
+
 @pytest.mark.parametrize("rule", ["job", "plan"])
 def test_a_node_planner_refusal_of_the_derived_job_reads_as_the_plan_path_says_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str
@@ -508,29 +566,39 @@ _DEFAULT_RESOURCES = {"max_model_parameters": 20_000_000, "max_physical_batch": 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    rules=st.lists(_SITE_RULES, min_size=2, max_size=2),
-    resources=st.lists(_SITE_RESOURCES, min_size=2, max_size=2),
+    rules=st.lists(_SITE_RULES, min_size=3, max_size=3),
+    resources=st.lists(_SITE_RESOURCES, min_size=3, max_size=3),
     eps=st.sampled_from([10.0, 4.0, 1.0]),
     pin=st.booleans(),
+    n_sites=st.sampled_from([2, 2, 3]),
+    colluders=st.integers(0, 1),
 )
 @example(
-    rules=[{"dpsgd": {"allowed": True, "max_steps": 400, "min_sigma": 0.3}}] * 2,
-    resources=[_DEFAULT_RESOURCES] * 2,
+    rules=[{"dpsgd": {"allowed": True, "max_steps": 400, "min_sigma": 0.3}}] * 3,
+    resources=[_DEFAULT_RESOURCES] * 3,
     eps=10.0,
     pin=True,
+    n_sites=2,
+    colluders=0,
 )
 def test_whatever_derive_job_returns_every_sites_node_admits(
-    rules: list[dict[str, Any]], resources: list[dict[str, int]], eps: float, pin: bool
+    rules: list[dict[str, Any]],
+    resources: list[dict[str, int]],
+    eps: float,
+    pin: bool,
+    n_sites: int,
+    colluders: int,
 ) -> None:
     """Over random policies (DP-SGD allowed or not, step and round caps, sigma floors, resource caps, peers
-    pinned or not): the derived job is admitted by every site's node, or it is refused in one line naming a
-    site and its rule; never on a DP-SGD rule while the job without DP-SGD would be admitted."""
+    pinned or not, a pinned peer counted as a colluder or not, 2 or 3 sites): the derived job is admitted by
+    every site's node, or it is refused in one line naming a site and its rule; never on a DP-SGD rule while
+    the job without DP-SGD would be admitted, in either form of its noise."""
     import tempfile
 
     from feta_release.errors import PolicyViolation
 
     coord = Ed25519PrivateKey.generate()
-    ids = ["st-mary", "st-luke"]
+    ids = ["st-mary", "st-luke", "st-john"][:n_sites]
     with tempfile.TemporaryDirectory() as tmp:
         files, pols = _policies(
             Path(tmp),
@@ -540,6 +608,7 @@ def test_whatever_derive_job_returns_every_sites_node_admits(
             mechanisms=dict(zip(ids, rules)),
             resources=dict(zip(ids, resources)),
             pin_peers=pin,
+            max_colluders=colluders,
         )
         try:
             d, _ = derive_federated(files, epsilon=eps, time_budget=1200.0)

@@ -120,6 +120,7 @@ class TrainOptions:
     coordinator_key: Path | None = None
     site_id: str | None = None
     patients: PatientIndex | None = None
+    # the patient count is not declared: drawn first (a noisy count), or at a cap of 1 the public size
     draw_patients: bool = False
     job_for_size: Callable[[int], JobConfig] | None = None
     public: PublicInputs | None = None
@@ -297,17 +298,25 @@ def _new_job_id(cfg: JobConfig) -> str:
 def _public_counts(
     cfg: JobConfig, data: ImageDataset, files: _SiteFiles, opts: TrainOptions, rep: Reporter
 ) -> tuple[str | None, int, PatientIndex | None, list[PrivacyEvent]]:
-    """(job id when the size was drawn, public size, patient index, the noisy counts charged for it)."""
+    """(job id when the size was drawn, public size, patient index, the noisy counts charged for it).
+
+    A patient count that is not declared (``opts.draw_patients``) is drawn, unless the patient cap is 1:
+    the cap then leaves one image per patient, so the patients ARE the images and the public size (declared,
+    or drawn from the count of the same images) is the public patient count too, post-processing of that one
+    count. Drawn a second time, the same number cost a second charge, and DP-SGD sampled patients at q =
+    batch / that second draw while the job was derived, planned and stated at batch / the size (refused after
+    both charges where the draw fell under the batch)."""
     patients = opts.patients
     if opts.policy is not None:
         policy = read_json(opts.policy, "signed policy")
         return None, int(policy["policy"]["dataset"]["size"]), patients, []
+    one_each = patients is not None and opts.draw_patients and patients.cap == 1
     exact = {SIZE_STAGE: data.n} if opts.public_size is None else {}
-    if patients is not None and opts.draw_patients:
+    if patients is not None and opts.draw_patients and not one_each:
         exact[PATIENTS_STAGE] = patients.n_patients
     if not exact:
         assert opts.public_size is not None
-        return None, int(opts.public_size), patients, []
+        return None, int(opts.public_size), _images_as_patients(patients, opts.public_size, one_each), []
     # only what does not read the exact count is checked before the draw (a refusal at the exact count would
     # be an un-noised function of it)
     check_data_content(cfg, data)
@@ -317,7 +326,15 @@ def _public_counts(
         patients = dataclasses.replace(patients, n_public=drawn[PATIENTS_STAGE])
     n_pub = drawn.get(SIZE_STAGE, opts.public_size)
     assert n_pub is not None
+    patients = _images_as_patients(patients, n_pub, one_each)
     return job_id, int(n_pub), patients, [_COUNT_EVENTS[stage]() for stage in exact]
+
+
+def _images_as_patients(patients: PatientIndex | None, n_pub: int, one_each: bool) -> PatientIndex | None:
+    """``patients`` with the public size as its public patient count where the cap leaves one image each."""
+    if patients is None or not one_each:
+        return patients
+    return dataclasses.replace(patients, n_public=int(n_pub))
 
 
 _COUNT_EVENTS = {SIZE_STAGE: size_event, PATIENTS_STAGE: patients_event}

@@ -244,6 +244,29 @@ def test_a_patient_level_run_without_declared_counts_draws_both_first(tmp_path):
     assert res.epsilon > epsilon(res.events[2:], res.delta, "rdp")
 
 
+def test_a_cap_one_run_counts_its_patients_once_as_its_images(tmp_path):
+    """`train --patient-cap 1` without --public-patients: the cap leaves one image per patient, so the noisy
+    count of the images is the public patient count too. A second noisy count of the same number was charged
+    (event 'patients'), and DP-SGD sampled patients at q = batch / that second draw while the job was sized,
+    planned and stated at batch / the drawn size. One count is charged; DP-SGD's q is the batch over it."""
+    from feta_release.privacy_unit import PatientIndex
+
+    cfg = load_preset("tiny").replace(
+        dpsgd={"steps": 2, "rate": 0.05, "physical_batch": 8},
+        warmup={"spatial_iterations": 1},
+        frequency={"sigma": None},
+    )
+    pats = PatientIndex(np.arange(DRAWN_N), n_public=1, cap=1)  # one image each; 1: a placeholder
+    out = tmp_path / "r"
+    res = train_run(cfg, _data(DRAWN_N), out, n_synthetic=0, patients=pats, draw_patients=True)
+    assert [e.stage for e in res.events] == ["size", "central", "dpsgd"]
+    drawn = _recorded_count(out)
+    sgd = res.events[-1]
+    assert sgd.unit == "patient" and sgd.q == pytest.approx(cfg.for_size(drawn).dpsgd.batch / drawn)
+    policy = json.loads((out / "policy.signed.json").read_text())["policy"]
+    assert policy["dataset"]["size"] == policy["dataset"]["patients"] == drawn
+
+
 @pytest.mark.parametrize("n", [80, 90])
 def test_a_run_without_a_declared_size_refuses_only_at_the_drawn_size(tmp_path, n):
     """Whether `train` refuses, and what it says, must not be a function of the exact count: the batch check

@@ -42,7 +42,8 @@ def privacy() -> None:
     default=None,
     metavar="P",
     help="With --patient-cap: the PUBLIC number of patients; plans patient-level DP-SGD (whole patients "
-    "sampled at rate q, each patient's summed gradient clipped), so DP-SGD's ε holds per patient directly.",
+    "sampled at rate q, each patient's summed gradient clipped), so DP-SGD's ε holds per patient directly "
+    "(default at --patient-cap 1: -n, one image a patient).",
 )
 @click.option(
     "--max-images-per-person",
@@ -152,6 +153,10 @@ def plan(
             raise click.UsageError(
                 "--policy, --sites and --max-images-per-person plan JOB_FILE: give it, or drop them"
             )
+        if patient_cap == 1 and public_patients is None:  # one image each: the patients are the images
+            from ..planning import DEFAULT_DATASET_SIZE
+
+            public_patients = dataset_size if dataset_size is not None else DEFAULT_DATASET_SIZE
         if patient_cap is not None and public_patients is None:
             raise click.UsageError(
                 "--patient-cap without --patients: `train` then draws the patient count (a noisy count, the "

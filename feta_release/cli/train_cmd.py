@@ -65,8 +65,9 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
     type=click.IntRange(min=1),
     default=None,
     help="With --patient-cap: the PUBLIC number of patients; DP-SGD then samples whole patients (rate q) and "
-    "divides by q x this number (default: a --policy's dataset.patients, else drawn from a noisy patient "
-    "count, noise std 50, charged first as the event 'patients').",
+    "divides by q x this number (default: a --policy's dataset.patients; at --patient-cap 1 the public size, "
+    "the cap leaving one image a patient; else drawn from a noisy patient count, noise std 50, charged first "
+    "as the event 'patients').",
 )
 @click.option(
     "--checkpoint-every",

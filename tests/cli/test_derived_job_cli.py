@@ -164,14 +164,29 @@ def test_privacy_plan_plans_the_derived_job_per_patient_as_train_runs_it(capsys:
 
 
 def test_privacy_plan_refuses_a_derived_patient_cap_whose_patient_count_train_would_draw(capsys: Any) -> None:
-    """`train --patient-cap K` without --public-patients draws the patient count (event 'patients', charged
-    first) and samples patients at q = batch / the drawn count; the derived plan printed image-level DP-SGD
-    without that event instead. It is refused in one usage line asking for --patients."""
+    """`train --patient-cap K` (K >= 2) without --public-patients draws the patient count (event 'patients',
+    charged first) and samples patients at q = batch / the drawn count; the derived plan printed image-level
+    DP-SGD without that event instead. It is refused in one usage line asking for --patients."""
     facts = PATIENT_SITE_FACTS
-    code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "1", "--json"], capsys)
+    code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "2", "--json"], capsys)
     assert code == 2 and out == "", out
     assert "draws the patient count" in err and "give --patients P" in err, err
     assert "Traceback" not in err
+
+
+def test_privacy_plan_at_a_patient_cap_of_one_samples_the_images_as_patients(capsys: Any) -> None:
+    """At --patient-cap 1 the cap leaves one image per patient: `train` takes the public size as the public
+    patient count (no second count drawn), and the plan samples -n patients as `train` does."""
+    facts = [*PATIENT_SITE_FACTS, "--time-budget", "50m", "--json"]
+    code, out, err = _run(["privacy", "plan", *facts, "--patient-cap", "1"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    sgd = [e for e in data["history"] if e["stage"] == "dpsgd"]
+    assert [e["stage"] for e in data["history"]].count("patients") == 0
+    assert sgd and sgd[0].get("unit") == "patient"
+    assert sgd[0]["q"] == pytest.approx(data["derived_job"]["dpsgd"]["batch"] / 100_000)
+    code, same, err = _run(["privacy", "plan", *facts, "--patient-cap", "1", "--patients", "100000"], capsys)
+    assert code == 0 and json.loads(same)["derived_job"] == data["derived_job"], err
 
 
 def test_the_derived_plan_note_states_the_q_its_patient_level_dpsgd_samples_at(capsys: Any) -> None:

@@ -77,6 +77,8 @@ def test_train_derives_plans_and_charges_the_job_privacy_plan_shows(
     event("DP-SGD on" if sgd is not None else "DP-SGD off")
     if sgd is not None:
         assert sized.dpsgd.batch <= patients
-        assert sgd.unit == "patient" and sgd.q == pytest.approx(sized.dpsgd.batch / patients)
+        assert getattr(sgd, "unit", None) == "patient" and sgd.q == pytest.approx(
+            sized.dpsgd.batch / patients
+        )
         note = next(n for n in shown["notes"] if n.startswith("dpsgd:"))
         assert f" at q = {sgd.q} " in note, note

@@ -224,14 +224,15 @@ def train(
     req = DeriveRequest(epsilon, delta, time_budget, save_job, dpsgd)
     cfg = _job_or_preset(job, preset, req)
     site_policy = _site_policy(policy_path, trusted)
-    if public_patients is None and site_policy is not None and site_policy.patients:
-        public_patients = int(site_policy.patients)  # the administrator's signed declaration
+    public_patients = _policy_patients(site_policy, public_patients, policy_path)
     if cfg is None:
         _refuse_drawn_patients_for_a_derived_job(load, public_patients)
     if threads:
         torch.set_num_threads(threads)
     declared = site_policy.declared if site_policy is not None else None
-    data, patients, as_read = _training_data(cfg or base_job(), data_path, load, public_patients, declared)
+    data, patients, as_read = _training_data(
+        cfg or base_job(), data_path, load, public_patients, declared, (site_policy, str(policy_path))
+    )
     job_for_size = None
     if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
         cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
@@ -327,6 +328,23 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
 
 
+def _policy_patients(policy: Any, public_patients: int | None, policy_path: Path | None) -> int | None:
+    """The public patient count: a patient-level --policy's signed ``dataset.patients`` (its node samples
+    DP-SGD over it, q = batch / it), else --public-patients. A --public-patients beside a policy that declares
+    another count is refused: the job would be derived, and the trainer divide, over one count while the
+    node charges q over the other."""
+    declared = int(policy.patients) if policy is not None and policy.patients else None
+    if declared is None:
+        return public_patients
+    if public_patients is not None and public_patients != declared:
+        raise ConfigError(
+            f"{policy_path}: the policy declares dataset.patients = {declared}, its node samples DP-SGD "
+            f"over them, but --public-patients is {public_patients}: drop --public-patients (or re-sign the "
+            "policy with the count you mean)"
+        )
+    return declared
+
+
 def _refuse_drawn_patients_for_a_derived_job(load: LoadOptions | None, public_patients: int | None) -> None:
     """A derived job over a cap of K >= 2 fits its noise per patient over the cap and samples patients at q =
     batch / P: P must be public before the job is derived. Drawing it (a noisy count charged in the site
@@ -395,6 +413,7 @@ def _training_data(
     load: LoadOptions | None,
     public_patients: int | None,
     declared: Any = None,
+    policy: tuple[Any, str] = (None, ""),
 ) -> tuple[Any, Any, Any]:
     """(the site's dataset, its patient index or None, every image as read): --data loaded with the job's (or
     the options') resize, or the embedded MNIST training split (its held-out 20 % is left for `evaluate`).
@@ -406,11 +425,16 @@ def _training_data(
     train on: a file changed between the reads (swapped, rewritten) would hide copies of the images trained
     on from the check.
 
+    ``policy``: the verified --policy and its path. Its unit of privacy, patient cap and public patients are
+    applied as its node applies them (``data.loading.policy_data``): a patient-level policy caps the images at
+    its ``dataset.patient_cap`` (a --patient-cap of another value is refused) and its DP-SGD samples its
+    ``dataset.patients``, so the job is derived and trained over the counts the node charges.
+
     ``declared``: the --policy's public class list and image shape, which the data are mapped onto as a node
     maps them. Without one the classes present and the majority shape of --data are used, and the release
     (synthetic labels, model, manifest) shows them as they are: ``train`` notes it after the run."""
     from ..data import load_dataset, load_embedded, train_heldout_split
-    from ..data.loading import cap_loaded
+    from ..data.loading import cap_loaded, policy_data
 
     patients = None
     if data_path is None:
@@ -423,7 +447,12 @@ def _training_data(
         data = as_read if cap is None else cap_loaded(as_read, report, int(cap))
         if report.n_skipped:
             click.echo(f"note: {report.n_skipped} file(s) skipped while loading {data_path}", err=True)
-        patients = _patient_index(report, public_patients)
+        if policy[0] is not None:
+            data, patients = policy_data(
+                policy[0], data, report, data_source=data_path, policy_source=policy[1]
+            )
+        else:
+            patients = _patient_index(report, public_patients)
     if public_patients is not None and patients is None:
         raise ConfigError(
             "--public-patients is for patient-level DP-SGD: give --patient-cap K with data that has "

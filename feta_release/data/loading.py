@@ -233,8 +233,9 @@ def policy_data(
     cap = int(policy.patient_cap)
     if report.patient_cap is not None and report.patient_cap != cap:
         raise ConfigError(
-            f"{policy_source}: dataset.patient_cap = {cap} but the node loads {data_source} with a patient "
-            f"cap of {report.patient_cap} (node.toml [data] patient_cap); set it to {cap} or remove it"
+            f"{policy_source}: dataset.patient_cap = {cap} but {data_source} is loaded with a patient cap "
+            f"of {report.patient_cap} (node.toml [data] patient_cap, or train --patient-cap); set it to "
+            f"{cap} or remove it"
         )
     if report.patient_cap is None:
         ds = cap_loaded(ds, report, cap)

@@ -139,6 +139,9 @@ class TrainResult:
     release: Path | None = None
     resumed: bool = False
     already_complete: bool = False
+    # a patient-level site's signed figure, the one its caps bound (``epsilon`` composes the events as if
+    # each protected one image); None at an image-level site
+    epsilon_per_patient: float | None = None
 
 
 @dataclass
@@ -597,4 +600,13 @@ def _result(
         release if release is not None else (rel if (rel / "manifest.json").is_file() else None),
         resumed,
         already_complete,
+        _per_patient(st),
     )
+
+
+def _per_patient(statement: dict[str, Any]) -> float | None:
+    """The statement's ε per patient where the site's unit of privacy is the patient, else None."""
+    unit = statement.get("privacy_unit")
+    if isinstance(unit, dict) and unit.get("unit") == "patient" and "epsilon_per_patient" in unit:
+        return float(unit["epsilon_per_patient"])
+    return None

@@ -495,6 +495,7 @@ def _print_summary(res: Any, accountant: str, release: Path | None, as_json: boo
     summary = {
         "run_dir": str(res.run_dir),
         "epsilon": res.epsilon,
+        "epsilon_per_patient": res.epsilon_per_patient,  # a patient-level site's guarantee (None: images)
         "delta": res.delta,
         "accountant": accountant,
         "events": [e.to_dict() for e in res.events],
@@ -508,8 +509,13 @@ def _print_summary(res: Any, accountant: str, release: Path | None, as_json: boo
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
+        spent = (
+            f"epsilon {res.epsilon:.3f}"
+            if res.epsilon_per_patient is None
+            else f"epsilon per patient {res.epsilon_per_patient:.3f}"
+        )
         click.echo(
-            f"{res.run_dir}: epsilon {res.epsilon:.3f} at delta {res.delta:g} "
+            f"{res.run_dir}: {spent} at delta {res.delta:g} "
             f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
             f"synthetic images in {res.run_dir / 'synthetic.npz'}"
             + (f"; release in {release}" if release else "")

@@ -83,37 +83,17 @@ __all__ = [
 
 
 def privacy_report(out_dir: Path) -> dict[str, Any]:
-    """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total."""
+    """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total; at a
+    PATIENT-level site the figure its caps bound, ε per patient, first (``_site_report``)."""
     summary = json.loads((out_dir / "job_summary.json").read_text("utf-8"))
     atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
-    sites = {}
-    for sid, att in sorted(atts.items()):
-        st = att["statement"]
-        events = events_from_list(st["events"])
-        sites[sid] = {
-            "epsilon_total": st["epsilon"],
-            "delta": st["delta"],
-            "accountant": st["accountant"],
-            "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
-            "events": st["events"],
-            "policy_sha256": st["policy_sha256"],
-            "signed_by_site": att["signature"]["signer"],
-        }
-        # both figures the site signed (docs/secure-aggregation.md)
-        if isinstance(st.get("secure_aggregation"), dict):
-            sites[sid]["secure_aggregation"] = dict(st["secure_aggregation"])
-        life = st.get("lifetime")
-        if isinstance(life, dict):  # the site's signed spend on the same images over all its jobs
-            sites[sid]["lifetime"] = {
-                "epsilon": life["epsilon"],
-                "delta": life["delta"],
-                "epsilon_by_stage_alone": epsilon_breakdown(
-                    events_from_list(life["events"]), life["delta"], st["accountant"]
-                ),
-            }
+    sites = {sid: _site_report(att) for sid, att in sorted(atts.items())}
     report = {
         "job_id": summary["job_id"],
-        "unit_of_privacy": "one image of one site",
+        "unit_of_privacy": "one image of one site"
+        + (
+            "; one PATIENT at a patient-level site" if any("per_patient" in s for s in sites.values()) else ""
+        ),
         "sites": sites,
         "rounds": summary["rounds"],
         "skipped": summary["skipped"],
@@ -124,28 +104,9 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
         report["public_pretraining"] = public
     (out_dir / "privacy_report.json").write_text(json.dumps(report, indent=2), "utf-8")
     _budget_chart(out_dir, sites)
-    lines = [f"Privacy report for job {report['job_id']} (unit of privacy: one image of one site)", ""]
+    lines = [f"Privacy report for job {report['job_id']} (unit of privacy: {report['unit_of_privacy']})", ""]
     for sid, s in sites.items():
-        lines.append(
-            f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
-            f"accountant), signed by the site's key {s['signed_by_site']}"
-        )
-        if "lifetime" in s:
-            lines.append(
-                f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
-                f"at δ = {s['lifetime']['delta']:g}"
-            )
-        sa = s.get("secure_aggregation")
-        if sa:
-            lines.append(
-                f"    secure aggregation: the ε above assumes at most {sa.get('max_colluders', 0)} other "
-                "site(s) collude with the coordinator (the site's signed policy); if every other site "
-                "colluded (only this site's own noise share protecting it): ε = "
-                f"{sa['worst_case_epsilon']:.3f}"
-            )
-        for stage, e in s["epsilon_by_stage_alone"].items():
-            if stage != "total":
-                lines.append(f"    {stage:<10} alone ε = {e:.3f}")
+        lines += _site_lines(sid, s)
     lines += [
         "",
         "Stage figures are each stage alone; composition is sub-additive, the total is what counts.",
@@ -155,6 +116,76 @@ def privacy_report(out_dir: Path) -> dict[str, Any]:
         lines.append(f"Public pretraining (in no site's ledger): {public_words(public)}.")
     (out_dir / "privacy_report.txt").write_text("\n".join(lines) + "\n", "utf-8")
     return report
+
+
+def _site_report(att: dict[str, Any]) -> dict[str, Any]:
+    """One site's part of the report from its signed statement. A patient-level site's statement carries
+    ``privacy_unit``: ε PER PATIENT (the image-level releases by group privacy over the cap, patient-level
+    DP-SGD as it is; the figure its ledger's caps bound). Its ``epsilon`` composes the events as if each
+    protected one image, a smaller number that is not the site's guarantee: the report states the one per
+    patient as the site's total."""
+    st = att["statement"]
+    events = events_from_list(st["events"])
+    site: dict[str, Any] = {
+        "epsilon_total": st["epsilon"],
+        "delta": st["delta"],
+        "accountant": st["accountant"],
+        "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
+        "events": st["events"],
+        "policy_sha256": st["policy_sha256"],
+        "signed_by_site": att["signature"]["signer"],
+    }
+    unit = st.get("privacy_unit")
+    if isinstance(unit, dict) and unit.get("unit") == "patient" and "epsilon_per_patient" in unit:
+        site["per_patient"] = dict(unit)
+    # both figures the site signed (docs/secure-aggregation.md)
+    if isinstance(st.get("secure_aggregation"), dict):
+        site["secure_aggregation"] = dict(st["secure_aggregation"])
+    life = st.get("lifetime")
+    if isinstance(life, dict):  # the site's signed spend on the same images over all its jobs
+        site["lifetime"] = {
+            "epsilon": life["epsilon"],
+            "delta": life["delta"],
+            "epsilon_by_stage_alone": epsilon_breakdown(
+                events_from_list(life["events"]), life["delta"], st["accountant"]
+            ),
+        }
+    return site
+
+
+def _site_lines(sid: str, s: dict[str, Any]) -> list[str]:
+    """A site's lines of ``privacy_report.txt``."""
+    per = s.get("per_patient")
+    if per is not None:
+        lines = [
+            f"site {sid}: total ε per PATIENT = {per['epsilon_per_patient']:.3f} at δ = "
+            f"{per['delta_per_patient']:g} (at most {per['images_per_patient_cap']} image(s) each: "
+            f"{per['how']}), signed by the site's key {s['signed_by_site']}",
+            f"    the events composed as if each protected one image: ε = {s['epsilon_total']:.3f} (not "
+            "the site's guarantee: its unit is the patient)",
+        ]
+    else:
+        lines = [
+            f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
+            f"accountant), signed by the site's key {s['signed_by_site']}"
+        ]
+    if "lifetime" in s:
+        lines.append(
+            f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
+            f"at δ = {s['lifetime']['delta']:g}"
+        )
+    sa = s.get("secure_aggregation")
+    if sa:
+        lines.append(
+            f"    secure aggregation: the ε above assumes at most {sa.get('max_colluders', 0)} other "
+            "site(s) collude with the coordinator (the site's signed policy); if every other site "
+            "colluded (only this site's own noise share protecting it): ε = "
+            f"{sa['worst_case_epsilon']:.3f}"
+        )
+    for stage, e in s["epsilon_by_stage_alone"].items():
+        if stage != "total":
+            lines.append(f"    {stage:<10} alone ε = {e:.3f}")
+    return lines
 
 
 def _signed_public(out_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,58 @@
+"""A job directory's privacy report (and `train`'s closing line) at a PATIENT-level site states the figure the
+site's caps bound and its statement signs, ε PER PATIENT, as the site's total. It stated "unit of privacy:
+one image of one site, total ε = 2.717" for a run that spent 10.0 per patient of at most 4 images: the
+events composed as if each protected one image, which understates what one patient can lose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from feta_release.accounting import PrivacyEvent, epsilon
+from feta_release.privacy_unit import PrivacyUnit
+from feta_release.release.jobdir import privacy_report
+
+DELTA, CAP = 1e-5, 4
+EVENTS = [PrivacyEvent("central", 2.9844, 1.0, 1), PrivacyEvent("dpsgd", 8.7109375, 1.0, 20, unit="patient")]
+
+
+def _job_dir(tmp_path: Path, unit: PrivacyUnit | None) -> Path:
+    """A job directory's summary and one site's signed statement (its signature's signer only: the report
+    reads, ``verify`` checks)."""
+    image_level = epsilon(EVENTS, DELTA)
+    st = {
+        "epsilon": image_level,
+        "delta": DELTA,
+        "accountant": "rdp",
+        "events": [e.to_dict() for e in EVENTS],
+        "policy_sha256": "ab" * 32,
+    }
+    if unit is not None:
+        st["privacy_unit"] = unit.statement(image_level, DELTA, EVENTS)
+    atts = {"site": {"statement": st, "signature": {"signer": "cd" * 8}}}
+    (tmp_path / "attestations.json").write_text(json.dumps(atts))
+    summary = {"job_id": "j", "rounds": 1, "skipped": {}, "timings": {}}
+    (tmp_path / "job_summary.json").write_text(json.dumps(summary))
+    return tmp_path
+
+
+def test_a_patient_level_sites_report_states_its_epsilon_per_patient(tmp_path: Path) -> None:
+    unit = PrivacyUnit("patient", CAP)
+    per = unit.statement(0.0, DELTA, EVENTS)["epsilon_per_patient"]
+    assert per > 3 * epsilon(EVENTS, DELTA)  # the figure at stake: per patient, over the cap
+    report = privacy_report(_job_dir(tmp_path, unit))
+    assert report["sites"]["site"]["per_patient"]["epsilon_per_patient"] == pytest.approx(per)
+    assert "PATIENT" in report["unit_of_privacy"]
+    text = (tmp_path / "privacy_report.txt").read_text("utf-8")
+    assert f"total ε per PATIENT = {per:.3f} at δ = {DELTA:g} (at most {CAP} image(s) each" in text, text
+
+
+def test_an_image_level_sites_report_is_unchanged(tmp_path: Path) -> None:
+    report = privacy_report(_job_dir(tmp_path, None))
+    assert (
+        report["unit_of_privacy"] == "one image of one site" and "per_patient" not in report["sites"]["site"]
+    )
+    text = (tmp_path / "privacy_report.txt").read_text("utf-8")
+    assert f"site site: total ε = {epsilon(EVENTS, DELTA):.3f} at δ = {DELTA:g}" in text

@@ -101,15 +101,19 @@ def derived_jobs(
     emit: Callable[[str], None],
     public: Any = None,
     patients: Any = None,
+    one_each: bool = False,
 ) -> tuple[JobConfig, Callable[[int], JobConfig] | None]:
     """(the job to run or to draw the size under, the job as a function of the drawn size or None): derived
     from the data's public facts (shape, classes) and the declared size (``public_size``, the policy's), else
     from the size the run draws; ``public`` (a loaded --public set, or None) adds its pretraining
     (``job_rules.PublicFacts``); ``patients`` (a patient-level site's ``job_rules.PatientFacts``, its DECLARED
-    public patients and cap, or None) times DP-SGD as its node pads whole patients. ``emit`` gets the derived
-    job's TOML."""
+    public patients and cap, or None) times DP-SGD as its node pads whole patients; ``one_each``: a patient
+    cap of 1 without a declared patient count, where the public size is the public patient count (the cap
+    leaves one image per patient), so the job is derived over P = the size the run declares or draws.
+    ``emit`` gets the derived job's TOML."""
     from ..job_rules import (
         DataFacts,
+        PatientFacts,
         derivation_toml,
         derive,
         facts_at,
@@ -147,8 +151,12 @@ def derived_jobs(
     if policy is not None:  # the site's resource caps bound the physical batch (a GPU's may pass them)
         facts = with_physical_caps(facts, [policy])
 
+    def at(n: int) -> DataFacts:
+        f = facts_at(facts, n)
+        return replace(f, patients=PatientFacts(int(n), 1)) if one_each else f
+
     def job_at(n: int) -> JobConfig:
-        d = derive(facts_at(facts, n))
+        d = derive(at(n))
         d = replace(d, cfg=_with_load(d.cfg, load))
         text = derivation_toml(d)
         emit(text)
@@ -158,7 +166,7 @@ def derived_jobs(
 
     if declared is not None:
         return job_at(declared), None
-    return _with_load(derive(facts_at(facts, sizing_size(facts))).cfg, load), job_at
+    return _with_load(derive(at(sizing_size(facts))).cfg, load), job_at
 
 
 def _memory_cap(policy: Any) -> float | None:

@@ -249,6 +249,7 @@ def train(
             lambda text: click.echo(text, err=as_json),
             public=public.data if public is not None else None,
             patients=_declared_patients(patients, public_patients),
+            one_each=patients is not None and public_patients is None and int(patients.cap) == 1,
         )
     rep = Reporter(enabled=progress)
     opts = TrainOptions(

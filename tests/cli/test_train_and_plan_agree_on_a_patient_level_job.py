@@ -82,3 +82,15 @@ def test_train_derives_plans_and_charges_the_job_privacy_plan_shows(
         )
         note = next(n for n in shown["notes"] if n.startswith("dpsgd:"))
         assert f" at q = {sgd.q} " in note, note
+
+
+@pytest.mark.parametrize("size", [4_000, 100_000])
+def test_at_a_patient_cap_of_one_train_derives_the_plans_job_over_its_size_as_patients(size: int) -> None:
+    """`train --patient-cap 1` without --public-patients: the cap leaves one image per patient, so the public
+    size is the public patient count; the job `train` derives is the one `privacy plan --patient-cap 1` shows
+    (both sample the size's patients), not an image-level one whose rate rounds apart."""
+    argv = ["--size", str(size), "--shape", "28x28x1", "--classes", "10", "--epsilon", "10"]
+    shown = _privacy_plan([*argv, "--time-budget", "50m", "--declared-size", "--patient-cap", "1"])
+    req = DeriveRequest(10.0, None, "50m", None)
+    cfg, _ = derived_jobs(req, _digits(), "cpu", size, None, None, lambda _: None, one_each=True)
+    assert shown is not None and cfg.to_dict() == shown["derived_job"]

@@ -412,8 +412,8 @@ def federated_job(facts: DataFacts, site_size: int, batch_cap: int | None = None
             else ""
         )
     )
-    # the dpsgd line restated for the signed batch (its q over the smallest site, after any cut)
-    steps = cfg.dpsgd_steps(facts.size) if cfg.federated_rounds > 0 else 0
-    said = {n for n in notes_of(facts, cfg, steps) if n.startswith("dpsgd:")} if steps else set()
-    notes = tuple(next(iter(said)) if said and n.startswith("dpsgd:") else n for n in d.notes)
+    notes = d.notes
+    if cfg.federated_rounds > 0:  # the dpsgd line restated for the signed batch (its q, after any cut)
+        said = next(n for n in notes_of(facts, cfg, cfg.dpsgd_steps(facts.size)) if n.startswith("dpsgd:"))
+        notes = tuple(said if n.startswith("dpsgd:") else n for n in notes)
     return replace(d, cfg=cfg, notes=notes[:-1] + (note,) + notes[-1:])

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..accounting import epsilon_breakdown, events_from_list
+from ..accounting import epsilon_breakdown, events_from_list, patient_epsilon
 from ..config import JobConfig
 from ..errors import FetaError
 from ..files import atomic_write_bytes
@@ -150,7 +150,26 @@ def _site_report(att: dict[str, Any]) -> dict[str, Any]:
                 events_from_list(life["events"]), life["delta"], st["accountant"]
             ),
         }
+    if "per_patient" in site:
+        _per_patient_figures(site, st, events)
     return site
+
+
+def _per_patient_figures(site: dict[str, Any], st: dict[str, Any], events: list[Any]) -> None:
+    """A patient-level site's lifetime and worst-case figures PER PATIENT, as its ledger caps them
+    (``accounting.patient_epsilon`` over its cap): the statement's own ``lifetime.epsilon`` and
+    ``worst_case_epsilon`` compose the events as if each protected one image, smaller numbers that a line
+    beside the per-patient total would pass off as the site's spend."""
+    cap = int(site["per_patient"]["images_per_patient_cap"])
+    if "lifetime" in site:
+        life = st["lifetime"]
+        site["lifetime"]["epsilon_per_patient"] = patient_epsilon(
+            events_from_list(life["events"]), float(life["delta"]), cap, st["accountant"]
+        )
+    if "secure_aggregation" in site:
+        site["secure_aggregation"]["worst_case_epsilon_per_patient"] = patient_epsilon(
+            events, float(st["delta"]), cap, st["accountant"], view="worst_case"
+        )
 
 
 def _site_lines(sid: str, s: dict[str, Any]) -> list[str]:
@@ -169,18 +188,20 @@ def _site_lines(sid: str, s: dict[str, Any]) -> list[str]:
             f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
             f"accountant), signed by the site's key {s['signed_by_site']}"
         ]
-    if "lifetime" in s:
+    life, sa = s.get("lifetime"), s.get("secure_aggregation")
+    # a patient-level site's figures per patient, as its ledger caps them (_per_patient_figures)
+    what, suffix = ("ε per PATIENT", "_per_patient") if per is not None else ("ε", "")
+    if life is not None:
         lines.append(
-            f"    lifetime on the same images (all jobs): ε = {s['lifetime']['epsilon']:.3f} "
-            f"at δ = {s['lifetime']['delta']:g}"
+            f"    lifetime on the same images (all jobs): {what} = {life['epsilon' + suffix]:.3f} "
+            f"at δ = {life['delta']:g}"
         )
-    sa = s.get("secure_aggregation")
     if sa:
+        worst = sa["worst_case_epsilon" + suffix]
         lines.append(
             f"    secure aggregation: the ε above assumes at most {sa.get('max_colluders', 0)} other "
             "site(s) collude with the coordinator (the site's signed policy); if every other site "
-            "colluded (only this site's own noise share protecting it): ε = "
-            f"{sa['worst_case_epsilon']:.3f}"
+            f"colluded (only this site's own noise share protecting it): {what} = {worst:.3f}"
         )
     for stage, e in s["epsilon_by_stage_alone"].items():
         if stage != "total":

@@ -56,3 +56,61 @@ def test_an_image_level_sites_report_is_unchanged(tmp_path: Path) -> None:
     )
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
     assert f"site site: total ε = {epsilon(EVENTS, DELTA):.3f} at δ = {DELTA:g}" in text
+
+
+def test_a_patient_level_sites_lifetime_line_states_its_spend_per_patient(tmp_path: Path) -> None:
+    """The lifetime line beside the per-patient total: the site's ledger caps its lifetime PER PATIENT, and
+    the statement's ``lifetime.epsilon`` composes the events as if each protected one image. Printed as it
+    was, a site with two such jobs read "total ε per PATIENT = 9.999" above "lifetime ... ε = 4.016", a
+    lifetime smaller than one of its jobs and a quarter of what one patient can lose (15.6)."""
+    unit = PrivacyUnit("patient", CAP)
+    life = EVENTS + EVENTS  # two jobs on the same patients
+    job_dir = _job_dir(tmp_path, unit)
+    atts = json.loads((job_dir / "attestations.json").read_text())
+    atts["site"]["statement"]["lifetime"] = {
+        "events": [e.to_dict() for e in life],
+        "epsilon": epsilon(life, DELTA),
+        "delta": DELTA,
+    }
+    (job_dir / "attestations.json").write_text(json.dumps(atts))
+    per_life = unit.statement(0.0, DELTA, life)["epsilon_per_patient"]
+    assert per_life > unit.statement(0.0, DELTA, EVENTS)["epsilon_per_patient"] > 2 * epsilon(life, DELTA)
+    report = privacy_report(job_dir)
+    assert report["sites"]["site"]["lifetime"]["epsilon_per_patient"] == pytest.approx(per_life)
+    text = (tmp_path / "privacy_report.txt").read_text("utf-8")
+    assert f"lifetime on the same images (all jobs): ε per PATIENT = {per_life:.3f} at δ = {DELTA:g}" in text
+    assert f"{epsilon(life, DELTA):.3f}" not in text, text
+
+
+def test_a_patient_level_sites_worst_case_line_states_its_spend_per_patient(tmp_path: Path) -> None:
+    """The secure-aggregation line ("if every other site colluded ...: ε = ") beside the per-patient total
+    states the worst case per patient too, as the site's ledger caps it, not the statement's image-level
+    ``worst_case_epsilon``."""
+    from feta_release.accounting import Event, SkellamEvent, worst_case_epsilon
+
+    unit = PrivacyUnit("patient", CAP)
+    events: list[Event] = [
+        SkellamEvent("central", 1.0, 1, l2=40.0, l1=1600.0, mu=4e5, mu_worst=1e5),
+        EVENTS[1],
+    ]
+    image_worst = worst_case_epsilon(events, DELTA)
+    st = {
+        "epsilon": epsilon(events, DELTA),
+        "delta": DELTA,
+        "accountant": "rdp",
+        "events": [e.to_dict() for e in events],
+        "policy_sha256": "ab" * 32,
+        "privacy_unit": unit.statement(0.0, DELTA, events),
+        "secure_aggregation": {"max_colluders": 0, "worst_case_epsilon": image_worst},
+    }
+    (tmp_path / "attestations.json").write_text(
+        json.dumps({"site": {"statement": st, "signature": {"signer": "cd" * 8}}})
+    )
+    (tmp_path / "job_summary.json").write_text(
+        json.dumps({"job_id": "j", "rounds": 1, "skipped": {}, "timings": {}})
+    )
+    report = privacy_report(tmp_path)
+    worst = report["sites"]["site"]["secure_aggregation"]["worst_case_epsilon_per_patient"]
+    assert worst > image_worst
+    text = (tmp_path / "privacy_report.txt").read_text("utf-8")
+    assert f"only this site's own noise share protecting it): ε per PATIENT = {worst:.3f}" in text, text

@@ -979,10 +979,12 @@ def _dpsgd_seconds(f: DataFacts, steps: int) -> float:
 
 def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
     """The DP-SGD steps whose padded time (``dpsgd_step_seconds``) fits what the time budget leaves after
-    ``est`` (the job without DP-SGD), at most 20 epochs; a federated job's in whole rounds of
-    :data:`LOCAL_STEPS`, rounded DOWN (rounded up, its last round ran past the budget by up to 4 steps)."""
+    ``est`` (the job without DP-SGD) and the sample grid ``train`` draws after the rounds, at most 20 epochs;
+    a federated job's in whole rounds of :data:`LOCAL_STEPS`, rounded DOWN (rounded up, its last round ran
+    past the budget by up to 4 steps)."""
     cfg = JobConfig.from_dict(d, "derived job")
-    steps = int(max(0.0, f.budget - est.training) // dpsgd_step_seconds(cfg, f))
+    left = f.budget - est.training - sampling_seconds(cfg, f, GRID_PER_CLASS * f.n_classes)
+    steps = int(max(0.0, left) // dpsgd_step_seconds(cfg, f))
     units = _dpsgd_units(f)
     steps = min(steps, math.ceil(20 * units / _dpsgd_batch(units)))  # at most 20 epochs (of patients)
     return steps - steps % LOCAL_STEPS if f.federated else steps

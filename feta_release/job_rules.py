@@ -146,21 +146,25 @@ DELTA_PRESETS = 1e-5  # every preset's delta (N ~ 4,000)
 # cost model (see the module docstring)
 SECONDS_PER_PIXEL_PASS = 1.7e-6
 DPSGD_OVERHEAD = 1.35  # per-example-gradient step / non-private step (bench/bench_dpsgd.py, 28 px)
-# the torch sampler (the synthetic set, the grids): seconds per denoiser call, image value and width factor;
-# bench/release_cost.py on 2 threads (docs/derived-job.md, "Cost model and time budget")
-SAMPLING_SECONDS_PER_VALUE = 1.0e-6
-# the release: the ONNX export of the generator (a fixed part and one per image value and width factor), the
-# signing (hashing its files), the privacy report and chart; bench/release_cost.py and a `train` run's events
-EXPORT_SECONDS = 2.0
-EXPORT_SECONDS_PER_VALUE = 0.0
-SIGNING_SECONDS = 0.5
-REPORT_SECONDS = 0.5
-# the frequency warm-up set: aux-generator images and RandAugment-ed central copies, per image value
-AUX_SET_SECONDS_PER_VALUE = 1.8e-6
-# the cell prototypes: k-means of PROTOTYPE_IMAGES aux images per class (stages.prototypes.PER_CLASS) into
-# its cells, per image, cell and value
+# the torch sampler (the synthetic set, the grids): seconds per denoiser call, image PIXEL (height x width:
+# the UNet's cost does not follow the input channels) and width factor, on 2 threads at its batch of 256. From
+# the whole 64x64x1 derived job on 2 idle cores: 4,100 images (Heun 8: 15 calls each) in ~525 s = 1.67e-6; at
+# 28 px it is ~1.1e-6 (1-thread CPU seconds, bench/release_cost.py and docs/derived-job.md: a 64 px batch
+# spends ~60 % of its CPU time in minor page faults, a 28 px batch ~35 %), so 28 px is overestimated ~1.5x
+SAMPLING_SECONDS_PER_PIXEL = 1.67e-6
+# the release: the ONNX export of the generator (0.2 CPU-s at 28 and 64 px, 1 or 3 channels: the trace and the
+# sampler graph, about 1 s wall with the tracer's start), the signing (hashing ~6 MB of files: 0.01 s), the
+# privacy report and chart (0.002 s); bench/release_cost.py and a `train` run's progress events
+EXPORT_SECONDS = 1.0
+SIGNING_SECONDS = 0.1
+REPORT_SECONDS = 0.1
+# the aux generator's images (the frequency warm-up set, the cell prototypes' draw), per image pixel: 60 s for
+# the 64x64x1 derived job's 4,000 (+ 4,000 RandAugment-ed central copies, ~3 % of it) on 2 cores
+AUX_DRAW_SECONDS_PER_PIXEL = 3.7e-6
+# the cell prototypes: PROTOTYPE_IMAGES aux images per class (stages.prototypes.PER_CLASS), then k-means per
+# class (Python-bound at these sizes: 0.3-0.6 s a class on 1 thread, 28 or 64 px)
 PROTOTYPE_IMAGES = 256
-KMEANS_SECONDS_PER_VALUE = 8.8e-7
+KMEANS_SECONDS_PER_CLASS = 0.5
 GRID_PER_CLASS = 8  # a stage grid's images per class (`train`'s grid_per_class)
 REPORT_PER_CLASS = 10  # samples.png's (release.jobdir.sample_grid)
 AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images) at 28 px, CPU: the eps = 10
@@ -805,8 +809,9 @@ def sampler_calls(cfg: JobConfig) -> int:
 
 def sampling_seconds(cfg: JobConfig, facts: DataFacts, images: int) -> float:
     """Estimated seconds of the torch sampler drawing ``images`` images of the job's model
-    (:data:`SAMPLING_SECONDS_PER_VALUE` per denoiser call, image value and width factor)."""
-    per = SAMPLING_SECONDS_PER_VALUE * facts.values * width_factor(cfg) * sampler_calls(cfg) * images
+    (:data:`SAMPLING_SECONDS_PER_PIXEL` per denoiser call, image pixel and width factor)."""
+    pixels = facts.height * facts.width
+    per = SAMPLING_SECONDS_PER_PIXEL * pixels * width_factor(cfg) * sampler_calls(cfg) * images
     return per / CUDA_SPEEDUP if facts.device == "cuda" else per
 
 
@@ -840,8 +845,8 @@ def _release_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
         aux = a.restarts * a.epochs * iters / 40 * AUX_EPOCH_SECONDS * facts.values / 784
         out[AUX_FIT] = aux / CUDA_SPEEDUP if facts.device == "cuda" else aux
         if cfg.central.cell_rule == "aux" and cfg.central.rounds > 0:
-            cells = cfg.central.cells * facts.n_classes * PROTOTYPE_IMAGES
-            out[PROTOTYPES] = KMEANS_SECONDS_PER_VALUE * cells * facts.values
+            draw = AUX_DRAW_SECONDS_PER_PIXEL * facts.height * facts.width * PROTOTYPE_IMAGES
+            out[PROTOTYPES] = (draw + KMEANS_SECONDS_PER_CLASS) * facts.n_classes
     return out
 
 
@@ -854,7 +859,7 @@ def _warmup_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
         grids += 1
     if cfg.frequency.sigma is not None:
         mixed = 2 if w.frequency_mix_central and central else 1
-        out[AUX_IMAGES] = AUX_SET_SECONDS_PER_VALUE * w.frequency_images * mixed * facts.values
+        out[AUX_IMAGES] = AUX_DRAW_SECONDS_PER_PIXEL * w.frequency_images * facts.height * facts.width
         out[FREQUENCY_WARMUP] = per * w.frequency_images * w.frequency_epochs * mixed
         grids += 1
     if central and w.polish_iterations > 0:
@@ -870,7 +875,7 @@ def _finishing_terms(cfg: JobConfig, facts: DataFacts, n_synthetic: int) -> dict
     return {
         REPORT: REPORT_SECONDS + sampling_seconds(cfg, facts, REPORT_PER_CLASS * facts.n_classes),
         SAMPLING: sampling_seconds(cfg, facts, n_synthetic),
-        EXPORT: EXPORT_SECONDS + EXPORT_SECONDS_PER_VALUE * facts.values * width_factor(cfg),
+        EXPORT: EXPORT_SECONDS,
         SIGNING: SIGNING_SECONDS,
     }
 

@@ -49,12 +49,16 @@ release any job can make here (the central images, whole budget, one pass, one i
 mostly noise by the planner's own figure (``planning.stage_noise`` above ``planning.MOSTLY_NOISE``, the line
 of its warning). Above the floor every derived job plans with no "mostly noise" warning.
 
-COST MODEL (:func:`estimate`): seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up
-image passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes + ``SAMPLING_PASSES`` x synthetic images) +
-aux-generator epochs + the releases. A DP-SGD step passes its PADDED rows (:func:`dpsgd_step_rows`: the public
-bound every step is padded to, from the node's own ``training.step_rows.site_step_rows``), not q·N; a
-federated step the slowest site's (each pads over its own declared size, in parallel), in whole rounds of
-:data:`LOCAL_STEPS` steps.
+COST MODEL (:func:`estimate`): one term for every stage the command runs, named as its progress events name it
+(``progress_events``). Seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up image
+passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes) + aux-generator epochs + the releases + the aux-generator
+draws (``AUX_DRAW_SECONDS_PER_PIXEL``) and k-means of the cell prototypes + the sampler
+(``SAMPLING_SECONDS_PER_PIXEL`` per denoiser call, image pixel and width factor: the stage grids, samples.png
+and the synthetic set) + the ONNX export, the signing and the report. The report, the synthetic set and the
+release (``progress_events.FINISHING``) are left out of the time budget, which bounds the training. A DP-SGD
+step passes its PADDED rows (:func:`dpsgd_step_rows`: the public bound every step is padded to, from the
+node's own ``training.step_rows.site_step_rows``), not q·N; a federated step the slowest site's (each pads
+over its own declared size, in parallel), in whole rounds of :data:`LOCAL_STEPS` steps.
 ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads, idle machine
 (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
 nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image

@@ -46,9 +46,8 @@ from feta_release.training.padding import public_rows, site_step_rows, step_boun
 from tests.support.dpsgd import random_site
 from tests.support.federation import tiny_job
 
-ROUNDING = (
-    0.05 + 1e-9
-)  # an Estimate keeps each stage to 0.1 s (418.05 rounds to 418.1: half of it + float error)
+# an Estimate keeps each stage to 0.1 s: half of it, plus float error (418.05 rounds to 418.1)
+ROUNDING = 0.05 + 1e-9
 
 
 def padded_rows(cfg: JobConfig, n: int) -> int:

@@ -97,18 +97,21 @@ def frequency_set(
         f"for the frequency warm-up: {n} aux-generator images"
         + (f" + {n} augmented central images" if mixed else ""),
     )
-    images, labels = aux_images(aux, cfg, meter)
-    out = mix_central(images, labels, central, cfg, public_generator(cfg, "freq-mix"), meter)
+    out = warmup_set(*aux_images(aux, cfg, meter), central, cfg, meter)
     meter.end()
     return out
 
 
 def warmup_set(
-    images: torch.Tensor, labels: torch.Tensor, central: tuple[np.ndarray, np.ndarray] | None, cfg: JobConfig
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    central: tuple[np.ndarray, np.ndarray] | None,
+    cfg: JobConfig,
+    progress: Meter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the frequency warm-up trains on: the aux images (+ augmented released central images, see
     :func:`mix_central`)."""
-    return mix_central(images, labels, central, cfg, public_generator(cfg, "freq-mix"))
+    return mix_central(images, labels, central, cfg, public_generator(cfg, "freq-mix"), progress)
 
 
 def frequency_steps(n_images: int, cfg: JobConfig) -> int:

@@ -387,12 +387,17 @@ def run(
         )
     )
     if release:
-        from .finalize import build_release, privacy_report, sample_grid
+        from .finalize import build_release, job_log, privacy_report, sample_grid
 
-        privacy_report(out_dir)
-        sample_grid(out_dir, device=dev)
+        # the release's stages in the job's progress.jsonl, streamed as the job's lines were
+        sink = job_log(
+            out_dir, "release", (lambda ev: click.echo(f"release: {ev['message']}")) if progress else None
+        )
+        privacy_report(out_dir, sink)
+        sample_grid(out_dir, device=dev, sink=sink)
         click.echo(
-            f"release written to {build_release(out_dir, key_path)}; report {out_dir / 'privacy_report.txt'}"
+            f"release written to {build_release(out_dir, key_path, sink=sink)}; report "
+            f"{out_dir / 'privacy_report.txt'}"
         )
 
 

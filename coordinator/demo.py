@@ -234,18 +234,19 @@ def demo(
         _stop_all(procs)
         with _status(console, progress, "[bold]writing samples, privacy report and release"):
             t0 = time.monotonic()
-            from .finalize import build_release, privacy_report, sample_grid
+            from .finalize import build_release, job_log, privacy_report, sample_grid
 
             job_out = out_dir / "job"
-            report = privacy_report(job_out)
-            grid = sample_grid(job_out, device=device)
+            sink = job_log(job_out, "release")  # the release's stages in the job's progress.jsonl
+            report = privacy_report(job_out, sink)
+            grid = sample_grid(job_out, device=device, sink=sink)
             _copy(job_out / "privacy_report.txt", out_dir / "privacy_report.txt")
             _copy(job_out / "privacy_report.json", out_dir / "privacy_report.json")
             _copy(grid, out_dir / "samples.png")
             _copy(job_out / "budget.svg", out_dir / "budget.svg")
             release = None
             if not no_release:
-                release = build_release(job_out, fed.coordinator_key)
+                release = build_release(job_out, fed.coordinator_key, sink=sink)
                 link_release(out_dir, release)
                 _dpo_report(release, out_dir, fed)
             timings["finalize"] = time.monotonic() - t0

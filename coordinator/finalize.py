@@ -6,6 +6,7 @@ finished by the same functions, so every release is one format.
 
 from __future__ import annotations
 
+from feta_release.progress_events import job_log
 from feta_release.release.jobdir import build_release, load_model, privacy_report, sample_grid
 
-__all__ = ["build_release", "load_model", "privacy_report", "sample_grid"]
+__all__ = ["build_release", "job_log", "load_model", "privacy_report", "sample_grid"]

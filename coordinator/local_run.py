@@ -81,6 +81,7 @@ from feta_release.policy import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.envelope import read_json
 from feta_release.policy.jobs import sign_job
 from feta_release.privacy_unit import PatientIndex
+from feta_release.progress_events import job_log
 from feta_release.randomness import os_numpy_generator
 from feta_release.release.jobdir import RELEASE, build_release, privacy_report, sample_grid, synthetic_set
 from feta_release.release.jobfiles import SIGNED_JOB
@@ -559,16 +560,20 @@ def _finish(
     root: Path, cfg: JobConfig, ckey: Any, n_pub: int, opts: TrainOptions, require_policy: bool
 ) -> Path | None:
     """The report, chart, sample grid, ``synthetic.npz`` and (unless ``--no-release``) ``RUN_DIR/release``
-    from the job directory, by the one code of every job directory; ``COMPLETE`` last."""
-    privacy_report(root)
+    from the job directory, by the one code of every job directory, each stage's progress in
+    ``progress.jsonl`` and on the console as the job's; ``COMPLETE`` last."""
+    rep = opts.reporter or Reporter(enabled=False)
+    sink = job_log(root, "release", lambda ev: _progress(rep, ev))
+    privacy_report(root, sink)
     dev = resolve_device(opts.device)
-    sample_grid(root, device=dev)
-    synthetic_set(root, n_pub if opts.n_synthetic is None else int(opts.n_synthetic), cfg.job.seed, dev)
+    sample_grid(root, device=dev, sink=sink)
+    n = n_pub if opts.n_synthetic is None else int(opts.n_synthetic)
+    synthetic_set(root, n, cfg.job.seed, dev, sink=sink)
     release = None
     if opts.release:
         release = root / RELEASE
         if not (release / "manifest.json").is_file():
-            release = build_release(root, ckey, require_policies=require_policy)
+            release = build_release(root, ckey, require_policies=require_policy, sink=sink)
     atomic_write_bytes(root / COMPLETE, b"complete\n")
     return release
 

@@ -49,12 +49,16 @@ release any job can make here (the central images, whole budget, one pass, one i
 mostly noise by the planner's own figure (``planning.stage_noise`` above ``planning.MOSTLY_NOISE``, the line
 of its warning). Above the floor every derived job plans with no "mostly noise" warning.
 
-COST MODEL (:func:`estimate`): seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up
-image passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes + ``SAMPLING_PASSES`` x synthetic images) +
-aux-generator epochs + the releases. A DP-SGD step passes its PADDED rows (:func:`dpsgd_step_rows`: the public
-bound every step is padded to, from the node's own ``training.step_rows.site_step_rows``), not q·N; a
-federated step the slowest site's (each pads over its own declared size, in parallel), in whole rounds of
-:data:`LOCAL_STEPS` steps.
+COST MODEL (:func:`estimate`): one term for every stage the command runs, named as its progress events name it
+(``progress_events``). Seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up image
+passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes) + aux-generator epochs + the releases + the aux-generator
+draws (``AUX_DRAW_SECONDS_PER_PIXEL``) and k-means of the cell prototypes + the sampler
+(``SAMPLING_SECONDS_PER_PIXEL`` per denoiser call, image pixel and width factor: the stage grids, samples.png
+and the synthetic set) + the ONNX export, the signing and the report. The report, the synthetic set and the
+release (``progress_events.FINISHING``) are left out of the time budget, which bounds the training. A DP-SGD
+step passes its PADDED rows (:func:`dpsgd_step_rows`: the public bound every step is padded to, from the
+node's own ``training.step_rows.site_step_rows``), not q·N; a federated step the slowest site's (each pads
+over its own declared size, in parallel), in whole rounds of :data:`LOCAL_STEPS` steps.
 ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads, idle machine
 (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
 nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
@@ -78,6 +82,24 @@ from .data.dataset import check_site_memory
 from .errors import ConfigError, DataError, FetaError, PrivacyError
 from .mechanisms.count import size_event
 from .planning import MOSTLY_NOISE, stage_sampling_rate
+from .progress_events import (
+    AUX_FIT,
+    AUX_IMAGES,
+    CENTRAL,
+    DPSGD,
+    EXPORT,
+    FINISHING,
+    FREQUENCY,
+    FREQUENCY_WARMUP,
+    GRIDS,
+    POLISH,
+    PRETRAINING,
+    PROTOTYPES,
+    REPORT,
+    SAMPLING,
+    SIGNING,
+    SPATIAL,
+)
 from .training.step_rows import site_step_rows
 
 __all__ = [
@@ -128,7 +150,27 @@ DELTA_PRESETS = 1e-5  # every preset's delta (N ~ 4,000)
 # cost model (see the module docstring)
 SECONDS_PER_PIXEL_PASS = 1.7e-6
 DPSGD_OVERHEAD = 1.35  # per-example-gradient step / non-private step (bench/bench_dpsgd.py, 28 px)
-SAMPLING_PASSES = 5.0  # Heun 8 = 15 forward passes of about a third of a training pass each
+# the torch sampler (the synthetic set, the grids): seconds per denoiser call, image PIXEL (height x width:
+# the UNet's cost does not follow the input channels) and width factor, on 2 threads at its batch of 256. From
+# the whole 64x64x1 derived job on 2 idle cores: 4,100 images (Heun 8: 15 calls each) in ~525 s = 1.67e-6; at
+# 28 px it is ~1.1e-6 (1-thread CPU seconds, bench/release_cost.py and docs/derived-job.md: a 64 px batch
+# spends ~60 % of its CPU time in minor page faults, a 28 px batch ~35 %), so 28 px is overestimated ~1.5x
+SAMPLING_SECONDS_PER_PIXEL = 1.67e-6
+# the release: the ONNX export of the generator (0.2 CPU-s at 28 and 64 px, 1 or 3 channels: the trace and the
+# sampler graph, about 1 s wall with the tracer's start), the signing (hashing ~6 MB of files: 0.01 s), the
+# privacy report and chart (0.002 s); bench/release_cost.py and a `train` run's progress events
+EXPORT_SECONDS = 1.0
+SIGNING_SECONDS = 0.1
+REPORT_SECONDS = 0.1
+# the aux generator's images (the frequency warm-up set, the cell prototypes' draw), per image pixel: 60 s for
+# the 64x64x1 derived job's 4,000 (+ 4,000 RandAugment-ed central copies, ~3 % of it) on 2 cores
+AUX_DRAW_SECONDS_PER_PIXEL = 3.7e-6
+# the cell prototypes: PROTOTYPE_IMAGES aux images per class (stages.prototypes.PER_CLASS), then k-means per
+# class (Python-bound at these sizes: 0.3-0.6 s a class on 1 thread, 28 or 64 px)
+PROTOTYPE_IMAGES = 256
+KMEANS_SECONDS_PER_CLASS = 0.5
+GRID_PER_CLASS = 8  # a stage grid's images per class (`train`'s grid_per_class)
+REPORT_PER_CLASS = 10  # samples.png's (release.jobdir.sample_grid)
 AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images) at 28 px, CPU: the eps = 10
 #                          preset's header (+1 CPU-minute for 7 more epochs)
 RELEASE_FLOPS = 2e10  # assumed CPU rate of the feature map (a matrix product), not measured
@@ -264,10 +306,15 @@ class Estimate:
         return sum(self.seconds.values())
 
     @property
+    def finishing(self) -> float:
+        """The stages after the training: the report, the synthetic set (whose size is the user's choice:
+        ``train --synthetic``) and the release."""
+        return sum(self.seconds.get(k, 0.0) for k in FINISHING)
+
+    @property
     def training(self) -> float:
-        """Everything but drawing the synthetic set (whose size is the user's choice: ``train
-        --synthetic``)."""
-        return self.total - self.seconds.get("sampling", 0.0)
+        """Everything but the finishing stages: what the time budget bounds."""
+        return self.total - self.finishing
 
 
 @dataclass(frozen=True)
@@ -705,7 +752,7 @@ def keep_pretrained(f: DataFacts, d: dict[str, Any], est: Estimate) -> dict[str,
 # ---------------------------------------------------------------------------------------------
 
 
-def _width(cfg: JobConfig) -> float:
+def width_factor(cfg: JobConfig) -> float:
     """The model's cost per image value against the 16-channel 2-level UNet the constants were measured on."""
     m = cfg.model
     return (m.channels / 16) ** 2 * (1 + 0.25 * (len(m.channel_mult) - 2)) * m.num_res_blocks
@@ -714,7 +761,7 @@ def _width(cfg: JobConfig) -> float:
 def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
     """Estimated seconds of one training pass of one image through the job's model (see the module
     docstring)."""
-    per = SECONDS_PER_PIXEL_PASS * facts.values * _width(cfg)
+    per = SECONDS_PER_PIXEL_PASS * facts.values * width_factor(cfg)
     return per / CUDA_SPEEDUP if facts.device == "cuda" else per
 
 
@@ -754,35 +801,87 @@ def dpsgd_step_seconds(cfg: JobConfig, facts: DataFacts) -> float:
     if facts.device != "cuda":
         return seconds_per_pass(cfg, facts) * DPSGD_OVERHEAD * rows
     calls = -(-rows // cfg.dpsgd.physical_batch)
-    return calls * CUDA_CALL_SECONDS + rows * CUDA_DPSGD_SECONDS_PER_VALUE * facts.values * _width(cfg)
+    return calls * CUDA_CALL_SECONDS + rows * CUDA_DPSGD_SECONDS_PER_VALUE * facts.values * width_factor(cfg)
+
+
+def sampler_calls(cfg: JobConfig) -> int:
+    """Denoiser calls per image of the job's sampler: Heun's N steps make 2N - 1 (its last step is Euler's),
+    Euler's N; guidance doubles each call's batch."""
+    s = cfg.sampler
+    return (2 * s.steps - 1 if s.solver == "heun" else s.steps) * (2 if s.guidance else 1)
+
+
+def sampling_seconds(cfg: JobConfig, facts: DataFacts, images: int) -> float:
+    """Estimated seconds of the torch sampler drawing ``images`` images of the job's model
+    (:data:`SAMPLING_SECONDS_PER_PIXEL` per denoiser call, image pixel and width factor)."""
+    pixels = facts.height * facts.width
+    per = SAMPLING_SECONDS_PER_PIXEL * pixels * width_factor(cfg) * sampler_calls(cfg) * images
+    return per / CUDA_SPEEDUP if facts.device == "cuda" else per
 
 
 def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -> Estimate:
-    """Estimated seconds of ``cfg`` on data of these facts, by stage (``n_synthetic``: default the public
-    size)."""
+    """Estimated seconds of ``cfg`` on data of these facts, by stage: a term for every stage ``train`` runs,
+    named as its progress events name it (``progress_events``), the synthetic set (``n_synthetic``: default
+    the public size) and the release included."""
     cfg = cfg.for_size(facts.size)
-    per, w, a = seconds_per_pass(cfg, facts), cfg.warmup, cfg.auxgen
-    fr = cfg.frequency
-    out = {"central": 0.0, "frequency": 0.0, "aux generator": 0.0}
+    out = {**_release_terms(cfg, facts), **_warmup_terms(cfg, facts)}
+    if facts.public is not None:
+        out[PRETRAINING] = (
+            seconds_per_pass(cfg, facts) * cfg.public.pretrain_iterations * cfg.public.pretrain_batch
+        )
+    steps = cfg.dpsgd_steps(facts.size)
+    if steps:
+        out[DPSGD] = steps * dpsgd_step_seconds(cfg, facts)
+    out.update(_finishing_terms(cfg, facts, facts.size if n_synthetic is None else n_synthetic))
+    return Estimate({k: round(v, 1) for k, v in out.items()})
+
+
+def _release_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
+    """The releases (the feature map, the central query) and what the coordinator fits to them before the
+    central request: the aux generator and, with ``[central] cell_rule = "aux"``, the cell prototypes."""
+    fr, a, out = cfg.frequency, cfg.auxgen, {}
+    if cfg.central.rounds > 0:
+        out[CENTRAL] = facts.size * facts.values * cfg.central.rounds / RELEASE_FLOPS
     if fr.sigma is not None:
         cost = fr.features * (fr.patch**2 * facts.channels if fr.patch else facts.values)
-        out["frequency"] = facts.size * cost * 2 / RELEASE_FLOPS
+        out[FREQUENCY] = facts.size * cost * 2 / RELEASE_FLOPS
         iters = a.iterations_per_epoch or max(1, facts.size // a.batch)
         aux = a.restarts * a.epochs * iters / 40 * AUX_EPOCH_SECONDS * facts.values / 784
-        out["aux generator"] = aux / CUDA_SPEEDUP if facts.device == "cuda" else aux
-        out["frequency warm-up"] = (
-            per * w.frequency_images * w.frequency_epochs * (2 if w.frequency_mix_central else 1)
-        )
-    if cfg.central.rounds > 0:
-        out["central"] = facts.size * facts.values * cfg.central.rounds / RELEASE_FLOPS
-        out["spatial warm-up"] = per * w.spatial_iterations * w.spatial_batch
-    out["polish"] = per * w.polish_iterations * w.spatial_batch
-    if facts.public is not None:
-        out["pretraining"] = per * cfg.public.pretrain_iterations * cfg.public.pretrain_batch
-    steps = cfg.dpsgd_steps(facts.size)
-    out["dpsgd"] = steps * dpsgd_step_seconds(cfg, facts) if steps else 0.0
-    out["sampling"] = per * SAMPLING_PASSES * (facts.size if n_synthetic is None else n_synthetic)
-    return Estimate({k: round(v, 1) for k, v in out.items()})
+        out[AUX_FIT] = aux / CUDA_SPEEDUP if facts.device == "cuda" else aux
+        if cfg.central.cell_rule == "aux" and cfg.central.rounds > 0:
+            draw = AUX_DRAW_SECONDS_PER_PIXEL * facts.height * facts.width * PROTOTYPE_IMAGES
+            out[PROTOTYPES] = (draw + KMEANS_SECONDS_PER_CLASS) * facts.n_classes
+    return out
+
+
+def _warmup_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
+    """The warm-up stages on the releases and the sample grids ``train`` draws after each."""
+    per, w, out = seconds_per_pass(cfg, facts), cfg.warmup, {}
+    central, grids = cfg.central.rounds > 0, 0
+    if central and w.spatial_iterations > 0:
+        out[SPATIAL] = per * w.spatial_iterations * w.spatial_batch
+        grids += 1
+    if cfg.frequency.sigma is not None:
+        mixed = 2 if w.frequency_mix_central and central else 1
+        out[AUX_IMAGES] = AUX_DRAW_SECONDS_PER_PIXEL * w.frequency_images * facts.height * facts.width
+        out[FREQUENCY_WARMUP] = per * w.frequency_images * w.frequency_epochs * mixed
+        grids += 1
+    if central and w.polish_iterations > 0:
+        out[POLISH] = per * w.polish_iterations * w.spatial_batch
+    grids += (facts.public is not None) + (cfg.dpsgd_steps(facts.size) > 0)
+    out[GRIDS] = sampling_seconds(cfg, facts, grids * GRID_PER_CLASS * facts.n_classes)
+    return out
+
+
+def _finishing_terms(cfg: JobConfig, facts: DataFacts, n_synthetic: int) -> dict[str, float]:
+    """The stages after the training: the report with its sample grid, the synthetic set, the release's ONNX
+    export and its signing."""
+    return {
+        REPORT: REPORT_SECONDS + sampling_seconds(cfg, facts, REPORT_PER_CLASS * facts.n_classes),
+        SAMPLING: sampling_seconds(cfg, facts, n_synthetic),
+        EXPORT: EXPORT_SECONDS,
+        SIGNING: SIGNING_SECONDS,
+    }
 
 
 # -- the derivation
@@ -873,7 +972,7 @@ def _fit_budget(f: DataFacts, s: _Split, reserve: float = 0.0) -> tuple[dict[str
     if est.training > budget and restarts > 1:
         d = _sections(f, s, 1.0, 1)
         est = estimate(JobConfig.from_dict(d, "derived job"), f)
-    warm = sum(est.seconds.get(k, 0.0) for k in ("spatial warm-up", "frequency warm-up", "polish"))
+    warm = sum(est.seconds.get(k, 0.0) for k in (SPATIAL, FREQUENCY_WARMUP, POLISH))
     if est.training > budget and warm > 0:
         scale = max(0.25, 1 - (est.training - budget) / warm)
         d = _sections(f, s, scale, 1)
@@ -889,10 +988,12 @@ def _dpsgd_seconds(f: DataFacts, steps: int) -> float:
 
 def _dpsgd_steps(f: DataFacts, d: dict[str, Any], est: Estimate) -> int:
     """The DP-SGD steps whose padded time (``dpsgd_step_seconds``) fits what the time budget leaves after
-    ``est`` (the job without DP-SGD), at most 20 epochs; a federated job's in whole rounds of
-    :data:`LOCAL_STEPS`, rounded DOWN (rounded up, its last round ran past the budget by up to 4 steps)."""
+    ``est`` (the job without DP-SGD) and the sample grid ``train`` draws after the rounds, at most 20 epochs;
+    a federated job's in whole rounds of :data:`LOCAL_STEPS`, rounded DOWN (rounded up, its last round ran
+    past the budget by up to 4 steps)."""
     cfg = JobConfig.from_dict(d, "derived job")
-    steps = int(max(0.0, f.budget - est.training) // dpsgd_step_seconds(cfg, f))
+    left = f.budget - est.training - sampling_seconds(cfg, f, GRID_PER_CLASS * f.n_classes)
+    steps = int(max(0.0, left) // dpsgd_step_seconds(cfg, f))
     units = _dpsgd_units(f)
     steps = min(steps, math.ceil(20 * units / _dpsgd_batch(units)))  # at most 20 epochs (of patients)
     return steps - steps % LOCAL_STEPS if f.federated else steps
@@ -1051,11 +1152,11 @@ def notes_of(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> tup
         _dpsgd_note(f, cfg, steps, why_off),
     ]
     est = estimate(cfg, f)
-    parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items() if v >= 1)
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in est.seconds.items())
     over = "; OVER it: the warm-up is at its shortest" if est.training > f.budget * 1.01 else ""
     lines.append(
         f"estimated {est.training / 60:.1f} min of training on {f.device} (budget {f.budget / 60:.1f} "
-        f"min{over}) + {est.seconds.get('sampling', 0.0) / 60:.1f} min to draw {f.size} synthetic images "
+        f"min{over}) + {est.finishing / 60:.1f} min to draw {f.size} synthetic images and build the release "
         f"({parts} s)"
     )
     lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")

@@ -13,7 +13,6 @@ request id, which the site's ledger answers from its record without charging twi
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from ..policy.document import open_signed_policy
 from ..policy.enforce import check_job_fits, request_of
 from ..policy.errors import JobDoesNotFit
 from ..policy.jobs import verify_job_with_keys
+from ..progress_events import LOG_FILE, Sink, append_event
 from ..signing import load_public_key, verify_document
 from ..training.checkpoint import atomic_write_bytes, npz_bytes
 from ..training.ema import EMA
@@ -218,16 +218,6 @@ def other_jobs(lifetime: list[dict[str, Any]], job: list[dict[str, Any]]) -> lis
     return out
 
 
-def append_event(path: Path, ev: dict[str, Any]) -> None:
-    """One line of ``progress.jsonl``. A coordinator killed mid-line left a torn last line: it is ended first,
-    so that this event (and every later one) stays a line of its own that a reader can parse."""
-    line = (json.dumps(ev) + "\n").encode("utf-8")
-    with open(path, "a+b") as fh:
-        if fh.seek(0, os.SEEK_END) and (fh.seek(-1, os.SEEK_END), fh.read(1))[1] != b"\n":
-            line = b"\n" + line
-        fh.write(line)
-
-
 class JobDriver:
     anchors: AnchorStore | None = None  # the sites' last attested ledger positions (None: not checked)
 
@@ -266,7 +256,7 @@ class JobDriver:
         self.sites: dict[str, SiteInfo] = {}
         self.timings: dict[str, float] = {}
         self.skipped: dict[int, list[str]] = {}
-        self._log_path = self.out / "progress.jsonl"
+        self._log_path = self.out / LOG_FILE
         # site -> its planned DP-SGD round event (sent each round)
         self.planned_dpsgd: dict[str, dict[str, Any]] = {}
         # the pooled central images the warm-up used (federation/job.py): with [dpsgd] public_batch, sent with
@@ -280,6 +270,11 @@ class JobDriver:
         ev = {"t": time.time(), "phase": phase, "message": message, **fields}
         append_event(self._log_path, ev)
         self.progress(ev)
+
+    def sink(self, phase: str) -> Sink:
+        """The stage functions' progress (``progress_events``): their events in ``phase``, logged as
+        :meth:`emit` logs."""
+        return lambda ev: self.emit(phase, **ev)
 
     def _ask(
         self,

@@ -234,9 +234,8 @@ def _releases(d: JobDriver, device: torch.device) -> tuple[dict[str, Any], dict[
     freq = d.collect_frequency()
     info = next(iter(d.sites.values()))
     sizes = {sid: s.size for sid, s in d.sites.items()}
-    aux = fitted_aux(freq, sizes, d.cfg, info.image_shape, info.n_classes, device)
-    d.emit("central", f"cell prototypes from the aux generator ({d.cfg.central.cells} per class)")
-    return d.collect_central(cell_prototypes(aux, d.cfg)), freq, aux
+    aux = fitted_aux(freq, sizes, d.cfg, info.image_shape, info.n_classes, device, d.sink("central"))
+    return d.collect_central(cell_prototypes(aux, d.cfg, d.sink("central"))), freq, aux
 
 
 def _select_public(d: JobDriver, public: PublicInputs | None) -> PublicInputs | None:
@@ -377,7 +376,7 @@ def _warm_model(
             freq,
             d.cfg,
             {sid: s.size for sid, s in d.sites.items()},
-            lambda msg: d.emit("warmup", msg),
+            d.sink("warmup"),
             d.observe,
             aux,
         )

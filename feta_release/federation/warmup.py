@@ -23,10 +23,10 @@ from ..mechanisms.central import CentralRelease, combine_central, postprocess_ce
 from ..mechanisms.frequency import FrequencyRelease, combine_frequency
 from ..models.auxgen import AuxModel
 from ..models.edm import EDMDenoiser
-from ..stages.freq_warmup import aux_images, fit_aux, frequency_enabled, frequency_train, warmup_set
+from ..progress_events import Sink
+from ..stages.freq_warmup import fit_aux, frequency_enabled, frequency_set, frequency_train
 from ..stages.spatial import central_polish, spatial_enabled, spatial_stage
 
-Log = Callable[[str], None]
 # a stage boundary: (stage name, the model after it, or the released central images (images, labels))
 Observer = Callable[[str, Any], None]
 
@@ -37,48 +37,31 @@ def warm_up(
     freq: dict[str, dict[str, np.ndarray]],
     cfg: JobConfig,
     sizes: dict[str, int],
-    log: Log,
+    sink: Sink | None,
     observe: Observer | None = None,
     aux: AuxModel | None = None,
 ) -> AuxModel | None:
     """Run the enabled warm-up stages in place on ``model`` from the sites' releases (``{site: arrays}``);
     returns the aux generator the frequency stage fitted (None without it), for ``[sampler] start_source``
-    aux/mix. ``observe``: called with ``("after-spatial" | "after-frequency", model)`` at each stage's end (a
-    ``train`` run draws its sample grids there; post-processing). ``aux``: the generator already fitted to
-    these frequency releases (:func:`fitted_aux`; ``[central] cell_rule = "aux"`` needed it first)."""
+    aux/mix. ``sink``: each stage's progress (``progress_events``). ``observe``: called with
+    ``("after-spatial" | "after-frequency", model)`` at each stage's end (a ``train`` run draws its sample
+    grids there; post-processing). ``aux``: the generator already fitted to these frequency releases
+    (:func:`fitted_aux`; ``[central] cell_rule = "aux"`` needed it first)."""
     observe = observe or (lambda stage, what: None)
     pooled = pooled_central(central, sizes, cfg) if central else None
     if pooled is not None and spatial_enabled(cfg):
-        log(
-            f"spatial warm-up on {len(pooled[1])} central images (combined from {len(central)} site(s)), "
-            f"{cfg.warmup.spatial_iterations} iterations"
-        )
-        every = max(1, cfg.warmup.spatial_iterations // 10)
-        res = spatial_stage(
-            model,
-            pooled,
-            cfg,
-            progress=lambda i, n, loss: log(f"spatial {i}/{n} loss {loss:.4f}") if i % every == 0 else None,
-        )
-        log(f"spatial warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
+        spatial_stage(model, pooled, cfg, sink)
         if not (freq and frequency_enabled(cfg)):
-            _polish(model, pooled, cfg, log)
+            central_polish(model, pooled, cfg, sink)
         observe("after-spatial", model)
     if freq and frequency_enabled(cfg):
-        aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, log, aux)
+        aux = _frequency(model, pooled_frequency(freq, sizes, cfg), pooled, cfg, sink, aux)
         if pooled is not None:
-            _polish(model, pooled, cfg, log)
+            central_polish(model, pooled, cfg, sink)  # the last warm-up stage ends with the polish (if on)
         observe("after-frequency", model)
     elif pooled is not None and not spatial_enabled(cfg):
-        _polish(model, pooled, cfg, log)
+        central_polish(model, pooled, cfg, sink)
     return aux
-
-
-def _polish(model: EDMDenoiser, pooled: tuple[np.ndarray, np.ndarray], cfg: JobConfig, log: Log) -> None:
-    """As the local stages: the last warm-up stage ends with the central polish (if on)."""
-    polished = central_polish(model, pooled, cfg)
-    if polished is not None:
-        log(f"central polish done in {polished.seconds:.1f} s (final loss {polished.final_loss:.4f})")
 
 
 def _frequency(
@@ -86,20 +69,15 @@ def _frequency(
     release: FrequencyRelease,
     central: tuple[np.ndarray, np.ndarray] | None,
     cfg: JobConfig,
-    log: Log,
+    sink: Sink | None,
     aux: AuxModel | None = None,
 ) -> AuxModel:
-    log(
-        f"frequency warm-up: aux generator fit on the combined embedding (public size {release.n_public}), "
-        f"then {cfg.warmup.frequency_images} images x {cfg.warmup.frequency_epochs} epochs"
-    )
     device = next(model.parameters()).device
     if aux is None:
-        aux = fit_aux(release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device)
-    images, labels = warmup_set(*aux_images(aux, cfg), central, cfg)
-    res = frequency_train(model, images, labels, cfg)
-    if res is not None:
-        log(f"frequency warm-up done in {res.seconds:.1f} s (final loss {res.final_loss:.4f})")
+        aux = fit_aux(
+            release.embedding, cfg, model.image_shape, model.n_classes, release.n_public, device, sink
+        )
+    frequency_train(model, *frequency_set(aux, central, cfg, sink), cfg, sink)
     return aux
 
 
@@ -141,9 +119,10 @@ def fitted_aux(
     image_shape: tuple[int, int, int],
     n_classes: int,
     device: Any,
+    sink: Sink | None = None,
 ) -> AuxModel:
     """The aux generator fitted to the sites' combined frequency releases (post-processing), as the frequency
     warm-up fits it: ``[central] cell_rule = "aux"`` draws its public cell prototypes from it before the
     central release."""
     release = pooled_frequency(freq, sizes, cfg)
-    return fit_aux(release.embedding, cfg, image_shape, n_classes, release.n_public, device)
+    return fit_aux(release.embedding, cfg, image_shape, n_classes, release.n_public, device, sink)

@@ -26,6 +26,7 @@ from ..accounting import events_from_list
 from ..errors import ReleaseError
 from ..models.edm import denoiser_from_spec
 from ..policy.document import utc_stamp
+from ..progress_events import EXPORT, SIGNING, Sink, timed
 from .jobfiles import RELEASED_AUX, RELEASED_CENTRAL
 from .manifest import (
     GENERATOR_FILE,
@@ -64,6 +65,7 @@ def assemble_release(
     signed_job: dict[str, Any] | None = None,
     starts: tuple[np.ndarray, np.ndarray] | None = None,
     aux_pool: tuple[np.ndarray, np.ndarray] | None = None,
+    sink: Sink | None = None,
 ) -> Path:
     """Build and sign a release at ``out`` (must not exist or be empty). ``sites`` are :func:`site_record` s.
 
@@ -74,6 +76,7 @@ def assemble_release(
 
     A site whose signed policy is given and whose attested spend is outside it is refused here already
     (``enforce_policy=False`` only for tests that need such a release to check that ``verify`` refuses it).
+    ``sink``: the export's and the signing's start and seconds (``progress_events``).
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -93,8 +96,9 @@ def assemble_release(
     job = {"job_id": job_id, "config": config}
     # The statement is fixed first and embedded in the generator; the manifest then hashes the generator.
     stmt = statement_sha256(job, sites)
-    den = denoiser if isinstance(denoiser, onnx.ModelProto) else export_denoiser(denoiser, image_shape)
-    model = build_generator(den, sampler, classes, image_shape, statement_sha256=stmt)
+    with timed(sink, EXPORT, f"the generator to ONNX ({sampler.solver} {sampler.steps} steps)"):
+        den = denoiser if isinstance(denoiser, onnx.ModelProto) else export_denoiser(denoiser, image_shape)
+        model = build_generator(den, sampler, classes, image_shape, statement_sha256=stmt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -109,20 +113,21 @@ def assemble_release(
             record = _write_starts(tmp, starts, len(classes), sites, config)
         if sampler.start_source != "central" and aux_pool is not None:
             aux_rec = _write_aux(tmp, aux_pool, len(classes), image_shape, sites, config)
-        manifest = build_manifest(
-            tmp,
-            job_id=job_id,
-            config=config,
-            classes=classes,
-            image_shape=image_shape,
-            sampler=sampler.to_dict(),
-            sites=sites,
-            timestamps={"exported": utc_stamp(), **(timestamps or {})},
-            signed_job=signed_job,
-            starts=record,
-            aux_starts=aux_rec,
-        )
-        write_manifest(tmp, sign_manifest(manifest, coordinator_key))
+        with timed(sink, SIGNING, "the release's files hashed into its manifest, signed by the coordinator"):
+            manifest = build_manifest(
+                tmp,
+                job_id=job_id,
+                config=config,
+                classes=classes,
+                image_shape=image_shape,
+                sampler=sampler.to_dict(),
+                sites=sites,
+                timestamps={"exported": utc_stamp(), **(timestamps or {})},
+                signed_job=signed_job,
+                starts=record,
+                aux_starts=aux_rec,
+            )
+            write_manifest(tmp, sign_manifest(manifest, coordinator_key))
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

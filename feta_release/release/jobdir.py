@@ -48,6 +48,7 @@ from ..errors import FetaError
 from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
+from ..progress_events import REPORT, SAMPLING, Meter, Sink, timed
 from ..signing import load_private_key
 from ..viz import epsilon_title, save_budget_svg, save_grid
 from .export_run import assemble_release, denoiser_from_checkpoint, released_central
@@ -82,9 +83,15 @@ __all__ = [
 ]
 
 
-def privacy_report(out_dir: Path) -> dict[str, Any]:
+def privacy_report(out_dir: Path, sink: Sink | None = None) -> dict[str, Any]:
     """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total; at a
-    PATIENT-level site the figure its caps bound, ε per patient, first (``_site_report``)."""
+    PATIENT-level site the figure its caps bound, ε per patient, first (``_site_report``); its start and
+    seconds reported to ``sink``."""
+    with timed(sink, REPORT, "privacy report and budget chart"):
+        return _privacy_report(out_dir)
+
+
+def _privacy_report(out_dir: Path) -> dict[str, Any]:
     summary = json.loads((out_dir / "job_summary.json").read_text("utf-8"))
     atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
     sites = {sid: _site_report(att) for sid, att in sorted(atts.items())}
@@ -248,12 +255,22 @@ def load_model(out_dir: Path) -> Any:
 
 
 def sample_grid(
-    out_dir: Path, per_class: int = 10, seed: int = 0, *, device: str | torch.device = "cpu"
+    out_dir: Path,
+    per_class: int = 10,
+    seed: int = 0,
+    *,
+    device: str | torch.device = "cpu",
+    sink: Sink | None = None,
 ) -> Path:
     """``samples.png``: a grid of the released model, drawn as ``synthesize`` draws by default, from the job
     directory's files (the central images and pool bound to this job's id as :func:`build_release` reads
     them). ``device``: where the model read from ``model.pt`` samples (the noise is drawn on the CPU, so the
-    grid is the same function of the weights on any device)."""
+    grid is the same function of the weights on any device). Its start and seconds reported to ``sink``."""
+    with timed(sink, REPORT, f"sample grid {per_class} per class (samples.png)"):
+        return _sample_grid(out_dir, per_class, seed, device)
+
+
+def _sample_grid(out_dir: Path, per_class: int, seed: int, device: str | torch.device) -> Path:
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg = JobConfig.from_dict(signed["job"]["config"])
     n_sites = len(signed["job"]["sites"])  # titled by what made it: one site's run, or a federation's job
@@ -308,8 +325,10 @@ def build_release(
     *,
     require_policies: bool = True,
     sampler: dict[str, Any] | None = None,
+    sink: Sink | None = None,
 ) -> Path:
-    """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside.
+    """``out_dir/release``: generator.onnx + manifest signed by the coordinator, sites' attestations inside;
+    the export's and the signing's start and seconds reported to ``sink``.
 
     ``require_policies``: every site must have its signed policy in ``policies/`` (every site of a job does:
     a node, and ``train``'s site, is opened under one). The central images (``released/central.npz``, shipped
@@ -357,6 +376,7 @@ def build_release(
         signed_job=signed,
         starts=starts,
         aux_pool=aux_pool,
+        sink=sink,
     )
 
 
@@ -369,6 +389,7 @@ def synthetic_set(
     sampler: dict[str, Any] | None = None,
     name: str = "synthetic.npz",
     aux: tuple[np.ndarray, np.ndarray] | None = None,
+    sink: Sink | None = None,
 ) -> Path:
     """``synthetic.npz``: ``n`` images of the released model (balanced labels, interleaved so a prefix is
     balanced too), drawn as ``synthesize`` draws by default (SDEdit from the job's released central images /
@@ -376,7 +397,8 @@ def synthetic_set(
     [0, 1], labels int64, class_names. ``sampler``: ``[sampler]`` fields drawn with instead of the signed
     job's (``bench/resample.py`` compares sampler settings on one trained model), written to ``name``.
     ``aux``: the aux generator's pool (images, labels) drawn from instead of the released file, for a run
-    that shipped none; it stays out of ``released/``, so no later release build can pick it up."""
+    that shipped none; it stays out of ``released/``, so no later release build can pick it up. ``sink``: the
+    images drawn, their rate and the seconds left (``progress_events``)."""
     signed = json.loads((out_dir / "signed_job.json").read_text("utf-8"))
     cfg, job_id = JobConfig.from_dict(signed["job"]["config"]), signed["job"]["job_id"]
     if sampler:
@@ -405,12 +427,18 @@ def synthetic_set(
             magnitude_max=cfg.warmup.augment_magnitude,
         )
         scfg, init = dataclasses.replace(scfg, sigma_max=scfg.start_sigma), torch.from_numpy(starts)
+    how = f"{scfg.solver} {scfg.steps} steps" + (", SDEdit from the release" if init is not None else "")
+    meter = Meter(sink, SAMPLING, "images", n, f"{n} synthetic images ({how}) into {name}")
     images, _ = (
-        generate(model, labels, seed, scfg, init=init) if n else (torch.zeros((0, *model.image_shape)), None)
+        generate(model, labels, seed, scfg, init=init, progress=meter)
+        if n
+        else (torch.zeros((0, *model.image_shape)), None)
     )
     names = json.loads((out_dir / "job_summary.json").read_text("utf-8"))["class_names"]
     buf = io.BytesIO()
     np.savez_compressed(
         buf, images=images.numpy().astype(np.float32), labels=labels, class_names=np.array(names)
     )
-    return atomic_write_bytes(out_dir / name, buf.getvalue())
+    path = atomic_write_bytes(out_dir / name, buf.getvalue())
+    meter.end()
+    return path

@@ -18,6 +18,7 @@ import torch
 from ..config import JobConfig
 from ..mechanisms.central import nearest
 from ..models.auxgen import AuxModel
+from ..progress_events import PROTOTYPES, Meter, Sink
 from ..training.frequency import aux_draw
 from .context import public_generator
 
@@ -40,13 +41,20 @@ def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iterations: int = IT
     return c
 
 
-def cell_prototypes(aux: AuxModel, cfg: JobConfig) -> np.ndarray:
+def cell_prototypes(aux: AuxModel, cfg: JobConfig, sink: Sink | None = None) -> np.ndarray:
     """(n_classes, cells, C*H*W) float64 prototypes in [0, 1]: per class, ``cells`` k-means centres of
-    :data:`PER_CLASS` aux-generator images drawn from the public generator ``cell-prototypes``."""
+    :data:`PER_CLASS` aux-generator images drawn from the public generator ``cell-prototypes``; the classes
+    done reported to ``sink``."""
     n, cells = aux.n_classes, cfg.central.cells
+    meter = Meter(sink, PROTOTYPES, "classes", n, f"from the aux generator ({cells} per class)")
     labels = np.repeat(np.arange(n, dtype=np.int64), PER_CLASS)
     images = aux_draw(aux, labels, public_generator(cfg, "cell-prototypes")).reshape(n, PER_CLASS, -1)
     rng = np.random.default_rng(
         int(torch.randint(0, 2**31 - 1, (1,), generator=public_generator(cfg, "kmeans")))
     )
-    return np.stack([kmeans(images[k].numpy().astype(np.float64), cells, rng) for k in range(n)])
+    centres = []
+    for k in range(n):
+        centres.append(kmeans(images[k].numpy().astype(np.float64), cells, rng))
+        meter(k + 1)
+    meter.end()
+    return np.stack(centres)

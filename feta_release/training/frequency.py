@@ -236,11 +236,20 @@ def aux_draw(gen: AuxModel, labels: np.ndarray | torch.Tensor, generator: torch.
 
 
 def generate_aux_images(
-    gen: AuxModel, n: int, generator: torch.Generator, batch: int = 500
+    gen: AuxModel,
+    n: int,
+    generator: torch.Generator,
+    batch: int = 500,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode)."""
+    """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode);
+    ``progress(images done, n)`` after each batch."""
     labels = shuffled_balanced_labels(n, gen.n_classes, generator)
-    out = [aux_draw(gen, labels[start : start + batch], generator) for start in range(0, n, batch)]
+    out = []
+    for start in range(0, n, batch):
+        out.append(aux_draw(gen, labels[start : start + batch], generator))
+        if progress is not None:
+            progress(start + len(out[-1]), n)
     images = torch.cat(out) if out else torch.zeros((0, gen.img_channels, gen.img_size, gen.img_size))
     # Quantise like stored images so the warm-up sees what a saved set would hold.
     return (images * 255.0).round() / 255.0, labels

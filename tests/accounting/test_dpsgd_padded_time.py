@@ -28,6 +28,7 @@ from feta_release.job_rules import (
     CUDA_CALL_SECONDS,
     CUDA_DPSGD_SECONDS_PER_VALUE,
     DPSGD_OVERHEAD,
+    GRID_PER_CLASS,
     SECONDS_PER_PIXEL_PASS,
     DataFacts,
     Derivation,
@@ -36,6 +37,7 @@ from feta_release.job_rules import (
     derive,
     dpsgd_step_rows,
     estimate,
+    sampling_seconds,
     seconds_per_pass,
 )
 from feta_release.planning import stage_sampling_rate
@@ -44,7 +46,8 @@ from feta_release.training.padding import public_rows, site_step_rows, step_boun
 from tests.support.dpsgd import random_site
 from tests.support.federation import tiny_job
 
-ROUNDING = 0.05  # an Estimate keeps each stage to 0.1 s
+# an Estimate keeps each stage to 0.1 s: half of it, plus float error (418.05 rounds to 418.1)
+ROUNDING = 0.05 + 1e-9
 
 
 def padded_rows(cfg: JobConfig, n: int) -> int:
@@ -82,7 +85,7 @@ def test_a_dpsgd_job_is_estimated_at_its_padded_rows_per_step(
     n: int, batch_share: float, physical: int, steps: int, side: int, channels: int, device: Any
 ) -> None:
     """The estimate of a DP-SGD job = the same job without DP-SGD + the padded step's cost x steps (per row;
-    on a GPU also per call of ``physical_batch`` rows)."""
+    on a GPU also per call of ``physical_batch`` rows) + the sample grid ``train`` draws after the rounds."""
     batch = max(1, round(batch_share * n))
     cfg = JobConfig().replace(dpsgd={"batch": batch, "steps": steps, "physical_batch": physical})
     f = DataFacts(
@@ -94,7 +97,8 @@ def test_a_dpsgd_job_is_estimated_at_its_padded_rows_per_step(
     est, rest = estimate(cfg, f), estimate(cfg.replace(dpsgd={"steps": 0}), f)
     want = step_seconds(cfg, f, rows) * steps
     assert est.seconds["dpsgd"] == pytest.approx(want, abs=ROUNDING)
-    assert est.total == pytest.approx(rest.total + want, abs=ROUNDING * len(est.seconds))
+    grid = sampling_seconds(cfg, f, GRID_PER_CLASS * f.n_classes)
+    assert est.total == pytest.approx(rest.total + want + grid, abs=ROUNDING * len(est.seconds))
 
 
 derived_facts = st.builds(
@@ -112,8 +116,9 @@ derived_facts = st.builds(
 
 
 def _derived_dpsgd(f: DataFacts) -> tuple[Derivation, int, float] | None:
-    """(the derived job, its DP-SGD steps, the seconds of the rest of its training), or None where no job
-    is derived (below the floor: nothing to time) or it runs no DP-SGD."""
+    """(the derived job, its DP-SGD steps, the seconds of the rest of its training: the job without DP-SGD
+    and the sample grid ``train`` draws after the rounds), or None where no job is derived (below the floor:
+    nothing to time) or it runs no DP-SGD."""
     try:
         d = derive(f)
     except ConfigError:
@@ -121,7 +126,8 @@ def _derived_dpsgd(f: DataFacts) -> tuple[Derivation, int, float] | None:
     steps = d.cfg.dpsgd_steps(f.size)
     if steps == 0:
         return None
-    return d, steps, estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training
+    grid = sampling_seconds(d.cfg, f, GRID_PER_CLASS * f.n_classes)
+    return d, steps, estimate(d.cfg.replace(dpsgd={"steps": 0}), f).training + grid
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

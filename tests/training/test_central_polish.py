@@ -12,6 +12,7 @@ import torch
 from feta_release.config import load_preset
 from feta_release.errors import ConfigError
 from feta_release.models import build_denoiser
+from feta_release.progress_events import POLISH
 from feta_release.stages.spatial import central_polish
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from tests.support.training import TINY, bars, fixed_noise_loss, job, train_run
@@ -84,7 +85,7 @@ def test_train_runs_the_polish_once_after_the_last_warmup(tmp_path, frequency: b
     train_run(cfg, _data(), tmp_path / "r", public_size=240, release=False)
     lines = (tmp_path / "r" / "progress.jsonl").read_text().splitlines()
     said = [json.loads(line)["message"] for line in lines if json.loads(line)["phase"] == "warmup"]
-    polish = [i for i, m in enumerate(said) if m.startswith("central polish done")]
+    polish = [i for i, m in enumerate(said) if m.startswith(f"{POLISH} done")]
     last = max(i for i, m in enumerate(said) if " warm-up done" in m)
     assert len(polish) == 1 and polish[0] > last  # once, after the last warm-up stage
     assert any(m.startswith("frequency warm-up done") for m in said) == frequency

@@ -59,6 +59,7 @@ from ..errors import FetaError, ReleaseError
 from ..files import read_regular
 from ..mechanisms.count import PATIENTS_STAGE, SIZE_STAGE
 from ..policy.enforce import skellam_own_sigma
+from ..privacy_unit import lifetime_in_unit
 from ..signing import (
     canonical_json,
     fingerprint,
@@ -1429,8 +1430,10 @@ def merged_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def describe_site(site: dict[str, Any]) -> str:
-    """One paragraph a data-protection officer can read: the site's total (ε, δ) and what it means."""
+def describe_site(site: dict[str, Any], *, image_level_lifetime: bool = False) -> str:
+    """One paragraph a data-protection officer can read: the site's total (ε, δ) and what it means.
+    ``image_level_lifetime``: the lifetime sentence as certificates of version 2 signed it (the statement's
+    figure per image, whatever the site's unit), so that ``verify_synthetic`` can re-derive their text."""
     eps, delta = float(site["epsilon"]), float(site["delta"])
     events = merged_events(site["events"])
     stages = []
@@ -1457,7 +1460,7 @@ def describe_site(site: dict[str, Any]) -> str:
         f"e^{eps:.3g} ≈ {factor:.3g}, except with probability at most {delta:g}."
         + _unit_words(site)
         + _secure_site_words(site, eps, delta)
-        + _lifetime_words(site, eps)
+        + (_image_lifetime_words(site, eps) if image_level_lifetime else _lifetime_words(site, eps))
     )
 
 
@@ -1500,6 +1503,21 @@ def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:
 
 
 def _lifetime_words(site: dict[str, Any], job_eps: float) -> str:
+    """The lifetime sentence in the site's unit (``privacy_unit.lifetime_in_unit``, as its ledger caps it):
+    per patient at a patient-level site, beside this job's ε per patient."""
+    st = (site.get("attestation") or {}).get("statement") or {}
+    life = lifetime_in_unit(st)
+    if life is None or life.get("unit") != "patient":
+        return _image_lifetime_words(site, job_eps)
+    job = float(st["privacy_unit"]["epsilon_per_patient"])
+    return (
+        f" Lifetime: this site has spent ε per PATIENT = {life['epsilon']:.3g} at δ = {life['delta']:g} on "
+        f"the same patients over all its jobs (this job: ε per patient = {job:.3g}); a release built on an "
+        "earlier job's model depends on both, so the lifetime figure is the one that bounds it."
+    )
+
+
+def _image_lifetime_words(site: dict[str, Any], job_eps: float) -> str:
     life = lifetime_of(site)
     if life is None:
         return " The site states no lifetime spend for its data."

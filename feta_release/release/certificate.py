@@ -47,8 +47,9 @@ from .verify import (
 
 CERTIFICATE_FILE = "certificate.json"
 # 3: a patient-level site's lifetime per patient (``privacy_unit.lifetime_in_unit``) in the privacy section
-# and its statement. 2 stated it per image whatever the site's unit; such certificates still verify
-# against the words they signed, with a note giving the figure per patient.
+# and its statement, and its secure-aggregation figures per patient in the statement. 2 stated them per
+# image whatever the site's unit; such certificates still verify against the words they signed, with a
+# note giving the lifetime per patient.
 CERTIFICATE_VERSION = "feta-release/certificate/3"
 IMAGE_LIFETIME_VERSION = "feta-release/certificate/2"
 CERTIFICATE_VERSIONS = (IMAGE_LIFETIME_VERSION, CERTIFICATE_VERSION)
@@ -105,7 +106,7 @@ def certificate_privacy(
             "policy_sha256": s["policy_sha256"],
             # the site's spend on this data over ALL its jobs (signed)
             "lifetime": lifetime_of(s) if old else lifetime_in_unit(_statement(s)),
-            "statement": describe_site(s, image_level_lifetime=old),
+            "statement": describe_site(s, per_image_spend=old),
         }
         for s in sites
     ]

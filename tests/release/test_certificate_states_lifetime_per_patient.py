@@ -126,3 +126,30 @@ def test_an_image_level_sites_lifetime_words_are_unchanged() -> None:
         f"(this job: ε = {epsilon(events, DELTA):.3g}); a release built on an earlier job's model depends on "
         "both, so the lifetime figure is the one that bounds it."
     )
+
+
+def test_a_patient_level_sites_secure_aggregation_words_are_per_patient() -> None:
+    """Both secure-aggregation figures in the paragraph per patient, as the site's ledger caps them; they
+    read the image-level 'ε = ...; if every other site colluded, ε would be ...'."""
+    from feta_release.accounting import SkellamEvent, worst_case_epsilon
+    from feta_release.privacy_unit import PrivacyUnit
+
+    events = [SkellamEvent("central", 1.0, 1, l2=40.0, l1=1600.0, mu=4e5, mu_worst=1e5), EVENTS[1]]
+    st = {
+        "privacy_unit": PrivacyUnit("patient", CAP).statement(0.0, DELTA, events),
+        "secure_aggregation": {"max_colluders": 0},
+    }
+    site = {
+        "site_id": "s",
+        "epsilon": epsilon(events, DELTA),
+        "delta": DELTA,
+        "accountant": "rdp",
+        "events": [e.to_dict() for e in events],
+        "attestation": {"statement": st},
+    }
+    per = patient_epsilon(events, DELTA, CAP)
+    worst = patient_epsilon(events, DELTA, CAP, view="worst_case")
+    assert worst > per > 2 * worst_case_epsilon(events, DELTA)
+    words = describe_site(site)
+    assert f"secure aggregation: ε per patient = {per:.3g} (δ = {DELTA:g}) holds if" in words, words
+    assert f"ε per patient would be {worst:.3g} (this site's own noise share only)" in words, words

@@ -571,14 +571,23 @@ def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float
 
 
 def epsilon_breakdown(
-    events: Sequence[Event], delta: float, accountant: Accountant = "rdp", *, view: View = "assumed"
+    events: Sequence[Event],
+    delta: float,
+    accountant: Accountant = "rdp",
+    *,
+    view: View = "assumed",
+    patient_cap: int | None = None,
 ) -> dict[str, float]:
-    """Epsilon of each stage ALONE (not additive: composition is sub-additive), plus ``"total"`` over all."""
+    """Epsilon of each stage ALONE (not additive: composition is sub-additive), plus ``"total"`` over all, in
+    the site's unit (:func:`unit_epsilon`): per patient where ``patient_cap`` is set."""
     stages: dict[str, list[Event]] = {}
     for e in events:
         stages.setdefault(e.stage, []).append(e)
-    out = {stage: epsilon(evs, delta, accountant, view=view) for stage, evs in stages.items()}
-    out["total"] = epsilon(events, delta, accountant, view=view)
+    out = {
+        stage: unit_epsilon(evs, delta, accountant, patient_cap=patient_cap, view=view)
+        for stage, evs in stages.items()
+    }
+    out["total"] = unit_epsilon(events, delta, accountant, patient_cap=patient_cap, view=view)
     return out
 
 

@@ -250,3 +250,31 @@ def site_unit_statement(
         st = PrivacyUnit("patient", int(policy.patient_cap)).statement(epsilon, delta, events, accountant)
         return {**st, "public_patients": int(policy.patients)}
     return PrivacyUnit("image", None).statement(epsilon, delta)
+
+
+def statement_patient_cap(statement: dict) -> int | None:
+    """The images-per-patient cap a site's signed statement declares (None: an image-level site)."""
+    u = statement.get("privacy_unit")
+    if isinstance(u, dict) and u.get("unit") == "patient" and "epsilon_per_patient" in u:
+        return int(u["images_per_patient_cap"])
+    return None
+
+
+def lifetime_in_unit(statement: dict) -> dict | None:
+    """A site's signed lifetime spend (all its jobs on the same data) in the SITE'S unit, as its ledger caps
+    it (None: a statement without one): per patient at a patient-level site (``accounting.patient_epsilon``
+    over its cap), whereas the statement's ``lifetime.epsilon`` composes the events as if each protected one
+    image, a smaller number than one patient can lose (kept as ``epsilon_per_image``, beside ``unit``).
+    Image-level sites: the signed figure as it is. The one derivation the privacy report and the certificate
+    state."""
+    from .accounting import events_from_list, patient_epsilon
+
+    life = statement.get("lifetime")
+    if not isinstance(life, dict):
+        return None
+    cap, delta = statement_patient_cap(statement), float(life["delta"])
+    if cap is None:
+        return {"epsilon": float(life["epsilon"]), "delta": delta}
+    acc = statement.get("accountant", "rdp")
+    per = patient_epsilon(events_from_list(life["events"]), delta, cap, acc)
+    return {"epsilon": per, "delta": delta, "unit": "patient", "epsilon_per_image": float(life["epsilon"])}

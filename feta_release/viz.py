@@ -243,7 +243,9 @@ def _budget_site(
     """One site's group: per stage a solid bar for THIS job and, where the site states it, a pale outlined bar
     for its LIFETIME spend on the same images (all jobs); the per-job and lifetime caps as dashed lines."""
     left, bar, gap = geo["left"], geo["bar"], geo["gap"]
-    out = [f'<text x="8" y="{y + 12}" font-weight="bold">site {escape(sid)}</text>']
+    # a patient-level site's figures and caps are per patient: its header says so
+    unit = " (ε per patient)" if s.get("unit") == "patient" else ""
+    out = [f'<text x="8" y="{y + 12}" font-weight="bold">site {escape(sid)}{unit}</text>']
     y += geo["group_gap"]
     y0 = y
     for name, job, life in _budget_rows(s):
@@ -281,7 +283,8 @@ def budget_svg(sites: dict[str, dict[str, Any]], *, width: int = 720) -> str:
     """SVG bar chart, one group per site: per stage, ε of that stage ALONE for this job (solid) and for the
     site's whole LIFETIME on the same images (pale, outlined), then the composed totals (dark); the site's
     per-job and lifetime caps as dashed lines where known.  ``sites[sid] = {"by_stage": {stage: eps, "total":
-    eps}, "lifetime_by_stage": {...} | None, "delta": d, "cap": eps | None, "lifetime_cap": eps | None}``.
+    eps}, "lifetime_by_stage": {...} | None, "delta": d, "cap": eps | None, "lifetime_cap": eps | None,
+    "unit": "image" | "patient"}``: every figure and cap in the site's unit.
     Self-contained: no fonts or scripts fetched."""
     top = _budget_top(sites)
     geo = {"left": 170, "right": 90, "bar": 16, "gap": 8, "head": 52, "group_gap": 26}

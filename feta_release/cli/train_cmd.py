@@ -492,11 +492,16 @@ def _public_inputs(
 
 
 def _print_summary(res: Any, accountant: str, release: Path | None, as_json: bool) -> None:
-    """The run's ε, events and where its outputs are: one line, or the JSON summary (--json)."""
+    """The run's ε, events and where its outputs are: one line, or the JSON summary (--json). ``epsilon`` is
+    in the site's unit (``unit``), as ``privacy_report.json``'s ``epsilon_total``: per patient at a
+    patient-level site, the figure its caps bound; there the events composed as if each protected one image
+    are ``epsilon_per_image``."""
+    per = res.epsilon_per_patient  # a patient-level site's guarantee (None: images)
     summary = {
         "run_dir": str(res.run_dir),
-        "epsilon": res.epsilon,
-        "epsilon_per_patient": res.epsilon_per_patient,  # a patient-level site's guarantee (None: images)
+        "unit": "image" if per is None else "patient",
+        "epsilon": res.epsilon if per is None else per,
+        "epsilon_per_patient": per,
         "delta": res.delta,
         "accountant": accountant,
         "events": [e.to_dict() for e in res.events],
@@ -507,6 +512,8 @@ def _print_summary(res: Any, accountant: str, release: Path | None, as_json: boo
         "already_complete": res.already_complete,
         "release": str(release) if release else None,
     }
+    if per is not None:
+        summary["epsilon_per_image"] = res.epsilon
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from ..errors import FetaError, ReleaseError
 from ..files import hash_regular, read_regular
-from ..privacy_unit import unit_phrase
+from ..privacy_unit import lifetime_in_unit, unit_phrase
 from ..signing import canonical_json, fingerprint, loads_strict, sha256_hex, sign_document, verify_document
 from .manifest import MANIFEST_FILE
 from .verify import (
@@ -46,7 +46,13 @@ from .verify import (
 )
 
 CERTIFICATE_FILE = "certificate.json"
-CERTIFICATE_VERSION = "feta-release/certificate/2"
+# 3: a patient-level site's lifetime per patient (``privacy_unit.lifetime_in_unit``) in the privacy section
+# and its statement, and its secure-aggregation figures per patient in the statement. 2 stated them per
+# image whatever the site's unit; such certificates still verify against the words they signed, with a
+# note giving the lifetime per patient.
+CERTIFICATE_VERSION = "feta-release/certificate/3"
+IMAGE_LIFETIME_VERSION = "feta-release/certificate/2"
+CERTIFICATE_VERSIONS = (IMAGE_LIFETIME_VERSION, CERTIFICATE_VERSION)
 # A certificate lists every synthetic file (about 100 bytes each): room for some millions of images.
 MAX_CERTIFICATE_BYTES = 1 << 30
 SYNTHETIC_MARK = (
@@ -83,9 +89,14 @@ def png_text(manifest_sha256: str, sites: Sequence[dict[str, Any]]) -> dict[str,
     }
 
 
-def certificate_privacy(sites: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def certificate_privacy(
+    sites: Sequence[dict[str, Any]], version: str = CERTIFICATE_VERSION
+) -> list[dict[str, Any]]:
     """The certificate's ``privacy`` section: each site's attested figures as the verified manifest states
-    them. ``verify_synthetic`` recomputes it from the release, so the signer cannot certify other figures."""
+    them. ``verify_synthetic`` recomputes it from the release, so the signer cannot certify other figures.
+    ``lifetime``: in the site's unit (per patient at a patient-level site, as its ledger caps it); a version 2
+    certificate stated the signed figure per image."""
+    old = version == IMAGE_LIFETIME_VERSION
     return [
         {
             "site_id": s["site_id"],
@@ -93,11 +104,16 @@ def certificate_privacy(sites: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
             "delta": s["delta"],
             "accountant": s["accountant"],
             "policy_sha256": s["policy_sha256"],
-            "lifetime": lifetime_of(s),  # the site's spend on this data over ALL its jobs (signed)
-            "statement": describe_site(s),
+            # the site's spend on this data over ALL its jobs (signed)
+            "lifetime": lifetime_of(s) if old else lifetime_in_unit(_statement(s)),
+            "statement": describe_site(s, per_image_spend=old),
         }
         for s in sites
     ]
+
+
+def _statement(site: dict[str, Any]) -> dict[str, Any]:
+    return dict((site.get("attestation") or {}).get("statement") or {})
 
 
 def png_info(text: dict[str, str]) -> Any:
@@ -223,9 +239,9 @@ def _check_signature(
     version = cert.get("certificate_version")
     res.add(
         "certificate format",
-        version == CERTIFICATE_VERSION,
+        version in CERTIFICATE_VERSIONS,
         f"certificate_version {version!r}"
-        + ("" if version == CERTIFICATE_VERSION else f", expected {CERTIFICATE_VERSION!r}"),
+        + ("" if version in CERTIFICATE_VERSIONS else f", expected {CERTIFICATE_VERSION!r}"),
     )
     if sig is None:
         res.add("certificate signature", False, "the certificate is unsigned: run synthesize with --key KEY")
@@ -384,7 +400,7 @@ def _check_certified_privacy(res: VerificationResult, cert: dict[str, Any], rv: 
     bad = [
         k
         for k, want in (
-            ("privacy", certificate_privacy(sites)),
+            ("privacy", certificate_privacy(sites, str(cert.get("certificate_version")))),
             ("png_metadata", png_text(str(rv.manifest_sha256), sites)),
         )
         if cert.get(k) != want
@@ -397,3 +413,22 @@ def _check_certified_privacy(res: VerificationResult, cert: dict[str, Any], rv: 
         else f"the certificate's {' and '.join(bad)} differ from what the release's sites attested (ε, δ, "
         "lifetime); do not use its figures: read them from `feta-release verify` of the release",
     )
+    _note_image_level_lifetime(res, cert, sites)
+
+
+def _note_image_level_lifetime(
+    res: VerificationResult, cert: dict[str, Any], sites: list[dict[str, Any]]
+) -> None:
+    """A version 2 certificate words a patient-level site's lifetime per image: the note gives the figure
+    per patient, the one the site's ledger caps."""
+    if cert.get("certificate_version") != IMAGE_LIFETIME_VERSION:
+        return
+    for s in sites:
+        life = lifetime_in_unit(_statement(s))
+        if life is not None and life.get("unit") == "patient":
+            res.note(
+                "lifetime per patient",
+                f"site {s['site_id']}: this certificate ({IMAGE_LIFETIME_VERSION}) states its lifetime "
+                f"per image, ε = {life['epsilon_per_image']:.3g}; its unit is the patient: lifetime ε per "
+                f"PATIENT = {life['epsilon']:.3g} at δ = {life['delta']:g}",
+            )

@@ -48,6 +48,7 @@ from ..errors import FetaError
 from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
+from ..privacy_unit import lifetime_in_unit, statement_patient_cap
 from ..progress_events import REPORT, SAMPLING, Meter, Sink, timed
 from ..signing import load_private_key
 from ..viz import epsilon_title, save_budget_svg, save_grid
@@ -117,6 +118,7 @@ def _privacy_report(out_dir: Path) -> dict[str, Any]:
     lines += [
         "",
         "Stage figures are each stage alone; composition is sub-additive, the total is what counts.",
+        *_patient_stage_note(sites),
         "Each site's data never left it: only the noisy releases above did.",
     ]
     if public:
@@ -125,70 +127,85 @@ def _privacy_report(out_dir: Path) -> dict[str, Any]:
     return report
 
 
+def _patient_stage_note(sites: dict[str, Any]) -> list[str]:
+    """Why a patient-level site's total can exceed the sum of its stages alone."""
+    if all(s["unit"] != "patient" for s in sites.values()):
+        return []
+    return [
+        "At a patient-level site each stage alone is stated at the whole δ; its total composes the "
+        "image-level releases (group privacy) and the patient-level DP-SGD at δ/2 each, so it can exceed "
+        "their sum."
+    ]
+
+
 def _site_report(att: dict[str, Any]) -> dict[str, Any]:
-    """One site's part of the report from its signed statement. A patient-level site's statement carries
-    ``privacy_unit``: ε PER PATIENT (the image-level releases by group privacy over the cap, patient-level
-    DP-SGD as it is; the figure its ledger's caps bound). Its ``epsilon`` composes the events as if each
-    protected one image, a smaller number that is not the site's guarantee: the report states the one per
-    patient as the site's total."""
+    """One site's part of the report from its signed statement, every ε in the SITE'S unit (``unit``): per
+    patient at a patient-level site (its statement's ``privacy_unit``: the image-level releases by group
+    privacy over the cap, patient-level DP-SGD as it is; the figure its ledger's caps bound), so a reader of
+    ``epsilon_total``, ``lifetime.epsilon`` or a stage's figure gets the site's guarantee. There the
+    statement's own figures, composed as if each event protected one image (smaller numbers that are not the
+    site's guarantee), keep their unit in their name: ``*_per_image``."""
     st = att["statement"]
     events = events_from_list(st["events"])
+    cap = statement_patient_cap(st)
     site: dict[str, Any] = {
-        "epsilon_total": st["epsilon"],
+        "unit": "image" if cap is None else "patient",
+        "epsilon_total": st["epsilon"] if cap is None else float(st["privacy_unit"]["epsilon_per_patient"]),
         "delta": st["delta"],
         "accountant": st["accountant"],
-        "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"]),
+        "epsilon_by_stage_alone": epsilon_breakdown(events, st["delta"], st["accountant"], patient_cap=cap),
         "events": st["events"],
         "policy_sha256": st["policy_sha256"],
         "signed_by_site": att["signature"]["signer"],
     }
-    unit = st.get("privacy_unit")
-    if isinstance(unit, dict) and unit.get("unit") == "patient" and "epsilon_per_patient" in unit:
-        site["per_patient"] = dict(unit)
+    if cap is not None:
+        site["epsilon_total_per_image"] = st["epsilon"]
+        site["per_patient"] = dict(st["privacy_unit"])
     # both figures the site signed (docs/secure-aggregation.md)
     if isinstance(st.get("secure_aggregation"), dict):
-        site["secure_aggregation"] = dict(st["secure_aggregation"])
-    life = st.get("lifetime")
-    if isinstance(life, dict):  # the site's signed spend on the same images over all its jobs
+        site["secure_aggregation"] = _secure_in_unit(st, events, cap)
+    life = lifetime_in_unit(st)  # the site's signed spend on the same images over all its jobs
+    if life is not None:
+        life_events = events_from_list(st["lifetime"]["events"])
         site["lifetime"] = {
-            "epsilon": life["epsilon"],
-            "delta": life["delta"],
+            **life,
             "epsilon_by_stage_alone": epsilon_breakdown(
-                events_from_list(life["events"]), life["delta"], st["accountant"]
+                life_events, life["delta"], st["accountant"], patient_cap=cap
             ),
         }
-    if "per_patient" in site:
-        _per_patient_figures(site, st, events)
     return site
 
 
-def _per_patient_figures(site: dict[str, Any], st: dict[str, Any], events: list[Any]) -> None:
-    """A patient-level site's lifetime and worst-case figures PER PATIENT, as its ledger caps them
-    (``accounting.patient_epsilon`` over its cap): the statement's own ``lifetime.epsilon`` and
-    ``worst_case_epsilon`` compose the events as if each protected one image, smaller numbers that a line
-    beside the per-patient total would pass off as the site's spend."""
-    cap = int(site["per_patient"]["images_per_patient_cap"])
-    if "lifetime" in site:
+def _secure_in_unit(st: dict[str, Any], events: list[Any], cap: int | None) -> dict[str, Any]:
+    """The statement's secure-aggregation figures; at a patient-level site the worst cases PER PATIENT, as its
+    ledger caps them (``accounting.patient_epsilon`` over its cap, ``view="worst_case"``), the signed
+    image-level ones kept as ``*_per_image``."""
+    sa = dict(st["secure_aggregation"])
+    if cap is None:
+        return sa
+    figures = [("worst_case_epsilon", events, float(st["delta"]))]
+    if isinstance(st.get("lifetime"), dict):
         life = st["lifetime"]
-        site["lifetime"]["epsilon_per_patient"] = patient_epsilon(
-            events_from_list(life["events"]), float(life["delta"]), cap, st["accountant"]
+        figures.append(
+            ("lifetime_worst_case_epsilon", events_from_list(life["events"]), float(life["delta"]))
         )
-    if "secure_aggregation" in site:
-        site["secure_aggregation"]["worst_case_epsilon_per_patient"] = patient_epsilon(
-            events, float(st["delta"]), cap, st["accountant"], view="worst_case"
-        )
+    for key, evs, delta in figures:
+        if key in sa:
+            sa[key + "_per_image"] = sa[key]
+            sa[key] = patient_epsilon(evs, delta, cap, st["accountant"], view="worst_case")
+    return sa
 
 
 def _site_lines(sid: str, s: dict[str, Any]) -> list[str]:
-    """A site's lines of ``privacy_report.txt``."""
+    """A site's lines of ``privacy_report.txt``: every ε in the site's unit (``_site_report``)."""
     per = s.get("per_patient")
     if per is not None:
         lines = [
-            f"site {sid}: total ε per PATIENT = {per['epsilon_per_patient']:.3f} at δ = "
+            f"site {sid}: total ε per PATIENT = {s['epsilon_total']:.3f} at δ = "
             f"{per['delta_per_patient']:g} (at most {per['images_per_patient_cap']} image(s) each: "
             f"{per['how']}), signed by the site's key {s['signed_by_site']}",
-            f"    the events composed as if each protected one image: ε = {s['epsilon_total']:.3f} (not "
-            "the site's guarantee: its unit is the patient)",
+            f"    the events composed as if each protected one image: ε = {s['epsilon_total_per_image']:.3f} "
+            "(not the site's guarantee: its unit is the patient)",
         ]
     else:
         lines = [
@@ -196,23 +213,22 @@ def _site_lines(sid: str, s: dict[str, Any]) -> list[str]:
             f"accountant), signed by the site's key {s['signed_by_site']}"
         ]
     life, sa = s.get("lifetime"), s.get("secure_aggregation")
-    # a patient-level site's figures per patient, as its ledger caps them (_per_patient_figures)
-    what, suffix = ("ε per PATIENT", "_per_patient") if per is not None else ("ε", "")
+    what = "ε per PATIENT" if per is not None else "ε"
     if life is not None:
         lines.append(
-            f"    lifetime on the same images (all jobs): {what} = {life['epsilon' + suffix]:.3f} "
+            f"    lifetime on the same images (all jobs): {what} = {life['epsilon']:.3f} "
             f"at δ = {life['delta']:g}"
         )
     if sa:
-        worst = sa["worst_case_epsilon" + suffix]
         lines.append(
             f"    secure aggregation: the ε above assumes at most {sa.get('max_colluders', 0)} other "
             "site(s) collude with the coordinator (the site's signed policy); if every other site "
-            f"colluded (only this site's own noise share protecting it): {what} = {worst:.3f}"
+            f"colluded (only this site's own noise share protecting it): {what} = "
+            f"{sa['worst_case_epsilon']:.3f}"
         )
     for stage, e in s["epsilon_by_stage_alone"].items():
         if stage != "total":
-            lines.append(f"    {stage:<10} alone ε = {e:.3f}")
+            lines.append(f"    {stage:<10} alone {what} = {e:.3f}")
     return lines
 
 
@@ -231,7 +247,8 @@ def _signed_public(out_dir: Path) -> dict[str, Any]:
 
 def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
     """``budget.svg``: per site, ε of each stage alone and the composed total, this job beside the site's
-    lifetime, against the site's per-job and lifetime caps."""
+    lifetime, against the site's per-job and lifetime caps: all in the site's unit (per patient at a
+    patient-level site, as its policy's caps are)."""
     chart = {}
     for sid, s in sites.items():
         budget: dict[str, Any] = {}
@@ -245,6 +262,7 @@ def _budget_chart(out_dir: Path, sites: dict[str, Any]) -> Path:
             "lifetime_by_stage": (s.get("lifetime") or {}).get("epsilon_by_stage_alone"),
             "cap": budget.get("per_job", {}).get("epsilon"),
             "lifetime_cap": budget.get("lifetime", {}).get("epsilon"),
+            "unit": s["unit"],
         }
     return save_budget_svg(chart, out_dir / "budget.svg")
 

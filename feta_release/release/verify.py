@@ -51,6 +51,7 @@ from ..accounting import (
     SkellamEvent,
     events_from_list,
     has_secure_aggregation,
+    patient_epsilon,
     worst_case_epsilon,
     worst_case_epsilon_cap,
 )
@@ -59,6 +60,7 @@ from ..errors import FetaError, ReleaseError
 from ..files import read_regular
 from ..mechanisms.count import PATIENTS_STAGE, SIZE_STAGE
 from ..policy.enforce import skellam_own_sigma
+from ..privacy_unit import lifetime_in_unit, statement_patient_cap
 from ..signing import (
     canonical_json,
     fingerprint,
@@ -1100,19 +1102,19 @@ def _check_stated_worst_case(
         )
 
 
-def secure_words(eps: float, worst: float, delta: float, colluders: int) -> str:
-    """The two epsilons of a site under secure aggregation, in plain words."""
+def secure_words(eps: float, worst: float, delta: float, colluders: int, what: str = "ε") -> str:
+    """The two epsilons of a site under secure aggregation, in plain words (``what``: the ε's unit)."""
     if math.isclose(float(eps), worst, rel_tol=EPS_REL_TOL, abs_tol=1e-12):
         return (
-            f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) counts this site's own noise share "
-            f"only (its policy pins no other site's key under secure_aggregation.peers, or assumes every "
-            f"other site may collude with the coordinator), so it holds whoever colludes"
+            f"secure aggregation: {what} = {float(eps):.3g} (δ = {delta:g}) counts this site's own noise "
+            "share only (its policy pins no other site's key under secure_aggregation.peers, or assumes "
+            "every other site may collude with the coordinator), so it holds whoever colludes"
         )
     who = "no other site colludes" if colluders == 0 else f"at most {colluders} other site(s) collude"
     return (
-        f"secure aggregation: ε = {float(eps):.3g} (δ = {delta:g}) holds if {who} with the coordinator "
+        f"secure aggregation: {what} = {float(eps):.3g} (δ = {delta:g}) holds if {who} with the coordinator "
         f"(the noise shares of the honest sites protect this site's images); if every other site colluded, "
-        f"ε would be {worst:.3g} (this site's own noise share only)"
+        f"{what} would be {worst:.3g} (this site's own noise share only)"
     )
 
 
@@ -1429,8 +1431,11 @@ def merged_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def describe_site(site: dict[str, Any]) -> str:
-    """One paragraph a data-protection officer can read: the site's total (ε, δ) and what it means."""
+def describe_site(site: dict[str, Any], *, per_image_spend: bool = False) -> str:
+    """One paragraph a data-protection officer can read: the site's total (ε, δ) and what it means. At a
+    patient-level site the lifetime and secure-aggregation sentences are per patient, as its ledger caps them.
+    ``per_image_spend``: those sentences as certificates of version 2 signed them (the statement's figures per
+    image, whatever the site's unit), so that ``verify_synthetic`` can re-derive their text."""
     eps, delta = float(site["epsilon"]), float(site["delta"])
     events = merged_events(site["events"])
     stages = []
@@ -1456,8 +1461,8 @@ def describe_site(site: dict[str, Any]) -> str:
         f"this release (the generator and every image generated from it) changes by at most a factor of "
         f"e^{eps:.3g} ≈ {factor:.3g}, except with probability at most {delta:g}."
         + _unit_words(site)
-        + _secure_site_words(site, eps, delta)
-        + _lifetime_words(site, eps)
+        + _secure_site_words(site, eps, delta, per_image_spend)
+        + (_image_lifetime_words(site, eps) if per_image_spend else _lifetime_words(site, eps))
     )
 
 
@@ -1481,13 +1486,21 @@ def _unit_words(site: dict[str, Any]) -> str:
     )
 
 
-def _secure_site_words(site: dict[str, Any], eps: float, delta: float) -> str:
+def _secure_site_words(site: dict[str, Any], eps: float, delta: float, per_image: bool = False) -> str:
+    """Both figures under secure aggregation; per patient at a patient-level site (``per_image``: as
+    version 2 certificates worded them)."""
     events = events_from_list(site["events"])
     if not has_secure_aggregation(events):
         return ""
-    sa = ((site.get("attestation") or {}).get("statement") or {}).get("secure_aggregation") or {}
-    words = secure_words(eps, worst_case_epsilon(events, delta), delta, int(sa.get("max_colluders", 0)))
-    return f" Under {words}."
+    st = (site.get("attestation") or {}).get("statement") or {}
+    sa = st.get("secure_aggregation") or {}
+    colluders = int(sa.get("max_colluders", 0))
+    cap = None if per_image else statement_patient_cap(st)
+    if cap is None:
+        return f" Under {secure_words(eps, worst_case_epsilon(events, delta), delta, colluders)}."
+    acc = site["accountant"]
+    per, worst = (patient_epsilon(events, delta, cap, acc, view=v) for v in ("assumed", "worst_case"))
+    return f" Under {secure_words(per, worst, delta, colluders, 'ε per patient')}."
 
 
 def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:
@@ -1500,6 +1513,21 @@ def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:
 
 
 def _lifetime_words(site: dict[str, Any], job_eps: float) -> str:
+    """The lifetime sentence in the site's unit (``privacy_unit.lifetime_in_unit``, as its ledger caps it):
+    per patient at a patient-level site, beside this job's ε per patient."""
+    st = (site.get("attestation") or {}).get("statement") or {}
+    life = lifetime_in_unit(st)
+    if life is None or life.get("unit") != "patient":
+        return _image_lifetime_words(site, job_eps)
+    job = float(st["privacy_unit"]["epsilon_per_patient"])
+    return (
+        f" Lifetime: this site has spent ε per PATIENT = {life['epsilon']:.3g} at δ = {life['delta']:g} on "
+        f"the same patients over all its jobs (this job: ε per patient = {job:.3g}); a release built on an "
+        "earlier job's model depends on both, so the lifetime figure is the one that bounds it."
+    )
+
+
+def _image_lifetime_words(site: dict[str, Any], job_eps: float) -> str:
     life = lifetime_of(site)
     if life is None:
         return " The site states no lifetime spend for its data."

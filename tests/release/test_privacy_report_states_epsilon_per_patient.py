@@ -76,7 +76,7 @@ def test_a_patient_level_sites_lifetime_line_states_its_spend_per_patient(tmp_pa
     per_life = unit.statement(0.0, DELTA, life)["epsilon_per_patient"]
     assert per_life > unit.statement(0.0, DELTA, EVENTS)["epsilon_per_patient"] > 2 * epsilon(life, DELTA)
     report = privacy_report(job_dir)
-    assert report["sites"]["site"]["lifetime"]["epsilon_per_patient"] == pytest.approx(per_life)
+    assert report["sites"]["site"]["lifetime"]["epsilon"] == pytest.approx(per_life)
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
     assert f"lifetime on the same images (all jobs): ε per PATIENT = {per_life:.3f} at δ = {DELTA:g}" in text
     assert f"{epsilon(life, DELTA):.3f}" not in text, text
@@ -110,7 +110,7 @@ def test_a_patient_level_sites_worst_case_line_states_its_spend_per_patient(tmp_
         json.dumps({"job_id": "j", "rounds": 1, "skipped": {}, "timings": {}})
     )
     report = privacy_report(tmp_path)
-    worst = report["sites"]["site"]["secure_aggregation"]["worst_case_epsilon_per_patient"]
+    worst = report["sites"]["site"]["secure_aggregation"]["worst_case_epsilon"]
     assert worst > image_worst
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
     assert f"only this site's own noise share protecting it): ε per PATIENT = {worst:.3f}" in text, text

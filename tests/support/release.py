@@ -363,3 +363,42 @@ def png_arrays(out: Path) -> np.ndarray:
 
     files = [p for c in CLASSES for p in sorted((out / c).glob("*.png"))]  # class order, as generated
     return np.stack([np.asarray(Image.open(p), np.float32) / 255.0 for p in files])
+
+
+def patient_release(
+    out: Path, den_onnx: Any, keys: Keys, events: list[PrivacyEvent], lifetime_events: list[PrivacyEvent]
+) -> Path:
+    """A one-site release from a patient-level site (1000 public patients, at most 4 images each) whose
+    statement carries ``lifetime_events`` as its spend over all its jobs."""
+    from feta_release.policy import make_policy, sign_policy
+    from feta_release.policy.document import SitePolicy
+    from feta_release.release.manifest import build_attestation
+    from feta_release.signing import canonical_json, sha256_hex
+
+    doc = make_policy(
+        "a",
+        "0" * 64,
+        5000,
+        [keys.coordinator.public_key()],
+        per_job=(8.0, 1e-5),
+        lifetime=(20.0, 1e-5),
+        mechanisms={"dpsgd": {"min_sigma": 0.5}},
+        site_key=keys.site.public_key(),
+        patient_level=(1000, 4),
+    )
+    policy = sign_policy(doc, keys.policy)
+    unit = SitePolicy.from_document(policy["policy"], None)
+    job = signed_job(keys.coordinator, "job-1", ["a"], None)
+    att = build_attestation(
+        "a",
+        "job-1",
+        events,
+        1e-5,
+        "rdp",
+        unit.digest,
+        keys.site,
+        job_sha256=sha256_hex(canonical_json(job["job"])),
+        lifetime_events=lifetime_events,
+        unit_policy=unit,
+    )
+    return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})

@@ -12,10 +12,12 @@ is the job's), phase by phase:
            the spatial / frequency warm-ups and the polish run them (``training.warmup_loop.train_denoiser``)
   dpsgd    ``--dpsgd-steps`` DP-SGD steps of ``--dpsgd-rows`` rows in the job's physical batches
   aux      ``--aux-iterations`` steps of one aux-generator fit on a random embedding (the job's feature map)
-  sample   ``--samples`` images by the job's sampler (``models.sampler.generate``, batch 256)
+  sample   ``--samples`` images by the job's solver (``models.sampler.generate``, batch 256, as a release
+           samples) at ``--sampler-steps`` steps
 
-and for each phase its wall, user and system seconds and minor page faults (``getrusage`` of the process,
-before and after), then the process's peak RSS (``wait4``). The settings (fresh processes, taken in turn, the
+each built and run once untimed (the first allocations, faulted in once whatever the setting), then timed:
+its wall, user and system seconds and minor page faults (``getrusage`` of the process, before and after), then
+the whole process's figures and peak RSS (``wait4``). The settings (fresh processes, taken in turn, the
 order rotated each repeat, so that a machine's drifting load weighs on all of them):
 
   off                    ``FETA_KEEP_FREED_PAGES=0``: glibc's own malloc policy
@@ -86,7 +88,8 @@ def _job(args: argparse.Namespace) -> Any:
 
 
 def _phases(args: argparse.Namespace) -> dict[str, Any]:
-    """Every phase in this process, after the setting of ``args.run``."""
+    """Every phase in this process, after the setting of ``args.run``: each built and run once untimed (its
+    first allocations, which any setting faults in once), then timed."""
     from feta_release import allocator
 
     allocator.keep_freed_pages()  # what every entry point does first (switched off by the environment)
@@ -99,18 +102,21 @@ def _phases(args: argparse.Namespace) -> dict[str, Any]:
     pool = torch.rand(512, *shape, generator=g) * 2 - 1
     labels = torch.arange(512) % args.classes
     out: dict[str, Any] = {"setting": allocator.heap_setting().why}  # type: ignore[union-attr]
-    work = {
-        "warmup": lambda: _warmup(args, cfg, shape, pool, labels),
-        "dpsgd": lambda: _dpsgd(args, cfg, shape, pool, labels),
-        "aux": lambda: _aux(args, cfg, shape),
-        "sample": lambda: _sample(args, cfg, shape),
+    build = {
+        "warmup": (lambda: _warmup(args, cfg, shape, pool, labels), args.steps),
+        "dpsgd": (lambda: _dpsgd(args, cfg, shape, pool, labels), args.dpsgd_steps),
+        "aux": (lambda: _aux(args, cfg, shape), args.aux_iterations),
+        "sample": (lambda: _sample(args, cfg, shape), 1),
     }
     for name in args.phases.split(","):
-        out[name] = _timed(work[name])
+        make, n = build[name]
+        run = make()
+        run(1)
+        out[name] = _timed(lambda: run(n))  # noqa: B023 (called at once)
     return out
 
 
-def _warmup(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], pool: Any, labels: Any) -> None:
+def _warmup(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], pool: Any, labels: Any) -> Any:
     import torch
 
     from feta_release.stages.context import initial_denoiser
@@ -124,20 +130,13 @@ def _warmup(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], poo
             idx = torch.randint(0, pool.shape[0], (b,), generator=g)
             yield pool[idx], labels[idx]
 
-    w = cfg.warmup
-    train_denoiser(
-        model,
-        batches(),
-        args.steps,
-        stage="spatial",
-        lr=w.lr,
-        ema_decay=w.ema,
-        label_dropout=0.1,
-        generator=g,
+    w, it = cfg.warmup, batches()
+    return lambda n: train_denoiser(
+        model, it, n, stage="spatial", lr=w.lr, ema_decay=w.ema, label_dropout=0.1, generator=g
     )
 
 
-def _dpsgd(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], pool: Any, labels: Any) -> None:
+def _dpsgd(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], pool: Any, labels: Any) -> Any:
     import torch
 
     from feta_release.stages.context import initial_denoiser
@@ -150,30 +149,37 @@ def _dpsgd(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int], pool
     tr = DPSGDTrainer(
         model, c, 1.0, 1.0, torch.Generator().manual_seed(2), image_shape=shape, n_classes=args.classes
     )
-    for _ in range(args.dpsgd_steps):
-        tr.step(x, y)
+    return lambda n: tr.run(x, y, n)
 
 
-def _aux(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int]) -> None:
+def _aux(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int]) -> Any:
     import torch
 
     from feta_release.mechanisms.feature_map import job_feature_map
     from feta_release.training.frequency import fit_aux_generator
 
     fmap = job_feature_map(cfg.frequency, shape)
-    c = cfg.replace(auxgen={"epochs": 1, "iterations_per_epoch": args.aux_iterations})
     emb = torch.randn(cfg.frequency.features, args.classes, generator=torch.Generator().manual_seed(3)) * 0.01
-    fit_aux_generator(emb, fmap, shape, args.classes, c, args.n, generator=torch.Generator().manual_seed(4))
+
+    def fit(n: int) -> None:
+        c = cfg.replace(auxgen={"epochs": 1, "iterations_per_epoch": n})
+        fit_aux_generator(
+            emb, fmap, shape, args.classes, c, args.n, generator=torch.Generator().manual_seed(4)
+        )
+
+    return fit
 
 
-def _sample(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int]) -> None:
+def _sample(args: argparse.Namespace, cfg: Any, shape: tuple[int, int, int]) -> Any:
+    """``--samples`` images in batches of 256 (the release's), by the job's solver at ``--sampler-steps``."""
     import numpy as np
 
     from feta_release.models.sampler import generate
     from feta_release.stages.context import initial_denoiser
 
     model = initial_denoiser(cfg, shape, args.classes)
-    generate(model, np.arange(args.samples) % args.classes, 0, cfg.sampler, batch=256)
+    sampler = cfg.replace(sampler={"steps": args.sampler_steps}).sampler
+    return lambda n: generate(model, np.arange(args.samples) % args.classes, 0, sampler, batch=256)
 
 
 def _child_env(setting: str) -> dict[str, str]:
@@ -226,11 +232,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4000, help="public size of the job derived")
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--classes", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=150, help="warm-up steps")
+    ap.add_argument("--steps", type=int, default=40, help="warm-up steps")
     ap.add_argument("--dpsgd-steps", type=int, default=2)
     ap.add_argument("--dpsgd-rows", type=int, default=128, help="rows of a DP-SGD step")
-    ap.add_argument("--aux-iterations", type=int, default=40)
+    ap.add_argument("--aux-iterations", type=int, default=15)
     ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--sampler-steps", type=int, default=2, help="the job's solver at this many steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--settings", default="off,on")

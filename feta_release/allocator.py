@@ -10,10 +10,13 @@ Measured on the derived job of 4,000 64x64 images on 2 CPU cores: 728 million mi
 system time against 1,935 s of user time in a 31 min ``train``; ``bench/bench_page_faults.py`` measures it on
 a short piece of the same work (docs/results.md, "Speed, memory and the test suite").
 
-What: with the mmap threshold fixed at glibc's maximum (32 MiB; fixing it also stops its dynamic moves) and
-trimming only beyond 1 GiB free at the heap top, a freed block stays in the heap and the next step's blocks
-reuse pages that are already mapped. Blocks of 32 MiB and more still use ``mmap`` (glibc refuses a higher
-threshold).
+What: no block gets its own ``mmap`` (``M_MMAP_MAX`` = 0), and the heap is trimmed only beyond 1 GiB free at
+its top, so a freed block stays in the heap and the next step's blocks reuse pages that are already mapped.
+Raising the mmap threshold is not enough: glibc refuses one above 32 MiB, and the largest blocks of the
+derived 64 px job are above it (the aux generator's activations, 100 x 32 x 64 x 64 floats = 52 MB, and the
+sampler's at its batch of 256, 67 MB): with the threshold at 32 MiB the aux fit still faulted 2.6 of its 3.5
+million pages (``bench/bench_page_faults.py``). The threshold is still fixed at that maximum (which also stops
+its dynamic moves) for a process where another library sets ``M_MMAP_MAX`` again.
 
 Cost: the process keeps its heap at its peak (RSS does not shrink after a step); the peak itself does not
 grow (``bench/site_scale.py``, 100,000 images at 64 px). The setting is process-wide, made once, and changes
@@ -42,13 +45,14 @@ __all__ = ["ENV_SWITCH", "HeapSetting", "heap_setting", "keep_freed_pages"]
 
 ENV_SWITCH = "FETA_KEEP_FREED_PAGES"  # "0" (or "off", "no", "false"): leave glibc's malloc policy as it is
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc <malloc.h>
 # glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit)
 _MMAP_THRESHOLD = 32 * 1024 * 1024
 _TRIM_THRESHOLD = 1 << 30  # give memory back only beyond 1 GiB free at the heap top
 _OPTIONS = (
     ("M_MMAP_THRESHOLD", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
     ("M_TRIM_THRESHOLD", _M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
+    ("M_MMAP_MAX", _M_MMAP_MAX, 0),  # no block is mapped on its own: every one comes from the heap
 )
 
 

@@ -132,6 +132,7 @@ def test_the_setting_is_in_force_after_the_first_call_and_idempotent() -> None:
     assert setting is not None and dict(setting.options) == {
         "M_MMAP_THRESHOLD": 32 << 20,
         "M_TRIM_THRESHOLD": 1 << 30,
+        "M_MMAP_MAX": 0,
     }
 
 

@@ -3,6 +3,7 @@
     python bench/bench_dpsgd.py                       # defaults: cpu-eps1 preset model, B=64, K=4, 2 threads
     python bench/bench_dpsgd.py --batch 250 --k 1 --physical 84   # the cpu-eps1 preset's own batch, K and chunk
     python bench/bench_dpsgd.py --batch 16 --k 2 --rounds 2 --channels 8   # quick check
+    python bench/bench_dpsgd.py --derived 4000 --size 64 --classes 4 --rounds 4   # the derived job's own step
     python bench/bench_dpsgd.py --device cuda --preset paper-mnist --batch 512 --k 32 --physical 64 \
         --methods nonprivate,hooks --rounds 3   # a GPU machine: the paper's model, K and chunk
 
@@ -22,7 +23,12 @@ Methods:
   opacus      Opacus GradSampleModule hooks on the B*K rows, grad_sample averaged over K before clipping
 A method may name what it trains (``[dpsgd] trainable``) after a colon: ``hooks:lora``, ``nonprivate:lora``,
 ``hooks:norm_attention`` (default ``all``); its ratio is taken against ``nonprivate:<the same>`` when that is
-among the methods (the same trained parameters without privacy), else against ``nonprivate``:
+among the methods (the same trained parameters without privacy), else against ``nonprivate``.
+
+``--derived N``: the model, noise multiplicity, physical batch and step rows of the job ``train`` derives for
+N images of ``--size`` px (grey, ``--classes`` classes, ``--epsilon``) with DP-SGD on
+(``job_rules.derive_job``); the step's rows are its PADDED rows (``job_rules.dpsgd_step_rows``), what every
+step of that job runs whatever its Poisson draw:
 
     python bench/bench_dpsgd.py --methods nonprivate,hooks,nonprivate:norm_attention,hooks:norm_attention,\
         nonprivate:lora,hooks:lora --rounds 4   # DP-SGD's cost per trained subset
@@ -45,6 +51,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GOAL_RATIO = 1.15  # private time per example <= 1.15x non-private (docs/evaluation.md, "DP-SGD step cost")
 
 
+def _derived(args):
+    """The job ``train`` derives for ``--derived`` images (None without), and ``args`` set to its step."""
+    if not args.derived:
+        return None
+    from feta_release.job_rules import DataFacts, derive_job, dpsgd_step_rows
+
+    facts = DataFacts(args.derived, args.size, args.size, 1, args.classes, args.epsilon, dpsgd="on")
+    cfg = derive_job(facts)
+    args.batch, args.k = dpsgd_step_rows(cfg, facts), cfg.dpsgd.noise_multiplicity
+    args.physical = cfg.dpsgd.physical_batch
+    return cfg
+
+
 def _setup(args):
     import torch
 
@@ -54,7 +73,9 @@ def _setup(args):
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    base = load_preset(args.preset) if args.preset else JobConfig().replace(dpsgd={"steps": 1})
+    base = _derived(args) or (
+        load_preset(args.preset) if args.preset else JobConfig().replace(dpsgd={"steps": 1})
+    )
     model_over = {"channels": args.channels} if args.channels else {}
     cfg = base.replace(
         model=model_over,
@@ -68,10 +89,10 @@ def _setup(args):
     )
     shape = (1, args.size, args.size)
     dev = torch.device(args.device)
-    model = build_denoiser(cfg.model, shape, 10).to(dev)
+    model = build_denoiser(cfg.model, shape, args.classes).to(dev)
     g = torch.Generator().manual_seed(1)
     x = (torch.rand(args.batch, *shape, generator=g) * 2 - 1).to(dev)
-    y = torch.randint(0, 10, (args.batch,), generator=g).to(dev)
+    y = torch.randint(0, args.classes, (args.batch,), generator=g).to(dev)
     return torch, cfg, model, x, y, shape, count_parameters(model)
 
 
@@ -127,7 +148,7 @@ def _make_step(method: str, args, torch, cfg, model, x, y, shape):
         c = cfg.replace(dpsgd={"per_example": engine, "trainable": trainable, "lora_rank": args.lora_rank})
         # q = 1 makes the Poisson batch exactly B, so every method sees the same examples per step
         tr = DPSGDTrainer(
-            model, c, 1.0, 1.0, torch.Generator().manual_seed(2), image_shape=shape, n_classes=10
+            model, c, 1.0, 1.0, torch.Generator().manual_seed(2), image_shape=shape, n_classes=args.classes
         )
         assert tr.engine == engine
         return _synced(torch, lambda: tr.step(x, y))
@@ -262,6 +283,9 @@ def main() -> None:
         "--preset", default="cpu-eps1", help="model sizes from this preset ('' = JobConfig defaults)"
     )
     ap.add_argument("--channels", type=int, default=0, help="override [model] channels")
+    ap.add_argument("--derived", type=int, default=0, help="the step of the job derived for N images (above)")
+    ap.add_argument("--classes", type=int, default=10, help="classes of the --derived job")
+    ap.add_argument("--epsilon", type=float, default=10.0, help="epsilon of the --derived job")
     ap.add_argument("--size", type=int, default=28)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="noise multiplicity")
@@ -276,6 +300,7 @@ def main() -> None:
     ap.add_argument("--method", help=argparse.SUPPRESS)  # internal: one method's memory in this process
     ap.add_argument("--interleave", action="store_true", help=argparse.SUPPRESS)  # internal: the timed rounds
     args = ap.parse_args()
+    _derived(args)  # the report's B, K and physical batch (each subprocess derives them again)
     if "nonprivate" not in args.methods.split(","):
         args.methods = "nonprivate," + args.methods
     if args.method:

@@ -23,7 +23,9 @@ memory need against the policy's ``resources.max_worker_memory_mb`` (or, first, 
 Usage:  python bench/site_scale.py [--n 100000] [--size 64] [--quick] [--stages open,central] [--keep DIR]
         python bench/site_scale.py --n 20000 --size 128            (128 px: at most 40,960 images fit 2.5 GiB)
         python bench/site_scale.py --size 256 --memory-mb 100000 --stages generate,init,open
-``--quick``: n = 5,000 (a smoke run). Run it niced on a shared machine.
+``--quick``: n = 5,000 (a smoke run). Run it niced on a shared machine. Every stage process keeps freed pages
+mapped from its start, as the node's processes do (``feta_release.allocator``); ``FETA_KEEP_FREED_PAGES=0`` in
+the environment measures glibc's own policy instead.
 """
 
 from __future__ import annotations
@@ -192,7 +194,10 @@ def measure(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def _one_stage(args: argparse.Namespace) -> None:
     """A stage in this process; a refusal is its one line (as the command line prints it) and exit code."""
+    from feta_release.allocator import keep_freed_pages
     from feta_release.errors import FetaError
+
+    keep_freed_pages()  # as the node's worker does at its start (FETA_KEEP_FREED_PAGES=0: glibc's own policy)
 
     try:
         stage(args.stage, Path(args.work), args.n, args.size, args.steps)

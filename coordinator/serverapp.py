@@ -23,6 +23,7 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
+from feta_release.allocator import keep_freed_pages
 from feta_release.federation.anchors import anchors_path
 from feta_release.federation.job import run_job
 from feta_release.signing import load_private_key
@@ -62,6 +63,9 @@ class PromptGrid:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    # this process (Flower's flwr-serverapp) runs the warm-ups and FedSGD steps: each reuses the last one's
+    # pages (feta_release.allocator)
+    keep_freed_pages()
     rc = context.run_config
     job_file, out_dir = str(rc.get("job-file", "")), str(rc.get("out-dir", ""))
     if not job_file or not out_dir:

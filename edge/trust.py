@@ -51,6 +51,7 @@ from flwr.common.constant import APP_DIR
 from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 from flwr.supernode.runtime import run_clientapp as rc
 
+from feta_release.allocator import keep_freed_pages
 from feta_release.errors import PolicyError
 
 from . import forward, runtime_api
@@ -295,6 +296,7 @@ _current: dict[str, object] = {}
 def main() -> None:
     """Entry point used as ``flwr-clientapp`` on the node (Flower's arguments; the task token comes in the
     environment and the Runtime API is the node's private socket: ``edge.runtime_api``)."""
+    keep_freed_pages()  # without a warm worker this process trains: feta_release.allocator
     install_gate()
     runtime_api.client_side()
     flwr_clientapp()

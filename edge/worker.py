@@ -39,6 +39,7 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no
 from flwr.supercore.task_identity import TaskIdentity
 from google.protobuf.message import DecodeError
 
+from feta_release.allocator import keep_freed_pages
 from feta_release.federation import messages as fm
 from feta_release.policy.document import check_validity
 
@@ -194,6 +195,7 @@ def serve(listener: Listener, worker: Worker, stop: _Stop) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_pages()  # the site's rounds reuse the last step's pages (feta_release.allocator)
     ap = argparse.ArgumentParser(prog="python -m edge.worker", description=__doc__.split("\n")[0])
     ap.add_argument("--node-config", required=True, help="the node's config as a JSON object")
     ap.add_argument("--socket", required=True, type=Path)

@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from ..allocator import keep_freed_pages
 from ..errors import FetaError
 
 # name -> "module:attribute"; each module owns one command or group.
@@ -86,6 +87,7 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_pages()  # before any tensor: every step reuses the last one's pages (feta_release.allocator)
     try:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:

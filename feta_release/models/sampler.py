@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..allocator import release_freed_pages
 from ..config import SamplerSection
 from ..data.splits import balanced_labels
 from ..errors import ConfigError
@@ -182,4 +183,5 @@ def generate(
     finally:
         denoiser.train(was_training)
     images = torch.cat(out) if out else torch.zeros((0, *denoiser.image_shape))
+    release_freed_pages()  # the sampler's batches back before the next stage (feta_release.allocator)
     return images, labels_t

@@ -61,13 +61,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from ..allocator import keep_freed_pages
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
 from ..mechanisms._checks import check_clip
 from ..mechanisms.poisson import poisson_mask
 from ..models.edm import EDMLoss
 from ..models.trainable import set_trainable
-from .allocator import keep_freed_pages
 from .augment import rand_augment
 from .ema import EMA
 from .ghost_clip import BatchedLoss, batched_form, cross_check, hook_grads, unsupported
@@ -318,7 +318,7 @@ def batch_gradients(
     train mode while it runs."""
     dev = next(model.parameters()).device
     was_training = model.training
-    keep_freed_pages()  # each chunk's per-example gradients reuse the last chunk's pages (training.allocator)
+    keep_freed_pages()  # each chunk's per-example gradients reuse the last chunk's pages (allocator)
     model.train()
     try:
         for start in range(0, idx.numel(), chunk):

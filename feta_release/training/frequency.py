@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..allocator import release_freed_pages
 from ..config import JobConfig
 from ..errors import ConfigError, DataError
 from ..mechanisms.feature_map import FeatureMap
@@ -160,6 +161,7 @@ def fit_aux_generator(
                 progress(result.steps, total, result.losses[-1])
         sched.step()
     gen.eval()
+    release_freed_pages()  # the fit's blocks back before the next stage (feta_release.allocator)
     return result if return_result else gen
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..allocator import release_freed_pages
 from ..errors import DataError
 from ..models.edm import EDMDenoiser, edm_loss
 from .ema import EMA
@@ -98,5 +99,6 @@ def train_denoiser(
             progress(step + 1, total_steps, value)
     if total_steps > 0:
         ema.copy_to(denoiser)
+    release_freed_pages()  # the next stage's blocks differ in size: hand these back (feta_release.allocator)
     result.seconds = time.perf_counter() - t0
     return result

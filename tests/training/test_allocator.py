@@ -1,28 +1,98 @@
-"""training.allocator: DP-SGD chunks reuse mapped pages instead of faulting fresh ones in every chunk."""
+"""feta_release.allocator: every process that trains or samples keeps freed pages mapped from its start, so
+a step reuses the last step's pages instead of faulting fresh ones in; ``FETA_KEEP_FREED_PAGES=0`` turns it
+off."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from feta_release.training import allocator
+from feta_release import allocator
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+ROOT = Path(__file__).resolve().parents[2]
+
+# After the entry point ran: where glibc puts a 24 MiB block. glibc's own policy maps a block that large on
+# its own (its threshold starts at 128 KiB and only moves up to a size this process freed); with the setting
+# it comes from the heap (the [heap] mapping of /proc/self/maps). Printed with what the module says it set.
+_WHERE_A_BLOCK_GOES = textwrap.dedent("""
+    import ctypes, json
+    from feta_release import allocator
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    p = libc.malloc(24 << 20)
+    spans = [l.split()[0].split("-") for l in open("/proc/self/maps") if l.rstrip().endswith("[heap]")]
+    in_heap = any(int(lo, 16) <= p < int(hi, 16) for lo, hi in spans)
+    libc.free(p)
+    s = allocator.heap_setting()
+    print(json.dumps({"in_heap": in_heap, "kept": None if s is None else s.kept,
+                      "why": None if s is None else s.why}))
+""")
+
+# Each entry point called so that it stops right after its start (a refusal or --help); the check then runs in
+# the same process.
+_ENTRIES = {
+    "cli": "from feta_release.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass\n",
+    "node worker": "from edge.worker import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n",
+    "node clientapp": (
+        "import edge.trust as t\n"
+        "def stop():\n    raise SystemExit(0)\n"
+        "t.install_gate = stop\n"
+        "try:\n    t.main()\nexcept SystemExit:\n    pass\n"
+    ),
+    "coordinator serverapp": (
+        "from types import SimpleNamespace\nfrom coordinator.serverapp import main\n"
+        "try:\n    main(None, SimpleNamespace(run_config={}))\nexcept RuntimeError:\n    pass\n"
+    ),
+}
+
+
+def _run_entry(entry: str, **env: str) -> dict[str, object]:
+    full = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
+    full.update(PYTHONPATH=str(ROOT), **env)
+    out = subprocess.run(
+        [sys.executable, "-c", _ENTRIES[entry] + _WHERE_A_BLOCK_GOES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=full,
+        cwd=ROOT,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
+@pytest.mark.parametrize("entry", sorted(_ENTRIES))
+def test_every_process_that_trains_keeps_freed_pages_from_its_start(entry: str) -> None:
+    got = _run_entry(entry)
+    assert got["kept"] is True, got
+    assert got["in_heap"] is True, got
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
+def test_the_switch_leaves_glibc_its_own_policy() -> None:
+    got = _run_entry("cli", **{allocator.ENV_SWITCH: "0"})
+    assert got["kept"] is False and "off" in str(got["why"]), got
+    assert got["in_heap"] is False, got  # glibc maps the block on its own, as it does without the module
+
 
 # One DP-SGD step of the cpu-eps1 denoiser (64 examples, physical batch 32), after two warm steps, in a fresh
-# process; prints the minor page faults of that step. ``off`` stubs the setting out of batch_gradients.
+# process; prints the minor page faults of that step.
 _STEP = textwrap.dedent("""
-    import resource, sys
+    import resource
     import torch
     import feta_release.training.dpsgd as dp
     from feta_release.config import load_preset
     from feta_release.models.edm import build_denoiser
-    if sys.argv[1] == "off":
-        dp.keep_freed_pages = lambda: False
     cfg = load_preset("cpu-eps1")
     torch.manual_seed(0)
     x, y = torch.rand(64, 1, 28, 28) * 2 - 1, torch.arange(64) % 10
@@ -37,9 +107,11 @@ _STEP = textwrap.dedent("""
 """)
 
 
-def _step_faults(mode: str) -> int:
+def _step_faults(**env: str) -> int:
+    full = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
+    full.update(PYTHONPATH=str(ROOT), **env)
     out = subprocess.run(
-        [sys.executable, "-c", _STEP, mode], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", _STEP], capture_output=True, text=True, timeout=300, check=True, env=full
     )
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -48,7 +120,7 @@ def _step_faults(mode: str) -> int:
 def test_a_dpsgd_step_faults_far_fewer_pages_with_the_setting() -> None:
     # measured 17,900 faults without and 4,700 with (the per-example gradients of each chunk reuse the last
     # chunk's pages); the margin is wide so that the count's run-to-run noise cannot flip it
-    off, on = _step_faults("off"), _step_faults("on")
+    off, on = _step_faults(**{allocator.ENV_SWITCH: "0"}), _step_faults()
     assert on * 2 < off, (on, off)
 
 
@@ -56,10 +128,59 @@ def test_a_dpsgd_step_faults_far_fewer_pages_with_the_setting() -> None:
 def test_the_setting_is_in_force_after_the_first_call_and_idempotent() -> None:
     assert allocator.keep_freed_pages() is True
     assert allocator.keep_freed_pages() is True
+    setting = allocator.heap_setting()
+    assert setting is not None and dict(setting.options) == {
+        "M_MMAP_THRESHOLD": 32 << 20,
+        "M_TRIM_THRESHOLD": 1 << 30,
+        "M_MMAP_MAX": 0,
+    }
 
 
 def test_another_libc_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(allocator.ENV_SWITCH, raising=False)
     monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
-    assert allocator._set_glibc_options() is False
+    assert allocator._apply().kept is False
     monkeypatch.setattr(allocator.platform, "system", lambda: "Darwin")
-    assert allocator._set_glibc_options() is False
+    assert allocator._apply().kept is False
+
+
+@pytest.mark.parametrize("value", ["0", "off", "No", "false"])
+def test_the_switch_is_read_before_anything_is_set(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(allocator.ENV_SWITCH, value)
+    got = allocator._apply()
+    assert got.kept is False and got.options == ()
+
+
+# 256 MiB touched, freed below a live block (so no trim at the top can return it), then handed back: the
+# resident set before the free, after it, and after release_freed_pages, in MiB.
+_HOLE = textwrap.dedent("""
+    import ctypes, json
+    from feta_release import allocator
+    allocator.keep_freed_pages()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    page = 4096
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * page >> 20
+    big = libc.malloc(256 << 20)
+    ctypes.memset(big, 1, 256 << 20)
+    live = libc.malloc(64)
+    before = rss()
+    libc.free(big)
+    held = rss()
+    allocator.release_freed_pages()
+    print(json.dumps({"before": before, "held": held, "released": rss()}))
+""")
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
+def test_a_stage_end_hands_its_freed_pages_back() -> None:
+    full = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
+    full.update(PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", _HOLE], capture_output=True, text=True, timeout=120, check=True, env=full
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["held"] > got["before"] - 32, got  # kept mapped after the free: the next step reuses it
+    assert got["released"] < got["held"] - 200, got  # handed back at the stage's end

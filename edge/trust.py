@@ -296,7 +296,8 @@ _current: dict[str, object] = {}
 def main() -> None:
     """Entry point used as ``flwr-clientapp`` on the node (Flower's arguments; the task token comes in the
     environment and the Runtime API is the node's private socket: ``edge.runtime_api``)."""
-    keep_freed_pages()  # without a warm worker this process trains: feta_release.allocator
+    # without a warm worker this process trains, under the policy's data limit: feta_release.allocator
+    keep_freed_pages(under_data_limit=True)
     install_gate()
     runtime_api.client_side()
     flwr_clientapp()

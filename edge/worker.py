@@ -195,7 +195,8 @@ def serve(listener: Listener, worker: Worker, stop: _Stop) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_freed_pages()  # the site's rounds reuse the last step's pages (feta_release.allocator)
+    # the site's rounds reuse the last step's pages, under the policy's data limit (feta_release.allocator)
+    keep_freed_pages(under_data_limit=True)
     ap = argparse.ArgumentParser(prog="python -m edge.worker", description=__doc__.split("\n")[0])
     ap.add_argument("--node-config", required=True, help="the node's config as a JSON object")
     ap.add_argument("--socket", required=True, type=Path)

@@ -28,6 +28,14 @@ for 4 s of system time instead of 24 and 2.5 million faults instead of 16.1; the
 own process, peak within 0-5 % of glibc's own (``bench/site_scale.py``). The setting is process-wide, made
 once, and changes no value anywhere: only where freed memory goes.
 
+Under a data limit (a site's computing processes: the warm worker and a per-message ClientApp run under the
+policy's ``resources.max_worker_memory_mb`` as RLIMIT_DATA, ``edge/resources.py``) large blocks keep their own
+mapping: RLIMIT_DATA counts the heap's address space, not its resident pages, so a large block freed below a
+live one would leave a hole that still counts (``malloc_trim`` hands back pages, not address space), and a
+stage that fitted under glibc's own policy could fail part-way, after its release was charged. There only
+the threshold is fixed at 32 MiB and the trim threshold raised (``under_data_limit=True``): blocks up to
+32 MiB are reused from the heap, larger ones are mapped and unmapped as glibc does.
+
 Where: the entry of every process that trains or samples calls :func:`keep_freed_pages` first: the
 command line (``feta_release.cli.main``: ``train``, ``demo``, ``coordinator run``, ``node start``,
 ``synthesize``, ...), the node's warm worker (``edge.worker``) and per-message ClientApp (``edge.trust``), the
@@ -55,11 +63,12 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc <malloc.
 # glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit)
 _MMAP_THRESHOLD = 32 * 1024 * 1024
 _TRIM_THRESHOLD = 1 << 30  # give memory back only beyond 1 GiB free at the heap top
-_OPTIONS = (
+_LIMITED_OPTIONS = (
     ("M_MMAP_THRESHOLD", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
     ("M_TRIM_THRESHOLD", _M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
-    ("M_MMAP_MAX", _M_MMAP_MAX, 0),  # no block is mapped on its own: every one comes from the heap
 )
+# no block mapped on its own: every one comes from the heap (not under a data limit: the module's docstring)
+_OPTIONS = (*_LIMITED_OPTIONS, ("M_MMAP_MAX", _M_MMAP_MAX, 0))
 
 
 @dataclass(frozen=True)
@@ -75,10 +84,13 @@ class HeapSetting:
 _state: dict[str, HeapSetting] = {}
 
 
-def keep_freed_pages() -> bool:
-    """Set glibc's malloc to keep freed pages mapped (once per process). True if the setting is in force."""
+def keep_freed_pages(*, under_data_limit: bool = False) -> bool:
+    """Set glibc's malloc to keep freed pages mapped (once per process). True if the setting is in force.
+
+    ``under_data_limit``: the process runs under an RLIMIT_DATA (a site's computing process): blocks above
+    32 MiB keep their own mapping, so no freed hole counts against the limit."""
     if "set" not in _state:
-        _state["set"] = _apply()
+        _state["set"] = _apply(_LIMITED_OPTIONS if under_data_limit else _OPTIONS)
     return _state["set"].kept
 
 
@@ -91,7 +103,8 @@ def release_freed_pages() -> None:
     """Hand the free pages of the heap back to the kernel (glibc's ``malloc_trim(0)``), at the end of a stage:
     a no-op where the setting is not in force (glibc then gives large blocks back on its own)."""
     setting = _state.get("set")
-    if setting is not None and setting.kept:
+    # any option in force (even where glibc refused another) keeps pages that only a trim hands back
+    if setting is not None and setting.options:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
@@ -99,7 +112,7 @@ def _switched_off() -> bool:
     return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "no", "false")
 
 
-def _apply() -> HeapSetting:
+def _apply(options: tuple[tuple[str, int, int], ...] = _OPTIONS) -> HeapSetting:
     if _switched_off():
         return HeapSetting(False, f"off ({ENV_SWITCH}={os.environ[ENV_SWITCH]}): glibc's own policy")
     libc_name = platform.libc_ver()[0]
@@ -111,6 +124,6 @@ def _apply() -> HeapSetting:
         return HeapSetting(False, "glibc without mallopt: left as it is")
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; every option or the setting is only partly there (reported as not kept)
-    done = tuple((name, value) for name, param, value in _OPTIONS if mallopt(param, value) == 1)
-    kept = len(done) == len(_OPTIONS)
+    done = tuple((name, value) for name, param, value in options if mallopt(param, value) == 1)
+    kept = len(done) == len(options)
     return HeapSetting(kept, "glibc: freed pages kept mapped" if kept else "glibc refused an option", done)

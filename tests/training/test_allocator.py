@@ -184,3 +184,102 @@ def test_a_stage_end_hands_its_freed_pages_back() -> None:
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["held"] > got["before"] - 32, got  # kept mapped after the free: the next step reuses it
     assert got["released"] < got["held"] - 200, got  # handed back at the stage's end
+
+
+# A site's computing process runs under the policy's RLIMIT_DATA (edge/resources.py), which counts the heap's
+# address space: stages that free a large block below a live small one and then allocate a larger block.
+# Under the unlimited setting the freed holes stay in the heap and count; a site's setting must fit where
+# glibc's own policy fits. Prints "fits" or the step that failed.
+_STAGES_UNDER_A_DATA_LIMIT = textwrap.dedent("""
+    import resource, sys
+    import numpy as np
+    from feta_release.allocator import keep_freed_pages, release_freed_pages
+    if sys.argv[1] != "glibc":
+        keep_freed_pages(under_data_limit=sys.argv[1] == "site")
+    MB = 2**20
+    vm = int([l for l in open("/proc/self/status") if l.startswith("VmData")][0].split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (vm + 450 * MB, resource.RLIM_INFINITY))
+    keep = []
+    try:
+        for step in range(4):
+            a = np.ones((100 * (step + 1) // 2 + 40) * MB // 8)
+            keep.append(np.ones(1024))
+            del a
+            release_freed_pages()
+            c = np.ones((240 + 30 * step) * MB // 8)
+            del c
+        print("fits")
+    except MemoryError:
+        print(f"MemoryError at step {step}")
+""")
+
+
+def _stages_under_a_data_limit(setting: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
+    out = subprocess.run(
+        [sys.executable, "-c", _STAGES_UNDER_A_DATA_LIMIT, setting],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
+def test_a_site_process_fits_under_its_data_limit_where_glibc_own_policy_fits() -> None:
+    assert _stages_under_a_data_limit("glibc") == "fits"
+    assert _stages_under_a_data_limit("site") == "fits"
+    # what the site's setting avoids: the heap-only setting leaves freed holes that count against the limit
+    assert _stages_under_a_data_limit("unlimited").startswith("MemoryError")
+
+
+# Where a 48 MiB block goes (above the 32 MiB threshold): its own mapping under a site's setting, the heap
+# under the unlimited one.
+_WHERE_A_LARGE_BLOCK_GOES = _WHERE_A_BLOCK_GOES.replace("24 << 20", "48 << 20")
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
+@pytest.mark.parametrize("entry", sorted(_ENTRIES))
+def test_only_a_site_process_keeps_large_blocks_mapped_on_their_own(entry: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
+    out = subprocess.run(
+        [sys.executable, "-c", _ENTRIES[entry] + _WHERE_A_LARGE_BLOCK_GOES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["kept"] is True, got
+    assert got["in_heap"] is (not entry.startswith("node")), got
+
+
+def test_a_partly_refused_setting_still_trims_at_a_stage_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    trims: list[int] = []
+
+    class _Libc:
+        def __init__(self) -> None:
+            self.mallopt = self._mallopt
+
+        @staticmethod
+        def _mallopt(param: int, value: int) -> int:
+            return 0 if param == -3 else 1  # glibc refuses the mmap threshold (a 32-bit heap), takes the rest
+
+        @staticmethod
+        def malloc_trim(pad: int) -> int:
+            trims.append(pad)
+            return 1
+
+    monkeypatch.setattr(allocator.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: _Libc())
+    monkeypatch.delenv(allocator.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(allocator, "_state", {})
+    assert allocator.keep_freed_pages() is False
+    allocator.release_freed_pages()
+    assert trims == [0]

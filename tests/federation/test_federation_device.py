@@ -402,8 +402,10 @@ def test_demo_hands_its_device_to_the_nodes_the_coordinator_and_the_sample_grid(
         demo, "_start_processes", lambda out, fed, procs, console, device: seen["node"].append(device)
     )
     monkeypatch.setattr(demo, "_run_job", lambda *a, **k: seen["job"].append(a[-1]) or {})
-    monkeypatch.setattr(finalize, "sample_grid", lambda out, device: seen["grid"].append(device) or Path("x"))
-    monkeypatch.setattr(finalize, "privacy_report", lambda out: None)
+    monkeypatch.setattr(
+        finalize, "sample_grid", lambda out, device, sink=None: seen["grid"].append(device) or Path("x")
+    )
+    monkeypatch.setattr(finalize, "privacy_report", lambda out, sink=None: None)
     # stop there
     monkeypatch.setattr(demo, "_copy", lambda src, dst: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(SystemExit):

@@ -55,11 +55,12 @@ _ENTRIES = {
 }
 
 
-def _run_entry(entry: str, **env: str) -> dict[str, object]:
+def _last_line(code: str, *args: str, **env: str) -> str:
+    """The last line a fresh interpreter prints running ``code``, with no allocator setting inherited."""
     full = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
     full.update(PYTHONPATH=str(ROOT), **env)
     out = subprocess.run(
-        [sys.executable, "-c", _ENTRIES[entry] + _WHERE_A_BLOCK_GOES],
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -67,7 +68,11 @@ def _run_entry(entry: str, **env: str) -> dict[str, object]:
         env=full,
         cwd=ROOT,
     )
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _run_entry(entry: str, where: str = _WHERE_A_BLOCK_GOES, **env: str) -> dict[str, object]:
+    return dict(json.loads(_last_line(_ENTRIES[entry] + where, **env)))
 
 
 @pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
@@ -215,17 +220,7 @@ _STAGES_UNDER_A_DATA_LIMIT = textwrap.dedent("""
 
 
 def _stages_under_a_data_limit(setting: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
-    out = subprocess.run(
-        [sys.executable, "-c", _STAGES_UNDER_A_DATA_LIMIT, setting],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-    )
-    return out.stdout.strip().splitlines()[-1]
+    return _last_line(_STAGES_UNDER_A_DATA_LIMIT, setting)
 
 
 @pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
@@ -244,17 +239,7 @@ _WHERE_A_LARGE_BLOCK_GOES = _WHERE_A_BLOCK_GOES.replace("24 << 20", "48 << 20")
 @pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
 @pytest.mark.parametrize("entry", sorted(_ENTRIES))
 def test_only_a_site_process_keeps_large_blocks_mapped_on_their_own(entry: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.ENV_SWITCH)}
-    out = subprocess.run(
-        [sys.executable, "-c", _ENTRIES[entry] + _WHERE_A_LARGE_BLOCK_GOES],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-    )
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _run_entry(entry, _WHERE_A_LARGE_BLOCK_GOES)
     assert got["kept"] is True, got
     assert got["in_heap"] is (not entry.startswith("node")), got
 

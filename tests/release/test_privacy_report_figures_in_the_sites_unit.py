@@ -7,7 +7,6 @@ stay, named ``*_per_image``; an image-level site's report is unchanged."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from feta_release.accounting import PrivacyEvent, epsilon, epsilon_breakdown, patient_epsilon
 from feta_release.privacy_unit import PrivacyUnit
 from feta_release.release.jobdir import privacy_report
+from tests.support.release import report_job_dir
 
 DELTA, CAP = 1e-5, 4
 EVENTS = [PrivacyEvent("central", 2.9844, 1.0, 1), PrivacyEvent("dpsgd", 8.7109375, 1.0, 20, unit="patient")]
@@ -24,27 +24,7 @@ PER_IMAGE = epsilon(EVENTS, DELTA)
 
 
 def _job_dir(tmp_path: Path, unit: PrivacyUnit | None, per_job_cap: float = 10.0) -> Path:
-    """A job directory: its summary, one site's signed statement (the report reads, ``verify`` checks) and
-    the site's policy caps (context for the chart)."""
-    st = {
-        "epsilon": PER_IMAGE,
-        "delta": DELTA,
-        "accountant": "rdp",
-        "events": [e.to_dict() for e in EVENTS],
-        "policy_sha256": "ab" * 32,
-    }
-    if unit is not None:
-        st["privacy_unit"] = unit.statement(PER_IMAGE, DELTA, EVENTS)
-    (tmp_path / "attestations.json").write_text(
-        json.dumps({"site": {"statement": st, "signature": {"signer": "cd" * 8}}})
-    )
-    (tmp_path / "job_summary.json").write_text(
-        json.dumps({"job_id": "j", "rounds": 1, "skipped": {}, "timings": {}})
-    )
-    budget = {"per_job": {"epsilon": per_job_cap, "delta": DELTA}, "lifetime": {"epsilon": 30.0}}
-    (tmp_path / "policies").mkdir()
-    (tmp_path / "policies" / "site.signed.json").write_text(json.dumps({"policy": {"budget": budget}}))
-    return tmp_path
+    return report_job_dir(tmp_path, EVENTS, DELTA, unit, per_job_cap)
 
 
 def test_a_patient_level_sites_epsilon_total_is_per_patient(tmp_path: Path) -> None:

@@ -13,29 +13,14 @@ import pytest
 from feta_release.accounting import PrivacyEvent, epsilon
 from feta_release.privacy_unit import PrivacyUnit
 from feta_release.release.jobdir import privacy_report
+from tests.support.release import report_job_dir
 
 DELTA, CAP = 1e-5, 4
 EVENTS = [PrivacyEvent("central", 2.9844, 1.0, 1), PrivacyEvent("dpsgd", 8.7109375, 1.0, 20, unit="patient")]
 
 
 def _job_dir(tmp_path: Path, unit: PrivacyUnit | None) -> Path:
-    """A job directory's summary and one site's signed statement (its signature's signer only: the report
-    reads, ``verify`` checks)."""
-    image_level = epsilon(EVENTS, DELTA)
-    st = {
-        "epsilon": image_level,
-        "delta": DELTA,
-        "accountant": "rdp",
-        "events": [e.to_dict() for e in EVENTS],
-        "policy_sha256": "ab" * 32,
-    }
-    if unit is not None:
-        st["privacy_unit"] = unit.statement(image_level, DELTA, EVENTS)
-    atts = {"site": {"statement": st, "signature": {"signer": "cd" * 8}}}
-    (tmp_path / "attestations.json").write_text(json.dumps(atts))
-    summary = {"job_id": "j", "rounds": 1, "skipped": {}, "timings": {}}
-    (tmp_path / "job_summary.json").write_text(json.dumps(summary))
-    return tmp_path
+    return report_job_dir(tmp_path, EVENTS, DELTA, unit)
 
 
 def test_a_patient_level_sites_report_states_its_epsilon_per_patient(tmp_path: Path) -> None:

@@ -402,3 +402,33 @@ def patient_release(
         unit_policy=unit,
     )
     return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})
+
+
+def report_job_dir(
+    out: Path, events: list[PrivacyEvent], delta: float, unit: Any = None, per_job_cap: float = 10.0
+) -> Path:
+    """A job directory the privacy report reads: its summary, one site's signed statement (the signer only:
+    the report reads, ``verify`` checks), with ``unit``'s part (a ``PrivacyUnit``) where given, and the site's
+    policy budget (context for the chart)."""
+    from feta_release.accounting import epsilon
+
+    image_level = epsilon(events, delta)
+    st: dict[str, Any] = {
+        "epsilon": image_level,
+        "delta": delta,
+        "accountant": "rdp",
+        "events": [e.to_dict() for e in events],
+        "policy_sha256": "ab" * 32,
+    }
+    if unit is not None:
+        st["privacy_unit"] = unit.statement(image_level, delta, events)
+    (out / "attestations.json").write_text(
+        json.dumps({"site": {"statement": st, "signature": {"signer": "cd" * 8}}})
+    )
+    (out / "job_summary.json").write_text(
+        json.dumps({"job_id": "j", "rounds": 1, "skipped": {}, "timings": {}})
+    )
+    budget = {"per_job": {"epsilon": per_job_cap, "delta": delta}, "lifetime": {"epsilon": 30.0}}
+    (out / "policies").mkdir()
+    (out / "policies" / "site.signed.json").write_text(json.dumps({"policy": {"budget": budget}}))
+    return out

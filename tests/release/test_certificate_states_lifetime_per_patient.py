@@ -110,17 +110,22 @@ def test_a_current_certificate_stating_the_lifetime_per_image_is_refused(folder:
     assert "certified privacy" in {c.name for c in res.failures}, res.reason()
 
 
-def test_an_image_level_sites_lifetime_words_are_unchanged() -> None:
-    events = [PrivacyEvent("dpsgd", 1.5, 0.05, 200)]
-    st = {"lifetime": {"events": [e.to_dict() for e in events + events], "epsilon": 2.5, "delta": DELTA}}
-    site = {
+def _site_record(events: list[Any], statement: dict[str, Any]) -> dict[str, Any]:
+    """A certificate's site record (what ``describe_site`` words) for ``events`` and the site's statement."""
+    return {
         "site_id": "s",
         "epsilon": epsilon(events, DELTA),
         "delta": DELTA,
         "accountant": "rdp",
         "events": [e.to_dict() for e in events],
-        "attestation": {"statement": st},
+        "attestation": {"statement": statement},
     }
+
+
+def test_an_image_level_sites_lifetime_words_are_unchanged() -> None:
+    events = [PrivacyEvent("dpsgd", 1.5, 0.05, 200)]
+    st = {"lifetime": {"events": [e.to_dict() for e in events + events], "epsilon": 2.5, "delta": DELTA}}
+    site = _site_record(events, st)
     assert describe_site(site).endswith(
         f" Lifetime: this site has spent ε = 2.5 at δ = {DELTA:g} on the same images over all its jobs "
         f"(this job: ε = {epsilon(events, DELTA):.3g}); a release built on an earlier job's model depends on "
@@ -139,14 +144,7 @@ def test_a_patient_level_sites_secure_aggregation_words_are_per_patient() -> Non
         "privacy_unit": PrivacyUnit("patient", CAP).statement(0.0, DELTA, events),
         "secure_aggregation": {"max_colluders": 0},
     }
-    site = {
-        "site_id": "s",
-        "epsilon": epsilon(events, DELTA),
-        "delta": DELTA,
-        "accountant": "rdp",
-        "events": [e.to_dict() for e in events],
-        "attestation": {"statement": st},
-    }
+    site = _site_record(events, st)
     per = patient_epsilon(events, DELTA, CAP)
     worst = patient_epsilon(events, DELTA, CAP, view="worst_case")
     assert worst > per > 2 * worst_case_epsilon(events, DELTA)

@@ -24,11 +24,12 @@ for the same epsilon, each noisier by about the factor cells (fewer images per s
 into is mostly noise. Such cells stay among the SDEdit start images on purpose: dropping the cells whose
 noise-to-signal figure (sqrt(d s^2 / (||v||^2 - d s^2)), s the public noise std per value) is over the
 planner's line (``planning.MOSTLY_NOISE``) lowered the scored accuracy of the synthetic digits (4,000
-digits, epsilon 1; fewer distinct starts per class). Prototype cells (``prototypes``, ``[central] cell_rule =
-"aux"``): the same split, each image into the cell of its nearest PUBLIC prototype of its class (k-means
-centres of aux-generator images, post-processing of the earlier frequency release); still a function of the
-image alone (and public values): the same sensitivity C and event. Why: the slant prior is about handwriting;
-prototypes follow whatever the data's modes are (any dataset).
+digits, epsilon 1; fewer distinct starts per class), and so did drawing the starts in proportion to each
+cell's estimated amplitude (docs/derived-job.md, "Sampler settings"). Prototype cells (``prototypes``,
+``[central] cell_rule = "aux"``): the same split, each image into the cell of its nearest PUBLIC prototype
+of its class (k-means centres of aux-generator images, post-processing of the earlier frequency release);
+still a function of the image alone (and public values): the same sensitivity C and event. Why: the slant
+prior is about handwriting; prototypes follow whatever the data's modes are (any dataset).
 
 Mode images.  Query per class k: the per-pixel histogram H_k[p, b] = #{i in batch, y_i = k : bin(down(x_i)[p])
 = b}.  One image adds 1 to exactly one bin of each of the P pixel values, so the L2 sensitivity is sqrt(P).

@@ -224,6 +224,7 @@ def train(
     req = DeriveRequest(epsilon, delta, time_budget, save_job, dpsgd)
     cfg = _job_or_preset(job, preset, req)
     site_policy = _site_policy(policy_path, trusted)
+    _check_cap_for_policy(site_policy, load, policy_path)  # before any image is read or any ε charged
     public_patients = _policy_patients(site_policy, public_patients, policy_path)
     if cfg is None:
         _refuse_drawn_patients_for_a_derived_job(load, public_patients)
@@ -327,6 +328,16 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
             "job: drop them, or drop JOB / --preset to derive the job from the data"
         )
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
+
+
+def _check_cap_for_policy(policy: Any, load: LoadOptions | None, policy_path: Path | None) -> None:
+    """A --patient-cap the --policy does not make the unit of privacy (``data.loading.check_cap_for_policy``),
+    refused before the data is read."""
+    from ..data.loading import check_cap_for_policy
+
+    cap = load.patient_cap if load is not None else None
+    if policy is not None:
+        check_cap_for_policy(policy, cap, cap_source=f"--patient-cap {cap}", policy_source=str(policy_path))
 
 
 def _policy_patients(policy: Any, public_patients: int | None, policy_path: Path | None) -> int | None:

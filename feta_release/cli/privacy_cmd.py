@@ -32,8 +32,9 @@ def privacy() -> None:
     type=click.IntRange(min=1),
     default=None,
     metavar="K",
-    help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT. "
-    "Give -n as the number of images left after the cap.",
+    help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT, "
+    "DP-SGD sampling whole patients as `train` does. Give -n as the number of images left after the cap, "
+    "and --patients P at K >= 2 (at K = 1 the patients are the -n images).",
 )
 @click.option(
     "--patients",
@@ -153,16 +154,7 @@ def plan(
             raise click.UsageError(
                 "--policy, --sites and --max-images-per-person plan JOB_FILE: give it, or drop them"
             )
-        if patient_cap == 1 and public_patients is None:  # one image each: the patients are the images
-            from ..planning import DEFAULT_DATASET_SIZE
-
-            public_patients = dataset_size if dataset_size is not None else DEFAULT_DATASET_SIZE
-        if patient_cap is not None and public_patients is None:
-            raise click.UsageError(
-                "--patient-cap without --patients: `train` then draws the patient count (a noisy count, the "
-                "event 'patients', charged first) and samples patients at q = batch / that count, which no "
-                "plan knows before the draw; give --patients P (the public count: train --public-patients P)"
-            )
+        public_patients = _planned_patients(patient_cap, public_patients, dataset_size)
         _plan_derived(
             dataset_size,
             shape,
@@ -204,6 +196,8 @@ def plan(
         raise click.UsageError(
             "give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both"
         )
+    # DP-SGD sampled as `train` samples it: whole patients of the public count train runs with
+    public_patients = _planned_patients(patient_cap, public_patients, dataset_size)
     unit = (
         PrivacyUnit("patient", patient_cap)
         if patient_cap is not None
@@ -245,6 +239,25 @@ def plan(
             f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that"
         )
     click.echo(unit_line(st))
+
+
+def _planned_patients(patient_cap: int | None, public_patients: int | None, size: int | None) -> int | None:
+    """The PUBLIC patient count DP-SGD samples at --patient-cap, as `train` runs it: --patients; at a cap of
+    1 the public size (-n), the cap leaving one image a patient (`train` counts them once). At a cap of 2 or
+    more without --patients, `train` draws the count (a noisy count, charged first) and samples patients at
+    q = batch / that count, which no plan knows: refused, naming the option. (Planned over the images
+    instead, DP-SGD would be a job no patient-level site runs, its σ and ε not what the ledger charges.)"""
+    from ..planning import DEFAULT_DATASET_SIZE
+
+    if patient_cap is None or public_patients is not None:
+        return public_patients
+    if patient_cap == 1:
+        return size if size is not None else DEFAULT_DATASET_SIZE
+    raise click.UsageError(
+        f"--patient-cap {patient_cap} without --patients: `train` then draws the patient count (a noisy "
+        "count, the event 'patients', charged first) and samples patients at q = batch / that count, which "
+        "no plan knows before the draw; give --patients P (the public count: train --public-patients P)"
+    )
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

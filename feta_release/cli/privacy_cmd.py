@@ -531,15 +531,28 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
     default=None,
     help='Accountant (default: the file\'s "accountant", else rdp).',
 )
+@click.option(
+    "--patient-cap",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="K",
+    help="The history is a patient-level site's (at most K images a patient): state ε PER PATIENT, the "
+    "figure its caps bound (default: a site statement's own cap, its privacy_unit).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def account(history_file: Path, delta: float | None, accountant: str | None, as_json: bool) -> None:
-    """Total epsilon of a saved event history (a list of events, or an object with "history" or "events").
+def account(
+    history_file: Path, delta: float | None, accountant: str | None, patient_cap: int | None, as_json: bool
+) -> None:
+    """Total epsilon of a saved event history (a list of events, or an object with "history" or "events",
+    such as a site's signed statement); per patient at a patient-level site (--patient-cap, or the
+    statement's).
 
     \b
     Example:
       feta-release privacy account history.json --delta 1e-5 --accountant prv
     """
-    from ..accounting import epsilon, epsilon_breakdown, events_from_list
+    from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon
+    from ..privacy_unit import statement_patient_cap
 
     try:
         raw = json.loads(history_file.read_text("utf-8"))
@@ -553,6 +566,7 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
             raise PrivacyError(f'{history_file}: object has no "history" or "events" list')
         delta = raw.get("delta") if delta is None else delta
         accountant = accountant or raw.get("accountant")
+        patient_cap = patient_cap or statement_patient_cap(raw)
     else:
         items = raw
     if not isinstance(items, list):
@@ -566,8 +580,10 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
         events = events_from_list(items)
     except PrivacyError as exc:
         raise PrivacyError(f"{history_file}: {exc}") from None
-    total = epsilon(events, delta, accountant)  # type: ignore[arg-type]
-    per_stage = {k: v for k, v in epsilon_breakdown(events, delta, accountant).items() if k != "total"}  # type: ignore[arg-type]
+    total = unit_epsilon(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
+    breakdown = epsilon_breakdown(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
+    per_stage = {k: v for k, v in breakdown.items() if k != "total"}
+    unit = "image" if patient_cap is None else "patient"
     if as_json:
         click.echo(
             json.dumps(
@@ -575,6 +591,8 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
                     "epsilon": total,
                     "delta": delta,
                     "accountant": accountant,
+                    "unit": unit,
+                    "images_per_patient_cap": patient_cap,
                     "stages": per_stage,
                     "events": len(events),
                 },
@@ -582,6 +600,13 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
             )
         )
         return
+    what = "epsilon" if patient_cap is None else "epsilon per PATIENT"
     for stage, eps in per_stage.items():
-        click.echo(f"{stage:<10} epsilon alone {eps:.3f}")
-    click.echo(f"total epsilon {total:.3f} at delta {delta:g} ({accountant}, {len(events)} events)")
+        click.echo(f"{stage:<10} {what} alone {eps:.3f}")
+    click.echo(f"total {what} {total:.3f} at delta {delta:g} ({accountant}, {len(events)} events)")
+    if patient_cap is None and any(getattr(e, "unit", "image") == "patient" for e in events):
+        click.echo(
+            "note: the history holds patient-level DP-SGD, but no patient cap is known: these figures "
+            "compose the events as if each protected one image, less than one patient can lose; give "
+            "--patient-cap K (the site's dataset.patient_cap) for epsilon per patient"
+        )

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..privacy_unit import job_in_unit
+
 SIGNED_JOB = "signed_job.json"
 SUMMARY = "job_summary.json"
 ATTESTATIONS = "attestations.json"
@@ -39,8 +41,6 @@ def job_summary(
     history. ``site_epsilon`` is in the site's unit (``site_unit``; ``privacy_unit.job_in_unit``): per
     patient at a patient-level site, the figure its caps bound, whose statement's ``epsilon`` (the events
     composed as if each protected one image) is kept as ``site_epsilon_per_image``."""
-    from ..privacy_unit import job_in_unit
-
     st = {sid: att["statement"] for sid, att in attestations.items()}
     figures = {sid: job_in_unit(s) for sid, s in st.items()}
     return {

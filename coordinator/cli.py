@@ -383,7 +383,12 @@ def run(
     )
     click.echo(
         json.dumps(
-            {k: summary[k] for k in ("job_id", "site_epsilon", "rounds", "skipped", "timings")}, indent=2
+            {
+                k: summary[k]
+                for k in ("job_id", "site_epsilon", "site_unit", "rounds", "skipped", "timings")
+                if k in summary  # (a summary written before site_unit)
+            },
+            indent=2,
         )
     )
     if release:

@@ -274,6 +274,7 @@ def _finish(
         "timings_s": timings,
         "job_phase_timings_s": summary["timings"],
         "site_epsilon": summary["site_epsilon"],
+        "site_unit": summary.get("site_unit"),
         "rounds": summary["rounds"],
         "skipped": summary["skipped"],
         "release": "release" if release else None,

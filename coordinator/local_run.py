@@ -56,7 +56,7 @@ from edge.site import (
     release_site,
     verify_policy_file,
 )
-from feta_release.accounting import PrivacyEvent, epsilon, events_from_list
+from feta_release.accounting import PrivacyEvent, events_from_list
 from feta_release.config import JobConfig
 from feta_release.data import ImageDataset
 from feta_release.data.commitment import dataset_commitment, ensure_secret
@@ -65,7 +65,7 @@ from feta_release.errors import ConfigError
 from feta_release.federation.harness import HarnessNode, InProcessGrid
 from feta_release.federation.job import run_job
 from feta_release.files import atomic_write_bytes, private_dir
-from feta_release.ledger import Budget, Ledger
+from feta_release.ledger import Budget, Ledger, as_budget
 from feta_release.mechanisms.count import (
     PATIENTS_STAGE,
     SIZE_SIGMA,
@@ -80,7 +80,7 @@ from feta_release.planning import plan as privacy_plan
 from feta_release.policy import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.envelope import read_json
 from feta_release.policy.jobs import sign_job
-from feta_release.privacy_unit import PatientIndex
+from feta_release.privacy_unit import PatientIndex, figure_unit_words
 from feta_release.progress_events import job_log
 from feta_release.randomness import os_numpy_generator
 from feta_release.release.jobdir import RELEASE, build_release, privacy_report, sample_grid, synthetic_set
@@ -511,7 +511,8 @@ def _log_start(
     sgd = plan.event("dpsgd")
     rep.log(
         f"[bold]{escape(cfg.job.name)}[/] ({cfg.job.method}) on {data.n} images, {data.n_classes} classes: "
-        f"planned epsilon {plan.epsilon:.3f} at delta {cfg.privacy.delta:g}"
+        f"planned epsilon{' per patient' if plan.patient_cap is not None else ''} {plan.epsilon:.3f} at "
+        f"delta {cfg.privacy.delta:g}"
         + (f"; DP-SGD sigma {plan.noise_multiplier:.3f}, q {sgd.q:.4f}, {sgd.steps} steps" if sgd else "")
         + escape(f"; ledger {files.ledger}" + (" [resuming]" if resumed else ""))
     )
@@ -525,14 +526,18 @@ def _grids(
     root: Path, cfg: JobConfig, data: ImageDataset, site: Site, job_id: str, per_class: int
 ) -> Callable[[str, Any], None]:
     """The driver's observer: ``grids/NN-<stage>.png`` at each stage boundary (the released central images
-    themselves, then samples of the model after each stage), titled with the ε the site charged so far."""
+    themselves, then samples of the model after each stage), titled with the ε the site charged so far in
+    its unit, as its ledger caps it (per patient at a patient-level site)."""
     count = [0]
     delta = float(cfg.privacy.delta)
+    budget = as_budget(site.policy)
+    unit = figure_unit_words(budget.patient_cap, "one site")
+    unit = unit if budget.patient_cap is None else f"per patient, {unit}"
 
     def observe(stage: str, what: Any) -> None:
         count[0] += 1
         events = events_from_list(site.ledger.job_events(job_id))
-        spent = epsilon(events, delta, cfg.privacy.accountant) if events else None
+        spent = budget.spent(events, delta) if events else None
         if isinstance(what, tuple):
             images, labels = what
             label, n = "released central images", min(per_class, cfg.central.rounds * cfg.central.cells)
@@ -547,7 +552,7 @@ def _grids(
             per_class=n,
             n_classes=data.n_classes,
             class_names=data.class_names,
-            title=epsilon_title(label, spent, delta, "one image of one site"),
+            title=epsilon_title(label, spent, delta, unit),
         )
 
     return observe

@@ -37,6 +37,25 @@ def node() -> None:
     """Run and inspect a site node (Flower SuperNode)."""
 
 
+def _unit_line(s: dict) -> str:
+    """What every ε below is per: the verified policy's unit, or (no policy) that the figures compose the
+    events as if each protected one image, less than one patient can lose at a patient-level site (said
+    loudly where the ledger holds patient-level DP-SGD)."""
+    if s.get("unit") == "patient":
+        return "unit: ε per PATIENT (all of one patient's images), as the site's policy caps it"
+    if s.get("unit") == "image":
+        return "unit: ε per image, as the site's policy caps it"
+    return (
+        "unit: NOT known (no policy given): the ε below compose the events as if each protected one image, "
+        + (
+            "LESS than one patient can lose at this patient-level site (it holds patient-level DP-SGD)"
+            if s.get("patient_events")
+            else "less than one patient can lose if the site is patient-level"
+        )
+        + "; give --policy and --trusted (or --config) for the figures its caps bound"
+    )
+
+
 @node.command()
 @click.option(
     "--config",
@@ -181,11 +200,13 @@ def _print_summary(s: dict) -> None:
         f"policy version seen={s['policy_version']}"
     )
     con.print(f"integrity: {s['integrity']}")
+    con.print(_unit_line(s))
+    per = " per patient" if s.get("unit") == "patient" else ""
     con.print(
-        f"lifetime ε spent [bold]{s['lifetime_epsilon_spent']:.4f}[/]"
+        f"lifetime ε{per} spent [bold]{s['lifetime_epsilon_spent']:.4f}[/]"
         + (f", left {left:.4f}" if left is not None else "")
     )
-    t = Table("job", "mechanism", "events", "ε spent", "ε left (job)")
+    t = Table("job", "mechanism", "events", f"ε{per} spent", f"ε{per} left (job)")
     for job_id, j in s["jobs"].items():
         for m, info in j["mechanisms"].items():
             ev = "; ".join(

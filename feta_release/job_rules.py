@@ -1362,12 +1362,32 @@ def _fit_physical(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> in
     return max(min(p, 4), min(p, scaled))
 
 
+def fit_dpsgd_to_patients(cfg: JobConfig, patients: PatientFacts | None) -> dict[str, Any]:
+    """A preset's ``[dpsgd]`` at a PATIENT-level site (``patients``: its declared public patients; {}: no
+    change). The preset's ``rate`` is the sampling rate q it was tuned at, and such a site samples whole
+    patients at q = batch / patients. Sized over the images (rate x N), its batch sampled N / P (up to the
+    cap) times the preset's q, each step up to the cap times the preset's rows, its noise calibrated for that
+    other job, and a rate over 1 / cap was refused. So the batch is rate x the public patients (q = the
+    preset's rate) and ``epochs`` count passes over the patients."""
+    d = cfg.dpsgd
+    if patients is None or d.rate is None or d.steps == 0:
+        return {}
+    batch = max(1, round(d.rate * patients.patients))
+    out: dict[str, Any] = {"rate": None, "batch": batch}
+    if d.steps is None:
+        assert d.epochs is not None
+        out.update(steps=max(1, math.ceil(d.epochs * patients.patients / batch)), epochs=None)
+    return out
+
+
 def fit_preset(cfg: JobConfig, name: str, facts: DataFacts, *, size_known: bool = True) -> JobConfig:
     """The preset ``name`` on data of these public ``facts``: on its own shape as written; on another shape
-    its central query, clip, feature map, UNet levels and physical batch mapped by the rules above. Refused
-    in one line naming the derived job where it cannot run (a batch larger than the public size, a feature
-    map or model the shape cannot hold, the resource caps). ``size_known``: the public size is declared
-    (else it is drawn later and the size checks are left to the run's plan)."""
+    its central query, clip, feature map, UNet levels and physical batch mapped by the rules above; at a
+    patient-level site (``facts.patients``) DP-SGD sized over its public patients
+    (:func:`fit_dpsgd_to_patients`). Refused in one line naming the derived job where it cannot run (a batch
+    larger than the public size, a feature map or model the shape cannot hold, the resource caps).
+    ``size_known``: the public size is declared (else it is drawn later and the size checks are left to the
+    run's plan)."""
     ref = preset_shape(cfg)
     out = cfg
     if ref != facts.shape:
@@ -1377,6 +1397,8 @@ def fit_preset(cfg: JobConfig, name: str, facts: DataFacts, *, size_known: bool 
             model=_fit_model(cfg, ref, facts),
             dpsgd={"physical_batch": _fit_physical(cfg, ref, facts)},
         )
+    if sgd := fit_dpsgd_to_patients(out, facts.patients):
+        out = out.replace(dpsgd=sgd)
     try:
         _check_runs(out, facts, size_known)
     except FetaError as exc:

@@ -768,6 +768,10 @@ class Ledger:
         """Per job and per mechanism: ε spent (and left, when the budget is known).
 
         Per-mechanism figures are that mechanism's events alone; the job total composes all of them.
+        ``unit``: what every figure is per, as the budget caps it: "patient" at a patient-level site (its
+        policy's cap), "image", or None without a budget: the events composed as if each protected one
+        image, which at a patient-level site is less than one patient can lose (``patient_events`` says the
+        ledger holds patient-level DP-SGD).
         """
         budget = None if budget is None else as_budget(budget)
         d = budget.delta if budget else delta
@@ -795,6 +799,8 @@ class Ledger:
             "accountant": acc,
             "lifetime_epsilon_spent": life,
             "lifetime_epsilon_left": (max(0.0, budget.lifetime_epsilon - life) if budget else None),
+            "unit": None if budget is None else ("image" if budget.patient_cap is None else "patient"),
+            "patient_events": any(e.get("unit") == "patient" for e in self._history()),
             "policy_version": self.highest_policy_version(),
             "jobs": jobs,
         }

@@ -278,3 +278,49 @@ def lifetime_in_unit(statement: dict) -> dict | None:
     acc = statement.get("accountant", "rdp")
     per = patient_epsilon(events_from_list(life["events"]), delta, cap, acc)
     return {"epsilon": per, "delta": delta, "unit": "patient", "epsilon_per_image": float(life["epsilon"])}
+
+
+def job_in_unit(statement: dict) -> dict:
+    """A site's signed spend on THIS job in the SITE'S unit, as its ledger caps it: per patient at a
+    patient-level site (the statement's ``privacy_unit``, which verify recomputes from the signed policy and
+    the events), the statement's ``epsilon`` (the events composed as if each protected one image) kept as
+    ``epsilon_per_image``; an image-level site's signed figure as it is. The job's counterpart of
+    :func:`lifetime_in_unit`."""
+    cap = statement_patient_cap(statement)
+    if cap is None:
+        return {"epsilon": float(statement["epsilon"]), "delta": float(statement["delta"])}
+    u = statement["privacy_unit"]
+    return {
+        "epsilon": float(u["epsilon_per_patient"]),
+        "delta": float(u["delta_per_patient"]),
+        "unit": "patient",
+        "images_per_patient_cap": cap,
+        "epsilon_per_image": float(statement["epsilon"]),
+    }
+
+
+def figure_unit_words(cap: int | None, whose: str = "that site") -> str:
+    """What a site's figure in its unit (:func:`job_in_unit`, :func:`lifetime_in_unit`) protects, in ASCII
+    words (they go into PNG text chunks): one patient with all of their images at a patient-level site (every
+    stage, the image-level ones by group privacy over the cap), else one image."""
+    if cap is None:
+        return f"one image of {whose}"
+    return f"one patient of {whose} with all of their images (at most {cap} used), every stage"
+
+
+def figures_in_unit(statements: dict[str, dict]) -> tuple[dict[str, float] | None, float | None, str]:
+    """(ε per site in its unit, the largest δ, the unit in words) of the sites' signed statements (site id
+    -> statement): what a title over a job's samples states. A federation that mixes units names the
+    patient-level sites."""
+    figures = {sid: job_in_unit(st) for sid, st in statements.items()}
+    if not figures:
+        return None, None, figure_unit_words(None, "one site")
+    patient = sorted(sid for sid, f in figures.items() if f.get("unit") == "patient")
+    if not patient:
+        unit = figure_unit_words(None, "one site")
+    elif len(patient) == len(figures):
+        unit = "per patient: one patient of one site with all of their images, every stage"
+    else:
+        unit = f"per patient at {', '.join(patient)} (all of a patient's images), per image elsewhere"
+    eps = {sid: f["epsilon"] for sid, f in figures.items()}
+    return eps, max(f["delta"] for f in figures.values()), unit

@@ -32,8 +32,9 @@ def privacy() -> None:
     type=click.IntRange(min=1),
     default=None,
     metavar="K",
-    help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT. "
-    "Give -n as the number of images left after the cap.",
+    help="The site caps each patient at K images (--patient-cap of node/site/data): state ε per PATIENT, "
+    "DP-SGD sampling whole patients as `train` does. Give -n as the number of images left after the cap, "
+    "and --patients P at K >= 2 (at K = 1 the patients are the -n images).",
 )
 @click.option(
     "--patients",
@@ -153,16 +154,7 @@ def plan(
             raise click.UsageError(
                 "--policy, --sites and --max-images-per-person plan JOB_FILE: give it, or drop them"
             )
-        if patient_cap == 1 and public_patients is None:  # one image each: the patients are the images
-            from ..planning import DEFAULT_DATASET_SIZE
-
-            public_patients = dataset_size if dataset_size is not None else DEFAULT_DATASET_SIZE
-        if patient_cap is not None and public_patients is None:
-            raise click.UsageError(
-                "--patient-cap without --patients: `train` then draws the patient count (a noisy count, the "
-                "event 'patients', charged first) and samples patients at q = batch / that count, which no "
-                "plan knows before the draw; give --patients P (the public count: train --public-patients P)"
-            )
+        public_patients = _planned_patients(patient_cap, public_patients, dataset_size)
         _plan_derived(
             dataset_size,
             shape,
@@ -204,6 +196,8 @@ def plan(
         raise click.UsageError(
             "give --patient-cap (patient ids known) or --max-images-per-person (unknown), not both"
         )
+    # DP-SGD sampled as `train` samples it: whole patients of the public count train runs with
+    public_patients = _planned_patients(patient_cap, public_patients, dataset_size)
     unit = (
         PrivacyUnit("patient", patient_cap)
         if patient_cap is not None
@@ -245,6 +239,25 @@ def plan(
             f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that"
         )
     click.echo(unit_line(st))
+
+
+def _planned_patients(patient_cap: int | None, public_patients: int | None, size: int | None) -> int | None:
+    """The PUBLIC patient count DP-SGD samples at --patient-cap, as `train` runs it: --patients; at a cap of
+    1 the public size (-n), the cap leaving one image a patient (`train` counts them once). At a cap of 2 or
+    more without --patients, `train` draws the count (a noisy count, charged first) and samples patients at
+    q = batch / that count, which no plan knows: refused, naming the option. (Planned over the images
+    instead, DP-SGD would be a job no patient-level site runs, its σ and ε not what the ledger charges.)"""
+    from ..planning import DEFAULT_DATASET_SIZE
+
+    if patient_cap is None or public_patients is not None:
+        return public_patients
+    if patient_cap == 1:
+        return size if size is not None else DEFAULT_DATASET_SIZE
+    raise click.UsageError(
+        f"--patient-cap {patient_cap} without --patients: `train` then draws the patient count (a noisy "
+        "count, the event 'patients', charged first) and samples patients at q = batch / that count, which "
+        "no plan knows before the draw; give --patients P (the public count: train --public-patients P)"
+    )
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -518,15 +531,28 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
     default=None,
     help='Accountant (default: the file\'s "accountant", else rdp).',
 )
+@click.option(
+    "--patient-cap",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="K",
+    help="The history is a patient-level site's (at most K images a patient): state ε PER PATIENT, the "
+    "figure its caps bound (default: a site statement's own cap, its privacy_unit).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def account(history_file: Path, delta: float | None, accountant: str | None, as_json: bool) -> None:
-    """Total epsilon of a saved event history (a list of events, or an object with "history" or "events").
+def account(
+    history_file: Path, delta: float | None, accountant: str | None, patient_cap: int | None, as_json: bool
+) -> None:
+    """Total epsilon of a saved event history (a list of events, or an object with "history" or "events",
+    such as a site's signed statement); per patient at a patient-level site (--patient-cap, or the
+    statement's).
 
     \b
     Example:
       feta-release privacy account history.json --delta 1e-5 --accountant prv
     """
-    from ..accounting import epsilon, epsilon_breakdown, events_from_list
+    from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon
+    from ..privacy_unit import statement_patient_cap
 
     try:
         raw = json.loads(history_file.read_text("utf-8"))
@@ -540,6 +566,7 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
             raise PrivacyError(f'{history_file}: object has no "history" or "events" list')
         delta = raw.get("delta") if delta is None else delta
         accountant = accountant or raw.get("accountant")
+        patient_cap = patient_cap or statement_patient_cap(raw)
     else:
         items = raw
     if not isinstance(items, list):
@@ -553,8 +580,10 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
         events = events_from_list(items)
     except PrivacyError as exc:
         raise PrivacyError(f"{history_file}: {exc}") from None
-    total = epsilon(events, delta, accountant)  # type: ignore[arg-type]
-    per_stage = {k: v for k, v in epsilon_breakdown(events, delta, accountant).items() if k != "total"}  # type: ignore[arg-type]
+    total = unit_epsilon(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
+    breakdown = epsilon_breakdown(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
+    per_stage = {k: v for k, v in breakdown.items() if k != "total"}
+    unit = "image" if patient_cap is None else "patient"
     if as_json:
         click.echo(
             json.dumps(
@@ -562,6 +591,8 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
                     "epsilon": total,
                     "delta": delta,
                     "accountant": accountant,
+                    "unit": unit,
+                    "images_per_patient_cap": patient_cap,
                     "stages": per_stage,
                     "events": len(events),
                 },
@@ -569,6 +600,13 @@ def account(history_file: Path, delta: float | None, accountant: str | None, as_
             )
         )
         return
+    what = "epsilon" if patient_cap is None else "epsilon per PATIENT"
     for stage, eps in per_stage.items():
-        click.echo(f"{stage:<10} epsilon alone {eps:.3f}")
-    click.echo(f"total epsilon {total:.3f} at delta {delta:g} ({accountant}, {len(events)} events)")
+        click.echo(f"{stage:<10} {what} alone {eps:.3f}")
+    click.echo(f"total {what} {total:.3f} at delta {delta:g} ({accountant}, {len(events)} events)")
+    if patient_cap is None and any(getattr(e, "unit", "image") == "patient" for e in events):
+        click.echo(
+            "note: the history holds patient-level DP-SGD, but no patient cap is known: these figures "
+            "compose the events as if each protected one image, less than one patient can lose; give "
+            "--patient-cap K (the site's dataset.patient_cap) for epsilon per patient"
+        )

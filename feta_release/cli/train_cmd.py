@@ -224,9 +224,9 @@ def train(
     req = DeriveRequest(epsilon, delta, time_budget, save_job, dpsgd)
     cfg = _job_or_preset(job, preset, req)
     site_policy = _site_policy(policy_path, trusted)
+    _check_cap_for_policy(site_policy, load, policy_path)  # before any image is read or any ε charged
     public_patients = _policy_patients(site_policy, public_patients, policy_path)
-    if cfg is None:
-        _refuse_drawn_patients_for_a_derived_job(load, public_patients)
+    _refuse_drawn_patients(cfg, preset, load, public_patients)
     if threads:
         torch.set_num_threads(threads)
     declared = site_policy.declared if site_policy is not None else None
@@ -235,7 +235,9 @@ def train(
     )
     job_for_size = None
     if preset is not None:  # a preset on data of another shape: adapted by the rules, or refused in one line
-        cfg = _fit_preset(cfg, preset, data, public_size, site_policy)
+        cfg = _fit_preset(
+            cfg, preset, data, public_size, site_policy, _declared_patients(patients, public_patients)
+        )
     public = _public_inputs(cfg or base_job(), public_path, public_description, pretrained, load, as_read)
     del as_read  # every image as read, the capped ones too: needed only to check the public set
     if cfg is None:  # the job derived from the data's public facts (and the --public set's)
@@ -329,6 +331,16 @@ def _job_or_preset(job: Path | None, preset: str | None, req: DeriveRequest) -> 
     return load_job(job) if job is not None else load_preset(preset)  # type: ignore[arg-type]
 
 
+def _check_cap_for_policy(policy: Any, load: LoadOptions | None, policy_path: Path | None) -> None:
+    """A --patient-cap the --policy does not make the unit of privacy (``data.loading.check_cap_for_policy``),
+    refused before the data is read."""
+    from ..data.loading import check_cap_for_policy
+
+    cap = load.patient_cap if load is not None else None
+    if policy is not None:
+        check_cap_for_policy(policy, cap, cap_source=f"--patient-cap {cap}", policy_source=str(policy_path))
+
+
 def _policy_patients(policy: Any, public_patients: int | None, policy_path: Path | None) -> int | None:
     """The public patient count: a patient-level --policy's signed ``dataset.patients`` (its node samples
     DP-SGD over it, q = batch / it), else --public-patients. A --public-patients beside a policy that declares
@@ -346,18 +358,31 @@ def _policy_patients(policy: Any, public_patients: int | None, policy_path: Path
     return declared
 
 
-def _refuse_drawn_patients_for_a_derived_job(load: LoadOptions | None, public_patients: int | None) -> None:
-    """A derived job over a cap of K >= 2 fits its noise per patient over the cap and samples patients at q =
-    batch / P: P must be public before the job is derived. Drawing it (a noisy count charged in the site
-    ledger) would derive the job per image, which the per-patient plan then refuses after the charge."""
+def _refuse_drawn_patients(
+    cfg: Any, preset: str | None, load: LoadOptions | None, public: int | None
+) -> None:
+    """A cap of K >= 2 whose patient count P is not public, refused before anything is drawn or charged where
+    the job is sized over P: a derived job (it fits its noise per patient over the cap and samples patients
+    at q = batch / P) and a preset sampling DP-SGD at a rate (its batch is rate x P,
+    ``job_rules.fit_dpsgd_to_patients``). Drawing P (a noisy count charged in the site ledger) would size
+    either over the images, another job than the one asked for (the derived one then refused after the
+    charge)."""
     cap = load.patient_cap if load is not None else None
-    if cap is None or cap < 2 or public_patients is not None:
+    if cap is None or cap < 2 or public is not None:
         return
-    raise ConfigError(
-        f"--patient-cap {cap} derives a job that fits its noise per patient over the cap and samples "
-        "patients at batch / P, so the number of patients P must be public before the job is derived: give "
-        "--public-patients P (the public number of patients), or a --policy that declares it"
-    )
+    if cfg is None:
+        raise ConfigError(
+            f"--patient-cap {cap} derives a job that fits its noise per patient over the cap and samples "
+            "patients at batch / P, so the number of patients P must be public before the job is derived: "
+            "give --public-patients P (the public number of patients), or a --policy that declares it"
+        )
+    if preset is not None and cfg.dpsgd.rate is not None and cfg.dpsgd.steps != 0:
+        raise ConfigError(
+            f"--preset {preset} at --patient-cap {cap} samples whole patients at its DP-SGD rate "
+            f"q = {cfg.dpsgd.rate:g}, a batch of q x P patients, so the number of patients P must be public "
+            "before the run: give --public-patients P (the public number of patients), or a --policy that "
+            "declares it"
+        )
 
 
 def _declared_patients(patients: Any, public_patients: int | None) -> Any:
@@ -371,9 +396,12 @@ def _declared_patients(patients: Any, public_patients: int | None) -> Any:
     return PatientFacts(int(public_patients), int(patients.cap))
 
 
-def _fit_preset(cfg: Any, name: str, data: Any, public_size: int | None, policy: Any) -> Any:
-    """``job_rules.fit_preset`` on the data's shape and classes and the PUBLIC size (--public-size or the
-    policy's; none: the size checks are left to the run's plan); a note says what was adapted."""
+def _fit_preset(
+    cfg: Any, name: str, data: Any, public_size: int | None, policy: Any, patients: Any = None
+) -> Any:
+    """``job_rules.fit_preset`` on the data's shape and classes, the PUBLIC size (--public-size or the
+    policy's; none: the size checks are left to the run's plan) and a patient-level site's declared patients
+    (``job_rules.PatientFacts``: DP-SGD's batch over them); a note says what was adapted."""
     from ..job_rules import DataFacts, fit_preset, preset_shape
     from ..policy.enforce import resource_cap
 
@@ -392,9 +420,18 @@ def _fit_preset(cfg: Any, name: str, data: Any, public_size: int | None, policy:
         n_classes=int(data.n_classes),
         epsilon=float(cfg.privacy.epsilon),
         memory_mb=memory,
+        patients=patients,
     )
     fitted = fit_preset(cfg, name, facts, size_known=declared is not None)
-    if fitted != cfg:
+    if fitted.dpsgd.rate != cfg.dpsgd.rate:
+        click.echo(
+            f"note: preset {name} samples DP-SGD at q = {cfg.dpsgd.rate:g}; this site samples whole "
+            f"patients, so its batch is q x the {patients.patients} public patients = {fitted.dpsgd.batch} "
+            "patients, "
+            f"{fitted.dpsgd.steps} steps",
+            err=True,
+        )
+    if preset_shape(cfg) != facts.shape:
         m, ce, fr = fitted.model, fitted.central, fitted.frequency
         side = max(1, int(h * ce.downsample))
         tuned = "x".join(map(str, preset_shape(cfg)))

@@ -212,6 +212,31 @@ def cap_loaded(ds: ImageDataset, report: LoadReport, k: int) -> ImageDataset:
     return _cap_patients(ds, report, k)
 
 
+def check_cap_for_policy(
+    policy: Any, patient_cap: int | None, *, cap_source: str, policy_source: str
+) -> None:
+    """Before any image is read: a patient cap asked for (``cap_source``, e.g. ``train --patient-cap 2``)
+    that the site's signed policy does not make the unit of privacy is refused. Under an image-level policy
+    the cap would drop every patient's images past the first K while the run stays image-level (DP-SGD
+    samples images, every ε per image): not the patient-level run the cap asks for. A patient-level
+    policy's cap of another value: its node uses its own (``policy_data``)."""
+    if patient_cap is None:
+        return
+    if getattr(policy, "privacy_unit", "image") != "patient":
+        raise ConfigError(
+            f"{policy_source}: the policy makes the IMAGE the unit of privacy (no dataset.privacy_unit = "
+            f'"patient") but {cap_source} asks for a patient-level run: the cap would drop each patient\'s '
+            "images past the first and every ε would stay per image; drop the patient cap (every image used, "
+            f'ε per image), or sign a policy with dataset.privacy_unit = "patient", patient_cap = '
+            f"{patient_cap} and patients (site init --patient-cap {patient_cap})"
+        )
+    if int(policy.patient_cap) != patient_cap:
+        raise ConfigError(
+            f"{policy_source}: dataset.patient_cap = {int(policy.patient_cap)} but {cap_source} asks for "
+            f"another cap; set it to {int(policy.patient_cap)} or remove it"
+        )
+
+
 def policy_data(
     policy: Any, ds: Any, report: Any, *, data_source: str, policy_source: str
 ) -> tuple[Any, PatientIndex | None]:

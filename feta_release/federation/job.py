@@ -218,7 +218,10 @@ def _run(
     d.emit(
         "done",
         f"job {d.job.job_id} finished: "
-        + ", ".join(f"{sid} ε={e:.3f}" for sid, e in summary["site_epsilon"].items()),
+        + ", ".join(
+            f"{sid} ε{' per patient' if summary['site_unit'][sid] == 'patient' else ''}={e:.3f}"
+            for sid, e in summary["site_epsilon"].items()
+        ),
         timings=summary["timings"],
     )
     return JobResult(d.out, sorted(d.sites), rounds_done, d.skipped, summary["timings"], atts)

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from ..errors import FetaError, ReleaseError
 from ..files import hash_regular, read_regular
-from ..privacy_unit import lifetime_in_unit, unit_phrase
+from ..privacy_unit import figure_unit_words, job_in_unit, lifetime_in_unit, unit_phrase
 from ..signing import canonical_json, fingerprint, loads_strict, sha256_hex, sign_document, verify_document
 from .manifest import MANIFEST_FILE
 from .verify import (
@@ -46,13 +46,16 @@ from .verify import (
 )
 
 CERTIFICATE_FILE = "certificate.json"
+# 4: a patient-level site's job ε per patient in the privacy section (``privacy_unit.job_in_unit``) and in
+# the PNG text ``feta:privacy``. 3 stated both per image (its statement words and lifetime per patient).
 # 3: a patient-level site's lifetime per patient (``privacy_unit.lifetime_in_unit``) in the privacy section
 # and its statement, and its secure-aggregation figures per patient in the statement. 2 stated them per
-# image whatever the site's unit; such certificates still verify against the words they signed, with a
-# note giving the lifetime per patient.
-CERTIFICATE_VERSION = "feta-release/certificate/3"
+# image whatever the site's unit. Such certificates still verify against the words they signed, with a
+# note giving the figures per patient.
+CERTIFICATE_VERSION = "feta-release/certificate/4"
+IMAGE_JOB_VERSION = "feta-release/certificate/3"
 IMAGE_LIFETIME_VERSION = "feta-release/certificate/2"
-CERTIFICATE_VERSIONS = (IMAGE_LIFETIME_VERSION, CERTIFICATE_VERSION)
+CERTIFICATE_VERSIONS = (IMAGE_LIFETIME_VERSION, IMAGE_JOB_VERSION, CERTIFICATE_VERSION)
 # A certificate lists every synthetic file (about 100 bytes each): room for some millions of images.
 MAX_CERTIFICATE_BYTES = 1 << 30
 SYNTHETIC_MARK = (
@@ -68,24 +71,40 @@ def files_digest(pairs: Iterable[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
-def epsilon_line(sites: Sequence[dict[str, Any]]) -> str:
-    """ASCII (fits a PNG tEXt chunk): each site's (epsilon, delta) and accountant for the job."""
-    parts = [
-        f"site {s['site_id']}: epsilon={float(s['epsilon']):.4g}, delta={float(s['delta']):g} "
-        f"({str(s['accountant']).upper()}, unit = {unit_phrase(s.get('events', ()))})"
-        for s in sites
-    ]
-    return "; ".join(parts)
+def epsilon_line(sites: Sequence[dict[str, Any]], version: str = CERTIFICATE_VERSION) -> str:
+    """ASCII (fits a PNG tEXt chunk): each site's (epsilon, delta) for the job, accountant and unit; at a
+    patient-level site epsilon PER PATIENT (``privacy_unit.job_in_unit``, the figure its caps bound), which
+    version 2 and 3 certificates stated per image."""
+    per_image = version in (IMAGE_LIFETIME_VERSION, IMAGE_JOB_VERSION)
+    return "; ".join(_site_epsilon_words(s, per_image) for s in sites)
 
 
-def png_text(manifest_sha256: str, sites: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """The text chunks every generated PNG carries (all ASCII, so plain tEXt)."""
+def _site_epsilon_words(s: dict[str, Any], per_image: bool) -> str:
+    acc = str(s["accountant"]).upper()
+    fig = None if per_image else job_in_unit(_statement(s)) if _statement(s) else None
+    if fig is None or fig.get("unit") != "patient":
+        return (
+            f"site {s['site_id']}: epsilon={float(s['epsilon']):.4g}, delta={float(s['delta']):g} "
+            f"({acc}, unit = {unit_phrase(s.get('events', ()))})"
+        )
+    unit = figure_unit_words(int(fig["images_per_patient_cap"]))
+    return (
+        f"site {s['site_id']}: epsilon per patient={fig['epsilon']:.4g}, delta={fig['delta']:g} "
+        f"({acc}, unit = {unit})"
+    )
+
+
+def png_text(
+    manifest_sha256: str, sites: Sequence[dict[str, Any]], version: str = CERTIFICATE_VERSION
+) -> dict[str, str]:
+    """The text chunks every generated PNG carries (all ASCII, so plain tEXt), in the words of the
+    certificate ``version`` that lists them."""
     return {
         "Synthetic": "true",
         "Description": SYNTHETIC_MARK,
         "Software": "feta-release",
         "feta:manifest_sha256": manifest_sha256,
-        "feta:privacy": epsilon_line(sites),
+        "feta:privacy": epsilon_line(sites, version),
     }
 
 
@@ -94,22 +113,28 @@ def certificate_privacy(
 ) -> list[dict[str, Any]]:
     """The certificate's ``privacy`` section: each site's attested figures as the verified manifest states
     them. ``verify_synthetic`` recomputes it from the release, so the signer cannot certify other figures.
-    ``lifetime``: in the site's unit (per patient at a patient-level site, as its ledger caps it); a version 2
-    certificate stated the signed figure per image."""
+    ``epsilon`` / ``delta`` (this job) and ``lifetime``: in the site's unit (per patient at a patient-level
+    site, as its ledger caps them, the image figure beside as ``epsilon_per_image``); a version 3 certificate
+    stated the job per image, a version 2 one the lifetime too."""
+    return [_site_privacy(s, version) for s in sites]
+
+
+def _site_privacy(s: dict[str, Any], version: str) -> dict[str, Any]:
     old = version == IMAGE_LIFETIME_VERSION
-    return [
-        {
-            "site_id": s["site_id"],
-            "epsilon": s["epsilon"],
-            "delta": s["delta"],
-            "accountant": s["accountant"],
-            "policy_sha256": s["policy_sha256"],
-            # the site's spend on this data over ALL its jobs (signed)
-            "lifetime": lifetime_of(s) if old else lifetime_in_unit(_statement(s)),
-            "statement": describe_site(s, per_image_spend=old),
-        }
-        for s in sites
-    ]
+    job: dict[str, Any] = {"epsilon": s["epsilon"], "delta": s["delta"]}
+    if version not in (IMAGE_LIFETIME_VERSION, IMAGE_JOB_VERSION) and _statement(s):
+        fig = job_in_unit(_statement(s))
+        if fig.get("unit") == "patient":
+            job = {k: fig[k] for k in ("epsilon", "delta", "unit", "epsilon_per_image")}
+    return {
+        "site_id": s["site_id"],
+        **job,
+        "accountant": s["accountant"],
+        "policy_sha256": s["policy_sha256"],
+        # the site's spend on this data over ALL its jobs (signed)
+        "lifetime": lifetime_of(s) if old else lifetime_in_unit(_statement(s)),
+        "statement": describe_site(s, per_image_spend=old),
+    }
 
 
 def _statement(site: dict[str, Any]) -> dict[str, Any]:
@@ -401,7 +426,7 @@ def _check_certified_privacy(res: VerificationResult, cert: dict[str, Any], rv: 
         k
         for k, want in (
             ("privacy", certificate_privacy(sites, str(cert.get("certificate_version")))),
-            ("png_metadata", png_text(str(rv.manifest_sha256), sites)),
+            ("png_metadata", png_text(str(rv.manifest_sha256), sites, str(cert.get("certificate_version")))),
         )
         if cert.get(k) != want
     ]
@@ -413,18 +438,29 @@ def _check_certified_privacy(res: VerificationResult, cert: dict[str, Any], rv: 
         else f"the certificate's {' and '.join(bad)} differ from what the release's sites attested (ε, δ, "
         "lifetime); do not use its figures: read them from `feta-release verify` of the release",
     )
-    _note_image_level_lifetime(res, cert, sites)
+    _note_per_image_figures(res, cert, sites)
 
 
-def _note_image_level_lifetime(
+def _note_per_image_figures(
     res: VerificationResult, cert: dict[str, Any], sites: list[dict[str, Any]]
 ) -> None:
-    """A version 2 certificate words a patient-level site's lifetime per image: the note gives the figure
-    per patient, the one the site's ledger caps."""
-    if cert.get("certificate_version") != IMAGE_LIFETIME_VERSION:
+    """A version 2 or 3 certificate words a patient-level site's job ε per image (its privacy section and PNG
+    text), a version 2 one its lifetime too: the notes give the figures per patient, the ones the site's
+    ledger caps."""
+    version = cert.get("certificate_version")
+    if version not in (IMAGE_LIFETIME_VERSION, IMAGE_JOB_VERSION):
         return
     for s in sites:
-        life = lifetime_in_unit(_statement(s))
+        st = _statement(s)
+        job = job_in_unit(st) if st else {}
+        if job.get("unit") == "patient":
+            res.note(
+                "job ε per patient",
+                f"site {s['site_id']}: this certificate ({version}) and its images' PNG text state the job's "
+                f"ε per image, {job['epsilon_per_image']:.3g}; its unit is the patient: ε per PATIENT = "
+                f"{job['epsilon']:.3g} at δ = {job['delta']:g}",
+            )
+        life = lifetime_in_unit(st) if version == IMAGE_LIFETIME_VERSION else None
         if life is not None and life.get("unit") == "patient":
             res.note(
                 "lifetime per patient",

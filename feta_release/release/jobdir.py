@@ -48,7 +48,7 @@ from ..errors import FetaError
 from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
-from ..privacy_unit import lifetime_in_unit, statement_patient_cap
+from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
 from ..progress_events import REPORT, SAMPLING, Meter, Sink, timed
 from ..signing import load_private_key
 from ..viz import epsilon_title, save_budget_svg, save_grid
@@ -319,13 +319,9 @@ def _sample_grid(out_dir: Path, per_class: int, seed: int, device: str | torch.d
             f"{what} (SDEdit from the release)",
         )
     images, labels = generate(model, per_class, seed, scfg, init=init)
-    names, eps, delta = None, None, None
+    names = None
     if (out_dir / "job_summary.json").is_file():
         names = json.loads((out_dir / "job_summary.json").read_text("utf-8")).get("class_names")
-    if (out_dir / "attestations.json").is_file():  # the sites' own signed totals, not a coordinator figure
-        atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
-        eps = {sid: float(a["statement"]["epsilon"]) for sid, a in atts.items()} or None
-        delta = max((float(a["statement"]["delta"]) for a in atts.values()), default=None)
     return save_grid(
         images.numpy(),
         labels.numpy(),
@@ -333,8 +329,19 @@ def _sample_grid(out_dir: Path, per_class: int, seed: int, device: str | torch.d
         per_class=per_class,
         n_classes=model.n_classes,
         class_names=names,
-        title=epsilon_title(what, eps, delta),
+        title=grid_title(out_dir, what),
     )
+
+
+def grid_title(out_dir: Path, what: str) -> str:
+    """``samples.png``'s title: the sites' own signed totals (not a coordinator figure), each in its site's
+    unit (``privacy_unit.figures_in_unit``): per patient at a patient-level site, the figure its caps bound,
+    never the smaller one its events give composed as if each protected one image."""
+    if not (out_dir / "attestations.json").is_file():
+        return epsilon_title(what, None)
+    atts = json.loads((out_dir / "attestations.json").read_text("utf-8"))
+    eps, delta, unit = figures_in_unit({sid: a["statement"] for sid, a in atts.items()})
+    return epsilon_title(what, eps, delta, unit)
 
 
 def build_release(

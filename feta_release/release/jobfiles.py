@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..privacy_unit import job_in_unit
+
 SIGNED_JOB = "signed_job.json"
 SUMMARY = "job_summary.json"
 ATTESTATIONS = "attestations.json"
@@ -36,8 +38,11 @@ def job_summary(
     timings: dict[str, float],
 ) -> dict[str, Any]:
     """``job_summary.json`` of a job, federated or one-site: per attesting site its signed ε, δ and
-    history."""
+    history. ``site_epsilon`` is in the site's unit (``site_unit``; ``privacy_unit.job_in_unit``): per
+    patient at a patient-level site, the figure its caps bound, whose statement's ``epsilon`` (the events
+    composed as if each protected one image) is kept as ``site_epsilon_per_image``."""
     st = {sid: att["statement"] for sid, att in attestations.items()}
+    figures = {sid: job_in_unit(s) for sid, s in st.items()}
     return {
         "job_id": job_id,
         "sites": sorted(sites),
@@ -45,7 +50,9 @@ def job_summary(
         "image_shape": list(image_shape),
         "rounds": rounds,
         "skipped": skipped,
-        "site_epsilon": {sid: s["epsilon"] for sid, s in st.items()},
+        "site_epsilon": {sid: f["epsilon"] for sid, f in figures.items()},
+        "site_unit": {sid: f.get("unit", "image") for sid, f in figures.items()},
+        "site_epsilon_per_image": {sid: f["epsilon_per_image"] for sid, f in figures.items() if "unit" in f},
         "delta": {sid: s["delta"] for sid, s in st.items()},
         "histories": {sid: s["events"] for sid, s in st.items()},
         "timings": timings,

@@ -27,6 +27,7 @@ import numpy as np
 from ..accounting import epsilon_breakdown, events_from_list
 from ..errors import ReleaseError
 from ..files import hash_regular
+from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
 from .manifest import MANIFEST_FILE
 from .summary import SiteSummary, site_summaries, trust_assumption, verdict_line
 from .verify import (
@@ -34,7 +35,6 @@ from .verify import (
     TrustRoots,
     VerificationResult,
     describe_site,
-    lifetime_of,
     merged_events,
     public_words,
     verify_release,
@@ -138,9 +138,21 @@ def _released(man: dict[str, Any], res: VerificationResult) -> str:
     return _table(("item", "value"), rows)
 
 
+def _site_cap(site: dict[str, Any]) -> int | None:
+    """The images-per-patient cap of a patient-level site's signed statement (None: an image-level site):
+    every ε the page shows for such a site is PER PATIENT, the figure its ledger's caps bound."""
+    return statement_patient_cap((site.get("attestation") or {}).get("statement") or {})
+
+
 def _mechanism_rows(site: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str, ...]]:
-    """One row per stage: what was released, its L2 sensitivity, σ, q, steps and ε of that stage alone."""
-    alone = epsilon_breakdown(events_from_list(site["events"]), float(site["delta"]), site["accountant"])
+    """One row per stage: what was released, its L2 sensitivity, σ, q, steps and ε of that stage alone (in
+    the site's unit)."""
+    alone = epsilon_breakdown(
+        events_from_list(site["events"]),
+        float(site["delta"]),
+        site["accountant"],
+        patient_cap=_site_cap(site),
+    )
     c, d = cfg.get("central", {}), cfg.get("dpsgd", {})
     sens = {
         "size": "noisy count of the site's images (a run without a declared size draws its public size from "
@@ -192,18 +204,23 @@ def _skellam_sigma(e: dict[str, Any]) -> str:
 
 
 def _spend_row(rd: Path, s: dict[str, Any], res: VerificationResult) -> tuple[str, ...]:
-    """This job's (ε, δ) beside the site's signed LIFETIME spend on the same images, and both caps."""
+    """This job's (ε, δ) beside the site's signed LIFETIME spend on the same images, and both caps, every ε
+    in the site's unit: per patient at a patient-level site (``privacy_unit.lifetime_in_unit``, the figures
+    its caps bound), whose statement's own figures compose the events as if each protected one image."""
     pol = _signed_policy(rd, s["site_id"], res)
     cap_life = pol["budget"]["lifetime"] if pol else None
     cap_job = pol["budget"]["per_job"] if pol else None
-    life = lifetime_of(s)
-    source = str((s.get("attestation") or {}).get("statement", {}).get("history", "?"))
+    st = (s.get("attestation") or {}).get("statement") or {}
+    life = lifetime_in_unit(st)
+    per = " per patient" if _site_cap(s) is not None else ""
+    job = float(st["privacy_unit"]["epsilon_per_patient"]) if per else float(s["epsilon"])
+    source = str(st.get("history", "?"))
     unchecked = "not checked (no verified policy)"
     return (
         _h(s["site_id"]),
-        f"{float(s['epsilon']):.4g}",
+        f"{job:.4g}{per}",
         f"{float(s['delta']):g}",
-        f"{life['epsilon']:.4g}" if life else "not stated",
+        f"{life['epsilon']:.4g}{per}" if life else "not stated",
         f"{life['delta']:g}" if life else "not stated",
         _h(s["accountant"].upper()),
         _h(f"ε ≤ {cap_job['epsilon']:g}, δ ≤ {cap_job['delta']:g}") if cap_job else unchecked,
@@ -262,7 +279,7 @@ def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
         _table(
             (
                 "site",
-                "ε this job (per image, as signed)",
+                "ε this job (per patient at a patient-level site)",
                 "δ this job",
                 "ε lifetime (all jobs)",
                 "δ lifetime",
@@ -280,9 +297,10 @@ def _privacy(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
         "over ALL its jobs (composed from its ledger; verify re-composes it and checks it against the "
         "lifetime cap). A model trained on an earlier job's release depends on both, so the lifetime figure "
         "is the one that bounds what these images reveal. Stage figures below are each stage alone; "
-        "composition is sub-additive, the total is what counts. Under secure aggregation these are the "
-        "figures under each site's trust assumption; the worst case and every figure in the unit the caps "
-        "bound (per patient at a patient-level site) are in At a glance.</p>"
+        "composition is sub-additive, the total is what counts. Every ε is in the unit the site's caps "
+        "bound: per patient at a patient-level site (all of one patient's images), per image elsewhere. "
+        "Under secure aggregation these are the figures under each site's trust assumption; the worst case "
+        "is in At a glance.</p>"
     )
     for s in man["sites"]:
         out.append(f"<h3>Site {_h(s['site_id'])}: mechanisms</h3>")
@@ -486,15 +504,9 @@ def sample_grid_image(man: dict[str, Any], res: VerificationResult, per_class: i
     starts = release_starts(res, seed) if start_source(None, res) == "release" else None
     first = np.tile(np.arange(per_class, dtype=np.int64), len(classes))
     images = sess.run(["images"], generator_feed(sess, noise, labels, first, starts))[0]
-    eps = {s["site_id"]: float(s["epsilon"]) for s in man["sites"]}
-    delta = max(float(s["delta"]) for s in man["sites"])
-    pat = [s["site_id"] for s in man["sites"] if any(e.get("unit") == "patient" for e in s.get("events", ()))]
-    unit = (
-        "one image of one site"
-        if not pat
-        else "a patient (DP-SGD) / an image (warm-up) of one site"
-        if len(pat) == len(man["sites"])
-        else f"a patient (DP-SGD at {', '.join(pat)}) / an image of one site"
+    # each site's verified statement, its ε in its unit (per patient at a patient-level site)
+    eps, delta, unit = figures_in_unit(
+        {s["site_id"]: (s.get("attestation") or {}).get("statement") or s for s in man["sites"]}
     )
     title = epsilon_title("samples from the released generator", eps, delta, unit)
     scale = max(1, 64 // max(h, w))  # small images are enlarged so a printed page shows them
@@ -548,11 +560,16 @@ def _start_words(man: dict[str, Any]) -> str:
 
 def _lifetime_by_stage(statement: dict[str, Any]) -> dict[str, float] | None:
     """ε per stage alone and composed over the site's signed LIFETIME history (all its jobs on these
-    images)."""
+    images), in the site's unit."""
     life = statement.get("lifetime")
     if not isinstance(life, dict) or not isinstance(life.get("events"), list):
         return None
-    return epsilon_breakdown(events_from_list(life["events"]), float(life["delta"]), statement["accountant"])
+    return epsilon_breakdown(
+        events_from_list(life["events"]),
+        float(life["delta"]),
+        statement["accountant"],
+        patient_cap=statement_patient_cap(statement),
+    )
 
 
 def _budget(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
@@ -562,12 +579,16 @@ def _budget(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
     for s in man["sites"]:
         pol = _signed_policy(rd, s["site_id"], res)
         st = (s.get("attestation") or {}).get("statement") or {}
+        cap = _site_cap(s)
         chart[s["site_id"]] = {
-            "by_stage": epsilon_breakdown(events_from_list(s["events"]), float(s["delta"]), s["accountant"]),
+            "by_stage": epsilon_breakdown(
+                events_from_list(s["events"]), float(s["delta"]), s["accountant"], patient_cap=cap
+            ),
             "lifetime_by_stage": _lifetime_by_stage({**st, "accountant": s["accountant"]}),
             "delta": s["delta"],
             "cap": pol["budget"]["per_job"]["epsilon"] if pol else None,
             "lifetime_cap": pol["budget"]["lifetime"]["epsilon"] if pol else None,
+            "unit": "image" if cap is None else "patient",
         }
     return (
         f"<figure>{budget_svg(chart)}<figcaption>ε per site and stage (each stage alone) and the composed "

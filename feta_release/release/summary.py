@@ -105,10 +105,44 @@ def _statement(site: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unit(site: dict[str, Any], policy: dict[str, Any] | None) -> str:
+    """The verified policy's unit of privacy, else the one the site's statement states."""
     if policy is not None:
         return str((policy.get("dataset") or {}).get("privacy_unit", "image"))
-    u = _statement(site).get("privacy_unit")
-    return "patient" if isinstance(u, dict) and u.get("unit") == "patient" else "image"
+    from ..privacy_unit import statement_patient_cap
+
+    return "image" if statement_patient_cap(_statement(site)) is None else "patient"
+
+
+def _stated_figures(
+    site: dict[str, Any], st: dict[str, Any], sa: dict[str, Any] | None
+) -> tuple[float, float | None, float | None, float | None]:
+    """(job, lifetime, worst case, lifetime worst case) ε as the site's statement states them, where no
+    verified policy gives the unit: per patient where the statement says its unit is the patient
+    (``privacy_unit.job_in_unit`` / ``lifetime_in_unit``, the worst cases by ``patient_epsilon``), never the
+    smaller per-image composition of its events; else the signed per-image figures."""
+    from ..accounting import patient_epsilon
+    from ..privacy_unit import job_in_unit, lifetime_in_unit, statement_patient_cap
+
+    cap = statement_patient_cap(st)
+    lt = lifetime_in_unit(st) if cap is not None else lifetime_of(site)
+    job = job_in_unit(st)["epsilon"] if cap is not None else float(site["epsilon"])
+    figures = [
+        float(sa[k]) if sa and k in sa else None
+        for k in ("worst_case_epsilon", "lifetime_worst_case_epsilon")
+    ]
+    if cap is not None and sa:
+        life = st.get("lifetime") if isinstance(st.get("lifetime"), dict) else None
+        histories = [
+            (site["events"], float(site["delta"])),
+            (life["events"], float(life["delta"])) if life else None,
+        ]
+        figures = [
+            None
+            if f is None or h is None
+            else patient_epsilon(events_from_list(h[0]), h[1], cap, site["accountant"], view="worst_case")
+            for f, h in zip(figures, histories)
+        ]
+    return job, (lt["epsilon"] if lt else None), figures[0], figures[1]
 
 
 def site_summary(site: dict[str, Any], policy: dict[str, Any] | None) -> SiteSummary:
@@ -132,17 +166,12 @@ def site_summary(site: dict[str, Any], policy: dict[str, Any] | None) -> SiteSum
         lifetime = spent(life_events, life_delta) if life else None
         worst = spent(events, delta, "worst_case") if secure else None
         life_worst = spent(life_events, life_delta, "worst_case") if secure and life else None
-    else:  # no verified policy: the statement's own per-image figures, no caps
+    else:  # no verified policy: the statement's own figures in the unit it states, no caps
         caps = (None, None, None, None)
-        job, lt = float(site["epsilon"]), lifetime_of(site)
-        lifetime = lt["epsilon"] if lt else None
-        worst = float(sa["worst_case_epsilon"]) if sa and "worst_case_epsilon" in sa else None
-        life_worst = (
-            float(sa["lifetime_worst_case_epsilon"]) if sa and "lifetime_worst_case_epsilon" in sa else None
-        )
+        job, lifetime, worst, life_worst = _stated_figures(site, st, sa)
     return SiteSummary(
         str(site["site_id"]),
-        _unit(site, policy) if policy is not None else "image",
+        _unit(site, policy),
         delta,
         Figure(job, caps[0]),
         Figure(lifetime, caps[1]),

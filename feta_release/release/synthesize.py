@@ -556,11 +556,16 @@ def _write_certificate(
 
 
 def _units(sites: list[dict[str, Any]]) -> str:
-    from ..privacy_unit import unit_phrase
+    """What each site's figure in the certificate protects: one patient with all of their images at a
+    patient-level site (its figures are per patient, ``certificate_privacy``), else one image."""
+    from ..privacy_unit import figure_unit_words, statement_patient_cap
 
-    phrases = {unit_phrase(s.get("events", ())) for s in sites}
-    if len(phrases) > 1:  # a federation that mixes units: each site's own
-        return "; ".join(f"site {s.get('site_id')}: {unit_phrase(s.get('events', ()))}" for s in sites)
+    def words(s: dict[str, Any]) -> str:
+        return figure_unit_words(statement_patient_cap((s.get("attestation") or {}).get("statement") or {}))
+
+    phrases = {words(s) for s in sites}
+    if len(phrases) > 1:  # a federation that mixes units (or caps): each site's own
+        return "; ".join(f"site {s.get('site_id')}: {words(s)}" for s in sites)
     return "; ".join(p.replace("that site", "one site") for p in sorted(phrases))
 
 

@@ -60,7 +60,7 @@ from ..errors import FetaError, ReleaseError
 from ..files import read_regular
 from ..mechanisms.count import PATIENTS_STAGE, SIZE_STAGE
 from ..policy.enforce import skellam_own_sigma
-from ..privacy_unit import lifetime_in_unit, statement_patient_cap
+from ..privacy_unit import job_in_unit, lifetime_in_unit, statement_patient_cap
 from ..signing import (
     canonical_json,
     fingerprint,
@@ -1020,7 +1020,9 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
         f"site {sid} epsilon",
         close,
         f"stated ε = {stated:.6g}, recomputed from {len(events)} event(s) ({st['accountant']}) = "
-        f"{recomputed:.6g}" + ("" if close else ": the stated figure is not what the history composes to"),
+        f"{recomputed:.6g}"
+        + ("" if close else ": the stated figure is not what the history composes to")
+        + _per_image_words(st, job_in_unit),
     )
     _check_stated_worst_case(res, sid, st, events)
     life = st.get("lifetime")
@@ -1037,9 +1039,25 @@ def _check_epsilon(res: VerificationResult, sid: str, st: dict[str, Any], events
         f"lifetime ε = {float(life['epsilon']):.6g} over {len(life_events)} event(s), recomputed "
         f"{life_eps:.6g}"
         + ("" if ok else ": the stated figure is not what the history composes to")
-        + ("" if contains else "; the lifetime history does not contain this job's events"),
+        + ("" if contains else "; the lifetime history does not contain this job's events")
+        + _per_image_words(st, lifetime_in_unit),
     )
     _check_lifetime_worst_case(res, sid, st, life_events)
+
+
+def _per_image_words(st: dict[str, Any], in_unit: Any) -> str:
+    """At a patient-level site, that the signed figure a check recomputes composes the events as if each
+    protected one image, beside the figure per patient its caps bound (``in_unit``: ``job_in_unit`` or
+    ``lifetime_in_unit``); nothing at an image-level site."""
+    if statement_patient_cap(st) is None:
+        return ""
+    fig = in_unit(st)
+    return (
+        " (per image: the events composed as if each protected one image; the site's unit is the patient: "
+        f"ε per patient = {float(fig['epsilon']):.6g})"
+        if fig
+        else ""
+    )
 
 
 def _check_lifetime_worst_case(

@@ -151,9 +151,11 @@ def test_privacy_plan_two_thousand_patients(capsys, tmp_path: Path) -> None:  # 
     assert u["unit"] == "patient" and u["epsilon_per_patient"] == pytest.approx(one["epsilon"])
     assert one["epsilon"] <= 1.0 + 1e-9
     with pytest.raises(SystemExit):
-        main(["privacy", "plan", str(preset), "-n", str(n5), "--patient-cap", "5", "--json"])
+        main(["privacy", "plan", str(preset), "-n", str(n5), "--patient-cap", "5", "--patients", "2000"])
     assert "PER PATIENT" in capsys.readouterr().err
-    five = _plan([str(_eps20_job(tmp_path)), "-n", str(n5), "--patient-cap", "5"], capsys)
+    five = _plan(
+        [str(_eps20_job(tmp_path)), "-n", str(n5), "--patient-cap", "5", "--patients", "2000"], capsys
+    )
     assert five["privacy_unit"]["epsilon_per_patient"] == pytest.approx(five["epsilon"])
     assert 19.5 < five["epsilon"] <= 20.0 + 1e-9 and five["privacy_unit"]["delta_per_patient"] == 1e-5
     img = _plan([str(preset), "-n", str(len(patients)), "--max-images-per-person", "20"], capsys)
@@ -165,8 +167,19 @@ def test_privacy_plan_patient_level_dpsgd(capsys, tmp_path: Path) -> None:  # no
     """--patients: DP-SGD's ε is per patient directly, only the warm-up goes through group privacy, so at the
     same per-patient budget patient-level DP-SGD needs less noise than image-level DP-SGD grouped over the
     cap."""
+    from feta_release.config import load_job
+    from feta_release.mechanisms.count import size_event
+    from feta_release.planning import patient_dpsgd
+    from feta_release.planning import plan as planner
+
     job = str(_eps20_job(tmp_path))
-    grouped = _plan([job, "-n", "9000", "--patient-cap", "5"], capsys)
+    # image-level DP-SGD grouped over the cap: the planner's, as no site runs it (`privacy plan` refuses a
+    # cap of 5 without --patients: `train` would draw the patient count and sample patients)
+    res = planner(load_job(job), 9000, size=size_event(), **patient_dpsgd(None, 5))
+    grouped = {
+        **res.to_dict(),
+        "privacy_unit": PrivacyUnit("patient", 5).statement(res.epsilon, res.delta, res.events),
+    }
     direct = _plan([job, "-n", "9000", "--patient-cap", "5", "--patients", "2000"], capsys)
     for plan in (grouped, direct):  # both calibrated to the budget per patient
         assert plan["privacy_unit"]["epsilon_per_patient"] == pytest.approx(plan["epsilon"])

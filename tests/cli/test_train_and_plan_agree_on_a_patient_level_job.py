@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -94,3 +95,49 @@ def test_at_a_patient_cap_of_one_train_derives_the_plans_job_over_its_size_as_pa
     req = DeriveRequest(10.0, None, "50m", None)
     cfg, _ = derived_jobs(req, _digits(), "cpu", size, None, None, lambda _: None, one_each=True)
     assert shown is not None and cfg.to_dict() == shown["derived_job"]
+
+
+PRESETS = Path(__file__).resolve().parents[2] / "feta_release" / "presets"
+
+
+@pytest.mark.parametrize("declared", [True, False])
+@pytest.mark.parametrize(("preset", "size"), [("cpu-eps10", 4_000), ("cpu-eps1", 9_000)])
+def test_a_job_files_plan_at_a_patient_cap_of_one_is_what_train_charges(
+    preset: str, size: int, declared: bool
+) -> None:
+    """`privacy plan JOB -n N --patient-cap 1` planned image-level DP-SGD (images sampled, events of unit
+    "image") while `train JOB --patient-cap 1` samples its patients, the N images the cap leaves one each: the
+    plan's history and σ were not what the site's ledger holds."""
+    from coordinator.local_run import TrainOptions, _public_counts
+    from feta_release.config import load_job
+    from feta_release.mechanisms.count import size_event
+
+    job = PRESETS / f"{preset}.toml"
+    shown = _privacy_plan(
+        [str(job), "-n", str(size), "--patient-cap", "1", *(["--declared-size"] * declared)]
+    )
+    data, cfg = _digits(), load_job(job)
+    index = PatientIndex(np.arange(data.n), 1, 1)  # one image each; 1: the placeholder `train` starts with
+    if declared:  # as `train --public-size N --patient-cap 1` counts its patients
+        opts = TrainOptions(public_size=size, patients=index, draw_patients=True)
+        _, n_pub, index, counted = _public_counts(cfg, data, None, opts, None)  # type: ignore[arg-type]
+    else:  # the drawn size is the patient count too (here: drawn at N)
+        n_pub, counted = size, [size_event()]
+        index = PatientIndex(index.ids, size, 1)
+    charged = train_plan(cfg.for_size(n_pub), data, n_pub, index, counted, declared=False)
+    assert shown is not None and [e.to_dict() for e in charged.history] == shown["history"]
+    assert shown["history"][-1]["unit"] == "patient" and shown["epsilon"] == pytest.approx(charged.epsilon)
+
+
+def test_a_job_files_plan_at_a_patient_cap_of_two_names_the_missing_patient_count(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --patients `train` draws the patient count and samples patients over the draw, which no plan
+    knows: refused in one line naming --patients (it planned image-level DP-SGD, a job no site runs)."""
+    from feta_release.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["privacy", "plan", str(PRESETS / "cpu-eps10.toml"), "-n", "9000", "--patient-cap", "2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--patient-cap 2 without --patients" in err, err
+    assert "give --patients P" in err and "Traceback" not in err

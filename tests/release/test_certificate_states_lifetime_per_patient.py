@@ -16,12 +16,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 pytest.importorskip("torch")
 
 from feta_release.accounting import PrivacyEvent, epsilon, patient_epsilon  # noqa: E402
-from feta_release.release.certificate import verify_synthetic  # noqa: E402
+from feta_release.release.certificate import CERTIFICATE_VERSION, verify_synthetic  # noqa: E402
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import describe_site  # noqa: E402
 from feta_release.signing import fingerprint, sign_document  # noqa: E402
-from tests.support.release import IMAGE_SHAPE, new_keys, patient_release, small_denoiser  # noqa: E402
+from tests.support.release import (  # noqa: E402
+    IMAGE_SHAPE,
+    job_per_image_words,
+    new_keys,
+    patient_release,
+    small_denoiser,
+)
 
 DELTA, CAP = 1e-5, 4
 EVENTS = [PrivacyEvent("central", 6.0, 1.0, 1), PrivacyEvent("dpsgd", 20.0, 0.05, 200, unit="patient")]
@@ -65,6 +71,7 @@ def _resign_with_image_level_lifetime(folder: Path, signer: Ed25519PrivateKey, v
     doc = json.loads(path.read_text("utf-8"))
     cert = doc["certificate"]
     site = cert["privacy"][0]
+    job_per_image_words(cert, EVENTS)
     site["lifetime"] = {"epsilon": PER_IMAGE, "delta": DELTA}
     words = site["statement"].split(" Lifetime: ")[0]
     site["statement"] = (
@@ -105,7 +112,7 @@ def test_a_certificate_that_stated_the_lifetime_per_image_still_verifies_with_a_
 def test_a_current_certificate_stating_the_lifetime_per_image_is_refused(folder: Path, made: Any) -> None:
     """The per-image words under the current version are figures the release does not state: a signer
     cannot pass the smaller lifetime off as the site's."""
-    _resign_with_image_level_lifetime(folder, made[2], "feta-release/certificate/3")
+    _resign_with_image_level_lifetime(folder, made[2], CERTIFICATE_VERSION)
     res = _verify(folder, made)
     assert "certified privacy" in {c.name for c in res.failures}, res.reason()
 

@@ -52,6 +52,8 @@ SUMMARY_KEYS = {
     "rounds",
     "skipped",
     "site_epsilon",
+    "site_unit",
+    "site_epsilon_per_image",
     "delta",
     "histories",
     "timings",

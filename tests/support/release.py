@@ -432,3 +432,20 @@ def report_job_dir(
     (out / "policies").mkdir()
     (out / "policies" / "site.signed.json").write_text(json.dumps({"policy": {"budget": budget}}))
     return out
+
+
+def job_per_image_words(cert: dict[str, Any], events: list[PrivacyEvent]) -> None:
+    """``cert`` (a certificate body, changed in place) with its sites' job figures as certificate versions 2
+    and 3 stated them, for sites whose events are ``events``: a patient-level site's ε per image in the
+    privacy section and in the PNG text."""
+    from feta_release.privacy_unit import unit_phrase
+
+    for site in cert["privacy"]:
+        if site.get("unit") == "patient":
+            site["epsilon"] = site.pop("epsilon_per_image")
+            del site["unit"]
+    cert["png_metadata"]["feta:privacy"] = "; ".join(
+        f"site {s['site_id']}: epsilon={float(s['epsilon']):.4g}, delta={float(s['delta']):g} "
+        f"({str(s['accountant']).upper()}, unit = {unit_phrase(events)})"
+        for s in cert["privacy"]
+    )

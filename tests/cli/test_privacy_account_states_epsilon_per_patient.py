@@ -1,0 +1,48 @@
+"""`privacy account` of a PATIENT-level site's history states ε per patient, the figure its caps bound: from
+its signed statement (its ``privacy_unit`` gives the cap) or with --patient-cap K. It composed the events as
+if each protected one image (0.668 where one patient can lose 3.43); where no cap is known it now says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from feta_release.accounting import PrivacyEvent, epsilon, patient_epsilon
+from feta_release.cli import cli
+from feta_release.privacy_unit import PrivacyUnit
+
+DELTA, CAP = 1e-5, 4
+EVENTS = [PrivacyEvent("central", 6.0, 1.0, 1), PrivacyEvent("dpsgd", 20.0, 0.05, 200, unit="patient")]
+PER_PATIENT, PER_IMAGE = patient_epsilon(EVENTS, DELTA, CAP), epsilon(EVENTS, DELTA)
+
+
+def _account(*args: str) -> str:
+    res = CliRunner().invoke(cli, ["privacy", "account", *args])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_a_site_statement_is_accounted_per_patient(tmp_path: Path) -> None:
+    st = {
+        "epsilon": PER_IMAGE,
+        "delta": DELTA,
+        "accountant": "rdp",
+        "events": [e.to_dict() for e in EVENTS],
+        "privacy_unit": PrivacyUnit("patient", CAP).statement(PER_IMAGE, DELTA, EVENTS),
+    }
+    (path := tmp_path / "statement.json").write_text(json.dumps(st))
+    data = json.loads(_account(str(path), "--json"))
+    assert PER_PATIENT > 4 * PER_IMAGE
+    assert data["epsilon"] == pytest.approx(PER_PATIENT) and data["unit"] == "patient"
+    assert f"total epsilon per PATIENT {PER_PATIENT:.3f}" in _account(str(path))
+
+
+def test_a_bare_history_with_patient_events_says_its_figure_is_per_image(tmp_path: Path) -> None:
+    (path := tmp_path / "events.json").write_text(json.dumps([e.to_dict() for e in EVENTS]))
+    out = _account(str(path), "--delta", str(DELTA))
+    assert f"total epsilon {PER_IMAGE:.3f}" in out and "less than one patient can lose" in out, out
+    out = _account(str(path), "--delta", str(DELTA), "--patient-cap", str(CAP))
+    assert f"total epsilon per PATIENT {PER_PATIENT:.3f}" in out, out

@@ -54,6 +54,7 @@ import ctypes.util
 import os
 import platform
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["ENV_SWITCH", "HeapSetting", "heap_setting", "keep_freed_pages", "release_freed_pages"]
 
@@ -81,7 +82,9 @@ class HeapSetting:
     options: tuple[tuple[str, int], ...] = ()
 
 
-_state: dict[str, HeapSetting] = {}
+# "set": what keep_freed_pages did; "libc": the C library it loaded, kept for every stage end's trim (loading
+# it looks the library up on disk: once per process, not once per stage)
+_state: dict[str, Any] = {}
 
 
 def keep_freed_pages(*, under_data_limit: bool = False) -> bool:
@@ -91,21 +94,23 @@ def keep_freed_pages(*, under_data_limit: bool = False) -> bool:
     32 MiB keep their own mapping, so no freed hole counts against the limit."""
     if "set" not in _state:
         _state["set"] = _apply(_LIMITED_OPTIONS if under_data_limit else _OPTIONS)
-    return _state["set"].kept
+    return bool(_state["set"].kept)
 
 
 def heap_setting() -> HeapSetting | None:
     """What :func:`keep_freed_pages` did in this process (None: it has not been called)."""
-    return _state.get("set")
+    setting: HeapSetting | None = _state.get("set")
+    return setting
 
 
 def release_freed_pages() -> None:
     """Hand the free pages of the heap back to the kernel (glibc's ``malloc_trim(0)``), at the end of a stage:
     a no-op where the setting is not in force (glibc then gives large blocks back on its own)."""
-    setting = _state.get("set")
-    # any option in force (even where glibc refused another) keeps pages that only a trim hands back
+    setting = heap_setting()
+    # any option in force (even where glibc refused another) keeps pages that only a trim hands back; an
+    # option is in force only where _apply loaded glibc, so its handle is there
     if setting is not None and setting.options:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _state["libc"].malloc_trim(0)
 
 
 def _switched_off() -> bool:
@@ -119,9 +124,11 @@ def _apply(options: tuple[tuple[str, int, int], ...] = _OPTIONS) -> HeapSetting:
     if platform.system() != "Linux" or libc_name != "glibc":
         return HeapSetting(False, f"not glibc ({platform.system()} {libc_name or 'libc'}): left as it is")
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
     except (OSError, AttributeError):
         return HeapSetting(False, "glibc without mallopt: left as it is")
+    _state["libc"] = libc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; every option or the setting is only partly there (reported as not kept)
     done = tuple((name, value) for name, param, value in options if mallopt(param, value) == 1)

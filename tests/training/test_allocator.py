@@ -244,27 +244,59 @@ def test_only_a_site_process_keeps_large_blocks_mapped_on_their_own(entry: str) 
     assert got["in_heap"] is (not entry.startswith("node")), got
 
 
-def test_a_partly_refused_setting_still_trims_at_a_stage_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    trims: list[int] = []
+class _FakeLibc:
+    """glibc as ctypes loads it, counting what the allocator does with it: the loads (``opened``), the trims
+    and which options it refuses (``refuse``: mallopt parameters)."""
 
-    class _Libc:
-        def __init__(self) -> None:
-            self.mallopt = self._mallopt
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
+        self.opened, self.lookups, self.trims = 0, 0, list[int]()
+        # a plain function, as ctypes' are: the allocator sets its argtypes and restype
+        self.mallopt = lambda param, value: 0 if param in refuse else 1
 
-        @staticmethod
-        def _mallopt(param: int, value: int) -> int:
-            return 0 if param == -3 else 1  # glibc refuses the mmap threshold (a 32-bit heap), takes the rest
+    def load(self, name: str) -> _FakeLibc:
+        self.opened += 1
+        return self
 
-        @staticmethod
-        def malloc_trim(pad: int) -> int:
-            trims.append(pad)
-            return 1
+    def find_library(self, name: str) -> str:
+        self.lookups += 1
+        return "libc.so.6"
 
+    def malloc_trim(self, pad: int) -> int:
+        self.trims.append(pad)
+        return 1
+
+
+def _fake_process(monkeypatch: pytest.MonkeyPatch, libc: _FakeLibc, libc_name: str = "glibc") -> None:
+    """A fresh process (no setting made yet) on Linux with ``libc_name``, loading ``libc``."""
     monkeypatch.setattr(allocator.platform, "system", lambda: "Linux")
-    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
-    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: _Libc())
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: (libc_name, "2.36"))
+    monkeypatch.setattr(allocator.ctypes, "CDLL", libc.load)
+    monkeypatch.setattr(allocator.ctypes.util, "find_library", libc.find_library)
     monkeypatch.delenv(allocator.ENV_SWITCH, raising=False)
     monkeypatch.setattr(allocator, "_state", {})
+
+
+def test_a_partly_refused_setting_still_trims_at_a_stage_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _FakeLibc(refuse=(-3,))  # glibc refuses the mmap threshold (a 32-bit heap), takes the rest
+    _fake_process(monkeypatch, libc)
     assert allocator.keep_freed_pages() is False
     allocator.release_freed_pages()
-    assert trims == [0]
+    assert libc.trims == [0]
+
+
+def test_every_stage_end_trims_through_the_c_library_loaded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _FakeLibc()
+    _fake_process(monkeypatch, libc)
+    assert allocator.keep_freed_pages() is True
+    for _ in range(5):
+        allocator.release_freed_pages()
+    assert libc.trims == [0] * 5
+    assert (libc.opened, libc.lookups) == (1, 1)  # the library is looked up at the setting, not at each trim
+
+
+def test_a_stage_end_outside_glibc_touches_no_c_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _FakeLibc()
+    _fake_process(monkeypatch, libc, libc_name="musl")
+    assert allocator.keep_freed_pages() is False
+    allocator.release_freed_pages()
+    assert (libc.opened, libc.lookups, libc.trims) == (0, 0, [])

@@ -53,12 +53,13 @@ COST MODEL (:func:`estimate`): one term for every stage the command runs, named 
 (``progress_events``). Seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up image
 passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes) + aux-generator epochs + the releases + the aux-generator
 draws (``AUX_DRAW_SECONDS_PER_PIXEL``) and k-means of the cell prototypes + the sampler
-(``SAMPLING_SECONDS_PER_PIXEL`` per denoiser call, image pixel and width factor: the stage grids, samples.png
-and the synthetic set) + the ONNX export, the signing and the report. The report, the synthetic set and the
-release (``progress_events.FINISHING``) are left out of the time budget, which bounds the training. A DP-SGD
-step passes its PADDED rows (:func:`dpsgd_step_rows`: the public bound every step is padded to, from the
-node's own ``training.step_rows.site_step_rows``), not q·N; a federated step the slowest site's (each pads
-over its own declared size, in parallel), in whole rounds of :data:`LOCAL_STEPS` steps.
+(``SAMPLING_SECONDS_PER_PIXEL`` per denoiser call, image pixel and width factor: the stage grids, the sample
+grid samples.png and the synthetic set) + the ONNX export, the signing and the privacy report. The privacy
+report, the sample grid, the synthetic set and the release (``progress_events.FINISHING``) are left out of
+the time budget, which bounds the training. A DP-SGD step passes its PADDED rows (:func:`dpsgd_step_rows`:
+the public bound every step is padded to, from the node's own ``training.step_rows.site_step_rows``), not
+q·N; a federated step the slowest site's (each pads over its own declared size, in parallel), in whole rounds
+of :data:`LOCAL_STEPS` steps.
 ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads, idle machine
 (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
 nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
@@ -96,6 +97,7 @@ from .progress_events import (
     PRETRAINING,
     PROTOTYPES,
     REPORT,
+    SAMPLE_GRID,
     SAMPLING,
     SIGNING,
     SPATIAL,
@@ -170,7 +172,7 @@ AUX_DRAW_SECONDS_PER_PIXEL = 3.7e-6
 PROTOTYPE_IMAGES = 256
 KMEANS_SECONDS_PER_CLASS = 0.5
 GRID_PER_CLASS = 8  # a stage grid's images per class (`train`'s grid_per_class)
-REPORT_PER_CLASS = 10  # samples.png's (release.jobdir.sample_grid)
+SAMPLE_GRID_PER_CLASS = 10  # samples.png's (release.jobdir.sample_grid)
 AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images) at 28 px, CPU: the eps = 10
 #                          preset's header (+1 CPU-minute for 7 more epochs)
 RELEASE_FLOPS = 2e10  # assumed CPU rate of the feature map (a matrix product), not measured
@@ -307,8 +309,8 @@ class Estimate:
 
     @property
     def finishing(self) -> float:
-        """The stages after the training: the report, the synthetic set (whose size is the user's choice:
-        ``train --synthetic``) and the release."""
+        """The stages after the training: the privacy report, the sample grid, the synthetic set (whose size
+        is the user's choice: ``train --synthetic``) and the release."""
         return sum(self.seconds.get(k, 0.0) for k in FINISHING)
 
     @property
@@ -874,10 +876,11 @@ def _warmup_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
 
 
 def _finishing_terms(cfg: JobConfig, facts: DataFacts, n_synthetic: int) -> dict[str, float]:
-    """The stages after the training: the report with its sample grid, the synthetic set, the release's ONNX
-    export and its signing."""
+    """The stages after the training: the privacy report, the sample grid, the synthetic set, the release's
+    ONNX export and its signing."""
     return {
-        REPORT: REPORT_SECONDS + sampling_seconds(cfg, facts, REPORT_PER_CLASS * facts.n_classes),
+        REPORT: REPORT_SECONDS,
+        SAMPLE_GRID: sampling_seconds(cfg, facts, SAMPLE_GRID_PER_CLASS * facts.n_classes),
         SAMPLING: sampling_seconds(cfg, facts, n_synthetic),
         EXPORT: EXPORT_SECONDS,
         SIGNING: SIGNING_SECONDS,

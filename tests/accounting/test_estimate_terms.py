@@ -23,12 +23,13 @@ from feta_release.progress_events import (
     POLISH,
     PROTOTYPES,
     REPORT,
+    SAMPLE_GRID,
     SAMPLING,
     SIGNING,
     SPATIAL,
 )
 
-RELEASE = {REPORT, SAMPLING, EXPORT, SIGNING}
+RELEASE = {REPORT, SAMPLE_GRID, SAMPLING, EXPORT, SIGNING}
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,7 +10,11 @@ initialisation (speed does not depend on the weights) and times, on ``--threads`
     is the per-call rate ``job_rules.SAMPLING_SECONDS_PER_VALUE``;
   * export: ``export_denoiser`` + ``build_generator`` (the signed release's generator);
   * aux images: ``generate_aux_images`` of ``--large`` images and RandAugment of as many central copies;
-  * prototypes: k-means of 256 aux images into 4 cells, one class.
+  * prototypes: k-means of 256 aux images into 4 cells, one class;
+  * aux fit: ``fit_aux_generator`` of ``--aux-steps`` steps through the job's feature map; its CPU seconds per
+    step, image of the batch and image PIXEL (``aux_fit_cpu_per_image_pixel_s``) is the per-pixel rate
+    ``job_rules.AUX_STEP_SECONDS_PER_PIXEL`` assumes equal at every shape (measured, 1 thread: 3.4e-6 at 28 px,
+    1 or 3 channels, 3.5e-6 at 64 px).
 Each figure is the fastest of ``--repeats`` runs.
 
 Usage (2 free cores; a few minutes):
@@ -35,13 +39,14 @@ sys.path.insert(0, str(REPO))
 
 from feta_release.config import JobConfig  # noqa: E402
 from feta_release.job_rules import DataFacts, derive, sampler_calls, width_factor  # noqa: E402
+from feta_release.mechanisms.feature_map import job_feature_map  # noqa: E402
 from feta_release.models import generate  # noqa: E402
 from feta_release.models.auxgen import AuxGenerator  # noqa: E402
 from feta_release.release.onnx_export import SamplerSettings, build_generator, export_denoiser  # noqa: E402
 from feta_release.stages.context import initial_denoiser  # noqa: E402
 from feta_release.stages.prototypes import PER_CLASS, kmeans  # noqa: E402
 from feta_release.training.augment import rand_augment  # noqa: E402
-from feta_release.training.frequency import aux_draw, generate_aux_images  # noqa: E402
+from feta_release.training.frequency import aux_draw, fit_aux_generator, generate_aux_images  # noqa: E402
 
 CLASSES = 4
 
@@ -132,12 +137,27 @@ def _aux(cfg: JobConfig, shape: tuple[int, int, int], n: int) -> dict[str, float
     }
 
 
+def _aux_fit(cfg: JobConfig, shape: tuple[int, int, int], steps: int) -> dict[str, float]:
+    """One fit of ``steps`` steps (one epoch) through the job's feature map to a random embedding."""
+    one = cfg.replace(auxgen={"epochs": 1, "iterations_per_epoch": steps})
+    fmap = job_feature_map(cfg.frequency, shape)
+    emb = torch.randn((fmap.features, CLASSES), generator=torch.Generator().manual_seed(0)) * 0.01
+
+    def fit() -> None:
+        fit_aux_generator(emb, fmap, shape, CLASSES, one, 4000, generator=torch.Generator().manual_seed(0))
+
+    step_s = _seconds(fit) / steps
+    per = steps * cfg.auxgen.batch * shape[1] * shape[2]
+    return {"aux_fit_step_s": step_s, "aux_fit_cpu_per_image_pixel_s": CPU["last"] / per}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shapes", default="28x1,28x3,64x1,64x3", help="SIDExCHANNELS, comma-separated")
     ap.add_argument("--small", type=int, default=8)
     ap.add_argument("--large", type=int, default=40)
+    ap.add_argument("--aux-steps", type=int, default=4, help="steps of the timed aux fit")
     ap.add_argument("--repeats", type=int, default=3, help="each figure: the fastest of this many runs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -152,6 +172,7 @@ def main() -> None:
         row = {"shape": spec, "threads": args.threads, "width_factor": width_factor(cfg)}
         row.update(_sampling(cfg, shape, args.small, args.large))
         row.update(_aux(cfg, shape, args.large))
+        row.update(_aux_fit(cfg, shape, args.aux_steps))
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out is not None:

@@ -21,12 +21,18 @@ its dynamic moves) for a process where another library sets ``M_MMAP_MAX`` again
 Cost: freed pages stay resident. Within a stage that is the point (its steps reuse them); across stages the
 holes one stage left in the heap add to the next stage's blocks when their sizes differ (measured: the peak
 RSS of a process running warm-up, aux fit and sampling rose from 2.0 to 3.1 GiB). So the end of each stage
-that allocates large blocks (``train_denoiser``, an aux fit, ``generate``) hands its free pages back with
-:func:`release_freed_pages` (glibc's ``malloc_trim``): the next stage faults in what it uses once. With
-the trims that process peaked at 2.6 GiB, still above glibc's own 2.0 (a stage's holes fragment its own heap),
-for 4 s of system time instead of 24 and 2.5 million faults instead of 16.1; the node's stages, each in its
-own process, peak within 0-5 % of glibc's own (``bench/site_scale.py``). The setting is process-wide, made
-once, and changes no value anywhere: only where freed memory goes.
+that allocates large blocks (``train_denoiser``, an aux fit, an aux-generator draw, ``generate``) hands its
+free pages back with :func:`release_freed_pages` (glibc's ``malloc_trim``), after its own large locals are
+freed (a block still referenced at the trim becomes a resident hole when it is freed after it): the next stage
+faults in what it uses once. With the trims that process peaked at 2.6 GiB, still above glibc's own 2.0 (a
+stage's holes fragment its own heap), for 4 s of system time instead of 24 and 2.5 million faults instead of
+16.1; the node's stages, each in its own process, peak within 0-5 % of glibc's own (``bench/site_scale.py``).
+A transient that is large because a stage did at once what it can do in parts is cut into the parts: the cell
+prototypes drew 1,024 64 px aux images in one pass (~4 GiB of activations, kept until the next stage's end:
+6.1 GiB at the peak of a reduced 64 px ``train`` against 4.3 under glibc's own policy); aux draws now run in
+passes of ``training.frequency.AUX_DRAW_BATCH`` images, and that ``train`` peaks at 3.0 GiB
+(docs/derived-job.md, "Page faults"). The setting is process-wide, made once, and changes no value anywhere:
+only where freed memory goes. The C library is loaded once, by the setting, and every trim calls it.
 
 Under a data limit (a site's computing processes: the warm worker and a per-message ClientApp run under the
 policy's ``resources.max_worker_memory_mb`` as RLIMIT_DATA, ``edge/resources.py``) large blocks keep their own

@@ -337,9 +337,8 @@ def test_a_sampler_draw_keeps_only_its_images_resident_at_its_end() -> None:
     assert kept["grew"] < own["grew"] + 48, (kept, own)
 
 
-# The growth of the peak resident set from a draw of 100 images of a 64 px aux generator (the derived job's
-# width 32) to a draw of 512 (the cell prototypes draw 256 a class at once), in MiB; and the extra images'
-# MiB.
+# The peak resident set a draw of 100 images of a 64 px aux generator (the derived job's width 32) adds (one
+# pass), and what a draw of 512 then adds to that peak (the cell prototypes draw 256 a class at once), in MiB.
 _AUX_DRAW = textwrap.dedent("""
     import json, resource
     import numpy as np
@@ -352,17 +351,18 @@ _AUX_DRAW = textwrap.dedent("""
     gen = AuxGenerator(1, 64, 4, z_dim=32, width=32)
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = peak()
     aux_draw(gen, np.arange(100) % 4, torch.Generator().manual_seed(0))
     small = peak()
     aux_draw(gen, np.arange(512) % 4, torch.Generator().manual_seed(0))
-    print(json.dumps({"grew": peak() - small, "images": 412 * 64 * 64 * 4 / 2**20}))
+    print(json.dumps({"grew": peak() - small, "pass": small - start}))
 """)
 
 
 @pytest.mark.skipif(not GLIBC, reason="the setting exists in glibc's malloc only")
 def test_an_aux_draw_holds_the_activations_of_one_pass_whatever_it_draws() -> None:
     got = json.loads(_last_line(_AUX_DRAW))
-    # drawn in one pass, 512 images held ~5x the activations of 100 (measured: the peak grew 2,616 MiB); in
-    # passes of AUX_DRAW_BATCH only the images themselves (a few copies of 6.4 MiB: the passes, joined,
-    # clamped) and the last, shorter pass's blocks add (measured: 58 MiB)
-    assert got["grew"] < 128, got
+    # drawn in one pass, 512 images held ~5x the activations of 100 (measured: the peak grew 2,616 MiB over a
+    # pass's 450-590); in passes of AUX_DRAW_BATCH only the images and the heap's layout of the passes add
+    # (measured: 60-250 MiB)
+    assert got["grew"] < got["pass"], got

@@ -30,7 +30,7 @@ stage's holes fragment its own heap), for 4 s of system time instead of 24 and 2
 A transient that is large because a stage did at once what it can do in parts is cut into the parts: the cell
 prototypes drew 1,024 64 px aux images in one pass (~4 GiB of activations, kept until the next stage's end:
 6.1 GiB at the peak of a reduced 64 px ``train`` against 4.3 under glibc's own policy); aux draws now run in
-passes of ``training.frequency.AUX_DRAW_BATCH`` images, and that ``train`` peaks at 3.0 GiB
+passes of ``training.frequency.AUX_DRAW_BATCH`` images, and that ``train`` peaks at 3.0-3.2 GiB
 (docs/derived-job.md, "Page faults"). The setting is process-wide, made once, and changes no value anywhere:
 only where freed memory goes. The C library is loaded once, by the setting, and every trim calls it.
 

@@ -178,7 +178,7 @@ SAMPLE_GRID_PER_CLASS = 10  # samples.png's (release.jobdir.sample_grid)
 # CPU. From the eps = 10 preset's header at 28 px: 8 s an epoch of 40 steps of 100 images (2 threads). One
 # step's CPU seconds follow the pixels, not the values (its convolutions run at its width; the output channels
 # and the feature map it is fitted through add ~1 %: 1 thread, 28 px 0.265 s at 1 channel, 0.263 at 3; 64 px
-# 1.43 s, the same per pixel within 6 %), and the batch linearly (bench/release_cost.py, "aux_fit_*")
+# 1.43 s, the same per pixel within 10 %), and the batch linearly (bench/release_cost.py, "aux_fit_*")
 AUX_STEP_SECONDS_PER_PIXEL = 8.0 / 40 / (100 * 784)
 # its width w costs w + AUX_WIDTH_SQUARE x w^2 (the layers that scale with it, and the convolutions from w to
 # w channels): 1 thread at 28 px, 0.097 / 0.257 / 0.787 s a step at width 16 / 32 / 64 (this: 0.098 / - /

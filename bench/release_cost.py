@@ -10,8 +10,14 @@ initialisation (speed does not depend on the weights) and times, on ``--threads`
     is the per-call rate ``job_rules.SAMPLING_SECONDS_PER_VALUE``;
   * export: ``export_denoiser`` + ``build_generator`` (the signed release's generator);
   * aux images: ``generate_aux_images`` of ``--large`` images and RandAugment of as many central copies;
-  * prototypes: k-means of 256 aux images into 4 cells, one class.
-Each figure is the fastest of ``--repeats`` runs.
+  * prototypes: k-means of 256 aux images into 4 cells, one class;
+  * aux fit: ``fit_aux_generator`` of ``--aux-steps`` steps through the job's feature map; its CPU seconds per
+    step, image of the batch and image PIXEL (``aux_fit_cpu_per_image_pixel_s``) is the per-pixel rate
+    ``job_rules.AUX_STEP_SECONDS_PER_PIXEL`` assumes equal at every shape (``--threads 1 --repeats 2
+    --aux-steps 5`` on shared cores: 3.3e-6 at 28x28x1, 3.7e-6 at 28x28x3, 3.6e-6 at 64x64x1).
+Each figure is the fastest of ``--repeats`` runs. The process keeps freed pages mapped as ``train`` does
+(``feta_release.allocator``; ``FETA_KEEP_FREED_PAGES=0`` measures glibc's own policy, whose page faults made a
+64 px aux-fit step cost 1.9x as much per pixel as a 28 px one: 6.8e-6 s against 3.9e-6).
 
 Usage (2 free cores; a few minutes):
   nice python bench/release_cost.py --threads 2 --shapes 28x1,28x3,64x1,64x3 --out bench/results/release_cost.json
@@ -33,15 +39,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from feta_release.allocator import keep_freed_pages  # noqa: E402
 from feta_release.config import JobConfig  # noqa: E402
 from feta_release.job_rules import DataFacts, derive, sampler_calls, width_factor  # noqa: E402
+from feta_release.mechanisms.feature_map import job_feature_map  # noqa: E402
 from feta_release.models import generate  # noqa: E402
 from feta_release.models.auxgen import AuxGenerator  # noqa: E402
 from feta_release.release.onnx_export import SamplerSettings, build_generator, export_denoiser  # noqa: E402
 from feta_release.stages.context import initial_denoiser  # noqa: E402
 from feta_release.stages.prototypes import PER_CLASS, kmeans  # noqa: E402
 from feta_release.training.augment import rand_augment  # noqa: E402
-from feta_release.training.frequency import aux_draw, generate_aux_images  # noqa: E402
+from feta_release.training.frequency import aux_draw, fit_aux_generator, generate_aux_images  # noqa: E402
 
 CLASSES = 4
 
@@ -132,15 +140,35 @@ def _aux(cfg: JobConfig, shape: tuple[int, int, int], n: int) -> dict[str, float
     }
 
 
+def _aux_fit(cfg: JobConfig, shape: tuple[int, int, int], steps: int) -> dict[str, float]:
+    """Fits of 1 and of 1 + ``steps`` steps (one epoch) through the job's feature map to a random embedding:
+    their difference is ``steps`` steps without the fit's setup."""
+    fmap = job_feature_map(cfg.frequency, shape)
+    emb = torch.randn((fmap.features, CLASSES), generator=torch.Generator().manual_seed(0)) * 0.01
+
+    def fit(n: int) -> None:
+        one = cfg.replace(auxgen={"epochs": 1, "iterations_per_epoch": n})
+        fit_aux_generator(emb, fmap, shape, CLASSES, one, 4000, generator=torch.Generator().manual_seed(0))
+
+    fit(1)  # the first fit of a shape pays torch's first calls of its kernels
+    short = _seconds(lambda: fit(1))
+    short_cpu = CPU["last"]
+    step_s = (_seconds(lambda: fit(1 + steps)) - short) / steps
+    per = steps * cfg.auxgen.batch * shape[1] * shape[2]
+    return {"aux_fit_step_s": step_s, "aux_fit_cpu_per_image_pixel_s": (CPU["last"] - short_cpu) / per}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shapes", default="28x1,28x3,64x1,64x3", help="SIDExCHANNELS, comma-separated")
     ap.add_argument("--small", type=int, default=8)
     ap.add_argument("--large", type=int, default=40)
+    ap.add_argument("--aux-steps", type=int, default=4, help="steps of the timed aux fit")
     ap.add_argument("--repeats", type=int, default=3, help="each figure: the fastest of this many runs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    keep_freed_pages()  # as every command that trains or samples does first (FETA_KEEP_FREED_PAGES=0: off)
     torch.set_num_threads(args.threads)
     REPEATS[0] = args.repeats
     rows = []
@@ -152,6 +180,7 @@ def main() -> None:
         row = {"shape": spec, "threads": args.threads, "width_factor": width_factor(cfg)}
         row.update(_sampling(cfg, shape, args.small, args.large))
         row.update(_aux(cfg, shape, args.large))
+        row.update(_aux_fit(cfg, shape, args.aux_steps))
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out is not None:

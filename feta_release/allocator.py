@@ -21,12 +21,18 @@ its dynamic moves) for a process where another library sets ``M_MMAP_MAX`` again
 Cost: freed pages stay resident. Within a stage that is the point (its steps reuse them); across stages the
 holes one stage left in the heap add to the next stage's blocks when their sizes differ (measured: the peak
 RSS of a process running warm-up, aux fit and sampling rose from 2.0 to 3.1 GiB). So the end of each stage
-that allocates large blocks (``train_denoiser``, an aux fit, ``generate``) hands its free pages back with
-:func:`release_freed_pages` (glibc's ``malloc_trim``): the next stage faults in what it uses once. With
-the trims that process peaked at 2.6 GiB, still above glibc's own 2.0 (a stage's holes fragment its own heap),
-for 4 s of system time instead of 24 and 2.5 million faults instead of 16.1; the node's stages, each in its
-own process, peak within 0-5 % of glibc's own (``bench/site_scale.py``). The setting is process-wide, made
-once, and changes no value anywhere: only where freed memory goes.
+that allocates large blocks (``train_denoiser``, an aux fit, an aux-generator draw, ``generate``) hands its
+free pages back with :func:`release_freed_pages` (glibc's ``malloc_trim``), after its own large locals are
+freed (a block still referenced at the trim becomes a resident hole when it is freed after it): the next stage
+faults in what it uses once. With the trims that process peaked at 2.6 GiB, still above glibc's own 2.0 (a
+stage's holes fragment its own heap), for 4 s of system time instead of 24 and 2.5 million faults instead of
+16.1; the node's stages, each in its own process, peak within 0-5 % of glibc's own (``bench/site_scale.py``).
+A transient that is large because a stage did at once what it can do in parts is cut into the parts: the cell
+prototypes drew 1,024 64 px aux images in one pass (~4 GiB of activations, kept until the next stage's end:
+6.1 GiB at the peak of a reduced 64 px ``train`` against 4.3 under glibc's own policy); aux draws now run in
+passes of ``training.frequency.AUX_DRAW_BATCH`` images, and that ``train`` peaks at 3.0-3.2 GiB
+(docs/derived-job.md, "Page faults"). The setting is process-wide, made once, and changes no value anywhere:
+only where freed memory goes. The C library is loaded once, by the setting, and every trim calls it.
 
 Under a data limit (a site's computing processes: the warm worker and a per-message ClientApp run under the
 policy's ``resources.max_worker_memory_mb`` as RLIMIT_DATA, ``edge/resources.py``) large blocks keep their own
@@ -54,6 +60,7 @@ import ctypes.util
 import os
 import platform
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["ENV_SWITCH", "HeapSetting", "heap_setting", "keep_freed_pages", "release_freed_pages"]
 
@@ -81,7 +88,9 @@ class HeapSetting:
     options: tuple[tuple[str, int], ...] = ()
 
 
-_state: dict[str, HeapSetting] = {}
+# "set": what keep_freed_pages did; "libc": the C library it loaded, kept for every stage end's trim (loading
+# it looks the library up on disk: once per process, not once per stage)
+_state: dict[str, Any] = {}
 
 
 def keep_freed_pages(*, under_data_limit: bool = False) -> bool:
@@ -91,21 +100,23 @@ def keep_freed_pages(*, under_data_limit: bool = False) -> bool:
     32 MiB keep their own mapping, so no freed hole counts against the limit."""
     if "set" not in _state:
         _state["set"] = _apply(_LIMITED_OPTIONS if under_data_limit else _OPTIONS)
-    return _state["set"].kept
+    return bool(_state["set"].kept)
 
 
 def heap_setting() -> HeapSetting | None:
     """What :func:`keep_freed_pages` did in this process (None: it has not been called)."""
-    return _state.get("set")
+    setting: HeapSetting | None = _state.get("set")
+    return setting
 
 
 def release_freed_pages() -> None:
     """Hand the free pages of the heap back to the kernel (glibc's ``malloc_trim(0)``), at the end of a stage:
     a no-op where the setting is not in force (glibc then gives large blocks back on its own)."""
-    setting = _state.get("set")
-    # any option in force (even where glibc refused another) keeps pages that only a trim hands back
+    setting = heap_setting()
+    # any option in force (even where glibc refused another) keeps pages that only a trim hands back; an
+    # option is in force only where _apply loaded glibc, so its handle is there
     if setting is not None and setting.options:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _state["libc"].malloc_trim(0)
 
 
 def _switched_off() -> bool:
@@ -119,9 +130,11 @@ def _apply(options: tuple[tuple[str, int, int], ...] = _OPTIONS) -> HeapSetting:
     if platform.system() != "Linux" or libc_name != "glibc":
         return HeapSetting(False, f"not glibc ({platform.system()} {libc_name or 'libc'}): left as it is")
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
     except (OSError, AttributeError):
         return HeapSetting(False, "glibc without mallopt: left as it is")
+    _state["libc"] = libc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; every option or the setting is only partly there (reported as not kept)
     done = tuple((name, value) for name, param, value in options if mallopt(param, value) == 1)

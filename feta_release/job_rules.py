@@ -51,14 +51,16 @@ of its warning). Above the floor every derived job plans with no "mostly noise" 
 
 COST MODEL (:func:`estimate`): one term for every stage the command runs, named as its progress events name it
 (``progress_events``). Seconds = ``SECONDS_PER_PIXEL_PASS`` x image values x width factor x (warm-up image
-passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes) + aux-generator epochs + the releases + the aux-generator
-draws (``AUX_DRAW_SECONDS_PER_PIXEL``) and k-means of the cell prototypes + the sampler
-(``SAMPLING_SECONDS_PER_PIXEL`` per denoiser call, image pixel and width factor: the stage grids, samples.png
-and the synthetic set) + the ONNX export, the signing and the report. The report, the synthetic set and the
-release (``progress_events.FINISHING``) are left out of the time budget, which bounds the training. A DP-SGD
-step passes its PADDED rows (:func:`dpsgd_step_rows`: the public bound every step is padded to, from the
-node's own ``training.step_rows.site_step_rows``), not q·N; a federated step the slowest site's (each pads
-over its own declared size, in parallel), in whole rounds of :data:`LOCAL_STEPS` steps.
+passes + ``DPSGD_OVERHEAD`` x DP-SGD image passes) + the aux-generator fit (:func:`aux_step_seconds` a step:
+batch x image PIXELS x its width's cost) + the releases + the aux-generator draws
+(``AUX_DRAW_SECONDS_PER_PIXEL``) and k-means of the cell prototypes + the sampler
+(``SAMPLING_SECONDS_PER_PIXEL`` per denoiser call, image pixel and width factor: the stage grids, the sample
+grid samples.png and the synthetic set) + the ONNX export, the signing and the privacy report. The privacy
+report, the sample grid, the synthetic set and the release (``progress_events.FINISHING``) are left out of
+the time budget, which bounds the training. A DP-SGD step passes its PADDED rows (:func:`dpsgd_step_rows`:
+the public bound every step is padded to, from the node's own ``training.step_rows.site_step_rows``), not
+q·N; a federated step the slowest site's (each pads over its own declared size, in parallel), in whole rounds
+of :data:`LOCAL_STEPS` steps.
 ``SECONDS_PER_PIXEL_PASS`` = 1.7e-6 was measured on this project's 2-core CPU, 2 threads, idle machine
 (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
 nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
@@ -96,6 +98,7 @@ from .progress_events import (
     PRETRAINING,
     PROTOTYPES,
     REPORT,
+    SAMPLE_GRID,
     SAMPLING,
     SIGNING,
     SPATIAL,
@@ -170,9 +173,17 @@ AUX_DRAW_SECONDS_PER_PIXEL = 3.7e-6
 PROTOTYPE_IMAGES = 256
 KMEANS_SECONDS_PER_CLASS = 0.5
 GRID_PER_CLASS = 8  # a stage grid's images per class (`train`'s grid_per_class)
-REPORT_PER_CLASS = 10  # samples.png's (release.jobdir.sample_grid)
-AUX_EPOCH_SECONDS = 8.0  # one aux-generator epoch (40 iterations of 100 images) at 28 px, CPU: the eps = 10
-#                          preset's header (+1 CPU-minute for 7 more epochs)
+SAMPLE_GRID_PER_CLASS = 10  # samples.png's (release.jobdir.sample_grid)
+# the aux generator's fit: seconds per step, image of its batch and image PIXEL (height x width) at width 32,
+# CPU. From the eps = 10 preset's header at 28 px: 8 s an epoch of 40 steps of 100 images (2 threads). One
+# step's CPU seconds follow the pixels, not the values (its convolutions run at its width; the output channels
+# and the feature map it is fitted through add ~1 %: 1 thread, 28 px 0.265 s at 1 channel, 0.263 at 3; 64 px
+# 1.43 s, the same per pixel within 10 %), and the batch linearly (bench/release_cost.py, "aux_fit_*")
+AUX_STEP_SECONDS_PER_PIXEL = 8.0 / 40 / (100 * 784)
+# its width w costs w + AUX_WIDTH_SQUARE x w^2 (the layers that scale with it, and the convolutions from w to
+# w channels): 1 thread at 28 px, 0.097 / 0.257 / 0.787 s a step at width 16 / 32 / 64 (this: 0.098 / - /
+# 0.766)
+AUX_WIDTH_SQUARE = 0.03
 RELEASE_FLOPS = 2e10  # assumed CPU rate of the feature map (a matrix product), not measured
 CUDA_SPEEDUP = 20.0
 # DP-SGD on a GPU, measured on one NVIDIA H100: a derived job on 3,200 64x64x1 images (16 channels, 3 levels,
@@ -307,8 +318,8 @@ class Estimate:
 
     @property
     def finishing(self) -> float:
-        """The stages after the training: the report, the synthetic set (whose size is the user's choice:
-        ``train --synthetic``) and the release."""
+        """The stages after the training: the privacy report, the sample grid, the synthetic set (whose size
+        is the user's choice: ``train --synthetic``) and the release."""
         return sum(self.seconds.get(k, 0.0) for k in FINISHING)
 
     @property
@@ -846,12 +857,23 @@ def _release_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
         cost = fr.features * (fr.patch**2 * facts.channels if fr.patch else facts.values)
         out[FREQUENCY] = facts.size * cost * 2 / RELEASE_FLOPS
         iters = a.iterations_per_epoch or max(1, facts.size // a.batch)
-        aux = a.restarts * a.epochs * iters / 40 * AUX_EPOCH_SECONDS * facts.values / 784
+        aux = a.restarts * a.epochs * iters * aux_step_seconds(cfg, facts)
         out[AUX_FIT] = aux / CUDA_SPEEDUP if facts.device == "cuda" else aux
         if cfg.central.cell_rule == "aux" and cfg.central.rounds > 0:
             draw = AUX_DRAW_SECONDS_PER_PIXEL * facts.height * facts.width * PROTOTYPE_IMAGES
             out[PROTOTYPES] = (draw + KMEANS_SECONDS_PER_CLASS) * facts.n_classes
     return out
+
+
+def aux_step_seconds(cfg: JobConfig, facts: DataFacts) -> float:
+    """CPU seconds of one aux-generator fit step: its batch x image pixels x its width's cost, relative to
+    width 32 (:data:`AUX_STEP_SECONDS_PER_PIXEL`, :data:`AUX_WIDTH_SQUARE`)."""
+    a = cfg.auxgen
+
+    def cost(w: int) -> float:
+        return w + AUX_WIDTH_SQUARE * w * w
+
+    return AUX_STEP_SECONDS_PER_PIXEL * a.batch * facts.height * facts.width * cost(a.width) / cost(32)
 
 
 def _warmup_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
@@ -874,10 +896,11 @@ def _warmup_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
 
 
 def _finishing_terms(cfg: JobConfig, facts: DataFacts, n_synthetic: int) -> dict[str, float]:
-    """The stages after the training: the report with its sample grid, the synthetic set, the release's ONNX
-    export and its signing."""
+    """The stages after the training: the privacy report, the sample grid, the synthetic set, the release's
+    ONNX export and its signing."""
     return {
-        REPORT: REPORT_SECONDS + sampling_seconds(cfg, facts, REPORT_PER_CLASS * facts.n_classes),
+        REPORT: REPORT_SECONDS,
+        SAMPLE_GRID: sampling_seconds(cfg, facts, SAMPLE_GRID_PER_CLASS * facts.n_classes),
         SAMPLING: sampling_seconds(cfg, facts, n_synthetic),
         EXPORT: EXPORT_SECONDS,
         SIGNING: SIGNING_SECONDS,

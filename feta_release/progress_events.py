@@ -46,10 +46,11 @@ GRIDS = "grids"
 SAMPLING = "sampling"
 EXPORT = "export"
 SIGNING = "signing"
-REPORT = "report"
-# the stages after the driver's job: the report, the synthetic set and the release (left out of a job's time
-# budget, which is the training's)
-FINISHING = (REPORT, SAMPLING, EXPORT, SIGNING)
+REPORT = "privacy report"
+SAMPLE_GRID = "sample grid"
+# the stages after the driver's job: the privacy report, the sample grid, the synthetic set and the release
+# (left out of a job's time budget, which is the training's)
+FINISHING = (REPORT, SAMPLE_GRID, SAMPLING, EXPORT, SIGNING)
 
 
 def append_event(path: Path, ev: dict[str, Any]) -> None:
@@ -151,9 +152,22 @@ class Meter:
 @contextlib.contextmanager
 def timed(sink: Sink | None, stage: str, what: str) -> Iterator[None]:
     """A stage that is one call: an event naming ``what`` it does at its start, one with its seconds at its
-    end."""
+    end. A stage that raises ends too, marked ``failed`` with the exception's type (the log then says which
+    stage stopped the job and after how long); the exception goes on to the caller."""
     t0 = time.monotonic()
     say(sink, f"{stage}: {what}", stage=stage)
-    yield
+    try:
+        yield
+    except BaseException as exc:
+        seconds = time.monotonic() - t0
+        error = type(exc).__name__
+        say(
+            sink,
+            f"{stage} failed after {seconds:.1f} s ({error})",
+            stage=stage,
+            seconds=seconds,
+            failed=error,
+        )
+        raise
     seconds = time.monotonic() - t0
     say(sink, f"{stage} done in {seconds:.1f} s", stage=stage, seconds=seconds)

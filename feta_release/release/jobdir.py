@@ -49,7 +49,7 @@ from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
 from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
-from ..progress_events import REPORT, SAMPLING, Meter, Sink, timed
+from ..progress_events import REPORT, SAMPLE_GRID, SAMPLING, Meter, Sink, timed
 from ..signing import load_private_key
 from ..viz import epsilon_title, save_budget_svg, save_grid
 from .export_run import assemble_release, denoiser_from_checkpoint, released_central
@@ -88,7 +88,7 @@ def privacy_report(out_dir: Path, sink: Sink | None = None) -> dict[str, Any]:
     """``privacy_report.json`` + ``privacy_report.txt``: per site, ε spent by stage and in total; at a
     PATIENT-level site the figure its caps bound, ε per patient, first (``_site_report``); its start and
     seconds reported to ``sink``."""
-    with timed(sink, REPORT, "privacy report and budget chart"):
+    with timed(sink, REPORT, "privacy_report.json/.txt and the budget chart (budget.svg)"):
         return _privacy_report(out_dir)
 
 
@@ -284,7 +284,7 @@ def sample_grid(
     directory's files (the central images and pool bound to this job's id as :func:`build_release` reads
     them). ``device``: where the model read from ``model.pt`` samples (the noise is drawn on the CPU, so the
     grid is the same function of the weights on any device). Its start and seconds reported to ``sink``."""
-    with timed(sink, REPORT, f"sample grid {per_class} per class (samples.png)"):
+    with timed(sink, SAMPLE_GRID, f"{per_class} images per class (samples.png)"):
         return _sample_grid(out_dir, per_class, seed, device)
 
 

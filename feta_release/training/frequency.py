@@ -220,18 +220,40 @@ def _offset(progress: Progress | None, done: int, total: int) -> Progress | None
     return lambda i, _n, loss: progress(done + i, total, loss)
 
 
+# Images per forward pass of an aux-generator draw (the fit's own batch, ``[auxgen] batch``): its activations
+# are what a draw holds at once. A draw of the cell prototypes' 1,024 64 px images in one pass held ~4 GiB
+# (width 32: 1,024 x 32 x 64 x 64 floats = 537 MB per activation), the peak of a whole 64 px job; at 100 it
+# holds a tenth, and the result does not depend on it (eval mode, one latent per label drawn up front).
+AUX_DRAW_BATCH = 100
+
+
 def aux_draw(gen: AuxModel, labels: np.ndarray | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Images of ``labels`` from the fitted generator, one latent per label drawn from ``generator``, in eval
     mode (BatchNorm running statistics: an image does not depend on the others of its batch) and without
     gradients; CPU float32 in [0, 1] (the generator's tanh is mapped there; the clamp only guards
-    rounding)."""
+    rounding). A stage of its own (the cell prototypes, the release's pool): its pages go back at its end."""
+    images = _aux_forward(gen, labels, generator)
+    release_freed_pages()  # the draw's activations back before the next stage (feta_release.allocator)
+    return images
+
+
+def _aux_forward(
+    gen: AuxModel, labels: np.ndarray | torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """:func:`aux_draw` without the trim: the latents drawn at once, the images in passes of
+    :data:`AUX_DRAW_BATCH`."""
     dev = next(gen.parameters()).device
     was_training = gen.training
     gen.eval()
     try:
         with torch.no_grad():
             z = torch.randn((len(labels), gen.z_dim), generator=generator)
-            x = gen(z.to(dev), torch.as_tensor(labels, dtype=torch.long).to(dev)).cpu()
+            y = torch.as_tensor(labels, dtype=torch.long)
+            parts = [
+                gen(z[i : i + AUX_DRAW_BATCH].to(dev), y[i : i + AUX_DRAW_BATCH].to(dev)).cpu()
+                for i in range(0, max(1, len(y)), AUX_DRAW_BATCH)  # an empty draw: one empty pass, as before
+            ]
+            x = parts[0] if len(parts) == 1 else torch.cat(parts)
     finally:
         gen.train(was_training)
     return x.float().clamp(0, 1)
@@ -245,14 +267,17 @@ def generate_aux_images(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images in [0, 1] (CPU float32) with balanced labels, from the fitted generator (eval mode);
-    ``progress(images done, n)`` after each batch."""
+    ``progress(images done, n)`` after each ``batch`` (its latents drawn together); the pages of the draw go
+    back at its end."""
     labels = shuffled_balanced_labels(n, gen.n_classes, generator)
     out = []
     for start in range(0, n, batch):
-        out.append(aux_draw(gen, labels[start : start + batch], generator))
+        out.append(_aux_forward(gen, labels[start : start + batch], generator))
         if progress is not None:
             progress(start + len(out[-1]), n)
     images = torch.cat(out) if out else torch.zeros((0, gen.img_channels, gen.img_size, gen.img_size))
+    del out  # the batches' own copies freed before the trim, so that their pages go back too
+    release_freed_pages()  # the draw's activations back before the next stage (feta_release.allocator)
     # Quantise like stored images so the warm-up sees what a saved set would hold.
     return (images * 255.0).round() / 255.0, labels
 

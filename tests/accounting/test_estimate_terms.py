@@ -23,12 +23,13 @@ from feta_release.progress_events import (
     POLISH,
     PROTOTYPES,
     REPORT,
+    SAMPLE_GRID,
     SAMPLING,
     SIGNING,
     SPATIAL,
 )
 
-RELEASE = {REPORT, SAMPLING, EXPORT, SIGNING}
+RELEASE = {REPORT, SAMPLE_GRID, SAMPLING, EXPORT, SIGNING}
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,3 +94,29 @@ def test_the_sampler_is_costed_per_call_of_the_denoiser(sampler: dict[str, objec
     )
     assert one == pytest.approx(calls * euler)
     assert estimate(cfg, _facts(), 4100).seconds[SAMPLING] == pytest.approx(4100 * one, abs=0.05)
+
+
+def test_the_aux_fit_costs_the_pixels_batch_and_width_not_the_channels() -> None:
+    # a step's convolutions run at the generator's width: the output channels add ~1 % (bench/release_cost.py)
+    cfg = load_preset("tiny").replace(
+        auxgen={"width": 32, "batch": 100, "restarts": 1, "epochs": 10, "iterations_per_epoch": 40}
+    )
+
+    def aux(cfg_: object = cfg, **facts: object) -> float:
+        kw = {
+            "size": 4000,
+            "height": 64,
+            "width": 64,
+            "channels": 1,
+            "n_classes": 4,
+            "epsilon": 10.0,
+            **facts,
+        }
+        return estimate(cfg_, DataFacts(**kw)).seconds[AUX_FIT]  # type: ignore[arg-type]
+
+    assert aux(channels=3) == pytest.approx(aux(channels=1), rel=0.01)
+    assert aux(height=28, width=28) == pytest.approx(aux() * 784 / 4096, rel=0.01)
+    assert aux(cfg.replace(auxgen={"batch": 200})) == pytest.approx(2 * aux(), rel=0.01)
+    # measured 3.06x from width 32 to 64 (1 thread, 28 px): between linear and square in the width
+    wide = aux(cfg.replace(auxgen={"width": 64})) / aux()
+    assert 2.5 < wide < 3.5, wide

@@ -15,13 +15,16 @@ from feta_release.progress_events import (
     AUX_FIT,
     AUX_IMAGES,
     EXPORT,
+    FINISHING,
     FREQUENCY_WARMUP,
     POLISH,
     PROTOTYPES,
     REPORT,
+    SAMPLE_GRID,
     SAMPLING,
     SIGNING,
     SPATIAL,
+    timed,
 )
 from tests.support.training import embedded_subset, train_run
 
@@ -75,7 +78,12 @@ def test_a_train_run_logs_the_prototypes_the_warm_ups_and_the_release(run: Any) 
     _counted(events, SPATIAL, cfg.warmup.spatial_iterations)
     _counted(events, POLISH, 2)
     assert _stage(events, AUX_IMAGES) and _stage(events, FREQUENCY_WARMUP)
-    for stage in (REPORT, EXPORT, SIGNING):  # one call each: its start and its end with its seconds
+    for stage in (
+        REPORT,
+        SAMPLE_GRID,
+        EXPORT,
+        SIGNING,
+    ):  # one call each: its start and its end with its seconds
         got = _stage(events, stage)
         assert got and got[-1]["seconds"] >= 0 and got[-1]["phase"] == "release", stage
 
@@ -85,5 +93,43 @@ def test_the_estimate_has_a_term_for_every_stage_the_run_reports(run: Any) -> No
     reported = {e["stage"] for e in events if "stage" in e}
     facts = DataFacts(size=N, height=28, width=28, channels=1, n_classes=10, epsilon=10.0)
     terms = estimate(cfg, facts, SYNTHETIC).seconds
-    assert reported >= {AUX_FIT, PROTOTYPES, SAMPLING, EXPORT, SIGNING, REPORT}
+    assert reported >= {AUX_FIT, PROTOTYPES, SAMPLING, EXPORT, SIGNING, REPORT, SAMPLE_GRID}
     assert reported <= set(terms), reported - set(terms)
+
+
+def test_each_release_stage_ends_under_its_own_name(run: Any) -> None:
+    # the console and progress.jsonl say which stage finished: no two stages end with the same words
+    _, events = run
+    ends = [
+        e["message"]
+        for e in events
+        if e.get("stage") in FINISHING and "seconds" in e and "done in" in e["message"]
+    ]
+    assert len(ends) == len(set(m.split(" done in")[0] for m in ends)), ends
+    assert any(m.startswith(f"{REPORT} done in") for m in ends) and any(
+        m.startswith(f"{SAMPLE_GRID} done in") for m in ends
+    ), ends
+    assert REPORT != SAMPLE_GRID and len(set(FINISHING)) == len(FINISHING)
+
+
+class _StageBroke(RuntimeError):
+    pass
+
+
+def test_a_one_call_stage_that_raises_logs_its_end_as_failed_and_raises() -> None:
+    events: list[dict[str, Any]] = []
+    with pytest.raises(_StageBroke), timed(events.append, EXPORT, "the generator to ONNX"):
+        raise _StageBroke("tracer refused the graph")
+    start, end = events
+    assert start["stage"] == end["stage"] == EXPORT
+    assert end["failed"] == "_StageBroke" and end["seconds"] >= 0
+    assert end["message"].startswith(f"{EXPORT} failed after") and "_StageBroke" in end["message"]
+    assert "done" not in end["message"]
+
+
+def test_a_one_call_stage_that_returns_logs_its_end_as_done() -> None:
+    events: list[dict[str, Any]] = []
+    with timed(events.append, SIGNING, "the manifest"):
+        pass
+    assert [e.get("failed") for e in events] == [None, None]
+    assert events[-1]["message"].startswith(f"{SIGNING} done in") and events[-1]["seconds"] >= 0

@@ -117,10 +117,15 @@ class AuxEnsemble(nn.Module):
         self.img_channels, self.img_size, self.n_classes = first.img_channels, first.img_size, first.n_classes
         self.z_dim, self.width = first.z_dim, first.width
 
-    def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, y: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """``seen[c]``: occurrences of class c in earlier passes of the same draw, so that a draw split into
+        passes gives every row the member one call would (the pass size changes no image)."""
         onehot = F.one_hot(y, self.n_classes)
-        # occurrence of the row's label, mod k
-        which = ((onehot.cumsum(0) * onehot).sum(1) - 1) % len(self.members)
+        # occurrence of the row's label (counting the earlier passes'), mod k
+        which = (onehot.cumsum(0) * onehot).sum(1) - 1
+        if seen is not None:
+            which = which + seen.to(which.device)[y]
+        which = which % len(self.members)
         out = z.new_empty((z.shape[0], self.img_channels, self.img_size, self.img_size))
         for j, member in enumerate(self.members):
             rows = which == j

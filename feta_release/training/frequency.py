@@ -223,7 +223,8 @@ def _offset(progress: Progress | None, done: int, total: int) -> Progress | None
 # Images per forward pass of an aux-generator draw (the fit's own batch, ``[auxgen] batch``): its activations
 # are what a draw holds at once. A draw of the cell prototypes' 1,024 64 px images in one pass held ~4 GiB
 # (width 32: 1,024 x 32 x 64 x 64 floats = 537 MB per activation), the peak of a whole 64 px job; at 100 it
-# holds a tenth, and the result does not depend on it (eval mode, one latent per label drawn up front).
+# holds a tenth, and the result does not depend on it (eval mode, one latent per label drawn up front, an
+# ensemble's member per row counted over the whole draw).
 AUX_DRAW_BATCH = 100
 
 
@@ -250,13 +251,23 @@ def _aux_forward(
             z = torch.randn((len(labels), gen.z_dim), generator=generator)
             y = torch.as_tensor(labels, dtype=torch.long)
             parts = [
-                gen(z[i : i + AUX_DRAW_BATCH].to(dev), y[i : i + AUX_DRAW_BATCH].to(dev)).cpu()
+                _aux_pass(gen, z[i : i + AUX_DRAW_BATCH], y, i, dev)
                 for i in range(0, max(1, len(y)), AUX_DRAW_BATCH)  # an empty draw: one empty pass, as before
             ]
             x = parts[0] if len(parts) == 1 else torch.cat(parts)
     finally:
         gen.train(was_training)
     return x.float().clamp(0, 1)
+
+
+def _aux_pass(gen: AuxModel, z: torch.Tensor, y: torch.Tensor, start: int, dev: torch.device) -> torch.Tensor:
+    """Rows ``start ..`` of a draw of labels ``y``: an ensemble counts each label's rows before ``start`` so
+    that every row goes to the member one call over all of ``y`` gives it (``AuxEnsemble.forward``)."""
+    part = y[start : start + len(z)].to(dev)
+    if isinstance(gen, AuxEnsemble):
+        seen = torch.bincount(y[:start], minlength=gen.n_classes)
+        return gen(z.to(dev), part, seen=seen).cpu()
+    return gen(z.to(dev), part).cpu()
 
 
 def generate_aux_images(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from feta_release.config import JobConfig, load_preset
 from feta_release.errors import ConfigError
 from feta_release.models.auxgen import AuxEnsemble, AuxGenerator, new_aux_model
-from feta_release.training.frequency import aux_draw, fit_aux_generator, fit_aux_restarts
+from feta_release.training.frequency import AUX_DRAW_BATCH, aux_draw, fit_aux_generator, fit_aux_restarts
 from tests.support.single_thread import single_thread  # noqa: F401  (autouse fixture)
 from tests.support.training import AUX, job
 from tests.support.training import frequency_release as _release
@@ -92,6 +92,22 @@ def test_an_ensemble_draws_the_jth_row_of_a_class_from_member_j_mod_k(k: int, n:
             seen[c] += 1
     x = aux_draw(ens, y.numpy(), torch.Generator().manual_seed(seed))
     assert x.shape == (n, 1, 8, 8) and 0 <= float(x.min()) and float(x.max()) <= 1
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_a_draw_in_passes_gives_each_row_the_member_of_one_call(k: int) -> None:
+    """A draw longer than one pass (``AUX_DRAW_BATCH``) keeps counting each label's occurrences across the
+    passes: row i goes to the member one call over all the labels would give it, so the pass size changes no
+    image (the cell prototypes and the warm-up set are the seed's)."""
+    torch.manual_seed(0)
+    ens = AuxEnsemble([AuxGenerator(1, 8, 3, z_dim=4, width=4).eval() for _ in range(k)]).eval()
+    n = 2 * AUX_DRAW_BATCH + 57
+    labels = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(1))
+    drawn = aux_draw(ens, labels.numpy(), torch.Generator().manual_seed(2))
+    z = torch.randn((n, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        one_call = ens(z, labels).float().clamp(0, 1)
+    assert torch.allclose(drawn, one_call, atol=1e-6)  # the same member per row; float rounding aside
 
 
 def test_a_class_interleaved_draw_gives_every_member_every_class() -> None:

@@ -219,11 +219,15 @@ def per_example_grads(
     rand: dict[str, Tensor],
     chunk_size: int | None = None,
     engine: str = "auto",
+    *,
+    chosen: str | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,), ``chunk_size`` examples
     at a time: by layer hooks on one batched backward, or by vmap(grad) (``select_engine``); the same vectors
-    either way."""
-    chosen = select_engine(model, loss, engine) if x.shape[0] else "vmap"
+    either way. ``chosen``: what ``select_engine(model, loss, engine)`` returned for this model earlier in
+    the same step (``_Chooser``), not asked again."""
+    if chosen is None:
+        chosen = select_engine(model, loss, engine) if x.shape[0] else "vmap"
     return _grads_by(chosen, model, loss, x, y, rand, chunk_size)
 
 
@@ -241,7 +245,9 @@ class _Chooser:
     ) -> tuple[dict[str, Tensor], Tensor]:
         if self.chosen is None and x.shape[0]:
             self.chosen = select_engine(self.model, self.loss, self.engine)
-        return _grads_by(self.chosen or "vmap", self.model, self.loss, x, y, rand, chunk_size)
+        return per_example_grads(
+            self.model, self.loss, x, y, rand, chunk_size, self.engine, chosen=self.chosen or "vmap"
+        )
 
 
 def _grads_by(

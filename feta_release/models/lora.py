@@ -1,14 +1,24 @@
 """Low-rank adapters (LoRA, Hu et al. 2022) on the denoiser's convolutions and linear layers (``[dpsgd]
 trainable = "lora"``): DP-SGD trains only the adapters, the layers keep their (public or released) values.
 
-Each ``nn.Conv2d`` / ``nn.Linear`` of the model gets two plain layers of its own kind: ``lora_down`` (the
-layer's input to ``rank`` channels: a convolution with the layer's kernel, stride, padding and dilation, or
-a linear map) and ``lora_up`` (``rank`` to the layer's outputs: a 1x1 convolution or a linear map), both
-without bias; a forward hook adds ``lora_up(lora_down(x))`` to the layer's output. ``lora_up`` starts at
-zero, so attaching changes no output; ``lora_down`` starts from a fixed PUBLIC seed. The adapters are
-ordinary ``nn.Conv2d`` / ``nn.Linear`` modules with the library's forward, so both per-example engines
-handle them (``training.ghost_clip``'s layer rules and torch.func), and the base layers' own weights are
-frozen (no per-example gradient, no noise).
+Each ``nn.Conv2d`` / ``nn.Linear`` of the model gets two adapter weights, held by two plain layers of its own
+kind: ``lora_down`` (the layer's input to ``rank`` channels: a convolution with the layer's kernel, stride,
+padding and dilation, or a linear map) and ``lora_up`` (``rank`` to the layer's outputs: a 1x1 convolution or
+a linear map), both without bias. The adapted layer computes ``W x + b + up(down(x))`` as ONE call of its own
+kind with the weight ``W + up . down`` (``LoRAConv2d`` / ``LoRALinear``: the layer's class is switched to
+them in place, so names, parameters and the state dict stay those of the plain model plus the adapters).
+``lora_up`` starts at zero, so attaching changes no output (``W + 0`` is ``W`` exactly); ``lora_down`` starts
+from a fixed PUBLIC seed. The frozen base weights get no gradient, no per-example gradient and no noise.
+
+Why one call with the summed weight, not the adapters as two more layers after the layer: the weight
+``up . down`` costs rank x C_out x C_in x kh x kw multiply-adds a call, nothing beside a convolution over a
+batch, while the two extra layers are a convolution with ``rank`` (4) output channels, which oneDNN runs about
+as slowly as the layer itself (its forward, and its input and weight gradients in the backward), plus a 1x1
+convolution: a LoRA step cost 1.5-1.6x the full fine-tuning step without privacy (``bench/bench_dpsgd.py``).
+One call costs what the full step's layer costs: its input gradient, and the gradient of the summed weight,
+from which autograd takes the adapters' by two small matrix products. The per-example engine does the same per
+example (``training.ghost_clip``: the layer's per-example weight gradient ``G_i``, then ``G_i down^T`` and
+``up^T G_i``); torch.func differentiates this forward as it is.
 
 Privacy: unchanged. DP-SGD clips each example's gradient of the TRAINED vector (the adapters' entries) to C
 and adds N(0, sigma^2 C^2) per adapter entry: the subsampled Gaussian mechanism on that vector, the event
@@ -25,19 +35,41 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+__all__ = ["LORA_SEED", "LoRAConv2d", "LoRALinear", "attach_lora", "has_lora", "merge_lora", "lora_delta"]
 
 LORA_SEED = 0x10AA  # public: the adapters' starting point is the same at every site and in every run
 _DOWN, _UP = "lora_down", "lora_up"
 
 
-def _lora_forward(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
-    """The hook: the layer's output plus its adapters' (read from the module, so a deep copy uses its own)."""
-    return output + getattr(module, _UP)(getattr(module, _DOWN)(inputs[0]))
+def lora_delta(m: nn.Module) -> Tensor:
+    """``up . down`` in the shape of ``m.weight``: what the adapters add to the layer's weight."""
+    down, up = getattr(m, _DOWN).weight, getattr(m, _UP).weight
+    return (up.reshape(up.shape[0], -1) @ down.reshape(down.shape[0], -1)).reshape(m.weight.shape)
+
+
+class LoRAConv2d(nn.Conv2d):
+    """A ``nn.Conv2d`` carrying adapters (``attach_lora`` switches a layer's class to this): one convolution
+    with the weight ``W + up . down``."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self._conv_forward(input, self.weight + lora_delta(self), self.bias)
+
+
+class LoRALinear(nn.Linear):
+    """A ``nn.Linear`` carrying adapters: one linear map with the weight ``W + up . down``."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.linear(input, self.weight + lora_delta(self), self.bias)
+
+
+_ADAPTED: dict[type[nn.Module], type[nn.Module]] = {nn.Conv2d: LoRAConv2d, nn.Linear: LoRALinear}
 
 
 def _targets(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)) and not _is_adapter(m)]
+    return [m for m in model.modules() if type(m) in _ADAPTED and not _is_adapter(m)]
 
 
 def _is_adapter(m: nn.Module) -> bool:
@@ -65,8 +97,8 @@ def _adapters(m: nn.Module, rank: int, gen: torch.Generator) -> tuple[nn.Module,
 
 
 def attach_lora(model: nn.Module, rank: int) -> int:
-    """Give every conv/linear layer of ``model`` rank-``rank`` adapters, freeze everything else; returns the
-    number of trainable scalars (the adapters'). Attaching twice is refused (merge first)."""
+    """Give every plain conv/linear layer of ``model`` rank-``rank`` adapters, freeze everything else; returns
+    the number of trainable scalars (the adapters'). Attaching twice is refused (merge first)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     if has_lora(model):
@@ -78,7 +110,9 @@ def attach_lora(model: nn.Module, rank: int) -> int:
         down, up = _adapters(m, rank, gen)
         m.add_module(_DOWN, down)
         m.add_module(_UP, up)
-        m.register_forward_hook(_lora_forward)  # found again by merge_lora (a deep copy carries its own)
+        m.__class__ = _ADAPTED[
+            type(m)
+        ]  # the same layer, its forward now the summed weight's (a copy keeps it)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -86,26 +120,18 @@ def has_lora(model: nn.Module) -> bool:
     return any(_is_adapter(m) for m in model.modules())
 
 
-def _delta(m: nn.Module) -> Tensor:
-    down, up = getattr(m, _DOWN).weight, getattr(m, _UP).weight
-    if isinstance(m, nn.Conv2d):
-        return torch.einsum("or,rikl->oikl", up[:, :, 0, 0], down)
-    return up @ down
-
-
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold each layer's adapters into its weight (W + up . down: the same function of the input) and remove
-    the adapters and their hooks; every parameter is trainable again (a model's default). Returns
-    ``model``."""
+    the adapters; each layer is its plain class again and every parameter is trainable again (a model's
+    default). Returns ``model``."""
     if not has_lora(model):
         return model
-    for m in [m for m in model.modules() if isinstance(getattr(m, _DOWN, None), nn.Module)]:
+    for m in [m for m in model.modules() if isinstance(m, (LoRAConv2d, LoRALinear))]:
         with torch.no_grad():
-            m.weight.add_(_delta(m).to(m.weight.dtype))
-        for key in [k for k, hook in m._forward_hooks.items() if hook is _lora_forward]:
-            del m._forward_hooks[key]
+            m.weight.add_(lora_delta(m).to(m.weight.dtype))
         delattr(m, _DOWN)
         delattr(m, _UP)
+        m.__class__ = nn.Conv2d if isinstance(m, nn.Conv2d) else nn.Linear
     for p in model.parameters():
         p.requires_grad_(True)
     return model

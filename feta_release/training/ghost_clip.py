@@ -17,7 +17,11 @@ computed by the tap as soon as autograd has that output gradient:
   matmuls (``_conv_grads``);
 * ``GroupNorm``: ``sum_t g_it * xhat_it``, bias ``sum_t g_it``, by the native GroupNorm backward with the
   forward's own mean and 1/std (``_group_norm``);
-* ``Embedding``: the output gradients scattered to the rows of the looked-up indices.
+* ``Embedding``: the output gradients scattered to the rows of the looked-up indices;
+* a LoRA layer (``models.lora``: one call with the summed weight ``W + up . down``): its layer's rule gives
+  the summed weight's ``G_i``, and the adapters' gradients are ``G_i down^T`` and ``up^T G_i``
+  (``_adapter_grads``); the adapter layers never run, so their weights belong to the adapted layer
+  (``_owners``).
 
 Rows are K-major (``BatchedLoss``): row k*B + i is copy k of example i, so a layer's (B*K, ...) tensor
 reshapes to (K, B, ...) and, for a conv, to the (K, B*C, H, W) of the grouped weight gradient without a copy
@@ -79,6 +83,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+from ..models.lora import LoRAConv2d, LoRALinear
 
 __all__ = ["BatchedLoss", "K_MAJOR", "batched_form", "unsupported", "hook_grads", "cross_check"]
 
@@ -178,6 +184,26 @@ def _shared(model: nn.Module) -> list[str]:
     ]
 
 
+def _covered(m: nn.Module) -> list[tuple[str, Tensor]]:
+    """The parameters ``m``'s rule computes, by their path from ``m``: its own, and a LoRA layer's adapter
+    weights too (the layer's forward uses them, the adapter layers never run: ``models.lora``)."""
+    own = [(n, p) for n, p in m._parameters.items() if p is not None]
+    if isinstance(m, (LoRAConv2d, LoRALinear)):
+        own += [(f"{a}.weight", getattr(m, a).weight) for a in ("lora_down", "lora_up")]
+    return own
+
+
+def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    """id of each trainable parameter -> (name, module) of the module whose rule computes it: its own, or the
+    LoRA layer that uses an adapter's weight (a parent comes before its children in ``named_modules``)."""
+    out: dict[int, tuple[str, nn.Module]] = {}
+    for name, m in model.named_modules():
+        for _, p in _covered(m):
+            if p.requires_grad and id(p) not in out:
+                out[id(p)] = (name, m)
+    return out
+
+
 def unsupported(model: nn.Module) -> list[str]:
     """Reasons this engine cannot compute ``model``'s per-example gradients (empty: it can, as far as the
     module tree shows; a parameter used outside its module's forward shows only when the model runs:
@@ -187,11 +213,12 @@ def unsupported(model: nn.Module) -> list[str]:
         out.append(
             "a global forward hook (nn.modules.module.register_module_forward_hook) changes layer outputs"
         )
+    owners = {id(m) for _, m in _owners(model).values()}
     for name, m in model.named_modules():
         if isinstance(m, _ROW_MIXING):
             out.append(f"{name or 'model'}: {type(m).__name__} mixes the rows of a batch")
             continue
-        if any(p.requires_grad for p in m.parameters(recurse=False)):
+        if id(m) in owners:
             why = _module_problem(m)
             if why is not None:
                 out.append(f"{name or 'model'}: {why}")
@@ -430,7 +457,32 @@ def _embedding(m: nn.Embedding, idx: Tensor, g: Tensor, b: int) -> dict[str, Ten
     return {"weight": w}
 
 
+def _adapter_grads(m: nn.Module, gw: Tensor, b: int) -> dict[str, Tensor]:
+    """A LoRA layer's adapters' per-example gradients from those of its summed weight ``W + up . down``,
+    ``gw`` (B, *weight.shape): ``G_i down^T`` for ``up``, ``up^T G_i`` for ``down`` (the chain rule through
+    the product; rank x C_out x C_in x kh x kw multiply-adds an example)."""
+    down, up = m.lora_down.weight.detach(), m.lora_up.weight.detach()  # type: ignore[union-attr]
+    g2 = gw.reshape(b, gw.shape[1], -1)  # (B, C_out, C_in*kh*kw)
+    return {
+        "lora_up.weight": (g2 @ down.reshape(down.shape[0], -1).t()).reshape(b, *up.shape),
+        "lora_down.weight": (up.reshape(up.shape[0], -1).t() @ g2).reshape(b, *down.shape),
+    }
+
+
+def _lora_conv2d(m: LoRAConv2d, a: Tensor, g: Tensor, b: int, pool: _ZeroPool) -> dict[str, Tensor]:
+    out = _conv2d(m, a, g, b, pool)  # the summed weight's: the layer's own conv rule
+    return {**out, **_adapter_grads(m, out["weight"], b)}
+
+
+def _lora_linear(m: LoRALinear, a: Tensor, g: Tensor, b: int) -> dict[str, Tensor]:
+    out = _linear(m, a, g, b)
+    return {**out, **_adapter_grads(m, out["weight"], b)}
+
+
+# the LoRA layers first: they are Conv2d / Linear subclasses, and the first class that matches is the rule
 _RULES: dict[type[nn.Module], Callable[..., dict[str, Tensor]]] = {
+    LoRAConv2d: _lora_conv2d,
+    LoRALinear: _lora_linear,
     nn.Linear: _linear,
     nn.Conv2d: _conv2d,
     nn.GroupNorm: _group_norm,
@@ -483,13 +535,20 @@ def hook_grads(
     root = torch.zeros((), device=x.device, requires_grad=True)
     pool = _ZeroPool()  # the grouped convs' zero weights, one buffer for the chunk
 
-    def rule(
-        m: nn.Module, f: Callable[..., dict[str, Tensor]], a: Tensor, extra: tuple[object, ...], g: Tensor
-    ) -> None:
+    # each hooked module's rule and the trained parameters it computes (attribute path -> name), once a chunk
+    # (``get_parameter`` per returned gradient was ~0.1 ms of Python a chunk)
+    owned = _owners(model)
+    hooked = {id(m): m for _, m in owned.values()}
+    plan = {
+        k: (_rule(m), {attr: names[id(p)] for attr, p in _covered(m) if owned.get(id(p), ("", None))[1] is m})
+        for k, m in hooked.items()
+    }
+
+    def rule(m: nn.Module, a: Tensor, extra: tuple[object, ...], g: Tensor) -> None:
+        f, targets = plan[id(m)]
         for attr, gi in f(m, a, g, b, *extra).items():
-            p = getattr(m, attr)
-            if id(p) in names:  # a module called twice (shared) adds its calls' contributions
-                n = names[id(p)]
+            n = targets.get(attr)
+            if n is not None:  # a module called twice (shared) adds its calls' contributions
                 grads[n] = grads[n] + gi if n in grads else gi
 
     def tap(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
@@ -499,12 +558,9 @@ def hook_grads(
             extra = _group_norm_stats(m, a, output)
         elif isinstance(m, nn.Conv2d):
             extra = (pool,)
-        return _Tap.apply(output, root, partial(rule, m, _rule(m), a, extra))
+        return _Tap.apply(output, root, partial(rule, m, a, extra))
 
-    # the modules' own parameter dicts, not parameters(recurse=False): a generator over the module tree per
-    # module, ~1 ms of a chunk's fixed cost at the UNet's 53 layers
-    hooked = [m for m in model.modules() if any(id(p) in names for p in m._parameters.values())]
-    handles = [m.register_forward_hook(tap) for m in hooked]
+    handles = [m.register_forward_hook(tap) for m in hooked.values()]
     try:
         values = loss.batched(model, x, y, rand)
     finally:
@@ -571,12 +627,7 @@ def _outside_uses(
     """A trainable parameter the forward uses more often than its module runs is also used OUTSIDE its module
     (weight tying through ``F.linear(h, emb.weight)``): that use's gradient no rule sees. Each supported
     module's forward uses each of its parameters once (one edge into the parameter's graph leaf per call)."""
-    owner = {
-        id(p): (name, m)
-        for name, m in model.named_modules()
-        for p in m.parameters(recurse=False)
-        if p.requires_grad
-    }
+    owner = _owners(model)
     calls: dict[int, int] = {}
 
     def count(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:

@@ -522,6 +522,32 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
         )
 
 
+def _statement_inputs(
+    path: Path, raw: dict, delta: float | None, accountant: str | None, patient_cap: int | None
+) -> tuple[Any, float | None, str | None, int | None]:
+    """(events, delta, accountant, patient cap) of a JSON object: a history ``{"history": [...]}`` or a site's
+    statement (bare, or signed as ``{"statement": ..., "signature": ...}``), whose ``history`` is a WORD
+    (where its events come from, e.g. "site-ledger") and whose events are ``events``. A statement's
+    ``privacy_unit`` carries its SIGNED images-per-patient cap: every per-patient figure holds over that cap
+    only, so a different --patient-cap is refused rather than silently stating another site's figure."""
+    from ..privacy_unit import statement_patient_cap
+
+    if isinstance(raw.get("statement"), dict):
+        raw = raw["statement"]
+    history = raw.get("history")
+    items = history if isinstance(history, list) else raw.get("events")
+    if items is None:
+        raise PrivacyError(f'{path}: object has no "history" or "events" list')
+    signed = statement_patient_cap(raw)
+    if signed is not None and patient_cap is not None and patient_cap != signed:
+        raise PrivacyError(
+            f"{path}: --patient-cap {patient_cap} differs from the statement's signed cap of {signed} images "
+            "per patient, over which its per-patient figure holds; drop --patient-cap"
+        )
+    delta = raw.get("delta") if delta is None else delta
+    return items, delta, accountant or raw.get("accountant"), patient_cap or signed
+
+
 @privacy.command("account")
 @click.argument("history_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--delta", type=float, default=None, help='Target delta (default: the file\'s "delta").')
@@ -537,7 +563,7 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
     default=None,
     metavar="K",
     help="The history is a patient-level site's (at most K images a patient): state ε PER PATIENT, the "
-    "figure its caps bound (default: a site statement's own cap, its privacy_unit).",
+    "figure its caps bound (default: a site statement's own cap, its privacy_unit; a K other than that signed cap is refused).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account(
@@ -552,7 +578,6 @@ def account(
       feta-release privacy account history.json --delta 1e-5 --accountant prv
     """
     from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon
-    from ..privacy_unit import statement_patient_cap
 
     try:
         raw = json.loads(history_file.read_text("utf-8"))
@@ -561,12 +586,9 @@ def account(
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{history_file}: not a readable JSON file: {exc}") from None
     if isinstance(raw, dict):
-        items = raw.get("history", raw.get("events"))
-        if items is None:
-            raise PrivacyError(f'{history_file}: object has no "history" or "events" list')
-        delta = raw.get("delta") if delta is None else delta
-        accountant = accountant or raw.get("accountant")
-        patient_cap = patient_cap or statement_patient_cap(raw)
+        items, delta, accountant, patient_cap = _statement_inputs(
+            history_file, raw, delta, accountant, patient_cap
+        )
     else:
         items = raw
     if not isinstance(items, list):

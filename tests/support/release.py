@@ -370,6 +370,15 @@ def patient_release(
 ) -> Path:
     """A one-site release from a patient-level site (1000 public patients, at most 4 images each) whose
     statement carries ``lifetime_events`` as its spend over all its jobs."""
+    att, job, policy = patient_attestation(keys, events, lifetime_events)
+    return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})
+
+
+def patient_attestation(
+    keys: Keys, events: list[PrivacyEvent], lifetime_events: list[PrivacyEvent]
+) -> tuple[dict, dict, dict]:
+    """(signed statement, signed job, signed policy) of a patient-level site "a" (1000 public patients, at
+    most 4 images each) for job "job-1", as its node signs them (``build_attestation``)."""
     from feta_release.policy import make_policy, sign_policy
     from feta_release.policy.document import SitePolicy
     from feta_release.release.manifest import build_attestation
@@ -401,7 +410,7 @@ def patient_release(
         lifetime_events=lifetime_events,
         unit_policy=unit,
     )
-    return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})
+    return att, job, policy
 
 
 def report_job_dir(

@@ -563,7 +563,8 @@ def _statement_inputs(
     default=None,
     metavar="K",
     help="The history is a patient-level site's (at most K images a patient): state ε PER PATIENT, the "
-    "figure its caps bound (default: a site statement's own cap, its privacy_unit; a K other than that signed cap is refused).",
+    "figure its caps bound (default: a site statement's own cap, its privacy_unit; a K other than that "
+    "signed cap is refused).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account(

@@ -51,7 +51,7 @@ def test_a_bare_history_with_patient_events_says_its_figure_is_per_image(tmp_pat
 
 
 def _signed_statement(tmp_path: Path) -> Path:
-    """A patient-level site's signed statement as its node writes it (``"history": "site-ledger"``, a word)."""
+    """A patient-level site's signed statement as its node writes it ("history" is a word)."""
     att, _, _ = patient_attestation(new_keys(), EVENTS, EVENTS)
     assert att["statement"]["history"] == "site-ledger"
     (path := tmp_path / "statement.json").write_text(json.dumps(att))

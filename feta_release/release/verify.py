@@ -1114,10 +1114,25 @@ def _check_stated_worst_case(
         + ("" if ok else ": the stated figure is not what the history composes to"),
     )
     if ok:  # the figure is right; what it rests on is a caveat to read, not a check that passed
+        eps, worst, what = secure_figures(st, events, float(st["delta"]), worst)
         res.note(
             f"site {sid} trust assumption",
-            secure_words(st["epsilon"], worst, float(st["delta"]), int(sa.get("max_colluders", 0))),
+            secure_words(eps, worst, float(st["delta"]), int(sa.get("max_colluders", 0)), what),
         )
+
+
+def secure_figures(
+    st: dict[str, Any], events: Sequence[Any], delta: float, worst: float
+) -> tuple[float, float, str]:
+    """(ε assumed, ε if every other site colluded, their unit) of a site's statement under secure
+    aggregation: per patient at a patient-level site (``patient_epsilon`` over its signed cap, as its ledger
+    caps it), else the statement's image-level figure and ``worst`` (its recomputed worst case)."""
+    cap = statement_patient_cap(st)
+    if cap is None:
+        return float(st["epsilon"]), worst, "ε"
+    acc = st.get("accountant", "rdp")
+    per, worst_p = (patient_epsilon(list(events), delta, cap, acc, view=v) for v in ("assumed", "worst_case"))
+    return per, worst_p, "ε per patient"
 
 
 def secure_words(eps: float, worst: float, delta: float, colluders: int, what: str = "ε") -> str:
@@ -1513,12 +1528,13 @@ def _secure_site_words(site: dict[str, Any], eps: float, delta: float, per_image
     st = (site.get("attestation") or {}).get("statement") or {}
     sa = st.get("secure_aggregation") or {}
     colluders = int(sa.get("max_colluders", 0))
-    cap = None if per_image else statement_patient_cap(st)
-    if cap is None:
-        return f" Under {secure_words(eps, worst_case_epsilon(events, delta), delta, colluders)}."
-    acc = site["accountant"]
-    per, worst = (patient_epsilon(events, delta, cap, acc, view=v) for v in ("assumed", "worst_case"))
-    return f" Under {secure_words(per, worst, delta, colluders, 'ε per patient')}."
+    worst = worst_case_epsilon(events, delta)
+    if per_image:
+        return f" Under {secure_words(eps, worst, delta, colluders)}."
+    mine, worst, what = secure_figures(
+        {**st, "epsilon": eps, "accountant": site["accountant"]}, events, delta, worst
+    )
+    return f" Under {secure_words(mine, worst, delta, colluders, what)}."
 
 
 def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:

@@ -186,7 +186,7 @@ def run_train(cfg: JobConfig, data: ImageDataset, out_dir: str | Path, opts: Tra
     job_id, n_pub, patients, counted = _public_counts(cfg, data, files, opts, rep)
     if opts.job_for_size is not None:  # a job derived from the public facts
         cfg = with_public(opts.job_for_size(n_pub), opts.public, data.image_shape)
-    cfg = sized_job(cfg, n_pub, patients)
+    cfg = cfg.for_size(n_pub)  # sampling rates -> batches for the PUBLIC size
     plan = _plan(cfg, data, n_pub, patients, counted, declared=opts.policy is not None)
     for w in plan.warnings:
         rep.warn(w)
@@ -332,13 +332,6 @@ def _public_counts(
     assert n_pub is not None
     patients = _images_as_patients(patients, n_pub, one_each)
     return job_id, int(n_pub), patients, [_COUNT_EVENTS[stage]() for stage in exact]
-
-
-def sized_job(cfg: JobConfig, n_pub: int, patients: PatientIndex | None) -> JobConfig:
-    """The job a local run trains and charges: its sampling rates turned into batches for the PUBLIC size,
-    DP-SGD's over the PUBLIC patients at a patient-level site (``JobConfig.for_size``, the one rule
-    ``privacy plan`` applies too), whether the job came from a preset or a job file."""
-    return cfg.for_size(n_pub, None if patients is None else patients.n_public)
 
 
 def _images_as_patients(patients: PatientIndex | None, n_pub: int, one_each: bool) -> PatientIndex | None:

@@ -290,36 +290,15 @@ class JobConfig:
             return self
         return self.replace(federation={"secure_aggregation": int(n_sites) >= 2})
 
-    def for_size(self, n: int, patients: int | None = None) -> JobConfig:
+    def for_size(self, n: int) -> JobConfig:
         """This job on a dataset of PUBLIC size ``n``: ``[central]``/``[dpsgd]`` ``rate`` turned into a batch
         (round(rate * n), at least 1), so q = batch / n is exactly what the accountant charges. A job without
-        rates is returned unchanged. ``patients``: the PUBLIC number of patients of a patient-level site,
-        whose DP-SGD samples whole patients: its rate is then sized over them
-        (:meth:`dpsgd_over_patients`)."""
+        rates is returned unchanged."""
         out = self
         if self.central.rate is not None:
             out = out.replace(central={"batch": max(1, round(self.central.rate * n))})
         if self.dpsgd.rate is not None:
-            over = out.dpsgd_over_patients(patients) if patients is not None else {}
-            out = out.replace(dpsgd=over or {"batch": max(1, round(self.dpsgd.rate * n))})
-        return out
-
-    def dpsgd_over_patients(self, patients: int) -> dict[str, Any]:
-        """``[dpsgd]`` at a PATIENT-level site of ``patients`` public patients ({}: no rate, or no DP-SGD):
-        the ONE rule by which a job's DP-SGD rate is sized there, whether the job is a preset, a job file or
-        an exported preset, in ``train`` and in ``privacy plan``. The rate is the sampling rate q the job was
-        written for, and such a site samples whole patients at q = batch / patients. Sized over the images
-        (rate x N), its batch sampled N / P (up to the cap) times that q, each step up to the cap times the
-        job's rows, its noise calibrated for another job. So the batch is rate x the public patients (q = the
-        job's rate) and ``epochs`` count passes over the patients."""
-        d = self.dpsgd
-        if d.rate is None or d.steps == 0:
-            return {}
-        batch = max(1, round(d.rate * int(patients)))
-        out: dict[str, Any] = {"rate": None, "batch": batch}
-        if d.steps is None:
-            assert d.epochs is not None
-            out.update(steps=max(1, math.ceil(d.epochs * int(patients) / batch)), epochs=None)
+            out = out.replace(dpsgd={"batch": max(1, round(self.dpsgd.rate * n))})
         return out
 
     def to_dict(self) -> dict[str, Any]:

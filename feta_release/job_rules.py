@@ -788,7 +788,7 @@ def _site_step_rows(cfg: JobConfig, n: int, signed_at: int, patients: PatientFac
     its images, or (``patients``) over its public patients at q = batch / patients, as the planner's event
     (``planning.site_dpsgd``) and the node's pad (``edge.releases``: ``site_step_rows`` with its
     ``PatientIndex``, whose public ``cap`` sets the padding unit and the sample's variance bound)."""
-    batch = cfg.for_size(signed_at, None if patients is None else patients.patients).dpsgd.batch
+    batch = cfg.for_size(signed_at).dpsgd.batch
     q = stage_sampling_rate(batch, n if patients is None else patients.patients, "dpsgd")
     return site_step_rows(n, n, q, cfg.dpsgd.physical_batch, patients)
 
@@ -1200,8 +1200,7 @@ def _stated_q(f: DataFacts, cfg: JobConfig) -> str:
         q = stage_sampling_rate(batch, n, "dpsgd")
         return f"q = {q:.4g} (batch {batch} over the smallest site's {n} {what})"
     if f.patients is not None:  # whole patients sampled: q over the public patients
-        batch = cfg.for_size(f.size, f.patients.patients).dpsgd.batch
-        return f"q = {stage_sampling_rate(batch, f.patients.patients, 'dpsgd')}"
+        return f"q = {stage_sampling_rate(cfg.for_size(f.size).dpsgd.batch, f.patients.patients, 'dpsgd')}"
     return f"q = {cfg.dpsgd.rate if cfg.dpsgd.rate is not None else cfg.dpsgd.batch / f.size}"
 
 
@@ -1365,9 +1364,20 @@ def _fit_physical(cfg: JobConfig, ref: tuple[int, int, int], f: DataFacts) -> in
 
 def fit_dpsgd_to_patients(cfg: JobConfig, patients: PatientFacts | None) -> dict[str, Any]:
     """A preset's ``[dpsgd]`` at a PATIENT-level site (``patients``: its declared public patients; {}: no
-    change): ``JobConfig.dpsgd_over_patients``, the one rule ``privacy plan`` and ``train`` with a job file
-    apply too (``JobConfig.for_size``)."""
-    return {} if patients is None else cfg.dpsgd_over_patients(patients.patients)
+    change). The preset's ``rate`` is the sampling rate q it was tuned at, and such a site samples whole
+    patients at q = batch / patients. Sized over the images (rate x N), its batch sampled N / P (up to the
+    cap) times the preset's q, each step up to the cap times the preset's rows, its noise calibrated for that
+    other job, and a rate over 1 / cap was refused. So the batch is rate x the public patients (q = the
+    preset's rate) and ``epochs`` count passes over the patients."""
+    d = cfg.dpsgd
+    if patients is None or d.rate is None or d.steps == 0:
+        return {}
+    batch = max(1, round(d.rate * patients.patients))
+    out: dict[str, Any] = {"rate": None, "batch": batch}
+    if d.steps is None:
+        assert d.epochs is not None
+        out.update(steps=max(1, math.ceil(d.epochs * patients.patients / batch)), epochs=None)
+    return out
 
 
 def fit_preset(cfg: JobConfig, name: str, facts: DataFacts, *, size_known: bool = True) -> JobConfig:

@@ -227,8 +227,7 @@ def stage_events(
     n = _size(public_size)
     # [central]/[dpsgd] rate -> batch for this public size; a signed federated job's batches
     if not federated:
-        # are each site's expected batch as signed (the coordinator sized them); patient-level: over patients
-        cfg = cfg.for_size(n, dpsgd_size if dpsgd_unit == "patient" else None)
+        cfg = cfg.for_size(n)  # are each site's expected batch as signed (the coordinator sized them)
     sizes = dpsgd_rounds(cfg, n, federated) if rounds is None else _round_sizes(rounds)
     first = count_events(size) + selection_events(cfg)
     events = _with_dpsgd(
@@ -793,7 +792,7 @@ def plan(
         )
         prior = ()
     else:
-        cfg = cfg if federated else cfg.for_size(n, dpsgd_size if dpsgd_unit == "patient" else None)
+        cfg = cfg if federated else cfg.for_size(n)
         tgt = budget or target(cfg)
         prior = list(prior)
         check_warmup(

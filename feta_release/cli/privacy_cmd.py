@@ -114,6 +114,14 @@ def privacy() -> None:
     show_default=True,
     help="Without JOB_FILE: the device the derived job is sized for.",
 )
+@click.option(
+    "--preset",
+    default=None,
+    metavar="NAME",
+    help="Plan a shipped job as `train --preset NAME` runs it (instead of JOB_FILE): at --patients P its "
+    "DP-SGD rate samples the patients (batch = rate x P), where a JOB_FILE's rate is a fraction of the "
+    "images.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def plan(
     job_file: Path | None,
@@ -130,6 +138,7 @@ def plan(
     delta: float | None,
     time_budget: str | None,
     for_device: str,
+    preset: str | None,
     as_json: bool,
 ) -> None:
     """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
@@ -145,11 +154,15 @@ def plan(
     from ..privacy_unit import PrivacyUnit
 
     derived = (shape, classes, epsilon, delta, time_budget)
+    if preset is not None and (job_file is not None or policy_path is not None):
+        raise click.UsageError(
+            "--preset plans a shipped job at -n and --patients: drop JOB_FILE and --policy"
+        )
     if public_patients is not None and patient_cap is None:
         raise click.UsageError(
             "--patients plans patient-level DP-SGD, which needs patient ids: give --patient-cap K"
         )
-    if job_file is None:
+    if job_file is None and preset is None:
         if policy_path is not None or n_sites is not None or max_images_per_person is not None:
             raise click.UsageError(
                 "--policy, --sites and --max-images-per-person plan JOB_FILE: give it, or drop them"
@@ -203,11 +216,11 @@ def plan(
         if patient_cap is not None
         else PrivacyUnit("image", max_images_per_person)
     )
-    from ..config import load_job
     from ..planning import DEFAULT_DATASET_SIZE, patient_dpsgd
     from ..planning import plan as plan_privacy
 
-    cfg = load_job(job_file)
+    cfg = _planned_job(job_file, preset, public_patients, patient_cap)
+    job_file = job_file or Path(f"preset:{preset}")
     assumed = dataset_size is None
     n = DEFAULT_DATASET_SIZE if dataset_size is None else dataset_size
     from ..mechanisms.count import size_event
@@ -239,6 +252,22 @@ def plan(
             f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that"
         )
     click.echo(unit_line(st))
+
+
+def _planned_job(job_file: Path | None, preset: str | None, patients: int | None, cap: int | None) -> Any:
+    """The job a plan plans: JOB_FILE as `train JOB_FILE` runs it, or the preset as `train --preset` runs
+    it, whose DP-SGD rate at a patient-level site samples the public patients
+    (``job_rules.fit_dpsgd_to_patients``, the one function both apply)."""
+    from ..config import load_job, load_preset
+    from ..job_rules import PatientFacts, fit_dpsgd_to_patients
+
+    if preset is None:
+        assert job_file is not None
+        return load_job(job_file)
+    cfg = load_preset(preset)
+    facts = None if patients is None else PatientFacts(int(patients), int(cap or 1))
+    sgd = fit_dpsgd_to_patients(cfg, facts)
+    return cfg.replace(dpsgd=sgd) if sgd else cfg
 
 
 def _planned_patients(patient_cap: int | None, public_patients: int | None, size: int | None) -> int | None:

@@ -201,6 +201,7 @@ def plan(
             )
         # (a policy's size is its administrator's declaration: nothing is drawn, --declared-size changes
         # nothing)
+        assert job_file is not None  # --preset beside --policy is refused above
         _plan_for_policy(job_file, policy_path, n_sites, as_json)
         return
     if n_sites is not None:

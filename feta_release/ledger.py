@@ -40,6 +40,7 @@ from .accounting import (
 )
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
 from .ledger_chain import LedgerNotChainedError, LedgerTamperedError  # noqa: F401 - re-exported
+from .privacy_unit import unit_name
 
 # (events, delta, accountant) -> epsilon
 Accountant = Callable[[Sequence[Any], float, str], float]
@@ -799,7 +800,7 @@ class Ledger:
             "accountant": acc,
             "lifetime_epsilon_spent": life,
             "lifetime_epsilon_left": (max(0.0, budget.lifetime_epsilon - life) if budget else None),
-            "unit": None if budget is None else ("image" if budget.patient_cap is None else "patient"),
+            "unit": None if budget is None else unit_name(budget.patient_cap),
             "patient_events": any(e.get("unit") == "patient" for e in self._history()),
             "policy_version": self.highest_policy_version(),
             "jobs": jobs,

@@ -609,6 +609,7 @@ def account(
       feta-release privacy account history.json --delta 1e-5 --accountant prv
     """
     from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon
+    from ..privacy_unit import unit_name
 
     try:
         raw = json.loads(history_file.read_text("utf-8"))
@@ -636,7 +637,7 @@ def account(
     total = unit_epsilon(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
     breakdown = epsilon_breakdown(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
     per_stage = {k: v for k, v in breakdown.items() if k != "total"}
-    unit = "image" if patient_cap is None else "patient"
+    unit = unit_name(patient_cap)
     if as_json:
         click.echo(
             json.dumps(

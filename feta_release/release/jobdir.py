@@ -48,7 +48,7 @@ from ..errors import FetaError
 from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
-from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
+from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap, unit_name
 from ..progress_events import REPORT, SAMPLING, Meter, Sink, timed
 from ..signing import load_private_key
 from ..viz import epsilon_title, save_budget_svg, save_grid
@@ -149,7 +149,7 @@ def _site_report(att: dict[str, Any]) -> dict[str, Any]:
     events = events_from_list(st["events"])
     cap = statement_patient_cap(st)
     site: dict[str, Any] = {
-        "unit": "image" if cap is None else "patient",
+        "unit": unit_name(cap),
         "epsilon_total": st["epsilon"] if cap is None else float(st["privacy_unit"]["epsilon_per_patient"]),
         "delta": st["delta"],
         "accountant": st["accountant"],

@@ -108,9 +108,9 @@ def _unit(site: dict[str, Any], policy: dict[str, Any] | None) -> str:
     """The verified policy's unit of privacy, else the one the site's statement states."""
     if policy is not None:
         return str((policy.get("dataset") or {}).get("privacy_unit", "image"))
-    from ..privacy_unit import statement_patient_cap
+    from ..privacy_unit import statement_patient_cap, unit_name
 
-    return "image" if statement_patient_cap(_statement(site)) is None else "patient"
+    return unit_name(statement_patient_cap(_statement(site)))
 
 
 def _stated_figures(

@@ -36,11 +36,11 @@ from .accounting import (
     events_from_list,
     has_secure_aggregation,
     unit_epsilon,
+    unit_name,
     worst_case_epsilon_cap,
 )
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
 from .ledger_chain import LedgerNotChainedError, LedgerTamperedError  # noqa: F401 - re-exported
-from .privacy_unit import unit_name
 
 # (events, delta, accountant) -> epsilon
 Accountant = Callable[[Sequence[Any], float, str], float]

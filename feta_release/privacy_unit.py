@@ -299,11 +299,6 @@ def job_in_unit(statement: dict) -> dict:
     }
 
 
-def unit_name(patient_cap: int | None) -> str:
-    """The unit of privacy a site's figures are in, by its patient cap (None: no cap, the image)."""
-    return "image" if patient_cap is None else "patient"
-
-
 def figure_unit_words(cap: int | None, whose: str = "that site") -> str:
     """What a site's figure in its unit (:func:`job_in_unit`, :func:`lifetime_in_unit`) protects, in ASCII
     words (they go into PNG text chunks): one patient with all of their images at a patient-level site (every

@@ -608,8 +608,7 @@ def account(
     Example:
       feta-release privacy account history.json --delta 1e-5 --accountant prv
     """
-    from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon
-    from ..privacy_unit import unit_name
+    from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon, unit_name
 
     try:
         raw = json.loads(history_file.read_text("utf-8"))

@@ -42,13 +42,13 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..accounting import epsilon_breakdown, events_from_list, patient_epsilon
+from ..accounting import epsilon_breakdown, events_from_list, patient_epsilon, unit_name
 from ..config import JobConfig
 from ..errors import FetaError
 from ..files import atomic_write_bytes
 from ..models import generate
 from ..models.model_file import MODEL_FILE, read_model_file
-from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap, unit_name
+from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
 from ..progress_events import REPORT, SAMPLING, Meter, Sink, timed
 from ..signing import load_private_key
 from ..viz import epsilon_title, save_budget_svg, save_grid

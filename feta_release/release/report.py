@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from ..accounting import epsilon_breakdown, events_from_list
+from ..accounting import epsilon_breakdown, events_from_list, unit_name
 from ..errors import ReleaseError
 from ..files import hash_regular
-from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap, unit_name
+from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
 from .manifest import MANIFEST_FILE
 from .summary import SiteSummary, site_summaries, trust_assumption, verdict_line
 from .verify import (

@@ -518,6 +518,11 @@ def patient_epsilon(
     )
 
 
+def unit_name(patient_cap: int | None) -> str:
+    """The unit of privacy a site's figures are in, by its patient cap (None: no cap, the image)."""
+    return "image" if patient_cap is None else "patient"
+
+
 def unit_epsilon(
     events: Iterable[Event],
     delta: float,

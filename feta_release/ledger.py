@@ -36,6 +36,7 @@ from .accounting import (
     events_from_list,
     has_secure_aggregation,
     unit_epsilon,
+    unit_name,
     worst_case_epsilon_cap,
 )
 from .errors import PolicyBudgetExceeded, PolicyError, PolicyViolation, PrivacyError
@@ -799,7 +800,7 @@ class Ledger:
             "accountant": acc,
             "lifetime_epsilon_spent": life,
             "lifetime_epsilon_left": (max(0.0, budget.lifetime_epsilon - life) if budget else None),
-            "unit": None if budget is None else ("image" if budget.patient_cap is None else "patient"),
+            "unit": None if budget is None else unit_name(budget.patient_cap),
             "patient_events": any(e.get("unit") == "patient" for e in self._history()),
             "policy_version": self.highest_policy_version(),
             "jobs": jobs,

@@ -114,6 +114,14 @@ def privacy() -> None:
     show_default=True,
     help="Without JOB_FILE: the device the derived job is sized for.",
 )
+@click.option(
+    "--preset",
+    default=None,
+    metavar="NAME",
+    help="Plan a shipped job as `train --preset NAME` runs it (instead of JOB_FILE): at --patients P its "
+    "DP-SGD rate samples the patients (batch = rate x P), where a JOB_FILE's rate is a fraction of the "
+    "images.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def plan(
     job_file: Path | None,
@@ -130,6 +138,7 @@ def plan(
     delta: float | None,
     time_budget: str | None,
     for_device: str,
+    preset: str | None,
     as_json: bool,
 ) -> None:
     """Per-stage sigma, q, steps and epsilon of JOB_FILE, the calibrated DP-SGD sigma and the total epsilon,
@@ -145,11 +154,15 @@ def plan(
     from ..privacy_unit import PrivacyUnit
 
     derived = (shape, classes, epsilon, delta, time_budget)
+    if preset is not None and (job_file is not None or policy_path is not None):
+        raise click.UsageError(
+            "--preset plans a shipped job at -n and --patients: drop JOB_FILE and --policy"
+        )
     if public_patients is not None and patient_cap is None:
         raise click.UsageError(
             "--patients plans patient-level DP-SGD, which needs patient ids: give --patient-cap K"
         )
-    if job_file is None:
+    if job_file is None and preset is None:
         if policy_path is not None or n_sites is not None or max_images_per_person is not None:
             raise click.UsageError(
                 "--policy, --sites and --max-images-per-person plan JOB_FILE: give it, or drop them"
@@ -188,6 +201,7 @@ def plan(
             )
         # (a policy's size is its administrator's declaration: nothing is drawn, --declared-size changes
         # nothing)
+        assert job_file is not None  # --preset beside --policy is refused above
         _plan_for_policy(job_file, policy_path, n_sites, as_json)
         return
     if n_sites is not None:
@@ -203,11 +217,11 @@ def plan(
         if patient_cap is not None
         else PrivacyUnit("image", max_images_per_person)
     )
-    from ..config import load_job
     from ..planning import DEFAULT_DATASET_SIZE, patient_dpsgd
     from ..planning import plan as plan_privacy
 
-    cfg = load_job(job_file)
+    cfg = _planned_job(job_file, preset, public_patients, patient_cap)
+    job_file = job_file or Path(f"preset:{preset}")
     assumed = dataset_size is None
     n = DEFAULT_DATASET_SIZE if dataset_size is None else dataset_size
     from ..mechanisms.count import size_event
@@ -239,6 +253,22 @@ def plan(
             f"{sgd.q * public_patients:.1f} of the {public_patients} public patients, divided by that"
         )
     click.echo(unit_line(st))
+
+
+def _planned_job(job_file: Path | None, preset: str | None, patients: int | None, cap: int | None) -> Any:
+    """The job a plan plans: JOB_FILE as `train JOB_FILE` runs it, or the preset as `train --preset` runs
+    it, whose DP-SGD rate at a patient-level site samples the public patients
+    (``job_rules.fit_dpsgd_to_patients``, the one function both apply)."""
+    from ..config import load_job, load_preset
+    from ..job_rules import PatientFacts, fit_dpsgd_to_patients
+
+    if preset is None:
+        assert job_file is not None
+        return load_job(job_file)
+    cfg = load_preset(preset)
+    facts = None if patients is None else PatientFacts(int(patients), int(cap or 1))
+    sgd = fit_dpsgd_to_patients(cfg, facts)
+    return cfg.replace(dpsgd=sgd) if sgd else cfg
 
 
 def _planned_patients(patient_cap: int | None, public_patients: int | None, size: int | None) -> int | None:
@@ -522,6 +552,32 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
         )
 
 
+def _statement_inputs(
+    path: Path, raw: dict, delta: float | None, accountant: str | None, patient_cap: int | None
+) -> tuple[Any, float | None, str | None, int | None]:
+    """(events, delta, accountant, patient cap) of a JSON object: a history ``{"history": [...]}`` or a site's
+    statement (bare, or signed as ``{"statement": ..., "signature": ...}``), whose ``history`` is a WORD
+    (where its events come from, e.g. "site-ledger") and whose events are ``events``. A statement's
+    ``privacy_unit`` carries its SIGNED images-per-patient cap: every per-patient figure holds over that cap
+    only, so a different --patient-cap is refused rather than silently stating another site's figure."""
+    from ..privacy_unit import statement_patient_cap
+
+    if isinstance(raw.get("statement"), dict):
+        raw = raw["statement"]
+    history = raw.get("history")
+    items = history if isinstance(history, list) else raw.get("events")
+    if items is None:
+        raise PrivacyError(f'{path}: object has no "history" or "events" list')
+    signed = statement_patient_cap(raw)
+    if signed is not None and patient_cap is not None and patient_cap != signed:
+        raise PrivacyError(
+            f"{path}: --patient-cap {patient_cap} differs from the statement's signed cap of {signed} images "
+            "per patient, over which its per-patient figure holds; drop --patient-cap"
+        )
+    delta = raw.get("delta") if delta is None else delta
+    return items, delta, accountant or raw.get("accountant"), patient_cap or signed
+
+
 @privacy.command("account")
 @click.argument("history_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--delta", type=float, default=None, help='Target delta (default: the file\'s "delta").')
@@ -537,7 +593,8 @@ def _print_plan(result: Any, job_file: Path, assumed: bool) -> None:
     default=None,
     metavar="K",
     help="The history is a patient-level site's (at most K images a patient): state ε PER PATIENT, the "
-    "figure its caps bound (default: a site statement's own cap, its privacy_unit).",
+    "figure its caps bound (default: a site statement's own cap, its privacy_unit; a K other than that "
+    "signed cap is refused).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account(
@@ -551,8 +608,7 @@ def account(
     Example:
       feta-release privacy account history.json --delta 1e-5 --accountant prv
     """
-    from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon
-    from ..privacy_unit import statement_patient_cap
+    from ..accounting import epsilon_breakdown, events_from_list, unit_epsilon, unit_name
 
     try:
         raw = json.loads(history_file.read_text("utf-8"))
@@ -561,12 +617,9 @@ def account(
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{history_file}: not a readable JSON file: {exc}") from None
     if isinstance(raw, dict):
-        items = raw.get("history", raw.get("events"))
-        if items is None:
-            raise PrivacyError(f'{history_file}: object has no "history" or "events" list')
-        delta = raw.get("delta") if delta is None else delta
-        accountant = accountant or raw.get("accountant")
-        patient_cap = patient_cap or statement_patient_cap(raw)
+        items, delta, accountant, patient_cap = _statement_inputs(
+            history_file, raw, delta, accountant, patient_cap
+        )
     else:
         items = raw
     if not isinstance(items, list):
@@ -583,7 +636,7 @@ def account(
     total = unit_epsilon(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
     breakdown = epsilon_breakdown(events, delta, accountant, patient_cap=patient_cap)  # type: ignore[arg-type]
     per_stage = {k: v for k, v in breakdown.items() if k != "total"}
-    unit = "image" if patient_cap is None else "patient"
+    unit = unit_name(patient_cap)
     if as_json:
         click.echo(
             json.dumps(

@@ -533,10 +533,12 @@ def _print_summary(res: Any, accountant: str, release: Path | None, as_json: boo
     in the site's unit (``unit``), as ``privacy_report.json``'s ``epsilon_total``: per patient at a
     patient-level site, the figure its caps bound; there the events composed as if each protected one image
     are ``epsilon_per_image``."""
+    from ..accounting import unit_name
+
     per = res.epsilon_per_patient  # a patient-level site's guarantee (None: images)
     summary = {
         "run_dir": str(res.run_dir),
-        "unit": "image" if per is None else "patient",
+        "unit": unit_name(per),
         "epsilon": res.epsilon if per is None else per,
         "epsilon_per_patient": per,
         "delta": res.delta,

@@ -230,10 +230,16 @@ def check_cap_for_policy(
             f'ε per image), or sign a policy with dataset.privacy_unit = "patient", patient_cap = '
             f"{patient_cap} and patients (site init --patient-cap {patient_cap})"
         )
-    if int(policy.patient_cap) != patient_cap:
+    refuse_another_cap(policy_source, int(policy.patient_cap), patient_cap, cap_source)
+
+
+def refuse_another_cap(policy_source: str, signed: int, asked: int | None, where: str) -> None:
+    """A patient cap other than the signed policy's, in one line (every per-patient figure holds over the
+    SIGNED cap): ``where`` names what asks for ``asked`` (a flag, the node's config)."""
+    if asked is not None and asked != signed:
         raise ConfigError(
-            f"{policy_source}: dataset.patient_cap = {int(policy.patient_cap)} but {cap_source} asks for "
-            f"another cap; set it to {int(policy.patient_cap)} or remove it"
+            f"{policy_source}: dataset.patient_cap = {signed} but {where} asks for a patient cap of {asked}; "
+            f"set it to {signed} or remove it"
         )
 
 
@@ -256,12 +262,8 @@ def policy_data(
             "path,label,patient_id) or DICOM files with PatientID, or sign a policy without privacy_unit"
         )
     cap = int(policy.patient_cap)
-    if report.patient_cap is not None and report.patient_cap != cap:
-        raise ConfigError(
-            f"{policy_source}: dataset.patient_cap = {cap} but {data_source} is loaded with a patient cap "
-            f"of {report.patient_cap} (node.toml [data] patient_cap, or train --patient-cap); set it to "
-            f"{cap} or remove it"
-        )
+    where = f"the loader of {data_source} (node.toml [data] patient_cap, or train --patient-cap)"
+    refuse_another_cap(policy_source, cap, report.patient_cap, where)
     if report.patient_cap is None:
         ds = cap_loaded(ds, report, cap)
     return ds, PatientIndex(np.asarray(report.patients), int(policy.patients), cap)

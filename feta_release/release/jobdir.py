@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..accounting import epsilon_breakdown, events_from_list, patient_epsilon
+from ..accounting import epsilon_breakdown, events_from_list, patient_epsilon, unit_name
 from ..config import JobConfig
 from ..errors import FetaError
 from ..files import atomic_write_bytes
@@ -149,7 +149,7 @@ def _site_report(att: dict[str, Any]) -> dict[str, Any]:
     events = events_from_list(st["events"])
     cap = statement_patient_cap(st)
     site: dict[str, Any] = {
-        "unit": "image" if cap is None else "patient",
+        "unit": unit_name(cap),
         "epsilon_total": st["epsilon"] if cap is None else float(st["privacy_unit"]["epsilon_per_patient"]),
         "delta": st["delta"],
         "accountant": st["accountant"],

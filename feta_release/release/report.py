@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..accounting import epsilon_breakdown, events_from_list
+from ..accounting import epsilon_breakdown, events_from_list, unit_name
 from ..errors import ReleaseError
 from ..files import hash_regular
 from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
@@ -588,7 +588,7 @@ def _budget(rd: Path, man: dict[str, Any], res: VerificationResult) -> str:
             "delta": s["delta"],
             "cap": pol["budget"]["per_job"]["epsilon"] if pol else None,
             "lifetime_cap": pol["budget"]["lifetime"]["epsilon"] if pol else None,
-            "unit": "image" if cap is None else "patient",
+            "unit": unit_name(cap),
         }
     return (
         f"<figure>{budget_svg(chart)}<figcaption>ε per site and stage (each stage alone) and the composed "

@@ -108,9 +108,10 @@ def _unit(site: dict[str, Any], policy: dict[str, Any] | None) -> str:
     """The verified policy's unit of privacy, else the one the site's statement states."""
     if policy is not None:
         return str((policy.get("dataset") or {}).get("privacy_unit", "image"))
+    from ..accounting import unit_name
     from ..privacy_unit import statement_patient_cap
 
-    return "image" if statement_patient_cap(_statement(site)) is None else "patient"
+    return unit_name(statement_patient_cap(_statement(site)))
 
 
 def _stated_figures(

@@ -1114,10 +1114,25 @@ def _check_stated_worst_case(
         + ("" if ok else ": the stated figure is not what the history composes to"),
     )
     if ok:  # the figure is right; what it rests on is a caveat to read, not a check that passed
+        eps, worst, what = secure_figures(st, events, float(st["delta"]), worst)
         res.note(
             f"site {sid} trust assumption",
-            secure_words(st["epsilon"], worst, float(st["delta"]), int(sa.get("max_colluders", 0))),
+            secure_words(eps, worst, float(st["delta"]), int(sa.get("max_colluders", 0)), what),
         )
+
+
+def secure_figures(
+    st: dict[str, Any], events: Sequence[Any], delta: float, worst: float
+) -> tuple[float, float, str]:
+    """(ε assumed, ε if every other site colluded, their unit) of a site's statement under secure
+    aggregation: per patient at a patient-level site (``patient_epsilon`` over its signed cap, as its ledger
+    caps it), else the statement's image-level figure and ``worst`` (its recomputed worst case)."""
+    cap = statement_patient_cap(st)
+    if cap is None:
+        return float(st["epsilon"]), worst, "ε"
+    acc = st.get("accountant", "rdp")
+    per, worst_p = (patient_epsilon(list(events), delta, cap, acc, view=v) for v in ("assumed", "worst_case"))
+    return per, worst_p, "ε per patient"
 
 
 def secure_words(eps: float, worst: float, delta: float, colluders: int, what: str = "ε") -> str:
@@ -1449,38 +1464,76 @@ def merged_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def describe_site(site: dict[str, Any], *, per_image_spend: bool = False) -> str:
+def describe_site(
+    site: dict[str, Any], *, per_image_spend: bool = False, per_image_lead: bool = False
+) -> str:
     """One paragraph a data-protection officer can read: the site's total (ε, δ) and what it means. At a
-    patient-level site the lifetime and secure-aggregation sentences are per patient, as its ledger caps them.
-    ``per_image_spend``: those sentences as certificates of version 2 signed them (the statement's figures per
-    image, whatever the site's unit), so that ``verify_synthetic`` can re-derive their text."""
+    patient-level site it opens with ε PER PATIENT (the figure its ledger caps), says patients are sampled
+    where they are, and gives the per-image figure only as a labelled secondary line; its lifetime and
+    secure-aggregation sentences are per patient too.
+
+    The words are signed inside certificates, so older versions' words stay derivable: ``per_image_lead``:
+    the paragraph as certificates of versions 2 to 4 signed it (opening with the per-image ε, every stage
+    sampling images, the patient figure after); ``per_image_spend``: also the lifetime and secure-aggregation
+    sentences per image, as version 2 signed them."""
     eps, delta = float(site["epsilon"]), float(site["delta"])
-    events = merged_events(site["events"])
-    stages = []
-    for e in events:
-        if e["steps"] == 0:
-            continue
-        word = STAGE_WORDS.get(e["stage"], e["stage"])
-        unit = "round" if e["stage"] == "central" else "step"
-        count = "once" if e["steps"] == 1 else f"{e['steps']} {unit}s"
-        sampled = "every image" if e["q"] >= 1 else f"each image with probability {e['q']:.3g}"
-        noise = (
-            f"noise σ = {e['sigma']:.3g}"
-            if "sigma" in e
-            else "summed with the other sites by secure aggregation, this site adding its share of the noise"
-        )
-        stages.append(f"{word} ({noise}, {count}, {sampled})")
-    n_stages = len({e["stage"] for e in events if e["steps"]})
+    st = (site.get("attestation") or {}).get("statement") or {}
+    if not per_image_lead and statement_patient_cap(st) is not None:
+        return _describe_patient_site(site, st)
+    stages, n_stages = _stage_words(site["events"], by_patient=False)
     factor = math.exp(eps)
     return (
         f"Site {site['site_id']}: ε = {eps:.3g} at δ = {delta:g} ({site['accountant'].upper()} accountant), "
-        f"the total over all {n_stages} stage(s) that touched its images: {'; '.join(stages) or 'none'}. "
+        f"the total over all {n_stages} stage(s) that touched its images: {stages}. "
         f"Meaning: whether or not any single image of this site was used, the probability of any outcome of "
         f"this release (the generator and every image generated from it) changes by at most a factor of "
         f"e^{eps:.3g} ≈ {factor:.3g}, except with probability at most {delta:g}."
         + _unit_words(site)
         + _secure_site_words(site, eps, delta, per_image_spend)
         + (_image_lifetime_words(site, eps) if per_image_spend else _lifetime_words(site, eps))
+    )
+
+
+def _stage_words(events: list[dict[str, Any]], *, by_patient: bool) -> tuple[str, int]:
+    """(each stage that ran, in words; how many stages). ``by_patient``: patient-level events say that
+    PATIENTS are sampled (older certificates signed "image" for every stage)."""
+    merged = merged_events(events)
+    stages = []
+    for e in merged:
+        if e["steps"] == 0:
+            continue
+        word = STAGE_WORDS.get(e["stage"], e["stage"])
+        unit = "round" if e["stage"] == "central" else "step"
+        count = "once" if e["steps"] == 1 else f"{e['steps']} {unit}s"
+        who = "patient" if by_patient and e.get("unit") == "patient" else "image"
+        sampled = f"every {who}" if e["q"] >= 1 else f"each {who} with probability {e['q']:.3g}"
+        noise = (
+            f"noise σ = {e['sigma']:.3g}"
+            if "sigma" in e
+            else "summed with the other sites by secure aggregation, this site adding its share of the noise"
+        )
+        stages.append(f"{word} ({noise}, {count}, {sampled})")
+    return "; ".join(stages) or "none", len({e["stage"] for e in merged if e["steps"]})
+
+
+def _describe_patient_site(site: dict[str, Any], st: dict[str, Any]) -> str:
+    """A patient-level site's paragraph: ε per patient first (the statement's ``privacy_unit``, which verify
+    recomputes from the signed policy and events), the per-image figure as a labelled secondary line."""
+    eps, delta = float(site["epsilon"]), float(site["delta"])
+    u = st["privacy_unit"]
+    pe, pd = float(u["epsilon_per_patient"]), float(u["delta_per_patient"])
+    stages, n_stages = _stage_words(site["events"], by_patient=True)
+    return (
+        f"Site {site['site_id']}: ε per PATIENT = {pe:.3g} at δ = {pd:g} ({site['accountant'].upper()} "
+        f"accountant), the total over all {n_stages} stage(s) that touched its patients' images: {stages}. "
+        f"Unit of privacy at this site: the PATIENT (at most {u.get('images_per_patient_cap')} image(s) of "
+        f"each of about {u.get('public_patients')} patients used). Meaning: whether or not any single "
+        "patient's images were used, the probability of any outcome of this release (the generator and every "
+        f"image generated from it) changes by at most a factor of e^{pe:.3g} ≈ "
+        f"{math.exp(min(pe, 700.0)):.3g}, except with probability at most {pd:g} ({u.get('how', '')}). "
+        "Per image (secondary, not the site's unit): "
+        f"ε = {eps:.3g} at δ = {delta:g}, the events composed as if each protected one image, less "
+        "than one patient can lose." + _secure_site_words(site, eps, delta) + _lifetime_words(site, eps)
     )
 
 
@@ -1513,12 +1566,13 @@ def _secure_site_words(site: dict[str, Any], eps: float, delta: float, per_image
     st = (site.get("attestation") or {}).get("statement") or {}
     sa = st.get("secure_aggregation") or {}
     colluders = int(sa.get("max_colluders", 0))
-    cap = None if per_image else statement_patient_cap(st)
-    if cap is None:
-        return f" Under {secure_words(eps, worst_case_epsilon(events, delta), delta, colluders)}."
-    acc = site["accountant"]
-    per, worst = (patient_epsilon(events, delta, cap, acc, view=v) for v in ("assumed", "worst_case"))
-    return f" Under {secure_words(per, worst, delta, colluders, 'ε per patient')}."
+    worst = worst_case_epsilon(events, delta)
+    if per_image:
+        return f" Under {secure_words(eps, worst, delta, colluders)}."
+    mine, worst, what = secure_figures(
+        {**st, "epsilon": eps, "accountant": site["accountant"]}, events, delta, worst
+    )
+    return f" Under {secure_words(mine, worst, delta, colluders, what)}."
 
 
 def lifetime_of(site: dict[str, Any]) -> dict[str, float] | None:

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 from feta_release.cli import cli  # noqa: E402
 from feta_release.errors import ConfigError  # noqa: E402
-from feta_release.release.certificate import verify_synthetic  # noqa: E402
+from feta_release.release.certificate import png_info, verify_synthetic  # noqa: E402
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import describe_site  # noqa: E402
@@ -117,7 +117,7 @@ def test_tampered_image_is_caught(root, trusted):
     im.load()
     px = im.getpixel((0, 0))
     im.putpixel((0, 0), (px + 1) % 256)
-    im.save(p, pnginfo=None)
+    im.save(p, pnginfo=png_info(dict(im.text)))  # the pixels changed, the text kept
     res = verify_synthetic(root / "synthetic", *trusted)
     assert not res.ok and _failed(res) == {"images unchanged"}
 

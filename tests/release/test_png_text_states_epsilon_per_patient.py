@@ -2,8 +2,8 @@
 ``feta:privacy``, the site's job ε PER PATIENT (the figure its ledger caps and its statement signs) and say
 so; the certificate's privacy section states it too (version 4), and ``samples.png``'s title in the job
 directory. They stated the events composed as if each protected one image, several times smaller than what
-one patient can lose. Version 3 certificates still verify against the words they signed, with a note giving
-the figure per patient; a current one with the per-image words is refused."""
+one patient can lose. Version 3 certificates still verify against the words they signed, with a warning
+giving the figure per patient; a current one with the per-image words is refused."""
 
 from __future__ import annotations
 
@@ -23,13 +23,12 @@ from feta_release.privacy_unit import PrivacyUnit  # noqa: E402
 from feta_release.release.certificate import CERTIFICATE_VERSION, verify_synthetic  # noqa: E402
 from feta_release.release.onnx_export import export_denoiser  # noqa: E402
 from feta_release.release.synthesize import synthesize  # noqa: E402
-from feta_release.signing import sign_document  # noqa: E402
 from tests.support.release import (  # noqa: E402
     IMAGE_SHAPE,
-    job_per_image_words,
     new_keys,
     patient_release,
     report_job_dir,
+    reword_certificate,
     small_denoiser,
 )
 
@@ -71,27 +70,23 @@ def test_every_png_states_the_jobs_epsilon_per_patient(made: Any) -> None:
     assert "one patient of one site with all of their images" in cert["privacy_note"]
 
 
-def _resign(made: Any, tmp_path: Path, version: str) -> Path:
+def _reword(made: Any, tmp_path: Path, words: str, label: str | None = None) -> Path:
     shutil.copytree(made[0], tmp_path / "w")
-    path = tmp_path / "w" / "signed" / "certificate.json"
-    doc = json.loads(path.read_text("utf-8"))
-    job_per_image_words(doc["certificate"], EVENTS)
-    doc["certificate"]["certificate_version"] = version
-    doc["signature"] = sign_document(doc["certificate"], made[2])
-    path.write_text(json.dumps(doc), "utf-8")
-    return path.parent
+    reword_certificate(tmp_path / "w" / "signed", made[2], words, label)
+    return tmp_path / "w" / "signed"
 
 
-def test_a_version_3_certificate_still_verifies_with_a_note_per_patient(made: Any, tmp_path: Path) -> None:
-    folder = _resign(made, tmp_path, "feta-release/certificate/3")
+def test_a_version_3_certificate_still_verifies_with_a_warning_per_patient(made: Any, tmp_path: Path) -> None:
+    folder = _reword(made, tmp_path, "feta-release/certificate/3")
     res = verify_synthetic(folder, made[1].trust(), [made[2].public_key()])
     assert res.ok, res.reason()
-    notes = [c.detail for c in res.checks if c.status == "note" and c.name == "job ε per patient"]
-    assert notes and f"ε per PATIENT = {PER_PATIENT:.3g}" in notes[0], notes
+    warned = [c.detail for c in res.checks if c.status == "warn" and c.name == "job ε per patient"]
+    assert warned and f"ε per PATIENT = {PER_PATIENT:.3g}" in warned[0], warned
+    assert f"ε per image, {PER_IMAGE:.3g}" in warned[0], warned
 
 
 def test_a_current_certificate_with_the_per_image_words_is_refused(made: Any, tmp_path: Path) -> None:
-    folder = _resign(made, tmp_path, CERTIFICATE_VERSION)
+    folder = _reword(made, tmp_path, "feta-release/certificate/3", CERTIFICATE_VERSION)
     res = verify_synthetic(folder, made[1].trust(), [made[2].public_key()])
     assert "certified privacy" in {c.name for c in res.failures}, res.reason()
 

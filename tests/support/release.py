@@ -370,6 +370,15 @@ def patient_release(
 ) -> Path:
     """A one-site release from a patient-level site (1000 public patients, at most 4 images each) whose
     statement carries ``lifetime_events`` as its spend over all its jobs."""
+    att, job, policy = patient_attestation(keys, events, lifetime_events)
+    return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})
+
+
+def patient_attestation(
+    keys: Keys, events: list[PrivacyEvent], lifetime_events: list[PrivacyEvent]
+) -> tuple[dict, dict, dict]:
+    """(signed statement, signed job, signed policy) of a patient-level site "a" (1000 public patients, at
+    most 4 images each) for job "job-1", as its node signs them (``build_attestation``)."""
     from feta_release.policy import make_policy, sign_policy
     from feta_release.policy.document import SitePolicy
     from feta_release.release.manifest import build_attestation
@@ -401,7 +410,7 @@ def patient_release(
         lifetime_events=lifetime_events,
         unit_policy=unit,
     )
-    return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})
+    return att, job, policy
 
 
 def report_job_dir(
@@ -434,18 +443,27 @@ def report_job_dir(
     return out
 
 
-def job_per_image_words(cert: dict[str, Any], events: list[PrivacyEvent]) -> None:
-    """``cert`` (a certificate body, changed in place) with its sites' job figures as certificate versions 2
-    and 3 stated them, for sites whose events are ``events``: a patient-level site's ε per image in the
-    privacy section and in the PNG text."""
-    from feta_release.privacy_unit import unit_phrase
+def reword_certificate(folder: Path, signer: Ed25519PrivateKey, words: str, label: str | None = None) -> None:
+    """The signed certificate of synthetic ``folder`` re-made in the words of certificate version ``words``
+    (its privacy section and PNG text, derived by the code that writes them: ``certificate_privacy`` and
+    ``png_text``), every PNG's text chunks rewritten to match and re-hashed, labelled ``label`` (default:
+    ``words``) and re-signed by ``signer``: a folder as an older ``synthesize`` certified it, or (``label``
+    newer than ``words``) a signer passing older words off under a newer version."""
+    from PIL import Image
 
-    for site in cert["privacy"]:
-        if site.get("unit") == "patient":
-            site["epsilon"] = site.pop("epsilon_per_image")
-            del site["unit"]
-    cert["png_metadata"]["feta:privacy"] = "; ".join(
-        f"site {s['site_id']}: epsilon={float(s['epsilon']):.4g}, delta={float(s['delta']):g} "
-        f"({str(s['accountant']).upper()}, unit = {unit_phrase(events)})"
-        for s in cert["privacy"]
-    )
+    from feta_release.release.certificate import certificate_privacy, files_digest, png_info, png_text
+
+    path = folder / "certificate.json"
+    doc = json.loads(path.read_text("utf-8"))
+    cert, sites = doc["certificate"], doc["manifest"]["manifest"]["sites"]
+    cert["privacy"] = certificate_privacy(sites, words)
+    cert["png_metadata"] = png_text(cert["release"]["manifest_sha256"], sites, words)
+    for rel in [r for r in doc["files"] if r.endswith(".png")]:
+        with Image.open(folder / rel) as im:
+            im.load()
+            im.save(folder / rel, pnginfo=png_info(cert["png_metadata"]))
+        doc["files"][rel] = hashlib.sha256((folder / rel).read_bytes()).hexdigest()
+    cert["files"]["sha256"] = files_digest(doc["files"].items())
+    cert["certificate_version"] = label or words
+    doc["signature"] = sign_document(cert, signer)
+    path.write_text(json.dumps(doc), "utf-8")

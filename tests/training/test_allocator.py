@@ -340,7 +340,7 @@ def test_a_sampler_draw_keeps_only_its_images_resident_at_its_end() -> None:
 # The peak resident set a draw of 100 images of a 64 px aux generator (the derived job's width 32) adds (one
 # pass), and what a draw of 512 then adds to that peak (the cell prototypes draw 256 a class at once), in MiB.
 _AUX_DRAW = textwrap.dedent("""
-    import json, resource
+    import json
     import numpy as np
     import torch
     from feta_release import allocator
@@ -350,7 +350,9 @@ _AUX_DRAW = textwrap.dedent("""
     torch.set_num_threads(1)
     gen = AuxGenerator(1, 64, 4, z_dim=32, width=32)
     def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # VmHWM: this address space's own high-water mark. Not ru_maxrss, which Linux carries over from the
+        # forking parent (a test worker of several GB would hide every growth here).
+        return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) / 1024
     start = peak()
     aux_draw(gen, np.arange(100) % 4, torch.Generator().manual_seed(0))
     small = peak()

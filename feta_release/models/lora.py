@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import ConfigError
+
 __all__ = ["LORA_SEED", "LoRAConv2d", "LoRALinear", "attach_lora", "has_lora", "merge_lora", "lora_delta"]
 
 LORA_SEED = 0x10AA  # public: the adapters' starting point is the same at every site and in every run
@@ -69,7 +71,7 @@ _ADAPTED: dict[type[nn.Module], type[nn.Module]] = {nn.Conv2d: LoRAConv2d, nn.Li
 
 
 def _targets(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m) in _ADAPTED and not _is_adapter(m)]
+    return [m for m in model.modules() if type(m) in _ADAPTED and not _is_adapter(m) and not _grouped(m)]
 
 
 def _is_adapter(m: nn.Module) -> bool:
@@ -103,17 +105,44 @@ def attach_lora(model: nn.Module, rank: int) -> int:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     if has_lora(model):
         raise ValueError("the model already carries LoRA adapters; merge them first (merge_lora)")
+    targets = _targets(model)
+    _refuse_unadaptable(model, targets)
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(LORA_SEED)
-    for m in _targets(model):
+    for m in targets:
         down, up = _adapters(m, rank, gen)
         m.add_module(_DOWN, down)
         m.add_module(_UP, up)
-        m.__class__ = _ADAPTED[
-            type(m)
-        ]  # the same layer, its forward now the summed weight's (a copy keeps it)
+        adapted = _ADAPTED[type(m)]
+        m.__class__ = adapted  # the same layer, its forward now the summed weight's (a copy keeps it)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _refuse_unadaptable(model: nn.Module, targets: list[nn.Module]) -> None:
+    """Refuse, before anything is frozen, a model LoRA would adapt only in part: a grouped convolution (the
+    summed weight W + up . down has no grouped form), a subclass of a conv or linear layer (its own forward
+    would be replaced, or, as in ``nn.MultiheadAttention``, never called), or no layer at all (a DP-SGD
+    stage that trains nothing would still spend its budget)."""
+    bad = [
+        f"{name or 'the model'} ({_kind(m)})"
+        for name, m in model.named_modules()
+        if isinstance(m, tuple(_ADAPTED)) and not _is_adapter(m) and (type(m) not in _ADAPTED or _grouped(m))
+    ]
+    if bad or not targets:
+        what = "layers LoRA cannot adapt: " + ", ".join(bad) if bad else "no nn.Conv2d or nn.Linear layer"
+        raise ConfigError(
+            f'[dpsgd] trainable = "lora": the model has {what}; LoRA adapts plain nn.Conv2d (groups = 1) '
+            'and nn.Linear layers: use trainable = "all" or "norm_attention" for this model'
+        )
+
+
+def _kind(m: nn.Module) -> str:
+    return f"{type(m).__name__}, groups {m.groups}" if isinstance(m, nn.Conv2d) else type(m).__name__
+
+
+def _grouped(m: nn.Module) -> bool:
+    return isinstance(m, nn.Conv2d) and m.groups != 1
 
 
 def has_lora(model: nn.Module) -> bool:

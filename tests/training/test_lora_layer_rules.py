@@ -10,12 +10,14 @@ rows at a time) over random shapes, strides and ranks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from feta_release.models.lora import LoRAConv2d, LoRALinear, attach_lora, merge_lora
+from feta_release.errors import ConfigError
+from feta_release.models.lora import LoRAConv2d, LoRALinear, attach_lora, has_lora, merge_lora
 from feta_release.training.ghost_clip import _lora_conv2d, _lora_linear, _ZeroPool
 
 
@@ -111,3 +113,28 @@ def test_merging_gives_the_plain_layer_the_adapted_layer_was_bit_for_bit():
     holder = merge_lora(nn.Sequential(m))
     assert type(holder[0]) is nn.Conv2d and not hasattr(holder[0], "lora_down")
     assert torch.equal(holder[0](x), want)
+
+
+class _OwnConv(nn.Conv2d):
+    """A conv subclass with its own forward: switching its class would drop it."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [
+        (nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 2, 1)), "0 (Conv2d, groups 2)"),
+        (nn.Sequential(_OwnConv(2, 2, 3), nn.Linear(4, 4)), "0 (_OwnConv, groups 1)"),
+        (nn.Sequential(nn.MultiheadAttention(4, 2)), "0.out_proj (NonDynamicallyQuantizableLinear)"),
+        (nn.Sequential(nn.GroupNorm(1, 4)), "no nn.Conv2d or nn.Linear layer"),
+    ],
+)
+def test_a_model_lora_would_adapt_only_in_part_is_refused_untouched(model: nn.Module, named: str) -> None:
+    """A grouped conv (no grouped form of W + up . down), a subclass (its forward replaced, or never called as
+    in MultiheadAttention) or no layer at all: refused naming the layer and the fix, nothing frozen."""
+    with pytest.raises(ConfigError, match="trainable") as exc:
+        attach_lora(model, 2)
+    assert named in str(exc.value) and "norm_attention" in str(exc.value)
+    assert all(p.requires_grad for p in model.parameters()) and not has_lora(model)

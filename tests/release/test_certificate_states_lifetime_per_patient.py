@@ -17,16 +17,8 @@ pytest.importorskip("torch")
 
 from feta_release.accounting import PrivacyEvent, epsilon, patient_epsilon  # noqa: E402
 from feta_release.release.certificate import CERTIFICATE_VERSION, verify_synthetic  # noqa: E402
-from feta_release.release.onnx_export import export_denoiser  # noqa: E402
-from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import describe_site  # noqa: E402
-from tests.support.release import (  # noqa: E402
-    IMAGE_SHAPE,
-    new_keys,
-    patient_release,
-    reword_certificate,
-    small_denoiser,
-)
+from tests.support.release import patient_folders, reword_certificate  # noqa: E402
 
 DELTA, CAP = 1e-5, 4
 EVENTS = [PrivacyEvent("central", 6.0, 1.0, 1), PrivacyEvent("dpsgd", 20.0, 0.05, 200, unit="patient")]
@@ -37,20 +29,8 @@ PER_IMAGE = epsilon(LIFE, DELTA)
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Ed25519PrivateKey]:
-    root, keys, signer = tmp_path_factory.mktemp("pcert"), new_keys(), Ed25519PrivateKey.generate()
-    rel = patient_release(
-        root / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, EVENTS, LIFE
-    )
-    synthesize(
-        rel,
-        root / "synthetic",
-        keys.trust(),
-        per_class=[1, 1, 1],
-        seed=5,
-        progress=False,
-        threads=1,
-        key=signer,
-    )
+    root = tmp_path_factory.mktemp("pcert")
+    keys, signer = patient_folders(root, EVENTS, LIFE, {"synthetic": ([1, 1, 1], True)}, seed=5)
     return root, keys, signer
 
 

@@ -21,16 +21,7 @@ pytest.importorskip("torch")
 from feta_release.accounting import PrivacyEvent, epsilon, patient_epsilon  # noqa: E402
 from feta_release.privacy_unit import PrivacyUnit  # noqa: E402
 from feta_release.release.certificate import CERTIFICATE_VERSION, verify_synthetic  # noqa: E402
-from feta_release.release.onnx_export import export_denoiser  # noqa: E402
-from feta_release.release.synthesize import synthesize  # noqa: E402
-from tests.support.release import (  # noqa: E402
-    IMAGE_SHAPE,
-    new_keys,
-    patient_release,
-    report_job_dir,
-    reword_certificate,
-    small_denoiser,
-)
+from tests.support.release import patient_folders, report_job_dir, reword_certificate, small_denoiser  # noqa: E402
 
 DELTA, CAP = 1e-5, 4
 EVENTS = [PrivacyEvent("central", 6.0, 1.0, 1), PrivacyEvent("dpsgd", 20.0, 0.05, 200, unit="patient")]
@@ -39,13 +30,9 @@ PER_PATIENT, PER_IMAGE = patient_epsilon(EVENTS, DELTA, CAP), epsilon(EVENTS, DE
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Ed25519PrivateKey]:
-    root, keys, signer = tmp_path_factory.mktemp("ppng"), new_keys(), Ed25519PrivateKey.generate()
-    den = export_denoiser(small_denoiser(), IMAGE_SHAPE)
-    rel = patient_release(root / "release", den, keys, EVENTS, EVENTS)
-    synthesize(rel, root / "synthetic", keys.trust(), per_class=[1, 1, 1], seed=3, progress=False, threads=1)
-    synthesize(
-        rel, root / "signed", keys.trust(), per_class=[1, 0, 0], seed=3, progress=False, threads=1, key=signer
-    )
+    root = tmp_path_factory.mktemp("ppng")
+    folders = {"synthetic": ([1, 1, 1], False), "signed": ([1, 0, 0], True)}
+    keys, signer = patient_folders(root, EVENTS, EVENTS, folders)
     return root, keys, signer
 
 

@@ -19,16 +19,8 @@ pytest.importorskip("torch")
 
 from feta_release.accounting import PrivacyEvent, epsilon, patient_epsilon  # noqa: E402
 from feta_release.release.certificate import CERTIFICATE_VERSION, verify_synthetic  # noqa: E402
-from feta_release.release.onnx_export import export_denoiser  # noqa: E402
-from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.release.verify import describe_site  # noqa: E402
-from tests.support.release import (  # noqa: E402
-    IMAGE_SHAPE,
-    new_keys,
-    patient_release,
-    reword_certificate,
-    small_denoiser,
-)
+from tests.support.release import patient_folders, reword_certificate  # noqa: E402
 
 DELTA, CAP = 1e-5, 4
 EVENTS = [PrivacyEvent("central", 6.0, 1.0, 1), PrivacyEvent("dpsgd", 20.0, 0.05, 200, unit="patient")]
@@ -37,13 +29,8 @@ PER_PATIENT, PER_IMAGE = patient_epsilon(EVENTS, DELTA, CAP), epsilon(EVENTS, DE
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Ed25519PrivateKey]:
-    root, keys, signer = tmp_path_factory.mktemp("lead"), new_keys(), Ed25519PrivateKey.generate()
-    rel = patient_release(
-        root / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, EVENTS, EVENTS
-    )
-    synthesize(
-        rel, root / "signed", keys.trust(), per_class=[1, 0, 0], seed=3, progress=False, threads=1, key=signer
-    )
+    root = tmp_path_factory.mktemp("lead")
+    keys, signer = patient_folders(root, EVENTS, EVENTS, {"signed": ([1, 0, 0], True)})
     return root, keys, signer
 
 

@@ -18,10 +18,8 @@ pytest.importorskip("torch")
 
 from feta_release.accounting import PrivacyEvent  # noqa: E402
 from feta_release.release.certificate import files_digest, png_info, verify_synthetic  # noqa: E402
-from feta_release.release.onnx_export import export_denoiser  # noqa: E402
-from feta_release.release.synthesize import synthesize  # noqa: E402
 from feta_release.signing import sign_document  # noqa: E402
-from tests.support.release import IMAGE_SHAPE, new_keys, patient_release, small_denoiser  # noqa: E402
+from tests.support.release import patient_folders  # noqa: E402
 
 EVENTS = [PrivacyEvent("central", 6.0, 1.0, 1), PrivacyEvent("dpsgd", 20.0, 0.05, 200, unit="patient")]
 FORGED = "site a: epsilon=0.01, delta=1e-05 (RDP, unit = one patient)"
@@ -29,13 +27,8 @@ FORGED = "site a: epsilon=0.01, delta=1e-05 (RDP, unit = one patient)"
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Ed25519PrivateKey]:
-    root, keys, signer = tmp_path_factory.mktemp("text"), new_keys(), Ed25519PrivateKey.generate()
-    rel = patient_release(
-        root / "release", export_denoiser(small_denoiser(), IMAGE_SHAPE), keys, EVENTS, EVENTS
-    )
-    synthesize(
-        rel, root / "signed", keys.trust(), per_class=[1, 1, 0], seed=3, progress=False, threads=1, key=signer
-    )
+    root = tmp_path_factory.mktemp("text")
+    keys, signer = patient_folders(root, EVENTS, EVENTS, {"signed": ([1, 1, 0], True)})
     return root, keys, signer
 
 

@@ -374,6 +374,30 @@ def patient_release(
     return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})
 
 
+def patient_folders(
+    root: Path,
+    events: list[PrivacyEvent],
+    lifetime_events: list[PrivacyEvent],
+    folders: dict[str, tuple[list[int], bool]],
+    seed: int = 3,
+) -> tuple[Keys, Ed25519PrivateKey]:
+    """A patient-level release (:func:`patient_release`, from :func:`small_denoiser`) at ``root / "release"``
+    and, per name, a synthetic folder ``root / name`` drawn from it with ``(per_class, signed)``: signed by
+    the returned key, or unsigned. Returns the release's keys and the folders' signer."""
+    from feta_release.release.onnx_export import export_denoiser
+    from feta_release.release.synthesize import synthesize
+
+    keys, signer = new_keys(), Ed25519PrivateKey.generate()
+    den = export_denoiser(small_denoiser(), IMAGE_SHAPE)
+    rel = patient_release(root / "release", den, keys, events, lifetime_events)
+    for name, (per_class, signed) in folders.items():
+        key = signer if signed else None
+        synthesize(
+            rel, root / name, keys.trust(), per_class=per_class, seed=seed, progress=False, threads=1, key=key
+        )
+    return keys, signer
+
+
 def patient_attestation(
     keys: Keys, events: list[PrivacyEvent], lifetime_events: list[PrivacyEvent]
 ) -> tuple[dict, dict, dict]:

@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from feta_release.cli import main
 from feta_release.config import load_preset
 from tests.support.cli import run_cli
+from tests.support.patients import noise_patient_csv
 
 PATIENTS, IMAGES = 2000, 4000  # declared public counts: two images a patient
 
@@ -36,15 +36,7 @@ def _plan_json(preset: str) -> dict[str, Any]:
 
 def _csv(root: Path) -> Path:
     """Ten patients with three scans each (the cap keeps two), as a CSV ``path,label,patient_id``."""
-    from PIL import Image
-
-    rng, rows = np.random.default_rng(0), ["path,label,patient_id"]
-    for p in range(10):
-        for j in range(3):
-            Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8)).save(root / f"p{p}_{j}.png")
-            rows.append(f"p{p}_{j}.png,{'ab'[p % 2]},pat{p}")
-    (root / "labels.csv").write_text("\n".join(rows) + "\n")
-    return root / "labels.csv"
+    return noise_patient_csv(root, 10, 3)
 
 
 @pytest.mark.parametrize("preset", ["cpu-eps10", "paper-mnist"])

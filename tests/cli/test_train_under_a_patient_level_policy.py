@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from feta_release.data.declared import DataDeclaration
 from tests.support.cli import run_cli
+from tests.support.patients import noise_patient_csv
 
 PATIENTS, CAP, SCANS = 30, 2, 3  # the policy's public patients and cap; scans each patient has
 
@@ -38,17 +38,10 @@ def reached(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def _site(tmp_path: Path) -> list[str]:
     """A CSV of PATIENTS patients with SCANS scans each and `train`'s --policy options for a patient-level
     policy (PATIENTS public patients, at most CAP images each) signed by the site's administrator."""
-    from PIL import Image
-
     from feta_release.policy import make_policy, sign_policy, write_signed_policy
     from feta_release.signing import generate_keypair, load_private_key
 
-    rng, rows = np.random.default_rng(0), ["path,label,patient_id"]
-    for p in range(PATIENTS):
-        for j in range(SCANS):
-            Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8)).save(tmp_path / f"p{p}_{j}.png")
-            rows.append(f"p{p}_{j}.png,{'ab'[p % 2]},pat{p}")
-    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    noise_patient_csv(tmp_path, PATIENTS, SCANS)
     admin, admin_pub = generate_keypair(tmp_path / "k", "admin")
     coord, _ = generate_keypair(tmp_path / "k", "coordinator")
     (tmp_path / "k" / "data.secret").write_bytes(b"s" * 32)

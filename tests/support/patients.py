@@ -37,6 +37,18 @@ def write_patient_csv(ds: Any, folder: Path, sizes: list[int]) -> Path:
     return folder / "labels.csv"
 
 
+def noise_patient_csv(folder: Path, patients: int, scans: int) -> Path:
+    """``patients`` patients with ``scans`` 28x28 noise scans each (labels ``a`` / ``b`` by patient) as PNG
+    files in ``folder`` and a ``path,label,patient_id`` CSV beside them."""
+    rng, rows = np.random.default_rng(0), ["path,label,patient_id"]
+    for p in range(patients):
+        for j in range(scans):
+            Image.fromarray(rng.integers(0, 256, (28, 28), dtype=np.uint8)).save(folder / f"p{p}_{j}.png")
+            rows.append(f"p{p}_{j}.png,{'ab'[p % 2]},pat{p}")
+    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
+    return folder / "labels.csv"
+
+
 def patient_federation(tmp: Path, public_patients: int | None = None, **budget: Any) -> tuple[Any, int]:
     """``budget``: the patient site's ``per_job`` / ``lifetime`` (make_policy's), when the job needs more than
     1 per patient (a warm-up per image counts up to CAP times per patient)."""

@@ -80,7 +80,7 @@ from feta_release.planning import plan as privacy_plan
 from feta_release.policy import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.envelope import read_json
 from feta_release.policy.jobs import sign_job
-from feta_release.privacy_unit import PatientIndex, figure_unit_words
+from feta_release.privacy_unit import PatientIndex, figure_unit_words, job_in_unit, statement_patient_cap
 from feta_release.progress_events import job_log
 from feta_release.randomness import os_numpy_generator
 from feta_release.release.jobdir import RELEASE, build_release, privacy_report, sample_grid, synthetic_set
@@ -616,7 +616,4 @@ def _result(
 
 def _per_patient(statement: dict[str, Any]) -> float | None:
     """The statement's ε per patient where the site's unit of privacy is the patient, else None."""
-    unit = statement.get("privacy_unit")
-    if isinstance(unit, dict) and unit.get("unit") == "patient" and "epsilon_per_patient" in unit:
-        return float(unit["epsilon_per_patient"])
-    return None
+    return job_in_unit(statement)["epsilon"] if statement_patient_cap(statement) is not None else None

@@ -19,7 +19,7 @@ import numpy as np
 
 from feta_release.data.commitment import dataset_commitment, load_secret
 from feta_release.data.dataset import check_dataset_memory, check_site_memory
-from feta_release.data.loading import LoadOptions, load_dataset, policy_data
+from feta_release.data.loading import LoadOptions, check_cap_for_policy, load_dataset, policy_data
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.ledger import Ledger
 from feta_release.policy.document import load_site_policy
@@ -157,7 +157,13 @@ class Site:
             raise ConfigError(
                 f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`"
             )
-        return cls._opened(node_config, lambda secret, work: _opened_data(node_config, secret, work))
+        # the signed policy (its commitment: checked over the data in _verified), read first: a node config
+        # it refuses is refused before the ledger, the cache or any image is opened
+        unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+        check_node_cap(unverified, node_config)
+        return cls._opened(
+            node_config, lambda secret, work: _opened_data(node_config, unverified, secret, work)
+        )
 
     @classmethod
     def in_memory(cls, node_config: dict[str, Any], data: Any, patients: Any = None) -> Site:
@@ -264,13 +270,28 @@ def _steps(value: Any) -> int:
     return n
 
 
-def _opened_data(node_config: dict[str, Any], secret: bytes, work: Path) -> tuple[Any, Any, str]:
+def check_node_cap(policy: Any, node_config: dict[str, Any]) -> None:
+    """The node config's patient cap (node.toml ``[data] patient_cap``, ``node start --patient-cap``) against
+    the signed ``policy``, as ``train --patient-cap`` is checked (``data.loading.check_cap_for_policy``):
+    under an image-level policy a cap would drop each patient's images past the first K while DP-SGD samples
+    images and every ε stays per image; under a patient-level one only the signed cap is used."""
+    cap = load_options(node_config).patient_cap
+    check_cap_for_policy(
+        policy,
+        cap,
+        cap_source=f"node.toml [data] patient_cap = {cap} (node start --patient-cap)",
+        policy_source=str(node_config[CFG_POLICY]),
+    )
+
+
+def _opened_data(
+    node_config: dict[str, Any], unverified: Any, secret: bytes, work: Path
+) -> tuple[Any, Any, str]:
     """(data as the policy's unit of privacy needs them, their patient index, their keyed commitment), checked
-    against the policy by the caller. From the private cache when the site's files are the ones it was written
-    for (every step padded to the public size: ``edge.site_cache``), else decoded and hashed
-    (O(N), once: at node start, or after the site's files changed) and cached for the next open."""
-    # its commitment: below
-    unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+    against the policy by the caller (``unverified``: its signature checked, its commitment not yet). From the
+    private cache when the site's files are the ones it was written for (every step padded to the public size:
+    ``edge.site_cache``), else decoded and hashed (O(N), once: at node start, or after the site's files
+    changed) and cached for the next open."""
     # the PUBLIC schema (classes, image shape) the data are mapped onto; a policy without one is refused here,
     # cache or not. The cache key stamps the policy file's content, so a cached open used this one.
     schema = declared_schema(unverified, str(node_config[CFG_POLICY]))

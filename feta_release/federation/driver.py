@@ -25,7 +25,7 @@ import torch
 from flwr.app import Message
 from torch import nn
 
-from ..accounting import events_from_list
+from ..accounting import events_from_list, unit_name
 from ..config import JobConfig
 from ..errors import FetaError, PolicyError
 from ..mechanisms.count import counted_events
@@ -467,10 +467,14 @@ class JobDriver:
             if (sgd := next((e for e in v["events"] if e["stage"] == "dpsgd"), None)) is not None:
                 self.planned_dpsgd[sid] = sgd
         atomic_write_bytes(self.out / "plan.json", json.dumps(doc, indent=2).encode("utf-8"))
+        # each figure in its site's unit, the one its caps bound (per patient at a patient-level site)
         self.emit(
             "plan",
             "job fits every site's policy: "
-            + ", ".join(f"{k} ε={v['planned_epsilon']:.3f}" for k, v in doc.items()),
+            + ", ".join(
+                f"{k} ε={v['planned_epsilon']:.3f} per {unit_name(self.sites[k].policy.unit_cap)}"
+                for k, v in doc.items()
+            ),
         )
         return doc
 

@@ -19,6 +19,7 @@ counts, seconds and the loss of a post-processing stage on released statistics.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import time
@@ -149,25 +150,70 @@ class Meter:
         return seconds
 
 
+# While timed stages are open in this context: how many, and the exception that ended the innermost one with
+# that stage's name and nesting level, so that each enclosing stage it goes on to end names that stage instead
+# of being logged as a failure of its own. Cleared when the outermost stage ends (it holds a traceback).
+_open_stages: contextvars.ContextVar[int] = contextvars.ContextVar("open_stages", default=0)
+_raised_in: contextvars.ContextVar[tuple[BaseException, str, int] | None] = contextvars.ContextVar(
+    "raised_in", default=None
+)
+
+
 @contextlib.contextmanager
 def timed(sink: Sink | None, stage: str, what: str) -> Iterator[None]:
     """A stage that is one call: an event naming ``what`` it does at its start, one with its seconds at its
-    end. A stage that raises ends too, marked ``failed`` with the exception's type (the log then says which
-    stage stopped the job and after how long); the exception goes on to the caller."""
+    end; the exception of a stage that raises goes on to the caller. The end event says how the stage ended:
+
+    - ``"{stage} done in N s"``;
+    - ``"{stage} failed after N s (Type)"``, ``failed`` = the exception's type: the stage raised it (a
+      ``SystemExit`` with a failing code included);
+    - ``"{stage} stopped after N s: its stage INNER failed (Type)"``, ``failed`` = the type and ``failed_in``
+      = INNER: a timed stage inside it raised, so the log says once which stage stopped the job and after
+      how long, and every stage around it still reads as not finished (``failed``, as before);
+    - ``"{stage} ended after N s: the program exited (code 0)"``, ``stopped = "exit"``: a clean
+      ``SystemExit``, no failure;
+    - ``"{stage} interrupted after N s"``, ``stopped = "interrupted"``: Ctrl-C (``KeyboardInterrupt``).
+    """
     t0 = time.monotonic()
     say(sink, f"{stage}: {what}", stage=stage)
+    depth = _open_stages.set(_open_stages.get() + 1)
     try:
         yield
     except BaseException as exc:
         seconds = time.monotonic() - t0
-        error = type(exc).__name__
+        words, fields = _ending(stage, _open_stages.get(), exc, f"{seconds:.1f} s")
         say(
             sink,
-            f"{stage} failed after {seconds:.1f} s ({error})",
+            f"{stage} {words}",
             stage=stage,
             seconds=seconds,
-            failed=error,
+            **fields,
         )
         raise
+    finally:
+        _open_stages.reset(depth)
+        if _open_stages.get() == 0:  # the outermost stage: no enclosing stage left to name the failure to
+            _raised_in.set(None)
     seconds = time.monotonic() - t0
     say(sink, f"{stage} done in {seconds:.1f} s", stage=stage, seconds=seconds)
+
+
+def _ending(stage: str, level: int, exc: BaseException, took: str) -> tuple[str, dict[str, Any]]:
+    """(the end's words after the stage's name, the end event's fields) for a stage at nesting ``level``
+    (1: outermost) that ``exc`` ended after ``took``."""
+    if isinstance(exc, KeyboardInterrupt):
+        return f"interrupted after {took}", {"stopped": "interrupted"}
+    if isinstance(exc, SystemExit) and exc.code in (0, None):
+        return f"ended after {took}: the program exited (code 0)", {"stopped": "exit"}
+    error = type(exc).__name__
+    if isinstance(exc, SystemExit):  # sys.exit("message") prints it and exits with 1
+        error += f": exit code {exc.code if isinstance(exc.code, int) else 1}"
+    raised = _raised_in.get()
+    if raised is not None and raised[0] is exc and raised[2] > level:
+        inner = raised[1]
+        return f"stopped after {took}: its stage {inner} failed ({error})", {
+            "failed": type(exc).__name__,
+            "failed_in": inner,
+        }
+    _raised_in.set((exc, stage, level))
+    return f"failed after {took} ({error})", {"failed": type(exc).__name__}

@@ -60,7 +60,6 @@ import ctypes.util
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["ENV_SWITCH", "HeapSetting", "heap_setting", "keep_freed_pages", "release_freed_pages"]
 
@@ -88,9 +87,17 @@ class HeapSetting:
     options: tuple[tuple[str, int], ...] = ()
 
 
-# "set": what keep_freed_pages did; "libc": the C library it loaded, kept for every stage end's trim (loading
-# it looks the library up on disk: once per process, not once per stage)
-_state: dict[str, Any] = {}
+@dataclass
+class _ProcessHeap:
+    """This process's heap setting: ``setting``, what :func:`keep_freed_pages` did (None until it is called);
+    ``libc``, the C library it loaded, kept for every stage end's trim (loading it looks the library up on
+    disk: once per process, not once per stage)."""
+
+    setting: HeapSetting | None = None
+    libc: ctypes.CDLL | None = None
+
+
+_state = _ProcessHeap()
 
 
 def keep_freed_pages(*, under_data_limit: bool = False) -> bool:
@@ -98,15 +105,14 @@ def keep_freed_pages(*, under_data_limit: bool = False) -> bool:
 
     ``under_data_limit``: the process runs under an RLIMIT_DATA (a site's computing process): blocks above
     32 MiB keep their own mapping, so no freed hole counts against the limit."""
-    if "set" not in _state:
-        _state["set"] = _apply(_LIMITED_OPTIONS if under_data_limit else _OPTIONS)
-    return bool(_state["set"].kept)
+    if _state.setting is None:
+        _state.setting = _apply(_LIMITED_OPTIONS if under_data_limit else _OPTIONS)
+    return _state.setting.kept
 
 
 def heap_setting() -> HeapSetting | None:
     """What :func:`keep_freed_pages` did in this process (None: it has not been called)."""
-    setting: HeapSetting | None = _state.get("set")
-    return setting
+    return _state.setting
 
 
 def release_freed_pages() -> None:
@@ -115,8 +121,8 @@ def release_freed_pages() -> None:
     setting = heap_setting()
     # any option in force (even where glibc refused another) keeps pages that only a trim hands back; an
     # option is in force only where _apply loaded glibc, so its handle is there
-    if setting is not None and setting.options:
-        _state["libc"].malloc_trim(0)
+    if setting is not None and setting.options and _state.libc is not None:
+        _state.libc.malloc_trim(0)
 
 
 def _switched_off() -> bool:
@@ -134,7 +140,7 @@ def _apply(options: tuple[tuple[str, int, int], ...] = _OPTIONS) -> HeapSetting:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return HeapSetting(False, "glibc without mallopt: left as it is")
-    _state["libc"] = libc
+    _state.libc = libc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; every option or the setting is only partly there (reported as not kept)
     done = tuple((name, value) for name, param, value in options if mallopt(param, value) == 1)

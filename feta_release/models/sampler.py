@@ -18,7 +18,7 @@ No stochastic churn: the map noise -> image is a pure function of the weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from ..config import SamplerSection
 from ..data.splits import balanced_labels
 from ..errors import ConfigError
 from .edm import EDMDenoiser
+
+# the progress callback of a draw: (images done, images in all), after each batch (a progress_events.Meter)
+Progress = Callable[[int, int], None]
 
 # Noise is drawn in fixed blocks so the images of a seed do not depend on the generation batch size.
 NOISE_BLOCK = 1024
@@ -132,7 +135,6 @@ def seeded_noise(seed: int, n: int, image_shape: Sequence[int]) -> torch.Tensor:
     return torch.cat(blocks)
 
 
-@torch.no_grad()
 def generate(
     denoiser: EDMDenoiser,
     labels: int | Sequence[int] | np.ndarray | torch.Tensor,
@@ -140,7 +142,7 @@ def generate(
     sampler_cfg: SamplerSection,
     batch: int = 256,
     *,
-    progress=None,
+    progress: Progress | None = None,
     init: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample images for ``labels`` (or ``n_per_class`` images of every class when an int).
@@ -159,7 +161,10 @@ def generate(
     was_training = denoiser.training
     denoiser.eval()
     try:
-        out = _sample_batches(denoiser, labels_t, seed, sampler_cfg, batch, progress, init)
+        # a block, not torch's decorator: torch is untyped here (mypy skips it), and the decorated function
+        # was Any to every caller, so none of its arguments (``progress`` included) was checked
+        with torch.no_grad():
+            out = _sample_batches(denoiser, labels_t, seed, sampler_cfg, batch, progress, init)
     finally:
         denoiser.train(was_training)
     images = torch.cat(out) if out else torch.zeros((0, *denoiser.image_shape))
@@ -177,7 +182,7 @@ def _sample_batches(
     seed: int,
     sampler_cfg: SamplerSection,
     batch: int,
-    progress,
+    progress: Progress | None,
     init: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """:func:`generate`'s images, batch by batch on the CPU (the denoiser in eval mode)."""

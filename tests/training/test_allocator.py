@@ -273,7 +273,7 @@ def _fake_process(monkeypatch: pytest.MonkeyPatch, libc: _FakeLibc, libc_name: s
     monkeypatch.setattr(allocator.ctypes, "CDLL", libc.load)
     monkeypatch.setattr(allocator.ctypes.util, "find_library", libc.find_library)
     monkeypatch.delenv(allocator.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(allocator, "_state", {})
+    monkeypatch.setattr(allocator, "_state", allocator._ProcessHeap())
 
 
 def test_a_partly_refused_setting_still_trims_at_a_stage_end(monkeypatch: pytest.MonkeyPatch) -> None:

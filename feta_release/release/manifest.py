@@ -10,7 +10,7 @@ A release directory holds::
                                   ``starts``)
     aux_images.npz                optional ([sampler] start_source aux/mix): a fixed pool of aux-generator
                                   images (post-processing of the frequency release; hashed in ``aux_starts``,
-                                  format 3)
+                                  format 3; format 4 where a site is patient-level)
     policies/SITE.signed.json     optional: the signed policy each site ran under (lets verify check the caps)
 
 Each site's entry carries an *attestation*: a spend statement (site, job, full event history, (eps, delta),
@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,13 @@ from ..accounting import (
     events_from_list,
     events_to_list,
     has_secure_aggregation,
+    patient_epsilon,
     worst_case_epsilon,
 )
 from ..errors import ReleaseError
 from ..files import read_regular
 from ..policy.document import utc_stamp
+from ..privacy_unit import statement_patient_cap
 from ..signing import canonical_json, loads_strict, sha256_file, sha256_hex, sign_document
 
 FORMAT_VERSION = "feta-release/manifest/1"
@@ -61,6 +63,12 @@ GENERATOR_FORMATS = {False: "feta-release-generator/1", True: "feta-release-gene
 # ``start_source``): a format-2 verifier would answer OK without hashing that pool, so it must refuse format
 # 3.
 FORMAT_VERSION_AUX = "feta-release/manifest/3"
+# A release with a ``starts`` or ``aux_starts`` record and a PATIENT-level site: each record also gives, per
+# patient-level site, its stage's ε per PATIENT (``<stage>_epsilon_per_patient``, over the site's signed
+# images-per-patient cap), beside the per-image figures that alone were stated before. An older verifier
+# refuses format 4 (a field it does not know); a format 2 or 3 manifest of such a release, exported before,
+# still verifies against the words it signed, with a warning giving the figures per patient.
+FORMAT_VERSION_PATIENT = "feta-release/manifest/4"
 
 
 # What verify, synthesize and report read of a release (``files.read_regular``: regular files through no
@@ -82,12 +90,30 @@ def file_record(release_dir: str | Path, file: str) -> dict[str, Any]:
 
 
 def manifest_format(
-    sampler: dict[str, Any], starts: dict[str, Any] | None, aux_starts: dict[str, Any] | None = None
+    sampler: dict[str, Any],
+    starts: dict[str, Any] | None,
+    aux_starts: dict[str, Any] | None = None,
+    sites: Sequence[dict[str, Any]] = (),
 ) -> str:
-    """The format a manifest with this sampler, ``starts`` and ``aux_starts`` records must carry."""
+    """The format a manifest with this sampler, ``starts`` and ``aux_starts`` records and these ``sites``
+    (site records or signed statements) must carry."""
     if aux_starts is not None or "start_source" in sampler:
-        return FORMAT_VERSION_AUX
-    return FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
+        base = FORMAT_VERSION_AUX
+    else:
+        base = FORMAT_VERSION_SDEDIT if starts is not None or "start_sigma" in sampler else FORMAT_VERSION
+    return FORMAT_VERSION_PATIENT if base != FORMAT_VERSION and patient_caps(sites) else base
+
+
+def patient_caps(sites: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Each patient-level site's signed images-per-patient cap, by site id (``sites``: site records, whose
+    attestation carries the statement, or signed statements)."""
+    out: dict[str, int] = {}
+    for s in sites:
+        st = (s.get("attestation") or {}).get("statement") or s
+        cap = statement_patient_cap(st)
+        if cap is not None:
+            out[str(st["site_id"])] = cap
+    return out
 
 
 # [sampler] fields `feta-release export --solver/--steps` may set for a release (how many denoising steps and
@@ -352,7 +378,7 @@ def build_manifest(
         raise ReleaseError(f"duplicate site ids in release: {ids}")
     created = utc_stamp()
     return {
-        "format_version": manifest_format(sampler, starts, aux_starts),
+        "format_version": manifest_format(sampler, starts, aux_starts, sites),
         "created": created,
         "generator": {
             **file_record(release_dir, generator_file),
@@ -392,11 +418,15 @@ def starts_source(n_sites: int) -> str:
     )
 
 
-def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int) -> dict[str, Any]:
+def starts_claims(
+    config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int, *, per_patient: bool = True
+) -> dict[str, Any]:
     """Every claim of the ``starts`` record, computed from signed inputs only: the job config (counts,
     augmentation) and each site's signed history (the central stage's ε, as the privacy report computes it).
     ``sites``: site records or signed statements (site_id, events, delta, accountant). Export writes these and
-    verify recomputes them, so no figure in the record is the coordinator's word."""
+    verify recomputes them, so no figure in the record is the coordinator's word. ``per_patient``: with each
+    patient-level site's figure per patient (``FORMAT_VERSION_PATIENT``); False: the claims of a format 2 or 3
+    manifest, per image only."""
     from ..config import JobConfig
 
     cfg = JobConfig.from_dict(config)
@@ -414,6 +444,7 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
                 "central images are not what the sites released; leave [sampler] start_sigma out"
             )
     unit, per_site, worst = _stage_figures(sites, "central")
+    patients = patient_figures(sites, "central") if per_patient else None
     # rows are (round, class, cell); cells = 1 unless "mean"
     per_class = cfg.central.rounds * cfg.central.cells
     source = starts_source(len(sites))
@@ -425,7 +456,8 @@ def starts_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_cla
         "unit": unit,  # image: the central stage is image-level at every site (privacy_unit.py)
         "central_epsilon_alone": per_site,
         "central_epsilon_worst_case": worst,
-        "privacy": _starts_words(source, per_site, worst, unit),
+        **_patient_fields("central", patients),
+        "privacy": _starts_words(source, per_site, worst, unit, patients),
     }
 
 
@@ -448,6 +480,47 @@ def _stage_figures(
     return ("patient" if "patient" in units else "image"), per_site, worst
 
 
+@dataclass(frozen=True)
+class PatientFigures:
+    """A stage's figures per PATIENT at the patient-level sites of a release: ``cap`` (site: its signed
+    images-per-patient cap), ``alone`` (site: the stage's ε per patient at the site's delta, as its caps count
+    it: ``accounting.patient_epsilon``, group privacy over the cap for these image-level releases) and
+    ``worst`` (the same if every other site colludes with the coordinator; secure aggregation only)."""
+
+    cap: dict[str, int]
+    alone: dict[str, float]
+    worst: dict[str, float]
+
+
+def patient_figures(sites: Sequence[dict[str, Any]], stage: str) -> PatientFigures | None:
+    """:class:`PatientFigures` of ``stage`` from the sites' signed histories (None: no patient-level site)."""
+    caps = patient_caps(sites)
+    if not caps:
+        return None
+    alone: dict[str, float] = {}
+    worst: dict[str, float] = {}
+    for s in sites:
+        sid = str(s["site_id"])
+        if sid not in caps:
+            continue
+        evs = [e for e in events_from_list(s["events"]) if e.stage == stage]
+        delta, acc = float(s["delta"]), s["accountant"]
+        alone[sid] = patient_epsilon(evs, delta, caps[sid], acc)
+        if has_secure_aggregation(evs):
+            worst[sid] = patient_epsilon(evs, delta, caps[sid], acc, view="worst_case")
+    return PatientFigures(caps, alone, worst)
+
+
+def _patient_fields(stage: str, patients: PatientFigures | None) -> dict[str, Any]:
+    """The record's per-patient fields (none without a patient-level site, or in a format 2/3 record)."""
+    if patients is None:
+        return {}
+    return {
+        f"{stage}_epsilon_per_patient": patients.alone,
+        f"{stage}_epsilon_worst_case_per_patient": patients.worst,
+    }
+
+
 def _augmentation(cfg: Any) -> dict[str, Any]:
     """The start images' augmentation as the signed job sets it, bounded before any use."""
     from .starts import MAX_OPS, N_BINS
@@ -468,10 +541,13 @@ AUX_SOURCE = (
 )
 
 
-def aux_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int) -> dict[str, Any]:
+def aux_claims(
+    config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classes: int, *, per_patient: bool = True
+) -> dict[str, Any]:
     """Every claim of the ``aux_starts`` record, from signed inputs and public constants only (as
-    :func:`starts_claims`): the pool's size (``AUX_POOL_PER_CLASS`` per class), augmentation, and that the job
-    and every site's signed history have the frequency release the generator is fitted to."""
+    :func:`starts_claims`, ``per_patient`` too): the pool's size (``AUX_POOL_PER_CLASS`` per class),
+    augmentation, and that the job and every site's signed history have the frequency release the generator is
+    fitted to."""
     from ..config import JobConfig
     from .jobfiles import AUX_POOL_PER_CLASS
 
@@ -490,6 +566,7 @@ def aux_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classe
                 'aux generator was fitted to its release; set [sampler] start_source = "central"'
             )
     unit, per_site, worst = _stage_figures(sites, "frequency")
+    patients = patient_figures(sites, "frequency") if per_patient else None
     return {
         "images": AUX_POOL_PER_CLASS * n_classes,
         "per_class": [AUX_POOL_PER_CLASS] * n_classes,
@@ -498,27 +575,38 @@ def aux_claims(config: dict[str, Any], sites: Sequence[dict[str, Any]], n_classe
         "unit": unit,
         "frequency_epsilon_alone": per_site,
         "frequency_epsilon_worst_case": worst,
-        "privacy": _aux_words(unit, per_site, worst),
+        **_patient_fields("frequency", patients),
+        "privacy": _aux_words(unit, per_site, worst, patients),
     }
 
 
-def _aux_words(unit: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
+def _aux_words(
+    unit: str, per_site: dict[str, float], worst: dict[str, float], patients: PatientFigures | None = None
+) -> str:
     """The DPO's text of the aux_starts record, with the caveats of :func:`_starts_words`: unit, scope, the
     collusion assumption under secure aggregation, and that each site's job and lifetime ε cover the pool."""
     return (
         "Images of the auxiliary generator, which was fitted to the noised frequency release only (already "
         "charged in every site's signed history) with public randomness: post-processing of a release, no "
-        f"further privacy cost. {_figure_words('frequency', unit, per_site, worst)} Each site's job ε and "
-        "lifetime ε (its site record and the synthesize certificate) cover them. That they come from that "
-        "generator is the coordinator's signed word; verify checks their hash, shape and counts and that "
-        "every site released frequency statistics in this job. synthesize starts SDEdit samples from "
-        "augmented copies (start_source aux: all, mix: every other image of each class)."
+        "further privacy cost. "
+        + _figure_words("frequency", unit, per_site, worst, patients)
+        + " Each site's job ε and lifetime ε (its site record and the synthesize certificate) cover them. "
+        "That they come from that generator is the coordinator's signed word; verify checks their hash, "
+        "shape and counts and that every site released frequency statistics in this job. synthesize starts "
+        "SDEdit samples from augmented copies (start_source aux: all, mix: every other image of each class)."
     )
 
 
-def _figure_words(stage: str, unit: str, per_site: dict[str, float], worst: dict[str, float]) -> str:
+def _figure_words(
+    stage: str,
+    unit: str,
+    per_site: dict[str, float],
+    worst: dict[str, float],
+    patients: PatientFigures | None = None,
+) -> str:
     """A stage's figures in words: per unit, that stage alone, and the collusion caveat when the
-    stage was summed by secure aggregation."""
+    stage was summed by secure aggregation; then, at the patient-level sites (``patients``), the figures per
+    patient that their caps bound (a format 2/3 record has none: its words are kept as they were signed)."""
     words = ", ".join(f"site {k}: ε = {v:.3f}" for k, v in per_site.items())
     worst_words = (
         ""
@@ -539,7 +627,27 @@ def _figure_words(stage: str, unit: str, per_site: dict[str, float], worst: dict
     )
     return (
         f"Privacy per {unit.upper()}, for this job's {stage} stage alone, at each site's delta: "
-        f"{words}{group}.{worst_words}"
+        f"{words}{group}.{worst_words}{_patient_words(patients)}"
+    )
+
+
+def _patient_words(patients: PatientFigures | None) -> str:
+    """The per-patient sentence of a stage's figures (empty without patient-level sites)."""
+    if patients is None:
+        return ""
+    words = ", ".join(
+        f"site {k}: ε = {v:.3f} (at most {patients.cap[k]} image(s) of a patient)"
+        for k, v in patients.alone.items()
+    )
+    worst = (
+        ""
+        if not patients.worst
+        else "; if the other sites all collude with the coordinator: "
+        + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in patients.worst.items())
+    )
+    return (
+        " Per PATIENT, the unit of privacy a patient-level site's caps bound (group privacy over its cap, "
+        f"at its delta): {words}{worst}."
     )
 
 
@@ -555,12 +663,16 @@ def aux_record(
 
 
 def _starts_words(
-    source: str, per_site: dict[str, float], worst: dict[str, float], unit: str = "image"
+    source: str,
+    per_site: dict[str, float],
+    worst: dict[str, float],
+    unit: str = "image",
+    patients: PatientFigures | None = None,
 ) -> str:
     """The DPO's text of the starts record: unit, scope, collusion assumption, lifetime."""
     return (
         "This release CONTAINS the noisy central images that the site(s) released in this job's 'central' "
-        f"stage ({source}). {_figure_words('central', unit, per_site, worst)} They are "
+        f"stage ({source}). {_figure_words('central', unit, per_site, worst, patients)} They are "
         "differentially private outputs already charged in every site's signed event history, so shipping "
         "them is post-processing and costs no further privacy; each site's job ε and lifetime ε (its site "
         "record and the synthesize certificate) cover them. synthesize starts its SDEdit samples from "

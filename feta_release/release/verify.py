@@ -74,6 +74,7 @@ from .manifest import (
     ATTESTATION_KIND,
     ATTESTED_FIELDS,
     EXPORT_SAMPLER_OVERRIDES,
+    FORMAT_VERSION_PATIENT,
     GENERATOR_FORMATS,
     MANIFEST_FILE,
     MAX_GENERATOR_BYTES,
@@ -83,6 +84,7 @@ from .manifest import (
     TAKE_AS_PUBLISHED,
     aux_claims,
     manifest_format,
+    patient_figures,
     policy_file_name,
     sampler_problem,
     starts_claims,
@@ -142,6 +144,9 @@ class VerificationResult:
     aux_claims: dict[str, Any] | None = None
     # site -> the policy verify checked and passed
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # False: a format 2/3 manifest of a release with a patient-level site, exported before its start-image
+    # records gave figures per patient (manifest.FORMAT_VERSION_PATIENT): checked as signed, per image
+    per_patient_claims: bool = True
 
     @property
     def ok(self) -> bool:
@@ -268,16 +273,25 @@ def verify_release(
     man = doc["manifest"]
     res.manifest = man
     res.manifest_sha256 = _guard(res, "manifest", lambda: sha256_hex(canonical_json(man)))
-    fmt = _guard(
-        res,
-        "manifest format",
-        lambda: manifest_format(man["generator"]["sampler"], man.get("starts"), man.get("aux_starts")),
-    )
+    listed = man.get("sites") if isinstance(man.get("sites"), list) else []
+
+    def format_of(sites: list[Any]) -> str:
+        return manifest_format(man["generator"]["sampler"], man.get("starts"), man.get("aux_starts"), sites)
+
+    fmt = _guard(res, "manifest format", lambda: format_of(listed))
+    # the format of the same release before its start-image records gave figures per patient: such a release
+    # still verifies, against the words it signed (warned at its records)
+    before = _guard(res, "manifest format", lambda: format_of([])) if fmt is not None else None
+    res.per_patient_claims = not (fmt == FORMAT_VERSION_PATIENT and man.get("format_version") == before)
     res.add(
         "manifest format",
-        man.get("format_version") == fmt,
+        man.get("format_version") == fmt or not res.per_patient_claims,
         f"format_version {man.get('format_version')!r}"
-        + ("" if man.get("format_version") == fmt else f", expected {fmt!r} for this sampler/starts"),
+        + (
+            ""
+            if man.get("format_version") in (fmt, before)
+            else f", expected {fmt!r} for this sampler/starts"
+        ),
     )
     job = _guard(res, "job", lambda: _job_of(res, man))
     if job is not None:
@@ -665,6 +679,31 @@ def _check_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> Non
         f"{path}: {len(images)} released central images, sha256 matches the manifest"
         + ("" if sdedit else "; but the sampler has no start_sigma or starts from aux images only"),
     )
+    _warn_per_image_only(res, man, "central images", "central")
+
+
+def _warn_per_image_only(res: VerificationResult, man: dict[str, Any], name: str, stage: str) -> None:
+    """A format 2/3 record of a release with a patient-level site (exported before the per-patient figures)
+    states its stage per image only: it verified as signed; the warning gives the figures per patient that
+    the site's caps bound, from its signed history, so that no reader takes the per-image one for the
+    patient's."""
+    if res.per_patient_claims:
+        return
+    figures = patient_figures([s["attestation"]["statement"] for s in man["sites"]], stage)
+    if figures is None:
+        return
+    per_patient = ", ".join(
+        f"site {k}: ε = {v:.3f} (at most {figures.cap[k]} image(s) of a patient)"
+        for k, v in figures.alone.items()
+    )
+    res.add(
+        name,
+        False,
+        f"format_version {man.get('format_version')!r}, exported before its record gave figures per patient, "
+        f"states the {stage} stage per IMAGE only; per PATIENT, the unit of privacy the site's caps bound: "
+        f"{per_patient}",
+        warn=True,
+    )
 
 
 def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) -> None:
@@ -698,7 +737,9 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
     path, data = read
     gen = man["generator"]
     statements = [s["attestation"]["statement"] for s in man["sites"]]
-    want = aux_claims(man["job"]["config"], statements, len(gen["classes"]))
+    want = aux_claims(
+        man["job"]["config"], statements, len(gen["classes"]), per_patient=res.per_patient_claims
+    )
     _, labels = load_starts(
         data,
         str(path),
@@ -718,6 +759,7 @@ def _check_aux_starts(res: VerificationResult, rd: Path, man: dict[str, Any]) ->
         return
     res.aux_bytes, res.aux_claims = data, want
     res.add("aux images", True, f"{path}: {len(labels)} aux-generator images, sha256 matches the manifest")
+    _warn_per_image_only(res, man, "aux images", "frequency")
 
 
 def _starts_claims_match(
@@ -726,7 +768,12 @@ def _starts_claims_match(
     """The record's claims recomputed from the signed job config and the sites' SIGNED statements (the same
     figures the certificate uses); a field that differs fails the check, named."""
     statements = [s["attestation"]["statement"] for s in man["sites"]]
-    want = starts_claims(man["job"]["config"], statements, len(man["generator"]["classes"]))
+    want = starts_claims(
+        man["job"]["config"],
+        statements,
+        len(man["generator"]["classes"]),
+        per_patient=res.per_patient_claims,
+    )
     bad = _claim_problems("starts", rec, want, "central_epsilon")
     if bad:
         res.add(

@@ -366,12 +366,23 @@ def png_arrays(out: Path) -> np.ndarray:
 
 
 def patient_release(
-    out: Path, den_onnx: Any, keys: Keys, events: list[PrivacyEvent], lifetime_events: list[PrivacyEvent]
+    out: Path,
+    den_onnx: Any,
+    keys: Keys,
+    events: list[PrivacyEvent],
+    lifetime_events: list[PrivacyEvent],
+    *,
+    start_sigma: float | None = None,
+    starts: Any = None,
 ) -> Path:
     """A one-site release from a patient-level site (1000 public patients, at most 4 images each) whose
-    statement carries ``lifetime_events`` as its spend over all its jobs."""
-    att, job, policy = patient_attestation(keys, events, lifetime_events)
-    return assemble(out, den_onnx, keys.coordinator, job, [att], {"a": policy})
+    statement carries ``lifetime_events`` as its spend over all its jobs (``start_sigma`` + ``starts``: an
+    SDEdit release carrying those central images, as :func:`make_release`)."""
+    sampler = {"start_sigma": start_sigma} if start_sigma else None
+    att, job, policy = patient_attestation(keys, events, lifetime_events, sampler)
+    return assemble(
+        out, den_onnx, keys.coordinator, job, [att], {"a": policy}, start_sigma=start_sigma, starts=starts
+    )
 
 
 def patient_folders(
@@ -399,10 +410,14 @@ def patient_folders(
 
 
 def patient_attestation(
-    keys: Keys, events: list[PrivacyEvent], lifetime_events: list[PrivacyEvent]
+    keys: Keys,
+    events: list[PrivacyEvent],
+    lifetime_events: list[PrivacyEvent],
+    sampler: dict | None = None,
 ) -> tuple[dict, dict, dict]:
     """(signed statement, signed job, signed policy) of a patient-level site "a" (1000 public patients, at
-    most 4 images each) for job "job-1", as its node signs them (``build_attestation``)."""
+    most 4 images each) for job "job-1" (``sampler``: its [sampler] overrides), as its node signs them
+    (``build_attestation``)."""
     from feta_release.policy import make_policy, sign_policy
     from feta_release.policy.document import SitePolicy
     from feta_release.release.manifest import build_attestation
@@ -421,7 +436,7 @@ def patient_attestation(
     )
     policy = sign_policy(doc, keys.policy)
     unit = SitePolicy.from_document(policy["policy"], None)
-    job = signed_job(keys.coordinator, "job-1", ["a"], None)
+    job = signed_job(keys.coordinator, "job-1", ["a"], sampler)
     att = build_attestation(
         "a",
         "job-1",

@@ -456,7 +456,7 @@ def starts_claims(
         "unit": unit,  # image: the central stage is image-level at every site (privacy_unit.py)
         "central_epsilon_alone": per_site,
         "central_epsilon_worst_case": worst,
-        **_patient_fields("central", patients),
+        **patient_fields("central", patients),
         "privacy": _starts_words(source, per_site, worst, unit, patients),
     }
 
@@ -511,7 +511,7 @@ def patient_figures(sites: Sequence[dict[str, Any]], stage: str) -> PatientFigur
     return PatientFigures(caps, alone, worst)
 
 
-def _patient_fields(stage: str, patients: PatientFigures | None) -> dict[str, Any]:
+def patient_fields(stage: str, patients: PatientFigures | None) -> dict[str, Any]:
     """The record's per-patient fields (none without a patient-level site, or in a format 2/3 record)."""
     if patients is None:
         return {}
@@ -575,7 +575,7 @@ def aux_claims(
         "unit": unit,
         "frequency_epsilon_alone": per_site,
         "frequency_epsilon_worst_case": worst,
-        **_patient_fields("frequency", patients),
+        **patient_fields("frequency", patients),
         "privacy": _aux_words(unit, per_site, worst, patients),
     }
 
@@ -627,11 +627,11 @@ def _figure_words(
     )
     return (
         f"Privacy per {unit.upper()}, for this job's {stage} stage alone, at each site's delta: "
-        f"{words}{group}.{worst_words}{_patient_words(patients)}"
+        f"{words}{group}.{worst_words}{patient_words(patients)}"
     )
 
 
-def _patient_words(patients: PatientFigures | None) -> str:
+def patient_words(patients: PatientFigures | None) -> str:
     """The per-patient sentence of a stage's figures (empty without patient-level sites)."""
     if patients is None:
         return ""

@@ -173,3 +173,42 @@ def test_the_aux_images_record_gives_it_too_and_an_older_one_still_verifies(tmp_
     warned = {c.name: c.detail for c in res.checks if c.status == "warn"}
     assert set(warned) == {"central images", "aux images"}, warned
     assert f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in warned["aux images"]
+
+
+def _certificate_start(rel: Path, keys: Any, out: Path) -> dict[str, Any]:
+    import json
+
+    from feta_release.release.synthesize import synthesize
+
+    synthesize(rel, out, keys.trust(), num=2, progress=False, threads=1)
+    start: dict[str, Any] = json.loads((out / "certificate.json").read_text())["certificate"]["generation"][
+        "start"
+    ]
+    return start
+
+
+def test_the_synthesize_certificate_gives_the_central_stage_per_patient_at_any_format(
+    release: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """The certificate's start section gave the central stage per IMAGE only (``unit`` "image"), so a DPO
+    reading it at a patient-level site saw no figure its caps bound; a format 2 manifest of the release, which
+    verify passes with a warning, must not drop it either."""
+    rel, keys = release
+    want = patient_epsilon([e for e in EVENTS if e.stage == "central"], 1e-5, CAP)
+    old = _copy(rel, tmp_path / "old")
+    _as_exported_before(old, keys)
+    for name, at in (("now", rel), ("before", old)):
+        start = _certificate_start(at, keys, tmp_path / f"synth-{name}")
+        assert start[PER_PATIENT] == {"a": pytest.approx(want)}, (name, start)
+        assert f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in start["privacy"], name
+
+
+def test_the_synthesize_certificate_of_a_mix_release_gives_both_stages_per_patient(tmp_path: Path) -> None:
+    keys = new_keys()
+    rel = _mix_release(tmp_path / "rel", keys)
+    freq = patient_epsilon([PrivacyEvent("frequency", 26.6, 1.0, 1)], 1e-5, CAP)
+    central = patient_epsilon([e for e in EVENTS if e.stage == "central"], 1e-5, CAP)
+    start = _certificate_start(rel, keys, tmp_path / "synth")
+    assert start["frequency_epsilon_per_patient"] == {"a": pytest.approx(freq)}, start
+    assert start[PER_PATIENT] == {"a": pytest.approx(central)}, start
+    assert start["privacy"].count("Per PATIENT") == 2, start["privacy"]

@@ -212,3 +212,29 @@ def test_the_synthesize_certificate_of_a_mix_release_gives_both_stages_per_patie
     assert start["frequency_epsilon_per_patient"] == {"a": pytest.approx(freq)}, start
     assert start[PER_PATIENT] == {"a": pytest.approx(central)}, start
     assert start["privacy"].count("Per PATIENT") == 2, start["privacy"]
+
+
+def test_the_warning_on_an_older_record_gives_the_worst_case_per_patient_too() -> None:
+    """Under secure aggregation a format 4 record gives each patient-level site's figure per patient also if
+    every other site colludes with the coordinator; the warning on a format 2/3 record of such a release gave
+    only the figure that assumes they do not, the smaller one."""
+    from feta_release.accounting import SkellamEvent
+    from feta_release.release.verify import VerificationResult, _warn_per_image_only
+
+    central = SkellamEvent("central", 0.5, 1, 10.0, 10.0, mu=200.0, mu_worst=100.0)
+    statement = {
+        "site_id": "a",
+        "events": [central.to_dict()],
+        "delta": 1e-5,
+        "accountant": "rdp",
+        "privacy_unit": {"unit": "patient", "images_per_patient_cap": CAP, "epsilon_per_patient": 1.0},
+    }
+    man = {"format_version": FORMAT_VERSION_SDEDIT, "sites": [{"attestation": {"statement": statement}}]}
+    res = VerificationResult(release_dir="rel", per_patient_claims=False)
+    _warn_per_image_only(res, man, "central images", "central")
+    assumed = patient_epsilon([central], 1e-5, CAP)
+    worst = patient_epsilon([central], 1e-5, CAP, view="worst_case")
+    assert worst > assumed + 1e-3
+    (warned,) = [c.detail for c in res.checks if c.status == "warn"]
+    assert f"site a: ε = {assumed:.3f} (at most {CAP} image(s) of a patient)" in warned, warned
+    assert "collude" in warned and f"site a: ε = {worst:.3f}" in warned, warned

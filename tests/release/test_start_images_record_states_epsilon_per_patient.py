@@ -238,3 +238,23 @@ def test_the_warning_on_an_older_record_gives_the_worst_case_per_patient_too() -
     (warned,) = [c.detail for c in res.checks if c.status == "warn"]
     assert f"site a: ε = {assumed:.3f} (at most {CAP} image(s) of a patient)" in warned, warned
     assert "collude" in warned and f"site a: ε = {worst:.3f}" in warned, warned
+
+
+def test_the_privacy_report_of_an_older_release_gives_the_central_stage_per_patient(
+    release: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """The report's row of the shipped central images quotes the record's words: a format 2 record's state
+    the stage per image only, so the row gave a patient-level site no figure its caps bound."""
+    import html as html_lib
+
+    from feta_release.release import report
+
+    rel, keys = release
+    want = patient_epsilon([e for e in EVENTS if e.stage == "central"], 1e-5, CAP)
+    old = _copy(rel, tmp_path / "old")
+    _as_exported_before(old, keys)
+    path, res = report.write_report(old, tmp_path / "r.html", keys.trust(), per_class=1)
+    page = html_lib.unescape(path.read_text("utf-8"))
+    row = page[page.index("central images (also released)") :]
+    row = row[: row.index("</tr>")]
+    assert res.ok and f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in row, row

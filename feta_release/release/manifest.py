@@ -631,8 +631,10 @@ def _figure_words(
     )
 
 
-def patient_words(patients: PatientFigures | None) -> str:
-    """The per-patient sentence of a stage's figures (empty without patient-level sites)."""
+def patient_words(patients: PatientFigures | None, stage: str | None = None) -> str:
+    """The per-patient sentence of a stage's figures (empty without patient-level sites). ``stage``: named in
+    the sentence, where it does not follow that stage's per-image figures (words added to a format 2/3
+    record's)."""
     if patients is None:
         return ""
     words = ", ".join(
@@ -645,9 +647,10 @@ def patient_words(patients: PatientFigures | None) -> str:
         else "; if the other sites all collude with the coordinator: "
         + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in patients.worst.items())
     )
+    scope = "" if stage is None else f" for this job's {stage} stage alone"
     return (
-        " Per PATIENT, the unit of privacy a patient-level site's caps bound (group privacy over its cap, "
-        f"at its delta): {words}{worst}."
+        f" Per PATIENT{scope}, the unit of privacy a patient-level site's caps bound (group privacy over its "
+        f"cap, at its delta): {words}{worst}."
     )
 
 

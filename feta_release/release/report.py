@@ -110,7 +110,9 @@ def _shipped_images_row(
         return [(f"{what} (also released)", _h(f"the release names {what} that did NOT pass verify"))]
     words = claims["privacy"]
     if f"{stage}_epsilon_per_patient" not in claims:
-        words += patient_words(patient_figures([s["attestation"]["statement"] for s in man["sites"]], stage))
+        words += patient_words(
+            patient_figures([s["attestation"]["statement"] for s in man["sites"]], stage), stage
+        )
     return [(f"{what} (also released)", _h(words))]
 
 

@@ -455,7 +455,7 @@ def _per_patient(man: dict[str, Any], stage: str, claims: dict[str, Any]) -> tup
     image only; a format 4 record's words already give the figures per patient. None at image-level sites."""
     figures = _patient_figures(man, stage)
     said = f"{stage}_epsilon_per_patient" in claims
-    return patient_fields(stage, figures), ("" if said else patient_words(figures))
+    return patient_fields(stage, figures), ("" if said else patient_words(figures, stage))
 
 
 def _patient_figures(man: dict[str, Any], stage: str) -> PatientFigures | None:
@@ -513,7 +513,7 @@ def start_statement(
         "privacy": (
             "the central images are differentially private outputs already charged in each site's "
             "attested history (the privacy figures above include them); starting from them is "
-            "post-processing and costs nothing further." + patient_words(patients)
+            "post-processing and costs nothing further." + patient_words(patients, "central")
         ),
     }
 

@@ -201,6 +201,7 @@ def test_the_synthesize_certificate_gives_the_central_stage_per_patient_at_any_f
         start = _certificate_start(at, keys, tmp_path / f"synth-{name}")
         assert start[PER_PATIENT] == {"a": pytest.approx(want)}, (name, start)
         assert f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in start["privacy"], name
+        assert "Per PATIENT for this job's central stage alone" in start["privacy"], name
 
 
 def test_the_synthesize_certificate_of_a_mix_release_gives_both_stages_per_patient(tmp_path: Path) -> None:
@@ -258,3 +259,5 @@ def test_the_privacy_report_of_an_older_release_gives_the_central_stage_per_pati
     row = page[page.index("central images (also released)") :]
     row = row[: row.index("</tr>")]
     assert res.ok and f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in row, row
+    # after the record's last words (about synthesize), not its figures: the sentence names its stage
+    assert "Per PATIENT for this job's central stage alone" in row, row

@@ -456,7 +456,7 @@ def starts_claims(
         "unit": unit,  # image: the central stage is image-level at every site (privacy_unit.py)
         "central_epsilon_alone": per_site,
         "central_epsilon_worst_case": worst,
-        **_patient_fields("central", patients),
+        **patient_fields("central", patients),
         "privacy": _starts_words(source, per_site, worst, unit, patients),
     }
 
@@ -511,7 +511,7 @@ def patient_figures(sites: Sequence[dict[str, Any]], stage: str) -> PatientFigur
     return PatientFigures(caps, alone, worst)
 
 
-def _patient_fields(stage: str, patients: PatientFigures | None) -> dict[str, Any]:
+def patient_fields(stage: str, patients: PatientFigures | None) -> dict[str, Any]:
     """The record's per-patient fields (none without a patient-level site, or in a format 2/3 record)."""
     if patients is None:
         return {}
@@ -575,7 +575,7 @@ def aux_claims(
         "unit": unit,
         "frequency_epsilon_alone": per_site,
         "frequency_epsilon_worst_case": worst,
-        **_patient_fields("frequency", patients),
+        **patient_fields("frequency", patients),
         "privacy": _aux_words(unit, per_site, worst, patients),
     }
 
@@ -627,12 +627,14 @@ def _figure_words(
     )
     return (
         f"Privacy per {unit.upper()}, for this job's {stage} stage alone, at each site's delta: "
-        f"{words}{group}.{worst_words}{_patient_words(patients)}"
+        f"{words}{group}.{worst_words}{patient_words(patients)}"
     )
 
 
-def _patient_words(patients: PatientFigures | None) -> str:
-    """The per-patient sentence of a stage's figures (empty without patient-level sites)."""
+def patient_words(patients: PatientFigures | None, stage: str | None = None) -> str:
+    """The per-patient sentence of a stage's figures (empty without patient-level sites). ``stage``: named in
+    the sentence, where it does not follow that stage's per-image figures (words added to a format 2/3
+    record's)."""
     if patients is None:
         return ""
     words = ", ".join(
@@ -645,9 +647,10 @@ def _patient_words(patients: PatientFigures | None) -> str:
         else "; if the other sites all collude with the coordinator: "
         + ", ".join(f"site {k}: ε = {v:.3f}" for k, v in patients.worst.items())
     )
+    scope = "" if stage is None else f" for this job's {stage} stage alone"
     return (
-        " Per PATIENT, the unit of privacy a patient-level site's caps bound (group privacy over its cap, "
-        f"at its delta): {words}{worst}."
+        f" Per PATIENT{scope}, the unit of privacy a patient-level site's caps bound (group privacy over its "
+        f"cap, at its delta): {words}{worst}."
     )
 
 

@@ -28,7 +28,7 @@ from ..accounting import epsilon_breakdown, events_from_list, unit_name
 from ..errors import ReleaseError
 from ..files import hash_regular
 from ..privacy_unit import figures_in_unit, lifetime_in_unit, statement_patient_cap
-from .manifest import MANIFEST_FILE
+from .manifest import MANIFEST_FILE, patient_figures, patient_words
 from .summary import SiteSummary, site_summaries, trust_assumption, verdict_line
 from .verify import (
     STAGE_WORDS,
@@ -97,12 +97,22 @@ def _signed_policy(rd: Path, sid: str, res: VerificationResult) -> dict[str, Any
 # -- sections ------------------------------------------------------------------------------------------------
 
 
-def _shipped_images_row(what: str, record: Any, claims: dict[str, Any] | None) -> list[tuple[str, str]]:
+def _shipped_images_row(
+    what: str, record: Any, claims: dict[str, Any] | None, man: dict[str, Any], stage: str
+) -> list[tuple[str, str]]:
     """The row of images the release also ships (``record``, its manifest entry): their privacy words, or that
-    they did not pass verify; none when the manifest names none."""
+    they did not pass verify; none when the manifest names none. A format 2/3 record (verified as signed)
+    states ``stage`` per image only: the figures per patient of its patient-level sites are added, recomputed
+    from their signed statements as verify does."""
     if not record:
         return []
-    words = claims["privacy"] if claims else f"the release names {what} that did NOT pass verify"
+    if not claims:
+        return [(f"{what} (also released)", _h(f"the release names {what} that did NOT pass verify"))]
+    words = claims["privacy"]
+    if f"{stage}_epsilon_per_patient" not in claims:
+        words += patient_words(
+            patient_figures([s["attestation"]["statement"] for s in man["sites"]], stage), stage
+        )
     return [(f"{what} (also released)", _h(words))]
 
 
@@ -128,8 +138,8 @@ def _released(man: dict[str, Any], res: VerificationResult) -> str:
             f"synthetic image of shape {_h(' x '.join(map(str, gen['image_shape'])))}; "
             f"classes: {_h(', '.join(map(str, gen['classes'])))}",
         ),
-        *_shipped_images_row("central images", man.get("starts"), res.starts_claims),
-        *_shipped_images_row("aux-generator images", man.get("aux_starts"), res.aux_claims),
+        *_shipped_images_row("central images", man.get("starts"), res.starts_claims, man, "central"),
+        *_shipped_images_row("aux-generator images", man.get("aux_starts"), res.aux_claims, man, "frequency"),
         ("released by", _h(f"the coordinator: manifest {signer}")),
         ("manifest sha256", f'<span class="hash">{_h(res.manifest_sha256)}</span>'),
         ("generator sha256", f'<span class="hash">{_h(gen["sha256"])}</span>'),

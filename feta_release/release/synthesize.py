@@ -35,7 +35,14 @@ from .certificate import (
     relative_release_path,
     write_certificate,
 )
-from .manifest import MANIFEST_FILE, read_manifest
+from .manifest import (
+    MANIFEST_FILE,
+    PatientFigures,
+    patient_fields,
+    patient_figures,
+    patient_words,
+    read_manifest,
+)
 from .starts import load_starts, mixed_start_images
 from .verify import VerificationResult, require_valid, sealed_session, verify_release
 
@@ -424,17 +431,37 @@ def _aux_statement(
         "frequency_epsilon_alone": aux_claims["frequency_epsilon_alone"],
         "frequency_epsilon_worst_case": aux_claims["frequency_epsilon_worst_case"],
         "unit": aux_claims["unit"],
-        "privacy": aux_claims["privacy"],
     }
+    fields, words = _per_patient(man, "frequency", aux_claims)
+    out |= fields
+    out["privacy"] = aux_claims["privacy"] + words
     if src == "mix" and claims is not None:
         srec = man["starts"]
         out["central_images"] = {"file": srec["file"], "sha256": srec["sha256"], "images": claims["images"]}
         out["central_epsilon_alone"] = claims["central_epsilon_alone"]
         out["central_epsilon_worst_case"] = claims["central_epsilon_worst_case"]
+        fields, words = _per_patient(man, "central", claims)
+        out |= fields
         if claims["unit"] != aux_claims["unit"]:
             out["unit"] = f"{aux_claims['unit']} (aux-generator images), {claims['unit']} (central images)"
-        out["privacy"] = f"{aux_claims['privacy']} {claims['privacy']}"  # both sources' caveats
+        out["privacy"] = f"{out['privacy']} {claims['privacy']}{words}"  # both sources' caveats
     return out
+
+
+def _per_patient(man: dict[str, Any], stage: str, claims: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(the start section's figures of ``stage`` per PATIENT at the release's patient-level sites, the
+    sentence its words still lack): recomputed, as verify does, from the sites' signed statements, whatever
+    the manifest's format. A format 2/3 record (verified as signed, with a warning) states its stage per
+    image only; a format 4 record's words already give the figures per patient. None at image-level sites."""
+    figures = _patient_figures(man, stage)
+    said = f"{stage}_epsilon_per_patient" in claims
+    return patient_fields(stage, figures), ("" if said else patient_words(figures, stage))
+
+
+def _patient_figures(man: dict[str, Any], stage: str) -> PatientFigures | None:
+    """The figures per patient of ``stage`` from the verified sites' signed statements (None: no
+    patient-level site)."""
+    return patient_figures([s["attestation"]["statement"] for s in man["sites"]], stage)
 
 
 def start_statement(
@@ -463,6 +490,8 @@ def start_statement(
     if src != "central":
         return _aux_statement(src, man, claims, aux_claims)
     assert rec is not None and claims is not None
+    # these words are the certificate's own, not the record's: they give the figures per patient themselves
+    patients = _patient_figures(man, "central")
     return {
         "from": "release",
         "meaning": (
@@ -475,6 +504,8 @@ def start_statement(
         "central_epsilon_worst_case": claims[
             "central_epsilon_worst_case"
         ],  # secure aggregation, all others collude
+        # at a patient-level site: the central stage per PATIENT, the figure its caps bound
+        **patient_fields("central", patients),
         "unit": claims["unit"],
         "augmentation": claims["augmentation"],
         "augmentation_randomnes"
@@ -482,7 +513,7 @@ def start_statement(
         "privacy": (
             "the central images are differentially private outputs already charged in each site's "
             "attested history (the privacy figures above include them); starting from them is "
-            "post-processing and costs nothing further"
+            "post-processing and costs nothing further." + patient_words(patients, "central")
         ),
     }
 

@@ -85,6 +85,7 @@ from .manifest import (
     aux_claims,
     manifest_format,
     patient_figures,
+    patient_words,
     policy_file_name,
     sampler_problem,
     starts_claims,
@@ -692,16 +693,12 @@ def _warn_per_image_only(res: VerificationResult, man: dict[str, Any], name: str
     figures = patient_figures([s["attestation"]["statement"] for s in man["sites"]], stage)
     if figures is None:
         return
-    per_patient = ", ".join(
-        f"site {k}: ε = {v:.3f} (at most {figures.cap[k]} image(s) of a patient)"
-        for k, v in figures.alone.items()
-    )
+    # the words a format 4 record gives them in, the worst case under secure aggregation included
     res.add(
         name,
         False,
         f"format_version {man.get('format_version')!r}, exported before its record gave figures per patient, "
-        f"states the {stage} stage per IMAGE only; per PATIENT, the unit of privacy the site's caps bound: "
-        f"{per_patient}",
+        f"states the {stage} stage per IMAGE only.{patient_words(figures)}",
         warn=True,
     )
 

@@ -384,6 +384,7 @@ def test_an_aux_or_mix_certificate_states_unit_and_worst_case(source: str) -> No
     aux, central = aux_claims(cfg, [site], len(CLASSES)), starts_claims(cfg, [site], len(CLASSES))
     man = {
         "generator": {"sampler": {"start_sigma": 0.5, "start_source": source}},
+        "sites": [{"attestation": {"statement": site}}],
         "aux_starts": {"file": "aux_images.npz", "sha256": "0" * 64},
         **({"starts": {"file": "central_images.npz", "sha256": "1" * 64}} if source == "mix" else {}),
     }

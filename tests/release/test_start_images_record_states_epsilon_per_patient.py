@@ -173,3 +173,91 @@ def test_the_aux_images_record_gives_it_too_and_an_older_one_still_verifies(tmp_
     warned = {c.name: c.detail for c in res.checks if c.status == "warn"}
     assert set(warned) == {"central images", "aux images"}, warned
     assert f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in warned["aux images"]
+
+
+def _certificate_start(rel: Path, keys: Any, out: Path) -> dict[str, Any]:
+    import json
+
+    from feta_release.release.synthesize import synthesize
+
+    synthesize(rel, out, keys.trust(), num=2, progress=False, threads=1)
+    start: dict[str, Any] = json.loads((out / "certificate.json").read_text())["certificate"]["generation"][
+        "start"
+    ]
+    return start
+
+
+def test_the_synthesize_certificate_gives_the_central_stage_per_patient_at_any_format(
+    release: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """The certificate's start section gave the central stage per IMAGE only (``unit`` "image"), so a DPO
+    reading it at a patient-level site saw no figure its caps bound; a format 2 manifest of the release, which
+    verify passes with a warning, must not drop it either."""
+    rel, keys = release
+    want = patient_epsilon([e for e in EVENTS if e.stage == "central"], 1e-5, CAP)
+    old = _copy(rel, tmp_path / "old")
+    _as_exported_before(old, keys)
+    for name, at in (("now", rel), ("before", old)):
+        start = _certificate_start(at, keys, tmp_path / f"synth-{name}")
+        assert start[PER_PATIENT] == {"a": pytest.approx(want)}, (name, start)
+        assert f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in start["privacy"], name
+        assert "Per PATIENT for this job's central stage alone" in start["privacy"], name
+
+
+def test_the_synthesize_certificate_of_a_mix_release_gives_both_stages_per_patient(tmp_path: Path) -> None:
+    keys = new_keys()
+    rel = _mix_release(tmp_path / "rel", keys)
+    freq = patient_epsilon([PrivacyEvent("frequency", 26.6, 1.0, 1)], 1e-5, CAP)
+    central = patient_epsilon([e for e in EVENTS if e.stage == "central"], 1e-5, CAP)
+    start = _certificate_start(rel, keys, tmp_path / "synth")
+    assert start["frequency_epsilon_per_patient"] == {"a": pytest.approx(freq)}, start
+    assert start[PER_PATIENT] == {"a": pytest.approx(central)}, start
+    assert start["privacy"].count("Per PATIENT") == 2, start["privacy"]
+
+
+def test_the_warning_on_an_older_record_gives_the_worst_case_per_patient_too() -> None:
+    """Under secure aggregation a format 4 record gives each patient-level site's figure per patient also if
+    every other site colludes with the coordinator; the warning on a format 2/3 record of such a release gave
+    only the figure that assumes they do not, the smaller one."""
+    from feta_release.accounting import SkellamEvent
+    from feta_release.release.verify import VerificationResult, _warn_per_image_only
+
+    central = SkellamEvent("central", 0.5, 1, 10.0, 10.0, mu=200.0, mu_worst=100.0)
+    statement = {
+        "site_id": "a",
+        "events": [central.to_dict()],
+        "delta": 1e-5,
+        "accountant": "rdp",
+        "privacy_unit": {"unit": "patient", "images_per_patient_cap": CAP, "epsilon_per_patient": 1.0},
+    }
+    man = {"format_version": FORMAT_VERSION_SDEDIT, "sites": [{"attestation": {"statement": statement}}]}
+    res = VerificationResult(release_dir="rel", per_patient_claims=False)
+    _warn_per_image_only(res, man, "central images", "central")
+    assumed = patient_epsilon([central], 1e-5, CAP)
+    worst = patient_epsilon([central], 1e-5, CAP, view="worst_case")
+    assert worst > assumed + 1e-3
+    (warned,) = [c.detail for c in res.checks if c.status == "warn"]
+    assert f"site a: ε = {assumed:.3f} (at most {CAP} image(s) of a patient)" in warned, warned
+    assert "collude" in warned and f"site a: ε = {worst:.3f}" in warned, warned
+
+
+def test_the_privacy_report_of_an_older_release_gives_the_central_stage_per_patient(
+    release: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """The report's row of the shipped central images quotes the record's words: a format 2 record's state
+    the stage per image only, so the row gave a patient-level site no figure its caps bound."""
+    import html as html_lib
+
+    from feta_release.release import report
+
+    rel, keys = release
+    want = patient_epsilon([e for e in EVENTS if e.stage == "central"], 1e-5, CAP)
+    old = _copy(rel, tmp_path / "old")
+    _as_exported_before(old, keys)
+    path, res = report.write_report(old, tmp_path / "r.html", keys.trust(), per_class=1)
+    page = html_lib.unescape(path.read_text("utf-8"))
+    row = page[page.index("central images (also released)") :]
+    row = row[: row.index("</tr>")]
+    assert res.ok and f"site a: ε = {want:.3f} (at most {CAP} image(s) of a patient)" in row, row
+    # after the record's last words (about synthesize), not its figures: the sentence names its stage
+    assert "Per PATIENT for this job's central stage alone" in row, row

@@ -56,7 +56,7 @@ from edge.site import (
     release_site,
     verify_policy_file,
 )
-from feta_release.accounting import PrivacyEvent, events_from_list
+from feta_release.accounting import PrivacyEvent, events_from_list, per_unit, unit_name
 from feta_release.config import JobConfig
 from feta_release.data import ImageDataset
 from feta_release.data.commitment import dataset_commitment, ensure_secret
@@ -511,8 +511,8 @@ def _log_start(
     sgd = plan.event("dpsgd")
     rep.log(
         f"[bold]{escape(cfg.job.name)}[/] ({cfg.job.method}) on {data.n} images, {data.n_classes} classes: "
-        f"planned epsilon{' per patient' if plan.patient_cap is not None else ''} {plan.epsilon:.3f} at "
-        f"delta {cfg.privacy.delta:g}"
+        f"planned epsilon {plan.epsilon:.3f} {per_unit(unit_name(plan.patient_cap))} at delta "
+        f"{cfg.privacy.delta:g}"
         + (f"; DP-SGD sigma {plan.noise_multiplier:.3f}, q {sgd.q:.4f}, {sgd.steps} steps" if sgd else "")
         + escape(f"; ledger {files.ledger}" + (" [resuming]" if resumed else ""))
     )

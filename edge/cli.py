@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from feta_release.accounting import per_unit
 from feta_release.cli.data_options import data_load_options
 from feta_release.cli.device_option import device_option
 from feta_release.cli.trust_options import (
@@ -201,12 +202,14 @@ def _print_summary(s: dict) -> None:
     )
     con.print(f"integrity: {s['integrity']}")
     con.print(_unit_line(s))
-    per = " per patient" if s.get("unit") == "patient" else ""
+    # without a policy the figures compose the events as if each protected one image (the unit line says
+    # what that means at a patient-level site)
+    per = per_unit(s.get("unit") or "image")
     con.print(
-        f"lifetime ε{per} spent [bold]{s['lifetime_epsilon_spent']:.4f}[/]"
+        f"lifetime ε {per} spent [bold]{s['lifetime_epsilon_spent']:.4f}[/]"
         + (f", left {left:.4f}" if left is not None else "")
     )
-    t = Table("job", "mechanism", "events", f"ε{per} spent", f"ε{per} left (job)")
+    t = Table("job", "mechanism", "events", f"ε {per} spent", f"ε {per} left (job)")
     for job_id, j in s["jobs"].items():
         for m, info in j["mechanisms"].items():
             ev = "; ".join(

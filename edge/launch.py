@@ -44,6 +44,7 @@ from .site import (
     CFG_WINDOW,
     CFG_WORK,
     Site,
+    verify_policy_file,
 )
 
 log = logging.getLogger("feta.node")
@@ -159,15 +160,20 @@ def preflight(s: NodeSettings) -> Site:
     trust.check_flower_internals()
     runtime_api.check_runtime_api_internals()
     work = Path(s.node_config()[CFG_WORK])
-    if s.new_ledger:
-        ledger_anchor.start_new(s.ledger, work)
-    site = Site.open(s.node_config())  # refuses a missing or rolled-back ledger (edge.ledger_anchor)
-    site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
-    ledger_anchor.record(site.ledger, work)
-    if not site.policy.app_bundles:
+    # decided from the policy alone: refused before the ledger or its anchor is touched (--new-ledger)
+    if not verify_policy_file(s.policy, s.trusted_policy_key).app_bundles:
         raise PolicyError(
             f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run"
         )
+    # refuses a missing or rolled-back ledger (edge.ledger_anchor); with --new-ledger, resets the anchor only
+    # once the policy, the node config and the data have passed
+    site = Site.open(s.node_config(), new_ledger=s.new_ledger)
+    try:
+        site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
+        ledger_anchor.record(site.ledger, work)
+    except BaseException:
+        site.ledger.close()
+        raise
     return site
 
 

@@ -9,7 +9,9 @@ attestation, and refuses to start (or to open the site for a message) on a ledge
 - the ledger file is missing although the node ran on one: refused, instead of creating a fresh, empty ledger
   silently; the fix is to restore the latest ledger. ``node start --new-ledger`` starts a new one
   deliberately: it is logged here (``history``) and the coordinator, which keeps the last attested anchor of
-  every site (``feta_release.federation.anchors``), refuses the new ledger id until its admin accepts it;
+  every site (``feta_release.federation.anchors``), refuses the new ledger id until its admin accepts it. The
+  record is reset only after every check that needs no ledger (``edge.site.Site.open``): a start refused
+  for its policy, config or data keeps refusing an older copy of the lost ledger;
 - another ledger id, fewer rows, or a chain that does not pass through the recorded head: an older copy (or a
   copy that went on from one) was restored: refused; restore the latest ledger.
 
@@ -102,16 +104,25 @@ def refuse_regression(ledger: Any, work_dir: str | Path) -> None:
     )
 
 
-def start_new(ledger: str | Path, work_dir: str | Path) -> str:
-    """``node start --new-ledger``: forget the recorded ledger (kept in ``history``) so that a new one may be
-    created. Refused while a ledger file is there (move it aside first: nothing is deleted here). Returns the
-    line that was logged."""
-    led, rec = Path(ledger), read(work_dir)
+def refuse_new_over_existing(ledger: str | Path) -> None:
+    """``--new-ledger`` where a ledger file is there: refused (move it aside first: nothing is deleted here,
+    and an older copy put back never replaces the recorded ledger this way)."""
+    led = Path(ledger)
     if led.exists():
         raise LedgerRegressedError(
             f"{led}: --new-ledger starts a NEW ledger, but one is there; move it aside first "
             "(or start without --new-ledger to keep using it)"
         )
+
+
+def start_new(ledger: str | Path, work_dir: str | Path) -> str:
+    """``node start --new-ledger``: forget the recorded ledger (kept in ``history``) so that a new one may be
+    created. Refused while a ledger file is there (:func:`refuse_new_over_existing`). The site
+    (``edge.site.Site.open``) calls it only once every check that needs no ledger has passed: a start refused
+    for its policy, config or data leaves the record of the lost ledger in place. Returns the line that was
+    logged."""
+    refuse_new_over_existing(ledger)
+    led, rec = Path(ledger), read(work_dir)
     line = (
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} --new-ledger: a new privacy ledger is created "
         f"at {led}"

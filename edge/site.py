@@ -22,7 +22,7 @@ from feta_release.data.dataset import check_dataset_memory, check_site_memory
 from feta_release.data.loading import LoadOptions, check_cap_for_policy, load_dataset, policy_data
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.ledger import Ledger
-from feta_release.policy.document import load_site_policy
+from feta_release.policy.document import check_version, load_site_policy
 from feta_release.policy.enforce import resource_cap
 from feta_release.privacy_unit import PatientIndex
 from feta_release.signing import load_private_key, public_key_pem
@@ -148,10 +148,11 @@ class Site:
         return int(self.policy.dataset_size)
 
     @classmethod
-    def open(cls, node_config: dict[str, Any]) -> Site:
+    def open(cls, node_config: dict[str, Any], *, new_ledger: bool = False) -> Site:
         """Verify the signed policy against the site's trusted key and the data against the policy's keyed
         commitment (recomputed with the site's secret), and refuse a policy older than one this ledger has
-        seen."""
+        seen. ``new_ledger`` (``node start --new-ledger``): a NEW ledger where the node ran on one that is
+        lost (``edge.ledger_anchor.start_new``, logged), once every other check has passed."""
         missing = [k for k in REQUIRED if not node_config.get(k)]
         if missing:
             raise ConfigError(
@@ -162,7 +163,9 @@ class Site:
         unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
         check_node_cap(unverified, node_config)
         return cls._opened(
-            node_config, lambda secret, work: _opened_data(node_config, unverified, secret, work)
+            node_config,
+            lambda secret, work: _opened_data(node_config, unverified, secret, work),
+            new_ledger=new_ledger,
         )
 
     @classmethod
@@ -181,70 +184,81 @@ class Site:
 
     @classmethod
     def _opened(
-        cls, node_config: dict[str, Any], data_of: Callable[[bytes, Path], tuple[Any, Any, str]]
+        cls,
+        node_config: dict[str, Any],
+        data_of: Callable[[bytes, Path], tuple[Any, Any, str]],
+        *,
+        new_ledger: bool = False,
     ) -> Site:
         """The one way a site opens: its secret and key, its ledger (chain, anchor, head signature), its
         owner-only work directory, then ``data_of(secret, work)`` (the images, their patient index and the
-        keyed commitment recomputed over them) verified against the policy; the ledger closed on failure."""
+        keyed commitment recomputed over them) verified against the policy; the ledger closed on failure.
+
+        ``new_ledger``: the ledger's anchor (what refuses a deleted or older ledger: ``edge.ledger_anchor``)
+        is reset only after every check that needs no ledger has passed (the policy, the node config, the
+        data and their commitment, the site key), so a start refused for any of those leaves the anchor
+        recording the lost ledger, and an older copy restored later is still refused. A new ledger has seen
+        no policy version, so nothing after the reset refuses but a failing disk."""
         secret = load_secret(node_config[CFG_SECRET])
         key = load_private_key(node_config[CFG_SITE_KEY])
-        work_path = Path(str(node_config.get(CFG_WORK) or Path(node_config[CFG_LEDGER]).parent / "work"))
-        ledger = _opened_ledger(node_config[CFG_LEDGER], key, work_path)
+        every = _steps(node_config.get(CFG_ROUND_CHECKPOINT))
+        ledger_path = node_config[CFG_LEDGER]
+        work_path = Path(str(node_config.get(CFG_WORK) or Path(ledger_path).parent / "work"))
+        ledger: Ledger | None = None
+        if new_ledger:
+            ledger_anchor.refuse_new_over_existing(ledger_path)  # nothing written; before any image is read
+        else:
+            ledger = _opened_ledger(ledger_path, key, work_path)  # refused before any image is read
         try:
             work = owner_only_dir(work_path)
             data, patients, commitment = data_of(secret, work)
-            return cls._verified(node_config, ledger, key, work, data, patients, commitment)
+            policy = _checked_policy(node_config, key, data, commitment)
+            if ledger is None:
+                ledger_anchor.start_new(ledger_path, work_path)
+                ledger = _opened_ledger(ledger_path, key, work_path)
+            check_version(policy, node_config[CFG_POLICY], ledger.highest_policy_version())
+            ledger.observe_policy_version(int(policy.version))
+            return cls(
+                policy=policy,
+                data=data,
+                ledger=ledger,
+                key=key,
+                work_dir=work,
+                patients=patients,
+                device=str(node_config.get(CFG_DEVICE) or "cpu"),
+                round_checkpoint_every=every,
+            )
         except BaseException:
-            ledger.close()
+            if ledger is not None:
+                ledger.close()
             raise
 
-    @classmethod
-    def _verified(
-        cls,
-        node_config: dict[str, Any],
-        ledger: Ledger,
-        key: Any,
-        work: Path,
-        data: Any,
-        patients: Any,
-        commitment: str,
-    ) -> Site:
-        """The site, once its policy verifies (signature by the trusted key, validity, a version this ledger
-        has not seen superseded, the keyed commitment to ``data``) and names this site key."""
-        policy = verify_policy_file(
+
+def _checked_policy(node_config: dict[str, Any], key: Any, data: Any, commitment: str) -> Any:
+    """The site's policy, once it verifies (signature by the trusted key, validity, the keyed commitment to
+    ``data``, a public schema) and names this site key: every check of the policy but its version, which
+    the ledger keeps (``Site._opened``)."""
+    policy = verify_policy_file(
+        node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=commitment
+    )
+    # a site held in memory (`train`) refuses a policy without a public schema as an opened one does
+    declared_schema(policy, str(node_config[CFG_POLICY]))
+    if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
+        # Local log only (never sent): the public nominal size drives every rate and denominator, so a
+        # far-off value costs utility (noise is scaled for it), not privacy.
+        log.warning(
+            "%s: the policy's public nominal size %d is far from the %d images here; noise and rates "
+            "are set for the nominal size",
             node_config[CFG_POLICY],
-            node_config[CFG_TRUSTED],
-            dataset_commitment=commitment,
-            last_seen_version=ledger.highest_policy_version(),
+            policy.dataset_size,
+            data.n,
         )
-        # a site held in memory (`train`) refuses a policy without a public schema as an opened one does
-        declared_schema(policy, str(node_config[CFG_POLICY]))
-        if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
-            # Local log only (never sent): the public nominal size drives every rate and denominator, so a
-            # far-off value costs utility (noise is scaled for it), not privacy.
-            log.warning(
-                "%s: the policy's public nominal size %d is far from the %d images here; noise and rates "
-                "are set for the nominal size",
-                node_config[CFG_POLICY],
-                policy.dataset_size,
-                data.n,
-            )
-        ledger.observe_policy_version(int(policy.version))
-        if policy.site_key is not None and policy.site_key != public_key_pem(key):
-            raise PolicyError(
-                f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
-                "names (site_key); a verifier would refuse every attestation it signs"
-            )
-        return cls(
-            policy=policy,
-            data=data,
-            ledger=ledger,
-            key=key,
-            work_dir=work,
-            patients=patients,
-            device=str(node_config.get(CFG_DEVICE) or "cpu"),
-            round_checkpoint_every=_steps(node_config.get(CFG_ROUND_CHECKPOINT)),
+    if policy.site_key is not None and policy.site_key != public_key_pem(key):
+        raise PolicyError(
+            f"{node_config[CFG_SITE_KEY]}: this is not the site key that {node_config[CFG_POLICY]} "
+            "names (site_key); a verifier would refuse every attestation it signs"
         )
+    return policy
 
 
 def _opened_ledger(path: str | Path, key: Any, work_path: Path) -> Ledger:

@@ -523,6 +523,20 @@ def unit_name(patient_cap: int | None) -> str:
     return "image" if patient_cap is None else "patient"
 
 
+def per_unit(unit: str) -> str:
+    """The words after a site's ε that say what one ε protects, "per image" or "per patient" (``unit``: the
+    site's unit, :func:`unit_name`). Every line that states a site's ε names its unit with these words, so
+    the figures of a federation that mixes units read alike wherever they are printed."""
+    if unit not in ("image", "patient"):
+        raise ValueError(f"unit of privacy must be 'image' or 'patient', got {unit!r}")
+    return f"per {unit}"
+
+
+def site_epsilon_words(site: str, eps: float, unit: str) -> str:
+    """One site's ε in a line that lists sites: ``site-a ε=0.998 per image`` (:func:`per_unit`)."""
+    return f"{site} ε={eps:.3f} {per_unit(unit)}"
+
+
 def unit_epsilon(
     events: Iterable[Event],
     delta: float,

@@ -188,12 +188,14 @@ def _check_trainable(ds: ImageDataset, epochs: int | None) -> None:
         )
 
 
-@torch.no_grad()
 def _validation_scores(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) of ``net`` in eval mode on (x, y)."""
     net.eval()
-    logits = torch.cat([net(x[i : i + 500]) for i in range(0, len(x), 500)])
-    return float(nn.functional.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
+    # a block, not torch's decorator (mypy saw the decorated function as Any); no_grad, not inference mode:
+    # the net trains on after each epoch's scores
+    with torch.no_grad():
+        logits = torch.cat([net(x[i : i + 500]) for i in range(0, len(x), 500)])
+        return float(nn.functional.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
 
 
 def _train_epoch(

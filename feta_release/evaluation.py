@@ -76,15 +76,17 @@ MIN_FEATURE_EPOCHS = 10  # fewer: the feature space is barely trained, FD / PRDC
 MIN_FD_IMAGES = 500
 
 
-@torch.no_grad()
 def predict(net: nn.Module, images: np.ndarray, batch_size: int = 500) -> np.ndarray:
     """Predicted labels (int64) for float32 images (N, C, H, W) in [0, 1]."""
     net.eval()
-    out = [
-        net(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size]))).argmax(1)
-        for i in range(0, len(images), batch_size)
-    ]
-    return torch.cat(out).numpy().astype(np.int64)
+    # a block, not torch's decorator, which made this function Any to mypy and left its callers unchecked
+    # (torch is skipped by mypy); inference mode: the labels leave as numpy, nothing differentiates them
+    with torch.inference_mode():
+        out = [
+            net(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size]))).argmax(1)
+            for i in range(0, len(images), batch_size)
+        ]
+        return torch.cat(out).numpy().astype(np.int64)
 
 
 def accuracy(net: nn.Module, ds: ImageDataset) -> float:
@@ -132,16 +134,17 @@ def downstream_accuracy(
     return accuracy(net, real_heldout)
 
 
-@torch.no_grad()
 def extract_features(feature_net: nn.Module, images: np.ndarray, batch_size: int = 500) -> np.ndarray:
     """float64 (N, D) penultimate features (``feature_net.features`` if it has one, else its output)."""
     feature_net.eval()
     fn = getattr(feature_net, "features", feature_net)
-    chunks = [
-        fn(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size], dtype=np.float32))).double()
-        for i in range(0, len(images), batch_size)
-    ]
-    return torch.cat(chunks).reshape(len(images), -1).numpy()
+    # a block, not the decorator (see predict); the features leave as numpy: inference mode
+    with torch.inference_mode():
+        chunks = [
+            fn(torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size], dtype=np.float32))).double()
+            for i in range(0, len(images), batch_size)
+        ]
+        return torch.cat(chunks).reshape(len(images), -1).numpy()
 
 
 def _sqrt_psd(m: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import torch
 from flwr.app import Message
 from torch import nn
 
-from ..accounting import events_from_list, unit_name
+from ..accounting import events_from_list, site_epsilon_words, unit_name
 from ..config import JobConfig
 from ..errors import FetaError, PolicyError
 from ..mechanisms.count import counted_events
@@ -472,7 +472,7 @@ class JobDriver:
             "plan",
             "job fits every site's policy: "
             + ", ".join(
-                f"{k} ε={v['planned_epsilon']:.3f} per {unit_name(self.sites[k].policy.unit_cap)}"
+                site_epsilon_words(k, v["planned_epsilon"], unit_name(self.sites[k].policy.unit_cap))
                 for k, v in doc.items()
             ),
         )

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..accounting import site_epsilon_words
 from ..data.loading import LoadOptions
 from ..data.public import read_public
 from ..errors import ConfigError, DataError
@@ -219,7 +220,7 @@ def _run(
         "done",
         f"job {d.job.job_id} finished: "
         + ", ".join(
-            f"{sid} ε{' per patient' if summary['site_unit'][sid] == 'patient' else ''}={e:.3f}"
+            site_epsilon_words(sid, e, summary["site_unit"][sid])
             for sid, e in summary["site_epsilon"].items()
         ),
         timings=summary["timings"],

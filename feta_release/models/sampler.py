@@ -88,7 +88,6 @@ def sampler_step(
     return x + (t_next - t_cur) * (0.5 * d + 0.5 * d2)
 
 
-@torch.no_grad()
 def sample(
     denoiser: EDMDenoiser,
     labels: torch.Tensor,
@@ -108,17 +107,21 @@ def sample(
     so the model denoises noised copies of given images (``[sampler] start_sigma``)."""
     if solver not in ("euler", "heun"):
         raise ConfigError(f"[sampler] solver must be 'euler' or 'heun', got {solver!r}")
-    t = karras_sigmas(steps, sigma_min, sigma_max, rho).to(device=noise.device, dtype=noise.dtype)
-    labels = labels.to(device=noise.device, dtype=torch.long)
-    x = noise * t[0]
-    if init is not None:
-        x = x + (init.to(device=noise.device, dtype=noise.dtype) * 2.0 - 1.0)
-    for i in range(steps):
-        last = i == steps - 1
-        x = sampler_step(
-            denoiser, x, t[i], t[i + 1], labels, heun=(solver == "heun" and not last), guidance=guidance
-        )
-    return ((x + 1.0) / 2.0).clamp(0.0, 1.0)
+    # a block, not torch's decorator (which made sample Any to mypy and its callers' arguments unchecked);
+    # no_grad, not inference mode: the images go on as ordinary tensors (a start set, a grid, a test's
+    # reference) and the denoiser may train on after a grid drawn mid-run
+    with torch.no_grad():
+        t = karras_sigmas(steps, sigma_min, sigma_max, rho).to(device=noise.device, dtype=noise.dtype)
+        labels = labels.to(device=noise.device, dtype=torch.long)
+        x = noise * t[0]
+        if init is not None:
+            x = x + (init.to(device=noise.device, dtype=noise.dtype) * 2.0 - 1.0)
+        for i in range(steps):
+            last = i == steps - 1
+            x = sampler_step(
+                denoiser, x, t[i], t[i + 1], labels, heun=(solver == "heun" and not last), guidance=guidance
+            )
+        return ((x + 1.0) / 2.0).clamp(0.0, 1.0)
 
 
 def seeded_noise(seed: int, n: int, image_shape: Sequence[int]) -> torch.Tensor:

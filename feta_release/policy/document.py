@@ -390,6 +390,33 @@ def check_validity(policy: SitePolicy, now: dt.datetime | str | None = None, sou
         )
 
 
+def check_version(
+    pol: SitePolicy, path: str | Path, last_seen_version: int | None, last_seen_digest: str | None = None
+) -> None:
+    """Refuse a policy older than a version already seen at the site (``version``: a replayed policy); with
+    ``last_seen_digest``, also the same version number re-signed with different content. A node runs it once
+    its ledger (which keeps the versions seen) is open, after every check that needs no ledger."""
+    if last_seen_version is not None and pol.version < last_seen_version:
+        raise PolicyViolation(
+            "version",
+            f"{path}: policy version {pol.version} is older than version "
+            f"{last_seen_version} already seen at this site (a replayed old policy); "
+            f"versions only go up",
+        )
+    if (
+        last_seen_digest is not None
+        and last_seen_version is not None
+        and pol.version == last_seen_version
+        and pol.digest != last_seen_digest
+    ):
+        raise PolicyViolation(
+            "version",
+            f"{path}: policy version {pol.version} differs from the version {pol.version} "
+            f"already seen at this site (digest {pol.digest[:16]} != {last_seen_digest[:16]}); "
+            f"a changed policy needs a higher version number",
+        )
+
+
 def load_site_policy(
     path: str | Path,
     trusted_keys: Iterable[KeyLike],
@@ -417,25 +444,7 @@ def load_site_policy(
         )
     pol = open_signed_policy(read_json(p, "signed policy"), trusted_keys, str(p))
     check_validity(pol, now, str(p))
-    if last_seen_version is not None and pol.version < last_seen_version:
-        raise PolicyViolation(
-            "version",
-            f"{p}: policy version {pol.version} is older than version "
-            f"{last_seen_version} already seen at this site (a replayed old policy); "
-            f"versions only go up",
-        )
-    if (
-        last_seen_digest is not None
-        and last_seen_version is not None
-        and pol.version == last_seen_version
-        and pol.digest != last_seen_digest
-    ):
-        raise PolicyViolation(
-            "version",
-            f"{p}: policy version {pol.version} differs from the version {pol.version} "
-            f"already seen at this site (digest {pol.digest[:16]} != {last_seen_digest[:16]}); "
-            f"a changed policy needs a higher version number",
-        )
+    check_version(pol, p, last_seen_version, last_seen_digest)
     if dataset_commitment is not None:
         from ..data.commitment import same_commitment
 

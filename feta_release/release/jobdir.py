@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..accounting import epsilon_breakdown, events_from_list, patient_epsilon, unit_name
+from ..accounting import epsilon_breakdown, events_from_list, patient_epsilon, per_unit, unit_name
 from ..config import JobConfig
 from ..errors import FetaError
 from ..files import atomic_write_bytes
@@ -197,23 +197,25 @@ def _secure_in_unit(st: dict[str, Any], events: list[Any], cap: int | None) -> d
 
 
 def _site_lines(sid: str, s: dict[str, Any]) -> list[str]:
-    """A site's lines of ``privacy_report.txt``: every ε in the site's unit (``_site_report``)."""
+    """A site's lines of ``privacy_report.txt``: every ε in the site's unit (``_site_report``), named beside
+    it in the words of every other line that states a site's ε (``accounting.per_unit``)."""
     per = s.get("per_patient")
+    what = f"ε {per_unit(s['unit'])}"
     if per is not None:
         lines = [
-            f"site {sid}: total ε per PATIENT = {s['epsilon_total']:.3f} at δ = "
+            f"site {sid}: total {what} = {s['epsilon_total']:.3f} at δ = "
             f"{per['delta_per_patient']:g} (at most {per['images_per_patient_cap']} image(s) each: "
             f"{per['how']}), signed by the site's key {s['signed_by_site']}",
-            f"    the events composed as if each protected one image: ε = {s['epsilon_total_per_image']:.3f} "
+            "    the events composed as if each protected one image: "
+            f"ε {per_unit('image')} = {s['epsilon_total_per_image']:.3f} "
             "(not the site's guarantee: its unit is the patient)",
         ]
     else:
         lines = [
-            f"site {sid}: total ε = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
+            f"site {sid}: total {what} = {s['epsilon_total']:.3f} at δ = {s['delta']:g} ({s['accountant']} "
             f"accountant), signed by the site's key {s['signed_by_site']}"
         ]
     life, sa = s.get("lifetime"), s.get("secure_aggregation")
-    what = "ε per PATIENT" if per is not None else "ε"
     if life is not None:
         lines.append(
             f"    lifetime on the same images (all jobs): {what} = {life['epsilon']:.3f} "

@@ -32,23 +32,25 @@ class EMA:
         t = self.num_updates
         return min(self.decay, (1.0 + t) / (10.0 + t))
 
-    @torch.no_grad()
     def update(self, model: nn.Module | None = None) -> None:
         """Fold the current weights of ``model`` (default: the model given at construction) in."""
         model = self.model if model is None else model
         d = self.current_decay()
-        for k, v in model.state_dict().items():
-            s = self.shadow[k]
-            if s.dtype.is_floating_point:
-                s.mul_(d).add_(v.detach(), alpha=1.0 - d)
-            else:  # integer buffers (e.g. BatchNorm counters) are copied, not averaged
-                s.copy_(v)
+        # no_grad blocks, not torch's decorator (it made both methods Any to mypy, their callers unchecked);
+        # not inference mode: the shadow is loaded into a model that goes on training (copy_to)
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                s = self.shadow[k]
+                if s.dtype.is_floating_point:
+                    s.mul_(d).add_(v.detach(), alpha=1.0 - d)
+                else:  # integer buffers (e.g. BatchNorm counters) are copied, not averaged
+                    s.copy_(v)
         self.num_updates += 1
 
-    @torch.no_grad()
     def copy_to(self, model: nn.Module | None = None) -> None:
         model = self.model if model is None else model
-        model.load_state_dict(self.shadow)
+        with torch.no_grad():
+            model.load_state_dict(self.shadow)
 
     def state_dict(self) -> dict[str, Any]:
         return {

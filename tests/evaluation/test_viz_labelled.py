@@ -226,5 +226,5 @@ def test_the_privacy_report_states_the_worst_case_epsilon_of_a_secure_job(tmp_pa
     assert report["sites"]["site-a"]["secure_aggregation"]["worst_case_epsilon"] == 1.2806
     assert "secure_aggregation" not in report["sites"]["site-b"]
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
-    assert text.count("if every other site colluded") == 1 and "ε = 1.281" in text
+    assert text.count("if every other site colluded") == 1 and "ε per image = 1.281" in text
     assert "at most 0 other site(s) collude with the coordinator" in text

@@ -5,11 +5,9 @@ called the callback, the second when a stage end trimmed the heap."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.mypy_run import mypy_report
 
 WRONG = """
 from feta_release import allocator
@@ -40,21 +38,9 @@ def keep() -> None:
 """
 
 
-def _mypy(tmp_path: Path, name: str, text: str) -> str:
-    src = tmp_path / f"{name}.py"
-    src.write_text(text)
-    r = subprocess.run(
-        [sys.executable, "-m", "mypy", "--no-incremental", "--cache-dir", "/dev/null", str(src)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return r.stdout + r.stderr
-
-
 def test_mypy_refuses_a_wrong_progress_callback_and_a_wrong_heap_setting(tmp_path: Path) -> None:
-    out = _mypy(tmp_path, "wrong", WRONG)
+    out = mypy_report(tmp_path, "wrong", WRONG)
     assert 'Argument "progress" to "generate"' in out, out
     assert 'Incompatible types in assignment (expression has type "str"' in out, out
-    assert _mypy(tmp_path, "right", RIGHT).strip().startswith("Success"), _mypy(tmp_path, "right", RIGHT)
+    right = mypy_report(tmp_path, "right", RIGHT)
+    assert right.strip().startswith("Success"), right

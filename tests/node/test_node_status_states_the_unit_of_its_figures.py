@@ -50,3 +50,17 @@ def test_status_without_a_policy_says_its_per_image_figures_understate_a_patient
     line = text[text.index("unit:") : text.index("lifetime ε")]
     assert "NOT known" in line and "LESS than one patient can lose" in line and "--policy" in line
     assert patient_epsilon(EVENTS, DELTA, CAP) > 4 * epsilon(EVENTS, DELTA)
+
+
+def test_status_names_the_unit_beside_every_figure_also_per_image(tmp_path: Path) -> None:
+    """The lifetime line and the table's headers said "ε per patient" at a patient-level site and a bare "ε"
+    otherwise; figures composed per image (here: no policy given) now say "per image", as every line that
+    states a site's ε does."""
+    from edge.cli import node
+
+    # wide enough that the table's headers stay on one line
+    res = CliRunner().invoke(node, ["status", "--ledger", str(_ledger(tmp_path))], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert f"lifetime ε per image spent {epsilon(EVENTS, DELTA):.4f}" in text, text
+    assert "┃ ε per image spent ┃ ε per image left (job) ┃" in text, text

@@ -42,8 +42,8 @@ def test_a_patient_level_sites_stage_lines_state_their_unit(tmp_path: Path) -> N
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
     central = patient_epsilon(EVENTS[:1], DELTA, CAP)
     assert central > 4 * epsilon(EVENTS[:1], DELTA)
-    assert f"    central    alone ε per PATIENT = {central:.3f}" in text, text
-    assert f"    dpsgd      alone ε per PATIENT = {epsilon(EVENTS[1:], DELTA):.3f}" in text, text
+    assert f"    central    alone ε per patient = {central:.3f}" in text, text
+    assert f"    dpsgd      alone ε per patient = {epsilon(EVENTS[1:], DELTA):.3f}" in text, text
     assert not re.search(r"alone ε = ", text), text
 
 
@@ -57,7 +57,7 @@ def test_a_patient_level_sites_budget_chart_draws_its_spend_per_patient(tmp_path
     assert "site site (ε per patient)" in svg
 
 
-def test_an_image_level_sites_report_json_text_and_chart_are_unchanged(tmp_path: Path) -> None:
+def test_an_image_level_sites_report_text_says_per_image_json_and_chart_unchanged(tmp_path: Path) -> None:
     report = privacy_report(_job_dir(tmp_path, None))
     site = report["sites"]["site"]
     assert site.get("unit", "image") == "image" and not [k for k in site if k.endswith("_per_image")]
@@ -66,10 +66,10 @@ def test_an_image_level_sites_report_json_text_and_chart_are_unchanged(tmp_path:
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
     stages = epsilon_breakdown(EVENTS, DELTA)
     assert (
-        f"site site: total ε = {PER_IMAGE:.3f} at δ = {DELTA:g} (rdp accountant), signed by the site's key "
-        f"{'cd' * 8}\n"
-        f"    central    alone ε = {stages['central']:.3f}\n"
-        f"    dpsgd      alone ε = {stages['dpsgd']:.3f}\n"
+        f"site site: total ε per image = {PER_IMAGE:.3f} at δ = {DELTA:g} (rdp accountant), signed by the "
+        f"site's key {'cd' * 8}\n"
+        f"    central    alone ε per image = {stages['central']:.3f}\n"
+        f"    dpsgd      alone ε per image = {stages['dpsgd']:.3f}\n"
         "\nStage figures are each stage alone; composition is sub-additive, the total is what counts.\n"
         "Each site's data never left it"
     ) in text, text

@@ -31,22 +31,22 @@ def test_a_patient_level_sites_report_states_its_epsilon_per_patient(tmp_path: P
     assert report["sites"]["site"]["per_patient"]["epsilon_per_patient"] == pytest.approx(per)
     assert "PATIENT" in report["unit_of_privacy"]
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
-    assert f"total ε per PATIENT = {per:.3f} at δ = {DELTA:g} (at most {CAP} image(s) each" in text, text
+    assert f"total ε per patient = {per:.3f} at δ = {DELTA:g} (at most {CAP} image(s) each" in text, text
 
 
-def test_an_image_level_sites_report_is_unchanged(tmp_path: Path) -> None:
+def test_an_image_level_sites_report_states_its_epsilon_per_image(tmp_path: Path) -> None:
     report = privacy_report(_job_dir(tmp_path, None))
     assert (
         report["unit_of_privacy"] == "one image of one site" and "per_patient" not in report["sites"]["site"]
     )
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
-    assert f"site site: total ε = {epsilon(EVENTS, DELTA):.3f} at δ = {DELTA:g}" in text
+    assert f"site site: total ε per image = {epsilon(EVENTS, DELTA):.3f} at δ = {DELTA:g}" in text
 
 
 def test_a_patient_level_sites_lifetime_line_states_its_spend_per_patient(tmp_path: Path) -> None:
     """The lifetime line beside the per-patient total: the site's ledger caps its lifetime PER PATIENT, and
     the statement's ``lifetime.epsilon`` composes the events as if each protected one image. Printed as it
-    was, a site with two such jobs read "total ε per PATIENT = 9.999" above "lifetime ... ε = 4.016", a
+    was, a site with two such jobs read "total ε per patient = 9.999" above "lifetime ... ε = 4.016", a
     lifetime smaller than one of its jobs and a quarter of what one patient can lose (15.6)."""
     unit = PrivacyUnit("patient", CAP)
     life = EVENTS + EVENTS  # two jobs on the same patients
@@ -63,7 +63,7 @@ def test_a_patient_level_sites_lifetime_line_states_its_spend_per_patient(tmp_pa
     report = privacy_report(job_dir)
     assert report["sites"]["site"]["lifetime"]["epsilon"] == pytest.approx(per_life)
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
-    assert f"lifetime on the same images (all jobs): ε per PATIENT = {per_life:.3f} at δ = {DELTA:g}" in text
+    assert f"lifetime on the same images (all jobs): ε per patient = {per_life:.3f} at δ = {DELTA:g}" in text
     assert f"{epsilon(life, DELTA):.3f}" not in text, text
 
 
@@ -98,4 +98,4 @@ def test_a_patient_level_sites_worst_case_line_states_its_spend_per_patient(tmp_
     worst = report["sites"]["site"]["secure_aggregation"]["worst_case_epsilon"]
     assert worst > image_worst
     text = (tmp_path / "privacy_report.txt").read_text("utf-8")
-    assert f"only this site's own noise share protecting it): ε per PATIENT = {worst:.3f}" in text, text
+    assert f"only this site's own noise share protecting it): ε per patient = {worst:.3f}" in text, text

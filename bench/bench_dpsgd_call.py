@@ -4,12 +4,11 @@
     python bench/bench_dpsgd_call.py --rounds 100 --physical 64 --threads 2
 
 A call is what a step repeats ``rows / physical_batch`` times: the non-private forward/backward of one
-physical batch (batched weight gradients), against the private one (``ghost_clip.hook_grads``, the clip,
-the addition into the step's total) in two forms: ``plain`` (the clip's own passes over unscreened
-gradients, per-parameter sums) and ``screened`` (``hook_grads(screen=True)`` and one flat addition, what
-the trainer runs). Each round runs every form once, the order rotated; the figure is the median over rounds
-of each round's private / non-private CPU time (paired: a round's calls are seconds apart, so a shared
-machine's load weighs on both), with its quartiles. A full step (``bench_dpsgd.py``) adds the Poisson draw,
+physical batch (batched weight gradients), against the private one (``ghost_clip.hook_grads``, the clip in
+place, the addition into the step's total, as ``training.dpsgd.clipped_gradient_sum`` runs them). Each round
+runs both once, the order rotated; the figure is the median over rounds of each round's private /
+non-private CPU time (paired: a round's calls are a fraction of a second apart, so a shared machine's load
+weighs on both), with its quartiles. A full step (``bench_dpsgd.py``) adds the Poisson draw,
 the noise, Adam and the EMA, a few ms a step; on a loaded 2-core machine its 3-round ratios spread by
 ±0.1, which this per-call figure resolves to ~±0.01.
 """
@@ -35,7 +34,6 @@ def main() -> None:
     ap.add_argument("--physical", type=int, default=0, help="examples a call (0: the derived job's)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--forms", default="plain,screened")
     args = ap.parse_args()
 
     import torch
@@ -49,7 +47,6 @@ def main() -> None:
         edm_loss_from_randomness,
     )
     from feta_release.training.dpsgd import clip_and_sum
-    from feta_release.training.flat_grads import add_into, flat_zeros
     from feta_release.training.ghost_clip import hook_grads
 
     torch.set_num_threads(args.threads)
@@ -66,8 +63,7 @@ def main() -> None:
     x, y = torch.rand(b, *shape, generator=g) * 2 - 1, torch.randint(0, args.classes, (b,), generator=g)
     rand = loss.draw(b, g)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    per_name = {n: torch.zeros_like(p) for n, p in named}
-    flat = flat_zeros(named)
+    total = {n: torch.zeros_like(p) for n, p in named}
 
     def nonprivate() -> None:
         r = draw_loss_randomness(b, shape, noise_multiplicity=k, generator=g)
@@ -75,19 +71,14 @@ def main() -> None:
         for _, p in named:
             p.grad = None
 
-    def plain() -> None:
+    def private() -> None:
         grads, _ = hook_grads(model, loss, x, y, rand)
         summed, _ = clip_and_sum(grads, 1.0, in_place=True)
-        for n in per_name:
-            per_name[n] += summed[n]
+        for n in total:
+            total[n] += summed[n]
 
-    def screened() -> None:
-        grads, _ = hook_grads(model, loss, x, y, rand, screen=True)
-        summed, _ = clip_and_sum(grads, 1.0, in_place=True)
-        add_into(flat, summed)
-
-    forms: dict[str, Callable[[], None]] = {"nonprivate": nonprivate, "plain": plain, "screened": screened}
-    names = ["nonprivate", *args.forms.split(",")]
+    forms: dict[str, Callable[[], None]] = {"nonprivate": nonprivate, "private": private}
+    names = list(forms)
     for n in names:  # warm-up: allocations, oneDNN kernels
         forms[n]()
         forms[n]()

@@ -70,7 +70,6 @@ from ..models.edm import EDMLoss
 from ..models.trainable import set_trainable
 from .augment import rand_augment
 from .ema import EMA
-from .flat_grads import FlatGrads, ScreenedGrads, add_into, flat_zeros
 from .ghost_clip import BatchedLoss, batched_form, cross_check, hook_grads, unsupported
 from .padding import fork_rng, pad_step, padding_chunks
 
@@ -222,16 +221,14 @@ def per_example_grads(
     engine: str = "auto",
     *,
     chosen: str | None = None,
-    screen: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Per-example gradients (dict name -> (B, *shape)) and per-example losses (B,), ``chunk_size`` examples
     at a time: by layer hooks on one batched backward, or by vmap(grad) (``select_engine``); the same vectors
     either way. ``chosen``: what ``select_engine(model, loss, engine)`` returned for this model earlier in
-    the same step (``_Chooser``), not asked again. ``screen``: the caller hands the gradients straight to
-    ``clip_and_sum``; the hooks then screen them in cache (``ghost_clip.hook_grads``, ``flat_grads``)."""
+    the same step (``_Chooser``), not asked again."""
     if chosen is None:
         chosen = select_engine(model, loss, engine) if x.shape[0] else "vmap"
-    return _grads_by(chosen, model, loss, x, y, rand, chunk_size, screen)
+    return _grads_by(chosen, model, loss, x, y, rand, chunk_size)
 
 
 class _Chooser:
@@ -244,20 +241,12 @@ class _Chooser:
         self.chosen: str | None = None
 
     def __call__(
-        self, x: Tensor, y: Tensor, rand: dict[str, Tensor], chunk_size: int | None, screen: bool = False
+        self, x: Tensor, y: Tensor, rand: dict[str, Tensor], chunk_size: int | None
     ) -> tuple[dict[str, Tensor], Tensor]:
         if self.chosen is None and x.shape[0]:
             self.chosen = select_engine(self.model, self.loss, self.engine)
         return per_example_grads(
-            self.model,
-            self.loss,
-            x,
-            y,
-            rand,
-            chunk_size,
-            self.engine,
-            chosen=self.chosen or "vmap",
-            screen=screen,
+            self.model, self.loss, x, y, rand, chunk_size, self.engine, chosen=self.chosen or "vmap"
         )
 
 
@@ -269,7 +258,6 @@ def _grads_by(
     y: Tensor,
     rand: dict[str, Tensor],
     chunk_size: int | None,
-    screen: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """``per_example_grads`` by the engine ``select_engine`` chose (``"hooks"`` or ``"vmap"``)."""
     if x.shape[0] and chosen == "hooks":
@@ -277,21 +265,16 @@ def _grads_by(
         step = x.shape[0] if not chunk_size else int(chunk_size)
         parts = [
             hook_grads(
-                model,
-                loss,
-                x[s : s + step],
-                y[s : s + step],
-                {k: v[s : s + step] for k, v in rand.items()},
-                screen=screen,
+                model, loss, x[s : s + step], y[s : s + step], {k: v[s : s + step] for k, v in rand.items()}
             )
             for s in range(0, x.shape[0], max(step, 1))
         ]
         if len(parts) == 1:
             return parts[0]
-        grads = {n: torch.cat([p[0][n] for p in parts]) for n in parts[0][0]}
-        if screen:  # the norms go with the zeroed entries (the clip must never re-take them from those)
-            grads = ScreenedGrads(grads, torch.cat([p[0].norms for p in parts]))  # type: ignore[attr-defined]
-        return grads, torch.cat([p[1] for p in parts])
+        return (
+            {n: torch.cat([p[0][n] for p in parts]) for n in parts[0][0]},
+            torch.cat([p[1] for p in parts]),
+        )
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = {n: b for n, b in model.named_buffers()}
 
@@ -339,37 +322,19 @@ def clip_and_sum(
     backward.
     """
     clip = check_clip(clip, "DP-SGD clip_and_sum")  # a subnormal clip rounds up to ~2x itself
-    if isinstance(grads, ScreenedGrads):
-        # norms taken and non-finite entries zeroed by the hooks, in cache (flat_grads): the same values
-        if not grads.intact():
-            raise ValueError(
-                "clip_and_sum: screened per-example gradients were replaced after screening; clip the "
-                "gradients hook_grads returned, or ask it for unscreened ones"
-            )
-        norms = grads.norms
-        finite, factor = _clip_factors(norms, clip)
-        rows = [g.reshape(g.shape[0], -1) for g in grads.values()]
-    else:
-        flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
-        per_param = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat])
-        norms = torch.linalg.vector_norm(per_param, dim=0)
-        finite, factor = _clip_factors(norms, clip)
+    flat = [g.reshape(g.shape[0], -1) for g in grads.values()]
+    norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
+    finite, factor = _clip_factors(norms, clip)
+    summed = {}
+    for (n, g), f in zip(grads.items(), flat, strict=True):
         # finite rows are left as they are; a non-finite row has factor 0, and its entries must be finite for
-        # 0 * x to be 0 (a scalar where instead of a zeros_like buffer: measured faster)
-        rows = [
+        # 0 * x to be 0 (a scalar where and mv instead of a zeros_like buffer and an einsum: measured faster)
+        f = (
             torch.nan_to_num_(f, nan=0.0, posinf=0.0, neginf=0.0)
             if in_place
             else torch.where(finite[:, None], f, 0.0)
-            for f in flat
-        ]
-    # the weighted sums (matrix-vector products: measured faster than an einsum) written side by side into
-    # one vector, which the step adds into its total in one operation (flat_grads.add_into)
-    summed = flat_zeros([(n, g[0]) for n, g in grads.items()]) if grads else {}
-    for (n, g), f in zip(grads.items(), rows, strict=True):
-        if isinstance(summed, FlatGrads):
-            torch.mv(f.t(), factor, out=summed[n].view(-1))
-        else:
-            summed[n] = torch.mv(f.t(), factor).reshape(g.shape[1:])
+        )
+        summed[n] = torch.mv(f.t(), factor).reshape(g.shape[1:])
     return summed, torch.where(finite, norms, torch.full_like(norms, math.inf))
 
 
@@ -382,15 +347,12 @@ def batch_gradients(
     chunk: int,
     generator: torch.Generator,
     engine: str = "auto",
-    *,
-    screen: bool = False,
 ) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
     """Per-example gradients and losses of the examples ``idx``, one physical chunk at a time (virtual
     batches: the logical Poisson batch is processed in chunks so memory is bounded by chunk x parameters
     whatever its size). The loss randomness is drawn from ``generator`` chunk by chunk, in order (on the CPU:
     the same stream on any device), so a step is reproducible from the generator's state. The model is in
-    train mode while it runs. ``screen``: the caller hands each chunk's gradients straight to
-    ``clip_and_sum`` (``per_example_grads``)."""
+    train mode while it runs."""
     dev = next(model.parameters()).device
     was_training = model.training
     keep_freed_pages()  # each chunk's per-example gradients reuse the last chunk's pages (allocator)
@@ -401,7 +363,7 @@ def batch_gradients(
             part = idx[start : start + chunk]
             rand = {k: v.to(dev) for k, v in loss.draw(part.numel(), generator).items()}
             xs, ys = images[part.to(images.device)].to(dev), labels[part.to(labels.device)].to(dev)
-            yield grads_of(xs, ys, rand, chunk, screen)
+            yield grads_of(xs, ys, rand, chunk)
     finally:
         model.train(was_training)
 
@@ -422,14 +384,13 @@ def clipped_gradient_sum(
     clipped). The one computation of a DP-SGD step's signal, for the local trainer and the federated (FedSGD)
     sites. Losses and the clipped count are functions of the private batch: diagnostics that never leave a
     site."""
-    total = flat_zeros([(name, p) for name, p in model.named_parameters() if p.requires_grad])
+    total = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     losses: list[Tensor] = []
     n_clipped = 0
-    for grads, value in batch_gradients(
-        model, loss, images, labels, idx, chunk, generator, engine, screen=True
-    ):
+    for grads, value in batch_gradients(model, loss, images, labels, idx, chunk, generator, engine):
         summed, norms = clip_and_sum(grads, clip, in_place=True)  # fresh per chunk, never read again
-        add_into(total, summed)
+        for name in total:
+            total[name] += summed[name]
         losses.append(value.detach().cpu())
         n_clipped += int((norms > clip).sum())
     return total, losses, n_clipped
@@ -676,7 +637,7 @@ class DPSGDTrainer:
                 padding_chunks(int(idx.numel()), self.pad_to, self.chunk),
                 self.clip,
                 self.chunk,
-                partial(batch_gradients, engine=self.engine, screen=True),
+                partial(batch_gradients, engine=self.engine),
                 clip_and_sum,
             )
         return self._noised(total, names, dev, expected), self._stats(
@@ -697,7 +658,7 @@ class DPSGDTrainer:
         expected = self.q * self.n_public  # public patients: the exact count never scales the released noise
         rows, owner = patient_batch(self.rows_of, self.q, self.patient_cap, self.generator, self.draw_rows)
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        total = flat_zeros(list(zip(names, self.params)))
+        total = {name: torch.zeros_like(p) for name, p in zip(names, self.params)}
         losses: list[Tensor] = []
         n_clipped = 0
         was_training = self.model.training
@@ -714,7 +675,8 @@ class DPSGDTrainer:
             # clip each COMPLETE patient's sum to C; in place, as the padding calls do (the carry is a
             # separate tensor)
             summed, norms = clip_and_sum(sums, self.clip, in_place=True)
-            add_into(total, summed)
+            for name in total:
+                total[name] += summed[name]
             losses.append(loss.detach().cpu())
             n_clipped += int((norms > self.clip).sum())
         if self.pad_to is not None:  # dummy images up to the public count, dropped: the update is unchanged
@@ -773,7 +735,7 @@ class DPSGDTrainer:
             m = min(self.chunk, pub.batch - start)
             xs, ys = pub.draw(m, pub.generator)
             rand = {k: v.to(dev) for k, v in self.loss.draw(m, pub.generator).items()}
-            grads, _ = grads_of(xs.to(dev), ys.to(dev), rand, self.chunk, screen=True)
+            grads, _ = grads_of(xs.to(dev), ys.to(dev), rand, self.chunk)
             summed, _ = clip_and_sum(grads, self.clip, in_place=True)
             for name in total:
                 total[name] += summed[name]

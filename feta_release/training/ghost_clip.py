@@ -85,7 +85,6 @@ import torch
 from torch import Tensor, nn
 
 from ..models.lora import LoRAConv2d, LoRALinear
-from .flat_grads import ScreenedGrads
 
 __all__ = ["BatchedLoss", "K_MAJOR", "batched_form", "unsupported", "hook_grads", "cross_check"]
 
@@ -528,22 +527,11 @@ class _Tap(torch.autograd.Function):
 
 
 def hook_grads(
-    model: nn.Module,
-    loss: BatchedLoss,
-    x: Tensor,
-    y: Tensor,
-    rand: dict[str, Tensor],
-    *,
-    screen: bool = False,
+    model: nn.Module, loss: BatchedLoss, x: Tensor, y: Tensor, rand: dict[str, Tensor]
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Per-example gradients (name -> (B, *shape), every trainable parameter) and per-example losses (B,),
     from one batched forward and one backward to the layer outputs. The caller has checked
-    ``unsupported(model) == []``.
-
-    ``screen``: the caller hands the gradients straight to the clip (``training.dpsgd.clip_and_sum``, in
-    place): each parameter's per-example norms are taken and its non-finite entries zeroed as soon as its
-    last contribution is in, while its gradient is still in cache, and the result is a ``ScreenedGrads``
-    carrying each example's norm (see there)."""
+    ``unsupported(model) == []``."""
     b = x.shape[0]
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names = {id(p): n for n, p in trained}
@@ -560,28 +548,14 @@ def hook_grads(
         for k, m in hooked.items()
     }
 
-    # screening: each parameter's per-example norms (B,), taken once its module's last call is in
-    norms: dict[str, Tensor] = {}
-    calls: dict[int, int] = {}  # a module's calls in the forward whose gradients the backward has not given
-
-    def screened(n: str) -> None:
-        gi = grads[n].reshape(b, -1)
-        norms[n] = torch.linalg.vector_norm(gi, dim=1)  # before zeroing: a non-finite entry gives inf/NaN
-        # the zeroed tensor is the one kept (a rule's non-contiguous result would reshape into a copy)
-        grads[n] = torch.nan_to_num_(gi, nan=0.0, posinf=0.0, neginf=0.0).view(grads[n].shape)
-
     def rule(m: nn.Module, a: Tensor, extra: tuple[object, ...], g: Tensor) -> None:
         f, targets = plan[id(m)]
-        calls[id(m)] -= 1
         for attr, gi in f(m, a, g, b, *extra).items():
             n = targets.get(attr)
             if n is not None:  # a module called twice (shared) adds its calls' contributions
                 grads[n] = grads[n] + gi if n in grads else gi
-                if screen and not calls[id(m)]:
-                    screened(n)
 
     def tap(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
-        calls[id(m)] = calls.get(id(m), 0) + 1
         a = inputs[0].detach()
         extra: tuple[object, ...] = ()
         if isinstance(m, nn.GroupNorm):
@@ -606,16 +580,7 @@ def hook_grads(
         n: grads[n] if n in grads else torch.zeros((b, *p.shape), dtype=p.dtype, device=p.device)
         for n, p in trained
     }
-    if not screen:
-        return full, values.detach()
-    for n in full:
-        if n not in norms:  # no tap reached it (zeros), or a call's output gradient never came (partial)
-            grads[n] = full[n]
-            screened(n)
-        full[n] = grads[n]
-    # each example's norm over all parameters, as the clip takes it: the norm of its per-parameter norms
-    total = torch.linalg.vector_norm(torch.stack([norms[n] for n in full]), dim=0)
-    return ScreenedGrads(full, total), values.detach()
+    return full, values.detach()
 
 
 # -- the cross-check (once, when an engine is chosen: training.dpsgd.select_engine)

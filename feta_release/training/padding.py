@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 
 from ..data.commitment import public_rows  # torch-free (the node's site cache uses it); re-exported here
-from .flat_grads import add_into, flat_zeros
 from .step_rows import public_batch_bound as public_batch_bound
 from .step_rows import site_step_rows as site_step_rows
 from .step_rows import step_bound as step_bound  # the bound: torch-free, read by the job rules' cost model
@@ -83,7 +82,7 @@ def pad_step(
     # A real call also adds its clipped sum into the step's total, keeps its loss and counts its clipped rows:
     # a padding call does the same into dropped values, so that it costs what a real call costs (else a
     # step's time would still grow with its realised sample, i.e. with N).
-    sink = flat_zeros([(name, p) for name, p in model.named_parameters() if p.requires_grad])
+    sink = {name: torch.zeros_like(p) for name, p in model.named_parameters() if p.requires_grad}
     dropped: list[Tensor] = []
     with fork_rng(model):  # a module with its own randomness (dropout) draws from the global RNG in vmap
         for m in sizes:
@@ -91,7 +90,8 @@ def pad_step(
             for grads, value in batch_gradients(model, loss, images, labels, idx, max(chunk, m), gen):
                 # as a real row's, weight 0: never added
                 summed, norms = clip_and_sum(grads, clip, in_place=True)
-                add_into(sink, summed)
+                for name in sink:
+                    sink[name] += summed[name]
                 dropped.append(value.detach().cpu())
                 int((norms > clip).sum())
             done += m

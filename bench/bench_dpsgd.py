@@ -28,7 +28,9 @@ among the methods (the same trained parameters without privacy), else against ``
 ``--derived N``: the model, noise multiplicity, physical batch and step rows of the job ``train`` derives for
 N images of ``--size`` px (grey, ``--classes`` classes, ``--epsilon``) with DP-SGD on
 (``job_rules.derive_job``); the step's rows are its PADDED rows (``job_rules.dpsgd_step_rows``), what every
-step of that job runs whatever its Poisson draw:
+step of that job runs whatever its Poisson draw; ``--physical`` given with it replaces only the physical batch
+(``--derived 4000 --size 28 --physical 64 --rounds 1 --steps 1 --threads 1``: the peak RSS of each method at
+another physical batch):
 
     python bench/bench_dpsgd.py --methods nonprivate,hooks,nonprivate:norm_attention,hooks:norm_attention,\
         nonprivate:lora,hooks:lora --rounds 4   # DP-SGD's cost per trained subset
@@ -54,13 +56,14 @@ GOAL_RATIO = 1.15  # private time per example <= 1.15x non-private (docs/evaluat
 def _derived(args):
     """The job ``train`` derives for ``--derived`` images (None without), and ``args`` set to its step."""
     if not args.derived:
+        args.physical = args.physical or 16
         return None
     from feta_release.job_rules import DataFacts, derive_job, dpsgd_step_rows
 
     facts = DataFacts(args.derived, args.size, args.size, 1, args.classes, args.epsilon, dpsgd="on")
     cfg = derive_job(facts)
     args.batch, args.k = dpsgd_step_rows(cfg, facts), cfg.dpsgd.noise_multiplicity
-    args.physical = cfg.dpsgd.physical_batch
+    args.physical = args.physical or cfg.dpsgd.physical_batch  # a given --physical wins (same step rows)
     return cfg
 
 
@@ -289,7 +292,9 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=28)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="noise multiplicity")
-    ap.add_argument("--physical", type=int, default=16, help="examples per vectorised chunk")
+    ap.add_argument(
+        "--physical", type=int, default=0, help="examples per chunk (default 16, or the derived job's)"
+    )
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (each runs every method once)")
     ap.add_argument("--steps", type=int, default=2, help="steps per method in its memory subprocess")
     ap.add_argument("--threads", type=int, default=2)

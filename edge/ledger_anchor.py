@@ -10,8 +10,9 @@ attestation, and refuses to start (or to open the site for a message) on a ledge
   silently; the fix is to restore the latest ledger. ``node start --new-ledger`` starts a new one
   deliberately: it is logged here (``history``) and the coordinator, which keeps the last attested anchor of
   every site (``feta_release.federation.anchors``), refuses the new ledger id until its admin accepts it. The
-  record is reset only after every check that needs no ledger (``edge.site.Site.open``): a start refused
-  for its policy, config or data keeps refusing an older copy of the lost ledger;
+  record moves to the new ledger only after every check that needs no ledger (``edge.site.Site.open``) and
+  the new ledger's creation, in one write: a start refused for its policy, config or data, or one whose
+  ledger could not be created, keeps refusing an older copy of the lost ledger;
 - another ledger id, fewer rows, or a chain that does not pass through the recorded head: an older copy (or a
   copy that went on from one) was restored: refused; restore the latest ledger.
 
@@ -22,8 +23,10 @@ not against someone who rolls back the whole disk: the coordinator's copy covers
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,37 +109,53 @@ def refuse_regression(ledger: Any, work_dir: str | Path) -> None:
 
 def refuse_new_over_existing(ledger: str | Path) -> None:
     """``--new-ledger`` where a ledger file is there: refused (move it aside first: nothing is deleted here,
-    and an older copy put back never replaces the recorded ledger this way)."""
+    and an older copy put back never replaces the recorded ledger this way). A link counts as there even
+    when it points nowhere: the ledger is never created through one (``ledger_chain.create_private_file``)."""
     led = Path(ledger)
-    if led.exists():
+    if os.path.lexists(led):
         raise LedgerRegressedError(
             f"{led}: --new-ledger starts a NEW ledger, but one is there; move it aside first "
             "(or start without --new-ledger to keep using it)"
         )
 
 
-def start_new(ledger: str | Path, work_dir: str | Path) -> str:
-    """``node start --new-ledger``: forget the recorded ledger (kept in ``history``) so that a new one may be
-    created. Refused while a ledger file is there (:func:`refuse_new_over_existing`). The site
-    (``edge.site.Site.open``) calls it only once every check that needs no ledger has passed: a start refused
-    for its policy, config or data leaves the record of the lost ledger in place. Returns the line that was
-    logged."""
+def start_new(ledger: str | Path, work_dir: str | Path, create: Callable[[], Any]) -> Any:
+    """``node start --new-ledger``: create the new ledger (``create()``, refused while a ledger file is
+    there: :func:`refuse_new_over_existing`), then record it in place of the lost one (kept in ``history``)
+    in one write. Returns the new ledger.
+
+    One write, after the creation: at no point does the record name no ledger, which would let the next
+    start take any ledger file (an older copy of the lost one) as the node's. A creation that fails leaves
+    the record of the lost ledger; a start killed between the two leaves a new ledger the record does not
+    name, refused until it is moved aside (fail closed). The site (``edge.site.Site.open``) calls it only
+    once every check that needs no ledger has passed."""
     refuse_new_over_existing(ledger)
     led, rec = Path(ledger), read(work_dir)
-    line = (
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} --new-ledger: a new privacy ledger is created "
-        f"at {led}"
-        + (
-            f", replacing ledger {rec['ledger_id']} ({rec.get('rows')} row(s))"
-            if rec.get("ledger_id")
-            else ""
+    new = create()
+    try:
+        now = new.anchor()
+        if now["rows"] or (rec.get("ledger_id") and now["ledger_id"] == rec["ledger_id"]):
+            # a file put at the path between the check above and the creation was opened instead
+            raise LedgerRegressedError(
+                f"{led}: --new-ledger opened a ledger that is not new ({now['rows']} row(s)); a file was put "
+                "there while the node started: move it aside and start again"
+            )
+        line = (
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} --new-ledger: a new privacy ledger "
+            f"{now['ledger_id']} is created at {led}"
+            + (
+                f", replacing ledger {rec['ledger_id']} ({rec.get('rows')} row(s))"
+                if rec.get("ledger_id")
+                else ""
+            )
+            + "; the coordinator refuses it until its admin accepts it"
         )
-        + "; the coordinator refuses it until its admin accepts it"
-    )
-    history = [*rec.get("history", []), line]
-    _write(work_dir, {"history": history})
+        _write(work_dir, {**now, "history": [*rec.get("history", []), line], "recorded": time.time()})
+    except BaseException:
+        new.close()
+        raise
     print(f"WARNING: {line}", file=sys.stderr, flush=True)
-    return line
+    return new
 
 
 def record(ledger: Any, work_dir: str | Path) -> dict[str, Any]:

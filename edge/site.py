@@ -195,10 +195,10 @@ class Site:
         keyed commitment recomputed over them) verified against the policy; the ledger closed on failure.
 
         ``new_ledger``: the ledger's anchor (what refuses a deleted or older ledger: ``edge.ledger_anchor``)
-        is reset only after every check that needs no ledger has passed (the policy, the node config, the
-        data and their commitment, the site key), so a start refused for any of those leaves the anchor
-        recording the lost ledger, and an older copy restored later is still refused. A new ledger has seen
-        no policy version, so nothing after the reset refuses but a failing disk."""
+        moves to the new ledger only after every check that needs no ledger has passed (the policy, the node
+        config, the data and their commitment, the site key) and the new ledger was created, in one write
+        (``edge.ledger_anchor.start_new``): a start refused for any of those, or killed part-way, never
+        leaves an anchor that names no ledger, so an older copy restored later is still refused."""
         secret = load_secret(node_config[CFG_SECRET])
         key = load_private_key(node_config[CFG_SITE_KEY])
         every = _steps(node_config.get(CFG_ROUND_CHECKPOINT))
@@ -214,8 +214,8 @@ class Site:
             data, patients, commitment = data_of(secret, work)
             policy = _checked_policy(node_config, key, data, commitment)
             if ledger is None:
-                ledger_anchor.start_new(ledger_path, work_path)
-                ledger = _opened_ledger(ledger_path, key, work_path)
+                # created, then recorded in place of the lost one in one write (never a record naming none)
+                ledger = ledger_anchor.start_new(ledger_path, work_path, lambda: Ledger(ledger_path, key=key))
             check_version(policy, node_config[CFG_POLICY], ledger.highest_policy_version())
             ledger.observe_policy_version(int(policy.version))
             return cls(

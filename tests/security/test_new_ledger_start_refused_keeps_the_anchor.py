@@ -20,49 +20,14 @@ import pytest
 from coordinator.setup import prepare_federation
 from edge import ledger_anchor
 from edge.launch import NodeSettings, preflight
-from edge.site import CFG_WORK, Site, forget_sites
-from feta_release.accounting import PrivacyEvent
+from edge.site import Site, forget_sites
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import FetaError
-from feta_release.ledger import Budget, Ledger
+from feta_release.ledger import Ledger
 from feta_release.policy.document import sign_policy, write_signed_policy
 from feta_release.signing import load_private_key
 from tests.support.federation import node_settings, tiny_sites
-
-
-def _charge(ledger: Ledger, n: int) -> None:
-    budget = Budget(job_epsilon=50.0, lifetime_epsilon=50.0, delta=1e-5)
-    for _ in range(n):
-        rows = ledger.anchor()["rows"]
-        ledger.charge(
-            "job", f"r{rows}", "central", [PrivacyEvent("central", 5.0, 0.1, 1)], budget, response=b"x"
-        )
-
-
-def _lost_ledger(tmp_path: Path, **policy: Any) -> tuple[Any, Path, Path]:
-    """A node that ran on a ledger of 2 rows (anchored), whose ledger is then lost; with the copy of it taken
-    after its first row (an older backup). Returns (federation, site-a's files, the older copy)."""
-    fed = prepare_federation(tmp_path / "fed", tiny_sites(2), policy_overrides={"site-a": policy})
-    s = fed.site("site-a")
-    site = Site.open(s.node_config())
-    _charge(site.ledger, 1)
-    old = tmp_path / "old-ledger.db"
-    site.ledger.close()
-    shutil.copy2(s.ledger, old)
-    site = Site.open(s.node_config())
-    _charge(site.ledger, 1)
-    ledger_anchor.record(site.ledger, site.work_dir)
-    site.ledger.close()
-    forget_sites()
-    for p in s.ledger.parent.glob("ledger.db*"):
-        p.unlink()
-    return fed, s, old
-
-
-def _work(s: Any) -> Path:
-    """The node's work directory, where its anchor lives."""
-    return Path(node_settings(s).node_config()[CFG_WORK])
-
+from tests.support.lost_ledger import lost_ledger, node_work
 
 Refusal = Callable[[Any, NodeSettings], NodeSettings]
 
@@ -91,12 +56,12 @@ def test_a_refused_new_ledger_start_leaves_the_anchor_and_an_older_copy_stays_re
     tmp_path: Path, case: str
 ) -> None:
     policy, broken, words = REFUSALS[case]
-    fed, s, old = _lost_ledger(tmp_path, **policy)
-    before = ledger_anchor.read(_work(s))
+    fed, s, old = lost_ledger(tmp_path, **policy)
+    before = ledger_anchor.read(node_work(s))
     assert before["rows"] == 2
     with pytest.raises(FetaError, match=words):
         preflight(broken(fed, node_settings(s, insecure=True, new_ledger=True))).ledger.close()
-    assert ledger_anchor.read(_work(s)) == before  # not reset, no --new-ledger line logged
+    assert ledger_anchor.read(node_work(s)) == before  # not reset, no --new-ledger line logged
     assert not s.ledger.exists()  # no new ledger made either
     shutil.copy2(old, s.ledger)  # the older backup put back: it would re-grant one row's spend
     with pytest.raises(ledger_anchor.LedgerRegressedError, match=r"an older copy of it \(1 row"):
@@ -106,16 +71,16 @@ def test_a_refused_new_ledger_start_leaves_the_anchor_and_an_older_copy_stays_re
 def test_a_new_ledger_start_that_passes_anchors_the_new_ledger_and_refuses_the_old_copy(
     tmp_path: Path,
 ) -> None:
-    fed, s, old = _lost_ledger(tmp_path)
-    before = ledger_anchor.read(_work(s))
+    fed, s, old = lost_ledger(tmp_path)
+    before = ledger_anchor.read(node_work(s))
     shutil.copy2(old, s.ledger)
     # --new-ledger never replaces a ledger that is there (here the older copy): move it aside first
     with pytest.raises(ledger_anchor.LedgerRegressedError, match="one is there; move it aside"):
         preflight(node_settings(s, insecure=True, new_ledger=True))
-    assert ledger_anchor.read(_work(s)) == before
+    assert ledger_anchor.read(node_work(s)) == before
     s.ledger.unlink()
     preflight(node_settings(s, insecure=True, new_ledger=True)).ledger.close()
-    rec = ledger_anchor.read(_work(s))
+    rec = ledger_anchor.read(node_work(s))
     with Ledger(s.ledger) as led:
         assert rec["ledger_id"] == led.anchor()["ledger_id"] != before["ledger_id"] and rec["rows"] == 0
     assert any("--new-ledger" in line and before["ledger_id"] in line for line in rec["history"])
@@ -128,7 +93,7 @@ def test_a_new_ledger_start_that_passes_anchors_the_new_ledger_and_refuses_the_o
 
 
 def test_without_new_ledger_an_older_copy_is_refused_before_any_image_is_read(tmp_path: Path) -> None:
-    fed, s, old = _lost_ledger(tmp_path)
+    fed, s, old = lost_ledger(tmp_path)
     shutil.copy2(old, s.ledger)
     gone = dataclasses.replace(node_settings(s, insecure=True), data=tmp_path / "no-such-data")
     with pytest.raises(ledger_anchor.LedgerRegressedError, match=r"an older copy of it \(1 row"):

@@ -12,7 +12,8 @@ attestation, and refuses to start (or to open the site for a message) on a ledge
   every site (``feta_release.federation.anchors``), refuses the new ledger id until its admin accepts it. The
   record moves to the new ledger only after every check that needs no ledger (``edge.site.Site.open``) and
   the new ledger's creation, in one write: a start refused for its policy, config or data, or one whose
-  ledger could not be created, keeps refusing an older copy of the lost ledger;
+  ledger could not be created, keeps refusing an older copy of the lost ledger. The record keeps the highest
+  policy version seen (``policy_floor``), so the new ledger does not take a replayed older policy;
 - another ledger id, fewer rows, or a chain that does not pass through the recorded head: an older copy (or a
   copy that went on from one) was restored: refused; restore the latest ledger.
 
@@ -150,7 +151,11 @@ def start_new(ledger: str | Path, work_dir: str | Path, create: Callable[[], Any
             )
             + "; the coordinator refuses it until its admin accepts it"
         )
-        _write(work_dir, {**now, "history": [*rec.get("history", []), line], "recorded": time.time()})
+        # the lost ledger's policy-version floor stays (``policy_floor``)
+        floor = {"policy_version": rec["policy_version"]} if "policy_version" in rec else {}
+        _write(
+            work_dir, {**now, **floor, "history": [*rec.get("history", []), line], "recorded": time.time()}
+        )
     except BaseException:
         new.close()
         raise
@@ -158,11 +163,20 @@ def start_new(ledger: str | Path, work_dir: str | Path, create: Callable[[], Any
     return new
 
 
+def policy_floor(work_dir: str | Path) -> int | None:
+    """The highest policy version the node's ledgers have seen (``record``), kept across ``--new-ledger``: a
+    new ledger has seen none, and would otherwise take a replayed older signed policy (looser caps)."""
+    v = read(work_dir).get("policy_version")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def record(ledger: Any, work_dir: str | Path) -> dict[str, Any]:
-    """Record the ledger's anchor now (node start, each attestation); only ever forward (``refuse_regression``
-    runs first). Returns the anchor."""
+    """Record the ledger's anchor now (node start, each attestation), with the highest policy version seen
+    (:func:`policy_floor`); only ever forward (``refuse_regression`` runs first). Returns the anchor."""
     now = ledger.anchor()
     rec = read(work_dir)
-    if {k: rec.get(k) for k in now} != now:
-        _write(work_dir, {**now, "history": rec.get("history", []), "recorded": time.time()})
+    seen = [v for v in (ledger.highest_policy_version(), policy_floor(work_dir)) if v is not None]
+    floor = {"policy_version": max(seen)} if seen else {}
+    if {k: rec.get(k) for k in [*now, *floor]} != {**now, **floor}:
+        _write(work_dir, {**now, **floor, "history": rec.get("history", []), "recorded": time.time()})
     return now

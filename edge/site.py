@@ -213,6 +213,9 @@ class Site:
             work = owner_only_dir(work_path)
             data, patients, commitment = data_of(secret, work)
             policy = _checked_policy(node_config, key, data, commitment)
+            # the versions the node's ledgers have seen, a lost one's included (--new-ledger): a replayed
+            # older policy is refused before a new ledger is created
+            check_version(policy, node_config[CFG_POLICY], ledger_anchor.policy_floor(work_path))
             if ledger is None:
                 # created, then recorded in place of the lost one in one write (never a record naming none)
                 ledger = ledger_anchor.start_new(ledger_path, work_path, lambda: Ledger(ledger_path, key=key))

@@ -4,26 +4,17 @@ preset's or a public-pretraining route's never fills it, and a file that is not 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench_script import load_bench
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "derived_job_table", ROOT / "bench" / "derived_job_table.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("derived_job_table.py", "derived_job_table")
 
 
 def _results(tmp_path: Path, name: str, **args: str) -> Path:

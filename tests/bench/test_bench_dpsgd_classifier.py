@@ -3,9 +3,6 @@ more than its target ε by Opacus's own accountant, and uses no batch-mixing lay
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -13,17 +10,11 @@ import pytest
 from torch import nn
 
 from feta_release.data.procedural import generate_dataset
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench_script import load_bench
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dpsgd_classifier", ROOT / "bench" / "dpsgd_classifier.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("dpsgd_classifier.py", "dpsgd_classifier")
 
 
 @pytest.mark.parametrize(("kind", "epsilon"), [("medical", 1.0), ("rgb", 10.0)])

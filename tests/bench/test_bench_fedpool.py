@@ -3,7 +3,6 @@ the script's --quick mode runs both arms end to end and writes its table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
@@ -12,18 +11,11 @@ import numpy as np
 import pytest
 
 from feta_release.config import load_preset
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench_script import load_bench
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_fedpool", ROOT / "bench" / "bench_federated_vs_pooled.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_federated_vs_pooled.py", "bench_fedpool")
 
 
 def test_the_federated_arm_runs_the_same_job_as_the_pooled_arm() -> None:

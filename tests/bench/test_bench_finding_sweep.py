@@ -4,25 +4,19 @@ table puts the finding class beside its real-data ceiling."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 from feta_release.cli.derive_options import DeriveRequest, derived_jobs
 from feta_release.config import load_job
 from feta_release.data.procedural import generate_dataset
+from tests.support.bench_script import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("finding_sweep", ROOT / "bench" / "finding_sweep.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("finding_sweep.py", "finding_sweep")
 
 
 def test_each_route_runs_the_job_the_command_line_derives_with_the_rows_seed(tmp_path: Path) -> None:

@@ -5,25 +5,19 @@ row."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from feta_release.config import load_job, load_preset
+from tests.support.bench_script import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("generality", ROOT / "bench" / "generality.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("generality.py", "generality")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu-eps1", "cpu-eps10", "xray64-eps10"])
@@ -195,11 +189,7 @@ def test_a_routes_public_set_is_generated_once_at_the_datas_side_and_named(tmp_p
 
 
 def _resample() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("resample", ROOT / "bench" / "resample.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("resample.py", "resample")
 
 
 def test_resample_reads_each_sampler_setting_as_json_or_a_word() -> None:

@@ -4,21 +4,13 @@ which routes were refused."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench_script import load_bench
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pretraining_bench", ROOT / "bench" / "pretraining.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("pretraining.py", "pretraining_bench")
 
 
 def _row(kind: str, dpsgd: str, seed: int, acc: float, per_class: dict[str, float]) -> dict:

@@ -21,6 +21,7 @@ from feta_release.ledger import Budget, Ledger
 from feta_release.policy.errors import JobDoesNotFit
 from feta_release.signing import load_private_key
 from tests.support.federation import harness, node_settings, run_harness_job, tiny_job, tiny_sites
+from tests.support.lost_ledger import lose_ledger
 
 JOB = {"federation": {"rounds": 1, "local_steps": 1}}
 
@@ -159,8 +160,7 @@ def test_node_refuses_to_open_a_deleted_ledger_it_ran_on_and_new_ledger_is_expli
     ledger_anchor.record(site.ledger, site.work_dir)
     site.ledger.close()
     forget_sites()
-    for p in s.ledger.parent.glob("ledger.db*"):
-        p.unlink()
+    lose_ledger(s.ledger)
     with pytest.raises(
         ledger_anchor.LedgerRegressedError,
         match=r"ledger is missing.*2 row\(s\).*restore the "

@@ -20,7 +20,7 @@ from feta_release.ledger import Ledger
 from feta_release.policy.document import sign_policy, write_signed_policy
 from feta_release.signing import load_private_key
 from tests.support.federation import node_settings, tiny_sites
-from tests.support.lost_ledger import node_work
+from tests.support.lost_ledger import lose_ledger, node_work
 
 
 def test_a_new_ledger_start_refuses_a_policy_older_than_the_lost_ledger_had_seen(tmp_path: Path) -> None:
@@ -35,8 +35,7 @@ def test_a_new_ledger_start_refuses_a_policy_older_than_the_lost_ledger_had_seen
     preflight(node_settings(s, insecure=True)).ledger.close()
     forget_sites()
     before = ledger_anchor.read(node_work(s))
-    for p in s.ledger.parent.glob("ledger.db*"):  # the ledger is lost
-        p.unlink()
+    lose_ledger(s.ledger)  # the ledger is lost
     s.policy.write_bytes(v1)  # the older policy back, from the backup the ledger was not in
     with pytest.raises(FetaError, match="older than version"):
         preflight(node_settings(s, insecure=True, new_ledger=True)).ledger.close()

@@ -20,13 +20,12 @@ from feta_release import ledger_chain
 from feta_release.errors import FetaError, PrivacyError
 from feta_release.ledger import Ledger
 from tests.support.federation import node_settings
-from tests.support.lost_ledger import lost_ledger, node_work
+from tests.support.lost_ledger import lose_ledger, lost_ledger, node_work
 
 
 def _older_copy_is_refused(s: Any, old: Path, words: str) -> None:
     """The lost ledger's older copy put where the ledger lives is refused by a start without --new-ledger."""
-    for p in s.ledger.parent.glob("ledger.db*"):
-        p.unlink()
+    lose_ledger(s.ledger)
     shutil.copy2(old, s.ledger)
     with pytest.raises(ledger_anchor.LedgerRegressedError, match=words):
         Site.open(s.node_config())

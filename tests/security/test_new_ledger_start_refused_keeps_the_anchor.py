@@ -27,7 +27,7 @@ from feta_release.ledger import Ledger
 from feta_release.policy.document import sign_policy, write_signed_policy
 from feta_release.signing import load_private_key
 from tests.support.federation import node_settings, tiny_sites
-from tests.support.lost_ledger import lost_ledger, node_work
+from tests.support.lost_ledger import lose_ledger, lost_ledger, node_work
 
 Refusal = Callable[[Any, NodeSettings], NodeSettings]
 
@@ -85,8 +85,7 @@ def test_a_new_ledger_start_that_passes_anchors_the_new_ledger_and_refuses_the_o
         assert rec["ledger_id"] == led.anchor()["ledger_id"] != before["ledger_id"] and rec["rows"] == 0
     assert any("--new-ledger" in line and before["ledger_id"] in line for line in rec["history"])
     forget_sites()
-    for p in s.ledger.parent.glob("ledger.db*"):
-        p.unlink()
+    lose_ledger(s.ledger)
     shutil.copy2(old, s.ledger)  # the lost ledger's older copy instead of the new one
     with pytest.raises(ledger_anchor.LedgerRegressedError, match="another ledger"):
         Site.open(s.node_config())

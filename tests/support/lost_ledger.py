@@ -25,6 +25,12 @@ def charge(ledger: Ledger, n: int) -> None:
         )
 
 
+def lose_ledger(ledger: Path) -> None:
+    """The node's ledger is gone with the journal files beside it (a lost volume, a deleted file)."""
+    for p in ledger.parent.glob(ledger.name + "*"):
+        p.unlink()
+
+
 def lost_ledger(tmp_path: Path, **policy: Any) -> tuple[Any, Path, Path]:
     """A node that ran on a ledger of 2 rows (anchored), whose ledger is then lost; with the copy of it taken
     after its first row (an older backup). Returns (federation, site-a's files, the older copy)."""
@@ -40,8 +46,7 @@ def lost_ledger(tmp_path: Path, **policy: Any) -> tuple[Any, Path, Path]:
     ledger_anchor.record(site.ledger, site.work_dir)
     site.ledger.close()
     forget_sites()
-    for p in s.ledger.parent.glob("ledger.db*"):
-        p.unlink()
+    lose_ledger(s.ledger)
     return fed, s, old
 
 

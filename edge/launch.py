@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from feta_release.data.loading import LoadOptions
 from feta_release.errors import ConfigError, FetaError, PolicyError
@@ -44,7 +45,6 @@ from .site import (
     CFG_WINDOW,
     CFG_WORK,
     Site,
-    verify_policy_file,
 )
 
 log = logging.getLogger("feta.node")
@@ -160,14 +160,18 @@ def preflight(s: NodeSettings) -> Site:
     trust.check_flower_internals()
     runtime_api.check_runtime_api_internals()
     work = Path(s.node_config()[CFG_WORK])
-    # decided from the policy alone: refused before the ledger or its anchor is touched (--new-ledger)
-    if not verify_policy_file(s.policy, s.trusted_policy_key).app_bundles:
-        raise PolicyError(
-            f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run"
-        )
+
     # refuses a missing or rolled-back ledger (edge.ledger_anchor); with --new-ledger, resets the anchor only
-    # once the policy, the node config and the data have passed
-    site = Site.open(s.node_config(), new_ledger=s.new_ledger)
+    # once the policy, the node config and the data have passed. The app-bundle check is decided from the
+    # policy alone, on the object the site verified (the file is read once): refused before the ledger or its
+    # anchor is touched
+    def refuse_no_app_bundle(policy: Any) -> None:
+        if not policy.app_bundles:
+            raise PolicyError(
+                f"{s.policy}: the policy allows no app bundle (app_bundles is empty): nothing could run"
+            )
+
+    site = Site.open(s.node_config(), new_ledger=s.new_ledger, check=refuse_no_app_bundle)
     try:
         site.ledger.verify(deep=True)  # also every stored answer's bytes, once per start
         ledger_anchor.record(site.ledger, work)

@@ -22,7 +22,7 @@ from feta_release.data.dataset import check_dataset_memory, check_site_memory
 from feta_release.data.loading import LoadOptions, check_cap_for_policy, load_dataset, policy_data
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.ledger import Ledger
-from feta_release.policy.document import check_version, load_site_policy
+from feta_release.policy.document import check_commitment, check_validity, check_version, load_site_policy
 from feta_release.policy.enforce import resource_cap
 from feta_release.privacy_unit import PatientIndex
 from feta_release.signing import load_private_key, public_key_pem
@@ -148,51 +148,71 @@ class Site:
         return int(self.policy.dataset_size)
 
     @classmethod
-    def open(cls, node_config: dict[str, Any], *, new_ledger: bool = False) -> Site:
+    def open(
+        cls,
+        node_config: dict[str, Any],
+        *,
+        new_ledger: bool = False,
+        check: Callable[[Any], None] | None = None,
+    ) -> Site:
         """Verify the signed policy against the site's trusted key and the data against the policy's keyed
         commitment (recomputed with the site's secret), and refuse a policy older than one this ledger has
         seen. ``new_ledger`` (``node start --new-ledger``): a NEW ledger where the node ran on one that is
-        lost (``edge.ledger_anchor.start_new``, logged), once every other check has passed."""
+        lost (``edge.ledger_anchor.start_new``, logged), once every other check has passed. ``check``: the
+        caller's own refusals on the verified policy (``node start``: an app bundle), run on the one object
+        the site then runs under, before the ledger is touched."""
         missing = [k for k in REQUIRED if not node_config.get(k)]
         if missing:
             raise ConfigError(
                 f"node config lacks {', '.join(missing)}; start the node with `feta-release node start`"
             )
-        # the signed policy (its commitment: checked over the data in _verified), read first: a node config
-        # it refuses is refused before the ledger, the cache or any image is opened
-        unverified = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
-        check_node_cap(unverified, node_config)
+        # the signed policy, read and verified ONCE, first: a node config it refuses is refused before the
+        # ledger, the cache or any image is opened. Every later check (the cap here, the data's commitment,
+        # the site key, the version floors) and the site itself use this object, never the file read again:
+        # a file changed in between (a time-of-check/time-of-use gap) would have one policy checked and
+        # another run.
+        policy = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+        if check is not None:
+            check(policy)
+        check_node_cap(policy, node_config)
         return cls._opened(
             node_config,
-            lambda secret, work: _opened_data(node_config, unverified, secret, work),
+            policy,
+            lambda secret, work: _opened_data(node_config, policy, secret, work),
             new_ledger=new_ledger,
         )
 
     @classmethod
     def in_memory(cls, node_config: dict[str, Any], data: Any, patients: Any = None) -> Site:
         """A site over images already loaded in this process (``feta-release train``: its data are never
-        copied onto disk), opened as :meth:`open` opens one: the ledger's chain, anchor and key, then the
-        policy's signature, validity and version and its keyed commitment to ``data`` (``patients``: their
-        patient index, whose grouping a patient-level commitment binds)."""
+        copied onto disk), opened as :meth:`open` opens one: the policy's signature and validity (the file
+        read once), the ledger's chain, anchor and key, then the policy's version and its keyed commitment to
+        ``data`` (``patients``: their patient index, whose grouping a patient-level commitment binds)."""
         missing = [k for k in REQUIRED if k != CFG_DATA and not node_config.get(k)]
         if missing:
             raise ConfigError(f"site config lacks {', '.join(missing)}")
         ids = None if patients is None else patients.ids
+        # read and verified once, as :meth:`open` does; its commitment is checked over ``data`` in _opened
+        policy = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
         return cls._opened(
-            node_config, lambda secret, work: (data, patients, dataset_commitment(data, secret, patients=ids))
+            node_config,
+            policy,
+            lambda secret, work: (data, patients, dataset_commitment(data, secret, patients=ids)),
         )
 
     @classmethod
     def _opened(
         cls,
         node_config: dict[str, Any],
+        verified: Any,
         data_of: Callable[[bytes, Path], tuple[Any, Any, str]],
         *,
         new_ledger: bool = False,
     ) -> Site:
         """The one way a site opens: its secret and key, its ledger (chain, anchor, head signature), its
         owner-only work directory, then ``data_of(secret, work)`` (the images, their patient index and the
-        keyed commitment recomputed over them) verified against the policy; the ledger closed on failure.
+        keyed commitment recomputed over them) checked against ``verified`` (the ``SitePolicy`` the caller
+        read and verified from ``node_config``'s policy file, once); the ledger closed on failure.
 
         ``new_ledger``: the ledger's anchor (what refuses a deleted or older ledger: ``edge.ledger_anchor``)
         moves to the new ledger only after every check that needs no ledger has passed (the policy, the node
@@ -212,7 +232,7 @@ class Site:
         try:
             work = owner_only_dir(work_path)
             data, patients, commitment = data_of(secret, work)
-            policy = _checked_policy(node_config, key, data, commitment)
+            policy = _checked_policy(node_config, verified, key, data, commitment)
             # the versions the node's ledgers have seen, a lost one's included (--new-ledger): a replayed
             # older policy is refused before a new ledger is created
             check_version(policy, node_config[CFG_POLICY], ledger_anchor.policy_floor(work_path))
@@ -237,15 +257,16 @@ class Site:
             raise
 
 
-def _checked_policy(node_config: dict[str, Any], key: Any, data: Any, commitment: str) -> Any:
-    """The site's policy, once it verifies (signature by the trusted key, validity, the keyed commitment to
-    ``data``, a public schema) and names this site key: every check of the policy but its version, which
-    the ledger keeps (``Site._opened``)."""
-    policy = verify_policy_file(
-        node_config[CFG_POLICY], node_config[CFG_TRUSTED], dataset_commitment=commitment
-    )
+def _checked_policy(node_config: dict[str, Any], policy: Any, key: Any, data: Any, commitment: str) -> Any:
+    """``policy`` (verified once by the caller: signature by the trusted key, validity), once it holds the
+    keyed commitment to ``data``, a public schema, is still valid and names this site key: every check of the
+    policy but its version, which the ledger keeps (``Site._opened``). The file is not read again."""
+    source = str(node_config[CFG_POLICY])
+    check_commitment(policy, source, commitment)
+    # still valid after the data were read (a decode can take minutes), as the second read used to check
+    check_validity(policy, source=source)
     # a site held in memory (`train`) refuses a policy without a public schema as an opened one does
-    declared_schema(policy, str(node_config[CFG_POLICY]))
+    declared_schema(policy, source)
     if not 0.5 * data.n <= policy.dataset_size <= 2 * data.n:
         # Local log only (never sent): the public nominal size drives every rate and denominator, so a
         # far-off value costs utility (noise is scaled for it), not privacy.
@@ -301,37 +322,36 @@ def check_node_cap(policy: Any, node_config: dict[str, Any]) -> None:
     )
 
 
-def _opened_data(
-    node_config: dict[str, Any], unverified: Any, secret: bytes, work: Path
-) -> tuple[Any, Any, str]:
+def _opened_data(node_config: dict[str, Any], policy: Any, secret: bytes, work: Path) -> tuple[Any, Any, str]:
     """(data as the policy's unit of privacy needs them, their patient index, their keyed commitment), checked
-    against the policy by the caller (``unverified``: its signature checked, its commitment not yet). From the
+    against the policy by the caller (``policy``: its signature checked, its commitment not yet). From the
     private cache when the site's files are the ones it was written for (every step padded to the public size:
     ``edge.site_cache``), else decoded and hashed (O(N), once: at node start, or after the site's files
     changed) and cached for the next open."""
     # the PUBLIC schema (classes, image shape) the data are mapped onto; a policy without one is refused here,
-    # cache or not. The cache key stamps the policy file's content, so a cached open used this one.
-    schema = declared_schema(unverified, str(node_config[CFG_POLICY]))
+    # cache or not. The cache key stamps the policy file's content; what a cached open returns is checked
+    # against this policy's commitment by the caller all the same (the file may have changed since its read).
+    schema = declared_schema(policy, str(node_config[CFG_POLICY]))
     n_public, patient_level = (
-        int(unverified.dataset_size),
-        getattr(unverified, "privacy_unit", "image") == "patient",
+        int(policy.dataset_size),
+        getattr(policy, "privacy_unit", "image") == "patient",
     )
     # the policy's PUBLIC size and shape: a site too large for this machine is refused before anything is read
     check_dataset_memory(n_public, math.prod(schema.image_shape), f"{node_config[CFG_POLICY]} (dataset.size)")
-    _check_worker_memory(unverified, n_public, tuple(schema.image_shape), node_config)
+    _check_worker_memory(policy, n_public, tuple(schema.image_shape), node_config)
     key = site_cache.cache_key(node_config, n_public)
     cached = site_cache.load(work, key, secret)
     if cached is not None and ("patients" in cached) == patient_level:
         data, ids, commitment = site_cache.cached_site(cached)
         patients = None
         if ids is not None:
-            patients = PatientIndex(np.asarray(ids), int(unverified.patients), int(unverified.patient_cap))
+            patients = PatientIndex(np.asarray(ids), int(policy.patients), int(policy.patient_cap))
             site_cache.padded_grouping(patients.n_patients, int(cached["labels"].shape[0]))
         return data, patients, commitment
     data, report = load_site_data_report(node_config[CFG_DATA], load_options(node_config), schema)
     # the policy's unit decides which images are used (its patient cap) BEFORE the commitment is checked
     data, patients = policy_data(
-        unverified,
+        policy,
         data,
         report,
         data_source=str(node_config[CFG_DATA]),

@@ -446,20 +446,28 @@ def load_site_policy(
     check_validity(pol, now, str(p))
     check_version(pol, p, last_seen_version, last_seen_digest)
     if dataset_commitment is not None:
-        from ..data.commitment import same_commitment
-
-        if not same_commitment(dataset_commitment, pol.dataset_commitment):
-            # neither value is printed in full: they are keyed, but there is no reason to spread them
-            raise PolicyViolation(
-                "dataset.commitment",
-                f"{p}: the data (or the data secret) changed since the "
-                f"policy was signed: the data's keyed commitment {dataset_commitment[:12]}… != "
-                f"policy's {pol.dataset_commitment[:12]}…; if the change is meant, recompute the "
-                "commitment with `feta-release policy data-commitment DATA --secret SECRET` (the "
-                "node's data and secret), put it into the policy's [dataset], raise version and "
-                "re-sign with `feta-release policy sign`",
-            )
+        check_commitment(pol, p, dataset_commitment)
     return pol
+
+
+def check_commitment(pol: SitePolicy, path: str | Path, dataset_commitment: str) -> None:
+    """Refuse a verified policy whose keyed data commitment is not ``dataset_commitment`` (recomputed by the
+    node over its data with its secret): ``dataset.commitment``, the data changed since signing. Runs on the
+    policy object a node verified once, so the data are checked against the very policy it runs under, never
+    against the file read a second time (which may have changed in between)."""
+    from ..data.commitment import same_commitment
+
+    if not same_commitment(dataset_commitment, pol.dataset_commitment):
+        # neither value is printed in full: they are keyed, but there is no reason to spread them
+        raise PolicyViolation(
+            "dataset.commitment",
+            f"{path}: the data (or the data secret) changed since the "
+            f"policy was signed: the data's keyed commitment {dataset_commitment[:12]}… != "
+            f"policy's {pol.dataset_commitment[:12]}…; if the change is meant, recompute the "
+            "commitment with `feta-release policy data-commitment DATA --secret SECRET` (the "
+            "node's data and secret), put it into the policy's [dataset], raise version and "
+            "re-sign with `feta-release policy sign`",
+        )
 
 
 def make_policy(

@@ -1,0 +1,119 @@
+"""A site node read its signed policy file more than once while it opened: ``node start`` to check that the
+policy allows an app bundle, ``Site.open`` to check the node config's patient cap against it, then again,
+after the ledger and the data were opened, to check the data's keyed commitment and to run under it. A file
+replaced between the reads (both versions validly signed) was the policy the site ran under, though the other
+one had been checked: one policy checked, another run. The node now reads and verifies the file once, checks
+the cap, the app bundle and the data's commitment on that object and runs under it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import edge.site
+import feta_release.policy.document as document
+from coordinator.setup import prepare_federation
+from edge.launch import preflight
+from edge.site import CFG_DATA, CFG_LEDGER, CFG_SITE_KEY, CFG_WORK, Site, forget_sites
+from feta_release.errors import PolicyError
+from feta_release.policy.document import sign_policy
+from feta_release.signing import load_private_key
+from tests.support.federation import node_settings, tiny_sites
+
+
+def _federation(tmp_path: Path) -> tuple[Any, Any, bytes]:
+    """A federation whose site-a policy file may be replaced by ``bigger``: the same data and commitment,
+    signed by the same administrator, version + 1, but a lifetime budget ten times larger."""
+    fed = prepare_federation(tmp_path / "fed", tiny_sites(2))
+    s = fed.site("site-a")
+    doc = json.loads(s.policy.read_bytes())["policy"]
+    budget = {**doc["budget"], "lifetime": {**doc["budget"]["lifetime"]}}
+    budget["lifetime"]["epsilon"] = 10 * float(budget["lifetime"]["epsilon"])
+    key = load_private_key(s.policy_pub.with_suffix(".key"))
+    bigger = sign_policy({**doc, "version": int(doc["version"]) + 1, "budget": budget}, key)
+    return fed, s, json.dumps(bigger).encode()
+
+
+def _reads(monkeypatch: pytest.MonkeyPatch, policy: Path) -> list[Path]:
+    """Every read of ``policy`` as a signed policy (the one function that reads it for verification)."""
+    seen: list[Path] = []
+    real = document.read_json
+
+    def counted(path: Any, what: str) -> Any:
+        if Path(path).resolve() == policy.resolve():
+            seen.append(Path(path))
+        return real(path, what)
+
+    monkeypatch.setattr(document, "read_json", counted)
+    return seen
+
+
+def _replaced_while_the_data_load(monkeypatch: pytest.MonkeyPatch, policy: Path, replacement: bytes) -> None:
+    """The policy file is replaced after the site read it and before its data are checked against it."""
+    real = edge.site._opened_data
+
+    def swapped(*args: Any) -> Any:
+        policy.write_bytes(replacement)
+        return real(*args)
+
+    monkeypatch.setattr(edge.site, "_opened_data", swapped)
+
+
+def test_a_policy_file_replaced_while_the_site_opens_is_not_the_one_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fed, s, bigger = _federation(tmp_path)
+    verified = document.load_site_policy(s.policy, [s.policy_pub])
+    reads = _reads(monkeypatch, s.policy)
+    _replaced_while_the_data_load(monkeypatch, s.policy, bigger)
+    site = Site.open(s.node_config())
+    try:
+        assert json.loads(s.policy.read_bytes()) == json.loads(bigger)  # the file did change
+        # the site runs under the policy whose cap it checked, not the one put there while it opened
+        assert site.policy.digest == verified.digest
+        assert site.policy.lifetime_epsilon == verified.lifetime_epsilon
+        assert site.ledger.highest_policy_version() == verified.version
+        assert len(reads) == 1, reads
+    finally:
+        site.ledger.close()
+        forget_sites()
+
+
+def test_node_start_reads_and_verifies_the_policy_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fed, s, _ = _federation(tmp_path)
+    reads = _reads(monkeypatch, s.policy)
+    site = preflight(node_settings(s, insecure=True))
+    try:
+        assert len(reads) == 1, reads
+    finally:
+        site.ledger.close()
+        forget_sites()
+
+
+def test_a_site_held_in_memory_still_checks_its_policy_against_its_data_and_key(tmp_path: Path) -> None:
+    """``train``'s site (images in memory): the one read of the policy still refuses other images (the keyed
+    commitment) and another site key, as an opened site does."""
+    fed = prepare_federation(tmp_path / "fed", tiny_sites(2))
+    a, b = fed.site("site-a"), fed.site("site-b")
+    opened = Site.open(b.node_config())
+    other = opened.data
+    opened.ledger.close()
+    forget_sites()
+    config = {k: v for k, v in a.node_config().items() if k != CFG_DATA}
+    with pytest.raises(PolicyError, match="commitment"):
+        Site.in_memory(config, other)
+    mine = Site.open(a.node_config())
+    data = mine.data
+    mine.ledger.close()
+    forget_sites()
+    # a ledger of its own: the site's ledger would refuse the other key first (its head's signature)
+    elsewhere = {CFG_LEDGER: str(tmp_path / "b.db"), CFG_WORK: str(tmp_path / "b-work")}
+    with pytest.raises(PolicyError, match="site_key"):
+        Site.in_memory({**config, **elsewhere, CFG_SITE_KEY: str(b.site_key)}, data)
+    held = Site.in_memory(config, data)
+    held.ledger.close()

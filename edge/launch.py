@@ -152,6 +152,8 @@ def check_device(name: str) -> None:
 
 def preflight(s: NodeSettings) -> Site:
     """Everything the node refuses to start without. Returns the opened site (policy verified)."""
+    # the path as given: the node config resolves it, so a link would go unseen past here
+    ledger_anchor.refuse_link(s.ledger, new_ledger=s.new_ledger)
     check_device(s.device)
     check_transport(s)
     # Flower reads it itself, without this check: whoever reads it joins as this site

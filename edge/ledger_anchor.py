@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from feta_release.errors import PrivacyError
+from feta_release.errors import ConfigError, PrivacyError
 from feta_release.files import atomic_write_bytes
 
 ANCHOR_FILE = "ledger-anchor.json"
@@ -108,11 +108,45 @@ def refuse_regression(ledger: Any, work_dir: str | Path) -> None:
     )
 
 
+def refuse_link(ledger: str | Path, *, new_ledger: bool) -> None:
+    """The ledger path AS GIVEN (``node start --ledger``, node.toml ``ledger``; before the node config
+    resolves it) where it is a symbolic link through which the node would create the ledger: refused in one
+    line, before anything is written.
+
+    The rule: the node never CREATES its ledger through a link, and may OPEN an existing one through a link.
+    Created through a link, the ledger (and any missing folders) would land wherever the link points, a place
+    whoever can change the link chooses, and the node config (which resolves paths) would never see the link
+    (``ledger_chain.create_private_file`` refuses a link only at the path it is handed). So ``--new-ledger``,
+    which always creates, refuses any link, dangling or not; a plain start refuses a link that points nowhere
+    (it would create the ledger at the target on a first start, or report the target missing). A link to an
+    existing ledger is opened on a plain start, as before (a ledger kept on another volume): what it reaches
+    is checked like any ledger file, its chain and head signature by the site key and its id, rows and head
+    against this anchor, so a link moved to another ledger or an older copy is refused as a restored copy
+    is."""
+    led = Path(ledger)
+    if not led.is_symlink():
+        return
+    target = os.readlink(led)
+    if new_ledger:
+        raise ConfigError(
+            f"{led}: --new-ledger creates the privacy ledger only at a real file path, and this is a "
+            f"symbolic link (to {target}). Fix: give --ledger (node.toml ledger) the path of a real file, "
+            "not a link"
+        )
+    if not led.exists():
+        raise ConfigError(
+            f"{led}: the ledger path is a symbolic link to {target}, which does not exist; the node never "
+            "creates its privacy ledger through a link. Fix: give --ledger (node.toml ledger) the real path "
+            "of the ledger file, not a link (restore the ledger there if it is lost)"
+        )
+
+
 def refuse_new_over_existing(ledger: str | Path) -> None:
     """``--new-ledger`` where a ledger file is there: refused (move it aside first: nothing is deleted here,
-    and an older copy put back never replaces the recorded ledger this way). A link counts as there even
-    when it points nowhere: the ledger is never created through one (``ledger_chain.create_private_file``)."""
+    and an older copy put back never replaces the recorded ledger this way). A link is refused even when it
+    points nowhere: the ledger is never created through one (:func:`refuse_link`)."""
     led = Path(ledger)
+    refuse_link(led, new_ledger=True)
     if os.path.lexists(led):
         raise LedgerRegressedError(
             f"{led}: --new-ledger starts a NEW ledger, but one is there; move it aside first "

@@ -17,7 +17,7 @@ from edge import ledger_anchor
 from edge.launch import preflight
 from edge.site import Site
 from feta_release import ledger_chain
-from feta_release.errors import FetaError, PrivacyError
+from feta_release.errors import ConfigError, FetaError, PrivacyError
 from feta_release.ledger import Ledger
 from tests.support.federation import node_settings
 from tests.support.lost_ledger import lose_ledger, lost_ledger, node_work
@@ -37,8 +37,9 @@ def test_a_new_ledger_start_refused_at_a_link_pointing_nowhere_keeps_the_anchor(
     before = ledger_anchor.read(node_work(s))
     gone = tmp_path / "lost-volume" / "ledger.db"
     s.ledger.symlink_to(gone)
-    # the site opened on the link itself (`node start` resolves it and creates the new ledger where it points)
-    with pytest.raises(ledger_anchor.LedgerRegressedError, match="one is there; move it aside"):
+    # the site opened on the link itself (`node start` refuses the link before it resolves the path:
+    # test_new_ledger_refuses_a_ledger_path_that_is_a_link.py)
+    with pytest.raises(ConfigError, match="only at a real file path"):
         Site.open(s.node_config(), new_ledger=True).ledger.close()
     assert ledger_anchor.read(node_work(s)) == before
     # the volume comes back from an older backup

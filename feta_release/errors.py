@@ -90,20 +90,22 @@ class PolicyBudgetExceeded(BudgetExceededError):
         delta: float,
         accountant: str,
         scope: str,
+        per: str,
         site: str | None = None,
-        per: str = "",
+        patient_cap: int | None = None,
     ) -> None:
-        """``per``: what one ε protects when it is not one image, e.g. "per patient (at most 5 image(s)
-        each)"."""
+        """``per``: the words after each ε that name the site's unit, "per image" or "per patient"
+        (``accounting.per_unit``, as every other line that states a site's ε: "ε=0.998 per image"; passed in
+        because this module sits below accounting). ``patient_cap``: a patient-level site's signed cap (None
+        at an image-level site)."""
         self.rule = rule
         self.site = site
         self.spent, self.requested, self.after, self.cap = spent, after - spent, after, cap
         where = f"site {site}: " if site else ""
-        e = f"ε {per.split(' (')[0]}" if per else "ε"
         super().__init__(
-            f"{where}policy rule {rule}: {scope} has spent {e}={spent:.4g}; with this release it would reach "
-            f"{e}={after:.4g} > cap ε={cap:.4g} (δ={delta:g}, {accountant} accountant"
-            + (f"; {per}" if per else "")
+            f"{where}policy rule {rule}: {scope} has spent ε={spent:.4g} {per}; with this release it would "
+            f"reach ε={after:.4g} {per} > cap ε={cap:.4g} {per} (δ={delta:g}, {accountant} accountant"
+            + ("" if patient_cap is None else f"; at most {patient_cap} image(s) per patient")
             + "); nothing was released"
         )
 

@@ -35,6 +35,7 @@ from .accounting import (
     event_to_dict,
     events_from_list,
     has_secure_aggregation,
+    per_unit,
     unit_epsilon,
     unit_name,
     worst_case_epsilon_cap,
@@ -212,8 +213,9 @@ def check_spend(
                 delta=delta,
                 accountant=budget.accountant,
                 scope=scope,
+                per=per_unit(unit_name(budget.patient_cap)),
                 site=site,
-                per=budget.per,
+                patient_cap=budget.patient_cap,
             )
         return after
 
@@ -273,8 +275,9 @@ def _check_worst_case(
             delta=delta,
             accountant="rdp",
             scope=f"{scope}, if every other site colluded with the coordinator,",
+            per=per_unit(unit_name(budget.patient_cap)),
             site=site,
-            per=budget.per,
+            patient_cap=budget.patient_cap,
         )
 
 

@@ -533,7 +533,7 @@ def _print_summary(res: Any, accountant: str, release: Path | None, as_json: boo
     in the site's unit (``unit``), as ``privacy_report.json``'s ``epsilon_total``: per patient at a
     patient-level site, the figure its caps bound; there the events composed as if each protected one image
     are ``epsilon_per_image``."""
-    from ..accounting import unit_name
+    from ..accounting import per_unit, unit_name
 
     per = res.epsilon_per_patient  # a patient-level site's guarantee (None: images)
     summary = {
@@ -556,13 +556,11 @@ def _print_summary(res: Any, accountant: str, release: Path | None, as_json: boo
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
-        spent = (
-            f"epsilon {res.epsilon:.3f}"
-            if res.epsilon_per_patient is None
-            else f"epsilon per patient {res.epsilon_per_patient:.3f}"
-        )
+        # the figure with its unit after it, in the words of the start line ("planned epsilon 0.998 per
+        # image") and of every other line that states a site's ε (accounting.per_unit)
         click.echo(
-            f"{res.run_dir}: {spent} at delta {res.delta:g} "
+            f"{res.run_dir}: epsilon {summary['epsilon']:.3f} {per_unit(str(summary['unit']))} "
+            f"at delta {res.delta:g} "
             f"({res.dpsgd_steps_trained} DP-SGD steps, {res.seconds:.0f} s); "
             f"synthetic images in {res.run_dir / 'synthetic.npz'}"
             + (f"; release in {release}" if release else "")

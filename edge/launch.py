@@ -82,7 +82,8 @@ class NodeSettings:
             CFG_DATA: str(self.data.resolve()),
             CFG_POLICY: str(self.policy.resolve()),
             CFG_TRUSTED: str(self.trusted_policy_key.resolve()),
-            CFG_LEDGER: str(self.ledger.resolve()),
+            # its own name as given: a link there stays one for the checks and the creation to refuse
+            CFG_LEDGER: str(ledger_anchor.as_given(self.ledger)),
             CFG_SITE_KEY: str(self.site_key.resolve()),
             CFG_WORK: str(Path(work).resolve()),
             CFG_SECRET: str(self.data_secret.resolve()),
@@ -152,7 +153,7 @@ def check_device(name: str) -> None:
 
 def preflight(s: NodeSettings) -> Site:
     """Everything the node refuses to start without. Returns the opened site (policy verified)."""
-    # the path as given: the node config resolves it, so a link would go unseen past here
+    # the path as given, in one line before anything is written (the creation refuses a link put there later)
     ledger_anchor.refuse_link(s.ledger, new_ledger=s.new_ledger)
     check_device(s.device)
     check_transport(s)

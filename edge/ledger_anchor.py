@@ -108,15 +108,24 @@ def refuse_regression(ledger: Any, work_dir: str | Path) -> None:
     )
 
 
+def as_given(ledger: str | Path) -> Path:
+    """``ledger`` with its folder resolved (as every other path of the node) and its own name as given. Never
+    resolved through a link at that name: :func:`refuse_link` looks at the name itself, and the creation
+    (``ledger_chain.create_private_file``: ``O_EXCL | O_NOFOLLOW``) refuses a link put there after that look;
+    a path resolved beforehand would have followed the link before either could see it."""
+    p = Path(ledger)
+    return p.parent.resolve() / p.name
+
+
 def refuse_link(ledger: str | Path, *, new_ledger: bool) -> None:
-    """The ledger path AS GIVEN (``node start --ledger``, node.toml ``ledger``; before the node config
-    resolves it) where it is a symbolic link through which the node would create the ledger: refused in one
+    """The ledger path AS GIVEN (``node start --ledger``, node.toml ``ledger``: :func:`as_given`, the node
+    config too) where it is a symbolic link through which the node would create the ledger: refused in one
     line, before anything is written.
 
     The rule: the node never CREATES its ledger through a link, and may OPEN an existing one through a link.
     Created through a link, the ledger (and any missing folders) would land wherever the link points, a place
-    whoever can change the link chooses, and the node config (which resolves paths) would never see the link
-    (``ledger_chain.create_private_file`` refuses a link only at the path it is handed). So ``--new-ledger``,
+    whoever can change the link chooses (``ledger_chain.create_private_file`` refuses a link only at the path
+    it is handed, so no path on the way there resolves the ledger's own name). So ``--new-ledger``,
     which always creates, refuses any link, dangling or not; a plain start refuses a link that points nowhere
     (it would create the ledger at the target on a first start, or report the target missing). A link to an
     existing ledger is opened on a plain start, as before (a ledger kept on another volume): what it reaches

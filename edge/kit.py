@@ -44,8 +44,6 @@ from feta_release.job_rules import (
 from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
 from feta_release.signing import generate_keypair, load_public_key, make_node_auth_key, public_key_pem
 
-from . import ledger_anchor
-
 # The key in policies/strict-hospital.toml and policies/research.toml: an example, never a real coordinator.
 EXAMPLE_COORDINATOR_FINGERPRINTS = frozenset(
     {"c9dc80267b498549c4fb98b541d69a6212511d9436b00142eb66e24fbe6dd0d2"}
@@ -544,8 +542,9 @@ def read_node_toml(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in node.items():
         if k == "ledger":
-            # its own name kept: a link there is refused, never followed (edge.ledger_anchor.refuse_link)
-            out[k] = ledger_anchor.as_given(base / v) if v else None
+            # not resolved here: a link at its name or on its way is refused, never followed, by `node start`
+            # (edge.ledger_anchor.refuse_link), whose node config then resolves its folder (as_given)
+            out[k] = base / v if v else None
         elif k in PATH_KEYS:
             out[k] = (base / v).resolve() if v else None
         else:

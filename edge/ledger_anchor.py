@@ -120,7 +120,7 @@ def as_given(ledger: str | Path) -> Path:
 def refuse_link(ledger: str | Path, *, new_ledger: bool) -> None:
     """The ledger path AS GIVEN (``node start --ledger``, node.toml ``ledger``: :func:`as_given`, the node
     config too) where it is a symbolic link through which the node would create the ledger: refused in one
-    line, before anything is written.
+    line, before anything is written; so is a folder on its way that is a link pointing nowhere.
 
     The rule: the node never CREATES its ledger through a link, and may OPEN an existing one through a link.
     Created through a link, the ledger (and any missing folders) would land wherever the link points, a place
@@ -133,6 +133,17 @@ def refuse_link(ledger: str | Path, *, new_ledger: bool) -> None:
     against this anchor, so a link moved to another ledger or an older copy is refused as a restored copy
     is."""
     led = Path(ledger)
+    # a folder on the way that is a link to nothing (a volume not mounted, renamed): the node would make the
+    # folders and a fresh ledger where it points, and the anchor in the default work folder beside the ledger
+    # would be missing with it, so nothing would refuse the spent budget coming back
+    for folder in led.absolute().parents:
+        if folder.is_symlink() and not folder.exists():
+            raise ConfigError(
+                f"{led}: its folder {folder} is a symbolic link to {os.readlink(folder)}, which does not "
+                "exist (a volume not mounted?); the node never creates its privacy ledger or its folders "
+                "through a link. Fix: mount or restore what the link points to, or give --ledger (node.toml "
+                "ledger) a path whose folders exist"
+            )
     if not led.is_symlink():
         return
     target = os.readlink(led)

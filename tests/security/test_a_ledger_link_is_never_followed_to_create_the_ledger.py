@@ -15,6 +15,7 @@ import pytest
 
 import edge.launch
 from coordinator.setup import prepare_federation
+from edge import ledger_anchor
 from edge.kit import read_node_toml
 from edge.launch import NodeSettings, preflight
 from feta_release.errors import FetaError
@@ -62,15 +63,16 @@ def test_a_node_toml_ledger_that_is_a_link_pointing_nowhere_is_refused(
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_node_toml_keeps_the_ledgers_own_name_and_resolves_its_folder(tmp_path: Path) -> None:
+def test_node_toml_keeps_the_ledgers_path_as_written(tmp_path: Path) -> None:
     s = _site(tmp_path)
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "alias").symlink_to(real)
     (real / "ledger.db").symlink_to(tmp_path / "vol" / "ledger.db")
     settings = read_node_toml(_node_toml(s, tmp_path / "alias" / "kit", "../ledger.db"))
-    # the folder resolved (as every other path of node.toml), the ledger's own name kept: the link itself
-    assert settings["ledger"] == real / "ledger.db"
+    # the link itself, for `node start` to look at; its node config resolves the folder and keeps the name
+    assert settings["ledger"].is_symlink()
+    assert ledger_anchor.as_given(settings["ledger"]) == real / "ledger.db"
     assert settings["policy"] == s.policy.resolve()
 
 
@@ -106,3 +108,48 @@ def test_the_node_config_names_the_ledger_as_given_under_its_resolved_folder(tmp
     cfg = settings.node_config()
     assert cfg["ledger-path"] == str(real / "ledger.db")
     assert cfg["work-dir"] == str(real / "work")
+
+
+def _run_node_start(
+    args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, list[str]]:
+    """`node start ARGS` through its checks only (no SuperNode): (exit code, the error lines)."""
+
+    def started(settings: Any, **_: Any) -> Any:
+        preflight(settings).ledger.close()
+        raise SystemExit(99)
+
+    monkeypatch.setattr(edge.launch, "start_node", started)
+    code, _out, err = run_cli(["node", "start", *args], capsys)
+    return code, [
+        line for line in err.splitlines() if line.strip() and not line.startswith("WARNING: --insecure")
+    ]
+
+
+@pytest.mark.parametrize("new_ledger", [True, False])
+@pytest.mark.parametrize("given_by", ["node.toml", "--ledger"])
+def test_a_ledger_folder_that_is_a_link_pointing_nowhere_is_refused(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    new_ledger: bool,
+    given_by: str,
+) -> None:
+    """The ledger's folder is a link to a volume that is not there (not mounted, renamed): the node created
+    the folders and a fresh, empty ledger where the link pointed, and its anchor, in the default work folder
+    beside the ledger, was on the missing volume too, so nothing refused the spent budget coming back."""
+    s = _site(tmp_path)
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    gone = tmp_path / "volume" / "feta"
+    (kit / "vol").symlink_to(gone)
+    toml = _node_toml(s, kit, "vol/ledger.db")
+    args = (
+        ["--config", str(toml)]
+        if given_by == "node.toml"
+        else ["--config", str(toml), "--ledger", str(kit / "vol" / "ledger.db")]
+    )
+    code, lines = _run_node_start([*args, *(["--new-ledger"] if new_ledger else [])], monkeypatch, capsys)
+    assert code not in (0, 99) and len(lines) == 1, lines
+    assert str(kit / "vol") in lines[0] and "symbolic link" in lines[0] and str(gone) in lines[0], lines
+    assert not (tmp_path / "volume").exists()

@@ -8,8 +8,6 @@ release nothing about the images and are plain handlers.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +39,7 @@ from .releases import (
 )
 from .resources import resources_mod
 from .secure import admit_masked, handle, masked_contribution
-from .site import CFG_POLICY, Site, site_for
+from .site import Site, site_for
 
 # error replies: no local path or internal text leaves (public_errors); the policy's memory and message caps
 # (resources) hold before any handler reads the message
@@ -85,7 +83,8 @@ def hello(msg: Message, context: Context) -> Message:
         "image_shape": list(site.policy.declared.image_shape),
         "n_classes": int(site.policy.declared.n_classes),
         "class_names": list(site.policy.declared.class_names),
-        "policy": json.loads(Path(str(context.node_config[CFG_POLICY])).read_text("utf-8")),
+        # the signed policy the site verified and runs under, never the file read again (replaced since?)
+        "policy": site.policy.signed,
         "site_public_key": public_key_pem(site.key),
         "lifetime_events": [e for r in site.ledger.requests() for e in r["events"]],
         "job_events": site.ledger.job_events(job.job_id),

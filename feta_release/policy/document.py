@@ -9,6 +9,7 @@ which app bundles may run, and the validity window. The site's policy key signs 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 import tomllib
@@ -119,6 +120,10 @@ class SitePolicy:
     declared: Any = None
     # what one job may make the node allocate (``resources``; absent fields: enforce.DEFAULT_RESOURCES)
     resources: Mapping[str, float] = field(default_factory=dict)
+    # the signed envelope (``{"policy", "signature"}``) this was verified from by :func:`load_site_policy`
+    # (None otherwise): what a node shows the coordinator of the policy it runs under, never the file read
+    # again (it may have been replaced since)
+    signed: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def dpsgd_population(self) -> int:
@@ -442,7 +447,8 @@ def load_site_policy(
             f"{p}: unsigned policy (TOML); sign it with "
             f"`feta-release policy sign {p} --key KEY` and load the signed JSON",
         )
-    pol = open_signed_policy(read_json(p, "signed policy"), trusted_keys, str(p))
+    signed = read_json(p, "signed policy")
+    pol = dataclasses.replace(open_signed_policy(signed, trusted_keys, str(p)), signed=signed)
     check_validity(pol, now, str(p))
     check_version(pol, p, last_seen_version, last_seen_digest)
     if dataset_commitment is not None:

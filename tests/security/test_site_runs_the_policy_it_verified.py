@@ -117,3 +117,36 @@ def test_a_site_held_in_memory_still_checks_its_policy_against_its_data_and_key(
         Site.in_memory({**config, **elsewhere, CFG_SITE_KEY: str(b.site_key)}, data)
     held = Site.in_memory(config, data)
     held.ledger.close()
+
+
+def test_hello_states_the_policy_the_site_runs_not_the_file_as_it_is_now(tmp_path: Path) -> None:
+    """``hello`` sent the policy file as it was at the time of the reply, read again, while the site (opened
+    once, kept open) ran under the policy it had verified: the coordinator then planned for, checked the
+    attestations against and recorded another policy (here ten times the lifetime budget) than the one the
+    site enforces."""
+    from coordinator.setup import sign_job_file
+    from feta_release.federation import messages as fm
+    from tests.support.federation import full_job, harness
+
+    fed, s, bigger = _federation(tmp_path)
+    ran = json.loads(s.policy.read_bytes())
+    signed, _ = sign_job_file(fed, full_job(), "job-hello-policy")
+    grid = harness(fed)
+
+    def hello_policy() -> Any:
+        replies = grid.send_and_receive(
+            [grid.create_message(fm.make_payload({"job": signed}), fm.HELLO, 100 + i, "t") for i in (0, 1)]
+        )
+        docs = [fm.read_payload(r.content)[0] for r in replies if not r.has_error()]
+        return next(d["policy"] for d in docs if d["site_id"] == "site-a")
+
+    try:
+        assert hello_policy() == ran
+        s.policy.write_bytes(bigger)  # the site stays open under the policy it verified
+        assert (
+            edge.site.site_for(s.node_config()).policy.lifetime_epsilon
+            == ran["policy"]["budget"]["lifetime"]["epsilon"]
+        )
+        assert hello_policy() == ran
+    finally:
+        forget_sites()

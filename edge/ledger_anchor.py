@@ -112,8 +112,13 @@ def as_given(ledger: str | Path) -> Path:
     """``ledger`` with its folder resolved (as every other path of the node) and its own name as given. Never
     resolved through a link at that name: :func:`refuse_link` looks at the name itself, and the creation
     (``ledger_chain.create_private_file``: ``O_EXCL | O_NOFOLLOW``) refuses a link put there after that look;
-    a path resolved beforehand would have followed the link before either could see it."""
+    a path resolved beforehand would have followed the link before either could see it. A link that reaches
+    an existing file (a ledger kept on another volume, which a plain start opens) is resolved, as every other
+    path of the node: a running node's later opens (the worker, each message) stay on that file, not on
+    whatever the link is changed to."""
     p = Path(ledger)
+    if p.is_symlink() and p.exists():
+        return p.resolve()
     return p.parent.resolve() / p.name
 
 

@@ -108,6 +108,10 @@ def test_the_node_config_names_the_ledger_as_given_under_its_resolved_folder(tmp
     cfg = settings.node_config()
     assert cfg["ledger-path"] == str(real / "ledger.db")
     assert cfg["work-dir"] == str(real / "work")
+    # a link that reaches a ledger (kept on another volume) is opened: the node stays on what it reaches now
+    (tmp_path / "vol").mkdir()
+    (tmp_path / "vol" / "ledger.db").write_bytes(b"")
+    assert settings.node_config()["ledger-path"] == str(tmp_path / "vol" / "ledger.db")
 
 
 def _run_node_start(

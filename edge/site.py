@@ -329,8 +329,8 @@ def _opened_data(node_config: dict[str, Any], policy: Any, secret: bytes, work: 
     ``edge.site_cache``), else decoded and hashed (O(N), once: at node start, or after the site's files
     changed) and cached for the next open."""
     # the PUBLIC schema (classes, image shape) the data are mapped onto; a policy without one is refused here,
-    # cache or not. The cache key stamps the policy file's content; what a cached open returns is checked
-    # against this policy's commitment by the caller all the same (the file may have changed since its read).
+    # cache or not. What a cached open returns is checked against this policy's commitment by the caller all
+    # the same.
     schema = declared_schema(policy, str(node_config[CFG_POLICY]))
     n_public, patient_level = (
         int(policy.dataset_size),
@@ -339,7 +339,7 @@ def _opened_data(node_config: dict[str, Any], policy: Any, secret: bytes, work: 
     # the policy's PUBLIC size and shape: a site too large for this machine is refused before anything is read
     check_dataset_memory(n_public, math.prod(schema.image_shape), f"{node_config[CFG_POLICY]} (dataset.size)")
     _check_worker_memory(policy, n_public, tuple(schema.image_shape), node_config)
-    key = site_cache.cache_key(node_config, n_public)
+    key = site_cache.cache_key(node_config, n_public, policy.digest)
     cached = site_cache.load(work, key, secret)
     if cached is not None and ("patients" in cached) == patient_level:
         data, ids, commitment = site_cache.cached_site(cached)
@@ -361,7 +361,7 @@ def _opened_data(node_config: dict[str, Any], policy: Any, secret: bytes, work: 
     # refused
     commitment = dataset_commitment(data, secret, patients=None if patients is None else patients.ids)
     # kept only if no file changed while it was decoded
-    if site_cache.cache_key(node_config, n_public) == key:
+    if site_cache.cache_key(node_config, n_public, policy.digest) == key:
         try:
             site_cache.save(
                 work, key, secret, data, None if patients is None else patients.ids, commitment, n_public

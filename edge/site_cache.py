@@ -132,12 +132,18 @@ def _loader_code() -> bytes:
     return h.hexdigest().encode()
 
 
-def cache_key(node_config: dict[str, Any], n_public: int) -> str:
-    """What a cached open is valid for: every node-config value (paths, load options), the loader's code and
-    the stamp of the files, checked with public work (``site_stamp`` padded to the public size)."""
+def cache_key(node_config: dict[str, Any], n_public: int, policy_digest: str) -> str:
+    """What a cached open is valid for: every node-config value (paths, load options), the loader's code, the
+    stamp of the files, checked with public work (``site_stamp`` padded to the public size), and the digest of
+    the verified policy the data are shaped under (its unit and patient cap decide which images are kept).
+    The stamp covers the policy FILE as it is now: replaced since the site verified it, the cache would
+    otherwise hand data shaped under one policy to the opens under the other, whose commitment, if unchanged,
+    passes them."""
     config = json.dumps(sorted((str(k), str(v)) for k, v in node_config.items())).encode()
     stamp = site_stamp(node_config, n_public).encode()
-    return hashlib.sha256(config + b"\0" + _loader_code() + b"\0" + stamp).hexdigest()
+    return hashlib.sha256(
+        config + b"\0" + _loader_code() + b"\0" + stamp + b"\0" + policy_digest.encode()
+    ).hexdigest()
 
 
 def _mac(secret: bytes, key: str) -> Any:

@@ -82,7 +82,7 @@ def test_the_cache_is_private_and_its_size_is_the_public_bucket(tmp_path: Path) 
             stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(site.work_dir.stat().st_mode) == 0o700
         )
         cached = site_cache.load(
-            site.work_dir, site_cache.cache_key(cfg, 20), load_secret(cfg["data-secret"])
+            site.work_dir, site_cache.cache_key(cfg, 20, site.policy.digest), load_secret(cfg["data-secret"])
         )
         assert cached is not None and cached["images"].shape[0] == public_rows(n, 20) == 20
         sizes.append(path.stat().st_size)
@@ -151,9 +151,9 @@ def test_a_changed_loader_makes_the_cache_key_change(monkeypatch) -> None:
 
     cfg = {"policy-file": "/nonexistent"}
     monkeypatch.setattr(sc, "site_stamp", lambda node_config, n_public: "stamp")
-    before = sc.cache_key(cfg, 10)
+    before = sc.cache_key(cfg, 10, "policy digest")
     monkeypatch.setattr(sc, "_loader_code", lambda: b"other loader code")
-    assert sc.cache_key(cfg, 10) != before
+    assert sc.cache_key(cfg, 10, "policy digest") != before
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -150,3 +150,37 @@ def test_hello_states_the_policy_the_site_runs_not_the_file_as_it_is_now(tmp_pat
         assert hello_policy() == ran
     finally:
         forget_sites()
+
+
+def test_data_shaped_under_one_policy_are_not_cached_for_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The private cache of the site's decoded images was keyed on the policy FILE as it was when the data
+    were read, while they were shaped (unit, patient cap) under the policy the site had verified before: a
+    file replaced in between had the cache hand images shaped under the old policy to every later open
+    under the new one, whose commitment, if unchanged, passed them. The cache is now keyed on the verified
+    policy (``edge.site_cache.cache_key``)."""
+    fed, s, bigger = _federation(tmp_path)
+    _replaced_while_the_data_load(monkeypatch, s.policy, bigger)
+    Site.open(s.node_config()).ledger.close()
+    forget_sites()
+    monkeypatch.undo()
+    decoded: list[Any] = []
+    real = edge.site.load_site_data_report
+
+    def counted(*args: Any) -> Any:
+        decoded.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(edge.site, "load_site_data_report", counted)
+    site = Site.open(s.node_config())  # under the policy now in the file
+    try:
+        assert site.policy.version == json.loads(bigger)["policy"]["version"]
+        assert len(decoded) == 1  # decoded and shaped under this policy, not served from the other's cache
+        site.ledger.close()
+        forget_sites()
+        Site.open(s.node_config()).ledger.close()  # the cache written under this policy serves it
+        assert len(decoded) == 1
+    finally:
+        site.ledger.close()
+        forget_sites()

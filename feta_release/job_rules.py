@@ -631,8 +631,32 @@ def _dpsgd_rate(f: DataFacts) -> float:
     return math.floor(min(r, min(bounds) / at) * 1e6) / 1e6
 
 
+# the CPU's rows per per-example-gradient call: a call holds about CPU_CALL_ROW_VALUES rows x image values (64
+# rows of 28x28 grey), in multiples of 4 rows, at least 4. Why 64 and not the former 32 at 28 px: a call's
+# fixed cost (Python, the hooks, ~500 small operations) is spread over twice the rows. Measured on this
+# project's 2-core CPU, quiet, 2 threads, the derived job's own step for 4,000 digits at 28 px (`bench/
+# bench_dpsgd.py --derived 4000 --size 28 --classes 10 --epsilon 1 --physical P --rounds 6 --threads 2
+# --methods nonprivate,hooks --no-memory`): hooks 3.924 / 3.486 / 3.400 s a step at P = 32 / 64 / 128 (non-
+# private 3.159 / 2.914 / 2.814: 1.24x / 1.20x / 1.21x), the private step 11 % faster at 64, little more at
+# 128; at 64 training only the norms and attention 1.15x, LoRA 1.17x. Its memory (peak RSS of one step alone,
+# `... --epsilon 10 --physical P --rounds 1 --steps 1 --threads 1`): private / non-private 595 / 554 MB at 32,
+# 769 / 682 at 64, 1,090 / 1,001 at 128 (28 px); at 64x64 grey (`--size 64 --classes 4`, 1,144 rows a step)
+# 645 / 604 MB at the former 8 rows, 759 / 685 at this rule's 12 (hooks 1.14x there in that one round, 1.34x
+# at 8; the cores shared). Inside the working memory a site's process has beside its images
+# (data.dataset.SITE_WORKING_MB, 1 GiB, the Python/torch baseline of ~300 MB included).
+# The training math does not depend on it: each row's gradient is its own, clipped alone, and the step sums
+# the same clipped gradients and adds the same noise whatever the calls (only the float summation order
+# differs: tests/training/test_dpsgd_engine.py). The loss's randomness (EDM noise levels) is drawn call by
+# call, so a seeded run draws the same distribution onto other rows, not the same bits; a job file that
+# states its physical_batch runs as before. What changes is time: a step's padded rows are whole calls.
+CPU_CALL_ROW_VALUES = 64 * 784
+
+
 def _physical(values: int) -> int:
-    return max(4, min(32, 4 * round(8 * 784 / values)))
+    """The CPU's rows per per-example-gradient call for images of ``values`` values
+    (:data:`CPU_CALL_ROW_VALUES`): 64 at 28x28 grey, 48 at 32 px grey, 20 at 28 px RGB, 16 at 32 px RGB, 12
+    at 64 px grey, 4 (the floor) from 64 px RGB and 128 px grey."""
+    return max(4, min(64, 4 * round(CPU_CALL_ROW_VALUES / 4 / values)))
 
 
 def _physical_batch(f: DataFacts, multiplicity: int) -> int:

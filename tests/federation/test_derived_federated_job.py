@@ -184,7 +184,7 @@ def test_a_patient_level_site_is_charged_the_whole_patients_its_node_pads_to(tmp
     as_images = site_step_rows(20_000, 20_000, stage_sampling_rate(batch, 20_000, "dpsgd"), chunk)
     q_patients = stage_sampling_rate(batch, node_index.n_public, "dpsgd")
     as_patients = site_step_rows(20_000, 20_000, q_patients, chunk, node_index)
-    assert (batch, chunk, as_images, as_patients) == (2000, 32, 2240, 5632)
+    assert (batch, chunk, as_images, as_patients) == (2000, 64, 2240, 5632)
     assert dpsgd_step_rows(cfg, d.facts) == as_patients  # the slowest site: the patient-level one
     steps = cfg.dpsgd_steps(d.facts.size)
     assert steps >= 20 and steps == 5 * cfg.federation.rounds
@@ -273,7 +273,7 @@ def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tm
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_physical_batch_is_cut_to_every_sites_resource_caps(tmp_path: Path, device: str) -> None:
     """One signed physical batch runs at every site: a site whose policy caps ``resources.max_pass_rows`` at
-    16 (below the CPU rule's 32 at 28 px and the GPU's ~232) gets a job within it, costed at that physical
+    16 (below the CPU rule's 64 at 28 px and the GPU's ~232) gets a job within it, costed at that physical
     batch, and no site's node refuses the job's work (``check_resources`` inside ``admit``). Without the cut
     the job carried the rules' physical batch and that site refused it."""
     from edge.admission import admit

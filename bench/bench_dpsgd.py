@@ -29,7 +29,7 @@ among the methods (the same trained parameters without privacy), else against ``
 N images of ``--size`` px (grey, ``--classes`` classes, ``--epsilon``) with DP-SGD on
 (``job_rules.derive_job``); the step's rows are its PADDED rows (``job_rules.dpsgd_step_rows``), what every
 step of that job runs whatever its Poisson draw; ``--physical`` given with it replaces only the physical batch
-(``--derived 4000 --size 28 --physical 64 --rounds 1 --steps 1 --threads 1``: the peak RSS of each method at
+(``--derived 4000 --size 28 --physical 128 --rounds 1 --steps 1 --threads 1``: the peak RSS of each method at
 another physical batch):
 
     python bench/bench_dpsgd.py --methods nonprivate,hooks,nonprivate:norm_attention,hooks:norm_attention,\

@@ -1,7 +1,7 @@
 """One DP-SGD call against one non-private call of the derived job's model, interleaved in one process.
 
-    python bench/bench_dpsgd_call.py                          # derived 28 px job, physical 32, 1 thread
-    python bench/bench_dpsgd_call.py --rounds 100 --physical 64 --threads 2
+    python bench/bench_dpsgd_call.py                # derived 28 px job, its physical batch (64), 1 thread
+    python bench/bench_dpsgd_call.py --rounds 100 --physical 32 --threads 2
 
 A call is what a step repeats ``rows / physical_batch`` times: the non-private forward/backward of one
 physical batch (batched weight gradients), against the private one (``ghost_clip.hook_grads``, the clip in

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from feta_release.cli.derive_options import parse_duration
+from feta_release.cli.derive_options import parse_duration, run_threads
 from feta_release.cli.device_option import device_option
 from feta_release.cli.progress_option import progress_option
 from feta_release.federation.anchors import AnchorStore, anchors_path
@@ -160,7 +160,7 @@ def _job_and_sites(
         if not sites:
             raise click.UsageError("--sites: name the sites that take part")
         return job_file, sites
-    text, ids = _derived_toml(policies, epsilon, delta, time_budget, device)
+    text, ids = _derived_toml(policies, epsilon, delta, time_budget, device, run_threads())
     if sites and sorted(s.strip() for s in sites.split(",") if s.strip()) != sorted(ids):
         raise click.UsageError(
             f"--sites {sites} differs from the sites of the policies given ({', '.join(ids)})"
@@ -232,13 +232,14 @@ def _derived_toml(
     delta: float | None,
     time_budget: str | None,
     device: str,
+    threads: int,
 ) -> tuple[str, list[str]]:
-    """(the TOML of the job derived from the sites' policies, their site ids)."""
+    """(the TOML of the job derived from the sites' policies, their site ids), timed at the coordinator's
+    ``threads`` (``coordinator.derive.facts_from_policies``)."""
     if not policies or epsilon is None:
         raise click.UsageError("a derived job needs --policy (once per site) and --epsilon; or give JOB_FILE")
-    d, ids = derive_federated(
-        list(policies), epsilon, delta, parse_duration(time_budget) if time_budget else None, device
-    )
+    budget = parse_duration(time_budget) if time_budget else None
+    d, ids = derive_federated(list(policies), epsilon, delta, budget, device, threads)
     return derivation_toml(d), ids
 
 
@@ -253,6 +254,14 @@ def _derived_toml(
     help="The device the job is sized for (its model width and time estimate).",
 )
 @click.option(
+    "--for-threads",
+    "for_threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The coordinator's torch CPU threads the job is timed at (default: torch's default here, what "
+    "`coordinator run` uses); the sites' DP-SGD rounds are timed at the same count.",
+)
+@click.option(
     "--out",
     "out_file",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -265,6 +274,7 @@ def derive_job_cmd(
     delta: float | None,
     time_budget: str | None,
     for_device: str,
+    for_threads: int | None,
     out_file: Path | None,
 ) -> None:
     """Derive a federated job from the sites' public declarations: their summed sizes, common image shape and
@@ -275,7 +285,7 @@ def derive_job_cmd(
       feta-release coordinator derive-job --policy st-mary.signed.json --policy st-luke.signed.json \\
           --epsilon 1 --out job.toml
     """
-    text, ids = _derived_toml(policies, epsilon, delta, time_budget, for_device)
+    text, ids = _derived_toml(policies, epsilon, delta, time_budget, for_device, run_threads(for_threads))
     if out_file is None:
         click.echo(text, nl=False)
         return

@@ -21,6 +21,7 @@ from feta_release.job_rules import (
     DPSGD_MAX_NOISE,
     DPSGD_MIN_STEPS,
     LOCAL_STEPS,
+    REFERENCE_THREADS,
     DataFacts,
     Derivation,
     default_delta,
@@ -55,10 +56,17 @@ def facts_from_policies(
     delta: float | None = None,
     time_budget: float | None = None,
     device: str = "cpu",
+    threads: int = REFERENCE_THREADS,
 ) -> DataFacts:
     """The public facts of a federation: summed declared sizes, the one declared shape and class list (refused
     when the sites disagree or one declares none), epsilon and delta capped by every site's per-job budget,
-    the physical batch by every site's resource caps."""
+    the physical batch by every site's resource caps.
+
+    ``threads``: the CPU threads the job is timed at, the COORDINATOR's (``coordinator run``: its torch
+    threads; ``coordinator derive-job --for-threads``). The coordinator runs the warm-up, the aux fit and the
+    sampling, most of a job's time; the sites' DP-SGD rounds are timed at the same count, since a site's
+    policy declares no thread count (a site with fewer threads than the coordinator runs its rounds slower
+    than estimated)."""
     if not policies:
         raise ConfigError("derived federated job: give each site's policy (--policy FILE, once per site)")
     decls = []
@@ -95,6 +103,7 @@ def facts_from_policies(
         delta=min(cap, default_delta(size) if delta is None else float(delta)),
         device="cuda" if device == "cuda" else "cpu",
         time_budget=time_budget,
+        threads=int(threads),
         federated=True,
         # each site pads its DP-SGD steps over its own size: the time rules charge the slowest site's rows
         site_sizes=tuple(int(p.dataset_size) for p in policies),
@@ -112,13 +121,15 @@ def derive_federated(
     delta: float | None = None,
     time_budget: float | None = None,
     device: str = "cpu",
+    threads: int = REFERENCE_THREADS,
 ) -> tuple[Derivation, list[str]]:
-    """(the job derived from the sites' policies, their site ids in the order given)."""
+    """(the job derived from the sites' policies, their site ids in the order given), timed at ``threads``
+    CPU threads (:func:`facts_from_policies`)."""
     policies = [read_site_policy(Path(p)) for p in policy_files]
     ids = [p.site_id for p in policies]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"derived federated job: a site's policy was given twice ({', '.join(ids)})")
-    facts = facts_from_policies(policies, epsilon, delta, time_budget, device)
+    facts = facts_from_policies(policies, epsilon, delta, time_budget, device, threads)
     smallest, cap = min(int(p.dataset_size) for p in policies), dpsgd_batch_cap(policies)
     d, refusal = summed_as_every_site_plans(federated_job(facts, smallest, cap), facts, policies)
     if refusal and d.cfg.dpsgd_steps(facts.size) > 0:  # a site's plan refuses DP-SGD: the job without it

@@ -65,7 +65,10 @@ of :data:`LOCAL_STEPS` steps.
 (``bench/bench_dpsgd.py --batch 64 --k 1 --physical 32 --rounds 3 --steps 1 --threads 2 --methods
 nonprivate,hooks``: non-private 0.085 s per 64-image step at 28 px = 1.69e-6 s per image
 value; at 64 px, B = 32, 0.214 s = 1.63e-6; the hooks step 1.35x / 1.15x of it). It predicts 8.0 min for
-``cpu-eps10-nodpsgd`` (measured: 8 min 8 s alone on 2 threads). On a GPU it is divided by ``CUDA_SPEEDUP``
+``cpu-eps10-nodpsgd`` (measured: 8 min 8 s alone on 2 threads). The CPU rates are 2-thread rates: a job run
+on fewer threads (``DataFacts.threads``: ``train --threads``, else torch's default) is timed at
+:func:`thread_factor` times them (1.80 on 1 thread), so its budget buys fewer steps; more than 2 are not
+credited. On a GPU it is divided by ``CUDA_SPEEDUP``
 (20: the whole eps = 10 job took 47 s on one H100 against ~15 min on the 2-core CPU; not measured for other
 jobs), except a DP-SGD step: on a GPU it is :data:`CUDA_CALL_SECONDS` per call of ``physical_batch`` rows plus
 :data:`CUDA_DPSGD_SECONDS_PER_VALUE` per padded row, image value and width (one H100, 64 px, 16 channels: 0.26
@@ -108,6 +111,7 @@ from .training.step_rows import site_step_rows
 __all__ = [
     "DataFacts",
     "Derivation",
+    "REFERENCE_THREADS",
     "PatientFacts",
     "policy_patient_facts",
     "with_physical_caps",
@@ -152,6 +156,18 @@ LOCAL_STEPS = 5  # a derived federated job's DP-SGD steps per site per round (it
 DELTA_PRESETS = 1e-5  # every preset's delta (N ~ 4,000)
 # cost model (see the module docstring)
 SECONDS_PER_PIXEL_PASS = 1.7e-6
+# the CPU rates below were measured on 2 threads of this project's 2-core CPU; a run on ``threads`` torch
+# threads (``train --threads``, else torch's default) takes (REFERENCE_THREADS / min(threads,
+# REFERENCE_THREADS)) ** THREAD_EXPONENT times as long (thread_factor). Measured on the derived 28 px job's
+# step (bench/bench_dpsgd.py's steps, --derived 4000 --size 28 --classes 10 --epsilon 1 --physical 64): on 1
+# thread 5.28 s of CPU a non-private step and 6.47 s a private one (median of 4 rounds, nice 5; CPU seconds
+# because the shared cores' load made wall times 1.3-2x longer), against 2.914 / 3.486 s of wall on 2 threads
+# on the quiet machine: 1.81x / 1.86x, exponent 0.86 / 0.89; 0.85 taken (1.80x). Not measured for the aux
+# fit (its 1-thread step, 0.265 s, is 1.33x the 2-thread epoch's 0.2 s a step; those two were not measured
+# together) nor the sampler. More threads than 2 are not credited: never measured here, so a machine with
+# more cores gets the 2-thread job (its estimate an upper bound).
+REFERENCE_THREADS = 2
+THREAD_EXPONENT = 0.85
 DPSGD_OVERHEAD = 1.35  # per-example-gradient step / non-private step (bench/bench_dpsgd.py, 28 px)
 # the torch sampler (the synthetic set, the grids): seconds per denoiser call, image PIXEL (height x width:
 # the UNet's cost does not follow the input channels) and width factor, on 2 threads at its batch of 256. From
@@ -283,6 +299,9 @@ class DataFacts:
     # sites': one signed job runs at every site); None: the policy's default (``DEFAULT_RESOURCES``)
     max_physical_batch: int | None = None
     max_pass_rows: int | None = None
+    # the torch CPU threads the job runs with (``train --threads``, else torch's default; a federation's: the
+    # coordinator's, ``coordinator.derive``): the CPU time estimates scale with them (:func:`thread_factor`)
+    threads: int = REFERENCE_THREADS
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -372,6 +391,10 @@ def check_facts(f: DataFacts) -> None:
         f"the time budget must be > 0 seconds, got {f.time_budget}",
     )
     need(f.dpsgd in ("auto", "on", "off"), f"dpsgd must be auto, on or off, got {f.dpsgd!r}")
+    need(
+        isinstance(f.threads, int) and not isinstance(f.threads, bool) and f.threads >= 1,
+        f"threads must be an integer >= 1, got {f.threads!r}",
+    )
     for name in ("max_physical_batch", "max_pass_rows"):
         cap = getattr(f, name)
         need(cap is None or (isinstance(cap, int) and cap >= 1), f"{name} must be >= 1, got {cap!r}")
@@ -631,8 +654,32 @@ def _dpsgd_rate(f: DataFacts) -> float:
     return math.floor(min(r, min(bounds) / at) * 1e6) / 1e6
 
 
+# the CPU's rows per per-example-gradient call: a call holds about CPU_CALL_ROW_VALUES rows x image values (64
+# rows of 28x28 grey), in multiples of 4 rows, at least 4. Why 64 and not the former 32 at 28 px: a call's
+# fixed cost (Python, the hooks, ~500 small operations) is spread over twice the rows. Measured on this
+# project's 2-core CPU, quiet, 2 threads, the derived job's own step for 4,000 digits at 28 px (`bench/
+# bench_dpsgd.py --derived 4000 --size 28 --classes 10 --epsilon 1 --physical P --rounds 6 --threads 2
+# --methods nonprivate,hooks --no-memory`): hooks 3.924 / 3.486 / 3.400 s a step at P = 32 / 64 / 128 (non-
+# private 3.159 / 2.914 / 2.814: 1.24x / 1.20x / 1.21x), the private step 11 % faster at 64, little more at
+# 128; at 64 training only the norms and attention 1.15x, LoRA 1.17x. Its memory (peak RSS of one step alone,
+# `... --epsilon 10 --physical P --rounds 1 --steps 1 --threads 1`): private / non-private 595 / 554 MB at 32,
+# 769 / 682 at 64, 1,090 / 1,001 at 128 (28 px); at 64x64 grey (`--size 64 --classes 4`, 1,144 rows a step)
+# 645 / 604 MB at the former 8 rows, 759 / 685 at this rule's 12 (hooks 1.14x there in that one round, 1.34x
+# at 8; the cores shared). Inside the working memory a site's process has beside its images
+# (data.dataset.SITE_WORKING_MB, 1 GiB, the Python/torch baseline of ~300 MB included).
+# The training math does not depend on it: each row's gradient is its own, clipped alone, and the step sums
+# the same clipped gradients and adds the same noise whatever the calls (only the float summation order
+# differs: tests/training/test_dpsgd_engine.py). The loss's randomness (EDM noise levels) is drawn call by
+# call, so a seeded run draws the same distribution onto other rows, not the same bits; a job file that
+# states its physical_batch runs as before. What changes is time: a step's padded rows are whole calls.
+CPU_CALL_ROW_VALUES = 64 * 784
+
+
 def _physical(values: int) -> int:
-    return max(4, min(32, 4 * round(8 * 784 / values)))
+    """The CPU's rows per per-example-gradient call for images of ``values`` values
+    (:data:`CPU_CALL_ROW_VALUES`): 64 at 28x28 grey, 48 at 32 px grey, 20 at 28 px RGB, 16 at 32 px RGB, 12
+    at 64 px grey, 4 (the floor) from 64 px RGB and 128 px grey."""
+    return max(4, min(64, 4 * round(CPU_CALL_ROW_VALUES / 4 / values)))
 
 
 def _physical_batch(f: DataFacts, multiplicity: int) -> int:
@@ -769,11 +816,23 @@ def width_factor(cfg: JobConfig) -> float:
     return (m.channels / 16) ** 2 * (1 + 0.25 * (len(m.channel_mult) - 2)) * m.num_res_blocks
 
 
+def thread_factor(facts: DataFacts) -> float:
+    """How many times the 2-thread CPU rates a run on ``facts.threads`` threads takes:
+    (:data:`REFERENCE_THREADS` / min(threads, REFERENCE_THREADS)) ** :data:`THREAD_EXPONENT` (1.80 on 1
+    thread, 1 on 2 or more)."""
+    return (REFERENCE_THREADS / min(int(facts.threads), REFERENCE_THREADS)) ** THREAD_EXPONENT
+
+
+def _cpu_or_gpu(seconds: float, facts: DataFacts) -> float:
+    """``seconds`` at the 2-thread CPU rate as the facts' device runs them: / :data:`CUDA_SPEEDUP` on a GPU
+    (whose time does not follow the CPU threads), x :func:`thread_factor` on the CPU."""
+    return seconds / CUDA_SPEEDUP if facts.device == "cuda" else seconds * thread_factor(facts)
+
+
 def seconds_per_pass(cfg: JobConfig, facts: DataFacts) -> float:
     """Estimated seconds of one training pass of one image through the job's model (see the module
     docstring)."""
-    per = SECONDS_PER_PIXEL_PASS * facts.values * width_factor(cfg)
-    return per / CUDA_SPEEDUP if facts.device == "cuda" else per
+    return _cpu_or_gpu(SECONDS_PER_PIXEL_PASS * facts.values * width_factor(cfg), facts)
 
 
 def dpsgd_step_rows(cfg: JobConfig, facts: DataFacts) -> int:
@@ -826,8 +885,9 @@ def sampling_seconds(cfg: JobConfig, facts: DataFacts, images: int) -> float:
     """Estimated seconds of the torch sampler drawing ``images`` images of the job's model
     (:data:`SAMPLING_SECONDS_PER_PIXEL` per denoiser call, image pixel and width factor)."""
     pixels = facts.height * facts.width
-    per = SAMPLING_SECONDS_PER_PIXEL * pixels * width_factor(cfg) * sampler_calls(cfg) * images
-    return per / CUDA_SPEEDUP if facts.device == "cuda" else per
+    return _cpu_or_gpu(
+        SAMPLING_SECONDS_PER_PIXEL * pixels * width_factor(cfg) * sampler_calls(cfg) * images, facts
+    )
 
 
 def estimate(cfg: JobConfig, facts: DataFacts, n_synthetic: int | None = None) -> Estimate:
@@ -857,12 +917,18 @@ def _release_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
         cost = fr.features * (fr.patch**2 * facts.channels if fr.patch else facts.values)
         out[FREQUENCY] = facts.size * cost * 2 / RELEASE_FLOPS
         iters = a.iterations_per_epoch or max(1, facts.size // a.batch)
-        aux = a.restarts * a.epochs * iters * aux_step_seconds(cfg, facts)
-        out[AUX_FIT] = aux / CUDA_SPEEDUP if facts.device == "cuda" else aux
+        out[AUX_FIT] = _cpu_or_gpu(a.restarts * a.epochs * iters * aux_step_seconds(cfg, facts), facts)
         if cfg.central.cell_rule == "aux" and cfg.central.rounds > 0:
-            draw = AUX_DRAW_SECONDS_PER_PIXEL * facts.height * facts.width * PROTOTYPE_IMAGES
+            # the draw measured on 2 cores (x the threads' factor on the CPU), k-means on 1 thread (Python)
+            draw = AUX_DRAW_SECONDS_PER_PIXEL * facts.height * facts.width * PROTOTYPE_IMAGES * _cpu(facts)
             out[PROTOTYPES] = (draw + KMEANS_SECONDS_PER_CLASS) * facts.n_classes
     return out
+
+
+def _cpu(facts: DataFacts) -> float:
+    """:func:`thread_factor` where the stage runs at the CPU rate (the CPU; on a GPU those stages keep their
+    2-core figure, as before)."""
+    return 1.0 if facts.device == "cuda" else thread_factor(facts)
 
 
 def aux_step_seconds(cfg: JobConfig, facts: DataFacts) -> float:
@@ -885,7 +951,9 @@ def _warmup_terms(cfg: JobConfig, facts: DataFacts) -> dict[str, float]:
         grids += 1
     if cfg.frequency.sigma is not None:
         mixed = 2 if w.frequency_mix_central and central else 1
-        out[AUX_IMAGES] = AUX_DRAW_SECONDS_PER_PIXEL * w.frequency_images * facts.height * facts.width
+        out[AUX_IMAGES] = (
+            AUX_DRAW_SECONDS_PER_PIXEL * w.frequency_images * facts.height * facts.width * _cpu(facts)
+        )
         out[FREQUENCY_WARMUP] = per * w.frequency_images * w.frequency_epochs * mixed
         grids += 1
     if central and w.polish_iterations > 0:
@@ -1155,7 +1223,7 @@ def notes_of(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> tup
     lines = [
         f"facts: public size {f.size}{' (noisy count)' if f.size_drawn else ''}, "
         f"{f.height}x{f.width}x{f.channels}, {f.n_classes} classes, epsilon {f.epsilon:g}, delta "
-        f"{f.job_delta:g} ({delta}), {f.device}, time budget {f.budget:.0f} "
+        f"{f.job_delta:g} ({delta}), {_device_note(f)}, time budget {f.budget:.0f} "
         f"s{' (default)' if f.time_budget is None else ''}" + (", federated" if f.federated else ""),
         f"central: one pass over all images (rate 1), sigma {c.sigma:g} "
         f"(epsilon {_spent(f, [PrivacyEvent('central', c.sigma, 1.0, 1)]):.3f} alone{_per(f)}), "
@@ -1184,6 +1252,17 @@ def notes_of(f: DataFacts, cfg: JobConfig, steps: int, why_off: str = "") -> tup
     )
     lines.append("quality: not yet measured for this derivation (docs/derived-job.md)")
     return tuple(lines)
+
+
+def _device_note(f: DataFacts) -> str:
+    """The device and the CPU threads the job was derived for, and what the threads did to its estimate."""
+    what = f"{f.device}, {f.threads} thread{'s' if f.threads != 1 else ''}"
+    if f.device == "cuda":
+        return what
+    factor = thread_factor(f)
+    if factor == 1:
+        return what
+    return f"{what} (CPU stages estimated {factor:.2f}x their {REFERENCE_THREADS}-thread time)"
 
 
 def _per(f: DataFacts) -> str:

@@ -102,6 +102,7 @@ def derived_jobs(
     public: Any = None,
     patients: Any = None,
     one_each: bool = False,
+    threads: int | None = None,
 ) -> tuple[JobConfig, Callable[[int], JobConfig] | None]:
     """(the job to run or to draw the size under, the job as a function of the drawn size or None): derived
     from the data's public facts (shape, classes) and the declared size (``public_size``, the policy's), else
@@ -109,7 +110,8 @@ def derived_jobs(
     (``job_rules.PublicFacts``); ``patients`` (a patient-level site's ``job_rules.PatientFacts``, its DECLARED
     public patients and cap, or None) times DP-SGD as its node pads whole patients; ``one_each``: a patient
     cap of 1 without a declared patient count, where the public size is the public patient count (the cap
-    leaves one image per patient), so the job is derived over P = the size the run declares or draws.
+    leaves one image per patient), so the job is derived over P = the size the run declares or draws;
+    ``threads``: the torch CPU threads the run uses (:func:`run_threads`), which its time estimates follow.
     ``emit`` gets the derived job's TOML."""
     from ..job_rules import (
         DataFacts,
@@ -147,6 +149,7 @@ def derived_jobs(
         dpsgd=req.dpsgd or "auto",  # type: ignore[arg-type]  # click.Choice checked it
         class_names=tuple(data.class_names),
         patients=patients,
+        threads=run_threads(threads),
     )
     if policy is not None:  # the site's resource caps bound the physical batch (a GPU's may pass them)
         facts = with_physical_caps(facts, [policy])
@@ -167,6 +170,16 @@ def derived_jobs(
     if declared is not None:
         return job_at(declared), None
     return _with_load(derive(at(sizing_size(facts))).cfg, load), job_at
+
+
+def run_threads(threads: int | None = None) -> int:
+    """The torch CPU threads a run in this process uses: ``threads`` where given (``--threads``), else
+    torch's own count (its default for this machine, OMP_NUM_THREADS, or what ``train --threads`` set)."""
+    if threads is not None:
+        return int(threads)
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _memory_cap(policy: Any) -> float | None:

@@ -115,6 +115,13 @@ def privacy() -> None:
     help="Without JOB_FILE: the device the derived job is sized for.",
 )
 @click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Without JOB_FILE: the torch CPU threads the derived job is timed at, as `train --threads` "
+    "(default: torch's default here, what `train` without --threads uses).",
+)
+@click.option(
     "--preset",
     default=None,
     metavar="NAME",
@@ -138,6 +145,7 @@ def plan(
     delta: float | None,
     time_budget: str | None,
     for_device: str,
+    threads: int | None,
     preset: str | None,
     as_json: bool,
 ) -> None:
@@ -153,7 +161,7 @@ def plan(
     """
     from ..privacy_unit import PrivacyUnit
 
-    derived = (shape, classes, epsilon, delta, time_budget)
+    derived = (shape, classes, epsilon, delta, time_budget, threads)
     if preset is not None and (job_file is not None or policy_path is not None):
         raise click.UsageError(
             "--preset plans a shipped job at -n and --patients: drop JOB_FILE and --policy"
@@ -180,11 +188,12 @@ def plan(
             as_json,
             patient_cap=patient_cap,
             public_patients=public_patients,
+            threads=threads,
         )
         return
     if any(v is not None for v in derived):
         raise click.UsageError(
-            "--shape, --classes, --epsilon, --delta and --time-budget describe a job to derive: "
+            "--shape, --classes, --epsilon, --delta, --time-budget and --threads describe a job to derive: "
             "drop them, or drop JOB_FILE"
         )
 
@@ -316,8 +325,10 @@ def _plan_derived(
     *,
     patient_cap: int | None = None,
     public_patients: int | None = None,
+    threads: int | None = None,
 ) -> None:
-    """The job derived from public facts (feta_release.job_rules), as TOML, and its plan: per patient with
+    """The job derived from public facts (feta_release.job_rules), as TOML, and its plan, timed at
+    ``threads`` CPU threads (default: torch's here, as `train`); per patient with
     ``patient_cap``; with ``public_patients`` too, planned and timed as ``train`` runs it at a patient-level
     site (DP-SGD samples whole patients at q = batch / patients, each step padded to whole patients' images:
     ``job_rules.PatientFacts``)."""
@@ -330,7 +341,7 @@ def _plan_derived(
     from ..mechanisms.count import size_event
     from ..planning import DEFAULT_DATASET_SIZE, patient_dpsgd
     from ..planning import plan as plan_privacy
-    from .derive_options import parse_duration
+    from .derive_options import parse_duration, run_threads
 
     c, h, w = parse_shape(shape)
     n = DEFAULT_DATASET_SIZE if size is None else size
@@ -346,6 +357,7 @@ def _plan_derived(
         time_budget=parse_duration(time_budget) if time_budget else None,
         size_drawn=not declared,
         patients=None if public_patients is None else PatientFacts(public_patients, int(patient_cap or 1)),
+        threads=run_threads(threads),
     )
     d = derive(facts)
     result = plan_privacy(

@@ -78,7 +78,10 @@ from .trust_options import TRUSTED_METAVAR, trusted_for_policy
     "nothing is charged twice).",
 )
 @click.option(
-    "--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's)."
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch CPU threads (default: torch's); a derived job is timed at them.",
 )
 @device_option("training, DP-SGD and sampling")
 @click.option(
@@ -252,6 +255,7 @@ def train(
             public=public.data if public is not None else None,
             patients=_declared_patients(patients, public_patients),
             one_each=patients is not None and public_patients is None and int(patients.cap) == 1,
+            threads=torch.get_num_threads(),  # --threads set above, else torch's default: the run's own
         )
     rep = Reporter(enabled=progress)
     opts = TrainOptions(

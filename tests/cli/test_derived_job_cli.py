@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,13 @@ from feta_release.config import JobConfig, load_job, load_preset, preset_names, 
 from feta_release.data import ImageDataset, load_embedded, save_npz
 from feta_release.job_rules import DataFacts, derive_job, sizing_size
 from tests.support.cli import run_cli as _run
+
+
+def _here() -> int:
+    """The torch threads of this process: what `train` and `privacy plan` time a derived job at by default."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 class Stop(Exception):
@@ -76,7 +84,9 @@ def test_train_with_a_declared_size_runs_the_job_derived_from_the_data(
             ]
         )
     out = capsys.readouterr().out
-    want = derive_job(DataFacts(size=600, height=28, width=28, channels=1, n_classes=10, epsilon=10.0))
+    want = derive_job(
+        DataFacts(size=600, height=28, width=28, channels=1, n_classes=10, epsilon=10.0, threads=_here())
+    )
     assert seen["cfg"] == want and seen["job_for_size"] is None and seen["public_size"] == 600
     assert load_job(saved) == want  # the printed and saved TOML is the job that runs
     assert tomllib.loads(out)["central"]["sigma"] == want.central.sigma
@@ -88,16 +98,14 @@ def test_train_that_draws_its_size_derives_the_job_at_the_drawn_size(
 ) -> None:
     with pytest.raises(Stop):
         main(["train", "--data", str(digits_npz), "--epsilon", "1", "--out", str(tmp_path / "r")])
-    facts = DataFacts(size=1, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True)
+    facts = DataFacts(
+        size=1, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True, threads=_here()
+    )
     ref = sizing_size(facts)
     # drawn under a job that depends on public facts only (not on the 600 private images)
-    assert seen["cfg"] == derive_job(
-        DataFacts(size=ref, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True)
-    )
+    assert seen["cfg"] == derive_job(replace(facts, size=ref))
     job_at = seen["job_for_size"]
-    assert job_at(700) == derive_job(
-        DataFacts(size=700, height=28, width=28, channels=1, n_classes=10, epsilon=1.0, size_drawn=True)
-    )
+    assert job_at(700) == derive_job(replace(facts, size=700))
     assert "# facts: public size 700 (noisy count)" in capsys.readouterr().out
 
 
@@ -121,13 +129,59 @@ def test_privacy_plan_shows_the_derived_job_from_public_facts(capsys: Any) -> No
     )
     assert code == 0, err
     data = json.loads(out)
-    want = derive_job(DataFacts(size=300, height=64, width=64, channels=3, n_classes=10, epsilon=10.0))
+    want = derive_job(
+        DataFacts(size=300, height=64, width=64, channels=3, n_classes=10, epsilon=10.0, threads=_here())
+    )
     assert JobConfig.from_dict(data["derived_job"]) == want
     assert data["epsilon"] <= 10.0 and not data["warnings"]
     code, _, err = _run(
         ["privacy", "plan", "--size", "300", "--shape", "28x28", "--classes", "100", "--epsilon", "1"], capsys
     )
     assert code == 2 and "below the floor" in err
+
+
+def test_privacy_plan_and_train_time_the_derived_job_at_the_threads_given(
+    digits_npz: Path, tmp_path: Path, capsys: Any, seen: dict[str, Any]
+) -> None:
+    """`train --threads 1` runs on one thread, so its job is derived for one (fewer warm-up steps here: the
+    2-thread job would overrun the budget ~1.8x), and `privacy plan --threads 1` shows that same job; both
+    headers say the thread count."""
+    import torch
+
+    facts = DataFacts(size=4000, height=64, width=64, channels=1, n_classes=4, epsilon=10.0, threads=1)
+    argv = ["privacy", "plan", "--size", "4000", "--shape", "64x64x1", "--classes", "4", "--epsilon", "10"]
+    code, out, err = _run([*argv, "--declared-size", "--threads", "1", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert (
+        JobConfig.from_dict(data["derived_job"]) == derive_job(facts) != derive_job(replace(facts, threads=2))
+    )
+    assert "cpu, 1 thread (CPU stages estimated 1.80x" in data["notes"][0]
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(Stop):
+            main(
+                [
+                    "train",
+                    "--data",
+                    str(digits_npz),
+                    "--epsilon",
+                    "10",
+                    "--public-size",
+                    "600",
+                    "--threads",
+                    "1",
+                    "--out",
+                    str(tmp_path / "r"),
+                ]
+            )
+    finally:
+        torch.set_num_threads(before)
+    at_600 = replace(facts, size=600, height=28, width=28, n_classes=10)
+    assert seen["cfg"] == derive_job(at_600)
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.startswith("# facts: public size 600, 28x28x1, 10 classes, epsilon 10"), header
+    assert "cpu, 1 thread (CPU stages estimated 1.80x" in header
 
 
 # the public facts of a site of 100,000 digits at epsilon 10, its size declared

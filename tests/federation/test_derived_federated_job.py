@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -111,13 +112,14 @@ def test_coordinator_derive_job_writes_a_job_that_loads(tmp_path: Path, capsys: 
     coord = Ed25519PrivateKey.generate()
     files, _ = _policies(tmp_path, {"a": 2000, "b": 2000}, coord)
     out = tmp_path / "job.toml"
-    argv = ["coordinator", "derive-job", "--epsilon", "1", "--out", str(out)]
+    argv = ["coordinator", "derive-job", "--epsilon", "1", "--for-threads", "1", "--out", str(out)]
     for f in files:
         argv += ["--policy", str(f)]
     main(argv)
     assert "sites a, b" in capsys.readouterr().out
-    assert load_job(out) == derive_federated(files, epsilon=1.0)[0].cfg
-    assert "# federation: 2 site(s)" in out.read_text("utf-8")
+    assert load_job(out) == derive_federated(files, epsilon=1.0, threads=1)[0].cfg
+    text = out.read_text("utf-8")
+    assert "# federation: 2 site(s)" in text and "cpu, 1 thread (CPU stages estimated 1.80x" in text
 
 
 def test_coordinator_run_without_a_job_file_derives_it_into_the_output(tmp_path: Path, capsys: Any) -> None:
@@ -129,7 +131,8 @@ def test_coordinator_run_without_a_job_file_derives_it_into_the_output(tmp_path:
     files, _ = _policies(tmp_path, {"a": 2000, "b": 2000}, coord)
     path, sites = _job_and_sites(None, None, tuple(files), 1.0, None, None, "cpu", tmp_path / "out")
     assert path == tmp_path / "out" / "derived-job.toml" and sites == "a,b"
-    assert load_job(path) == derive_federated(files, epsilon=1.0)[0].cfg
+    here = torch.get_num_threads()  # the coordinator's own threads time the job it runs
+    assert load_job(path) == derive_federated(files, epsilon=1.0, threads=here)[0].cfg
     with pytest.raises(UsageError, match="differs"):
         _job_and_sites(None, "a,c", tuple(files), 1.0, None, None, "cpu", tmp_path / "out")
     with pytest.raises(UsageError, match="JOB_FILE"):
@@ -184,7 +187,7 @@ def test_a_patient_level_site_is_charged_the_whole_patients_its_node_pads_to(tmp
     as_images = site_step_rows(20_000, 20_000, stage_sampling_rate(batch, 20_000, "dpsgd"), chunk)
     q_patients = stage_sampling_rate(batch, node_index.n_public, "dpsgd")
     as_patients = site_step_rows(20_000, 20_000, q_patients, chunk, node_index)
-    assert (batch, chunk, as_images, as_patients) == (2000, 32, 2240, 5632)
+    assert (batch, chunk, as_images, as_patients) == (2000, 64, 2240, 5632)
     assert dpsgd_step_rows(cfg, d.facts) == as_patients  # the slowest site: the patient-level one
     steps = cfg.dpsgd_steps(d.facts.size)
     assert steps >= 20 and steps == 5 * cfg.federation.rounds
@@ -273,7 +276,7 @@ def test_the_signed_batch_is_cut_to_every_sites_policy_and_the_header_says_so(tm
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_physical_batch_is_cut_to_every_sites_resource_caps(tmp_path: Path, device: str) -> None:
     """One signed physical batch runs at every site: a site whose policy caps ``resources.max_pass_rows`` at
-    16 (below the CPU rule's 32 at 28 px and the GPU's ~232) gets a job within it, costed at that physical
+    16 (below the CPU rule's 64 at 28 px and the GPU's ~232) gets a job within it, costed at that physical
     batch, and no site's node refuses the job's work (``check_resources`` inside ``admit``). Without the cut
     the job carried the rules' physical batch and that site refused it."""
     from edge.admission import admit

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -105,7 +106,7 @@ def test_train_with_a_public_set_runs_the_job_derived_from_both_sets_facts(
                 str(tmp_path / "r"),
             ]
         )
-    want = derive_job(_facts(public_facts(public)))
+    want = derive_job(_facts(public_facts(public), threads=torch.get_num_threads()))  # train's default
     assert seen["cfg"] == want
     assert want.public.pretrain_iterations > 0 and want.dpsgd.trainable == "norm_attention"
     assert seen["public"].data.fingerprint() == public.fingerprint()  # the set the job was derived from runs
@@ -139,7 +140,8 @@ def test_train_dpsgd_option_switches_dp_sgd_in_the_derived_job(
             ]
         )
     cfg: JobConfig = seen["cfg"]
-    assert cfg == derive_job(_facts(public_facts(public), dpsgd=choice, time_budget=3600.0))
+    here = torch.get_num_threads()  # what train times the job at without --threads
+    assert cfg == derive_job(_facts(public_facts(public), dpsgd=choice, time_budget=3600.0, threads=here))
     assert (cfg.dpsgd_steps(200) > 0) == (choice == "on")
 
 

@@ -225,6 +225,40 @@ def test_resume_from_state_dict_is_bit_identical():
     assert not torch.equal(a.ema_model().conv.weight, make().model.conv.weight)
 
 
+class _FixedDrawLoss(EDMLoss):
+    """The EDM loss with the same noise and noise level for every row: its draw takes nothing from the
+    generator, so trainers at different physical batches consume the same random stream."""
+
+    def draw(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return {
+            "noise": torch.full((n, self.k, *self.image_shape), 0.3),
+            "sigma": torch.full((n, self.k), 0.8),
+            "drop": torch.zeros((n, self.k), dtype=torch.bool),
+        }
+
+
+def test_the_physical_batch_changes_the_calls_not_the_update():
+    """Rows per per-example-gradient call are a memory and time setting (the job rules' CPU rule moved from 32
+    to 64 rows at 28 px): each row is clipped alone and the step sums the clipped rows, so the same sample,
+    randomness and noise give the same weights at any physical batch, padded or not, up to the float order."""
+    x, y = _data(24)
+    weights = {}
+    for physical in (3, 4, 8, 64):
+        torch.manual_seed(0)
+        m = TinyDenoiser()
+        cfg = _cfg(batch=12, physical_batch=physical, noise_multiplicity=2)
+        loss = _FixedDrawLoss(SHAPE, 3, 2, 0.0)
+        gen = torch.Generator().manual_seed(7)
+        DPSGDTrainer(m, cfg, 1.0, 0.5, gen, loss=loss, pad_to=16).run(x, y, 3)
+        weights[physical] = m.state_dict()
+    torch.manual_seed(0)
+    start = TinyDenoiser().state_dict()
+    assert any(not torch.equal(v, start[k]) for k, v in weights[4].items())  # the steps moved the weights
+    for physical, w in weights.items():
+        for name, v in w.items():
+            torch.testing.assert_close(v, weights[4][name], rtol=1e-5, atol=1e-6, msg=f"{physical} {name}")
+
+
 def test_edm_training_reduces_loss_with_weak_noise():
     x, y = _data(32, seed=1)
     torch.manual_seed(0)

@@ -183,17 +183,26 @@ class Site:
         )
 
     @classmethod
-    def in_memory(cls, node_config: dict[str, Any], data: Any, patients: Any = None) -> Site:
+    def in_memory(
+        cls, node_config: dict[str, Any], data: Any, patients: Any = None, *, verified: Any = None
+    ) -> Site:
         """A site over images already loaded in this process (``feta-release train``: its data are never
         copied onto disk), opened as :meth:`open` opens one: the policy's signature and validity (the file
         read once), the ledger's chain, anchor and key, then the policy's version and its keyed commitment to
-        ``data`` (``patients``: their patient index, whose grouping a patient-level commitment binds)."""
+        ``data`` (``patients``: their patient index, whose grouping a patient-level commitment binds).
+        ``verified``: the ``SitePolicy`` the caller verified from ``node_config``'s policy file (``train``:
+        once, the public size of its job taken from it), run under instead of reading the file again."""
         missing = [k for k in REQUIRED if k != CFG_DATA and not node_config.get(k)]
         if missing:
             raise ConfigError(f"site config lacks {', '.join(missing)}")
         ids = None if patients is None else patients.ids
-        # read and verified once, as :meth:`open` does; its commitment is checked over ``data`` in _opened
-        policy = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+        # read and verified once, as :meth:`open` does (or by the caller, whose job was sized from it); its
+        # commitment, validity, site key and version are checked over ``data`` in _opened all the same
+        policy = (
+            verified
+            if verified is not None
+            else verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+        )
         return cls._opened(
             node_config,
             policy,

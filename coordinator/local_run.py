@@ -156,6 +156,9 @@ class _SiteFiles:
     policy: Path
     trusted: Path
     secret: Path
+    # ``--policy``: the site's SitePolicy, verified once (:func:`_site_files`); the job's public size and site
+    # id and the site itself are taken from it, never from the file read again (it may have been replaced)
+    verified: Any = None
 
     def node_config(self, opts: TrainOptions) -> dict[str, Any]:
         return {
@@ -192,11 +195,15 @@ def run_train(cfg: JobConfig, data: ImageDataset, out_dir: str | Path, opts: Tra
         rep.warn(w)
     _make_site(files)  # (a drawn size made it already)
     ckey = _coordinator_key(root, opts)
+    verified = files.verified
     if opts.policy is None:  # made BEFORE the first release of the job, committing to these images
         _run_policy(root, files, data, cfg, plan, ckey, opts.site_id, patients)
-    signed = _signed_job(root, cfg, n_pub, ckey, job_id, files)
+        verified = verify_policy_file(files.policy, files.trusted)
+    # the job is signed to, and the site runs under, the one policy object verified here (a site's --policy:
+    # the one its public size came from)
+    signed = _signed_job(root, cfg, n_pub, ckey, job_id, str(verified.site_id))
     _log_start(rep, cfg, data, plan, files, resumed)
-    site = Site.in_memory(files.node_config(opts), data, patients)
+    site = Site.in_memory(files.node_config(opts), data, patients, verified=verified)
     hold_site(_HOLD, site)
     try:
         grid = InProcessGrid({1: HarnessNode(app, files.node_config(opts))})
@@ -251,18 +258,24 @@ def _site_files(root: Path, opts: TrainOptions) -> _SiteFiles:
                 f"{opts.policy}: a site's policy needs --trusted ADMIN.pub (the key that signed it) and "
                 "--data-secret SECRET (the key of its data commitment), as `node start` does"
             )
-        # refused as `node start` refuses it (its public classes and shape are what every release states),
+        # read and verified ONCE: the public size, the site id and the site's policy all come from this object
+        # (a file replaced after a read would have the job signed for one policy and run under another).
+        # Refused as `node start` refuses it (its public classes and shape are what every release states),
         # before the run directory is written or anything charged
-        declared_schema(verify_policy_file(opts.policy, opts.trusted), str(opts.policy))
+        verified = verify_policy_file(opts.policy, opts.trusted)
+        declared_schema(verified, str(opts.policy))
         policy, trusted, secret = opts.policy, opts.trusted, opts.data_secret
     else:
+        verified = None
         policy, trusted, secret = (
             root / RUN_POLICY,
             root / "keys" / "policy-admin.pub",
             root / RUN_DATA_SECRET,
         )
     ledger = opts.ledger if opts.ledger is not None else site / "ledger.sqlite"
-    return _SiteFiles(site, Path(key), Path(ledger), site / "work", Path(policy), Path(trusted), Path(secret))
+    return _SiteFiles(
+        site, Path(key), Path(ledger), site / "work", Path(policy), Path(trusted), Path(secret), verified
+    )
 
 
 def _make_site(files: _SiteFiles) -> None:
@@ -311,9 +324,8 @@ def _public_counts(
     batch / that second draw while the job was derived, planned and stated at batch / the size (refused after
     both charges where the draw fell under the batch)."""
     patients = opts.patients
-    if opts.policy is not None:
-        policy = read_json(opts.policy, "signed policy")
-        return None, int(policy["policy"]["dataset"]["size"]), patients, []
+    if opts.policy is not None:  # the size the policy verified once declares (_site_files)
+        return None, int(files.verified.dataset_size), patients, []
     one_each = patients is not None and opts.draw_patients and patients.cap == 1
     exact = {SIZE_STAGE: data.n} if opts.public_size is None else {}
     if patients is not None and opts.draw_patients and not one_each:
@@ -482,12 +494,11 @@ def one_site_job(cfg: JobConfig, n_public: int) -> JobConfig:
 
 
 def _signed_job(
-    root: Path, cfg: JobConfig, n_pub: int, ckey: Any, job_id: str | None, files: _SiteFiles
+    root: Path, cfg: JobConfig, n_pub: int, ckey: Any, job_id: str | None, site_id: str
 ) -> dict[str, Any]:
     """The run's signed one-site job (``RUN_DIR/signed_job.json``, signed once; a resume checks it is this
-    job)."""
+    job) for ``site_id`` (the verified policy's)."""
     job = one_site_job(cfg, n_pub)
-    site_id = str(read_json(files.policy, "signed policy")["policy"]["site_id"])
     path = root / SIGNED_JOB
     if path.is_file():
         signed = dict(read_json(path, "signed job"))

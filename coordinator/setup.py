@@ -19,6 +19,7 @@ from feta_release.data.commitment import create_secret, dataset_commitment, load
 from feta_release.data.dataset import save_npz
 from feta_release.data.declared import DataDeclaration
 from feta_release.data.loading import cap_loaded, load_dataset, patient_grouping
+from feta_release.ledger_chain import make_private_dirs
 from feta_release.policy.document import make_policy, sign_policy, write_signed_policy
 from feta_release.policy.jobs import sign_job
 from feta_release.signing import generate_keypair, load_private_key, load_public_key, public_key_pem
@@ -86,7 +87,10 @@ def prepare_federation(
     coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
     fed = Federation(root, coord_key, coord_pub)
     hashes = app_hashes if app_hashes is not None else [app_bundle_hash()]
-    site_keys = {sid: generate_keypair(root / "sites" / sid / "keys", "site") for sid in datasets}
+    # each site's folder holds its node's ledger: made for its account only, as a node requires
+    site_keys = {
+        sid: generate_keypair(make_private_dirs(root / "sites" / sid / "keys"), "site") for sid in datasets
+    }
     pems = {sid: public_key_pem(load_public_key(pub)) for sid, (_, pub) in site_keys.items()}
     for site_id, ds in datasets.items():
         d = root / "sites" / site_id

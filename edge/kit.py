@@ -41,6 +41,7 @@ from feta_release.job_rules import (
     SiteCaps,
     site_caps,
 )
+from feta_release.ledger_chain import make_private_dirs
 from feta_release.policy.document import _coordinator_fingerprint, format_time, parse_time, utc_now
 from feta_release.signing import generate_keypair, load_public_key, make_node_auth_key, public_key_pem
 
@@ -265,6 +266,9 @@ def init_site(
     ds, report = load_dataset(data, **opts.kwargs())  # the same reading the node will do
     coord_pem = public_key_pem(load_public_key(coordinator_pub)) if coordinator_pub else None
     keys = root / "keys"
+    # the node's ledger lies in the kit's folder: made for this account only (node start refuses a ledger
+    # folder others can write), whatever the umask
+    make_private_dirs(keys)
     admin_pub = admin_key.install(keys)
     _, site_pub = generate_keypair(keys, "site-signing")
     _, auth_pub = make_node_auth_key(keys, "node-auth")

@@ -290,6 +290,10 @@ def start_node(
         [shim_dir],
         **{
             trust.ENV_ALLOWED: ",".join(site.policy.app_bundles),
+            # each message narrows that list to the policy the site runs then (edge.trust.allowed_hashes)
+            trust.ENV_POLICY: s.node_config()[CFG_POLICY],
+            trust.ENV_TRUSTED: s.node_config()[CFG_TRUSTED],
+            trust.ENV_WORK: str(work),
             trust.ENV_LOG: str(work / "trust.log"),
             runtime_api.ENV_SOCKET: str(
                 channel.socket_path(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -120,6 +121,28 @@ def as_given(ledger: str | Path) -> Path:
     if p.is_symlink() and p.exists():
         return p.resolve()
     return p.parent.resolve() / p.name
+
+
+def refuse_open_folders(ledger: str | Path, work: str | Path) -> None:
+    """Refuse, in one line naming the folder, its mode and the fix, a ledger folder or a work folder that the
+    group or others can write (or, where it is still to be made, the nearest existing folder it would be made
+    in). Whoever can write the folder can swap the ledger's files between the node's checks and SQLite's open,
+    plant its ``-wal``/``-shm`` journal as links before SQLite makes them, or replace the work folder's
+    anchor, cache and round checkpoints, whatever the files' own modes; the sticky bit (``/tmp``) does not
+    stop a planted journal. The folders the node makes are 0700 (``ledger_chain.make_private_dirs``)."""
+    for what, target in (("privacy ledger's folder", Path(ledger).parent), ("work folder", Path(work))):
+        folder = target
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if mode & 0o022:
+            made = f"where the node would make its {what} {target}"
+            where = f"the node's {what}" if folder == target else made
+            raise ConfigError(
+                f"{folder}: {where} is mode {mode:04o}: group or others can write it, and so swap the "
+                f"ledger's files or plant its journal as links; fix: chmod go-w {folder} (or choose a folder "
+                "only this account can write)"
+            )
 
 
 def refuse_link(ledger: str | Path, *, new_ledger: bool) -> None:

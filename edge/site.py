@@ -22,6 +22,7 @@ from feta_release.data.dataset import check_dataset_memory, check_site_memory
 from feta_release.data.loading import LoadOptions, check_cap_for_policy, load_dataset, policy_data
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.ledger import Ledger
+from feta_release.ledger_chain import make_private_dirs
 from feta_release.policy.document import check_commitment, check_validity, check_version, load_site_policy
 from feta_release.policy.enforce import resource_cap
 from feta_release.privacy_unit import PatientIndex
@@ -118,7 +119,7 @@ def declared_schema(policy: Any, policy_source: str) -> Any:
 def owner_only_dir(path: Path) -> Path:
     """The node's work directory, for the site's account only (0700): its logs may hold tracebacks whose text
     depends on the images, and compute times there track the realised Poisson batch sizes."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(path)  # the folders on the way too: not left to the umask
     os.chmod(path, 0o700)
     return path
 
@@ -183,17 +184,26 @@ class Site:
         )
 
     @classmethod
-    def in_memory(cls, node_config: dict[str, Any], data: Any, patients: Any = None) -> Site:
+    def in_memory(
+        cls, node_config: dict[str, Any], data: Any, patients: Any = None, *, verified: Any = None
+    ) -> Site:
         """A site over images already loaded in this process (``feta-release train``: its data are never
         copied onto disk), opened as :meth:`open` opens one: the policy's signature and validity (the file
         read once), the ledger's chain, anchor and key, then the policy's version and its keyed commitment to
-        ``data`` (``patients``: their patient index, whose grouping a patient-level commitment binds)."""
+        ``data`` (``patients``: their patient index, whose grouping a patient-level commitment binds).
+        ``verified``: the ``SitePolicy`` the caller verified from ``node_config``'s policy file (``train``:
+        once, the public size of its job taken from it), run under instead of reading the file again."""
         missing = [k for k in REQUIRED if k != CFG_DATA and not node_config.get(k)]
         if missing:
             raise ConfigError(f"site config lacks {', '.join(missing)}")
         ids = None if patients is None else patients.ids
-        # read and verified once, as :meth:`open` does; its commitment is checked over ``data`` in _opened
-        policy = verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+        # read and verified once, as :meth:`open` does (or by the caller, whose job was sized from it); its
+        # commitment, validity, site key and version are checked over ``data`` in _opened all the same
+        policy = (
+            verified
+            if verified is not None
+            else verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
+        )
         return cls._opened(
             node_config,
             policy,
@@ -224,6 +234,8 @@ class Site:
         every = _steps(node_config.get(CFG_ROUND_CHECKPOINT))
         ledger_path = node_config[CFG_LEDGER]
         work_path = Path(str(node_config.get(CFG_WORK) or Path(ledger_path).parent / "work"))
+        # before anything is written (node start's preflight, each reopen of the worker, train's site)
+        ledger_anchor.refuse_open_folders(ledger_path, work_path)
         ledger: Ledger | None = None
         if new_ledger:
             ledger_anchor.refuse_new_over_existing(ledger_path)  # nothing written; before any image is read

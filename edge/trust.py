@@ -24,7 +24,10 @@ message to the worker (the same ClientApp, loaded once); any other allowed bundl
 
 The allow-list comes from the environment variable ``FETA_ALLOWED_FABS`` (comma-separated
 sha256), set by ``feta-release node start`` from the verified policy: the coordinator cannot
-change a node's environment.
+change a node's environment. It is narrowed, at every message, to the ``app_bundles`` of the signed
+policy the site runs now (``FETA_POLICY_FILE``, verified by ``FETA_TRUSTED_KEY`` and not older than the
+versions the node has seen, ``FETA_NODE_WORK``): a bundle the site's administrator removed by re-signing
+the policy is refused from the next message on, without a restart (:func:`allowed_hashes`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import flwr
 from flwr.common.config import (
@@ -52,14 +56,20 @@ from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 from flwr.supernode.runtime import run_clientapp as rc
 
 from feta_release.allocator import keep_freed_pages
-from feta_release.errors import PolicyError
+from feta_release.errors import FetaError, PolicyError
+from feta_release.policy.document import check_version, load_site_policy
 
-from . import forward, runtime_api
+from . import forward, ledger_anchor, runtime_api
 from .public_errors import public_error
 
 PINNED_FLWR = "1.42.0"
 ENV_ALLOWED = "FETA_ALLOWED_FABS"
 ENV_LOG = "FETA_TRUST_LOG"
+# the site's signed policy, its trusted key and the node's work folder (the policy versions seen): the
+# allow-list of every message is narrowed to the app_bundles of the policy verified from these now
+ENV_POLICY = "FETA_POLICY_FILE"
+ENV_TRUSTED = "FETA_TRUSTED_KEY"
+ENV_WORK = "FETA_NODE_WORK"
 
 log = logging.getLogger("feta.trust")
 
@@ -72,15 +82,66 @@ def fab_hash(fab_bytes: bytes) -> str:
     return hashlib.sha256(fab_bytes).hexdigest()
 
 
-def allowed_hashes() -> set[str]:
+def started_hashes() -> set[str]:
+    """The allow-list ``node start`` verified (the policy's app_bundles at start: ``FETA_ALLOWED_FABS``)."""
     raw = os.environ.get(ENV_ALLOWED, "")
     return {h.strip().lower() for h in raw.split(",") if h.strip()}
 
 
+def current_hashes() -> tuple[set[str], int] | None:
+    """(app_bundles, version) of the signed policy the site runs NOW (``FETA_POLICY_FILE``: signature by the
+    trusted key, validity window, a version not older than the node has seen), read for this message; None
+    where the node's environment names no policy. A file that does not verify now refuses every bundle
+    (``UntrustedAppError``): the site would refuse to open under it too."""
+    path = os.environ.get(ENV_POLICY)
+    if not path:
+        return None
+    try:
+        pol = load_site_policy(path, [Path(os.environ.get(ENV_TRUSTED, ""))])
+        work = os.environ.get(ENV_WORK)
+        if work:
+            check_version(pol, path, ledger_anchor.policy_floor(work))
+    except FetaError as exc:
+        _deny("refused every app bundle: the site's signed policy does not verify now", f" ({exc})")
+    return {h.strip().lower() for h in pol.app_bundles}, int(pol.version)
+
+
+def allowed_hashes() -> set[str]:
+    """The bundles this message may run: those ``node start`` verified that the policy the site runs now
+    still lists (:func:`current_hashes`).
+
+    Why narrowed and never widened by the file read here: a site's administrator who re-signs the policy to
+    remove a bundle expects the running node to stop running it at once, while this allow-list was fixed at
+    start (the warm worker reopens the site under the new policy, but this process decides what code runs,
+    before the worker sees the message). The check here is lighter than a site open (no data commitment, no
+    site key: this process never opens the site), so the file it reads may take a bundle away but not add
+    one; adding one takes a restart, which verifies the policy in full (:func:`check_fab` says so)."""
+    start = started_hashes()
+    now = current_hashes()
+    return start if now is None else start & now[0]
+
+
 def check_fab(fab_bytes: bytes, allowed: set[str] | None = None) -> str:
-    """Return the FAB's sha256 if allowed; raise ``UntrustedAppError`` (and log it) otherwise."""
+    """Return the FAB's sha256 if allowed (``allowed``, else :func:`allowed_hashes`); raise
+    ``UntrustedAppError`` (and log it) otherwise."""
     h = fab_hash(fab_bytes)
-    allow = allowed_hashes() if allowed is None else allowed
+    if allowed is None:
+        start, now = started_hashes(), current_hashes()
+        if now is not None and h in start and h not in now[0]:
+            _deny(
+                f"refused app bundle sha256={h}: the site's signed policy (version {now[1]}) no longer lists "
+                "it in app_bundles (the one the node started under did); none of its code was unpacked or "
+                "imported"
+            )
+        if now is not None and h in now[0] and h not in start:
+            _deny(
+                f"refused app bundle sha256={h}: the site's signed policy (version {now[1]}) lists it, the "
+                "one the node started under did not; restart the node (`feta-release node start`) to run "
+                "it; none of its code was unpacked or imported"
+            )
+        allow = start if now is None else start & now[0]
+    else:
+        allow = allowed
     if h not in allow:
         msg = (
             f"refused app bundle sha256={h}: not in this site's allow-list (policy app_bundles: "
@@ -89,6 +150,13 @@ def check_fab(fab_bytes: bytes, allowed: set[str] | None = None) -> str:
         _audit(msg)
         raise UntrustedAppError(msg)
     return h
+
+
+def _deny(public: str, detail: str = "") -> NoReturn:
+    """Refuse the bundle: the full line (``detail`` may name local paths) in the node's trust log, the public
+    part in the refusal the coordinator gets."""
+    _audit(public + detail)
+    raise UntrustedAppError(public)
 
 
 def _audit(line: str) -> None:

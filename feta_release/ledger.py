@@ -336,7 +336,7 @@ class Ledger:
                 raise PrivacyError(
                     f"{self.path}: no ledger here (a node creates it, with its site key, on its first start)"
                 )
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            chain.make_private_dirs(self.path.parent)  # 0700: a folder others can write is refused
             chain.create_private_file(self.path)
         chain.check_file_mode(self.path)
         try:

@@ -87,6 +87,21 @@ def row_hash(prev: str, row: dict[str, Any]) -> str:
     return hashlib.sha256(prev.encode("ascii") + canonical_json(row_document(row))).hexdigest()
 
 
+def make_private_dirs(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a directory, each folder of it that is missing made for this account only (0700, whatever
+    the umask lets the group do). ``mkdir(parents=True)`` gives the folders on the way the umask's mode: under
+    umask 002 a group could write the folder a ledger is then created in. Existing folders are left as they
+    are (a node refuses a ledger or work folder others can write: ``edge.ledger_anchor``)."""
+    p = Path(path)
+    missing: list[Path] = []
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+    return Path(path)
+
+
 def create_private_file(path: Path) -> None:
     """Create ``path`` empty, mode 0600, failing if anything (a file, a link) is already there."""
     try:

@@ -34,6 +34,7 @@ from feta_release.data.public import refuse_private_copies
 from feta_release.data.splits import split_sites, train_heldout_split
 from feta_release.federation.procs import free_port
 from feta_release.job_rules import PublicFacts, job_toml
+from feta_release.ledger_chain import make_private_dirs
 from feta_release.release.report import write_report
 from feta_release.release.verify import TrustRoots
 from feta_release.signing import load_public_key
@@ -212,6 +213,9 @@ def demo(
     try:
         with _status(console, progress, "[bold]preparing 3 sites: data, keys, signed policies") as status:
             t0 = time.monotonic()
+            # for this account only, not to the umask: the sites' ledgers lie below it, and a node refuses a
+            # ledger below a folder others can write (edge.ledger_anchor.refuse_open_folders)
+            make_private_dirs(out_dir)
             public = demo_public(
                 public_spec, public_description, out_dir, load_preset(preset), DIGITS_SHAPE, quick
             )  # read (a PATH: checked) before the federation is written

@@ -66,6 +66,7 @@ from feta_release.federation.harness import HarnessNode, InProcessGrid
 from feta_release.federation.job import run_job
 from feta_release.files import atomic_write_bytes, private_dir
 from feta_release.ledger import Budget, Ledger, as_budget
+from feta_release.ledger_chain import make_private_dirs
 from feta_release.mechanisms.count import (
     PATIENTS_STAGE,
     SIZE_SIGMA,
@@ -281,6 +282,9 @@ def _site_files(root: Path, opts: TrainOptions) -> _SiteFiles:
 def _make_site(files: _SiteFiles) -> None:
     """The site's private side (0700, for the run's account only: its ledger, key and round checkpoints)
     and the run's own site key (made once, when none is given)."""
+    # the run's folders still to be made too, not to the umask: its site's ledger lies below them, and a
+    # ledger below a folder others can write is refused (edge.ledger_anchor.refuse_open_folders)
+    make_private_dirs(files.root)
     private_dir(files.root)
     if files.key == files.root / "keys" / "site.key" and not files.key.exists():
         generate_keypair(private_dir(files.key.parent), "site")

@@ -84,6 +84,9 @@ def prepare_federation(
     ``policy_overrides[site]["declared"]`` (a ``DataDeclaration``) or, as ``site init`` drafts it for the
     admin, its data's own classes and shape."""
     root = Path(root)
+    # first, before a key's folder is made under the umask: the folders above each site's ledger are made
+    # for this account only (a node refuses a ledger below a folder others can write)
+    make_private_dirs(root / "sites")
     coord_key, coord_pub = generate_keypair(root / "coordinator", "coordinator")
     fed = Federation(root, coord_key, coord_pub)
     hashes = app_hashes if app_hashes is not None else [app_bundle_hash()]

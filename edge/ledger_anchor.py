@@ -124,25 +124,47 @@ def as_given(ledger: str | Path) -> Path:
 
 
 def refuse_open_folders(ledger: str | Path, work: str | Path) -> None:
-    """Refuse, in one line naming the folder, its mode and the fix, a ledger folder or a work folder that the
-    group or others can write (or, where it is still to be made, the nearest existing folder it would be made
-    in). Whoever can write the folder can swap the ledger's files between the node's checks and SQLite's open,
-    plant its ``-wal``/``-shm`` journal as links before SQLite makes them, or replace the work folder's
-    anchor, cache and round checkpoints, whatever the files' own modes; the sticky bit (``/tmp``) does not
-    stop a planted journal. The folders the node makes are 0700 (``ledger_chain.make_private_dirs``)."""
+    """Refuse, in one line naming the folder, what is wrong and the fix, a ledger folder or a work folder
+    that another account can change (or, where it is still to be made, the nearest existing folder it would
+    be made in), or one below a folder another account can change. Whoever can write the folder can swap the
+    ledger's files between the node's checks and SQLite's open, plant its ``-wal``/``-shm`` journal as links
+    before SQLite makes them, or replace the work folder's anchor, cache and round checkpoints, whatever the
+    files' own modes; the sticky bit (``/tmp``) does not stop a planted journal. Whoever can write a folder
+    ABOVE it (not sticky) can rename the whole folder away and put their own in its place, and a folder's
+    owner can do either whatever its mode says: so every folder up to ``/``, the path as given and its
+    resolved one, belongs to this account or root and none that group or others can write lacks the sticky
+    bit (which lets only an entry's owner rename it). The folders the node makes are 0700
+    (``ledger_chain.make_private_dirs``)."""
     for what, target in (("privacy ledger's folder", Path(ledger).parent), ("work folder", Path(work))):
         folder = target
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
-        mode = stat.S_IMODE(folder.stat().st_mode)
-        if mode & 0o022:
-            made = f"where the node would make its {what} {target}"
-            where = f"the node's {what}" if folder == target else made
-            raise ConfigError(
-                f"{folder}: {where} is mode {mode:04o}: group or others can write it, and so swap the "
-                f"ledger's files or plant its journal as links; fix: chmod go-w {folder} (or choose a folder "
-                "only this account can write)"
-            )
+        where = f"the node's {what}" if folder == target else f"where the node would make its {what} {target}"
+        _refuse_changeable(folder, where, sticky_ok=False)
+        above = {*folder.absolute().parents, *folder.resolve().parents}
+        for parent in sorted(above, key=lambda p: len(p.parts), reverse=True):
+            _refuse_changeable(parent, f"a folder above the node's {what} {target}", sticky_ok=True)
+
+
+def _refuse_changeable(folder: Path, where: str, *, sticky_ok: bool) -> None:
+    """Refuse ``folder`` where an account other than this one (or root) owns it (a link there: the link or
+    what it reaches; its owner can point it elsewhere), or group or others can write it (above the node's own
+    folders: unless it is sticky, as ``/tmp``)."""
+    st = folder.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    other = next((u for u in (folder.lstat().st_uid, st.st_uid) if u not in (os.geteuid(), 0)), None)
+    if other is not None:
+        raise ConfigError(
+            f"{folder}: {where} belongs to another account (uid {other}), which can swap the ledger's "
+            "files or the folder itself; fix: choose a folder this account owns, in folders only it or root "
+            "owns"
+        )
+    if mode & 0o022 and not (sticky_ok and mode & stat.S_ISVTX):
+        raise ConfigError(
+            f"{folder}: {where} is mode {mode:04o}: group or others can write it, and so swap the ledger's "
+            f"files, plant its journal as links or put another folder in place of the node's; fix: "
+            f"chmod go-w {folder} (or choose a folder only this account can write)"
+        )
 
 
 def refuse_link(ledger: str | Path, *, new_ledger: bool) -> None:

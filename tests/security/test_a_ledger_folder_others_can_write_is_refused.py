@@ -19,6 +19,7 @@ import pytest
 
 from coordinator.setup import prepare_federation
 from edge.launch import preflight
+from edge.ledger_anchor import refuse_open_folders
 from edge.site import CFG_DATA, CFG_LEDGER, CFG_WORK, Site, forget_sites
 from feta_release.errors import ConfigError
 from tests.support.federation import node_settings, tiny_sites
@@ -106,3 +107,77 @@ def test_a_federation_made_under_a_group_umask_starts(tmp_path: Path) -> None:
         preflight(node_settings(s, insecure=True)).ledger.close()
     finally:
         forget_sites()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770], ids=lambda m: f"{m:04o}")
+def test_a_ledger_folder_below_a_folder_others_can_write_is_refused(
+    site: Any, tmp_path: Path, mode: int
+) -> None:
+    """The ledger's own folder is 0700, but whoever can write the folder above it (not sticky) can rename it
+    away and put their own folder, ledger files and journal links in its place: refused as the folder itself
+    would be, naming the folder above."""
+    shared = tmp_path / "shared"
+    ledger = shared / "node" / "ledger.db"
+    ledger.parent.mkdir(parents=True)
+    os.chmod(ledger.parent, 0o700)
+    os.chmod(shared, mode)
+    # the threat itself: renaming an owner-only folder needs write access to its parent only
+    (shared / "node").rename(shared / "node.away")
+    (shared / "node.away").rename(shared / "node")
+    with pytest.raises(ConfigError) as err:
+        preflight(replace(node_settings(site, insecure=True), ledger=ledger))
+    line = str(err.value)
+    assert f"{shared}: a folder above the node's privacy ledger's folder" in line, line
+    assert f"mode {mode:04o}" in line and f"chmod go-w {shared}" in line and len(line.splitlines()) == 1
+    assert not ledger.exists()
+
+
+def test_a_ledger_folder_below_a_sticky_shared_folder_starts(site: Any, tmp_path: Path) -> None:
+    """A sticky folder above (``/tmp``) lets only an entry's owner rename it: the node's own 0700 folder
+    there is safe, and starts."""
+    shared = tmp_path / "sticky"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    ledger = shared / "node" / "ledger.db"
+    ledger.parent.mkdir(mode=0o700)
+    try:
+        preflight(replace(node_settings(site, insecure=True), ledger=ledger)).ledger.close()
+    finally:
+        forget_sites()
+    assert _mode(ledger.parent) == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another account takes root")
+def test_a_ledger_folder_another_account_owns_is_refused(site: Any, tmp_path: Path) -> None:
+    """Its owner can rename or change a folder whatever its mode says (a link's owner can point it
+    elsewhere): a ledger folder, or a folder above it, of another account is refused."""
+    ledger = tmp_path / "theirs" / "node" / "ledger.db"
+    ledger.parent.mkdir(parents=True)
+    os.chmod(ledger.parent.parent, 0o755)
+    os.chown(ledger.parent.parent, 12345, 12345)
+    theirs = ledger.parent.parent
+    with pytest.raises(ConfigError, match=rf"{theirs}: .* belongs to another account \(uid 12345\)"):
+        preflight(replace(node_settings(site, insecure=True), ledger=ledger))
+    # a link (``train --ledger`` keeps the path as given) whose owner can point it elsewhere
+    os.chown(ledger.parent.parent, 0, 0)
+    link = tmp_path / "link"
+    link.symlink_to(ledger.parent.parent)
+    os.lchown(link, 12345, 12345)
+    with pytest.raises(ConfigError, match=rf"{link}: .* belongs to another account \(uid 12345\)"):
+        refuse_open_folders(link / "node" / "ledger.db", tmp_path / "work")
+
+
+def test_a_train_run_made_under_a_group_umask_opens_its_site(tmp_path: Path) -> None:
+    """``train --out`` into folders still to be made, under a umask that lets the group write: the run's
+    folders above its site's ledger are made for this account only, so its site is not refused."""
+    from coordinator.local_run import TrainOptions, _make_site, _site_files
+
+    root = tmp_path / "runs" / "first"
+    old = os.umask(0o002)
+    try:
+        files = _site_files(root, TrainOptions())
+        _make_site(files)
+    finally:
+        os.umask(old)
+    assert _mode(root) == 0o700 and _mode(root.parent) == 0o700
+    refuse_open_folders(files.ledger, files.work)

@@ -6,6 +6,7 @@ administrator through ``feta-release node start``); nothing comes from the coord
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -23,7 +24,13 @@ from feta_release.data.loading import LoadOptions, check_cap_for_policy, load_da
 from feta_release.errors import ConfigError, PolicyError
 from feta_release.ledger import Ledger
 from feta_release.ledger_chain import make_private_dirs
-from feta_release.policy.document import check_commitment, check_validity, check_version, load_site_policy
+from feta_release.policy.document import (
+    check_commitment,
+    check_validity,
+    check_version,
+    load_site_policy,
+    open_signed_policy,
+)
 from feta_release.policy.enforce import resource_cap
 from feta_release.privacy_unit import PatientIndex
 from feta_release.signing import load_private_key, public_key_pem
@@ -200,7 +207,7 @@ class Site:
         # read and verified once, as :meth:`open` does (or by the caller, whose job was sized from it); its
         # commitment, validity, site key and version are checked over ``data`` in _opened all the same
         policy = (
-            verified
+            _handed_over(verified, node_config)
             if verified is not None
             else verify_policy_file(node_config[CFG_POLICY], node_config[CFG_TRUSTED])
         )
@@ -267,6 +274,28 @@ class Site:
             if ledger is not None:
                 ledger.close()
             raise
+
+
+def _handed_over(policy: Any, node_config: dict[str, Any]) -> Any:
+    """``policy``, a ``SitePolicy`` the caller says it verified from ``node_config``'s policy file, once its
+    own signed envelope verifies against the site's trusted key and opens to this very object. Why: the site
+    charges under its caps and states it to the coordinator, so an object read without trusting its signer
+    (``read_signed_policy_unverified``) or changed in code must not open it. The envelope is the one the
+    caller verified, not the file read again (it may have been replaced since): one signature check."""
+    source = str(node_config[CFG_POLICY])
+    signed = getattr(policy, "signed", None)
+    if signed is None:
+        raise PolicyError(
+            f"{source}: the policy handed to the site is not the signed policy it was verified from (it "
+            "carries no signed envelope); open the site from the signed file"
+        )
+    again = open_signed_policy(signed, [Path(node_config[CFG_TRUSTED])], source)  # refuses another signer
+    if dataclasses.replace(again, signed=signed) != policy:
+        raise PolicyError(
+            f"{source}: the policy handed to the site is not the signed policy it carries (its fields "
+            "differ from the signed body); open the site from the signed file"
+        )
+    return policy
 
 
 def _checked_policy(node_config: dict[str, Any], policy: Any, key: Any, data: Any, commitment: str) -> Any:

@@ -274,6 +274,18 @@ def policy_floor(work_dir: str | Path) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def raise_floor(work_dir: str | Path, version: int) -> None:
+    """Raise the recorded policy-version floor (:func:`policy_floor`) to ``version``, a policy the site was
+    just opened under, where the node recorded an anchor (``node start``) and its floor is lower; nothing
+    else of the record moves. Why now and not at the next :func:`record` (an attestation): each message's
+    app-bundle gate (``edge.trust``), which never opens the ledger, refuses a policy older than this floor,
+    so a replayed older policy file cannot re-allow a bundle the re-signed one removed."""
+    rec = read(work_dir)
+    floor = policy_floor(work_dir)
+    if rec and (floor is None or floor < int(version)):
+        _write(work_dir, {**rec, "policy_version": int(version)})
+
+
 def record(ledger: Any, work_dir: str | Path) -> dict[str, Any]:
     """Record the ledger's anchor now (node start, each attestation), with the highest policy version seen
     (:func:`policy_floor`); only ever forward (``refuse_regression`` runs first). Returns the anchor."""

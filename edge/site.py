@@ -260,6 +260,8 @@ class Site:
                 ledger = ledger_anchor.start_new(ledger_path, work_path, lambda: Ledger(ledger_path, key=key))
             check_version(policy, node_config[CFG_POLICY], ledger.highest_policy_version())
             ledger.observe_policy_version(int(policy.version))
+            # the floor each message's app-bundle gate reads (it never opens the ledger): edge.trust
+            ledger_anchor.raise_floor(work_path, int(policy.version))
             return cls(
                 policy=policy,
                 data=data,

@@ -17,7 +17,7 @@ from flwr.cli.build import build_fab_from_disk
 import edge.launch
 from coordinator.setup import APP_DIR, prepare_federation
 from edge import trust
-from edge.site import forget_sites
+from edge.site import Site, forget_sites
 from feta_release.policy.document import sign_policy
 from feta_release.signing import generate_keypair, load_private_key
 from tests.support.federation import node_settings, tiny_sites
@@ -96,3 +96,20 @@ def test_a_policy_that_does_not_verify_now_runs_no_bundle(
     _resign(s, [trust.fab_hash(fab)], key=load_private_key(other_key))  # not the trusted administrator
     with pytest.raises(trust.UntrustedAppError, match="does not verify now"):
         trust.check_fab(fab)
+
+
+def test_an_older_policy_put_back_does_not_run_the_bundle_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate refused a policy older than the floor the node recorded at its start, not than the version
+    the site has since run under: the older file put back (both validly signed) re-allowed the bundle the
+    re-signed policy removed, until the next attestation moved the floor."""
+    s, fab = _started(tmp_path, monkeypatch)
+    older = s.policy.read_bytes()
+    _resign(s, [OTHER])  # the site's administrator removes the bundle
+    Site.open(s.node_config()).ledger.close()  # the worker reopens the site under the new policy
+    forget_sites()
+    s.policy.write_bytes(older)  # the policy the node started under, put back
+    with pytest.raises(trust.UntrustedAppError, match="does not verify now") as err:
+        trust.check_fab(fab)
+    assert str(tmp_path) not in str(err.value)  # the coordinator gets no local path

@@ -160,10 +160,15 @@ def _refuse_changeable(folder: Path, where: str, *, sticky_ok: bool) -> None:
             "owns"
         )
     if mode & 0o022 and not (sticky_ok and mode & stat.S_ISVTX):
+        # a sticky shared folder (/tmp) is meant to stay writable by all: the fix is a private folder in it
+        fix = (
+            f"keep the node's files in a folder of their own, e.g. mkdir -m 700 {folder / 'feta-node'}"
+            if mode & stat.S_ISVTX
+            else f"chmod go-w {folder} (or choose a folder only this account can write)"
+        )
         raise ConfigError(
             f"{folder}: {where} is mode {mode:04o}: group or others can write it, and so swap the ledger's "
-            f"files, plant its journal as links or put another folder in place of the node's; fix: "
-            f"chmod go-w {folder} (or choose a folder only this account can write)"
+            f"files, plant its journal as links or put another folder in place of the node's; fix: {fix}"
         )
 
 

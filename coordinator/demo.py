@@ -213,15 +213,16 @@ def demo(
     try:
         with _status(console, progress, "[bold]preparing 3 sites: data, keys, signed policies") as status:
             t0 = time.monotonic()
-            # for this account only, not to the umask: the sites' ledgers lie below it, and a node refuses a
-            # ledger below a folder others can write (edge.ledger_anchor.refuse_open_folders)
-            make_private_dirs(out_dir)
             public = demo_public(
                 public_spec, public_description, out_dir, load_preset(preset), DIGITS_SHAPE, quick
             )  # read (a PATH: checked) before the federation is written
             split = site_datasets(per_site)  # the sites' digits: checked against --public, then written
             if public is not None:
                 refuse_site_images(public, split[0])
+            # for this account only, not to the umask: the sites' ledgers lie below it, and a node refuses a
+            # ledger below a folder others can write (edge.ledger_anchor.refuse_open_folders); made once the
+            # public set is checked, so a refused one leaves nothing behind
+            make_private_dirs(out_dir)
             fed, cfg = _prepare(out_dir, epsilon, preset, rounds, local_steps, split, quick, secure, public)
             timings["prepare"] = time.monotonic() - t0
             _log_ready(console, fed, cfg, public)

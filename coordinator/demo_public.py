@@ -25,6 +25,7 @@ from feta_release.data.procedural import checked_size, generate_dataset, write_d
 from feta_release.data.public import public_record, read_public
 from feta_release.errors import ConfigError, DataError
 from feta_release.job_rules import DataFacts, PublicFacts, public_facts, public_section
+from feta_release.ledger_chain import make_private_dirs
 
 STROKES = "strokes"
 STROKES_N = 10_000  # the size the digits' measurement pretrained on
@@ -93,6 +94,7 @@ def demo_public(
     if n is not None:
         checked_size(STROKES, n, shape[-1], "A")
         ds = generate_dataset(STROKES, n, size=shape[-1], seed=STROKES_SEED)
+        make_private_dirs(out_dir)  # the run's folder, for this account only (coordinator.demo)
         path = write_dataset(ds, out_dir / "public" / f"strokes-{n}.npz")
         description = description or (
             f"{n} generated pen strokes, `feta-release data generate strokes --n {n} --size {shape[-1]} "
